@@ -1,0 +1,290 @@
+//! The backward pass: sort the recorded graph into a tape (reverse topological order), then
+//! apply one VJP per primitive. VJPs are ordinary tensor ops, so they run on every backend.
+
+use super::{no_grad, Grads, Op};
+use crate::backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use crate::{Error, Result, Tensor, TensorId};
+use std::collections::{HashMap, HashSet};
+
+fn freed() -> Error {
+    Error::Autograd(
+        "backward through a graph that an earlier backward already freed; \
+         use backward_retain_graph for the first pass to go through it twice"
+            .into(),
+    )
+}
+
+fn lock(t: &Tensor) -> Result<Option<std::sync::MutexGuard<'_, Option<Op>>>> {
+    match t.grad_fn() {
+        Some(m) => Ok(Some(
+            m.lock().map_err(|_| Error::Poisoned("autograd node"))?,
+        )),
+        None => Ok(None),
+    }
+}
+
+/// Tensors reachable from `root` through recorded ops, each after all tensors that use it.
+pub(crate) fn tape(root: &Tensor) -> Result<Vec<Tensor>> {
+    let mut order = Vec::new();
+    let mut seen = HashSet::new();
+    let mut stack = vec![(root.clone(), false)];
+    while let Some((t, expanded)) = stack.pop() {
+        if expanded {
+            order.push(t);
+            continue;
+        }
+        if !seen.insert(t.id()) {
+            continue;
+        }
+        let mut children = vec![];
+        if let Some(guard) = lock(&t)? {
+            let op = guard.as_ref().ok_or_else(freed)?;
+            children.extend(
+                op.inputs()
+                    .into_iter()
+                    .filter(|i| i.requires_grad() && !seen.contains(&i.id()))
+                    .cloned(),
+            );
+        }
+        stack.push((t, true));
+        stack.extend(children.into_iter().map(|c| (c, false)));
+    }
+    order.reverse();
+    Ok(order)
+}
+
+impl Tensor {
+    /// Backward from a single-element tensor; returns the leaf gradients.
+    pub fn backward(&self) -> Result<Grads> {
+        let mut grads = Grads::new();
+        self.backward_into(&mut grads)?;
+        Ok(grads)
+    }
+
+    /// Backward from a single-element tensor, adding leaf gradients into `grads`.
+    pub fn backward_into(&self, grads: &mut Grads) -> Result<()> {
+        self.backward_impl(None, grads, false)
+    }
+
+    /// Like `backward_into`, keeping the graph for another backward pass.
+    pub fn backward_retain_graph(&self, grads: &mut Grads) -> Result<()> {
+        self.backward_impl(None, grads, true)
+    }
+
+    /// Backward from a tensor of any shape given d(loss)/d(self).
+    pub fn backward_with_grad(
+        &self,
+        grad: &Tensor,
+        grads: &mut Grads,
+        retain_graph: bool,
+    ) -> Result<()> {
+        self.backward_impl(Some(grad.clone()), grads, retain_graph)
+    }
+
+    fn backward_impl(&self, seed: Option<Tensor>, grads: &mut Grads, retain: bool) -> Result<()> {
+        if !self.requires_grad() {
+            return Err(Error::Autograd(format!(
+                "backward from a tensor that does not require grad (shape {})",
+                self.shape()
+            )));
+        }
+        let _g = no_grad();
+        let seed = match seed {
+            Some(g) if g.shape() == self.shape() => g.to_dtype(self.dtype())?,
+            Some(g) => {
+                return Err(Error::ShapeMismatch {
+                    op: "backward",
+                    lhs: self.shape().clone(),
+                    rhs: g.shape().clone(),
+                })
+            }
+            None if self.elem_count() == 1 => self.ones_like()?,
+            None => return Err(Error::Autograd(format!(
+                "backward() needs a single-element tensor, got shape {}; use backward_with_grad",
+                self.shape()
+            ))),
+        };
+        let order = tape(self)?;
+        let mut pending: HashMap<TensorId, Tensor> = HashMap::from([(self.id(), seed)]);
+        for t in &order {
+            let g = pending.remove(&t.id());
+            if t.is_var() {
+                if let Some(g) = g {
+                    grads.accumulate(t.id(), g)?;
+                }
+                continue;
+            }
+            let Some(mut guard) = lock(t)? else { continue };
+            let op = if retain { None } else { guard.take() };
+            let op = match (&op, guard.as_ref()) {
+                (Some(o), _) | (None, Some(o)) => o,
+                (None, None) => return Err(freed()),
+            };
+            let Some(g) = g else { continue };
+            for (input, gi) in vjp(op, t, &g)? {
+                if !input.requires_grad() {
+                    continue;
+                }
+                let gi = match pending.remove(&input.id()) {
+                    Some(prev) => prev.add(&gi)?,
+                    None => gi,
+                };
+                pending.insert(input.id(), gi);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// d(loss)/d(input) for each differentiable input of `op`, given `g` = d(loss)/d(out).
+fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+    Ok(match op {
+        Op::Unary(x, u) => {
+            let gx = match *u {
+                UnaryOp::Neg => g.neg()?,
+                // d/dx 1/x = -1/x^2 = -y^2
+                UnaryOp::Recip => g.mul(&out.mul(out)?)?.neg()?,
+                // d/dx e^x = e^x
+                UnaryOp::Exp => g.mul(out)?,
+                // d/dx ln x = 1/x
+                UnaryOp::Log => g.div(x)?,
+                // d/dx sqrt x = 1 / (2 sqrt x)
+                UnaryOp::Sqrt => g.div(&out.affine(2.0, 0.0)?)?,
+                UnaryOp::Sin => g.mul(&x.cos()?)?,
+                UnaryOp::Cos => g.mul(&x.sin()?)?.neg()?,
+                // d/dx tanh x = 1 - tanh^2 x
+                UnaryOp::Tanh => g.mul(&out.mul(out)?.affine(-1.0, 1.0)?)?,
+                // d/dx erf x = 2/sqrt(pi) e^{-x^2}
+                UnaryOp::Erf => g.mul(
+                    &x.mul(x)?
+                        .neg()?
+                        .exp()?
+                        .affine(std::f64::consts::FRAC_2_SQRT_PI, 0.0)?,
+                )?,
+                // d/dx |x| = sign(x) (0 at 0, as in PyTorch)
+                UnaryOp::Abs => g.mul(&x.sign()?)?,
+                // Piecewise constant: never recorded, no gradient.
+                UnaryOp::Sign => return Ok(vec![]),
+                UnaryOp::Affine { mul, .. } => g.affine(mul, 0.0)?,
+                // d/dx x^e = e x^{e-1}
+                UnaryOp::Powf(e) => g.mul(&x.powf(e - 1.0)?.affine(e, 0.0)?)?,
+            };
+            vec![(x.clone(), gx)]
+        }
+        Op::Binary(a, b, op) => match op {
+            BinaryOp::Add => vec![(a.clone(), g.clone()), (b.clone(), g.clone())],
+            BinaryOp::Sub => vec![(a.clone(), g.clone()), (b.clone(), g.neg()?)],
+            BinaryOp::Mul => vec![(a.clone(), g.mul(b)?), (b.clone(), g.mul(a)?)],
+            // d/da a/b = 1/b; d/db a/b = -a/b^2 = -out/b
+            BinaryOp::Div => {
+                let ga = g.div(b)?;
+                vec![(a.clone(), ga.clone()), (b.clone(), ga.mul(out)?.neg()?)]
+            }
+            // The gradient goes to the selected operand; ties go to the left one.
+            BinaryOp::Maximum | BinaryOp::Minimum => {
+                let c = if *op == BinaryOp::Maximum {
+                    CmpOp::Ge
+                } else {
+                    CmpOp::Le
+                };
+                let left = a.cmp(b, c)?;
+                let zero = g.zeros_like()?;
+                vec![
+                    (a.clone(), left.where_cond(g, &zero)?),
+                    (b.clone(), left.where_cond(&zero, g)?),
+                ]
+            }
+        },
+        Op::Where(m, t, f) => {
+            let zero = g.zeros_like()?;
+            vec![
+                (t.clone(), m.where_cond(g, &zero)?),
+                (f.clone(), m.where_cond(&zero, g)?),
+            ]
+        }
+        Op::Reduce(x, r, dims) => {
+            let gx = match r {
+                ReduceOp::Sum => g.broadcast_as(x.shape().clone())?,
+                // Ties share the gradient equally (as torch.amax does).
+                ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax | ReduceOp::ArgMin => {
+                    let hit = x.eq(&out.broadcast_as(x.shape().clone())?)?;
+                    let count = hit.sum_keepdim(dims)?;
+                    hit.mul(&g.div(&count)?)?
+                }
+            };
+            vec![(x.clone(), gx)]
+        }
+        Op::Cast(x) => vec![(x.clone(), g.to_dtype(x.dtype())?)],
+        Op::Copy(x) => vec![(x.clone(), g.clone())],
+        Op::Reshape(x) => vec![(x.clone(), g.reshape(x.shape().clone())?)],
+        Op::Permute(x, perm) => {
+            let mut inv = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inv[p] = i;
+            }
+            vec![(x.clone(), g.permute(&inv)?)]
+        }
+        // Zeros around the gradient of the kept range.
+        Op::Narrow(x, dim, start) => {
+            let (d, s) = (*dim, *start);
+            let (len, size) = (out.dims()[d], x.dims()[d]);
+            let mut parts = vec![];
+            let pad = |n: usize| {
+                let mut dims = x.dims().to_vec();
+                dims[d] = n;
+                Tensor::zeros(dims, g.dtype(), g.device())
+            };
+            if s > 0 {
+                parts.push(pad(s)?);
+            }
+            parts.push(g.clone());
+            if s + len < size {
+                parts.push(pad(size - s - len)?);
+            }
+            vec![(
+                x.clone(),
+                Tensor::cat(&parts.iter().collect::<Vec<_>>(), d)?,
+            )]
+        }
+        // Sum over the dims that were stretched or prepended.
+        Op::Broadcast(x) => {
+            let lead = g.rank() - x.rank();
+            let dims: Vec<usize> = (0..g.rank())
+                .filter(|&d| d < lead || (x.dims()[d - lead] == 1 && g.dims()[d] != 1))
+                .collect();
+            let s = if dims.is_empty() {
+                g.clone()
+            } else {
+                g.sum_keepdim(&dims)?
+            };
+            vec![(x.clone(), s.reshape(x.shape().clone())?)]
+        }
+        Op::Cat(xs, dim) => {
+            let mut start = 0;
+            let mut v = vec![];
+            for x in xs {
+                let n = x.dims()[*dim];
+                v.push((x.clone(), g.narrow(*dim, start, n)?));
+                start += n;
+            }
+            v
+        }
+        // Each selected row's gradient is added back where it came from.
+        Op::IndexSelect(x, ids, dim) => {
+            let mut shape = vec![1; g.rank()];
+            shape[*dim] = ids.elem_count();
+            let ids = ids.reshape(shape)?.broadcast_as(g.shape().clone())?;
+            vec![(x.clone(), x.zeros_like()?.scatter_add(&ids, g, *dim)?)]
+        }
+        Op::Gather(x, ids, dim) => vec![(x.clone(), x.zeros_like()?.scatter_add(ids, g, *dim)?)],
+        Op::ScatterAdd(dst, ids, src, dim) => vec![
+            (dst.clone(), g.clone()),
+            (src.clone(), g.gather(ids, *dim)?),
+        ],
+        // C = A B: dA = dC B^T, dB = A^T dC
+        Op::Matmul(a, b) => vec![
+            (a.clone(), g.matmul3(&b.t()?)?),
+            (b.clone(), a.t()?.matmul3(g)?),
+        ],
+    })
+}

@@ -1,0 +1,191 @@
+//! Reverse-mode autograd. Each op output that depends on a trainable tensor records its `Op`
+//! (inputs kept alive by Arc); `backward` sorts the recorded graph into a tape, walks it in
+//! reverse applying one VJP per primitive (`backward.rs`), and frees each node's record as it
+//! goes. Composite ops (softmax, norms, ...) record only their primitives, so they need no
+//! backward code. Gradients live in a `Grads` map keyed by tensor id, outside the tensors.
+
+mod backward;
+pub mod gradcheck;
+
+use crate::backend::{BinaryOp, ReduceOp, UnaryOp};
+use crate::{Tensor, TensorId};
+use std::cell::Cell;
+use std::collections::HashMap;
+
+pub(crate) enum Op {
+    Unary(Tensor, UnaryOp),
+    /// Operands already broadcast to the output's shape.
+    Binary(Tensor, Tensor, BinaryOp),
+    /// (mask, on_true, on_false), broadcast to the output's shape.
+    Where(Tensor, Tensor, Tensor),
+    /// Sum, Max or Min over dims; the output keeps reduced dims as size 1.
+    Reduce(Tensor, ReduceOp, Vec<usize>),
+    Cast(Tensor),
+    Copy(Tensor),
+    Reshape(Tensor),
+    Permute(Tensor, Vec<usize>),
+    /// (input, dim, start)
+    Narrow(Tensor, usize, usize),
+    Broadcast(Tensor),
+    Cat(Vec<Tensor>, usize),
+    /// (input, ids, dim)
+    IndexSelect(Tensor, Tensor, usize),
+    Gather(Tensor, Tensor, usize),
+    /// (dst, ids, src, dim)
+    ScatterAdd(Tensor, Tensor, Tensor, usize),
+    /// Rank-3 operands (B, M, K) @ (B, K, N).
+    Matmul(Tensor, Tensor),
+}
+
+/// Every kind of recorded op, by name; the gradcheck suite must exercise each one.
+pub const DIFFERENTIABLE_OPS: &[&str] = &[
+    "neg",
+    "recip",
+    "exp",
+    "log",
+    "sqrt",
+    "sin",
+    "cos",
+    "tanh",
+    "erf",
+    "abs",
+    "affine",
+    "powf",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "maximum",
+    "minimum",
+    "where",
+    "sum",
+    "max",
+    "min",
+    "cast",
+    "copy",
+    "reshape",
+    "permute",
+    "narrow",
+    "broadcast",
+    "cat",
+    "index_select",
+    "gather",
+    "scatter_add",
+    "matmul",
+];
+
+impl Op {
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Op::Unary(_, u) => u.name(),
+            Op::Binary(_, _, b) => b.name(),
+            Op::Where(..) => "where",
+            Op::Reduce(_, r, _) => r.name(),
+            Op::Cast(_) => "cast",
+            Op::Copy(_) => "copy",
+            Op::Reshape(_) => "reshape",
+            Op::Permute(..) => "permute",
+            Op::Narrow(..) => "narrow",
+            Op::Broadcast(_) => "broadcast",
+            Op::Cat(..) => "cat",
+            Op::IndexSelect(..) => "index_select",
+            Op::Gather(..) => "gather",
+            Op::ScatterAdd(..) => "scatter_add",
+            Op::Matmul(..) => "matmul",
+        }
+    }
+
+    /// Inputs that gradients may flow to (indices and masks excluded).
+    pub(crate) fn inputs(&self) -> Vec<&Tensor> {
+        match self {
+            Op::Unary(x, _)
+            | Op::Reduce(x, _, _)
+            | Op::Cast(x)
+            | Op::Copy(x)
+            | Op::Reshape(x)
+            | Op::Permute(x, _)
+            | Op::Narrow(x, _, _)
+            | Op::Broadcast(x)
+            | Op::IndexSelect(x, _, _)
+            | Op::Gather(x, _, _) => vec![x],
+            Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
+            Op::Where(_, t, f) => vec![t, f],
+            Op::Cat(xs, _) => xs.iter().collect(),
+            Op::ScatterAdd(d, _, s, _) => vec![d, s],
+        }
+    }
+}
+
+thread_local! {
+    static NO_GRAD_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Whether ops on this thread are recorded (false inside a `no_grad` guard).
+pub fn grad_enabled() -> bool {
+    NO_GRAD_DEPTH.with(|d| d.get() == 0)
+}
+
+/// While the guard lives, nothing on this thread is recorded. Guards nest.
+#[must_use = "recording resumes when the guard is dropped"]
+pub struct NoGradGuard(());
+
+pub fn no_grad() -> NoGradGuard {
+    NO_GRAD_DEPTH.with(|d| d.set(d.get() + 1));
+    NoGradGuard(())
+}
+
+impl Drop for NoGradGuard {
+    fn drop(&mut self) {
+        NO_GRAD_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
+
+/// The op to record for an output of `inputs`, built only if any input requires grad and
+/// recording is on: inference records nothing and builds nothing.
+pub(crate) fn record(inputs: &[&Tensor], op: impl FnOnce() -> Op) -> Option<Op> {
+    (grad_enabled() && inputs.iter().any(|t| t.requires_grad())).then(op)
+}
+
+/// Gradients of leaf tensors, keyed by tensor id. `backward_into` adds to what is here, so
+/// gradients accumulate across backward calls until `zero_grad`.
+#[derive(Default, Clone)]
+pub struct Grads {
+    map: HashMap<TensorId, Tensor>,
+}
+
+impl Grads {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn get(&self, t: &Tensor) -> Option<&Tensor> {
+        self.map.get(&t.id())
+    }
+    pub fn get_id(&self, id: TensorId) -> Option<&Tensor> {
+        self.map.get(&id)
+    }
+    pub fn insert(&mut self, t: &Tensor, grad: Tensor) -> Option<Tensor> {
+        self.map.insert(t.id(), grad)
+    }
+    pub fn remove(&mut self, t: &Tensor) -> Option<Tensor> {
+        self.map.remove(&t.id())
+    }
+    /// Forgets every gradient.
+    pub fn zero_grad(&mut self) {
+        self.map.clear()
+    }
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+    pub(crate) fn accumulate(&mut self, id: TensorId, g: Tensor) -> crate::Result<()> {
+        let _guard = no_grad();
+        let sum = match self.map.remove(&id) {
+            Some(prev) => prev.add(&g)?,
+            None => g,
+        };
+        self.map.insert(id, sum);
+        Ok(())
+    }
+}

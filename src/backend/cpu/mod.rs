@@ -1,0 +1,346 @@
+//! The CPU reference backend: correct for every dtype (bf16/f16 computed in f32, sums
+//! accumulated in f64), multithreaded with rayon, matmul through the `gemm` crate.
+
+mod index;
+mod matmul;
+mod num;
+pub mod random;
+mod reduce;
+mod strided;
+
+use crate::backend::{
+    BackendDevice, BackendStorage, BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp,
+};
+use crate::{CpuStorage, DType, Error, Layout, Result, Shape, WithDType};
+use half::{bf16, f16};
+pub(crate) use num::{Elem, Real};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuDevice;
+
+/// Applies `$f` (a generic fn over `T: Elem`) to the float storages; u32 is unsupported.
+macro_rules! float_dispatch {
+    ($s:expr, $op:expr, $v:ident => $body:expr) => {
+        match $s {
+            CpuStorage::F32($v) => Ok(CpuStorage::F32($body)),
+            CpuStorage::F64($v) => Ok(CpuStorage::F64($body)),
+            CpuStorage::BF16($v) => Ok(CpuStorage::BF16($body)),
+            CpuStorage::F16($v) => Ok(CpuStorage::F16($body)),
+            CpuStorage::U32(_) => Err(Error::UnsupportedDType {
+                op: $op,
+                dtype: DType::U32,
+            }),
+        }
+    };
+}
+
+fn unary_map<T: Elem>(v: &[T], l: &Layout, op: UnaryOp) -> Vec<T> {
+    let m = |f: fn(T::Acc) -> T::Acc| strided::map1(v, l, move |x: T| T::from_acc(f(x.to_acc())));
+    match op {
+        UnaryOp::Neg => m(|x| -x),
+        UnaryOp::Recip => m(|x| T::Acc::from_f64(1.0) / x),
+        UnaryOp::Exp => m(Real::exp),
+        UnaryOp::Log => m(Real::ln),
+        UnaryOp::Sqrt => m(Real::sqrt),
+        UnaryOp::Sin => m(Real::sin),
+        UnaryOp::Cos => m(Real::cos),
+        UnaryOp::Tanh => m(Real::tanh),
+        UnaryOp::Erf => m(Real::erf),
+        UnaryOp::Abs => m(Real::abs),
+        UnaryOp::Sign => m(Real::sign),
+        UnaryOp::Affine { mul, add } => {
+            let (mul, add) = (T::Acc::from_f64(mul), T::Acc::from_f64(add));
+            strided::map1(v, l, move |x: T| T::from_acc(x.to_acc() * mul + add))
+        }
+        UnaryOp::Powf(e) => {
+            let e = T::Acc::from_f64(e);
+            strided::map1(v, l, move |x: T| T::from_acc(x.to_acc().powf(e)))
+        }
+    }
+}
+
+fn binary_map<T: Elem>(a: &[T], al: &Layout, b: &[T], bl: &Layout, op: BinaryOp) -> Vec<T> {
+    let m = |f: fn(T::Acc, T::Acc) -> T::Acc| {
+        strided::map2(a, al, b, bl, move |x: T, y: T| {
+            T::from_acc(f(x.to_acc(), y.to_acc()))
+        })
+    };
+    match op {
+        BinaryOp::Add => m(|x, y| x + y),
+        BinaryOp::Sub => m(|x, y| x - y),
+        BinaryOp::Mul => m(|x, y| x * y),
+        BinaryOp::Div => m(|x, y| x / y),
+        // NaN propagates, as in PyTorch.
+        BinaryOp::Maximum => m(|x, y| if x.is_nan() || x >= y { x } else { y }),
+        BinaryOp::Minimum => m(|x, y| if x.is_nan() || x <= y { x } else { y }),
+    }
+}
+
+fn cmp_map<T: WithDType>(a: &[T], al: &Layout, b: &[T], bl: &Layout, op: CmpOp) -> Vec<T> {
+    let (one, zero) = (T::from_f64(1.0), T::from_f64(0.0));
+    let m = |f: fn(&T, &T) -> bool| {
+        strided::map2(
+            a,
+            al,
+            b,
+            bl,
+            move |x: T, y: T| if f(&x, &y) { one } else { zero },
+        )
+    };
+    match op {
+        CmpOp::Eq => m(|x, y| x == y),
+        CmpOp::Ne => m(|x, y| x != y),
+        CmpOp::Lt => m(|x, y| x < y),
+        CmpOp::Le => m(|x, y| x <= y),
+        CmpOp::Gt => m(|x, y| x > y),
+        CmpOp::Ge => m(|x, y| x >= y),
+    }
+}
+
+fn cast_vec<T: WithDType, U: WithDType>(v: &[T], l: &Layout) -> Vec<U> {
+    strided::map1(v, l, |x: T| U::from_f64(x.to_f64()))
+}
+
+fn cast_to<T: WithDType>(v: &[T], l: &Layout, dtype: DType) -> CpuStorage {
+    match dtype {
+        DType::F32 => CpuStorage::F32(cast_vec(v, l)),
+        DType::F64 => CpuStorage::F64(cast_vec(v, l)),
+        DType::BF16 => CpuStorage::BF16(cast_vec(v, l)),
+        DType::F16 => CpuStorage::F16(cast_vec(v, l)),
+        DType::U32 => CpuStorage::U32(cast_vec(v, l)),
+    }
+}
+
+fn mask_vec(s: &CpuStorage, l: &Layout) -> Vec<u8> {
+    crate::dispatch_host!(s, v => strided::map1(v, l, |x| (WithDType::to_f64(x) != 0.0) as u8))
+}
+
+/// Runs `$body` with `$v` bound to the slice of any CpuStorage (a value of one type results).
+#[macro_export]
+#[doc(hidden)]
+macro_rules! dispatch_host {
+    ($s:expr, $v:ident => $body:expr) => {
+        match $s {
+            $crate::CpuStorage::F32($v) => $body,
+            $crate::CpuStorage::F64($v) => $body,
+            $crate::CpuStorage::BF16($v) => $body,
+            $crate::CpuStorage::F16($v) => $body,
+            $crate::CpuStorage::U32($v) => $body,
+        }
+    };
+}
+
+/// Pairs two storages of the same dtype; `$body` sees `$a`, `$b` as slices of one type.
+macro_rules! pair_dispatch {
+    ($op:expr, $x:expr, $y:expr, ($a:ident, $b:ident) => $body:expr) => {
+        match ($x, $y) {
+            (CpuStorage::F32($a), CpuStorage::F32($b)) => CpuStorage::F32($body),
+            (CpuStorage::F64($a), CpuStorage::F64($b)) => CpuStorage::F64($body),
+            (CpuStorage::BF16($a), CpuStorage::BF16($b)) => CpuStorage::BF16($body),
+            (CpuStorage::F16($a), CpuStorage::F16($b)) => CpuStorage::F16($body),
+            (CpuStorage::U32($a), CpuStorage::U32($b)) => CpuStorage::U32($body),
+            (x, y) => {
+                return Err(Error::DTypeMismatch {
+                    op: $op,
+                    lhs: x.dtype(),
+                    rhs: y.dtype(),
+                })
+            }
+        }
+    };
+}
+
+impl BackendStorage for CpuStorage {
+    type Device = CpuDevice;
+
+    fn dtype(&self) -> DType {
+        CpuStorage::dtype(self)
+    }
+
+    fn device(&self) -> CpuDevice {
+        CpuDevice
+    }
+
+    fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
+        float_dispatch!(self, op.name(), v => unary_map(v, l, op))
+    }
+
+    fn binary(&self, l: &Layout, rhs: &Self, rl: &Layout, op: BinaryOp) -> Result<Self> {
+        Ok(match (self, rhs) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
+                CpuStorage::F32(binary_map(a, l, b, rl, op))
+            }
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => {
+                CpuStorage::F64(binary_map(a, l, b, rl, op))
+            }
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => {
+                CpuStorage::BF16(binary_map(a, l, b, rl, op))
+            }
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => {
+                CpuStorage::F16(binary_map(a, l, b, rl, op))
+            }
+            (CpuStorage::U32(_), CpuStorage::U32(_)) => {
+                return Err(Error::UnsupportedDType {
+                    op: op.name(),
+                    dtype: DType::U32,
+                })
+            }
+            (x, y) => {
+                return Err(Error::DTypeMismatch {
+                    op: op.name(),
+                    lhs: x.dtype(),
+                    rhs: y.dtype(),
+                })
+            }
+        })
+    }
+
+    fn cmp(&self, l: &Layout, rhs: &Self, rl: &Layout, op: CmpOp) -> Result<Self> {
+        Ok(pair_dispatch!("cmp", self, rhs, (a, b) => cmp_map(a, l, b, rl, op)))
+    }
+
+    fn where_cond(&self, l: &Layout, t: &Self, tl: &Layout, f: &Self, fl: &Layout) -> Result<Self> {
+        let mask = mask_vec(self, l);
+        let ml = Layout::contiguous(l.shape().clone());
+        Ok(pair_dispatch!("where_cond", t, f, (a, b) =>
+            strided::map3(&mask, &ml, a, tl, b, fl, |m, x, y| if m != 0 { x } else { y })))
+    }
+
+    fn reduce(&self, l: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Self> {
+        reduce::reduce(self, l, op, dims)
+    }
+
+    fn cast(&self, l: &Layout, dtype: DType) -> Result<Self> {
+        Ok(crate::dispatch_host!(self, v => cast_to(v, l, dtype)))
+    }
+
+    fn copy_strided(&self, l: &Layout, dst: &mut Self, dst_l: &Layout) -> Result<()> {
+        if l.shape() != dst_l.shape() {
+            return Err(Error::ShapeMismatch {
+                op: "copy_strided",
+                lhs: l.shape().clone(),
+                rhs: dst_l.shape().clone(),
+            });
+        }
+        match (self, dst) {
+            (CpuStorage::F32(s), CpuStorage::F32(d)) => strided::copy(s, l, d, dst_l),
+            (CpuStorage::F64(s), CpuStorage::F64(d)) => strided::copy(s, l, d, dst_l),
+            (CpuStorage::BF16(s), CpuStorage::BF16(d)) => strided::copy(s, l, d, dst_l),
+            (CpuStorage::F16(s), CpuStorage::F16(d)) => strided::copy(s, l, d, dst_l),
+            (CpuStorage::U32(s), CpuStorage::U32(d)) => strided::copy(s, l, d, dst_l),
+            (s, d) => {
+                return Err(Error::DTypeMismatch {
+                    op: "copy_strided",
+                    lhs: s.dtype(),
+                    rhs: d.dtype(),
+                })
+            }
+        }
+        Ok(())
+    }
+
+    fn index_select(&self, l: &Layout, ids: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        index::index_select(self, l, ids, il, dim)
+    }
+
+    fn gather(&self, l: &Layout, ids: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        index::gather(self, l, ids, il, dim)
+    }
+
+    fn scatter_add(
+        &self,
+        l: &Layout,
+        ids: &Self,
+        il: &Layout,
+        src: &Self,
+        sl: &Layout,
+        dim: usize,
+    ) -> Result<Self> {
+        index::scatter_add(self, l, ids, il, src, sl, dim)
+    }
+
+    fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: MatmulDims) -> Result<Self> {
+        matmul::matmul(self, l, rhs, rl, dims)
+    }
+
+    fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
+        Ok(crate::map_cpu_storage!(self, v => strided::contiguous(v, l).into_owned()))
+    }
+}
+
+fn from_f64_vec(v: Vec<f64>, dtype: DType) -> CpuStorage {
+    match dtype {
+        DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
+        DType::F64 => CpuStorage::F64(v),
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f64).collect()),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f64).collect()),
+        DType::U32 => CpuStorage::U32(v.into_iter().map(|x| x as u32).collect()),
+    }
+}
+
+impl BackendDevice for CpuDevice {
+    type Storage = CpuStorage;
+
+    fn location(&self) -> String {
+        "cpu".into()
+    }
+
+    fn same_device(&self, _: &Self) -> bool {
+        true
+    }
+
+    fn from_host(&self, data: &CpuStorage) -> Result<CpuStorage> {
+        Ok(data.clone())
+    }
+
+    fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<CpuStorage> {
+        let n = shape.elem_count();
+        Ok(match dtype {
+            DType::F32 => CpuStorage::F32(vec![value as f32; n]),
+            DType::F64 => CpuStorage::F64(vec![value; n]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::from_f64(value); n]),
+            DType::F16 => CpuStorage::F16(vec![f16::from_f64(value); n]),
+            DType::U32 => CpuStorage::U32(vec![value as u32; n]),
+        })
+    }
+
+    fn rand_uniform(
+        &self,
+        shape: &Shape,
+        dtype: DType,
+        lo: f64,
+        hi: f64,
+        seed: u64,
+    ) -> Result<CpuStorage> {
+        if !dtype.is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "rand_uniform",
+                dtype,
+            });
+        }
+        Ok(from_f64_vec(
+            random::uniform(shape.elem_count(), seed, lo, hi),
+            dtype,
+        ))
+    }
+
+    fn rand_normal(
+        &self,
+        shape: &Shape,
+        dtype: DType,
+        mean: f64,
+        std: f64,
+        seed: u64,
+    ) -> Result<CpuStorage> {
+        if !dtype.is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "rand_normal",
+                dtype,
+            });
+        }
+        Ok(from_f64_vec(
+            random::normal(shape.elem_count(), seed, mean, std),
+            dtype,
+        ))
+    }
+}

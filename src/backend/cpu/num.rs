@@ -1,0 +1,145 @@
+//! Numeric traits of the CPU backend: `Real` is the type arithmetic happens in (f32 or f64) and
+//! `Elem` maps a stored float type onto it (bf16 and f16 compute in f32).
+
+use half::{bf16, f16};
+use std::ops::{Add, Div, Mul, Neg, Sub};
+
+pub trait Real:
+    Copy
+    + Send
+    + Sync
+    + PartialOrd
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + 'static
+{
+    fn from_f64(v: f64) -> Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn sin(self) -> Self;
+    fn cos(self) -> Self;
+    fn tanh(self) -> Self;
+    fn erf(self) -> Self;
+    fn abs(self) -> Self;
+    fn powf(self, e: Self) -> Self;
+    fn is_nan(self) -> bool;
+    /// -1, 0 or 1 (0 for 0 and NaN).
+    fn sign(self) -> Self {
+        let z = Self::from_f64(0.0);
+        if self > z {
+            Self::from_f64(1.0)
+        } else if self < z {
+            Self::from_f64(-1.0)
+        } else {
+            z
+        }
+    }
+}
+
+macro_rules! real {
+    ($t:ty, $erf:path) => {
+        impl Real for $t {
+            #[inline]
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            #[inline]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            #[inline]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline]
+            fn sin(self) -> Self {
+                <$t>::sin(self)
+            }
+            #[inline]
+            fn cos(self) -> Self {
+                <$t>::cos(self)
+            }
+            #[inline]
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            #[inline]
+            fn erf(self) -> Self {
+                $erf(self)
+            }
+            #[inline]
+            fn abs(self) -> Self {
+                <$t>::abs(self)
+            }
+            #[inline]
+            fn powf(self, e: Self) -> Self {
+                <$t>::powf(self, e)
+            }
+            #[inline]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+        }
+    };
+}
+real!(f32, libm::erff);
+real!(f64, libm::erf);
+
+pub trait Elem: crate::WithDType + Default {
+    type Acc: Real;
+    fn to_acc(self) -> Self::Acc;
+    fn from_acc(v: Self::Acc) -> Self;
+}
+
+impl Elem for f32 {
+    type Acc = f32;
+    #[inline]
+    fn to_acc(self) -> f32 {
+        self
+    }
+    #[inline]
+    fn from_acc(v: f32) -> Self {
+        v
+    }
+}
+impl Elem for f64 {
+    type Acc = f64;
+    #[inline]
+    fn to_acc(self) -> f64 {
+        self
+    }
+    #[inline]
+    fn from_acc(v: f64) -> Self {
+        v
+    }
+}
+impl Elem for bf16 {
+    type Acc = f32;
+    #[inline]
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline]
+    fn from_acc(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+impl Elem for f16 {
+    type Acc = f32;
+    #[inline]
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline]
+    fn from_acc(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}

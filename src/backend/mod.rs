@@ -1,0 +1,190 @@
+//! The Backend boundary. A backend receives storage and layouts, never a Tensor, and knows
+//! nothing of autograd. Every backend implements the small primitive set below; composite ops
+//! (softmax, norms, activations, losses) are written once above it, in `tensor::composite`.
+
+#[cfg(feature = "cpu-ref")]
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use crate::{CpuStorage, DType, Layout, Result, Shape};
+
+/// Elementwise functions of one input. Parameters ride along (`Affine`, `Powf`) so scalar
+/// arithmetic needs no broadcast tensor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum UnaryOp {
+    Neg,
+    Recip,
+    Exp,
+    Log,
+    Sqrt,
+    Sin,
+    Cos,
+    /// A libm primitive rather than a composite of exp: the exp form overflows for |x| > 44 in
+    /// f32 (> 5.5 in f16) and its backward then multiplies 0 by inf, giving NaN gradients.
+    Tanh,
+    Erf,
+    Abs,
+    /// -1, 0 or 1. Not differentiable (its derivative is 0 almost everywhere).
+    Sign,
+    /// `x * mul + add`.
+    Affine {
+        mul: f64,
+        add: f64,
+    },
+    /// `x ^ e`.
+    Powf(f64),
+}
+
+impl UnaryOp {
+    pub fn name(&self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Recip => "recip",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Erf => "erf",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Sign => "sign",
+            UnaryOp::Affine { .. } => "affine",
+            UnaryOp::Powf(_) => "powf",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Maximum,
+    Minimum,
+}
+
+impl BinaryOp {
+    pub fn name(&self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Maximum => "maximum",
+            BinaryOp::Minimum => "minimum",
+        }
+    }
+}
+
+/// Comparisons give 1 where true and 0 where false, in the inputs' dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+    Min,
+    /// Index (u32) of the first maximum; one dim only.
+    ArgMax,
+    /// Index (u32) of the first minimum; one dim only.
+    ArgMin,
+}
+
+impl ReduceOp {
+    pub fn name(&self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+            ReduceOp::ArgMax => "argmax",
+            ReduceOp::ArgMin => "argmin",
+        }
+    }
+}
+
+/// Shapes of a batched matmul: `(B, M, K) @ (B, K, N) -> (B, M, N)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatmulDims {
+    pub b: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// Storage of one backend. Layouts passed in describe views into `self`; outputs are
+/// contiguous. Binary, where and matmul operands already share the output's shape (broadcast
+/// through zero strides by the caller).
+pub trait BackendStorage: Sized + Send + Sync {
+    type Device: BackendDevice<Storage = Self>;
+
+    fn dtype(&self) -> DType;
+    fn device(&self) -> Self::Device;
+
+    fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self>;
+    fn binary(&self, l: &Layout, rhs: &Self, rl: &Layout, op: BinaryOp) -> Result<Self>;
+    fn cmp(&self, l: &Layout, rhs: &Self, rl: &Layout, op: CmpOp) -> Result<Self>;
+    /// `mask != 0 ? on_true : on_false`; `self` is the mask (any dtype).
+    fn where_cond(&self, l: &Layout, t: &Self, tl: &Layout, f: &Self, fl: &Layout) -> Result<Self>;
+    /// Reduces `dims` to size 1 (the output keeps the input's rank).
+    fn reduce(&self, l: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Self>;
+    fn cast(&self, l: &Layout, dtype: DType) -> Result<Self>;
+    /// Copies the view `l` of `self` into the view `dst_l` of `dst` (same shape and dtype).
+    fn copy_strided(&self, l: &Layout, dst: &mut Self, dst_l: &Layout) -> Result<()>;
+    /// `out[.., i, ..] = self[.., ids[i], ..]` along `dim`; `ids` is a u32 vector.
+    fn index_select(&self, l: &Layout, ids: &Self, il: &Layout, dim: usize) -> Result<Self>;
+    /// `out[i][j][k] = self[i][ids[i][j][k]][k]` (dim = 1); out has the shape of `ids`.
+    fn gather(&self, l: &Layout, ids: &Self, il: &Layout, dim: usize) -> Result<Self>;
+    /// `out = self; out[i][ids[i][j][k]][k] += src[i][j][k]` (dim = 1).
+    fn scatter_add(
+        &self,
+        l: &Layout,
+        ids: &Self,
+        il: &Layout,
+        src: &Self,
+        sl: &Layout,
+        dim: usize,
+    ) -> Result<Self>;
+    /// `(B, M, K) @ (B, K, N)`; each operand is a rank-3 layout of any strides.
+    fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: MatmulDims) -> Result<Self>;
+    /// Contiguous host copy of the view `l`.
+    fn to_host(&self, l: &Layout) -> Result<CpuStorage>;
+}
+
+pub trait BackendDevice: Sized + Clone + Send + Sync {
+    type Storage: BackendStorage<Device = Self>;
+
+    fn location(&self) -> String;
+    fn same_device(&self, other: &Self) -> bool;
+    fn from_host(&self, data: &CpuStorage) -> Result<Self::Storage>;
+    fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<Self::Storage>;
+    /// Uniform in [lo, hi) from a counter-based generator: element i depends only on
+    /// (seed, i), not on how the work is split.
+    fn rand_uniform(
+        &self,
+        shape: &Shape,
+        dtype: DType,
+        lo: f64,
+        hi: f64,
+        seed: u64,
+    ) -> Result<Self::Storage>;
+    /// Normal(mean, std), counter-based like `rand_uniform`.
+    fn rand_normal(
+        &self,
+        shape: &Shape,
+        dtype: DType,
+        mean: f64,
+        std: f64,
+        seed: u64,
+    ) -> Result<Self::Storage>;
+}

@@ -1,0 +1,99 @@
+//! The library's one error type. Every variant names what failed and where: the op and the
+//! shapes involved, or the file and the tensor.
+
+use crate::{DType, Shape};
+use std::path::PathBuf;
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{op}: shape mismatch, lhs {lhs} vs rhs {rhs}")]
+    ShapeMismatch {
+        op: &'static str,
+        lhs: Shape,
+        rhs: Shape,
+    },
+    #[error("{op}: cannot broadcast {lhs} with {rhs}")]
+    BroadcastIncompatible {
+        op: &'static str,
+        lhs: Shape,
+        rhs: Shape,
+    },
+    #[error("{op}: dtype mismatch, lhs {lhs:?} vs rhs {rhs:?}")]
+    DTypeMismatch {
+        op: &'static str,
+        lhs: DType,
+        rhs: DType,
+    },
+    #[error("{op}: tensors on different devices, {lhs} vs {rhs}")]
+    DeviceMismatch {
+        op: &'static str,
+        lhs: String,
+        rhs: String,
+    },
+    #[error("{op}: dtype {dtype:?} is not supported")]
+    UnsupportedDType { op: &'static str, dtype: DType },
+    #[error("{op}: dim {dim} out of range for a tensor of shape {shape}")]
+    DimOutOfRange {
+        op: &'static str,
+        dim: i64,
+        shape: Shape,
+    },
+    #[error("{op}: index {index} out of range for size {size} (shape {shape})")]
+    IndexOutOfRange {
+        op: &'static str,
+        index: u64,
+        size: usize,
+        shape: Shape,
+    },
+    #[error("{op}: {msg} (shape {shape})")]
+    InvalidArgument {
+        op: &'static str,
+        msg: String,
+        shape: Shape,
+    },
+    #[error("{op}: {count} elements cannot be viewed as shape {shape}")]
+    ElementCount {
+        op: &'static str,
+        count: usize,
+        shape: Shape,
+    },
+    #[error("autograd: {0}")]
+    Autograd(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("safetensors file {path}{}: {msg}", tensor.as_ref().map(|t| format!(", tensor '{t}'")).unwrap_or_default())]
+    SafeTensors {
+        path: PathBuf,
+        tensor: Option<String>,
+        msg: String,
+    },
+    #[error("optimizer {optimizer}: {msg}")]
+    Optimizer {
+        optimizer: &'static str,
+        msg: String,
+    },
+    #[error("CUDA is not available: {0}")]
+    CudaUnavailable(String),
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    #[error("no backend is compiled in for {0}: enable the `cpu-ref` feature")]
+    NoBackend(&'static str),
+    #[error("internal: a lock was poisoned by a panic on another thread ({0})")]
+    Poisoned(&'static str),
+}
+
+impl Error {
+    pub(crate) fn invalid(op: &'static str, msg: impl Into<String>, shape: &Shape) -> Self {
+        Error::InvalidArgument {
+            op,
+            msg: msg.into(),
+            shape: shape.clone(),
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! Composite ops, written once from primitives. They need no backward code: autograd records
+//! their primitives. A backend may later add a fused kernel; this code stays its reference.
+//! Norms compute in f32 (f64 stays f64) and cast back, as PyTorch's kernels do.
+
+use super::Tensor;
+use crate::shape::Dim;
+use crate::{DType, Error, Result};
+
+// sqrt(2 / pi) and 0.044715: the tanh approximation of GELU (Hendrycks & Gimpel, 2016).
+const GELU_TANH_SCALE: f64 = 0.797_884_560_802_865_4;
+const GELU_TANH_CUBIC: f64 = 0.044_715;
+
+impl Tensor {
+    pub fn sqr(&self) -> Result<Tensor> {
+        self.mul(self)
+    }
+
+    pub fn mean_keepdim(&self, dims: &[impl Dim]) -> Result<Tensor> {
+        let s = self.sum_keepdim(dims)?;
+        let n = self.elem_count() / s.elem_count().max(1);
+        s.affine(1.0 / n as f64, 0.0)
+    }
+
+    pub fn mean(&self, dims: &[impl Dim]) -> Result<Tensor> {
+        let s = self.sum(dims)?;
+        let n = self.elem_count() / s.elem_count().max(1);
+        s.affine(1.0 / n as f64, 0.0)
+    }
+
+    pub fn mean_all(&self) -> Result<Tensor> {
+        self.sum_all()?
+            .affine(1.0 / self.elem_count().max(1) as f64, 0.0)
+    }
+
+    /// Biased variance (divides by n), keeping the reduced dims.
+    pub fn var_keepdim(&self, dims: &[impl Dim]) -> Result<Tensor> {
+        self.sub(&self.mean_keepdim(dims)?)?
+            .sqr()?
+            .mean_keepdim(dims)
+    }
+
+    pub fn clamp(&self, lo: f64, hi: f64) -> Result<Tensor> {
+        self.maximum(&self.scalar_like(lo)?)?
+            .minimum(&self.scalar_like(hi)?)
+    }
+
+    /// max(x, 0); the derivative at 0 is 0, as in PyTorch.
+    pub fn relu(&self) -> Result<Tensor> {
+        // Zero on the left: maximum gives ties to its left operand.
+        self.scalar_like(0.0)?.maximum(self)
+    }
+
+    /// 1 / (1 + e^-x), as (1 + tanh(x / 2)) / 2: no overflow for any x.
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        self.affine(0.5, 0.0)?.tanh()?.affine(0.5, 0.5)
+    }
+
+    /// x * sigmoid(x)
+    pub fn silu(&self) -> Result<Tensor> {
+        self.mul(&self.sigmoid()?)
+    }
+
+    /// x/2 (1 + erf(x / sqrt 2)): the exact GELU.
+    pub fn gelu(&self) -> Result<Tensor> {
+        let cdf = self
+            .affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?
+            .erf()?
+            .affine(0.5, 0.5)?;
+        self.mul(&cdf)
+    }
+
+    /// x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): GELU's tanh approximation.
+    pub fn gelu_tanh(&self) -> Result<Tensor> {
+        let inner = self.add(&self.powf(3.0)?.affine(GELU_TANH_CUBIC, 0.0)?)?;
+        let t = inner
+            .affine(GELU_TANH_SCALE, 0.0)?
+            .tanh()?
+            .affine(0.5, 0.5)?;
+        self.mul(&t)
+    }
+
+    /// exp(x - max) / sum(exp(x - max)) along `dim`.
+    pub fn softmax(&self, dim: impl Dim) -> Result<Tensor> {
+        let d = dim.resolve(self.shape(), "softmax")?;
+        // The shift cancels in the ratio: detaching it keeps it out of the graph.
+        let z = self.sub(&self.max_keepdim(d)?.detach())?;
+        let e = z.exp()?;
+        e.div(&e.sum_keepdim(&[d])?)
+    }
+
+    /// x - max - log(sum(exp(x - max))) along `dim`.
+    pub fn log_softmax(&self, dim: impl Dim) -> Result<Tensor> {
+        let d = dim.resolve(self.shape(), "log_softmax")?;
+        let z = self.sub(&self.max_keepdim(d)?.detach())?;
+        z.sub(&z.exp()?.sum_keepdim(&[d])?.log()?)
+    }
+
+    /// The dtype norms compute in.
+    fn norm_dtype(&self) -> DType {
+        if self.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+
+    /// LayerNorm over the last dim: (x - mean) / sqrt(var + eps) * weight + bias.
+    pub fn layer_norm(
+        &self,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let x = self.to_dtype(self.norm_dtype())?;
+        let mu = x.mean_keepdim(&[-1])?;
+        let xc = x.sub(&mu)?;
+        let var = xc.sqr()?.mean_keepdim(&[-1])?;
+        let y = xc.mul(&var.add_scalar(eps)?.powf(-0.5)?)?;
+        self.affine_params(y, weight, bias)
+    }
+
+    /// RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight.
+    pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        let x = self.to_dtype(self.norm_dtype())?;
+        let ms = x.sqr()?.mean_keepdim(&[-1])?;
+        let y = x.mul(&ms.add_scalar(eps)?.powf(-0.5)?)?;
+        self.affine_params(y, weight, None)
+    }
+
+    /// GroupNorm of (N, C, ...): statistics over each of `groups` channel groups and all
+    /// trailing positions; weight and bias are per channel.
+    pub fn group_norm(
+        &self,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let dims = self.dims().to_vec();
+        if dims.len() < 2 || groups == 0 || dims[1] % groups != 0 {
+            return Err(Error::invalid(
+                "group_norm",
+                format!("{groups} groups do not divide the channels of an (N, C, ...) tensor"),
+                self.shape(),
+            ));
+        }
+        let x = self.to_dtype(self.norm_dtype())?.reshape((
+            dims[0],
+            groups,
+            self.elem_count() / dims[0] / groups,
+        ))?;
+        let mu = x.mean_keepdim(&[-1])?;
+        let xc = x.sub(&mu)?;
+        let var = xc.sqr()?.mean_keepdim(&[-1])?;
+        let y = xc
+            .mul(&var.add_scalar(eps)?.powf(-0.5)?)?
+            .reshape(dims.clone())?;
+        // Per-channel parameters broadcast as (C, 1, 1, ...).
+        let mut pshape = vec![dims[1]];
+        pshape.extend(std::iter::repeat_n(1, dims.len() - 2));
+        let w = weight.map(|w| w.reshape(pshape.clone())).transpose()?;
+        let b = bias.map(|b| b.reshape(pshape.clone())).transpose()?;
+        self.affine_params(y, w.as_ref(), b.as_ref())
+    }
+
+    /// `y * weight + bias` in y's dtype, cast back to self's dtype.
+    fn affine_params(
+        &self,
+        y: Tensor,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let mut y = y;
+        if let Some(w) = weight {
+            y = y.mul(&w.to_dtype(y.dtype())?)?;
+        }
+        if let Some(b) = bias {
+            y = y.add(&b.to_dtype(y.dtype())?)?;
+        }
+        y.to_dtype(self.dtype())
+    }
+
+    /// mean((self - target)^2)
+    pub fn mse_loss(&self, target: &Tensor) -> Result<Tensor> {
+        if self.shape() != target.shape() {
+            return Err(Error::ShapeMismatch {
+                op: "mse_loss",
+                lhs: self.shape().clone(),
+                rhs: target.shape().clone(),
+            });
+        }
+        self.sub(target)?.sqr()?.mean_all()
+    }
+
+    /// Mean cross entropy of (N, C) logits against (N,) u32 class indices.
+    pub fn cross_entropy(&self, targets: &Tensor) -> Result<Tensor> {
+        if self.rank() != 2 || targets.dims() != [self.dims()[0]] {
+            return Err(Error::ShapeMismatch {
+                op: "cross_entropy",
+                lhs: self.shape().clone(),
+                rhs: targets.shape().clone(),
+            });
+        }
+        let lp = self.log_softmax(1)?;
+        lp.gather(&targets.unsqueeze(1)?, 1)?.mean_all()?.neg()
+    }
+}

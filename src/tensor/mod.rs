@@ -1,0 +1,477 @@
+//! The Tensor: shared storage, a strided layout, and (when it takes part in autograd) the op
+//! that made it. Cloning is an Arc bump; views share storage and change only the layout.
+
+mod composite;
+mod ops;
+mod view;
+
+use crate::autograd::{self, Op};
+use crate::device::Storage;
+use crate::{CpuStorage, DType, Device, Error, Layout, Result, Shape, WithDType};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+
+/// Identity of a tensor handle; gradients are keyed by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId(u64);
+
+impl TensorId {
+    fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        TensorId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+#[derive(Clone)]
+pub struct Tensor(Arc<Inner>);
+
+pub(crate) struct Inner {
+    id: TensorId,
+    storage: Arc<RwLock<Storage>>,
+    layout: Layout,
+    dtype: DType,
+    device: Device,
+    /// The op that made this tensor, when it was recorded. `Some(None)`: recorded, then freed
+    /// by a backward pass.
+    grad_fn: Option<Mutex<Option<Op>>>,
+    /// A leaf that gradients are accumulated for.
+    is_var: AtomicBool,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Tensor[{:?}, {}, {}{}]",
+            self.dims(),
+            self.dtype(),
+            self.device(),
+            if self.requires_grad() { ", grad" } else { "" }
+        )
+    }
+}
+
+impl Tensor {
+    // ----- construction -------------------------------------------------------------------
+
+    pub(crate) fn from_storage(
+        storage: Storage,
+        shape: Shape,
+        device: Device,
+        op: Option<Op>,
+    ) -> Tensor {
+        Self::view_of_storage(
+            Arc::new(RwLock::new(storage)),
+            Layout::contiguous(shape),
+            device,
+            op,
+        )
+    }
+
+    fn view_of_storage(
+        storage: Arc<RwLock<Storage>>,
+        layout: Layout,
+        device: Device,
+        op: Option<Op>,
+    ) -> Tensor {
+        let dtype = match storage.read() {
+            Ok(s) => s.dtype(),
+            Err(p) => p.into_inner().dtype(),
+        };
+        Tensor(Arc::new(Inner {
+            id: TensorId::new(),
+            storage,
+            layout,
+            dtype,
+            device,
+            grad_fn: op.map(|o| Mutex::new(Some(o))),
+            is_var: AtomicBool::new(false),
+        }))
+    }
+
+    /// A view of this tensor's storage with another layout.
+    pub(crate) fn view(&self, layout: Layout, op: Option<Op>) -> Tensor {
+        Self::view_of_storage(self.0.storage.clone(), layout, self.0.device.clone(), op)
+    }
+
+    pub fn from_vec<T: WithDType>(
+        data: Vec<T>,
+        shape: impl Into<Shape>,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        if data.len() != shape.elem_count() {
+            return Err(Error::ElementCount {
+                op: "from_vec",
+                count: data.len(),
+                shape,
+            });
+        }
+        Self::from_host(T::to_storage(data), shape, device)
+    }
+
+    pub fn from_slice<T: WithDType>(
+        data: &[T],
+        shape: impl Into<Shape>,
+        device: &Device,
+    ) -> Result<Tensor> {
+        Self::from_vec(data.to_vec(), shape, device)
+    }
+
+    /// Builds a tensor from host data of any dtype.
+    pub fn from_host(data: CpuStorage, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+        let shape = shape.into();
+        if data.len() != shape.elem_count() {
+            return Err(Error::ElementCount {
+                op: "from_host",
+                count: data.len(),
+                shape,
+            });
+        }
+        Ok(Self::from_storage(
+            device.from_host(&data)?,
+            shape,
+            device.clone(),
+            None,
+        ))
+    }
+
+    pub fn full(
+        value: f64,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        Ok(Self::from_storage(
+            device.full(&shape, dtype, value)?,
+            shape,
+            device.clone(),
+            None,
+        ))
+    }
+
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+        Self::full(0.0, shape, dtype, device)
+    }
+
+    pub fn ones(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+        Self::full(1.0, shape, dtype, device)
+    }
+
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Self::zeros(self.shape().clone(), self.dtype(), self.device())
+    }
+
+    pub fn ones_like(&self) -> Result<Tensor> {
+        Self::ones(self.shape().clone(), self.dtype(), self.device())
+    }
+
+    pub fn full_like(&self, value: f64) -> Result<Tensor> {
+        Self::full(value, self.shape().clone(), self.dtype(), self.device())
+    }
+
+    /// `start, start + step, ...` while below `end` (above, for a negative step).
+    pub fn arange_step(
+        start: f64,
+        end: f64,
+        step: f64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        if step == 0.0 || !step.is_finite() || !start.is_finite() || !end.is_finite() {
+            return Err(Error::invalid(
+                "arange",
+                format!("bad range {start}..{end} step {step}"),
+                &Shape::default(),
+            ));
+        }
+        let n = ((end - start) / step).ceil().max(0.0) as usize;
+        let v: Vec<f64> = (0..n).map(|i| start + i as f64 * step).collect();
+        Self::from_vec(v, n, device)?.to_dtype(dtype)
+    }
+
+    pub fn arange(start: f64, end: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+        Self::arange_step(start, end, 1.0, dtype, device)
+    }
+
+    /// Uniform in [lo, hi), seeded: the same seed gives the same numbers on every backend.
+    pub fn rand_uniform(
+        lo: f64,
+        hi: f64,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: &Device,
+        seed: u64,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        Ok(Self::from_storage(
+            device.rand_uniform(&shape, dtype, lo, hi, seed)?,
+            shape,
+            device.clone(),
+            None,
+        ))
+    }
+
+    /// Uniform in [0, 1).
+    pub fn rand(
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: &Device,
+        seed: u64,
+    ) -> Result<Tensor> {
+        Self::rand_uniform(0.0, 1.0, shape, dtype, device, seed)
+    }
+
+    pub fn randn_normal(
+        mean: f64,
+        std: f64,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: &Device,
+        seed: u64,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        Ok(Self::from_storage(
+            device.rand_normal(&shape, dtype, mean, std, seed)?,
+            shape,
+            device.clone(),
+            None,
+        ))
+    }
+
+    /// Standard normal.
+    pub fn randn(
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: &Device,
+        seed: u64,
+    ) -> Result<Tensor> {
+        Self::randn_normal(0.0, 1.0, shape, dtype, device, seed)
+    }
+
+    // ----- accessors ----------------------------------------------------------------------
+
+    pub fn id(&self) -> TensorId {
+        self.0.id
+    }
+    pub fn shape(&self) -> &Shape {
+        self.0.layout.shape()
+    }
+    pub fn dims(&self) -> &[usize] {
+        self.0.layout.dims()
+    }
+    pub fn rank(&self) -> usize {
+        self.dims().len()
+    }
+    pub fn elem_count(&self) -> usize {
+        self.0.layout.elem_count()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    pub fn device(&self) -> &Device {
+        &self.0.device
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+    /// Whether two handles view the same storage.
+    pub fn same_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+
+    pub(crate) fn storage(&self) -> Result<RwLockReadGuard<'_, Storage>> {
+        self.0
+            .storage
+            .read()
+            .map_err(|_| Error::Poisoned("tensor storage"))
+    }
+
+    pub(crate) fn grad_fn(&self) -> Option<&Mutex<Option<Op>>> {
+        self.0.grad_fn.as_ref()
+    }
+
+    // ----- autograd -----------------------------------------------------------------------
+
+    /// Whether gradients flow to or through this tensor.
+    pub fn requires_grad(&self) -> bool {
+        self.0.grad_fn.is_some() || self.is_var()
+    }
+
+    /// A leaf whose gradient `backward` accumulates.
+    pub fn is_var(&self) -> bool {
+        self.0.is_var.load(Ordering::Relaxed)
+    }
+
+    /// Marks a leaf as trainable (or frozen). Only leaves of a float dtype qualify.
+    pub fn set_requires_grad(&self, on: bool) -> Result<()> {
+        if self.0.grad_fn.is_some() {
+            return Err(Error::Autograd(format!(
+                "set_requires_grad on a tensor computed by an op (shape {}); detach() it first",
+                self.shape()
+            )));
+        }
+        if on && !self.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "set_requires_grad",
+                dtype: self.dtype(),
+            });
+        }
+        self.0.is_var.store(on, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Builder form of `set_requires_grad(true)`.
+    pub fn requires_grad_(self) -> Result<Tensor> {
+        self.set_requires_grad(true)?;
+        Ok(self)
+    }
+
+    /// The same data, cut from the graph: no grad flows through the result.
+    pub fn detach(&self) -> Tensor {
+        if !self.requires_grad() {
+            return self.clone();
+        }
+        self.view(self.0.layout.clone(), None)
+    }
+
+    // ----- data out -----------------------------------------------------------------------
+
+    /// A contiguous host copy of the data.
+    pub fn to_host(&self) -> Result<CpuStorage> {
+        self.storage()?.to_host(self.layout())
+    }
+
+    /// The elements in row-major order; `T` must be this tensor's dtype.
+    pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "to_vec",
+                lhs: self.dtype(),
+                rhs: T::DTYPE,
+            });
+        }
+        let host = self.to_host()?;
+        T::from_storage(&host)
+            .map(|s| s.to_vec())
+            .ok_or(Error::DTypeMismatch {
+                op: "to_vec",
+                lhs: host.dtype(),
+                rhs: T::DTYPE,
+            })
+    }
+
+    /// The elements as f64, whatever the dtype (exact).
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        Ok(self.to_host()?.to_f64_vec())
+    }
+
+    /// The one element of a single-element tensor, as f64.
+    pub fn to_scalar_f64(&self) -> Result<f64> {
+        if self.elem_count() != 1 {
+            return Err(Error::invalid(
+                "to_scalar",
+                "tensor has more than one element",
+                self.shape(),
+            ));
+        }
+        Ok(self.to_vec_f64()?[0])
+    }
+
+    // ----- in place -----------------------------------------------------------------------
+
+    /// Overwrites this tensor's elements with `src`'s (same shape and dtype), in its storage,
+    /// so every handle and view of it sees the new values. Not recorded by autograd: this is
+    /// how optimizers update parameters.
+    pub fn assign(&self, src: &Tensor) -> Result<()> {
+        if self.shape() != src.shape() {
+            return Err(Error::ShapeMismatch {
+                op: "assign",
+                lhs: self.shape().clone(),
+                rhs: src.shape().clone(),
+            });
+        }
+        if self.dtype() != src.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "assign",
+                lhs: self.dtype(),
+                rhs: src.dtype(),
+            });
+        }
+        if self.device() != src.device() {
+            return Err(Error::DeviceMismatch {
+                op: "assign",
+                lhs: self.device().location(),
+                rhs: src.device().location(),
+            });
+        }
+        if self.0.grad_fn.is_some() && autograd::grad_enabled() {
+            return Err(Error::Autograd(
+                "assign into a tensor recorded on the tape would corrupt its gradients".into(),
+            ));
+        }
+        let l = self.layout();
+        if l.dims()
+            .iter()
+            .zip(l.strides())
+            .any(|(&d, &s)| d > 1 && s == 0)
+        {
+            return Err(Error::invalid(
+                "assign",
+                "destination is a broadcast view",
+                self.shape(),
+            ));
+        }
+        // Reading and writing one storage would need both locks: copy the source out first.
+        let src = if self.same_storage(src) {
+            Tensor::from_host(src.to_host()?, src.shape().clone(), src.device())?
+        } else {
+            src.clone()
+        };
+        let s = src.storage()?;
+        let mut d = self
+            .0
+            .storage
+            .write()
+            .map_err(|_| Error::Poisoned("tensor storage"))?;
+        s.copy_strided(src.layout(), &mut d, l)
+    }
+}
+
+/// Runs `f` on the storages of `a` and `b`, taking one read lock when they share storage.
+pub(crate) fn with2<R>(
+    a: &Tensor,
+    b: &Tensor,
+    f: impl FnOnce(&Storage, &Storage) -> Result<R>,
+) -> Result<R> {
+    let ga = a.storage()?;
+    if a.same_storage(b) {
+        f(&ga, &ga)
+    } else {
+        let gb = b.storage()?;
+        f(&ga, &gb)
+    }
+}
+
+/// Like `with2` for three tensors.
+pub(crate) fn with3<R>(
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    f: impl FnOnce(&Storage, &Storage, &Storage) -> Result<R>,
+) -> Result<R> {
+    with2(a, b, |sa, sb| {
+        if c.same_storage(a) {
+            f(sa, sb, sa)
+        } else if c.same_storage(b) {
+            f(sa, sb, sb)
+        } else {
+            let gc = c.storage()?;
+            f(sa, sb, &gc)
+        }
+    })
+}

@@ -1,0 +1,435 @@
+//! Primitive ops at the tensor level: check operands, broadcast, call the backend through the
+//! storage, record the op for autograd when an input requires grad.
+
+use super::{with2, with3, Tensor};
+use crate::autograd::{record, Op};
+use crate::backend::{BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp};
+use crate::shape::Dim;
+use crate::{DType, Error, Layout, Result, Shape};
+
+fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.device() != b.device() {
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: a.device().location(),
+            rhs: b.device().location(),
+        });
+    }
+    Ok(())
+}
+
+fn same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        });
+    }
+    Ok(())
+}
+
+impl Tensor {
+    // ----- elementwise --------------------------------------------------------------------
+
+    pub(crate) fn unary(&self, op: UnaryOp) -> Result<Tensor> {
+        let s = self.storage()?.unary(self.layout(), op)?;
+        // sign is piecewise constant: its output carries no gradient.
+        let rec = if matches!(op, UnaryOp::Sign) {
+            None
+        } else {
+            record(&[self], || Op::Unary(self.clone(), op))
+        };
+        Ok(Tensor::from_storage(
+            s,
+            self.shape().clone(),
+            self.device().clone(),
+            rec,
+        ))
+    }
+
+    pub fn neg(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Neg)
+    }
+    pub fn recip(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Recip)
+    }
+    pub fn exp(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Exp)
+    }
+    pub fn log(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Log)
+    }
+    pub fn sqrt(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Sqrt)
+    }
+    pub fn sin(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Sin)
+    }
+    pub fn cos(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Cos)
+    }
+    pub fn tanh(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Tanh)
+    }
+    pub fn erf(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Erf)
+    }
+    pub fn abs(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Abs)
+    }
+    pub fn sign(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Sign)
+    }
+    /// `x * mul + add`.
+    pub fn affine(&self, mul: f64, add: f64) -> Result<Tensor> {
+        self.unary(UnaryOp::Affine { mul, add })
+    }
+    pub fn powf(&self, e: f64) -> Result<Tensor> {
+        self.unary(UnaryOp::Powf(e))
+    }
+    pub fn add_scalar(&self, v: f64) -> Result<Tensor> {
+        self.affine(1.0, v)
+    }
+    pub fn mul_scalar(&self, v: f64) -> Result<Tensor> {
+        self.affine(v, 0.0)
+    }
+
+    /// The operands broadcast to their common shape.
+    pub(crate) fn broadcast_pair(
+        &self,
+        rhs: &Tensor,
+        op: &'static str,
+    ) -> Result<(Tensor, Tensor)> {
+        if self.shape() == rhs.shape() {
+            return Ok((self.clone(), rhs.clone()));
+        }
+        let shape = self.shape().broadcast_with(rhs.shape(), op)?;
+        Ok((self.broadcast_as(shape.clone())?, rhs.broadcast_as(shape)?))
+    }
+
+    pub(crate) fn binary(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
+        same_device(op.name(), self, rhs)?;
+        same_dtype(op.name(), self, rhs)?;
+        let (a, b) = self.broadcast_pair(rhs, op.name())?;
+        let s = with2(&a, &b, |x, y| x.binary(a.layout(), y, b.layout(), op))?;
+        let rec = record(&[&a, &b], || Op::Binary(a.clone(), b.clone(), op));
+        Ok(Tensor::from_storage(
+            s,
+            a.shape().clone(),
+            a.device().clone(),
+            rec,
+        ))
+    }
+
+    pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary(rhs, BinaryOp::Add)
+    }
+    pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary(rhs, BinaryOp::Sub)
+    }
+    pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary(rhs, BinaryOp::Mul)
+    }
+    pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary(rhs, BinaryOp::Div)
+    }
+    pub fn maximum(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary(rhs, BinaryOp::Maximum)
+    }
+    pub fn minimum(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary(rhs, BinaryOp::Minimum)
+    }
+
+    /// A 0-dim tensor of this one's dtype and device.
+    pub(crate) fn scalar_like(&self, v: f64) -> Result<Tensor> {
+        Tensor::full(v, (), self.dtype(), self.device())
+    }
+
+    // ----- comparisons and where ----------------------------------------------------------
+
+    /// 1 where the comparison holds, 0 elsewhere, in the inputs' dtype. Never differentiable.
+    pub fn cmp(&self, rhs: &Tensor, op: CmpOp) -> Result<Tensor> {
+        same_device("cmp", self, rhs)?;
+        same_dtype("cmp", self, rhs)?;
+        let (a, b) = {
+            let _g = crate::no_grad();
+            self.broadcast_pair(rhs, "cmp")?
+        };
+        let s = with2(&a, &b, |x, y| x.cmp(a.layout(), y, b.layout(), op))?;
+        Ok(Tensor::from_storage(
+            s,
+            a.shape().clone(),
+            a.device().clone(),
+            None,
+        ))
+    }
+    pub fn eq(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.cmp(rhs, CmpOp::Eq)
+    }
+    pub fn ne(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.cmp(rhs, CmpOp::Ne)
+    }
+    pub fn lt(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.cmp(rhs, CmpOp::Lt)
+    }
+    pub fn le(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.cmp(rhs, CmpOp::Le)
+    }
+    pub fn gt(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.cmp(rhs, CmpOp::Gt)
+    }
+    pub fn ge(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.cmp(rhs, CmpOp::Ge)
+    }
+    /// Compares against a scalar.
+    pub fn cmp_scalar(&self, v: f64, op: CmpOp) -> Result<Tensor> {
+        self.cmp(&self.scalar_like(v)?, op)
+    }
+
+    /// `self != 0 ? on_true : on_false`, broadcasting all three.
+    pub fn where_cond(&self, on_true: &Tensor, on_false: &Tensor) -> Result<Tensor> {
+        same_device("where_cond", self, on_true)?;
+        same_device("where_cond", self, on_false)?;
+        same_dtype("where_cond", on_true, on_false)?;
+        let shape = self
+            .shape()
+            .broadcast_with(on_true.shape(), "where_cond")?
+            .broadcast_with(on_false.shape(), "where_cond")?;
+        let m = self.detach().broadcast_as(shape.clone())?;
+        let (t, f) = (
+            on_true.broadcast_as(shape.clone())?,
+            on_false.broadcast_as(shape.clone())?,
+        );
+        let s = with3(&m, &t, &f, |sm, st, sf| {
+            sm.where_cond(m.layout(), st, t.layout(), sf, f.layout())
+        })?;
+        let rec = record(&[&t, &f], || Op::Where(m.clone(), t.clone(), f.clone()));
+        Ok(Tensor::from_storage(s, shape, self.device().clone(), rec))
+    }
+
+    // ----- reductions ---------------------------------------------------------------------
+
+    fn resolve_dims(&self, dims: &[impl Dim], op: &'static str) -> Result<Vec<usize>> {
+        let mut out = dims
+            .iter()
+            .map(|d| d.resolve(self.shape(), op))
+            .collect::<Result<Vec<_>>>()?;
+        out.sort_unstable();
+        if out.windows(2).any(|w| w[0] == w[1]) {
+            return Err(Error::invalid(
+                op,
+                format!("dim listed twice in {out:?}"),
+                self.shape(),
+            ));
+        }
+        Ok(out)
+    }
+
+    fn reduce_keepdim(&self, op: ReduceOp, dims: Vec<usize>) -> Result<Tensor> {
+        let s = self.storage()?.reduce(self.layout(), op, &dims)?;
+        let mut out = self.dims().to_vec();
+        for &d in &dims {
+            out[d] = 1;
+        }
+        let rec = match op {
+            ReduceOp::ArgMax | ReduceOp::ArgMin => None,
+            _ => record(&[self], || Op::Reduce(self.clone(), op, dims.clone())),
+        };
+        Ok(Tensor::from_storage(
+            s,
+            Shape::new(out),
+            self.device().clone(),
+            rec,
+        ))
+    }
+
+    fn squeeze_dims(&self, dims: &[usize]) -> Result<Tensor> {
+        let out: Vec<usize> = self
+            .dims()
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !dims.contains(i))
+            .map(|(_, &d)| d)
+            .collect();
+        self.reshape(out)
+    }
+
+    /// Sum over `dims`, keeping them as size 1.
+    pub fn sum_keepdim(&self, dims: &[impl Dim]) -> Result<Tensor> {
+        let d = self.resolve_dims(dims, "sum")?;
+        self.reduce_keepdim(ReduceOp::Sum, d)
+    }
+    /// Sum over `dims`, removing them.
+    pub fn sum(&self, dims: &[impl Dim]) -> Result<Tensor> {
+        let d = self.resolve_dims(dims, "sum")?;
+        self.reduce_keepdim(ReduceOp::Sum, d.clone())?
+            .squeeze_dims(&d)
+    }
+    /// Sum of every element, as a 0-dim tensor.
+    pub fn sum_all(&self) -> Result<Tensor> {
+        let all: Vec<usize> = (0..self.rank()).collect();
+        self.reduce_keepdim(ReduceOp::Sum, all.clone())?
+            .squeeze_dims(&all)
+    }
+    pub fn max_keepdim(&self, dim: impl Dim) -> Result<Tensor> {
+        let d = dim.resolve(self.shape(), "max")?;
+        self.reduce_keepdim(ReduceOp::Max, vec![d])
+    }
+    pub fn max(&self, dim: impl Dim) -> Result<Tensor> {
+        let d = dim.resolve(self.shape(), "max")?;
+        self.reduce_keepdim(ReduceOp::Max, vec![d])?.squeeze(d)
+    }
+    pub fn min_keepdim(&self, dim: impl Dim) -> Result<Tensor> {
+        let d = dim.resolve(self.shape(), "min")?;
+        self.reduce_keepdim(ReduceOp::Min, vec![d])
+    }
+    pub fn min(&self, dim: impl Dim) -> Result<Tensor> {
+        let d = dim.resolve(self.shape(), "min")?;
+        self.reduce_keepdim(ReduceOp::Min, vec![d])?.squeeze(d)
+    }
+    /// Maximum over every element, as a 0-dim tensor.
+    pub fn max_all(&self) -> Result<Tensor> {
+        let all: Vec<usize> = (0..self.rank()).collect();
+        self.reduce_keepdim(ReduceOp::Max, all.clone())?
+            .squeeze_dims(&all)
+    }
+    /// Index (u32) of the first maximum along `dim`, which is removed.
+    pub fn argmax(&self, dim: impl Dim) -> Result<Tensor> {
+        let d = dim.resolve(self.shape(), "argmax")?;
+        self.reduce_keepdim(ReduceOp::ArgMax, vec![d])?.squeeze(d)
+    }
+    pub fn argmax_keepdim(&self, dim: impl Dim) -> Result<Tensor> {
+        let d = dim.resolve(self.shape(), "argmax")?;
+        self.reduce_keepdim(ReduceOp::ArgMax, vec![d])
+    }
+    pub fn argmin(&self, dim: impl Dim) -> Result<Tensor> {
+        let d = dim.resolve(self.shape(), "argmin")?;
+        self.reduce_keepdim(ReduceOp::ArgMin, vec![d])?.squeeze(d)
+    }
+
+    // ----- dtype --------------------------------------------------------------------------
+
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let s = self.storage()?.cast(self.layout(), dtype)?;
+        // Gradients flow between float dtypes; an integer result is cut from the graph.
+        let rec = if dtype.is_float() {
+            record(&[self], || Op::Cast(self.clone()))
+        } else {
+            None
+        };
+        Ok(Tensor::from_storage(
+            s,
+            self.shape().clone(),
+            self.device().clone(),
+            rec,
+        ))
+    }
+
+    // ----- indexing -----------------------------------------------------------------------
+
+    /// Picks entries `ids` (a u32 vector) along `dim`.
+    pub fn index_select(&self, ids: &Tensor, dim: impl Dim) -> Result<Tensor> {
+        same_device("index_select", self, ids)?;
+        let d = dim.resolve(self.shape(), "index_select")?;
+        let s = with2(self, ids, |x, i| {
+            x.index_select(self.layout(), i, ids.layout(), d)
+        })?;
+        let mut out = self.dims().to_vec();
+        out[d] = ids.elem_count();
+        let rec = record(&[self], || Op::IndexSelect(self.clone(), ids.detach(), d));
+        Ok(Tensor::from_storage(
+            s,
+            Shape::new(out),
+            self.device().clone(),
+            rec,
+        ))
+    }
+
+    /// `out[i][j][k] = self[i][ids[i][j][k]][k]` for dim 1; `ids` (u32) has self's rank and
+    /// self's sizes outside `dim`.
+    pub fn gather(&self, ids: &Tensor, dim: impl Dim) -> Result<Tensor> {
+        same_device("gather", self, ids)?;
+        let d = dim.resolve(self.shape(), "gather")?;
+        let s = with2(self, ids, |x, i| {
+            x.gather(self.layout(), i, ids.layout(), d)
+        })?;
+        let rec = record(&[self], || Op::Gather(self.clone(), ids.detach(), d));
+        Ok(Tensor::from_storage(
+            s,
+            ids.shape().clone(),
+            self.device().clone(),
+            rec,
+        ))
+    }
+
+    /// A copy of self with `src[i][j][k]` added at `[i][ids[i][j][k]][k]` for dim 1.
+    pub fn scatter_add(&self, ids: &Tensor, src: &Tensor, dim: impl Dim) -> Result<Tensor> {
+        same_device("scatter_add", self, ids)?;
+        same_device("scatter_add", self, src)?;
+        same_dtype("scatter_add", self, src)?;
+        let d = dim.resolve(self.shape(), "scatter_add")?;
+        let s = with3(self, ids, src, |x, i, y| {
+            x.scatter_add(self.layout(), i, ids.layout(), y, src.layout(), d)
+        })?;
+        let rec = record(&[self, src], || {
+            Op::ScatterAdd(self.clone(), ids.detach(), src.clone(), d)
+        });
+        Ok(Tensor::from_storage(
+            s,
+            self.shape().clone(),
+            self.device().clone(),
+            rec,
+        ))
+    }
+
+    // ----- matmul -------------------------------------------------------------------------
+
+    /// `(.., M, K) @ (.., K, N) -> (.., M, N)`, batch dims broadcast. A transposed operand
+    /// reaches the backend as strides, not as a copy.
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        same_device("matmul", self, rhs)?;
+        same_dtype("matmul", self, rhs)?;
+        let (ra, rb) = (self.rank(), rhs.rank());
+        if ra < 2 || rb < 2 || self.dims()[ra - 1] != rhs.dims()[rb - 2] {
+            return Err(Error::ShapeMismatch {
+                op: "matmul",
+                lhs: self.shape().clone(),
+                rhs: rhs.shape().clone(),
+            });
+        }
+        let (m, k, n) = (self.dims()[ra - 2], self.dims()[ra - 1], rhs.dims()[rb - 1]);
+        let batch = Shape::from(&self.dims()[..ra - 2])
+            .broadcast_with(&Shape::from(&rhs.dims()[..rb - 2]), "matmul")?;
+        let b = batch.elem_count();
+        let with_batch = |tail: [usize; 2]| {
+            let mut v = batch.dims().to_vec();
+            v.extend_from_slice(&tail);
+            v
+        };
+        let a3 = self.broadcast_as(with_batch([m, k]))?.reshape((b, m, k))?;
+        let b3 = rhs.broadcast_as(with_batch([k, n]))?.reshape((b, k, n))?;
+        let out = a3.matmul3(&b3)?;
+        out.reshape(with_batch([m, n]))
+    }
+
+    /// The primitive: rank-3 operands with equal batch.
+    pub(crate) fn matmul3(&self, rhs: &Tensor) -> Result<Tensor> {
+        let (a, b) = (self.dims(), rhs.dims());
+        let dims = MatmulDims {
+            b: a[0],
+            m: a[1],
+            k: a[2],
+            n: b[2],
+        };
+        let s = with2(self, rhs, |x, y| {
+            x.matmul(self.layout(), y, rhs.layout(), dims)
+        })?;
+        let rec = record(&[self, rhs], || Op::Matmul(self.clone(), rhs.clone()));
+        let shape = Layout::contiguous((dims.b, dims.m, dims.n)).shape().clone();
+        Ok(Tensor::from_storage(s, shape, self.device().clone(), rec))
+    }
+}

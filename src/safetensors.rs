@@ -1,1 +1,383 @@
+//! safetensors files: lazy loading through a memory map (a tensor's bytes are read when it is
+//! loaded) and atomic saving (a temporary file renamed into place, so a crash never leaves a
+//! half-written file under the real name). Every malformed input is an error naming the file
+//! and, where one is at fault, the tensor.
+//!
+//! Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
+//! N bytes of JSON `{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {..}}`,
+//! then the data; offsets are relative to the end of the header.
 
+use crate::{CpuStorage, DType, Device, Error, Result, Tensor};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// Largest header accepted (the reference implementation's limit).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// One tensor's entry in the header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// The dtype as the file names it (`F32`, `BF16`, `I64`, ...).
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    /// Byte range in the data section.
+    pub data_offsets: (usize, usize),
+}
+
+impl TensorInfo {
+    /// FLAME's dtype for this entry, if FLAME can hold it.
+    pub fn flame_dtype(&self) -> Option<DType> {
+        match self.dtype.as_str() {
+            "F32" => Some(DType::F32),
+            "F64" => Some(DType::F64),
+            "BF16" => Some(DType::BF16),
+            "F16" => Some(DType::F16),
+            "U32" => Some(DType::U32),
+            _ => None,
+        }
+    }
+}
+
+fn file_dtype(d: DType) -> safetensors::Dtype {
+    match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::F64 => safetensors::Dtype::F64,
+        DType::BF16 => safetensors::Dtype::BF16,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::U32 => safetensors::Dtype::U32,
+    }
+}
+
+/// Bits per element of every dtype the format defines.
+fn dtype_bits(name: &str) -> Option<usize> {
+    Some(match name {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" | "F8_E4M3FNUZ"
+        | "F8_E5M2FNUZ" => 8,
+        "F4" => 4,
+        "F6_E2M3" | "F6_E3M2" => 6,
+        "I16" | "U16" | "F16" | "BF16" => 16,
+        "I32" | "U32" | "F32" => 32,
+        "I64" | "U64" | "F64" | "C64" => 64,
+        _ => return None,
+    })
+}
+
+/// An open safetensors file. Opening reads and checks only the header.
+pub struct SafeTensorsFile {
+    path: PathBuf,
+    mmap: memmap2::Mmap,
+    data_start: usize,
+    tensors: BTreeMap<String, TensorInfo>,
+    metadata: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for SafeTensorsFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SafeTensorsFile({}, {} tensors)",
+            self.path.display(),
+            self.tensors.len()
+        )
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct RawInfo {
+    dtype: String,
+    shape: Vec<usize>,
+    data_offsets: (usize, usize),
+}
+
+impl SafeTensorsFile {
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let io = |source| Error::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = std::fs::File::open(&path).map_err(io)?;
+        // SAFETY-free: memmap2's map is unsafe only because another process could change the
+        // file under us; `Mmap::map` is called through its safe wrapper below.
+        let mmap = map_file(&file).map_err(io)?;
+        let (data_start, tensors, metadata) = parse_header(&mmap, &path)?;
+        Ok(SafeTensorsFile {
+            path,
+            mmap,
+            data_start,
+            tensors,
+            metadata,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Tensor names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(|s| s.as_str())
+    }
+
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    pub fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.get(name)
+    }
+
+    /// The `__metadata__` strings of the header.
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
+    }
+
+    fn err(&self, tensor: &str, msg: impl Into<String>) -> Error {
+        Error::SafeTensors {
+            path: self.path.clone(),
+            tensor: Some(tensor.to_string()),
+            msg: msg.into(),
+        }
+    }
+
+    /// Reads one tensor (its bytes are read now) onto `device`, in the file's dtype.
+    pub fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
+        let info = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| self.err(name, "no such tensor in the file"))?;
+        let dtype = info.flame_dtype().ok_or_else(|| {
+            self.err(
+                name,
+                format!(
+                    "dtype {} is not supported (FLAME holds F32, F64, BF16, F16, U32)",
+                    info.dtype
+                ),
+            )
+        })?;
+        let (b, e) = info.data_offsets;
+        let bytes = &self.mmap[self.data_start + b..self.data_start + e];
+        let data = CpuStorage::from_bytes(dtype, bytes)
+            .ok_or_else(|| self.err(name, "byte count is not a multiple of the element size"))?;
+        Tensor::from_host(data, info.shape.clone(), device)
+    }
+
+    /// Reads one tensor and converts it to `dtype`.
+    pub fn load_as(&self, name: &str, device: &Device, dtype: DType) -> Result<Tensor> {
+        let _g = crate::no_grad();
+        self.load(name, device)?.to_dtype(dtype)
+    }
+
+    /// Reads every tensor.
+    pub fn load_all(&self, device: &Device) -> Result<BTreeMap<String, Tensor>> {
+        self.names()
+            .map(|n| Ok((n.to_string(), self.load(n, device)?)))
+            .collect()
+    }
+}
+
+fn map_file(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: the map is read-only; a file truncated by another process while mapped would
+    // fault, which memory maps cannot prevent (every mmap-based loader shares this).
+    unsafe { memmap2::Mmap::map(file) }
+}
+
+type Header = (
+    usize,
+    BTreeMap<String, TensorInfo>,
+    BTreeMap<String, String>,
+);
+
+fn parse_header(buf: &[u8], path: &Path) -> Result<Header> {
+    let err = |tensor: Option<&str>, msg: String| Error::SafeTensors {
+        path: path.to_path_buf(),
+        tensor: tensor.map(str::to_string),
+        msg,
+    };
+    if buf.len() < 8 {
+        return Err(err(
+            None,
+            format!(
+                "file is {} bytes, too short for the 8-byte header length",
+                buf.len()
+            ),
+        ));
+    }
+    let mut len8 = [0u8; 8];
+    len8.copy_from_slice(&buf[..8]);
+    let n = u64::from_le_bytes(len8);
+    if n > MAX_HEADER {
+        return Err(err(
+            None,
+            format!("header length {n} exceeds the {MAX_HEADER}-byte limit"),
+        ));
+    }
+    let n = n as usize;
+    if 8 + n > buf.len() {
+        return Err(err(
+            None,
+            format!(
+                "header length {n} runs past the end of the {}-byte file (truncated?)",
+                buf.len()
+            ),
+        ));
+    }
+    let text = std::str::from_utf8(&buf[8..8 + n])
+        .map_err(|e| err(None, format!("header is not UTF-8: {e}")))?;
+    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_str(text)
+        .map_err(|e| err(None, format!("header is not a JSON object: {e}")))?;
+    let data_len = buf.len() - 8 - n;
+    let mut tensors = BTreeMap::new();
+    let mut metadata = BTreeMap::new();
+    for (name, value) in json {
+        if name == "__metadata__" {
+            metadata = serde_json::from_value(value)
+                .map_err(|e| err(None, format!("__metadata__ is not a map of strings: {e}")))?;
+            continue;
+        }
+        let raw: RawInfo = serde_json::from_value(value)
+            .map_err(|e| err(Some(&name), format!("bad header entry: {e}")))?;
+        let bits = dtype_bits(&raw.dtype)
+            .ok_or_else(|| err(Some(&name), format!("unknown dtype {:?}", raw.dtype)))?;
+        let count = raw
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .and_then(|c| c.checked_mul(bits))
+            .map(|b| b.div_ceil(8))
+            .ok_or_else(|| err(Some(&name), format!("shape {:?} overflows", raw.shape)))?;
+        let (b, e) = raw.data_offsets;
+        if b > e || e - b != count {
+            return Err(err(
+                Some(&name),
+                format!(
+                    "shape {:?} of {} needs {count} bytes but data_offsets [{b}, {e}] hold {}",
+                    raw.shape,
+                    raw.dtype,
+                    e.saturating_sub(b)
+                ),
+            ));
+        }
+        if e > data_len {
+            return Err(err(
+                Some(&name),
+                format!("data_offsets [{b}, {e}] run past the {data_len} bytes of data (truncated file?)"),
+            ));
+        }
+        tensors.insert(
+            name,
+            TensorInfo {
+                dtype: raw.dtype,
+                shape: raw.shape,
+                data_offsets: (b, e),
+            },
+        );
+    }
+    // Tensors may not overlap.
+    let mut spans: Vec<(&String, (usize, usize))> =
+        tensors.iter().map(|(k, v)| (k, v.data_offsets)).collect();
+    spans.sort_by_key(|(_, o)| *o);
+    for w in spans.windows(2) {
+        if w[1].1 .0 < w[0].1 .1 {
+            return Err(err(
+                Some(w[1].0),
+                format!("data overlaps tensor '{}'", w[0].0),
+            ));
+        }
+    }
+    Ok((8 + n, tensors, metadata))
+}
+
+/// Opens `path` and loads every tensor.
+pub fn load(path: impl AsRef<Path>, device: &Device) -> Result<BTreeMap<String, Tensor>> {
+    SafeTensorsFile::open(path)?.load_all(device)
+}
+
+struct HostView {
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    data: CpuStorage,
+}
+
+impl safetensors::View for HostView {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self.data.as_bytes())
+    }
+    fn data_len(&self) -> usize {
+        self.data.as_bytes().len()
+    }
+}
+
+/// Saves named tensors. The file appears under `path` only once fully written.
+pub fn save<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+    path: impl AsRef<Path>,
+) -> Result<()> {
+    save_with_metadata(tensors, &BTreeMap::new(), path)
+}
+
+/// Saves named tensors with `__metadata__` strings.
+pub fn save_with_metadata<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+    metadata: &BTreeMap<String, String>,
+    path: impl AsRef<Path>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let err = |tensor: Option<&str>, msg: String| Error::SafeTensors {
+        path: path.to_path_buf(),
+        tensor: tensor.map(str::to_string),
+        msg,
+    };
+    let mut views: BTreeMap<String, HostView> = BTreeMap::new();
+    for (name, t) in tensors {
+        if name == "__metadata__" {
+            return Err(err(Some(name), "the name is reserved".into()));
+        }
+        let view = HostView {
+            dtype: file_dtype(t.dtype()),
+            shape: t.dims().to_vec(),
+            data: t.to_host()?,
+        };
+        if views.insert(name.to_string(), view).is_some() {
+            return Err(err(Some(name), "name given twice".into()));
+        }
+    }
+    let meta: Option<HashMap<String, String>> = (!metadata.is_empty()).then(|| {
+        metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    });
+    let file_name = path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
+    let result = safetensors::serialize_to_file(views, meta, &tmp)
+        .map_err(|e| err(None, format!("writing failed: {e}")))
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(|source| Error::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}

@@ -1,0 +1,98 @@
+//! Compiles every `cuda/*.cu` to PTX with nvcc and embeds it (see `src/backend/cuda/ptx.rs`).
+//!
+//! nvcc is looked up through $NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, then PATH. The target is
+//! $FLAME_CUDA_ARCH (default compute_80: PTX that the driver JITs on Ampere, Ada and Hopper).
+//! With the `cuda` feature on and no nvcc, the build succeeds with a warning and creating a
+//! CUDA device returns an error that says how to get nvcc. A kernel that fails to compile
+//! fails the build.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn find_nvcc() -> Option<PathBuf> {
+    let exe = if cfg!(windows) { "nvcc.exe" } else { "nvcc" };
+    if let Some(p) = std::env::var_os("NVCC") {
+        return Some(PathBuf::from(p));
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(home) = std::env::var_os(var) {
+            let p = Path::new(&home).join("bin").join(exe);
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join(exe))
+        .find(|p| p.is_file())
+}
+
+fn main() {
+    for var in ["NVCC", "CUDA_HOME", "CUDA_PATH", "FLAME_CUDA_ARCH", "PATH"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    println!("cargo:rerun-if-changed=cuda");
+    println!("cargo:rerun-if-changed=build.rs");
+    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let manifest = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
+    );
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(manifest.join("cuda"))
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    sources.retain(|p| p.extension().is_some_and(|e| e == "cu"));
+    sources.sort();
+    for s in &sources {
+        println!("cargo:rerun-if-changed={}", s.display());
+    }
+
+    let cuda = std::env::var_os("CARGO_FEATURE_CUDA").is_some();
+    let nvcc = if cuda { find_nvcc() } else { None };
+    let arch = std::env::var("FLAME_CUDA_ARCH").unwrap_or_else(|_| "compute_80".into());
+    let mut entries = String::new();
+    let missing = match (&nvcc, cuda) {
+        (_, false) => "the crate was built without the `cuda` feature".to_string(),
+        (None, true) => {
+            println!(
+                "cargo:warning=flame: nvcc not found ($NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH); \
+                 building without CUDA kernels. Creating a CUDA device will fail until nvcc is installed."
+            );
+            "nvcc was not found when FLAME was built, so no CUDA kernels were compiled".to_string()
+        }
+        (Some(nvcc), true) => {
+            for src in &sources {
+                let stem = src
+                    .file_stem()
+                    .and_then(|s| s.to_str())
+                    .expect("utf-8 kernel file name");
+                let ptx = out_dir.join(format!("{stem}.ptx"));
+                let out = Command::new(nvcc)
+                    .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}"), "-o"])
+                    .arg(&ptx)
+                    .arg(src)
+                    .output()
+                    .unwrap_or_else(|e| panic!("flame: running {} failed: {e}", nvcc.display()));
+                if !out.status.success() {
+                    panic!(
+                        "flame: nvcc failed on {}:\n{}{}",
+                        src.display(),
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+                entries.push_str(&format!(
+                    "    ({stem:?}, include_str!({:?})),\n",
+                    ptx.display().to_string()
+                ));
+            }
+            String::new()
+        }
+    };
+    let generated = format!(
+        "/// (module name, PTX) for every kernel file, compiled for {arch:?}.\n\
+         pub const MODULES: &[(&str, &str)] = &[\n{entries}];\n\
+         /// Why no kernels are embedded (empty when they are).\n\
+         pub const MISSING: &str = {missing:?};\n"
+    );
+    std::fs::write(out_dir.join("ptx.rs"), generated).expect("write OUT_DIR/ptx.rs");
+}

@@ -71,10 +71,10 @@ impl Device {
         }
     }
 
-    pub(crate) fn from_host(&self, data: &CpuStorage) -> Result<Storage> {
+    pub(crate) fn storage_from_host(&self, data: &CpuStorage) -> Result<Storage> {
         Ok(match self {
             #[cfg(feature = "cpu-ref")]
-            Device::Cpu => Storage::Cpu(crate::backend::cpu::CpuDevice.from_host(data)?),
+            Device::Cpu => Storage::Cpu(crate::backend::cpu::CpuDevice.storage_from_host(data)?),
             #[cfg(not(feature = "cpu-ref"))]
             Device::None(n) => match *n {},
         })

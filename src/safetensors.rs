@@ -98,8 +98,6 @@ impl SafeTensorsFile {
             source,
         };
         let file = std::fs::File::open(&path).map_err(io)?;
-        // SAFETY-free: memmap2's map is unsafe only because another process could change the
-        // file under us; `Mmap::map` is called through its safe wrapper below.
         let mmap = map_file(&file).map_err(io)?;
         let (data_start, tensors, metadata) = parse_header(&mmap, &path)?;
         Ok(SafeTensorsFile {

@@ -5,7 +5,7 @@
 use flame::safetensors::{load, save, save_with_metadata, SafeTensorsFile};
 use flame::{DType, Device, Error, Tensor};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// A fresh directory under the system temp dir, removed on drop.
 struct TempDir(PathBuf);
@@ -29,7 +29,7 @@ impl Drop for TempDir {
 }
 
 /// Writes a file from a raw JSON header and data bytes.
-fn raw_file(path: &PathBuf, header: &str, data: &[u8]) {
+fn raw_file(path: &Path, header: &str, data: &[u8]) {
     let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(header.as_bytes());
     bytes.extend_from_slice(data);
@@ -37,7 +37,7 @@ fn raw_file(path: &PathBuf, header: &str, data: &[u8]) {
 }
 
 /// The error of opening (or, if opening works, of loading `tensor` from) a file.
-fn error_of(path: &PathBuf, tensor: &str) -> Error {
+fn error_of(path: &Path, tensor: &str) -> Error {
     match SafeTensorsFile::open(path) {
         Err(e) => e,
         Ok(f) => f
@@ -46,7 +46,7 @@ fn error_of(path: &PathBuf, tensor: &str) -> Error {
     }
 }
 
-fn assert_names(e: &Error, path: &PathBuf, tensor: Option<&str>, words: &str) {
+fn assert_names(e: &Error, path: &Path, tensor: Option<&str>, words: &str) {
     let msg = e.to_string();
     assert!(
         msg.contains(&path.display().to_string()),

@@ -99,10 +99,12 @@ impl Tensor {
                 })
             }
             None if self.elem_count() == 1 => self.ones_like()?,
-            None => return Err(Error::Autograd(format!(
+            None => {
+                return Err(Error::Autograd(format!(
                 "backward() needs a single-element tensor, got shape {}; use backward_with_grad",
                 self.shape()
-            ))),
+            )))
+            }
         };
         let order = tape(self)?;
         let mut pending: HashMap<TensorId, Tensor> = HashMap::from([(self.id(), seed)]);

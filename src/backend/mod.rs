@@ -166,7 +166,7 @@ pub trait BackendDevice: Sized + Clone + Send + Sync {
 
     fn location(&self) -> String;
     fn same_device(&self, other: &Self) -> bool;
-    fn from_host(&self, data: &CpuStorage) -> Result<Self::Storage>;
+    fn storage_from_host(&self, data: &CpuStorage) -> Result<Self::Storage>;
     fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<Self::Storage>;
     /// Uniform in [lo, hi) from a counter-based generator: element i depends only on
     /// (seed, i), not on how the work is split.

@@ -129,7 +129,7 @@ impl Tensor {
             });
         }
         Ok(Self::from_storage(
-            device.from_host(&data)?,
+            device.storage_from_host(&data)?,
             shape,
             device.clone(),
             None,

@@ -97,6 +97,46 @@ fn cmp_map<T: WithDType>(a: &[T], al: &Layout, b: &[T], bl: &Layout, op: CmpOp) 
     }
 }
 
+/// The view must lie inside its storage: the backend is public, so a caller's bad layout is an
+/// error rather than an out-of-bounds panic.
+fn check_view(op: &'static str, s: &CpuStorage, l: &Layout) -> Result<()> {
+    if l.dims().len() != l.strides().len() || l.offset() + l.storage_span() > s.len() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "view (strides {:?}, offset {}) exceeds its storage of {} elements",
+                l.strides(),
+                l.offset(),
+                s.len()
+            ),
+            l.shape(),
+        ));
+    }
+    Ok(())
+}
+
+fn check_same_shape(op: &'static str, a: &Layout, b: &Layout) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: a.shape().clone(),
+            rhs: b.shape().clone(),
+        });
+    }
+    Ok(())
+}
+
+fn check_dim(op: &'static str, l: &Layout, dim: usize) -> Result<()> {
+    if dim >= l.dims().len() {
+        return Err(Error::DimOutOfRange {
+            op,
+            dim: dim as i64,
+            shape: l.shape().clone(),
+        });
+    }
+    Ok(())
+}
+
 fn cast_vec<T: WithDType, U: WithDType>(v: &[T], l: &Layout) -> Vec<U> {
     strided::map1(v, l, |x: T| U::from_f64(x.to_f64()))
 }
@@ -162,10 +202,14 @@ impl BackendStorage for CpuStorage {
     }
 
     fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
+        check_view(op.name(), self, l)?;
         float_dispatch!(self, op.name(), v => unary_map(v, l, op))
     }
 
     fn binary(&self, l: &Layout, rhs: &Self, rl: &Layout, op: BinaryOp) -> Result<Self> {
+        check_view(op.name(), self, l)?;
+        check_view(op.name(), rhs, rl)?;
+        check_same_shape(op.name(), l, rl)?;
         Ok(match (self, rhs) {
             (CpuStorage::F32(a), CpuStorage::F32(b)) => {
                 CpuStorage::F32(binary_map(a, l, b, rl, op))
@@ -196,10 +240,17 @@ impl BackendStorage for CpuStorage {
     }
 
     fn cmp(&self, l: &Layout, rhs: &Self, rl: &Layout, op: CmpOp) -> Result<Self> {
+        check_view("cmp", self, l)?;
+        check_view("cmp", rhs, rl)?;
+        check_same_shape("cmp", l, rl)?;
         Ok(pair_dispatch!("cmp", self, rhs, (a, b) => cmp_map(a, l, b, rl, op)))
     }
 
     fn where_cond(&self, l: &Layout, t: &Self, tl: &Layout, f: &Self, fl: &Layout) -> Result<Self> {
+        for (s, sl) in [(self, l), (t, tl), (f, fl)] {
+            check_view("where_cond", s, sl)?;
+            check_same_shape("where_cond", l, sl)?;
+        }
         let mask = mask_vec(self, l);
         let ml = Layout::contiguous(l.shape().clone());
         Ok(pair_dispatch!("where_cond", t, f, (a, b) =>
@@ -207,14 +258,18 @@ impl BackendStorage for CpuStorage {
     }
 
     fn reduce(&self, l: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Self> {
+        check_view(op.name(), self, l)?;
         reduce::reduce(self, l, op, dims)
     }
 
     fn cast(&self, l: &Layout, dtype: DType) -> Result<Self> {
+        check_view("cast", self, l)?;
         Ok(crate::dispatch_host!(self, v => cast_to(v, l, dtype)))
     }
 
     fn copy_strided(&self, l: &Layout, dst: &mut Self, dst_l: &Layout) -> Result<()> {
+        check_view("copy_strided", self, l)?;
+        check_view("copy_strided", dst, dst_l)?;
         if l.shape() != dst_l.shape() {
             return Err(Error::ShapeMismatch {
                 op: "copy_strided",
@@ -240,10 +295,16 @@ impl BackendStorage for CpuStorage {
     }
 
     fn index_select(&self, l: &Layout, ids: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        check_view("index_select", self, l)?;
+        check_view("index_select", ids, il)?;
+        check_dim("index_select", l, dim)?;
         index::index_select(self, l, ids, il, dim)
     }
 
     fn gather(&self, l: &Layout, ids: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        check_view("gather", self, l)?;
+        check_view("gather", ids, il)?;
+        check_dim("gather", l, dim)?;
         index::gather(self, l, ids, il, dim)
     }
 
@@ -264,6 +325,7 @@ impl BackendStorage for CpuStorage {
     }
 
     fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
+        check_view("to_host", self, l)?;
         Ok(crate::map_cpu_storage!(self, v => strided::contiguous(v, l).into_owned()))
     }
 }
@@ -289,7 +351,7 @@ impl BackendDevice for CpuDevice {
         true
     }
 
-    fn from_host(&self, data: &CpuStorage) -> Result<CpuStorage> {
+    fn storage_from_host(&self, data: &CpuStorage) -> Result<CpuStorage> {
         Ok(data.clone())
     }
 

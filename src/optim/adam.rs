@@ -1,0 +1,331 @@
+//! Adam (Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization", Algorithm 1) and
+//! AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization", Algorithm 2),
+//! one implementation for both, following PyTorch's `torch.optim.Adam` and
+//! `torch.optim.AdamW` (<https://pytorch.org/docs/stable/generated/torch.optim.Adam.html>,
+//! <https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html>). Per step, for a
+//! parameter `p` with gradient `g` and this parameter's step count `t` (1 on its first step):
+//!
+//! ```text
+//! Adam:  g = g + weight_decay * p            (L2 penalty, added to the gradient)
+//! AdamW: p = p * (1 - lr * weight_decay)     (decoupled decay, before the Adam update)
+//! m = beta1 * m + (1 - beta1) * g            (m, v start at 0)
+//! v = beta2 * v + (1 - beta2) * g * g
+//! p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//! ```
+//!
+//! `eps` is added after the square root of the bias-corrected `v`, as in PyTorch (and
+//! Kingma & Ba's Algorithm 1); the bias corrections are computed in f64.
+
+use super::{
+    check_at_least, check_beta, check_lr, compute_dtype, metadata_for, save_state_file, update_err,
+    LoadedState, Optimizer, ParamSet,
+};
+use crate::{Grads, Result, Tensor};
+use std::marker::PhantomData;
+use std::path::Path;
+
+const EXP_AVG: &str = "exp_avg";
+const EXP_AVG_SQ: &str = "exp_avg_sq";
+const HYPER_KEYS: &[&str] = &["lr", "beta1", "beta2", "eps", "weight_decay"];
+
+/// Hyperparameters of [`Adam`] and [`AdamW`]. The defaults are torch.optim.Adam's (lr 1e-3,
+/// betas (0.9, 0.999), eps 1e-8, weight_decay 0); note torch.optim.AdamW defaults
+/// weight_decay to 1e-2, which must be set explicitly here.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// L2 penalty for [`Adam`], decoupled decay rate for [`AdamW`].
+    pub weight_decay: f64,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+impl AdamConfig {
+    /// torch.optim.Adam's checks: lr, eps and weight_decay >= 0, betas in [0, 1); plus
+    /// finiteness.
+    fn validate(&self, optimizer: &'static str) -> Result<()> {
+        check_at_least(optimizer, "learning rate", self.lr, 0.0)?;
+        check_beta(optimizer, "beta1", self.beta1)?;
+        check_beta(optimizer, "beta2", self.beta2)?;
+        check_at_least(optimizer, "eps", self.eps, 0.0)?;
+        check_at_least(optimizer, "weight_decay", self.weight_decay, 0.0)
+    }
+
+    fn to_metadata(self) -> Vec<(&'static str, String)> {
+        vec![
+            ("lr", self.lr.to_string()),
+            ("beta1", self.beta1.to_string()),
+            ("beta2", self.beta2.to_string()),
+            ("eps", self.eps.to_string()),
+            ("weight_decay", self.weight_decay.to_string()),
+        ]
+    }
+
+    fn from_metadata(optimizer: &'static str, state: &LoadedState) -> Result<Self> {
+        let c = AdamConfig {
+            lr: state.parse(optimizer, "lr")?,
+            beta1: state.parse(optimizer, "beta1")?,
+            beta2: state.parse(optimizer, "beta2")?,
+            eps: state.parse(optimizer, "eps")?,
+            weight_decay: state.parse(optimizer, "weight_decay")?,
+        };
+        c.validate(optimizer)?;
+        Ok(c)
+    }
+}
+
+/// How weight decay is applied: the one difference between Adam and AdamW.
+pub trait AdamVariant: private::Sealed {
+    /// The name in error messages.
+    const NAME: &'static str;
+    /// The `"optimizer"` kind in state files.
+    const KIND: &'static str;
+    /// Decoupled (AdamW) rather than L2 added to the gradient (Adam).
+    const DECOUPLED: bool;
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for super::L2 {}
+    impl Sealed for super::Decoupled {}
+}
+
+/// Weight decay as an L2 penalty added to the gradient: [`Adam`].
+#[derive(Debug, Clone, Copy)]
+pub struct L2;
+
+/// Weight decay decoupled from the gradient: [`AdamW`].
+#[derive(Debug, Clone, Copy)]
+pub struct Decoupled;
+
+impl AdamVariant for L2 {
+    const NAME: &'static str = "Adam";
+    const KIND: &'static str = "adam";
+    const DECOUPLED: bool = false;
+}
+
+impl AdamVariant for Decoupled {
+    const NAME: &'static str = "AdamW";
+    const KIND: &'static str = "adamw";
+    const DECOUPLED: bool = true;
+}
+
+/// Adam with L2 weight decay, as torch.optim.Adam.
+pub type Adam = AdamOptimizer<L2>;
+
+/// Adam with decoupled weight decay, as torch.optim.AdamW.
+pub type AdamW = AdamOptimizer<Decoupled>;
+
+/// One parameter's Adam state, in the parameter's compute dtype.
+#[derive(Debug, Clone)]
+pub struct AdamState {
+    /// Steps taken by this parameter (it has state only after its first).
+    pub step: u64,
+    /// First-moment estimate `m`.
+    pub exp_avg: Tensor,
+    /// Second-moment estimate `v`.
+    pub exp_avg_sq: Tensor,
+}
+
+/// The shared implementation of [`Adam`] and [`AdamW`]; use those aliases.
+pub struct AdamOptimizer<V: AdamVariant> {
+    config: AdamConfig,
+    params: ParamSet,
+    /// Indexed like `params`; `None` until the parameter's first step.
+    state: Vec<Option<AdamState>>,
+    variant: PhantomData<V>,
+}
+
+impl<V: AdamVariant> std::fmt::Debug for AdamOptimizer<V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(V::NAME)
+            .field("config", &self.config)
+            .field("params", &self.params.len())
+            .finish()
+    }
+}
+
+impl<V: AdamVariant> AdamOptimizer<V> {
+    /// Checks `config` and the parameters (unique names; float leaves that require grad).
+    pub fn new(params: Vec<(String, Tensor)>, config: AdamConfig) -> Result<Self> {
+        config.validate(V::NAME)?;
+        let params = ParamSet::new(V::NAME, params)?;
+        let state = vec![None; params.len()];
+        Ok(AdamOptimizer {
+            config,
+            params,
+            state,
+            variant: PhantomData,
+        })
+    }
+
+    pub fn config(&self) -> &AdamConfig {
+        &self.config
+    }
+
+    /// The parameters, in the order given.
+    pub fn params(&self) -> &[(String, Tensor)] {
+        &self.params.params
+    }
+
+    /// A parameter's state, once it has taken a step.
+    pub fn state(&self, name: &str) -> Option<&AdamState> {
+        self.params
+            .lookup(name)
+            .and_then(|(i, _)| self.state.get(i))
+            .and_then(Option::as_ref)
+    }
+}
+
+/// Updates `p` from `grad`; the new state is stored in `state` only once the parameter has
+/// been written.
+fn update(
+    c: &AdamConfig,
+    decoupled: bool,
+    p: &Tensor,
+    grad: &Tensor,
+    state: &mut Option<AdamState>,
+) -> Result<()> {
+    let cd = compute_dtype(p.dtype());
+    let mut p_up = p.to_dtype(cd)?;
+    let mut g = grad.to_dtype(cd)?;
+    if c.weight_decay != 0.0 {
+        if decoupled {
+            // Loshchilov & Hutter 2019, Algorithm 2 line 12, in torch.optim.AdamW's form:
+            // p <- p * (1 - lr * weight_decay), before the Adam step.
+            p_up = p_up.affine(1.0 - c.lr * c.weight_decay, 0.0)?;
+        } else {
+            // torch.optim.Adam: g <- g + weight_decay * p.
+            g = g.add(&p_up.affine(c.weight_decay, 0.0)?)?;
+        }
+    }
+    // Kingma & Ba 2015, Algorithm 1: biased moment estimates, starting from zero (the
+    // first step's b * 0 terms are left out).
+    let g_sq = g.mul(&g)?;
+    let (step, m, v) = match state.as_ref() {
+        None => (
+            1,
+            g.affine(1.0 - c.beta1, 0.0)?,
+            g_sq.affine(1.0 - c.beta2, 0.0)?,
+        ),
+        Some(s) => (
+            s.step.saturating_add(1),
+            s.exp_avg
+                .affine(c.beta1, 0.0)?
+                .add(&g.affine(1.0 - c.beta1, 0.0)?)?,
+            s.exp_avg_sq
+                .affine(c.beta2, 0.0)?
+                .add(&g_sq.affine(1.0 - c.beta2, 0.0)?)?,
+        ),
+    };
+    // Bias corrections, as torch.optim.Adam: step_size = lr / (1 - beta1^t),
+    // denom = sqrt(v) / sqrt(1 - beta2^t) + eps.
+    let t = step as f64;
+    let bias1 = 1.0 - c.beta1.powf(t);
+    let bias2_sqrt = (1.0 - c.beta2.powf(t)).sqrt();
+    let step_size = c.lr / bias1;
+    let denom = v.sqrt()?.affine(1.0 / bias2_sqrt, c.eps)?;
+    let new_p = p_up
+        .sub(&m.div(&denom)?.affine(step_size, 0.0)?)?
+        .to_dtype(p.dtype())?;
+    p.assign(&new_p)?;
+    *state = Some(AdamState {
+        step,
+        exp_avg: m,
+        exp_avg_sq: v,
+    });
+    Ok(())
+}
+
+impl<V: AdamVariant> Optimizer for AdamOptimizer<V> {
+    fn step(&mut self, grads: &Grads) -> Result<()> {
+        check_lr(V::NAME, self.config.lr)?;
+        let _guard = crate::no_grad();
+        let gs = self.params.gradients(grads)?;
+        let params = self.params.params.iter().zip(gs);
+        for (((name, p), g), state) in params.zip(self.state.iter_mut()) {
+            if let Some(g) = g {
+                update(&self.config, V::DECOUPLED, p, g, state)
+                    .map_err(|e| update_err(V::NAME, name, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+
+    fn save_state(&self, path: &Path) -> Result<()> {
+        let mut tensors = Vec::new();
+        let mut metadata = metadata_for(V::KIND, &self.config.to_metadata());
+        for (i, ((name, _), s)) in self.params.params.iter().zip(&self.state).enumerate() {
+            if let Some(s) = s {
+                tensors.push((i, EXP_AVG, &s.exp_avg));
+                tensors.push((i, EXP_AVG_SQ, &s.exp_avg_sq));
+                metadata.insert(format!("step.{name}"), s.step.to_string());
+            }
+        }
+        save_state_file(&self.params, tensors, &metadata, path)
+    }
+
+    fn load_state(&mut self, path: &Path) -> Result<()> {
+        let _guard = crate::no_grad();
+        let mut loaded = LoadedState::read(
+            &self.params,
+            V::KIND,
+            &[EXP_AVG, EXP_AVG_SQ],
+            HYPER_KEYS,
+            true,
+            path,
+        )?;
+        let config = AdamConfig::from_metadata(V::NAME, &loaded)?;
+        let mut state = Vec::with_capacity(self.params.len());
+        let per_param = std::mem::take(&mut loaded.tensors);
+        for ((name, _), mut tensors) in self.params.params.iter().zip(per_param) {
+            let step = loaded.step(V::NAME, name)?;
+            let (m, v) = (tensors.remove(EXP_AVG), tensors.remove(EXP_AVG_SQ));
+            state.push(match (step, m, v) {
+                (None, None, None) => None,
+                (Some(step), Some(exp_avg), Some(exp_avg_sq)) if step >= 1 => Some(AdamState {
+                    step,
+                    exp_avg,
+                    exp_avg_sq,
+                }),
+                (step, m, v) => {
+                    return Err(loaded.err(
+                        V::NAME,
+                        format!(
+                            "parameter '{name}': incomplete state (step {}, {name}.{EXP_AVG} \
+                             {}, {name}.{EXP_AVG_SQ} {}); a parameter's state is a step >= 1 \
+                             and both moment tensors, or nothing",
+                            step.map_or("missing".into(), |s| s.to_string()),
+                            if m.is_some() { "present" } else { "missing" },
+                            if v.is_some() { "present" } else { "missing" },
+                        ),
+                    ))
+                }
+            });
+        }
+        self.config = config;
+        self.state = state;
+        Ok(())
+    }
+}

@@ -1,0 +1,388 @@
+//! Optimizers over named parameters: [`Sgd`], [`Adam`] and [`AdamW`], with the semantics of
+//! PyTorch's `torch.optim.SGD`, `torch.optim.Adam` and `torch.optim.AdamW`
+//! (<https://pytorch.org/docs/stable/optim.html>).
+//!
+//! Conventions shared by every optimizer here:
+//! - Parameters are given as `(name, tensor)` pairs. Names are unique; each tensor is a float
+//!   leaf that requires grad. A parameter with no gradient in the [`Grads`] passed to `step`
+//!   is skipped and its state left as it was, as PyTorch skips parameters whose `.grad` is
+//!   `None`.
+//! - The update runs under [`no_grad`](crate::no_grad), in f32 for f32, bf16 and f16
+//!   parameters and in f64 for f64 ones: the gradient and the parameter are cast up, the new
+//!   value is computed and cast back, and [`Tensor::assign`] writes it into the parameter's
+//!   storage, so every clone of the parameter handle sees it. Optimizer state (momentum
+//!   buffers, moment estimates) is kept in that compute dtype.
+//! - `step` checks every gradient (shape, dtype, device) before it updates anything.
+//! - State is saved to and loaded from a safetensors file: tensors `<param>.<state>`
+//!   (`momentum_buffer`, `exp_avg`, `exp_avg_sq`) and, in `__metadata__`, the optimizer kind
+//!   (`"optimizer"`), its hyperparameters (`"lr"`, ...) and per-parameter step counts
+//!   (`"step.<param>"`). Floats are written in Rust's shortest round-trip form, so a saved and
+//!   reloaded optimizer continues bit for bit.
+
+mod adam;
+mod sgd;
+
+pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
+pub use sgd::{Sgd, SgdConfig};
+
+use crate::safetensors::SafeTensorsFile;
+use crate::{DType, Error, Grads, Result, Tensor};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// An optimizer: updates its parameters in place from their gradients.
+///
+/// Object safe, so a trainer can hold a `Box<dyn Optimizer>`.
+pub trait Optimizer {
+    /// One update of every parameter that has a gradient in `grads`.
+    fn step(&mut self, grads: &Grads) -> Result<()>;
+
+    /// The current learning rate.
+    fn learning_rate(&self) -> f64;
+
+    /// Sets the learning rate for the following steps (for schedules). The value is checked
+    /// by the next `step`: a negative or non-finite rate makes it fail.
+    fn set_learning_rate(&mut self, lr: f64);
+
+    /// Writes the optimizer's kind, hyperparameters and per-parameter state to a safetensors
+    /// file at `path` (atomically: the file appears only once fully written).
+    fn save_state(&self, path: &Path) -> Result<()>;
+
+    /// Replaces the state (and hyperparameters) with those saved by `save_state` of an
+    /// optimizer of the same kind. Every state tensor in the file must belong to one of this
+    /// optimizer's parameters and have its shape; on any error nothing is changed.
+    /// Parameters absent from the file start with fresh state.
+    fn load_state(&mut self, path: &Path) -> Result<()>;
+}
+
+/// The error every optimizer returns.
+fn opt_err(optimizer: &'static str, msg: impl Into<String>) -> Error {
+    Error::Optimizer {
+        optimizer,
+        msg: msg.into(),
+    }
+}
+
+/// The dtype an update of a `dtype` parameter is computed in: f64 for f64, else f32 (half
+/// types gain the f32 accumulation PyTorch's mixed-precision recipes rely on).
+fn compute_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// A hyperparameter must be finite and at least `min`.
+fn check_at_least(optimizer: &'static str, what: &str, value: f64, min: f64) -> Result<()> {
+    if !value.is_finite() || value < min {
+        return Err(opt_err(
+            optimizer,
+            format!("invalid {what} {value}: must be finite and >= {min}"),
+        ));
+    }
+    Ok(())
+}
+
+/// A beta must lie in [0, 1), as torch.optim.Adam requires.
+fn check_beta(optimizer: &'static str, what: &str, value: f64) -> Result<()> {
+    if !(0.0..1.0).contains(&value) {
+        return Err(opt_err(
+            optimizer,
+            format!("invalid {what} {value}: must be in [0, 1)"),
+        ));
+    }
+    Ok(())
+}
+
+/// An exact, independent copy of `t` (same dtype and device), so that state never aliases a
+/// tensor the caller owns (a gradient may later be modified in place with `assign`).
+fn fresh_copy(t: &Tensor) -> Result<Tensor> {
+    let out = Tensor::zeros(t.shape().clone(), t.dtype(), t.device())?;
+    out.assign(t)?;
+    Ok(out)
+}
+
+/// The parameters an optimizer updates, in the order given, with a name index.
+struct ParamSet {
+    optimizer: &'static str,
+    params: Vec<(String, Tensor)>,
+    index: HashMap<String, usize>,
+}
+
+impl ParamSet {
+    /// Checks the parameters: unique non-empty names, no tensor given twice, each a float leaf
+    /// that requires grad and can be written in place (not a broadcast view).
+    fn new(optimizer: &'static str, params: Vec<(String, Tensor)>) -> Result<Self> {
+        let mut index = HashMap::with_capacity(params.len());
+        let mut ids = HashMap::with_capacity(params.len());
+        for (i, (name, p)) in params.iter().enumerate() {
+            let bad = |msg: String| opt_err(optimizer, format!("parameter '{name}': {msg}"));
+            if name.is_empty() {
+                return Err(opt_err(
+                    optimizer,
+                    format!("parameter #{i} has an empty name"),
+                ));
+            }
+            if index.insert(name.clone(), i).is_some() {
+                return Err(bad("the name is given twice".into()));
+            }
+            if let Some(other) = ids.insert(p.id(), name) {
+                return Err(bad(format!(
+                    "the same tensor is also given as parameter '{other}'"
+                )));
+            }
+            if !p.dtype().is_float() {
+                return Err(bad(format!("dtype {} is not a float dtype", p.dtype())));
+            }
+            if !p.is_var() {
+                return Err(bad(if p.requires_grad() {
+                    format!(
+                        "not a leaf: computed by an op (shape {}); detach() it and \
+                         set_requires_grad(true)",
+                        p.shape()
+                    )
+                } else {
+                    format!("does not require grad (shape {})", p.shape())
+                }));
+            }
+            let l = p.layout();
+            if l.dims()
+                .iter()
+                .zip(l.strides())
+                .any(|(&d, &s)| d > 1 && s == 0)
+            {
+                return Err(bad(format!(
+                    "a broadcast view (shape {}) cannot be updated in place",
+                    p.shape()
+                )));
+            }
+        }
+        Ok(ParamSet {
+            optimizer,
+            params,
+            index,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.params.len()
+    }
+
+    /// The index and tensor of the parameter called `name`.
+    fn lookup(&self, name: &str) -> Option<(usize, &Tensor)> {
+        let i = *self.index.get(name)?;
+        self.params.get(i).map(|(_, t)| (i, t))
+    }
+
+    /// Each parameter's gradient (`None` where it has none), in parameter order, after
+    /// checking each against its parameter. Nothing is updated unless every gradient passes.
+    fn gradients<'g>(&self, grads: &'g Grads) -> Result<Vec<Option<&'g Tensor>>> {
+        let mut out = Vec::with_capacity(self.params.len());
+        for (name, p) in &self.params {
+            let g = grads.get(p);
+            if let Some(g) = g {
+                let bad = |msg: String| {
+                    opt_err(
+                        self.optimizer,
+                        format!("parameter '{name}': gradient {msg}"),
+                    )
+                };
+                if g.shape() != p.shape() {
+                    return Err(bad(format!(
+                        "shape {} does not match the parameter's shape {}",
+                        g.shape(),
+                        p.shape()
+                    )));
+                }
+                if !g.dtype().is_float() {
+                    return Err(bad(format!("dtype {} is not a float dtype", g.dtype())));
+                }
+                if g.device() != p.device() {
+                    return Err(bad(format!(
+                        "is on {} but the parameter is on {}",
+                        g.device(),
+                        p.device()
+                    )));
+                }
+            }
+            out.push(g);
+        }
+        Ok(out)
+    }
+}
+
+/// Wraps an error raised while updating a parameter so that it names the parameter.
+fn update_err(optimizer: &'static str, name: &str, e: Error) -> Error {
+    opt_err(optimizer, format!("parameter '{name}': update failed: {e}"))
+}
+
+/// Per-parameter state tensors, each saved as `<param>.<suffix>`.
+type StateTensors = Vec<HashMap<&'static str, Tensor>>;
+
+/// Writes `tensors` (`(param index, suffix, tensor)`) and `metadata` (which must hold the
+/// `"optimizer"` kind) to a safetensors file.
+fn save_state_file(
+    params: &ParamSet,
+    tensors: Vec<(usize, &'static str, &Tensor)>,
+    metadata: &BTreeMap<String, String>,
+    path: &Path,
+) -> Result<()> {
+    let named: Vec<(String, &Tensor)> = tensors
+        .into_iter()
+        .filter_map(|(i, suffix, t)| {
+            params
+                .params
+                .get(i)
+                .map(|(name, _)| (format!("{name}.{suffix}"), t))
+        })
+        .collect();
+    crate::safetensors::save_with_metadata(
+        named.iter().map(|(n, t)| (n.as_str(), *t)),
+        metadata,
+        path,
+    )
+}
+
+/// A state file read and checked against an optimizer's parameters.
+struct LoadedState {
+    metadata: BTreeMap<String, String>,
+    /// Indexed like the parameters: suffix -> tensor, in the parameter's compute dtype.
+    tensors: StateTensors,
+    path: String,
+}
+
+impl LoadedState {
+    /// Opens `path` and checks it: `"optimizer"` equals `kind`; every tensor is
+    /// `<param>.<suffix>` for a known parameter and one of `suffixes`, of a float dtype and
+    /// the parameter's shape; every metadata key is `"optimizer"`, one of `keys`, or (when
+    /// `step_keys`) `"step.<param>"` for a known parameter.
+    fn read(
+        params: &ParamSet,
+        kind: &str,
+        suffixes: &[&'static str],
+        keys: &[&str],
+        step_keys: bool,
+        path: &Path,
+    ) -> Result<Self> {
+        let optimizer = params.optimizer;
+        let shown = path.display().to_string();
+        let bad = |msg: String| opt_err(optimizer, format!("state file {shown}: {msg}"));
+        let file = SafeTensorsFile::open(path)?;
+        let metadata = file.metadata().clone();
+        match metadata.get("optimizer") {
+            Some(k) if k == kind => {}
+            Some(k) => {
+                return Err(bad(format!(
+                    "holds the state of optimizer kind '{k}', not '{kind}'"
+                )))
+            }
+            None => return Err(bad("no \"optimizer\" kind in __metadata__".into())),
+        }
+        for key in metadata.keys() {
+            if key == "optimizer" || keys.contains(&key.as_str()) {
+                continue;
+            }
+            match key.strip_prefix("step.") {
+                Some(p) if step_keys => {
+                    if params.lookup(p).is_none() {
+                        return Err(bad(format!(
+                            "metadata key '{key}': '{p}' is not a parameter of this optimizer"
+                        )));
+                    }
+                }
+                _ => return Err(bad(format!("unexpected metadata key '{key}'"))),
+            }
+        }
+        let mut tensors: StateTensors = vec![HashMap::new(); params.len()];
+        for name in file.names() {
+            let found = suffixes.iter().find_map(|s| {
+                name.strip_suffix(s)
+                    .and_then(|rest| rest.strip_suffix('.'))
+                    .map(|p| (p, *s))
+            });
+            let Some((pname, suffix)) = found else {
+                return Err(bad(format!(
+                    "tensor '{name}' is not a state tensor of this optimizer (expected \
+                     <param>.{})",
+                    suffixes.join(" or <param>.")
+                )));
+            };
+            let Some((i, p)) = params.lookup(pname) else {
+                return Err(bad(format!(
+                    "tensor '{name}' belongs to '{pname}', which is not a parameter of this \
+                     optimizer"
+                )));
+            };
+            let info = file
+                .info(name)
+                .ok_or_else(|| bad(format!("tensor '{name}' vanished from the header")))?;
+            if info.shape.as_slice() != p.dims() {
+                return Err(bad(format!(
+                    "tensor '{name}' has shape {:?} but parameter '{pname}' has shape {}",
+                    info.shape,
+                    p.shape()
+                )));
+            }
+            match info.flame_dtype() {
+                Some(d) if d.is_float() => {}
+                _ => {
+                    return Err(bad(format!(
+                        "tensor '{name}' has dtype {}, not a float dtype",
+                        info.dtype
+                    )))
+                }
+            }
+            let t = file.load_as(name, p.device(), compute_dtype(p.dtype()))?;
+            if let Some(slot) = tensors.get_mut(i) {
+                slot.insert(suffix, t);
+            }
+        }
+        Ok(LoadedState {
+            metadata,
+            tensors,
+            path: shown,
+        })
+    }
+
+    fn err(&self, optimizer: &'static str, msg: String) -> Error {
+        opt_err(optimizer, format!("state file {}: {msg}", self.path))
+    }
+
+    /// A metadata value parsed as `T`.
+    fn parse<T: std::str::FromStr>(&self, optimizer: &'static str, key: &str) -> Result<T> {
+        let v = self
+            .metadata
+            .get(key)
+            .ok_or_else(|| self.err(optimizer, format!("no '{key}' in __metadata__")))?;
+        v.parse().map_err(|_| {
+            self.err(
+                optimizer,
+                format!("metadata '{key}' = '{v}' is not a valid value"),
+            )
+        })
+    }
+
+    /// The step count saved for a parameter, if any.
+    fn step(&self, optimizer: &'static str, param: &str) -> Result<Option<u64>> {
+        let key = format!("step.{param}");
+        if !self.metadata.contains_key(&key) {
+            return Ok(None);
+        }
+        self.parse(optimizer, &key).map(Some)
+    }
+}
+
+/// Metadata map starting with the optimizer kind.
+fn metadata_for(kind: &str, hyper: &[(&str, String)]) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    m.insert("optimizer".to_string(), kind.to_string());
+    for (k, v) in hyper {
+        m.insert(k.to_string(), v.clone());
+    }
+    m
+}
+
+/// Checks the learning rate before a step (it may have been set after construction).
+fn check_lr(optimizer: &'static str, lr: f64) -> Result<()> {
+    check_at_least(optimizer, "learning rate", lr, 0.0)
+}

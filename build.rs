@@ -67,7 +67,9 @@ fn main() {
                     .expect("utf-8 kernel file name");
                 let ptx = out_dir.join(format!("{stem}.ptx"));
                 let out = Command::new(nvcc)
-                    .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}"), "-o"])
+                    .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}")])
+                    .arg(format!("-I{}", manifest.join("cuda").display()))
+                    .arg("-o")
                     .arg(&ptx)
                     .arg(src)
                     .output()

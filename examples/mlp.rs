@@ -124,7 +124,7 @@ fn main() -> anyhow::Result<()> {
         start.elapsed().as_secs_f64(),
         args.steps
     );
-    if !(last < first / 10.0) {
+    if last.is_nan() || last >= first / 10.0 {
         bail!("the loss did not fall to a tenth of its start ({first:.4} -> {last:.4})");
     }
     Ok(())

@@ -1,6 +1,5 @@
 //! Devices and the storage enum that dispatches to a backend. This is the only place that
-//! knows which backends are compiled in. CUDA tensors join here with the CUDA backend; until
-//! then the `cuda` feature provides `flame::cuda::CudaDevice` for kernel loading only.
+//! knows which backends are compiled in.
 
 use crate::backend::{
     BackendDevice, BackendStorage, BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp,
@@ -11,25 +10,40 @@ use crate::{CpuStorage, DType, Layout, Result, Shape};
 pub enum Device {
     #[cfg(feature = "cpu-ref")]
     Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::CudaDevice),
     /// Present only in builds without any tensor backend; it has no values.
-    #[cfg(not(feature = "cpu-ref"))]
+    #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
     None(std::convert::Infallible),
 }
 
 pub(crate) enum Storage {
     #[cfg(feature = "cpu-ref")]
     Cpu(CpuStorage),
-    #[cfg(not(feature = "cpu-ref"))]
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::CudaStorage),
+    #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
     None(std::convert::Infallible),
 }
 
-/// Applies `$e` to the backend storage inside `$s`, wrapping a storage result back.
+#[cfg(all(feature = "cpu-ref", feature = "cuda"))]
+fn mismatch(op: &'static str) -> crate::Error {
+    crate::Error::DeviceMismatch {
+        op,
+        lhs: "cpu".into(),
+        rhs: "cuda".into(),
+    }
+}
+
+/// Applies `$e` to the backend value inside `$s`; `wrap` puts a storage result back.
 macro_rules! on_storage {
     ($s:expr, $x:ident => wrap $e:expr) => {
         match $s {
             #[cfg(feature = "cpu-ref")]
             Storage::Cpu($x) => Storage::Cpu($e),
-            #[cfg(not(feature = "cpu-ref"))]
+            #[cfg(feature = "cuda")]
+            Storage::Cuda($x) => Storage::Cuda($e),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
             Storage::None(n) => match *n {},
         }
     };
@@ -37,21 +51,60 @@ macro_rules! on_storage {
         match $s {
             #[cfg(feature = "cpu-ref")]
             Storage::Cpu($x) => $e,
-            #[cfg(not(feature = "cpu-ref"))]
+            #[cfg(feature = "cuda")]
+            Storage::Cuda($x) => $e,
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
             Storage::None(n) => match *n {},
         }
     };
 }
 
-/// Applies `$e` to two or three storages on the same backend.
+/// Applies `$e` to two storages of one backend (a device mismatch is an error).
 macro_rules! on_pair {
-    ($a:expr, $b:expr, ($x:ident, $y:ident) => $e:expr) => {
+    ($op:literal, $a:expr, $b:expr, ($x:ident, $y:ident) => $e:expr) => {
         match ($a, $b) {
             #[cfg(feature = "cpu-ref")]
             (Storage::Cpu($x), Storage::Cpu($y)) => Storage::Cpu($e),
-            #[cfg(not(feature = "cpu-ref"))]
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda($x), Storage::Cuda($y)) => Storage::Cuda($e),
+            #[cfg(all(feature = "cpu-ref", feature = "cuda"))]
+            _ => return Err(mismatch($op)),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
             (Storage::None(n), _) => match *n {},
         }
+    };
+}
+
+/// Like `on_pair` for three storages.
+macro_rules! on_triple {
+    ($op:literal, $a:expr, $b:expr, $c:expr, ($x:ident, $y:ident, $z:ident) => $e:expr) => {
+        match ($a, $b, $c) {
+            #[cfg(feature = "cpu-ref")]
+            (Storage::Cpu($x), Storage::Cpu($y), Storage::Cpu($z)) => Storage::Cpu($e),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda($x), Storage::Cuda($y), Storage::Cuda($z)) => Storage::Cuda($e),
+            #[cfg(all(feature = "cpu-ref", feature = "cuda"))]
+            _ => return Err(mismatch($op)),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            (Storage::None(n), _, _) => match *n {},
+        }
+    };
+}
+
+/// Applies `$e` to the backend device of `$d`, wrapping the storage it returns.
+macro_rules! on_device {
+    ($d:expr, $x:ident => $e:expr) => {
+        Ok(match $d {
+            #[cfg(feature = "cpu-ref")]
+            Device::Cpu => {
+                let $x = crate::backend::cpu::CpuDevice;
+                Storage::Cpu($e?)
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda($x) => Storage::Cuda($e?),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Device::None(n) => match *n {},
+        })
     };
 }
 
@@ -62,31 +115,39 @@ impl Device {
         Device::Cpu
     }
 
+    /// GPU `ordinal` (see `cuda::CudaDevice::new` for the errors).
+    #[cfg(feature = "cuda")]
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        Ok(Device::Cuda(crate::backend::cuda::CudaDevice::new(
+            ordinal,
+        )?))
+    }
+
+    pub fn is_cuda(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(_) = self {
+            return true;
+        }
+        false
+    }
+
     pub fn location(&self) -> String {
         match self {
             #[cfg(feature = "cpu-ref")]
             Device::Cpu => crate::backend::cpu::CpuDevice.location(),
-            #[cfg(not(feature = "cpu-ref"))]
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => d.location(),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
             Device::None(n) => match *n {},
         }
     }
 
     pub(crate) fn storage_from_host(&self, data: &CpuStorage) -> Result<Storage> {
-        Ok(match self {
-            #[cfg(feature = "cpu-ref")]
-            Device::Cpu => Storage::Cpu(crate::backend::cpu::CpuDevice.storage_from_host(data)?),
-            #[cfg(not(feature = "cpu-ref"))]
-            Device::None(n) => match *n {},
-        })
+        on_device!(self, d => d.storage_from_host(data))
     }
 
     pub(crate) fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<Storage> {
-        Ok(match self {
-            #[cfg(feature = "cpu-ref")]
-            Device::Cpu => Storage::Cpu(crate::backend::cpu::CpuDevice.full(shape, dtype, value)?),
-            #[cfg(not(feature = "cpu-ref"))]
-            Device::None(n) => match *n {},
-        })
+        on_device!(self, d => d.full(shape, dtype, value))
     }
 
     pub(crate) fn rand_uniform(
@@ -97,14 +158,7 @@ impl Device {
         hi: f64,
         seed: u64,
     ) -> Result<Storage> {
-        Ok(match self {
-            #[cfg(feature = "cpu-ref")]
-            Device::Cpu => Storage::Cpu(
-                crate::backend::cpu::CpuDevice.rand_uniform(shape, dtype, lo, hi, seed)?,
-            ),
-            #[cfg(not(feature = "cpu-ref"))]
-            Device::None(n) => match *n {},
-        })
+        on_device!(self, d => d.rand_uniform(shape, dtype, lo, hi, seed))
     }
 
     pub(crate) fn rand_normal(
@@ -115,14 +169,7 @@ impl Device {
         std: f64,
         seed: u64,
     ) -> Result<Storage> {
-        Ok(match self {
-            #[cfg(feature = "cpu-ref")]
-            Device::Cpu => Storage::Cpu(
-                crate::backend::cpu::CpuDevice.rand_normal(shape, dtype, mean, std, seed)?,
-            ),
-            #[cfg(not(feature = "cpu-ref"))]
-            Device::None(n) => match *n {},
-        })
+        on_device!(self, d => d.rand_normal(shape, dtype, mean, std, seed))
     }
 }
 
@@ -146,10 +193,10 @@ impl Storage {
         rl: &Layout,
         op: BinaryOp,
     ) -> Result<Storage> {
-        Ok(on_pair!(self, rhs, (a, b) => a.binary(l, b, rl, op)?))
+        Ok(on_pair!("binary", self, rhs, (a, b) => a.binary(l, b, rl, op)?))
     }
     pub(crate) fn cmp(&self, l: &Layout, rhs: &Storage, rl: &Layout, op: CmpOp) -> Result<Storage> {
-        Ok(on_pair!(self, rhs, (a, b) => a.cmp(l, b, rl, op)?))
+        Ok(on_pair!("cmp", self, rhs, (a, b) => a.cmp(l, b, rl, op)?))
     }
     pub(crate) fn where_cond(
         &self,
@@ -159,14 +206,7 @@ impl Storage {
         f: &Storage,
         fl: &Layout,
     ) -> Result<Storage> {
-        Ok(match (self, t, f) {
-            #[cfg(feature = "cpu-ref")]
-            (Storage::Cpu(m), Storage::Cpu(t), Storage::Cpu(f)) => {
-                Storage::Cpu(m.where_cond(l, t, tl, f, fl)?)
-            }
-            #[cfg(not(feature = "cpu-ref"))]
-            (Storage::None(n), _, _) => match *n {},
-        })
+        Ok(on_triple!("where_cond", self, t, f, (m, t, f) => m.where_cond(l, t, tl, f, fl)?))
     }
     pub(crate) fn reduce(&self, l: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Storage> {
         Ok(on_storage!(self, s => wrap s.reduce(l, op, dims)?))
@@ -178,7 +218,11 @@ impl Storage {
         match (self, dst) {
             #[cfg(feature = "cpu-ref")]
             (Storage::Cpu(s), Storage::Cpu(d)) => s.copy_strided(l, d, dst_l),
-            #[cfg(not(feature = "cpu-ref"))]
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(s), Storage::Cuda(d)) => s.copy_strided(l, d, dst_l),
+            #[cfg(all(feature = "cpu-ref", feature = "cuda"))]
+            _ => Err(mismatch("copy_strided")),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
             (Storage::None(n), _) => match *n {},
         }
     }
@@ -189,7 +233,7 @@ impl Storage {
         il: &Layout,
         dim: usize,
     ) -> Result<Storage> {
-        Ok(on_pair!(self, ids, (s, i) => s.index_select(l, i, il, dim)?))
+        Ok(on_pair!("index_select", self, ids, (s, i) => s.index_select(l, i, il, dim)?))
     }
     pub(crate) fn gather(
         &self,
@@ -198,7 +242,7 @@ impl Storage {
         il: &Layout,
         dim: usize,
     ) -> Result<Storage> {
-        Ok(on_pair!(self, ids, (s, i) => s.gather(l, i, il, dim)?))
+        Ok(on_pair!("gather", self, ids, (s, i) => s.gather(l, i, il, dim)?))
     }
     pub(crate) fn scatter_add(
         &self,
@@ -209,14 +253,9 @@ impl Storage {
         sl: &Layout,
         dim: usize,
     ) -> Result<Storage> {
-        Ok(match (self, ids, src) {
-            #[cfg(feature = "cpu-ref")]
-            (Storage::Cpu(d), Storage::Cpu(i), Storage::Cpu(s)) => {
-                Storage::Cpu(d.scatter_add(l, i, il, s, sl, dim)?)
-            }
-            #[cfg(not(feature = "cpu-ref"))]
-            (Storage::None(n), _, _) => match *n {},
-        })
+        Ok(
+            on_triple!("scatter_add", self, ids, src, (d, i, s) => d.scatter_add(l, i, il, s, sl, dim)?),
+        )
     }
     pub(crate) fn matmul(
         &self,
@@ -225,7 +264,7 @@ impl Storage {
         rl: &Layout,
         dims: MatmulDims,
     ) -> Result<Storage> {
-        Ok(on_pair!(self, rhs, (a, b) => a.matmul(l, b, rl, dims)?))
+        Ok(on_pair!("matmul", self, rhs, (a, b) => a.matmul(l, b, rl, dims)?))
     }
     pub(crate) fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
         on_storage!(self, s => s.to_host(l))

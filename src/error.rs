@@ -78,6 +78,13 @@ pub enum Error {
         optimizer: &'static str,
         msg: String,
     },
+    #[error("out of GPU memory on {device}: requested {requested} bytes with {in_use} in use, limit {limit}")]
+    OutOfMemory {
+        device: String,
+        requested: u64,
+        in_use: u64,
+        limit: u64,
+    },
     #[error("CUDA is not available: {0}")]
     CudaUnavailable(String),
     #[error("CUDA: {0}")]

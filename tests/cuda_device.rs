@@ -1,9 +1,9 @@
-//! The CUDA device: creation fails cleanly where CUDA is absent, and (on a GPU machine, run
-//! with --include-ignored) the embedded fill kernel writes what the host reads back.
+//! The CUDA device: creation fails cleanly where CUDA is absent; on a GPU machine (run with
+//! --include-ignored) memory accounting and its hard limit work as documented.
 #![cfg(feature = "cuda")]
 
 use flame::cuda::{driver_available, kernel_modules, kernels_compiled, CudaDevice};
-use flame::{DType, Error};
+use flame::{DType, Device, Error, Tensor};
 
 #[test]
 fn device_creation_reports_what_is_missing() {
@@ -27,18 +27,20 @@ fn device_creation_reports_what_is_missing() {
 }
 
 #[test]
-fn build_embeds_the_fill_module_when_nvcc_is_present() {
+fn build_embeds_every_kernel_module_when_nvcc_is_present() {
+    let mut found: Vec<_> = kernel_modules().collect();
+    found.sort_unstable();
     if kernels_compiled() {
-        assert!(kernel_modules().any(|m| m == "fill"));
+        assert_eq!(found, ["elementwise", "fill", "index", "random", "reduce"]);
     } else {
-        assert_eq!(kernel_modules().count(), 0);
+        assert!(found.is_empty());
     }
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn fill_kernel_round_trip() {
-    let dev = CudaDevice::new(0).expect("a GPU");
+fn fill_round_trip_every_dtype() {
+    let dev = Device::cuda(0).expect("a GPU");
     for n in [1usize, 7, 1_000_003] {
         for (dtype, v) in [
             (DType::F32, -3.25),
@@ -47,13 +49,12 @@ fn fill_kernel_round_trip() {
             (DType::F16, -0.125),
             (DType::U32, 77.0),
         ] {
-            let host = dev
-                .to_host(&dev.full(n, dtype, v).expect("fill"))
-                .expect("copy back");
-            assert_eq!(host.dtype(), dtype);
-            let got = host.to_f64_vec();
+            let got = Tensor::full(v, n, dtype, &dev)
+                .unwrap()
+                .to_vec_f64()
+                .unwrap();
             assert_eq!(got.len(), n);
-            // Each value is exact in its dtype except 1/3 in f64, which is exact as f64.
+            // Each value is exact in its dtype.
             assert!(
                 got.iter().all(|&x| x == v),
                 "{dtype} n={n}: {:?}",
@@ -62,8 +63,59 @@ fn fill_kernel_round_trip() {
         }
     }
     // u32 saturates like the CPU's cast.
-    let neg = dev
-        .to_host(&dev.full(3, DType::U32, -5.0).expect("fill"))
-        .expect("copy");
-    assert_eq!(neg.to_f64_vec(), vec![0.0; 3]);
+    assert_eq!(
+        Tensor::full(-5.0, 3, DType::U32, &dev)
+            .unwrap()
+            .to_vec::<u32>()
+            .unwrap(),
+        vec![0; 3]
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn memory_accounting_and_hard_limit() {
+    let Device::Cuda(cuda) = Device::cuda(0).expect("a GPU") else {
+        unreachable!()
+    };
+    let dev = Device::Cuda(cuda.clone());
+    let before = cuda.memory();
+    let a = Tensor::zeros((1024, 1024), DType::F32, &dev).unwrap();
+    let mid = cuda.memory();
+    assert_eq!(mid.in_use - before.in_use, 4 << 20, "4 MiB buffer counted");
+    assert!(mid.peak >= mid.in_use);
+    drop(a);
+    cuda.synchronize().unwrap();
+    assert_eq!(cuda.memory().in_use, before.in_use, "freed on drop");
+
+    // Under a 64 MiB limit a 128 MiB tensor is refused with the figures in the error.
+    cuda.set_memory_limit(Some(before.in_use + (64 << 20)));
+    let err = Tensor::zeros(32 << 20, DType::F32, &dev).unwrap_err();
+    cuda.set_memory_limit(None);
+    match &err {
+        Error::OutOfMemory {
+            requested, limit, ..
+        } => {
+            assert_eq!(*requested, 128 << 20);
+            assert_eq!(*limit, before.in_use + (64 << 20));
+        }
+        other => panic!("expected OutOfMemory, got {other}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains("requested 134217728 bytes") && msg.contains("limit"),
+        "{msg}"
+    );
+    // After the refusal the device still works.
+    assert_eq!(
+        Tensor::ones(3, DType::F32, &dev)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
+        vec![1.0; 3]
+    );
+
+    // A request larger than the GPU is an error too, not an abort.
+    let huge = Tensor::zeros(1usize << 40, DType::F32, &dev).unwrap_err();
+    assert!(matches!(huge, Error::OutOfMemory { .. }), "{huge}");
 }

@@ -1,5 +1,6 @@
 //! Optimizer tests: updates checked against numbers worked out by hand (or with the update
 //! formula written out in f64 here), state save/load, and error paths.
+#![cfg(feature = "cpu-ref")]
 
 use flame::optim::{
     Adam, AdamConfig, AdamOptimizer, AdamVariant, AdamW, Decoupled, Optimizer, Sgd, SgdConfig, L2,

@@ -288,5 +288,6 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             (a.clone(), g.matmul3(&b.t()?)?),
             (b.clone(), a.t()?.matmul3(g)?),
         ],
+        Op::ToDevice(x) => vec![(x.clone(), g.to_device(x.device())?)],
     })
 }

@@ -35,9 +35,12 @@ pub(crate) enum Op {
     ScatterAdd(Tensor, Tensor, Tensor, usize),
     /// Rank-3 operands (B, M, K) @ (B, K, N).
     Matmul(Tensor, Tensor),
+    /// A copy to another device; the gradient goes back to the input's device.
+    ToDevice(Tensor),
 }
 
-/// Every kind of recorded op, by name; the gradcheck suite must exercise each one.
+/// Every kind of recorded op, by name; the CPU gradcheck suite must exercise each one.
+/// `to_device` is not listed: it needs two devices, and the GPU suite checks its gradient.
 pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "neg",
     "recip",
@@ -92,6 +95,29 @@ impl Op {
             Op::Gather(..) => "gather",
             Op::ScatterAdd(..) => "scatter_add",
             Op::Matmul(..) => "matmul",
+            Op::ToDevice(_) => "to_device",
+        }
+    }
+
+    /// Every tensor the op holds (inputs, indices, masks), consuming it.
+    pub(crate) fn into_tensors(self) -> Vec<Tensor> {
+        match self {
+            Op::Unary(x, _)
+            | Op::Reduce(x, _, _)
+            | Op::Cast(x)
+            | Op::Copy(x)
+            | Op::Reshape(x)
+            | Op::Permute(x, _)
+            | Op::Narrow(x, _, _)
+            | Op::Broadcast(x)
+            | Op::ToDevice(x) => vec![x],
+            Op::Binary(a, b, _)
+            | Op::Matmul(a, b)
+            | Op::IndexSelect(a, b, _)
+            | Op::Gather(a, b, _) => vec![a, b],
+            Op::Where(m, t, f) => vec![m, t, f],
+            Op::ScatterAdd(d, i, s, _) => vec![d, i, s],
+            Op::Cat(xs, _) => xs,
         }
     }
 
@@ -107,7 +133,8 @@ impl Op {
             | Op::Narrow(x, _, _)
             | Op::Broadcast(x)
             | Op::IndexSelect(x, _, _)
-            | Op::Gather(x, _, _) => vec![x],
+            | Op::Gather(x, _, _)
+            | Op::ToDevice(x) => vec![x],
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
             Op::Where(_, t, f) => vec![t, f],
             Op::Cat(xs, _) => xs.iter().collect(),

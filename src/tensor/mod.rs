@@ -331,11 +331,9 @@ impl Tensor {
         Ok(self)
     }
 
-    /// The same data, cut from the graph: no grad flows through the result.
+    /// The same data (shared storage) under a new handle cut from the graph: no grad flows
+    /// through it, and marking it trainable does not touch `self`.
     pub fn detach(&self) -> Tensor {
-        if !self.requires_grad() {
-            return self.clone();
-        }
         self.view(self.0.layout.clone(), None)
     }
 
@@ -439,6 +437,26 @@ impl Tensor {
             .write()
             .map_err(|_| Error::Poisoned("tensor storage"))?;
         s.copy_strided(src.layout(), &mut d, l)
+    }
+}
+
+/// Dropping a long chain of recorded ops would recurse once per op (each op holds its inputs)
+/// and overflow the stack. Instead, inputs this node owns alone are unlinked onto a work list.
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let Some(node) = self.grad_fn.take() else {
+            return;
+        };
+        let mut pending: Vec<Op> = node.into_inner().ok().flatten().into_iter().collect();
+        while let Some(op) = pending.pop() {
+            for t in op.into_tensors() {
+                if let Ok(mut inner) = Arc::try_unwrap(t.0) {
+                    if let Some(node) = inner.grad_fn.take() {
+                        pending.extend(node.into_inner().ok().flatten());
+                    }
+                }
+            }
+        }
     }
 }
 

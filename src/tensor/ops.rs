@@ -5,7 +5,7 @@ use super::{with2, with3, Tensor};
 use crate::autograd::{record, Op};
 use crate::backend::{BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp};
 use crate::shape::Dim;
-use crate::{DType, Error, Layout, Result, Shape};
+use crate::{DType, Device, Error, Layout, Result, Shape};
 
 fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
     if a.device() != b.device() {
@@ -325,6 +325,23 @@ impl Tensor {
             s,
             self.shape().clone(),
             self.device().clone(),
+            rec,
+        ))
+    }
+
+    // ----- devices ------------------------------------------------------------------------
+
+    /// A copy on `device` (self when already there). Gradients flow back across.
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        if self.device() == device {
+            return Ok(self.clone());
+        }
+        let s = device.storage_from_host(&self.to_host()?)?;
+        let rec = record(&[self], || Op::ToDevice(self.clone()));
+        Ok(Tensor::from_storage(
+            s,
+            self.shape().clone(),
+            device.clone(),
             rec,
         ))
     }

@@ -1,0 +1,76 @@
+// Shared by every kernel file: dtype conversions, the strided layout passed by value, and
+// 16-byte packs for wide loads.
+//
+// Dtypes: f32 (float), f64 (double), bf16 (__nv_bfloat16), f16 (__half), u32 (uint32_t).
+// Arithmetic happens in Acc<T>: double for f64, float for everything else.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define FLAME_MAX_RANK 8
+
+// Must match `KernelLayout` in src/backend/cuda/layout.rs (repr(C)).
+struct StridedLayout {
+  uint32_t rank;
+  uint32_t contiguous;  // 1: offset + i addresses element i
+  uint64_t offset;
+  uint64_t dims[FLAME_MAX_RANK];
+  uint64_t strides[FLAME_MAX_RANK];
+};
+
+// Storage offset of the row-major linear index i.
+__device__ __forceinline__ size_t offset_of(const StridedLayout& l, size_t i) {
+  if (l.contiguous) return l.offset + i;
+  size_t off = l.offset;
+  for (int d = (int)l.rank - 1; d >= 0; --d) {
+    const size_t dim = l.dims[d];
+    off += (i % dim) * l.strides[d];
+    i /= dim;
+  }
+  return off;
+}
+
+template <typename T> struct AccT { typedef float type; };
+template <> struct AccT<double> { typedef double type; };
+
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(uint32_t x) { return (float)x; }
+
+template <typename T> __device__ __forceinline__ T from_acc(float x);
+template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ uint32_t from_acc<uint32_t>(float x) {
+  return x != x || x <= 0.f ? 0u : (x >= 4294967295.f ? 4294967295u : (uint32_t)x);
+}
+template <typename T> __device__ __forceinline__ T from_acc(double x);
+template <> __device__ __forceinline__ double from_acc<double>(double x) { return x; }
+
+// Exact conversion between any two dtypes through double (casts and comparisons).
+__device__ __forceinline__ double to_f64(float x) { return (double)x; }
+__device__ __forceinline__ double to_f64(double x) { return x; }
+__device__ __forceinline__ double to_f64(__nv_bfloat16 x) { return (double)__bfloat162float(x); }
+__device__ __forceinline__ double to_f64(__half x) { return (double)__half2float(x); }
+__device__ __forceinline__ double to_f64(uint32_t x) { return (double)x; }
+
+template <typename T> __device__ __forceinline__ T from_f64(double x);
+template <> __device__ __forceinline__ float from_f64<float>(double x) { return (float)x; }
+template <> __device__ __forceinline__ double from_f64<double>(double x) { return x; }
+// One rounding straight from double, as the CPU backend (half's from_f64) does.
+template <> __device__ __forceinline__ __nv_bfloat16 from_f64<__nv_bfloat16>(double x) { return __double2bfloat16(x); }
+template <> __device__ __forceinline__ __half from_f64<__half>(double x) { return __double2half(x); }
+template <> __device__ __forceinline__ uint32_t from_f64<uint32_t>(double x) {
+  return x != x || x <= 0.0 ? 0u : (x >= 4294967295.0 ? 4294967295u : (uint32_t)x);
+}
+
+// Eight elements, 16-byte aligned: one to four 128-bit loads.
+template <typename T> struct alignas(16) Pack8 { T v[8]; };
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
+#define GRID_STRIDE(i, n) \
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); i += (size_t)gridDim.x * blockDim.x)

@@ -1,0 +1,150 @@
+// Reductions over any set of dims: sum, max, min, argmax, argmin.
+// The launcher splits the input layout into `kept` (one entry per output) and `red` (the
+// reduced dims, offset 0): element r of output o is at offset_of(kept, o) + offset_of(red, r).
+// Values accumulate in double, as in the CPU reference. Max/min keep the first NaN; ties go to
+// the lower index, so results do not depend on the reduction tree and runs are deterministic.
+//
+// Three shapes of work:
+//   reduce_small_*    one thread per output, for short reduced ranges (n_red <= 64);
+//   reduce_block_*    one block per (output, chunk); with one chunk it writes the result,
+//                     otherwise a Partial per chunk;
+//   reduce_partials_* one block per output combining its chunks' Partials.
+#include "common.cuh"
+
+#define OP_SUM 0
+#define OP_MAX 1
+#define OP_MIN 2
+#define OP_ARGMAX 3
+#define OP_ARGMIN 4
+#define NO_INDEX 0xffffffffffffffffull
+
+struct Partial {
+  double v;
+  unsigned long long idx;
+};
+
+template <int OP>
+__device__ __forceinline__ Partial combine(Partial a, Partial b) {
+  if (OP == OP_SUM) return Partial{a.v + b.v, 0};
+  if (a.idx == NO_INDEX) return b;
+  if (b.idx == NO_INDEX) return a;
+  const bool an = a.v != a.v, bn = b.v != b.v;
+  if (an || bn) {
+    if (an && bn) return a.idx <= b.idx ? a : b;
+    return an ? a : b;
+  }
+  const bool b_better = (OP == OP_MAX || OP == OP_ARGMAX) ? b.v > a.v : b.v < a.v;
+  if (b_better) return b;
+  if (b.v == a.v && b.idx < a.idx) return b;
+  return a;
+}
+
+template <int OP>
+__device__ __forceinline__ Partial identity() {
+  return Partial{0.0, OP == OP_SUM ? 0ull : NO_INDEX};
+}
+
+template <int OP>
+__device__ __forceinline__ Partial block_combine(Partial p) {
+  __shared__ Partial warp_part[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    Partial q;
+    q.v = __shfl_down_sync(0xffffffff, p.v, o);
+    q.idx = __shfl_down_sync(0xffffffff, p.idx, o);
+    p = combine<OP>(p, q);
+  }
+  if (lane == 0) warp_part[warp] = p;
+  __syncthreads();
+  const int warps = (blockDim.x + 31) >> 5;
+  p = threadIdx.x < warps ? warp_part[threadIdx.x] : identity<OP>();
+  if (warp == 0) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      Partial q;
+      q.v = __shfl_down_sync(0xffffffff, p.v, o);
+      q.idx = __shfl_down_sync(0xffffffff, p.idx, o);
+      p = combine<OP>(p, q);
+    }
+  }
+  return p;  // valid in thread 0
+}
+
+template <typename T, int OP>
+__device__ __forceinline__ void write_out(T* out, uint32_t* out_idx, size_t o, Partial p) {
+  if (OP == OP_ARGMAX || OP == OP_ARGMIN)
+    out_idx[o] = (uint32_t)p.idx;
+  else
+    out[o] = from_f64<T>(p.v);
+}
+
+template <typename T, int OP>
+__device__ __forceinline__ void reduce_small(const T* in, StridedLayout kept, StridedLayout red, size_t n_out,
+                                             size_t n_red, T* out, uint32_t* out_idx) {
+  GRID_STRIDE(o, n_out) {
+    const size_t base = offset_of(kept, o);
+    Partial p = identity<OP>();
+    for (size_t r = 0; r < n_red; ++r) p = combine<OP>(p, Partial{to_f64(in[base + offset_of(red, r)]), r});
+    write_out<T, OP>(out, out_idx, o, p);
+  }
+}
+
+template <typename T, int OP>
+__device__ __forceinline__ void reduce_block(const T* in, StridedLayout kept, StridedLayout red, size_t n_red,
+                                             size_t chunk, T* out, uint32_t* out_idx, Partial* parts) {
+  const size_t o = blockIdx.x, c = blockIdx.y;
+  const size_t base = offset_of(kept, o);
+  const size_t start = c * chunk, end = min(n_red, start + chunk);
+  Partial p = identity<OP>();
+  if (red.contiguous) {
+    for (size_t r = start + threadIdx.x; r < end; r += blockDim.x) p = combine<OP>(p, Partial{to_f64(in[base + r]), r});
+  } else {
+    for (size_t r = start + threadIdx.x; r < end; r += blockDim.x)
+      p = combine<OP>(p, Partial{to_f64(in[base + offset_of(red, r)]), r});
+  }
+  p = block_combine<OP>(p);
+  if (threadIdx.x == 0) {
+    if (gridDim.y == 1)
+      write_out<T, OP>(out, out_idx, o, p);
+    else
+      parts[o * gridDim.y + c] = p;
+  }
+}
+
+template <typename T, int OP>
+__device__ __forceinline__ void reduce_partials(const Partial* parts, size_t n_parts, T* out, uint32_t* out_idx) {
+  const size_t o = blockIdx.x;
+  Partial p = identity<OP>();
+  for (size_t c = threadIdx.x; c < n_parts; c += blockDim.x) p = combine<OP>(p, parts[o * n_parts + c]);
+  p = block_combine<OP>(p);
+  if (threadIdx.x == 0) write_out<T, OP>(out, out_idx, o, p);
+}
+
+#define REDUCE_T(NAME, OP, SUF, T)                                                                    \
+  extern "C" __global__ void NAME##_small_##SUF(const T* in, StridedLayout kept, StridedLayout red,   \
+                                                size_t n_out, size_t n_red, T* out, uint32_t* out_idx) { \
+    reduce_small<T, OP>(in, kept, red, n_out, n_red, out, out_idx);                                  \
+  }                                                                                                   \
+  extern "C" __global__ void NAME##_block_##SUF(const T* in, StridedLayout kept, StridedLayout red,   \
+                                                size_t n_red, size_t chunk, T* out, uint32_t* out_idx, \
+                                                Partial* parts) {                                     \
+    reduce_block<T, OP>(in, kept, red, n_red, chunk, out, out_idx, parts);                           \
+  }                                                                                                   \
+  extern "C" __global__ void NAME##_partials_##SUF(const Partial* parts, size_t n_parts, T* out,      \
+                                                   uint32_t* out_idx) {                               \
+    reduce_partials<T, OP>(parts, n_parts, out, out_idx);                                            \
+  }
+#define REDUCE(NAME, OP)                  \
+  REDUCE_T(NAME, OP, f32, float)          \
+  REDUCE_T(NAME, OP, f64, double)         \
+  REDUCE_T(NAME, OP, bf16, __nv_bfloat16) \
+  REDUCE_T(NAME, OP, f16, __half)
+
+REDUCE(r_sum, OP_SUM)
+REDUCE(r_max, OP_MAX)
+REDUCE(r_min, OP_MIN)
+REDUCE(r_argmax, OP_ARGMAX)
+REDUCE(r_argmin, OP_ARGMIN)
+REDUCE_T(r_argmax, OP_ARGMAX, u32, uint32_t)
+REDUCE_T(r_argmin, OP_ARGMIN, u32, uint32_t)

@@ -1,0 +1,282 @@
+//! index_select, gather and scatter_add launchers (kernels in cuda/index.cu). Operands are
+//! made contiguous and viewed as (outer, size along dim, inner). Kernels flag an index past
+//! its dim; the launcher reads the flag (one 4-byte copy, which waits for the kernel) and
+//! returns the same error as the CPU backend.
+
+use super::layout::grid_for;
+use super::storage::{by_dtype, launch, CudaStorage, Elem};
+use crate::{DType, Error, Layout, Result, Shape};
+
+fn blocks(shape: &Shape, dim: usize) -> (usize, usize, usize) {
+    let d = shape.dims();
+    (
+        d[..dim].iter().product(),
+        d[dim],
+        d[dim + 1..].iter().product(),
+    )
+}
+
+/// The storage itself when the view is the whole buffer in order, else a contiguous copy.
+fn dense(s: &CudaStorage, l: &Layout) -> Result<Option<CudaStorage>> {
+    s.check("index", l)?;
+    if l.is_contiguous() && l.offset() == 0 {
+        Ok(None)
+    } else {
+        Ok(Some(s.contiguous(l)?))
+    }
+}
+
+fn check_ids(ids: &CudaStorage, il: &Layout, op: &'static str) -> Result<()> {
+    if ids.buf.dtype() != DType::U32 {
+        return Err(Error::invalid(
+            op,
+            format!("indices must be u32, got {}", ids.buf.dtype()),
+            il.shape(),
+        ));
+    }
+    Ok(())
+}
+
+fn check_dim(op: &'static str, l: &Layout, dim: usize) -> Result<()> {
+    if dim >= l.dims().len() {
+        return Err(Error::DimOutOfRange {
+            op,
+            dim: dim as i64,
+            shape: l.shape().clone(),
+        });
+    }
+    Ok(())
+}
+
+/// Reads the kernel's flag; on a bad index, finds the first one for the error.
+fn verify(
+    ids: &CudaStorage,
+    il: &Layout,
+    bad: &super::device::DevBuf<u32>,
+    size: usize,
+    op: &'static str,
+    shape: &Shape,
+) -> Result<()> {
+    let flag = ids
+        .dev
+        .stream()
+        .clone_dtoh(&bad.slice)
+        .map_err(super::cuda_err("reading the index flag"))?;
+    if flag.first().copied().unwrap_or(0) == 0 {
+        return Ok(());
+    }
+    let host = ids.to_host_any(il)?;
+    let index = host
+        .to_f64_vec()
+        .into_iter()
+        .find(|&i| i as usize >= size)
+        .unwrap_or(f64::NAN) as u64;
+    Err(Error::IndexOutOfRange {
+        op,
+        index,
+        size,
+        shape: shape.clone(),
+    })
+}
+
+impl CudaStorage {
+    fn to_host_any(&self, l: &Layout) -> Result<crate::CpuStorage> {
+        crate::backend::BackendStorage::to_host(self, l)
+    }
+}
+
+fn zeroed_flag(s: &CudaStorage) -> Result<super::device::DevBuf<u32>> {
+    let mut bad = s.dev.alloc::<u32>(1)?;
+    s.dev
+        .stream()
+        .memset_zeros(&mut bad.slice)
+        .map_err(super::cuda_err("clearing the index flag"))?;
+    Ok(bad)
+}
+
+fn select_t<T: Elem>(
+    s: &CudaStorage,
+    l: &Layout,
+    ids: &CudaStorage,
+    il: &Layout,
+    dim: usize,
+) -> Result<CudaStorage> {
+    const OP: &str = "index_select";
+    let (sd, idd) = (dense(s, l)?, dense(ids, il)?);
+    let src = sd.as_ref().unwrap_or(s).typed::<T>(OP)?;
+    let idb = idd.as_ref().unwrap_or(ids).typed::<u32>(OP)?;
+    let (outer, size, inner) = blocks(l.shape(), dim);
+    let n_ids = il.elem_count();
+    let n = outer * n_ids * inner;
+    let mut out = s.dev.alloc::<T>(n)?;
+    let mut bad = zeroed_flag(s)?;
+    if n > 0 {
+        launch!(
+            s.dev,
+            "index",
+            format!("index_select_{}", T::SFX),
+            grid_for(n, s.dev.sm_count()),
+            &src.slice,
+            &idb.slice,
+            &mut out.slice,
+            &outer,
+            &size,
+            &n_ids,
+            &inner,
+            &mut bad.slice
+        )?;
+    }
+    verify(ids, il, &bad, size, OP, l.shape())?;
+    Ok(s.wrap(T::wrap(out)))
+}
+
+pub(crate) fn index_select(
+    s: &CudaStorage,
+    l: &Layout,
+    ids: &CudaStorage,
+    il: &Layout,
+    dim: usize,
+) -> Result<CudaStorage> {
+    check_dim("index_select", l, dim)?;
+    check_ids(ids, il, "index_select")?;
+    if il.dims().len() != 1 {
+        return Err(Error::invalid(
+            "index_select",
+            "indices must be a vector",
+            il.shape(),
+        ));
+    }
+    by_dtype!(s.buf.dtype(), select_t(s, l, ids, il, dim))
+}
+
+fn check_gather_shapes(op: &'static str, l: &Layout, il: &Layout, dim: usize) -> Result<()> {
+    let ok = l.dims().len() == il.dims().len()
+        && l.dims()
+            .iter()
+            .zip(il.dims())
+            .enumerate()
+            .all(|(d, (a, b))| d == dim || a == b);
+    if !ok {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: l.shape().clone(),
+            rhs: il.shape().clone(),
+        });
+    }
+    Ok(())
+}
+
+fn gather_t<T: Elem>(
+    s: &CudaStorage,
+    l: &Layout,
+    ids: &CudaStorage,
+    il: &Layout,
+    dim: usize,
+) -> Result<CudaStorage> {
+    const OP: &str = "gather";
+    let (sd, idd) = (dense(s, l)?, dense(ids, il)?);
+    let src = sd.as_ref().unwrap_or(s).typed::<T>(OP)?;
+    let idb = idd.as_ref().unwrap_or(ids).typed::<u32>(OP)?;
+    let (outer, size, inner) = blocks(l.shape(), dim);
+    let n_j = il.dims()[dim];
+    let n = il.elem_count();
+    let mut out = s.dev.alloc::<T>(n)?;
+    let mut bad = zeroed_flag(s)?;
+    if n > 0 {
+        launch!(
+            s.dev,
+            "index",
+            format!("gather_{}", T::SFX),
+            grid_for(n, s.dev.sm_count()),
+            &src.slice,
+            &idb.slice,
+            &mut out.slice,
+            &outer,
+            &size,
+            &n_j,
+            &inner,
+            &mut bad.slice
+        )?;
+    }
+    verify(ids, il, &bad, size, OP, l.shape())?;
+    Ok(s.wrap(T::wrap(out)))
+}
+
+pub(crate) fn gather(
+    s: &CudaStorage,
+    l: &Layout,
+    ids: &CudaStorage,
+    il: &Layout,
+    dim: usize,
+) -> Result<CudaStorage> {
+    check_dim("gather", l, dim)?;
+    check_ids(ids, il, "gather")?;
+    check_gather_shapes("gather", l, il, dim)?;
+    by_dtype!(s.buf.dtype(), gather_t(s, l, ids, il, dim))
+}
+
+fn scatter_t<T: Elem>(
+    s: &CudaStorage,
+    l: &Layout,
+    ids: &CudaStorage,
+    il: &Layout,
+    src: &CudaStorage,
+    sl: &Layout,
+    dim: usize,
+) -> Result<CudaStorage> {
+    const OP: &str = "scatter_add";
+    let mut out = s.contiguous(l)?;
+    let (idd, srd) = (dense(ids, il)?, dense(src, sl)?);
+    let idb = idd.as_ref().unwrap_or(ids).typed::<u32>(OP)?;
+    let srb = srd.as_ref().unwrap_or(src).typed::<T>(OP)?;
+    let (outer, size, inner) = blocks(l.shape(), dim);
+    let n_j = il.dims()[dim];
+    let mut bad = zeroed_flag(s)?;
+    let dev = s.dev.clone();
+    let cols = outer * inner;
+    if cols > 0 && n_j > 0 {
+        let o = super::storage::typed_mut::<T>(&mut out.buf, OP)?;
+        launch!(
+            dev,
+            "index",
+            format!("scatter_add_{}", T::SFX),
+            grid_for(cols, dev.sm_count()),
+            &mut o.slice,
+            &idb.slice,
+            &srb.slice,
+            &outer,
+            &size,
+            &n_j,
+            &inner,
+            &mut bad.slice
+        )?;
+    }
+    verify(ids, il, &bad, size, OP, l.shape())?;
+    Ok(out)
+}
+
+pub(crate) fn scatter_add(
+    s: &CudaStorage,
+    l: &Layout,
+    ids: &CudaStorage,
+    il: &Layout,
+    src: &CudaStorage,
+    sl: &Layout,
+    dim: usize,
+) -> Result<CudaStorage> {
+    check_dim("scatter_add", l, dim)?;
+    check_ids(ids, il, "scatter_add")?;
+    check_gather_shapes("scatter_add", l, il, dim)?;
+    if il.shape() != sl.shape() {
+        return Err(Error::ShapeMismatch {
+            op: "scatter_add",
+            lhs: il.shape().clone(),
+            rhs: sl.shape().clone(),
+        });
+    }
+    let u32_err = Error::UnsupportedDType {
+        op: "scatter_add",
+        dtype: DType::U32,
+    };
+    by_dtype!(s.buf.dtype(), scatter_t(s, l, ids, il, src, sl, dim), u32 => Err(u32_err))
+}

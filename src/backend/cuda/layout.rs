@@ -1,0 +1,102 @@
+//! Layouts as kernels see them, and launch shapes.
+
+use crate::{Error, Layout, Result};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+
+pub(crate) const MAX_RANK: usize = 8;
+
+/// `StridedLayout` of cuda/common.cuh, passed to kernels by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KernelLayout {
+    rank: u32,
+    contiguous: u32,
+    offset: u64,
+    dims: [u64; MAX_RANK],
+    strides: [u64; MAX_RANK],
+}
+
+// SAFETY: a plain repr(C) struct of integers, laid out as the C struct the kernels declare.
+unsafe impl DeviceRepr for KernelLayout {}
+
+/// Drops size-1 dims and merges dims that are contiguous with each other, so a view of rank
+/// up to any size usually fits MAX_RANK and strided indexing does fewer divisions.
+fn collapse(l: &Layout) -> (Vec<u64>, Vec<u64>) {
+    let mut dims: Vec<u64> = vec![];
+    let mut strides: Vec<u64> = vec![];
+    for (&d, &s) in l.dims().iter().zip(l.strides()) {
+        if d == 1 {
+            continue;
+        }
+        match (dims.last_mut(), strides.last_mut()) {
+            (Some(pd), Some(ps)) if *ps == s as u64 * d as u64 => {
+                *pd *= d as u64;
+                *ps = s as u64;
+            }
+            _ => {
+                dims.push(d as u64);
+                strides.push(s as u64);
+            }
+        }
+    }
+    (dims, strides)
+}
+
+impl KernelLayout {
+    pub(crate) fn new(l: &Layout, op: &'static str) -> Result<Self> {
+        let (d, s) = collapse(l);
+        if d.len() > MAX_RANK {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "a view of more than {MAX_RANK} non-mergeable dims; make it contiguous first"
+                ),
+                l.shape(),
+            ));
+        }
+        let mut k = KernelLayout {
+            rank: d.len() as u32,
+            contiguous: u32::from(l.is_contiguous()),
+            offset: l.offset() as u64,
+            dims: [1; MAX_RANK],
+            strides: [0; MAX_RANK],
+        };
+        k.dims[..d.len()].copy_from_slice(&d);
+        k.strides[..s.len()].copy_from_slice(&s);
+        Ok(k)
+    }
+}
+
+/// A grid-stride launch over `work` items: enough blocks to fill the GPU, no more.
+pub(crate) fn grid_for(work: usize, sm_count: usize) -> LaunchConfig {
+    const THREADS: usize = 256;
+    let blocks = work.div_ceil(THREADS).clamp(1, sm_count.max(1) * 32);
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Work items of an elementwise kernel: 8 elements per item on the packed path.
+pub(crate) fn elementwise_grid(n: usize, sm_count: usize) -> LaunchConfig {
+    grid_for(n.div_ceil(8).max(1), sm_count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Shape;
+
+    #[test]
+    fn collapse_merges_contiguous_runs_and_drops_unit_dims() {
+        let l = Layout::contiguous([2, 1, 3, 4]);
+        assert_eq!(collapse(&l), (vec![24], vec![1]));
+        let t = Layout::contiguous([2, 3, 4]).permute(&[0, 2, 1]).unwrap();
+        assert_eq!(collapse(&t), (vec![2, 4, 3], vec![12, 1, 4]));
+        let b = Layout::contiguous([3])
+            .broadcast_as(&Shape::from([5, 3]))
+            .unwrap();
+        assert_eq!(collapse(&b), (vec![5, 3], vec![0, 1]));
+    }
+}

@@ -1,0 +1,189 @@
+//! Batched matmul through cuBLAS (strided batched GEMM; bf16/f16 accumulate in f32).
+//!
+//! FLAME is row-major, cuBLAS column-major: C = A B (row-major, M x N) is computed as
+//! C^T = B^T A^T in cuBLAS terms, i.e. gemm(m = N, n = M, k = K, A' = B's memory,
+//! B' = A's memory). A row-major operand (unit column stride) is already the transpose cuBLAS
+//! wants ("N"); a transposed view (unit row stride) is passed with "T". Either way no copy is
+//! made; only a view with neither unit stride is copied first.
+
+use super::storage::{CudaStorage, Elem};
+use crate::backend::MatmulDims;
+use crate::{DType, Error, Layout, Result};
+use cudarc::cublas::sys::cublasOperation_t as Trans;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
+use half::{bf16, f16};
+
+/// How a rows x cols matrix with strides (rs, cs) is stored, with its leading dimension.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mat {
+    RowMajor(usize),
+    ColMajor(usize),
+}
+
+fn storage_of(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<Mat> {
+    if (cols == 1 || cs == 1) && (rows == 1 || rs >= cols.max(1)) {
+        return Some(Mat::RowMajor(if rows == 1 { cols.max(1) } else { rs }));
+    }
+    if (rows == 1 || rs == 1) && (cols == 1 || cs >= rows.max(1)) {
+        return Some(Mat::ColMajor(if cols == 1 { rows.max(1) } else { cs }));
+    }
+    None
+}
+
+/// The operand as (storage, layout) cuBLAS can read, copying only when needed.
+fn operand(s: &CudaStorage, l: &Layout) -> Result<(Option<CudaStorage>, Layout, Mat)> {
+    let (d, st) = (l.dims(), l.strides());
+    if let Some(m) = storage_of(d[1], d[2], st[1], st[2]) {
+        return Ok((None, l.clone(), m));
+    }
+    let c = s.contiguous(l)?;
+    let cl = Layout::contiguous(l.shape().clone());
+    Ok((Some(c), cl, Mat::RowMajor(d[2].max(1))))
+}
+
+fn as_i32(v: usize, what: &str, l: &Layout) -> Result<i32> {
+    i32::try_from(v).map_err(|_| {
+        Error::invalid(
+            "matmul",
+            format!("{what} = {v} exceeds cuBLAS's int range"),
+            l.shape(),
+        )
+    })
+}
+
+fn gemm_t<T: Elem>(
+    a: &CudaStorage,
+    al: &Layout,
+    b: &CudaStorage,
+    bl: &Layout,
+    d: MatmulDims,
+) -> Result<CudaStorage>
+where
+    CudaBlas: Gemm<T>,
+{
+    const OP: &str = "matmul";
+    a.check(OP, al)?;
+    b.check(OP, bl)?;
+    let (ac, al, am) = operand(a, al)?;
+    let (bc, bl, bm) = operand(b, bl)?;
+    let (a, b) = (ac.as_ref().unwrap_or(a), bc.as_ref().unwrap_or(b));
+    let (ab, bb) = (a.typed::<T>(OP)?, b.typed::<T>(OP)?);
+    let dev = &a.dev;
+    let mut out = dev.alloc::<T>(d.b * d.m * d.n)?;
+    if d.b * d.m * d.n == 0 {
+        return Ok(a.wrap(T::wrap(out)));
+    }
+    if d.k == 0 {
+        // An empty sum: zeros.
+        dev.stream()
+            .memset_zeros(&mut out.slice)
+            .map_err(super::cuda_err("zeroing"))?;
+        return Ok(a.wrap(T::wrap(out)));
+    }
+    // cuBLAS's A' is B's memory (K x N), B' is A's memory (M x K).
+    let (transa, lda) = match bm {
+        Mat::RowMajor(ld) => (Trans::CUBLAS_OP_N, ld),
+        Mat::ColMajor(ld) => (Trans::CUBLAS_OP_T, ld),
+    };
+    let (transb, ldb) = match am {
+        Mat::RowMajor(ld) => (Trans::CUBLAS_OP_N, ld),
+        Mat::ColMajor(ld) => (Trans::CUBLAS_OP_T, ld),
+    };
+    let cfg = StridedBatchedConfig {
+        gemm: GemmConfig {
+            transa,
+            transb,
+            m: as_i32(d.n, "N", &bl)?,
+            n: as_i32(d.m, "M", &al)?,
+            k: as_i32(d.k, "K", &al)?,
+            alpha: T::one(),
+            lda: as_i32(lda, "lda", &bl)?,
+            ldb: as_i32(ldb, "ldb", &al)?,
+            beta: T::default(),
+            ldc: as_i32(d.n, "N", &bl)?,
+        },
+        batch_size: as_i32(d.b, "batch", &al)?,
+        stride_a: bl.strides()[0] as i64,
+        stride_b: al.strides()[0] as i64,
+        stride_c: (d.m * d.n) as i64,
+    };
+    let av = ab.slice.slice(al.offset()..);
+    let bv = bb.slice.slice(bl.offset()..);
+    // SAFETY: check() proved both views lie inside their buffers; the leading dimensions and
+    // batch strides are the views' own strides, so cuBLAS reads only those elements, and
+    // `out` holds B*M*N elements.
+    unsafe {
+        dev.blas()
+            .gemm_strided_batched(cfg, &bv, &av, &mut out.slice)
+    }
+    .map_err(|e| Error::Cuda(format!("cuBLAS gemm {d:?}: {e:?}")))?;
+    Ok(a.wrap(T::wrap(out)))
+}
+
+pub(crate) fn matmul(
+    a: &CudaStorage,
+    al: &Layout,
+    b: &CudaStorage,
+    bl: &Layout,
+    d: MatmulDims,
+) -> Result<CudaStorage> {
+    a.same_device("matmul", b)?;
+    if al.dims() != [d.b, d.m, d.k] || bl.dims() != [d.b, d.k, d.n] {
+        return Err(Error::ShapeMismatch {
+            op: "matmul",
+            lhs: al.shape().clone(),
+            rhs: bl.shape().clone(),
+        });
+    }
+    if a.buf.dtype() != b.buf.dtype() {
+        return Err(Error::DTypeMismatch {
+            op: "matmul",
+            lhs: a.buf.dtype(),
+            rhs: b.buf.dtype(),
+        });
+    }
+    match a.buf.dtype() {
+        DType::F32 => gemm_t::<f32>(a, al, b, bl, d),
+        DType::F64 => gemm_t::<f64>(a, al, b, bl, d),
+        DType::BF16 => gemm_t::<bf16>(a, al, b, bl, d),
+        DType::F16 => gemm_t::<f16>(a, al, b, bl, d),
+        DType::U32 => Err(Error::UnsupportedDType {
+            op: "matmul",
+            dtype: DType::U32,
+        }),
+    }
+}
+
+impl super::CudaDevice {
+    /// Lets f32 matmuls use TF32 tensor cores (10-bit mantissa inputs, f32 accumulation).
+    /// Off by default: f32 matmuls are then exact f32 GEMMs.
+    pub fn set_allow_tf32(&self, on: bool) -> Result<()> {
+        use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode, cublasStatus_t};
+        let mode = if on {
+            cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+        } else {
+            cublasMath_t::CUBLAS_DEFAULT_MATH
+        };
+        // SAFETY: the handle is live for the device's lifetime; the mode is a valid enum value.
+        let r = unsafe { cublasSetMathMode(*self.blas().handle(), mode) };
+        if r != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(Error::Cuda(format!("cublasSetMathMode: {r:?}")));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn operand_storage() {
+        // (3, 4) row-major; its transpose; a column of a row-major matrix; a strided mess.
+        assert_eq!(storage_of(3, 4, 4, 1), Some(Mat::RowMajor(4)));
+        assert_eq!(storage_of(4, 3, 1, 4), Some(Mat::ColMajor(4)));
+        assert_eq!(storage_of(3, 1, 4, 0), Some(Mat::RowMajor(4)));
+        assert_eq!(storage_of(1, 5, 0, 1), Some(Mat::RowMajor(5)));
+        assert_eq!(storage_of(3, 4, 8, 2), None);
+    }
+}

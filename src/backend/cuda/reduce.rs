@@ -1,0 +1,193 @@
+//! Reduction launchers (kernels in cuda/reduce.cu): one thread per output for short reduced
+//! ranges, one block per output otherwise, and a chunked two-pass form when there are too few
+//! outputs to fill the GPU.
+
+use super::layout::{grid_for, KernelLayout};
+use super::storage::{by_dtype, launch, CudaStorage, Elem};
+use crate::backend::ReduceOp;
+use crate::{DType, Error, Layout, Result, Shape};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+
+/// `Partial` of cuda/reduce.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Partial {
+    v: f64,
+    idx: u64,
+}
+// SAFETY: repr(C) f64 + u64, as the kernel's struct.
+unsafe impl DeviceRepr for Partial {}
+
+/// Reduced ranges up to this length get one thread per output.
+const SMALL: usize = 64;
+/// Fewest elements per block-chunk when a reduction is split.
+const CHUNK_MIN: usize = 4096;
+
+/// (kept, reduced): element r of output o is at offset_of(kept, o) + offset_of(red, r).
+fn split(l: &Layout, dims: &[usize]) -> (Layout, Layout) {
+    let mut kept = l.dims().to_vec();
+    let mut kept_s = l.strides().to_vec();
+    let (mut red, mut red_s) = (vec![], vec![]);
+    for &d in dims {
+        red.push(l.dims()[d]);
+        red_s.push(l.strides()[d]);
+        kept[d] = 1;
+        kept_s[d] = 0;
+    }
+    (
+        Layout::new(Shape::new(kept), kept_s, l.offset()),
+        Layout::new(Shape::new(red), red_s, 0),
+    )
+}
+
+fn blocks(x: usize, y: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn reduce_t<T: Elem>(
+    s: &CudaStorage,
+    l: &Layout,
+    op: ReduceOp,
+    dims: &[usize],
+) -> Result<CudaStorage> {
+    s.check(op.name(), l)?;
+    let src = s.typed::<T>(op.name())?;
+    let (kept, red) = split(l, dims);
+    let (kk, kr) = (
+        KernelLayout::new(&kept, op.name())?,
+        KernelLayout::new(&red, op.name())?,
+    );
+    let (n_out, n_red) = (kept.elem_count(), red.elem_count());
+    let arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+    let dev = &s.dev;
+    let out = dev.alloc_like(if arg { DType::U32 } else { T::DTYPE }, n_out)?;
+    if n_out == 0 {
+        return Ok(out);
+    }
+    // Exactly one of (values, indices) is written; the other pointer is null.
+    let ptr = out.buf.raw_ptr(dev.stream());
+    let (out_v, out_i) = if arg { (0u64, ptr) } else { (ptr, 0u64) };
+    let name = format!("r_{}", op.name());
+    if n_red <= SMALL {
+        launch!(
+            dev,
+            "reduce",
+            format!("{name}_small_{}", T::SFX),
+            grid_for(n_out, dev.sm_count()),
+            &src.slice,
+            &kk,
+            &kr,
+            &n_out,
+            &n_red,
+            &out_v,
+            &out_i
+        )?;
+        return Ok(out);
+    }
+    if n_out > i32::MAX as usize {
+        return Err(Error::invalid(
+            op.name(),
+            format!("{n_out} outputs exceed one launch"),
+            l.shape(),
+        ));
+    }
+    let sms = dev.sm_count().max(1);
+    let parts = if n_out >= 2 * sms {
+        1
+    } else {
+        n_red
+            .div_ceil(CHUNK_MIN)
+            .min((4 * sms).div_ceil(n_out))
+            .max(1)
+    };
+    let chunk = n_red.div_ceil(parts);
+    let parts = n_red.div_ceil(chunk);
+    let block = format!("{name}_block_{}", T::SFX);
+    if parts == 1 {
+        let null: u64 = 0;
+        launch!(
+            dev,
+            "reduce",
+            block,
+            blocks(n_out, 1),
+            &src.slice,
+            &kk,
+            &kr,
+            &n_red,
+            &chunk,
+            &out_v,
+            &out_i,
+            &null
+        )?;
+        return Ok(out);
+    }
+    let mut partials = dev.alloc::<Partial>(n_out * parts)?;
+    launch!(
+        dev,
+        "reduce",
+        block,
+        blocks(n_out, parts),
+        &src.slice,
+        &kk,
+        &kr,
+        &n_red,
+        &chunk,
+        &out_v,
+        &out_i,
+        &mut partials.slice
+    )?;
+    launch!(
+        dev,
+        "reduce",
+        format!("{name}_partials_{}", T::SFX),
+        blocks(n_out, 1),
+        &partials.slice,
+        &parts,
+        &out_v,
+        &out_i
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn reduce(
+    s: &CudaStorage,
+    l: &Layout,
+    op: ReduceOp,
+    dims: &[usize],
+) -> Result<CudaStorage> {
+    let rank = l.dims().len();
+    let mut seen = vec![false; rank];
+    for &d in dims {
+        if d >= rank || std::mem::replace(&mut seen[d], true) {
+            return Err(Error::invalid(
+                op.name(),
+                format!("bad reduction dims {dims:?}"),
+                l.shape(),
+            ));
+        }
+    }
+    let arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+    if arg && dims.len() != 1 {
+        return Err(Error::invalid(
+            op.name(),
+            "reduces exactly one dim",
+            l.shape(),
+        ));
+    }
+    if !matches!(op, ReduceOp::Sum) && dims.iter().any(|&d| l.dims()[d] == 0) {
+        return Err(Error::invalid(
+            op.name(),
+            "cannot reduce an empty dim",
+            l.shape(),
+        ));
+    }
+    let u32_err = Error::UnsupportedDType {
+        op: op.name(),
+        dtype: DType::U32,
+    };
+    by_dtype!(s.buf.dtype(), reduce_t(s, l, op, dims), u32 => if arg { reduce_t::<u32>(s, l, op, dims) } else { Err(u32_err) })
+}

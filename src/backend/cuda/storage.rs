@@ -1,0 +1,646 @@
+//! CUDA storage and the elementwise launchers. Each launcher checks dtypes, shapes and that
+//! views lie inside their buffers, and returns Err before launching.
+
+use super::device::DevBuf;
+use super::layout::{elementwise_grid, grid_for, KernelLayout};
+use super::CudaDevice;
+use crate::backend::{
+    BackendDevice, BackendStorage, BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp,
+};
+use crate::{CpuStorage, DType, Error, Layout, Result, Shape};
+use cudarc::driver::DeviceRepr;
+use half::{bf16, f16};
+
+pub(crate) enum Buf {
+    F32(DevBuf<f32>),
+    F64(DevBuf<f64>),
+    BF16(DevBuf<bf16>),
+    F16(DevBuf<f16>),
+    U32(DevBuf<u32>),
+}
+
+/// An element type of a CUDA buffer: its kernel-name suffix and its place in `Buf`.
+pub(crate) trait Elem:
+    DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + Send + Sync + 'static
+{
+    const SFX: &'static str;
+    const DTYPE: DType;
+    fn get(b: &Buf) -> Option<&DevBuf<Self>>;
+    fn get_mut(b: &mut Buf) -> Option<&mut DevBuf<Self>>;
+    fn wrap(d: DevBuf<Self>) -> Buf;
+    fn from_host(s: &CpuStorage) -> Option<&[Self]>;
+    fn to_host(v: Vec<Self>) -> CpuStorage;
+    fn one() -> Self;
+}
+
+macro_rules! elem {
+    ($t:ty, $v:ident, $sfx:literal, $one:expr) => {
+        impl Elem for $t {
+            const SFX: &'static str = $sfx;
+            const DTYPE: DType = DType::$v;
+            fn get(b: &Buf) -> Option<&DevBuf<Self>> {
+                match b {
+                    Buf::$v(x) => Some(x),
+                    _ => None,
+                }
+            }
+            fn get_mut(b: &mut Buf) -> Option<&mut DevBuf<Self>> {
+                match b {
+                    Buf::$v(x) => Some(x),
+                    _ => None,
+                }
+            }
+            fn wrap(d: DevBuf<Self>) -> Buf {
+                Buf::$v(d)
+            }
+            fn from_host(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$v(x) => Some(x),
+                    _ => None,
+                }
+            }
+            fn to_host(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$v(v)
+            }
+            fn one() -> Self {
+                $one
+            }
+        }
+    };
+}
+elem!(f32, F32, "f32", 1.0);
+elem!(f64, F64, "f64", 1.0);
+elem!(bf16, BF16, "bf16", bf16::ONE);
+elem!(f16, F16, "f16", f16::ONE);
+elem!(u32, U32, "u32", 1);
+
+/// Calls `$f::<T>(args)` for the element type of `$dtype`; u32 goes to `$u32`.
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),*), u32 => $u32:expr) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            DType::F16 => $f::<half::f16>($($arg),*),
+            DType::U32 => $u32,
+        }
+    };
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        by_dtype!($dtype, $f($($arg),*), u32 => $f::<u32>($($arg),*))
+    };
+}
+pub(crate) use by_dtype;
+
+/// Launches `$module/$name` with `$args` (each pushed by reference).
+macro_rules! launch {
+    ($dev:expr, $module:literal, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+        use cudarc::driver::PushKernelArg;
+        let name: &str = &$name;
+        let f = $dev.function($module, name)?;
+        let mut b = $dev.stream().launch_builder(&f);
+        $( b.arg($arg); )*
+        // SAFETY: every kernel of cuda/ takes exactly these arguments (pointer, layout, count
+        // and scalar types as declared there), and the launcher checked that each view lies
+        // inside its buffer and each output holds the elements the kernel writes.
+        unsafe { b.launch($cfg) }
+            .map(|_| ())
+            .map_err(|e| Error::Cuda(format!("launching {name}: {e:?}")))
+    }};
+}
+pub(crate) use launch;
+
+impl Buf {
+    pub(crate) fn dtype(&self) -> DType {
+        match self {
+            Buf::F32(_) => DType::F32,
+            Buf::F64(_) => DType::F64,
+            Buf::BF16(_) => DType::BF16,
+            Buf::F16(_) => DType::F16,
+            Buf::U32(_) => DType::U32,
+        }
+    }
+    /// The raw device address, for kernel arguments that may be null (event tracking is off,
+    /// so cudarc's guard has nothing to record).
+    pub(crate) fn raw_ptr(&self, stream: &cudarc::driver::CudaStream) -> u64 {
+        use cudarc::driver::DevicePtr;
+        match self {
+            Buf::F32(b) => b.slice.device_ptr(stream).0,
+            Buf::F64(b) => b.slice.device_ptr(stream).0,
+            Buf::BF16(b) => b.slice.device_ptr(stream).0,
+            Buf::F16(b) => b.slice.device_ptr(stream).0,
+            Buf::U32(b) => b.slice.device_ptr(stream).0,
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Buf::F32(b) => b.len(),
+            Buf::F64(b) => b.len(),
+            Buf::BF16(b) => b.len(),
+            Buf::F16(b) => b.len(),
+            Buf::U32(b) => b.len(),
+        }
+    }
+}
+
+/// The typed buffer behind a `&mut Buf`.
+pub(crate) fn typed_mut<'a, T: Elem>(
+    b: &'a mut Buf,
+    op: &'static str,
+) -> Result<&'a mut DevBuf<T>> {
+    let dtype = b.dtype();
+    T::get_mut(b).ok_or(Error::DTypeMismatch {
+        op,
+        lhs: T::DTYPE,
+        rhs: dtype,
+    })
+}
+
+/// A buffer on one GPU.
+pub struct CudaStorage {
+    pub(crate) buf: Buf,
+    pub(crate) dev: CudaDevice,
+}
+
+impl CudaStorage {
+    /// The kernel layout of `l`, which must lie inside this buffer.
+    pub(crate) fn check(&self, op: &'static str, l: &Layout) -> Result<KernelLayout> {
+        if l.offset() + l.storage_span() > self.buf.len() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "view (strides {:?}, offset {}) exceeds its buffer of {} elements",
+                    l.strides(),
+                    l.offset(),
+                    self.buf.len()
+                ),
+                l.shape(),
+            ));
+        }
+        KernelLayout::new(l, op)
+    }
+
+    /// The typed buffer, or a dtype error naming `op`.
+    pub(crate) fn typed<T: Elem>(&self, op: &'static str) -> Result<&DevBuf<T>> {
+        T::get(&self.buf).ok_or(Error::DTypeMismatch {
+            op,
+            lhs: T::DTYPE,
+            rhs: self.buf.dtype(),
+        })
+    }
+
+    pub(crate) fn same_device(&self, op: &'static str, other: &CudaStorage) -> Result<()> {
+        if self.dev != other.dev {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: format!("{:?}", self.dev),
+                rhs: format!("{:?}", other.dev),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn wrap(&self, buf: Buf) -> CudaStorage {
+        CudaStorage {
+            buf,
+            dev: self.dev.clone(),
+        }
+    }
+
+    /// A contiguous copy of the view.
+    pub(crate) fn contiguous(&self, l: &Layout) -> Result<CudaStorage> {
+        let mut dst = self.dev.alloc_like(self.buf.dtype(), l.elem_count())?;
+        self.copy_strided(l, &mut dst, &Layout::contiguous(l.shape().clone()))?;
+        Ok(dst)
+    }
+}
+
+fn same_shape(op: &'static str, a: &Layout, b: &Layout) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: a.shape().clone(),
+            rhs: b.shape().clone(),
+        });
+    }
+    Ok(())
+}
+
+impl CudaDevice {
+    /// An uninitialised buffer of `n` elements of `dtype`.
+    pub(crate) fn alloc_like(&self, dtype: DType, n: usize) -> Result<CudaStorage> {
+        let buf = match dtype {
+            DType::F32 => Buf::F32(self.alloc(n)?),
+            DType::F64 => Buf::F64(self.alloc(n)?),
+            DType::BF16 => Buf::BF16(self.alloc(n)?),
+            DType::F16 => Buf::F16(self.alloc(n)?),
+            DType::U32 => Buf::U32(self.alloc(n)?),
+        };
+        Ok(CudaStorage {
+            buf,
+            dev: self.clone(),
+        })
+    }
+}
+
+fn unary_t<T: Elem>(
+    s: &CudaStorage,
+    l: &Layout,
+    name: &str,
+    p0: f64,
+    p1: f64,
+    op: &'static str,
+) -> Result<Buf> {
+    let kl = s.check(op, l)?;
+    let src = s.typed::<T>(op)?;
+    let n = l.elem_count();
+    let mut out = s.dev.alloc::<T>(n)?;
+    if n > 0 {
+        launch!(
+            s.dev,
+            "elementwise",
+            format!("{name}_{}", T::SFX),
+            elementwise_grid(n, s.dev.sm_count()),
+            &src.slice,
+            &kl,
+            &mut out.slice,
+            &n,
+            &p0,
+            &p1
+        )?;
+    }
+    Ok(T::wrap(out))
+}
+
+/// Binary ops and comparisons share one kernel signature.
+fn binary_t<T: Elem>(
+    a: &CudaStorage,
+    al: &Layout,
+    b: &CudaStorage,
+    bl: &Layout,
+    name: &str,
+    op: &'static str,
+) -> Result<Buf> {
+    a.same_device(op, b)?;
+    same_shape(op, al, bl)?;
+    let (ka, kb) = (a.check(op, al)?, b.check(op, bl)?);
+    let (x, y) = (a.typed::<T>(op)?, b.typed::<T>(op)?);
+    let n = al.elem_count();
+    let mut out = a.dev.alloc::<T>(n)?;
+    if n > 0 {
+        launch!(
+            a.dev,
+            "elementwise",
+            format!("{name}_{}", T::SFX),
+            elementwise_grid(n, a.dev.sm_count()),
+            &x.slice,
+            &ka,
+            &y.slice,
+            &kb,
+            &mut out.slice,
+            &n
+        )?;
+    }
+    Ok(T::wrap(out))
+}
+
+fn where_t<T: Elem>(
+    m: &CudaStorage,
+    ml: &Layout,
+    t: &CudaStorage,
+    tl: &Layout,
+    f: &CudaStorage,
+    fl: &Layout,
+) -> Result<Buf> {
+    const OP: &str = "where_cond";
+    let (km, kt, kf) = (m.check(OP, ml)?, t.check(OP, tl)?, f.check(OP, fl)?);
+    let (mb, tb, fb) = (m.typed::<T>(OP)?, t.typed::<T>(OP)?, f.typed::<T>(OP)?);
+    let n = tl.elem_count();
+    let mut out = t.dev.alloc::<T>(n)?;
+    if n > 0 {
+        launch!(
+            t.dev,
+            "elementwise",
+            format!("where_{}", T::SFX),
+            grid_for(n, t.dev.sm_count()),
+            &mb.slice,
+            &km,
+            &tb.slice,
+            &kt,
+            &fb.slice,
+            &kf,
+            &mut out.slice,
+            &n
+        )?;
+    }
+    Ok(T::wrap(out))
+}
+
+fn cast_to<S: Elem, D: Elem>(s: &CudaStorage, l: &Layout) -> Result<Buf> {
+    let kl = s.check("cast", l)?;
+    let src = s.typed::<S>("cast")?;
+    let n = l.elem_count();
+    let mut out = s.dev.alloc::<D>(n)?;
+    if n > 0 {
+        launch!(
+            s.dev,
+            "elementwise",
+            format!("cast_{}_{}", S::SFX, D::SFX),
+            elementwise_grid(n, s.dev.sm_count()),
+            &src.slice,
+            &kl,
+            &mut out.slice,
+            &n
+        )?;
+    }
+    Ok(D::wrap(out))
+}
+
+fn cast_from<S: Elem>(s: &CudaStorage, l: &Layout, dtype: DType) -> Result<Buf> {
+    match dtype {
+        DType::F32 => cast_to::<S, f32>(s, l),
+        DType::F64 => cast_to::<S, f64>(s, l),
+        DType::BF16 => cast_to::<S, bf16>(s, l),
+        DType::F16 => cast_to::<S, f16>(s, l),
+        DType::U32 => cast_to::<S, u32>(s, l),
+    }
+}
+
+fn copy_t<T: Elem>(
+    src: &CudaStorage,
+    sl: &Layout,
+    dst: &mut CudaStorage,
+    dl: &Layout,
+) -> Result<()> {
+    const OP: &str = "copy_strided";
+    let (ks, kd) = (src.check(OP, sl)?, dst.check(OP, dl)?);
+    let n = sl.elem_count();
+    if n == 0 {
+        return Ok(());
+    }
+    let s = src.typed::<T>(OP)?;
+    let dev = dst.dev.clone();
+    let d = typed_mut::<T>(&mut dst.buf, OP)?;
+    let bits = 8 * std::mem::size_of::<T>();
+    launch!(
+        dev,
+        "elementwise",
+        format!("copy_b{bits}"),
+        grid_for(n, dev.sm_count()),
+        &s.slice,
+        &ks,
+        &mut d.slice,
+        &kd,
+        &n
+    )
+}
+
+fn to_host_t<T: Elem>(s: &CudaStorage, l: &Layout) -> Result<CpuStorage> {
+    s.check("to_host", l)?;
+    let n = l.elem_count();
+    if !l.is_contiguous() {
+        return s
+            .contiguous(l)?
+            .to_host(&Layout::contiguous(l.shape().clone()));
+    }
+    let src = s.typed::<T>("to_host")?;
+    let view = src.slice.slice(l.offset()..l.offset() + n);
+    let v = s
+        .dev
+        .stream()
+        .clone_dtoh(&view)
+        .map_err(super::cuda_err("copying to the host"))?;
+    Ok(T::to_host(v))
+}
+
+impl BackendStorage for CudaStorage {
+    type Device = CudaDevice;
+
+    fn dtype(&self) -> DType {
+        self.buf.dtype()
+    }
+
+    fn device(&self) -> CudaDevice {
+        self.dev.clone()
+    }
+
+    fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
+        let (p0, p1) = match op {
+            UnaryOp::Affine { mul, add } => (mul, add),
+            UnaryOp::Powf(e) => (e, 0.0),
+            _ => (0.0, 0.0),
+        };
+        let name = format!("u_{}", op.name());
+        let u32_err = Error::UnsupportedDType {
+            op: op.name(),
+            dtype: DType::U32,
+        };
+        let buf = by_dtype!(self.buf.dtype(), unary_t(self, l, &name, p0, p1, op.name()), u32 => Err(u32_err))?;
+        Ok(self.wrap(buf))
+    }
+
+    fn binary(&self, l: &Layout, rhs: &Self, rl: &Layout, op: BinaryOp) -> Result<Self> {
+        let name = format!("b_{}", op.name());
+        let u32_err = Error::UnsupportedDType {
+            op: op.name(),
+            dtype: DType::U32,
+        };
+        let buf = by_dtype!(self.buf.dtype(), binary_t(self, l, rhs, rl, &name, op.name()), u32 => Err(u32_err))?;
+        Ok(self.wrap(buf))
+    }
+
+    fn cmp(&self, l: &Layout, rhs: &Self, rl: &Layout, op: CmpOp) -> Result<Self> {
+        let name = match op {
+            CmpOp::Eq => "c_eq",
+            CmpOp::Ne => "c_ne",
+            CmpOp::Lt => "c_lt",
+            CmpOp::Le => "c_le",
+            CmpOp::Gt => "c_gt",
+            CmpOp::Ge => "c_ge",
+        };
+        let buf = by_dtype!(self.buf.dtype(), binary_t(self, l, rhs, rl, name, "cmp"))?;
+        Ok(self.wrap(buf))
+    }
+
+    fn where_cond(&self, l: &Layout, t: &Self, tl: &Layout, f: &Self, fl: &Layout) -> Result<Self> {
+        same_shape("where_cond", l, tl)?;
+        same_shape("where_cond", l, fl)?;
+        self.same_device("where_cond", t)?;
+        self.same_device("where_cond", f)?;
+        // The kernel takes a mask of the values' dtype.
+        let cast;
+        let (m, ml) = if self.dtype() == t.dtype() {
+            (self, l.clone())
+        } else {
+            cast = self.cast(l, t.dtype())?;
+            (&cast, Layout::contiguous(l.shape().clone()))
+        };
+        let buf = by_dtype!(t.dtype(), where_t(m, &ml, t, tl, f, fl))?;
+        Ok(self.wrap(buf))
+    }
+
+    fn reduce(&self, l: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Self> {
+        super::reduce::reduce(self, l, op, dims)
+    }
+
+    fn cast(&self, l: &Layout, dtype: DType) -> Result<Self> {
+        let buf = by_dtype!(self.buf.dtype(), cast_from(self, l, dtype))?;
+        Ok(self.wrap(buf))
+    }
+
+    fn copy_strided(&self, l: &Layout, dst: &mut Self, dst_l: &Layout) -> Result<()> {
+        same_shape("copy_strided", l, dst_l)?;
+        self.same_device("copy_strided", dst)?;
+        by_dtype!(self.buf.dtype(), copy_t(self, l, dst, dst_l))
+    }
+
+    fn index_select(&self, l: &Layout, ids: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        super::index::index_select(self, l, ids, il, dim)
+    }
+
+    fn gather(&self, l: &Layout, ids: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        super::index::gather(self, l, ids, il, dim)
+    }
+
+    fn scatter_add(
+        &self,
+        l: &Layout,
+        ids: &Self,
+        il: &Layout,
+        src: &Self,
+        sl: &Layout,
+        dim: usize,
+    ) -> Result<Self> {
+        super::index::scatter_add(self, l, ids, il, src, sl, dim)
+    }
+
+    fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: MatmulDims) -> Result<Self> {
+        super::matmul::matmul(self, l, rhs, rl, dims)
+    }
+
+    fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
+        by_dtype!(self.buf.dtype(), to_host_t(self, l))
+    }
+}
+
+fn from_host_t<T: Elem>(dev: &CudaDevice, data: &CpuStorage) -> Result<Buf> {
+    let src = T::from_host(data).ok_or(Error::DTypeMismatch {
+        op: "to_device",
+        lhs: T::DTYPE,
+        rhs: data.dtype(),
+    })?;
+    let mut out = dev.alloc::<T>(src.len())?;
+    if !src.is_empty() {
+        dev.stream()
+            .memcpy_htod(src, &mut out.slice)
+            .map_err(super::cuda_err("copying to the device"))?;
+    }
+    Ok(T::wrap(out))
+}
+
+fn fill_t<T: Elem>(dev: &CudaDevice, n: usize, value: f64) -> Result<Buf> {
+    let mut out = dev.alloc::<T>(n)?;
+    if n > 0 {
+        launch!(
+            dev,
+            "fill",
+            format!("fill_{}", T::SFX),
+            grid_for(n, dev.sm_count()),
+            &mut out.slice,
+            &value,
+            &n
+        )?;
+    }
+    Ok(T::wrap(out))
+}
+
+fn random_t<T: Elem>(
+    dev: &CudaDevice,
+    n: usize,
+    kind: &str,
+    seed: u64,
+    a: f64,
+    b: f64,
+) -> Result<Buf> {
+    let mut out = dev.alloc::<T>(n)?;
+    if n > 0 {
+        launch!(
+            dev,
+            "random",
+            format!("rand_{kind}_{}", T::SFX),
+            grid_for(n.div_ceil(4), dev.sm_count()),
+            &mut out.slice,
+            &n,
+            &seed,
+            &a,
+            &b
+        )?;
+    }
+    Ok(T::wrap(out))
+}
+
+impl BackendDevice for CudaDevice {
+    type Storage = CudaStorage;
+
+    fn location(&self) -> String {
+        format!("cuda:{}", self.ordinal())
+    }
+
+    fn same_device(&self, other: &Self) -> bool {
+        self == other
+    }
+
+    fn storage_from_host(&self, data: &CpuStorage) -> Result<CudaStorage> {
+        let buf = by_dtype!(data.dtype(), from_host_t(self, data))?;
+        Ok(CudaStorage {
+            buf,
+            dev: self.clone(),
+        })
+    }
+
+    fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<CudaStorage> {
+        let buf = by_dtype!(dtype, fill_t(self, shape.elem_count(), value))?;
+        Ok(CudaStorage {
+            buf,
+            dev: self.clone(),
+        })
+    }
+
+    fn rand_uniform(
+        &self,
+        shape: &Shape,
+        dtype: DType,
+        lo: f64,
+        hi: f64,
+        seed: u64,
+    ) -> Result<CudaStorage> {
+        let err = Error::UnsupportedDType {
+            op: "rand_uniform",
+            dtype,
+        };
+        let buf = by_dtype!(dtype, random_t(self, shape.elem_count(), "uniform", seed, lo, hi), u32 => Err(err))?;
+        Ok(CudaStorage {
+            buf,
+            dev: self.clone(),
+        })
+    }
+
+    fn rand_normal(
+        &self,
+        shape: &Shape,
+        dtype: DType,
+        mean: f64,
+        std: f64,
+        seed: u64,
+    ) -> Result<CudaStorage> {
+        let err = Error::UnsupportedDType {
+            op: "rand_normal",
+            dtype,
+        };
+        let buf = by_dtype!(dtype, random_t(self, shape.elem_count(), "normal", seed, mean, std), u32 => Err(err))?;
+        Ok(CudaStorage {
+            buf,
+            dev: self.clone(),
+        })
+    }
+}

@@ -13,16 +13,32 @@
 // Must match `KernelLayout` in src/backend/cuda/layout.rs (repr(C)).
 struct StridedLayout {
   uint32_t rank;
-  uint32_t contiguous;  // 1: offset + i addresses element i
+  uint32_t flags;  // LAYOUT_CONTIGUOUS | LAYOUT_INDEX32
   uint64_t offset;
   uint64_t dims[FLAME_MAX_RANK];
   uint64_t strides[FLAME_MAX_RANK];
 };
 
+// offset + i addresses element i.
+#define LAYOUT_CONTIGUOUS 1u
+// Fewer than 2^32 elements: index arithmetic in 32 bits (64-bit division is emulated).
+#define LAYOUT_INDEX32 2u
+
+__device__ __forceinline__ bool is_contiguous(const StridedLayout& l) { return l.flags & LAYOUT_CONTIGUOUS; }
+
 // Storage offset of the row-major linear index i.
 __device__ __forceinline__ size_t offset_of(const StridedLayout& l, size_t i) {
-  if (l.contiguous) return l.offset + i;
+  if (l.flags & LAYOUT_CONTIGUOUS) return l.offset + i;
   size_t off = l.offset;
+  if (l.flags & LAYOUT_INDEX32) {
+    uint32_t j = (uint32_t)i;
+    for (int d = (int)l.rank - 1; d >= 0; --d) {
+      const uint32_t dim = (uint32_t)l.dims[d];
+      off += (size_t)(j % dim) * l.strides[d];
+      j /= dim;
+    }
+    return off;
+  }
   for (int d = (int)l.rank - 1; d >= 0; --d) {
     const size_t dim = l.dims[d];
     off += (i % dim) * l.strides[d];

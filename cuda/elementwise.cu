@@ -25,7 +25,7 @@ __device__ __forceinline__ void unary_impl(const T* in, StridedLayout l, T* out,
   typedef typename AccT<T>::type A;
   const A p0 = (A)p0d, p1 = (A)p1d;
   Op op;
-  if (l.contiguous) {
+  if (is_contiguous(l)) {
     const T* src = in + l.offset;
     if (aligned16(src) && aligned16(out)) {
       const size_t nv = n / 8;
@@ -82,7 +82,7 @@ template <typename T, typename Op>
 __device__ __forceinline__ void binary_impl(const T* a, StridedLayout al, const T* b, StridedLayout bl, T* out,
                                             size_t n) {
   Op op;
-  if (al.contiguous && bl.contiguous) {
+  if (is_contiguous(al) && is_contiguous(bl)) {
     const T* x = a + al.offset;
     const T* y = b + bl.offset;
     if (aligned16(x) && aligned16(y) && aligned16(out)) {
@@ -172,7 +172,7 @@ WHERE_T(u32, uint32_t)
 // ----- cast: through double, one rounding (bit-identical to the CPU backend) ---------------
 template <typename S, typename D>
 __device__ __forceinline__ void cast_impl(const S* in, StridedLayout l, D* out, size_t n) {
-  if (l.contiguous) {
+  if (is_contiguous(l)) {
     const S* src = in + l.offset;
     if (aligned16(src) && aligned16(out)) {
       const size_t nv = n / 8;
@@ -212,7 +212,7 @@ CAST_FROM(u32, uint32_t)
 #define COPY(SUF, T)                                                                             \
   extern "C" __global__ void copy_##SUF(const T* in, StridedLayout sl, T* out, StridedLayout dl, \
                                         size_t n) {                                              \
-    if (sl.contiguous && dl.contiguous) {                                                        \
+    if (is_contiguous(sl) && is_contiguous(dl)) {                                                        \
       GRID_STRIDE(i, n) out[dl.offset + i] = in[sl.offset + i];                                 \
       return;                                                                                    \
     }                                                                                            \

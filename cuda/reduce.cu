@@ -6,6 +6,7 @@
 //
 // Three shapes of work:
 //   reduce_small_*    one thread per output, for short reduced ranges (n_red <= 64);
+//   reduce_rows_*     one warp per output, for contiguous reduced ranges and many outputs;
 //   reduce_block_*    one block per (output, chunk); with one chunk it writes the result,
 //                     otherwise a Partial per chunk;
 //   reduce_partials_* one block per output combining its chunks' Partials.
@@ -97,7 +98,7 @@ __device__ __forceinline__ void reduce_block(const T* in, StridedLayout kept, St
   const size_t base = offset_of(kept, o);
   const size_t start = c * chunk, end = min(n_red, start + chunk);
   Partial p = identity<OP>();
-  if (red.contiguous) {
+  if (is_contiguous(red)) {
     for (size_t r = start + threadIdx.x; r < end; r += blockDim.x) p = combine<OP>(p, Partial{to_f64(in[base + r]), r});
   } else {
     for (size_t r = start + threadIdx.x; r < end; r += blockDim.x)
@@ -121,6 +122,36 @@ __device__ __forceinline__ void reduce_partials(const Partial* parts, size_t n_p
   if (threadIdx.x == 0) write_out<T, OP>(out, out_idx, o, p);
 }
 
+// One warp per output when the reduced range is contiguous: 16-byte loads, shuffles only.
+template <typename T, int OP>
+__device__ __forceinline__ void reduce_rows(const T* in, StridedLayout kept, size_t n_out, size_t n_red, T* out,
+                                            uint32_t* out_idx) {
+  const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
+  for (size_t o = blockIdx.x * warps + threadIdx.x / 32; o < n_out; o += (size_t)gridDim.x * warps) {
+    const T* row = in + offset_of(kept, o);
+    Partial p = identity<OP>();
+    size_t start = 0;
+    if (aligned16(row)) {
+      const size_t nv = n_red / 8;
+      for (size_t v = lane; v < nv; v += 32) {
+        const Pack8<T> pk = reinterpret_cast<const Pack8<T>*>(row)[v];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) p = combine<OP>(p, Partial{to_f64(pk.v[k]), v * 8 + k});
+      }
+      start = nv * 8;
+    }
+    for (size_t r = start + lane; r < n_red; r += 32) p = combine<OP>(p, Partial{to_f64(row[r]), r});
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) {
+      Partial q;
+      q.v = __shfl_down_sync(0xffffffff, p.v, s);
+      q.idx = __shfl_down_sync(0xffffffff, p.idx, s);
+      p = combine<OP>(p, q);
+    }
+    if (lane == 0) write_out<T, OP>(out, out_idx, o, p);
+  }
+}
+
 #define REDUCE_T(NAME, OP, SUF, T)                                                                    \
   extern "C" __global__ void NAME##_small_##SUF(const T* in, StridedLayout kept, StridedLayout red,   \
                                                 size_t n_out, size_t n_red, T* out, uint32_t* out_idx) { \
@@ -130,6 +161,10 @@ __device__ __forceinline__ void reduce_partials(const Partial* parts, size_t n_p
                                                 size_t n_red, size_t chunk, T* out, uint32_t* out_idx, \
                                                 Partial* parts) {                                     \
     reduce_block<T, OP>(in, kept, red, n_red, chunk, out, out_idx, parts);                           \
+  }                                                                                                   \
+  extern "C" __global__ void NAME##_rows_##SUF(const T* in, StridedLayout kept, size_t n_out, size_t n_red, \
+                                               T* out, uint32_t* out_idx) {                           \
+    reduce_rows<T, OP>(in, kept, n_out, n_red, out, out_idx);                                        \
   }                                                                                                   \
   extern "C" __global__ void NAME##_partials_##SUF(const Partial* parts, size_t n_parts, T* out,      \
                                                    uint32_t* out_idx) {                               \

@@ -124,11 +124,14 @@ impl Device {
     }
 
     pub fn is_cuda(&self) -> bool {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(_) = self {
-            return true;
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            Device::Cpu => false,
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => true,
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Device::None(n) => match *n {},
         }
-        false
     }
 
     pub fn location(&self) -> String {
@@ -265,6 +268,9 @@ impl Storage {
         dims: MatmulDims,
     ) -> Result<Storage> {
         Ok(on_pair!("matmul", self, rhs, (a, b) => a.matmul(l, b, rl, dims)?))
+    }
+    pub(crate) fn softmax_last_dim(&self, l: &Layout) -> Result<Storage> {
+        Ok(on_storage!(self, s => wrap s.softmax_last_dim(l)?))
     }
     pub(crate) fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
         on_storage!(self, s => s.to_host(l))

@@ -363,12 +363,14 @@ impl Layout {
     }
 }
 
+#[cfg(feature = "cpu-ref")]
 /// Visits every element offset of a layout in row-major order, calling `f(linear_index, offset)`.
 /// The innermost dim runs as a tight loop.
 pub(crate) fn for_each_offset(l: &Layout, mut f: impl FnMut(usize, usize)) {
     for_each_offset_range(l, 0, l.elem_count(), &mut f)
 }
 
+#[cfg(feature = "cpu-ref")]
 /// Like `for_each_offset` for the linear indices `[start, end)` only (for splitting work).
 pub(crate) fn for_each_offset_range(
     l: &Layout,
@@ -419,7 +421,7 @@ pub(crate) fn for_each_offset_range(
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "cpu-ref"))]
 mod tests {
     use super::*;
 

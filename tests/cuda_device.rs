@@ -31,7 +31,7 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
     let mut found: Vec<_> = kernel_modules().collect();
     found.sort_unstable();
     if kernels_compiled() {
-        assert_eq!(found, ["elementwise", "fill", "index", "random", "reduce"]);
+        assert_eq!(found, ["elementwise", "fill", "index", "random", "reduce", "softmax"]);
     } else {
         assert!(found.is_empty());
     }

@@ -355,3 +355,51 @@ fn assign_updates_in_place_and_views_see_it() -> R {
 
 const fn assert_send_sync<T: Send + Sync>() {}
 const _: () = assert_send_sync::<Tensor>();
+
+// ----- fused softmax --------------------------------------------------------------------------
+
+#[test]
+fn fused_softmax_matches_its_composite_twin() -> R {
+    for dt in FLOATS {
+        for (shape, dim) in [
+            (vec![1], 0usize),
+            (vec![7], 0),
+            (vec![3, 1000], 1),
+            (vec![5, 4, 3], 0),
+            (vec![5, 4, 3], 1),
+        ] {
+            let x = randn(shape.clone(), dt, 11).affine(3.0, 0.0)?;
+            let fused = x.softmax(dim)?;
+            let composite = x.softmax_composite(dim)?;
+            check(
+                &format!("softmax {shape:?} dim {dim} {dt}"),
+                &fused,
+                &v(&composite),
+                dt,
+            );
+            // Rows sum to one.
+            let sums = v(&fused.to_dtype(DType::F64)?.sum(&[dim])?);
+            assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-2), "{sums:?}");
+        }
+    }
+    // -inf entries get 0; a row of -inf or with a NaN is NaN, as in PyTorch.
+    let x = tt(
+        &[
+            0.0,
+            f64::NEG_INFINITY,
+            0.0,
+            f64::NEG_INFINITY,
+            f64::NEG_INFINITY,
+            f64::NEG_INFINITY,
+            1.0,
+            f64::NAN,
+            2.0,
+        ],
+        (3, 3),
+        DType::F32,
+    );
+    let y = v(&x.softmax(1)?);
+    assert_eq!(&y[..3], &[0.5, 0.0, 0.5]);
+    assert!(y[3..].iter().all(|v| v.is_nan()), "{y:?}");
+    Ok(())
+}

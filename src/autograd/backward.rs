@@ -289,5 +289,10 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             (b.clone(), a.t()?.matmul3(g)?),
         ],
         Op::ToDevice(x) => vec![(x.clone(), g.to_device(x.device())?)],
+        // y = softmax(x): dx = y * (g - sum(g * y)) along the last dim.
+        Op::Softmax(x) => {
+            let dot = g.mul(out)?.sum_keepdim(&[-1])?;
+            vec![(x.clone(), out.mul(&g.sub(&dot)?)?)]
+        }
     })
 }

@@ -37,6 +37,8 @@ pub(crate) enum Op {
     Matmul(Tensor, Tensor),
     /// A copy to another device; the gradient goes back to the input's device.
     ToDevice(Tensor),
+    /// The fused softmax over the last dim.
+    Softmax(Tensor),
 }
 
 /// Every kind of recorded op, by name; the CPU gradcheck suite must exercise each one.
@@ -75,6 +77,7 @@ pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "gather",
     "scatter_add",
     "matmul",
+    "softmax",
 ];
 
 impl Op {
@@ -96,6 +99,7 @@ impl Op {
             Op::ScatterAdd(..) => "scatter_add",
             Op::Matmul(..) => "matmul",
             Op::ToDevice(_) => "to_device",
+            Op::Softmax(_) => "softmax",
         }
     }
 
@@ -110,7 +114,8 @@ impl Op {
             | Op::Permute(x, _)
             | Op::Narrow(x, _, _)
             | Op::Broadcast(x)
-            | Op::ToDevice(x) => vec![x],
+            | Op::ToDevice(x)
+            | Op::Softmax(x) => vec![x],
             Op::Binary(a, b, _)
             | Op::Matmul(a, b)
             | Op::IndexSelect(a, b, _)
@@ -134,7 +139,8 @@ impl Op {
             | Op::Broadcast(x)
             | Op::IndexSelect(x, _, _)
             | Op::Gather(x, _, _)
-            | Op::ToDevice(x) => vec![x],
+            | Op::ToDevice(x)
+            | Op::Softmax(x) => vec![x],
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
             Op::Where(_, t, f) => vec![t, f],
             Op::Cat(xs, _) => xs.iter().collect(),

@@ -157,6 +157,10 @@ pub trait BackendStorage: Sized + Send + Sync {
     ) -> Result<Self>;
     /// `(B, M, K) @ (B, K, N)`; each operand is a rank-3 layout of any strides.
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: MatmulDims) -> Result<Self>;
+    /// Softmax along the last dim: `exp(x - max) / sum(exp(x - max))` per row, with exp in
+    /// the accumulation type and the sum in f64. Fused (one read, one write); the composite
+    /// `Tensor::softmax_composite` is its reference.
+    fn softmax_last_dim(&self, l: &Layout) -> Result<Self>;
     /// Contiguous host copy of the view `l`.
     fn to_host(&self, l: &Layout) -> Result<CpuStorage>;
 }

@@ -79,8 +79,32 @@ impl Tensor {
         self.mul(&t)
     }
 
-    /// exp(x - max) / sum(exp(x - max)) along `dim`.
+    /// exp(x - max) / sum(exp(x - max)) along `dim`, through the backend's fused kernel (one
+    /// read, one write); a dim other than the last is moved last and back.
     pub fn softmax(&self, dim: impl Dim) -> Result<Tensor> {
+        let d = dim.resolve(self.shape(), "softmax")?;
+        let last = self.rank().saturating_sub(1);
+        if d != last {
+            return self.transpose(d, last)?.softmax(last)?.transpose(d, last);
+        }
+        if !self.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "softmax",
+                dtype: self.dtype(),
+            });
+        }
+        let s = self.storage()?.softmax_last_dim(self.layout())?;
+        let rec = crate::autograd::record(&[self], || crate::autograd::Op::Softmax(self.clone()));
+        Ok(Tensor::from_storage(
+            s,
+            self.shape().clone(),
+            self.device().clone(),
+            rec,
+        ))
+    }
+
+    /// The composite softmax from primitives: the reference of the fused kernel.
+    pub fn softmax_composite(&self, dim: impl Dim) -> Result<Tensor> {
         let d = dim.resolve(self.shape(), "softmax")?;
         // The shift cancels in the ratio: detaching it keeps it out of the graph.
         let z = self.sub(&self.max_keepdim(d)?.detach())?;

@@ -76,6 +76,38 @@ fn binary_map<T: Elem>(a: &[T], al: &Layout, b: &[T], bl: &Layout, op: BinaryOp)
     }
 }
 
+/// Softmax of each last-dim row (see `BackendStorage::softmax_last_dim`).
+fn softmax_rows<T: Elem>(v: &[T], l: &Layout) -> Vec<T> {
+    use rayon::prelude::*;
+    let x = strided::contiguous(v, l);
+    let cols = l.dims().last().copied().unwrap_or(1);
+    let mut out = vec![T::default(); x.len()];
+    if cols == 0 {
+        return out;
+    }
+    out.par_chunks_mut(cols)
+        .zip(x.par_chunks(cols))
+        .for_each(|(y, x)| {
+            let nan = T::Acc::from_f64(f64::NAN);
+            let mut m = T::Acc::from_f64(f64::NEG_INFINITY);
+            for a in x.iter().map(|a| a.to_acc()) {
+                if a.is_nan() {
+                    m = nan;
+                    break;
+                }
+                if a > m {
+                    m = a;
+                }
+            }
+            let sum: f64 = x.iter().map(|a| (a.to_acc() - m).exp().to_f64()).sum();
+            let inv = T::Acc::from_f64(1.0 / sum);
+            for (y, a) in y.iter_mut().zip(x.iter()) {
+                *y = T::from_acc((a.to_acc() - m).exp() * inv);
+            }
+        });
+    out
+}
+
 fn cmp_map<T: WithDType>(a: &[T], al: &Layout, b: &[T], bl: &Layout, op: CmpOp) -> Vec<T> {
     let (one, zero) = (T::from_f64(1.0), T::from_f64(0.0));
     let m = |f: fn(&T, &T) -> bool| {
@@ -322,6 +354,11 @@ impl BackendStorage for CpuStorage {
 
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: MatmulDims) -> Result<Self> {
         matmul::matmul(self, l, rhs, rl, dims)
+    }
+
+    fn softmax_last_dim(&self, l: &Layout) -> Result<Self> {
+        check_view("softmax", self, l)?;
+        float_dispatch!(self, "softmax", v => softmax_rows(v, l))
     }
 
     fn to_host(&self, l: &Layout) -> Result<CpuStorage> {

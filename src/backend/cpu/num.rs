@@ -17,6 +17,7 @@ pub trait Real:
     + 'static
 {
     fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
@@ -46,6 +47,10 @@ macro_rules! real {
             #[inline]
             fn from_f64(v: f64) -> Self {
                 v as $t
+            }
+            #[inline]
+            fn to_f64(self) -> f64 {
+                self as f64
             }
             #[inline]
             fn exp(self) -> Self {

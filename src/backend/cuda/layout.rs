@@ -4,13 +4,16 @@ use crate::{Error, Layout, Result};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 pub(crate) const MAX_RANK: usize = 8;
+const CONTIGUOUS: u32 = 1;
+const INDEX32: u32 = 2;
 
 /// `StridedLayout` of cuda/common.cuh, passed to kernels by value.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct KernelLayout {
     rank: u32,
-    contiguous: u32,
+    /// CONTIGUOUS | INDEX32, as in cuda/common.cuh.
+    flags: u32,
     offset: u64,
     dims: [u64; MAX_RANK],
     strides: [u64; MAX_RANK],
@@ -56,7 +59,12 @@ impl KernelLayout {
         }
         let mut k = KernelLayout {
             rank: d.len() as u32,
-            contiguous: u32::from(l.is_contiguous()),
+            flags: if l.is_contiguous() { CONTIGUOUS } else { 0 }
+                | if (l.elem_count() as u64) < (1u64 << 32) {
+                    INDEX32
+                } else {
+                    0
+                },
             offset: l.offset() as u64,
             dims: [1; MAX_RANK],
             strides: [0; MAX_RANK],

@@ -1,6 +1,6 @@
 //! Reduction launchers (kernels in cuda/reduce.cu): one thread per output for short reduced
-//! ranges, one block per output otherwise, and a chunked two-pass form when there are too few
-//! outputs to fill the GPU.
+//! ranges, one warp per output for contiguous ranges (16-byte loads), one block per output
+//! otherwise, and a chunked two-pass form when there are too few outputs to fill the GPU.
 
 use super::layout::{grid_for, KernelLayout};
 use super::storage::{by_dtype, launch, CudaStorage, Elem};
@@ -88,6 +88,24 @@ fn reduce_t<T: Elem>(
         )?;
         return Ok(out);
     }
+    let sms = dev.sm_count().max(1);
+    if red.is_contiguous() && n_out >= sms {
+        // A warp per output: 8 per block of 256 threads.
+        let cfg = grid_for(n_out.div_ceil(8) * 256, sms);
+        launch!(
+            dev,
+            "reduce",
+            format!("{name}_rows_{}", T::SFX),
+            cfg,
+            &src.slice,
+            &kk,
+            &n_out,
+            &n_red,
+            &out_v,
+            &out_i
+        )?;
+        return Ok(out);
+    }
     if n_out > i32::MAX as usize {
         return Err(Error::invalid(
             op.name(),
@@ -95,7 +113,6 @@ fn reduce_t<T: Elem>(
             l.shape(),
         ));
     }
-    let sms = dev.sm_count().max(1);
     let parts = if n_out >= 2 * sms {
         1
     } else {

@@ -395,6 +395,36 @@ fn copy_t<T: Elem>(
     )
 }
 
+fn softmax_t<T: Elem>(s: &CudaStorage, l: &Layout) -> Result<Buf> {
+    s.check("softmax", l)?;
+    let dense;
+    let src = if l.is_contiguous() && l.offset() == 0 {
+        s.typed::<T>("softmax")?
+    } else {
+        dense = s.contiguous(l)?;
+        dense.typed::<T>("softmax")?
+    };
+    let n = l.elem_count();
+    let cols = l.dims().last().copied().unwrap_or(1);
+    let mut out = s.dev.alloc::<T>(n)?;
+    if n > 0 {
+        let rows = n / cols;
+        // A warp per row: 8 per block of 256 threads.
+        let cfg = grid_for(rows.div_ceil(8) * 256, s.dev.sm_count());
+        launch!(
+            s.dev,
+            "softmax",
+            format!("softmax_rows_{}", T::SFX),
+            cfg,
+            &src.slice,
+            &mut out.slice,
+            &rows,
+            &cols
+        )?;
+    }
+    Ok(T::wrap(out))
+}
+
 fn to_host_t<T: Elem>(s: &CudaStorage, l: &Layout) -> Result<CpuStorage> {
     s.check("to_host", l)?;
     let n = l.elem_count();
@@ -516,6 +546,15 @@ impl BackendStorage for CudaStorage {
 
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: MatmulDims) -> Result<Self> {
         super::matmul::matmul(self, l, rhs, rl, dims)
+    }
+
+    fn softmax_last_dim(&self, l: &Layout) -> Result<Self> {
+        let err = Error::UnsupportedDType {
+            op: "softmax",
+            dtype: DType::U32,
+        };
+        let buf = by_dtype!(self.buf.dtype(), softmax_t(self, l), u32 => Err(err))?;
+        Ok(self.wrap(buf))
     }
 
     fn to_host(&self, l: &Layout) -> Result<CpuStorage> {

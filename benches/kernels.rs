@@ -1,0 +1,104 @@
+//! GPU kernel throughput beside the device's measured copy ceiling (run on the GPU machine):
+//!   bandwidth ops at 256 MiB per input: achieved GB/s and % of device-to-device copy GB/s;
+//!   bf16 matmuls: TFLOP/s. benches/torch_kernels.py times PyTorch on the same shapes.
+//! Timed with the stream synchronised around `ITERS` launches after a warm-up.
+
+use flame::{DType, Device, Result, Tensor};
+use std::time::Instant;
+
+const MIB: usize = 1 << 20;
+const ITERS: usize = 20;
+
+fn time(dev: &flame::cuda::CudaDevice, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
+    for _ in 0..3 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..ITERS {
+        f()?;
+    }
+    dev.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() / ITERS as f64)
+}
+
+fn main() -> Result<()> {
+    let dev = Device::cuda(0)?;
+    let Device::Cuda(cuda) = &dev else {
+        return Ok(());
+    };
+    let n = 256 * MIB / 4; // f32 elements per input
+
+    // The ceiling: cuMemcpyDtoD of 256 MiB, read + write.
+    let stream = cuda.stream();
+    let src = stream
+        .alloc_zeros::<u8>(256 * MIB)
+        .map_err(|e| flame::Error::Cuda(format!("{e:?}")))?;
+    let mut dst = stream
+        .alloc_zeros::<u8>(256 * MIB)
+        .map_err(|e| flame::Error::Cuda(format!("{e:?}")))?;
+    for _ in 0..3 {
+        stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(|e| flame::Error::Cuda(format!("{e:?}")))?;
+    }
+    cuda.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..ITERS {
+        stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(|e| flame::Error::Cuda(format!("{e:?}")))?;
+    }
+    cuda.synchronize()?;
+    let copy = 2.0 * (256 * MIB) as f64 / (t.elapsed().as_secs_f64() / ITERS as f64) / 1e9;
+    println!("flame copy_d2d_256MiB          {copy:8.1} GB/s  100.0% (ceiling)");
+
+    let a = Tensor::randn(n, DType::F32, &dev, 1)?;
+    let b = Tensor::randn(n, DType::F32, &dev, 2)?;
+    let rows = a.reshape((n / 1024, 1024))?;
+    let report = |name: &str, bytes: usize, secs: f64| {
+        let gbs = bytes as f64 / secs / 1e9;
+        println!(
+            "flame {name:<24} {gbs:8.1} GB/s  {:5.1}% of copy  ({:.3} ms)",
+            100.0 * gbs / copy,
+            secs * 1e3
+        );
+    };
+    report("add_f32", 3 * 256 * MIB, time(cuda, || a.add(&b))?);
+    report(
+        "cast_f32_to_bf16",
+        256 * MIB + 128 * MIB,
+        time(cuda, || a.to_dtype(DType::BF16))?,
+    );
+    report(
+        "sum_last_dim_f32",
+        256 * MIB,
+        time(cuda, || rows.sum_keepdim(&[1]))?,
+    );
+    report(
+        "softmax_last_dim_f32",
+        2 * 256 * MIB,
+        time(cuda, || rows.softmax(1))?,
+    );
+    let ah = a.to_dtype(DType::BF16)?;
+    let bh = b.to_dtype(DType::BF16)?;
+    report("add_bf16", 3 * 128 * MIB, time(cuda, || ah.add(&bh))?);
+
+    for (m, k, nn) in [(4096, 4096, 4096), (4608, 3072, 12288)] {
+        let x = Tensor::randn((m, k), DType::BF16, &dev, 3)?;
+        let w = Tensor::randn((k, nn), DType::BF16, &dev, 4)?;
+        let secs = time(cuda, || x.matmul(&w))?;
+        let tf = 2.0 * (m * k * nn) as f64 / secs / 1e12;
+        println!(
+            "flame matmul_bf16_{m}x{k}x{nn:<8} {tf:8.1} TFLOP/s ({:.3} ms)",
+            secs * 1e3
+        );
+    }
+    let mem = cuda.memory();
+    println!(
+        "flame memory: peak {} MiB, in use {} MiB",
+        mem.peak / MIB as u64,
+        mem.in_use / MIB as u64
+    );
+    Ok(())
+}

@@ -56,6 +56,72 @@ __device__ __forceinline__ void softmax_rows(const T* __restrict__ in, T* __rest
   }
 }
 
+// Rows of at most PACKS * 256 elements with cols % 8 == 0 and 16-byte aligned: the row stays
+// in registers between the passes, so it is read from memory exactly once.
+template <typename T, int PACKS>
+__device__ __forceinline__ void softmax_rows_reg(const T* __restrict__ in, T* __restrict__ out, size_t rows,
+                                                 size_t cols) {
+  typedef typename AccT<T>::type A;
+  const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
+  const size_t nv = cols / 8;
+  for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
+    const Pack8<T>* x = reinterpret_cast<const Pack8<T>*>(in + r * cols);
+    Pack8<T>* y = reinterpret_cast<Pack8<T>*>(out + r * cols);
+    Pack8<T> buf[PACKS];
+    A m = -INFINITY;
+    bool nan = false;
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+      const size_t v = lane + 32 * k;
+      if (v < nv) {
+        buf[k] = x[v];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const A a = to_acc(buf[k].v[e]);
+          nan |= a != a;
+          m = a > m ? a : m;
+        }
+      }
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) {
+      const A o = __shfl_xor_sync(0xffffffff, m, s);
+      m = o > m ? o : m;
+      nan |= __shfl_xor_sync(0xffffffff, (int)nan, s);
+    }
+    if (nan) m = NAN;
+    double sum = 0.0;
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k)
+      if (lane + 32 * k < nv) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum += (double)exp(to_acc(buf[k].v[e]) - m);
+      }
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
+    const A inv = (A)(1.0 / sum);
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+      const size_t v = lane + 32 * k;
+      if (v < nv) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) buf[k].v[e] = from_acc<T>(exp(to_acc(buf[k].v[e]) - m) * inv);
+        y[v] = buf[k];
+      }
+    }
+  }
+}
+
+#define SOFTMAX_REG(SUF, T, PACKS)                                                                           \
+  extern "C" __global__ void softmax_reg##PACKS##_##SUF(const T* in, T* out, size_t rows, size_t cols) { \
+    softmax_rows_reg<T, PACKS>(in, out, rows, cols);                                                        \
+  }
+#define SOFTMAX_REGS(SUF, T) SOFTMAX_REG(SUF, T, 4) SOFTMAX_REG(SUF, T, 16)
+SOFTMAX_REGS(f32, float)
+SOFTMAX_REGS(f64, double)
+SOFTMAX_REGS(bf16, __nv_bfloat16)
+SOFTMAX_REGS(f16, __half)
+
 #define SOFTMAX(SUF, T)                                                                             \
   extern "C" __global__ void softmax_rows_##SUF(const T* in, T* out, size_t rows, size_t cols) { \
     softmax_rows<T>(in, out, rows, cols);                                                          \

@@ -4,6 +4,10 @@
 
 use flame::cuda::{driver_available, kernel_modules, kernels_compiled, CudaDevice};
 use flame::{DType, Device, Error, Tensor};
+use std::sync::Mutex;
+
+/// The device's byte counters are shared: tests that read them run one at a time.
+static GPU: Mutex<()> = Mutex::new(());
 
 #[test]
 fn device_creation_reports_what_is_missing() {
@@ -31,7 +35,17 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
     let mut found: Vec<_> = kernel_modules().collect();
     found.sort_unstable();
     if kernels_compiled() {
-        assert_eq!(found, ["elementwise", "fill", "index", "random", "reduce", "softmax"]);
+        assert_eq!(
+            found,
+            [
+                "elementwise",
+                "fill",
+                "index",
+                "random",
+                "reduce",
+                "softmax"
+            ]
+        );
     } else {
         assert!(found.is_empty());
     }
@@ -40,6 +54,7 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fill_round_trip_every_dtype() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
     let dev = Device::cuda(0).expect("a GPU");
     for n in [1usize, 7, 1_000_003] {
         for (dtype, v) in [
@@ -75,6 +90,7 @@ fn fill_round_trip_every_dtype() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn memory_accounting_and_hard_limit() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
     let Device::Cuda(cuda) = Device::cuda(0).expect("a GPU") else {
         unreachable!()
     };

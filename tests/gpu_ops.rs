@@ -10,6 +10,12 @@ const CPU: Device = Device::Cpu;
 const FLOATS: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
 const SIZES: [usize; 3] = [1, 7, 1_000_003];
 
+/// Tests share one device and its memory counters: they run one at a time.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    GPU.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn gpu() -> Device {
     Device::cuda(0).expect("a CUDA GPU")
 }
@@ -106,6 +112,7 @@ fn views(x: &Tensor) -> Vec<(&'static str, Tensor)> {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn unary_every_op_dtype_and_view() {
+    let _one = serial();
     for dt in FLOATS {
         for (i, (name, f, lo, hi)) in UNARY.iter().enumerate() {
             let mut shapes: Vec<Vec<usize>> = SIZES.iter().map(|&n| vec![n]).collect();
@@ -138,6 +145,7 @@ const BINARY: [Binary; 6] = [
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn binary_every_op_with_broadcasting_and_views() {
+    let _one = serial();
     for dt in FLOATS {
         for (i, (name, f)) in BINARY.iter().enumerate() {
             let s = i as u64 * 100;
@@ -176,6 +184,7 @@ fn binary_every_op_with_broadcasting_and_views() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn comparisons_and_where() {
+    let _one = serial();
     // Whole numbers in [0, 5), so ties occur; the rhs is a transposed view.
     let whole = |seed: u64| -> Vec<f64> {
         let v = Tensor::rand_uniform(0.0, 5.0, 37 * 29, DType::F64, &CPU, seed).unwrap();
@@ -226,6 +235,7 @@ fn comparisons_and_where() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn reductions_over_every_dim_set() {
+    let _one = serial();
     let shapes: Vec<Vec<usize>> = vec![
         vec![1],
         vec![7],
@@ -315,6 +325,7 @@ fn reductions_over_every_dim_set() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn casts_between_all_dtypes() {
+    let _one = serial();
     let all = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::U32];
     // Values past every dtype's range, negatives (u32 saturates to 0), and ordinary ones.
     let mut v: Vec<f64> = vec![-1e6, -3.7, -0.0, 0.3, 1.5, 70_000.0, 5e9, 1e40];
@@ -362,6 +373,7 @@ fn casts_between_all_dtypes() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn copies_views_and_joins() {
+    let _one = serial();
     for dt in FLOATS {
         let (c, g) = normal_pair(&[3, 4, 5, 7], dt, 77);
         let p = [2, 0, 3, 1];
@@ -417,6 +429,7 @@ fn copies_views_and_joins() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn index_select_gather_scatter_add() {
+    let _one = serial();
     for dt in FLOATS {
         let (c, g) = normal_pair(&[11, 6, 5], dt, 90);
         let idc = Tensor::from_vec(vec![3u32, 0, 10, 3, 7], 5, &CPU).unwrap();
@@ -505,6 +518,7 @@ fn matmul_check(what: &str, a: (&Tensor, &Tensor), b: (&Tensor, &Tensor), dt: DT
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matmul_shapes_views_and_dtypes() {
+    let _one = serial();
     let shapes: Vec<(Vec<usize>, Vec<usize>)> = vec![
         (vec![1, 1], vec![1, 1]),
         (vec![7, 13], vec![13, 5]),
@@ -541,6 +555,7 @@ fn matmul_shapes_views_and_dtypes() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn random_numbers_match_the_cpu_stream() {
+    let _one = serial();
     for dt in FLOATS {
         for n in SIZES {
             let (c, g) = (
@@ -576,6 +591,7 @@ fn network(dev: &Device, params: &[Tensor], ids: &Tensor, targets: &Tensor) -> R
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn backward_of_a_network_matches() {
+    let _one = serial();
     let shapes: [&[usize]; 5] = [&[10, 8], &[8, 16], &[16], &[16], &[16, 5]];
     for dt in [DType::F32, DType::F64] {
         let cpu_params: Vec<Tensor> = shapes
@@ -639,6 +655,7 @@ fn backward_of_a_network_matches() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gradients_flow_across_devices() {
+    let _one = serial();
     let x = Tensor::randn(37, DType::F32, &CPU, 9)
         .unwrap()
         .requires_grad_()
@@ -662,6 +679,7 @@ fn gradients_flow_across_devices() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tensors_over_2_gib() {
+    let _one = serial();
     // 600M f32 = 2.4 GB: offsets past 2^31 bytes and 2^29 elements. rand is counter-based, so
     // both backends generate the same numbers without copying 2.4 GB.
     let n = 600_000_000usize;
@@ -689,6 +707,7 @@ fn tensors_over_2_gib() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn training_steps_reuse_pool_memory() {
+    let _one = serial();
     use flame::optim::{AdamConfig, AdamW, Optimizer};
     let dev = gpu();
     let Device::Cuda(cuda) = &dev else {
@@ -726,6 +745,7 @@ fn training_steps_reuse_pool_memory() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fused_softmax_matches_the_cpu() {
+    let _one = serial();
     for dt in FLOATS {
         for (shape, dim) in [
             (vec![1], 0usize),
@@ -743,12 +763,78 @@ fn fused_softmax_matches_the_cpu() {
                 &c.softmax(dim).unwrap(),
                 dt,
             );
+            // The composite computed in f32 and rounded once (in a half type it would round
+            // at every step).
+            let wide = if dt == DType::F64 {
+                DType::F64
+            } else {
+                DType::F32
+            };
+            let reference = c
+                .to_dtype(wide)
+                .unwrap()
+                .softmax_composite(dim)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
             close(
                 &format!("softmax vs composite {shape:?}"),
                 &g.softmax(dim).unwrap(),
-                &c.softmax_composite(dim).unwrap(),
+                &reference,
                 dt,
             );
         }
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tf32_matmul_is_opt_in() {
+    let _one = serial();
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    let (ca, ga) = normal_pair(&[256, 512], DType::F32, 700);
+    let (cb, gb) = normal_pair(&[512, 256], DType::F32, 701);
+    let want = ca
+        .to_dtype(DType::F64)
+        .unwrap()
+        .matmul(&cb.to_dtype(DType::F64).unwrap())
+        .unwrap();
+    let err = |t: &Tensor| {
+        let d = t
+            .to_device(&CPU)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .sub(&want)
+            .unwrap();
+        d.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar_f64()
+            .unwrap()
+            .sqrt()
+            / want
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar_f64()
+                .unwrap()
+                .sqrt()
+    };
+    let exact = err(&ga.matmul(&gb).unwrap());
+    cuda.set_allow_tf32(true).unwrap();
+    let tf32 = err(&ga.matmul(&gb).unwrap());
+    cuda.set_allow_tf32(false).unwrap();
+    let again = err(&ga.matmul(&gb).unwrap());
+    // f32: ~1e-7 relative; TF32 (10-bit mantissa inputs): ~1e-4 to 1e-3.
+    assert!(
+        exact < 1e-6 && again < 1e-6,
+        "f32 error {exact}, after switching back {again}"
+    );
+    assert!(tf32 > 1e-5 && tf32 < 3e-3, "tf32 error {tf32}");
 }

@@ -71,6 +71,11 @@ fn ids(v: &[u32], shape: impl Into<Shape>) -> Tensor {
     Tensor::from_slice(v, shape, &CPU).unwrap()
 }
 
+/// Indices moved to `x`'s device, so a case runs on any backend.
+fn on(ids: &Tensor, x: &Tensor) -> Result<Tensor> {
+    ids.to_device(x.device())
+}
+
 /// Runs every case; returns the union of recorded ops and a description of each failure.
 fn run(cases: &[Case]) -> (BTreeSet<&'static str>, Vec<String>) {
     let mut ops = BTreeSet::new();
@@ -421,43 +426,43 @@ fn index_cases() -> Vec<Case> {
     let (k0, k1, k2) = (g1(), g0(), g1());
     vec![
         Case::new("index_select dim 0", vec![g.n([3, 5])], move |x| {
-            x[0].index_select(&i0, 0)
+            x[0].index_select(&on(&i0, &x[0])?, 0)
         })
         .expect(&["index_select"]),
         Case::new("index_select dim 1", vec![g.n([3, 5])], move |x| {
-            x[0].index_select(&i1, 1)
+            x[0].index_select(&on(&i1, &x[0])?, 1)
         }),
         Case::new("index_select of t()", vec![g.n([5, 3])], move |x| {
-            x[0].t()?.index_select(&i2, 0)
+            x[0].t()?.index_select(&on(&i2, &x[0])?, 0)
         }),
         Case::new("gather dim 1", vec![g.n([3, 5])], move |x| {
-            x[0].gather(&j0, 1)
+            x[0].gather(&on(&j0, &x[0])?, 1)
         })
         .expect(&["gather"]),
         Case::new("gather dim 0", vec![g.n([3, 5])], move |x| {
-            x[0].gather(&j1, 0)
+            x[0].gather(&on(&j1, &x[0])?, 0)
         }),
         Case::new("gather of t()", vec![g.n([5, 3])], move |x| {
-            x[0].t()?.gather(&j2, 1)
+            x[0].t()?.gather(&on(&j2, &x[0])?, 1)
         }),
         Case::new("gather with t() ids", vec![g.n([5, 3])], move |x| {
-            x[0].gather(&j3.t()?, 1)
+            x[0].gather(&on(&j3, &x[0])?.t()?, 1)
         }),
         Case::new(
             "scatter_add dim 1",
             vec![g.n([3, 5]), g.n([3, 4])],
-            move |x| x[0].scatter_add(&k0, &x[1], 1),
+            move |x| x[0].scatter_add(&on(&k0, &x[0])?, &x[1], 1),
         )
         .expect(&["scatter_add"]),
         Case::new(
             "scatter_add dim 0",
             vec![g.n([3, 5]), g.n([2, 5])],
-            move |x| x[0].sin()?.scatter_add(&k1, &x[1].exp()?, 0),
+            move |x| x[0].sin()?.scatter_add(&on(&k1, &x[0])?, &x[1].exp()?, 0),
         ),
         Case::new(
             "scatter_add of views",
             vec![g.n([5, 3]), g.n([4, 3])],
-            move |x| x[0].t()?.scatter_add(&k2, &x[1].t()?, 1),
+            move |x| x[0].t()?.scatter_add(&on(&k2, &x[0])?, &x[1].t()?, 1),
         ),
     ]
 }
@@ -559,7 +564,7 @@ fn composite_cases() -> Vec<Case> {
             x[0].mse_loss(&x[1])
         }),
         Case::new("cross_entropy", vec![x35(&mut g)], move |x| {
-            x[0].cross_entropy(&targets)
+            x[0].cross_entropy(&on(&targets, &x[0])?)
         })
         .expect(&["gather", "neg"]),
     ]
@@ -616,7 +621,7 @@ fn random_expr(seed: u64, xs: &[Tensor]) -> Result<Tensor> {
                 .mul_scalar(0.2)?
                 .broadcast_as((3, 5))?
                 .mul(&b)?,
-            20 => a.index_select(&rows, 0)?.add(&b)?,
+            20 => a.index_select(&on(&rows, &a)?, 0)?.add(&b)?,
             21 => a.softmax(1)?.add(&b.log_softmax(0)?)?,
             22 => a.layer_norm(None, None, 1e-5)?.silu()?,
             _ => a.matmul(&b.t()?)?.matmul(&a)?.mul_scalar(0.3)?.tanh()?,
@@ -950,4 +955,86 @@ fn gradients_have_the_leaf_dtype() -> Result<()> {
         assert_eq!(grad(&g, &x), vec![2.0, 4.0, 8.0]);
     }
     Ok(())
+}
+
+/// Every case's analytic gradients on CUDA (f64) against the CPU's: agreement to 1e-10 of the
+/// largest gradient (1e-6 where a case computes in f32). A case that builds CPU tensors inside
+/// cannot move and is listed; the ones that run must cover every recorded op kind.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_case_backward_on_cuda_matches_the_cpu() {
+    use flame::autograd::gradcheck::graph_ops;
+    let gpu = Device::cuda(0).expect("a CUDA GPU");
+    let grads_on = |case: &Case, dev: &Device| -> Result<(Vec<Vec<f64>>, BTreeSet<&'static str>)> {
+        let leaves = case
+            .inputs
+            .iter()
+            .map(|x| {
+                let t = x.to_device(dev)?.detach();
+                t.set_requires_grad(true)?;
+                Ok(t)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let y = (case.f)(&leaves)?;
+        let r = Tensor::rand_uniform(0.5, 1.5, y.shape().clone(), DType::F64, &CPU, 7)?
+            .to_device(dev)?;
+        let loss = y.mul(&r)?.sum_all()?;
+        let ops = graph_ops(&loss)?;
+        let g = loss.backward()?;
+        let grads = leaves
+            .iter()
+            .map(|l| match g.get(l) {
+                Some(t) => t.to_vec_f64(),
+                None => Ok(vec![0.0; l.elem_count()]),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((grads, ops))
+    };
+    let (mut covered, mut skipped, mut failures, mut ran) = (BTreeSet::new(), vec![], vec![], 0);
+    for case in all_cases() {
+        let (cpu, _) = grads_on(&case, &CPU).expect("the CPU pass");
+        match grads_on(&case, &gpu) {
+            Err(Error::DeviceMismatch { .. }) => skipped.push(case.name.clone()),
+            Err(e) => failures.push(format!("{}: {e}", case.name)),
+            Ok((cuda, ops)) => {
+                ran += 1;
+                // A case that casts to f32 computes in f32 on both backends.
+                let rel = if ops.contains("cast") { 1e-6 } else { 1e-10 };
+                covered.extend(ops);
+                for (i, (a, b)) in cuda.iter().zip(&cpu).enumerate() {
+                    let scale = b.iter().fold(1f64, |m, v| m.max(v.abs()));
+                    if let Some((j, (x, y))) = a
+                        .iter()
+                        .zip(b)
+                        .enumerate()
+                        .find(|(_, (x, y))| (*x - *y).abs() > rel * scale)
+                    {
+                        failures.push(format!(
+                            "{} input {i} element {j}: cuda {x} vs cpu {y}",
+                            case.name
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "{ran} cases ran on CUDA; {} built CPU tensors inside and stayed on the CPU: {skipped:?}",
+        skipped.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} cases differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    let missing: Vec<_> = DIFFERENTIABLE_OPS
+        .iter()
+        .filter(|k| !covered.contains(*k))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "ops never run backward on CUDA: {missing:?}"
+    );
 }

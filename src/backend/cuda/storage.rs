@@ -409,12 +409,18 @@ fn softmax_t<T: Elem>(s: &CudaStorage, l: &Layout) -> Result<Buf> {
     let mut out = s.dev.alloc::<T>(n)?;
     if n > 0 {
         let rows = n / cols;
-        // A warp per row: 8 per block of 256 threads.
+        // A warp per row: 8 per block of 256 threads. Short rows of whole 16-byte packs stay in
+        // registers (4 or 16 packs of 8 elements per lane).
+        let kernel = match cols {
+            c if c % 8 == 0 && c <= 4 * 256 => "softmax_reg4",
+            c if c % 8 == 0 && c <= 16 * 256 => "softmax_reg16",
+            _ => "softmax_rows",
+        };
         let cfg = grid_for(rows.div_ceil(8) * 256, s.dev.sm_count());
         launch!(
             s.dev,
             "softmax",
-            format!("softmax_rows_{}", T::SFX),
+            format!("{kernel}_{}", T::SFX),
             cfg,
             &src.slice,
             &mut out.slice,

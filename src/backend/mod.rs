@@ -6,6 +6,8 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg_attr(not(any(feature = "cpu-ref", feature = "cuda")), allow(dead_code))]
+pub(crate) mod validate;
 
 use crate::{CpuStorage, DType, Layout, Result, Shape};
 

@@ -72,23 +72,6 @@ pub fn index_select(
     Ok(crate::map_cpu_storage!(s, v => select(v, l, &ids, dim)))
 }
 
-fn check_gather_shapes(op: &'static str, l: &Layout, il: &Layout, dim: usize) -> Result<()> {
-    let ok = l.dims().len() == il.dims().len()
-        && l.dims()
-            .iter()
-            .zip(il.dims())
-            .enumerate()
-            .all(|(d, (a, b))| d == dim || a == b);
-    if !ok {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: l.shape().clone(),
-            rhs: il.shape().clone(),
-        });
-    }
-    Ok(())
-}
-
 fn gather_typed<T: WithDType>(v: &[T], l: &Layout, ids: &[u32], il: &Layout, dim: usize) -> Vec<T> {
     let src = strided::contiguous(v, l);
     let (_, size, inner) = blocks(l.shape(), dim);
@@ -113,7 +96,7 @@ pub fn gather(
     il: &Layout,
     dim: usize,
 ) -> Result<CpuStorage> {
-    check_gather_shapes("gather", l, il, dim)?;
+    crate::backend::validate::gather_shapes("gather", l, il, dim)?;
     let idv = ids_vec(ids, il, "gather")?;
     check_ids(&idv, l.dims()[dim], "gather", l.shape())?;
     Ok(crate::map_cpu_storage!(s, v => gather_typed(v, l, &idv, il, dim)))
@@ -155,7 +138,7 @@ pub fn scatter_add(
     sl: &Layout,
     dim: usize,
 ) -> Result<CpuStorage> {
-    check_gather_shapes("scatter_add", l, il, dim)?;
+    crate::backend::validate::gather_shapes("scatter_add", l, il, dim)?;
     if il.shape() != sl.shape() {
         return Err(Error::ShapeMismatch {
             op: "scatter_add",

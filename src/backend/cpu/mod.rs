@@ -8,6 +8,7 @@ pub mod random;
 mod reduce;
 mod strided;
 
+use crate::backend::validate;
 use crate::backend::{
     BackendDevice, BackendStorage, BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp,
 };
@@ -147,28 +148,6 @@ fn check_view(op: &'static str, s: &CpuStorage, l: &Layout) -> Result<()> {
     Ok(())
 }
 
-fn check_same_shape(op: &'static str, a: &Layout, b: &Layout) -> Result<()> {
-    if a.shape() != b.shape() {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: a.shape().clone(),
-            rhs: b.shape().clone(),
-        });
-    }
-    Ok(())
-}
-
-fn check_dim(op: &'static str, l: &Layout, dim: usize) -> Result<()> {
-    if dim >= l.dims().len() {
-        return Err(Error::DimOutOfRange {
-            op,
-            dim: dim as i64,
-            shape: l.shape().clone(),
-        });
-    }
-    Ok(())
-}
-
 fn cast_vec<T: WithDType, U: WithDType>(v: &[T], l: &Layout) -> Vec<U> {
     strided::map1(v, l, |x: T| U::from_f64(x.to_f64()))
 }
@@ -241,7 +220,7 @@ impl BackendStorage for CpuStorage {
     fn binary(&self, l: &Layout, rhs: &Self, rl: &Layout, op: BinaryOp) -> Result<Self> {
         check_view(op.name(), self, l)?;
         check_view(op.name(), rhs, rl)?;
-        check_same_shape(op.name(), l, rl)?;
+        validate::same_shape(op.name(), l, rl)?;
         Ok(match (self, rhs) {
             (CpuStorage::F32(a), CpuStorage::F32(b)) => {
                 CpuStorage::F32(binary_map(a, l, b, rl, op))
@@ -274,14 +253,14 @@ impl BackendStorage for CpuStorage {
     fn cmp(&self, l: &Layout, rhs: &Self, rl: &Layout, op: CmpOp) -> Result<Self> {
         check_view("cmp", self, l)?;
         check_view("cmp", rhs, rl)?;
-        check_same_shape("cmp", l, rl)?;
+        validate::same_shape("cmp", l, rl)?;
         Ok(pair_dispatch!("cmp", self, rhs, (a, b) => cmp_map(a, l, b, rl, op)))
     }
 
     fn where_cond(&self, l: &Layout, t: &Self, tl: &Layout, f: &Self, fl: &Layout) -> Result<Self> {
         for (s, sl) in [(self, l), (t, tl), (f, fl)] {
             check_view("where_cond", s, sl)?;
-            check_same_shape("where_cond", l, sl)?;
+            validate::same_shape("where_cond", l, sl)?;
         }
         let mask = mask_vec(self, l);
         let ml = Layout::contiguous(l.shape().clone());
@@ -329,14 +308,14 @@ impl BackendStorage for CpuStorage {
     fn index_select(&self, l: &Layout, ids: &Self, il: &Layout, dim: usize) -> Result<Self> {
         check_view("index_select", self, l)?;
         check_view("index_select", ids, il)?;
-        check_dim("index_select", l, dim)?;
+        validate::dim_in_range("index_select", l, dim)?;
         index::index_select(self, l, ids, il, dim)
     }
 
     fn gather(&self, l: &Layout, ids: &Self, il: &Layout, dim: usize) -> Result<Self> {
         check_view("gather", self, l)?;
         check_view("gather", ids, il)?;
-        check_dim("gather", l, dim)?;
+        validate::dim_in_range("gather", l, dim)?;
         index::gather(self, l, ids, il, dim)
     }
 

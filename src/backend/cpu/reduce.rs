@@ -119,38 +119,8 @@ fn reduce_typed<T: WithDType>(v: &[T], l: &Layout, op: ReduceOp, dims: &[usize])
 }
 
 pub fn reduce(s: &CpuStorage, l: &Layout, op: ReduceOp, dims: &[usize]) -> Result<CpuStorage> {
-    let rank = l.dims().len();
-    let mut seen = vec![false; rank];
-    for &d in dims {
-        if d >= rank || std::mem::replace(&mut seen[d], true) {
-            return Err(Error::invalid(
-                op.name(),
-                format!("bad reduction dims {dims:?}"),
-                l.shape(),
-            ));
-        }
-    }
+    crate::backend::validate::reduction(op, l, dims, s.dtype())?;
     let arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
-    if arg && dims.len() != 1 {
-        return Err(Error::invalid(
-            op.name(),
-            "reduces exactly one dim",
-            l.shape(),
-        ));
-    }
-    if !matches!(op, ReduceOp::Sum) && dims.iter().any(|&d| l.dims()[d] == 0) {
-        return Err(Error::invalid(
-            op.name(),
-            "cannot reduce an empty dim",
-            l.shape(),
-        ));
-    }
-    if s.dtype() == DType::U32 && !arg {
-        return Err(Error::UnsupportedDType {
-            op: op.name(),
-            dtype: DType::U32,
-        });
-    }
     let accs = crate::dispatch_host!(s, v => reduce_typed(v, l, op, dims));
     if arg {
         return Ok(CpuStorage::U32(

@@ -37,17 +37,6 @@ fn check_ids(ids: &CudaStorage, il: &Layout, op: &'static str) -> Result<()> {
     Ok(())
 }
 
-fn check_dim(op: &'static str, l: &Layout, dim: usize) -> Result<()> {
-    if dim >= l.dims().len() {
-        return Err(Error::DimOutOfRange {
-            op,
-            dim: dim as i64,
-            shape: l.shape().clone(),
-        });
-    }
-    Ok(())
-}
-
 /// Reads the kernel's flag; on a bad index, finds the first one for the error.
 fn verify(
     ids: &CudaStorage,
@@ -137,7 +126,7 @@ pub(crate) fn index_select(
     il: &Layout,
     dim: usize,
 ) -> Result<CudaStorage> {
-    check_dim("index_select", l, dim)?;
+    crate::backend::validate::dim_in_range("index_select", l, dim)?;
     check_ids(ids, il, "index_select")?;
     if il.dims().len() != 1 {
         return Err(Error::invalid(
@@ -147,23 +136,6 @@ pub(crate) fn index_select(
         ));
     }
     by_dtype!(s.buf.dtype(), select_t(s, l, ids, il, dim))
-}
-
-fn check_gather_shapes(op: &'static str, l: &Layout, il: &Layout, dim: usize) -> Result<()> {
-    let ok = l.dims().len() == il.dims().len()
-        && l.dims()
-            .iter()
-            .zip(il.dims())
-            .enumerate()
-            .all(|(d, (a, b))| d == dim || a == b);
-    if !ok {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: l.shape().clone(),
-            rhs: il.shape().clone(),
-        });
-    }
-    Ok(())
 }
 
 fn gather_t<T: Elem>(
@@ -209,9 +181,9 @@ pub(crate) fn gather(
     il: &Layout,
     dim: usize,
 ) -> Result<CudaStorage> {
-    check_dim("gather", l, dim)?;
+    crate::backend::validate::dim_in_range("gather", l, dim)?;
     check_ids(ids, il, "gather")?;
-    check_gather_shapes("gather", l, il, dim)?;
+    crate::backend::validate::gather_shapes("gather", l, il, dim)?;
     by_dtype!(s.buf.dtype(), gather_t(s, l, ids, il, dim))
 }
 
@@ -264,9 +236,9 @@ pub(crate) fn scatter_add(
     sl: &Layout,
     dim: usize,
 ) -> Result<CudaStorage> {
-    check_dim("scatter_add", l, dim)?;
+    crate::backend::validate::dim_in_range("scatter_add", l, dim)?;
     check_ids(ids, il, "scatter_add")?;
-    check_gather_shapes("scatter_add", l, il, dim)?;
+    crate::backend::validate::gather_shapes("scatter_add", l, il, dim)?;
     if il.shape() != sl.shape() {
         return Err(Error::ShapeMismatch {
             op: "scatter_add",

@@ -176,32 +176,8 @@ pub(crate) fn reduce(
     op: ReduceOp,
     dims: &[usize],
 ) -> Result<CudaStorage> {
-    let rank = l.dims().len();
-    let mut seen = vec![false; rank];
-    for &d in dims {
-        if d >= rank || std::mem::replace(&mut seen[d], true) {
-            return Err(Error::invalid(
-                op.name(),
-                format!("bad reduction dims {dims:?}"),
-                l.shape(),
-            ));
-        }
-    }
+    crate::backend::validate::reduction(op, l, dims, s.buf.dtype())?;
     let arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
-    if arg && dims.len() != 1 {
-        return Err(Error::invalid(
-            op.name(),
-            "reduces exactly one dim",
-            l.shape(),
-        ));
-    }
-    if !matches!(op, ReduceOp::Sum) && dims.iter().any(|&d| l.dims()[d] == 0) {
-        return Err(Error::invalid(
-            op.name(),
-            "cannot reduce an empty dim",
-            l.shape(),
-        ));
-    }
     let u32_err = Error::UnsupportedDType {
         op: op.name(),
         dtype: DType::U32,

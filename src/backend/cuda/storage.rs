@@ -215,17 +215,6 @@ impl CudaStorage {
     }
 }
 
-fn same_shape(op: &'static str, a: &Layout, b: &Layout) -> Result<()> {
-    if a.shape() != b.shape() {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: a.shape().clone(),
-            rhs: b.shape().clone(),
-        });
-    }
-    Ok(())
-}
-
 impl CudaDevice {
     /// An uninitialised buffer of `n` elements of `dtype`.
     pub(crate) fn alloc_like(&self, dtype: DType, n: usize) -> Result<CudaStorage> {
@@ -282,7 +271,7 @@ fn binary_t<T: Elem>(
     op: &'static str,
 ) -> Result<Buf> {
     a.same_device(op, b)?;
-    same_shape(op, al, bl)?;
+    crate::backend::validate::same_shape(op, al, bl)?;
     let (ka, kb) = (a.check(op, al)?, b.check(op, bl)?);
     let (x, y) = (a.typed::<T>(op)?, b.typed::<T>(op)?);
     let n = al.elem_count();
@@ -499,8 +488,8 @@ impl BackendStorage for CudaStorage {
     }
 
     fn where_cond(&self, l: &Layout, t: &Self, tl: &Layout, f: &Self, fl: &Layout) -> Result<Self> {
-        same_shape("where_cond", l, tl)?;
-        same_shape("where_cond", l, fl)?;
+        crate::backend::validate::same_shape("where_cond", l, tl)?;
+        crate::backend::validate::same_shape("where_cond", l, fl)?;
         self.same_device("where_cond", t)?;
         self.same_device("where_cond", f)?;
         // The kernel takes a mask of the values' dtype.
@@ -525,7 +514,7 @@ impl BackendStorage for CudaStorage {
     }
 
     fn copy_strided(&self, l: &Layout, dst: &mut Self, dst_l: &Layout) -> Result<()> {
-        same_shape("copy_strided", l, dst_l)?;
+        crate::backend::validate::same_shape("copy_strided", l, dst_l)?;
         self.same_device("copy_strided", dst)?;
         by_dtype!(self.buf.dtype(), copy_t(self, l, dst, dst_l))
     }

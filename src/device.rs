@@ -269,6 +269,17 @@ impl Storage {
     ) -> Result<Storage> {
         Ok(on_pair!("matmul", self, rhs, (a, b) => a.matmul(l, b, rl, dims)?))
     }
+    pub(crate) fn unfold2d(&self, l: &Layout, w: crate::backend::Window2d) -> Result<Storage> {
+        Ok(on_storage!(self, s => wrap s.unfold2d(l, w)?))
+    }
+    pub(crate) fn fold2d(
+        &self,
+        l: &Layout,
+        w: crate::backend::Window2d,
+        hw: (usize, usize),
+    ) -> Result<Storage> {
+        Ok(on_storage!(self, s => wrap s.fold2d(l, w, hw)?))
+    }
     pub(crate) fn softmax_last_dim(&self, l: &Layout) -> Result<Storage> {
         Ok(on_storage!(self, s => wrap s.softmax_last_dim(l)?))
     }

@@ -73,6 +73,12 @@ pub enum Error {
         tensor: Option<String>,
         msg: String,
     },
+    #[error("parameter '{key}'{}: {msg}", file.as_ref().map(|f| format!(" in {}", f.display())).unwrap_or_default())]
+    Param {
+        key: String,
+        file: Option<PathBuf>,
+        msg: String,
+    },
     #[error("optimizer {optimizer}: {msg}")]
     Optimizer {
         optimizer: &'static str,

@@ -9,6 +9,7 @@ pub mod backend;
 mod device;
 mod dtype;
 mod error;
+pub mod nn;
 pub mod optim;
 pub mod safetensors;
 mod shape;
@@ -18,7 +19,7 @@ mod tensor;
 pub use backend::cuda;
 
 pub use autograd::{grad_enabled, no_grad, Grads, NoGradGuard};
-pub use backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+pub use backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp, Window2d};
 pub use device::Device;
 pub use dtype::{CpuStorage, DType, WithDType};
 pub use error::{Error, Result};

@@ -838,3 +838,48 @@ fn tf32_matmul_is_opt_in() {
     );
     assert!(tf32 > 1e-5 && tf32 < 3e-3, "tf32 error {tf32}");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn unfold_fold_and_conv2d_match_the_cpu() {
+    let _one = serial();
+    use flame::nn::conv2d;
+    use flame::Window2d;
+    for dt in FLOATS {
+        for (k, (xd, kernel, stride, padding, dilation)) in [
+            ([2usize, 3, 9, 7], (3, 3), (1, 1), (1, 1), (1, 1)),
+            ([1, 4, 16, 15], (2, 3), (2, 1), (0, 2), (1, 2)),
+            ([2, 320, 32, 32], (3, 3), (1, 1), (1, 1), (1, 1)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let win = Window2d {
+                kernel,
+                stride,
+                padding,
+                dilation,
+            };
+            let (c, g) = normal_pair(&xd, dt, 800 + k as u64);
+            let (cu, gu) = (c.unfold2d(win).unwrap(), g.unfold2d(win).unwrap());
+            close(&format!("unfold2d {k}"), &gu, &cu, dt);
+            let (ccols, gcols) = normal_pair(cu.dims(), dt, 900 + k as u64);
+            close(
+                &format!("fold2d {k}"),
+                &gcols.fold2d(win, (xd[2], xd[3])).unwrap(),
+                &ccols.fold2d(win, (xd[2], xd[3])).unwrap(),
+                dt,
+            );
+            let (cw, gw) = normal_pair(&[8, xd[1], kernel.0, kernel.1], dt, 950 + k as u64);
+            let want = conv2d(&c, &cw, None, stride, padding, dilation, 1).unwrap();
+            let mag = (xd[1] * kernel.0 * kernel.1) as f64;
+            close_mag(
+                &format!("conv2d {k}"),
+                &conv2d(&g, &gw, None, stride, padding, dilation, 1).unwrap(),
+                &want,
+                dt,
+                mag * 1e-6 / tol(dt).1.max(1e-300),
+            );
+        }
+    }
+}

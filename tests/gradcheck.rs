@@ -648,6 +648,61 @@ fn random_cases() -> Vec<Case> {
         .collect()
 }
 
+/// Sliding windows: unfold2d / fold2d and what is built on them (conv2d, pooling).
+fn window_cases() -> Vec<Case> {
+    use flame::nn::{adaptive_avg_pool2d, avg_pool2d, conv2d, max_pool2d, pad2d};
+    use flame::Window2d;
+    let mut g = Inputs(11000);
+    let win = |k, s, p, d| Window2d {
+        kernel: (k, k),
+        stride: (s, s),
+        padding: (p, p),
+        dilation: (d, d),
+    };
+    vec![
+        Case::new("unfold2d 3x3 pad 1", vec![g.n([2, 2, 5, 4])], move |x| {
+            x[0].unfold2d(win(3, 1, 1, 1))
+        })
+        .expect(&["unfold2d"]),
+        Case::new(
+            "unfold2d stride 2 dilation 2 of t()",
+            vec![g.n([1, 2, 4, 7])],
+            move |x| x[0].transpose(2, 3)?.unfold2d(win(2, 2, 1, 2)),
+        ),
+        Case::new("fold2d 3x3 pad 1", vec![g.n([2, 2 * 9, 5 * 4])], move |x| {
+            x[0].fold2d(win(3, 1, 1, 1), (5, 4))
+        })
+        .expect(&["fold2d"]),
+        Case::new("fold2d stride 2", vec![g.n([1, 3 * 4, 2 * 3])], move |x| {
+            x[0].fold2d(win(2, 2, 0, 1), (4, 6))
+        }),
+        Case::new(
+            "conv2d stride 2 pad 1 bias",
+            vec![g.n([2, 3, 5, 6]), g.n([4, 3, 3, 3]), g.n([4])],
+            |x| conv2d(&x[0], &x[1], Some(&x[2]), (2, 2), (1, 1), (1, 1), 1),
+        ),
+        Case::new(
+            "conv2d groups 2 dilation 2",
+            vec![g.n([1, 4, 6, 5]), g.n([6, 2, 2, 2])],
+            |x| conv2d(&x[0], &x[1], None, (1, 1), (1, 1), (2, 2), 2),
+        ),
+        Case::new("avg_pool2d", vec![g.n([2, 2, 5, 5])], |x| {
+            avg_pool2d(&x[0], (2, 2), (2, 2), (1, 1))
+        }),
+        Case::new("max_pool2d pad 1", vec![g.n([1, 2, 5, 4])], |x| {
+            max_pool2d(&x[0], (3, 3), (2, 2), (1, 1))
+        }),
+        Case::new(
+            "adaptive_avg_pool2d 5x7 -> 2x3",
+            vec![g.n([1, 2, 5, 7])],
+            |x| adaptive_avg_pool2d(&x[0], (2, 3)),
+        ),
+        Case::new("pad2d", vec![g.n([1, 2, 3, 2])], |x| {
+            pad2d(&x[0], (1, 2), 0.5)
+        }),
+    ]
+}
+
 fn all_cases() -> Vec<Case> {
     let mut v = unary_cases();
     v.extend(binary_cases());
@@ -659,6 +714,7 @@ fn all_cases() -> Vec<Case> {
     v.extend(matmul_cases());
     v.extend(composite_cases());
     v.extend(random_cases());
+    v.extend(window_cases());
     v
 }
 
@@ -715,6 +771,7 @@ gradcheck_tests! {
     gradcheck_indexing: index_cases,
     gradcheck_matmul: matmul_cases,
     gradcheck_composites: composite_cases,
+    gradcheck_windows: window_cases,
 }
 
 #[test]

@@ -289,6 +289,12 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             (b.clone(), a.t()?.matmul3(g)?),
         ],
         Op::ToDevice(x) => vec![(x.clone(), g.to_device(x.device())?)],
+        // fold2d is the adjoint of unfold2d, and the other way round.
+        Op::Unfold2d(x, w) => {
+            let d = x.dims();
+            vec![(x.clone(), g.fold2d(*w, (d[2], d[3]))?)]
+        }
+        Op::Fold2d(x, w) => vec![(x.clone(), g.unfold2d(*w)?)],
         // y = softmax(x): dx = y * (g - sum(g * y)) along the last dim.
         Op::Softmax(x) => {
             let dot = g.mul(out)?.sum_keepdim(&[-1])?;

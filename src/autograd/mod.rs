@@ -7,7 +7,7 @@
 mod backward;
 pub mod gradcheck;
 
-use crate::backend::{BinaryOp, ReduceOp, UnaryOp};
+use crate::backend::{BinaryOp, ReduceOp, UnaryOp, Window2d};
 use crate::{Tensor, TensorId};
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -39,6 +39,10 @@ pub(crate) enum Op {
     ToDevice(Tensor),
     /// The fused softmax over the last dim.
     Softmax(Tensor),
+    /// im2col of (N, C, H, W).
+    Unfold2d(Tensor, Window2d),
+    /// col2im back to (N, C, H, W).
+    Fold2d(Tensor, Window2d),
 }
 
 /// Every kind of recorded op, by name; the CPU gradcheck suite must exercise each one.
@@ -78,6 +82,8 @@ pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "scatter_add",
     "matmul",
     "softmax",
+    "unfold2d",
+    "fold2d",
 ];
 
 impl Op {
@@ -100,6 +106,8 @@ impl Op {
             Op::Matmul(..) => "matmul",
             Op::ToDevice(_) => "to_device",
             Op::Softmax(_) => "softmax",
+            Op::Unfold2d(..) => "unfold2d",
+            Op::Fold2d(..) => "fold2d",
         }
     }
 
@@ -115,7 +123,9 @@ impl Op {
             | Op::Narrow(x, _, _)
             | Op::Broadcast(x)
             | Op::ToDevice(x)
-            | Op::Softmax(x) => vec![x],
+            | Op::Softmax(x)
+            | Op::Unfold2d(x, _)
+            | Op::Fold2d(x, _) => vec![x],
             Op::Binary(a, b, _)
             | Op::Matmul(a, b)
             | Op::IndexSelect(a, b, _)
@@ -140,7 +150,9 @@ impl Op {
             | Op::IndexSelect(x, _, _)
             | Op::Gather(x, _, _)
             | Op::ToDevice(x)
-            | Op::Softmax(x) => vec![x],
+            | Op::Softmax(x)
+            | Op::Unfold2d(x, _)
+            | Op::Fold2d(x, _) => vec![x],
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
             Op::Where(_, t, f) => vec![t, f],
             Op::Cat(xs, _) => xs.iter().collect(),

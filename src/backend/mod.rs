@@ -124,6 +124,45 @@ pub struct MatmulDims {
     pub k: usize,
 }
 
+/// The sliding window of a 2D convolution or pooling over (N, C, H, W).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window2d {
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
+}
+
+impl Window2d {
+    /// Output (Ho, Wo) for input (H, W): (H + 2p - d (k - 1) - 1) / s + 1, or None when the
+    /// window does not fit or a stride, kernel or dilation is zero.
+    pub fn out_size(&self, h: usize, w: usize) -> Option<(usize, usize)> {
+        let one = |n: usize, k: usize, s: usize, p: usize, d: usize| -> Option<usize> {
+            if k == 0 || s == 0 || d == 0 {
+                return None;
+            }
+            let span = d * (k - 1) + 1;
+            (n + 2 * p).checked_sub(span).map(|r| r / s + 1)
+        };
+        Some((
+            one(
+                h,
+                self.kernel.0,
+                self.stride.0,
+                self.padding.0,
+                self.dilation.0,
+            )?,
+            one(
+                w,
+                self.kernel.1,
+                self.stride.1,
+                self.padding.1,
+                self.dilation.1,
+            )?,
+        ))
+    }
+}
+
 /// Storage of one backend. Layouts passed in describe views into `self`; outputs are
 /// contiguous. Binary, where and matmul operands already share the output's shape (broadcast
 /// through zero strides by the caller).
@@ -159,6 +198,12 @@ pub trait BackendStorage: Sized + Send + Sync {
     ) -> Result<Self>;
     /// `(B, M, K) @ (B, K, N)`; each operand is a rank-3 layout of any strides.
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: MatmulDims) -> Result<Self>;
+    /// im2col: (N, C, H, W) -> (N, C * kh * kw, Ho * Wo), rows ordered (c, ki, kj), zeros
+    /// where the window reaches into the padding (PyTorch's `unfold`).
+    fn unfold2d(&self, l: &Layout, w: Window2d) -> Result<Self>;
+    /// col2im, the adjoint of `unfold2d`: (N, C * kh * kw, Ho * Wo) -> (N, C, H, W), each pixel
+    /// the sum of the columns that read it, summed in (ki, kj) order in the accumulation type.
+    fn fold2d(&self, l: &Layout, w: Window2d, hw: (usize, usize)) -> Result<Self>;
     /// Softmax along the last dim: `exp(x - max) / sum(exp(x - max))` per row, with exp in
     /// the accumulation type and the sum in f64. Fused (one read, one write); the composite
     /// `Tensor::softmax_composite` is its reference.

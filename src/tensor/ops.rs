@@ -3,7 +3,7 @@
 
 use super::{with2, with3, Tensor};
 use crate::autograd::{record, Op};
-use crate::backend::{BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp};
+use crate::backend::{BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp, Window2d};
 use crate::shape::Dim;
 use crate::{DType, Device, Error, Layout, Result, Shape};
 
@@ -327,6 +327,54 @@ impl Tensor {
             self.device().clone(),
             rec,
         ))
+    }
+
+    // ----- sliding windows --------------------------------------------------------------
+
+    /// im2col: (N, C, H, W) -> (N, C * kh * kw, Ho * Wo), zeros in the padding.
+    pub fn unfold2d(&self, w: Window2d) -> Result<Tensor> {
+        let d = self.dims();
+        let (n, c, h, wd) = match d {
+            &[n, c, h, wd] => (n, c, h, wd),
+            _ => {
+                return Err(Error::invalid(
+                    "unfold2d",
+                    "needs an (N, C, H, W) tensor",
+                    self.shape(),
+                ))
+            }
+        };
+        let (ho, wo) = w.out_size(h, wd).ok_or_else(|| {
+            Error::invalid(
+                "unfold2d",
+                format!("window {w:?} does not fit"),
+                self.shape(),
+            )
+        })?;
+        let s = self.storage()?.unfold2d(self.layout(), w)?;
+        let rec = record(&[self], || Op::Unfold2d(self.clone(), w));
+        let shape = Shape::from((n, c * w.kernel.0 * w.kernel.1, ho * wo));
+        Ok(Tensor::from_storage(s, shape, self.device().clone(), rec))
+    }
+
+    /// col2im, the adjoint of `unfold2d`: (N, C * kh * kw, Ho * Wo) -> (N, C, H, W), summing
+    /// overlapping windows.
+    pub fn fold2d(&self, w: Window2d, hw: (usize, usize)) -> Result<Tensor> {
+        let k = w.kernel.0 * w.kernel.1;
+        let (n, ck) = match self.dims() {
+            &[n, ck, _] if k > 0 && ck % k == 0 => (n, ck),
+            _ => {
+                return Err(Error::invalid(
+                    "fold2d",
+                    format!("needs (N, C * {k}, L) columns"),
+                    self.shape(),
+                ))
+            }
+        };
+        let s = self.storage()?.fold2d(self.layout(), w, hw)?;
+        let rec = record(&[self], || Op::Fold2d(self.clone(), w));
+        let shape = Shape::from((n, ck / k, hw.0, hw.1));
+        Ok(Tensor::from_storage(s, shape, self.device().clone(), rec))
     }
 
     // ----- devices ------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 //! The CPU reference backend: correct for every dtype (bf16/f16 computed in f32, sums
 //! accumulated in f64), multithreaded with rayon, matmul through the `gemm` crate.
 
+mod conv;
 mod index;
 mod matmul;
 mod num;
@@ -333,6 +334,38 @@ impl BackendStorage for CpuStorage {
 
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: MatmulDims) -> Result<Self> {
         matmul::matmul(self, l, rhs, rl, dims)
+    }
+
+    fn unfold2d(&self, l: &Layout, w: crate::backend::Window2d) -> Result<Self> {
+        check_view("unfold2d", self, l)?;
+        Ok(match self {
+            CpuStorage::F32(v) => CpuStorage::F32(conv::unfold(v, l, w)?),
+            CpuStorage::F64(v) => CpuStorage::F64(conv::unfold(v, l, w)?),
+            CpuStorage::BF16(v) => CpuStorage::BF16(conv::unfold(v, l, w)?),
+            CpuStorage::F16(v) => CpuStorage::F16(conv::unfold(v, l, w)?),
+            CpuStorage::U32(_) => {
+                return Err(Error::UnsupportedDType {
+                    op: "unfold2d",
+                    dtype: DType::U32,
+                })
+            }
+        })
+    }
+
+    fn fold2d(&self, l: &Layout, w: crate::backend::Window2d, hw: (usize, usize)) -> Result<Self> {
+        check_view("fold2d", self, l)?;
+        Ok(match self {
+            CpuStorage::F32(v) => CpuStorage::F32(conv::fold(v, l, w, hw)?),
+            CpuStorage::F64(v) => CpuStorage::F64(conv::fold(v, l, w, hw)?),
+            CpuStorage::BF16(v) => CpuStorage::BF16(conv::fold(v, l, w, hw)?),
+            CpuStorage::F16(v) => CpuStorage::F16(conv::fold(v, l, w, hw)?),
+            CpuStorage::U32(_) => {
+                return Err(Error::UnsupportedDType {
+                    op: "fold2d",
+                    dtype: DType::U32,
+                })
+            }
+        })
     }
 
     fn softmax_last_dim(&self, l: &Layout) -> Result<Self> {

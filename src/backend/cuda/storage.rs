@@ -543,6 +543,14 @@ impl BackendStorage for CudaStorage {
         super::matmul::matmul(self, l, rhs, rl, dims)
     }
 
+    fn unfold2d(&self, l: &Layout, w: crate::backend::Window2d) -> Result<Self> {
+        super::conv::unfold2d(self, l, w)
+    }
+
+    fn fold2d(&self, l: &Layout, w: crate::backend::Window2d, hw: (usize, usize)) -> Result<Self> {
+        super::conv::fold2d(self, l, w, hw)
+    }
+
     fn softmax_last_dim(&self, l: &Layout) -> Result<Self> {
         let err = Error::UnsupportedDType {
             op: "softmax",

@@ -1,0 +1,247 @@
+//! Convolution and pooling over (N, C, H, W), written from unfold2d (im2col) and matmul, so
+//! they run on every backend and need no backward code. On CUDA the GEMM is cuBLAS: im2col +
+//! cuBLAS rather than an implicit-GEMM kernel, because it reaches cuBLAS speed with one code
+//! path today; its cost is the column buffer (kh*kw times the input).
+
+use super::VarBuilder;
+use crate::{Error, Result, Tensor, Window2d};
+
+fn window(
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+    dilation: (usize, usize),
+) -> Window2d {
+    Window2d {
+        kernel,
+        stride,
+        padding,
+        dilation,
+    }
+}
+
+/// 2D convolution: x (N, Cin, H, W), weight (Cout, Cin / groups, kh, kw), bias (Cout).
+pub fn conv2d(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    stride: (usize, usize),
+    padding: (usize, usize),
+    dilation: (usize, usize),
+    groups: usize,
+) -> Result<Tensor> {
+    let (wd, xd) = (weight.dims(), x.dims());
+    let ok = wd.len() == 4
+        && xd.len() == 4
+        && groups > 0
+        && xd[1] % groups == 0
+        && wd[0] % groups == 0
+        && wd[1] * groups == xd[1];
+    if !ok {
+        return Err(Error::ShapeMismatch {
+            op: "conv2d",
+            lhs: x.shape().clone(),
+            rhs: weight.shape().clone(),
+        });
+    }
+    let (n, cout, kh, kw) = (xd[0], wd[0], wd[2], wd[3]);
+    let win = window((kh, kw), stride, padding, dilation);
+    let (ho, wo) = win.out_size(xd[2], xd[3]).ok_or_else(|| {
+        Error::invalid("conv2d", format!("window {win:?} does not fit"), x.shape())
+    })?;
+    let k = wd[1] * kh * kw;
+    // (N, G, K, L) columns against (G, Cout/G, K) weights.
+    let cols = x.unfold2d(win)?.reshape(vec![n, groups, k, ho * wo])?;
+    let w = weight.reshape((groups, cout / groups, k))?;
+    let y = w.matmul(&cols)?.reshape((n, cout, ho, wo))?;
+    match bias {
+        Some(b) => y.add(&b.reshape((1, cout, 1, 1))?),
+        None => Ok(y),
+    }
+}
+
+/// A Conv2d layer; keys `weight` (Cout, Cin / groups, kh, kw) and `bias` (Cout).
+#[derive(Clone, Debug)]
+pub struct Conv2d {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
+    pub groups: usize,
+}
+
+/// Hyperparameters of a Conv2d.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dConfig {
+    pub stride: usize,
+    pub padding: usize,
+    pub dilation: usize,
+    pub groups: usize,
+    pub bias: bool,
+}
+
+impl Default for Conv2dConfig {
+    fn default() -> Self {
+        Conv2dConfig {
+            stride: 1,
+            padding: 0,
+            dilation: 1,
+            groups: 1,
+            bias: true,
+        }
+    }
+}
+
+impl Conv2d {
+    pub fn new(
+        vb: &VarBuilder,
+        cin: usize,
+        cout: usize,
+        kernel: usize,
+        cfg: Conv2dConfig,
+    ) -> Result<Self> {
+        if cfg.groups == 0 || cin % cfg.groups != 0 {
+            return Err(Error::Param {
+                key: vb.key("weight"),
+                file: None,
+                msg: format!(
+                    "{cin} input channels are not divisible into {} groups",
+                    cfg.groups
+                ),
+            });
+        }
+        let weight = vb.get((cout, cin / cfg.groups, kernel, kernel), "weight")?;
+        let bias = if cfg.bias {
+            Some(vb.get(cout, "bias")?)
+        } else {
+            None
+        };
+        Ok(Conv2d {
+            weight,
+            bias,
+            stride: (cfg.stride, cfg.stride),
+            padding: (cfg.padding, cfg.padding),
+            dilation: (cfg.dilation, cfg.dilation),
+            groups: cfg.groups,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        conv2d(
+            x,
+            &self.weight,
+            self.bias.as_ref(),
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.groups,
+        )
+    }
+}
+
+/// The windows of (N, C, H, W) as (N, C, kh * kw, Ho, Wo).
+fn windows(x: &Tensor, win: Window2d) -> Result<(Tensor, usize, usize)> {
+    let d = x.dims();
+    if d.len() != 4 {
+        return Err(Error::invalid(
+            "pool2d",
+            "needs an (N, C, H, W) tensor",
+            x.shape(),
+        ));
+    }
+    let (ho, wo) = win.out_size(d[2], d[3]).ok_or_else(|| {
+        Error::invalid("pool2d", format!("window {win:?} does not fit"), x.shape())
+    })?;
+    let k = win.kernel.0 * win.kernel.1;
+    Ok((
+        x.unfold2d(win)?.reshape(vec![d[0], d[1], k, ho, wo])?,
+        ho,
+        wo,
+    ))
+}
+
+/// Average over each window; padding counts as zeros in the average (PyTorch's default,
+/// count_include_pad = True).
+pub fn avg_pool2d(
+    x: &Tensor,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+) -> Result<Tensor> {
+    let (w, _, _) = windows(x, window(kernel, stride, padding, (1, 1)))?;
+    w.mean(&[2])
+}
+
+/// Maximum over each window; padding never wins (it is -inf, as in PyTorch).
+pub fn max_pool2d(
+    x: &Tensor,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+) -> Result<Tensor> {
+    let x = if padding == (0, 0) {
+        x.clone()
+    } else {
+        pad2d(x, padding, f64::NEG_INFINITY)?
+    };
+    let (w, _, _) = windows(&x, window(kernel, stride, (0, 0), (1, 1)))?;
+    w.max(2)
+}
+
+/// Pads H and W of (N, C, H, W) with `value` on both sides.
+pub fn pad2d(x: &Tensor, (ph, pw): (usize, usize), value: f64) -> Result<Tensor> {
+    let d = x.dims().to_vec();
+    if d.len() != 4 {
+        return Err(Error::invalid(
+            "pad2d",
+            "needs an (N, C, H, W) tensor",
+            x.shape(),
+        ));
+    }
+    let mut y = x.clone();
+    if ph > 0 {
+        let band = Tensor::full(value, (d[0], d[1], ph, d[3]), x.dtype(), x.device())?;
+        y = Tensor::cat(&[&band, &y, &band], 2)?;
+    }
+    if pw > 0 {
+        let band = Tensor::full(
+            value,
+            (d[0], d[1], d[2] + 2 * ph, pw),
+            x.dtype(),
+            x.device(),
+        )?;
+        y = Tensor::cat(&[&band, &y, &band], 3)?;
+    }
+    Ok(y)
+}
+
+/// Average pooling to a fixed (oh, ow), with PyTorch's cell bounds: cell i of n over a size s
+/// covers [floor(i s / n), ceil((i + 1) s / n)).
+pub fn adaptive_avg_pool2d(x: &Tensor, (oh, ow): (usize, usize)) -> Result<Tensor> {
+    let d = x.dims();
+    if d.len() != 4 || oh == 0 || ow == 0 {
+        return Err(Error::invalid(
+            "adaptive_avg_pool2d",
+            format!("needs (N, C, H, W) and an output size > 0, got ({oh}, {ow})"),
+            x.shape(),
+        ));
+    }
+    let (h, w) = (d[2], d[3]);
+    let bounds = |i: usize, n: usize, s: usize| (i * s / n, ((i + 1) * s).div_ceil(n));
+    let mut rows = vec![];
+    for i in 0..oh {
+        let (h0, h1) = bounds(i, oh, h);
+        let mut cells = vec![];
+        for j in 0..ow {
+            let (w0, w1) = bounds(j, ow, w);
+            cells.push(
+                x.narrow(2, h0, h1 - h0)?
+                    .narrow(3, w0, w1 - w0)?
+                    .mean_keepdim(&[2, 3])?,
+            );
+        }
+        rows.push(Tensor::cat(&cells.iter().collect::<Vec<_>>(), 3)?);
+    }
+    Tensor::cat(&rows.iter().collect::<Vec<_>>(), 2)
+}

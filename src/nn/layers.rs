@@ -1,0 +1,244 @@
+//! Layers with parameters loaded by key path. Shape letters: N batch, L tokens, C channels,
+//! H x W spatial. Weights keep the checkpoint's layout (Linear: (out, in)).
+
+use super::VarBuilder;
+use crate::{DType, Error, Result, Tensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// `y = x W^T + b` over the last dim; `weight` (out, in), `bias` (out).
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
+        let weight = vb.get((out_dim, in_dim), "weight")?;
+        let bias = if bias {
+            Some(vb.get(out_dim, "bias")?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+
+    /// (..., in) -> (..., out): one 2D GEMM over all leading dims, W^T passed as a view.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let d = x.dims();
+        let in_dim = self.weight.dims()[1];
+        if d.last() != Some(&in_dim) {
+            return Err(Error::ShapeMismatch {
+                op: "linear",
+                lhs: x.shape().clone(),
+                rhs: self.weight.shape().clone(),
+            });
+        }
+        let rows: usize = d[..d.len() - 1].iter().product();
+        let y = x.reshape((rows, in_dim))?.matmul(&self.weight.t()?)?;
+        let y = match &self.bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        };
+        let mut out = d.to_vec();
+        if let Some(last) = out.last_mut() {
+            *last = self.weight.dims()[0];
+        }
+        y.reshape(out)
+    }
+}
+
+/// Rows of `weight` (num, dim) picked by u32 ids of any shape: ids.shape + (dim,).
+#[derive(Clone, Debug)]
+pub struct Embedding {
+    pub weight: Tensor,
+}
+
+impl Embedding {
+    pub fn new(vb: &VarBuilder, num: usize, dim: usize) -> Result<Self> {
+        Ok(Embedding {
+            weight: vb.get((num, dim), "weight")?,
+        })
+    }
+
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let mut shape = ids.dims().to_vec();
+        shape.push(self.weight.dims()[1]);
+        self.weight
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape(shape)
+    }
+}
+
+/// LayerNorm over the last dim, with or without (weight, bias).
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    pub weight: Option<Tensor>,
+    pub bias: Option<Tensor>,
+    pub eps: f64,
+}
+
+impl LayerNorm {
+    pub fn new(vb: &VarBuilder, dim: usize, eps: f64, affine: bool) -> Result<Self> {
+        let (weight, bias) = if affine {
+            (Some(vb.get(dim, "weight")?), Some(vb.get(dim, "bias")?))
+        } else {
+            (None, None)
+        };
+        Ok(LayerNorm { weight, bias, eps })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.layer_norm(self.weight.as_ref(), self.bias.as_ref(), self.eps)
+    }
+}
+
+/// RMSNorm over the last dim with a learned scale.
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    pub weight: Tensor,
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    /// The scale under key `weight` (diffusers, SD3).
+    pub fn new(vb: &VarBuilder, dim: usize, eps: f64) -> Result<Self> {
+        Self::with_key(vb, dim, eps, "weight")
+    }
+
+    /// The scale under another key (BFL's Flux checkpoints call it `scale`).
+    pub fn with_key(vb: &VarBuilder, dim: usize, eps: f64, key: &str) -> Result<Self> {
+        Ok(RmsNorm {
+            weight: vb.get(dim, key)?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.rms_norm(Some(&self.weight), self.eps)
+    }
+}
+
+/// GroupNorm of (N, C, ...) with per-channel (weight, bias).
+#[derive(Clone, Debug)]
+pub struct GroupNorm {
+    pub groups: usize,
+    pub weight: Option<Tensor>,
+    pub bias: Option<Tensor>,
+    pub eps: f64,
+}
+
+impl GroupNorm {
+    pub fn new(
+        vb: &VarBuilder,
+        groups: usize,
+        channels: usize,
+        eps: f64,
+        affine: bool,
+    ) -> Result<Self> {
+        let (weight, bias) = if affine {
+            (
+                Some(vb.get(channels, "weight")?),
+                Some(vb.get(channels, "bias")?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(GroupNorm {
+            groups,
+            weight,
+            bias,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.group_norm(
+            self.groups,
+            self.weight.as_ref(),
+            self.bias.as_ref(),
+            self.eps,
+        )
+    }
+}
+
+/// Inverted dropout: in training, zero each element with probability `p` and scale the rest
+/// by 1/(1-p). Seeded: call k uses seed `hash(seed, k)`, so a run repeats exactly.
+#[derive(Debug)]
+pub struct Dropout {
+    pub p: f64,
+    seed: u64,
+    calls: AtomicU64,
+}
+
+impl Dropout {
+    pub fn new(p: f64, seed: u64) -> Result<Self> {
+        if !(0.0..1.0).contains(&p) {
+            return Err(Error::invalid(
+                "dropout",
+                format!("p = {p} is not in [0, 1)"),
+                &crate::Shape::default(),
+            ));
+        }
+        Ok(Dropout {
+            p,
+            seed,
+            calls: AtomicU64::new(0),
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        if !train || self.p == 0.0 {
+            return Ok(x.clone());
+        }
+        let k = self.calls.fetch_add(1, Ordering::Relaxed);
+        // splitmix64 of (seed, call): independent streams per call.
+        let mut z = self.seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        let u = Tensor::rand(x.shape().clone(), x.dtype(), x.device(), z ^ (z >> 31))?;
+        let keep = u.cmp_scalar(self.p, crate::CmpOp::Ge)?;
+        x.mul(&keep)?.affine(1.0 / (1.0 - self.p), 0.0)
+    }
+}
+
+/// Activations by name, as configs spell them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Gelu,
+    GeluTanh,
+    Silu,
+    Relu,
+}
+
+impl Activation {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Activation::Gelu => x.gelu(),
+            Activation::GeluTanh => x.gelu_tanh(),
+            Activation::Silu => x.silu(),
+            Activation::Relu => x.relu(),
+        }
+    }
+}
+
+/// Nearest-neighbour upsampling of (N, C, H, W) by an integer factor: each pixel becomes an
+/// s x s block (a broadcast view, one copy).
+pub fn upsample_nearest2d(x: &Tensor, scale: usize) -> Result<Tensor> {
+    let d = x.dims();
+    if d.len() != 4 || scale == 0 {
+        return Err(Error::invalid(
+            "upsample_nearest2d",
+            format!("needs (N, C, H, W) and a scale > 0, got scale {scale}"),
+            x.shape(),
+        ));
+    }
+    let (n, c, h, w) = (d[0], d[1], d[2], d[3]);
+    x.reshape(vec![n, c, h, 1, w, 1])?
+        .broadcast_as(vec![n, c, h, scale, w, scale])?
+        .reshape((n, c, h * scale, w * scale))
+}
+
+/// The dtype positions and frequencies are computed in: f64 (as BFL's Flux code does), then
+/// cast to the activations' dtype.
+pub(crate) const POSITION_DTYPE: DType = DType::F64;

@@ -1,0 +1,17 @@
+//! Layers and parameters. Parameters are found by checkpoint key paths through a
+//! `VarBuilder`, so model code mirrors the checkpoint (`vb.pp("img_attn").pp("qkv")`).
+//! Layers are written from tensor ops and run on every backend.
+
+mod conv;
+mod embeddings;
+mod layers;
+mod params;
+
+pub use conv::{adaptive_avg_pool2d, avg_pool2d, conv2d, max_pool2d, pad2d, Conv2d, Conv2dConfig};
+pub use embeddings::{
+    apply_rope, modulate, rope, timestep_embedding, EmbedNd, Modulation, ModulationOut,
+};
+pub use layers::{
+    upsample_nearest2d, Activation, Dropout, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
+};
+pub use params::VarBuilder;

@@ -1,0 +1,148 @@
+//! Layer throughput at Flux and SDXL shapes, bf16, forward and forward+backward (run on the GPU
+//! machine; benches/torch_layers.py times PyTorch eager on the same shapes in the same call).
+//! GB/s counts the fewest bytes each pass must move: forward reads x (and small parameters)
+//! and writes y; backward also reads dy and writes dx. Conv2d reports TFLOP/s.
+
+use flame::nn::{apply_rope, conv2d, modulate};
+use flame::{DType, Device, Grads, Result, Tensor};
+use std::time::Instant;
+
+const ITERS: usize = 20;
+
+fn time(dev: &flame::cuda::CudaDevice, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..3 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..ITERS {
+        f()?;
+    }
+    dev.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() / ITERS as f64)
+}
+
+/// Times y = op(x) and y = op(x); dx = backward(dy), and prints both.
+fn layer(
+    cuda: &flame::cuda::CudaDevice,
+    name: &str,
+    x: &Tensor,
+    op: impl Fn(&Tensor) -> Result<Tensor>,
+    copy: f64,
+) -> Result<()> {
+    let bytes = (x.elem_count() * 2) as f64; // bf16
+    let fwd = time(cuda, || op(x).map(|_| ()))?;
+    let xv = x.detach().requires_grad_()?;
+    let dy = op(x)?.ones_like()?.affine(0.5, 0.0)?;
+    let both = time(cuda, || {
+        let mut g = Grads::new();
+        op(&xv)?.backward_with_grad(&dy, &mut g, false)
+    })?;
+    let (f_gbs, b_gbs) = (2.0 * bytes / fwd / 1e9, 5.0 * bytes / both / 1e9);
+    println!(
+        "flame {name:<28} fwd {:7.3} ms {f_gbs:7.0} GB/s {:5.1}% | fwd+bwd {:7.3} ms {b_gbs:7.0} GB/s {:5.1}%",
+        fwd * 1e3,
+        100.0 * f_gbs / copy,
+        both * 1e3,
+        100.0 * b_gbs / copy
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let dev = Device::cuda(0)?;
+    let Device::Cuda(cuda) = &dev else {
+        return Ok(());
+    };
+    // The copy ceiling: a bf16 copy of the Flux activation through FLAME's own copy kernel
+    // would measure FLAME; use the driver's memcpy like benches/kernels.rs.
+    let stream = cuda.stream();
+    let n = 4608 * 3072;
+    let src = stream
+        .alloc_zeros::<u16>(n)
+        .map_err(|e| flame::Error::Cuda(format!("{e:?}")))?;
+    let mut dst = stream
+        .alloc_zeros::<u16>(n)
+        .map_err(|e| flame::Error::Cuda(format!("{e:?}")))?;
+    let copy_s = time(cuda, || {
+        stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(|e| flame::Error::Cuda(format!("{e:?}")))
+    })?;
+    let copy = 2.0 * (2 * n) as f64 / copy_s / 1e9;
+    println!("flame copy_d2d (4608x3072 bf16)      {copy:7.0} GB/s");
+
+    let x = Tensor::randn((4608, 3072), DType::BF16, &dev, 1)?;
+    let w = Tensor::randn(3072, DType::BF16, &dev, 2)?;
+    let shift = Tensor::randn((1, 3072), DType::BF16, &dev, 3)?;
+    let scale = Tensor::randn((1, 3072), DType::BF16, &dev, 4)?;
+    layer(
+        cuda,
+        "layer_norm (no affine)",
+        &x,
+        |x| x.layer_norm(None, None, 1e-6),
+        copy,
+    )?;
+    layer(
+        cuda,
+        "layer_norm (affine)",
+        &x,
+        |x| x.layer_norm(Some(&w), Some(&w), 1e-6),
+        copy,
+    )?;
+    layer(cuda, "gelu_tanh", &x, |x| x.gelu_tanh(), copy)?;
+    layer(cuda, "silu", &x, |x| x.silu(), copy)?;
+    layer(cuda, "modulate", &x, |x| modulate(x, &shift, &scale), copy)?;
+    let q = Tensor::randn((1, 24, 4608, 128), DType::BF16, &dev, 5)?;
+    let qw = Tensor::randn(128, DType::BF16, &dev, 6)?;
+    layer(
+        cuda,
+        "rms_norm (head dim 128)",
+        &q,
+        |x| x.rms_norm(Some(&qw), 1e-6),
+        copy,
+    )?;
+    let pos = Tensor::arange(0.0, 4608.0, DType::F32, &dev)?.reshape((1, 4608))?;
+    let freqs = flame::nn::rope(&pos, 128, 10_000.0)?.unsqueeze(1)?;
+    layer(
+        cuda,
+        "apply_rope (1,24,4608,128)",
+        &q,
+        |x| apply_rope(x, &freqs),
+        copy,
+    )?;
+    let g = Tensor::randn((2, 320, 128, 128), DType::BF16, &dev, 7)?;
+    let gw = Tensor::randn(320, DType::BF16, &dev, 8)?;
+    layer(
+        cuda,
+        "group_norm SDXL (2,320,128,128)",
+        &g,
+        |x| x.group_norm(32, Some(&gw), Some(&gw), 1e-5),
+        copy,
+    )?;
+
+    // Conv2d 3x3, 320 -> 320 at 128x128, batch 2: 2 * N * Cout * Ho * Wo * Cin * 9 FLOPs.
+    let cw = Tensor::randn((320, 320, 3, 3), DType::BF16, &dev, 9)?.affine(0.02, 0.0)?;
+    let flops = 2.0 * 2.0 * 320.0 * 128.0 * 128.0 * 320.0 * 9.0;
+    let fwd = time(cuda, || {
+        conv2d(&g, &cw, None, (1, 1), (1, 1), (1, 1), 1).map(|_| ())
+    })?;
+    let gv = g.detach().requires_grad_()?;
+    let wv = cw.detach().requires_grad_()?;
+    let dy = conv2d(&g, &cw, None, (1, 1), (1, 1), (1, 1), 1)?.ones_like()?;
+    let both = time(cuda, || {
+        let mut grads = Grads::new();
+        conv2d(&gv, &wv, None, (1, 1), (1, 1), (1, 1), 1)?
+            .backward_with_grad(&dy, &mut grads, false)
+    })?;
+    println!(
+        "flame conv2d 3x3 320->320 128x128 b2   fwd {:7.3} ms {:6.1} TFLOP/s | fwd+bwd {:7.3} ms {:6.1} TFLOP/s",
+        fwd * 1e3,
+        flops / fwd / 1e12,
+        both * 1e3,
+        3.0 * flops / both / 1e12
+    );
+    let m = cuda.memory();
+    println!("flame memory: peak {} MiB", m.peak >> 20);
+    Ok(())
+}

@@ -1,0 +1,93 @@
+"""PyTorch eager on the shapes of benches/layers.rs, timed the same way, in the same call."""
+import time
+import torch
+import torch.nn.functional as F
+
+ITERS = 20
+
+
+def timed(f):
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(ITERS):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / ITERS
+
+
+def apply_rope(xq, freqs_cis):
+    # BFL Flux's apply_rope.
+    xq_ = xq.float().reshape(*xq.shape[:-1], -1, 1, 2)
+    out = freqs_cis[..., 0] * xq_[..., 0] + freqs_cis[..., 1] * xq_[..., 1]
+    return out.reshape(*xq.shape).type_as(xq)
+
+
+def rope(pos, dim, theta):
+    scale = torch.arange(0, dim, 2, dtype=torch.float64, device=pos.device) / dim
+    omega = 1.0 / (theta**scale)
+    out = torch.einsum("...n,d->...nd", pos.double(), omega)
+    out = torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], dim=-1)
+    return out.reshape(*out.shape[:-1], 2, 2).float()
+
+
+def layer(name, x, op, copy):
+    nbytes = x.numel() * 2
+    fwd = timed(lambda: op(x))
+    xv = x.detach().requires_grad_()
+    dy = torch.full_like(op(x), 0.5)
+
+    def both():
+        xv.grad = None
+        op(xv).backward(dy)
+
+    b = timed(both)
+    f_gbs, b_gbs = 2 * nbytes / fwd / 1e9, 5 * nbytes / b / 1e9
+    print(f"torch {name:<28} fwd {fwd*1e3:7.3f} ms {f_gbs:7.0f} GB/s {100*f_gbs/copy:5.1f}% | "
+          f"fwd+bwd {b*1e3:7.3f} ms {b_gbs:7.0f} GB/s {100*b_gbs/copy:5.1f}%")
+
+
+def main():
+    dev = torch.device("cuda")
+    bf = torch.bfloat16
+    n = 4608 * 3072
+    src = torch.zeros(n, dtype=bf, device=dev)
+    dst = torch.empty_like(src)
+    copy = 2 * 2 * n / timed(lambda: dst.copy_(src)) / 1e9
+    print(f"torch copy (4608x3072 bf16)          {copy:7.0f} GB/s")
+    x = torch.randn(4608, 3072, device=dev, dtype=bf)
+    w = torch.randn(3072, device=dev, dtype=bf)
+    shift = torch.randn(1, 3072, device=dev, dtype=bf)
+    scale = torch.randn(1, 3072, device=dev, dtype=bf)
+    layer("layer_norm (no affine)", x, lambda x: F.layer_norm(x, (3072,), eps=1e-6), copy)
+    layer("layer_norm (affine)", x, lambda x: F.layer_norm(x, (3072,), w, w, eps=1e-6), copy)
+    layer("gelu_tanh", x, lambda x: F.gelu(x, approximate="tanh"), copy)
+    layer("silu", x, F.silu, copy)
+    layer("modulate", x, lambda x: x * (1 + scale) + shift, copy)
+    q = torch.randn(1, 24, 4608, 128, device=dev, dtype=bf)
+    qw = torch.randn(128, device=dev, dtype=bf)
+    layer("rms_norm (head dim 128)", q, lambda x: F.rms_norm(x, (128,), qw, eps=1e-6), copy)
+    pos = torch.arange(4608, device=dev, dtype=torch.float32).reshape(1, 4608)
+    freqs = rope(pos, 128, 10000.0).unsqueeze(1)
+    layer("apply_rope (1,24,4608,128)", q, lambda x: apply_rope(x, freqs), copy)
+    g = torch.randn(2, 320, 128, 128, device=dev, dtype=bf)
+    gw = torch.randn(320, device=dev, dtype=bf)
+    layer("group_norm SDXL (2,320,128,128)", g, lambda x: F.group_norm(x, 32, gw, gw, eps=1e-5), copy)
+    cw = torch.randn(320, 320, 3, 3, device=dev, dtype=bf) * 0.02
+    flops = 2.0 * 2 * 320 * 128 * 128 * 320 * 9
+    fwd = timed(lambda: F.conv2d(g, cw, padding=1))
+    gv, wv = g.detach().requires_grad_(), cw.detach().requires_grad_()
+    dy = torch.ones_like(F.conv2d(g, cw, padding=1))
+
+    def both():
+        gv.grad, wv.grad = None, None
+        F.conv2d(gv, wv, padding=1).backward(dy)
+
+    b = timed(both)
+    print(f"torch conv2d 3x3 320->320 128x128 b2   fwd {fwd*1e3:7.3f} ms {flops/fwd/1e12:6.1f} TFLOP/s | "
+          f"fwd+bwd {b*1e3:7.3f} ms {3*flops/b/1e12:6.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -280,6 +280,52 @@ impl Storage {
     ) -> Result<Storage> {
         Ok(on_storage!(self, s => wrap s.fold2d(l, w, hw)?))
     }
+    pub(crate) fn norm_last_dim(
+        &self,
+        l: &Layout,
+        kind: crate::backend::NormKind,
+        eps: f64,
+    ) -> Result<(Storage, Storage, Storage)> {
+        Ok(match self {
+            #[cfg(feature = "cpu-ref")]
+            Storage::Cpu(s) => {
+                let (y, m, r) = s.norm_last_dim(l, kind, eps)?;
+                (Storage::Cpu(y), Storage::Cpu(m), Storage::Cpu(r))
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => {
+                let (y, m, r) = s.norm_last_dim(l, kind, eps)?;
+                (Storage::Cuda(y), Storage::Cuda(m), Storage::Cuda(r))
+            }
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Storage::None(n) => match *n {},
+        })
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn norm_last_dim_backward(
+        &self,
+        l: &Layout,
+        dy: &Storage,
+        dyl: &Layout,
+        mean: &Storage,
+        rstd: &Storage,
+        kind: crate::backend::NormKind,
+    ) -> Result<Storage> {
+        Ok(match (self, dy, mean, rstd) {
+            #[cfg(feature = "cpu-ref")]
+            (Storage::Cpu(x), Storage::Cpu(g), Storage::Cpu(m), Storage::Cpu(r)) => {
+                Storage::Cpu(x.norm_last_dim_backward(l, g, dyl, m, r, kind)?)
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(x), Storage::Cuda(g), Storage::Cuda(m), Storage::Cuda(r)) => {
+                Storage::Cuda(x.norm_last_dim_backward(l, g, dyl, m, r, kind)?)
+            }
+            #[cfg(all(feature = "cpu-ref", feature = "cuda"))]
+            _ => return Err(mismatch("norm_backward")),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            (Storage::None(n), ..) => match *n {},
+        })
+    }
     pub(crate) fn softmax_last_dim(&self, l: &Layout) -> Result<Storage> {
         Ok(on_storage!(self, s => wrap s.softmax_last_dim(l)?))
     }

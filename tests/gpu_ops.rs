@@ -883,3 +883,33 @@ fn unfold_fold_and_conv2d_match_the_cpu() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_norms_forward_and_backward_match_the_cpu() {
+    let _one = serial();
+    for dt in FLOATS {
+        for shape in [vec![7], vec![300, 3072], vec![5, 64, 128], vec![3, 1001]] {
+            let (c, g) = normal_pair(&shape, dt, 1200);
+            let (c, g) = (c.affine(3.0, 1.0).unwrap(), g.affine(3.0, 1.0).unwrap());
+            let (cdy, gdy) = normal_pair(&shape, dt, 1201);
+            for rms in [false, true] {
+                let run = |x: &Tensor, dy: &Tensor| {
+                    let xv = x.detach().requires_grad_().unwrap();
+                    let y = if rms {
+                        xv.rms_norm(None, 1e-6).unwrap()
+                    } else {
+                        xv.layer_norm(None, None, 1e-5).unwrap()
+                    };
+                    let mut grads = flame::Grads::new();
+                    y.backward_with_grad(dy, &mut grads, false).unwrap();
+                    (y, grads.get(&xv).expect("grad").clone())
+                };
+                let ((yc, dc), (yg, dg)) = (run(&c, &cdy), run(&g, &gdy));
+                close(&format!("norm rms={rms} {shape:?}"), &yg, &yc, dt);
+                // dx sums row-long terms in f64 on both sides, then rounds once.
+                close_mag(&format!("dnorm rms={rms} {shape:?}"), &dg, &dc, dt, 3.0);
+            }
+        }
+    }
+}

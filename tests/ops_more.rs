@@ -403,3 +403,61 @@ fn fused_softmax_matches_its_composite_twin() -> R {
     assert!(y[3..].iter().all(|v| v.is_nan()), "{y:?}");
     Ok(())
 }
+
+#[test]
+fn fused_norms_match_their_composite_twins() -> R {
+    use flame::Grads;
+    for dt in FLOATS {
+        for shape in [vec![7], vec![3, 1000], vec![4, 2, 129]] {
+            let x = randn(shape.clone(), dt, 71).affine(3.0, 1.0)?;
+            let cols = *shape.last().unwrap_or(&1);
+            let w = randn(cols, dt, 72);
+            let b = randn(cols, dt, 73);
+            let cases: [(&str, Tensor, Tensor); 3] = [
+                (
+                    "layer_norm",
+                    x.layer_norm(None, None, 1e-5)?,
+                    x.layer_norm_composite(None, None, 1e-5)?,
+                ),
+                (
+                    "layer_norm affine",
+                    x.layer_norm(Some(&w), Some(&b), 1e-5)?,
+                    x.layer_norm_composite(Some(&w), Some(&b), 1e-5)?,
+                ),
+                (
+                    "rms_norm",
+                    x.rms_norm(Some(&w), 1e-6)?,
+                    x.rms_norm_composite(Some(&w), 1e-6)?,
+                ),
+            ];
+            for (name, fused, composite) in cases {
+                check(&format!("{name} {shape:?}"), &fused, &v(&composite), dt);
+            }
+            // Backward of the fused norm against the composite's, through a random dy.
+            let xv = x.detach().requires_grad_()?;
+            let dy = randn(shape.clone(), dt, 74);
+            for (name, fused) in [("layer_norm", true), ("rms_norm", false)] {
+                let (mut gf, mut gc) = (Grads::new(), Grads::new());
+                if fused {
+                    xv.layer_norm(None, None, 1e-5)?
+                        .backward_with_grad(&dy, &mut gf, false)?;
+                    xv.layer_norm_composite(None, None, 1e-5)?
+                        .backward_with_grad(&dy, &mut gc, false)?;
+                } else {
+                    xv.rms_norm(None, 1e-6)?
+                        .backward_with_grad(&dy, &mut gf, false)?;
+                    xv.rms_norm_composite(None, 1e-6)?
+                        .backward_with_grad(&dy, &mut gc, false)?;
+                }
+                let (a, c) = (
+                    gf.get(&xv).expect("fused grad"),
+                    gc.get(&xv).expect("composite grad"),
+                );
+                // dx sums n terms of size ~rstd * |dy|: compare against that magnitude.
+                let mag: Vec<f64> = v(c).iter().map(|_| 3.0).collect();
+                check_mag(&format!("d{name} {shape:?}"), a, &v(c), Some(&mag), dt);
+            }
+        }
+    }
+    Ok(())
+}

@@ -295,6 +295,7 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             vec![(x.clone(), g.fold2d(*w, (d[2], d[3]))?)]
         }
         Op::Fold2d(x, w) => vec![(x.clone(), g.unfold2d(*w)?)],
+        Op::Norm(x, mean, rstd, kind) => vec![(x.clone(), x.norm_backward(g, mean, rstd, *kind)?)],
         // y = softmax(x): dx = y * (g - sum(g * y)) along the last dim.
         Op::Softmax(x) => {
             let dot = g.mul(out)?.sum_keepdim(&[-1])?;

@@ -7,7 +7,7 @@
 mod backward;
 pub mod gradcheck;
 
-use crate::backend::{BinaryOp, ReduceOp, UnaryOp, Window2d};
+use crate::backend::{BinaryOp, NormKind, ReduceOp, UnaryOp, Window2d};
 use crate::{Tensor, TensorId};
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -43,6 +43,8 @@ pub(crate) enum Op {
     Unfold2d(Tensor, Window2d),
     /// col2im back to (N, C, H, W).
     Fold2d(Tensor, Window2d),
+    /// The fused last-dim normalization: (x, mean, rstd, kind).
+    Norm(Tensor, Tensor, Tensor, NormKind),
 }
 
 /// Every kind of recorded op, by name; the CPU gradcheck suite must exercise each one.
@@ -84,6 +86,7 @@ pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "softmax",
     "unfold2d",
     "fold2d",
+    "norm",
 ];
 
 impl Op {
@@ -108,6 +111,7 @@ impl Op {
             Op::Softmax(_) => "softmax",
             Op::Unfold2d(..) => "unfold2d",
             Op::Fold2d(..) => "fold2d",
+            Op::Norm(..) => "norm",
         }
     }
 
@@ -126,6 +130,7 @@ impl Op {
             | Op::Softmax(x)
             | Op::Unfold2d(x, _)
             | Op::Fold2d(x, _) => vec![x],
+            Op::Norm(x, m, r, _) => vec![x, m, r],
             Op::Binary(a, b, _)
             | Op::Matmul(a, b)
             | Op::IndexSelect(a, b, _)
@@ -152,7 +157,8 @@ impl Op {
             | Op::ToDevice(x)
             | Op::Softmax(x)
             | Op::Unfold2d(x, _)
-            | Op::Fold2d(x, _) => vec![x],
+            | Op::Fold2d(x, _)
+            | Op::Norm(x, _, _, _) => vec![x],
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
             Op::Where(_, t, f) => vec![t, f],
             Op::Cat(xs, _) => xs.iter().collect(),

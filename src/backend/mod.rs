@@ -124,6 +124,24 @@ pub struct MatmulDims {
     pub k: usize,
 }
 
+/// Which normalization `norm_last_dim` applies to each last-dim row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    /// (x - mean) / sqrt(var + eps), var biased.
+    Layer,
+    /// x / sqrt(mean(x^2) + eps).
+    Rms,
+}
+
+/// The dtype of saved normalization statistics: f64 for f64 inputs, f32 otherwise.
+pub fn stats_dtype(x: DType) -> DType {
+    if x == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
 /// The sliding window of a 2D convolution or pooling over (N, C, H, W).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Window2d {
@@ -204,6 +222,24 @@ pub trait BackendStorage: Sized + Send + Sync {
     /// col2im, the adjoint of `unfold2d`: (N, C * kh * kw, Ho * Wo) -> (N, C, H, W), each pixel
     /// the sum of the columns that read it, summed in (ki, kj) order in the accumulation type.
     fn fold2d(&self, l: &Layout, w: Window2d, hw: (usize, usize)) -> Result<Self>;
+    /// Normalizes each last-dim row (statistics accumulated in f64): returns y (x's dtype,
+    /// contiguous), mean (zeros for Rms) and rstd = 1 / sqrt(var + eps), one per row, in
+    /// `stats_dtype`. Fused (one read of x, one write of y); `Tensor::layer_norm_composite` and
+    /// `rms_norm_composite` are its reference.
+    fn norm_last_dim(&self, l: &Layout, kind: NormKind, eps: f64) -> Result<(Self, Self, Self)>;
+    /// dx of `norm_last_dim` given dy (same shape as x) and the saved statistics, with
+    /// xhat = (x - mean) rstd: Layer: rstd (dy - mean(dy) - xhat mean(dy xhat)); Rms:
+    /// rstd (dy - xhat mean(dy xhat)).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_last_dim_backward(
+        &self,
+        l: &Layout,
+        dy: &Self,
+        dyl: &Layout,
+        mean: &Self,
+        rstd: &Self,
+        kind: NormKind,
+    ) -> Result<Self>;
     /// Softmax along the last dim: `exp(x - max) / sum(exp(x - max))` per row, with exp in
     /// the accumulation type and the sum in f64. Fused (one read, one write); the composite
     /// `Tensor::softmax_composite` is its reference.

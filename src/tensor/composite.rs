@@ -3,8 +3,9 @@
 //! Norms compute in f32 (f64 stays f64) and cast back, as PyTorch's kernels do.
 
 use super::Tensor;
+use crate::backend::NormKind;
 use crate::shape::Dim;
-use crate::{DType, Error, Result};
+use crate::{DType, Error, Result, Shape};
 
 // sqrt(2 / pi) and 0.044715: the tanh approximation of GELU (Hendrycks & Gimpel, 2016).
 const GELU_TANH_SCALE: f64 = 0.797_884_560_802_865_4;
@@ -128,8 +129,91 @@ impl Tensor {
         }
     }
 
-    /// LayerNorm over the last dim: (x - mean) / sqrt(var + eps) * weight + bias.
+    /// The fused normalization of each last-dim row (one read, one write; statistics saved in
+    /// f32, f64 for f64 inputs, for the backward).
+    pub(crate) fn norm_fused(&self, kind: NormKind, eps: f64) -> Result<Tensor> {
+        if !self.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "norm",
+                dtype: self.dtype(),
+            });
+        }
+        let (y, mean, rstd) = self.storage()?.norm_last_dim(self.layout(), kind, eps)?;
+        let rows = Shape::from(&self.dims()[..self.rank().saturating_sub(1)]);
+        let mean = Tensor::from_storage(mean, rows.clone(), self.device().clone(), None);
+        let rstd = Tensor::from_storage(rstd, rows, self.device().clone(), None);
+        let rec = crate::autograd::record(&[self], || {
+            crate::autograd::Op::Norm(self.clone(), mean, rstd, kind)
+        });
+        Ok(Tensor::from_storage(
+            y,
+            self.shape().clone(),
+            self.device().clone(),
+            rec,
+        ))
+    }
+
+    /// dx of `norm_fused` given dy and its saved statistics.
+    pub(crate) fn norm_backward(
+        &self,
+        dy: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        kind: NormKind,
+    ) -> Result<Tensor> {
+        let dy = dy.to_dtype(self.dtype())?;
+        let s = {
+            let (x, g, m, r) = (
+                self.storage()?,
+                dy.storage()?,
+                mean.storage()?,
+                rstd.storage()?,
+            );
+            x.norm_last_dim_backward(self.layout(), &g, dy.layout(), &m, &r, kind)?
+        };
+        Ok(Tensor::from_storage(
+            s,
+            self.shape().clone(),
+            self.device().clone(),
+            None,
+        ))
+    }
+
+    /// LayerNorm over the last dim: (x - mean) / sqrt(var + eps) * weight + bias, through the
+    /// fused kernel.
     pub fn layer_norm(
+        &self,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let y = self
+            .affine_input(weight.is_some() || bias.is_some())?
+            .norm_fused(NormKind::Layer, eps)?;
+        self.affine_params(y, weight, bias)
+    }
+
+    /// The input of a fused norm: half types with an affine step go through f32, so the affine
+    /// is applied to the unrounded normalized values and the result rounds once (as PyTorch's
+    /// kernels do). Fusing the affine into the kernel will remove the extra passes.
+    fn affine_input(&self, affine: bool) -> Result<Tensor> {
+        if affine && matches!(self.dtype(), DType::BF16 | DType::F16) {
+            self.to_dtype(DType::F32)
+        } else {
+            Ok(self.clone())
+        }
+    }
+
+    /// RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight, through the fused kernel.
+    pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        let y = self
+            .affine_input(weight.is_some())?
+            .norm_fused(NormKind::Rms, eps)?;
+        self.affine_params(y, weight, None)
+    }
+
+    /// LayerNorm from primitives (computed in f32): the reference of the fused kernel.
+    pub fn layer_norm_composite(
         &self,
         weight: Option<&Tensor>,
         bias: Option<&Tensor>,
@@ -143,8 +227,8 @@ impl Tensor {
         self.affine_params(y, weight, bias)
     }
 
-    /// RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight.
-    pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    /// RMSNorm from primitives (computed in f32): the reference of the fused kernel.
+    pub fn rms_norm_composite(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         let x = self.to_dtype(self.norm_dtype())?;
         let ms = x.sqr()?.mean_keepdim(&[-1])?;
         let y = x.mul(&ms.add_scalar(eps)?.powf(-0.5)?)?;

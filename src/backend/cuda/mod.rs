@@ -7,6 +7,7 @@ mod device;
 mod index;
 mod layout;
 mod matmul;
+mod norm;
 mod reduce;
 mod storage;
 

@@ -551,6 +551,27 @@ impl BackendStorage for CudaStorage {
         super::conv::fold2d(self, l, w, hw)
     }
 
+    fn norm_last_dim(
+        &self,
+        l: &Layout,
+        kind: crate::backend::NormKind,
+        eps: f64,
+    ) -> Result<(Self, Self, Self)> {
+        super::norm::norm_last_dim(self, l, kind, eps)
+    }
+
+    fn norm_last_dim_backward(
+        &self,
+        l: &Layout,
+        dy: &Self,
+        dyl: &Layout,
+        mean: &Self,
+        rstd: &Self,
+        kind: crate::backend::NormKind,
+    ) -> Result<Self> {
+        super::norm::norm_last_dim_backward(self, l, dy, dyl, mean, rstd, kind)
+    }
+
     fn softmax_last_dim(&self, l: &Layout) -> Result<Self> {
         let err = Error::UnsupportedDType {
             op: "softmax",

@@ -1,0 +1,130 @@
+// Fused LayerNorm / RMSNorm over contiguous (rows, cols), forward and backward side by side.
+// One warp per row; statistics accumulate in double (as the CPU backend), y and dx are computed
+// in the accumulation type. Saved statistics S are float (double for f64 inputs).
+//   forward:  mean = sum(x)/n (0 for RMS); rstd = 1/sqrt(sum((x-mean)^2)/n + eps);
+//             y = (x - mean) * rstd
+//   backward: xhat = (x - mean) * rstd; a = sum(dy)/n (0 for RMS); b = sum(dy*xhat)/n;
+//             dx = rstd * (dy - a - xhat * b)
+#include "common.cuh"
+
+// Calls f(index, value) for this lane's elements of a row, with 16-byte loads when aligned.
+template <typename T, typename F>
+__device__ __forceinline__ void for_row(const T* x, size_t cols, size_t lane, F f) {
+  size_t start = 0;
+  if (aligned16(x)) {
+    const size_t nv = cols / 8;
+    for (size_t v = lane; v < nv; v += 32) {
+      const Pack8<T> p = reinterpret_cast<const Pack8<T>*>(x)[v];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f(v * 8 + k, p.v[k]);
+    }
+    start = nv * 8;
+  }
+  for (size_t c = start + lane; c < cols; c += 32) f(c, x[c]);
+}
+
+// Like for_row over two rows of one shape.
+template <typename T, typename F>
+__device__ __forceinline__ void for_row2(const T* x, const T* y, size_t cols, size_t lane, F f) {
+  size_t start = 0;
+  if (aligned16(x) && aligned16(y)) {
+    const size_t nv = cols / 8;
+    for (size_t v = lane; v < nv; v += 32) {
+      const Pack8<T> p = reinterpret_cast<const Pack8<T>*>(x)[v];
+      const Pack8<T> q = reinterpret_cast<const Pack8<T>*>(y)[v];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f(v * 8 + k, p.v[k], q.v[k]);
+    }
+    start = nv * 8;
+  }
+  for (size_t c = start + lane; c < cols; c += 32) f(c, x[c], y[c]);
+}
+
+// out[c] = f(x[c], y[c]) with 16-byte stores when aligned.
+template <typename T, typename F>
+__device__ __forceinline__ void map_row2(const T* x, const T* y, T* out, size_t cols, size_t lane, F f) {
+  size_t start = 0;
+  if (aligned16(x) && aligned16(y) && aligned16(out)) {
+    const size_t nv = cols / 8;
+    for (size_t v = lane; v < nv; v += 32) {
+      const Pack8<T> p = reinterpret_cast<const Pack8<T>*>(x)[v];
+      const Pack8<T> q = reinterpret_cast<const Pack8<T>*>(y)[v];
+      Pack8<T> o;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o.v[k] = f(p.v[k], q.v[k]);
+      reinterpret_cast<Pack8<T>*>(out)[v] = o;
+    }
+    start = nv * 8;
+  }
+  for (size_t c = start + lane; c < cols; c += 32) out[c] = f(x[c], y[c]);
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffff, v, s);
+  return v;
+}
+
+template <typename T, typename S>
+__device__ __forceinline__ void norm_fwd(const T* __restrict__ in, T* __restrict__ out, S* mean_out, S* rstd_out,
+                                         size_t rows, size_t cols, double eps, int rms) {
+  typedef typename AccT<T>::type A;
+  const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
+  for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
+    const T* x = in + r * cols;
+    double sum = 0.0;
+    if (!rms) for_row(x, cols, lane, [&](size_t, T v) { sum += to_f64(v); });
+    const double mean = rms ? 0.0 : warp_sum(sum) / (double)cols;
+    double sq = 0.0;
+    for_row(x, cols, lane, [&](size_t, T v) {
+      const double d = to_f64(v) - mean;
+      sq += d * d;
+    });
+    const double rstd = 1.0 / sqrt(warp_sum(sq) / (double)cols + eps);
+    const A m = (A)mean, s = (A)rstd;
+    map_row2(x, x, out + r * cols, cols, lane, [&](T v, T) { return from_acc<T>((to_acc(v) - m) * s); });
+    if (lane == 0) {
+      mean_out[r] = (S)mean;
+      rstd_out[r] = (S)rstd;
+    }
+  }
+}
+
+template <typename T, typename S>
+__device__ __forceinline__ void norm_bwd(const T* __restrict__ in, const T* __restrict__ dy, const S* mean_in,
+                                         const S* rstd_in, T* __restrict__ dx, size_t rows, size_t cols, int rms) {
+  typedef typename AccT<T>::type A;
+  const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
+  for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
+    const T* x = in + r * cols;
+    const T* g = dy + r * cols;
+    const double m = (double)mean_in[r], s = (double)rstd_in[r];
+    double sum_dy = 0.0, sum_dy_xhat = 0.0;
+    for_row2(x, g, cols, lane, [&](size_t, T xv, T gv) {
+      const double d = to_f64(gv);
+      sum_dy += d;
+      sum_dy_xhat += d * ((to_f64(xv) - m) * s);
+    });
+    const A a = rms ? A(0) : (A)(warp_sum(sum_dy) / (double)cols);
+    const A b = (A)(warp_sum(sum_dy_xhat) / (double)cols);
+    const A am = (A)m, as = (A)s;
+    map_row2(x, g, dx + r * cols, cols, lane, [&](T xv, T gv) {
+      const A xh = (to_acc(xv) - am) * as;
+      return from_acc<T>(as * (to_acc(gv) - a - xh * b));
+    });
+  }
+}
+
+#define NORM(SUF, T, S)                                                                                  \
+  extern "C" __global__ void norm_fwd_##SUF(const T* x, T* y, S* mean, S* rstd, size_t rows, size_t cols, \
+                                            double eps, int rms) {                                       \
+    norm_fwd<T, S>(x, y, mean, rstd, rows, cols, eps, rms);                                              \
+  }                                                                                                      \
+  extern "C" __global__ void norm_bwd_##SUF(const T* x, const T* dy, const S* mean, const S* rstd, T* dx, \
+                                            size_t rows, size_t cols, int rms) {                         \
+    norm_bwd<T, S>(x, dy, mean, rstd, dx, rows, cols, rms);                                              \
+  }
+NORM(f32, float, float)
+NORM(f64, double, double)
+NORM(bf16, __nv_bfloat16, float)
+NORM(f16, __half, float)

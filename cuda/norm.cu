@@ -2,9 +2,9 @@
 // One warp per row; statistics accumulate in double (as the CPU backend), y and dx are computed
 // in the accumulation type. Saved statistics S are float (double for f64 inputs).
 //   forward:  mean = sum(x)/n (0 for RMS); rstd = 1/sqrt(sum((x-mean)^2)/n + eps);
-//             y = (x - mean) * rstd
-//   backward: xhat = (x - mean) * rstd; a = sum(dy)/n (0 for RMS); b = sum(dy*xhat)/n;
-//             dx = rstd * (dy - a - xhat * b)
+//             y = (x - mean) * rstd * w + b          (w, b optional: null pointers)
+//   backward: xhat = (x - mean) * rstd; g = dy * w; a = sum(g)/n (0 for RMS);
+//             b = sum(g*xhat)/n; dx = rstd * (g - a - xhat * b)
 #include "common.cuh"
 
 // Calls f(index, value) for this lane's elements of a row, with 16-byte loads when aligned.
@@ -40,7 +40,7 @@ __device__ __forceinline__ void for_row2(const T* x, const T* y, size_t cols, si
   for (size_t c = start + lane; c < cols; c += 32) f(c, x[c], y[c]);
 }
 
-// out[c] = f(x[c], y[c]) with 16-byte stores when aligned.
+// out[c] = f(c, x[c], y[c]) with 16-byte stores when aligned.
 template <typename T, typename F>
 __device__ __forceinline__ void map_row2(const T* x, const T* y, T* out, size_t cols, size_t lane, F f) {
   size_t start = 0;
@@ -51,12 +51,12 @@ __device__ __forceinline__ void map_row2(const T* x, const T* y, T* out, size_t 
       const Pack8<T> q = reinterpret_cast<const Pack8<T>*>(y)[v];
       Pack8<T> o;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) o.v[k] = f(p.v[k], q.v[k]);
+      for (int k = 0; k < 8; ++k) o.v[k] = f(v * 8 + k, p.v[k], q.v[k]);
       reinterpret_cast<Pack8<T>*>(out)[v] = o;
     }
     start = nv * 8;
   }
-  for (size_t c = start + lane; c < cols; c += 32) out[c] = f(x[c], y[c]);
+  for (size_t c = start + lane; c < cols; c += 32) out[c] = f(c, x[c], y[c]);
 }
 
 __device__ __forceinline__ double warp_sum(double v) {
@@ -66,8 +66,8 @@ __device__ __forceinline__ double warp_sum(double v) {
 }
 
 template <typename T, typename S>
-__device__ __forceinline__ void norm_fwd(const T* __restrict__ in, T* __restrict__ out, S* mean_out, S* rstd_out,
-                                         size_t rows, size_t cols, double eps, int rms) {
+__device__ __forceinline__ void norm_fwd(const T* __restrict__ in, const T* w, const T* b, T* __restrict__ out,
+                                         S* mean_out, S* rstd_out, size_t rows, size_t cols, double eps, int rms) {
   typedef typename AccT<T>::type A;
   const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
   for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
@@ -82,7 +82,10 @@ __device__ __forceinline__ void norm_fwd(const T* __restrict__ in, T* __restrict
     });
     const double rstd = 1.0 / sqrt(warp_sum(sq) / (double)cols + eps);
     const A m = (A)mean, s = (A)rstd;
-    map_row2(x, x, out + r * cols, cols, lane, [&](T v, T) { return from_acc<T>((to_acc(v) - m) * s); });
+    map_row2(x, x, out + r * cols, cols, lane, [&](size_t c, T v, T) {
+      const A wv = w ? to_acc(w[c]) : A(1), bv = b ? to_acc(b[c]) : A(0);
+      return from_acc<T>((to_acc(v) - m) * s * wv + bv);
+    });
     if (lane == 0) {
       mean_out[r] = (S)mean;
       rstd_out[r] = (S)rstd;
@@ -91,8 +94,9 @@ __device__ __forceinline__ void norm_fwd(const T* __restrict__ in, T* __restrict
 }
 
 template <typename T, typename S>
-__device__ __forceinline__ void norm_bwd(const T* __restrict__ in, const T* __restrict__ dy, const S* mean_in,
-                                         const S* rstd_in, T* __restrict__ dx, size_t rows, size_t cols, int rms) {
+__device__ __forceinline__ void norm_bwd(const T* __restrict__ in, const T* __restrict__ dy, const T* w,
+                                         const S* mean_in, const S* rstd_in, T* __restrict__ dx, size_t rows,
+                                         size_t cols, int rms) {
   typedef typename AccT<T>::type A;
   const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
   for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
@@ -100,29 +104,31 @@ __device__ __forceinline__ void norm_bwd(const T* __restrict__ in, const T* __re
     const T* g = dy + r * cols;
     const double m = (double)mean_in[r], s = (double)rstd_in[r];
     double sum_dy = 0.0, sum_dy_xhat = 0.0;
-    for_row2(x, g, cols, lane, [&](size_t, T xv, T gv) {
-      const double d = to_f64(gv);
+    // g = dy * w in the accumulation type, as the CPU backend computes it.
+    auto gw = [&](size_t c, T gv) { return w ? to_acc(gv) * to_acc(w[c]) : to_acc(gv); };
+    for_row2(x, g, cols, lane, [&](size_t c, T xv, T gv) {
+      const double d = (double)gw(c, gv);
       sum_dy += d;
       sum_dy_xhat += d * ((to_f64(xv) - m) * s);
     });
     const A a = rms ? A(0) : (A)(warp_sum(sum_dy) / (double)cols);
     const A b = (A)(warp_sum(sum_dy_xhat) / (double)cols);
     const A am = (A)m, as = (A)s;
-    map_row2(x, g, dx + r * cols, cols, lane, [&](T xv, T gv) {
+    map_row2(x, g, dx + r * cols, cols, lane, [&](size_t c, T xv, T gv) {
       const A xh = (to_acc(xv) - am) * as;
-      return from_acc<T>(as * (to_acc(gv) - a - xh * b));
+      return from_acc<T>(as * (gw(c, gv) - a - xh * b));
     });
   }
 }
 
 #define NORM(SUF, T, S)                                                                                  \
-  extern "C" __global__ void norm_fwd_##SUF(const T* x, T* y, S* mean, S* rstd, size_t rows, size_t cols, \
-                                            double eps, int rms) {                                       \
-    norm_fwd<T, S>(x, y, mean, rstd, rows, cols, eps, rms);                                              \
+  extern "C" __global__ void norm_fwd_##SUF(const T* x, const T* w, const T* b, T* y, S* mean, S* rstd,   \
+                                            size_t rows, size_t cols, double eps, int rms) {             \
+    norm_fwd<T, S>(x, w, b, y, mean, rstd, rows, cols, eps, rms);                                        \
   }                                                                                                      \
-  extern "C" __global__ void norm_bwd_##SUF(const T* x, const T* dy, const S* mean, const S* rstd, T* dx, \
-                                            size_t rows, size_t cols, int rms) {                         \
-    norm_bwd<T, S>(x, dy, mean, rstd, dx, rows, cols, rms);                                              \
+  extern "C" __global__ void norm_bwd_##SUF(const T* x, const T* dy, const T* w, const S* mean,           \
+                                            const S* rstd, T* dx, size_t rows, size_t cols, int rms) {   \
+    norm_bwd<T, S>(x, dy, w, mean, rstd, dx, rows, cols, rms);                                           \
   }
 NORM(f32, float, float)
 NORM(f64, double, double)

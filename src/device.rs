@@ -280,21 +280,43 @@ impl Storage {
     ) -> Result<Storage> {
         Ok(on_storage!(self, s => wrap s.fold2d(l, w, hw)?))
     }
+    #[cfg(feature = "cpu-ref")]
+    fn cpu(&self, op: &'static str) -> Result<&CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Ok(s),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => Err(mismatch(op)),
+        }
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, op: &'static str) -> Result<&crate::backend::cuda::CudaStorage> {
+        match self {
+            Storage::Cuda(s) => Ok(s),
+            #[cfg(feature = "cpu-ref")]
+            Storage::Cpu(_) => Err(mismatch(op)),
+        }
+    }
     pub(crate) fn norm_last_dim(
         &self,
         l: &Layout,
         kind: crate::backend::NormKind,
         eps: f64,
+        weight: Option<&Storage>,
+        bias: Option<&Storage>,
     ) -> Result<(Storage, Storage, Storage)> {
         Ok(match self {
             #[cfg(feature = "cpu-ref")]
             Storage::Cpu(s) => {
-                let (y, m, r) = s.norm_last_dim(l, kind, eps)?;
+                let w = weight.map(|w| w.cpu("norm")).transpose()?;
+                let b = bias.map(|b| b.cpu("norm")).transpose()?;
+                let (y, m, r) = s.norm_last_dim(l, kind, eps, w, b)?;
                 (Storage::Cpu(y), Storage::Cpu(m), Storage::Cpu(r))
             }
             #[cfg(feature = "cuda")]
             Storage::Cuda(s) => {
-                let (y, m, r) = s.norm_last_dim(l, kind, eps)?;
+                let w = weight.map(|w| w.cuda("norm")).transpose()?;
+                let b = bias.map(|b| b.cuda("norm")).transpose()?;
+                let (y, m, r) = s.norm_last_dim(l, kind, eps, w, b)?;
                 (Storage::Cuda(y), Storage::Cuda(m), Storage::Cuda(r))
             }
             #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
@@ -310,20 +332,38 @@ impl Storage {
         mean: &Storage,
         rstd: &Storage,
         kind: crate::backend::NormKind,
+        weight: Option<&Storage>,
     ) -> Result<Storage> {
-        Ok(match (self, dy, mean, rstd) {
+        const OP: &str = "norm_backward";
+        Ok(match self {
             #[cfg(feature = "cpu-ref")]
-            (Storage::Cpu(x), Storage::Cpu(g), Storage::Cpu(m), Storage::Cpu(r)) => {
-                Storage::Cpu(x.norm_last_dim_backward(l, g, dyl, m, r, kind)?)
+            Storage::Cpu(x) => {
+                let w = weight.map(|w| w.cpu(OP)).transpose()?;
+                Storage::Cpu(x.norm_last_dim_backward(
+                    l,
+                    dy.cpu(OP)?,
+                    dyl,
+                    mean.cpu(OP)?,
+                    rstd.cpu(OP)?,
+                    kind,
+                    w,
+                )?)
             }
             #[cfg(feature = "cuda")]
-            (Storage::Cuda(x), Storage::Cuda(g), Storage::Cuda(m), Storage::Cuda(r)) => {
-                Storage::Cuda(x.norm_last_dim_backward(l, g, dyl, m, r, kind)?)
+            Storage::Cuda(x) => {
+                let w = weight.map(|w| w.cuda(OP)).transpose()?;
+                Storage::Cuda(x.norm_last_dim_backward(
+                    l,
+                    dy.cuda(OP)?,
+                    dyl,
+                    mean.cuda(OP)?,
+                    rstd.cuda(OP)?,
+                    kind,
+                    w,
+                )?)
             }
-            #[cfg(all(feature = "cpu-ref", feature = "cuda"))]
-            _ => return Err(mismatch("norm_backward")),
             #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
-            (Storage::None(n), ..) => match *n {},
+            Storage::None(n) => match *n {},
         })
     }
     pub(crate) fn softmax_last_dim(&self, l: &Layout) -> Result<Storage> {

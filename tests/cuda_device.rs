@@ -42,6 +42,7 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
                 "elementwise",
                 "fill",
                 "index",
+                "norm",
                 "random",
                 "reduce",
                 "softmax"

@@ -890,25 +890,55 @@ fn fused_norms_forward_and_backward_match_the_cpu() {
     let _one = serial();
     for dt in FLOATS {
         for shape in [vec![7], vec![300, 3072], vec![5, 64, 128], vec![3, 1001]] {
+            let cols = *shape.last().unwrap_or(&1);
             let (c, g) = normal_pair(&shape, dt, 1200);
             let (c, g) = (c.affine(3.0, 1.0).unwrap(), g.affine(3.0, 1.0).unwrap());
             let (cdy, gdy) = normal_pair(&shape, dt, 1201);
-            for rms in [false, true] {
-                let run = |x: &Tensor, dy: &Tensor| {
-                    let xv = x.detach().requires_grad_().unwrap();
-                    let y = if rms {
-                        xv.rms_norm(None, 1e-6).unwrap()
-                    } else {
-                        xv.layer_norm(None, None, 1e-5).unwrap()
-                    };
+            let (cw, gw) = normal_pair(&[cols], dt, 1202);
+            let (cb, gb) = normal_pair(&[cols], dt, 1203);
+            for (rms, affine) in [(false, false), (true, false), (false, true), (true, true)] {
+                // Returns y and the gradients of x (and of w, b when affine).
+                let run = |x: &Tensor, dy: &Tensor, w: &Tensor, b: &Tensor| {
+                    let leaf = |t: &Tensor| t.detach().requires_grad_().unwrap();
+                    let (xv, wv, bv) = (leaf(x), leaf(w), leaf(b));
+                    let y = match (rms, affine) {
+                        (true, true) => xv.rms_norm(Some(&wv), 1e-6),
+                        (true, false) => xv.rms_norm(None, 1e-6),
+                        (false, true) => xv.layer_norm(Some(&wv), Some(&bv), 1e-5),
+                        (false, false) => xv.layer_norm(None, None, 1e-5),
+                    }
+                    .unwrap();
                     let mut grads = flame::Grads::new();
                     y.backward_with_grad(dy, &mut grads, false).unwrap();
-                    (y, grads.get(&xv).expect("grad").clone())
+                    let mut out = vec![y, grads.get(&xv).expect("dx").clone()];
+                    if affine {
+                        out.push(grads.get(&wv).expect("dw").clone());
+                        if !rms {
+                            out.push(grads.get(&bv).expect("db").clone());
+                        }
+                    }
+                    out
                 };
-                let ((yc, dc), (yg, dg)) = (run(&c, &cdy), run(&g, &gdy));
-                close(&format!("norm rms={rms} {shape:?}"), &yg, &yc, dt);
+                let (oc, og) = (run(&c, &cdy, &cw, &cb), run(&g, &gdy, &gw, &gb));
+                let what = format!("norm rms={rms} affine={affine} {shape:?}");
+                close(&format!("{what} y"), &og[0], &oc[0], dt);
                 // dx sums row-long terms in f64 on both sides, then rounds once.
-                close_mag(&format!("dnorm rms={rms} {shape:?}"), &dg, &dc, dt, 3.0);
+                close_mag(&format!("{what} dx"), &og[1], &oc[1], dt, 3.0 * 3.0);
+                // dw, db sum over rows in f32: allow for the summation order.
+                let rows = (c.elem_count() / cols) as f64;
+                for (k, name) in ["dw", "db"]
+                    .iter()
+                    .enumerate()
+                    .take(og.len().saturating_sub(2))
+                {
+                    close_mag(
+                        &format!("{what} {name}"),
+                        &og[2 + k],
+                        &oc[2 + k],
+                        dt,
+                        3.0 * rows.sqrt(),
+                    );
+                }
             }
         }
     }

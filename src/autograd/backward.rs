@@ -2,7 +2,7 @@
 //! apply one VJP per primitive. VJPs are ordinary tensor ops, so they run on every backend.
 
 use super::{no_grad, Grads, Op};
-use crate::backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use crate::backend::{BinaryOp, CmpOp, NormKind, ReduceOp, UnaryOp};
 use crate::{Error, Result, Tensor, TensorId};
 use std::collections::{HashMap, HashSet};
 
@@ -295,7 +295,35 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             vec![(x.clone(), g.fold2d(*w, (d[2], d[3]))?)]
         }
         Op::Fold2d(x, w) => vec![(x.clone(), g.unfold2d(*w)?)],
-        Op::Norm(x, mean, rstd, kind) => vec![(x.clone(), x.norm_backward(g, mean, rstd, *kind)?)],
+        Op::Norm {
+            x,
+            weight,
+            bias,
+            mean,
+            rstd,
+            kind,
+        } => {
+            let mut v = vec![(
+                x.clone(),
+                x.norm_backward(g, mean, rstd, *kind, weight.as_ref())?,
+            )];
+            // dw = sum over rows of dy * xhat, db = sum over rows of dy, in the statistics dtype.
+            let rows: Vec<usize> = (0..x.rank().saturating_sub(1)).collect();
+            let gs = g.to_dtype(mean.dtype())?;
+            if let Some(w) = weight {
+                let xs = x.to_dtype(mean.dtype())?;
+                let centered = match kind {
+                    NormKind::Layer => xs.sub(&mean.unsqueeze(-1)?)?,
+                    NormKind::Rms => xs,
+                };
+                let xhat = centered.mul(&rstd.unsqueeze(-1)?)?;
+                v.push((w.clone(), gs.mul(&xhat)?.sum(&rows)?.to_dtype(w.dtype())?));
+            }
+            if let Some(b) = bias {
+                v.push((b.clone(), gs.sum(&rows)?.to_dtype(b.dtype())?));
+            }
+            v
+        }
         // y = softmax(x): dx = y * (g - sum(g * y)) along the last dim.
         Op::Softmax(x) => {
             let dot = g.mul(out)?.sum_keepdim(&[-1])?;

@@ -43,8 +43,15 @@ pub(crate) enum Op {
     Unfold2d(Tensor, Window2d),
     /// col2im back to (N, C, H, W).
     Fold2d(Tensor, Window2d),
-    /// The fused last-dim normalization: (x, mean, rstd, kind).
-    Norm(Tensor, Tensor, Tensor, NormKind),
+    /// The fused last-dim normalization with its saved statistics.
+    Norm {
+        x: Tensor,
+        weight: Option<Tensor>,
+        bias: Option<Tensor>,
+        mean: Tensor,
+        rstd: Tensor,
+        kind: NormKind,
+    },
 }
 
 /// Every kind of recorded op, by name; the CPU gradcheck suite must exercise each one.
@@ -111,7 +118,7 @@ impl Op {
             Op::Softmax(_) => "softmax",
             Op::Unfold2d(..) => "unfold2d",
             Op::Fold2d(..) => "fold2d",
-            Op::Norm(..) => "norm",
+            Op::Norm { .. } => "norm",
         }
     }
 
@@ -130,7 +137,17 @@ impl Op {
             | Op::Softmax(x)
             | Op::Unfold2d(x, _)
             | Op::Fold2d(x, _) => vec![x],
-            Op::Norm(x, m, r, _) => vec![x, m, r],
+            Op::Norm {
+                x,
+                weight,
+                bias,
+                mean,
+                rstd,
+                ..
+            } => [Some(x), weight, bias, Some(mean), Some(rstd)]
+                .into_iter()
+                .flatten()
+                .collect(),
             Op::Binary(a, b, _)
             | Op::Matmul(a, b)
             | Op::IndexSelect(a, b, _)
@@ -157,8 +174,13 @@ impl Op {
             | Op::ToDevice(x)
             | Op::Softmax(x)
             | Op::Unfold2d(x, _)
-            | Op::Fold2d(x, _)
-            | Op::Norm(x, _, _, _) => vec![x],
+            | Op::Fold2d(x, _) => vec![x],
+            Op::Norm {
+                x, weight, bias, ..
+            } => [Some(x), weight.as_ref(), bias.as_ref()]
+                .into_iter()
+                .flatten()
+                .collect(),
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
             Op::Where(_, t, f) => vec![t, f],
             Op::Cat(xs, _) => xs.iter().collect(),

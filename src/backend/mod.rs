@@ -222,14 +222,22 @@ pub trait BackendStorage: Sized + Send + Sync {
     /// col2im, the adjoint of `unfold2d`: (N, C * kh * kw, Ho * Wo) -> (N, C, H, W), each pixel
     /// the sum of the columns that read it, summed in (ki, kj) order in the accumulation type.
     fn fold2d(&self, l: &Layout, w: Window2d, hw: (usize, usize)) -> Result<Self>;
-    /// Normalizes each last-dim row (statistics accumulated in f64): returns y (x's dtype,
-    /// contiguous), mean (zeros for Rms) and rstd = 1 / sqrt(var + eps), one per row, in
-    /// `stats_dtype`. Fused (one read of x, one write of y); `Tensor::layer_norm_composite` and
-    /// `rms_norm_composite` are its reference.
-    fn norm_last_dim(&self, l: &Layout, kind: NormKind, eps: f64) -> Result<(Self, Self, Self)>;
-    /// dx of `norm_last_dim` given dy (same shape as x) and the saved statistics, with
-    /// xhat = (x - mean) rstd: Layer: rstd (dy - mean(dy) - xhat mean(dy xhat)); Rms:
-    /// rstd (dy - xhat mean(dy xhat)).
+    /// Normalizes each last-dim row (statistics accumulated in f64) and applies the optional
+    /// per-column weight and bias (contiguous, x's dtype): y = xhat * w + b, rounded once.
+    /// Returns y (x's dtype, contiguous), mean (zeros for Rms) and rstd = 1 / sqrt(var + eps),
+    /// one per row, in `stats_dtype`. Fused (one read of x, one write of y);
+    /// `Tensor::layer_norm_composite` and `rms_norm_composite` are its reference.
+    fn norm_last_dim(
+        &self,
+        l: &Layout,
+        kind: NormKind,
+        eps: f64,
+        weight: Option<&Self>,
+        bias: Option<&Self>,
+    ) -> Result<(Self, Self, Self)>;
+    /// dx of `norm_last_dim` given dy (same shape as x), the saved statistics and the weight,
+    /// with xhat = (x - mean) rstd and g = dy * w: Layer: rstd (g - mean(g) - xhat mean(g xhat));
+    /// Rms: rstd (g - xhat mean(g xhat)).
     #[allow(clippy::too_many_arguments)]
     fn norm_last_dim_backward(
         &self,
@@ -239,6 +247,7 @@ pub trait BackendStorage: Sized + Send + Sync {
         mean: &Self,
         rstd: &Self,
         kind: NormKind,
+        weight: Option<&Self>,
     ) -> Result<Self>;
     /// Softmax along the last dim: `exp(x - max) / sum(exp(x - max))` per row, with exp in
     /// the accumulation type and the sum in f64. Fused (one read, one write); the composite

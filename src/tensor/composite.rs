@@ -129,21 +129,55 @@ impl Tensor {
         }
     }
 
-    /// The fused normalization of each last-dim row (one read, one write; statistics saved in
-    /// f32, f64 for f64 inputs, for the backward).
-    pub(crate) fn norm_fused(&self, kind: NormKind, eps: f64) -> Result<Tensor> {
+    /// The fused normalization of each last-dim row with an optional per-column weight and
+    /// bias applied in the kernel (one read, one write, one rounding; statistics saved in f32,
+    /// f64 for f64 inputs, for the backward).
+    pub(crate) fn norm_fused(
+        &self,
+        kind: NormKind,
+        eps: f64,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
         if !self.dtype().is_float() {
             return Err(Error::UnsupportedDType {
                 op: "norm",
                 dtype: self.dtype(),
             });
         }
-        let (y, mean, rstd) = self.storage()?.norm_last_dim(self.layout(), kind, eps)?;
+        let cols = self.dims().last().copied().unwrap_or(1);
+        let param = |p: Option<&Tensor>| -> Result<Option<Tensor>> {
+            match p {
+                None => Ok(None),
+                Some(p) if p.dims() == [cols] => Ok(Some(p.to_dtype(self.dtype())?.contiguous()?)),
+                Some(p) => Err(Error::ShapeMismatch {
+                    op: "norm",
+                    lhs: self.shape().clone(),
+                    rhs: p.shape().clone(),
+                }),
+            }
+        };
+        let (weight, bias) = (param(weight)?, param(bias)?);
+        let (y, mean, rstd) = {
+            let (ws, bs) = (
+                weight.as_ref().map(|w| w.storage()).transpose()?,
+                bias.as_ref().map(|b| b.storage()).transpose()?,
+            );
+            self.storage()?
+                .norm_last_dim(self.layout(), kind, eps, ws.as_deref(), bs.as_deref())?
+        };
         let rows = Shape::from(&self.dims()[..self.rank().saturating_sub(1)]);
         let mean = Tensor::from_storage(mean, rows.clone(), self.device().clone(), None);
         let rstd = Tensor::from_storage(rstd, rows, self.device().clone(), None);
-        let rec = crate::autograd::record(&[self], || {
-            crate::autograd::Op::Norm(self.clone(), mean, rstd, kind)
+        let mut inputs = vec![self];
+        inputs.extend(weight.iter().chain(bias.iter()));
+        let rec = crate::autograd::record(&inputs, || crate::autograd::Op::Norm {
+            x: self.clone(),
+            weight: weight.clone(),
+            bias: bias.clone(),
+            mean,
+            rstd,
+            kind,
         });
         Ok(Tensor::from_storage(
             y,
@@ -153,13 +187,14 @@ impl Tensor {
         ))
     }
 
-    /// dx of `norm_fused` given dy and its saved statistics.
+    /// dx of `norm_fused` given dy, its saved statistics and its weight.
     pub(crate) fn norm_backward(
         &self,
         dy: &Tensor,
         mean: &Tensor,
         rstd: &Tensor,
         kind: NormKind,
+        weight: Option<&Tensor>,
     ) -> Result<Tensor> {
         let dy = dy.to_dtype(self.dtype())?;
         let s = {
@@ -169,7 +204,8 @@ impl Tensor {
                 mean.storage()?,
                 rstd.storage()?,
             );
-            x.norm_last_dim_backward(self.layout(), &g, dy.layout(), &m, &r, kind)?
+            let w = weight.map(|w| w.storage()).transpose()?;
+            x.norm_last_dim_backward(self.layout(), &g, dy.layout(), &m, &r, kind, w.as_deref())?
         };
         Ok(Tensor::from_storage(
             s,
@@ -187,29 +223,12 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
-        let y = self
-            .affine_input(weight.is_some() || bias.is_some())?
-            .norm_fused(NormKind::Layer, eps)?;
-        self.affine_params(y, weight, bias)
-    }
-
-    /// The input of a fused norm: half types with an affine step go through f32, so the affine
-    /// is applied to the unrounded normalized values and the result rounds once (as PyTorch's
-    /// kernels do). Fusing the affine into the kernel will remove the extra passes.
-    fn affine_input(&self, affine: bool) -> Result<Tensor> {
-        if affine && matches!(self.dtype(), DType::BF16 | DType::F16) {
-            self.to_dtype(DType::F32)
-        } else {
-            Ok(self.clone())
-        }
+        self.norm_fused(NormKind::Layer, eps, weight, bias)
     }
 
     /// RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight, through the fused kernel.
     pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
-        let y = self
-            .affine_input(weight.is_some())?
-            .norm_fused(NormKind::Rms, eps)?;
-        self.affine_params(y, weight, None)
+        self.norm_fused(NormKind::Rms, eps, weight, None)
     }
 
     /// LayerNorm from primitives (computed in f32): the reference of the fused kernel.

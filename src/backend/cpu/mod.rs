@@ -374,32 +374,36 @@ impl BackendStorage for CpuStorage {
         l: &Layout,
         kind: crate::backend::NormKind,
         eps: f64,
+        weight: Option<&Self>,
+        bias: Option<&Self>,
     ) -> Result<(Self, Self, Self)> {
         check_view("norm", self, l)?;
+        let (w, b) = (
+            weight.map(CpuStorage::to_f64_vec),
+            bias.map(CpuStorage::to_f64_vec),
+        );
+        let (w, b) = (w.as_deref(), b.as_deref());
         let stats = |v: Vec<f64>| match self.dtype() {
             DType::F64 => CpuStorage::F64(v),
             _ => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
         };
-        let (y, m, r) = match self {
-            CpuStorage::F32(v) => {
-                norm::forward(v, l, kind, eps).map(|(y, m, r)| (CpuStorage::F32(y), m, r))?
-            }
-            CpuStorage::F64(v) => {
-                norm::forward(v, l, kind, eps).map(|(y, m, r)| (CpuStorage::F64(y), m, r))?
-            }
-            CpuStorage::BF16(v) => {
-                norm::forward(v, l, kind, eps).map(|(y, m, r)| (CpuStorage::BF16(y), m, r))?
-            }
-            CpuStorage::F16(v) => {
-                norm::forward(v, l, kind, eps).map(|(y, m, r)| (CpuStorage::F16(y), m, r))?
-            }
-            CpuStorage::U32(_) => {
-                return Err(Error::UnsupportedDType {
-                    op: "norm",
-                    dtype: DType::U32,
-                })
-            }
-        };
+        let (y, m, r) =
+            match self {
+                CpuStorage::F32(v) => norm::forward(v, l, kind, eps, w, b)
+                    .map(|(y, m, r)| (CpuStorage::F32(y), m, r))?,
+                CpuStorage::F64(v) => norm::forward(v, l, kind, eps, w, b)
+                    .map(|(y, m, r)| (CpuStorage::F64(y), m, r))?,
+                CpuStorage::BF16(v) => norm::forward(v, l, kind, eps, w, b)
+                    .map(|(y, m, r)| (CpuStorage::BF16(y), m, r))?,
+                CpuStorage::F16(v) => norm::forward(v, l, kind, eps, w, b)
+                    .map(|(y, m, r)| (CpuStorage::F16(y), m, r))?,
+                CpuStorage::U32(_) => {
+                    return Err(Error::UnsupportedDType {
+                        op: "norm",
+                        dtype: DType::U32,
+                    })
+                }
+            };
         Ok((y, stats(m), stats(r)))
     }
 
@@ -411,23 +415,26 @@ impl BackendStorage for CpuStorage {
         mean: &Self,
         rstd: &Self,
         kind: crate::backend::NormKind,
+        weight: Option<&Self>,
     ) -> Result<Self> {
         check_view("norm_backward", self, l)?;
         check_view("norm_backward", dy, dyl)?;
         validate::same_shape("norm_backward", l, dyl)?;
         let (m, r) = (mean.to_f64_vec(), rstd.to_f64_vec());
+        let w = weight.map(CpuStorage::to_f64_vec);
+        let w = w.as_deref();
         Ok(match (self, dy) {
             (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                CpuStorage::F32(norm::backward(x, l, g, dyl, &m, &r, kind)?)
+                CpuStorage::F32(norm::backward(x, l, g, dyl, &m, &r, kind, w)?)
             }
             (CpuStorage::F64(x), CpuStorage::F64(g)) => {
-                CpuStorage::F64(norm::backward(x, l, g, dyl, &m, &r, kind)?)
+                CpuStorage::F64(norm::backward(x, l, g, dyl, &m, &r, kind, w)?)
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
-                CpuStorage::BF16(norm::backward(x, l, g, dyl, &m, &r, kind)?)
+                CpuStorage::BF16(norm::backward(x, l, g, dyl, &m, &r, kind, w)?)
             }
             (CpuStorage::F16(x), CpuStorage::F16(g)) => {
-                CpuStorage::F16(norm::backward(x, l, g, dyl, &m, &r, kind)?)
+                CpuStorage::F16(norm::backward(x, l, g, dyl, &m, &r, kind, w)?)
             }
             (a, b) => {
                 return Err(Error::DTypeMismatch {

@@ -57,14 +57,6 @@ fn geometry(
     })
 }
 
-fn dense(s: &CudaStorage, l: &Layout) -> Result<Option<CudaStorage>> {
-    if l.is_contiguous() && l.offset() == 0 {
-        Ok(None)
-    } else {
-        Ok(Some(s.contiguous(l)?))
-    }
-}
-
 fn run<T: Elem>(
     s: &CudaStorage,
     l: &Layout,
@@ -72,7 +64,7 @@ fn run<T: Elem>(
     g: ConvGeometry,
     out_len: usize,
 ) -> Result<Buf> {
-    let d = dense(s, l)?;
+    let d = s.dense("conv", l)?;
     let src = d.as_ref().unwrap_or(s).typed::<T>(kernel_op(kernel))?;
     let mut out = s.dev.alloc::<T>(out_len)?;
     if out_len > 0 {

@@ -16,16 +16,6 @@ fn blocks(shape: &Shape, dim: usize) -> (usize, usize, usize) {
     )
 }
 
-/// The storage itself when the view is the whole buffer in order, else a contiguous copy.
-fn dense(s: &CudaStorage, l: &Layout) -> Result<Option<CudaStorage>> {
-    s.check("index", l)?;
-    if l.is_contiguous() && l.offset() == 0 {
-        Ok(None)
-    } else {
-        Ok(Some(s.contiguous(l)?))
-    }
-}
-
 fn check_ids(ids: &CudaStorage, il: &Layout, op: &'static str) -> Result<()> {
     if ids.buf.dtype() != DType::U32 {
         return Err(Error::invalid(
@@ -91,7 +81,7 @@ fn select_t<T: Elem>(
     dim: usize,
 ) -> Result<CudaStorage> {
     const OP: &str = "index_select";
-    let (sd, idd) = (dense(s, l)?, dense(ids, il)?);
+    let (sd, idd) = (s.dense("index", l)?, ids.dense("index", il)?);
     let src = sd.as_ref().unwrap_or(s).typed::<T>(OP)?;
     let idb = idd.as_ref().unwrap_or(ids).typed::<u32>(OP)?;
     let (outer, size, inner) = blocks(l.shape(), dim);
@@ -146,7 +136,7 @@ fn gather_t<T: Elem>(
     dim: usize,
 ) -> Result<CudaStorage> {
     const OP: &str = "gather";
-    let (sd, idd) = (dense(s, l)?, dense(ids, il)?);
+    let (sd, idd) = (s.dense("index", l)?, ids.dense("index", il)?);
     let src = sd.as_ref().unwrap_or(s).typed::<T>(OP)?;
     let idb = idd.as_ref().unwrap_or(ids).typed::<u32>(OP)?;
     let (outer, size, inner) = blocks(l.shape(), dim);
@@ -198,7 +188,7 @@ fn scatter_t<T: Elem>(
 ) -> Result<CudaStorage> {
     const OP: &str = "scatter_add";
     let mut out = s.contiguous(l)?;
-    let (idd, srd) = (dense(ids, il)?, dense(src, sl)?);
+    let (idd, srd) = (ids.dense("index", il)?, src.dense("index", sl)?);
     let idb = idd.as_ref().unwrap_or(ids).typed::<u32>(OP)?;
     let srb = srd.as_ref().unwrap_or(src).typed::<T>(OP)?;
     let (outer, size, inner) = blocks(l.shape(), dim);

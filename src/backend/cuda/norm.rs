@@ -1,18 +1,10 @@
-//! Fused LayerNorm / RMSNorm launchers (kernels in cuda/norm.cu): one warp per row.
+//! Fused LayerNorm / RMSNorm launchers (kernels in cuda/norm.cu): one warp per row, the
+//! optional per-column weight and bias applied inside the kernel.
 
 use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
 use crate::backend::NormKind;
 use crate::{DType, Error, Layout, Result};
-
-fn dense(s: &CudaStorage, l: &Layout) -> Result<Option<CudaStorage>> {
-    s.check("norm", l)?;
-    if l.is_contiguous() && l.offset() == 0 {
-        Ok(None)
-    } else {
-        Ok(Some(s.contiguous(l)?))
-    }
-}
 
 fn rows_cols(op: &'static str, l: &Layout) -> Result<(usize, usize)> {
     match l.dims().last() {
@@ -21,14 +13,46 @@ fn rows_cols(op: &'static str, l: &Layout) -> Result<(usize, usize)> {
     }
 }
 
+/// The raw address of an optional per-column parameter (null when absent), after checking
+/// its dtype and length.
+fn param_ptr<T: Elem>(
+    p: Option<&CudaStorage>,
+    cols: usize,
+    op: &'static str,
+    l: &Layout,
+) -> Result<u64> {
+    match p {
+        None => Ok(0),
+        Some(p) => {
+            let b = p.typed::<T>(op)?;
+            if b.len() != cols {
+                return Err(Error::invalid(
+                    op,
+                    format!("a weight or bias of {} values for rows of {cols}", b.len()),
+                    l.shape(),
+                ));
+            }
+            Ok(p.buf.raw_ptr(p.dev.stream()))
+        }
+    }
+}
+
+type Triple = (CudaStorage, CudaStorage, CudaStorage);
+
 fn fwd<T: Elem, S: Elem>(
     s: &CudaStorage,
     l: &Layout,
     kind: NormKind,
     eps: f64,
-) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    weight: Option<&CudaStorage>,
+    bias: Option<&CudaStorage>,
+) -> Result<Triple> {
     let (rows, cols) = rows_cols("norm", l)?;
-    let d = dense(s, l)?;
+    let (w, b) = (
+        param_ptr::<T>(weight, cols, "norm", l)?,
+        param_ptr::<T>(bias, cols, "norm", l)?,
+    );
+    let d = s.dense("norm", l)?;
     let x = d.as_ref().unwrap_or(s).typed::<T>("norm")?;
     let dev = &s.dev;
     let (mut y, mut mean, mut rstd) = (
@@ -44,6 +68,8 @@ fn fwd<T: Elem, S: Elem>(
             format!("norm_fwd_{}", T::SFX),
             grid_for(rows.div_ceil(8) * 256, dev.sm_count()),
             &x.slice,
+            &w,
+            &b,
             &mut y.slice,
             &mut mean.slice,
             &mut rstd.slice,
@@ -65,12 +91,14 @@ pub(crate) fn norm_last_dim(
     l: &Layout,
     kind: NormKind,
     eps: f64,
-) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    weight: Option<&CudaStorage>,
+    bias: Option<&CudaStorage>,
+) -> Result<Triple> {
     match s.buf.dtype() {
-        DType::F32 => fwd::<f32, f32>(s, l, kind, eps),
-        DType::F64 => fwd::<f64, f64>(s, l, kind, eps),
-        DType::BF16 => fwd::<half::bf16, f32>(s, l, kind, eps),
-        DType::F16 => fwd::<half::f16, f32>(s, l, kind, eps),
+        DType::F32 => fwd::<f32, f32>(s, l, kind, eps, weight, bias),
+        DType::F64 => fwd::<f64, f64>(s, l, kind, eps, weight, bias),
+        DType::BF16 => fwd::<half::bf16, f32>(s, l, kind, eps, weight, bias),
+        DType::F16 => fwd::<half::f16, f32>(s, l, kind, eps, weight, bias),
         DType::U32 => Err(Error::UnsupportedDType {
             op: "norm",
             dtype: DType::U32,
@@ -78,31 +106,34 @@ pub(crate) fn norm_last_dim(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn bwd<T: Elem, S: Elem>(
-    s: &CudaStorage,
-    l: &Layout,
-    dy: &CudaStorage,
-    dyl: &Layout,
-    mean: &CudaStorage,
-    rstd: &CudaStorage,
-    kind: NormKind,
-) -> Result<CudaStorage> {
+/// Operands of the backward: x, dy, mean, rstd and the optional weight.
+pub(crate) struct NormGrad<'a> {
+    pub x: &'a CudaStorage,
+    pub l: &'a Layout,
+    pub dy: &'a CudaStorage,
+    pub dyl: &'a Layout,
+    pub mean: &'a CudaStorage,
+    pub rstd: &'a CudaStorage,
+    pub weight: Option<&'a CudaStorage>,
+}
+
+fn bwd<T: Elem, S: Elem>(o: &NormGrad, kind: NormKind) -> Result<CudaStorage> {
     const OP: &str = "norm_backward";
-    crate::backend::validate::same_shape(OP, l, dyl)?;
-    let (rows, cols) = rows_cols(OP, l)?;
-    let (dx_, dg_) = (dense(s, l)?, dense(dy, dyl)?);
-    let x = dx_.as_ref().unwrap_or(s).typed::<T>(OP)?;
-    let g = dg_.as_ref().unwrap_or(dy).typed::<T>(OP)?;
-    let (m, r) = (mean.typed::<S>(OP)?, rstd.typed::<S>(OP)?);
+    crate::backend::validate::same_shape(OP, o.l, o.dyl)?;
+    let (rows, cols) = rows_cols(OP, o.l)?;
+    let w = param_ptr::<T>(o.weight, cols, OP, o.l)?;
+    let (dx_, dg_) = (o.x.dense(OP, o.l)?, o.dy.dense(OP, o.dyl)?);
+    let x = dx_.as_ref().unwrap_or(o.x).typed::<T>(OP)?;
+    let g = dg_.as_ref().unwrap_or(o.dy).typed::<T>(OP)?;
+    let (m, r) = (o.mean.typed::<S>(OP)?, o.rstd.typed::<S>(OP)?);
     if m.len() < rows || r.len() < rows {
         return Err(Error::invalid(
             OP,
             format!("statistics for {} rows, the input has {rows}", m.len()),
-            l.shape(),
+            o.l.shape(),
         ));
     }
-    let dev = &s.dev;
+    let dev = &o.x.dev;
     let mut out = dev.alloc::<T>(rows * cols)?;
     let rms = i32::from(kind == NormKind::Rms);
     if rows > 0 {
@@ -113,6 +144,7 @@ fn bwd<T: Elem, S: Elem>(
             grid_for(rows.div_ceil(8) * 256, dev.sm_count()),
             &x.slice,
             &g.slice,
+            &w,
             &m.slice,
             &r.slice,
             &mut out.slice,
@@ -121,23 +153,15 @@ fn bwd<T: Elem, S: Elem>(
             &rms
         )?;
     }
-    Ok(s.wrap(T::wrap(out)))
+    Ok(o.x.wrap(T::wrap(out)))
 }
 
-pub(crate) fn norm_last_dim_backward(
-    s: &CudaStorage,
-    l: &Layout,
-    dy: &CudaStorage,
-    dyl: &Layout,
-    mean: &CudaStorage,
-    rstd: &CudaStorage,
-    kind: NormKind,
-) -> Result<CudaStorage> {
-    match s.buf.dtype() {
-        DType::F32 => bwd::<f32, f32>(s, l, dy, dyl, mean, rstd, kind),
-        DType::F64 => bwd::<f64, f64>(s, l, dy, dyl, mean, rstd, kind),
-        DType::BF16 => bwd::<half::bf16, f32>(s, l, dy, dyl, mean, rstd, kind),
-        DType::F16 => bwd::<half::f16, f32>(s, l, dy, dyl, mean, rstd, kind),
+pub(crate) fn norm_last_dim_backward(o: &NormGrad, kind: NormKind) -> Result<CudaStorage> {
+    match o.x.buf.dtype() {
+        DType::F32 => bwd::<f32, f32>(o, kind),
+        DType::F64 => bwd::<f64, f64>(o, kind),
+        DType::BF16 => bwd::<half::bf16, f32>(o, kind),
+        DType::F16 => bwd::<half::f16, f32>(o, kind),
         DType::U32 => Err(Error::UnsupportedDType {
             op: "norm_backward",
             dtype: DType::U32,

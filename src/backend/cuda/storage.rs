@@ -207,6 +207,17 @@ impl CudaStorage {
         }
     }
 
+    /// For kernels that take dense operands: None when the view is the whole buffer in order
+    /// (use `self`), else a contiguous copy.
+    pub(crate) fn dense(&self, op: &'static str, l: &Layout) -> Result<Option<CudaStorage>> {
+        self.check(op, l)?;
+        if l.is_contiguous() && l.offset() == 0 {
+            Ok(None)
+        } else {
+            Ok(Some(self.contiguous(l)?))
+        }
+    }
+
     /// A contiguous copy of the view.
     pub(crate) fn contiguous(&self, l: &Layout) -> Result<CudaStorage> {
         let mut dst = self.dev.alloc_like(self.buf.dtype(), l.elem_count())?;
@@ -385,14 +396,8 @@ fn copy_t<T: Elem>(
 }
 
 fn softmax_t<T: Elem>(s: &CudaStorage, l: &Layout) -> Result<Buf> {
-    s.check("softmax", l)?;
-    let dense;
-    let src = if l.is_contiguous() && l.offset() == 0 {
-        s.typed::<T>("softmax")?
-    } else {
-        dense = s.contiguous(l)?;
-        dense.typed::<T>("softmax")?
-    };
+    let dense = s.dense("softmax", l)?;
+    let src = dense.as_ref().unwrap_or(s).typed::<T>("softmax")?;
     let n = l.elem_count();
     let cols = l.dims().last().copied().unwrap_or(1);
     let mut out = s.dev.alloc::<T>(n)?;
@@ -556,8 +561,10 @@ impl BackendStorage for CudaStorage {
         l: &Layout,
         kind: crate::backend::NormKind,
         eps: f64,
+        weight: Option<&Self>,
+        bias: Option<&Self>,
     ) -> Result<(Self, Self, Self)> {
-        super::norm::norm_last_dim(self, l, kind, eps)
+        super::norm::norm_last_dim(self, l, kind, eps, weight, bias)
     }
 
     fn norm_last_dim_backward(
@@ -568,8 +575,18 @@ impl BackendStorage for CudaStorage {
         mean: &Self,
         rstd: &Self,
         kind: crate::backend::NormKind,
+        weight: Option<&Self>,
     ) -> Result<Self> {
-        super::norm::norm_last_dim_backward(self, l, dy, dyl, mean, rstd, kind)
+        let o = super::norm::NormGrad {
+            x: self,
+            l,
+            dy,
+            dyl,
+            mean,
+            rstd,
+            weight,
+        };
+        super::norm::norm_last_dim_backward(&o, kind)
     }
 
     fn softmax_last_dim(&self, l: &Layout) -> Result<Self> {

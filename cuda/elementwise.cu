@@ -20,6 +20,22 @@ struct USign { template <class A> __device__ A operator()(A x, A, A) const { ret
 struct UAffine { template <class A> __device__ A operator()(A x, A m, A a) const { return x * m + a; } };
 struct UPowf { template <class A> __device__ A operator()(A x, A e, A) const { return pow(x, e); } };
 
+// Fused activations and their derivatives, the formulas of src/backend/cpu/num.rs. GELU's tanh
+// form uses sqrt(2/pi) and 0.044715 (Hendrycks & Gimpel, 2016); sigmoid is (1 + tanh(x/2))/2,
+// which never overflows.
+#define GELU_K 0.7978845608028654
+#define GELU_C 0.044715
+template <class A> __device__ __forceinline__ A phi_cdf(A x) { return A(0.5) * (A(1) + erf(x * A(0.7071067811865476))); }
+template <class A> __device__ __forceinline__ A sigmoid_t(A x) { return A(0.5) * (A(1) + tanh(x * A(0.5))); }
+struct UGelu { template <class A> __device__ A operator()(A x, A, A) const { return x * phi_cdf(x); } };
+struct UGeluTanh {
+  template <class A> __device__ A operator()(A x, A, A) const {
+    const A u = A(GELU_K) * (x + A(GELU_C) * x * x * x);
+    return A(0.5) * x * (A(1) + tanh(u));
+  }
+};
+struct USilu { template <class A> __device__ A operator()(A x, A, A) const { return x * sigmoid_t(x); } };
+
 template <typename T, typename Op>
 __device__ __forceinline__ void unary_impl(const T* in, StridedLayout l, T* out, size_t n, double p0d, double p1d) {
   typedef typename AccT<T>::type A;
@@ -68,6 +84,9 @@ UNARY(u_abs, UAbs)
 UNARY(u_sign, USign)
 UNARY(u_affine, UAffine)
 UNARY(u_powf, UPowf)
+UNARY(u_gelu, UGelu)
+UNARY(u_gelu_tanh, UGeluTanh)
+UNARY(u_silu, USilu)
 
 // ----- binary ------------------------------------------------------------------------------
 struct BAdd { template <class A> __device__ A operator()(A x, A y) const { return x + y; } };
@@ -77,6 +96,26 @@ struct BDiv { template <class A> __device__ A operator()(A x, A y) const { retur
 // NaN propagates from the left; ties keep the left operand (matches the CPU backend).
 struct BMax { template <class A> __device__ A operator()(A x, A y) const { return (x != x || x >= y) ? x : y; } };
 struct BMin { template <class A> __device__ A operator()(A x, A y) const { return (x != x || x <= y) ? x : y; } };
+// (x, dy) -> dy * f'(x) for the fused activations.
+struct BGeluBwd {
+  template <class A> __device__ A operator()(A x, A g) const {
+    const A pdf = exp(-(x * x) * A(0.5)) * A(0.3989422804014327);
+    return g * (phi_cdf(x) + x * pdf);
+  }
+};
+struct BGeluTanhBwd {
+  template <class A> __device__ A operator()(A x, A g) const {
+    const A k = A(GELU_K), c = A(GELU_C);
+    const A t = tanh(k * (x + c * x * x * x));
+    return g * (A(0.5) * (A(1) + t) + A(0.5) * x * (A(1) - t * t) * k * (A(1) + A(3) * c * x * x));
+  }
+};
+struct BSiluBwd {
+  template <class A> __device__ A operator()(A x, A g) const {
+    const A s = sigmoid_t(x);
+    return g * (s * (A(1) + x * (A(1) - s)));
+  }
+};
 
 template <typename T, typename Op>
 __device__ __forceinline__ void binary_impl(const T* a, StridedLayout al, const T* b, StridedLayout bl, T* out,
@@ -123,6 +162,9 @@ BINARY(b_mul, BMul)
 BINARY(b_div, BDiv)
 BINARY(b_maximum, BMax)
 BINARY(b_minimum, BMin)
+BINARY(b_gelu_backward, BGeluBwd)
+BINARY(b_gelu_tanh_backward, BGeluTanhBwd)
+BINARY(b_silu_backward, BSiluBwd)
 
 // ----- comparisons: 1 or 0 in the operands' dtype ------------------------------------------
 struct CEq { __device__ bool operator()(double x, double y) const { return x == y; } };

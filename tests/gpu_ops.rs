@@ -76,7 +76,7 @@ fn normal_pair(shape: &[usize], dt: DType, seed: u64) -> (Tensor, Tensor) {
 type Unary = (&'static str, fn(&Tensor) -> Result<Tensor>, f64, f64);
 
 /// Each unary op with an input range inside its domain.
-const UNARY: [Unary; 13] = [
+const UNARY: [Unary; 16] = [
     ("neg", |x| x.neg(), -3.0, 3.0),
     ("recip", |x| x.recip(), 0.25, 4.0),
     ("exp", |x| x.exp(), -4.0, 4.0),
@@ -90,6 +90,9 @@ const UNARY: [Unary; 13] = [
     ("sign", |x| x.sign(), -3.0, 3.0),
     ("affine", |x| x.affine(-1.5, 0.25), -3.0, 3.0),
     ("powf", |x| x.powf(2.5), 0.1, 3.0),
+    ("gelu", |x| x.gelu(), -6.0, 6.0),
+    ("gelu_tanh", |x| x.gelu_tanh(), -6.0, 6.0),
+    ("silu", |x| x.silu(), -8.0, 8.0),
 ];
 
 /// The views an op is checked on: the tensor itself, transposed, narrowed, and broadcast.
@@ -939,6 +942,44 @@ fn fused_norms_forward_and_backward_match_the_cpu() {
                         3.0 * rows.sqrt(),
                     );
                 }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_activation_backward_matches_the_cpu() {
+    let _one = serial();
+    type Act = fn(&Tensor) -> Result<Tensor>;
+    let acts: [(&str, Act); 3] = [
+        ("gelu", |x| x.gelu()),
+        ("gelu_tanh", |x| x.gelu_tanh()),
+        ("silu", |x| x.silu()),
+    ];
+    for dt in FLOATS {
+        for n in SIZES {
+            let (c, g) = pair(&[n], dt, 1300, -6.0, 6.0);
+            let (cdy, gdy) = normal_pair(&[n], dt, 1301);
+            for (name, f) in acts {
+                let grad = |x: &Tensor, dy: &Tensor| {
+                    let xv = x.detach().requires_grad_().unwrap();
+                    let mut grads = flame::Grads::new();
+                    f(&xv)
+                        .unwrap()
+                        .backward_with_grad(dy, &mut grads, false)
+                        .unwrap();
+                    grads.get(&xv).expect("grad").clone()
+                };
+                // f'(x) sums terms of size ~1 that cancel (gelu_tanh near x = -2.4): the
+                // error scales with |dy|, not with the result.
+                close_mag(
+                    &format!("d{name} n={n}"),
+                    &grad(&g, &gdy),
+                    &grad(&c, &cdy),
+                    dt,
+                    5.0,
+                );
             }
         }
     }

@@ -531,9 +531,22 @@ fn composite_cases() -> Vec<Case> {
             x[0].permute(&[0, 2, 1])?.log_softmax(1)
         }),
         Case::new("sigmoid", vec![x35(&mut g)], |x| x[0].sigmoid()).expect(&["tanh"]),
-        Case::new("silu", vec![x35(&mut g)], |x| x[0].silu()),
-        Case::new("gelu", vec![x35(&mut g)], |x| x[0].gelu()).expect(&["erf"]),
-        Case::new("gelu_tanh", vec![x35(&mut g)], |x| x[0].gelu_tanh()).expect(&["powf", "tanh"]),
+        Case::new("silu", vec![x35(&mut g)], |x| x[0].silu()).expect(&["silu"]),
+        Case::new("gelu", vec![x35(&mut g)], |x| x[0].gelu()).expect(&["gelu"]),
+        Case::new("gelu_tanh", vec![x35(&mut g)], |x| x[0].gelu_tanh()).expect(&["gelu_tanh"]),
+        Case::new("gelu of t()", vec![x35(&mut g)], |x| x[0].t()?.gelu()),
+        Case::new("silu_composite", vec![x35(&mut g)], |x| {
+            x[0].silu_composite()
+        })
+        .expect(&["tanh"]),
+        Case::new("gelu_composite", vec![x35(&mut g)], |x| {
+            x[0].gelu_composite()
+        })
+        .expect(&["erf"]),
+        Case::new("gelu_tanh_composite", vec![x35(&mut g)], |x| {
+            x[0].gelu_tanh_composite()
+        })
+        .expect(&["powf", "tanh"]),
         Case::new("relu", vec![x35(&mut g)], |x| x[0].relu()).expect(&["maximum"]),
         Case::new("clamp", vec![x35(&mut g)], |x| x[0].clamp(-0.5, 0.5))
             .expect(&["maximum", "minimum"]),

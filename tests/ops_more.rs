@@ -461,3 +461,49 @@ fn fused_norms_match_their_composite_twins() -> R {
     }
     Ok(())
 }
+
+#[test]
+fn fused_activations_match_their_composite_twins() -> R {
+    use flame::Grads;
+    type Act = fn(&Tensor) -> Result<Tensor>;
+    let pairs: [(&str, Act, Act); 3] = [
+        ("gelu", |x| x.gelu(), |x| x.gelu_composite()),
+        ("gelu_tanh", |x| x.gelu_tanh(), |x| x.gelu_tanh_composite()),
+        ("silu", |x| x.silu(), |x| x.silu_composite()),
+    ];
+    for dt in FLOATS {
+        // Wide inputs, including |x| = 30 where exp-based forms would overflow in f16.
+        let mut vals = v(&randn((7, 13), DType::F64, 81).affine(4.0, 0.0)?);
+        vals[0] = 30.0;
+        vals[1] = -30.0;
+        let x = tt(&vals, (7, 13), dt);
+        let dy = randn((7, 13), dt, 82);
+        // The reference: the composite in f32 (f64 for f64), rounded once; in a half type the
+        // composite itself rounds at every step (its erf rounds to -1, say) and is the worse one.
+        let wide = if dt == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        for (name, fused, composite) in pairs {
+            let reference = composite(&x.to_dtype(wide)?)?.to_dtype(dt)?;
+            check(&format!("{name} {dt}"), &fused(&x)?, &v(&reference), dt);
+            let (xv, xw) = (
+                x.detach().requires_grad_()?,
+                x.to_dtype(wide)?.requires_grad_()?,
+            );
+            let (mut gf, mut gc) = (Grads::new(), Grads::new());
+            fused(&xv)?.backward_with_grad(&dy, &mut gf, false)?;
+            composite(&xw)?.backward_with_grad(&dy.to_dtype(wide)?, &mut gc, false)?;
+            let a = gf.get(&xv).expect("fused grad");
+            let c = gc.get(&xw).expect("composite grad").to_dtype(dt)?;
+            let mag: Vec<f64> = v(&dy).iter().map(|d| 2.0 * d.abs()).collect();
+            check_mag(&format!("d{name} {dt}"), a, &v(&c), Some(&mag), dt);
+            assert!(
+                v(a).iter().all(|g| g.is_finite()),
+                "{name} {dt}: non-finite gradient"
+            );
+        }
+    }
+    Ok(())
+}

@@ -168,6 +168,10 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
                 // Piecewise constant: never recorded, no gradient.
                 UnaryOp::Sign => return Ok(vec![]),
                 UnaryOp::Affine { mul, .. } => g.affine(mul, 0.0)?,
+                // The fused activations: one kernel computes dy * f'(x).
+                UnaryOp::Gelu => x.binary(g, BinaryOp::GeluBackward)?,
+                UnaryOp::GeluTanh => x.binary(g, BinaryOp::GeluTanhBackward)?,
+                UnaryOp::Silu => x.binary(g, BinaryOp::SiluBackward)?,
                 // d/dx x^e = e x^{e-1}
                 UnaryOp::Powf(e) => g.mul(&x.powf(e - 1.0)?.affine(e, 0.0)?)?,
             };
@@ -183,6 +187,12 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
                 vec![(a.clone(), ga.clone()), (b.clone(), ga.mul(out)?.neg()?)]
             }
             // The gradient goes to the selected operand; ties go to the left one.
+            BinaryOp::GeluBackward | BinaryOp::GeluTanhBackward | BinaryOp::SiluBackward => {
+                return Err(Error::Autograd(format!(
+                    "{} is never recorded: second-order gradients of activations are not supported",
+                    op.name()
+                )))
+            }
             BinaryOp::Maximum | BinaryOp::Minimum => {
                 let c = if *op == BinaryOp::Maximum {
                     CmpOp::Ge

@@ -94,6 +94,9 @@ pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "unfold2d",
     "fold2d",
     "norm",
+    "gelu",
+    "gelu_tanh",
+    "silu",
 ];
 
 impl Op {

@@ -36,6 +36,12 @@ pub enum UnaryOp {
     },
     /// `x ^ e`.
     Powf(f64),
+    /// x/2 (1 + erf(x / sqrt 2)), fused (`Tensor::gelu_composite` is the reference).
+    Gelu,
+    /// x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), fused.
+    GeluTanh,
+    /// x sigmoid(x), fused.
+    Silu,
 }
 
 impl UnaryOp {
@@ -54,6 +60,9 @@ impl UnaryOp {
             UnaryOp::Sign => "sign",
             UnaryOp::Affine { .. } => "affine",
             UnaryOp::Powf(_) => "powf",
+            UnaryOp::Gelu => "gelu",
+            UnaryOp::GeluTanh => "gelu_tanh",
+            UnaryOp::Silu => "silu",
         }
     }
 }
@@ -66,6 +75,12 @@ pub enum BinaryOp {
     Div,
     Maximum,
     Minimum,
+    /// (x, dy) -> dy * gelu'(x): the fused backward of `UnaryOp::Gelu`.
+    GeluBackward,
+    /// (x, dy) -> dy * gelu_tanh'(x).
+    GeluTanhBackward,
+    /// (x, dy) -> dy * silu'(x).
+    SiluBackward,
 }
 
 impl BinaryOp {
@@ -77,7 +92,18 @@ impl BinaryOp {
             BinaryOp::Div => "div",
             BinaryOp::Maximum => "maximum",
             BinaryOp::Minimum => "minimum",
+            BinaryOp::GeluBackward => "gelu_backward",
+            BinaryOp::GeluTanhBackward => "gelu_tanh_backward",
+            BinaryOp::SiluBackward => "silu_backward",
         }
+    }
+
+    /// Backward ops of fused activations: never recorded (no second-order gradients).
+    pub fn is_activation_backward(&self) -> bool {
+        matches!(
+            self,
+            BinaryOp::GeluBackward | BinaryOp::GeluTanhBackward | BinaryOp::SiluBackward
+        )
     }
 }
 

@@ -56,13 +56,23 @@ impl Tensor {
         self.affine(0.5, 0.0)?.tanh()?.affine(0.5, 0.5)
     }
 
-    /// x * sigmoid(x)
+    /// x * sigmoid(x), through the fused kernel (forward and backward).
     pub fn silu(&self) -> Result<Tensor> {
+        self.unary(crate::UnaryOp::Silu)
+    }
+
+    /// x * sigmoid(x) from primitives: the reference of the fused kernel.
+    pub fn silu_composite(&self) -> Result<Tensor> {
         self.mul(&self.sigmoid()?)
     }
 
-    /// x/2 (1 + erf(x / sqrt 2)): the exact GELU.
+    /// x/2 (1 + erf(x / sqrt 2)): the exact GELU, through the fused kernel.
     pub fn gelu(&self) -> Result<Tensor> {
+        self.unary(crate::UnaryOp::Gelu)
+    }
+
+    /// The exact GELU from primitives: the reference of the fused kernel.
+    pub fn gelu_composite(&self) -> Result<Tensor> {
         let cdf = self
             .affine(std::f64::consts::FRAC_1_SQRT_2, 0.0)?
             .erf()?
@@ -70,8 +80,14 @@ impl Tensor {
         self.mul(&cdf)
     }
 
-    /// x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): GELU's tanh approximation.
+    /// x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): GELU's tanh approximation, through the
+    /// fused kernel.
     pub fn gelu_tanh(&self) -> Result<Tensor> {
+        self.unary(crate::UnaryOp::GeluTanh)
+    }
+
+    /// GELU's tanh approximation from primitives: the reference of the fused kernel.
+    pub fn gelu_tanh_composite(&self) -> Result<Tensor> {
         let inner = self.add(&self.powf(3.0)?.affine(GELU_TANH_CUBIC, 0.0)?)?;
         let t = inner
             .affine(GELU_TANH_SCALE, 0.0)?

@@ -113,7 +113,11 @@ impl Tensor {
         same_dtype(op.name(), self, rhs)?;
         let (a, b) = self.broadcast_pair(rhs, op.name())?;
         let s = with2(&a, &b, |x, y| x.binary(a.layout(), y, b.layout(), op))?;
-        let rec = record(&[&a, &b], || Op::Binary(a.clone(), b.clone(), op));
+        let rec = if op.is_activation_backward() {
+            None
+        } else {
+            record(&[&a, &b], || Op::Binary(a.clone(), b.clone(), op))
+        };
         Ok(Tensor::from_storage(
             s,
             a.shape().clone(),

@@ -16,7 +16,7 @@ use crate::backend::{
 };
 use crate::{CpuStorage, DType, Error, Layout, Result, Shape, WithDType};
 use half::{bf16, f16};
-pub(crate) use num::{Elem, Real};
+pub(crate) use num::{Activation, Elem, Real};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CpuDevice;
@@ -55,6 +55,9 @@ fn unary_map<T: Elem>(v: &[T], l: &Layout, op: UnaryOp) -> Vec<T> {
             let (mul, add) = (T::Acc::from_f64(mul), T::Acc::from_f64(add));
             strided::map1(v, l, move |x: T| T::from_acc(x.to_acc() * mul + add))
         }
+        UnaryOp::Gelu => m(Activation::gelu),
+        UnaryOp::GeluTanh => m(Activation::gelu_tanh),
+        UnaryOp::Silu => m(Activation::silu),
         UnaryOp::Powf(e) => {
             let e = T::Acc::from_f64(e);
             strided::map1(v, l, move |x: T| T::from_acc(x.to_acc().powf(e)))
@@ -76,6 +79,10 @@ fn binary_map<T: Elem>(a: &[T], al: &Layout, b: &[T], bl: &Layout, op: BinaryOp)
         // NaN propagates, as in PyTorch.
         BinaryOp::Maximum => m(|x, y| if x.is_nan() || x >= y { x } else { y }),
         BinaryOp::Minimum => m(|x, y| if x.is_nan() || x <= y { x } else { y }),
+        // (x, dy) -> dy * f'(x)
+        BinaryOp::GeluBackward => m(|x, g| g * x.gelu_grad()),
+        BinaryOp::GeluTanhBackward => m(|x, g| g * x.gelu_tanh_grad()),
+        BinaryOp::SiluBackward => m(|x, g| g * x.silu_grad()),
     }
 }
 

@@ -98,6 +98,66 @@ macro_rules! real {
 real!(f32, libm::erff);
 real!(f64, libm::erf);
 
+// sqrt(2 / pi) and 0.044715: the tanh approximation of GELU (Hendrycks & Gimpel, 2016).
+const GELU_TANH_SCALE: f64 = 0.797_884_560_802_865_4;
+const GELU_TANH_CUBIC: f64 = 0.044_715;
+
+/// GELU, its tanh form, SiLU and their derivatives, in the accumulation type. The CUDA kernels
+/// (cuda/elementwise.cu) use the same formulas.
+pub trait Activation: Real {
+    fn half() -> Self {
+        Self::from_f64(0.5)
+    }
+    fn one() -> Self {
+        Self::from_f64(1.0)
+    }
+    /// Phi(x) = (1 + erf(x / sqrt 2)) / 2
+    fn phi_cdf(self) -> Self {
+        Self::half()
+            * (Self::one() + (self * Self::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf())
+    }
+    fn gelu(self) -> Self {
+        self * self.phi_cdf()
+    }
+    /// d/dx x Phi(x) = Phi(x) + x phi(x), phi(x) = e^{-x^2/2} / sqrt(2 pi)
+    fn gelu_grad(self) -> Self {
+        let pdf = (-(self * self) * Self::half()).exp() * Self::from_f64(0.398_942_280_401_432_7);
+        self.phi_cdf() + self * pdf
+    }
+    fn gelu_tanh(self) -> Self {
+        let u = Self::from_f64(GELU_TANH_SCALE)
+            * (self + Self::from_f64(GELU_TANH_CUBIC) * self * self * self);
+        Self::half() * self * (Self::one() + u.tanh())
+    }
+    /// d/dx x/2 (1 + tanh u) = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3 c x^2), t = tanh u
+    fn gelu_tanh_grad(self) -> Self {
+        let (k, c) = (
+            Self::from_f64(GELU_TANH_SCALE),
+            Self::from_f64(GELU_TANH_CUBIC),
+        );
+        let t = (k * (self + c * self * self * self)).tanh();
+        Self::half() * (Self::one() + t)
+            + Self::half()
+                * self
+                * (Self::one() - t * t)
+                * k
+                * (Self::one() + Self::from_f64(3.0) * c * self * self)
+    }
+    /// sigmoid as (1 + tanh(x/2)) / 2: no overflow for any x.
+    fn sigmoid(self) -> Self {
+        Self::half() * (Self::one() + (self * Self::half()).tanh())
+    }
+    fn silu(self) -> Self {
+        self * self.sigmoid()
+    }
+    /// d/dx x s(x) = s (1 + x (1 - s))
+    fn silu_grad(self) -> Self {
+        let s = self.sigmoid();
+        s * (Self::one() + self * (Self::one() - s))
+    }
+}
+impl<T: Real> Activation for T {}
+
 pub trait Elem: crate::WithDType + Default {
     type Acc: Real;
     fn to_acc(self) -> Self::Acc;

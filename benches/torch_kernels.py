@@ -1,21 +1,10 @@
 """PyTorch on the shapes of benches/kernels.rs, timed the same way (synchronise around 20
 launches after a warm-up), run in the same call on the GPU machine as the reference."""
-import time
 import torch
 
+from torch_timing import timed
+
 MIB = 1 << 20
-ITERS = 20
-
-
-def timed(f):
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(ITERS):
-        f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / ITERS
 
 
 def main():

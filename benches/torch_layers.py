@@ -1,20 +1,8 @@
 """PyTorch eager on the shapes of benches/layers.rs, timed the same way, in the same call."""
-import time
 import torch
 import torch.nn.functional as F
 
-ITERS = 20
-
-
-def timed(f):
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(ITERS):
-        f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / ITERS
+from torch_timing import timed
 
 
 def apply_rope(xq, freqs_cis):

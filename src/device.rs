@@ -369,6 +369,9 @@ impl Storage {
     pub(crate) fn softmax_last_dim(&self, l: &Layout) -> Result<Storage> {
         Ok(on_storage!(self, s => wrap s.softmax_last_dim(l)?))
     }
+    pub(crate) fn copy_contiguous(&self, l: &Layout) -> Result<Storage> {
+        Ok(on_storage!(self, s => wrap s.copy_contiguous(l)?))
+    }
     pub(crate) fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
         on_storage!(self, s => s.to_host(l))
     }

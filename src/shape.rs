@@ -302,6 +302,25 @@ impl Layout {
         })
     }
 
+    /// (kept, reduced) for a reduction over `dims`: element r of output o is at
+    /// `offset_of(kept, o) + offset_of(reduced, r)`. `kept` has the reduced dims as size 1
+    /// (stride 0); `reduced` holds those dims with their strides and offset 0.
+    pub fn split_reduced(&self, dims: &[usize]) -> (Layout, Layout) {
+        let mut kept = self.dims().to_vec();
+        let mut kept_s = self.strides.clone();
+        let (mut red, mut red_s) = (vec![], vec![]);
+        for &d in dims {
+            red.push(self.dims()[d]);
+            red_s.push(self.strides[d]);
+            kept[d] = 1;
+            kept_s[d] = 0;
+        }
+        (
+            Layout::new(Shape(kept), kept_s, self.offset),
+            Layout::new(Shape(red), red_s, 0),
+        )
+    }
+
     /// A view with a new shape of the same element count, without copying, when the strides
     /// allow it (always for contiguous layouts). None when a copy is needed.
     pub fn reshape(&self, shape: &Shape) -> Option<Layout> {

@@ -279,6 +279,8 @@ pub trait BackendStorage: Sized + Send + Sync {
     /// the accumulation type and the sum in f64. Fused (one read, one write); the composite
     /// `Tensor::softmax_composite` is its reference.
     fn softmax_last_dim(&self, l: &Layout) -> Result<Self>;
+    /// A contiguous copy of the view `l` on this device, in one pass.
+    fn copy_contiguous(&self, l: &Layout) -> Result<Self>;
     /// Contiguous host copy of the view `l`.
     fn to_host(&self, l: &Layout) -> Result<CpuStorage>;
 }

@@ -1,8 +1,12 @@
 //! Timestep and position embeddings, and adaLN modulation, as Flux, SD3 and SDXL use them.
 
-use super::layers::{Linear, POSITION_DTYPE};
+use super::layers::Linear;
 use super::VarBuilder;
 use crate::{DType, Error, Result, Tensor};
+
+/// The dtype positions and frequencies are computed in: f64 (as BFL's Flux code does), then
+/// cast to the activations' dtype.
+const POSITION_DTYPE: DType = DType::F64;
 
 /// Sinusoidal embedding of timesteps (N,) -> (N, dim), diffusers' `get_timestep_embedding`:
 /// freq_i = exp(-ln(max_period) * i / (half - downscale_freq_shift)), i < half = dim / 2;

@@ -2,7 +2,7 @@
 //! H x W spatial. Weights keep the checkpoint's layout (Linear: (out, in)).
 
 use super::VarBuilder;
-use crate::{DType, Error, Result, Tensor};
+use crate::{Error, Result, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// `y = x W^T + b` over the last dim; `weight` (out, in), `bias` (out).
@@ -238,7 +238,3 @@ pub fn upsample_nearest2d(x: &Tensor, scale: usize) -> Result<Tensor> {
         .broadcast_as(vec![n, c, h, scale, w, scale])?
         .reshape((n, c, h * scale, w * scale))
 }
-
-/// The dtype positions and frequencies are computed in: f64 (as BFL's Flux code does), then
-/// cast to the activations' dtype.
-pub(crate) const POSITION_DTYPE: DType = DType::F64;

@@ -148,16 +148,7 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        let storage = {
-            let src = self.storage()?;
-            let mut dst = self.device().full(self.shape(), self.dtype(), 0.0)?;
-            src.copy_strided(
-                self.layout(),
-                &mut dst,
-                &Layout::contiguous(self.shape().clone()),
-            )?;
-            dst
-        };
+        let storage = self.storage()?.copy_contiguous(self.layout())?;
         let op = record(&[self], || Op::Copy(self.clone()));
         Ok(Tensor::from_storage(
             storage,

@@ -458,6 +458,10 @@ impl BackendStorage for CpuStorage {
         float_dispatch!(self, "softmax", v => softmax_rows(v, l))
     }
 
+    fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
+        self.to_host(l)
+    }
+
     fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
         check_view("to_host", self, l)?;
         Ok(crate::map_cpu_storage!(self, v => strided::contiguous(v, l).into_owned()))

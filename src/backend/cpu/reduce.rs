@@ -4,25 +4,8 @@
 use super::strided;
 use crate::backend::ReduceOp;
 use crate::shape::for_each_offset;
-use crate::{CpuStorage, DType, Error, Layout, Result, Shape, WithDType};
+use crate::{CpuStorage, DType, Error, Layout, Result, WithDType};
 use rayon::prelude::*;
-
-/// Splits `l` into the kept dims (output shape, reduced dims set to 1) and the reduced dims.
-fn split(l: &Layout, dims: &[usize]) -> (Layout, Layout) {
-    let mut kept_shape = l.dims().to_vec();
-    let mut kept_strides = l.strides().to_vec();
-    let (mut red_shape, mut red_strides) = (vec![], vec![]);
-    for &d in dims {
-        red_shape.push(l.dims()[d]);
-        red_strides.push(l.strides()[d]);
-        kept_shape[d] = 1;
-        kept_strides[d] = 0;
-    }
-    (
-        Layout::new(Shape::new(kept_shape), kept_strides, l.offset()),
-        Layout::new(Shape::new(red_shape), red_strides, 0),
-    )
-}
 
 #[derive(Clone, Copy)]
 enum Acc {
@@ -88,7 +71,7 @@ fn merge(op: ReduceOp, a: Acc, b: Acc) -> Acc {
 }
 
 fn reduce_typed<T: WithDType>(v: &[T], l: &Layout, op: ReduceOp, dims: &[usize]) -> Vec<Acc> {
-    let (kept, red) = split(l, dims);
+    let (kept, red) = l.split_reduced(dims);
     let n_red = red.elem_count();
     let mut bases = Vec::with_capacity(kept.elem_count());
     for_each_offset(&kept, |_, o| bases.push(o));

@@ -73,39 +73,43 @@ fn zeroed_flag(s: &CudaStorage) -> Result<super::device::DevBuf<u32>> {
     Ok(bad)
 }
 
-fn select_t<T: Elem>(
+/// index_select (kernel `index_select_*`, `n_j` = the number of ids) and gather (`gather_*`,
+/// `n_j` = the ids' size along `dim`) share one signature: src, ids, out, outer, size, n_j,
+/// inner, flag. The output has outer * n_j * inner elements.
+#[allow(clippy::too_many_arguments)]
+fn lookup_t<T: Elem>(
+    op: &'static str,
     s: &CudaStorage,
     l: &Layout,
     ids: &CudaStorage,
     il: &Layout,
     dim: usize,
+    n_j: usize,
 ) -> Result<CudaStorage> {
-    const OP: &str = "index_select";
-    let (sd, idd) = (s.dense("index", l)?, ids.dense("index", il)?);
-    let src = sd.as_ref().unwrap_or(s).typed::<T>(OP)?;
-    let idb = idd.as_ref().unwrap_or(ids).typed::<u32>(OP)?;
+    let (sd, idd) = (s.dense(op, l)?, ids.dense(op, il)?);
+    let src = sd.as_ref().unwrap_or(s).typed::<T>(op)?;
+    let idb = idd.as_ref().unwrap_or(ids).typed::<u32>(op)?;
     let (outer, size, inner) = blocks(l.shape(), dim);
-    let n_ids = il.elem_count();
-    let n = outer * n_ids * inner;
+    let n = outer * n_j * inner;
     let mut out = s.dev.alloc::<T>(n)?;
     let mut bad = zeroed_flag(s)?;
     if n > 0 {
         launch!(
             s.dev,
             "index",
-            format!("index_select_{}", T::SFX),
+            format!("{op}_{}", T::SFX),
             grid_for(n, s.dev.sm_count()),
             &src.slice,
             &idb.slice,
             &mut out.slice,
             &outer,
             &size,
-            &n_ids,
+            &n_j,
             &inner,
             &mut bad.slice
         )?;
     }
-    verify(ids, il, &bad, size, OP, l.shape())?;
+    verify(ids, il, &bad, size, op, l.shape())?;
     Ok(s.wrap(T::wrap(out)))
 }
 
@@ -125,43 +129,10 @@ pub(crate) fn index_select(
             il.shape(),
         ));
     }
-    by_dtype!(s.buf.dtype(), select_t(s, l, ids, il, dim))
-}
-
-fn gather_t<T: Elem>(
-    s: &CudaStorage,
-    l: &Layout,
-    ids: &CudaStorage,
-    il: &Layout,
-    dim: usize,
-) -> Result<CudaStorage> {
-    const OP: &str = "gather";
-    let (sd, idd) = (s.dense("index", l)?, ids.dense("index", il)?);
-    let src = sd.as_ref().unwrap_or(s).typed::<T>(OP)?;
-    let idb = idd.as_ref().unwrap_or(ids).typed::<u32>(OP)?;
-    let (outer, size, inner) = blocks(l.shape(), dim);
-    let n_j = il.dims()[dim];
-    let n = il.elem_count();
-    let mut out = s.dev.alloc::<T>(n)?;
-    let mut bad = zeroed_flag(s)?;
-    if n > 0 {
-        launch!(
-            s.dev,
-            "index",
-            format!("gather_{}", T::SFX),
-            grid_for(n, s.dev.sm_count()),
-            &src.slice,
-            &idb.slice,
-            &mut out.slice,
-            &outer,
-            &size,
-            &n_j,
-            &inner,
-            &mut bad.slice
-        )?;
-    }
-    verify(ids, il, &bad, size, OP, l.shape())?;
-    Ok(s.wrap(T::wrap(out)))
+    by_dtype!(
+        s.buf.dtype(),
+        lookup_t("index_select", s, l, ids, il, dim, il.elem_count())
+    )
 }
 
 pub(crate) fn gather(
@@ -174,7 +145,10 @@ pub(crate) fn gather(
     crate::backend::validate::dim_in_range("gather", l, dim)?;
     check_ids(ids, il, "gather")?;
     crate::backend::validate::gather_shapes("gather", l, il, dim)?;
-    by_dtype!(s.buf.dtype(), gather_t(s, l, ids, il, dim))
+    by_dtype!(
+        s.buf.dtype(),
+        lookup_t("gather", s, l, ids, il, dim, il.dims()[dim])
+    )
 }
 
 fn scatter_t<T: Elem>(

@@ -5,7 +5,7 @@
 use super::layout::{grid_for, KernelLayout};
 use super::storage::{by_dtype, launch, CudaStorage, Elem};
 use crate::backend::ReduceOp;
-use crate::{DType, Error, Layout, Result, Shape};
+use crate::{DType, Error, Layout, Result};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 /// `Partial` of cuda/reduce.cu.
@@ -23,23 +23,6 @@ const SMALL: usize = 64;
 /// Fewest elements per block-chunk when a reduction is split.
 const CHUNK_MIN: usize = 4096;
 
-/// (kept, reduced): element r of output o is at offset_of(kept, o) + offset_of(red, r).
-fn split(l: &Layout, dims: &[usize]) -> (Layout, Layout) {
-    let mut kept = l.dims().to_vec();
-    let mut kept_s = l.strides().to_vec();
-    let (mut red, mut red_s) = (vec![], vec![]);
-    for &d in dims {
-        red.push(l.dims()[d]);
-        red_s.push(l.strides()[d]);
-        kept[d] = 1;
-        kept_s[d] = 0;
-    }
-    (
-        Layout::new(Shape::new(kept), kept_s, l.offset()),
-        Layout::new(Shape::new(red), red_s, 0),
-    )
-}
-
 fn blocks(x: usize, y: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (x as u32, y as u32, 1),
@@ -56,7 +39,7 @@ fn reduce_t<T: Elem>(
 ) -> Result<CudaStorage> {
     s.check(op.name(), l)?;
     let src = s.typed::<T>(op.name())?;
-    let (kept, red) = split(l, dims);
+    let (kept, red) = l.split_reduced(dims);
     let (kk, kr) = (
         KernelLayout::new(&kept, op.name())?,
         KernelLayout::new(&red, op.name())?,

@@ -598,6 +598,10 @@ impl BackendStorage for CudaStorage {
         Ok(self.wrap(buf))
     }
 
+    fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
+        self.contiguous(l)
+    }
+
     fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
         by_dtype!(self.buf.dtype(), to_host_t(self, l))
     }

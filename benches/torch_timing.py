@@ -1,0 +1,18 @@
+"""Timing shared by the PyTorch reference benches: synchronise around ITERS launches after a
+3-launch warm-up, as benches/*.rs do on the FLAME side."""
+import time
+
+import torch
+
+ITERS = 20
+
+
+def timed(f):
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(ITERS):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / ITERS

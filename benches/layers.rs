@@ -30,17 +30,35 @@ fn layer(
     op: impl Fn(&Tensor) -> Result<Tensor>,
     copy: f64,
 ) -> Result<()> {
+    layer_p(cuda, name, x, &[], |x, _| op(x), copy)
+}
+
+/// Like `layer`, with parameters whose gradients the backward also computes (the full
+/// fine-tuning case).
+fn layer_p(
+    cuda: &flame::cuda::CudaDevice,
+    name: &str,
+    x: &Tensor,
+    params: &[&Tensor],
+    op: impl Fn(&Tensor, &[Tensor]) -> Result<Tensor>,
+    copy: f64,
+) -> Result<()> {
     let bytes = (x.elem_count() * 2) as f64; // bf16
-    let fwd = time(cuda, || op(x).map(|_| ()))?;
+    let frozen: Vec<Tensor> = params.iter().map(|p| p.detach()).collect();
+    let fwd = time(cuda, || op(x, &frozen).map(|_| ()))?;
     let xv = x.detach().requires_grad_()?;
-    let dy = op(x)?.ones_like()?.affine(0.5, 0.0)?;
+    let pv = params
+        .iter()
+        .map(|p| p.detach().requires_grad_())
+        .collect::<Result<Vec<_>>>()?;
+    let dy = op(x, &frozen)?.ones_like()?.affine(0.5, 0.0)?;
     let both = time(cuda, || {
         let mut g = Grads::new();
-        op(&xv)?.backward_with_grad(&dy, &mut g, false)
+        op(&xv, &pv)?.backward_with_grad(&dy, &mut g, false)
     })?;
     let (f_gbs, b_gbs) = (2.0 * bytes / fwd / 1e9, 5.0 * bytes / both / 1e9);
     println!(
-        "flame {name:<28} fwd {:7.3} ms {f_gbs:7.0} GB/s {:5.1}% | fwd+bwd {:7.3} ms {b_gbs:7.0} GB/s {:5.1}%",
+        "flame {name:<32} fwd {:7.3} ms {f_gbs:7.0} GB/s {:5.1}% | fwd+bwd {:7.3} ms {b_gbs:7.0} GB/s {:5.1}%",
         fwd * 1e3,
         100.0 * f_gbs / copy,
         both * 1e3,
@@ -70,7 +88,7 @@ fn main() -> Result<()> {
             .map_err(|e| flame::Error::Cuda(format!("{e:?}")))
     })?;
     let copy = 2.0 * (2 * n) as f64 / copy_s / 1e9;
-    println!("flame copy_d2d (4608x3072 bf16)      {copy:7.0} GB/s");
+    println!("flame copy_d2d (4608x3072 bf16)          {copy:7.0} GB/s");
 
     let x = Tensor::randn((4608, 3072), DType::BF16, &dev, 1)?;
     let w = Tensor::randn(3072, DType::BF16, &dev, 2)?;
@@ -90,9 +108,26 @@ fn main() -> Result<()> {
         |x| x.layer_norm(Some(&w), Some(&w), 1e-6),
         copy,
     )?;
+    layer_p(
+        cuda,
+        "layer_norm (affine, dw db)",
+        &x,
+        &[&w, &w],
+        |x, p| x.layer_norm(Some(&p[0]), Some(&p[1]), 1e-6),
+        copy,
+    )?;
+    layer(cuda, "softmax (4608x3072)", &x, |x| x.softmax(-1), copy)?;
     layer(cuda, "gelu_tanh", &x, |x| x.gelu_tanh(), copy)?;
     layer(cuda, "silu", &x, |x| x.silu(), copy)?;
     layer(cuda, "modulate", &x, |x| modulate(x, &shift, &scale), copy)?;
+    layer_p(
+        cuda,
+        "modulate (dshift dscale)",
+        &x,
+        &[&shift, &scale],
+        |x, p| modulate(x, &p[0], &p[1]),
+        copy,
+    )?;
     let q = Tensor::randn((1, 24, 4608, 128), DType::BF16, &dev, 5)?;
     let qw = Tensor::randn(128, DType::BF16, &dev, 6)?;
     layer(
@@ -118,6 +153,14 @@ fn main() -> Result<()> {
         "group_norm SDXL (2,320,128,128)",
         &g,
         |x| x.group_norm(32, Some(&gw), Some(&gw), 1e-5),
+        copy,
+    )?;
+    layer_p(
+        cuda,
+        "group_norm SDXL (dw db)",
+        &g,
+        &[&gw, &gw],
+        |x, p| x.group_norm(32, Some(&p[0]), Some(&p[1]), 1e-5),
         copy,
     )?;
 

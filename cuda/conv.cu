@@ -8,46 +8,65 @@ struct ConvGeometry {
   uint64_t planes, h, w, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo;
 };
 
-template <typename T>
+// grid.y walks the rows (nc, ki, kj) of the column matrix, grid.x its Ho*Wo columns: a row's
+// threads write neighbouring columns and read neighbouring pixels. I is int when every size
+// fits 31 bits (the launcher checks), long long otherwise: 64-bit division is emulated.
+template <typename T, typename I>
 __device__ __forceinline__ void im2col(const T* __restrict__ x, T* __restrict__ cols, ConvGeometry g) {
-  const size_t n = g.planes * g.kh * g.kw * g.ho * g.wo;
-  GRID_STRIDE(i, n) {
-    const size_t ow = i % g.wo, oh = (i / g.wo) % g.ho;
-    const size_t k = (i / (g.wo * g.ho)) % (g.kh * g.kw), nc = i / (g.wo * g.ho * g.kh * g.kw);
-    const size_t ki = k / g.kw, kj = k % g.kw;
-    const long long y = (long long)(oh * g.sh + ki * g.dh) - (long long)g.ph;
-    const long long xx = (long long)(ow * g.sw + kj * g.dw) - (long long)g.pw;
-    const bool inside = y >= 0 && y < (long long)g.h && xx >= 0 && xx < (long long)g.w;
-    cols[i] = inside ? x[nc * g.h * g.w + (size_t)y * g.w + (size_t)xx] : from_f64<T>(0.0);
+  const I h = (I)g.h, w = (I)g.w, kh = (I)g.kh, kw = (I)g.kw, wo = (I)g.wo, L = (I)(g.ho * g.wo);
+  const I rows = (I)(g.planes * g.kh * g.kw);
+  for (I row = blockIdx.y; row < rows; row += gridDim.y) {
+    const I k = row % (kh * kw), nc = row / (kh * kw), ki = k / kw, kj = k % kw;
+    const T* xp = x + (size_t)nc * (size_t)(h * w);
+    T* out = cols + (size_t)row * (size_t)L;
+    const I y0 = ki * (I)g.dh - (I)g.ph, x0 = kj * (I)g.dw - (I)g.pw;
+    for (I c = blockIdx.x * blockDim.x + threadIdx.x; c < L; c += gridDim.x * blockDim.x) {
+      const I y = c / wo * (I)g.sh + y0, xx = c % wo * (I)g.sw + x0;
+      out[c] = (y >= 0 && y < h && xx >= 0 && xx < w) ? xp[y * w + xx] : from_f64<T>(0.0);
+    }
   }
 }
 
-template <typename T>
+// grid.y walks planes, grid.x the H*W pixels of a plane.
+template <typename T, typename I>
 __device__ __forceinline__ void col2im(const T* __restrict__ cols, T* __restrict__ x, ConvGeometry g) {
   typedef typename AccT<T>::type A;
-  const size_t n = g.planes * g.h * g.w;
-  GRID_STRIDE(i, n) {
-    const size_t xx = i % g.w, y = (i / g.w) % g.h, nc = i / (g.w * g.h);
-    const T* src = cols + nc * g.kh * g.kw * g.ho * g.wo;
-    A acc = A(0);
-    for (size_t ki = 0; ki < g.kh; ++ki) {
-      const long long t = (long long)(y + g.ph) - (long long)(ki * g.dh);
-      if (t < 0 || t % (long long)g.sh != 0 || (size_t)(t / g.sh) >= g.ho) continue;
-      const size_t oh = (size_t)(t / g.sh);
-      for (size_t kj = 0; kj < g.kw; ++kj) {
-        const long long u = (long long)(xx + g.pw) - (long long)(kj * g.dw);
-        if (u < 0 || u % (long long)g.sw != 0 || (size_t)(u / g.sw) >= g.wo) continue;
-        const size_t ow = (size_t)(u / g.sw);
-        acc += to_acc(src[((ki * g.kw + kj) * g.ho + oh) * g.wo + ow]);
+  const I h = (I)g.h, w = (I)g.w, kh = (I)g.kh, kw = (I)g.kw, ho = (I)g.ho, wo = (I)g.wo;
+  const I sh = (I)g.sh, sw = (I)g.sw, dh = (I)g.dh, dw = (I)g.dw, ph = (I)g.ph, pw = (I)g.pw;
+  const I planes = (I)g.planes, hw = h * w;
+  for (I nc = blockIdx.y; nc < planes; nc += gridDim.y) {
+    const T* src = cols + (size_t)nc * (size_t)(kh * kw * ho * wo);
+    for (I i = blockIdx.x * blockDim.x + threadIdx.x; i < hw; i += gridDim.x * blockDim.x) {
+      const I y = i / w, xx = i % w;
+      A acc = A(0);
+      for (I ki = 0; ki < kh; ++ki) {
+        const I t = y + ph - ki * dh;
+        if (t < 0 || t % sh != 0 || t / sh >= ho) continue;
+        const I oh = t / sh;
+        for (I kj = 0; kj < kw; ++kj) {
+          const I u = xx + pw - kj * dw;
+          if (u < 0 || u % sw != 0 || u / sw >= wo) continue;
+          acc += to_acc(src[((ki * kw + kj) * ho + oh) * wo + u / sw]);
+        }
       }
+      x[(size_t)nc * (size_t)hw + i] = from_acc<T>(acc);
     }
-    x[i] = from_acc<T>(acc);
   }
 }
 
-#define CONV(SUF, T)                                                                                   \
-  extern "C" __global__ void im2col_##SUF(const T* x, T* cols, ConvGeometry g) { im2col<T>(x, cols, g); } \
-  extern "C" __global__ void col2im_##SUF(const T* cols, T* x, ConvGeometry g) { col2im<T>(cols, x, g); }
+#define CONV(SUF, T)                                                                                  \
+  extern "C" __global__ void im2col_##SUF(const T* x, T* cols, ConvGeometry g, int wide) {             \
+    if (wide)                                                                                         \
+      im2col<T, long long>(x, cols, g);                                                               \
+    else                                                                                              \
+      im2col<T, int>(x, cols, g);                                                                     \
+  }                                                                                                   \
+  extern "C" __global__ void col2im_##SUF(const T* cols, T* x, ConvGeometry g, int wide) {             \
+    if (wide)                                                                                         \
+      col2im<T, long long>(cols, x, g);                                                               \
+    else                                                                                              \
+      col2im<T, int>(cols, x, g);                                                                     \
+  }
 CONV(f32, float)
 CONV(f64, double)
 CONV(bf16, __nv_bfloat16)

@@ -6,64 +6,7 @@
 //   backward: xhat = (x - mean) * rstd; g = dy * w; a = sum(g)/n (0 for RMS);
 //             b = sum(g*xhat)/n; dx = rstd * (g - a - xhat * b)
 #include "common.cuh"
-
-// Calls f(index, value) for this lane's elements of a row, with 16-byte loads when aligned.
-template <typename T, typename F>
-__device__ __forceinline__ void for_row(const T* x, size_t cols, size_t lane, F f) {
-  size_t start = 0;
-  if (aligned16(x)) {
-    const size_t nv = cols / 8;
-    for (size_t v = lane; v < nv; v += 32) {
-      const Pack8<T> p = reinterpret_cast<const Pack8<T>*>(x)[v];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) f(v * 8 + k, p.v[k]);
-    }
-    start = nv * 8;
-  }
-  for (size_t c = start + lane; c < cols; c += 32) f(c, x[c]);
-}
-
-// Like for_row over two rows of one shape.
-template <typename T, typename F>
-__device__ __forceinline__ void for_row2(const T* x, const T* y, size_t cols, size_t lane, F f) {
-  size_t start = 0;
-  if (aligned16(x) && aligned16(y)) {
-    const size_t nv = cols / 8;
-    for (size_t v = lane; v < nv; v += 32) {
-      const Pack8<T> p = reinterpret_cast<const Pack8<T>*>(x)[v];
-      const Pack8<T> q = reinterpret_cast<const Pack8<T>*>(y)[v];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) f(v * 8 + k, p.v[k], q.v[k]);
-    }
-    start = nv * 8;
-  }
-  for (size_t c = start + lane; c < cols; c += 32) f(c, x[c], y[c]);
-}
-
-// out[c] = f(c, x[c], y[c]) with 16-byte stores when aligned.
-template <typename T, typename F>
-__device__ __forceinline__ void map_row2(const T* x, const T* y, T* out, size_t cols, size_t lane, F f) {
-  size_t start = 0;
-  if (aligned16(x) && aligned16(y) && aligned16(out)) {
-    const size_t nv = cols / 8;
-    for (size_t v = lane; v < nv; v += 32) {
-      const Pack8<T> p = reinterpret_cast<const Pack8<T>*>(x)[v];
-      const Pack8<T> q = reinterpret_cast<const Pack8<T>*>(y)[v];
-      Pack8<T> o;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) o.v[k] = f(v * 8 + k, p.v[k], q.v[k]);
-      reinterpret_cast<Pack8<T>*>(out)[v] = o;
-    }
-    start = nv * 8;
-  }
-  for (size_t c = start + lane; c < cols; c += 32) out[c] = f(c, x[c], y[c]);
-}
-
-__device__ __forceinline__ double warp_sum(double v) {
-#pragma unroll
-  for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffff, v, s);
-  return v;
-}
+#include "rows.cuh"
 
 template <typename T, typename S>
 __device__ __forceinline__ void norm_fwd(const T* __restrict__ in, const T* w, const T* b, T* __restrict__ out,

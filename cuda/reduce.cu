@@ -9,7 +9,9 @@
 //   reduce_rows_*     one warp per output, for contiguous reduced ranges and many outputs;
 //   reduce_block_*    one block per (output, chunk); with one chunk it writes the result,
 //                     otherwise a Partial per chunk;
-//   reduce_partials_* one block per output combining its chunks' Partials.
+//   reduce_partials_* one block per output combining its chunks' Partials;
+//   reduce_cols_*     one thread per output (neighbouring outputs adjacent in memory), chunks
+//                     of the reduced range over grid.y, combined by reduce_cols_partials_*.
 #include "common.cuh"
 
 #define OP_SUM 0
@@ -152,6 +154,35 @@ __device__ __forceinline__ void reduce_rows(const T* in, StridedLayout kept, siz
   }
 }
 
+// One thread per output when consecutive outputs sit next to each other in memory (a sum over
+// leading dims, e.g. a bias gradient): a warp reads 32 neighbours per step, coalesced. Block
+// (x: 256 outputs, y: chunk c of the reduced range); with several chunks each writes
+// parts[c * n_out + o] and reduce_cols_partials combines them in chunk order.
+template <typename T, int OP>
+__device__ __forceinline__ void reduce_cols(const T* in, StridedLayout kept, StridedLayout red, size_t n_out,
+                                            size_t n_red, size_t chunk, T* out, uint32_t* out_idx, Partial* parts) {
+  const size_t o = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  if (o >= n_out) return;
+  const size_t c = blockIdx.y, start = c * chunk, end = min(n_red, start + chunk);
+  const size_t base = offset_of(kept, o);
+  Partial p = identity<OP>();
+  for (size_t r = start; r < end; ++r) p = combine<OP>(p, Partial{to_f64(in[base + offset_of(red, r)]), r});
+  if (gridDim.y == 1)
+    write_out<T, OP>(out, out_idx, o, p);
+  else
+    parts[c * n_out + o] = p;
+}
+
+template <typename T, int OP>
+__device__ __forceinline__ void reduce_cols_partials(const Partial* parts, size_t n_parts, size_t n_out, T* out,
+                                                     uint32_t* out_idx) {
+  GRID_STRIDE(o, n_out) {
+    Partial p = identity<OP>();
+    for (size_t c = 0; c < n_parts; ++c) p = combine<OP>(p, parts[c * n_out + o]);
+    write_out<T, OP>(out, out_idx, o, p);
+  }
+}
+
 #define REDUCE_T(NAME, OP, SUF, T)                                                                    \
   extern "C" __global__ void NAME##_small_##SUF(const T* in, StridedLayout kept, StridedLayout red,   \
                                                 size_t n_out, size_t n_red, T* out, uint32_t* out_idx) { \
@@ -169,6 +200,15 @@ __device__ __forceinline__ void reduce_rows(const T* in, StridedLayout kept, siz
   extern "C" __global__ void NAME##_partials_##SUF(const Partial* parts, size_t n_parts, T* out,      \
                                                    uint32_t* out_idx) {                               \
     reduce_partials<T, OP>(parts, n_parts, out, out_idx);                                            \
+  } \
+  extern "C" __global__ void NAME##_cols_##SUF(const T* in, StridedLayout kept, StridedLayout red,    \
+                                               size_t n_out, size_t n_red, size_t chunk, T* out,       \
+                                               uint32_t* out_idx, Partial* parts) {                   \
+    reduce_cols<T, OP>(in, kept, red, n_out, n_red, chunk, out, out_idx, parts);                     \
+  }                                                                                                   \
+  extern "C" __global__ void NAME##_cols_partials_##SUF(const Partial* parts, size_t n_parts,         \
+                                                        size_t n_out, T* out, uint32_t* out_idx) {   \
+    reduce_cols_partials<T, OP>(parts, n_parts, n_out, out, out_idx);                                \
   }
 #define REDUCE(NAME, OP)                  \
   REDUCE_T(NAME, OP, f32, float)          \

@@ -6,6 +6,9 @@
 
 use flame::{CmpOp, DType, Device, Error, Result, Tensor};
 
+#[path = "gpu_ops/fused.rs"]
+mod fused;
+
 const CPU: Device = Device::Cpu;
 const FLOATS: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
 const SIZES: [usize; 3] = [1, 7, 1_000_003];

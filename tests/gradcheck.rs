@@ -572,7 +572,83 @@ fn composite_cases() -> Vec<Case> {
         ),
         Case::new("group_norm no params", vec![g.n([2, 4, 3])], |x| {
             x[0].group_norm(2, None, None, 1e-5)
-        }),
+        })
+        .expect(&["group_norm"]),
+        Case::new(
+            "group_norm (N, C, H, W) weight only, of a permuted view",
+            vec![g.n([2, 3, 6, 2]), g.n([6])],
+            |x| {
+                x[0].permute(&[0, 2, 1, 3])?
+                    .group_norm(3, Some(&x[1]), None, 1e-5)
+            },
+        )
+        .expect(&["group_norm"]),
+        Case::new(
+            "group_norm_composite",
+            vec![g.n([2, 4, 3]), g.n([4]), g.n([4])],
+            |x| x[0].group_norm_composite(2, Some(&x[1]), Some(&x[2]), 1e-5),
+        )
+        .expect(&["sum", "powf"]),
+        Case::new(
+            "modulate (B, L, D) by (B, 1, D)",
+            vec![g.n([2, 3, 5]), g.n([2, 1, 5]), g.n([2, 1, 5])],
+            |x| x[0].modulate(&x[1], &x[2]),
+        )
+        .expect(&["modulate"]),
+        Case::new(
+            "modulate shared (D) shift, (1, 1, D) scale, rank 4",
+            vec![g.n([2, 2, 3, 5]), g.n([5]), g.n([1, 1, 1, 5])],
+            |x| x[0].modulate(&x[1], &x[2]),
+        )
+        .expect(&["modulate"]),
+        Case::new(
+            "modulate (L, D) of t()",
+            vec![g.n([5, 3]), g.n([1, 5]), g.n([5])],
+            |x| x[0].t()?.modulate(&x[1], &x[2]),
+        )
+        .expect(&["modulate"]),
+        Case::new("modulate, frozen shift and scale", vec![g.n([2, 3, 5])], {
+            let (sh, sc) = (g.n([2, 1, 5]), g.n([2, 1, 5]));
+            move |x| x[0].modulate(&sh, &sc)
+        })
+        .expect(&["modulate"]),
+        Case::new(
+            "modulate per-token (composite)",
+            vec![g.n([2, 3, 5]), g.n([2, 3, 5]), g.n([2, 1, 5])],
+            |x| x[0].modulate(&x[1], &x[2]),
+        )
+        .expect(&["mul", "add"]),
+        Case::new("apply_rope", vec![g.n([2, 3, 4, 6])], {
+            let pos = Tensor::rand_uniform(0.0, 8.0, (2, 4), DType::F64, &CPU, 77).unwrap();
+            let f = flame::nn::rope(&pos, 6, 10_000.0)
+                .unwrap()
+                .unsqueeze(1)
+                .unwrap();
+            move |x| x[0].apply_rope(&on(&f, &x[0])?)
+        })
+        .expect(&["rope"]),
+        Case::new(
+            "apply_rope shared rotations, of a permuted view",
+            vec![g.n([2, 4, 3, 8])],
+            {
+                let pos = Tensor::arange(0.0, 4.0, DType::F64, &CPU)
+                    .unwrap()
+                    .reshape((1, 4))
+                    .unwrap();
+                let f = flame::nn::rope(&pos, 8, 10_000.0)
+                    .unwrap()
+                    .unsqueeze(1)
+                    .unwrap();
+                move |x| x[0].permute(&[0, 2, 1, 3])?.apply_rope(&on(&f, &x[0])?)
+            },
+        )
+        .expect(&["rope"]),
+        Case::new(
+            "apply_rope, trainable rotations (composite)",
+            vec![g.n([1, 2, 3, 4]), g.n([1, 1, 3, 2, 2, 2])],
+            |x| x[0].apply_rope(&x[1]),
+        )
+        .expect(&["mul", "narrow"]),
         Case::new("mse_loss", vec![x35(&mut g), x35(&mut g)], |x| {
             x[0].mse_loss(&x[1])
         }),

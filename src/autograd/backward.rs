@@ -2,7 +2,8 @@
 //! apply one VJP per primitive. VJPs are ordinary tensor ops, so they run on every backend.
 
 use super::{no_grad, Grads, Op};
-use crate::backend::{BinaryOp, CmpOp, NormKind, ReduceOp, UnaryOp};
+use crate::backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use crate::tensor::to_param;
 use crate::{Error, Result, Tensor, TensorId};
 use std::collections::{HashMap, HashSet};
 
@@ -313,31 +314,62 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             rstd,
             kind,
         } => {
-            let mut v = vec![(
-                x.clone(),
-                x.norm_backward(g, mean, rstd, *kind, weight.as_ref())?,
-            )];
-            // dw = sum over rows of dy * xhat, db = sum over rows of dy, in the statistics dtype.
-            let rows: Vec<usize> = (0..x.rank().saturating_sub(1)).collect();
-            let gs = g.to_dtype(mean.dtype())?;
-            if let Some(w) = weight {
-                let xs = x.to_dtype(mean.dtype())?;
-                let centered = match kind {
-                    NormKind::Layer => xs.sub(&mean.unsqueeze(-1)?)?,
-                    NormKind::Rms => xs,
-                };
-                let xhat = centered.mul(&rstd.unsqueeze(-1)?)?;
-                v.push((w.clone(), gs.mul(&xhat)?.sum(&rows)?.to_dtype(w.dtype())?));
+            let mut v = vec![];
+            if x.requires_grad() {
+                v.push((
+                    x.clone(),
+                    x.norm_backward(g, mean, rstd, *kind, weight.as_ref())?,
+                ));
             }
-            if let Some(b) = bias {
-                v.push((b.clone(), gs.sum(&rows)?.to_dtype(b.dtype())?));
+            // dw = sum over rows of dy * xhat, db = sum over rows of dy: one column sweep.
+            fn want(p: &Option<Tensor>) -> Option<&Tensor> {
+                p.as_ref().filter(|p| p.requires_grad())
+            }
+            if want(weight).is_some() || want(bias).is_some() {
+                let (dw, db) = x.norm_param_grads(g, mean, rstd, *kind)?;
+                if let Some(w) = want(weight) {
+                    v.push((w.clone(), to_param(dw, w)?));
+                }
+                if let Some(b) = want(bias) {
+                    v.push((b.clone(), to_param(db, b)?));
+                }
             }
             v
         }
-        // y = softmax(x): dx = y * (g - sum(g * y)) along the last dim.
-        Op::Softmax(x) => {
-            let dot = g.mul(out)?.sum_keepdim(&[-1])?;
-            vec![(x.clone(), out.mul(&g.sub(&dot)?)?)]
+        // y = softmax(x): dx = y * (g - sum(g * y)) along the last dim, in one kernel.
+        Op::Softmax(x) => vec![(x.clone(), out.softmax_backward(g)?)],
+        // y = x (1 + scale) + shift: dx = g (1 + scale), dshift = sum_L g, dscale = sum_L g x.
+        Op::Modulate { x, shift, scale } => {
+            let params = shift.requires_grad() || scale.requires_grad();
+            let (dx, dp) = x.modulate_backward(g, scale, params)?;
+            let mut v = vec![(x.clone(), dx)];
+            if let Some((dshift, dscale)) = dp {
+                v.push((shift.clone(), to_param(dshift, shift)?));
+                v.push((scale.clone(), to_param(dscale, scale)?));
+            }
+            v
+        }
+        // y = M x per pair with M orthogonal or not: dx = M^T g.
+        Op::Rope { x, rot, transpose } => vec![(x.clone(), g.rope_fused(rot, !transpose)?)],
+        // GroupNorm: with g = dy w over a group, dx = rstd (g - mean(g) - xhat mean(g xhat));
+        // dw = sum over N and positions of dy xhat, db of dy.
+        Op::GroupNorm {
+            x,
+            weight,
+            bias,
+            mean,
+            rstd,
+            groups,
+        } => {
+            let (dx, dw, db) = x.group_norm_backward(g, mean, rstd, weight.as_ref(), *groups)?;
+            let mut v = vec![(x.clone(), dx)];
+            if let Some(w) = weight {
+                v.push((w.clone(), to_param(dw, w)?));
+            }
+            if let Some(b) = bias {
+                v.push((b.clone(), to_param(db, b)?));
+            }
+            v
         }
     })
 }

@@ -52,6 +52,27 @@ pub(crate) enum Op {
         rstd: Tensor,
         kind: NormKind,
     },
+    /// adaLN modulation of x (B, L, D) by shift and scale (B, D).
+    Modulate {
+        x: Tensor,
+        shift: Tensor,
+        scale: Tensor,
+    },
+    /// Pair rotation of x (B, H, L, D) by constant matrices (R, L, D/2, 2, 2).
+    Rope {
+        x: Tensor,
+        rot: Tensor,
+        transpose: bool,
+    },
+    /// The fused GroupNorm of x (N, C, S) with its saved statistics (N, groups).
+    GroupNorm {
+        x: Tensor,
+        weight: Option<Tensor>,
+        bias: Option<Tensor>,
+        mean: Tensor,
+        rstd: Tensor,
+        groups: usize,
+    },
 }
 
 /// Every kind of recorded op, by name; the CPU gradcheck suite must exercise each one.
@@ -97,6 +118,9 @@ pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "gelu",
     "gelu_tanh",
     "silu",
+    "modulate",
+    "rope",
+    "group_norm",
 ];
 
 impl Op {
@@ -122,6 +146,9 @@ impl Op {
             Op::Unfold2d(..) => "unfold2d",
             Op::Fold2d(..) => "fold2d",
             Op::Norm { .. } => "norm",
+            Op::Modulate { .. } => "modulate",
+            Op::Rope { .. } => "rope",
+            Op::GroupNorm { .. } => "group_norm",
         }
     }
 
@@ -151,6 +178,19 @@ impl Op {
                 .into_iter()
                 .flatten()
                 .collect(),
+            Op::GroupNorm {
+                x,
+                weight,
+                bias,
+                mean,
+                rstd,
+                ..
+            } => [Some(x), weight, bias, Some(mean), Some(rstd)]
+                .into_iter()
+                .flatten()
+                .collect(),
+            Op::Modulate { x, shift, scale } => vec![x, shift, scale],
+            Op::Rope { x, rot, .. } => vec![x, rot],
             Op::Binary(a, b, _)
             | Op::Matmul(a, b)
             | Op::IndexSelect(a, b, _)
@@ -180,10 +220,15 @@ impl Op {
             | Op::Fold2d(x, _) => vec![x],
             Op::Norm {
                 x, weight, bias, ..
+            }
+            | Op::GroupNorm {
+                x, weight, bias, ..
             } => [Some(x), weight.as_ref(), bias.as_ref()]
                 .into_iter()
                 .flatten()
                 .collect(),
+            Op::Modulate { x, shift, scale } => vec![x, shift, scale],
+            Op::Rope { x, .. } => vec![x],
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
             Op::Where(_, t, f) => vec![t, f],
             Op::Cat(xs, _) => xs.iter().collect(),

@@ -159,6 +159,50 @@ pub enum NormKind {
     Rms,
 }
 
+/// Fused kernels past the primitives, each with a composite twin in `Tensor` that is its
+/// reference. Operands may be any views; outputs are contiguous. "stats" below is
+/// `stats_dtype(x)`: sums of gradients come back in it, as the norms' statistics do.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FusedOp {
+    /// [y, dy] (rows, cols) -> [dx = y (dy - sum(dy y))] per last-dim row.
+    SoftmaxBackward,
+    /// [x, dy (rows, cols), mean, rstd (rows) stats] -> [dw, db (cols) stats]: the column
+    /// sums of dy xhat and dy, xhat = (x - mean) rstd (mean 0 for Rms).
+    NormParamGrads(NormKind),
+    /// [x (B, L, D), shift, scale (B, D)], one dtype -> [y = x (1 + scale) + shift]: adaLN.
+    Modulate,
+    /// [x, dy (B, L, D), scale (B, D)] -> [dx = dy (1 + scale), dshift = sum_L dy,
+    /// dscale = sum_L dy x (B, D) stats].
+    ModulateBackward,
+    /// [x (B, H, L, D), rot (R, L, D/2, 2, 2) in stats, R = 1 or B] -> [y]: each pair
+    /// (x[2i], x[2i+1]) times its 2x2 matrix (its transpose when `transpose`, the backward).
+    Rope { transpose: bool },
+    /// [x (N, C, S), weight?, bias? (C) x's dtype] -> [y, mean, rstd (N, groups) stats]:
+    /// statistics over each group of C / groups channels and all S positions.
+    GroupNorm {
+        groups: usize,
+        eps: f64,
+        weight: bool,
+        bias: bool,
+    },
+    /// [x, dy (N, C, S), mean, rstd (N, groups), weight? (C)] -> [dx, dw, db (C) stats].
+    GroupNormBackward { groups: usize, weight: bool },
+}
+
+impl FusedOp {
+    pub fn name(&self) -> &'static str {
+        match self {
+            FusedOp::SoftmaxBackward => "softmax_backward",
+            FusedOp::NormParamGrads(_) => "norm_param_grads",
+            FusedOp::Modulate => "modulate",
+            FusedOp::ModulateBackward => "modulate_backward",
+            FusedOp::Rope { .. } => "rope",
+            FusedOp::GroupNorm { .. } => "group_norm",
+            FusedOp::GroupNormBackward { .. } => "group_norm_backward",
+        }
+    }
+}
+
 /// The dtype of saved normalization statistics: f64 for f64 inputs, f32 otherwise.
 pub fn stats_dtype(x: DType) -> DType {
     if x == DType::F64 {
@@ -279,6 +323,9 @@ pub trait BackendStorage: Sized + Send + Sync {
     /// the accumulation type and the sum in f64. Fused (one read, one write); the composite
     /// `Tensor::softmax_composite` is its reference.
     fn softmax_last_dim(&self, l: &Layout) -> Result<Self>;
+    /// The fused kernel `op` on `args` (storage and view each; see `FusedOp` for the operands
+    /// of each). Checked by `validate::fused` in every backend.
+    fn fused(op: FusedOp, args: &[(&Self, &Layout)]) -> Result<Vec<Self>>;
     /// A contiguous copy of the view `l` on this device, in one pass.
     fn copy_contiguous(&self, l: &Layout) -> Result<Self>;
     /// Contiguous host copy of the view `l`.

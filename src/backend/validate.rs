@@ -82,3 +82,130 @@ pub(crate) fn reduction(op: ReduceOp, l: &Layout, dims: &[usize], dtype: DType) 
     }
     Ok(())
 }
+
+/// Checks the operands of a fused op (count, dtypes, shapes) and returns its sizes:
+/// [rows, cols] for SoftmaxBackward and NormParamGrads, [B, L, D] for the modulations,
+/// [B, H, L, D, R] for Rope, [N, C, S, groups] for the group norms.
+pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
+    use super::FusedOp as F;
+    let name = op.name();
+    let want = match op {
+        F::SoftmaxBackward => 2,
+        F::NormParamGrads(_) => 4,
+        F::Modulate | F::ModulateBackward => 3,
+        F::Rope { .. } => 2,
+        F::GroupNorm { weight, bias, .. } => 1 + usize::from(weight) + usize::from(bias),
+        F::GroupNormBackward { weight, .. } => 4 + usize::from(weight),
+    };
+    let Some(&(dt, x)) = args.first() else {
+        return Err(Error::invalid(name, "no operands", &crate::Shape::from(())));
+    };
+    if args.len() != want {
+        return Err(Error::invalid(
+            name,
+            format!("{} operands, expected {want}", args.len()),
+            x.shape(),
+        ));
+    }
+    if !dt.is_float() {
+        return Err(Error::UnsupportedDType {
+            op: name,
+            dtype: dt,
+        });
+    }
+    let stats = super::stats_dtype(dt);
+    // Operand i must have dtype `d` and dims `dims`.
+    let expect = |i: usize, d: DType, dims: &[usize]| -> Result<()> {
+        let (adt, l) = args[i];
+        if adt != d {
+            return Err(Error::DTypeMismatch {
+                op: name,
+                lhs: d,
+                rhs: adt,
+            });
+        }
+        if l.dims() != dims {
+            return Err(Error::ShapeMismatch {
+                op: name,
+                lhs: crate::Shape::from(dims),
+                rhs: l.shape().clone(),
+            });
+        }
+        Ok(())
+    };
+    let d = x.dims();
+    let rank = |r: usize, what: &str| -> Result<()> {
+        if d.len() != r || d.contains(&0) {
+            return Err(Error::invalid(
+                name,
+                format!("needs a non-empty {what} tensor"),
+                x.shape(),
+            ));
+        }
+        Ok(())
+    };
+    Ok(match op {
+        F::SoftmaxBackward | F::NormParamGrads(_) => {
+            let cols = match d.last() {
+                Some(&c) if c > 0 => c,
+                _ => {
+                    return Err(Error::invalid(
+                        name,
+                        "needs a non-empty last dim",
+                        x.shape(),
+                    ))
+                }
+            };
+            let rows = x.elem_count() / cols;
+            expect(1, dt, d)?;
+            if args.len() == 4 {
+                expect(2, stats, &d[..d.len() - 1])?;
+                expect(3, stats, &d[..d.len() - 1])?;
+            }
+            vec![rows, cols]
+        }
+        F::Modulate | F::ModulateBackward => {
+            rank(3, "(B, L, D)")?;
+            let bd = [d[0], d[2]];
+            if op == F::Modulate {
+                expect(1, dt, &bd)?;
+            } else {
+                expect(1, dt, d)?;
+            }
+            expect(2, dt, &bd)?;
+            d.to_vec()
+        }
+        F::Rope { .. } => {
+            rank(4, "(B, H, L, D)")?;
+            if d[3] % 2 != 0 {
+                return Err(Error::invalid(name, "needs an even head dim", x.shape()));
+            }
+            let r = args[1].1.dims().first().copied().unwrap_or(0);
+            let r = if r == d[0] { r } else { 1 };
+            expect(1, stats, &[r, d[2], d[3] / 2, 2, 2])?;
+            vec![d[0], d[1], d[2], d[3], r]
+        }
+        F::GroupNorm { groups, .. } | F::GroupNormBackward { groups, .. } => {
+            rank(3, "(N, C, S)")?;
+            if groups == 0 || d[1] % groups != 0 {
+                return Err(Error::invalid(
+                    name,
+                    format!("{groups} groups do not divide the channels"),
+                    x.shape(),
+                ));
+            }
+            let params = if let F::GroupNormBackward { .. } = op {
+                expect(1, dt, d)?;
+                expect(2, stats, &[d[0], groups])?;
+                expect(3, stats, &[d[0], groups])?;
+                4
+            } else {
+                1
+            };
+            for i in params..args.len() {
+                expect(i, dt, &[d[1]])?;
+            }
+            vec![d[0], d[1], d[2], groups]
+        }
+    })
+}

@@ -107,38 +107,15 @@ impl EmbedNd {
 }
 
 /// Rotates pairs of the last dim of x (N, H, L, D) by `freqs` (N, 1, L, D/2, 2, 2): each pair
-/// (a, b) becomes (f00 a + f01 b, f10 a + f11 b). Computed in f32, returned in x's dtype.
+/// (a, b) becomes (f00 a + f01 b, f10 a + f11 b), in f32, through the fused kernel
+/// (`Tensor::apply_rope`; `Tensor::apply_rope_composite` is its reference).
 pub fn apply_rope(x: &Tensor, freqs: &Tensor) -> Result<Tensor> {
-    let d = x.dims().to_vec();
-    let head = *d.last().unwrap_or(&0);
-    if d.len() != 4 || head % 2 != 0 {
-        return Err(Error::invalid(
-            "apply_rope",
-            "x must be (N, H, L, D) with an even D",
-            x.shape(),
-        ));
-    }
-    let pairs = x
-        .to_dtype(DType::F32)?
-        .reshape(vec![d[0], d[1], d[2], head / 2, 1, 2])?;
-    let f = freqs.to_dtype(DType::F32)?;
-    let (f0, f1) = (
-        f.narrow(5, 0, 1)?.squeeze(5)?,
-        f.narrow(5, 1, 1)?.squeeze(5)?,
-    );
-    let (a, b) = (
-        pairs.narrow(5, 0, 1)?.squeeze(5)?,
-        pairs.narrow(5, 1, 1)?.squeeze(5)?,
-    );
-    f0.mul(&a)?
-        .add(&f1.mul(&b)?)?
-        .reshape(d)?
-        .to_dtype(x.dtype())
+    x.apply_rope(freqs)
 }
 
-/// adaLN modulation: `x * (1 + scale) + shift`.
+/// adaLN modulation `x * (1 + scale) + shift`, through the fused kernel (`Tensor::modulate`).
 pub fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
-    x.mul(&scale.add_scalar(1.0)?)?.add(shift)
+    x.modulate(shift, scale)
 }
 
 /// Flux's `Modulation`: `lin(silu(vec))` split into (shift, scale, gate) triples, one triple

@@ -270,42 +270,6 @@ impl Tensor {
         self.affine_params(y, weight, None)
     }
 
-    /// GroupNorm of (N, C, ...): statistics over each of `groups` channel groups and all
-    /// trailing positions; weight and bias are per channel.
-    pub fn group_norm(
-        &self,
-        groups: usize,
-        weight: Option<&Tensor>,
-        bias: Option<&Tensor>,
-        eps: f64,
-    ) -> Result<Tensor> {
-        let dims = self.dims().to_vec();
-        if dims.len() < 2 || groups == 0 || dims[1] % groups != 0 {
-            return Err(Error::invalid(
-                "group_norm",
-                format!("{groups} groups do not divide the channels of an (N, C, ...) tensor"),
-                self.shape(),
-            ));
-        }
-        let x = self.to_dtype(self.norm_dtype())?.reshape((
-            dims[0],
-            groups,
-            self.elem_count() / dims[0] / groups,
-        ))?;
-        let mu = x.mean_keepdim(&[-1])?;
-        let xc = x.sub(&mu)?;
-        let var = xc.sqr()?.mean_keepdim(&[-1])?;
-        let y = xc
-            .mul(&var.add_scalar(eps)?.powf(-0.5)?)?
-            .reshape(dims.clone())?;
-        // Per-channel parameters broadcast as (C, 1, 1, ...).
-        let mut pshape = vec![dims[1]];
-        pshape.extend(std::iter::repeat_n(1, dims.len() - 2));
-        let w = weight.map(|w| w.reshape(pshape.clone())).transpose()?;
-        let b = bias.map(|b| b.reshape(pshape.clone())).transpose()?;
-        self.affine_params(y, w.as_ref(), b.as_ref())
-    }
-
     /// `y * weight + bias` in y's dtype, cast back to self's dtype.
     fn affine_params(
         &self,

@@ -2,6 +2,8 @@
 //! that made it. Cloning is an Arc bump; views share storage and change only the layout.
 
 mod composite;
+mod fused;
+pub(crate) use fused::to_param;
 mod ops;
 mod view;
 

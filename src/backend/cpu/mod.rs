@@ -2,6 +2,7 @@
 //! accumulated in f64), multithreaded with rayon, matmul through the `gemm` crate.
 
 mod conv;
+mod fused;
 mod index;
 mod matmul;
 mod norm;
@@ -456,6 +457,10 @@ impl BackendStorage for CpuStorage {
     fn softmax_last_dim(&self, l: &Layout) -> Result<Self> {
         check_view("softmax", self, l)?;
         float_dispatch!(self, "softmax", v => softmax_rows(v, l))
+    }
+
+    fn fused(op: crate::backend::FusedOp, args: &[(&Self, &Layout)]) -> Result<Vec<Self>> {
+        fused::fused(op, args)
     }
 
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {

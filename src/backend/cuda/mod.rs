@@ -4,6 +4,7 @@
 
 mod conv;
 mod device;
+mod fused;
 mod index;
 mod layout;
 mod matmul;

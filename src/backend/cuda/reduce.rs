@@ -1,6 +1,7 @@
 //! Reduction launchers (kernels in cuda/reduce.cu): one thread per output for short reduced
 //! ranges, one warp per output for contiguous ranges (16-byte loads), one block per output
-//! otherwise, and a chunked two-pass form when there are too few outputs to fill the GPU.
+//! otherwise, and a chunked two-pass form when there are too few outputs to fill the GPU. A sum
+//! over leading dims (outputs adjacent in memory) gets a thread per output instead.
 
 use super::layout::{grid_for, KernelLayout};
 use super::storage::{by_dtype, launch, CudaStorage, Elem};
@@ -87,6 +88,46 @@ fn reduce_t<T: Elem>(
             &out_v,
             &out_i
         )?;
+        return Ok(out);
+    }
+    // Neighbouring outputs adjacent in memory (a sum over leading dims): a thread per output.
+    if kept.strides().last() == Some(&1) {
+        let col_blocks = n_out.div_ceil(256);
+        let parts = (8 * sms)
+            .div_ceil(col_blocks)
+            .min(n_red.div_ceil(16))
+            .clamp(1, 65535);
+        let chunk = n_red.div_ceil(parts);
+        let parts = n_red.div_ceil(chunk);
+        let mut partials = dev.alloc::<Partial>(if parts > 1 { n_out * parts } else { 1 })?;
+        launch!(
+            dev,
+            "reduce",
+            format!("{name}_cols_{}", T::SFX),
+            blocks(col_blocks, parts),
+            &src.slice,
+            &kk,
+            &kr,
+            &n_out,
+            &n_red,
+            &chunk,
+            &out_v,
+            &out_i,
+            &mut partials.slice
+        )?;
+        if parts > 1 {
+            launch!(
+                dev,
+                "reduce",
+                format!("{name}_cols_partials_{}", T::SFX),
+                grid_for(n_out, sms),
+                &partials.slice,
+                &parts,
+                &n_out,
+                &out_v,
+                &out_i
+            )?;
+        }
         return Ok(out);
     }
     if n_out > i32::MAX as usize {

@@ -598,6 +598,10 @@ impl BackendStorage for CudaStorage {
         Ok(self.wrap(buf))
     }
 
+    fn fused(op: crate::backend::FusedOp, args: &[(&Self, &Layout)]) -> Result<Vec<Self>> {
+        super::fused::fused(op, args)
+    }
+
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
         self.contiguous(l)
     }

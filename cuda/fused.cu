@@ -1,0 +1,371 @@
+// Fused kernels of `FusedOp` (src/backend/mod.rs), forward and backward side by side.
+// Every operand is contiguous (the launcher copies views). Sums accumulate in double, as the
+// CPU reference does; y and dx are computed in the accumulation type and rounded once.
+//
+// Shape letters: rows x cols for last-dim rows; (B, L, D) for modulation; (B, H, L, D) for
+// RoPE with R = 1 or B rotation sets; (N, C, S) for GroupNorm with G groups of cpg = C / G
+// channels, a "plane" being one (n, c) of S positions.
+#include "common.cuh"
+#include "rows.cuh"
+
+// ---- softmax backward: dx = y (dy - sum(dy y)), one warp per row -------------------------
+template <typename T>
+__device__ __forceinline__ void softmax_bwd(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
+                                            size_t rows, size_t cols) {
+  typedef typename AccT<T>::type A;
+  const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
+  for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
+    const T* yr = y + r * cols;
+    const T* gr = dy + r * cols;
+    double dot = 0.0;
+    for_row2(yr, gr, cols, lane, [&](size_t, T a, T b) { dot += to_f64(a) * to_f64(b); });
+    const A d = (A)warp_sum(dot);
+    map_row2(yr, gr, dx + r * cols, cols, lane,
+             [&](size_t, T a, T b) { return from_acc<T>(to_acc(a) * (to_acc(b) - d)); });
+  }
+}
+
+// ---- column sweeps ------------------------------------------------------------------------
+// Block (x: 256 columns, y: chunk p of rows, z: batch b); each thread sums its column over
+// its chunk and writes two partials, part[(p * 2 + j) * M + b * cols + c] with M = B * cols;
+// sum_partials2 adds the chunks in a fixed order (deterministic).
+
+// NormParamGrads: dw = sum_r dy xhat, db = sum_r dy over (rows, cols); mean unused for RMS.
+template <typename T, typename S>
+__device__ __forceinline__ void norm_param_grads(const T* __restrict__ x, const T* __restrict__ dy, const S* mean,
+                                                 const S* rstd, double* part, size_t rows, size_t cols,
+                                                 size_t chunk, int rms) {
+  const size_t c = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  const size_t p = blockIdx.y, r0 = p * chunk, r1 = min(rows, r0 + chunk);
+  double sw = 0.0, sb = 0.0;
+#pragma unroll 4
+  for (size_t r = r0; r < r1; ++r) {
+    const double g = to_f64(dy[r * cols + c]);
+    const double xh = (to_f64(x[r * cols + c]) - (rms ? 0.0 : (double)mean[r])) * (double)rstd[r];
+    sw += g * xh;
+    sb += g;
+  }
+  part[(p * 2) * cols + c] = sw;
+  part[(p * 2 + 1) * cols + c] = sb;
+}
+
+// ModulateBackward: dx = dy (1 + scale) written on the way; dshift = sum_l dy, dscale = sum_l dy x.
+template <typename T>
+__device__ __forceinline__ void modulate_bwd(const T* __restrict__ x, const T* __restrict__ dy, const T* scale,
+                                             T* __restrict__ dx, double* part, size_t B, size_t L, size_t D,
+                                             size_t chunk) {
+  typedef typename AccT<T>::type A;
+  const size_t d = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  if (d >= D) return;
+  const size_t p = blockIdx.y, b = blockIdx.z, l0 = p * chunk, l1 = min(L, l0 + chunk);
+  const A s1 = A(1) + to_acc(scale[b * D + d]);
+  double ss = 0.0, sc = 0.0;
+#pragma unroll 4
+  for (size_t l = l0; l < l1; ++l) {
+    const size_t i = (b * L + l) * D + d;
+    const T g = dy[i];
+    dx[i] = from_acc<T>(to_acc(g) * s1);
+    ss += to_f64(g);
+    sc += to_f64(g) * to_f64(x[i]);
+  }
+  const size_t M = B * D;
+  part[(p * 2) * M + b * D + d] = ss;
+  part[(p * 2 + 1) * M + b * D + d] = sc;
+}
+
+template <typename S>
+__device__ __forceinline__ void sum_partials2(const double* part, size_t parts, size_t m_total, S* out0, S* out1) {
+  GRID_STRIDE(m, m_total) {
+    double a = 0.0, b = 0.0;
+    for (size_t p = 0; p < parts; ++p) {
+      a += part[(p * 2) * m_total + m];
+      b += part[(p * 2 + 1) * m_total + m];
+    }
+    out0[m] = (S)a;
+    out1[m] = (S)b;
+  }
+}
+
+// ---- modulate forward: y = x (1 + scale[b]) + shift[b] ------------------------------------
+template <typename T, typename I>
+__device__ __forceinline__ void modulate_fwd(const T* __restrict__ x, const T* shift, const T* scale,
+                                             T* __restrict__ y, I B, I L, I D) {
+  typedef typename AccT<T>::type A;
+  const I n = B * L * D, LD = L * D;
+  if (D % 8 == 0 && aligned16(x) && aligned16(y)) {
+    GRID_STRIDE(v, (size_t)(n / 8)) {
+      const I i = (I)v * 8, p = i / LD * D + i % D;
+      const Pack8<T> a = reinterpret_cast<const Pack8<T>*>(x)[v];
+      Pack8<T> o;
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        o.v[k] = from_acc<T>(to_acc(a.v[k]) * (A(1) + to_acc(scale[p + k])) + to_acc(shift[p + k]));
+      reinterpret_cast<Pack8<T>*>(y)[v] = o;
+    }
+    return;
+  }
+  GRID_STRIDE(j, (size_t)n) {
+    const I i = (I)j, p = i / LD * D + i % D;
+    y[i] = from_acc<T>(to_acc(x[i]) * (A(1) + to_acc(scale[p])) + to_acc(shift[p]));
+  }
+}
+
+// ---- RoPE: (a, b) -> (m0 a + m1 b, m2 a + m3 b), or by the transpose (the backward) ---------
+template <typename T, typename R, typename I>
+__device__ __forceinline__ void rope(const T* __restrict__ x, const R* __restrict__ rot, T* __restrict__ y,
+                                     I H, I L, I half, I Rb, I pairs, int transpose) {
+  typedef typename AccT<T>::type A;
+  GRID_STRIDE(j, (size_t)pairs) {
+    const I p = (I)j, i = p % half, l = p / half % L, b = p / (half * L * H);
+    const R* m = rot + (((b % Rb) * L + l) * half + i) * 4;
+    const A m0 = (A)m[0], m1 = (A)m[transpose ? 2 : 1], m2 = (A)m[transpose ? 1 : 2], m3 = (A)m[3];
+    const A a = to_acc(x[2 * p]), c = to_acc(x[2 * p + 1]);
+    y[2 * p] = from_acc<T>(m0 * a + m1 * c);
+    y[2 * p + 1] = from_acc<T>(m2 * a + m3 * c);
+  }
+}
+
+// Four pairs per thread with 16-byte loads of x and y (half % 4 == 0, aligned): float rotations.
+template <typename T, typename I>
+__device__ __forceinline__ void rope_vec(const T* __restrict__ x, const float* __restrict__ rot, T* __restrict__ y,
+                                         I H, I L, I half, I Rb, I pairs, int transpose) {
+  GRID_STRIDE(j, (size_t)(pairs / 4)) {
+    const I p = (I)j * 4, i = p % half, l = p / half % L, b = p / (half * L * H);
+    const float4* m = reinterpret_cast<const float4*>(rot + (((b % Rb) * L + l) * half + i) * 4);
+    const Pack8<T> a = reinterpret_cast<const Pack8<T>*>(x)[j];
+    Pack8<T> o;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float4 r = m[k];
+      const float m1 = transpose ? r.z : r.y, m2 = transpose ? r.y : r.z;
+      const float u = to_acc(a.v[2 * k]), v = to_acc(a.v[2 * k + 1]);
+      o.v[2 * k] = from_acc<T>(r.x * u + m1 * v);
+      o.v[2 * k + 1] = from_acc<T>(m2 * u + r.w * v);
+    }
+    reinterpret_cast<Pack8<T>*>(y)[j] = o;
+  }
+}
+
+// ---- GroupNorm --------------------------------------------------------------------------------
+// Forward: gn_stats gives each plane (mean_p, M2_p) (two passes over the plane, the second from
+// cache); gn_fwd combines its group's planes (Chan et al.: M2 = sum M2_p + S sum (mean_p -
+// mean)^2) and writes y = (x - mean) rstd w[c] + b[c]. Backward: gn_bwd_stats gives each plane
+// (sum dy, sum dy (x - mean)); gn_bwd_dx combines the group's planes into
+// dx = rstd (w dy - mean(g) - xhat mean(g xhat)), g = w dy; gn_param_grads sums dw, db over N.
+
+// Sum of (a, b) over the block, returned to every thread.
+__device__ __forceinline__ double2 block_sum2(double a, double b) {
+  __shared__ double sa[32], sb[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if (lane == 0) {
+    sa[warp] = a;
+    sb[warp] = b;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    a = lane < warps ? sa[lane] : 0.0;
+    b = lane < warps ? sb[lane] : 0.0;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if (lane == 0) {
+      sa[0] = a;
+      sb[0] = b;
+    }
+  }
+  __syncthreads();
+  const double2 r = make_double2(sa[0], sb[0]);
+  __syncthreads();
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void gn_stats(const T* __restrict__ x, double* st, size_t S) {
+  const size_t plane = blockIdx.x;
+  const T* xp = x + plane * S;
+  double s = 0.0;
+  for_row(xp, S, threadIdx.x, [&](size_t, T v) { s += to_f64(v); }, blockDim.x);
+  const double mean = block_sum2(s, 0.0).x / (double)S;
+  double q = 0.0;
+  for_row(
+      xp, S, threadIdx.x,
+      [&](size_t, T v) {
+        const double d = to_f64(v) - mean;
+        q += d * d;
+      },
+      blockDim.x);
+  q = block_sum2(q, 0.0).x;
+  if (threadIdx.x == 0) {
+    st[2 * plane] = mean;
+    st[2 * plane + 1] = q;
+  }
+}
+
+template <typename T, typename S_>
+__device__ __forceinline__ void gn_fwd(const T* __restrict__ x, const double* st, const T* w, const T* b,
+                                       T* __restrict__ y, S_* mean_out, S_* rstd_out, size_t C, size_t S, size_t cpg,
+                                       double eps) {
+  typedef typename AccT<T>::type A;
+  const size_t plane = blockIdx.x, n = plane / C, c = plane % C, first = plane - c % cpg;
+  __shared__ double sh[2];
+  if (threadIdx.x == 0) {
+    double m = 0.0;
+    for (size_t k = 0; k < cpg; ++k) m += st[2 * (first + k)];
+    m /= (double)cpg;
+    double q = 0.0;
+    for (size_t k = 0; k < cpg; ++k) {
+      const double dm = st[2 * (first + k)] - m;
+      q += st[2 * (first + k) + 1] + (double)S * dm * dm;
+    }
+    const double rstd = 1.0 / sqrt(q / (double)(cpg * S) + eps);
+    sh[0] = m;
+    sh[1] = rstd;
+    if (c % cpg == 0) {
+      const size_t ng = n * (C / cpg) + c / cpg;
+      mean_out[ng] = (S_)m;
+      rstd_out[ng] = (S_)rstd;
+    }
+  }
+  __syncthreads();
+  const A m = (A)sh[0], scale = (A)sh[1] * (w ? to_acc(w[c]) : A(1)), shift = b ? to_acc(b[c]) : A(0);
+  const T* xp = x + plane * S;
+  map_row2(
+      xp, xp, y + plane * S, S, threadIdx.x, [&](size_t, T v, T) { return from_acc<T>((to_acc(v) - m) * scale + shift); },
+      blockDim.x);
+}
+
+template <typename T, typename S_>
+__device__ __forceinline__ void gn_bwd_stats(const T* __restrict__ x, const T* __restrict__ dy, const S_* mean,
+                                             double* st, size_t C, size_t S, size_t cpg) {
+  const size_t plane = blockIdx.x, n = plane / C, c = plane % C;
+  const double m = (double)mean[n * (C / cpg) + c / cpg];
+  double s1 = 0.0, s2 = 0.0;
+  for_row2(
+      x + plane * S, dy + plane * S, S, threadIdx.x,
+      [&](size_t, T xv, T g) {
+        s1 += to_f64(g);
+        s2 += to_f64(g) * (to_f64(xv) - m);
+      },
+      blockDim.x);
+  const double2 r = block_sum2(s1, s2);
+  if (threadIdx.x == 0) {
+    st[2 * plane] = r.x;
+    st[2 * plane + 1] = r.y;
+  }
+}
+
+template <typename T, typename S_>
+__device__ __forceinline__ void gn_bwd_dx(const T* __restrict__ x, const T* __restrict__ dy, const double* st,
+                                          const S_* mean, const S_* rstd, const T* w, T* __restrict__ dx, size_t C,
+                                          size_t S, size_t cpg) {
+  typedef typename AccT<T>::type A;
+  const size_t plane = blockIdx.x, n = plane / C, c = plane % C, first = plane - c % cpg, c0 = c - c % cpg;
+  const size_t ng = n * (C / cpg) + c / cpg;
+  __shared__ double sh[2];
+  if (threadIdx.x == 0) {
+    double a1 = 0.0, a2 = 0.0;
+    for (size_t k = 0; k < cpg; ++k) {
+      const double wk = w ? to_f64(w[c0 + k]) : 1.0;
+      a1 += wk * st[2 * (first + k)];
+      a2 += wk * st[2 * (first + k) + 1];
+    }
+    const double M = (double)(cpg * S);
+    sh[0] = a1 / M;
+    sh[1] = a2 * (double)rstd[ng] / M;
+  }
+  __syncthreads();
+  const A r = (A)rstd[ng], m = (A)mean[ng], a = (A)sh[0], bb = (A)sh[1], wc = w ? to_acc(w[c]) : A(1);
+  map_row2(
+      x + plane * S, dy + plane * S, dx + plane * S, S, threadIdx.x,
+      [&](size_t, T xv, T g) { return from_acc<T>(r * (wc * to_acc(g) - a - (to_acc(xv) - m) * r * bb)); },
+      blockDim.x);
+}
+
+template <typename S_>
+__device__ __forceinline__ void gn_param_grads(const double* st, const S_* rstd, S_* dw, S_* db, size_t N, size_t C,
+                                               size_t cpg) {
+  GRID_STRIDE(c, C) {
+    double w = 0.0, b = 0.0;
+    for (size_t n = 0; n < N; ++n) {
+      b += st[2 * (n * C + c)];
+      w += st[2 * (n * C + c) + 1] * (double)rstd[n * (C / cpg) + c / cpg];
+    }
+    dw[c] = (S_)w;
+    db[c] = (S_)b;
+  }
+}
+
+#define FUSED_T(SUF, T, S_)                                                                                   \
+  extern "C" __global__ void softmax_bwd_##SUF(const T* y, const T* dy, T* dx, size_t rows, size_t cols) {     \
+    softmax_bwd<T>(y, dy, dx, rows, cols);                                                                     \
+  }                                                                                                            \
+  extern "C" __global__ void norm_param_grads_##SUF(const T* x, const T* dy, const S_* mean, const S_* rstd,   \
+                                                    double* part, size_t rows, size_t cols, size_t chunk,      \
+                                                    int rms) {                                                 \
+    norm_param_grads<T, S_>(x, dy, mean, rstd, part, rows, cols, chunk, rms);                                  \
+  }                                                                                                            \
+  extern "C" __global__ void modulate_bwd_##SUF(const T* x, const T* dy, const T* scale, T* dx, double* part,  \
+                                                size_t B, size_t L, size_t D, size_t chunk) {                  \
+    modulate_bwd<T>(x, dy, scale, dx, part, B, L, D, chunk);                                                   \
+  }                                                                                                            \
+  extern "C" __global__ void modulate_fwd_##SUF(const T* x, const T* shift, const T* scale, T* y, size_t B,    \
+                                                size_t L, size_t D) {                                          \
+    if (B * L * D < 0xffffffffull)                                                                             \
+      modulate_fwd<T, uint32_t>(x, shift, scale, y, (uint32_t)B, (uint32_t)L, (uint32_t)D);                    \
+    else                                                                                                       \
+      modulate_fwd<T, size_t>(x, shift, scale, y, B, L, D);                                                    \
+  }                                                                                                            \
+  extern "C" __global__ void rope_##SUF(const T* x, const S_* rot, T* y, size_t H, size_t L, size_t half,      \
+                                        size_t Rb, size_t pairs, int transpose) {                              \
+    if (Rb * L * half * 4 < 0xffffffffull && pairs < 0x7fffffffull)                                            \
+      rope<T, S_, uint32_t>(x, rot, y, (uint32_t)H, (uint32_t)L, (uint32_t)half, (uint32_t)Rb,                 \
+                            (uint32_t)pairs, transpose);                                                       \
+    else                                                                                                       \
+      rope<T, S_, size_t>(x, rot, y, H, L, half, Rb, pairs, transpose);                                        \
+  }                                                                                                            \
+  extern "C" __global__ void gn_stats_##SUF(const T* x, double* st, size_t S) { gn_stats<T>(x, st, S); }      \
+  extern "C" __global__ void gn_fwd_##SUF(const T* x, const double* st, const T* w, const T* b, T* y,          \
+                                          S_* mean, S_* rstd, size_t C, size_t S, size_t cpg, double eps) {    \
+    gn_fwd<T, S_>(x, st, w, b, y, mean, rstd, C, S, cpg, eps);                                                 \
+  }                                                                                                            \
+  extern "C" __global__ void gn_bwd_stats_##SUF(const T* x, const T* dy, const S_* mean, double* st, size_t C, \
+                                                size_t S, size_t cpg) {                                        \
+    gn_bwd_stats<T, S_>(x, dy, mean, st, C, S, cpg);                                                           \
+  }                                                                                                            \
+  extern "C" __global__ void gn_bwd_dx_##SUF(const T* x, const T* dy, const double* st, const S_* mean,        \
+                                             const S_* rstd, const T* w, T* dx, size_t C, size_t S,            \
+                                             size_t cpg) {                                                     \
+    gn_bwd_dx<T, S_>(x, dy, st, mean, rstd, w, dx, C, S, cpg);                                                 \
+  }
+FUSED_T(f32, float, float)
+FUSED_T(f64, double, double)
+FUSED_T(bf16, __nv_bfloat16, float)
+FUSED_T(f16, __half, float)
+
+// Rotations in float with 16-byte packs of x: the fast path for f32, bf16 and f16.
+#define ROPE_VEC(SUF, T)                                                                                     \
+  extern "C" __global__ void rope_vec_##SUF(const T* x, const float* rot, T* y, size_t H, size_t L,           \
+                                            size_t half, size_t Rb, size_t pairs, int transpose) {            \
+    rope_vec<T, uint32_t>(x, rot, y, (uint32_t)H, (uint32_t)L, (uint32_t)half, (uint32_t)Rb, (uint32_t)pairs, \
+                          transpose);                                                                         \
+  }
+ROPE_VEC(f32, float)
+ROPE_VEC(bf16, __nv_bfloat16)
+ROPE_VEC(f16, __half)
+
+extern "C" __global__ void sum_partials2_f32(const double* part, size_t parts, size_t m, float* a, float* b) {
+  sum_partials2<float>(part, parts, m, a, b);
+}
+extern "C" __global__ void sum_partials2_f64(const double* part, size_t parts, size_t m, double* a, double* b) {
+  sum_partials2<double>(part, parts, m, a, b);
+}
+extern "C" __global__ void gn_param_grads_f32(const double* st, const float* rstd, float* dw, float* db, size_t N,
+                                              size_t C, size_t cpg) {
+  gn_param_grads<float>(st, rstd, dw, db, N, C, cpg);
+}
+extern "C" __global__ void gn_param_grads_f64(const double* st, const double* rstd, double* dw, double* db, size_t N,
+                                              size_t C, size_t cpg) {
+  gn_param_grads<double>(st, rstd, dw, db, N, C, cpg);
+}

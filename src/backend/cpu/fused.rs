@@ -1,0 +1,189 @@
+//! The fused ops of `FusedOp` on the CPU: operands read as f64 views, results computed in f64
+//! and rounded once to their dtype. This is the reference the CUDA kernels are tested against;
+//! the composite twins in `Tensor` are the reference of both.
+
+use super::{from_f64_vec, strided};
+use crate::backend::{stats_dtype, validate, FusedOp, NormKind};
+use crate::{CpuStorage, Layout, Result};
+use rayon::prelude::*;
+
+/// The view `l` of `s` as contiguous f64 values.
+fn view(s: &CpuStorage, l: &Layout) -> Vec<f64> {
+    fn conv<T: crate::WithDType>(v: &[T], l: &Layout) -> Vec<f64> {
+        strided::contiguous(v, l)
+            .iter()
+            .map(|x| x.to_f64())
+            .collect()
+    }
+    match s {
+        CpuStorage::F32(v) => conv(v, l),
+        CpuStorage::F64(v) => conv(v, l),
+        CpuStorage::BF16(v) => conv(v, l),
+        CpuStorage::F16(v) => conv(v, l),
+        CpuStorage::U32(v) => conv(v, l),
+    }
+}
+
+pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<CpuStorage>> {
+    for (s, l) in args {
+        super::check_view(op.name(), s, l)?;
+    }
+    let metas: Vec<_> = args.iter().map(|(s, l)| (s.dtype(), *l)).collect();
+    let dims = validate::fused(op, &metas)?;
+    let dt = args[0].0.dtype();
+    let st = stats_dtype(dt);
+    let v: Vec<Vec<f64>> = args.iter().map(|(s, l)| view(s, l)).collect();
+    Ok(match op {
+        FusedOp::SoftmaxBackward => {
+            let (y, dy) = (&v[0], &v[1]);
+            let cols = dims[1];
+            let mut dx = vec![0.0; y.len()];
+            dx.par_chunks_mut(cols)
+                .zip(y.par_chunks(cols).zip(dy.par_chunks(cols)))
+                .for_each(|(dx, (y, g))| {
+                    let dot: f64 = y.iter().zip(g).map(|(a, b)| a * b).sum();
+                    for ((d, y), g) in dx.iter_mut().zip(y).zip(g) {
+                        *d = y * (g - dot);
+                    }
+                });
+            vec![from_f64_vec(dx, dt)]
+        }
+        FusedOp::NormParamGrads(kind) => {
+            let (x, dy, mean, rstd) = (&v[0], &v[1], &v[2], &v[3]);
+            let (rows, cols) = (dims[0], dims[1]);
+            let mut dw = vec![0.0; cols];
+            let mut db = vec![0.0; cols];
+            for r in 0..rows {
+                let m = if kind == NormKind::Layer {
+                    mean[r]
+                } else {
+                    0.0
+                };
+                for c in 0..cols {
+                    let i = r * cols + c;
+                    dw[c] += dy[i] * (x[i] - m) * rstd[r];
+                    db[c] += dy[i];
+                }
+            }
+            vec![from_f64_vec(dw, st), from_f64_vec(db, st)]
+        }
+        FusedOp::Modulate => {
+            let (x, shift, scale) = (&v[0], &v[1], &v[2]);
+            let (l, d) = (dims[1], dims[2]);
+            let y = x
+                .iter()
+                .enumerate()
+                .map(|(i, x)| {
+                    let p = i / (l * d) * d + i % d;
+                    x * (1.0 + scale[p]) + shift[p]
+                })
+                .collect();
+            vec![from_f64_vec(y, dt)]
+        }
+        FusedOp::ModulateBackward => {
+            let (x, dy, scale) = (&v[0], &v[1], &v[2]);
+            let (b, l, d) = (dims[0], dims[1], dims[2]);
+            let mut dx = vec![0.0; x.len()];
+            let (mut dshift, mut dscale) = (vec![0.0; b * d], vec![0.0; b * d]);
+            for (i, dx) in dx.iter_mut().enumerate() {
+                let p = i / (l * d) * d + i % d;
+                *dx = dy[i] * (1.0 + scale[p]);
+                dshift[p] += dy[i];
+                dscale[p] += dy[i] * x[i];
+            }
+            vec![
+                from_f64_vec(dx, dt),
+                from_f64_vec(dshift, st),
+                from_f64_vec(dscale, st),
+            ]
+        }
+        FusedOp::Rope { transpose } => {
+            let (x, rot) = (&v[0], &v[1]);
+            let (h, l, d, r) = (dims[1], dims[2], dims[3], dims[4]);
+            let mut y = vec![0.0; x.len()];
+            for (p, out) in y.chunks_mut(2).enumerate() {
+                // Pair p of (B, H, L, D/2): its matrix is rot[b % R][l][i].
+                let (i, pos, bi) = (p % (d / 2), p / (d / 2) % l, p / (d / 2 * l * h));
+                let m = &rot[(((bi % r) * l + pos) * (d / 2) + i) * 4..][..4];
+                let (a, b) = (x[2 * p], x[2 * p + 1]);
+                let (m01, m10) = if transpose {
+                    (m[2], m[1])
+                } else {
+                    (m[1], m[2])
+                };
+                out[0] = m[0] * a + m01 * b;
+                out[1] = m10 * a + m[3] * b;
+            }
+            vec![from_f64_vec(y, dt)]
+        }
+        FusedOp::GroupNorm {
+            groups,
+            eps,
+            weight,
+            bias,
+        } => {
+            let x = &v[0];
+            let (n, c, s) = (dims[0], dims[1], dims[2]);
+            let len = c / groups * s;
+            let (w, b) = (weight.then(|| &v[1]), bias.then(|| &v[v.len() - 1]));
+            let mut y = vec![0.0; x.len()];
+            let mut stats = vec![(0.0, 0.0); n * groups];
+            y.par_chunks_mut(len)
+                .zip(x.par_chunks(len))
+                .zip(stats.par_iter_mut())
+                .enumerate()
+                .for_each(|(ng, ((y, x), st))| {
+                    let mean = x.iter().sum::<f64>() / len as f64;
+                    let var = x.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / len as f64;
+                    let rstd = 1.0 / (var + eps).sqrt();
+                    for (j, (y, a)) in y.iter_mut().zip(x).enumerate() {
+                        let ch = ng % groups * (c / groups) + j / s;
+                        *y =
+                            (a - mean) * rstd * w.map_or(1.0, |w| w[ch]) + b.map_or(0.0, |b| b[ch]);
+                    }
+                    *st = (mean, rstd);
+                });
+            let (mean, rstd): (Vec<f64>, Vec<f64>) = stats.into_iter().unzip();
+            vec![
+                from_f64_vec(y, dt),
+                from_f64_vec(mean, st),
+                from_f64_vec(rstd, st),
+            ]
+        }
+        FusedOp::GroupNormBackward { groups, weight } => {
+            let (x, dy, mean, rstd) = (&v[0], &v[1], &v[2], &v[3]);
+            let w = weight.then(|| &v[4]);
+            let (n, c, s) = (dims[0], dims[1], dims[2]);
+            let cpg = c / groups;
+            let len = cpg * s;
+            let mut dx = vec![0.0; x.len()];
+            let (mut dw, mut db) = (vec![0.0; c], vec![0.0; c]);
+            for ng in 0..n * groups {
+                let (m, r) = (mean[ng], rstd[ng]);
+                let base = ng * len;
+                let ch = |j: usize| ng % groups * cpg + j / s;
+                // g = dy w; dx = rstd (g - mean(g) - xhat mean(g xhat)) over the group.
+                let (mut sg, mut sgx) = (0.0, 0.0);
+                for j in 0..len {
+                    let (xh, g) = ((x[base + j] - m) * r, dy[base + j]);
+                    let wv = w.map_or(1.0, |w| w[ch(j)]);
+                    sg += g * wv;
+                    sgx += g * wv * xh;
+                    dw[ch(j)] += g * xh;
+                    db[ch(j)] += g;
+                }
+                let (a, b) = (sg / len as f64, sgx / len as f64);
+                for j in 0..len {
+                    let xh = (x[base + j] - m) * r;
+                    let g = dy[base + j] * w.map_or(1.0, |w| w[ch(j)]);
+                    dx[base + j] = r * (g - a - xh * b);
+                }
+            }
+            vec![
+                from_f64_vec(dx, dt),
+                from_f64_vec(dw, st),
+                from_f64_vec(db, st),
+            ]
+        }
+    })
+}

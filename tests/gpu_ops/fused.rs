@@ -1,0 +1,311 @@
+//! The fused layer kernels (modulate, RoPE, GroupNorm, softmax backward) and the column
+//! reductions on CUDA: against the CPU reference for every float dtype, and against their
+//! composite twins on the GPU. Part of the gpu_ops executable (one binary for the GPU machine).
+
+use super::{close, close_mag, gpu, normal_pair, serial, CPU, FLOATS};
+use flame::{DType, Grads, Result, Tensor};
+
+/// Runs `f` on leaf copies of `inputs`, backpropagates `dy`, and returns the output followed by
+/// the gradient of every input.
+fn fwd_bwd(
+    inputs: &[&Tensor],
+    dy: &Tensor,
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+) -> Vec<Tensor> {
+    let leaves: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.detach().requires_grad_().unwrap())
+        .collect();
+    let y = f(&leaves).unwrap();
+    let mut grads = Grads::new();
+    y.backward_with_grad(dy, &mut grads, false).unwrap();
+    let mut out = vec![y];
+    out.extend(
+        leaves
+            .iter()
+            .map(|l| grads.get(l).expect("a gradient for every input").clone()),
+    );
+    out
+}
+
+/// Output and gradients of `f` on the GPU and on the CPU, from the same random inputs.
+fn both(
+    shapes: &[Vec<usize>],
+    out_shape: &[usize],
+    dt: DType,
+    seed: u64,
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+) -> (Vec<Tensor>, Vec<Tensor>) {
+    let (mut c, mut g) = (vec![], vec![]);
+    for (i, s) in shapes.iter().enumerate() {
+        let (ci, gi) = normal_pair(s, dt, seed + i as u64);
+        c.push(ci);
+        g.push(gi);
+    }
+    let (cdy, gdy) = normal_pair(out_shape, dt, seed + 100);
+    let cr: Vec<&Tensor> = c.iter().collect();
+    let gr: Vec<&Tensor> = g.iter().collect();
+    (fwd_bwd(&gr, &gdy, f), fwd_bwd(&cr, &cdy, f))
+}
+
+const NAMES: [&str; 4] = ["y", "d0", "d1", "d2"];
+
+/// Compares output and gradients; `mags[k]` is the magnitude scale of result k (sums of many
+/// terms carry an error proportional to the terms, not to the result).
+fn check(what: &str, gpu_out: &[Tensor], cpu_out: &[Tensor], dt: DType, mags: &[f64]) {
+    for (k, (g, c)) in gpu_out.iter().zip(cpu_out).enumerate() {
+        close_mag(
+            &format!("{what} {}", NAMES[k]),
+            g,
+            c,
+            dt,
+            mags.get(k).copied().unwrap_or(0.0),
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn modulate_matches_the_cpu() {
+    let _one = serial();
+    for dt in FLOATS {
+        // D % 8 == 0 takes the packed path; D = 13 the scalar one.
+        for (b, l, d) in [(2, 37, 24), (3, 5, 13), (1, 4608, 64)] {
+            let (go, co) = both(
+                &[vec![b, l, d], vec![b, 1, d], vec![b, 1, d]],
+                &[b, l, d],
+                dt,
+                2000,
+                &|x| x[0].modulate(&x[1], &x[2]),
+            );
+            let sum = (l as f64).sqrt() * 3.0;
+            check(
+                &format!("modulate {b}x{l}x{d}"),
+                &go,
+                &co,
+                dt,
+                &[3.0, 3.0, sum, sum],
+            );
+            // Frozen shift and scale: dx through the forward kernel.
+            let (cs, gs) = normal_pair(&[b, 1, d], dt, 2010);
+            let (go, co) = both(&[vec![b, l, d]], &[b, l, d], dt, 2020, &|x| {
+                x[0].modulate(&x[0].narrow(1, 0, 1)?.detach(), &on(&cs, &gs, &x[0]))
+            });
+            check(
+                &format!("modulate frozen {b}x{l}x{d}"),
+                &go,
+                &co,
+                dt,
+                &[3.0, 3.0],
+            );
+        }
+    }
+}
+
+/// `c` or `g`, whichever lives on x's device.
+fn on(c: &Tensor, g: &Tensor, x: &Tensor) -> Tensor {
+    if x.device().is_cuda() {
+        g.clone()
+    } else {
+        c.clone()
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rope_matches_the_cpu() {
+    let _one = serial();
+    for dt in FLOATS {
+        // Head dim 64: four pairs per thread; 6: the scalar kernel; batch-shared rotations.
+        for (b, h, l, d, rb) in [(2, 3, 17, 64, 2), (1, 2, 5, 6, 1), (2, 24, 33, 128, 1)] {
+            let pos = Tensor::rand_uniform(0.0, 64.0, (rb, l), DType::F32, &CPU, 2100).unwrap();
+            let cf = flame::nn::rope(&pos, d, 10_000.0)
+                .unwrap()
+                .unsqueeze(1)
+                .unwrap();
+            let gf = cf.to_device(&gpu()).unwrap();
+            let (go, co) = both(&[vec![b, h, l, d]], &[b, h, l, d], dt, 2110, &|x| {
+                x[0].apply_rope(&on(&cf, &gf, &x[0]))
+            });
+            check(&format!("rope {b}x{h}x{l}x{d}"), &go, &co, dt, &[3.0, 3.0]);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn group_norm_matches_the_cpu() {
+    let _one = serial();
+    for dt in FLOATS {
+        for (shape, groups) in [
+            (vec![2, 12, 7, 5], 4),
+            (vec![3, 8, 1001], 2),
+            (vec![2, 320, 32, 32], 32),
+            (vec![1, 6], 3),
+        ] {
+            let c = shape[1];
+            let n = shape[0] as f64 * (shape.iter().skip(2).product::<usize>() as f64);
+            let (go, co) = both(&[shape.clone(), vec![c], vec![c]], &shape, dt, 2200, &|x| {
+                x[0].group_norm(groups, Some(&x[1]), Some(&x[2]), 1e-5)
+            });
+            let sum = 3.0 * n.sqrt();
+            check(
+                &format!("group_norm {shape:?}"),
+                &go,
+                &co,
+                dt,
+                &[3.0, 9.0, sum, sum],
+            );
+            let (go, co) = both(&[shape.clone()], &shape, dt, 2300, &|x| {
+                x[0].group_norm(groups, None, None, 1e-5)
+            });
+            check(
+                &format!("group_norm plain {shape:?}"),
+                &go,
+                &co,
+                dt,
+                &[3.0, 9.0],
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn softmax_backward_matches_the_cpu() {
+    let _one = serial();
+    for dt in FLOATS {
+        for shape in [vec![7], vec![33, 1000], vec![4, 4608], vec![3, 5, 77]] {
+            let (go, co) = both(&[shape.clone()], &shape, dt, 2400, &|x| x[0].softmax(-1));
+            check(&format!("softmax {shape:?}"), &go, &co, dt, &[0.0, 1.0]);
+        }
+    }
+}
+
+/// On the GPU, each fused layer against its composite twin, output and every gradient. The
+/// composite rounds after each primitive in half types, so the bound is a few ulps of the
+/// operands' scale rather than the CPU-agreement table.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_layers_match_their_composites_on_the_gpu() {
+    let _one = serial();
+    type F = fn(&[Tensor]) -> Result<Tensor>;
+    let cases: [(&str, Vec<Vec<usize>>, Vec<usize>, F, F); 4] = [
+        (
+            "modulate",
+            vec![vec![2, 37, 24], vec![2, 1, 24], vec![2, 1, 24]],
+            vec![2, 37, 24],
+            |x| x[0].modulate(&x[1], &x[2]),
+            |x| x[0].modulate_composite(&x[1], &x[2]),
+        ),
+        (
+            "group_norm",
+            vec![vec![2, 12, 7, 5], vec![12], vec![12]],
+            vec![2, 12, 7, 5],
+            |x| x[0].group_norm(4, Some(&x[1]), Some(&x[2]), 1e-5),
+            |x| x[0].group_norm_composite(4, Some(&x[1]), Some(&x[2]), 1e-5),
+        ),
+        (
+            "softmax",
+            vec![vec![33, 1000]],
+            vec![33, 1000],
+            |x| x[0].softmax(-1),
+            |x| x[0].softmax_composite(-1),
+        ),
+        (
+            "layer_norm",
+            vec![vec![9, 3072], vec![3072], vec![3072]],
+            vec![9, 3072],
+            |x| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-6),
+            |x| x[0].layer_norm_composite(Some(&x[1]), Some(&x[2]), 1e-6),
+        ),
+    ];
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        // A few ulps of the operands' scale: 2^-6 for bf16, 2^-9 for f16, 1e-4 for f32.
+        let eps = match dt {
+            DType::BF16 => 1.6e-2,
+            DType::F16 => 2e-3,
+            _ => 1e-4,
+        };
+        for (name, shapes, out, fused, composite) in &cases {
+            let mut g = vec![];
+            for (i, s) in shapes.iter().enumerate() {
+                g.push(normal_pair(s, dt, 2500 + i as u64).1);
+            }
+            let dy = normal_pair(out, dt, 2600).1;
+            let gr: Vec<&Tensor> = g.iter().collect();
+            let (a, b) = (fwd_bwd(&gr, &dy, fused), fwd_bwd(&gr, &dy, composite));
+            for (k, (x, y)) in a.iter().zip(&b).enumerate() {
+                let (xv, yv) = (x.to_vec_f64().unwrap(), y.to_vec_f64().unwrap());
+                let scale = yv.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+                let worst = xv
+                    .iter()
+                    .zip(&yv)
+                    .map(|(p, q)| (p - q).abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    worst <= eps * scale,
+                    "{name} [{dt}] {}: fused vs composite differ by {worst} (scale {scale})",
+                    NAMES[k]
+                );
+            }
+        }
+    }
+    // RoPE: rotations as constants on both paths.
+    let pos = Tensor::arange(0.0, 17.0, DType::F32, &gpu())
+        .unwrap()
+        .reshape((1, 17))
+        .unwrap();
+    let f = flame::nn::rope(&pos, 64, 10_000.0)
+        .unwrap()
+        .unsqueeze(1)
+        .unwrap();
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let x = normal_pair(&[2, 3, 17, 64], dt, 2700).1;
+        let dy = normal_pair(&[2, 3, 17, 64], dt, 2701).1;
+        let a = fwd_bwd(&[&x], &dy, &|v| v[0].apply_rope(&f));
+        let b = fwd_bwd(&[&x], &dy, &|v| v[0].apply_rope_composite(&f));
+        for (p, q) in a.iter().zip(&b) {
+            // Both compute in f32 and round once: identical up to FMA contraction.
+            close_mag("rope vs composite", p, &q.to_device(&CPU).unwrap(), dt, 3.0);
+        }
+    }
+}
+
+/// Sums, maxima and arg-maxima over leading dims take the thread-per-column path.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn column_reductions_match_the_cpu() {
+    let _one = serial();
+    for dt in FLOATS {
+        for (shape, dims) in [
+            (vec![5000, 37], vec![0]),
+            (vec![2, 300, 65], vec![0, 1]),
+            (vec![129, 3, 1000], vec![0]),
+            (vec![4608, 3072], vec![0]),
+        ] {
+            let (c, g) = normal_pair(&shape, dt, 2800);
+            let what = format!("over {dims:?} of {shape:?}");
+            // Both sum in f64 and round once; only the order of the f64 additions differs.
+            close(
+                &format!("sum {what}"),
+                &g.sum(&dims).unwrap(),
+                &c.sum(&dims).unwrap(),
+                dt,
+            );
+            if dims.len() == 1 {
+                close(
+                    &format!("max {what}"),
+                    &g.max(0).unwrap(),
+                    &c.max(0).unwrap(),
+                    dt,
+                );
+                assert_eq!(
+                    g.argmax(0).unwrap().to_vec_f64().unwrap(),
+                    c.argmax(0).unwrap().to_vec_f64().unwrap(),
+                    "argmax {what}"
+                );
+            }
+        }
+    }
+}

@@ -185,6 +185,24 @@ fn main() -> Result<()> {
         both * 1e3,
         3.0 * flops / both / 1e12
     );
+    // Where the convolution's time goes: the im2col pass and the GEMM on its columns.
+    let win = flame::Window2d {
+        kernel: (3, 3),
+        stride: (1, 1),
+        padding: (1, 1),
+        dilation: (1, 1),
+    };
+    let im2col = time(cuda, || g.unfold2d(win).map(|_| ()))?;
+    let cols = g.unfold2d(win)?.reshape((2, 1, 2880, 128 * 128))?;
+    let w2 = cw.reshape((1, 320, 2880))?;
+    let gemm = time(cuda, || w2.matmul(&cols).map(|_| ()))?;
+    println!(
+        "flame conv2d parts: im2col {:7.3} ms ({:6.0} GB/s) | GEMM {:7.3} ms ({:6.1} TFLOP/s)",
+        im2col * 1e3,
+        (cols.elem_count() * 2 + g.elem_count() * 2) as f64 / im2col / 1e9,
+        gemm * 1e3,
+        flops / gemm / 1e12
+    );
     let m = cuda.memory();
     println!("flame memory: peak {} MiB", m.peak >> 20);
     Ok(())

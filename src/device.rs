@@ -367,6 +367,17 @@ impl Storage {
             Storage::None(n) => match *n {},
         })
     }
+    /// Elements in the buffer.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            Storage::Cpu(s) => s.len(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.buf.len(),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Storage::None(n) => match *n {},
+        }
+    }
     /// A fused kernel over operands of one device (see `FusedOp`).
     pub(crate) fn fused(
         op: crate::backend::FusedOp,

@@ -41,6 +41,7 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
                 "conv",
                 "elementwise",
                 "fill",
+                "fused",
                 "index",
                 "norm",
                 "random",

@@ -165,7 +165,7 @@ impl Tensor {
         let param = |p: Option<&Tensor>| -> Result<Option<Tensor>> {
             match p {
                 None => Ok(None),
-                Some(p) if p.dims() == [cols] => Ok(Some(p.to_dtype(self.dtype())?.contiguous()?)),
+                Some(p) if p.dims() == [cols] => Ok(Some(p.to_dtype(self.dtype())?.dense()?)),
                 Some(p) => Err(Error::ShapeMismatch {
                     op: "norm",
                     lhs: self.shape().clone(),

@@ -158,6 +158,25 @@ impl Tensor {
         ))
     }
 
+    /// A tensor whose buffer is exactly its elements in order (offset 0, nothing else in the
+    /// buffer), for kernels that take a bare buffer; copies when `self` is not one.
+    pub(crate) fn dense(&self) -> Result<Tensor> {
+        let whole = self.is_contiguous()
+            && self.layout().offset() == 0
+            && self.storage()?.len() == self.elem_count();
+        if whole {
+            return Ok(self.clone());
+        }
+        let storage = self.storage()?.copy_contiguous(self.layout())?;
+        let op = record(&[self], || Op::Copy(self.clone()));
+        Ok(Tensor::from_storage(
+            storage,
+            self.shape().clone(),
+            self.device().clone(),
+            op,
+        ))
+    }
+
     /// Joins tensors along `dim`; all other dims must agree.
     pub fn cat(tensors: &[&Tensor], dim: impl Dim) -> Result<Tensor> {
         let first = match tensors.first() {

@@ -156,7 +156,7 @@ fn group_norm_matches_the_cpu() {
                 dt,
                 &[3.0, 9.0, sum, sum],
             );
-            let (go, co) = both(&[shape.clone()], &shape, dt, 2300, &|x| {
+            let (go, co) = both(std::slice::from_ref(&shape), &shape, dt, 2300, &|x| {
                 x[0].group_norm(groups, None, None, 1e-5)
             });
             check(
@@ -176,7 +176,7 @@ fn softmax_backward_matches_the_cpu() {
     let _one = serial();
     for dt in FLOATS {
         for shape in [vec![7], vec![33, 1000], vec![4, 4608], vec![3, 5, 77]] {
-            let (go, co) = both(&[shape.clone()], &shape, dt, 2400, &|x| x[0].softmax(-1));
+            let (go, co) = both(std::slice::from_ref(&shape), &shape, dt, 2400, &|x| x[0].softmax(-1));
             check(&format!("softmax {shape:?}"), &go, &co, dt, &[0.0, 1.0]);
         }
     }
@@ -190,7 +190,9 @@ fn softmax_backward_matches_the_cpu() {
 fn fused_layers_match_their_composites_on_the_gpu() {
     let _one = serial();
     type F = fn(&[Tensor]) -> Result<Tensor>;
-    let cases: [(&str, Vec<Vec<usize>>, Vec<usize>, F, F); 4] = [
+    /// (name, input shapes, output shape, fused, composite)
+    type Pair = (&'static str, Vec<Vec<usize>>, Vec<usize>, F, F);
+    let cases: [Pair; 4] = [
         (
             "modulate",
             vec![vec![2, 37, 24], vec![2, 1, 24], vec![2, 1, 24]],

@@ -25,11 +25,12 @@ fn ptr(s: &CudaStorage) -> u64 {
 }
 
 /// (parts, chunk) for a sweep of `rows` rows by `blocks` blocks of columns: about eight
-/// blocks per multiprocessor, at least 8 rows a chunk.
-fn sweep(rows: usize, blocks: usize, sms: usize) -> (usize, usize) {
+/// blocks per multiprocessor, at least `min_chunk` rows a chunk (the f64 partials of a chunk
+/// cost as much traffic as a few rows of input).
+fn sweep(rows: usize, blocks: usize, sms: usize, min_chunk: usize) -> (usize, usize) {
     let parts = (8 * sms)
         .div_ceil(blocks.max(1))
-        .min(rows.div_ceil(8))
+        .min(rows.div_ceil(min_chunk))
         .clamp(1, 65535);
     let chunk = rows.div_ceil(parts).max(1);
     (rows.div_ceil(chunk).max(1), chunk)
@@ -112,14 +113,20 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
         }
         FusedOp::NormParamGrads(kind) => {
             let (rows, cols) = (d[0], d[1]);
-            let blocks = cols.div_ceil(256);
-            let (parts, chunk) = sweep(rows, blocks, sms);
+            // Eight columns a thread when rows are whole 16-byte packs.
+            let vec = cols % 8 == 0 && T::DTYPE != DType::F64;
+            let (blocks, min_chunk, kernel) = if vec {
+                (cols.div_ceil(8 * 256), 32, "norm_param_grads_vec")
+            } else {
+                (cols.div_ceil(256), 8, "norm_param_grads")
+            };
+            let (parts, chunk) = sweep(rows, blocks, sms, min_chunk);
             let part = dev.alloc::<f64>(parts * 2 * cols)?;
             let rms = i32::from(kind == NormKind::Rms);
             launch!(
                 dev,
                 "fused",
-                format!("norm_param_grads_{}", T::SFX),
+                format!("{kernel}_{}", T::SFX),
                 cfg(blocks, parts, 1),
                 &p[0],
                 &p[1],
@@ -161,14 +168,19 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                     &crate::Shape::from(d),
                 ));
             }
-            let blocks = dd.div_ceil(256);
-            let (parts, chunk) = sweep(l, blocks * b, sms);
+            let vec = dd % 8 == 0 && T::DTYPE != DType::F64;
+            let (blocks, min_chunk, kernel) = if vec {
+                (dd.div_ceil(8 * 256), 32, "modulate_bwd_vec")
+            } else {
+                (dd.div_ceil(256), 8, "modulate_bwd")
+            };
+            let (parts, chunk) = sweep(l, blocks * b, sms, min_chunk);
             let part = dev.alloc::<f64>(parts * 2 * b * dd)?;
             let mut dx = dev.alloc::<T>(b * l * dd)?;
             launch!(
                 dev,
                 "fused",
-                format!("modulate_bwd_{}", T::SFX),
+                format!("{kernel}_{}", T::SFX),
                 cfg(blocks, parts, b),
                 &p[0],
                 &p[1],

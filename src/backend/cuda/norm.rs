@@ -1,5 +1,6 @@
-//! Fused LayerNorm / RMSNorm launchers (kernels in cuda/norm.cu): one warp per row, the
-//! optional per-column weight and bias applied inside the kernel.
+//! Fused LayerNorm / RMSNorm launchers (kernels in cuda/norm.cu): rows held in registers by
+//! a group of lanes when they fit (one read, one write), else one warp per row; the optional
+//! per-column weight and bias applied inside the kernel.
 
 use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
@@ -39,6 +40,35 @@ fn param_ptr<T: Elem>(
 
 type Triple = (CudaStorage, CudaStorage, CudaStorage);
 
+/// (packs per lane, lanes per row) of the register-resident kernel for rows of `cols`, when
+/// one fits: rows of whole 8-element packs, up to 16 packs a lane (4096 columns), f32 and
+/// half types (the instances in cuda/norm.cu).
+fn reg_shape(dtype: DType, cols: usize) -> Option<(usize, usize)> {
+    if dtype == DType::F64 || cols % 8 != 0 {
+        return None;
+    }
+    let packs = cols / 8;
+    if packs <= 32 {
+        return Some((1, packs.next_power_of_two().max(4)));
+    }
+    [4, 8, 12, 16]
+        .into_iter()
+        .find(|&p| packs <= 32 * p)
+        .map(|p| (p, 32))
+}
+
+/// The kernel name and launch shape for `rows` rows of `cols`: register-resident when it
+/// fits, otherwise a warp per row streaming the row from cache.
+fn pick(base: &str, sfx: &str, dtype: DType, rows: usize, cols: usize, sms: usize) -> (String, cudarc::driver::LaunchConfig) {
+    match reg_shape(dtype, cols) {
+        Some((packs, lanes)) => (
+            format!("{base}_reg_{packs}_{lanes}_{sfx}"),
+            grid_for(rows.div_ceil(256 / lanes) * 256, sms),
+        ),
+        None => (format!("{base}_{sfx}"), grid_for(rows.div_ceil(8) * 256, sms)),
+    }
+}
+
 fn fwd<T: Elem, S: Elem>(
     s: &CudaStorage,
     l: &Layout,
@@ -62,11 +92,12 @@ fn fwd<T: Elem, S: Elem>(
     );
     let rms = i32::from(kind == NormKind::Rms);
     if rows > 0 {
+        let (kernel, cfg) = pick("norm_fwd", T::SFX, T::DTYPE, rows, cols, dev.sm_count());
         launch!(
             dev,
             "norm",
-            format!("norm_fwd_{}", T::SFX),
-            grid_for(rows.div_ceil(8) * 256, dev.sm_count()),
+            kernel,
+            cfg,
             &x.slice,
             &w,
             &b,
@@ -137,11 +168,12 @@ fn bwd<T: Elem, S: Elem>(o: &NormGrad, kind: NormKind) -> Result<CudaStorage> {
     let mut out = dev.alloc::<T>(rows * cols)?;
     let rms = i32::from(kind == NormKind::Rms);
     if rows > 0 {
+        let (kernel, cfg) = pick("norm_bwd", T::SFX, T::DTYPE, rows, cols, dev.sm_count());
         launch!(
             dev,
             "norm",
-            format!("norm_bwd_{}", T::SFX),
-            grid_for(rows.div_ceil(8) * 256, dev.sm_count()),
+            kernel,
+            cfg,
             &x.slice,
             &g.slice,
             &w,

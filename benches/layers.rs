@@ -196,12 +196,17 @@ fn main() -> Result<()> {
     let cols = g.unfold2d(win)?.reshape((2, 1, 2880, 128 * 128))?;
     let w2 = cw.reshape((1, 320, 2880))?;
     let gemm = time(cuda, || w2.matmul(&cols).map(|_| ()))?;
+    let flat = cols.reshape((2, 2880, 128 * 128))?;
+    let col2im = time(cuda, || flat.fold2d(win, (128, 128)).map(|_| ()))?;
+    let moved = (cols.elem_count() * 2 + g.elem_count() * 2) as f64;
     println!(
-        "flame conv2d parts: im2col {:7.3} ms ({:6.0} GB/s) | GEMM {:7.3} ms ({:6.1} TFLOP/s)",
+        "flame conv2d parts: im2col {:7.3} ms ({:6.0} GB/s) | GEMM {:7.3} ms ({:6.1} TFLOP/s) | col2im {:7.3} ms ({:6.0} GB/s)",
         im2col * 1e3,
-        (cols.elem_count() * 2 + g.elem_count() * 2) as f64 / im2col / 1e9,
+        moved / im2col / 1e9,
         gemm * 1e3,
-        flops / gemm / 1e12
+        flops / gemm / 1e12,
+        col2im * 1e3,
+        moved / col2im / 1e9
     );
     let m = cuda.memory();
     println!("flame memory: peak {} MiB", m.peak >> 20);

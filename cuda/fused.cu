@@ -74,32 +74,60 @@ __device__ __forceinline__ void modulate_bwd(const T* __restrict__ x, const T* _
   part[(p * 2 + 1) * M + b * D + d] = sc;
 }
 
-// The same two sweeps with eight columns a thread (cols % 8 == 0): 16-byte loads and stores.
+// The same two sweeps with eight columns a thread (cols % 8 == 0, 16-byte loads): a block is
+// 32 column packs (256 columns) by 8 row groups, whose sums meet in shared memory, so one
+// chunk writes one partial per column however many rows it has.
+#define SWEEP_GROUPS 8
+template <typename F>
+__device__ __forceinline__ void sweep_combine(double (&a)[8], double (&b)[8], F write) {
+  __shared__ double sh[2][SWEEP_GROUPS][32][8];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    sh[0][ty][tx][e] = a[e];
+    sh[1][ty][tx][e] = b[e];
+  }
+  __syncthreads();
+  if (ty == 0) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      double x = 0.0, y = 0.0;
+      for (int k = 0; k < SWEEP_GROUPS; ++k) {
+        x += sh[0][k][tx][e];
+        y += sh[1][k][tx][e];
+      }
+      write(e, x, y);
+    }
+  }
+}
+
 template <typename T, typename S>
 __device__ __forceinline__ void norm_param_grads_vec(const T* __restrict__ x, const T* __restrict__ dy,
                                                      const S* mean, const S* rstd, double* part, size_t rows,
                                                      size_t cols, size_t chunk, int rms) {
-  const size_t c = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * 8;
-  if (c >= cols) return;
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const size_t c = (blockIdx.x * (size_t)32 + tx) * 8;
   const size_t p = blockIdx.y, r0 = p * chunk, r1 = min(rows, r0 + chunk);
   double sw[8] = {}, sb[8] = {};
-#pragma unroll 2
-  for (size_t r = r0; r < r1; ++r) {
-    const Pack8<T> xv = *reinterpret_cast<const Pack8<T>*>(x + r * cols + c);
-    const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(dy + r * cols + c);
-    const double m = rms ? 0.0 : (double)mean[r], s = (double)rstd[r];
+  if (c < cols) {
+    for (size_t r = r0 + ty; r < r1; r += SWEEP_GROUPS) {
+      const Pack8<T> xv = *reinterpret_cast<const Pack8<T>*>(x + r * cols + c);
+      const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(dy + r * cols + c);
+      const double m = rms ? 0.0 : (double)mean[r], s = (double)rstd[r];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const double g = to_f64(gv.v[e]);
-      sw[e] += g * ((to_f64(xv.v[e]) - m) * s);
-      sb[e] += g;
+      for (int e = 0; e < 8; ++e) {
+        const double g = to_f64(gv.v[e]);
+        sw[e] += g * ((to_f64(xv.v[e]) - m) * s);
+        sb[e] += g;
+      }
     }
   }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    part[(p * 2) * cols + c + e] = sw[e];
-    part[(p * 2 + 1) * cols + c + e] = sb[e];
-  }
+  sweep_combine(sw, sb, [&](int e, double a, double b) {
+    if (c < cols) {
+      part[(p * 2) * cols + c + e] = a;
+      part[(p * 2 + 1) * cols + c + e] = b;
+    }
+  });
 }
 
 template <typename T>
@@ -107,43 +135,62 @@ __device__ __forceinline__ void modulate_bwd_vec(const T* __restrict__ x, const 
                                                  T* __restrict__ dx, double* part, size_t B, size_t L, size_t D,
                                                  size_t chunk) {
   typedef typename AccT<T>::type A;
-  const size_t d = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * 8;
-  if (d >= D) return;
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const size_t d = (blockIdx.x * (size_t)32 + tx) * 8;
   const size_t p = blockIdx.y, b = blockIdx.z, l0 = p * chunk, l1 = min(L, l0 + chunk);
-  const Pack8<T> sc = *reinterpret_cast<const Pack8<T>*>(scale + b * D + d);
-  A s1[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) s1[e] = A(1) + to_acc(sc.v[e]);
   double ss[8] = {}, sx[8] = {};
-#pragma unroll 2
-  for (size_t l = l0; l < l1; ++l) {
-    const size_t i = (b * L + l) * D + d;
-    const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(dy + i);
-    const Pack8<T> xv = *reinterpret_cast<const Pack8<T>*>(x + i);
-    Pack8<T> o;
+  if (d < D) {
+    const Pack8<T> sc = *reinterpret_cast<const Pack8<T>*>(scale + b * D + d);
+    A s1[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      o.v[e] = from_acc<T>(to_acc(gv.v[e]) * s1[e]);
-      ss[e] += to_f64(gv.v[e]);
-      sx[e] += to_f64(gv.v[e]) * to_f64(xv.v[e]);
+    for (int e = 0; e < 8; ++e) s1[e] = A(1) + to_acc(sc.v[e]);
+    for (size_t l = l0 + ty; l < l1; l += SWEEP_GROUPS) {
+      const size_t i = (b * L + l) * D + d;
+      const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(dy + i);
+      const Pack8<T> xv = *reinterpret_cast<const Pack8<T>*>(x + i);
+      Pack8<T> o;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        o.v[e] = from_acc<T>(to_acc(gv.v[e]) * s1[e]);
+        ss[e] += to_f64(gv.v[e]);
+        sx[e] += to_f64(gv.v[e]) * to_f64(xv.v[e]);
+      }
+      *reinterpret_cast<Pack8<T>*>(dx + i) = o;
     }
-    *reinterpret_cast<Pack8<T>*>(dx + i) = o;
   }
   const size_t M = B * D;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    part[(p * 2) * M + b * D + d + e] = ss[e];
-    part[(p * 2 + 1) * M + b * D + d + e] = sx[e];
-  }
+  sweep_combine(ss, sx, [&](int e, double a, double bb) {
+    if (d < D) {
+      part[(p * 2) * M + b * D + d + e] = a;
+      part[(p * 2 + 1) * M + b * D + d + e] = bb;
+    }
+  });
 }
 
+// A block is 32 outputs by 8 groups of chunks; the groups meet in shared memory in a fixed
+// order. (A thread walking all chunks alone waits on one load after another.)
 template <typename S>
 __device__ __forceinline__ void sum_partials2(const double* part, size_t parts, size_t m_total, S* out0, S* out1) {
-  GRID_STRIDE(m, m_total) {
-    double a = 0.0, b = 0.0;
-    for (size_t p = 0; p < parts; ++p) {
+  __shared__ double sh[2][8][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const size_t m = blockIdx.x * (size_t)32 + tx;
+  double a = 0.0, b = 0.0;
+  if (m < m_total) {
+#pragma unroll 4
+    for (size_t p = ty; p < parts; p += 8) {
       a += part[(p * 2) * m_total + m];
       b += part[(p * 2 + 1) * m_total + m];
+    }
+  }
+  sh[0][ty][tx] = a;
+  sh[1][ty][tx] = b;
+  __syncthreads();
+  if (ty == 0 && m < m_total) {
+    a = 0.0;
+    b = 0.0;
+    for (int k = 0; k < 8; ++k) {
+      a += sh[0][k][tx];
+      b += sh[1][k][tx];
     }
     out0[m] = (S)a;
     out1[m] = (S)b;

@@ -173,12 +173,22 @@ __device__ __forceinline__ void reduce_cols(const T* in, StridedLayout kept, Str
     parts[c * n_out + o] = p;
 }
 
+// A block is 32 outputs by 8 groups of chunks, combined in shared memory in a fixed order.
 template <typename T, int OP>
 __device__ __forceinline__ void reduce_cols_partials(const Partial* parts, size_t n_parts, size_t n_out, T* out,
                                                      uint32_t* out_idx) {
-  GRID_STRIDE(o, n_out) {
-    Partial p = identity<OP>();
-    for (size_t c = 0; c < n_parts; ++c) p = combine<OP>(p, parts[c * n_out + o]);
+  __shared__ Partial sh[8][32];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const size_t o = blockIdx.x * (size_t)32 + tx;
+  Partial p = identity<OP>();
+  if (o < n_out) {
+#pragma unroll 4
+    for (size_t c = ty; c < n_parts; c += 8) p = combine<OP>(p, parts[c * n_out + o]);
+  }
+  sh[ty][tx] = p;
+  __syncthreads();
+  if (ty == 0 && o < n_out) {
+    for (int k = 1; k < 8; ++k) p = combine<OP>(p, sh[k][tx]);
     write_out<T, OP>(out, out_idx, o, p);
   }
 }

@@ -74,10 +74,19 @@ fn run<T: Elem>(
     let wide = i32::from(cols_len.max(g.planes * g.h * g.w) >= 1 << 31);
     if out_len > 0 {
         let y = outer.min(65535);
-        let x = inner
-            .div_ceil(256)
-            .min((s.dev.sm_count().max(1) * 64).div_ceil(y))
-            .max(1);
+        // im2col writes eight columns a thread when rows are whole packs.
+        // col2im gets a thread per pixel: its taps are dependent loads, so it needs every
+        // thread the GPU can hold in flight (measured on an H100: 0.29 ms with 4-5 pixels
+        // a thread at SDXL's 320x128x128, batch 2).
+        let x = if kernel == "im2col" {
+            let per_thread = if inner % 8 == 0 { 8 } else { 1 };
+            inner
+                .div_ceil(256 * per_thread)
+                .min((s.dev.sm_count().max(1) * 64).div_ceil(y))
+        } else {
+            inner.div_ceil(256).min(65535)
+        }
+        .max(1);
         let cfg = LaunchConfig {
             grid_dim: (x as u32, y as u32, 1),
             block_dim: (256, 1, 1),

@@ -85,7 +85,7 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
             dev,
             "fused",
             format!("sum_partials2_{}", S::SFX),
-            grid_for(m, sms),
+            cfg(m.div_ceil(32), 1, 1),
             &part.slice,
             &parts,
             &m,
@@ -116,7 +116,7 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
             // Eight columns a thread when rows are whole 16-byte packs.
             let vec = cols % 8 == 0 && T::DTYPE != DType::F64;
             let (blocks, min_chunk, kernel) = if vec {
-                (cols.div_ceil(8 * 256), 32, "norm_param_grads_vec")
+                (cols.div_ceil(8 * 32), 64, "norm_param_grads_vec")
             } else {
                 (cols.div_ceil(256), 8, "norm_param_grads")
             };
@@ -170,7 +170,7 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
             }
             let vec = dd % 8 == 0 && T::DTYPE != DType::F64;
             let (blocks, min_chunk, kernel) = if vec {
-                (dd.div_ceil(8 * 256), 32, "modulate_bwd_vec")
+                (dd.div_ceil(8 * 32), 64, "modulate_bwd_vec")
             } else {
                 (dd.div_ceil(256), 8, "modulate_bwd")
             };

@@ -120,7 +120,7 @@ fn reduce_t<T: Elem>(
                 dev,
                 "reduce",
                 format!("{name}_cols_partials_{}", T::SFX),
-                grid_for(n_out, sms),
+                blocks(n_out.div_ceil(32), 1),
                 &partials.slice,
                 &parts,
                 &n_out,

@@ -564,7 +564,13 @@ fn composite_cases() -> Vec<Case> {
         Case::new(
             "layer_norm, weight and bias narrowed from longer vectors",
             vec![x35(&mut g), g.n([7]), g.n([6])],
-            |x| x[0].layer_norm(Some(&x[1].narrow(0, 2, 5)?), Some(&x[2].narrow(0, 1, 5)?), 1e-5),
+            |x| {
+                x[0].layer_norm(
+                    Some(&x[1].narrow(0, 2, 5)?),
+                    Some(&x[2].narrow(0, 1, 5)?),
+                    1e-5,
+                )
+            },
         ),
         Case::new("rms_norm", vec![x35(&mut g)], |x| x[0].rms_norm(None, 1e-6)),
         Case::new("rms_norm weight", vec![x35(&mut g), g.n([5])], |x| {

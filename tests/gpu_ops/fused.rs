@@ -176,7 +176,9 @@ fn softmax_backward_matches_the_cpu() {
     let _one = serial();
     for dt in FLOATS {
         for shape in [vec![7], vec![33, 1000], vec![4, 4608], vec![3, 5, 77]] {
-            let (go, co) = both(std::slice::from_ref(&shape), &shape, dt, 2400, &|x| x[0].softmax(-1));
+            let (go, co) = both(std::slice::from_ref(&shape), &shape, dt, 2400, &|x| {
+                x[0].softmax(-1)
+            });
             check(&format!("softmax {shape:?}"), &go, &co, dt, &[0.0, 1.0]);
         }
     }

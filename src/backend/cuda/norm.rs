@@ -55,13 +55,23 @@ fn reg_shape(dtype: DType, cols: usize) -> Option<(usize, usize)> {
 
 /// The kernel name and launch shape for `rows` rows of `cols`: register-resident when it
 /// fits, otherwise a warp per row streaming the row from cache.
-fn pick(base: &str, sfx: &str, dtype: DType, rows: usize, cols: usize, sms: usize) -> (String, cudarc::driver::LaunchConfig) {
+fn pick(
+    base: &str,
+    sfx: &str,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    sms: usize,
+) -> (String, cudarc::driver::LaunchConfig) {
     match reg_shape(dtype, cols) {
         Some((packs, lanes)) => (
             format!("{base}_reg_{packs}_{lanes}_{sfx}"),
             grid_for(rows.div_ceil(256 / lanes) * 256, sms),
         ),
-        None => (format!("{base}_{sfx}"), grid_for(rows.div_ceil(8) * 256, sms)),
+        None => (
+            format!("{base}_{sfx}"),
+            grid_for(rows.div_ceil(8) * 256, sms),
+        ),
     }
 }
 

@@ -3,7 +3,6 @@
 
 use super::{no_grad, Grads, Op};
 use crate::backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
-use crate::tensor::to_param;
 use crate::{Error, Result, Tensor, TensorId};
 use std::collections::{HashMap, HashSet};
 
@@ -328,10 +327,10 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             if want(weight).is_some() || want(bias).is_some() {
                 let (dw, db) = x.norm_param_grads(g, mean, rstd, *kind)?;
                 if let Some(w) = want(weight) {
-                    v.push((w.clone(), to_param(dw, w)?));
+                    v.push((w.clone(), dw.to_dtype(w.dtype())?));
                 }
                 if let Some(b) = want(bias) {
-                    v.push((b.clone(), to_param(db, b)?));
+                    v.push((b.clone(), db.to_dtype(b.dtype())?));
                 }
             }
             v
@@ -344,8 +343,8 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             let (dx, dp) = x.modulate_backward(g, scale, params)?;
             let mut v = vec![(x.clone(), dx)];
             if let Some((dshift, dscale)) = dp {
-                v.push((shift.clone(), to_param(dshift, shift)?));
-                v.push((scale.clone(), to_param(dscale, scale)?));
+                v.push((shift.clone(), dshift.to_dtype(shift.dtype())?));
+                v.push((scale.clone(), dscale.to_dtype(scale.dtype())?));
             }
             v
         }
@@ -364,10 +363,10 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             let (dx, dw, db) = x.group_norm_backward(g, mean, rstd, weight.as_ref(), *groups)?;
             let mut v = vec![(x.clone(), dx)];
             if let Some(w) = weight {
-                v.push((w.clone(), to_param(dw, w)?));
+                v.push((w.clone(), dw.to_dtype(w.dtype())?));
             }
             if let Some(b) = bias {
-                v.push((b.clone(), to_param(db, b)?));
+                v.push((b.clone(), db.to_dtype(b.dtype())?));
             }
             v
         }

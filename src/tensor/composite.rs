@@ -271,7 +271,7 @@ impl Tensor {
     }
 
     /// `y * weight + bias` in y's dtype, cast back to self's dtype.
-    fn affine_params(
+    pub(super) fn affine_params(
         &self,
         y: Tensor,
         weight: Option<&Tensor>,

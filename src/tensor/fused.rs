@@ -191,6 +191,19 @@ impl Tensor {
             .to_dtype(self.dtype())
     }
 
+    /// The dims of an (N, C, ...) tensor whose channels split into `groups`.
+    fn group_dims(&self, groups: usize) -> Result<Vec<usize>> {
+        let dims = self.dims().to_vec();
+        if dims.len() < 2 || groups == 0 || dims[1] % groups != 0 {
+            return Err(Error::invalid(
+                "group_norm",
+                format!("{groups} groups do not divide the channels of an (N, C, ...) tensor"),
+                self.shape(),
+            ));
+        }
+        Ok(dims)
+    }
+
     /// GroupNorm of (N, C, ...): statistics over each of `groups` channel groups and all
     /// trailing positions (in f64, saved in f32), per-channel weight and bias, in fused kernels.
     pub fn group_norm(
@@ -200,14 +213,7 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
-        let dims = self.dims().to_vec();
-        if dims.len() < 2 || groups == 0 || dims[1] % groups != 0 {
-            return Err(Error::invalid(
-                "group_norm",
-                format!("{groups} groups do not divide the channels of an (N, C, ...) tensor"),
-                self.shape(),
-            ));
-        }
+        let dims = self.group_dims(groups)?;
         if !self.dtype().is_float() {
             return Err(Error::UnsupportedDType {
                 op: "group_norm",
@@ -258,14 +264,7 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
-        let dims = self.dims().to_vec();
-        if dims.len() < 2 || groups == 0 || dims[1] % groups != 0 {
-            return Err(Error::invalid(
-                "group_norm",
-                format!("{groups} groups do not divide the channels of an (N, C, ...) tensor"),
-                self.shape(),
-            ));
-        }
+        let dims = self.group_dims(groups)?;
         let x = self.to_dtype(stats_dtype(self.dtype()))?.reshape((
             dims[0],
             groups,
@@ -274,19 +273,15 @@ impl Tensor {
         let mu = x.mean_keepdim(&[-1])?;
         let xc = x.sub(&mu)?;
         let var = xc.sqr()?.mean_keepdim(&[-1])?;
-        let mut y = xc
+        let y = xc
             .mul(&var.add_scalar(eps)?.powf(-0.5)?)?
             .reshape(dims.clone())?;
         // Per-channel parameters broadcast as (C, 1, 1, ...).
         let mut pshape = vec![dims[1]];
         pshape.extend(std::iter::repeat_n(1, dims.len() - 2));
-        if let Some(w) = weight {
-            y = y.mul(&w.reshape(pshape.clone())?.to_dtype(y.dtype())?)?;
-        }
-        if let Some(b) = bias {
-            y = y.add(&b.reshape(pshape)?.to_dtype(y.dtype())?)?;
-        }
-        y.to_dtype(self.dtype())
+        let w = weight.map(|w| w.reshape(pshape.clone())).transpose()?;
+        let b = bias.map(|b| b.reshape(pshape.clone())).transpose()?;
+        self.affine_params(y, w.as_ref(), b.as_ref())
     }
 
     /// (dx, dw, db) of the fused GroupNorm; dw and db in the statistics dtype.
@@ -334,14 +329,5 @@ impl Tensor {
             wrap(o.remove(0), self.shape().clone(), self),
             Some((dshift, dscale)),
         ))
-    }
-}
-
-/// The dtype a fused op's parameter gradient comes back in, cast to the parameter's.
-pub(crate) fn to_param(g: Tensor, p: &Tensor) -> Result<Tensor> {
-    if g.dtype() == p.dtype() {
-        Ok(g)
-    } else {
-        g.to_dtype(p.dtype())
     }
 }

@@ -3,7 +3,6 @@
 
 mod composite;
 mod fused;
-pub(crate) use fused::to_param;
 mod ops;
 mod view;
 

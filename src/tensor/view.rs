@@ -148,6 +148,11 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
+        self.copy_dense()
+    }
+
+    /// A one-pass copy into a fresh contiguous buffer, recorded as `Op::Copy`.
+    fn copy_dense(&self) -> Result<Tensor> {
         let storage = self.storage()?.copy_contiguous(self.layout())?;
         let op = record(&[self], || Op::Copy(self.clone()));
         Ok(Tensor::from_storage(
@@ -167,14 +172,7 @@ impl Tensor {
         if whole {
             return Ok(self.clone());
         }
-        let storage = self.storage()?.copy_contiguous(self.layout())?;
-        let op = record(&[self], || Op::Copy(self.clone()));
-        Ok(Tensor::from_storage(
-            storage,
-            self.shape().clone(),
-            self.device().clone(),
-            op,
-        ))
+        self.copy_dense()
     }
 
     /// Joins tensors along `dim`; all other dims must agree.

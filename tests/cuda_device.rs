@@ -38,6 +38,7 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
         assert_eq!(
             found,
             [
+                "attention",
                 "conv",
                 "elementwise",
                 "fill",

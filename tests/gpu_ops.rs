@@ -6,6 +6,8 @@
 
 use flame::{CmpOp, DType, Device, Error, Result, Tensor};
 
+#[path = "gpu_ops/attention.rs"]
+mod attention;
 #[path = "gpu_ops/fused.rs"]
 mod fused;
 

@@ -73,6 +73,17 @@ pub(crate) enum Op {
         rstd: Tensor,
         groups: usize,
     },
+    /// Fused attention of q (B, H, Lq, D) over k, v (B, H, Lk, D), with the key visibility
+    /// flags (B, Lk) and the saved log-sum-exp (B, H, Lq); the output is the op's output.
+    Attention {
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        keep: Option<Tensor>,
+        lse: Tensor,
+        causal: bool,
+        scale: f64,
+    },
 }
 
 /// Every kind of recorded op, by name; the CPU gradcheck suite must exercise each one.
@@ -121,6 +132,7 @@ pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "modulate",
     "rope",
     "group_norm",
+    "attention",
 ];
 
 impl Op {
@@ -149,6 +161,7 @@ impl Op {
             Op::Modulate { .. } => "modulate",
             Op::Rope { .. } => "rope",
             Op::GroupNorm { .. } => "group_norm",
+            Op::Attention { .. } => "attention",
         }
     }
 
@@ -191,6 +204,12 @@ impl Op {
                 .collect(),
             Op::Modulate { x, shift, scale } => vec![x, shift, scale],
             Op::Rope { x, rot, .. } => vec![x, rot],
+            Op::Attention {
+                q, k, v, keep, lse, ..
+            } => [Some(q), Some(k), Some(v), keep, Some(lse)]
+                .into_iter()
+                .flatten()
+                .collect(),
             Op::Binary(a, b, _)
             | Op::Matmul(a, b)
             | Op::IndexSelect(a, b, _)
@@ -229,6 +248,7 @@ impl Op {
                 .collect(),
             Op::Modulate { x, shift, scale } => vec![x, shift, scale],
             Op::Rope { x, .. } => vec![x],
+            Op::Attention { q, k, v, .. } => vec![q, k, v],
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
             Op::Where(_, t, f) => vec![t, f],
             Op::Cat(xs, _) => xs.iter().collect(),

@@ -187,6 +187,25 @@ pub enum FusedOp {
     },
     /// [x, dy (N, C, S), mean, rstd (N, groups), weight? (C)] -> [dx, dw, db (C) stats].
     GroupNormBackward { groups: usize, weight: bool },
+    /// [q (B, H, Lq, D), k, v (B, H, Lk, D), keep? (B, Lk) stats] -> [o (B, H, Lq, D),
+    /// lse (B, H, Lq) stats]: o = softmax(scale q k^T) v row by row, never forming the
+    /// Lq x Lk matrix. Key j is hidden from every query where keep[b][j] == 0 (`mask`), and
+    /// from queries i < j when `causal` (top-left aligned, as PyTorch's `is_causal`).
+    /// lse = log sum_j exp(scale q.k_j) over the visible keys; a row that sees no key gives
+    /// o = 0 and lse = +inf (so the backward's exp(s - lse) is 0 there).
+    Attention {
+        causal: bool,
+        scale: f64,
+        mask: bool,
+    },
+    /// [q, k, v, o, do, lse, keep?] -> [dq, dk, dv]: with P = exp(scale q k^T - lse)
+    /// recomputed, dv = P^T do, dS = P (do v^T - rowsum(do o)), dq = scale dS k,
+    /// dk = scale dS^T q.
+    AttentionBackward {
+        causal: bool,
+        scale: f64,
+        mask: bool,
+    },
 }
 
 impl FusedOp {
@@ -199,6 +218,8 @@ impl FusedOp {
             FusedOp::Rope { .. } => "rope",
             FusedOp::GroupNorm { .. } => "group_norm",
             FusedOp::GroupNormBackward { .. } => "group_norm_backward",
+            FusedOp::Attention { .. } => "attention",
+            FusedOp::AttentionBackward { .. } => "attention_backward",
         }
     }
 }

@@ -85,7 +85,8 @@ pub(crate) fn reduction(op: ReduceOp, l: &Layout, dims: &[usize], dtype: DType) 
 
 /// Checks the operands of a fused op (count, dtypes, shapes) and returns its sizes:
 /// [rows, cols] for SoftmaxBackward and NormParamGrads, [B, L, D] for the modulations,
-/// [B, H, L, D, R] for Rope, [N, C, S, groups] for the group norms.
+/// [B, H, L, D, R] for Rope, [N, C, S, groups] for the group norms, [B, H, Lq, Lk, D] for
+/// attention.
 pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
     use super::FusedOp as F;
     let name = op.name();
@@ -96,6 +97,8 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
         F::Rope { .. } => 2,
         F::GroupNorm { weight, bias, .. } => 1 + usize::from(weight) + usize::from(bias),
         F::GroupNormBackward { weight, .. } => 4 + usize::from(weight),
+        F::Attention { mask, .. } => 3 + usize::from(mask),
+        F::AttentionBackward { mask, .. } => 6 + usize::from(mask),
     };
     let Some(&(dt, x)) = args.first() else {
         return Err(Error::invalid(name, "no operands", &crate::Shape::from(())));
@@ -206,6 +209,39 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
                 expect(i, dt, &[d[1]])?;
             }
             vec![d[0], d[1], d[2], groups]
+        }
+        F::Attention { scale, mask, .. } | F::AttentionBackward { scale, mask, .. } => {
+            rank(4, "(B, H, Lq, D)")?;
+            if !scale.is_finite() {
+                return Err(Error::invalid(
+                    name,
+                    format!("scale {scale} is not finite"),
+                    x.shape(),
+                ));
+            }
+            let kd = args[1].1.dims();
+            let lk = if kd.len() == 4 { kd[2] } else { 0 };
+            if lk == 0 {
+                return Err(Error::invalid(
+                    name,
+                    format!("needs keys (B, H, Lk, D) with Lk > 0, got {:?}", kd),
+                    x.shape(),
+                ));
+            }
+            let kv = [d[0], d[1], lk, d[3]];
+            expect(1, dt, &kv)?;
+            expect(2, dt, &kv)?;
+            let mut next = 3;
+            if let F::AttentionBackward { .. } = op {
+                expect(3, dt, d)?;
+                expect(4, dt, d)?;
+                expect(5, stats, &d[..3])?;
+                next = 6;
+            }
+            if mask {
+                expect(next, stats, &[d[0], lk])?;
+            }
+            vec![d[0], d[1], d[2], lk, d[3]]
         }
     })
 }

@@ -14,4 +14,5 @@ pub use embeddings::{
 pub use layers::{
     upsample_nearest2d, Activation, Dropout, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
+pub use crate::tensor::scaled_dot_product_attention;
 pub use params::VarBuilder;

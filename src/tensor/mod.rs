@@ -1,10 +1,13 @@
 //! The Tensor: shared storage, a strided layout, and (when it takes part in autograd) the op
 //! that made it. Cloning is an Arc bump; views share storage and change only the layout.
 
+mod attention;
 mod composite;
 mod fused;
 mod ops;
 mod view;
+
+pub use attention::scaled_dot_product_attention;
 
 use crate::autograd::{self, Op};
 use crate::device::Storage;

@@ -2,10 +2,24 @@
 //! and rounded once to their dtype. This is the reference the CUDA kernels are tested against;
 //! the composite twins in `Tensor` are the reference of both.
 
+use super::attention::Attn;
 use super::{from_f64_vec, strided};
 use crate::backend::{stats_dtype, validate, FusedOp, NormKind};
 use crate::{CpuStorage, Layout, Result};
 use rayon::prelude::*;
+
+/// The attention pass for dims [B, H, Lq, Lk, D] (from `validate::fused`).
+fn attn<'a>(dims: &[usize], causal: bool, scale: f64, keep: Option<&'a [f64]>) -> Attn<'a> {
+    Attn {
+        h: dims[1],
+        lq: dims[2],
+        lk: dims[3],
+        d: dims[4],
+        causal,
+        scale,
+        keep,
+    }
+}
 
 /// The view `l` of `s` as contiguous f64 values.
 fn view(s: &CpuStorage, l: &Layout) -> Vec<f64> {
@@ -183,6 +197,29 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
                 from_f64_vec(dx, dt),
                 from_f64_vec(dw, st),
                 from_f64_vec(db, st),
+            ]
+        }
+        FusedOp::Attention {
+            causal,
+            scale,
+            mask,
+        } => {
+            let a = attn(&dims, causal, scale, mask.then(|| &v[3][..]));
+            let (o, lse) = a.forward(dims[0] * dims[1], &v[0], &v[1], &v[2]);
+            vec![from_f64_vec(o, dt), from_f64_vec(lse, st)]
+        }
+        FusedOp::AttentionBackward {
+            causal,
+            scale,
+            mask,
+        } => {
+            let a = attn(&dims, causal, scale, mask.then(|| &v[6][..]));
+            let (dq, dk, dv) =
+                a.backward(dims[0] * dims[1], &v[0], &v[1], &v[2], &v[3], &v[4], &v[5]);
+            vec![
+                from_f64_vec(dq, dt),
+                from_f64_vec(dk, dt),
+                from_f64_vec(dv, dt),
             ]
         }
     })

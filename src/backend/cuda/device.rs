@@ -64,6 +64,15 @@ impl<T> DevBuf<T> {
     }
 }
 
+impl<T: DeviceRepr> DevBuf<T> {
+    /// The raw device address, for kernel parameter structs (event tracking is off, so
+    /// cudarc's guard has nothing to record).
+    pub(crate) fn raw(&self, dev: &CudaDevice) -> u64 {
+        use cudarc::driver::DevicePtr;
+        self.slice.device_ptr(dev.stream()).0
+    }
+}
+
 struct Inner {
     ordinal: usize,
     ctx: Arc<CudaContext>,

@@ -51,6 +51,9 @@ pub(crate) fn fused(op: FusedOp, args: &[(&CudaStorage, &Layout)]) -> Result<Vec
             rhs: "another device".into(),
         });
     }
+    if let FusedOp::Attention { .. } | FusedOp::AttentionBackward { .. } = op {
+        return super::attention::run(op, &dims, args);
+    }
     let dense = args
         .iter()
         .map(|(s, l)| s.dense(name, l))
@@ -316,6 +319,14 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 &cpg
             )?;
             vec![out(T::wrap(dx)), out(S::wrap(dw)), out(S::wrap(db))]
+        }
+        // `fused` hands these to cuda::attention before operands are made dense: the flash
+        // kernels read strided views.
+        FusedOp::Attention { .. } | FusedOp::AttentionBackward { .. } => {
+            return Err(Error::Cuda(format!(
+                "{} reached the dense launcher",
+                op.name()
+            )))
         }
     })
 }

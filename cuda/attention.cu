@@ -1,0 +1,531 @@
+// Flash attention, forward and backward, on tensor cores: mma.sync m16n8k16 with bf16/f16
+// operands and f32 accumulators, after FlashAttention-2 (Dao 2023, arXiv:2307.08691).
+// Nothing of size Lq x Lk is stored: the forward keeps a running max and sum per row and saves
+// the log-sum-exp; the backward recomputes the probabilities tile by tile from it.
+//
+// B batch, H heads, Lq queries, Lk keys, D head dim (64 or 128). q, o, do: (B, H, Lq, D);
+// k, v: (B, H, Lk, D); any strides over B, H and rows, unit stride over D, rows 16-byte
+// aligned (the launcher copies views that are not). lse, dvec: (B, H, Lq) f32.
+//
+// Shared-memory tiles hold rows of D elements as 16-byte chunks, chunk c of row r stored at
+// c ^ (r & 7): the eight rows an ldmatrix reads land in eight different bank groups.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and t = lane % 4, the
+// accumulator holds rows g and g + 8, columns 2t and 2t + 1 of an m16n8 tile; an A fragment
+// is four 8x8 blocks (rows 0-7 / 8-15 by k 0-7 / 8-15), a B fragment two (k 0-7 / 8-15).
+#include "common.cuh"
+
+// A tensor view: element strides over batch, head and row.
+struct AttnView {
+  uint64_t ptr;
+  int64_t sb, sh, sr;
+};
+
+// Must match `AttnParams` in src/backend/cuda/attention.rs (repr(C)).
+struct AttnParams {
+  AttnView q, k, v, o, dout;
+  uint64_t lse, dvec, dq_acc, keep, dq, dk, dv;
+  int32_t B, H, Lq, Lk;
+  float scale, scale_log2;
+  int32_t causal, pad;
+};
+
+#define ATTN_THREADS 256
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared, asynchronously; zero-filled when !valid.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm4(uint32_t a, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldsm4t(uint32_t a, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// c += a b on one m16n8k16 tile.
+template <typename T> __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <> __device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as one register of two T (x in the low half).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float x, float y) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float x, float y) {
+  __half2 h = __floats2half2_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Byte offset of chunk c (8 elements) of row r in a swizzled tile of W-element rows.
+template <int W> __device__ __forceinline__ uint32_t swz(int r, int c) {
+  return (uint32_t)((r * W + ((c ^ (r & 7)) << 3)) * 2);
+}
+
+// Rows [row0, row0 + R) of a slice with row stride sr into a swizzled R x D tile; rows at or
+// past L are zeros.
+template <typename T, int R, int D>
+__device__ __forceinline__ void load_tile(uint32_t tile, const T* g, int64_t sr, int row0, int L) {
+  constexpr int CH = D / 8;
+  static_assert((R * CH) % ATTN_THREADS == 0, "tile chunks must split evenly over the block");
+#pragma unroll
+  for (int it = 0; it < R * CH / ATTN_THREADS; ++it) {
+    const int i = threadIdx.x + it * ATTN_THREADS;
+    const int r = i / CH, c = i % CH;
+    const bool ok = row0 + r < L;
+    cp_async16(tile + swz<D>(r, c), g + (ok ? (int64_t)(row0 + r) * sr : 0) + c * 8, ok);
+  }
+}
+
+// Address lanes give ldmatrix.x4 for an A fragment (16 rows x 16 k) at rows r0, k chunk 2kk.
+template <int W> __device__ __forceinline__ uint32_t a_addr(uint32_t tile, int r0, int kk, int lane) {
+  return tile + swz<W>(r0 + (lane & 15), kk * 2 + (lane >> 4));
+}
+// ... for two B fragments (n 0-7 and 8-15) from rows n0.. stored n-major (k contiguous).
+template <int W> __device__ __forceinline__ uint32_t bn_addr(uint32_t tile, int n0, int kk, int lane) {
+  return tile + swz<W>(n0 + ((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1));
+}
+// ... for two B fragments (n chunks c0, c0 + 1) from rows k0.. stored k-major (n contiguous),
+// with ldmatrix.trans.
+template <int W> __device__ __forceinline__ uint32_t bk_addr(uint32_t tile, int k0, int c0, int lane) {
+  return tile + swz<W>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), c0 + (lane >> 4));
+}
+
+template <typename T> __device__ __forceinline__ const T* view_at(const AttnView& v, int b, int h) {
+  return reinterpret_cast<const T*>(v.ptr) + b * v.sb + h * v.sh;
+}
+
+// ----- forward ------------------------------------------------------------------------------
+// A block takes 128 queries (8 warps x 16 rows) of one (b, h) and walks the keys in tiles of
+// 64, double-buffered with cp.async. Q stays in registers; per row the warp keeps m (max, in
+// log2 units), l (sum, this thread's part) and the output accumulator, rescaled when m grows.
+template <typename T, int D>
+__device__ __forceinline__ void attn_fwd(const AttnParams& p) {
+  constexpr int BR = 128, BC = 64;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_u32(smem);
+  const uint32_t sKV = sQ + BR * D * 2;  // stage s: K at sKV + s * 2 * BC * D * 2, then V
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int q0 = blockIdx.x * BR, r0 = warp * 16;
+  const T* Q = view_at<T>(p.q, b, h);
+  const T* K = view_at<T>(p.k, b, h);
+  const T* V = view_at<T>(p.v, b, h);
+  const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
+  // Key j is visible to query i only if j <= i when causal.
+  const int kend = p.causal ? min(p.Lk, min(q0 + BR, p.Lq)) : p.Lk;
+  const int nkt = (kend + BC - 1) / BC;
+  const float sl2 = p.scale_log2;
+
+  load_tile<T, BR, D>(sQ, Q, p.q.sr, q0, p.Lq);
+  load_tile<T, BC, D>(sKV, K, p.k.sr, 0, p.Lk);
+  load_tile<T, BC, D>(sKV + BC * D * 2, V, p.v.sr, 0, p.Lk);
+  cp_commit();
+
+  uint32_t qf[D / 16][4];
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int qrow0 = q0 + r0 + (lane >> 2);
+
+  for (int j = 0; j < nkt; ++j) {
+    if (j + 1 < nkt) {
+      const uint32_t nk = sKV + ((j + 1) & 1) * (2 * BC * D * 2);
+      load_tile<T, BC, D>(nk, K, p.k.sr, (j + 1) * BC, p.Lk);
+      load_tile<T, BC, D>(nk + BC * D * 2, V, p.v.sr, (j + 1) * BC, p.Lk);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    if (j == 0) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) ldsm4(a_addr<D>(sQ, r0, kk, lane), qf[kk]);
+    }
+    const uint32_t sK = sKV + (j & 1) * (2 * BC * D * 2), sV = sK + BC * D * 2;
+
+    // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
+    float s[BC / 8][4];
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < BC / 16; ++np) {
+        uint32_t bf[4];
+        ldsm4(bn_addr<D>(sK, np * 16, kk, lane), bf);
+        mma<T>(s[2 * np], qf[kk], bf[0], bf[1]);
+        mma<T>(s[2 * np + 1], qf[kk], bf[2], bf[3]);
+      }
+    }
+    // To log2 units; hide keys past Lk, masked keys, and keys after the query when causal.
+    const int k0 = j * BC;
+    const bool edge = k0 + BC > p.Lk || keep || (p.causal && k0 + BC - 1 > q0 + r0);
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[n][e] * sl2;
+        if (edge) {
+          const int key = k0 + n * 8 + 2 * (lane & 3) + (e & 1);
+          const int row = qrow0 + (e >> 1) * 8;
+          const bool vis = key < p.Lk && (!keep || keep[key] != 0.f) && (!p.causal || key <= row);
+          if (!vis) x = -INFINITY;
+        }
+        s[n][e] = x;
+      }
+    }
+    // Online softmax: new max, rescale what is accumulated, exponentiate.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mnew = fmaxf(m[r], mx);
+      const float muse = mnew == -INFINITY ? 0.f : mnew;
+      const float alpha = ex2(m[r] - muse);
+      m[r] = mnew;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) {
+        s[n][2 * r] = ex2(s[n][2 * r] - muse);
+        s[n][2 * r + 1] = ex2(s[n][2 * r + 1] - muse);
+        sum += s[n][2 * r] + s[n][2 * r + 1];
+      }
+      l[r] = l[r] * alpha + sum;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][2 * r] *= alpha;
+        o[n][2 * r + 1] *= alpha;
+      }
+    }
+    // O += P V: P's accumulators become A fragments (two n8 tiles make one k16 step).
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                             pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bf[4];
+        ldsm4t(bk_addr<D>(sV, kk * 16, dp * 2, lane), bf);
+        mma<T>(o[2 * dp], a, bf[0], bf[1]);
+        mma<T>(o[2 * dp + 1], a, bf[2], bf[3]);
+      }
+    }
+    __syncthreads();
+  }
+
+  // o / l and lse = ln(2^m l) = m ln 2 + ln l; a row that saw no key: o = 0, lse = +inf.
+  T* O = reinterpret_cast<T*>(p.o.ptr) + b * p.o.sb + h * p.o.sh;
+  float* lse = reinterpret_cast<float*>(p.lse) + (int64_t)bh * p.Lq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float lt = l[r];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const float inv = lt > 0.f ? 1.f / lt : 0.f;
+    const int row = qrow0 + r * 8;
+    if (row < p.Lq) {
+      T* orow = O + (int64_t)row * p.o.sr + 2 * (lane & 3);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+      if ((lane & 3) == 0) lse[row] = lt > 0.f ? m[r] * LN2 + logf(lt) : INFINITY;
+    }
+  }
+}
+
+// ----- backward -----------------------------------------------------------------------------
+// dvec = rowsum(do * o) per query (f32), and the f32 dq accumulator zeroed: a warp per row.
+template <typename T, int D>
+__device__ __forceinline__ void attn_bwd_pre(const AttnParams& p) {
+  const int64_t rows = (int64_t)p.B * p.H * p.Lq;
+  const int lane = threadIdx.x & 31;
+  for (int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5; row < rows;
+       row += ((int64_t)gridDim.x * blockDim.x) >> 5) {
+    const int i = (int)(row % p.Lq);
+    const int bh = (int)(row / p.Lq), b = bh / p.H, h = bh % p.H;
+    const T* o = view_at<T>(p.o, b, h) + (int64_t)i * p.o.sr;
+    const T* g = view_at<T>(p.dout, b, h) + (int64_t)i * p.dout.sr;
+    float* acc = reinterpret_cast<float*>(p.dq_acc) + row * D;
+    float sum = 0.f;
+#pragma unroll
+    for (int c = lane; c < D; c += 32) {
+      sum += to_acc(o[c]) * to_acc(g[c]);
+      acc[c] = 0.f;
+    }
+#pragma unroll
+    for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
+    if (lane == 0) reinterpret_cast<float*>(p.dvec)[row] = sum;
+  }
+}
+
+// A block owns 128 keys of one (b, h) (8 warps x 16 keys) and walks the queries in tiles of
+// 64, double-buffered. Per tile each warp forms S^T = K Q^T for its keys, P^T from the saved
+// lse, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - dvec), dK += dS^T Q; dS^T goes through
+// shared memory so the block can add dQ += dS K into the f32 accumulator with atomics.
+template <typename T, int D>
+__device__ __forceinline__ void attn_bwd(const AttnParams& p) {
+  constexpr int BC = 128, BR = 64;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sK = smem_u32(smem);
+  const uint32_t sV = sK + BC * D * 2;
+  const uint32_t sQ0 = sV + BC * D * 2;        // stage s: Q at sQ0 + s * 2 * BR * D * 2, then dO
+  const uint32_t sdS = sQ0 + 4 * BR * D * 2;   // BC x BR
+  float* sL = reinterpret_cast<float*>(smem + (2 * BC * D + 4 * BR * D + BC * BR) * 2);  // [2][BR]: lse log2e
+  float* sDv = sL + 2 * BR;                                                                 // [2][BR]: dvec
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int k0 = blockIdx.x * BC, kr0 = warp * 16;
+  const T* Q = view_at<T>(p.q, b, h);
+  const T* K = view_at<T>(p.k, b, h);
+  const T* V = view_at<T>(p.v, b, h);
+  const T* dO = view_at<T>(p.dout, b, h);
+  const float* lse = reinterpret_cast<const float*>(p.lse) + (int64_t)bh * p.Lq;
+  const float* dvec = reinterpret_cast<const float*>(p.dvec) + (int64_t)bh * p.Lq;
+  float* dqacc = reinterpret_cast<float*>(p.dq_acc) + (int64_t)bh * p.Lq * D;
+  const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
+  const float sl2 = p.scale_log2;
+
+  // Queries before k0 see none of these keys when causal.
+  const int it0 = p.causal ? k0 / BR : 0;
+  const int nqt = (p.Lq + BR - 1) / BR;
+  auto stage_rows = [&](int s, int it) {
+    const uint32_t q = sQ0 + s * (2 * BR * D * 2);
+    load_tile<T, BR, D>(q, Q, p.q.sr, it * BR, p.Lq);
+    load_tile<T, BR, D>(q + BR * D * 2, dO, p.dout.sr, it * BR, p.Lq);
+    if (tid < BR) {
+      const int qi = it * BR + tid;
+      sL[s * BR + tid] = qi < p.Lq ? lse[qi] * LOG2E : INFINITY;
+      sDv[s * BR + tid] = qi < p.Lq ? dvec[qi] : 0.f;
+    }
+  };
+  load_tile<T, BC, D>(sK, K, p.k.sr, k0, p.Lk);
+  load_tile<T, BC, D>(sV, V, p.v.sr, k0, p.Lk);
+  if (it0 < nqt) stage_rows(0, it0);
+  cp_commit();
+
+  int kidx[2];
+  bool kvis[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    kidx[r] = k0 + kr0 + (lane >> 2) + 8 * r;
+    kvis[r] = kidx[r] < p.Lk && (!keep || keep[kidx[r]] != 0.f);
+  }
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+
+  for (int it = it0; it < nqt; ++it) {
+    const int st = (it - it0) & 1;
+    if (it + 1 < nqt) {
+      stage_rows(st ^ 1, it + 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const int q0 = it * BR;
+    const uint32_t sQ = sQ0 + st * (2 * BR * D * 2), sdO = sQ + BR * D * 2;
+    const float* L = sL + st * BR;
+    const float* Dv = sDv + st * BR;
+
+    // S^T = K Q^T: this warp's 16 keys x the tile's 64 queries.
+    float s[BR / 8][4];
+#pragma unroll
+    for (int n = 0; n < BR / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      ldsm4(a_addr<D>(sK, kr0, kk, lane), a);
+#pragma unroll
+      for (int np = 0; np < BR / 16; ++np) {
+        uint32_t bf[4];
+        ldsm4(bn_addr<D>(sQ, np * 16, kk, lane), bf);
+        mma<T>(s[2 * np], a, bf[0], bf[1]);
+        mma<T>(s[2 * np + 1], a, bf[2], bf[3]);
+      }
+    }
+    // P^T = 2^(s scale log2e - lse log2e); 0 for hidden keys, and for queries past Lq (lse inf).
+    const bool diag = p.causal && k0 + kr0 + 15 > q0;
+#pragma unroll
+    for (int n = 0; n < BR / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = n * 8 + 2 * (lane & 3) + (e & 1);
+        float pv = ex2(s[n][e] * sl2 - L[qc]);
+        if (!kvis[e >> 1] || (diag && kidx[e >> 1] > q0 + qc)) pv = 0.f;
+        s[n][e] = pv;
+      }
+    }
+    // dV += P^T dO.
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+      const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                             pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bf[4];
+        ldsm4t(bk_addr<D>(sdO, kk * 16, dp * 2, lane), bf);
+        mma<T>(dv[2 * dp], a, bf[0], bf[1]);
+        mma<T>(dv[2 * dp + 1], a, bf[2], bf[3]);
+      }
+    }
+    // dP^T = V dO^T.
+    float dpt[BR / 8][4];
+#pragma unroll
+    for (int n = 0; n < BR / 8; ++n) dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      ldsm4(a_addr<D>(sV, kr0, kk, lane), a);
+#pragma unroll
+      for (int np = 0; np < BR / 16; ++np) {
+        uint32_t bf[4];
+        ldsm4(bn_addr<D>(sdO, np * 16, kk, lane), bf);
+        mma<T>(dpt[2 * np], a, bf[0], bf[1]);
+        mma<T>(dpt[2 * np + 1], a, bf[2], bf[3]);
+      }
+    }
+    // dS^T = P^T (dP^T - dvec), kept in s; also stored to shared memory (BC x BR, swizzled).
+#pragma unroll
+    for (int n = 0; n < BR / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] *= dpt[n][e] - Dv[n * 8 + 2 * (lane & 3) + (e & 1)];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = kr0 + (lane >> 2) + 8 * r;
+        const uint32_t addr = sdS + swz<BR>(row, n) + 4 * (lane & 3);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(s[n][2 * r], s[n][2 * r + 1])));
+      }
+    }
+    // dK += dS^T Q (the scale is applied once at the end).
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+      const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                             pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bf[4];
+        ldsm4t(bk_addr<D>(sQ, kk * 16, dp * 2, lane), bf);
+        mma<T>(dk[2 * dp], a, bf[0], bf[1]);
+        mma<T>(dk[2 * dp + 1], a, bf[2], bf[3]);
+      }
+    }
+    __syncthreads();
+    // dQ += scale dS K: warp w takes queries (w % 4) * 16.. and columns (w / 4) * D/2..; the A
+    // fragments of dS are read transposed from dS^T.
+    {
+      const int mq = warp & 3, dh = warp >> 2;
+      float dq[D / 16][4];
+#pragma unroll
+      for (int n = 0; n < D / 16; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; ++kk) {
+        uint32_t a[4];
+        const int mat = lane >> 3;
+        ldsm4t(sdS + swz<BR>(kk * 16 + ((mat >> 1) << 3) + (lane & 7), mq * 2 + (mat & 1)), a);
+#pragma unroll
+        for (int dp = 0; dp < D / 32; ++dp) {
+          uint32_t bf[4];
+          ldsm4t(bk_addr<D>(sK, kk * 16, dh * (D / 16) + dp * 2, lane), bf);
+          mma<T>(dq[2 * dp], a, bf[0], bf[1]);
+          mma<T>(dq[2 * dp + 1], a, bf[2], bf[3]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int qi = q0 + mq * 16 + (lane >> 2) + 8 * r;
+        if (qi < p.Lq) {
+          float* dst = dqacc + (int64_t)qi * D + dh * (D / 2) + 2 * (lane & 3);
+#pragma unroll
+          for (int n = 0; n < D / 16; ++n) {
+            atomicAdd(dst + n * 8, dq[n][2 * r] * p.scale);
+            atomicAdd(dst + n * 8 + 1, dq[n][2 * r + 1] * p.scale);
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // dK (times the scale) and dV for this block's keys, contiguous (B, H, Lk, D).
+  T* gdk = reinterpret_cast<T*>(p.dk) + (int64_t)bh * p.Lk * D;
+  T* gdv = reinterpret_cast<T*>(p.dv) + (int64_t)bh * p.Lk * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (kidx[r] < p.Lk) {
+      const int64_t off = (int64_t)kidx[r] * D + 2 * (lane & 3);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<uint32_t*>(gdk + off + n * 8) =
+            pack2<T>(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(gdv + off + n * 8) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// dq = the f32 accumulator rounded to T.
+template <typename T>
+__device__ __forceinline__ void attn_dq(const float* acc, T* dq, size_t n) {
+  GRID_STRIDE(i, n) dq[i] = from_acc<T>(acc[i]);
+}
+
+#define ATTN_KERNELS(T, SFX, D)                                                                         \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1) attn_fwd_##SFX##_d##D(const AttnParams p) { \
+    attn_fwd<T, D>(p);                                                                                 \
+  }                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1) attn_bwd_##SFX##_d##D(const AttnParams p) { \
+    attn_bwd<T, D>(p);                                                                                 \
+  }                                                                                                    \
+  extern "C" __global__ void attn_bwd_pre_##SFX##_d##D(const AttnParams p) { attn_bwd_pre<T, D>(p); }
+
+ATTN_KERNELS(__nv_bfloat16, bf16, 64)
+ATTN_KERNELS(__nv_bfloat16, bf16, 128)
+ATTN_KERNELS(__half, f16, 64)
+ATTN_KERNELS(__half, f16, 128)
+
+extern "C" __global__ void attn_dq_bf16(const float* acc, __nv_bfloat16* dq, size_t n) { attn_dq(acc, dq, n); }
+extern "C" __global__ void attn_dq_f16(const float* acc, __half* dq, size_t n) { attn_dq(acc, dq, n); }

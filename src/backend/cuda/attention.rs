@@ -1,0 +1,279 @@
+//! Launchers of the flash-attention kernels (cuda/attention.cu) behind `FusedOp::Attention`
+//! and `FusedOp::AttentionBackward`: bf16/f16, head dims 64 and 128.
+//!
+//! q, k, v, o and do are passed as views (strides over batch, head and row) when their rows
+//! are unit-stride and 16-byte aligned, so attention on a permuted qkv projection reads it in
+//! place; other views are copied first. Outputs are contiguous. Extra memory: the backward's
+//! f32 dq accumulator (B, H, Lq, D) and dvec (B, H, Lq); nothing of size Lq x Lk.
+
+use super::device::CudaDevice;
+use super::layout::grid_for;
+use super::storage::{launch, CudaStorage, Elem};
+use crate::backend::FusedOp;
+use crate::{DType, Error, Layout, Result, Shape};
+use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+use half::{bf16, f16};
+
+/// `AttnView` of cuda/attention.cu: a device address and element strides (batch, head, row).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct View {
+    ptr: u64,
+    sb: i64,
+    sh: i64,
+    sr: i64,
+}
+
+/// `AttnParams` of cuda/attention.cu, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Params {
+    q: View,
+    k: View,
+    v: View,
+    o: View,
+    dout: View,
+    lse: u64,
+    dvec: u64,
+    dq_acc: u64,
+    keep: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    b: i32,
+    h: i32,
+    lq: i32,
+    lk: i32,
+    scale: f32,
+    scale_log2: f32,
+    causal: i32,
+    pad: i32,
+}
+
+// SAFETY: plain repr(C) structs of integers and floats, laid out as the C structs the
+// kernels declare (8-byte fields first, then an even number of 4-byte fields: no padding).
+unsafe impl DeviceRepr for Params {}
+
+const THREADS: u32 = 256;
+/// Queries per forward block, keys per backward block, queries per backward step.
+const FWD_ROWS: usize = 128;
+const BWD_KEYS: usize = 128;
+const BWD_ROWS: usize = 64;
+
+fn fwd_smem(d: usize) -> usize {
+    // Q (128 x D) and two stages of K and V (64 x D each), 2-byte elements.
+    (FWD_ROWS + 4 * 64) * d * 2
+}
+
+fn bwd_smem(d: usize) -> usize {
+    // K, V (128 x D), two stages of Q and dO (64 x D), dS^T (128 x 64); lse and dvec stages.
+    (2 * BWD_KEYS * d + 4 * BWD_ROWS * d + BWD_KEYS * BWD_ROWS) * 2 + 4 * BWD_ROWS * 4
+}
+
+fn ptr(s: &CudaStorage) -> u64 {
+    s.buf.raw_ptr(s.dev.stream())
+}
+
+/// The kernel's view of operand (s, l) (B, H, L, D): in place when rows are unit-stride and
+/// 16-byte aligned, else from a contiguous copy kept alive in `keep`.
+fn view(
+    op: &'static str,
+    s: &CudaStorage,
+    l: &Layout,
+    copies: &mut Vec<CudaStorage>,
+) -> Result<View> {
+    s.check(op, l)?;
+    let st = l.strides();
+    let aligned = st[3] == 1 && st[..3].iter().all(|&x| x % 8 == 0) && l.offset() % 8 == 0;
+    if aligned {
+        return Ok(View {
+            ptr: ptr(s) + (l.offset() * 2) as u64,
+            sb: st[0] as i64,
+            sh: st[1] as i64,
+            sr: st[2] as i64,
+        });
+    }
+    let c = s.contiguous(l)?;
+    let d = l.dims();
+    let v = View {
+        ptr: ptr(&c),
+        sb: (d[1] * d[2] * d[3]) as i64,
+        sh: (d[2] * d[3]) as i64,
+        sr: d[3] as i64,
+    };
+    copies.push(c);
+    Ok(v)
+}
+
+fn dense_view(ptr: u64, h: usize, l: usize, d: usize) -> View {
+    View {
+        ptr,
+        sb: (h * l * d) as i64,
+        sh: (l * d) as i64,
+        sr: d as i64,
+    }
+}
+
+/// Runs `op` on checked operands with dims [B, H, Lq, Lk, D] (`validate::fused`).
+pub(crate) fn run(
+    op: FusedOp,
+    dims: &[usize],
+    args: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<CudaStorage>> {
+    let name = op.name();
+    let (b, h, lq, lk, d) = (dims[0], dims[1], dims[2], dims[3], dims[4]);
+    let x = args[0].0;
+    let shape = || Shape::from(&[b, h, lq, d][..]);
+    if !matches!(x.buf.dtype(), DType::BF16 | DType::F16) {
+        return Err(Error::UnsupportedDType {
+            op: name,
+            dtype: x.buf.dtype(),
+        });
+    }
+    if !matches!(d, 64 | 128) {
+        return Err(Error::invalid(
+            name,
+            format!("the CUDA kernels take head dims 64 and 128, not {d}"),
+            &shape(),
+        ));
+    }
+    if b * h > 65535 || lq.max(lk) >= 1 << 30 {
+        return Err(Error::invalid(
+            name,
+            "B * H above 65535 or a sequence of 2^30 rows exceeds one launch".to_string(),
+            &shape(),
+        ));
+    }
+    let (causal, scale, mask) = match op {
+        FusedOp::Attention {
+            causal,
+            scale,
+            mask,
+        }
+        | FusedOp::AttentionBackward {
+            causal,
+            scale,
+            mask,
+        } => (causal, scale, mask),
+        _ => return Err(Error::Cuda(format!("{name} is not attention"))),
+    };
+    let mut copies = vec![];
+    let mut p = Params {
+        b: b as i32,
+        h: h as i32,
+        lq: lq as i32,
+        lk: lk as i32,
+        scale: scale as f32,
+        scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+        causal: i32::from(causal),
+        ..Params::default()
+    };
+    p.q = view(name, args[0].0, args[0].1, &mut copies)?;
+    p.k = view(name, args[1].0, args[1].1, &mut copies)?;
+    p.v = view(name, args[2].0, args[2].1, &mut copies)?;
+    let fwd = matches!(op, FusedOp::Attention { .. });
+    if !fwd {
+        p.o = view(name, args[3].0, args[3].1, &mut copies)?;
+        p.dout = view(name, args[4].0, args[4].1, &mut copies)?;
+        let (s, l) = args[5];
+        let lse = s.dense(name, l)?;
+        p.lse = ptr(lse.as_ref().unwrap_or(s));
+        copies.extend(lse);
+    }
+    if mask {
+        let (s, l) = args[args.len() - 1];
+        let keep = s.dense(name, l)?;
+        p.keep = ptr(keep.as_ref().unwrap_or(s));
+        copies.extend(keep);
+    }
+    let out = match x.buf.dtype() {
+        DType::BF16 => launch_all::<bf16>(&x.dev, fwd, &mut p, d),
+        DType::F16 => launch_all::<f16>(&x.dev, fwd, &mut p, d),
+        dt => Err(Error::UnsupportedDType {
+            op: name,
+            dtype: dt,
+        }),
+    }?;
+    // The copies must outlive the launches: the stream orders the frees after the kernels.
+    drop(copies);
+    Ok(out.into_iter().map(|b| x.wrap(b)).collect())
+}
+
+fn big_smem(dev: &CudaDevice, name: &str, bytes: usize) -> Result<()> {
+    dev.function("attention", name)?
+        .set_attribute(
+            Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| Error::Cuda(format!("{name}: {bytes} bytes of shared memory: {e:?}")))
+}
+
+fn launch_all<T: Elem>(
+    dev: &CudaDevice,
+    fwd: bool,
+    p: &mut Params,
+    d: usize,
+) -> Result<Vec<super::storage::Buf>> {
+    let (b, h, lq, lk) = (p.b as usize, p.h as usize, p.lq as usize, p.lk as usize);
+    let bh = b * h;
+    let cfg = |blocks: usize, smem: usize| LaunchConfig {
+        grid_dim: (blocks as u32, bh as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    if fwd {
+        let o = dev.alloc::<T>(bh * lq * d)?;
+        let lse = dev.alloc::<f32>(bh * lq)?;
+        p.o = dense_view(o.raw(dev), h, lq, d);
+        p.lse = lse.raw(dev);
+        let kernel = format!("attn_fwd_{}_d{d}", T::SFX);
+        big_smem(dev, &kernel, fwd_smem(d))?;
+        launch!(
+            dev,
+            "attention",
+            kernel,
+            cfg(lq.div_ceil(FWD_ROWS), fwd_smem(d)),
+            &*p
+        )?;
+        return Ok(vec![T::wrap(o), f32::wrap(lse)]);
+    }
+    let dvec = dev.alloc::<f32>(bh * lq)?;
+    let acc = dev.alloc::<f32>(bh * lq * d)?;
+    let dq = dev.alloc::<T>(bh * lq * d)?;
+    let dk = dev.alloc::<T>(bh * lk * d)?;
+    let dv = dev.alloc::<T>(bh * lk * d)?;
+    p.dvec = dvec.raw(dev);
+    p.dq_acc = acc.raw(dev);
+    p.dk = dk.raw(dev);
+    p.dv = dv.raw(dev);
+    let sms = dev.sm_count().max(1);
+    launch!(
+        dev,
+        "attention",
+        format!("attn_bwd_pre_{}_d{d}", T::SFX),
+        grid_for(bh * lq * 32, sms),
+        &*p
+    )?;
+    let kernel = format!("attn_bwd_{}_d{d}", T::SFX);
+    big_smem(dev, &kernel, bwd_smem(d))?;
+    launch!(
+        dev,
+        "attention",
+        kernel,
+        cfg(lk.div_ceil(BWD_KEYS), bwd_smem(d)),
+        &*p
+    )?;
+    let n = bh * lq * d;
+    let mut dq = dq;
+    launch!(
+        dev,
+        "attention",
+        format!("attn_dq_{}", T::SFX),
+        grid_for(n, sms),
+        &acc.slice,
+        &mut dq.slice,
+        &n
+    )?;
+    Ok(vec![T::wrap(dq), T::wrap(dk), T::wrap(dv)])
+}

@@ -1,0 +1,217 @@
+//! Flash attention on CUDA (bf16, f16; head dims 64 and 128) against the composite reference
+//! (matmul, softmax, matmul) computed in f32 on the same rounded inputs: the output and the
+//! gradients of q, k and v, at lengths 1, 77, 333, 1024 and 4608, with and without a key
+//! padding mask and causality. Part of the gpu_ops executable.
+//!
+//! Tolerance: max |flash - reference| <= tol * max |reference|, per tensor. The kernels round
+//! P (forward) and P, dS (backward) to the input type before their tensor-core products, as
+//! FlashAttention does, and round each output once: relative errors of 2^-9 (bf16) or 2^-12
+//! (f16) per term, averaging out over the sums. Measured worst cases are printed; the bounds
+//! (bf16 1e-2, f16 2e-3) leave about 2x margin over them.
+
+use super::{gpu, serial, CPU};
+use flame::{DType, Device, Grads, Tensor};
+
+fn tol(dt: DType) -> f64 {
+    match dt {
+        DType::BF16 => 1e-2,
+        _ => 2e-3,
+    }
+}
+
+fn rel_err(a: &Tensor, r: &Tensor) -> f64 {
+    let (a, r) = (a.to_vec_f64().unwrap(), r.to_vec_f64().unwrap());
+    assert_eq!(a.len(), r.len());
+    let scale = r.iter().fold(0f64, |m, v| m.max(v.abs()));
+    assert!(scale > 0.0, "an all-zero reference proves nothing");
+    a.iter()
+        .zip(&r)
+        .map(|(x, y)| if x.is_nan() { f64::INFINITY } else { (x - y).abs() })
+        .fold(0.0, f64::max)
+        / scale
+}
+
+fn sci(e: &[f64]) -> String {
+    let v: Vec<String> = e.iter().map(|x| format!("{x:.2e}")).collect();
+    format!("[{}]", v.join(", "))
+}
+
+fn randn(shape: &[usize], dt: DType, seed: u64, dev: &Device) -> Tensor {
+    Tensor::randn(shape, DType::F64, &CPU, seed)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
+        .to_device(dev)
+        .unwrap()
+}
+
+/// Output and (dq, dk, dv) of `f` on leaf copies of the inputs.
+fn fwd_bwd(
+    x: &[&Tensor; 3],
+    dy: &Tensor,
+    f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> flame::Result<Tensor>,
+) -> Vec<Tensor> {
+    let l: Vec<Tensor> = x
+        .iter()
+        .map(|t| t.detach().requires_grad_().unwrap())
+        .collect();
+    let y = f(&l[0], &l[1], &l[2]).unwrap();
+    let mut g = Grads::new();
+    y.backward_with_grad(dy, &mut g, false).unwrap();
+    let mut out = vec![y];
+    out.extend(l.iter().map(|t| g.get(t).unwrap().clone()));
+    out
+}
+
+/// Worst relative errors [o, dq, dk, dv] of the flash kernels on one configuration.
+#[allow(clippy::too_many_arguments)]
+fn errors(
+    dt: DType,
+    (b, h, lq, lk, d): (usize, usize, usize, usize, usize),
+    causal: bool,
+    masked: bool,
+    seed: u64,
+) -> [f64; 4] {
+    let dev = gpu();
+    let q = randn(&[b, h, lq, d], dt, seed, &dev);
+    let k = randn(&[b, h, lk, d], dt, seed + 1, &dev);
+    let v = randn(&[b, h, lk, d], dt, seed + 2, &dev);
+    let dy = randn(&[b, h, lq, d], dt, seed + 3, &dev);
+    // About 70% of keys visible; batch 1, when there is one, sees none (its rows output 0).
+    let mask = masked.then(|| {
+        let u = Tensor::rand_uniform(0.0, 1.0, (b, lk), DType::F32, &CPU, seed + 4).unwrap();
+        let mut keep: Vec<f32> = u.to_vec().unwrap();
+        keep.iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = f32::from(*x > 0.3 && i / lk != 1));
+        keep[0] = 1.0;
+        Tensor::from_slice(&keep, (b, lk), &dev).unwrap()
+    });
+    let scale = 1.0 / (d as f64).sqrt();
+    let m = mask.as_ref();
+    let flash = fwd_bwd(&[&q, &k, &v], &dy, &|q, k, v| {
+        q.attention_fused(k, v, m, causal, scale)
+    });
+    let f32_ = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let reference = fwd_bwd(&[&f32_(&q), &f32_(&k), &f32_(&v)], &f32_(&dy), &|q, k, v| {
+        q.attention_composite(k, v, m, causal, scale)
+    });
+    let mut e = [0.0; 4];
+    for (i, (a, r)) in flash.iter().zip(&reference).enumerate() {
+        assert_eq!(a.dtype(), dt);
+        e[i] = rel_err(a, r);
+    }
+    e
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn flash_attention_matches_the_f32_composite() {
+    let _one = serial();
+    // (B, H, Lq, Lk): self-attention at every length, SDXL's cross-attention to 77 tokens,
+    // and fewer queries than keys.
+    let shapes = [
+        (2, 3, 1, 1),
+        (2, 2, 77, 77),
+        (2, 2, 333, 77),
+        (1, 3, 77, 333),
+        (2, 2, 333, 333),
+        (1, 2, 1024, 1024),
+        (1, 2, 4608, 4608),
+    ];
+    let mut worst = vec![];
+    let mut failures = vec![];
+    for dt in [DType::BF16, DType::F16] {
+        let mut dt_worst = [0f64; 4];
+        for d in [64, 128] {
+            for (i, &(b, h, lq, lk)) in shapes.iter().enumerate() {
+                for (causal, masked) in [(false, false), (false, true), (true, false), (true, true)] {
+                    let e = errors(dt, (b, h, lq, lk, d), causal, masked, 100 * i as u64);
+                    for (w, x) in dt_worst.iter_mut().zip(e) {
+                        *w = w.max(x);
+                    }
+                    if e.iter().any(|&x| !(x <= tol(dt))) {
+                        failures.push(format!(
+                            "{dt} D={d} B={b} H={h} Lq={lq} Lk={lk} causal={causal} mask={masked}: \
+                             [o, dq, dk, dv] errors {}",
+                            sci(&e)
+                        ));
+                    }
+                }
+            }
+        }
+        worst.push(format!(
+            "{dt}: worst [o, dq, dk, dv] {} (bound {:.0e})",
+            sci(&dt_worst),
+            tol(dt)
+        ));
+    }
+    println!("{}", worst.join("\n"));
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn flash_attention_reads_strided_views_and_matches_dense_inputs() {
+    let _one = serial();
+    let dev = gpu();
+    // One projection (B, L, 3, H, D) split into q, k, v views (B, H, L, D), as Flux does.
+    let (b, l, h, d) = (2, 301, 3, 128);
+    let qkv = randn(&[b, l, 3, h, d], DType::BF16, 7, &dev);
+    let dy = randn(&[b, h, l, d], DType::BF16, 8, &dev);
+    let p = qkv.permute(&[2, 0, 3, 1, 4]).unwrap();
+    let part = |i| p.narrow(0, i, 1).unwrap().squeeze(0).unwrap();
+    let f = |q: &Tensor, k: &Tensor, v: &Tensor| q.attention_fused(k, v, None, true, 0.1);
+    let views = fwd_bwd(&[&part(0), &part(1), &part(2)], &dy, &f);
+    let dense: Vec<Tensor> = (0..3).map(|i| part(i).contiguous().unwrap()).collect();
+    let copies = fwd_bwd(&[&dense[0], &dense[1], &dense[2]], &dy, &f);
+    for (a, c) in views.iter().zip(&copies) {
+        assert_eq!(a.to_vec_f64().unwrap(), c.to_vec_f64().unwrap());
+    }
+    // A view whose rows are not 16-byte aligned is copied first, with the same result.
+    let odd = randn(&[1, 2, 65, 64], DType::BF16, 9, &dev);
+    let q = odd.narrow(2, 1, 64).unwrap();
+    let qd = q.contiguous().unwrap();
+    let o1 = q.attention_fused(&q, &q, None, false, 0.125).unwrap();
+    let o2 = qd.attention_fused(&qd, &qd, None, false, 0.125).unwrap();
+    assert_eq!(o1.to_vec_f64().unwrap(), o2.to_vec_f64().unwrap());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn flash_attention_allocates_nothing_of_size_l_squared() {
+    let _one = serial();
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        panic!("a CUDA device")
+    };
+    let (b, h, l, d) = (1, 4, 16384, 128);
+    let x: Vec<Tensor> = (0..4)
+        .map(|i| randn(&[b, h, l, d], DType::BF16, 20 + i, &dev))
+        .collect();
+    let leaves: Vec<Tensor> = x[..3]
+        .iter()
+        .map(|t| t.detach().requires_grad_().unwrap())
+        .collect();
+    cuda.synchronize().unwrap();
+    let base = cuda.memory().in_use;
+    cuda.reset_peak_memory();
+    let y = flame::nn::scaled_dot_product_attention(&leaves[0], &leaves[1], &leaves[2], None, false, None)
+        .unwrap();
+    let mut g = Grads::new();
+    y.backward_with_grad(&x[3], &mut g, false).unwrap();
+    cuda.synchronize().unwrap();
+    let extra = cuda.memory().peak - base;
+    // o, dq, dk, dv, lse, dvec and the f32 dq accumulator: about 10 x (B, H, L, D) bf16. One
+    // (B, H, L, L) f32 score matrix would be 4 GiB.
+    let tensor = (b * h * l * d * 2) as u64;
+    println!("extra peak memory {:.1} MiB = {:.2} x one (B, H, L, D) tensor", extra as f64 / 1048576.0, extra as f64 / tensor as f64);
+    assert!(extra <= 12 * tensor, "{extra} bytes beyond the inputs");
+    // The kernels refuse what they do not support, by name.
+    let f = leaves[0].to_dtype(DType::F32).unwrap();
+    let e = f.attention_fused(&f, &f, None, false, 1.0).unwrap_err();
+    assert!(e.to_string().contains("attention"), "{e}");
+    let q48 = randn(&[1, 1, 8, 48], DType::BF16, 30, &dev);
+    let e = q48.attention_fused(&q48, &q48, None, false, 1.0).unwrap_err();
+    assert!(e.to_string().contains("head dims"), "{e}");
+}

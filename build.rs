@@ -9,6 +9,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// Kernel files compiled a second time for compute_90 (see below).
+const HOPPER_VARIANTS: &[&str] = &["attention"];
+
 fn find_nvcc() -> Option<PathBuf> {
     let exe = if cfg!(windows) { "nvcc.exe" } else { "nvcc" };
     if let Some(p) = std::env::var_os("NVCC") {
@@ -60,11 +63,22 @@ fn main() {
             "nvcc was not found when FLAME was built, so no CUDA kernels were compiled".to_string()
         }
         (Some(nvcc), true) => {
+            // Kernel files with Hopper-only paths (`__CUDA_ARCH__ >= 900`) also get a
+            // compute_90 module, `<stem>_sm90`, which launchers pick on such GPUs.
+            let digits: String = arch.chars().filter(|c| c.is_ascii_digit()).collect();
+            let below_90 = digits.parse::<u32>().map_or(true, |v| v < 90);
+            let mut jobs = vec![];
             for src in &sources {
                 let stem = src
                     .file_stem()
                     .and_then(|s| s.to_str())
                     .expect("utf-8 kernel file name");
+                jobs.push((src, stem.to_string(), arch.clone()));
+                if HOPPER_VARIANTS.contains(&stem) && below_90 {
+                    jobs.push((src, format!("{stem}_sm90"), "compute_90".to_string()));
+                }
+            }
+            for (src, stem, arch) in jobs {
                 let ptx = out_dir.join(format!("{stem}.ptx"));
                 let out = Command::new(nvcc)
                     .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}")])

@@ -50,8 +50,9 @@ fn main() -> Result<()> {
             let base = cuda.memory().in_use;
             cuda.reset_peak_memory();
             let both = time(cuda, || {
-                let y =
-                    scaled_dot_product_attention(&leaves[0], &leaves[1], &leaves[2], None, causal, None)?;
+                let y = scaled_dot_product_attention(
+                    &leaves[0], &leaves[1], &leaves[2], None, causal, None,
+                )?;
                 let mut g = Grads::new();
                 y.backward_with_grad(&x[3], &mut g, false)
             })?;

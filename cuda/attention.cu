@@ -95,13 +95,13 @@ template <int W> __device__ __forceinline__ uint32_t swz(int r, int c) {
 
 // Rows [row0, row0 + R) of a slice with row stride sr into a swizzled R x D tile; rows at or
 // past L are zeros.
-template <typename T, int R, int D>
+template <typename T, int R, int D, int NT>
 __device__ __forceinline__ void load_tile(uint32_t tile, const T* g, int64_t sr, int row0, int L) {
   constexpr int CH = D / 8;
-  static_assert((R * CH) % ATTN_THREADS == 0, "tile chunks must split evenly over the block");
+  static_assert((R * CH) % NT == 0, "tile chunks must split evenly over the block");
 #pragma unroll
-  for (int it = 0; it < R * CH / ATTN_THREADS; ++it) {
-    const int i = threadIdx.x + it * ATTN_THREADS;
+  for (int it = 0; it < R * CH / NT; ++it) {
+    const int i = threadIdx.x + it * NT;
     const int r = i / CH, c = i % CH;
     const bool ok = row0 + r < L;
     cp_async16(tile + swz<D>(r, c), g + (ok ? (int64_t)(row0 + r) * sr : 0) + c * 8, ok);
@@ -127,18 +127,24 @@ template <typename T> __device__ __forceinline__ const T* view_at(const AttnView
 }
 
 // ----- forward ------------------------------------------------------------------------------
-// A block takes 128 queries (8 warps x 16 rows) of one (b, h) and walks the keys in tiles of
-// 64, double-buffered with cp.async. Q stays in registers; per row the warp keeps m (max, in
-// log2 units), l (sum, this thread's part) and the output accumulator, rescaled when m grows.
+// A block of 4 warps takes 128 queries of one (b, h), 32 rows (two m16 tiles) a warp, so each
+// K or V fragment read from shared memory feeds two products; two blocks fit an SM. Keys go
+// by in tiles of 64, double-buffered with cp.async. Per row the warp keeps m (the max, in log2
+// units), l (the sum, this thread's part) and the output accumulator, rescaled when m grows.
+#define FWD_WARPS 4
+#define FWD_MT 2
+// Keys per tile: 32 at D = 128 keeps the scores and the output accumulator in registers.
+#define FWD_BC(D) ((D) == 128 ? 32 : 64)
+
 template <typename T, int D>
 __device__ __forceinline__ void attn_fwd(const AttnParams& p) {
-  constexpr int BR = 128, BC = 64;
+  constexpr int MT = FWD_MT, BR = 16 * MT * FWD_WARPS, BC = FWD_BC(D), NT = 32 * FWD_WARPS;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_u32(smem);
   const uint32_t sKV = sQ + BR * D * 2;  // stage s: K at sKV + s * 2 * BC * D * 2, then V
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-  const int q0 = blockIdx.x * BR, r0 = warp * 16;
+  const int q0 = blockIdx.x * BR, r0 = warp * 16 * MT;
   const T* Q = view_at<T>(p.q, b, h);
   const T* K = view_at<T>(p.k, b, h);
   const T* V = view_at<T>(p.v, b, h);
@@ -148,104 +154,122 @@ __device__ __forceinline__ void attn_fwd(const AttnParams& p) {
   const int nkt = (kend + BC - 1) / BC;
   const float sl2 = p.scale_log2;
 
-  load_tile<T, BR, D>(sQ, Q, p.q.sr, q0, p.Lq);
-  load_tile<T, BC, D>(sKV, K, p.k.sr, 0, p.Lk);
-  load_tile<T, BC, D>(sKV + BC * D * 2, V, p.v.sr, 0, p.Lk);
+  load_tile<T, BR, D, NT>(sQ, Q, p.q.sr, q0, p.Lq);
+  load_tile<T, BC, D, NT>(sKV, K, p.k.sr, 0, p.Lk);
+  load_tile<T, BC, D, NT>(sKV + BC * D * 2, V, p.v.sr, 0, p.Lk);
   cp_commit();
 
-  uint32_t qf[D / 16][4];
-  float o[D / 8][4];
+  float o[MT][D / 8][4];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const int qrow0 = q0 + r0 + (lane >> 2);
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[t][n][0] = o[t][n][1] = o[t][n][2] = o[t][n][3] = 0.f;
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int t = 0; t < MT; ++t) m[t][0] = m[t][1] = -INFINITY, l[t][0] = l[t][1] = 0.f;
+  const int qrow0 = q0 + r0 + (lane >> 2);  // + 16 t + 8 r
 
   for (int j = 0; j < nkt; ++j) {
     if (j + 1 < nkt) {
       const uint32_t nk = sKV + ((j + 1) & 1) * (2 * BC * D * 2);
-      load_tile<T, BC, D>(nk, K, p.k.sr, (j + 1) * BC, p.Lk);
-      load_tile<T, BC, D>(nk + BC * D * 2, V, p.v.sr, (j + 1) * BC, p.Lk);
+      load_tile<T, BC, D, NT>(nk, K, p.k.sr, (j + 1) * BC, p.Lk);
+      load_tile<T, BC, D, NT>(nk + BC * D * 2, V, p.v.sr, (j + 1) * BC, p.Lk);
       cp_commit();
       cp_wait<1>();
     } else {
       cp_wait<0>();
     }
     __syncthreads();
-    if (j == 0) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) ldsm4(a_addr<D>(sQ, r0, kk, lane), qf[kk]);
-    }
     const uint32_t sK = sKV + (j & 1) * (2 * BC * D * 2), sV = sK + BC * D * 2;
 
-    // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
-    float s[BC / 8][4];
+    // S = Q K^T for this warp's 32 rows and the tile's 64 keys.
+    float s[MT][BC / 8][4];
 #pragma unroll
-    for (int n = 0; n < BC / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) s[t][n][0] = s[t][n][1] = s[t][n][2] = s[t][n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t qa[MT][4];
+#pragma unroll
+      for (int t = 0; t < MT; ++t) ldsm4(a_addr<D>(sQ, r0 + 16 * t, kk, lane), qa[t]);
 #pragma unroll
       for (int np = 0; np < BC / 16; ++np) {
         uint32_t bf[4];
         ldsm4(bn_addr<D>(sK, np * 16, kk, lane), bf);
-        mma<T>(s[2 * np], qf[kk], bf[0], bf[1]);
-        mma<T>(s[2 * np + 1], qf[kk], bf[2], bf[3]);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+          mma<T>(s[t][2 * np], qa[t], bf[0], bf[1]);
+          mma<T>(s[t][2 * np + 1], qa[t], bf[2], bf[3]);
+        }
       }
     }
     // To log2 units; hide keys past Lk, masked keys, and keys after the query when causal.
     const int k0 = j * BC;
     const bool edge = k0 + BC > p.Lk || keep || (p.causal && k0 + BC - 1 > q0 + r0);
 #pragma unroll
-    for (int n = 0; n < BC / 8; ++n) {
+    for (int t = 0; t < MT; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[n][e] * sl2;
-        if (edge) {
-          const int key = k0 + n * 8 + 2 * (lane & 3) + (e & 1);
-          const int row = qrow0 + (e >> 1) * 8;
-          const bool vis = key < p.Lk && (!keep || keep[key] != 0.f) && (!p.causal || key <= row);
-          if (!vis) x = -INFINITY;
+      for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[t][n][e] * sl2;
+          if (edge) {
+            const int key = k0 + n * 8 + 2 * (lane & 3) + (e & 1);
+            const int row = qrow0 + 16 * t + (e >> 1) * 8;
+            const bool vis = key < p.Lk && (!keep || keep[key] != 0.f) && (!p.causal || key <= row);
+            if (!vis) x = -INFINITY;
+          }
+          s[t][n][e] = x;
         }
-        s[n][e] = x;
-      }
-    }
     // Online softmax: new max, rescale what is accumulated, exponentiate.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
+    for (int t = 0; t < MT; ++t)
 #pragma unroll
-      for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mnew = fmaxf(m[r], mx);
-      const float muse = mnew == -INFINITY ? 0.f : mnew;
-      const float alpha = ex2(m[r] - muse);
-      m[r] = mnew;
-      float sum = 0.f;
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
 #pragma unroll
-      for (int n = 0; n < BC / 8; ++n) {
-        s[n][2 * r] = ex2(s[n][2 * r] - muse);
-        s[n][2 * r + 1] = ex2(s[n][2 * r + 1] - muse);
-        sum += s[n][2 * r] + s[n][2 * r + 1];
+        for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[t][n][2 * r], s[t][n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(m[t][r], mx);
+        const float muse = mnew == -INFINITY ? 0.f : mnew;
+        const float alpha = ex2(m[t][r] - muse);
+        m[t][r] = mnew;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n) {
+          s[t][n][2 * r] = ex2(s[t][n][2 * r] - muse);
+          s[t][n][2 * r + 1] = ex2(s[t][n][2 * r + 1] - muse);
+          sum += s[t][n][2 * r] + s[t][n][2 * r + 1];
+        }
+        l[t][r] = l[t][r] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o[t][n][2 * r] *= alpha;
+          o[t][n][2 * r + 1] *= alpha;
+        }
       }
-      l[r] = l[r] * alpha + sum;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][2 * r] *= alpha;
-        o[n][2 * r + 1] *= alpha;
-      }
-    }
     // O += P V: P's accumulators become A fragments (two n8 tiles make one k16 step).
 #pragma unroll
     for (int kk = 0; kk < BC / 16; ++kk) {
-      const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                             pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        a[t][0] = pack2<T>(s[t][2 * kk][0], s[t][2 * kk][1]);
+        a[t][1] = pack2<T>(s[t][2 * kk][2], s[t][2 * kk][3]);
+        a[t][2] = pack2<T>(s[t][2 * kk + 1][0], s[t][2 * kk + 1][1]);
+        a[t][3] = pack2<T>(s[t][2 * kk + 1][2], s[t][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t bf[4];
         ldsm4t(bk_addr<D>(sV, kk * 16, dp * 2, lane), bf);
-        mma<T>(o[2 * dp], a, bf[0], bf[1]);
-        mma<T>(o[2 * dp + 1], a, bf[2], bf[3]);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+          mma<T>(o[t][2 * dp], a[t], bf[0], bf[1]);
+          mma<T>(o[t][2 * dp + 1], a[t], bf[2], bf[3]);
+        }
       }
     }
     __syncthreads();
@@ -255,20 +279,22 @@ __device__ __forceinline__ void attn_fwd(const AttnParams& p) {
   T* O = reinterpret_cast<T*>(p.o.ptr) + b * p.o.sb + h * p.o.sh;
   float* lse = reinterpret_cast<float*>(p.lse) + (int64_t)bh * p.Lq;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float lt = l[r];
-    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-    const float inv = lt > 0.f ? 1.f / lt : 0.f;
-    const int row = qrow0 + r * 8;
-    if (row < p.Lq) {
-      T* orow = O + (int64_t)row * p.o.sr + 2 * (lane & 3);
+  for (int t = 0; t < MT; ++t)
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n)
-        *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-      if ((lane & 3) == 0) lse[row] = lt > 0.f ? m[r] * LN2 + logf(lt) : INFINITY;
+    for (int r = 0; r < 2; ++r) {
+      float lt = l[t][r];
+      lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+      lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+      const float inv = lt > 0.f ? 1.f / lt : 0.f;
+      const int row = qrow0 + 16 * t + r * 8;
+      if (row < p.Lq) {
+        T* orow = O + (int64_t)row * p.o.sr + 2 * (lane & 3);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+          *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(o[t][n][2 * r] * inv, o[t][n][2 * r + 1] * inv);
+        if ((lane & 3) == 0) lse[row] = lt > 0.f ? m[t][r] * LN2 + logf(lt) : INFINITY;
+      }
     }
-  }
 }
 
 // ----- backward -----------------------------------------------------------------------------
@@ -326,19 +352,32 @@ __device__ __forceinline__ void attn_bwd(const AttnParams& p) {
   // Queries before k0 see none of these keys when causal.
   const int it0 = p.causal ? k0 / BR : 0;
   const int nqt = (p.Lq + BR - 1) / BR;
+  // Q and dO of query tile `it` into stage s (asynchronously); its lse (log2 units, +inf
+  // past Lq) and dvec are loaded into registers here and stored by `put_rows` once the
+  // loads have had time to land.
+  float nl = 0.f, nd = 0.f;
   auto stage_rows = [&](int s, int it) {
     const uint32_t q = sQ0 + s * (2 * BR * D * 2);
-    load_tile<T, BR, D>(q, Q, p.q.sr, it * BR, p.Lq);
-    load_tile<T, BR, D>(q + BR * D * 2, dO, p.dout.sr, it * BR, p.Lq);
+    load_tile<T, BR, D, ATTN_THREADS>(q, Q, p.q.sr, it * BR, p.Lq);
+    load_tile<T, BR, D, ATTN_THREADS>(q + BR * D * 2, dO, p.dout.sr, it * BR, p.Lq);
     if (tid < BR) {
       const int qi = it * BR + tid;
-      sL[s * BR + tid] = qi < p.Lq ? lse[qi] * LOG2E : INFINITY;
-      sDv[s * BR + tid] = qi < p.Lq ? dvec[qi] : 0.f;
+      nl = qi < p.Lq ? lse[qi] * LOG2E : INFINITY;
+      nd = qi < p.Lq ? dvec[qi] : 0.f;
     }
   };
-  load_tile<T, BC, D>(sK, K, p.k.sr, k0, p.Lk);
-  load_tile<T, BC, D>(sV, V, p.v.sr, k0, p.Lk);
-  if (it0 < nqt) stage_rows(0, it0);
+  auto put_rows = [&](int s) {
+    if (tid < BR) {
+      sL[s * BR + tid] = nl;
+      sDv[s * BR + tid] = nd;
+    }
+  };
+  load_tile<T, BC, D, ATTN_THREADS>(sK, K, p.k.sr, k0, p.Lk);
+  load_tile<T, BC, D, ATTN_THREADS>(sV, V, p.v.sr, k0, p.Lk);
+  if (it0 < nqt) {
+    stage_rows(0, it0);
+    put_rows(0);
+  }
   cp_commit();
 
   int kidx[2];
@@ -474,6 +513,26 @@ __device__ __forceinline__ void attn_bwd(const AttnParams& p) {
           mma<T>(dq[2 * dp + 1], a, bf[2], bf[3]);
         }
       }
+#if __CUDA_ARCH__ >= 900
+      // Lanes t and t ^ 1 swap halves so each holds four adjacent columns of one row (row g
+      // for even t, g + 8 for odd t): one 16-byte reduction instead of four.
+      {
+        const bool odd = lane & 1;
+        const int qi = q0 + mq * 16 + (lane >> 2) + (odd ? 8 : 0);
+        float* dst = dqacc + (int64_t)qi * D + dh * (D / 2) + 2 * ((lane & 3) & ~1);
+#pragma unroll
+        for (int n = 0; n < D / 16; ++n) {
+          // Even lanes send their row g + 8 pair, odd lanes their row g pair.
+          const float s0 = odd ? dq[n][0] : dq[n][2], s1 = odd ? dq[n][1] : dq[n][3];
+          const float r0v = __shfl_xor_sync(0xffffffffu, s0, 1), r1v = __shfl_xor_sync(0xffffffffu, s1, 1);
+          float4 v = odd ? make_float4(r0v, r1v, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], r0v, r1v);
+          if (qi < p.Lq)
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + n * 8), "f"(v.x * p.scale),
+                         "f"(v.y * p.scale), "f"(v.z * p.scale), "f"(v.w * p.scale)
+                         : "memory");
+        }
+      }
+#else
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int qi = q0 + mq * 16 + (lane >> 2) + 8 * r;
@@ -486,7 +545,9 @@ __device__ __forceinline__ void attn_bwd(const AttnParams& p) {
           }
         }
       }
+#endif
     }
+    if (it + 1 < nqt) put_rows(st ^ 1);
     __syncthreads();
   }
 
@@ -514,7 +575,7 @@ __device__ __forceinline__ void attn_dq(const float* acc, T* dq, size_t n) {
 }
 
 #define ATTN_KERNELS(T, SFX, D)                                                                         \
-  extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1) attn_fwd_##SFX##_d##D(const AttnParams p) { \
+  extern "C" __global__ void __launch_bounds__(32 * FWD_WARPS, 2) attn_fwd_##SFX##_d##D(const AttnParams p) { \
     attn_fwd<T, D>(p);                                                                                 \
   }                                                                                                    \
   extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1) attn_bwd_##SFX##_d##D(const AttnParams p) { \

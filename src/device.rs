@@ -291,6 +291,8 @@ impl Storage {
     }
     #[cfg(feature = "cuda")]
     fn cuda(&self, op: &'static str) -> Result<&crate::backend::cuda::CudaStorage> {
+        // `op` names the mismatch, which only a build with both backends can have.
+        let _ = op;
         match self {
             Storage::Cuda(s) => Ok(s),
             #[cfg(feature = "cpu-ref")]

@@ -49,7 +49,16 @@ fn assert_close(what: &str, a: &[Vec<f64>], b: &[Vec<f64>], tol: f64) {
 }
 
 /// (name, B, H, Lq, Lk, D, causal, mask flags (B * Lk) or empty)
-type Config = (&'static str, usize, usize, usize, usize, usize, bool, Vec<f64>);
+type Config = (
+    &'static str,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    bool,
+    Vec<f64>,
+);
 
 fn configs() -> Vec<Config> {
     let alt = |n: usize| (0..n).map(|i| f64::from(i % 3 != 1)).collect::<Vec<_>>();
@@ -76,8 +85,8 @@ fn fused_matches_the_composite_in_f64_and_f32() {
             let k = randn(&[b, h, lk, d], dt, 2);
             let v = randn(&[b, h, lk, d], dt, 3);
             let dy = randn(&[b, h, lq, d], dt, 4);
-            let mask = (!flags.is_empty())
-                .then(|| Tensor::from_slice(&flags, (b, lk), &CPU).unwrap());
+            let mask =
+                (!flags.is_empty()).then(|| Tensor::from_slice(&flags, (b, lk), &CPU).unwrap());
             let scale = 0.9 / (d as f64).sqrt();
             let fused = run(&q, &k, &v, &dy, |q, k, v| {
                 q.attention_fused(k, v, mask.as_ref(), causal, scale)
@@ -112,8 +121,14 @@ fn a_query_that_sees_no_key_outputs_zero_and_passes_no_gradient() -> Result<()> 
     }
     // Hidden keys of batch 0 get no gradient either.
     for j in [0, 2] {
-        assert!(r[2][j * 4..j * 4 + 4].iter().all(|&x| x == 0.0), "dk of hidden key {j}");
-        assert!(r[3][j * 4..j * 4 + 4].iter().all(|&x| x == 0.0), "dv of hidden key {j}");
+        assert!(
+            r[2][j * 4..j * 4 + 4].iter().all(|&x| x == 0.0),
+            "dk of hidden key {j}"
+        );
+        assert!(
+            r[3][j * 4..j * 4 + 4].iter().all(|&x| x == 0.0),
+            "dv of hidden key {j}"
+        );
     }
     Ok(())
 }
@@ -160,10 +175,22 @@ fn bad_shapes_and_dtypes_are_errors_naming_attention() {
     let t = |s: &[usize]| randn(s, DType::F32, 31);
     let (q, k) = (t(&[1, 2, 5, 8]), t(&[1, 2, 6, 8]));
     let cases: Vec<(&str, Result<Tensor>)> = vec![
-        ("rank 3 q", t(&[2, 5, 8]).attention_fused(&k, &k, None, false, 1.0)),
-        ("head dims differ", q.attention_fused(&t(&[1, 2, 6, 4]), &k, None, false, 1.0)),
-        ("heads differ", q.attention_composite(&t(&[1, 3, 6, 8]), &k, None, false, 1.0)),
-        ("k and v lengths differ", q.attention_fused(&k, &t(&[1, 2, 7, 8]), None, false, 1.0)),
+        (
+            "rank 3 q",
+            t(&[2, 5, 8]).attention_fused(&k, &k, None, false, 1.0),
+        ),
+        (
+            "head dims differ",
+            q.attention_fused(&t(&[1, 2, 6, 4]), &k, None, false, 1.0),
+        ),
+        (
+            "heads differ",
+            q.attention_composite(&t(&[1, 3, 6, 8]), &k, None, false, 1.0),
+        ),
+        (
+            "k and v lengths differ",
+            q.attention_fused(&k, &t(&[1, 2, 7, 8]), None, false, 1.0),
+        ),
         (
             "mask length",
             q.attention_fused(&k, &k, Some(&t(&[1, 5])), false, 1.0),
@@ -179,7 +206,9 @@ fn bad_shapes_and_dtypes_are_errors_naming_attention() {
         assert!(
             matches!(
                 e,
-                Error::InvalidArgument { .. } | Error::ShapeMismatch { .. } | Error::DTypeMismatch { .. }
+                Error::InvalidArgument { .. }
+                    | Error::ShapeMismatch { .. }
+                    | Error::DTypeMismatch { .. }
             ) && e.to_string().contains("attention"),
             "{what}: {e}"
         );

@@ -32,7 +32,8 @@ fn device_creation_reports_what_is_missing() {
 
 #[test]
 fn build_embeds_every_kernel_module_when_nvcc_is_present() {
-    let mut found: Vec<_> = kernel_modules().collect();
+    // Hopper variants (`<stem>_sm90`) exist only when the main target is below compute_90.
+    let mut found: Vec<_> = kernel_modules().filter(|m| !m.ends_with("_sm90")).collect();
     found.sort_unstable();
     if kernels_compiled() {
         assert_eq!(

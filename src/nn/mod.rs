@@ -7,6 +7,7 @@ mod embeddings;
 mod layers;
 mod params;
 
+pub use crate::tensor::scaled_dot_product_attention;
 pub use conv::{adaptive_avg_pool2d, avg_pool2d, conv2d, max_pool2d, pad2d, Conv2d, Conv2dConfig};
 pub use embeddings::{
     apply_rope, modulate, rope, timestep_embedding, EmbedNd, Modulation, ModulationOut,
@@ -14,5 +15,4 @@ pub use embeddings::{
 pub use layers::{
     upsample_nearest2d, Activation, Dropout, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
-pub use crate::tensor::scaled_dot_product_attention;
 pub use params::VarBuilder;

@@ -213,19 +213,21 @@ impl Tensor {
         let mut hidden = match mask {
             Some(m) => {
                 let m = m.detach();
-                Some(m.eq(&m.zeros_like()?)?.to_dtype(dt)?.reshape((
-                    m.dims()[0],
-                    1,
-                    1,
-                    lk,
-                ))?)
+                Some(
+                    m.eq(&m.zeros_like()?)?
+                        .to_dtype(dt)?
+                        .reshape((m.dims()[0], 1, 1, lk))?,
+                )
             }
             None => None,
         };
         if causal {
             let i = Tensor::arange(0.0, lq as f64, dt, dev)?.reshape((1, 1, lq, 1))?;
             let j = Tensor::arange(0.0, lk as f64, dt, dev)?.reshape((1, 1, 1, lk))?;
-            let (i, j) = (i.broadcast_as((1, 1, lq, lk))?, j.broadcast_as((1, 1, lq, lk))?);
+            let (i, j) = (
+                i.broadcast_as((1, 1, lq, lk))?,
+                j.broadcast_as((1, 1, lq, lk))?,
+            );
             let c = j.gt(&i)?;
             hidden = Some(match hidden {
                 Some(h) => h.maximum(&c)?,

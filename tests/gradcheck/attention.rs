@@ -62,9 +62,7 @@ pub(super) fn cases(g: &mut Inputs) -> Vec<Case> {
             vec![g.n([2, 2, 4, 3]), g.n([2, 2, 5, 3]), g.n([2, 2, 5, 3])],
             {
                 let m = m25.clone();
-                move |x| {
-                    x[0].attention_composite(&x[1], &x[2], Some(&on(&m, &x[0])?), true, 0.6)
-                }
+                move |x| x[0].attention_composite(&x[1], &x[2], Some(&on(&m, &x[0])?), true, 0.6)
             },
         )
         .expect(&["softmax", "matmul", "where"]),

@@ -55,15 +55,26 @@ struct Params {
 // kernels declare (8-byte fields first, then an even number of 4-byte fields: no padding).
 unsafe impl DeviceRepr for Params {}
 
-const THREADS: u32 = 256;
-/// Queries per forward block, keys per backward block, queries per backward step.
+/// Tile sizes, as cuda/attention.cu sets them: the forward's 4 warps take 128 queries and
+/// walk keys in tiles of FWD_BC(D); the backward's 8 warps take 128 keys and walk queries in
+/// tiles of 64.
+const FWD_THREADS: u32 = 128;
 const FWD_ROWS: usize = 128;
+const BWD_THREADS: u32 = 256;
 const BWD_KEYS: usize = 128;
 const BWD_ROWS: usize = 64;
 
+fn fwd_keys(d: usize) -> usize {
+    if d == 128 {
+        32
+    } else {
+        64
+    }
+}
+
 fn fwd_smem(d: usize) -> usize {
-    // Q (128 x D) and two stages of K and V (64 x D each), 2-byte elements.
-    (FWD_ROWS + 4 * 64) * d * 2
+    // Q (128 x D) and two stages of K and V (FWD_BC x D each), 2-byte elements.
+    (FWD_ROWS + 4 * fwd_keys(d)) * d * 2
 }
 
 fn bwd_smem(d: usize) -> usize {
@@ -200,8 +211,8 @@ pub(crate) fn run(
     Ok(out.into_iter().map(|b| x.wrap(b)).collect())
 }
 
-fn big_smem(dev: &CudaDevice, name: &str, bytes: usize) -> Result<()> {
-    dev.function("attention", name)?
+fn big_smem(dev: &CudaDevice, module: &'static str, name: &str, bytes: usize) -> Result<()> {
+    dev.function(module, name)?
         .set_attribute(
             Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             bytes as i32,
@@ -217,9 +228,19 @@ fn launch_all<T: Elem>(
 ) -> Result<Vec<super::storage::Buf>> {
     let (b, h, lq, lk) = (p.b as usize, p.h as usize, p.lq as usize, p.lk as usize);
     let bh = b * h;
-    let cfg = |blocks: usize, smem: usize| LaunchConfig {
+    // Hopper gets the compute_90 build, whose backward adds dq with 16-byte reductions.
+    let module = if dev.compute_capability_major() >= 9
+        && super::ptx::MODULES
+            .iter()
+            .any(|(n, _)| *n == "attention_sm90")
+    {
+        "attention_sm90"
+    } else {
+        "attention"
+    };
+    let cfg = |blocks: usize, threads: u32, smem: usize| LaunchConfig {
         grid_dim: (blocks as u32, bh as u32, 1),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     if fwd {
@@ -228,12 +249,12 @@ fn launch_all<T: Elem>(
         p.o = dense_view(o.raw(dev), h, lq, d);
         p.lse = lse.raw(dev);
         let kernel = format!("attn_fwd_{}_d{d}", T::SFX);
-        big_smem(dev, &kernel, fwd_smem(d))?;
+        big_smem(dev, module, &kernel, fwd_smem(d))?;
         launch!(
             dev,
-            "attention",
+            module,
             kernel,
-            cfg(lq.div_ceil(FWD_ROWS), fwd_smem(d)),
+            cfg(lq.div_ceil(FWD_ROWS), FWD_THREADS, fwd_smem(d)),
             &*p
         )?;
         return Ok(vec![T::wrap(o), f32::wrap(lse)]);
@@ -250,25 +271,25 @@ fn launch_all<T: Elem>(
     let sms = dev.sm_count().max(1);
     launch!(
         dev,
-        "attention",
+        module,
         format!("attn_bwd_pre_{}_d{d}", T::SFX),
         grid_for(bh * lq * 32, sms),
         &*p
     )?;
     let kernel = format!("attn_bwd_{}_d{d}", T::SFX);
-    big_smem(dev, &kernel, bwd_smem(d))?;
+    big_smem(dev, module, &kernel, bwd_smem(d))?;
     launch!(
         dev,
-        "attention",
+        module,
         kernel,
-        cfg(lk.div_ceil(BWD_KEYS), bwd_smem(d)),
+        cfg(lk.div_ceil(BWD_KEYS), BWD_THREADS, bwd_smem(d)),
         &*p
     )?;
     let n = bh * lq * d;
     let mut dq = dq;
     launch!(
         dev,
-        "attention",
+        module,
         format!("attn_dq_{}", T::SFX),
         grid_for(n, sms),
         &acc.slice,

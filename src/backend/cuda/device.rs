@@ -79,6 +79,8 @@ struct Inner {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     sm_count: usize,
+    /// The compute capability's major version (9 for Hopper).
+    cc_major: u32,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     mem: Arc<MemoryStats>,
@@ -151,6 +153,9 @@ impl CudaDevice {
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_err("reading the SM count"))? as usize;
+        let cc_major = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(cuda_err("reading the compute capability"))? as u32;
         keep_freed_memory_pooled(&ctx, ordinal)?;
         let mem = Arc::new(MemoryStats::default());
         mem.limit.store(limit, Ordering::Relaxed);
@@ -160,6 +165,7 @@ impl CudaDevice {
             stream,
             blas,
             sm_count,
+            cc_major,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             mem,
@@ -180,6 +186,11 @@ impl CudaDevice {
 
     pub(crate) fn sm_count(&self) -> usize {
         self.0.sm_count
+    }
+
+    /// The compute capability's major version (8 Ampere/Ada, 9 Hopper).
+    pub fn compute_capability_major(&self) -> u32 {
+        self.0.cc_major
     }
 
     /// Waits for all queued work.

@@ -93,7 +93,7 @@ pub(crate) use by_dtype;
 
 /// Launches `$module/$name` with `$args` (each pushed by reference).
 macro_rules! launch {
-    ($dev:expr, $module:literal, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+    ($dev:expr, $module:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
         use cudarc::driver::PushKernelArg;
         let name: &str = &$name;
         let f = $dev.function($module, name)?;

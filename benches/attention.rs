@@ -4,23 +4,15 @@
 //! the GPU machine; benches/torch_attention.py times PyTorch's SDPA on the same inputs in the
 //! same call. FLOPs: forward 4 B H Lq Lk D, backward 2.5x that, halved when causal.
 
+mod common;
+
 use flame::nn::scaled_dot_product_attention;
 use flame::{DType, Device, Grads, Result, Tensor};
-use std::time::Instant;
 
 const ITERS: usize = 10;
 
-fn time(dev: &flame::cuda::CudaDevice, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..2 {
-        f()?;
-    }
-    dev.synchronize()?;
-    let t = Instant::now();
-    for _ in 0..ITERS {
-        f()?;
-    }
-    dev.synchronize()?;
-    Ok(t.elapsed().as_secs_f64() / ITERS as f64)
+fn time<R>(dev: &flame::cuda::CudaDevice, f: impl FnMut() -> Result<R>) -> Result<f64> {
+    common::time(dev, 2, ITERS, f)
 }
 
 fn main() -> Result<()> {

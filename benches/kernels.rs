@@ -3,23 +3,15 @@
 //!   bf16 matmuls: TFLOP/s. benches/torch_kernels.py times PyTorch on the same shapes.
 //! Timed with the stream synchronised around `ITERS` launches after a warm-up.
 
+mod common;
+
 use flame::{DType, Device, Result, Tensor};
-use std::time::Instant;
 
 const MIB: usize = 1 << 20;
 const ITERS: usize = 20;
 
-fn time(dev: &flame::cuda::CudaDevice, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
-    for _ in 0..3 {
-        f()?;
-    }
-    dev.synchronize()?;
-    let t = Instant::now();
-    for _ in 0..ITERS {
-        f()?;
-    }
-    dev.synchronize()?;
-    Ok(t.elapsed().as_secs_f64() / ITERS as f64)
+fn time<R>(dev: &flame::cuda::CudaDevice, f: impl FnMut() -> Result<R>) -> Result<f64> {
+    common::time(dev, 3, ITERS, f)
 }
 
 fn main() -> Result<()> {
@@ -37,20 +29,12 @@ fn main() -> Result<()> {
     let mut dst = stream
         .alloc_zeros::<u8>(256 * MIB)
         .map_err(|e| flame::Error::Cuda(format!("{e:?}")))?;
-    for _ in 0..3 {
+    let t = time(cuda, || {
         stream
             .memcpy_dtod(&src, &mut dst)
-            .map_err(|e| flame::Error::Cuda(format!("{e:?}")))?;
-    }
-    cuda.synchronize()?;
-    let t = Instant::now();
-    for _ in 0..ITERS {
-        stream
-            .memcpy_dtod(&src, &mut dst)
-            .map_err(|e| flame::Error::Cuda(format!("{e:?}")))?;
-    }
-    cuda.synchronize()?;
-    let copy = 2.0 * (256 * MIB) as f64 / (t.elapsed().as_secs_f64() / ITERS as f64) / 1e9;
+            .map_err(|e| flame::Error::Cuda(format!("{e:?}")))
+    })?;
+    let copy = 2.0 * (256 * MIB) as f64 / t / 1e9;
     println!("flame copy_d2d_256MiB          {copy:8.1} GB/s  100.0% (ceiling)");
 
     let a = Tensor::randn(n, DType::F32, &dev, 1)?;

@@ -3,23 +3,15 @@
 //! GB/s counts the fewest bytes each pass must move: forward reads x (and small parameters)
 //! and writes y; backward also reads dy and writes dx. Conv2d reports TFLOP/s.
 
+mod common;
+
 use flame::nn::{apply_rope, conv2d, modulate};
 use flame::{DType, Device, Grads, Result, Tensor};
-use std::time::Instant;
 
 const ITERS: usize = 20;
 
-fn time(dev: &flame::cuda::CudaDevice, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..3 {
-        f()?;
-    }
-    dev.synchronize()?;
-    let t = Instant::now();
-    for _ in 0..ITERS {
-        f()?;
-    }
-    dev.synchronize()?;
-    Ok(t.elapsed().as_secs_f64() / ITERS as f64)
+fn time<R>(dev: &flame::cuda::CudaDevice, f: impl FnMut() -> Result<R>) -> Result<f64> {
+    common::time(dev, 3, ITERS, f)
 }
 
 /// Times y = op(x) and y = op(x); dx = backward(dy), and prints both.

@@ -79,6 +79,10 @@ pub enum Error {
         file: Option<PathBuf>,
         msg: String,
     },
+    #[error("checkpoint {path}: {msg}")]
+    Checkpoint { path: PathBuf, msg: String },
+    #[error("model config{}: {msg}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
+    Config { path: Option<PathBuf>, msg: String },
     #[error("optimizer {optimizer}: {msg}")]
     Optimizer {
         optimizer: &'static str,

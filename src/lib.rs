@@ -9,6 +9,7 @@ pub mod backend;
 mod device;
 mod dtype;
 mod error;
+pub mod models;
 pub mod nn;
 pub mod optim;
 pub mod safetensors;

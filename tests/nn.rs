@@ -7,13 +7,15 @@
 use flame::autograd::gradcheck::{gradcheck, GradcheckConfig};
 use flame::nn::{
     apply_rope, modulate, rope, timestep_embedding, upsample_nearest2d, Activation, Dropout,
-    EmbedNd, Embedding, GroupNorm, LayerNorm, Linear, Modulation, RmsNorm, VarBuilder,
+    EmbedNd, Embedding, GroupNorm, KeyMap, KeySource, LayerNorm, Linear, Modulation, RmsNorm,
+    VarBuilder,
 };
 use flame::optim::{AdamConfig, AdamW, Optimizer};
 use flame::safetensors::save;
 use flame::{DType, Device, Error, Result, Shape, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 type R = Result<()>;
 type Layer<'a> = dyn Fn(&Tensor) -> Result<Tensor> + 'a;
@@ -734,9 +736,7 @@ fn varbuilder_shards_duplicates_missing_and_shapes() -> R {
 
     // A key in two shards: an error naming the key and both files.
     let c = dir.save("c.safetensors", &all, |k| k == QKV_B || k == TIN_W);
-    let e = VarBuilder::from_files(&[&a, &c], DType::F32, &CPU)
-        .err()
-        .expect("dup");
+    let e = VarBuilder::from_files(&[&a, &c], DType::F32, &CPU).expect_err("dup");
     param_err(&e, QKV_B, &[QKV_B, &show(&a), &show(&c)]);
 
     // A missing key names the full key and the files searched.
@@ -880,4 +880,88 @@ fn layer_errors() {
     let e = e.expect_err("2-D t").to_string();
     assert!(e.contains("timestep_embedding"), "{e}");
     assert!(timestep_embedding(&randn(2, 408), 1, 1e4, true, 0.0, 1.0).is_err());
+}
+
+#[test]
+fn varbuilder_key_map_concatenates_swaps_and_renames() -> R {
+    let dir = TempDir::new("keymap");
+    let all: Vec<(&str, Tensor)> = [
+        ("attn.to_q.weight", 0u64),
+        ("attn.to_k.weight", 1),
+        ("attn.to_v.weight", 2),
+        ("norm_out.linear.weight", 3),
+        ("proj_out.weight", 4),
+        ("extra.weight", 5),
+    ]
+    .into_iter()
+    .map(|(k, s)| (k, randn((4, 3), 300 + s)))
+    .collect();
+    let path = dir.save("diffusers.safetensors", &all, |_| true);
+    let map: KeyMap = Arc::new(|k: &str| match k {
+        "blk.qkv.weight" => Some(KeySource::Cat(vec![
+            "attn.to_q.weight".into(),
+            "attn.to_k.weight".into(),
+            "attn.to_v.weight".into(),
+        ])),
+        "final.ada.weight" => Some(KeySource::SwapHalves("norm_out.linear.weight".into())),
+        "final.linear.weight" => Some(KeySource::Key("proj_out.weight".into())),
+        "blk.gone.weight" => Some(KeySource::Key("nowhere.weight".into())),
+        _ => None,
+    });
+    let vb = VarBuilder::from_files(&[&path], DType::F64, &CPU)?.with_key_map(map)?;
+    assert_eq!(vb.pp("blk").shape_of("qkv.weight"), Some(vec![12, 3]));
+    assert!(vb.contains("blk.qkv.weight") && !vb.contains("blk.gone.weight"));
+    let qkv = vb.get((12, 3), "blk.qkv.weight")?;
+    let mut want = vec![];
+    for k in ["attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight"] {
+        want.extend(v(source(&all, k)));
+    }
+    assert_eq!(v(&qkv), want);
+    let ada = v(&vb.get((4, 3), "final.ada.weight")?);
+    let n = v(source(&all, "norm_out.linear.weight"));
+    assert_eq!(ada, [&n[6..], &n[..6]].concat(), "halves swapped");
+    assert_eq!(
+        v(&vb.get((4, 3), "final.linear.weight")?),
+        v(source(&all, "proj_out.weight"))
+    );
+    assert_eq!(vb.unused_keys()?, ["extra.weight"]);
+    // Errors name the model key and the source keys.
+    param_err(
+        &vb.get((4, 3), "blk.gone.weight").unwrap_err(),
+        "blk.gone.weight",
+        &["missing", "nowhere.weight"],
+    );
+    param_err(
+        &vb.get((4, 3), "blk.unknown.weight").unwrap_err(),
+        "blk.unknown.weight",
+        &["no source"],
+    );
+    let vb2 = VarBuilder::from_files(&[&path], DType::F64, &CPU)?.with_key_map(Arc::new(|k| {
+        (k == "blk.qkv.weight").then(|| KeySource::Cat(vec!["attn.to_q.weight".into()]))
+    }))?;
+    param_err(
+        &vb2.get((12, 3), "blk.qkv.weight").unwrap_err(),
+        "blk.qkv.weight",
+        &["expected shape", "[4, 3]", "attn.to_q.weight"],
+    );
+    Ok(())
+}
+
+#[test]
+fn varbuilder_random_is_seeded_per_key() -> R {
+    let a = VarBuilder::random(7, 0.5, DType::F32, &CPU);
+    let b = VarBuilder::random(7, 0.5, DType::F32, &CPU);
+    let (a1, a2) = (a.get((64, 32), "x.weight")?, a.get(5, "y.bias")?);
+    // Built in the other order, the same keys give the same values.
+    let (b2, b1) = (b.get(5, "y.bias")?, b.get((64, 32), "x.weight")?);
+    assert_eq!(v(&a1), v(&b1));
+    assert_eq!(v(&a2), v(&b2));
+    let other = VarBuilder::random(8, 0.5, DType::F32, &CPU).get((64, 32), "x.weight")?;
+    assert_ne!(v(&a1), v(&other));
+    let x = v(&a1);
+    let var = x.iter().map(|x| x * x).sum::<f64>() / x.len() as f64;
+    assert!((var.sqrt() - 0.5).abs() < 0.05, "std {}", var.sqrt());
+    assert!(!a.contains("x.weight"));
+    assert!(a.unused_keys()?.is_empty());
+    Ok(())
 }

@@ -15,4 +15,4 @@ pub use embeddings::{
 pub use layers::{
     upsample_nearest2d, Activation, Dropout, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
-pub use params::VarBuilder;
+pub use params::{KeyMap, KeySource, VarBuilder};

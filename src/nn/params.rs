@@ -8,9 +8,36 @@
 
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Shape, Tensor};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+
+/// Where a parameter's values live in a source whose layout differs from the model's key
+/// paths (a diffusers folder read by a model named after the original checkpoint's keys).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeySource {
+    /// The tensor under another key.
+    Key(String),
+    /// Tensors concatenated along dim 0, e.g. a fused qkv projection stored as separate
+    /// q, k and v.
+    Cat(Vec<String>),
+    /// One tensor with its two halves along dim 0 swapped: diffusers stores the final adaLN
+    /// projection as (scale, shift) where the original checkpoints have (shift, scale).
+    SwapHalves(String),
+}
+
+impl KeySource {
+    /// The source keys this parameter reads.
+    pub fn keys(&self) -> Vec<&str> {
+        match self {
+            KeySource::Key(k) | KeySource::SwapHalves(k) => vec![k.as_str()],
+            KeySource::Cat(ks) => ks.iter().map(|k| k.as_str()).collect(),
+        }
+    }
+}
+
+/// Maps a model key to its source, or `None` where the layout has no such tensor.
+pub type KeyMap = Arc<dyn Fn(&str) -> Option<KeySource> + Send + Sync>;
 
 enum Source {
     Files {
@@ -19,14 +46,23 @@ enum Source {
         index: HashMap<String, usize>,
     },
     Tensors(HashMap<String, Tensor>),
+    /// Fresh N(0, std²) values of whatever shape a layer asks for, seeded per key.
+    Random {
+        seed: u64,
+        std: f64,
+    },
 }
 
 struct Shared {
     source: Source,
+    /// Model key -> source key(s); `None` reads every key as is.
+    map: Option<KeyMap>,
     dtype: DType,
     device: Device,
     /// Every tensor handed out, by full key.
     loaded: Mutex<BTreeMap<String, Tensor>>,
+    /// Every source key read.
+    used: Mutex<BTreeSet<String>>,
 }
 
 /// A view of a parameter source under a key prefix. Cheap to clone.
@@ -34,6 +70,32 @@ struct Shared {
 pub struct VarBuilder {
     shared: Arc<Shared>,
     prefix: Vec<String>,
+}
+
+impl std::fmt::Debug for VarBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let source = match &self.shared.source {
+            Source::Files { files, .. } => files
+                .iter()
+                .map(|f| f.path().display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            Source::Tensors(t) => format!("{} tensors", t.len()),
+            Source::Random { seed, std } => format!("random N(0, {std}^2), seed {seed}"),
+        };
+        write!(
+            f,
+            "VarBuilder({source}, prefix '{}', {:?}, {}{})",
+            self.prefix.join("."),
+            self.shared.dtype,
+            self.shared.device,
+            if self.shared.map.is_some() {
+                ", key map"
+            } else {
+                ""
+            }
+        )
+    }
 }
 
 impl VarBuilder {
@@ -64,15 +126,50 @@ impl VarBuilder {
         Self::new(Source::Tensors(tensors), dtype, device)
     }
 
+    /// Random parameters: each key asked for gets N(0, std²) values of the asked shape, from
+    /// a seed mixed from `seed` and the key (so a model's weights do not depend on the order
+    /// its layers are built in). For benchmarks and for made-up tiny models; `contains` is
+    /// false for every key (nothing is stored), and there are no unused keys.
+    pub fn random(seed: u64, std: f64, dtype: DType, device: &Device) -> Self {
+        Self::new(Source::Random { seed, std }, dtype, device)
+    }
+
     fn new(source: Source, dtype: DType, device: &Device) -> Self {
         VarBuilder {
             shared: Arc::new(Shared {
                 source,
+                map: None,
                 dtype,
                 device: device.clone(),
                 loaded: Mutex::new(BTreeMap::new()),
+                used: Mutex::new(BTreeSet::new()),
             }),
             prefix: vec![],
+        }
+    }
+
+    /// The same source read through a key map (model key -> source keys), with nothing loaded
+    /// yet. Model code keeps one set of key paths; each checkpoint layout brings its map.
+    pub fn with_key_map(self, map: KeyMap) -> Result<Self> {
+        let shared = Arc::try_unwrap(self.shared).map_err(|_| Error::Param {
+            key: String::new(),
+            file: None,
+            msg: "a key map must be set before the builder is shared".into(),
+        })?;
+        Ok(VarBuilder {
+            shared: Arc::new(Shared {
+                map: Some(map),
+                ..shared
+            }),
+            prefix: vec![],
+        })
+    }
+
+    /// The source key(s) of model key `key`.
+    pub fn source_of(&self, key: &str) -> Option<KeySource> {
+        match &self.shared.map {
+            Some(map) => map(key),
+            None => Some(KeySource::Key(key.to_string())),
         }
     }
 
@@ -104,19 +201,53 @@ impl VarBuilder {
     fn file_of(&self, key: &str) -> Option<PathBuf> {
         match &self.shared.source {
             Source::Files { files, index } => {
-                index.get(key).map(|&i| files[i].path().to_path_buf())
+                let src = self.source_of(key)?;
+                let first = *src.keys().first()?;
+                index.get(first).map(|&i| files[i].path().to_path_buf())
             }
-            Source::Tensors(_) => None,
+            Source::Tensors(_) | Source::Random { .. } => None,
         }
     }
 
-    /// Whether the source has `name` under this prefix.
-    pub fn contains(&self, name: &str) -> bool {
-        let key = self.key(name);
+    fn source_has(&self, key: &str) -> bool {
         match &self.shared.source {
-            Source::Files { index, .. } => index.contains_key(&key),
-            Source::Tensors(t) => t.contains_key(&key),
+            Source::Files { index, .. } => index.contains_key(key),
+            Source::Tensors(t) => t.contains_key(key),
+            Source::Random { .. } => false,
         }
+    }
+
+    /// Whether the source has `name` under this prefix (every source key it maps to).
+    pub fn contains(&self, name: &str) -> bool {
+        self.source_of(&self.key(name))
+            .is_some_and(|s| s.keys().iter().all(|k| self.source_has(k)))
+    }
+
+    /// The source's shape of `name` under this prefix, read from the header, without loading.
+    pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        self.shape_of_key(&self.source_of(&self.key(name))?)
+    }
+
+    fn raw_shape(&self, key: &str) -> Option<Vec<usize>> {
+        match &self.shared.source {
+            Source::Files { files, index } => index
+                .get(key)
+                .and_then(|&i| files[i].info(key))
+                .map(|i| i.shape.clone()),
+            Source::Tensors(t) => t.get(key).map(|t| t.dims().to_vec()),
+            Source::Random { .. } => None,
+        }
+    }
+
+    /// Every key of the source, sorted (the raw layout, before any key map).
+    pub fn source_keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = match &self.shared.source {
+            Source::Files { index, .. } => index.keys().cloned().collect(),
+            Source::Tensors(t) => t.keys().cloned().collect(),
+            Source::Random { .. } => vec![],
+        };
+        keys.sort();
+        keys
     }
 
     fn err(&self, key: &str, msg: String) -> Error {
@@ -145,72 +276,151 @@ impl VarBuilder {
             }
             return Ok(t.clone());
         }
-        let (dtype, device) = (self.shared.dtype, &self.shared.device);
-        let t = match &self.shared.source {
-            Source::Files { files, index } => {
-                let i = *index.get(&key).ok_or_else(|| {
-                    let names: Vec<String> = files
-                        .iter()
-                        .map(|f| f.path().display().to_string())
-                        .collect();
-                    Error::Param {
-                        key: key.clone(),
-                        file: None,
-                        msg: format!("missing from {}", names.join(", ")),
+        if let Source::Random { seed, std } = self.shared.source {
+            // FNV-1a of the key, mixed with the seed.
+            let h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+            });
+            let t = Tensor::randn_normal(
+                0.0,
+                std,
+                shape,
+                self.shared.dtype,
+                &self.shared.device,
+                h ^ seed,
+            )?;
+            loaded.insert(key, t.clone());
+            return Ok(t);
+        }
+        let src = self
+            .source_of(&key)
+            .ok_or_else(|| self.err(&key, "has no source in this checkpoint layout".into()))?;
+        for k in src.keys() {
+            if !self.source_has(k) {
+                return Err(self.missing(&key, k));
+            }
+        }
+        let found = self.shape_of_key(&src).ok_or_else(|| {
+            self.err(
+                &key,
+                format!(
+                    "its sources {:?} do not concatenate along dim 0",
+                    src.keys()
+                ),
+            )
+        })?;
+        if found.as_slice() != shape.dims() {
+            let from = match &src {
+                KeySource::Key(k) if *k == key => String::new(),
+                _ => format!(" (from {:?})", src.keys()),
+            };
+            return Err(self.err(
+                &key,
+                format!("expected shape {shape}, the source has {found:?}{from}"),
+            ));
+        }
+        let parts = src
+            .keys()
+            .iter()
+            .map(|k| self.read(k))
+            .collect::<Result<Vec<_>>>()?;
+        let t = {
+            let _g = crate::no_grad();
+            match &src {
+                KeySource::Key(_) => parts[0].clone(),
+                KeySource::Cat(_) => Tensor::cat(&parts.iter().collect::<Vec<_>>(), 0)?,
+                KeySource::SwapHalves(_) => {
+                    let n = parts[0].dims()[0];
+                    if n % 2 != 0 {
+                        return Err(self.err(&key, format!("cannot swap halves of {n} rows")));
                     }
-                })?;
-                let info = files[i]
-                    .info(&key)
-                    .ok_or_else(|| self.err(&key, "missing".into()))?;
-                if info.shape.as_slice() != shape.dims() {
-                    return Err(self.err(
-                        &key,
-                        format!(
-                            "expected shape {shape}, the file has {:?} ({})",
-                            info.shape, info.dtype
-                        ),
-                    ));
-                }
-                files[i].load_as(&key, device, dtype)?
-            }
-            Source::Tensors(map) => {
-                let t = map
-                    .get(&key)
-                    .ok_or_else(|| self.err(&key, "missing".into()))?;
-                if t.shape() != &shape {
-                    return Err(
-                        self.err(&key, format!("expected shape {shape}, found {}", t.shape()))
+                    let (lo, hi) = (
+                        parts[0].narrow(0, 0, n / 2)?,
+                        parts[0].narrow(0, n / 2, n / 2)?,
                     );
+                    Tensor::cat(&[&hi, &lo], 0)?
                 }
-                let _g = crate::no_grad();
-                t.to_dtype(dtype)?.to_device(device)?.detach()
             }
+            .contiguous()?
+            .detach()
         };
+        let mut used = self
+            .shared
+            .used
+            .lock()
+            .map_err(|_| Error::Poisoned("parameter table"))?;
+        used.extend(src.keys().iter().map(|k| k.to_string()));
         loaded.insert(key, t.clone());
         Ok(t)
     }
 
-    /// Every key of the source that no layer asked for, sorted.
+    fn missing(&self, key: &str, source_key: &str) -> Error {
+        let what = if key == source_key {
+            String::new()
+        } else {
+            format!(" (looked up as '{source_key}')")
+        };
+        let file = match &self.shared.source {
+            Source::Files { files, .. } => files
+                .iter()
+                .map(|f| f.path().display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            Source::Tensors(_) => "the tensors given".into(),
+            Source::Random { .. } => "a random source".into(),
+        };
+        Error::Param {
+            key: key.to_string(),
+            file: None,
+            msg: format!("missing{what} from {file}"),
+        }
+    }
+
+    fn shape_of_key(&self, src: &KeySource) -> Option<Vec<usize>> {
+        let mut shapes = src
+            .keys()
+            .iter()
+            .map(|k| self.raw_shape(k))
+            .collect::<Option<Vec<_>>>()?;
+        let mut out = shapes.remove(0);
+        for s in shapes {
+            if s.len() != out.len() || s.is_empty() || s[1..] != out[1..] {
+                return None;
+            }
+            out[0] += s[0];
+        }
+        Some(out)
+    }
+
+    /// One source tensor in the builder's dtype, on its device.
+    fn read(&self, key: &str) -> Result<Tensor> {
+        let (dtype, device) = (self.shared.dtype, &self.shared.device);
+        match &self.shared.source {
+            Source::Files { files, index } => {
+                let i = *index.get(key).ok_or_else(|| self.missing(key, key))?;
+                files[i].load_as(key, device, dtype)
+            }
+            Source::Random { .. } => Err(self.missing(key, key)),
+            Source::Tensors(map) => {
+                let t = map.get(key).ok_or_else(|| self.missing(key, key))?;
+                let _g = crate::no_grad();
+                Ok(t.to_dtype(dtype)?.to_device(device)?.detach())
+            }
+        }
+    }
+
+    /// Every key of the source that no layer read, sorted.
     pub fn unused_keys(&self) -> Result<Vec<String>> {
-        let loaded = self
+        let used = self
             .shared
-            .loaded
+            .used
             .lock()
             .map_err(|_| Error::Poisoned("parameter table"))?;
-        let mut keys: Vec<String> = match &self.shared.source {
-            Source::Files { index, .. } => index
-                .keys()
-                .filter(|k| !loaded.contains_key(*k))
-                .cloned()
-                .collect(),
-            Source::Tensors(t) => t
-                .keys()
-                .filter(|k| !loaded.contains_key(*k))
-                .cloned()
-                .collect(),
-        };
-        keys.sort();
-        Ok(keys)
+        Ok(self
+            .source_keys()
+            .into_iter()
+            .filter(|k| !used.contains(k))
+            .collect())
     }
 
     /// Marks each loaded parameter trainable or frozen by its full key.

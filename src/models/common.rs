@@ -1,0 +1,57 @@
+//! Pieces the transformer models share: head splitting and merging, and the adaLN final
+//! layer that Flux and SD3 both have under `final_layer`.
+
+use crate::nn::{Linear, VarBuilder};
+use crate::{Error, Result, Tensor};
+
+/// LayerNorm epsilon of the DiT blocks and final layers (BFL Flux and Stability's MMDiT:
+/// `nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)`).
+pub const EPS: f64 = 1e-6;
+
+/// A fused projection (B, N, 3 D) -> q, k, v each (B, H, N, E), as strided views.
+pub fn split_qkv(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let d = qkv.dims();
+    if d.len() != 3 || heads == 0 || d[2] % (3 * heads) != 0 {
+        return Err(Error::invalid(
+            "split_qkv",
+            format!("needs (B, N, 3 x {heads} x head dim)"),
+            qkv.shape(),
+        ));
+    }
+    let (b, n, e) = (d[0], d[1], d[2] / (3 * heads));
+    let qkv = qkv
+        .reshape(vec![b, n, 3, heads, e])?
+        .permute(&[2, 0, 3, 1, 4])?;
+    let pick = |i: usize| qkv.narrow(0, i, 1)?.squeeze(0);
+    Ok((pick(0)?, pick(1)?, pick(2)?))
+}
+
+/// Attention output (B, H, N, E) -> (B, N, H E).
+pub fn merge_heads(o: &Tensor) -> Result<Tensor> {
+    let d = o.dims().to_vec();
+    o.transpose(1, 2)?.reshape((d[0], d[2], d[1] * d[3]))
+}
+
+/// `adaLN_modulation.1` -> (shift, scale) of a LayerNorm without affine, then `linear`
+/// (BFL `LastLayer`, Stability `FinalLayer`).
+#[derive(Clone, Debug)]
+pub struct FinalLayer {
+    pub ada: Linear,
+    pub linear: Linear,
+}
+
+impl FinalLayer {
+    pub fn new(vb: &VarBuilder, hidden: usize, out: usize) -> Result<Self> {
+        Ok(FinalLayer {
+            ada: Linear::new(&vb.pp("adaLN_modulation").pp("1"), hidden, 2 * hidden, true)?,
+            linear: Linear::new(&vb.pp("linear"), hidden, out, true)?,
+        })
+    }
+
+    /// x (B, N, D), c (B, D) -> (B, N, out).
+    pub fn forward(&self, x: &Tensor, c: &Tensor) -> Result<Tensor> {
+        let m = self.ada.forward(&c.silu()?)?.unsqueeze(1)?.chunk(2, 2)?;
+        let x = x.layer_norm(None, None, EPS)?.modulate(&m[0], &m[1])?;
+        self.linear.forward(&x)
+    }
+}

@@ -1,0 +1,300 @@
+//! Flux's blocks, by BFL key path. Shape letters: B batch, L image tokens, T text tokens,
+//! D hidden, H heads, E head dim (D = H E).
+
+use super::FluxConfig;
+use crate::models::common::{merge_heads, split_qkv, FinalLayer, EPS};
+use crate::nn::{
+    scaled_dot_product_attention, timestep_embedding, EmbedNd, Linear, Modulation, RmsNorm,
+    VarBuilder,
+};
+use crate::{Error, Result, Tensor};
+
+/// Timestep and guidance embeddings: 256 sinusoidal channels (BFL `timestep_embedding`,
+/// `time_factor` 1000, cos first).
+const TIME_DIM: usize = 256;
+const TIME_FACTOR: f64 = 1000.0;
+
+/// `in_layer` -> SiLU -> `out_layer` (BFL `MLPEmbedder`).
+#[derive(Clone, Debug)]
+pub struct MlpEmbedder {
+    pub in_layer: Linear,
+    pub out_layer: Linear,
+}
+
+impl MlpEmbedder {
+    pub fn new(vb: &VarBuilder, in_dim: usize, hidden: usize) -> Result<Self> {
+        Ok(MlpEmbedder {
+            in_layer: Linear::new(&vb.pp("in_layer"), in_dim, hidden, true)?,
+            out_layer: Linear::new(&vb.pp("out_layer"), hidden, hidden, true)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.out_layer.forward(&self.in_layer.forward(x)?.silu()?)
+    }
+}
+
+/// RMSNorm of queries and keys over the head dim (keys `norm.query_norm.scale`, ...).
+#[derive(Clone, Debug)]
+struct QkNorm {
+    query_norm: RmsNorm,
+    key_norm: RmsNorm,
+}
+
+impl QkNorm {
+    fn new(vb: &VarBuilder, head_dim: usize) -> Result<Self> {
+        Ok(QkNorm {
+            query_norm: RmsNorm::with_key(&vb.pp("query_norm"), head_dim, EPS, "scale")?,
+            key_norm: RmsNorm::with_key(&vb.pp("key_norm"), head_dim, EPS, "scale")?,
+        })
+    }
+}
+
+/// (B, N, 3 D) fused projections -> q, k, v each (B, H, N, E); q and k RMS-normed.
+fn qkv_normed(qkv: &Tensor, heads: usize, norm: &QkNorm) -> Result<(Tensor, Tensor, Tensor)> {
+    let (q, k, v) = split_qkv(qkv, heads)?;
+    Ok((norm.query_norm.forward(&q)?, norm.key_norm.forward(&k)?, v))
+}
+
+/// RoPE on q and k, attention, heads merged: (B, H, N, E) x3 -> (B, N, D) (BFL `attention`).
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, pe: &Tensor) -> Result<Tensor> {
+    let (q, k) = (q.apply_rope(pe)?, k.apply_rope(pe)?);
+    merge_heads(&scaled_dot_product_attention(&q, &k, v, None, false, None)?)
+}
+
+/// One stream of a double block: `{img,txt}_mod`, `_norm1/2` (no affine), `_attn.{qkv,norm,
+/// proj}`, `_mlp.{0,2}` with tanh GELU.
+#[derive(Clone, Debug)]
+struct Stream {
+    modulation: Modulation,
+    qkv: Linear,
+    norm: QkNorm,
+    proj: Linear,
+    mlp0: Linear,
+    mlp2: Linear,
+}
+
+impl Stream {
+    fn new(vb: &VarBuilder, p: &str, cfg: &FluxConfig) -> Result<Self> {
+        let (d, m) = (cfg.hidden_size, cfg.mlp_hidden());
+        let attn = vb.pp(format!("{p}_attn"));
+        let mlp = vb.pp(format!("{p}_mlp"));
+        Ok(Stream {
+            modulation: Modulation::new(&vb.pp(format!("{p}_mod")), d, true)?,
+            qkv: Linear::new(&attn.pp("qkv"), d, 3 * d, cfg.qkv_bias)?,
+            norm: QkNorm::new(&attn.pp("norm"), cfg.head_dim())?,
+            proj: Linear::new(&attn.pp("proj"), d, d, true)?,
+            mlp0: Linear::new(&mlp.pp("0"), d, m, true)?,
+            mlp2: Linear::new(&mlp.pp("2"), m, d, true)?,
+        })
+    }
+}
+
+/// Image and text streams with their own weights, joined in one attention (BFL
+/// `DoubleStreamBlock`). Text tokens come first in the joint sequence.
+#[derive(Clone, Debug)]
+pub struct DoubleStreamBlock {
+    img: Stream,
+    txt: Stream,
+    heads: usize,
+}
+
+impl DoubleStreamBlock {
+    pub fn new(vb: &VarBuilder, cfg: &FluxConfig) -> Result<Self> {
+        Ok(DoubleStreamBlock {
+            img: Stream::new(vb, "img", cfg)?,
+            txt: Stream::new(vb, "txt", cfg)?,
+            heads: cfg.num_heads,
+        })
+    }
+
+    /// img (B, L, D), txt (B, T, D), vec (B, D), pe (B|1, 1, T+L, E/2, 2, 2).
+    pub fn forward(
+        &self,
+        img: &Tensor,
+        txt: &Tensor,
+        vec: &Tensor,
+        pe: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let im = self.img.modulation.forward(vec)?;
+        let tm = self.txt.modulation.forward(vec)?;
+        let norm = |x: &Tensor| x.layer_norm(None, None, EPS);
+        let (iq, ik, iv) = qkv_normed(
+            &self.img.qkv.forward(&im[0].modulate(&norm(img)?)?)?,
+            self.heads,
+            &self.img.norm,
+        )?;
+        let (tq, tk, tv) = qkv_normed(
+            &self.txt.qkv.forward(&tm[0].modulate(&norm(txt)?)?)?,
+            self.heads,
+            &self.txt.norm,
+        )?;
+        let q = Tensor::cat(&[&tq, &iq], 2)?;
+        let k = Tensor::cat(&[&tk, &ik], 2)?;
+        let v = Tensor::cat(&[&tv, &iv], 2)?;
+        let attn = attention(&q, &k, &v, pe)?;
+        let t_len = txt.dims()[1];
+        let (t_attn, i_attn) = (
+            attn.narrow(1, 0, t_len)?,
+            attn.narrow(1, t_len, img.dims()[1])?,
+        );
+        let stream = |s: &Stream, x: &Tensor, a: &Tensor, m: &[crate::nn::ModulationOut]| {
+            let x = x.add(&m[0].gate.mul(&s.proj.forward(a)?)?)?;
+            let h = s.mlp0.forward(&m[1].modulate(&norm(&x)?)?)?.gelu_tanh()?;
+            x.add(&m[1].gate.mul(&s.mlp2.forward(&h)?)?)
+        };
+        Ok((
+            stream(&self.img, img, &i_attn, &im)?,
+            stream(&self.txt, txt, &t_attn, &tm)?,
+        ))
+    }
+}
+
+/// Attention and MLP in parallel from one fused projection (BFL `SingleStreamBlock`):
+/// `linear1` -> (qkv, mlp), `linear2` over cat(attention, gelu_tanh(mlp)).
+#[derive(Clone, Debug)]
+pub struct SingleStreamBlock {
+    modulation: Modulation,
+    linear1: Linear,
+    linear2: Linear,
+    norm: QkNorm,
+    hidden: usize,
+    heads: usize,
+}
+
+impl SingleStreamBlock {
+    pub fn new(vb: &VarBuilder, cfg: &FluxConfig) -> Result<Self> {
+        let (d, m) = (cfg.hidden_size, cfg.mlp_hidden());
+        Ok(SingleStreamBlock {
+            modulation: Modulation::new(&vb.pp("modulation"), d, false)?,
+            linear1: Linear::new(&vb.pp("linear1"), d, 3 * d + m, true)?,
+            linear2: Linear::new(&vb.pp("linear2"), d + m, d, true)?,
+            norm: QkNorm::new(&vb.pp("norm"), cfg.head_dim())?,
+            hidden: d,
+            heads: cfg.num_heads,
+        })
+    }
+
+    /// x (B, T+L, D).
+    pub fn forward(&self, x: &Tensor, vec: &Tensor, pe: &Tensor) -> Result<Tensor> {
+        let m = self.modulation.forward(vec)?;
+        let x_mod = m[0].modulate(&x.layer_norm(None, None, EPS)?)?;
+        let h = self.linear1.forward(&x_mod)?;
+        let width = h.dims()[2];
+        let qkv = h.narrow(2, 0, 3 * self.hidden)?;
+        let mlp = h.narrow(2, 3 * self.hidden, width - 3 * self.hidden)?;
+        let (q, k, v) = qkv_normed(&qkv, self.heads, &self.norm)?;
+        let attn = attention(&q, &k, &v, pe)?;
+        let out = self
+            .linear2
+            .forward(&Tensor::cat(&[&attn, &mlp.gelu_tanh()?], 2)?)?;
+        x.add(&m[0].gate.mul(&out)?)
+    }
+}
+
+/// The Flux transformer (BFL `Flux`).
+#[derive(Clone, Debug)]
+pub struct Flux {
+    pub config: FluxConfig,
+    pub img_in: Linear,
+    pub time_in: MlpEmbedder,
+    pub vector_in: MlpEmbedder,
+    pub guidance_in: Option<MlpEmbedder>,
+    pub txt_in: Linear,
+    pub double_blocks: Vec<DoubleStreamBlock>,
+    pub single_blocks: Vec<SingleStreamBlock>,
+    pub final_layer: FinalLayer,
+    pe_embedder: EmbedNd,
+}
+
+impl Flux {
+    pub fn new(vb: &VarBuilder, cfg: &FluxConfig) -> Result<Self> {
+        cfg.validate()?;
+        let d = cfg.hidden_size;
+        Ok(Flux {
+            config: cfg.clone(),
+            img_in: Linear::new(&vb.pp("img_in"), cfg.in_channels, d, true)?,
+            time_in: MlpEmbedder::new(&vb.pp("time_in"), TIME_DIM, d)?,
+            vector_in: MlpEmbedder::new(&vb.pp("vector_in"), cfg.vec_in_dim, d)?,
+            guidance_in: if cfg.guidance_embed {
+                Some(MlpEmbedder::new(&vb.pp("guidance_in"), TIME_DIM, d)?)
+            } else {
+                None
+            },
+            txt_in: Linear::new(&vb.pp("txt_in"), cfg.context_in_dim, d, true)?,
+            double_blocks: (0..cfg.depth)
+                .map(|i| DoubleStreamBlock::new(&vb.pp("double_blocks").pp(i), cfg))
+                .collect::<Result<_>>()?,
+            single_blocks: (0..cfg.depth_single_blocks)
+                .map(|i| SingleStreamBlock::new(&vb.pp("single_blocks").pp(i), cfg))
+                .collect::<Result<_>>()?,
+            final_layer: FinalLayer::new(&vb.pp("final_layer"), d, cfg.out_channels)?,
+            pe_embedder: EmbedNd {
+                theta: cfg.theta,
+                axes_dim: cfg.axes_dim.clone(),
+            },
+        })
+    }
+
+    /// img (B, L, in) packed latents, img_ids (L, 3) or (B, L, 3), txt (B, T, context),
+    /// txt_ids (T, 3) or (B, T, 3), timesteps (B,) in [0, 1], y (B, vec) pooled text,
+    /// guidance (B,) for dev -> (B, L, out).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        img: &Tensor,
+        img_ids: &Tensor,
+        txt: &Tensor,
+        txt_ids: &Tensor,
+        timesteps: &Tensor,
+        y: &Tensor,
+        guidance: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let bad = |msg: String, t: &Tensor| Err(Error::invalid("flux", msg, t.shape()));
+        if img.rank() != 3 || txt.rank() != 3 {
+            return bad("img and txt must be (B, N, C)".into(), img);
+        }
+        let dtype = img.dtype();
+        let time = |t: &Tensor| -> Result<Tensor> {
+            timestep_embedding(t, TIME_DIM, 10_000.0, true, 0.0, TIME_FACTOR)?.to_dtype(dtype)
+        };
+        let mut vec = self.time_in.forward(&time(timesteps)?)?;
+        match (&self.guidance_in, guidance) {
+            (Some(g_in), Some(g)) => vec = vec.add(&g_in.forward(&time(g)?)?)?,
+            (Some(_), None) => return bad("this Flux (dev) needs a guidance input".into(), img),
+            (None, _) => {}
+        }
+        vec = vec.add(&self.vector_in.forward(y)?)?;
+        let ids = |t: &Tensor| {
+            if t.rank() == 2 {
+                t.unsqueeze(0)
+            } else {
+                Ok(t.clone())
+            }
+        };
+        let (img_ids, txt_ids) = (ids(img_ids)?, ids(txt_ids)?);
+        let ids = if img_ids.dims()[0] == txt_ids.dims()[0] {
+            Tensor::cat(&[&txt_ids, &img_ids], 1)?
+        } else {
+            let b = img.dims()[0];
+            let expand = |t: &Tensor| {
+                let d = t.dims();
+                t.broadcast_as(vec![b, d[1], d[2]])
+            };
+            Tensor::cat(&[&expand(&txt_ids)?, &expand(&img_ids)?], 1)?
+        };
+        let pe = self.pe_embedder.forward(&ids)?;
+        let mut img = self.img_in.forward(img)?;
+        let mut txt = self.txt_in.forward(txt)?;
+        for block in &self.double_blocks {
+            (img, txt) = block.forward(&img, &txt, &vec, &pe)?;
+        }
+        let t_len = txt.dims()[1];
+        let mut x = Tensor::cat(&[&txt, &img], 1)?;
+        for block in &self.single_blocks {
+            x = block.forward(&x, &vec, &pe)?;
+        }
+        let img = x.narrow(1, t_len, img.dims()[1])?;
+        self.final_layer.forward(&img, &vec)
+    }
+}

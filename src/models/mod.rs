@@ -1,0 +1,12 @@
+//! The diffusion models, named by their original checkpoints' keys: Flux (BFL), SD3.5
+//! (Stability's MMDiT) and the SDXL UNet (LDM). Each loads from the single file users
+//! download or from a diffusers folder, whose keys a per-model map turns into the original
+//! ones (fused q/k/v projections are concatenated at load time).
+
+pub mod checkpoint;
+mod common;
+pub mod flux;
+pub mod sd3;
+pub mod sdxl;
+
+pub use checkpoint::{Checkpoint, Format};

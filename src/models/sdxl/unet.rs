@@ -1,0 +1,272 @@
+//! The UNet: embeddings, `input_blocks`, `middle_block`, `output_blocks`, `out`, by LDM key
+//! path (sgm `UNetModel`). Shape letters: B batch, C channels, H x W spatial, T text tokens.
+
+use super::blocks::{Downsample, ResBlock, SpatialTransformer, Upsample, RESNET_EPS};
+use super::SdxlConfig;
+use crate::nn::{timestep_embedding, Conv2d, Conv2dConfig, GroupNorm, Linear, VarBuilder};
+use crate::{Error, Result, Tensor};
+
+/// Sinusoidal timestep embedding: max period 10000, cos first, no frequency shift (sgm
+/// `timestep_embedding`; diffusers `Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0)`).
+pub const MAX_PERIOD: f64 = 10_000.0;
+
+/// `0` -> SiLU -> `2`: the time embedding (`time_embed`) and the vector embedding
+/// (`label_emb.0`) (diffusers `TimestepEmbedding`).
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    pub fc0: Linear,
+    pub fc2: Linear,
+}
+
+impl Mlp {
+    fn new(vb: &VarBuilder, in_dim: usize, dim: usize) -> Result<Self> {
+        Ok(Mlp {
+            fc0: Linear::new(&vb.pp(0), in_dim, dim, true)?,
+            fc2: Linear::new(&vb.pp(2), dim, dim, true)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.fc2.forward(&self.fc0.forward(x)?.silu()?)
+    }
+}
+
+/// A ResBlock (`.0`) with an optional SpatialTransformer (`.1`).
+#[derive(Clone, Debug)]
+pub struct ResLayer {
+    pub res: ResBlock,
+    pub attn: Option<SpatialTransformer>,
+}
+
+/// One `input_blocks.i` (i >= 1): a ResBlock with an optional SpatialTransformer, or a
+/// downsampler (`.0.op`).
+#[derive(Clone, Debug)]
+pub enum InputBlock {
+    Res(Box<ResLayer>),
+    Down(Downsample),
+}
+
+/// One `output_blocks.i`: a ResBlock on cat(h, skip) (`.0`), an optional SpatialTransformer
+/// (`.1`), and at a level's last block (not the top level's) an upsampler (`.1` or `.2`).
+#[derive(Clone, Debug)]
+pub struct OutputBlock {
+    pub res: ResBlock,
+    pub attn: Option<SpatialTransformer>,
+    pub up: Option<Upsample>,
+}
+
+/// The SDXL UNet (sgm `UNetModel`, diffusers `UNet2DConditionModel` with text_time
+/// conditioning).
+#[derive(Clone, Debug)]
+pub struct Unet {
+    pub config: SdxlConfig,
+    pub time_embed: Mlp,
+    pub label_emb: Mlp,
+    pub conv_in: Conv2d,
+    pub input_blocks: Vec<InputBlock>,
+    pub middle: (ResBlock, SpatialTransformer, ResBlock),
+    pub output_blocks: Vec<OutputBlock>,
+    pub norm_out: GroupNorm,
+    pub conv_out: Conv2d,
+}
+
+fn conv3x3(vb: &VarBuilder, cin: usize, cout: usize) -> Result<Conv2d> {
+    let cfg = Conv2dConfig {
+        padding: 1,
+        ..Default::default()
+    };
+    Conv2d::new(vb, cin, cout, 3, cfg)
+}
+
+impl Unet {
+    /// Builds the UNet from parameters under LDM key paths (after `model.diffusion_model.`).
+    pub fn new(vb: &VarBuilder, cfg: &SdxlConfig) -> Result<Unet> {
+        cfg.validate()?;
+        let (g, ted, ctx) = (cfg.num_groups, cfg.time_embed_dim(), cfg.context_dim);
+        let mc = cfg.model_channels;
+        let attn =
+            |vb: &VarBuilder, level: usize, ch: usize| -> Result<Option<SpatialTransformer>> {
+                match cfg.transformer_depth[level] {
+                    0 => Ok(None),
+                    depth => SpatialTransformer::new(vb, ch, depth, cfg.num_heads[level], ctx, g)
+                        .map(Some),
+                }
+            };
+        let ib = vb.pp("input_blocks");
+        // Channels of every skip connection, pushed as sgm's `input_block_chans`.
+        let mut skips = vec![mc];
+        let mut input_blocks = vec![];
+        let mut ch = mc;
+        for level in 0..cfg.levels() {
+            let out = cfg.channels(level);
+            for _ in 0..cfg.num_res_blocks {
+                let b = ib.pp(input_blocks.len() + 1);
+                let res = ResBlock::new(&b.pp(0), ch, out, ted, g)?;
+                let attn = attn(&b.pp(1), level, out)?;
+                input_blocks.push(InputBlock::Res(Box::new(ResLayer { res, attn })));
+                ch = out;
+                skips.push(ch);
+            }
+            if level + 1 < cfg.levels() {
+                let b = ib.pp(input_blocks.len() + 1);
+                input_blocks.push(InputBlock::Down(Downsample::new(&b.pp(0), ch)?));
+                skips.push(ch);
+            }
+        }
+        let last = cfg.levels() - 1;
+        let mb = vb.pp("middle_block");
+        let middle = (
+            ResBlock::new(&mb.pp(0), ch, ch, ted, g)?,
+            SpatialTransformer::new(
+                &mb.pp(1),
+                ch,
+                cfg.transformer_depth_middle,
+                cfg.num_heads[last],
+                ctx,
+                g,
+            )?,
+            ResBlock::new(&mb.pp(2), ch, ch, ted, g)?,
+        );
+        let ob = vb.pp("output_blocks");
+        let mut output_blocks = vec![];
+        for level in (0..cfg.levels()).rev() {
+            let out = cfg.channels(level);
+            for j in 0..=cfg.num_res_blocks {
+                let b = ob.pp(output_blocks.len());
+                let skip = skips.pop().ok_or_else(|| Error::Config {
+                    path: None,
+                    msg: "sdxl: more output blocks than skip connections".into(),
+                })?;
+                let res = ResBlock::new(&b.pp(0), ch + skip, out, ted, g)?;
+                let attn = attn(&b.pp(1), level, out)?;
+                let up = if level > 0 && j == cfg.num_res_blocks {
+                    let pos = if attn.is_some() { 2 } else { 1 };
+                    Some(Upsample::new(&b.pp(pos), out)?)
+                } else {
+                    None
+                };
+                output_blocks.push(OutputBlock { res, attn, up });
+                ch = out;
+            }
+        }
+        Ok(Unet {
+            config: cfg.clone(),
+            time_embed: Mlp::new(&vb.pp("time_embed"), mc, ted)?,
+            label_emb: Mlp::new(&vb.pp("label_emb").pp(0), cfg.adm_in_channels, ted)?,
+            conv_in: conv3x3(&ib.pp(0).pp(0), cfg.in_channels, mc)?,
+            input_blocks,
+            middle,
+            output_blocks,
+            norm_out: GroupNorm::new(&vb.pp("out").pp(0), g, ch, RESNET_EPS, true)?,
+            conv_out: conv3x3(&vb.pp("out").pp(2), ch, cfg.out_channels)?,
+        })
+    }
+
+    /// The noise (or v) prediction: x (B, C, H, W) latents, timesteps (B,) or (1,),
+    /// context (B, T, context_dim) text tokens, y (B, adm_in_channels) from [`super::sdxl_vector`].
+    /// Any H x W works: where a level's size was odd, upsampling goes to the skip
+    /// connection's size, as diffusers does. Keep timesteps in f32 whatever the model's dtype
+    /// (bf16 rounds 901 to 900); their embedding is cast to x's dtype, as in diffusers.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        timesteps: &Tensor,
+        context: &Tensor,
+        y: &Tensor,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        let xd = x.dims();
+        if xd.len() != 4 || xd[1] != cfg.in_channels {
+            return Err(Error::invalid(
+                "sdxl unet",
+                format!("x must be (B, {}, H, W)", cfg.in_channels),
+                x.shape(),
+            ));
+        }
+        let b = xd[0];
+        let bad = |what: String, t: &Tensor| {
+            Error::invalid(
+                "sdxl unet",
+                format!("{what} for x {:?}", x.dims()),
+                t.shape(),
+            )
+        };
+        let cd = context.dims();
+        if cd.len() != 3 || cd[0] != b || cd[2] != cfg.context_dim {
+            return Err(bad(
+                format!("context must be ({b}, T, {})", cfg.context_dim),
+                context,
+            ));
+        }
+        if y.dims() != [b, cfg.adm_in_channels] {
+            return Err(bad(format!("y must be ({b}, {})", cfg.adm_in_channels), y));
+        }
+        let timesteps = match timesteps.dims() {
+            [n] if *n == b => timesteps.clone(),
+            // One timestep for the whole batch (diffusers' `timesteps.expand(batch)`).
+            [1] => timesteps.broadcast_as(b)?,
+            _ => return Err(bad(format!("timesteps must be ({b},) or (1,)"), timesteps)),
+        };
+        let dt = x.dtype();
+        let cast = |t: &Tensor| {
+            if t.dtype() == dt {
+                Ok(t.clone())
+            } else {
+                t.to_dtype(dt)
+            }
+        };
+        let (context, y) = (cast(context)?, cast(y)?);
+
+        // Diffusers casts the f32 sinusoids to the sample's dtype (`t_emb.to(sample.dtype)`).
+        let t_emb = timestep_embedding(&timesteps, cfg.model_channels, MAX_PERIOD, true, 0.0, 1.0)?;
+        let emb = self
+            .time_embed
+            .forward(&cast(&t_emb)?)?
+            .add(&self.label_emb.forward(&y)?)?;
+        // Every ResBlock applies SiLU to emb before its own projection: done once here.
+        let emb = emb.silu()?;
+
+        let mut h = self.conv_in.forward(x)?;
+        let mut hs = vec![h.clone()];
+        for block in &self.input_blocks {
+            h = match block {
+                InputBlock::Res(layer) => {
+                    let h = layer.res.forward(&h, &emb)?;
+                    match &layer.attn {
+                        Some(a) => a.forward(&h, &context)?,
+                        None => h,
+                    }
+                }
+                InputBlock::Down(d) => d.forward(&h)?,
+            };
+            hs.push(h.clone());
+        }
+        let (r0, attn, r1) = &self.middle;
+        h = r1.forward(&attn.forward(&r0.forward(&h, &emb)?, &context)?, &emb)?;
+        for (i, block) in self.output_blocks.iter().enumerate() {
+            let skip = hs.pop().ok_or_else(|| {
+                Error::invalid(
+                    "sdxl unet",
+                    format!("no skip for output block {i}"),
+                    x.shape(),
+                )
+            })?;
+            h = block.res.forward(&Tensor::cat(&[&h, &skip], 1)?, &emb)?;
+            if let Some(a) = &block.attn {
+                h = a.forward(&h, &context)?;
+            }
+            if let Some(up) = &block.up {
+                // The size of the skip the next block joins: 2x unless a size was odd there.
+                let next = hs.last().ok_or_else(|| {
+                    Error::invalid(
+                        "sdxl unet",
+                        format!("no skip after output block {i}"),
+                        x.shape(),
+                    )
+                })?;
+                h = up.forward(&h, (next.dims()[2], next.dims()[3]))?;
+            }
+        }
+        self.conv_out.forward(&self.norm_out.forward(&h)?.silu()?)
+    }
+}

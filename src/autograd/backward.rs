@@ -108,7 +108,11 @@ impl Tensor {
         };
         let order = tape(self)?;
         let mut pending: HashMap<TensorId, Tensor> = HashMap::from([(self.id(), seed)]);
-        for t in &order {
+        // The tape is consumed: once a node's VJP has run (and, without retain_graph, its op
+        // with the tensors it saved is dropped), the tape's handle goes too, so activations
+        // are freed as the backward walks past them rather than at its end.
+        for t in order {
+            let t = &t;
             let g = pending.remove(&t.id());
             if t.is_var() {
                 if let Some(g) = g {
@@ -180,11 +184,27 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
         Op::Binary(a, b, op) => match op {
             BinaryOp::Add => vec![(a.clone(), g.clone()), (b.clone(), g.clone())],
             BinaryOp::Sub => vec![(a.clone(), g.clone()), (b.clone(), g.neg()?)],
-            BinaryOp::Mul => vec![(a.clone(), g.mul(b)?), (b.clone(), g.mul(a)?)],
+            BinaryOp::Mul => {
+                let mut v = vec![];
+                if a.requires_grad() {
+                    v.push((a.clone(), g.mul(b)?));
+                }
+                if b.requires_grad() {
+                    v.push((b.clone(), g.mul(a)?));
+                }
+                v
+            }
             // d/da a/b = 1/b; d/db a/b = -a/b^2 = -out/b
             BinaryOp::Div => {
                 let ga = g.div(b)?;
-                vec![(a.clone(), ga.clone()), (b.clone(), ga.mul(out)?.neg()?)]
+                let mut v = vec![];
+                if b.requires_grad() {
+                    v.push((b.clone(), ga.mul(out)?.neg()?));
+                }
+                if a.requires_grad() {
+                    v.push((a.clone(), ga));
+                }
+                v
             }
             // The gradient goes to the selected operand; ties go to the left one.
             BinaryOp::GeluBackward | BinaryOp::GeluTanhBackward | BinaryOp::SiluBackward => {
@@ -294,10 +314,17 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             (src.clone(), g.gather(ids, *dim)?),
         ],
         // C = A B: dA = dC B^T, dB = A^T dC
-        Op::Matmul(a, b) => vec![
-            (a.clone(), g.matmul3(&b.t()?)?),
-            (b.clone(), a.t()?.matmul3(g)?),
-        ],
+        // Only the operands that need it: a frozen weight costs no GEMM.
+        Op::Matmul(a, b) => {
+            let mut v = vec![];
+            if a.requires_grad() {
+                v.push((a.clone(), g.matmul3(&b.t()?)?));
+            }
+            if b.requires_grad() {
+                v.push((b.clone(), a.t()?.matmul3(g)?));
+            }
+            v
+        }
         Op::ToDevice(x) => vec![(x.clone(), g.to_device(x.device())?)],
         // fold2d is the adjoint of unfold2d, and the other way round.
         Op::Unfold2d(x, w) => {

@@ -284,7 +284,131 @@ impl Drop for NoGradGuard {
 /// The op to record for an output of `inputs`, built only if any input requires grad and
 /// recording is on: inference records nothing and builds nothing.
 pub(crate) fn record(inputs: &[&Tensor], op: impl FnOnce() -> Op) -> Option<Op> {
-    (grad_enabled() && inputs.iter().any(|t| t.requires_grad())).then(op)
+    (grad_enabled() && inputs.iter().any(|t| t.requires_grad())).then(|| op().slim())
+}
+
+/// `t` by value when `keep`, else its graph edge.
+fn keep_if(t: Tensor, keep: bool) -> Tensor {
+    if keep {
+        t
+    } else {
+        t.edge()
+    }
+}
+
+impl Op {
+    /// Whether this op's VJP reads its output's values (then the output keeps its storage
+    /// when later ops take it as an edge).
+    pub(crate) fn reads_output(&self) -> bool {
+        match self {
+            Op::Unary(_, u) => matches!(
+                u,
+                UnaryOp::Recip | UnaryOp::Exp | UnaryOp::Sqrt | UnaryOp::Tanh
+            ),
+            Op::Binary(_, _, b) => *b == BinaryOp::Div,
+            Op::Reduce(_, r, _) => *r != ReduceOp::Sum,
+            Op::Softmax(_) | Op::Attention { .. } => true,
+            _ => false,
+        }
+    }
+
+    /// The op with every input its VJP does not read by value replaced by a graph edge
+    /// (`Tensor::edge`), given which inputs need gradients: e.g. a matmul with a frozen
+    /// weight keeps the weight (for dA = dC B^T) but not the activation A.
+    fn slim(self) -> Op {
+        let e = |t: Tensor| t.edge();
+        match self {
+            Op::Unary(x, u) => {
+                let reads_x = !matches!(
+                    u,
+                    UnaryOp::Neg
+                        | UnaryOp::Affine { .. }
+                        | UnaryOp::Recip
+                        | UnaryOp::Exp
+                        | UnaryOp::Sqrt
+                        | UnaryOp::Tanh
+                );
+                Op::Unary(keep_if(x, reads_x), u)
+            }
+            Op::Binary(a, b, op) => match op {
+                BinaryOp::Add | BinaryOp::Sub => Op::Binary(e(a), e(b), op),
+                // d/da ab = b, d/db ab = a.
+                BinaryOp::Mul => {
+                    let (ga, gb) = (a.requires_grad(), b.requires_grad());
+                    Op::Binary(keep_if(a, gb), keep_if(b, ga), op)
+                }
+                // d/da a/b = 1/b, d/db a/b = -out/b: a is never read.
+                BinaryOp::Div => Op::Binary(e(a), b, op),
+                _ => Op::Binary(a, b, op),
+            },
+            Op::Where(m, t, f) => Op::Where(m, e(t), e(f)),
+            Op::Reduce(x, r, dims) => Op::Reduce(keep_if(x, r != ReduceOp::Sum), r, dims),
+            Op::Cast(x) => Op::Cast(e(x)),
+            Op::Copy(x) => Op::Copy(e(x)),
+            Op::Reshape(x) => Op::Reshape(e(x)),
+            Op::Permute(x, p) => Op::Permute(e(x), p),
+            Op::Narrow(x, d, s) => Op::Narrow(e(x), d, s),
+            Op::Broadcast(x) => Op::Broadcast(e(x)),
+            Op::Cat(xs, d) => Op::Cat(xs.into_iter().map(e).collect(), d),
+            Op::IndexSelect(x, ids, d) => Op::IndexSelect(e(x), ids, d),
+            Op::Gather(x, ids, d) => Op::Gather(e(x), ids, d),
+            Op::ScatterAdd(dst, ids, src, d) => Op::ScatterAdd(e(dst), ids, e(src), d),
+            // dA = dC B^T needs B; dB = A^T dC needs A.
+            Op::Matmul(a, b) => {
+                let (ga, gb) = (a.requires_grad(), b.requires_grad());
+                Op::Matmul(keep_if(a, gb), keep_if(b, ga))
+            }
+            Op::ToDevice(x) => Op::ToDevice(e(x)),
+            Op::Softmax(x) => Op::Softmax(e(x)),
+            Op::Unfold2d(x, w) => Op::Unfold2d(e(x), w),
+            Op::Fold2d(x, w) => Op::Fold2d(e(x), w),
+            Op::Norm {
+                x,
+                weight,
+                bias,
+                mean,
+                rstd,
+                kind,
+            } => Op::Norm {
+                x,
+                weight,
+                bias: bias.map(e),
+                mean,
+                rstd,
+                kind,
+            },
+            // dx = g (1 + scale) reads scale; dscale = sum g x reads x; shift is never read.
+            Op::Modulate { x, shift, scale } => {
+                let params = shift.requires_grad() || scale.requires_grad();
+                Op::Modulate {
+                    x: keep_if(x, params),
+                    shift: e(shift),
+                    scale,
+                }
+            }
+            Op::Rope { x, rot, transpose } => Op::Rope {
+                x: e(x),
+                rot,
+                transpose,
+            },
+            Op::GroupNorm {
+                x,
+                weight,
+                bias,
+                mean,
+                rstd,
+                groups,
+            } => Op::GroupNorm {
+                x,
+                weight,
+                bias: bias.map(e),
+                mean,
+                rstd,
+                groups,
+            },
+            op @ Op::Attention { .. } => op,
+        }
+    }
 }
 
 /// Gradients of leaf tensors, keyed by tensor id. `backward_into` adds to what is here, so

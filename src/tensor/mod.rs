@@ -31,13 +31,15 @@ pub struct Tensor(Arc<Inner>);
 
 pub(crate) struct Inner {
     id: TensorId,
-    storage: Arc<RwLock<Storage>>,
+    /// `None` in a graph edge: a handle an op keeps to route gradients through, whose values
+    /// its VJP never reads (see `Tensor::edge`), so the activation can be freed.
+    storage: Option<Arc<RwLock<Storage>>>,
     layout: Layout,
     dtype: DType,
     device: Device,
     /// The op that made this tensor, when it was recorded. `Some(None)`: recorded, then freed
     /// by a backward pass.
-    grad_fn: Option<Mutex<Option<Op>>>,
+    grad_fn: Option<Arc<Mutex<Option<Op>>>>,
     /// A leaf that gradients are accumulated for.
     is_var: AtomicBool,
 }
@@ -84,18 +86,54 @@ impl Tensor {
         };
         Tensor(Arc::new(Inner {
             id: TensorId::new(),
-            storage,
+            storage: Some(storage),
             layout,
             dtype,
             device,
-            grad_fn: op.map(|o| Mutex::new(Some(o))),
+            grad_fn: op.map(|o| Arc::new(Mutex::new(Some(o)))),
             is_var: AtomicBool::new(false),
         }))
     }
 
     /// A view of this tensor's storage with another layout.
     pub(crate) fn view(&self, layout: Layout, op: Option<Op>) -> Tensor {
-        Self::view_of_storage(self.0.storage.clone(), layout, self.0.device.clone(), op)
+        Tensor(Arc::new(Inner {
+            id: TensorId::new(),
+            storage: self.0.storage.clone(),
+            layout,
+            dtype: self.0.dtype,
+            device: self.0.device.clone(),
+            grad_fn: op.map(|o| Arc::new(Mutex::new(Some(o)))),
+            is_var: AtomicBool::new(false),
+        }))
+    }
+
+    /// The handle a recorded op keeps for an input whose values its VJP never reads: the
+    /// same id, layout, graph node and leaf flag, without the storage, so the activation is
+    /// freed when nothing else needs it (PyTorch saves only what a backward formula reads,
+    /// for the same reason). A tensor whose own op reads its output in the backward (exp,
+    /// softmax, attention, ...) keeps its storage.
+    pub(crate) fn edge(&self) -> Tensor {
+        let needs_output = self
+            .0
+            .grad_fn
+            .as_ref()
+            .is_some_and(|node| match node.lock() {
+                Ok(op) => op.as_ref().is_some_and(Op::reads_output),
+                Err(_) => true,
+            });
+        if needs_output || self.0.storage.is_none() {
+            return self.clone();
+        }
+        Tensor(Arc::new(Inner {
+            id: self.0.id,
+            storage: None,
+            layout: self.0.layout.clone(),
+            dtype: self.0.dtype,
+            device: self.0.device.clone(),
+            grad_fn: self.0.grad_fn.clone(),
+            is_var: AtomicBool::new(self.is_var()),
+        }))
     }
 
     pub fn from_vec<T: WithDType>(
@@ -285,18 +323,30 @@ impl Tensor {
     }
     /// Whether two handles view the same storage.
     pub fn same_storage(&self, other: &Tensor) -> bool {
-        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+        match (&self.0.storage, &other.0.storage) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    fn storage_arc(&self) -> Result<&Arc<RwLock<Storage>>> {
+        self.0.storage.as_ref().ok_or_else(|| {
+            Error::Autograd(format!(
+                "internal: the values of a graph edge (shape {}) were read; the op that \
+                 recorded it does not save them",
+                self.shape()
+            ))
+        })
     }
 
     pub(crate) fn storage(&self) -> Result<RwLockReadGuard<'_, Storage>> {
-        self.0
-            .storage
+        self.storage_arc()?
             .read()
             .map_err(|_| Error::Poisoned("tensor storage"))
     }
 
     pub(crate) fn grad_fn(&self) -> Option<&Mutex<Option<Op>>> {
-        self.0.grad_fn.as_ref()
+        self.0.grad_fn.as_deref()
     }
 
     // ----- autograd -----------------------------------------------------------------------
@@ -436,8 +486,7 @@ impl Tensor {
         };
         let s = src.storage()?;
         let mut d = self
-            .0
-            .storage
+            .storage_arc()?
             .write()
             .map_err(|_| Error::Poisoned("tensor storage"))?;
         s.copy_strided(src.layout(), &mut d, l)
@@ -448,16 +497,15 @@ impl Tensor {
 /// and overflow the stack. Instead, inputs this node owns alone are unlinked onto a work list.
 impl Drop for Inner {
     fn drop(&mut self) {
-        let Some(node) = self.grad_fn.take() else {
-            return;
-        };
-        let mut pending: Vec<Op> = node.into_inner().ok().flatten().into_iter().collect();
+        // A node shared with graph edges is dropped by the last handle to it.
+        fn unlink(node: Option<Arc<Mutex<Option<Op>>>>) -> Option<Op> {
+            Arc::try_unwrap(node?).ok()?.into_inner().ok().flatten()
+        }
+        let mut pending: Vec<Op> = unlink(self.grad_fn.take()).into_iter().collect();
         while let Some(op) = pending.pop() {
             for t in op.into_tensors() {
                 if let Ok(mut inner) = Arc::try_unwrap(t.0) {
-                    if let Some(node) = inner.grad_fn.take() {
-                        pending.extend(node.into_inner().ok().flatten());
-                    }
+                    pending.extend(unlink(inner.grad_fn.take()));
                 }
             }
         }

@@ -3,21 +3,14 @@ Flux-dev, SD3.5-large and the SDXL UNet at 1024^2, batch 1, bf16, random weights
 GPU, frozen, backward to the input latents. Eager, default SDPA backend. ITERS 3 after 1
 warm-up, as the Rust side. Usage: python3 torch_models.py [flux|sd35|sdxl]..."""
 import sys
-import time
 
 import torch
 
-ITERS = 3
+from torch_timing import timed as timed_n
 
 
 def timed(f):
-    f()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(ITERS):
-        f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / ITERS
+    return timed_n(f, warmup=1, iters=3)
 
 
 def build(cls, **cfg):

@@ -7,12 +7,12 @@ import torch
 ITERS = 20
 
 
-def timed(f):
-    for _ in range(3):
+def timed(f, warmup=3, iters=ITERS):
+    for _ in range(warmup):
         f()
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(ITERS):
+    for _ in range(iters):
         f()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / ITERS
+    return (time.perf_counter() - t) / iters

@@ -177,3 +177,21 @@ pub(crate) fn cfg_usize(cfg: &serde_json::Value, name: &str) -> Result<usize> {
 pub(crate) fn cfg_opt<'a>(cfg: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
     cfg.get(name).filter(|v| !v.is_null())
 }
+
+/// A list of non-negative integers, `None` when absent or null.
+pub(crate) fn cfg_usize_list(cfg: &serde_json::Value, name: &str) -> Result<Option<Vec<usize>>> {
+    let Some(v) = cfg_opt(cfg, name) else {
+        return Ok(None);
+    };
+    v.as_array()
+        .and_then(|a| {
+            a.iter()
+                .map(|x| x.as_u64().map(|x| x as usize))
+                .collect::<Option<Vec<_>>>()
+        })
+        .map(Some)
+        .ok_or_else(|| Error::Config {
+            path: None,
+            msg: format!("config.json: \"{name}\" = {v} is not a list of integers"),
+        })
+}

@@ -10,7 +10,7 @@ mod model;
 pub use keys::diffusers_map;
 pub use model::{DoubleStreamBlock, Flux, MlpEmbedder, SingleStreamBlock};
 
-use super::checkpoint::{cfg_opt, cfg_usize, Checkpoint, Format};
+use super::checkpoint::{cfg_opt, cfg_usize, cfg_usize_list, Checkpoint, Format};
 use crate::nn::VarBuilder;
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::Path;
@@ -108,20 +108,7 @@ impl FluxConfig {
                     .into(),
             });
         }
-        let axes_dim = match cfg_opt(cfg, "axes_dims_rope") {
-            Some(v) => v
-                .as_array()
-                .and_then(|a| {
-                    a.iter()
-                        .map(|x| x.as_u64().map(|x| x as usize))
-                        .collect::<Option<Vec<_>>>()
-                })
-                .ok_or_else(|| Error::Config {
-                    path: None,
-                    msg: "flux config.json: \"axes_dims_rope\" is not a list of integers".into(),
-                })?,
-            None => vec![16, 56, 56],
-        };
+        let axes_dim = cfg_usize_list(cfg, "axes_dims_rope")?.unwrap_or_else(|| vec![16, 56, 56]);
         let c = FluxConfig {
             in_channels,
             out_channels: cfg_opt(cfg, "out_channels")

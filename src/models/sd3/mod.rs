@@ -11,7 +11,7 @@ mod model;
 pub use keys::diffusers_map;
 pub use model::{JointBlock, Sd3};
 
-use super::checkpoint::{cfg_opt, cfg_usize, Checkpoint};
+use super::checkpoint::{cfg_opt, cfg_usize, cfg_usize_list, Checkpoint};
 use crate::nn::VarBuilder;
 use crate::{DType, Device, Error, Result};
 use std::path::Path;
@@ -124,19 +124,7 @@ impl Sd3Config {
                 )))
             }
         };
-        let dual = match cfg_opt(cfg, "dual_attention_layers") {
-            None => vec![],
-            Some(v) => v
-                .as_array()
-                .and_then(|a| {
-                    a.iter()
-                        .map(|x| x.as_u64().map(|x| x as usize))
-                        .collect::<Option<Vec<_>>>()
-                })
-                .ok_or_else(
-                    || bad("sd3 config.json: dual_attention_layers is not a list".into()),
-                )?,
-        };
+        let dual = cfg_usize_list(cfg, "dual_attention_layers")?.unwrap_or_default();
         let in_channels = cfg_usize(cfg, "in_channels")?;
         let c = Sd3Config {
             patch_size: cfg_usize(cfg, "patch_size")?,

@@ -1,7 +1,7 @@
 //! The UNet's hyperparameters, from SDXL base 1.0's defaults, a diffusers config.json, or a
 //! single file's tensor shapes.
 
-use crate::models::checkpoint::{cfg_opt, cfg_usize};
+use crate::models::checkpoint::{cfg_opt, cfg_usize, cfg_usize_list};
 use crate::nn::VarBuilder;
 use crate::{Error, Result};
 use serde_json::Value;
@@ -214,7 +214,7 @@ impl SdxlConfig {
             Some(_) => cfg_usize(cfg, "norm_num_groups")?,
         };
 
-        let block_out = usize_list(cfg, "block_out_channels")?
+        let block_out = cfg_usize_list(cfg, "block_out_channels")?
             .ok_or_else(|| err("block_out_channels", "is missing".into()))?;
         let l = block_out.len();
         let model_channels = *block_out
@@ -232,7 +232,7 @@ impl SdxlConfig {
                 None => Ok(vec![default; l]),
                 Some(v) if v.is_u64() => Ok(vec![cfg_usize(cfg, field)?; l]),
                 Some(_) => {
-                    let v = usize_list(cfg, field)?.unwrap_or_default();
+                    let v = cfg_usize_list(cfg, field)?.unwrap_or_default();
                     if v.len() != l {
                         return Err(err(field, format!("needs {l} entries, one per level")));
                     }
@@ -423,25 +423,6 @@ impl SdxlConfig {
         c.validate()?;
         Ok(c)
     }
-}
-
-/// A list of non-negative integers, `None` when absent.
-fn usize_list(cfg: &Value, field: &str) -> Result<Option<Vec<usize>>> {
-    let Some(v) = cfg_opt(cfg, field) else {
-        return Ok(None);
-    };
-    v.as_array()
-        .and_then(|a| {
-            a.iter()
-                .map(|x| x.as_u64().map(|x| x as usize))
-                .collect::<Option<Vec<_>>>()
-        })
-        .map(Some)
-        .ok_or_else(|| {
-            bad(format!(
-                "sdxl config.json: \"{field}\" = {v} is not a list of integers"
-            ))
-        })
 }
 
 fn str_list(cfg: &Value, field: &str) -> Result<Vec<String>> {

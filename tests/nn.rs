@@ -87,7 +87,11 @@ fn f32_cfg(eps: f64, atol: f64) -> GradcheckConfig {
 
 fn lin(w: &Tensor, b: Option<&Tensor>) -> Linear {
     let (weight, bias) = (w.clone(), b.cloned());
-    Linear { weight, bias }
+    Linear {
+        weight,
+        bias,
+        lora: None,
+    }
 }
 
 fn layer_norm(w: Option<&Tensor>, b: Option<&Tensor>) -> LayerNorm {

@@ -1,15 +1,19 @@
 //! Layers with parameters loaded by key path. Shape letters: N batch, L tokens, C channels,
 //! H x W spatial. Weights keep the checkpoint's layout (Linear: (out, in)).
 
+use super::lora::Lora;
 use super::VarBuilder;
 use crate::{Error, Result, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-/// `y = x W^T + b` over the last dim; `weight` (out, in), `bias` (out).
+/// `y = x W^T + b` over the last dim; `weight` (out, in), `bias` (out); plus a LoRA term
+/// when the builder planned an adapter for this layer's path.
 #[derive(Clone, Debug)]
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    pub lora: Option<Arc<Lora>>,
 }
 
 impl Linear {
@@ -20,7 +24,11 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear {
+            weight,
+            bias,
+            lora: vb.lora(in_dim, out_dim)?,
+        })
     }
 
     /// (..., in) -> (..., out): one 2D GEMM over all leading dims, W^T passed as a view.
@@ -35,9 +43,14 @@ impl Linear {
             });
         }
         let rows: usize = d[..d.len() - 1].iter().product();
-        let y = x.reshape((rows, in_dim))?.matmul(&self.weight.t()?)?;
+        let x = x.reshape((rows, in_dim))?;
+        let y = x.matmul(&self.weight.t()?)?;
         let y = match &self.bias {
             Some(b) => y.add(b)?,
+            None => y,
+        };
+        let y = match &self.lora {
+            Some(l) => y.add(&l.delta(&x)?)?,
             None => y,
         };
         let mut out = d.to_vec();

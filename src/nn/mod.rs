@@ -5,6 +5,8 @@
 mod conv;
 mod embeddings;
 mod layers;
+mod lora;
+mod lora_io;
 mod params;
 
 pub use crate::tensor::scaled_dot_product_attention;
@@ -15,4 +17,6 @@ pub use embeddings::{
 pub use layers::{
     upsample_nearest2d, Activation, Dropout, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
+pub use lora::{Adapters, Lora, LoraConfig};
+pub use lora_io::kohya_name;
 pub use params::{KeyMap, KeySource, VarBuilder};

@@ -6,6 +6,7 @@
 //! parameter is remembered under its key: frozen by default, trainable by `set_trainable`,
 //! and listed for optimizers and saving.
 
+use super::lora::{Adapters, Lora};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -57,6 +58,8 @@ struct Shared {
     source: Source,
     /// Model key -> source key(s); `None` reads every key as is.
     map: Option<KeyMap>,
+    /// LoRA adapters planned for the layers built from this builder.
+    adapters: Option<Arc<Adapters>>,
     dtype: DType,
     device: Device,
     /// Every tensor handed out, by full key.
@@ -139,6 +142,7 @@ impl VarBuilder {
             shared: Arc::new(Shared {
                 source,
                 map: None,
+                adapters: None,
                 dtype,
                 device: device.clone(),
                 loaded: Mutex::new(BTreeMap::new()),
@@ -163,6 +167,37 @@ impl VarBuilder {
             }),
             prefix: vec![],
         })
+    }
+
+    /// The same source with LoRA adapters planned: each `Linear` built from it whose key
+    /// path matches the adapters' targets gets one. Set before the builder is shared.
+    pub fn with_adapters(self, adapters: Arc<Adapters>) -> Result<Self> {
+        let prefix = self.prefix.clone();
+        let shared = Arc::try_unwrap(self.shared).map_err(|_| Error::Param {
+            key: String::new(),
+            file: None,
+            msg: "adapters must be set before the builder is shared".into(),
+        })?;
+        Ok(VarBuilder {
+            shared: Arc::new(Shared {
+                adapters: Some(adapters),
+                ..shared
+            }),
+            prefix,
+        })
+    }
+
+    /// The adapters planned on this builder.
+    pub fn adapters(&self) -> Option<&Arc<Adapters>> {
+        self.shared.adapters.as_ref()
+    }
+
+    /// The adapter for the layer at this prefix (in -> out), if one is planned for it.
+    pub fn lora(&self, in_dim: usize, out_dim: usize) -> Result<Option<Arc<Lora>>> {
+        match &self.shared.adapters {
+            Some(a) => a.for_layer(&self.prefix.join("."), in_dim, out_dim, self.device()),
+            None => Ok(None),
+        }
     }
 
     /// The source key(s) of model key `key`.

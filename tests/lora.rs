@@ -1,0 +1,272 @@
+//! LoRA adapters: planning by path patterns, the forward (against the merged weight W + s B A),
+//! gradients only to A and B, f64 gradcheck of the adapter term, and the kohya / ComfyUI file
+//! layout round trip with its errors. On the tiny Flux of the model fixtures.
+#![cfg(feature = "cpu-ref")]
+
+use flame::autograd::gradcheck::{gradcheck, GradcheckConfig};
+use flame::models::flux::{Flux, FluxConfig};
+use flame::models::Checkpoint;
+use flame::nn::{kohya_name, Adapters, Linear, LoraConfig, VarBuilder};
+use flame::{DType, Device, Result, Tensor};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+const CPU: Device = Device::Cpu;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/flux")
+}
+
+fn config() -> FluxConfig {
+    let ck = Checkpoint::open(fixture(), "transformer").unwrap();
+    FluxConfig::from_diffusers(ck.config.as_ref().unwrap()).unwrap()
+}
+
+fn lora_cfg(targets: &[&str], rank: usize) -> LoraConfig {
+    LoraConfig {
+        rank,
+        alpha: 3.0,
+        dropout: 0.0,
+        targets: targets.iter().map(|s| s.to_string()).collect(),
+        seed: 11,
+    }
+}
+
+const TARGETS: [&str; 3] = [
+    "double_blocks.*.img_attn.qkv",
+    "single_blocks.*.linear1",
+    "*txt_mlp.0",
+];
+
+/// The tiny Flux in f64 from the single file, with adapters planned by `cfg` (or none).
+fn flux(
+    weights: &std::path::Path,
+    cfg: Option<LoraConfig>,
+) -> (Flux, VarBuilder, Option<Arc<Adapters>>) {
+    let ck = Checkpoint::open(weights, "transformer").unwrap();
+    let mut vb = ck
+        .var_builder(
+            DType::F64,
+            &CPU,
+            flame::models::flux::diffusers_map(&config()),
+        )
+        .unwrap();
+    let adapters = cfg.map(|c| Adapters::new(c).unwrap());
+    if let Some(a) = &adapters {
+        vb = vb.with_adapters(a.clone()).unwrap();
+    }
+    let model = Flux::new(&vb, &config()).unwrap();
+    (model, vb, adapters)
+}
+
+fn run(model: &Flux) -> Result<Tensor> {
+    let io = flame::safetensors::load(fixture().join("io.safetensors"), &CPU)?;
+    let f = |k: &str| io[k].to_dtype(DType::F64).unwrap();
+    model.forward(
+        &f("img"),
+        &io["img_ids"],
+        &f("txt"),
+        &io["txt_ids"],
+        &io["timesteps"],
+        &f("y"),
+        Some(&io["guidance"]),
+    )
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+    a.iter().zip(&b).fold(0.0, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// Gives every B random values (a trained-looking adapter).
+fn randomize(a: &Adapters) {
+    for (i, l) in a.layers().unwrap().iter().enumerate() {
+        let v = Tensor::randn(l.up.shape().clone(), DType::F32, &CPU, 500 + i as u64).unwrap();
+        l.up.assign(&v.affine(0.3, 0.0).unwrap()).unwrap();
+    }
+}
+
+#[test]
+fn adapters_go_where_the_patterns_say() {
+    let (_, _, a) = flux(
+        &fixture().join("single_file.safetensors"),
+        Some(lora_cfg(&TARGETS, 4)),
+    );
+    let paths: Vec<String> = a
+        .unwrap()
+        .layers()
+        .unwrap()
+        .iter()
+        .map(|l| l.path.clone())
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            "double_blocks.0.img_attn.qkv",
+            "double_blocks.0.txt_mlp.0",
+            "double_blocks.1.img_attn.qkv",
+            "double_blocks.1.txt_mlp.0",
+            "single_blocks.0.linear1",
+            "single_blocks.1.linear1",
+        ]
+    );
+    let c = lora_cfg(&["a*b.c", "x"], 1);
+    assert!(c.matches("a.b.c") && c.matches("ab.c") && c.matches("a.q.r.b.c") && c.matches("x"));
+    assert!(!c.matches("a.b.cd") && !c.matches("xa") && !c.matches("b.c"));
+}
+
+#[test]
+fn fresh_adapters_change_nothing_and_trained_ones_equal_the_merged_weight() {
+    let single = fixture().join("single_file.safetensors");
+    let (base, _, _) = flux(&single, None);
+    let (adapted, vb, a) = flux(&single, Some(lora_cfg(&TARGETS, 4)));
+    let a = a.unwrap();
+    let y0 = run(&base).unwrap();
+    assert_eq!(
+        max_diff(&run(&adapted).unwrap(), &y0),
+        0.0,
+        "B = 0 at the start"
+    );
+    randomize(&a);
+    let y = run(&adapted).unwrap();
+    assert!(max_diff(&y, &y0) > 1e-3, "the adapters act");
+    // The same weights with W + (alpha / rank) B A merged in, no adapters.
+    let mut merged: HashMap<String, Tensor> = vb.params().unwrap().into_iter().collect();
+    for l in a.layers().unwrap() {
+        let k = format!("{}.weight", l.path);
+        let w = merged[&k]
+            .add(&l.merged_delta().unwrap().to_dtype(DType::F64).unwrap())
+            .unwrap();
+        merged.insert(k, w);
+    }
+    let vb2 = VarBuilder::from_tensors(merged, DType::F64, &CPU);
+    let y2 = run(&Flux::new(&vb2, &config()).unwrap()).unwrap();
+    assert!(max_diff(&y, &y2) < 1e-5, "{}", max_diff(&y, &y2));
+}
+
+#[test]
+fn only_adapters_get_gradients() {
+    let (model, vb, a) = flux(
+        &fixture().join("single_file.safetensors"),
+        Some(lora_cfg(&TARGETS, 2)),
+    );
+    let a = a.unwrap();
+    randomize(&a);
+    let loss = run(&model).unwrap().sqr().unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    assert_eq!(grads.len(), 12, "A and B of 6 adapters");
+    for (name, p) in a.params().unwrap() {
+        let g = grads
+            .get(&p)
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        assert!(g.to_vec_f64().unwrap().iter().any(|v| *v != 0.0), "{name}");
+        assert_eq!(g.dtype(), DType::F32);
+    }
+    assert!(
+        vb.trainable_params().unwrap().is_empty(),
+        "base weights stay frozen"
+    );
+}
+
+#[test]
+fn gradcheck_lora_linear() {
+    let mut map = HashMap::new();
+    map.insert(
+        "l.weight".to_string(),
+        Tensor::randn((5, 7), DType::F64, &CPU, 1).unwrap(),
+    );
+    map.insert(
+        "l.bias".to_string(),
+        Tensor::randn(5, DType::F64, &CPU, 2).unwrap(),
+    );
+    let a = Adapters::new(lora_cfg(&["l"], 3)).unwrap();
+    let vb = VarBuilder::from_tensors(map, DType::F64, &CPU)
+        .with_adapters(a.clone())
+        .unwrap();
+    let lin = Linear::new(&vb.pp("l"), 7, 5, true).unwrap();
+    let l = lin.lora.clone().unwrap();
+    randomize(&a);
+    // Gradcheck through f64 copies of A and B standing in for the f32 parameters.
+    let x = Tensor::randn((4, 7), DType::F64, &CPU, 3).unwrap();
+    let (down, up) = (
+        l.down.to_dtype(DType::F64).unwrap(),
+        l.up.to_dtype(DType::F64).unwrap(),
+    );
+    let w = lin.weight.clone();
+    let b = lin.bias.clone().unwrap();
+    let s = l.scale();
+    let report = gradcheck(
+        |t: &[Tensor]| {
+            let base = t[0].matmul(&w.t()?)?.add(&b)?;
+            base.add(
+                &t[0]
+                    .matmul(&t[1].t()?)?
+                    .matmul(&t[2].t()?)?
+                    .affine(s, 0.0)?,
+            )
+        },
+        &[x.clone(), down, up],
+        GradcheckConfig::default(),
+    )
+    .unwrap();
+    assert!(report.checked > 0);
+    // And the layer computes that same expression.
+    let want = x
+        .matmul(&w.t().unwrap())
+        .unwrap()
+        .add(&b)
+        .unwrap()
+        .add(&l.delta(&x).unwrap())
+        .unwrap();
+    assert_eq!(max_diff(&lin.forward(&x).unwrap(), &want), 0.0);
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("flame-lora-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn kohya_round_trip_and_errors() {
+    let dir = temp("kohya");
+    let single = fixture().join("single_file.safetensors");
+    let (model, _, a) = flux(&single, Some(lora_cfg(&TARGETS, 4)));
+    let a = a.unwrap();
+    randomize(&a);
+    let y = run(&model).unwrap();
+    let file = dir.join("lora.safetensors");
+    a.save_kohya(&file, DType::F32).unwrap();
+    let saved: BTreeMap<String, Tensor> = flame::safetensors::load(&file, &CPU).unwrap();
+    let name = kohya_name("double_blocks.0.img_attn.qkv");
+    assert_eq!(name, "lora_unet_double_blocks_0_img_attn_qkv");
+    assert_eq!(saved[&format!("{name}.lora_down.weight")].dims(), [4, 32]);
+    assert_eq!(saved[&format!("{name}.lora_up.weight")].dims(), [96, 4]);
+    assert_eq!(saved[&format!("{name}.alpha")].dims(), [] as [usize; 0]);
+    assert_eq!(saved.len(), 18);
+    // A fresh model with the same plan loads it and computes the same output.
+    let (model2, _, a2) = flux(&single, Some(lora_cfg(&TARGETS, 4)));
+    a2.unwrap().load_kohya(&file).unwrap();
+    assert_eq!(max_diff(&run(&model2).unwrap(), &y), 0.0);
+    // Fewer targets: the file has tensors no adapter takes.
+    let (_, _, a3) = flux(&single, Some(lora_cfg(&TARGETS[..2], 4)));
+    let e = a3.unwrap().load_kohya(&file).unwrap_err().to_string();
+    assert!(
+        e.contains("lora_unet_double_blocks_0_txt_mlp_0") && e.contains("no planned adapter"),
+        "{e}"
+    );
+    // More targets: an adapter is missing from the file.
+    let more = [TARGETS[0], TARGETS[1], TARGETS[2], "final_layer.linear"];
+    let (_, _, a4) = flux(&single, Some(lora_cfg(&more, 4)));
+    let e = a4.unwrap().load_kohya(&file).unwrap_err().to_string();
+    assert!(
+        e.contains("lora_unet_final_layer_linear.lora_down.weight") && e.contains("missing"),
+        "{e}"
+    );
+    // Another rank: shapes differ.
+    let (_, _, a5) = flux(&single, Some(lora_cfg(&TARGETS, 2)));
+    let e = a5.unwrap().load_kohya(&file).unwrap_err().to_string();
+    assert!(e.contains("shape [4, 32]"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}

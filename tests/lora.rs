@@ -270,3 +270,100 @@ fn kohya_round_trip_and_errors() {
     assert!(e.contains("shape [4, 32]"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Every adapter target the Flux key map can split, the final adaLN (halves swapped) included.
+const PEFT_TARGETS: [&str; 4] = [
+    "double_blocks.*.*_attn.qkv",
+    "single_blocks.*.linear1",
+    "double_blocks.1.img_mlp.2",
+    "final_layer.adaLN_modulation.1",
+];
+
+#[test]
+fn peft_round_trip_splits_fused_layers() {
+    let dir = temp("peft");
+    let single = fixture().join("single_file.safetensors");
+    let map = flame::models::flux::diffusers_map(&config());
+    let (model, _, a) = flux(&single, Some(lora_cfg(&PEFT_TARGETS, 4)));
+    let a = a.unwrap();
+    randomize(&a);
+    let y = run(&model).unwrap();
+    let file = dir.join("peft.safetensors");
+    a.save_peft(&file, &map, "transformer", DType::F32).unwrap();
+    let saved = flame::safetensors::load(&file, &CPU).unwrap();
+    // linear1 (32 -> 3*32 + 128) splits into to_q, to_k, to_v and proj_mlp, sharing A.
+    let p = "transformer.single_transformer_blocks.0";
+    assert_eq!(
+        saved[&format!("{p}.proj_mlp.lora_B.weight")].dims(),
+        [128, 4]
+    );
+    assert_eq!(
+        saved[&format!("{p}.attn.to_v.lora_B.weight")].dims(),
+        [32, 4]
+    );
+    assert_eq!(
+        saved[&format!("{p}.attn.to_q.lora_A.weight")]
+            .to_vec_f64()
+            .unwrap(),
+        saved[&format!("{p}.proj_mlp.lora_A.weight")]
+            .to_vec_f64()
+            .unwrap()
+    );
+    assert!(saved.contains_key("transformer.transformer_blocks.1.attn.add_k_proj.lora_A.weight"));
+    assert!(saved.contains_key("transformer.norm_out.linear.lora_B.weight"));
+    // 2 double blocks x 2 streams x 3 + 2 single blocks x 4 + 1 + 1 modules, A and B each.
+    assert_eq!(saved.len(), 2 * (12 + 8 + 2));
+    let (model2, _, a2) = flux(&single, Some(lora_cfg(&PEFT_TARGETS, 4)));
+    a2.unwrap().load_peft(&file, &map, "transformer").unwrap();
+    // alpha / rank is folded into B and divided out again in f32: an ulp of B at most.
+    let d = max_diff(&run(&model2).unwrap(), &y);
+    assert!(d < 1e-6, "{d}");
+    // A file whose q and k parts have different A's cannot fill one fused rank-4 adapter.
+    let mut bad = saved.clone();
+    let k = format!("{p}.attn.to_k.lora_A.weight");
+    bad.insert(k.clone(), bad[&k].affine(2.0, 0.0).unwrap());
+    let bad_file = dir.join("bad.safetensors");
+    flame::safetensors::save(bad.iter().map(|(k, v)| (k.as_str(), v)), &bad_file).unwrap();
+    let (_, _, a3) = flux(&single, Some(lora_cfg(&PEFT_TARGETS, 4)));
+    let e = a3
+        .unwrap()
+        .load_peft(&bad_file, &map, "transformer")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&k) && e.contains("fused layer single_blocks.0.linear1"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The PEFT file loads in diffusers (`load_lora_adapter`) and gives FLAME's output: needs
+/// Python with PyTorch, diffusers and peft (the GPU machine; run with --include-ignored).
+#[test]
+#[ignore = "needs python3 with torch, diffusers and peft"]
+fn peft_file_matches_diffusers_with_the_adapter() {
+    let dir = temp("peft-diffusers");
+    let single = fixture().join("single_file.safetensors");
+    let map = flame::models::flux::diffusers_map(&config());
+    let (model, _, a) = flux(&single, Some(lora_cfg(&PEFT_TARGETS, 4)));
+    let a = a.unwrap();
+    randomize(&a);
+    let y = run(&model).unwrap();
+    let lora = dir.join("peft.safetensors");
+    a.save_peft(&lora, &map, "transformer", DType::F32).unwrap();
+    let out = dir.join("flame_output.safetensors");
+    flame::safetensors::save([("output", &y)], &out).unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/check_peft_lora.py");
+    let status = std::process::Command::new("python3")
+        .arg(script)
+        .arg(fixture())
+        .arg(&lora)
+        .arg(&out)
+        .status()
+        .expect("python3");
+    assert!(
+        status.success(),
+        "diffusers disagrees (see its output above)"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -903,9 +903,13 @@ fn varbuilder_key_map_concatenates_swaps_and_renames() -> R {
     let path = dir.save("diffusers.safetensors", &all, |_| true);
     let map: KeyMap = Arc::new(|k: &str| match k {
         "blk.qkv.weight" => Some(KeySource::Cat(vec![
-            "attn.to_q.weight".into(),
-            "attn.to_k.weight".into(),
-            "attn.to_v.weight".into(),
+            ("attn.to_q.weight".into(), 4),
+            ("attn.to_k.weight".into(), 4),
+            ("attn.to_v.weight".into(), 4),
+        ])),
+        "blk.qkv2.weight" => Some(KeySource::Cat(vec![
+            ("attn.to_q.weight".into(), 4),
+            ("attn.to_k.weight".into(), 8),
         ])),
         "final.ada.weight" => Some(KeySource::SwapHalves("norm_out.linear.weight".into())),
         "final.linear.weight" => Some(KeySource::Key("proj_out.weight".into())),
@@ -929,6 +933,12 @@ fn varbuilder_key_map_concatenates_swaps_and_renames() -> R {
         v(source(&all, "proj_out.weight"))
     );
     assert_eq!(vb.unused_keys()?, ["extra.weight"]);
+    // A part whose rows differ from what the layout declares.
+    param_err(
+        &vb.get((12, 3), "blk.qkv2.weight").unwrap_err(),
+        "blk.qkv2.weight",
+        &["attn.to_k.weight", "says 8"],
+    );
     // Errors name the model key and the source keys.
     param_err(
         &vb.get((4, 3), "blk.gone.weight").unwrap_err(),
@@ -941,7 +951,7 @@ fn varbuilder_key_map_concatenates_swaps_and_renames() -> R {
         &["no source"],
     );
     let vb2 = VarBuilder::from_files(&[&path], DType::F64, &CPU)?.with_key_map(Arc::new(|k| {
-        (k == "blk.qkv.weight").then(|| KeySource::Cat(vec!["attn.to_q.weight".into()]))
+        (k == "blk.qkv.weight").then(|| KeySource::Cat(vec![("attn.to_q.weight".into(), 4)]))
     }))?;
     param_err(
         &vb2.get((12, 3), "blk.qkv.weight").unwrap_err(),

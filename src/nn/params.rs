@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex};
 pub enum KeySource {
     /// The tensor under another key.
     Key(String),
-    /// Tensors concatenated along dim 0, e.g. a fused qkv projection stored as separate
-    /// q, k and v.
-    Cat(Vec<String>),
+    /// Tensors concatenated along dim 0, each with its row count, e.g. a fused qkv
+    /// projection stored as separate q, k and v. The counts let adapters be split back.
+    Cat(Vec<(String, usize)>),
     /// One tensor with its two halves along dim 0 swapped: diffusers stores the final adaLN
     /// projection as (scale, shift) where the original checkpoints have (shift, scale).
     SwapHalves(String),
@@ -32,7 +32,7 @@ impl KeySource {
     pub fn keys(&self) -> Vec<&str> {
         match self {
             KeySource::Key(k) | KeySource::SwapHalves(k) => vec![k.as_str()],
-            KeySource::Cat(ks) => ks.iter().map(|k| k.as_str()).collect(),
+            KeySource::Cat(ks) => ks.iter().map(|(k, _)| k.as_str()).collect(),
         }
     }
 }
@@ -344,6 +344,17 @@ impl VarBuilder {
                 ),
             )
         })?;
+        if let KeySource::Cat(parts) = &src {
+            for (k, rows) in parts {
+                let have = self.raw_shape(k).and_then(|s| s.first().copied());
+                if have != Some(*rows) {
+                    return Err(self.err(
+                        &key,
+                        format!("part '{k}' has {have:?} rows, the layout says {rows}"),
+                    ));
+                }
+            }
+        }
         if found.as_slice() != shape.dims() {
             let from = match &src {
                 KeySource::Key(k) if *k == key => String::new(),

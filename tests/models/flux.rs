@@ -136,18 +136,18 @@ fn flux_diffusers_map_fuses_projections() {
     assert_eq!(
         m("double_blocks.3.txt_attn.qkv.weight"),
         Some(KeySource::Cat(vec![
-            "transformer_blocks.3.attn.add_q_proj.weight".into(),
-            "transformer_blocks.3.attn.add_k_proj.weight".into(),
-            "transformer_blocks.3.attn.add_v_proj.weight".into(),
+            ("transformer_blocks.3.attn.add_q_proj.weight".into(), 3072),
+            ("transformer_blocks.3.attn.add_k_proj.weight".into(), 3072),
+            ("transformer_blocks.3.attn.add_v_proj.weight".into(), 3072),
         ]))
     );
     assert_eq!(
         m("single_blocks.37.linear1.bias"),
         Some(KeySource::Cat(vec![
-            "single_transformer_blocks.37.attn.to_q.bias".into(),
-            "single_transformer_blocks.37.attn.to_k.bias".into(),
-            "single_transformer_blocks.37.attn.to_v.bias".into(),
-            "single_transformer_blocks.37.proj_mlp.bias".into(),
+            ("single_transformer_blocks.37.attn.to_q.bias".into(), 3072),
+            ("single_transformer_blocks.37.attn.to_k.bias".into(), 3072),
+            ("single_transformer_blocks.37.attn.to_v.bias".into(), 3072),
+            ("single_transformer_blocks.37.proj_mlp.bias".into(), 12288),
         ]))
     );
     assert_eq!(

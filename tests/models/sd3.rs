@@ -79,9 +79,9 @@ fn sd35_diffusers_map() {
     assert_eq!(
         m("joint_blocks.5.x_block.attn2.qkv.weight"),
         Some(KeySource::Cat(vec![
-            "transformer_blocks.5.attn2.to_q.weight".into(),
-            "transformer_blocks.5.attn2.to_k.weight".into(),
-            "transformer_blocks.5.attn2.to_v.weight".into(),
+            ("transformer_blocks.5.attn2.to_q.weight".into(), 1536),
+            ("transformer_blocks.5.attn2.to_k.weight".into(), 1536),
+            ("transformer_blocks.5.attn2.to_v.weight".into(), 1536),
         ]))
     );
     assert_eq!(

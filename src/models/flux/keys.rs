@@ -7,26 +7,27 @@ use super::FluxConfig;
 use crate::nn::{KeyMap, KeySource};
 use std::sync::Arc;
 
-/// The map for a model of `cfg`'s shape (the keys do not depend on sizes).
-pub fn diffusers_map(_cfg: &FluxConfig) -> KeyMap {
-    Arc::new(|key: &str| map_key(key))
+/// The map for a model of `cfg`'s shape (the sizes say how fused projections split).
+pub fn diffusers_map(cfg: &FluxConfig) -> KeyMap {
+    let (h, m) = (cfg.hidden_size, cfg.mlp_hidden());
+    Arc::new(move |key: &str| map_key(key, h, m))
 }
 
 fn key(k: String) -> Option<KeySource> {
     Some(KeySource::Key(k))
 }
 
-fn cat(parts: &[&str], prefix: &str, leaf: &str) -> Option<KeySource> {
+fn cat(parts: &[(&str, usize)], prefix: &str, leaf: &str) -> Option<KeySource> {
     Some(KeySource::Cat(
         parts
             .iter()
-            .map(|p| format!("{prefix}{p}.{leaf}"))
+            .map(|(p, rows)| (format!("{prefix}{p}.{leaf}"), *rows))
             .collect(),
     ))
 }
 
-/// One BFL key's diffusers source.
-pub fn map_key(k: &str) -> Option<KeySource> {
+/// One BFL key's diffusers source, for hidden size `h` and MLP width `m`.
+pub fn map_key(k: &str, h: usize, m: usize) -> Option<KeySource> {
     let (path, leaf) = k.rsplit_once('.')?;
     let embedder = |name: &str, rest: &str| -> Option<KeySource> {
         let lin = match rest {
@@ -61,11 +62,13 @@ pub fn map_key(k: &str) -> Option<KeySource> {
                     let n = if img { "norm1" } else { "norm1_context" };
                     key(format!("{p}{n}.linear.{leaf}"))
                 }
-                ("attn", ["qkv"]) if img => {
-                    cat(&["to_q", "to_k", "to_v"], &format!("{p}attn."), leaf)
-                }
+                ("attn", ["qkv"]) if img => cat(
+                    &[("to_q", h), ("to_k", h), ("to_v", h)],
+                    &format!("{p}attn."),
+                    leaf,
+                ),
                 ("attn", ["qkv"]) => cat(
-                    &["add_q_proj", "add_k_proj", "add_v_proj"],
+                    &[("add_q_proj", h), ("add_k_proj", h), ("add_v_proj", h)],
                     &format!("{p}attn."),
                     leaf,
                 ),
@@ -100,7 +103,12 @@ pub fn map_key(k: &str) -> Option<KeySource> {
             match rest {
                 ["modulation", "lin"] => key(format!("{p}norm.linear.{leaf}")),
                 ["linear1"] => cat(
-                    &["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"],
+                    &[
+                        ("attn.to_q", h),
+                        ("attn.to_k", h),
+                        ("attn.to_v", h),
+                        ("proj_mlp", m),
+                    ],
                     &p,
                     leaf,
                 ),

@@ -9,16 +9,17 @@ use std::sync::Arc;
 
 /// The map for a model of `cfg`'s depth (the last block's context adaLN is swapped).
 pub fn diffusers_map(cfg: &Sd3Config) -> KeyMap {
-    let last = cfg.depth.saturating_sub(1);
-    Arc::new(move |key: &str| map_key(key, last))
+    let (last, h) = (cfg.depth.saturating_sub(1), cfg.hidden_size);
+    Arc::new(move |key: &str| map_key(key, last, h))
 }
 
 fn key(k: String) -> Option<KeySource> {
     Some(KeySource::Key(k))
 }
 
-/// One SD3 key's diffusers source; `last` is the index of the pre-only block.
-pub fn map_key(k: &str, last: usize) -> Option<KeySource> {
+/// One SD3 key's diffusers source; `last` is the index of the pre-only block, `h` the
+/// hidden size (each of q, k, v).
+pub fn map_key(k: &str, last: usize, h: usize) -> Option<KeySource> {
     if k == "pos_embed" {
         return key("pos_embed.pos_embed".into());
     }
@@ -53,7 +54,7 @@ pub fn map_key(k: &str, last: usize) -> Option<KeySource> {
                 Some(KeySource::Cat(
                     names
                         .iter()
-                        .map(|q| format!("{p}{attn}.{q}.{leaf}"))
+                        .map(|q| (format!("{p}{attn}.{q}.{leaf}"), h))
                         .collect(),
                 ))
             };

@@ -15,6 +15,7 @@ pub mod optim;
 pub mod safetensors;
 mod shape;
 mod tensor;
+pub mod train;
 
 #[cfg(feature = "cuda")]
 pub use backend::cuda;

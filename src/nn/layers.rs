@@ -200,6 +200,12 @@ impl Dropout {
         })
     }
 
+    /// Moves the call counter to `n`: a resumed run sets it to where the interrupted one
+    /// was, so its masks repeat.
+    pub fn set_calls(&self, n: u64) {
+        self.calls.store(n, Ordering::Relaxed)
+    }
+
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         if !train || self.p == 0.0 {
             return Ok(x.clone());

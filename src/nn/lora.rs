@@ -213,6 +213,16 @@ impl Adapters {
             .collect())
     }
 
+    /// Puts every adapter's dropout at the start of training step `step` (its masks are then
+    /// a function of the seed, the step and the call order within the step, so a resumed run
+    /// repeats them).
+    pub fn set_step(&self, step: u64) -> Result<()> {
+        for l in self.layers()? {
+            l.dropout.set_calls(step << 24);
+        }
+        Ok(())
+    }
+
     /// Dropout on (training) or off (inference).
     pub fn set_train(&self, on: bool) {
         self.train.store(on, Ordering::Relaxed)

@@ -84,7 +84,7 @@ impl Adapters {
             let key = format!("{name}.alpha");
             if file.contains(&key) {
                 let a = file
-                    .load_as(&key, &crate::Device::Cpu, DType::F64)?
+                    .load_as(&key, l.down.device(), DType::F64)?
                     .to_vec_f64()?;
                 if a.len() != 1 || (a[0] - l.alpha).abs() > 1e-6 * l.alpha.abs().max(1.0) {
                     return Err(err(
@@ -195,8 +195,7 @@ impl Adapters {
         let file = SafeTensorsFile::open(path)?;
         let mut unused: BTreeSet<String> = file.names().map(str::to_string).collect();
         let _g = crate::no_grad();
-        let dev = crate::Device::Cpu;
-        let mut read = |key: String, shape: &[usize]| -> Result<Tensor> {
+        let mut read = |key: String, shape: &[usize], dev: &crate::Device| -> Result<Tensor> {
             let info = file
                 .info(&key)
                 .ok_or_else(|| err(path, Some(&key), "missing"))?;
@@ -208,7 +207,7 @@ impl Adapters {
                 ));
             }
             unused.remove(&key);
-            file.load_as(&key, &dev, DType::F32)
+            file.load_as(&key, dev, DType::F32)
         };
         for l in self.layers()? {
             let (rank, out) = (l.rank(), l.up.dims()[0]);
@@ -216,8 +215,9 @@ impl Adapters {
             let mut ups = vec![];
             for (module, _, rows, swapped) in peft_parts(map, &l.path, out)? {
                 let name = format!("{prefix}.{module}");
-                let a = read(format!("{name}.lora_A.weight"), l.down.dims())?;
-                let b = read(format!("{name}.lora_B.weight"), &[rows, rank])?;
+                let dev = l.down.device();
+                let a = read(format!("{name}.lora_A.weight"), l.down.dims(), dev)?;
+                let b = read(format!("{name}.lora_B.weight"), &[rows, rank], dev)?;
                 match &down {
                     Some(d) if d.to_vec_f64()? != a.to_vec_f64()? => {
                         return Err(err(
@@ -237,9 +237,9 @@ impl Adapters {
             let up =
                 Tensor::cat(&ups.iter().collect::<Vec<_>>(), 0)?.affine(1.0 / l.scale(), 0.0)?;
             if let Some(d) = down {
-                l.down.assign(&d.to_device(l.down.device())?)?;
+                l.down.assign(&d)?;
             }
-            l.up.assign(&up.to_device(l.up.device())?)?;
+            l.up.assign(&up)?;
         }
         if let Some(k) = unused.iter().next() {
             return Err(err(

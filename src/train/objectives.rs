@@ -60,14 +60,14 @@ impl TimestepSampling {
     }
 
     /// `b` timesteps in (0, 1) as f32 (B,), for images of `tokens` latent tokens (used by
-    /// the Flux shift), from `seed`. The same seed gives the same draws on every device.
+    /// the Flux shift), from `seed`. The same seed gives the same draws on every device
+    /// (Philox, identical on the CPU and CUDA backends).
     pub fn sample(&self, b: usize, tokens: usize, seed: u64, device: &Device) -> Result<Tensor> {
         self.validate()?;
         // Keep t inside (0, 1): the ends make x_t exactly x0 or noise and 1/t infinite.
         let clamp = |v: f64| v.clamp(1e-5, 1.0 - 1e-5);
-        let cpu = Device::Cpu;
-        let u = Tensor::rand(b, DType::F64, &cpu, seed)?.to_vec_f64()?;
-        let n = Tensor::randn(b, DType::F64, &cpu, seed ^ 0x5EED)?.to_vec_f64()?;
+        let u = Tensor::rand(b, DType::F32, device, seed)?.to_vec_f64()?;
+        let n = Tensor::randn(b, DType::F32, device, seed ^ 0x5EED)?.to_vec_f64()?;
         let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
         let t: Vec<f32> = (0..b)
             .map(|i| {
@@ -163,7 +163,7 @@ impl Ddpm {
 
     /// `b` integer timesteps, uniform over 0..T, as f32 (B,) (what the UNet takes).
     pub fn sample_timesteps(&self, b: usize, seed: u64, device: &Device) -> Result<Tensor> {
-        let u = Tensor::rand(b, DType::F64, &Device::Cpu, seed)?.to_vec_f64()?;
+        let u = Tensor::rand(b, DType::F32, device, seed)?.to_vec_f64()?;
         let n = self.steps();
         let t: Vec<f32> = u
             .iter()

@@ -185,3 +185,67 @@ fn bad_configs_and_data_fail_before_writing() {
     );
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// Waits until the run in `out` has logged `n` steps (or fails after a minute).
+fn wait_for_steps(out: &Path, n: usize, child: &mut std::process::Child) {
+    let start = std::time::Instant::now();
+    while losses(out).len() < n {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it was stopped"
+        );
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "the run did not reach step {n}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// The `train` binary, killed (SIGKILL) midway and interrupted (SIGINT, Ctrl-C) midway, each
+/// resumed with --resume: both logs equal the uninterrupted run's, line for line.
+#[test]
+fn the_binary_resumes_after_kill_and_ctrl_c() {
+    use std::process::{Command, Stdio};
+    let exe = env!("CARGO_BIN_EXE_train");
+    let run = |dir: &Path| {
+        let mut c = Command::new(exe);
+        c.arg(tiny(dir, 120, "")).stderr(Stdio::null());
+        c
+    };
+    let full = temp("bin-full");
+    assert!(run(&full).status().unwrap().success());
+    let want = losses(&full.join("tiny/out"));
+    assert_eq!(want.len(), 120);
+
+    // SIGKILL: no chance to save; resume from the last periodic checkpoint.
+    let killed = temp("bin-killed");
+    let mut child = run(&killed).spawn().unwrap();
+    wait_for_steps(&killed.join("tiny/out"), 30, &mut child);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!killed.join("tiny/out/lora.safetensors").exists());
+    assert!(run(&killed).arg("--resume").status().unwrap().success());
+    assert_eq!(losses(&killed.join("tiny/out")), want);
+
+    // Ctrl-C: the step in flight finishes, a checkpoint of it is saved, exit code 130.
+    let ctrl_c = temp("bin-ctrl-c");
+    let out = ctrl_c.join("tiny/out");
+    let mut child = run(&ctrl_c).spawn().unwrap();
+    wait_for_steps(&out, 30, &mut child);
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    let stopped = losses(&out).len();
+    let last = checkpoints(&out).unwrap().pop().unwrap().0;
+    assert_eq!(last, stopped, "a checkpoint of the last finished step");
+    assert!(run(&ctrl_c).arg("--resume").status().unwrap().success());
+    assert_eq!(losses(&out), want);
+    for d in [full, killed, ctrl_c] {
+        std::fs::remove_dir_all(d).ok();
+    }
+}

@@ -3,7 +3,8 @@
 //! output folder.
 
 use argh::FromArgs;
-use flame::train::{TrainConfig, Trainer};
+use flame::train::{RunEnd, TrainConfig, Trainer};
+use std::sync::atomic::Ordering;
 
 /// Train a LoRA on Flux, SD3.5 or SDXL from pre-encoded latents and text embeddings.
 #[derive(FromArgs)]
@@ -27,7 +28,23 @@ fn main() -> anyhow::Result<()> {
         trainer.device(),
         out.display()
     );
-    trainer.run(args.resume, None, true)?;
-    eprintln!("done: {}", out.join("lora.safetensors").display());
+    // Ctrl-C: finish the current step, save a checkpoint, exit; a second one exits at once.
+    let flag = trainer.interrupt_flag();
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::Relaxed) {
+            std::process::exit(130);
+        }
+        eprintln!("\ninterrupted: saving a checkpoint after this step (Ctrl-C again to quit now)");
+    })?;
+    match trainer.run(args.resume, None, true)? {
+        RunEnd::Interrupted(step) => {
+            eprintln!(
+                "stopped after step {step}; checkpoint saved in {}; continue with --resume",
+                out.display()
+            );
+            std::process::exit(130);
+        }
+        _ => eprintln!("done: {}", out.join("lora.safetensors").display()),
+    }
     Ok(())
 }

@@ -11,4 +11,4 @@ pub use objectives::{
     flow_matching, flux_mu, flux_time_shift, shift_time, weighted_mse, Ddpm, Prediction,
     TimestepSampling,
 };
-pub use trainer::Trainer;
+pub use trainer::{RunEnd, Trainer};

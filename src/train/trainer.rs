@@ -16,6 +16,7 @@ use crate::optim::{AdamConfig, AdamW, Optimizer};
 use crate::{DType, Device, Error, Grads, Result, Tensor};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 enum Net {
@@ -36,6 +37,19 @@ pub struct Trainer {
     dtype: DType,
     /// The next step to run (0-based).
     pub step: usize,
+    /// Set (e.g. by a Ctrl-C handler) to stop after the current step with a checkpoint.
+    interrupt: Arc<AtomicBool>,
+}
+
+/// How `Trainer::run` ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunEnd {
+    /// All steps done; the final adapter is written.
+    Finished,
+    /// Stopped at the requested step.
+    Stopped(usize),
+    /// Interrupted after this step; a checkpoint of it is written.
+    Interrupted(usize),
 }
 
 /// The tiny Flux of `create_if_missing = "flux-tiny"`: 4 latent channels, hidden 32, one
@@ -298,11 +312,17 @@ impl Trainer {
             device,
             dtype,
             step: 0,
+            interrupt: Arc::new(AtomicBool::new(false)),
         })
     }
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The flag that stops the run after the current step, with a checkpoint.
+    pub fn interrupt_flag(&self) -> Arc<AtomicBool> {
+        self.interrupt.clone()
     }
 
     /// The loss of one batch of clean latents, noised with draws from `seed`.
@@ -488,7 +508,7 @@ impl Trainer {
     /// Runs to `train.steps` (or to `stop_at`, for tests of resuming), logging each step's
     /// loss to `loss.jsonl` and saving checkpoints and the final adapter. `resume` continues
     /// from the latest checkpoint in the output folder if there is one.
-    pub fn run(&mut self, resume: bool, stop_at: Option<usize>, progress: bool) -> Result<()> {
+    pub fn run(&mut self, resume: bool, stop_at: Option<usize>, progress: bool) -> Result<RunEnd> {
         let out = self.config.train.output_dir.clone();
         std::fs::create_dir_all(&out).map_err(|source| Error::Io {
             path: out.clone(),
@@ -536,8 +556,15 @@ impl Trainer {
                     self.step
                 );
             }
-            if self.step == n || (every > 0 && self.step % every == 0) {
+            let interrupted = self.interrupt.load(Ordering::Relaxed);
+            if interrupted || self.step == n || (every > 0 && self.step % every == 0) {
                 self.save_checkpoint()?;
+            }
+            if interrupted {
+                if progress {
+                    eprintln!();
+                }
+                return Ok(RunEnd::Interrupted(self.step));
             }
         }
         if progress {
@@ -545,8 +572,9 @@ impl Trainer {
         }
         if self.step == n {
             self.save_adapter(&out.join("lora.safetensors"))?;
+            return Ok(RunEnd::Finished);
         }
-        Ok(())
+        Ok(RunEnd::Stopped(self.step))
     }
 }
 

@@ -205,6 +205,12 @@ MODELS = {
 }
 
 
+# FLUX.1-schnell: Flux without the guidance embedding (one block of each kind keeps it small).
+MODELS["flux_schnell"] = dict(
+    MODELS["flux"],
+    config=dict(MODELS["flux"]["config"], guidance_embeds=False, num_layers=1, num_single_layers=1),
+)
+
 # ----------------------------------------------------------------------------------------------
 # random values
 
@@ -434,7 +440,7 @@ def sdxl_to_original(sd, cfg):
     return out
 
 
-TO_ORIGINAL = {"flux": flux_to_original, "sd35_large": sd3_to_original, "sd35_medium": sd3_to_original, "sdxl": sdxl_to_original}
+TO_ORIGINAL = {"flux": flux_to_original, "flux_schnell": flux_to_original, "sd35_large": sd3_to_original, "sd35_medium": sd3_to_original, "sdxl": sdxl_to_original}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,11 +485,12 @@ def _flux_split_patch(enabled):
 def verify_single_file(name, spec, model_dir, single_path, ref):
     """ref: the float32 diffusers state dict (parameters + persistent buffers)."""
     cls = spec["cls"]
-    patch = name == "flux" and spec["config"]["num_attention_heads"] * spec["config"]["attention_head_dim"] != 3072
+    patch = name.startswith("flux") and spec["config"]["num_attention_heads"] * spec["config"]["attention_head_dim"] != 3072
     checks = []
     # 1. diffusers' converter directly on the single-file dict: exact key set and values.
     conv_fn = {
         "flux": sfu.convert_flux_transformer_checkpoint_to_diffusers,
+        "flux_schnell": sfu.convert_flux_transformer_checkpoint_to_diffusers,
         "sd35_large": sfu.convert_sd3_transformer_checkpoint_to_diffusers,
         "sd35_medium": sfu.convert_sd3_transformer_checkpoint_to_diffusers,
         "sdxl": sfu.convert_ldm_unet_checkpoint,
@@ -537,7 +544,7 @@ def _latent_image_ids(h, w):
 
 def make_inputs(name, rng):
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-    if name == "flux":
+    if name.startswith("flux"):
         latents = _normal(rng, (2, 4, 8, 6))
         img = _pack_latents(latents).contiguous()
         img_ids = _latent_image_ids(8 // 2, 6 // 2)
@@ -560,6 +567,8 @@ def make_inputs(name, rng):
             timesteps=f32([0.3, 0.85]),
             guidance=f32([3.5, 1.0]),
         )
+        if name == "flux_schnell":
+            del inputs["guidance"]
         grads = ["img", "txt", "y"]
     elif name.startswith("sd35"):
         inputs = dict(
@@ -582,7 +591,7 @@ def make_inputs(name, rng):
 
 
 def call(name, model, t):
-    if name == "flux":
+    if name.startswith("flux"):
         return model(
             hidden_states=t["img"],
             encoder_hidden_states=t["txt"],
@@ -590,7 +599,7 @@ def call(name, model, t):
             timestep=t["timesteps"],
             img_ids=t["img_ids"],
             txt_ids=t["txt_ids"],
-            guidance=t["guidance"],
+            guidance=t.get("guidance"),  # absent for schnell (no guidance embedding)
         ).sample
     if name.startswith("sd35"):
         return model(
@@ -650,7 +659,7 @@ def build(name, spec, out_dir):
     t = {}
     for k, v in inputs.items():
         t[k] = v.double().detach().requires_grad_(k in grad_names)
-    if name == "flux":
+    if name.startswith("flux"):
         # `img` is the leaf that is fed to the model; latents only document where it came from
         t["latents"] = t["latents"].detach()
     out = call(name, model, t)

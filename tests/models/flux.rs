@@ -1,4 +1,5 @@
-//! Flux against diffusers' FluxTransformer2DModel (fixture `flux`).
+//! Flux against diffusers' FluxTransformer2DModel: dev (fixture `flux`, guidance embedding)
+//! and schnell (fixture `flux_schnell`, none).
 
 use super::{fixture, parity, vars, Run};
 use flame::models::flux::{self, Flux, FluxConfig};
@@ -8,16 +9,32 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 const NAME: &str = "flux";
+const SCHNELL: &str = "flux_schnell";
 
-fn config() -> FluxConfig {
-    let ckpt = Checkpoint::open(fixture(NAME), "transformer").unwrap();
+fn config_of(name: &str) -> FluxConfig {
+    let ckpt = Checkpoint::open(fixture(name), "transformer").unwrap();
     FluxConfig::from_diffusers(ckpt.config.as_ref().unwrap()).unwrap()
 }
 
-/// Loads from `path` (config from the diffusers config.json: the tiny model's head dim 16
-/// has no default RoPE split, so the single file cannot infer it) and runs the fixture.
+fn config() -> FluxConfig {
+    config_of(NAME)
+}
+
 fn run(path: &Path, io: &BTreeMap<String, Tensor>, device: &Device, dtype: DType) -> Result<Run> {
-    let (model, vb) = Flux::load(path, dtype, device, Some(config()))?;
+    run_named(NAME, path, io, device, dtype)
+}
+
+/// Loads fixture `name` from `path` (config from the diffusers config.json: the tiny model's
+/// head dim 16 has no default RoPE split, so the single file cannot infer it) and runs it,
+/// with the guidance input where the fixture has one.
+fn run_named(
+    name: &str,
+    path: &Path,
+    io: &BTreeMap<String, Tensor>,
+    device: &Device,
+    dtype: DType,
+) -> Result<Run> {
+    let (model, vb) = Flux::load(path, dtype, device, Some(config_of(name)))?;
     vb.set_trainable(|_| true)?;
     let inputs = vars(io, &["img", "txt", "y"]);
     let get = |n: &str| inputs.iter().find(|(k, _)| k == n).map(|(_, t)| t.clone());
@@ -29,7 +46,7 @@ fn run(path: &Path, io: &BTreeMap<String, Tensor>, device: &Device, dtype: DType
         &io["txt_ids"],
         &io["timesteps"],
         &y,
-        Some(&io["guidance"]),
+        io.get("guidance"),
     )?;
     Ok(Run { output, inputs, vb })
 }
@@ -41,6 +58,34 @@ fn flux_matches_diffusers_f32_cpu_both_layouts() {
             run(p, io, &Device::Cpu, DType::F32)
         });
     }
+}
+
+#[test]
+fn flux_schnell_matches_diffusers_f32_cpu_both_layouts() {
+    let c = config_of(SCHNELL);
+    assert!(!c.guidance_embed);
+    assert_eq!((c.depth, c.depth_single_blocks), (1, 1));
+    for format in [Format::Diffusers, Format::SingleFile] {
+        parity(SCHNELL, format, &Device::Cpu, DType::F32, |p, io| {
+            run_named(SCHNELL, p, io, &Device::Cpu, DType::F32)
+        });
+    }
+    // dev refuses to run without its guidance input.
+    let (dev, _) = Flux::load(fixture(NAME), DType::F32, &Device::Cpu, None).unwrap();
+    let io = super::load_io(NAME, &Device::Cpu, DType::F32);
+    let e = dev
+        .forward(
+            &io["img"],
+            &io["img_ids"],
+            &io["txt"],
+            &io["txt_ids"],
+            &io["timesteps"],
+            &io["y"],
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("guidance"), "{e}");
 }
 
 #[test]
@@ -171,6 +216,9 @@ fn flux_matches_diffusers_on_cuda() {
     for format in [Format::Diffusers, Format::SingleFile] {
         parity(NAME, format, &dev, DType::F32, |p, io| {
             run(p, io, &dev, DType::F32)
+        });
+        parity(SCHNELL, format, &dev, DType::F32, |p, io| {
+            run_named(SCHNELL, p, io, &dev, DType::F32)
         });
     }
     // bf16 weights and activations (flash attention on), against the f64 reference.

@@ -249,3 +249,18 @@ fn the_binary_resumes_after_kill_and_ctrl_c() {
         std::fs::remove_dir_all(d).ok();
     }
 }
+
+/// The templates for real checkpoints parse and pass every check that needs no files.
+#[test]
+fn the_templates_parse() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    for (name, arch) in [
+        ("flux.toml", flame::train::config::Arch::Flux),
+        ("sd35.toml", flame::train::config::Arch::Sd3),
+        ("sdxl.toml", flame::train::config::Arch::Sdxl),
+    ] {
+        let c = TrainConfig::from_file(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(c.model.arch, arch, "{name}");
+        assert!(c.model.path.is_absolute() && c.train.steps > 0, "{name}");
+    }
+}

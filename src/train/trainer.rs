@@ -551,8 +551,10 @@ impl Trainer {
             if progress {
                 let its = (self.step - first) as f64 / start.elapsed().as_secs_f64();
                 let mem = gpu_memory(&self.device);
+                let done = self.step * 24 / n;
+                let bar = format!("{}{}", "#".repeat(done), ".".repeat(24 - done));
                 eprint!(
-                    "\rstep {}/{n} | loss {loss:.5} | {its:.2} it/s{mem}   ",
+                    "\r[{bar}] step {}/{n} | loss {loss:.5} | {its:.2} it/s{mem}   ",
                     self.step
                 );
             }

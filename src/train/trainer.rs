@@ -156,14 +156,22 @@ fn cpu_device() -> Result<Device> {
 }
 
 /// The global L2 norm of the gradients of `params`, and the factor that clips it to `max`.
+/// The squares are summed on the device, in f64, with one copy to the host per step.
 fn clip(grads: &mut Grads, params: &[(String, Tensor)], max: f64) -> Result<f64> {
-    let mut sq = 0.0;
+    let mut sq: Option<Tensor> = None;
     for (_, p) in params {
         if let Some(g) = grads.get(p) {
-            sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar_f64()?;
+            let s = g.to_dtype(DType::F64)?.sqr()?.sum_all()?;
+            sq = Some(match sq {
+                Some(acc) => acc.add(&s)?,
+                None => s,
+            });
         }
     }
-    let norm = sq.sqrt();
+    let norm = match sq {
+        Some(s) => s.to_scalar_f64()?.sqrt(),
+        None => 0.0,
+    };
     if max > 0.0 && norm > max {
         let f = max / (norm + 1e-6);
         for (_, p) in params {

@@ -2,6 +2,7 @@
 //! H x W spatial. Weights keep the checkpoint's layout (Linear: (out, in)).
 
 use super::lora::Lora;
+use super::seed::{mix64, GOLDEN};
 use super::VarBuilder;
 use crate::{Error, Result, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -212,10 +213,8 @@ impl Dropout {
         }
         let k = self.calls.fetch_add(1, Ordering::Relaxed);
         // splitmix64 of (seed, call): independent streams per call.
-        let mut z = self.seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        let u = Tensor::rand(x.shape().clone(), x.dtype(), x.device(), z ^ (z >> 31))?;
+        let z = mix64(self.seed ^ k.wrapping_mul(GOLDEN));
+        let u = Tensor::rand(x.shape().clone(), x.dtype(), x.device(), z)?;
         let keep = u.cmp_scalar(self.p, crate::CmpOp::Ge)?;
         x.mul(&keep)?.affine(1.0 / (1.0 - self.p), 0.0)
     }

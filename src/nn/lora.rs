@@ -11,6 +11,7 @@
 //! optimizer updates f32 values; the forward casts to the activations' dtype).
 
 use super::layers::Dropout;
+use super::seed::key_hash;
 use crate::{DType, Device, Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -65,13 +66,6 @@ fn glob(p: &[u8], s: &[u8]) -> bool {
     }
 }
 
-/// FNV-1a of a path, to give each layer its own seed.
-pub(crate) fn path_hash(path: &str) -> u64 {
-    path.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 /// One layer's adapter.
 #[derive(Debug)]
 pub struct Lora {
@@ -99,7 +93,7 @@ impl Lora {
         train: Arc<AtomicBool>,
     ) -> Result<Self> {
         let bound = 1.0 / (in_dim as f64).sqrt();
-        let seed = cfg.seed ^ path_hash(path);
+        let seed = cfg.seed ^ key_hash(path);
         let down =
             Tensor::rand_uniform(-bound, bound, (cfg.rank, in_dim), DType::F32, device, seed)?
                 .requires_grad_()?;

@@ -8,6 +8,7 @@ mod layers;
 mod lora;
 mod lora_io;
 mod params;
+mod seed;
 
 pub use crate::tensor::scaled_dot_product_attention;
 pub use conv::{adaptive_avg_pool2d, avg_pool2d, conv2d, max_pool2d, pad2d, Conv2d, Conv2dConfig};
@@ -20,3 +21,4 @@ pub use layers::{
 pub use lora::{Adapters, Lora, LoraConfig};
 pub use lora_io::kohya_name;
 pub use params::{KeyMap, KeySource, VarBuilder};
+pub(crate) use seed::{mix64, GOLDEN};

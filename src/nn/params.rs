@@ -7,6 +7,7 @@
 //! and listed for optimizers and saving.
 
 use super::lora::{Adapters, Lora};
+use super::seed::key_hash;
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -312,10 +313,7 @@ impl VarBuilder {
             return Ok(t.clone());
         }
         if let Source::Random { seed, std } = self.shared.source {
-            // FNV-1a of the key, mixed with the seed.
-            let h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-            });
+            let h = key_hash(&key);
             let t = Tensor::randn_normal(
                 0.0,
                 std,

@@ -29,6 +29,17 @@ pub enum Arch {
     Sdxl,
 }
 
+impl Arch {
+    /// The model's folder in a diffusers pipeline, which is also the key prefix diffusers
+    /// expects in a PEFT LoRA file.
+    pub fn diffusers_name(self) -> &'static str {
+        match self {
+            Arch::Flux | Arch::Sd3 => "transformer",
+            Arch::Sdxl => "unet",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum ModelDType {

@@ -3,6 +3,7 @@
 //! for SDXL, `time_ids` (6). Every file is checked against the model before training starts;
 //! a wrong or missing tensor is an error naming the file.
 
+use crate::nn::{mix64, GOLDEN};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
@@ -120,11 +121,8 @@ impl Dataset {
 pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
     let mut state = seed;
     let mut next = || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        state = state.wrapping_add(GOLDEN);
+        mix64(state)
     };
     let mut p: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {

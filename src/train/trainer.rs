@@ -11,7 +11,7 @@ use crate::models::flux::{self, Flux, FluxConfig};
 use crate::models::sd3::{self, Sd3};
 use crate::models::sdxl::{self, SdxlConfig, Unet};
 use crate::models::Checkpoint;
-use crate::nn::{Adapters, KeyMap, VarBuilder};
+use crate::nn::{Adapters, KeyMap, VarBuilder, GOLDEN};
 use crate::optim::{AdamConfig, AdamW, Optimizer};
 use crate::{DType, Device, Error, Grads, Result, Tensor};
 use std::io::Write;
@@ -22,7 +22,8 @@ use std::sync::Arc;
 enum Net {
     Flux(Box<Flux>),
     Sd3(Box<Sd3>),
-    Sdxl(Box<Unet>, SdxlConfig),
+    /// With its noise schedule, made once.
+    Sdxl(Box<Unet>, SdxlConfig, Ddpm),
 }
 
 /// A loaded model with its adapters, data and optimizer, ready to step.
@@ -198,11 +199,7 @@ impl Trainer {
             ModelDType::Bf16 => DType::BF16,
         };
         let adapters = Adapters::new(config.lora())?;
-        let sub = if m.arch == Arch::Sdxl {
-            "unet"
-        } else {
-            "transformer"
-        };
+        let sub = m.arch.diffusers_name();
         let ckpt = Checkpoint::open(&m.path, sub)?;
         let (net, map, spec): (Net, KeyMap, Spec) = match m.arch {
             Arch::Flux => {
@@ -275,7 +272,11 @@ impl Trainer {
                     ("pooled", vec![Some(pooled)]),
                     ("time_ids", vec![Some(6)]),
                 ];
-                (Net::Sdxl(Box::new(Unet::new(&vb, &cfg)?), cfg), map, spec)
+                (
+                    Net::Sdxl(Box::new(Unet::new(&vb, &cfg)?), cfg, Ddpm::scaled_linear()),
+                    map,
+                    spec,
+                )
             }
         };
         if adapters.layers()?.is_empty() {
@@ -367,8 +368,7 @@ impl Trainer {
                 let pred = m.forward(&xt, &t.affine(1000.0, 0.0)?, ctx, pooled)?;
                 weighted_mse(&pred, &target, None)
             }
-            Net::Sdxl(m, cfg) => {
-                let ddpm = Ddpm::scaled_linear();
+            Net::Sdxl(m, cfg, ddpm) => {
                 let kind = if self.config.model.prediction == "v" {
                     Prediction::V
                 } else {
@@ -402,8 +402,7 @@ impl Trainer {
             let pos = (self.step * acc + micro) * b;
             let idx = indices(self.data.len(), seed, pos, b);
             let batch = self.data.batch(&idx, self.dtype, &self.device)?;
-            let s =
-                seed ^ ((self.step * acc + micro) as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let s = seed ^ ((self.step * acc + micro) as u64 + 1).wrapping_mul(GOLDEN);
             let loss = self.loss(&batch, s)?.affine(1.0 / acc as f64, 0.0)?;
             total += loss.to_scalar_f64()?;
             loss.backward_into(&mut grads)?;
@@ -429,11 +428,7 @@ impl Trainer {
         match self.config.adapter.format {
             AdapterFormat::Kohya => self.adapters.save_kohya(path, DType::F32),
             AdapterFormat::Peft => {
-                let prefix = if matches!(self.net, Net::Sdxl(..)) {
-                    "unet"
-                } else {
-                    "transformer"
-                };
+                let prefix = self.config.model.arch.diffusers_name();
                 self.adapters.save_peft(path, &self.map, prefix, DType::F32)
             }
         }
@@ -443,11 +438,7 @@ impl Trainer {
         match self.config.adapter.format {
             AdapterFormat::Kohya => self.adapters.load_kohya(path),
             AdapterFormat::Peft => {
-                let prefix = if matches!(self.net, Net::Sdxl(..)) {
-                    "unet"
-                } else {
-                    "transformer"
-                };
+                let prefix = self.config.model.arch.diffusers_name();
                 self.adapters.load_peft(path, &self.map, prefix)
             }
         }

@@ -90,3 +90,40 @@ __device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p 
 
 #define GRID_STRIDE(i, n) \
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); i += (size_t)gridDim.x * blockDim.x)
+
+// Widens a pack to float. For the half types the conversion is volatile asm, so the compiler
+// converts again at each use rather than keeping 8 floats per pack alive between passes over
+// a register-resident row (which doubled the registers of the norm and softmax kernels and
+// halved their occupancy).
+__device__ __forceinline__ void widen8(const Pack8<float>& p, float (&f)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = p.v[e];
+}
+__device__ __forceinline__ void widen8(const Pack8<__nv_bfloat16>& p, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(&p);
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    asm volatile("{ shl.b32 %0, %2, 16; and.b32 %1, %2, 0xffff0000; }" : "=f"(f[2 * i]), "=f"(f[2 * i + 1]) : "r"(w[i]));
+}
+__device__ __forceinline__ void widen8(const Pack8<__half>& p, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(&p);
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    asm volatile("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }"
+                 : "=f"(f[2 * i]), "=f"(f[2 * i + 1])
+                 : "r"(w[i]));
+}
+
+// widen8 for rows of many packs (VOLATILE), a plain conversion (that the compiler may keep)
+// for short ones, where the registers are there and the asm would only constrain scheduling.
+template <bool VOLATILE, typename T>
+__device__ __forceinline__ void widen(const Pack8<T>& p, float (&f)[8]) {
+  if (VOLATILE) {
+    widen8(p, f);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = to_acc(p.v[e]);
+  }
+}

@@ -84,6 +84,37 @@ __device__ __forceinline__ void col2im(const T* __restrict__ cols, T* __restrict
   }
 }
 
+// Unit stride with a KH x KW window known at compile time (3x3 is most convolutions): every
+// tap's load is issued before the first add, where the loop above waits on one load after
+// another. The sum runs in the same (ki, kj) order.
+template <typename T, int KH, int KW>
+__device__ __forceinline__ void col2im_fixed(const T* __restrict__ cols, T* __restrict__ x, ConvGeometry g) {
+  typedef typename AccT<T>::type A;
+  const int h = (int)g.h, w = (int)g.w, ho = (int)g.ho, wo = (int)g.wo, L = ho * wo, hw = h * w;
+  const int dh = (int)g.dh, dw = (int)g.dw, ph = (int)g.ph, pw = (int)g.pw, planes = (int)g.planes;
+  for (int nc = blockIdx.y; nc < planes; nc += gridDim.y) {
+    const T* src = cols + (size_t)nc * (size_t)(KH * KW * L);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < hw; i += gridDim.x * blockDim.x) {
+      const int y = i / w, xx = i % w;
+      T v[KH * KW];
+#pragma unroll
+      for (int ki = 0; ki < KH; ++ki) {
+        const int oh = y + ph - ki * dh;
+#pragma unroll
+        for (int kj = 0; kj < KW; ++kj) {
+          const int ow = xx + pw - kj * dw;
+          const bool in = oh >= 0 && oh < ho && ow >= 0 && ow < wo;
+          v[ki * KW + kj] = in ? src[(ki * KW + kj) * L + oh * wo + ow] : from_f64<T>(0.0);
+        }
+      }
+      A acc = A(0);
+#pragma unroll
+      for (int t = 0; t < KH * KW; ++t) acc += to_acc(v[t]);
+      x[(size_t)nc * (size_t)hw + i] = from_acc<T>(acc);
+    }
+  }
+}
+
 #define CONV(SUF, T)                                                                                  \
   extern "C" __global__ void im2col_##SUF(const T* x, T* cols, ConvGeometry g, int wide) {             \
     if (wide)                                                                                         \
@@ -92,7 +123,9 @@ __device__ __forceinline__ void col2im(const T* __restrict__ cols, T* __restrict
       im2col<T, int>(x, cols, g);                                                                     \
   }                                                                                                   \
   extern "C" __global__ void col2im_##SUF(const T* cols, T* x, ConvGeometry g, int wide) {             \
-    if (wide)                                                                                         \
+    if (!wide && g.kh == 3 && g.kw == 3 && g.sh == 1 && g.sw == 1)                                    \
+      col2im_fixed<T, 3, 3>(cols, x, g);                                                              \
+    else if (wide)                                                                                    \
       col2im<T, long long>(cols, x, g);                                                               \
     else                                                                                              \
       col2im<T, int>(cols, x, g);                                                                     \

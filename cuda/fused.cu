@@ -25,6 +25,56 @@ __device__ __forceinline__ void softmax_bwd(const T* __restrict__ y, const T* __
   }
 }
 
+// Rows of at most PACKS * 256 elements (cols % 8 == 0, 16-byte aligned; f32 and half types):
+// y and dy stay in registers, so each is read once; the dot product sums in float per lane.
+template <typename T, int PACKS>
+__device__ __forceinline__ void softmax_bwd_reg(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
+                                                size_t rows, size_t cols) {
+  const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31, nv = cols / 8;
+  for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
+    const Pack8<T>* yr = reinterpret_cast<const Pack8<T>*>(y + r * cols);
+    const Pack8<T>* gr = reinterpret_cast<const Pack8<T>*>(dy + r * cols);
+    Pack8<T> yv[PACKS], gv[PACKS];
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k)
+      if (lane + 32 * k < nv) {
+        yv[k] = yr[lane + 32 * k];
+        gv[k] = gr[lane + 32 * k];
+      }
+    float dot = 0.f, yf[8], gf[8];
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k)
+      if (lane + 32 * k < nv) {
+        widen8(yv[k], yf);
+        widen8(gv[k], gf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dot += yf[e] * gf[e];
+      }
+    const float d = (float)warp_sum((double)dot);
+    Pack8<T>* out = reinterpret_cast<Pack8<T>*>(dx + r * cols);
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k)
+      if (lane + 32 * k < nv) {
+        Pack8<T> o;
+        widen8(yv[k], yf);
+        widen8(gv[k], gf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o.v[e] = from_acc<T>(yf[e] * (gf[e] - d));
+        out[lane + 32 * k] = o;
+      }
+  }
+}
+
+#define SOFTMAX_BWD_REG(SUF, T, P)                                                                             \
+  extern "C" __global__ void softmax_bwd_reg##P##_##SUF(const T* y, const T* dy, T* dx, size_t rows, size_t cols) { \
+    softmax_bwd_reg<T, P>(y, dy, dx, rows, cols);                                                               \
+  }
+#define SOFTMAX_BWD_REGS(SUF, T) SOFTMAX_BWD_REG(SUF, T, 4) SOFTMAX_BWD_REG(SUF, T, 12) SOFTMAX_BWD_REG(SUF, T, 16)
+// Must match the SoftmaxBackward launcher in src/backend/cuda/fused.rs (as the forward).
+SOFTMAX_BWD_REG(f32, float, 4)
+SOFTMAX_BWD_REGS(bf16, __nv_bfloat16)
+SOFTMAX_BWD_REGS(f16, __half)
+
 // ---- column sweeps ------------------------------------------------------------------------
 // Block (x: 256 columns, y: chunk p of rows, z: batch b); each thread sums its column over
 // its chunk and writes two partials, part[(p * 2 + j) * M + b * cols + c] with M = B * cols;
@@ -108,19 +158,28 @@ __device__ __forceinline__ void norm_param_grads_vec(const T* __restrict__ x, co
   const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
   const size_t c = (blockIdx.x * (size_t)32 + tx) * 8;
   const size_t p = blockIdx.y, r0 = p * chunk, r1 = min(rows, r0 + chunk);
-  double sw[8] = {}, sb[8] = {};
+  // Each thread's sums over its chunk / 8 rows (8 at Flux's 4608 rows) are float, as
+  // PyTorch's are: widening every element to double made this sweep conversion-bound. The
+  // groups and chunks meet in double.
+  float fw[8] = {}, fb[8] = {};
   if (c < cols) {
     for (size_t r = r0 + ty; r < r1; r += SWEEP_GROUPS) {
       const Pack8<T> xv = *reinterpret_cast<const Pack8<T>*>(x + r * cols + c);
       const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(dy + r * cols + c);
-      const double m = rms ? 0.0 : (double)mean[r], s = (double)rstd[r];
+      const float m = rms ? 0.f : (float)mean[r], s = (float)rstd[r];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const double g = to_f64(gv.v[e]);
-        sw[e] += g * ((to_f64(xv.v[e]) - m) * s);
-        sb[e] += g;
+        const float g = to_acc(gv.v[e]);
+        fw[e] += g * ((to_acc(xv.v[e]) - m) * s);
+        fb[e] += g;
       }
     }
+  }
+  double sw[8], sb[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    sw[e] = fw[e];
+    sb[e] = fb[e];
   }
   sweep_combine(sw, sb, [&](int e, double a, double b) {
     if (c < cols) {
@@ -138,7 +197,8 @@ __device__ __forceinline__ void modulate_bwd_vec(const T* __restrict__ x, const 
   const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
   const size_t d = (blockIdx.x * (size_t)32 + tx) * 8;
   const size_t p = blockIdx.y, b = blockIdx.z, l0 = p * chunk, l1 = min(L, l0 + chunk);
-  double ss[8] = {}, sx[8] = {};
+  // Float sums per thread, double across groups, as in norm_param_grads_vec.
+  float fs[8] = {}, fx[8] = {};
   if (d < D) {
     const Pack8<T> sc = *reinterpret_cast<const Pack8<T>*>(scale + b * D + d);
     A s1[8];
@@ -152,11 +212,17 @@ __device__ __forceinline__ void modulate_bwd_vec(const T* __restrict__ x, const 
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         o.v[e] = from_acc<T>(to_acc(gv.v[e]) * s1[e]);
-        ss[e] += to_f64(gv.v[e]);
-        sx[e] += to_f64(gv.v[e]) * to_f64(xv.v[e]);
+        fs[e] += to_acc(gv.v[e]);
+        fx[e] += to_acc(gv.v[e]) * to_acc(xv.v[e]);
       }
       *reinterpret_cast<Pack8<T>*>(dx + i) = o;
     }
+  }
+  double ss[8], sx[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    ss[e] = fs[e];
+    sx[e] = fx[e];
   }
   const size_t M = B * D;
   sweep_combine(ss, sx, [&](int e, double a, double bb) {

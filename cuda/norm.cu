@@ -1,13 +1,26 @@
 // Fused LayerNorm / RMSNorm over contiguous (rows, cols), forward and backward side by side.
-// One warp per row; statistics accumulate in double (as the CPU backend), y and dx are computed
-// in the accumulation type. Saved statistics S are float (double for f64 inputs).
+// Statistics accumulate in the accumulation type A (float for f32 and the half types, double
+// for f64): each lane sums its share of the row (8 elements pairwise at a time), the lanes then
+// meet through shuffles. y and dx are computed in A. Saved statistics S are float (double for
+// f64 inputs).
 //   forward:  mean = sum(x)/n (0 for RMS); rstd = 1/sqrt(sum((x-mean)^2)/n + eps);
 //             y = (x - mean) * rstd * w + b          (w, b optional: null pointers)
 //   backward: xhat = (x - mean) * rstd; g = dy * w; a = sum(g)/n (0 for RMS);
 //             b = sum(g*xhat)/n; dx = rstd * (g - a - xhat * b)
+// Float statistics are what PyTorch's CUDA kernels keep too; per lane they add at most a few
+// hundred terms, so their relative error stays near 1e-7 (the f32 GPU tests bound it at 2e-6).
 #include "common.cuh"
 #include "rows.cuh"
 
+// Sum over groups of LANES neighbouring lanes (LANES a power of two, at most 32).
+template <int LANES, typename A>
+__device__ __forceinline__ A group_sum(A v) {
+#pragma unroll
+  for (int s = LANES / 2; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffff, v, s);
+  return v;
+}
+
+// Streaming version for any row length: a warp per row, the row re-read from L1 per pass.
 template <typename T, typename S>
 __device__ __forceinline__ void norm_fwd(const T* __restrict__ in, const T* w, const T* b, T* __restrict__ out,
                                          S* mean_out, S* rstd_out, size_t rows, size_t cols, double eps, int rms) {
@@ -15,16 +28,15 @@ __device__ __forceinline__ void norm_fwd(const T* __restrict__ in, const T* w, c
   const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
   for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
     const T* x = in + r * cols;
-    double sum = 0.0;
-    if (!rms) for_row(x, cols, lane, [&](size_t, T v) { sum += to_f64(v); });
-    const double mean = rms ? 0.0 : warp_sum(sum) / (double)cols;
-    double sq = 0.0;
+    A sum = A(0);
+    if (!rms) for_row(x, cols, lane, [&](size_t, T v) { sum += to_acc(v); });
+    const A mean = rms ? A(0) : group_sum<32>(sum) / (A)cols;
+    A sq = A(0);
     for_row(x, cols, lane, [&](size_t, T v) {
-      const double d = to_f64(v) - mean;
+      const A d = to_acc(v) - mean;
       sq += d * d;
     });
-    const double rstd = 1.0 / sqrt(warp_sum(sq) / (double)cols + eps);
-    const A m = (A)mean, s = (A)rstd;
+    const A s = A(1) / sqrt(group_sum<32>(sq) / (A)cols + (A)eps);
     T* y = out + r * cols;
     size_t start = 0;
     if (aligned16(x) && aligned16(y) && (!w || aligned16(w)) && (!b || aligned16(b))) {
@@ -37,18 +49,18 @@ __device__ __forceinline__ void norm_fwd(const T* __restrict__ in, const T* w, c
         if (b) bp = reinterpret_cast<const Pack8<T>*>(b)[v];
 #pragma unroll
         for (int k = 0; k < 8; ++k)
-          o.v[k] = from_acc<T>((to_acc(p.v[k]) - m) * s * (w ? to_acc(wp.v[k]) : A(1)) + (b ? to_acc(bp.v[k]) : A(0)));
+          o.v[k] = from_acc<T>((to_acc(p.v[k]) - mean) * s * (w ? to_acc(wp.v[k]) : A(1)) + (b ? to_acc(bp.v[k]) : A(0)));
         reinterpret_cast<Pack8<T>*>(y)[v] = o;
       }
       start = nv * 8;
     }
     for (size_t c = start + lane; c < cols; c += 32) {
       const A wv = w ? to_acc(w[c]) : A(1), bv = b ? to_acc(b[c]) : A(0);
-      y[c] = from_acc<T>((to_acc(x[c]) - m) * s * wv + bv);
+      y[c] = from_acc<T>((to_acc(x[c]) - mean) * s * wv + bv);
     }
     if (lane == 0) {
       mean_out[r] = (S)mean;
-      rstd_out[r] = (S)rstd;
+      rstd_out[r] = (S)s;
     }
   }
 }
@@ -62,166 +74,220 @@ __device__ __forceinline__ void norm_bwd(const T* __restrict__ in, const T* __re
   for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
     const T* x = in + r * cols;
     const T* g = dy + r * cols;
-    const double m = (double)mean_in[r], s = (double)rstd_in[r];
-    double sum_dy = 0.0, sum_dy_xhat = 0.0;
-    // g = dy * w in the accumulation type, as the CPU backend computes it.
+    const A m = (A)mean_in[r], s = (A)rstd_in[r];
+    A sum_g = A(0), sum_gx = A(0);
     auto gw = [&](size_t c, T gv) { return w ? to_acc(gv) * to_acc(w[c]) : to_acc(gv); };
     for_row2(x, g, cols, lane, [&](size_t c, T xv, T gv) {
-      const double d = (double)gw(c, gv);
-      sum_dy += d;
-      sum_dy_xhat += d * ((to_f64(xv) - m) * s);
+      const A d = gw(c, gv);
+      sum_g += d;
+      sum_gx += d * ((to_acc(xv) - m) * s);
     });
-    const A a = rms ? A(0) : (A)(warp_sum(sum_dy) / (double)cols);
-    const A b = (A)(warp_sum(sum_dy_xhat) / (double)cols);
-    const A am = (A)m, as = (A)s;
+    const A a = rms ? A(0) : group_sum<32>(sum_g) / (A)cols;
+    const A bq = group_sum<32>(sum_gx) / (A)cols;
     map_row2(x, g, dx + r * cols, cols, lane, [&](size_t c, T xv, T gv) {
-      const A xh = (to_acc(xv) - am) * as;
-      return from_acc<T>(as * (gw(c, gv) - a - xh * b));
+      const A xh = (to_acc(xv) - m) * s;
+      return from_acc<T>(s * (gw(c, gv) - a - xh * bq));
     });
   }
 }
 
 // Register-resident rows: LANES lanes share a row of up to LANES * PACKS * 8 columns (cols % 8
-// == 0, rows 16-byte aligned), each lane holding PACKS packs of 8. x (and dy) are read once,
-// y (dx) written once; the sums reduce with shuffles inside each group of LANES lanes. Rows
-// advance per block, so every lane of a warp takes part in every shuffle.
-template <int LANES>
-__device__ __forceinline__ double group_sum(double v) {
+// == 0, rows 16-byte aligned), each lane holding PACKS packs of 8, and each group of lanes
+// takes RPT rows at once, so that every load of a step is in flight before the first sum.
+// x (and dy) are read once, y (dx) written once. Rows advance per block, so every lane of a
+// warp takes part in every shuffle.
+// Loads this lane's packs of a row (PACKS packs, LANES lanes a row); absent packs are left
+// unset and never read.
+template <typename T, int PACKS, int LANES>
+__device__ __forceinline__ void load_row(const T* __restrict__ row, bool valid, size_t packs, int lane,
+                                         Pack8<T> (&v)[PACKS]) {
 #pragma unroll
-  for (int s = LANES / 2; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffff, v, s);
-  return v;
-}
-
-template <typename T, typename S, int PACKS, int LANES>
-__device__ __forceinline__ void norm_fwd_reg(const T* __restrict__ in, const T* w, const T* b, T* __restrict__ out,
-                                             S* mean_out, S* rstd_out, size_t rows, size_t cols, double eps, int rms) {
-  typedef typename AccT<T>::type A;
-  const int lane = threadIdx.x % LANES;
-  const size_t per_block = blockDim.x / LANES, packs = cols / 8;
-  for (size_t base = blockIdx.x * per_block; base < rows; base += (size_t)gridDim.x * per_block) {
-    const size_t r = base + threadIdx.x / LANES;
-    const bool valid = r < rows;
-    const Pack8<T>* x = reinterpret_cast<const Pack8<T>*>(in + (valid ? r : 0) * cols);
-    Pack8<T> v[PACKS];
-    double sum = 0.0;
-#pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      const size_t p = (size_t)k * LANES + lane;
-      if (valid && p < packs) {
-        v[k] = x[p];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sum += to_f64(v[k].v[e]);
-      }
-    }
-    const double mean = rms ? 0.0 : group_sum<LANES>(sum) / (double)cols;
-    double sq = 0.0;
-#pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      const size_t p = (size_t)k * LANES + lane;
-      if (valid && p < packs) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const double d = to_f64(v[k].v[e]) - mean;
-          sq += d * d;
-        }
-      }
-    }
-    const double rstd = 1.0 / sqrt(group_sum<LANES>(sq) / (double)cols + eps);
-    if (!valid) continue;
-    const A m = (A)mean, s = (A)rstd;
-    Pack8<T>* y = reinterpret_cast<Pack8<T>*>(out + r * cols);
-#pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      const size_t p = (size_t)k * LANES + lane;
-      if (p < packs) {
-        Pack8<T> o, wp, bp;
-        if (w) wp = reinterpret_cast<const Pack8<T>*>(w)[p];
-        if (b) bp = reinterpret_cast<const Pack8<T>*>(b)[p];
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          o.v[e] = from_acc<T>((to_acc(v[k].v[e]) - m) * s * (w ? to_acc(wp.v[e]) : A(1)) + (b ? to_acc(bp.v[e]) : A(0)));
-        y[p] = o;
-      }
-    }
-    if (lane == 0) {
-      mean_out[r] = (S)mean;
-      rstd_out[r] = (S)rstd;
-    }
+  for (int k = 0; k < PACKS; ++k) {
+    const size_t p = (size_t)k * LANES + lane;
+    if (valid && p < packs) v[k] = reinterpret_cast<const Pack8<T>*>(row)[p];
   }
 }
 
-template <typename T, typename S, int PACKS, int LANES>
-__device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* __restrict__ dy, const T* w,
-                                             const S* mean_in, const S* rstd_in, T* __restrict__ dx, size_t rows,
-                                             size_t cols, int rms) {
-  typedef typename AccT<T>::type A;
+// Copies the optional weight and bias rows (cols each, whole packs) into the block's dynamic
+// shared memory, which the launcher sizes at 2 * cols elements when either is present: read
+// there per pack, they cost no registers and no global-memory latency after the row's sums.
+template <typename T>
+__device__ __forceinline__ void stage_params(const T*& w, const T*& b, size_t cols) {
+  extern __shared__ __align__(16) unsigned char norm_smem[];
+  T* sw = reinterpret_cast<T*>(norm_smem);
+  T* sb = sw + cols;
+  for (size_t p = threadIdx.x; p < cols / 8; p += blockDim.x) {
+    if (w) reinterpret_cast<Pack8<T>*>(sw)[p] = reinterpret_cast<const Pack8<T>*>(w)[p];
+    if (b) reinterpret_cast<Pack8<T>*>(sb)[p] = reinterpret_cast<const Pack8<T>*>(b)[p];
+  }
+  __syncthreads();
+  if (w) w = sw;
+  if (b) b = sb;
+}
+
+template <typename T, int PACKS, int LANES, int RPT>
+__device__ __forceinline__ void norm_fwd_reg(const T* __restrict__ in, const T* w, const T* b, T* __restrict__ out, float* mean_out,
+                                             float* rstd_out, size_t rows, size_t cols, double eps, int rms) {
+  constexpr bool VW = PACKS >= 4;
   const int lane = threadIdx.x % LANES;
-  const size_t per_block = blockDim.x / LANES, packs = cols / 8;
-  for (size_t base = blockIdx.x * per_block; base < rows; base += (size_t)gridDim.x * per_block) {
-    const size_t r = base + threadIdx.x / LANES;
-    const bool valid = r < rows;
-    const size_t off = (valid ? r : 0) * cols;
-    const double m = valid ? (double)mean_in[r] : 0.0, s = valid ? (double)rstd_in[r] : 0.0;
-    Pack8<T> xv[PACKS], gv[PACKS];
-    double sum_g = 0.0, sum_gx = 0.0;
+  const size_t per_block = blockDim.x / LANES, packs = cols / 8, grp = threadIdx.x / LANES;
+  const float n = (float)cols, epsf = (float)eps;
+  stage_params(w, b, cols);
+  for (size_t base = blockIdx.x * per_block * RPT; base < rows; base += (size_t)gridDim.x * per_block * RPT) {
+    Pack8<T> v[RPT][PACKS];
 #pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      const size_t p = (size_t)k * LANES + lane;
-      if (valid && p < packs) {
-        xv[k] = reinterpret_cast<const Pack8<T>*>(in + off)[p];
-        gv[k] = reinterpret_cast<const Pack8<T>*>(dy + off)[p];
-        Pack8<T> wp;
-        if (w) wp = reinterpret_cast<const Pack8<T>*>(w)[p];
+    for (int j = 0; j < RPT; ++j) {
+      const size_t r = base + j * per_block + grp;
+      load_row<T, PACKS, LANES>(in + (r < rows ? r : 0) * cols, r < rows, packs, lane, v[j]);
+    }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const double g = (double)(w ? to_acc(gv[k].v[e]) * to_acc(wp.v[e]) : to_acc(gv[k].v[e]));
-          sum_g += g;
-          sum_gx += g * ((to_f64(xv[k].v[e]) - m) * s);
+    for (int j = 0; j < RPT; ++j) {
+      const size_t r = base + j * per_block + grp;
+      const bool valid = r < rows;
+      float sum = 0.f, f[8];
+      if (!rms) {
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k)
+          if (valid && (size_t)k * LANES + lane < packs) {
+            widen<VW>(v[j][k], f);
+            sum += ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+          }
+      }
+      const float mean = rms ? 0.f : group_sum<LANES>(sum) / n;
+      float sq = 0.f;
+#pragma unroll
+      for (int k = 0; k < PACKS; ++k)
+        if (valid && (size_t)k * LANES + lane < packs) {
+          widen<VW>(v[j][k], f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) sq += (f[e] - mean) * (f[e] - mean);
+        }
+      const float s = 1.f / sqrtf(group_sum<LANES>(sq) / n + epsf);
+      if (!valid) continue;
+      Pack8<T>* y = reinterpret_cast<Pack8<T>*>(out + r * cols);
+#pragma unroll
+      for (int k = 0; k < PACKS; ++k) {
+        const size_t p = (size_t)k * LANES + lane;
+        if (p < packs) {
+          Pack8<T> o, wp, bp;
+          if (w) wp = reinterpret_cast<const Pack8<T>*>(w)[p];
+          if (b) bp = reinterpret_cast<const Pack8<T>*>(b)[p];
+          widen<VW>(v[j][k], f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float xs = (f[e] - mean) * s;
+            o.v[e] = from_acc<T>(w ? (b ? xs * to_acc(wp.v[e]) + to_acc(bp.v[e]) : xs * to_acc(wp.v[e]))
+                                   : (b ? xs + to_acc(bp.v[e]) : xs));
+          }
+          y[p] = o;
         }
       }
-    }
-    const A a = rms ? A(0) : (A)(group_sum<LANES>(sum_g) / (double)cols);
-    const A bq = (A)(group_sum<LANES>(sum_gx) / (double)cols);
-    if (!valid) continue;
-    const A am = (A)m, as = (A)s;
-#pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      const size_t p = (size_t)k * LANES + lane;
-      if (p < packs) {
-        Pack8<T> o, wp;
-        if (w) wp = reinterpret_cast<const Pack8<T>*>(w)[p];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const A g = w ? to_acc(gv[k].v[e]) * to_acc(wp.v[e]) : to_acc(gv[k].v[e]);
-          const A xh = (to_acc(xv[k].v[e]) - am) * as;
-          o.v[e] = from_acc<T>(as * (g - a - xh * bq));
-        }
-        reinterpret_cast<Pack8<T>*>(dx + off)[p] = o;
+      if (lane == 0) {
+        mean_out[r] = mean;
+        rstd_out[r] = s;
       }
     }
   }
 }
 
-#define NORM_REG(SUF, T, P, L)                                                                               \
+template <typename T, int PACKS, int LANES, int RPT>
+__device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* __restrict__ dy,
+                                             const T* w, const float* mean_in, const float* rstd_in,
+                                             T* __restrict__ dx, size_t rows, size_t cols, int rms) {
+  constexpr bool VW = PACKS >= 4;
+  const int lane = threadIdx.x % LANES;
+  const size_t per_block = blockDim.x / LANES, packs = cols / 8, grp = threadIdx.x / LANES;
+  const float n = (float)cols;
+  const T* b = nullptr;
+  stage_params(w, b, cols);
+  for (size_t base = blockIdx.x * per_block * RPT; base < rows; base += (size_t)gridDim.x * per_block * RPT) {
+    Pack8<T> xv[RPT][PACKS], gv[RPT][PACKS];
+    float ms[RPT], ss[RPT];
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      const size_t r = base + j * per_block + grp;
+      const size_t off = (r < rows ? r : 0) * cols;
+      // The statistics load with the row: read after the shuffles, they would stall each row.
+      ms[j] = r < rows && !rms ? mean_in[r] : 0.f;
+      ss[j] = r < rows ? rstd_in[r] : 0.f;
+      load_row<T, PACKS, LANES>(in + off, r < rows, packs, lane, xv[j]);
+      load_row<T, PACKS, LANES>(dy + off, r < rows, packs, lane, gv[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      const size_t r = base + j * per_block + grp;
+      const bool valid = r < rows;
+      const float m = ms[j], s = ss[j];
+      float sum_g = 0.f, sum_gx = 0.f, xf[8], gf[8];
+#pragma unroll
+      for (int k = 0; k < PACKS; ++k) {
+        const size_t p = (size_t)k * LANES + lane;
+        if (valid && p < packs) {
+          Pack8<T> wp;
+          if (w) wp = reinterpret_cast<const Pack8<T>*>(w)[p];
+          widen<VW>(xv[j][k], xf);
+          widen<VW>(gv[j][k], gf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float g = w ? gf[e] * to_acc(wp.v[e]) : gf[e];
+            sum_g += g;
+            sum_gx += g * (xf[e] - m);
+          }
+        }
+      }
+      // sum(g xhat) = rstd sum(g (x - mean)): one multiply a row instead of one an element.
+      const float a = rms ? 0.f : group_sum<LANES>(sum_g) / n;
+      const float bq = group_sum<LANES>(sum_gx) * s / n;
+      if (!valid) continue;
+      Pack8<T>* out = reinterpret_cast<Pack8<T>*>(dx + r * cols);
+#pragma unroll
+      for (int k = 0; k < PACKS; ++k) {
+        const size_t p = (size_t)k * LANES + lane;
+        if (p < packs) {
+          Pack8<T> o, wp;
+          if (w) wp = reinterpret_cast<const Pack8<T>*>(w)[p];
+          widen<VW>(xv[j][k], xf);
+          widen<VW>(gv[j][k], gf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float g = w ? gf[e] * to_acc(wp.v[e]) : gf[e];
+            o.v[e] = from_acc<T>(s * (g - a - (xf[e] - m) * s * bq));
+          }
+          out[p] = o;
+        }
+      }
+    }
+  }
+}
+
+#define NORM_REG(SUF, T, P, L, R)                                                                             \
   extern "C" __global__ void norm_fwd_reg_##P##_##L##_##SUF(const T* x, const T* w, const T* b, T* y, float* mean, \
                                                             float* rstd, size_t rows, size_t cols, double eps,  \
                                                             int rms) {                                          \
-    norm_fwd_reg<T, float, P, L>(x, w, b, y, mean, rstd, rows, cols, eps, rms);                                \
+    norm_fwd_reg<T, P, L, R>(x, w, b, y, mean, rstd, rows, cols, eps, rms);                                     \
   }                                                                                                             \
   extern "C" __global__ void norm_bwd_reg_##P##_##L##_##SUF(const T* x, const T* dy, const T* w,               \
                                                             const float* mean, const float* rstd, T* dx,        \
                                                             size_t rows, size_t cols, int rms) {                \
-    norm_bwd_reg<T, float, P, L>(x, dy, w, mean, rstd, dx, rows, cols, rms);                                    \
+    norm_bwd_reg<T, P, L, R>(x, dy, w, mean, rstd, dx, rows, cols, rms);                                        \
   }
-// Must match `reg_shape` in src/backend/cuda/norm.rs.
-#define NORM_REG_ALL(SUF, T) \
-  NORM_REG(SUF, T, 1, 4)     \
-  NORM_REG(SUF, T, 1, 8)     \
-  NORM_REG(SUF, T, 1, 16)    \
-  NORM_REG(SUF, T, 1, 32)
-NORM_REG_ALL(f32, float)
-NORM_REG_ALL(bf16, __nv_bfloat16)
-NORM_REG_ALL(f16, __half)
+// Must match `reg_shape` in src/backend/cuda/norm.rs: rows of up to 256 columns take 4 rows
+// a group at once, of 512 two; longer rows one, with up to 12 packs a lane (3072 columns).
+#define NORM_REG_SHORT(SUF, T) \
+  NORM_REG(SUF, T, 1, 4, 4)      \
+  NORM_REG(SUF, T, 1, 8, 4)      \
+  NORM_REG(SUF, T, 1, 16, 4)     \
+  NORM_REG(SUF, T, 1, 32, 4)     \
+  NORM_REG(SUF, T, 2, 32, 2)     \
+  NORM_REG(SUF, T, 4, 32, 1)
+#define NORM_REG_LONG(SUF, T) \
+  NORM_REG(SUF, T, 8, 32, 1)    \
+  NORM_REG(SUF, T, 12, 32, 1)
+NORM_REG_SHORT(f32, float)
+NORM_REG_SHORT(bf16, __nv_bfloat16)
+NORM_REG_LONG(bf16, __nv_bfloat16)
+NORM_REG_SHORT(f16, __half)
+NORM_REG_LONG(f16, __half)
 
 #define NORM(SUF, T, S)                                                                                  \
   extern "C" __global__ void norm_fwd_##SUF(const T* x, const T* w, const T* b, T* y, S* mean, S* rstd,   \

@@ -762,6 +762,11 @@ fn fused_softmax_matches_the_cpu() {
             (vec![300, 1027], 1),
             (vec![64, 4608], 1),
             (vec![5, 4, 3], 0),
+            // The register-resident rows: 4, 12 and 16 packs a lane, whole and partly filled.
+            (vec![29, 1024], 1),
+            (vec![37, 3072], 1),
+            (vec![13, 2056], 1),
+            (vec![5, 4096], 1),
         ] {
             let (c, g) = normal_pair(&shape, dt, 600);
             let (c, g) = (c.affine(4.0, 0.0).unwrap(), g.affine(4.0, 0.0).unwrap());
@@ -858,6 +863,9 @@ fn unfold_fold_and_conv2d_match_the_cpu() {
             ([2usize, 3, 9, 7], (3, 3), (1, 1), (1, 1), (1, 1)),
             ([1, 4, 16, 15], (2, 3), (2, 1), (0, 2), (1, 2)),
             ([2, 320, 32, 32], (3, 3), (1, 1), (1, 1), (1, 1)),
+            // col2im's fixed 3x3 unit-stride path, dilated and unpadded.
+            ([1, 5, 11, 13], (3, 3), (1, 1), (2, 2), (2, 2)),
+            ([1, 2, 8, 9], (3, 3), (1, 1), (0, 0), (1, 1)),
         ]
         .into_iter()
         .enumerate()
@@ -897,7 +905,23 @@ fn unfold_fold_and_conv2d_match_the_cpu() {
 fn fused_norms_forward_and_backward_match_the_cpu() {
     let _one = serial();
     for dt in FLOATS {
-        for shape in [vec![7], vec![300, 3072], vec![5, 64, 128], vec![3, 1001]] {
+        // Streaming rows (7, 1001 columns) and every register-resident shape of
+        // cuda/norm.cu: 4 to 32 lanes a row with 4 rows at once (32, 64, 128, 256 columns;
+        // row counts that leave a partial last step), 2 packs a lane (512), 4 (1024), 8 (1544:
+        // the last lanes hold fewer) and 12 (2056, partly filled; 3072, whole).
+        for shape in [
+            vec![7],
+            vec![3, 1001],
+            vec![33, 32],
+            vec![5, 63, 64],
+            vec![5, 63, 128],
+            vec![37, 256],
+            vec![37, 512],
+            vec![9, 1024],
+            vec![11, 1544],
+            vec![6, 2056],
+            vec![300, 3072],
+        ] {
             let cols = *shape.last().unwrap_or(&1);
             let (c, g) = normal_pair(&shape, dt, 1200);
             let (c, g) = (c.affine(3.0, 1.0).unwrap(), g.affine(3.0, 1.0).unwrap());

@@ -175,7 +175,18 @@ fn group_norm_matches_the_cpu() {
 fn softmax_backward_matches_the_cpu() {
     let _one = serial();
     for dt in FLOATS {
-        for shape in [vec![7], vec![33, 1000], vec![4, 4608], vec![3, 5, 77]] {
+        // Streaming rows (7, 1000, 4608, 77 columns) and the register-resident ones: 4, 12
+        // and 16 packs a lane, whole (1024, 3072, 4096) and partly filled (2056).
+        for shape in [
+            vec![7],
+            vec![33, 1000],
+            vec![4, 4608],
+            vec![3, 5, 77],
+            vec![29, 1024],
+            vec![37, 3072],
+            vec![13, 2056],
+            vec![5, 4096],
+        ] {
             let (go, co) = both(std::slice::from_ref(&shape), &shape, dt, 2400, &|x| {
                 x[0].softmax(-1)
             });

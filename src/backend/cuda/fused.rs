@@ -101,11 +101,16 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
         FusedOp::SoftmaxBackward => {
             let (rows, cols) = (d[0], d[1]);
             let mut dx = dev.alloc::<T>(rows * cols)?;
+            let (packs, shape) = super::storage::softmax_kernel(T::DTYPE, rows, cols, sms);
+            let kernel = match packs {
+                Some(p) => format!("softmax_bwd_reg{p}_{}", T::SFX),
+                None => format!("softmax_bwd_{}", T::SFX),
+            };
             launch!(
                 dev,
                 "fused",
-                format!("softmax_bwd_{}", T::SFX),
-                grid_for(rows.div_ceil(8) * 256, sms),
+                kernel,
+                shape,
                 &p[0],
                 &p[1],
                 &mut dx.slice,

@@ -1,6 +1,7 @@
 //! Fused LayerNorm / RMSNorm launchers (kernels in cuda/norm.cu): rows held in registers by
 //! a group of lanes when they fit (one read, one write), else one warp per row; the optional
-//! per-column weight and bias applied inside the kernel.
+//! per-column weight and bias applied inside the kernel (staged in shared memory by the
+//! register-resident kernels).
 
 use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
@@ -40,34 +41,60 @@ fn param_ptr<T: Elem>(
 
 type Triple = (CudaStorage, CudaStorage, CudaStorage);
 
-/// (packs per lane, lanes per row) of the register-resident kernel for rows of `cols`, when
-/// it pays: rows of whole 8-element packs, f32 and half types (the instances in cuda/norm.cu).
-fn reg_shape(dtype: DType, cols: usize) -> Option<(usize, usize)> {
+/// (packs per lane, lanes per row, rows a group of lanes takes at once) of the
+/// register-resident kernels for rows of `cols`: rows of whole 8-element packs, f32 and half
+/// types (the instances in cuda/norm.cu). Rows of up to 256 columns share a warp between
+/// rows and take 4 rows at once (2 for 512) so that enough loads are in flight; longer rows
+/// get a warp each, with up to 12 packs a lane for the half types (3072 columns, Flux's
+/// width) and 4 for f32, whose packs take twice the registers.
+fn reg_shape(dtype: DType, cols: usize) -> Option<(usize, usize, usize)> {
     if dtype == DType::F64 || cols % 8 != 0 {
         return None;
     }
-    // Measured on an H100 (benches/layers.rs): for rows of 3072 the warp-per-row kernel,
-    // which re-reads the row from L1, beats holding 12 packs a lane (register pressure), so
-    // only rows of up to 256 columns (a pack a lane) use registers.
     let packs = cols / 8;
-    (packs <= 32).then(|| (1, packs.next_power_of_two().max(4)))
+    if packs <= 32 {
+        return Some((1, packs.next_power_of_two().max(4), 4));
+    }
+    let most = if dtype == DType::F32 { 4 } else { 12 };
+    [2, 4, 8, 12]
+        .into_iter()
+        .find(|&p| p * 32 >= packs && p <= most)
+        .map(|p| (p, 32, if p == 2 { 2 } else { 1 }))
 }
 
 /// The kernel name and launch shape for `rows` rows of `cols`: register-resident when it
-/// fits, otherwise a warp per row streaming the row from cache.
+/// fits, otherwise a warp per row streaming the row from cache. `params` is the number of
+/// per-column parameters (weight, bias) the kernel stages in shared memory.
 fn pick(
     base: &str,
     sfx: &str,
     dtype: DType,
-    rows: usize,
-    cols: usize,
+    (rows, cols): (usize, usize),
+    params: bool,
     sms: usize,
 ) -> (String, cudarc::driver::LaunchConfig) {
     match reg_shape(dtype, cols) {
-        Some((packs, lanes)) => (
-            format!("{base}_reg_{packs}_{lanes}_{sfx}"),
-            grid_for(rows.div_ceil(256 / lanes) * 256, sms),
-        ),
+        Some((packs, lanes, rpt)) => {
+            // Measured on an H100 at 4608 x 3072 bf16: blocks of 128 threads beat 256 for
+            // long rows (91.6% vs 87.6% of copy forward), the tail of the last wave being
+            // finer.
+            let threads = if packs >= 4 { 128 } else { 256 };
+            let per_block = threads / lanes * rpt;
+            let blocks = rows.div_ceil(per_block).clamp(1, sms.max(1) * 32);
+            let smem = if params {
+                2 * cols * dtype.size_in_bytes()
+            } else {
+                0
+            };
+            (
+                format!("{base}_reg_{packs}_{lanes}_{sfx}"),
+                cudarc::driver::LaunchConfig {
+                    grid_dim: (blocks as u32, 1, 1),
+                    block_dim: (threads as u32, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                },
+            )
+        }
         None => (
             format!("{base}_{sfx}"),
             grid_for(rows.div_ceil(8) * 256, sms),
@@ -98,7 +125,15 @@ fn fwd<T: Elem, S: Elem>(
     );
     let rms = i32::from(kind == NormKind::Rms);
     if rows > 0 {
-        let (kernel, cfg) = pick("norm_fwd", T::SFX, T::DTYPE, rows, cols, dev.sm_count());
+        let params = weight.is_some() || bias.is_some();
+        let (kernel, cfg) = pick(
+            "norm_fwd",
+            T::SFX,
+            T::DTYPE,
+            (rows, cols),
+            params,
+            dev.sm_count(),
+        );
         launch!(
             dev,
             "norm",
@@ -174,7 +209,14 @@ fn bwd<T: Elem, S: Elem>(o: &NormGrad, kind: NormKind) -> Result<CudaStorage> {
     let mut out = dev.alloc::<T>(rows * cols)?;
     let rms = i32::from(kind == NormKind::Rms);
     if rows > 0 {
-        let (kernel, cfg) = pick("norm_bwd", T::SFX, T::DTYPE, rows, cols, dev.sm_count());
+        let (kernel, cfg) = pick(
+            "norm_bwd",
+            T::SFX,
+            T::DTYPE,
+            (rows, cols),
+            o.weight.is_some(),
+            dev.sm_count(),
+        );
         launch!(
             dev,
             "norm",

@@ -395,6 +395,35 @@ fn copy_t<T: Elem>(
     )
 }
 
+/// The packs a lane holds (4, 12 or 16; `None`: the streaming kernel) and the launch shape of
+/// a softmax (forward or backward) over `rows` rows of `cols`: a warp per row. Rows of whole
+/// 16-byte packs that fit stay in registers (f32 only up to 4 packs a lane: its packs take
+/// twice the registers), in blocks of 128 threads, which measured faster than 256 on an H100
+/// (94% vs 90% of copy at 4608 x 3072 bf16); other rows stream from cache.
+pub(crate) fn softmax_kernel(
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    sms: usize,
+) -> (Option<usize>, cudarc::driver::LaunchConfig) {
+    let most = if dtype == DType::F32 { 4 } else { 16 };
+    let packs = (dtype != DType::F64 && cols % 8 == 0)
+        .then(|| {
+            [4, 12, 16]
+                .into_iter()
+                .find(|&p| p * 32 * 8 >= cols && p <= most)
+        })
+        .flatten();
+    let threads = if packs.is_some() { 128 } else { 256 };
+    let blocks = rows.div_ceil(threads / 32).clamp(1, sms.max(1) * 32);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    (packs, cfg)
+}
+
 fn softmax_t<T: Elem>(s: &CudaStorage, l: &Layout) -> Result<Buf> {
     let dense = s.dense("softmax", l)?;
     let src = dense.as_ref().unwrap_or(s).typed::<T>("softmax")?;
@@ -403,18 +432,15 @@ fn softmax_t<T: Elem>(s: &CudaStorage, l: &Layout) -> Result<Buf> {
     let mut out = s.dev.alloc::<T>(n)?;
     if n > 0 {
         let rows = n / cols;
-        // A warp per row: 8 per block of 256 threads. Short rows of whole 16-byte packs stay in
-        // registers (4 or 16 packs of 8 elements per lane).
-        let kernel = match cols {
-            c if c % 8 == 0 && c <= 4 * 256 => "softmax_reg4",
-            c if c % 8 == 0 && c <= 16 * 256 => "softmax_reg16",
-            _ => "softmax_rows",
+        let (packs, cfg) = softmax_kernel(T::DTYPE, rows, cols, s.dev.sm_count());
+        let kernel = match packs {
+            Some(p) => format!("softmax_reg{p}_{}", T::SFX),
+            None => format!("softmax_rows_{}", T::SFX),
         };
-        let cfg = grid_for(rows.div_ceil(8) * 256, s.dev.sm_count());
         launch!(
             s.dev,
             "softmax",
-            format!("{kernel}_{}", T::SFX),
+            kernel,
             cfg,
             &src.slice,
             &mut out.slice,

@@ -8,10 +8,10 @@ mod common;
 use flame::nn::{apply_rope, conv2d, modulate};
 use flame::{DType, Device, Grads, Result, Tensor};
 
-const ITERS: usize = 20;
+const ITERS: usize = 100;
 
 fn time<R>(dev: &flame::cuda::CudaDevice, f: impl FnMut() -> Result<R>) -> Result<f64> {
-    common::time(dev, 3, ITERS, f)
+    common::time(dev, 5, ITERS, f)
 }
 
 /// Times y = op(x) and y = op(x); dx = backward(dy), and prints both.
@@ -199,6 +199,22 @@ fn main() -> Result<()> {
         flops / gemm / 1e12,
         col2im * 1e3,
         moved / col2im / 1e9
+    );
+    // The cost of a call when the GPU work is negligible: the host's share (tensor layer,
+    // allocation, launch), which the figures above hide only while it stays under the kernel.
+    let small = Tensor::randn((8, 3072), DType::BF16, &dev, 10)?;
+    let host_ln = time(cuda, || {
+        small.layer_norm(Some(&w), Some(&w), 1e-6).map(|_| ())
+    })?;
+    let host_gelu = time(cuda, || small.gelu_tanh().map(|_| ()))?;
+    let sq = Tensor::randn((1, 24, 8, 128), DType::BF16, &dev, 11)?;
+    let sf = freqs.narrow(2, 0, 8)?;
+    let host_rope = time(cuda, || apply_rope(&sq, &sf).map(|_| ()))?;
+    println!(
+        "flame per-call time at tiny sizes: layer_norm {:.1} us | gelu_tanh {:.1} us | apply_rope {:.1} us",
+        host_ln * 1e6,
+        host_gelu * 1e6,
+        host_rope * 1e6
     );
     let m = cuda.memory();
     println!("flame memory: peak {} MiB", m.peak >> 20);

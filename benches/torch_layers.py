@@ -2,7 +2,12 @@
 import torch
 import torch.nn.functional as F
 
-from torch_timing import timed
+from torch_timing import timed as timed_n
+
+
+def timed(f):
+    # benches/layers.rs's counts: 5 warm-up launches, then the mean of 100.
+    return timed_n(f, warmup=5, iters=100)
 
 
 def apply_rope(xq, freqs_cis):

@@ -111,18 +111,33 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, bool valid, 
 // Copies the optional weight and bias rows (cols each, whole packs) into the block's dynamic
 // shared memory, which the launcher sizes at 2 * cols elements when either is present: read
 // there per pack, they cost no registers and no global-memory latency after the row's sums.
+// The copies are cp.async (no registers, no wait), issued before the block's first rows load;
+// `params_ready` waits for them once, while those rows are still in flight.
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+}
+
 template <typename T>
 __device__ __forceinline__ void stage_params(const T*& w, const T*& b, size_t cols) {
   extern __shared__ __align__(16) unsigned char norm_smem[];
   T* sw = reinterpret_cast<T*>(norm_smem);
   T* sb = sw + cols;
-  for (size_t p = threadIdx.x; p < cols / 8; p += blockDim.x) {
-    if (w) reinterpret_cast<Pack8<T>*>(sw)[p] = reinterpret_cast<const Pack8<T>*>(w)[p];
-    if (b) reinterpret_cast<Pack8<T>*>(sb)[p] = reinterpret_cast<const Pack8<T>*>(b)[p];
+  // 16-byte pieces (an f32 pack is two); cols % 8 == 0 makes each row whole pieces.
+  const size_t pieces = cols * sizeof(T) / 16;
+  for (size_t q = threadIdx.x; q < pieces; q += blockDim.x) {
+    if (w) copy_async16(reinterpret_cast<uint4*>(sw) + q, reinterpret_cast<const uint4*>(w) + q);
+    if (b) copy_async16(reinterpret_cast<uint4*>(sb) + q, reinterpret_cast<const uint4*>(b) + q);
   }
-  __syncthreads();
+  asm volatile("cp.async.commit_group;" ::: "memory");
   if (w) w = sw;
   if (b) b = sb;
+}
+
+// Block-uniform: every thread reaches the barrier.
+__device__ __forceinline__ void params_ready() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
 }
 
 template <typename T, int PACKS, int LANES, int RPT>
@@ -133,12 +148,17 @@ __device__ __forceinline__ void norm_fwd_reg(const T* __restrict__ in, const T* 
   const size_t per_block = blockDim.x / LANES, packs = cols / 8, grp = threadIdx.x / LANES;
   const float n = (float)cols, epsf = (float)eps;
   stage_params(w, b, cols);
+  bool staged = false;
   for (size_t base = blockIdx.x * per_block * RPT; base < rows; base += (size_t)gridDim.x * per_block * RPT) {
     Pack8<T> v[RPT][PACKS];
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
       const size_t r = base + j * per_block + grp;
       load_row<T, PACKS, LANES>(in + (r < rows ? r : 0) * cols, r < rows, packs, lane, v[j]);
+    }
+    if (!staged) {  // the loop is block-uniform
+      params_ready();
+      staged = true;
     }
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
@@ -200,6 +220,7 @@ __device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* 
   const float n = (float)cols;
   const T* b = nullptr;
   stage_params(w, b, cols);
+  bool staged = false;
   for (size_t base = blockIdx.x * per_block * RPT; base < rows; base += (size_t)gridDim.x * per_block * RPT) {
     Pack8<T> xv[RPT][PACKS], gv[RPT][PACKS];
     float ms[RPT], ss[RPT];
@@ -212,6 +233,10 @@ __device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* 
       ss[j] = r < rows ? rstd_in[r] : 0.f;
       load_row<T, PACKS, LANES>(in + off, r < rows, packs, lane, xv[j]);
       load_row<T, PACKS, LANES>(dy + off, r < rows, packs, lane, gv[j]);
+    }
+    if (!staged) {  // as in the forward
+      params_ready();
+      staged = true;
     }
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {

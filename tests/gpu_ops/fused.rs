@@ -142,6 +142,10 @@ fn group_norm_matches_the_cpu() {
             (vec![3, 8, 1001], 2),
             (vec![2, 320, 32, 32], 32),
             (vec![1, 6], 3),
+            // Planes of whole packs, small to SDXL-sized groups (10 planes of 128x128).
+            (vec![1, 64, 40, 40], 32),
+            (vec![1, 320, 64, 128], 32),
+            (vec![1, 160, 128, 128], 16),
         ] {
             let c = shape[1];
             let n = shape[0] as f64 * (shape.iter().skip(2).product::<usize>() as f64);

@@ -116,8 +116,14 @@ fn on(c: &Tensor, g: &Tensor, x: &Tensor) -> Tensor {
 fn rope_matches_the_cpu() {
     let _one = serial();
     for dt in FLOATS {
-        // Head dim 64: four pairs per thread; 6: the scalar kernel; batch-shared rotations.
-        for (b, h, l, d, rb) in [(2, 3, 17, 64, 2), (1, 2, 5, 6, 1), (2, 24, 33, 128, 1)] {
+        // Head dims 64, 128 and 8: four pairs of up to four heads per thread (3 and 5 heads
+        // leave a partial group); 6: the scalar kernel; per-batch and shared rotations.
+        for (b, h, l, d, rb) in [
+            (2, 3, 17, 64, 2),
+            (1, 2, 5, 6, 1),
+            (2, 24, 33, 128, 1),
+            (3, 5, 9, 8, 3),
+        ] {
             let pos = Tensor::rand_uniform(0.0, 64.0, (rb, l), DType::F32, &CPU, 2100).unwrap();
             let cf = flame::nn::rope(&pos, d, 10_000.0)
                 .unwrap()

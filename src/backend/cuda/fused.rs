@@ -208,10 +208,12 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
             let (half, pairs) = (hd / 2, b * h * l * hd / 2);
             let mut y = dev.alloc::<T>(2 * pairs)?;
             let t = i32::from(transpose);
-            // Four pairs per thread when they share a rotation row and fit 32-bit indices.
+            // Four pairs of four heads per thread (cuda/fused.cu's ROPE_HEADS) when they share
+            // a rotation row and fit 32-bit indices.
             let vec = T::DTYPE != DType::F64 && half % 4 == 0 && pairs < (1 << 31);
             let (kernel, work) = if vec {
-                (format!("rope_vec_{}", T::SFX), pairs / 4)
+                let per_head = pairs / (4 * h.max(1));
+                (format!("rope_vec_{}", T::SFX), per_head * h.div_ceil(4))
             } else {
                 (format!("rope_{}", T::SFX), pairs)
             };

@@ -1,0 +1,146 @@
+// Times FLAME's row and layer kernels directly (no Rust, no tensor layer) at the shapes of
+// benches/layers.rs, with CUDA events: the median of 5 runs of 50 launches after a warm-up,
+// against cudaMemcpyAsync on the same buffer. For kernel work on the GPU machine, where a
+// change can be timed in seconds without rebuilding the crate:
+//   bash scripts/kernel_bench.sh        (compiles with the machine's nvcc for sm_90, runs)
+// The launch shapes follow the launchers in src/backend/cuda (norm.rs, storage.rs' softmax,
+// fused.rs, conv.rs); keep them in step when a launcher changes. Inputs are random, never zero.
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+#include "conv.cu"
+#include "fused.cu"
+#include "norm.cu"
+#include "softmax.cu"
+
+typedef __nv_bfloat16 bf;
+#define CK(x)                                                               \
+  do {                                                                      \
+    cudaError_t e = (x);                                                    \
+    if (e != cudaSuccess) {                                                 \
+      printf("CUDA error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
+      exit(1);                                                              \
+    }                                                                       \
+  } while (0)
+
+static float time_ms(const std::function<void()>& f, int iters = 50) {
+  for (int i = 0; i < 5; ++i) f();
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ts;
+  for (int rep = 0; rep < 5; ++rep) {
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < iters; ++i) f();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms / iters);
+  }
+  CK(cudaGetLastError());
+  std::sort(ts.begin(), ts.end());
+  return ts[2];
+}
+
+__global__ void fill_random(bf* p, size_t n, unsigned seed, float scale, float offset) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    unsigned h = (unsigned)i * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995;
+    h ^= h >> 15;
+    p[i] = __float2bfloat16(((h & 0xffff) / 65536.f - 0.5f) * scale + offset);
+  }
+}
+
+static bf* random_bf16(size_t n, unsigned seed, float scale = 4.f, float offset = 0.f) {
+  bf* p;
+  CK(cudaMalloc(&p, n * 2));
+  fill_random<<<1024, 256>>>(p, n, seed, scale, offset);
+  return p;
+}
+
+static double copy_gbs;
+static void report(const char* name, double bytes, float ms) {
+  const double gbs = bytes / (ms * 1e-3) / 1e9;
+  printf("%-34s %8.4f ms %7.0f GB/s %6.1f%% of copy\n", name, ms, gbs, 100 * gbs / copy_gbs);
+}
+
+int main() {
+  int sms;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t R = 4608, C = 3072, N = R * C;  // Flux: 4608 tokens x 3072, bf16
+  bf *x = random_bf16(N, 1, 6.f, 1.f), *dy = random_bf16(N, 2), *y = random_bf16(N, 3), *dx = random_bf16(N, 4);
+  bf *w = random_bf16(C, 5), *b = random_bf16(C, 6);
+  float *mean, *rstd;
+  CK(cudaMalloc(&mean, 4 * (N / 128)));
+  CK(cudaMalloc(&rstd, 4 * (N / 128)));
+  copy_gbs = 2.0 * N * 2 / (time_ms([&] { cudaMemcpyAsync(y, x, N * 2, cudaMemcpyDeviceToDevice); }) * 1e-3) / 1e9;
+  printf("copy %.0f GB/s, %d SMs\n", copy_gbs, sms);
+  const double B = N * 2.0;
+  // A block per `per_block` rows, at most 32 blocks a multiprocessor (the launchers' cap).
+  auto blocks = [&](size_t rows, size_t per_block) {
+    return (unsigned)std::min<size_t>(std::max<size_t>(1, (rows + per_block - 1) / per_block), (size_t)sms * 32);
+  };
+
+  // LayerNorm, 12 packs a lane, 128 threads (norm.rs); weight and bias staged in shared memory.
+  const unsigned ln = blocks(R, 4);
+  report("layer_norm fwd", 2 * B, time_ms([&] { norm_fwd_reg_12_32_bf16<<<ln, 128, 4 * C>>>(x, nullptr, nullptr, y, mean, rstd, R, C, 1e-6, 0); }));
+  report("layer_norm fwd affine", 2 * B, time_ms([&] { norm_fwd_reg_12_32_bf16<<<ln, 128, 4 * C>>>(x, w, b, y, mean, rstd, R, C, 1e-6, 0); }));
+  report("layer_norm bwd", 3 * B, time_ms([&] { norm_bwd_reg_12_32_bf16<<<ln, 128, 4 * C>>>(x, dy, nullptr, mean, rstd, dx, R, C, 0); }));
+  report("layer_norm bwd affine", 3 * B, time_ms([&] { norm_bwd_reg_12_32_bf16<<<ln, 128, 4 * C>>>(x, dy, w, mean, rstd, dx, R, C, 0); }));
+
+  // RMSNorm over head dim 128 (1, 24, 4608, 128): 16 lanes a row, 4 rows at once.
+  const size_t r2 = N / 128;
+  const unsigned rms = blocks(r2, 128 / 16 * 4);
+  report("rms_norm 128 fwd", 2 * B, time_ms([&] { norm_fwd_reg_1_16_bf16<<<rms, 128, 512>>>(x, w, nullptr, y, mean, rstd, r2, 128, 1e-6, 1); }));
+  report("rms_norm 128 bwd", 3 * B, time_ms([&] { norm_bwd_reg_1_16_bf16<<<rms, 128, 512>>>(x, dy, w, mean, rstd, dx, r2, 128, 1); }));
+
+  // Softmax over 3072: a warp per row, 12 packs a lane, 128 threads.
+  const unsigned sm = blocks(R, 4);
+  report("softmax fwd", 2 * B, time_ms([&] { softmax_reg12_bf16<<<sm, 128>>>(x, y, R, C); }));
+  report("softmax bwd", 3 * B, time_ms([&] { softmax_bwd_reg12_bf16<<<sm, 128>>>(y, dy, dx, R, C); }));
+
+  // GroupNorm, SDXL's 2 x 320 x 128 x 128 in 32 groups: statistics, then apply (fused.rs).
+  {
+    const size_t n = 2, c = 320, s = 128 * 128, planes = n * c, cpg = 10;
+    const double GB = planes * s * 2.0;
+    double* st;
+    CK(cudaMalloc(&st, planes * 2 * 8));
+    report("group_norm fwd", 2 * GB, time_ms([&] {
+             gn_stats_bf16<<<planes, 256>>>(x, st, s);
+             gn_fwd_bf16<<<planes, 256>>>(x, st, w, b, y, mean, rstd, c, s, cpg, 1e-5);
+           }));
+    report("group_norm bwd (dx)", 3 * GB, time_ms([&] {
+             gn_bwd_stats_bf16<<<planes, 256>>>(x, dy, mean, st, c, s, cpg);
+             gn_bwd_dx_bf16<<<planes, 256>>>(x, dy, st, mean, rstd, w, dx, c, s, cpg);
+           }));
+    CK(cudaFree(st));
+  }
+
+  // RoPE (1, 24, 4608, 128) with Flux's (1, 1, 4608, 64, 2, 2) float rotations.
+  {
+    float* rot;
+    CK(cudaMalloc(&rot, 4608 * 64 * 16));
+    CK(cudaMemset(rot, 0x3f, 4608 * 64 * 16));
+    const size_t pairs = N / 2, items = pairs / 4 / 24 * 6;
+    report("apply_rope fwd", 2 * B, time_ms([&] { rope_vec_bf16<<<blocks(items, 256), 256>>>(x, rot, y, 24, 4608, 64, 1, pairs, 0); }));
+    CK(cudaFree(rot));
+  }
+
+  // col2im / im2col of a 3x3 convolution, 320 channels at 128 x 128, batch 2 (conv.rs).
+  {
+    ConvGeometry g{640, 128, 128, 3, 3, 1, 1, 1, 1, 1, 1, 128, 128};
+    const size_t ncols = 640ull * 9 * 16384;
+    bf* cols = random_bf16(ncols, 7);
+    const double moved = (ncols + 640.0 * 16384) * 2;
+    report("col2im 3x3", moved, time_ms([&] { col2im_bf16<<<dim3(64, 640), 256>>>(cols, dx, g, 0); }, 20));
+    const unsigned gx = std::min<unsigned>(8, (sms * 64 + 5759) / 5760);
+    report("im2col 3x3", moved, time_ms([&] { im2col_bf16<<<dim3(gx, 5760), 256>>>(x, cols, g, 0); }, 20));
+    CK(cudaFree(cols));
+  }
+  return 0;
+}

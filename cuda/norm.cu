@@ -134,10 +134,13 @@ __device__ __forceinline__ void stage_params(const T*& w, const T*& b, size_t co
   if (b) b = sb;
 }
 
-// Block-uniform: every thread reaches the barrier.
-__device__ __forceinline__ void params_ready() {
+// Waits once for the staged parameters. Called in a block-uniform loop: every thread reaches
+// the barrier.
+__device__ __forceinline__ void params_ready(bool& staged) {
+  if (staged) return;
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
+  staged = true;
 }
 
 template <typename T, int PACKS, int LANES, int RPT>
@@ -156,10 +159,7 @@ __device__ __forceinline__ void norm_fwd_reg(const T* __restrict__ in, const T* 
       const size_t r = base + j * per_block + grp;
       load_row<T, PACKS, LANES>(in + (r < rows ? r : 0) * cols, r < rows, packs, lane, v[j]);
     }
-    if (!staged) {  // the loop is block-uniform
-      params_ready();
-      staged = true;
-    }
+    params_ready(staged);
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
       const size_t r = base + j * per_block + grp;
@@ -234,10 +234,7 @@ __device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* 
       load_row<T, PACKS, LANES>(in + off, r < rows, packs, lane, xv[j]);
       load_row<T, PACKS, LANES>(dy + off, r < rows, packs, lane, gv[j]);
     }
-    if (!staged) {  // as in the forward
-      params_ready();
-      staged = true;
-    }
+    params_ready(staged);
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
       const size_t r = base + j * per_block + grp;

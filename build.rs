@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel files compiled a second time for compute_90 (see below).
-const HOPPER_VARIANTS: &[&str] = &["attention"];
+const HOPPER_VARIANTS: &[&str] = &["attention", "fused"];
 
 fn find_nvcc() -> Option<PathBuf> {
     let exe = if cfg!(windows) { "nvcc.exe" } else { "nvcc" };
@@ -108,7 +108,9 @@ fn main() {
         "/// (module name, PTX) for every kernel file, compiled for {arch:?}.\n\
          pub const MODULES: &[(&str, &str)] = &[\n{entries}];\n\
          /// Why no kernels are embedded (empty when they are).\n\
-         pub const MISSING: &str = {missing:?};\n"
+         pub const MISSING: &str = {missing:?};\n\
+         /// The virtual architecture of the main modules.\n\
+         pub const ARCH: &str = {arch:?};\n"
     );
     std::fs::write(out_dir.join("ptx.rs"), generated).expect("write OUT_DIR/ptx.rs");
 }

@@ -497,6 +497,115 @@ __device__ __forceinline__ void gn_param_grads(const double* st, const S_* rstd,
   }
 }
 
+// ---- GroupNorm forward in one pass (Hopper) ---------------------------------------------------
+// The two kernels above read x twice (statistics, then apply), which caps them near 2/3 of copy
+// bandwidth. Here a cluster of GNC blocks owns one group (its planes are contiguous): block r
+// copies the r-th 1/GNC of it into shared memory with cp.async, computes its chunk's (sum, M2)
+// from there, and the blocks exchange those through distributed shared memory and combine them
+// with Chan et al.'s formula, M2 = sum M2_r + n_r (mean_r - mean)^2. x is read once and y
+// written once; the whole SDXL-sized tensor is resident in one wave (40 KB a block, 5 blocks a
+// multiprocessor). An earlier version holding the chunk in registers (512 threads, 8 packs each)
+// needed three waves and two exchange rounds and measured slower than the two kernels.
+// Needs sm_90 (the fused_sm90 module), S % 8 == 0 (a pack never straddles two channels) and a
+// chunk of whole packs of at most GNC_SMEM bytes touching at most GNC_CHANNELS channels; the
+// launcher checks and falls back.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // (the host pass of a full build sees it too)
+#include <cooperative_groups.h>
+#define GNC 8
+#define GNC_SMEM 49152
+#define GNC_CHANNELS 64  // channels a chunk may touch
+
+template <typename T>
+__device__ __forceinline__ void gn_fwd_cluster(const T* __restrict__ x, const T* __restrict__ w,
+                                               const T* __restrict__ b, T* __restrict__ y, float* mean_out,
+                                               float* rstd_out, uint32_t C, uint32_t S, uint32_t cpg, float eps) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ __align__(16) unsigned char gn_smem[];
+  __shared__ double part[2];
+  __shared__ float stat[2];
+  __shared__ float2 wb[GNC_CHANNELS];
+  const uint32_t rank = cluster.block_rank(), group = blockIdx.x / GNC;
+  const size_t E = (size_t)cpg * S, chunk = E / GNC, first = (size_t)group * E + rank * chunk;
+  const uint32_t np = (uint32_t)(chunk / 8);
+  Pack8<T>* sx = reinterpret_cast<Pack8<T>*>(gn_smem);
+  const uint4* src = reinterpret_cast<const uint4*>(x + first);
+  const uint32_t pieces = (uint32_t)(chunk * sizeof(T) / 16);
+  for (uint32_t q = threadIdx.x; q < pieces; q += blockDim.x) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(reinterpret_cast<uint4*>(sx) + q);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src + q));
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  // The weight and bias of the few channels the chunk touches, loaded while it streams in: read
+  // per pack in the apply loop, their latency would stall every iteration.
+  const uint32_t c_first = (uint32_t)(rank * chunk / S), c0 = group % (C / cpg) * cpg + c_first;
+  const uint32_t nch = (uint32_t)((rank * chunk + chunk - 1) / S) - c_first + 1;
+  for (uint32_t t = threadIdx.x; t < nch; t += blockDim.x)
+    wb[t] = make_float2(w ? to_acc(w[c0 + t]) : 1.f, b ? to_acc(b[c0 + t]) : 0.f);
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+  float f[8], s = 0.f;
+  for (uint32_t i = threadIdx.x; i < np; i += blockDim.x) {
+    widen8(sx[i], f);
+    s += ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+  }
+  const double n = (double)chunk, bmean = block_sum2(s, 0.0).x / n;
+  const float bm = (float)bmean;
+  float q = 0.f;
+  for (uint32_t i = threadIdx.x; i < np; i += blockDim.x) {
+    widen8(sx[i], f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q += (f[e] - bm) * (f[e] - bm);
+  }
+  const double m2 = block_sum2(q, 0.0).x;
+  if (threadIdx.x == 0) {
+    part[0] = bmean;
+    part[1] = m2;
+  }
+  cluster.sync();
+  if (threadIdx.x == 0) {
+    double means[GNC], mean = 0.0, M2 = 0.0;
+    for (int r = 0; r < GNC; ++r) {
+      means[r] = *cluster.map_shared_rank(&part[0], r);
+      mean += means[r];
+      M2 += *cluster.map_shared_rank(&part[1], r);
+    }
+    mean /= GNC;
+    for (int r = 0; r < GNC; ++r) M2 += n * (means[r] - mean) * (means[r] - mean);
+    const float rstd = (float)(1.0 / sqrt(M2 / (double)E + (double)eps));
+    stat[0] = (float)mean;
+    stat[1] = rstd;
+    if (rank == 0) {
+      mean_out[group] = (float)mean;
+      rstd_out[group] = rstd;
+    }
+  }
+  // Every block has read the others' partials once this completes, so none may leave early.
+  cluster.sync();
+  const float mean = stat[0], rstd = stat[1];
+  Pack8<T>* yp = reinterpret_cast<Pack8<T>*>(y + first);
+  for (uint32_t i = threadIdx.x; i < np; i += blockDim.x) {
+    const float2 p = wb[(uint32_t)((rank * chunk + (size_t)i * 8) / S) - c_first];
+    const float sc = rstd * p.x, sh = p.y - mean * sc;
+    Pack8<T> o;
+    widen8(sx[i], f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o.v[e] = from_acc<T>(f[e] * sc + sh);
+    yp[i] = o;
+  }
+}
+
+#define GN_CLUSTER(SUF, T)                                                                                  \
+  extern "C" __global__ void __cluster_dims__(GNC, 1, 1)                                                   \
+      gn_fwd_cluster_##SUF(const T* x, const T* w, const T* b, T* y, float* mean, float* rstd, uint32_t C, \
+                           uint32_t S, uint32_t cpg, float eps) {                                        \
+    gn_fwd_cluster<T>(x, w, b, y, mean, rstd, C, S, cpg, eps);                                             \
+  }
+GN_CLUSTER(f32, float)
+GN_CLUSTER(bf16, __nv_bfloat16)
+GN_CLUSTER(f16, __half)
+#endif
+
 #define FUSED_T(SUF, T, S_)                                                                                   \
   extern "C" __global__ void softmax_bwd_##SUF(const T* y, const T* dy, T* dx, size_t rows, size_t cols) {     \
     softmax_bwd<T>(y, dy, dx, rows, cols);                                                                     \

@@ -229,15 +229,7 @@ fn launch_all<T: Elem>(
     let (b, h, lq, lk) = (p.b as usize, p.h as usize, p.lq as usize, p.lk as usize);
     let bh = b * h;
     // Hopper gets the compute_90 build, whose backward adds dq with 16-byte reductions.
-    let module = if dev.compute_capability_major() >= 9
-        && super::ptx::MODULES
-            .iter()
-            .any(|(n, _)| *n == "attention_sm90")
-    {
-        "attention_sm90"
-    } else {
-        "attention"
-    };
+    let module = super::hopper_module(dev, "attention").unwrap_or("attention");
     let cfg = |blocks: usize, threads: u32, smem: usize| LaunchConfig {
         grid_dim: (blocks as u32, bh as u32, 1),
         block_dim: (threads, 1, 1),

@@ -242,6 +242,50 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
         } => {
             let (n, c, s) = (d[0], d[1], d[2]);
             let planes = n * c;
+            let w = if weight { p[1] } else { 0 };
+            let bp = if bias { p[a.len() - 1] } else { 0 };
+            let mut y = dev.alloc::<T>(planes * s)?;
+            let (mut mean, mut rstd) = (dev.alloc::<S>(n * groups)?, dev.alloc::<S>(n * groups)?);
+            let cpg = c / groups;
+            // One pass on Hopper (gn_fwd_cluster: 8 blocks a group, each holding an eighth in
+            // shared memory) when the eighths are whole packs of at most 48 KiB touching at most
+            // 64 channels, as cuda/fused.cu's GNC_SMEM and GNC_CHANNELS require.
+            let chunk = cpg * s / 8;
+            let one_pass = T::DTYPE != DType::F64
+                && s % 8 == 0
+                && chunk % 8 == 0
+                && chunk * T::DTYPE.size_in_bytes() <= 48 * 1024
+                && chunk / s + 2 <= 64
+                && u32::try_from(planes * s).is_ok();
+            if let Some(module) = super::hopper_module(dev, "fused").filter(|_| one_pass) {
+                let shape = LaunchConfig {
+                    grid_dim: ((n * groups * 8) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: (chunk * T::DTYPE.size_in_bytes()) as u32,
+                };
+                let (c32, s32, cpg32, eps32) = (c as u32, s as u32, cpg as u32, eps as f32);
+                launch!(
+                    dev,
+                    module,
+                    format!("gn_fwd_cluster_{}", T::SFX),
+                    shape,
+                    &p[0],
+                    &w,
+                    &bp,
+                    &mut y.slice,
+                    &mut mean.slice,
+                    &mut rstd.slice,
+                    &c32,
+                    &s32,
+                    &cpg32,
+                    &eps32
+                )?;
+                return Ok(vec![
+                    out(T::wrap(y)),
+                    out(S::wrap(mean)),
+                    out(S::wrap(rstd)),
+                ]);
+            }
             let mut st = dev.alloc::<f64>(2 * planes)?;
             launch!(
                 dev,
@@ -252,11 +296,6 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 &mut st.slice,
                 &s
             )?;
-            let w = if weight { p[1] } else { 0 };
-            let bp = if bias { p[a.len() - 1] } else { 0 };
-            let mut y = dev.alloc::<T>(planes * s)?;
-            let (mut mean, mut rstd) = (dev.alloc::<S>(n * groups)?, dev.alloc::<S>(n * groups)?);
-            let cpg = c / groups;
             launch!(
                 dev,
                 "fused",

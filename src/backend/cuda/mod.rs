@@ -33,6 +33,23 @@ pub fn kernel_modules() -> impl Iterator<Item = &'static str> {
     ptx::MODULES.iter().map(|(n, _)| *n)
 }
 
+/// The module of `stem` holding its Hopper-only kernels (`__CUDA_ARCH__ >= 900` paths) on a GPU
+/// of compute capability 9 or more: `<stem>_sm90` where build.rs made one, `stem` itself when
+/// the whole build targets compute_90 or later; `None` on older GPUs or when neither exists.
+pub(crate) fn hopper_module(dev: &CudaDevice, stem: &'static str) -> Option<&'static str> {
+    if dev.compute_capability_major() < 9 {
+        return None;
+    }
+    let has = |name: &str| ptx::MODULES.iter().any(|(n, _)| *n == name);
+    let variant = ptx::MODULES
+        .iter()
+        .map(|(n, _)| *n)
+        .find(|n| n.strip_suffix("_sm90") == Some(stem));
+    let digits: String = ptx::ARCH.chars().filter(char::is_ascii_digit).collect();
+    let main_is_90 = digits.parse::<u32>().is_ok_and(|v| v >= 90);
+    variant.or_else(|| (main_is_90 && has(stem)).then_some(stem))
+}
+
 /// Whether build.rs compiled kernels into this build.
 pub fn kernels_compiled() -> bool {
     ptx::MISSING.is_empty()

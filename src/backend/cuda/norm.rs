@@ -63,8 +63,8 @@ fn reg_shape(dtype: DType, cols: usize) -> Option<(usize, usize, usize)> {
 }
 
 /// The kernel name and launch shape for `rows` rows of `cols`: register-resident when it
-/// fits, otherwise a warp per row streaming the row from cache. `params` is the number of
-/// per-column parameters (weight, bias) the kernel stages in shared memory.
+/// fits, otherwise a warp per row streaming the row from cache. `params`: whether a weight or
+/// bias is passed, which the register-resident kernels stage in shared memory.
 fn pick(
     base: &str,
     sfx: &str,

@@ -12,6 +12,7 @@
 
 #include "conv.cu"
 #include "fused.cu"
+#include "group_norm.cu"
 #include "norm.cu"
 #include "softmax.cu"
 
@@ -137,6 +138,35 @@ int main() {
     report("group_norm bwd (dx)", 3 * GB, time_ms([&] {
              gn_bwd_stats_bf16<<<planes, 256>>>(x, dy, mean, st, c, s, cpg);
              gn_bwd_dx_bf16<<<planes, 256>>>(x, dy, st, mean, rstd, w, dx, c, s, cpg);
+           }));
+    {  // the one-pass backward against the two kernels: dx and the per-plane sums
+      std::vector<bf> a(planes * s), bb(planes * s);
+      std::vector<double> sa(2 * planes), sb(2 * planes);
+      gn_bwd_stats_bf16<<<planes, 256>>>(x, dy, mean, st, c, s, cpg);
+      gn_bwd_dx_bf16<<<planes, 256>>>(x, dy, st, mean, rstd, w, dx, c, s, cpg);
+      CK(cudaMemcpy(a.data(), dx, planes * s * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(sa.data(), st, planes * 16, cudaMemcpyDeviceToHost));
+      CK(cudaMemset(dx, 0xff, planes * s * 2));
+      CK(cudaMemset(st, 0xff, planes * 16));
+      gn_bwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, dy, mean, rstd, w, dx, st, c, s, cpg);
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(bb.data(), dx, planes * s * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(sb.data(), st, planes * 16, cudaMemcpyDeviceToHost));
+      double worst = 0, scale = 0, sworst = 0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        const double d = fabsf(__bfloat162float(a[i]) - __bfloat162float(bb[i]));
+        if (!(d <= worst)) worst = d;
+        scale = std::max(scale, (double)fabsf(__bfloat162float(a[i])));
+      }
+      for (size_t i = 0; i < sa.size(); ++i) {
+        const double d = fabs(sa[i] - sb[i]) / (1 + fabs(sa[i]));
+        if (!(d <= sworst)) sworst = d;
+      }
+      printf("group_norm bwd one pass vs two kernels: dx max |diff| %.3g of max |dx| %.3g, sums rel %.3g\n", worst,
+             scale, sworst);
+    }
+    report("group_norm bwd, one pass (sm_90)", 3 * GB, time_ms([&] {
+             gn_bwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, dy, mean, rstd, w, dx, st, c, s, cpg);
            }));
     CK(cudaFree(st));
   }

@@ -149,9 +149,13 @@ fn group_norm_matches_the_cpu() {
             (vec![2, 320, 32, 32], 32),
             (vec![1, 6], 3),
             // Planes of whole packs, small to SDXL-sized groups (10 planes of 128x128): on
-            // Hopper the one-pass cluster kernel (its eighths of 400 to 20480 elements; f32 at
-            // the last shape exceeds its 48 KiB and falls back), elsewhere the two kernels.
+            // Hopper the one-pass cluster kernels (eighths of 48 to 20480 elements touching 1
+            // to 3 channels), elsewhere the two kernels. Falling back: f32 at the SDXL shape
+            // (an eighth over 48 KiB), and the backward of 128 channels of 8x8 (its eighths
+            // touch 16 channels).
             (vec![1, 64, 40, 40], 32),
+            (vec![2, 96, 4, 4], 4),
+            (vec![1, 128, 8, 8], 1),
             (vec![1, 320, 64, 128], 32),
             (vec![1, 160, 128, 128], 16),
         ] {

@@ -11,7 +11,6 @@ use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
 use crate::backend::FusedOp;
 use crate::{DType, Error, Layout, Result, Shape};
-use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 use half::{bf16, f16};
 
@@ -211,15 +210,6 @@ pub(crate) fn run(
     Ok(out.into_iter().map(|b| x.wrap(b)).collect())
 }
 
-fn big_smem(dev: &CudaDevice, module: &'static str, name: &str, bytes: usize) -> Result<()> {
-    dev.function(module, name)?
-        .set_attribute(
-            Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .map_err(|e| Error::Cuda(format!("{name}: {bytes} bytes of shared memory: {e:?}")))
-}
-
 fn launch_all<T: Elem>(
     dev: &CudaDevice,
     fwd: bool,
@@ -241,7 +231,7 @@ fn launch_all<T: Elem>(
         p.o = dense_view(o.raw(dev), h, lq, d);
         p.lse = lse.raw(dev);
         let kernel = format!("attn_fwd_{}_d{d}", T::SFX);
-        big_smem(dev, module, &kernel, fwd_smem(d))?;
+        super::allow_shared_memory(dev, module, &kernel, fwd_smem(d))?;
         launch!(
             dev,
             module,
@@ -269,7 +259,7 @@ fn launch_all<T: Elem>(
         &*p
     )?;
     let kernel = format!("attn_bwd_{}_d{d}", T::SFX);
-    big_smem(dev, module, &kernel, bwd_smem(d))?;
+    super::allow_shared_memory(dev, module, &kernel, bwd_smem(d))?;
     launch!(
         dev,
         module,

@@ -1,4 +1,5 @@
-//! Launchers of the fused kernels of `FusedOp` (kernels in cuda/fused.cu). Operands are
+//! Launchers of the fused kernels of `FusedOp` (kernels in cuda/fused.cu; GroupNorm in
+//! group_norm.rs, attention in attention.rs). Operands are
 //! checked by `validate::fused`, views are made dense, outputs are fresh buffers.
 //!
 //! Column sums (the weight/bias gradients of norms and modulation) are swept: a thread per
@@ -240,130 +241,14 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
             weight,
             bias,
         } => {
-            let (n, c, s) = (d[0], d[1], d[2]);
-            let planes = n * c;
-            let w = if weight { p[1] } else { 0 };
-            let bp = if bias { p[a.len() - 1] } else { 0 };
-            let mut y = dev.alloc::<T>(planes * s)?;
-            let (mut mean, mut rstd) = (dev.alloc::<S>(n * groups)?, dev.alloc::<S>(n * groups)?);
-            let cpg = c / groups;
-            // One pass on Hopper (gn_fwd_cluster: 8 blocks a group, each holding an eighth in
-            // shared memory) when the eighths are whole packs of at most 48 KiB touching at most
-            // 64 channels, as cuda/fused.cu's GNC_SMEM and GNC_CHANNELS require.
-            let chunk = cpg * s / 8;
-            let one_pass = T::DTYPE != DType::F64
-                && s % 8 == 0
-                && chunk % 8 == 0
-                && chunk * T::DTYPE.size_in_bytes() <= 48 * 1024
-                && chunk / s + 2 <= 64
-                && u32::try_from(planes * s).is_ok();
-            if let Some(module) = super::hopper_module(dev, "fused").filter(|_| one_pass) {
-                let shape = LaunchConfig {
-                    grid_dim: ((n * groups * 8) as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: (chunk * T::DTYPE.size_in_bytes()) as u32,
-                };
-                let (c32, s32, cpg32, eps32) = (c as u32, s as u32, cpg as u32, eps as f32);
-                launch!(
-                    dev,
-                    module,
-                    format!("gn_fwd_cluster_{}", T::SFX),
-                    shape,
-                    &p[0],
-                    &w,
-                    &bp,
-                    &mut y.slice,
-                    &mut mean.slice,
-                    &mut rstd.slice,
-                    &c32,
-                    &s32,
-                    &cpg32,
-                    &eps32
-                )?;
-                return Ok(vec![
-                    out(T::wrap(y)),
-                    out(S::wrap(mean)),
-                    out(S::wrap(rstd)),
-                ]);
-            }
-            let mut st = dev.alloc::<f64>(2 * planes)?;
-            launch!(
-                dev,
-                "fused",
-                format!("gn_stats_{}", T::SFX),
-                cfg(planes, 1, 1),
-                &p[0],
-                &mut st.slice,
-                &s
-            )?;
-            launch!(
-                dev,
-                "fused",
-                format!("gn_fwd_{}", T::SFX),
-                cfg(planes, 1, 1),
-                &p[0],
-                &st.slice,
-                &w,
-                &bp,
-                &mut y.slice,
-                &mut mean.slice,
-                &mut rstd.slice,
-                &c,
-                &s,
-                &cpg,
-                &eps
-            )?;
+            let dims = (d[0], d[1], d[2]);
+            let (y, mean, rstd) =
+                super::group_norm::forward::<T, S>(x, &p, dims, groups, eps, (weight, bias))?;
             vec![out(T::wrap(y)), out(S::wrap(mean)), out(S::wrap(rstd))]
         }
         FusedOp::GroupNormBackward { groups, weight } => {
-            let (n, c, s) = (d[0], d[1], d[2]);
-            let (planes, cpg) = (n * c, c / groups);
-            let mut st = dev.alloc::<f64>(2 * planes)?;
-            launch!(
-                dev,
-                "fused",
-                format!("gn_bwd_stats_{}", T::SFX),
-                cfg(planes, 1, 1),
-                &p[0],
-                &p[1],
-                &p[2],
-                &mut st.slice,
-                &c,
-                &s,
-                &cpg
-            )?;
-            let w = if weight { p[4] } else { 0 };
-            let mut dx = dev.alloc::<T>(planes * s)?;
-            launch!(
-                dev,
-                "fused",
-                format!("gn_bwd_dx_{}", T::SFX),
-                cfg(planes, 1, 1),
-                &p[0],
-                &p[1],
-                &st.slice,
-                &p[2],
-                &p[3],
-                &w,
-                &mut dx.slice,
-                &c,
-                &s,
-                &cpg
-            )?;
-            let (mut dw, mut db) = (dev.alloc::<S>(c)?, dev.alloc::<S>(c)?);
-            launch!(
-                dev,
-                "fused",
-                format!("gn_param_grads_{}", S::SFX),
-                grid_for(c, sms),
-                &st.slice,
-                &p[3],
-                &mut dw.slice,
-                &mut db.slice,
-                &n,
-                &c,
-                &cpg
-            )?;
+            let dims = (d[0], d[1], d[2]);
+            let (dx, dw, db) = super::group_norm::backward::<T, S>(x, &p, dims, groups, weight)?;
             vec![out(T::wrap(dx)), out(S::wrap(dw)), out(S::wrap(db))]
         }
         // `fused` hands these to cuda::attention before operands are made dense: the flash

@@ -6,6 +6,7 @@ mod attention;
 mod conv;
 mod device;
 mod fused;
+mod group_norm;
 mod index;
 mod layout;
 mod matmul;
@@ -48,6 +49,22 @@ pub(crate) fn hopper_module(dev: &CudaDevice, stem: &'static str) -> Option<&'st
     let digits: String = ptx::ARCH.chars().filter(char::is_ascii_digit).collect();
     let main_is_90 = digits.parse::<u32>().is_ok_and(|v| v >= 90);
     variant.or_else(|| (main_is_90 && has(stem)).then_some(stem))
+}
+
+/// Lets `name` of `module` take `bytes` of dynamic shared memory (past the default 48 KiB).
+pub(crate) fn allow_shared_memory(
+    dev: &CudaDevice,
+    module: &'static str,
+    name: &str,
+    bytes: usize,
+) -> crate::Result<()> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+    dev.function(module, name)?
+        .set_attribute(
+            Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| Error::Cuda(format!("{name}: {bytes} bytes of shared memory: {e:?}")))
 }
 
 /// Whether build.rs compiled kernels into this build.

@@ -274,8 +274,8 @@ fn launch_all<T: Elem>(
         module,
         format!("attn_dq_{}", T::SFX),
         grid_for(n, sms),
-        &acc.slice,
-        &mut dq.slice,
+        &*acc.slice,
+        &mut *dq.slice,
         &n
     )?;
     Ok(vec![T::wrap(dq), T::wrap(dk), T::wrap(dv)])

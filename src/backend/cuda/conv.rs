@@ -97,8 +97,8 @@ fn run<T: Elem>(
             "conv",
             format!("{kernel}_{}", T::SFX),
             cfg,
-            &src.slice,
-            &mut out.slice,
+            &*src.slice,
+            &mut *out.slice,
             &g,
             &wide
         )?;

@@ -1,77 +1,17 @@
 //! The CUDA device: one context and stream per GPU (shared by every handle to that ordinal),
 //! kernels loaded once from the embedded PTX, cuBLAS, and memory accounting.
 //!
-//! Memory comes from the driver's stream-ordered pool (cuMemAllocAsync; cudarc uses it when
-//! the device supports it). Its release threshold is raised to "never", so memory freed by a
-//! dropped tensor stays in the pool and the next allocation of a training step reuses it
-//! instead of asking the driver. FLAME counts the bytes of every live buffer: in use, peak,
-//! and a hard limit (FLAME_GPU_MEMORY_LIMIT in bytes, or `set_memory_limit`) checked before
-//! each allocation, so a run can prove it fits a smaller card.
+//! Memory comes from FLAME's cache of freed buffers (memory.rs) in front of the driver's
+//! stream-ordered pool (cuMemAllocAsync; cudarc uses it when the device supports it), whose
+//! release threshold is raised to "never", so memory the cache gives back stays pooled too.
 
+use super::memory::{DevBuf, MemoryReport, Pool};
 use super::{cuda_err, ptx, NVCC_HELP};
 use crate::{Error, Result};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr,
-};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-
-/// Byte counters of one device.
-#[derive(Debug, Default)]
-pub struct MemoryStats {
-    in_use: AtomicU64,
-    peak: AtomicU64,
-    limit: AtomicU64,
-    allocations: AtomicU64,
-}
-
-/// A snapshot of a device's memory accounting.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemoryReport {
-    /// Bytes held by live FLAME buffers.
-    pub in_use: u64,
-    /// Largest `in_use` since the device opened or the last `reset_peak_memory`.
-    pub peak: u64,
-    /// The hard limit (u64::MAX: none).
-    pub limit: u64,
-    /// Buffers allocated so far (a steady training step adds a fixed number per step).
-    pub allocations: u64,
-}
-
-/// Returns its bytes to the count when the buffer it rides with is dropped.
-pub(crate) struct Ticket {
-    bytes: u64,
-    stats: Arc<MemoryStats>,
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        self.stats.in_use.fetch_sub(self.bytes, Ordering::Relaxed);
-    }
-}
-
-/// Device memory of `len` elements with its accounting ticket.
-pub(crate) struct DevBuf<T> {
-    pub(crate) slice: CudaSlice<T>,
-    _ticket: Ticket,
-}
-
-impl<T> DevBuf<T> {
-    pub(crate) fn len(&self) -> usize {
-        self.slice.len()
-    }
-}
-
-impl<T: DeviceRepr> DevBuf<T> {
-    /// The raw device address, for kernel parameter structs (event tracking is off, so
-    /// cudarc's guard has nothing to record).
-    pub(crate) fn raw(&self, dev: &CudaDevice) -> u64 {
-        use cudarc::driver::DevicePtr;
-        self.slice.device_ptr(dev.stream()).0
-    }
-}
 
 struct Inner {
     ordinal: usize,
@@ -83,7 +23,7 @@ struct Inner {
     cc_major: u32,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
-    mem: Arc<MemoryStats>,
+    mem: Arc<Pool>,
 }
 
 /// One GPU. Cheap to clone; `CudaDevice::new(i)` returns the same device for the same `i`.
@@ -157,8 +97,7 @@ impl CudaDevice {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .map_err(cuda_err("reading the compute capability"))? as u32;
         keep_freed_memory_pooled(&ctx, ordinal)?;
-        let mem = Arc::new(MemoryStats::default());
-        mem.limit.store(limit, Ordering::Relaxed);
+        let mem = Arc::new(Pool::new(format!("cuda:{ordinal}"), stream.clone(), limit));
         Ok(CudaDevice(Arc::new(Inner {
             ordinal,
             ctx,
@@ -204,63 +143,30 @@ impl CudaDevice {
     // ----- memory -------------------------------------------------------------------------
 
     pub fn memory(&self) -> MemoryReport {
-        let m = &self.0.mem;
-        MemoryReport {
-            in_use: m.in_use.load(Ordering::Relaxed),
-            peak: m.peak.load(Ordering::Relaxed),
-            limit: m.limit.load(Ordering::Relaxed),
-            allocations: m.allocations.load(Ordering::Relaxed),
-        }
+        self.0.mem.report()
     }
 
     /// Makes the peak equal to what is in use now.
     pub fn reset_peak_memory(&self) {
-        let m = &self.0.mem;
-        m.peak
-            .store(m.in_use.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.0.mem.reset_peak();
     }
 
     /// A hard cap on the bytes FLAME holds on this device (None: no cap).
     pub fn set_memory_limit(&self, bytes: Option<u64>) {
-        self.0
-            .mem
-            .limit
-            .store(bytes.unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.0.mem.set_limit(bytes);
+    }
+
+    /// Returns the memory of freed buffers, kept for reuse, to the driver's pool (where other
+    /// processes still cannot see it; the pool keeps it until the context closes).
+    pub fn empty_cache(&self) {
+        self.0.mem.empty();
     }
 
     /// Uninitialised device memory for `len` elements, counted against the limit.
     pub(crate) fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<DevBuf<T>> {
-        let bytes = (len.max(1) * std::mem::size_of::<T>()) as u64;
-        let m = &self.0.mem;
-        let limit = m.limit.load(Ordering::Relaxed);
-        let in_use = m.in_use.fetch_add(bytes, Ordering::Relaxed);
-        let oom = |in_use: u64, limit: u64| Error::OutOfMemory {
-            device: format!("cuda:{}", self.0.ordinal),
-            requested: bytes,
-            in_use,
-            limit,
-        };
-        let ticket = Ticket {
-            bytes,
-            stats: m.clone(),
-        };
-        if in_use.saturating_add(bytes) > limit {
-            return Err(oom(in_use, limit));
-        }
-        // SAFETY: callers write every element before reading it (kernels fill outputs whole).
-        let slice = match unsafe { self.0.stream.alloc::<T>(len.max(1)) } {
-            Ok(s) => s,
-            Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => {
-                return Err(oom(in_use, self.total_memory().unwrap_or(u64::MAX)))
-            }
-            Err(e) => return Err(Error::Cuda(format!("allocating {bytes} bytes: {e:?}"))),
-        };
-        m.peak.fetch_max(in_use + bytes, Ordering::Relaxed);
-        m.allocations.fetch_add(1, Ordering::Relaxed);
-        Ok(DevBuf {
-            slice,
-            _ticket: ticket,
-        })
+        self.0
+            .mem
+            .alloc(len, || self.total_memory().unwrap_or(u64::MAX))
     }
 
     /// The GPU's total memory in bytes.

@@ -83,18 +83,18 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
     let out = |b| x.wrap(b);
     let p: Vec<u64> = a.iter().map(|s| ptr(s)).collect();
     // Sums two partial rows per output into (S, S) buffers of m values.
-    let finish = |part: &super::device::DevBuf<f64>, parts: usize, m: usize| -> Result<_> {
+    let finish = |part: &super::memory::DevBuf<f64>, parts: usize, m: usize| -> Result<_> {
         let (mut o0, mut o1) = (dev.alloc::<S>(m)?, dev.alloc::<S>(m)?);
         launch!(
             dev,
             "fused",
             format!("sum_partials2_{}", S::SFX),
             cfg(m.div_ceil(32), 1, 1),
-            &part.slice,
+            &*part.slice,
             &parts,
             &m,
-            &mut o0.slice,
-            &mut o1.slice
+            &mut *o0.slice,
+            &mut *o1.slice
         )?;
         Ok((out(S::wrap(o0)), out(S::wrap(o1))))
     };
@@ -114,7 +114,7 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 shape,
                 &p[0],
                 &p[1],
-                &mut dx.slice,
+                &mut *dx.slice,
                 &rows,
                 &cols
             )?;
@@ -141,7 +141,7 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 &p[1],
                 &p[2],
                 &p[3],
-                &part.slice,
+                &*part.slice,
                 &rows,
                 &cols,
                 &chunk,
@@ -161,7 +161,7 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 &p[0],
                 &p[1],
                 &p[2],
-                &mut y.slice,
+                &mut *y.slice,
                 &b,
                 &l,
                 &dd
@@ -194,8 +194,8 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 &p[0],
                 &p[1],
                 &p[2],
-                &mut dx.slice,
-                &part.slice,
+                &mut *dx.slice,
+                &*part.slice,
                 &b,
                 &l,
                 &dd,
@@ -225,7 +225,7 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 grid_for(work, sms),
                 &p[0],
                 &p[1],
-                &mut y.slice,
+                &mut *y.slice,
                 &h,
                 &l,
                 &half,

@@ -8,7 +8,7 @@
 //! dw and db in a fixed order.
 
 use super::storage::{launch, CudaStorage, Elem};
-use super::{device::DevBuf, layout::grid_for, CudaDevice};
+use super::{layout::grid_for, memory::DevBuf, CudaDevice};
 use crate::{DType, Error, Result};
 use cudarc::driver::LaunchConfig;
 
@@ -90,9 +90,9 @@ pub(super) fn forward<T: Elem, S: Elem>(
             &p[0],
             &w,
             &bp,
-            &mut y.slice,
-            &mut mean.slice,
-            &mut rstd.slice,
+            &mut *y.slice,
+            &mut *mean.slice,
+            &mut *rstd.slice,
             &c32,
             &s32,
             &cpg32,
@@ -107,7 +107,7 @@ pub(super) fn forward<T: Elem, S: Elem>(
         format!("gn_stats_{}", T::SFX),
         planes_cfg(planes),
         &p[0],
-        &mut st.slice,
+        &mut *st.slice,
         &s
     )?;
     launch!(
@@ -116,12 +116,12 @@ pub(super) fn forward<T: Elem, S: Elem>(
         format!("gn_fwd_{}", T::SFX),
         planes_cfg(planes),
         &p[0],
-        &st.slice,
+        &*st.slice,
         &w,
         &bp,
-        &mut y.slice,
-        &mut mean.slice,
-        &mut rstd.slice,
+        &mut *y.slice,
+        &mut *mean.slice,
+        &mut *rstd.slice,
         &c,
         &s,
         &cpg,
@@ -155,8 +155,8 @@ pub(super) fn backward<T: Elem, S: Elem>(
             &p[2],
             &p[3],
             &w,
-            &mut dx.slice,
-            &mut st.slice,
+            &mut *dx.slice,
+            &mut *st.slice,
             &c32,
             &s32,
             &cpg32
@@ -170,7 +170,7 @@ pub(super) fn backward<T: Elem, S: Elem>(
             &p[0],
             &p[1],
             &p[2],
-            &mut st.slice,
+            &mut *st.slice,
             &c,
             &s,
             &cpg
@@ -182,11 +182,11 @@ pub(super) fn backward<T: Elem, S: Elem>(
             planes_cfg(planes),
             &p[0],
             &p[1],
-            &st.slice,
+            &*st.slice,
             &p[2],
             &p[3],
             &w,
-            &mut dx.slice,
+            &mut *dx.slice,
             &c,
             &s,
             &cpg
@@ -198,10 +198,10 @@ pub(super) fn backward<T: Elem, S: Elem>(
         "group_norm",
         format!("gn_param_grads_{}", S::SFX),
         grid_for(c, dev.sm_count().max(1)),
-        &st.slice,
+        &*st.slice,
         &p[3],
-        &mut dw.slice,
-        &mut db.slice,
+        &mut *dw.slice,
+        &mut *db.slice,
         &n,
         &c,
         &cpg

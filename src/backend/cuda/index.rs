@@ -31,7 +31,7 @@ fn check_ids(ids: &CudaStorage, il: &Layout, op: &'static str) -> Result<()> {
 fn verify(
     ids: &CudaStorage,
     il: &Layout,
-    bad: &super::device::DevBuf<u32>,
+    bad: &super::memory::DevBuf<u32>,
     size: usize,
     op: &'static str,
     shape: &Shape,
@@ -39,7 +39,7 @@ fn verify(
     let flag = ids
         .dev
         .stream()
-        .clone_dtoh(&bad.slice)
+        .clone_dtoh(&*bad.slice)
         .map_err(super::cuda_err("reading the index flag"))?;
     if flag.first().copied().unwrap_or(0) == 0 {
         return Ok(());
@@ -64,11 +64,11 @@ impl CudaStorage {
     }
 }
 
-fn zeroed_flag(s: &CudaStorage) -> Result<super::device::DevBuf<u32>> {
+fn zeroed_flag(s: &CudaStorage) -> Result<super::memory::DevBuf<u32>> {
     let mut bad = s.dev.alloc::<u32>(1)?;
     s.dev
         .stream()
-        .memset_zeros(&mut bad.slice)
+        .memset_zeros(&mut *bad.slice)
         .map_err(super::cuda_err("clearing the index flag"))?;
     Ok(bad)
 }
@@ -99,14 +99,14 @@ fn lookup_t<T: Elem>(
             "index",
             format!("{op}_{}", T::SFX),
             grid_for(n, s.dev.sm_count()),
-            &src.slice,
-            &idb.slice,
-            &mut out.slice,
+            &*src.slice,
+            &*idb.slice,
+            &mut *out.slice,
             &outer,
             &size,
             &n_j,
             &inner,
-            &mut bad.slice
+            &mut *bad.slice
         )?;
     }
     verify(ids, il, &bad, size, op, l.shape())?;
@@ -177,14 +177,14 @@ fn scatter_t<T: Elem>(
             "index",
             format!("scatter_add_{}", T::SFX),
             grid_for(cols, dev.sm_count()),
-            &mut o.slice,
-            &idb.slice,
-            &srb.slice,
+            &mut *o.slice,
+            &*idb.slice,
+            &*srb.slice,
             &outer,
             &size,
             &n_j,
             &inner,
-            &mut bad.slice
+            &mut *bad.slice
         )?;
     }
     verify(ids, il, &bad, size, OP, l.shape())?;

@@ -76,7 +76,7 @@ where
     if d.k == 0 {
         // An empty sum: zeros.
         dev.stream()
-            .memset_zeros(&mut out.slice)
+            .memset_zeros(&mut *out.slice)
             .map_err(super::cuda_err("zeroing"))?;
         return Ok(a.wrap(T::wrap(out)));
     }
@@ -114,7 +114,7 @@ where
     // `out` holds B*M*N elements.
     unsafe {
         dev.blas()
-            .gemm_strided_batched(cfg, &bv, &av, &mut out.slice)
+            .gemm_strided_batched(cfg, &bv, &av, &mut *out.slice)
     }
     .map_err(|e| Error::Cuda(format!("cuBLAS gemm {d:?}: {e:?}")))?;
     Ok(a.wrap(T::wrap(out)))

@@ -10,6 +10,7 @@ mod group_norm;
 mod index;
 mod layout;
 mod matmul;
+mod memory;
 mod norm;
 mod reduce;
 mod storage;
@@ -18,7 +19,8 @@ pub(crate) mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 }
 
-pub use device::{CudaDevice, MemoryReport};
+pub use device::CudaDevice;
+pub use memory::MemoryReport;
 pub use storage::CudaStorage;
 
 use crate::Error;

@@ -62,7 +62,7 @@ fn reduce_t<T: Elem>(
             "reduce",
             format!("{name}_small_{}", T::SFX),
             grid_for(n_out, dev.sm_count()),
-            &src.slice,
+            &*src.slice,
             &kk,
             &kr,
             &n_out,
@@ -81,7 +81,7 @@ fn reduce_t<T: Elem>(
             "reduce",
             format!("{name}_rows_{}", T::SFX),
             cfg,
-            &src.slice,
+            &*src.slice,
             &kk,
             &n_out,
             &n_red,
@@ -105,7 +105,7 @@ fn reduce_t<T: Elem>(
             "reduce",
             format!("{name}_cols_{}", T::SFX),
             blocks(col_blocks, parts),
-            &src.slice,
+            &*src.slice,
             &kk,
             &kr,
             &n_out,
@@ -113,7 +113,7 @@ fn reduce_t<T: Elem>(
             &chunk,
             &out_v,
             &out_i,
-            &mut partials.slice
+            &mut *partials.slice
         )?;
         if parts > 1 {
             launch!(
@@ -121,7 +121,7 @@ fn reduce_t<T: Elem>(
                 "reduce",
                 format!("{name}_cols_partials_{}", T::SFX),
                 blocks(n_out.div_ceil(32), 1),
-                &partials.slice,
+                &*partials.slice,
                 &parts,
                 &n_out,
                 &out_v,
@@ -155,7 +155,7 @@ fn reduce_t<T: Elem>(
             "reduce",
             block,
             blocks(n_out, 1),
-            &src.slice,
+            &*src.slice,
             &kk,
             &kr,
             &n_red,
@@ -172,21 +172,21 @@ fn reduce_t<T: Elem>(
         "reduce",
         block,
         blocks(n_out, parts),
-        &src.slice,
+        &*src.slice,
         &kk,
         &kr,
         &n_red,
         &chunk,
         &out_v,
         &out_i,
-        &mut partials.slice
+        &mut *partials.slice
     )?;
     launch!(
         dev,
         "reduce",
         format!("{name}_partials_{}", T::SFX),
         blocks(n_out, 1),
-        &partials.slice,
+        &*partials.slice,
         &parts,
         &out_v,
         &out_i

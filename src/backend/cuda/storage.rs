@@ -1,8 +1,8 @@
 //! CUDA storage and the elementwise launchers. Each launcher checks dtypes, shapes and that
 //! views lie inside their buffers, and returns Err before launching.
 
-use super::device::DevBuf;
 use super::layout::{elementwise_grid, grid_for, KernelLayout};
+use super::memory::DevBuf;
 use super::CudaDevice;
 use crate::backend::{
     BackendDevice, BackendStorage, BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp,
@@ -261,9 +261,9 @@ fn unary_t<T: Elem>(
             "elementwise",
             format!("{name}_{}", T::SFX),
             elementwise_grid(n, s.dev.sm_count()),
-            &src.slice,
+            &*src.slice,
             &kl,
-            &mut out.slice,
+            &mut *out.slice,
             &n,
             &p0,
             &p1
@@ -293,11 +293,11 @@ fn binary_t<T: Elem>(
             "elementwise",
             format!("{name}_{}", T::SFX),
             elementwise_grid(n, a.dev.sm_count()),
-            &x.slice,
+            &*x.slice,
             &ka,
-            &y.slice,
+            &*y.slice,
             &kb,
-            &mut out.slice,
+            &mut *out.slice,
             &n
         )?;
     }
@@ -323,13 +323,13 @@ fn where_t<T: Elem>(
             "elementwise",
             format!("where_{}", T::SFX),
             grid_for(n, t.dev.sm_count()),
-            &mb.slice,
+            &*mb.slice,
             &km,
-            &tb.slice,
+            &*tb.slice,
             &kt,
-            &fb.slice,
+            &*fb.slice,
             &kf,
-            &mut out.slice,
+            &mut *out.slice,
             &n
         )?;
     }
@@ -347,9 +347,9 @@ fn cast_to<S: Elem, D: Elem>(s: &CudaStorage, l: &Layout) -> Result<Buf> {
             "elementwise",
             format!("cast_{}_{}", S::SFX, D::SFX),
             elementwise_grid(n, s.dev.sm_count()),
-            &src.slice,
+            &*src.slice,
             &kl,
-            &mut out.slice,
+            &mut *out.slice,
             &n
         )?;
     }
@@ -387,9 +387,9 @@ fn copy_t<T: Elem>(
         "elementwise",
         format!("copy_b{bits}"),
         grid_for(n, dev.sm_count()),
-        &s.slice,
+        &*s.slice,
         &ks,
-        &mut d.slice,
+        &mut *d.slice,
         &kd,
         &n
     )
@@ -442,8 +442,8 @@ fn softmax_t<T: Elem>(s: &CudaStorage, l: &Layout) -> Result<Buf> {
             "softmax",
             kernel,
             cfg,
-            &src.slice,
-            &mut out.slice,
+            &*src.slice,
+            &mut *out.slice,
             &rows,
             &cols
         )?;
@@ -646,7 +646,7 @@ fn from_host_t<T: Elem>(dev: &CudaDevice, data: &CpuStorage) -> Result<Buf> {
     let mut out = dev.alloc::<T>(src.len())?;
     if !src.is_empty() {
         dev.stream()
-            .memcpy_htod(src, &mut out.slice)
+            .memcpy_htod(src, &mut *out.slice)
             .map_err(super::cuda_err("copying to the device"))?;
     }
     Ok(T::wrap(out))
@@ -660,7 +660,7 @@ fn fill_t<T: Elem>(dev: &CudaDevice, n: usize, value: f64) -> Result<Buf> {
             "fill",
             format!("fill_{}", T::SFX),
             grid_for(n, dev.sm_count()),
-            &mut out.slice,
+            &mut *out.slice,
             &value,
             &n
         )?;
@@ -683,7 +683,7 @@ fn random_t<T: Elem>(
             "random",
             format!("rand_{kind}_{}", T::SFX),
             grid_for(n.div_ceil(4), dev.sm_count()),
-            &mut out.slice,
+            &mut *out.slice,
             &n,
             &seed,
             &a,

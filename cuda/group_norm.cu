@@ -9,8 +9,8 @@
 //
 // Hopper, groups that fit (one pass a direction): gn_fwd_cluster and gn_bwd_cluster below.
 //
-// gn_param_grads sums the planes' (sum dy, sum dy (x - mean)) over N into db and dw, whichever
-// backward made them.
+// The planes' (sum dy, sum dy (x - mean)) summed over N give db and dw: gn_param_grads after
+// the two kernels, the one-pass kernel's last cluster itself.
 #include "common.cuh"
 #include "rows.cuh"
 
@@ -143,8 +143,8 @@ __device__ __forceinline__ void gn_bwd_dx(const T* __restrict__ x, const T* __re
       blockDim.x);
 }
 
-template <typename S_>
-__device__ __forceinline__ void gn_param_grads(const double* st, const S_* rstd, S_* dw, S_* db, size_t N, size_t C,
+template <typename S_, typename T>
+__device__ __forceinline__ void gn_param_grads(const double* st, const S_* rstd, T* dw, T* db, size_t N, size_t C,
                                                size_t cpg) {
   GRID_STRIDE(c, C) {
     double w = 0.0, b = 0.0;
@@ -152,8 +152,8 @@ __device__ __forceinline__ void gn_param_grads(const double* st, const S_* rstd,
       b += st[2 * (n * C + c)];
       w += st[2 * (n * C + c) + 1] * (double)rstd[n * (C / cpg) + c / cpg];
     }
-    dw[c] = (S_)w;
-    db[c] = (S_)b;
+    dw[c] = from_f64<T>(w);
+    db[c] = from_f64<T>(b);
   }
 }
 
@@ -177,14 +177,16 @@ GN_T(f64, double, double)
 GN_T(bf16, __nv_bfloat16, float)
 GN_T(f16, __half, float)
 
-extern "C" __global__ void gn_param_grads_f32(const double* st, const float* rstd, float* dw, float* db, size_t N,
-                                              size_t C, size_t cpg) {
-  gn_param_grads<float>(st, rstd, dw, db, N, C, cpg);
-}
-extern "C" __global__ void gn_param_grads_f64(const double* st, const double* rstd, double* dw, double* db, size_t N,
-                                              size_t C, size_t cpg) {
-  gn_param_grads<double>(st, rstd, dw, db, N, C, cpg);
-}
+// dw and db in the dtype of x (and of the weight).
+#define GN_PARAM_GRADS(SUF, T, S_)                                                                       \
+  extern "C" __global__ void gn_param_grads_##SUF(const double* st, const S_* rstd, T* dw, T* db, size_t N, \
+                                                  size_t C, size_t cpg) {                                \
+    gn_param_grads<S_, T>(st, rstd, dw, db, N, C, cpg);                                                 \
+  }
+GN_PARAM_GRADS(f32, float, float)
+GN_PARAM_GRADS(f64, double, double)
+GN_PARAM_GRADS(bf16, __nv_bfloat16, float)
+GN_PARAM_GRADS(f16, __half, float)
 
 // ---- One pass a direction (Hopper) ------------------------------------------------------------
 // The two-kernel forms read x (and dy) twice, which caps them near 2/3 of copy bandwidth. Here a
@@ -301,21 +303,21 @@ __device__ __forceinline__ void gn_fwd_cluster(const T* __restrict__ x, const T*
     part[1] = m2;
   }
   cluster.sync();
-  if (threadIdx.x == 0) {
-    double means[GNC], mean = 0.0, M2 = 0.0;
-    for (int r = 0; r < GNC; ++r) {
-      means[r] = *cluster.map_shared_rank(&part[0], r);
-      mean += means[r];
-      M2 += *cluster.map_shared_rank(&part[1], r);
-    }
-    mean /= GNC;
-    for (int r = 0; r < GNC; ++r) M2 += n * (means[r] - mean) * (means[r] - mean);
-    const float rstd = (float)(1.0 / sqrt(M2 / (double)E + (double)eps));
-    stat[0] = (float)mean;
-    stat[1] = rstd;
-    if (rank == 0) {
-      mean_out[group] = (float)mean;
-      rstd_out[group] = rstd;
+  // Lane r of warp 0 reads block r's partials (one round trip for all eight, not eight).
+  if (threadIdx.x < 32) {
+    const uint32_t lane = threadIdx.x;
+    const double mr = lane < GNC ? *cluster.map_shared_rank(&part[0], lane) : 0.0;
+    const double qr = lane < GNC ? *cluster.map_shared_rank(&part[1], lane) : 0.0;
+    const double mean = warp_sum(mr) / GNC;
+    const double M2 = warp_sum(lane < GNC ? qr + n * (mr - mean) * (mr - mean) : 0.0);
+    if (lane == 0) {
+      const float rstd = (float)(1.0 / sqrt(M2 / (double)E + (double)eps));
+      stat[0] = (float)mean;
+      stat[1] = rstd;
+      if (rank == 0) {
+        mean_out[group] = (float)mean;
+        rstd_out[group] = rstd;
+      }
     }
   }
   __syncthreads();
@@ -329,16 +331,20 @@ __device__ __forceinline__ void gn_fwd_cluster(const T* __restrict__ x, const T*
     widen8(sx[i], f);
 #pragma unroll
     for (int e = 0; e < 8; ++e) o.v[e] = from_acc<T>(f[e] * sc + sh);
-    yp[i] = o;
+    yp[i] = o;  // (streaming stores, __stcs, measured 62.8% of copy against 83.8%)
   }
   cluster_wait();
 }
 
 // st[2 p], st[2 p + 1] = (sum dy, sum dy (x - mean)) of each plane p, as gn_bwd_stats writes them.
+// The last cluster to write its planes' sums (counted in `done`, which is zero at launch and
+// left zero) adds them over N into dw and db, so no second kernel is needed: a launch costs
+// ~2.6 us of GPU time however small its work, as much as a tenth of this kernel's.
 template <typename T>
 __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T* __restrict__ dy,
                                                const float* mean_in, const float* rstd_in, const T* __restrict__ w,
-                                               T* __restrict__ dx, double* st, uint32_t C, uint32_t S, uint32_t cpg) {
+                                               T* __restrict__ dx, double* st, T* dw, T* db, unsigned* done,
+                                               uint32_t N, uint32_t C, uint32_t S, uint32_t cpg) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ __align__(16) unsigned char gn_smem[];
@@ -346,6 +352,7 @@ __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T*
   __shared__ double2 part[GNC_CHANNELS];                     // ... per block, by channel of the group
   __shared__ float wg[GNC_CHANNELS];                         // the group's weights
   __shared__ float coef[2];
+  __shared__ bool last;
   static_assert(sizeof(Pack8<T>) % 16 == 0, "packs load as 16-byte pieces");
   constexpr uint32_t PIECES = sizeof(Pack8<T>) / 16;
   const uint32_t rank = cluster.block_rank(), group = blockIdx.x / GNC;
@@ -426,6 +433,7 @@ __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T*
       a1 += wg[j] * s1;
       a2 += wg[j] * s2;
     }
+    if (rank == 0) __threadfence();  // each writer's sums, before the count below
     a1 = warp_sum(a1);
     a2 = warp_sum(a2);
     if (lane == 0) {
@@ -433,6 +441,7 @@ __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T*
       const double M = (double)E, r = (double)rstd;
       coef[0] = (float)(-r * a1 / M);
       coef[1] = (float)(-r * r * r * a2 / M);
+      if (rank == 0) last = atomicAdd(done, 1u) == gridDim.x / GNC - 1;
     }
   }
   __syncthreads();
@@ -459,6 +468,21 @@ __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T*
         __stcs(reinterpret_cast<uint4*>(dp + i) + q, reinterpret_cast<const uint4*>(&o)[q]);
     }
   }
+  // After this block's own dx, so that the last cluster adds only this short sum to the tail.
+  if (rank == 0 && last) {
+    __threadfence();
+    const uint32_t G = C / cpg;
+    for (uint32_t c = threadIdx.x; c < C; c += blockDim.x) {
+      double sw = 0.0, sb = 0.0;
+      for (uint32_t n = 0; n < N; ++n) {
+        sb += __ldcg(st + 2 * ((size_t)n * C + c));
+        sw += __ldcg(st + 2 * ((size_t)n * C + c) + 1) * (double)rstd_in[n * G + c / cpg];
+      }
+      dw[c] = from_f64<T>(sw);
+      db[c] = from_f64<T>(sb);
+    }
+    if (threadIdx.x == 0) *done = 0;
+  }
   cluster_wait();
 }
 
@@ -470,8 +494,9 @@ __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T*
   }                                                                                                         \
   extern "C" __global__ void __cluster_dims__(GNC, 1, 1) __launch_bounds__(GNC_THREADS)                    \
       gn_bwd_cluster_##SUF(const T* x, const T* dy, const float* mean, const float* rstd, const T* w,      \
-                           T* dx, double* st, uint32_t C, uint32_t S, uint32_t cpg) {                      \
-    gn_bwd_cluster<T>(x, dy, mean, rstd, w, dx, st, C, S, cpg);                                            \
+                           T* dx, double* st, T* dw, T* db, unsigned* done, uint32_t N, uint32_t C,        \
+                           uint32_t S, uint32_t cpg) {                                                     \
+    gn_bwd_cluster<T>(x, dy, mean, rstd, w, dx, st, dw, db, done, N, C, S, cpg);                           \
   }
 GN_CLUSTER(f32, float)
 GN_CLUSTER(bf16, __nv_bfloat16)

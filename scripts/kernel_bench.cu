@@ -111,6 +111,12 @@ int main() {
     const double GB = planes * s * 2.0;
     double* st;
     CK(cudaMalloc(&st, planes * 2 * 8));
+    bf *dw, *db;  // the one-pass backward's parameter gradients, and its zeroed completion count
+    CK(cudaMalloc(&dw, c * 2));
+    CK(cudaMalloc(&db, c * 2));
+    unsigned* done;
+    CK(cudaMalloc(&done, 4));
+    CK(cudaMemset(done, 0, 4));
     report("group_norm fwd", 2 * GB, time_ms([&] {
              gn_stats_bf16<<<planes, 256>>>(x, st, s);
              gn_fwd_bf16<<<planes, 256>>>(x, st, w, b, y, mean, rstd, c, s, cpg, 1e-5);
@@ -148,7 +154,7 @@ int main() {
       CK(cudaMemcpy(sa.data(), st, planes * 16, cudaMemcpyDeviceToHost));
       CK(cudaMemset(dx, 0xff, planes * s * 2));
       CK(cudaMemset(st, 0xff, planes * 16));
-      gn_bwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, dy, mean, rstd, w, dx, st, c, s, cpg);
+      gn_bwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, dy, mean, rstd, w, dx, st, dw, db, done, n, c, s, cpg);
       CK(cudaGetLastError());
       CK(cudaMemcpy(bb.data(), dx, planes * s * 2, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(sb.data(), st, planes * 16, cudaMemcpyDeviceToHost));
@@ -166,7 +172,7 @@ int main() {
              scale, sworst);
     }
     report("group_norm bwd, one pass (sm_90)", 3 * GB, time_ms([&] {
-             gn_bwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, dy, mean, rstd, w, dx, st, c, s, cpg);
+             gn_bwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, dy, mean, rstd, w, dx, st, dw, db, done, n, c, s, cpg);
            }));
     CK(cudaFree(st));
   }

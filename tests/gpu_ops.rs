@@ -752,6 +752,59 @@ fn training_steps_reuse_pool_memory() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn freed_buffers_are_cached_and_handed_out_again() {
+    let _one = serial();
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    // 1000 x 1000 f32: 4,000,000 bytes, counted as 4,000,256 (a multiple of 512).
+    let rounded = 4_000_256u64;
+    let a = Tensor::ones((1000, 1000), DType::F32, &dev).unwrap();
+    cuda.synchronize().unwrap();
+    let held = cuda.memory();
+    drop(a);
+    let freed = cuda.memory();
+    assert_eq!(held.in_use - freed.in_use, rounded, "in use falls on drop");
+    assert_eq!(freed.cached - held.cached, rounded, "the buffer is cached");
+    let reserved = cuda.pool_reserved_bytes().unwrap();
+
+    // The same size comes from the cache: no new driver memory, the cache shrinks back.
+    let b = Tensor::full(2.5, (1000, 1000), DType::F32, &dev).unwrap();
+    let again = cuda.memory();
+    assert_eq!(again.cached, held.cached, "taken from the cache");
+    assert_eq!(again.in_use, held.in_use);
+    assert_eq!(again.allocations, freed.allocations + 1);
+    assert_eq!(cuda.pool_reserved_bytes().unwrap(), reserved);
+    // The reused memory holds what the new tensor wrote, not the old ones.
+    let v = b.to_vec::<f32>().unwrap();
+    assert!(v.iter().all(|&x| x == 2.5), "reused buffer rewritten");
+    drop(b);
+
+    // A near size (within the 512-byte rounding) shares the list; emptying returns it all.
+    let c = Tensor::zeros(999_990, DType::F32, &dev).unwrap();
+    assert_eq!(cuda.memory().cached, held.cached, "near size reused");
+    drop(c);
+    cuda.empty_cache();
+    assert_eq!(
+        cuda.memory().cached,
+        0,
+        "empty_cache returns every cached buffer"
+    );
+    assert_eq!(
+        Tensor::ones(5, DType::BF16, &dev)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
+        vec![1.0; 5],
+        "the device works after emptying"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn fused_softmax_matches_the_cpu() {
     let _one = serial();
     for dt in FLOATS {

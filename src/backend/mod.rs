@@ -185,7 +185,8 @@ pub enum FusedOp {
         weight: bool,
         bias: bool,
     },
-    /// [x, dy (N, C, S), mean, rstd (N, groups), weight? (C)] -> [dx, dw, db (C) stats].
+    /// [x, dy (N, C, S), mean, rstd (N, groups), weight? (C)] -> [dx, dw, db (C)], all in x's
+    /// dtype (the weight's): the autograd needs no cast kernels after it.
     GroupNormBackward { groups: usize, weight: bool },
     /// [q (B, H, Lq, D), k, v (B, H, Lk, D), keep? (B, Lk) stats] -> [o (B, H, Lq, D),
     /// lse (B, H, Lq) stats]: o = softmax(scale q k^T) v row by row, never forming the

@@ -284,7 +284,7 @@ impl Tensor {
         self.affine_params(y, w.as_ref(), b.as_ref())
     }
 
-    /// (dx, dw, db) of the fused GroupNorm; dw and db in the statistics dtype.
+    /// (dx, dw, db) of the fused GroupNorm, all in x's dtype (the weight's).
     pub(crate) fn group_norm_backward(
         &self,
         dy: &Tensor,

@@ -195,8 +195,8 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
             }
             vec![
                 from_f64_vec(dx, dt),
-                from_f64_vec(dw, st),
-                from_f64_vec(db, st),
+                from_f64_vec(dw, dt),
+                from_f64_vec(db, dt),
             ]
         }
         FusedOp::Attention {

@@ -9,7 +9,9 @@ use super::memory::{DevBuf, MemoryReport, Pool};
 use super::{cuda_err, ptx, NVCC_HELP};
 use crate::{Error, Result};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -24,6 +26,9 @@ struct Inner {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     mem: Arc<Pool>,
+    /// A u32 that is zero between kernels: a grid's "last block done" count, which the kernel
+    /// that counts on it sets back to zero (work on the one stream never overlaps).
+    done: OnceLock<CudaSlice<u32>>,
 }
 
 /// One GPU. Cheap to clone; `CudaDevice::new(i)` returns the same device for the same `i`.
@@ -108,6 +113,7 @@ impl CudaDevice {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             mem,
+            done: OnceLock::new(),
         })))
     }
 
@@ -160,6 +166,26 @@ impl CudaDevice {
     /// processes still cannot see it; the pool keeps it until the context closes).
     pub fn empty_cache(&self) {
         self.0.mem.empty();
+    }
+
+    /// The address of the device's zeroed completion counter (see `Inner::done`).
+    pub(crate) fn done_counter(&self) -> Result<u64> {
+        use cudarc::driver::DevicePtr;
+        if self.0.done.get().is_none() {
+            let zero = self
+                .0
+                .stream
+                .alloc_zeros::<u32>(1)
+                .map_err(cuda_err("allocating the completion counter"))?;
+            // A racing thread may have set it first; either zeroed buffer serves.
+            let _ = self.0.done.set(zero);
+        }
+        let done = self
+            .0
+            .done
+            .get()
+            .ok_or(Error::Poisoned("CUDA completion counter"))?;
+        Ok(done.device_ptr(&self.0.stream).0)
     }
 
     /// Uninitialised device memory for `len` elements, counted against the limit.

@@ -248,8 +248,8 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
         }
         FusedOp::GroupNormBackward { groups, weight } => {
             let dims = (d[0], d[1], d[2]);
-            let (dx, dw, db) = super::group_norm::backward::<T, S>(x, &p, dims, groups, weight)?;
-            vec![out(T::wrap(dx)), out(S::wrap(dw)), out(S::wrap(db))]
+            let (dx, dw, db) = super::group_norm::backward::<T>(x, &p, dims, groups, weight)?;
+            vec![out(T::wrap(dx)), out(T::wrap(dw)), out(T::wrap(db))]
         }
         // `fused` hands these to cuda::attention before operands are made dense: the flash
         // kernels read strided views.

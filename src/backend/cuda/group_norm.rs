@@ -130,21 +130,24 @@ pub(super) fn forward<T: Elem, S: Elem>(
     Ok((y, mean, rstd))
 }
 
-/// dx, dw, db from x, dy, mean, rstd (and the weight when `weight`).
-pub(super) fn backward<T: Elem, S: Elem>(
+/// dx, dw, db (dw and db in x's dtype, the weight's) from x, dy, mean, rstd (and the weight
+/// when `weight`).
+pub(super) fn backward<T: Elem>(
     x: &CudaStorage,
     p: &[u64],
     (n, c, s): (usize, usize, usize),
     groups: usize,
     weight: bool,
-) -> Result<(DevBuf<T>, DevBuf<S>, DevBuf<S>)> {
+) -> Result<(DevBuf<T>, DevBuf<T>, DevBuf<T>)> {
     let dev = &x.dev;
     let (planes, cpg) = (n * c, c / groups);
     let w = if weight { p[4] } else { 0 };
     let mut st = dev.alloc::<f64>(2 * planes)?;
     let mut dx = dev.alloc::<T>(planes * s)?;
+    let (mut dw, mut db) = (dev.alloc::<T>(c)?, dev.alloc::<T>(c)?);
     if let Some((module, smem)) = one_pass::<T>(dev, (n, c, s, groups), true) {
-        let (c32, s32, cpg32) = (c as u32, s as u32, cpg as u32);
+        let done = dev.done_counter()?;
+        let (n32, c32, s32, cpg32) = (n as u32, c as u32, s as u32, cpg as u32);
         launch!(
             dev,
             module,
@@ -157,46 +160,49 @@ pub(super) fn backward<T: Elem, S: Elem>(
             &w,
             &mut *dx.slice,
             &mut *st.slice,
+            &mut *dw.slice,
+            &mut *db.slice,
+            &done,
+            &n32,
             &c32,
             &s32,
             &cpg32
         )?;
-    } else {
-        launch!(
-            dev,
-            "group_norm",
-            format!("gn_bwd_stats_{}", T::SFX),
-            planes_cfg(planes),
-            &p[0],
-            &p[1],
-            &p[2],
-            &mut *st.slice,
-            &c,
-            &s,
-            &cpg
-        )?;
-        launch!(
-            dev,
-            "group_norm",
-            format!("gn_bwd_dx_{}", T::SFX),
-            planes_cfg(planes),
-            &p[0],
-            &p[1],
-            &*st.slice,
-            &p[2],
-            &p[3],
-            &w,
-            &mut *dx.slice,
-            &c,
-            &s,
-            &cpg
-        )?;
+        return Ok((dx, dw, db));
     }
-    let (mut dw, mut db) = (dev.alloc::<S>(c)?, dev.alloc::<S>(c)?);
     launch!(
         dev,
         "group_norm",
-        format!("gn_param_grads_{}", S::SFX),
+        format!("gn_bwd_stats_{}", T::SFX),
+        planes_cfg(planes),
+        &p[0],
+        &p[1],
+        &p[2],
+        &mut *st.slice,
+        &c,
+        &s,
+        &cpg
+    )?;
+    launch!(
+        dev,
+        "group_norm",
+        format!("gn_bwd_dx_{}", T::SFX),
+        planes_cfg(planes),
+        &p[0],
+        &p[1],
+        &*st.slice,
+        &p[2],
+        &p[3],
+        &w,
+        &mut *dx.slice,
+        &c,
+        &s,
+        &cpg
+    )?;
+    launch!(
+        dev,
+        "group_norm",
+        format!("gn_param_grads_{}", T::SFX),
         grid_for(c, dev.sm_count().max(1)),
         &*st.slice,
         &p[3],

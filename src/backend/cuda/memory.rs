@@ -146,12 +146,12 @@ impl Pool {
             self.in_use.fetch_sub(bytes, Ordering::Relaxed);
             return Err(oom(in_use, limit));
         }
+        // (A poisoned cache is bypassed: the driver serves the request.)
         let reused = self
             .free
             .lock()
-            .map_err(|_| Error::Poisoned("CUDA memory cache"))?
-            .get_mut(&bytes)
-            .and_then(Vec::pop);
+            .ok()
+            .and_then(|mut free| free.get_mut(&bytes).and_then(Vec::pop));
         let slice = match reused {
             Some(ptr) => {
                 self.cached.fetch_sub(bytes, Ordering::Relaxed);
@@ -159,7 +159,7 @@ impl Pool {
                 // when its buffer dropped, and is owned by nothing else now.
                 unsafe { self.stream.upgrade_device_ptr::<T>(ptr, len.max(1)) }
             }
-            None => match self.driver_alloc::<T>(len) {
+            None => match self.driver_alloc::<T>(len, bytes) {
                 Ok(s) => s,
                 Err(e) => {
                     self.in_use.fetch_sub(bytes, Ordering::Relaxed);
@@ -180,21 +180,20 @@ impl Pool {
         })
     }
 
-    /// A fresh buffer of `len` elements (rounded up to ROUND bytes) from the driver; on its
-    /// out-of-memory error, the cache is emptied and the request tried once more.
+    /// A fresh buffer of `bytes` bytes (>= len elements) from the driver, seen as `len`
+    /// elements; on its out-of-memory error, the cache is emptied and the request tried once more.
     fn driver_alloc<T: DeviceRepr>(
         &self,
         len: usize,
+        bytes: u64,
     ) -> std::result::Result<CudaSlice<T>, cudarc::driver::DriverError> {
-        let want = (len.max(1) * std::mem::size_of::<T>()) as u64;
-        let rounded = (want.div_ceil(ROUND) * ROUND) as usize;
         let get = || {
             // SAFETY: callers write every element before reading it (kernels fill outputs
             // whole). The buffer is allocated as bytes so that the cache can hand it to any
             // element type later.
-            unsafe { self.stream.alloc::<u8>(rounded) }.map(|s| {
+            unsafe { self.stream.alloc::<u8>(bytes as usize) }.map(|s| {
                 let ptr = s.leak();
-                // SAFETY: `ptr` holds `rounded` >= len * size_of::<T>() bytes.
+                // SAFETY: `ptr` holds `bytes` >= len * size_of::<T>() bytes.
                 unsafe { self.stream.upgrade_device_ptr::<T>(ptr, len.max(1)) }
             })
         };

@@ -197,12 +197,13 @@ GN_PARAM_GRADS(f16, __half, float)
 //             shifted sums lose at most ~n ulps), combined over the block and then the cluster
 //             with Chan et al.'s M2 = sum M2_r + n_r (mean_r - mean)^2. x read once, y written once.
 //   backward: per-channel (sum dy, sum dy (x - mean)) exchanged; they give dx and, written per
-//             plane, dw and db (gn_param_grads). dy does not fit in shared memory beside x (the
+//             plane and summed over N by the last cluster, dw and db. dy does not fit in shared memory beside x (the
 //             two take 80 KiB a block at SDXL's size: two waves, 62.6% of copy on an H100), so it
 //             is read twice from global memory, the first time marked evict_last in L2 and the
 //             second evict_first, with x's copy and dx's stores marked streaming: the second read
 //             hits L2 (21 MB at SDXL's size, beside 50 MB of L2) and the grid stays one wave
-//             (78.6% of copy; 56.4% without the hints).
+//             (kernel_bench, H100: 81-89% of copy, 56.4% without the hints; its back-to-back
+//             launches find x in L2 too, so through the crate it is ~32 us, ~66%).
 // x's chunk is 40 KiB at SDXL's 320 channels, so each block keeps 4-5 a multiprocessor and the
 // whole tensor is resident in one wave. An earlier forward holding the chunk in registers (512
 // threads, 8 packs each) needed three waves and measured slower than the two kernels.

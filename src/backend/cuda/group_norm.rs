@@ -21,11 +21,12 @@ const SMEM: usize = 48 * 1024;
 const CHANNELS: usize = 64;
 const BWD_CHUNK_CHANNELS: usize = 16;
 
-fn planes_cfg(planes: usize) -> LaunchConfig {
+/// `blocks` blocks of 256 threads (both forms), with `smem` bytes of dynamic shared memory.
+fn cfg(blocks: usize, smem: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (planes as u32, 1, 1),
+        grid_dim: (blocks as u32, 1, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem as u32,
     }
 }
 
@@ -56,14 +57,6 @@ fn one_pass<T: Elem>(
         .map(|m| (m, bytes))
 }
 
-fn cluster_cfg(groups_total: usize, smem: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((groups_total * CLUSTER) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: smem as u32,
-    }
-}
-
 /// y, mean, rstd (the saved statistics in S, one per (n, group)).
 pub(super) fn forward<T: Elem, S: Elem>(
     x: &CudaStorage,
@@ -86,7 +79,7 @@ pub(super) fn forward<T: Elem, S: Elem>(
             dev,
             module,
             format!("gn_fwd_cluster_{}", T::SFX),
-            cluster_cfg(n * groups, smem),
+            cfg(n * groups * CLUSTER, smem),
             &p[0],
             &w,
             &bp,
@@ -105,7 +98,7 @@ pub(super) fn forward<T: Elem, S: Elem>(
         dev,
         "group_norm",
         format!("gn_stats_{}", T::SFX),
-        planes_cfg(planes),
+        cfg(planes, 0),
         &p[0],
         &mut *st.slice,
         &s
@@ -114,7 +107,7 @@ pub(super) fn forward<T: Elem, S: Elem>(
         dev,
         "group_norm",
         format!("gn_fwd_{}", T::SFX),
-        planes_cfg(planes),
+        cfg(planes, 0),
         &p[0],
         &*st.slice,
         &w,
@@ -152,7 +145,7 @@ pub(super) fn backward<T: Elem>(
             dev,
             module,
             format!("gn_bwd_cluster_{}", T::SFX),
-            cluster_cfg(n * groups, smem),
+            cfg(n * groups * CLUSTER, smem),
             &p[0],
             &p[1],
             &p[2],
@@ -174,7 +167,7 @@ pub(super) fn backward<T: Elem>(
         dev,
         "group_norm",
         format!("gn_bwd_stats_{}", T::SFX),
-        planes_cfg(planes),
+        cfg(planes, 0),
         &p[0],
         &p[1],
         &p[2],
@@ -187,7 +180,7 @@ pub(super) fn backward<T: Elem>(
         dev,
         "group_norm",
         format!("gn_bwd_dx_{}", T::SFX),
-        planes_cfg(planes),
+        cfg(planes, 0),
         &p[0],
         &p[1],
         &*st.slice,

@@ -123,7 +123,7 @@ __device__ __forceinline__ void modulate_bwd(const T* __restrict__ x, const T* _
   part[(p * 2 + 1) * M + b * D + d] = sc;
 }
 
-// The same two sweeps with eight columns a thread (cols % 8 == 0, 16-byte loads): a block is
+// The norm's sweep with eight columns a thread (cols % 8 == 0, 16-byte loads): a block is
 // 32 column packs (256 columns) by 8 row groups, whose sums meet in shared memory, so one
 // chunk writes one partial per column however many rows it has.
 #define SWEEP_GROUPS 8
@@ -188,54 +188,89 @@ __device__ __forceinline__ void norm_param_grads_vec(const T* __restrict__ x, co
   });
 }
 
-template <typename T>
-__device__ __forceinline__ void modulate_bwd_vec(const T* __restrict__ x, const T* __restrict__ dy, const T* scale,
-                                                 T* __restrict__ dx, double* part, size_t B, size_t L, size_t D,
-                                                 size_t chunk) {
-  typedef typename AccT<T>::type A;
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const size_t d = (blockIdx.x * (size_t)32 + tx) * 8;
-  const size_t p = blockIdx.y, b = blockIdx.z, l0 = p * chunk, l1 = min(L, l0 + chunk);
-  // Float sums per thread, double across groups, as in norm_param_grads_vec.
-  float fs[8] = {}, fx[8] = {};
-  if (d < D) {
-    const Pack8<T> sc = *reinterpret_cast<const Pack8<T>*>(scale + b * D + d);
-    A s1[8];
+// ModulateBackward by row blocks (rows.cuh's column sums): block (blockIdx.x, b) owns a
+// chunk of the L rows of batch b and writes its partial rows of dshift = sum dy and
+// dscale = sum dy x into part[(blockIdx.x * 2 + k) * B * D + b * D]; dx = dy (1 + scale) on
+// the way. D % 8 == 0 and 16-byte aligned rows; P packs a lane, RPT rows a group at once.
+template <typename T, int P, int RPT>
+__device__ __forceinline__ void modulate_bwd_rows(const T* __restrict__ x, const T* __restrict__ dy, const T* scale,
+                                                  T* __restrict__ dx, float* __restrict__ part, size_t B, size_t L,
+                                                  size_t D, size_t chunk, int lw) {
+  const int groups = blockDim.x / lw, g = threadIdx.x / lw, lane = threadIdx.x % lw;
+  const size_t b = blockIdx.y, packs = D / 8, l0 = blockIdx.x * chunk, l1 = min(L, l0 + chunk);
+  float s1[P][8], as[P][8], ax[P][8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) s1[e] = A(1) + to_acc(sc.v[e]);
-    for (size_t l = l0 + ty; l < l1; l += SWEEP_GROUPS) {
-      const size_t i = (b * L + l) * D + d;
-      const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(dy + i);
-      const Pack8<T> xv = *reinterpret_cast<const Pack8<T>*>(x + i);
-      Pack8<T> o;
+  for (int k = 0; k < P; ++k) {
+    const size_t p = (size_t)k * lw + lane;
+    if (p < packs) widen<true>(reinterpret_cast<const Pack8<T>*>(scale + b * D)[p], s1[k]);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        o.v[e] = from_acc<T>(to_acc(gv.v[e]) * s1[e]);
-        fs[e] += to_acc(gv.v[e]);
-        fx[e] += to_acc(gv.v[e]) * to_acc(xv.v[e]);
-      }
-      *reinterpret_cast<Pack8<T>*>(dx + i) = o;
+    for (int e = 0; e < 8; ++e) {
+      s1[k][e] = p < packs ? 1.f + s1[k][e] : 1.f;
+      as[k][e] = ax[k][e] = 0.f;
     }
   }
-  double ss[8], sx[8];
+  for (size_t base = l0; base < l1; base += (size_t)groups * RPT) {
+    Pack8<T> xv[RPT][P], gv[RPT][P];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    ss[e] = fs[e];
-    sx[e] = fx[e];
+    for (int j = 0; j < RPT; ++j) {
+      const size_t l = base + (size_t)j * groups + g, off = (b * L + (l < l1 ? l : 0)) * D;
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        const size_t p = (size_t)k * lw + lane;
+        if (l < l1 && p < packs) {
+          xv[j][k] = reinterpret_cast<const Pack8<T>*>(x + off)[p];
+          gv[j][k] = reinterpret_cast<const Pack8<T>*>(dy + off)[p];
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      const size_t l = base + (size_t)j * groups + g;
+      if (l >= l1) continue;
+      Pack8<T>* out = reinterpret_cast<Pack8<T>*>(dx + (b * L + l) * D);
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        const size_t p = (size_t)k * lw + lane;
+        if (p < packs) {
+          float xf[8], gf[8];
+          widen<true>(xv[j][k], xf);
+          widen<true>(gv[j][k], gf);
+          Pack8<T> o;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            o.v[e] = from_acc<T>(gf[e] * s1[k][e]);
+            as[k][e] += gf[e];
+            ax[k][e] += gf[e] * xf[e];
+          }
+          out[p] = o;
+        }
+      }
+    }
   }
   const size_t M = B * D;
-  sweep_combine(ss, sx, [&](int e, double a, double bb) {
-    if (d < D) {
-      part[(p * 2) * M + b * D + d + e] = a;
-      part[(p * 2 + 1) * M + b * D + d + e] = bb;
-    }
-  });
+  colsum_finish<P>(as, ax, part + blockIdx.x * 2 * M + b * D, part + (blockIdx.x * 2 + 1) * M + b * D, packs, lw);
 }
+
+// Must match `ModulateBackward`'s launcher in src/backend/cuda/fused.rs (as norm_bwd_params).
+#define MODULATE_BWD_ROWS(SUF, T)                                                                               \
+  extern "C" __global__ void __launch_bounds__(512)                                                             \
+      modulate_bwd_rows_1_##SUF(const T* x, const T* dy, const T* scale, T* dx, float* part, size_t B, size_t L, \
+                                size_t D, size_t chunk, int lw) {                                               \
+    modulate_bwd_rows<T, 1, 4>(x, dy, scale, dx, part, B, L, D, chunk, lw);                                     \
+  }                                                                                                             \
+  extern "C" __global__ void __launch_bounds__(512)                                                             \
+      modulate_bwd_rows_2_##SUF(const T* x, const T* dy, const T* scale, T* dx, float* part, size_t B, size_t L, \
+                                size_t D, size_t chunk, int lw) {                                               \
+    modulate_bwd_rows<T, 2, 2>(x, dy, scale, dx, part, B, L, D, chunk, lw);                                     \
+  }
+MODULATE_BWD_ROWS(f32, float)
+MODULATE_BWD_ROWS(bf16, __nv_bfloat16)
+MODULATE_BWD_ROWS(f16, __half)
 
 // A block is 32 outputs by 8 groups of chunks; the groups meet in shared memory in a fixed
 // order. (A thread walking all chunks alone waits on one load after another.)
-template <typename S>
-__device__ __forceinline__ void sum_partials2(const double* part, size_t parts, size_t m_total, S* out0, S* out1) {
+template <typename PT, typename S>
+__device__ __forceinline__ void sum_partials2(const PT* part, size_t parts, size_t m_total, S* out0, S* out1) {
   __shared__ double sh[2][8][32];
   const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
   const size_t m = blockIdx.x * (size_t)32 + tx;
@@ -257,8 +292,8 @@ __device__ __forceinline__ void sum_partials2(const double* part, size_t parts, 
       a += sh[0][k][tx];
       b += sh[1][k][tx];
     }
-    out0[m] = (S)a;
-    out1[m] = (S)b;
+    out0[m] = from_f64<S>(a);
+    out1[m] = from_f64<S>(b);
   }
 }
 
@@ -365,10 +400,6 @@ __device__ __forceinline__ void rope_vec(const T* __restrict__ x, const float* _
                                                         size_t chunk, int rms) {                                  \
     norm_param_grads_vec<T, S_>(x, dy, mean, rstd, part, rows, cols, chunk, rms);                                 \
   }                                                                                                            \
-  extern "C" __global__ void modulate_bwd_vec_##SUF(const T* x, const T* dy, const T* scale, T* dx,             \
-                                                    double* part, size_t B, size_t L, size_t D, size_t chunk) { \
-    modulate_bwd_vec<T>(x, dy, scale, dx, part, B, L, D, chunk);                                               \
-  }                                                                                                            \
   extern "C" __global__ void modulate_fwd_##SUF(const T* x, const T* shift, const T* scale, T* y, size_t B,    \
                                                 size_t L, size_t D) {                                          \
     if (B * L * D < 0xffffffffull)                                                                             \
@@ -401,8 +432,23 @@ ROPE_VEC(bf16, __nv_bfloat16)
 ROPE_VEC(f16, __half)
 
 extern "C" __global__ void sum_partials2_f32(const double* part, size_t parts, size_t m, float* a, float* b) {
-  sum_partials2<float>(part, parts, m, a, b);
+  sum_partials2<double, float>(part, parts, m, a, b);
 }
 extern "C" __global__ void sum_partials2_f64(const double* part, size_t parts, size_t m, double* a, double* b) {
-  sum_partials2<double>(part, parts, m, a, b);
+  sum_partials2<double, double>(part, parts, m, a, b);
 }
+extern "C" __global__ void sum_partials2_bf16(const double* part, size_t parts, size_t m, __nv_bfloat16* a,
+                                              __nv_bfloat16* b) {
+  sum_partials2<double, __nv_bfloat16>(part, parts, m, a, b);
+}
+extern "C" __global__ void sum_partials2_f16(const double* part, size_t parts, size_t m, __half* a, __half* b) {
+  sum_partials2<double, __half>(part, parts, m, a, b);
+}
+// The row blocks' float partials (rows.cuh), summed in double into x's dtype.
+#define SUM_PARTIALS2F(SUF, T)                                                                              \
+  extern "C" __global__ void sum_partials2f_##SUF(const float* part, size_t parts, size_t m, T* a, T* b) { \
+    sum_partials2<float, T>(part, parts, m, a, b);                                                          \
+  }
+SUM_PARTIALS2F(f32, float)
+SUM_PARTIALS2F(bf16, __nv_bfloat16)
+SUM_PARTIALS2F(f16, __half)

@@ -282,6 +282,134 @@ __device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* 
   }
 }
 
+// Backward with the parameter gradients (rows.cuh's column sums by row blocks): dx as
+// norm_bwd_reg, and this block's partial rows of dw = sum dy xhat and db = sum dy in `part`
+// (float, [gridDim.x][2][cols]). A group of lw lanes shares a row (P packs a lane, cols % 8
+// == 0, rows 16-byte aligned) and takes RPT rows at once; a row's two sums meet through
+// shuffles and, when a group spans several warps, through shared memory (double-buffered:
+// one barrier a step). The weight's packs stay in registers for the whole chunk.
+template <typename T, int P, int RPT>
+__device__ __forceinline__ void norm_bwd_params(const T* __restrict__ in, const T* __restrict__ dy, const T* w,
+                                                const float* mean_in, const float* rstd_in, T* __restrict__ dx,
+                                                float* __restrict__ part, size_t rows, size_t cols, size_t chunk,
+                                                int lw, int rms) {
+  const int groups = blockDim.x / lw, g = threadIdx.x / lw, lane = threadIdx.x % lw;
+  const int wpg = lw / 32, warp = threadIdx.x / 32;  // warps a group (0: a group within a warp)
+  const size_t packs = cols / 8, r0 = blockIdx.x * chunk, r1 = min(rows, r0 + chunk);
+  const float n = (float)cols;
+  float wf[P][8], aw[P][8], ab[P][8];
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const size_t p = (size_t)k * lw + lane;
+    if (w && p < packs) {
+      widen<true>(reinterpret_cast<const Pack8<T>*>(w)[p], wf[k]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) wf[k][e] = 1.f;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) aw[k][e] = ab[k][e] = 0.f;
+  }
+  __shared__ float red[2][32][2 * RPT];
+  int buf = 0;
+  for (size_t base = r0; base < r1; base += (size_t)groups * RPT) {
+    Pack8<T> xv[RPT][P], gv[RPT][P];
+    float ms[RPT], ss[RPT], v[2 * RPT];
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      const size_t r = base + (size_t)j * groups + g;
+      const bool valid = r < r1;
+      ms[j] = valid && !rms ? mean_in[r] : 0.f;
+      ss[j] = valid ? rstd_in[r] : 0.f;
+      const size_t off = (valid ? r : 0) * cols;
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        const size_t p = (size_t)k * lw + lane;
+        if (valid && p < packs) {
+          xv[j][k] = reinterpret_cast<const Pack8<T>*>(in + off)[p];
+          gv[j][k] = reinterpret_cast<const Pack8<T>*>(dy + off)[p];
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      const bool valid = base + (size_t)j * groups + g < r1;
+      float sum_g = 0.f, sum_gx = 0.f, xf[8], gf[8];
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+        if (valid && (size_t)k * lw + lane < packs) {
+          widen<true>(xv[j][k], xf);
+          widen<true>(gv[j][k], gf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float gw = gf[e] * wf[k][e];
+            sum_g += gw;
+            sum_gx += gw * (xf[e] - ms[j]);
+          }
+        }
+      v[2 * j] = lane_group_sum(sum_g, lw);
+      v[2 * j + 1] = lane_group_sum(sum_gx, lw);
+    }
+    if (wpg > 1) {
+      if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int i = 0; i < 2 * RPT; ++i) red[buf][warp][i] = v[i];
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < 2 * RPT; ++i) v[i] = 0.f;
+      for (int q = 0; q < wpg; ++q)
+#pragma unroll
+        for (int i = 0; i < 2 * RPT; ++i) v[i] += red[buf][g * wpg + q][i];
+      buf ^= 1;
+    }
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      const size_t r = base + (size_t)j * groups + g;
+      if (r >= r1) continue;
+      const float m = ms[j], s = ss[j];
+      // sum(g xhat) = rstd sum(g (x - mean)), as norm_bwd_reg.
+      const float a = rms ? 0.f : v[2 * j] / n, bq = v[2 * j + 1] * s / n;
+      Pack8<T>* out = reinterpret_cast<Pack8<T>*>(dx + r * cols);
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        const size_t p = (size_t)k * lw + lane;
+        if (p < packs) {
+          float xf[8], gf[8];
+          widen<true>(xv[j][k], xf);
+          widen<true>(gv[j][k], gf);
+          Pack8<T> o;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float xh = (xf[e] - m) * s;
+            o.v[e] = from_acc<T>(s * (gf[e] * wf[k][e] - a - xh * bq));
+            aw[k][e] += gf[e] * xh;
+            ab[k][e] += gf[e];
+          }
+          out[p] = o;
+        }
+      }
+    }
+  }
+  colsum_finish<P>(aw, ab, part + blockIdx.x * 2 * cols, part + (blockIdx.x * 2 + 1) * cols, packs, lw);
+}
+
+// Must match `NormBackward`'s launcher in src/backend/cuda/norm.rs: one pack a lane for rows
+// up to 4096 columns, two up to 8192 (at most 512 threads a block: 128 registers a thread).
+#define NORM_BWD_PARAMS(SUF, T)                                                                            \
+  extern "C" __global__ void __launch_bounds__(512) norm_bwd_params_1_##SUF(const T* x, const T* dy, const T* w, const float* mean, \
+                                                     const float* rstd, T* dx, float* part, size_t rows,     \
+                                                     size_t cols, size_t chunk, int lw, int rms) {           \
+    norm_bwd_params<T, 1, 4>(x, dy, w, mean, rstd, dx, part, rows, cols, chunk, lw, rms);                   \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(512) norm_bwd_params_2_##SUF(const T* x, const T* dy, const T* w, const float* mean, \
+                                                     const float* rstd, T* dx, float* part, size_t rows,     \
+                                                     size_t cols, size_t chunk, int lw, int rms) {           \
+    norm_bwd_params<T, 2, 2>(x, dy, w, mean, rstd, dx, part, rows, cols, chunk, lw, rms);                   \
+  }
+NORM_BWD_PARAMS(f32, float)
+NORM_BWD_PARAMS(bf16, __nv_bfloat16)
+NORM_BWD_PARAMS(f16, __half)
+
 #define NORM_REG(SUF, T, P, L, R)                                                                             \
   extern "C" __global__ void norm_fwd_reg_##P##_##L##_##SUF(const T* x, const T* w, const T* b, T* y, float* mean, \
                                                             float* rstd, size_t rows, size_t cols, double eps,  \

@@ -62,3 +62,59 @@ __device__ __forceinline__ double warp_sum(double v) {
   for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffff, v, s);
   return v;
 }
+
+// ---- column sums by row blocks -----------------------------------------------------------
+// The parameter gradients of the norms and of the modulation are column sums over rows that
+// the backward's row kernel reads anyway (dw = sum dy xhat, db = sum dy; dscale = sum dy x,
+// dshift = sum dy), so that kernel sums them on the way instead of a second sweep re-reading
+// x and dy. A block owns a chunk of consecutive rows; its threads form groups of `lw` lanes
+// (a power of two up to 32, or a multiple of 32), lane l of a group holding column packs
+// l, l + lw, ... (P of them) in every row, so each thread keeps its columns' sums in float
+// registers over the whole chunk (as PyTorch's per-thread sums are float). Group g takes
+// every groups-th row of the chunk. At the end the groups meet in shared memory in a fixed
+// order and the block writes one partial row per sum; `sum_partials2` (fused.cu) adds the
+// blocks' rows in order, in double, so the result does not depend on timing.
+#define COLSUM_THREADS 256  // a block's threads when a row needs fewer (several groups)
+
+// Lanes [0, lw) of a group take part; sums over a group of lw lanes within one warp (lw <= 32).
+__device__ __forceinline__ float lane_group_sum(float v, int lw) {
+  for (int s = (lw < 32 ? lw : 32) / 2; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffff, v, s);
+  return v;
+}
+
+// Writes the block's partial rows part_a[c], part_b[c] for this thread's column packs, after
+// adding the other groups' sums (groups > 1 only when P == 1 and blockDim.x == COLSUM_THREADS).
+template <int P>
+__device__ __forceinline__ void colsum_finish(float (&a)[P][8], float (&b)[P][8], float* __restrict__ part_a,
+                                              float* __restrict__ part_b, size_t packs, int lw) {
+  const int groups = blockDim.x / lw, g = threadIdx.x / lw, lane = threadIdx.x % lw;
+  if (P == 1 && groups > 1) {
+    __shared__ float4 comb[2][COLSUM_THREADS][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      comb[0][threadIdx.x][h] = make_float4(a[0][4 * h], a[0][4 * h + 1], a[0][4 * h + 2], a[0][4 * h + 3]);
+      comb[1][threadIdx.x][h] = make_float4(b[0][4 * h], b[0][4 * h + 1], b[0][4 * h + 2], b[0][4 * h + 3]);
+    }
+    __syncthreads();
+    if (g == 0)
+      for (int o = 1; o < groups; ++o)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float4 u = comb[0][o * lw + lane][h], v = comb[1][o * lw + lane][h];
+          a[0][4 * h] += u.x, a[0][4 * h + 1] += u.y, a[0][4 * h + 2] += u.z, a[0][4 * h + 3] += u.w;
+          b[0][4 * h] += v.x, b[0][4 * h + 1] += v.y, b[0][4 * h + 2] += v.z, b[0][4 * h + 3] += v.w;
+        }
+  }
+  if (g != 0) return;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const size_t p = (size_t)k * lw + lane;
+    if (p >= packs) continue;
+    float4* pa = reinterpret_cast<float4*>(part_a + p * 8);
+    float4* pb = reinterpret_cast<float4*>(part_b + p * 8);
+    pa[0] = make_float4(a[k][0], a[k][1], a[k][2], a[k][3]);
+    pa[1] = make_float4(a[k][4], a[k][5], a[k][6], a[k][7]);
+    pb[0] = make_float4(b[k][0], b[k][1], b[k][2], b[k][3]);
+    pb[1] = make_float4(b[k][4], b[k][5], b[k][6], b[k][7]);
+  }
+}

@@ -961,8 +961,14 @@ fn fused_norms_forward_and_backward_match_the_cpu() {
         // Streaming rows (7, 1001 columns) and every register-resident shape of
         // cuda/norm.cu: 4 to 32 lanes a row with 4 rows at once (32, 64, 128, 256 columns;
         // row counts that leave a partial last step), 2 packs a lane (512), 4 (1024), 8 (1544:
-        // the last lanes hold fewer) and 12 (2056, partly filled; 3072, whole).
+        // the last lanes hold fewer) and 12 (2056, partly filled; 3072, whole). With dw and
+        // db the backward's row blocks (cuda/rows.cuh): 4 to 16 lanes a row and several
+        // row groups a block (24 to 128 columns), whole warps (256 to 3072), two packs a
+        // lane (5000), and past 8192 columns the row kernel and the sweep (8200).
         for shape in [
+            vec![700, 24],
+            vec![5, 5000],
+            vec![3, 8200],
             vec![7],
             vec![3, 1001],
             vec![33, 32],

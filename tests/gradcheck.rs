@@ -575,6 +575,16 @@ fn composite_cases() -> Vec<Case> {
                 )
             },
         ),
+        {
+            // A frozen input with trainable parameters: the column sweep alone (dx, dw and db
+            // together take the one-pass backward).
+            let frozen = x35(&mut g).detach();
+            Case::new(
+                "layer_norm weight bias of a frozen input",
+                vec![g.n([5]), g.n([5])],
+                move |x| frozen.layer_norm(Some(&x[0]), Some(&x[1]), 1e-5),
+            )
+        },
         Case::new("rms_norm", vec![x35(&mut g)], |x| x[0].rms_norm(None, 1e-6)),
         Case::new("rms_norm weight", vec![x35(&mut g), g.n([5])], |x| {
             x[0].rms_norm(Some(&x[1]), 1e-6)

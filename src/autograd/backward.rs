@@ -341,18 +341,28 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             kind,
         } => {
             let mut v = vec![];
-            if x.requires_grad() {
-                v.push((
-                    x.clone(),
-                    x.norm_backward(g, mean, rstd, *kind, weight.as_ref())?,
-                ));
-            }
-            // dw = sum over rows of dy * xhat, db = sum over rows of dy: one column sweep.
+            // dw = sum over rows of dy * xhat, db = sum over rows of dy.
             fn want(p: &Option<Tensor>) -> Option<&Tensor> {
                 p.as_ref().filter(|p| p.requires_grad())
             }
-            if want(weight).is_some() || want(bias).is_some() {
-                let (dw, db) = x.norm_param_grads(g, mean, rstd, *kind)?;
+            let params = want(weight).is_some() || want(bias).is_some();
+            let (dx, sums) = if x.requires_grad() && params {
+                // All three in one pass over x and dy.
+                let (dx, dw, db) = x.norm_backward_params(g, mean, rstd, *kind, weight.as_ref())?;
+                (Some(dx), Some((dw, db)))
+            } else if x.requires_grad() {
+                let dx = x.norm_backward(g, mean, rstd, *kind, weight.as_ref())?;
+                (Some(dx), None)
+            } else if params {
+                // A frozen input with trainable parameters: a column sweep.
+                (None, Some(x.norm_param_grads(g, mean, rstd, *kind)?))
+            } else {
+                (None, None)
+            };
+            if let Some(dx) = dx {
+                v.push((x.clone(), dx));
+            }
+            if let Some((dw, db)) = sums {
                 if let Some(w) = want(weight) {
                     v.push((w.clone(), dw.to_dtype(w.dtype())?));
                 }

@@ -172,8 +172,12 @@ pub enum FusedOp {
     /// [x (B, L, D), shift, scale (B, D)], one dtype -> [y = x (1 + scale) + shift]: adaLN.
     Modulate,
     /// [x, dy (B, L, D), scale (B, D)] -> [dx = dy (1 + scale), dshift = sum_L dy,
-    /// dscale = sum_L dy x (B, D) stats].
+    /// dscale = sum_L dy x (B, D)], all in x's dtype (the autograd needs no cast after it).
     ModulateBackward,
+    /// [x, dy (rows, cols), mean, rstd (rows) stats, weight? (cols)] -> [dx, dw, db (cols)],
+    /// all in x's dtype: `norm_last_dim_backward`'s dx and `NormParamGrads`' sums in one
+    /// pass over x and dy (the case of trainable norm parameters).
+    NormBackward { kind: NormKind, weight: bool },
     /// [x (B, H, L, D), rot (R, L, D/2, 2, 2) in stats, R = 1 or B] -> [y]: each pair
     /// (x[2i], x[2i+1]) times its 2x2 matrix (its transpose when `transpose`, the backward).
     Rope { transpose: bool },
@@ -216,6 +220,7 @@ impl FusedOp {
             FusedOp::NormParamGrads(_) => "norm_param_grads",
             FusedOp::Modulate => "modulate",
             FusedOp::ModulateBackward => "modulate_backward",
+            FusedOp::NormBackward { .. } => "norm_backward",
             FusedOp::Rope { .. } => "rope",
             FusedOp::GroupNorm { .. } => "group_norm",
             FusedOp::GroupNormBackward { .. } => "group_norm_backward",

@@ -84,7 +84,7 @@ pub(crate) fn reduction(op: ReduceOp, l: &Layout, dims: &[usize], dtype: DType) 
 }
 
 /// Checks the operands of a fused op (count, dtypes, shapes) and returns its sizes:
-/// [rows, cols] for SoftmaxBackward and NormParamGrads, [B, L, D] for the modulations,
+/// [rows, cols] for SoftmaxBackward and the norms' backwards, [B, L, D] for the modulations,
 /// [B, H, L, D, R] for Rope, [N, C, S, groups] for the group norms, [B, H, Lq, Lk, D] for
 /// attention.
 pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
@@ -93,6 +93,7 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
     let want = match op {
         F::SoftmaxBackward => 2,
         F::NormParamGrads(_) => 4,
+        F::NormBackward { weight, .. } => 4 + usize::from(weight),
         F::Modulate | F::ModulateBackward => 3,
         F::Rope { .. } => 2,
         F::GroupNorm { weight, bias, .. } => 1 + usize::from(weight) + usize::from(bias),
@@ -148,7 +149,7 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
         Ok(())
     };
     Ok(match op {
-        F::SoftmaxBackward | F::NormParamGrads(_) => {
+        F::SoftmaxBackward | F::NormParamGrads(_) | F::NormBackward { .. } => {
             let cols = match d.last() {
                 Some(&c) if c > 0 => c,
                 _ => {
@@ -161,9 +162,12 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
             };
             let rows = x.elem_count() / cols;
             expect(1, dt, d)?;
-            if args.len() == 4 {
+            if args.len() >= 4 {
                 expect(2, stats, &d[..d.len() - 1])?;
                 expect(3, stats, &d[..d.len() - 1])?;
+            }
+            if args.len() == 5 {
+                expect(4, dt, &[cols])?;
             }
             vec![rows, cols]
         }

@@ -50,6 +50,29 @@ impl Tensor {
         Ok((wrap(o.remove(0), cols, self), db))
     }
 
+    /// (dx, dw, db) of a last-dim norm in one pass over x and dy, all in x's dtype.
+    pub(crate) fn norm_backward_params(
+        &self,
+        dy: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        kind: NormKind,
+        weight: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let dy = dy.to_dtype(self.dtype())?;
+        let op = FusedOp::NormBackward {
+            kind,
+            weight: weight.is_some(),
+        };
+        let mut args = vec![self, &dy, mean, rstd];
+        args.extend(weight);
+        let mut o = run(op, &args)?;
+        let cols = self.dims().last().copied().unwrap_or(0);
+        let db = wrap(o.remove(2), cols, self);
+        let dw = wrap(o.remove(1), cols, self);
+        Ok((wrap(o.remove(0), self.shape().clone(), self), dw, db))
+    }
+
     /// adaLN modulation `x * (1 + scale) + shift` in one kernel (one rounding). x is (B, ..., D);
     /// shift and scale broadcast against it as (B, 1, ..., D) with B or D possibly 1. Other
     /// broadcasts, and non-float dtypes, go through `modulate_composite`.
@@ -307,7 +330,7 @@ impl Tensor {
         Ok((wrap(o.remove(0), self.shape().clone(), self), dw, db))
     }
 
-    /// (dx, dshift, dscale) of the fused modulation; the sums in the statistics dtype.
+    /// (dx, dshift, dscale) of the fused modulation, all in x's dtype.
     pub(crate) fn modulate_backward(
         &self,
         dy: &Tensor,

@@ -69,8 +69,17 @@ fn check(what: &str, gpu_out: &[Tensor], cpu_out: &[Tensor], dt: DType, mags: &[
 fn modulate_matches_the_cpu() {
     let _one = serial();
     for dt in FLOATS {
-        // D % 8 == 0 takes the packed path; D = 13 the scalar one.
-        for (b, l, d) in [(2, 37, 24), (3, 5, 13), (1, 4608, 64)] {
+        // D % 8 == 0 up to 8192 takes the row blocks (4 and 8 lanes a row with several
+        // row groups a block, a warp, 12 warps, two packs a lane); D = 13 and 8200 the sweep.
+        for (b, l, d) in [
+            (2, 37, 24),
+            (3, 5, 13),
+            (1, 4608, 64),
+            (2, 50, 256),
+            (2, 300, 3072),
+            (1, 33, 5000),
+            (2, 9, 8200),
+        ] {
             let (go, co) = both(
                 &[vec![b, l, d], vec![b, 1, d], vec![b, 1, d]],
                 &[b, l, d],

@@ -107,8 +107,40 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
             }
             vec![
                 from_f64_vec(dx, dt),
-                from_f64_vec(dshift, st),
-                from_f64_vec(dscale, st),
+                from_f64_vec(dshift, dt),
+                from_f64_vec(dscale, dt),
+            ]
+        }
+        FusedOp::NormBackward { kind, weight } => {
+            let (x, dy, mean, rstd) = (&v[0], &v[1], &v[2], &v[3]);
+            let cols = dims[1];
+            let w = weight.then(|| &v[4]);
+            let layer = kind == NormKind::Layer;
+            let mut dx = vec![0.0; x.len()];
+            let (mut dw, mut db) = (vec![0.0; cols], vec![0.0; cols]);
+            for (r, dxr) in dx.chunks_mut(cols).enumerate() {
+                let (m, s) = (if layer { mean[r] } else { 0.0 }, rstd[r]);
+                let row = r * cols..(r + 1) * cols;
+                let (xr, gr) = (&x[row.clone()], &dy[row]);
+                let gw = |c: usize| gr[c] * w.map_or(1.0, |w| w[c]);
+                // a = mean(g), b = mean(g xhat) with g = dy w (a = 0 for Rms).
+                let (mut a, mut b) = (0.0, 0.0);
+                for c in 0..cols {
+                    let xh = (xr[c] - m) * s;
+                    a += gw(c);
+                    b += gw(c) * xh;
+                    dw[c] += gr[c] * xh;
+                    db[c] += gr[c];
+                }
+                let (a, b) = (if layer { a / cols as f64 } else { 0.0 }, b / cols as f64);
+                for (c, d) in dxr.iter_mut().enumerate() {
+                    *d = s * (gw(c) - a - (xr[c] - m) * s * b);
+                }
+            }
+            vec![
+                from_f64_vec(dx, dt),
+                from_f64_vec(dw, dt),
+                from_f64_vec(db, dt),
             ]
         }
         FusedOp::Rope { transpose } => {

@@ -2,14 +2,18 @@
 //! group_norm.rs, attention in attention.rs). Operands are
 //! checked by `validate::fused`, views are made dense, outputs are fresh buffers.
 //!
-//! Column sums (the weight/bias gradients of norms and modulation) are swept: a thread per
-//! column walks a chunk of rows, chunks spread over grid.y so the GPU fills, and a second
-//! kernel adds the chunks' f64 partials in a fixed order (deterministic, no atomics).
+//! Column sums (the weight/bias gradients of norms and modulation) are taken by the backward's
+//! row kernel when it computes dx too (rows of whole packs up to 8192 columns: cuda/rows.cuh's
+//! row blocks, each writing f32 partial rows), or else swept: a thread per column walks a
+//! chunk of rows, chunks spread over grid.y so the GPU fills, writing f64 partials. A second
+//! kernel adds the partials in a fixed order (deterministic, no atomics).
 
 use super::layout::grid_for;
+use super::memory::DevBuf;
 use super::storage::{launch, CudaStorage, Elem};
 use crate::backend::{validate, BackendDevice, FusedOp, NormKind};
 use crate::{DType, Error, Layout, Result};
+use cudarc::driver::DeviceRepr;
 use cudarc::driver::LaunchConfig;
 use half::{bf16, f16};
 
@@ -19,6 +23,140 @@ fn cfg(x: usize, y: usize, z: usize) -> LaunchConfig {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// The launch shape of the column sums by row blocks (cuda/rows.cuh) for rows of `cols`
+/// columns: P packs a lane, `lw` lanes a row, `threads` a block (several row groups when a
+/// row needs fewer than rows.cuh's COLSUM_THREADS), `step` rows a block takes at once.
+struct ColSum {
+    p: usize,
+    lw: usize,
+    threads: usize,
+    step: usize,
+}
+
+/// Rows of whole 16-byte packs of a non-f64 dtype, up to 8192 columns (the instances in
+/// cuda/norm.cu and fused.cu: one pack a lane up to 4096 columns, four rows at a time; two
+/// packs and two rows up to 8192; at most 512 threads, which their 128 registers allow).
+fn colsum_shape(dtype: DType, cols: usize) -> Option<ColSum> {
+    const THREADS: usize = 256; // rows.cuh's COLSUM_THREADS
+    if dtype == DType::F64 || cols % 8 != 0 || cols == 0 {
+        return None;
+    }
+    let packs = cols / 8;
+    let p = match packs {
+        0..=512 => 1,
+        513..=1024 => 2,
+        _ => return None,
+    };
+    let lanes = packs.div_ceil(p);
+    let lw = if lanes < 32 {
+        lanes.next_power_of_two()
+    } else {
+        lanes.div_ceil(32) * 32
+    };
+    let groups = (THREADS / lw).max(1);
+    Some(ColSum {
+        p,
+        lw,
+        threads: groups * lw,
+        step: groups * if p == 1 { 4 } else { 2 },
+    })
+}
+
+impl ColSum {
+    fn cfg(&self, blocks: usize, batches: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (blocks as u32, batches as u32, 1),
+            block_dim: (self.threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// (blocks, chunk) for `rows` rows in chunks of whole steps, at most as many blocks as
+    /// `kernel` keeps resident at once on the GPU, shared by `batches`, and at most two a
+    /// multiprocessor: every block writes a partial row per sum, traffic the chunk's rows
+    /// must outweigh.
+    fn chunks(
+        &self,
+        dev: &super::CudaDevice,
+        module: &'static str,
+        kernel: &str,
+        rows: usize,
+        batches: usize,
+    ) -> Result<(usize, usize)> {
+        let resident = dev
+            .function(module, kernel)?
+            .occupancy_max_active_blocks_per_multiprocessor(self.threads as u32, 0, None)
+            .map_err(|e| Error::Cuda(format!("occupancy of {kernel}: {e:?}")))?;
+        let most = (dev.sm_count().max(1) * (resident as usize).clamp(1, 2)).div_ceil(batches);
+        let blocks = rows.div_ceil(self.step).clamp(1, most.max(1));
+        let chunk = rows.div_ceil(blocks).div_ceil(self.step) * self.step;
+        Ok((rows.div_ceil(chunk).max(1), chunk))
+    }
+}
+
+/// Sums `parts` partial rows of two sums of `m` values each (part[(p * 2 + k) * m + i], f64
+/// from the sweeps, f32 from the row blocks) in double, in a fixed order, into O.
+fn sum_parts<PT: DeviceRepr, O: Elem>(
+    dev: &super::CudaDevice,
+    part: &DevBuf<PT>,
+    parts: usize,
+    m: usize,
+) -> Result<(DevBuf<O>, DevBuf<O>)> {
+    let (mut o0, mut o1) = (dev.alloc::<O>(m)?, dev.alloc::<O>(m)?);
+    let base = if std::mem::size_of::<PT>() == 4 {
+        "sum_partials2f"
+    } else {
+        "sum_partials2"
+    };
+    launch!(
+        dev,
+        "fused",
+        format!("{base}_{}", O::SFX),
+        cfg(m.div_ceil(32), 1, 1),
+        &*part.slice,
+        &parts,
+        &m,
+        &mut *o0.slice,
+        &mut *o1.slice
+    )?;
+    Ok((o0, o1))
+}
+
+/// dw, db of a last-dim norm by a column sweep over x and dy (p: x, dy, mean, rstd).
+fn norm_param_sweep<T: Elem, O: Elem>(
+    dev: &super::CudaDevice,
+    p: &[u64],
+    (rows, cols): (usize, usize),
+    kind: NormKind,
+) -> Result<(DevBuf<O>, DevBuf<O>)> {
+    // Eight columns a thread when rows are whole 16-byte packs.
+    let vec = cols % 8 == 0 && T::DTYPE != DType::F64;
+    let (blocks, min_chunk, kernel) = if vec {
+        (cols.div_ceil(8 * 32), 64, "norm_param_grads_vec")
+    } else {
+        (cols.div_ceil(256), 8, "norm_param_grads")
+    };
+    let (parts, chunk) = sweep(rows, blocks, dev.sm_count().max(1), min_chunk);
+    let part = dev.alloc::<f64>(parts * 2 * cols)?;
+    let rms = i32::from(kind == NormKind::Rms);
+    launch!(
+        dev,
+        "fused",
+        format!("{kernel}_{}", T::SFX),
+        cfg(blocks, parts, 1),
+        &p[0],
+        &p[1],
+        &p[2],
+        &p[3],
+        &*part.slice,
+        &rows,
+        &cols,
+        &chunk,
+        &rms
+    )?;
+    sum_parts::<f64, O>(dev, &part, parts, cols)
 }
 
 fn ptr(s: &CudaStorage) -> u64 {
@@ -82,22 +220,6 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
     let sms = dev.sm_count().max(1);
     let out = |b| x.wrap(b);
     let p: Vec<u64> = a.iter().map(|s| ptr(s)).collect();
-    // Sums two partial rows per output into (S, S) buffers of m values.
-    let finish = |part: &super::memory::DevBuf<f64>, parts: usize, m: usize| -> Result<_> {
-        let (mut o0, mut o1) = (dev.alloc::<S>(m)?, dev.alloc::<S>(m)?);
-        launch!(
-            dev,
-            "fused",
-            format!("sum_partials2_{}", S::SFX),
-            cfg(m.div_ceil(32), 1, 1),
-            &*part.slice,
-            &parts,
-            &m,
-            &mut *o0.slice,
-            &mut *o1.slice
-        )?;
-        Ok((out(S::wrap(o0)), out(S::wrap(o1))))
-    };
     Ok(match op {
         FusedOp::SoftmaxBackward => {
             let (rows, cols) = (d[0], d[1]);
@@ -121,34 +243,47 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
             vec![out(T::wrap(dx))]
         }
         FusedOp::NormParamGrads(kind) => {
+            let (dw, db) = norm_param_sweep::<T, S>(dev, &p, (d[0], d[1]), kind)?;
+            vec![out(S::wrap(dw)), out(S::wrap(db))]
+        }
+        FusedOp::NormBackward { kind, weight } => {
             let (rows, cols) = (d[0], d[1]);
-            // Eight columns a thread when rows are whole 16-byte packs.
-            let vec = cols % 8 == 0 && T::DTYPE != DType::F64;
-            let (blocks, min_chunk, kernel) = if vec {
-                (cols.div_ceil(8 * 32), 64, "norm_param_grads_vec")
-            } else {
-                (cols.div_ceil(256), 8, "norm_param_grads")
+            let w = if weight { p[4] } else { 0 };
+            let mut dx = dev.alloc::<T>(rows * cols)?;
+            let (dw, db) = match colsum_shape(T::DTYPE, cols) {
+                Some(cs) => {
+                    let kernel = format!("norm_bwd_params_{}_{}", cs.p, T::SFX);
+                    let (blocks, chunk) = cs.chunks(dev, "norm", &kernel, rows, 1)?;
+                    let part = dev.alloc::<f32>(blocks * 2 * cols)?;
+                    let (lw, rms) = (cs.lw as i32, i32::from(kind == NormKind::Rms));
+                    launch!(
+                        dev,
+                        "norm",
+                        kernel,
+                        cs.cfg(blocks, 1),
+                        &p[0],
+                        &p[1],
+                        &w,
+                        &p[2],
+                        &p[3],
+                        &mut *dx.slice,
+                        &*part.slice,
+                        &rows,
+                        &cols,
+                        &chunk,
+                        &lw,
+                        &rms
+                    )?;
+                    sum_parts::<f32, T>(dev, &part, blocks, cols)?
+                }
+                // Other rows (f64, columns not in whole packs, past 8192): the row kernel
+                // for dx, then the column sweep.
+                None => {
+                    super::norm::launch_bwd::<T>(dev, &p, w, &mut dx, (rows, cols), kind)?;
+                    norm_param_sweep::<T, T>(dev, &p, (rows, cols), kind)?
+                }
             };
-            let (parts, chunk) = sweep(rows, blocks, sms, min_chunk);
-            let part = dev.alloc::<f64>(parts * 2 * cols)?;
-            let rms = i32::from(kind == NormKind::Rms);
-            launch!(
-                dev,
-                "fused",
-                format!("{kernel}_{}", T::SFX),
-                cfg(blocks, parts, 1),
-                &p[0],
-                &p[1],
-                &p[2],
-                &p[3],
-                &*part.slice,
-                &rows,
-                &cols,
-                &chunk,
-                &rms
-            )?;
-            let (dw, db) = finish(&part, parts, cols)?;
-            vec![dw, db]
+            vec![out(T::wrap(dx)), out(T::wrap(dw)), out(T::wrap(db))]
         }
         FusedOp::Modulate => {
             let (b, l, dd) = (d[0], d[1], d[2]);
@@ -177,32 +312,55 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                     &crate::Shape::from(d),
                 ));
             }
-            let vec = dd % 8 == 0 && T::DTYPE != DType::F64;
-            let (blocks, min_chunk, kernel) = if vec {
-                (dd.div_ceil(8 * 32), 64, "modulate_bwd_vec")
-            } else {
-                (dd.div_ceil(256), 8, "modulate_bwd")
-            };
-            let (parts, chunk) = sweep(l, blocks * b, sms, min_chunk);
-            let part = dev.alloc::<f64>(parts * 2 * b * dd)?;
             let mut dx = dev.alloc::<T>(b * l * dd)?;
-            launch!(
-                dev,
-                "fused",
-                format!("{kernel}_{}", T::SFX),
-                cfg(blocks, parts, b),
-                &p[0],
-                &p[1],
-                &p[2],
-                &mut *dx.slice,
-                &*part.slice,
-                &b,
-                &l,
-                &dd,
-                &chunk
-            )?;
-            let (dshift, dscale) = finish(&part, parts, b * dd)?;
-            vec![out(T::wrap(dx)), dshift, dscale]
+            let (dshift, dscale) = match colsum_shape(T::DTYPE, dd) {
+                Some(cs) => {
+                    let kernel = format!("modulate_bwd_rows_{}_{}", cs.p, T::SFX);
+                    let (parts, chunk) = cs.chunks(dev, "fused", &kernel, l, b)?;
+                    let part = dev.alloc::<f32>(parts * 2 * b * dd)?;
+                    let lw = cs.lw as i32;
+                    launch!(
+                        dev,
+                        "fused",
+                        kernel,
+                        cs.cfg(parts, b),
+                        &p[0],
+                        &p[1],
+                        &p[2],
+                        &mut *dx.slice,
+                        &*part.slice,
+                        &b,
+                        &l,
+                        &dd,
+                        &chunk,
+                        &lw
+                    )?;
+                    sum_parts::<f32, T>(dev, &part, parts, b * dd)?
+                }
+                // A thread per column walking a chunk of rows, f64 partials.
+                None => {
+                    let blocks = dd.div_ceil(256);
+                    let (parts, chunk) = sweep(l, blocks * b, sms, 8);
+                    let part = dev.alloc::<f64>(parts * 2 * b * dd)?;
+                    launch!(
+                        dev,
+                        "fused",
+                        format!("modulate_bwd_{}", T::SFX),
+                        cfg(blocks, parts, b),
+                        &p[0],
+                        &p[1],
+                        &p[2],
+                        &mut *dx.slice,
+                        &*part.slice,
+                        &b,
+                        &l,
+                        &dd,
+                        &chunk
+                    )?;
+                    sum_parts::<f64, T>(dev, &part, parts, b * dd)?
+                }
+            };
+            vec![out(T::wrap(dx)), out(T::wrap(dshift)), out(T::wrap(dscale))]
         }
         FusedOp::Rope { transpose } => {
             let (b, h, l, hd, r) = (d[0], d[1], d[2], d[3], d[4]);

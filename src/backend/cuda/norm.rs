@@ -195,8 +195,9 @@ fn bwd<T: Elem, S: Elem>(o: &NormGrad, kind: NormKind) -> Result<CudaStorage> {
     let (rows, cols) = rows_cols(OP, o.l)?;
     let w = param_ptr::<T>(o.weight, cols, OP, o.l)?;
     let (dx_, dg_) = (o.x.dense(OP, o.l)?, o.dy.dense(OP, o.dyl)?);
-    let x = dx_.as_ref().unwrap_or(o.x).typed::<T>(OP)?;
-    let g = dg_.as_ref().unwrap_or(o.dy).typed::<T>(OP)?;
+    let (xs, gs) = (dx_.as_ref().unwrap_or(o.x), dg_.as_ref().unwrap_or(o.dy));
+    xs.typed::<T>(OP)?;
+    gs.typed::<T>(OP)?;
     let (m, r) = (o.mean.typed::<S>(OP)?, o.rstd.typed::<S>(OP)?);
     if m.len() < rows || r.len() < rows {
         return Err(Error::invalid(
@@ -207,33 +208,48 @@ fn bwd<T: Elem, S: Elem>(o: &NormGrad, kind: NormKind) -> Result<CudaStorage> {
     }
     let dev = &o.x.dev;
     let mut out = dev.alloc::<T>(rows * cols)?;
-    let rms = i32::from(kind == NormKind::Rms);
-    if rows > 0 {
-        let (kernel, cfg) = pick(
-            "norm_bwd",
-            T::SFX,
-            T::DTYPE,
-            (rows, cols),
-            o.weight.is_some(),
-            dev.sm_count(),
-        );
-        launch!(
-            dev,
-            "norm",
-            kernel,
-            cfg,
-            &*x.slice,
-            &*g.slice,
-            &w,
-            &*m.slice,
-            &*r.slice,
-            &mut *out.slice,
-            &rows,
-            &cols,
-            &rms
-        )?;
-    }
+    let p = [xs, gs, o.mean, o.rstd].map(|b| b.buf.raw_ptr(dev.stream()));
+    launch_bwd::<T>(dev, &p, w, &mut out, (rows, cols), kind)?;
     Ok(o.x.wrap(T::wrap(out)))
+}
+
+/// dx of the norm into `out` from raw operands p = [x, dy, mean, rstd] (dense, checked by
+/// the caller) and the weight's address w (0: none).
+pub(crate) fn launch_bwd<T: Elem>(
+    dev: &super::CudaDevice,
+    p: &[u64],
+    w: u64,
+    out: &mut super::memory::DevBuf<T>,
+    (rows, cols): (usize, usize),
+    kind: NormKind,
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let rms = i32::from(kind == NormKind::Rms);
+    let (kernel, cfg) = pick(
+        "norm_bwd",
+        T::SFX,
+        T::DTYPE,
+        (rows, cols),
+        w != 0,
+        dev.sm_count(),
+    );
+    launch!(
+        dev,
+        "norm",
+        kernel,
+        cfg,
+        &p[0],
+        &p[1],
+        &w,
+        &p[2],
+        &p[3],
+        &mut *out.slice,
+        &rows,
+        &cols,
+        &rms
+    )
 }
 
 pub(crate) fn norm_last_dim_backward(o: &NormGrad, kind: NormKind) -> Result<CudaStorage> {

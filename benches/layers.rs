@@ -129,6 +129,14 @@ fn main() -> Result<()> {
         |x| x.rms_norm(Some(&qw), 1e-6),
         copy,
     )?;
+    layer_p(
+        cuda,
+        "rms_norm (head dim 128, dw)",
+        &q,
+        &[&qw],
+        |x, p| x.rms_norm(Some(&p[0]), 1e-6),
+        copy,
+    )?;
     let pos = Tensor::arange(0.0, 4608.0, DType::F32, &dev)?.reshape((1, 4608))?;
     let freqs = flame::nn::rope(&pos, 128, 10_000.0)?.unsqueeze(1)?;
     layer(

@@ -69,6 +69,7 @@ def main():
     q = torch.randn(1, 24, 4608, 128, device=dev, dtype=bf)
     qw = torch.randn(128, device=dev, dtype=bf)
     layer("rms_norm (head dim 128)", q, lambda x: F.rms_norm(x, (128,), qw, eps=1e-6), copy)
+    layer("rms_norm (head dim 128, dw)", q, lambda x, a: F.rms_norm(x, (128,), a, eps=1e-6), copy, (qw,))
     pos = torch.arange(4608, device=dev, dtype=torch.float32).reshape(1, 4608)
     freqs = rope(pos, 128, 10000.0).unsqueeze(1)
     layer("apply_rope (1,24,4608,128)", q, lambda x: apply_rope(x, freqs), copy)

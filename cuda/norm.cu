@@ -210,10 +210,17 @@ __device__ __forceinline__ void norm_fwd_reg(const T* __restrict__ in, const T* 
   }
 }
 
-template <typename T, int PACKS, int LANES, int RPT>
+// SUMS: also this block's partial rows of dw = sum dy xhat and db = sum dy into `part` (float,
+// [gridDim.x][2][cols]). A row's pack is held by one lane for every row the group takes, so
+// each group of lanes keeps its own two sums per column in shared memory after the staged
+// weight (only the lane that owns a column touches it: no barrier until the end), laid out
+// [half-pack][lane] so a warp's float4 accesses are consecutive; the groups meet at the end
+// in a fixed order.
+template <typename T, int PACKS, int LANES, int RPT, bool SUMS = false>
 __device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* __restrict__ dy,
                                              const T* w, const float* mean_in, const float* rstd_in,
-                                             T* __restrict__ dx, size_t rows, size_t cols, int rms) {
+                                             T* __restrict__ dx, size_t rows, size_t cols, int rms,
+                                             float* __restrict__ part = nullptr) {
   constexpr bool VW = PACKS >= 4;
   const int lane = threadIdx.x % LANES;
   const size_t per_block = blockDim.x / LANES, packs = cols / 8, grp = threadIdx.x / LANES;
@@ -221,6 +228,16 @@ __device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* 
   const T* b = nullptr;
   stage_params(w, b, cols);
   bool staged = false;
+  constexpr int Q = 2 * PACKS * LANES;  // float4s of one sum of one group
+  extern __shared__ __align__(16) unsigned char norm_smem[];
+  float4* const sums = reinterpret_cast<float4*>(norm_smem + 2 * cols * sizeof(T));
+  float4* const acc = sums + grp * 2 * Q;  // this group's dw, then db
+  if (SUMS)
+#pragma unroll
+    for (int q = 0; q < 2 * PACKS; ++q) {
+      acc[q * LANES + lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+      acc[Q + q * LANES + lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   for (size_t base = blockIdx.x * per_block * RPT; base < rows; base += (size_t)gridDim.x * per_block * RPT) {
     Pack8<T> xv[RPT][PACKS], gv[RPT][PACKS];
     float ms[RPT], ss[RPT];
@@ -276,7 +293,38 @@ __device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* 
             o.v[e] = from_acc<T>(s * (g - a - (xf[e] - m) * s * bq));
           }
           out[p] = o;
+          if (SUMS) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float4* aw = acc + (2 * k + h) * LANES + lane;
+              float4 u = aw[0], v = aw[Q];
+              const float* xe = xf + 4 * h;
+              const float* ge = gf + 4 * h;
+              u.x += ge[0] * ((xe[0] - m) * s), u.y += ge[1] * ((xe[1] - m) * s);
+              u.z += ge[2] * ((xe[2] - m) * s), u.w += ge[3] * ((xe[3] - m) * s);
+              v.x += ge[0], v.y += ge[1], v.z += ge[2], v.w += ge[3];
+              aw[0] = u;
+              aw[Q] = v;
+            }
+          }
         }
+      }
+    }
+  }
+  if (SUMS) {
+    __syncthreads();
+    const int groups = blockDim.x / LANES;
+    for (int q = threadIdx.x; q < Q; q += blockDim.x) {
+      float4 u = sums[q], v = sums[Q + q];
+      for (int o = 1; o < groups; ++o) {
+        const float4 u2 = sums[o * 2 * Q + q], v2 = sums[o * 2 * Q + Q + q];
+        u.x += u2.x, u.y += u2.y, u.z += u2.z, u.w += u2.w;
+        v.x += v2.x, v.y += v2.y, v.z += v2.z, v.w += v2.w;
+      }
+      const size_t kh = q / LANES, p = (kh / 2) * LANES + q % LANES, c = p * 8 + (kh % 2) * 4;
+      if (p < packs) {
+        *reinterpret_cast<float4*>(part + blockIdx.x * 2 * cols + c) = u;
+        *reinterpret_cast<float4*>(part + (blockIdx.x * 2 + 1) * cols + c) = v;
       }
     }
   }
@@ -312,25 +360,34 @@ __device__ __forceinline__ void norm_bwd_params(const T* __restrict__ in, const 
   }
   __shared__ float red[2][32][2 * RPT];
   int buf = 0;
-  for (size_t base = r0; base < r1; base += (size_t)groups * RPT) {
-    Pack8<T> xv[RPT][P], gv[RPT][P];
-    float ms[RPT], ss[RPT], v[2 * RPT];
+  const size_t step = (size_t)groups * RPT;
+  // This step's rows, loaded during the previous step (the next step's rows load while a
+  // step's sums meet and its dx is written).
+  Pack8<T> xv[RPT][P], gv[RPT][P];
+  float ms[RPT], ss[RPT];
+  auto load = [&](size_t base, Pack8<T>(&xs)[RPT][P], Pack8<T>(&gs)[RPT][P], float(&mn)[RPT], float(&rs)[RPT]) {
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
       const size_t r = base + (size_t)j * groups + g;
       const bool valid = r < r1;
-      ms[j] = valid && !rms ? mean_in[r] : 0.f;
-      ss[j] = valid ? rstd_in[r] : 0.f;
+      mn[j] = valid && !rms ? mean_in[r] : 0.f;
+      rs[j] = valid ? rstd_in[r] : 0.f;
       const size_t off = (valid ? r : 0) * cols;
 #pragma unroll
       for (int k = 0; k < P; ++k) {
         const size_t p = (size_t)k * lw + lane;
         if (valid && p < packs) {
-          xv[j][k] = reinterpret_cast<const Pack8<T>*>(in + off)[p];
-          gv[j][k] = reinterpret_cast<const Pack8<T>*>(dy + off)[p];
+          xs[j][k] = reinterpret_cast<const Pack8<T>*>(in + off)[p];
+          gs[j][k] = reinterpret_cast<const Pack8<T>*>(dy + off)[p];
         }
       }
     }
+  };
+  if (r0 < r1) load(r0, xv, gv, ms, ss);
+  for (size_t base = r0; base < r1; base += step) {
+    Pack8<T> xn[RPT][P], gn[RPT][P];
+    float mn[RPT], sn[RPT], v[2 * RPT];
+    if (base + step < r1) load(base + step, xn, gn, mn, sn);
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
       const bool valid = base + (size_t)j * groups + g < r1;
@@ -389,19 +446,30 @@ __device__ __forceinline__ void norm_bwd_params(const T* __restrict__ in, const 
         }
       }
     }
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      ms[j] = mn[j];
+      ss[j] = sn[j];
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        xv[j][k] = xn[j][k];
+        gv[j][k] = gn[j][k];
+      }
+    }
   }
   colsum_finish<P>(aw, ab, part + blockIdx.x * 2 * cols, part + (blockIdx.x * 2 + 1) * cols, packs, lw);
 }
 
-// Must match `NormBackward`'s launcher in src/backend/cuda/norm.rs: one pack a lane for rows
-// up to 4096 columns, two up to 8192 (at most 512 threads a block: 128 registers a thread).
+// Must match `NormBackward`'s launcher in src/backend/cuda/fused.rs: one pack a lane for rows
+// up to 3072 columns, two up to 6144 (at most 384 threads a block: 168 registers a thread,
+// which two steps of rows in flight need).
 #define NORM_BWD_PARAMS(SUF, T)                                                                            \
-  extern "C" __global__ void __launch_bounds__(512) norm_bwd_params_1_##SUF(const T* x, const T* dy, const T* w, const float* mean, \
+  extern "C" __global__ void __launch_bounds__(384) norm_bwd_params_1_##SUF(const T* x, const T* dy, const T* w, const float* mean, \
                                                      const float* rstd, T* dx, float* part, size_t rows,     \
                                                      size_t cols, size_t chunk, int lw, int rms) {           \
     norm_bwd_params<T, 1, 4>(x, dy, w, mean, rstd, dx, part, rows, cols, chunk, lw, rms);                   \
   }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(512) norm_bwd_params_2_##SUF(const T* x, const T* dy, const T* w, const float* mean, \
+  extern "C" __global__ void __launch_bounds__(384) norm_bwd_params_2_##SUF(const T* x, const T* dy, const T* w, const float* mean, \
                                                      const float* rstd, T* dx, float* part, size_t rows,     \
                                                      size_t cols, size_t chunk, int lw, int rms) {           \
     norm_bwd_params<T, 2, 2>(x, dy, w, mean, rstd, dx, part, rows, cols, chunk, lw, rms);                   \
@@ -420,6 +488,11 @@ NORM_BWD_PARAMS(f16, __half)
                                                             const float* mean, const float* rstd, T* dx,        \
                                                             size_t rows, size_t cols, int rms) {                \
     norm_bwd_reg<T, P, L, R>(x, dy, w, mean, rstd, dx, rows, cols, rms);                                        \
+  }                                                                                                             \
+  extern "C" __global__ void norm_bwd_sums_##P##_##L##_##SUF(const T* x, const T* dy, const T* w,              \
+                                                             const float* mean, const float* rstd, T* dx,       \
+                                                             float* part, size_t rows, size_t cols, int rms) {  \
+    norm_bwd_reg<T, P, L, R, true>(x, dy, w, mean, rstd, dx, rows, cols, rms, part);                           \
   }
 // Must match `reg_shape` in src/backend/cuda/norm.rs: rows of up to 256 columns take 4 rows
 // a group at once, of 512 two; longer rows one, with up to 12 packs a lane (3072 columns).

@@ -962,11 +962,13 @@ fn fused_norms_forward_and_backward_match_the_cpu() {
         // cuda/norm.cu: 4 to 32 lanes a row with 4 rows at once (32, 64, 128, 256 columns;
         // row counts that leave a partial last step), 2 packs a lane (512), 4 (1024), 8 (1544:
         // the last lanes hold fewer) and 12 (2056, partly filled; 3072, whole). With dw and
-        // db the backward's row blocks (cuda/rows.cuh): 4 to 16 lanes a row and several
-        // row groups a block (24 to 128 columns), whole warps (256 to 3072), two packs a
-        // lane (5000), and past 8192 columns the row kernel and the sweep (8200).
+        // db the same shapes keep column sums in shared memory (norm_bwd_sums; 64 columns
+        // over many blocks, whose partial rows meet in slices), longer rows take the row
+        // blocks of cuda/rows.cuh (f32 past 1024 columns; two packs a lane at 5000), and
+        // past 6144 columns the row kernel and the sweep (8200, and 1001 and f64 always).
         for shape in [
             vec![700, 24],
+            vec![8192, 64],
             vec![5, 5000],
             vec![3, 8200],
             vec![7],

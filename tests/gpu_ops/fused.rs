@@ -161,7 +161,9 @@ fn group_norm_matches_the_cpu() {
             // Hopper the one-pass cluster kernels (eighths of 48 to 20480 elements touching 1
             // to 3 channels), elsewhere the two kernels. Falling back: f32 at the SDXL shape
             // (an eighth over 48 KiB), and the backward of 128 channels of 8x8 (its eighths
-            // touch 16 channels).
+            // touch 16 channels). Many small groups: (2, 96, 8, 8) and (3, 132, 16, 16).
+            (vec![2, 96, 8, 8], 48),
+            (vec![3, 132, 16, 16], 22),
             (vec![1, 64, 40, 40], 32),
             (vec![2, 96, 4, 4], 4),
             (vec![1, 128, 8, 8], 1),

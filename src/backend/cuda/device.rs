@@ -26,10 +26,14 @@ struct Inner {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     mem: Arc<Pool>,
-    /// A u32 that is zero between kernels: a grid's "last block done" count, which the kernel
-    /// that counts on it sets back to zero (work on the one stream never overlaps).
+    /// `DONE_COUNTERS` u32s that are zero between kernels: "last block done" counts (a grid's,
+    /// or one per column tile), which the kernel that counts on them sets back to zero (work
+    /// on the one stream never overlaps).
     done: OnceLock<CudaSlice<u32>>,
 }
+
+/// How many completion counters `CudaDevice::done_counters` holds (16 KiB).
+pub(crate) const DONE_COUNTERS: usize = 4096;
 
 /// One GPU. Cheap to clone; `CudaDevice::new(i)` returns the same device for the same `i`.
 #[derive(Clone)]
@@ -168,15 +172,16 @@ impl CudaDevice {
         self.0.mem.empty();
     }
 
-    /// The address of the device's zeroed completion counter (see `Inner::done`).
-    pub(crate) fn done_counter(&self) -> Result<u64> {
+    /// The address of the device's `DONE_COUNTERS` zeroed completion counters (see
+    /// `Inner::done`).
+    pub(crate) fn done_counters(&self) -> Result<u64> {
         use cudarc::driver::DevicePtr;
         if self.0.done.get().is_none() {
             let zero = self
                 .0
                 .stream
-                .alloc_zeros::<u32>(1)
-                .map_err(cuda_err("allocating the completion counter"))?;
+                .alloc_zeros::<u32>(DONE_COUNTERS)
+                .map_err(cuda_err("allocating the completion counters"))?;
             // A racing thread may have set it first; either zeroed buffer serves.
             let _ = self.0.done.set(zero);
         }

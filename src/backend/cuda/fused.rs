@@ -35,19 +35,21 @@ struct ColSum {
     step: usize,
 }
 
-/// Rows of whole 16-byte packs of a non-f64 dtype, up to 8192 columns (the instances in
-/// cuda/norm.cu and fused.cu: one pack a lane up to 4096 columns, four rows at a time; two
-/// packs and two rows up to 8192; at most 512 threads, which their 128 registers allow).
-fn colsum_shape(dtype: DType, cols: usize) -> Option<ColSum> {
+/// Rows of whole 16-byte packs of a non-f64 dtype, with at most `lanes` lanes a row (the
+/// instances in cuda/norm.cu and fused.cu: one pack a lane, four rows at a time, up to `lanes`
+/// packs; two packs and two rows up to twice that; `lanes` is their launch bound).
+fn colsum_shape(dtype: DType, cols: usize, lanes: usize) -> Option<ColSum> {
     const THREADS: usize = 256; // rows.cuh's COLSUM_THREADS
     if dtype == DType::F64 || cols % 8 != 0 || cols == 0 {
         return None;
     }
     let packs = cols / 8;
-    let p = match packs {
-        0..=512 => 1,
-        513..=1024 => 2,
-        _ => return None,
+    let p = if packs <= lanes {
+        1
+    } else if packs <= 2 * lanes {
+        2
+    } else {
+        return None;
     };
     let lanes = packs.div_ceil(p);
     let lw = if lanes < 32 {
@@ -110,16 +112,37 @@ fn sum_parts<PT: DeviceRepr, O: Elem>(
     } else {
         "sum_partials2"
     };
+    // 32 outputs by cuda/fused.cu's SUM_GROUPS (32) groups of partial rows a block; the rows
+    // split into slices (at least 32 rows each) until there are about two blocks a
+    // multiprocessor, each column tile's slices met by a completion counter.
+    let tiles = m.div_ceil(32);
+    let slices = if tiles <= super::device::DONE_COUNTERS {
+        (2 * dev.sm_count().max(1))
+            .div_ceil(tiles)
+            .min(parts / 32)
+            .clamp(1, 65535)
+    } else {
+        1
+    };
+    let scratch = dev.alloc::<f64>(if slices > 1 { slices * 2 * m } else { 1 })?;
+    let done = dev.done_counters()?;
+    let shape = LaunchConfig {
+        grid_dim: (tiles as u32, slices as u32, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
     launch!(
         dev,
         "fused",
         format!("{base}_{}", O::SFX),
-        cfg(m.div_ceil(32), 1, 1),
+        shape,
         &*part.slice,
         &parts,
         &m,
         &mut *o0.slice,
-        &mut *o1.slice
+        &mut *o1.slice,
+        &*scratch.slice,
+        &done
     )?;
     Ok((o0, o1))
 }
@@ -250,8 +273,10 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
             let (rows, cols) = (d[0], d[1]);
             let w = if weight { p[4] } else { 0 };
             let mut dx = dev.alloc::<T>(rows * cols)?;
-            let (dw, db) = match colsum_shape(T::DTYPE, cols) {
-                Some(cs) => {
+            let sums = super::norm::launch_bwd_sums::<T>(dev, &p, w, &mut dx, (rows, cols), kind)?;
+            let (dw, db) = match (sums, colsum_shape(T::DTYPE, cols, 384)) {
+                (Some((part, blocks)), _) => sum_parts::<f32, T>(dev, &part, blocks, cols)?,
+                (None, Some(cs)) => {
                     let kernel = format!("norm_bwd_params_{}_{}", cs.p, T::SFX);
                     let (blocks, chunk) = cs.chunks(dev, "norm", &kernel, rows, 1)?;
                     let part = dev.alloc::<f32>(blocks * 2 * cols)?;
@@ -276,9 +301,9 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                     )?;
                     sum_parts::<f32, T>(dev, &part, blocks, cols)?
                 }
-                // Other rows (f64, columns not in whole packs, past 8192): the row kernel
+                // Other rows (f64, columns not in whole packs, past 6144): the row kernel
                 // for dx, then the column sweep.
-                None => {
+                (None, None) => {
                     super::norm::launch_bwd::<T>(dev, &p, w, &mut dx, (rows, cols), kind)?;
                     norm_param_sweep::<T, T>(dev, &p, (rows, cols), kind)?
                 }
@@ -313,7 +338,7 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 ));
             }
             let mut dx = dev.alloc::<T>(b * l * dd)?;
-            let (dshift, dscale) = match colsum_shape(T::DTYPE, dd) {
+            let (dshift, dscale) = match colsum_shape(T::DTYPE, dd, 512) {
                 Some(cs) => {
                     let kernel = format!("modulate_bwd_rows_{}_{}", cs.p, T::SFX);
                     let (parts, chunk) = cs.chunks(dev, "fused", &kernel, l, b)?;

@@ -139,7 +139,7 @@ pub(super) fn backward<T: Elem>(
     let mut dx = dev.alloc::<T>(planes * s)?;
     let (mut dw, mut db) = (dev.alloc::<T>(c)?, dev.alloc::<T>(c)?);
     if let Some((module, smem)) = one_pass::<T>(dev, (n, c, s, groups), true) {
-        let done = dev.done_counter()?;
+        let done = dev.done_counters()?;
         let (n32, c32, s32, cpg32) = (n as u32, c as u32, s as u32, cpg as u32);
         launch!(
             dev,

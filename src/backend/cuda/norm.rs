@@ -252,6 +252,62 @@ pub(crate) fn launch_bwd<T: Elem>(
     )
 }
 
+/// dx into `out` and the blocks' partial rows of dw and db (returned with their count) by the
+/// register-resident backward with column sums (`norm_bwd_sums` in cuda/norm.cu), for the rows
+/// it holds (whole packs, up to 3072 columns, f32 up to 1024); None for other rows. Operands
+/// as `launch_bwd`.
+pub(crate) fn launch_bwd_sums<T: Elem>(
+    dev: &super::CudaDevice,
+    p: &[u64],
+    w: u64,
+    out: &mut super::memory::DevBuf<T>,
+    (rows, cols): (usize, usize),
+    kind: NormKind,
+) -> Result<Option<(super::memory::DevBuf<f32>, usize)>> {
+    let Some((packs, lanes, rpt)) = reg_shape(T::DTYPE, cols) else {
+        return Ok(None);
+    };
+    // As `pick`: 128 threads, `lanes` a row. After the staged weight, each group of lanes'
+    // two sums per column: 2 * packs * lanes float4s each (108 KiB a block at 3072 columns:
+    // two blocks a multiprocessor; 8 KiB at 128).
+    const THREADS: usize = 128;
+    let groups = THREADS / lanes;
+    let smem = 2 * cols * T::DTYPE.size_in_bytes() + groups * 2 * (2 * packs * lanes) * 16;
+    let kernel = format!("norm_bwd_sums_{packs}_{lanes}_{}", T::SFX);
+    super::allow_shared_memory(dev, "norm", &kernel, smem)?;
+    let resident = dev
+        .function("norm", &kernel)?
+        .occupancy_max_active_blocks_per_multiprocessor(THREADS as u32, smem, None)
+        .map_err(|e| Error::Cuda(format!("occupancy of {kernel}: {e:?}")))?;
+    let blocks = rows
+        .div_ceil(groups * rpt)
+        .clamp(1, dev.sm_count().max(1) * (resident as usize).max(1));
+    let part = dev.alloc::<f32>(blocks * 2 * cols)?;
+    let rms = i32::from(kind == NormKind::Rms);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    launch!(
+        dev,
+        "norm",
+        kernel,
+        cfg,
+        &p[0],
+        &p[1],
+        &w,
+        &p[2],
+        &p[3],
+        &mut *out.slice,
+        &*part.slice,
+        &rows,
+        &cols,
+        &rms
+    )?;
+    Ok(Some((part, blocks)))
+}
+
 pub(crate) fn norm_last_dim_backward(o: &NormGrad, kind: NormKind) -> Result<CudaStorage> {
     match o.x.buf.dtype() {
         DType::F32 => bwd::<f32, f32>(o, kind),

@@ -87,11 +87,8 @@ impl ColSum {
         rows: usize,
         batches: usize,
     ) -> Result<(usize, usize)> {
-        let resident = dev
-            .function(module, kernel)?
-            .occupancy_max_active_blocks_per_multiprocessor(self.threads as u32, 0, None)
-            .map_err(|e| Error::Cuda(format!("occupancy of {kernel}: {e:?}")))?;
-        let most = (dev.sm_count().max(1) * (resident as usize).clamp(1, 2)).div_ceil(batches);
+        let resident = super::resident_blocks(dev, module, kernel, self.threads, 0)?;
+        let most = (dev.sm_count().max(1) * resident.min(2)).div_ceil(batches);
         let blocks = rows.div_ceil(self.step).clamp(1, most.max(1));
         let chunk = rows.div_ceil(blocks).div_ceil(self.step) * self.step;
         Ok((rows.div_ceil(chunk).max(1), chunk))

@@ -69,6 +69,22 @@ pub(crate) fn allow_shared_memory(
         .map_err(|e| Error::Cuda(format!("{name}: {bytes} bytes of shared memory: {e:?}")))
 }
 
+/// How many blocks of `threads` threads and `smem` bytes of dynamic shared memory of `name` a
+/// multiprocessor holds at once (at least 1), for grids sized to one wave.
+pub(crate) fn resident_blocks(
+    dev: &CudaDevice,
+    module: &'static str,
+    name: &str,
+    threads: usize,
+    smem: usize,
+) -> crate::Result<usize> {
+    let n = dev
+        .function(module, name)?
+        .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+        .map_err(|e| Error::Cuda(format!("occupancy of {name}: {e:?}")))?;
+    Ok((n as usize).max(1))
+}
+
 /// Whether build.rs compiled kernels into this build.
 pub fn kernels_compiled() -> bool {
     ptx::MISSING.is_empty()

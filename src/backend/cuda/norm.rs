@@ -275,13 +275,10 @@ pub(crate) fn launch_bwd_sums<T: Elem>(
     let smem = 2 * cols * T::DTYPE.size_in_bytes() + groups * 2 * (2 * packs * lanes) * 16;
     let kernel = format!("norm_bwd_sums_{packs}_{lanes}_{}", T::SFX);
     super::allow_shared_memory(dev, "norm", &kernel, smem)?;
-    let resident = dev
-        .function("norm", &kernel)?
-        .occupancy_max_active_blocks_per_multiprocessor(THREADS as u32, smem, None)
-        .map_err(|e| Error::Cuda(format!("occupancy of {kernel}: {e:?}")))?;
+    let resident = super::resident_blocks(dev, "norm", &kernel, THREADS, smem)?;
     let blocks = rows
         .div_ceil(groups * rpt)
-        .clamp(1, dev.sm_count().max(1) * (resident as usize).max(1));
+        .clamp(1, dev.sm_count().max(1) * resident);
     let part = dev.alloc::<f32>(blocks * 2 * cols)?;
     let rms = i32::from(kind == NormKind::Rms);
     let cfg = cudarc::driver::LaunchConfig {

@@ -90,7 +90,8 @@ impl ColSum {
         let resident = super::resident_blocks(dev, module, kernel, self.threads, 0)?;
         let most = (dev.sm_count().max(1) * resident.min(2)).div_ceil(batches);
         let blocks = rows.div_ceil(self.step).clamp(1, most.max(1));
-        let chunk = rows.div_ceil(blocks).div_ceil(self.step) * self.step;
+        // (At least one step: zero rows still get one block, which writes zero sums.)
+        let chunk = (rows.div_ceil(blocks).div_ceil(self.step) * self.step).max(self.step);
         Ok((rows.div_ceil(chunk).max(1), chunk))
     }
 }

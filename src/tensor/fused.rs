@@ -27,6 +27,25 @@ fn wrap(s: Storage, shape: impl Into<Shape>, like: &Tensor) -> Tensor {
     Tensor::from_storage(s, shape.into(), like.device().clone(), None)
 }
 
+/// Runs a norm's fused backward `op` on [x, dy (cast to x's dtype), mean, rstd, weight?] and
+/// wraps its [dx, dw, db] outputs, the parameter gradients of `params` values.
+fn param_backward(
+    op: FusedOp,
+    x: &Tensor,
+    dy: &Tensor,
+    (mean, rstd): (&Tensor, &Tensor),
+    weight: Option<&Tensor>,
+    params: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dy = dy.to_dtype(x.dtype())?;
+    let mut args = vec![x, &dy, mean, rstd];
+    args.extend(weight);
+    let mut o = run(op, &args)?;
+    let db = wrap(o.remove(2), params, x);
+    let dw = wrap(o.remove(1), params, x);
+    Ok((wrap(o.remove(0), x.shape().clone(), x), dw, db))
+}
+
 impl Tensor {
     /// dx of softmax given its output y = self and dy, in one kernel.
     pub(crate) fn softmax_backward(&self, dy: &Tensor) -> Result<Tensor> {
@@ -59,18 +78,12 @@ impl Tensor {
         kind: NormKind,
         weight: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let dy = dy.to_dtype(self.dtype())?;
         let op = FusedOp::NormBackward {
             kind,
             weight: weight.is_some(),
         };
-        let mut args = vec![self, &dy, mean, rstd];
-        args.extend(weight);
-        let mut o = run(op, &args)?;
         let cols = self.dims().last().copied().unwrap_or(0);
-        let db = wrap(o.remove(2), cols, self);
-        let dw = wrap(o.remove(1), cols, self);
-        Ok((wrap(o.remove(0), self.shape().clone(), self), dw, db))
+        param_backward(op, self, dy, (mean, rstd), weight, cols)
     }
 
     /// adaLN modulation `x * (1 + scale) + shift` in one kernel (one rounding). x is (B, ..., D);
@@ -316,18 +329,11 @@ impl Tensor {
         weight: Option<&Tensor>,
         groups: usize,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let dy = dy.to_dtype(self.dtype())?;
         let op = FusedOp::GroupNormBackward {
             groups,
             weight: weight.is_some(),
         };
-        let mut args = vec![self, &dy, mean, rstd];
-        args.extend(weight);
-        let mut o = run(op, &args)?;
-        let c = self.dims()[1];
-        let db = wrap(o.remove(2), c, self);
-        let dw = wrap(o.remove(1), c, self);
-        Ok((wrap(o.remove(0), self.shape().clone(), self), dw, db))
+        param_backward(op, self, dy, (mean, rstd), weight, self.dims()[1])
     }
 
     /// (dx, dshift, dscale) of the fused modulation, all in x's dtype.

@@ -10,7 +10,7 @@
 // Hopper, groups that fit (one pass a direction): gn_fwd_cluster and gn_bwd_cluster below.
 //
 // The planes' (sum dy, sum dy (x - mean)) summed over N give db and dw: gn_param_grads after
-// the two kernels, the one-pass kernel's last cluster itself.
+// the two kernels; in the one-pass kernel, the last of each group's N clusters.
 #include "common.cuh"
 #include "rows.cuh"
 
@@ -192,18 +192,29 @@ GN_PARAM_GRADS(f16, __half, float)
 // The two-kernel forms read x (and dy) twice, which caps them near 2/3 of copy bandwidth. Here a
 // cluster of GNC blocks owns one group: block r copies the r-th 1/GNC of the group's x ("chunk")
 // into shared memory with cp.async, reduces it from there, and the blocks exchange their partial
-// sums once through distributed shared memory.
+// sums once through distributed shared memory: each block stores its partials into every peer's
+// shared memory before one cluster barrier, so that after it every thread reads them locally
+// (no remote read on the critical path, and no barrier at exit: nothing remote is touched after).
 //   forward:  each thread's (mean, M2) from one pass over its elements, about one of them (so the
-//             shifted sums lose at most ~n ulps), combined over the block and then the cluster
-//             with Chan et al.'s M2 = sum M2_r + n_r (mean_r - mean)^2. x read once, y written once.
+//             shifted sums lose at most ~n ulps), combined over the warp in float and over the
+//             warps and the cluster in double with Chan et al.'s M2 = sum M2_r + n_r (mean_r -
+//             mean)^2. x read once, y written once.
 //   backward: per-channel (sum dy, sum dy (x - mean)) exchanged; they give dx and, written per
-//             plane and summed over N by the last cluster, dw and db. dy does not fit in shared memory beside x (the
-//             two take 80 KiB a block at SDXL's size: two waves, 62.6% of copy on an H100), so it
-//             is read twice from global memory, the first time marked evict_last in L2 and the
-//             second evict_first, with x's copy and dx's stores marked streaming: the second read
-//             hits L2 (21 MB at SDXL's size, beside 50 MB of L2) and the grid stays one wave
-//             (kernel_bench, H100: 81-89% of copy, 56.4% without the hints; its back-to-back
-//             launches find x in L2 too, so through the crate it is ~32 us, ~66%).
+//             plane and summed over N by the last of a group's N clusters, dw and db. dy does not
+//             fit in shared memory beside x (the two take 80 KiB a block at SDXL's size: two
+//             waves, 62.6% of copy on an H100), so it is read twice from global memory, the
+//             first time marked evict_last in L2 and the second evict_first, with x's copy and
+//             dx's stores marked streaming: the second read hits L2 (21 MB at SDXL's size, beside
+//             50 MB of L2) and the grid stays one wave.
+// Staggered start. With every block loading at once, every block's chunk lands at about the same
+// time, and the whole GPU then reduces and waits at the cluster barrier with no memory traffic
+// before any store. So when the grid is one wave the later half of the clusters ("late") waits
+// until the first block of the earlier half has its chunk (a count in global memory, polled by
+// one thread, with a time limit so that it never deadlocks): the early half's chunks land sooner,
+// and their reductions and stores overlap the late half's loads. H100, SDXL's 2x320x128x128 bf16
+// (scratch probe against the kernels before this change, same run): forward 82.1% -> 90.5% of
+// copy; backward 82.7% -> 85.3%; forward+backward 75.2% -> 78.0%. A fixed delay measured less
+// (89.9% at its best of 1.5-2.5 us) and would need tuning per GPU and size.
 // x's chunk is 40 KiB at SDXL's 320 channels, so each block keeps 4-5 a multiprocessor and the
 // whole tensor is resident in one wave. An earlier forward holding the chunk in registers (512
 // threads, 8 packs each) needed three waves and measured slower than the two kernels.
@@ -217,13 +228,56 @@ GN_PARAM_GRADS(f16, __half, float)
 #define GNC_CHANNELS 64
 #define GNB_CHANNELS 16
 #define GNC_THREADS 256
-#define GNB_UNROLL 4  // dy packs a thread has in flight
+#define GNB_UNROLL 4            // dy packs a thread has in flight
+#define GATE_TIMEOUT_NS 20000u  // the longest a late block waits for the gate
 
-// The two halves of a cluster barrier. A block whose shared memory its peers read must not exit
-// before they are done; arriving right after the reads and waiting only at exit keeps the apply
-// loop off the barrier's critical path (cluster.sync() would stall it).
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+// The two halves of a cluster barrier. Distributed shared memory may be written only once every
+// block of the cluster runs: each kernel arrives (relaxed) at its start and waits before its
+// first remote store, then meets the others once more (cluster.sync) after the stores.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The staggered start's gate: *gate counts early blocks whose chunk has landed (low 32 bits) and
+// late blocks through the gate (high 32 bits); the last block of all to count sets it back to
+// zero, so it is zero between kernels (it lives among the device's completion counters). It only
+// orders loads: a late block passes after the first early block's chunk lands or after
+// GATE_TIMEOUT_NS, whichever is first, and either way the results are the same.
+struct Gate {
+  unsigned long long* count;
+  bool on, late;
+  unsigned long long full;
+  __device__ Gate(unsigned long long* c, uint32_t late_from, uint32_t group, uint32_t groups)
+      : count(c),
+        on(late_from > 0 && late_from < groups),
+        late(on && group >= late_from),
+        full((unsigned long long)late_from * GNC + ((unsigned long long)(groups - late_from) * GNC << 32)) {}
+  __device__ void add(unsigned long long inc) const {
+    if (atomicAdd(count, inc) + inc == full) atomicExch(count, 0ull);
+  }
+  // Late blocks: all threads call it before loading.
+  __device__ void wait() const {
+    if (!late) return;
+    if (threadIdx.x == 0) {
+      const unsigned long long t0 = global_ns();
+      while ((uint32_t) * (volatile unsigned long long*)count == 0u && global_ns() - t0 < GATE_TIMEOUT_NS) {
+      }
+      add(1ull << 32);
+    }
+    __syncthreads();
+  }
+  // Early blocks: thread 0, once the chunk has landed.
+  __device__ void landed() const {
+    if (on && !late && threadIdx.x == 0) add(1ull);
+  }
+};
 
 // L2 eviction policies (createpolicy) and a 16-byte global load under one.
 __device__ __forceinline__ uint64_t l2_evict_first() {
@@ -259,14 +313,20 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src, size_t by
 template <typename T>
 __device__ __forceinline__ void gn_fwd_cluster(const T* __restrict__ x, const T* __restrict__ w,
                                                const T* __restrict__ b, T* __restrict__ y, float* mean_out,
-                                               float* rstd_out, uint32_t C, uint32_t S, uint32_t cpg, float eps) {
+                                               float* rstd_out, uint32_t C, uint32_t S, uint32_t cpg, float eps,
+                                               unsigned long long* gate_count, uint32_t late_from) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ __align__(16) unsigned char gn_smem[];
-  __shared__ double part[2];
-  __shared__ float stat[2];
+  constexpr uint32_t W = GNC_THREADS / 32;
+  __shared__ double2 part[GNC];  // each block's (mean, M2), stored here by the block itself
+  __shared__ float2 wpart[W];    // each warp's (mean, M2)
   __shared__ float2 wb[GNC_CHANNELS];
-  const uint32_t rank = cluster.block_rank(), group = blockIdx.x / GNC;
+  cluster_arrive_relaxed();
+  const uint32_t rank = cluster.block_rank(), group = blockIdx.x / GNC, lane = threadIdx.x & 31,
+                 warp = threadIdx.x >> 5;
+  const Gate gate(gate_count, late_from, group, gridDim.x / GNC);
+  gate.wait();
   const size_t E = (size_t)cpg * S, chunk = E / GNC, first = (size_t)group * E + rank * chunk;
   const uint32_t np = (uint32_t)(chunk / 8);
   Pack8<T>* sx = reinterpret_cast<Pack8<T>*>(gn_smem);
@@ -279,9 +339,9 @@ __device__ __forceinline__ void gn_fwd_cluster(const T* __restrict__ x, const T*
     wb[t] = make_float2(w ? to_acc(w[c0 + t]) : 1.f, b ? to_acc(b[c0 + t]) : 0.f);
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
+  gate.landed();
   // Sums of d = f - p and d^2 about p, the thread's first element: then M2_t = S2 - S1^2 / n_t
-  // cancels at most ~n_t ulps (p being one of the data, S2 <= n_t M2_t). One pass over shared
-  // memory instead of two (mean, then squares about it): 82.4% of copy against 81.5%.
+  // cancels at most ~n_t ulps (p being one of the data, S2 <= (n_t + 1) M2_t).
   float f[8], s1 = 0.f, s2 = 0.f, piv = 0.f;
   uint32_t cnt = 0;
   if (threadIdx.x < np) piv = to_acc(sx[threadIdx.x].v[0]);
@@ -295,35 +355,59 @@ __device__ __forceinline__ void gn_fwd_cluster(const T* __restrict__ x, const T*
     }
     cnt += 8;
   }
-  const double nt = (double)cnt, mt = cnt ? (double)piv + (double)s1 / nt : 0.0;
-  const double m2t = cnt ? (double)s2 - (double)s1 * (double)s1 / nt : 0.0;
-  const double n = (double)chunk, bmean = block_sum2(mt * nt, 0.0).x / n;
-  const double m2 = block_sum2(m2t + nt * (mt - bmean) * (mt - bmean), 0.0).x;
-  if (threadIdx.x == 0) {
-    part[0] = bmean;
-    part[1] = m2;
+  // The warp's (n, mean, M2) by Chan's pairwise update (threads may hold no packs: n = 0).
+  float n = (float)cnt, m = 0.f, M = 0.f;
+  if (cnt) {
+    const float inv = 1.f / n;
+    m = piv + s1 * inv;
+    M = fmaxf(s2 - s1 * s1 * inv, 0.f);
+  }
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, off), mb = __shfl_xor_sync(0xffffffffu, m, off),
+                Mb = __shfl_xor_sync(0xffffffffu, M, off);
+    const float tot = n + nb, d = mb - m, fb = tot > 0.f ? __fdividef(nb, tot) : 0.f;
+    m = fmaf(d, fb, m);
+    M = M + Mb + d * d * n * fb;
+    n = tot;
+  }
+  if (lane == 0) wpart[warp] = make_float2(m, M);
+  __syncthreads();
+  // Warp 0: the block's (mean, M2) over the warps in double (a warp's count follows from np),
+  // stored by lane r into block r's part[rank].
+  if (warp == 0) {
+    const uint32_t rounds = np / blockDim.x, rem = np % blockDim.x;
+    const double nk = lane < W ? 8.0 * (32.0 * rounds + (rem > 32 * lane ? min(32u, rem - 32 * lane) : 0u)) : 0.0;
+    const double mk = lane < W ? (double)wpart[lane].x : 0.0;
+    double bm = nk * mk;
+#pragma unroll
+    for (uint32_t off = 1; off < W; off <<= 1) bm += __shfl_xor_sync(0xffffffffu, bm, off);
+    bm /= (double)chunk;
+    double bM = lane < W ? (double)wpart[lane].y + nk * (mk - bm) * (mk - bm) : 0.0;
+#pragma unroll
+    for (uint32_t off = 1; off < W; off <<= 1) bM += __shfl_xor_sync(0xffffffffu, bM, off);
+    cluster_wait();
+    if (lane < GNC) *cluster.map_shared_rank(&part[rank], lane) = make_double2(bm, bM);
+  } else {
+    cluster_wait();
   }
   cluster.sync();
-  // Lane r of warp 0 reads block r's partials (one round trip for all eight, not eight).
-  if (threadIdx.x < 32) {
-    const uint32_t lane = threadIdx.x;
-    const double mr = lane < GNC ? *cluster.map_shared_rank(&part[0], lane) : 0.0;
-    const double qr = lane < GNC ? *cluster.map_shared_rank(&part[1], lane) : 0.0;
-    const double mean = warp_sum(mr) / GNC;
-    const double M2 = warp_sum(lane < GNC ? qr + n * (mr - mean) * (mr - mean) : 0.0);
-    if (lane == 0) {
-      const float rstd = (float)(1.0 / sqrt(M2 / (double)E + (double)eps));
-      stat[0] = (float)mean;
-      stat[1] = rstd;
-      if (rank == 0) {
-        mean_out[group] = (float)mean;
-        rstd_out[group] = rstd;
-      }
-    }
+  // Every thread: the group's statistics from the eight partials (each of `chunk` elements).
+  double gm = 0.0;
+#pragma unroll
+  for (int r = 0; r < GNC; ++r) gm += part[r].x;
+  gm /= GNC;
+  double gM = 0.0;
+#pragma unroll
+  for (int r = 0; r < GNC; ++r) {
+    const double d = part[r].x - gm;
+    gM += part[r].y + (double)chunk * d * d;
   }
-  __syncthreads();
-  cluster_arrive();
-  const float mean = stat[0], rstd = stat[1];
+  const float mean = (float)gm, rstd = (float)rsqrt(gM / (double)E + (double)eps);
+  if (rank == 0 && threadIdx.x == 0) {
+    mean_out[group] = mean;
+    rstd_out[group] = rstd;
+  }
   Pack8<T>* yp = reinterpret_cast<Pack8<T>*>(y + first);
   // The pack's channel by a 32-bit division (a group fits in 32 bits: its chunks fit in shared
   // memory). A 64-bit one per pack cost 4 points of copy bandwidth (kernel_bench, H100: 82.4%
@@ -338,32 +422,37 @@ __device__ __forceinline__ void gn_fwd_cluster(const T* __restrict__ x, const T*
     for (int e = 0; e < 8; ++e) o.v[e] = from_acc<T>(f[e] * sc + sh);
     yp[i] = o;  // (streaming stores, __stcs, measured 62.8% of copy against 83.8%)
   }
-  cluster_wait();
 }
 
 // st[2 p], st[2 p + 1] = (sum dy, sum dy (x - mean)) of each plane p, as gn_bwd_stats writes them.
-// The last cluster to write its planes' sums (counted in `done`, which is zero at launch and
-// left zero) adds them over N into dw and db, so no second kernel is needed: a launch costs
-// ~2.6 us of GPU time however small its work, as much as a tenth of this kernel's.
+// counts[g] (zero at launch and left zero) counts the clusters of group index g (one per sample)
+// that have written their planes' sums; the last of the N adds them over N into g's dw and db,
+// so no second kernel is needed (a launch costs ~2.6 us of GPU time however small its work) and
+// the tail after the last dx store is a group's channels, not all C.
 template <typename T>
 __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T* __restrict__ dy,
                                                const float* mean_in, const float* rstd_in, const T* __restrict__ w,
-                                               T* __restrict__ dx, double* st, T* dw, T* db, unsigned* done,
-                                               uint32_t N, uint32_t C, uint32_t S, uint32_t cpg) {
+                                               T* __restrict__ dx, double* st, T* dw, T* db, unsigned* counts,
+                                               uint32_t N, uint32_t C, uint32_t S, uint32_t cpg,
+                                               unsigned long long* gate_count, uint32_t late_from) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ __align__(16) unsigned char gn_smem[];
   __shared__ float2 wpart[GNB_CHANNELS][GNC_THREADS / 32];  // a channel's sums, per warp
-  __shared__ double2 part[GNC_CHANNELS];                     // ... per block, by channel of the group
-  __shared__ float wg[GNC_CHANNELS];                         // the group's weights
-  __shared__ float coef[2];
+  // Each (block r, channel j of the group) pair's sums at part[j + r]: a block's channels are
+  // consecutive and consecutive blocks share at most one, so j + r is one-to-one.
+  __shared__ double2 part[GNC_CHANNELS + GNC];
+  __shared__ float wg[GNC_CHANNELS];  // the group's weights
   __shared__ bool last;
   static_assert(sizeof(Pack8<T>) % 16 == 0, "packs load as 16-byte pieces");
   constexpr uint32_t PIECES = sizeof(Pack8<T>) / 16;
-  const uint32_t rank = cluster.block_rank(), group = blockIdx.x / GNC;
+  cluster_arrive_relaxed();
+  const uint32_t rank = cluster.block_rank(), group = blockIdx.x / GNC, groups = gridDim.x / GNC;
   const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const Gate gate(gate_count, late_from, group, groups);
+  gate.wait();
   const size_t E = (size_t)cpg * S, chunk = E / GNC, first = (size_t)group * E + rank * chunk;
-  const uint32_t np = (uint32_t)(chunk / 8);
+  const uint32_t np = (uint32_t)(chunk / 8), ch32 = (uint32_t)chunk;
   Pack8<T>* sx = reinterpret_cast<Pack8<T>*>(gn_smem);
   const uint64_t keep = l2_evict_last(), drop = l2_evict_first();
   copy_async(sx, x + first, chunk * sizeof(T), drop);
@@ -378,10 +467,11 @@ __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T*
   const uint32_t c0 = group % (C / cpg) * cpg;
   for (uint32_t t = threadIdx.x; t < cpg; t += blockDim.x) wg[t] = w ? to_acc(w[c0 + t]) : 1.f;
   const float mean = mean_in[group], rstd = rstd_in[group];
-  const uint32_t base = (uint32_t)(rank * chunk);  // the chunk's first element within the group
-  const uint32_t c_first = base / S, c_last = (uint32_t)((base + chunk - 1) / S);
+  const uint32_t base = rank * ch32;  // the chunk's first element within the group
+  const uint32_t c_first = base / S, c_last = (base + ch32 - 1) / S;
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
+  gate.landed();
   // Per channel of the chunk: (sum dy, sum dy (x - mean)) in float a thread, double across
   // warps. GNB_UNROLL loads of dy in flight a thread.
   float f[8], g[8];
@@ -410,48 +500,39 @@ __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T*
     if (lane == 0) wpart[j - c_first][warp] = make_float2(s1, s2);
   }
   __syncthreads();
-  if (threadIdx.x <= c_last - c_first) {
+  // The block's sums per channel, stored into every peer's part[j + rank].
+  cluster_wait();
+  for (uint32_t t = threadIdx.x; t < (c_last - c_first + 1) * GNC; t += blockDim.x) {
+    const uint32_t j = t / GNC, peer = t % GNC;
     double a = 0.0, b = 0.0;
     for (uint32_t k = 0; k < GNC_THREADS / 32; ++k) {
-      a += wpart[threadIdx.x][k].x;
-      b += wpart[threadIdx.x][k].y;
+      a += wpart[j][k].x;
+      b += wpart[j][k].y;
     }
-    part[c_first + threadIdx.x] = make_double2(a, b);
+    *cluster.map_shared_rank(&part[c_first + j + rank], peer) = make_double2(a, b);
   }
   cluster.sync();
-  // Warp 0 adds each channel's sums over the blocks whose chunks touch it (in rank order, so
-  // the result is deterministic), rank 0 writes them per plane, and the weighted group sums
-  // A1 = sum w_c sum dy, A2 = sum w_c sum dy (x - mean) give dx's coefficients.
-  if (warp == 0) {
-    double a1 = 0.0, a2 = 0.0;
-    for (uint32_t j = lane; j < cpg; j += 32) {
-      double s1 = 0.0, s2 = 0.0;
-      for (uint32_t r = j * S / chunk; r <= ((j + 1) * S - 1) / chunk; ++r) {
-        const double2 p = *cluster.map_shared_rank(&part[j], r);
-        s1 += p.x;
-        s2 += p.y;
-      }
-      if (rank == 0) {
-        st[2 * ((size_t)group * cpg + j)] = s1;
-        st[2 * ((size_t)group * cpg + j) + 1] = s2;
-      }
-      a1 += wg[j] * s1;
-      a2 += wg[j] * s2;
+  // A channel's sums over the blocks whose chunks touch it, in rank order (deterministic).
+  auto channel = [&](uint32_t j) {
+    double s1 = 0.0, s2 = 0.0;
+    for (uint32_t r = j * S / ch32; r <= ((j + 1) * S - 1) / ch32; ++r) {
+      s1 += part[j + r].x;
+      s2 += part[j + r].y;
     }
-    if (rank == 0) __threadfence();  // each writer's sums, before the count below
-    a1 = warp_sum(a1);
-    a2 = warp_sum(a2);
-    if (lane == 0) {
-      // dx = rstd (w dy - A1 / M - (x - mean) rstd^2 A2 / M), M = cpg S
-      const double M = (double)E, r = (double)rstd;
-      coef[0] = (float)(-r * a1 / M);
-      coef[1] = (float)(-r * r * r * a2 / M);
-      if (rank == 0) last = atomicAdd(done, 1u) == gridDim.x / GNC - 1;
-    }
+    return make_double2(s1, s2);
+  };
+  // Every warp: the weighted group sums A1 = sum w_c sum dy, A2 = sum w_c sum dy (x - mean),
+  // and dx = rstd (w dy - A1 / M - (x - mean) rstd^2 A2 / M), M = cpg S.
+  double a1 = 0.0, a2 = 0.0;
+  for (uint32_t j = lane; j < cpg; j += 32) {
+    const double2 sj = channel(j);
+    a1 += wg[j] * sj.x;
+    a2 += wg[j] * sj.y;
   }
-  __syncthreads();
-  cluster_arrive();
-  const float k0 = coef[0], kx = coef[1];
+  a1 = warp_sum(a1);
+  a2 = warp_sum(a2);
+  const double rd = (double)rstd, q = rd / (double)E;
+  const float k0 = (float)(-q * a1), kx = (float)(-q * rd * rd * a2);
   Pack8<T>* dp = reinterpret_cast<Pack8<T>*>(dx + first);
   for (uint32_t i0 = threadIdx.x; i0 < np; i0 += GNB_UNROLL * blockDim.x) {
     Pack8<T> d[GNB_UNROLL];
@@ -473,37 +554,50 @@ __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T*
         __stcs(reinterpret_cast<uint4*>(dp + i) + q, reinterpret_cast<const uint4*>(&o)[q]);
     }
   }
-  // After this block's own dx, so that the last cluster adds only this short sum to the tail.
-  if (rank == 0 && last) {
-    __threadfence();
-    const uint32_t G = C / cpg;
-    for (uint32_t c = threadIdx.x; c < C; c += blockDim.x) {
-      double sw = 0.0, sb = 0.0;
-      for (uint32_t n = 0; n < N; ++n) {
-        sb += __ldcg(st + 2 * ((size_t)n * C + c));
-        sw += __ldcg(st + 2 * ((size_t)n * C + c) + 1) * (double)rstd_in[n * G + c / cpg];
-      }
-      dw[c] = from_f64<T>(sw);
-      db[c] = from_f64<T>(sb);
+  // After the block's own dx (off the critical path): rank 0 writes the planes' sums, and the
+  // last of the group index's N clusters adds them into dw and db.
+  if (rank != 0) return;
+  const uint32_t G = C / cpg, gi = group % G;
+  if (warp == 0) {
+    for (uint32_t j = lane; j < cpg; j += 32) {
+      const double2 sj = channel(j);
+      st[2 * ((size_t)group * cpg + j)] = sj.x;
+      st[2 * ((size_t)group * cpg + j) + 1] = sj.y;
     }
-    if (threadIdx.x == 0) *done = 0;
+    __threadfence();  // the sums, before the count
+    if (lane == 0) last = atomicAdd(counts + gi, 1u) == N - 1;
   }
-  cluster_wait();
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (uint32_t j = threadIdx.x; j < cpg; j += blockDim.x) {
+    const uint32_t c = gi * cpg + j;
+    double sw = 0.0, sb = 0.0;
+    for (uint32_t n = 0; n < N; ++n) {
+      sb += __ldcg(st + 2 * ((size_t)n * C + c));
+      sw += __ldcg(st + 2 * ((size_t)n * C + c) + 1) * (double)rstd_in[n * G + gi];
+    }
+    dw[c] = from_f64<T>(sw);
+    db[c] = from_f64<T>(sb);
+  }
+  if (threadIdx.x == 0) counts[gi] = 0;
 }
 
-#define GN_CLUSTER(SUF, T)                                                                                  \
-  extern "C" __global__ void __cluster_dims__(GNC, 1, 1) __launch_bounds__(GNC_THREADS)                    \
+#define GN_CLUSTER(SUF, T, MINB)                                                                               \
+  extern "C" __global__ void __cluster_dims__(GNC, 1, 1) __launch_bounds__(GNC_THREADS, MINB)              \
       gn_fwd_cluster_##SUF(const T* x, const T* w, const T* b, T* y, float* mean, float* rstd, uint32_t C, \
-                           uint32_t S, uint32_t cpg, float eps) {                                        \
-    gn_fwd_cluster<T>(x, w, b, y, mean, rstd, C, S, cpg, eps);                                             \
+                           uint32_t S, uint32_t cpg, float eps, unsigned long long* gate, uint32_t late_from) { \
+    gn_fwd_cluster<T>(x, w, b, y, mean, rstd, C, S, cpg, eps, gate, late_from);                            \
   }                                                                                                         \
-  extern "C" __global__ void __cluster_dims__(GNC, 1, 1) __launch_bounds__(GNC_THREADS)                    \
+  extern "C" __global__ void __cluster_dims__(GNC, 1, 1) __launch_bounds__(GNC_THREADS, MINB)              \
       gn_bwd_cluster_##SUF(const T* x, const T* dy, const float* mean, const float* rstd, const T* w,      \
-                           T* dx, double* st, T* dw, T* db, unsigned* done, uint32_t N, uint32_t C,        \
-                           uint32_t S, uint32_t cpg) {                                                     \
-    gn_bwd_cluster<T>(x, dy, mean, rstd, w, dx, st, dw, db, done, N, C, S, cpg);                           \
+                           T* dx, double* st, T* dw, T* db, unsigned* counts, uint32_t N, uint32_t C,      \
+                           uint32_t S, uint32_t cpg, unsigned long long* gate, uint32_t late_from) {       \
+    gn_bwd_cluster<T>(x, dy, mean, rstd, w, dx, st, dw, db, counts, N, C, S, cpg, gate, late_from);        \
   }
-GN_CLUSTER(f32, float)
-GN_CLUSTER(bf16, __nv_bfloat16)
-GN_CLUSTER(f16, __half)
+// Five blocks a multiprocessor (48 registers) keep SDXL's 64 clusters resident in one wave. The
+// f32 backward needs 64 registers (it spills at 48); its chunks hold half the elements anyway.
+GN_CLUSTER(f32, float, 1)
+GN_CLUSTER(bf16, __nv_bfloat16, 5)
+GN_CLUSTER(f16, __half, 5)
 #endif

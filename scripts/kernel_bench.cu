@@ -114,9 +114,12 @@ int main() {
     bf *dw, *db;  // the one-pass backward's parameter gradients, and its zeroed completion count
     CK(cudaMalloc(&dw, c * 2));
     CK(cudaMalloc(&db, c * 2));
+    // The completion counters: the staggered start's gate (a u64), then one count per group index.
     unsigned* done;
-    CK(cudaMalloc(&done, 4));
-    CK(cudaMemset(done, 0, 4));
+    CK(cudaMalloc(&done, 4 * 64));
+    CK(cudaMemset(done, 0, 4 * 64));
+    unsigned long long* gate = reinterpret_cast<unsigned long long*>(done);
+    const uint32_t late = n * 32 / 2;  // the launcher's choice when all 64 clusters are resident
     report("group_norm fwd", 2 * GB, time_ms([&] {
              gn_stats_bf16<<<planes, 256>>>(x, st, s);
              gn_fwd_bf16<<<planes, 256>>>(x, st, w, b, y, mean, rstd, c, s, cpg, 1e-5);
@@ -128,7 +131,7 @@ int main() {
       gn_fwd_bf16<<<planes, 256>>>(x, st, w, b, y, mean, rstd, c, s, cpg, 1e-5);
       CK(cudaMemcpy(a.data(), y, planes * s * 2, cudaMemcpyDeviceToHost));
       CK(cudaMemset(y, 0xff, planes * s * 2));
-      gn_fwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, w, b, y, mean, rstd, c, s, cpg, 1e-5f);
+      gn_fwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, w, b, y, mean, rstd, c, s, cpg, 1e-5f, gate, late);
       CK(cudaGetLastError());
       CK(cudaMemcpy(bb.data(), y, planes * s * 2, cudaMemcpyDeviceToHost));
       double worst = 0;
@@ -139,7 +142,7 @@ int main() {
       printf("group_norm one pass vs two kernels: max |diff| %.3g (NaN if unwritten)\n", worst);
     }
     report("group_norm fwd, one pass (sm_90)", 2 * GB, time_ms([&] {
-             gn_fwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, w, b, y, mean, rstd, c, s, cpg, 1e-5f);
+             gn_fwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, w, b, y, mean, rstd, c, s, cpg, 1e-5f, gate, late);
            }));
     report("group_norm bwd (dx)", 3 * GB, time_ms([&] {
              gn_bwd_stats_bf16<<<planes, 256>>>(x, dy, mean, st, c, s, cpg);
@@ -154,7 +157,8 @@ int main() {
       CK(cudaMemcpy(sa.data(), st, planes * 16, cudaMemcpyDeviceToHost));
       CK(cudaMemset(dx, 0xff, planes * s * 2));
       CK(cudaMemset(st, 0xff, planes * 16));
-      gn_bwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, dy, mean, rstd, w, dx, st, dw, db, done, n, c, s, cpg);
+      gn_bwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, dy, mean, rstd, w, dx, st, dw, db, done + 2, n, c, s, cpg,
+                                                          gate, late);
       CK(cudaGetLastError());
       CK(cudaMemcpy(bb.data(), dx, planes * s * 2, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(sb.data(), st, planes * 16, cudaMemcpyDeviceToHost));
@@ -172,7 +176,8 @@ int main() {
              scale, sworst);
     }
     report("group_norm bwd, one pass (sm_90)", 3 * GB, time_ms([&] {
-             gn_bwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, dy, mean, rstd, w, dx, st, dw, db, done, n, c, s, cpg);
+             gn_bwd_cluster_bf16<<<n * 32 * 8, 256, chunk_bytes>>>(x, dy, mean, rstd, w, dx, st, dw, db, done + 2, n, c, s, cpg,
+                                                          gate, late);
            }));
     CK(cudaFree(st));
   }

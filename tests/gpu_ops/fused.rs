@@ -197,6 +197,52 @@ fn group_norm_matches_the_cpu() {
     }
 }
 
+/// GroupNorm's one-pass kernels count completions in device counters they must leave at zero
+/// (the staggered start's gate, the per-group counts that elect who writes dw and db) and add
+/// partial sums in a fixed order: the same inputs give the same bits, run after run, with a
+/// launch of another shape (other counters, another stagger) in between.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn group_norm_repeats_bit_for_bit() {
+    let _one = serial();
+    for dt in [DType::BF16, DType::F32] {
+        // Staggered (64 clusters, all resident) and not (96 clusters, more than an H100 holds).
+        for (shape, groups) in [(vec![2, 320, 32, 32], 32), (vec![2, 96, 8, 8], 48)] {
+            let c = shape[1];
+            let ins: Vec<Tensor> = [shape.clone(), vec![c], vec![c]]
+                .iter()
+                .enumerate()
+                .map(|(i, s)| normal_pair(s, dt, 2500 + i as u64).1)
+                .collect();
+            let dy = normal_pair(&shape, dt, 2600).1;
+            let run = || -> Vec<Vec<f64>> {
+                let refs: Vec<&Tensor> = ins.iter().collect();
+                fwd_bwd(&refs, &dy, &|x| {
+                    x[0].group_norm(groups, Some(&x[1]), Some(&x[2]), 1e-5)
+                })
+                .iter()
+                .map(|t| t.to_vec_f64().unwrap())
+                .collect()
+            };
+            let first = run();
+            let (o, od) = (
+                normal_pair(&[3, 132, 16, 16], dt, 2700).1,
+                normal_pair(&[3, 132, 16, 16], dt, 2701).1,
+            );
+            fwd_bwd(&[&o], &od, &|x| x[0].group_norm(22, None, None, 1e-5));
+            let again = run();
+            for (k, (a, b)) in first.iter().zip(&again).enumerate() {
+                let same = a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(
+                    same,
+                    "group_norm {shape:?} {dt:?}: {} differs between runs",
+                    NAMES[k]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn softmax_backward_matches_the_cpu() {

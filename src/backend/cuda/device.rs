@@ -25,6 +25,8 @@ struct Inner {
     cc_major: u32,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Clusters of a kernel resident at once, by (module/name, threads, dynamic shared bytes).
+    clusters: Mutex<HashMap<(String, u32, u32), usize>>,
     mem: Arc<Pool>,
     /// `DONE_COUNTERS` u32s that are zero between kernels: "last block done" counts (a grid's,
     /// or one per column tile), which the kernel that counts on them sets back to zero (work
@@ -116,6 +118,7 @@ impl CudaDevice {
             cc_major,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            clusters: Mutex::new(HashMap::new()),
             mem,
             done: OnceLock::new(),
         })))
@@ -226,6 +229,42 @@ impl CudaDevice {
     // ----- kernels ------------------------------------------------------------------------
 
     /// A kernel from an embedded module; the module is JIT-loaded once, the handle cached.
+    /// How many clusters of `name` (its cluster size compiled in) with `cfg`'s block and shared
+    /// memory the device holds at once (cuOccupancyMaxActiveClusters, asked once a shape).
+    pub(crate) fn resident_clusters(
+        &self,
+        module: &'static str,
+        name: &str,
+        cfg: cudarc::driver::LaunchConfig,
+    ) -> Result<usize> {
+        let key = (
+            format!("{module}/{name}"),
+            cfg.block_dim.0 * cfg.block_dim.1 * cfg.block_dim.2,
+            cfg.shared_mem_bytes,
+        );
+        let cached = self
+            .0
+            .clusters
+            .lock()
+            .map_err(|_| Error::Poisoned("CUDA cluster occupancy cache"))?
+            .get(&key)
+            .copied();
+        if let Some(n) = cached {
+            return Ok(n);
+        }
+        let n = self
+            .function(module, name)?
+            .occupancy_max_active_clusters(cfg, &self.0.stream)
+            .map_err(|e| Error::Cuda(format!("cluster occupancy of {name}: {e:?}")))?
+            as usize;
+        self.0
+            .clusters
+            .lock()
+            .map_err(|_| Error::Poisoned("CUDA cluster occupancy cache"))?
+            .insert(key, n);
+        Ok(n)
+    }
+
     pub fn function(&self, module: &'static str, name: &str) -> Result<CudaFunction> {
         let key = format!("{module}/{name}");
         let mut fns = self

@@ -2,13 +2,14 @@
 //! operands of shape (N, C, S).
 //!
 //! On Hopper, a group whose x fits in the shared memory of a cluster of 8 blocks takes one pass
-//! a direction (gn_fwd_cluster, gn_bwd_cluster: each input read once from DRAM); anything else,
+//! a direction (gn_fwd_cluster, gn_bwd_cluster: each input read once from DRAM), with a
+//! staggered start when the grid is one wave (see `late_from`); anything else,
 //! and f64, takes two kernels a direction that read the inputs twice. Both backward forms leave each
 //! plane's (sum dy, sum dy (x - mean)) in one f64 buffer, which gn_param_grads sums over N into
 //! dw and db in a fixed order.
 
 use super::storage::{launch, CudaStorage, Elem};
-use super::{layout::grid_for, memory::DevBuf, CudaDevice};
+use super::{device::DONE_COUNTERS, layout::grid_for, memory::DevBuf, CudaDevice};
 use crate::{DType, Error, Result};
 use cudarc::driver::LaunchConfig;
 
@@ -48,13 +49,29 @@ fn one_pass<T: Elem>(
         && bytes <= SMEM
         && u32::try_from(n * c * s).is_ok()
         && if backward {
-            spans <= BWD_CHUNK_CHANNELS && cpg <= CHANNELS
+            // The gate's two counters, then one per group index.
+            spans <= BWD_CHUNK_CHANNELS && cpg <= CHANNELS && groups + 2 <= DONE_COUNTERS
         } else {
             spans <= CHANNELS
         };
     super::hopper_module(dev, "group_norm")
         .filter(|_| fits)
         .map(|m| (m, bytes))
+}
+
+/// The first late group of the one-pass kernels' staggered start (cuda/group_norm.cu): half the
+/// clusters wait for the other half's first chunk, so that loads, reductions and stores overlap.
+/// Only when every cluster is resident at once (a late cluster must never wait on one that has
+/// no place to run; the kernel's time limit covers that case too); `clusters` otherwise (none late).
+fn late_from(
+    dev: &CudaDevice,
+    module: &'static str,
+    name: &str,
+    cfg: LaunchConfig,
+    clusters: usize,
+) -> Result<u32> {
+    let staggered = clusters >= 2 && clusters <= dev.resident_clusters(module, name, cfg)?;
+    Ok(if staggered { clusters / 2 } else { clusters } as u32)
 }
 
 /// y, mean, rstd (the saved statistics in S, one per (n, group)).
@@ -75,11 +92,15 @@ pub(super) fn forward<T: Elem, S: Elem>(
     let (mut mean, mut rstd) = (dev.alloc::<S>(n * groups)?, dev.alloc::<S>(n * groups)?);
     if let Some((module, smem)) = one_pass::<T>(dev, (n, c, s, groups), false) {
         let (c32, s32, cpg32, eps32) = (c as u32, s as u32, cpg as u32, eps as f32);
+        let name = format!("gn_fwd_cluster_{}", T::SFX);
+        let config = cfg(n * groups * CLUSTER, smem);
+        let late = late_from(dev, module, &name, config, n * groups)?;
+        let gate = dev.done_counters()?;
         launch!(
             dev,
             module,
-            format!("gn_fwd_cluster_{}", T::SFX),
-            cfg(n * groups * CLUSTER, smem),
+            name,
+            config,
             &p[0],
             &w,
             &bp,
@@ -89,7 +110,9 @@ pub(super) fn forward<T: Elem, S: Elem>(
             &c32,
             &s32,
             &cpg32,
-            &eps32
+            &eps32,
+            &gate,
+            &late
         )?;
         return Ok((y, mean, rstd));
     }
@@ -139,13 +162,18 @@ pub(super) fn backward<T: Elem>(
     let mut dx = dev.alloc::<T>(planes * s)?;
     let (mut dw, mut db) = (dev.alloc::<T>(c)?, dev.alloc::<T>(c)?);
     if let Some((module, smem)) = one_pass::<T>(dev, (n, c, s, groups), true) {
-        let done = dev.done_counters()?;
+        // The gate's u64 in the first two counters, the per-group counts after it.
+        let gate = dev.done_counters()?;
+        let counts = gate + 8;
         let (n32, c32, s32, cpg32) = (n as u32, c as u32, s as u32, cpg as u32);
+        let name = format!("gn_bwd_cluster_{}", T::SFX);
+        let config = cfg(n * groups * CLUSTER, smem);
+        let late = late_from(dev, module, &name, config, n * groups)?;
         launch!(
             dev,
             module,
-            format!("gn_bwd_cluster_{}", T::SFX),
-            cfg(n * groups * CLUSTER, smem),
+            name,
+            config,
             &p[0],
             &p[1],
             &p[2],
@@ -155,11 +183,13 @@ pub(super) fn backward<T: Elem>(
             &mut *st.slice,
             &mut *dw.slice,
             &mut *db.slice,
-            &done,
+            &counts,
             &n32,
             &c32,
             &s32,
-            &cpg32
+            &cpg32,
+            &gate,
+            &late
         )?;
         return Ok((dx, dw, db));
     }

@@ -212,9 +212,10 @@ GN_PARAM_GRADS(f16, __half, float)
 // until the first block of the earlier half has its chunk (a count in global memory, polled by
 // one thread, with a time limit so that it never deadlocks): the early half's chunks land sooner,
 // and their reductions and stores overlap the late half's loads. H100, SDXL's 2x320x128x128 bf16
-// (scratch probe against the kernels before this change, same run): forward 82.1% -> 90.5% of
-// copy; backward 82.7% -> 85.3%; forward+backward 75.2% -> 78.0%. A fixed delay measured less
-// (89.9% at its best of 1.5-2.5 us) and would need tuning per GPU and size.
+// (a scratch probe, the kernels launched interleaved, as one kernel's timing drifts by up to 3%
+// within a run): forward 86.8-87.3% of copy staggered against 84.0-85.7% not; on an H200 it is
+// neutral (74.5-75.9% against 74.8-75.4%). A fixed delay peaked lower (1.5-2.5 us) and would need
+// tuning per GPU and size; opening the gate later (half the early blocks or more) measured worse.
 // x's chunk is 40 KiB at SDXL's 320 channels, so each block keeps 4-5 a multiprocessor and the
 // whole tensor is resident in one wave. An earlier forward holding the chunk in registers (512
 // threads, 8 packs each) needed three waves and measured slower than the two kernels.

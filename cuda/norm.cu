@@ -461,8 +461,9 @@ __device__ __forceinline__ void norm_bwd_params(const T* __restrict__ in, const 
 }
 
 // Must match `NormBackward`'s launcher in src/backend/cuda/fused.rs: one pack a lane for rows
-// up to 3072 columns, two up to 6144 (at most 384 threads a block: 168 registers a thread,
-// which two steps of rows in flight need).
+// up to 3072 columns, two up to 6144 and for half-type rows of 2049-3072 (at most 384 threads a
+// block: 168 registers a thread, which two steps of rows in flight need; bounds that force more
+// blocks a multiprocessor spill and measured 1.4-2.4x slower at 3072 columns).
 #define NORM_BWD_PARAMS(SUF, T)                                                                            \
   extern "C" __global__ void __launch_bounds__(384) norm_bwd_params_1_##SUF(const T* x, const T* dy, const T* w, const float* mean, \
                                                      const float* rstd, T* dx, float* part, size_t rows,     \

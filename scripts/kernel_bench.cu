@@ -93,6 +93,55 @@ int main() {
   report("layer_norm fwd affine", 2 * B, time_ms([&] { norm_fwd_reg_12_32_bf16<<<ln, 128, 4 * C>>>(x, w, b, y, mean, rstd, R, C, 1e-6, 0); }));
   report("layer_norm bwd", 3 * B, time_ms([&] { norm_bwd_reg_12_32_bf16<<<ln, 128, 4 * C>>>(x, dy, nullptr, mean, rstd, dx, R, C, 0); }));
   report("layer_norm bwd affine", 3 * B, time_ms([&] { norm_bwd_reg_12_32_bf16<<<ln, 128, 4 * C>>>(x, dy, w, mean, rstd, dx, R, C, 0); }));
+  {  // With dw and db (full fine-tuning): the partial rows of the two sums, before sum_partials2f.
+    // Register-resident rows with per-lane-group sums in shared memory (norm.rs launch_bwd_sums,
+    // which fused.rs no longer picks at 3072 columns in half types):
+    const size_t sm_bytes = 2 * C * 2 + 4 * 2 * (2 * 12 * 32) * 16;
+    CK(cudaFuncSetAttribute(norm_bwd_sums_12_32_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm_bytes));
+    int res = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&res, norm_bwd_sums_12_32_bf16, 128, sm_bytes));
+    const unsigned nb = (unsigned)std::min<size_t>(R / 4, (size_t)sms * res);
+    float* part;
+    CK(cudaMalloc(&part, (size_t)sms * 8 * 2 * C * 4));
+    report("layer_norm bwd dw db, lane sums", 3 * B, time_ms([&] {
+             norm_bwd_sums_12_32_bf16<<<nb, 128, sm_bytes>>>(x, dy, w, mean, rstd, dx, part, R, C, 0);
+           }));
+    // Row blocks with the sums in registers (fused.rs colsum_shape): one or two packs a lane,
+    // then the partial rows' sum (sum_partials2f, as fused.rs sum_parts launches it).
+    bf *dwp, *dbp;
+    CK(cudaMalloc(&dwp, C * 2));
+    CK(cudaMalloc(&dbp, C * 2));
+    double* scratch;
+    CK(cudaMalloc(&scratch, (size_t)16 * 2 * C * 8));
+    unsigned* zero;
+    CK(cudaMalloc(&zero, 4096 * 4));
+    CK(cudaMemset(zero, 0, 4096 * 4));
+    auto parts_ms = [&](size_t parts) {
+      const size_t tiles = C / 32, slices = std::max<size_t>(1, std::min((2 * (size_t)sms + tiles - 1) / tiles, parts / 32));
+      return time_ms([&] {
+        sum_partials2f_bf16<<<dim3((unsigned)tiles, (unsigned)slices), 1024>>>(part, parts, C, dwp, dbp, scratch, zero);
+      });
+    };
+    printf("  (their partial rows summed: %.4f ms for %u rows)\n", parts_ms(nb), nb);
+    for (int P : {1, 2}) {  // the production kernels: at most two blocks a multiprocessor
+      auto k = P == 1 ? norm_bwd_params_1_bf16 : norm_bwd_params_2_bf16;
+      const int lw = (int)(C / 8 / P), step = P == 1 ? 4 : 2;
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&res, k, lw, 0));
+      const size_t blocks = std::min<size_t>((size_t)sms * std::min(res, 2), (R + step - 1) / step);
+      const size_t chunk = ((R + blocks - 1) / blocks + step - 1) / step * step;
+      const unsigned g = (unsigned)((R + chunk - 1) / chunk);
+      char name[64];
+      snprintf(name, sizeof name, "layer_norm bwd dw db, row blocks P%d", P);
+      report(name, 3 * B, time_ms([&] { k<<<g, lw>>>(x, dy, w, mean, rstd, dx, part, R, C, chunk, lw, 0); }));
+      printf("  (%u blocks of %d threads, %d resident a multiprocessor; their partial rows summed: %.4f ms)\n", g, lw,
+             res, parts_ms(g));
+    }
+    CK(cudaFree(dwp));
+    CK(cudaFree(dbp));
+    CK(cudaFree(scratch));
+    CK(cudaFree(zero));
+    CK(cudaFree(part));
+  }
 
   // RMSNorm over head dim 128 (1, 24, 4608, 128): 16 lanes a row, 4 rows at once.
   const size_t r2 = N / 128;

@@ -268,8 +268,8 @@ pub(crate) fn launch_bwd_sums<T: Elem>(
         return Ok(None);
     };
     // As `pick`: 128 threads, `lanes` a row. After the staged weight, each group of lanes'
-    // two sums per column: 2 * packs * lanes float4s each (108 KiB a block at 3072 columns:
-    // two blocks a multiprocessor; 8 KiB at 128).
+    // two sums per column: 2 * packs * lanes float4s each (72 KiB a block at 2048 columns,
+    // 108 KiB at 3072, which fused.rs sends to the row blocks instead; 8 KiB at 128).
     const THREADS: usize = 128;
     let groups = THREADS / lanes;
     let smem = 2 * cols * T::DTYPE.size_in_bytes() + groups * 2 * (2 * packs * lanes) * 16;

@@ -470,6 +470,12 @@ __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T*
   const float mean = mean_in[group], rstd = rstd_in[group];
   const uint32_t base = rank * ch32;  // the chunk's first element within the group
   const uint32_t c_first = base / S, c_last = (base + ch32 - 1) / S;
+  // The first channel's first loads of dy leave before x has landed (they do not need it).
+  Pack8<T> d[GNB_UNROLL];
+  const uint32_t hi0 = c_first == c_last ? np : ((c_first + 1) * S - base) / 8;
+#pragma unroll
+  for (int k = 0; k < GNB_UNROLL; ++k)
+    if (threadIdx.x + k * blockDim.x < hi0) d[k] = load_dy(threadIdx.x + k * blockDim.x, keep);
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
   gate.landed();
@@ -480,10 +486,11 @@ __device__ __forceinline__ void gn_bwd_cluster(const T* __restrict__ x, const T*
     const uint32_t lo = j == c_first ? 0 : (j * S - base) / 8, hi = j == c_last ? np : ((j + 1) * S - base) / 8;
     float s1 = 0.f, s2 = 0.f;
     for (uint32_t i0 = lo + threadIdx.x; i0 < hi; i0 += GNB_UNROLL * blockDim.x) {
-      Pack8<T> d[GNB_UNROLL];
+      if (j != c_first || i0 != threadIdx.x) {
 #pragma unroll
-      for (int k = 0; k < GNB_UNROLL; ++k)
-        if (i0 + k * blockDim.x < hi) d[k] = load_dy(i0 + k * blockDim.x, keep);
+        for (int k = 0; k < GNB_UNROLL; ++k)
+          if (i0 + k * blockDim.x < hi) d[k] = load_dy(i0 + k * blockDim.x, keep);
+      }
 #pragma unroll
       for (int k = 0; k < GNB_UNROLL; ++k) {
         if (i0 + k * blockDim.x >= hi) break;

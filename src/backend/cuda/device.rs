@@ -228,7 +228,6 @@ impl CudaDevice {
 
     // ----- kernels ------------------------------------------------------------------------
 
-    /// A kernel from an embedded module; the module is JIT-loaded once, the handle cached.
     /// How many clusters of `name` (its cluster size compiled in) with `cfg`'s block and shared
     /// memory the device holds at once (cuOccupancyMaxActiveClusters, asked once a shape).
     pub(crate) fn resident_clusters(
@@ -265,6 +264,7 @@ impl CudaDevice {
         Ok(n)
     }
 
+    /// A kernel from an embedded module; the module is JIT-loaded once, the handle cached.
     pub fn function(&self, module: &'static str, name: &str) -> Result<CudaFunction> {
         let key = format!("{module}/{name}");
         let mut fns = self

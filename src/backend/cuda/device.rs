@@ -23,6 +23,8 @@ struct Inner {
     sm_count: usize,
     /// The compute capability's major version (9 for Hopper).
     cc_major: u32,
+    /// The most shared memory a block may opt into (bytes, static and dynamic together).
+    smem_optin: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// Clusters of a kernel resident at once, by (module/name, threads, dynamic shared bytes).
@@ -107,6 +109,11 @@ impl CudaDevice {
         let cc_major = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .map_err(cuda_err("reading the compute capability"))? as u32;
+        let smem_optin =
+            ctx.attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(cuda_err("reading the shared memory a block may use"))? as usize;
         keep_freed_memory_pooled(&ctx, ordinal)?;
         let mem = Arc::new(Pool::new(format!("cuda:{ordinal}"), stream.clone(), limit));
         Ok(CudaDevice(Arc::new(Inner {
@@ -116,6 +123,7 @@ impl CudaDevice {
             blas,
             sm_count,
             cc_major,
+            smem_optin,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             clusters: Mutex::new(HashMap::new()),
@@ -138,6 +146,11 @@ impl CudaDevice {
 
     pub(crate) fn sm_count(&self) -> usize {
         self.0.sm_count
+    }
+
+    /// The most shared memory (bytes) a block may opt into.
+    pub(crate) fn max_shared_memory(&self) -> usize {
+        self.0.smem_optin
     }
 
     /// The compute capability's major version (8 Ampere/Ada, 9 Hopper).

@@ -54,6 +54,12 @@ pub(crate) fn hopper_module(dev: &CudaDevice, stem: &'static str) -> Option<&'st
 }
 
 /// Lets `name` of `module` take `bytes` of dynamic shared memory (past the default 48 KiB).
+///
+/// The limit is a property of the kernel, shared by every thread that launches it, so it is
+/// only ever raised, and always to the same value (all the device allows beside the kernel's
+/// static shared memory): setting it to each launch's own need let a launch with a smaller need
+/// lower it under a concurrent one with a larger need (CUDA_ERROR_INVALID_VALUE at launch, seen
+/// with the models tests running in parallel threads on one GPU).
 pub(crate) fn allow_shared_memory(
     dev: &CudaDevice,
     module: &'static str,
@@ -61,12 +67,28 @@ pub(crate) fn allow_shared_memory(
     bytes: usize,
 ) -> crate::Result<()> {
     use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
-    dev.function(module, name)?
-        .set_attribute(
-            Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .map_err(|e| Error::Cuda(format!("{name}: {bytes} bytes of shared memory: {e:?}")))
+    let f = dev.function(module, name)?;
+    let attr = |a| {
+        f.get_attribute(a)
+            .map(|v| v.max(0) as usize)
+            .map_err(|e| Error::Cuda(format!("{name}: reading {a:?}: {e:?}")))
+    };
+    let most = dev
+        .max_shared_memory()
+        .saturating_sub(attr(Attr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?);
+    if bytes > most {
+        return Err(Error::Cuda(format!(
+            "{name}: {bytes} bytes of dynamic shared memory, more than the {most} the device allows it"
+        )));
+    }
+    if attr(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)? >= bytes {
+        return Ok(());
+    }
+    f.set_attribute(
+        Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        most as i32,
+    )
+    .map_err(|e| Error::Cuda(format!("{name}: {most} bytes of shared memory: {e:?}")))
 }
 
 /// How many blocks of `threads` threads and `smem` bytes of dynamic shared memory of `name` a

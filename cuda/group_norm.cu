@@ -320,7 +320,7 @@ __device__ __forceinline__ void gn_fwd_cluster(const T* __restrict__ x, const T*
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ __align__(16) unsigned char gn_smem[];
   constexpr uint32_t W = GNC_THREADS / 32;
-  __shared__ double2 part[GNC];  // each block's (mean, M2), stored here by the block itself
+  __shared__ double2 part[GNC];  // block r's (mean, M2) at [r], stored here by block r
   __shared__ float2 wpart[W];    // each warp's (mean, M2)
   __shared__ float2 wb[GNC_CHANNELS];
   cluster_arrive_relaxed();

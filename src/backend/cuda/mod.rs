@@ -73,6 +73,10 @@ pub(crate) fn allow_shared_memory(
             .map(|v| v.max(0) as usize)
             .map_err(|e| Error::Cuda(format!("{name}: reading {a:?}: {e:?}")))
     };
+    // Once raised, one driver call a launch.
+    if attr(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)? >= bytes {
+        return Ok(());
+    }
     let most = dev
         .max_shared_memory()
         .saturating_sub(attr(Attr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?);
@@ -80,9 +84,6 @@ pub(crate) fn allow_shared_memory(
         return Err(Error::Cuda(format!(
             "{name}: {bytes} bytes of dynamic shared memory, more than the {most} the device allows it"
         )));
-    }
-    if attr(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)? >= bytes {
-        return Ok(());
     }
     f.set_attribute(
         Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

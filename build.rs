@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel files compiled a second time for compute_90 (see below).
-const HOPPER_VARIANTS: &[&str] = &["attention", "group_norm"];
+const HOPPER_VARIANTS: &[&str] = &["attention", "group_norm", "norm_bulk"];
 
 fn find_nvcc() -> Option<PathBuf> {
     let exe = if cfg!(windows) { "nvcc.exe" } else { "nvcc" };

@@ -14,6 +14,7 @@
 #include "fused.cu"
 #include "group_norm.cu"
 #include "norm.cu"
+#include "norm_bulk.cu"
 #include "softmax.cu"
 
 typedef __nv_bfloat16 bf;
@@ -68,6 +69,96 @@ static double copy_gbs;
 static void report(const char* name, double bytes, float ms) {
   const double gbs = bytes / (ms * 1e-3) / 1e9;
   printf("%-34s %8.4f ms %7.0f GB/s %6.1f%% of copy\n", name, ms, gbs, 100 * gbs / copy_gbs);
+}
+
+// dx, dw, db of the last norm_bwd_bulk launch against a double reference on the host (from the
+// same x, dy, w and saved statistics).
+static void check_bulk(size_t R, size_t C, bf* x, bf* dy, bf* w, float* mean, float* rstd, bf* dx, bf* dw, bf* db,
+                       int rms) {
+  std::vector<bf> hx(R * C), hg(R * C), hdx(R * C), hw(C), hdw(C), hdb(C);
+  std::vector<float> hm(R), hs(R);
+  CK(cudaMemcpy(hx.data(), x, R * C * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hg.data(), dy, R * C * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hdx.data(), dx, R * C * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hw.data(), w, C * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hdw.data(), dw, C * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hdb.data(), db, C * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hm.data(), mean, R * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hs.data(), rstd, R * 4, cudaMemcpyDeviceToHost));
+  auto f = [](bf v) { return (double)__bfloat162float(v); };
+  std::vector<double> sw(C, 0), sb(C, 0);
+  double dx_err = 0, dx_max = 0;
+  for (size_t r = 0; r < R; ++r) {
+    const double m = rms ? 0 : hm[r], s = hs[r];
+    double a = 0, b = 0;
+    for (size_t c = 0; c < C; ++c) {
+      const double g = f(hg[r * C + c]) * f(hw[c]), xh = (f(hx[r * C + c]) - m) * s;
+      a += g, b += g * xh;
+      sw[c] += f(hg[r * C + c]) * xh, sb[c] += f(hg[r * C + c]);
+    }
+    a = rms ? 0 : a / C, b /= C;
+    for (size_t c = 0; c < C; ++c) {
+      const double g = f(hg[r * C + c]) * f(hw[c]), xh = (f(hx[r * C + c]) - m) * s;
+      const double want = s * (g - a - xh * b), d = fabs(want - f(hdx[r * C + c]));
+      if (!(d <= dx_err)) dx_err = d;
+      dx_max = std::max(dx_max, fabs(want));
+    }
+  }
+  double w_err = 0, w_max = 0;
+  for (size_t c = 0; c < C; ++c) {
+    const double d = std::max(fabs(sw[c] - f(hdw[c])), fabs(sb[c] - f(hdb[c])));
+    if (!(d <= w_err)) w_err = d;
+    w_max = std::max(w_max, std::max(fabs(sw[c]), fabs(sb[c])));
+  }
+  printf("  bulk vs host double: dx max |diff| %.3g of max %.3g; dw, db max |diff| %.3g of max %.3g\n", dx_err, dx_max,
+         w_err, w_max);
+}
+
+// Times norm_bwd_bulk at (rows, cols) for a few (packs a lane, stages, blocks a multiprocessor),
+// after checking each instance's dx, dw and db against a double reference on the host. (norm.rs
+// launch_bwd_bulk picks one pack a lane up to 384 packs and about 96 KiB of stages a
+// multiprocessor.)
+static void bulk_rows(size_t R, size_t C, double bytes, const char* what, bf* x, bf* dy, bf* w, float* mean,
+                      float* rstd, bf* dx, float* part, bf* dwp, bf* dbp, unsigned* zero, int rms) {
+  int sms;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t packs = C / 8;
+  for (int P : {1, 2}) {  // two rows a group a stage (norm_bulk.cu's instances)
+    bool checked = false;
+    const int rpt = 2;
+    if ((P == 1 && packs > 384) || (P == 2 && (packs <= 192 || packs > 768))) continue;
+    auto k = P == 1 ? norm_bwd_bulk_1_bf16 : norm_bwd_bulk_2_bf16;
+    const size_t lanes = (packs + P - 1) / P;
+    const int lw = (int)(lanes < 32 ? std::max<size_t>(4, lanes) : (lanes + 31) / 32 * 32);
+    const int groups = std::max(1, 256 / lw), threads = groups * lw;
+    const size_t stage = 2 * (size_t)groups * rpt * C * 2;
+    for (int per_sm : {1, 2, 3}) {
+      for (int stages : {2, 3, 4}) {
+        const size_t smem = BULK_BARRIERS + std::max<size_t>(stages * stage, 12 * 32 * 32);
+        if (smem * per_sm > 220 * 1024) continue;
+        CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        int res = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&res, k, threads, smem));
+        if (res < per_sm) continue;
+        const size_t srows = (size_t)groups * rpt;
+        const size_t nb = std::min<size_t>((size_t)sms * per_sm, (R + srows - 1) / srows);
+        const size_t chunk = (R + nb - 1) / nb;
+        const unsigned g = (unsigned)((R + chunk - 1) / chunk);
+        auto run = [&] {
+          k<<<g, threads, smem>>>(x, dy, w, mean, rstd, dx, part, dwp, dbp, zero, R, C, chunk, lw, stages, rms);
+        };
+        run();
+        CK(cudaDeviceSynchronize());
+        if (!checked) {
+          check_bulk(R, C, x, dy, w, mean, rstd, dx, dwp, dbp, rms);
+          checked = true;
+        }
+        char name[96];
+        snprintf(name, sizeof name, "%s P%d R%d s%d b%d", what, P, rpt, stages, per_sm);
+        report(name, bytes, time_ms(run));
+      }
+    }
+  }
 }
 
 int main() {
@@ -136,6 +227,9 @@ int main() {
       printf("  (%u blocks of %d threads, %d resident a multiprocessor; their partial rows summed: %.4f ms)\n", g, lw,
              res, parts_ms(g));
     }
+    // Hopper: rows brought in by bulk copies, the partial rows added after a grid-wide barrier
+    // in the same kernel (norm_bulk.cu; fused.rs picks it on compute capability 9).
+    bulk_rows(R, C, 3 * B, "layer_norm bwd dw db, bulk", x, dy, w, mean, rstd, dx, part, dwp, dbp, zero, 0);
     CK(cudaFree(dwp));
     CK(cudaFree(dbp));
     CK(cudaFree(scratch));
@@ -148,6 +242,34 @@ int main() {
   const unsigned rms = blocks(r2, 128 / 16 * 4);
   report("rms_norm 128 fwd", 2 * B, time_ms([&] { norm_fwd_reg_1_16_bf16<<<rms, 128, 512>>>(x, w, nullptr, y, mean, rstd, r2, 128, 1e-6, 1); }));
   report("rms_norm 128 bwd", 3 * B, time_ms([&] { norm_bwd_reg_1_16_bf16<<<rms, 128, 512>>>(x, dy, w, mean, rstd, dx, r2, 128, 1); }));
+  {  // With dw: lane sums in shared memory (norm.rs launch_bwd_sums) + sum_partials2f, against the bulk kernel.
+    const size_t sm_bytes = 2 * 128 * 2 + 8 * 2 * (2 * 1 * 16) * 16;
+    CK(cudaFuncSetAttribute(norm_bwd_sums_1_16_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm_bytes));
+    int res = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&res, norm_bwd_sums_1_16_bf16, 128, sm_bytes));
+    const unsigned nb = (unsigned)std::min<size_t>(r2 / 32, (size_t)sms * res);
+    float* part;
+    CK(cudaMalloc(&part, (size_t)nb * 2 * 128 * 4 + (size_t)sms * 4 * 2 * 128 * 4));
+    bf *dwp, *dbp;
+    CK(cudaMalloc(&dwp, 128 * 2));
+    CK(cudaMalloc(&dbp, 128 * 2));
+    double* scratch;
+    CK(cudaMalloc(&scratch, (size_t)64 * 2 * 128 * 8));
+    unsigned* zero;
+    CK(cudaMalloc(&zero, 4096 * 4));
+    CK(cudaMemset(zero, 0, 4096 * 4));
+    const size_t slices = std::max<size_t>(1, std::min((2 * (size_t)sms + 3) / 4, (size_t)nb / 32));
+    report("rms_norm 128 bwd dw, lane sums+sum", 3 * B, time_ms([&] {
+             norm_bwd_sums_1_16_bf16<<<nb, 128, sm_bytes>>>(x, dy, w, mean, rstd, dx, part, r2, 128, 1);
+             sum_partials2f_bf16<<<dim3(4, (unsigned)slices), 1024>>>(part, nb, 128, dwp, dbp, scratch, zero);
+           }));
+    bulk_rows(r2, 128, 3 * B, "rms_norm 128 bwd dw, bulk", x, dy, w, mean, rstd, dx, part, dwp, dbp, zero, 1);
+    CK(cudaFree(part));
+    CK(cudaFree(dwp));
+    CK(cudaFree(dbp));
+    CK(cudaFree(scratch));
+    CK(cudaFree(zero));
+  }
 
   // Softmax over 3072: a warp per row, 12 packs a lane, 128 threads.
   const unsigned sm = blocks(R, 4);

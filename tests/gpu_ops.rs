@@ -966,7 +966,13 @@ fn fused_norms_forward_and_backward_match_the_cpu() {
         // over many blocks, whose partial rows meet in slices), longer rows take the row
         // blocks of cuda/rows.cuh (f32 past 1024 columns; two packs a lane at 5000), and
         // past 6144 columns the row kernel and the sweep (8200, and 1001 and f64 always).
+        // On Hopper every shape of whole packs up to 6144 columns with dw and db takes
+        // cuda/norm_bulk.cu instead: stages of rows that wrap around its ring of buffers
+        // (20000 x 256, 1200 x 3072), blocks of many row groups (24, 64), a group of two
+        // packs a lane (5000), fewer rows than blocks (5, 33, 300).
         for shape in [
+            vec![20000, 256],
+            vec![1200, 3072],
             vec![700, 24],
             vec![8192, 64],
             vec![5, 5000],

@@ -243,6 +243,64 @@ fn group_norm_repeats_bit_for_bit() {
     }
 }
 
+/// LayerNorm / RMSNorm backward with dw and db: on Hopper one cooperative kernel whose blocks
+/// meet at a grid-wide barrier on two device counters (which it must leave at zero) and add
+/// their partial sums in a fixed order; elsewhere the row blocks and a sum kernel. The same
+/// inputs give the same bits, run after run, with a launch of another shape in between
+/// (other block and stage counts).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn norm_backward_with_params_repeats_bit_for_bit() {
+    let _one = serial();
+    for dt in [DType::BF16, DType::F32] {
+        for (shape, rms) in [
+            (vec![1200, 3072], false),
+            (vec![4000, 128], true),
+            (vec![9, 5000], false),
+        ] {
+            let cols = shape[1];
+            let params = if rms { 1 } else { 2 };
+            let ins: Vec<Tensor> = std::iter::once(shape.clone())
+                .chain(std::iter::repeat_n(vec![cols], params))
+                .enumerate()
+                .map(|(i, s)| normal_pair(&s, dt, 2800 + i as u64).1)
+                .collect();
+            let dy = normal_pair(&shape, dt, 2900).1;
+            let run = || -> Vec<Vec<f64>> {
+                let refs: Vec<&Tensor> = ins.iter().collect();
+                fwd_bwd(&refs, &dy, &|x| {
+                    if rms {
+                        x[0].rms_norm(Some(&x[1]), 1e-6)
+                    } else {
+                        x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5)
+                    }
+                })
+                .iter()
+                .map(|t| t.to_vec_f64().unwrap())
+                .collect()
+            };
+            let first = run();
+            let (o, od) = (
+                normal_pair(&[77, 256], dt, 3000).1,
+                normal_pair(&[77, 256], dt, 3001).1,
+            );
+            let ow = normal_pair(&[256], dt, 3002).1;
+            fwd_bwd(&[&o, &ow], &od, &|x| {
+                x[0].layer_norm(Some(&x[1]), None, 1e-5)
+            });
+            let again = run();
+            for (k, (a, b)) in first.iter().zip(&again).enumerate() {
+                let same = a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(
+                    same,
+                    "norm rms={rms} {shape:?} {dt:?}: {} differs between runs",
+                    ["y", "dx", "dw", "db"][k]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn softmax_backward_matches_the_cpu() {

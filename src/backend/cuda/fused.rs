@@ -6,7 +6,9 @@
 //! row kernel when it computes dx too (rows of whole packs up to 8192 columns: cuda/rows.cuh's
 //! row blocks, each writing f32 partial rows), or else swept: a thread per column walks a
 //! chunk of rows, chunks spread over grid.y so the GPU fills, writing f64 partials. A second
-//! kernel adds the partials in a fixed order (deterministic, no atomics).
+//! kernel adds the partials in a fixed order (deterministic, no atomics). On Hopper the norms'
+//! backward with dw and db is one kernel instead (norm.rs `launch_bwd_bulk`: rows by bulk
+//! copies, the partials added after a grid-wide barrier, in a fixed order too).
 
 use super::layout::grid_for;
 use super::memory::DevBuf;
@@ -270,8 +272,13 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
         FusedOp::NormBackward { kind, weight } => {
             let (rows, cols) = (d[0], d[1]);
             let w = if weight { p[4] } else { 0 };
+            if let Some((dx, dw, db)) =
+                super::norm::launch_bwd_bulk::<T>(dev, &p, w, (rows, cols), kind)?
+            {
+                return Ok(vec![out(T::wrap(dx)), out(T::wrap(dw)), out(T::wrap(db))]);
+            }
             let mut dx = dev.alloc::<T>(rows * cols)?;
-            // Half-type rows of 2049-3072 columns take the row blocks with two packs a lane:
+            // Before Hopper, half-type rows of 2049-3072 columns take the row blocks with two packs a lane:
             // kernel_bench on an H100 at 4608 x 3072 bf16, 43.3 us against 48.7-49.0 us for
             // the register-resident rows with their sums in shared memory (two blocks a
             // multiprocessor either way), and 52.9 us with one pack a lane (one block).

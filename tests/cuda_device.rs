@@ -47,6 +47,7 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
                 "group_norm",
                 "index",
                 "norm",
+                "norm_bulk",
                 "random",
                 "reduce",
                 "softmax"

@@ -346,18 +346,7 @@ __device__ __forceinline__ void norm_bwd_params(const T* __restrict__ in, const 
   const size_t packs = cols / 8, r0 = blockIdx.x * chunk, r1 = min(rows, r0 + chunk);
   const float n = (float)cols;
   float wf[P][8], aw[P][8], ab[P][8];
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-    const size_t p = (size_t)k * lw + lane;
-    if (w && p < packs) {
-      widen<true>(reinterpret_cast<const Pack8<T>*>(w)[p], wf[k]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) wf[k][e] = 1.f;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) aw[k][e] = ab[k][e] = 0.f;
-  }
+  norm_sums_init<T, P>(w, wf, aw, ab, packs, lw, lane);
   __shared__ float red[2][32][2 * RPT];
   int buf = 0;
   const size_t step = (size_t)groups * RPT;
@@ -391,19 +380,10 @@ __device__ __forceinline__ void norm_bwd_params(const T* __restrict__ in, const 
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
       const bool valid = base + (size_t)j * groups + g < r1;
-      float sum_g = 0.f, sum_gx = 0.f, xf[8], gf[8];
+      float sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll
       for (int k = 0; k < P; ++k)
-        if (valid && (size_t)k * lw + lane < packs) {
-          widen<true>(xv[j][k], xf);
-          widen<true>(gv[j][k], gf);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float gw = gf[e] * wf[k][e];
-            sum_g += gw;
-            sum_gx += gw * (xf[e] - ms[j]);
-          }
-        }
+        if (valid && (size_t)k * lw + lane < packs) norm_row_sums(xv[j][k], gv[j][k], wf[k], ms[j], sum_g, sum_gx);
       v[2 * j] = lane_group_sum(sum_g, lw);
       v[2 * j + 1] = lane_group_sum(sum_gx, lw);
     }
@@ -430,20 +410,7 @@ __device__ __forceinline__ void norm_bwd_params(const T* __restrict__ in, const 
 #pragma unroll
       for (int k = 0; k < P; ++k) {
         const size_t p = (size_t)k * lw + lane;
-        if (p < packs) {
-          float xf[8], gf[8];
-          widen<true>(xv[j][k], xf);
-          widen<true>(gv[j][k], gf);
-          Pack8<T> o;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float xh = (xf[e] - m) * s;
-            o.v[e] = from_acc<T>(s * (gf[e] * wf[k][e] - a - xh * bq));
-            aw[k][e] += gf[e] * xh;
-            ab[k][e] += gf[e];
-          }
-          out[p] = o;
-        }
+        if (p < packs) out[p] = norm_dx_sums(xv[j][k], gv[j][k], wf[k], m, s, a, bq, aw[k], ab[k]);
       }
     }
 #pragma unroll

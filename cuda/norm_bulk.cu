@@ -181,18 +181,7 @@ __device__ __forceinline__ void norm_bwd_bulk(const T* __restrict__ in, const T*
   }
   const float n = (float)cols;
   float wf[P][8], aw[P][8], ab[P][8];
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-    const size_t p = (size_t)k * lw + lane;
-    if (w && p < packs) {
-      widen<true>(reinterpret_cast<const Pack8<T>*>(w)[p], wf[k]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) wf[k][e] = 1.f;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) aw[k][e] = ab[k][e] = 0.f;
-  }
+  norm_sums_init<T, P>(w, wf, aw, ab, packs, lw, lane);
   // The statistics of a stage's rows, loaded a stage ahead.
   float ms[RPT], ss[RPT];
   auto stats = [&](int i, float(&mn)[RPT], float(&sn)[RPT]) {
@@ -220,20 +209,11 @@ __device__ __forceinline__ void norm_bwd_bulk(const T* __restrict__ in, const T*
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
       const int rj = j * groups + g;
-      float sum_g = 0.f, sum_gx = 0.f, xf[8], gf[8];
+      float sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll
       for (int k = 0; k < P; ++k) {
         const int p = k * lw + lane;
-        if (base + rj < r1 && p < npacks) {
-          widen<true>(xs[rj * npacks + p], xf);
-          widen<true>(gs[rj * npacks + p], gf);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float gw = gf[e] * wf[k][e];
-            sum_g += gw;
-            sum_gx += gw * (xf[e] - ms[j]);
-          }
-        }
+        if (base + rj < r1 && p < npacks) norm_row_sums(xs[rj * npacks + p], gs[rj * npacks + p], wf[k], ms[j], sum_g, sum_gx);
       }
       v[2 * j] = sum_g;
       v[2 * j + 1] = sum_gx;
@@ -272,20 +252,7 @@ __device__ __forceinline__ void norm_bwd_bulk(const T* __restrict__ in, const T*
 #pragma unroll
       for (int k = 0; k < P; ++k) {
         const int p = k * lw + lane;
-        if (p < npacks) {
-          float xf[8], gf[8];
-          widen<true>(xs[rj * npacks + p], xf);
-          widen<true>(gs[rj * npacks + p], gf);
-          Pack8<T> o;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float xh = (xf[e] - m) * s;
-            o.v[e] = from_acc<T>(s * (gf[e] * wf[k][e] - a - xh * bq));
-            aw[k][e] += gf[e] * xh;
-            ab[k][e] += gf[e];
-          }
-          out[p] = o;
-        }
+        if (p < npacks) out[p] = norm_dx_sums(xs[rj * npacks + p], gs[rj * npacks + p], wf[k], m, s, a, bq, aw[k], ab[k]);
       }
     }
 #pragma unroll

@@ -118,3 +118,59 @@ __device__ __forceinline__ void colsum_finish(float (&a)[P][8], float (&b)[P][8]
     pb[1] = make_float4(b[k][4], b[k][5], b[k][6], b[k][7]);
   }
 }
+
+// ---- the norms' backward with column sums (norm.cu norm_bwd_params, norm_bulk.cu) ----------
+// xhat = (x - mean) rstd; g = dy w; a = sum(g)/n (0 for RMS); bq = rstd sum(g (x - mean))/n;
+// dx = rstd (g - a - xhat bq); dw += dy xhat, db += dy.
+
+// A lane's P weight packs (packs lane, lane + lw, ...) widened, 1 where there is no weight or
+// pack; its column sums zeroed.
+template <typename T, int P>
+__device__ __forceinline__ void norm_sums_init(const T* w, float (&wf)[P][8], float (&aw)[P][8], float (&ab)[P][8],
+                                               size_t packs, int lw, int lane) {
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const size_t p = (size_t)k * lw + lane;
+    if (w && p < packs) {
+      widen<true>(reinterpret_cast<const Pack8<T>*>(w)[p], wf[k]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) wf[k][e] = 1.f;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) aw[k][e] = ab[k][e] = 0.f;
+  }
+}
+
+// One pack's share of a row's two sums: sum(g) and sum(g (x - mean)).
+template <typename T>
+__device__ __forceinline__ void norm_row_sums(const Pack8<T>& xp, const Pack8<T>& gp, const float (&wf)[8], float m,
+                                              float& sum_g, float& sum_gx) {
+  float xf[8], gf[8];
+  widen<true>(xp, xf);
+  widen<true>(gp, gf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float gw = gf[e] * wf[e];
+    sum_g += gw;
+    sum_gx += gw * (xf[e] - m);
+  }
+}
+
+// One pack of dx, adding dy xhat and dy to the pack's column sums.
+template <typename T>
+__device__ __forceinline__ Pack8<T> norm_dx_sums(const Pack8<T>& xp, const Pack8<T>& gp, const float (&wf)[8], float m,
+                                                 float s, float a, float bq, float (&aw)[8], float (&ab)[8]) {
+  float xf[8], gf[8];
+  widen<true>(xp, xf);
+  widen<true>(gp, gf);
+  Pack8<T> o;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float xh = (xf[e] - m) * s;
+    o.v[e] = from_acc<T>(s * (gf[e] * wf[e] - a - xh * bq));
+    aw[e] += gf[e] * xh;
+    ab[e] += gf[e];
+  }
+  return o;
+}

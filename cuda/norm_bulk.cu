@@ -25,8 +25,9 @@
 #include "common.cuh"
 #include "rows.cuh"
 
-#define BULK_BARRIERS 128  // bytes at the start of the dynamic shared memory: the stages' mbarriers
-#define BULK_MAX_STAGES 16
+// Bytes at the start of the dynamic shared memory: the stages' mbarriers (8 bytes each, so at
+// most 16 stages; the launcher takes at most 8).
+#define BULK_BARRIERS 128
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 

@@ -347,7 +347,10 @@ pub(crate) fn launch_bwd_bulk<T: Elem>(
     let Some(module) = super::hopper_module(dev, "norm_bulk") else {
         return Ok(None);
     };
-    if T::DTYPE == DType::F64 || cols == 0 || cols % 8 != 0 || cols > 6144 {
+    // Bulk copies move 16-byte aligned rows of whole 16-byte packs (the weight is read in packs
+    // too); buffers from the device's allocator are aligned, which this only makes sure of.
+    let aligned = [p[0], p[1], w].iter().all(|a| a % 16 == 0);
+    if T::DTYPE == DType::F64 || cols == 0 || cols % 8 != 0 || cols > 6144 || !aligned {
         return Ok(None);
     }
     // As the kernel's comment: P packs a lane, `lw` lanes a row (a power of two below a warp,

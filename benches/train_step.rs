@@ -1,12 +1,19 @@
 //! One full-size Flux-dev LoRA training step at 1024² (4096 image + 512 text tokens, batch 1,
 //! bf16, random base weights, rank-16 LoRA on every Linear of the 57 blocks): flow-matching
 //! forward, backward and the AdamW update, timed after a warm-up, with peak GPU memory.
+//!
+//! Arguments pick the memory plan: `--checkpoint none|all|every:N`, `--stream N` (N blocks'
+//! weights kept in host memory, spread evenly over the 57 blocks, fetched `--prefetch K`
+//! blocks ahead); `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed
+//! has FLAME's peak, the driver's view of the device memory in use, host peak RSS and the
+//! bytes streamed.
 
 mod common;
 
 use flame::models::flux::{self, Flux, FluxConfig};
 use flame::nn::{Adapters, LoraConfig, VarBuilder};
 use flame::optim::{AdamConfig, AdamW, Optimizer};
+use flame::stream::{BlockExec, BlockStreamer, Checkpointing};
 use flame::train::{flow_matching, weighted_mse, TimestepSampling};
 use flame::{DType, Device, Grads, Result, Tensor};
 
@@ -22,9 +29,40 @@ fn main() -> Result<()> {
         targets: vec!["double_blocks.*".into(), "single_blocks.*".into()],
         seed: 0,
     })?;
-    let vb = VarBuilder::random(1, 0.02, DType::BF16, &dev).with_adapters(adapters.clone())?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let checkpointing = match arg("--checkpoint").as_deref() {
+        None | Some("none") => Checkpointing::Off,
+        Some("all") => Checkpointing::All,
+        Some(s) => match s.strip_prefix("every:").and_then(|n| n.parse().ok()) {
+            Some(n) => Checkpointing::Every(n),
+            None => panic!("--checkpoint none|all|every:N, got {s}"),
+        },
+    };
+    let n_stream: usize = arg("--stream").map_or(0, |s| s.parse().expect("--stream N"));
+    let prefetch: usize = arg("--prefetch").map_or(1, |s| s.parse().expect("--prefetch K"));
     let cfg = FluxConfig::dev();
-    let model = Flux::new(&vb, &cfg)?;
+    let prefixes = cfg.block_prefixes();
+    let streamed: Vec<String> = (0..n_stream)
+        .map(|k| prefixes[k * prefixes.len() / n_stream.max(1)].clone())
+        .collect();
+    let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev).with_adapters(adapters.clone())?;
+    let streamer = if streamed.is_empty() {
+        None
+    } else {
+        let s = BlockStreamer::new(&dev, streamed, prefetch);
+        vb = vb.with_streamer(s.clone())?;
+        Some(s)
+    };
+    let mut model = Flux::new(&vb, &cfg)?;
+    model.exec = BlockExec {
+        checkpointing,
+        streamer: streamer.clone(),
+    };
     let params = adapters.params()?;
     let n_params: usize = params.iter().map(|(_, t)| t.elem_count()).sum();
     let mut opt = AdamW::new(
@@ -74,11 +112,33 @@ fn main() -> Result<()> {
         .iter()
         .map(|(_, t)| (t.elem_count() * 2) as u64)
         .sum();
+    let (streamed_gib, per_step) = match &streamer {
+        Some(s) => {
+            let r = s.report()?;
+            (gib(r.host_bytes), gib(r.uploaded_bytes) / 4.0)
+        }
+        None => (0.0, 0.0),
+    };
     println!(
-        "flame flux-dev LoRA step (rank 16, {:.1} M adapter params): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB",
+        "flame flux-dev LoRA step (rank 16, {:.1} M adapter params, checkpoint {checkpointing:?}, {n_stream} blocks streamed ({streamed_gib:.2} GiB, prefetch {prefetch}), cap {}): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB | device in use (driver) {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step",
         n_params as f64 / 1e6,
+        std::env::var("FLAME_GPU_MEMORY_LIMIT").map_or("none".to_string(), |b| format!("{:.1} GiB", b.parse::<f64>().unwrap_or(0.0) / (1u64 << 30) as f64)),
         gib(weights),
-        gib(cuda.memory().peak)
+        gib(cuda.memory().peak),
+        gib(cuda.device_memory_used()?),
+        peak_rss_gib(),
     );
     Ok(())
+}
+
+/// The process's peak resident set (VmHWM) in GiB, 0 where /proc is not there.
+fn peak_rss_gib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / (1 << 20) as f64)
 }

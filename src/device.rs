@@ -430,3 +430,87 @@ impl Storage {
         on_storage!(self, s => s.to_host(l))
     }
 }
+
+/// A storage's values kept in host memory while its device buffer is released (block
+/// streaming): page-locked memory for a GPU, a plain copy for the CPU backend.
+pub(crate) enum HostCopy {
+    #[cfg(feature = "cpu-ref")]
+    Cpu(CpuStorage),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::PinnedBuf),
+}
+
+impl HostCopy {
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostCopy::Cpu(s) => s.len() * s.dtype().size_in_bytes(),
+            #[cfg(feature = "cuda")]
+            HostCopy::Cuda(p) => p.bytes(),
+        }
+    }
+}
+
+/// What the compute work must wait for before reading an uploaded storage.
+pub(crate) enum Ticket {
+    /// Nothing (the CPU backend copies synchronously).
+    #[cfg_attr(not(feature = "cpu-ref"), allow(dead_code))]
+    Ready,
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::Upload),
+}
+
+impl Storage {
+    /// The first `len` elements copied to host memory (synchronously).
+    pub(crate) fn stash(&self, len: usize) -> Result<HostCopy> {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            Storage::Cpu(s) => {
+                use crate::backend::BackendStorage;
+                let l = Layout::contiguous(Shape::from(len));
+                Ok(HostCopy::Cpu(s.to_host(&l)?))
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => Ok(HostCopy::Cuda(s.dev.stash(s, len)?)),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Storage::None(n) => match *n {},
+        }
+    }
+}
+
+impl Device {
+    /// A new storage on this device holding `h`'s values, and what to wait for before reading
+    /// them (see `wait`).
+    pub(crate) fn upload(&self, h: &HostCopy) -> Result<(Storage, Ticket)> {
+        match (self, h) {
+            #[cfg(feature = "cpu-ref")]
+            (Device::Cpu, HostCopy::Cpu(s)) => Ok((Storage::Cpu(s.clone()), Ticket::Ready)),
+            #[cfg(feature = "cuda")]
+            (Device::Cuda(d), HostCopy::Cuda(p)) => {
+                let (s, u) = d.upload(p)?;
+                Ok((Storage::Cuda(s), Ticket::Cuda(u)))
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(crate::Error::DeviceMismatch {
+                op: "upload",
+                lhs: self.location(),
+                rhs: "a host copy made for another device".into(),
+            }),
+        }
+    }
+
+    /// Makes the device's compute work wait for an upload (on a GPU, without waiting on the
+    /// host).
+    pub(crate) fn wait(&self, t: &Ticket) -> Result<()> {
+        match (self, t) {
+            #[cfg(feature = "cuda")]
+            (Device::Cuda(d), Ticket::Cuda(u)) => d.wait(u),
+            _ => Ok(()),
+        }
+    }
+
+    /// A one-element storage of `dtype`: what a released streamed tensor holds.
+    pub(crate) fn placeholder(&self, dtype: DType) -> Result<Storage> {
+        on_device!(self, d => d.full(&Shape::from(1), dtype, 0.0))
+    }
+}

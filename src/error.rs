@@ -59,6 +59,8 @@ pub enum Error {
         count: usize,
         shape: Shape,
     },
+    #[error("streaming: {0}")]
+    Stream(String),
     #[error("autograd: {0}")]
     Autograd(String),
     #[error("{path}: {source}")]

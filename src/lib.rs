@@ -14,6 +14,7 @@ pub mod nn;
 pub mod optim;
 pub mod safetensors;
 mod shape;
+pub mod stream;
 mod tensor;
 pub mod train;
 

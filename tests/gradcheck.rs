@@ -829,7 +829,26 @@ fn all_cases() -> Vec<Case> {
     v.extend(random_cases());
     v.extend(window_cases());
     v.extend(attention::cases(&mut Inputs(9000)));
+    v.extend(checkpoint_cases());
     v
+}
+
+/// Checkpointed functions (a custom node and its outputs): the backward re-runs them.
+fn checkpoint_cases() -> Vec<Case> {
+    use flame::autograd::checkpoint;
+    let mut g = Inputs(12000);
+    vec![Case::new(
+        "checkpoint of two outputs over two inputs",
+        vec![g.n([3, 4]), g.n([4, 2])],
+        |x| {
+            let out = checkpoint(&[x[0].clone(), x[1].clone()], |xs| {
+                let h = xs[0].matmul(&xs[1])?.tanh()?;
+                Ok(vec![h.mul(&h)?, xs[0].sin()?])
+            })?;
+            out[0].sum_all()?.add(&out[1].mul(&x[0])?.sum_all()?)
+        },
+    )
+    .expect(&["checkpoint", "custom_output"])]
 }
 
 // ----- tests ----------------------------------------------------------------------------------

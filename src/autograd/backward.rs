@@ -25,9 +25,14 @@ fn lock(t: &Tensor) -> Result<Option<std::sync::MutexGuard<'_, Option<Op>>>> {
 
 /// Tensors reachable from `root` through recorded ops, each after all tensors that use it.
 pub(crate) fn tape(root: &Tensor) -> Result<Vec<Tensor>> {
+    tape_of(std::slice::from_ref(root))
+}
+
+/// Like `tape` from several roots.
+fn tape_of(roots: &[Tensor]) -> Result<Vec<Tensor>> {
     let mut order = Vec::new();
     let mut seen = HashSet::new();
-    let mut stack = vec![(root.clone(), false)];
+    let mut stack: Vec<(Tensor, bool)> = roots.iter().rev().map(|r| (r.clone(), false)).collect();
     while let Some((t, expanded)) = stack.pop() {
         if expanded {
             order.push(t);
@@ -82,6 +87,12 @@ impl Tensor {
     }
 
     fn backward_impl(&self, seed: Option<Tensor>, grads: &mut Grads, retain: bool) -> Result<()> {
+        let seed = self.seed(seed)?;
+        backward_from(vec![(self.clone(), seed)], grads, retain)
+    }
+
+    /// d(loss)/d(self) checked against self, or ones for a single-element self.
+    fn seed(&self, seed: Option<Tensor>) -> Result<Tensor> {
         if !self.requires_grad() {
             return Err(Error::Autograd(format!(
                 "backward from a tensor that does not require grad (shape {})",
@@ -89,7 +100,7 @@ impl Tensor {
             )));
         }
         let _g = no_grad();
-        let seed = match seed {
+        Ok(match seed {
             Some(g) if g.shape() == self.shape() => g.to_dtype(self.dtype())?,
             Some(g) => {
                 return Err(Error::ShapeMismatch {
@@ -105,15 +116,39 @@ impl Tensor {
                 self.shape()
             )))
             }
-        };
-        let order = tape(self)?;
-        let mut pending: HashMap<TensorId, Tensor> = HashMap::from([(self.id(), seed)]);
+        })
+    }
+}
+
+/// Backward from several tensors at once, each with its d(loss)/d(tensor) (shapes checked
+/// by the caller), adding leaf gradients into `grads`.
+pub(crate) fn backward_from(
+    seeds: Vec<(Tensor, Tensor)>,
+    grads: &mut Grads,
+    retain: bool,
+) -> Result<()> {
+    {
+        let _g = no_grad();
+        let roots: Vec<Tensor> = seeds.iter().map(|(t, _)| t.clone()).collect();
+        let order = tape_of(&roots)?;
+        drop(roots);
+        // Each tensor's gradient contributions, in arrival order, summed when its turn
+        // comes (see `sum_contributions`).
+        let mut pending: HashMap<TensorId, Vec<Tensor>> = HashMap::new();
+        for (t, g) in seeds {
+            pending.entry(t.id()).or_default().push(g);
+        }
+        // Gradients of a custom node's outputs, gathered until the node's turn.
+        let mut outputs: HashMap<TensorId, Vec<Option<Tensor>>> = HashMap::new();
         // The tape is consumed: once a node's VJP has run (and, without retain_graph, its op
         // with the tensors it saved is dropped), the tape's handle goes too, so activations
         // are freed as the backward walks past them rather than at its end.
         for t in order {
             let t = &t;
-            let g = pending.remove(&t.id());
+            let g = match pending.remove(&t.id()) {
+                Some(parts) => Some(sum_contributions(parts)?),
+                None => None,
+            };
             if t.is_var() {
                 if let Some(g) = g {
                     grads.accumulate(t.id(), g)?;
@@ -126,25 +161,81 @@ impl Tensor {
                 (Some(o), _) | (None, Some(o)) => o,
                 (None, None) => return Err(freed()),
             };
-            let Some(g) = g else { continue };
-            for (input, gi) in vjp(op, t, &g)? {
+            let input_grads = match op {
+                Op::Custom { inputs, node } => {
+                    let Some(gs) = outputs.remove(&t.id()) else {
+                        continue;
+                    };
+                    let gis = node.backward(&gs, grads)?;
+                    if gis.len() != inputs.len() {
+                        return Err(Error::Autograd(format!(
+                            "custom node {} returned {} input gradients for {} inputs",
+                            node.name(),
+                            gis.len(),
+                            inputs.len()
+                        )));
+                    }
+                    inputs
+                        .iter()
+                        .zip(gis)
+                        .filter_map(|(x, gi)| gi.map(|gi| (x.clone(), gi)))
+                        .collect()
+                }
+                Op::Output { node, index, count } => {
+                    let Some(g) = g else { continue };
+                    let slots = outputs
+                        .entry(node.id())
+                        .or_insert_with(|| vec![None; *count]);
+                    let slot = slots.get_mut(*index).ok_or_else(|| {
+                        Error::Autograd(format!("custom output {index} of {count}"))
+                    })?;
+                    *slot = Some(match slot.take() {
+                        Some(prev) => prev.add(&g)?,
+                        None => g,
+                    });
+                    continue;
+                }
+                _ => {
+                    let Some(g) = g else { continue };
+                    vjp(op, t, &g)?
+                }
+            };
+            for (input, gi) in input_grads {
                 if !input.requires_grad() {
                     continue;
                 }
-                let gi = match pending.remove(&input.id()) {
-                    Some(prev) => prev.add(&gi)?,
-                    None => gi,
-                };
-                pending.insert(input.id(), gi);
+                pending.entry(input.id()).or_default().push(gi);
             }
         }
         Ok(())
     }
 }
 
+/// The sum of a tensor's gradient contributions, folded from the last to arrive:
+/// g1 + (g2 + (... + gn)). Contributions arrive in reverse execution order of the ops that
+/// used the tensor, so the ones a checkpointed block makes (which its node returns already
+/// summed, in the same fold) are grouped the same way with and without the checkpoint, and
+/// the sums agree bit for bit.
+fn sum_contributions(mut parts: Vec<Tensor>) -> Result<Tensor> {
+    let mut acc = parts
+        .pop()
+        .ok_or_else(|| Error::Autograd("internal: no gradient contribution".into()))?;
+    while let Some(g) = parts.pop() {
+        acc = g.add(&acc)?;
+    }
+    Ok(acc)
+}
+
 /// d(loss)/d(input) for each differentiable input of `op`, given `g` = d(loss)/d(out).
 fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
     Ok(match op {
+        // Handled by the backward loop, which gathers a custom node's output gradients.
+        Op::Custom { .. } | Op::Output { .. } => {
+            return Err(Error::Autograd(format!(
+                "internal: {} reached the per-op VJP",
+                op.kind()
+            )))
+        }
         Op::Unary(x, u) => {
             let gx = match *u {
                 UnaryOp::Neg => g.neg()?,

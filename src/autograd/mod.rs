@@ -5,7 +5,12 @@
 //! backward code. Gradients live in a `Grads` map keyed by tensor id, outside the tensors.
 
 mod backward;
+mod checkpoint;
+mod custom;
 pub mod gradcheck;
+
+pub use checkpoint::{checkpoint, checkpoint_with, next_draw, CheckpointHooks, Pass};
+pub use custom::{custom_op, CustomBackward};
 
 use crate::backend::{BinaryOp, NormKind, ReduceOp, UnaryOp, Window2d};
 use crate::{Tensor, TensorId};
@@ -84,6 +89,19 @@ pub(crate) enum Op {
         causal: bool,
         scale: f64,
     },
+    /// A node with its own backward (`CustomBackward`: checkpointed blocks, ...) over any
+    /// number of inputs and outputs. Its tensor has no storage; each output records `Output`.
+    /// The inputs are graph edges: the node saves what its backward needs itself.
+    Custom {
+        inputs: Vec<Tensor>,
+        node: std::sync::Arc<dyn CustomBackward>,
+    },
+    /// Output `index` of `count` of a custom node (the node's storage-less tensor).
+    Output {
+        node: Tensor,
+        index: usize,
+        count: usize,
+    },
 }
 
 /// Every kind of recorded op, by name; the CPU gradcheck suite must exercise each one.
@@ -133,6 +151,8 @@ pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "rope",
     "group_norm",
     "attention",
+    "checkpoint",
+    "custom_output",
 ];
 
 impl Op {
@@ -162,6 +182,8 @@ impl Op {
             Op::Rope { .. } => "rope",
             Op::GroupNorm { .. } => "group_norm",
             Op::Attention { .. } => "attention",
+            Op::Custom { node, .. } => node.name(),
+            Op::Output { .. } => "custom_output",
         }
     }
 
@@ -216,7 +238,8 @@ impl Op {
             | Op::Gather(a, b, _) => vec![a, b],
             Op::Where(m, t, f) => vec![m, t, f],
             Op::ScatterAdd(d, i, s, _) => vec![d, i, s],
-            Op::Cat(xs, _) => xs,
+            Op::Cat(xs, _) | Op::Custom { inputs: xs, .. } => xs,
+            Op::Output { node, .. } => vec![node],
         }
     }
 
@@ -251,14 +274,19 @@ impl Op {
             Op::Attention { q, k, v, .. } => vec![q, k, v],
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
             Op::Where(_, t, f) => vec![t, f],
-            Op::Cat(xs, _) => xs.iter().collect(),
+            Op::Cat(xs, _) | Op::Custom { inputs: xs, .. } => xs.iter().collect(),
             Op::ScatterAdd(d, _, s, _) => vec![d, s],
+            Op::Output { node, .. } => vec![node],
         }
     }
 }
 
 thread_local! {
     static NO_GRAD_DEPTH: Cell<u32> = const { Cell::new(0) };
+    /// While set, `record` records nothing and only notes (in `PROBE_HIT`) that it would
+    /// have: a checkpointed forward learns whether its outputs need a graph node.
+    static PROBING: Cell<bool> = const { Cell::new(false) };
+    static PROBE_HIT: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Whether ops on this thread are recorded (false inside a `no_grad` guard).
@@ -281,10 +309,61 @@ impl Drop for NoGradGuard {
     }
 }
 
+/// Recording on again (inside a `no_grad` region, such as the backward pass re-running a
+/// checkpointed block) until dropped; the previous state comes back then.
+pub(crate) struct EnableGradGuard {
+    depth: u32,
+    probing: bool,
+}
+
+pub(crate) fn enable_grad() -> EnableGradGuard {
+    EnableGradGuard {
+        depth: NO_GRAD_DEPTH.with(|d| d.replace(0)),
+        probing: PROBING.with(|p| p.replace(false)),
+    }
+}
+
+impl Drop for EnableGradGuard {
+    fn drop(&mut self) {
+        NO_GRAD_DEPTH.with(|d| d.set(self.depth));
+        PROBING.with(|p| p.set(self.probing));
+    }
+}
+
+/// Runs `f` recording nothing; returns its result and whether any op inside would have been
+/// recorded (some input of an op required grad).
+pub(crate) fn probe<R>(f: impl FnOnce() -> R) -> (R, bool) {
+    struct Restore(bool, bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            PROBING.with(|p| p.set(self.0));
+            PROBE_HIT.with(|h| h.set(self.1));
+        }
+    }
+    let restore = Restore(
+        PROBING.with(|p| p.replace(true)),
+        PROBE_HIT.with(|h| h.replace(false)),
+    );
+    let r = f();
+    let hit = PROBE_HIT.with(|h| h.get());
+    // An enclosing probe sees what this one saw.
+    let outer_hit = restore.1 || hit;
+    drop(restore);
+    PROBE_HIT.with(|h| h.set(outer_hit));
+    (r, hit)
+}
+
 /// The op to record for an output of `inputs`, built only if any input requires grad and
 /// recording is on: inference records nothing and builds nothing.
 pub(crate) fn record(inputs: &[&Tensor], op: impl FnOnce() -> Op) -> Option<Op> {
-    (grad_enabled() && inputs.iter().any(|t| t.requires_grad())).then(|| op().slim())
+    if !grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
+        return None;
+    }
+    if PROBING.with(|p| p.get()) {
+        PROBE_HIT.with(|h| h.set(true));
+        return None;
+    }
+    Some(op().slim())
 }
 
 /// `t` by value when `keep`, else its graph edge.
@@ -407,6 +486,11 @@ impl Op {
                 groups,
             },
             op @ Op::Attention { .. } => op,
+            Op::Custom { inputs, node } => Op::Custom {
+                inputs: inputs.into_iter().map(e).collect(),
+                node,
+            },
+            op @ Op::Output { .. } => op,
         }
     }
 }

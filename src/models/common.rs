@@ -55,3 +55,10 @@ impl FinalLayer {
         self.linear.forward(&x)
     }
 }
+
+/// A block's outputs (from `BlockExec::run`) as an array of their expected number.
+pub(crate) fn outputs<const N: usize>(v: Vec<Tensor>, what: &str) -> Result<[Tensor; N]> {
+    let n = v.len();
+    v.try_into()
+        .map_err(|_| Error::Autograd(format!("{what} gave {n} outputs, expected {N}")))
+}

@@ -211,7 +211,8 @@ impl Dropout {
         if !train || self.p == 0.0 {
             return Ok(x.clone());
         }
-        let k = self.calls.fetch_add(1, Ordering::Relaxed);
+        // Through the autograd's draw log, so a checkpointed block's re-run repeats the mask.
+        let k = crate::autograd::next_draw(&self.calls);
         // splitmix64 of (seed, call): independent streams per call.
         let z = mix64(self.seed ^ k.wrapping_mul(GOLDEN));
         let u = Tensor::rand(x.shape().clone(), x.dtype(), x.device(), z)?;

@@ -61,6 +61,9 @@ struct Shared {
     map: Option<KeyMap>,
     /// LoRA adapters planned for the layers built from this builder.
     adapters: Option<Arc<Adapters>>,
+    /// Streams the weights of its blocks: keys under a streamed block's prefix are kept in
+    /// host memory (see `crate::stream`).
+    streamer: Option<Arc<crate::stream::BlockStreamer>>,
     dtype: DType,
     device: Device,
     /// Every tensor handed out, by full key.
@@ -144,6 +147,7 @@ impl VarBuilder {
                 source,
                 map: None,
                 adapters: None,
+                streamer: None,
                 dtype,
                 device: device.clone(),
                 loaded: Mutex::new(BTreeMap::new()),
@@ -182,6 +186,33 @@ impl VarBuilder {
         Ok(VarBuilder {
             shared: Arc::new(Shared {
                 adapters: Some(adapters),
+                ..shared
+            }),
+            prefix,
+        })
+    }
+
+    /// The same source with the weights of `streamer`'s blocks kept in host memory: each key
+    /// under a streamed block's prefix is loaded, copied to host memory and handed out as a
+    /// released handle that the streamer fetches around the block's runs. Set before the
+    /// builder is shared.
+    pub fn with_streamer(self, streamer: Arc<crate::stream::BlockStreamer>) -> Result<Self> {
+        let prefix = self.prefix.clone();
+        let shared = Arc::try_unwrap(self.shared).map_err(|_| Error::Param {
+            key: String::new(),
+            file: None,
+            msg: "the streamer must be set before the builder is shared".into(),
+        })?;
+        if streamer.device() != &shared.device {
+            return Err(Error::DeviceMismatch {
+                op: "VarBuilder::with_streamer",
+                lhs: shared.device.location(),
+                rhs: streamer.device().location(),
+            });
+        }
+        Ok(VarBuilder {
+            shared: Arc::new(Shared {
+                streamer: Some(streamer),
                 ..shared
             }),
             prefix,
@@ -322,6 +353,7 @@ impl VarBuilder {
                 &self.shared.device,
                 h ^ seed,
             )?;
+            let t = self.place(&key, t)?;
             loaded.insert(key, t.clone());
             return Ok(t);
         }
@@ -394,8 +426,21 @@ impl VarBuilder {
             .lock()
             .map_err(|_| Error::Poisoned("parameter table"))?;
         used.extend(src.keys().iter().map(|k| k.to_string()));
+        let t = self.place(&key, t)?;
         loaded.insert(key, t.clone());
         Ok(t)
+    }
+
+    /// A loaded tensor where it lives: host memory for a streamed block's weight (the device
+    /// copy is dropped here), else as loaded.
+    fn place(&self, key: &str, t: Tensor) -> Result<Tensor> {
+        let Some(streamer) = &self.shared.streamer else {
+            return Ok(t);
+        };
+        match streamer.owner(key)? {
+            Some(block) => streamer.adopt(block, &t),
+            None => Ok(t),
+        }
     }
 
     fn missing(&self, key: &str, source_key: &str) -> Error {

@@ -136,6 +136,20 @@ impl Tensor {
         }))
     }
 
+    /// A storage-less tensor standing for a graph node (a custom op's node, whose outputs
+    /// are separate tensors): shape (), f32, recording `op`.
+    pub(crate) fn graph_node(op: Op, device: &Device) -> Tensor {
+        Tensor(Arc::new(Inner {
+            id: TensorId::new(),
+            storage: None,
+            layout: Layout::contiguous(Shape::default()),
+            dtype: DType::F32,
+            device: device.clone(),
+            grad_fn: Some(Arc::new(Mutex::new(Some(op)))),
+            is_var: AtomicBool::new(false),
+        }))
+    }
+
     pub fn from_vec<T: WithDType>(
         data: Vec<T>,
         shape: impl Into<Shape>,
@@ -340,9 +354,41 @@ impl Tensor {
     }
 
     pub(crate) fn storage(&self) -> Result<RwLockReadGuard<'_, Storage>> {
-        self.storage_arc()?
+        let s = self
+            .storage_arc()?
             .read()
-            .map_err(|_| Error::Poisoned("tensor storage"))
+            .map_err(|_| Error::Poisoned("tensor storage"))?;
+        let need = self.0.layout.offset() + self.0.layout.storage_span();
+        if need > s.len() {
+            return Err(Error::Stream(format!(
+                "a tensor of shape {} was read while its buffer holds {} elements: a streamed \
+                 weight used outside its block's fetch (see stream::BlockStreamer)",
+                self.shape(),
+                s.len()
+            )));
+        }
+        Ok(s)
+    }
+
+    /// Puts `new` behind this tensor and every view of its storage, returning the old
+    /// buffer (block streaming swaps a weight's device buffer in and out this way).
+    pub(crate) fn swap_storage(&self, new: Storage) -> Result<Storage> {
+        let mut s = self
+            .storage_arc()?
+            .write()
+            .map_err(|_| Error::Poisoned("tensor storage"))?;
+        Ok(std::mem::replace(&mut *s, new))
+    }
+
+    /// A tensor of this one's shape, dtype and device over `storage` (which may be smaller
+    /// than the shape while released: see `storage`).
+    pub(crate) fn with_storage(&self, storage: Storage) -> Tensor {
+        Self::view_of_storage(
+            Arc::new(RwLock::new(storage)),
+            Layout::contiguous(self.shape().clone()),
+            self.device().clone(),
+            None,
+        )
     }
 
     pub(crate) fn grad_fn(&self) -> Option<&Mutex<Option<Op>>> {

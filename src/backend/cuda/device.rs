@@ -34,6 +34,8 @@ struct Inner {
     /// or one per column tile), which the kernel that counts on them sets back to zero (work
     /// on the one stream never overlaps).
     done: OnceLock<CudaSlice<u32>>,
+    /// The stream of streaming copies (host.rs), made on first use.
+    copy: OnceLock<Arc<CudaStream>>,
 }
 
 /// How many completion counters `CudaDevice::done_counters` holds (16 KiB).
@@ -115,7 +117,7 @@ impl CudaDevice {
             )
             .map_err(cuda_err("reading the shared memory a block may use"))? as usize;
         keep_freed_memory_pooled(&ctx, ordinal)?;
-        let mem = Arc::new(Pool::new(format!("cuda:{ordinal}"), stream.clone(), limit));
+        let mem = Arc::new(Pool::new(ordinal, stream.clone(), limit));
         Ok(CudaDevice(Arc::new(Inner {
             ordinal,
             ctx,
@@ -129,6 +131,7 @@ impl CudaDevice {
             clusters: Mutex::new(HashMap::new()),
             mem,
             done: OnceLock::new(),
+            copy: OnceLock::new(),
         })))
     }
 
@@ -167,6 +170,24 @@ impl CudaDevice {
     }
 
     // ----- memory -------------------------------------------------------------------------
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.0.ctx
+    }
+
+    /// The stream that streaming copies run on (host.rs), made on first use.
+    pub(crate) fn copy_stream(&self) -> Result<&Arc<CudaStream>> {
+        if self.0.copy.get().is_none() {
+            let s = self
+                .0
+                .ctx
+                .new_stream()
+                .map_err(cuda_err("creating the copy stream"))?;
+            // A racing thread may have set it first; either stream serves.
+            let _ = self.0.copy.set(s);
+        }
+        self.0.copy.get().ok_or(Error::Poisoned("CUDA copy stream"))
+    }
 
     pub fn memory(&self) -> MemoryReport {
         self.0.mem.report()
@@ -229,6 +250,22 @@ impl CudaDevice {
             return Err(Error::Cuda(format!("cuMemGetInfo: {r:?}")));
         }
         Ok(total as u64)
+    }
+
+    /// Bytes of the GPU in use by every process, as the driver counts them (total - free):
+    /// what a smaller card would have to hold.
+    pub fn device_memory_used(&self) -> Result<u64> {
+        let (mut free, mut total) = (0usize, 0usize);
+        self.0
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context"))?;
+        // SAFETY: plain out-parameters.
+        let r = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(Error::Cuda(format!("cuMemGetInfo: {r:?}")));
+        }
+        Ok((total - free) as u64)
     }
 
     /// Bytes the driver's pool holds for this device (in use plus cached for reuse).
@@ -330,6 +367,15 @@ fn default_pool(ordinal: usize) -> Result<sys::CUmemoryPool> {
         return Err(Error::Cuda(format!("cuDeviceGetDefaultMemPool: {r:?}")));
     }
     Ok(pool)
+}
+
+/// Returns the driver pool's unused memory to the device (memory whose stream-ordered free
+/// has not completed yet stays).
+pub(super) fn trim_pool(ordinal: usize) {
+    if let Ok(pool) = default_pool(ordinal) {
+        // SAFETY: a valid pool handle; trimming only releases unused memory.
+        let _ = unsafe { sys::cuMemPoolTrimTo(pool, 0) };
+    }
 }
 
 fn pool_attribute(ordinal: usize, attr: sys::CUmemPool_attribute) -> Result<u64> {

@@ -13,6 +13,9 @@
 //! (FLAME_GPU_MEMORY_LIMIT or `set_memory_limit`), so a run can prove it fits a smaller card;
 //! and the bytes the cache holds (`cached`), which `empty_cache` returns to the driver's pool.
 //! When the driver runs out of memory, the cache is emptied and the request tried once more.
+//! Under a cap, the cache and the driver's pool are emptied whenever a new buffer would take
+//! in-use plus cached bytes past the cap, so the device memory the process holds stays near
+//! the cap (the proof that a run fits a smaller card).
 
 use crate::{Error, Result};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DeviceRepr};
@@ -43,6 +46,7 @@ pub struct MemoryReport {
 /// The free lists and counters of one device, shared by every buffer made on it.
 pub(crate) struct Pool {
     device: String,
+    ordinal: usize,
     stream: Arc<CudaStream>,
     free: Mutex<HashMap<u64, Vec<sys::CUdeviceptr>>>,
     in_use: AtomicU64,
@@ -92,9 +96,10 @@ impl<T> Drop for DevBuf<T> {
 }
 
 impl Pool {
-    pub(crate) fn new(device: String, stream: Arc<CudaStream>, limit: u64) -> Pool {
+    pub(crate) fn new(ordinal: usize, stream: Arc<CudaStream>, limit: u64) -> Pool {
         Pool {
-            device,
+            device: format!("cuda:{ordinal}"),
+            ordinal,
             stream,
             free: Mutex::new(HashMap::new()),
             in_use: AtomicU64::new(0),
@@ -152,6 +157,17 @@ impl Pool {
             .lock()
             .ok()
             .and_then(|mut free| free.get_mut(&bytes).and_then(Vec::pop));
+        // Under a cap, the memory the process holds (buffers in use plus the cache) stays
+        // within it too: when a new buffer would pass it, the cache goes back to the driver
+        // and the driver's pool is trimmed, so a capped run proves what a smaller card holds.
+        if reused.is_none()
+            && limit != u64::MAX
+            && (in_use + bytes).saturating_add(self.cached.load(Ordering::Relaxed)) > limit
+        {
+            self.empty();
+            self.stream.synchronize().ok();
+            super::device::trim_pool(self.ordinal);
+        }
         let slice = match reused {
             Some(ptr) => {
                 self.cached.fetch_sub(bytes, Ordering::Relaxed);

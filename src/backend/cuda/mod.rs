@@ -7,6 +7,7 @@ mod conv;
 mod device;
 mod fused;
 mod group_norm;
+mod host;
 mod index;
 mod layout;
 mod matmul;
@@ -20,6 +21,7 @@ pub(crate) mod ptx {
 }
 
 pub use device::CudaDevice;
+pub(crate) use host::{PinnedBuf, Upload};
 pub use memory::MemoryReport;
 pub use storage::CudaStorage;
 

@@ -76,6 +76,15 @@ impl FluxConfig {
     }
 
     /// Checks the sizes fit together.
+    /// The blocks' key prefixes in execution order (what `BlockExec` and `BlockStreamer`
+    /// name them by): `double_blocks.0..depth`, then `single_blocks.0..depth_single_blocks`.
+    pub fn block_prefixes(&self) -> Vec<String> {
+        (0..self.depth)
+            .map(|i| format!("double_blocks.{i}"))
+            .chain((0..self.depth_single_blocks).map(|i| format!("single_blocks.{i}")))
+            .collect()
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::Config { path: None, msg });
         if self.num_heads == 0 || self.hidden_size % self.num_heads != 0 {

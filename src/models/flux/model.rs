@@ -2,11 +2,12 @@
 //! D hidden, H heads, E head dim (D = H E).
 
 use super::FluxConfig;
-use crate::models::common::{merge_heads, split_qkv, FinalLayer, EPS};
+use crate::models::common::{merge_heads, outputs, split_qkv, FinalLayer, EPS};
 use crate::nn::{
     scaled_dot_product_attention, timestep_embedding, EmbedNd, Linear, Modulation, RmsNorm,
     VarBuilder,
 };
+use crate::stream::BlockExec;
 use crate::{Error, Result, Tensor};
 
 /// Timestep and guidance embeddings: 256 sinusoidal channels (BFL `timestep_embedding`,
@@ -205,6 +206,9 @@ pub struct Flux {
     pub single_blocks: Vec<SingleStreamBlock>,
     pub final_layer: FinalLayer,
     pe_embedder: EmbedNd,
+    /// How the blocks run: resident, checkpointed or streamed (`FluxConfig::block_prefixes`
+    /// names them).
+    pub exec: BlockExec,
 }
 
 impl Flux {
@@ -233,6 +237,7 @@ impl Flux {
                 theta: cfg.theta,
                 axes_dim: cfg.axes_dim.clone(),
             },
+            exec: BlockExec::default(),
         })
     }
 
@@ -286,13 +291,31 @@ impl Flux {
         let pe = self.pe_embedder.forward(&ids)?;
         let mut img = self.img_in.forward(img)?;
         let mut txt = self.txt_in.forward(txt)?;
-        for block in &self.double_blocks {
-            (img, txt) = block.forward(&img, &txt, &vec, &pe)?;
+        let depth = self.double_blocks.len();
+        for (i, block) in self.double_blocks.iter().enumerate() {
+            let b = block.clone();
+            let out = self.exec.run(
+                &format!("double_blocks.{i}"),
+                i,
+                &[img, txt, vec.clone(), pe.clone()],
+                move |xs| {
+                    let (img, txt) = b.forward(&xs[0], &xs[1], &xs[2], &xs[3])?;
+                    Ok(vec![img, txt])
+                },
+            )?;
+            [img, txt] = outputs::<2>(out, "flux double block")?;
         }
         let t_len = txt.dims()[1];
         let mut x = Tensor::cat(&[&txt, &img], 1)?;
-        for block in &self.single_blocks {
-            x = block.forward(&x, &vec, &pe)?;
+        for (i, block) in self.single_blocks.iter().enumerate() {
+            let b = block.clone();
+            let out = self.exec.run(
+                &format!("single_blocks.{i}"),
+                depth + i,
+                &[x, vec.clone(), pe.clone()],
+                move |xs| Ok(vec![b.forward(&xs[0], &xs[1], &xs[2])?]),
+            )?;
+            [x] = outputs::<1>(out, "flux single block")?;
         }
         let img = x.narrow(1, t_len, img.dims()[1])?;
         self.final_layer.forward(&img, &vec)

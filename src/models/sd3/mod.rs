@@ -79,6 +79,13 @@ impl Sd3Config {
         (self.hidden_size as f64 * self.mlp_ratio) as usize
     }
 
+    /// The blocks' key prefixes in execution order: `joint_blocks.0..depth`.
+    pub fn block_prefixes(&self) -> Vec<String> {
+        (0..self.depth)
+            .map(|i| format!("joint_blocks.{i}"))
+            .collect()
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::Config { path: None, msg });
         if self.num_heads == 0 || self.hidden_size % self.num_heads != 0 {

@@ -7,6 +7,7 @@ use crate::nn::{
     scaled_dot_product_attention, timestep_embedding, Conv2d, Conv2dConfig, Linear, RmsNorm,
     VarBuilder,
 };
+use crate::stream::BlockExec;
 use crate::{Error, Result, Tensor};
 
 /// Sinusoidal timestep channels (Stability `TimestepEmbedder`, frequency_embedding_size 256,
@@ -227,6 +228,8 @@ pub struct Sd3 {
     context_embedder: Linear,
     pub joint_blocks: Vec<JointBlock>,
     final_layer: FinalLayer,
+    /// How the joint blocks run (`Sd3Config::block_prefixes` names them).
+    pub exec: BlockExec,
 }
 
 impl Sd3 {
@@ -254,6 +257,7 @@ impl Sd3 {
                 .map(|i| JointBlock::new(&vb.pp("joint_blocks").pp(i), cfg, i))
                 .collect::<Result<_>>()?,
             final_layer: FinalLayer::new(&vb.pp("final_layer"), d, p * p * cfg.out_channels)?,
+            exec: BlockExec::default(),
         })
     }
 
@@ -309,10 +313,27 @@ impl Sd3 {
             .add(&self.y_embedder.forward(y)?)?;
         let mut context = Some(self.context_embedder.forward(context)?);
         let mut x = tokens;
-        for block in &self.joint_blocks {
+        for (i, block) in self.joint_blocks.iter().enumerate() {
             let ctx = context
                 .ok_or_else(|| Error::invalid("sd3", "a pre-only block is not last", x.shape()))?;
-            (context, x) = block.forward(&ctx, &x, &c)?;
+            let b = block.clone();
+            let out = self.exec.run(
+                &format!("joint_blocks.{i}"),
+                i,
+                &[ctx, x, c.clone()],
+                move |xs| {
+                    let (context, x) = b.forward(&xs[0], &xs[1], &xs[2])?;
+                    Ok(match context {
+                        Some(context) => vec![x, context],
+                        None => vec![x],
+                    })
+                },
+            )?;
+            let mut out = out.into_iter();
+            x = out
+                .next()
+                .ok_or_else(|| Error::Autograd("sd3 joint block gave no output".into()))?;
+            context = out.next();
         }
         let out = self.final_layer.forward(&x, &c)?;
         let co = self.config.out_channels;

@@ -82,6 +82,19 @@ impl SdxlConfig {
         4 * self.model_channels
     }
 
+    /// The blocks' key prefixes in execution order (what `BlockExec` and `BlockStreamer`
+    /// name them by): `input_blocks.1..`, `middle_block`, `output_blocks.0..`.
+    pub fn block_prefixes(&self) -> Vec<String> {
+        let levels = self.levels();
+        let inputs = levels * self.num_res_blocks + levels.saturating_sub(1);
+        let outputs = levels * (self.num_res_blocks + 1);
+        (1..=inputs)
+            .map(|i| format!("input_blocks.{i}"))
+            .chain(std::iter::once("middle_block".to_string()))
+            .chain((0..outputs).map(|i| format!("output_blocks.{i}")))
+            .collect()
+    }
+
     /// Checks the sizes fit together.
     pub fn validate(&self) -> Result<()> {
         let l = self.levels();

@@ -3,7 +3,9 @@
 
 use super::blocks::{Downsample, ResBlock, SpatialTransformer, Upsample, RESNET_EPS};
 use super::SdxlConfig;
+use crate::models::common::outputs;
 use crate::nn::{timestep_embedding, Conv2d, Conv2dConfig, GroupNorm, Linear, VarBuilder};
+use crate::stream::BlockExec;
 use crate::{Error, Result, Tensor};
 
 /// Sinusoidal timestep embedding: max period 10000, cos first, no frequency shift (sgm
@@ -68,6 +70,8 @@ pub struct Unet {
     pub output_blocks: Vec<OutputBlock>,
     pub norm_out: GroupNorm,
     pub conv_out: Conv2d,
+    /// How the blocks run (`SdxlConfig::block_prefixes` names them).
+    pub exec: BlockExec,
 }
 
 fn conv3x3(vb: &VarBuilder, cin: usize, cout: usize) -> Result<Conv2d> {
@@ -159,6 +163,7 @@ impl Unet {
             output_blocks,
             norm_out: GroupNorm::new(&vb.pp("out").pp(0), g, ch, RESNET_EPS, true)?,
             conv_out: conv3x3(&vb.pp("out").pp(2), ch, cfg.out_channels)?,
+            exec: BlockExec::default(),
         })
     }
 
@@ -228,21 +233,43 @@ impl Unet {
 
         let mut h = self.conv_in.forward(x)?;
         let mut hs = vec![h.clone()];
-        for block in &self.input_blocks {
-            h = match block {
-                InputBlock::Res(layer) => {
-                    let h = layer.res.forward(&h, &emb)?;
-                    match &layer.attn {
-                        Some(a) => a.forward(&h, &context)?,
-                        None => h,
-                    }
-                }
-                InputBlock::Down(d) => d.forward(&h)?,
-            };
+        let mut index = 0;
+        for (i, block) in self.input_blocks.iter().enumerate() {
+            let b = block.clone();
+            let out = self.exec.run(
+                &format!("input_blocks.{}", i + 1),
+                index,
+                &[h, emb.clone(), context.clone()],
+                move |xs| {
+                    Ok(vec![match &b {
+                        InputBlock::Res(layer) => {
+                            let h = layer.res.forward(&xs[0], &xs[1])?;
+                            match &layer.attn {
+                                Some(a) => a.forward(&h, &xs[2])?,
+                                None => h,
+                            }
+                        }
+                        InputBlock::Down(d) => d.forward(&xs[0])?,
+                    }])
+                },
+            )?;
+            index += 1;
+            [h] = outputs::<1>(out, "sdxl input block")?;
             hs.push(h.clone());
         }
-        let (r0, attn, r1) = &self.middle;
-        h = r1.forward(&attn.forward(&r0.forward(&h, &emb)?, &context)?, &emb)?;
+        let middle = self.middle.clone();
+        let out = self.exec.run(
+            "middle_block",
+            index,
+            &[h, emb.clone(), context.clone()],
+            move |xs| {
+                let (r0, attn, r1) = &middle;
+                let h = r0.forward(&xs[0], &xs[1])?;
+                Ok(vec![r1.forward(&attn.forward(&h, &xs[2])?, &xs[1])?])
+            },
+        )?;
+        index += 1;
+        [h] = outputs::<1>(out, "sdxl middle block")?;
         for (i, block) in self.output_blocks.iter().enumerate() {
             let skip = hs.pop().ok_or_else(|| {
                 Error::invalid(
@@ -251,21 +278,36 @@ impl Unet {
                     x.shape(),
                 )
             })?;
-            h = block.res.forward(&Tensor::cat(&[&h, &skip], 1)?, &emb)?;
-            if let Some(a) = &block.attn {
-                h = a.forward(&h, &context)?;
-            }
-            if let Some(up) = &block.up {
-                // The size of the skip the next block joins: 2x unless a size was odd there.
-                let next = hs.last().ok_or_else(|| {
-                    Error::invalid(
+            // The size of the skip the next block joins: 2x unless a size was odd there.
+            let next = match (&block.up, hs.last()) {
+                (None, _) => None,
+                (Some(_), Some(n)) => Some((n.dims()[2], n.dims()[3])),
+                (Some(_), None) => {
+                    return Err(Error::invalid(
                         "sdxl unet",
                         format!("no skip after output block {i}"),
                         x.shape(),
-                    )
-                })?;
-                h = up.forward(&h, (next.dims()[2], next.dims()[3]))?;
-            }
+                    ))
+                }
+            };
+            let b = block.clone();
+            let out = self.exec.run(
+                &format!("output_blocks.{i}"),
+                index,
+                &[h, skip, emb.clone(), context.clone()],
+                move |xs| {
+                    let mut h = b.res.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)?, &xs[2])?;
+                    if let Some(a) = &b.attn {
+                        h = a.forward(&h, &xs[3])?;
+                    }
+                    if let (Some(up), Some(size)) = (&b.up, next) {
+                        h = up.forward(&h, size)?;
+                    }
+                    Ok(vec![h])
+                },
+            )?;
+            index += 1;
+            [h] = outputs::<1>(out, "sdxl output block")?;
         }
         self.conv_out.forward(&self.norm_out.forward(&h)?.silu()?)
     }

@@ -1,0 +1,240 @@
+//! Gradient checkpointing (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+//! Cost"), built on the custom node (`custom.rs`): the forward runs a function without
+//! recording and keeps only its inputs; the backward runs it again, recording, and
+//! backpropagates through that re-run. Random draws repeat: modules that draw (dropout) take
+//! their draw numbers through `next_draw`, which the forward logs and the re-run replays, so
+//! the re-run computes the same values and the gradients equal those without checkpointing.
+//!
+//! `CheckpointHooks` bracket each run of the function: the forward pass and the backward's
+//! re-run plus backpropagation. Block streaming uses them to bring a block's weights to the
+//! GPU before either and to release them after (`crate::stream`).
+
+use super::custom::{custom_op, CustomBackward};
+use super::{backward::backward_from, enable_grad, no_grad, probe, Grads};
+use crate::{Error, Result, Tensor};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Which pass a checkpointed run belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// The forward: the function runs without recording.
+    Forward,
+    /// The backward: the function runs again, recording, and its graph is backpropagated.
+    Backward,
+}
+
+/// Called around each run of a checkpointed function.
+pub trait CheckpointHooks: Send + Sync {
+    /// Before the function runs in `pass`.
+    fn enter(&self, pass: Pass) -> Result<()>;
+    /// After the forward's run, or after the backward's re-run and its backpropagation.
+    fn exit(&self, pass: Pass) -> Result<()>;
+}
+
+/// The function a checkpoint re-runs: inputs -> outputs.
+type BlockFn = dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync;
+
+enum DrawMode {
+    /// Draws come from the counters and are logged.
+    Record(Vec<u64>),
+    /// Draws come from the log, in order.
+    Replay(Arc<Vec<u64>>, usize),
+}
+
+thread_local! {
+    static DRAWS: RefCell<Vec<DrawMode>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The next draw number of a module whose random draws count up in `counter` (dropout's
+/// call counter): `counter`'s next value, except inside a checkpoint's re-run, which gets
+/// the numbers its forward drew, in the same order.
+pub fn next_draw(counter: &AtomicU64) -> u64 {
+    DRAWS.with(|d| {
+        let mut d = d.borrow_mut();
+        match d.last_mut() {
+            Some(DrawMode::Replay(log, pos)) if *pos < log.len() => {
+                let k = log[*pos];
+                *pos += 1;
+                k
+            }
+            Some(DrawMode::Record(log)) => {
+                let k = counter.fetch_add(1, Ordering::Relaxed);
+                log.push(k);
+                k
+            }
+            _ => counter.fetch_add(1, Ordering::Relaxed),
+        }
+    })
+}
+
+/// Pushes a draw mode for the guard's life.
+struct DrawGuard;
+
+impl DrawGuard {
+    fn push(mode: DrawMode) -> DrawGuard {
+        DRAWS.with(|d| d.borrow_mut().push(mode));
+        DrawGuard
+    }
+
+    /// The log of a `Record` mode, popping it.
+    fn finish(self) -> Vec<u64> {
+        let log = DRAWS.with(|d| match d.borrow_mut().pop() {
+            Some(DrawMode::Record(log)) => log,
+            _ => Vec::new(),
+        });
+        std::mem::forget(self);
+        log
+    }
+}
+
+impl Drop for DrawGuard {
+    fn drop(&mut self) {
+        DRAWS.with(|d| d.borrow_mut().pop());
+    }
+}
+
+/// `f(inputs)`, checkpointed: nothing inside `f` is kept for the backward except `inputs`
+/// (and what `f` captured, such as parameters); the backward re-runs `f`. Parameters that
+/// `f` captures get their gradients as without checkpointing. Outside recording (inference,
+/// `no_grad`) this is `f(inputs)`.
+pub fn checkpoint<F>(inputs: &[Tensor], f: F) -> Result<Vec<Tensor>>
+where
+    F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'static,
+{
+    checkpoint_with(inputs, Arc::new(f), None)
+}
+
+/// `checkpoint` with hooks around each run of `f` (see `CheckpointHooks`).
+pub fn checkpoint_with(
+    inputs: &[Tensor],
+    f: Arc<BlockFn>,
+    hooks: Option<Arc<dyn CheckpointHooks>>,
+) -> Result<Vec<Tensor>> {
+    if !super::grad_enabled() {
+        return run_hooked(&hooks, Pass::Forward, || f(inputs));
+    }
+    let draws = DrawGuard::push(DrawMode::Record(Vec::new()));
+    let (outputs, needs_grad) = probe(|| run_hooked(&hooks, Pass::Forward, || f(inputs)));
+    let draws = draws.finish();
+    let outputs = outputs?;
+    if !needs_grad {
+        return Ok(outputs);
+    }
+    let saved = inputs
+        .iter()
+        .map(|x| (x.detach(), x.requires_grad()))
+        .collect();
+    let node = Arc::new(Checkpoint {
+        f,
+        hooks,
+        saved,
+        draws: Arc::new(draws),
+        shapes: outputs.iter().map(|t| t.shape().clone()).collect(),
+    });
+    custom_op(inputs, outputs, node, true)
+}
+
+fn run_hooked<R>(
+    hooks: &Option<Arc<dyn CheckpointHooks>>,
+    pass: Pass,
+    f: impl FnOnce() -> Result<R>,
+) -> Result<R> {
+    if let Some(h) = hooks {
+        h.enter(pass)?;
+    }
+    let r = f();
+    if let Some(h) = hooks {
+        let exited = h.exit(pass);
+        // The function's own error first; a hook's error only when the run succeeded.
+        let r = r?;
+        exited?;
+        return Ok(r);
+    }
+    r
+}
+
+struct Checkpoint {
+    f: Arc<BlockFn>,
+    hooks: Option<Arc<dyn CheckpointHooks>>,
+    /// The inputs' values (detached) and whether each needs a gradient.
+    saved: Vec<(Tensor, bool)>,
+    draws: Arc<Vec<u64>>,
+    shapes: Vec<crate::Shape>,
+}
+
+impl CustomBackward for Checkpoint {
+    fn name(&self) -> &'static str {
+        "checkpoint"
+    }
+
+    fn backward(
+        &self,
+        out_grads: &[Option<Tensor>],
+        grads: &mut Grads,
+    ) -> Result<Vec<Option<Tensor>>> {
+        run_hooked(&self.hooks, Pass::Backward, || {
+            self.rerun_backward(out_grads, grads)
+        })
+    }
+}
+
+impl Checkpoint {
+    fn rerun_backward(
+        &self,
+        out_grads: &[Option<Tensor>],
+        grads: &mut Grads,
+    ) -> Result<Vec<Option<Tensor>>> {
+        // Fresh leaves for the inputs that need gradients: the re-run's graph ends there, and
+        // their gradients are read back out of `grads` below.
+        let leaves = self
+            .saved
+            .iter()
+            .map(|(x, needs)| {
+                let leaf = x.detach();
+                if *needs {
+                    leaf.set_requires_grad(true)?;
+                }
+                Ok(leaf)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let outputs = {
+            let _rec = enable_grad();
+            let _draws = DrawGuard::push(DrawMode::Replay(self.draws.clone(), 0));
+            (self.f)(&leaves)?
+        };
+        if outputs.len() != out_grads.len() {
+            return Err(Error::Autograd(format!(
+                "a checkpointed function gave {} outputs on its re-run and {} on its forward",
+                outputs.len(),
+                out_grads.len()
+            )));
+        }
+        let mut seeds = Vec::new();
+        for ((out, g), shape) in outputs.into_iter().zip(out_grads).zip(&self.shapes) {
+            if out.shape() != shape {
+                return Err(Error::ShapeMismatch {
+                    op: "checkpoint re-run",
+                    lhs: shape.clone(),
+                    rhs: out.shape().clone(),
+                });
+            }
+            if let (Some(g), true) = (g, out.requires_grad()) {
+                let g = {
+                    let _g = no_grad();
+                    g.to_dtype(out.dtype())?
+                };
+                seeds.push((out, g));
+            }
+        }
+        if !seeds.is_empty() {
+            backward_from(seeds, grads, false)?;
+        }
+        Ok(leaves
+            .iter()
+            .zip(&self.saved)
+            .map(|(leaf, (_, needs))| if *needs { grads.remove(leaf) } else { None })
+            .collect())
+    }
+}

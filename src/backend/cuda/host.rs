@@ -1,0 +1,114 @@
+//! Page-locked host copies of device buffers and copies between them on the device's copy
+//! stream, for block streaming (`crate::stream`).
+//!
+//! Ownership and ordering (the invariants `crate::stream` relies on; README "Memory model"):
+//! - All compute runs on the device's one compute stream; copies for streaming run on its
+//!   copy stream. A buffer of the cache (memory.rs) is only ever handed out in compute-stream
+//!   order, so before a copy writes into a freshly allocated buffer, the copy stream waits
+//!   for the compute stream's work enqueued so far (an event): whatever last used that
+//!   memory has finished.
+//! - `upload` returns the buffer with the event of its copy; the compute stream must wait
+//!   on that event (`wait`) before any kernel reads the buffer, and before the buffer is
+//!   dropped (so it never returns to the cache while the copy may still write it).
+//! - A `PinnedBuf` is written once (`stash`, synchronously) and only read afterwards, so
+//!   copies from it need no ordering against the host.
+
+use super::storage::{Buf, CudaStorage};
+use super::{cuda_err, CudaDevice};
+use crate::{DType, Error, Result};
+use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
+
+/// A device buffer's bytes in page-locked host memory.
+pub struct PinnedBuf {
+    host: PinnedHostSlice<u8>,
+    dtype: DType,
+    len: usize,
+}
+
+impl std::fmt::Debug for PinnedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PinnedBuf({} x {})", self.len, self.dtype)
+    }
+}
+
+impl PinnedBuf {
+    pub fn bytes(&self) -> usize {
+        self.host.len()
+    }
+}
+
+/// The event of an upload: the buffer's values are there once the event has completed.
+pub struct Upload(CudaEvent);
+
+fn raw(buf: &Buf, dev: &CudaDevice) -> u64 {
+    buf.raw_ptr(dev.stream())
+}
+
+impl CudaDevice {
+    /// The first `len` elements of `s` copied to new page-locked host memory; returns when
+    /// the copy is done.
+    pub(crate) fn stash(&self, s: &CudaStorage, len: usize) -> Result<PinnedBuf> {
+        let dtype = s.buf.dtype();
+        if len > s.buf.len() {
+            return Err(Error::Cuda(format!(
+                "stash of {len} elements from a buffer of {}",
+                s.buf.len()
+            )));
+        }
+        let bytes = len * dtype.size_in_bytes();
+        // SAFETY: the memory is written whole by the copy below before it is read.
+        let mut host = unsafe { self.context().alloc_pinned::<u8>(bytes.max(1)) }.map_err(|e| {
+            Error::Cuda(format!("allocating {bytes} bytes of pinned memory: {e:?}"))
+        })?;
+        let stream = self.stream();
+        self.context()
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context"))?;
+        let dst = host
+            .as_mut_slice()
+            .map_err(cuda_err("reading the pinned buffer"))?;
+        // SAFETY: `dst` holds `bytes` bytes; the source buffer holds at least `bytes` bytes
+        // and stays alive (borrowed) until the synchronisation below.
+        unsafe {
+            result::memcpy_dtoh_async(&mut dst[..bytes], raw(&s.buf, self), stream.cu_stream())
+        }
+        .map_err(cuda_err("copying to pinned memory"))?;
+        stream.synchronize().map_err(cuda_err("synchronizing"))?;
+        Ok(PinnedBuf { host, dtype, len })
+    }
+
+    /// A new device buffer with `p`'s values, copied on the copy stream after the compute
+    /// stream's work so far; the values are there once the compute stream `wait`s on the
+    /// returned event.
+    pub(crate) fn upload(&self, p: &PinnedBuf) -> Result<(CudaStorage, Upload)> {
+        let storage = self.alloc_like(p.dtype, p.len)?;
+        let copy = self.copy_stream()?;
+        copy.join(self.stream())
+            .map_err(cuda_err("ordering the copy stream after compute"))?;
+        let bytes = p.len * p.dtype.size_in_bytes();
+        // SAFETY: the pinned memory is never written after `stash`; the destination holds
+        // `bytes` bytes and is not read before the compute stream waits on the event.
+        let src = unsafe { std::slice::from_raw_parts(host_ptr(&p.host)?, bytes) };
+        unsafe { result::memcpy_htod_async(raw(&storage.buf, self), src, copy.cu_stream()) }
+            .map_err(cuda_err("copying from pinned memory"))?;
+        let event = copy
+            .record_event(None)
+            .map_err(cuda_err("recording the copy's event"))?;
+        Ok((storage, Upload(event)))
+    }
+
+    /// The compute stream waits for an upload (no host wait).
+    pub(crate) fn wait(&self, u: &Upload) -> Result<()> {
+        self.stream()
+            .wait(&u.0)
+            .map_err(cuda_err("waiting for an upload"))
+    }
+}
+
+/// The host address of pinned memory, without the host-side synchronisation `as_slice` does
+/// (the buffer is only read by copies).
+fn host_ptr(p: &PinnedHostSlice<u8>) -> Result<*const u8> {
+    // `as_ptr` waits on the slice's event, which only copies through cudarc's own calls
+    // record; ours do not, so it returns at once.
+    p.as_ptr().map_err(cuda_err("reading the pinned buffer"))
+}

@@ -1,0 +1,80 @@
+//! Running a model's blocks within a memory budget: gradient checkpointing per block and
+//! block streaming ("block swap"), behind one small object the models call, [`BlockExec`].
+//!
+//! A model names its blocks by key prefix in execution order (`double_blocks.0`, ...,
+//! `single_blocks.37`) and runs each through `BlockExec::run(prefix, inputs, f)`. The exec
+//! decides per block:
+//! - **resident**: `f(inputs)`, everything kept for the backward as usual;
+//! - **checkpointed**: `autograd::checkpoint`: only the inputs are kept, the backward
+//!   re-runs `f`;
+//! - **streamed**: checkpointed, and the block's frozen weights live in host memory
+//!   (page-locked on a GPU). [`BlockStreamer`] copies them to the device before the block
+//!   runs (in the forward, and again for the backward's re-run), a few blocks ahead on a copy
+//!   stream so the copy overlaps the compute of the blocks before it, and releases them after.
+//!   Streaming needs the checkpoint: otherwise the tape would hold the weights until the
+//!   backward.
+//!
+//! A streamed weight is one `Tensor` handle throughout (the model keeps it in its `Linear`);
+//! only the buffer behind it changes: a one-element placeholder while released, the device
+//! copy while fetched. Reading a released weight is an error (`Error::Stream`), never
+//! garbage. The README's "Memory model" section states who owns which buffer on which
+//! stream.
+
+mod streamer;
+
+pub use streamer::{BlockStreamer, StreamReport};
+
+use crate::autograd::{checkpoint_with, CheckpointHooks};
+use crate::{Result, Tensor};
+use std::sync::Arc;
+
+/// Which blocks are checkpointed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Checkpointing {
+    /// None (streamed blocks still are).
+    #[default]
+    Off,
+    /// Every block.
+    All,
+    /// Every n-th block in execution order (0, n, 2n, ...).
+    Every(usize),
+}
+
+/// How a model runs its blocks (see the module docs). Cheap to clone; the default runs every
+/// block resident.
+#[derive(Clone, Debug, Default)]
+pub struct BlockExec {
+    pub checkpointing: Checkpointing,
+    pub streamer: Option<Arc<BlockStreamer>>,
+}
+
+impl BlockExec {
+    /// Every block checkpointed, nothing streamed.
+    pub fn checkpoint_all() -> Self {
+        BlockExec {
+            checkpointing: Checkpointing::All,
+            streamer: None,
+        }
+    }
+
+    /// Runs block `prefix`, the `index`-th in execution order, as `f(inputs)`.
+    pub fn run<F>(&self, prefix: &str, index: usize, inputs: &[Tensor], f: F) -> Result<Vec<Tensor>>
+    where
+        F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'static,
+    {
+        if let Some(hooks) = self.streamer.as_ref().and_then(|s| s.hooks_for(prefix)) {
+            let hooks: Arc<dyn CheckpointHooks> = hooks;
+            return checkpoint_with(inputs, Arc::new(f), Some(hooks));
+        }
+        let checkpointed = match self.checkpointing {
+            Checkpointing::Off => false,
+            Checkpointing::All => true,
+            Checkpointing::Every(n) => n > 0 && index % n == 0,
+        };
+        if checkpointed {
+            checkpoint_with(inputs, Arc::new(f), None)
+        } else {
+            f(inputs)
+        }
+    }
+}

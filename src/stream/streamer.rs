@@ -1,0 +1,292 @@
+//! The block streamer: frozen weights of chosen blocks kept in host memory and brought to
+//! the device around each use.
+
+use crate::autograd::{CheckpointHooks, Pass};
+use crate::device::{HostCopy, Storage, Ticket};
+use crate::{Device, Error, Result, Tensor};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Counters of a streamer since it was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamReport {
+    /// Blocks streamed.
+    pub blocks: usize,
+    /// Bytes of weights kept in host memory.
+    pub host_bytes: u64,
+    /// Block uploads started (each brings all of a block's weights).
+    pub uploads: u64,
+    /// Bytes copied to the device.
+    pub uploaded_bytes: u64,
+}
+
+struct Param {
+    /// The model's handle; its buffer is swapped in and out.
+    tensor: Tensor,
+    host: HostCopy,
+    /// The one-element buffer the tensor holds while released; `None` while the device copy
+    /// is in.
+    placeholder: Option<Storage>,
+}
+
+enum Residency {
+    Released,
+    /// Copies started, not yet waited for by the compute work.
+    InFlight(Vec<Ticket>),
+    Resident,
+}
+
+struct Block {
+    prefix: String,
+    params: Vec<Param>,
+    residency: Residency,
+}
+
+struct State {
+    blocks: Vec<Block>,
+    report: StreamReport,
+}
+
+/// Streams the frozen weights of a list of blocks (key prefixes, in execution order) between
+/// host memory and `device`: see the module docs of `crate::stream`.
+pub struct BlockStreamer {
+    device: Device,
+    prefetch: usize,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for BlockStreamer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.state.lock().map(|s| s.blocks.len()).unwrap_or(0);
+        write!(
+            f,
+            "BlockStreamer({n} blocks on {}, prefetch {})",
+            self.device.location(),
+            self.prefetch
+        )
+    }
+}
+
+impl BlockStreamer {
+    /// A streamer for the blocks named by `prefixes` (execution order), fetching up to
+    /// `prefetch` blocks ahead of the one running. Weights join it through `adopt` (the
+    /// `VarBuilder` does this for keys under a prefix: `VarBuilder::with_streamer`).
+    pub fn new(device: &Device, prefixes: Vec<String>, prefetch: usize) -> Arc<Self> {
+        let blocks = prefixes
+            .into_iter()
+            .map(|prefix| Block {
+                prefix,
+                params: vec![],
+                residency: Residency::Released,
+            })
+            .collect::<Vec<_>>();
+        let report = StreamReport {
+            blocks: blocks.len(),
+            ..Default::default()
+        };
+        Arc::new(BlockStreamer {
+            device: device.clone(),
+            prefetch,
+            state: Mutex::new(State { blocks, report }),
+        })
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        self.state
+            .lock()
+            .map_err(|_| Error::Poisoned("block streamer"))
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn report(&self) -> Result<StreamReport> {
+        Ok(self.lock()?.report)
+    }
+
+    /// The streamed block that parameter `key` belongs to (`<prefix>.<rest>`).
+    pub fn owner(&self, key: &str) -> Result<Option<usize>> {
+        Ok(self.lock()?.blocks.iter().position(|b| {
+            key.strip_prefix(b.prefix.as_str())
+                .is_some_and(|rest| rest.starts_with('.'))
+        }))
+    }
+
+    /// Takes parameter `t` of block `block` into host memory and returns the handle the
+    /// model keeps: same shape, dtype and device, its buffer released until the block is
+    /// fetched. `t`'s own device buffer is freed once the caller drops `t`.
+    pub fn adopt(&self, block: usize, t: &Tensor) -> Result<Tensor> {
+        if t.device() != &self.device {
+            return Err(Error::DeviceMismatch {
+                op: "stream adopt",
+                lhs: self.device.location(),
+                rhs: t.device().location(),
+            });
+        }
+        if t.requires_grad() {
+            return Err(Error::Stream(format!(
+                "a trainable tensor of shape {} cannot be streamed (only frozen weights are)",
+                t.shape()
+            )));
+        }
+        // Whole buffers only: the handle's layout is contiguous from offset 0.
+        let t = if t.is_contiguous() && t.layout().offset() == 0 {
+            t.clone()
+        } else {
+            let _g = crate::no_grad();
+            t.affine(1.0, 0.0)?
+        };
+        let host = {
+            let s = t.storage()?;
+            s.stash(t.layout().offset() + t.elem_count())?
+        };
+        let handle = t.with_storage(self.device.placeholder(t.dtype())?);
+        let mut st = self.lock()?;
+        st.report.host_bytes += host.bytes() as u64;
+        let b = st
+            .blocks
+            .get_mut(block)
+            .ok_or_else(|| Error::Stream(format!("no streamed block {block}")))?;
+        if !matches!(b.residency, Residency::Released) {
+            return Err(Error::Stream(format!(
+                "block {} took a new weight while fetched",
+                b.prefix
+            )));
+        }
+        // The handle holds its placeholder until the first fetch swaps it out.
+        b.params.push(Param {
+            tensor: handle.clone(),
+            host,
+            placeholder: None,
+        });
+        Ok(handle)
+    }
+
+    /// Hooks that fetch and release block `prefix` around a checkpointed run; `None` when
+    /// the block is not streamed.
+    pub(crate) fn hooks_for(self: &Arc<Self>, prefix: &str) -> Option<Arc<BlockHooks>> {
+        let index = self
+            .lock()
+            .ok()?
+            .blocks
+            .iter()
+            .position(|b| b.prefix == prefix)?;
+        Some(Arc::new(BlockHooks {
+            streamer: self.clone(),
+            index,
+        }))
+    }
+
+    /// Starts copying block `i`'s weights to the device, unless they are there or coming.
+    fn start(&self, st: &mut State, i: usize) -> Result<()> {
+        let Some(b) = st.blocks.get_mut(i) else {
+            return Ok(());
+        };
+        if !matches!(b.residency, Residency::Released) {
+            return Ok(());
+        }
+        let mut tickets = Vec::with_capacity(b.params.len());
+        let mut bytes = 0u64;
+        for p in &mut b.params {
+            let (storage, ticket) = self.device.upload(&p.host)?;
+            bytes += p.host.bytes() as u64;
+            p.placeholder = Some(p.tensor.swap_storage(storage)?);
+            tickets.push(ticket);
+        }
+        b.residency = Residency::InFlight(tickets);
+        st.report.uploads += 1;
+        st.report.uploaded_bytes += bytes;
+        Ok(())
+    }
+
+    /// Makes the compute work wait for block `i`'s copies.
+    fn wait(&self, st: &mut State, i: usize) -> Result<()> {
+        let Some(b) = st.blocks.get_mut(i) else {
+            return Ok(());
+        };
+        if let Residency::InFlight(tickets) = &b.residency {
+            for t in tickets {
+                self.device.wait(t)?;
+            }
+            b.residency = Residency::Resident;
+        }
+        Ok(())
+    }
+
+    /// Releases block `i`'s device copies (after the compute work waits for their copies, so
+    /// a buffer never returns to the cache while a copy may write it).
+    fn release(&self, st: &mut State, i: usize) -> Result<()> {
+        self.wait(st, i)?;
+        let Some(b) = st.blocks.get_mut(i) else {
+            return Ok(());
+        };
+        if !matches!(b.residency, Residency::Resident) {
+            return Ok(());
+        }
+        for p in &mut b.params {
+            let placeholder = match p.placeholder.take() {
+                Some(s) => s,
+                None => self.device.placeholder(p.tensor.dtype())?,
+            };
+            drop(p.tensor.swap_storage(placeholder)?);
+        }
+        b.residency = Residency::Released;
+        Ok(())
+    }
+
+    /// Brings block `i` in (and starts the next `prefetch` blocks in the pass's direction).
+    fn enter(&self, i: usize, pass: Pass) -> Result<()> {
+        let mut st = self.lock()?;
+        self.start(&mut st, i)?;
+        for k in 1..=self.prefetch {
+            let j = match pass {
+                Pass::Forward => i + k,
+                Pass::Backward => match i.checked_sub(k) {
+                    Some(j) => j,
+                    None => break,
+                },
+            };
+            self.start(&mut st, j)?;
+        }
+        self.wait(&mut st, i)
+    }
+
+    /// Releases block `i` after a run, except the block the next pass starts with: the last
+    /// one after the forward (the backward begins there), the first after the backward (the
+    /// next step's forward begins there).
+    fn exit(&self, i: usize, pass: Pass) -> Result<()> {
+        let mut st = self.lock()?;
+        let keep = match pass {
+            Pass::Forward => i + 1 == st.blocks.len(),
+            Pass::Backward => i == 0,
+        };
+        if keep {
+            return Ok(());
+        }
+        self.release(&mut st, i)
+    }
+
+    /// Releases every block (e.g. before sampling with another model, or at the end).
+    pub fn release_all(&self) -> Result<()> {
+        let mut st = self.lock()?;
+        for i in 0..st.blocks.len() {
+            self.release(&mut st, i)?;
+        }
+        Ok(())
+    }
+}
+
+/// The checkpoint hooks of one streamed block.
+pub(crate) struct BlockHooks {
+    streamer: Arc<BlockStreamer>,
+    index: usize,
+}
+
+impl CheckpointHooks for BlockHooks {
+    fn enter(&self, pass: Pass) -> Result<()> {
+        self.streamer.enter(self.index, pass)
+    }
+    fn exit(&self, pass: Pass) -> Result<()> {
+        self.streamer.exit(self.index, pass)
+    }
+}

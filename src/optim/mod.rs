@@ -1,6 +1,7 @@
 //! Optimizers over named parameters: [`Sgd`], [`Adam`] and [`AdamW`], with the semantics of
 //! PyTorch's `torch.optim.SGD`, `torch.optim.Adam` and `torch.optim.AdamW`
-//! (<https://pytorch.org/docs/stable/optim.html>).
+//! (<https://pytorch.org/docs/stable/optim.html>), and [`AdamW8bit`], AdamW with block-wise
+//! 8-bit moments as bitsandbytes' `AdamW8bit`.
 //!
 //! Conventions shared by every optimizer here:
 //! - Parameters are given as `(name, tensor)` pairs. Names are unique; each tensor is a float
@@ -18,11 +19,17 @@
 //!   (`"optimizer"`), its hyperparameters (`"lr"`, ...) and per-parameter step counts
 //!   (`"step.<param>"`). Floats are written in Rust's shortest round-trip form, so a saved and
 //!   reloaded optimizer continues bit for bit.
+//! - [`AdamW8bit`] departs from two of these on purpose: its moments are 8-bit codes (U32
+//!   tensors of packed codes plus F32 block maxima, saved as `<param>.exp_avg_codes`,
+//!   `<param>.exp_avg_absmax`, ...), and it takes f32, bf16 and f16 parameters only.
 
 mod adam;
+mod adam8bit;
 mod sgd;
 
+pub use crate::backend::quant8;
 pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
+pub use adam8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, QuantizedState};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::safetensors::SafeTensorsFile;

@@ -233,12 +233,15 @@ pub enum FusedOp {
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamW8bitStep {
+    /// Decay rate of the first moment.
     pub beta1: f32,
+    /// Decay rate of the second moment.
     pub beta2: f32,
     /// `1 - beta1`.
     pub one_minus_beta1: f32,
     /// `1 - beta2`.
     pub one_minus_beta2: f32,
+    /// Added to the bias-corrected sqrt(v).
     pub eps: f32,
     /// `1 - lr * weight_decay` (decoupled weight decay).
     pub decay: f32,

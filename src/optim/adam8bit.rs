@@ -156,7 +156,9 @@ impl AdamW8bitState {
     }
 }
 
-/// AdamW with block-wise 8-bit moment estimates (see the module doc).
+/// AdamW with block-wise 8-bit moment estimates (see the module doc). A gradient of another
+/// float dtype than its parameter's is cast to the parameter's before the step (PyTorch
+/// gradients always have their parameter's dtype).
 pub struct AdamW8bit {
     config: AdamW8bitConfig,
     params: ParamSet,
@@ -231,6 +233,7 @@ impl AdamW8bit {
         })
     }
 
+    /// The hyperparameters (the learning rate as last set).
     pub fn config(&self) -> &AdamW8bitConfig {
         &self.config
     }

@@ -44,9 +44,7 @@ use super::{
 };
 use crate::backend::quant8::{self, BLOCK, WORDS_PER_BLOCK};
 use crate::backend::AdamW8bitStep;
-use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Grads, Result, Tensor};
-use std::collections::HashMap;
 use std::path::Path;
 
 const NAME: &str = "AdamW8bit";
@@ -463,36 +461,20 @@ fn read_state(
     current: AdamW8bitConfig,
     path: &Path,
 ) -> Result<(AdamW8bitConfig, Vec<Option<AdamW8bitState>>)> {
-    let file = SafeTensorsFile::open(path)?;
-    let mut loaded = LoadedState {
-        metadata: file.metadata().clone(),
-        tensors: vec![HashMap::new(); params.len()],
-        path: path.display().to_string(),
+    let mut keys = HYPER_KEYS.to_vec();
+    keys.extend([BLOCK_SIZE_KEY, MIN_8BIT_KEY]);
+    // Codes and absmax are exactly U32 (blocks, 64) and F32 (blocks); f32 moments are read
+    // as AdamW reads them.
+    let exact = |suffix: &str, p: &Tensor| {
+        let nb = quant8::blocks(p.elem_count());
+        match suffix {
+            EXP_AVG_CODES | EXP_AVG_SQ_CODES => Some((DType::U32, vec![nb, WORDS_PER_BLOCK])),
+            EXP_AVG_ABSMAX | EXP_AVG_SQ_ABSMAX => Some((DType::F32, vec![nb])),
+            _ => None,
+        }
     };
-    let shown = loaded.path.clone();
-    let bad = |msg: String| opt_err(NAME, format!("state file {shown}: {msg}"));
-    match loaded.metadata.get("optimizer") {
-        Some(k) if k == KIND => {}
-        Some(k) => {
-            return Err(bad(format!(
-                "holds the state of optimizer kind '{k}', not '{KIND}'"
-            )))
-        }
-        None => return Err(bad("no \"optimizer\" kind in __metadata__".into())),
-    }
-    for key in loaded.metadata.keys() {
-        let known = key == "optimizer"
-            || key == BLOCK_SIZE_KEY
-            || key == MIN_8BIT_KEY
-            || HYPER_KEYS.contains(&key.as_str());
-        let step_of = key.strip_prefix("step.");
-        if !known && step_of.is_none_or(|p| params.lookup(p).is_none()) {
-            return Err(bad(format!(
-                "unexpected metadata key '{key}' (not a hyperparameter, nor the step of a \
-                 parameter of this optimizer)"
-            )));
-        }
-    }
+    let mut loaded = LoadedState::read_with(params, KIND, &SUFFIXES, &keys, true, &exact, path)?;
+    let bad = |msg: String| opt_err(NAME, format!("state file {}: {msg}", path.display()));
     let block: usize = loaded.parse(NAME, BLOCK_SIZE_KEY)?;
     if block != BLOCK {
         return Err(bad(format!(
@@ -504,48 +486,6 @@ fn read_state(
         amsgrad: current.amsgrad,
         min_8bit_size: loaded.parse(NAME, MIN_8BIT_KEY)?,
     };
-    for name in file.names() {
-        let found = SUFFIXES.iter().find_map(|s| {
-            name.strip_suffix(s)
-                .and_then(|rest| rest.strip_suffix('.'))
-                .map(|p| (p, *s))
-        });
-        let Some((pname, suffix)) = found else {
-            return Err(bad(format!(
-                "tensor '{name}' is not a state tensor of this optimizer (expected \
-                 <param>.{})",
-                SUFFIXES.join(" or <param>.")
-            )));
-        };
-        let Some((i, p)) = params.lookup(pname) else {
-            return Err(bad(format!(
-                "tensor '{name}' belongs to '{pname}', which is not a parameter of this \
-                 optimizer"
-            )));
-        };
-        let info = file
-            .info(name)
-            .ok_or_else(|| bad(format!("tensor '{name}' vanished from the header")))?;
-        let nb = quant8::blocks(p.elem_count());
-        let (dtype, dims) = match suffix {
-            EXP_AVG_CODES | EXP_AVG_SQ_CODES => (DType::U32, vec![nb, WORDS_PER_BLOCK]),
-            EXP_AVG_ABSMAX | EXP_AVG_SQ_ABSMAX => (DType::F32, vec![nb]),
-            _ => (DType::F32, p.dims().to_vec()),
-        };
-        if info.flame_dtype() != Some(dtype) || info.shape != dims {
-            return Err(bad(format!(
-                "tensor '{name}' is {} {:?}, expected {dtype} {dims:?} for parameter '{pname}' \
-                 of shape {}",
-                info.dtype,
-                info.shape,
-                p.shape()
-            )));
-        }
-        let t = file.load(name, p.device())?;
-        if let Some(slot) = loaded.tensors.get_mut(i) {
-            slot.insert(suffix, t);
-        }
-    }
     let per_param = std::mem::take(&mut loaded.tensors);
     let mut state = Vec::with_capacity(params.len());
     for ((name, p), mut t) in params.params.iter().zip(per_param) {

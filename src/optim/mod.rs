@@ -250,6 +250,10 @@ fn save_state_file(
     )
 }
 
+/// For a state tensor (suffix, parameter): the exact dtype and shape it must have, or `None`
+/// for a float tensor of the parameter's shape (see `LoadedState::read_with`).
+type ExactState = dyn Fn(&str, &Tensor) -> Option<(DType, Vec<usize>)>;
+
 /// A state file read and checked against an optimizer's parameters.
 struct LoadedState {
     metadata: BTreeMap<String, String>,
@@ -269,6 +273,21 @@ impl LoadedState {
         suffixes: &[&'static str],
         keys: &[&str],
         step_keys: bool,
+        path: &Path,
+    ) -> Result<Self> {
+        Self::read_with(params, kind, suffixes, keys, step_keys, &|_, _| None, path)
+    }
+
+    /// `read`, where `exact(suffix, param)` may instead require a tensor of exactly this dtype
+    /// and shape (loaded as it is): `None` keeps `read`'s rule (a float tensor of the
+    /// parameter's shape, loaded in its compute dtype).
+    fn read_with(
+        params: &ParamSet,
+        kind: &str,
+        suffixes: &[&'static str],
+        keys: &[&str],
+        step_keys: bool,
+        exact: &ExactState,
         path: &Path,
     ) -> Result<Self> {
         let optimizer = params.optimizer;
@@ -323,6 +342,22 @@ impl LoadedState {
             let info = file
                 .info(name)
                 .ok_or_else(|| bad(format!("tensor '{name}' vanished from the header")))?;
+            if let Some((dtype, dims)) = exact(suffix, p) {
+                if info.flame_dtype() != Some(dtype) || info.shape != dims {
+                    return Err(bad(format!(
+                        "tensor '{name}' is {} {:?}, expected {dtype} {dims:?} for parameter \
+                         '{pname}' of shape {}",
+                        info.dtype,
+                        info.shape,
+                        p.shape()
+                    )));
+                }
+                let t = file.load(name, p.device())?;
+                if let Some(slot) = tensors.get_mut(i) {
+                    slot.insert(suffix, t);
+                }
+                continue;
+            }
             if info.shape.as_slice() != p.dims() {
                 return Err(bad(format!(
                     "tensor '{name}' has shape {:?} but parameter '{pname}' has shape {}",

@@ -1,6 +1,6 @@
 //! GPU kernel throughput beside the device's measured copy ceiling (run on the GPU machine):
 //!   bandwidth ops at 256 MiB per input: achieved GB/s and % of device-to-device copy GB/s;
-//!   bf16 matmuls: TFLOP/s. benches/torch_kernels.py times PyTorch on the same shapes.
+//!   bf16 matmuls: TFLOP/s; an AdamW8bit step against AdamW's. benches/torch_kernels.py times PyTorch on the same shapes.
 //! Timed with the stream synchronised around `ITERS` launches after a warm-up.
 
 mod common;
@@ -67,6 +67,36 @@ fn main() -> Result<()> {
     let ah = a.to_dtype(DType::BF16)?;
     let bh = b.to_dtype(DType::BF16)?;
     report("add_bf16", 3 * 128 * MIB, time(cuda, || ah.add(&bh))?);
+
+    // One optimizer step of a bf16 parameter of 64 Mi values (one kernel launch for
+    // AdamW8bit): bytes counted as the kernel's reads and writes (p, g, p', two code bytes in
+    // and out; absmax is 1/64 of that) plus the assign of p' into p.
+    {
+        use flame::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
+        let p = a.to_dtype(DType::BF16)?.requires_grad_()?;
+        let mut grads = flame::Grads::new();
+        grads.insert(&p, bh.clone());
+        let c = AdamConfig::default();
+        let mut o8 = AdamW8bit::new(
+            vec![("p".into(), p.clone())],
+            AdamW8bitConfig {
+                adam: c,
+                ..Default::default()
+            },
+        )?;
+        report(
+            "adamw8bit_step_bf16",
+            n * (2 + 2 + 2 + 2 + 2 + 4),
+            time(cuda, || o8.step(&grads))?,
+        );
+        drop(o8);
+        let mut o32 = AdamW::new(vec![("p".into(), p.clone())], c)?;
+        let secs = time(cuda, || o32.step(&grads))?;
+        println!(
+            "flame adamw_step_bf16 (composite, f32 state) {:.3} ms",
+            secs * 1e3
+        );
+    }
 
     for (m, k, nn) in [(4096, 4096, 4096), (4608, 3072, 12288)] {
         let x = Tensor::randn((m, k), DType::BF16, &dev, 3)?;

@@ -39,6 +39,7 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
         assert_eq!(
             found,
             [
+                "adam8bit",
                 "attention",
                 "conv",
                 "elementwise",

@@ -86,7 +86,7 @@ pub(crate) fn reduction(op: ReduceOp, l: &Layout, dims: &[usize], dtype: DType) 
 /// Checks the operands of a fused op (count, dtypes, shapes) and returns its sizes:
 /// [rows, cols] for SoftmaxBackward and the norms' backwards, [B, L, D] for the modulations,
 /// [B, H, L, D, R] for Rope, [N, C, S, groups] for the group norms, [B, H, Lq, Lk, D] for
-/// attention.
+/// attention, [N, blocks] for AdamW8bit.
 pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
     use super::FusedOp as F;
     let name = op.name();
@@ -100,6 +100,7 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
         F::GroupNormBackward { weight, .. } => 4 + usize::from(weight),
         F::Attention { mask, .. } => 3 + usize::from(mask),
         F::AttentionBackward { mask, .. } => 6 + usize::from(mask),
+        F::AdamW8bit(_) => 7,
     };
     let Some(&(dt, x)) = args.first() else {
         return Err(Error::invalid(name, "no operands", &crate::Shape::from(())));
@@ -246,6 +247,24 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
                 expect(next, stats, &[d[0], lk])?;
             }
             vec![d[0], d[1], d[2], lk, d[3]]
+        }
+        F::AdamW8bit(_) => {
+            // Updates are computed in f32: an f64 parameter would lose its precision.
+            if dt == DType::F64 {
+                return Err(Error::UnsupportedDType {
+                    op: name,
+                    dtype: dt,
+                });
+            }
+            let n = x.elem_count();
+            let nb = super::quant8::blocks(n);
+            expect(1, dt, d)?;
+            expect(2, DType::F32, &[2, 256])?;
+            for state in [3, 5] {
+                expect(state, DType::U32, &[nb, super::quant8::WORDS_PER_BLOCK])?;
+                expect(state + 1, DType::F32, &[nb])?;
+            }
+            vec![n, nb]
         }
     })
 }

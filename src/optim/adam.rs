@@ -26,7 +26,7 @@ use std::path::Path;
 
 const EXP_AVG: &str = "exp_avg";
 const EXP_AVG_SQ: &str = "exp_avg_sq";
-const HYPER_KEYS: &[&str] = &["lr", "beta1", "beta2", "eps", "weight_decay"];
+pub(super) const HYPER_KEYS: &[&str] = &["lr", "beta1", "beta2", "eps", "weight_decay"];
 
 /// Hyperparameters of [`Adam`] and [`AdamW`]. The defaults are torch.optim.Adam's (lr 1e-3,
 /// betas (0.9, 0.999), eps 1e-8, weight_decay 0); note torch.optim.AdamW defaults
@@ -56,7 +56,7 @@ impl Default for AdamConfig {
 impl AdamConfig {
     /// torch.optim.Adam's checks: lr, eps and weight_decay >= 0, betas in [0, 1); plus
     /// finiteness.
-    fn validate(&self, optimizer: &'static str) -> Result<()> {
+    pub(super) fn validate(&self, optimizer: &'static str) -> Result<()> {
         check_at_least(optimizer, "learning rate", self.lr, 0.0)?;
         check_beta(optimizer, "beta1", self.beta1)?;
         check_beta(optimizer, "beta2", self.beta2)?;
@@ -64,7 +64,7 @@ impl AdamConfig {
         check_at_least(optimizer, "weight_decay", self.weight_decay, 0.0)
     }
 
-    fn to_metadata(self) -> Vec<(&'static str, String)> {
+    pub(super) fn to_metadata(self) -> Vec<(&'static str, String)> {
         vec![
             ("lr", self.lr.to_string()),
             ("beta1", self.beta1.to_string()),
@@ -74,7 +74,7 @@ impl AdamConfig {
         ]
     }
 
-    fn from_metadata(optimizer: &'static str, state: &LoadedState) -> Result<Self> {
+    pub(super) fn from_metadata(optimizer: &'static str, state: &LoadedState) -> Result<Self> {
         let c = AdamConfig {
             lr: state.parse(optimizer, "lr")?,
             beta1: state.parse(optimizer, "beta1")?,
@@ -192,7 +192,7 @@ impl<V: AdamVariant> AdamOptimizer<V> {
 
 /// Updates `p` from `grad`; the new state is stored in `state` only once the parameter has
 /// been written.
-fn update(
+pub(super) fn update(
     c: &AdamConfig,
     decoupled: bool,
     p: &Tensor,

@@ -1,6 +1,7 @@
 //! Optimizers over named parameters: [`Sgd`], [`Adam`] and [`AdamW`], with the semantics of
 //! PyTorch's `torch.optim.SGD`, `torch.optim.Adam` and `torch.optim.AdamW`
-//! (<https://pytorch.org/docs/stable/optim.html>).
+//! (<https://pytorch.org/docs/stable/optim.html>), and [`AdamW8bit`], AdamW with block-wise
+//! 8-bit moments as bitsandbytes' `AdamW8bit`.
 //!
 //! Conventions shared by every optimizer here:
 //! - Parameters are given as `(name, tensor)` pairs. Names are unique; each tensor is a float
@@ -18,11 +19,17 @@
 //!   (`"optimizer"`), its hyperparameters (`"lr"`, ...) and per-parameter step counts
 //!   (`"step.<param>"`). Floats are written in Rust's shortest round-trip form, so a saved and
 //!   reloaded optimizer continues bit for bit.
+//! - [`AdamW8bit`] departs from two of these on purpose: its moments are 8-bit codes (U32
+//!   tensors of packed codes plus F32 block maxima, saved as `<param>.exp_avg_codes`,
+//!   `<param>.exp_avg_absmax`, ...), and it takes f32, bf16 and f16 parameters only.
 
 mod adam;
+mod adam8bit;
 mod sgd;
 
+pub use crate::backend::quant8;
 pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
+pub use adam8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, QuantizedState};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::safetensors::SafeTensorsFile;
@@ -243,6 +250,10 @@ fn save_state_file(
     )
 }
 
+/// For a state tensor (suffix, parameter): the exact dtype and shape it must have, or `None`
+/// for a float tensor of the parameter's shape (see `LoadedState::read_with`).
+type ExactState = dyn Fn(&str, &Tensor) -> Option<(DType, Vec<usize>)>;
+
 /// A state file read and checked against an optimizer's parameters.
 struct LoadedState {
     metadata: BTreeMap<String, String>,
@@ -262,6 +273,21 @@ impl LoadedState {
         suffixes: &[&'static str],
         keys: &[&str],
         step_keys: bool,
+        path: &Path,
+    ) -> Result<Self> {
+        Self::read_with(params, kind, suffixes, keys, step_keys, &|_, _| None, path)
+    }
+
+    /// `read`, where `exact(suffix, param)` may instead require a tensor of exactly this dtype
+    /// and shape (loaded as it is): `None` keeps `read`'s rule (a float tensor of the
+    /// parameter's shape, loaded in its compute dtype).
+    fn read_with(
+        params: &ParamSet,
+        kind: &str,
+        suffixes: &[&'static str],
+        keys: &[&str],
+        step_keys: bool,
+        exact: &ExactState,
         path: &Path,
     ) -> Result<Self> {
         let optimizer = params.optimizer;
@@ -316,6 +342,22 @@ impl LoadedState {
             let info = file
                 .info(name)
                 .ok_or_else(|| bad(format!("tensor '{name}' vanished from the header")))?;
+            if let Some((dtype, dims)) = exact(suffix, p) {
+                if info.flame_dtype() != Some(dtype) || info.shape != dims {
+                    return Err(bad(format!(
+                        "tensor '{name}' is {} {:?}, expected {dtype} {dims:?} for parameter \
+                         '{pname}' of shape {}",
+                        info.dtype,
+                        info.shape,
+                        p.shape()
+                    )));
+                }
+                let t = file.load(name, p.device())?;
+                if let Some(slot) = tensors.get_mut(i) {
+                    slot.insert(suffix, t);
+                }
+                continue;
+            }
             if info.shape.as_slice() != p.dims() {
                 return Err(bad(format!(
                     "tensor '{name}' has shape {:?} but parameter '{pname}' has shape {}",

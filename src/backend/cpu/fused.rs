@@ -44,6 +44,10 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
     }
     let metas: Vec<_> = args.iter().map(|(s, l)| (s.dtype(), *l)).collect();
     let dims = validate::fused(op, &metas)?;
+    if let FusedOp::AdamW8bit(h) = &op {
+        // f32 arithmetic and u32 codes, not the f64 views below.
+        return super::adam8bit::step(h, args);
+    }
     let dt = args[0].0.dtype();
     let st = stats_dtype(dt);
     let v: Vec<Vec<f64>> = args.iter().map(|(s, l)| view(s, l)).collect();
@@ -253,6 +257,13 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
                 from_f64_vec(dk, dt),
                 from_f64_vec(dv, dt),
             ]
+        }
+        FusedOp::AdamW8bit(_) => {
+            return Err(crate::Error::invalid(
+                op.name(),
+                "internal: reached the f64 path",
+                &crate::Shape::from(()),
+            ))
         }
     })
 }

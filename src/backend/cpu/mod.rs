@@ -1,6 +1,7 @@
 //! The CPU reference backend: correct for every dtype (bf16/f16 computed in f32, sums
 //! accumulated in f64), multithreaded with rayon, matmul through the `gemm` crate.
 
+mod adam8bit;
 mod attention;
 mod conv;
 mod fused;

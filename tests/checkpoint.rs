@@ -295,6 +295,7 @@ fn flux_blocks_checkpointed_or_streamed_give_the_resident_gradients() {
 /// On a GPU: the streamed weights go through page-locked host memory, the copy stream and
 /// its events; the gradients must still equal the resident run's bit for bit (the same
 /// kernels on the same values).
+#[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a GPU (run with --include-ignored on the GPU machine)"]
 fn flux_blocks_streamed_on_cuda_give_the_resident_gradients() {

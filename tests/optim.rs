@@ -2,14 +2,14 @@
 //! formula written out in f64 here), state save/load, and error paths.
 #![cfg(feature = "cpu-ref")]
 
+mod common;
+use common::TempFile;
 use flame::optim::{
     Adam, AdamConfig, AdamOptimizer, AdamVariant, AdamW, Decoupled, Optimizer, Sgd, SgdConfig, L2,
 };
 use flame::{DType, Device, Error, Grads, Result, Tensor};
 use half::bf16;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 // ----- helpers ---------------------------------------------------------------------------
 
@@ -91,29 +91,6 @@ fn opt_err<T: std::fmt::Debug>(r: Result<T>) -> (&'static str, String) {
     match r {
         Err(Error::Optimizer { optimizer, msg }) => (optimizer, msg),
         other => panic!("expected Error::Optimizer, got {other:?}"),
-    }
-}
-
-/// A unique path in the temp dir, removed on drop.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(tag: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        TempFile(std::env::temp_dir().join(format!(
-            "flame-optim-test-{}-{tag}-{n}.safetensors",
-            std::process::id()
-        )))
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
     }
 }
 

@@ -3,41 +3,19 @@
 //! parameters, errors, and (ignored unless on a GPU) CUDA against the CPU reference.
 #![cfg(feature = "cpu-ref")]
 
+mod common;
+use common::TempFile;
 use flame::optim::{
     quant8, AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, AdamW8bitState, Optimizer,
 };
 use flame::{DType, Device, Error, Grads, Result, Tensor};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::Path;
 
 #[path = "optim8bit/gpu.rs"]
 mod gpu;
 
 // ----- helpers ---------------------------------------------------------------------------
-
-/// A unique path in the temp dir, removed on drop.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(tag: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        TempFile(std::env::temp_dir().join(format!(
-            "flame-optim8bit-test-{}-{tag}-{n}.safetensors",
-            std::process::id()
-        )))
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
 
 /// Deterministic pseudo-random numbers (64-bit LCG, Knuth's constants), uniform in [-1, 1).
 struct Lcg(u64);

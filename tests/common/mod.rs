@@ -183,3 +183,27 @@ impl Lcg {
         ((self.0 >> 33) % n as u64) as usize
     }
 }
+
+/// A unique path in the temp dir, removed on drop.
+pub struct TempFile(std::path::PathBuf);
+
+impl TempFile {
+    pub fn new(tag: &str) -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        TempFile(std::env::temp_dir().join(format!(
+            "flame-test-{}-{tag}-{n}.safetensors",
+            std::process::id()
+        )))
+    }
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}

@@ -479,23 +479,45 @@ impl Storage {
 }
 
 impl Device {
-    /// A new storage on this device holding `h`'s values, and what to wait for before reading
-    /// them (see `wait`).
-    pub(crate) fn upload(&self, h: &HostCopy) -> Result<(Storage, Ticket)> {
-        match (self, h) {
+    /// New storages on this device holding the values of `hs`, and what to wait for before
+    /// reading them (see `wait`).
+    pub(crate) fn upload(&self, hs: &[&HostCopy]) -> Result<(Vec<Storage>, Ticket)> {
+        let other = || crate::Error::DeviceMismatch {
+            op: "upload",
+            lhs: self.location(),
+            rhs: "a host copy made for another device".into(),
+        };
+        match self {
             #[cfg(feature = "cpu-ref")]
-            (Device::Cpu, HostCopy::Cpu(s)) => Ok((Storage::Cpu(s.clone()), Ticket::Ready)),
-            #[cfg(feature = "cuda")]
-            (Device::Cuda(d), HostCopy::Cuda(p)) => {
-                let (s, u) = d.upload(p)?;
-                Ok((Storage::Cuda(s), Ticket::Cuda(u)))
+            Device::Cpu => {
+                let storages = hs
+                    .iter()
+                    .map(|h| match h {
+                        HostCopy::Cpu(s) => Ok(Storage::Cpu(s.clone())),
+                        #[allow(unreachable_patterns)]
+                        _ => Err(other()),
+                    })
+                    .collect::<Result<_>>()?;
+                Ok((storages, Ticket::Ready))
             }
-            #[allow(unreachable_patterns)]
-            _ => Err(crate::Error::DeviceMismatch {
-                op: "upload",
-                lhs: self.location(),
-                rhs: "a host copy made for another device".into(),
-            }),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                let pinned = hs
+                    .iter()
+                    .map(|h| match h {
+                        HostCopy::Cuda(p) => Ok(p),
+                        #[allow(unreachable_patterns)]
+                        _ => Err(other()),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let (storages, u) = d.upload(&pinned)?;
+                Ok((
+                    storages.into_iter().map(Storage::Cuda).collect(),
+                    Ticket::Cuda(u),
+                ))
+            }
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Device::None(n) => match *n {},
         }
     }
 

@@ -127,88 +127,86 @@ pub(crate) fn backward_from(
     grads: &mut Grads,
     retain: bool,
 ) -> Result<()> {
-    {
-        let _g = no_grad();
-        let roots: Vec<Tensor> = seeds.iter().map(|(t, _)| t.clone()).collect();
-        let order = tape_of(&roots)?;
-        drop(roots);
-        // Each tensor's gradient contributions, in arrival order, summed when its turn
-        // comes (see `sum_contributions`).
-        let mut pending: HashMap<TensorId, Vec<Tensor>> = HashMap::new();
-        for (t, g) in seeds {
-            pending.entry(t.id()).or_default().push(g);
+    let _g = no_grad();
+    let roots: Vec<Tensor> = seeds.iter().map(|(t, _)| t.clone()).collect();
+    let order = tape_of(&roots)?;
+    drop(roots);
+    // Each tensor's gradient contributions, in arrival order, summed when its turn
+    // comes (see `sum_contributions`).
+    let mut pending: HashMap<TensorId, Vec<Tensor>> = HashMap::new();
+    for (t, g) in seeds {
+        pending.entry(t.id()).or_default().push(g);
+    }
+    // Gradients of a custom node's outputs, gathered until the node's turn.
+    let mut outputs: HashMap<TensorId, Vec<Option<Tensor>>> = HashMap::new();
+    // The tape is consumed: once a node's VJP has run (and, without retain_graph, its op
+    // with the tensors it saved is dropped), the tape's handle goes too, so activations
+    // are freed as the backward walks past them rather than at its end.
+    for t in order {
+        let t = &t;
+        let g = match pending.remove(&t.id()) {
+            Some(parts) => Some(sum_contributions(parts)?),
+            None => None,
+        };
+        if t.is_var() {
+            if let Some(g) = g {
+                grads.accumulate(t.id(), g)?;
+            }
+            continue;
         }
-        // Gradients of a custom node's outputs, gathered until the node's turn.
-        let mut outputs: HashMap<TensorId, Vec<Option<Tensor>>> = HashMap::new();
-        // The tape is consumed: once a node's VJP has run (and, without retain_graph, its op
-        // with the tensors it saved is dropped), the tape's handle goes too, so activations
-        // are freed as the backward walks past them rather than at its end.
-        for t in order {
-            let t = &t;
-            let g = match pending.remove(&t.id()) {
-                Some(parts) => Some(sum_contributions(parts)?),
-                None => None,
-            };
-            if t.is_var() {
-                if let Some(g) = g {
-                    grads.accumulate(t.id(), g)?;
+        let Some(mut guard) = lock(t)? else { continue };
+        let op = if retain { None } else { guard.take() };
+        let op = match (&op, guard.as_ref()) {
+            (Some(o), _) | (None, Some(o)) => o,
+            (None, None) => return Err(freed()),
+        };
+        let input_grads = match op {
+            Op::Custom { inputs, node } => {
+                let Some(gs) = outputs.remove(&t.id()) else {
+                    continue;
+                };
+                let gis = node.backward(&gs, grads)?;
+                if gis.len() != inputs.len() {
+                    return Err(Error::Autograd(format!(
+                        "custom node {} returned {} input gradients for {} inputs",
+                        node.name(),
+                        gis.len(),
+                        inputs.len()
+                    )));
                 }
+                inputs
+                    .iter()
+                    .zip(gis)
+                    .filter_map(|(x, gi)| gi.map(|gi| (x.clone(), gi)))
+                    .collect()
+            }
+            Op::Output { node, index, count } => {
+                let Some(g) = g else { continue };
+                let slots = outputs
+                    .entry(node.id())
+                    .or_insert_with(|| vec![None; *count]);
+                let slot = slots
+                    .get_mut(*index)
+                    .ok_or_else(|| Error::Autograd(format!("custom output {index} of {count}")))?;
+                *slot = Some(match slot.take() {
+                    Some(prev) => prev.add(&g)?,
+                    None => g,
+                });
                 continue;
             }
-            let Some(mut guard) = lock(t)? else { continue };
-            let op = if retain { None } else { guard.take() };
-            let op = match (&op, guard.as_ref()) {
-                (Some(o), _) | (None, Some(o)) => o,
-                (None, None) => return Err(freed()),
-            };
-            let input_grads = match op {
-                Op::Custom { inputs, node } => {
-                    let Some(gs) = outputs.remove(&t.id()) else {
-                        continue;
-                    };
-                    let gis = node.backward(&gs, grads)?;
-                    if gis.len() != inputs.len() {
-                        return Err(Error::Autograd(format!(
-                            "custom node {} returned {} input gradients for {} inputs",
-                            node.name(),
-                            gis.len(),
-                            inputs.len()
-                        )));
-                    }
-                    inputs
-                        .iter()
-                        .zip(gis)
-                        .filter_map(|(x, gi)| gi.map(|gi| (x.clone(), gi)))
-                        .collect()
-                }
-                Op::Output { node, index, count } => {
-                    let Some(g) = g else { continue };
-                    let slots = outputs
-                        .entry(node.id())
-                        .or_insert_with(|| vec![None; *count]);
-                    let slot = slots.get_mut(*index).ok_or_else(|| {
-                        Error::Autograd(format!("custom output {index} of {count}"))
-                    })?;
-                    *slot = Some(match slot.take() {
-                        Some(prev) => prev.add(&g)?,
-                        None => g,
-                    });
-                    continue;
-                }
-                _ => {
-                    let Some(g) = g else { continue };
-                    vjp(op, t, &g)?
-                }
-            };
-            for (input, gi) in input_grads {
-                if !input.requires_grad() {
-                    continue;
-                }
-                pending.entry(input.id()).or_default().push(gi);
+            _ => {
+                let Some(g) = g else { continue };
+                vjp(op, t, &g)?
             }
+        };
+        for (input, gi) in input_grads {
+            if !input.requires_grad() {
+                continue;
+            }
+            pending.entry(input.id()).or_default().push(gi);
         }
-        Ok(())
     }
+    Ok(())
 }
 
 /// The sum of a tensor's gradient contributions, folded from the last to arrive:

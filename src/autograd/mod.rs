@@ -331,25 +331,14 @@ impl Drop for EnableGradGuard {
 }
 
 /// Runs `f` recording nothing; returns its result and whether any op inside would have been
-/// recorded (some input of an op required grad).
+/// recorded (some input of an op required grad). An enclosing probe sees that too.
 pub(crate) fn probe<R>(f: impl FnOnce() -> R) -> (R, bool) {
-    struct Restore(bool, bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            PROBING.with(|p| p.set(self.0));
-            PROBE_HIT.with(|h| h.set(self.1));
-        }
-    }
-    let restore = Restore(
-        PROBING.with(|p| p.replace(true)),
-        PROBE_HIT.with(|h| h.replace(false)),
-    );
+    let probing = PROBING.with(|p| p.replace(true));
+    let outer_hit = PROBE_HIT.with(|h| h.replace(false));
     let r = f();
     let hit = PROBE_HIT.with(|h| h.get());
-    // An enclosing probe sees what this one saw.
-    let outer_hit = restore.1 || hit;
-    drop(restore);
-    PROBE_HIT.with(|h| h.set(outer_hit));
+    PROBING.with(|p| p.set(probing));
+    PROBE_HIT.with(|h| h.set(outer_hit || hit));
     (r, hit)
 }
 

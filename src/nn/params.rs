@@ -157,38 +157,44 @@ impl VarBuilder {
         }
     }
 
-    /// The same source read through a key map (model key -> source keys), with nothing loaded
-    /// yet. Model code keeps one set of key paths; each checkpoint layout brings its map.
-    pub fn with_key_map(self, map: KeyMap) -> Result<Self> {
+    /// The builder with its shared part changed by `f`, allowed only while no clone of it
+    /// exists (`what` names the setting in the error).
+    fn with_shared(self, what: &str, f: impl FnOnce(Shared) -> Result<Shared>) -> Result<Self> {
+        let prefix = self.prefix;
         let shared = Arc::try_unwrap(self.shared).map_err(|_| Error::Param {
             key: String::new(),
             file: None,
-            msg: "a key map must be set before the builder is shared".into(),
+            msg: format!("{what} must be set before the builder is shared"),
         })?;
         Ok(VarBuilder {
-            shared: Arc::new(Shared {
+            shared: Arc::new(f(shared)?),
+            prefix,
+        })
+    }
+
+    /// The same source read through a key map (model key -> source keys), with nothing loaded
+    /// yet. Model code keeps one set of key paths; each checkpoint layout brings its map.
+    pub fn with_key_map(self, map: KeyMap) -> Result<Self> {
+        let vb = self.with_shared("a key map", |shared| {
+            Ok(Shared {
                 map: Some(map),
                 ..shared
-            }),
+            })
+        })?;
+        Ok(VarBuilder {
             prefix: vec![],
+            ..vb
         })
     }
 
     /// The same source with LoRA adapters planned: each `Linear` built from it whose key
     /// path matches the adapters' targets gets one. Set before the builder is shared.
     pub fn with_adapters(self, adapters: Arc<Adapters>) -> Result<Self> {
-        let prefix = self.prefix.clone();
-        let shared = Arc::try_unwrap(self.shared).map_err(|_| Error::Param {
-            key: String::new(),
-            file: None,
-            msg: "adapters must be set before the builder is shared".into(),
-        })?;
-        Ok(VarBuilder {
-            shared: Arc::new(Shared {
+        self.with_shared("adapters", |shared| {
+            Ok(Shared {
                 adapters: Some(adapters),
                 ..shared
-            }),
-            prefix,
+            })
         })
     }
 
@@ -197,25 +203,18 @@ impl VarBuilder {
     /// released handle that the streamer fetches around the block's runs. Set before the
     /// builder is shared.
     pub fn with_streamer(self, streamer: Arc<crate::stream::BlockStreamer>) -> Result<Self> {
-        let prefix = self.prefix.clone();
-        let shared = Arc::try_unwrap(self.shared).map_err(|_| Error::Param {
-            key: String::new(),
-            file: None,
-            msg: "the streamer must be set before the builder is shared".into(),
-        })?;
-        if streamer.device() != &shared.device {
-            return Err(Error::DeviceMismatch {
-                op: "VarBuilder::with_streamer",
-                lhs: shared.device.location(),
-                rhs: streamer.device().location(),
-            });
-        }
-        Ok(VarBuilder {
-            shared: Arc::new(Shared {
+        self.with_shared("the streamer", |shared| {
+            if streamer.device() != &shared.device {
+                return Err(Error::DeviceMismatch {
+                    op: "VarBuilder::with_streamer",
+                    lhs: shared.device.location(),
+                    rhs: streamer.device().location(),
+                });
+            }
+            Ok(Shared {
                 streamer: Some(streamer),
                 ..shared
-            }),
-            prefix,
+            })
         })
     }
 

@@ -31,7 +31,7 @@ struct Param {
 enum Residency {
     Released,
     /// Copies started, not yet waited for by the compute work.
-    InFlight(Vec<Ticket>),
+    InFlight(Ticket),
     Resident,
 }
 
@@ -79,14 +79,13 @@ impl BlockStreamer {
                 residency: Residency::Released,
             })
             .collect::<Vec<_>>();
-        let report = StreamReport {
-            blocks: blocks.len(),
-            ..Default::default()
-        };
         Arc::new(BlockStreamer {
             device: device.clone(),
             prefetch,
-            state: Mutex::new(State { blocks, report }),
+            state: Mutex::new(State {
+                blocks,
+                report: StreamReport::default(),
+            }),
         })
     }
 
@@ -101,7 +100,11 @@ impl BlockStreamer {
     }
 
     pub fn report(&self) -> Result<StreamReport> {
-        Ok(self.lock()?.report)
+        let st = self.lock()?;
+        Ok(StreamReport {
+            blocks: st.blocks.len(),
+            ..st.report
+        })
     }
 
     /// The streamed block that parameter `key` belongs to (`<prefix>.<rest>`).
@@ -185,15 +188,13 @@ impl BlockStreamer {
         if !matches!(b.residency, Residency::Released) {
             return Ok(());
         }
-        let mut tickets = Vec::with_capacity(b.params.len());
-        let mut bytes = 0u64;
-        for p in &mut b.params {
-            let (storage, ticket) = self.device.upload(&p.host)?;
-            bytes += p.host.bytes() as u64;
+        let hosts: Vec<&HostCopy> = b.params.iter().map(|p| &p.host).collect();
+        let bytes: u64 = hosts.iter().map(|h| h.bytes() as u64).sum();
+        let (storages, ticket) = self.device.upload(&hosts)?;
+        for (p, storage) in b.params.iter_mut().zip(storages) {
             p.placeholder = Some(p.tensor.swap_storage(storage)?);
-            tickets.push(ticket);
         }
-        b.residency = Residency::InFlight(tickets);
+        b.residency = Residency::InFlight(ticket);
         st.report.uploads += 1;
         st.report.uploaded_bytes += bytes;
         Ok(())
@@ -204,10 +205,8 @@ impl BlockStreamer {
         let Some(b) = st.blocks.get_mut(i) else {
             return Ok(());
         };
-        if let Residency::InFlight(tickets) = &b.residency {
-            for t in tickets {
-                self.device.wait(t)?;
-            }
+        if let Residency::InFlight(ticket) = &b.residency {
+            self.device.wait(ticket)?;
             b.residency = Residency::Resident;
         }
         Ok(())

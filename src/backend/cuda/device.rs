@@ -237,8 +237,8 @@ impl CudaDevice {
             .alloc(len, || self.total_memory().unwrap_or(u64::MAX))
     }
 
-    /// The GPU's total memory in bytes.
-    pub fn total_memory(&self) -> Result<u64> {
+    /// The driver's (free, total) bytes of this GPU.
+    fn mem_info(&self) -> Result<(u64, u64)> {
         let (mut free, mut total) = (0usize, 0usize);
         self.0
             .ctx
@@ -249,23 +249,19 @@ impl CudaDevice {
         if r != sys::cudaError_enum::CUDA_SUCCESS {
             return Err(Error::Cuda(format!("cuMemGetInfo: {r:?}")));
         }
-        Ok(total as u64)
+        Ok((free as u64, total as u64))
+    }
+
+    /// The GPU's total memory in bytes.
+    pub fn total_memory(&self) -> Result<u64> {
+        Ok(self.mem_info()?.1)
     }
 
     /// Bytes of the GPU in use by every process, as the driver counts them (total - free):
     /// what a smaller card would have to hold.
     pub fn device_memory_used(&self) -> Result<u64> {
-        let (mut free, mut total) = (0usize, 0usize);
-        self.0
-            .ctx
-            .bind_to_thread()
-            .map_err(cuda_err("binding the context"))?;
-        // SAFETY: plain out-parameters.
-        let r = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
-        if r != sys::cudaError_enum::CUDA_SUCCESS {
-            return Err(Error::Cuda(format!("cuMemGetInfo: {r:?}")));
-        }
-        Ok((total - free) as u64)
+        let (free, total) = self.mem_info()?;
+        Ok(total - free)
     }
 
     /// Bytes the driver's pool holds for this device (in use plus cached for reuse).

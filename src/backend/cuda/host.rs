@@ -7,7 +7,7 @@
 //!   order, so before a copy writes into a freshly allocated buffer, the copy stream waits
 //!   for the compute stream's work enqueued so far (an event): whatever last used that
 //!   memory has finished.
-//! - `upload` returns the buffer with the event of its copy; the compute stream must wait
+//! - `upload` returns the buffers with the event of their copies; the compute stream must wait
 //!   on that event (`wait`) before any kernel reads the buffer, and before the buffer is
 //!   dropped (so it never returns to the cache while the copy may still write it).
 //! - A `PinnedBuf` is written once (`stash`, synchronously) and only read afterwards, so
@@ -77,24 +77,29 @@ impl CudaDevice {
         Ok(PinnedBuf { host, dtype, len })
     }
 
-    /// A new device buffer with `p`'s values, copied on the copy stream after the compute
-    /// stream's work so far; the values are there once the compute stream `wait`s on the
-    /// returned event.
-    pub(crate) fn upload(&self, p: &PinnedBuf) -> Result<(CudaStorage, Upload)> {
-        let storage = self.alloc_like(p.dtype, p.len)?;
+    /// New device buffers with the values of `ps`, copied on the copy stream after the
+    /// compute stream's work so far; the values are there once the compute stream `wait`s on
+    /// the returned event (one join and one event for the whole set).
+    pub(crate) fn upload(&self, ps: &[&PinnedBuf]) -> Result<(Vec<CudaStorage>, Upload)> {
+        let storages = ps
+            .iter()
+            .map(|p| self.alloc_like(p.dtype, p.len))
+            .collect::<Result<Vec<_>>>()?;
         let copy = self.copy_stream()?;
         copy.join(self.stream())
             .map_err(cuda_err("ordering the copy stream after compute"))?;
-        let bytes = p.len * p.dtype.size_in_bytes();
-        // SAFETY: the pinned memory is never written after `stash`; the destination holds
-        // `bytes` bytes and is not read before the compute stream waits on the event.
-        let src = unsafe { std::slice::from_raw_parts(host_ptr(&p.host)?, bytes) };
-        unsafe { result::memcpy_htod_async(raw(&storage.buf, self), src, copy.cu_stream()) }
-            .map_err(cuda_err("copying from pinned memory"))?;
+        for (p, storage) in ps.iter().zip(&storages) {
+            let bytes = p.len * p.dtype.size_in_bytes();
+            // SAFETY: the pinned memory is never written after `stash`; the destination
+            // holds `bytes` bytes and is not read before the compute stream waits on the event.
+            let src = unsafe { std::slice::from_raw_parts(host_ptr(&p.host)?, bytes) };
+            unsafe { result::memcpy_htod_async(raw(&storage.buf, self), src, copy.cu_stream()) }
+                .map_err(cuda_err("copying from pinned memory"))?;
+        }
         let event = copy
             .record_event(None)
             .map_err(cuda_err("recording the copy's event"))?;
-        Ok((storage, Upload(event)))
+        Ok((storages, Upload(event)))
     }
 
     /// The compute stream waits for an upload (no host wait).

@@ -193,3 +193,75 @@ pub fn vars(io: &BTreeMap<String, Tensor>, keys: &[&str]) -> Vec<(String, Tensor
         .map(|k| (k.to_string(), io[*k].detach().requires_grad_().unwrap()))
         .collect()
 }
+
+/// One loader for every family: by name, from the diffusers folder and the single file, with
+/// adapters attached; the object-safe model says its inputs and predicts in latent shape.
+#[test]
+fn one_loader_for_every_family() {
+    use flame::models::{self, LoadOptions};
+    use flame::nn::{Adapters, LoraConfig};
+    let e = models::load("unet3d", "nowhere", &LoadOptions::new(DType::F32, &CPU))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("flux, sd3, sdxl"), "{e}");
+    for (family, name, target) in [
+        ("flux", "flux", "double_blocks.*.img_attn.qkv"),
+        ("sd3", "sd35_medium", "joint_blocks.*.x_block.attn.qkv"),
+        ("sdxl", "sdxl", "*.transformer_blocks.*.attn1.to_q"),
+    ] {
+        let dir = fixture(name);
+        let sub = models::family(family).unwrap().subfolder;
+        // The tiny fixtures' shapes do not pin their configs down (Flux's head dim 16 has no
+        // default RoPE split, SDXL's 4 channels no 64-channel heads): both layouts read the
+        // diffusers config.json through `LoadOptions::config`.
+        let json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(sub).join("config.json")).unwrap(),
+        )
+        .unwrap();
+        for path in [dir.join(sub), dir.join("single_file.safetensors")] {
+            let adapters = Adapters::new(LoraConfig {
+                rank: 2,
+                alpha: 2.0,
+                dropout: 0.0,
+                targets: vec![target.into()],
+                seed: 1,
+            })
+            .unwrap();
+            let mut opts = LoadOptions::new(DType::F32, &CPU).with_adapters(adapters.clone());
+            opts.config = Some(json.clone());
+            let l = models::load(family, &path, &opts).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+            assert_eq!(l.model.family().name, family);
+            assert!(
+                !adapters.layers().unwrap().is_empty(),
+                "{family}: no adapter attached"
+            );
+            let inputs = l.model.inputs();
+            assert_eq!(inputs[0].name, "latents");
+            // A batch of one that obeys the rules predicts in the latents' shape.
+            let shape_of = |i: &models::Input, free: usize| -> Vec<usize> {
+                i.dims
+                    .iter()
+                    .map(|d| match d {
+                        models::Size::Exactly(n) => *n,
+                        models::Size::MultipleOf(m) => free * m,
+                    })
+                    .collect()
+            };
+            let batch: Vec<Tensor> = inputs
+                .iter()
+                .enumerate()
+                .map(|(k, i)| {
+                    let mut s = vec![1];
+                    s.extend(shape_of(i, 4));
+                    Tensor::randn(s, DType::F32, &CPU, k as u64).unwrap()
+                })
+                .collect();
+            let t = Tensor::full(0.5, 1, DType::F32, &CPU).unwrap();
+            let pred = l.model.predict(&batch[0], &t, &batch[1..], 1.0).unwrap();
+            assert_eq!(pred.dims(), batch[0].dims(), "{family}");
+            // Too few conditioning tensors: an error, not a panic.
+            assert!(l.model.predict(&batch[0], &t, &batch[1..2], 1.0).is_err());
+        }
+    }
+}

@@ -62,3 +62,29 @@ pub(crate) fn outputs<const N: usize>(v: Vec<Tensor>, what: &str) -> Result<[Ten
     v.try_into()
         .map_err(|_| Error::Autograd(format!("{what} gave {n} outputs, expected {N}")))
 }
+
+/// The conditioning tensors of `DiffusionModel::predict` as an array of their expected
+/// number, each checked to have its expected rank (with the batch dim).
+pub(crate) fn conds<'a, const N: usize>(
+    model: &'static str,
+    cond: &'a [Tensor],
+    ranks: [usize; N],
+) -> Result<&'a [Tensor; N]> {
+    let arr: &[Tensor; N] = cond.try_into().map_err(|_| {
+        Error::invalid(
+            model,
+            format!("predict takes {N} conditioning tensors, got {}", cond.len()),
+            &crate::Shape::from(vec![cond.len()]),
+        )
+    })?;
+    for (t, r) in arr.iter().zip(ranks) {
+        if t.rank() != r {
+            return Err(Error::invalid(
+                model,
+                format!("a conditioning tensor must have rank {r} (with the batch dim)"),
+                t.shape(),
+            ));
+        }
+    }
+    Ok(arr)
+}

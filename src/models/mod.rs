@@ -5,8 +5,13 @@
 
 pub mod checkpoint;
 mod common;
+pub mod family;
 pub mod flux;
 pub mod sd3;
 pub mod sdxl;
 
 pub use checkpoint::{Checkpoint, Format};
+pub use family::{
+    family, load, load_as, DiffusionModel, Family, Input, LoadOptions, Loaded, MemoryPlan,
+    ModelSpec, Objective, Size, FAMILIES,
+};

@@ -4,13 +4,16 @@
 //! Architecture facts from BFL's reference code (black-forest-labs/flux, `model.py`,
 //! `modules/layers.py`) and diffusers' `FluxTransformer2DModel`, which computes the same.
 
+mod family;
 mod keys;
 mod model;
 
+pub use family::FAMILY;
 pub use keys::diffusers_map;
 pub use model::{DoubleStreamBlock, Flux, MlpEmbedder, SingleStreamBlock};
 
-use super::checkpoint::{cfg_opt, cfg_usize, cfg_usize_list, Checkpoint, Format};
+use super::checkpoint::{cfg_opt, cfg_usize, cfg_usize_list};
+use super::family::{load_as, LoadOptions};
 use crate::nn::VarBuilder;
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::Path;
@@ -195,29 +198,16 @@ impl FluxConfig {
 impl Flux {
     /// Loads Flux from a BFL single file or a diffusers folder (`transformer/` of a pipeline
     /// folder). Without `config`, a diffusers folder's config.json is read, or a single
-    /// file's shapes give it. Parameters come out frozen, in `dtype`, on `device`.
+    /// file's shapes give it. Parameters come out frozen, in `dtype`, on `device`; for
+    /// adapters and memory plans, use [`crate::models::load_as`] with [`LoadOptions`].
     pub fn load(
         path: impl AsRef<Path>,
         dtype: DType,
         device: &Device,
         config: Option<FluxConfig>,
     ) -> Result<(Flux, VarBuilder)> {
-        let ckpt = Checkpoint::open(path, "transformer")?;
-        let config = match (config, &ckpt.config) {
-            (Some(c), _) => c,
-            (None, Some(json)) => FluxConfig::from_diffusers(json)?,
-            (None, None) => {
-                let vb = ckpt.var_builder(dtype, device, diffusers_map(&FluxConfig::dev()))?;
-                FluxConfig::from_single_file(&vb)?
-            }
-        };
-        config.validate()?;
-        if ckpt.format == Format::SingleFile && !ckpt.prefix.is_empty() {
-            return Err(ckpt.error("a Flux single file has BFL keys without a prefix"));
-        }
-        let vb = ckpt.var_builder(dtype, device, diffusers_map(&config))?;
-        let model = Flux::new(&vb, &config)?;
-        Ok((model, vb))
+        let l = load_as::<Flux>(path, &LoadOptions::new(dtype, device), config)?;
+        Ok((*l.model, l.vb))
     }
 }
 

@@ -5,13 +5,16 @@
 //! Architecture facts from Stability's reference (Stability-AI/sd3.5, `mmditx.py`) and
 //! diffusers' `SD3Transformer2DModel`, which computes the same.
 
+mod family;
 mod keys;
 mod model;
 
+pub use family::FAMILY;
 pub use keys::diffusers_map;
 pub use model::{JointBlock, Sd3};
 
-use super::checkpoint::{cfg_opt, cfg_usize, cfg_usize_list, Checkpoint};
+use super::checkpoint::{cfg_opt, cfg_usize, cfg_usize_list};
+use super::family::{load_as, LoadOptions};
 use crate::nn::VarBuilder;
 use crate::{DType, Device, Error, Result};
 use std::path::Path;
@@ -211,25 +214,15 @@ impl Sd3 {
     /// encoders and VAE beside them) or a diffusers folder (`transformer/` of a pipeline).
     /// Without `config`, a diffusers folder's config.json is read, or the single file's
     /// shapes give it. Parameters come out frozen, in `dtype`, on `device`; `pos_embed` is a
-    /// fixed table and stays frozen under `set_trainable` callers that skip it.
+    /// fixed table and stays frozen under `set_trainable` callers that skip it. For adapters
+    /// and memory plans, use [`crate::models::load_as`] with [`LoadOptions`].
     pub fn load(
         path: impl AsRef<Path>,
         dtype: DType,
         device: &Device,
         config: Option<Sd3Config>,
     ) -> Result<(Sd3, VarBuilder)> {
-        let ckpt = Checkpoint::open(path, "transformer")?;
-        let config = match (config, &ckpt.config) {
-            (Some(c), _) => c,
-            (None, Some(json)) => Sd3Config::from_diffusers(json)?,
-            (None, None) => {
-                let vb = ckpt.var_builder(dtype, device, diffusers_map(&Sd3Config::large()))?;
-                Sd3Config::from_single_file(&vb)?
-            }
-        };
-        config.validate()?;
-        let vb = ckpt.var_builder(dtype, device, diffusers_map(&config))?;
-        let model = Sd3::new(&vb, &config)?;
-        Ok((model, vb))
+        let l = load_as::<Sd3>(path, &LoadOptions::new(dtype, device), config)?;
+        Ok((*l.model, l.vb))
     }
 }

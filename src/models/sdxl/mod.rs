@@ -9,6 +9,7 @@
 
 mod blocks;
 mod config;
+mod family;
 mod keys;
 mod unet;
 
@@ -17,10 +18,11 @@ pub use blocks::{
     SpatialTransformer, TransformerBlock, Upsample,
 };
 pub use config::{SdxlConfig, ADDITION_TIME_EMBED_DIM, HEAD_CHANNELS, NUM_GROUPS};
+pub use family::FAMILY;
 pub use keys::{diffusers_map, map_key};
 pub use unet::{InputBlock, Mlp, OutputBlock, ResLayer, Unet, MAX_PERIOD};
 
-use super::checkpoint::Checkpoint;
+use super::family::{load_as, LoadOptions};
 use crate::nn::{timestep_embedding, VarBuilder};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::Path;
@@ -29,26 +31,16 @@ impl Unet {
     /// Loads the UNet from an SDXL single file (`model.diffusion_model.` keys) or a
     /// diffusers folder (`unet/` of a pipeline folder). Without `config`, a diffusers
     /// folder's config.json is read, or a single file's shapes give it (with SDXL's 64
-    /// channels per head). Parameters come out frozen, in `dtype`, on `device`.
+    /// channels per head). Parameters come out frozen, in `dtype`, on `device`; for adapters
+    /// and memory plans, use [`crate::models::load_as`] with [`LoadOptions`].
     pub fn load(
         path: impl AsRef<Path>,
         dtype: DType,
         device: &Device,
         config: Option<SdxlConfig>,
     ) -> Result<(Unet, VarBuilder)> {
-        let ckpt = Checkpoint::open(path, "unet")?;
-        let config = match (config, &ckpt.config) {
-            (Some(c), _) => c,
-            (None, Some(json)) => SdxlConfig::from_diffusers(json)?,
-            (None, None) => {
-                let vb = ckpt.var_builder(dtype, device, diffusers_map(&SdxlConfig::base()))?;
-                SdxlConfig::from_single_file(&vb)?
-            }
-        };
-        config.validate()?;
-        let vb = ckpt.var_builder(dtype, device, diffusers_map(&config))?;
-        let model = Unet::new(&vb, &config)?;
-        Ok((model, vb))
+        let l = load_as::<Unet>(path, &LoadOptions::new(dtype, device), config)?;
+        Ok((*l.model, l.vb))
     }
 }
 

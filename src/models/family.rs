@@ -1,0 +1,359 @@
+//! One model trait and one loader for every diffusion model.
+//!
+//! A model family is a folder under `src/models` that implements two traits and adds one
+//! line to [`FAMILIES`]:
+//! - [`ModelSpec`]: how its config is read (a diffusers `config.json` or a single file's
+//!   shapes), its diffusers key map, its block names, and its constructor. From these the
+//!   one loader, [`load_as`], goes from a path to a model with adapters attached and blocks
+//!   planned (checkpointed, streamed) in one place for every family.
+//! - [`DiffusionModel`]: what a training step or a sampler needs from the loaded model,
+//!   object-safe: the per-sample inputs it takes (names and shapes, checked against data
+//!   before anything runs), its noise objective, and one prediction call.
+
+use super::checkpoint::{Checkpoint, Format};
+use crate::nn::{Adapters, KeyMap, VarBuilder};
+use crate::stream::{BlockExec, BlockStreamer, Checkpointing};
+use crate::train::Ddpm;
+use crate::{DType, Device, Error, Result, Tensor};
+use std::path::Path;
+use std::sync::Arc;
+
+/// One size rule of a per-sample input tensor. Every size must also be at least 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Size {
+    /// Exactly this many.
+    Exactly(usize),
+    /// Any positive multiple of this (1: any positive size).
+    MultipleOf(usize),
+}
+
+impl Size {
+    /// Whether `n` obeys the rule.
+    pub fn admits(self, n: usize) -> bool {
+        match self {
+            Size::Exactly(m) => n == m,
+            Size::MultipleOf(m) => n > 0 && n % m.max(1) == 0,
+        }
+    }
+}
+
+impl std::fmt::Display for Size {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Size::Exactly(m) => write!(f, "{m}"),
+            Size::MultipleOf(1) => write!(f, "_"),
+            Size::MultipleOf(m) => write!(f, "{m}k"),
+        }
+    }
+}
+
+/// A tensor every training sample holds, without the batch dim: its name in the sample file
+/// and a size rule per dim.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Input {
+    /// The tensor's name in a sample file (`latents`, `context`, ...).
+    pub name: &'static str,
+    /// One rule per dim.
+    pub dims: Vec<Size>,
+}
+
+impl Input {
+    /// An input of `name` with the given dim rules.
+    pub fn new(name: &'static str, dims: Vec<Size>) -> Self {
+        Input { name, dims }
+    }
+
+    /// `None` when `shape` obeys every rule, else why not ("shape [..], the model needs [..]").
+    pub fn mismatch(&self, shape: &[usize]) -> Option<String> {
+        let ok = shape.len() == self.dims.len()
+            && shape.iter().zip(&self.dims).all(|(&n, r)| r.admits(n));
+        if ok {
+            return None;
+        }
+        let want: Vec<String> = self.dims.iter().map(|r| r.to_string()).collect();
+        Some(format!(
+            "shape {shape:?}, the model needs [{}] (_: any positive size, 2k: a positive \
+             multiple of 2)",
+            want.join(", ")
+        ))
+    }
+}
+
+/// How a family is trained: the noise process and what its prediction means.
+#[derive(Clone, Debug)]
+pub enum Objective {
+    /// Rectified flow (Flux, SD3.5): x_t = (1 - t) x0 + t ε with t ∈ (0, 1), and the model
+    /// predicts the velocity ε - x0 from (x_t, t).
+    FlowMatching,
+    /// DDPM (SDXL) with this noise schedule; the model takes integer timesteps.
+    Ddpm(Ddpm),
+}
+
+/// What training and sampling need from a loaded diffusion model (object-safe).
+pub trait DiffusionModel: Send + Sync {
+    /// The family it belongs to.
+    fn family(&self) -> &'static Family;
+    /// The per-sample inputs in the order `predict` takes them; the first is `latents`
+    /// (C, H, W).
+    fn inputs(&self) -> Vec<Input>;
+    /// Limits beyond the per-dim rules of `inputs` (e.g. a largest latent size), checked on
+    /// the shapes of a sample in `inputs` order; `Err` says what is wrong.
+    fn check_shapes(&self, shapes: &[Vec<usize>]) -> std::result::Result<(), String> {
+        let _ = shapes;
+        Ok(())
+    }
+    /// The noise objective.
+    fn objective(&self) -> Objective;
+    /// The prediction for noisy latents `xt` (B, C, H, W) at `t` (B,) (flow matching: in
+    /// (0, 1); DDPM: timesteps as f32), given the batch's other inputs `cond` in `inputs`
+    /// order (each (B, ...)) and the guidance scale of guidance-distilled models (others
+    /// ignore it). Returns (B, C, H, W).
+    fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], guidance: f64) -> Result<Tensor>;
+    /// The key prefixes of its blocks in execution order (what streaming and checkpointing
+    /// address).
+    fn block_prefixes(&self) -> Vec<String>;
+    /// How its blocks run.
+    fn exec(&self) -> &BlockExec;
+    /// Sets how its blocks run.
+    fn set_exec(&mut self, exec: BlockExec);
+}
+
+/// Which blocks run checkpointed or streamed from host memory.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// Which blocks are checkpointed (streamed blocks always are).
+    pub checkpointing: Checkpointing,
+    /// How many blocks keep their frozen weights in host memory, spread evenly over the
+    /// execution order (0: none). More than the model has is an error.
+    pub stream_blocks: usize,
+    /// How many streamed blocks are copied ahead of the one running (at least 1).
+    pub prefetch: usize,
+}
+
+/// Everything a load needs besides the path.
+#[derive(Clone)]
+pub struct LoadOptions {
+    /// The dtype of the weights on the device.
+    pub dtype: DType,
+    /// Where the model runs.
+    pub device: Device,
+    /// Adapters to attach to the Linear layers they target; `None` loads the bare model.
+    pub adapters: Option<Arc<Adapters>>,
+    /// A diffusers `config.json` (parsed) that replaces the checkpoint's own or the one a
+    /// single file's shapes give (for single files whose shapes do not pin the config down).
+    pub config: Option<serde_json::Value>,
+    /// Block checkpointing and streaming.
+    pub memory: MemoryPlan,
+}
+
+impl LoadOptions {
+    /// Weights in `dtype` on `device`, no adapters, every block resident.
+    pub fn new(dtype: DType, device: &Device) -> Self {
+        LoadOptions {
+            dtype,
+            device: device.clone(),
+            adapters: None,
+            config: None,
+            memory: MemoryPlan::default(),
+        }
+    }
+
+    /// With adapters attached.
+    pub fn with_adapters(mut self, adapters: Arc<Adapters>) -> Self {
+        self.adapters = Some(adapters);
+        self
+    }
+}
+
+/// The build side of a family: config reading, key names, construction. [`load_as`] turns
+/// these into the one loader.
+pub trait ModelSpec: DiffusionModel + Sized + 'static {
+    /// The family's config type.
+    type Config: Clone;
+    /// The family's registry entry.
+    fn entry() -> &'static Family;
+    /// From a diffusers `config.json`.
+    fn config_from_diffusers(json: &serde_json::Value) -> Result<Self::Config>;
+    /// From a single file's shapes (`vb` reads the file's keys after its prefix).
+    fn config_from_single_file(vb: &VarBuilder) -> Result<Self::Config>;
+    /// The config whose key map reads a single file before its config is known.
+    fn reference_config() -> Self::Config;
+    /// Checks a config.
+    fn validate(config: &Self::Config) -> Result<()>;
+    /// Model key -> diffusers key(s).
+    fn diffusers_map(config: &Self::Config) -> KeyMap;
+    /// Block prefixes in execution order.
+    fn block_prefixes_of(config: &Self::Config) -> Vec<String>;
+    /// Refuses a single file this family cannot read (wrong key prefix...).
+    fn check_single_file(ckpt: &Checkpoint) -> Result<()> {
+        let _ = ckpt;
+        Ok(())
+    }
+    /// Builds the model from a builder over its weights.
+    fn build(vb: &VarBuilder, config: &Self::Config) -> Result<Self>;
+}
+
+/// A model, its weight builder (for parameter lists and unused-key checks) and the key map
+/// that names its weights in diffusers (for PEFT adapter files).
+pub struct Loaded<M: ?Sized> {
+    /// The model.
+    pub model: Box<M>,
+    /// The builder its weights came through.
+    pub vb: VarBuilder,
+    /// Model key -> diffusers key(s); for single files too (adapter files in PEFT layout use
+    /// it).
+    pub key_map: KeyMap,
+}
+
+/// The one loader: locates the checkpoint at `path` (a single file, a diffusers folder or a
+/// pipeline folder), reads its config (or `config` / `opts.config`), builds the model with
+/// `opts.adapters` attached and `opts.memory` applied.
+pub fn load_as<M: ModelSpec>(
+    path: impl AsRef<Path>,
+    opts: &LoadOptions,
+    config: Option<M::Config>,
+) -> Result<Loaded<M>> {
+    let family = M::entry();
+    let ckpt = Checkpoint::open(path, family.subfolder)?;
+    if ckpt.format == Format::SingleFile {
+        M::check_single_file(&ckpt)?;
+    }
+    let config = match (config, &opts.config, &ckpt.config) {
+        (Some(c), _, _) => c,
+        (None, Some(json), _) | (None, None, Some(json)) => M::config_from_diffusers(json)?,
+        (None, None, None) => {
+            let map = M::diffusers_map(&M::reference_config());
+            let vb = ckpt.var_builder(opts.dtype, &opts.device, map)?;
+            M::config_from_single_file(&vb)?
+        }
+    };
+    M::validate(&config)?;
+    let key_map = M::diffusers_map(&config);
+    let mut vb = ckpt.var_builder(opts.dtype, &opts.device, key_map.clone())?;
+    if let Some(a) = &opts.adapters {
+        vb = vb.with_adapters(a.clone())?;
+    }
+    let prefixes = M::block_prefixes_of(&config);
+    let plan = &opts.memory;
+    if plan.stream_blocks > prefixes.len() {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "memory.stream_blocks = {}: {} has {} blocks",
+                plan.stream_blocks,
+                family.name,
+                prefixes.len()
+            ),
+        });
+    }
+    let streamer = if plan.stream_blocks > 0 {
+        let n = plan.stream_blocks;
+        // Spread evenly over the execution order: block k * len / n for k < n.
+        let chosen = (0..n)
+            .map(|k| prefixes[k * prefixes.len() / n].clone())
+            .collect();
+        let s = BlockStreamer::new(&opts.device, chosen, plan.prefetch.max(1));
+        vb = vb.with_streamer(s.clone())?;
+        Some(s)
+    } else {
+        None
+    };
+    let mut model = M::build(&vb, &config)?;
+    model.set_exec(BlockExec {
+        checkpointing: plan.checkpointing,
+        streamer,
+    });
+    Ok(Loaded {
+        model: Box::new(model),
+        vb,
+        key_map,
+    })
+}
+
+fn load_boxed<M: ModelSpec>(path: &Path, opts: &LoadOptions) -> Result<Loaded<dyn DiffusionModel>> {
+    let l = load_as::<M>(path, opts, None)?;
+    Ok(Loaded {
+        model: l.model,
+        vb: l.vb,
+        key_map: l.key_map,
+    })
+}
+
+/// A registered model family.
+pub struct Family {
+    /// Its name in configs (`model.arch`).
+    pub name: &'static str,
+    /// Its folder in a diffusers pipeline, which is also the key prefix diffusers expects in
+    /// a PEFT adapter file (`transformer`, `unet`).
+    pub subfolder: &'static str,
+    /// One line for listings.
+    pub about: &'static str,
+    load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
+}
+
+impl Family {
+    /// A family entry whose loader is `load_as::<M>`.
+    pub const fn of<M: ModelSpec>(
+        name: &'static str,
+        subfolder: &'static str,
+        about: &'static str,
+    ) -> Family {
+        Family {
+            name,
+            subfolder,
+            about,
+            load: load_boxed::<M>,
+        }
+    }
+
+    /// Loads a model of this family from `path` (see [`load_as`]).
+    pub fn load(
+        &self,
+        path: impl AsRef<Path>,
+        opts: &LoadOptions,
+    ) -> Result<Loaded<dyn DiffusionModel>> {
+        (self.load)(path.as_ref(), opts)
+    }
+}
+
+impl std::fmt::Debug for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name)
+    }
+}
+
+/// Every registered family. A new model is a folder under `src/models` implementing
+/// [`ModelSpec`] and [`DiffusionModel`], and one line here.
+pub static FAMILIES: &[&Family] = &[
+    &super::flux::FAMILY,
+    &super::sd3::FAMILY,
+    &super::sdxl::FAMILY,
+];
+
+/// The family named `name`, or an error listing the known ones.
+pub fn family(name: &str) -> Result<&'static Family> {
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.name == name)
+        .ok_or_else(|| Error::Config {
+            path: None,
+            msg: format!(
+                "unknown model family \"{name}\": known are {}",
+                FAMILIES
+                    .iter()
+                    .map(|f| f.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        })
+}
+
+/// Loads a model of family `name` from `path` (see [`load_as`]).
+pub fn load(
+    name: &str,
+    path: impl AsRef<Path>,
+    opts: &LoadOptions,
+) -> Result<Loaded<dyn DiffusionModel>> {
+    family(name)?.load(path, opts)
+}

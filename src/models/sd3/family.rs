@@ -1,0 +1,101 @@
+//! SD3 / SD3.5 as a registered model family.
+
+use super::{diffusers_map, Sd3, Sd3Config};
+use crate::models::common::conds;
+use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
+use crate::nn::{KeyMap, VarBuilder};
+use crate::stream::BlockExec;
+use crate::{Result, Tensor};
+
+/// The registry entry of SD3 / SD3.5 (Stability's MMDiT).
+pub static FAMILY: Family = Family::of::<Sd3>(
+    "sd3",
+    "transformer",
+    "SD3 / SD3.5 MMDiT (Stability single file or diffusers SD3Transformer2DModel)",
+);
+
+impl ModelSpec for Sd3 {
+    type Config = Sd3Config;
+
+    fn entry() -> &'static Family {
+        &FAMILY
+    }
+    fn config_from_diffusers(json: &serde_json::Value) -> Result<Sd3Config> {
+        Sd3Config::from_diffusers(json)
+    }
+    fn config_from_single_file(vb: &VarBuilder) -> Result<Sd3Config> {
+        Sd3Config::from_single_file(vb)
+    }
+    fn reference_config() -> Sd3Config {
+        Sd3Config::large()
+    }
+    fn validate(config: &Sd3Config) -> Result<()> {
+        config.validate()
+    }
+    fn diffusers_map(config: &Sd3Config) -> KeyMap {
+        diffusers_map(config)
+    }
+    fn block_prefixes_of(config: &Sd3Config) -> Vec<String> {
+        config.block_prefixes()
+    }
+    fn build(vb: &VarBuilder, config: &Sd3Config) -> Result<Sd3> {
+        Sd3::new(vb, config)
+    }
+}
+
+impl DiffusionModel for Sd3 {
+    fn family(&self) -> &'static Family {
+        &FAMILY
+    }
+
+    /// latents (C, H, W) with H, W multiples of the patch size, context (T, context_dim),
+    /// pooled (pooled_dim).
+    fn inputs(&self) -> Vec<Input> {
+        let c = &self.config;
+        let p = Size::MultipleOf(c.patch_size);
+        vec![
+            Input::new("latents", vec![Size::Exactly(c.in_channels), p, p]),
+            Input::new(
+                "context",
+                vec![Size::MultipleOf(1), Size::Exactly(c.context_dim)],
+            ),
+            Input::new("pooled", vec![Size::Exactly(c.pooled_dim)]),
+        ]
+    }
+
+    /// The patch grid must fit the position table (`pos_embed_max_size`).
+    fn check_shapes(&self, shapes: &[Vec<usize>]) -> std::result::Result<(), String> {
+        let (p, m) = (self.config.patch_size, self.config.pos_embed_max_size);
+        match shapes.first() {
+            Some(s) if s.len() == 3 && (s[1] / p > m || s[2] / p > m) => Err(format!(
+                "latents {}x{} make a {}x{} patch grid, larger than the model's position \
+                 table ({m}x{m}, pos_embed_max_size)",
+                s[1],
+                s[2],
+                s[1] / p,
+                s[2] / p
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn objective(&self) -> Objective {
+        Objective::FlowMatching
+    }
+
+    /// SD3's transformer takes t x 1000 (diffusers' SD3 training script).
+    fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], _guidance: f64) -> Result<Tensor> {
+        let [ctx, pooled] = conds("sd3", cond, [3, 2])?;
+        self.forward(xt, &t.affine(1000.0, 0.0)?, ctx, pooled)
+    }
+
+    fn block_prefixes(&self) -> Vec<String> {
+        self.config.block_prefixes()
+    }
+    fn exec(&self) -> &BlockExec {
+        &self.exec
+    }
+    fn set_exec(&mut self, exec: BlockExec) {
+        self.exec = exec;
+    }
+}

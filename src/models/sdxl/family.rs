@@ -1,0 +1,96 @@
+//! The SDXL UNet as a registered model family.
+
+use super::{diffusers_map, sdxl_vector, SdxlConfig, Unet};
+use crate::models::common::conds;
+use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
+use crate::nn::{KeyMap, VarBuilder};
+use crate::stream::BlockExec;
+use crate::train::Ddpm;
+use crate::{DType, Result, Tensor};
+
+/// The registry entry of the SDXL UNet.
+pub static FAMILY: Family = Family::of::<Unet>(
+    "sdxl",
+    "unet",
+    "SDXL UNet (Stability single file or diffusers UNet2DConditionModel)",
+);
+
+/// SDXL's micro-conditioning numbers per sample: original size, crop offset, target size.
+const TIME_IDS: usize = 6;
+
+impl ModelSpec for Unet {
+    type Config = SdxlConfig;
+
+    fn entry() -> &'static Family {
+        &FAMILY
+    }
+    fn config_from_diffusers(json: &serde_json::Value) -> Result<SdxlConfig> {
+        SdxlConfig::from_diffusers(json)
+    }
+    fn config_from_single_file(vb: &VarBuilder) -> Result<SdxlConfig> {
+        SdxlConfig::from_single_file(vb)
+    }
+    fn reference_config() -> SdxlConfig {
+        SdxlConfig::base()
+    }
+    fn validate(config: &SdxlConfig) -> Result<()> {
+        config.validate()
+    }
+    fn diffusers_map(config: &SdxlConfig) -> KeyMap {
+        diffusers_map(config)
+    }
+    fn block_prefixes_of(config: &SdxlConfig) -> Vec<String> {
+        config.block_prefixes()
+    }
+    fn build(vb: &VarBuilder, config: &SdxlConfig) -> Result<Unet> {
+        Unet::new(vb, config)
+    }
+}
+
+impl DiffusionModel for Unet {
+    fn family(&self) -> &'static Family {
+        &FAMILY
+    }
+
+    /// latents (C, H, W), context (T, context_dim), pooled (adm_in_channels - 6 x
+    /// addition_time_embed_dim), time_ids (6).
+    fn inputs(&self) -> Vec<Input> {
+        let c = &self.config;
+        let pooled = c
+            .adm_in_channels
+            .saturating_sub(TIME_IDS * c.addition_time_embed_dim);
+        let any = Size::MultipleOf(1);
+        vec![
+            Input::new("latents", vec![Size::Exactly(c.in_channels), any, any]),
+            Input::new("context", vec![any, Size::Exactly(c.context_dim)]),
+            Input::new("pooled", vec![Size::Exactly(pooled)]),
+            Input::new("time_ids", vec![Size::Exactly(TIME_IDS)]),
+        ]
+    }
+
+    /// DDPM with Stable Diffusion's scaled-linear betas (1000 steps).
+    fn objective(&self) -> Objective {
+        Objective::Ddpm(Ddpm::scaled_linear())
+    }
+
+    /// The UNet's vector input is made from pooled and time_ids ([`sdxl_vector`]).
+    fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], _guidance: f64) -> Result<Tensor> {
+        let [ctx, pooled, time_ids] = conds("sdxl", cond, [3, 2, 2])?;
+        let y = sdxl_vector(
+            pooled,
+            &time_ids.to_dtype(DType::F32)?,
+            self.config.addition_time_embed_dim,
+        )?;
+        self.forward(xt, t, ctx, &y)
+    }
+
+    fn block_prefixes(&self) -> Vec<String> {
+        self.config.block_prefixes()
+    }
+    fn exec(&self) -> &BlockExec {
+        &self.exec
+    }
+    fn set_exec(&mut self, exec: BlockExec) {
+        self.exec = exec;
+    }
+}

@@ -83,7 +83,7 @@ pub enum Error {
     },
     #[error("checkpoint {path}: {msg}")]
     Checkpoint { path: PathBuf, msg: String },
-    #[error("model config{}: {msg}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
+    #[error("config{}: {msg}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
     Config { path: Option<PathBuf>, msg: String },
     #[error("optimizer {optimizer}: {msg}")]
     Optimizer {
@@ -105,6 +105,27 @@ pub enum Error {
     NoBackend(&'static str),
     #[error("internal: a lock was poisoned by a panic on another thread ({0})")]
     Poisoned(&'static str),
+    /// A NaN or an infinity in training: the step, what held it, the batch's sample files
+    /// and why the run stopped.
+    #[error("step {step}: {what}; stopped ({why}){}", fmt_files(files))]
+    NonFinite {
+        /// The step (from 1).
+        step: usize,
+        /// The tensor that was not finite.
+        what: String,
+        /// The sample files of the step's batch.
+        files: Vec<String>,
+        /// Why this stops the run.
+        why: String,
+    },
+}
+
+fn fmt_files(files: &[String]) -> String {
+    if files.is_empty() {
+        String::new()
+    } else {
+        format!("; the batch: {}", files.join(", "))
+    }
 }
 
 impl Error {

@@ -9,6 +9,7 @@ pub mod backend;
 mod device;
 mod dtype;
 mod error;
+mod fault;
 pub mod models;
 pub mod nn;
 pub mod optim;

@@ -149,6 +149,17 @@ impl SafeTensorsFile {
 
     /// Reads one tensor (its bytes are read now) onto `device`, in the file's dtype.
     pub fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
+        let data = self.host(name)?;
+        let shape = self
+            .tensors
+            .get(name)
+            .map(|i| i.shape.clone())
+            .unwrap_or_default();
+        Tensor::from_host(data, shape, device)
+    }
+
+    /// Reads one tensor's values into host memory, in the file's dtype.
+    pub fn host(&self, name: &str) -> Result<CpuStorage> {
         let info = self
             .tensors
             .get(name)
@@ -164,9 +175,8 @@ impl SafeTensorsFile {
         })?;
         let (b, e) = info.data_offsets;
         let bytes = &self.mmap[self.data_start + b..self.data_start + e];
-        let data = CpuStorage::from_bytes(dtype, bytes)
-            .ok_or_else(|| self.err(name, "byte count is not a multiple of the element size"))?;
-        Tensor::from_host(data, info.shape.clone(), device)
+        CpuStorage::from_bytes(dtype, bytes)
+            .ok_or_else(|| self.err(name, "byte count is not a multiple of the element size"))
     }
 
     /// Reads one tensor and converts it to `dtype`.
@@ -366,16 +376,59 @@ pub fn save_with_metadata<'a>(
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_default();
     let tmp = path.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
-    let result = safetensors::serialize_to_file(views, meta, &tmp)
-        .map_err(|e| err(None, format!("writing failed: {e}")))
-        .and_then(|()| {
-            std::fs::rename(&tmp, path).map_err(|source| Error::Io {
-                path: path.to_path_buf(),
-                source,
-            })
-        });
+    let io = |p: &Path| {
+        let p = p.to_path_buf();
+        move |source| Error::Io { path: p, source }
+    };
+    let result = (|| {
+        // The safetensors crate writes through a private temporary file (mode 0600); a file
+        // made here first tells the mode the umask gives (0644 under umask 022).
+        let mode = std::fs::File::create(&tmp)
+            .and_then(|f| f.metadata())
+            .map_err(io(&tmp))?
+            .permissions();
+        safetensors::serialize_to_file(views, meta, &tmp)
+            .map_err(|e| err(None, format!("writing failed: {e}")))?;
+        canonical_header(&tmp).map_err(io(&tmp))?;
+        std::fs::set_permissions(&tmp, mode).map_err(io(&tmp))?;
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .and_then(|()| crate::fault::point(&format!("write:{file_name}")))
+            .map_err(io(&tmp))?;
+        std::fs::rename(&tmp, path).map_err(io(path))
+    })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// Rewrites a safetensors header with its JSON keys sorted (the `__metadata__` map comes out
+/// of the safetensors crate in hash order), so identical tensors and metadata always give
+/// identical bytes. Same content, same length: the header is replaced in place.
+fn canonical_header(path: &Path) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n)?;
+    let n = u64::from_le_bytes(n) as usize;
+    let mut header = vec![0u8; n];
+    f.read_exact(&mut header)?;
+    let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
+    // serde_json's maps are sorted by key.
+    let v: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| bad(&format!("header: {e}")))?;
+    let mut sorted = serde_json::to_vec(&v).map_err(|e| bad(&e.to_string()))?;
+    if sorted.len() > n {
+        return Err(bad("the sorted header is longer than the original"));
+    }
+    sorted.resize(n, b' ');
+    if sorted != header {
+        f.seek(SeekFrom::Start(8))?;
+        f.write_all(&sorted)?;
+    }
+    Ok(())
 }

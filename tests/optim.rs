@@ -764,3 +764,12 @@ fn linear_regression_adamw_and_sgd_momentum() {
         assert!((b - 2.0).abs() < 0.05, "{name}: b {b}");
     }
 }
+
+#[test]
+fn optimizers_refuse_an_empty_parameter_list() {
+    let (who, msg) = opt_err(AdamW::new(vec![], adam_cfg(1e-3, 0.0)));
+    assert_eq!(who, "AdamW");
+    assert!(msg.contains("no parameters"), "{msg}");
+    let (_, msg) = opt_err(Sgd::new(vec![], sgd_cfg(0.1, 0.0, 0.0, 0.0, false)));
+    assert!(msg.contains("no parameters"), "{msg}");
+}

@@ -279,3 +279,39 @@ fn failed_saves_leave_no_file() {
         vec![1.0; 3]
     );
 }
+
+#[test]
+fn saves_are_byte_identical_and_readable_by_others() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("flame-st-bytes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let t = Tensor::from_vec(
+        (0..12).map(|i| i as f32).collect::<Vec<_>>(),
+        (3, 4),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let u = Tensor::zeros(5, DType::BF16, &Device::Cpu).unwrap();
+    // Several metadata entries: the safetensors crate writes them in hash order.
+    let meta: BTreeMap<String, String> = (0..8)
+        .map(|i| (format!("key{i}"), format!("v{i}")))
+        .collect();
+    let mut files = vec![];
+    for name in ["a.safetensors", "b.safetensors"] {
+        let p = dir.join(name);
+        save_with_metadata([("t", &t), ("u", &u)], &meta, &p).unwrap();
+        files.push(std::fs::read(&p).unwrap());
+        assert_eq!(SafeTensorsFile::open(&p).unwrap().metadata(), &meta);
+    }
+    assert!(files[0] == files[1], "identical tensors, different bytes");
+    let probe = dir.join("probe");
+    std::fs::write(&probe, b"").unwrap();
+    let usual = std::fs::metadata(&probe).unwrap().permissions().mode() & 0o777;
+    let mode = std::fs::metadata(dir.join("a.safetensors"))
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, usual, "mode {mode:o}, the umask gives {usual:o}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,11 +1,34 @@
 //! The training loop on the tiny Flux (made on first use, as examples/flux-tiny.toml does):
-//! exact resume after an interruption, checkpoint rotation, the loss falling, and bad input
-//! caught before anything is written.
+//! exact resume after an interruption, checkpoint rotation, the loss falling, bad input
+//! caught before anything is written, run folders that cannot mix, non-finite guards, and
+//! (with the `train` binary) crash safety under injected kills and write failures.
 #![cfg(feature = "cpu-ref")]
 
-use flame::train::trainer::{checkpoints, read_log};
-use flame::train::{TrainConfig, Trainer};
+use flame::train::rundir::{checkpoints, read_log};
+use flame::train::{Event, RunEnd, RunOptions, TrainConfig, Trainer};
 use std::path::{Path, PathBuf};
+
+/// Runs `cfg` with `opts`, collecting the notes.
+fn run_with(cfg: &TrainConfig, opts: RunOptions) -> flame::Result<(RunEnd, Vec<String>)> {
+    let mut notes = vec![];
+    let end = Trainer::new(cfg.clone())?.run(&opts, &mut |e| {
+        if let Event::Note(n) = e {
+            notes.push(n)
+        }
+    })?;
+    Ok((end, notes))
+}
+
+fn fresh() -> RunOptions {
+    RunOptions::default()
+}
+
+fn resume() -> RunOptions {
+    RunOptions {
+        resume: true,
+        ..Default::default()
+    }
+}
 
 fn temp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("flame-train-{}-{name}", std::process::id()));
@@ -22,6 +45,10 @@ fn tiny(dir: &Path, steps: usize, extra: &str) -> PathBuf {
         .replace("steps = 200", &format!("steps = {steps}"))
         .replace("save_every = 50", "save_every = 4")
         .replace("device = \"auto\"", "device = \"cpu\"")
+        .replace(
+            "warmup_steps = 10",
+            &format!("warmup_steps = {}", steps.min(40) / 4),
+        )
         .replace("[adapter]\n", &format!("[adapter]\n{extra}"));
     let p = dir.join("train.toml");
     std::fs::write(&p, text).unwrap();
@@ -44,10 +71,7 @@ fn an_interrupted_run_resumes_exactly() {
     let cfg = TrainConfig::from_file(tiny(&a, 10, extra)).unwrap();
     let mut cfg_acc = cfg.clone();
     cfg_acc.train.grad_accum = 2;
-    Trainer::new(cfg_acc.clone())
-        .unwrap()
-        .run(false, None, false)
-        .unwrap();
+    run_with(&cfg_acc, fresh()).unwrap();
     let full = losses(&cfg.train.output_dir);
     assert_eq!(full.len(), 10);
     // Kept: the last two checkpoints (8 and 10 of 4, 8, 10) and the final adapter.
@@ -63,17 +87,23 @@ fn an_interrupted_run_resumes_exactly() {
     let mut cfg_b = TrainConfig::from_file(tiny(&b, 10, extra)).unwrap();
     cfg_b.train.grad_accum = 2;
     // Killed after step 6: the last checkpoint is at 4, and steps 4 and 5 are logged.
-    Trainer::new(cfg_b.clone())
-        .unwrap()
-        .run(false, Some(6), false)
-        .unwrap();
+    let stop = RunOptions {
+        stop_at: Some(6),
+        ..Default::default()
+    };
+    assert_eq!(run_with(&cfg_b, stop).unwrap().0, RunEnd::Stopped(6));
     assert_eq!(losses(&cfg_b.train.output_dir).len(), 6);
     assert!(!cfg_b.train.output_dir.join("lora.safetensors").exists());
     // A new process resumes from checkpoint 4 and redoes 4 and 5.
-    Trainer::new(cfg_b.clone())
-        .unwrap()
-        .run(true, None, false)
-        .unwrap();
+    let (end, notes) = run_with(&cfg_b, resume()).unwrap();
+    assert!(
+        matches!(end, RunEnd::Finished(ref p) if p.is_file()),
+        "{end:?}"
+    );
+    assert!(
+        notes.iter().any(|n| n.contains("resuming after step 4")),
+        "{notes:?}"
+    );
     assert_eq!(
         losses(&cfg_b.train.output_dir),
         full,
@@ -101,10 +131,7 @@ fn an_interrupted_run_resumes_exactly() {
 fn the_tiny_example_learns() {
     let d = temp("learns");
     let cfg = TrainConfig::from_file(tiny(&d, 60, "")).unwrap();
-    Trainer::new(cfg.clone())
-        .unwrap()
-        .run(false, None, false)
-        .unwrap();
+    run_with(&cfg, fresh()).unwrap();
     let l: Vec<f64> = read_log(&cfg.train.output_dir.join("loss.jsonl"))
         .unwrap()
         .iter()
@@ -180,7 +207,7 @@ fn bad_configs_and_data_fail_before_writing() {
             "sample-0003.safetensors",
             "latents",
             "shape [3, 8, 8]",
-            "needs [4, _, _]",
+            "needs [4, 2k, 2k]",
         ],
     );
     std::fs::remove_dir_all(&d).ok();
@@ -204,6 +231,7 @@ fn wait_for_steps(out: &Path, n: usize, child: &mut std::process::Child) {
 
 /// The `train` binary, killed (SIGKILL) midway and interrupted (SIGINT, Ctrl-C) midway, each
 /// resumed with --resume: both logs equal the uninterrupted run's, line for line.
+#[cfg(feature = "cli")]
 #[test]
 fn the_binary_resumes_after_kill_and_ctrl_c() {
     use std::process::{Command, Stdio};
@@ -255,12 +283,560 @@ fn the_binary_resumes_after_kill_and_ctrl_c() {
 fn the_templates_parse() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
     for (name, arch) in [
-        ("flux.toml", flame::train::config::Arch::Flux),
-        ("sd35.toml", flame::train::config::Arch::Sd3),
-        ("sdxl.toml", flame::train::config::Arch::Sdxl),
+        ("flux.toml", "flux"),
+        ("sd35.toml", "sd3"),
+        ("sdxl.toml", "sdxl"),
     ] {
         let c = TrainConfig::from_file(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(c.model.arch, arch, "{name}");
         assert!(c.model.path.is_absolute() && c.train.steps > 0, "{name}");
     }
+}
+
+/// The error of loading `cfg` into a trainer.
+fn load_err(cfg: &TrainConfig) -> String {
+    Trainer::new(cfg.clone())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn every_checkable_value_is_refused_with_its_key_and_line() {
+    let d = temp("values");
+    let good = std::fs::read_to_string(tiny(&d, 4, "")).unwrap();
+    let line = |needle: &str| good.lines().position(|l| l.starts_with(needle)).unwrap() + 1;
+    let cases: Vec<(String, Vec<String>)> = vec![
+        (
+            good.replace("eps = 1e-8", "eps = 0.0"),
+            vec!["optimizer.eps".into(), format!("line {}", line("eps ="))],
+        ),
+        (
+            good.replace("guidance = 1.0", "guidance = nan"),
+            vec![
+                "model.guidance".into(),
+                format!("line {}", line("guidance =")),
+            ],
+        ),
+        (
+            good.replace("warmup_steps = 1\n", "warmup_steps = 10\n"),
+            vec!["schedule.warmup_steps".into(), "longer than the run".into()],
+        ),
+        (
+            good.replace("lr = 3e-3", "lr = -1.0"),
+            vec!["optimizer.lr".into(), format!("line {}", line("lr ="))],
+        ),
+        (
+            good.replace("betas = [0.9, 0.999]", "betas = [0.9, 1.0]"),
+            vec!["optimizer.betas".into()],
+        ),
+        (
+            good.replace("keep_last = 2", "keep_last = 0"),
+            vec!["train.keep_last".into()],
+        ),
+        (
+            good.replace("arch = \"flux\"", "arch = \"flux2\""),
+            vec!["model.arch".into(), "flux, sd3, sdxl".into()],
+        ),
+        (
+            good.replace("steps = 4\n", ""),
+            vec!["missing key `train.steps`".into()],
+        ),
+        (
+            good.replace(
+                "[train]\n",
+                "[memory]\ncheckpointing = \"every:0\"\n[train]\n",
+            ),
+            vec!["memory.checkpointing".into()],
+        ),
+    ];
+    for (text, want) in cases {
+        let p = d.join("bad.toml");
+        std::fs::write(&p, text).unwrap();
+        let e = TrainConfig::from_file(&p).unwrap_err().to_string();
+        for w in &want {
+            assert!(e.contains(w.as_str()), "{w:?} not in: {e}");
+        }
+    }
+    // Several problems are reported together.
+    std::fs::write(
+        d.join("bad.toml"),
+        good.replace("eps = 1e-8", "eps = 0.0")
+            .replace("lr = 3e-3", "lr = 0.0"),
+    )
+    .unwrap();
+    let e = TrainConfig::from_file(d.join("bad.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("optimizer.eps") && e.contains("optimizer.lr"),
+        "{e}"
+    );
+    // A rank above a targeted layer's width (the tiny model is 32 wide), before anything
+    // is written.
+    let mut cfg = TrainConfig::from_file(d.join("train.toml")).unwrap();
+    cfg.adapter.rank = 40;
+    let e = load_err(&cfg);
+    assert!(
+        e.contains("adapter.rank = 40") && e.contains("at most"),
+        "{e}"
+    );
+    assert!(!cfg.train.output_dir.exists());
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// Replaces tensor `name` of sample file `path` with `t`.
+fn put_tensor(path: &Path, name: &str, t: flame::Tensor) {
+    let mut all = flame::safetensors::load(path, &flame::Device::Cpu).unwrap();
+    all.insert(name.into(), t);
+    flame::safetensors::save(all.iter().map(|(k, v)| (k.as_str(), v)), path).unwrap();
+}
+
+#[test]
+fn bad_samples_are_refused_naming_file_and_tensor() {
+    use flame::{DType, Device, Tensor};
+    let d = temp("samples");
+    let cfg = TrainConfig::from_file(tiny(&d, 4, "")).unwrap();
+    drop(Trainer::new(cfg.clone()).unwrap()); // makes the model and the synthetic data
+    let sample = cfg.data.dir.join("sample-0002.safetensors");
+    let orig = std::fs::read(&sample).unwrap();
+    let cpu = Device::Cpu;
+    let cases: Vec<(&str, Tensor, &[&str])> = vec![
+        // Odd latent sizes: Flux packs 2x2 patches.
+        (
+            "latents",
+            Tensor::zeros((4, 7, 8), DType::F32, &cpu).unwrap(),
+            &["latents", "[4, 2k, 2k]"],
+        ),
+        (
+            "latents",
+            Tensor::zeros((4, 0, 8), DType::F32, &cpu).unwrap(),
+            &["latents", "shape [4, 0, 8]"],
+        ),
+        // An empty text sequence.
+        (
+            "context",
+            Tensor::zeros((0, 32), DType::F32, &cpu).unwrap(),
+            &["context", "[_, 32]"],
+        ),
+        // Non-finite values.
+        (
+            "context",
+            Tensor::from_vec(
+                (0..6 * 32)
+                    .map(|i| if i == 77 { f32::NAN } else { 0.0 })
+                    .collect::<Vec<f32>>(),
+                (6, 32),
+                &cpu,
+            )
+            .unwrap(),
+            &["context", "non-finite", "flat index 77"],
+        ),
+        (
+            "pooled",
+            Tensor::from_vec(vec![f32::INFINITY; 16], 16, &cpu).unwrap(),
+            &["pooled", "non-finite"],
+        ),
+        // Integers are no latents.
+        (
+            "latents",
+            Tensor::zeros((4, 8, 8), DType::U32, &cpu).unwrap(),
+            &["latents", "dtype U32"],
+        ),
+    ];
+    for (name, t, want) in cases {
+        std::fs::write(&sample, &orig).unwrap();
+        put_tensor(&sample, name, t);
+        let e = load_err(&cfg);
+        assert!(e.contains("sample-0002.safetensors"), "{e}");
+        for w in want {
+            assert!(e.contains(w), "{w:?} not in: {e}");
+        }
+        assert!(!cfg.train.output_dir.exists(), "nothing written: {e}");
+    }
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_run_owns_its_folder() {
+    let d = temp("owns");
+    let mut cfg = TrainConfig::from_file(tiny(&d, 8, "")).unwrap();
+    // Under a cosine schedule train.steps is part of every learning rate, so a resume must
+    // keep it; under a constant one it may grow or shrink.
+    let mut cosine = cfg.clone();
+    cfg.schedule.kind = "constant".into();
+    let out = cfg.train.output_dir.clone();
+    run_with(&cfg, fresh()).unwrap();
+    let first = losses(&out);
+    // A new run in the same folder is refused, naming the way out; nothing is touched.
+    let before = checkpoints(&out).unwrap();
+    let e = run_with(&cfg, fresh()).unwrap_err().to_string();
+    assert!(
+        e.contains("another run") && e.contains("--overwrite"),
+        "{e}"
+    );
+    assert_eq!(checkpoints(&out).unwrap(), before);
+    assert_eq!(losses(&out), first);
+    // --resume of a finished run: nothing to do, the final LoRA is there (rewritten if lost).
+    std::fs::remove_file(out.join("lora.safetensors")).unwrap();
+    let (end, _) = run_with(&cfg, resume()).unwrap();
+    assert!(
+        matches!(end, RunEnd::Finished(ref p) if p.is_file()),
+        "{end:?}"
+    );
+    assert_eq!(losses(&out), first);
+    // --resume with fewer steps than the checkpoint: an error naming train.steps.
+    let mut short = cfg.clone();
+    short.train.steps = 6;
+    let e = run_with(&short, resume()).unwrap_err().to_string();
+    assert!(e.contains("past train.steps = 6"), "{e}");
+    cosine.train.steps = 10;
+    let e = run_with(&cosine, resume()).unwrap_err().to_string();
+    assert!(e.contains("schedule.kind was \"constant\""), "{e}");
+    assert!(
+        e.contains("train.steps was (absent), the config says 10"),
+        "{e}"
+    );
+    // --resume with another seed or rank: refused, naming the key.
+    let mut other = cfg.clone();
+    other.train.seed = 99;
+    other.adapter.alpha = 4.0;
+    let e = run_with(&other, resume()).unwrap_err().to_string();
+    assert!(
+        e.contains("train.seed was 7") && e.contains("adapter.alpha"),
+        "{e}"
+    );
+    // --overwrite replaces the run: another seed, fresh checkpoints, rotation keeps them.
+    let o = RunOptions {
+        overwrite: true,
+        ..Default::default()
+    };
+    run_with(&other, o).unwrap();
+    let kept: Vec<usize> = checkpoints(&out).unwrap().iter().map(|c| c.0).collect();
+    assert_eq!(kept, [4, 8]);
+    assert_ne!(losses(&out), first);
+    assert_eq!(losses(&out).len(), 8);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn rotation_deletes_only_this_runs_older_checkpoints() {
+    let d = temp("rotation");
+    let cfg = TrainConfig::from_file(tiny(&d, 8, "")).unwrap();
+    let out = cfg.train.output_dir.clone();
+    // A foreign checkpoint with a later step sits in the folder of a run being resumed.
+    let stop = RunOptions {
+        stop_at: Some(5),
+        ..Default::default()
+    };
+    run_with(&cfg, stop).unwrap();
+    let foreign = out.join("checkpoint-0000099");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::fs::write(
+        foreign.join("state.json"),
+        r#"{"step":99,"seed":7,"run_id":"other","files":{}}"#,
+    )
+    .unwrap();
+    // The resume picks checkpoint-99? No: it is past train.steps, so refused...
+    let e = run_with(&cfg, resume()).unwrap_err().to_string();
+    assert!(
+        e.contains("checkpoint-0000099") && e.contains("past train.steps"),
+        "{e}"
+    );
+    // ... and at a step inside the run, another run's checkpoint is never deleted.
+    std::fs::rename(&foreign, out.join("checkpoint-0000002")).unwrap();
+    let e = run_with(&cfg, resume());
+    assert!(e.is_ok(), "{e:?}");
+    let kept: Vec<usize> = checkpoints(&out).unwrap().iter().map(|c| c.0).collect();
+    assert!(kept.contains(&2) && kept.contains(&8), "{kept:?}");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn non_finite_steps_stop_or_skip_and_never_reach_a_saved_adapter() {
+    let d = temp("nan");
+    // A learning rate that blows the adapter up after the first step.
+    let mut cfg = TrainConfig::from_file(tiny(&d, 8, "")).unwrap();
+    cfg.optimizer.lr = 1e30;
+    cfg.schedule.warmup_steps = 0;
+    cfg.train.save_every = 1;
+    let e = run_with(&cfg, fresh()).unwrap_err().to_string();
+    assert!(e.contains("step 2:") && e.contains("on_nonfinite"), "{e}");
+    assert!(e.contains("sample-00"), "the batch's files: {e}");
+    assert!(!cfg.train.output_dir.join("lora.safetensors").exists());
+    for (_, c) in checkpoints(&cfg.train.output_dir).unwrap() {
+        let a =
+            flame::safetensors::load(c.join("adapter.safetensors"), &flame::Device::Cpu).unwrap();
+        for (k, t) in a {
+            assert!(
+                t.to_vec_f64().unwrap().iter().all(|v| v.is_finite()),
+                "{k} in {c:?}"
+            );
+        }
+    }
+    // Skipping: the optimizer does not step; too many in a row stop the run.
+    cfg.train.on_nonfinite = "skip".into();
+    cfg.train.max_skipped = 3;
+    let o = RunOptions {
+        overwrite: true,
+        ..Default::default()
+    };
+    let e = run_with(&cfg, o).unwrap_err().to_string();
+    assert!(
+        e.contains("step 5:") && e.contains("4 steps skipped in a row"),
+        "{e}"
+    );
+    let log = losses(&cfg.train.output_dir);
+    assert_eq!(log.len(), 4);
+    assert!(
+        log[1..].iter().all(|l| l.contains("\"skipped\"")),
+        "{log:?}"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_damaged_checkpoint_falls_back_to_the_one_before() {
+    let d = temp("damaged");
+    let cfg = TrainConfig::from_file(tiny(&d, 10, "")).unwrap();
+    let out = cfg.train.output_dir.clone();
+    run_with(&cfg, fresh()).unwrap();
+    let want = losses(&out);
+    let b = temp("damaged-b");
+    let cfg_b = TrainConfig::from_file(tiny(&b, 10, "")).unwrap();
+    let stop = RunOptions {
+        stop_at: Some(9),
+        ..Default::default()
+    };
+    run_with(&cfg_b, stop).unwrap();
+    // checkpoint-8 loses bytes: the resume passes over it to checkpoint-4, saying so.
+    let f = cfg_b
+        .train
+        .output_dir
+        .join("checkpoint-0000008/adapter.safetensors");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() - 100]).unwrap();
+    let (_, notes) = run_with(&cfg_b, resume()).unwrap();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("checkpoint-0000008 is damaged")),
+        "{notes:?}"
+    );
+    assert!(
+        notes.iter().any(|n| n.contains("resuming after step 4")),
+        "{notes:?}"
+    );
+    assert_eq!(losses(&cfg_b.train.output_dir), want);
+    std::fs::remove_dir_all(&d).ok();
+    std::fs::remove_dir_all(&b).ok();
+}
+
+#[test]
+fn written_files_are_readable_by_others_and_reproducible() {
+    use std::os::unix::fs::PermissionsExt;
+    let (a, b) = (temp("bytes-a"), temp("bytes-b"));
+    let mut outs = vec![];
+    for d in [&a, &b] {
+        let cfg = TrainConfig::from_file(tiny(d, 4, "")).unwrap();
+        run_with(&cfg, fresh()).unwrap();
+        outs.push(cfg.train.output_dir);
+    }
+    // The umask of the test process decides; under the usual 022 that is 0644.
+    let probe = a.join("probe");
+    std::fs::write(&probe, b"").unwrap();
+    let usual = std::fs::metadata(&probe).unwrap().permissions().mode() & 0o777;
+    for f in [
+        "lora.safetensors",
+        "loss.jsonl",
+        "run.json",
+        "checkpoint-0000004/adapter.safetensors",
+        "checkpoint-0000004/optimizer.safetensors",
+        "checkpoint-0000004/state.json",
+    ] {
+        let mode = std::fs::metadata(outs[0].join(f))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, usual, "{f}: {mode:o}");
+    }
+    // Two runs of one config write the same bytes.
+    for f in [
+        "lora.safetensors",
+        "checkpoint-0000004/adapter.safetensors",
+        "checkpoint-0000004/optimizer.safetensors",
+    ] {
+        let (x, y) = (
+            std::fs::read(outs[0].join(f)).unwrap(),
+            std::fs::read(outs[1].join(f)).unwrap(),
+        );
+        assert!(x == y, "{f} differs between identical runs");
+    }
+    std::fs::remove_dir_all(&a).ok();
+    std::fs::remove_dir_all(&b).ok();
+}
+
+#[test]
+fn the_config_reference_is_in_the_readme() {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let table = TrainConfig::reference_markdown();
+    assert!(
+        readme.contains(&table),
+        "README.md lacks the current config reference; paste `train --print-config`:\n{table}"
+    );
+    // Every key is documented.
+    for k in TrainConfig::reference() {
+        assert!(!k.doc.is_empty(), "{} has no doc", k.key);
+    }
+}
+
+/// The `train` binary on a config in `dir`, with `FLAME_FAULT` set to `fault` if given.
+#[cfg(feature = "cli")]
+fn train_bin(dir: &Path, steps: usize, fault: Option<&str>, args: &[&str]) -> std::process::Output {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_train"));
+    c.arg(tiny(dir, steps, "")).args(args);
+    match fault {
+        Some(f) => c.env("FLAME_FAULT", f),
+        None => c.env_remove("FLAME_FAULT"),
+    };
+    c.output().unwrap()
+}
+
+/// Kills (as `kill -9` would) and full-disk write failures at every point where a run or a
+/// resume writes a file; after each, `--resume` reproduces the uninterrupted run's log and
+/// writes the final LoRA.
+#[cfg(feature = "cli")]
+#[test]
+fn the_binary_survives_kills_and_full_disks_at_every_write() {
+    let steps = 12; // checkpoints at 4, 8, 12; two kept
+    let full = temp("fault-full");
+    assert!(train_bin(&full, steps, None, &[]).status.success());
+    let want = losses(&full.join("tiny/out"));
+    let lora = std::fs::read(full.join("tiny/out/lora.safetensors")).unwrap();
+    let points = [
+        "write:run.json",
+        "write:loss.jsonl",
+        "log-append@6",
+        "write:adapter.safetensors@2",
+        "write:optimizer.safetensors",
+        "write:state.json@3",
+        "checkpoint:8",
+        "rotation",
+        "write:lora.safetensors",
+    ];
+    for (i, point) in points.iter().enumerate() {
+        for kind in ["kill", "enospc"] {
+            let d = temp(&format!("fault-{i}-{kind}"));
+            let out = d.join("tiny/out");
+            let fault = format!("{kind}:{point}");
+            let o = train_bin(&d, steps, Some(&fault), &[]);
+            assert!(!o.status.success(), "{fault}: the run must fail");
+            if kind == "enospc" {
+                let err = String::from_utf8_lossy(&o.stderr);
+                assert_eq!(o.status.code(), Some(1), "{fault}: {err}");
+                assert!(err.contains("No space left on device"), "{fault}: {err}");
+                assert_eq!(
+                    err.matches("error:").count(),
+                    1,
+                    "{fault}: printed once: {err}"
+                );
+                assert!(!err.contains("done:"), "{fault}: {err}");
+            }
+            // A kill during the resume's own bookkeeping (its log rewrite) changes nothing.
+            if !point.starts_with("write:run.json") {
+                let o = train_bin(&d, steps, Some("kill:write:loss.jsonl"), &["--resume"]);
+                assert!(!o.status.success(), "{fault}: the resume was killed");
+            }
+            let o = train_bin(&d, steps, None, &["--resume"]);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(o.status.success(), "{fault}: resume failed: {err}");
+            assert_eq!(losses(&out), want, "{fault}");
+            assert_eq!(
+                std::fs::read(out.join("lora.safetensors")).unwrap(),
+                lora,
+                "{fault}"
+            );
+            std::fs::remove_dir_all(&d).ok();
+        }
+    }
+    // --overwrite killed midway: the folder is refused without --overwrite, which then works.
+    let d = temp("fault-clear");
+    let out = d.join("tiny/out");
+    assert!(train_bin(&d, steps, None, &[]).status.success());
+    assert!(!train_bin(&d, steps, Some("kill:clear"), &["--overwrite"])
+        .status
+        .success());
+    for args in [&[][..], &["--resume"][..]] {
+        let o = train_bin(&d, steps, None, args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("--overwrite"), "{args:?}: {err}");
+    }
+    assert!(train_bin(&d, steps, None, &["--overwrite"])
+        .status
+        .success());
+    assert_eq!(losses(&out), want);
+    for d in [full, d] {
+        std::fs::remove_dir_all(d).ok();
+    }
+}
+
+#[cfg(feature = "cli")]
+#[test]
+fn the_binary_explains_itself() {
+    use std::process::Command;
+    let exe = env!("CARGO_BIN_EXE_train");
+    for h in ["-h", "--help"] {
+        let o = Command::new(exe).arg(h).output().unwrap();
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{h}");
+        for flag in [
+            "--resume",
+            "--overwrite",
+            "--plan",
+            "--print-config",
+            "--version",
+        ] {
+            assert!(text.contains(flag), "{h} lacks {flag}: {text}");
+        }
+    }
+    let o = Command::new(exe).arg("--version").output().unwrap();
+    assert!(o.status.success());
+    assert!(String::from_utf8_lossy(&o.stdout).contains(env!("CARGO_PKG_VERSION")));
+    let o = Command::new(exe).arg("--print-config").output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        TrainConfig::reference_markdown()
+    );
+    let o = Command::new(exe).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).starts_with("error: no config file"));
+    // A bad config: one error, on its own line, exit 1, nothing written.
+    let d = temp("explains");
+    let p = tiny(&d, 4, "");
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("eps = 1e-8", "eps = 0.0");
+    std::fs::write(&p, text).unwrap();
+    let o = Command::new(exe).arg(&p).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.starts_with("error: ") && err.matches("error:").count() == 1,
+        "{err}"
+    );
+    assert!(err.contains("optimizer.eps"), "{err}");
+    // --plan: everything checked and said, nothing written.
+    let p = tiny(&d, 4, "");
+    let o = Command::new(exe).arg(&p).arg("--plan").output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("plan: start a new run") && err.contains("nothing was written"),
+        "{err}"
+    );
+    assert!(!d.join("tiny/out").exists());
+    std::fs::remove_dir_all(&d).ok();
 }

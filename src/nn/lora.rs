@@ -92,6 +92,17 @@ impl Lora {
         device: &Device,
         train: Arc<AtomicBool>,
     ) -> Result<Self> {
+        if cfg.rank > in_dim.min(out_dim) {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "adapter.rank = {}: layer {path} maps {in_dim} -> {out_dim}; a LoRA rank \
+                     must be at most the smaller width, {}",
+                    cfg.rank,
+                    in_dim.min(out_dim)
+                ),
+            });
+        }
         let bound = 1.0 / (in_dim as f64).sqrt();
         let seed = cfg.seed ^ key_hash(path);
         let down =

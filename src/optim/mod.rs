@@ -120,6 +120,13 @@ impl ParamSet {
     /// Checks the parameters: unique non-empty names, no tensor given twice, each a float leaf
     /// that requires grad and can be written in place (not a broadcast view).
     fn new(optimizer: &'static str, params: Vec<(String, Tensor)>) -> Result<Self> {
+        if params.is_empty() {
+            return Err(opt_err(
+                optimizer,
+                "no parameters to optimize (an empty list: did the adapter targets or the \
+                 trainable filter match nothing?)",
+            ));
+        }
         let mut index = HashMap::with_capacity(params.len());
         let mut ids = HashMap::with_capacity(params.len());
         for (i, (name, p)) in params.iter().enumerate() {

@@ -1,82 +1,146 @@
-//! The `train` binary's TOML config. Unknown keys and wrong types are errors that name the
-//! key and its line (serde's `deny_unknown_fields` through the toml crate's spans); paths are
-//! relative to the config file's folder. Every check runs before anything is written.
+//! The `train` binary's TOML config.
+//!
+//! Each section is declared once, with the [`section!`] macro: a field's doc comment, type
+//! and default make the struct, its reader and its entry in the generated reference
+//! ([`TrainConfig::reference`], printed by `train --print-config` and kept in the README).
+//! Unknown keys and wrong types are errors naming the key and its line (the toml crate's
+//! spans); every value check ([`TrainConfig::problems`]) names its key and, read from a file,
+//! its line. Paths are relative to the config file's folder. Nothing is written before every
+//! check has passed.
 
 use super::objectives::TimestepSampling;
 use crate::nn::LoraConfig;
+use crate::stream::Checkpointing;
 use crate::{Error, Result};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct TrainConfig {
-    pub model: ModelSection,
-    pub adapter: AdapterSection,
-    #[serde(default)]
-    pub optimizer: OptimizerSection,
-    #[serde(default)]
-    pub schedule: ScheduleSection,
-    pub train: TrainSection,
-    pub data: DataSection,
+/// One key of the config reference.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyDoc {
+    /// `section.key`.
+    pub key: &'static str,
+    /// Its TOML type, in words.
+    pub ty: &'static str,
+    /// Its default as TOML, `None` when the key is required.
+    pub default: Option<String>,
+    /// What it means.
+    pub doc: String,
 }
 
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Arch {
-    Flux,
-    Sd3,
-    Sdxl,
+/// A config section: its name and the reference of its keys.
+pub trait Section {
+    /// The section's name (`[model]` is "model").
+    const NAME: &'static str;
+    /// One entry per key, in declaration order.
+    fn reference() -> Vec<KeyDoc>;
 }
 
-impl Arch {
-    /// The model's folder in a diffusers pipeline, which is also the key prefix diffusers
-    /// expects in a PEFT LoRA file.
-    pub fn diffusers_name(self) -> &'static str {
-        match self {
-            Arch::Flux | Arch::Sd3 => "transformer",
-            Arch::Sdxl => "unet",
-        }
+/// The TOML type of a Rust field type, in words.
+fn toml_type(rust: &str) -> &'static str {
+    match rust.replace(' ', "").as_str() {
+        "usize" | "u64" => "integer >= 0",
+        "f64" => "float",
+        "bool" => "bool",
+        "PathBuf" => "path",
+        "Option<PathBuf>" => "path (optional)",
+        "Option<String>" => "string (optional)",
+        "Vec<String>" => "list of strings",
+        "[f64;2]" => "[float, float]",
+        _ => "string",
     }
 }
 
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+/// A value as TOML text.
+fn show<T: Serialize>(v: &T) -> String {
+    match toml::Value::try_from(v) {
+        Ok(v) => v.to_string(),
+        Err(_) => "?".into(),
+    }
+}
+
+macro_rules! field_value {
+    ($raw:expr, $key:expr) => {
+        $raw.ok_or_else(|| format!("missing key `{}`", $key))?
+    };
+    ($raw:expr, $key:expr, $default:expr) => {
+        $raw.unwrap_or_else(|| ($default).into())
+    };
+}
+
+macro_rules! field_default {
+    ($ty:ty) => {
+        None
+    };
+    ($ty:ty, $default:expr) => {{
+        let v: $ty = ($default).into();
+        Some(show(&v))
+    }};
+}
+
+/// Declares a config section: the public struct, a reader with every key optional (so a
+/// missing required key is an error naming it, and a missing section of defaults is fine),
+/// and the reference of its keys from the fields' doc comments, types and defaults.
+macro_rules! section {
+    (
+        $(#[doc = $sdoc:literal])*
+        $name:ident / $raw:ident = $key:literal {
+            $(
+                $(#[doc = $doc:literal])*
+                $field:ident : $ty:ty $(= $default:expr)? ,
+            )*
+        }
+    ) => {
+        $(#[doc = $sdoc])*
+        #[derive(Clone, Debug, PartialEq, Serialize)]
+        pub struct $name {
+            $( $(#[doc = $doc])* pub $field: $ty, )*
+        }
+
+        #[derive(Debug, Default, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct $raw {
+            $( #[serde(default)] $field: Option<$ty>, )*
+        }
+
+        impl $raw {
+            fn finish(self) -> std::result::Result<$name, String> {
+                Ok($name {
+                    $( $field: field_value!(
+                        self.$field,
+                        concat!($key, ".", stringify!($field))
+                        $(, $default)?
+                    ), )*
+                })
+            }
+        }
+
+        impl Section for $name {
+            const NAME: &'static str = $key;
+            fn reference() -> Vec<KeyDoc> {
+                vec![$(KeyDoc {
+                    key: concat!($key, ".", stringify!($field)),
+                    ty: toml_type(stringify!($ty)),
+                    default: field_default!($ty $(, $default)?),
+                    doc: [$($doc),*].iter().map(|l| l.trim()).collect::<Vec<_>>().join(" "),
+                },)*]
+            }
+        }
+    };
+}
+
+/// The dtype of the base model's weights on the device.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum ModelDType {
+    /// 32-bit float.
     F32,
+    /// bfloat16.
     Bf16,
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct ModelSection {
-    pub arch: Arch,
-    /// A single file or a diffusers folder.
-    pub path: PathBuf,
-    #[serde(default = "default_dtype")]
-    pub dtype: ModelDType,
-    /// Make a tiny random model (fixed seed) at `path` when it does not exist: "flux-tiny".
-    #[serde(default)]
-    pub create_if_missing: Option<String>,
-    /// Flux-dev's guidance input during training.
-    #[serde(default = "default_guidance")]
-    pub guidance: f64,
-    /// SDXL: "epsilon" or "v".
-    #[serde(default = "default_prediction")]
-    pub prediction: String,
-}
-
-fn default_dtype() -> ModelDType {
-    ModelDType::Bf16
-}
-fn default_guidance() -> f64 {
-    1.0
-}
-fn default_prediction() -> String {
-    "epsilon".into()
-}
-
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+/// The key layout of saved adapter files.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum AdapterFormat {
     /// `lora_unet_*.lora_down/lora_up/alpha` (ComfyUI, kohya).
@@ -85,132 +149,222 @@ pub enum AdapterFormat {
     Peft,
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+section! {
+    /// `[model]`: the base model.
+    ModelSection / RawModel = "model" {
+        /// The model family: "flux", "sd3" or "sdxl" (`flame::models::FAMILIES`).
+        arch: String,
+        /// The weights: a single .safetensors file, a diffusers model folder or a pipeline
+        /// folder.
+        path: PathBuf,
+        /// The dtype of the frozen weights on the device: "bf16" or "f32".
+        dtype: ModelDType = ModelDType::Bf16,
+        /// A diffusers config.json for a single file whose shapes do not pin its config down.
+        config: Option<PathBuf> = None,
+        /// Make a tiny random model (fixed seed) at `path` when it does not exist: only
+        /// "flux-tiny".
+        create_if_missing: Option<String> = None,
+        /// The guidance input of guidance-distilled models (Flux dev) during training.
+        guidance: f64 = 1.0,
+        /// DDPM models (SDXL): what the model predicts, "epsilon" or "v".
+        prediction: String = "epsilon",
+    }
+}
+
+section! {
+    /// `[adapter]`: the LoRA trained on the frozen model.
+    AdapterSection / RawAdapter = "adapter" {
+        /// The LoRA rank; at most the smaller width of every targeted layer.
+        rank: usize,
+        /// The LoRA alpha; the update is scaled by alpha / rank.
+        alpha: f64,
+        /// Dropout on the LoRA input while training, in [0, 1).
+        dropout: f64 = 0.0,
+        /// Layer path patterns (`*` matches within a path segment), in the model's original
+        /// key names, e.g. "double_blocks.*.img_attn.qkv".
+        targets: Vec<String>,
+        /// The saved file's layout: "kohya" (ComfyUI, kohya) or "peft" (diffusers).
+        format: AdapterFormat = AdapterFormat::Kohya,
+    }
+}
+
+section! {
+    /// `[optimizer]`: AdamW.
+    OptimizerSection / RawOptimizer = "optimizer" {
+        /// The peak learning rate, > 0.
+        lr: f64 = 1e-4,
+        /// Adam's beta1 and beta2, each in [0, 1).
+        betas: [f64; 2] = [0.9, 0.999],
+        /// Decoupled weight decay, >= 0.
+        weight_decay: f64 = 0.01,
+        /// Adam's epsilon, > 0 (0 divides zero by zero where a gradient is zero).
+        eps: f64 = 1e-8,
+    }
+}
+
+section! {
+    /// `[schedule]`: the learning-rate schedule.
+    ScheduleSection / RawSchedule = "schedule" {
+        /// "constant", or "cosine" (to zero at the last step), after the warm-up.
+        kind: String = "constant",
+        /// Steps of linear warm-up from lr / warmup_steps to lr; at most train.steps.
+        warmup_steps: usize = 0_usize,
+    }
+}
+
+section! {
+    /// `[train]`: the loop.
+    TrainSection / RawTrain = "train" {
+        /// Optimizer steps to run, > 0.
+        steps: usize,
+        /// Samples per micro-batch, > 0.
+        batch_size: usize = 1_usize,
+        /// Micro-batches per optimizer step, > 0.
+        grad_accum: usize = 1_usize,
+        /// Clip the global gradient norm to this (0: no clipping).
+        max_grad_norm: f64 = 0.0,
+        /// The seed of every random draw (data order, noise, timesteps, dropout, LoRA init).
+        seed: u64 = 0_u64,
+        /// Save a checkpoint every this many steps (0: only at the end).
+        save_every: usize = 0_usize,
+        /// Checkpoints kept; older ones of this run are deleted. At least 1.
+        keep_last: usize = 2_usize,
+        /// The run's folder: checkpoints, loss.jsonl, lora.safetensors, run.json.
+        output_dir: PathBuf,
+        /// "auto" (the GPU if one opens), "cuda" or "cpu".
+        device: String = "auto",
+        /// Flow matching: how t is drawn, "uniform", "logit_normal", "shift" or "flux_shift".
+        timesteps: String = "logit_normal",
+        /// logit_normal / flux_shift: the mean of the normal.
+        timestep_mean: f64 = 0.0,
+        /// logit_normal / flux_shift: the standard deviation of the normal, > 0.
+        timestep_std: f64 = 1.0,
+        /// shift: the fixed shift s, > 0.
+        timestep_shift: f64 = 3.0,
+        /// DDPM models: min-SNR-gamma loss weighting (0: off).
+        min_snr_gamma: f64 = 0.0,
+        /// A non-finite loss or gradient norm: "stop" the run (naming the step, the batch's
+        /// files and the tensor) or "skip" the step (the optimizer does not step).
+        on_nonfinite: String = "stop",
+        /// With on_nonfinite = "skip": stop after this many skipped steps in a row.
+        max_skipped: usize = 10_usize,
+        /// Without a terminal: print a progress line every this many steps (0: never).
+        log_every: usize = 10_usize,
+    }
+}
+
+section! {
+    /// `[data]`: pre-encoded samples.
+    DataSection / RawData = "data" {
+        /// A folder of .safetensors files, one per sample, holding the tensors the model
+        /// family needs (Flux: latents, context, pooled).
+        dir: PathBuf,
+        /// Make this many synthetic samples in `dir` when it does not exist (the tiny example).
+        synthetic: usize = 0_usize,
+    }
+}
+
+section! {
+    /// `[memory]`: block checkpointing and streaming.
+    MemorySection / RawMemory = "memory" {
+        /// Gradient checkpointing of blocks: "off", "all" or "every:N" (every N-th block).
+        checkpointing: String = "off",
+        /// Blocks whose frozen weights stay in host memory and are streamed to the GPU when
+        /// used (spread over the model; implies their checkpointing).
+        stream_blocks: usize = 0_usize,
+        /// Streamed blocks copied ahead of the one running, >= 1.
+        prefetch: usize = 2_usize,
+    }
+}
+
+/// A whole config: one struct per section.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TrainConfig {
+    /// `[model]`.
+    pub model: ModelSection,
+    /// `[adapter]`.
+    pub adapter: AdapterSection,
+    /// `[optimizer]`.
+    pub optimizer: OptimizerSection,
+    /// `[schedule]`.
+    pub schedule: ScheduleSection,
+    /// `[train]`.
+    pub train: TrainSection,
+    /// `[data]`.
+    pub data: DataSection,
+    /// `[memory]`.
+    pub memory: MemorySection,
+}
+
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct AdapterSection {
-    pub rank: usize,
-    pub alpha: f64,
+struct RawConfig {
     #[serde(default)]
-    pub dropout: f64,
-    pub targets: Vec<String>,
-    #[serde(default = "default_format")]
-    pub format: AdapterFormat,
+    model: RawModel,
+    #[serde(default)]
+    adapter: RawAdapter,
+    #[serde(default)]
+    optimizer: RawOptimizer,
+    #[serde(default)]
+    schedule: RawSchedule,
+    #[serde(default)]
+    train: RawTrain,
+    #[serde(default)]
+    data: RawData,
+    #[serde(default)]
+    memory: RawMemory,
 }
 
-fn default_format() -> AdapterFormat {
-    AdapterFormat::Kohya
+/// One failed check: the key and what is wrong with its value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// `section.key`.
+    pub key: &'static str,
+    /// What is wrong.
+    pub msg: String,
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct OptimizerSection {
-    pub lr: f64,
-    pub betas: [f64; 2],
-    pub weight_decay: f64,
-    pub eps: f64,
-}
-
-impl Default for OptimizerSection {
-    fn default() -> Self {
-        OptimizerSection {
-            lr: 1e-4,
-            betas: [0.9, 0.999],
-            weight_decay: 0.01,
-            eps: 1e-8,
+/// The 1-based line of `key` (`section.name`) in a TOML text: under its `[section]` header,
+/// or as a dotted key; `None` when the key is not written (a default).
+pub fn line_of(text: &str, key: &str) -> Option<usize> {
+    let (section, name) = key.split_once('.')?;
+    let mut current = String::new();
+    for (i, line) in text.lines().enumerate() {
+        let l = line.trim();
+        if let Some(h) = l.strip_prefix('[') {
+            current = h.trim_end_matches(']').trim().to_string();
+            continue;
+        }
+        let Some((k, _)) = l.split_once('=') else {
+            continue;
+        };
+        let k = k.trim().trim_matches('"');
+        let full = if current.is_empty() {
+            k.to_string()
+        } else {
+            format!("{current}.{k}")
+        };
+        if full == format!("{section}.{name}") {
+            return Some(i + 1);
         }
     }
+    None
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct ScheduleSection {
-    /// "constant" or "cosine" (to zero at the last step).
-    pub kind: String,
-    pub warmup_steps: usize,
-}
-
-impl Default for ScheduleSection {
-    fn default() -> Self {
-        ScheduleSection {
-            kind: "constant".into(),
-            warmup_steps: 0,
-        }
-    }
-}
-
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct TrainSection {
-    pub steps: usize,
-    #[serde(default = "one")]
-    pub batch_size: usize,
-    #[serde(default = "one")]
-    pub grad_accum: usize,
-    /// Clip the global gradient norm to this (0 = off).
-    #[serde(default)]
-    pub max_grad_norm: f64,
-    #[serde(default)]
-    pub seed: u64,
-    /// 0 = only at the end.
-    #[serde(default)]
-    pub save_every: usize,
-    #[serde(default = "two")]
-    pub keep_last: usize,
-    pub output_dir: PathBuf,
-    /// "auto", "cuda" or "cpu".
-    #[serde(default = "auto")]
-    pub device: String,
-    /// Flow matching: "uniform", "logit_normal", "shift" or "flux_shift".
-    #[serde(default = "default_sampling")]
-    pub timesteps: String,
-    #[serde(default)]
-    pub timestep_mean: f64,
-    #[serde(default = "one_f")]
-    pub timestep_std: f64,
-    #[serde(default = "three_f")]
-    pub timestep_shift: f64,
-    /// SDXL: min-SNR-γ weighting (0 = off).
-    #[serde(default)]
-    pub min_snr_gamma: f64,
-}
-
-fn one() -> usize {
-    1
-}
-fn two() -> usize {
-    2
-}
-fn one_f() -> f64 {
-    1.0
-}
-fn three_f() -> f64 {
-    3.0
-}
-fn auto() -> String {
-    "auto".into()
-}
-fn default_sampling() -> String {
-    "logit_normal".into()
-}
-
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct DataSection {
-    /// One safetensors file per sample.
-    pub dir: PathBuf,
-    /// Make this many synthetic samples in `dir` when it does not exist (the tiny example).
-    #[serde(default)]
-    pub synthetic: usize,
-}
-
-fn bad(path: &Path, msg: impl Into<String>) -> Error {
-    Error::Config {
-        path: Some(path.to_path_buf()),
-        msg: msg.into(),
-    }
+fn in_list(key: &'static str, v: &str, list: &[&str]) -> Option<Problem> {
+    (!list.contains(&v)).then(|| Problem {
+        key,
+        msg: format!("\"{v}\": expected {}", list.join(", ")),
+    })
 }
 
 impl TrainConfig {
+    /// Parses a config from TOML text; relative paths stay as written. Runs every check of
+    /// [`TrainConfig::problems`]; errors name the key (and the line in `text`).
+    pub fn from_toml(text: &str) -> Result<Self> {
+        Self::parse(text, None)
+    }
+
     /// Reads and checks `path`; relative paths inside become relative to its folder.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
@@ -218,59 +372,208 @@ impl TrainConfig {
             path: path.to_path_buf(),
             source,
         })?;
-        let mut c: TrainConfig = toml::from_str(&text).map_err(|e| bad(path, e.to_string()))?;
-        let base = path.parent().unwrap_or(Path::new("."));
-        for p in [&mut c.model.path, &mut c.train.output_dir, &mut c.data.dir] {
-            if p.is_relative() {
-                *p = base.join(&*p);
-            }
-        }
-        c.validate().map_err(|e| match e {
-            Error::Config { msg, .. } => bad(path, msg),
-            e => e,
-        })?;
-        Ok(c)
+        Self::parse(&text, Some(path))
     }
 
+    fn parse(text: &str, path: Option<&Path>) -> Result<Self> {
+        let bad = |msg: String| Error::Config {
+            path: path.map(Path::to_path_buf),
+            msg,
+        };
+        let raw: RawConfig = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let finish = || -> std::result::Result<TrainConfig, String> {
+            Ok(TrainConfig {
+                model: raw.model.finish()?,
+                adapter: raw.adapter.finish()?,
+                optimizer: raw.optimizer.finish()?,
+                schedule: raw.schedule.finish()?,
+                train: raw.train.finish()?,
+                data: raw.data.finish()?,
+                memory: raw.memory.finish()?,
+            })
+        };
+        let mut c = finish().map_err(bad)?;
+        if let Some(base) = path.and_then(Path::parent) {
+            let mut paths = vec![&mut c.model.path, &mut c.train.output_dir, &mut c.data.dir];
+            if let Some(p) = c.model.config.as_mut() {
+                paths.push(p);
+            }
+            for p in paths {
+                if p.is_relative() {
+                    *p = base.join(&*p);
+                }
+            }
+        }
+        let problems = c.problems();
+        if problems.is_empty() {
+            return Ok(c);
+        }
+        let lines: Vec<String> = problems
+            .iter()
+            .map(|p| match line_of(text, p.key) {
+                Some(n) => format!("line {n}: {} = {}", p.key, p.msg),
+                None => format!("{} (default) = {}", p.key, p.msg),
+            })
+            .collect();
+        Err(bad(lines.join("\n")))
+    }
+
+    /// Every check that needs no files, as (key, problem) pairs; empty when all pass.
+    pub fn problems(&self) -> Vec<Problem> {
+        let (m, a, o, s, t, mem) = (
+            &self.model,
+            &self.adapter,
+            &self.optimizer,
+            &self.schedule,
+            &self.train,
+            &self.memory,
+        );
+        let families: Vec<&str> = crate::models::FAMILIES.iter().map(|f| f.name).collect();
+        let mut v: Vec<Problem> = [
+            in_list("model.arch", &m.arch, &families),
+            in_list("model.prediction", &m.prediction, &["epsilon", "v"]),
+            in_list("schedule.kind", &s.kind, &["constant", "cosine"]),
+            in_list("train.device", &t.device, &["auto", "cuda", "cpu"]),
+            in_list(
+                "train.timesteps",
+                &t.timesteps,
+                &["uniform", "logit_normal", "shift", "flux_shift"],
+            ),
+            in_list("train.on_nonfinite", &t.on_nonfinite, &["stop", "skip"]),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let mut check = |ok: bool, key: &'static str, msg: String| {
+            if !ok {
+                v.push(Problem { key, msg });
+            }
+        };
+        if let Some(c) = &m.create_if_missing {
+            check(
+                c == "flux-tiny" && m.arch == "flux",
+                "model.create_if_missing",
+                format!("\"{c}\": only \"flux-tiny\" (with arch = \"flux\")"),
+            );
+        }
+        check(
+            m.guidance.is_finite(),
+            "model.guidance",
+            format!("{}: must be finite", m.guidance),
+        );
+        check(a.rank > 0, "adapter.rank", "0: must be positive".into());
+        check(
+            a.alpha.is_finite() && a.alpha > 0.0,
+            "adapter.alpha",
+            format!("{}: must be finite and > 0", a.alpha),
+        );
+        check(
+            (0.0..1.0).contains(&a.dropout),
+            "adapter.dropout",
+            format!("{}: must be in [0, 1)", a.dropout),
+        );
+        check(
+            !a.targets.is_empty() && a.targets.iter().all(|t| !t.trim().is_empty()),
+            "adapter.targets",
+            format!("{:?}: must be non-empty patterns", a.targets),
+        );
+        check(
+            o.lr.is_finite() && o.lr > 0.0,
+            "optimizer.lr",
+            format!("{}: must be finite and > 0", o.lr),
+        );
+        check(
+            o.betas.iter().all(|b| (0.0..1.0).contains(b)),
+            "optimizer.betas",
+            format!("{:?}: each must be in [0, 1)", o.betas),
+        );
+        check(
+            o.weight_decay.is_finite() && o.weight_decay >= 0.0,
+            "optimizer.weight_decay",
+            format!("{}: must be finite and >= 0", o.weight_decay),
+        );
+        check(
+            o.eps.is_finite() && o.eps > 0.0,
+            "optimizer.eps",
+            format!(
+                "{}: must be finite and > 0 (Adam divides by sqrt(v) + eps, and v is 0 where \
+                 a gradient is 0)",
+                o.eps
+            ),
+        );
+        check(t.steps > 0, "train.steps", "0: must be positive".into());
+        check(
+            t.batch_size > 0,
+            "train.batch_size",
+            "0: must be positive".into(),
+        );
+        check(
+            t.grad_accum > 0,
+            "train.grad_accum",
+            "0: must be positive".into(),
+        );
+        check(
+            s.warmup_steps <= t.steps,
+            "schedule.warmup_steps",
+            format!(
+                "{}: longer than the run (train.steps = {})",
+                s.warmup_steps, t.steps
+            ),
+        );
+        check(
+            t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0,
+            "train.max_grad_norm",
+            format!("{}: must be finite and >= 0", t.max_grad_norm),
+        );
+        check(
+            t.min_snr_gamma.is_finite() && t.min_snr_gamma >= 0.0,
+            "train.min_snr_gamma",
+            format!("{}: must be finite and >= 0", t.min_snr_gamma),
+        );
+        check(
+            t.keep_last > 0,
+            "train.keep_last",
+            "0: at least the latest checkpoint is kept".into(),
+        );
+        check(
+            t.timestep_mean.is_finite(),
+            "train.timestep_mean",
+            format!("{}: must be finite", t.timestep_mean),
+        );
+        check(
+            t.timestep_std.is_finite() && t.timestep_std > 0.0,
+            "train.timestep_std",
+            format!("{}: must be finite and > 0", t.timestep_std),
+        );
+        check(
+            t.timestep_shift.is_finite() && t.timestep_shift > 0.0,
+            "train.timestep_shift",
+            format!("{}: must be finite and > 0", t.timestep_shift),
+        );
+        check(
+            t.on_nonfinite != "skip" || t.max_skipped > 0,
+            "train.max_skipped",
+            "0: with on_nonfinite = \"skip\", at least 1".into(),
+        );
+        if let Err(e) = self.checkpointing() {
+            check(false, "memory.checkpointing", e);
+        }
+        check(mem.prefetch > 0, "memory.prefetch", "0: at least 1".into());
+        v
+    }
+
+    /// The first problem as an error (no file, no line); Ok when every check passes.
     pub fn validate(&self) -> Result<()> {
-        let b = |m: String| Err(Error::Config { path: None, msg: m });
-        self.lora().validate()?;
-        self.sampling()?.validate()?;
-        let t = &self.train;
-        if t.steps == 0 || t.batch_size == 0 || t.grad_accum == 0 {
-            return b("train.steps, train.batch_size and train.grad_accum must be positive".into());
+        match self.problems().into_iter().next() {
+            None => Ok(()),
+            Some(p) => Err(Error::Config {
+                path: None,
+                msg: format!("{} = {}", p.key, p.msg),
+            }),
         }
-        if !["auto", "cuda", "cpu"].contains(&t.device.as_str()) {
-            return b(format!(
-                "train.device = \"{}\": expected auto, cuda or cpu",
-                t.device
-            ));
-        }
-        if !["constant", "cosine"].contains(&self.schedule.kind.as_str()) {
-            return b(format!(
-                "schedule.kind = \"{}\": expected constant or cosine",
-                self.schedule.kind
-            ));
-        }
-        if !["epsilon", "v"].contains(&self.model.prediction.as_str()) {
-            return b(format!(
-                "model.prediction = \"{}\": expected epsilon or v",
-                self.model.prediction
-            ));
-        }
-        if let Some(m) = &self.model.create_if_missing {
-            if m != "flux-tiny" || self.model.arch != Arch::Flux {
-                return b(format!(
-                    "model.create_if_missing = \"{m}\": only \"flux-tiny\" (arch flux)"
-                ));
-            }
-        }
-        if t.max_grad_norm < 0.0 || !t.max_grad_norm.is_finite() || t.min_snr_gamma < 0.0 {
-            return b("train.max_grad_norm and train.min_snr_gamma must be >= 0".into());
-        }
-        Ok(())
     }
 
+    /// The adapter config.
     pub fn lora(&self) -> LoraConfig {
         LoraConfig {
             rank: self.adapter.rank,
@@ -281,18 +584,43 @@ impl TrainConfig {
         }
     }
 
+    /// `memory.checkpointing` parsed.
+    pub fn checkpointing(&self) -> std::result::Result<Checkpointing, String> {
+        let c = self.memory.checkpointing.as_str();
+        match c {
+            "off" => Ok(Checkpointing::Off),
+            "all" => Ok(Checkpointing::All),
+            _ => c
+                .strip_prefix("every:")
+                .and_then(|n| n.trim().parse::<usize>().ok())
+                .filter(|&n| n > 0)
+                .map(Checkpointing::Every)
+                .ok_or_else(|| format!("\"{c}\": expected off, all or every:N with N >= 1")),
+        }
+    }
+
+    /// The flow-matching timestep sampler of `train.timesteps`.
     pub fn sampling(&self) -> Result<TimestepSampling> {
         let t = &self.train;
         Ok(match t.timesteps.as_str() {
             "uniform" => TimestepSampling::Uniform,
-            "logit_normal" => TimestepSampling::LogitNormal { mean: t.timestep_mean, std: t.timestep_std },
-            "shift" => TimestepSampling::Shift { shift: t.timestep_shift },
-            "flux_shift" => TimestepSampling::FluxShift { mean: t.timestep_mean, std: t.timestep_std },
+            "logit_normal" => TimestepSampling::LogitNormal {
+                mean: t.timestep_mean,
+                std: t.timestep_std,
+            },
+            "shift" => TimestepSampling::Shift {
+                shift: t.timestep_shift,
+            },
+            "flux_shift" => TimestepSampling::FluxShift {
+                mean: t.timestep_mean,
+                std: t.timestep_std,
+            },
             other => {
                 return Err(Error::Config {
                     path: None,
                     msg: format!(
-                        "train.timesteps = \"{other}\": expected uniform, logit_normal, shift or flux_shift"
+                        "train.timesteps = \"{other}\": expected uniform, logit_normal, shift \
+                         or flux_shift"
                     ),
                 })
             }
@@ -316,5 +644,83 @@ impl TrainConfig {
             }
             _ => lr,
         }
+    }
+
+    /// Every key of every section.
+    pub fn reference() -> Vec<KeyDoc> {
+        [
+            ModelSection::reference(),
+            AdapterSection::reference(),
+            OptimizerSection::reference(),
+            ScheduleSection::reference(),
+            TrainSection::reference(),
+            DataSection::reference(),
+            MemorySection::reference(),
+        ]
+        .concat()
+    }
+
+    /// The reference as a Markdown table (`train --print-config`, the README).
+    pub fn reference_markdown() -> String {
+        let mut s = String::from("| key | type | default | meaning |\n|---|---|---|---|\n");
+        for k in Self::reference() {
+            let default = k.default.unwrap_or_else(|| "required".into());
+            s += &format!(
+                "| `{}` | {} | {} | {} |\n",
+                k.key,
+                k.ty,
+                if default == "required" {
+                    default
+                } else {
+                    format!("`{default}`")
+                },
+                k.doc.replace('|', "\\|")
+            );
+        }
+        s
+    }
+
+    /// The values a resumed run must share with the run that wrote its checkpoints, by key:
+    /// everything that changes what a step computes or what saved state means. Paths, the
+    /// device, checkpoint cadence, logging and the memory plan may change between sessions.
+    pub fn resume_keys(&self) -> Vec<(&'static str, String)> {
+        let (m, a, o, s, t) = (
+            &self.model,
+            &self.adapter,
+            &self.optimizer,
+            &self.schedule,
+            &self.train,
+        );
+        let mut v = vec![
+            ("model.arch", show(&m.arch)),
+            ("model.dtype", show(&m.dtype)),
+            ("model.guidance", show(&m.guidance)),
+            ("model.prediction", show(&m.prediction)),
+            ("adapter.rank", show(&a.rank)),
+            ("adapter.alpha", show(&a.alpha)),
+            ("adapter.dropout", show(&a.dropout)),
+            ("adapter.targets", show(&a.targets)),
+            ("adapter.format", show(&a.format)),
+            ("optimizer.lr", show(&o.lr)),
+            ("optimizer.betas", show(&o.betas)),
+            ("optimizer.weight_decay", show(&o.weight_decay)),
+            ("optimizer.eps", show(&o.eps)),
+            ("schedule.kind", show(&s.kind)),
+            ("schedule.warmup_steps", show(&s.warmup_steps)),
+            ("train.batch_size", show(&t.batch_size)),
+            ("train.grad_accum", show(&t.grad_accum)),
+            ("train.max_grad_norm", show(&t.max_grad_norm)),
+            ("train.seed", show(&t.seed)),
+            ("train.timesteps", show(&t.timesteps)),
+            ("train.timestep_mean", show(&t.timestep_mean)),
+            ("train.timestep_std", show(&t.timestep_std)),
+            ("train.timestep_shift", show(&t.timestep_shift)),
+            ("train.min_snr_gamma", show(&t.min_snr_gamma)),
+        ];
+        // A cosine schedule runs to zero at the last step: its length is part of every lr.
+        if s.kind == "cosine" {
+            v.push(("train.steps", show(&t.steps)));
+        }
+        v
     }
 }

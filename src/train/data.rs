@@ -1,20 +1,26 @@
-//! Pre-encoded training data: one safetensors file per sample in a folder, holding `latents`
-//! (C, H, W), `context` (T, D) text token embeddings, `pooled` (P) pooled text embedding and,
-//! for SDXL, `time_ids` (6). Every file is checked against the model before training starts;
-//! a wrong or missing tensor is an error naming the file.
+//! Pre-encoded training data: one safetensors file per sample in a folder, holding the
+//! tensors the model family asks for ([`crate::models::DiffusionModel::inputs`]; Flux:
+//! `latents` (C, H, W), `context` (T, D) text token embeddings, `pooled` (P); SDXL adds
+//! `time_ids` (6)). Every file is checked before training starts: names, shapes, dtypes and
+//! that every value is finite; a bad sample is an error naming the file and the tensor.
 
+use crate::models::Input;
 use crate::nn::{mix64, GOLDEN};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Tensor};
+use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 
-/// What each sample must hold: (name, expected dims with `None` for free sizes).
-pub type Spec = Vec<(&'static str, Vec<Option<usize>>)>;
+/// A model's limits on a sample's shapes beyond the per-dim rules: `Err` says what is wrong
+/// ([`crate::models::DiffusionModel::check_shapes`]).
+pub type ShapeCheck<'a> = dyn Fn(&[Vec<usize>]) -> std::result::Result<(), String> + Sync + 'a;
 
+/// The samples of a training run, checked.
 #[derive(Debug)]
 pub struct Dataset {
+    /// The sample files, sorted by name.
     pub files: Vec<PathBuf>,
-    /// The shapes every sample shares, by tensor name in `Spec` order.
+    /// The shapes every sample shares, by input in the model's order.
     pub shapes: Vec<Vec<usize>>,
     names: Vec<&'static str>,
 }
@@ -27,10 +33,52 @@ fn bad(path: &Path, tensor: Option<&str>, msg: impl Into<String>) -> Error {
     }
 }
 
+/// File dtypes that can hold latents and embeddings.
+const FLOAT_DTYPES: [&str; 4] = ["F16", "BF16", "F32", "F64"];
+
+/// Checks one sample against `inputs`: present, float (`time_ids` may be integers), the
+/// right shape, every value finite. Returns its shapes in `inputs` order.
+fn check_sample(f: &Path, inputs: &[Input]) -> Result<Vec<Vec<usize>>> {
+    let file = SafeTensorsFile::open(f)?;
+    let mut shapes = vec![];
+    for input in inputs {
+        let name = input.name;
+        let info = file
+            .info(name)
+            .ok_or_else(|| bad(f, Some(name), "missing from the sample"))?;
+        let ids = name == "time_ids" && info.dtype == "U32";
+        if !FLOAT_DTYPES.contains(&info.dtype.as_str()) && !ids {
+            return Err(bad(
+                f,
+                Some(name),
+                format!(
+                    "dtype {}: expected a float dtype ({})",
+                    info.dtype,
+                    FLOAT_DTYPES.join(", ")
+                ),
+            ));
+        }
+        if let Some(why) = input.mismatch(&info.shape) {
+            return Err(bad(f, Some(name), why));
+        }
+        let values = file.host(name)?.to_f64_vec();
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(bad(
+                f,
+                Some(name),
+                format!("holds a non-finite value ({} at flat index {i})", values[i]),
+            ));
+        }
+        shapes.push(info.shape.clone());
+    }
+    Ok(shapes)
+}
+
 impl Dataset {
-    /// Opens every `*.safetensors` in `dir` (sorted by name) and checks it against `spec`;
-    /// all samples must share their shapes (they are batched).
-    pub fn open(dir: &Path, spec: &Spec) -> Result<Dataset> {
+    /// Opens every `*.safetensors` in `dir` (sorted by name) and checks each against
+    /// `inputs` (in parallel) and `extra` (the model's further limits); all samples must
+    /// share their shapes (they are batched).
+    pub fn open(dir: &Path, inputs: &[Input], extra: &ShapeCheck<'_>) -> Result<Dataset> {
         let entries = std::fs::read_dir(dir).map_err(|source| Error::Io {
             path: dir.to_path_buf(),
             source,
@@ -43,37 +91,12 @@ impl Dataset {
         if files.is_empty() {
             return Err(bad(dir, None, "no .safetensors samples in the data folder"));
         }
+        // The first bad file in name order is the one reported, whatever the thread timing.
+        let all: Vec<Result<Vec<Vec<usize>>>> =
+            files.par_iter().map(|f| check_sample(f, inputs)).collect();
         let mut shapes: Option<Vec<Vec<usize>>> = None;
-        for f in &files {
-            let file = SafeTensorsFile::open(f)?;
-            let mut these = vec![];
-            for (name, want) in spec {
-                let info = file
-                    .info(name)
-                    .ok_or_else(|| bad(f, Some(name), "missing from the sample"))?;
-                let ok = info.shape.len() == want.len()
-                    && info
-                        .shape
-                        .iter()
-                        .zip(want)
-                        .all(|(h, w)| w.is_none_or(|w| w == *h));
-                if !ok {
-                    let want: Vec<String> = want
-                        .iter()
-                        .map(|w| w.map_or("_".into(), |w| w.to_string()))
-                        .collect();
-                    return Err(bad(
-                        f,
-                        Some(name),
-                        format!(
-                            "shape {:?}, the model needs [{}]",
-                            info.shape,
-                            want.join(", ")
-                        ),
-                    ));
-                }
-                these.push(info.shape.clone());
-            }
+        for (f, these) in files.iter().zip(all) {
+            let these = these?;
             match &shapes {
                 Some(s) if *s != these => {
                     return Err(bad(
@@ -83,25 +106,30 @@ impl Dataset {
                     ))
                 }
                 Some(_) => {}
-                None => shapes = Some(these),
+                None => {
+                    extra(&these).map_err(|msg| bad(f, None, msg))?;
+                    shapes = Some(these)
+                }
             }
         }
         Ok(Dataset {
             files,
             shapes: shapes.unwrap_or_default(),
-            names: spec.iter().map(|(n, _)| *n).collect(),
+            names: inputs.iter().map(|i| i.name).collect(),
         })
     }
 
+    /// The number of samples.
     pub fn len(&self) -> usize {
         self.files.len()
     }
 
+    /// Whether there are no samples (never, once opened).
     pub fn is_empty(&self) -> bool {
         self.files.is_empty()
     }
 
-    /// The samples at `idx` stacked into a batch: one tensor per spec name, (B, ...), in
+    /// The samples at `idx` stacked into a batch: one tensor per input, (B, ...), in
     /// `dtype` on `device`.
     pub fn batch(&self, idx: &[usize], dtype: DType, device: &Device) -> Result<Vec<Tensor>> {
         let mut cols: Vec<Vec<Tensor>> = vec![vec![]; self.names.len()];

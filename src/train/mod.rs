@@ -1,9 +1,12 @@
-//! Training: objectives (flow matching, DDPM), the config, pre-encoded data and the loop with
-//! its checkpoints; adapters live in `nn` (LoRA), optimizers in `optim`.
+//! Training: objectives (flow matching, DDPM), the config, pre-encoded data, the run folder
+//! and the loop with its checkpoints; adapters live in `nn` (LoRA), optimizers in `optim`,
+//! models and their loader in `models`.
 
 pub mod config;
 pub mod data;
+pub mod demo;
 pub mod objectives;
+pub mod rundir;
 pub mod trainer;
 
 pub use config::TrainConfig;
@@ -11,4 +14,4 @@ pub use objectives::{
     flow_matching, flux_mu, flux_time_shift, shift_time, weighted_mse, Ddpm, Prediction,
     TimestepSampling,
 };
-pub use trainer::{RunEnd, Trainer};
+pub use trainer::{Event, FolderAction, RunEnd, RunOptions, StepReport, Trainer};

@@ -1,17 +1,20 @@
-//! The training loop behind `train`: LoRA on Flux, SD3.5 or SDXL from pre-encoded data, with
-//! AdamW, a warm-up + constant/cosine schedule, gradient accumulation and clipping, a JSONL
-//! loss log and atomic checkpoints that resume exactly. Every random draw (data order, noise,
-//! timesteps, dropout) is a function of (seed, step), so a checkpoint needs only the step, the
-//! adapter and the optimizer state.
+//! The training loop behind `train`: a LoRA on any registered model family from pre-encoded
+//! data, with AdamW, a warm-up + constant/cosine schedule, gradient accumulation and
+//! clipping, a guard against non-finite losses and gradients, a JSONL loss log and atomic,
+//! verified checkpoints that resume exactly. Every random draw (data order, noise,
+//! timesteps, dropout) is a function of (seed, step), so a checkpoint needs only the step,
+//! the adapter and the optimizer state.
+//!
+//! Steps count from 1: step k is the k-th optimizer step; the log's line for it says
+//! `"step": k`, and `checkpoint-k` holds the state after it.
 
-use super::config::{AdapterFormat, Arch, ModelDType, TrainConfig};
-use super::data::{indices, Dataset, Spec};
-use super::objectives::{flow_matching, weighted_mse, Ddpm, Prediction};
-use crate::models::flux::{self, Flux, FluxConfig};
-use crate::models::sd3::{self, Sd3};
-use crate::models::sdxl::{self, SdxlConfig, Unet};
-use crate::models::Checkpoint;
-use crate::nn::{Adapters, KeyMap, VarBuilder, GOLDEN};
+use super::config::{AdapterFormat, ModelDType, TrainConfig};
+use super::data::{indices, Dataset};
+use super::demo;
+use super::objectives::{flow_matching, weighted_mse, Prediction};
+use super::rundir::{read_log, write_atomic, CheckpointState, Manifest, RunDir, FINAL, LOG};
+use crate::models::{self, DiffusionModel, LoadOptions, MemoryPlan, Objective};
+use crate::nn::{Adapters, KeyMap, GOLDEN};
 use crate::optim::{AdamConfig, AdamW, Optimizer};
 use crate::{DType, Device, Error, Grads, Result, Tensor};
 use std::io::Write;
@@ -19,110 +22,138 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-enum Net {
-    Flux(Box<Flux>),
-    Sd3(Box<Sd3>),
-    /// With its noise schedule, made once.
-    Sdxl(Box<Unet>, SdxlConfig, Ddpm),
-}
-
 /// A loaded model with its adapters, data and optimizer, ready to step.
 pub struct Trainer {
+    /// The checked config.
     pub config: TrainConfig,
-    net: Net,
+    model: Box<dyn DiffusionModel>,
     map: KeyMap,
+    /// The adapters being trained.
     pub adapters: Arc<Adapters>,
     data: Dataset,
     opt: AdamW,
     device: Device,
     dtype: DType,
-    /// The next step to run (0-based).
+    /// Optimizer steps done (the next step is `step + 1`).
     pub step: usize,
-    /// Set (e.g. by a Ctrl-C handler) to stop after the current step with a checkpoint.
+    /// Non-finite steps skipped in a row up to `step`.
+    skipped_in_row: usize,
+    run_id: String,
+    /// Set (e.g. by a signal handler) to stop after the current step with a checkpoint.
     interrupt: Arc<AtomicBool>,
 }
 
 /// How `Trainer::run` ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RunEnd {
-    /// All steps done; the final adapter is written.
-    Finished,
-    /// Stopped at the requested step.
+    /// All steps done; the final adapter is at this path.
+    Finished(PathBuf),
+    /// Stopped at the requested step (`RunOptions::stop_at`), without a checkpoint.
     Stopped(usize),
-    /// Interrupted after this step; a checkpoint of it is written.
-    Interrupted(usize),
+    /// Interrupted after this step; a checkpoint of it is at this path.
+    Interrupted(usize, PathBuf),
 }
 
-/// The tiny Flux of `create_if_missing = "flux-tiny"`: 4 latent channels, hidden 32, one
-/// block of each kind, text width 32, pooled 16.
-pub fn flux_tiny_config() -> FluxConfig {
-    FluxConfig {
-        in_channels: 16,
-        out_channels: 16,
-        vec_in_dim: 16,
-        context_in_dim: 32,
-        hidden_size: 32,
-        mlp_ratio: 4.0,
-        num_heads: 2,
-        depth: 1,
-        depth_single_blocks: 1,
-        axes_dim: vec![4, 6, 6],
-        theta: 10_000.0,
-        qkv_bias: true,
-        guidance_embed: true,
+/// What `Trainer::run` does with the output folder and how far it goes.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Continue from the newest intact checkpoint of the run in the output folder.
+    pub resume: bool,
+    /// Delete the run files of an earlier run in the output folder first.
+    pub overwrite: bool,
+    /// Stop after this step (tests of resuming).
+    pub stop_at: Option<usize>,
+}
+
+/// One step's figures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepReport {
+    /// The step (from 1).
+    pub step: usize,
+    /// The steps of the run.
+    pub steps: usize,
+    /// The loss, averaged over micro-batches.
+    pub loss: f64,
+    /// The learning rate used.
+    pub lr: f64,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Why the step was skipped (a non-finite loss or gradient), if it was.
+    pub skipped: Option<String>,
+}
+
+/// What a run tells its caller as it goes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// Something the user should know (a damaged checkpoint passed over, a resume point).
+    Note(String),
+    /// A step finished.
+    Step(StepReport),
+    /// A checkpoint was written.
+    Saved(PathBuf),
+}
+
+/// What a run would do, from `Trainer::plan`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FolderAction {
+    /// Start a new run in an empty or new folder.
+    New,
+    /// Delete these files of an earlier run, then start a new one.
+    Overwrite(Vec<String>),
+    /// Continue from this checkpoint (step, folder).
+    Resume(usize, PathBuf),
+    /// The run is already finished; only the final adapter is written if it is missing.
+    AlreadyFinished(usize),
+}
+
+/// The global L2 norm of the gradients of `params` (summed on the device in f64, one copy to
+/// the host), and the name of the first parameter whose gradient is not finite.
+fn grad_norm(grads: &Grads, params: &[(String, Tensor)]) -> Result<(f64, Option<String>)> {
+    let mut sq: Option<Tensor> = None;
+    for (_, p) in params {
+        if let Some(g) = grads.get(p) {
+            let s = g.to_dtype(DType::F64)?.sqr()?.sum_all()?;
+            sq = Some(match sq {
+                Some(acc) => acc.add(&s)?,
+                None => s,
+            });
+        }
     }
-}
-
-/// Seed of the tiny model's weights and of the synthetic data.
-const TINY_SEED: u64 = 20_261_122;
-
-fn make_tiny_flux(path: &Path, device: &Device) -> Result<()> {
-    let vb = VarBuilder::random(TINY_SEED, 0.08, DType::F32, device);
-    Flux::new(&vb, &flux_tiny_config())?;
-    let params = vb.params()?;
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|source| Error::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
+    let norm = match sq {
+        Some(s) => s.to_scalar_f64()?.sqrt(),
+        None => 0.0,
+    };
+    if norm.is_finite() {
+        return Ok((norm, None));
     }
-    crate::safetensors::save(params.iter().map(|(k, t)| (k.as_str(), t)), path)
+    let bad = first_nonfinite(
+        params
+            .iter()
+            .filter_map(|(n, p)| Some((n.as_str(), grads.get(p)?))),
+    )?;
+    Ok((norm, bad.map(|n| format!("the gradient of {n}"))))
 }
 
-/// `n` synthetic samples for a model with `c` latent channels: latents made of a few smooth
-/// patterns (something to learn), random text features.
-fn make_synthetic(
-    dir: &Path,
-    n: usize,
-    (c, ctx, pooled): (usize, usize, usize),
-    device: &Device,
-) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
-        path: dir.to_path_buf(),
-        source,
-    })?;
-    for i in 0..n {
-        let k = (i % 4) as f32;
-        let lat: Vec<f32> = (0..c * 8 * 8)
-            .map(|j| {
-                let (ch, y, x) = (j / 64, (j / 8) % 8, j % 8);
-                ((x as f32 * (0.5 + k * 0.3) + ch as f32).sin() + (y as f32 * 0.7 - k).cos()) * 0.8
-            })
-            .collect();
-        let seed = TINY_SEED ^ (i as u64 + 1);
-        let sample = [
-            ("latents", Tensor::from_vec(lat, (c, 8, 8), device)?),
-            (
-                "context",
-                Tensor::randn((6, ctx), DType::F32, device, seed)?.affine(1.0, k as f64 * 0.2)?,
-            ),
-            (
-                "pooled",
-                Tensor::randn(pooled, DType::F32, device, seed ^ 7)?,
-            ),
-        ];
-        let p = dir.join(format!("sample-{i:04}.safetensors"));
-        crate::safetensors::save(sample.iter().map(|(k, t)| (*k, t)), p)?;
+/// The name of the first tensor holding a NaN or an infinity.
+fn first_nonfinite<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+) -> Result<Option<String>> {
+    for (name, t) in tensors {
+        // A sum of squares in f64 is finite iff every (f32 or narrower) value is.
+        let s = t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar_f64()?;
+        if !s.is_finite() {
+            return Ok(Some(name.to_string()));
+        }
+    }
+    Ok(None)
+}
+
+/// Scales every gradient of `params` by `f`.
+fn scale_grads(grads: &mut Grads, params: &[(String, Tensor)], f: f64) -> Result<()> {
+    for (_, p) in params {
+        if let Some(g) = grads.remove(p) {
+            grads.insert(p, g.affine(f, 0.0)?);
+        }
     }
     Ok(())
 }
@@ -156,150 +187,75 @@ fn cpu_device() -> Result<Device> {
     Err(Error::NoBackend("training on the CPU"))
 }
 
-/// The global L2 norm of the gradients of `params`, and the factor that clips it to `max`.
-/// The squares are summed on the device, in f64, with one copy to the host per step.
-fn clip(grads: &mut Grads, params: &[(String, Tensor)], max: f64) -> Result<f64> {
-    let mut sq: Option<Tensor> = None;
-    for (_, p) in params {
-        if let Some(g) = grads.get(p) {
-            let s = g.to_dtype(DType::F64)?.sqr()?.sum_all()?;
-            sq = Some(match sq {
-                Some(acc) => acc.add(&s)?,
-                None => s,
-            });
-        }
-    }
-    let norm = match sq {
-        Some(s) => s.to_scalar_f64()?.sqrt(),
-        None => 0.0,
-    };
-    if max > 0.0 && norm > max {
-        let f = max / (norm + 1e-6);
-        for (_, p) in params {
-            if let Some(g) = grads.remove(p) {
-                grads.insert(p, g.affine(f, 0.0)?);
-            }
-        }
-    }
-    Ok(norm)
-}
-
 impl Trainer {
     /// Checks the config, makes the tiny model / synthetic data if asked, loads the model
-    /// with its adapters and the data; writes nothing to the output folder.
+    /// with its adapters and the data, and checks every sample; writes nothing to the
+    /// output folder.
     pub fn new(config: TrainConfig) -> Result<Trainer> {
         config.validate()?;
         let m = &config.model;
         let device = pick_device(&config.train.device)?;
-        if m.create_if_missing.is_some() && !m.path.exists() {
-            make_tiny_flux(&m.path, &device)?;
+        let family = models::family(&m.arch)?;
+        let mut json = None;
+        if m.create_if_missing.is_some() {
+            if !m.path.exists() {
+                demo::make_tiny_flux(&m.path)?;
+            }
+            json = Some(demo::flux_tiny_diffusers_config());
+        }
+        if let Some(p) = &m.config {
+            let text = std::fs::read_to_string(p).map_err(|source| Error::Io {
+                path: p.clone(),
+                source,
+            })?;
+            json = Some(serde_json::from_str(&text).map_err(|e| Error::Config {
+                path: Some(p.clone()),
+                msg: format!("model.config: invalid JSON: {e}"),
+            })?);
         }
         let dtype = match m.dtype {
             ModelDType::F32 => DType::F32,
             ModelDType::Bf16 => DType::BF16,
         };
         let adapters = Adapters::new(config.lora())?;
-        let sub = m.arch.diffusers_name();
-        let ckpt = Checkpoint::open(&m.path, sub)?;
-        let (net, map, spec): (Net, KeyMap, Spec) = match m.arch {
-            Arch::Flux => {
-                let cfg = match (&ckpt.config, m.create_if_missing.is_some()) {
-                    (_, true) => flux_tiny_config(),
-                    (Some(j), _) => FluxConfig::from_diffusers(j)?,
-                    (None, _) => {
-                        let vb = ckpt.var_builder(
-                            dtype,
-                            &device,
-                            flux::diffusers_map(&FluxConfig::dev()),
-                        )?;
-                        FluxConfig::from_single_file(&vb)?
-                    }
-                };
-                let map = flux::diffusers_map(&cfg);
-                let vb = ckpt
-                    .var_builder(dtype, &device, map.clone())?
-                    .with_adapters(adapters.clone())?;
-                let spec = vec![
-                    ("latents", vec![Some(cfg.in_channels / 4), None, None]),
-                    ("context", vec![None, Some(cfg.context_in_dim)]),
-                    ("pooled", vec![Some(cfg.vec_in_dim)]),
-                ];
-                (Net::Flux(Box::new(Flux::new(&vb, &cfg)?)), map, spec)
-            }
-            Arch::Sd3 => {
-                let cfg = match &ckpt.config {
-                    Some(j) => sd3::Sd3Config::from_diffusers(j)?,
-                    None => {
-                        let vb = ckpt.var_builder(
-                            dtype,
-                            &device,
-                            sd3::diffusers_map(&sd3::Sd3Config::large()),
-                        )?;
-                        sd3::Sd3Config::from_single_file(&vb)?
-                    }
-                };
-                let map = sd3::diffusers_map(&cfg);
-                let vb = ckpt
-                    .var_builder(dtype, &device, map.clone())?
-                    .with_adapters(adapters.clone())?;
-                let spec = vec![
-                    ("latents", vec![Some(cfg.in_channels), None, None]),
-                    ("context", vec![None, Some(cfg.context_dim)]),
-                    ("pooled", vec![Some(cfg.pooled_dim)]),
-                ];
-                (Net::Sd3(Box::new(Sd3::new(&vb, &cfg)?)), map, spec)
-            }
-            Arch::Sdxl => {
-                let cfg = match &ckpt.config {
-                    Some(j) => SdxlConfig::from_diffusers(j)?,
-                    None => {
-                        let vb = ckpt.var_builder(
-                            dtype,
-                            &device,
-                            sdxl::diffusers_map(&SdxlConfig::base()),
-                        )?;
-                        SdxlConfig::from_single_file(&vb)?
-                    }
-                };
-                let map = sdxl::diffusers_map(&cfg);
-                let vb = ckpt
-                    .var_builder(dtype, &device, map.clone())?
-                    .with_adapters(adapters.clone())?;
-                let pooled = cfg.adm_in_channels - 6 * cfg.addition_time_embed_dim;
-                let spec = vec![
-                    ("latents", vec![Some(cfg.in_channels), None, None]),
-                    ("context", vec![None, Some(cfg.context_dim)]),
-                    ("pooled", vec![Some(pooled)]),
-                    ("time_ids", vec![Some(6)]),
-                ];
-                (
-                    Net::Sdxl(Box::new(Unet::new(&vb, &cfg)?), cfg, Ddpm::scaled_linear()),
-                    map,
-                    spec,
-                )
-            }
+        let opts = LoadOptions {
+            dtype,
+            device: device.clone(),
+            adapters: Some(adapters.clone()),
+            config: json,
+            memory: MemoryPlan {
+                checkpointing: config.checkpointing().map_err(|msg| Error::Config {
+                    path: None,
+                    msg: format!("memory.checkpointing = {msg}"),
+                })?,
+                stream_blocks: config.memory.stream_blocks,
+                prefetch: config.memory.prefetch,
+            },
         };
+        let loaded = family.load(&m.path, &opts)?;
+        let model = loaded.model;
         if adapters.layers()?.is_empty() {
             return Err(Error::Config {
                 path: None,
                 msg: format!(
-                    "adapter.targets {:?} match no Linear layer of the model",
+                    "adapter.targets = {:?} match no Linear layer of the model",
                     config.adapter.targets
                 ),
             });
         }
+        let inputs = model.inputs();
         if config.data.synthetic > 0 && !config.data.dir.exists() {
-            let c = spec[0].1[0].unwrap_or(4);
-            let ctx = spec[1].1[1].unwrap_or(32);
-            let pooled = spec[2].1[0].unwrap_or(16);
-            make_synthetic(
+            let size = |i: usize, d: usize| match inputs.get(i).and_then(|x| x.dims.get(d)) {
+                Some(models::Size::Exactly(n)) => *n,
+                _ => 16,
+            };
+            demo::make_synthetic(
                 &config.data.dir,
                 config.data.synthetic,
-                (c, ctx, pooled),
-                &device,
+                (size(0, 0), size(1, 1), size(2, 0)),
             )?;
         }
-        let data = Dataset::open(&config.data.dir, &spec)?;
+        let data = Dataset::open(&config.data.dir, &inputs, &|s| model.check_shapes(s))?;
         let o = &config.optimizer;
         let opt = AdamW::new(
             adapters.params()?,
@@ -310,28 +266,49 @@ impl Trainer {
                 eps: o.eps,
                 weight_decay: o.weight_decay,
             },
-        )?;
+        )
+        .map_err(|e| Error::Config {
+            path: None,
+            msg: format!("[optimizer]: {e}"),
+        })?;
         Ok(Trainer {
             config,
-            net,
-            map,
+            model,
+            map: loaded.key_map,
             adapters,
             data,
             opt,
             device,
             dtype,
             step: 0,
+            skipped_in_row: 0,
+            run_id: String::new(),
             interrupt: Arc::new(AtomicBool::new(false)),
         })
     }
 
+    /// The device it trains on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The loaded model.
+    pub fn model(&self) -> &dyn DiffusionModel {
+        self.model.as_ref()
+    }
+
+    /// The samples.
+    pub fn data(&self) -> &Dataset {
+        &self.data
     }
 
     /// The flag that stops the run after the current step, with a checkpoint.
     pub fn interrupt_flag(&self) -> Arc<AtomicBool> {
         self.interrupt.clone()
+    }
+
+    fn run_dir(&self) -> RunDir {
+        RunDir::new(&self.config.train.output_dir)
     }
 
     /// The loss of one batch of clean latents, noised with draws from `seed`.
@@ -340,35 +317,21 @@ impl Trainer {
         let (b, dims) = (x0.dims()[0], x0.dims().to_vec());
         let noise =
             Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?.to_dtype(self.dtype)?;
-        let (ctx, pooled) = (&batch[1], &batch[2]);
-        // Flow matching (Flux, SD3): t from the configured sampler, x_t and the velocity.
-        let flow = || -> Result<(Tensor, Tensor, Tensor)> {
-            let tokens = dims[2] * dims[3] / 4;
-            let t = self
-                .config
-                .sampling()?
-                .sample(b, tokens, seed ^ 0x7133, &self.device)?;
-            let (xt, target) = flow_matching(x0, &noise, &t)?;
-            Ok((xt, target, t))
-        };
-        match &self.net {
-            Net::Flux(m) => {
-                let (xt, target, t) = flow()?;
-                let (h, w) = (dims[2] / 2, dims[3] / 2);
-                let img = flux::pack_latents(&xt)?;
-                let txt_ids = flux::text_ids(ctx.dims()[1], &self.device)?;
-                let img_ids = flux::image_ids(h, w, &self.device)?;
-                let g = Tensor::full(self.config.model.guidance, b, DType::F32, &self.device)?;
-                let out = m.forward(&img, &img_ids, ctx, &txt_ids, &t, pooled, Some(&g))?;
-                weighted_mse(&flux::unpack_latents(&out, h, w)?, &target, None)
-            }
-            Net::Sd3(m) => {
-                let (xt, target, t) = flow()?;
-                // SD3's transformer takes t x 1000 (diffusers' SD3 training script).
-                let pred = m.forward(&xt, &t.affine(1000.0, 0.0)?, ctx, pooled)?;
+        let cond = &batch[1..];
+        let guidance = self.config.model.guidance;
+        match self.model.objective() {
+            Objective::FlowMatching => {
+                // Flux's resolution-dependent shift counts 2x2 latent patches as tokens.
+                let tokens = dims[2] * dims[3] / 4;
+                let t = self
+                    .config
+                    .sampling()?
+                    .sample(b, tokens, seed ^ 0x7133, &self.device)?;
+                let (xt, target) = flow_matching(x0, &noise, &t)?;
+                let pred = self.model.predict(&xt, &t, cond, guidance)?;
                 weighted_mse(&pred, &target, None)
             }
-            Net::Sdxl(m, cfg, ddpm) => {
+            Objective::Ddpm(ddpm) => {
                 let kind = if self.config.model.prediction == "v" {
                     Prediction::V
                 } else {
@@ -376,9 +339,7 @@ impl Trainer {
                 };
                 let t = ddpm.sample_timesteps(b, seed ^ 0x7133, &self.device)?;
                 let (xt, target) = ddpm.noisy_and_target(x0, &noise, &t, kind)?;
-                let time_ids = batch[3].to_dtype(DType::F32)?;
-                let y = sdxl::sdxl_vector(pooled, &time_ids, cfg.addition_time_embed_dim)?;
-                let pred = m.forward(&xt, &t, ctx, &y)?;
+                let pred = self.model.predict(&xt, &t, cond, guidance)?;
                 let gamma = self.config.train.min_snr_gamma;
                 let w = if gamma > 0.0 {
                     Some(ddpm.min_snr_weights(&t, gamma, kind)?)
@@ -390,45 +351,99 @@ impl Trainer {
         }
     }
 
-    /// One optimizer step (with its accumulated micro-batches); returns (loss, grad norm).
-    pub fn train_step(&mut self) -> Result<(f64, f64)> {
+    /// One optimizer step (with its accumulated micro-batches). A non-finite loss or
+    /// gradient norm stops with an error naming the step, the batch's files and the tensor,
+    /// or (`train.on_nonfinite = "skip"`) skips the update.
+    pub fn train_step(&mut self) -> Result<StepReport> {
         let t = &self.config.train;
         let (b, acc, seed) = (t.batch_size, t.grad_accum, t.seed);
-        self.opt.set_learning_rate(self.config.lr_at(self.step));
+        let lr = self.config.lr_at(self.step);
+        self.opt.set_learning_rate(lr);
         self.adapters.set_step(self.step as u64)?;
         let mut grads = Grads::new();
         let mut total = 0.0;
+        let mut files: Vec<PathBuf> = vec![];
+        let mut bad: Option<String> = None;
         for micro in 0..acc {
             let pos = (self.step * acc + micro) * b;
             let idx = indices(self.data.len(), seed, pos, b);
+            files.extend(idx.iter().map(|&i| self.data.files[i].clone()));
             let batch = self.data.batch(&idx, self.dtype, &self.device)?;
             let s = seed ^ ((self.step * acc + micro) as u64 + 1).wrapping_mul(GOLDEN);
             let loss = self.loss(&batch, s)?.affine(1.0 / acc as f64, 0.0)?;
-            total += loss.to_scalar_f64()?;
+            let value = loss.to_scalar_f64()?;
+            total += value;
+            if !value.is_finite() {
+                bad = Some(format!("the loss of micro-batch {} is {value}", micro + 1));
+                break;
+            }
             loss.backward_into(&mut grads)?;
         }
-        let norm = clip(
-            &mut grads,
-            &self.adapters.params()?,
-            self.config.train.max_grad_norm,
-        )?;
+        let params = self.adapters.params()?;
+        let mut norm = f64::NAN;
+        if bad.is_none() {
+            let (n, which) = grad_norm(&grads, &params)?;
+            norm = n;
+            bad = which.map(|w| format!("{w} is not finite (gradient norm {n})"));
+        }
+        let step = self.step + 1;
+        let steps = self.config.train.steps;
+        let mut report = StepReport {
+            step,
+            steps,
+            loss: total,
+            lr,
+            grad_norm: norm,
+            skipped: None,
+        };
+        if let Some(what) = bad {
+            let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+            if self.config.train.on_nonfinite == "stop" || self.skipped_in_row + 1 > t.max_skipped {
+                let why = if self.config.train.on_nonfinite == "stop" {
+                    "train.on_nonfinite = \"stop\"".to_string()
+                } else {
+                    format!(
+                        "{} steps skipped in a row (train.max_skipped)",
+                        t.max_skipped + 1
+                    )
+                };
+                return Err(Error::NonFinite {
+                    step,
+                    what,
+                    files: names,
+                    why,
+                });
+            }
+            self.skipped_in_row += 1;
+            self.step = step;
+            report.skipped = Some(what);
+            return Ok(report);
+        }
+        let max = self.config.train.max_grad_norm;
+        if max > 0.0 && norm > max {
+            scale_grads(&mut grads, &params, max / (norm + 1e-6))?;
+        }
         self.opt.step(&grads)?;
-        self.step += 1;
-        Ok((total, norm))
+        self.skipped_in_row = 0;
+        self.step = step;
+        Ok(report)
     }
 
-    fn checkpoint_dir(&self, step: usize) -> PathBuf {
-        self.config
-            .train
-            .output_dir
-            .join(format!("checkpoint-{step:07}"))
-    }
-
+    /// Writes the adapter in the configured layout, refusing one with a non-finite value.
     fn save_adapter(&self, path: &Path) -> Result<()> {
+        let params = self.adapters.params()?;
+        if let Some(name) = first_nonfinite(params.iter().map(|(n, t)| (n.as_str(), t)))? {
+            return Err(Error::NonFinite {
+                step: self.step,
+                what: format!("adapter weight {name}"),
+                files: vec![],
+                why: format!("refusing to write {}", path.display()),
+            });
+        }
         match self.config.adapter.format {
             AdapterFormat::Kohya => self.adapters.save_kohya(path, DType::F32),
             AdapterFormat::Peft => {
-                let prefix = self.config.model.arch.diffusers_name();
+                let prefix = self.model.family().subfolder;
                 self.adapters.save_peft(path, &self.map, prefix, DType::F32)
             }
         }
@@ -438,96 +453,189 @@ impl Trainer {
         match self.config.adapter.format {
             AdapterFormat::Kohya => self.adapters.load_kohya(path),
             AdapterFormat::Peft => {
-                let prefix = self.config.model.arch.diffusers_name();
+                let prefix = self.model.family().subfolder;
                 self.adapters.load_peft(path, &self.map, prefix)
             }
         }
     }
 
-    /// Writes `checkpoint-<step>/` (adapter, optimizer state, step) into a temporary folder
-    /// and renames it into place, then keeps only the last `keep_last` checkpoints.
+    /// Writes `checkpoint-<step>/` (adapter, optimizer state, `state.json` with each file's
+    /// size and hash) atomically, then deletes this run's older checkpoints beyond
+    /// `train.keep_last`.
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| Error::Io { path, source }
-        };
-        let out = &self.config.train.output_dir;
-        let dir = self.checkpoint_dir(self.step);
-        let tmp = out.join(format!(".tmp-checkpoint-{:07}", self.step));
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
-        }
-        std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
-        self.save_adapter(&tmp.join("adapter.safetensors"))?;
-        self.opt.save_state(&tmp.join("optimizer.safetensors"))?;
-        let state = serde_json::json!({ "step": self.step, "seed": self.config.train.seed });
-        std::fs::write(tmp.join("state.json"), state.to_string()).map_err(io(&tmp))?;
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
-        }
-        std::fs::rename(&tmp, &dir).map_err(io(&dir))?;
-        let mut all = checkpoints(out)?;
-        let keep = self.config.train.keep_last.max(1);
-        while all.len() > keep {
-            let (_, old) = all.remove(0);
-            std::fs::remove_dir_all(&old).map_err(io(&old))?;
-        }
-        Ok(dir)
+        let keep = self.config.train.keep_last;
+        let state = (
+            self.config.train.seed,
+            self.run_id.as_str(),
+            self.skipped_in_row,
+        );
+        self.run_dir()
+            .save_checkpoint(self.step, state, keep, |tmp| {
+                self.save_adapter(&tmp.join("adapter.safetensors"))?;
+                self.opt.save_state(&tmp.join("optimizer.safetensors"))?;
+                Ok(vec!["adapter.safetensors", "optimizer.safetensors"])
+            })
     }
 
-    /// Restores the adapter, optimizer state and step from `dir`.
+    /// Restores the adapter, optimizer state and step from `dir`, after checking its files
+    /// against the sizes and hashes recorded when it was written.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
-        let text = std::fs::read_to_string(dir.join("state.json")).map_err(|source| Error::Io {
-            path: dir.join("state.json"),
-            source,
-        })?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
-            path: dir.to_path_buf(),
-            msg: format!("state.json: {e}"),
-        })?;
-        let step = v["step"].as_u64().ok_or_else(|| Error::Checkpoint {
-            path: dir.to_path_buf(),
-            msg: "state.json has no step".into(),
-        })?;
-        if v["seed"].as_u64() != Some(self.config.train.seed) {
+        let st = CheckpointState::read_verified(dir)?;
+        if st.seed != self.config.train.seed {
             return Err(Error::Checkpoint {
                 path: dir.to_path_buf(),
                 msg: format!(
-                    "saved with seed {}, the config has {}",
-                    v["seed"], self.config.train.seed
+                    "saved with train.seed = {}, the config has {}",
+                    st.seed, self.config.train.seed
                 ),
             });
         }
         self.load_adapter(&dir.join("adapter.safetensors"))?;
         self.opt.load_state(&dir.join("optimizer.safetensors"))?;
-        self.step = step as usize;
+        self.step = st.step;
+        self.skipped_in_row = st.skipped_in_row;
         Ok(())
     }
 
-    /// Runs to `train.steps` (or to `stop_at`, for tests of resuming), logging each step's
-    /// loss to `loss.jsonl` and saving checkpoints and the final adapter. `resume` continues
-    /// from the latest checkpoint in the output folder if there is one.
-    pub fn run(&mut self, resume: bool, stop_at: Option<usize>, progress: bool) -> Result<RunEnd> {
-        let out = self.config.train.output_dir.clone();
-        std::fs::create_dir_all(&out).map_err(|source| Error::Io {
-            path: out.clone(),
-            source,
-        })?;
-        if resume {
-            if let Some((_, dir)) = checkpoints(&out)?.pop() {
-                self.load_checkpoint(&dir)?;
+    /// Decides what `run` would do with the output folder, checking everything it can
+    /// without writing: another run's files without `overwrite` or `resume`, a resume whose
+    /// config differs in a key that matters, a checkpoint past `train.steps`.
+    pub fn plan(&self, opts: &RunOptions) -> Result<FolderAction> {
+        let dir = self.run_dir();
+        let present = dir.run_files()?;
+        let out = dir.path.display();
+        if opts.resume && opts.overwrite {
+            return Err(Error::Config {
+                path: None,
+                msg: "--resume and --overwrite exclude each other".into(),
+            });
+        }
+        if opts.overwrite {
+            return Ok(if present.is_empty() {
+                FolderAction::New
+            } else {
+                FolderAction::Overwrite(present)
+            });
+        }
+        if !opts.resume {
+            if present.is_empty() {
+                return Ok(FolderAction::New);
+            }
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "the output folder {out} holds another run ({}); continue it with \
+                     --resume, replace it with --overwrite, or set train.output_dir to \
+                     another folder",
+                    present.join(", ")
+                ),
+            });
+        }
+        // Resume.
+        let keys = self.config.resume_keys();
+        match dir.manifest()? {
+            None if present.is_empty() => return Ok(FolderAction::New),
+            None => {
+                return Err(Error::Config {
+                    path: None,
+                    msg: format!(
+                        "the output folder {out} holds run files ({}) but no {}: not a run \
+                         this version can resume; use --overwrite to start over",
+                        present.join(", "),
+                        super::rundir::MANIFEST
+                    ),
+                })
+            }
+            Some(m) => {
+                let diff = m.differences(&keys);
+                if !diff.is_empty() {
+                    let lines: Vec<String> = diff
+                        .iter()
+                        .map(|(k, was, now)| format!("{k} was {was}, the config says {now}"))
+                        .collect();
+                    return Err(Error::Config {
+                        path: None,
+                        msg: format!(
+                            "--resume: the run in {out} was made with another config:\n{}\n\
+                             (restore those values, or start over with --overwrite)",
+                            lines.join("\n")
+                        ),
+                    });
+                }
             }
         }
-        let log_path = out.join("loss.jsonl");
-        let kept = read_log(&log_path)?
-            .into_iter()
-            .filter(|(s, _)| *s < self.step)
-            .map(|(_, line)| line + "\n")
-            .collect::<String>();
-        std::fs::write(&log_path, kept).map_err(|source| Error::Io {
-            path: log_path.clone(),
-            source,
-        })?;
+        let n = self.config.train.steps;
+        let all = dir.checkpoints()?;
+        let any = !all.is_empty();
+        for (step, path) in all.into_iter().rev() {
+            if CheckpointState::read_verified(&path).is_err() {
+                continue;
+            }
+            if step > n {
+                return Err(Error::Config {
+                    path: None,
+                    msg: format!(
+                        "--resume: {} is at step {step}, past train.steps = {n}",
+                        path.display()
+                    ),
+                });
+            }
+            return Ok(if step == n {
+                FolderAction::AlreadyFinished(step)
+            } else {
+                FolderAction::Resume(step, path)
+            });
+        }
+        if any {
+            return Err(Error::Checkpoint {
+                path: dir.path.clone(),
+                msg: "no intact checkpoint to resume from (every one fails its size or hash \
+                      check); start over with --overwrite"
+                    .into(),
+            });
+        }
+        Ok(FolderAction::Resume(0, dir.path.clone()))
+    }
+
+    /// Runs to `train.steps` (or `opts.stop_at`): prepares the output folder as
+    /// [`Trainer::plan`] decides, logs each step to `loss.jsonl`, saves checkpoints and the
+    /// final adapter, and tells `on` about notes, steps and saves.
+    pub fn run(&mut self, opts: &RunOptions, on: &mut dyn FnMut(Event)) -> Result<RunEnd> {
+        let action = self.plan(opts)?;
+        let dir = self.run_dir();
+        let log_path = dir.path.join(LOG);
+        let n = self.config.train.steps;
+        match &action {
+            FolderAction::New | FolderAction::Overwrite(_) => {
+                if matches!(action, FolderAction::Overwrite(_)) {
+                    on(Event::Note(format!(
+                        "--overwrite: deleting the earlier run in {}",
+                        dir.path.display()
+                    )));
+                    dir.clear()?;
+                }
+                let m = Manifest::new(self.config.resume_keys());
+                dir.create(&m)?;
+                self.run_id = m.run_id;
+                self.step = 0;
+                write_atomic(&log_path, b"")?;
+            }
+            FolderAction::Resume(..) | FolderAction::AlreadyFinished(_) => {
+                let m = dir.manifest()?.ok_or_else(|| Error::Checkpoint {
+                    path: dir.path.clone(),
+                    msg: "the run manifest disappeared".into(),
+                })?;
+                self.run_id = m.run_id;
+                self.resume_from_newest(&dir, on)?;
+                // The log keeps the steps the checkpoint covers; replaced atomically.
+                let kept = read_log(&log_path)?
+                    .into_iter()
+                    .filter(|(s, _)| *s <= self.step)
+                    .map(|(_, line)| line + "\n")
+                    .collect::<String>();
+                write_atomic(&log_path, kept.as_bytes())?;
+            }
+        }
         let mut log = std::fs::OpenOptions::new()
             .append(true)
             .open(&log_path)
@@ -535,53 +643,92 @@ impl Trainer {
                 path: log_path.clone(),
                 source,
             })?;
-        let (n, every) = (self.config.train.steps, self.config.train.save_every);
-        let end = stop_at.unwrap_or(n).min(n);
-        let start = std::time::Instant::now();
-        let first = self.step;
+        let every = self.config.train.save_every;
+        let end = opts.stop_at.unwrap_or(n).min(n);
         while self.step < end {
-            let lr = self.config.lr_at(self.step);
-            let (loss, norm) = self.train_step()?;
-            let line = serde_json::json!({ "step": self.step - 1, "loss": loss, "lr": lr, "grad_norm": norm });
-            writeln!(log, "{line}").map_err(|source| Error::Io {
-                path: log_path.clone(),
-                source,
-            })?;
-            if progress {
-                let its = (self.step - first) as f64 / start.elapsed().as_secs_f64();
-                let mem = gpu_memory(&self.device);
-                let done = self.step * 24 / n;
-                let bar = format!("{}{}", "#".repeat(done), ".".repeat(24 - done));
-                eprint!(
-                    "\r[{bar}] step {}/{n} | loss {loss:.5} | {its:.2} it/s{mem}   ",
-                    self.step
-                );
+            let r = self.train_step()?;
+            let mut line = serde_json::json!({
+                "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm
+            });
+            if let Some(why) = &r.skipped {
+                line["skipped"] = why.clone().into();
             }
+            crate::fault::point("log-append")
+                .and_then(|()| writeln!(log, "{line}"))
+                .and_then(|()| log.flush())
+                .map_err(|source| Error::Io {
+                    path: log_path.clone(),
+                    source,
+                })?;
+            on(Event::Step(r));
             let interrupted = self.interrupt.load(Ordering::Relaxed);
             if interrupted || self.step == n || (every > 0 && self.step % every == 0) {
-                self.save_checkpoint()?;
-            }
-            if interrupted {
-                if progress {
-                    eprintln!();
+                let p = self.save_checkpoint()?;
+                on(Event::Saved(p.clone()));
+                if interrupted {
+                    return Ok(RunEnd::Interrupted(self.step, p));
                 }
-                return Ok(RunEnd::Interrupted(self.step));
             }
-        }
-        if progress {
-            eprintln!();
         }
         if self.step == n {
-            self.save_adapter(&out.join("lora.safetensors"))?;
-            return Ok(RunEnd::Finished);
+            let fin = dir.path.join(FINAL);
+            if !(matches!(action, FolderAction::AlreadyFinished(_)) && fin.is_file()) {
+                self.save_adapter(&fin)?;
+            }
+            return Ok(RunEnd::Finished(fin));
         }
         Ok(RunEnd::Stopped(self.step))
     }
+
+    /// Loads the newest checkpoint that verifies, noting each damaged one passed over; from
+    /// step 0 when there is none.
+    fn resume_from_newest(&mut self, dir: &RunDir, on: &mut dyn FnMut(Event)) -> Result<()> {
+        let all = dir.checkpoints()?;
+        let mut damaged = vec![];
+        for (_, path) in all.iter().rev() {
+            match self.load_checkpoint(path) {
+                Ok(()) => {
+                    on(Event::Note(format!(
+                        "resuming after step {} from {}",
+                        self.step,
+                        path.display()
+                    )));
+                    return Ok(());
+                }
+                Err(e) => {
+                    on(Event::Note(format!(
+                        "{} is damaged ({e}); trying the one before",
+                        path.display()
+                    )));
+                    damaged.push(path.display().to_string());
+                }
+            }
+        }
+        if !all.is_empty() {
+            return Err(Error::Checkpoint {
+                path: dir.path.clone(),
+                msg: format!(
+                    "no intact checkpoint to resume from ({} damaged); start over with \
+                     --overwrite",
+                    damaged.join(", ")
+                ),
+            });
+        }
+        on(Event::Note("no checkpoint yet: starting at step 1".into()));
+        self.step = 0;
+        self.skipped_in_row = 0;
+        Ok(())
+    }
+}
+
+/// The checkpoint folders in `out`, oldest first, with their steps.
+pub fn checkpoints(out: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    super::rundir::checkpoints(out)
 }
 
 /// " | GPU x GiB" in use on a CUDA device, "" on the CPU.
 #[allow(irrefutable_let_patterns)]
-fn gpu_memory(device: &Device) -> String {
+pub fn gpu_memory(device: &Device) -> String {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(c) = device {
         let gib = c.memory().in_use as f64 / (1u64 << 30) as f64;
@@ -589,35 +736,4 @@ fn gpu_memory(device: &Device) -> String {
     }
     let _ = device;
     String::new()
-}
-
-/// The checkpoint folders in `out`, oldest first, with their steps.
-pub fn checkpoints(out: &Path) -> Result<Vec<(usize, PathBuf)>> {
-    let Ok(entries) = std::fs::read_dir(out) else {
-        return Ok(vec![]);
-    };
-    let mut v: Vec<(usize, PathBuf)> = entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter_map(|p| {
-            let name = p.file_name()?.to_str()?.to_string();
-            let step = name.strip_prefix("checkpoint-")?.parse().ok()?;
-            Some((step, p))
-        })
-        .collect();
-    v.sort();
-    Ok(v)
-}
-
-/// The loss log's lines with their steps (missing file: none).
-pub fn read_log(path: &Path) -> Result<Vec<(usize, String)>> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(vec![]);
-    };
-    Ok(text
-        .lines()
-        .filter_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).ok()?;
-            Some((v["step"].as_u64()? as usize, l.to_string()))
-        })
-        .collect())
 }

@@ -1,0 +1,54 @@
+//! Fault injection for the crash-safety tests: the environment variable `FLAME_FAULT` names
+//! a point in the code that writes files and what happens there.
+//! - `kill:<point>` aborts the process at that point (no destructors, no flushing, as
+//!   `kill -9` would);
+//! - `enospc:<point>` makes the write there fail with "No space left on device".
+//!
+//! `<point>@<n>` acts on the n-th time the point is reached (default the first). Points are
+//! `write:<file name>` (a file written atomically, before its rename into place),
+//! `checkpoint:<step>` (a checkpoint folder filled, before its rename), `rotation`, `clear`
+//! and `log-append`. Without the variable this is a no-op.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+struct Spec {
+    kill: bool,
+    point: String,
+    nth: usize,
+    hits: AtomicUsize,
+}
+
+fn spec() -> Option<&'static Spec> {
+    static SPEC: OnceLock<Option<Spec>> = OnceLock::new();
+    SPEC.get_or_init(|| {
+        let v = std::env::var("FLAME_FAULT").ok()?;
+        let (kind, rest) = v.split_once(':')?;
+        let (point, nth) = match rest.rsplit_once('@') {
+            Some((p, n)) => (p.to_string(), n.parse().ok()?),
+            None => (rest.to_string(), 1),
+        };
+        Some(Spec {
+            kill: kind == "kill",
+            point,
+            nth,
+            hits: AtomicUsize::new(0),
+        })
+    })
+    .as_ref()
+}
+
+/// Reached `point`: aborts or fails here when `FLAME_FAULT` says so.
+pub(crate) fn point(point: &str) -> std::io::Result<()> {
+    let Some(s) = spec() else {
+        return Ok(());
+    };
+    if s.point != point || s.hits.fetch_add(1, Ordering::Relaxed) + 1 != s.nth {
+        return Ok(());
+    }
+    if s.kill {
+        std::process::abort();
+    }
+    // ENOSPC on Linux and macOS.
+    Err(std::io::Error::from_raw_os_error(28))
+}

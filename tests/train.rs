@@ -256,24 +256,32 @@ fn the_binary_resumes_after_kill_and_ctrl_c() {
     assert!(run(&killed).arg("--resume").status().unwrap().success());
     assert_eq!(losses(&killed.join("tiny/out")), want);
 
-    // Ctrl-C: the step in flight finishes, a checkpoint of it is saved, exit code 130.
-    let ctrl_c = temp("bin-ctrl-c");
-    let out = ctrl_c.join("tiny/out");
-    let mut child = run(&ctrl_c).spawn().unwrap();
-    wait_for_steps(&out, 30, &mut child);
-    let sent = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(130));
-    let stopped = losses(&out).len();
-    let last = checkpoints(&out).unwrap().pop().unwrap().0;
-    assert_eq!(last, stopped, "a checkpoint of the last finished step");
-    assert!(run(&ctrl_c).arg("--resume").status().unwrap().success());
-    assert_eq!(losses(&out), want);
-    for d in [full, killed, ctrl_c] {
+    // Ctrl-C (SIGINT), and SIGTERM as `docker stop` and Slurm send it: the step in flight
+    // finishes, a checkpoint of it is saved, exit code 130.
+    let mut dirs = vec![full, killed];
+    for signal in ["-INT", "-TERM"] {
+        let d = temp(&format!("bin-signal{signal}"));
+        let out = d.join("tiny/out");
+        let mut child = run(&d).spawn().unwrap();
+        wait_for_steps(&out, 30, &mut child);
+        let sent = Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(130), "{signal}");
+        let stopped = losses(&out).len();
+        let last = checkpoints(&out).unwrap().pop().unwrap().0;
+        assert_eq!(
+            last, stopped,
+            "{signal}: a checkpoint of the last finished step"
+        );
+        assert!(run(&d).arg("--resume").status().unwrap().success());
+        assert_eq!(losses(&out), want, "{signal}");
+        dirs.push(d);
+    }
+    for d in dirs {
         std::fs::remove_dir_all(d).ok();
     }
 }

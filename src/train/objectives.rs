@@ -14,13 +14,26 @@ pub enum TimestepSampling {
     /// t ~ U(0, 1).
     Uniform,
     /// t = sigmoid(n), n ~ N(mean, std²) (SD3 paper §3.1; it trains with mean 0, std 1).
-    LogitNormal { mean: f64, std: f64 },
+    LogitNormal {
+        /// The mean of the normal.
+        mean: f64,
+        /// Its standard deviation.
+        std: f64,
+    },
     /// Uniform t moved by a fixed shift s: t' = s t / (1 + (s - 1) t) (SD3 uses s = 3.0).
-    Shift { shift: f64 },
+    Shift {
+        /// The shift s.
+        shift: f64,
+    },
     /// Flux's resolution-dependent shift (BFL `get_schedule`): mu grows linearly with the
     /// image token count from 0.5 at 256 to 1.15 at 4096, and
     /// t' = e^mu / (e^mu + (1/t - 1)), applied to logit-normal t.
-    FluxShift { mean: f64, std: f64 },
+    FluxShift {
+        /// The mean of the normal.
+        mean: f64,
+        /// Its standard deviation.
+        std: f64,
+    },
 }
 
 /// BFL's `get_lin_function(x1=256, y1=0.5, x2=4096, y2=1.15)` at `tokens`.
@@ -41,6 +54,7 @@ pub fn shift_time(shift: f64, t: f64) -> f64 {
 }
 
 impl TimestepSampling {
+    /// Checks the parameters: finite, std and shift positive.
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::Config { path: None, msg });
         match *self {
@@ -121,6 +135,7 @@ pub fn flow_matching(x0: &Tensor, noise: &Tensor, t: &Tensor) -> Result<(Tensor,
 /// What an SDXL-style model predicts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Prediction {
+    /// The noise ε that was added.
     Epsilon,
     /// v = sqrt(ᾱ) ε - sqrt(1 - ᾱ) x0.
     V,
@@ -129,6 +144,7 @@ pub enum Prediction {
 /// A DDPM noise schedule: ᾱ_t for t = 0..T.
 #[derive(Clone, Debug)]
 pub struct Ddpm {
+    /// ᾱ_t = prod_{s <= t} (1 - beta_s), for t = 0..T.
     pub alphas_cumprod: Vec<f64>,
 }
 
@@ -139,6 +155,7 @@ impl Ddpm {
         Self::scaled_linear_with(0.00085, 0.012, 1000)
     }
 
+    /// sqrt(beta) linear from sqrt(`beta_start`) to sqrt(`beta_end`) over `steps` steps.
     pub fn scaled_linear_with(beta_start: f64, beta_end: f64, steps: usize) -> Self {
         let (a, b) = (beta_start.sqrt(), beta_end.sqrt());
         let mut prod = 1.0;
@@ -157,6 +174,7 @@ impl Ddpm {
         Ddpm { alphas_cumprod }
     }
 
+    /// The number of timesteps T.
     pub fn steps(&self) -> usize {
         self.alphas_cumprod.len()
     }

@@ -4,6 +4,8 @@
 //! [`backend`] traits (a CPU reference backend behind `cpu-ref`; the CUDA backend behind
 //! `cuda`), a tape-based [`autograd`] with f64 gradcheck, [`safetensors`] I/O and [`optim`].
 
+#![warn(missing_docs)]
+
 pub mod autograd;
 pub mod backend;
 mod device;
@@ -16,6 +18,7 @@ pub mod safetensors;
 mod shape;
 pub mod stream;
 mod tensor;
+#[allow(missing_docs)]
 pub mod train;
 
 #[cfg(feature = "cuda")]

@@ -219,8 +219,8 @@ pub enum FusedOp {
         /// Whether a weight operand is passed (and `dw`, `db` are meaningful).
         weight: bool,
     },
-    /// [x (B, H, L, D), rot (R, L, D/2, 2, 2) in stats, R = 1 or B] -> [y]: each pair
-    /// (x[2i], x[2i+1]) times its 2x2 matrix (its transpose when `transpose`, the backward).
+    /// [x (B, H, L, D), rot (R, L, D/2, 2, 2) in stats, R = 1 or B] -> `[y]`: each pair
+    /// `(x[2i], x[2i+1])` times its 2x2 matrix (its transpose when `transpose`, the backward).
     Rope {
         /// Multiply by the transposed matrices (the backward pass).
         transpose: bool,
@@ -247,7 +247,7 @@ pub enum FusedOp {
     },
     /// [q (B, H, Lq, D), k, v (B, H, Lk, D), keep? (B, Lk) stats] -> [o (B, H, Lq, D),
     /// lse (B, H, Lq) stats]: o = softmax(scale q k^T) v row by row, never forming the
-    /// Lq x Lk matrix. Key j is hidden from every query where keep[b][j] == 0 (`mask`), and
+    /// Lq x Lk matrix. Key j is hidden from every query where `keep[b][j] == 0` (`mask`), and
     /// from queries i < j when `causal` (top-left aligned, as PyTorch's `is_causal`).
     /// lse = log sum_j exp(scale q.k_j) over the visible keys; a row that sees no key gives
     /// o = 0 and lse = +inf (so the backward's exp(s - lse) is 0 there).

@@ -6,10 +6,13 @@ use crate::backend::{
 };
 use crate::{CpuStorage, DType, Layout, Result, Shape};
 
+/// Where a tensor lives and which backend computes on it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Device {
+    /// The CPU reference backend (feature `cpu-ref`).
     #[cfg(feature = "cpu-ref")]
     Cpu,
+    /// One GPU through the CUDA backend (feature `cuda`); make it with [`Device::cuda`].
     #[cfg(feature = "cuda")]
     Cuda(crate::backend::cuda::CudaDevice),
     /// Present only in builds without any tensor backend; it has no values.
@@ -123,6 +126,7 @@ impl Device {
         )?))
     }
 
+    /// True for a GPU.
     pub fn is_cuda(&self) -> bool {
         match self {
             #[cfg(feature = "cpu-ref")]
@@ -134,6 +138,7 @@ impl Device {
         }
     }
 
+    /// Where the device is, for messages: `"cpu"` or `"cuda:N"`.
     pub fn location(&self) -> String {
         match self {
             #[cfg(feature = "cpu-ref")]

@@ -3,18 +3,26 @@
 
 use half::{bf16, f16};
 
+/// The element type of a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// 32-bit IEEE float.
     F32,
+    /// 64-bit IEEE float (gradcheck and reference computations).
     F64,
+    /// bfloat16: f32's exponent range with an 8-bit mantissa.
     BF16,
+    /// IEEE half precision.
     F16,
+    /// 32-bit unsigned integer, for indices.
     U32,
 }
 
 impl DType {
+    /// The floating-point dtypes, in declaration order.
     pub const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
 
+    /// Bytes per element: 2, 4 or 8.
     pub fn size_in_bytes(self) -> usize {
         match self {
             DType::F32 | DType::U32 => 4,
@@ -23,10 +31,12 @@ impl DType {
         }
     }
 
+    /// True for every dtype except `U32`.
     pub fn is_float(self) -> bool {
         !matches!(self, DType::U32)
     }
 
+    /// The lowercase name (`"f32"`, `"bf16"`, `"u32"`, ...), also the `Display` form.
     pub fn as_str(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -48,10 +58,15 @@ impl std::fmt::Display for DType {
 pub trait WithDType:
     Copy + Send + Sync + 'static + std::fmt::Debug + PartialOrd + bytemuck::Pod
 {
+    /// The dtype of this Rust type.
     const DTYPE: DType;
+    /// The value as f64 (exact for every dtype).
     fn to_f64(self) -> f64;
+    /// The nearest value of this type (u32 truncates and saturates at 0 and `u32::MAX`).
     fn from_f64(v: f64) -> Self;
+    /// Wraps a vector in the matching `CpuStorage` variant.
     fn to_storage(v: Vec<Self>) -> CpuStorage;
+    /// The elements of `s` if it holds this type, else None.
     fn from_storage(s: &CpuStorage) -> Option<&[Self]>;
 }
 
@@ -88,14 +103,20 @@ with_dtype!(u32, U32, |x: u32| x as f64, |v: f64| v as u32);
 /// from files and other devices.
 #[derive(Debug, Clone)]
 pub enum CpuStorage {
+    /// f32 elements.
     F32(Vec<f32>),
+    /// f64 elements.
     F64(Vec<f64>),
+    /// bf16 elements.
     BF16(Vec<bf16>),
+    /// f16 elements.
     F16(Vec<f16>),
+    /// u32 elements.
     U32(Vec<u32>),
 }
 
 impl CpuStorage {
+    /// The dtype of the elements.
     pub fn dtype(&self) -> DType {
         match self {
             CpuStorage::F32(_) => DType::F32,
@@ -106,6 +127,7 @@ impl CpuStorage {
         }
     }
 
+    /// Number of elements.
     pub fn len(&self) -> usize {
         match self {
             CpuStorage::F32(v) => v.len(),
@@ -116,6 +138,7 @@ impl CpuStorage {
         }
     }
 
+    /// True when there are no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

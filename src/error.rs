@@ -4,105 +4,188 @@
 use crate::{DType, Shape};
 use std::path::PathBuf;
 
+/// `std::result::Result` with this crate's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Every error FLAME returns; the `Display` text names the op, shapes, file or tensor involved.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// Two operands of an op need the same shape and do not have it.
     #[error("{op}: shape mismatch, lhs {lhs} vs rhs {rhs}")]
     ShapeMismatch {
+        /// The op that failed.
         op: &'static str,
+        /// Shape of the first operand.
         lhs: Shape,
+        /// Shape of the second operand.
         rhs: Shape,
     },
+    /// Two shapes cannot be broadcast together (a dim differs and neither side is 1).
     #[error("{op}: cannot broadcast {lhs} with {rhs}")]
     BroadcastIncompatible {
+        /// The op that failed.
         op: &'static str,
+        /// Shape of the first operand.
         lhs: Shape,
+        /// Shape of the second operand.
         rhs: Shape,
     },
+    /// Two operands of an op need the same dtype and do not have it.
     #[error("{op}: dtype mismatch, lhs {lhs:?} vs rhs {rhs:?}")]
     DTypeMismatch {
+        /// The op that failed.
         op: &'static str,
+        /// Dtype of the first operand.
         lhs: DType,
+        /// Dtype of the second operand.
         rhs: DType,
     },
+    /// The operands of an op live on different devices.
     #[error("{op}: tensors on different devices, {lhs} vs {rhs}")]
     DeviceMismatch {
+        /// The op that failed.
         op: &'static str,
+        /// Where the first operand lives (e.g. `cuda:0`).
         lhs: String,
+        /// Where the second operand lives.
         rhs: String,
     },
+    /// The op has no implementation for this dtype (on this backend).
     #[error("{op}: dtype {dtype:?} is not supported")]
-    UnsupportedDType { op: &'static str, dtype: DType },
+    UnsupportedDType {
+        /// The op that failed.
+        op: &'static str,
+        /// The dtype it was given.
+        dtype: DType,
+    },
+    /// A dimension index (possibly negative, counting from the end) is outside the tensor's rank.
     #[error("{op}: dim {dim} out of range for a tensor of shape {shape}")]
     DimOutOfRange {
+        /// The op that failed.
         op: &'static str,
+        /// The dim as given (negative counts from the end).
         dim: i64,
+        /// Shape of the tensor it was resolved against.
         shape: Shape,
     },
+    /// An index (of `index_select`, `gather`, `scatter_add`, ...) is `>=` the size of the dim it indexes.
     #[error("{op}: index {index} out of range for size {size} (shape {shape})")]
     IndexOutOfRange {
+        /// The op that failed.
         op: &'static str,
+        /// The first offending index.
         index: u64,
+        /// Size of the indexed dim.
         size: usize,
+        /// Shape of the indexed tensor.
         shape: Shape,
     },
+    /// An argument an op was given is invalid for a tensor of this shape; `msg` says why.
     #[error("{op}: {msg} (shape {shape})")]
     InvalidArgument {
+        /// The op that failed.
         op: &'static str,
+        /// What is wrong.
         msg: String,
+        /// Shape of the tensor involved.
         shape: Shape,
     },
+    /// A number of elements does not fit a shape (`reshape`, `from_vec`, `from_host`).
     #[error("{op}: {count} elements cannot be viewed as shape {shape}")]
     ElementCount {
+        /// The op that failed.
         op: &'static str,
+        /// Number of elements available.
         count: usize,
+        /// The requested shape.
         shape: Shape,
     },
+    /// Block streaming misuse, e.g. reading a weight of a block that is not fetched.
     #[error("streaming: {0}")]
     Stream(String),
+    /// The tape or backward pass failed (e.g. a gradient of the wrong shape, a custom op
+    /// returning the wrong number of outputs).
     #[error("autograd: {0}")]
     Autograd(String),
+    /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {
+        /// The file involved.
         path: PathBuf,
+        /// The underlying I/O error.
         #[source]
         source: std::io::Error,
     },
     #[error("safetensors file {path}{}: {msg}", tensor.as_ref().map(|t| format!(", tensor '{t}'")).unwrap_or_default())]
+    /// A safetensors file is malformed, or a tensor in it is missing or has an unusable dtype.
     SafeTensors {
+        /// The file.
         path: PathBuf,
+        /// The tensor involved, if the error is about one.
         tensor: Option<String>,
+        /// What is wrong.
         msg: String,
     },
     #[error("parameter '{key}'{}: {msg}", file.as_ref().map(|f| format!(" in {}", f.display())).unwrap_or_default())]
+    /// A parameter cannot be provided: missing from the weights, of the wrong shape, present in
+    /// two weight files, or asked of a misused `VarBuilder`.
     Param {
+        /// The parameter's full name (e.g. `double_blocks.0.img_attn.qkv.weight`; empty if none).
         key: String,
+        /// The weights file it was looked up in, if any.
         file: Option<PathBuf>,
+        /// What is wrong.
         msg: String,
     },
+    /// A model checkpoint (file or diffusers folder) cannot be located or read, or a
+    /// training checkpoint cannot be resumed from.
     #[error("checkpoint {path}: {msg}")]
-    Checkpoint { path: PathBuf, msg: String },
+    Checkpoint {
+        /// The checkpoint file or folder.
+        path: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
     #[error("config{}: {msg}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
-    Config { path: Option<PathBuf>, msg: String },
+    /// A model, LoRA or training configuration is invalid.
+    Config {
+        /// The config file, if the config came from one.
+        path: Option<PathBuf>,
+        /// What is wrong.
+        msg: String,
+    },
+    /// An optimizer was misused or its saved state does not match its parameters.
     #[error("optimizer {optimizer}: {msg}")]
     Optimizer {
+        /// The optimizer's name (e.g. `AdamW`).
         optimizer: &'static str,
+        /// What is wrong.
         msg: String,
     },
     #[error("out of GPU memory on {device}: requested {requested} bytes with {in_use} in use, limit {limit}")]
+    /// A GPU allocation would pass the memory limit (`FLAME_GPU_MEMORY_LIMIT`), or the
+    /// driver has no memory left.
     OutOfMemory {
+        /// The GPU (e.g. `cuda:0`).
         device: String,
+        /// Bytes requested, rounded up to the allocator's granularity.
         requested: u64,
+        /// Bytes held by live buffers when the request was made.
         in_use: u64,
+        /// The cap in bytes, or the GPU's total memory when the driver ran out.
         limit: u64,
     },
+    /// No CUDA device can be opened: no driver or GPU, no nvcc at build time, a bad
+    /// `FLAME_GPU_MEMORY_LIMIT`, or the crate built without the `cuda` feature.
     #[error("CUDA is not available: {0}")]
     CudaUnavailable(String),
+    /// A CUDA driver, cuBLAS or kernel launch call failed.
     #[error("CUDA: {0}")]
     Cuda(String),
+    /// The requested work needs a backend that is not compiled in (the CPU without `cpu-ref`).
     #[error("no backend is compiled in for {0}: enable the `cpu-ref` feature")]
     NoBackend(&'static str),
+    /// A lock inside FLAME (named here) was poisoned by a panic on another thread.
     #[error("internal: a lock was poisoned by a panic on another thread ({0})")]
     Poisoned(&'static str),
     /// A NaN or an infinity in training: the step, what held it, the batch's sample files

@@ -3,7 +3,7 @@
 //! half-written file under the real name). Every malformed input is an error naming the file
 //! and, where one is at fault, the tensor.
 //!
-//! Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
+//! Format (<https://github.com/huggingface/safetensors>): 8-byte little-endian header length N,
 //! N bytes of JSON `{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {..}}`,
 //! then the data; offsets are relative to the end of the header.
 
@@ -20,6 +20,7 @@ const MAX_HEADER: u64 = 100_000_000;
 pub struct TensorInfo {
     /// The dtype as the file names it (`F32`, `BF16`, `I64`, ...).
     pub dtype: String,
+    /// Dimensions, outermost first.
     pub shape: Vec<usize>,
     /// Byte range in the data section.
     pub data_offsets: (usize, usize),
@@ -91,6 +92,7 @@ struct RawInfo {
 }
 
 impl SafeTensorsFile {
+    /// Maps the file at `path` and parses its header; errors name the file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let io = |source| Error::Io {
@@ -109,6 +111,7 @@ impl SafeTensorsFile {
         })
     }
 
+    /// The file's path, as given to `open`.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -118,18 +121,22 @@ impl SafeTensorsFile {
         self.tensors.keys().map(|s| s.as_str())
     }
 
+    /// Number of tensors in the file.
     pub fn len(&self) -> usize {
         self.tensors.len()
     }
 
+    /// True when the file holds no tensor.
     pub fn is_empty(&self) -> bool {
         self.tensors.is_empty()
     }
 
+    /// Whether a tensor called `name` is in the file.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }
 
+    /// The header entry of tensor `name`, if present.
     pub fn info(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.get(name)
     }

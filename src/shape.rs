@@ -3,19 +3,24 @@
 
 use crate::{Error, Result};
 
+/// The sizes of a tensor's dimensions, outermost first; rank 0 (no dims) is a scalar.
 #[derive(Clone, PartialEq, Eq, Hash, Default)]
 pub struct Shape(Vec<usize>);
 
 impl Shape {
+    /// The shape with these dimension sizes.
     pub fn new(dims: Vec<usize>) -> Self {
         Shape(dims)
     }
+    /// The dimension sizes, outermost first.
     pub fn dims(&self) -> &[usize] {
         &self.0
     }
+    /// Number of dimensions.
     pub fn rank(&self) -> usize {
         self.0.len()
     }
+    /// Number of elements: the product of the dims (1 for a scalar).
     pub fn elem_count(&self) -> usize {
         self.0.iter().product()
     }
@@ -122,6 +127,7 @@ impl From<(usize, usize, usize, usize)> for Shape {
 
 /// A dimension index: a usize, or a negative i32/i64 counting from the end (-1 is the last).
 pub trait Dim: Copy {
+    /// The index in `0..rank` of `shape`; a `DimOutOfRange` error naming `op` otherwise.
     fn resolve(self, shape: &Shape, op: &'static str) -> Result<usize>;
     /// For ops that insert a dim (unsqueeze, stack): -1 means after the last.
     fn resolve_insert(self, shape: &Shape, op: &'static str) -> Result<usize>;
@@ -174,9 +180,11 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// Row-major strides from offset 0.
     pub fn contiguous(shape: impl Into<Shape>) -> Self {
         Self::contiguous_with_offset(shape, 0)
     }
+    /// Row-major strides, starting `offset` elements into the storage.
     pub fn contiguous_with_offset(shape: impl Into<Shape>, offset: usize) -> Self {
         let shape = shape.into();
         let strides = shape.contiguous_strides();
@@ -186,6 +194,7 @@ impl Layout {
             offset,
         }
     }
+    /// A layout from its parts (strides in elements, one per dim; not checked).
     pub fn new(shape: Shape, strides: Vec<usize>, offset: usize) -> Self {
         Layout {
             shape,
@@ -193,18 +202,23 @@ impl Layout {
             offset,
         }
     }
+    /// The view's shape.
     pub fn shape(&self) -> &Shape {
         &self.shape
     }
+    /// The view's dimension sizes.
     pub fn dims(&self) -> &[usize] {
         self.shape.dims()
     }
+    /// Storage step per dim, in elements (0 for broadcast dims).
     pub fn strides(&self) -> &[usize] {
         &self.strides
     }
+    /// Storage index of the first element.
     pub fn offset(&self) -> usize {
         self.offset
     }
+    /// Number of elements in the view.
     pub fn elem_count(&self) -> usize {
         self.shape.elem_count()
     }
@@ -233,6 +247,8 @@ impl Layout {
             .sum::<usize>()
     }
 
+    /// The view restricted to `start..start + len` along `dim`; an error when that range
+    /// passes the end.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Layout> {
         let size = self.dims()[dim];
         if start.checked_add(len).is_none_or(|end| end > size) {
@@ -254,6 +270,7 @@ impl Layout {
         })
     }
 
+    /// Dims reordered: output dim i is input dim `perm[i]`; `perm` must be a permutation.
     pub fn permute(&self, perm: &[usize]) -> Result<Layout> {
         let rank = self.shape.rank();
         let mut seen = vec![false; rank];

@@ -6,10 +6,14 @@
 use crate::{DType, Error, Result, Tensor};
 use std::collections::BTreeSet;
 
+/// Tolerances of [`gradcheck`]; the defaults are PyTorch's.
 #[derive(Debug, Clone, Copy)]
 pub struct GradcheckConfig {
+    /// Half the step of the central difference (default 1e-6).
     pub eps: f64,
+    /// Absolute tolerance on |analytic - numeric| (default 1e-5).
     pub atol: f64,
+    /// Tolerance relative to |numeric|, added to `atol` (default 1e-3).
     pub rtol: f64,
     /// Seed of the random output weights r.
     pub seed: u64,
@@ -26,6 +30,7 @@ impl Default for GradcheckConfig {
     }
 }
 
+/// What a passing [`gradcheck`] compared.
 #[derive(Debug, Clone)]
 pub struct GradcheckReport {
     /// The recorded ops of f's graph, by name (see `DIFFERENTIABLE_OPS`).

@@ -298,6 +298,7 @@ pub fn grad_enabled() -> bool {
 #[must_use = "recording resumes when the guard is dropped"]
 pub struct NoGradGuard(());
 
+/// Stops recording ops on this thread until the returned guard is dropped.
 pub fn no_grad() -> NoGradGuard {
     NO_GRAD_DEPTH.with(|d| d.set(d.get() + 1));
     NoGradGuard(())
@@ -492,18 +493,23 @@ pub struct Grads {
 }
 
 impl Grads {
+    /// An empty set of gradients.
     pub fn new() -> Self {
         Self::default()
     }
+    /// The gradient of `t` (same shape as `t`), if one was computed.
     pub fn get(&self, t: &Tensor) -> Option<&Tensor> {
         self.map.get(&t.id())
     }
+    /// The gradient of the tensor with id `id`, if one was computed.
     pub fn get_id(&self, id: TensorId) -> Option<&Tensor> {
         self.map.get(&id)
     }
+    /// Sets the gradient of `t`, returning the one it replaces.
     pub fn insert(&mut self, t: &Tensor, grad: Tensor) -> Option<Tensor> {
         self.map.insert(t.id(), grad)
     }
+    /// Takes the gradient of `t` out, if there is one.
     pub fn remove(&mut self, t: &Tensor) -> Option<Tensor> {
         self.map.remove(&t.id())
     }
@@ -511,9 +517,11 @@ impl Grads {
     pub fn zero_grad(&mut self) {
         self.map.clear()
     }
+    /// Number of tensors with a gradient.
     pub fn len(&self) -> usize {
         self.map.len()
     }
+    /// True when no tensor has a gradient.
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }

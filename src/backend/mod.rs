@@ -16,23 +16,34 @@ use crate::{CpuStorage, DType, Layout, Result, Shape};
 /// arithmetic needs no broadcast tensor.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum UnaryOp {
+    /// `-x`.
     Neg,
+    /// `1 / x`.
     Recip,
+    /// `e^x`.
     Exp,
+    /// Natural logarithm.
     Log,
+    /// Square root.
     Sqrt,
+    /// Sine (radians).
     Sin,
+    /// Cosine (radians).
     Cos,
     /// A libm primitive rather than a composite of exp: the exp form overflows for |x| > 44 in
     /// f32 (> 5.5 in f16) and its backward then multiplies 0 by inf, giving NaN gradients.
     Tanh,
+    /// The error function.
     Erf,
+    /// `|x|`.
     Abs,
     /// -1, 0 or 1. Not differentiable (its derivative is 0 almost everywhere).
     Sign,
     /// `x * mul + add`.
     Affine {
+        /// The factor.
         mul: f64,
+        /// The offset, added after the product.
         add: f64,
     },
     /// `x ^ e`.
@@ -46,6 +57,7 @@ pub enum UnaryOp {
 }
 
 impl UnaryOp {
+    /// The op's lowercase name, as errors and kernel names use it (e.g. `"gelu_tanh"`).
     pub fn name(&self) -> &'static str {
         match self {
             UnaryOp::Neg => "neg",
@@ -68,13 +80,20 @@ impl UnaryOp {
     }
 }
 
+/// Elementwise functions of two inputs of the same shape and dtype: `(lhs, rhs) -> out`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BinaryOp {
+    /// `lhs + rhs`.
     Add,
+    /// `lhs - rhs`.
     Sub,
+    /// `lhs * rhs`.
     Mul,
+    /// `lhs / rhs`.
     Div,
+    /// The larger of the two; NaN if either is NaN.
     Maximum,
+    /// The smaller of the two; NaN if either is NaN.
     Minimum,
     /// (x, dy) -> dy * gelu'(x): the fused backward of `UnaryOp::Gelu`.
     GeluBackward,
@@ -85,6 +104,7 @@ pub enum BinaryOp {
 }
 
 impl BinaryOp {
+    /// The op's lowercase name, as errors and kernel names use it (e.g. `"maximum"`).
     pub fn name(&self) -> &'static str {
         match self {
             BinaryOp::Add => "add",
@@ -111,18 +131,28 @@ impl BinaryOp {
 /// Comparisons give 1 where true and 0 where false, in the inputs' dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CmpOp {
+    /// `lhs == rhs`.
     Eq,
+    /// `lhs != rhs`.
     Ne,
+    /// `lhs < rhs`.
     Lt,
+    /// `lhs <= rhs`.
     Le,
+    /// `lhs > rhs`.
     Gt,
+    /// `lhs >= rhs`.
     Ge,
 }
 
+/// Reductions over one or more dims, which keep size 1 in the output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
+    /// The sum.
     Sum,
+    /// The largest value.
     Max,
+    /// The smallest value.
     Min,
     /// Index (u32) of the first maximum; one dim only.
     ArgMax,
@@ -131,6 +161,7 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// The op's lowercase name, as errors and kernel names use it (e.g. `"argmax"`).
     pub fn name(&self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
@@ -145,9 +176,13 @@ impl ReduceOp {
 /// Shapes of a batched matmul: `(B, M, K) @ (B, K, N) -> (B, M, N)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatmulDims {
+    /// Batch size `B`.
     pub b: usize,
+    /// Rows `M` of the left operand and the output.
     pub m: usize,
+    /// Columns `N` of the right operand and the output.
     pub n: usize,
+    /// The contracted size `K`.
     pub k: usize,
 }
 
@@ -178,38 +213,61 @@ pub enum FusedOp {
     /// [x, dy (rows, cols), mean, rstd (rows) stats, weight? (cols)] -> [dx, dw, db (cols)],
     /// all in x's dtype: `norm_last_dim_backward`'s dx and `NormParamGrads`' sums in one
     /// pass over x and dy (the case of trainable norm parameters).
-    NormBackward { kind: NormKind, weight: bool },
-    /// [x (B, H, L, D), rot (R, L, D/2, 2, 2) in stats, R = 1 or B] -> [y]: each pair
-    /// (x[2i], x[2i+1]) times its 2x2 matrix (its transpose when `transpose`, the backward).
-    Rope { transpose: bool },
+    NormBackward {
+        /// The normalization whose backward this is.
+        kind: NormKind,
+        /// Whether a weight operand is passed (and `dw`, `db` are meaningful).
+        weight: bool,
+    },
+    /// [x (B, H, L, D), rot (R, L, D/2, 2, 2) in stats, R = 1 or B] -> `[y]`: each pair
+    /// `(x[2i], x[2i+1])` times its 2x2 matrix (its transpose when `transpose`, the backward).
+    Rope {
+        /// Multiply by the transposed matrices (the backward pass).
+        transpose: bool,
+    },
     /// [x (N, C, S), weight?, bias? (C) x's dtype] -> [y, mean, rstd (N, groups) stats]:
     /// statistics over each group of C / groups channels and all S positions.
     GroupNorm {
+        /// Number of channel groups (divides C).
         groups: usize,
+        /// Added to the variance before the square root.
         eps: f64,
+        /// Whether a per-channel weight operand is passed.
         weight: bool,
+        /// Whether a per-channel bias operand is passed.
         bias: bool,
     },
     /// [x, dy (N, C, S), mean, rstd (N, groups), weight? (C)] -> [dx, dw, db (C)], all in x's
     /// dtype (the weight's): the autograd needs no cast kernels after it.
-    GroupNormBackward { groups: usize, weight: bool },
+    GroupNormBackward {
+        /// Number of channel groups, as in the forward.
+        groups: usize,
+        /// Whether a per-channel weight operand is passed.
+        weight: bool,
+    },
     /// [q (B, H, Lq, D), k, v (B, H, Lk, D), keep? (B, Lk) stats] -> [o (B, H, Lq, D),
     /// lse (B, H, Lq) stats]: o = softmax(scale q k^T) v row by row, never forming the
-    /// Lq x Lk matrix. Key j is hidden from every query where keep[b][j] == 0 (`mask`), and
+    /// Lq x Lk matrix. Key j is hidden from every query where `keep[b][j] == 0` (`mask`), and
     /// from queries i < j when `causal` (top-left aligned, as PyTorch's `is_causal`).
     /// lse = log sum_j exp(scale q.k_j) over the visible keys; a row that sees no key gives
     /// o = 0 and lse = +inf (so the backward's exp(s - lse) is 0 there).
     Attention {
+        /// Hide key j from queries i < j.
         causal: bool,
+        /// Factor on the logits `q k^T` (usually `1 / sqrt(D)`).
         scale: f64,
+        /// Whether a `keep` (B, Lk) key-padding mask operand is passed.
         mask: bool,
     },
     /// [q, k, v, o, do, lse, keep?] -> [dq, dk, dv]: with P = exp(scale q k^T - lse)
     /// recomputed, dv = P^T do, dS = P (do v^T - rowsum(do o)), dq = scale dS k,
     /// dk = scale dS^T q.
     AttentionBackward {
+        /// As in the forward.
         causal: bool,
+        /// As in the forward.
         scale: f64,
+        /// As in the forward.
         mask: bool,
     },
     /// One 8-bit AdamW step of one parameter of N values (`optim::AdamW8bit`), the state
@@ -264,6 +322,7 @@ impl AdamW8bitStep {
 }
 
 impl FusedOp {
+    /// The kernel's snake_case name (e.g. `"attention_backward"`), used in errors.
     pub fn name(&self) -> &'static str {
         match self {
             FusedOp::SoftmaxBackward => "softmax_backward",
@@ -293,9 +352,13 @@ pub fn stats_dtype(x: DType) -> DType {
 /// The sliding window of a 2D convolution or pooling over (N, C, H, W).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Window2d {
+    /// Kernel size (kh, kw).
     pub kernel: (usize, usize),
+    /// Step between windows (sh, sw).
     pub stride: (usize, usize),
+    /// Zeros added on each side (ph, pw).
     pub padding: (usize, usize),
+    /// Spacing between kernel taps (dh, dw); 1 is a dense kernel.
     pub dilation: (usize, usize),
 }
 
@@ -333,18 +396,25 @@ impl Window2d {
 /// contiguous. Binary, where and matmul operands already share the output's shape (broadcast
 /// through zero strides by the caller).
 pub trait BackendStorage: Sized + Send + Sync {
+    /// The device type this storage lives on.
     type Device: BackendDevice<Storage = Self>;
 
+    /// The element type.
     fn dtype(&self) -> DType;
+    /// The device holding the buffer.
     fn device(&self) -> Self::Device;
 
+    /// `op` applied to each element of the view `l`, in its dtype.
     fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self>;
+    /// `op(self[l], rhs[rl])` elementwise; both views have the same shape and dtype.
     fn binary(&self, l: &Layout, rhs: &Self, rl: &Layout, op: BinaryOp) -> Result<Self>;
+    /// `op(self[l], rhs[rl])` elementwise as 1/0 in the inputs' dtype (see [`CmpOp`]).
     fn cmp(&self, l: &Layout, rhs: &Self, rl: &Layout, op: CmpOp) -> Result<Self>;
     /// `mask != 0 ? on_true : on_false`; `self` is the mask (any dtype).
     fn where_cond(&self, l: &Layout, t: &Self, tl: &Layout, f: &Self, fl: &Layout) -> Result<Self>;
     /// Reduces `dims` to size 1 (the output keeps the input's rank).
     fn reduce(&self, l: &Layout, op: ReduceOp, dims: &[usize]) -> Result<Self>;
+    /// The view `l` converted to `dtype` (float to u32 truncates and saturates).
     fn cast(&self, l: &Layout, dtype: DType) -> Result<Self>;
     /// Copies the view `l` of `self` into the view `dst_l` of `dst` (same shape and dtype).
     fn copy_strided(&self, l: &Layout, dst: &mut Self, dst_l: &Layout) -> Result<()>;
@@ -410,12 +480,18 @@ pub trait BackendStorage: Sized + Send + Sync {
     fn to_host(&self, l: &Layout) -> Result<CpuStorage>;
 }
 
+/// A device of one backend: creates storage and says where it lives.
 pub trait BackendDevice: Sized + Clone + Send + Sync {
+    /// The storage type this device allocates.
     type Storage: BackendStorage<Device = Self>;
 
+    /// Where the device is, for messages: `"cpu"`, `"cuda:0"`, ...
     fn location(&self) -> String;
+    /// Whether `other` is the same device (storage of both can be combined).
     fn same_device(&self, other: &Self) -> bool;
+    /// A copy of host data on this device, in the same dtype.
     fn storage_from_host(&self, data: &CpuStorage) -> Result<Self::Storage>;
+    /// Contiguous storage of `shape` with every element `value` (converted to `dtype`).
     fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<Self::Storage>;
     /// Uniform in [lo, hi) from a counter-based generator: element i depends only on
     /// (seed, i), not on how the work is split.

@@ -27,9 +27,11 @@ pub enum Format {
 /// A located checkpoint: its files and, for diffusers folders, the parsed config.json.
 #[derive(Clone, Debug)]
 pub struct Checkpoint {
+    /// Which of the two layouts it is.
     pub format: Format,
     /// The path the user gave.
     pub path: PathBuf,
+    /// The `.safetensors` files holding the weights (one, or every shard of the index).
     pub files: Vec<PathBuf>,
     /// `config.json` of a diffusers folder.
     pub config: Option<serde_json::Value>,

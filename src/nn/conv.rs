@@ -63,21 +63,32 @@ pub fn conv2d(
 /// A Conv2d layer; keys `weight` (Cout, Cin / groups, kh, kw) and `bias` (Cout).
 #[derive(Clone, Debug)]
 pub struct Conv2d {
+    /// (Cout, Cin / groups, kh, kw).
     pub weight: Tensor,
+    /// (Cout), if the layer has one.
     pub bias: Option<Tensor>,
+    /// Step between windows (sh, sw).
     pub stride: (usize, usize),
+    /// Zeros added on each side (ph, pw).
     pub padding: (usize, usize),
+    /// Spacing between kernel taps (dh, dw).
     pub dilation: (usize, usize),
+    /// Channel groups: each output channel sees Cin / groups input channels.
     pub groups: usize,
 }
 
 /// Hyperparameters of a Conv2d.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Conv2dConfig {
+    /// Step between windows, both axes (default 1).
     pub stride: usize,
+    /// Zeros added on every side (default 0).
     pub padding: usize,
+    /// Spacing between kernel taps, both axes (default 1).
     pub dilation: usize,
+    /// Channel groups; must divide Cin and Cout (default 1).
     pub groups: usize,
+    /// Whether the layer has a bias (default true).
     pub bias: bool,
 }
 
@@ -94,6 +105,8 @@ impl Default for Conv2dConfig {
 }
 
 impl Conv2d {
+    /// A square `kernel` x `kernel` convolution `cin` -> `cout` with `weight` (and `bias`)
+    /// from `vb`; errors when `cfg.groups` does not divide `cin`.
     pub fn new(
         vb: &VarBuilder,
         cin: usize,
@@ -127,6 +140,7 @@ impl Conv2d {
         })
     }
 
+    /// x (N, Cin, H, W) -> (N, Cout, Ho, Wo), sizes as [`Window2d::out_size`] gives them.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         conv2d(
             x,

@@ -83,11 +83,14 @@ pub fn rope(pos: &Tensor, dim: usize, theta: f64) -> Result<Tensor> {
 /// of `axes_dim[i]` per axis (Flux: theta 10000, axes_dim [16, 56, 56]).
 #[derive(Clone, Debug)]
 pub struct EmbedNd {
+    /// RoPE base frequency.
     pub theta: f64,
+    /// Rotary dims per position axis (each even; they sum to the head dim D).
     pub axes_dim: Vec<usize>,
 }
 
 impl EmbedNd {
+    /// ids (N, L, axes) -> rotations (N, 1, L, D/2, 2, 2) in f32.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         if ids.rank() != 3 || ids.dims()[2] != self.axes_dim.len() {
             return Err(Error::invalid(
@@ -122,19 +125,25 @@ pub fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
 /// for a single-stream block, two for a double-stream one. Keys: `lin.weight`, `lin.bias`.
 #[derive(Clone, Debug)]
 pub struct Modulation {
+    /// `lin`: dim -> 3 x triples x dim.
     pub lin: Linear,
+    /// Number of (shift, scale, gate) triples: 1 or 2.
     pub triples: usize,
 }
 
 /// One (shift, scale, gate), each (N, 1, dim).
 #[derive(Clone, Debug)]
 pub struct ModulationOut {
+    /// Added after scaling.
     pub shift: Tensor,
+    /// Multiplies as `1 + scale`.
     pub scale: Tensor,
+    /// Multiplies the branch output before the residual add.
     pub gate: Tensor,
 }
 
 impl Modulation {
+    /// `lin` under `vb` for width `dim`: two triples when `double`, else one.
     pub fn new(vb: &VarBuilder, dim: usize, double: bool) -> Result<Self> {
         let triples = if double { 2 } else { 1 };
         Ok(Modulation {

@@ -12,12 +12,17 @@ use std::sync::Arc;
 /// when the builder planned an adapter for this layer's path.
 #[derive(Clone, Debug)]
 pub struct Linear {
+    /// (out, in).
     pub weight: Tensor,
+    /// (out), if the layer has one.
     pub bias: Option<Tensor>,
+    /// The low-rank adapter added to the output, if one was planned for this path.
     pub lora: Option<Arc<Lora>>,
 }
 
 impl Linear {
+    /// `weight` (out_dim, in_dim) and, when `bias`, `bias` (out_dim) from `vb`, plus the LoRA
+    /// adapter the builder plans for this path, if any.
     pub fn new(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
         let weight = vb.get((out_dim, in_dim), "weight")?;
         let bias = if bias {
@@ -65,16 +70,19 @@ impl Linear {
 /// Rows of `weight` (num, dim) picked by u32 ids of any shape: ids.shape + (dim,).
 #[derive(Clone, Debug)]
 pub struct Embedding {
+    /// The table, (num, dim).
     pub weight: Tensor,
 }
 
 impl Embedding {
+    /// A table of `num` rows of width `dim` under key `weight` of `vb`.
     pub fn new(vb: &VarBuilder, num: usize, dim: usize) -> Result<Self> {
         Ok(Embedding {
             weight: vb.get((num, dim), "weight")?,
         })
     }
 
+    /// ids (u32, any shape S) -> (S..., dim).
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let mut shape = ids.dims().to_vec();
         shape.push(self.weight.dims()[1]);
@@ -87,12 +95,16 @@ impl Embedding {
 /// LayerNorm over the last dim, with or without (weight, bias).
 #[derive(Clone, Debug)]
 pub struct LayerNorm {
+    /// Per-feature scale (dim), when affine.
     pub weight: Option<Tensor>,
+    /// Per-feature offset (dim), when affine.
     pub bias: Option<Tensor>,
+    /// Added to the variance before the square root.
     pub eps: f64,
 }
 
 impl LayerNorm {
+    /// A norm over `dim` features; when `affine`, `weight` and `bias` (dim) from `vb`.
     pub fn new(vb: &VarBuilder, dim: usize, eps: f64, affine: bool) -> Result<Self> {
         let (weight, bias) = if affine {
             (Some(vb.get(dim, "weight")?), Some(vb.get(dim, "bias")?))
@@ -102,6 +114,7 @@ impl LayerNorm {
         Ok(LayerNorm { weight, bias, eps })
     }
 
+    /// x (..., dim) -> same shape, each last-dim row normalized.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.layer_norm(self.weight.as_ref(), self.bias.as_ref(), self.eps)
     }
@@ -110,7 +123,9 @@ impl LayerNorm {
 /// RMSNorm over the last dim with a learned scale.
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
+    /// Per-feature scale (dim).
     pub weight: Tensor,
+    /// Added to the mean square before the square root.
     pub eps: f64,
 }
 
@@ -128,6 +143,7 @@ impl RmsNorm {
         })
     }
 
+    /// x (..., dim) -> same shape, `x / sqrt(mean(x^2) + eps) * weight` per last-dim row.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.rms_norm(Some(&self.weight), self.eps)
     }
@@ -136,13 +152,19 @@ impl RmsNorm {
 /// GroupNorm of (N, C, ...) with per-channel (weight, bias).
 #[derive(Clone, Debug)]
 pub struct GroupNorm {
+    /// Number of channel groups (divides C).
     pub groups: usize,
+    /// Per-channel scale (C), when affine.
     pub weight: Option<Tensor>,
+    /// Per-channel offset (C), when affine.
     pub bias: Option<Tensor>,
+    /// Added to the variance before the square root.
     pub eps: f64,
 }
 
 impl GroupNorm {
+    /// `groups` groups over `channels` channels; when `affine`, `weight` and `bias`
+    /// (channels) from `vb`.
     pub fn new(
         vb: &VarBuilder,
         groups: usize,
@@ -166,6 +188,8 @@ impl GroupNorm {
         })
     }
 
+    /// x (N, C, ...) -> same shape, normalized over each group of C / groups channels and
+    /// all positions.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.group_norm(
             self.groups,
@@ -180,12 +204,14 @@ impl GroupNorm {
 /// by 1/(1-p). Seeded: call k uses seed `hash(seed, k)`, so a run repeats exactly.
 #[derive(Debug)]
 pub struct Dropout {
+    /// Probability of zeroing an element, in `[0, 1)`.
     pub p: f64,
     seed: u64,
     calls: AtomicU64,
 }
 
 impl Dropout {
+    /// Dropout with probability `p` (an error unless `0 <= p < 1`) and mask seed `seed`.
     pub fn new(p: f64, seed: u64) -> Result<Self> {
         if !(0.0..1.0).contains(&p) {
             return Err(Error::invalid(
@@ -207,6 +233,7 @@ impl Dropout {
         self.calls.store(n, Ordering::Relaxed)
     }
 
+    /// x with the next mask applied when `train`; x unchanged otherwise (or when `p` is 0).
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         if !train || self.p == 0.0 {
             return Ok(x.clone());
@@ -224,13 +251,18 @@ impl Dropout {
 /// Activations by name, as configs spell them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
+    /// Exact (erf) GELU.
     Gelu,
+    /// GELU with the tanh approximation.
     GeluTanh,
+    /// `x * sigmoid(x)`.
     Silu,
+    /// `max(x, 0)`.
     Relu,
 }
 
 impl Activation {
+    /// The activation applied elementwise.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Activation::Gelu => x.gelu(),

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 /// Which layers get adapters and their hyperparameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraConfig {
+    /// Inner dimension r of A (r, in) and B (out, r); positive.
     pub rank: usize,
     /// Scale alpha / rank (kohya and PEFT convention).
     pub alpha: f64,
@@ -33,6 +34,7 @@ pub struct LoraConfig {
 }
 
 impl LoraConfig {
+    /// Checks rank > 0, dropout in `[0, 1)`, alpha finite and positive, and some target.
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::Config { path: None, msg });
         if self.rank == 0 {
@@ -50,6 +52,7 @@ impl LoraConfig {
         Ok(())
     }
 
+    /// Whether the layer at key path `path` matches any target pattern.
     pub fn matches(&self, path: &str) -> bool {
         self.targets
             .iter()
@@ -75,6 +78,7 @@ pub struct Lora {
     pub down: Tensor,
     /// B: (out, rank), f32, trainable.
     pub up: Tensor,
+    /// The config's alpha; the term is scaled by alpha / rank.
     pub alpha: f64,
     dropout: Dropout,
     /// Shared with the model's `Adapters`: dropout only while training.
@@ -119,6 +123,7 @@ impl Lora {
         })
     }
 
+    /// The adapter's rank r.
     pub fn rank(&self) -> usize {
         self.down.dims()[0]
     }
@@ -148,12 +153,14 @@ impl Lora {
 /// The adapters of one model, planned by a config and filled as its layers are built.
 #[derive(Debug)]
 pub struct Adapters {
+    /// The (validated) config every adapter is made from.
     pub config: LoraConfig,
     layers: Mutex<BTreeMap<String, Arc<Lora>>>,
     train: Arc<AtomicBool>,
 }
 
 impl Adapters {
+    /// An empty set for `config` (validated first), in training mode.
     pub fn new(config: LoraConfig) -> Result<Arc<Self>> {
         config.validate()?;
         Ok(Arc::new(Adapters {
@@ -233,6 +240,7 @@ impl Adapters {
         self.train.store(on, Ordering::Relaxed)
     }
 
+    /// Whether dropout is on (training mode).
     pub fn training(&self) -> bool {
         self.train.load(Ordering::Relaxed)
     }

@@ -249,10 +249,12 @@ impl VarBuilder {
         }
     }
 
+    /// The dtype parameters are returned in.
     pub fn dtype(&self) -> DType {
         self.shared.dtype
     }
 
+    /// The device parameters are placed on.
     pub fn device(&self) -> &Device {
         &self.shared.device
     }

@@ -33,9 +33,13 @@ pub(super) const HYPER_KEYS: &[&str] = &["lr", "beta1", "beta2", "eps", "weight_
 /// weight_decay to 1e-2, which must be set explicitly here.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamConfig {
+    /// Learning rate, >= 0.
     pub lr: f64,
+    /// Decay rate of the first moment `m`, in `[0, 1)`.
     pub beta1: f64,
+    /// Decay rate of the second moment `v`, in `[0, 1)`.
     pub beta2: f64,
+    /// Added to the bias-corrected `sqrt(v)`, >= 0.
     pub eps: f64,
     /// L2 penalty for [`Adam`], decoupled decay rate for [`AdamW`].
     pub weight_decay: f64,
@@ -172,6 +176,7 @@ impl<V: AdamVariant> AdamOptimizer<V> {
         })
     }
 
+    /// The hyperparameters in use.
     pub fn config(&self) -> &AdamConfig {
         &self.config
     }

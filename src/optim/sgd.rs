@@ -29,11 +29,15 @@ const BUFFER: &str = "momentum_buffer";
 /// Hyperparameters of [`Sgd`]; the defaults are PyTorch's (lr 1e-3, everything else off).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SgdConfig {
+    /// Learning rate, >= 0.
     pub lr: f64,
+    /// Momentum factor, >= 0 (0: plain SGD).
     pub momentum: f64,
+    /// Scales the gradient's share of the momentum buffer by `1 - dampening`.
     pub dampening: f64,
     /// L2 penalty: `weight_decay * p` is added to the gradient.
     pub weight_decay: f64,
+    /// Nesterov momentum (needs momentum > 0 and zero dampening).
     pub nesterov: bool,
 }
 
@@ -131,6 +135,7 @@ impl Sgd {
         })
     }
 
+    /// The hyperparameters in use.
     pub fn config(&self) -> &SgdConfig {
         &self.config
     }

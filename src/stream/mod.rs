@@ -44,7 +44,9 @@ pub enum Checkpointing {
 /// block resident.
 #[derive(Clone, Debug, Default)]
 pub struct BlockExec {
+    /// Which blocks are checkpointed (streamed blocks always are).
     pub checkpointing: Checkpointing,
+    /// The streamer of the blocks whose weights live in host memory, if any.
     pub streamer: Option<Arc<BlockStreamer>>,
 }
 

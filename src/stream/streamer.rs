@@ -95,10 +95,12 @@ impl BlockStreamer {
             .map_err(|_| Error::Poisoned("block streamer"))
     }
 
+    /// The device the blocks' weights are copied to.
     pub fn device(&self) -> &Device {
         &self.device
     }
 
+    /// The counters so far, with `blocks` the number of streamed blocks.
     pub fn report(&self) -> Result<StreamReport> {
         let st = self.lock()?;
         Ok(StreamReport {

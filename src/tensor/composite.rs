@@ -12,22 +12,26 @@ const GELU_TANH_SCALE: f64 = 0.797_884_560_802_865_4;
 const GELU_TANH_CUBIC: f64 = 0.044_715;
 
 impl Tensor {
+    /// `x * x` elementwise.
     pub fn sqr(&self) -> Result<Tensor> {
         self.mul(self)
     }
 
+    /// Mean over `dims`, keeping them as size 1.
     pub fn mean_keepdim(&self, dims: &[impl Dim]) -> Result<Tensor> {
         let s = self.sum_keepdim(dims)?;
         let n = self.elem_count() / s.elem_count().max(1);
         s.affine(1.0 / n as f64, 0.0)
     }
 
+    /// Mean over `dims`, removing them.
     pub fn mean(&self, dims: &[impl Dim]) -> Result<Tensor> {
         let s = self.sum(dims)?;
         let n = self.elem_count() / s.elem_count().max(1);
         s.affine(1.0 / n as f64, 0.0)
     }
 
+    /// Mean of every element, as a 0-dim tensor.
     pub fn mean_all(&self) -> Result<Tensor> {
         self.sum_all()?
             .affine(1.0 / self.elem_count().max(1) as f64, 0.0)
@@ -40,6 +44,7 @@ impl Tensor {
             .mean_keepdim(dims)
     }
 
+    /// Each element limited to `[lo, hi]`.
     pub fn clamp(&self, lo: f64, hi: f64) -> Result<Tensor> {
         self.maximum(&self.scalar_like(lo)?)?
             .minimum(&self.scalar_like(hi)?)

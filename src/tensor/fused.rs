@@ -153,7 +153,7 @@ impl Tensor {
             .map(Some)
     }
 
-    /// Rotates pairs (x[2i], x[2i+1]) of the last dim of x (B, H, L, D) by `freqs`
+    /// Rotates pairs `(x[2i], x[2i+1])` of the last dim of x (B, H, L, D) by `freqs`
     /// (B or 1, 1, L, D/2, 2, 2), BFL Flux's layout: (a, b) -> (f00 a + f01 b, f10 a + f11 b),
     /// computed in f32 (f64 for f64) in one kernel. Trainable rotations go through the
     /// composite, which differentiates them too.

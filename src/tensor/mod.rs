@@ -26,6 +26,8 @@ impl TensorId {
     }
 }
 
+/// An n-dimensional array on a [`Device`]: a handle to shared storage with a strided view
+/// of it, and the op that made it when autograd recorded one. Cloning is cheap.
 #[derive(Clone)]
 pub struct Tensor(Arc<Inner>);
 
@@ -150,6 +152,8 @@ impl Tensor {
         }))
     }
 
+    /// A tensor of `shape` on `device` from row-major `data`; its dtype is `T`'s. An error
+    /// when `data.len()` is not the shape's element count.
     pub fn from_vec<T: WithDType>(
         data: Vec<T>,
         shape: impl Into<Shape>,
@@ -166,6 +170,7 @@ impl Tensor {
         Self::from_host(T::to_storage(data), shape, device)
     }
 
+    /// As [`Tensor::from_vec`], copying the slice.
     pub fn from_slice<T: WithDType>(
         data: &[T],
         shape: impl Into<Shape>,
@@ -192,6 +197,7 @@ impl Tensor {
         ))
     }
 
+    /// Every element `value` (converted to `dtype`).
     pub fn full(
         value: f64,
         shape: impl Into<Shape>,
@@ -207,22 +213,27 @@ impl Tensor {
         ))
     }
 
+    /// Every element 0.
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
         Self::full(0.0, shape, dtype, device)
     }
 
+    /// Every element 1.
     pub fn ones(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
         Self::full(1.0, shape, dtype, device)
     }
 
+    /// Zeros of this tensor's shape, dtype and device.
     pub fn zeros_like(&self) -> Result<Tensor> {
         Self::zeros(self.shape().clone(), self.dtype(), self.device())
     }
 
+    /// Ones of this tensor's shape, dtype and device.
     pub fn ones_like(&self) -> Result<Tensor> {
         Self::ones(self.shape().clone(), self.dtype(), self.device())
     }
 
+    /// `value` everywhere, in this tensor's shape, dtype and device.
     pub fn full_like(&self, value: f64) -> Result<Tensor> {
         Self::full(value, self.shape().clone(), self.dtype(), self.device())
     }
@@ -247,6 +258,7 @@ impl Tensor {
         Self::from_vec(v, n, device)?.to_dtype(dtype)
     }
 
+    /// `start, start + 1, ...` while below `end`: a rank-1 tensor.
     pub fn arange(start: f64, end: f64, dtype: DType, device: &Device) -> Result<Tensor> {
         Self::arange_step(start, end, 1.0, dtype, device)
     }
@@ -279,6 +291,7 @@ impl Tensor {
         Self::rand_uniform(0.0, 1.0, shape, dtype, device, seed)
     }
 
+    /// Normal(`mean`, `std`), seeded like [`Tensor::rand_uniform`].
     pub fn randn_normal(
         mean: f64,
         std: f64,
@@ -308,30 +321,39 @@ impl Tensor {
 
     // ----- accessors ----------------------------------------------------------------------
 
+    /// This handle's identity (a new one for every op output and view).
     pub fn id(&self) -> TensorId {
         self.0.id
     }
+    /// The shape.
     pub fn shape(&self) -> &Shape {
         self.0.layout.shape()
     }
+    /// The dimension sizes, outermost first.
     pub fn dims(&self) -> &[usize] {
         self.0.layout.dims()
     }
+    /// Number of dimensions.
     pub fn rank(&self) -> usize {
         self.dims().len()
     }
+    /// Number of elements.
     pub fn elem_count(&self) -> usize {
         self.0.layout.elem_count()
     }
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.0.dtype
     }
+    /// The device holding the storage.
     pub fn device(&self) -> &Device {
         &self.0.device
     }
+    /// The strided view into the storage.
     pub fn layout(&self) -> &Layout {
         &self.0.layout
     }
+    /// Whether the view is row-major contiguous.
     pub fn is_contiguous(&self) -> bool {
         self.0.layout.is_contiguous()
     }

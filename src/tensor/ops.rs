@@ -48,36 +48,47 @@ impl Tensor {
         ))
     }
 
+    /// `-x` elementwise.
     pub fn neg(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Neg)
     }
+    /// `1 / x` elementwise.
     pub fn recip(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Recip)
     }
+    /// `e^x` elementwise.
     pub fn exp(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Exp)
     }
+    /// Natural logarithm, elementwise.
     pub fn log(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Log)
     }
+    /// Square root, elementwise.
     pub fn sqrt(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Sqrt)
     }
+    /// Sine (radians), elementwise.
     pub fn sin(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Sin)
     }
+    /// Cosine (radians), elementwise.
     pub fn cos(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Cos)
     }
+    /// Hyperbolic tangent, elementwise.
     pub fn tanh(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Tanh)
     }
+    /// The error function, elementwise.
     pub fn erf(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Erf)
     }
+    /// `|x|` elementwise.
     pub fn abs(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Abs)
     }
+    /// -1, 0 or 1 by the sign of each element; carries no gradient.
     pub fn sign(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Sign)
     }
@@ -85,12 +96,15 @@ impl Tensor {
     pub fn affine(&self, mul: f64, add: f64) -> Result<Tensor> {
         self.unary(UnaryOp::Affine { mul, add })
     }
+    /// `x^e` elementwise.
     pub fn powf(&self, e: f64) -> Result<Tensor> {
         self.unary(UnaryOp::Powf(e))
     }
+    /// `x + v` elementwise.
     pub fn add_scalar(&self, v: f64) -> Result<Tensor> {
         self.affine(1.0, v)
     }
+    /// `x * v` elementwise.
     pub fn mul_scalar(&self, v: f64) -> Result<Tensor> {
         self.affine(v, 0.0)
     }
@@ -126,21 +140,27 @@ impl Tensor {
         ))
     }
 
+    /// `self + rhs`, broadcasting; same dtype and device.
     pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
         self.binary(rhs, BinaryOp::Add)
     }
+    /// `self - rhs`, broadcasting; same dtype and device.
     pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
         self.binary(rhs, BinaryOp::Sub)
     }
+    /// `self * rhs` elementwise, broadcasting; same dtype and device.
     pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
         self.binary(rhs, BinaryOp::Mul)
     }
+    /// `self / rhs`, broadcasting; same dtype and device.
     pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
         self.binary(rhs, BinaryOp::Div)
     }
+    /// The larger of each pair, broadcasting (NaN if either is NaN).
     pub fn maximum(&self, rhs: &Tensor) -> Result<Tensor> {
         self.binary(rhs, BinaryOp::Maximum)
     }
+    /// The smaller of each pair, broadcasting (NaN if either is NaN).
     pub fn minimum(&self, rhs: &Tensor) -> Result<Tensor> {
         self.binary(rhs, BinaryOp::Minimum)
     }
@@ -168,21 +188,27 @@ impl Tensor {
             None,
         ))
     }
+    /// 1 where `self == rhs`, else 0 (see [`Tensor::cmp`]).
     pub fn eq(&self, rhs: &Tensor) -> Result<Tensor> {
         self.cmp(rhs, CmpOp::Eq)
     }
+    /// 1 where `self != rhs`, else 0.
     pub fn ne(&self, rhs: &Tensor) -> Result<Tensor> {
         self.cmp(rhs, CmpOp::Ne)
     }
+    /// 1 where `self < rhs`, else 0.
     pub fn lt(&self, rhs: &Tensor) -> Result<Tensor> {
         self.cmp(rhs, CmpOp::Lt)
     }
+    /// 1 where `self <= rhs`, else 0.
     pub fn le(&self, rhs: &Tensor) -> Result<Tensor> {
         self.cmp(rhs, CmpOp::Le)
     }
+    /// 1 where `self > rhs`, else 0.
     pub fn gt(&self, rhs: &Tensor) -> Result<Tensor> {
         self.cmp(rhs, CmpOp::Gt)
     }
+    /// 1 where `self >= rhs`, else 0.
     pub fn ge(&self, rhs: &Tensor) -> Result<Tensor> {
         self.cmp(rhs, CmpOp::Ge)
     }
@@ -276,18 +302,22 @@ impl Tensor {
         self.reduce_keepdim(ReduceOp::Sum, all.clone())?
             .squeeze_dims(&all)
     }
+    /// Maximum along `dim`, kept as size 1.
     pub fn max_keepdim(&self, dim: impl Dim) -> Result<Tensor> {
         let d = dim.resolve(self.shape(), "max")?;
         self.reduce_keepdim(ReduceOp::Max, vec![d])
     }
+    /// Maximum along `dim`, which is removed.
     pub fn max(&self, dim: impl Dim) -> Result<Tensor> {
         let d = dim.resolve(self.shape(), "max")?;
         self.reduce_keepdim(ReduceOp::Max, vec![d])?.squeeze(d)
     }
+    /// Minimum along `dim`, kept as size 1.
     pub fn min_keepdim(&self, dim: impl Dim) -> Result<Tensor> {
         let d = dim.resolve(self.shape(), "min")?;
         self.reduce_keepdim(ReduceOp::Min, vec![d])
     }
+    /// Minimum along `dim`, which is removed.
     pub fn min(&self, dim: impl Dim) -> Result<Tensor> {
         let d = dim.resolve(self.shape(), "min")?;
         self.reduce_keepdim(ReduceOp::Min, vec![d])?.squeeze(d)
@@ -303,10 +333,12 @@ impl Tensor {
         let d = dim.resolve(self.shape(), "argmax")?;
         self.reduce_keepdim(ReduceOp::ArgMax, vec![d])?.squeeze(d)
     }
+    /// Index (u32) of the first maximum along `dim`, kept as size 1.
     pub fn argmax_keepdim(&self, dim: impl Dim) -> Result<Tensor> {
         let d = dim.resolve(self.shape(), "argmax")?;
         self.reduce_keepdim(ReduceOp::ArgMax, vec![d])
     }
+    /// Index (u32) of the first minimum along `dim`, which is removed.
     pub fn argmin(&self, dim: impl Dim) -> Result<Tensor> {
         let d = dim.resolve(self.shape(), "argmin")?;
         self.reduce_keepdim(ReduceOp::ArgMin, vec![d])?.squeeze(d)
@@ -314,6 +346,8 @@ impl Tensor {
 
     // ----- dtype --------------------------------------------------------------------------
 
+    /// The values converted to `dtype` (the same handle if it already is); gradients flow back
+    /// between float dtypes.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return Ok(self.clone());

@@ -50,10 +50,12 @@ impl Tensor {
         self.reshape(dims)
     }
 
+    /// All dims merged into one: (elem_count,).
     pub fn flatten_all(&self) -> Result<Tensor> {
         self.reshape(self.elem_count())
     }
 
+    /// Dims reordered without copying: output dim i is input dim `perm[i]`.
     pub fn permute(&self, perm: &[usize]) -> Result<Tensor> {
         let l = self.layout().permute(perm)?;
         Ok(self.view(
@@ -62,6 +64,7 @@ impl Tensor {
         ))
     }
 
+    /// Dims `d0` and `d1` swapped, without copying.
     pub fn transpose(&self, d0: impl Dim, d1: impl Dim) -> Result<Tensor> {
         let (a, b) = (
             d0.resolve(self.shape(), "transpose")?,

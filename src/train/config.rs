@@ -1,6 +1,6 @@
 //! The `train` binary's TOML config.
 //!
-//! Each section is declared once, with the [`section!`] macro: a field's doc comment, type
+//! Each section is declared once, with the `section!` macro: a field's doc comment, type
 //! and default make the struct, its reader and its entry in the generated reference
 //! ([`TrainConfig::reference`], printed by `train --print-config` and kept in the README).
 //! Unknown keys and wrong types are errors naming the key and its line (the toml crate's

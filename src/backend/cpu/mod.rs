@@ -21,6 +21,7 @@ use crate::{CpuStorage, DType, Error, Layout, Result, Shape, WithDType};
 use half::{bf16, f16};
 pub(crate) use num::{Activation, Elem, Real};
 
+/// The host as a backend device; its storage is [`CpuStorage`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CpuDevice;
 

@@ -15,6 +15,7 @@ const M1: u32 = 0xCD9E_8D57;
 const W0: u32 = 0x9E37_79B9;
 const W1: u32 = 0xBB67_AE85;
 
+/// One Philox4x32-10 block: four random u32 from a 128-bit counter and a 64-bit key.
 pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     let (mut c, mut k) = (counter, key);
     for round in 0..10 {
@@ -55,10 +56,12 @@ fn generate(n: usize, seed: u64, f: impl Fn([u32; 4]) -> [f64; 4] + Sync) -> Vec
     out
 }
 
+/// `n` values uniform in `[lo, hi)` for `seed` (element i depends on (seed, i) only).
 pub fn uniform(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
     generate(n, seed, |x| x.map(|u| lo + (hi - lo) * to_unit(u)))
 }
 
+/// `n` values from Normal(`mean`, `std`) for `seed`, by Box-Muller as described above.
 pub fn normal(n: usize, seed: u64, mean: f64, std: f64) -> Vec<f64> {
     generate(n, seed, |x| {
         let u = x.map(to_unit);

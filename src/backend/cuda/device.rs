@@ -135,10 +135,12 @@ impl CudaDevice {
         })))
     }
 
+    /// The GPU's index among the visible devices (the N of `cuda:N`).
     pub fn ordinal(&self) -> usize {
         self.0.ordinal
     }
 
+    /// The one stream all of FLAME's work on this GPU is queued on, in order.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.0.stream
     }
@@ -189,6 +191,7 @@ impl CudaDevice {
         self.0.copy.get().ok_or(Error::Poisoned("CUDA copy stream"))
     }
 
+    /// This device's allocation counters now (bytes in use, peak, limit, cache).
     pub fn memory(&self) -> MemoryReport {
         self.0.mem.report()
     }

@@ -23,20 +23,27 @@ use std::path::Path;
 pub struct FluxConfig {
     /// Packed latent channels: 16 latent channels x 2x2 patch = 64.
     pub in_channels: usize,
+    /// Packed channels of the predicted velocity (64, as `in_channels`).
     pub out_channels: usize,
     /// Pooled text (CLIP-L) width.
     pub vec_in_dim: usize,
     /// Text token (T5-XXL) width.
     pub context_in_dim: usize,
+    /// Width D of the token streams (3072).
     pub hidden_size: usize,
+    /// MLP hidden width as a multiple of `hidden_size` (4.0).
     pub mlp_ratio: f64,
+    /// Attention heads H (24); `hidden_size / num_heads` is the head dim.
     pub num_heads: usize,
     /// Double-stream blocks.
     pub depth: usize,
+    /// Single-stream blocks.
     pub depth_single_blocks: usize,
     /// RoPE dims per position axis; they sum to the head dim.
     pub axes_dim: Vec<usize>,
+    /// RoPE base frequency (10 000).
     pub theta: f64,
+    /// Whether the QKV projections have a bias.
     pub qkv_bias: bool,
     /// dev has a guidance embedding; schnell does not.
     pub guidance_embed: bool,
@@ -70,15 +77,16 @@ impl FluxConfig {
         }
     }
 
+    /// Width of one attention head: `hidden_size / num_heads` (128).
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_heads
     }
 
+    /// Hidden width of the blocks' MLPs: `hidden_size * mlp_ratio`, truncated.
     pub fn mlp_hidden(&self) -> usize {
         (self.hidden_size as f64 * self.mlp_ratio) as usize
     }
 
-    /// Checks the sizes fit together.
     /// The blocks' key prefixes in execution order (what `BlockExec` and `BlockStreamer`
     /// name them by): `double_blocks.0..depth`, then `single_blocks.0..depth_single_blocks`.
     pub fn block_prefixes(&self) -> Vec<String> {
@@ -88,6 +96,8 @@ impl FluxConfig {
             .collect()
     }
 
+    /// Checks the sizes fit together: heads divide `hidden_size`, and `axes_dim` is even
+    /// and sums to the head dim.
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::Config { path: None, msg });
         if self.num_heads == 0 || self.hidden_size % self.num_heads != 0 {

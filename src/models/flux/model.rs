@@ -18,11 +18,14 @@ const TIME_FACTOR: f64 = 1000.0;
 /// `in_layer` -> SiLU -> `out_layer` (BFL `MLPEmbedder`).
 #[derive(Clone, Debug)]
 pub struct MlpEmbedder {
+    /// `in_dim -> hidden`, with bias.
     pub in_layer: Linear,
+    /// `hidden -> hidden`, with bias.
     pub out_layer: Linear,
 }
 
 impl MlpEmbedder {
+    /// The two layers under `vb` (`in_layer`, `out_layer`).
     pub fn new(vb: &VarBuilder, in_dim: usize, hidden: usize) -> Result<Self> {
         Ok(MlpEmbedder {
             in_layer: Linear::new(&vb.pp("in_layer"), in_dim, hidden, true)?,
@@ -30,6 +33,7 @@ impl MlpEmbedder {
         })
     }
 
+    /// x (B, in_dim) -> (B, hidden).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.out_layer.forward(&self.in_layer.forward(x)?.silu()?)
     }
@@ -101,6 +105,7 @@ pub struct DoubleStreamBlock {
 }
 
 impl DoubleStreamBlock {
+    /// The block's weights under `vb` (a `double_blocks.N` prefix).
     pub fn new(vb: &VarBuilder, cfg: &FluxConfig) -> Result<Self> {
         Ok(DoubleStreamBlock {
             img: Stream::new(vb, "img", cfg)?,
@@ -109,7 +114,8 @@ impl DoubleStreamBlock {
         })
     }
 
-    /// img (B, L, D), txt (B, T, D), vec (B, D), pe (B|1, 1, T+L, E/2, 2, 2).
+    /// img (B, L, D), txt (B, T, D), vec (B, D), pe (B|1, 1, T+L, E/2, 2, 2) -> the new
+    /// (img, txt), shapes unchanged.
     pub fn forward(
         &self,
         img: &Tensor,
@@ -164,6 +170,7 @@ pub struct SingleStreamBlock {
 }
 
 impl SingleStreamBlock {
+    /// The block's weights under `vb` (a `single_blocks.N` prefix).
     pub fn new(vb: &VarBuilder, cfg: &FluxConfig) -> Result<Self> {
         let (d, m) = (cfg.hidden_size, cfg.mlp_hidden());
         Ok(SingleStreamBlock {
@@ -176,7 +183,8 @@ impl SingleStreamBlock {
         })
     }
 
-    /// x (B, T+L, D).
+    /// x (B, T+L, D) joint tokens, vec (B, D), pe as for [`DoubleStreamBlock::forward`]
+    /// -> (B, T+L, D).
     pub fn forward(&self, x: &Tensor, vec: &Tensor, pe: &Tensor) -> Result<Tensor> {
         let m = self.modulation.forward(vec)?;
         let x_mod = m[0].modulate(&x.layer_norm(None, None, EPS)?)?;
@@ -196,14 +204,23 @@ impl SingleStreamBlock {
 /// The Flux transformer (BFL `Flux`).
 #[derive(Clone, Debug)]
 pub struct Flux {
+    /// The hyperparameters it was built with.
     pub config: FluxConfig,
+    /// Packed latents `in_channels -> D`.
     pub img_in: Linear,
+    /// Timestep embedding: 256 sinusoidal channels -> D.
     pub time_in: MlpEmbedder,
+    /// Pooled text `vec_in_dim -> D`.
     pub vector_in: MlpEmbedder,
+    /// Guidance embedding, 256 sinusoidal channels -> D (dev only).
     pub guidance_in: Option<MlpEmbedder>,
+    /// Text tokens `context_in_dim -> D`.
     pub txt_in: Linear,
+    /// The `depth` double-stream blocks.
     pub double_blocks: Vec<DoubleStreamBlock>,
+    /// The `depth_single_blocks` single-stream blocks.
     pub single_blocks: Vec<SingleStreamBlock>,
+    /// adaLN-modulated norm and projection `D -> out_channels`.
     pub final_layer: FinalLayer,
     pe_embedder: EmbedNd,
     /// How the blocks run: resident, checkpointed or streamed (`FluxConfig::block_prefixes`
@@ -212,6 +229,7 @@ pub struct Flux {
 }
 
 impl Flux {
+    /// The model with weights from `vb` (BFL key names at its root); blocks run resident.
     pub fn new(vb: &VarBuilder, cfg: &FluxConfig) -> Result<Self> {
         cfg.validate()?;
         let d = cfg.hidden_size;

@@ -22,12 +22,17 @@ use std::path::Path;
 /// The MMDiT's hyperparameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sd3Config {
+    /// Side of the square latent patches that become tokens (2).
     pub patch_size: usize,
+    /// Latent channels C in (16).
     pub in_channels: usize,
+    /// Latent channels of the predicted velocity (16).
     pub out_channels: usize,
     /// Joint blocks; the last one's context stream is pre-only.
     pub depth: usize,
+    /// Width D of the token streams (64 per head).
     pub hidden_size: usize,
+    /// Attention heads H.
     pub num_heads: usize,
     /// Text token width (T5-XXL / CLIP features padded to 4096).
     pub context_dim: usize,
@@ -39,6 +44,7 @@ pub struct Sd3Config {
     pub qk_norm: bool,
     /// Blocks whose image stream has a second, image-only attention (MMDiT-X, SD3.5 medium).
     pub dual_attention_layers: Vec<usize>,
+    /// MLP hidden width as a multiple of `hidden_size` (4.0).
     pub mlp_ratio: f64,
 }
 
@@ -74,10 +80,12 @@ impl Sd3Config {
         }
     }
 
+    /// Width of one attention head: `hidden_size / num_heads` (64).
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_heads
     }
 
+    /// Hidden width of the blocks' MLPs: `hidden_size * mlp_ratio`, truncated.
     pub fn mlp_hidden(&self) -> usize {
         (self.hidden_size as f64 * self.mlp_ratio) as usize
     }
@@ -89,6 +97,8 @@ impl Sd3Config {
             .collect()
     }
 
+    /// Checks the sizes fit together: heads divide `hidden_size`, `depth` and `patch_size`
+    /// are positive, and every dual-attention layer is a block.
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::Config { path: None, msg });
         if self.num_heads == 0 || self.hidden_size % self.num_heads != 0 {

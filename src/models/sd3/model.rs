@@ -179,6 +179,8 @@ pub struct JointBlock {
 }
 
 impl JointBlock {
+    /// Block `index` of the model, weights under `vb` (a `joint_blocks.N` prefix); the last
+    /// block's context stream is pre-only, and `dual_attention_layers` get a second attention.
     pub fn new(vb: &VarBuilder, cfg: &Sd3Config, index: usize) -> Result<Self> {
         let pre_only = index + 1 == cfg.depth;
         let dual = cfg.dual_attention_layers.contains(&index);
@@ -220,12 +222,14 @@ impl JointBlock {
 /// The SD3 / SD3.5 MMDiT (Stability `MMDiTX`).
 #[derive(Clone, Debug)]
 pub struct Sd3 {
+    /// The hyperparameters it was built with.
     pub config: Sd3Config,
     x_embedder: Conv2d,
     pos_embed: Tensor,
     t_embedder: Embedder,
     y_embedder: Embedder,
     context_embedder: Linear,
+    /// The `depth` joint blocks.
     pub joint_blocks: Vec<JointBlock>,
     final_layer: FinalLayer,
     /// How the joint blocks run (`Sd3Config::block_prefixes` names them).
@@ -233,6 +237,8 @@ pub struct Sd3 {
 }
 
 impl Sd3 {
+    /// The model with weights from `vb` (Stability key names at its root, prefix stripped);
+    /// blocks run resident.
     pub fn new(vb: &VarBuilder, cfg: &Sd3Config) -> Result<Self> {
         cfg.validate()?;
         let (d, p) = (cfg.hidden_size, cfg.patch_size);

@@ -37,15 +37,23 @@ fn conv3x3(vb: &VarBuilder, cin: usize, cout: usize, stride: usize) -> Result<Co
 /// `ResnetBlock2D` with time_embedding_norm "default").
 #[derive(Clone, Debug)]
 pub struct ResBlock {
+    /// `in_layers.0`: GroupNorm over Cin.
     pub norm1: GroupNorm,
+    /// `in_layers.2`: conv 3x3, Cin -> Cout.
     pub conv1: Conv2d,
+    /// `emb_layers.1`: the embedding De -> Cout.
     pub emb: Linear,
+    /// `out_layers.0`: GroupNorm over Cout.
     pub norm2: GroupNorm,
+    /// `out_layers.3`: conv 3x3, Cout -> Cout.
     pub conv2: Conv2d,
+    /// `skip_connection`: conv 1x1 Cin -> Cout, when they differ.
     pub skip: Option<Conv2d>,
 }
 
 impl ResBlock {
+    /// The block's weights under `vb`: `cin` -> `cout` channels, an `emb_dim`-wide embedding,
+    /// GroupNorms of `groups` groups.
     pub fn new(
         vb: &VarBuilder,
         cin: usize,
@@ -93,14 +101,20 @@ impl ResBlock {
 /// from the context when given (cross-attention), else from x.
 #[derive(Clone, Debug)]
 pub struct Attention {
+    /// Queries D -> D.
     pub to_q: Linear,
+    /// Keys Dc -> D (Dc = D for self-attention).
     pub to_k: Linear,
+    /// Values Dc -> D.
     pub to_v: Linear,
+    /// `to_out.0`: output projection D -> D, with bias.
     pub to_out: Linear,
+    /// Number of heads N.
     pub heads: usize,
 }
 
 impl Attention {
+    /// The projections under `vb`: width `dim` (D), keys and values from `kv_dim` (Dc).
     pub fn new(vb: &VarBuilder, dim: usize, kv_dim: usize, heads: usize) -> Result<Self> {
         Ok(Attention {
             to_q: Linear::new(&vb.pp("to_q"), dim, dim, false)?,
@@ -133,11 +147,14 @@ impl Attention {
 /// hidden * GELU(gate) with the exact (erf) GELU (sgm `GEGLU`, diffusers `GEGLU`: `F.gelu`).
 #[derive(Clone, Debug)]
 pub struct FeedForward {
+    /// `net.0.proj`: D -> 2 x 4 D (hidden and gate).
     pub proj: Linear,
+    /// `net.2`: 4 D -> D.
     pub out: Linear,
 }
 
 impl FeedForward {
+    /// The two projections under `vb` for width `dim`.
     pub fn new(vb: &VarBuilder, dim: usize) -> Result<Self> {
         let inner = FF_MULT * dim;
         Ok(FeedForward {
@@ -146,6 +163,7 @@ impl FeedForward {
         })
     }
 
+    /// x (B, L, D) -> (B, L, D).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let hg = self.proj.forward(x)?.chunk(2, -1)?;
         self.out.forward(&hg[0].mul(&hg[1].gelu()?)?)
@@ -156,15 +174,22 @@ impl FeedForward {
 /// `BasicTransformerBlock`, diffusers `BasicTransformerBlock` with norm_type "layer_norm").
 #[derive(Clone, Debug)]
 pub struct TransformerBlock {
+    /// LayerNorm before self-attention.
     pub norm1: LayerNorm,
+    /// Self-attention.
     pub attn1: Attention,
+    /// LayerNorm before cross-attention.
     pub norm2: LayerNorm,
+    /// Cross-attention to the text context.
     pub attn2: Attention,
+    /// LayerNorm before the feed-forward.
     pub norm3: LayerNorm,
+    /// The GEGLU feed-forward.
     pub ff: FeedForward,
 }
 
 impl TransformerBlock {
+    /// The block's weights under `vb`: width `dim` (D), context width `context_dim` (Dc).
     pub fn new(vb: &VarBuilder, dim: usize, context_dim: usize, heads: usize) -> Result<Self> {
         let ln = |n: &str| LayerNorm::new(&vb.pp(n), dim, LAYER_NORM_EPS, true);
         Ok(TransformerBlock {
@@ -177,7 +202,7 @@ impl TransformerBlock {
         })
     }
 
-    /// x (B, L, D), context (B, T, Dc).
+    /// x (B, L, D), context (B, T, Dc) -> (B, L, D).
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
         let x = x.add(&self.attn1.forward(&self.norm1.forward(x)?, None)?)?;
         let x = x.add(
@@ -194,13 +219,19 @@ impl TransformerBlock {
 /// `use_linear`, diffusers `Transformer2DModel` with `use_linear_projection`).
 #[derive(Clone, Debug)]
 pub struct SpatialTransformer {
+    /// GroupNorm over the C channels.
     pub norm: GroupNorm,
+    /// C -> C on the tokens.
     pub proj_in: Linear,
+    /// `transformer_blocks.0..depth`.
     pub blocks: Vec<TransformerBlock>,
+    /// C -> C on the tokens.
     pub proj_out: Linear,
 }
 
 impl SpatialTransformer {
+    /// The weights under `vb`: `channels` (C = D), `depth` transformer blocks of `heads`
+    /// heads, text context of width `context_dim`, GroupNorm of `groups` groups.
     pub fn new(
         vb: &VarBuilder,
         channels: usize,
@@ -249,16 +280,19 @@ impl SpatialTransformer {
 /// `Downsample`, diffusers `Downsample2D` with `downsample_padding` 1).
 #[derive(Clone, Debug)]
 pub struct Downsample {
+    /// The strided conv 3x3, C -> C.
     pub op: Conv2d,
 }
 
 impl Downsample {
+    /// The conv under `vb` (`op`) for `channels` channels.
     pub fn new(vb: &VarBuilder, channels: usize) -> Result<Self> {
         Ok(Downsample {
             op: conv3x3(&vb.pp("op"), channels, channels, 2)?,
         })
     }
 
+    /// x (B, C, H, W) -> (B, C, floor((H - 1) / 2) + 1, floor((W - 1) / 2) + 1).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.op.forward(x)
     }
@@ -268,10 +302,12 @@ impl Downsample {
 /// skip connection's size when the input was not divisible by 2^levels; sgm always does 2x).
 #[derive(Clone, Debug)]
 pub struct Upsample {
+    /// Conv 3x3 after the resize, C -> C.
     pub conv: Conv2d,
 }
 
 impl Upsample {
+    /// The conv under `vb` (`conv`) for `channels` channels.
     pub fn new(vb: &VarBuilder, channels: usize) -> Result<Self> {
         Ok(Upsample {
             conv: conv3x3(&vb.pp("conv"), channels, channels, 1)?,

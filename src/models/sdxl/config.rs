@@ -24,16 +24,22 @@ pub const ADDITION_TIME_EMBED_DIM: usize = 256;
 /// above 0.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SdxlConfig {
+    /// Latent channels in (4).
     pub in_channels: usize,
+    /// Channels of the predicted noise (4).
     pub out_channels: usize,
     /// Channels of the first level (320); the time embedding is 4x this wide.
     pub model_channels: usize,
+    /// Channel multiplier of each level, on `model_channels` (`[1, 2, 4]`); its length is
+    /// the number of levels.
     pub channel_mult: Vec<usize>,
+    /// ResBlocks per level on the way down (2).
     pub num_res_blocks: usize,
     /// Transformer blocks per SpatialTransformer, per level (0: no attention there).
     pub transformer_depth: Vec<usize>,
     /// Attention heads per level (SDXL: channels / 64). The middle block uses the last one.
     pub num_heads: Vec<usize>,
+    /// Transformer blocks in the middle block's SpatialTransformer (10).
     pub transformer_depth_middle: usize,
     /// Text token width (CLIP-L 768 + OpenCLIP-bigG 1280).
     pub context_dim: usize,
@@ -41,6 +47,7 @@ pub struct SdxlConfig {
     pub adm_in_channels: usize,
     /// Sinusoidal channels per micro-conditioning number (see [`crate::models::sdxl::sdxl_vector`]).
     pub addition_time_embed_dim: usize,
+    /// GroupNorm groups (32).
     pub num_groups: usize,
 }
 
@@ -68,11 +75,12 @@ impl SdxlConfig {
         }
     }
 
+    /// Number of resolution levels (`channel_mult.len()`, 3).
     pub fn levels(&self) -> usize {
         self.channel_mult.len()
     }
 
-    /// Channels of level `l`.
+    /// Channels of level `level`.
     pub fn channels(&self, level: usize) -> usize {
         self.model_channels * self.channel_mult[level]
     }

@@ -16,7 +16,9 @@ pub const MAX_PERIOD: f64 = 10_000.0;
 /// (`label_emb.0`) (diffusers `TimestepEmbedding`).
 #[derive(Clone, Debug)]
 pub struct Mlp {
+    /// Key `0`: input width -> the time embedding width (4 x `model_channels`).
     pub fc0: Linear,
+    /// Key `2`: embedding width -> embedding width.
     pub fc2: Linear,
 }
 
@@ -36,7 +38,9 @@ impl Mlp {
 /// A ResBlock (`.0`) with an optional SpatialTransformer (`.1`).
 #[derive(Clone, Debug)]
 pub struct ResLayer {
+    /// `.0`: the ResBlock.
     pub res: ResBlock,
+    /// `.1`: the SpatialTransformer, at levels with `transformer_depth` above 0.
     pub attn: Option<SpatialTransformer>,
 }
 
@@ -44,7 +48,9 @@ pub struct ResLayer {
 /// downsampler (`.0.op`).
 #[derive(Clone, Debug)]
 pub enum InputBlock {
+    /// A ResBlock, with a SpatialTransformer at levels that have attention.
     Res(Box<ResLayer>),
+    /// The stride-2 downsampler ending every level but the last.
     Down(Downsample),
 }
 
@@ -52,8 +58,11 @@ pub enum InputBlock {
 /// (`.1`), and at a level's last block (not the top level's) an upsampler (`.1` or `.2`).
 #[derive(Clone, Debug)]
 pub struct OutputBlock {
+    /// `.0`: the ResBlock on the skip-concatenated channels.
     pub res: ResBlock,
+    /// `.1`: the SpatialTransformer, at levels with attention.
     pub attn: Option<SpatialTransformer>,
+    /// The upsampler at the end of a level (not the top one).
     pub up: Option<Upsample>,
 }
 
@@ -61,14 +70,23 @@ pub struct OutputBlock {
 /// conditioning).
 #[derive(Clone, Debug)]
 pub struct Unet {
+    /// The hyperparameters it was built with.
     pub config: SdxlConfig,
+    /// `time_embed`: sinusoidal timestep channels (`model_channels`) -> time embedding.
     pub time_embed: Mlp,
+    /// `label_emb.0`: the vector y (`adm_in_channels`) -> time embedding width.
     pub label_emb: Mlp,
+    /// `input_blocks.0.0`: conv 3x3 from `in_channels` to `model_channels`.
     pub conv_in: Conv2d,
+    /// `input_blocks.1..`, in order.
     pub input_blocks: Vec<InputBlock>,
+    /// `middle_block.{0,1,2}`: ResBlock, SpatialTransformer, ResBlock.
     pub middle: (ResBlock, SpatialTransformer, ResBlock),
+    /// `output_blocks.0..`, in order.
     pub output_blocks: Vec<OutputBlock>,
+    /// `out.0`: the final GroupNorm (followed by SiLU).
     pub norm_out: GroupNorm,
+    /// `out.2`: conv 3x3 to `out_channels`.
     pub conv_out: Conv2d,
     /// How the blocks run (`SdxlConfig::block_prefixes` names them).
     pub exec: BlockExec,

@@ -126,7 +126,6 @@ fn run(
         overwrite: args.overwrite,
         stop_at: None,
     };
-    let action = trainer.plan(&opts)?;
     let p = progress.insert(Progress {
         tty: std::io::stderr().is_terminal(),
         every,
@@ -154,7 +153,7 @@ fn run(
         out.display()
     ));
     if args.plan {
-        let what = match &action {
+        let what = match &trainer.plan(&opts)? {
             FolderAction::New => "start a new run".to_string(),
             FolderAction::Overwrite(files) => {
                 format!(

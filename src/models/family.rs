@@ -109,12 +109,8 @@ pub trait DiffusionModel: Send + Sync {
     /// order (each (B, ...)) and the guidance scale of guidance-distilled models (others
     /// ignore it). Returns (B, C, H, W).
     fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], guidance: f64) -> Result<Tensor>;
-    /// The key prefixes of its blocks in execution order (what streaming and checkpointing
-    /// address).
-    fn block_prefixes(&self) -> Vec<String>;
-    /// How its blocks run.
-    fn exec(&self) -> &BlockExec;
-    /// Sets how its blocks run.
+    /// Sets how its blocks run (the loader applies `LoadOptions::memory` through it; the
+    /// block names are `ModelSpec::block_prefixes_of` of the config).
     fn set_exec(&mut self, exec: BlockExec);
 }
 

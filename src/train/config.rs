@@ -351,6 +351,34 @@ pub fn line_of(text: &str, key: &str) -> Option<usize> {
     None
 }
 
+/// The problems found so far, with the checks that recur.
+struct Checks<'a>(&'a mut Vec<Problem>);
+
+impl Checks<'_> {
+    fn check(&mut self, ok: bool, key: &'static str, msg: String) {
+        if !ok {
+            self.0.push(Problem { key, msg });
+        }
+    }
+    fn positive_f(&mut self, key: &'static str, x: f64) {
+        self.check(
+            x.is_finite() && x > 0.0,
+            key,
+            format!("{x}: must be finite and > 0"),
+        );
+    }
+    fn non_negative_f(&mut self, key: &'static str, x: f64) {
+        self.check(
+            x.is_finite() && x >= 0.0,
+            key,
+            format!("{x}: must be finite and >= 0"),
+        );
+    }
+    fn positive_n(&mut self, key: &'static str, n: usize) {
+        self.check(n > 0, key, "0: must be positive".into());
+    }
+}
+
 fn in_list(key: &'static str, v: &str, list: &[&str]) -> Option<Problem> {
     (!list.contains(&v)).then(|| Problem {
         key,
@@ -444,55 +472,39 @@ impl TrainConfig {
         .into_iter()
         .flatten()
         .collect();
-        let mut check = |ok: bool, key: &'static str, msg: String| {
-            if !ok {
-                v.push(Problem { key, msg });
-            }
-        };
-        if let Some(c) = &m.create_if_missing {
-            check(
-                c == "flux-tiny" && m.arch == "flux",
+        let mut c = Checks(&mut v);
+        if let Some(demo) = &m.create_if_missing {
+            c.check(
+                demo == "flux-tiny" && m.arch == "flux",
                 "model.create_if_missing",
-                format!("\"{c}\": only \"flux-tiny\" (with arch = \"flux\")"),
+                format!("\"{demo}\": only \"flux-tiny\" (with arch = \"flux\")"),
             );
         }
-        check(
+        c.check(
             m.guidance.is_finite(),
             "model.guidance",
             format!("{}: must be finite", m.guidance),
         );
-        check(a.rank > 0, "adapter.rank", "0: must be positive".into());
-        check(
-            a.alpha.is_finite() && a.alpha > 0.0,
-            "adapter.alpha",
-            format!("{}: must be finite and > 0", a.alpha),
-        );
-        check(
+        c.positive_n("adapter.rank", a.rank);
+        c.positive_f("adapter.alpha", a.alpha);
+        c.check(
             (0.0..1.0).contains(&a.dropout),
             "adapter.dropout",
             format!("{}: must be in [0, 1)", a.dropout),
         );
-        check(
+        c.check(
             !a.targets.is_empty() && a.targets.iter().all(|t| !t.trim().is_empty()),
             "adapter.targets",
             format!("{:?}: must be non-empty patterns", a.targets),
         );
-        check(
-            o.lr.is_finite() && o.lr > 0.0,
-            "optimizer.lr",
-            format!("{}: must be finite and > 0", o.lr),
-        );
-        check(
+        c.positive_f("optimizer.lr", o.lr);
+        c.check(
             o.betas.iter().all(|b| (0.0..1.0).contains(b)),
             "optimizer.betas",
             format!("{:?}: each must be in [0, 1)", o.betas),
         );
-        check(
-            o.weight_decay.is_finite() && o.weight_decay >= 0.0,
-            "optimizer.weight_decay",
-            format!("{}: must be finite and >= 0", o.weight_decay),
-        );
-        check(
+        c.non_negative_f("optimizer.weight_decay", o.weight_decay);
+        c.check(
             o.eps.is_finite() && o.eps > 0.0,
             "optimizer.eps",
             format!(
@@ -501,18 +513,10 @@ impl TrainConfig {
                 o.eps
             ),
         );
-        check(t.steps > 0, "train.steps", "0: must be positive".into());
-        check(
-            t.batch_size > 0,
-            "train.batch_size",
-            "0: must be positive".into(),
-        );
-        check(
-            t.grad_accum > 0,
-            "train.grad_accum",
-            "0: must be positive".into(),
-        );
-        check(
+        c.positive_n("train.steps", t.steps);
+        c.positive_n("train.batch_size", t.batch_size);
+        c.positive_n("train.grad_accum", t.grad_accum);
+        c.check(
             s.warmup_steps <= t.steps,
             "schedule.warmup_steps",
             format!(
@@ -520,45 +524,29 @@ impl TrainConfig {
                 s.warmup_steps, t.steps
             ),
         );
-        check(
-            t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0,
-            "train.max_grad_norm",
-            format!("{}: must be finite and >= 0", t.max_grad_norm),
-        );
-        check(
-            t.min_snr_gamma.is_finite() && t.min_snr_gamma >= 0.0,
-            "train.min_snr_gamma",
-            format!("{}: must be finite and >= 0", t.min_snr_gamma),
-        );
-        check(
+        c.non_negative_f("train.max_grad_norm", t.max_grad_norm);
+        c.non_negative_f("train.min_snr_gamma", t.min_snr_gamma);
+        c.check(
             t.keep_last > 0,
             "train.keep_last",
             "0: at least the latest checkpoint is kept".into(),
         );
-        check(
+        c.check(
             t.timestep_mean.is_finite(),
             "train.timestep_mean",
             format!("{}: must be finite", t.timestep_mean),
         );
-        check(
-            t.timestep_std.is_finite() && t.timestep_std > 0.0,
-            "train.timestep_std",
-            format!("{}: must be finite and > 0", t.timestep_std),
-        );
-        check(
-            t.timestep_shift.is_finite() && t.timestep_shift > 0.0,
-            "train.timestep_shift",
-            format!("{}: must be finite and > 0", t.timestep_shift),
-        );
-        check(
+        c.positive_f("train.timestep_std", t.timestep_std);
+        c.positive_f("train.timestep_shift", t.timestep_shift);
+        c.check(
             t.on_nonfinite != "skip" || t.max_skipped > 0,
             "train.max_skipped",
             "0: with on_nonfinite = \"skip\", at least 1".into(),
         );
         if let Err(e) = self.checkpointing() {
-            check(false, "memory.checkpointing", e);
+            c.check(false, "memory.checkpointing", e);
         }
-        check(mem.prefetch > 0, "memory.prefetch", "0: at least 1".into());
+        c.check(mem.prefetch > 0, "memory.prefetch", "0: at least 1".into());
         v
     }
 

@@ -67,18 +67,33 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// A 64-bit hash of a file's bytes (8-byte words, multiply-rotate mixing): detects a
 /// truncated or damaged checkpoint file, not tampering.
 pub fn file_hash(path: &Path) -> Result<u64> {
-    let bytes = std::fs::read(path).map_err(io(path))?;
+    use std::io::Read;
     const P: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut h = bytes.len() as u64 ^ P;
-    let mut chunks = bytes.chunks_exact(8);
-    for c in &mut chunks {
-        let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
-        h = (h ^ w).wrapping_mul(P).rotate_left(29);
+    let mut f = std::fs::File::open(path).map_err(io(path))?;
+    let len = f.metadata().map_err(io(path))?.len();
+    let mut h = len ^ P;
+    // Read in blocks of whole words; only the file's last block may end with a partial one.
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let mut n = 0;
+        while n < buf.len() {
+            match f.read(&mut buf[n..]).map_err(io(path))? {
+                0 => break,
+                k => n += k,
+            }
+        }
+        let mut words = buf[..n].chunks_exact(8);
+        for c in &mut words {
+            let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+            h = (h ^ w).wrapping_mul(P).rotate_left(29);
+        }
+        for &b in words.remainder() {
+            h = (h ^ b as u64).wrapping_mul(P).rotate_left(29);
+        }
+        if n < buf.len() {
+            return Ok(h ^ (h >> 32));
+        }
     }
-    for &b in chunks.remainder() {
-        h = (h ^ b as u64).wrapping_mul(P).rotate_left(29);
-    }
-    Ok(h ^ (h >> 32))
 }
 
 /// What `run.json` records.

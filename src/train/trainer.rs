@@ -93,6 +93,14 @@ pub enum Event {
     Saved(PathBuf),
 }
 
+/// What `Trainer::decide` found: the folder action and, for a resume, the checkpoint to
+/// restore (verified) and the damaged ones passed over.
+struct Decision {
+    action: FolderAction,
+    from: Option<(PathBuf, CheckpointState)>,
+    damaged: Vec<(PathBuf, String)>,
+}
+
 /// What a run would do, from `Trainer::plan`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FolderAction {
@@ -106,42 +114,28 @@ pub enum FolderAction {
     AlreadyFinished(usize),
 }
 
-/// The global L2 norm of the gradients of `params` (summed on the device in f64, one copy to
-/// the host), and the name of the first parameter whose gradient is not finite.
-fn grad_norm(grads: &Grads, params: &[(String, Tensor)]) -> Result<(f64, Option<String>)> {
-    let mut sq: Option<Tensor> = None;
-    for (_, p) in params {
-        if let Some(g) = grads.get(p) {
-            let s = g.to_dtype(DType::F64)?.sqr()?.sum_all()?;
-            sq = Some(match sq {
-                Some(acc) => acc.add(&s)?,
-                None => s,
-            });
-        }
+/// The sum of squares of every value of `tensors`, in f64 on the device with one copy to the
+/// host. Finite iff every (f32 or narrower) value is.
+fn sum_sq<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
+    let mut acc: Option<Tensor> = None;
+    for t in tensors {
+        let s = t.to_dtype(DType::F64)?.sqr()?.sum_all()?;
+        acc = Some(match acc {
+            Some(a) => a.add(&s)?,
+            None => s,
+        });
     }
-    let norm = match sq {
-        Some(s) => s.to_scalar_f64()?.sqrt(),
-        None => 0.0,
-    };
-    if norm.is_finite() {
-        return Ok((norm, None));
-    }
-    let bad = first_nonfinite(
-        params
-            .iter()
-            .filter_map(|(n, p)| Some((n.as_str(), grads.get(p)?))),
-    )?;
-    Ok((norm, bad.map(|n| format!("the gradient of {n}"))))
+    acc.map_or(Ok(0.0), |a| a.to_scalar_f64())
 }
 
-/// The name of the first tensor holding a NaN or an infinity.
-fn first_nonfinite<'a>(
-    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
-) -> Result<Option<String>> {
+/// The name of the first tensor holding a NaN or an infinity: one host copy when all are
+/// finite, one per tensor only to find the culprit.
+fn first_nonfinite<'a>(tensors: &[(&'a str, &'a Tensor)]) -> Result<Option<String>> {
+    if sum_sq(tensors.iter().map(|(_, t)| *t))?.is_finite() {
+        return Ok(None);
+    }
     for (name, t) in tensors {
-        // A sum of squares in f64 is finite iff every (f32 or narrower) value is.
-        let s = t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar_f64()?;
-        if !s.is_finite() {
+        if !sum_sq([*t])?.is_finite() {
             return Ok(Some(name.to_string()));
         }
     }
@@ -362,12 +356,12 @@ impl Trainer {
         self.adapters.set_step(self.step as u64)?;
         let mut grads = Grads::new();
         let mut total = 0.0;
-        let mut files: Vec<PathBuf> = vec![];
+        let mut samples: Vec<usize> = vec![];
         let mut bad: Option<String> = None;
         for micro in 0..acc {
             let pos = (self.step * acc + micro) * b;
             let idx = indices(self.data.len(), seed, pos, b);
-            files.extend(idx.iter().map(|&i| self.data.files[i].clone()));
+            samples.extend(&idx);
             let batch = self.data.batch(&idx, self.dtype, &self.device)?;
             let s = seed ^ ((self.step * acc + micro) as u64 + 1).wrapping_mul(GOLDEN);
             let loss = self.loss(&batch, s)?.affine(1.0 / acc as f64, 0.0)?;
@@ -380,11 +374,19 @@ impl Trainer {
             loss.backward_into(&mut grads)?;
         }
         let params = self.adapters.params()?;
+        let with_grads: Vec<(&str, &Tensor)> = params
+            .iter()
+            .filter_map(|(n, p)| Some((n.as_str(), grads.get(p)?)))
+            .collect();
         let mut norm = f64::NAN;
         if bad.is_none() {
-            let (n, which) = grad_norm(&grads, &params)?;
-            norm = n;
-            bad = which.map(|w| format!("{w} is not finite (gradient norm {n})"));
+            norm = sum_sq(with_grads.iter().map(|(_, g)| *g))?.sqrt();
+            if !norm.is_finite() {
+                bad = Some(match first_nonfinite(&with_grads)? {
+                    Some(n) => format!("the gradient of {n} is not finite (gradient norm {norm})"),
+                    None => format!("the gradient norm is {norm}"),
+                });
+            }
         }
         let step = self.step + 1;
         let steps = self.config.train.steps;
@@ -397,7 +399,10 @@ impl Trainer {
             skipped: None,
         };
         if let Some(what) = bad {
-            let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+            let names: Vec<String> = samples
+                .iter()
+                .map(|&i| self.data.files[i].display().to_string())
+                .collect();
             if self.config.train.on_nonfinite == "stop" || self.skipped_in_row + 1 > t.max_skipped {
                 let why = if self.config.train.on_nonfinite == "stop" {
                     "train.on_nonfinite = \"stop\"".to_string()
@@ -432,7 +437,8 @@ impl Trainer {
     /// Writes the adapter in the configured layout, refusing one with a non-finite value.
     fn save_adapter(&self, path: &Path) -> Result<()> {
         let params = self.adapters.params()?;
-        if let Some(name) = first_nonfinite(params.iter().map(|(n, t)| (n.as_str(), t)))? {
+        let named: Vec<(&str, &Tensor)> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        if let Some(name) = first_nonfinite(&named)? {
             return Err(Error::NonFinite {
                 step: self.step,
                 what: format!("adapter weight {name}"),
@@ -481,6 +487,11 @@ impl Trainer {
     /// against the sizes and hashes recorded when it was written.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
         let st = CheckpointState::read_verified(dir)?;
+        self.restore(dir, &st)
+    }
+
+    /// Restores from `dir`, whose files `st` has verified.
+    fn restore(&mut self, dir: &Path, st: &CheckpointState) -> Result<()> {
         if st.seed != self.config.train.seed {
             return Err(Error::Checkpoint {
                 path: dir.to_path_buf(),
@@ -501,6 +512,17 @@ impl Trainer {
     /// without writing: another run's files without `overwrite` or `resume`, a resume whose
     /// config differs in a key that matters, a checkpoint past `train.steps`.
     pub fn plan(&self, opts: &RunOptions) -> Result<FolderAction> {
+        self.decide(opts).map(|d| d.action)
+    }
+
+    /// [`Trainer::plan`] with what a resume needs: the newest checkpoint that verifies (its
+    /// files hashed once, here) and the damaged ones passed over, newest first.
+    fn decide(&self, opts: &RunOptions) -> Result<Decision> {
+        let plain = |action| Decision {
+            action,
+            from: None,
+            damaged: vec![],
+        };
         let dir = self.run_dir();
         let present = dir.run_files()?;
         let out = dir.path.display();
@@ -511,15 +533,15 @@ impl Trainer {
             });
         }
         if opts.overwrite {
-            return Ok(if present.is_empty() {
+            return Ok(plain(if present.is_empty() {
                 FolderAction::New
             } else {
                 FolderAction::Overwrite(present)
-            });
+            }));
         }
         if !opts.resume {
             if present.is_empty() {
-                return Ok(FolderAction::New);
+                return Ok(plain(FolderAction::New));
             }
             return Err(Error::Config {
                 path: None,
@@ -534,7 +556,7 @@ impl Trainer {
         // Resume.
         let keys = self.config.resume_keys();
         match dir.manifest()? {
-            None if present.is_empty() => return Ok(FolderAction::New),
+            None if present.is_empty() => return Ok(plain(FolderAction::New)),
             None => {
                 return Err(Error::Config {
                     path: None,
@@ -565,12 +587,15 @@ impl Trainer {
             }
         }
         let n = self.config.train.steps;
-        let all = dir.checkpoints()?;
-        let any = !all.is_empty();
-        for (step, path) in all.into_iter().rev() {
-            if CheckpointState::read_verified(&path).is_err() {
-                continue;
-            }
+        let mut damaged = vec![];
+        for (step, path) in dir.checkpoints()?.into_iter().rev() {
+            let st = match CheckpointState::read_verified(&path) {
+                Ok(st) => st,
+                Err(e) => {
+                    damaged.push((path, e.to_string()));
+                    continue;
+                }
+            };
             if step > n {
                 return Err(Error::Config {
                     path: None,
@@ -580,28 +605,43 @@ impl Trainer {
                     ),
                 });
             }
-            return Ok(if step == n {
+            let action = if step == n {
                 FolderAction::AlreadyFinished(step)
             } else {
-                FolderAction::Resume(step, path)
+                FolderAction::Resume(step, path.clone())
+            };
+            return Ok(Decision {
+                action,
+                from: Some((path, st)),
+                damaged,
             });
         }
-        if any {
+        if !damaged.is_empty() {
+            let names: Vec<String> = damaged
+                .iter()
+                .map(|(p, _)| p.display().to_string())
+                .collect();
             return Err(Error::Checkpoint {
                 path: dir.path.clone(),
-                msg: "no intact checkpoint to resume from (every one fails its size or hash \
-                      check); start over with --overwrite"
-                    .into(),
+                msg: format!(
+                    "no intact checkpoint to resume from ({} damaged); start over with \
+                     --overwrite",
+                    names.join(", ")
+                ),
             });
         }
-        Ok(FolderAction::Resume(0, dir.path.clone()))
+        Ok(plain(FolderAction::Resume(0, dir.path.clone())))
     }
 
     /// Runs to `train.steps` (or `opts.stop_at`): prepares the output folder as
     /// [`Trainer::plan`] decides, logs each step to `loss.jsonl`, saves checkpoints and the
     /// final adapter, and tells `on` about notes, steps and saves.
     pub fn run(&mut self, opts: &RunOptions, on: &mut dyn FnMut(Event)) -> Result<RunEnd> {
-        let action = self.plan(opts)?;
+        let Decision {
+            action,
+            from,
+            damaged,
+        } = self.decide(opts)?;
         let dir = self.run_dir();
         let log_path = dir.path.join(LOG);
         let n = self.config.train.steps;
@@ -626,7 +666,27 @@ impl Trainer {
                     msg: "the run manifest disappeared".into(),
                 })?;
                 self.run_id = m.run_id;
-                self.resume_from_newest(&dir, on)?;
+                for (path, e) in damaged {
+                    on(Event::Note(format!(
+                        "{} is damaged ({e}); trying the one before",
+                        path.display()
+                    )));
+                }
+                match from {
+                    Some((path, st)) => {
+                        self.restore(&path, &st)?;
+                        on(Event::Note(format!(
+                            "resuming after step {} from {}",
+                            self.step,
+                            path.display()
+                        )));
+                    }
+                    None => {
+                        on(Event::Note("no checkpoint yet: starting at step 1".into()));
+                        self.step = 0;
+                        self.skipped_in_row = 0;
+                    }
+                }
                 // The log keeps the steps the checkpoint covers; replaced atomically.
                 let kept = read_log(&log_path)?
                     .into_iter()
@@ -679,51 +739,6 @@ impl Trainer {
         }
         Ok(RunEnd::Stopped(self.step))
     }
-
-    /// Loads the newest checkpoint that verifies, noting each damaged one passed over; from
-    /// step 0 when there is none.
-    fn resume_from_newest(&mut self, dir: &RunDir, on: &mut dyn FnMut(Event)) -> Result<()> {
-        let all = dir.checkpoints()?;
-        let mut damaged = vec![];
-        for (_, path) in all.iter().rev() {
-            match self.load_checkpoint(path) {
-                Ok(()) => {
-                    on(Event::Note(format!(
-                        "resuming after step {} from {}",
-                        self.step,
-                        path.display()
-                    )));
-                    return Ok(());
-                }
-                Err(e) => {
-                    on(Event::Note(format!(
-                        "{} is damaged ({e}); trying the one before",
-                        path.display()
-                    )));
-                    damaged.push(path.display().to_string());
-                }
-            }
-        }
-        if !all.is_empty() {
-            return Err(Error::Checkpoint {
-                path: dir.path.clone(),
-                msg: format!(
-                    "no intact checkpoint to resume from ({} damaged); start over with \
-                     --overwrite",
-                    damaged.join(", ")
-                ),
-            });
-        }
-        on(Event::Note("no checkpoint yet: starting at step 1".into()));
-        self.step = 0;
-        self.skipped_in_row = 0;
-        Ok(())
-    }
-}
-
-/// The checkpoint folders in `out`, oldest first, with their steps.
-pub fn checkpoints(out: &Path) -> Result<Vec<(usize, PathBuf)>> {
-    super::rundir::checkpoints(out)
 }
 
 /// " | GPU x GiB" in use on a CUDA device, "" on the CPU.

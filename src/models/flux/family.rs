@@ -114,12 +114,6 @@ impl DiffusionModel for Flux {
         unpack_latents(&out, h, w)
     }
 
-    fn block_prefixes(&self) -> Vec<String> {
-        self.config.block_prefixes()
-    }
-    fn exec(&self) -> &BlockExec {
-        &self.exec
-    }
     fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
     }

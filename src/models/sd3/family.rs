@@ -89,12 +89,6 @@ impl DiffusionModel for Sd3 {
         self.forward(xt, &t.affine(1000.0, 0.0)?, ctx, pooled)
     }
 
-    fn block_prefixes(&self) -> Vec<String> {
-        self.config.block_prefixes()
-    }
-    fn exec(&self) -> &BlockExec {
-        &self.exec
-    }
     fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
     }

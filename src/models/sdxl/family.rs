@@ -84,12 +84,6 @@ impl DiffusionModel for Unet {
         self.forward(xt, t, ctx, &y)
     }
 
-    fn block_prefixes(&self) -> Vec<String> {
-        self.config.block_prefixes()
-    }
-    fn exec(&self) -> &BlockExec {
-        &self.exec
-    }
     fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
     }

@@ -10,6 +10,7 @@
 
 mod common;
 
+use flame::autograd::Keep;
 use flame::models::flux::{self, Flux, FluxConfig};
 use flame::nn::{Adapters, LoraConfig, VarBuilder};
 use flame::optim::{AdamConfig, AdamW, Optimizer};
@@ -62,6 +63,9 @@ fn main() -> Result<()> {
     model.exec = BlockExec {
         checkpointing,
         streamer: streamer.clone(),
+        keep: Keep {
+            attention: args.iter().any(|a| a == "--keep-attention"),
+        },
     };
     let params = adapters.params()?;
     let n_params: usize = params.iter().map(|(_, t)| t.elem_count()).sum();

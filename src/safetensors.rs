@@ -171,16 +171,26 @@ impl SafeTensorsFile {
             .tensors
             .get(name)
             .ok_or_else(|| self.err(name, "no such tensor in the file"))?;
+        let (b, e) = info.data_offsets;
+        if info.dtype == "F8_E4M3" {
+            // FP8 E4M3 (OCP, PyTorch's float8_e4m3fn) decodes exactly into f32.
+            let bytes = &self.mmap[self.data_start + b..self.data_start + e];
+            return Ok(CpuStorage::F32(
+                bytes
+                    .iter()
+                    .map(|&c| crate::backend::fp8::decode(c))
+                    .collect(),
+            ));
+        }
         let dtype = info.flame_dtype().ok_or_else(|| {
             self.err(
                 name,
                 format!(
-                    "dtype {} is not supported (FLAME holds F32, F64, BF16, F16, U32)",
+                    "dtype {} is not supported (FLAME reads F32, F64, BF16, F16, U32, F8_E4M3)",
                     info.dtype
                 ),
             )
         })?;
-        let (b, e) = info.data_offsets;
         let bytes = &self.mmap[self.data_start + b..self.data_start + e];
         CpuStorage::from_bytes(dtype, bytes)
             .ok_or_else(|| self.err(name, "byte count is not a multiple of the element size"))

@@ -3,8 +3,8 @@
 //! kernels run on the same values, dropout masks included), for a hand-written function and
 //! for tiny Flux, SD3.5 and SDXL models with LoRA adapters.
 
-use flame::autograd::checkpoint;
 use flame::autograd::gradcheck::graph_ops;
+use flame::autograd::{checkpoint, checkpoint_keeping, kept_reused, Keep};
 use flame::models::flux::{self, Flux, FluxConfig};
 use flame::models::sd3::{Sd3, Sd3Config};
 use flame::models::sdxl::{SdxlConfig, Unet};
@@ -165,6 +165,7 @@ fn lora_grads<M>(
         BlockExec {
             checkpointing,
             streamer: streamer.clone(),
+            ..Default::default()
         },
     );
     let loss = forward(&model, dev).unwrap();
@@ -416,6 +417,7 @@ fn a_released_streamed_weight_is_an_error_to_read_and_comes_back_when_fetched() 
     let exec = BlockExec {
         checkpointing: Checkpointing::Off,
         streamer: Some(s.clone()),
+        ..Default::default()
     };
     let w2 = w.clone();
     let out = exec
@@ -429,4 +431,60 @@ fn a_released_streamed_weight_is_an_error_to_read_and_comes_back_when_fetched() 
     // A trainable tensor is never streamed.
     let t = randn(&[2], 3).requires_grad_().unwrap();
     assert!(s.adopt(0, &t).is_err());
+}
+
+/// An attention block: q, k, v projections of x, fused attention (the op that `Keep` can
+/// keep), an output projection, and a second attention call on the result.
+fn attention_block(ws: Vec<Tensor>) -> impl Fn(&[Tensor]) -> Result<Vec<Tensor>> {
+    move |xs: &[Tensor]| {
+        let mut h = xs[0].clone(); // (B, H, L, D) = (1, 2, 7, 4)
+        for w in ws.chunks(4) {
+            let (q, k, v) = (h.matmul(&w[0])?, h.matmul(&w[1])?, h.matmul(&w[2])?);
+            let a = q.attention_fused(&k, &v, None, false, 0.5)?;
+            h = a.matmul(&w[3])?.tanh()?.add(&h)?;
+        }
+        Ok(vec![h])
+    }
+}
+
+fn attention_grads(mode: Option<Keep>) -> (Vec<u32>, Vec<Vec<u32>>, u64) {
+    let x = randn(&[1, 2, 7, 4], 1).requires_grad_().unwrap();
+    let ws: Vec<Tensor> = (0..8)
+        .map(|i| randn(&[4, 4], 10 + i).requires_grad_().unwrap())
+        .collect();
+    let f = attention_block(ws.clone());
+    let before = kept_reused();
+    let out = match mode {
+        None => f(&[x.clone()]).unwrap(),
+        Some(keep) => checkpoint_keeping(&[x.clone()], Arc::new(f), None, keep).unwrap(),
+    };
+    let loss = out[0]
+        .mul(&randn(&[1, 2, 7, 4], 5))
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    let gx = bits(grads.get(&x).unwrap());
+    let gw = ws.iter().map(|w| bits(grads.get(w).unwrap())).collect();
+    (gx, gw, kept_reused() - before)
+}
+
+/// Selective recompute: a checkpoint that keeps attention outputs gives the gradients of the
+/// resident run bit for bit, and its re-run takes both attention calls from the kept log
+/// instead of running the kernel; without `Keep` the re-run computes them again.
+#[test]
+fn checkpoint_keeping_attention_equals_resident_and_skips_the_kernel() {
+    let (gx, gw, reused) = attention_grads(None);
+    assert_eq!(reused, 0);
+    let (gx_none, gw_none, reused_none) = attention_grads(Some(Keep::NONE));
+    assert_eq!(reused_none, 0, "nothing is kept without Keep");
+    let (gx_keep, gw_keep, reused_keep) = attention_grads(Some(Keep { attention: true }));
+    assert_eq!(
+        reused_keep, 2,
+        "both attention calls come from the kept log"
+    );
+    assert_eq!(gx, gx_none);
+    assert_eq!(gw, gw_none);
+    assert_eq!(gx, gx_keep);
+    assert_eq!(gw, gw_keep);
 }

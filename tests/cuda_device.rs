@@ -44,6 +44,7 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
                 "conv",
                 "elementwise",
                 "fill",
+                "fp8",
                 "fused",
                 "group_norm",
                 "index",

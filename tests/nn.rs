@@ -91,6 +91,7 @@ fn lin(w: &Tensor, b: Option<&Tensor>) -> Linear {
         weight,
         bias,
         lora: None,
+        fp8_scale: None,
     }
 }
 

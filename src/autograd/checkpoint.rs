@@ -5,6 +5,14 @@
 //! their draw numbers through `next_draw`, which the forward logs and the re-run replays, so
 //! the re-run computes the same values and the gradients equal those without checkpointing.
 //!
+//! Selective recompute: a checkpoint may keep the outputs of expensive ops from its forward
+//! instead of recomputing them (`Keep`; today attention, whose output and log-sum-exp are
+//! ~1% of a transformer block's activations and a quarter of its forward time at 4608
+//! tokens). An op opts in through `kept_or`: in a checkpoint's forward it computes and logs
+//! its outputs; in the re-run it takes them back from the log, in the same order, instead of
+//! computing. The re-run sees the same inputs in the same order (that is what makes the draws
+//! repeat), so the logged values are the ones it would compute, bit for bit.
+//!
 //! `CheckpointHooks` bracket each run of the function: the forward pass and the backward's
 //! re-run plus backpropagation. Block streaming uses them to bring a block's weights to the
 //! GPU before either and to release them after (`crate::stream`).
@@ -95,6 +103,112 @@ impl Drop for DrawGuard {
     }
 }
 
+/// Which op outputs a checkpointed function keeps from its forward for the backward's
+/// re-run, instead of recomputing them (selective recompute).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Keep {
+    /// The fused attention's output and log-sum-exp (B, H, Lq, D) + (B, H, Lq) f32 per
+    /// call: the re-run then skips the attention forward kernel.
+    pub attention: bool,
+}
+
+impl Keep {
+    /// Nothing kept: the whole function is recomputed.
+    pub const NONE: Keep = Keep { attention: false };
+
+    /// Whether outputs of `kind` are kept.
+    fn keeps(self, kind: KeptKind) -> bool {
+        match kind {
+            KeptKind::Attention => self.attention,
+        }
+    }
+}
+
+/// The kinds of op that can keep their outputs through a checkpoint (see `Keep`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KeptKind {
+    /// The fused attention: [o, lse].
+    Attention,
+}
+
+enum KeepMode {
+    /// A checkpoint's forward: outputs of the kinds in `Keep` are logged.
+    Record(Keep, Vec<(KeptKind, Vec<Tensor>)>),
+    /// A checkpoint's re-run: logged outputs are handed back in order.
+    Replay(Arc<Vec<(KeptKind, Vec<Tensor>)>>, usize),
+}
+
+thread_local! {
+    static KEPT: RefCell<Vec<KeepMode>> = const { RefCell::new(Vec::new()) };
+    static REUSED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The outputs of an op of `kind`: `compute()`, except inside a checkpoint's re-run whose
+/// forward kept them, which gets the kept tensors (no storage-less handles: each is a value
+/// computed on the forward, detached). Inside a checkpoint's forward that keeps `kind`, the
+/// computed outputs are logged.
+pub(crate) fn kept_or(
+    kind: KeptKind,
+    compute: impl FnOnce() -> Result<Vec<Tensor>>,
+) -> Result<Vec<Tensor>> {
+    let replayed = KEPT.with(|k| {
+        let mut k = k.borrow_mut();
+        match k.last_mut() {
+            Some(KeepMode::Replay(log, pos)) if *pos < log.len() && log[*pos].0 == kind => {
+                let out = log[*pos].1.clone();
+                *pos += 1;
+                Some(out)
+            }
+            _ => None,
+        }
+    });
+    if let Some(out) = replayed {
+        REUSED.with(|r| r.set(r.get() + 1));
+        return Ok(out);
+    }
+    let out = compute()?;
+    KEPT.with(|k| {
+        if let Some(KeepMode::Record(keep, log)) = k.borrow_mut().last_mut() {
+            if keep.keeps(kind) {
+                log.push((kind, out.iter().map(Tensor::detach).collect()));
+            }
+        }
+    });
+    Ok(out)
+}
+
+/// How many op outputs this thread has taken from a checkpoint's kept log instead of
+/// computing them (a counter for tests and reports).
+pub fn kept_reused() -> u64 {
+    REUSED.with(|r| r.get())
+}
+
+/// Pushes a keep mode for the guard's life.
+struct KeepGuard;
+
+impl KeepGuard {
+    fn push(mode: KeepMode) -> KeepGuard {
+        KEPT.with(|k| k.borrow_mut().push(mode));
+        KeepGuard
+    }
+
+    /// The log of a `Record` mode, popping it.
+    fn finish(self) -> Vec<(KeptKind, Vec<Tensor>)> {
+        let log = KEPT.with(|k| match k.borrow_mut().pop() {
+            Some(KeepMode::Record(_, log)) => log,
+            _ => Vec::new(),
+        });
+        std::mem::forget(self);
+        log
+    }
+}
+
+impl Drop for KeepGuard {
+    fn drop(&mut self) {
+        KEPT.with(|k| k.borrow_mut().pop());
+    }
+}
+
 /// `f(inputs)`, checkpointed: nothing inside `f` is kept for the backward except `inputs`
 /// (and what `f` captured, such as parameters); the backward re-runs `f`. Parameters that
 /// `f` captures get their gradients as without checkpointing. Outside recording (inference,
@@ -112,11 +226,25 @@ pub fn checkpoint_with(
     f: Arc<BlockFn>,
     hooks: Option<Arc<dyn CheckpointHooks>>,
 ) -> Result<Vec<Tensor>> {
+    checkpoint_keeping(inputs, f, hooks, Keep::NONE)
+}
+
+/// `checkpoint_with` that keeps the outputs of the ops in `keep` from the forward for the
+/// re-run (selective recompute: more memory, less recompute). Gradients are the same as
+/// with `Keep::NONE`, bit for bit.
+pub fn checkpoint_keeping(
+    inputs: &[Tensor],
+    f: Arc<BlockFn>,
+    hooks: Option<Arc<dyn CheckpointHooks>>,
+    keep: Keep,
+) -> Result<Vec<Tensor>> {
     if !super::grad_enabled() {
         return run_hooked(&hooks, Pass::Forward, || f(inputs));
     }
     let draws = DrawGuard::push(DrawMode::Record(Vec::new()));
+    let kept = KeepGuard::push(KeepMode::Record(keep, Vec::new()));
     let (outputs, needs_grad) = probe(|| run_hooked(&hooks, Pass::Forward, || f(inputs)));
+    let kept = kept.finish();
     let draws = draws.finish();
     let outputs = outputs?;
     if !needs_grad {
@@ -131,6 +259,7 @@ pub fn checkpoint_with(
         hooks,
         saved,
         draws: Arc::new(draws),
+        kept: Arc::new(kept),
         shapes: outputs.iter().map(|t| t.shape().clone()).collect(),
     });
     custom_op(inputs, outputs, node, true)
@@ -161,6 +290,8 @@ struct Checkpoint {
     /// The inputs' values (detached) and whether each needs a gradient.
     saved: Vec<(Tensor, bool)>,
     draws: Arc<Vec<u64>>,
+    /// Op outputs kept from the forward, in the order the re-run asks for them.
+    kept: Arc<Vec<(KeptKind, Vec<Tensor>)>>,
     shapes: Vec<crate::Shape>,
 }
 
@@ -202,6 +333,7 @@ impl Checkpoint {
         let outputs = {
             let _rec = enable_grad();
             let _draws = DrawGuard::push(DrawMode::Replay(self.draws.clone(), 0));
+            let _kept = KeepGuard::push(KeepMode::Replay(self.kept.clone(), 0));
             (self.f)(&leaves)?
         };
         if outputs.len() != out_grads.len() {

@@ -9,7 +9,11 @@ mod checkpoint;
 mod custom;
 pub mod gradcheck;
 
-pub use checkpoint::{checkpoint, checkpoint_with, next_draw, CheckpointHooks, Pass};
+pub use checkpoint::{
+    checkpoint, checkpoint_keeping, checkpoint_with, kept_reused, next_draw, CheckpointHooks, Keep,
+    Pass,
+};
+pub(crate) use checkpoint::{kept_or, KeptKind};
 pub use custom::{custom_op, CustomBackward};
 
 use crate::backend::{BinaryOp, NormKind, ReduceOp, UnaryOp, Window2d};

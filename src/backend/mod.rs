@@ -6,6 +6,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod fp8;
 pub mod quant8;
 #[cfg_attr(not(any(feature = "cpu-ref", feature = "cuda")), allow(dead_code))]
 pub(crate) mod validate;
@@ -277,6 +278,13 @@ pub enum FusedOp {
     /// v codes, v absmax] (p' in p's dtype). Per block: dequantize m and v, the update in f32
     /// (`AdamW8bitStep`), requantize with a new absmax.
     AdamW8bit(AdamW8bitStep),
+    /// [codes (rows, cols / 4) u32, scale (rows) f32] -> [w (rows, cols) in `dtype`]: an
+    /// FP8 E4M3 weight decoded (`fp8`: four codes a word, one f32 scale a row),
+    /// `w = decode(code) * scale` in f32, rounded once to `dtype`.
+    DequantFp8 {
+        /// The float dtype of the output.
+        dtype: DType,
+    },
 }
 
 /// The scalars of one `FusedOp::AdamW8bit` step, worked out by the optimizer in f64 and
@@ -336,6 +344,7 @@ impl FusedOp {
             FusedOp::Attention { .. } => "attention",
             FusedOp::AttentionBackward { .. } => "attention_backward",
             FusedOp::AdamW8bit(_) => "adamw8bit",
+            FusedOp::DequantFp8 { .. } => "dequant_fp8",
         }
     }
 }

@@ -83,6 +83,32 @@ pub(crate) fn reduction(op: ReduceOp, l: &Layout, dims: &[usize], dtype: DType) 
     Ok(())
 }
 
+/// [codes (rows, words) u32, scale (rows) f32] -> [rows, cols = 4 words].
+fn dequant_fp8(name: &'static str, dtype: DType, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
+    let (codes, scale) = (args[0], args[1]);
+    if !dtype.is_float() {
+        return Err(Error::UnsupportedDType { op: name, dtype });
+    }
+    for (have, want) in [(codes.0, DType::U32), (scale.0, DType::F32)] {
+        if have != want {
+            return Err(Error::DTypeMismatch {
+                op: name,
+                lhs: want,
+                rhs: have,
+            });
+        }
+    }
+    let d = codes.1.dims();
+    if d.len() != 2 || scale.1.dims() != [d[0]] {
+        return Err(Error::ShapeMismatch {
+            op: name,
+            lhs: codes.1.shape().clone(),
+            rhs: scale.1.shape().clone(),
+        });
+    }
+    Ok(vec![d[0], d[1] * super::fp8::CODES_PER_WORD])
+}
+
 /// Checks the operands of a fused op (count, dtypes, shapes) and returns its sizes:
 /// [rows, cols] for SoftmaxBackward and the norms' backwards, [B, L, D] for the modulations,
 /// [B, H, L, D, R] for Rope, [N, C, S, groups] for the group norms, [B, H, Lq, Lk, D] for
@@ -101,6 +127,7 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
         F::Attention { mask, .. } => 3 + usize::from(mask),
         F::AttentionBackward { mask, .. } => 6 + usize::from(mask),
         F::AdamW8bit(_) => 7,
+        F::DequantFp8 { .. } => 2,
     };
     let Some(&(dt, x)) = args.first() else {
         return Err(Error::invalid(name, "no operands", &crate::Shape::from(())));
@@ -111,6 +138,9 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
             format!("{} operands, expected {want}", args.len()),
             x.shape(),
         ));
+    }
+    if let F::DequantFp8 { dtype } = op {
+        return dequant_fp8(name, dtype, args);
     }
     if !dt.is_float() {
         return Err(Error::UnsupportedDType {
@@ -247,6 +277,13 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
                 expect(next, stats, &[d[0], lk])?;
             }
             vec![d[0], d[1], d[2], lk, d[3]]
+        }
+        F::DequantFp8 { .. } => {
+            return Err(Error::invalid(
+                name,
+                "internal: reached the float operand checks",
+                x.shape(),
+            ))
         }
         F::AdamW8bit(_) => {
             // Updates are computed in f32: an f64 parameter would lose its precision.

@@ -11,6 +11,7 @@
 //!   before anything runs), its noise objective, and one prediction call.
 
 use super::checkpoint::{Checkpoint, Format};
+use crate::autograd::Keep;
 use crate::nn::{Adapters, KeyMap, VarBuilder};
 use crate::stream::{BlockExec, BlockStreamer, Checkpointing};
 use crate::train::Ddpm;
@@ -124,6 +125,8 @@ pub struct MemoryPlan {
     pub stream_blocks: usize,
     /// How many streamed blocks are copied ahead of the one running (at least 1).
     pub prefetch: usize,
+    /// What checkpointed blocks keep from their forward instead of recomputing.
+    pub keep: Keep,
 }
 
 /// Everything a load needs besides the path.
@@ -140,6 +143,9 @@ pub struct LoadOptions {
     pub config: Option<serde_json::Value>,
     /// Block checkpointing and streaming.
     pub memory: MemoryPlan,
+    /// Store the Linear weights as FP8 E4M3 with per-row scales (`VarBuilder::with_fp8`);
+    /// the rest stays in `dtype`, the compute dtype.
+    pub fp8: bool,
 }
 
 impl LoadOptions {
@@ -151,6 +157,7 @@ impl LoadOptions {
             adapters: None,
             config: None,
             memory: MemoryPlan::default(),
+            fp8: false,
         }
     }
 
@@ -225,7 +232,9 @@ pub fn load_as<M: ModelSpec>(
     };
     M::validate(&config)?;
     let key_map = M::diffusers_map(&config);
-    let mut vb = ckpt.var_builder(opts.dtype, &opts.device, key_map.clone())?;
+    let mut vb = ckpt
+        .var_builder(opts.dtype, &opts.device, key_map.clone())?
+        .with_fp8(opts.fp8)?;
     if let Some(a) = &opts.adapters {
         vb = vb.with_adapters(a.clone())?;
     }
@@ -258,6 +267,7 @@ pub fn load_as<M: ModelSpec>(
     model.set_exec(BlockExec {
         checkpointing: plan.checkpointing,
         streamer,
+        keep: plan.keep,
     });
     Ok(Loaded {
         model: Box::new(model),

@@ -9,22 +9,27 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// `y = x W^T + b` over the last dim; `weight` (out, in), `bias` (out); plus a LoRA term
-/// when the builder planned an adapter for this layer's path.
+/// when the builder planned an adapter for this path. With an FP8 base (`VarBuilder::with_fp8`)
+/// `weight` holds the E4M3 codes (out, in / 4) u32 and `fp8_scale` the per-row scales: each
+/// call decodes the weight into a transient buffer of the activation's dtype, and the
+/// backward decodes it again instead of keeping the decoded copy (`Fp8Matmul`).
 #[derive(Clone, Debug)]
 pub struct Linear {
-    /// (out, in).
+    /// (out, in), or the FP8 codes (out, in / 4) when `fp8_scale` is set.
     pub weight: Tensor,
     /// (out), if the layer has one.
     pub bias: Option<Tensor>,
     /// The low-rank adapter added to the output, if one was planned for this path.
     pub lora: Option<Arc<Lora>>,
+    /// The per-output-channel f32 scales (out) of an FP8 `weight`.
+    pub fp8_scale: Option<Tensor>,
 }
 
 impl Linear {
     /// `weight` (out_dim, in_dim) and, when `bias`, `bias` (out_dim) from `vb`, plus the LoRA
     /// adapter the builder plans for this path, if any.
     pub fn new(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
-        let weight = vb.get((out_dim, in_dim), "weight")?;
+        let (weight, fp8_scale) = vb.get_linear_weight(out_dim, in_dim, "weight")?;
         let bias = if bias {
             Some(vb.get(out_dim, "bias")?)
         } else {
@@ -34,23 +39,38 @@ impl Linear {
             weight,
             bias,
             lora: vb.lora(in_dim, out_dim)?,
+            fp8_scale,
         })
+    }
+
+    /// (in, out) widths.
+    pub fn dims(&self) -> (usize, usize) {
+        let d = self.weight.dims();
+        let packed = if self.fp8_scale.is_some() {
+            crate::backend::fp8::CODES_PER_WORD
+        } else {
+            1
+        };
+        (d[1] * packed, d[0])
     }
 
     /// (..., in) -> (..., out): one 2D GEMM over all leading dims, W^T passed as a view.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let d = x.dims();
-        let in_dim = self.weight.dims()[1];
+        let (in_dim, out_dim) = self.dims();
         if d.last() != Some(&in_dim) {
             return Err(Error::ShapeMismatch {
                 op: "linear",
                 lhs: x.shape().clone(),
-                rhs: self.weight.shape().clone(),
+                rhs: (out_dim, in_dim).into(),
             });
         }
         let rows: usize = d[..d.len() - 1].iter().product();
         let x = x.reshape((rows, in_dim))?;
-        let y = x.matmul(&self.weight.t()?)?;
+        let y = match &self.fp8_scale {
+            Some(scale) => fp8_matmul(&x, &self.weight, scale)?,
+            None => x.matmul(&self.weight.t()?)?,
+        };
         let y = match &self.bias {
             Some(b) => y.add(b)?,
             None => y,
@@ -61,9 +81,52 @@ impl Linear {
         };
         let mut out = d.to_vec();
         if let Some(last) = out.last_mut() {
-            *last = self.weight.dims()[0];
+            *last = out_dim;
         }
         y.reshape(out)
+    }
+}
+
+/// x (rows, in) @ decode(codes, scale)^T: the weight decoded into x's dtype for the GEMM and
+/// dropped after it. The backward (dx = dy W) decodes it again, so the tape keeps only the
+/// codes (a frozen weight gets no gradient).
+fn fp8_matmul(x: &Tensor, codes: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    let y = {
+        let _g = crate::no_grad();
+        let w = codes.dequant_fp8(scale, x.dtype())?;
+        x.matmul(&w.t()?)?
+    };
+    let node = Arc::new(Fp8Matmul {
+        codes: codes.clone(),
+        scale: scale.clone(),
+    });
+    let mut out =
+        crate::autograd::custom_op(std::slice::from_ref(x), vec![y], node, x.requires_grad())?;
+    out.pop()
+        .ok_or_else(|| Error::Autograd("fp8 matmul: no output".into()))
+}
+
+/// The backward of `fp8_matmul`: dx = dy decode(W).
+struct Fp8Matmul {
+    codes: Tensor,
+    scale: Tensor,
+}
+
+impl crate::autograd::CustomBackward for Fp8Matmul {
+    fn name(&self) -> &'static str {
+        "fp8_matmul"
+    }
+
+    fn backward(
+        &self,
+        out_grads: &[Option<Tensor>],
+        _grads: &mut crate::Grads,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let Some(Some(dy)) = out_grads.first() else {
+            return Ok(vec![None]);
+        };
+        let w = self.codes.dequant_fp8(&self.scale, dy.dtype())?;
+        Ok(vec![Some(dy.matmul(&w)?)])
     }
 }
 

@@ -64,6 +64,8 @@ struct Shared {
     /// Streams the weights of its blocks: keys under a streamed block's prefix are kept in
     /// host memory (see `crate::stream`).
     streamer: Option<Arc<crate::stream::BlockStreamer>>,
+    /// Linear weights load as FP8 E4M3 codes with per-row scales (`get_linear_weight`).
+    fp8: bool,
     dtype: DType,
     device: Device,
     /// Every tensor handed out, by full key.
@@ -148,6 +150,7 @@ impl VarBuilder {
                 map: None,
                 adapters: None,
                 streamer: None,
+                fp8: false,
                 dtype,
                 device: device.clone(),
                 loaded: Mutex::new(BTreeMap::new()),
@@ -185,6 +188,20 @@ impl VarBuilder {
             prefix: vec![],
             ..vb
         })
+    }
+
+    /// The same source with Linear weights stored as FP8 E4M3 (`backend::fp8`: per-row f32
+    /// scales, codes packed four to a u32) when `fp8`: `get_linear_weight` quantizes them at
+    /// load (in-widths not a multiple of 4 stay in the builder's dtype); every other tensor
+    /// (norms, embeddings, biases) keeps the builder's dtype. Set before the builder is
+    /// shared.
+    pub fn with_fp8(self, fp8: bool) -> Result<Self> {
+        self.with_shared("fp8 weights", |shared| Ok(Shared { fp8, ..shared }))
+    }
+
+    /// Whether Linear weights load as FP8 (`with_fp8`).
+    pub fn fp8(&self) -> bool {
+        self.shared.fp8
     }
 
     /// The same source with LoRA adapters planned: each `Linear` built from it whose key
@@ -330,33 +347,94 @@ impl VarBuilder {
     pub fn get(&self, shape: impl Into<Shape>, name: &str) -> Result<Tensor> {
         let shape = shape.into();
         let key = self.key(name);
-        let mut loaded = self
-            .shared
+        let mut loaded = self.loaded()?;
+        if let Some(t) = loaded.get(&key) {
+            return self.same_shape(&key, t, &shape);
+        }
+        let t = self.assemble(&key, &shape)?;
+        let t = self.place(&key, t)?;
+        loaded.insert(key, t.clone());
+        Ok(t)
+    }
+
+    /// The weight `name` of a Linear layer, (out, in): as `get` gives it, or, when the builder
+    /// stores FP8 (`with_fp8`) and `in_dim` is a multiple of 4, its FP8 E4M3 codes (out,
+    /// in / 4) u32 and per-row scales (out) f32 (`backend::fp8`), quantized here on the host.
+    /// The scales are kept under the key `<name>.fp8_scale`.
+    pub fn get_linear_weight(
+        &self,
+        out_dim: usize,
+        in_dim: usize,
+        name: &str,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        use crate::backend::fp8;
+        if !self.shared.fp8 || in_dim % fp8::CODES_PER_WORD != 0 {
+            return Ok((self.get((out_dim, in_dim), name)?, None));
+        }
+        let key = self.key(name);
+        let scale_key = format!("{key}.fp8_scale");
+        let (codes_shape, scale_shape) = (
+            Shape::from((out_dim, in_dim / fp8::CODES_PER_WORD)),
+            Shape::from(out_dim),
+        );
+        let mut loaded = self.loaded()?;
+        if let (Some(c), Some(sc)) = (loaded.get(&key), loaded.get(&scale_key)) {
+            return Ok((
+                self.same_shape(&key, c, &codes_shape)?,
+                Some(self.same_shape(&scale_key, sc, &scale_shape)?),
+            ));
+        }
+        let w = self.assemble(&key, &Shape::from((out_dim, in_dim)))?;
+        let host = {
+            let _g = crate::no_grad();
+            w.to_dtype(DType::F32)?.to_vec::<f32>()?
+        };
+        drop(w);
+        let (codes, scales) = fp8::quantize_rows(&host, out_dim, in_dim)
+            .map_err(|msg| self.err(&key, format!("fp8 quantization: {msg}")))?;
+        let dev = &self.shared.device;
+        let codes = Tensor::from_vec(codes, codes_shape, dev)?;
+        let scales = Tensor::from_vec(scales, scale_shape, dev)?;
+        let codes = self.place(&key, codes)?;
+        let scales = self.place(&scale_key, scales)?;
+        loaded.insert(key, codes.clone());
+        loaded.insert(scale_key, scales.clone());
+        Ok((codes, Some(scales)))
+    }
+
+    fn loaded(&self) -> Result<std::sync::MutexGuard<'_, BTreeMap<String, Tensor>>> {
+        self.shared
             .loaded
             .lock()
-            .map_err(|_| Error::Poisoned("parameter table"))?;
-        if let Some(t) = loaded.get(&key) {
-            if t.shape() != &shape {
-                return Err(self.err(
-                    &key,
-                    format!("asked for shape {shape}, loaded earlier as {}", t.shape()),
-                ));
-            }
-            return Ok(t.clone());
+            .map_err(|_| Error::Poisoned("parameter table"))
+    }
+
+    /// `t` (loaded earlier under `key`) if it has `shape`.
+    fn same_shape(&self, key: &str, t: &Tensor, shape: &Shape) -> Result<Tensor> {
+        if t.shape() != shape {
+            return Err(self.err(
+                key,
+                format!("asked for shape {shape}, loaded earlier as {}", t.shape()),
+            ));
         }
+        Ok(t.clone())
+    }
+
+    /// The tensor of model key `key` read from the source (through the key map), checked
+    /// against `shape`, in the builder's dtype on its device; nothing recorded as loaded.
+    fn assemble(&self, key: &str, shape: &Shape) -> Result<Tensor> {
+        let key = key.to_string();
+        let shape = shape.clone();
         if let Source::Random { seed, std } = self.shared.source {
             let h = key_hash(&key);
-            let t = Tensor::randn_normal(
+            return Tensor::randn_normal(
                 0.0,
                 std,
                 shape,
                 self.shared.dtype,
                 &self.shared.device,
                 h ^ seed,
-            )?;
-            let t = self.place(&key, t)?;
-            loaded.insert(key, t.clone());
-            return Ok(t);
+            );
         }
         let src = self
             .source_of(&key)
@@ -427,8 +505,6 @@ impl VarBuilder {
             .lock()
             .map_err(|_| Error::Poisoned("parameter table"))?;
         used.extend(src.keys().iter().map(|k| k.to_string()));
-        let t = self.place(&key, t)?;
-        loaded.insert(key, t.clone());
         Ok(t)
     }
 
@@ -488,7 +564,39 @@ impl VarBuilder {
         match &self.shared.source {
             Source::Files { files, index } => {
                 let i = *index.get(key).ok_or_else(|| self.missing(key, key))?;
-                files[i].load_as(key, device, dtype)
+                let t = files[i].load_as(key, device, dtype)?;
+                // FP8 checkpoints made by ComfyUI ("scaled fp8") keep a per-tensor scale
+                // beside each F8_E4M3 weight: `<layer>.scale_weight`, w = code * scale.
+                let fp8 = files[i].info(key).is_some_and(|t| t.dtype == "F8_E4M3");
+                let scale_key = key
+                    .strip_suffix("weight")
+                    .map(|stem| format!("{stem}scale_weight"));
+                match (fp8, scale_key) {
+                    (true, Some(sk)) if index.contains_key(&sk) => {
+                        let j = index[&sk];
+                        let scale = files[j].load_as(&sk, device, DType::F32)?;
+                        if scale.elem_count() != 1 {
+                            return Err(self.err(
+                                key,
+                                format!(
+                                    "its fp8 scale '{sk}' has shape {}, expected one value",
+                                    scale.shape()
+                                ),
+                            ));
+                        }
+                        let v = scale.flatten_all()?.to_vec::<f32>()?[0];
+                        self.shared
+                            .used
+                            .lock()
+                            .map_err(|_| Error::Poisoned("parameter table"))?
+                            .insert(sk);
+                        let _g = crate::no_grad();
+                        t.to_dtype(DType::F32)?
+                            .affine(f64::from(v), 0.0)?
+                            .to_dtype(dtype)
+                    }
+                    _ => Ok(t),
+                }
             }
             Source::Random { .. } => Err(self.missing(key, key)),
             Source::Tensors(map) => {

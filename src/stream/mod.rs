@@ -24,7 +24,7 @@ mod streamer;
 
 pub use streamer::{BlockStreamer, StreamReport};
 
-use crate::autograd::{checkpoint_with, CheckpointHooks};
+use crate::autograd::{checkpoint_keeping, CheckpointHooks, Keep};
 use crate::{Result, Tensor};
 use std::sync::Arc;
 
@@ -48,6 +48,9 @@ pub struct BlockExec {
     pub checkpointing: Checkpointing,
     /// The streamer of the blocks whose weights live in host memory, if any.
     pub streamer: Option<Arc<BlockStreamer>>,
+    /// What checkpointed (and streamed) blocks keep from their forward instead of
+    /// recomputing it (selective recompute, `autograd::Keep`).
+    pub keep: Keep,
 }
 
 impl BlockExec {
@@ -56,6 +59,7 @@ impl BlockExec {
         BlockExec {
             checkpointing: Checkpointing::All,
             streamer: None,
+            keep: Keep::NONE,
         }
     }
 
@@ -66,7 +70,7 @@ impl BlockExec {
     {
         if let Some(hooks) = self.streamer.as_ref().and_then(|s| s.hooks_for(prefix)) {
             let hooks: Arc<dyn CheckpointHooks> = hooks;
-            return checkpoint_with(inputs, Arc::new(f), Some(hooks));
+            return checkpoint_keeping(inputs, Arc::new(f), Some(hooks), self.keep);
         }
         let checkpointed = match self.checkpointing {
             Checkpointing::Off => false,
@@ -74,7 +78,7 @@ impl BlockExec {
             Checkpointing::Every(n) => n > 0 && index % n == 0,
         };
         if checkpointed {
-            checkpoint_with(inputs, Arc::new(f), None)
+            checkpoint_keeping(inputs, Arc::new(f), None, self.keep)
         } else {
             f(inputs)
         }

@@ -4,7 +4,7 @@
 
 use super::fused::run;
 use super::Tensor;
-use crate::autograd::{record, Op};
+use crate::autograd::{kept_or, record, KeptKind, Op};
 use crate::backend::{stats_dtype, FusedOp};
 use crate::{DType, Error, Result};
 
@@ -139,8 +139,36 @@ impl Tensor {
             scale,
             mask: keep.is_some(),
         };
-        let mut o = run(op, &args)?;
-        let lse = Tensor::from_storage(o.remove(1), (b, h, lq).into(), self.device().clone(), None);
+        // In a checkpoint that keeps attention, the re-run takes the forward's o and lse
+        // instead of running the kernel again (`autograd::Keep`).
+        let kept = kept_or(KeptKind::Attention, || {
+            let mut o = run(op, &args)?;
+            let lse =
+                Tensor::from_storage(o.remove(1), (b, h, lq).into(), self.device().clone(), None);
+            let o = Tensor::from_storage(
+                o.remove(0),
+                (b, h, lq, d).into(),
+                self.device().clone(),
+                None,
+            );
+            Ok(vec![o, lse])
+        })?;
+        let [o, lse] = <[Tensor; 2]>::try_from(kept).map_err(|v| {
+            Error::Autograd(format!(
+                "kept attention: {} tensors, expected o and lse",
+                v.len()
+            ))
+        })?;
+        if o.dims() != [b, h, lq, d] || lse.dims() != [b, h, lq] || o.dtype() != self.dtype() {
+            return Err(Error::Autograd(format!(
+                "kept attention output {:?} {} / lse {:?} does not fit this call (B, H, Lq, D) = \
+                 ({b}, {h}, {lq}, {d}) {}: the checkpoint's re-run differs from its forward",
+                o.dims(),
+                o.dtype(),
+                lse.dims(),
+                self.dtype()
+            )));
+        }
         let rec = record(&[self, k, v], || Op::Attention {
             q: self.clone(),
             k: k.clone(),
@@ -150,12 +178,7 @@ impl Tensor {
             causal,
             scale,
         });
-        Ok(Tensor::from_storage(
-            o.remove(0),
-            (b, h, lq, d).into(),
-            self.device().clone(),
-            rec,
-        ))
+        Ok(o.view(o.layout().clone(), rec))
     }
 
     /// (dq, dk, dv) of `attention_fused` given its output o, the output's gradient and the

@@ -385,4 +385,17 @@ impl Tensor {
             [like(mc2, mc), like(ma2, ma), like(vc2, vc), like(va2, va)],
         ))
     }
+
+    /// An FP8 E4M3 weight decoded into `dtype`: `self` holds the packed codes (rows, cols / 4)
+    /// u32 and `scale` one f32 per row (`backend::fp8` describes the format). Returns a
+    /// fresh (rows, cols) tensor, not recorded (fp8 weights are frozen).
+    pub fn dequant_fp8(&self, scale: &Tensor, dtype: crate::DType) -> Result<Tensor> {
+        let mut o = run(FusedOp::DequantFp8 { dtype }, &[self, scale])?;
+        let rows = self.dims().first().copied().unwrap_or(0);
+        let cols = self.dims().get(1).copied().unwrap_or(0) * crate::backend::fp8::CODES_PER_WORD;
+        let w = o
+            .pop()
+            .ok_or_else(|| Error::invalid("dequant_fp8", "no output".to_string(), self.shape()))?;
+        Ok(wrap(w, (rows, cols), self))
+    }
 }

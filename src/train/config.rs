@@ -137,6 +137,9 @@ pub enum ModelDType {
     F32,
     /// bfloat16.
     Bf16,
+    /// Linear weights in FP8 E4M3 with a per-output-channel scale (half of bf16's memory and
+    /// streamed bytes), decoded to bf16 for each matmul; everything else in bf16.
+    Fp8,
 }
 
 /// The key layout of saved adapter files.
@@ -157,7 +160,8 @@ section! {
         /// The weights: a single .safetensors file, a diffusers model folder or a pipeline
         /// folder.
         path: PathBuf,
-        /// The dtype of the frozen weights on the device: "bf16" or "f32".
+        /// The dtype of the frozen weights on the device: "bf16", "f32", or "fp8" (Linear
+        /// weights in E4M3 with per-channel scales, computed in bf16).
         dtype: ModelDType = ModelDType::Bf16,
         /// A diffusers config.json for a single file whose shapes do not pin its config down.
         config: Option<PathBuf> = None,
@@ -274,6 +278,10 @@ section! {
         stream_blocks: usize = 0_usize,
         /// Streamed blocks copied ahead of the one running, >= 1.
         prefetch: usize = 2_usize,
+        /// Checkpointed blocks keep their attention outputs (o and log-sum-exp, ~1% of a
+        /// block's activations) instead of recomputing them: a faster backward for a little
+        /// memory (flash attention on CUDA only).
+        keep_attention: bool = false,
     }
 }
 

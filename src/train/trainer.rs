@@ -13,6 +13,7 @@ use super::data::{indices, Dataset};
 use super::demo;
 use super::objectives::{flow_matching, weighted_mse, Prediction};
 use super::rundir::{read_log, write_atomic, CheckpointState, Manifest, RunDir, FINAL, LOG};
+use crate::autograd::Keep;
 use crate::models::{self, DiffusionModel, LoadOptions, MemoryPlan, Objective};
 use crate::nn::{Adapters, KeyMap, GOLDEN};
 use crate::optim::{AdamConfig, AdamW, Optimizer};
@@ -209,7 +210,7 @@ impl Trainer {
         }
         let dtype = match m.dtype {
             ModelDType::F32 => DType::F32,
-            ModelDType::Bf16 => DType::BF16,
+            ModelDType::Bf16 | ModelDType::Fp8 => DType::BF16,
         };
         let adapters = Adapters::new(config.lora())?;
         let opts = LoadOptions {
@@ -217,6 +218,7 @@ impl Trainer {
             device: device.clone(),
             adapters: Some(adapters.clone()),
             config: json,
+            fp8: m.dtype == ModelDType::Fp8,
             memory: MemoryPlan {
                 checkpointing: config.checkpointing().map_err(|msg| Error::Config {
                     path: None,
@@ -224,6 +226,9 @@ impl Trainer {
                 })?,
                 stream_blocks: config.memory.stream_blocks,
                 prefetch: config.memory.prefetch,
+                keep: Keep {
+                    attention: config.memory.keep_attention,
+                },
             },
         };
         let loaded = family.load(&m.path, &opts)?;

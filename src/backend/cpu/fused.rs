@@ -48,6 +48,9 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
         // f32 arithmetic and u32 codes, not the f64 views below.
         return super::adam8bit::step(h, args);
     }
+    if let FusedOp::DequantFp8 { dtype } = op {
+        return dequant_fp8(dtype, &dims, args);
+    }
     let dt = args[0].0.dtype();
     let st = stats_dtype(dt);
     let v: Vec<Vec<f64>> = args.iter().map(|(s, l)| view(s, l)).collect();
@@ -258,7 +261,7 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
                 from_f64_vec(dv, dt),
             ]
         }
-        FusedOp::AdamW8bit(_) => {
+        FusedOp::AdamW8bit(_) | FusedOp::DequantFp8 { .. } => {
             return Err(crate::Error::invalid(
                 op.name(),
                 "internal: reached the f64 path",
@@ -266,4 +269,38 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
             ))
         }
     })
+}
+
+/// `FusedOp::DequantFp8`: `decode(code) * scale` in f32 per value, rounded once to `dtype`
+/// (cuda/fp8.cu computes the same f32 product, so both backends give the same bits).
+fn dequant_fp8(
+    dtype: crate::DType,
+    dims: &[usize],
+    args: &[(&CpuStorage, &Layout)],
+) -> Result<Vec<CpuStorage>> {
+    use crate::backend::fp8;
+    let (rows, cols) = (dims[0], dims[1]);
+    let CpuStorage::U32(codes) = args[0].0 else {
+        return Err(crate::Error::UnsupportedDType {
+            op: "dequant_fp8",
+            dtype: args[0].0.dtype(),
+        });
+    };
+    let codes = strided::contiguous(codes, args[0].1);
+    let scale: Vec<f64> = view(args[1].0, args[1].1);
+    let table: Vec<f32> = (0..=255u8).map(fp8::decode).collect();
+    let words = cols / fp8::CODES_PER_WORD;
+    let mut out = vec![0f64; rows * cols];
+    out.par_chunks_mut(cols.max(1))
+        .enumerate()
+        .for_each(|(r, row)| {
+            let s = scale[r] as f32;
+            for (c, v) in row.iter_mut().enumerate() {
+                let word = codes[r * words + c / fp8::CODES_PER_WORD];
+                let code = fp8::unpack(word, c % fp8::CODES_PER_WORD);
+                // The f32 product, exact in f64; from_f64_vec rounds it once to dtype.
+                *v = f64::from(table[usize::from(code)] * s);
+            }
+        });
+    Ok(vec![from_f64_vec(out, dtype)])
 }

@@ -225,6 +225,9 @@ pub(crate) fn fused(op: FusedOp, args: &[(&CudaStorage, &Layout)]) -> Result<Vec
         .zip(args)
         .map(|(d, (s, _))| d.as_ref().unwrap_or(s))
         .collect();
+    if let FusedOp::DequantFp8 { dtype } = op {
+        return super::fp8::dequant(dtype, &dims, &bufs);
+    }
     match first.buf.dtype() {
         DType::F32 => run::<f32, f32>(op, &dims, &bufs),
         DType::F64 => run::<f64, f64>(op, &dims, &bufs),
@@ -452,7 +455,9 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
         FusedOp::AdamW8bit(h) => super::adam8bit::step::<T>(&h, d, a)?,
         // `fused` hands these to cuda::attention before operands are made dense: the flash
         // kernels read strided views.
-        FusedOp::Attention { .. } | FusedOp::AttentionBackward { .. } => {
+        FusedOp::Attention { .. }
+        | FusedOp::AttentionBackward { .. }
+        | FusedOp::DequantFp8 { .. } => {
             return Err(Error::Cuda(format!(
                 "{} reached the dense launcher",
                 op.name()

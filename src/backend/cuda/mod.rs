@@ -6,6 +6,7 @@ mod adam8bit;
 mod attention;
 mod conv;
 mod device;
+mod fp8;
 mod fused;
 mod group_norm;
 mod host;

@@ -1,0 +1,56 @@
+// FP8 E4M3 weights (FusedOp::DequantFp8 in src/backend/mod.rs; format and the CPU reference in
+// src/backend/fp8.rs and src/backend/cpu/fused.rs).
+//
+//   codes  (rows, words) u32   four E4M3 codes a word, the first in the low byte
+//   scale  (rows)        f32   one scale per row (output channel)
+//   w      (rows, cols)  T     cols = 4 words; w = decode(code) * scale in f32, rounded once
+//
+// One thread per word: one 4-byte load, four values out. E4M3 decodes exactly into f32 by bit
+// rules (OCP OFP8: bias 7, subnormals 0.mmm * 2^-6, S.1111.111 is NaN), so the f32 product is
+// the CPU's bit for bit.
+#include "common.cuh"
+
+__device__ __forceinline__ float e4m3_decode(uint32_t c) {
+  const uint32_t sign = (c & 0x80u) << 24;
+  const uint32_t e = (c >> 3) & 0xFu, m = c & 0x7u;
+  if (e == 0xFu && m == 0x7u) return __int_as_float(0x7FC00000u | sign);
+  if (e == 0) {
+    // m * 2^-9, exact in f32.
+    const float v = (float)m * 0.001953125f;
+    return __int_as_float(__float_as_int(v) | sign);
+  }
+  // Rebias 7 -> 127 and widen the mantissa 3 -> 23 bits.
+  return __int_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+template <typename T>
+__device__ __forceinline__ void dequant_fp8(const uint32_t* codes, const float* scale, T* w, size_t words_per_row,
+                                            size_t words) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x) {
+    const uint32_t word = codes[i];
+    const float s = scale[i / words_per_row];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[4 * i + j] = from_acc<T>(__fmul_rn(e4m3_decode((word >> (8 * j)) & 0xFFu), s));
+  }
+}
+
+template <>
+__device__ __forceinline__ void dequant_fp8<double>(const uint32_t* codes, const float* scale, double* w,
+                                                    size_t words_per_row, size_t words) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x) {
+    const uint32_t word = codes[i];
+    const float s = scale[i / words_per_row];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[4 * i + j] = (double)__fmul_rn(e4m3_decode((word >> (8 * j)) & 0xFFu), s);
+  }
+}
+
+#define DEQUANT_FP8(SUF, T)                                                                                  \
+  extern "C" __global__ void dequant_fp8_##SUF(const uint32_t* codes, const float* scale, T* w,              \
+                                               size_t words_per_row, size_t words) {                         \
+    dequant_fp8<T>(codes, scale, w, words_per_row, words);                                                   \
+  }
+DEQUANT_FP8(f32, float)
+DEQUANT_FP8(f64, double)
+DEQUANT_FP8(bf16, __nv_bfloat16)
+DEQUANT_FP8(f16, __half)

@@ -1,0 +1,65 @@
+//! Launcher of `FusedOp::DequantFp8` (kernel in cuda/fp8.cu): one thread per packed word of
+//! four E4M3 codes, a grid-stride loop. Operands were checked by `validate::fused` (dtypes,
+//! shapes) and made dense by `fused`; the output is a fresh buffer.
+
+use super::layout::grid_for;
+use super::storage::{launch, CudaStorage, Elem};
+use crate::{DType, Error, Result, Shape};
+use half::{bf16, f16};
+
+/// [codes (rows, words) u32, scale (rows) f32] (dense; `d` = [rows, cols]) -> [w (rows,
+/// cols) in `dtype`].
+pub(super) fn dequant(dtype: DType, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+    match dtype {
+        DType::F32 => run::<f32>(d, a),
+        DType::F64 => run::<f64>(d, a),
+        DType::BF16 => run::<bf16>(d, a),
+        DType::F16 => run::<f16>(d, a),
+        DType::U32 => Err(Error::UnsupportedDType {
+            op: "dequant_fp8",
+            dtype,
+        }),
+    }
+}
+
+fn run<T: Elem>(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+    const OP: &str = "dequant_fp8";
+    let (&[rows, cols], &[codes, scale]) = (d, a) else {
+        return Err(Error::Cuda(format!(
+            "{OP}: {} sizes and {} operands, expected 2 and 2",
+            d.len(),
+            a.len()
+        )));
+    };
+    let words = rows * cols / crate::backend::fp8::CODES_PER_WORD;
+    let words_per_row = cols / crate::backend::fp8::CODES_PER_WORD;
+    if codes.buf.len() < words || scale.buf.len() < rows {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "operands of {} and {} elements, expected {words} and {rows}",
+                codes.buf.len(),
+                scale.buf.len()
+            ),
+            &Shape::from((rows, cols)),
+        ));
+    }
+    let dev = &codes.dev;
+    let mut w = dev.alloc::<T>(rows * cols)?;
+    if words > 0 {
+        let ptr = |s: &CudaStorage| s.buf.raw_ptr(dev.stream());
+        let (c, s) = (ptr(codes), ptr(scale));
+        launch!(
+            dev,
+            "fp8",
+            format!("dequant_fp8_{}", T::SFX),
+            grid_for(words, dev.sm_count()),
+            &c,
+            &s,
+            &mut *w.slice,
+            &words_per_row,
+            &words
+        )?;
+    }
+    Ok(vec![codes.wrap(T::wrap(w))])
+}

@@ -1,0 +1,195 @@
+//! FP8 E4M3 weights: the format of frozen base weights stored in 8 bits (`model.dtype =
+//! "fp8"`), the scalar pieces shared by the loader (quantization on the host), the CPU
+//! backend's dequantization and the tests. cuda/fp8.cu decodes with the same bit rules.
+//!
+//! E4M3 is the OCP 8-bit float ("OCP 8-bit Floating Point Specification (OFP8)", 2023;
+//! PyTorch's `float8_e4m3fn`, safetensors' `F8_E4M3`): 1 sign bit, 4 exponent bits with bias
+//! 7, 3 mantissa bits; no infinities, `S.1111.111` is NaN, so the largest finite value is
+//! 1.75 * 2^8 = 448; subnormals are `0.mmm * 2^-6`. Every E4M3 value is exact in f32.
+//!
+//! A weight (rows, cols) keeps one f32 scale per row (per output channel of a Linear) and one
+//! code per value, `w ~= decode(code) * scale[row]`, `scale = absmax(row) / 448` (1 for an
+//! all-zero row). FLAME has no u8 dtype, so the codes are packed four to a u32, little end
+//! first: code `c` of a row is bits `8 (c % 4)` of word `c / 4` of that row, which needs
+//! `cols % 4 == 0` (layers of other widths stay in the compute dtype).
+
+/// The largest finite E4M3 value (OCP OFP8 spec, E4M3 max normal 1.75 * 2^8).
+pub const E4M3_MAX: f32 = 448.0;
+
+/// Codes per packed u32 word.
+pub const CODES_PER_WORD: usize = 4;
+
+/// The value of an E4M3 code (NaN for 0x7F and 0xFF).
+pub fn decode(code: u8) -> f32 {
+    let sign = if code & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let exp = i32::from((code >> 3) & 0x0F);
+    let man = f32::from(code & 0x07);
+    if exp == 0x0F && code & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        // Subnormal: 0.mmm * 2^(1 - 7).
+        sign * man / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+    }
+}
+
+/// The E4M3 code nearest to `x` (ties to the even code), saturating at +-448; NaN gives the
+/// NaN code 0x7F. This is the rounding of PyTorch's `float8_e4m3fn` cast for values inside
+/// the range (which the per-row scale guarantees); out-of-range values saturate instead of
+/// becoming NaN.
+pub fn encode(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7E;
+    }
+    let bits = a.to_bits();
+    let exp = (bits >> 23) as i32 - 127;
+    if exp < -6 {
+        // Below the smallest normal 2^-6: multiples of 2^-9. a * 512 is exact (a power of
+        // two), and rounding it to an integer (ties to even) picks the nearest code; 8
+        // rounds up into the first normal code 0x08.
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    // Normal: the exponent rebiased to 7 over the top 3 of f32's 23 mantissa bits, rounded
+    // to nearest even on the 20 bits dropped (a carry moves into the exponent, as it should).
+    let man = bits & 0x7F_FFFF;
+    let mut code = (((exp + 7) as u32) << 3) | (man >> 20);
+    let rest = man & 0xF_FFFF;
+    const HALF: u32 = 0x8_0000;
+    if rest > HALF || (rest == HALF && code & 1 == 1) {
+        code += 1;
+    }
+    sign | code.min(0x7E) as u8
+}
+
+/// The per-row scale of a row whose largest magnitude is `absmax`.
+pub fn row_scale(absmax: f32) -> f32 {
+    if absmax > 0.0 && absmax.is_finite() {
+        absmax / E4M3_MAX
+    } else {
+        1.0
+    }
+}
+
+/// Quantizes `w` (rows, cols) row by row: (codes packed (rows, cols / 4) u32, scales (rows)
+/// f32). `cols` must be a multiple of 4 (`Err` names the width otherwise). A non-finite
+/// value is an error naming its row and column: a NaN weight would otherwise become a
+/// silent NaN code.
+pub fn quantize_rows(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+) -> std::result::Result<(Vec<u32>, Vec<f32>), String> {
+    use rayon::prelude::*;
+    if cols % CODES_PER_WORD != 0 || w.len() != rows * cols {
+        return Err(format!(
+            "fp8 needs (rows, cols) with cols a multiple of 4, got {} values as ({rows}, {cols})",
+            w.len()
+        ));
+    }
+    if let Some(i) = w.iter().position(|v| !v.is_finite()) {
+        return Err(format!(
+            "value {} at row {}, column {} is not finite",
+            w[i],
+            i / cols,
+            i % cols
+        ));
+    }
+    let words = cols / CODES_PER_WORD;
+    let mut codes = vec![0u32; rows * words];
+    let mut scales = vec![0f32; rows];
+    codes
+        .par_chunks_mut(words.max(1))
+        .zip(scales.par_iter_mut())
+        .zip(w.par_chunks(cols.max(1)))
+        .for_each(|((c, s), row)| {
+            let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            *s = row_scale(absmax);
+            for (word, vals) in c.iter_mut().zip(row.chunks(CODES_PER_WORD)) {
+                *word = pack(vals.iter().map(|v| encode(v / *s)));
+            }
+        });
+    Ok((codes, scales))
+}
+
+/// Four codes into one word, the first in the low byte.
+pub fn pack(codes: impl Iterator<Item = u8>) -> u32 {
+    codes
+        .take(CODES_PER_WORD)
+        .enumerate()
+        .fold(0u32, |w, (i, c)| w | (u32::from(c) << (8 * i)))
+}
+
+/// Code `j` (0..4) of a packed word.
+pub fn unpack(word: u32, j: usize) -> u8 {
+    (word >> (8 * j)) as u8
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_encode_round_trip_every_finite_code() {
+        for c in 0..=255u8 {
+            let v = decode(c);
+            if v.is_nan() {
+                assert!(c & 0x7F == 0x7F);
+                continue;
+            }
+            // -0 encodes to 0x80, +0 to 0.
+            assert_eq!(encode(v), c, "code {c:#x} value {v}");
+        }
+        assert_eq!(decode(0x7E), 448.0);
+        assert_eq!(decode(0x01), 2f32.powi(-9));
+        assert_eq!(decode(0x38), 1.0);
+    }
+
+    /// The nearest code by search over the decoded values (ties to the even code).
+    fn encode_by_search(x: f32) -> u8 {
+        let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
+        let a = x.abs().min(E4M3_MAX);
+        let mut best = 0u8;
+        for c in 0..=0x7Eu8 {
+            let (d, db) = ((decode(c) - a).abs(), (decode(best) - a).abs());
+            if d < db || (d == db && c & 1 == 0) {
+                best = c;
+            }
+        }
+        sign | best
+    }
+
+    #[test]
+    fn encode_matches_a_search_of_the_table() {
+        // Every code's value, the midpoints between neighbours (ties), and values around them.
+        let mut xs = vec![0.0f32, 1e-30, 3e-3, 0.3, 447.9, 448.0, 500.0];
+        for c in 0..0x7Eu8 {
+            let (lo, hi) = (decode(c), decode(c + 1));
+            let mid = (lo + hi) / 2.0;
+            xs.extend([lo, mid, mid * (1.0 + 1e-6), mid * (1.0 - 1e-6), hi]);
+        }
+        for x in xs {
+            for v in [x, -x] {
+                assert_eq!(encode(v), encode_by_search(v), "x = {v:e}");
+            }
+        }
+    }
+
+    #[test]
+    fn encode_rounds_to_nearest_even_and_saturates() {
+        // Between 1.0 (0x38) and 1.125 (0x39): the midpoint goes to the even code 0x38.
+        assert_eq!(encode(1.0625), 0x38);
+        assert_eq!(encode(1.07), 0x39);
+        // Between 1.125 (0x39) and 1.25 (0x3A): the midpoint goes to 0x3A.
+        assert_eq!(encode(1.1875), 0x3A);
+        assert_eq!(encode(1000.0), 0x7E);
+        assert_eq!(encode(-1000.0), 0xFE);
+        assert_eq!(encode(f32::NAN), 0x7F);
+    }
+}

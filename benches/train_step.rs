@@ -13,7 +13,7 @@ mod common;
 use flame::autograd::Keep;
 use flame::models::flux::{self, Flux, FluxConfig};
 use flame::nn::{Adapters, LoraConfig, VarBuilder};
-use flame::optim::{AdamConfig, AdamW, Optimizer};
+use flame::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
 use flame::stream::{BlockExec, BlockStreamer, Checkpointing};
 use flame::train::{flow_matching, weighted_mse, TimestepSampling};
 use flame::{DType, Device, Grads, Result, Tensor};
@@ -51,7 +51,11 @@ fn main() -> Result<()> {
     let streamed: Vec<String> = (0..n_stream)
         .map(|k| prefixes[k * prefixes.len() / n_stream.max(1)].clone())
         .collect();
-    let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev).with_adapters(adapters.clone())?;
+    let flag = |name: &str| args.iter().any(|a| a == name);
+    let fp8 = flag("--fp8");
+    let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev)
+        .with_fp8(fp8)?
+        .with_adapters(adapters.clone())?;
     let streamer = if streamed.is_empty() {
         None
     } else {
@@ -64,18 +68,27 @@ fn main() -> Result<()> {
         checkpointing,
         streamer: streamer.clone(),
         keep: Keep {
-            attention: args.iter().any(|a| a == "--keep-attention"),
+            attention: flag("--keep-attention"),
         },
     };
     let params = adapters.params()?;
     let n_params: usize = params.iter().map(|(_, t)| t.elem_count()).sum();
-    let mut opt = AdamW::new(
-        params,
-        AdamConfig {
-            lr: 1e-4,
-            ..Default::default()
-        },
-    )?;
+    let adam = AdamConfig {
+        lr: 1e-4,
+        ..Default::default()
+    };
+    let adam8bit = flag("--adam8bit");
+    let mut opt: Box<dyn Optimizer> = if adam8bit {
+        Box::new(AdamW8bit::new(
+            params,
+            AdamW8bitConfig {
+                adam,
+                ..Default::default()
+            },
+        )?)
+    } else {
+        Box::new(AdamW::new(params, adam)?)
+    };
     let x0 = Tensor::randn((1, 16, 128, 128), DType::BF16, &dev, 10)?;
     let txt = Tensor::randn((1, 512, 4096), DType::BF16, &dev, 11)?;
     let y = Tensor::randn((1, 768), DType::BF16, &dev, 12)?;
@@ -106,15 +119,20 @@ fn main() -> Result<()> {
         opt.step(&grads)?;
         loss.to_scalar_f64()
     };
-    step()?;
+    let first = step()?;
     cuda.synchronize()?;
     cuda.reset_peak_memory();
-    let ms = common::time(cuda, 0, 3, &mut step)? * 1e3;
+    let mut losses = vec![first];
+    let ms = common::time(cuda, 0, 3, &mut || {
+        losses.push(step()?);
+        Ok(())
+    })? * 1e3;
+    println!("losses: {losses:?}");
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let weights: u64 = vb
         .params()?
         .iter()
-        .map(|(_, t)| (t.elem_count() * 2) as u64)
+        .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
         .sum();
     let (streamed_gib, per_step) = match &streamer {
         Some(s) => {
@@ -124,8 +142,11 @@ fn main() -> Result<()> {
         None => (0.0, 0.0),
     };
     println!(
-        "flame flux-dev LoRA step (rank 16, {:.1} M adapter params, checkpoint {checkpointing:?}, {n_stream} blocks streamed ({streamed_gib:.2} GiB, prefetch {prefetch}), cap {}): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB | device in use (driver) {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step",
+        "flame flux-dev LoRA step (rank 16, {:.1} M adapter params, checkpoint {checkpointing:?}, keep {:?}, base {}, {}, {n_stream} blocks streamed ({streamed_gib:.2} GiB, prefetch {prefetch}), cap {}): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB | device in use (driver) {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step",
         n_params as f64 / 1e6,
+        model.exec.keep,
+        if fp8 { "fp8" } else { "bf16" },
+        if adam8bit { "AdamW8bit" } else { "AdamW" },
         std::env::var("FLAME_GPU_MEMORY_LIMIT").map_or("none".to_string(), |b| format!("{:.1} GiB", b.parse::<f64>().unwrap_or(0.0) / (1u64 << 30) as f64)),
         gib(weights),
         gib(cuda.memory().peak),

@@ -385,9 +385,15 @@ impl VarBuilder {
             ));
         }
         let w = self.assemble(&key, &Shape::from((out_dim, in_dim)))?;
-        let host = {
-            let _g = crate::no_grad();
-            w.to_dtype(DType::F32)?.to_vec::<f32>()?
+        // The weight crosses to the host in its own dtype (half the bytes of f32 for bf16).
+        let host: Vec<f32> = {
+            use rayon::prelude::*;
+            match w.to_host()? {
+                crate::CpuStorage::F32(v) => v,
+                crate::CpuStorage::BF16(v) => v.par_iter().map(|x| x.to_f32()).collect(),
+                crate::CpuStorage::F16(v) => v.par_iter().map(|x| x.to_f32()).collect(),
+                other => other.to_f64_vec().into_iter().map(|x| x as f32).collect(),
+            }
         };
         drop(w);
         let (codes, scales) = fp8::quantize_rows(&host, out_dim, in_dim)

@@ -290,7 +290,7 @@ fn dequant_fp8(
     let scale: Vec<f64> = view(args[1].0, args[1].1);
     let table: Vec<f32> = (0..=255u8).map(fp8::decode).collect();
     let words = cols / fp8::CODES_PER_WORD;
-    let mut out = vec![0f64; rows * cols];
+    let mut out = vec![0f32; rows * cols];
     out.par_chunks_mut(cols.max(1))
         .enumerate()
         .for_each(|(r, row)| {
@@ -298,9 +298,26 @@ fn dequant_fp8(
             for (c, v) in row.iter_mut().enumerate() {
                 let word = codes[r * words + c / fp8::CODES_PER_WORD];
                 let code = fp8::unpack(word, c % fp8::CODES_PER_WORD);
-                // The f32 product, exact in f64; from_f64_vec rounds it once to dtype.
-                *v = f64::from(table[usize::from(code)] * s);
+                *v = table[usize::from(code)] * s;
             }
         });
-    Ok(vec![from_f64_vec(out, dtype)])
+    // Rounded once from the f32 product (as the kernel's __float2bfloat16_rn does); not
+    // through f64, whose conversion to the half types in `half` decides ties from the high
+    // 32 bits only.
+    Ok(vec![match dtype {
+        crate::DType::F32 => CpuStorage::F32(out),
+        crate::DType::F64 => CpuStorage::F64(out.into_iter().map(f64::from).collect()),
+        crate::DType::BF16 => {
+            CpuStorage::BF16(out.into_par_iter().map(half::bf16::from_f32).collect())
+        }
+        crate::DType::F16 => {
+            CpuStorage::F16(out.into_par_iter().map(half::f16::from_f32).collect())
+        }
+        crate::DType::U32 => {
+            return Err(crate::Error::UnsupportedDType {
+                op: "dequant_fp8",
+                dtype,
+            })
+        }
+    }])
 }

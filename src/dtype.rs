@@ -94,67 +94,8 @@ macro_rules! with_dtype {
 }
 with_dtype!(f32, F32, |x: f32| x as f64, |v: f64| v as f32);
 with_dtype!(f64, F64, |x: f64| x, |v: f64| v);
-with_dtype!(bf16, BF16, |x: bf16| x.to_f64(), bf16_from_f64);
-with_dtype!(f16, F16, |x: f16| x.to_f64(), f16_from_f64);
-
-/// `x` rounded to f32 by round-to-odd: the nearest f32 toward zero with its last mantissa bit
-/// set when the conversion is inexact. A second rounding from such an f32 to any format with
-/// at least two fewer mantissa bits (bf16, f16) is then the correctly rounded result (Boldo &
-/// Melquiond, "Emulation of FMA and correctly-rounded sums: proved algorithms using rounding to
-/// odd", IEEE TC 2008).
-fn f32_round_to_odd(x: f64) -> f32 {
-    let f = x as f32; // round to nearest even
-    if !f.is_finite() || f64::from(f) == x || f.to_bits() & 1 == 1 {
-        return f;
-    }
-    // Inexact with an even last bit: step one ulp back toward x (magnitudes are monotonic in
-    // the bits of a sign-magnitude float).
-    let b = f.to_bits();
-    f32::from_bits(if f64::from(f).abs() > x.abs() {
-        b - 1
-    } else {
-        b + 1
-    })
-}
-
-/// f64 to bf16, correctly rounded (nearest, ties to even). `half`'s `bf16::from_f64` drops
-/// the low 32 bits of the f64 before rounding, which misplaces some near-ties.
-pub(crate) fn bf16_from_f64(x: f64) -> bf16 {
-    bf16::from_f32(f32_round_to_odd(x))
-}
-
-/// f64 to f16, correctly rounded (nearest, ties to even); see `bf16_from_f64`.
-pub(crate) fn f16_from_f64(x: f64) -> f16 {
-    f16::from_f32(f32_round_to_odd(x))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn half_types_from_f64_round_correctly() {
-        // 1 + 2^-8 + 2^-40 is just above the tie between bf16's 1 and 1 + 2^-7: it rounds
-        // up; the bits that decide it sit in the f64's low word.
-        let x = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
-        assert_eq!(bf16_from_f64(x), bf16::from_f32(1.0 + 2f32.powi(-7)));
-        assert_eq!(
-            bf16_from_f64(1.0 + 2f64.powi(-8)),
-            bf16::ONE,
-            "a tie goes to even"
-        );
-        let y = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
-        assert_eq!(f16_from_f64(y), f16::from_f32(1.0 + 2f32.powi(-10)));
-        for v in [0.0, -0.0, 1e-30, -3.5, 65504.0, 1e40, f64::INFINITY] {
-            assert_eq!(
-                bf16_from_f64(v).to_bits(),
-                bf16::from_f32(v as f32).to_bits(),
-                "{v}"
-            );
-        }
-        assert!(bf16_from_f64(f64::NAN).is_nan() && f16_from_f64(f64::NAN).is_nan());
-    }
-}
+with_dtype!(bf16, BF16, |x: bf16| x.to_f64(), bf16::from_f64);
+with_dtype!(f16, F16, |x: f16| x.to_f64(), f16::from_f64);
 // Saturating: negative values become 0, values past u32::MAX become u32::MAX.
 with_dtype!(u32, U32, |x: u32| x as f64, |v: f64| v as u32);
 

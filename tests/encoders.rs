@@ -18,6 +18,11 @@ use std::path::PathBuf;
 
 const CPU: Device = Device::Cpu;
 const F32_TOL: f64 = 1e-4;
+/// bf16 weights and activations against the f64 reference (8-bit mantissas: 2^-8 = 3.9e-3
+/// per rounding). transformers itself in bf16 on these fixtures (torch 2.15, CPU): T5
+/// 3.7e-2, clip_g 6.8e-3 (hidden) / 6.7e-3 (projected); FLAME measured 5.5e-2, 6.3e-3 and
+/// 8.1e-3.
+const BF16_TOL: f64 = 0.1;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -291,9 +296,10 @@ fn t5_matches_transformers() {
     assert_eq!((xxl.d_model, xxl.num_heads * xxl.d_kv), (4096, 4096));
 }
 
-/// T5 overflows f16: loading in f16 is refused (f16 files load into bf16 or f32).
+/// T5 overflows f16: loading in f16 is refused (f16 files load into bf16 or f32). bf16
+/// weights and activations stay within [`BF16_TOL`] of the f64 reference.
 #[test]
-fn t5_refuses_f16() {
+fn t5_refuses_f16_and_runs_in_bf16() {
     let e = T5Encoder::load(fixture("t5"), None, DType::F16, &CPU, None).unwrap_err();
     assert!(
         matches!(
@@ -304,6 +310,26 @@ fn t5_refuses_f16() {
             }
         ),
         "{e}"
+    );
+    let io = outputs();
+    let (t5, _) = T5Encoder::load(fixture("t5"), None, DType::BF16, &CPU, None).unwrap();
+    let h = t5.forward(&io["t5.ids"], None).unwrap();
+    assert_eq!(h.dtype(), DType::BF16);
+    check("t5 bf16 last_hidden", &h, &io["t5.last_hidden"], BF16_TOL);
+    let (g, _) = ClipTextModel::load(fixture("clip_g"), None, DType::BF16, &CPU, None).unwrap();
+    let out = g.forward(&io["clip_g.ids"], None).unwrap();
+    check(
+        "clip_g bf16 last_hidden",
+        &out.last_hidden,
+        &io["clip_g.last_hidden"],
+        BF16_TOL,
+    );
+    let p = out.projected.unwrap();
+    check(
+        "clip_g bf16 projected",
+        &p,
+        &io["clip_g.projected"],
+        BF16_TOL,
     );
 }
 

@@ -148,21 +148,10 @@ impl ClipTokenizer {
         let json = dir.join("tokenizer.json");
         let (vocab, merges) = (dir.join("vocab.json"), dir.join("merges.txt"));
         let cfg = folder_config(dir)?;
-        let (tok, path) = if json.is_file() {
+        let (mut tok, path) = if json.is_file() {
             (from_json(&json)?, json)
         } else if vocab.is_file() && merges.is_file() {
-            let mut tok = clip_bpe(&vocab, &merges)?;
-            // As transformers registers them: BOS, EOS, the pad token and every token of
-            // added_tokens_decoder are split from the text before BPE (so SDXL's
-            // tokenizer_2 reads a "!" in a caption as its pad token, id 0).
-            let mut special: Vec<AddedToken> = ["<|startoftext|>", "<|endoftext|>"]
-                .iter()
-                .chain(cfg.pad.as_deref().iter())
-                .map(|t| AddedToken::from(*t, true))
-                .collect();
-            special.extend(cfg.added.iter().cloned());
-            tok.add_special_tokens(&special);
-            (tok, dir.to_path_buf())
+            (clip_bpe(&vocab, &merges)?, dir.to_path_buf())
         } else {
             return Err(tok_err(
                 dir,
@@ -170,6 +159,23 @@ impl ClipTokenizer {
                  files, as in a diffusers pipeline's tokenizer/ folder)",
             ));
         };
+        // As transformers registers them: BOS, EOS, the pad token and every token of
+        // added_tokens_decoder are split from the text before BPE (so SDXL's tokenizer_2 reads
+        // a "!" in a caption as its pad token, id 0). Tokens a tokenizer.json already has
+        // keep their own flags.
+        let have: Vec<String> = tok
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|t| t.content)
+            .collect();
+        let mut special: Vec<AddedToken> = ["<|startoftext|>", "<|endoftext|>"]
+            .iter()
+            .chain(cfg.pad.as_deref().iter())
+            .map(|t| AddedToken::from(*t, true))
+            .collect();
+        special.extend(cfg.added.iter().cloned());
+        special.retain(|t| !have.contains(&t.content));
+        tok.add_special_tokens(&special);
         let bos = id_of(&tok, "<|startoftext|>", &path)?;
         let eos = id_of(&tok, "<|endoftext|>", &path)?;
         let pad = match pad {

@@ -360,6 +360,10 @@ def make_models():
     with torch.no_grad():
         io_out["t5.last_hidden"] = t5(input_ids=ids).last_hidden_state
         io_out["t5.last_hidden_masked"] = t5(input_ids=ids, attention_mask=mask).last_hidden_state
+    # transformers' bucket of every relative position in [-300, 300] (32 buckets, 128).
+    rel = torch.arange(-300, 301)
+    io_out["t5.buckets"] = t5.encoder.block[0].layer[0].SelfAttention._relative_position_bucket(
+        rel, bidirectional=True, num_buckets=32, max_distance=128).numpy().astype(np.uint32)
     io_out["t5.ids"] = ids.numpy().astype(np.uint32)
     io_out["t5.mask"] = mask.numpy().astype(np.uint32)
 

@@ -9,8 +9,8 @@
 #![cfg(feature = "cpu-ref")]
 
 use flame::encoders::{
-    ClipConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer, Tokens,
-    SDXL_CLIP_G, SDXL_CLIP_L,
+    relative_bucket, ClipConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer,
+    Tokens, SD3_T5, SDXL_CLIP_G, SDXL_CLIP_L,
 };
 use flame::{DType, Device, Error, Tensor};
 use std::collections::BTreeMap;
@@ -283,9 +283,13 @@ fn t5_matches_transformers() {
         &io["t5.last_hidden_masked"],
         F32_TOL,
     );
-    let (single, _) =
-        T5Encoder::load(fixture("sd3_te.safetensors"), None, DType::F32, &CPU, None).unwrap();
+    let file = fixture("sd3_te.safetensors");
+    let (single, _) = T5Encoder::load(&file, Some(SD3_T5), DType::F32, &CPU, None).unwrap();
     assert_eq!(single.config, folder.config, "config inferred from shapes");
+    // The only T5 in the file is found without its prefix; a wrong prefix lists it.
+    assert!(T5Encoder::load(&file, None, DType::F32, &CPU, None).is_ok());
+    let e = T5Encoder::load(&file, Some("nope."), DType::F32, &CPU, None).unwrap_err();
+    assert!(e.to_string().contains(SD3_T5), "{e}");
     check(
         "t5 single file",
         &single.forward(ids, None).unwrap(),
@@ -294,6 +298,21 @@ fn t5_matches_transformers() {
     );
     let xxl = T5Config::xxl();
     assert_eq!((xxl.d_model, xxl.num_heads * xxl.d_kv), (4096, 4096));
+}
+
+/// T5's relative position buckets equal transformers' for every distance in [-300, 300]
+/// (bidirectional, 32 buckets, max distance 128).
+#[test]
+fn t5_buckets_match_transformers() {
+    let want = outputs()["t5.buckets"].to_vec::<u32>().unwrap();
+    let got: Vec<u32> = (-300..=300)
+        .map(|r| relative_bucket(r, 32, 128) as u32)
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(
+        (got[300], got[301], got[299], got[0], got[600]),
+        (0, 17, 1, 15, 31)
+    );
 }
 
 /// T5 overflows f16: loading in f16 is refused (f16 files load into bf16 or f32). bf16

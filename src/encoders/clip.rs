@@ -22,6 +22,10 @@ use std::sync::Arc;
 pub const SDXL_CLIP_L: &str = "conditioner.embedders.0.transformer.";
 /// The prefix of OpenCLIP bigG in SDXL's single file (OpenCLIP layout under it).
 pub const SDXL_CLIP_G: &str = "conditioner.embedders.1.model.";
+/// The prefix of CLIP-L in ComfyUI's all-in-one SD3 / SD3.5 files (transformers layout).
+pub const SD3_CLIP_L: &str = "text_encoders.clip_l.transformer.";
+/// The prefix of bigG in ComfyUI's all-in-one SD3 / SD3.5 files (transformers layout).
+pub const SD3_CLIP_G: &str = "text_encoders.clip_g.transformer.";
 
 /// The MLP's activation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,6 +8,24 @@
 //! `.safetensors` file, including files that hold several encoders under prefixes (SDXL's
 //! `conditioner.embedders.N.`, SD3.5's `text_encoders.*.transformer.`), found by their keys.
 //!
+//! ```no_run
+//! use flame::encoders::{ClipTextModel, ClipTokenizer, T5Encoder, T5Tokenizer, Tokens};
+//! use flame::{DType, Device};
+//!
+//! let dev = Device::Cpu;
+//! // Flux: CLIP-L's pooled output and T5's hidden states, from a diffusers pipeline folder.
+//! let clip_tok = ClipTokenizer::from_dir("FLUX.1-dev/tokenizer", 77, None)?;
+//! let t5_tok = T5Tokenizer::from_file("FLUX.1-dev/tokenizer_2", 512)?;
+//! let (clip, _) = ClipTextModel::load("FLUX.1-dev/text_encoder", None, DType::BF16, &dev, None)?;
+//! let (t5, _) = T5Encoder::load("FLUX.1-dev/text_encoder_2", None, DType::BF16, &dev, None)?;
+//! let caption = "a photo of a cat";
+//! let (ids, _) = Tokens::batch(&[clip_tok.encode(caption)?], &dev)?;
+//! let pooled = clip.forward(&ids, None)?.pooled; // (1, 768)
+//! let (ids, _) = Tokens::batch(&[t5_tok.encode(caption)?], &dev)?;
+//! let context = t5.forward(&ids, None)?; // (1, 512, 4096)
+//! # Ok::<(), flame::Error>(())
+//! ```
+//!
 //! Which outputs the pipelines use: SD 1.x CLIP-L's `last_hidden`; SDXL both CLIPs'
 //! `penultimate` (concatenated) and bigG's `projected`; SD3.5 the same plus T5; Flux CLIP-L's
 //! `pooled` and T5's hidden state.
@@ -17,10 +35,10 @@ mod t5;
 mod tokenizer;
 
 pub use clip::{
-    clip_key_map, ClipAct, ClipConfig, ClipLayout, ClipOutput, ClipTextModel, SDXL_CLIP_G,
-    SDXL_CLIP_L,
+    clip_key_map, ClipAct, ClipConfig, ClipLayout, ClipOutput, ClipTextModel, SD3_CLIP_G,
+    SD3_CLIP_L, SDXL_CLIP_G, SDXL_CLIP_L,
 };
-pub use t5::{relative_bucket, T5Config, T5Encoder};
+pub use t5::{relative_bucket, T5Config, T5Encoder, SD3_T5};
 pub use tokenizer::{
     ClipTokenizer, T5Tokenizer, Tokens, CLIP_BOS, CLIP_EOS, CLIP_MAX_LEN, T5_LEN_FLUX_DEV,
     T5_LEN_SCHNELL_SD35,

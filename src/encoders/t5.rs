@@ -12,6 +12,9 @@ use serde_json::Value;
 use std::path::Path;
 use std::sync::Arc;
 
+/// The prefix of T5-XXL in ComfyUI's all-in-one SD3 / SD3.5 files.
+pub const SD3_T5: &str = "text_encoders.t5xxl.transformer.";
+
 /// The encoder's sizes (transformers `T5Config` fields).
 #[derive(Clone, Debug, PartialEq)]
 pub struct T5Config {

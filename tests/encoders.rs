@@ -163,6 +163,35 @@ fn tokenizer_errors_name_the_files() {
     assert!(e.contains("</s>"), "{e}");
 }
 
+/// A config that does not fit the weights is an error naming the key, both shapes and the
+/// file; so is a missing key.
+#[test]
+fn misfit_weights_name_key_shapes_and_file() {
+    let text = std::fs::read_to_string(fixture("clip_l/config.json")).unwrap();
+    let mut cfg = ClipConfig::from_json(&serde_json::from_str(&text).unwrap(), None).unwrap();
+    cfg.intermediate_size = 40;
+    let e = ClipTextModel::load(fixture("clip_l"), None, DType::F32, &CPU, Some(cfg.clone()))
+        .unwrap_err()
+        .to_string();
+    for part in [
+        "layers.0.mlp.fc1.weight",
+        "[40, 24]",
+        "[48, 24]",
+        "clip_l/model.safetensors",
+    ] {
+        assert!(e.contains(part), "{part} not in: {e}");
+    }
+    cfg.intermediate_size = 48;
+    cfg.num_hidden_layers = 3;
+    let e = ClipTextModel::load(fixture("clip_l"), None, DType::F32, &CPU, Some(cfg))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("layers.2.layer_norm1.weight") && e.contains("missing"),
+        "{e}"
+    );
+}
+
 /// Runs a CLIP model on the fixture's ids for `name` and checks every output it has.
 fn clip_parity(name: &str, model: &ClipTextModel) -> f64 {
     let io = outputs();

@@ -129,9 +129,9 @@ pub struct ClipTokenizer {
 
 impl ClipTokenizer {
     /// The tokenizer in folder `dir`: its `tokenizer.json` if present, else `vocab.json` and
-    /// `merges.txt` (built into the same pipeline as transformers' `CLIPTokenizerFast`: NFC,
-    /// whitespace runs to one space, lower case, CLIP's split, byte-level BPE with `</w>` word
-    /// ends). `pad` is the padding id; `None` takes the folder's `pad_token` (from
+    /// `merges.txt`, built into the pipeline of transformers 5's `CLIPTokenizer` (4's
+    /// `CLIPTokenizerFast`): NFC, whitespace runs to one space, lower case, CLIP's split,
+    /// byte-level BPE with `</w>` word ends. `pad` is the padding id; `None` takes the folder's `pad_token` (from
     /// `special_tokens_map.json` or `tokenizer_config.json`), else `<|endoftext|>`. In
     /// diffusers pipelines CLIP-L's `tokenizer/` pads with `<|endoftext|>` (49407) and the
     /// bigG `tokenizer_2/` of SDXL and SD3 with `"!"` (id 0).
@@ -168,12 +168,15 @@ impl ClipTokenizer {
             .into_values()
             .map(|t| t.content)
             .collect();
-        let mut special: Vec<AddedToken> = ["<|startoftext|>", "<|endoftext|>"]
-            .iter()
-            .chain(cfg.pad.as_deref().iter())
-            .map(|t| AddedToken::from(*t, true))
-            .collect();
-        special.extend(cfg.added.iter().cloned());
+        let mut special: Vec<AddedToken> = cfg.added.clone();
+        for t in ["<|startoftext|>", "<|endoftext|>"]
+            .into_iter()
+            .chain(cfg.pad.as_deref())
+        {
+            if !special.iter().any(|s| s.content == t) {
+                special.push(AddedToken::from(t, true));
+            }
+        }
         special.retain(|t| !have.contains(&t.content));
         tok.add_special_tokens(&special);
         let bos = id_of(&tok, "<|startoftext|>", &path)?;

@@ -5,7 +5,9 @@
 //!
 //! No vocabulary ships with FLAME: single-file checkpoints hold none, so the tokenizer files
 //! come from a diffusers pipeline folder (`tokenizer/`, `tokenizer_2/`, `tokenizer_3/`) or a
-//! transformers model folder.
+//! transformers model folder. CLIP's vocab.json and merges.txt (OpenAI, MIT) could be
+//! embedded, but they are 1.5 MB, every pipeline folder carries them, and they could not be
+//! fetched where this was written to pin their bytes; T5's vocabulary (Apache-2.0) is larger.
 
 use crate::{Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};

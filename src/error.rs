@@ -154,6 +154,14 @@ pub enum Error {
         /// What is wrong.
         msg: String,
     },
+    /// A tokenizer's files cannot be found or read, or it cannot encode a text.
+    #[error("tokenizer {path}: {msg}")]
+    Tokenizer {
+        /// The tokenizer file or folder.
+        path: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
     /// An optimizer was misused or its saved state does not match its parameters.
     #[error("optimizer {optimizer}: {msg}")]
     Optimizer {

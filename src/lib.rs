@@ -55,6 +55,7 @@ pub mod autograd;
 pub mod backend;
 mod device;
 mod dtype;
+pub mod encoders;
 mod error;
 mod fault;
 pub mod models;

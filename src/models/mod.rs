@@ -4,7 +4,7 @@
 //! ones (fused q/k/v projections are concatenated at load time).
 
 pub mod checkpoint;
-mod common;
+pub(crate) mod common;
 pub mod family;
 pub mod flux;
 pub mod sd3;

@@ -1,0 +1,179 @@
+//! Text encoders and their tokenizers: captions to the embeddings the diffusion models are
+//! conditioned on. [`ClipTokenizer`] and [`T5Tokenizer`] turn text into fixed-length ids;
+//! [`ClipTextModel`] (OpenAI's CLIP-L, OpenCLIP's bigG) and [`T5Encoder`] (T5 v1.1 XXL) turn
+//! ids into hidden states.
+//!
+//! Weights load from a transformers / diffusers folder (`text_encoder/`, `text_encoder_2/`,
+//! `text_encoder_3/`: `config.json` beside `model.safetensors` or its shards) or a single
+//! `.safetensors` file, including files that hold several encoders under prefixes (SDXL's
+//! `conditioner.embedders.N.`, SD3.5's `text_encoders.*.transformer.`), found by their keys.
+//!
+//! ```no_run
+//! use flame::encoders::{ClipTextModel, ClipTokenizer, T5Encoder, T5Tokenizer, Tokens};
+//! use flame::{DType, Device};
+//!
+//! let dev = Device::Cpu;
+//! // Flux: CLIP-L's pooled output and T5's hidden states, from a diffusers pipeline folder.
+//! let clip_tok = ClipTokenizer::from_dir("FLUX.1-dev/tokenizer", 77, None)?;
+//! let t5_tok = T5Tokenizer::from_file("FLUX.1-dev/tokenizer_2", 512)?;
+//! let (clip, _) = ClipTextModel::load("FLUX.1-dev/text_encoder", None, DType::BF16, &dev, None)?;
+//! let (t5, _) = T5Encoder::load("FLUX.1-dev/text_encoder_2", None, DType::BF16, &dev, None)?;
+//! let caption = "a photo of a cat";
+//! let (ids, _) = Tokens::batch(&[clip_tok.encode(caption)?], &dev)?;
+//! let pooled = clip.forward(&ids, None)?.pooled; // (1, 768)
+//! let (ids, _) = Tokens::batch(&[t5_tok.encode(caption)?], &dev)?;
+//! let context = t5.forward(&ids, None)?; // (1, 512, 4096)
+//! # Ok::<(), flame::Error>(())
+//! ```
+//!
+//! Which outputs the pipelines use: SD 1.x CLIP-L's `last_hidden`; SDXL both CLIPs'
+//! `penultimate` (concatenated) and bigG's `projected`; SD3.5 the same plus T5; Flux CLIP-L's
+//! `pooled` and T5's hidden state.
+
+mod clip;
+mod t5;
+mod tokenizer;
+
+pub use clip::{
+    clip_key_map, ClipAct, ClipConfig, ClipLayout, ClipOutput, ClipTextModel, SD3_CLIP_G,
+    SD3_CLIP_L, SDXL_CLIP_G, SDXL_CLIP_L,
+};
+pub use t5::{relative_bucket, T5Config, T5Encoder, SD3_T5};
+pub use tokenizer::{
+    ClipTokenizer, T5Tokenizer, Tokens, CLIP_BOS, CLIP_EOS, CLIP_MAX_LEN, T5_LEN_FLUX_DEV,
+    T5_LEN_SCHNELL_SD35,
+};
+
+use crate::{Error, Result};
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+/// The weight files of an encoder and its parsed config.json, if it has one.
+struct Located {
+    files: Vec<PathBuf>,
+    config: Option<Value>,
+    config_path: Option<PathBuf>,
+}
+
+fn ck_err(path: &Path, msg: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.to_path_buf(),
+        msg: msg.into(),
+    }
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| ck_err(path, format!("invalid JSON: {e}")))
+}
+
+/// A single `.safetensors` file, or a folder with `config.json` and `model.safetensors`
+/// (or the shards its `model.safetensors.index.json` lists).
+fn locate(path: &Path) -> Result<Located> {
+    if path.is_file() {
+        return Ok(Located {
+            files: vec![path.to_path_buf()],
+            config: None,
+            config_path: None,
+        });
+    }
+    if !path.is_dir() {
+        return Err(ck_err(path, "no such file or folder"));
+    }
+    let config_path = path.join("config.json");
+    let config = if config_path.is_file() {
+        Some(read_json(&config_path)?)
+    } else {
+        None
+    };
+    let single = path.join("model.safetensors");
+    let index = path.join("model.safetensors.index.json");
+    let files = if single.is_file() {
+        vec![single]
+    } else if index.is_file() {
+        let json = read_json(&index)?;
+        let map = json
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| ck_err(&index, "no \"weight_map\" object"))?;
+        let mut names = BTreeSet::new();
+        for (key, file) in map {
+            let f = file.as_str().ok_or_else(|| {
+                ck_err(&index, format!("weight_map[\"{key}\"] is not a file name"))
+            })?;
+            names.insert(path.join(f));
+        }
+        for f in &names {
+            if !f.is_file() {
+                return Err(ck_err(
+                    &index,
+                    format!("lists {}, which does not exist", f.display()),
+                ));
+            }
+        }
+        names.into_iter().collect()
+    } else {
+        return Err(ck_err(
+            path,
+            "holds neither model.safetensors nor model.safetensors.index.json (a text \
+             encoder folder such as a pipeline's text_encoder/, or give a .safetensors file)",
+        ));
+    };
+    Ok(Located {
+        files,
+        config_path: config.as_ref().map(|_| config_path),
+        config,
+    })
+}
+
+/// Every `p` such that `p + suffix` is a key, where `p` is empty or ends in a dot.
+fn prefixes_with(keys: &[String], suffix: &str) -> Vec<String> {
+    keys.iter()
+        .filter_map(|k| k.strip_suffix(suffix))
+        .filter(|p| p.is_empty() || p.ends_with('.'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The encoder's prefix among `found` (each with what the caller needs to know of it):
+/// `wanted` if given and found, else the only one found; an error naming the file and the
+/// prefixes otherwise.
+fn detect_prefix<T>(
+    path: &Path,
+    what: &str,
+    found: Vec<(String, T)>,
+    wanted: Option<&str>,
+) -> Result<(String, T)> {
+    let names = || {
+        found
+            .iter()
+            .map(|(p, _)| format!("'{p}'"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(w) = wanted {
+        let list = names();
+        return found.into_iter().find(|(p, _)| p == w).ok_or_else(|| {
+            ck_err(
+                path,
+                format!("no {what} under prefix '{w}' (found: {list})"),
+            )
+        });
+    }
+    if found.len() > 1 {
+        return Err(ck_err(
+            path,
+            format!("holds several {what}s; pick one by its prefix: {}", names()),
+        ));
+    }
+    found.into_iter().next().ok_or_else(|| {
+        ck_err(
+            path,
+            format!("holds no {what} (none of its keys match one)"),
+        )
+    })
+}

@@ -1,0 +1,385 @@
+//! Captions to token ids: CLIP's byte-level BPE and T5's unigram, through Hugging Face's
+//! `tokenizers` crate, framed (special tokens, truncation, padding) here to match what
+//! transformers' `CLIPTokenizerFast` and `T5TokenizerFast` return with
+//! `padding="max_length", truncation=True`.
+//!
+//! No vocabulary ships with FLAME: single-file checkpoints hold none, so the tokenizer files
+//! come from a diffusers pipeline folder (`tokenizer/`, `tokenizer_2/`, `tokenizer_3/`) or a
+//! transformers model folder. CLIP's vocab.json and merges.txt (OpenAI, MIT) could be
+//! embedded, but they are 1.5 MB, every pipeline folder carries them, and they could not be
+//! fetched where this was written to pin their bytes; T5's vocabulary (Apache-2.0) is larger.
+
+use crate::{Device, Error, Result, Tensor};
+use std::path::{Path, PathBuf};
+use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::replace::ReplacePattern;
+use tokenizers::normalizers::{Lowercase, Replace, Sequence as NormSeq, NFC};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreSeq;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+
+/// CLIP's context length (transformers `CLIPTextConfig.max_position_embeddings` = 77).
+pub const CLIP_MAX_LEN: usize = 77;
+/// CLIP's `<|startoftext|>` id in the OpenAI vocabulary (49406).
+pub const CLIP_BOS: u32 = 49406;
+/// CLIP's `<|endoftext|>` id in the OpenAI vocabulary (49407): CLIP-L's padding.
+pub const CLIP_EOS: u32 = 49407;
+/// T5 lengths the pipelines use: Flux dev 512, Flux schnell and SD3.5 256
+/// (diffusers `FluxPipeline` / `StableDiffusion3Pipeline` `max_sequence_length`).
+pub const T5_LEN_FLUX_DEV: usize = 512;
+/// See [`T5_LEN_FLUX_DEV`].
+pub const T5_LEN_SCHNELL_SD35: usize = 256;
+
+/// CLIP's pre-tokenizer pattern (OpenAI's `SimpleTokenizer`, as transformers 5's
+/// `CLIPTokenizer` spells it).
+const CLIP_SPLIT: &str =
+    r"<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+";
+
+/// One caption as the text encoder takes it: `ids` and `mask` (1 for a real token, 0 for
+/// padding), both of the tokenizer's fixed length.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tokens {
+    /// Token ids, padded to the fixed length.
+    pub ids: Vec<u32>,
+    /// 1 where `ids` holds a token of the text (or BOS / EOS), 0 over the padding.
+    pub mask: Vec<u32>,
+}
+
+impl Tokens {
+    /// A batch as `(ids, mask)` tensors, each (B, L) u32 on `device`; every caption must have
+    /// the same length (they do when they come from one tokenizer).
+    pub fn batch(tokens: &[Tokens], device: &Device) -> Result<(Tensor, Tensor)> {
+        let l = tokens.first().map_or(0, |t| t.ids.len());
+        let (mut ids, mut mask) = (vec![], vec![]);
+        for t in tokens {
+            if t.ids.len() != l || t.mask.len() != l {
+                return Err(Error::invalid(
+                    "Tokens::batch",
+                    format!("captions of lengths {} and {l} in one batch", t.ids.len()),
+                    &crate::Shape::from(vec![tokens.len(), l]),
+                ));
+            }
+            ids.extend_from_slice(&t.ids);
+            mask.extend_from_slice(&t.mask);
+        }
+        let b = tokens.len();
+        Ok((
+            Tensor::from_vec(ids, (b, l), device)?,
+            Tensor::from_vec(mask, (b, l), device)?,
+        ))
+    }
+}
+
+fn tok_err(path: &Path, msg: impl Into<String>) -> Error {
+    Error::Tokenizer {
+        path: path.to_path_buf(),
+        msg: msg.into(),
+    }
+}
+
+/// `ids` of the text, then `eos`, then `pad` up to `len`: the text is cut to `len - reserved`
+/// ids first, so the specials always fit (transformers truncates the text, never the
+/// specials).
+fn frame(prefix: &[u32], text: &[u32], eos: u32, pad: u32, len: usize) -> Tokens {
+    let keep = len.saturating_sub(prefix.len() + 1).min(text.len());
+    let mut ids: Vec<u32> = prefix.to_vec();
+    ids.extend_from_slice(&text[..keep]);
+    ids.push(eos);
+    let n = ids.len();
+    ids.resize(len, pad);
+    let mut mask = vec![1; n];
+    mask.resize(len, 0);
+    Tokens { ids, mask }
+}
+
+/// Encodes `text` without special tokens, padding or truncation.
+fn raw_ids(tok: &Tokenizer, text: &str, path: &Path) -> Result<Vec<u32>> {
+    let enc = tok
+        .encode(text, false)
+        .map_err(|e| tok_err(path, format!("cannot encode {text:?}: {e}")))?;
+    Ok(enc.get_ids().to_vec())
+}
+
+/// The id of `token`, an error naming the file when the vocabulary lacks it.
+fn id_of(tok: &Tokenizer, token: &str, path: &Path) -> Result<u32> {
+    tok.token_to_id(token)
+        .ok_or_else(|| tok_err(path, format!("the vocabulary has no token {token:?}")))
+}
+
+/// A tokenizer.json with its own truncation and padding turned off (we frame ourselves).
+fn from_json(path: &Path) -> Result<Tokenizer> {
+    let mut tok = Tokenizer::from_file(path).map_err(|e| tok_err(path, e.to_string()))?;
+    tok.with_truncation(None)
+        .map_err(|e| tok_err(path, e.to_string()))?;
+    tok.with_padding(None);
+    Ok(tok)
+}
+
+/// CLIP's byte-level BPE (SD 1.x, SDXL, SD3.5 and Flux's CLIP-L, and OpenCLIP bigG, which
+/// shares OpenAI's vocabulary): `<|startoftext|>`, the lower-cased text, `<|endoftext|>`,
+/// then padding, `max_len` ids in all.
+#[derive(Clone, Debug)]
+pub struct ClipTokenizer {
+    tok: Tokenizer,
+    bos: u32,
+    eos: u32,
+    pad: u32,
+    max_len: usize,
+    path: PathBuf,
+}
+
+impl ClipTokenizer {
+    /// The tokenizer in folder `dir`: its `tokenizer.json` if present, else `vocab.json` and
+    /// `merges.txt`, built into the pipeline of transformers 5's `CLIPTokenizer` (4's
+    /// `CLIPTokenizerFast`): NFC, whitespace runs to one space, lower case, CLIP's split,
+    /// byte-level BPE with `</w>` word ends. `pad` is the padding id; `None` takes the folder's `pad_token` (from
+    /// `special_tokens_map.json` or `tokenizer_config.json`), else `<|endoftext|>`. In
+    /// diffusers pipelines CLIP-L's `tokenizer/` pads with `<|endoftext|>` (49407) and the
+    /// bigG `tokenizer_2/` of SDXL and SD3 with `"!"` (id 0).
+    pub fn from_dir(dir: impl AsRef<Path>, max_len: usize, pad: Option<u32>) -> Result<Self> {
+        let dir = dir.as_ref();
+        if !dir.is_dir() {
+            return Err(tok_err(
+                dir,
+                "not a folder; give the tokenizer folder of a diffusers pipeline \
+                 (tokenizer/ or tokenizer_2/, holding vocab.json and merges.txt or \
+                 tokenizer.json): single-file checkpoints hold no vocabulary",
+            ));
+        }
+        let json = dir.join("tokenizer.json");
+        let (vocab, merges) = (dir.join("vocab.json"), dir.join("merges.txt"));
+        let cfg = folder_config(dir)?;
+        let (mut tok, path) = if json.is_file() {
+            (from_json(&json)?, json)
+        } else if vocab.is_file() && merges.is_file() {
+            (clip_bpe(&vocab, &merges)?, dir.to_path_buf())
+        } else {
+            return Err(tok_err(
+                dir,
+                "holds neither tokenizer.json nor vocab.json + merges.txt (CLIP's tokenizer \
+                 files, as in a diffusers pipeline's tokenizer/ folder)",
+            ));
+        };
+        // As transformers registers them: BOS, EOS, the pad token and every token of
+        // added_tokens_decoder are split from the text before BPE (so SDXL's tokenizer_2 reads
+        // a "!" in a caption as its pad token, id 0). Tokens a tokenizer.json already has
+        // keep their own flags.
+        let have: Vec<String> = tok
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|t| t.content)
+            .collect();
+        let mut special: Vec<AddedToken> = cfg.added.clone();
+        for t in ["<|startoftext|>", "<|endoftext|>"]
+            .into_iter()
+            .chain(cfg.pad.as_deref())
+        {
+            if !special.iter().any(|s| s.content == t) {
+                special.push(AddedToken::from(t, true));
+            }
+        }
+        special.retain(|t| !have.contains(&t.content));
+        tok.add_special_tokens(&special);
+        let bos = id_of(&tok, "<|startoftext|>", &path)?;
+        let eos = id_of(&tok, "<|endoftext|>", &path)?;
+        let pad = match pad {
+            Some(p) => p,
+            None => match &cfg.pad {
+                Some(t) => id_of(&tok, t, &path)?,
+                None => eos,
+            },
+        };
+        Self::new(tok, bos, eos, pad, max_len, path)
+    }
+
+    fn new(
+        tok: Tokenizer,
+        bos: u32,
+        eos: u32,
+        pad: u32,
+        max_len: usize,
+        path: PathBuf,
+    ) -> Result<Self> {
+        if max_len < 2 {
+            return Err(tok_err(
+                &path,
+                format!("max_len {max_len} leaves no room for BOS and EOS"),
+            ));
+        }
+        Ok(ClipTokenizer {
+            tok,
+            bos,
+            eos,
+            pad,
+            max_len,
+            path,
+        })
+    }
+
+    /// The padding id.
+    pub fn pad_id(&self) -> u32 {
+        self.pad
+    }
+
+    /// The `<|endoftext|>` id.
+    pub fn eos_id(&self) -> u32 {
+        self.eos
+    }
+
+    /// `max_len` ids: BOS, the text's tokens (cut to `max_len - 2`), EOS, padding.
+    pub fn encode(&self, text: &str) -> Result<Tokens> {
+        let ids = raw_ids(&self.tok, text, &self.path)?;
+        Ok(frame(&[self.bos], &ids, self.eos, self.pad, self.max_len))
+    }
+}
+
+/// CLIP's pipeline from `vocab.json` and `merges.txt`.
+fn clip_bpe(vocab: &Path, merges: &Path) -> Result<Tokenizer> {
+    let err = |e: tokenizers::Error| tok_err(vocab, e.to_string());
+    let path_str = |p: &Path| {
+        p.to_str()
+            .map(str::to_string)
+            .ok_or_else(|| tok_err(p, "the path is not valid UTF-8"))
+    };
+    let bpe = BPE::from_file(&path_str(vocab)?, &path_str(merges)?)
+        .unk_token("<|endoftext|>".into())
+        .end_of_word_suffix("</w>".into())
+        .continuing_subword_prefix(String::new())
+        .build()
+        .map_err(err)?;
+    let mut tok = Tokenizer::new(bpe);
+    let ws = Replace::new(ReplacePattern::Regex(r"\s+".into()), " ").map_err(err)?;
+    tok.with_normalizer(Some(NormSeq::new(vec![
+        NFC.into(),
+        ws.into(),
+        Lowercase.into(),
+    ])));
+    let split = Split::new(
+        SplitPattern::Regex(CLIP_SPLIT.into()),
+        SplitDelimiterBehavior::Removed,
+        true,
+    )
+    .map_err(err)?;
+    tok.with_pre_tokenizer(Some(PreSeq::new(vec![
+        split.into(),
+        // add_prefix_space false; trim_offsets and use_regex at the defaults (true).
+        ByteLevel::new(false, true, true).into(),
+    ])));
+    Ok(tok)
+}
+
+/// What a transformers tokenizer folder's `special_tokens_map.json` and
+/// `tokenizer_config.json` say: the `pad_token` (a string or `{"content": ...}`, the former
+/// file first) and the tokens of `added_tokens_decoder`.
+struct FolderConfig {
+    pad: Option<String>,
+    added: Vec<AddedToken>,
+}
+
+fn folder_config(dir: &Path) -> Result<FolderConfig> {
+    let mut cfg = FolderConfig {
+        pad: None,
+        added: vec![],
+    };
+    for name in ["special_tokens_map.json", "tokenizer_config.json"] {
+        let path = dir.join(name);
+        if !path.is_file() {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| tok_err(&path, format!("invalid JSON: {e}")))?;
+        let content = |t: &serde_json::Value| match t {
+            serde_json::Value::String(s) => Some(s.clone()),
+            t => t
+                .get("content")
+                .and_then(|c| c.as_str())
+                .map(str::to_string),
+        };
+        if cfg.pad.is_none() {
+            cfg.pad = v.get("pad_token").and_then(content);
+        }
+        let flag = |t: &serde_json::Value, k: &str, default: bool| {
+            t.get(k).and_then(|b| b.as_bool()).unwrap_or(default)
+        };
+        if let Some(added) = v.get("added_tokens_decoder").and_then(|a| a.as_object()) {
+            for t in added.values() {
+                let Some(c) = content(t) else {
+                    return Err(tok_err(&path, format!("added token {t} has no content")));
+                };
+                cfg.added.push(
+                    AddedToken::from(c, flag(t, "special", false))
+                        .normalized(flag(t, "normalized", true))
+                        .lstrip(flag(t, "lstrip", false))
+                        .rstrip(flag(t, "rstrip", false))
+                        .single_word(flag(t, "single_word", false)),
+                );
+            }
+        }
+    }
+    Ok(cfg)
+}
+
+/// T5's unigram tokenizer (Flux's `tokenizer_2/`, SD3's `tokenizer_3/`): the text's pieces,
+/// `</s>`, then `<pad>`, `max_len` ids in all (no BOS).
+#[derive(Clone, Debug)]
+pub struct T5Tokenizer {
+    tok: Tokenizer,
+    eos: u32,
+    pad: u32,
+    max_len: usize,
+    path: PathBuf,
+}
+
+impl T5Tokenizer {
+    /// From a `tokenizer.json` file or a folder holding one. Only `spiece.model` is not
+    /// enough: FLAME reads no SentencePiece protobuf (the diffusers pipelines ship both).
+    pub fn from_file(path: impl AsRef<Path>, max_len: usize) -> Result<Self> {
+        let mut path = path.as_ref().to_path_buf();
+        if path.is_dir() {
+            let json = path.join("tokenizer.json");
+            if !json.is_file() {
+                let hint = if path.join("spiece.model").is_file() {
+                    "only spiece.model: convert it once with transformers \
+                     (T5TokenizerFast.from_pretrained(dir).save_pretrained(dir))"
+                } else {
+                    "no tokenizer.json (T5's is in a diffusers pipeline's tokenizer_2/ for \
+                     Flux or tokenizer_3/ for SD3)"
+                };
+                return Err(tok_err(&path, hint));
+            }
+            path = json;
+        }
+        if !path.is_file() {
+            return Err(tok_err(
+                &path,
+                "no such file; give T5's tokenizer.json (a diffusers pipeline's tokenizer_2/ \
+                 for Flux, tokenizer_3/ for SD3): single-file checkpoints hold no vocabulary",
+            ));
+        }
+        let tok = from_json(&path)?;
+        let eos = id_of(&tok, "</s>", &path)?;
+        let pad = id_of(&tok, "<pad>", &path)?;
+        if max_len < 1 {
+            return Err(tok_err(&path, "max_len 0 leaves no room for EOS"));
+        }
+        Ok(T5Tokenizer {
+            tok,
+            eos,
+            pad,
+            max_len,
+            path,
+        })
+    }
+
+    /// `max_len` ids: the text's pieces (cut to `max_len - 1`), EOS (`</s>`, 1 in T5's
+    /// vocabulary), `<pad>` (0).
+    pub fn encode(&self, text: &str) -> Result<Tokens> {
+        let ids = raw_ids(&self.tok, text, &self.path)?;
+        Ok(frame(&[], &ids, self.eos, self.pad, self.max_len))
+    }
+}

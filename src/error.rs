@@ -183,6 +183,17 @@ pub enum Error {
         /// The cap in bytes, or the GPU's total memory when the driver ran out.
         limit: u64,
     },
+    /// A training step ran out of GPU memory under a memory plan: the allocator's error and
+    /// what to change (the planner's next plan, or the knob that would fit).
+    #[error("{error}\n  memory plan: {plan}\n  {hint}")]
+    PlanExceeded {
+        /// The out-of-memory error.
+        error: Box<Error>,
+        /// The plan the run used, with its predicted peak.
+        plan: String,
+        /// The knob to change.
+        hint: String,
+    },
     /// No CUDA device can be opened: no driver or GPU, no nvcc at build time, a bad
     /// `FLAME_GPU_MEMORY_LIMIT`, or the crate built without the `cuda` feature.
     #[error("CUDA is not available: {0}")]

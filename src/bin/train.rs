@@ -152,6 +152,7 @@ fn run(
         trainer.data().shapes,
         out.display()
     ));
+    p.line(&trainer.memory.describe());
     if args.plan {
         let what = match &trainer.plan(&opts)? {
             FolderAction::New => "start a new run".to_string(),
@@ -171,16 +172,12 @@ fn run(
                 )
             }
         };
-        let mem = &trainer.config.memory;
         p.line(&format!(
-            "plan: {what}; {} steps of {} x {} samples; blocks: checkpointing {}, {} streamed \
-             (prefetch {}); nothing was written",
+            "plan: {what}; {} steps of {} x {} samples; {}; nothing was written",
             trainer.config.train.steps,
             trainer.config.train.batch_size,
             trainer.config.train.grad_accum,
-            mem.checkpointing,
-            mem.stream_blocks,
-            mem.prefetch
+            trainer.memory.describe(),
         ));
         return Ok(ExitCode::SUCCESS);
     }

@@ -374,6 +374,7 @@ impl ClipTextModel {
                     ClipLayout::OpenClip => proj.get((d, s[1]), "weight")?.t()?.contiguous()?,
                 };
                 Some(Linear {
+                    fp8_scale: None,
                     weight,
                     bias: None,
                     lora: None,

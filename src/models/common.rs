@@ -88,3 +88,21 @@ pub(crate) fn conds<'a, const N: usize>(
     }
     Ok(arr)
 }
+
+/// (height, width) of the latents (C, H, W) and the token count of the context (T, D) of a
+/// sample's shapes, for the memory planner; an error names what is missing.
+pub(crate) fn latent_and_context(
+    family: &str,
+    sample: &[Vec<usize>],
+) -> crate::Result<((usize, usize), usize)> {
+    match (sample.first(), sample.get(1)) {
+        (Some(l), Some(c)) if l.len() == 3 && c.len() == 2 => Ok(((l[1], l[2]), c[0])),
+        _ => Err(crate::Error::Config {
+            path: None,
+            msg: format!(
+                "{family}: the memory plan needs a sample's latents (C, H, W) and context \
+                 (T, D), got shapes {sample:?}"
+            ),
+        }),
+    }
+}

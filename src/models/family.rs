@@ -13,7 +13,9 @@
 use super::checkpoint::{Checkpoint, Format};
 use crate::autograd::Keep;
 use crate::nn::{Adapters, KeyMap, VarBuilder};
-use crate::stream::{BlockExec, BlockStreamer, Checkpointing};
+use crate::stream::{
+    BlockCost, BlockExec, BlockShape, BlockStreamer, Checkpointing, MemoryProfile, Plan,
+};
 use crate::train::Ddpm;
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::Path;
@@ -127,6 +129,22 @@ pub struct MemoryPlan {
     pub prefetch: usize,
     /// What checkpointed blocks keep from their forward instead of recomputing.
     pub keep: Keep,
+    /// The streamed blocks by prefix (the planner's choice); when set, it replaces
+    /// `stream_blocks`. A prefix that is not a block of the model is an error.
+    pub stream_prefixes: Option<Vec<String>>,
+}
+
+impl MemoryPlan {
+    /// The load-time form of a planner's plan.
+    pub fn from_plan(plan: &Plan) -> Self {
+        MemoryPlan {
+            checkpointing: plan.checkpointing,
+            stream_blocks: plan.streamed.len(),
+            prefetch: plan.prefetch.max(1),
+            keep: plan.keep,
+            stream_prefixes: Some(plan.streamed.clone()),
+        }
+    }
 }
 
 /// Everything a load needs besides the path.
@@ -194,6 +212,10 @@ pub trait ModelSpec: DiffusionModel + Sized + 'static {
     }
     /// Builds the model from a builder over its weights.
     fn build(vb: &VarBuilder, config: &Self::Config) -> Result<Self>;
+    /// The activation shape of each block (in `block_prefixes_of` order) for one sample
+    /// whose inputs have the shapes `sample` (in `DiffusionModel::inputs` order, batch
+    /// excluded): what the memory planner sizes activations from.
+    fn block_shapes(config: &Self::Config, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>>;
 }
 
 /// A model, its weight builder (for parameter lists and unused-key checks) and the key map
@@ -217,20 +239,7 @@ pub fn load_as<M: ModelSpec>(
     config: Option<M::Config>,
 ) -> Result<Loaded<M>> {
     let family = M::entry();
-    let ckpt = Checkpoint::open(path, family.subfolder)?;
-    if ckpt.format == Format::SingleFile {
-        M::check_single_file(&ckpt)?;
-    }
-    let config = match (config, &opts.config, &ckpt.config) {
-        (Some(c), _, _) => c,
-        (None, Some(json), _) | (None, None, Some(json)) => M::config_from_diffusers(json)?,
-        (None, None, None) => {
-            let map = M::diffusers_map(&M::reference_config());
-            let vb = ckpt.var_builder(opts.dtype, &opts.device, map)?;
-            M::config_from_single_file(&vb)?
-        }
-    };
-    M::validate(&config)?;
+    let (ckpt, config) = resolve::<M>(path.as_ref(), opts, config)?;
     let key_map = M::diffusers_map(&config);
     let mut vb = ckpt
         .var_builder(opts.dtype, &opts.device, key_map.clone())?
@@ -240,6 +249,20 @@ pub fn load_as<M: ModelSpec>(
     }
     let prefixes = M::block_prefixes_of(&config);
     let plan = &opts.memory;
+    if let Some(bad) = plan
+        .stream_prefixes
+        .iter()
+        .flatten()
+        .find(|p| !prefixes.contains(p))
+    {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "memory plan: \"{bad}\" is not a block of this {} model",
+                family.name
+            ),
+        });
+    }
     if plan.stream_blocks > prefixes.len() {
         return Err(Error::Config {
             path: None,
@@ -251,12 +274,19 @@ pub fn load_as<M: ModelSpec>(
             ),
         });
     }
-    let streamer = if plan.stream_blocks > 0 {
-        let n = plan.stream_blocks;
+    let chosen: Vec<String> = match &plan.stream_prefixes {
+        // In execution order, whatever order the plan lists them in.
+        Some(list) => prefixes
+            .iter()
+            .filter(|p| list.contains(p))
+            .cloned()
+            .collect(),
         // Spread evenly over the execution order: block k * len / n for k < n.
-        let chosen = (0..n)
-            .map(|k| prefixes[k * prefixes.len() / n].clone())
-            .collect();
+        None => (0..plan.stream_blocks)
+            .map(|k| prefixes[k * prefixes.len() / plan.stream_blocks].clone())
+            .collect(),
+    };
+    let streamer = if !chosen.is_empty() {
         let s = BlockStreamer::new(&opts.device, chosen, plan.prefetch.max(1));
         vb = vb.with_streamer(s.clone())?;
         Some(s)
@@ -274,6 +304,143 @@ pub fn load_as<M: ModelSpec>(
         vb,
         key_map,
     })
+}
+
+/// Opens the checkpoint at `path` and works out its config (given, `opts.config`, the
+/// checkpoint's config.json, or its shapes), validated.
+fn resolve<M: ModelSpec>(
+    path: &Path,
+    opts: &LoadOptions,
+    config: Option<M::Config>,
+) -> Result<(Checkpoint, M::Config)> {
+    let ckpt = Checkpoint::open(path, M::entry().subfolder)?;
+    if ckpt.format == Format::SingleFile {
+        M::check_single_file(&ckpt)?;
+    }
+    let config = match (config, &opts.config, &ckpt.config) {
+        (Some(c), _, _) => c,
+        (None, Some(json), _) | (None, None, Some(json)) => M::config_from_diffusers(json)?,
+        (None, None, None) => {
+            let map = M::diffusers_map(&M::reference_config());
+            let vb = ckpt.var_builder(opts.dtype, &opts.device, map)?;
+            M::config_from_single_file(&vb)?
+        }
+    };
+    M::validate(&config)?;
+    Ok((ckpt, config))
+}
+
+/// What the memory planner needs to know of a training run besides the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunShape {
+    /// The shapes of one sample's inputs (`DiffusionModel::inputs` order, batch excluded).
+    pub sample: Vec<Vec<usize>>,
+    /// Samples per micro-batch.
+    pub batch: usize,
+    /// Optimizer state bytes per trainable value (AdamW 8, AdamW8bit about 2.03).
+    pub optimizer_bytes_per_value: f64,
+}
+
+/// The memory profile of training a model of family `M` from `path` with `opts` (dtype,
+/// FP8, adapters): every block's weight bytes from a build on a shapes-only builder (no
+/// weight is read), its activation bytes from `ModelSpec::block_shapes`. Reads only the
+/// checkpoint's header and config.
+pub fn profile_as<M: ModelSpec>(
+    path: &Path,
+    opts: &LoadOptions,
+    run: &RunShape,
+) -> Result<MemoryProfile> {
+    let (_, config) = resolve::<M>(path, opts, None)?;
+    profile_config::<M>(&config, opts, run)
+}
+
+/// [`profile_as`] for a config in hand (no checkpoint: a model of that config with its
+/// weights as `opts` would store them).
+pub fn profile_config<M: ModelSpec>(
+    config: &M::Config,
+    opts: &LoadOptions,
+    run: &RunShape,
+) -> Result<MemoryProfile> {
+    let config = config.clone();
+    let mut vb = VarBuilder::shapes_only(opts.dtype).with_fp8(opts.fp8)?;
+    let probe_adapters = match &opts.adapters {
+        Some(a) => {
+            let fresh = Adapters::new(a.config.clone())?;
+            vb = vb.with_adapters(fresh.clone())?;
+            Some(fresh)
+        }
+        None => None,
+    };
+    M::build(&vb, &config)?;
+    let prefixes = M::block_prefixes_of(&config);
+    let shapes = M::block_shapes(&config, &run.sample)?;
+    if shapes.len() != prefixes.len() {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "{}: {} block shapes for {} blocks",
+                M::entry().name,
+                shapes.len(),
+                prefixes.len()
+            ),
+        });
+    }
+    let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+    let params = vb.params()?;
+    let elem = opts.dtype.size_in_bytes();
+    let mut blocks: Vec<BlockCost> = prefixes
+        .iter()
+        .zip(&shapes)
+        .map(|(p, sh)| {
+            let (input_bytes, saved_bytes, attention_bytes) = sh.bytes(run.batch.max(1), elem);
+            BlockCost {
+                prefix: p.clone(),
+                weight_bytes: 0,
+                input_bytes,
+                saved_bytes,
+                attention_bytes,
+            }
+        })
+        .collect();
+    let mut other = 0u64;
+    for (key, t) in &params {
+        match blocks.iter_mut().find(|b| {
+            key.strip_prefix(&b.prefix)
+                .is_some_and(|r| r.starts_with('.'))
+        }) {
+            Some(b) => b.weight_bytes += bytes(t),
+            None => other += bytes(t),
+        }
+    }
+    let trainable_values: usize = match &probe_adapters {
+        Some(a) => a.params()?.iter().map(|(_, t)| t.elem_count()).sum(),
+        None => 0,
+    };
+    // The sample (latents, noise, target, prediction) and the loss, in f32, plus 256 MiB
+    // for transient buffers (a decoded FP8 weight, cuBLAS workspace, matmul outputs).
+    let sample_values: usize = run.sample.iter().map(|s| s.iter().product::<usize>()).sum();
+    let fixed = (4 * sample_values * run.batch.max(1) * 4) as u64 + (256 << 20);
+    Ok(MemoryProfile {
+        blocks,
+        other_weight_bytes: other,
+        trainable_bytes: (trainable_values * 4) as u64,
+        optimizer_bytes: (trainable_values as f64 * run.optimizer_bytes_per_value) as u64,
+        fixed_bytes: fixed,
+    })
+}
+
+fn profile_boxed<M: ModelSpec>(
+    path: &Path,
+    opts: &LoadOptions,
+    run: &RunShape,
+) -> Result<MemoryProfile> {
+    profile_as::<M>(path, opts, run)
+}
+
+fn probe_boxed<M: ModelSpec>(path: &Path, opts: &LoadOptions) -> Result<Box<dyn DiffusionModel>> {
+    let (_, config) = resolve::<M>(path, opts, None)?;
+    let vb = VarBuilder::shapes_only(opts.dtype).with_fp8(opts.fp8)?;
+    Ok(Box::new(M::build(&vb, &config)?))
 }
 
 fn load_boxed<M: ModelSpec>(path: &Path, opts: &LoadOptions) -> Result<Loaded<dyn DiffusionModel>> {
@@ -295,6 +462,8 @@ pub struct Family {
     /// One line for listings.
     pub about: &'static str,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
+    profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
+    probe: fn(&Path, &LoadOptions) -> Result<Box<dyn DiffusionModel>>,
 }
 
 impl Family {
@@ -309,7 +478,29 @@ impl Family {
             subfolder,
             about,
             load: load_boxed::<M>,
+            profile: profile_boxed::<M>,
+            probe: probe_boxed::<M>,
         }
+    }
+
+    /// The model at `path` built without its weights (every parameter a zero-stride view;
+    /// adapters not attached): its inputs and shape checks before anything is loaded.
+    pub fn probe(
+        &self,
+        path: impl AsRef<Path>,
+        opts: &LoadOptions,
+    ) -> Result<Box<dyn DiffusionModel>> {
+        (self.probe)(path.as_ref(), opts)
+    }
+
+    /// The memory profile of training a model of this family (see [`profile_as`]).
+    pub fn profile(
+        &self,
+        path: impl AsRef<Path>,
+        opts: &LoadOptions,
+        run: &RunShape,
+    ) -> Result<MemoryProfile> {
+        (self.profile)(path.as_ref(), opts, run)
     }
 
     /// Loads a model of this family from `path` (see [`load_as`]).

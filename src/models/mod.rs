@@ -12,6 +12,6 @@ pub mod sdxl;
 
 pub use checkpoint::{Checkpoint, Format};
 pub use family::{
-    family, load, load_as, DiffusionModel, Family, Input, LoadOptions, Loaded, MemoryPlan,
-    ModelSpec, Objective, Size, FAMILIES,
+    family, load, load_as, profile_as, profile_config, DiffusionModel, Family, Input, LoadOptions,
+    Loaded, MemoryPlan, ModelSpec, Objective, RunShape, Size, FAMILIES,
 };

@@ -66,6 +66,9 @@ struct Shared {
     streamer: Option<Arc<crate::stream::BlockStreamer>>,
     /// Linear weights load as FP8 E4M3 codes with per-row scales (`get_linear_weight`).
     fp8: bool,
+    /// Every tensor is a zero-stride view of one zero (`shapes_only`): a build that only
+    /// learns the model's parameter shapes.
+    shapes_only: bool,
     dtype: DType,
     device: Device,
     /// Every tensor handed out, by full key.
@@ -143,6 +146,18 @@ impl VarBuilder {
         Self::new(Source::Random { seed, std }, dtype, device)
     }
 
+    /// A builder that hands out zero-stride views of a single zero in the asked shape (no
+    /// memory per tensor): building a model from it lists its parameters' keys, shapes and
+    /// bytes (`params`) without reading or allocating weights. The memory planner sizes
+    /// models this way before loading them.
+    pub fn shapes_only(dtype: DType) -> Self {
+        let mut vb = Self::new(Source::Random { seed: 0, std: 0.0 }, dtype, &Device::Cpu);
+        if let Some(shared) = Arc::get_mut(&mut vb.shared) {
+            shared.shapes_only = true;
+        }
+        vb
+    }
+
     fn new(source: Source, dtype: DType, device: &Device) -> Self {
         VarBuilder {
             shared: Arc::new(Shared {
@@ -151,6 +166,7 @@ impl VarBuilder {
                 adapters: None,
                 streamer: None,
                 fp8: false,
+                shapes_only: false,
                 dtype,
                 device: device.clone(),
                 loaded: Mutex::new(BTreeMap::new()),
@@ -384,6 +400,15 @@ impl VarBuilder {
                 Some(self.same_shape(&scale_key, sc, &scale_shape)?),
             ));
         }
+        if self.shared.shapes_only {
+            let (c, sc) = (
+                placeholder(DType::U32, &codes_shape)?,
+                placeholder(DType::F32, &scale_shape)?,
+            );
+            loaded.insert(key, c.clone());
+            loaded.insert(scale_key, sc.clone());
+            return Ok((c, Some(sc)));
+        }
         let w = self.assemble(&key, &Shape::from((out_dim, in_dim)))?;
         // The weight crosses to the host in its own dtype (half the bytes of f32 for bf16).
         let host: Vec<f32> = {
@@ -431,6 +456,9 @@ impl VarBuilder {
     fn assemble(&self, key: &str, shape: &Shape) -> Result<Tensor> {
         let key = key.to_string();
         let shape = shape.clone();
+        if self.shared.shapes_only {
+            return placeholder(self.shared.dtype, &shape);
+        }
         if let Source::Random { seed, std } = self.shared.source {
             let h = key_hash(&key);
             return Tensor::randn_normal(
@@ -658,4 +686,9 @@ impl VarBuilder {
             .filter(|(_, t)| t.is_var())
             .collect())
     }
+}
+
+/// A zero-stride view of one zero of `dtype` with `shape` (one element of memory).
+fn placeholder(dtype: DType, shape: &Shape) -> Result<Tensor> {
+    Tensor::zeros((), dtype, &Device::Cpu)?.broadcast_as(shape.clone())
 }

@@ -20,8 +20,12 @@
 //! garbage. The README's "Memory model" section states who owns which buffer on which
 //! stream.
 
+mod plan;
 mod streamer;
 
+pub use plan::{
+    BlockCost, BlockShape, MemoryProfile, NoPlan, Plan, Planned, SAVED_PER_TOKEN_CHANNEL,
+};
 pub use streamer::{BlockStreamer, StreamReport};
 
 use crate::autograd::{checkpoint_keeping, CheckpointHooks, Keep};

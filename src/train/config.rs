@@ -195,6 +195,9 @@ section! {
 section! {
     /// `[optimizer]`: AdamW.
     OptimizerSection / RawOptimizer = "optimizer" {
+        /// "adamw" (f32 moments, 8 bytes a parameter) or "adamw8bit" (both moments
+        /// block-wise 8-bit, about 2 bytes a parameter; parameters under 4096 values keep f32).
+        kind: String = "adamw",
         /// The peak learning rate, > 0.
         lr: f64 = 1e-4,
         /// Adam's beta1 and beta2, each in [0, 1).
@@ -271,8 +274,14 @@ section! {
 section! {
     /// `[memory]`: block checkpointing and streaming.
     MemorySection / RawMemory = "memory" {
-        /// Gradient checkpointing of blocks: "off", "all" or "every:N" (every N-th block).
-        checkpointing: String = "off",
+        /// GiB of GPU memory the run may hold (0: on a GPU, the memory free at start; on the
+        /// CPU, no limit). The allocator is capped there, and with checkpointing = "auto"
+        /// the planner picks the fastest plan predicted to fit.
+        budget_gb: f64 = 0.0,
+        /// Gradient checkpointing of blocks: "auto" (the planner chooses checkpointing,
+        /// streamed blocks and kept attention for memory.budget_gb), "off", "all" or
+        /// "every:N" (every N-th block; then stream_blocks and keep_attention apply as given).
+        checkpointing: String = "auto",
         /// Blocks whose frozen weights stay in host memory and are streamed to the GPU when
         /// used (spread over the model; implies their checkpointing).
         stream_blocks: usize = 0_usize,
@@ -505,6 +514,11 @@ impl TrainConfig {
             "adapter.targets",
             format!("{:?}: must be non-empty patterns", a.targets),
         );
+        c.check(
+            matches!(o.kind.as_str(), "adamw" | "adamw8bit"),
+            "optimizer.kind",
+            format!("{:?}: expected \"adamw\" or \"adamw8bit\"", o.kind),
+        );
         c.positive_f("optimizer.lr", o.lr);
         c.check(
             o.betas.iter().all(|b| (0.0..1.0).contains(b)),
@@ -555,6 +569,11 @@ impl TrainConfig {
             c.check(false, "memory.checkpointing", e);
         }
         c.check(mem.prefetch > 0, "memory.prefetch", "0: at least 1".into());
+        c.check(
+            mem.budget_gb.is_finite() && mem.budget_gb >= 0.0,
+            "memory.budget_gb",
+            format!("{}: must be >= 0 (0: the GPU's free memory)", mem.budget_gb),
+        );
         v
     }
 
@@ -580,18 +599,19 @@ impl TrainConfig {
         }
     }
 
-    /// `memory.checkpointing` parsed.
-    pub fn checkpointing(&self) -> std::result::Result<Checkpointing, String> {
+    /// `memory.checkpointing` parsed: `None` for "auto" (the planner decides).
+    pub fn checkpointing(&self) -> std::result::Result<Option<Checkpointing>, String> {
         let c = self.memory.checkpointing.as_str();
         match c {
-            "off" => Ok(Checkpointing::Off),
-            "all" => Ok(Checkpointing::All),
+            "auto" => Ok(None),
+            "off" => Ok(Some(Checkpointing::Off)),
+            "all" => Ok(Some(Checkpointing::All)),
             _ => c
                 .strip_prefix("every:")
                 .and_then(|n| n.trim().parse::<usize>().ok())
                 .filter(|&n| n > 0)
-                .map(Checkpointing::Every)
-                .ok_or_else(|| format!("\"{c}\": expected off, all or every:N with N >= 1")),
+                .map(|n| Some(Checkpointing::Every(n)))
+                .ok_or_else(|| format!("\"{c}\": expected auto, off, all or every:N with N >= 1")),
         }
     }
 
@@ -697,6 +717,7 @@ impl TrainConfig {
             ("adapter.dropout", show(&a.dropout)),
             ("adapter.targets", show(&a.targets)),
             ("adapter.format", show(&a.format)),
+            ("optimizer.kind", show(&o.kind)),
             ("optimizer.lr", show(&o.lr)),
             ("optimizer.betas", show(&o.betas)),
             ("optimizer.weight_decay", show(&o.weight_decay)),

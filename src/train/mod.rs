@@ -5,11 +5,13 @@
 pub mod config;
 pub mod data;
 pub mod demo;
+pub mod memory;
 pub mod objectives;
 pub mod rundir;
 pub mod trainer;
 
 pub use config::TrainConfig;
+pub use memory::MemoryChoice;
 pub use objectives::{
     flow_matching, flux_mu, flux_time_shift, shift_time, weighted_mse, Ddpm, Prediction,
     TimestepSampling,

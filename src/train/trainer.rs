@@ -11,12 +11,12 @@
 use super::config::{AdapterFormat, ModelDType, TrainConfig};
 use super::data::{indices, Dataset};
 use super::demo;
+use super::memory::{plan_memory, MemoryChoice};
 use super::objectives::{flow_matching, weighted_mse, Prediction};
 use super::rundir::{read_log, write_atomic, CheckpointState, Manifest, RunDir, FINAL, LOG};
-use crate::autograd::Keep;
 use crate::models::{self, DiffusionModel, LoadOptions, MemoryPlan, Objective};
 use crate::nn::{Adapters, KeyMap, GOLDEN};
-use crate::optim::{AdamConfig, AdamW, Optimizer};
+use crate::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
 use crate::{DType, Device, Error, Grads, Result, Tensor};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -32,7 +32,9 @@ pub struct Trainer {
     /// The adapters being trained.
     pub adapters: Arc<Adapters>,
     data: Dataset,
-    opt: AdamW,
+    opt: Box<dyn Optimizer>,
+    /// The memory plan the model runs under, as chosen or configured.
+    pub memory: MemoryChoice,
     device: Device,
     dtype: DType,
     /// Optimizer steps done (the next step is `step + 1`).
@@ -213,36 +215,18 @@ impl Trainer {
             ModelDType::Bf16 | ModelDType::Fp8 => DType::BF16,
         };
         let adapters = Adapters::new(config.lora())?;
-        let opts = LoadOptions {
+        let mut opts = LoadOptions {
             dtype,
             device: device.clone(),
-            adapters: Some(adapters.clone()),
+            adapters: None,
             config: json,
             fp8: m.dtype == ModelDType::Fp8,
-            memory: MemoryPlan {
-                checkpointing: config.checkpointing().map_err(|msg| Error::Config {
-                    path: None,
-                    msg: format!("memory.checkpointing = {msg}"),
-                })?,
-                stream_blocks: config.memory.stream_blocks,
-                prefetch: config.memory.prefetch,
-                keep: Keep {
-                    attention: config.memory.keep_attention,
-                },
-            },
+            memory: MemoryPlan::default(),
         };
-        let loaded = family.load(&m.path, &opts)?;
-        let model = loaded.model;
-        if adapters.layers()?.is_empty() {
-            return Err(Error::Config {
-                path: None,
-                msg: format!(
-                    "adapter.targets = {:?} match no Linear layer of the model",
-                    config.adapter.targets
-                ),
-            });
-        }
-        let inputs = model.inputs();
+        // The model's inputs and the data's shapes first, from a build without weights, so
+        // bad data and an impossible memory budget fail before any weight is read.
+        let probe = family.probe(&m.path, &opts)?;
+        let inputs = probe.inputs();
         if config.data.synthetic > 0 && !config.data.dir.exists() {
             let size = |i: usize, d: usize| match inputs.get(i).and_then(|x| x.dims.get(d)) {
                 Some(models::Size::Exactly(n)) => *n,
@@ -254,24 +238,49 @@ impl Trainer {
                 (size(0, 0), size(1, 1), size(2, 0)),
             )?;
         }
-        let data = Dataset::open(&config.data.dir, &inputs, &|s| model.check_shapes(s))?;
+        let data = Dataset::open(&config.data.dir, &inputs, &|s| probe.check_shapes(s))?;
+        drop(probe);
+        opts.adapters = Some(adapters.clone());
+        let memory = plan_memory(&config, family, &opts, &device, &data)?;
+        opts.memory = memory.plan.clone();
+        let loaded = family.load(&m.path, &opts)?;
+        let model = loaded.model;
+        if adapters.layers()?.is_empty() {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "adapter.targets = {:?} match no Linear layer of the model",
+                    config.adapter.targets
+                ),
+            });
+        }
         let o = &config.optimizer;
-        let opt = AdamW::new(
-            adapters.params()?,
-            AdamConfig {
-                lr: o.lr,
-                beta1: o.betas[0],
-                beta2: o.betas[1],
-                eps: o.eps,
-                weight_decay: o.weight_decay,
-            },
-        )
-        .map_err(|e| Error::Config {
+        let adam = AdamConfig {
+            lr: o.lr,
+            beta1: o.betas[0],
+            beta2: o.betas[1],
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+        };
+        let opt: Result<Box<dyn Optimizer>> = if o.kind == "adamw8bit" {
+            AdamW8bit::new(
+                adapters.params()?,
+                AdamW8bitConfig {
+                    adam,
+                    ..Default::default()
+                },
+            )
+            .map(|o| Box::new(o) as Box<dyn Optimizer>)
+        } else {
+            AdamW::new(adapters.params()?, adam).map(|o| Box::new(o) as Box<dyn Optimizer>)
+        };
+        let opt = opt.map_err(|e| Error::Config {
             path: None,
             msg: format!("[optimizer]: {e}"),
         })?;
         Ok(Trainer {
             config,
+            memory,
             model,
             map: loaded.key_map,
             adapters,
@@ -354,6 +363,10 @@ impl Trainer {
     /// gradient norm stops with an error naming the step, the batch's files and the tensor,
     /// or (`train.on_nonfinite = "skip"`) skips the update.
     pub fn train_step(&mut self) -> Result<StepReport> {
+        self.step_inner().map_err(|e| self.memory.explain(e))
+    }
+
+    fn step_inner(&mut self) -> Result<StepReport> {
         let t = &self.config.train;
         let (b, acc, seed) = (t.batch_size, t.grad_accum, t.seed);
         let lr = self.config.lr_at(self.step);

@@ -3,10 +3,10 @@
 
 use super::{diffusers_map, image_ids, pack_latents, text_ids, unpack_latents, Flux, FluxConfig};
 use crate::models::checkpoint::Checkpoint;
-use crate::models::common::conds;
+use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
 use crate::nn::{KeyMap, VarBuilder};
-use crate::stream::BlockExec;
+use crate::stream::{BlockExec, BlockShape};
 use crate::{DType, Result, Tensor};
 
 /// The registry entry of Flux (BFL's FLUX.1 dev / schnell and fine-tunes).
@@ -49,6 +49,19 @@ impl ModelSpec for Flux {
     }
     fn build(vb: &VarBuilder, config: &FluxConfig) -> Result<Flux> {
         Flux::new(vb, config)
+    }
+    /// Every block (double and single) sees the packed image tokens ((H/2)(W/2)) and the
+    /// text tokens at the hidden width, one attention call each.
+    fn block_shapes(config: &FluxConfig, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>> {
+        let ((h, w), t) = latent_and_context("flux", sample)?;
+        let shape = BlockShape {
+            tokens: (h / 2) * (w / 2) + t,
+            width: config.hidden_size,
+            layers: 1.0,
+            attention_calls: 1,
+            heads: config.num_heads,
+        };
+        Ok(vec![shape; config.depth + config.depth_single_blocks])
     }
 }
 

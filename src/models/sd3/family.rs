@@ -1,10 +1,10 @@
 //! SD3 / SD3.5 as a registered model family.
 
 use super::{diffusers_map, Sd3, Sd3Config};
-use crate::models::common::conds;
+use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
 use crate::nn::{KeyMap, VarBuilder};
-use crate::stream::BlockExec;
+use crate::stream::{BlockExec, BlockShape};
 use crate::{Result, Tensor};
 
 /// The registry entry of SD3 / SD3.5 (Stability's MMDiT).
@@ -40,6 +40,24 @@ impl ModelSpec for Sd3 {
     }
     fn build(vb: &VarBuilder, config: &Sd3Config) -> Result<Sd3> {
         Sd3::new(vb, config)
+    }
+    /// Every joint block sees the patch tokens ((H/p)(W/p)) and the context tokens at the
+    /// hidden width; MMDiT-X's dual-attention blocks attend twice over the image tokens.
+    fn block_shapes(config: &Sd3Config, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>> {
+        let ((h, w), t) = latent_and_context("sd3", sample)?;
+        let p = config.patch_size.max(1);
+        Ok((0..config.depth)
+            .map(|i| {
+                let dual = config.dual_attention_layers.contains(&i);
+                BlockShape {
+                    tokens: (h / p) * (w / p) + t,
+                    width: config.hidden_size,
+                    layers: if dual { 1.3 } else { 1.0 },
+                    attention_calls: 1 + usize::from(dual),
+                    heads: config.num_heads,
+                }
+            })
+            .collect())
     }
 }
 

@@ -1,10 +1,10 @@
 //! The SDXL UNet as a registered model family.
 
 use super::{diffusers_map, sdxl_vector, SdxlConfig, Unet};
-use crate::models::common::conds;
+use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
 use crate::nn::{KeyMap, VarBuilder};
-use crate::stream::BlockExec;
+use crate::stream::{BlockExec, BlockShape};
 use crate::train::Ddpm;
 use crate::{DType, Result, Tensor};
 
@@ -44,6 +44,42 @@ impl ModelSpec for Unet {
     }
     fn build(vb: &VarBuilder, config: &SdxlConfig) -> Result<Unet> {
         Unet::new(vb, config)
+    }
+    /// Each block at its level's resolution (H/2^l x W/2^l positions) and channels: a
+    /// ResNet counts 0.35 of a transformer layer (a handful of maps a position against a
+    /// transformer layer's ~21), each transformer layer 1 and two attention calls (self and
+    /// cross), a downsampling block 0.25; output blocks read the concatenated skip (0.5 more).
+    /// A coarse estimate: not yet checked against a measured SDXL step.
+    fn block_shapes(config: &SdxlConfig, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>> {
+        let ((h, w), _) = latent_and_context("sdxl", sample)?;
+        let levels = config.levels();
+        let at = |l: usize, layers: f64, depth: usize| BlockShape {
+            tokens: (h >> l).max(1) * (w >> l).max(1),
+            width: config.channels(l),
+            layers,
+            attention_calls: 2 * depth,
+            heads: config.num_heads[l],
+        };
+        let mut v = vec![];
+        for l in 0..levels {
+            let d = config.transformer_depth[l];
+            for _ in 0..config.num_res_blocks {
+                v.push(at(l, 0.35 + d as f64, d));
+            }
+            if l + 1 < levels {
+                v.push(at(l, 0.25, 0));
+            }
+        }
+        let top = levels - 1;
+        let dm = config.transformer_depth_middle;
+        v.push(at(top, 0.7 + dm as f64, dm));
+        for l in (0..levels).rev() {
+            let d = config.transformer_depth[l];
+            for _ in 0..=config.num_res_blocks {
+                v.push(at(l, 0.85 + d as f64, d));
+            }
+        }
+        Ok(v)
     }
 }
 

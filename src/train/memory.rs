@@ -1,0 +1,239 @@
+//! The training run's memory plan: from `[memory]` and the model's profile to the plan the
+//! model loads with, the predicted peak, the allocator cap, and the advice an out-of-memory
+//! error carries.
+
+use super::config::TrainConfig;
+use super::data::Dataset;
+use crate::models::{Family, LoadOptions, MemoryPlan, RunShape};
+use crate::stream::{MemoryProfile, Plan};
+use crate::{Device, Error, Result};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn gib(b: u64) -> f64 {
+    b as f64 / GIB
+}
+
+/// The plan a run uses and what it predicts.
+#[derive(Clone, Debug)]
+pub struct MemoryChoice {
+    /// What the model loads with.
+    pub plan: MemoryPlan,
+    /// The plan in words.
+    pub summary: String,
+    /// The budget in bytes (the allocator's cap on a GPU), if any.
+    pub budget: Option<u64>,
+    /// The predicted peak of a step, when the model's profile was worked out.
+    pub predicted_peak: Option<u64>,
+    /// What to change if a step runs out of memory anyway.
+    pub hint: String,
+}
+
+impl MemoryChoice {
+    /// One line for the run's summary and `--plan`.
+    pub fn describe(&self) -> String {
+        let mut s = format!("memory: {}", self.summary);
+        if let Some(p) = self.predicted_peak {
+            s += &format!(", predicted peak {:.2} GiB", gib(p));
+        }
+        match self.budget {
+            Some(b) => s += &format!(" (budget {:.2} GiB)", gib(b)),
+            None => s += " (no budget)",
+        }
+        s
+    }
+
+    /// `e` with the plan and the advice attached when it is an out-of-memory error.
+    pub fn explain(&self, e: Error) -> Error {
+        match e {
+            Error::OutOfMemory { .. } => Error::PlanExceeded {
+                error: Box::new(e),
+                plan: self.describe(),
+                hint: self.hint.clone(),
+            },
+            e => e,
+        }
+    }
+}
+
+/// Optimizer state bytes per trainable value: AdamW's two f32 moments, or AdamW8bit's two
+/// 8-bit codes plus an f32 absmax per 256-value block for each moment.
+fn optimizer_bytes(kind: &str) -> f64 {
+    if kind == "adamw8bit" {
+        2.0 + 8.0 / 256.0
+    } else {
+        8.0
+    }
+}
+
+/// The profile of this run's model (reads the checkpoint's header only).
+fn profile(
+    config: &TrainConfig,
+    family: &Family,
+    opts: &LoadOptions,
+    data: &Dataset,
+) -> Result<MemoryProfile> {
+    family.profile(
+        &config.model.path,
+        opts,
+        &RunShape {
+            sample: data.shapes.clone(),
+            batch: config.train.batch_size,
+            optimizer_bytes_per_value: optimizer_bytes(&config.optimizer.kind),
+        },
+    )
+}
+
+/// The budget: `memory.budget_gb`, else on a GPU the memory free now; none on the CPU.
+fn budget(config: &TrainConfig, device: &Device) -> Result<Option<u64>> {
+    if config.memory.budget_gb > 0.0 {
+        return Ok(Some((config.memory.budget_gb * GIB) as u64));
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(c) = device {
+        return Ok(Some(c.total_memory()? - c.device_memory_used()?));
+    }
+    let _ = device;
+    Ok(None)
+}
+
+/// Picks (or takes from the config) the memory plan, caps the allocator at the budget, and
+/// refuses a budget no plan fits before any weight is loaded.
+pub(crate) fn plan_memory(
+    config: &TrainConfig,
+    family: &Family,
+    opts: &LoadOptions,
+    device: &Device,
+    data: &Dataset,
+) -> Result<MemoryChoice> {
+    let mem = &config.memory;
+    let manual = config.checkpointing().map_err(|msg| Error::Config {
+        path: None,
+        msg: format!("memory.checkpointing = {msg}"),
+    })?;
+    let budget = budget(config, device)?;
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(c), Some(b)) = (device, budget) {
+        if mem.budget_gb > 0.0 {
+            c.set_memory_limit(Some(b));
+        }
+    }
+    let choice = match (manual, budget) {
+        (Some(checkpointing), _) => {
+            let plan = MemoryPlan {
+                checkpointing,
+                stream_blocks: mem.stream_blocks,
+                prefetch: mem.prefetch,
+                keep: crate::autograd::Keep {
+                    attention: mem.keep_attention,
+                },
+                stream_prefixes: None,
+            };
+            let prof = profile(config, family, opts, data)?;
+            let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
+            let n = plan.stream_blocks.min(prefixes.len());
+            let as_plan = Plan {
+                checkpointing,
+                streamed: (0..n)
+                    .map(|k| prefixes[k * prefixes.len() / n.max(1)].clone())
+                    .collect(),
+                prefetch: plan.prefetch,
+                keep: plan.keep,
+            };
+            MemoryChoice {
+                summary: format!("{as_plan} (as configured)"),
+                predicted_peak: Some(prof.peak(&as_plan)),
+                hint: "set memory.checkpointing = \"auto\" with memory.budget_gb to let the \
+                       planner choose, or stream more blocks (memory.stream_blocks)"
+                    .into(),
+                plan,
+                budget,
+            }
+        }
+        (None, None) => MemoryChoice {
+            plan: MemoryPlan {
+                prefetch: mem.prefetch,
+                ..MemoryPlan::default()
+            },
+            summary: "every block resident (no budget on this device)".into(),
+            budget,
+            predicted_peak: None,
+            hint: "set memory.budget_gb".into(),
+        },
+        (None, Some(b)) => {
+            let prof = profile(config, family, opts, data)?;
+            match prof.plan(b) {
+                Ok(p) => {
+                    // The next plan down the list, for the out-of-memory advice.
+                    let next = prof
+                        .candidates()
+                        .into_iter()
+                        .map(|c| (prof.peak(&c), c))
+                        .find(|(peak, _)| *peak < p.peak);
+                    let hint = match next {
+                        Some((peak, c)) => format!(
+                            "the next plan ({c}) predicts {:.2} GiB: lower memory.budget_gb to \
+                             {:.1} to choose it",
+                            gib(peak),
+                            (gib(peak) * 10.0).ceil() / 10.0
+                        ),
+                        None => fp8_hint(config, family, opts, data)?,
+                    };
+                    let mut plan = MemoryPlan::from_plan(&p.plan);
+                    if p.plan.streamed.is_empty() {
+                        plan.prefetch = mem.prefetch;
+                    }
+                    MemoryChoice {
+                        plan,
+                        summary: format!(
+                            "{} ({:.1} GiB streamed a step)",
+                            p.plan,
+                            gib(p.streamed_bytes)
+                        ),
+                        budget,
+                        predicted_peak: Some(p.peak),
+                        hint,
+                    }
+                }
+                Err(no) => {
+                    return Err(Error::Config {
+                        path: None,
+                        msg: format!(
+                            "memory.budget_gb = {:.2}: no plan fits; the smallest (every block \
+                             checkpointed and streamed from host memory, prefetch 1) needs \
+                             {:.2} GiB. {}",
+                            gib(no.budget),
+                            gib(no.minimum),
+                            fp8_hint(config, family, opts, data)?
+                        ),
+                    })
+                }
+            }
+        }
+    };
+    Ok(choice)
+}
+
+/// Advice past the last plan: FP8 base weights when the run does not use them, else a
+/// smaller batch or resolution.
+fn fp8_hint(
+    config: &TrainConfig,
+    family: &Family,
+    opts: &LoadOptions,
+    data: &Dataset,
+) -> Result<String> {
+    if opts.fp8 {
+        return Ok("Lower train.batch_size or the resolution, or raise the budget.".into());
+    }
+    let mut o = opts.clone();
+    o.fp8 = true;
+    let prof = profile(config, family, &o, data)?;
+    let min = prof.candidates().iter().map(|c| prof.peak(c)).min();
+    Ok(match min {
+        Some(m) => format!(
+            "model.dtype = \"fp8\" lowers that minimum to {:.2} GiB.",
+            gib(m)
+        ),
+        None => "Set model.dtype = \"fp8\".".into(),
+    })
+}

@@ -1,83 +1,179 @@
-//! One full-size Flux-dev LoRA training step at 1024² (4096 image + 512 text tokens, batch 1,
-//! bf16, random base weights, rank-16 LoRA on every Linear of the 57 blocks): flow-matching
-//! forward, backward and the AdamW update, timed after a warm-up, with peak GPU memory.
+//! One full-size LoRA training step at 1024² (batch 1, bf16 or FP8 random base weights,
+//! rank-16 LoRA on every Linear of the blocks, f32 adapters): forward, backward and the
+//! optimizer update, timed after a warm-up, with peak GPU memory. `--model flux` (Flux-dev:
+//! 4096 image + 512 text tokens; the default), `sd35` (SD3.5-large: 4096 + 333) or `sdxl`
+//! (128² latents, 77 text tokens).
 //!
-//! Arguments pick the memory plan: `--checkpoint none|all|every:N`, `--stream N` (N blocks'
-//! weights kept in host memory, spread evenly over the 57 blocks, fetched `--prefetch K`
-//! blocks ahead); `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed
-//! has FLAME's peak, the driver's view of the device memory in use, host peak RSS and the
-//! bytes streamed.
+//! The memory plan: `--budget GB` lets the planner choose (its plan and predicted peak are
+//! printed; the allocator is capped at the budget), or by hand `--checkpoint
+//! none|all|every:N`, `--stream N` (N blocks spread evenly over the model), `--prefetch K`,
+//! `--keep-attention`. `--fp8` stores the base weights in FP8 E4M3, `--adam8bit` uses 8-bit
+//! AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
+//! peak, the driver's view of the device memory in use, host peak RSS and the bytes
+//! streamed.
 
 mod common;
 
 use flame::autograd::Keep;
-use flame::models::flux::{self, Flux, FluxConfig};
+use flame::models::flux::{Flux, FluxConfig};
+use flame::models::sd3::{Sd3, Sd3Config};
+use flame::models::sdxl::{SdxlConfig, Unet};
+use flame::models::{profile_config, LoadOptions, ModelSpec, Objective, RunShape};
 use flame::nn::{Adapters, LoraConfig, VarBuilder};
 use flame::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
-use flame::stream::{BlockExec, BlockStreamer, Checkpointing};
+use flame::stream::{BlockExec, BlockStreamer, Checkpointing, MemoryProfile, Plan};
 use flame::train::{flow_matching, weighted_mse, TimestepSampling};
 use flame::{DType, Device, Grads, Result, Tensor};
 
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The command line.
+struct Args(Vec<String>);
+
+impl Args {
+    fn value(&self, name: &str) -> Option<String> {
+        self.0
+            .iter()
+            .position(|a| a == name)
+            .and_then(|i| self.0.get(i + 1).cloned())
+    }
+    fn flag(&self, name: &str) -> bool {
+        self.0.iter().any(|a| a == name)
+    }
+}
+
 fn main() -> Result<()> {
+    let args = Args(std::env::args().skip(1).collect());
+    match args.value("--model").as_deref() {
+        None | Some("flux") => run::<Flux>(
+            &args,
+            "flux-dev",
+            FluxConfig::dev(),
+            &["double_blocks.*", "single_blocks.*"],
+            vec![vec![16, 128, 128], vec![512, 4096], vec![768]],
+        ),
+        Some("sd35") => run::<Sd3>(
+            &args,
+            "sd3.5-large",
+            Sd3Config::large(),
+            &["joint_blocks.*"],
+            vec![vec![16, 128, 128], vec![333, 4096], vec![2048]],
+        ),
+        Some("sdxl") => run::<Unet>(
+            &args,
+            "sdxl",
+            SdxlConfig::base(),
+            &["input_blocks.*", "middle_block.*", "output_blocks.*"],
+            vec![vec![4, 128, 128], vec![77, 2048], vec![1280], vec![6]],
+        ),
+        Some(m) => {
+            eprintln!("--model flux|sd35|sdxl, got {m}");
+            std::process::exit(2)
+        }
+    }
+}
+
+fn run<M: ModelSpec>(
+    args: &Args,
+    name: &str,
+    cfg: M::Config,
+    targets: &[&str],
+    sample: Vec<Vec<usize>>,
+) -> Result<()> {
     let dev = Device::cuda(0)?;
     let Device::Cuda(cuda) = &dev else {
         return Ok(());
     };
-    let adapters = Adapters::new(LoraConfig {
+    let lora = LoraConfig {
         rank: 16,
         alpha: 16.0,
         dropout: 0.0,
-        targets: vec!["double_blocks.*".into(), "single_blocks.*".into()],
+        targets: targets.iter().map(|t| t.to_string()).collect(),
         seed: 0,
-    })?;
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1).cloned())
     };
-    let checkpointing = match arg("--checkpoint").as_deref() {
-        None | Some("none") => Checkpointing::Off,
-        Some("all") => Checkpointing::All,
-        Some(s) => match s.strip_prefix("every:").and_then(|n| n.parse().ok()) {
-            Some(n) => Checkpointing::Every(n),
-            None => panic!("--checkpoint none|all|every:N, got {s}"),
-        },
+    let (fp8, adam8bit) = (args.flag("--fp8"), args.flag("--adam8bit"));
+    let num = |name: &str, default: usize| {
+        args.value(name)
+            .map_or(default, |s| s.parse().expect("a number"))
     };
-    let n_stream: usize = arg("--stream").map_or(0, |s| s.parse().expect("--stream N"));
-    let prefetch: usize = arg("--prefetch").map_or(1, |s| s.parse().expect("--prefetch K"));
-    let cfg = FluxConfig::dev();
-    let prefixes = cfg.block_prefixes();
-    let streamed: Vec<String> = (0..n_stream)
-        .map(|k| prefixes[k * prefixes.len() / n_stream.max(1)].clone())
-        .collect();
-    let flag = |name: &str| args.iter().any(|a| a == name);
-    let fp8 = flag("--fp8");
+    // The profile, for the planner and for the predicted peak of a hand-made plan.
+    let mut opts = LoadOptions::new(DType::BF16, &dev).with_adapters(Adapters::new(lora.clone())?);
+    opts.fp8 = fp8;
+    let run_shape = RunShape {
+        sample: sample.clone(),
+        batch: 1,
+        optimizer_bytes_per_value: if adam8bit { 2.0 + 8.0 / 256.0 } else { 8.0 },
+    };
+    let profile: MemoryProfile = profile_config::<M>(&cfg, &opts, &run_shape)?;
+    let plan = match args.value("--budget") {
+        Some(gb) => {
+            let b = (gb.parse::<f64>().expect("--budget GB") * GIB) as u64;
+            cuda.set_memory_limit(Some(b));
+            match profile.plan(b) {
+                Ok(p) => p.plan,
+                Err(e) => {
+                    println!(
+                        "flame {name}: no plan fits {gb} GiB (minimum {:.2} GiB)",
+                        e.minimum as f64 / GIB
+                    );
+                    return Ok(());
+                }
+            }
+        }
+        None => {
+            let checkpointing = match args.value("--checkpoint").as_deref() {
+                None | Some("none") => Checkpointing::Off,
+                Some("all") => Checkpointing::All,
+                Some(s) => match s.strip_prefix("every:").and_then(|n| n.parse().ok()) {
+                    Some(n) => Checkpointing::Every(n),
+                    None => panic!("--checkpoint none|all|every:N, got {s}"),
+                },
+            };
+            let n = num("--stream", 0);
+            let len = profile.blocks.len();
+            Plan {
+                checkpointing,
+                streamed: (0..n)
+                    .map(|k| profile.blocks[k * len / n.max(1)].prefix.clone())
+                    .collect(),
+                prefetch: num("--prefetch", 1),
+                keep: Keep {
+                    attention: args.flag("--keep-attention"),
+                },
+            }
+        }
+    };
+    let predicted = profile.peak(&plan) as f64 / GIB;
+    let adapters = Adapters::new(lora)?;
     let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev)
         .with_fp8(fp8)?
         .with_adapters(adapters.clone())?;
-    let streamer = if streamed.is_empty() {
+    let streamer = if plan.streamed.is_empty() {
         None
     } else {
-        let s = BlockStreamer::new(&dev, streamed, prefetch);
+        // In execution order.
+        let order: Vec<String> = profile
+            .blocks
+            .iter()
+            .map(|b| b.prefix.clone())
+            .filter(|p| plan.streamed.contains(p))
+            .collect();
+        let s = BlockStreamer::new(&dev, order, plan.prefetch.max(1));
         vb = vb.with_streamer(s.clone())?;
         Some(s)
     };
-    let mut model = Flux::new(&vb, &cfg)?;
-    model.exec = BlockExec {
-        checkpointing,
+    let mut model = M::build(&vb, &cfg)?;
+    model.set_exec(BlockExec {
+        checkpointing: plan.checkpointing,
         streamer: streamer.clone(),
-        keep: Keep {
-            attention: flag("--keep-attention"),
-        },
-    };
+        keep: plan.keep,
+    });
     let params = adapters.params()?;
     let n_params: usize = params.iter().map(|(_, t)| t.elem_count()).sum();
     let adam = AdamConfig {
         lr: 1e-4,
         ..Default::default()
     };
-    let adam8bit = flag("--adam8bit");
     let mut opt: Box<dyn Optimizer> = if adam8bit {
         Box::new(AdamW8bit::new(
             params,
@@ -89,31 +185,30 @@ fn main() -> Result<()> {
     } else {
         Box::new(AdamW::new(params, adam)?)
     };
-    let x0 = Tensor::randn((1, 16, 128, 128), DType::BF16, &dev, 10)?;
-    let txt = Tensor::randn((1, 512, 4096), DType::BF16, &dev, 11)?;
-    let y = Tensor::randn((1, 768), DType::BF16, &dev, 12)?;
-    let (img_ids, txt_ids) = (flux::image_ids(64, 64, &dev)?, flux::text_ids(512, &dev)?);
-    let g = Tensor::full(1.0, 1, DType::F32, &dev)?;
+    let with_batch = |s: &[usize]| [&[1usize][..], s].concat();
+    let x0 = Tensor::randn(with_batch(&sample[0]), DType::BF16, &dev, 10)?;
+    let cond: Vec<Tensor> = sample[1..]
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Tensor::randn(with_batch(s), DType::BF16, &dev, 11 + i as u64))
+        .collect::<Result<_>>()?;
+    let tokens = sample[0][1] * sample[0][2] / 4;
     let sampling = TimestepSampling::FluxShift {
         mean: 0.0,
         std: 1.0,
     };
+    let ddpm = matches!(model.objective(), Objective::Ddpm(_));
     let mut seed = 100;
     let mut step = || -> Result<f64> {
         seed += 1;
-        let noise = Tensor::randn((1, 16, 128, 128), DType::BF16, &dev, seed)?;
-        let t = sampling.sample(1, 4096, seed, &dev)?;
+        let noise = Tensor::randn(x0.dims().to_vec(), DType::BF16, &dev, seed)?;
+        let t = sampling.sample(1, tokens, seed, &dev)?;
+        // The flow-matching pair for every family (the step's cost does not depend on the
+        // objective); a DDPM model takes the time as a timestep in [0, 1000).
         let (xt, target) = flow_matching(&x0, &noise, &t)?;
-        let out = model.forward(
-            &flux::pack_latents(&xt)?,
-            &img_ids,
-            &txt,
-            &txt_ids,
-            &t,
-            &y,
-            Some(&g),
-        )?;
-        let loss = weighted_mse(&flux::unpack_latents(&out, 64, 64)?, &target, None)?;
+        let t_in = if ddpm { t.affine(999.0, 0.0)? } else { t };
+        let out = model.predict(&xt, &t_in, &cond, 1.0)?;
+        let loss = weighted_mse(&out, &target, None)?;
         let mut grads = Grads::new();
         loss.backward_into(&mut grads)?;
         opt.step(&grads)?;
@@ -128,7 +223,7 @@ fn main() -> Result<()> {
         Ok(())
     })? * 1e3;
     println!("losses: {losses:?}");
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let gib = |b: u64| b as f64 / GIB;
     let weights: u64 = vb
         .params()?
         .iter()
@@ -141,13 +236,19 @@ fn main() -> Result<()> {
         }
         None => (0.0, 0.0),
     };
+    let cap = match (
+        args.value("--budget"),
+        std::env::var("FLAME_GPU_MEMORY_LIMIT"),
+    ) {
+        (Some(gb), _) => format!("{gb} GiB (budget)"),
+        (None, Ok(b)) => format!("{:.1} GiB", b.parse::<f64>().unwrap_or(0.0) / GIB),
+        _ => "none".into(),
+    };
     println!(
-        "flame flux-dev LoRA step (rank 16, {:.1} M adapter params, checkpoint {checkpointing:?}, keep {:?}, base {}, {}, {n_stream} blocks streamed ({streamed_gib:.2} GiB, prefetch {prefetch}), cap {}): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB | device in use (driver) {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step",
+        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step",
         n_params as f64 / 1e6,
-        model.exec.keep,
         if fp8 { "fp8" } else { "bf16" },
         if adam8bit { "AdamW8bit" } else { "AdamW" },
-        std::env::var("FLAME_GPU_MEMORY_LIMIT").map_or("none".to_string(), |b| format!("{:.1} GiB", b.parse::<f64>().unwrap_or(0.0) / (1u64 << 30) as f64)),
         gib(weights),
         gib(cuda.memory().peak),
         gib(cuda.device_memory_used()?),

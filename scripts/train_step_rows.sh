@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The memory-cap rows of the README's train-step table (issue 18), on the GPU machine after
+# The rows of the README's train-step memory table (issue 18), on the GPU machine after
 # ../shared/gpu/bundle staged bench-train_step in .gpu/. Usage: bash scripts/train_step_rows.sh
-# [group], group "a" (resident, checkpointed, 24 and 12 GiB rows) or "b" (6 GiB and fp8 rows).
-# Each row is one process: a cap is FLAME_GPU_MEMORY_LIMIT in bytes.
+# GROUP: "a" Flux-dev plans by hand (resident, checkpointed, 24 and 12 GiB caps), "b" FP8
+# rows, "c" Flux-dev plans the planner picks for 24/16/12/8 GiB (bf16) and 6 GiB (fp8,
+# AdamW8bit), "d" SD3.5-large and SDXL, resident and planned. One process a row; a cap is
+# FLAME_GPU_MEMORY_LIMIT in bytes, a budget is the planner's (which caps the allocator too).
 set -uo pipefail
 G=$((1 << 30))
 row() { # cap_gib args...
@@ -24,5 +26,17 @@ case "${1:-a}" in
     row none --fp8
     row 6 --checkpoint all --stream 57 --prefetch 1 --fp8 --adam8bit
     row 6 --checkpoint all --stream 57 --prefetch 1 --fp8 --adam8bit --keep-attention
+    ;;
+  c)
+    row none
+    for gb in 24 16 12 8; do row none --budget $gb; done
+    row none --budget 6 --fp8 --adam8bit
+    ;;
+  d)
+    for m in sd35 sdxl; do row none --model $m; done
+    row none --model sd35 --budget 16
+    row none --model sd35 --budget 8
+    row none --model sdxl --budget 8
+    row none --model sdxl --budget 4
     ;;
 esac

@@ -377,6 +377,7 @@ impl ClipTextModel {
                     weight,
                     bias: None,
                     lora: None,
+                    fp8_scale: None,
                 })
             }
         };

@@ -455,8 +455,10 @@ fn attention_grads(mode: Option<Keep>) -> (Vec<u32>, Vec<Vec<u32>>, u64) {
     let f = attention_block(ws.clone());
     let before = kept_reused();
     let out = match mode {
-        None => f(&[x.clone()]).unwrap(),
-        Some(keep) => checkpoint_keeping(&[x.clone()], Arc::new(f), None, keep).unwrap(),
+        None => f(std::slice::from_ref(&x)).unwrap(),
+        Some(keep) => {
+            checkpoint_keeping(std::slice::from_ref(&x), Arc::new(f), None, keep).unwrap()
+        }
     };
     let loss = out[0]
         .mul(&randn(&[1, 2, 7, 4], 5))

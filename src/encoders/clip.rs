@@ -378,6 +378,7 @@ impl ClipTextModel {
                     weight,
                     bias: None,
                     lora: None,
+                    fp8_scale: None,
                 })
             }
         };

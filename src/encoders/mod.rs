@@ -1,7 +1,8 @@
 //! Text encoders and their tokenizers: captions to the embeddings the diffusion models are
 //! conditioned on. [`ClipTokenizer`] and [`T5Tokenizer`] turn text into fixed-length ids;
 //! [`ClipTextModel`] (OpenAI's CLIP-L, OpenCLIP's bigG) and [`T5Encoder`] (T5 v1.1 XXL) turn
-//! ids into hidden states.
+//! ids into hidden states. [`AutoencoderKl`] (the `vae` module) turns images into the latents
+//! the models train on and back.
 //!
 //! Weights load from a transformers / diffusers folder (`text_encoder/`, `text_encoder_2/`,
 //! `text_encoder_3/`: `config.json` beside `model.safetensors` or its shards) or a single
@@ -33,6 +34,7 @@
 mod clip;
 mod t5;
 mod tokenizer;
+mod vae;
 
 pub use clip::{
     clip_key_map, ClipAct, ClipConfig, ClipLayout, ClipOutput, ClipTextModel, SD3_CLIP_G,
@@ -42,6 +44,9 @@ pub use t5::{relative_bucket, T5Config, T5Encoder, SD3_T5};
 pub use tokenizer::{
     ClipTokenizer, T5Tokenizer, Tokens, CLIP_BOS, CLIP_EOS, CLIP_MAX_LEN, T5_LEN_FLUX_DEV,
     T5_LEN_SCHNELL_SD35,
+};
+pub use vae::{
+    vae_key_map, AutoencoderKl, LatentDist, LatentScaling, VaeConfig, VaeKind, VaeLayout, VaeTiling,
 };
 
 use crate::{Error, Result};

@@ -258,3 +258,80 @@ fn the_trainer_holds_a_tiny_run_to_its_budget() {
     );
     assert!(err.contains("fp8"), "{err}");
 }
+
+/// SD3.5-large and SDXL at 1024², as benches/train_step.rs runs them (LoRA rank 16 on every
+/// block Linear, AdamW): predictions against the H100 measurements of session 12 (resident,
+/// and the plans the planner then chose), within the same bounds as Flux.
+#[test]
+fn sd35_and_sdxl_predictions_match_the_h100_measurements() {
+    use flame::models::sd3::{Sd3, Sd3Config};
+    use flame::models::sdxl::{SdxlConfig, Unet};
+    let opts = |targets: &[&str]| {
+        LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(
+            Adapters::new(LoraConfig {
+                rank: 16,
+                alpha: 16.0,
+                dropout: 0.0,
+                targets: targets.iter().map(|t| t.to_string()).collect(),
+                seed: 0,
+            })
+            .unwrap(),
+        )
+    };
+    let run = |sample: Vec<Vec<usize>>| RunShape {
+        sample,
+        batch: 1,
+        optimizer_bytes_per_value: 8.0,
+    };
+    let sd3 = profile_config::<Sd3>(
+        &Sd3Config::large(),
+        &opts(&["joint_blocks.*"]),
+        &run(vec![vec![16, 128, 128], vec![333, 4096], vec![2048]]),
+    )
+    .unwrap();
+    let sdxl = profile_config::<Unet>(
+        &SdxlConfig::base(),
+        &opts(&["input_blocks.*", "middle_block.*", "output_blocks.*"]),
+        &run(vec![vec![4, 128, 128], vec![77, 2048], vec![1280], vec![6]]),
+    )
+    .unwrap();
+    // The planner's candidate with k blocks streamed and attention kept.
+    let streamed = |p: &MemoryProfile, k: usize| {
+        p.candidates()
+            .into_iter()
+            .find(|c| {
+                c.keep.attention && c.checkpointing == Checkpointing::All && c.streamed.len() == k
+            })
+            .unwrap()
+    };
+    let rows = [
+        ("sd3.5 resident", &sd3, Plan::default(), 34.62),
+        (
+            "sd3.5 all + attention + 10 streamed",
+            &sd3,
+            streamed(&sd3, 10),
+            15.32,
+        ),
+        (
+            "sd3.5 all + attention + 30 streamed",
+            &sd3,
+            streamed(&sd3, 30),
+            7.49,
+        ),
+        ("sdxl resident", &sdxl, Plan::default(), 12.07),
+        ("sdxl all + attention", &sdxl, streamed(&sdxl, 0), 6.59),
+    ];
+    let mut report = vec![];
+    for (name, p, plan, measured) in rows {
+        let predicted = p.peak(&plan) as f64 / GIB;
+        report.push(format!(
+            "{name}: predicted {predicted:.2} GiB, measured {measured:.2}"
+        ));
+        assert!(
+            predicted >= 0.95 * measured && predicted <= 1.15 * measured + 0.6,
+            "{}",
+            report.join("\n")
+        );
+    }
+    println!("{}", report.join("\n"));
+}

@@ -378,7 +378,6 @@ impl ClipTextModel {
                     weight,
                     bias: None,
                     lora: None,
-                    fp8_scale: None,
                 })
             }
         };

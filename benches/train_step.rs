@@ -144,6 +144,7 @@ fn run<M: ModelSpec>(
         }
     };
     let predicted = profile.peak(&plan) as f64 / GIB;
+    println!("flame {name}: plan {plan}, predicted peak {predicted:.2} GiB");
     let adapters = Adapters::new(lora)?;
     let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev)
         .with_fp8(fp8)?

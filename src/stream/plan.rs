@@ -3,8 +3,8 @@
 //!
 //! What a training step holds on the device, by plan:
 //! - every weight outside the streamed blocks (non-block weights always), plus, when blocks
-//!   stream, the block running (at most the largest streamed block) and `prefetch` blocks in
-//!   flight (the mean streamed block each);
+//!   stream, the block running and the `prefetch` streamed blocks after it (the heaviest
+//!   such window);
 //! - the trainable adapters, their gradients and the optimizer state;
 //! - per block, for the backward: all it saves when resident; only its inputs when
 //!   checkpointed (plus attention's output and log-sum-exp when kept); and, while a
@@ -123,14 +123,12 @@ impl MemoryProfile {
     /// The predicted peak bytes of a step under `plan` (see the module docs).
     pub fn peak(&self, plan: &Plan) -> u64 {
         let mut weights = self.other_weight_bytes;
-        let (mut largest_streamed, mut streamed_total, mut n_streamed) = (0u64, 0u64, 0u64);
+        let mut streamed_sizes = vec![];
         let (mut held, mut work) = (0u64, 0u64);
         for (i, b) in self.blocks.iter().enumerate() {
             let streamed = plan.streamed.iter().any(|p| p == &b.prefix);
             if streamed {
-                largest_streamed = largest_streamed.max(b.weight_bytes);
-                streamed_total += b.weight_bytes;
-                n_streamed += 1;
+                streamed_sizes.push(b.weight_bytes);
             } else {
                 weights += b.weight_bytes;
             }
@@ -146,13 +144,16 @@ impl MemoryProfile {
                 work = work.max(2 * b.input_bytes);
             }
         }
-        if n_streamed > 0 {
-            // The block running (at most the largest) and `prefetch` blocks in flight (on
-            // average the mean streamed block: the measured peaks sit near this, below
-            // `prefetch + 1` largest blocks).
-            weights +=
-                largest_streamed + plan.prefetch.max(1) as u64 * (streamed_total / n_streamed);
-        }
+        // The block running and the `prefetch` streamed blocks after it (in execution
+        // order) are on the device together: the heaviest such window. Not the mean block:
+        // the SDXL UNet's large blocks sit next to each other (a 4 GiB plan sized with the
+        // mean ran out of memory on the H100).
+        let window = (plan.prefetch.max(1) + 1).min(streamed_sizes.len()).max(1);
+        weights += streamed_sizes
+            .windows(window)
+            .map(|w| w.iter().sum::<u64>())
+            .max()
+            .unwrap_or(0);
         weights + 2 * self.trainable_bytes + self.optimizer_bytes + held + work + self.fixed_bytes
     }
 
@@ -304,13 +305,13 @@ mod tests {
             ..Plan::default()
         };
         assert_eq!(p.peak(&all), 1050 + 80 + 90 + 220 + 30);
-        // Streaming the two large blocks with prefetch 2: 300 running + 2 x 300 in flight.
+        // Streaming the two large blocks with prefetch 2: both on the device at once.
         let streamed = Plan {
             streamed: vec!["b.0".into(), "b.1".into()],
             prefetch: 2,
             ..all.clone()
         };
-        assert_eq!(p.peak(&streamed), 50 + 400 + 900 + 80 + 90 + 220 + 30);
+        assert_eq!(p.peak(&streamed), 50 + 400 + 600 + 80 + 90 + 220 + 30);
         assert_eq!(p.streamed_bytes(&streamed), 1200);
     }
 

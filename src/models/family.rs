@@ -362,7 +362,7 @@ pub fn profile_config<M: ModelSpec>(
     run: &RunShape,
 ) -> Result<MemoryProfile> {
     let config = config.clone();
-    let mut vb = VarBuilder::shapes_only(opts.dtype).with_fp8(opts.fp8)?;
+    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?;
     let probe_adapters = match &opts.adapters {
         Some(a) => {
             let fresh = Adapters::new(a.config.clone())?;
@@ -439,7 +439,7 @@ fn profile_boxed<M: ModelSpec>(
 
 fn probe_boxed<M: ModelSpec>(path: &Path, opts: &LoadOptions) -> Result<Box<dyn DiffusionModel>> {
     let (_, config) = resolve::<M>(path, opts, None)?;
-    let vb = VarBuilder::shapes_only(opts.dtype).with_fp8(opts.fp8)?;
+    let vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?;
     Ok(Box::new(M::build(&vb, &config)?))
 }
 

@@ -150,8 +150,10 @@ impl VarBuilder {
     /// memory per tensor): building a model from it lists its parameters' keys, shapes and
     /// bytes (`params`) without reading or allocating weights. The memory planner sizes
     /// models this way before loading them.
-    pub fn shapes_only(dtype: DType) -> Self {
-        let mut vb = Self::new(Source::Random { seed: 0, std: 0.0 }, dtype, &Device::Cpu);
+    /// The one element behind the views lives on `device`; adapters planned on the builder are
+    /// made there too.
+    pub fn shapes_only(dtype: DType, device: &Device) -> Self {
+        let mut vb = Self::new(Source::Random { seed: 0, std: 0.0 }, dtype, device);
         if let Some(shared) = Arc::get_mut(&mut vb.shared) {
             shared.shapes_only = true;
         }
@@ -402,8 +404,8 @@ impl VarBuilder {
         }
         if self.shared.shapes_only {
             let (c, sc) = (
-                placeholder(DType::U32, &codes_shape)?,
-                placeholder(DType::F32, &scale_shape)?,
+                placeholder(DType::U32, &codes_shape, &self.shared.device)?,
+                placeholder(DType::F32, &scale_shape, &self.shared.device)?,
             );
             loaded.insert(key, c.clone());
             loaded.insert(scale_key, sc.clone());
@@ -457,7 +459,7 @@ impl VarBuilder {
         let key = key.to_string();
         let shape = shape.clone();
         if self.shared.shapes_only {
-            return placeholder(self.shared.dtype, &shape);
+            return placeholder(self.shared.dtype, &shape, &self.shared.device);
         }
         if let Source::Random { seed, std } = self.shared.source {
             let h = key_hash(&key);
@@ -688,7 +690,8 @@ impl VarBuilder {
     }
 }
 
-/// A zero-stride view of one zero of `dtype` with `shape` (one element of memory).
-fn placeholder(dtype: DType, shape: &Shape) -> Result<Tensor> {
-    Tensor::zeros((), dtype, &Device::Cpu)?.broadcast_as(shape.clone())
+/// A zero-stride view of one zero of `dtype` on `device` with `shape` (one element of
+/// memory).
+fn placeholder(dtype: DType, shape: &Shape, device: &Device) -> Result<Tensor> {
+    Tensor::zeros((), dtype, device)?.broadcast_as(shape.clone())
 }

@@ -90,6 +90,7 @@ fn budget(config: &TrainConfig, device: &Device) -> Result<Option<u64>> {
         return Ok(Some((config.memory.budget_gb * GIB) as u64));
     }
     #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)] // the only variant in builds without cpu-ref
     if let Device::Cuda(c) = device {
         return Ok(Some(c.total_memory()? - c.device_memory_used()?));
     }
@@ -113,6 +114,7 @@ pub(crate) fn plan_memory(
     })?;
     let budget = budget(config, device)?;
     #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
     if let (Device::Cuda(c), Some(b)) = (device, budget) {
         if mem.budget_gb > 0.0 {
             c.set_memory_limit(Some(b));

@@ -357,6 +357,14 @@ fn every_checkable_value_is_refused_with_its_key_and_line() {
             ),
             vec!["memory.checkpointing".into()],
         ),
+        (
+            good.replace("[train]\n", "[memory]\nbudget_gb = -2.0\n[train]\n"),
+            vec!["memory.budget_gb".into(), ">= 0".into()],
+        ),
+        (
+            good.replace("lr = 3e-3", "kind = \"lion\"\nlr = 3e-3"),
+            vec!["optimizer.kind".into(), "adamw8bit".into()],
+        ),
     ];
     for (text, want) in cases {
         let p = d.join("bad.toml");
@@ -847,4 +855,34 @@ fn the_binary_explains_itself() {
     );
     assert!(!d.join("tiny/out").exists());
     std::fs::remove_dir_all(&d).ok();
+}
+
+/// `optimizer.kind = "adamw8bit"` trains through the trainer and resumes exactly (its state
+/// goes into the checkpoints like AdamW's).
+#[test]
+fn adamw8bit_from_the_config_resumes_exactly() {
+    let a = temp("adam8-full");
+    let mut cfg = TrainConfig::from_file(tiny(&a, 8, "")).unwrap();
+    cfg.optimizer.kind = "adamw8bit".into();
+    run_with(&cfg, fresh()).unwrap();
+    let full = losses(&cfg.train.output_dir);
+    let b = temp("adam8-resumed");
+    let mut cfg_b = TrainConfig::from_file(tiny(&b, 8, "")).unwrap();
+    cfg_b.optimizer.kind = "adamw8bit".into();
+    let stop = RunOptions {
+        stop_at: Some(6),
+        ..Default::default()
+    };
+    assert_eq!(run_with(&cfg_b, stop).unwrap().0, RunEnd::Stopped(6));
+    run_with(&cfg_b, resume()).unwrap();
+    assert_eq!(losses(&cfg_b.train.output_dir), full);
+    // The checkpoints hold AdamW8bit's state (the tiny adapters are all under its 4096-value
+    // threshold, so their moments stay f32 and the steps equal AdamW's: the quantized path
+    // is tests/optim8bit.rs's).
+    let (_, dir) = checkpoints(&cfg_b.train.output_dir).unwrap().pop().unwrap();
+    let f = flame::safetensors::SafeTensorsFile::open(dir.join("optimizer.safetensors")).unwrap();
+    assert_eq!(
+        f.metadata().get("optimizer").map(String::as_str),
+        Some("adamw8bit")
+    );
 }

@@ -7,7 +7,8 @@
 //! The memory plan: `--budget GB` lets the planner choose (its plan and predicted peak are
 //! printed; the allocator is capped at the budget), or by hand `--checkpoint
 //! none|all|every:N`, `--stream N` (N blocks spread evenly over the model), `--prefetch K`,
-//! `--keep-attention`. `--fp8` stores the base weights in FP8 E4M3, `--adam8bit` uses 8-bit
+//! `--keep-attention` (`--headroom GB` plans for the budget less that, the cap staying at the
+//! budget). `--fp8` stores the base weights in FP8 E4M3, `--adam8bit` uses 8-bit
 //! AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
 //! streamed.
@@ -109,7 +110,11 @@ fn run<M: ModelSpec>(
         Some(gb) => {
             let b = (gb.parse::<f64>().expect("--budget GB") * GIB) as u64;
             cuda.set_memory_limit(Some(b));
-            match profile.plan(b) {
+            // `--headroom GB`: plan for the budget less this, cap at the budget.
+            let headroom = args
+                .value("--headroom")
+                .map_or(0, |h| (h.parse::<f64>().expect("--headroom GB") * GIB) as u64);
+            match profile.plan(b.saturating_sub(headroom)) {
                 Ok(p) => p.plan,
                 Err(e) => {
                     println!(

@@ -111,9 +111,9 @@ fn run<M: ModelSpec>(
             let b = (gb.parse::<f64>().expect("--budget GB") * GIB) as u64;
             cuda.set_memory_limit(Some(b));
             // `--headroom GB`: plan for the budget less this, cap at the budget.
-            let headroom = args
-                .value("--headroom")
-                .map_or(0, |h| (h.parse::<f64>().expect("--headroom GB") * GIB) as u64);
+            let headroom = args.value("--headroom").map_or(0, |h| {
+                (h.parse::<f64>().expect("--headroom GB") * GIB) as u64
+            });
             match profile.plan(b.saturating_sub(headroom)) {
                 Ok(p) => p.plan,
                 Err(e) => {

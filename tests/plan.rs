@@ -204,7 +204,7 @@ fn losses(cfg: &flame::train::TrainConfig) -> (String, Vec<String>) {
 /// The trainer on the tiny Flux: no budget on the CPU runs resident; a budget between the
 /// resident peak and the smallest plan makes the planner checkpoint and stream, with the
 /// same losses bit for bit; a budget below every plan fails before loading, naming the
-/// minimum and the FP8 way out.
+/// minimum and a way out.
 #[test]
 fn the_trainer_holds_a_tiny_run_to_its_budget() {
     let (free, base) = losses(&tiny_config("free", ""));
@@ -256,7 +256,11 @@ fn the_trainer_holds_a_tiny_run_to_its_budget() {
         err.contains("no plan fits") && err.contains("needs"),
         "{err}"
     );
-    assert!(err.contains("fp8"), "{err}");
+    // The tiny model's minimum is mostly the fixed margin: FP8 is not offered as the way out.
+    assert!(
+        err.contains("raise the budget") && !err.contains("fp8"),
+        "{err}"
+    );
 }
 
 /// SD3.5-large and SDXL at 1024², as benches/train_step.rs runs them (LoRA rank 16 on every

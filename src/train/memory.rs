@@ -227,15 +227,20 @@ fn fp8_hint(
     if opts.fp8 {
         return Ok("Lower train.batch_size or the resolution, or raise the budget.".into());
     }
+    let minimum = |o: &LoadOptions| -> Result<Option<u64>> {
+        let prof = profile(config, family, o, data)?;
+        Ok(prof.candidates().iter().map(|c| prof.peak(c)).min())
+    };
     let mut o = opts.clone();
     o.fp8 = true;
-    let prof = profile(config, family, &o, data)?;
-    let min = prof.candidates().iter().map(|c| prof.peak(c)).min();
-    Ok(match min {
-        Some(m) => format!(
+    let (now, with_fp8) = (minimum(opts)?, minimum(&o)?);
+    Ok(match (now, with_fp8) {
+        // Only where it helps: a model whose weights are not what fills the device gains
+        // nothing from FP8.
+        (Some(a), Some(b)) if (b as f64) < 0.98 * a as f64 => format!(
             "model.dtype = \"fp8\" lowers that minimum to {:.2} GiB.",
-            gib(m)
+            gib(b)
         ),
-        None => "Set model.dtype = \"fp8\".".into(),
+        _ => "Lower train.batch_size or the resolution, or raise the budget.".into(),
     })
 }

@@ -22,7 +22,7 @@ use flame::models::sdxl::{SdxlConfig, Unet};
 use flame::models::{profile_config, LoadOptions, ModelSpec, Objective, RunShape};
 use flame::nn::{Adapters, LoraConfig, VarBuilder};
 use flame::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
-use flame::stream::{BlockExec, BlockStreamer, Checkpointing, MemoryProfile, Plan};
+use flame::stream::{spread_evenly, BlockExec, BlockStreamer, Checkpointing, MemoryProfile, Plan};
 use flame::train::{flow_matching, weighted_mse, TimestepSampling};
 use flame::{DType, Device, Grads, Result, Tensor};
 
@@ -134,13 +134,10 @@ fn run<M: ModelSpec>(
                     None => panic!("--checkpoint none|all|every:N, got {s}"),
                 },
             };
-            let n = num("--stream", 0);
-            let len = profile.blocks.len();
+            let prefixes: Vec<String> = profile.blocks.iter().map(|b| b.prefix.clone()).collect();
             Plan {
                 checkpointing,
-                streamed: (0..n)
-                    .map(|k| profile.blocks[k * len / n.max(1)].prefix.clone())
-                    .collect(),
+                streamed: spread_evenly(&prefixes, num("--stream", 0)),
                 prefetch: num("--prefetch", 1),
                 keep: Keep {
                     attention: args.flag("--keep-attention"),

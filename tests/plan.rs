@@ -7,7 +7,7 @@ use flame::autograd::Keep;
 use flame::models::flux::{Flux, FluxConfig};
 use flame::models::{profile_config, LoadOptions, RunShape};
 use flame::nn::{Adapters, LoraConfig};
-use flame::stream::{Checkpointing, MemoryProfile, Plan};
+use flame::stream::{spread_evenly, Checkpointing, MemoryProfile, Plan};
 use flame::{DType, Device};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -35,10 +35,8 @@ fn flux_dev(fp8: bool, adam8bit: bool) -> MemoryProfile {
 
 /// `n` blocks spread evenly over the execution order, as the bench's `--stream n` picks.
 fn even(p: &MemoryProfile, n: usize) -> Vec<String> {
-    let len = p.blocks.len();
-    (0..n)
-        .map(|k| p.blocks[k * len / n].prefix.clone())
-        .collect()
+    let prefixes: Vec<String> = p.blocks.iter().map(|b| b.prefix.clone()).collect();
+    spread_evenly(&prefixes, n)
 }
 
 fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, keep: bool) -> Plan {

@@ -13,6 +13,7 @@
 use super::checkpoint::{Checkpoint, Format};
 use crate::autograd::Keep;
 use crate::nn::{Adapters, KeyMap, VarBuilder};
+use crate::stream::spread_evenly;
 use crate::stream::{
     BlockCost, BlockExec, BlockShape, BlockStreamer, Checkpointing, MemoryProfile, Plan,
 };
@@ -281,10 +282,7 @@ pub fn load_as<M: ModelSpec>(
             .filter(|p| list.contains(p))
             .cloned()
             .collect(),
-        // Spread evenly over the execution order: block k * len / n for k < n.
-        None => (0..plan.stream_blocks)
-            .map(|k| prefixes[k * prefixes.len() / plan.stream_blocks].clone())
-            .collect(),
+        None => spread_evenly(&prefixes, plan.stream_blocks),
     };
     let streamer = if !chosen.is_empty() {
         let s = BlockStreamer::new(&opts.device, chosen, plan.prefetch.max(1));

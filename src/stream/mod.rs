@@ -24,7 +24,8 @@ mod plan;
 mod streamer;
 
 pub use plan::{
-    BlockCost, BlockShape, MemoryProfile, NoPlan, Plan, Planned, SAVED_PER_TOKEN_CHANNEL,
+    spread_evenly, BlockCost, BlockShape, MemoryProfile, NoPlan, Plan, Planned,
+    SAVED_PER_TOKEN_CHANNEL,
 };
 pub use streamer::{BlockStreamer, StreamReport};
 

@@ -233,6 +233,13 @@ impl MemoryProfile {
     }
 }
 
+/// `n` of `prefixes` (execution order) spread evenly over it: block `k * len / n` for `k < n`
+/// (all of them when `n >= len`). The hand-set `memory.stream_blocks` picks its blocks so.
+pub fn spread_evenly(prefixes: &[String], n: usize) -> Vec<String> {
+    let (len, n) = (prefixes.len(), n.min(prefixes.len()));
+    (0..n).map(|k| prefixes[k * len / n].clone()).collect()
+}
+
 /// Activation bytes of a transformer-style block per token and channel of its width, in
 /// units of the activation dtype's size: what a resident block's forward keeps for the LoRA
 /// step's backward. Measured on Flux-dev at 1024² (H100, session 12): the resident step's

@@ -5,7 +5,7 @@
 use super::config::TrainConfig;
 use super::data::Dataset;
 use crate::models::{Family, LoadOptions, MemoryPlan, RunShape};
-use crate::stream::{MemoryProfile, Plan};
+use crate::stream::{spread_evenly, MemoryProfile, Plan};
 use crate::{Device, Error, Result};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -133,12 +133,9 @@ pub(crate) fn plan_memory(
             };
             let prof = profile(config, family, opts, data)?;
             let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
-            let n = plan.stream_blocks.min(prefixes.len());
             let as_plan = Plan {
                 checkpointing,
-                streamed: (0..n)
-                    .map(|k| prefixes[k * prefixes.len() / n.max(1)].clone())
-                    .collect(),
+                streamed: spread_evenly(&prefixes, plan.stream_blocks),
                 prefetch: plan.prefetch,
                 keep: plan.keep,
             };
@@ -179,7 +176,7 @@ pub(crate) fn plan_memory(
                             gib(peak),
                             (gib(peak) * 10.0).ceil() / 10.0
                         ),
-                        None => fp8_hint(config, family, opts, data)?,
+                        None => fp8_hint(config, family, opts, data, p.peak)?,
                     };
                     let mut plan = MemoryPlan::from_plan(&p.plan);
                     if p.plan.streamed.is_empty() {
@@ -206,7 +203,7 @@ pub(crate) fn plan_memory(
                              {:.2} GiB. {}",
                             gib(no.budget),
                             gib(no.minimum),
-                            fp8_hint(config, family, opts, data)?
+                            fp8_hint(config, family, opts, data, no.minimum)?
                         ),
                     })
                 }
@@ -216,31 +213,29 @@ pub(crate) fn plan_memory(
     Ok(choice)
 }
 
-/// Advice past the last plan: FP8 base weights when the run does not use them, else a
-/// smaller batch or resolution.
+/// Advice past the last plan, whose peak is `minimum`: FP8 base weights when the run does
+/// not use them and they lower that minimum, else a smaller batch or resolution.
 fn fp8_hint(
     config: &TrainConfig,
     family: &Family,
     opts: &LoadOptions,
     data: &Dataset,
+    minimum: u64,
 ) -> Result<String> {
+    let advice = "Lower train.batch_size or the resolution, or raise the budget.";
     if opts.fp8 {
-        return Ok("Lower train.batch_size or the resolution, or raise the budget.".into());
+        return Ok(advice.into());
     }
-    let minimum = |o: &LoadOptions| -> Result<Option<u64>> {
-        let prof = profile(config, family, o, data)?;
-        Ok(prof.candidates().iter().map(|c| prof.peak(c)).min())
-    };
     let mut o = opts.clone();
     o.fp8 = true;
-    let (now, with_fp8) = (minimum(opts)?, minimum(&o)?);
-    Ok(match (now, with_fp8) {
+    let prof = profile(config, family, &o, data)?;
+    Ok(match prof.candidates().iter().map(|c| prof.peak(c)).min() {
         // Only where it helps: a model whose weights are not what fills the device gains
         // nothing from FP8.
-        (Some(a), Some(b)) if (b as f64) < 0.98 * a as f64 => format!(
+        Some(b) if (b as f64) < 0.98 * minimum as f64 => format!(
             "model.dtype = \"fp8\" lowers that minimum to {:.2} GiB.",
             gib(b)
         ),
-        _ => "Lower train.batch_size or the resolution, or raise the budget.".into(),
+        _ => advice.into(),
     })
 }

@@ -108,20 +108,10 @@ impl ClipConfig {
     /// `text_config`); absent fields take `CLIPTextConfig`'s defaults.
     pub fn from_json(v: &Value, path: Option<&Path>) -> Result<Self> {
         let v = v.get("text_config").unwrap_or(v);
-        let err = |msg: String| Error::Config {
-            path: path.map(Path::to_path_buf),
-            msg,
-        };
+        let fields = crate::encoders::JsonFields::new(v, path);
+        let err = |msg: String| fields.err(msg);
         // Defaults: transformers CLIPTextConfig.__init__.
-        let int = |name: &str, default: usize| -> Result<usize> {
-            match v.get(name) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_u64()
-                    .map(|x| x as usize)
-                    .ok_or_else(|| err(format!("\"{name}\" = {x} is not a non-negative integer"))),
-            }
-        };
+        let int = |name: &str, default: usize| fields.int(name, Some(default));
         let act = match v
             .get("hidden_act")
             .and_then(Value::as_str)

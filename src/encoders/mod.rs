@@ -54,6 +54,38 @@ use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+/// Fields of a `config.json` object, read with the file named in every error.
+struct JsonFields<'a> {
+    v: &'a Value,
+    path: Option<&'a Path>,
+}
+
+impl<'a> JsonFields<'a> {
+    fn new(v: &'a Value, path: Option<&'a Path>) -> Self {
+        JsonFields { v, path }
+    }
+
+    fn err(&self, msg: String) -> Error {
+        Error::Config {
+            path: self.path.map(Path::to_path_buf),
+            msg,
+        }
+    }
+
+    /// The non-negative integer `name`; `default` when it is absent or null (an error
+    /// naming it when there is no default).
+    fn int(&self, name: &str, default: Option<usize>) -> Result<usize> {
+        match (self.v.get(name).filter(|x| !x.is_null()), default) {
+            (Some(x), _) => x
+                .as_u64()
+                .map(|x| x as usize)
+                .ok_or_else(|| self.err(format!("\"{name}\" = {x} is not a non-negative integer"))),
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(self.err(format!("\"{name}\" is missing"))),
+        }
+    }
+}
+
 /// The weight files of an encoder and its parsed config.json, if it has one.
 struct Located {
     files: Vec<PathBuf>,

@@ -58,20 +58,9 @@ impl T5Config {
     /// From a transformers `config.json`. Only the gated-GELU MLP of T5 v1.1
     /// (`feed_forward_proj` "gated-gelu") is supported; other values are an error.
     pub fn from_json(v: &Value, path: Option<&Path>) -> Result<Self> {
-        let err = |msg: String| Error::Config {
-            path: path.map(Path::to_path_buf),
-            msg,
-        };
-        let int = |name: &str, default: Option<usize>| -> Result<usize> {
-            match (v.get(name).filter(|x| !x.is_null()), default) {
-                (Some(x), _) => x
-                    .as_u64()
-                    .map(|x| x as usize)
-                    .ok_or_else(|| err(format!("\"{name}\" = {x} is not a non-negative integer"))),
-                (None, Some(d)) => Ok(d),
-                (None, None) => Err(err(format!("\"{name}\" is missing"))),
-            }
-        };
+        let fields = super::JsonFields::new(v, path);
+        let err = |msg: String| fields.err(msg);
+        let int = |name: &str, default: Option<usize>| fields.int(name, default);
         let ff = v
             .get("feed_forward_proj")
             .and_then(Value::as_str)

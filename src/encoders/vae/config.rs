@@ -113,19 +113,9 @@ impl VaeConfig {
     /// `DownEncoderBlock2D` / `UpDecoderBlock2D`, activations other than SiLU, and per-channel
     /// `latents_mean` / `latents_std` normalization are refused.
     pub fn from_json(v: &Value, path: Option<&Path>) -> Result<Self> {
-        let err = |msg: String| Error::Config {
-            path: path.map(Path::to_path_buf),
-            msg,
-        };
-        let int = |name: &str, default: usize| -> Result<usize> {
-            match v.get(name) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_u64()
-                    .map(|x| x as usize)
-                    .ok_or_else(|| err(format!("\"{name}\" = {x} is not a non-negative integer"))),
-            }
-        };
+        let fields = crate::encoders::JsonFields::new(v, path);
+        let err = |msg: String| fields.err(msg);
+        let int = |name: &str, default: usize| fields.int(name, Some(default));
         let flag = |name: &str| v.get(name).and_then(Value::as_bool).unwrap_or(true);
         let float = |name: &str, default: f64| match v.get(name) {
             None | Some(Value::Null) => Ok(default),

@@ -294,6 +294,24 @@ impl Storage {
             Storage::Cuda(_) => Err(mismatch(op)),
         }
     }
+    #[cfg(feature = "cpu-ref")]
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn cpu_mut(&mut self, op: &'static str) -> Result<&mut CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Ok(s),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => Err(mismatch(op)),
+        }
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_mut(&mut self, op: &'static str) -> Result<&mut crate::backend::cuda::CudaStorage> {
+        let _ = op;
+        match self {
+            Storage::Cuda(s) => Ok(s),
+            #[cfg(feature = "cpu-ref")]
+            Storage::Cpu(_) => Err(mismatch(op)),
+        }
+    }
     #[cfg(feature = "cuda")]
     fn cuda(&self, op: &'static str) -> Result<&crate::backend::cuda::CudaStorage> {
         // `op` names the mismatch, which only a build with both backends can have.
@@ -424,6 +442,86 @@ impl Storage {
             #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
             Storage::None(n) => match *n {},
         })
+    }
+    /// A multi-tensor Adam step over storages of one device (`BackendStorage::adam_multi`).
+    pub(crate) fn adam_multi(
+        h: &crate::backend::multi::AdamHyper,
+        items: &mut [crate::backend::multi::AdamItem<'_, Storage>],
+        maps: Option<&Storage>,
+    ) -> Result<()> {
+        use crate::backend::BackendStorage;
+        const OP: &str = "adam_multi";
+        let Some(first) = items.first() else {
+            return Ok(());
+        };
+        #[cfg(feature = "cpu-ref")]
+        if let Storage::Cpu(_) = &*first.p {
+            let mut a = items
+                .iter_mut()
+                .map(|it| it.map(|s| s.cpu_mut(OP), |s| s.cpu(OP)))
+                .collect::<Result<Vec<_>>>()?;
+            let maps = maps.map(|m| m.cpu(OP)).transpose()?;
+            return CpuStorage::adam_multi(h, &mut a, maps);
+        }
+        #[cfg(feature = "cuda")]
+        if let Storage::Cuda(_) = &*first.p {
+            let mut a = items
+                .iter_mut()
+                .map(|it| it.map(|s| s.cuda_mut(OP), |s| s.cuda(OP)))
+                .collect::<Result<Vec<_>>>()?;
+            let maps = maps.map(|m| m.cuda(OP)).transpose()?;
+            return crate::backend::cuda::CudaStorage::adam_multi(h, &mut a, maps);
+        }
+        let _ = (h, maps, OP);
+        Err(crate::Error::invalid(
+            OP,
+            "internal: storage of no backend",
+            &Shape::from(()),
+        ))
+    }
+    /// The sum of squares of many views on one device (`BackendStorage::sum_sq_multi`).
+    pub(crate) fn sum_sq_multi(
+        items: &[crate::backend::multi::MultiRef<'_, Storage>],
+    ) -> Result<f64> {
+        use crate::backend::multi::MultiRef;
+        use crate::backend::BackendStorage;
+        const OP: &str = "sum_sq_multi";
+        let Some(first) = items.first() else {
+            return Ok(0.0);
+        };
+        #[cfg(feature = "cpu-ref")]
+        if let Storage::Cpu(_) = first.s {
+            let a = items
+                .iter()
+                .map(|it| {
+                    Ok(MultiRef {
+                        s: it.s.cpu(OP)?,
+                        offset: it.offset,
+                        n: it.n,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return CpuStorage::sum_sq_multi(&a);
+        }
+        #[cfg(feature = "cuda")]
+        if let Storage::Cuda(_) = first.s {
+            let a = items
+                .iter()
+                .map(|it| {
+                    Ok(MultiRef {
+                        s: it.s.cuda(OP)?,
+                        offset: it.offset,
+                        n: it.n,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return crate::backend::cuda::CudaStorage::sum_sq_multi(&a);
+        }
+        Err(crate::Error::invalid(
+            OP,
+            "internal: storage of no backend",
+            &Shape::from(()),
+        ))
     }
     pub(crate) fn softmax_last_dim(&self, l: &Layout) -> Result<Storage> {
         Ok(on_storage!(self, s => wrap s.softmax_last_dim(l)?))

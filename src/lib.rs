@@ -76,4 +76,4 @@ pub use device::Device;
 pub use dtype::{CpuStorage, DType, WithDType};
 pub use error::{Error, Result};
 pub use shape::{Dim, Layout, Shape};
-pub use tensor::{Tensor, TensorId};
+pub use tensor::{sum_sq_multi, Tensor, TensorId};

@@ -562,3 +562,115 @@ fn bad_state_files_are_refused_and_change_nothing() {
     let (_, msg) = opt_err(opt.load_state(wf.path()));
     assert!(msg.contains("'adamw'"), "{msg}");
 }
+
+// ----- the multi-tensor step shared with AdamW ----------------------------------------------
+
+/// Parameters of mixed dtypes and odd sizes (several chunks of the fused kernels).
+fn mixed_params(dev: &Device) -> Vec<(String, Tensor)> {
+    let mut r = Lcg(5);
+    [
+        (1, DType::F32),
+        (7, DType::BF16),
+        (4095, DType::F32),
+        (4097, DType::F16),
+        (9001, DType::BF16),
+        (12289, DType::F32),
+    ]
+    .iter()
+    .map(|&(n, dt)| (format!("p{n}"), param_on(r.vec(n), &[n], dt, dev)))
+    .collect()
+}
+
+/// Gradients of step `k` times `s` (exact for a power of two).
+fn grads_times(params: &[(String, Tensor)], k: u64, s: f64) -> Grads {
+    let g = grads_at(params, k);
+    let mut out = Grads::new();
+    for (_, p) in params {
+        out.insert(p, g.get(p).unwrap().affine(s, 0.0).unwrap());
+    }
+    out
+}
+
+#[test]
+fn a_scaled_step_equals_a_step_on_unscaled_gradients() {
+    // Loss scaling: gradients 1024 times too large, unscaled by the step itself.
+    for eight_bit in [false, true] {
+        let (pa, pb) = (mixed_params(&Device::Cpu), mixed_params(&Device::Cpu));
+        let mut a: Box<dyn Optimizer> = if eight_bit {
+            Box::new(AdamW8bit::new(pa.clone(), cfg8(1e-3, 0.01, 4096)).unwrap())
+        } else {
+            Box::new(AdamW::new(pa.clone(), adam(1e-3, 0.01)).unwrap())
+        };
+        let mut b: Box<dyn Optimizer> = if eight_bit {
+            Box::new(AdamW8bit::new(pb.clone(), cfg8(1e-3, 0.01, 4096)).unwrap())
+        } else {
+            Box::new(AdamW::new(pb.clone(), adam(1e-3, 0.01)).unwrap())
+        };
+        for k in 0..3 {
+            a.step(&grads_at(&pa, k)).unwrap();
+            b.step_scaled(&grads_times(&pb, k, 1024.0), 1.0 / 1024.0)
+                .unwrap();
+        }
+        for ((n, x), (_, y)) in pa.iter().zip(&pb) {
+            assert_eq!(bits(x), bits(y), "8-bit {eight_bit}: {n}");
+        }
+        for s in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let (who, msg) = opt_err(b.step_scaled(&grads_at(&pb, 9), s));
+            assert!(
+                who.starts_with("AdamW") && msg.contains("gradient scale"),
+                "{msg}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_fused_adamw_step_tracks_the_formula_in_f64() {
+    // The fused f32 step against AdamW worked out in f64 on the host, three steps: within a
+    // few f32 roundings of the parameter.
+    let p = param(vec![0.5, -1.25, 3.0, 1e-3, -7.0], &[5]);
+    let c = adam(1e-2, 0.1);
+    let mut opt = AdamW::new(vec![("p".into(), p.clone())], c).unwrap();
+    let (mut x, mut m, mut v) = (p.to_vec_f64().unwrap(), vec![0.0; 5], vec![0.0; 5]);
+    for k in 0..3u64 {
+        let gs = grads_at(&[("p".into(), p.clone())], k);
+        let g = gs.get(&p).unwrap().to_vec_f64().unwrap();
+        opt.step(&gs).unwrap();
+        let t = (k + 1) as f64;
+        for j in 0..5 {
+            x[j] *= 1.0 - c.lr * c.weight_decay;
+            m[j] = c.beta1 * m[j] + (1.0 - c.beta1) * g[j];
+            v[j] = c.beta2 * v[j] + (1.0 - c.beta2) * g[j] * g[j];
+            let denom = v[j].sqrt() / (1.0 - c.beta2.powf(t)).sqrt() + c.eps;
+            x[j] -= c.lr / (1.0 - c.beta1.powf(t)) * m[j] / denom;
+        }
+    }
+    for (a, b) in p.to_vec_f64().unwrap().iter().zip(&x) {
+        assert!(
+            (a - b).abs() <= 4.0 * f32::EPSILON as f64 * b.abs().max(1e-3),
+            "{a} vs {b}"
+        );
+    }
+}
+
+#[test]
+fn sum_sq_multi_is_the_sum_of_squares_and_sees_non_finite_values() {
+    let ps = mixed_params(&Device::Cpu);
+    let ts: Vec<&Tensor> = ps.iter().map(|(_, t)| t).collect();
+    let want: f64 = ts
+        .iter()
+        .flat_map(|t| t.to_vec_f64().unwrap())
+        .map(|x| x * x)
+        .sum();
+    let got = flame::sum_sq_multi(&ts).unwrap();
+    assert!((got - want).abs() <= 1e-12 * want, "{got} vs {want}");
+    // A strided view is read as its values.
+    let m = Tensor::from_vec(vec![1f32, 2.0, 3.0, 4.0, 5.0, 6.0], (2, 3), &Device::Cpu).unwrap();
+    let mt = m.t().unwrap();
+    assert_eq!(flame::sum_sq_multi(&[&mt, &m]).unwrap(), 182.0);
+    assert_eq!(flame::sum_sq_multi(&[]).unwrap(), 0.0);
+    let bad = Tensor::from_vec(vec![1f32, f32::NAN], 2, &Device::Cpu).unwrap();
+    assert!(flame::sum_sq_multi(&[&m, &bad]).unwrap().is_nan());
+    let ids = Tensor::from_vec(vec![1u32, 2], 2, &Device::Cpu).unwrap();
+    assert!(flame::sum_sq_multi(&[&ids]).is_err());
+}

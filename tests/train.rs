@@ -886,3 +886,67 @@ fn adamw8bit_from_the_config_resumes_exactly() {
         Some("adamw8bit")
     );
 }
+
+#[test]
+fn f16_with_dynamic_loss_scaling_skips_overflows_and_resumes_exactly() {
+    use flame::train::config::ModelDType;
+    let f16 = |dir: &Path| {
+        let mut cfg = TrainConfig::from_file(tiny(dir, 10, "")).unwrap();
+        cfg.model.dtype = ModelDType::F16;
+        // 2^20: the loss times the scale overflows f16's 65504 until the scale has halved
+        // a few times; growth after 3 clean steps, so the saved count matters on resume.
+        cfg.train.loss_scale_init = 1048576.0;
+        cfg.train.loss_scale_growth_interval = 3;
+        cfg
+    };
+    let a = temp("f16-full");
+    let cfg = f16(&a);
+    assert!(cfg.loss_scaler().is_some(), "auto scales f16");
+    let mut tr = Trainer::new(cfg.clone()).unwrap();
+    let mut skipped = 0;
+    for _ in 0..10 {
+        let before = tr.scaler.unwrap().scale;
+        let r = tr.train_step().unwrap();
+        let after = tr.scaler.unwrap().scale;
+        match &r.skipped {
+            Some(why) => {
+                assert!(why.contains("overflowed"), "{why}");
+                assert_eq!(after, before / 2.0);
+                skipped += 1;
+            }
+            None => {
+                assert!(r.loss.is_finite() && r.grad_norm.is_finite());
+                assert!(after == before || after == 2.0 * before);
+            }
+        }
+    }
+    assert!((1..10).contains(&skipped), "{skipped} of 10 steps skipped");
+    for (n, p) in tr.adapters.params().unwrap() {
+        let s = flame::sum_sq_multi(&[&p]).unwrap();
+        assert!(s.is_finite(), "{n}");
+    }
+
+    // Stopped and resumed: the same losses as one run, the scale restored from state.json.
+    run_with(&cfg, fresh()).unwrap();
+    let full = losses(&cfg.train.output_dir);
+    let b = temp("f16-resumed");
+    let cfg_b = f16(&b);
+    let stop = RunOptions {
+        stop_at: Some(7),
+        ..Default::default()
+    };
+    assert_eq!(run_with(&cfg_b, stop).unwrap().0, RunEnd::Stopped(7));
+    let (_, dir) = checkpoints(&cfg_b.train.output_dir).unwrap().pop().unwrap();
+    let state = std::fs::read_to_string(dir.join("state.json")).unwrap();
+    assert!(state.contains("\"loss_scale\""), "{state}");
+    run_with(&cfg_b, resume()).unwrap();
+    assert_eq!(losses(&cfg_b.train.output_dir), full);
+
+    // "off" never scales; a bad initial scale is refused with its key.
+    let mut off = f16(&temp("f16-off"));
+    off.train.loss_scale = "off".into();
+    assert!(off.loss_scaler().is_none());
+    let mut bad = f16(&temp("f16-bad"));
+    bad.train.loss_scale_init = 0.5;
+    assert!(load_err(&bad).contains("train.loss_scale_init"));
+}

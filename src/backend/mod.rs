@@ -7,6 +7,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod fp8;
+pub mod multi;
 pub mod quant8;
 #[cfg_attr(not(any(feature = "cpu-ref", feature = "cuda")), allow(dead_code))]
 pub(crate) mod validate;
@@ -271,13 +272,6 @@ pub enum FusedOp {
         /// As in the forward.
         mask: bool,
     },
-    /// One 8-bit AdamW step of one parameter of N values (`optim::AdamW8bit`), the state
-    /// quantized block-wise as `quant8` describes: [p (N) f32/bf16/f16, g (N) p's dtype,
-    /// maps (2, 256) f32 (the signed then the unsigned `quant8::dynamic_map`), m codes
-    /// (blocks, 64) u32, m absmax (blocks) f32, v codes, v absmax] -> [p', m codes, m absmax,
-    /// v codes, v absmax] (p' in p's dtype). Per block: dequantize m and v, the update in f32
-    /// (`AdamW8bitStep`), requantize with a new absmax.
-    AdamW8bit(AdamW8bitStep),
     /// [codes (rows, cols / 4) u32, scale (rows) f32] -> [w (rows, cols) in `dtype`]: an
     /// FP8 E4M3 weight decoded (`fp8`: four codes a word, one f32 scale a row),
     /// `w = decode(code) * scale` in f32, rounded once to `dtype`.
@@ -285,48 +279,6 @@ pub enum FusedOp {
         /// The float dtype of the output.
         dtype: DType,
     },
-}
-
-/// The scalars of one `FusedOp::AdamW8bit` step, worked out by the optimizer in f64 and
-/// rounded once to f32, the precision both backends compute in. Per value, in this order,
-/// each operation rounded to f32 (no fused multiply-add, on either backend):
-///
-/// ```text
-/// p = p * decay
-/// m = beta1 * m + one_minus_beta1 * g
-/// v = beta2 * v + one_minus_beta2 * (g * g)
-/// p = p - step_size * (m / (sqrt(v) / bias2_sqrt + eps))
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamW8bitStep {
-    /// Decay rate of the first moment.
-    pub beta1: f32,
-    /// Decay rate of the second moment.
-    pub beta2: f32,
-    /// `1 - beta1`.
-    pub one_minus_beta1: f32,
-    /// `1 - beta2`.
-    pub one_minus_beta2: f32,
-    /// Added to the bias-corrected sqrt(v).
-    pub eps: f32,
-    /// `1 - lr * weight_decay` (decoupled weight decay).
-    pub decay: f32,
-    /// `lr / (1 - beta1^t)`.
-    pub step_size: f32,
-    /// `sqrt(1 - beta2^t)`.
-    pub bias2_sqrt: f32,
-}
-
-impl AdamW8bitStep {
-    /// The update of one value: (p, g, m, v) -> (p', m', v'), in the order above. The CPU
-    /// backend's; cuda/adam8bit.cu's `adam_value` is its twin.
-    pub fn apply(&self, p: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32) {
-        let p = p * self.decay;
-        let m = self.beta1 * m + self.one_minus_beta1 * g;
-        let v = self.beta2 * v + self.one_minus_beta2 * (g * g);
-        let denom = v.sqrt() / self.bias2_sqrt + self.eps;
-        (p - self.step_size * (m / denom), m, v)
-    }
 }
 
 impl FusedOp {
@@ -343,7 +295,6 @@ impl FusedOp {
             FusedOp::GroupNormBackward { .. } => "group_norm_backward",
             FusedOp::Attention { .. } => "attention",
             FusedOp::AttentionBackward { .. } => "attention_backward",
-            FusedOp::AdamW8bit(_) => "adamw8bit",
             FusedOp::DequantFp8 { .. } => "dequant_fp8",
         }
     }
@@ -483,6 +434,19 @@ pub trait BackendStorage: Sized + Send + Sync {
     /// The fused kernel `op` on `args` (storage and view each; see `FusedOp` for the operands
     /// of each). Checked by `validate::fused` in every backend.
     fn fused(op: FusedOp, args: &[(&Self, &Layout)]) -> Result<Vec<Self>>;
+    /// One Adam step of every item, in place (one kernel launch on CUDA): the parameters, of
+    /// one dtype (f32, bf16 or f16), and their moments, all f32 or all 8-bit, as
+    /// `multi::AdamHyper::apply` and `quant8` describe; `maps` is the (2, 256) f32 table of
+    /// the signed then the unsigned `quant8::dynamic_map` for 8-bit moments. Checked by
+    /// `validate::adam_multi` before anything is written.
+    fn adam_multi(
+        h: &multi::AdamHyper,
+        items: &mut [multi::AdamItem<'_, Self>],
+        maps: Option<&Self>,
+    ) -> Result<()>;
+    /// The sum of the squares of every value of every item, accumulated in f64 (in an order
+    /// fixed by the sizes alone, so the same inputs give the same bits).
+    fn sum_sq_multi(items: &[multi::MultiRef<'_, Self>]) -> Result<f64>;
     /// A contiguous copy of the view `l` on this device, in one pass.
     fn copy_contiguous(&self, l: &Layout) -> Result<Self>;
     /// Contiguous host copy of the view `l`.

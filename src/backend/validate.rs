@@ -112,7 +112,7 @@ fn dequant_fp8(name: &'static str, dtype: DType, args: &[(DType, &Layout)]) -> R
 /// Checks the operands of a fused op (count, dtypes, shapes) and returns its sizes:
 /// [rows, cols] for SoftmaxBackward and the norms' backwards, [B, L, D] for the modulations,
 /// [B, H, L, D, R] for Rope, [N, C, S, groups] for the group norms, [B, H, Lq, Lk, D] for
-/// attention, [N, blocks] for AdamW8bit.
+/// attention.
 pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
     use super::FusedOp as F;
     let name = op.name();
@@ -126,7 +126,6 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
         F::GroupNormBackward { weight, .. } => 4 + usize::from(weight),
         F::Attention { mask, .. } => 3 + usize::from(mask),
         F::AttentionBackward { mask, .. } => 6 + usize::from(mask),
-        F::AdamW8bit(_) => 7,
         F::DequantFp8 { .. } => 2,
     };
     let Some(&(dt, x)) = args.first() else {
@@ -285,23 +284,127 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
                 x.shape(),
             ))
         }
-        F::AdamW8bit(_) => {
-            // Updates are computed in f32: an f64 parameter would lose its precision.
-            if dt == DType::F64 {
-                return Err(Error::UnsupportedDType {
-                    op: name,
-                    dtype: dt,
-                });
-            }
-            let n = x.elem_count();
-            let nb = super::quant8::blocks(n);
-            expect(1, dt, d)?;
-            expect(2, DType::F32, &[2, 256])?;
-            for state in [3, 5] {
-                expect(state, DType::U32, &[nb, super::quant8::WORDS_PER_BLOCK])?;
-                expect(state + 1, DType::F32, &[nb])?;
-            }
-            vec![n, nb]
-        }
     })
+}
+
+/// A multi-tensor Adam step (`BackendStorage::adam_multi`): every parameter f32, bf16 or f16
+/// and of one dtype, each gradient of its parameter's dtype, every item with the same kind of
+/// moments, each view inside its buffer, and the maps with 8-bit moments. `info` gives a
+/// buffer's dtype and length.
+pub(crate) fn adam_multi<S>(
+    items: &[super::multi::AdamItem<'_, S>],
+    maps: Option<&S>,
+    info: impl Fn(&S) -> (DType, usize),
+) -> Result<()> {
+    use super::multi::AdamMoments as M;
+    const OP: &str = "adam_multi";
+    let Some(first) = items.first() else {
+        return Ok(());
+    };
+    let dtype = info(first.p).0;
+    if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(Error::UnsupportedDType { op: OP, dtype });
+    }
+    let quantized = matches!(first.moments, M::Quantized { .. });
+    let fits = |s: &S, want_dtype: DType, offset: usize, len: usize, what: &str, k: usize| {
+        let (dt, have) = info(s);
+        if dt != want_dtype {
+            return Err(Error::invalid(
+                OP,
+                format!("item {k}: {what} is {dt:?}, expected {want_dtype:?}"),
+                &crate::Shape::from(len),
+            ));
+        }
+        if offset.checked_add(len).is_none_or(|end| end > have) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "item {k}: {what} of {len} values from offset {offset} exceeds its buffer \
+                     of {have}"
+                ),
+                &crate::Shape::from(len),
+            ));
+        }
+        Ok(())
+    };
+    for (k, it) in items.iter().enumerate() {
+        fits(it.p, dtype, it.p_offset, it.n, "the parameter", k)?;
+        fits(it.g, dtype, it.g_offset, it.n, "the gradient", k)?;
+        let nb = super::quant8::blocks(it.n);
+        let words = nb * super::quant8::WORDS_PER_BLOCK;
+        match (&it.moments, quantized) {
+            (M::Full { m, v }, false) => {
+                fits(m, DType::F32, 0, it.n, "the first moment", k)?;
+                fits(v, DType::F32, 0, it.n, "the second moment", k)?;
+            }
+            (
+                M::Quantized {
+                    m_codes,
+                    m_absmax,
+                    v_codes,
+                    v_absmax,
+                },
+                true,
+            ) => {
+                fits(m_codes, DType::U32, 0, words, "the first moment's codes", k)?;
+                fits(m_absmax, DType::F32, 0, nb, "the first moment's maxima", k)?;
+                fits(
+                    v_codes,
+                    DType::U32,
+                    0,
+                    words,
+                    "the second moment's codes",
+                    k,
+                )?;
+                fits(v_absmax, DType::F32, 0, nb, "the second moment's maxima", k)?;
+            }
+            _ => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("item {k}: f32 and 8-bit moments in one call"),
+                    &crate::Shape::from(it.n),
+                ))
+            }
+        }
+    }
+    if quantized {
+        match maps {
+            Some(q) => fits(q, DType::F32, 0, 512, "the maps", 0)?,
+            None => {
+                return Err(Error::invalid(
+                    OP,
+                    "8-bit moments without the (2, 256) maps",
+                    &crate::Shape::from(()),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A multi-tensor sum of squares: float buffers, each view inside its buffer.
+pub(crate) fn sum_sq_multi<S>(
+    items: &[super::multi::MultiRef<'_, S>],
+    info: impl Fn(&S) -> (DType, usize),
+) -> Result<()> {
+    for (k, it) in items.iter().enumerate() {
+        let (dtype, have) = info(it.s);
+        if dtype == DType::U32 {
+            return Err(Error::UnsupportedDType {
+                op: "sum_sq_multi",
+                dtype,
+            });
+        }
+        if it.offset.checked_add(it.n).is_none_or(|end| end > have) {
+            return Err(Error::invalid(
+                "sum_sq_multi",
+                format!(
+                    "item {k}: {} values from offset {} exceed its buffer of {have}",
+                    it.n, it.offset
+                ),
+                &crate::Shape::from(it.n),
+            ));
+        }
+    }
+    Ok(())
 }

@@ -17,10 +17,12 @@
 //! Kingma & Ba's Algorithm 1); the bias corrections are computed in f64.
 
 use super::{
-    check_at_least, check_beta, check_lr, compute_dtype, metadata_for, save_state_file, update_err,
-    LoadedState, Optimizer, ParamSet,
+    check_at_least, check_beta, check_grad_scale, check_lr, compute_dtype, metadata_for, opt_err,
+    save_state_file, update_err, LoadedState, Optimizer, ParamSet,
 };
-use crate::{Grads, Result, Tensor};
+use crate::backend::multi::{AdamBias, AdamHyper};
+use crate::tensor::multi::{adam_multi, AdamSlot, Moments};
+use crate::{DType, Grads, Result, Tensor};
 use std::marker::PhantomData;
 use std::path::Path;
 
@@ -195,11 +197,53 @@ impl<V: AdamVariant> AdamOptimizer<V> {
     }
 }
 
-/// Updates `p` from `grad`; the new state is stored in `state` only once the parameter has
-/// been written.
+/// The group scalars of a step of `c` (AdamW: `decoupled`), rounded once to f32.
+pub(super) fn hyper(c: &AdamConfig, decoupled: bool, grad_scale: f64) -> AdamHyper {
+    AdamHyper {
+        beta1: c.beta1 as f32,
+        beta2: c.beta2 as f32,
+        one_minus_beta1: (1.0 - c.beta1) as f32,
+        one_minus_beta2: (1.0 - c.beta2) as f32,
+        eps: c.eps as f32,
+        // Loshchilov & Hutter 2019, Algorithm 2 line 12, in torch.optim.AdamW's form:
+        // p <- p * (1 - lr * weight_decay), before the Adam step; torch.optim.Adam adds
+        // weight_decay * p to the gradient instead.
+        decay: if decoupled {
+            (1.0 - c.lr * c.weight_decay) as f32
+        } else {
+            1.0
+        },
+        l2: if decoupled {
+            0.0
+        } else {
+            c.weight_decay as f32
+        },
+        grad_scale: grad_scale as f32,
+    }
+}
+
+/// The bias corrections of step `t` (>= 1) of `c`, in f64 and rounded once to f32
+/// (torch.optim.Adam: step_size = lr / (1 - beta1^t), denom = sqrt(v) / sqrt(1 - beta2^t) + eps).
+pub(super) fn bias(c: &AdamConfig, t: u64) -> AdamBias {
+    let t = t as f64;
+    AdamBias {
+        step_size: (c.lr / (1.0 - c.beta1.powf(t))) as f32,
+        bias2_sqrt: (1.0 - c.beta2.powf(t)).sqrt() as f32,
+    }
+}
+
+/// Whether the fused multi-tensor step takes `p`: f32, bf16 or f16 and contiguous.
+pub(super) fn fused_step(p: &Tensor) -> bool {
+    matches!(p.dtype(), DType::F32 | DType::BF16 | DType::F16) && p.is_contiguous()
+}
+
+/// Updates `p` from `grad` (times `grad_scale`) with tensor ops, for parameters the fused
+/// step does not take (f64, or not contiguous); the new state is stored in `state` only once
+/// the parameter has been written.
 pub(super) fn update(
     c: &AdamConfig,
     decoupled: bool,
+    grad_scale: f64,
     p: &Tensor,
     grad: &Tensor,
     state: &mut Option<AdamState>,
@@ -207,6 +251,9 @@ pub(super) fn update(
     let cd = compute_dtype(p.dtype());
     let mut p_up = p.to_dtype(cd)?;
     let mut g = grad.to_dtype(cd)?;
+    if grad_scale != 1.0 {
+        g = g.affine(grad_scale, 0.0)?;
+    }
     if c.weight_decay != 0.0 {
         if decoupled {
             // Loshchilov & Hutter 2019, Algorithm 2 line 12, in torch.optim.AdamW's form:
@@ -256,16 +303,58 @@ pub(super) fn update(
 }
 
 impl<V: AdamVariant> Optimizer for AdamOptimizer<V> {
-    fn step(&mut self, grads: &Grads) -> Result<()> {
+    fn step_scaled(&mut self, grads: &Grads, grad_scale: f64) -> Result<()> {
         check_lr(V::NAME, self.config.lr)?;
+        check_grad_scale(V::NAME, grad_scale)?;
         let _guard = crate::no_grad();
         let gs = self.params.gradients(grads)?;
-        let params = self.params.params.iter().zip(gs);
-        for (((name, p), g), state) in params.zip(self.state.iter_mut()) {
-            if let Some(g) = g {
-                update(&self.config, V::DECOUPLED, p, g, state)
-                    .map_err(|e| update_err(V::NAME, name, e))?;
+        let h = hyper(&self.config, V::DECOUPLED, grad_scale);
+        // Parameters the fused step takes: their gradient (contiguous, the parameter's
+        // dtype), their moments (fresh zeros before the first step) and the step they take.
+        let mut fused: Vec<(usize, Tensor, Tensor, Tensor, u64)> = vec![];
+        for (i, ((name, p), g)) in self.params.params.iter().zip(&gs).enumerate() {
+            let Some(g) = g else { continue };
+            if !fused_step(p) {
+                update(
+                    &self.config,
+                    V::DECOUPLED,
+                    grad_scale,
+                    p,
+                    g,
+                    &mut self.state[i],
+                )
+                .map_err(|e| update_err(V::NAME, name, e))?;
+                continue;
             }
+            let prep = || -> Result<_> {
+                let g = g.to_dtype(p.dtype())?.contiguous()?;
+                Ok(match &self.state[i] {
+                    Some(s) => (g, s.exp_avg.clone(), s.exp_avg_sq.clone(), s.step),
+                    None => {
+                        let z = || Tensor::zeros(p.shape().clone(), DType::F32, p.device());
+                        (g, z()?, z()?, 0)
+                    }
+                })
+            };
+            let (g, m, v, step) = prep().map_err(|e| update_err(V::NAME, name, e))?;
+            fused.push((i, g, m, v, step.saturating_add(1)));
+        }
+        let slots: Vec<AdamSlot<'_>> = fused
+            .iter()
+            .map(|(i, g, m, v, t)| AdamSlot {
+                p: &self.params.params[*i].1,
+                g,
+                moments: Moments::Full { m, v },
+                bias: bias(&self.config, *t),
+            })
+            .collect();
+        adam_multi(&h, &[], &slots).map_err(|e| opt_err(V::NAME, e.to_string()))?;
+        for (i, _, m, v, t) in fused {
+            self.state[i] = Some(AdamState {
+                step: t,
+                exp_avg: m,
+                exp_avg_sq: v,
+            });
         }
         Ok(())
     }

@@ -5,11 +5,12 @@
 //!
 //! Per step and parameter, for each block of 256 values: dequantize `m` (signed dynamic map)
 //! and `v` (unsigned dynamic map), do the AdamW update in f32 (see [`AdamW`](super::AdamW) and
-//! `backend::AdamW8bitStep` for the exact order of operations), requantize each moment with a
+//! `backend::multi` for the exact order of operations), requantize each moment with a
 //! new absmax: the largest |value| of the block, each value taking the code of the map entry
 //! nearest to `value / absmax`. The quantization is `backend::quant8`; the step is one fused
-//! kernel launch per parameter (`FusedOp::AdamW8bit`), the same f32 arithmetic on the CPU and
-//! on CUDA, so both give the same codes and parameters bit for bit.
+//! multi-tensor kernel launch for all quantized parameters of a device and dtype (and one for
+//! the small f32-state ones), the same f32 arithmetic on the CPU and on CUDA, so both give the
+//! same codes and parameters bit for bit.
 //!
 //! Differences from bitsandbytes: `eps` is added as in torch.optim.AdamW
 //! (`sqrt(v) / sqrt(1 - beta2^t) + eps`; bitsandbytes adds `eps * sqrt(1 - beta2^t)` to
@@ -37,13 +38,13 @@
 //! metadata `optimizer = "adamw8bit"`, the hyperparameters, `block_size` (256),
 //! `min_8bit_size` and `step.<param>`.
 
-use super::adam::{update as adam_update, HYPER_KEYS};
+use super::adam::{bias, hyper, HYPER_KEYS};
 use super::{
-    check_lr, metadata_for, opt_err, save_state_file, update_err, AdamConfig, AdamState,
-    LoadedState, Optimizer, ParamSet,
+    check_grad_scale, check_lr, metadata_for, opt_err, save_state_file, update_err, AdamConfig,
+    AdamState, LoadedState, Optimizer, ParamSet,
 };
 use crate::backend::quant8::{self, BLOCK, WORDS_PER_BLOCK};
-use crate::backend::AdamW8bitStep;
+use crate::tensor::multi::{adam_multi, AdamSlot, Moments};
 use crate::{DType, Device, Grads, Result, Tensor};
 use std::path::Path;
 
@@ -132,6 +133,26 @@ impl AdamW8bitState {
         }
     }
 
+    /// The same state one step later (the moments are updated in place by the step).
+    fn stepped(&self) -> Self {
+        match self {
+            AdamW8bitState::Quantized {
+                step,
+                exp_avg,
+                exp_avg_sq,
+            } => AdamW8bitState::Quantized {
+                step: step.saturating_add(1),
+                exp_avg: exp_avg.clone(),
+                exp_avg_sq: exp_avg_sq.clone(),
+            },
+            AdamW8bitState::Full(s) => AdamW8bitState::Full(AdamState {
+                step: s.step.saturating_add(1),
+                exp_avg: s.exp_avg.clone(),
+                exp_avg_sq: s.exp_avg_sq.clone(),
+            }),
+        }
+    }
+
     /// Whether the moments are quantized.
     pub fn is_quantized(&self) -> bool {
         matches!(self, AdamW8bitState::Quantized { .. })
@@ -210,6 +231,16 @@ impl AdamW8bit {
         }
         let params = ParamSet::new(NAME, params)?;
         for (name, p) in &params.params {
+            if !p.is_contiguous() {
+                return Err(opt_err(
+                    NAME,
+                    format!(
+                        "parameter '{name}' is a strided view (shape {}); the fused step \
+                         updates contiguous parameters",
+                        p.shape()
+                    ),
+                ));
+            }
             if !matches!(p.dtype(), DType::F32 | DType::BF16 | DType::F16) {
                 return Err(opt_err(
                     NAME,
@@ -265,21 +296,6 @@ impl AdamW8bit {
     }
 }
 
-/// The scalars of step `t` (>= 1) of `c`, in f64 and rounded once to f32.
-fn step_scalars(c: &AdamConfig, t: u64) -> AdamW8bitStep {
-    let t = t as f64;
-    AdamW8bitStep {
-        beta1: c.beta1 as f32,
-        beta2: c.beta2 as f32,
-        one_minus_beta1: (1.0 - c.beta1) as f32,
-        one_minus_beta2: (1.0 - c.beta2) as f32,
-        eps: c.eps as f32,
-        decay: (1.0 - c.lr * c.weight_decay) as f32,
-        step_size: (c.lr / (1.0 - c.beta1.powf(t))) as f32,
-        bias2_sqrt: (1.0 - c.beta2.powf(t)).sqrt() as f32,
-    }
-}
-
 /// A fresh moment of `n` values on `device`: every code that of 0, every absmax 0.
 fn zero_state(map: &[f32; 256], n: usize, device: &Device) -> Result<QuantizedState> {
     let nb = quant8::blocks(n);
@@ -290,118 +306,80 @@ fn zero_state(map: &[f32; 256], n: usize, device: &Device) -> Result<QuantizedSt
     })
 }
 
-/// One 8-bit step of `p`; the new state is stored only once the parameter has been written.
-fn update8(
-    c: &AdamConfig,
-    maps: &Tensor,
-    p: &Tensor,
-    grad: &Tensor,
-    state: &mut Option<AdamW8bitState>,
-) -> Result<()> {
-    let (step, m, v) = match state.take() {
-        Some(AdamW8bitState::Quantized {
-            step,
-            exp_avg,
-            exp_avg_sq,
-        }) => (step, exp_avg, exp_avg_sq),
-        None => (
-            0,
-            zero_state(&quant8::dynamic_map(true), p.elem_count(), p.device())?,
-            zero_state(&quant8::dynamic_map(false), p.elem_count(), p.device())?,
-        ),
-        Some(full @ AdamW8bitState::Full(_)) => {
-            *state = Some(full);
-            return Err(opt_err(
-                NAME,
-                "internal: a parameter with f32 state reached the 8-bit update",
-            ));
-        }
-    };
-    let t = step.saturating_add(1);
-    let h = step_scalars(c, t);
-    let g = grad.to_dtype(p.dtype())?;
-    let result = p.adamw8bit_step(&g, h, [maps, &m.codes, &m.absmax, &v.codes, &v.absmax]);
-    let (new_p, [mc, ma, vc, va]) = match result {
-        Ok(o) => o,
-        Err(e) => {
-            // Put the old state back: nothing changed.
-            if step > 0 {
-                *state = Some(AdamW8bitState::Quantized {
-                    step,
-                    exp_avg: m,
-                    exp_avg_sq: v,
-                });
-            }
-            return Err(e);
-        }
-    };
-    if let Err(e) = p.assign(&new_p) {
-        if step > 0 {
-            *state = Some(AdamW8bitState::Quantized {
-                step,
-                exp_avg: m,
-                exp_avg_sq: v,
-            });
-        }
-        return Err(e);
-    }
-    *state = Some(AdamW8bitState::Quantized {
-        step: t,
-        exp_avg: QuantizedState {
-            codes: mc,
-            absmax: ma,
-        },
-        exp_avg_sq: QuantizedState {
-            codes: vc,
-            absmax: va,
-        },
-    });
-    Ok(())
-}
-
-/// One f32 step of a small parameter: [`AdamW`](super::AdamW)'s update.
-fn update_full(
-    c: &AdamConfig,
-    p: &Tensor,
-    grad: &Tensor,
-    state: &mut Option<AdamW8bitState>,
-) -> Result<()> {
-    let mut full = match state.take() {
-        None => None,
-        Some(AdamW8bitState::Full(s)) => Some(s),
-        Some(q @ AdamW8bitState::Quantized { .. }) => {
-            *state = Some(q);
-            return Err(opt_err(
-                NAME,
-                "internal: a parameter with 8-bit state reached the f32 update",
-            ));
-        }
-    };
-    let r = adam_update(c, true, p, grad, &mut full);
-    *state = full.map(AdamW8bitState::Full);
-    r
-}
-
 impl Optimizer for AdamW8bit {
-    fn step(&mut self, grads: &Grads) -> Result<()> {
-        check_lr(NAME, self.config.adam.lr)?;
+    fn step_scaled(&mut self, grads: &Grads, grad_scale: f64) -> Result<()> {
+        let c = self.config.adam;
+        check_lr(NAME, c.lr)?;
+        check_grad_scale(NAME, grad_scale)?;
         let _guard = crate::no_grad();
         let gs = self.params.gradients(grads)?;
-        let params = self.params.params.iter().zip(gs);
-        for (((name, p), g), state) in params.zip(self.state.iter_mut()) {
+        // Every parameter with a gradient: its gradient (contiguous, the parameter's dtype)
+        // and its state after this step (fresh zeros before the first); the state is stored
+        // only once the fused step has run.
+        let mut next: Vec<(usize, Tensor, AdamW8bitState)> = vec![];
+        for (i, ((name, p), g)) in self.params.params.iter().zip(&gs).enumerate() {
             let Some(g) = g else { continue };
-            let r = if p.elem_count() >= self.config.min_8bit_size {
-                match self.maps.iter().find(|(d, _)| d == p.device()) {
-                    Some((_, maps)) => update8(&self.config.adam, maps, p, g, state),
-                    None => Err(opt_err(
-                        NAME,
-                        format!("internal: no quantization maps on {}", p.device()),
-                    )),
-                }
-            } else {
-                update_full(&self.config.adam, p, g, state)
+            let quantized = p.elem_count() >= self.config.min_8bit_size;
+            let prep = || -> Result<_> {
+                let g = g.to_dtype(p.dtype())?.contiguous()?;
+                let n = p.elem_count();
+                let state = match (&self.state[i], quantized) {
+                    (Some(s @ AdamW8bitState::Quantized { .. }), true)
+                    | (Some(s @ AdamW8bitState::Full(_)), false) => s.clone(),
+                    (None, true) => AdamW8bitState::Quantized {
+                        step: 0,
+                        exp_avg: zero_state(&quant8::dynamic_map(true), n, p.device())?,
+                        exp_avg_sq: zero_state(&quant8::dynamic_map(false), n, p.device())?,
+                    },
+                    (None, false) => {
+                        let z = || Tensor::zeros(p.shape().clone(), DType::F32, p.device());
+                        AdamW8bitState::Full(AdamState {
+                            step: 0,
+                            exp_avg: z()?,
+                            exp_avg_sq: z()?,
+                        })
+                    }
+                    (Some(_), _) => {
+                        return Err(opt_err(
+                            NAME,
+                            "internal: the state's kind does not match min_8bit_size",
+                        ))
+                    }
+                };
+                Ok((g, state.stepped()))
             };
-            r.map_err(|e| update_err(NAME, name, e))?;
+            let (g, state) = prep().map_err(|e| update_err(NAME, name, e))?;
+            next.push((i, g, state));
+        }
+        let slots: Vec<AdamSlot<'_>> = next
+            .iter()
+            .map(|(i, g, s)| AdamSlot {
+                p: &self.params.params[*i].1,
+                g,
+                moments: match s {
+                    AdamW8bitState::Full(f) => Moments::Full {
+                        m: &f.exp_avg,
+                        v: &f.exp_avg_sq,
+                    },
+                    AdamW8bitState::Quantized {
+                        exp_avg,
+                        exp_avg_sq,
+                        ..
+                    } => Moments::Quantized {
+                        m_codes: &exp_avg.codes,
+                        m_absmax: &exp_avg.absmax,
+                        v_codes: &exp_avg_sq.codes,
+                        v_absmax: &exp_avg_sq.absmax,
+                    },
+                },
+                bias: bias(&c, s.step()),
+            })
+            .collect();
+        let maps: Vec<&Tensor> = self.maps.iter().map(|(_, m)| m).collect();
+        adam_multi(&hyper(&c, true, grad_scale), &maps, &slots)
+            .map_err(|e| opt_err(NAME, e.to_string()))?;
+        for (i, _, s) in next {
+            self.state[i] = Some(s);
         }
         Ok(())
     }

@@ -42,7 +42,14 @@ use std::path::Path;
 /// Object safe, so a trainer can hold a `Box<dyn Optimizer>`.
 pub trait Optimizer {
     /// One update of every parameter that has a gradient in `grads`.
-    fn step(&mut self, grads: &Grads) -> Result<()>;
+    fn step(&mut self, grads: &Grads) -> Result<()> {
+        self.step_scaled(grads, 1.0)
+    }
+
+    /// One update with every gradient multiplied by `grad_scale` first (finite, > 0): the
+    /// unscaling of a scaled loss and the clipping factor, folded into the update instead of
+    /// a pass over the gradients.
+    fn step_scaled(&mut self, grads: &Grads, grad_scale: f64) -> Result<()>;
 
     /// The current learning rate.
     fn learning_rate(&self) -> f64;
@@ -429,6 +436,17 @@ fn metadata_for(kind: &str, hyper: &[(&str, String)]) -> BTreeMap<String, String
         m.insert(k.to_string(), v.clone());
     }
     m
+}
+
+/// A gradient scale must be finite and > 0.
+fn check_grad_scale(optimizer: &'static str, s: f64) -> Result<()> {
+    if !s.is_finite() || s <= 0.0 {
+        return Err(opt_err(
+            optimizer,
+            format!("invalid gradient scale {s}: must be finite and > 0"),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks the learning rate before a step (it may have been set after construction).

@@ -16,8 +16,8 @@
 //! of initialization and momentum in deep learning".
 
 use super::{
-    check_at_least, check_lr, compute_dtype, fresh_copy, metadata_for, opt_err, save_state_file,
-    update_err, LoadedState, Optimizer, ParamSet,
+    check_at_least, check_grad_scale, check_lr, compute_dtype, fresh_copy, metadata_for, opt_err,
+    save_state_file, update_err, LoadedState, Optimizer, ParamSet,
 };
 use crate::{Grads, Result, Tensor};
 use std::path::Path;
@@ -194,13 +194,21 @@ fn update(c: &SgdConfig, p: &Tensor, grad: &Tensor, buffer: &mut Option<Tensor>)
 }
 
 impl Optimizer for Sgd {
-    fn step(&mut self, grads: &Grads) -> Result<()> {
+    fn step_scaled(&mut self, grads: &Grads, grad_scale: f64) -> Result<()> {
         check_lr(NAME, self.config.lr)?;
+        check_grad_scale(NAME, grad_scale)?;
         let _guard = crate::no_grad();
         let gs = self.params.gradients(grads)?;
         let params = self.params.params.iter().zip(gs);
         for (((name, p), g), buffer) in params.zip(self.buffers.iter_mut()) {
             if let Some(g) = g {
+                let scaled;
+                let g = if grad_scale == 1.0 {
+                    g
+                } else {
+                    scaled = g.affine(grad_scale, 0.0)?;
+                    &scaled
+                };
                 update(&self.config, p, g, buffer).map_err(|e| update_err(NAME, name, e))?;
             }
         }

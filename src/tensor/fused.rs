@@ -360,32 +360,6 @@ impl Tensor {
         ))
     }
 
-    /// One `FusedOp::AdamW8bit` step of the parameter `self` (the optimizer's primitive):
-    /// `state` = [maps, m codes, m absmax, v codes, v absmax]. Returns the new parameter values
-    /// (a fresh contiguous tensor in `self`'s dtype, for `assign`) and the new state tensors,
-    /// each of its input's shape.
-    pub(crate) fn adamw8bit_step(
-        &self,
-        grad: &Tensor,
-        h: crate::backend::AdamW8bitStep,
-        state: [&Tensor; 5],
-    ) -> Result<(Tensor, [Tensor; 4])> {
-        let [maps, mc, ma, vc, va] = state;
-        let o = run(FusedOp::AdamW8bit(h), &[self, grad, maps, mc, ma, vc, va])?;
-        let [p, mc2, ma2, vc2, va2]: [Storage; 5] = o.try_into().map_err(|o: Vec<Storage>| {
-            Error::invalid(
-                "adamw8bit",
-                format!("{} outputs, expected 5", o.len()),
-                self.shape(),
-            )
-        })?;
-        let like = |s: Storage, t: &Tensor| wrap(s, t.shape().clone(), self);
-        Ok((
-            like(p, self),
-            [like(mc2, mc), like(ma2, ma), like(vc2, vc), like(va2, va)],
-        ))
-    }
-
     /// An FP8 E4M3 weight decoded into `dtype`: `self` holds the packed codes (rows, cols / 4)
     /// u32 and `scale` one f32 per row (`backend::fp8` describes the format). Returns a
     /// fresh (rows, cols) tensor, not recorded (fp8 weights are frozen).

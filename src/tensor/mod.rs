@@ -4,10 +4,12 @@
 mod attention;
 mod composite;
 mod fused;
+pub(crate) mod multi;
 mod ops;
 mod view;
 
 pub use attention::scaled_dot_product_attention;
+pub use multi::sum_sq_multi;
 
 use crate::autograd::{self, Op};
 use crate::device::Storage;

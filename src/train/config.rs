@@ -137,6 +137,9 @@ pub enum ModelDType {
     F32,
     /// bfloat16.
     Bf16,
+    /// IEEE half precision, for GPUs without bf16: the loss is scaled (`train.loss_scale`)
+    /// so that small gradients survive f16's range.
+    F16,
     /// Linear weights in FP8 E4M3 with a per-output-channel scale (half of bf16's memory and
     /// streamed bytes), decoded to bf16 for each matmul; everything else in bf16.
     Fp8,
@@ -160,8 +163,9 @@ section! {
         /// The weights: a single .safetensors file, a diffusers model folder or a pipeline
         /// folder.
         path: PathBuf,
-        /// The dtype of the frozen weights on the device: "bf16", "f32", or "fp8" (Linear
-        /// weights in E4M3 with per-channel scales, computed in bf16).
+        /// The dtype of the frozen weights on the device: "bf16", "f16" (for GPUs without
+        /// bf16; with dynamic loss scaling), "f32", or "fp8" (Linear weights in E4M3 with
+        /// per-channel scales, computed in bf16).
         dtype: ModelDType = ModelDType::Bf16,
         /// A diffusers config.json for a single file whose shapes do not pin its config down.
         config: Option<PathBuf> = None,
@@ -255,6 +259,17 @@ section! {
         on_nonfinite: String = "stop",
         /// With on_nonfinite = "skip": stop after this many skipped steps in a row.
         max_skipped: usize = 10_usize,
+        /// Loss scaling: "auto" (dynamic when model.dtype = "f16"), "dynamic" or "off".
+        /// Dynamic: the loss is multiplied by a scale before the backward and the gradients
+        /// divided by it in the optimizer step; a step whose gradients overflow is skipped
+        /// and the scale halved, and the scale doubles after loss_scale_growth_interval
+        /// clean steps (torch.cuda.amp.GradScaler's rule). Saved in checkpoints.
+        loss_scale: String = "auto",
+        /// Dynamic loss scaling: the first scale (GradScaler's init_scale, 2^16), >= 1.
+        loss_scale_init: f64 = 65536.0,
+        /// Dynamic loss scaling: clean steps before the scale doubles (GradScaler's
+        /// growth_interval), >= 1.
+        loss_scale_growth_interval: usize = 2000_usize,
         /// Without a terminal: print a progress line every this many steps (0: never).
         log_every: usize = 10_usize,
     }
@@ -485,6 +500,11 @@ impl TrainConfig {
                 &["uniform", "logit_normal", "shift", "flux_shift"],
             ),
             in_list("train.on_nonfinite", &t.on_nonfinite, &["stop", "skip"]),
+            in_list(
+                "train.loss_scale",
+                &t.loss_scale,
+                &["auto", "dynamic", "off"],
+            ),
         ]
         .into_iter()
         .flatten()
@@ -565,6 +585,16 @@ impl TrainConfig {
             "train.max_skipped",
             "0: with on_nonfinite = \"skip\", at least 1".into(),
         );
+        c.check(
+            t.loss_scale_init.is_finite() && t.loss_scale_init >= 1.0,
+            "train.loss_scale_init",
+            format!("{}: must be finite and >= 1", t.loss_scale_init),
+        );
+        c.check(
+            t.loss_scale_growth_interval > 0,
+            "train.loss_scale_growth_interval",
+            "0: at least 1".into(),
+        );
         if let Err(e) = self.checkpointing() {
             c.check(false, "memory.checkpointing", e);
         }
@@ -575,6 +605,17 @@ impl TrainConfig {
             format!("{}: must be >= 0 (0: the GPU's free memory)", mem.budget_gb),
         );
         v
+    }
+
+    /// The dynamic loss scaler `train.loss_scale` asks for (None: no scaling).
+    pub fn loss_scaler(&self) -> Option<super::scaler::LossScaler> {
+        let t = &self.train;
+        let on = match t.loss_scale.as_str() {
+            "dynamic" => true,
+            "auto" => self.model.dtype == ModelDType::F16,
+            _ => false,
+        };
+        on.then(|| super::scaler::LossScaler::new(t.loss_scale_init, t.loss_scale_growth_interval))
     }
 
     /// The first problem as an error (no file, no line); Ok when every check passes.
@@ -733,6 +774,7 @@ impl TrainConfig {
             ("train.timestep_std", show(&t.timestep_std)),
             ("train.timestep_shift", show(&t.timestep_shift)),
             ("train.min_snr_gamma", show(&t.min_snr_gamma)),
+            ("train.loss_scale", show(&t.loss_scale)),
         ];
         // A cosine schedule runs to zero at the last step: its length is part of every lr.
         if s.kind == "cosine" {

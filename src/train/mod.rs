@@ -8,6 +8,7 @@ pub mod demo;
 pub mod memory;
 pub mod objectives;
 pub mod rundir;
+pub mod scaler;
 pub mod trainer;
 
 pub use config::TrainConfig;

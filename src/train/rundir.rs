@@ -166,7 +166,7 @@ impl Manifest {
 }
 
 /// What a checkpoint's `state.json` records.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct CheckpointState {
     /// Steps done.
     pub step: usize,
@@ -176,6 +176,8 @@ pub struct CheckpointState {
     pub run_id: String,
     /// Skipped (non-finite) steps in a row up to `step`.
     pub skipped_in_row: usize,
+    /// The dynamic loss scale and its clean-step count after `step`, when the run scales.
+    pub loss_scale: Option<(f64, usize)>,
     /// Each file with its size and hash.
     pub files: BTreeMap<String, (u64, u64)>,
 }
@@ -187,7 +189,7 @@ impl CheckpointState {
         step: usize,
         seed: u64,
         run_id: &str,
-        skipped_in_row: usize,
+        (skipped_in_row, loss_scale): (usize, Option<(f64, usize)>),
         names: &[&str],
     ) -> Result<Self> {
         let mut files = BTreeMap::new();
@@ -201,6 +203,7 @@ impl CheckpointState {
             seed,
             run_id: run_id.to_string(),
             skipped_in_row,
+            loss_scale,
             files,
         })
     }
@@ -216,14 +219,19 @@ impl CheckpointState {
                 )
             })
             .collect();
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "step": self.step,
             "seed": self.seed,
             "run_id": self.run_id,
             "skipped_in_row": self.skipped_in_row,
             "files": files,
-        })
-        .to_string()
+        });
+        if let Some((scale, clean)) = self.loss_scale {
+            // Shortest round-trip form: the scale resumes exactly.
+            v["loss_scale"] = serde_json::json!(scale.to_string());
+            v["loss_scale_clean_steps"] = serde_json::json!(clean);
+        }
+        v.to_string()
     }
 
     /// Reads `dir/state.json` and checks every file it lists against its size and hash.
@@ -267,11 +275,23 @@ impl CheckpointState {
             }
             files.insert(name.clone(), (len, hash));
         }
+        let loss_scale = match v.get("loss_scale") {
+            None => None,
+            Some(ls) => {
+                let scale = ls.as_str().and_then(|x| x.parse::<f64>().ok());
+                let clean = v["loss_scale_clean_steps"].as_u64();
+                match (scale, clean) {
+                    (Some(s), Some(c)) if s.is_finite() && s > 0.0 => Some((s, c as usize)),
+                    _ => return Err(damaged("state.json: a bad loss_scale entry".into())),
+                }
+            }
+        };
         Ok(CheckpointState {
             step: field("step")? as usize,
             seed: field("seed")?,
             run_id: v["run_id"].as_str().unwrap_or_default().to_string(),
             skipped_in_row: v["skipped_in_row"].as_u64().unwrap_or(0) as usize,
+            loss_scale,
             files,
         })
     }
@@ -362,11 +382,11 @@ impl RunDir {
     pub fn save_checkpoint(
         &self,
         step: usize,
-        state: (u64, &str, usize),
+        state: (u64, &str, usize, Option<(f64, usize)>),
         keep: usize,
         write: impl FnOnce(&Path) -> Result<Vec<&'static str>>,
     ) -> Result<PathBuf> {
-        let (seed, run_id, skipped) = state;
+        let (seed, run_id, skipped, loss_scale) = state;
         let dir = self.checkpoint_dir(step);
         let tmp = self.path.join(format!(".tmp-checkpoint-{step:07}"));
         let result = (|| {
@@ -381,7 +401,7 @@ impl RunDir {
                     .and_then(|f| f.sync_all())
                     .map_err(io(&p))?;
             }
-            let st = CheckpointState::new(&tmp, step, seed, run_id, skipped, &names)?;
+            let st = CheckpointState::new(&tmp, step, seed, run_id, (skipped, loss_scale), &names)?;
             write_atomic(&tmp.join("state.json"), st.to_json().as_bytes())?;
             crate::fault::point(&format!("checkpoint:{step}")).map_err(io(&tmp))?;
             if dir.exists() {

@@ -14,10 +14,11 @@ use super::demo;
 use super::memory::{plan_memory, MemoryChoice};
 use super::objectives::{flow_matching, weighted_mse, Prediction};
 use super::rundir::{read_log, write_atomic, CheckpointState, Manifest, RunDir, FINAL, LOG};
+use super::scaler::LossScaler;
 use crate::models::{self, DiffusionModel, LoadOptions, MemoryPlan, Objective};
 use crate::nn::{Adapters, KeyMap, GOLDEN};
 use crate::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
-use crate::{DType, Device, Error, Grads, Result, Tensor};
+use crate::{sum_sq_multi, DType, Device, Error, Grads, Result, Tensor};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -41,6 +42,8 @@ pub struct Trainer {
     pub step: usize,
     /// Non-finite steps skipped in a row up to `step`.
     skipped_in_row: usize,
+    /// The dynamic loss scale (`train.loss_scale`), if any.
+    pub scaler: Option<LossScaler>,
     run_id: String,
     /// Set (e.g. by a signal handler) to stop after the current step with a checkpoint.
     interrupt: Arc<AtomicBool>,
@@ -117,28 +120,15 @@ pub enum FolderAction {
     AlreadyFinished(usize),
 }
 
-/// The sum of squares of every value of `tensors`, in f64 on the device with one copy to the
-/// host. Finite iff every (f32 or narrower) value is.
-fn sum_sq<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
-    let mut acc: Option<Tensor> = None;
-    for t in tensors {
-        let s = t.to_dtype(DType::F64)?.sqr()?.sum_all()?;
-        acc = Some(match acc {
-            Some(a) => a.add(&s)?,
-            None => s,
-        });
-    }
-    acc.map_or(Ok(0.0), |a| a.to_scalar_f64())
-}
-
 /// The name of the first tensor holding a NaN or an infinity: one host copy when all are
 /// finite, one per tensor only to find the culprit.
 fn first_nonfinite<'a>(tensors: &[(&'a str, &'a Tensor)]) -> Result<Option<String>> {
-    if sum_sq(tensors.iter().map(|(_, t)| *t))?.is_finite() {
+    let all: Vec<&Tensor> = tensors.iter().map(|(_, t)| *t).collect();
+    if sum_sq_multi(&all)?.is_finite() {
         return Ok(None);
     }
     for (name, t) in tensors {
-        if !sum_sq([*t])?.is_finite() {
+        if !sum_sq_multi(&[*t])?.is_finite() {
             return Ok(Some(name.to_string()));
         }
     }
@@ -146,15 +136,6 @@ fn first_nonfinite<'a>(tensors: &[(&'a str, &'a Tensor)]) -> Result<Option<Strin
 }
 
 /// Scales every gradient of `params` by `f`.
-fn scale_grads(grads: &mut Grads, params: &[(String, Tensor)], f: f64) -> Result<()> {
-    for (_, p) in params {
-        if let Some(g) = grads.remove(p) {
-            grads.insert(p, g.affine(f, 0.0)?);
-        }
-    }
-    Ok(())
-}
-
 /// `train.device`: "cuda" (an error without a GPU), "cpu", or "auto" (the GPU if one opens).
 fn pick_device(name: &str) -> Result<Device> {
     #[cfg(feature = "cuda")]
@@ -212,6 +193,7 @@ impl Trainer {
         }
         let dtype = match m.dtype {
             ModelDType::F32 => DType::F32,
+            ModelDType::F16 => DType::F16,
             ModelDType::Bf16 | ModelDType::Fp8 => DType::BF16,
         };
         let adapters = Adapters::new(config.lora())?;
@@ -278,6 +260,7 @@ impl Trainer {
             path: None,
             msg: format!("[optimizer]: {e}"),
         })?;
+        let scaler = config.loss_scaler();
         Ok(Trainer {
             config,
             memory,
@@ -290,6 +273,7 @@ impl Trainer {
             dtype,
             step: 0,
             skipped_in_row: 0,
+            scaler,
             run_id: String::new(),
             interrupt: Arc::new(AtomicBool::new(false)),
         })
@@ -376,6 +360,8 @@ impl Trainer {
         let mut total = 0.0;
         let mut samples: Vec<usize> = vec![];
         let mut bad: Option<String> = None;
+        // Dynamic loss scaling: the backward runs on loss * scale, the step divides by it.
+        let scale = self.scaler.map_or(1.0, |s| s.scale);
         for micro in 0..acc {
             let pos = (self.step * acc + micro) * b;
             let idx = indices(self.data.len(), seed, pos, b);
@@ -389,7 +375,11 @@ impl Trainer {
                 bad = Some(format!("the loss of micro-batch {} is {value}", micro + 1));
                 break;
             }
-            loss.backward_into(&mut grads)?;
+            if scale == 1.0 {
+                loss.backward_into(&mut grads)?;
+            } else {
+                loss.affine(scale, 0.0)?.backward_into(&mut grads)?;
+            }
         }
         let params = self.adapters.params()?;
         let with_grads: Vec<(&str, &Tensor)> = params
@@ -397,13 +387,26 @@ impl Trainer {
             .filter_map(|(n, p)| Some((n.as_str(), grads.get(p)?)))
             .collect();
         let mut norm = f64::NAN;
+        let mut overflow = false;
         if bad.is_none() {
-            norm = sum_sq(with_grads.iter().map(|(_, g)| *g))?.sqrt();
+            let gs: Vec<&Tensor> = with_grads.iter().map(|(_, g)| *g).collect();
+            norm = sum_sq_multi(&gs)?.sqrt() / scale;
             if !norm.is_finite() {
-                bad = Some(match first_nonfinite(&with_grads)? {
-                    Some(n) => format!("the gradient of {n} is not finite (gradient norm {norm})"),
-                    None => format!("the gradient norm is {norm}"),
-                });
+                match &mut self.scaler {
+                    // The loss was finite: the scaled gradients overflowed f16.
+                    Some(sc) if sc.can_back_off() => {
+                        overflow = true;
+                        sc.overflowed();
+                    }
+                    _ => {
+                        bad = Some(match first_nonfinite(&with_grads)? {
+                            Some(n) => {
+                                format!("the gradient of {n} is not finite (gradient norm {norm})")
+                            }
+                            None => format!("the gradient norm is {norm}"),
+                        })
+                    }
+                }
             }
         }
         let step = self.step + 1;
@@ -416,6 +419,15 @@ impl Trainer {
             grad_norm: norm,
             skipped: None,
         };
+        if overflow {
+            // GradScaler's skipped step: no update, the scale halved; not a failure.
+            self.step = step;
+            let now = self.scaler.map_or(1.0, |s| s.scale);
+            report.skipped = Some(format!(
+                "the f16 gradients overflowed at loss scale {scale}; the scale is now {now}"
+            ));
+            return Ok(report);
+        }
         if let Some(what) = bad {
             let names: Vec<String> = samples
                 .iter()
@@ -442,11 +454,17 @@ impl Trainer {
             report.skipped = Some(what);
             return Ok(report);
         }
+        // Clipping and unscaling, folded into the optimizer's fused update.
         let max = self.config.train.max_grad_norm;
-        if max > 0.0 && norm > max {
-            scale_grads(&mut grads, &params, max / (norm + 1e-6))?;
+        let clip = if max > 0.0 && norm > max {
+            max / (norm + 1e-6)
+        } else {
+            1.0
+        };
+        self.opt.step_scaled(&grads, clip / scale)?;
+        if let Some(sc) = &mut self.scaler {
+            sc.clean();
         }
-        self.opt.step(&grads)?;
         self.skipped_in_row = 0;
         self.step = step;
         Ok(report)
@@ -492,6 +510,7 @@ impl Trainer {
             self.config.train.seed,
             self.run_id.as_str(),
             self.skipped_in_row,
+            self.scaler.map(|s| (s.scale, s.clean_steps)),
         );
         self.run_dir()
             .save_checkpoint(self.step, state, keep, |tmp| {
@@ -523,6 +542,15 @@ impl Trainer {
         self.opt.load_state(&dir.join("optimizer.safetensors"))?;
         self.step = st.step;
         self.skipped_in_row = st.skipped_in_row;
+        // A run that scales resumes at the saved scale (a checkpoint without one, from a
+        // run that did not scale, starts at the configured initial scale).
+        self.scaler = self.config.loss_scaler().map(|mut s| {
+            if let Some((scale, clean)) = st.loss_scale {
+                s.scale = scale;
+                s.clean_steps = clean;
+            }
+            s
+        });
         Ok(())
     }
 

@@ -88,3 +88,50 @@ fn cuda_steps_match_the_cpu_bit_for_bit() {
         assert_same(&format!("{dtype} resumed"), &oc2, &og, &pc2, &pg);
     }
 }
+
+/// The multi-tensor f32-moment step (AdamW and Adam's L2 form, scaled gradients) and the
+/// multi-tensor sum of squares on CUDA against the CPU: parameters of three dtypes and odd
+/// sizes in one optimizer (one launch per dtype), bit for bit; the sums within f64 rounding
+/// (the reduction order differs).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_multi_tensor_adam_and_sum_sq_match_the_cpu() {
+    use super::{adam, grads_times, mixed_params};
+    use flame::optim::{Adam, AdamW};
+    let gpu = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipping: no CUDA device ({e})");
+            return;
+        }
+    };
+    for decoupled in [true, false] {
+        let pc = mixed_params(&Device::Cpu);
+        let pg = on(&pc, &gpu);
+        let make = |p: Vec<(String, Tensor)>| -> Box<dyn Optimizer> {
+            if decoupled {
+                Box::new(AdamW::new(p, adam(1e-3, 0.05)).unwrap())
+            } else {
+                Box::new(Adam::new(p, adam(1e-3, 0.05)).unwrap())
+            }
+        };
+        let (mut oc, mut og) = (make(pc.clone()), make(pg.clone()));
+        for k in 0..4 {
+            oc.step_scaled(&grads_times(&pc, k, 8.0), 0.125).unwrap();
+            og.step_scaled(&grads_times(&pg, k, 8.0), 0.125).unwrap();
+        }
+        for ((name, a), (_, b)) in pc.iter().zip(&pg) {
+            assert_eq!(bits(a), bits(b), "decoupled {decoupled}: {name}");
+        }
+        let (tc, tg): (Vec<&Tensor>, Vec<&Tensor>) =
+            pc.iter().zip(&pg).map(|((_, a), (_, b))| (a, b)).unzip();
+        let (sc, sg) = (
+            flame::sum_sq_multi(&tc).unwrap(),
+            flame::sum_sq_multi(&tg).unwrap(),
+        );
+        assert!((sc - sg).abs() <= 1e-12 * sc, "sum of squares {sc} vs {sg}");
+        assert_eq!(sg, flame::sum_sq_multi(&tg).unwrap(), "deterministic");
+    }
+    let bad = Tensor::from_vec(vec![1f32, f32::INFINITY, 2.0], 3, &gpu).unwrap();
+    assert!(!flame::sum_sq_multi(&[&bad]).unwrap().is_finite());
+}

@@ -44,10 +44,6 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
     }
     let metas: Vec<_> = args.iter().map(|(s, l)| (s.dtype(), *l)).collect();
     let dims = validate::fused(op, &metas)?;
-    if let FusedOp::AdamW8bit(h) = &op {
-        // f32 arithmetic and u32 codes, not the f64 views below.
-        return super::adam8bit::step(h, args);
-    }
     if let FusedOp::DequantFp8 { dtype } = op {
         return dequant_fp8(dtype, &dims, args);
     }
@@ -261,7 +257,7 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
                 from_f64_vec(dv, dt),
             ]
         }
-        FusedOp::AdamW8bit(_) | FusedOp::DequantFp8 { .. } => {
+        FusedOp::DequantFp8 { .. } => {
             return Err(crate::Error::invalid(
                 op.name(),
                 "internal: reached the f64 path",

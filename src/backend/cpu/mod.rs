@@ -1,12 +1,12 @@
 //! The CPU reference backend: correct for every dtype (bf16/f16 computed in f32, sums
 //! accumulated in f64), multithreaded with rayon, matmul through the `gemm` crate.
 
-mod adam8bit;
 mod attention;
 mod conv;
 mod fused;
 mod index;
 mod matmul;
+mod multi;
 mod norm;
 mod num;
 pub mod random;
@@ -464,6 +464,18 @@ impl BackendStorage for CpuStorage {
 
     fn fused(op: crate::backend::FusedOp, args: &[(&Self, &Layout)]) -> Result<Vec<Self>> {
         fused::fused(op, args)
+    }
+
+    fn adam_multi(
+        h: &crate::backend::multi::AdamHyper,
+        items: &mut [crate::backend::multi::AdamItem<'_, Self>],
+        maps: Option<&Self>,
+    ) -> Result<()> {
+        multi::adam(h, items, maps)
+    }
+
+    fn sum_sq_multi(items: &[crate::backend::multi::MultiRef<'_, Self>]) -> Result<f64> {
+        multi::sum_sq(items)
     }
 
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {

@@ -1,5 +1,5 @@
 //! Launchers of the fused kernels of `FusedOp` (kernels in cuda/fused.cu; GroupNorm in
-//! group_norm.rs, attention in attention.rs, 8-bit AdamW in adam8bit.rs). Operands are
+//! group_norm.rs, attention in attention.rs). Operands are
 //! checked by `validate::fused`, views are made dense, outputs are fresh buffers.
 //!
 //! Column sums (the weight/bias gradients of norms and modulation) are taken by the backward's
@@ -452,7 +452,6 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
             let (dx, dw, db) = super::group_norm::backward::<T>(x, &p, dims, groups, weight)?;
             vec![out(T::wrap(dx)), out(T::wrap(dw)), out(T::wrap(db))]
         }
-        FusedOp::AdamW8bit(h) => super::adam8bit::step::<T>(&h, d, a)?,
         // `fused` hands these to cuda::attention before operands are made dense: the flash
         // kernels read strided views.
         FusedOp::Attention { .. }

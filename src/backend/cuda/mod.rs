@@ -2,7 +2,6 @@
 //! on a machine without a driver `CudaDevice::new` returns an error instead of panicking.
 //! Kernels come from the PTX that build.rs embeds (one module per `cuda/*.cu`).
 
-mod adam8bit;
 mod attention;
 mod conv;
 mod device;
@@ -14,6 +13,7 @@ mod index;
 mod layout;
 mod matmul;
 mod memory;
+mod multi;
 mod norm;
 mod reduce;
 mod storage;

@@ -628,6 +628,18 @@ impl BackendStorage for CudaStorage {
         super::fused::fused(op, args)
     }
 
+    fn adam_multi(
+        h: &crate::backend::multi::AdamHyper,
+        items: &mut [crate::backend::multi::AdamItem<'_, Self>],
+        maps: Option<&Self>,
+    ) -> Result<()> {
+        super::multi::adam(h, items, maps)
+    }
+
+    fn sum_sq_multi(items: &[crate::backend::multi::MultiRef<'_, Self>]) -> Result<f64> {
+        super::multi::sum_sq(items)
+    }
+
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
         self.contiguous(l)
     }

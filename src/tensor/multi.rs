@@ -1,0 +1,228 @@
+//! Multi-tensor ops over tensors (`backend::multi`): the optimizers' fused Adam step and the
+//! global gradient norm, one kernel launch per group of tensors of one device and dtype
+//! instead of a dozen per tensor.
+
+use super::Tensor;
+use crate::backend::multi::{AdamBias, AdamHyper, AdamItem, AdamMoments, MultiRef};
+use crate::device::Storage;
+use crate::{DType, Error, Result};
+use std::collections::HashSet;
+use std::sync::{RwLockReadGuard, RwLockWriteGuard};
+
+/// The moments of one parameter, updated in place (dense tensors the optimizer owns).
+pub(crate) enum Moments<'a> {
+    /// f32 moments of the parameter's shape.
+    Full {
+        /// First moment.
+        m: &'a Tensor,
+        /// Second moment.
+        v: &'a Tensor,
+    },
+    /// Block-wise 8-bit moments (`quant8`): (blocks, 64) u32 codes and (blocks) f32 maxima.
+    Quantized {
+        /// First moment's codes.
+        m_codes: &'a Tensor,
+        /// First moment's maxima.
+        m_absmax: &'a Tensor,
+        /// Second moment's codes.
+        v_codes: &'a Tensor,
+        /// Second moment's maxima.
+        v_absmax: &'a Tensor,
+    },
+}
+
+impl Moments<'_> {
+    fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            Moments::Full { m, v } => vec![m, v],
+            Moments::Quantized {
+                m_codes,
+                m_absmax,
+                v_codes,
+                v_absmax,
+            } => vec![m_codes, m_absmax, v_codes, v_absmax],
+        }
+    }
+}
+
+/// One parameter of [`adam_multi`].
+pub(crate) struct AdamSlot<'a> {
+    /// The parameter (contiguous), written in place.
+    pub p: &'a Tensor,
+    /// Its gradient: the parameter's shape and dtype, contiguous.
+    pub g: &'a Tensor,
+    /// Its moments.
+    pub moments: Moments<'a>,
+    /// Its step's bias corrections.
+    pub bias: AdamBias,
+}
+
+const OP: &str = "adam_multi";
+
+fn lock_err() -> Error {
+    Error::Poisoned("tensor storage")
+}
+
+/// One Adam step of every slot, in place: one backend call (one launch on CUDA) per group of
+/// slots with the same device, parameter dtype and kind of moments. Everything is checked
+/// before anything is written. `maps` is the (2, 256) f32 table of `quant8`'s signed and
+/// unsigned maps on each device that has 8-bit moments (one per device, in any order).
+pub(crate) fn adam_multi(h: &AdamHyper, maps: &[&Tensor], slots: &[AdamSlot<'_>]) -> Result<()> {
+    // Checks on the tensors; the backend checks buffer sizes and dtypes again.
+    let mut written = HashSet::new();
+    for (k, s) in slots.iter().enumerate() {
+        let bad = |msg: String| Err(Error::invalid(OP, format!("slot {k}: {msg}"), s.p.shape()));
+        if s.p.shape() != s.g.shape() || s.p.dtype() != s.g.dtype() {
+            return bad(format!(
+                "gradient {:?} {} for a parameter {:?} {}",
+                s.g.dtype(),
+                s.g.shape(),
+                s.p.dtype(),
+                s.p.shape()
+            ));
+        }
+        if s.p.device() != s.g.device() {
+            return Err(Error::DeviceMismatch {
+                op: OP,
+                lhs: s.p.device().location(),
+                rhs: s.g.device().location(),
+            });
+        }
+        if !s.p.is_contiguous() || !s.g.is_contiguous() {
+            return bad("the parameter and its gradient must be contiguous".into());
+        }
+        if s.p.0.grad_fn.is_some() && crate::autograd::grad_enabled() {
+            return Err(Error::Autograd(
+                "an optimizer step into a tensor recorded on the tape would corrupt its \
+                 gradients"
+                    .into(),
+            ));
+        }
+        for t in std::iter::once(s.p).chain(s.moments.tensors()) {
+            if !written.insert(t.storage_arc()?.as_ref() as *const _) {
+                return bad("a parameter or moment shares storage with another".into());
+            }
+            if t.device() != s.p.device() {
+                return bad("a moment on another device than its parameter".into());
+            }
+        }
+        for t in s.moments.tensors() {
+            if !t.is_contiguous() || t.layout().offset() != 0 {
+                return bad("moments must be dense tensors".into());
+            }
+        }
+    }
+    for s in slots {
+        if written.contains(&(s.g.storage_arc()?.as_ref() as *const _)) {
+            return Err(Error::invalid(
+                OP,
+                "a gradient shares storage with a parameter or moment",
+                s.g.shape(),
+            ));
+        }
+    }
+    // Groups, in first-seen order.
+    let mut groups: Vec<(String, DType, bool, Vec<&AdamSlot<'_>>)> = vec![];
+    for s in slots {
+        let key = (
+            s.p.device().location(),
+            s.p.dtype(),
+            matches!(s.moments, Moments::Quantized { .. }),
+        );
+        match groups
+            .iter_mut()
+            .find(|g| (&g.0, g.1, g.2) == (&key.0, key.1, key.2))
+        {
+            Some(g) => g.3.push(s),
+            None => groups.push((key.0, key.1, key.2, vec![s])),
+        }
+    }
+    for (loc, _, quantized, group) in groups {
+        let map = match quantized {
+            true => Some(
+                maps.iter()
+                    .find(|m| m.device().location() == loc)
+                    .ok_or_else(|| {
+                        Error::invalid(OP, format!("no maps on {loc}"), group[0].p.shape())
+                    })?,
+            ),
+            false => None,
+        };
+        run_group(h, map.copied(), &group)?;
+    }
+    Ok(())
+}
+
+/// One backend call: the locks taken, the items built over the locked storages.
+fn run_group(h: &AdamHyper, maps: Option<&Tensor>, slots: &[&AdamSlot<'_>]) -> Result<()> {
+    let map_guard = maps.map(|m| m.storage()).transpose()?;
+    let reads: Vec<RwLockReadGuard<'_, Storage>> =
+        slots.iter().map(|s| s.g.storage()).collect::<Result<_>>()?;
+    let mut writes: Vec<RwLockWriteGuard<'_, Storage>> = vec![];
+    for s in slots {
+        for t in std::iter::once(s.p).chain(s.moments.tensors()) {
+            writes.push(t.storage_arc()?.write().map_err(|_| lock_err())?);
+        }
+    }
+    let internal = || Error::invalid(OP, "internal: lock count", &crate::Shape::from(()));
+    let mut w = writes.iter_mut();
+    let mut items = Vec::with_capacity(slots.len());
+    for (s, g) in slots.iter().zip(&reads) {
+        let p = &mut **w.next().ok_or_else(internal)?;
+        let moments = match s.moments {
+            Moments::Full { .. } => AdamMoments::Full {
+                m: &mut **w.next().ok_or_else(internal)?,
+                v: &mut **w.next().ok_or_else(internal)?,
+            },
+            Moments::Quantized { .. } => AdamMoments::Quantized {
+                m_codes: &mut **w.next().ok_or_else(internal)?,
+                m_absmax: &mut **w.next().ok_or_else(internal)?,
+                v_codes: &mut **w.next().ok_or_else(internal)?,
+                v_absmax: &mut **w.next().ok_or_else(internal)?,
+            },
+        };
+        items.push(AdamItem {
+            p,
+            p_offset: s.p.layout().offset(),
+            n: s.p.elem_count(),
+            g: &**g,
+            g_offset: s.g.layout().offset(),
+            moments,
+            bias: s.bias,
+        });
+    }
+    Storage::adam_multi(h, &mut items, map_guard.as_deref())
+}
+
+/// The sum of the squares of every value of `tensors`, in f64: one launch per device and
+/// dtype on CUDA (a strided view is first copied dense). Deterministic: the same tensors give
+/// the same bits. A NaN or an infinity anywhere makes the sum non-finite.
+pub fn sum_sq_multi(tensors: &[&Tensor]) -> Result<f64> {
+    let dense: Vec<Tensor> = tensors
+        .iter()
+        .map(|t| t.contiguous())
+        .collect::<Result<_>>()?;
+    let mut devices: Vec<crate::Device> = vec![];
+    for t in &dense {
+        if !devices.contains(t.device()) {
+            devices.push(t.device().clone());
+        }
+    }
+    let mut total = 0.0;
+    for dev in devices {
+        let on: Vec<&Tensor> = dense.iter().filter(|t| t.device() == &dev).collect();
+        let guards: Vec<RwLockReadGuard<'_, Storage>> =
+            on.iter().map(|t| t.storage()).collect::<Result<_>>()?;
+        let items: Vec<MultiRef<'_, Storage>> = on
+            .iter()
+            .zip(&guards)
+            .map(|(t, g)| MultiRef {
+                s: &**g,
+                offset: t.layout().offset(),
+                n: t.elem_count(),
+            })
+            .collect();
+        total += Storage::sum_sq_multi(&items)?;
+    }
+    Ok(total)
+}

@@ -19,10 +19,14 @@ use flame::autograd::Keep;
 use flame::models::flux::{Flux, FluxConfig};
 use flame::models::sd3::{Sd3, Sd3Config};
 use flame::models::sdxl::{SdxlConfig, Unet};
-use flame::models::{profile_config, LoadOptions, ModelSpec, Objective, RunShape};
+use flame::models::{
+    profile_config, LoadOptions, ModelSpec, Objective, RunShape, OFFLOAD_MIN_BYTES,
+};
 use flame::nn::{Adapters, LoraConfig, VarBuilder};
 use flame::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
-use flame::stream::{spread_evenly, BlockExec, BlockStreamer, Checkpointing, MemoryProfile, Plan};
+use flame::stream::{
+    spread_evenly, BlockExec, BlockStreamer, Checkpointing, InputOffload, MemoryProfile, Plan,
+};
 use flame::train::{flow_matching, weighted_mse, TimestepSampling};
 use flame::{DType, Device, Grads, Result, Tensor};
 
@@ -115,6 +119,12 @@ fn run<M: ModelSpec>(
                 (h.parse::<f64>().expect("--headroom GB") * GIB) as u64
             });
             match profile.plan(b.saturating_sub(headroom)) {
+                // `--no-offload`: the same plan with the block inputs on the device (to time
+                // what offloading costs).
+                Ok(p) if args.flag("--no-offload") => Plan {
+                    offload_inputs: false,
+                    ..p.plan
+                },
                 Ok(p) => p.plan,
                 Err(e) => {
                     println!(
@@ -142,6 +152,7 @@ fn run<M: ModelSpec>(
                 keep: Keep {
                     attention: args.flag("--keep-attention"),
                 },
+                offload_inputs: args.flag("--offload"),
             }
         }
     };
@@ -166,10 +177,14 @@ fn run<M: ModelSpec>(
         Some(s)
     };
     let mut model = M::build(&vb, &cfg)?;
+    let offload = plan
+        .offload_inputs
+        .then(|| InputOffload::new(&dev, OFFLOAD_MIN_BYTES));
     model.set_exec(BlockExec {
         checkpointing: plan.checkpointing,
         streamer: streamer.clone(),
         keep: plan.keep,
+        offload: offload.clone(),
     });
     let params = adapters.params()?;
     let n_params: usize = params.iter().map(|(_, t)| t.elem_count()).sum();
@@ -239,6 +254,16 @@ fn run<M: ModelSpec>(
         }
         None => (0.0, 0.0),
     };
+    if let Some(o) = &offload {
+        let r = o.report()?;
+        println!(
+            "offloaded block inputs: {:.2} GiB/step out and back, {} of {} fetched ahead, {:.2} GiB pinned",
+            gib(r.packed_bytes) / 4.0,
+            r.prefetched,
+            r.unpacked,
+            gib(r.host_bytes)
+        );
+    }
     let cap = match (
         args.value("--budget"),
         std::env::var("FLAME_GPU_MEMORY_LIMIT"),

@@ -564,6 +564,35 @@ pub(crate) enum Ticket {
 }
 
 impl Storage {
+    /// The first `len` elements copied to host memory without waiting (on a GPU: on the copy
+    /// stream, into page-locked memory, into `reuse` when it has the same size), and what the
+    /// compute work must wait for before this storage may be dropped (`Device::wait`).
+    pub(crate) fn offload(
+        &self,
+        len: usize,
+        reuse: Option<HostCopy>,
+    ) -> Result<(HostCopy, Ticket)> {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            Storage::Cpu(s) => {
+                use crate::backend::BackendStorage;
+                let _ = reuse;
+                let l = Layout::contiguous(Shape::from(len));
+                Ok((HostCopy::Cpu(s.to_host(&l)?), Ticket::Ready))
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => {
+                let reuse = match reuse {
+                    Some(HostCopy::Cuda(p)) => Some(p),
+                    _ => None,
+                };
+                let (p, u) = s.dev.offload(s, len, reuse)?;
+                Ok((HostCopy::Cuda(p), Ticket::Cuda(u)))
+            }
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Storage::None(n) => match *n {},
+        }
+    }
     /// The first `len` elements copied to host memory (synchronously).
     pub(crate) fn stash(&self, len: usize) -> Result<HostCopy> {
         match self {

@@ -45,6 +45,7 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
         streamed,
         prefetch,
         keep: Keep { attention: keep },
+        offload_inputs: false,
     }
 }
 
@@ -171,6 +172,40 @@ fn flux_dev_plans_for_24_16_12_8_6_gib() {
         "{:?}",
         p.plan.streamed
     );
+}
+
+#[test]
+fn offloaded_inputs_leave_two_blocks_on_the_device() {
+    let bf = flux_dev(false, false);
+    let all = plan(Checkpointing::All, vec![], 2, true);
+    let off = Plan {
+        offload_inputs: true,
+        ..all.clone()
+    };
+    let inputs: u64 = bf.blocks.iter().map(|b| b.input_bytes).sum();
+    let biggest = bf.blocks.iter().map(|b| b.input_bytes).max().unwrap();
+    assert_eq!(bf.peak(&all) - bf.peak(&off), inputs - 2 * biggest);
+    // Flux-dev at 1024²: 57 blocks of 28 MiB inputs, about 1.5 GiB freed.
+    let freed = (inputs - 2 * biggest) as f64 / GIB;
+    assert!((1.4..1.7).contains(&freed), "{freed}");
+    // Among the candidates each streaming step tries the inputs on the device first.
+    let c = bf.candidates();
+    let i = c.iter().position(|p| p.offload_inputs).unwrap();
+    assert_eq!(
+        Plan {
+            offload_inputs: false,
+            ..c[i].clone()
+        },
+        c[i - 1]
+    );
+    // The smallest plan offloads, and lowers the minimum.
+    let last = c.last().unwrap();
+    assert!(last.offload_inputs && last.streamed.len() == bf.blocks.len());
+    let last_on_device = Plan {
+        offload_inputs: false,
+        ..last.clone()
+    };
+    assert!(bf.peak(last) < bf.peak(&last_on_device));
 }
 
 fn tiny_config(name: &str, memory: &str) -> flame::train::TrainConfig {

@@ -16,6 +16,11 @@
 //! `CheckpointHooks` bracket each run of the function: the forward pass and the backward's
 //! re-run plus backpropagation. Block streaming uses them to bring a block's weights to the
 //! GPU before either and to release them after (`crate::stream`).
+//!
+//! `SavedHooks` decide where a checkpoint keeps its inputs: on the device (the default), or
+//! packed elsewhere (`crate::stream::InputOffload` copies them to page-locked host memory and
+//! brings them back, one block ahead, for the re-run). Packing changes where a value waits,
+//! never the value: gradients are the same bit for bit.
 
 use super::custom::{custom_op, CustomBackward};
 use super::{backward::backward_from, enable_grad, no_grad, probe, Grads};
@@ -39,6 +44,33 @@ pub trait CheckpointHooks: Send + Sync {
     fn enter(&self, pass: Pass) -> Result<()>;
     /// After the forward's run, or after the backward's re-run and its backpropagation.
     fn exit(&self, pass: Pass) -> Result<()>;
+}
+
+/// Where a checkpoint keeps the inputs it saves for its re-run (PyTorch's
+/// `saved_tensors_hooks` pack/unpack pair, for checkpoint inputs).
+pub trait SavedHooks: Send + Sync {
+    /// Called once per saved input in the forward: `Some` takes the value off the device
+    /// (the checkpoint then holds only the handle), `None` leaves it as it is.
+    fn pack(&self, x: &Tensor) -> Result<Option<Arc<dyn PackedTensor>>>;
+}
+
+/// A saved input held away from the device by `SavedHooks::pack`.
+pub trait PackedTensor: Send + Sync {
+    /// The value, on its device again, with the packed tensor's shape and dtype (not
+    /// recorded; the checkpoint makes the leaf).
+    fn unpack(&self) -> Result<Tensor>;
+}
+
+/// How a checkpoint runs: hooks around each run of its function, the op outputs it keeps,
+/// and where its saved inputs wait (see the module docs).
+#[derive(Clone, Default)]
+pub struct CheckpointOptions {
+    /// Called around each run (block streaming).
+    pub hooks: Option<Arc<dyn CheckpointHooks>>,
+    /// Op outputs kept from the forward for the re-run.
+    pub keep: Keep,
+    /// Where saved inputs wait (None: on the device).
+    pub saved: Option<Arc<dyn SavedHooks>>,
 }
 
 /// The function a checkpoint re-runs: inputs -> outputs.
@@ -238,6 +270,29 @@ pub fn checkpoint_keeping(
     hooks: Option<Arc<dyn CheckpointHooks>>,
     keep: Keep,
 ) -> Result<Vec<Tensor>> {
+    checkpoint_opts(
+        inputs,
+        f,
+        CheckpointOptions {
+            hooks,
+            keep,
+            saved: None,
+        },
+    )
+}
+
+/// A checkpoint with every option (`CheckpointOptions`). Gradients are the same as a plain
+/// `checkpoint`'s whatever the options, bit for bit.
+pub fn checkpoint_opts(
+    inputs: &[Tensor],
+    f: Arc<BlockFn>,
+    opts: CheckpointOptions,
+) -> Result<Vec<Tensor>> {
+    let CheckpointOptions {
+        hooks,
+        keep,
+        saved: saved_hooks,
+    } = opts;
     if !super::grad_enabled() {
         return run_hooked(&hooks, Pass::Forward, || f(inputs));
     }
@@ -252,8 +307,18 @@ pub fn checkpoint_keeping(
     }
     let saved = inputs
         .iter()
-        .map(|x| (x.detach(), x.requires_grad()))
-        .collect();
+        .map(|x| {
+            let packed = match &saved_hooks {
+                Some(h) => h.pack(x)?,
+                None => None,
+            };
+            let value = match packed {
+                Some(p) => Saved::Packed(p),
+                None => Saved::Value(x.detach()),
+            };
+            Ok((value, x.requires_grad()))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let node = Arc::new(Checkpoint {
         f,
         hooks,
@@ -284,11 +349,17 @@ fn run_hooked<R>(
     r
 }
 
+/// A saved input: its value on the device, or a packed handle.
+enum Saved {
+    Value(Tensor),
+    Packed(Arc<dyn PackedTensor>),
+}
+
 struct Checkpoint {
     f: Arc<BlockFn>,
     hooks: Option<Arc<dyn CheckpointHooks>>,
     /// The inputs' values (detached) and whether each needs a gradient.
-    saved: Vec<(Tensor, bool)>,
+    saved: Vec<(Saved, bool)>,
     draws: Arc<Vec<u64>>,
     /// Op outputs kept from the forward, in the order the re-run asks for them.
     kept: Arc<Vec<(KeptKind, Vec<Tensor>)>>,
@@ -323,7 +394,10 @@ impl Checkpoint {
             .saved
             .iter()
             .map(|(x, needs)| {
-                let leaf = x.detach();
+                let leaf = match x {
+                    Saved::Value(x) => x.detach(),
+                    Saved::Packed(p) => p.unpack()?,
+                };
                 if *needs {
                     leaf.set_requires_grad(true)?;
                 }

@@ -10,8 +10,8 @@ mod custom;
 pub mod gradcheck;
 
 pub use checkpoint::{
-    checkpoint, checkpoint_keeping, checkpoint_with, kept_reused, next_draw, CheckpointHooks, Keep,
-    Pass,
+    checkpoint, checkpoint_keeping, checkpoint_opts, checkpoint_with, kept_reused, next_draw,
+    CheckpointHooks, CheckpointOptions, Keep, PackedTensor, Pass, SavedHooks,
 };
 pub(crate) use checkpoint::{kept_or, KeptKind};
 pub use custom::{custom_op, CustomBackward};

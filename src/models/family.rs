@@ -13,7 +13,7 @@
 use super::checkpoint::{Checkpoint, Format};
 use crate::autograd::Keep;
 use crate::nn::{Adapters, KeyMap, VarBuilder};
-use crate::stream::spread_evenly;
+use crate::stream::{spread_evenly, InputOffload};
 use crate::stream::{
     BlockCost, BlockExec, BlockShape, BlockStreamer, Checkpointing, MemoryProfile, Plan,
 };
@@ -118,6 +118,10 @@ pub trait DiffusionModel: Send + Sync {
     fn set_exec(&mut self, exec: BlockExec);
 }
 
+/// The smallest checkpoint input the loader's `InputOffload` moves to host memory (smaller
+/// ones cost more in copy overhead than they free).
+pub const OFFLOAD_MIN_BYTES: usize = 1 << 20;
+
 /// Which blocks run checkpointed or streamed from host memory.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MemoryPlan {
@@ -133,6 +137,8 @@ pub struct MemoryPlan {
     /// The streamed blocks by prefix (the planner's choice); when set, it replaces
     /// `stream_blocks`. A prefix that is not a block of the model is an error.
     pub stream_prefixes: Option<Vec<String>>,
+    /// Checkpointed blocks keep their inputs in host memory (`stream::InputOffload`).
+    pub offload_inputs: bool,
 }
 
 impl MemoryPlan {
@@ -144,6 +150,7 @@ impl MemoryPlan {
             prefetch: plan.prefetch.max(1),
             keep: plan.keep,
             stream_prefixes: Some(plan.streamed.clone()),
+            offload_inputs: plan.offload_inputs,
         }
     }
 }
@@ -296,6 +303,9 @@ pub fn load_as<M: ModelSpec>(
         checkpointing: plan.checkpointing,
         streamer,
         keep: plan.keep,
+        offload: plan
+            .offload_inputs
+            .then(|| InputOffload::new(&opts.device, OFFLOAD_MIN_BYTES)),
     });
     Ok(Loaded {
         model: Box::new(model),

@@ -13,5 +13,5 @@ pub mod sdxl;
 pub use checkpoint::{Checkpoint, Format};
 pub use family::{
     family, load, load_as, profile_as, profile_config, DiffusionModel, Family, Input, LoadOptions,
-    Loaded, MemoryPlan, ModelSpec, Objective, RunShape, Size, FAMILIES,
+    Loaded, MemoryPlan, ModelSpec, Objective, RunShape, Size, FAMILIES, OFFLOAD_MIN_BYTES,
 };

@@ -20,16 +20,18 @@
 //! garbage. The README's "Memory model" section states who owns which buffer on which
 //! stream.
 
+mod offload;
 mod plan;
 mod streamer;
 
+pub use offload::{InputOffload, OffloadReport};
 pub use plan::{
     spread_evenly, BlockCost, BlockShape, MemoryProfile, NoPlan, Plan, Planned,
     SAVED_PER_TOKEN_CHANNEL,
 };
 pub use streamer::{BlockStreamer, StreamReport};
 
-use crate::autograd::{checkpoint_keeping, CheckpointHooks, Keep};
+use crate::autograd::{checkpoint_opts, CheckpointHooks, CheckpointOptions, Keep, SavedHooks};
 use crate::{Result, Tensor};
 use std::sync::Arc;
 
@@ -56,6 +58,9 @@ pub struct BlockExec {
     /// What checkpointed (and streamed) blocks keep from their forward instead of
     /// recomputing it (selective recompute, `autograd::Keep`).
     pub keep: Keep,
+    /// Where checkpointed blocks keep their inputs until the backward: host memory when set
+    /// (`InputOffload`), else the device.
+    pub offload: Option<Arc<InputOffload>>,
 }
 
 impl BlockExec {
@@ -65,6 +70,7 @@ impl BlockExec {
             checkpointing: Checkpointing::All,
             streamer: None,
             keep: Keep::NONE,
+            offload: None,
         }
     }
 
@@ -73,9 +79,15 @@ impl BlockExec {
     where
         F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'static,
     {
+        let saved = self.offload.clone().map(|o| -> Arc<dyn SavedHooks> { o });
         if let Some(hooks) = self.streamer.as_ref().and_then(|s| s.hooks_for(prefix)) {
             let hooks: Arc<dyn CheckpointHooks> = hooks;
-            return checkpoint_keeping(inputs, Arc::new(f), Some(hooks), self.keep);
+            let opts = CheckpointOptions {
+                hooks: Some(hooks),
+                keep: self.keep,
+                saved,
+            };
+            return checkpoint_opts(inputs, Arc::new(f), opts);
         }
         let checkpointed = match self.checkpointing {
             Checkpointing::Off => false,
@@ -83,7 +95,12 @@ impl BlockExec {
             Checkpointing::Every(n) => n > 0 && index % n == 0,
         };
         if checkpointed {
-            checkpoint_keeping(inputs, Arc::new(f), None, self.keep)
+            let opts = CheckpointOptions {
+                hooks: None,
+                keep: self.keep,
+                saved,
+            };
+            checkpoint_opts(inputs, Arc::new(f), opts)
         } else {
             f(inputs)
         }

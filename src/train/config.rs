@@ -306,6 +306,10 @@ section! {
         /// block's activations) instead of recomputing them: a faster backward for a little
         /// memory (flash attention on CUDA only).
         keep_attention: bool = false,
+        /// Checkpointed blocks keep their inputs (the activations passed from block to block,
+        /// 28 MiB a Flux block at 1024²) in page-locked host memory between the forward and
+        /// the backward, copied out and back on the copy stream beside the compute.
+        offload_inputs: bool = false,
     }
 }
 

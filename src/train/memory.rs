@@ -130,6 +130,7 @@ pub(crate) fn plan_memory(
                     attention: mem.keep_attention,
                 },
                 stream_prefixes: None,
+                offload_inputs: mem.offload_inputs,
             };
             let prof = profile(config, family, opts, data)?;
             let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
@@ -138,6 +139,7 @@ pub(crate) fn plan_memory(
                 streamed: spread_evenly(&prefixes, plan.stream_blocks),
                 prefetch: plan.prefetch,
                 keep: plan.keep,
+                offload_inputs: plan.offload_inputs,
             };
             MemoryChoice {
                 summary: format!("{as_plan} (as configured)"),

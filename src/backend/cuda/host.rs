@@ -11,7 +11,9 @@
 //!   on that event (`wait`) before any kernel reads the buffer, and before the buffer is
 //!   dropped (so it never returns to the cache while the copy may still write it).
 //! - A `PinnedBuf` is written once (`stash`, synchronously) and only read afterwards, so
-//!   copies from it need no ordering against the host.
+//!   copies from it need no ordering against the host. `offload` writes one on the copy
+//!   stream instead; uploads from it run on that stream too, so they follow the write, and
+//!   the host never reads it.
 
 use super::storage::{Buf, CudaStorage};
 use super::{cuda_err, CudaDevice};
@@ -75,6 +77,54 @@ impl CudaDevice {
         .map_err(cuda_err("copying to pinned memory"))?;
         stream.synchronize().map_err(cuda_err("synchronizing"))?;
         Ok(PinnedBuf { host, dtype, len })
+    }
+
+    /// The first `len` elements of `s` copied into page-locked host memory on the copy stream
+    /// after the compute stream's work so far (what wrote `s`), without waiting on the host:
+    /// into `reuse` when it is a buffer of the same bytes (buffers are recycled: pinned
+    /// allocation is slow), else into a new one. Returns the host buffer and the copy's
+    /// event: the compute stream must `wait` on it before `s` is dropped (so the buffer never
+    /// returns to the cache while the copy reads it). Uploads from the host buffer run on the
+    /// same copy stream, so they follow this copy without further ordering.
+    pub(crate) fn offload(
+        &self,
+        s: &CudaStorage,
+        len: usize,
+        reuse: Option<PinnedBuf>,
+    ) -> Result<(PinnedBuf, Upload)> {
+        let dtype = s.buf.dtype();
+        if len > s.buf.len() {
+            return Err(Error::Cuda(format!(
+                "offload of {len} elements from a buffer of {}",
+                s.buf.len()
+            )));
+        }
+        let bytes = len * dtype.size_in_bytes();
+        let mut host = match reuse {
+            Some(p) if p.host.len() == bytes.max(1) => p.host,
+            _ => {
+                // SAFETY: the memory is written whole by the copy below before it is read.
+                unsafe { self.context().alloc_pinned::<u8>(bytes.max(1)) }.map_err(|e| {
+                    Error::Cuda(format!("allocating {bytes} bytes of pinned memory: {e:?}"))
+                })?
+            }
+        };
+        let copy = self.copy_stream()?;
+        copy.join(self.stream())
+            .map_err(cuda_err("ordering the copy stream after compute"))?;
+        let dst = host
+            .as_mut_slice()
+            .map_err(cuda_err("reading the pinned buffer"))?;
+        // SAFETY: `dst` holds `bytes` bytes; the source holds at least `bytes` bytes and the
+        // caller keeps it alive until the compute stream has waited on the returned event.
+        unsafe {
+            result::memcpy_dtoh_async(&mut dst[..bytes], raw(&s.buf, self), copy.cu_stream())
+        }
+        .map_err(cuda_err("copying to pinned memory"))?;
+        let event = copy
+            .record_event(None)
+            .map_err(cuda_err("recording the copy's event"))?;
+        Ok((PinnedBuf { host, dtype, len }, Upload(event)))
     }
 
     /// New device buffers with the values of `ps`, copied on the copy stream after the

@@ -118,13 +118,14 @@ fn run<M: ModelSpec>(
             let headroom = args.value("--headroom").map_or(0, |h| {
                 (h.parse::<f64>().expect("--headroom GB") * GIB) as u64
             });
-            match profile.plan(b.saturating_sub(headroom)) {
-                // `--no-offload`: the same plan with the block inputs on the device (to time
-                // what offloading costs).
-                Ok(p) if args.flag("--no-offload") => Plan {
-                    offload_inputs: false,
-                    ..p.plan
-                },
+            // `--no-offload`: the planner without the plans that offload block inputs (to
+            // time what offloading gains).
+            let candidates: Vec<Plan> = profile
+                .candidates()
+                .into_iter()
+                .filter(|p| !(args.flag("--no-offload") && p.offload_inputs))
+                .collect();
+            match profile.plan_among(b.saturating_sub(headroom), candidates) {
                 Ok(p) => p.plan,
                 Err(e) => {
                     println!(

@@ -455,6 +455,7 @@ impl Storage {
             return Ok(());
         };
         #[cfg(feature = "cpu-ref")]
+        #[allow(irrefutable_let_patterns)]
         if let Storage::Cpu(_) = &*first.p {
             let mut a = items
                 .iter_mut()
@@ -464,6 +465,7 @@ impl Storage {
             return CpuStorage::adam_multi(h, &mut a, maps);
         }
         #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
         if let Storage::Cuda(_) = &*first.p {
             let mut a = items
                 .iter_mut()
@@ -490,6 +492,7 @@ impl Storage {
             return Ok(0.0);
         };
         #[cfg(feature = "cpu-ref")]
+        #[allow(irrefutable_let_patterns)]
         if let Storage::Cpu(_) = first.s {
             let a = items
                 .iter()
@@ -504,6 +507,7 @@ impl Storage {
             return CpuStorage::sum_sq_multi(&a);
         }
         #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
         if let Storage::Cuda(_) = first.s {
             let a = items
                 .iter()
@@ -614,6 +618,17 @@ impl Device {
     /// New storages on this device holding the values of `hs`, and what to wait for before
     /// reading them (see `wait`).
     pub(crate) fn upload(&self, hs: &[&HostCopy]) -> Result<(Vec<Storage>, Ticket)> {
+        self.upload_lane(hs, false)
+    }
+
+    /// `upload` of host copies `Storage::offload` made (on a GPU, on the offload stream,
+    /// after their copies out).
+    pub(crate) fn upload_offloaded(&self, hs: &[&HostCopy]) -> Result<(Vec<Storage>, Ticket)> {
+        self.upload_lane(hs, true)
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn upload_lane(&self, hs: &[&HostCopy], offloaded: bool) -> Result<(Vec<Storage>, Ticket)> {
         let other = || crate::Error::DeviceMismatch {
             op: "upload",
             lhs: self.location(),
@@ -642,7 +657,11 @@ impl Device {
                         _ => Err(other()),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let (storages, u) = d.upload(&pinned)?;
+                let (storages, u) = if offloaded {
+                    d.upload_offloaded(&pinned)?
+                } else {
+                    d.upload(&pinned)?
+                };
                 Ok((
                     storages.into_iter().map(Storage::Cuda).collect(),
                     Ticket::Cuda(u),

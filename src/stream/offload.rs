@@ -2,7 +2,8 @@
 //! checkpointed block keeps for its re-run (its input activations, 28 MiB a Flux block at
 //! 1024²) wait in page-locked host memory between the forward and the backward instead of on
 //! the GPU. The checkpoint's forward hands each input to [`InputOffload::pack`], which starts
-//! a device-to-host copy on the copy stream and keeps the device buffer only until the next
+//! a device-to-host copy on the device's offload stream (apart from the weights' copy stream,
+//! so waiting for it never means waiting for weights prefetched ahead) and keeps the device buffer only until the next
 //! block's inputs are packed (by then the copy has long finished; the compute stream waits on
 //! its event before the buffer is freed, so the cache never reuses memory a copy still reads).
 //! The backward's re-run unpacks in reverse order: unpacking one input uploads it (unless it
@@ -137,7 +138,7 @@ impl InputOffload {
                 "an offloaded input was unpacked after its release".into(),
             ));
         };
-        let (mut storages, ticket) = self.device.upload(&[h])?;
+        let (mut storages, ticket) = self.device.upload_offloaded(&[h])?;
         let storage = storages
             .pop()
             .ok_or_else(|| Error::Stream("an upload returned no buffer".into()))?;

@@ -236,8 +236,17 @@ impl MemoryProfile {
 
     /// The fastest plan whose predicted peak is within `budget` bytes.
     pub fn plan(&self, budget: u64) -> std::result::Result<Planned, NoPlan> {
+        self.plan_among(budget, self.candidates())
+    }
+
+    /// The first of `candidates` (fastest first) whose predicted peak is within `budget`.
+    pub fn plan_among(
+        &self,
+        budget: u64,
+        candidates: Vec<Plan>,
+    ) -> std::result::Result<Planned, NoPlan> {
         let mut minimum = u64::MAX;
-        for plan in self.candidates() {
+        for plan in candidates {
             let peak = self.peak(&plan);
             minimum = minimum.min(peak);
             if peak <= budget {

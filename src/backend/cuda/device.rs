@@ -36,6 +36,9 @@ struct Inner {
     done: OnceLock<CudaSlice<u32>>,
     /// The stream of streaming copies (host.rs), made on first use.
     copy: OnceLock<Arc<CudaStream>>,
+    /// The stream of offloaded activations' copies (host.rs), made on first use: apart from
+    /// the weights' copies, so the compute never waits behind weights prefetched ahead.
+    offload: OnceLock<Arc<CudaStream>>,
 }
 
 /// How many completion counters `CudaDevice::done_counters` holds (16 KiB).
@@ -132,6 +135,7 @@ impl CudaDevice {
             mem,
             done: OnceLock::new(),
             copy: OnceLock::new(),
+            offload: OnceLock::new(),
         })))
     }
 
@@ -179,16 +183,29 @@ impl CudaDevice {
 
     /// The stream that streaming copies run on (host.rs), made on first use.
     pub(crate) fn copy_stream(&self) -> Result<&Arc<CudaStream>> {
-        if self.0.copy.get().is_none() {
+        self.lazy_stream(&self.0.copy, "copy")
+    }
+
+    /// The stream that offloaded activations' copies run on (host.rs), made on first use.
+    pub(crate) fn offload_stream(&self) -> Result<&Arc<CudaStream>> {
+        self.lazy_stream(&self.0.offload, "offload")
+    }
+
+    fn lazy_stream<'a>(
+        &self,
+        cell: &'a OnceLock<Arc<CudaStream>>,
+        what: &'static str,
+    ) -> Result<&'a Arc<CudaStream>> {
+        if cell.get().is_none() {
             let s = self
                 .0
                 .ctx
                 .new_stream()
-                .map_err(cuda_err("creating the copy stream"))?;
+                .map_err(|e| Error::Cuda(format!("creating the {what} stream: {e:?}")))?;
             // A racing thread may have set it first; either stream serves.
-            let _ = self.0.copy.set(s);
+            let _ = cell.set(s);
         }
-        self.0.copy.get().ok_or(Error::Poisoned("CUDA copy stream"))
+        cell.get().ok_or(Error::Poisoned("CUDA stream"))
     }
 
     /// This device's allocation counters now (bytes in use, peak, limit, cache).

@@ -84,8 +84,10 @@ impl CudaDevice {
     /// into `reuse` when it is a buffer of the same bytes (buffers are recycled: pinned
     /// allocation is slow), else into a new one. Returns the host buffer and the copy's
     /// event: the compute stream must `wait` on it before `s` is dropped (so the buffer never
-    /// returns to the cache while the copy reads it). Uploads from the host buffer run on the
-    /// same copy stream, so they follow this copy without further ordering.
+    /// returns to the cache while the copy reads it). The copy runs on the offload stream,
+    /// not the weights' copy stream: waiting for it must not mean waiting for weights
+    /// prefetched ahead. Uploads from the host buffer (`upload_offloaded`) run on the same
+    /// offload stream, so they follow this copy without further ordering.
     pub(crate) fn offload(
         &self,
         s: &CudaStorage,
@@ -109,9 +111,9 @@ impl CudaDevice {
                 })?
             }
         };
-        let copy = self.copy_stream()?;
+        let copy = self.offload_stream()?;
         copy.join(self.stream())
-            .map_err(cuda_err("ordering the copy stream after compute"))?;
+            .map_err(cuda_err("ordering the offload stream after compute"))?;
         let dst = host
             .as_mut_slice()
             .map_err(cuda_err("reading the pinned buffer"))?;
@@ -131,11 +133,23 @@ impl CudaDevice {
     /// compute stream's work so far; the values are there once the compute stream `wait`s on
     /// the returned event (one join and one event for the whole set).
     pub(crate) fn upload(&self, ps: &[&PinnedBuf]) -> Result<(Vec<CudaStorage>, Upload)> {
+        self.upload_on(ps, self.copy_stream()?)
+    }
+
+    /// `upload` on the offload stream: for buffers `offload` wrote (it follows their copies).
+    pub(crate) fn upload_offloaded(&self, ps: &[&PinnedBuf]) -> Result<(Vec<CudaStorage>, Upload)> {
+        self.upload_on(ps, self.offload_stream()?)
+    }
+
+    fn upload_on(
+        &self,
+        ps: &[&PinnedBuf],
+        copy: &cudarc::driver::CudaStream,
+    ) -> Result<(Vec<CudaStorage>, Upload)> {
         let storages = ps
             .iter()
             .map(|p| self.alloc_like(p.dtype, p.len))
             .collect::<Result<Vec<_>>>()?;
-        let copy = self.copy_stream()?;
         copy.join(self.stream())
             .map_err(cuda_err("ordering the copy stream after compute"))?;
         for (p, storage) in ps.iter().zip(&storages) {

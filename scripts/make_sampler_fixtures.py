@@ -9,7 +9,8 @@ the pipelines sample in. The tiny random models are the ones of scripts/make_mod
 read from tests/fixtures/models/<name>/{transformer,unet} (float32 weights).
 
 Random values: numpy's PCG64 (`numpy.random.default_rng(SEED + k)`, standard normals rounded to
-float32), k fixed per use below; torch's generator is never used.
+float32), k fixed per use below; torch's generator is never used. Deterministic: two runs write
+the same bytes (one thread, metadata {"format": "pt"} only).
 
 Files written:
 
@@ -349,7 +350,7 @@ def main():
     torch.set_num_threads(1)  # deterministic reductions
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"torch {torch.__version__}, diffusers {diffusers.__version__}, numpy {np.__version__}")
-    meta = {"format": "pt", "generator": "scripts/make_sampler_fixtures.py", "diffusers": diffusers.__version__}
+    meta = {"format": "pt"}  # one key: safetensors writes metadata in hash-map order
 
     def save(tensors, name):
         path = os.path.join(args.out_dir, name)

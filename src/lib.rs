@@ -62,6 +62,7 @@ pub mod models;
 pub mod nn;
 pub mod optim;
 pub mod safetensors;
+pub mod sample;
 mod shape;
 pub mod stream;
 mod tensor;

@@ -113,6 +113,10 @@ pub trait DiffusionModel: Send + Sync {
     /// order (each (B, ...)) and the guidance scale of guidance-distilled models (others
     /// ignore it). Returns (B, C, H, W).
     fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], guidance: f64) -> Result<Tensor>;
+    /// Whether `predict` reads its `guidance` argument (guidance-distilled models: Flux dev).
+    fn guidance_input(&self) -> bool {
+        false
+    }
     /// Sets how its blocks run (the loader applies `LoadOptions::memory` through it; the
     /// block names are `ModelSpec::block_prefixes_of` of the config).
     fn set_exec(&mut self, exec: BlockExec);

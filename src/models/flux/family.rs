@@ -127,6 +127,11 @@ impl DiffusionModel for Flux {
         unpack_latents(&out, h, w)
     }
 
+    /// Flux dev (a `guidance_in` embedder); schnell has none.
+    fn guidance_input(&self) -> bool {
+        self.config.guidance_embed
+    }
+
     fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
     }

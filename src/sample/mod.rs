@@ -1,0 +1,334 @@
+//! Sampling: diffusers' schedulers ([`schedulers`]) and one denoising loop ([`denoise`]) over
+//! any [`DiffusionModel`].
+//!
+//! ```no_run
+//! use flame::models::{self, LoadOptions};
+//! use flame::sample::{denoise, FlowMatchConfig, FlowMatchEuler, Guidance};
+//! use flame::{DType, Device, Tensor};
+//!
+//! let dev = Device::cuda(0)?;
+//! let model = models::load("flux", "flux1-dev.safetensors", &LoadOptions::new(DType::BF16, &dev))?.model;
+//! # let (context, pooled) = (Tensor::zeros((1, 512, 4096), DType::BF16, &dev)?, Tensor::zeros((1, 768), DType::BF16, &dev)?);
+//! // 1024² images: (1, 16, 128, 128) latents, 64 x 64 packed tokens.
+//! let noise = Tensor::randn((1, 16, 128, 128), DType::F32, &dev, 42)?;
+//! let schedule = FlowMatchEuler::flux(&FlowMatchConfig::flux_dev(), 28, 64 * 64)?;
+//! let latents = denoise(&*model, &schedule, &noise, &[context, pooled],
+//!                       &Guidance::distilled(3.5), None)?;
+//! # Ok::<(), flame::Error>(())
+//! ```
+
+pub mod schedulers;
+
+pub use schedulers::{Ddim, DdpmConfig, EulerDiscrete, FlowMatchConfig, FlowMatchEuler};
+
+use crate::models::{DiffusionModel, Objective};
+use crate::{no_grad, DType, Error, Result, Shape, Tensor};
+
+/// The noise process a schedule steps through; it must be the model's [`Objective`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Process {
+    /// Rectified flow (Flux, SD3): the model takes t ∈ (0, 1] and predicts a velocity.
+    FlowMatching,
+    /// DDPM (SDXL): the model takes a training timestep and predicts ε or v.
+    Ddpm,
+}
+
+/// A scheduler with its timesteps set: what [`denoise`] steps through. Steps are addressed
+/// by index (0 = the noisiest), so a schedule holds no state and can be reused.
+pub trait Schedule: Send + Sync {
+    /// diffusers' `scheduler.timesteps`, one per step (flow matching: sigma x 1000).
+    fn timesteps(&self) -> &[f32];
+    /// The noise process it belongs to.
+    fn process(&self) -> Process;
+    /// The `t` [`DiffusionModel::predict`] takes at step `i` (flow matching: sigma in
+    /// (0, 1]; DDPM: the timestep).
+    fn model_time(&self, i: usize) -> Result<f32>;
+    /// What unit-variance noise is multiplied by to make the first latents (diffusers'
+    /// `init_noise_sigma`).
+    fn init_noise_sigma(&self) -> f32 {
+        1.0
+    }
+    /// The model's input at step `i` from the latents (diffusers' `scale_model_input`).
+    fn scale_model_input(&self, x: &Tensor, i: usize) -> Result<Tensor> {
+        let _ = i;
+        x.to_dtype(DType::F32)
+    }
+    /// The latents after step `i` from the (guided) model output and the latents before it,
+    /// in f32 (diffusers' `step(...).prev_sample`).
+    fn step(&self, model_output: &Tensor, i: usize, sample: &Tensor) -> Result<Tensor>;
+}
+
+/// Classifier-free guidance: the prediction is uncond + scale (cond - uncond).
+#[derive(Clone, Debug)]
+pub struct Cfg {
+    /// The unconditional (negative prompt) conditioning, in the same order and shapes as the
+    /// conditional one.
+    pub uncond: Vec<Tensor>,
+    /// The guidance scale, >= 0. At most 1 runs the conditional prediction alone, as diffusers'
+    /// `do_classifier_free_guidance` (scale > 1) decides.
+    pub scale: f64,
+}
+
+/// How a sample is guided.
+#[derive(Clone, Debug, Default)]
+pub struct Guidance {
+    /// Classifier-free guidance (SD3.5, SDXL; Flux's "true CFG"); `None`: none.
+    pub cfg: Option<Cfg>,
+    /// The guidance input of guidance-distilled models (Flux dev's `guidance_scale`, 3.5 in
+    /// its pipeline), >= 0; `None` for models without one (schnell, SD3, SDXL).
+    pub distilled: Option<f64>,
+}
+
+impl Guidance {
+    /// No guidance (Flux schnell).
+    pub fn none() -> Self {
+        Guidance::default()
+    }
+
+    /// Flux dev's distilled guidance input.
+    pub fn distilled(scale: f64) -> Self {
+        Guidance {
+            cfg: None,
+            distilled: Some(scale),
+        }
+    }
+
+    /// Classifier-free guidance with the unconditional conditioning `uncond` at `scale`.
+    pub fn cfg(uncond: Vec<Tensor>, scale: f64) -> Self {
+        Guidance {
+            cfg: Some(Cfg { uncond, scale }),
+            distilled: None,
+        }
+    }
+}
+
+/// What a per-step callback sees.
+#[derive(Debug)]
+pub struct StepInfo<'a> {
+    /// The step just taken (0 = the first).
+    pub index: usize,
+    /// The schedule's number of steps.
+    pub steps: usize,
+    /// diffusers' timestep of this step.
+    pub timestep: f32,
+    /// The latents after this step (f32, (B, C, H, W)).
+    pub latents: &'a Tensor,
+}
+
+/// A per-step callback; an `Err` stops the loop and is returned.
+pub type OnStep<'a> = &'a mut dyn FnMut(&StepInfo<'_>) -> Result<()>;
+
+fn invalid(msg: String, shape: &Shape) -> Error {
+    Error::InvalidArgument {
+        op: "denoise",
+        msg,
+        shape: shape.clone(),
+    }
+}
+
+/// Checks `cond` (named `what`) against the model's inputs after `latents`, for batch `b`.
+fn check_cond(
+    model: &dyn DiffusionModel,
+    what: &str,
+    cond: &[Tensor],
+    latents: &Shape,
+) -> Result<()> {
+    let inputs = model.inputs();
+    let b = latents.dims()[0];
+    let names: Vec<&str> = inputs[1..].iter().map(|i| i.name).collect();
+    if cond.len() != inputs.len() - 1 {
+        return Err(invalid(
+            format!(
+                "{what}: {} tensors, the model takes {} ({})",
+                cond.len(),
+                names.len(),
+                names.join(", ")
+            ),
+            latents,
+        ));
+    }
+    let mut shapes = vec![latents.dims()[1..].to_vec()];
+    for (t, input) in cond.iter().zip(&inputs[1..]) {
+        let d = t.dims();
+        if d.first() != Some(&b) {
+            return Err(invalid(
+                format!(
+                    "{what}: {} has shape {:?}, its batch must be the noise's {b}",
+                    input.name, d
+                ),
+                latents,
+            ));
+        }
+        if let Some(why) = input.mismatch(&d[1..]) {
+            return Err(invalid(
+                format!("{what}: {} (batch excluded) has {why}", input.name),
+                t.shape(),
+            ));
+        }
+        shapes.push(d[1..].to_vec());
+    }
+    model
+        .check_shapes(&shapes)
+        .map_err(|why| invalid(format!("{what}: {why}"), latents))
+}
+
+fn check_scale(what: &str, v: f64) -> Result<()> {
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(Error::Config {
+            path: None,
+            msg: format!("denoise: {what} {v} must be finite and >= 0"),
+        });
+    }
+    Ok(())
+}
+
+/// Denoises `noise` (B, C, H, W), unit-variance (it is multiplied by the schedule's
+/// `init_noise_sigma`), through every step of `schedule` with `model`, conditioned on `cond`
+/// (the model's `inputs()` after `latents`, each (B, ...)) and guided by `guidance`; returns
+/// the final latents in f32. `on_step` sees the latents after each step.
+///
+/// Each step is diffusers' pipeline loop: the model input is `scale_model_input` of the
+/// latents, cast to the conditioning's dtype (the first tensor of `cond`, the model's
+/// compute dtype); the prediction is guided with classifier-free guidance when
+/// `guidance.cfg` has a scale above 1 (a second `predict` on the unconditional conditioning,
+/// then uncond + scale (cond - uncond) in f32); `schedule.step` makes the next latents in f32.
+/// Nothing is recorded for autograd.
+///
+/// Errors, before the model runs: an empty schedule, a schedule of another noise process
+/// than the model's objective, noise or conditioning whose shapes the model does not take
+/// (named), an unconditional conditioning unlike the conditional one, a negative or
+/// non-finite scale, a distilled guidance scale for a model without a guidance input or
+/// none for one with it.
+pub fn denoise(
+    model: &dyn DiffusionModel,
+    schedule: &dyn Schedule,
+    noise: &Tensor,
+    cond: &[Tensor],
+    guidance: &Guidance,
+    mut on_step: Option<OnStep<'_>>,
+) -> Result<Tensor> {
+    let steps = schedule.timesteps().len();
+    if steps == 0 {
+        return Err(invalid("the schedule has no steps".into(), noise.shape()));
+    }
+    let process = match model.objective() {
+        Objective::FlowMatching => Process::FlowMatching,
+        Objective::Ddpm(_) => Process::Ddpm,
+    };
+    if schedule.process() != process {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "denoise: a {:?} schedule for a {} model, which is trained with {process:?}",
+                schedule.process(),
+                model.family().name
+            ),
+        });
+    }
+    let inputs = model.inputs();
+    if noise.rank() != 4 || noise.dims()[0] == 0 {
+        return Err(invalid(
+            "noise must be (B, C, H, W) with B >= 1".into(),
+            noise.shape(),
+        ));
+    }
+    if let Some(why) = inputs[0].mismatch(&noise.dims()[1..]) {
+        return Err(invalid(
+            format!("noise (batch excluded) has {why}"),
+            noise.shape(),
+        ));
+    }
+    check_cond(model, "cond", cond, noise.shape())?;
+    let cfg = match &guidance.cfg {
+        Some(c) => {
+            check_scale("the classifier-free guidance scale", c.scale)?;
+            check_cond(model, "uncond", &c.uncond, noise.shape())?;
+            if let Some((u, t)) = c
+                .uncond
+                .iter()
+                .zip(cond)
+                .find(|(u, t)| u.shape() != t.shape() || u.dtype() != t.dtype())
+            {
+                return Err(Error::ShapeMismatch {
+                    op: "denoise: uncond vs cond (shapes and dtypes must match)",
+                    lhs: u.shape().clone(),
+                    rhs: t.shape().clone(),
+                });
+            }
+            (c.scale > 1.0).then_some(c)
+        }
+        None => None,
+    };
+    let distilled = match (guidance.distilled, model.guidance_input()) {
+        (Some(g), true) => {
+            check_scale("the distilled guidance scale", g)?;
+            g
+        }
+        (None, false) => 0.0,
+        (Some(g), false) => {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "denoise: distilled guidance {g} given, but this {} model has no guidance \
+                     input (use classifier-free guidance)",
+                    model.family().name
+                ),
+            })
+        }
+        (None, true) => {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "denoise: this {} model is guidance-distilled and needs a distilled \
+                     guidance scale (Flux dev's pipeline uses 3.5)",
+                    model.family().name
+                ),
+            })
+        }
+    };
+
+    let _no_grad = no_grad();
+    let b = noise.dims()[0];
+    let dtype = cond.first().map_or(DType::F32, |c| c.dtype());
+    let dev = noise.device();
+    let mut x = noise.to_dtype(DType::F32)?.mul(&Tensor::full(
+        schedule.init_noise_sigma() as f64,
+        Shape::from(()),
+        DType::F32,
+        dev,
+    )?)?;
+    for i in 0..steps {
+        let input = schedule.scale_model_input(&x, i)?.to_dtype(dtype)?;
+        let t = Tensor::full(schedule.model_time(i)? as f64, b, DType::F32, dev)?;
+        let pred = model
+            .predict(&input, &t, cond, distilled)?
+            .to_dtype(DType::F32)?;
+        let pred = match cfg {
+            Some(c) => {
+                let un = model
+                    .predict(&input, &t, &c.uncond, distilled)?
+                    .to_dtype(DType::F32)?;
+                let scale = Tensor::full(c.scale, Shape::from(()), DType::F32, dev)?;
+                un.add(&pred.sub(&un)?.mul(&scale)?)?
+            }
+            None => pred,
+        };
+        if pred.shape() != x.shape() {
+            return Err(Error::ShapeMismatch {
+                op: "denoise: the model's prediction vs the latents",
+                lhs: pred.shape().clone(),
+                rhs: x.shape().clone(),
+            });
+        }
+        x = schedule.step(&pred, i, &x)?;
+        if let Some(f) = on_step.as_mut() {
+            f(&StepInfo {
+                index: i,
+                steps,
+                timestep: schedule.timesteps()[i],
+                latents: &x,
+            })?;
+        }
+    }
+    Ok(x)
+}

@@ -248,6 +248,21 @@ fn crop_offsets_in_pixels() {
 }
 
 #[test]
+fn inconsistent_geometry_is_an_error() {
+    let f = image::DynamicImage::ImageRgb8(pattern(20, 8, 1)).to_rgb32f();
+    let mut g = Geometry::new(20, 8, bucket(16, 8), CropMode::Center, 0, 0);
+    g.left = 5;
+    let e = to_tensor(&f, &g, Resample::Lanczos3, false, Path::new("x.png")).unwrap_err();
+    assert!(e.to_string().contains("does not fit"), "{e}");
+    let g = Geometry::new(30, 8, bucket(16, 8), CropMode::Center, 0, 0);
+    let e = to_tensor(&f, &g, Resample::Lanczos3, false, Path::new("x.png")).unwrap_err();
+    assert!(
+        e.to_string().contains("x.png") && e.to_string().contains("30x8"),
+        "{e}"
+    );
+}
+
+#[test]
 fn constant_image_stays_constant() {
     let img = RgbImage::from_pixel(37, 23, Rgb([100, 30, 250]));
     let f = image::DynamicImage::ImageRgb8(img).to_rgb32f();
@@ -1046,6 +1061,14 @@ fn config_defaults_and_problems() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("flip"), "{e}");
+    // Each key fine alone, but no bucket: 64x64 is not the largest height for width 64.
+    let e = DataConfig::from_toml("[data]\nmanifest = \"m\"\nresolution = 100\nmax_aspect = 1.0\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("line 4: data.max_aspect = 1: ") && e.contains("no bucket"),
+        "{e}"
+    );
     let e = DataConfig::from_toml("[data]\n").unwrap_err().to_string();
     assert!(e.contains("no image source"), "{e}");
 

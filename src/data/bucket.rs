@@ -185,7 +185,7 @@ pub struct Geometry {
 
 impl Geometry {
     /// The geometry of a `width` x `height` image in `bucket`: the covering resize, then the
-    /// crop; `Random` draws its offsets from (seed, id).
+    /// crop; `Random` draws its offsets from (seed, id). A side of 0 is taken as 1.
     pub fn new(
         width: usize,
         height: usize,
@@ -195,8 +195,8 @@ impl Geometry {
         id: u64,
     ) -> Self {
         let s = f64::max(
-            bucket.width as f64 / width as f64,
-            bucket.height as f64 / height as f64,
+            bucket.width as f64 / width.max(1) as f64,
+            bucket.height as f64 / height.max(1) as f64,
         );
         let rw = ((width as f64 * s).round() as usize).max(bucket.width);
         let rh = ((height as f64 * s).round() as usize).max(bucket.height);
@@ -226,7 +226,9 @@ impl Geometry {
     /// `flip`.
     pub fn left_seen(&self, flip: bool) -> usize {
         match flip {
-            true => self.resized_width - self.bucket.width - self.left,
+            true => self
+                .resized_width
+                .saturating_sub(self.bucket.width + self.left),
             false => self.left,
         }
     }
@@ -278,6 +280,16 @@ pub fn to_tensor(
             ),
         ));
     }
+    let (bw, bh) = (geo.bucket.width, geo.bucket.height);
+    if geo.left + bw > geo.resized_width || geo.top + bh > geo.resized_height {
+        return Err(data_err(
+            path,
+            format!(
+                "the crop {bw}x{bh} at left {} top {} does not fit the resized {}x{}",
+                geo.left, geo.top, geo.resized_width, geo.resized_height
+            ),
+        ));
+    }
     let resized;
     let src = if (geo.resized_width, geo.resized_height) == (geo.orig_width, geo.orig_height) {
         img
@@ -290,7 +302,6 @@ pub fn to_tensor(
         );
         &resized
     };
-    let (bw, bh) = (geo.bucket.width, geo.bucket.height);
     let mut out = vec![0f32; 3 * bh * bw];
     // (3, H, W): channel planes, rows top to bottom.
     for y in 0..bh {

@@ -315,9 +315,14 @@ impl LatentCache {
                             }
                         };
                     let repaired = path.exists();
-                    let enc = encode(&x)?;
                     let source = item.path.display().to_string();
-                    write_entry(&path, &key, &source, &self.encoder, &enc)?;
+                    let written = encode(&x)
+                        .and_then(|enc| write_entry(&path, &key, &source, &self.encoder, &enc));
+                    if let Err(e) = written {
+                        // The hashes computed so far spare the next fill rereading the images.
+                        let _ = self.save_index();
+                        return Err(e);
+                    }
                     report.computed += 1;
                     report.repaired += repaired as usize;
                     p.computed += 1;

@@ -222,6 +222,27 @@ impl DataConfig {
             "data.caption_dropout",
             format!("{}: must be in [0, 1]", self.caption_dropout),
         );
+        if v.iter().all(|p| {
+            !matches!(
+                p.key,
+                "data.bucket_step" | "data.resolution" | "data.max_aspect"
+            )
+        }) {
+            if let Err(e) = super::bucket::buckets(&BucketConfig {
+                resolution: self.resolution,
+                step: self.bucket_step,
+                max_aspect: self.max_aspect,
+            }) {
+                let why = match e {
+                    Error::Config { msg, .. } => msg,
+                    other => other.to_string(),
+                };
+                v.push(Problem {
+                    key: "data.max_aspect",
+                    msg: format!("{}: {why}", self.max_aspect),
+                });
+            }
+        }
         choice("data.crop", &self.crop, &["center", "random"], &mut v);
         choice(
             "data.resample",

@@ -154,6 +154,15 @@ pub enum Error {
         /// What is wrong.
         msg: String,
     },
+    /// A training image, caption, manifest or dataset cache entry cannot be used: the file
+    /// and why.
+    #[error("data {path}: {msg}")]
+    Data {
+        /// The file (or folder) involved.
+        path: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
     /// A tokenizer's files cannot be found or read, or it cannot encode a text.
     #[error("tokenizer {path}: {msg}")]
     Tokenizer {

@@ -53,6 +53,7 @@
 
 pub mod autograd;
 pub mod backend;
+pub mod data;
 mod device;
 mod dtype;
 pub mod encoders;

@@ -21,4 +21,4 @@ pub use layers::{
 pub use lora::{Adapters, Lora, LoraConfig};
 pub use lora_io::kohya_name;
 pub use params::{KeyMap, KeySource, VarBuilder};
-pub(crate) use seed::{mix64, GOLDEN};
+pub(crate) use seed::{key_hash, mix64, GOLDEN};

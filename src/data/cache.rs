@@ -1,0 +1,470 @@
+//! Encoded samples on disk: latents per (image, bucket, crop, flip) and text embeddings per
+//! (caption, encoder), one safetensors file per entry, written atomically
+//! ([`crate::safetensors::save_with_metadata`]).
+//!
+//! An entry's file name is the SHA-256 of everything that decides its content:
+//! - latents (`<dir>/latents/`): the image file's SHA-256, the resize filter, the resized
+//!   size, the crop offset and size, the flip, and the encoder's identity string;
+//! - text (`<dir>/text/`): the caption and the encoder's identity string.
+//!
+//! So a changed image, caption, resolution, crop or encoder misses only the entries it
+//! changes, and the rest are reused. Hashing every image each run would read the whole
+//! dataset: `<dir>/files.json` keeps each image's (size, mtime, SHA-256), and an image whose
+//! size and mtime are unchanged keeps its stored hash.
+//!
+//! Filling is resumable: an entry whose file opens, has a well-formed header within the
+//! file's length and names its own key in its metadata is reused; a missing entry is
+//! computed, and a truncated or otherwise unreadable one is computed again (counted in
+//! [`FillReport::repaired`]). Reading a batch opens only that batch's files.
+
+use super::bucket::{self, Geometry};
+use super::source::{BadFile, OnBadFile};
+use super::{data_err, io_err, write_atomic, Dataset};
+use crate::safetensors::{save_with_metadata, SafeTensorsFile};
+use crate::{DType, Device, Result, Tensor};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// What an encoder returns for one sample: named tensors without a batch dim.
+pub type Encoded = Vec<(String, Tensor)>;
+
+/// Where a fill stands, given to the progress callback after every entry.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Entries handled so far.
+    pub done: usize,
+    /// Entries to handle.
+    pub total: usize,
+    /// Of `done`, entries found valid on disk.
+    pub reused: usize,
+    /// Of `done`, entries encoded now.
+    pub computed: usize,
+}
+
+/// What a fill did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FillReport {
+    /// Distinct entries the data needs.
+    pub total: usize,
+    /// Entries found valid on disk.
+    pub reused: usize,
+    /// Entries encoded and written (including the repaired ones).
+    pub computed: usize,
+    /// Of `computed`, entries whose file existed but was unreadable (truncated, damaged, or
+    /// another entry's).
+    pub repaired: usize,
+    /// Images left out because they could not be read or decoded ([`OnBadFile::Skip`]).
+    pub skipped: Vec<BadFile>,
+}
+
+/// The hex SHA-256 of `parts` joined by newlines.
+fn sha_hex(parts: &[&str]) -> String {
+    let mut h = Sha256::new();
+    for (i, p) in parts.iter().enumerate() {
+        if i > 0 {
+            h.update(b"\n");
+        }
+        h.update(p.as_bytes());
+    }
+    hex(&h.finalize())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The hex SHA-256 of a file's bytes.
+fn file_sha(path: &Path) -> std::io::Result<String> {
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h)?;
+    Ok(hex(&h.finalize()))
+}
+
+/// Whether `path` holds a readable entry for `key`.
+fn entry_ok(path: &Path, key: &str) -> bool {
+    match SafeTensorsFile::open(path) {
+        Ok(f) => !f.is_empty() && f.metadata().get("flame.key").map(String::as_str) == Some(key),
+        Err(_) => false,
+    }
+}
+
+/// Encodes and writes one entry; the file appears only once complete.
+fn write_entry(path: &Path, key: &str, source: &str, encoder: &str, enc: &Encoded) -> Result<()> {
+    if enc.is_empty() {
+        return Err(data_err(
+            path,
+            format!("the encoder returned no tensor for {source}"),
+        ));
+    }
+    let meta: BTreeMap<String, String> = [
+        ("flame.key", key),
+        ("flame.source", source),
+        ("flame.encoder", encoder),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    save_with_metadata(enc.iter().map(|(n, t)| (n.as_str(), t)), &meta, path)
+}
+
+/// The entries at `paths` stacked into a batch: every name of the first entry, each (B, ...),
+/// in `dtype` on `device`, sorted by name. Every entry must hold the same names and shapes.
+fn load_stacked(paths: &[PathBuf], device: &Device, dtype: DType) -> Result<Vec<(String, Tensor)>> {
+    let mut names: Vec<String> = vec![];
+    let mut cols: Vec<Vec<Tensor>> = vec![];
+    for (k, p) in paths.iter().enumerate() {
+        let f = SafeTensorsFile::open(p).map_err(|e| {
+            data_err(
+                p,
+                format!("cache entry unreadable ({e}); fill the cache again"),
+            )
+        })?;
+        let these: Vec<String> = f.names().map(str::to_string).collect();
+        if k == 0 {
+            cols = vec![vec![]; these.len()];
+            names = these;
+        } else if these != names {
+            return Err(data_err(
+                p,
+                format!("holds tensors {these:?}, the batch's first entry {names:?}"),
+            ));
+        }
+        for (c, n) in cols.iter_mut().zip(&names) {
+            c.push(f.load_as(n, device, dtype)?);
+        }
+    }
+    names
+        .into_iter()
+        .zip(cols)
+        .map(|(n, c)| Ok((n, Tensor::stack(&c.iter().collect::<Vec<_>>(), 0)?)))
+        .collect()
+}
+
+/// One image's stored size, mtime and content hash.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+struct FileStamp {
+    size: u64,
+    mtime_ns: u128,
+    sha256: String,
+}
+
+fn stamp_of(path: &Path) -> std::io::Result<(u64, u128)> {
+    let m = std::fs::metadata(path)?;
+    let mtime = m
+        .modified()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    Ok((m.len(), mtime))
+}
+
+/// An image's distinct cache entries: key -> (geometry, flip).
+type Views = BTreeMap<String, (Geometry, bool)>;
+
+/// Latents on disk, per (image, bucket, crop, flip) and encoder (module doc).
+#[derive(Debug)]
+pub struct LatentCache {
+    dir: PathBuf,
+    encoder: String,
+    /// Image path -> its stamp (content hash), from files.json and this session's hashing.
+    files: BTreeMap<PathBuf, FileStamp>,
+}
+
+impl LatentCache {
+    /// The cache in `dir` (made if absent) for the encoder named `encoder` (any string that
+    /// changes whenever the encoder's output would: e.g. the VAE's file hash and dtype).
+    pub fn open(dir: impl AsRef<Path>, encoder: &str) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let latents = dir.join("latents");
+        std::fs::create_dir_all(&latents).map_err(io_err(&latents))?;
+        let index = dir.join("files.json");
+        // A missing or unreadable index only costs rehashing.
+        let files = std::fs::read(&index)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<BTreeMap<PathBuf, FileStamp>>(&b).ok())
+            .unwrap_or_default();
+        Ok(LatentCache {
+            dir,
+            encoder: encoder.to_string(),
+            files,
+        })
+    }
+
+    /// The image's content hash: the stored one when size and mtime match, else read now.
+    fn content_hash(&mut self, path: &Path) -> std::io::Result<String> {
+        let (size, mtime_ns) = stamp_of(path)?;
+        if let Some(s) = self.files.get(path) {
+            if s.size == size && s.mtime_ns == mtime_ns {
+                return Ok(s.sha256.clone());
+            }
+        }
+        let sha256 = file_sha(path)?;
+        self.files.insert(
+            path.to_path_buf(),
+            FileStamp {
+                size,
+                mtime_ns,
+                sha256: sha256.clone(),
+            },
+        );
+        Ok(sha256)
+    }
+
+    fn key(&self, ds: &Dataset, sha: &str, g: &Geometry, flip: bool) -> String {
+        sha_hex(&[
+            "flame-latent-v1",
+            sha,
+            ds.options.resample.name(),
+            &format!("resized {}x{}", g.resized_width, g.resized_height),
+            &format!(
+                "crop {}x{} at left {} top {}",
+                g.bucket.width, g.bucket.height, g.left, g.top
+            ),
+            &format!("flip {flip}"),
+            &self.encoder,
+        ])
+    }
+
+    fn entry(&self, key: &str) -> PathBuf {
+        self.dir.join("latents").join(format!("{key}.safetensors"))
+    }
+
+    /// Encodes every (sample, flip) view of `ds` not yet on disk: `encode` gets the image as
+    /// a (3, H, W) f32 tensor in [-1, 1] on the CPU and returns the tensors to store (e.g.
+    /// `latents` (C, h, w)); `progress` hears after every entry. With flips on, both
+    /// mirrorings of each sample are stored, so every epoch finds its entries. Images that
+    /// cannot be read or decoded follow `ds.options.on_bad_file`: skipped ones leave `ds`
+    /// and are listed in the report. Errors of `encode` stop the fill.
+    pub fn fill(
+        &mut self,
+        ds: &mut Dataset,
+        encode: &mut dyn FnMut(&Tensor) -> Result<Encoded>,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<FillReport> {
+        let flips: &[bool] = if ds.options.flip {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        // Per item: its content hash (or why it has none) and its distinct entries.
+        let mut plan: Vec<(usize, std::result::Result<Views, String>)> = vec![];
+        for (i, item) in ds.items.iter().enumerate() {
+            let sha = match self.content_hash(&item.path) {
+                Ok(s) => s,
+                Err(e) => {
+                    plan.push((i, Err(format!("cannot read the image: {e}"))));
+                    continue;
+                }
+            };
+            let mut entries = BTreeMap::new();
+            for s in ds.samples.iter().filter(|s| s.item == i) {
+                for &f in flips {
+                    entries.insert(self.key(ds, &sha, &s.geometry, f), (s.geometry, f));
+                }
+            }
+            plan.push((i, Ok(entries)));
+        }
+        let total = plan
+            .iter()
+            .map(|(_, e)| e.as_ref().map(|m| m.len()).unwrap_or(0))
+            .sum();
+        let mut p = Progress {
+            total,
+            ..Progress::default()
+        };
+        let mut report = FillReport {
+            total,
+            ..FillReport::default()
+        };
+        let mut bad: Vec<(usize, String)> = vec![];
+        for (i, entries) in plan {
+            let item = &ds.items[i];
+            let entries = match entries {
+                Ok(e) => e,
+                Err(why) => {
+                    bad.push((i, why));
+                    continue;
+                }
+            };
+            let mut image = None;
+            for (key, (geo, flip)) in entries {
+                let path = self.entry(&key);
+                if entry_ok(&path, &key) {
+                    report.reused += 1;
+                    p.reused += 1;
+                } else {
+                    if image.is_none() {
+                        match bucket::decode(&item.path) {
+                            Ok(img) => image = Some(img),
+                            Err(why) => {
+                                bad.push((i, why));
+                                break;
+                            }
+                        }
+                    }
+                    let Some(img) = image.as_ref() else { break };
+                    let x =
+                        match bucket::to_tensor(img, &geo, ds.options.resample, flip, &item.path) {
+                            Ok(x) => x,
+                            Err(e) => {
+                                bad.push((i, e.to_string()));
+                                break;
+                            }
+                        };
+                    let repaired = path.exists();
+                    let source = item.path.display().to_string();
+                    let written = encode(&x)
+                        .and_then(|enc| write_entry(&path, &key, &source, &self.encoder, &enc));
+                    if let Err(e) = written {
+                        // The hashes computed so far spare the next fill rereading the images.
+                        let _ = self.save_index();
+                        return Err(e);
+                    }
+                    report.computed += 1;
+                    report.repaired += repaired as usize;
+                    p.computed += 1;
+                }
+                p.done += 1;
+                progress(&p);
+            }
+        }
+        self.save_index()?;
+        if !bad.is_empty() {
+            if ds.options.on_bad_file == OnBadFile::Stop {
+                let (i, why) = &bad[0];
+                return Err(data_err(&ds.items[*i].path, why.clone()));
+            }
+            report.skipped = bad
+                .iter()
+                .map(|(i, why)| BadFile {
+                    path: ds.items[*i].path.clone(),
+                    reason: why.clone(),
+                })
+                .collect();
+            ds.remove_items(bad)?;
+        }
+        Ok(report)
+    }
+
+    fn save_index(&self) -> Result<()> {
+        let path = self.dir.join("files.json");
+        let bytes = serde_json::to_vec_pretty(&self.files)
+            .map_err(|e| data_err(&path, format!("cannot write the index: {e}")))?;
+        write_atomic(&path, &bytes)
+    }
+
+    /// The entry file of sample `i` of `ds` in `epoch` (its flip decides which). An error
+    /// when the image was not hashed by a [`LatentCache::fill`] of this cache.
+    pub fn entry_path(&self, ds: &Dataset, i: usize, epoch: u64) -> Result<PathBuf> {
+        let s = ds.sample(i)?;
+        let item = ds.item(i)?;
+        let sha = self
+            .files
+            .get(&item.path)
+            .map(|s| s.sha256.clone())
+            .ok_or_else(|| data_err(&item.path, "not in the latent cache: fill it first"))?;
+        Ok(self.entry(&self.key(ds, &sha, &s.geometry, ds.flip(i, epoch)?)))
+    }
+
+    /// The cached tensors of the samples `batch` in `epoch`, read from disk now: one
+    /// (B, ...) tensor per stored name, sorted by name, in `dtype` on `device`.
+    pub fn load_batch(
+        &self,
+        ds: &Dataset,
+        batch: &[usize],
+        epoch: u64,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let paths = batch
+            .iter()
+            .map(|&i| self.entry_path(ds, i, epoch))
+            .collect::<Result<Vec<_>>>()?;
+        load_stacked(&paths, device, dtype)
+    }
+}
+
+/// Text embeddings on disk, per (caption, encoder) (module doc).
+#[derive(Clone, Debug)]
+pub struct TextCache {
+    dir: PathBuf,
+    encoder: String,
+}
+
+impl TextCache {
+    /// The cache in `dir` (made if absent) for the text encoder named `encoder`.
+    pub fn open(dir: impl AsRef<Path>, encoder: &str) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let text = dir.join("text");
+        std::fs::create_dir_all(&text).map_err(io_err(&text))?;
+        Ok(TextCache {
+            dir,
+            encoder: encoder.to_string(),
+        })
+    }
+
+    fn key(&self, caption: &str) -> String {
+        sha_hex(&["flame-text-v1", &self.encoder, caption])
+    }
+
+    /// The entry file of `caption`.
+    pub fn entry_path(&self, caption: &str) -> PathBuf {
+        self.dir
+            .join("text")
+            .join(format!("{}.safetensors", self.key(caption)))
+    }
+
+    /// Encodes every distinct caption of `captions` not yet on disk (e.g. the captions of
+    /// the epochs to come, [`Dataset::caption`]); `encode` returns the tensors to store,
+    /// `progress` hears after every entry.
+    pub fn fill(
+        &self,
+        captions: &[String],
+        encode: &mut dyn FnMut(&str) -> Result<Encoded>,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<FillReport> {
+        let distinct: std::collections::BTreeSet<&str> =
+            captions.iter().map(String::as_str).collect();
+        let mut report = FillReport {
+            total: distinct.len(),
+            ..FillReport::default()
+        };
+        let mut p = Progress {
+            total: distinct.len(),
+            ..Progress::default()
+        };
+        for caption in distinct {
+            let key = self.key(caption);
+            let path = self.entry_path(caption);
+            if entry_ok(&path, &key) {
+                report.reused += 1;
+                p.reused += 1;
+            } else {
+                let repaired = path.exists();
+                let enc = encode(caption)?;
+                write_entry(&path, &key, caption, &self.encoder, &enc)?;
+                report.computed += 1;
+                report.repaired += repaired as usize;
+                p.computed += 1;
+            }
+            p.done += 1;
+            progress(&p);
+        }
+        Ok(report)
+    }
+
+    /// The cached tensors of `captions`, read from disk now: one (B, ...) tensor per stored
+    /// name, sorted by name, in `dtype` on `device`.
+    pub fn load_batch(
+        &self,
+        captions: &[String],
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let paths: Vec<PathBuf> = captions.iter().map(|c| self.entry_path(c)).collect();
+        load_stacked(&paths, device, dtype)
+    }
+}

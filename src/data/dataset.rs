@@ -1,0 +1,322 @@
+//! A scanned, bucketed image dataset and its seeded batch sampler.
+
+use super::bucket::{self, Bucket, BucketConfig, CropMode, Geometry, Resample};
+use super::caption::CaptionOptions;
+use super::source::{self, BadFile, Item, OnBadFile, Source};
+use super::{data_err, draw, purpose, unit};
+use crate::nn::key_hash;
+use crate::train::data::permutation;
+use crate::{Result, Tensor};
+use std::collections::BTreeSet;
+
+/// Everything that decides what a [`Dataset`] yields.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DatasetOptions {
+    /// Where the images come from.
+    pub sources: Vec<Source>,
+    /// The buckets.
+    pub buckets: BucketConfig,
+    /// Centre or seeded random crops.
+    pub crop: CropMode,
+    /// Mirror each sample with probability 1/2, drawn per (seed, epoch, sample).
+    pub flip: bool,
+    /// The resize filter.
+    pub resample: Resample,
+    /// Caption dropout and tag shuffling.
+    pub captions: CaptionOptions,
+    /// Bad images and captions: skipped and reported, or fatal.
+    pub on_bad_file: OnBadFile,
+    /// The seed of every draw.
+    pub seed: u64,
+}
+
+/// One sample: an image's `repeat`-th appearance in an epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sample {
+    /// Index into [`Dataset::items`].
+    pub item: usize,
+    /// Which repeat of the item (0-based).
+    pub repeat: usize,
+    /// The stable id its draws are seeded by: from the item's name and the repeat.
+    pub id: u64,
+    /// Its bucket, resize and crop.
+    pub geometry: Geometry,
+}
+
+/// Images with captions, each repeat a [`Sample`] with its bucket and crop.
+#[derive(Clone, Debug)]
+pub struct Dataset {
+    /// The options it was opened with.
+    pub options: DatasetOptions,
+    /// The usable images, in scan order.
+    pub items: Vec<Item>,
+    /// Every item's repeats, items in order.
+    pub samples: Vec<Sample>,
+    /// The buckets of `options.buckets`, sorted by aspect ratio.
+    pub buckets: Vec<Bucket>,
+    /// The files left out ([`OnBadFile::Skip`]): at the scan, and images that failed to
+    /// decode when a cache was filled.
+    pub skipped: Vec<BadFile>,
+}
+
+impl Dataset {
+    /// Scans the sources, makes the buckets and places every sample (module docs of
+    /// [`source`] and [`bucket`]). An error when no usable image remains.
+    pub fn open(options: DatasetOptions) -> Result<Dataset> {
+        let scan = source::scan(&options.sources, options.on_bad_file)?;
+        let buckets = bucket::buckets(&options.buckets)?;
+        let mut ds = Dataset {
+            items: scan.items,
+            skipped: scan.skipped,
+            samples: vec![],
+            buckets,
+            options,
+        };
+        ds.place()?;
+        Ok(ds)
+    }
+
+    fn place(&mut self) -> Result<()> {
+        let o = &self.options;
+        let mut samples = vec![];
+        for (i, item) in self.items.iter().enumerate() {
+            let b = bucket::closest(&self.buckets, item.width, item.height)
+                .ok_or_else(|| data_err(&item.path, "no bucket for this image"))?;
+            for repeat in 0..item.repeats {
+                let id = draw(key_hash(&item.name), &[repeat as u64]);
+                let geometry = Geometry::new(item.width, item.height, b, o.crop, o.seed, id);
+                samples.push(Sample {
+                    item: i,
+                    repeat,
+                    id,
+                    geometry,
+                });
+            }
+        }
+        if samples.is_empty() {
+            let place = match o.sources.first() {
+                Some(Source::Folder { dir, .. }) => dir.clone(),
+                Some(Source::Manifest { path, .. }) => path.clone(),
+                None => std::path::PathBuf::from("."),
+            };
+            return Err(data_err(
+                &place,
+                format!(
+                    "no usable image in the {} source(s) ({} file(s) left out)",
+                    o.sources.len(),
+                    self.skipped.len()
+                ),
+            ));
+        }
+        self.samples = samples;
+        Ok(())
+    }
+
+    /// Leaves out the items at `bad` (indices into `items`), recording why; the remaining
+    /// samples keep their ids and geometry.
+    pub(crate) fn remove_items(&mut self, bad: Vec<(usize, String)>) -> Result<()> {
+        let drop: BTreeSet<usize> = bad.iter().map(|(i, _)| *i).collect();
+        for (i, reason) in bad {
+            if let Some(item) = self.items.get(i) {
+                self.skipped.push(BadFile {
+                    path: item.path.clone(),
+                    reason,
+                });
+            }
+        }
+        let items = std::mem::take(&mut self.items);
+        self.items = items
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| !drop.contains(i))
+            .map(|(_, it)| it)
+            .collect();
+        self.place()
+    }
+
+    /// The number of samples (items times their repeats).
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// Whether there are no samples (never, once opened).
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// The item of sample `i`. An error when `i` is out of range.
+    pub fn item(&self, i: usize) -> Result<&Item> {
+        let s = self.sample(i)?;
+        self.items.get(s.item).ok_or_else(|| {
+            data_err(
+                std::path::Path::new("."),
+                format!("item {} missing", s.item),
+            )
+        })
+    }
+
+    /// Sample `i`. An error when `i` is out of range.
+    pub fn sample(&self, i: usize) -> Result<&Sample> {
+        self.samples.get(i).ok_or_else(|| {
+            crate::Error::invalid(
+                "Dataset::sample",
+                format!("sample {i} of {}", self.samples.len()),
+                &crate::Shape::from(vec![self.samples.len()]),
+            )
+        })
+    }
+
+    /// Whether sample `i` is mirrored in `epoch`.
+    pub fn flip(&self, i: usize, epoch: u64) -> Result<bool> {
+        let s = self.sample(i)?;
+        Ok(self.options.flip
+            && unit(draw(self.options.seed, &[epoch, s.id, purpose("flip")])) < 0.5)
+    }
+
+    /// The caption sample `i` trains on in `epoch` (after dropout and tag shuffling).
+    pub fn caption(&self, i: usize, epoch: u64) -> Result<String> {
+        let s = self.sample(i)?;
+        let item = self.item(i)?;
+        Ok(self
+            .options
+            .captions
+            .apply(&item.caption, self.options.seed, epoch, s.id))
+    }
+
+    /// SDXL's micro-conditioning of sample `i` in `epoch` ([`Geometry::time_ids`]).
+    pub fn time_ids(&self, i: usize, epoch: u64) -> Result<[usize; 6]> {
+        Ok(self.sample(i)?.geometry.time_ids(self.flip(i, epoch)?))
+    }
+
+    /// Sample `i`'s image in `epoch`: decoded, resized, cropped and maybe mirrored, a
+    /// (3, H, W) f32 tensor in [-1, 1] on the CPU. Errors name the file.
+    pub fn image(&self, i: usize, epoch: u64) -> Result<Tensor> {
+        let s = *self.sample(i)?;
+        let item = self.item(i)?;
+        let img = bucket::decode(&item.path).map_err(|m| data_err(&item.path, m))?;
+        bucket::to_tensor(
+            &img,
+            &s.geometry,
+            self.options.resample,
+            self.flip(i, epoch)?,
+            &item.path,
+        )
+    }
+
+    /// A batch sampler over these samples: batches of `batch_size` from one bucket each; a
+    /// bucket's last, smaller batch is dropped when `drop_incomplete`.
+    pub fn sampler(&self, batch_size: usize, drop_incomplete: bool) -> Result<BatchSampler> {
+        BatchSampler::new(self, batch_size, drop_incomplete)
+    }
+}
+
+/// Batches drawn from one bucket at a time. An epoch's batches are a function of
+/// (seed, epoch) alone: each bucket's samples in a seeded order, cut into batches, and the
+/// batches of all buckets in a seeded order; every epoch has the same number of batches, so
+/// a global batch position maps to (epoch, batch) and a resumed run repeats its data.
+#[derive(Clone, Debug)]
+pub struct BatchSampler {
+    /// (bucket, its sample indices ascending), buckets in the dataset's order.
+    groups: Vec<(Bucket, Vec<usize>)>,
+    batch_size: usize,
+    drop_incomplete: bool,
+    seed: u64,
+}
+
+impl BatchSampler {
+    /// The sampler of `ds` (see [`Dataset::sampler`]). An error when `batch_size` is 0 or
+    /// no full batch exists with `drop_incomplete`.
+    pub fn new(ds: &Dataset, batch_size: usize, drop_incomplete: bool) -> Result<Self> {
+        let shape = crate::Shape::from(vec![ds.len()]);
+        if batch_size == 0 {
+            return Err(crate::Error::invalid(
+                "BatchSampler",
+                "batch_size 0",
+                &shape,
+            ));
+        }
+        let groups: Vec<(Bucket, Vec<usize>)> = ds
+            .buckets
+            .iter()
+            .map(|&b| {
+                let idx = (0..ds.samples.len())
+                    .filter(|&i| ds.samples[i].geometry.bucket == b)
+                    .collect();
+                (b, idx)
+            })
+            .filter(|(_, v): &(Bucket, Vec<usize>)| !v.is_empty())
+            .collect();
+        let s = BatchSampler {
+            groups,
+            batch_size,
+            drop_incomplete,
+            seed: ds.options.seed,
+        };
+        if s.batches_per_epoch() == 0 {
+            return Err(crate::Error::invalid(
+                "BatchSampler",
+                format!("no bucket holds a full batch of {batch_size}"),
+                &shape,
+            ));
+        }
+        Ok(s)
+    }
+
+    /// The buckets in use with their sample counts.
+    pub fn bucket_sizes(&self) -> Vec<(Bucket, usize)> {
+        self.groups.iter().map(|(b, v)| (*b, v.len())).collect()
+    }
+
+    /// Batches in every epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.groups
+            .iter()
+            .map(|(_, v)| match self.drop_incomplete {
+                true => v.len() / self.batch_size,
+                false => v.len().div_ceil(self.batch_size),
+            })
+            .sum()
+    }
+
+    /// The batches of `epoch`, in order: sample indices, all of one bucket per batch.
+    pub fn epoch(&self, epoch: u64) -> Vec<Vec<usize>> {
+        let mut batches = vec![];
+        for (b, idx) in &self.groups {
+            let bucket_seed = draw(
+                self.seed,
+                &[
+                    epoch,
+                    purpose("bucket-order"),
+                    b.width as u64,
+                    b.height as u64,
+                ],
+            );
+            let order: Vec<usize> = permutation(idx.len(), bucket_seed)
+                .into_iter()
+                .map(|k| idx[k])
+                .collect();
+            for chunk in order.chunks(self.batch_size) {
+                if chunk.len() == self.batch_size || !self.drop_incomplete {
+                    batches.push(chunk.to_vec());
+                }
+            }
+        }
+        let p = permutation(
+            batches.len(),
+            draw(self.seed, &[epoch, purpose("batch-order")]),
+        );
+        p.into_iter().map(|k| batches[k].clone()).collect()
+    }
+
+    /// The batch at global position `pos` (from 0, across epochs) with its epoch.
+    pub fn batch_at(&self, pos: usize) -> (u64, Vec<usize>) {
+        let n = self.batches_per_epoch().max(1);
+        let epoch = (pos / n) as u64;
+        let batch = self
+            .epoch(epoch)
+            .into_iter()
+            .nth(pos % n)
+            .unwrap_or_default();
+        (epoch, batch)
+    }
+}

@@ -146,9 +146,18 @@ fn run<M: ModelSpec>(
                 },
             };
             let prefixes: Vec<String> = profile.blocks.iter().map(|b| b.prefix.clone()).collect();
+            // `--stream-smallest`: the planner's order (smallest blocks first) instead of
+            // spread evenly.
+            let streamed = if args.flag("--stream-smallest") {
+                let mut o = profile.stream_order();
+                o.truncate(num("--stream", 0));
+                o
+            } else {
+                spread_evenly(&prefixes, num("--stream", 0))
+            };
             Plan {
                 checkpointing,
-                streamed: spread_evenly(&prefixes, num("--stream", 0)),
+                streamed,
                 prefetch: num("--prefetch", 1),
                 keep: Keep {
                     attention: args.flag("--keep-attention"),

@@ -411,6 +411,7 @@ pub fn profile_config<M: ModelSpec>(
                 input_bytes,
                 saved_bytes,
                 attention_bytes,
+                compute: 0.0,
             }
         })
         .collect();
@@ -423,6 +424,10 @@ pub fn profile_config<M: ModelSpec>(
             Some(b) => b.weight_bytes += bytes(t),
             None => other += bytes(t),
         }
+    }
+    // Work per block: positions times weight bytes (FLOPs of its Linears and convolutions).
+    for (b, sh) in blocks.iter_mut().zip(&shapes) {
+        b.compute = sh.tokens as f64 * b.weight_bytes as f64;
     }
     let trainable_values: usize = match &probe_adapters {
         Some(a) => a.params()?.iter().map(|(_, t)| t.elem_count()).sum(),

@@ -26,8 +26,8 @@ mod streamer;
 
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{
-    spread_evenly, BlockCost, BlockShape, MemoryProfile, NoPlan, Plan, Planned,
-    SAVED_PER_TOKEN_CHANNEL,
+    cost_model, spread_evenly, BlockCost, BlockShape, MemoryProfile, NoPlan, Plan, Planned,
+    MARGIN_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
 };
 pub use streamer::{BlockStreamer, StreamReport};
 

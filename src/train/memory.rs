@@ -176,7 +176,7 @@ pub(crate) fn plan_memory(
                             "the next plan ({c}) predicts {:.2} GiB: lower memory.budget_gb to \
                              {:.1} to choose it",
                             gib(peak),
-                            (gib(peak) * 10.0).ceil() / 10.0
+                            (gib(with_margin(peak)) * 10.0).ceil() / 10.0
                         ),
                         None => fp8_hint(config, family, opts, data, p.peak)?,
                     };
@@ -215,7 +215,12 @@ pub(crate) fn plan_memory(
     Ok(choice)
 }
 
-/// Advice past the last plan, whose peak is `minimum`: FP8 base weights when the run does
+/// The budget a plan of predicted `peak` needs: the planner keeps 1/32 of a budget spare.
+fn with_margin(peak: u64) -> u64 {
+    peak.saturating_add(peak / (crate::stream::MARGIN_DIVISOR - 1))
+}
+
+/// Advice past the last plan, whose budget is `minimum`: FP8 base weights when the run does
 /// not use them and they lower that minimum, else a smaller batch or resolution.
 fn fp8_hint(
     config: &TrainConfig,
@@ -231,7 +236,8 @@ fn fp8_hint(
     let mut o = opts.clone();
     o.fp8 = true;
     let prof = profile(config, family, &o, data)?;
-    Ok(match prof.candidates().iter().map(|c| prof.peak(c)).min() {
+    let smallest = prof.candidates().iter().map(|c| prof.peak(c)).min();
+    Ok(match smallest.map(with_margin) {
         // Only where it helps: a model whose weights are not what fills the device gains
         // nothing from FP8.
         Some(b) if (b as f64) < 0.98 * minimum as f64 => format!(

@@ -134,8 +134,9 @@ pub struct NoPlan {
 /// 935.5 ms, every 4th with 40 streamed 932.5 ms, every 2nd with 37 streamed 945.2 ms and
 /// none with 50 streamed 1003.3 ms, each within 1% of the model with 2 ms (0.0026) of exposed
 /// copy per GiB streamed per step. Without kept attention the recompute was 1.35x (session
-/// 12). Offloading measured no cheaper than streaming the same bytes and is charged more, so
-/// that it is chosen where only it fits.
+/// 12). Offloading block inputs measured dearer than streaming the same bytes, so it is
+/// chosen where only it fits. Run-to-run noise on that machine is about ±2% (the resident
+/// step ran 757–776 ms within one call).
 pub mod cost_model {
     /// Recompute of every block, attention kept.
     pub const RECOMPUTE_KEEP: f64 = 0.273;
@@ -143,14 +144,17 @@ pub mod cost_model {
     pub const RECOMPUTE_FULL: f64 = 0.35;
     /// Exposed copy time per GiB streamed per step.
     pub const COPY_PER_GIB: f64 = 0.0026;
-    /// Per GiB of block inputs moved to host memory and back per step.
-    pub const OFFLOAD_PER_GIB: f64 = 0.013;
+    /// Per GiB of block inputs moved to host memory and back per step (every block
+    /// checkpointed with 10 streamed and the inputs offloaded ran 1062 ms; with 52 streamed,
+    /// nothing kept and the inputs offloaded 1232 ms: 0.038 and 0.059 a GiB).
+    pub const OFFLOAD_PER_GIB: f64 = 0.045;
     /// A prefetch of one block instead of two (the copies hide less).
     pub const PREFETCH_ONE: f64 = 0.02;
     /// The copy time per GiB uploaded per step: past the compute, the step waits for the
-    /// copies (no checkpointing with 53 blocks streamed, 38.3 GiB a step, ran 1091 ms:
-    /// about 35 GiB/s of host-to-device copy against a 760 ms resident step).
-    pub const UPLOAD_PER_GIB: f64 = 0.0375;
+    /// copies (no checkpointing with 53 blocks streamed, 38.3 GiB a step, ran 1091 ms; every
+    /// block checkpointed with 56 streamed, 42.1 GiB, 1140 ms: about 36.5 GiB/s of
+    /// host-to-device copy against a 760 ms resident step).
+    pub const UPLOAD_PER_GIB: f64 = 0.036;
 }
 
 impl MemoryProfile {

@@ -215,7 +215,8 @@ pub(crate) fn plan_memory(
     Ok(choice)
 }
 
-/// The budget a plan of predicted `peak` needs: the planner keeps 1/32 of a budget spare.
+/// A budget that takes a plan of predicted `peak` whatever its kind (mixed plans keep 1/32
+/// of the budget spare).
 fn with_margin(peak: u64) -> u64 {
     peak.saturating_add(peak / (crate::stream::MARGIN_DIVISOR - 1))
 }
@@ -236,8 +237,7 @@ fn fp8_hint(
     let mut o = opts.clone();
     o.fp8 = true;
     let prof = profile(config, family, &o, data)?;
-    let smallest = prof.candidates().iter().map(|c| prof.peak(c)).min();
-    Ok(match smallest.map(with_margin) {
+    Ok(match prof.candidates().iter().map(|c| prof.peak(c)).min() {
         // Only where it helps: a model whose weights are not what fills the device gains
         // nothing from FP8.
         Some(b) if (b as f64) < 0.98 * minimum as f64 => format!(

@@ -1,7 +1,7 @@
 //! Block-wise 8-bit dynamic quantization (Dettmers, Lewis, Shleifer & Zettlemoyer 2022,
 //! "8-bit Optimizers via Block-wise Quantization", <https://arxiv.org/abs/2110.02861>), the
 //! scalar pieces shared by the CPU backend, the optimizer and the tests. The CUDA kernel
-//! (cuda/adam8bit.cu) repeats `nearest_code` and the packing line for line, and receives the
+//! (cuda/multi_tensor.cu) repeats `nearest_code` and the packing line for line, and receives the
 //! maps below as an operand, so both backends quantize with the same table.
 //!
 //! Layout: a state tensor of `n` values is cut into blocks of [`BLOCK`] = 256 consecutive

@@ -53,6 +53,8 @@
 
 pub mod autograd;
 pub mod backend;
+// Host images are CPU tensors: the data pipeline needs the CPU backend.
+#[cfg(feature = "cpu-ref")]
 pub mod data;
 mod device;
 mod dtype;

@@ -5,6 +5,7 @@
 //! comments; the resize is checked against PIL's float resize (tests/fixtures/data/resize.json,
 //! made by scripts/make_data_fixtures.py) within RESIZE_TOL; 8-bit pixels must round-trip
 //! exactly.
+#![cfg(feature = "cpu-ref")]
 
 use flame::data::bucket::{closest, decode, to_tensor};
 use flame::data::{

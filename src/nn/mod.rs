@@ -21,4 +21,6 @@ pub use layers::{
 pub use lora::{Adapters, Lora, LoraConfig};
 pub use lora_io::kohya_name;
 pub use params::{KeyMap, KeySource, VarBuilder};
-pub(crate) use seed::{key_hash, mix64, GOLDEN};
+#[cfg(feature = "cpu-ref")]
+pub(crate) use seed::key_hash;
+pub(crate) use seed::{mix64, GOLDEN};

@@ -8,6 +8,8 @@
 //! CPU (the bound). Token ids must be equal.
 #![cfg(feature = "cpu-ref")]
 
+mod common;
+
 use flame::encoders::{
     relative_bucket, ClipConfig, ClipTextModel, ClipTokenizer, T5Config, T5Encoder, T5Tokenizer,
     Tokens, SD3_T5, SDXL_CLIP_G, SDXL_CLIP_L,
@@ -34,26 +36,7 @@ fn outputs() -> BTreeMap<String, Tensor> {
     flame::safetensors::load(fixture("outputs.safetensors"), &CPU).unwrap()
 }
 
-/// max |got - want| / max |want|, in f64 on the host.
-fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
-    assert_eq!(got.dims(), want.dims(), "shapes");
-    let (g, w) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
-    let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
-    let err = g
-        .iter()
-        .zip(&w)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
-    assert!(scale > 0.0, "an all-zero reference proves nothing");
-    err / scale
-}
-
-/// Checks `got` against `want` within `tol`, printing and returning the error.
-fn check(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> f64 {
-    let e = rel_err(got, want);
-    println!("{what}: max rel err {e:.2e}");
-    assert!(e <= tol, "{what}: error {e:e} > {tol:e}");
-    e
-}
+use common::check_rel as check;
 
 /// The reference captions of one tokenizer in tokens.json: (max_len, [(text, ids, mask)]).
 type Captions = (usize, Vec<(String, Vec<u32>, Vec<u32>)>);

@@ -9,6 +9,8 @@
 //! Tolerance: max |flame - diffusers| / max |diffusers| per tensor, 1e-4 in f32 on the CPU.
 #![cfg(feature = "cpu-ref")]
 
+mod common;
+
 use flame::encoders::{AutoencoderKl, VaeConfig, VaeKind, VaeTiling};
 use flame::{DType, Device, Tensor};
 use std::collections::BTreeMap;
@@ -32,25 +34,7 @@ fn folder_config(name: &str) -> VaeConfig {
     VaeConfig::from_json(&serde_json::from_str(&text).unwrap(), None).unwrap()
 }
 
-/// max |got - want| / max |want|, in f64 on the host.
-fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
-    assert_eq!(got.dims(), want.dims(), "shapes");
-    let (g, w) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
-    let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
-    let err = g
-        .iter()
-        .zip(&w)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
-    assert!(scale > 0.0, "an all-zero reference proves nothing");
-    err / scale
-}
-
-fn check(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> f64 {
-    let e = rel_err(got, want);
-    println!("{what}: max rel err {e:.2e}");
-    assert!(e <= tol, "{what}: error {e:e} > {tol:e}");
-    e
-}
+use common::{check_rel as check, rel_err};
 
 /// Encodes every fixture image of `name` and decodes its reference mean; returns the worst
 /// error.

@@ -20,7 +20,7 @@ use super::bucket::{BucketConfig, CropMode, Resample};
 use super::caption::CaptionOptions;
 use super::dataset::DatasetOptions;
 use super::source::{OnBadFile, Source};
-use crate::train::config::{line_of, Problem};
+use crate::train::config::{in_list, line_of, Problem};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -105,15 +105,6 @@ impl Default for DataConfig {
 struct Doc {
     #[serde(default)]
     data: DataConfig,
-}
-
-fn choice(key: &'static str, v: &str, list: &[&str], out: &mut Vec<Problem>) {
-    if !list.contains(&v) {
-        out.push(Problem {
-            key,
-            msg: format!("\"{v}\": expected {}", list.join(" or ")),
-        });
-    }
 }
 
 impl DataConfig {
@@ -243,19 +234,17 @@ impl DataConfig {
                 });
             }
         }
-        choice("data.crop", &self.crop, &["center", "random"], &mut v);
-        choice(
+        v.extend(in_list("data.crop", &self.crop, &["center", "random"]));
+        v.extend(in_list(
             "data.resample",
             &self.resample,
             &["lanczos3", "catmullrom"],
-            &mut v,
-        );
-        choice(
+        ));
+        v.extend(in_list(
             "data.on_bad_file",
             &self.on_bad_file,
             &["skip", "stop"],
-            &mut v,
-        );
+        ));
         v
     }
 

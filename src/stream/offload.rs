@@ -19,7 +19,7 @@
 
 use crate::autograd::{PackedTensor, SavedHooks};
 use crate::device::{HostCopy, Ticket};
-use crate::{DType, Device, Error, Result, Shape, Tensor};
+use crate::{Device, Error, Result, Shape, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 /// What an [`InputOffload`] has done, for reports and tests.
@@ -70,7 +70,6 @@ impl std::fmt::Debug for InputOffload {
 struct Slot {
     owner: Weak<InputOffload>,
     shape: Shape,
-    dtype: DType,
     host: Mutex<Option<HostCopy>>,
     /// An upload started ahead of the unpack, with what to wait for.
     fetched: Mutex<Option<(Tensor, Ticket)>>,
@@ -179,7 +178,6 @@ impl SavedHooks for InputOffload {
         let slot = Arc::new(Slot {
             owner: self.me.clone(),
             shape: x.shape().clone(),
-            dtype: x.dtype(),
             host: Mutex::new(Some(host)),
             fetched: Mutex::new(None),
         });
@@ -220,11 +218,6 @@ impl PackedTensor for Slot {
                 owner.start_upload(&prev)?;
                 st.report.prefetched += 1;
             }
-        }
-        if t.dtype() != self.dtype {
-            return Err(Error::Stream(
-                "an offloaded input came back in another dtype".into(),
-            ));
         }
         Ok(t)
     }

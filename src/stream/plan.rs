@@ -74,6 +74,14 @@ pub struct Plan {
     pub offload_inputs: bool,
 }
 
+impl Plan {
+    /// Whether blocks that keep their activations run beside streamed ones (the plans whose
+    /// peak the model was seen to under-predict: they keep `MARGIN_DIVISOR` spare).
+    pub fn mixes(&self) -> bool {
+        self.checkpointing != Checkpointing::All && !self.streamed.is_empty()
+    }
+}
+
 impl std::fmt::Display for Plan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let ck = match self.checkpointing {
@@ -354,10 +362,7 @@ impl MemoryProfile {
         for plan in candidates {
             let peak = self.peak(&plan);
             minimum = minimum.min(peak);
-            // The margin where the model was seen to under-predict: resident-activation
-            // blocks beside streamed ones.
-            let mixed = plan.checkpointing != Checkpointing::All && !plan.streamed.is_empty();
-            if peak <= if mixed { usable } else { budget } {
+            if peak <= if plan.mixes() { usable } else { budget } {
                 let streamed_bytes = self.streamed_bytes(&plan);
                 return Ok(Planned {
                     plan,

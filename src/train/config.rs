@@ -415,7 +415,8 @@ impl Checks<'_> {
     }
 }
 
-fn in_list(key: &'static str, v: &str, list: &[&str]) -> Option<Problem> {
+/// A problem when `v` is not one of `list`.
+pub(crate) fn in_list(key: &'static str, v: &str, list: &[&str]) -> Option<Problem> {
     (!list.contains(&v)).then(|| Problem {
         key,
         msg: format!("\"{v}\": expected {}", list.join(", ")),

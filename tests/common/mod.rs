@@ -207,3 +207,24 @@ impl Drop for TempFile {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+
+/// max |got - want| / max |want|, in f64 on the host (parity against a reference output).
+pub fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
+    assert_eq!(got.dims(), want.dims(), "shapes");
+    let (g, w) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+    let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let err = g
+        .iter()
+        .zip(&w)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(scale > 0.0, "an all-zero reference proves nothing");
+    err / scale
+}
+
+/// Checks `got` against `want` within `tol` (`rel_err`), printing and returning the error.
+pub fn check_rel(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> f64 {
+    let e = rel_err(got, want);
+    println!("{what}: max rel err {e:.2e}");
+    assert!(e <= tol, "{what}: error {e:e} > {tol:e}");
+    e
+}

@@ -53,8 +53,6 @@
 
 pub mod autograd;
 pub mod backend;
-// Host images are CPU tensors: the data pipeline needs the CPU backend.
-#[cfg(feature = "cpu-ref")]
 pub mod data;
 mod device;
 mod dtype;

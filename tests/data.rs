@@ -213,7 +213,7 @@ fn pixels_crop_and_flip_exact() {
     let flips: Vec<bool> = (0..16).map(|e| ds.flip(0, e).unwrap()).collect();
     assert!(flips.contains(&true) && flips.contains(&false), "{flips:?}");
     for e in 0..4u64 {
-        let t = ds.image(0, e).unwrap();
+        let t = ds.image(0, e, &Device::Cpu).unwrap();
         assert_eq!(t.dims(), &[3, 8, 16]);
         let v = t.to_vec::<f32>().unwrap();
         let f = ds.flip(0, e).unwrap();
@@ -237,13 +237,29 @@ fn crop_offsets_in_pixels() {
     let f = image::DynamicImage::ImageRgb8(img.clone()).to_rgb32f();
     let g = Geometry::new(20, 8, bucket(16, 8), CropMode::Center, 0, 0);
     assert_eq!((g.resized_width, g.left), (20, 2));
-    let t = to_tensor(&f, &g, Resample::Lanczos3, false, Path::new("x")).unwrap();
+    let t = to_tensor(
+        &f,
+        &g,
+        Resample::Lanczos3,
+        false,
+        Path::new("x"),
+        &Device::Cpu,
+    )
+    .unwrap();
     let v = t.to_vec::<f32>().unwrap();
     let want = |x: u32, y: u32, c: usize| img.get_pixel(x, y).0[c] as f32 / 255.0 * 2.0 - 1.0;
     assert_eq!(v[0], want(2, 0, 0));
     assert_eq!(v[15], want(17, 0, 0));
     // Mirrored, the first column is source column 17, and SDXL's left is 20 - 16 - 2 = 2.
-    let t = to_tensor(&f, &g, Resample::Lanczos3, true, Path::new("x")).unwrap();
+    let t = to_tensor(
+        &f,
+        &g,
+        Resample::Lanczos3,
+        true,
+        Path::new("x"),
+        &Device::Cpu,
+    )
+    .unwrap();
     assert_eq!(t.to_vec::<f32>().unwrap()[0], want(17, 0, 0));
     assert_eq!(g.left_seen(true), 2);
 }
@@ -253,10 +269,26 @@ fn inconsistent_geometry_is_an_error() {
     let f = image::DynamicImage::ImageRgb8(pattern(20, 8, 1)).to_rgb32f();
     let mut g = Geometry::new(20, 8, bucket(16, 8), CropMode::Center, 0, 0);
     g.left = 5;
-    let e = to_tensor(&f, &g, Resample::Lanczos3, false, Path::new("x.png")).unwrap_err();
+    let e = to_tensor(
+        &f,
+        &g,
+        Resample::Lanczos3,
+        false,
+        Path::new("x.png"),
+        &Device::Cpu,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("does not fit"), "{e}");
     let g = Geometry::new(30, 8, bucket(16, 8), CropMode::Center, 0, 0);
-    let e = to_tensor(&f, &g, Resample::Lanczos3, false, Path::new("x.png")).unwrap_err();
+    let e = to_tensor(
+        &f,
+        &g,
+        Resample::Lanczos3,
+        false,
+        Path::new("x.png"),
+        &Device::Cpu,
+    )
+    .unwrap_err();
     assert!(
         e.to_string().contains("x.png") && e.to_string().contains("30x8"),
         "{e}"
@@ -270,7 +302,7 @@ fn constant_image_stays_constant() {
     for r in [Resample::Lanczos3, Resample::CatmullRom] {
         for b in [bucket(16, 8), bucket(64, 48), bucket(24, 24)] {
             let g = Geometry::new(37, 23, b, CropMode::Center, 0, 0);
-            let v = to_tensor(&f, &g, r, false, Path::new("x"))
+            let v = to_tensor(&f, &g, r, false, Path::new("x"), &Device::Cpu)
                 .unwrap()
                 .to_vec::<f32>()
                 .unwrap();
@@ -328,7 +360,7 @@ fn resize_matches_pil() {
             left: 0,
             top: 0,
         };
-        let v = to_tensor(&src, &g, r, false, Path::new("x"))
+        let v = to_tensor(&src, &g, r, false, Path::new("x"), &Device::Cpu)
             .unwrap()
             .to_vec::<f32>()
             .unwrap();
@@ -364,10 +396,22 @@ fn jpeg_and_webp_sources() {
     let caps: Vec<&str> = ds.items.iter().map(|i| i.caption.as_str()).collect();
     assert_eq!(caps, ["png", "jpeg", "webp"]);
     // Lossless WebP and PNG decode to the same pixels; JPEG is close.
-    let png = ds.image(0, 0).unwrap().to_vec::<f32>().unwrap();
-    let webp = ds.image(2, 0).unwrap().to_vec::<f32>().unwrap();
+    let png = ds
+        .image(0, 0, &Device::Cpu)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let webp = ds
+        .image(2, 0, &Device::Cpu)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
     assert_eq!(png, webp);
-    let jpg = ds.image(1, 0).unwrap().to_vec::<f32>().unwrap();
+    let jpg = ds
+        .image(1, 0, &Device::Cpu)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
     let mean_err: f32 = png
         .iter()
         .zip(&jpg)
@@ -642,7 +686,7 @@ fn png_round_trip() {
     let p = put(dir.path(), "src.png", &img, None);
     let f = decode(&p).unwrap();
     let g = Geometry::new(13, 7, bucket(13, 7), CropMode::Center, 0, 0);
-    let t = to_tensor(&f, &g, Resample::Lanczos3, false, &p).unwrap();
+    let t = to_tensor(&f, &g, Resample::Lanczos3, false, &p, &Device::Cpu).unwrap();
     let out = dir.path().join("out.png");
     save_png(&t, &out).unwrap();
     assert_eq!(

@@ -208,7 +208,8 @@ fn tiny_config(name: &str, memory: &str) -> flame::train::TrainConfig {
     let dir = std::env::temp_dir().join(format!("flame-plan-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny.toml");
+    let example =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny-encoded.toml");
     let text = std::fs::read_to_string(example)
         .unwrap()
         .replace("steps = 200", "steps = 3")
@@ -247,7 +248,7 @@ fn the_trainer_holds_a_tiny_run_to_its_budget() {
     let mut opts = opts;
     opts.config = Some(flame::train::demo::flux_tiny_diffusers_config());
     let data = flame::safetensors::SafeTensorsFile::open(
-        std::fs::read_dir(&cfg.data.dir)
+        std::fs::read_dir(cfg.data.dir.as_ref().unwrap())
             .unwrap()
             .map(|e| e.unwrap().path())
             .find(|p| p.extension().is_some_and(|e| e == "safetensors"))

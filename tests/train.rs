@@ -1,4 +1,4 @@
-//! The training loop on the tiny Flux (made on first use, as examples/flux-tiny.toml does):
+//! The training loop on the tiny Flux (made on first use, as examples/flux-tiny-encoded.toml does):
 //! exact resume after an interruption, checkpoint rotation, the loss falling, bad input
 //! caught before anything is written, run folders that cannot mix, non-finite guards, and
 //! (with the `train` binary) crash safety under injected kills and write failures.
@@ -39,7 +39,7 @@ fn temp(name: &str) -> PathBuf {
 
 /// The tiny example's config with its files under `dir` and `steps` steps.
 fn tiny(dir: &Path, steps: usize, extra: &str) -> PathBuf {
-    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny.toml");
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny-encoded.toml");
     let text = std::fs::read_to_string(example).unwrap();
     let text = text
         .replace("steps = 200", &format!("steps = {steps}"))
@@ -164,7 +164,7 @@ fn bad_configs_and_data_fail_before_writing() {
         for w in want {
             assert!(e.contains(w), "{w:?} not in: {e}");
         }
-        assert!(!d.join("tiny/out").exists(), "nothing written: {e}");
+        assert!(!d.join("tiny/out-encoded").exists(), "nothing written: {e}");
     };
     // An unknown key, with its line.
     let line = good.lines().position(|l| l == "rank = 8").unwrap() + 1;
@@ -243,25 +243,25 @@ fn the_binary_resumes_after_kill_and_ctrl_c() {
     };
     let full = temp("bin-full");
     assert!(run(&full).status().unwrap().success());
-    let want = losses(&full.join("tiny/out"));
+    let want = losses(&full.join("tiny/out-encoded"));
     assert_eq!(want.len(), 120);
 
     // SIGKILL: no chance to save; resume from the last periodic checkpoint.
     let killed = temp("bin-killed");
     let mut child = run(&killed).spawn().unwrap();
-    wait_for_steps(&killed.join("tiny/out"), 30, &mut child);
+    wait_for_steps(&killed.join("tiny/out-encoded"), 30, &mut child);
     child.kill().unwrap();
     child.wait().unwrap();
-    assert!(!killed.join("tiny/out/lora.safetensors").exists());
+    assert!(!killed.join("tiny/out-encoded/lora.safetensors").exists());
     assert!(run(&killed).arg("--resume").status().unwrap().success());
-    assert_eq!(losses(&killed.join("tiny/out")), want);
+    assert_eq!(losses(&killed.join("tiny/out-encoded")), want);
 
     // Ctrl-C (SIGINT), and SIGTERM as `docker stop` and Slurm send it: the step in flight
     // finishes, a checkpoint of it is saved, exit code 130.
     let mut dirs = vec![full, killed];
     for signal in ["-INT", "-TERM"] {
         let d = temp(&format!("bin-signal{signal}"));
-        let out = d.join("tiny/out");
+        let out = d.join("tiny/out-encoded");
         let mut child = run(&d).spawn().unwrap();
         wait_for_steps(&out, 30, &mut child);
         let sent = Command::new("kill")
@@ -414,7 +414,12 @@ fn bad_samples_are_refused_naming_file_and_tensor() {
     let d = temp("samples");
     let cfg = TrainConfig::from_file(tiny(&d, 4, "")).unwrap();
     drop(Trainer::new(cfg.clone()).unwrap()); // makes the model and the synthetic data
-    let sample = cfg.data.dir.join("sample-0002.safetensors");
+    let sample = cfg
+        .data
+        .dir
+        .as_ref()
+        .unwrap()
+        .join("sample-0002.safetensors");
     let orig = std::fs::read(&sample).unwrap();
     let cpu = Device::Cpu;
     let cases: Vec<(&str, Tensor, &[&str])> = vec![
@@ -729,8 +734,8 @@ fn the_binary_survives_kills_and_full_disks_at_every_write() {
     let steps = 12; // checkpoints at 4, 8, 12; two kept
     let full = temp("fault-full");
     assert!(train_bin(&full, steps, None, &[]).status.success());
-    let want = losses(&full.join("tiny/out"));
-    let lora = std::fs::read(full.join("tiny/out/lora.safetensors")).unwrap();
+    let want = losses(&full.join("tiny/out-encoded"));
+    let lora = std::fs::read(full.join("tiny/out-encoded/lora.safetensors")).unwrap();
     let points = [
         "write:run.json",
         "write:loss.jsonl",
@@ -745,7 +750,7 @@ fn the_binary_survives_kills_and_full_disks_at_every_write() {
     for (i, point) in points.iter().enumerate() {
         for kind in ["kill", "enospc"] {
             let d = temp(&format!("fault-{i}-{kind}"));
-            let out = d.join("tiny/out");
+            let out = d.join("tiny/out-encoded");
             let fault = format!("{kind}:{point}");
             let o = train_bin(&d, steps, Some(&fault), &[]);
             assert!(!o.status.success(), "{fault}: the run must fail");
@@ -779,7 +784,7 @@ fn the_binary_survives_kills_and_full_disks_at_every_write() {
     }
     // --overwrite killed midway: the folder is refused without --overwrite, which then works.
     let d = temp("fault-clear");
-    let out = d.join("tiny/out");
+    let out = d.join("tiny/out-encoded");
     assert!(train_bin(&d, steps, None, &[]).status.success());
     assert!(!train_bin(&d, steps, Some("kill:clear"), &["--overwrite"])
         .status
@@ -853,7 +858,7 @@ fn the_binary_explains_itself() {
         err.contains("plan: start a new run") && err.contains("nothing was written"),
         "{err}"
     );
-    assert!(!d.join("tiny/out").exists());
+    assert!(!d.join("tiny/out-encoded").exists());
     std::fs::remove_dir_all(&d).ok();
 }
 

@@ -4,7 +4,9 @@
 //! happen, writing nothing.
 
 use argh::FromArgs;
-use flame::train::{Event, FolderAction, RunEnd, RunOptions, StepReport, TrainConfig, Trainer};
+use flame::train::{
+    Event, FolderAction, Prepare, RunEnd, RunOptions, StepReport, TrainConfig, Trainer,
+};
 use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
@@ -120,7 +122,15 @@ fn run(
     let config = TrainConfig::from_file(path)?;
     let out = config.train.output_dir.clone();
     let every = config.train.log_every;
-    let mut trainer = Trainer::new(config)?;
+    let prepare = match args.plan {
+        true => Prepare::DryRun,
+        false => Prepare::Encode,
+    };
+    let mut trainer = Trainer::open(config, prepare, &mut |e| {
+        if let Event::Note(m) = e {
+            eprintln!("{m}");
+        }
+    })?;
     let opts = RunOptions {
         resume: args.resume,
         overwrite: args.overwrite,
@@ -142,14 +152,13 @@ fn run(
         .map(|(_, t)| t.elem_count())
         .sum();
     p.line(&format!(
-        "{} ({}) on {}: {} adapters ({:.2} M parameters), {} samples of shapes {:?}, output in {}",
+        "{} ({}) on {}: {} adapters ({:.2} M parameters), {}, output in {}",
         trainer.config.model.arch,
         trainer.config.model.path.display(),
         trainer.device(),
         adapters.len(),
         adapter_params as f64 / 1e6,
-        trainer.data().len(),
-        trainer.data().shapes,
+        trainer.data().describe(),
         out.display()
     ));
     p.line(&trainer.memory.describe());
@@ -197,6 +206,13 @@ fn run(
     let end = trainer.run(&opts, &mut |e| match e {
         Event::Note(m) => p.line(&m),
         Event::Step(r) => p.step(&r),
+        Event::Validation { step, loss } => {
+            p.line(&format!("step {step}: validation loss {loss:.5}"))
+        }
+        Event::Samples(paths) => {
+            let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+            p.line(&format!("samples: {}", names.join(", ")))
+        }
         Event::Saved(_) => {}
     })?;
     match end {

@@ -260,13 +260,14 @@ pub fn decode(path: &Path) -> std::result::Result<image::Rgb32FImage, String> {
 }
 
 /// `img` resized and cropped by `geo` (mirrored when `flip`) as a (3, H, W) f32 tensor in
-/// [-1, 1] on the CPU. An error when the image's size is not the geometry's.
+/// [-1, 1] on `device`. An error when the image's size is not the geometry's.
 pub fn to_tensor(
     img: &image::Rgb32FImage,
     geo: &Geometry,
     resample: Resample,
     flip: bool,
     path: &Path,
+    device: &Device,
 ) -> Result<Tensor> {
     if (img.width() as usize, img.height() as usize) != (geo.orig_width, geo.orig_height) {
         return Err(data_err(
@@ -313,5 +314,5 @@ pub fn to_tensor(
             }
         }
     }
-    Tensor::from_vec(out, (3, bh, bw), &Device::Cpu)
+    Tensor::from_vec(out, (3, bh, bw), device)
 }

@@ -233,7 +233,7 @@ impl LatentCache {
     }
 
     /// Encodes every (sample, flip) view of `ds` not yet on disk: `encode` gets the image as
-    /// a (3, H, W) f32 tensor in [-1, 1] on the CPU and returns the tensors to store (e.g.
+    /// a (3, H, W) f32 tensor in [-1, 1] on `device` and returns the tensors to store (e.g.
     /// `latents` (C, h, w)); `progress` hears after every entry. With flips on, both
     /// mirrorings of each sample are stored, so every epoch finds its entries. Images that
     /// cannot be read or decoded follow `ds.options.on_bad_file`: skipped ones leave `ds`
@@ -241,6 +241,7 @@ impl LatentCache {
     pub fn fill(
         &mut self,
         ds: &mut Dataset,
+        device: &Device,
         encode: &mut dyn FnMut(&Tensor) -> Result<Encoded>,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<FillReport> {
@@ -306,14 +307,20 @@ impl LatentCache {
                         }
                     }
                     let Some(img) = image.as_ref() else { break };
-                    let x =
-                        match bucket::to_tensor(img, &geo, ds.options.resample, flip, &item.path) {
-                            Ok(x) => x,
-                            Err(e) => {
-                                bad.push((i, e.to_string()));
-                                break;
-                            }
-                        };
+                    let x = match bucket::to_tensor(
+                        img,
+                        &geo,
+                        ds.options.resample,
+                        flip,
+                        &item.path,
+                        device,
+                    ) {
+                        Ok(x) => x,
+                        Err(e) => {
+                            bad.push((i, e.to_string()));
+                            break;
+                        }
+                    };
                     let repaired = path.exists();
                     let source = item.path.display().to_string();
                     let written = encode(&x)

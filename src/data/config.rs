@@ -20,7 +20,7 @@ use super::bucket::{BucketConfig, CropMode, Resample};
 use super::caption::CaptionOptions;
 use super::dataset::DatasetOptions;
 use super::source::{OnBadFile, Source};
-use crate::train::config::{in_list, line_of, Problem};
+use crate::train::config::{in_list, line_of, DataSection, Problem, RawData};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -40,71 +40,15 @@ fn one() -> usize {
     1
 }
 
-/// The `[data]` keys for images and captions; every key has a default except the source
-/// (`dirs` or `manifest`, exactly one). Defaults are [`DataConfig::default`]'s.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DataConfig {
-    /// Image folders, each with its repeats (`[[data.dirs]]` tables). Default: none.
-    pub dirs: Vec<DirEntry>,
-    /// A JSONL manifest of `{"file": ..., "caption": ...}` lines instead of `dirs`
-    /// (`file` relative to the manifest). Default: none.
-    pub manifest: Option<PathBuf>,
-    /// Repeats of every manifest image, >= 1. Default 1.
-    pub manifest_repeats: usize,
-    /// The target resolution R: buckets hold at most R² pixels. Default 1024.
-    pub resolution: usize,
-    /// Bucket sides are multiples of this, > 0 and at most `resolution`. Default 64.
-    pub bucket_step: usize,
-    /// The largest bucket aspect ratio (long side / short side), >= 1. Default 2.0.
-    pub max_aspect: f64,
-    /// "center" or "random" (seeded, one offset per sample and repeat). Default "center".
-    pub crop: String,
-    /// Mirror samples at random (seeded per epoch); SDXL's crop left is mirrored with them.
-    /// Default false.
-    pub flip: bool,
-    /// The resize filter: "lanczos3" or "catmullrom". Default "lanczos3".
-    pub resample: String,
-    /// Probability in [0, 1] that a sample trains on the empty caption. Default 0.0.
-    pub caption_dropout: f64,
-    /// Shuffle the comma-separated tags of each caption every epoch. Default false.
-    pub shuffle_tags: bool,
-    /// With shuffle_tags, this many leading tags keep their place. Default 0.
-    pub keep_tokens: usize,
-    /// An unreadable image or a missing caption: "skip" (reported, left out) or "stop".
-    /// Default "stop".
-    pub on_bad_file: String,
-    /// Where latents and text embeddings are cached. Default: none (the trainer's choice).
-    pub cache_dir: Option<PathBuf>,
-}
-
-impl Default for DataConfig {
-    fn default() -> Self {
-        let b = BucketConfig::default();
-        DataConfig {
-            dirs: vec![],
-            manifest: None,
-            manifest_repeats: 1,
-            resolution: b.resolution,
-            bucket_step: b.step,
-            max_aspect: b.max_aspect,
-            crop: "center".into(),
-            flip: false,
-            resample: "lanczos3".into(),
-            caption_dropout: 0.0,
-            shuffle_tags: false,
-            keep_tokens: 0,
-            on_bad_file: "stop".into(),
-            cache_dir: None,
-        }
-    }
-}
+/// The `[data]` table: images with captions or pre-encoded samples (the keys are declared
+/// with the train config's, [`crate::train::config::DataSection`]).
+pub type DataConfig = DataSection;
 
 /// A document holding the `[data]` table (other tables are not read).
 #[derive(Deserialize)]
 struct Doc {
     #[serde(default)]
-    data: DataConfig,
+    data: RawData,
 }
 
 impl DataConfig {
@@ -128,14 +72,16 @@ impl DataConfig {
             msg,
         };
         let doc: Doc = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
-        let mut c = doc.data;
+        let mut c = doc.data.finish().map_err(bad)?;
         if let Some(base) = path.and_then(Path::parent) {
             let paths = c
                 .dirs
                 .iter_mut()
                 .map(|d| &mut d.path)
                 .chain(c.manifest.as_mut())
-                .chain(c.cache_dir.as_mut());
+                .chain(c.cache_dir.as_mut())
+                .chain(c.dir.as_mut())
+                .chain(c.validation_dir.as_mut());
             for p in paths {
                 if p.is_relative() {
                     *p = base.join(&*p);
@@ -166,13 +112,43 @@ impl DataConfig {
                 v.push(Problem { key, msg });
             }
         };
+        let sources = [
+            !self.dirs.is_empty(),
+            self.manifest.is_some(),
+            self.dir.is_some(),
+        ];
         check(
-            self.dirs.is_empty() != self.manifest.is_none(),
+            sources.iter().filter(|&&s| s).count() == 1,
             "data.dirs",
-            match self.manifest.is_none() {
-                true => "no image source: give data.dirs or data.manifest".into(),
-                false => "both data.dirs and data.manifest are given: use one".into(),
+            match (sources[0], sources[1], sources[2]) {
+                (false, false, false) => "no image source: give data.dirs or data.manifest \
+                                          (or data.dir for pre-encoded samples)"
+                    .into(),
+                (true, true, _) => "both data.dirs and data.manifest are given: use one".into(),
+                _ => "data.dir (pre-encoded samples) and an image source are both given: use \
+                      one"
+                .into(),
             },
+        );
+        check(
+            self.synthetic == 0 || self.dir.is_some(),
+            "data.synthetic",
+            format!("{}: synthetic samples need data.dir", self.synthetic),
+        );
+        check(
+            (0.0..1.0).contains(&self.validation_split),
+            "data.validation_split",
+            format!("{}: must be in [0, 1)", self.validation_split),
+        );
+        check(
+            self.validation_split == 0.0 || self.validation_dir.is_none(),
+            "data.validation_split",
+            "both data.validation_split and data.validation_dir are given: use one".into(),
+        );
+        check(
+            self.dir.is_none() || (self.validation_split == 0.0 && self.validation_dir.is_none()),
+            "data.validation_split",
+            "validation needs images (data.dirs or data.manifest), not data.dir".into(),
         );
         for (i, d) in self.dirs.iter().enumerate() {
             check(
@@ -259,9 +235,20 @@ impl DataConfig {
         }
     }
 
+    /// Whether the samples are images (`dirs` or `manifest`), not pre-encoded (`dir`).
+    pub fn images(&self) -> bool {
+        self.dir.is_none()
+    }
+
     /// The dataset options of this config with the run's `seed`; checks it first.
     pub fn options(&self, seed: u64) -> Result<DatasetOptions> {
         self.validate()?;
+        if let Some(dir) = &self.dir {
+            return Err(super::data_err(
+                dir,
+                "data.dir holds pre-encoded samples, not images",
+            ));
+        }
         let sources = match &self.manifest {
             Some(path) => vec![Source::Manifest {
                 path: path.clone(),

@@ -134,6 +134,63 @@ impl Dataset {
         self.place()
     }
 
+    /// Splits off about `fraction` of the images (at least one when `fraction > 0` and
+    /// there are two or more) for validation: an image is held out when a draw from the seed
+    /// and its name falls under `fraction`, so the split does not move when images are
+    /// added. Returns (training, held out); the held-out set is `None` when `fraction` is 0.
+    /// An error when `fraction` is outside [0, 1).
+    pub fn split(mut self, fraction: f64) -> Result<(Dataset, Option<Dataset>)> {
+        if !(0.0..1.0).contains(&fraction) {
+            return Err(crate::Error::invalid(
+                "Dataset::split",
+                format!("fraction {fraction} is not in [0, 1)"),
+                &crate::Shape::from(vec![self.items.len()]),
+            ));
+        }
+        if fraction == 0.0 {
+            return Ok((self, None));
+        }
+        let seed = self.options.seed;
+        let score = |it: &Item| unit(draw(seed, &[key_hash(&it.name), purpose("validation")]));
+        let mut held: Vec<bool> = self.items.iter().map(|it| score(it) < fraction).collect();
+        if !held.iter().any(|&h| h) && self.items.len() >= 2 {
+            // The image with the lowest draw, so tiny datasets still get a validation image.
+            let lowest = (0..self.items.len())
+                .min_by(|&a, &b| score(&self.items[a]).total_cmp(&score(&self.items[b])));
+            if let Some(i) = lowest {
+                held[i] = true;
+            }
+        }
+        if !held.iter().any(|&h| h) {
+            return Ok((self, None));
+        }
+        if held.iter().all(|&h| h) {
+            return Err(data_err(
+                &self.items[0].path,
+                format!(
+                    "validation split {fraction} holds out every one of the {} images",
+                    self.items.len()
+                ),
+            ));
+        }
+        let mut val = self.clone();
+        let items = std::mem::take(&mut self.items);
+        let (mut keep, mut out) = (vec![], vec![]);
+        for (it, h) in items.into_iter().zip(&held) {
+            if *h {
+                out.push(it);
+            } else {
+                keep.push(it);
+            }
+        }
+        self.items = keep;
+        self.place()?;
+        val.items = out;
+        val.skipped.clear();
+        val.place()?;
+        Ok((self, Some(val)))
+    }
+
     /// The number of samples (items times their repeats).
     pub fn len(&self) -> usize {
         self.samples.len()
@@ -189,8 +246,8 @@ impl Dataset {
     }
 
     /// Sample `i`'s image in `epoch`: decoded, resized, cropped and maybe mirrored, a
-    /// (3, H, W) f32 tensor in [-1, 1] on the CPU. Errors name the file.
-    pub fn image(&self, i: usize, epoch: u64) -> Result<Tensor> {
+    /// (3, H, W) f32 tensor in [-1, 1] on `device`. Errors name the file.
+    pub fn image(&self, i: usize, epoch: u64, device: &crate::Device) -> Result<Tensor> {
         let s = *self.sample(i)?;
         let item = self.item(i)?;
         let img = bucket::decode(&item.path).map_err(|m| data_err(&item.path, m))?;
@@ -200,6 +257,7 @@ impl Dataset {
             self.options.resample,
             self.flip(i, epoch)?,
             &item.path,
+            device,
         )
     }
 

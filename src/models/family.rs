@@ -11,6 +11,7 @@
 //!   before anything runs), its noise objective, and one prediction call.
 
 use super::checkpoint::{Checkpoint, Format};
+use super::pipeline::PipelineSpec;
 use crate::autograd::Keep;
 use crate::nn::{Adapters, KeyMap, VarBuilder};
 use crate::stream::{spread_evenly, InputOffload};
@@ -478,6 +479,8 @@ pub struct Family {
     pub subfolder: &'static str,
     /// One line for listings.
     pub about: &'static str,
+    /// Its text encoders, autoencoder and sampler.
+    pub pipeline: &'static PipelineSpec,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
     profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
     probe: fn(&Path, &LoadOptions) -> Result<Box<dyn DiffusionModel>>,
@@ -489,11 +492,13 @@ impl Family {
         name: &'static str,
         subfolder: &'static str,
         about: &'static str,
+        pipeline: &'static PipelineSpec,
     ) -> Family {
         Family {
             name,
             subfolder,
             about,
+            pipeline,
             load: load_boxed::<M>,
             profile: profile_boxed::<M>,
             probe: probe_boxed::<M>,

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub(crate) mod common;
 pub mod family;
 pub mod flux;
+pub mod pipeline;
 pub mod sd3;
 pub mod sdxl;
 
@@ -14,4 +15,8 @@ pub use checkpoint::{Checkpoint, Format};
 pub use family::{
     family, load, load_as, profile_as, profile_config, DiffusionModel, Family, Input, LoadOptions,
     Loaded, MemoryPlan, ModelSpec, Objective, RunShape, Size, FAMILIES, OFFLOAD_MIN_BYTES,
+};
+pub use pipeline::{
+    load_vae, EncoderSlot, Located, PipelineSpec, SampleSetup, Sources, TextConditioner,
+    TextEncoderKind, TextOutput,
 };

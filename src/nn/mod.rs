@@ -21,6 +21,4 @@ pub use layers::{
 pub use lora::{Adapters, Lora, LoraConfig};
 pub use lora_io::kohya_name;
 pub use params::{KeyMap, KeySource, VarBuilder};
-#[cfg(feature = "cpu-ref")]
-pub(crate) use seed::key_hash;
-pub(crate) use seed::{mix64, GOLDEN};
+pub(crate) use seed::{key_hash, mix64, GOLDEN};

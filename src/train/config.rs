@@ -9,6 +9,7 @@
 //! check has passed.
 
 use super::objectives::TimestepSampling;
+use crate::data::DirEntry;
 use crate::nn::LoraConfig;
 use crate::stream::Checkpointing;
 use crate::{Error, Result};
@@ -46,16 +47,19 @@ fn toml_type(rust: &str) -> &'static str {
         "Option<PathBuf>" => "path (optional)",
         "Option<String>" => "string (optional)",
         "Vec<String>" => "list of strings",
+        "Vec<PathBuf>" => "list of paths",
+        "Vec<DirEntry>" => "tables [[...]] of path, repeats",
+        "[usize;2]" => "[integer, integer]",
         "[f64;2]" => "[float, float]",
         _ => "string",
     }
 }
 
-/// A value as TOML text.
+/// A value as TOML text ("none" for an absent optional value, which TOML cannot write).
 fn show<T: Serialize>(v: &T) -> String {
     match toml::Value::try_from(v) {
         Ok(v) => v.to_string(),
-        Err(_) => "?".into(),
+        Err(_) => "none".into(),
     }
 }
 
@@ -99,12 +103,12 @@ macro_rules! section {
 
         #[derive(Debug, Default, Deserialize)]
         #[serde(deny_unknown_fields)]
-        struct $raw {
+        pub(crate) struct $raw {
             $( #[serde(default)] $field: Option<$ty>, )*
         }
 
         impl $raw {
-            fn finish(self) -> std::result::Result<$name, String> {
+            pub(crate) fn finish(self) -> std::result::Result<$name, String> {
                 Ok($name {
                     $( $field: field_value!(
                         self.$field,
@@ -272,17 +276,109 @@ section! {
         loss_scale_growth_interval: usize = 2000_usize,
         /// Without a terminal: print a progress line every this many steps (0: never).
         log_every: usize = 10_usize,
+        /// Compute the validation loss every this many steps (0: at each checkpoint and at the
+        /// end), when data.validation_split or data.validation_dir is set.
+        validate_every: usize = 0_usize,
     }
 }
 
 section! {
-    /// `[data]`: pre-encoded samples.
+    /// `[data]`: the training samples: images with captions (`dirs` or `manifest`, encoded
+    /// and cached before training), or pre-encoded samples (`dir`).
     DataSection / RawData = "data" {
-        /// A folder of .safetensors files, one per sample, holding the tensors the model
-        /// family needs (Flux: latents, context, pooled).
-        dir: PathBuf,
-        /// Make this many synthetic samples in `dir` when it does not exist (the tiny example).
+        /// Pre-encoded samples instead of images: a folder of .safetensors files, one per
+        /// sample, holding the tensors the model family needs (Flux: latents, context,
+        /// pooled; SDXL adds time_ids).
+        dir: Option<PathBuf> = None,
+        /// Make this many synthetic pre-encoded samples in `dir` when it does not exist.
         synthetic: usize = 0_usize,
+        /// Image folders, each a `[[data.dirs]]` table with `path` (images: png, jpg, jpeg,
+        /// webp, with a .txt caption beside each) and `repeats` (times each image appears in
+        /// an epoch, default 1).
+        dirs: Vec<DirEntry> = Vec::<DirEntry>::new(),
+        /// A JSONL manifest of `{"file": ..., "caption": ...}` lines instead of `dirs`
+        /// (`file` relative to the manifest).
+        manifest: Option<PathBuf> = None,
+        /// Repeats of every manifest image, >= 1.
+        manifest_repeats: usize = 1_usize,
+        /// The target resolution R: aspect-ratio buckets hold at most R² pixels.
+        resolution: usize = 1024_usize,
+        /// Bucket sides are multiples of this, > 0 and at most `resolution`.
+        bucket_step: usize = 64_usize,
+        /// The largest bucket aspect ratio (long side / short side), >= 1.
+        max_aspect: f64 = 2.0,
+        /// "center" or "random" (seeded, one offset per sample and repeat).
+        crop: String = "center",
+        /// Mirror samples at random (seeded per epoch); SDXL's crop left is mirrored with them.
+        flip: bool = false,
+        /// The resize filter: "lanczos3" or "catmullrom".
+        resample: String = "lanczos3",
+        /// Probability in [0, 1] that a sample trains on the empty caption.
+        caption_dropout: f64 = 0.0,
+        /// Shuffle the comma-separated tags of each caption every epoch.
+        shuffle_tags: bool = false,
+        /// With shuffle_tags, this many leading tags keep their place.
+        keep_tokens: usize = 0_usize,
+        /// An unreadable image or a missing caption: "skip" (reported, left out) or "stop".
+        on_bad_file: String = "stop",
+        /// Where latents and text embeddings are cached (default: `cache` in
+        /// train.output_dir). Entries are keyed by content, so a changed image, caption,
+        /// resolution or encoder recomputes only what it changes.
+        cache_dir: Option<PathBuf> = None,
+        /// The fraction of images, in [0, 1), held out for the validation loss (chosen by
+        /// file name and seed, so the split is stable when images are added).
+        validation_split: f64 = 0.0,
+        /// A folder of images with captions for the validation loss, instead of a split.
+        validation_dir: Option<PathBuf> = None,
+    }
+}
+
+section! {
+    /// `[encoders]`: the text encoders, tokenizers and autoencoder that turn images and
+    /// captions into training inputs and latents into sample images.
+    EncodersSection / RawEncoders = "encoders" {
+        /// The text encoders' weights (files or folders), in the family's order: flux
+        /// clip_l, t5; sd3 clip_l, clip_g, t5; sdxl clip_l, clip_g. Default: the pipeline
+        /// folder's text_encoder*/ when model.path is one, else the model's single file when
+        /// it holds them (SDXL, SD3.5 all-in-one files).
+        text: Vec<PathBuf> = Vec::<PathBuf>::new(),
+        /// The tokenizers' folders (or T5 tokenizer.json files), in the same order. Default:
+        /// the pipeline folder's tokenizer*/.
+        tokenizers: Vec<PathBuf> = Vec::<PathBuf>::new(),
+        /// The autoencoder's weights (BFL ae.safetensors, a diffusers vae/ folder, or the
+        /// model's single file). Default: the pipeline's vae/, or the model's single file.
+        vae: Option<PathBuf> = None,
+        /// Where the encoders run: "auto" (the training device), "cuda" or "cpu".
+        device: String = "auto",
+        /// T5's tokens per caption (0: the pipeline's, Flux dev 512, schnell and SD3.5 256);
+        /// fewer is faster and lighter when captions are short.
+        t5_tokens: usize = 0_usize,
+        /// Encode and decode in tiles of this many pixels (0: whole images); less memory,
+        /// slightly different latents near tile borders.
+        vae_tile: usize = 0_usize,
+    }
+}
+
+section! {
+    /// `[sample]`: images made with the model being trained, written to `samples/` in the
+    /// output folder, the same prompts and seeds each time.
+    SampleSection / RawSample = "sample" {
+        /// Sample every this many steps (0: only at the end of the run); nothing without
+        /// prompts.
+        every: usize = 0_usize,
+        /// The prompts, one image each.
+        prompts: Vec<String> = Vec::<String>::new(),
+        /// The negative prompt of classifier-free guidance (SD3, SDXL).
+        negative_prompt: String = "",
+        /// The initial noise of prompt i is drawn from seed + i.
+        seed: u64 = 0_u64,
+        /// Denoising steps, > 0.
+        steps: usize = 20_usize,
+        /// Flux dev: the distilled guidance input; SD3 and SDXL: the classifier-free
+        /// guidance scale (1: none).
+        guidance: f64 = 3.5,
+        /// [width, height] in pixels, multiples of 16 ([0, 0]: data.resolution square).
+        size: [usize; 2] = [0_usize, 0_usize],
     }
 }
 
@@ -328,6 +424,10 @@ pub struct TrainConfig {
     pub train: TrainSection,
     /// `[data]`.
     pub data: DataSection,
+    /// `[encoders]`.
+    pub encoders: EncodersSection,
+    /// `[sample]`.
+    pub sample: SampleSection,
     /// `[memory]`.
     pub memory: MemorySection,
 }
@@ -347,6 +447,10 @@ struct RawConfig {
     train: RawTrain,
     #[serde(default)]
     data: RawData,
+    #[serde(default)]
+    encoders: RawEncoders,
+    #[serde(default)]
+    sample: RawSample,
     #[serde(default)]
     memory: RawMemory,
 }
@@ -454,15 +558,30 @@ impl TrainConfig {
                 schedule: raw.schedule.finish()?,
                 train: raw.train.finish()?,
                 data: raw.data.finish()?,
+                encoders: raw.encoders.finish()?,
+                sample: raw.sample.finish()?,
                 memory: raw.memory.finish()?,
             })
         };
         let mut c = finish().map_err(bad)?;
         if let Some(base) = path.and_then(Path::parent) {
-            let mut paths = vec![&mut c.model.path, &mut c.train.output_dir, &mut c.data.dir];
-            if let Some(p) = c.model.config.as_mut() {
-                paths.push(p);
-            }
+            let d = &mut c.data;
+            let mut paths: Vec<&mut PathBuf> = vec![&mut c.model.path, &mut c.train.output_dir];
+            paths.extend(d.dirs.iter_mut().map(|e| &mut e.path));
+            paths.extend(
+                [
+                    &mut c.model.config,
+                    &mut d.dir,
+                    &mut d.manifest,
+                    &mut d.cache_dir,
+                    &mut d.validation_dir,
+                    &mut c.encoders.vae,
+                ]
+                .into_iter()
+                .flatten(),
+            );
+            paths.extend(c.encoders.text.iter_mut());
+            paths.extend(c.encoders.tokenizers.iter_mut());
             for p in paths {
                 if p.is_relative() {
                     *p = base.join(&*p);
@@ -604,11 +723,39 @@ impl TrainConfig {
             c.check(false, "memory.checkpointing", e);
         }
         c.check(mem.prefetch > 0, "memory.prefetch", "0: at least 1".into());
+        let e = &self.encoders;
+        v.extend(in_list(
+            "encoders.device",
+            &e.device,
+            &["auto", "cuda", "cpu"],
+        ));
+        let mut c = Checks(&mut v);
+        let sm = &self.sample;
+        c.positive_n("sample.steps", sm.steps);
+        c.check(
+            sm.guidance.is_finite() && sm.guidance >= 0.0,
+            "sample.guidance",
+            format!("{}: must be finite and >= 0", sm.guidance),
+        );
+        c.check(
+            sm.size.iter().all(|&x| x % 16 == 0) && (sm.size[0] == 0) == (sm.size[1] == 0),
+            "sample.size",
+            format!(
+                "{:?}: width and height must be multiples of 16 (or both 0: data.resolution)",
+                sm.size
+            ),
+        );
+        c.check(
+            e.vae_tile == 0 || e.vae_tile >= 64,
+            "encoders.vae_tile",
+            format!("{}: 0 (untiled) or at least 64 pixels", e.vae_tile),
+        );
         c.check(
             mem.budget_gb.is_finite() && mem.budget_gb >= 0.0,
             "memory.budget_gb",
             format!("{}: must be >= 0 (0: the GPU's free memory)", mem.budget_gb),
         );
+        v.extend(self.data.problems());
         v
     }
 
@@ -717,6 +864,8 @@ impl TrainConfig {
             ScheduleSection::reference(),
             TrainSection::reference(),
             DataSection::reference(),
+            EncodersSection::reference(),
+            SampleSection::reference(),
             MemorySection::reference(),
         ]
         .concat()
@@ -784,6 +933,23 @@ impl TrainConfig {
         // A cosine schedule runs to zero at the last step: its length is part of every lr.
         if s.kind == "cosine" {
             v.push(("train.steps", show(&t.steps)));
+        }
+        // Images: what decides the batches a step sees.
+        let d = &self.data;
+        if d.dir.is_none() {
+            v.extend([
+                ("data.resolution", show(&d.resolution)),
+                ("data.bucket_step", show(&d.bucket_step)),
+                ("data.max_aspect", show(&d.max_aspect)),
+                ("data.crop", show(&d.crop)),
+                ("data.flip", show(&d.flip)),
+                ("data.resample", show(&d.resample)),
+                ("data.caption_dropout", show(&d.caption_dropout)),
+                ("data.shuffle_tags", show(&d.shuffle_tags)),
+                ("data.keep_tokens", show(&d.keep_tokens)),
+                ("data.validation_split", show(&d.validation_split)),
+                ("encoders.t5_tokens", show(&self.encoders.t5_tokens)),
+            ]);
         }
         v
     }

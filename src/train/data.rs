@@ -145,6 +145,76 @@ impl Dataset {
     }
 }
 
+/// One micro-batch: the model's inputs in its order ([`crate::models::DiffusionModel::inputs`]),
+/// each (B, ...), and the files its samples came from (named in errors).
+#[derive(Clone, Debug)]
+pub struct Batch {
+    /// The inputs, latents first.
+    pub inputs: Vec<Tensor>,
+    /// The sample files (pre-encoded samples or images).
+    pub files: Vec<String>,
+}
+
+/// Where a run's batches come from: pre-encoded samples ([`Dataset`]) or images with
+/// captions through the caches ([`super::images::ImageSamples`]).
+pub trait Samples: Send + Sync {
+    /// Samples in an epoch.
+    fn len(&self) -> usize;
+    /// Whether there are none (never, once opened).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The per-sample shapes, in the model's input order, of the largest samples a batch
+    /// can hold: what the memory plan is made for.
+    fn largest(&self) -> Vec<Vec<usize>>;
+    /// Micro-batch number `micro` of the run (from 0, across epochs) of `batch` samples,
+    /// in `dtype` on `device`: a function of (`seed`, `micro`) alone, so a resumed run sees
+    /// the batches the uninterrupted one would have.
+    fn batch(
+        &self,
+        micro: usize,
+        batch: usize,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Batch>;
+    /// One line for the run's summary.
+    fn describe(&self) -> String;
+}
+
+impl Samples for Dataset {
+    fn len(&self) -> usize {
+        self.files.len()
+    }
+    fn largest(&self) -> Vec<Vec<usize>> {
+        self.shapes.clone()
+    }
+    fn batch(
+        &self,
+        micro: usize,
+        batch: usize,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Batch> {
+        let idx = indices(self.files.len(), seed, micro * batch, batch);
+        Ok(Batch {
+            inputs: Dataset::batch(self, &idx, dtype, device)?,
+            files: idx
+                .iter()
+                .map(|&i| self.files[i].display().to_string())
+                .collect(),
+        })
+    }
+    fn describe(&self) -> String {
+        format!(
+            "{} pre-encoded samples of shapes {:?}",
+            self.files.len(),
+            self.shapes
+        )
+    }
+}
+
 /// A permutation of 0..n from `seed` (Fisher-Yates over splitmix64).
 pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
     let mut state = seed;

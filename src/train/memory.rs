@@ -3,7 +3,6 @@
 //! error carries.
 
 use super::config::TrainConfig;
-use super::data::Dataset;
 use crate::models::{Family, LoadOptions, MemoryPlan, RunShape};
 use crate::stream::{spread_evenly, MemoryProfile, Plan};
 use crate::{Device, Error, Result};
@@ -71,13 +70,13 @@ fn profile(
     config: &TrainConfig,
     family: &Family,
     opts: &LoadOptions,
-    data: &Dataset,
+    sample: &[Vec<usize>],
 ) -> Result<MemoryProfile> {
     family.profile(
         &config.model.path,
         opts,
         &RunShape {
-            sample: data.shapes.clone(),
+            sample: sample.to_vec(),
             batch: config.train.batch_size,
             optimizer_bytes_per_value: optimizer_bytes(&config.optimizer.kind),
         },
@@ -105,7 +104,7 @@ pub(crate) fn plan_memory(
     family: &Family,
     opts: &LoadOptions,
     device: &Device,
-    data: &Dataset,
+    sample: &[Vec<usize>],
 ) -> Result<MemoryChoice> {
     let mem = &config.memory;
     let manual = config.checkpointing().map_err(|msg| Error::Config {
@@ -132,7 +131,7 @@ pub(crate) fn plan_memory(
                 stream_prefixes: None,
                 offload_inputs: mem.offload_inputs,
             };
-            let prof = profile(config, family, opts, data)?;
+            let prof = profile(config, family, opts, sample)?;
             let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
             let as_plan = Plan {
                 checkpointing,
@@ -162,7 +161,7 @@ pub(crate) fn plan_memory(
             hint: "set memory.budget_gb".into(),
         },
         (None, Some(b)) => {
-            let prof = profile(config, family, opts, data)?;
+            let prof = profile(config, family, opts, sample)?;
             match prof.plan(b) {
                 Ok(p) => {
                     // The next plan down the list, for the out-of-memory advice.
@@ -178,7 +177,7 @@ pub(crate) fn plan_memory(
                             gib(peak),
                             (gib(with_margin(peak)) * 10.0).ceil() / 10.0
                         ),
-                        None => fp8_hint(config, family, opts, data, p.peak)?,
+                        None => fp8_hint(config, family, opts, sample, p.peak)?,
                     };
                     let mut plan = MemoryPlan::from_plan(&p.plan);
                     if p.plan.streamed.is_empty() {
@@ -205,7 +204,7 @@ pub(crate) fn plan_memory(
                              {:.2} GiB. {}",
                             gib(no.budget),
                             gib(no.minimum),
-                            fp8_hint(config, family, opts, data, no.minimum)?
+                            fp8_hint(config, family, opts, sample, no.minimum)?
                         ),
                     })
                 }
@@ -227,7 +226,7 @@ fn fp8_hint(
     config: &TrainConfig,
     family: &Family,
     opts: &LoadOptions,
-    data: &Dataset,
+    sample: &[Vec<usize>],
     minimum: u64,
 ) -> Result<String> {
     let advice = "Lower train.batch_size or the resolution, or raise the budget.";
@@ -236,7 +235,7 @@ fn fp8_hint(
     }
     let mut o = opts.clone();
     o.fp8 = true;
-    let prof = profile(config, family, &o, data)?;
+    let prof = profile(config, family, &o, sample)?;
     Ok(match prof.candidates().iter().map(|c| prof.peak(c)).min() {
         // Only where it helps: a model whose weights are not what fills the device gains
         // nothing from FP8.

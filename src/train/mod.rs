@@ -5,6 +5,7 @@
 pub mod config;
 pub mod data;
 pub mod demo;
+pub mod images;
 pub mod memory;
 pub mod objectives;
 pub mod rundir;
@@ -17,4 +18,4 @@ pub use objectives::{
     flow_matching, flux_mu, flux_time_shift, shift_time, weighted_mse, Ddpm, Prediction,
     TimestepSampling,
 };
-pub use trainer::{Event, FolderAction, RunEnd, RunOptions, StepReport, Trainer};
+pub use trainer::{Event, FolderAction, Prepare, RunEnd, RunOptions, StepReport, Trainer};

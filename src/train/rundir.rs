@@ -21,6 +21,10 @@ pub const MANIFEST: &str = "run.json";
 pub const LOG: &str = "loss.jsonl";
 /// The final adapter's file name.
 pub const FINAL: &str = "lora.safetensors";
+/// The folder of sample images (`[sample]`).
+pub const SAMPLES: &str = "samples";
+/// The loss plot's file name.
+pub const PLOT: &str = "loss.png";
 /// The prefix of checkpoint folders (`checkpoint-0000100`).
 pub const CHECKPOINT_PREFIX: &str = "checkpoint-";
 
@@ -342,6 +346,8 @@ impl RunDir {
                 n == MANIFEST
                     || n == LOG
                     || n == FINAL
+                    || n == SAMPLES
+                    || n == PLOT
                     || n.starts_with(CHECKPOINT_PREFIX)
                     || n.starts_with(".tmp-checkpoint-")
             })

@@ -9,11 +9,14 @@
 //! `"step": k`, and `checkpoint-k` holds the state after it.
 
 use super::config::{AdapterFormat, ModelDType, TrainConfig};
-use super::data::{indices, Dataset};
+use super::data::{Dataset, Samples};
 use super::demo;
+use super::images::{self, ImageSamples};
 use super::memory::{plan_memory, MemoryChoice};
 use super::objectives::{flow_matching, weighted_mse, Prediction};
-use super::rundir::{read_log, write_atomic, CheckpointState, Manifest, RunDir, FINAL, LOG};
+use super::rundir::{
+    read_log, write_atomic, CheckpointState, Manifest, RunDir, FINAL, LOG, PLOT, SAMPLES,
+};
 use super::scaler::LossScaler;
 use crate::models::{self, DiffusionModel, LoadOptions, MemoryPlan, Objective};
 use crate::nn::{Adapters, KeyMap, GOLDEN};
@@ -32,7 +35,11 @@ pub struct Trainer {
     map: KeyMap,
     /// The adapters being trained.
     pub adapters: Arc<Adapters>,
-    data: Dataset,
+    data: Box<dyn Samples>,
+    /// Held-out images for the validation loss.
+    validation: Option<ImageSamples>,
+    /// What sampling needs of the image pipeline (absent for pre-encoded data).
+    pipeline: Option<PipelineParts>,
     opt: Box<dyn Optimizer>,
     /// The memory plan the model runs under, as chosen or configured.
     pub memory: MemoryChoice,
@@ -47,6 +54,23 @@ pub struct Trainer {
     run_id: String,
     /// Set (e.g. by a signal handler) to stop after the current step with a checkpoint.
     interrupt: Arc<AtomicBool>,
+}
+
+/// The image pipeline's pieces sampling needs after the encoders are freed: the text cache
+/// holding the prompts' embeddings, and where the autoencoder is.
+struct PipelineParts {
+    text: crate::data::TextCache,
+    vae: crate::models::Located,
+    factor: usize,
+}
+
+/// How [`Trainer::open`] prepares a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prepare {
+    /// Fill the image caches (the normal start of a run).
+    Encode,
+    /// Work out shapes only; write nothing (`train --plan`).
+    DryRun,
 }
 
 /// How `Trainer::run` ended.
@@ -93,6 +117,15 @@ pub struct StepReport {
 pub enum Event {
     /// Something the user should know (a damaged checkpoint passed over, a resume point).
     Note(String),
+    /// The validation loss after a step.
+    Validation {
+        /// The step.
+        step: usize,
+        /// The mean loss over the held-out samples at fixed timesteps and noise.
+        loss: f64,
+    },
+    /// Sample images were written.
+    Samples(Vec<PathBuf>),
     /// A step finished.
     Step(StepReport),
     /// A checkpoint was written.
@@ -120,6 +153,9 @@ pub enum FolderAction {
     AlreadyFinished(usize),
 }
 
+/// Fixed timesteps per held-out sample in [`Trainer::validation_loss`].
+pub const VALIDATION_POINTS: usize = 4;
+
 /// The name of the first tensor holding a NaN or an infinity: one host copy when all are
 /// finite, one per tensor only to find the culprit.
 fn first_nonfinite<'a>(tensors: &[(&'a str, &'a Tensor)]) -> Result<Option<String>> {
@@ -137,7 +173,7 @@ fn first_nonfinite<'a>(tensors: &[(&'a str, &'a Tensor)]) -> Result<Option<Strin
 
 /// Scales every gradient of `params` by `f`.
 /// `train.device`: "cuda" (an error without a GPU), "cpu", or "auto" (the GPU if one opens).
-fn pick_device(name: &str) -> Result<Device> {
+pub(crate) fn pick_device(name: &str) -> Result<Device> {
     #[cfg(feature = "cuda")]
     if name != "cpu" {
         match Device::cuda(0) {
@@ -167,18 +203,27 @@ fn cpu_device() -> Result<Device> {
 
 impl Trainer {
     /// Checks the config, makes the tiny model / synthetic data if asked, loads the model
-    /// with its adapters and the data, and checks every sample; writes nothing to the
-    /// output folder.
+    /// with its adapters and the data, and checks every sample; fills the image caches;
+    /// writes nothing else. [`Trainer::open`] with [`Prepare::Encode`] and no notes.
     pub fn new(config: TrainConfig) -> Result<Trainer> {
+        Self::open(config, Prepare::Encode, &mut |_| {})
+    }
+
+    /// As [`Trainer::new`], telling `on` about data preparation (skipped files, cache
+    /// progress); with [`Prepare::DryRun`] the image caches are not filled (the trainer can
+    /// then plan but not step).
+    pub fn open(
+        config: TrainConfig,
+        prepare: Prepare,
+        on: &mut dyn FnMut(Event),
+    ) -> Result<Trainer> {
         config.validate()?;
         let m = &config.model;
         let device = pick_device(&config.train.device)?;
         let family = models::family(&m.arch)?;
         let mut json = None;
         if m.create_if_missing.is_some() {
-            if !m.path.exists() {
-                demo::make_tiny_flux(&m.path)?;
-            }
+            demo::make_tiny(&config)?;
             json = Some(demo::flux_tiny_diffusers_config());
         }
         if let Some(p) = &m.config {
@@ -209,21 +254,50 @@ impl Trainer {
         // bad data and an impossible memory budget fail before any weight is read.
         let probe = family.probe(&m.path, &opts)?;
         let inputs = probe.inputs();
-        if config.data.synthetic > 0 && !config.data.dir.exists() {
-            let size = |i: usize, d: usize| match inputs.get(i).and_then(|x| x.dims.get(d)) {
-                Some(models::Size::Exactly(n)) => *n,
-                _ => 16,
-            };
-            demo::make_synthetic(
-                &config.data.dir,
-                config.data.synthetic,
-                (size(0, 0), size(1, 1), size(2, 0)),
-            )?;
-        }
-        let data = Dataset::open(&config.data.dir, &inputs, &|s| probe.check_shapes(s))?;
+        let (data, validation, pipeline): (Box<dyn Samples>, _, _) = match &config.data.dir {
+            Some(dir) => {
+                if config.data.synthetic > 0 && !dir.exists() {
+                    let size = |i: usize, d: usize| match inputs.get(i).and_then(|x| x.dims.get(d))
+                    {
+                        Some(models::Size::Exactly(n)) => *n,
+                        _ => 16,
+                    };
+                    demo::make_synthetic(
+                        dir,
+                        config.data.synthetic,
+                        (size(0, 0), size(1, 1), size(2, 0)),
+                    )?;
+                }
+                let data = Dataset::open(dir, &inputs, &|s| probe.check_shapes(s))?;
+                (Box::new(data), None, None)
+            }
+            None => {
+                let run = images::prepare(
+                    &config,
+                    family,
+                    &inputs,
+                    probe.guidance_input(),
+                    &device,
+                    prepare == Prepare::Encode,
+                    &mut |n| on(Event::Note(n)),
+                )?;
+                probe
+                    .check_shapes(&run.train.largest())
+                    .map_err(|msg| Error::Config {
+                        path: None,
+                        msg: format!("[data]: {msg}"),
+                    })?;
+                let parts = PipelineParts {
+                    text: run.text,
+                    vae: run.vae,
+                    factor: run.vae_factor,
+                };
+                (Box::new(run.train), run.validation, Some(parts))
+            }
+        };
         drop(probe);
         opts.adapters = Some(adapters.clone());
-        let memory = plan_memory(&config, family, &opts, &device, &data)?;
+        let memory = plan_memory(&config, family, &opts, &device, &data.largest())?;
         opts.memory = memory.plan.clone();
         let loaded = family.load(&m.path, &opts)?;
         let model = loaded.model;
@@ -268,6 +342,8 @@ impl Trainer {
             map: loaded.key_map,
             adapters,
             data,
+            validation,
+            pipeline,
             opt,
             device,
             dtype,
@@ -289,9 +365,9 @@ impl Trainer {
         self.model.as_ref()
     }
 
-    /// The samples.
-    pub fn data(&self) -> &Dataset {
-        &self.data
+    /// The training samples.
+    pub fn data(&self) -> &dyn Samples {
+        self.data.as_ref()
     }
 
     /// The flag that stops the run after the current step, with a checkpoint.
@@ -309,38 +385,212 @@ impl Trainer {
         let (b, dims) = (x0.dims()[0], x0.dims().to_vec());
         let noise =
             Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?.to_dtype(self.dtype)?;
+        let t = match self.model.objective() {
+            Objective::FlowMatching => {
+                // Flux's resolution-dependent shift counts 2x2 latent patches as tokens.
+                let tokens = dims[2] * dims[3] / 4;
+                self.config
+                    .sampling()?
+                    .sample(b, tokens, seed ^ 0x7133, &self.device)?
+            }
+            Objective::Ddpm(ddpm) => ddpm.sample_timesteps(b, seed ^ 0x7133, &self.device)?,
+        };
+        self.loss_at(batch, &t, &noise)
+    }
+
+    /// What the model is trained to predict (DDPM models).
+    fn prediction(&self) -> Prediction {
+        if self.config.model.prediction == "v" {
+            Prediction::V
+        } else {
+            Prediction::Epsilon
+        }
+    }
+
+    /// The loss of one batch of clean latents at timesteps `t` (B) with `noise`.
+    fn loss_at(&self, batch: &[Tensor], t: &Tensor, noise: &Tensor) -> Result<Tensor> {
+        let x0 = &batch[0];
         let cond = &batch[1..];
         let guidance = self.config.model.guidance;
         match self.model.objective() {
             Objective::FlowMatching => {
-                // Flux's resolution-dependent shift counts 2x2 latent patches as tokens.
-                let tokens = dims[2] * dims[3] / 4;
-                let t = self
-                    .config
-                    .sampling()?
-                    .sample(b, tokens, seed ^ 0x7133, &self.device)?;
-                let (xt, target) = flow_matching(x0, &noise, &t)?;
-                let pred = self.model.predict(&xt, &t, cond, guidance)?;
+                let (xt, target) = flow_matching(x0, noise, t)?;
+                let pred = self.model.predict(&xt, t, cond, guidance)?;
                 weighted_mse(&pred, &target, None)
             }
             Objective::Ddpm(ddpm) => {
-                let kind = if self.config.model.prediction == "v" {
-                    Prediction::V
-                } else {
-                    Prediction::Epsilon
-                };
-                let t = ddpm.sample_timesteps(b, seed ^ 0x7133, &self.device)?;
-                let (xt, target) = ddpm.noisy_and_target(x0, &noise, &t, kind)?;
-                let pred = self.model.predict(&xt, &t, cond, guidance)?;
+                let kind = self.prediction();
+                let (xt, target) = ddpm.noisy_and_target(x0, noise, t, kind)?;
+                let pred = self.model.predict(&xt, t, cond, guidance)?;
                 let gamma = self.config.train.min_snr_gamma;
                 let w = if gamma > 0.0 {
-                    Some(ddpm.min_snr_weights(&t, gamma, kind)?)
+                    Some(ddpm.min_snr_weights(t, gamma, kind)?)
                 } else {
                     None
                 };
                 weighted_mse(&pred, &target, w.as_ref())
             }
         }
+    }
+
+    /// The validation loss: each held-out sample at [`VALIDATION_POINTS`] fixed timesteps
+    /// spread over the noise range, with noise drawn from the seed and the sample's id, its
+    /// caption as written, no adapter dropout; averaged. The same number for the same
+    /// adapter in any run. `None` without held-out images.
+    pub fn validation_loss(&self) -> Result<Option<f64>> {
+        let Some(v) = &self.validation else {
+            return Ok(None);
+        };
+        let _g = crate::no_grad();
+        let was = self.adapters.training();
+        self.adapters.set_train(false);
+        let result = (|| {
+            let k = VALIDATION_POINTS;
+            let mid = |j: usize| (j as f64 + 0.5) / k as f64;
+            let t: Vec<f32> = match self.model.objective() {
+                Objective::FlowMatching => (0..k).map(|j| mid(j) as f32).collect(),
+                Objective::Ddpm(d) => (0..k)
+                    .map(|j| (mid(j) * d.steps() as f64).floor() as f32)
+                    .collect(),
+            };
+            let t = Tensor::from_vec(t, k, &self.device)?;
+            let mut total = 0.0;
+            for i in 0..v.ds.len() {
+                let batch = v.inputs(&[i], 0, true, self.dtype, &self.device)?;
+                let rep = batch
+                    .inputs
+                    .iter()
+                    .map(|x| Tensor::cat(&vec![x; k], 0))
+                    .collect::<Result<Vec<_>>>()?;
+                let seed = self.config.train.seed ^ v.ds.sample(i)?.id ^ 0x7A1;
+                let noise = Tensor::randn(rep[0].dims().to_vec(), DType::F32, &self.device, seed)?
+                    .to_dtype(self.dtype)?;
+                total += self.loss_at(&rep, &t, &noise)?.to_scalar_f64()?;
+            }
+            Ok(total / v.ds.len().max(1) as f64)
+        })();
+        self.adapters.set_train(was);
+        result.map(Some)
+    }
+
+    /// Makes the `[sample]` images with the adapter as it is now and writes them to
+    /// `samples/step-<step>-<i>.png` in the output folder: the prompts' embeddings from the
+    /// text cache, the noise of prompt i from `sample.seed + i`, the family's sampler, the
+    /// autoencoder loaded for the decode and freed. Needs image data (the caches); nothing
+    /// without prompts.
+    pub fn sample_images(&self) -> Result<Vec<PathBuf>> {
+        let sc = &self.config.sample;
+        if sc.prompts.is_empty() {
+            return Ok(vec![]);
+        }
+        let Some(parts) = &self.pipeline else {
+            return Err(Error::Config {
+                path: None,
+                msg: "[sample]: sampling needs image data (data.dirs or data.manifest), which \
+                      brings the text encoders and the autoencoder"
+                    .into(),
+            });
+        };
+        let _g = crate::no_grad();
+        let was = self.adapters.training();
+        self.adapters.set_train(false);
+        let result = (|| {
+            let family = self.model.family();
+            let res = self.config.data.resolution;
+            let (w, h) = match sc.size {
+                [0, 0] => (res, res),
+                [w, h] => (w, h),
+            };
+            let f = parts.factor;
+            let latent_hw = (h / f, w / f);
+            let channels = match self.model.inputs().first().and_then(|i| i.dims.first()) {
+                Some(models::Size::Exactly(c)) => *c,
+                _ => 4,
+            };
+            let schedule = (family.pipeline.schedule)(&crate::models::SampleSetup {
+                steps: sc.steps,
+                latent_hw,
+                guided: self.model.guidance_input(),
+                prediction: self.prediction(),
+            })?;
+            let text = |prompt: &str| -> Result<Vec<Tensor>> {
+                let cached =
+                    parts
+                        .text
+                        .load_batch(&[prompt.to_string()], &self.device, self.dtype)?;
+                let names = self.model.inputs();
+                names[1..]
+                    .iter()
+                    .map(|i| {
+                        cached
+                            .iter()
+                            .find(|(n, _)| n == i.name)
+                            .map(|(_, t)| t.clone())
+                            .ok_or_else(|| Error::Config {
+                                path: None,
+                                msg: format!("[sample]: the text cache holds no {}", i.name),
+                            })
+                    })
+                    .collect()
+            };
+            let guidance = if self.model.guidance_input() {
+                crate::sample::Guidance::distilled(sc.guidance)
+            } else if sc.guidance > 1.0 {
+                crate::sample::Guidance::cfg(text(&sc.negative_prompt)?, sc.guidance)
+            } else {
+                crate::sample::Guidance::none()
+            };
+            let mut latents = vec![];
+            for (i, prompt) in sc.prompts.iter().enumerate() {
+                let noise = Tensor::randn(
+                    (1, channels, latent_hw.0, latent_hw.1),
+                    DType::F32,
+                    &self.device,
+                    sc.seed.wrapping_add(i as u64),
+                )?;
+                let z = crate::sample::denoise(
+                    self.model.as_ref(),
+                    schedule.as_ref(),
+                    &noise,
+                    &text(prompt)?,
+                    &guidance,
+                    None,
+                )?;
+                latents.push(z);
+            }
+            let vae = images::vae(&self.config, family, &parts.vae, self.dtype, &self.device)?;
+            let dir = self.run_dir().path.join(SAMPLES);
+            std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
+                path: dir.clone(),
+                source,
+            })?;
+            let mut written = vec![];
+            for (i, z) in latents.iter().enumerate() {
+                let img = vae.decode_latents(&z.to_dtype(self.dtype)?)?;
+                let path = dir.join(format!("step-{:07}-{i}.png", self.step));
+                crate::data::save_png(&img.squeeze(0)?, &path)?;
+                written.push(path);
+            }
+            Ok(written)
+        })();
+        self.adapters.set_train(was);
+        result
+    }
+
+    /// Redraws `loss.png` from the loss log (training and validation loss against step).
+    fn plot(&self) -> Result<()> {
+        let dir = self.run_dir();
+        let (mut train, mut val) = (vec![], vec![]);
+        for (step, line) in read_log(&dir.path.join(LOG))? {
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+            if let Some(l) = v.get("loss").and_then(|x| x.as_f64()) {
+                train.push((step, l));
+            }
+            if let Some(l) = v.get("val_loss").and_then(|x| x.as_f64()) {
+                val.push((step, l));
+            }
+        }
+        crate::data::plot_loss(&train, &val, 640, 400, dir.path.join(PLOT))
     }
 
     /// One optimizer step (with its accumulated micro-batches). A non-finite loss or
@@ -358,17 +608,16 @@ impl Trainer {
         self.adapters.set_step(self.step as u64)?;
         let mut grads = Grads::new();
         let mut total = 0.0;
-        let mut samples: Vec<usize> = vec![];
+        let mut files: Vec<String> = vec![];
         let mut bad: Option<String> = None;
         // Dynamic loss scaling: the backward runs on loss * scale, the step divides by it.
         let scale = self.scaler.map_or(1.0, |s| s.scale);
         for micro in 0..acc {
-            let pos = (self.step * acc + micro) * b;
-            let idx = indices(self.data.len(), seed, pos, b);
-            samples.extend(&idx);
-            let batch = self.data.batch(&idx, self.dtype, &self.device)?;
-            let s = seed ^ ((self.step * acc + micro) as u64 + 1).wrapping_mul(GOLDEN);
-            let loss = self.loss(&batch, s)?.affine(1.0 / acc as f64, 0.0)?;
+            let m = self.step * acc + micro;
+            let batch = self.data.batch(m, b, seed, self.dtype, &self.device)?;
+            files.extend(batch.files);
+            let s = seed ^ (m as u64 + 1).wrapping_mul(GOLDEN);
+            let loss = self.loss(&batch.inputs, s)?.affine(1.0 / acc as f64, 0.0)?;
             let value = loss.to_scalar_f64()?;
             total += value;
             if !value.is_finite() {
@@ -429,10 +678,7 @@ impl Trainer {
             return Ok(report);
         }
         if let Some(what) = bad {
-            let names: Vec<String> = samples
-                .iter()
-                .map(|&i| self.data.files[i].display().to_string())
-                .collect();
+            let names = files;
             if self.config.train.on_nonfinite == "stop" || self.skipped_in_row + 1 > t.max_skipped {
                 let why = if self.config.train.on_nonfinite == "stop" {
                     "train.on_nonfinite = \"stop\"".to_string()
@@ -768,8 +1014,39 @@ impl Trainer {
                 })?;
             on(Event::Step(r));
             let interrupted = self.interrupt.load(Ordering::Relaxed);
-            if interrupted || self.step == n || (every > 0 && self.step % every == 0) {
+            let save = interrupted || self.step == n || (every > 0 && self.step % every == 0);
+            let ve = self.config.train.validate_every;
+            let validate = match ve {
+                0 => save && !interrupted,
+                _ => self.step % ve == 0 || self.step == n,
+            };
+            if validate {
+                if let Some(loss) = self.validation_loss()? {
+                    let line = serde_json::json!({"step": self.step, "val_loss": loss});
+                    writeln!(log, "{line}")
+                        .and_then(|()| log.flush())
+                        .map_err(|source| Error::Io {
+                            path: log_path.clone(),
+                            source,
+                        })?;
+                    on(Event::Validation {
+                        step: self.step,
+                        loss,
+                    });
+                }
+            }
+            let se = self.config.sample.every;
+            if !interrupted && (self.step == n || (se > 0 && self.step % se == 0)) {
+                let written = self.sample_images()?;
+                if !written.is_empty() {
+                    on(Event::Samples(written));
+                }
+            }
+            if save {
                 let p = self.save_checkpoint()?;
+                if self.pipeline.is_some() {
+                    self.plot()?;
+                }
                 on(Event::Saved(p.clone()));
                 if interrupted {
                     return Ok(RunEnd::Interrupted(self.step, p));

@@ -36,6 +36,7 @@ fn fill(cache: &mut LatentCache, ds: &mut Dataset) -> (FillReport, usize, Vec<Pr
     let r = cache
         .fill(
             ds,
+            &Device::Cpu,
             &mut |x| {
                 calls += 1;
                 pool4(x)
@@ -97,7 +98,10 @@ fn latent_cache_hits_misses_and_invalidation() {
             assert_eq!(got[0].0, "latents");
             assert_eq!(got[0].1.dims()[0], b.len());
             for (k, &i) in b.iter().enumerate() {
-                let want = pool4(&ds.image(i, e).unwrap()).unwrap().remove(0).1;
+                let want = pool4(&ds.image(i, e, &Device::Cpu).unwrap())
+                    .unwrap()
+                    .remove(0)
+                    .1;
                 let row = got[0].1.narrow(0, k, 1).unwrap().squeeze(0).unwrap();
                 assert_eq!(row.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
             }
@@ -160,6 +164,7 @@ fn latent_cache_repairs_and_resumes() {
     let e = cache
         .fill(
             &mut ds,
+            &Device::Cpu,
             &mut |x| {
                 calls += 1;
                 if calls == 3 {
@@ -223,14 +228,16 @@ fn undecodable_image_at_fill() {
     assert_eq!(ds.len(), 2);
     let mut cache = LatentCache::open(dir.path().join("cache"), "pool4").unwrap();
     let e = cache
-        .fill(&mut ds, &mut pool4, &mut |_| {})
+        .fill(&mut ds, &Device::Cpu, &mut pool4, &mut |_| {})
         .unwrap_err()
         .to_string();
     assert!(e.contains("b.png"), "{e}");
 
     o.on_bad_file = OnBadFile::Skip;
     let mut ds = Dataset::open(o).unwrap();
-    let r = cache.fill(&mut ds, &mut pool4, &mut |_| {}).unwrap();
+    let r = cache
+        .fill(&mut ds, &Device::Cpu, &mut pool4, &mut |_| {})
+        .unwrap();
     assert_eq!(r.skipped.len(), 1);
     assert!(r.skipped[0].path.ends_with("b.png"), "{:?}", r.skipped);
     assert_eq!(ds.len(), 1);

@@ -2,10 +2,15 @@
 //! inputs (latents packed into 2x2 patches, T5 tokens, the CLIP pooled vector).
 
 use super::{diffusers_map, image_ids, pack_latents, text_ids, unpack_latents, Flux, FluxConfig};
+use crate::encoders::{VaeKind, CLIP_MAX_LEN, T5_LEN_FLUX_DEV, T5_LEN_SCHNELL_SD35};
 use crate::models::checkpoint::Checkpoint;
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
+use crate::models::pipeline::{
+    output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
+};
 use crate::nn::{KeyMap, VarBuilder};
+use crate::sample::{FlowMatchConfig, FlowMatchEuler, Schedule};
 use crate::stream::{BlockExec, BlockShape};
 use crate::{DType, Result, Tensor};
 
@@ -14,7 +19,61 @@ pub static FAMILY: Family = Family::of::<Flux>(
     "flux",
     "transformer",
     "FLUX.1 (BFL single file or diffusers FluxTransformer2DModel)",
+    &PIPELINE,
 );
+
+/// CLIP-L's pooled output and T5's hidden states (diffusers' `FluxPipeline.encode_prompt`:
+/// `pooler_output` of `text_encoder`, the last hidden state of `text_encoder_2`; T5 reads
+/// 512 tokens for dev, 256 for schnell, `max_sequence_length`).
+static TEXT: [EncoderSlot; 2] = [
+    EncoderSlot {
+        name: "clip_l",
+        kind: TextEncoderKind::Clip,
+        folder: "text_encoder",
+        tokenizer: "tokenizer",
+        single_file_prefix: None,
+        max_len: CLIP_MAX_LEN,
+        max_len_unguided: CLIP_MAX_LEN,
+    },
+    EncoderSlot {
+        name: "t5",
+        kind: TextEncoderKind::T5,
+        folder: "text_encoder_2",
+        tokenizer: "tokenizer_2",
+        single_file_prefix: None,
+        max_len: T5_LEN_FLUX_DEV,
+        max_len_unguided: T5_LEN_SCHNELL_SD35,
+    },
+];
+
+fn combine(outs: &[TextOutput]) -> Result<Vec<(String, Tensor)>> {
+    Ok(vec![
+        ("context".into(), output(outs, 1)?.t5("t5")?.clone()),
+        (
+            "pooled".into(),
+            output(outs, 0)?.clip("clip_l")?.pooled.clone(),
+        ),
+    ])
+}
+
+fn schedule(s: &SampleSetup) -> Result<Box<dyn Schedule>> {
+    let config = match s.guided {
+        true => FlowMatchConfig::flux_dev(),
+        false => FlowMatchConfig::flux_schnell(),
+    };
+    // Packed 2x2 latent patches are Flux's image tokens.
+    let tokens = (s.latent_hw.0 / 2) * (s.latent_hw.1 / 2);
+    Ok(Box::new(FlowMatchEuler::flux(&config, s.steps, tokens)?))
+}
+
+/// Flux's pipeline: CLIP-L + T5, the 16-channel autoencoder, flow-matching Euler.
+static PIPELINE: PipelineSpec = PipelineSpec {
+    text: &TEXT,
+    combine,
+    vae: VaeKind::Flux,
+    vae_single_file_prefix: None,
+    schedule,
+};
 
 impl ModelSpec for Flux {
     type Config = FluxConfig;

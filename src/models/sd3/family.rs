@@ -1,9 +1,14 @@
 //! SD3 / SD3.5 as a registered model family.
 
 use super::{diffusers_map, Sd3, Sd3Config};
+use crate::encoders::{VaeKind, CLIP_MAX_LEN, SD3_CLIP_G, SD3_CLIP_L, SD3_T5, T5_LEN_SCHNELL_SD35};
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
+use crate::models::pipeline::{
+    output, pad_last, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
+};
 use crate::nn::{KeyMap, VarBuilder};
+use crate::sample::{FlowMatchConfig, FlowMatchEuler, Schedule};
 use crate::stream::{BlockExec, BlockShape};
 use crate::{Result, Tensor};
 
@@ -12,7 +17,80 @@ pub static FAMILY: Family = Family::of::<Sd3>(
     "sd3",
     "transformer",
     "SD3 / SD3.5 MMDiT (Stability single file or diffusers SD3Transformer2DModel)",
+    &PIPELINE,
 );
+
+/// CLIP-L and bigG (both with projections) and T5 (diffusers' `StableDiffusion3Pipeline`:
+/// the CLIPs' penultimate hidden states concatenated on features, zero-padded to T5's width
+/// and put before T5's 256 tokens; pooled = both projections concatenated).
+static TEXT: [EncoderSlot; 3] = [
+    EncoderSlot {
+        name: "clip_l",
+        kind: TextEncoderKind::Clip,
+        folder: "text_encoder",
+        tokenizer: "tokenizer",
+        single_file_prefix: Some(SD3_CLIP_L),
+        max_len: CLIP_MAX_LEN,
+        max_len_unguided: CLIP_MAX_LEN,
+    },
+    EncoderSlot {
+        name: "clip_g",
+        kind: TextEncoderKind::Clip,
+        folder: "text_encoder_2",
+        tokenizer: "tokenizer_2",
+        single_file_prefix: Some(SD3_CLIP_G),
+        max_len: CLIP_MAX_LEN,
+        max_len_unguided: CLIP_MAX_LEN,
+    },
+    EncoderSlot {
+        name: "t5",
+        kind: TextEncoderKind::T5,
+        folder: "text_encoder_3",
+        tokenizer: "tokenizer_3",
+        single_file_prefix: Some(SD3_T5),
+        max_len: T5_LEN_SCHNELL_SD35,
+        max_len_unguided: T5_LEN_SCHNELL_SD35,
+    },
+];
+
+fn projected<'a>(c: &'a crate::encoders::ClipOutput, slot: &str) -> Result<&'a Tensor> {
+    c.projected.as_ref().ok_or_else(|| crate::Error::Config {
+        path: None,
+        msg: format!("{slot}: SD3 needs the text projection, and this checkpoint has none"),
+    })
+}
+
+fn combine(outs: &[TextOutput]) -> Result<Vec<(String, Tensor)>> {
+    let l = output(outs, 0)?.clip("clip_l")?;
+    let g = output(outs, 1)?.clip("clip_g")?;
+    let t5 = output(outs, 2)?.t5("t5")?;
+    let clip = Tensor::cat(&[&l.penultimate, &g.penultimate], 2)?;
+    let width = t5.dims().get(2).copied().unwrap_or(0);
+    let clip = pad_last(&clip.to_dtype(t5.dtype())?, width)?;
+    let pooled = Tensor::cat(&[projected(l, "clip_l")?, projected(g, "clip_g")?], 1)?;
+    Ok(vec![
+        ("context".into(), Tensor::cat(&[&clip, t5], 1)?),
+        ("pooled".into(), pooled),
+    ])
+}
+
+fn schedule(s: &SampleSetup) -> Result<Box<dyn Schedule>> {
+    let tokens = (s.latent_hw.0 / 2) * (s.latent_hw.1 / 2);
+    Ok(Box::new(FlowMatchEuler::sd3(
+        &FlowMatchConfig::sd3(),
+        s.steps,
+        tokens,
+    )?))
+}
+
+/// SD3.5's pipeline: CLIP-L + bigG + T5, the 16-channel autoencoder, flow-matching Euler.
+static PIPELINE: PipelineSpec = PipelineSpec {
+    text: &TEXT,
+    combine,
+    vae: VaeKind::Sd3,
+    vae_single_file_prefix: Some("first_stage_model."),
+    schedule,
+};
 
 impl ModelSpec for Sd3 {
     type Config = Sd3Config;

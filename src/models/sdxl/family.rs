@@ -1,9 +1,14 @@
 //! The SDXL UNet as a registered model family.
 
 use super::{diffusers_map, sdxl_vector, SdxlConfig, Unet};
+use crate::encoders::{VaeKind, CLIP_MAX_LEN, SDXL_CLIP_G, SDXL_CLIP_L};
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
+use crate::models::pipeline::{
+    output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
+};
 use crate::nn::{KeyMap, VarBuilder};
+use crate::sample::{EulerDiscrete, Schedule};
 use crate::stream::{BlockExec, BlockShape};
 use crate::train::Ddpm;
 use crate::{DType, Result, Tensor};
@@ -13,7 +18,66 @@ pub static FAMILY: Family = Family::of::<Unet>(
     "sdxl",
     "unet",
     "SDXL UNet (Stability single file or diffusers UNet2DConditionModel)",
+    &PIPELINE,
 );
+
+/// CLIP-L and bigG (diffusers' `StableDiffusionXLPipeline.encode_prompt`: both encoders'
+/// penultimate hidden states concatenated on features; pooled = bigG's projection).
+static TEXT: [EncoderSlot; 2] = [
+    EncoderSlot {
+        name: "clip_l",
+        kind: TextEncoderKind::Clip,
+        folder: "text_encoder",
+        tokenizer: "tokenizer",
+        single_file_prefix: Some(SDXL_CLIP_L),
+        max_len: CLIP_MAX_LEN,
+        max_len_unguided: CLIP_MAX_LEN,
+    },
+    EncoderSlot {
+        name: "clip_g",
+        kind: TextEncoderKind::Clip,
+        folder: "text_encoder_2",
+        tokenizer: "tokenizer_2",
+        single_file_prefix: Some(SDXL_CLIP_G),
+        max_len: CLIP_MAX_LEN,
+        max_len_unguided: CLIP_MAX_LEN,
+    },
+];
+
+fn combine(outs: &[TextOutput]) -> Result<Vec<(String, Tensor)>> {
+    let l = output(outs, 0)?.clip("clip_l")?;
+    let g = output(outs, 1)?.clip("clip_g")?;
+    let pooled = g.projected.clone().ok_or_else(|| crate::Error::Config {
+        path: None,
+        msg: "clip_g: SDXL needs bigG's text projection, and this checkpoint has none".into(),
+    })?;
+    Ok(vec![
+        (
+            "context".into(),
+            Tensor::cat(
+                &[
+                    &l.penultimate,
+                    &g.penultimate.to_dtype(l.penultimate.dtype())?,
+                ],
+                2,
+            )?,
+        ),
+        ("pooled".into(), pooled),
+    ])
+}
+
+fn schedule(s: &SampleSetup) -> Result<Box<dyn Schedule>> {
+    Ok(Box::new(EulerDiscrete::sdxl(s.steps, s.prediction)?))
+}
+
+/// SDXL's pipeline: CLIP-L + bigG, the 4-channel autoencoder, Euler (discrete).
+static PIPELINE: PipelineSpec = PipelineSpec {
+    text: &TEXT,
+    combine,
+    vae: VaeKind::Sdxl,
+    vae_single_file_prefix: Some("first_stage_model."),
+    schedule,
+};
 
 /// SDXL's micro-conditioning numbers per sample: original size, crop offset, target size.
 const TIME_IDS: usize = 6;

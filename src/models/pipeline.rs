@@ -1,0 +1,494 @@
+//! What a model family needs around it to go from captions and images to training inputs
+//! and back to images: its text encoders and how their outputs become the model's text
+//! inputs, its autoencoder, and its sampler. Each family declares one [`PipelineSpec`] in its
+//! own `family.rs`; [`TextConditioner`] and [`load_vae`] load the encoders it names from a
+//! diffusers pipeline folder, an all-in-one single file, or the files a config points at.
+
+use super::family::Family;
+use crate::encoders::{
+    AutoencoderKl, ClipOutput, ClipTextModel, ClipTokenizer, T5Encoder, T5Tokenizer, Tokens,
+    VaeKind,
+};
+use crate::sample::Schedule;
+use crate::train::Prediction;
+use crate::{no_grad, DType, Device, Error, Result, Tensor};
+use std::path::{Path, PathBuf};
+
+/// The architecture of a text encoder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TextEncoderKind {
+    /// A CLIP text transformer (OpenAI's L/14 or OpenCLIP's bigG).
+    Clip,
+    /// The T5 v1.1 encoder.
+    T5,
+}
+
+/// One text encoder of a family's conditioning.
+#[derive(Clone, Copy, Debug)]
+pub struct EncoderSlot {
+    /// Its name in messages ("clip_l", "clip_g", "t5").
+    pub name: &'static str,
+    /// Its architecture.
+    pub kind: TextEncoderKind,
+    /// Its folder in a diffusers pipeline (`text_encoder`, `text_encoder_2`, ...).
+    pub folder: &'static str,
+    /// Its tokenizer's folder in a diffusers pipeline (`tokenizer`, `tokenizer_2`, ...).
+    pub tokenizer: &'static str,
+    /// Its key prefix inside the family's all-in-one single file, if such files hold it.
+    pub single_file_prefix: Option<&'static str>,
+    /// Tokens per caption (CLIP 77; T5 256 or 512).
+    pub max_len: usize,
+    /// Tokens per caption when the model has no guidance input (FLUX.1 schnell: 256).
+    pub max_len_unguided: usize,
+}
+
+impl EncoderSlot {
+    /// Tokens per caption for a model with (`guided`) or without a guidance input; a T5
+    /// slot takes `t5_tokens` instead when it is not 0.
+    pub fn len(&self, guided: bool, t5_tokens: usize) -> usize {
+        match (self.kind, guided) {
+            (TextEncoderKind::T5, _) if t5_tokens > 0 => t5_tokens,
+            (_, true) => self.max_len,
+            (_, false) => self.max_len_unguided,
+        }
+    }
+}
+
+/// One text encoder's output for a batch of captions.
+#[derive(Clone, Debug)]
+pub enum TextOutput {
+    /// A CLIP's hidden states, pooled and projected outputs.
+    Clip(ClipOutput),
+    /// T5's last hidden state (B, L, D).
+    T5(Tensor),
+}
+
+impl TextOutput {
+    /// The CLIP output, or an error naming `slot`.
+    pub fn clip(&self, slot: &str) -> Result<&ClipOutput> {
+        match self {
+            TextOutput::Clip(c) => Ok(c),
+            TextOutput::T5(_) => Err(pipeline_err(format!("{slot}: expected a CLIP output"))),
+        }
+    }
+
+    /// The T5 hidden state, or an error naming `slot`.
+    pub fn t5(&self, slot: &str) -> Result<&Tensor> {
+        match self {
+            TextOutput::T5(t) => Ok(t),
+            TextOutput::Clip(_) => Err(pipeline_err(format!("{slot}: expected a T5 output"))),
+        }
+    }
+}
+
+/// Tensors by name.
+pub type Named = Vec<(String, Tensor)>;
+
+/// The inputs of a sampler a family builds ([`PipelineSpec::schedule`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SampleSetup {
+    /// Denoising steps.
+    pub steps: usize,
+    /// Latent height and width.
+    pub latent_hw: (usize, usize),
+    /// Whether the model takes a guidance input (FLUX.1 dev) or not (schnell).
+    pub guided: bool,
+    /// What a DDPM model predicts.
+    pub prediction: Prediction,
+}
+
+/// A family's pipeline around the model (module docs).
+pub struct PipelineSpec {
+    /// Its text encoders, in the order their outputs reach `combine`.
+    pub text: &'static [EncoderSlot],
+    /// The encoders' outputs (one per slot) to the model's text inputs, by input name
+    /// (`context`, `pooled`), each with its batch dim.
+    pub combine: fn(&[TextOutput]) -> Result<Named>,
+    /// Its autoencoder's latent scaling.
+    pub vae: VaeKind,
+    /// The autoencoder's key prefix inside the family's all-in-one single file, if any.
+    pub vae_single_file_prefix: Option<&'static str>,
+    /// Its sampler, as the diffusers pipeline sets it up by default.
+    pub schedule: fn(&SampleSetup) -> Result<Box<dyn Schedule>>,
+}
+
+fn pipeline_err(msg: String) -> Error {
+    Error::Config { path: None, msg }
+}
+
+/// Output `i` of `outs` (for a family's `combine`), or an error naming the count.
+pub fn output(outs: &[TextOutput], i: usize) -> Result<&TextOutput> {
+    outs.get(i).ok_or_else(|| {
+        pipeline_err(format!(
+            "text conditioning: {} encoder outputs, output {i} asked for",
+            outs.len()
+        ))
+    })
+}
+
+/// Where the pieces of a pipeline are: each `None` takes the default of [`Sources::locate`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Sources {
+    /// The text encoders' weights, one per slot of the family.
+    pub text: Vec<PathBuf>,
+    /// The tokenizers' folders (or T5 `tokenizer.json` files), one per slot.
+    pub tokenizers: Vec<PathBuf>,
+    /// The autoencoder's weights.
+    pub vae: Option<PathBuf>,
+}
+
+/// The pipeline folder a model path belongs to: the path itself when it holds `folder`, or
+/// its parent (the path is the pipeline's `transformer/` or `unet/`).
+fn pipeline_root(model: &Path, folder: &str) -> Option<PathBuf> {
+    if !model.is_dir() {
+        return None;
+    }
+    [Some(model), model.parent()]
+        .into_iter()
+        .flatten()
+        .find(|r| r.join(folder).is_dir())
+        .map(Path::to_path_buf)
+}
+
+/// One located piece: the path and, when it is the family's all-in-one single file, the
+/// prefix to read it under.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Located {
+    /// The file or folder.
+    pub path: PathBuf,
+    /// The key prefix inside an all-in-one file.
+    pub prefix: Option<&'static str>,
+}
+
+impl Sources {
+    /// The pipeline's pieces for `family` with its model at `model`: the given paths (a
+    /// path equal to `model` is read under the family's single-file prefix), else the
+    /// pipeline folder's `text_encoder*/`, `tokenizer*/` and `vae/`, else (weights only) the
+    /// model's own single file when the family's single files hold them. An error names the
+    /// config key to set (`key_text`, `key_tok`, `key_vae`) when nothing is found.
+    pub fn locate(
+        &self,
+        family: &Family,
+        model: &Path,
+        keys: [&str; 3],
+    ) -> Result<(Vec<(Located, PathBuf)>, Located)> {
+        let spec = family.pipeline;
+        let [key_text, key_tok, key_vae] = keys;
+        let n = spec.text.len();
+        let names = || {
+            spec.text
+                .iter()
+                .map(|s| s.name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        for (key, list) in [(key_text, &self.text), (key_tok, &self.tokenizers)] {
+            if !list.is_empty() && list.len() != n {
+                return Err(pipeline_err(format!(
+                    "{key}: {} paths given; {} takes {n} ({}), in that order",
+                    list.len(),
+                    family.name,
+                    names()
+                )));
+            }
+        }
+        let single = model.is_file().then(|| model.to_path_buf());
+        let mut out = vec![];
+        for (i, slot) in spec.text.iter().enumerate() {
+            let weights = match self.text.get(i) {
+                Some(p) => Located {
+                    prefix: (p == model).then_some(slot.single_file_prefix).flatten(),
+                    path: p.clone(),
+                },
+                None => match (pipeline_root(model, slot.folder), &single) {
+                    (Some(root), _) => Located {
+                        path: root.join(slot.folder),
+                        prefix: None,
+                    },
+                    (None, Some(file)) if slot.single_file_prefix.is_some() => Located {
+                        path: file.clone(),
+                        prefix: slot.single_file_prefix,
+                    },
+                    _ => {
+                        return Err(pipeline_err(format!(
+                            "{key_text}: no {} text encoder next to {}; give the {} files \
+                             ({}) in that order",
+                            slot.name,
+                            model.display(),
+                            n,
+                            names()
+                        )))
+                    }
+                },
+            };
+            let tok = match self.tokenizers.get(i) {
+                Some(p) => p.clone(),
+                None => match pipeline_root(model, slot.tokenizer) {
+                    Some(root) => root.join(slot.tokenizer),
+                    None => {
+                        return Err(pipeline_err(format!(
+                            "{key_tok}: no {} tokenizer next to {}; give the tokenizer \
+                             folders of a diffusers pipeline ({}), in that order",
+                            slot.name,
+                            model.display(),
+                            spec.text
+                                .iter()
+                                .map(|s| format!("{}/ for {}", s.tokenizer, s.name))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )))
+                    }
+                },
+            };
+            out.push((weights, tok));
+        }
+        let vae = match &self.vae {
+            Some(p) => Located {
+                prefix: (p == model)
+                    .then_some(spec.vae_single_file_prefix)
+                    .flatten(),
+                path: p.clone(),
+            },
+            None => match (pipeline_root(model, "vae"), &single) {
+                (Some(root), _) => Located {
+                    path: root.join("vae"),
+                    prefix: None,
+                },
+                (None, Some(file)) if spec.vae_single_file_prefix.is_some() => Located {
+                    path: file.clone(),
+                    prefix: spec.vae_single_file_prefix,
+                },
+                _ => {
+                    return Err(pipeline_err(format!(
+                        "{key_vae}: no autoencoder next to {}; give the VAE file or folder",
+                        model.display()
+                    )))
+                }
+            },
+        };
+        Ok((out, vae))
+    }
+}
+
+/// A string that changes when the file or folder at `path` does (its path, and each weight
+/// file's size and modification time): part of the caches' keys.
+pub fn file_identity(path: &Path) -> String {
+    let stamp = |p: &Path| match std::fs::metadata(p) {
+        Ok(m) => format!(
+            "{} {} {:?}",
+            p.display(),
+            m.len(),
+            m.modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map(|d| d.as_nanos())
+        ),
+        Err(_) => format!("{} missing", p.display()),
+    };
+    if path.is_dir() {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| {
+                        p.extension()
+                            .is_some_and(|e| e == "safetensors" || e == "json")
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        files.sort();
+        files
+            .iter()
+            .map(|f| stamp(f))
+            .collect::<Vec<_>>()
+            .join("; ")
+    } else {
+        stamp(path)
+    }
+}
+
+enum Tokenizer {
+    Clip(ClipTokenizer),
+    T5(T5Tokenizer),
+}
+
+enum Encoder {
+    Clip(ClipTextModel),
+    T5(T5Encoder),
+}
+
+/// A family's text encoders with their tokenizers, loaded: captions to the model's text
+/// inputs.
+pub struct TextConditioner {
+    family: &'static Family,
+    encoders: Vec<(Tokenizer, Encoder)>,
+    device: Device,
+    identity: String,
+}
+
+fn wrap(key: &str, slot: &EncoderSlot, e: Error) -> Error {
+    pipeline_err(format!("{key} ({}): {e}", slot.name))
+}
+
+impl TextConditioner {
+    /// Loads `family`'s text encoders and tokenizers from `located` (from
+    /// [`Sources::locate`]) in `dtype` on `device`. `guided` says whether the model takes a
+    /// guidance input (it sets T5's length for Flux); `t5_tokens`, when not 0, is T5's
+    /// length instead. Errors name `key` and the slot.
+    pub fn load(
+        family: &'static Family,
+        located: &[(Located, PathBuf)],
+        guided: bool,
+        t5_tokens: usize,
+        dtype: DType,
+        device: &Device,
+        key: &str,
+    ) -> Result<Self> {
+        if located.len() != family.pipeline.text.len() {
+            return Err(pipeline_err(format!(
+                "{key}: {} text encoders located, {} takes {}",
+                located.len(),
+                family.name,
+                family.pipeline.text.len()
+            )));
+        }
+        let mut encoders = vec![];
+        for (slot, (w, tok)) in family.pipeline.text.iter().zip(located) {
+            let len = slot.len(guided, t5_tokens);
+            let pair = match slot.kind {
+                TextEncoderKind::Clip => (
+                    Tokenizer::Clip(
+                        ClipTokenizer::from_dir(tok, len, None).map_err(|e| wrap(key, slot, e))?,
+                    ),
+                    Encoder::Clip(
+                        ClipTextModel::load(&w.path, w.prefix, dtype, device, None)
+                            .map_err(|e| wrap(key, slot, e))?
+                            .0,
+                    ),
+                ),
+                TextEncoderKind::T5 => {
+                    // T5 overflows in f16 (the loader refuses it): f32 then.
+                    let dt = if dtype == DType::F16 {
+                        DType::F32
+                    } else {
+                        dtype
+                    };
+                    (
+                        Tokenizer::T5(
+                            T5Tokenizer::from_file(tok, len).map_err(|e| wrap(key, slot, e))?,
+                        ),
+                        Encoder::T5(
+                            T5Encoder::load(&w.path, w.prefix, dt, device, None)
+                                .map_err(|e| wrap(key, slot, e))?
+                                .0,
+                        ),
+                    )
+                }
+            };
+            encoders.push(pair);
+        }
+        Ok(TextConditioner {
+            family,
+            encoders,
+            device: device.clone(),
+            identity: Self::identity_of(family, located, guided, t5_tokens, dtype),
+        })
+    }
+
+    /// The [`identity`](Self::identity) the encoders at `located` would have, without
+    /// loading them.
+    pub fn identity_of(
+        family: &Family,
+        located: &[(Located, PathBuf)],
+        guided: bool,
+        t5_tokens: usize,
+        dtype: DType,
+    ) -> String {
+        let mut id = vec![format!("{} {dtype:?}", family.name)];
+        for (slot, (w, tok)) in family.pipeline.text.iter().zip(located) {
+            id.push(format!(
+                "{}: {} under {:?}, tokenizer {}, {} tokens",
+                slot.name,
+                file_identity(&w.path),
+                w.prefix,
+                file_identity(tok),
+                slot.len(guided, t5_tokens)
+            ));
+        }
+        id.join("\n")
+    }
+
+    /// A string that changes whenever the embeddings would (files, prefixes, dtype, token
+    /// lengths): the text cache's encoder name.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// The model's text inputs for `captions`, by input name, each (B, ...) in f32 on the
+    /// device the encoders run on; no gradients are recorded.
+    pub fn encode(&self, captions: &[&str]) -> Result<Named> {
+        let _g = no_grad();
+        let mut outs = vec![];
+        for (tok, enc) in &self.encoders {
+            let tokens: Vec<Tokens> = captions
+                .iter()
+                .map(|c| match tok {
+                    Tokenizer::Clip(t) => t.encode(c),
+                    Tokenizer::T5(t) => t.encode(c),
+                })
+                .collect::<Result<_>>()?;
+            let (ids, _mask) = Tokens::batch(&tokens, &self.device)?;
+            outs.push(match enc {
+                Encoder::Clip(m) => TextOutput::Clip(m.forward(&ids, None)?),
+                Encoder::T5(m) => TextOutput::T5(m.forward(&ids, None)?),
+            });
+        }
+        (self.family.pipeline.combine)(&outs)?
+            .into_iter()
+            .map(|(n, t)| Ok((n, t.to_dtype(DType::F32)?)))
+            .collect()
+    }
+}
+
+/// Loads `family`'s autoencoder from `located` in `dtype` on `device`, with the family's
+/// latent scaling. Errors name `key`.
+pub fn load_vae(
+    family: &Family,
+    located: &Located,
+    dtype: DType,
+    device: &Device,
+    key: &str,
+) -> Result<AutoencoderKl> {
+    AutoencoderKl::load(
+        &located.path,
+        located.prefix,
+        Some(family.pipeline.vae),
+        dtype,
+        device,
+        None,
+    )
+    .map(|(v, _)| v)
+    .map_err(|e| pipeline_err(format!("{key}: {e}")))
+}
+
+/// `x` (B, L, d) zero-padded on its last dim to `width`; an error when d > width.
+pub fn pad_last(x: &Tensor, width: usize) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let d = dims.last().copied().unwrap_or(0);
+    if d > width {
+        return Err(Error::invalid(
+            "pad_last",
+            format!("width {d} is wider than {width}"),
+            x.shape(),
+        ));
+    }
+    if d == width {
+        return Ok(x.clone());
+    }
+    let mut zdims = dims.clone();
+    if let Some(last) = zdims.last_mut() {
+        *last = width - d;
+    }
+    let z = Tensor::zeros(zdims, x.dtype(), x.device())?;
+    Tensor::cat(&[x, &z], dims.len() - 1)
+}

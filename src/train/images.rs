@@ -1,0 +1,407 @@
+//! Training from images with captions: the `[data]` image sources scanned and bucketed
+//! ([`crate::data`]), latents and text embeddings encoded once into the caches by the
+//! family's autoencoder and text encoders ([`crate::models::pipeline`]), the encoders freed,
+//! and batches read back from the caches step by step.
+
+use super::config::{ModelDType, TrainConfig};
+use super::data::{Batch, Samples};
+use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
+use crate::encoders::{AutoencoderKl, VaeTiling};
+use crate::models::pipeline::{file_identity, load_vae, Located, Sources, TextConditioner};
+use crate::models::{Family, Input, Size};
+use crate::{DType, Device, Error, Result, Tensor};
+use std::path::{Path, PathBuf};
+
+/// The input SDXL-style models take from an image's geometry (original size, crop, target
+/// size), not from the caches.
+pub const TIME_IDS: &str = "time_ids";
+
+/// The input every family takes its latents in.
+const LATENTS: &str = "latents";
+
+/// A bucketed image dataset with its caches: batches for training or validation.
+pub struct ImageSamples {
+    /// The images and their samples.
+    pub ds: data::Dataset,
+    sampler: BatchSampler,
+    latents: LatentCache,
+    text: TextCache,
+    names: Vec<&'static str>,
+    largest: Vec<Vec<usize>>,
+}
+
+/// What [`prepare`] made: the training samples, the held-out ones, and what the user should
+/// hear about (skipped files, cache reports).
+pub struct ImageRun {
+    /// The training samples.
+    pub train: ImageSamples,
+    /// The validation samples, when `data.validation_split` or `data.validation_dir` is set.
+    pub validation: Option<ImageSamples>,
+    /// The autoencoder's downsampling factor (8 in the released ones).
+    pub vae_factor: usize,
+    /// The located autoencoder (sampling loads it again to decode).
+    pub vae: Located,
+    /// The text cache holding the sample prompts' embeddings.
+    pub text: TextCache,
+}
+
+fn cfg_err(msg: String) -> Error {
+    Error::Config { path: None, msg }
+}
+
+/// The device the encoders run on (`encoders.device`).
+pub fn encoder_device(config: &TrainConfig, train: &Device) -> Result<Device> {
+    match config.encoders.device.as_str() {
+        "auto" => Ok(train.clone()),
+        other => super::trainer::pick_device(other),
+    }
+}
+
+/// The dtype the encoders compute in: f32 for f32 training or on the CPU, else bf16.
+pub fn encoder_dtype(config: &TrainConfig, device: &Device) -> DType {
+    if config.model.dtype == ModelDType::F32 || !device.is_cuda() {
+        DType::F32
+    } else {
+        DType::BF16
+    }
+}
+
+/// The pipeline pieces of `config`'s model (`[encoders]`, else next to `model.path`).
+pub fn locate(config: &TrainConfig, family: &Family) -> Result<(Vec<(Located, PathBuf)>, Located)> {
+    let e = &config.encoders;
+    Sources {
+        text: e.text.clone(),
+        tokenizers: e.tokenizers.clone(),
+        vae: e.vae.clone(),
+    }
+    .locate(
+        family,
+        &config.model.path,
+        ["encoders.text", "encoders.tokenizers", "encoders.vae"],
+    )
+}
+
+/// The loaded autoencoder with `encoders.vae_tile` applied.
+pub fn vae(
+    config: &TrainConfig,
+    family: &Family,
+    at: &Located,
+    dtype: DType,
+    device: &Device,
+) -> Result<AutoencoderKl> {
+    let mut v = load_vae(family, at, dtype, device, "encoders.vae")?;
+    if config.encoders.vae_tile > 0 {
+        v.tiling = Some(VaeTiling::new(config.encoders.vae_tile));
+    }
+    Ok(v)
+}
+
+/// The cache folder: `data.cache_dir`, else `cache` in the output folder.
+pub fn cache_dir(config: &TrainConfig) -> PathBuf {
+    config
+        .data
+        .cache_dir
+        .clone()
+        .unwrap_or_else(|| config.train.output_dir.join("cache"))
+}
+
+/// Progress of a cache fill, as a note at every tenth of the way and at the end.
+fn reporter<'a>(what: &'a str, on: &'a mut dyn FnMut(String)) -> impl FnMut(&Progress) + 'a {
+    let mut last = 0;
+    move |p: &Progress| {
+        let tenth = p.done * 10 / p.total.max(1);
+        if p.done == p.total || tenth > last {
+            last = tenth;
+            on(format!(
+                "caching {what}: {}/{} ({} reused, {} encoded)",
+                p.done, p.total, p.reused, p.computed
+            ));
+        }
+    }
+}
+
+/// Scans, splits and buckets the images of `config.data`; with `encode`, fills the latent
+/// and text caches (loading the autoencoder, then the text encoders, each freed when done)
+/// so that every batch of the run and every sample prompt is on disk. Without it (a dry
+/// run) nothing is written and only the shapes are worked out. `inputs` are the model's,
+/// `guided` whether it takes a guidance input. Notes go to `on`.
+pub fn prepare(
+    config: &TrainConfig,
+    family: &'static Family,
+    inputs: &[Input],
+    guided: bool,
+    train_device: &Device,
+    encode: bool,
+    on: &mut dyn FnMut(String),
+) -> Result<ImageRun> {
+    let d = &config.data;
+    let t = &config.train;
+    let opts = d.options(t.seed)?;
+    let ds = data::Dataset::open(opts.clone())?;
+    let (ds, val) = match &d.validation_dir {
+        Some(dir) => {
+            let mut o = opts.clone();
+            o.sources = vec![data::Source::Folder {
+                dir: dir.clone(),
+                repeats: 1,
+            }];
+            (ds, Some(data::Dataset::open(o)?))
+        }
+        None => ds.split(d.validation_split)?,
+    };
+    for bad in ds.skipped.iter().chain(val.iter().flat_map(|v| &v.skipped)) {
+        on(format!("skipped {bad}"));
+    }
+    let names: Vec<&'static str> = inputs.iter().map(|i| i.name).collect();
+    if names.first() != Some(&LATENTS) {
+        return Err(cfg_err(format!(
+            "{} takes {names:?}: image data needs latents first",
+            family.name
+        )));
+    }
+    let device = encoder_device(config, train_device)?;
+    let dtype = encoder_dtype(config, &device);
+    let (text_at, vae_at) = locate(config, family)?;
+    let cache = cache_dir(config);
+
+    // Latents: the autoencoder, loaded once for the training and validation images.
+    let vae = vae(config, family, &vae_at, dtype, &device)?;
+    let factor = 1usize << vae.config.block_out_channels.len().saturating_sub(1);
+    let channels = vae.config.latent_channels;
+    if let Some(Size::Exactly(c)) = inputs[0].dims.first() {
+        if *c != channels {
+            return Err(cfg_err(format!(
+                "encoders.vae ({}): {channels} latent channels, the {} model takes {c}",
+                vae_at.path.display(),
+                family.name
+            )));
+        }
+    }
+    let vae_id = format!(
+        "{} under {:?}, {dtype:?}, tile {}",
+        file_identity(&vae_at.path),
+        vae_at.prefix,
+        config.encoders.vae_tile
+    );
+    let mut sets = vec![(ds, "latents")];
+    if let Some(v) = val {
+        sets.push((v, "validation latents"));
+    }
+    let mut caches = vec![];
+    for (ds, what) in sets.iter_mut() {
+        let mut lc = LatentCache::open(&cache, &vae_id)?;
+        if encode {
+            let mut enc = |x: &Tensor| -> Result<data::cache::Encoded> {
+                let z = vae.encode_latents(&x.unsqueeze(0)?.to_dtype(dtype)?)?;
+                Ok(vec![(
+                    LATENTS.to_string(),
+                    z.squeeze(0)?.to_dtype(DType::F32)?,
+                )])
+            };
+            let report = lc.fill(ds, &device, &mut enc, &mut reporter(what, &mut *on))?;
+            for bad in &report.skipped {
+                on(format!("skipped {bad}"));
+            }
+        }
+        caches.push(lc);
+    }
+    drop(vae);
+
+    // Text: every caption the run's epochs will draw, the held-out captions, the empty
+    // caption and the sample prompts.
+    let train_ds = &sets[0].0;
+    let sampler = train_ds.sampler(t.batch_size, false)?;
+    let micro_batches = t.steps * t.grad_accum;
+    let epochs = micro_batches.div_ceil(sampler.batches_per_epoch().max(1));
+    let mut captions: Vec<String> = vec![String::new()];
+    for e in 0..epochs as u64 {
+        for i in 0..train_ds.len() {
+            captions.push(train_ds.caption(i, e)?);
+        }
+    }
+    if let Some((v, _)) = sets.get(1) {
+        captions.extend(v.items.iter().map(|it| it.caption.clone()));
+    }
+    captions.extend(config.sample.prompts.iter().cloned());
+    captions.push(config.sample.negative_prompt.clone());
+    let text_id =
+        TextConditioner::identity_of(family, &text_at, guided, config.encoders.t5_tokens, dtype);
+    let text = TextCache::open(&cache, &text_id)?;
+    let empty = text.entry_path("");
+    let text_shapes: Vec<(String, Vec<usize>)> = if encode || !empty.is_file() {
+        let cond = TextConditioner::load(
+            family,
+            &text_at,
+            guided,
+            config.encoders.t5_tokens,
+            dtype,
+            &device,
+            "encoders",
+        )?;
+        let mut enc = |c: &str| -> Result<data::cache::Encoded> {
+            cond.encode(&[c])?
+                .into_iter()
+                .map(|(n, t)| Ok((n, t.squeeze(0)?)))
+                .collect()
+        };
+        if encode {
+            text.fill(&captions, &mut enc, &mut reporter("captions", &mut *on))?;
+            read_shapes(&empty)?
+        } else {
+            enc("")?
+                .into_iter()
+                .map(|(n, t)| (n, t.dims().to_vec()))
+                .collect()
+        }
+    } else {
+        read_shapes(&empty)?
+    };
+
+    let mut samples = vec![];
+    for ((ds, _), latents) in sets.into_iter().zip(caches) {
+        let sampler = ds.sampler(t.batch_size.min(ds.len()), false)?;
+        let (bw, bh) = sampler
+            .bucket_sizes()
+            .iter()
+            .map(|(b, _)| (b.width, b.height))
+            .max_by_key(|(w, h)| w * h)
+            .unwrap_or((factor, factor));
+        let mut largest = vec![];
+        for name in &names {
+            largest.push(match *name {
+                LATENTS => vec![channels, bh / factor, bw / factor],
+                TIME_IDS => vec![6],
+                other => text_shapes
+                    .iter()
+                    .find(|(n, _)| n == other)
+                    .map(|(_, s)| s.clone())
+                    .ok_or_else(|| {
+                        cfg_err(format!(
+                            "the {} model takes \"{other}\", which its text encoders do not \
+                             give ({:?})",
+                            family.name,
+                            text_shapes.iter().map(|(n, _)| n).collect::<Vec<_>>()
+                        ))
+                    })?,
+            });
+        }
+        samples.push(ImageSamples {
+            ds,
+            sampler,
+            latents,
+            text: text.clone(),
+            names: names.clone(),
+            largest,
+        });
+    }
+    let mut it = samples.into_iter();
+    let train = it
+        .next()
+        .ok_or_else(|| cfg_err("no training images".into()))?;
+    Ok(ImageRun {
+        train,
+        validation: it.next(),
+        vae_factor: factor,
+        vae: vae_at,
+        text,
+    })
+}
+
+/// The names and shapes of the tensors in the cache entry at `path`.
+fn read_shapes(path: &Path) -> Result<Vec<(String, Vec<usize>)>> {
+    let f = crate::safetensors::SafeTensorsFile::open(path)?;
+    let names: Vec<String> = f.names().map(str::to_string).collect();
+    names
+        .into_iter()
+        .map(|n| {
+            let shape = f
+                .info(&n)
+                .map(|i| i.shape.clone())
+                .ok_or_else(|| cfg_err(format!("{}: no tensor {n}", path.display())))?;
+            Ok((n, shape))
+        })
+        .collect()
+}
+
+impl ImageSamples {
+    /// The inputs of the samples `idx` in `epoch`, in the model's order; `raw_captions`
+    /// takes each image's caption as written (validation) instead of the epoch's (dropout,
+    /// shuffled tags).
+    pub fn inputs(
+        &self,
+        idx: &[usize],
+        epoch: u64,
+        raw_captions: bool,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Batch> {
+        let latents = self
+            .latents
+            .load_batch(&self.ds, idx, epoch, device, dtype)?;
+        let captions = idx
+            .iter()
+            .map(|&i| match raw_captions {
+                true => self.ds.item(i).map(|it| it.caption.clone()),
+                false => self.ds.caption(i, epoch),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let text = self.text.load_batch(&captions, device, dtype)?;
+        let mut out = vec![];
+        for name in &self.names {
+            out.push(match *name {
+                TIME_IDS => {
+                    let mut v = vec![];
+                    for &i in idx {
+                        v.extend(self.ds.time_ids(i, epoch)?.iter().map(|&x| x as f32));
+                    }
+                    Tensor::from_vec(v, (idx.len(), 6), device)?.to_dtype(dtype)?
+                }
+                other => latents
+                    .iter()
+                    .chain(&text)
+                    .find(|(n, _)| n == other)
+                    .map(|(_, t)| t.clone())
+                    .ok_or_else(|| cfg_err(format!("the caches hold no \"{other}\"")))?,
+            });
+        }
+        let files = idx
+            .iter()
+            .map(|&i| self.ds.item(i).map(|it| it.path.display().to_string()))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Batch { inputs: out, files })
+    }
+}
+
+impl Samples for ImageSamples {
+    fn len(&self) -> usize {
+        self.ds.len()
+    }
+    fn largest(&self) -> Vec<Vec<usize>> {
+        self.largest.clone()
+    }
+    fn batch(
+        &self,
+        micro: usize,
+        _batch: usize,
+        _seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Batch> {
+        let (epoch, idx) = self.sampler.batch_at(micro);
+        self.inputs(&idx, epoch, false, dtype, device)
+    }
+    fn describe(&self) -> String {
+        let buckets: Vec<String> = self
+            .sampler
+            .bucket_sizes()
+            .iter()
+            .map(|(b, n)| format!("{b}: {n}"))
+            .collect();
+        format!(
+            "{} images ({} samples an epoch) in buckets {}",
+            self.ds.items.len(),
+            self.ds.len(),
+            buckets.join(", ")
+        )
+    }
+}

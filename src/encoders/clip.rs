@@ -322,8 +322,9 @@ pub struct ClipOutput {
     pub penultimate: Tensor,
     /// `last_hidden` at each row's EOS position (B, D): `pooler_output`.
     pub pooled: Tensor,
-    /// `pooled` through `text_projection` (B, P), when the checkpoint has one (bigG):
-    /// `text_embeds`.
+    /// `pooled` through `text_projection` (B, P), when the checkpoint has one (bigG; CLIP-L
+    /// in SD3's `text_encoder/`, not in SD3's single files, whose pipelines use the identity,
+    /// i.e. `pooled`): `text_embeds`.
     pub projected: Option<Tensor>,
 }
 

@@ -963,6 +963,45 @@ fn varbuilder_key_map_concatenates_swaps_and_renames() -> R {
 }
 
 #[test]
+fn varbuilder_from_shapes_checks_like_a_file() -> R {
+    let shapes = [
+        ("a.q", vec![4, 3]),
+        ("a.k", vec![4, 3]),
+        ("b.w", vec![2]),
+        ("c", vec![1]),
+    ];
+    let vb = VarBuilder::from_shapes(
+        shapes.iter().map(|(k, s)| (k.to_string(), s.clone())),
+        DType::F32,
+        &CPU,
+    )
+    .with_key_map(Arc::new(|k: &str| match k {
+        "qk" => Some(KeySource::Cat(vec![("a.q".into(), 4), ("a.k".into(), 4)])),
+        _ => Some(KeySource::Key(k.to_string())),
+    }))?;
+    assert_eq!(vb.source_keys(), ["a.k", "a.q", "b.w", "c"]);
+    assert_eq!(vb.shape_of("qk"), Some(vec![8, 3]));
+    // A zero-stride view of one zero, not (8, 3) values.
+    let qk = vb.get((8, 3), "qk")?;
+    assert_eq!(qk.dims(), [8, 3]);
+    assert_eq!(qk.layout().strides(), [0, 0]);
+    assert_eq!(v(&qk), vec![0.0; 24]);
+    param_err(
+        &vb.get(3, "b.w").unwrap_err(),
+        "b.w",
+        &["expected shape", "[2]"],
+    );
+    param_err(
+        &vb.get(1, "d").unwrap_err(),
+        "d",
+        &["missing", "shapes given"],
+    );
+    // b.w failed its check, so it counts as unread with c.
+    assert_eq!(vb.unused_keys()?, ["b.w", "c"]);
+    Ok(())
+}
+
+#[test]
 fn varbuilder_random_is_seeded_per_key() -> R {
     let a = VarBuilder::random(7, 0.5, DType::F32, &CPU);
     let b = VarBuilder::random(7, 0.5, DType::F32, &CPU);

@@ -322,8 +322,9 @@ pub struct ClipOutput {
     pub penultimate: Tensor,
     /// `last_hidden` at each row's EOS position (B, D): `pooler_output`.
     pub pooled: Tensor,
-    /// `pooled` through `text_projection` (B, P), when the checkpoint has one (bigG):
-    /// `text_embeds`.
+    /// `pooled` through `text_projection` (B, P), when the checkpoint has one (bigG; CLIP-L
+    /// in SD3's `text_encoder/`, not in SD3's single files, whose pipelines use the identity,
+    /// i.e. `pooled`): `text_embeds`.
     pub projected: Option<Tensor>,
 }
 
@@ -402,6 +403,25 @@ impl ClipTextModel {
             config_path,
         } = locate(path.as_ref())?;
         let raw = VarBuilder::from_files(&files, dtype, device)?;
+        let config = match (config, json) {
+            (Some(c), _) => Some(c),
+            (None, Some(j)) => Some(ClipConfig::from_json(&j, config_path.as_deref())?),
+            (None, None) => None,
+        };
+        Self::load_from(raw, path.as_ref(), prefix, config)
+    }
+
+    /// What [`load`](Self::load) does once the files are open: `raw` is a builder over the
+    /// checkpoint's keys as stored (no key map), `origin` the file or folder they came from
+    /// (named in errors). Finds the encoder's prefix and layout by its keys, maps them, takes
+    /// `config` or infers one from the shapes, and builds the model. Any source works: tensors
+    /// in memory, or [`VarBuilder::from_shapes`] to check a layout without its weights.
+    pub fn load_from(
+        raw: VarBuilder,
+        origin: &Path,
+        prefix: Option<&str>,
+        config: Option<ClipConfig>,
+    ) -> Result<(Self, VarBuilder)> {
         let keys = raw.source_keys();
         let candidates = prefixes_with(&keys, "embeddings.token_embedding.weight")
             .into_iter()
@@ -416,8 +436,7 @@ impl ClipTextModel {
                     .map(|p| (p, ClipLayout::OpenClip)),
             )
             .collect::<Vec<_>>();
-        let (prefix, layout) =
-            detect_prefix(path.as_ref(), "CLIP text encoder", candidates, prefix)?;
+        let (prefix, layout) = detect_prefix(origin, "CLIP text encoder", candidates, prefix)?;
         let tok_key = match layout {
             ClipLayout::Transformers => "text_model.embeddings.token_embedding.weight",
             ClipLayout::TransformersBare => "embeddings.token_embedding.weight",
@@ -428,14 +447,13 @@ impl ClipTextModel {
             .and_then(|s| s.get(1).copied())
             .ok_or_else(|| Error::Param {
                 key: format!("{prefix}{tok_key}"),
-                file: files.first().cloned(),
+                file: Some(origin.to_path_buf()),
                 msg: "is not a (vocab, width) matrix".into(),
             })?;
         let vb = raw.with_key_map(clip_key_map(layout, &prefix, d))?;
-        let cfg = match (config, json) {
-            (Some(c), _) => c,
-            (None, Some(j)) => ClipConfig::from_json(&j, config_path.as_deref())?,
-            (None, None) => ClipConfig::from_shapes(&vb)?,
+        let cfg = match config {
+            Some(c) => c,
+            None => ClipConfig::from_shapes(&vb)?,
         };
         let model = Self::new(&vb, &cfg, layout)?;
         Ok((model, vb))

@@ -28,8 +28,14 @@
 //! ```
 //!
 //! Which outputs the pipelines use: SD 1.x CLIP-L's `last_hidden`; SDXL both CLIPs'
-//! `penultimate` (concatenated) and bigG's `projected`; SD3.5 the same plus T5; Flux CLIP-L's
-//! `pooled` and T5's hidden state.
+//! `penultimate` (concatenated) and bigG's `projected`; SD3.5 both CLIPs' `penultimate` and
+//! both `projected` (concatenated, 768 + 1280) plus T5; Flux CLIP-L's `pooled` and T5's
+//! hidden state. The CLIP-L inside SD3 / SD3.5 single files has no `text_projection`
+//! (`projected` is `None`): SD3's reference code and diffusers' single-file loader project it
+//! by the identity, so its `pooled` stands in.
+//!
+//! tests/keylists.rs loads the key and shape lists of the released full-size files (made by
+//! scripts/make_keylists.py) through each loader's `load_from` without their weights.
 
 mod clip;
 mod t5;

@@ -288,12 +288,31 @@ impl T5Encoder {
             config_path,
         } = locate(path.as_ref())?;
         let raw = VarBuilder::from_files(&files, dtype, device)?;
+        let config = match (config, json) {
+            (Some(c), _) => Some(c),
+            (None, Some(j)) => Some(T5Config::from_json(&j, config_path.as_deref())?),
+            (None, None) => None,
+        };
+        Self::load_from(raw, path.as_ref(), prefix, config)
+    }
+
+    /// What [`load`](Self::load) does once the files are open: `raw` is a builder over the
+    /// checkpoint's keys as stored (no key map), `origin` the file or folder they came from
+    /// (named in errors). Finds the encoder's prefix by its keys, maps them, takes `config` or
+    /// infers one from the shapes, and builds the model. Any source works: tensors in memory,
+    /// or [`VarBuilder::from_shapes`] to check a layout without its weights.
+    pub fn load_from(
+        raw: VarBuilder,
+        origin: &Path,
+        prefix: Option<&str>,
+        config: Option<T5Config>,
+    ) -> Result<(Self, VarBuilder)> {
         let keys = raw.source_keys();
         let candidates = prefixes_with(&keys, "encoder.final_layer_norm.weight")
             .into_iter()
             .map(|p| (p, ()))
             .collect();
-        let (prefix, ()) = detect_prefix(path.as_ref(), "T5 encoder", candidates, prefix)?;
+        let (prefix, ()) = detect_prefix(origin, "T5 encoder", candidates, prefix)?;
         let shared = if keys.contains(&format!("{prefix}shared.weight")) {
             format!("{prefix}shared.weight")
         } else {
@@ -306,10 +325,9 @@ impl T5Encoder {
                 format!("{prefix}{k}")
             }))
         }))?;
-        let cfg = match (config, json) {
-            (Some(c), _) => c,
-            (None, Some(j)) => T5Config::from_json(&j, config_path.as_deref())?,
-            (None, None) => T5Config::from_shapes(&vb)?,
+        let cfg = match config {
+            Some(c) => c,
+            None => T5Config::from_shapes(&vb)?,
         };
         let model = Self::new(&vb, &cfg)?;
         Ok((model, vb))

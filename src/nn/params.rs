@@ -48,6 +48,9 @@ enum Source {
         index: HashMap<String, usize>,
     },
     Tensors(HashMap<String, Tensor>),
+    /// Keys and shapes without values (`from_shapes`): loading checks them as a file's header,
+    /// and hands out zero-stride views of one zero.
+    Shapes(HashMap<String, Vec<usize>>),
     /// Fresh N(0, std²) values of whatever shape a layer asks for, seeded per key.
     Random {
         seed: u64,
@@ -93,6 +96,7 @@ impl std::fmt::Debug for VarBuilder {
                 .collect::<Vec<_>>()
                 .join(", "),
             Source::Tensors(t) => format!("{} tensors", t.len()),
+            Source::Shapes(s) => format!("{} shapes without values", s.len()),
             Source::Random { seed, std } => format!("random N(0, {std}^2), seed {seed}"),
         };
         write!(
@@ -136,6 +140,19 @@ impl VarBuilder {
     /// Parameters from tensors in memory (tests, freshly initialised models).
     pub fn from_tensors(tensors: HashMap<String, Tensor>, dtype: DType, device: &Device) -> Self {
         Self::new(Source::Tensors(tensors), dtype, device)
+    }
+
+    /// A source of keys and shapes without values (e.g. the key list of a checkpoint too large
+    /// to keep in the tests): loading is checked as from files, key by key and shape by shape
+    /// through any key map, and the keys read are recorded (`unused_keys`), but every tensor
+    /// handed out is a zero-stride view of one zero in the asked shape (one element of memory
+    /// on `device`). Values computed from them are meaningless; for checking layouts.
+    pub fn from_shapes(
+        shapes: impl IntoIterator<Item = (String, Vec<usize>)>,
+        dtype: DType,
+        device: &Device,
+    ) -> Self {
+        Self::new(Source::Shapes(shapes.into_iter().collect()), dtype, device)
     }
 
     /// Random parameters: each key asked for gets N(0, std²) values of the asked shape, from
@@ -308,7 +325,7 @@ impl VarBuilder {
                 let first = *src.keys().first()?;
                 index.get(first).map(|&i| files[i].path().to_path_buf())
             }
-            Source::Tensors(_) | Source::Random { .. } => None,
+            Source::Tensors(_) | Source::Shapes(_) | Source::Random { .. } => None,
         }
     }
 
@@ -316,6 +333,7 @@ impl VarBuilder {
         match &self.shared.source {
             Source::Files { index, .. } => index.contains_key(key),
             Source::Tensors(t) => t.contains_key(key),
+            Source::Shapes(s) => s.contains_key(key),
             Source::Random { .. } => false,
         }
     }
@@ -338,6 +356,7 @@ impl VarBuilder {
                 .and_then(|&i| files[i].info(key))
                 .map(|i| i.shape.clone()),
             Source::Tensors(t) => t.get(key).map(|t| t.dims().to_vec()),
+            Source::Shapes(s) => s.get(key).cloned(),
             Source::Random { .. } => None,
         }
     }
@@ -347,6 +366,7 @@ impl VarBuilder {
         let mut keys: Vec<String> = match &self.shared.source {
             Source::Files { index, .. } => index.keys().cloned().collect(),
             Source::Tensors(t) => t.keys().cloned().collect(),
+            Source::Shapes(s) => s.keys().cloned().collect(),
             Source::Random { .. } => vec![],
         };
         keys.sort();
@@ -510,6 +530,15 @@ impl VarBuilder {
                 format!("expected shape {shape}, the source has {found:?}{from}"),
             ));
         }
+        if let Source::Shapes(_) = self.shared.source {
+            // Checked like a file; nothing to read (`from_shapes`).
+            self.shared
+                .used
+                .lock()
+                .map_err(|_| Error::Poisoned("parameter table"))?
+                .extend(src.keys().iter().map(|k| k.to_string()));
+            return placeholder(self.shared.dtype, &shape, &self.shared.device);
+        }
         let parts = src
             .keys()
             .iter()
@@ -569,6 +598,7 @@ impl VarBuilder {
                 .collect::<Vec<_>>()
                 .join(", "),
             Source::Tensors(_) => "the tensors given".into(),
+            Source::Shapes(_) => "the shapes given".into(),
             Source::Random { .. } => "a random source".into(),
         };
         Error::Param {
@@ -633,6 +663,10 @@ impl VarBuilder {
                     }
                     _ => Ok(t),
                 }
+            }
+            Source::Shapes(s) => {
+                let shape = s.get(key).ok_or_else(|| self.missing(key, key))?;
+                placeholder(dtype, &Shape::from(shape.clone()), device)
             }
             Source::Random { .. } => Err(self.missing(key, key)),
             Source::Tensors(map) => {

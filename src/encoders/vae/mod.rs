@@ -177,6 +177,27 @@ impl AutoencoderKl {
         let path = path.as_ref();
         let (file, json) = locate(path)?;
         let raw = VarBuilder::from_files(&[&file], dtype, device)?;
+        let config = match (config, json) {
+            (Some(c), _) => Some(c),
+            (None, Some((j, p))) => Some(VaeConfig::from_json(&j, Some(&p))?),
+            (None, None) => None,
+        };
+        Self::load_from(raw, path, prefix, kind, config)
+    }
+
+    /// What [`load`](Self::load) does once the file is open: `raw` is a builder over the
+    /// checkpoint's keys as stored (no key map), `origin` the file or folder they came from
+    /// (named in errors). Finds the autoencoder's prefix and layout by its keys, maps them,
+    /// takes `config` or infers one from the shapes, applies `kind`'s scaling, and builds the
+    /// model. Any source works: tensors in memory, or [`VarBuilder::from_shapes`] to check a
+    /// layout without its weights.
+    pub fn load_from(
+        raw: VarBuilder,
+        origin: &Path,
+        prefix: Option<&str>,
+        kind: Option<VaeKind>,
+        config: Option<VaeConfig>,
+    ) -> Result<(Self, VarBuilder)> {
         let keys = raw.source_keys();
         let candidates = prefixes_with(&keys, "encoder.conv_in.weight")
             .into_iter()
@@ -192,7 +213,7 @@ impl AutoencoderKl {
                 Some((p, layout))
             })
             .collect::<Vec<_>>();
-        let (prefix, layout) = detect_prefix(path, "VAE", candidates, prefix)?;
+        let (prefix, layout) = detect_prefix(origin, "VAE", candidates, prefix)?;
         let level = |i: usize| match layout {
             VaeLayout::Diffusers => {
                 format!("{prefix}encoder.down_blocks.{i}.resnets.0.conv1.weight")
@@ -203,10 +224,9 @@ impl AutoencoderKl {
             .take_while(|&i| keys.binary_search(&level(i)).is_ok())
             .count();
         let vb = raw.with_key_map(vae_key_map(layout, &prefix, levels))?;
-        let cfg = match (config, json) {
-            (Some(c), _) => c,
-            (None, Some((j, p))) => VaeConfig::from_json(&j, Some(&p))?,
-            (None, None) => VaeConfig::from_shapes(&vb, kind)?,
+        let cfg = match config {
+            Some(c) => c,
+            None => VaeConfig::from_shapes(&vb, kind)?,
         };
         let cfg = match kind {
             Some(k) => VaeConfig {
@@ -217,7 +237,7 @@ impl AutoencoderKl {
         };
         if cfg.block_out_channels.len() != levels {
             return Err(ck_err(
-                &file,
+                origin,
                 format!(
                     "holds {levels} encoder levels under '{prefix}', the config has {}",
                     cfg.block_out_channels.len()

@@ -53,11 +53,10 @@ static TEXT: [EncoderSlot; 3] = [
     },
 ];
 
-fn projected<'a>(c: &'a crate::encoders::ClipOutput, slot: &str) -> Result<&'a Tensor> {
-    c.projected.as_ref().ok_or_else(|| crate::Error::Config {
-        path: None,
-        msg: format!("{slot}: SD3 needs the text projection, and this checkpoint has none"),
-    })
+/// A CLIP's projected pooled output; CLIP-L in SD3.5's single files has no projection, where
+/// diffusers' conversion (and SD3's reference code) use the identity: the pooled output.
+fn projected(c: &crate::encoders::ClipOutput) -> &Tensor {
+    c.projected.as_ref().unwrap_or(&c.pooled)
 }
 
 fn combine(outs: &[TextOutput]) -> Result<Vec<(String, Tensor)>> {
@@ -67,7 +66,7 @@ fn combine(outs: &[TextOutput]) -> Result<Vec<(String, Tensor)>> {
     let clip = Tensor::cat(&[&l.penultimate, &g.penultimate], 2)?;
     let width = t5.dims().get(2).copied().unwrap_or(0);
     let clip = pad_last(&clip.to_dtype(t5.dtype())?, width)?;
-    let pooled = Tensor::cat(&[projected(l, "clip_l")?, projected(g, "clip_g")?], 1)?;
+    let pooled = Tensor::cat(&[projected(l), projected(g)], 1)?;
     Ok(vec![
         ("context".into(), Tensor::cat(&[&clip, t5], 1)?),
         ("pooled".into(), pooled),

@@ -13,7 +13,7 @@
 use super::checkpoint::{Checkpoint, Format};
 use super::pipeline::PipelineSpec;
 use crate::autograd::Keep;
-use crate::nn::{Adapters, KeyMap, VarBuilder};
+use crate::nn::{Adapters, KeyMap, LoraMerge, VarBuilder};
 use crate::stream::{spread_evenly, InputOffload};
 use crate::stream::{
     BlockCost, BlockExec, BlockShape, BlockStreamer, Checkpointing, MemoryProfile, Plan,
@@ -177,6 +177,9 @@ pub struct LoadOptions {
     /// Store the Linear weights as FP8 E4M3 with per-row scales (`VarBuilder::with_fp8`);
     /// the rest stays in `dtype`, the compute dtype.
     pub fp8: bool,
+    /// A LoRA file merged into the weights as they load (sampling with a trained LoRA);
+    /// every tensor of it must find its layer.
+    pub merge: Option<Arc<LoraMerge>>,
 }
 
 impl LoadOptions {
@@ -189,6 +192,7 @@ impl LoadOptions {
             config: None,
             memory: MemoryPlan::default(),
             fp8: false,
+            merge: None,
         }
     }
 
@@ -260,6 +264,9 @@ pub fn load_as<M: ModelSpec>(
     if let Some(a) = &opts.adapters {
         vb = vb.with_adapters(a.clone())?;
     }
+    if let Some(m) = &opts.merge {
+        vb = vb.with_merge(m.clone())?;
+    }
     let prefixes = M::block_prefixes_of(&config);
     let plan = &opts.memory;
     if let Some(bad) = plan
@@ -304,6 +311,9 @@ pub fn load_as<M: ModelSpec>(
         None
     };
     let mut model = M::build(&vb, &config)?;
+    if let Some(m) = &opts.merge {
+        m.check_all_used()?;
+    }
     model.set_exec(BlockExec {
         checkpointing: plan.checkpointing,
         streamer,

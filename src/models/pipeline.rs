@@ -492,3 +492,44 @@ pub fn pad_last(x: &Tensor, width: usize) -> Result<Tensor> {
     let z = Tensor::zeros(zdims, x.dtype(), x.device())?;
     Tensor::cat(&[x, &z], dims.len() - 1)
 }
+
+/// The name of the input SDXL-style models take from an image's geometry: (original height,
+/// original width, crop top, crop left, target height, target width).
+pub const TIME_IDS: &str = "time_ids";
+
+/// The model's inputs after the latents, in its order, for one image of `size` (height,
+/// width) in pixels: the text inputs from `text` (by name, as [`TextConditioner::encode`]
+/// or the text cache gives them) and, where the model takes them, the `time_ids` of an
+/// uncropped image of that size (diffusers' default at inference). In `dtype` on `device`.
+pub fn conditioning(
+    inputs: &[super::Input],
+    text: &[(String, Tensor)],
+    size: (usize, usize),
+    dtype: DType,
+    device: &Device,
+) -> Result<Vec<Tensor>> {
+    let (h, w) = size;
+    inputs
+        .iter()
+        .skip(1)
+        .map(|i| {
+            if i.name == TIME_IDS {
+                let ids = [h, w, 0, 0, h, w].map(|x| x as f32).to_vec();
+                return Tensor::from_vec(ids, (1, 6), device)?.to_dtype(dtype);
+            }
+            let t = text
+                .iter()
+                .find(|(n, _)| n == i.name)
+                .map(|(_, t)| t)
+                .ok_or_else(|| {
+                    pipeline_err(format!(
+                        "the model takes \"{}\", which the text conditioning does not give \
+                         ({:?})",
+                        i.name,
+                        text.iter().map(|(n, _)| n).collect::<Vec<_>>()
+                    ))
+                })?;
+            t.to_device(device)?.to_dtype(dtype)
+        })
+        .collect()
+}

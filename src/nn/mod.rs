@@ -7,6 +7,7 @@ mod embeddings;
 mod layers;
 mod lora;
 mod lora_io;
+mod lora_merge;
 mod params;
 mod seed;
 
@@ -20,5 +21,6 @@ pub use layers::{
 };
 pub use lora::{Adapters, Lora, LoraConfig};
 pub use lora_io::kohya_name;
+pub use lora_merge::LoraMerge;
 pub use params::{KeyMap, KeySource, VarBuilder};
 pub(crate) use seed::{key_hash, mix64, GOLDEN};

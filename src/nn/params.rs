@@ -69,6 +69,8 @@ struct Shared {
     streamer: Option<Arc<crate::stream::BlockStreamer>>,
     /// Linear weights load as FP8 E4M3 codes with per-row scales (`get_linear_weight`).
     fp8: bool,
+    /// A LoRA file merged into the weights as they load.
+    merge: Option<Arc<super::LoraMerge>>,
     /// Every tensor is a zero-stride view of one zero (`shapes_only`): a build that only
     /// learns the model's parameter shapes.
     shapes_only: bool,
@@ -185,6 +187,7 @@ impl VarBuilder {
                 adapters: None,
                 streamer: None,
                 fp8: false,
+                merge: None,
                 shapes_only: false,
                 dtype,
                 device: device.clone(),
@@ -237,6 +240,17 @@ impl VarBuilder {
     /// Whether Linear weights load as FP8 (`with_fp8`).
     pub fn fp8(&self) -> bool {
         self.shared.fp8
+    }
+
+    /// The same source with the LoRA file `merge` merged into the weights it adapts as they
+    /// load (W + s · B A, in f32, then the builder's dtype). Set before the builder is shared.
+    pub fn with_merge(self, merge: Arc<super::LoraMerge>) -> Result<Self> {
+        self.with_shared("a LoRA merge", |shared| {
+            Ok(Shared {
+                merge: Some(merge),
+                ..shared
+            })
+        })
     }
 
     /// The same source with LoRA adapters planned: each `Linear` built from it whose key
@@ -563,6 +577,22 @@ impl VarBuilder {
             }
             .contiguous()?
             .detach()
+        };
+        let t = match (&self.shared.merge, t.dims()) {
+            (Some(m), &[out, inp]) => {
+                let dev = &self.shared.device;
+                match m.delta(&key, out, inp, self.shared.map.as_ref(), dev)? {
+                    Some(d) => {
+                        let _g = crate::no_grad();
+                        t.to_dtype(DType::F32)?
+                            .add(&d)?
+                            .to_dtype(self.shared.dtype)?
+                            .detach()
+                    }
+                    None => t,
+                }
+            }
+            _ => t,
         };
         let mut used = self
             .shared

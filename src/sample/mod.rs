@@ -332,3 +332,70 @@ pub fn denoise(
     }
     Ok(x)
 }
+
+/// What [`generate`] makes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Request {
+    /// Denoising steps.
+    pub steps: usize,
+    /// Distilled guidance for models with a guidance input (Flux dev), else the
+    /// classifier-free guidance scale (used when above 1 and a negative conditioning is
+    /// given).
+    pub guidance: f64,
+    /// Latent height and width.
+    pub latent_hw: (usize, usize),
+    /// The noise of the i-th image is drawn (f32, on the model's device) from `seed + i`.
+    pub seed: u64,
+    /// What a DDPM model predicts.
+    pub prediction: crate::train::Prediction,
+}
+
+/// Latents (1, C, h, w) for each conditioning of `conds` (the model's inputs after the
+/// latents, one batch of one per image) with the family's default sampler: Flux dev with
+/// its distilled guidance input, otherwise classifier-free guidance against `uncond` when
+/// `guidance > 1`. The same request gives the same latents.
+pub fn generate(
+    model: &dyn DiffusionModel,
+    conds: &[Vec<Tensor>],
+    uncond: Option<Vec<Tensor>>,
+    req: &Request,
+    device: &crate::Device,
+) -> Result<Vec<Tensor>> {
+    let guided = model.guidance_input();
+    let schedule = (model.family().pipeline.schedule)(&crate::models::SampleSetup {
+        steps: req.steps,
+        latent_hw: req.latent_hw,
+        guided,
+        prediction: req.prediction,
+    })?;
+    let guidance = match (guided, uncond) {
+        (true, _) => Guidance::distilled(req.guidance),
+        (false, Some(u)) if req.guidance > 1.0 => Guidance::cfg(u, req.guidance),
+        _ => Guidance::none(),
+    };
+    let channels = match model.inputs().first().and_then(|i| i.dims.first()) {
+        Some(crate::models::Size::Exactly(c)) => *c,
+        _ => {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "{}: the latents' channel count is not fixed",
+                    model.family().name
+                ),
+            })
+        }
+    };
+    conds
+        .iter()
+        .enumerate()
+        .map(|(i, cond)| {
+            let noise = Tensor::randn(
+                (1, channels, req.latent_hw.0, req.latent_hw.1),
+                DType::F32,
+                device,
+                req.seed.wrapping_add(i as u64),
+            )?;
+            denoise(model, schedule.as_ref(), &noise, cond, &guidance, None)
+        })
+        .collect()
+}

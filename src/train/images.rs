@@ -12,9 +12,7 @@ use crate::models::{Family, Input, Size};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
 
-/// The input SDXL-style models take from an image's geometry (original size, crop, target
-/// size), not from the caches.
-pub const TIME_IDS: &str = "time_ids";
+pub use crate::models::pipeline::TIME_IDS;
 
 /// The input every family takes its latents in.
 const LATENTS: &str = "latents";

@@ -173,7 +173,9 @@ fn first_nonfinite<'a>(tensors: &[(&'a str, &'a Tensor)]) -> Result<Option<Strin
 
 /// Scales every gradient of `params` by `f`.
 /// `train.device`: "cuda" (an error without a GPU), "cpu", or "auto" (the GPU if one opens).
-pub(crate) fn pick_device(name: &str) -> Result<Device> {
+/// The device named by a config's `device` value: "cuda" (an error without one), "cpu", or
+/// "auto" (the GPU if one opens, else the CPU).
+pub fn pick_device(name: &str) -> Result<Device> {
     #[cfg(feature = "cuda")]
     if name != "cpu" {
         match Device::cuda(0) {
@@ -249,6 +251,7 @@ impl Trainer {
             config: json,
             fp8: m.dtype == ModelDType::Fp8,
             memory: MemoryPlan::default(),
+            merge: None,
         };
         // The model's inputs and the data's shapes first, from a build without weights, so
         // bad data and an impossible memory budget fail before any weight is read.
@@ -501,63 +504,35 @@ impl Trainer {
                 [0, 0] => (res, res),
                 [w, h] => (w, h),
             };
-            let f = parts.factor;
-            let latent_hw = (h / f, w / f);
-            let channels = match self.model.inputs().first().and_then(|i| i.dims.first()) {
-                Some(models::Size::Exactly(c)) => *c,
-                _ => 4,
-            };
-            let schedule = (family.pipeline.schedule)(&crate::models::SampleSetup {
-                steps: sc.steps,
-                latent_hw,
-                guided: self.model.guidance_input(),
-                prediction: self.prediction(),
-            })?;
+            let inputs = self.model.inputs();
             let text = |prompt: &str| -> Result<Vec<Tensor>> {
                 let cached =
                     parts
                         .text
                         .load_batch(&[prompt.to_string()], &self.device, self.dtype)?;
-                let names = self.model.inputs();
-                names[1..]
-                    .iter()
-                    .map(|i| {
-                        cached
-                            .iter()
-                            .find(|(n, _)| n == i.name)
-                            .map(|(_, t)| t.clone())
-                            .ok_or_else(|| Error::Config {
-                                path: None,
-                                msg: format!("[sample]: the text cache holds no {}", i.name),
-                            })
-                    })
-                    .collect()
-            };
-            let guidance = if self.model.guidance_input() {
-                crate::sample::Guidance::distilled(sc.guidance)
-            } else if sc.guidance > 1.0 {
-                crate::sample::Guidance::cfg(text(&sc.negative_prompt)?, sc.guidance)
-            } else {
-                crate::sample::Guidance::none()
-            };
-            let mut latents = vec![];
-            for (i, prompt) in sc.prompts.iter().enumerate() {
-                let noise = Tensor::randn(
-                    (1, channels, latent_hw.0, latent_hw.1),
-                    DType::F32,
+                crate::models::pipeline::conditioning(
+                    &inputs,
+                    &cached,
+                    (h, w),
+                    self.dtype,
                     &self.device,
-                    sc.seed.wrapping_add(i as u64),
-                )?;
-                let z = crate::sample::denoise(
-                    self.model.as_ref(),
-                    schedule.as_ref(),
-                    &noise,
-                    &text(prompt)?,
-                    &guidance,
-                    None,
-                )?;
-                latents.push(z);
-            }
+                )
+            };
+            let conds = sc
+                .prompts
+                .iter()
+                .map(|p| text(p))
+                .collect::<Result<Vec<_>>>()?;
+            let req = crate::sample::Request {
+                steps: sc.steps,
+                guidance: sc.guidance,
+                latent_hw: (h / parts.factor, w / parts.factor),
+                seed: sc.seed,
+                prediction: self.prediction(),
+            };
+            let uncond = Some(text(&sc.negative_prompt)?);
+            let latents =
+                crate::sample::generate(self.model.as_ref(), &conds, uncond, &req, &self.device)?;
             let vae = images::vae(&self.config, family, &parts.vae, self.dtype, &self.device)?;
             let dir = self.run_dir().path.join(SAMPLES);
             std::fs::create_dir_all(&dir).map_err(|source| Error::Io {

@@ -1,0 +1,251 @@
+//! `sample`: images from a Flux, SD3.5 or SDXL model, optionally with a LoRA merged in (one
+//! FLAME trained, or a kohya / diffusers / PEFT file made elsewhere).
+//!
+//! ```text
+//! sample --arch flux --model flux1-dev.safetensors --text-encoder clip_l.safetensors \
+//!        --text-encoder t5xxl_fp16.safetensors --tokenizer FLUX.1-dev/tokenizer \
+//!        --tokenizer FLUX.1-dev/tokenizer_2 --vae ae.safetensors --lora out/lora.safetensors \
+//!        --prompt "a photo of a cat" --steps 28 --guidance 3.5 --out samples
+//! ```
+//!
+//! The text encoders run first and are freed, then the model (with the LoRA merged into its
+//! weights as they load) denoises every prompt and is freed, then the autoencoder decodes.
+//! Image i is `<out>/<i>-<seed + i>.png`, written atomically.
+
+use argh::FromArgs;
+use flame::models::pipeline::{conditioning, load_vae, Sources, TextConditioner};
+use flame::models::{self, LoadOptions};
+use flame::nn::LoraMerge;
+use flame::sample::{generate, Request};
+use flame::train::trainer::pick_device;
+use flame::train::Prediction;
+use flame::{DType, Error};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+/// Images from a Flux, SD3.5 or SDXL model, optionally with a LoRA merged in.
+#[derive(FromArgs)]
+#[argh(help_triggers("-h", "--help"))]
+struct Args {
+    /// the model family: flux, sd3 or sdxl
+    #[argh(option)]
+    arch: String,
+    /// the model: a single .safetensors file, a diffusers model folder or a pipeline folder
+    #[argh(option)]
+    model: PathBuf,
+    /// a LoRA file to merge (kohya, diffusers / PEFT, or FLAME's own)
+    #[argh(option)]
+    lora: Option<PathBuf>,
+    /// the LoRA's strength (default 1)
+    #[argh(option, default = "1.0")]
+    lora_strength: f64,
+    /// a prompt; repeat for several images
+    #[argh(option)]
+    prompt: Vec<String>,
+    /// the negative prompt (classifier-free guidance: SD3.5, SDXL)
+    #[argh(option, default = "String::new()")]
+    negative: String,
+    /// denoising steps (default 28)
+    #[argh(option, default = "28")]
+    steps: usize,
+    /// guidance: Flux dev's distilled input, or the classifier-free scale (default 3.5)
+    #[argh(option, default = "3.5")]
+    guidance: f64,
+    /// width in pixels, a multiple of 16 (default 1024)
+    #[argh(option, default = "1024")]
+    width: usize,
+    /// height in pixels, a multiple of 16 (default 1024)
+    #[argh(option, default = "1024")]
+    height: usize,
+    /// the noise seed of the first image; image i uses seed + i (default 0)
+    #[argh(option, default = "0")]
+    seed: u64,
+    /// the output folder (default "samples")
+    #[argh(option, default = "PathBuf::from(\"samples\")")]
+    out: PathBuf,
+    /// the weights' dtype: bf16 (default), f16, f32 or fp8
+    #[argh(option, default = "String::from(\"bf16\")")]
+    dtype: String,
+    /// auto (default), cuda or cpu
+    #[argh(option, default = "String::from(\"auto\")")]
+    device: String,
+    /// text encoder weights in the family's order (flux: clip_l, t5; sd3: clip_l, clip_g,
+    /// t5; sdxl: clip_l, clip_g); repeat. Default: next to the model
+    #[argh(option)]
+    text_encoder: Vec<PathBuf>,
+    /// tokenizer folders in the same order; repeat. Default: next to the model
+    #[argh(option)]
+    tokenizer: Vec<PathBuf>,
+    /// the autoencoder's weights. Default: next to the model
+    #[argh(option)]
+    vae: Option<PathBuf>,
+    /// T5's tokens per prompt (0, the default: the pipeline's)
+    #[argh(option, default = "0")]
+    t5_tokens: usize,
+    /// a diffusers config.json for a single file whose shapes do not pin its config down
+    #[argh(option)]
+    config: Option<PathBuf>,
+    /// DDPM models (SDXL): what the model predicts, epsilon (default) or v
+    #[argh(option, default = "String::from(\"epsilon\")")]
+    prediction: String,
+    /// encode and decode in tiles of this many pixels (0, the default: whole images)
+    #[argh(option, default = "0")]
+    vae_tile: usize,
+}
+
+fn bad(msg: String) -> Error {
+    Error::Config { path: None, msg }
+}
+
+fn main() -> ExitCode {
+    let args: Args = argh::from_env();
+    match run(&args) {
+        Ok(paths) => {
+            for p in paths {
+                println!("{}", p.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(a: &Args) -> flame::Result<Vec<PathBuf>> {
+    if a.prompt.is_empty() {
+        return Err(bad("no --prompt given".into()));
+    }
+    if a.steps == 0 {
+        return Err(bad("--steps 0: at least 1".into()));
+    }
+    if !(a.guidance.is_finite() && a.guidance >= 0.0) {
+        return Err(bad(format!("--guidance {}: finite and >= 0", a.guidance)));
+    }
+    if a.width == 0 || a.height == 0 || a.width % 16 != 0 || a.height % 16 != 0 {
+        return Err(bad(format!(
+            "--width {} --height {}: positive multiples of 16",
+            a.width, a.height
+        )));
+    }
+    let prediction = match a.prediction.as_str() {
+        "epsilon" => Prediction::Epsilon,
+        "v" => Prediction::V,
+        other => return Err(bad(format!("--prediction {other}: epsilon or v"))),
+    };
+    let family = models::family(&a.arch)?;
+    let device = pick_device(&a.device)?;
+    let (dtype, fp8) = match a.dtype.as_str() {
+        "bf16" => (DType::BF16, false),
+        "f16" => (DType::F16, false),
+        "f32" => (DType::F32, false),
+        "fp8" => (DType::BF16, true),
+        other => return Err(bad(format!("--dtype {other}: bf16, f16, f32 or fp8"))),
+    };
+    let mut opts = LoadOptions::new(dtype, &device);
+    opts.fp8 = fp8;
+    if let Some(p) = &a.config {
+        let text = std::fs::read_to_string(p).map_err(|source| Error::Io {
+            path: p.clone(),
+            source,
+        })?;
+        opts.config = Some(serde_json::from_str(&text).map_err(|e| Error::Config {
+            path: Some(p.clone()),
+            msg: format!("invalid JSON: {e}"),
+        })?);
+    }
+    // The model's inputs and guidance input, from a build without weights.
+    let probe = family.probe(&a.model, &opts)?;
+    let (inputs, guided) = (probe.inputs(), probe.guidance_input());
+    drop(probe);
+    let (text_at, vae_at) = Sources {
+        text: a.text_encoder.clone(),
+        tokenizers: a.tokenizer.clone(),
+        vae: a.vae.clone(),
+    }
+    .locate(family, &a.model, ["--text-encoder", "--tokenizer", "--vae"])?;
+
+    // Text first, then the encoders are freed.
+    let enc_dtype = if dtype == DType::F32 || !device.is_cuda() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
+    let size = (a.height, a.width);
+    let (conds, uncond) = {
+        let cond = TextConditioner::load(
+            family,
+            &text_at,
+            guided,
+            a.t5_tokens,
+            enc_dtype,
+            &device,
+            "--text-encoder",
+        )?;
+        let encode = |p: &str| -> flame::Result<Vec<flame::Tensor>> {
+            conditioning(&inputs, &cond.encode(&[p])?, size, dtype, &device)
+        };
+        let conds = a
+            .prompt
+            .iter()
+            .map(|p| encode(p))
+            .collect::<flame::Result<Vec<_>>>()?;
+        (conds, encode(&a.negative)?)
+    };
+
+    // The model, with the LoRA merged as its weights load.
+    if let Some(l) = &a.lora {
+        let m = LoraMerge::open(l, a.lora_strength, family.subfolder)?;
+        if m.text_encoder_tensors() > 0 {
+            eprintln!(
+                "note: {} holds {} text-encoder tensors; they are not merged (the diffusion \
+                 model's are)",
+                l.display(),
+                m.text_encoder_tensors()
+            );
+        }
+        opts.merge = Some(Arc::new(m));
+    }
+    let model = family.load(&a.model, &opts)?.model;
+    let vae = {
+        let mut v = load_vae(family, &vae_at, dtype, &device, "--vae")?;
+        if a.vae_tile > 0 {
+            v.tiling = Some(flame::encoders::VaeTiling::new(a.vae_tile));
+        }
+        v
+    };
+    let f = 1usize << vae.config.block_out_channels.len().saturating_sub(1);
+    if a.width % f != 0 || a.height % f != 0 {
+        return Err(bad(format!(
+            "--width {} --height {}: multiples of the autoencoder's factor {f}",
+            a.width, a.height
+        )));
+    }
+    let req = Request {
+        steps: a.steps,
+        guidance: a.guidance,
+        latent_hw: (a.height / f, a.width / f),
+        seed: a.seed,
+        prediction,
+    };
+    let latents = generate(model.as_ref(), &conds, Some(uncond), &req, &device)?;
+    drop(model);
+
+    std::fs::create_dir_all(&a.out).map_err(|source| Error::Io {
+        path: a.out.clone(),
+        source,
+    })?;
+    let _g = flame::no_grad();
+    let mut written = vec![];
+    for (i, z) in latents.iter().enumerate() {
+        let img = vae.decode_latents(&z.to_dtype(dtype)?)?;
+        let path = a
+            .out
+            .join(format!("{i}-{}.png", a.seed.wrapping_add(i as u64)));
+        flame::data::save_png(&img.squeeze(0)?, &path)?;
+        written.push(path);
+    }
+    Ok(written)
+}

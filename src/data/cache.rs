@@ -174,12 +174,11 @@ pub struct LatentCache {
 }
 
 impl LatentCache {
-    /// The cache in `dir` (made if absent) for the encoder named `encoder` (any string that
-    /// changes whenever the encoder's output would: e.g. the VAE's file hash and dtype).
+    /// The cache in `dir` for the encoder named `encoder` (any string that changes whenever
+    /// the encoder's output would: e.g. the VAE's file hash and dtype). Nothing is written
+    /// before a [`fill`](Self::fill) (the folder is made then).
     pub fn open(dir: impl AsRef<Path>, encoder: &str) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        let latents = dir.join("latents");
-        std::fs::create_dir_all(&latents).map_err(io_err(&latents))?;
         let index = dir.join("files.json");
         // A missing or unreadable index only costs rehashing.
         let files = std::fs::read(&index)
@@ -245,6 +244,8 @@ impl LatentCache {
         encode: &mut dyn FnMut(&Tensor) -> Result<Encoded>,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<FillReport> {
+        let latents = self.dir.join("latents");
+        std::fs::create_dir_all(&latents).map_err(io_err(&latents))?;
         let flips: &[bool] = if ds.options.flip {
             &[false, true]
         } else {
@@ -402,11 +403,10 @@ pub struct TextCache {
 }
 
 impl TextCache {
-    /// The cache in `dir` (made if absent) for the text encoder named `encoder`.
+    /// The cache in `dir` for the text encoder named `encoder`; nothing is written before a
+    /// [`fill`](Self::fill) (the folder is made then).
     pub fn open(dir: impl AsRef<Path>, encoder: &str) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        let text = dir.join("text");
-        std::fs::create_dir_all(&text).map_err(io_err(&text))?;
         Ok(TextCache {
             dir,
             encoder: encoder.to_string(),
@@ -433,6 +433,8 @@ impl TextCache {
         encode: &mut dyn FnMut(&str) -> Result<Encoded>,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<FillReport> {
+        let text = self.dir.join("text");
+        std::fs::create_dir_all(&text).map_err(io_err(&text))?;
         let distinct: std::collections::BTreeSet<&str> =
             captions.iter().map(String::as_str).collect();
         let mut report = FillReport {

@@ -265,6 +265,7 @@ pub fn load_as<M: ModelSpec>(
         vb = vb.with_adapters(a.clone())?;
     }
     if let Some(m) = &opts.merge {
+        m.set_diffusers_map(key_map.clone())?;
         vb = vb.with_merge(m.clone())?;
     }
     let prefixes = M::block_prefixes_of(&config);

@@ -30,6 +30,8 @@ pub struct LoraMerge {
     pub strength: f64,
     /// Key prefixes of the diffusers layout (`transformer`, `unet`).
     prefixes: Vec<String>,
+    /// The model's diffusers key map (model key -> diffusers keys), set by the loader.
+    diffusers: Mutex<Option<KeyMap>>,
     used: Mutex<BTreeSet<String>>,
 }
 
@@ -64,8 +66,19 @@ impl LoraMerge {
             file,
             strength,
             prefixes: vec![diffusers_prefix.to_string()],
+            diffusers: Mutex::new(None),
             used: Mutex::new(BTreeSet::new()),
         })
+    }
+
+    /// Sets the model's diffusers key map (model key -> diffusers keys), which the diffusers
+    /// layout is read through; the model loader sets it before the weights load.
+    pub fn set_diffusers_map(&self, map: KeyMap) -> Result<()> {
+        *self
+            .diffusers
+            .lock()
+            .map_err(|_| Error::Poisoned("LoRA merge"))? = Some(map);
+        Ok(())
     }
 
     /// One (A, B, alpha key) lookup of the file: `Some` when both A and B are present.
@@ -127,16 +140,21 @@ impl LoraMerge {
     }
 
     /// The update of the weight at model key `key` (out, in) when the file adapts its layer,
-    /// in f32 on `device`; `map` is the builder's key map (model -> diffusers keys), used
-    /// for the diffusers layout.
+    /// in f32 on `device`; the diffusers layout is read through the map of
+    /// [`set_diffusers_map`](Self::set_diffusers_map) (without one, model keys are taken as
+    /// diffusers keys).
     pub fn delta(
         &self,
         key: &str,
         out: usize,
         in_dim: usize,
-        map: Option<&KeyMap>,
         device: &Device,
     ) -> Result<Option<Tensor>> {
+        let map = self
+            .diffusers
+            .lock()
+            .map_err(|_| Error::Poisoned("LoRA merge"))?
+            .clone();
         let Some(path) = key.strip_suffix(".weight") else {
             return Ok(None);
         };
@@ -163,7 +181,7 @@ impl LoraMerge {
             return self.update(&p, out, in_dim, device).map(Some);
         }
         // The diffusers layout: one pair per diffusers part of the layer.
-        let parts: Vec<(String, usize, bool)> = match map.and_then(|m| m(key)) {
+        let parts: Vec<(String, usize, bool)> = match map.as_ref().and_then(|m| m(key)) {
             Some(KeySource::Key(k)) => vec![(k, out, false)],
             Some(KeySource::SwapHalves(k)) => vec![(k, out, true)],
             Some(KeySource::Cat(ps)) => ps.into_iter().map(|(k, r)| (k, r, false)).collect(),

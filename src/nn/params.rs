@@ -581,7 +581,7 @@ impl VarBuilder {
         let t = match (&self.shared.merge, t.dims()) {
             (Some(m), &[out, inp]) => {
                 let dev = &self.shared.device;
-                match m.delta(&key, out, inp, self.shared.map.as_ref(), dev)? {
+                match m.delta(&key, out, inp, dev)? {
                     Some(d) => {
                         let _g = crate::no_grad();
                         t.to_dtype(DType::F32)?

@@ -1,0 +1,486 @@
+//! From a folder of images with captions to a LoRA, on the tiny example
+//! (examples/flux-tiny.toml: tiny Flux, CLIP, T5 and autoencoder, generated pictures):
+//! caching with reuse and per-caption invalidation, bucketed training with validation loss,
+//! sample images and the loss plot in the run folder, an exact resume, a dry run that writes
+//! nothing; LoRA files merged into a model's weights (kohya, PEFT, diffusers parts) equal to
+//! the attached adapters; the `sample` binary.
+#![cfg(feature = "cpu-ref")]
+
+use flame::models::{self, LoadOptions};
+use flame::nn::{Adapters, LoraConfig, LoraMerge};
+use flame::train::rundir::read_log;
+use flame::train::{Event, Prepare, RunEnd, RunOptions, TrainConfig, Trainer};
+use flame::{DType, Device, Tensor};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("flame-images-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The image example's config with its files under `dir`: `steps` steps, checkpoints,
+/// validation and samples every `every`, on the CPU.
+fn config(dir: &Path, steps: usize, every: usize) -> TrainConfig {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny.toml");
+    let text = std::fs::read_to_string(example)
+        .unwrap()
+        .replace("steps = 200", &format!("steps = {steps}"))
+        .replace("save_every = 50", &format!("save_every = {every}"))
+        .replace("validate_every = 50", &format!("validate_every = {every}"))
+        .replace("every = 100", &format!("every = {every}"))
+        .replace("device = \"auto\"", "device = \"cpu\"")
+        .replace("warmup_steps = 10", "warmup_steps = 2");
+    let p = dir.join("train.toml");
+    std::fs::write(&p, text).unwrap();
+    TrainConfig::from_file(p).unwrap()
+}
+
+fn open(cfg: &TrainConfig, prepare: Prepare) -> (Trainer, Vec<String>) {
+    let mut notes = vec![];
+    let t = Trainer::open(cfg.clone(), prepare, &mut |e| {
+        if let Event::Note(n) = e {
+            notes.push(n)
+        }
+    })
+    .unwrap();
+    (t, notes)
+}
+
+fn last_note<'a>(notes: &'a [String], what: &str) -> &'a str {
+    notes
+        .iter()
+        .rev()
+        .find(|n| n.starts_with(&format!("caching {what}:")))
+        .map(String::as_str)
+        .unwrap_or_else(|| panic!("no note on caching {what}: {notes:?}"))
+}
+
+#[test]
+fn images_train_a_lora_with_validation_samples_and_a_plot() {
+    let d = temp("run");
+    let cfg = config(&d, 8, 4);
+    let out = cfg.train.output_dir.clone();
+
+    // A dry run makes the tiny files (create_if_missing) but no cache and no run folder.
+    let (t, _) = open(&cfg, Prepare::DryRun);
+    assert!(!out.exists(), "a dry run wrote {}", out.display());
+    let desc = t.data().describe();
+    assert!(
+        desc.contains("images") && desc.contains("buckets"),
+        "{desc}"
+    );
+    drop(t);
+
+    let (mut t, notes) = open(&cfg, Prepare::Encode);
+    let lat = last_note(&notes, "latents");
+    assert!(lat.contains("0 reused"), "{lat}");
+    // 12 pictures, a fifth held out: every training view encoded (flips on: two each).
+    let mut events = vec![];
+    let end = t
+        .run(&RunOptions::default(), &mut |e| events.push(e))
+        .unwrap();
+    assert!(matches!(end, RunEnd::Finished(_)), "{end:?}");
+    let log = read_log(&out.join("loss.jsonl")).unwrap();
+    let steps = log.iter().filter(|(_, l)| l.contains("\"loss\"")).count();
+    let vals: Vec<usize> = log
+        .iter()
+        .filter(|(_, l)| l.contains("val_loss"))
+        .map(|(s, _)| *s)
+        .collect();
+    assert_eq!((steps, vals), (8, vec![4, 8]));
+    let val_events = events
+        .iter()
+        .filter(|e| matches!(e, Event::Validation { loss, .. } if loss.is_finite()))
+        .count();
+    assert_eq!(val_events, 2);
+    for step in [4, 8] {
+        for i in 0..2 {
+            let png = out.join(format!("samples/step-{step:07}-{i}.png"));
+            let img = image::open(&png).unwrap();
+            assert_eq!((img.width(), img.height()), (64, 64), "{}", png.display());
+        }
+    }
+    assert!(image::open(out.join("loss.png")).is_ok());
+    assert!(out.join("lora.safetensors").is_file());
+
+    // Opening again reuses every entry.
+    let (_, notes) = open(&cfg, Prepare::Encode);
+    for what in ["latents", "captions"] {
+        let n = last_note(&notes, what);
+        assert!(n.contains(" 0 encoded"), "{n}");
+    }
+    // One caption changed: that caption alone is encoded again; no latent is.
+    let caption = d.join("tiny/images/picture-05.txt");
+    std::fs::write(
+        &caption,
+        "a small green square on a black background, again",
+    )
+    .unwrap();
+    let (_, notes) = open(&cfg, Prepare::Encode);
+    assert!(last_note(&notes, "latents").contains(" 0 encoded"));
+    let n = last_note(&notes, "captions");
+    assert!(n.contains(" 1 encoded"), "{n}");
+    // One image changed: only its views are encoded again.
+    let png = d.join("tiny/images/picture-02.png");
+    let mut img = image::open(&png).unwrap().to_rgb8();
+    img.put_pixel(0, 0, image::Rgb([1, 2, 3]));
+    img.save(&png).unwrap();
+    let (_, notes) = open(&cfg, Prepare::Encode);
+    let n = last_note(&notes, "latents");
+    assert!(!n.contains(" 0 encoded"), "{n}");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn an_interrupted_image_run_resumes_exactly() {
+    let a = temp("full");
+    let cfg = config(&a, 10, 5);
+    open(&cfg, Prepare::Encode)
+        .0
+        .run(&RunOptions::default(), &mut |_| {})
+        .unwrap();
+    let out = &cfg.train.output_dir;
+    let full = read_log(&out.join("loss.jsonl")).unwrap();
+    let lora = std::fs::read(out.join("lora.safetensors")).unwrap();
+
+    let b = temp("resumed");
+    let cfg = config(&b, 10, 5);
+    let stop = RunOptions {
+        stop_at: Some(7),
+        ..Default::default()
+    };
+    open(&cfg, Prepare::Encode)
+        .0
+        .run(&stop, &mut |_| {})
+        .unwrap();
+    let resume = RunOptions {
+        resume: true,
+        ..Default::default()
+    };
+    open(&cfg, Prepare::Encode)
+        .0
+        .run(&resume, &mut |_| {})
+        .unwrap();
+    let out = &cfg.train.output_dir;
+    assert_eq!(read_log(&out.join("loss.jsonl")).unwrap(), full);
+    assert_eq!(std::fs::read(out.join("lora.safetensors")).unwrap(), lora);
+    std::fs::remove_dir_all(&a).ok();
+    std::fs::remove_dir_all(&b).ok();
+}
+
+#[test]
+fn bad_image_data_is_named() {
+    let d = temp("bad");
+    let cfg = config(&d, 2, 0);
+    drop(open(&cfg, Prepare::DryRun)); // makes the tiny files
+    let img = d.join("tiny/images/picture-03.png");
+    std::fs::write(&img, b"not a png").unwrap();
+    let e = Trainer::new(cfg.clone()).err().unwrap().to_string();
+    assert!(e.contains("picture-03.png"), "{e}");
+    // Skipped instead, with a note naming it.
+    let mut skip = cfg.clone();
+    skip.data.on_bad_file = "skip".into();
+    let (_, notes) = open(&skip, Prepare::Encode);
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with("skipped") && n.contains("picture-03.png")),
+        "{notes:?}"
+    );
+    // Encoders the config does not point at, for a single-file model without them.
+    let mut none = skip.clone();
+    none.encoders.text.clear();
+    let e = Trainer::new(none).err().unwrap().to_string();
+    assert!(e.contains("encoders.text") && e.contains("clip_l"), "{e}");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// The tiny Flux with rank-4 adapters on `targets`, their B filled with random values.
+fn tiny_with_adapters(
+    model: &Path,
+    targets: &[&str],
+) -> (
+    Box<dyn models::DiffusionModel>,
+    Arc<Adapters>,
+    flame::nn::KeyMap,
+) {
+    let adapters = Adapters::new(LoraConfig {
+        rank: 4,
+        alpha: 2.0,
+        dropout: 0.0,
+        targets: targets.iter().map(|s| s.to_string()).collect(),
+        seed: 3,
+    })
+    .unwrap();
+    let mut opts = LoadOptions::new(DType::F32, &Device::Cpu).with_adapters(adapters.clone());
+    opts.config = Some(flame::train::demo::flux_tiny_diffusers_config());
+    let l = models::load("flux", model, &opts).unwrap();
+    for (i, layer) in adapters.layers().unwrap().iter().enumerate() {
+        let r = Tensor::randn(
+            layer.up.dims().to_vec(),
+            DType::F32,
+            &Device::Cpu,
+            40 + i as u64,
+        )
+        .unwrap()
+        .affine(0.2, 0.0)
+        .unwrap();
+        layer.up.assign(&r).unwrap();
+    }
+    adapters.set_train(false);
+    (l.model, adapters, l.key_map)
+}
+
+fn predict(m: &dyn models::DiffusionModel) -> Vec<f32> {
+    let dev = Device::Cpu;
+    let x = Tensor::randn((1, 4, 8, 8), DType::F32, &dev, 1).unwrap();
+    let t = Tensor::from_vec(vec![0.6f32], 1, &dev).unwrap();
+    let ctx = Tensor::randn((1, 5, 32), DType::F32, &dev, 2).unwrap();
+    let pooled = Tensor::randn((1, 16), DType::F32, &dev, 3).unwrap();
+    m.predict(&x, &t, &[ctx, pooled], 3.5)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+}
+
+fn merged(model: &Path, lora: &Path, strength: f64) -> flame::Result<Vec<f32>> {
+    let mut opts = LoadOptions::new(DType::F32, &Device::Cpu);
+    opts.config = Some(flame::train::demo::flux_tiny_diffusers_config());
+    opts.merge = Some(Arc::new(LoraMerge::open(lora, strength, "transformer")?));
+    Ok(predict(models::load("flux", model, &opts)?.model.as_ref()))
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[test]
+fn lora_files_merge_into_the_weights_as_the_adapters_compute() {
+    let d = temp("merge");
+    let model = d.join("flux-tiny.safetensors");
+    flame::train::demo::make_tiny_flux(&model).unwrap();
+    let targets = [
+        "double_blocks.*.img_attn.qkv",
+        "double_blocks.*.txt_mlp.0",
+        "single_blocks.*.linear1",
+        "final_layer.adaLN_modulation.1",
+    ];
+    let (m, adapters, map) = tiny_with_adapters(&model, &targets);
+    let want = predict(m.as_ref());
+    let base = {
+        let mut o = LoadOptions::new(DType::F32, &Device::Cpu);
+        o.config = Some(flame::train::demo::flux_tiny_diffusers_config());
+        predict(models::load("flux", &model, &o).unwrap().model.as_ref())
+    };
+    assert!(max_diff(&base, &want) > 1e-3, "the adapters change nothing");
+
+    let kohya = d.join("kohya.safetensors");
+    adapters.save_kohya(&kohya, DType::F32).unwrap();
+    let peft = d.join("peft.safetensors");
+    adapters
+        .save_peft(&peft, &map, "transformer", DType::F32)
+        .unwrap();
+    for f in [&kohya, &peft] {
+        let got = merged(&model, f, 1.0).unwrap();
+        let e = max_diff(&got, &want);
+        assert!(e < 1e-5, "{}: {e}", f.display());
+    }
+    // Strength 0 is the base model.
+    assert!(max_diff(&merged(&model, &kohya, 0.0).unwrap(), &base) < 1e-6);
+
+    // PEFT names on the original keys (ai-toolkit, ComfyUI): kohya's tensors renamed.
+    let t = flame::safetensors::load(&kohya, &Device::Cpu).unwrap();
+    let mut renamed = vec![];
+    for l in adapters.layers().unwrap() {
+        let k = flame::nn::kohya_name(&l.path);
+        let s = l.alpha / l.rank() as f64;
+        let a = t[&format!("{k}.lora_down.weight")].clone();
+        // No alpha stored: the scale is folded into B, as PEFT files do.
+        let b = t[&format!("{k}.lora_up.weight")].affine(s, 0.0).unwrap();
+        renamed.push((format!("diffusion_model.{}.lora_A.weight", l.path), a));
+        renamed.push((format!("diffusion_model.{}.lora_B.weight", l.path), b));
+    }
+    let comfy = d.join("comfy.safetensors");
+    flame::safetensors::save(renamed.iter().map(|(k, t)| (k.as_str(), t)), &comfy).unwrap();
+    assert!(max_diff(&merged(&model, &comfy, 1.0).unwrap(), &want) < 1e-5);
+
+    // diffusers parts with their own A each (what diffusers' own training writes for q, k, v):
+    // the merged weight's rows of each part get that part's B A.
+    let mut t = flame::safetensors::load(&peft, &Device::Cpu).unwrap();
+    // Double block 0's image attention: diffusers' to_q, to_k, to_v of transformer_blocks.0.
+    let k_a = "transformer.transformer_blocks.0.attn.to_k.lora_A.weight".to_string();
+    assert!(t.contains_key(&k_a), "{:?}", t.keys().collect::<Vec<_>>());
+    let other = Tensor::randn(t[&k_a].dims().to_vec(), DType::F32, &Device::Cpu, 9).unwrap();
+    t.insert(k_a.clone(), other);
+    let parts = d.join("parts.safetensors");
+    flame::safetensors::save(t.iter().map(|(k, v)| (k.as_str(), v)), &parts).unwrap();
+    let mut o = LoadOptions::new(DType::F32, &Device::Cpu);
+    o.config = Some(flame::train::demo::flux_tiny_diffusers_config());
+    let plain = models::load("flux", &model, &o).unwrap();
+    o.merge = Some(Arc::new(
+        LoraMerge::open(&parts, 1.0, "transformer").unwrap(),
+    ));
+    let with = models::load("flux", &model, &o).unwrap();
+    let w = |l: &models::Loaded<dyn models::DiffusionModel>| {
+        l.vb.params()
+            .unwrap()
+            .into_iter()
+            .find(|(k, _)| k == "double_blocks.0.img_attn.qkv.weight")
+            .unwrap()
+            .1
+    };
+    let (w0, w1) = (w(&plain), w(&with));
+    let module = k_a.strip_suffix(".lora_A.weight").unwrap();
+    let b = &t[&format!("{module}.lora_B.weight")];
+    let delta = b.matmul(&t[&k_a]).unwrap();
+    let rows = delta.dims()[0];
+    // q, k, v rows in that order: k's rows are the second third.
+    let got = w1
+        .narrow(0, rows, rows)
+        .unwrap()
+        .sub(&w0.narrow(0, rows, rows).unwrap())
+        .unwrap();
+    let e = max_diff(
+        &got.to_vec::<f32>().unwrap(),
+        &delta.to_vec::<f32>().unwrap(),
+    );
+    assert!(e < 1e-5, "the k part's update: {e}");
+
+    // A tensor no layer takes is an error naming it; text-encoder tensors are left alone.
+    let mut t = flame::safetensors::load(&kohya, &Device::Cpu).unwrap();
+    let stray = Tensor::zeros((4, 7), DType::F32, &Device::Cpu).unwrap();
+    t.insert(
+        "lora_unet_nowhere_layer.lora_down.weight".into(),
+        stray.clone(),
+    );
+    t.insert("lora_te1_text_model_x.lora_down.weight".into(), stray);
+    let f = d.join("stray.safetensors");
+    flame::safetensors::save(t.iter().map(|(k, v)| (k.as_str(), v)), &f).unwrap();
+    let e = merged(&model, &f, 1.0).unwrap_err().to_string();
+    assert!(
+        e.contains("lora_unet_nowhere_layer") && e.contains("1 of"),
+        "{e}"
+    );
+    assert_eq!(
+        LoraMerge::open(&f, 1.0, "transformer")
+            .unwrap()
+            .text_encoder_tensors(),
+        1
+    );
+    // A misshapen one names the tensor and the shape the layer needs.
+    let mut t = flame::safetensors::load(&kohya, &Device::Cpu).unwrap();
+    let key = t
+        .keys()
+        .find(|k| k.ends_with("lora_up.weight"))
+        .cloned()
+        .unwrap();
+    t.insert(
+        key.clone(),
+        Tensor::zeros((3, 4), DType::F32, &Device::Cpu).unwrap(),
+    );
+    flame::safetensors::save(t.iter().map(|(k, v)| (k.as_str(), v)), &f).unwrap();
+    let e = merged(&model, &f, 1.0).unwrap_err().to_string();
+    assert!(e.contains(&key) && e.contains("[3, 4]"), "{e}");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// The `sample` binary on the trained tiny example: one PNG per prompt, named by seed; the
+/// same images as the run's own samples; bad arguments and foreign LoRAs named.
+#[cfg(feature = "cli")]
+#[test]
+fn the_sample_binary_makes_images_with_a_lora() {
+    use std::process::Command;
+    let d = temp("sample-bin");
+    let cfg = config(&d, 4, 4);
+    open(&cfg, Prepare::Encode)
+        .0
+        .run(&RunOptions::default(), &mut |_| {})
+        .unwrap();
+    let t = d.join("tiny");
+    let json = d.join("flux-tiny.json");
+    std::fs::write(
+        &json,
+        flame::train::demo::flux_tiny_diffusers_config().to_string(),
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_sample"));
+        c.args(["--arch", "flux", "--device", "cpu", "--dtype", "f32"])
+            .arg("--model")
+            .arg(t.join("flux-tiny.safetensors"))
+            .arg("--config")
+            .arg(&json);
+        for (flag, p) in [
+            ("--text-encoder", "text_encoder"),
+            ("--text-encoder", "text_encoder_2"),
+            ("--tokenizer", "tokenizer"),
+            ("--tokenizer", "tokenizer_2"),
+            ("--vae", "vae"),
+        ] {
+            c.arg(flag).arg(t.join(p));
+        }
+        c.args([
+            "--t5-tokens",
+            "32",
+            "--width",
+            "64",
+            "--height",
+            "64",
+            "--steps",
+            "8",
+        ])
+        .args(["--guidance", "3.5", "--seed", "1"])
+        .args(extra);
+        c.output().unwrap()
+    };
+    let out = d.join("samples");
+    let lora = cfg.train.output_dir.join("lora.safetensors");
+    let o = run(&[
+        "--prompt",
+        "a large red circle on a white background",
+        "--prompt",
+        "a small blue square on a black background",
+        "--lora",
+        lora.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for (i, seed) in [(0, 1), (1, 2)] {
+        let a = image::open(out.join(format!("{i}-{seed}.png")))
+            .unwrap()
+            .to_rgb8();
+        let b = image::open(
+            cfg.train
+                .output_dir
+                .join(format!("samples/step-0000004-{i}.png")),
+        )
+        .unwrap()
+        .to_rgb8();
+        // Merged weights against attached adapters: equal up to f32 rounding through the
+        // denoising steps and the 8-bit PNG.
+        let worst = a
+            .as_raw()
+            .iter()
+            .zip(b.as_raw())
+            .map(|(x, y)| x.abs_diff(*y))
+            .max()
+            .unwrap();
+        assert!(worst <= 12, "image {i}: {worst}");
+    }
+    let o = run(&["--steps", "0", "--prompt", "x"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--steps"));
+    let o = run(&[
+        "--prompt",
+        "x",
+        "--lora",
+        t.join("vae/config.json").to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    std::fs::remove_dir_all(&d).ok();
+}

@@ -150,6 +150,14 @@ fn pipeline_root(model: &Path, folder: &str) -> Option<PathBuf> {
         .map(Path::to_path_buf)
 }
 
+/// The tensor names of a safetensors file, or `None` when it cannot be read as one (the
+/// loader then reports why).
+fn names_in(file: &Path) -> Option<Vec<String>> {
+    crate::safetensors::SafeTensorsFile::open(file)
+        .ok()
+        .map(|f| f.names().map(str::to_string).collect())
+}
+
 /// One located piece: the path and, when it is the family's all-in-one single file, the
 /// prefix to read it under.
 #[derive(Clone, Debug, PartialEq)]
@@ -193,6 +201,7 @@ impl Sources {
             }
         }
         let single = model.is_file().then(|| model.to_path_buf());
+        let mut single_names: Option<Option<Vec<String>>> = None;
         let mut out = vec![];
         for (i, slot) in spec.text.iter().enumerate() {
             let weights = match self.text.get(i) {
@@ -205,10 +214,29 @@ impl Sources {
                         path: root.join(slot.folder),
                         prefix: None,
                     },
-                    (None, Some(file)) if slot.single_file_prefix.is_some() => Located {
-                        path: file.clone(),
-                        prefix: slot.single_file_prefix,
-                    },
+                    (None, Some(file)) if slot.single_file_prefix.is_some() => {
+                        let prefix = slot.single_file_prefix.unwrap_or_default();
+                        // SD3 / SD3.5 files are published with and without their encoders:
+                        // say so here, where the config key to set is known.
+                        if single_names
+                            .get_or_insert_with(|| names_in(file))
+                            .as_ref()
+                            .is_some_and(|names| !names.iter().any(|k| k.starts_with(prefix)))
+                        {
+                            return Err(pipeline_err(format!(
+                                "{key_text}: {} holds no {} text encoder (no keys under \
+                                 '{prefix}'); give the {} files ({}) in that order",
+                                file.display(),
+                                slot.name,
+                                n,
+                                names()
+                            )));
+                        }
+                        Located {
+                            path: file.clone(),
+                            prefix: slot.single_file_prefix,
+                        }
+                    }
                     _ => {
                         return Err(pipeline_err(format!(
                             "{key_text}: no {} text encoder next to {}; give the {} files \

@@ -64,7 +64,9 @@ fn main() -> Result<()> {
         let (m, vb) = ClipTextModel::load(dir.join(folder), None, dt, &dev, None)?;
         cuda.synchronize()?;
         let load = t.elapsed().as_secs_f64();
-        report(name, load, bytes(&vb)?, &|| Ok(m.forward(&ids77, None)?.penultimate))?;
+        report(name, load, bytes(&vb)?, &|| {
+            Ok(m.forward(&ids77, None)?.penultimate)
+        })?;
     }
     {
         let t = Instant::now();

@@ -75,6 +75,19 @@ fn main() -> Result<()> {
         let load = t.elapsed().as_secs_f64();
         let ids512 = ids(512, 32000, None, 2, &dev)?;
         report("t5xxl", load, bytes(&vb)?, &|| m.forward(&ids512, None))?;
+        let want = m.forward(&ids512, None)?.to_vec::<f32>()?;
+        drop((m, vb));
+        // Its blocks streamed from page-locked host memory, two ahead.
+        let t = Instant::now();
+        let (m, vb) =
+            T5Encoder::load_streamed(dir.join("text_encoder_2"), None, dt, &dev, None, 2)?;
+        cuda.synchronize()?;
+        let load = t.elapsed().as_secs_f64();
+        report("t5xxl stream", load, bytes(&vb)?, &|| {
+            m.forward(&ids512, None)
+        })?;
+        let same = m.forward(&ids512, None)?.to_vec::<f32>()? == want;
+        println!("flame t5xxl streamed output equals resident: {same}");
     }
     let t = Instant::now();
     let (vae, vb) = AutoencoderKl::load(dir.join("vae"), None, None, dt, &dev, None)?;

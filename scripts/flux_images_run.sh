@@ -2,11 +2,12 @@
 # The full-size check of issue 21 on the GPU machine: a random FLUX.1-dev pipeline (made by
 # benches/torch_encoders.py --make DIR --transformer) trained from a folder of generated
 # 1024-pixel pictures with captions through the `train` binary: caching, 20 steps under a
-# 24 GiB budget, validation, and one 1024² sample at the end; every phase timed.
-#   bash scripts/flux_images_run.sh DIR TRAIN_EXE
+# memory budget (24 GiB unless given), validation, and one 1024² sample at the end; every phase timed.
+#   bash scripts/flux_images_run.sh DIR TRAIN_EXE [BUDGET_GB]
 set -euo pipefail
 dir=$1
 exe=$2
+budget=${3:-24}
 python3 - "$dir/images" <<'PY'
 import os, sys
 from PIL import Image, ImageDraw
@@ -50,7 +51,7 @@ validate_every = 10
 log_every = 5
 
 [memory]
-budget_gb = 24
+budget_gb = $budget
 
 [data]
 resolution = 1024

@@ -312,6 +312,25 @@ fn t5_matches_transformers() {
     assert_eq!((xxl.d_model, xxl.num_heads * xxl.d_kv), (4096, 4096));
 }
 
+/// T5 with its blocks streamed from host memory gives the resident encoder's outputs bit for
+/// bit (with and without a padding mask), whatever the prefetch depth.
+#[test]
+fn t5_streamed_equals_resident() {
+    let io = outputs();
+    let (ids, mask) = (&io["t5.ids"], &io["t5.mask"]);
+    let (resident, _) = T5Encoder::load(fixture("t5"), None, DType::F32, &CPU, None).unwrap();
+    for prefetch in [1, 2, 5] {
+        let (streamed, _) =
+            T5Encoder::load_streamed(fixture("t5"), None, DType::F32, &CPU, None, prefetch)
+                .unwrap();
+        for m in [None, Some(mask)] {
+            let a = resident.forward(ids, m).unwrap().to_vec::<f32>().unwrap();
+            let b = streamed.forward(ids, m).unwrap().to_vec::<f32>().unwrap();
+            assert_eq!(a, b, "prefetch {prefetch}, mask {}", m.is_some());
+        }
+    }
+}
+
 /// T5's relative position buckets equal transformers' for every distance in [-300, 300]
 /// (bidirectional, 32 buckets, max distance 128).
 #[test]
@@ -388,8 +407,16 @@ fn encoders_match_transformers_on_cuda() {
         F32_TOL,
     );
     let (t5, _) = T5Encoder::load(fixture("t5"), None, DType::F32, &dev, None).unwrap();
-    let h = t5
-        .forward(&io["t5.ids"].to_device(&dev).unwrap(), None)
-        .unwrap();
+    let ids = io["t5.ids"].to_device(&dev).unwrap();
+    let h = t5.forward(&ids, None).unwrap();
     check("cuda t5 last_hidden", &h, &io["t5.last_hidden"], F32_TOL);
+    // Streamed from page-locked host memory on the copy stream: the same bits.
+    let (streamed, _) =
+        T5Encoder::load_streamed(fixture("t5"), None, DType::F32, &dev, None, 2).unwrap();
+    let hs = streamed.forward(&ids, None).unwrap();
+    assert_eq!(
+        h.to_vec::<f32>().unwrap(),
+        hs.to_vec::<f32>().unwrap(),
+        "cuda t5 streamed"
+    );
 }

@@ -32,7 +32,9 @@ fn config(dir: &Path, steps: usize, every: usize) -> TrainConfig {
         .replace("validate_every = 50", &format!("validate_every = {every}"))
         .replace("every = 100", &format!("every = {every}"))
         .replace("device = \"auto\"", "device = \"cpu\"")
-        .replace("warmup_steps = 10", "warmup_steps = 2");
+        .replace("warmup_steps = 10", "warmup_steps = 2")
+        // T5 streamed from host memory while captions are encoded (the same embeddings).
+        .replace("t5_tokens = 32", "t5_tokens = 32\nstream_t5 = \"on\"");
     let p = dir.join("train.toml");
     std::fs::write(&p, text).unwrap();
     TrainConfig::from_file(p).unwrap()

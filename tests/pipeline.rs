@@ -12,7 +12,7 @@
 mod common;
 
 use common::check_rel;
-use flame::models::{family, Sources, TextConditioner};
+use flame::models::{family, Sources, TextConditioner, TextOptions};
 use flame::{DType, Device, Error, Tensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -99,16 +99,12 @@ fn conditioner(case: &Case, dtype: DType, device: &Device) -> TextConditioner {
         ["encoders.text", "encoders.tokenizers", "encoders.vae"],
     )
     .unwrap();
-    TextConditioner::load(
-        fam,
-        &located,
-        case.guided,
-        case.t5_tokens,
-        dtype,
-        device,
-        "encoders",
-    )
-    .unwrap()
+    let opts = TextOptions {
+        guided: case.guided,
+        t5_tokens: case.t5_tokens,
+        stream_t5: false,
+    };
+    TextConditioner::load(fam, &located, &opts, dtype, device, "encoders").unwrap()
 }
 
 /// Every case's `context` and `pooled` against diffusers in `dtype` on `device`; the largest

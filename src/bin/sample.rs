@@ -13,7 +13,7 @@
 //! Image i is `<out>/<i>-<seed + i>.png`, written atomically.
 
 use argh::FromArgs;
-use flame::models::pipeline::{conditioning, load_vae, Sources, TextConditioner};
+use flame::models::pipeline::{conditioning, load_vae, Sources, TextConditioner, TextOptions};
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
 use flame::sample::{generate, Request};
@@ -89,6 +89,9 @@ struct Args {
     /// DDPM models (SDXL): what the model predicts, epsilon (default) or v
     #[argh(option, default = "String::from(\"epsilon\")")]
     prediction: String,
+    /// stream T5's blocks from host memory while encoding (T5-XXL in about 1.5 GiB)
+    #[argh(switch)]
+    stream_t5: bool,
     /// encode and decode in tiles of this many pixels (0, the default: whole images)
     #[argh(option, default = "0")]
     vae_tile: usize,
@@ -175,11 +178,15 @@ fn run(a: &Args) -> flame::Result<Vec<PathBuf>> {
     };
     let size = (a.height, a.width);
     let (conds, uncond) = {
+        let opts = TextOptions {
+            guided,
+            t5_tokens: a.t5_tokens,
+            stream_t5: a.stream_t5,
+        };
         let cond = TextConditioner::load(
             family,
             &text_at,
-            guided,
-            a.t5_tokens,
+            &opts,
             enc_dtype,
             &device,
             "--text-encoder",

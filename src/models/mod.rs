@@ -18,5 +18,5 @@ pub use family::{
 };
 pub use pipeline::{
     load_vae, EncoderSlot, Located, PipelineSpec, SampleSetup, Sources, TextConditioner,
-    TextEncoderKind, TextOutput,
+    TextEncoderKind, TextOptions, TextOutput,
 };

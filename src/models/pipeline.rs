@@ -345,6 +345,18 @@ enum Encoder {
     T5(T5Encoder),
 }
 
+/// How a [`TextConditioner`] is set up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TextOptions {
+    /// Whether the model takes a guidance input (FLUX.1 dev: T5 reads 512 tokens, not 256).
+    pub guided: bool,
+    /// T5's tokens per caption when not 0, instead of the pipeline's.
+    pub t5_tokens: usize,
+    /// T5's blocks stream from host memory ([`T5Encoder::load_streamed`]): T5-XXL encodes in
+    /// about 1.5 GiB of device memory instead of 9.
+    pub stream_t5: bool,
+}
+
 /// A family's text encoders with their tokenizers, loaded: captions to the model's text
 /// inputs.
 pub struct TextConditioner {
@@ -360,14 +372,12 @@ fn wrap(key: &str, slot: &EncoderSlot, e: Error) -> Error {
 
 impl TextConditioner {
     /// Loads `family`'s text encoders and tokenizers from `located` (from
-    /// [`Sources::locate`]) in `dtype` on `device`. `guided` says whether the model takes a
-    /// guidance input (it sets T5's length for Flux); `t5_tokens`, when not 0, is T5's
-    /// length instead. Errors name `key` and the slot.
+    /// [`Sources::locate`]) in `dtype` on `device`, as `opts` says. Errors name `key` and the
+    /// slot.
     pub fn load(
         family: &'static Family,
         located: &[(Located, PathBuf)],
-        guided: bool,
-        t5_tokens: usize,
+        opts: &TextOptions,
         dtype: DType,
         device: &Device,
         key: &str,
@@ -382,7 +392,7 @@ impl TextConditioner {
         }
         let mut encoders = vec![];
         for (slot, (w, tok)) in family.pipeline.text.iter().zip(located) {
-            let len = slot.len(guided, t5_tokens);
+            let len = slot.len(opts.guided, opts.t5_tokens);
             let pair = match slot.kind {
                 TextEncoderKind::Clip => (
                     Tokenizer::Clip(
@@ -406,9 +416,14 @@ impl TextConditioner {
                             T5Tokenizer::from_file(tok, len).map_err(|e| wrap(key, slot, e))?,
                         ),
                         Encoder::T5(
-                            T5Encoder::load(&w.path, w.prefix, dt, device, None)
-                                .map_err(|e| wrap(key, slot, e))?
-                                .0,
+                            match opts.stream_t5 {
+                                true => {
+                                    T5Encoder::load_streamed(&w.path, w.prefix, dt, device, None, 2)
+                                }
+                                false => T5Encoder::load(&w.path, w.prefix, dt, device, None),
+                            }
+                            .map_err(|e| wrap(key, slot, e))?
+                            .0,
                         ),
                     )
                 }
@@ -419,7 +434,7 @@ impl TextConditioner {
             family,
             encoders,
             device: device.clone(),
-            identity: Self::identity_of(family, located, guided, t5_tokens, dtype),
+            identity: Self::identity_of(family, located, opts, dtype),
         })
     }
 
@@ -428,8 +443,7 @@ impl TextConditioner {
     pub fn identity_of(
         family: &Family,
         located: &[(Located, PathBuf)],
-        guided: bool,
-        t5_tokens: usize,
+        opts: &TextOptions,
         dtype: DType,
     ) -> String {
         let mut id = vec![format!("{} {dtype:?}", family.name)];
@@ -440,7 +454,7 @@ impl TextConditioner {
                 file_identity(&w.path),
                 w.prefix,
                 file_identity(tok),
-                slot.len(guided, t5_tokens)
+                slot.len(opts.guided, opts.t5_tokens)
             ));
         }
         id.join("\n")

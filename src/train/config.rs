@@ -353,8 +353,13 @@ section! {
         /// T5's tokens per caption (0: the pipeline's, Flux dev 512, schnell and SD3.5 256);
         /// fewer is faster and lighter when captions are short.
         t5_tokens: usize = 0_usize,
-        /// Encode and decode in tiles of this many pixels (0: whole images); less memory,
-        /// slightly different latents near tile borders.
+        /// Stream T5's blocks from host memory while encoding captions: "on", "off", or
+        /// "auto" (on when memory.budget_gb is set and T5's weights take more than half of it;
+        /// T5-XXL then encodes in about 1.5 GiB instead of 9).
+        stream_t5: String = "auto",
+        /// Encode and decode in tiles of this many pixels (0: whole images, except that sample
+        /// images decode in 512-pixel tiles under a memory.budget_gb); less memory, slightly
+        /// different latents near tile borders.
         vae_tile: usize = 0_usize,
     }
 }

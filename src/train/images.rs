@@ -7,7 +7,9 @@ use super::config::{ModelDType, TrainConfig};
 use super::data::{Batch, Samples};
 use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
 use crate::encoders::{AutoencoderKl, VaeTiling};
-use crate::models::pipeline::{file_identity, load_vae, Located, Sources, TextConditioner};
+use crate::models::pipeline::{
+    file_identity, load_vae, Located, Sources, TextConditioner, TextEncoderKind, TextOptions,
+};
 use crate::models::{Family, Input, Size};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
@@ -92,6 +94,42 @@ pub fn vae(
         v.tiling = Some(VaeTiling::new(config.encoders.vae_tile));
     }
     Ok(v)
+}
+
+/// Bytes of the weight files at `path` (a file, or the .safetensors files of a folder).
+fn weight_bytes(path: &Path) -> u64 {
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    match std::fs::read_dir(path) {
+        Ok(rd) => rd
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .map(|p| size(&p))
+            .sum(),
+        Err(_) => size(path),
+    }
+}
+
+/// Whether T5 streams while encoding (`encoders.stream_t5`): "auto" streams when a memory
+/// budget is set and T5's weight files take more than half of it (a T5 inside an all-in-one
+/// file counts the whole file: streaming is then the safe side).
+pub fn stream_t5(config: &TrainConfig, family: &Family, text_at: &[(Located, PathBuf)]) -> bool {
+    match config.encoders.stream_t5.as_str() {
+        "on" => true,
+        "off" => false,
+        _ => {
+            let budget = config.memory.budget_gb * (1u64 << 30) as f64;
+            budget > 0.0
+                && family
+                    .pipeline
+                    .text
+                    .iter()
+                    .zip(text_at)
+                    .any(|(slot, (w, _))| {
+                        slot.kind == TextEncoderKind::T5
+                            && weight_bytes(&w.path) as f64 > budget / 2.0
+                    })
+        }
+    }
 }
 
 /// The cache folder: `data.cache_dir`, else `cache` in the output folder.
@@ -222,20 +260,16 @@ pub fn prepare(
     }
     captions.extend(config.sample.prompts.iter().cloned());
     captions.push(config.sample.negative_prompt.clone());
-    let text_id =
-        TextConditioner::identity_of(family, &text_at, guided, config.encoders.t5_tokens, dtype);
+    let text_opts = TextOptions {
+        guided,
+        t5_tokens: config.encoders.t5_tokens,
+        stream_t5: stream_t5(config, family, &text_at),
+    };
+    let text_id = TextConditioner::identity_of(family, &text_at, &text_opts, dtype);
     let text = TextCache::open(&cache, &text_id)?;
     let empty = text.entry_path("");
     let text_shapes: Vec<(String, Vec<usize>)> = if encode || !empty.is_file() {
-        let cond = TextConditioner::load(
-            family,
-            &text_at,
-            guided,
-            config.encoders.t5_tokens,
-            dtype,
-            &device,
-            "encoders",
-        )?;
+        let cond = TextConditioner::load(family, &text_at, &text_opts, dtype, &device, "encoders")?;
         let mut enc = |c: &str| -> Result<data::cache::Encoded> {
             cond.encode(&[c])?
                 .into_iter()

@@ -533,7 +533,12 @@ impl Trainer {
             let uncond = Some(text(&sc.negative_prompt)?);
             let latents =
                 crate::sample::generate(self.model.as_ref(), &conds, uncond, &req, &self.device)?;
-            let vae = images::vae(&self.config, family, &parts.vae, self.dtype, &self.device)?;
+            let mut vae = images::vae(&self.config, family, &parts.vae, self.dtype, &self.device)?;
+            if vae.tiling.is_none() && self.config.memory.budget_gb > 0.0 {
+                // Under a budget the model holds most of it: decode in tiles (1.8 GiB for
+                // Flux's VAE at 1024² against 6.7 whole).
+                vae.tiling = Some(crate::encoders::VaeTiling::new(512));
+            }
             let dir = self.run_dir().path.join(SAMPLES);
             std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
                 path: dir.clone(),

@@ -266,6 +266,9 @@ pub fn prepare(
         stream_t5: stream_t5(config, family, &text_at),
     };
     let text_id = TextConditioner::identity_of(family, &text_at, &text_opts, dtype);
+    if text_opts.stream_t5 && encode {
+        on("T5 streams its blocks from host memory while the captions are encoded".into());
+    }
     let text = TextCache::open(&cache, &text_id)?;
     let empty = text.entry_path("");
     let text_shapes: Vec<(String, Vec<usize>)> = if encode || !empty.is_file() {

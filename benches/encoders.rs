@@ -75,7 +75,10 @@ fn main() -> Result<()> {
         let load = t.elapsed().as_secs_f64();
         let ids512 = ids(512, 32000, None, 2, &dev)?;
         report("t5xxl", load, bytes(&vb)?, &|| m.forward(&ids512, None))?;
-        let want = m.forward(&ids512, None)?.to_vec::<f32>()?;
+        let want = m
+            .forward(&ids512, None)?
+            .to_dtype(DType::F32)?
+            .to_vec::<f32>()?;
         drop((m, vb));
         // Its blocks streamed from page-locked host memory, two ahead.
         let t = Instant::now();
@@ -86,7 +89,11 @@ fn main() -> Result<()> {
         report("t5xxl stream", load, bytes(&vb)?, &|| {
             m.forward(&ids512, None)
         })?;
-        let same = m.forward(&ids512, None)?.to_vec::<f32>()? == want;
+        let same = m
+            .forward(&ids512, None)?
+            .to_dtype(DType::F32)?
+            .to_vec::<f32>()?
+            == want;
         println!("flame t5xxl streamed output equals resident: {same}");
     }
     let t = Instant::now();

@@ -297,6 +297,153 @@ __device__ __forceinline__ void attn_fwd(const AttnParams& p) {
     }
 }
 
+
+// ----- forward for wide heads (D = 512: the VAE's single-head mid-block attention) -----------
+// Forward only (no backward kernel: the autoencoder runs without gradients). A block of 4
+// warps takes 64 queries (16 a warp) and one 128-column chunk of the output (blockIdx.z): the
+// scores Q K^T run over all DK columns (Q's and K's tiles in shared memory, A fragments read
+// per k step, so no warp holds a 512-wide row in registers), and the output accumulator holds
+// only the chunk's DV columns. Every chunk's block computes the same scores; the chunk-0
+// block writes the log-sum-exp. Keys go by in tiles of 32, double-buffered with cp.async.
+#define WIDE_WARPS 4
+#define WIDE_BR (16 * WIDE_WARPS)
+#define WIDE_BC 32
+#define WIDE_DV 128
+
+template <typename T, int DK>
+__device__ __forceinline__ void attn_fwd_wide(const AttnParams& p) {
+  constexpr int BR = WIDE_BR, BC = WIDE_BC, DV = WIDE_DV, NT = 32 * WIDE_WARPS;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_u32(smem);
+  const uint32_t sK0 = sQ + BR * DK * 2;       // stage s: K at sK0 + s * BC * DK * 2
+  const uint32_t sV0 = sK0 + 2 * BC * DK * 2;  // stage s: V at sV0 + s * BC * DV * 2
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int q0 = blockIdx.x * BR, r0 = warp * 16, c0 = blockIdx.z * DV;
+  const T* Q = view_at<T>(p.q, b, h);
+  const T* K = view_at<T>(p.k, b, h);
+  const T* V = view_at<T>(p.v, b, h) + c0;
+  const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
+  const int kend = p.causal ? min(p.Lk, min(q0 + BR, p.Lq)) : p.Lk;
+  const int nkt = (kend + BC - 1) / BC;
+  const float sl2 = p.scale_log2;
+
+  load_tile<T, BR, DK, NT>(sQ, Q, p.q.sr, q0, p.Lq);
+  load_tile<T, BC, DK, NT>(sK0, K, p.k.sr, 0, p.Lk);
+  load_tile<T, BC, DV, NT>(sV0, V, p.v.sr, 0, p.Lk);
+  cp_commit();
+
+  float o[DV / 8][4];
+#pragma unroll
+  for (int n = 0; n < DV / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int qrow0 = q0 + r0 + (lane >> 2);  // + 8 r
+
+  for (int j = 0; j < nkt; ++j) {
+    if (j + 1 < nkt) {
+      const int st = (j + 1) & 1;
+      load_tile<T, BC, DK, NT>(sK0 + st * BC * DK * 2, K, p.k.sr, (j + 1) * BC, p.Lk);
+      load_tile<T, BC, DV, NT>(sV0 + st * BC * DV * 2, V, p.v.sr, (j + 1) * BC, p.Lk);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const uint32_t sK = sK0 + (j & 1) * BC * DK * 2, sV = sV0 + (j & 1) * BC * DV * 2;
+
+    float s[BC / 8][4];
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll 4
+    for (int kk = 0; kk < DK / 16; ++kk) {
+      uint32_t qa[4];
+      ldsm4(a_addr<DK>(sQ, r0, kk, lane), qa);
+#pragma unroll
+      for (int np = 0; np < BC / 16; ++np) {
+        uint32_t bf[4];
+        ldsm4(bn_addr<DK>(sK, np * 16, kk, lane), bf);
+        mma<T>(s[2 * np], qa, bf[0], bf[1]);
+        mma<T>(s[2 * np + 1], qa, bf[2], bf[3]);
+      }
+    }
+    const int k0 = j * BC;
+    const bool edge = k0 + BC > p.Lk || keep || (p.causal && k0 + BC - 1 > q0 + r0);
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[n][e] * sl2;
+        if (edge) {
+          const int key = k0 + n * 8 + 2 * (lane & 3) + (e & 1);
+          const int row = qrow0 + (e >> 1) * 8;
+          const bool vis = key < p.Lk && (!keep || keep[key] != 0.f) && (!p.causal || key <= row);
+          if (!vis) x = -INFINITY;
+        }
+        s[n][e] = x;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mnew = fmaxf(m[r], mx);
+      const float muse = mnew == -INFINITY ? 0.f : mnew;
+      const float alpha = ex2(m[r] - muse);
+      m[r] = mnew;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) {
+        s[n][2 * r] = ex2(s[n][2 * r] - muse);
+        s[n][2 * r + 1] = ex2(s[n][2 * r + 1] - muse);
+        sum += s[n][2 * r] + s[n][2 * r + 1];
+      }
+      l[r] = l[r] * alpha + sum;
+#pragma unroll
+      for (int n = 0; n < DV / 8; ++n) {
+        o[n][2 * r] *= alpha;
+        o[n][2 * r + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < DV / 16; ++dp) {
+        uint32_t bf[4];
+        ldsm4t(bk_addr<DV>(sV, kk * 16, dp * 2, lane), bf);
+        mma<T>(o[2 * dp], a, bf[0], bf[1]);
+        mma<T>(o[2 * dp + 1], a, bf[2], bf[3]);
+      }
+    }
+    __syncthreads();
+  }
+
+  T* O = reinterpret_cast<T*>(p.o.ptr) + b * p.o.sb + h * p.o.sh + c0;
+  float* lse = reinterpret_cast<float*>(p.lse) + (int64_t)bh * p.Lq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float lt = l[r];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const float inv = lt > 0.f ? 1.f / lt : 0.f;
+    const int row = qrow0 + r * 8;
+    if (row < p.Lq) {
+      T* orow = O + (int64_t)row * p.o.sr + 2 * (lane & 3);
+#pragma unroll
+      for (int n = 0; n < DV / 8; ++n)
+        *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+      if (blockIdx.z == 0 && (lane & 3) == 0) lse[row] = lt > 0.f ? m[r] * LN2 + logf(lt) : INFINITY;
+    }
+  }
+}
+
 // ----- backward -----------------------------------------------------------------------------
 // dvec = rowsum(do * o) per query (f32), and the f32 dq accumulator zeroed: a warp per row.
 template <typename T, int D>
@@ -589,6 +736,13 @@ ATTN_KERNELS(__nv_bfloat16, bf16, 64)
 ATTN_KERNELS(__nv_bfloat16, bf16, 128)
 ATTN_KERNELS(__half, f16, 64)
 ATTN_KERNELS(__half, f16, 128)
+
+extern "C" __global__ void __launch_bounds__(32 * WIDE_WARPS, 1) attn_fwd_wide_bf16_d512(const AttnParams p) {
+  attn_fwd_wide<__nv_bfloat16, 512>(p);
+}
+extern "C" __global__ void __launch_bounds__(32 * WIDE_WARPS, 1) attn_fwd_wide_f16_d512(const AttnParams p) {
+  attn_fwd_wide<__half, 512>(p);
+}
 
 extern "C" __global__ void attn_dq_bf16(const float* acc, __nv_bfloat16* dq, size_t n) { attn_dq(acc, dq, n); }
 extern "C" __global__ void attn_dq_f16(const float* acc, __half* dq, size_t n) { attn_dq(acc, dq, n); }

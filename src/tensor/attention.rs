@@ -92,7 +92,9 @@ fn scale_or_default(scale: Option<f64>, d: usize) -> f64 {
 /// that sees no key outputs 0.
 ///
 /// On CUDA, bf16 and f16 at head dims 64 and 128 run the flash-attention kernels: nothing of
-/// size Lq x Lk is allocated, forward or backward. Everything else runs the composite
+/// size Lq x Lk is allocated, forward or backward; at head dim 512 (the autoencoders'
+/// mid-block attention) a forward-only flash kernel serves calls that record no gradient.
+/// Everything else runs the composite
 /// (`Tensor::attention_composite`), which materializes the (B, H, Lq, Lk) scores.
 pub fn scaled_dot_product_attention(
     q: &Tensor,
@@ -104,9 +106,12 @@ pub fn scaled_dot_product_attention(
 ) -> Result<Tensor> {
     let dims = check(q, k, v, mask)?;
     let scale = scale_or_default(scale, dims.d);
+    // Head width 512 (the VAE's single head) has a forward kernel only: it serves calls
+    // that record nothing (no gradient asked of q, k or v).
+    let records = crate::grad_enabled() && [q, k, v].iter().any(|t| t.requires_grad());
     let flash = q.device().is_cuda()
         && matches!(q.dtype(), DType::BF16 | DType::F16)
-        && matches!(dims.d, 64 | 128);
+        && (matches!(dims.d, 64 | 128) || (dims.d == 512 && !records));
     if flash {
         q.attention_fused(k, v, mask, causal, scale)
     } else {

@@ -234,3 +234,84 @@ fn flash_attention_allocates_nothing_of_size_l_squared() {
         .unwrap_err();
     assert!(e.to_string().contains("head dims"), "{e}");
 }
+
+/// The forward-only kernel for head width 512 (the autoencoders' single-head mid-block
+/// attention), taken by calls that record no gradient: against the f32 composite on the same
+/// rounded inputs, at odd lengths (1 key, lengths past a 64-row or 32-key tile), batches and
+/// heads above 1, with a key padding mask and causality; and `scaled_dot_product_attention`
+/// routes there under `no_grad` but to the composite when a gradient is asked for.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn wide_head_forward_matches_the_f32_composite() {
+    let _one = serial();
+    let dev = gpu();
+    let d = 512;
+    let mut worst = vec![];
+    for dt in [DType::BF16, DType::F16] {
+        for (i, &(b, h, lq, lk)) in [
+            (1, 1, 1, 1),
+            (1, 1, 77, 130),
+            (2, 3, 65, 33),
+            (1, 1, 333, 1),
+            (1, 1, 1024, 1024),
+        ]
+        .iter()
+        .enumerate()
+        {
+            for (causal, masked) in [(false, false), (true, false), (false, true)] {
+                let seed = 700 + 10 * i as u64;
+                let q = randn(&[b, h, lq, d], dt, seed, &dev);
+                let k = randn(&[b, h, lk, d], dt, seed + 1, &dev);
+                let v = randn(&[b, h, lk, d], dt, seed + 2, &dev);
+                let mask = masked.then(|| {
+                    let u = Tensor::rand_uniform(0.0, 1.0, (b, lk), DType::F32, &CPU, seed + 4)
+                        .unwrap();
+                    let mut keep: Vec<f32> = u.to_vec().unwrap();
+                    keep.iter_mut().for_each(|x| *x = f32::from(*x > 0.3));
+                    keep[0] = 1.0;
+                    Tensor::from_slice(&keep, (b, lk), &dev).unwrap()
+                });
+                let m = mask.as_ref();
+                let scale = 1.0 / (d as f64).sqrt();
+                let _g = flame::no_grad();
+                let o = q.attention_fused(&k, &v, m, causal, scale).unwrap();
+                let f32_ = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                let r = f32_(&q)
+                    .attention_composite(&f32_(&k), &f32_(&v), m, causal, scale)
+                    .unwrap();
+                let e = rel_err(&o, &r);
+                assert!(
+                    e <= tol(dt),
+                    "{dt} (B, H, Lq, Lk) = ({b}, {h}, {lq}, {lk}) causal {causal} mask {masked}: {e:.2e}"
+                );
+                worst.push(e);
+                let via = flame::nn::scaled_dot_product_attention(&q, &k, &v, m, causal, None)
+                    .unwrap();
+                assert_eq!(
+                    via.to_vec_f64().unwrap(),
+                    o.to_vec_f64().unwrap(),
+                    "no_grad sdpa takes the wide kernel"
+                );
+            }
+        }
+    }
+    println!(
+        "wide-head forward worst errors: {}",
+        sci(&[worst.iter().cloned().fold(0.0, f64::max)])
+    );
+    // A call that records takes the composite (the wide kernel has no backward).
+    let q = randn(&[1, 1, 40, d], DType::BF16, 1, &dev)
+        .requires_grad_()
+        .unwrap();
+    let k = randn(&[1, 1, 40, d], DType::BF16, 2, &dev);
+    let y = flame::nn::scaled_dot_product_attention(&q, &k, &k, None, false, None).unwrap();
+    let g = y.sum_all().unwrap().backward().unwrap();
+    assert!(g.get(&q).is_some());
+    // The backward at 512 is refused by the kernels, not run wrong.
+    let e = q.attention_fused(&k, &k, None, false, 0.1);
+    let e = e
+        .and_then(|y| y.sum_all()?.backward().map(|_| ()))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("512 forward only"), "{e}");
+}

@@ -76,6 +76,18 @@ fn fwd_smem(d: usize) -> usize {
     (FWD_ROWS + 4 * fwd_keys(d)) * d * 2
 }
 
+/// Head width of the wide forward kernel (the VAE's single head), its query rows and keys
+/// per block, and the output columns each block computes (cuda/attention.cu).
+pub(crate) const WIDE_D: usize = 512;
+const WIDE_ROWS: usize = 64;
+const WIDE_KEYS: usize = 32;
+const WIDE_DV: usize = 128;
+
+fn wide_smem() -> usize {
+    // Q (64 x 512), two stages of K (32 x 512) and of the V chunk (32 x 128), 2-byte elements.
+    (WIDE_ROWS * WIDE_D + 2 * WIDE_KEYS * WIDE_D + 2 * WIDE_KEYS * WIDE_DV) * 2
+}
+
 fn bwd_smem(d: usize) -> usize {
     // K, V (128 x D), two stages of Q and dO (64 x D), dS^T (128 x 64); lse and dvec stages.
     (2 * BWD_KEYS * d + 4 * BWD_ROWS * d + BWD_KEYS * BWD_ROWS) * 2 + 4 * BWD_ROWS * 4
@@ -141,10 +153,13 @@ pub(crate) fn run(
             dtype: x.buf.dtype(),
         });
     }
-    if !matches!(d, 64 | 128) {
+    let fwd = matches!(op, FusedOp::Attention { .. });
+    if !(matches!(d, 64 | 128) || (fwd && d == WIDE_D)) {
         return Err(Error::invalid(
             name,
-            format!("the CUDA kernels take head dims 64 and 128, not {d}"),
+            format!(
+                "the CUDA kernels take head dims 64 and 128 (and {WIDE_D} forward only), not {d}"
+            ),
             &shape(),
         ));
     }
@@ -182,7 +197,6 @@ pub(crate) fn run(
     p.q = view(name, args[0].0, args[0].1, &mut copies)?;
     p.k = view(name, args[1].0, args[1].1, &mut copies)?;
     p.v = view(name, args[2].0, args[2].1, &mut copies)?;
-    let fwd = matches!(op, FusedOp::Attention { .. });
     if !fwd {
         p.o = view(name, args[3].0, args[3].1, &mut copies)?;
         p.dout = view(name, args[4].0, args[4].1, &mut copies)?;
@@ -225,6 +239,25 @@ fn launch_all<T: Elem>(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     };
+    if fwd && d == WIDE_D {
+        let o = dev.alloc::<T>(bh * lq * d)?;
+        let lse = dev.alloc::<f32>(bh * lq)?;
+        p.o = dense_view(o.raw(dev), h, lq, d);
+        p.lse = lse.raw(dev);
+        let kernel = format!("attn_fwd_wide_{}_d{d}", T::SFX);
+        super::allow_shared_memory(dev, module, &kernel, wide_smem())?;
+        let grid = LaunchConfig {
+            grid_dim: (
+                lq.div_ceil(WIDE_ROWS) as u32,
+                bh as u32,
+                (d / WIDE_DV) as u32,
+            ),
+            block_dim: (FWD_THREADS, 1, 1),
+            shared_mem_bytes: wide_smem() as u32,
+        };
+        launch!(dev, module, kernel, grid, &*p)?;
+        return Ok(vec![T::wrap(o), f32::wrap(lse)]);
+    }
     if fwd {
         let o = dev.alloc::<T>(bh * lq * d)?;
         let lse = dev.alloc::<f32>(bh * lq)?;

@@ -77,9 +77,9 @@ fn projection(vb: &VarBuilder, c: usize) -> Result<Linear> {
 /// Single-head self-attention over the L positions with a residual (diffusers `Attention`
 /// as the VAE builds it: `group_norm` first, head width = C, scale 1 / sqrt(C),
 /// `residual_connection=True`, `rescale_output_factor` 1). The head width is C (512 in the
-/// released VAEs), beyond the flash kernels' 64 / 128, so it runs the composite attention,
-/// which materializes the (B, 1, L, L) scores: 1 GiB in f32 for a 1024^2 image's 128^2
-/// encoder positions (tiling bounds it).
+/// released VAEs): on CUDA in bf16/f16 without gradients it runs the forward-only flash
+/// kernel for that width (nothing of size L x L); with gradients, in f32 or on the CPU, the
+/// composite, which materializes the (B, 1, L, L) scores (tiling bounds them).
 #[derive(Clone, Debug)]
 struct MidAttention {
     norm: GroupNorm,

@@ -285,8 +285,8 @@ fn wide_head_forward_matches_the_f32_composite() {
                     "{dt} (B, H, Lq, Lk) = ({b}, {h}, {lq}, {lk}) causal {causal} mask {masked}: {e:.2e}"
                 );
                 worst.push(e);
-                let via = flame::nn::scaled_dot_product_attention(&q, &k, &v, m, causal, None)
-                    .unwrap();
+                let via =
+                    flame::nn::scaled_dot_product_attention(&q, &k, &v, m, causal, None).unwrap();
                 assert_eq!(
                     via.to_vec_f64().unwrap(),
                     o.to_vec_f64().unwrap(),

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from torch_timing import timed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -89,24 +91,13 @@ def transformer():
         pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)))
 
 
-def timed(f, warmup=2, iters=5):
-    for _ in range(warmup):
-        f()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters
-
-
 def report(name, model, f):
     gib = 1 << 30
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
-        s = timed(f)
+        s = timed(f, warmup=2, iters=5)
     peak = torch.cuda.max_memory_allocated()
     print(f"torch {name:<12} {s * 1e3:8.1f} ms | weights {weights / gib:6.2f} GiB | "
           f"peak {peak / gib:6.2f} GiB", flush=True)

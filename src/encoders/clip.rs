@@ -8,7 +8,7 @@
 //! from OpenCLIP's `attn.in_proj_weight`. Shape letters: B batch, L tokens, D width, H heads,
 //! E head width, P projection width.
 
-use super::{detect_prefix, locate, prefixes_with, Located};
+use super::{detect_prefix, open_files, prefixes_with};
 use crate::models::common::{merge_heads, split_qkv};
 use crate::nn::{
     scaled_dot_product_attention, Embedding, KeyMap, KeySource, LayerNorm, Linear, VarBuilder,
@@ -397,17 +397,8 @@ impl ClipTextModel {
         device: &Device,
         config: Option<ClipConfig>,
     ) -> Result<(Self, VarBuilder)> {
-        let Located {
-            files,
-            config: json,
-            config_path,
-        } = locate(path.as_ref())?;
-        let raw = VarBuilder::from_files(&files, dtype, device)?;
-        let config = match (config, json) {
-            (Some(c), _) => Some(c),
-            (None, Some(j)) => Some(ClipConfig::from_json(&j, config_path.as_deref())?),
-            (None, None) => None,
-        };
+        let (raw, config) =
+            open_files(path.as_ref(), dtype, device, config, ClipConfig::from_json)?;
         Self::load_from(raw, path.as_ref(), prefix, config)
     }
 

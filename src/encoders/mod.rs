@@ -173,6 +173,30 @@ fn locate(path: &Path) -> Result<Located> {
     })
 }
 
+/// The builder over the weight files at `path` (through [`locate`]) in `dtype` on `device`,
+/// and the config: `config` when given, else the folder's config.json read by `parse`, else
+/// none (the loader infers it from the shapes).
+fn open_files<C>(
+    path: &Path,
+    dtype: crate::DType,
+    device: &crate::Device,
+    config: Option<C>,
+    parse: fn(&Value, Option<&Path>) -> Result<C>,
+) -> Result<(crate::nn::VarBuilder, Option<C>)> {
+    let Located {
+        files,
+        config: json,
+        config_path,
+    } = locate(path)?;
+    let raw = crate::nn::VarBuilder::from_files(&files, dtype, device)?;
+    let config = match (config, json) {
+        (Some(c), _) => Some(c),
+        (None, Some(j)) => Some(parse(&j, config_path.as_deref())?),
+        (None, None) => None,
+    };
+    Ok((raw, config))
+}
+
 /// Every `p` such that `p + suffix` is a key, where `p` is empty or ends in a dot.
 fn prefixes_with(keys: &[String], suffix: &str) -> Vec<String> {
     keys.iter()

@@ -4,7 +4,7 @@
 //! RMSNorm. Keys are transformers' (`encoder.block.N.layer.0.SelfAttention.q.weight`).
 //! Shape letters: B batch, L tokens, D `d_model`, H heads, K `d_kv` (head width), F `d_ff`.
 
-use super::{detect_prefix, locate, prefixes_with, Located};
+use super::{detect_prefix, open_files, prefixes_with};
 use crate::models::common::merge_heads;
 use crate::nn::{Embedding, KeySource, Linear, RmsNorm, VarBuilder};
 use crate::stream::{BlockExec, BlockStreamer};
@@ -293,17 +293,7 @@ impl T5Encoder {
         config: Option<T5Config>,
         prefetch: usize,
     ) -> Result<(Self, VarBuilder)> {
-        let Located {
-            files,
-            config: json,
-            config_path,
-        } = locate(path.as_ref())?;
-        let raw = VarBuilder::from_files(&files, dtype, device)?;
-        let config = match (config, json) {
-            (Some(c), _) => Some(c),
-            (None, Some(j)) => Some(T5Config::from_json(&j, config_path.as_deref())?),
-            (None, None) => None,
-        };
+        let (raw, config) = open_files(path.as_ref(), dtype, device, config, T5Config::from_json)?;
         Self::build(raw, path.as_ref(), prefix, config, Some(prefetch.max(1)))
     }
 
@@ -319,17 +309,7 @@ impl T5Encoder {
         device: &Device,
         config: Option<T5Config>,
     ) -> Result<(Self, VarBuilder)> {
-        let Located {
-            files,
-            config: json,
-            config_path,
-        } = locate(path.as_ref())?;
-        let raw = VarBuilder::from_files(&files, dtype, device)?;
-        let config = match (config, json) {
-            (Some(c), _) => Some(c),
-            (None, Some(j)) => Some(T5Config::from_json(&j, config_path.as_deref())?),
-            (None, None) => None,
-        };
+        let (raw, config) = open_files(path.as_ref(), dtype, device, config, T5Config::from_json)?;
         Self::load_from(raw, path.as_ref(), prefix, config)
     }
 

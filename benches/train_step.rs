@@ -29,6 +29,8 @@ use flame::stream::{
 };
 use flame::train::{flow_matching, weighted_mse, TimestepSampling};
 use flame::{DType, Device, Grads, Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -246,10 +248,32 @@ fn run<M: ModelSpec>(
     cuda.synchronize()?;
     cuda.reset_peak_memory();
     let mut losses = vec![first];
+    let (evictions, flushes) = (cuda.memory().evictions, cuda.memory().flushes);
+    // The driver's view of the device memory, sampled every 2 ms through the timed steps:
+    // the cap's proof is its peak, not its value after the last sync.
+    let sampling = Arc::new(AtomicBool::new(true));
+    let sampler = {
+        let (cuda, sampling) = (cuda.clone(), sampling.clone());
+        std::thread::spawn(move || {
+            let mut peak = 0u64;
+            while sampling.load(Ordering::Relaxed) {
+                peak = peak.max(cuda.device_memory_used().unwrap_or(0));
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            peak
+        })
+    };
     let ms = common::time(cuda, 0, 3, &mut || {
         losses.push(step()?);
         Ok(())
     })? * 1e3;
+    sampling.store(false, Ordering::Relaxed);
+    let driver_peak = sampler.join().unwrap_or(0);
+    let per_step = |n: u64| n as f64 / 3.0;
+    let (evictions, flushes) = (
+        per_step(cuda.memory().evictions - evictions),
+        per_step(cuda.memory().flushes - flushes),
+    );
     println!("losses: {losses:?}");
     let gib = |b: u64| b as f64 / GIB;
     let weights: u64 = vb
@@ -260,6 +284,17 @@ fn run<M: ModelSpec>(
     let (streamed_gib, per_step) = match &streamer {
         Some(s) => {
             let r = s.report()?;
+            if r.timed_uploads > 0 {
+                // Each upload's bytes are about the same share: the timed ones stand for all.
+                let share = r.timed_uploads as f64 / r.uploads as f64;
+                println!(
+                    "copy stream: {:.1} ms/step busy at {:.1} GiB/s ({} of {} uploads timed)",
+                    r.copy_us as f64 / 1e3 / share / 4.0,
+                    gib(r.uploaded_bytes) * share / (r.copy_us as f64 / 1e6),
+                    r.timed_uploads,
+                    r.uploads
+                );
+            }
             (gib(r.host_bytes), gib(r.uploaded_bytes) / 4.0)
         }
         None => (0.0, 0.0),
@@ -283,13 +318,14 @@ fn run<M: ModelSpec>(
         _ => "none".into(),
     };
     println!(
-        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step",
+        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB, peak while stepping {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step | cache evictions {evictions:.1}/step, pool trims {flushes:.1}/step",
         n_params as f64 / 1e6,
         if fp8 { "fp8" } else { "bf16" },
         if adam8bit { "AdamW8bit" } else { "AdamW" },
         gib(weights),
         gib(cuda.memory().peak),
         gib(cuda.device_memory_used()?),
+        gib(driver_peak),
         peak_rss_gib(),
     );
     Ok(())

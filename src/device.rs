@@ -558,6 +558,27 @@ impl HostCopy {
     }
 }
 
+/// Several host copies joined for one upload (`Device::upload_pack`): on a GPU one
+/// page-locked buffer brought in by one copy into one device allocation; on the CPU backend
+/// the copies as they are.
+pub(crate) enum HostPack {
+    #[cfg(feature = "cpu-ref")]
+    Cpu(Vec<CpuStorage>),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::PinnedPack),
+}
+
+impl HostPack {
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(v) => v.iter().map(|s| s.len() * s.dtype().size_in_bytes()).sum(),
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.bytes(),
+        }
+    }
+}
+
 /// What the compute work must wait for before reading an uploaded storage.
 pub(crate) enum Ticket {
     /// Nothing (the CPU backend copies synchronously).
@@ -565,6 +586,27 @@ pub(crate) enum Ticket {
     Ready,
     #[cfg(feature = "cuda")]
     Cuda(crate::backend::cuda::Upload),
+}
+
+impl Ticket {
+    /// The copy's duration on the device once it has finished (None before, for a copy that
+    /// was not timed, or on the CPU backend).
+    pub(crate) fn copy_ms(&self) -> Option<f64> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Ticket::Cuda(u) => u.copy_ms(),
+            _ => None,
+        }
+    }
+
+    /// Whether the copy can still report a duration (a timed GPU copy).
+    pub(crate) fn timed(&self) -> bool {
+        match self {
+            #[cfg(feature = "cuda")]
+            Ticket::Cuda(u) => u.timed(),
+            _ => false,
+        }
+    }
 }
 
 impl Storage {
@@ -615,20 +657,10 @@ impl Storage {
 }
 
 impl Device {
-    /// New storages on this device holding the values of `hs`, and what to wait for before
-    /// reading them (see `wait`).
-    pub(crate) fn upload(&self, hs: &[&HostCopy]) -> Result<(Vec<Storage>, Ticket)> {
-        self.upload_lane(hs, false)
-    }
-
-    /// `upload` of host copies `Storage::offload` made (on a GPU, on the offload stream,
-    /// after their copies out).
+    /// New storages on this device holding the values of host copies `Storage::offload` made,
+    /// and what to wait for before reading them (see `wait`; on a GPU the copies run on the
+    /// offload stream, after the copies out).
     pub(crate) fn upload_offloaded(&self, hs: &[&HostCopy]) -> Result<(Vec<Storage>, Ticket)> {
-        self.upload_lane(hs, true)
-    }
-
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    fn upload_lane(&self, hs: &[&HostCopy], offloaded: bool) -> Result<(Vec<Storage>, Ticket)> {
         let other = || crate::Error::DeviceMismatch {
             op: "upload",
             lhs: self.location(),
@@ -657,11 +689,7 @@ impl Device {
                         _ => Err(other()),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let (storages, u) = if offloaded {
-                    d.upload_offloaded(&pinned)?
-                } else {
-                    d.upload(&pinned)?
-                };
+                let (storages, u) = d.upload_offloaded(&pinned)?;
                 Ok((
                     storages.into_iter().map(Storage::Cuda).collect(),
                     Ticket::Cuda(u),
@@ -669,6 +697,69 @@ impl Device {
             }
             #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
             Device::None(n) => match *n {},
+        }
+    }
+
+    /// The host copies `hs` joined, in order, for `upload_pack` (on a GPU: copied into one
+    /// new page-locked buffer; `hs` may be dropped after).
+    pub(crate) fn pack(&self, hs: &[&HostCopy]) -> Result<HostPack> {
+        let other = || crate::Error::DeviceMismatch {
+            op: "pack",
+            lhs: self.location(),
+            rhs: "a host copy made for another device".into(),
+        };
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            Device::Cpu => hs
+                .iter()
+                .map(|h| match h {
+                    HostCopy::Cpu(s) => Ok(s.clone()),
+                    #[allow(unreachable_patterns)]
+                    _ => Err(other()),
+                })
+                .collect::<Result<_>>()
+                .map(HostPack::Cpu),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                let pinned = hs
+                    .iter()
+                    .map(|h| match h {
+                        HostCopy::Cuda(p) => Ok(p),
+                        #[allow(unreachable_patterns)]
+                        _ => Err(other()),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(HostPack::Cuda(d.pack(&pinned)?))
+            }
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Device::None(n) => match *n {},
+        }
+    }
+
+    /// New storages on this device with the values of the parts of `p`, in order, and what to
+    /// wait for before reading them (see `wait`). On a GPU they are cut from one allocation
+    /// filled by one copy, which returns to the cache when the last of them drops.
+    pub(crate) fn upload_pack(&self, p: &HostPack) -> Result<(Vec<Storage>, Ticket)> {
+        let other = || crate::Error::DeviceMismatch {
+            op: "upload",
+            lhs: self.location(),
+            rhs: "host copies packed for another device".into(),
+        };
+        match (self, p) {
+            #[cfg(feature = "cpu-ref")]
+            (Device::Cpu, HostPack::Cpu(v)) => {
+                Ok((v.iter().cloned().map(Storage::Cpu).collect(), Ticket::Ready))
+            }
+            #[cfg(feature = "cuda")]
+            (Device::Cuda(d), HostPack::Cuda(p)) => {
+                let (storages, u) = d.upload_pack(p)?;
+                Ok((
+                    storages.into_iter().map(Storage::Cuda).collect(),
+                    Ticket::Cuda(u),
+                ))
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(other()),
         }
     }
 

@@ -135,6 +135,7 @@ fn lora(targets: &[&str]) -> Arc<Adapters> {
 
 /// The LoRA gradients (by name, as bits) and the loss of one step of a model built by
 /// `build` with `exec`, optionally streaming `streamed` blocks of `prefixes`.
+#[allow(clippy::too_many_arguments)]
 fn lora_grads<M>(
     dev: &Device,
     build: impl Fn(&VarBuilder) -> Result<M>,
@@ -143,6 +144,7 @@ fn lora_grads<M>(
     prefixes: Vec<String>,
     streamed: &[usize],
     checkpointing: Checkpointing,
+    fp8: bool,
 ) -> (Vec<(String, Vec<u32>)>, u64) {
     // Adapters on the blocks' layers (the LoRA use case; embeddings before the blocks stay
     // frozen: a trainable input shared by every block, such as the time embedding, sums
@@ -151,6 +153,8 @@ fn lora_grads<M>(
     let adapters = lora(&targets.iter().map(String::as_str).collect::<Vec<_>>());
     let mut vb = VarBuilder::random(3, 0.3, DType::F32, dev)
         .with_adapters(adapters.clone())
+        .unwrap()
+        .with_fp8(fp8)
         .unwrap();
     let mut streamer = None;
     if !streamed.is_empty() {
@@ -198,12 +202,14 @@ fn check_model<M>(
     forward: impl Fn(&M, &Device) -> Result<Tensor> + Copy,
     prefixes: Vec<String>,
 ) {
-    check_model_on(&CPU, what, build, set_exec, forward, prefixes)
+    check_model_on(&CPU, what, false, build, set_exec, forward, prefixes)
 }
 
+/// `fp8`: the base weights in FP8 (codes and scales of several dtypes in one streamed pack).
 fn check_model_on<M>(
     dev: &Device,
     what: &str,
+    fp8: bool,
     build: impl Fn(&VarBuilder) -> Result<M> + Copy,
     set_exec: impl Fn(&mut M, BlockExec) + Copy,
     forward: impl Fn(&M, &Device) -> Result<Tensor> + Copy,
@@ -218,6 +224,7 @@ fn check_model_on<M>(
         prefixes.clone(),
         &[],
         Checkpointing::Off,
+        fp8,
     );
     assert!(!resident.0.is_empty());
     let variants: Vec<(&str, Vec<usize>, Checkpointing)> = vec![
@@ -243,6 +250,7 @@ fn check_model_on<M>(
             prefixes.clone(),
             &streamed,
             ck,
+            fp8,
         );
         assert_eq!(got.1, resident.1, "{what}, {name}: loss");
         assert_eq!(got.0.len(), resident.0.len());
@@ -303,9 +311,31 @@ fn flux_blocks_streamed_on_cuda_give_the_resident_gradients() {
     let Ok(dev) = Device::cuda(0) else {
         panic!("no CUDA device");
     };
+    for fp8 in [false, true] {
+        check_model_on(
+            &dev,
+            if fp8 {
+                "fp8 flux on cuda"
+            } else {
+                "flux on cuda"
+            },
+            fp8,
+            |vb| Flux::new(vb, &tiny_flux()),
+            |m, e| m.exec = e,
+            flux_loss,
+            tiny_flux().block_prefixes(),
+        );
+    }
+}
+
+/// The same with an FP8 base on the CPU: a streamed block's pack holds the codes (u32) and
+/// the scales and biases (f32).
+#[test]
+fn fp8_flux_blocks_streamed_give_the_resident_gradients() {
     check_model_on(
-        &dev,
-        "flux on cuda",
+        &CPU,
+        "fp8 flux",
+        true,
         |vb| Flux::new(vb, &tiny_flux()),
         |m, e| m.exec = e,
         flux_loss,
@@ -431,6 +461,67 @@ fn a_released_streamed_weight_is_an_error_to_read_and_comes_back_when_fetched() 
     // A trainable tensor is never streamed.
     let t = randn(&[2], 3).requires_grad_().unwrap();
     assert!(s.adopt(0, &t).is_err());
+}
+
+/// On a GPU a streamed block's weights (of several dtypes) come in as one allocation, cut
+/// into one buffer per weight: counted once, exact values, and back in the cache (all of it)
+/// when the block is released.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_streamed_block_comes_in_as_one_allocation_and_goes_back_whole() {
+    let dev = Device::cuda(0).expect("a CUDA GPU");
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    let s = BlockStreamer::new(&dev, vec!["blk".into()], 1);
+    // Odd sizes: each part starts at a multiple of 256 bytes after the one before.
+    let ws = [
+        Tensor::randn((37, 11), DType::BF16, &dev, 1).unwrap(),
+        Tensor::randn(5, DType::F32, &dev, 2).unwrap(),
+        Tensor::randn((3, 129), DType::F16, &dev, 3).unwrap(),
+    ];
+    let handles: Vec<Tensor> = ws.iter().map(|w| s.adopt(0, w).unwrap()).collect();
+    let f32_bits = |t: &Tensor| bits(&t.to_dtype(DType::F32).unwrap());
+    let want: Vec<Vec<u32>> = ws.iter().map(f32_bits).collect();
+    drop(ws);
+    cuda.synchronize().unwrap();
+    cuda.empty_cache();
+    let before = cuda.memory();
+    let exec = BlockExec {
+        streamer: Some(s.clone()),
+        ..Default::default()
+    };
+    let hs = handles.clone();
+    let (during_tx, during_rx) = std::sync::mpsc::channel();
+    let cu = cuda.clone();
+    exec.run("blk", 0, &[randn_on(&[1], 4, &dev)], move |_| {
+        let got: Vec<Vec<u32>> = hs
+            .iter()
+            .map(|t| bits(&t.to_dtype(DType::F32).unwrap()))
+            .collect();
+        during_tx.send((got, cu.memory())).unwrap();
+        Ok(vec![hs[0].affine(1.0, 0.0)?])
+    })
+    .unwrap();
+    let (got, during) = during_rx.recv().unwrap();
+    assert_eq!(got, want, "fetched values");
+    // 37*11 bf16 = 814 bytes -> the f32 part at 1024 (20 bytes) -> the f16 part at 1280
+    // (774 bytes): 2054 bytes, one buffer rounded to 512.
+    let pack = 2560u64;
+    assert!(
+        during.in_use >= before.in_use + pack,
+        "{before:?} {during:?}"
+    );
+    s.release_all().unwrap();
+    cuda.synchronize().unwrap();
+    let after = cuda.memory();
+    assert!(handles[0].to_vec::<f32>().is_err(), "released again");
+    assert_eq!(s.report().unwrap().uploads, 1);
+    assert!(
+        after.cached >= before.cached + pack,
+        "the pack is cached whole: {before:?} {after:?}"
+    );
 }
 
 /// An attention block: q, k, v projections of x, fused attention (the op that `Keep` can

@@ -803,6 +803,52 @@ fn freed_buffers_are_cached_and_handed_out_again() {
     );
 }
 
+/// Under a cap, a request the cache cannot serve sends cached buffers back to the driver's
+/// pool, only as many bytes as needed: first the smallest one that could
+/// hold the request (the pool reuses its memory), then the least recently freed.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn under_a_cap_cached_buffers_go_back_best_fit_first_then_oldest_and_only_as_many_as_needed() {
+    let _one = serial();
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    cuda.empty_cache();
+    let mib = |n: usize| Tensor::zeros(n << 18, DType::F32, &dev).unwrap(); // n MiB
+                                                                            // Three cached buffers of distinct sizes, freed oldest (8 MiB) to newest (24 MiB).
+    let (a, b, c) = (mib(8), mib(16), mib(24));
+    drop(a);
+    drop(b);
+    drop(c);
+    let before = cuda.memory();
+    assert_eq!(before.cached, 48 << 20);
+    // Room for what is in use, the cache and 4 MiB more: a new 12 MiB buffer needs 8 MiB
+    // back; the 16 MiB buffer (the smallest that holds 12) goes, alone.
+    cuda.set_memory_limit(Some(before.in_use + (52 << 20)));
+    let d = mib(12);
+    let one = cuda.memory();
+    assert_eq!(one.evictions, before.evictions + 1);
+    assert_eq!(one.cached, 32 << 20, "only the 16 MiB buffer went back");
+    // Cached now: 8 (oldest), 24, 12 (newest). A 40 MiB buffer needs 32 MiB back and no
+    // cached buffer holds it: the oldest go, 8 then 24, and the 12 stays.
+    drop(d);
+    let e = mib(40);
+    let two = cuda.memory();
+    cuda.set_memory_limit(None);
+    assert_eq!(two.evictions, one.evictions + 1);
+    assert_eq!(two.cached, 12 << 20, "8 and 24 went back, 12 stayed");
+    let f = mib(12);
+    assert_eq!(
+        cuda.memory().cached,
+        0,
+        "the 12 MiB buffer was still cached"
+    );
+    for t in [&e, &f] {
+        assert!(t.to_vec::<f32>().unwrap().iter().all(|&x| x == 0.0));
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fused_softmax_matches_the_cpu() {

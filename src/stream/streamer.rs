@@ -2,7 +2,7 @@
 //! the device around each use.
 
 use crate::autograd::{CheckpointHooks, Pass};
-use crate::device::{HostCopy, Storage, Ticket};
+use crate::device::{HostCopy, HostPack, Storage, Ticket};
 use crate::{Device, Error, Result, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -17,12 +17,19 @@ pub struct StreamReport {
     pub uploads: u64,
     /// Bytes copied to the device.
     pub uploaded_bytes: u64,
+    /// Microseconds the device spent in those copies, over the copies that have finished and
+    /// were timed (on a GPU; 0 on the CPU backend): `uploaded_bytes` over it is the bandwidth
+    /// the streaming got.
+    pub copy_us: u64,
+    /// Uploads counted in `copy_us`.
+    pub timed_uploads: u64,
 }
 
 struct Param {
     /// The model's handle; its buffer is swapped in and out.
     tensor: Tensor,
-    host: HostCopy,
+    /// The values until the block's first fetch joins them into the block's pack.
+    host: Option<HostCopy>,
     /// The one-element buffer the tensor holds while released; `None` while the device copy
     /// is in.
     placeholder: Option<Storage>,
@@ -38,12 +45,33 @@ enum Residency {
 struct Block {
     prefix: String,
     params: Vec<Param>,
+    /// Every parameter's values in one host buffer, made at the first fetch: one copy and
+    /// one device allocation per fetch instead of one per parameter.
+    pack: Option<HostPack>,
     residency: Residency,
 }
 
 struct State {
     blocks: Vec<Block>,
     report: StreamReport,
+    /// Tickets of uploads the compute work has waited for, until their copies' durations can
+    /// be read.
+    timing: Vec<Ticket>,
+}
+
+impl State {
+    /// Adds the durations of the finished copies in `timing` to the report.
+    fn collect_timings(&mut self) {
+        let report = &mut self.report;
+        self.timing.retain(|t| match t.copy_ms() {
+            Some(ms) => {
+                report.copy_us += (ms * 1e3).round() as u64;
+                report.timed_uploads += 1;
+                false
+            }
+            None => true,
+        });
+    }
 }
 
 /// Streams the frozen weights of a list of blocks (key prefixes, in execution order) between
@@ -76,6 +104,7 @@ impl BlockStreamer {
             .map(|prefix| Block {
                 prefix,
                 params: vec![],
+                pack: None,
                 residency: Residency::Released,
             })
             .collect::<Vec<_>>();
@@ -85,6 +114,7 @@ impl BlockStreamer {
             state: Mutex::new(State {
                 blocks,
                 report: StreamReport::default(),
+                timing: vec![],
             }),
         })
     }
@@ -102,7 +132,8 @@ impl BlockStreamer {
 
     /// The counters so far, with `blocks` the number of streamed blocks.
     pub fn report(&self) -> Result<StreamReport> {
-        let st = self.lock()?;
+        let mut st = self.lock()?;
+        st.collect_timings();
         Ok(StreamReport {
             blocks: st.blocks.len(),
             ..st.report
@@ -152,16 +183,16 @@ impl BlockStreamer {
             .blocks
             .get_mut(block)
             .ok_or_else(|| Error::Stream(format!("no streamed block {block}")))?;
-        if !matches!(b.residency, Residency::Released) {
+        if !matches!(b.residency, Residency::Released) || b.pack.is_some() {
             return Err(Error::Stream(format!(
-                "block {} took a new weight while fetched",
+                "block {} took a new weight after its first fetch",
                 b.prefix
             )));
         }
         // The handle holds its placeholder until the first fetch swaps it out.
         b.params.push(Param {
             tensor: handle.clone(),
-            host,
+            host: Some(host),
             placeholder: None,
         });
         Ok(handle)
@@ -190,9 +221,28 @@ impl BlockStreamer {
         if !matches!(b.residency, Residency::Released) {
             return Ok(());
         }
-        let hosts: Vec<&HostCopy> = b.params.iter().map(|p| &p.host).collect();
-        let bytes: u64 = hosts.iter().map(|h| h.bytes() as u64).sum();
-        let (storages, ticket) = self.device.upload(&hosts)?;
+        if b.params.is_empty() {
+            return Ok(());
+        }
+        if b.pack.is_none() {
+            let hosts = b
+                .params
+                .iter()
+                .map(|p| p.host.as_ref())
+                .collect::<Option<Vec<&HostCopy>>>()
+                .ok_or_else(|| {
+                    Error::Stream(format!("block {}: a weight lost its values", b.prefix))
+                })?;
+            b.pack = Some(self.device.pack(&hosts)?);
+            for p in &mut b.params {
+                p.host = None;
+            }
+        }
+        let Some(pack) = &b.pack else {
+            return Ok(());
+        };
+        let bytes = pack.bytes() as u64;
+        let (storages, ticket) = self.device.upload_pack(pack)?;
         for (p, storage) in b.params.iter_mut().zip(storages) {
             p.placeholder = Some(p.tensor.swap_storage(storage)?);
         }
@@ -209,7 +259,16 @@ impl BlockStreamer {
         };
         if let Residency::InFlight(ticket) = &b.residency {
             self.device.wait(ticket)?;
-            b.residency = Residency::Resident;
+            if let Residency::InFlight(ticket) =
+                std::mem::replace(&mut b.residency, Residency::Resident)
+            {
+                if ticket.timed() {
+                    st.timing.push(ticket);
+                }
+            }
+        }
+        if st.timing.len() >= 64 {
+            st.collect_timings();
         }
         Ok(())
     }

@@ -119,7 +119,7 @@ impl CudaDevice {
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(cuda_err("reading the shared memory a block may use"))? as usize;
-        keep_freed_memory_pooled(&ctx, ordinal)?;
+        set_release_threshold(ordinal, limit)?;
         let mem = Arc::new(Pool::new(ordinal, stream.clone(), limit));
         Ok(CudaDevice(Arc::new(Inner {
             ordinal,
@@ -221,6 +221,12 @@ impl CudaDevice {
     /// A hard cap on the bytes FLAME holds on this device (None: no cap).
     pub fn set_memory_limit(&self, bytes: Option<u64>) {
         self.0.mem.set_limit(bytes);
+        let _ = self
+            .0
+            .ctx
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context"))
+            .and_then(|_| set_release_threshold(self.0.ordinal, bytes.unwrap_or(u64::MAX)));
     }
 
     /// Returns the memory of freed buffers, kept for reuse, to the driver's pool (where other
@@ -257,6 +263,14 @@ impl CudaDevice {
             .alloc(len, || self.total_memory().unwrap_or(u64::MAX))
     }
 
+    /// One buffer of `bytes` bytes to cut into parts of several element types
+    /// (`memory::Packed`), counted against the limit like any other.
+    pub(crate) fn alloc_packed(&self, bytes: usize) -> Result<Arc<super::memory::Packed>> {
+        self.0
+            .mem
+            .alloc_packed(bytes, || self.total_memory().unwrap_or(u64::MAX))
+    }
+
     /// The driver's (free, total) bytes of this GPU.
     fn mem_info(&self) -> Result<(u64, u64)> {
         let (mut free, mut total) = (0usize, 0usize);
@@ -286,10 +300,7 @@ impl CudaDevice {
 
     /// Bytes the driver's pool holds for this device (in use plus cached for reuse).
     pub fn pool_reserved_bytes(&self) -> Result<u64> {
-        pool_attribute(
-            self.0.ordinal,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-        )
+        pool_reserved(self.0.ordinal)
     }
 
     // ----- kernels ------------------------------------------------------------------------
@@ -394,6 +405,14 @@ pub(super) fn trim_pool(ordinal: usize) {
     }
 }
 
+/// Bytes the driver's pool of GPU `ordinal` holds (in use plus kept for reuse).
+pub(super) fn pool_reserved(ordinal: usize) -> Result<u64> {
+    pool_attribute(
+        ordinal,
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+    )
+}
+
 fn pool_attribute(ordinal: usize, attr: sys::CUmemPool_attribute) -> Result<u64> {
     let pool = default_pool(ordinal)?;
     let mut v: u64 = 0;
@@ -407,12 +426,12 @@ fn pool_attribute(ordinal: usize, attr: sys::CUmemPool_attribute) -> Result<u64>
     Ok(v)
 }
 
-/// Freed memory stays in the pool instead of going back to the driver at each sync.
-fn keep_freed_memory_pooled(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<()> {
-    ctx.bind_to_thread()
-        .map_err(cuda_err("binding the context"))?;
+/// How much freed memory the driver's pool keeps for reuse at a synchronisation: all of it
+/// without a cap (u64::MAX), else up to the cap, so that the memory the process holds goes
+/// back under the cap at every sync without FLAME waiting for it.
+fn set_release_threshold(ordinal: usize, bytes: u64) -> Result<()> {
     let pool = default_pool(ordinal)?;
-    let mut threshold: u64 = u64::MAX;
+    let mut threshold: u64 = bytes;
     // SAFETY: RELEASE_THRESHOLD takes a cuuint64_t.
     let r = unsafe {
         sys::cuMemPoolSetAttribute(

@@ -39,8 +39,61 @@ impl PinnedBuf {
     }
 }
 
-/// The event of an upload: the buffer's values are there once the event has completed.
-pub struct Upload(CudaEvent);
+/// The event of an upload: the buffer's values are there once the event has completed. A
+/// packed upload also records when its copy began, for the copy's duration (`copy_ms`).
+pub struct Upload(CudaEvent, Option<CudaEvent>);
+
+impl Upload {
+    pub(crate) fn timed(&self) -> bool {
+        self.1.is_some()
+    }
+
+    /// The copy's duration on the device, once it has finished (None before, or when the
+    /// upload was not timed).
+    pub(crate) fn copy_ms(&self) -> Option<f64> {
+        let start = self.1.as_ref()?;
+        if !(start.is_complete() && self.0.is_complete()) {
+            return None;
+        }
+        start.elapsed_ms(&self.0).ok().map(f64::from)
+    }
+}
+
+/// Events that can time a copy.
+const TIMED: Option<cudarc::driver::sys::CUevent_flags> =
+    Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+
+/// Byte alignment of each part of a packed buffer (the alignment cudaMalloc gives, which
+/// cuBLAS and the vectorised kernels expect of a buffer's start).
+pub(crate) const PACK_ALIGN: usize = 256;
+
+/// Several device buffers' bytes in one page-locked host buffer, each part at a multiple of
+/// `PACK_ALIGN`: a streamed block's weights, uploaded by one copy into one device buffer
+/// (`upload_pack`).
+pub struct PinnedPack {
+    host: PinnedHostSlice<u8>,
+    /// (byte offset, dtype, elements) of each part, in the order given to `pack`.
+    parts: Vec<(usize, DType, usize)>,
+    /// Bytes up to the end of the last part.
+    used: usize,
+}
+
+impl std::fmt::Debug for PinnedPack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "PinnedPack({} parts, {} bytes)",
+            self.parts.len(),
+            self.used
+        )
+    }
+}
+
+impl PinnedPack {
+    pub fn bytes(&self) -> usize {
+        self.used
+    }
+}
 
 fn raw(buf: &Buf, dev: &CudaDevice) -> u64 {
     buf.raw_ptr(dev.stream())
@@ -126,26 +179,15 @@ impl CudaDevice {
         let event = copy
             .record_event(None)
             .map_err(cuda_err("recording the copy's event"))?;
-        Ok((PinnedBuf { host, dtype, len }, Upload(event)))
+        Ok((PinnedBuf { host, dtype, len }, Upload(event, None)))
     }
 
-    /// New device buffers with the values of `ps`, copied on the copy stream after the
-    /// compute stream's work so far; the values are there once the compute stream `wait`s on
-    /// the returned event (one join and one event for the whole set).
-    pub(crate) fn upload(&self, ps: &[&PinnedBuf]) -> Result<(Vec<CudaStorage>, Upload)> {
-        self.upload_on(ps, self.copy_stream()?)
-    }
-
-    /// `upload` on the offload stream: for buffers `offload` wrote (it follows their copies).
+    /// New device buffers with the values of `ps` (buffers `offload` wrote), copied on the
+    /// offload stream, after those copies out and the compute stream's work so far; the
+    /// values are there once the compute stream `wait`s on the returned event (one join and
+    /// one event for the whole set).
     pub(crate) fn upload_offloaded(&self, ps: &[&PinnedBuf]) -> Result<(Vec<CudaStorage>, Upload)> {
-        self.upload_on(ps, self.offload_stream()?)
-    }
-
-    fn upload_on(
-        &self,
-        ps: &[&PinnedBuf],
-        copy: &cudarc::driver::CudaStream,
-    ) -> Result<(Vec<CudaStorage>, Upload)> {
+        let copy = self.offload_stream()?;
         let storages = ps
             .iter()
             .map(|p| self.alloc_like(p.dtype, p.len))
@@ -163,7 +205,73 @@ impl CudaDevice {
         let event = copy
             .record_event(None)
             .map_err(cuda_err("recording the copy's event"))?;
-        Ok((storages, Upload(event)))
+        Ok((storages, Upload(event, None)))
+    }
+
+    /// The buffers `ps` copied, in order, into one new page-locked buffer (each part at a
+    /// multiple of `PACK_ALIGN`), for `upload_pack`. A host copy: returns when done.
+    pub(crate) fn pack(&self, ps: &[&PinnedBuf]) -> Result<PinnedPack> {
+        let mut parts = Vec::with_capacity(ps.len());
+        let mut used = 0usize;
+        for p in ps {
+            let at = used.div_ceil(PACK_ALIGN) * PACK_ALIGN;
+            parts.push((at, p.dtype, p.len));
+            used = at + p.len.max(1) * p.dtype.size_in_bytes();
+        }
+        // SAFETY: every byte that a copy reads is written below (the parts) or is padding,
+        // which nothing reads as a value.
+        let mut host = unsafe { self.context().alloc_pinned::<u8>(used.max(1)) }
+            .map_err(|e| Error::Cuda(format!("allocating {used} bytes of pinned memory: {e:?}")))?;
+        let dst = host
+            .as_mut_slice()
+            .map_err(cuda_err("reading the pinned buffer"))?;
+        for (p, &(at, dtype, len)) in ps.iter().zip(&parts) {
+            let bytes = len * dtype.size_in_bytes();
+            // SAFETY: a stashed buffer is written once, synchronously, and only read since.
+            let src = unsafe { std::slice::from_raw_parts(host_ptr(&p.host)?, bytes) };
+            dst[at..at + bytes].copy_from_slice(src);
+        }
+        Ok(PinnedPack { host, parts, used })
+    }
+
+    /// The parts of `p` as new device buffers cut from one allocation and filled by one copy
+    /// on the copy stream after the compute stream's work so far; `wait` on the event before
+    /// reading them or dropping them (as for `upload`). The allocation returns to the cache
+    /// when the last part drops.
+    pub(crate) fn upload_pack(&self, p: &PinnedPack) -> Result<(Vec<CudaStorage>, Upload)> {
+        let packed = self.alloc_packed(p.used.max(1))?;
+        let copy = self.copy_stream()?;
+        copy.join(self.stream())
+            .map_err(cuda_err("ordering the copy stream after compute"))?;
+        let start = copy
+            .record_event(TIMED)
+            .map_err(cuda_err("recording the copy's start"))?;
+        // SAFETY: the pinned memory is never written after `pack`; the destination holds
+        // `used` bytes and is not read before the compute stream waits on the event.
+        let src = unsafe { std::slice::from_raw_parts(host_ptr(&p.host)?, p.used) };
+        unsafe { result::memcpy_htod_async(packed.base(), src, copy.cu_stream()) }
+            .map_err(cuda_err("copying from pinned memory"))?;
+        let event = copy
+            .record_event(TIMED)
+            .map_err(cuda_err("recording the copy's event"))?;
+        let storages = p
+            .parts
+            .iter()
+            .map(|&(at, dtype, len)| {
+                let buf = match dtype {
+                    DType::F32 => Buf::F32(packed.part(at, len)?),
+                    DType::F64 => Buf::F64(packed.part(at, len)?),
+                    DType::BF16 => Buf::BF16(packed.part(at, len)?),
+                    DType::F16 => Buf::F16(packed.part(at, len)?),
+                    DType::U32 => Buf::U32(packed.part(at, len)?),
+                };
+                Ok(CudaStorage {
+                    buf,
+                    dev: self.clone(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((storages, Upload(event, Some(start))))
     }
 
     /// The compute stream waits for an upload (no host wait).

@@ -12,10 +12,16 @@
 //! Counted: bytes in live buffers (`in_use`), their peak, and a hard limit on `in_use`
 //! (FLAME_GPU_MEMORY_LIMIT or `set_memory_limit`), so a run can prove it fits a smaller card;
 //! and the bytes the cache holds (`cached`), which `empty_cache` returns to the driver's pool.
-//! When the driver runs out of memory, the cache is emptied and the request tried once more.
-//! Under a cap, the cache and the driver's pool are emptied whenever a new buffer would take
-//! in-use plus cached bytes past the cap, so the device memory the process holds stays near
-//! the cap (the proof that a run fits a smaller card).
+//! When the driver runs out of memory, the cache is emptied, the driver's pool trimmed and the
+//! request tried once more.
+//! Under a cap, the memory the process holds stays near it too (the proof that a run fits a
+//! smaller card): when a new buffer would take in-use plus cached bytes past the cap, the
+//! least recently freed cached buffers go back to the driver's pool, as many as needed,
+//! without a host wait (first one that could hold the new buffer, so the pool can reuse its
+//! memory); the pool's release threshold (the cap) hands what it keeps beyond the cap back to
+//! the driver at each synchronisation, and where the pool holds more than the cap plus
+//! `POOL_SLACK` before that (pieces it could not reuse), the cache is emptied and the pool
+//! trimmed after a host wait.
 
 use crate::{Error, Result};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DeviceRepr};
@@ -26,6 +32,11 @@ use std::sync::{Arc, Mutex};
 
 /// Requests are rounded up to this many bytes, so near sizes share a free list.
 const ROUND: u64 = 512;
+
+/// How far past a cap the driver's pool may hold memory (pieces of freed buffers it has not
+/// reused yet) before it is trimmed: with the CUDA context's own ~0.5 GiB, the process stays
+/// within the cap + 1 GiB.
+const POOL_SLACK: u64 = 256 << 20;
 
 /// A snapshot of a device's memory accounting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +52,13 @@ pub struct MemoryReport {
     pub allocations: u64,
     /// Bytes of freed buffers kept for reuse.
     pub cached: u64,
+    /// Times cached buffers went back to the driver because a new buffer would have taken
+    /// the memory held (in use plus cached) past the cap.
+    pub evictions: u64,
+    /// Times the driver's pool was trimmed after a host wait for the stream: it held more
+    /// than the cap allows, or the driver ran out of memory (then the cache was emptied too
+    /// and the request tried again). Each costs the host its lead over the GPU.
+    pub flushes: u64,
 }
 
 /// The free lists and counters of one device, shared by every buffer made on it.
@@ -48,19 +66,82 @@ pub(crate) struct Pool {
     device: String,
     ordinal: usize,
     stream: Arc<CudaStream>,
-    free: Mutex<HashMap<u64, Vec<sys::CUdeviceptr>>>,
+    /// Cached buffers by rounded size: (address, the tick at which it was freed), oldest
+    /// first.
+    free: Mutex<HashMap<u64, Vec<(sys::CUdeviceptr, u64)>>>,
+    /// Counts frees, to find the least recently freed cached buffers.
+    tick: AtomicU64,
     in_use: AtomicU64,
     peak: AtomicU64,
     limit: AtomicU64,
     allocations: AtomicU64,
     cached: AtomicU64,
+    evictions: AtomicU64,
+    flushes: AtomicU64,
 }
 
 /// Device memory of `len` elements; dropping it returns the memory to its pool's cache.
 pub(crate) struct DevBuf<T> {
     pub(crate) slice: ManuallyDrop<CudaSlice<T>>,
-    bytes: u64,
-    pool: Arc<Pool>,
+    home: Home,
+}
+
+/// Where a buffer's memory goes when it drops.
+enum Home {
+    /// Back to the pool's cache: a buffer of `bytes` bytes (rounded) of its own.
+    Pool { bytes: u64, pool: Arc<Pool> },
+    /// Nowhere: a part of a packed buffer, whose memory returns to the pool when its last
+    /// part drops (the `Arc` this holds).
+    Part(#[allow(dead_code)] Arc<Packed>),
+}
+
+/// One allocation of the pool cut into parts of several element types: the device copy of a
+/// streamed block's weights, brought in by one copy (`crate::stream`). Counted once, as the
+/// buffer it is; each part is a `DevBuf` of its own (offset 0, its own length) that keeps the
+/// whole alive.
+pub(crate) struct Packed {
+    buf: DevBuf<u8>,
+    base: sys::CUdeviceptr,
+    stream: Arc<CudaStream>,
+}
+
+impl Packed {
+    /// The device address of the first byte.
+    pub(crate) fn base(&self) -> sys::CUdeviceptr {
+        self.base
+    }
+
+    /// The bytes of the allocation.
+    pub(crate) fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// `len` elements of `T` from byte `offset` on, as a buffer of its own. The range must lie
+    /// inside the allocation and `offset` be a multiple of `T`'s alignment.
+    pub(crate) fn part<T: DeviceRepr>(
+        self: &Arc<Self>,
+        offset: usize,
+        len: usize,
+    ) -> Result<DevBuf<T>> {
+        let size = std::mem::size_of::<T>();
+        let end = offset + len.max(1) * size;
+        if end > self.len() || offset % std::mem::align_of::<T>() != 0 {
+            return Err(Error::Cuda(format!(
+                "internal: part of {len} elements at byte {offset} of a packed buffer of {} bytes",
+                self.len()
+            )));
+        }
+        // SAFETY: the range lies inside the allocation (checked above), which this part keeps
+        // alive through its `Home::Part`; the part's drop leaks the slice instead of freeing it.
+        let slice = unsafe {
+            self.stream
+                .upgrade_device_ptr::<T>(self.base + offset as u64, len.max(1))
+        };
+        Ok(DevBuf {
+            slice: ManuallyDrop::new(slice),
+            home: Home::Part(self.clone()),
+        })
+    }
 }
 
 impl<T> DevBuf<T> {
@@ -83,14 +164,19 @@ impl<T> Drop for DevBuf<T> {
         // SAFETY: the slice is taken once, here, and never used again.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         let ptr = slice.leak();
-        self.pool.in_use.fetch_sub(self.bytes, Ordering::Relaxed);
-        match self.pool.free.lock() {
+        let Home::Pool { bytes, pool } = &self.home else {
+            // A part: the packed buffer's memory returns when the last part drops.
+            return;
+        };
+        pool.in_use.fetch_sub(*bytes, Ordering::Relaxed);
+        match pool.free.lock() {
             Ok(mut free) => {
-                free.entry(self.bytes).or_default().push(ptr);
-                self.pool.cached.fetch_add(self.bytes, Ordering::Relaxed);
+                let tick = pool.tick.fetch_add(1, Ordering::Relaxed);
+                free.entry(*bytes).or_default().push((ptr, tick));
+                pool.cached.fetch_add(*bytes, Ordering::Relaxed);
             }
             // A poisoned cache: hand the memory back to the driver instead.
-            Err(_) => self.pool.release(ptr, self.bytes),
+            Err(_) => pool.release(ptr, *bytes),
         }
     }
 }
@@ -102,11 +188,14 @@ impl Pool {
             ordinal,
             stream,
             free: Mutex::new(HashMap::new()),
+            tick: AtomicU64::new(0),
             in_use: AtomicU64::new(0),
             peak: AtomicU64::new(0),
             limit: AtomicU64::new(limit),
             allocations: AtomicU64::new(0),
             cached: AtomicU64::new(0),
+            evictions: AtomicU64::new(0),
+            flushes: AtomicU64::new(0),
         }
     }
 
@@ -117,6 +206,8 @@ impl Pool {
             limit: self.limit.load(Ordering::Relaxed),
             allocations: self.allocations.load(Ordering::Relaxed),
             cached: self.cached.load(Ordering::Relaxed),
+            evictions: self.evictions.load(Ordering::Relaxed),
+            flushes: self.flushes.load(Ordering::Relaxed),
         }
     }
 
@@ -156,17 +247,18 @@ impl Pool {
             .free
             .lock()
             .ok()
-            .and_then(|mut free| free.get_mut(&bytes).and_then(Vec::pop));
+            .and_then(|mut free| free.get_mut(&bytes).and_then(Vec::pop))
+            .map(|(ptr, _)| ptr);
         // Under a cap, the memory the process holds (buffers in use plus the cache) stays
-        // within it too: when a new buffer would pass it, the cache goes back to the driver
-        // and the driver's pool is trimmed, so a capped run proves what a smaller card holds.
-        if reused.is_none()
-            && limit != u64::MAX
-            && (in_use + bytes).saturating_add(self.cached.load(Ordering::Relaxed)) > limit
-        {
-            self.empty();
-            self.stream.synchronize().ok();
-            super::device::trim_pool(self.ordinal);
+        // within it too, so a capped run proves what a smaller card holds: when a new buffer
+        // would take it past the cap, the least recently freed cached buffers go back to the
+        // driver's pool (stream-ordered, no host wait), as many as that takes.
+        if reused.is_none() && limit != u64::MAX {
+            let held = (in_use + bytes).saturating_add(self.cached.load(Ordering::Relaxed));
+            if held > limit {
+                self.evictions.fetch_add(1, Ordering::Relaxed);
+                self.evict(held - limit, bytes);
+            }
         }
         let slice = match reused {
             Some(ptr) => {
@@ -187,13 +279,45 @@ impl Pool {
                 }
             },
         };
+        // The driver's pool keeps what was freed to it; when the pieces it could not reuse
+        // take what it holds past the cap by more than `POOL_SLACK`, the cache goes back to it
+        // and it hands its unused memory to the driver, after a host wait for the work that
+        // may still use it. The cache then refills from nothing, so this is rare.
+        if reused.is_none()
+            && limit != u64::MAX
+            && super::device::pool_reserved(self.ordinal)
+                .is_ok_and(|r| r > limit.saturating_add(POOL_SLACK))
+        {
+            self.flushes.fetch_add(1, Ordering::Relaxed);
+            self.empty();
+            self.stream.synchronize().ok();
+            super::device::trim_pool(self.ordinal);
+        }
         self.peak.fetch_max(in_use + bytes, Ordering::Relaxed);
         self.allocations.fetch_add(1, Ordering::Relaxed);
         Ok(DevBuf {
             slice: ManuallyDrop::new(slice),
-            bytes,
-            pool: self.clone(),
+            home: Home::Pool {
+                bytes,
+                pool: self.clone(),
+            },
         })
+    }
+
+    /// A buffer of `bytes` bytes to be cut into parts (`Packed::part`).
+    pub(crate) fn alloc_packed(
+        self: &Arc<Self>,
+        bytes: usize,
+        total: impl Fn() -> u64,
+    ) -> Result<Arc<Packed>> {
+        let buf = self.alloc::<u8>(bytes, total)?;
+        use cudarc::driver::DevicePtr;
+        let base = buf.slice.device_ptr(&self.stream).0;
+        Ok(Arc::new(Packed {
+            buf,
+            base,
+            stream: self.stream.clone(),
+        }))
     }
 
     /// A fresh buffer of `bytes` bytes (>= len elements) from the driver, seen as `len`
@@ -215,10 +339,64 @@ impl Pool {
         };
         match get() {
             Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => {
+                // The cache and the pool's unused memory back to the driver, once the work
+                // that may still use them is done.
+                self.flushes.fetch_add(1, Ordering::Relaxed);
                 self.empty();
+                self.stream.synchronize().ok();
+                super::device::trim_pool(self.ordinal);
                 get()
             }
             r => r,
+        }
+    }
+
+    /// Returns cached buffers to the driver's pool until `need` bytes (or the whole cache)
+    /// went back, for a new buffer of `bytes`: first the smallest cached buffer that could hold
+    /// it (the pool can cut the new one from its memory instead of reserving more), then the
+    /// least recently freed.
+    fn evict(&self, need: u64, bytes: u64) {
+        let Ok(mut free) = self.free.lock() else {
+            return;
+        };
+        // Takes the oldest buffer of list `size` out of the cache, back to the driver.
+        let take = |free: &mut HashMap<u64, Vec<(sys::CUdeviceptr, u64)>>, size: u64| {
+            let list = free.get_mut(&size)?;
+            if list.is_empty() {
+                free.remove(&size);
+                return None;
+            }
+            let (ptr, _) = list.remove(0);
+            if list.is_empty() {
+                free.remove(&size);
+            }
+            self.cached.fetch_sub(size, Ordering::Relaxed);
+            self.release(ptr, size);
+            Some(size)
+        };
+        let mut freed = 0u64;
+        let fit = free
+            .iter()
+            .filter(|(&b, v)| b >= bytes && !v.is_empty())
+            .map(|(&b, _)| b)
+            .min();
+        if let Some(fit) = fit {
+            freed += take(&mut free, fit).unwrap_or(0);
+        }
+        while freed < need {
+            // The list whose oldest buffer is the oldest of all.
+            let Some(size) = free
+                .iter()
+                .filter_map(|(&b, v)| v.first().map(|&(_, tick)| (tick, b)))
+                .min()
+                .map(|(_, b)| b)
+            else {
+                break;
+            };
+            match take(&mut free, size) {
+                Some(n) => freed += n,
+                None => continue,
+            }
         }
     }
 
@@ -229,7 +407,7 @@ impl Pool {
             Err(_) => return,
         };
         for (bytes, ptrs) in lists {
-            for ptr in ptrs {
+            for (ptr, _) in ptrs {
                 self.cached.fetch_sub(bytes, Ordering::Relaxed);
                 self.release(ptr, bytes);
             }

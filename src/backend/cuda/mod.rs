@@ -23,7 +23,7 @@ pub(crate) mod ptx {
 }
 
 pub use device::CudaDevice;
-pub(crate) use host::{PinnedBuf, Upload};
+pub(crate) use host::{PinnedBuf, PinnedPack, Upload};
 pub use memory::MemoryReport;
 pub use storage::CudaStorage;
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Loads a FLAME-written PEFT LoRA into diffusers' tiny Flux (the parity fixture) with
+"""Loads a FLAME-written PEFT LoRA or DoRA into diffusers' tiny Flux (the parity fixture) with
 `load_lora_adapter` and compares diffusers' output with FLAME's.
 
 Usage: check_peft_lora.py FIXTURE_DIR LORA.safetensors FLAME_OUTPUT.safetensors
@@ -35,7 +35,8 @@ def main():
     want = load_file(flame_out)["output"].double()
     err = ((out - want).abs().max() / want.abs().max()).item()
     moved = ((plain - want).abs().max() / want.abs().max()).item()
-    print(f"diffusers + PEFT LoRA vs FLAME: {err:.2e} relative (the adapter moves the output "
+    kind = "DoRA" if any("lora_magnitude_vector" in k for k in load_file(lora)) else "LoRA"
+    print(f"diffusers + PEFT {kind} vs FLAME: {err:.2e} relative (the adapter moves the output "
           f"by {moved:.2e})")
     sys.exit(0 if err <= 1e-4 and moved > 1e-3 else 1)
 

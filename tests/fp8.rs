@@ -158,8 +158,8 @@ fn fp8_linear_equals_a_dense_linear_on_the_decoded_weight() {
         let y = l.forward(&x).unwrap();
         let r = Tensor::from_vec(lcg(rows * 2 * out, 5, 1.0), (rows, 2, out), &CPU).unwrap();
         let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
-        let lora = l.lora.as_ref().unwrap();
-        let (a, bb) = (lora.down.clone(), lora.up.clone());
+        let p = l.adapter.as_ref().unwrap().params();
+        let (a, bb) = (p[0].1.clone(), p[1].1.clone());
         (
             bits(&y),
             bits(grads.get(&x).unwrap()),

@@ -221,16 +221,12 @@ fn tiny_with_adapters(
     opts.config = Some(flame::train::demo::flux_tiny_diffusers_config());
     let l = models::load("flux", model, &opts).unwrap();
     for (i, layer) in adapters.layers().unwrap().iter().enumerate() {
-        let r = Tensor::randn(
-            layer.up.dims().to_vec(),
-            DType::F32,
-            &Device::Cpu,
-            40 + i as u64,
-        )
-        .unwrap()
-        .affine(0.2, 0.0)
-        .unwrap();
-        layer.up.assign(&r).unwrap();
+        let up = layer.params()[1].1.clone();
+        let r = Tensor::randn(up.dims().to_vec(), DType::F32, &Device::Cpu, 40 + i as u64)
+            .unwrap()
+            .affine(0.2, 0.0)
+            .unwrap();
+        up.assign(&r).unwrap();
     }
     adapters.set_train(false);
     (l.model, adapters, l.key_map)
@@ -298,13 +294,13 @@ fn lora_files_merge_into_the_weights_as_the_adapters_compute() {
     let t = flame::safetensors::load(&kohya, &Device::Cpu).unwrap();
     let mut renamed = vec![];
     for l in adapters.layers().unwrap() {
-        let k = flame::nn::kohya_name(&l.path);
-        let s = l.alpha / l.rank() as f64;
+        let k = flame::nn::kohya_name(l.path());
+        let s = adapters.config.alpha / adapters.config.rank as f64;
         let a = t[&format!("{k}.lora_down.weight")].clone();
         // No alpha stored: the scale is folded into B, as PEFT files do.
         let b = t[&format!("{k}.lora_up.weight")].affine(s, 0.0).unwrap();
-        renamed.push((format!("diffusion_model.{}.lora_A.weight", l.path), a));
-        renamed.push((format!("diffusion_model.{}.lora_B.weight", l.path), b));
+        renamed.push((format!("diffusion_model.{}.lora_A.weight", l.path()), a));
+        renamed.push((format!("diffusion_model.{}.lora_B.weight", l.path()), b));
     }
     let comfy = d.join("comfy.safetensors");
     flame::safetensors::save(renamed.iter().map(|(k, t)| (k.as_str(), t)), &comfy).unwrap();

@@ -6,7 +6,7 @@
 use flame::autograd::gradcheck::{gradcheck, GradcheckConfig};
 use flame::models::flux::{Flux, FluxConfig};
 use flame::models::Checkpoint;
-use flame::nn::{kohya_name, Adapters, Linear, LoraConfig, VarBuilder};
+use flame::nn::{kohya_name, Adapters, BaseLayer, Linear, LoraConfig, VarBuilder};
 use flame::{DType, Device, Result, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -43,6 +43,14 @@ const TARGETS: [&str; 3] = [
 fn flux(
     weights: &std::path::Path,
     cfg: Option<LoraConfig>,
+) -> (Flux, VarBuilder, Option<Arc<Adapters>>) {
+    flux_with(weights, cfg.map(Into::into))
+}
+
+/// `flux` with any adapter config.
+fn flux_with(
+    weights: &std::path::Path,
+    cfg: Option<flame::nn::AdapterConfig>,
 ) -> (Flux, VarBuilder, Option<Arc<Adapters>>) {
     let ck = Checkpoint::open(weights, "transformer").unwrap();
     let mut vb = ck
@@ -82,8 +90,9 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 /// Gives every B random values (a trained-looking adapter).
 fn randomize(a: &Adapters) {
     for (i, l) in a.layers().unwrap().iter().enumerate() {
-        let v = Tensor::randn(l.up.shape().clone(), DType::F32, &CPU, 500 + i as u64).unwrap();
-        l.up.assign(&v.affine(0.3, 0.0).unwrap()).unwrap();
+        let up = l.params()[1].1.clone();
+        let v = Tensor::randn(up.shape().clone(), DType::F32, &CPU, 500 + i as u64).unwrap();
+        up.assign(&v.affine(0.3, 0.0).unwrap()).unwrap();
     }
 }
 
@@ -98,7 +107,7 @@ fn adapters_go_where_the_patterns_say() {
         .layers()
         .unwrap()
         .iter()
-        .map(|l| l.path.clone())
+        .map(|l| l.path().to_string())
         .collect();
     assert_eq!(
         paths,
@@ -134,11 +143,11 @@ fn fresh_adapters_change_nothing_and_trained_ones_equal_the_merged_weight() {
     // The same weights with W + (alpha / rank) B A merged in, no adapters.
     let mut merged: HashMap<String, Tensor> = vb.params().unwrap().into_iter().collect();
     for l in a.layers().unwrap() {
-        let k = format!("{}.weight", l.path);
-        let w = merged[&k]
-            .add(&l.merged_delta().unwrap().to_dtype(DType::F64).unwrap())
-            .unwrap();
-        merged.insert(k, w);
+        let k = format!("{}.weight", l.path());
+        let w = merged[&k].clone();
+        let weight = |dt| w.to_dtype(dt);
+        let delta = l.delta_weight(&BaseLayer::new(l.shape(), &weight)).unwrap();
+        merged.insert(k, w.add(&delta.to_dtype(DType::F64).unwrap()).unwrap());
     }
     let vb2 = VarBuilder::from_tensors(merged, DType::F64, &CPU);
     let y2 = run(&Flux::new(&vb2, &config()).unwrap()).unwrap();
@@ -185,17 +194,18 @@ fn gradcheck_lora_linear() {
         .with_adapters(a.clone())
         .unwrap();
     let lin = Linear::new(&vb.pp("l"), 7, 5, true).unwrap();
-    let l = lin.lora.clone().unwrap();
+    let l = lin.adapter.clone().unwrap();
     randomize(&a);
     // Gradcheck through f64 copies of A and B standing in for the f32 parameters.
     let x = Tensor::randn((4, 7), DType::F64, &CPU, 3).unwrap();
+    let p = l.params();
     let (down, up) = (
-        l.down.to_dtype(DType::F64).unwrap(),
-        l.up.to_dtype(DType::F64).unwrap(),
+        p[0].1.to_dtype(DType::F64).unwrap(),
+        p[1].1.to_dtype(DType::F64).unwrap(),
     );
     let w = lin.weight.clone();
     let b = lin.bias.clone().unwrap();
-    let s = l.scale();
+    let s = a.config.alpha / a.config.rank as f64;
     let report = gradcheck(
         |t: &[Tensor]| {
             let base = t[0].matmul(&w.t()?)?.add(&b)?;
@@ -206,18 +216,25 @@ fn gradcheck_lora_linear() {
                     .affine(s, 0.0)?,
             )
         },
-        &[x.clone(), down, up],
+        &[x.clone(), down.clone(), up.clone()],
         GradcheckConfig::default(),
     )
     .unwrap();
     assert!(report.checked > 0);
     // And the layer computes that same expression.
+    let term = x
+        .matmul(&down.t().unwrap())
+        .unwrap()
+        .matmul(&up.t().unwrap())
+        .unwrap()
+        .affine(s, 0.0)
+        .unwrap();
     let want = x
         .matmul(&w.t().unwrap())
         .unwrap()
-        .add(&b)
+        .add(&term)
         .unwrap()
-        .add(&l.delta(&x).unwrap())
+        .add(&b)
         .unwrap();
     assert_eq!(max_diff(&lin.forward(&x).unwrap(), &want), 0.0);
 }
@@ -358,6 +375,54 @@ fn peft_file_matches_diffusers_with_the_adapter() {
         .arg(script)
         .arg(fixture())
         .arg(&lora)
+        .arg(&out)
+        .status()
+        .expect("python3");
+    assert!(
+        status.success(),
+        "diffusers disagrees (see its output above)"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A DoRA PEFT file (magnitudes split and swapped with the fused layers' rows) loads in
+/// diffusers (`load_lora_adapter` turns DoRA on from `lora_magnitude_vector`) and gives
+/// FLAME's output: needs Python with PyTorch, diffusers and peft (run with
+/// --include-ignored).
+#[test]
+#[ignore = "needs python3 with torch, diffusers and peft"]
+fn dora_peft_file_matches_diffusers_with_the_adapter() {
+    let dir = temp("dora-diffusers");
+    let single = fixture().join("single_file.safetensors");
+    let map = flame::models::flux::diffusers_map(&config());
+    let mut cfg = flame::nn::AdapterConfig::from(lora_cfg(&PEFT_TARGETS, 4));
+    cfg.kind = "dora".into();
+    let (model, _, a) = flux_with(&single, Some(cfg));
+    let a = a.unwrap();
+    randomize(&a);
+    // The first forward sets each magnitude to its row norms; move them off those.
+    run(&model).unwrap();
+    for (i, (n, t)) in a.params().unwrap().iter().enumerate() {
+        if n.ends_with("dora_scale") {
+            let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, 700 + i as u64).unwrap();
+            let m = t.mul(&r.affine(0.1, 1.0).unwrap()).unwrap();
+            t.assign(&m).unwrap();
+        }
+    }
+    let y = run(&model).unwrap();
+    let file = dir.join("peft.safetensors");
+    a.save_peft(&file, &map, "transformer", DType::F32).unwrap();
+    assert!(flame::safetensors::load(&file, &CPU)
+        .unwrap()
+        .keys()
+        .any(|k| k.ends_with("lora_magnitude_vector")));
+    let out = dir.join("flame_output.safetensors");
+    flame::safetensors::save([("output", &y)], &out).unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/check_peft_lora.py");
+    let status = std::process::Command::new("python3")
+        .arg(script)
+        .arg(fixture())
+        .arg(&file)
         .arg(&out)
         .status()
         .expect("python3");

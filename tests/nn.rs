@@ -90,7 +90,7 @@ fn lin(w: &Tensor, b: Option<&Tensor>) -> Linear {
     Linear {
         weight,
         bias,
-        lora: None,
+        adapter: None,
         fp8_scale: None,
     }
 }

@@ -368,7 +368,7 @@ impl ClipTextModel {
                     fp8_scale: None,
                     weight,
                     bias: None,
-                    lora: None,
+                    adapter: None,
                 })
             }
         };

@@ -3,8 +3,10 @@
 //! cuBLAS rather than an implicit-GEMM kernel, because it reaches cuBLAS speed with one code
 //! path today; its cost is the column buffer (kh*kw times the input).
 
+use super::adapter::{Adapter, BaseLayer, LayerShape};
 use super::VarBuilder;
 use crate::{Error, Result, Tensor, Window2d};
+use std::sync::Arc;
 
 fn window(
     kernel: (usize, usize),
@@ -75,6 +77,8 @@ pub struct Conv2d {
     pub dilation: (usize, usize),
     /// Channel groups: each output channel sees Cin / groups input channels.
     pub groups: usize,
+    /// The adapter (LoCon, DoRA, ...), if one was planned for this path (one group only).
+    pub adapter: Option<Arc<dyn Adapter>>,
 }
 
 /// Hyperparameters of a Conv2d.
@@ -130,27 +134,73 @@ impl Conv2d {
         } else {
             None
         };
-        Ok(Conv2d {
+        let mut conv = Conv2d {
             weight,
             bias,
             stride: (cfg.stride, cfg.stride),
             padding: (cfg.padding, cfg.padding),
             dilation: (cfg.dilation, cfg.dilation),
             groups: cfg.groups,
-        })
+            adapter: None,
+        };
+        let shape = conv.layer_shape();
+        conv.adapter = match vb.adapter(shape)? {
+            Some(_) if cfg.groups != 1 => {
+                return Err(Error::Param {
+                    key: vb.key("weight"),
+                    file: None,
+                    msg: format!(
+                        "an adapter targets a convolution of {} groups; adapters take                          one-group convolutions only",
+                        cfg.groups
+                    ),
+                })
+            }
+            a => a,
+        };
+        Ok(conv)
+    }
+
+    /// The op as an adapter sees it.
+    pub fn layer_shape(&self) -> LayerShape {
+        let d = self.weight.dims();
+        LayerShape::Conv2d {
+            cin: d[1] * self.groups,
+            cout: d[0],
+            kernel: (d[2], d[3]),
+            stride: self.stride,
+            padding: self.padding,
+            dilation: self.dilation,
+        }
     }
 
     /// x (N, Cin, H, W) -> (N, Cout, Ho, Wo), sizes as [`Window2d::out_size`] gives them.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        conv2d(
+        let Some(a) = &self.adapter else {
+            return conv2d(
+                x,
+                &self.weight,
+                self.bias.as_ref(),
+                self.stride,
+                self.padding,
+                self.dilation,
+                self.groups,
+            );
+        };
+        let y = conv2d(
             x,
             &self.weight,
-            self.bias.as_ref(),
+            None,
             self.stride,
             self.padding,
             self.dilation,
             self.groups,
-        )
+        )?;
+        let weight = |dtype| self.weight.to_dtype(dtype);
+        let y = a.forward(&BaseLayer::new(self.layer_shape(), &weight), x, y)?;
+        match &self.bias {
+            Some(b) => y.add(&b.reshape((1, b.elem_count(), 1, 1))?),
+            None => Ok(y),
+        }
     }
 }
 

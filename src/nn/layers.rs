@@ -1,15 +1,15 @@
 //! Layers with parameters loaded by key path. Shape letters: N batch, L tokens, C channels,
 //! H x W spatial. Weights keep the checkpoint's layout (Linear: (out, in)).
 
-use super::lora::Lora;
+use super::adapter::{Adapter, BaseLayer, LayerShape};
 use super::seed::{mix64, GOLDEN};
 use super::VarBuilder;
 use crate::{Error, Result, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// `y = x W^T + b` over the last dim; `weight` (out, in), `bias` (out); plus a LoRA term
-/// when the builder planned an adapter for this path. With an FP8 base (`VarBuilder::with_fp8`)
+/// `y = x W^T + b` over the last dim; `weight` (out, in), `bias` (out); with an adapter
+/// (`crate::nn::adapter`) when the builder planned one for this path. With an FP8 base (`VarBuilder::with_fp8`)
 /// `weight` holds the E4M3 codes (out, in / 4) u32 and `fp8_scale` the per-row scales: each
 /// call decodes the weight into a transient buffer of the activation's dtype, and the
 /// backward decodes it again instead of keeping the decoded copy (`Fp8Matmul`).
@@ -19,14 +19,14 @@ pub struct Linear {
     pub weight: Tensor,
     /// (out), if the layer has one.
     pub bias: Option<Tensor>,
-    /// The low-rank adapter added to the output, if one was planned for this path.
-    pub lora: Option<Arc<Lora>>,
+    /// The adapter (LoRA, DoRA, ...), if one was planned for this path.
+    pub adapter: Option<Arc<dyn Adapter>>,
     /// The per-output-channel f32 scales (out) of an FP8 `weight`.
     pub fp8_scale: Option<Tensor>,
 }
 
 impl Linear {
-    /// `weight` (out_dim, in_dim) and, when `bias`, `bias` (out_dim) from `vb`, plus the LoRA
+    /// `weight` (out_dim, in_dim) and, when `bias`, `bias` (out_dim) from `vb`, plus the
     /// adapter the builder plans for this path, if any.
     pub fn new(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
         let (weight, fp8_scale) = vb.get_linear_weight(out_dim, in_dim, "weight")?;
@@ -38,7 +38,7 @@ impl Linear {
         Ok(Linear {
             weight,
             bias,
-            lora: vb.lora(in_dim, out_dim)?,
+            adapter: vb.adapter(LayerShape::Linear { in_dim, out_dim })?,
             fp8_scale,
         })
     }
@@ -52,6 +52,14 @@ impl Linear {
             1
         };
         (d[1] * packed, d[0])
+    }
+
+    /// The weight (out, in) in `dtype`, an FP8 weight decoded.
+    pub fn dense_weight(&self, dtype: crate::DType) -> Result<Tensor> {
+        match &self.fp8_scale {
+            Some(scale) => self.weight.dequant_fp8(scale, dtype),
+            None => self.weight.to_dtype(dtype),
+        }
     }
 
     /// (..., in) -> (..., out): one 2D GEMM over all leading dims, W^T passed as a view.
@@ -71,12 +79,16 @@ impl Linear {
             Some(scale) => fp8_matmul(&x, &self.weight, scale)?,
             None => x.matmul(&self.weight.t()?)?,
         };
-        let y = match &self.bias {
-            Some(b) => y.add(b)?,
+        let y = match &self.adapter {
+            Some(a) => {
+                let weight = |dtype| self.dense_weight(dtype);
+                let base = BaseLayer::new(LayerShape::Linear { in_dim, out_dim }, &weight);
+                a.forward(&base, &x, y)?
+            }
             None => y,
         };
-        let y = match &self.lora {
-            Some(l) => y.add(&l.delta(&x)?)?,
+        let y = match &self.bias {
+            Some(b) => y.add(b)?,
             None => y,
         };
         let mut out = d.to_vec();

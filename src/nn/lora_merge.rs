@@ -14,7 +14,7 @@
 //! Every tensor of the file must be taken by some layer: a file for another model, or an
 //! adapter kind FLAME does not merge (LoKr, LoHa), is an error naming a tensor left over.
 
-use super::lora_io::kohya_name;
+use super::adapter::kohya_name;
 use super::params::{KeyMap, KeySource};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Tensor};

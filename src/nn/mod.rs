@@ -2,16 +2,18 @@
 //! `VarBuilder`, so model code mirrors the checkpoint (`vb.pp("img_attn").pp("qkv")`).
 //! Layers are written from tensor ops and run on every backend.
 
+pub mod adapter;
 mod conv;
 mod embeddings;
 mod layers;
-mod lora;
-mod lora_io;
 mod lora_merge;
 mod params;
 mod seed;
 
 pub use crate::tensor::scaled_dot_product_attention;
+pub use adapter::{
+    kohya_name, Adapter, AdapterConfig, Adapters, BaseLayer, LayerShape, Lora, LoraConfig,
+};
 pub use conv::{adaptive_avg_pool2d, avg_pool2d, conv2d, max_pool2d, pad2d, Conv2d, Conv2dConfig};
 pub use embeddings::{
     apply_rope, modulate, rope, timestep_embedding, EmbedNd, Modulation, ModulationOut,
@@ -19,8 +21,6 @@ pub use embeddings::{
 pub use layers::{
     upsample_nearest2d, Activation, Dropout, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
-pub use lora::{Adapters, Lora, LoraConfig};
-pub use lora_io::kohya_name;
 pub use lora_merge::LoraMerge;
 pub use params::{KeyMap, KeySource, VarBuilder};
 pub(crate) use seed::{key_hash, mix64, GOLDEN};

@@ -6,7 +6,7 @@
 //! parameter is remembered under its key: frozen by default, trainable by `set_trainable`,
 //! and listed for optimizers and saving.
 
-use super::lora::{Adapters, Lora};
+use super::adapter::{Adapter, Adapters, LayerShape};
 use super::seed::key_hash;
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Shape, Tensor};
@@ -289,10 +289,10 @@ impl VarBuilder {
         self.shared.adapters.as_ref()
     }
 
-    /// The adapter for the layer at this prefix (in -> out), if one is planned for it.
-    pub fn lora(&self, in_dim: usize, out_dim: usize) -> Result<Option<Arc<Lora>>> {
+    /// The adapter for the layer of `shape` at this prefix, if one is planned for it.
+    pub fn adapter(&self, shape: LayerShape) -> Result<Option<Arc<dyn Adapter>>> {
         match &self.shared.adapters {
-            Some(a) => a.for_layer(&self.prefix.join("."), in_dim, out_dim, self.device()),
+            Some(a) => a.for_layer(&self.prefix.join("."), shape, self.device()),
             None => Ok(None),
         }
     }

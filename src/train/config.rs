@@ -10,7 +10,7 @@
 
 use super::objectives::TimestepSampling;
 use crate::data::DirEntry;
-use crate::nn::LoraConfig;
+use crate::nn::{AdapterConfig, LoraConfig};
 use crate::stream::Checkpointing;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -184,18 +184,31 @@ section! {
 }
 
 section! {
-    /// `[adapter]`: the LoRA trained on the frozen model.
+    /// `[adapter]`: what is trained on the frozen model.
     AdapterSection / RawAdapter = "adapter" {
-        /// The LoRA rank; at most the smaller width of every targeted layer.
-        rank: usize,
-        /// The LoRA alpha; the update is scaled by alpha / rank.
-        alpha: f64,
-        /// Dropout on the LoRA input while training, in [0, 1).
+        /// The kind: "lora", "dora", "lokr", "loha" or "full" (`flame::nn::adapter::KINDS`).
+        kind: String = "lora",
+        /// The rank (LoRA/DoRA's r, LoKr's and LoHa's inner dimension; unused by "full"); a
+        /// LoRA's at most the smaller width of every targeted layer.
+        rank: usize = 16usize,
+        /// The alpha; the update is scaled by alpha / rank.
+        alpha: f64 = 16.0,
+        /// Dropout on the adapter's input while training, in [0, 1) (lora and dora).
         dropout: f64 = 0.0,
-        /// Layer path patterns (`*` matches within a path segment), in the model's original
+        /// Layer path patterns (`*` matches any run of characters), in the model's original
         /// key names, e.g. "double_blocks.*.img_attn.qkv".
         targets: Vec<String>,
-        /// The saved file's layout: "kohya" (ComfyUI, kohya) or "peft" (diffusers).
+        /// The rank of adapters on the convolutions the targets match (SDXL's ResNets:
+        /// LyCORIS's conv_dim); 0 leaves convolutions alone. "full" ignores it.
+        conv_rank: usize = 0usize,
+        /// The convolutions' alpha (LyCORIS's conv_alpha).
+        conv_alpha: f64 = 1.0,
+        /// LoKr: the Kronecker split's factor, -1 for the most balanced.
+        factor: i64 = -1,
+        /// LoKr: make w1 low-rank too where the rank allows.
+        decompose_both: bool = false,
+        /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS) or "peft" (diffusers,
+        /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits).
         format: AdapterFormat = AdapterFormat::Kohya,
     }
 }
@@ -651,12 +664,44 @@ impl TrainConfig {
             "model.guidance",
             format!("{}: must be finite", m.guidance),
         );
+        let kind = crate::nn::adapter::kind(&a.kind);
+        c.check(
+            kind.is_ok(),
+            "adapter.kind",
+            format!(
+                "{:?}: one of {:?}",
+                a.kind,
+                crate::nn::adapter::KINDS
+                    .iter()
+                    .map(|k| k.name)
+                    .collect::<Vec<_>>()
+            ),
+        );
         c.positive_n("adapter.rank", a.rank);
         c.positive_f("adapter.alpha", a.alpha);
+        c.positive_f("adapter.conv_alpha", a.conv_alpha);
         c.check(
             (0.0..1.0).contains(&a.dropout),
             "adapter.dropout",
             format!("{}: must be in [0, 1)", a.dropout),
+        );
+        c.check(
+            a.dropout == 0.0 || matches!(a.kind.as_str(), "lora" | "dora"),
+            "adapter.dropout",
+            format!("{}: input dropout applies to lora and dora", a.dropout),
+        );
+        c.check(
+            a.factor == -1 || a.factor > 0,
+            "adapter.factor",
+            format!("{}: -1 (balanced) or a positive divisor", a.factor),
+        );
+        c.check(
+            !(a.format == AdapterFormat::Peft && kind.is_ok_and(|k| !k.peft)),
+            "adapter.format",
+            format!(
+                "\"peft\": PEFT has no layout for kind {:?}; use \"kohya\"",
+                a.kind
+            ),
         );
         c.check(
             !a.targets.is_empty() && a.targets.iter().all(|t| !t.trim().is_empty()),
@@ -787,6 +832,23 @@ impl TrainConfig {
     }
 
     /// The adapter config.
+    pub fn adapter_config(&self) -> AdapterConfig {
+        let a = &self.adapter;
+        AdapterConfig {
+            kind: a.kind.clone(),
+            rank: a.rank,
+            alpha: a.alpha,
+            dropout: a.dropout,
+            targets: a.targets.clone(),
+            seed: self.train.seed,
+            conv_rank: a.conv_rank,
+            conv_alpha: a.conv_alpha,
+            factor: a.factor,
+            decompose_both: a.decompose_both,
+        }
+    }
+
+    /// The LoRA hyperparameters of the adapter config (kind and LyCORIS settings aside).
     pub fn lora(&self) -> LoraConfig {
         LoraConfig {
             rank: self.adapter.rank,
@@ -900,6 +962,30 @@ impl TrainConfig {
     /// everything that changes what a step computes or what saved state means. Paths, the
     /// device, checkpoint cadence, logging and the memory plan may change between sessions.
     pub fn resume_keys(&self) -> Vec<(&'static str, String)> {
+        let mut v = self.resume_keys_base();
+        // The adapter kind and its LyCORIS settings, where they differ from a plain LoRA's
+        // (so a LoRA run written before they existed resumes).
+        let a = &self.adapter;
+        let extra = [
+            ("adapter.kind", a.kind != "lora", show(&a.kind)),
+            ("adapter.conv_rank", a.conv_rank != 0, show(&a.conv_rank)),
+            (
+                "adapter.conv_alpha",
+                a.conv_alpha != 1.0,
+                show(&a.conv_alpha),
+            ),
+            ("adapter.factor", a.factor != -1, show(&a.factor)),
+            (
+                "adapter.decompose_both",
+                a.decompose_both,
+                show(&a.decompose_both),
+            ),
+        ];
+        v.extend(extra.into_iter().filter(|e| e.1).map(|(k, _, s)| (k, s)));
+        v
+    }
+
+    fn resume_keys_base(&self) -> Vec<(&'static str, String)> {
         let (m, a, o, s, t) = (
             &self.model,
             &self.adapter,

@@ -243,7 +243,7 @@ impl Trainer {
             ModelDType::F16 => DType::F16,
             ModelDType::Bf16 | ModelDType::Fp8 => DType::BF16,
         };
-        let adapters = Adapters::new(config.lora())?;
+        let adapters = Adapters::new(config.adapter_config())?;
         let mut opts = LoadOptions {
             dtype,
             device: device.clone(),
@@ -308,10 +308,14 @@ impl Trainer {
             return Err(Error::Config {
                 path: None,
                 msg: format!(
-                    "adapter.targets = {:?} match no Linear layer of the model",
+                    "adapter.targets = {:?} match no Linear layer (nor, with adapter.conv_rank, \
+                     a convolution) of the model",
                     config.adapter.targets
                 ),
             });
+        }
+        if config.adapter.format == AdapterFormat::Peft {
+            adapters.check_peft(&loaded.key_map)?;
         }
         let o = &config.optimizer;
         let adam = AdamConfig {

@@ -69,7 +69,7 @@ fn projection(vb: &VarBuilder, c: usize) -> Result<Linear> {
     Ok(Linear {
         weight: vb.get((c, c, 1, 1), "weight")?.reshape((c, c))?,
         bias: Some(vb.get(c, "bias")?),
-        lora: None,
+        adapter: None,
         fp8_scale: None,
     })
 }

@@ -1,0 +1,217 @@
+//! DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation"), with PEFT's
+//! semantics: V = W + s·B A (a LoRA's change), and the layer computes
+//! y = (m / ‖V‖) · (W x + s·B A x) + bias, where ‖V‖ is the norm of each output channel's row
+//! of V (over the inputs and the kernel) and m a learned magnitude per output channel,
+//! initialised to ‖W‖. As in PEFT, the norm is detached in the backward (the paper's
+//! section 4.3): gradients flow through m, A and B, not through ‖V‖.
+//!
+//! The magnitude starts as ‖W‖ at the layer's first use (a streamed weight is only on the
+//! device then), unless a file set it before.
+//!
+//! Files: kohya / LyCORIS `lora_down.weight`, `lora_up.weight`, `alpha` and `dora_scale`
+//! (out, 1[, 1, 1]), the output-channel form LyCORIS writes (`wd_on_out`); PEFT
+//! `lora_A.weight`, `lora_B.weight` (s folded in) and `lora_magnitude_vector` ((out) for a
+//! Linear, (1, out, 1, 1) for a convolution).
+
+use super::io::{join_rows, part_rows, PeftFile, Reader};
+use super::lora::Lora;
+use super::{cast, Adapter, BaseLayer, Kind, LayerShape, PeftPart};
+use crate::{DType, Error, Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+pub(super) const KIND: Kind = Kind {
+    name: "dora",
+    peft: true,
+    ranked: true,
+    make: |p| {
+        let lora = Lora::new(p)?;
+        let magnitude = super::zeros(&[p.shape.out_dim()], p.device)?;
+        Ok(Arc::new(Dora {
+            lora,
+            magnitude,
+            ready: AtomicBool::new(false),
+        }))
+    },
+};
+
+/// One layer's DoRA: a LoRA and the magnitude vector.
+#[derive(Debug)]
+pub struct Dora {
+    lora: Lora,
+    /// m: (out), f32, trainable.
+    magnitude: Tensor,
+    /// Whether m holds values (‖W‖ at first use, or a file's).
+    ready: AtomicBool,
+}
+
+/// The norm of each output channel's row of `w` (out, ...) in f32: (out).
+fn row_norms(w: &Tensor) -> Result<Tensor> {
+    let out = w.dims()[0];
+    w.to_dtype(DType::F32)?
+        .reshape((out, w.elem_count() / out.max(1)))?
+        .sqr()?
+        .sum(&[1])?
+        .sqrt()
+}
+
+impl Dora {
+    /// m = ‖W‖ unless it holds values already.
+    fn ensure_magnitude(&self, base: &BaseLayer) -> Result<()> {
+        if self.ready.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _g = crate::no_grad();
+        self.magnitude
+            .assign(&row_norms(&base.weight(DType::F32)?)?)?;
+        self.ready.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// m / ‖W + s B A‖ (out), the norm detached.
+    fn scale(&self, base: &BaseLayer, down: &Tensor, up: &Tensor, m: &Tensor) -> Result<Tensor> {
+        let norm = {
+            let _g = crate::no_grad();
+            let f32 = |t: &Tensor| t.detach().to_dtype(DType::F32);
+            let v = base
+                .weight(DType::F32)?
+                .add(&self.lora.delta_of(&f32(down)?, &f32(up)?)?)?;
+            row_norms(&v)?
+        };
+        m.div(&norm.to_dtype(m.dtype())?)
+    }
+
+    fn magnitude_ready(&self) -> Result<()> {
+        if self.ready.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "the DoRA magnitude of layer {} has no values yet (it is set from the \
+                     weight at the layer's first use, or read from a file)",
+                    self.lora.path
+                ),
+            })
+        }
+    }
+
+    /// m shaped as PEFT stores it.
+    fn peft_shape(&self, rows: usize) -> Vec<usize> {
+        match self.lora.shape {
+            LayerShape::Linear { .. } => vec![rows],
+            LayerShape::Conv2d { .. } => vec![1, rows, 1, 1],
+        }
+    }
+
+    /// m shaped as LyCORIS stores `dora_scale`.
+    fn kohya_shape(&self) -> Vec<usize> {
+        let out = self.lora.shape.out_dim();
+        match self.lora.shape {
+            LayerShape::Linear { .. } => vec![out, 1],
+            LayerShape::Conv2d { .. } => vec![out, 1, 1, 1],
+        }
+    }
+}
+
+impl Adapter for Dora {
+    fn kind(&self) -> &'static str {
+        "dora"
+    }
+
+    fn path(&self) -> &str {
+        &self.lora.path
+    }
+
+    fn shape(&self) -> LayerShape {
+        self.lora.shape
+    }
+
+    fn params(&self) -> Vec<(&'static str, Tensor)> {
+        let mut p = self.lora.params();
+        p.push(("dora_scale", self.magnitude.clone()));
+        p
+    }
+
+    fn forward(&self, base: &BaseLayer, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        self.ensure_magnitude(base)?;
+        let params: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
+        self.forward_with(base, x, y, &params)
+    }
+
+    fn forward_with(
+        &self,
+        base: &BaseLayer,
+        x: &Tensor,
+        y: Tensor,
+        p: &[Tensor],
+    ) -> Result<Tensor> {
+        let [down, up, m] = p else {
+            return Err(Error::Autograd("dora: expected 3 parameters".into()));
+        };
+        let scale = self.scale(base, down, up, m)?;
+        let scale = self.lora.shape.per_channel(&cast(&scale, &y)?)?;
+        y.add(&self.lora.term(x, down, up)?)?.mul(&scale)
+    }
+
+    fn delta_weight(&self, base: &BaseLayer) -> Result<Tensor> {
+        self.ensure_magnitude(base)?;
+        let w = base.weight(DType::F32)?;
+        let v = w.add(&self.lora.delta_of(&self.lora.down, &self.lora.up)?)?;
+        let scale = self.scale(base, &self.lora.down, &self.lora.up, &self.magnitude)?;
+        let dims = [&[w.dims()[0]][..], &vec![1; w.rank() - 1]].concat();
+        v.mul(&scale.reshape(dims)?)?.sub(&w)
+    }
+
+    fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {
+        self.magnitude_ready()?;
+        let mut v = self.lora.to_kohya()?;
+        v.push((
+            "dora_scale".into(),
+            self.magnitude.reshape(self.kohya_shape())?,
+        ));
+        Ok(v)
+    }
+
+    fn load_kohya(&self, file: &mut Reader) -> Result<()> {
+        self.lora.read_kohya(file)?;
+        let m = file.take("dora_scale", &self.kohya_shape())?;
+        self.magnitude.assign(&m.flatten_all()?)?;
+        self.ready.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
+        self.magnitude_ready()?;
+        let mut v = self.lora.write_peft(parts)?;
+        for p in parts {
+            let m = part_rows(&self.magnitude, p)?.reshape(self.peft_shape(p.rows))?;
+            v.push((format!("{}.lora_magnitude_vector", p.module), m));
+        }
+        Ok(v)
+    }
+
+    fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
+        self.lora.read_peft(parts, file, file_scale)?;
+        let dev = self.magnitude.device().clone();
+        let ms = parts
+            .iter()
+            .map(|p| {
+                file.take(
+                    &p.module,
+                    "lora_magnitude_vector",
+                    &self.peft_shape(p.rows),
+                    &dev,
+                )?
+                .flatten_all()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.magnitude.assign(&join_rows(parts, ms)?)?;
+        self.ready.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn set_step(&self, step: u64) {
+        self.lora.set_step(step);
+    }
+}

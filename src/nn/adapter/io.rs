@@ -1,0 +1,441 @@
+//! Adapter files: the kohya / LyCORIS layout that ComfyUI loads
+//! (`lora_unet_<layer path, dots as underscores>.<tensor>`: `lora_down.weight`,
+//! `lokr_w1`, `hada_w1_a`, `dora_scale`, `diff`, `alpha`, ...) and the diffusers / PEFT
+//! layout (`<prefix>.<diffusers module>.<PEFT tensor>`: `lora_A.weight`,
+//! `lora_magnitude_vector`, `lokr_w1`, `hada_w1_a`, ...), which diffusers' `load_lora_weights`
+//! / `load_lora_adapter` and PEFT load. Each kind names its own tensors (`Adapter::to_kohya`,
+//! `to_peft`); this file owns the files: atomic writes, the shape checks, and that every
+//! tensor of a file finds its adapter.
+
+use super::{Adapters, PeftPart};
+use crate::nn::params::{KeyMap, KeySource};
+use crate::safetensors::{save_with_metadata, SafeTensorsFile};
+use crate::{DType, Device, Error, Result, Tensor};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// kohya's name of the adapter on the layer at `path`.
+pub fn kohya_name(path: &str) -> String {
+    format!("lora_unet_{}", path.replace('.', "_"))
+}
+
+fn err(path: &Path, tensor: Option<&str>, msg: impl Into<String>) -> Error {
+    Error::SafeTensors {
+        path: path.to_path_buf(),
+        tensor: tensor.map(str::to_string),
+        msg: msg.into(),
+    }
+}
+
+/// The tensors of one adapter in a kohya-layout file (names after `<layer name>.`), as the
+/// kind asks for them; what it takes is crossed off the file's list.
+pub struct Reader<'a> {
+    file: &'a SafeTensorsFile,
+    path: &'a Path,
+    name: String,
+    layer: &'a str,
+    device: &'a Device,
+    unused: &'a mut BTreeSet<String>,
+}
+
+impl Reader<'_> {
+    /// Whether the file has tensor `t` for this adapter.
+    pub fn has(&self, t: &str) -> bool {
+        self.file.contains(&format!("{}.{t}", self.name))
+    }
+
+    /// Tensor `t` as f32, which must have shape `dims`.
+    pub fn take(&mut self, t: &str, dims: &[usize]) -> Result<Tensor> {
+        let key = format!("{}.{t}", self.name);
+        let info = self.file.info(&key).ok_or_else(|| {
+            err(
+                self.path,
+                Some(&key),
+                format!("missing (adapter of layer {})", self.layer),
+            )
+        })?;
+        if info.shape.as_slice() != dims {
+            return Err(err(
+                self.path,
+                Some(&key),
+                format!("shape {:?}, the adapter has {dims:?}", info.shape),
+            ));
+        }
+        self.unused.remove(&key);
+        self.file.load_as(&key, self.device, DType::F32)
+    }
+
+    /// The adapter's `alpha` (a scalar), if the file has one.
+    pub fn alpha(&mut self) -> Result<Option<f64>> {
+        let key = format!("{}.alpha", self.name);
+        if !self.file.contains(&key) {
+            return Ok(None);
+        }
+        let a = self
+            .file
+            .load_as(&key, self.device, DType::F64)?
+            .to_vec_f64()?;
+        self.unused.remove(&key);
+        match a.as_slice() {
+            [a] if a.is_finite() => Ok(Some(*a)),
+            _ => Err(err(
+                self.path,
+                Some(&key),
+                format!("alpha {a:?} is not one number"),
+            )),
+        }
+    }
+
+    /// An error about tensor `t` of this adapter.
+    pub fn error(&self, t: &str, msg: impl Into<String>) -> Error {
+        err(self.path, Some(&format!("{}.{t}", self.name)), msg)
+    }
+}
+
+/// A diffusers / PEFT-layout file being read into the adapters: its tensors by
+/// `<prefix>.<module>.<PEFT name>`, what each adapter takes crossed off.
+pub struct PeftFile {
+    file: SafeTensorsFile,
+    path: std::path::PathBuf,
+    prefix: String,
+    unused: BTreeSet<String>,
+}
+
+impl PeftFile {
+    /// Whether the file has `<module>.<t>`.
+    pub fn has(&self, module: &str, t: &str) -> bool {
+        self.file.contains(&self.key(module, t))
+    }
+
+    fn key(&self, module: &str, t: &str) -> String {
+        if self.prefix.is_empty() {
+            format!("{module}.{t}")
+        } else {
+            format!("{}.{module}.{t}", self.prefix)
+        }
+    }
+
+    /// Tensor `<module>.<t>` as f32 on `device`, which must have shape `dims`.
+    pub fn take(
+        &mut self,
+        module: &str,
+        t: &str,
+        dims: &[usize],
+        device: &Device,
+    ) -> Result<Tensor> {
+        let key = self.key(module, t);
+        let info = self
+            .file
+            .info(&key)
+            .ok_or_else(|| err(&self.path, Some(&key), "missing"))?;
+        if info.shape.as_slice() != dims {
+            return Err(err(
+                &self.path,
+                Some(&key),
+                format!("shape {:?}, the adapter needs {dims:?}", info.shape),
+            ));
+        }
+        self.unused.remove(&key);
+        self.file.load_as(&key, device, DType::F32)
+    }
+
+    /// An error about tensor `<module>.<t>`.
+    pub fn error(&self, module: &str, t: &str, msg: impl Into<String>) -> Error {
+        err(&self.path, Some(&self.key(module, t)), msg)
+    }
+}
+
+/// Where one adapted layer's rows go in the diffusers layout.
+pub(crate) fn peft_parts(map: &KeyMap, layer: &str, out: usize) -> Result<Vec<PeftPart>> {
+    let key = format!("{layer}.weight");
+    let module = |k: &str| k.strip_suffix(".weight").unwrap_or(k).to_string();
+    let whole = |k: &str, swapped| PeftPart {
+        module: module(k),
+        start: 0,
+        rows: out,
+        swapped,
+    };
+    Ok(match map(&key) {
+        Some(KeySource::Key(k)) => vec![whole(&k, false)],
+        Some(KeySource::SwapHalves(k)) => vec![whole(&k, true)],
+        Some(KeySource::Cat(parts)) => {
+            let mut start = 0;
+            let mut v = vec![];
+            for (k, rows) in parts {
+                v.push(PeftPart {
+                    module: module(&k),
+                    start,
+                    rows,
+                    swapped: false,
+                });
+                start += rows;
+            }
+            if start != out {
+                return Err(Error::Param {
+                    key: key.clone(),
+                    file: None,
+                    msg: format!("its diffusers parts have {start} rows, the layer {out}"),
+                });
+            }
+            v
+        }
+        None => {
+            return Err(Error::Param {
+                key,
+                file: None,
+                msg: "the adapted layer has no diffusers counterpart".into(),
+            })
+        }
+    })
+}
+
+/// The two halves of rows swapped (dim 0).
+pub(crate) fn swap_halves(t: &Tensor) -> Result<Tensor> {
+    let n = t.dims()[0] / 2;
+    Tensor::cat(&[&t.narrow(0, n, n)?, &t.narrow(0, 0, n)?], 0)
+}
+
+/// `t`'s rows of diffusers part `p` (dim 0), halves swapped where diffusers swaps them.
+pub(crate) fn part_rows(t: &Tensor, p: &PeftPart) -> Result<Tensor> {
+    let rows = t.narrow(0, p.start, p.rows)?;
+    if p.swapped {
+        swap_halves(&rows)
+    } else {
+        Ok(rows)
+    }
+}
+
+/// The rows of every part joined back into the layer's order (inverse of `part_rows`).
+pub(crate) fn join_rows(parts: &[PeftPart], pieces: Vec<Tensor>) -> Result<Tensor> {
+    let pieces = parts
+        .iter()
+        .zip(pieces)
+        .map(|(p, t)| if p.swapped { swap_halves(&t) } else { Ok(t) })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0)
+}
+
+/// An error for kinds whose factors cannot be split by rows: a fused layer (or one whose
+/// halves diffusers swaps) has no PEFT form.
+pub(crate) fn single_part<'p>(
+    kind: &str,
+    layer: &str,
+    parts: &'p [PeftPart],
+) -> Result<&'p PeftPart> {
+    match parts {
+        [p] if !p.swapped => Ok(p),
+        _ => Err(Error::Config {
+            path: None,
+            msg: format!(
+                "a {kind} adapter on layer {layer} cannot be written in the diffusers / PEFT \
+                 layout: diffusers splits that layer into {} modules ({}), and a {kind} \
+                 factorisation does not split by rows; use adapter.format = \"kohya\" or \
+                 leave the layer out of the targets",
+                parts.len(),
+                parts
+                    .iter()
+                    .map(|p| p.module.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }),
+    }
+}
+
+/// The scale PEFT gives the adapters of a PEFT file: alpha / r from the `adapter_config.json`
+/// beside it (PEFT's `save_pretrained` writes one), else 1 (diffusers' default alpha = r, what
+/// FLAME's own PEFT files assume).
+fn peft_file_scale(path: &Path) -> Result<f64> {
+    let Some(cfg) = path.parent().map(|d| d.join("adapter_config.json")) else {
+        return Ok(1.0);
+    };
+    if !cfg.is_file() {
+        return Ok(1.0);
+    }
+    let text = std::fs::read_to_string(&cfg).map_err(|source| Error::Io {
+        path: cfg.clone(),
+        source,
+    })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+        path: Some(cfg.clone()),
+        msg: format!("not JSON: {e}"),
+    })?;
+    let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
+    let r = num("r").filter(|r| *r > 0.0).ok_or_else(|| Error::Config {
+        path: Some(cfg.clone()),
+        msg: "no positive \"r\"".into(),
+    })?;
+    // LoRA's key is lora_alpha, LoKr's and LoHa's alpha; PEFT's default alpha is 8.
+    let alpha = num("lora_alpha").or_else(|| num("alpha")).unwrap_or(8.0);
+    Ok(alpha / r)
+}
+
+impl Adapters {
+    /// Writes every adapter to `path` in the kohya / LyCORIS layout (the kind's tensors in
+    /// `dtype`, alpha in f32), atomically (a temporary file renamed into place). Metadata
+    /// records the network module (`networks.lora`, or `lycoris.kohya` with the algorithm),
+    /// rank, alpha and targets, as kohya and LyCORIS write them.
+    pub fn save_kohya(&self, path: impl AsRef<Path>, dtype: DType) -> Result<()> {
+        let _g = crate::no_grad();
+        let mut tensors: Vec<(String, Tensor)> = vec![];
+        for l in self.layers()? {
+            let name = kohya_name(l.path());
+            for (t, v) in l.to_kohya()? {
+                let v = if t == "alpha" { v } else { v.to_dtype(dtype)? };
+                tensors.push((format!("{name}.{t}"), v));
+            }
+        }
+        let c = &self.config;
+        let mut meta = BTreeMap::from([
+            ("ss_network_dim".to_string(), c.rank.to_string()),
+            ("ss_network_alpha".to_string(), c.alpha.to_string()),
+            ("flame_kind".to_string(), c.kind.clone()),
+            ("flame_targets".to_string(), c.targets.join(",")),
+        ]);
+        if c.kind == "lora" && c.conv_rank == 0 {
+            meta.insert("ss_network_module".into(), "networks.lora".into());
+        } else {
+            // LyCORIS's kohya wrapper records its algorithm in the network args.
+            let algo = match c.kind.as_str() {
+                "lora" => "locon",
+                k => k,
+            };
+            meta.insert("ss_network_module".into(), "lycoris.kohya".into());
+            meta.insert(
+                "ss_network_args".into(),
+                format!(
+                    "{{\"algo\": \"{algo}\", \"conv_dim\": \"{}\", \"conv_alpha\": \"{}\"}}",
+                    c.conv_rank, c.conv_alpha
+                ),
+            );
+        }
+        save_with_metadata(tensors.iter().map(|(k, t)| (k.as_str(), t)), &meta, path)
+    }
+
+    /// Reads a kohya / LyCORIS-layout file into the planned adapters (built with the model).
+    /// Every planned adapter must be in the file with its kind's tensors and shapes, and the
+    /// file may hold nothing else: a missing, misshapen or unexpected tensor (one of another
+    /// kind included) is an error naming it.
+    pub fn load_kohya(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let file = SafeTensorsFile::open(path)?;
+        let mut unused: BTreeSet<String> = file.names().map(str::to_string).collect();
+        let _g = crate::no_grad();
+        for l in self.layers()? {
+            let device = l
+                .params()
+                .first()
+                .map(|(_, t)| t.device().clone())
+                .unwrap_or(Device::Cpu);
+            let mut reader = Reader {
+                file: &file,
+                path,
+                name: kohya_name(l.path()),
+                layer: l.path(),
+                device: &device,
+                unused: &mut unused,
+            };
+            l.load_kohya(&mut reader)?;
+        }
+        if let Some(k) = unused.iter().next() {
+            return Err(err(
+                path,
+                Some(k),
+                format!(
+                    "no planned adapter takes it ({} such tensors); the {} adapter targets are \
+                     {:?}",
+                    unused.len(),
+                    self.config.kind,
+                    self.config.targets
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Writes every adapter in the diffusers / PEFT layout under diffusers module names,
+    /// which `map` (the model's diffusers key map) gives: `<prefix>.<module>.<PEFT name>`.
+    /// Each kind folds its scale into its tensors, so the file means the same under PEFT's
+    /// alpha = r (diffusers' default when a file has no config). A fused layer (Flux's qkv
+    /// and linear1, SD3's qkv) becomes one module per diffusers part where the kind splits by
+    /// rows (LoRA and DoRA: A shared, B and the magnitude split), and an error otherwise.
+    /// `prefix` is `transformer` (Flux, SD3) or `unet` (SDXL), as diffusers pipelines expect.
+    pub fn save_peft(
+        &self,
+        path: impl AsRef<Path>,
+        map: &KeyMap,
+        prefix: &str,
+        dtype: DType,
+    ) -> Result<()> {
+        let _g = crate::no_grad();
+        let mut tensors: Vec<(String, Tensor)> = vec![];
+        for l in self.layers()? {
+            let parts = peft_parts(map, l.path(), l.shape().out_dim())?;
+            for (name, t) in l.to_peft(&parts)? {
+                tensors.push((format!("{prefix}.{name}"), t.to_dtype(dtype)?));
+            }
+        }
+        let meta = BTreeMap::from([
+            ("format".to_string(), "pt".to_string()),
+            ("flame_kind".to_string(), self.config.kind.clone()),
+            ("flame_rank".to_string(), self.config.rank.to_string()),
+        ]);
+        save_with_metadata(tensors.iter().map(|(k, t)| (k.as_str(), t)), &meta, path)
+    }
+
+    /// Checks that every planned adapter has a PEFT form under `map` (before training, so a
+    /// run does not fail at its first save).
+    pub fn check_peft(&self, map: &KeyMap) -> Result<()> {
+        let _g = crate::no_grad();
+        for l in self.layers()? {
+            let parts = peft_parts(map, l.path(), l.shape().out_dim())?;
+            if !self.kind()?.peft {
+                return Err(Error::Config {
+                    path: None,
+                    msg: format!(
+                        "adapter.kind = {:?} has no PEFT layout; use adapter.format = \"kohya\"",
+                        self.config.kind
+                    ),
+                });
+            }
+            if parts.len() > 1 || parts.iter().any(|p| p.swapped) {
+                l.to_peft(&parts)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a diffusers / PEFT-layout file into the planned adapters. PEFT scales a file's
+    /// adapters by alpha / r from the `adapter_config.json` beside it (1 without one, as FLAME
+    /// writes them); the values are rescaled to this set's alpha. A missing, misshapen or
+    /// unexpected tensor is an error naming it.
+    pub fn load_peft(&self, path: impl AsRef<Path>, map: &KeyMap, prefix: &str) -> Result<()> {
+        let path = path.as_ref();
+        let file_scale = peft_file_scale(path)?;
+        let file = SafeTensorsFile::open(path)?;
+        let unused: BTreeSet<String> = file.names().map(str::to_string).collect();
+        let mut file = PeftFile {
+            file,
+            path: path.to_path_buf(),
+            prefix: prefix.to_string(),
+            unused,
+        };
+        let _g = crate::no_grad();
+        for l in self.layers()? {
+            let parts = peft_parts(map, l.path(), l.shape().out_dim())?;
+            l.load_peft(&parts, &mut file, file_scale)?;
+        }
+        if let Some(k) = file.unused.iter().next() {
+            return Err(err(
+                path,
+                Some(k),
+                format!(
+                    "no planned adapter takes it ({} such tensors; the adapters are {})",
+                    file.unused.len(),
+                    self.config.kind
+                ),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,162 @@
+//! LoHa (LyCORIS; Hyeon-Woo et al. 2022, "FedPara: Low-Rank Hadamard Product for
+//! Communication-Efficient Federated Learning"): ΔW = s · (w1_a w1_b) ⊙ (w2_a w2_b), with
+//! w1_a, w2_a (out, r) and w1_b, w2_b (r, in·kh·kw), reshaped to the weight's shape;
+//! s = alpha / r. w2_b starts at zero and the rest Kaiming-uniform (PEFT's initialisation), so
+//! a fresh adapter leaves the model unchanged. The forward adds x ⊛ ΔW to the frozen output.
+//!
+//! Files: kohya / LyCORIS and PEFT name the tensors alike (`hada_w1_a`, `hada_w1_b`,
+//! `hada_w2_a`, `hada_w2_b`); the kohya file has `alpha` (ComfyUI scales by alpha / r), the
+//! PEFT file carries s inside w1_a (meaning the same under alpha = r). A fused layer (one
+//! that diffusers splits into modules) is refused in the PEFT layout.
+
+use super::io::{single_part, PeftFile, Reader};
+use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
+use crate::{Error, Result, Tensor};
+use std::sync::Arc;
+
+pub(super) const KIND: Kind = Kind {
+    name: "loha",
+    peft: true,
+    ranked: true,
+    make: |p| Ok(Arc::new(Loha::new(p)?)),
+};
+
+const NAMES: [&str; 4] = ["hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"];
+
+/// One layer's LoHa.
+#[derive(Debug)]
+pub struct Loha {
+    path: String,
+    shape: LayerShape,
+    alpha: f64,
+    /// w1_a, w1_b, w2_a, w2_b.
+    w: [Tensor; 4],
+}
+
+impl Loha {
+    fn new(p: &Plan) -> Result<Self> {
+        let (shape, r, dev, seed) = (p.shape, p.rank, p.device, p.seed);
+        let (out, cols) = (shape.out_dim(), shape.cols());
+        Ok(Loha {
+            path: p.path.to_string(),
+            shape,
+            alpha: p.alpha,
+            w: [
+                kaiming(&[out, r], r, dev, seed)?,
+                kaiming(&[r, cols], cols, dev, seed.rotate_left(7))?,
+                kaiming(&[out, r], r, dev, seed.rotate_left(13))?,
+                zeros(&[r, cols], dev)?,
+            ],
+        })
+    }
+
+    fn rank(&self) -> usize {
+        self.w[0].dims()[1]
+    }
+
+    /// alpha / r.
+    fn scale(&self) -> f64 {
+        self.alpha / self.rank() as f64
+    }
+
+    /// s · (w1_a w1_b) ⊙ (w2_a w2_b) in f32, the weight's shape.
+    fn delta_of(&self, p: &[Tensor]) -> Result<Tensor> {
+        let [a1, b1, a2, b2] = p else {
+            return Err(Error::Autograd("loha: expected 4 parameters".into()));
+        };
+        a1.matmul(b1)?
+            .mul(&a2.matmul(b2)?)?
+            .affine(self.scale(), 0.0)?
+            .reshape(self.shape.weight_dims())
+    }
+
+    /// Assigns tensors read in `NAMES` order, w1_a rescaled by `ratio`.
+    fn assign(&self, read: Vec<Tensor>, ratio: f64) -> Result<()> {
+        for (i, (dst, src)) in self.w.iter().zip(read).enumerate() {
+            let src = if i == 0 && ratio != 1.0 {
+                src.affine(ratio, 0.0)?
+            } else {
+                src
+            };
+            dst.assign(&src)?;
+        }
+        Ok(())
+    }
+}
+
+impl Adapter for Loha {
+    fn kind(&self) -> &'static str {
+        "loha"
+    }
+
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn shape(&self) -> LayerShape {
+        self.shape
+    }
+
+    fn params(&self) -> Vec<(&'static str, Tensor)> {
+        NAMES.into_iter().zip(self.w.iter().cloned()).collect()
+    }
+
+    fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
+        let dw = cast(&self.delta_of(p)?, x)?;
+        y.add(&self.shape.apply(x, &dw)?)
+    }
+
+    fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {
+        self.delta_of(&self.w)
+    }
+
+    fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut v: Vec<(String, Tensor)> = self
+            .params()
+            .into_iter()
+            .map(|(n, t)| (n.to_string(), t))
+            .collect();
+        v.push((
+            "alpha".into(),
+            super::alpha_tensor(self.alpha, self.w[0].device())?,
+        ));
+        Ok(v)
+    }
+
+    fn load_kohya(&self, file: &mut Reader) -> Result<()> {
+        let read = self
+            .params()
+            .into_iter()
+            .map(|(n, t)| file.take(n, t.dims()))
+            .collect::<Result<Vec<_>>>()?;
+        // ComfyUI's scale of the file: alpha / r, or 1 without alpha.
+        let file_scale = file.alpha()?.map_or(1.0, |a| a / self.rank() as f64);
+        self.assign(read, file_scale / self.scale())
+    }
+
+    fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
+        let p = single_part("LoHa", &self.path, parts)?;
+        self.params()
+            .into_iter()
+            .enumerate()
+            .map(|(i, (n, t))| {
+                let t = if i == 0 {
+                    t.affine(self.scale(), 0.0)?
+                } else {
+                    t
+                };
+                Ok((format!("{}.{n}", p.module), t))
+            })
+            .collect()
+    }
+
+    fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
+        let part = single_part("LoHa", &self.path, parts)?;
+        let read = self
+            .params()
+            .into_iter()
+            .map(|(n, t)| file.take(&part.module, n, t.dims(), t.device()))
+            .collect::<Result<Vec<_>>>()?;
+        self.assign(read, file_scale / self.scale())
+    }
+}

@@ -1,0 +1,299 @@
+//! LoKr (LyCORIS; Yeh et al. 2024, "Navigating Text-To-Image Customization: From LyCORIS
+//! Fine-Tuning to Model Evaluation"): the weight change is a Kronecker product,
+//! ΔW = s · w1 ⊗ w2, with out = out_l · out_k and in = in_m · in_n split by `factorization`;
+//! w1 (out_l, in_m) and w2 (out_k, in_n[, kh, kw]) (a convolution's kernel lives in w2). Where
+//! the rank is small against a factor's sides (r < max(sides) / 2, PEFT's and LyCORIS's rule)
+//! w2 is low-rank, w2_a (out_k, r) · w2_b (r, in_n·kh·kw), and with `decompose_both` w1 too,
+//! w1_a (out_l, r) · w1_b (r, in_m). s = alpha / r (PEFT's rule, also when both factors are
+//! full). w1 (or w1_a) starts at zero, the rest Kaiming-uniform (PEFT's initialisation), so a
+//! fresh adapter leaves the model unchanged. The forward adds x ⊛ ΔW to the frozen output.
+//!
+//! Files: kohya / LyCORIS and PEFT name the tensors alike (`lokr_w1`, `lokr_w1_a`,
+//! `lokr_w1_b`, `lokr_w2`, `lokr_w2_a`, `lokr_w2_b`). ComfyUI scales a LoKr by alpha / r when
+//! a factor is low-rank and by 1 when both are full, so with both full the kohya file
+//! carries s inside w1 and no alpha. PEFT files carry s inside w1 (or w1_a) too, meaning the
+//! same under alpha = r. A fused layer has no PEFT form (w1 ⊗ w2 does not split by rows).
+
+use super::io::{single_part, PeftFile, Reader};
+use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
+use crate::{Error, Result, Tensor};
+use std::sync::Arc;
+
+pub(super) const KIND: Kind = Kind {
+    name: "lokr",
+    peft: true,
+    ranked: true,
+    make: |p| Ok(Arc::new(Lokr::new(p)?)),
+};
+
+/// The split of `dim` into (m, n), m · n = dim, as PEFT's `factorization` and LyCORIS's:
+/// with `factor` = -1 the most balanced split, m the largest divisor at most sqrt(dim)
+/// (3072 -> (48, 64)); with a positive factor that divides `dim`, (factor, dim / factor);
+/// otherwise the most balanced split with m at most `factor`.
+pub fn factorization(dim: usize, factor: i64) -> (usize, usize) {
+    if factor > 0 && dim % factor as usize == 0 {
+        return (factor as usize, dim / factor as usize);
+    }
+    let cap = if factor < 0 { dim } else { factor as usize };
+    let (mut m, mut n) = (1usize, dim);
+    let length = m + n;
+    while m < n {
+        let mut next = m + 1;
+        while dim % next != 0 {
+            next += 1;
+        }
+        let nn = dim / next;
+        if next + nn > length || next > cap {
+            break;
+        }
+        (m, n) = (next, nn);
+    }
+    if m > n {
+        (n, m)
+    } else {
+        (m, n)
+    }
+}
+
+/// A factor: full, or the product of two low-rank matrices.
+#[derive(Debug)]
+enum Factor {
+    Full(Tensor),
+    LowRank(Tensor, Tensor),
+}
+
+impl Factor {
+    fn tensors(&self) -> Vec<Tensor> {
+        match self {
+            Factor::Full(w) => vec![w.clone()],
+            Factor::LowRank(a, b) => vec![a.clone(), b.clone()],
+        }
+    }
+    fn low_rank(&self) -> bool {
+        matches!(self, Factor::LowRank(..))
+    }
+}
+
+/// One layer's LoKr.
+#[derive(Debug)]
+pub struct Lokr {
+    path: String,
+    shape: LayerShape,
+    rank: usize,
+    alpha: f64,
+    /// (out_l, out_k), (in_m, in_n).
+    out_split: (usize, usize),
+    in_split: (usize, usize),
+    w1: Factor,
+    w2: Factor,
+}
+
+impl Lokr {
+    fn new(p: &Plan) -> Result<Self> {
+        let (shape, r) = (p.shape, p.rank);
+        let factor = p.config.factor;
+        let (out_l, out_k) = factorization(shape.out_dim(), factor);
+        let (in_m, in_n) = factorization(shape.in_dim(), factor);
+        let (kh, kw) = shape.kernel();
+        let dev = p.device;
+        let seed = p.seed;
+        // PEFT: a factor is low-rank when r < max(its sides) / 2 (w1 only with decompose_both).
+        let w1 = if p.config.decompose_both && (r as f64) < out_l.max(in_m) as f64 / 2.0 {
+            Factor::LowRank(
+                zeros(&[out_l, r], dev)?,
+                kaiming(&[r, in_m], in_m, dev, seed)?,
+            )
+        } else {
+            Factor::Full(zeros(&[out_l, in_m], dev)?)
+        };
+        let w2_cols = in_n * kh * kw;
+        let w2 = if (r as f64) < out_k.max(in_n) as f64 / 2.0 {
+            Factor::LowRank(
+                kaiming(&[out_k, r], r, dev, seed.rotate_left(7))?,
+                kaiming(&[r, w2_cols], w2_cols, dev, seed.rotate_left(13))?,
+            )
+        } else {
+            let dims = if shape.is_conv() {
+                vec![out_k, in_n, kh, kw]
+            } else {
+                vec![out_k, in_n]
+            };
+            Factor::Full(kaiming(&dims, w2_cols, dev, seed.rotate_left(7))?)
+        };
+        Ok(Lokr {
+            path: p.path.to_string(),
+            shape,
+            rank: r,
+            alpha: p.alpha,
+            out_split: (out_l, out_k),
+            in_split: (in_m, in_n),
+            w1,
+            w2,
+        })
+    }
+
+    /// alpha / r.
+    fn scale(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+
+    /// The names of the tensors in `params` order.
+    fn names(&self) -> Vec<&'static str> {
+        let mut v = match self.w1 {
+            Factor::Full(_) => vec!["lokr_w1"],
+            Factor::LowRank(..) => vec!["lokr_w1_a", "lokr_w1_b"],
+        };
+        v.extend(match self.w2 {
+            Factor::Full(_) => vec!["lokr_w2"],
+            Factor::LowRank(..) => vec!["lokr_w2_a", "lokr_w2_b"],
+        });
+        v
+    }
+
+    fn own(&self) -> Vec<Tensor> {
+        let mut v = self.w1.tensors();
+        v.extend(self.w2.tensors());
+        v
+    }
+
+    /// s · w1 ⊗ w2 in f32, the weight's shape, from the tensors in `params` order.
+    fn delta_of(&self, p: &[Tensor]) -> Result<Tensor> {
+        let (out_l, out_k) = self.out_split;
+        let (in_m, in_n) = self.in_split;
+        let (kh, kw) = self.shape.kernel();
+        let (w1, rest) = match self.w1 {
+            Factor::Full(_) => (p[0].clone(), &p[1..]),
+            Factor::LowRank(..) => (p[0].matmul(&p[1])?, &p[2..]),
+        };
+        let w2 = match self.w2 {
+            Factor::Full(_) => rest[0].clone(),
+            Factor::LowRank(..) => rest[0].matmul(&rest[1])?,
+        };
+        // ΔW[a·out_k + b, c·in_n + d, h, w] = w1[a, c] · w2[b, d, h, w].
+        let w1 = w1.reshape(vec![out_l, 1, in_m, 1, 1, 1])?;
+        let w2 = w2.reshape(vec![1, out_k, 1, in_n, kh, kw])?;
+        w1.mul(&w2)?
+            .affine(self.scale(), 0.0)?
+            .reshape(self.shape.weight_dims())
+    }
+
+    fn check(&self, p: &[Tensor]) -> Result<()> {
+        if p.len() == self.names().len() {
+            Ok(())
+        } else {
+            Err(Error::Autograd(format!(
+                "lokr: expected {} parameters, got {}",
+                self.names().len(),
+                p.len()
+            )))
+        }
+    }
+
+    /// Both factors full: ComfyUI applies the product unscaled.
+    fn both_full(&self) -> bool {
+        !self.w1.low_rank() && !self.w2.low_rank()
+    }
+
+    /// The tensors with s folded into w1 (or w1_a), by name.
+    fn scaled(&self) -> Result<Vec<(&'static str, Tensor)>> {
+        let s = self.scale();
+        self.names()
+            .into_iter()
+            .zip(self.own())
+            .enumerate()
+            .map(|(i, (n, t))| Ok((n, if i == 0 { t.affine(s, 0.0)? } else { t })))
+            .collect()
+    }
+
+    /// Assigns tensors read under their names, w1 (or w1_a) rescaled by `ratio`.
+    fn assign(&self, read: Vec<Tensor>, ratio: f64) -> Result<()> {
+        for (i, (dst, src)) in self.own().iter().zip(read).enumerate() {
+            let src = if i == 0 && ratio != 1.0 {
+                src.affine(ratio, 0.0)?
+            } else {
+                src
+            };
+            dst.assign(&src)?;
+        }
+        Ok(())
+    }
+}
+
+impl Adapter for Lokr {
+    fn kind(&self) -> &'static str {
+        "lokr"
+    }
+
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn shape(&self) -> LayerShape {
+        self.shape
+    }
+
+    fn params(&self) -> Vec<(&'static str, Tensor)> {
+        self.names().into_iter().zip(self.own()).collect()
+    }
+
+    fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
+        self.check(p)?;
+        let dw = cast(&self.delta_of(p)?, x)?;
+        y.add(&self.shape.apply(x, &dw)?)
+    }
+
+    fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {
+        self.delta_of(&self.own())
+    }
+
+    fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {
+        if self.both_full() {
+            return Ok(self
+                .scaled()?
+                .into_iter()
+                .map(|(n, t)| (n.to_string(), t))
+                .collect());
+        }
+        let mut v: Vec<(String, Tensor)> = self
+            .params()
+            .into_iter()
+            .map(|(n, t)| (n.to_string(), t))
+            .collect();
+        let dev = self.own()[0].device().clone();
+        v.push(("alpha".into(), super::alpha_tensor(self.alpha, &dev)?));
+        Ok(v)
+    }
+
+    fn load_kohya(&self, file: &mut Reader) -> Result<()> {
+        let read = self
+            .params()
+            .into_iter()
+            .map(|(n, t)| file.take(n, t.dims()))
+            .collect::<Result<Vec<_>>>()?;
+        // ComfyUI's scale of the file: alpha / r with a low-rank factor, else 1.
+        let file_scale = match file.alpha()? {
+            Some(a) if !self.both_full() => a / self.rank as f64,
+            _ => 1.0,
+        };
+        self.assign(read, file_scale / self.scale())
+    }
+
+    fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
+        let p = single_part("LoKr", &self.path, parts)?;
+        Ok(self
+            .scaled()?
+            .into_iter()
+            .map(|(n, t)| (format!("{}.{n}", p.module), t))
+            .collect())
+    }
+
+    fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
+        let part = single_part("LoKr", &self.path, parts)?;
+        let read = self
+            .params()
+            .into_iter()
+            .map(|(n, t)| file.take(&part.module, n, t.dims(), t.device()))
+            .collect::<Result<Vec<_>>>()?;
+        self.assign(read, file_scale / self.scale())
+    }
+}

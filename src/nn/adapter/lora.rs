@@ -1,0 +1,245 @@
+//! LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"):
+//! y = base(x) + s · B(A(dropout(x))), s = alpha / rank, with A = `down` and B = `up`. On a
+//! Linear A is (rank, in) and B (out, rank); on a Conv2d (LyCORIS's LoCon, PEFT's conv LoRA)
+//! A is a convolution (rank, cin, kh, kw) with the layer's stride, padding and dilation and B
+//! a 1×1 convolution (out, rank, 1, 1). A starts Kaiming-uniform, B at zero, so a fresh
+//! adapter leaves the model unchanged.
+//!
+//! Files: kohya `lora_down.weight` / `lora_up.weight` / `alpha`; PEFT `lora_A.weight` /
+//! `lora_B.weight` (same shapes), with s folded into B.
+
+use super::io::{join_rows, part_rows, PeftFile, Reader};
+use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
+use crate::nn::layers::Dropout;
+use crate::{Error, Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+pub(super) const KIND: Kind = Kind {
+    name: "lora",
+    peft: true,
+    ranked: true,
+    make: |p| Ok(Arc::new(Lora::new(p)?)),
+};
+
+/// One layer's LoRA.
+#[derive(Debug)]
+pub struct Lora {
+    /// The adapted layer's key path.
+    pub path: String,
+    /// The adapted layer's op.
+    pub shape: LayerShape,
+    /// A: (rank, in) or (rank, cin, kh, kw), f32, trainable.
+    pub down: Tensor,
+    /// B: (out, rank) or (out, rank, 1, 1), f32, trainable.
+    pub up: Tensor,
+    /// The term is scaled by alpha / rank.
+    pub alpha: f64,
+    dropout: Dropout,
+    train: Arc<AtomicBool>,
+}
+
+impl Lora {
+    /// A fresh adapter: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PyTorch's
+    /// `kaiming_uniform_(a=sqrt(5))`, as PEFT initialises lora_A), B = 0.
+    pub(super) fn new(p: &Plan) -> Result<Self> {
+        let (rank, shape) = (p.rank, p.shape);
+        if rank > shape.in_dim().min(shape.out_dim()) && !shape.is_conv() {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "adapter.rank = {rank}: layer {} maps {} -> {}; a LoRA rank must be at \
+                     most the smaller width, {}",
+                    p.path,
+                    shape.in_dim(),
+                    shape.out_dim(),
+                    shape.in_dim().min(shape.out_dim())
+                ),
+            });
+        }
+        let (down_dims, up_dims) = dims(shape, rank);
+        Ok(Lora {
+            path: p.path.to_string(),
+            shape,
+            down: kaiming(&down_dims, shape.cols(), p.device, p.seed)?,
+            up: zeros(&up_dims, p.device)?,
+            alpha: p.alpha,
+            dropout: Dropout::new(p.config.dropout, p.seed.rotate_left(17))?,
+            train: p.train.clone(),
+        })
+    }
+
+    /// The adapter's rank r.
+    pub fn rank(&self) -> usize {
+        self.down.dims()[0]
+    }
+
+    /// alpha / rank.
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.rank() as f64
+    }
+
+    /// The adapter's term s · B(A(dropout(x))) with `down`, `up` in place of its own, in x's
+    /// dtype.
+    pub(super) fn term(&self, x: &Tensor, down: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let x = self
+            .dropout
+            .forward(x, self.train.load(Ordering::Relaxed))?;
+        let h = self.shape.apply(&x, &cast(down, &x)?)?;
+        self.shape
+            .apply_pointwise(&h, &cast(up, &x)?)?
+            .affine(self.scale(), 0.0)
+    }
+
+    /// s · B A in f32 with the weight's shape.
+    pub(super) fn delta_of(&self, down: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let r = self.rank();
+        let a = down.reshape((r, self.shape.cols()))?;
+        let b = up.reshape((self.shape.out_dim(), r))?;
+        b.matmul(&a)?
+            .affine(self.scale(), 0.0)?
+            .reshape(self.shape.weight_dims())
+    }
+
+    /// Reads A and B in the kohya layout and checks alpha against the config.
+    pub(super) fn read_kohya(&self, file: &mut Reader) -> Result<()> {
+        let down = file.take("lora_down.weight", self.down.dims())?;
+        let up = file.take("lora_up.weight", self.up.dims())?;
+        if let Some(a) = file.alpha()? {
+            if (a - self.alpha).abs() > 1e-6 * self.alpha.abs().max(1.0) {
+                return Err(file.error(
+                    "alpha",
+                    format!("alpha {a}, the adapters are configured with {}", self.alpha),
+                ));
+            }
+        }
+        self.down.assign(&down)?;
+        self.up.assign(&up)
+    }
+
+    /// A (shared by every part) and s·B split by the parts' rows, under PEFT names.
+    pub(super) fn write_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
+        let up = self.up.affine(self.scale(), 0.0)?;
+        let mut v = vec![];
+        for p in parts {
+            v.push((format!("{}.lora_A.weight", p.module), self.down.clone()));
+            v.push((format!("{}.lora_B.weight", p.module), part_rows(&up, p)?));
+        }
+        Ok(v)
+    }
+
+    /// Reads A (one for every part: a fused layer cannot hold separate ones) and B of a PEFT
+    /// file PEFT scales by `file_scale`.
+    pub(super) fn read_peft(
+        &self,
+        parts: &[PeftPart],
+        file: &mut PeftFile,
+        file_scale: f64,
+    ) -> Result<()> {
+        let (dev, rank) = (self.down.device().clone(), self.rank());
+        let mut down: Option<Tensor> = None;
+        let mut ups = vec![];
+        let up_tail = &self.up.dims()[1..];
+        for p in parts {
+            let a = file.take(&p.module, "lora_A.weight", self.down.dims(), &dev)?;
+            let b_dims = [&[p.rows][..], up_tail].concat();
+            let b = file.take(&p.module, "lora_B.weight", &b_dims, &dev)?;
+            match &down {
+                Some(d) if d.to_vec_f64()? != a.to_vec_f64()? => {
+                    return Err(file.error(
+                        &p.module,
+                        "lora_A.weight",
+                        format!(
+                            "differs from the lora_A of the other parts of fused layer {}",
+                            self.path
+                        ),
+                    ))
+                }
+                Some(_) => {}
+                None => down = Some(a),
+            }
+            ups.push(b);
+        }
+        debug_assert_eq!(rank, self.up.dims()[1]);
+        let up = join_rows(parts, ups)?;
+        let ratio = file_scale / self.scale();
+        let up = if ratio == 1.0 {
+            up
+        } else {
+            up.affine(ratio, 0.0)?
+        };
+        if let Some(d) = down {
+            self.down.assign(&d)?;
+        }
+        self.up.assign(&up)
+    }
+}
+
+/// (A, B) shapes for `shape` at `rank`.
+fn dims(shape: LayerShape, rank: usize) -> (Vec<usize>, Vec<usize>) {
+    match shape {
+        LayerShape::Linear { in_dim, out_dim } => (vec![rank, in_dim], vec![out_dim, rank]),
+        LayerShape::Conv2d {
+            cin, cout, kernel, ..
+        } => (vec![rank, cin, kernel.0, kernel.1], vec![cout, rank, 1, 1]),
+    }
+}
+
+impl Adapter for Lora {
+    fn kind(&self) -> &'static str {
+        "lora"
+    }
+
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn shape(&self) -> LayerShape {
+        self.shape
+    }
+
+    fn params(&self) -> Vec<(&'static str, Tensor)> {
+        vec![
+            ("lora_down.weight", self.down.clone()),
+            ("lora_up.weight", self.up.clone()),
+        ]
+    }
+
+    fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
+        let [down, up] = p else {
+            return Err(Error::Autograd("lora: expected 2 parameters".into()));
+        };
+        y.add(&self.term(x, down, up)?)
+    }
+
+    fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {
+        self.delta_of(&self.down, &self.up)
+    }
+
+    fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(vec![
+            ("lora_down.weight".into(), self.down.clone()),
+            ("lora_up.weight".into(), self.up.clone()),
+            (
+                "alpha".into(),
+                super::alpha_tensor(self.alpha, self.down.device())?,
+            ),
+        ])
+    }
+
+    fn load_kohya(&self, file: &mut Reader) -> Result<()> {
+        self.read_kohya(file)
+    }
+
+    fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
+        self.write_peft(parts)
+    }
+
+    fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
+        self.read_peft(parts, file, file_scale)
+    }
+
+    fn set_step(&self, step: u64) {
+        self.dropout.set_calls(step << 24);
+    }
+}

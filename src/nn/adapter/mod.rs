@@ -1,0 +1,549 @@
+//! Adapters: small trainable additions to the frozen Linear and Conv2d layers of a model.
+//!
+//! A layer built from a `VarBuilder` with adapters planned (`VarBuilder::with_adapters`) asks
+//! the set ([`Adapters`]) for an adapter by its key path and shape; the set's config picks the
+//! kind and which paths match. The layer then runs its frozen op and hands the result to the
+//! adapter ([`Adapter::forward`]); the adapter knows its own parameters, its weight change
+//! (merging), and its file names in the kohya / LyCORIS layout that ComfyUI reads and in the
+//! PEFT layout that diffusers and PEFT read.
+//!
+//! A kind is one file implementing [`Adapter`] and one entry in [`KINDS`]:
+//! - `lora`: low-rank B·A (Hu et al. 2021), on Linear and (LoCon) Conv2d;
+//! - `dora`: LoRA with a learned magnitude per output channel (Liu et al. 2024, "DoRA");
+//! - `lokr`: a Kronecker product w1 ⊗ w2 (LyCORIS);
+//! - `loha`: a Hadamard product of two low-rank products (LyCORIS);
+//! - `full`: the layer's weight itself trained (as a change to it).
+//!
+//! Parameters are f32 whatever the model's dtype (the optimizer updates f32 values; the
+//! forward casts to the activations' dtype).
+
+mod dora;
+mod full;
+mod io;
+mod loha;
+mod lokr;
+mod lora;
+
+pub use io::{kohya_name, PeftFile};
+pub use lokr::factorization;
+pub use lora::Lora;
+
+use super::seed::key_hash;
+use crate::{DType, Device, Error, Result, Tensor};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// The frozen op an adapter sits on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerShape {
+    /// y = x W^T, W (out, in).
+    Linear {
+        /// Input features.
+        in_dim: usize,
+        /// Output features.
+        out_dim: usize,
+    },
+    /// y = conv2d(x, W), W (cout, cin, kh, kw) (one group).
+    Conv2d {
+        /// Input channels.
+        cin: usize,
+        /// Output channels.
+        cout: usize,
+        /// (kh, kw).
+        kernel: (usize, usize),
+        /// Step between windows.
+        stride: (usize, usize),
+        /// Zeros added on each side.
+        padding: (usize, usize),
+        /// Spacing between kernel taps.
+        dilation: (usize, usize),
+    },
+}
+
+impl LayerShape {
+    /// Output features or channels.
+    pub fn out_dim(&self) -> usize {
+        match *self {
+            LayerShape::Linear { out_dim, .. } => out_dim,
+            LayerShape::Conv2d { cout, .. } => cout,
+        }
+    }
+
+    /// Input features or channels.
+    pub fn in_dim(&self) -> usize {
+        match *self {
+            LayerShape::Linear { in_dim, .. } => in_dim,
+            LayerShape::Conv2d { cin, .. } => cin,
+        }
+    }
+
+    /// The kernel, (1, 1) for a Linear.
+    pub fn kernel(&self) -> (usize, usize) {
+        match *self {
+            LayerShape::Linear { .. } => (1, 1),
+            LayerShape::Conv2d { kernel, .. } => kernel,
+        }
+    }
+
+    /// Whether this is a convolution.
+    pub fn is_conv(&self) -> bool {
+        matches!(self, LayerShape::Conv2d { .. })
+    }
+
+    /// The weight's shape: (out, in) or (cout, cin, kh, kw).
+    pub fn weight_dims(&self) -> Vec<usize> {
+        match *self {
+            LayerShape::Linear { in_dim, out_dim } => vec![out_dim, in_dim],
+            LayerShape::Conv2d {
+                cin, cout, kernel, ..
+            } => vec![cout, cin, kernel.0, kernel.1],
+        }
+    }
+
+    /// The weight's columns as a matrix: in, or cin · kh · kw.
+    pub fn cols(&self) -> usize {
+        let (kh, kw) = self.kernel();
+        self.in_dim() * kh * kw
+    }
+
+    /// `x ⊛ w` without bias, for a weight `w` of any number of output rows in this layer's
+    /// geometry: x (rows, in) -> (rows, w rows), or x (N, cin, H, W) -> (N, w rows, H', W').
+    pub fn apply(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        match *self {
+            LayerShape::Linear { .. } => x.matmul(&w.t()?),
+            LayerShape::Conv2d {
+                stride,
+                padding,
+                dilation,
+                ..
+            } => super::conv::conv2d(x, w, None, stride, padding, dilation, 1),
+        }
+    }
+
+    /// `x ⊛ w` for a 1×1 `w` (out, r[, 1, 1]): a Linear's matmul, a pointwise convolution.
+    pub fn apply_pointwise(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        match self {
+            LayerShape::Linear { .. } => x.matmul(&w.t()?),
+            LayerShape::Conv2d { .. } => super::conv::conv2d(x, w, None, (1, 1), (0, 0), (1, 1), 1),
+        }
+    }
+
+    /// `v` (out) shaped to scale an output along its channels: (out) for a Linear's (rows,
+    /// out), (1, out, 1, 1) for a convolution's (N, out, H, W).
+    pub fn per_channel(&self, v: &Tensor) -> Result<Tensor> {
+        match self {
+            LayerShape::Linear { .. } => Ok(v.clone()),
+            LayerShape::Conv2d { .. } => v.reshape((1, v.elem_count(), 1, 1)),
+        }
+    }
+}
+
+/// What an adapter sees of its layer: the shape and the frozen weight.
+pub struct BaseLayer<'a> {
+    /// The layer's op.
+    pub shape: LayerShape,
+    weight: &'a (dyn Fn(DType) -> Result<Tensor> + 'a),
+}
+
+impl<'a> BaseLayer<'a> {
+    /// A layer of `shape` whose dense weight in a dtype `weight` gives (an FP8 weight decoded).
+    pub fn new(shape: LayerShape, weight: &'a (dyn Fn(DType) -> Result<Tensor> + 'a)) -> Self {
+        BaseLayer { shape, weight }
+    }
+
+    /// The frozen weight (`LayerShape::weight_dims`) in `dtype`.
+    pub fn weight(&self, dtype: DType) -> Result<Tensor> {
+        (self.weight)(dtype)
+    }
+}
+
+/// One diffusers module an adapted layer maps to (a fused layer maps to several): the
+/// module name, its first row in the layer's output, its rows, and whether diffusers stores
+/// its two halves swapped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeftPart {
+    /// The diffusers module (`transformer_blocks.0.attn.to_q`).
+    pub module: String,
+    /// Its first row in the layer's output.
+    pub start: usize,
+    /// Its rows.
+    pub rows: usize,
+    /// Whether diffusers stores its two halves swapped.
+    pub swapped: bool,
+}
+
+/// One layer's adapter (see the module docs).
+pub trait Adapter: Send + Sync + std::fmt::Debug {
+    /// The kind's name in `[adapter] kind`.
+    fn kind(&self) -> &'static str;
+
+    /// The adapted layer's key path.
+    fn path(&self) -> &str;
+
+    /// The adapted layer's op.
+    fn shape(&self) -> LayerShape;
+
+    /// The trainable tensors, with their names in the kohya / LyCORIS layout (the part after
+    /// `<layer name>.`), in a fixed order.
+    fn params(&self) -> Vec<(&'static str, Tensor)>;
+
+    /// The adapted output from the layer's input `x` and its frozen output `y` (without
+    /// bias), computed with `params` in place of the adapter's own (same order and shapes as
+    /// `params()`): what gradchecks and the forward share.
+    fn forward_with(
+        &self,
+        base: &BaseLayer,
+        x: &Tensor,
+        y: Tensor,
+        params: &[Tensor],
+    ) -> Result<Tensor>;
+
+    /// The adapted output with the adapter's own parameters.
+    fn forward(&self, base: &BaseLayer, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        let params: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
+        self.forward_with(base, x, y, &params)
+    }
+
+    /// The change to the frozen weight that the adapter stands for (f32, the weight's shape):
+    /// merged, `W + delta` computes what the adapted layer does.
+    fn delta_weight(&self, base: &BaseLayer) -> Result<Tensor>;
+
+    /// The tensors of the kohya / LyCORIS file (names after `<layer name>.`), `alpha`
+    /// included, as ComfyUI reads them.
+    fn to_kohya(&self) -> Result<Vec<(String, Tensor)>>;
+
+    /// Reads what `to_kohya` writes.
+    fn load_kohya(&self, file: &mut io::Reader) -> Result<()>;
+
+    /// The tensors of the PEFT layout for the diffusers modules `parts` (full names
+    /// `<module>.<PEFT name>`), meaning the same under `peft_alpha(rank)`.
+    fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>>;
+
+    /// Reads a PEFT-layout file whose adapters PEFT scales by `file_scale` (its alpha / r).
+    fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()>;
+
+    /// Puts the adapter's dropout at the start of training step `step`.
+    fn set_step(&self, _step: u64) {}
+}
+
+/// Everything a kind needs to make a fresh adapter for one layer.
+pub struct Plan<'a> {
+    /// The layer's key path.
+    pub path: &'a str,
+    /// The layer's op.
+    pub shape: LayerShape,
+    /// The rank for this layer (`conv_rank` for a convolution).
+    pub rank: usize,
+    /// The alpha for this layer (`conv_alpha` for a convolution).
+    pub alpha: f64,
+    /// The set's config (kind-specific settings).
+    pub config: &'a AdapterConfig,
+    /// Where the parameters live.
+    pub device: &'a Device,
+    /// The layer's seed (the config's seed mixed with the path).
+    pub seed: u64,
+    /// Shared with the set: dropout only while training.
+    pub train: Arc<AtomicBool>,
+}
+
+/// A kind of adapter: its name and how to make one.
+pub struct Kind {
+    /// The name in `[adapter] kind`.
+    pub name: &'static str,
+    /// Whether the kind has a PEFT layout (PEFT implements it).
+    pub peft: bool,
+    /// Whether the kind uses `rank` (full fine-tuning does not).
+    pub ranked: bool,
+    /// A fresh adapter for one layer.
+    pub make: fn(&Plan) -> Result<Arc<dyn Adapter>>,
+}
+
+/// Every kind, by name: adding one is a file and a line here.
+pub const KINDS: &[Kind] = &[lora::KIND, dora::KIND, lokr::KIND, loha::KIND, full::KIND];
+
+/// The kind named `name`.
+pub fn kind(name: &str) -> Result<&'static Kind> {
+    KINDS
+        .iter()
+        .find(|k| k.name == name)
+        .ok_or_else(|| Error::Config {
+            path: None,
+            msg: format!(
+                "adapter.kind = {name:?}: not a kind; one of {:?}",
+                KINDS.iter().map(|k| k.name).collect::<Vec<_>>()
+            ),
+        })
+}
+
+/// The hyperparameters of a LoRA on the Linear layers (the original adapter config; it is
+/// an `AdapterConfig` of kind "lora" with convolutions left alone).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraConfig {
+    /// Inner dimension r of A (r, in) and B (out, r); positive.
+    pub rank: usize,
+    /// Scale alpha / rank (kohya and PEFT convention).
+    pub alpha: f64,
+    /// Dropout on the adapter's input during training.
+    pub dropout: f64,
+    /// Module path patterns; `*` matches any run of characters (dots included), e.g.
+    /// `double_blocks.*.img_attn.qkv` or `*attn*`. A layer matching any pattern is adapted.
+    pub targets: Vec<String>,
+    /// Seed of the initial values (mixed with each layer's path) and of the dropout.
+    pub seed: u64,
+}
+
+/// Which layers get adapters, of which kind, with which hyperparameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdapterConfig {
+    /// "lora", "dora", "lokr", "loha" or "full" (`KINDS`).
+    pub kind: String,
+    /// The rank of the Linear layers' adapters (LoRA/DoRA's r, LoKr's and LoHa's inner
+    /// dimension); unused by "full".
+    pub rank: usize,
+    /// Their scale is alpha / rank (LoKr with both factors full: 1, as LyCORIS).
+    pub alpha: f64,
+    /// Dropout on the adapter's input while training (LoRA and DoRA).
+    pub dropout: f64,
+    /// Key path patterns (`*` matches any run of characters, dots included).
+    pub targets: Vec<String>,
+    /// Seed of the initial values (mixed with each layer's path) and of the dropout.
+    pub seed: u64,
+    /// The rank of adapters on the convolutions the targets match; 0 leaves convolutions
+    /// alone (LyCORIS's `conv_dim`). "full" trains matched convolutions whatever this is.
+    pub conv_rank: usize,
+    /// The convolutions' alpha (LyCORIS's `conv_alpha`).
+    pub conv_alpha: f64,
+    /// LoKr: the factor of the Kronecker split, -1 for the most balanced (LyCORIS's and
+    /// PEFT's `factor` / `decompose_factor`).
+    pub factor: i64,
+    /// LoKr: w1 low-rank too where the rank allows (PEFT's `decompose_both`).
+    pub decompose_both: bool,
+}
+
+impl LoraConfig {
+    /// Checks rank > 0, dropout in `[0, 1)`, alpha finite and positive, and some target.
+    pub fn validate(&self) -> Result<()> {
+        AdapterConfig::from(self.clone()).validate()
+    }
+
+    /// Whether the layer at key path `path` matches any target pattern.
+    pub fn matches(&self, path: &str) -> bool {
+        self.targets
+            .iter()
+            .any(|p| glob(p.as_bytes(), path.as_bytes()))
+    }
+}
+
+impl From<LoraConfig> for AdapterConfig {
+    fn from(c: LoraConfig) -> Self {
+        AdapterConfig {
+            kind: "lora".into(),
+            rank: c.rank,
+            alpha: c.alpha,
+            dropout: c.dropout,
+            targets: c.targets,
+            seed: c.seed,
+            conv_rank: 0,
+            conv_alpha: 1.0,
+            factor: -1,
+            decompose_both: false,
+        }
+    }
+}
+
+impl AdapterConfig {
+    /// Checks the kind, rank > 0 (where it is used), dropout in `[0, 1)` (and only for LoRA
+    /// and DoRA), alphas finite and positive, the LoKr factor, and some target.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::Config { path: None, msg });
+        let kind = kind(&self.kind)?;
+        if kind.ranked && self.rank == 0 {
+            return bad("adapter.rank must be positive".into());
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad(format!("adapter.dropout {} is not in [0, 1)", self.dropout));
+        }
+        if self.dropout > 0.0 && !matches!(kind.name, "lora" | "dora") {
+            return bad(format!(
+                "adapter.dropout = {}: input dropout applies to lora and dora, not {}",
+                self.dropout, kind.name
+            ));
+        }
+        for (name, a) in [("alpha", self.alpha), ("conv_alpha", self.conv_alpha)] {
+            if !a.is_finite() || a <= 0.0 {
+                return bad(format!("adapter.{name} {a} must be positive"));
+            }
+        }
+        if self.factor == 0 || self.factor < -1 {
+            return bad(format!(
+                "adapter.factor = {}: -1 (balanced) or a positive divisor",
+                self.factor
+            ));
+        }
+        if self.targets.is_empty() {
+            return bad("adapter.targets: no target patterns".into());
+        }
+        Ok(())
+    }
+
+    /// Whether the layer at key path `path` matches any target pattern.
+    pub fn matches(&self, path: &str) -> bool {
+        self.targets
+            .iter()
+            .any(|p| glob(p.as_bytes(), path.as_bytes()))
+    }
+}
+
+/// `*` matches any run of bytes; everything else matches itself.
+fn glob(p: &[u8], s: &[u8]) -> bool {
+    match p.split_first() {
+        None => s.is_empty(),
+        Some((b'*', rest)) => (0..=s.len()).any(|i| glob(rest, &s[i..])),
+        Some((c, rest)) => s.first() == Some(c) && glob(rest, &s[1..]),
+    }
+}
+
+/// The adapters of one model, planned by a config and filled as its layers are built.
+#[derive(Debug)]
+pub struct Adapters {
+    /// The (validated) config every adapter is made from.
+    pub config: AdapterConfig,
+    layers: Mutex<BTreeMap<String, Arc<dyn Adapter>>>,
+    train: Arc<AtomicBool>,
+}
+
+impl Adapters {
+    /// An empty set for `config` (validated first; a `LoraConfig` is a LoRA config), in
+    /// training mode.
+    pub fn new(config: impl Into<AdapterConfig>) -> Result<Arc<Self>> {
+        let config = config.into();
+        config.validate()?;
+        Ok(Arc::new(Adapters {
+            config,
+            layers: Mutex::new(BTreeMap::new()),
+            train: Arc::new(AtomicBool::new(true)),
+        }))
+    }
+
+    /// The config's kind.
+    pub fn kind(&self) -> Result<&'static Kind> {
+        kind(&self.config.kind)
+    }
+
+    /// The adapter of the layer at `path`, made on first request when the path matches a
+    /// target (convolutions only with `conv_rank` > 0, or for "full"); `None` for layers not
+    /// targeted.
+    pub fn for_layer(
+        &self,
+        path: &str,
+        shape: LayerShape,
+        device: &Device,
+    ) -> Result<Option<Arc<dyn Adapter>>> {
+        if !self.config.matches(path) {
+            return Ok(None);
+        }
+        let kind = self.kind()?;
+        let (rank, alpha) = match shape {
+            LayerShape::Linear { .. } => (self.config.rank, self.config.alpha),
+            LayerShape::Conv2d { .. } if kind.ranked && self.config.conv_rank == 0 => {
+                return Ok(None)
+            }
+            LayerShape::Conv2d { .. } => (self.config.conv_rank, self.config.conv_alpha),
+        };
+        let mut layers = self
+            .layers
+            .lock()
+            .map_err(|_| Error::Poisoned("adapters"))?;
+        if let Some(l) = layers.get(path) {
+            if l.shape() != shape {
+                return Err(Error::Config {
+                    path: None,
+                    msg: format!(
+                        "layer {path} was adapted as {:?} and is asked for as {shape:?}",
+                        l.shape()
+                    ),
+                });
+            }
+            return Ok(Some(l.clone()));
+        }
+        let l = (kind.make)(&Plan {
+            path,
+            shape,
+            rank,
+            alpha,
+            config: &self.config,
+            device,
+            seed: self.config.seed ^ key_hash(path),
+            train: self.train.clone(),
+        })?;
+        layers.insert(path.to_string(), l.clone());
+        Ok(Some(l))
+    }
+
+    /// Every adapter by layer path, sorted.
+    pub fn layers(&self) -> Result<Vec<Arc<dyn Adapter>>> {
+        let layers = self
+            .layers
+            .lock()
+            .map_err(|_| Error::Poisoned("adapters"))?;
+        Ok(layers.values().cloned().collect())
+    }
+
+    /// The trainable tensors named `<path>.<kohya name>` (`<path>.lora_down.weight`, ...):
+    /// what an optimizer takes.
+    pub fn params(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self
+            .layers()?
+            .iter()
+            .flat_map(|l| {
+                l.params()
+                    .into_iter()
+                    .map(|(n, t)| (format!("{}.{n}", l.path()), t))
+                    .collect::<Vec<_>>()
+            })
+            .collect())
+    }
+
+    /// Puts every adapter's dropout at the start of training step `step` (its masks are then
+    /// a function of the seed, the step and the call order within the step, so a resumed run
+    /// repeats them).
+    pub fn set_step(&self, step: u64) -> Result<()> {
+        for l in self.layers()? {
+            l.set_step(step);
+        }
+        Ok(())
+    }
+
+    /// Dropout on (training) or off (inference).
+    pub fn set_train(&self, on: bool) {
+        self.train.store(on, Ordering::Relaxed)
+    }
+
+    /// Whether dropout is on (training mode).
+    pub fn training(&self) -> bool {
+        self.train.load(Ordering::Relaxed)
+    }
+}
+
+/// U(-1/sqrt(fan_in), 1/sqrt(fan_in)) of `dims` in f32, trainable: PyTorch's
+/// `kaiming_uniform_(a=sqrt(5))`, how PEFT initialises its nonzero factors.
+pub(crate) fn kaiming(dims: &[usize], fan_in: usize, device: &Device, seed: u64) -> Result<Tensor> {
+    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+    Tensor::rand_uniform(-bound, bound, dims.to_vec(), DType::F32, device, seed)?.requires_grad_()
+}
+
+/// Zeros of `dims` in f32, trainable.
+pub(crate) fn zeros(dims: &[usize], device: &Device) -> Result<Tensor> {
+    Tensor::zeros(dims.to_vec(), DType::F32, device)?.requires_grad_()
+}
+
+/// `t` in the dtype of `like`.
+pub(crate) fn cast(t: &Tensor, like: &Tensor) -> Result<Tensor> {
+    t.to_dtype(like.dtype())
+}
+
+/// The alpha written beside a kind's tensors: 0-dim f32.
+pub(crate) fn alpha_tensor(alpha: f64, device: &Device) -> Result<Tensor> {
+    Tensor::from_vec(vec![alpha as f32], (), device)
+}

@@ -1,0 +1,589 @@
+//! The adapter kinds (LoRA with LoCon, DoRA, LoKr, LoHa, full) against PEFT 0.17.0's own
+//! implementations, from the fixtures `scripts/make_adapter_fixtures.py` made
+//! (tests/fixtures/adapters: a Linear 12 -> 10, a 3x3 Conv2d 4 -> 6 and a 1x1 Conv2d 4 -> 6,
+//! every adapter tensor random): outputs, weight changes and gradients; each kind's kohya file
+//! checked by an independent formula (ComfyUI's reading of the names); file round trips and
+//! their errors; an f64 gradcheck of each kind's forward; LoCon on SDXL's ResNets.
+#![cfg(feature = "cpu-ref")]
+
+use flame::autograd::gradcheck::{gradcheck, GradcheckConfig};
+use flame::nn::adapter::{factorization, Adapter, AdapterConfig, Adapters, BaseLayer};
+use flame::nn::{Conv2d, Conv2dConfig, KeyMap, KeySource, Linear, VarBuilder};
+use flame::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const CPU: Device = Device::Cpu;
+const MODULES: [&str; 3] = ["lin", "conv", "pw"];
+const KINDS: [&str; 5] = ["lora", "dora", "lokr", "lokr_full", "loha"];
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/adapters")
+}
+
+fn load(path: &Path) -> HashMap<String, Tensor> {
+    flame::safetensors::load(path, &CPU)
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("flame-adapters-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// max |a - b| / max(max |b|, 1e-30), over equal shapes (element counts).
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+    assert_eq!(a.len(), b.len());
+    let m = b.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-30);
+    a.iter()
+        .zip(&b)
+        .fold(0.0f64, |d, (x, y)| d.max((x - y).abs()))
+        / m
+}
+
+/// FLAME's config for a fixture folder, from its PEFT config.
+fn config(kind: &str) -> AdapterConfig {
+    let text = std::fs::read_to_string(dir().join(kind).join("adapter_config.json")).unwrap();
+    let c: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let r = c["r"].as_u64().unwrap() as usize;
+    let alpha = c
+        .get("lora_alpha")
+        .or_else(|| c.get("alpha"))
+        .and_then(|a| a.as_f64())
+        .unwrap();
+    let kind = match (kind, c["use_dora"].as_bool()) {
+        ("lora", Some(true)) | ("dora", _) => "dora",
+        ("lokr_full", _) => "lokr",
+        (k, _) => k,
+    };
+    AdapterConfig {
+        kind: kind.into(),
+        rank: r,
+        alpha,
+        dropout: 0.0,
+        targets: MODULES.iter().map(|s| s.to_string()).collect(),
+        seed: 1,
+        conv_rank: r,
+        conv_alpha: alpha,
+        factor: c["decompose_factor"].as_i64().unwrap_or(-1),
+        decompose_both: c["decompose_both"].as_bool().unwrap_or(false),
+    }
+}
+
+/// The three layers of the fixture model, adapted by `a`, in `dtype`.
+struct Model {
+    lin: Linear,
+    conv: Conv2d,
+    pw: Conv2d,
+}
+
+fn model(a: &Arc<Adapters>, dtype: DType) -> Model {
+    let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], dtype, &CPU)
+        .unwrap()
+        .with_adapters(a.clone())
+        .unwrap();
+    let conv = |name: &str, k: usize, padding: usize| {
+        let cfg = Conv2dConfig {
+            padding,
+            ..Default::default()
+        };
+        Conv2d::new(&vb.pp(name), 4, 6, k, cfg).unwrap()
+    };
+    Model {
+        lin: Linear::new(&vb.pp("lin"), 12, 10, true).unwrap(),
+        conv: conv("conv", 3, 1),
+        pw: conv("pw", 1, 0),
+    }
+}
+
+impl Model {
+    fn forward(&self, m: &str, x: &Tensor) -> Tensor {
+        match m {
+            "lin" => self.lin.forward(x),
+            "conv" => self.conv.forward(x),
+            _ => self.pw.forward(x),
+        }
+        .unwrap()
+    }
+}
+
+/// Keys map to themselves (the fixture model's modules are its own diffusers names).
+fn identity() -> KeyMap {
+    Arc::new(|k: &str| Some(KeySource::Key(k.to_string())))
+}
+
+/// A fixture kind's adapters, with the PEFT file read in.
+fn from_peft(kind: &str) -> (Arc<Adapters>, Model) {
+    let a = Adapters::new(config(kind)).unwrap();
+    let m = model(&a, DType::F32);
+    a.load_peft(
+        dir().join(kind).join("peft.safetensors"),
+        &identity(),
+        "base_model.model",
+    )
+    .unwrap();
+    (a, m)
+}
+
+/// PEFT's name of FLAME's tensor `name` (kohya names), and whether PEFT's shape differs.
+fn peft_name(name: &str) -> &str {
+    match name {
+        "lora_down.weight" => "lora_A.weight",
+        "lora_up.weight" => "lora_B.weight",
+        "dora_scale" => "lora_magnitude_vector",
+        n => n,
+    }
+}
+
+fn inputs() -> HashMap<String, Tensor> {
+    load(&dir().join("inputs.safetensors"))
+        .into_iter()
+        .map(|(k, v)| (k, v.to_dtype(DType::F32).unwrap()))
+        .collect()
+}
+
+#[test]
+fn every_kind_matches_peft_outputs_weight_changes_and_gradients() {
+    let inp = inputs();
+    for kind in KINDS {
+        let io = load(&dir().join(kind).join("io.safetensors"));
+        let (a, m) = from_peft(kind);
+        let mut loss: Option<Tensor> = None;
+        let mut xs = vec![];
+        for name in MODULES {
+            let x = inp[&format!("x.{name}")].clone().requires_grad_().unwrap();
+            let y = m.forward(name, &x);
+            let e = rel(&y, &io[&format!("y.{name}")]);
+            assert!(e < 1e-6, "{kind} {name}: output off by {e:e}");
+            let term = y
+                .mul(&inp[&format!("g.{name}")])
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            loss = Some(match loss {
+                Some(l) => l.add(&term).unwrap(),
+                None => term,
+            });
+            xs.push((name, x));
+        }
+        let grads = loss.unwrap().backward().unwrap();
+        for (name, x) in &xs {
+            let e = rel(grads.get(x).unwrap(), &io[&format!("grad.x.{name}")]);
+            assert!(e < 1e-5, "{kind} {name}: input gradient off by {e:e}");
+        }
+        let base = load(&dir().join("base.safetensors"));
+        for l in a.layers().unwrap() {
+            let module = l.path().to_string();
+            for (n, t) in l.params() {
+                let key = format!("grad.base_model.model.{module}.{}", peft_name(n));
+                let want = io.get(&key).unwrap_or_else(|| panic!("{kind}: no {key}"));
+                let got = grads
+                    .get(&t)
+                    .unwrap_or_else(|| panic!("{kind}: no gradient of {n}"));
+                let e = rel(got, want);
+                assert!(e < 1e-5, "{kind} {module}.{n}: gradient off by {e:e}");
+            }
+            let w = base[&format!("{module}.weight")].clone();
+            let weight = |dt| w.to_dtype(dt);
+            let delta = l.delta_weight(&BaseLayer::new(l.shape(), &weight)).unwrap();
+            let e = rel(&delta, &io[&format!("delta.{module}")]);
+            assert!(e < 1e-6, "{kind} {module}: weight change off by {e:e}");
+        }
+    }
+}
+
+/// PEFT's and LyCORIS's factorisation (the table the fixture script read off PEFT).
+#[test]
+fn lokr_factorisation_is_peft_s() {
+    for (dim, want) in [
+        (10, (2, 5)),
+        (12, (3, 4)),
+        (4, (2, 2)),
+        (6, (2, 3)),
+        (36, (6, 6)),
+        (3072, (48, 64)),
+        (12288, (96, 128)),
+        (7, (1, 7)),
+    ] {
+        assert_eq!(factorization(dim, -1), want, "{dim}");
+    }
+    assert_eq!(factorization(3072, 8), (8, 384));
+}
+
+/// Host math for the independent formulas below.
+struct Mat {
+    rows: usize,
+    cols: usize,
+    v: Vec<f64>,
+}
+
+fn mat(t: &Tensor, rows: usize) -> Mat {
+    let v = t.to_vec_f64().unwrap();
+    Mat {
+        rows,
+        cols: v.len() / rows,
+        v,
+    }
+}
+
+impl Mat {
+    fn mm(&self, o: &Mat) -> Mat {
+        assert_eq!(self.cols, o.rows);
+        let mut v = vec![0.0; self.rows * o.cols];
+        for i in 0..self.rows {
+            for k in 0..self.cols {
+                for j in 0..o.cols {
+                    v[i * o.cols + j] += self.v[i * self.cols + k] * o.v[k * o.cols + j];
+                }
+            }
+        }
+        Mat {
+            rows: self.rows,
+            cols: o.cols,
+            v,
+        }
+    }
+}
+
+/// ΔW (out, in·kh·kw) of one layer from the kohya file's tensors, written from the names'
+/// meaning as ComfyUI reads them (comfy/weight_adapter), not from FLAME's code.
+#[allow(clippy::needless_range_loop)] // index math, written out
+fn kohya_delta(t: &HashMap<String, Tensor>, k: &str, w: &Mat, in_ch: usize) -> Mat {
+    let get = |n: &str| t.get(&format!("{k}.{n}"));
+    let (out, cols) = (w.rows, w.cols);
+    let alpha = get("alpha").map(|a| a.to_vec_f64().unwrap()[0]);
+    if let Some(diff) = get("diff") {
+        return mat(diff, out);
+    }
+    if let Some(down) = get("lora_down.weight") {
+        let r = down.dims()[0];
+        let s = alpha.map_or(1.0, |a| a / r as f64);
+        let mut d = mat(get("lora_up.weight").unwrap(), out).mm(&mat(down, r));
+        d.v.iter_mut().for_each(|x| *x *= s);
+        if let Some(m) = get("dora_scale") {
+            // W' = m · (W + ΔW) / ‖W + ΔW‖ per output row.
+            let m = m.to_vec_f64().unwrap();
+            for i in 0..out {
+                let row: Vec<f64> = (0..cols)
+                    .map(|j| w.v[i * cols + j] + d.v[i * cols + j])
+                    .collect();
+                let n = row.iter().map(|x| x * x).sum::<f64>().sqrt();
+                for j in 0..cols {
+                    d.v[i * cols + j] = m[i] * row[j] / n - w.v[i * cols + j];
+                }
+            }
+        }
+        return d;
+    }
+    if let Some(a1) = get("hada_w1_a") {
+        let r = a1.dims()[1];
+        let s = alpha.map_or(1.0, |a| a / r as f64);
+        let p1 = mat(a1, out).mm(&mat(get("hada_w1_b").unwrap(), r));
+        let p2 = mat(get("hada_w2_a").unwrap(), out).mm(&mat(get("hada_w2_b").unwrap(), r));
+        let v = p1.v.iter().zip(&p2.v).map(|(x, y)| s * x * y).collect();
+        return Mat { rows: out, cols, v };
+    }
+    // LoKr: w1 (out_l, in_m) ⊗ w2 (out_k, in_n·kh·kw); scale alpha / r with a low-rank
+    // factor (r from its b matrix), else 1.
+    let (w1, r1) = match get("lokr_w1") {
+        Some(w1) => (mat(w1, w1.dims()[0]), None),
+        None => {
+            let (a, b) = (get("lokr_w1_a").unwrap(), get("lokr_w1_b").unwrap());
+            (
+                mat(a, a.dims()[0]).mm(&mat(b, b.dims()[0])),
+                Some(b.dims()[0]),
+            )
+        }
+    };
+    let (w2, r2) = match get("lokr_w2") {
+        Some(w2) => (mat(w2, w2.dims()[0]), None),
+        None => {
+            let (a, b) = (get("lokr_w2_a").unwrap(), get("lokr_w2_b").unwrap());
+            (
+                mat(a, a.dims()[0]).mm(&mat(b, b.dims()[0])),
+                Some(b.dims()[0]),
+            )
+        }
+    };
+    let s = match (alpha, r2.or(r1)) {
+        (Some(a), Some(r)) => a / r as f64,
+        _ => 1.0,
+    };
+    let (out_l, in_m) = (w1.rows, w1.cols);
+    let (out_k, in_n) = (w2.rows, in_ch / in_m);
+    let kk = w2.cols / in_n;
+    let mut v = vec![0.0; out * cols];
+    for a in 0..out_l {
+        for c in 0..in_m {
+            for b in 0..out_k {
+                for d in 0..in_n {
+                    for h in 0..kk {
+                        let row = a * out_k + b;
+                        let col = (c * in_n + d) * kk + h;
+                        v[row * cols + col] =
+                            s * w1.v[a * in_m + c] * w2.v[b * w2.cols + d * kk + h];
+                    }
+                }
+            }
+        }
+    }
+    Mat { rows: out, cols, v }
+}
+
+/// Every kind's kohya file, read by the formulas ComfyUI applies to its names, gives the
+/// weight whose plain layer computes what FLAME's adapted layer computes; reading the file
+/// back into fresh adapters gives the same tensors.
+#[test]
+fn kohya_files_mean_what_comfyui_reads_and_load_back() {
+    let inp = inputs();
+    let base = load(&dir().join("base.safetensors"));
+    let d = temp("kohya");
+    for kind in KINDS.into_iter().chain(["full"]) {
+        let (a, m) = if kind == "full" {
+            let mut c = config("lora");
+            c.kind = "full".into();
+            let a = Adapters::new(c).unwrap();
+            let m = model(&a, DType::F32);
+            for (i, (_, t)) in a.params().unwrap().iter().enumerate() {
+                let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, 70 + i as u64).unwrap();
+                t.assign(&r.affine(0.3, 0.0).unwrap()).unwrap();
+            }
+            (a, m)
+        } else {
+            from_peft(kind)
+        };
+        let file = d.join(format!("{kind}.safetensors"));
+        a.save_kohya(&file, DType::F32).unwrap();
+        let t = load(&file);
+        for name in MODULES {
+            let w = &base[&format!("{name}.weight")];
+            let wm = mat(w, w.dims()[0]);
+            let in_ch = w.dims()[1];
+            let delta = kohya_delta(&t, &flame::nn::kohya_name(name), &wm, in_ch);
+            let merged: Vec<f64> = wm.v.iter().zip(&delta.v).map(|(x, y)| x + y).collect();
+            let merged = Tensor::from_vec(merged, w.dims().to_vec(), &CPU)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let b = base[&format!("{name}.bias")].to_dtype(DType::F32).unwrap();
+            let x = &inp[&format!("x.{name}")];
+            let plain = match name {
+                "lin" => x.matmul(&merged.t().unwrap()).unwrap().add(&b).unwrap(),
+                "conv" => {
+                    flame::nn::conv2d(x, &merged, Some(&b), (1, 1), (1, 1), (1, 1), 1).unwrap()
+                }
+                _ => flame::nn::conv2d(x, &merged, Some(&b), (1, 1), (0, 0), (1, 1), 1).unwrap(),
+            };
+            let e = rel(&m.forward(name, x), &plain);
+            assert!(
+                e < 2e-6,
+                "{kind} {name}: the kohya file means something else ({e:e})"
+            );
+        }
+        // Back into fresh adapters of the same config: the same tensors.
+        let fresh = Adapters::new(a.config.clone()).unwrap();
+        let _m2 = model(&fresh, DType::F32);
+        fresh.load_kohya(&file).unwrap();
+        for ((n0, t0), (n1, t1)) in a.params().unwrap().iter().zip(fresh.params().unwrap()) {
+            assert_eq!(n0, &n1);
+            assert_eq!(rel(&t1, t0), 0.0, "{kind} {n0}: kohya round trip");
+        }
+    }
+}
+
+/// The PEFT layout round-trips (the scale folded into a factor on the way out and taken out
+/// on the way in), and files of the wrong kind or shape are errors naming the tensor.
+#[test]
+fn peft_files_round_trip_and_wrong_files_are_named() {
+    let d = temp("peft");
+    for kind in KINDS {
+        let (a, _m) = from_peft(kind);
+        let file = d.join(format!("{kind}.safetensors"));
+        a.save_peft(&file, &identity(), "transformer", DType::F32)
+            .unwrap();
+        let fresh = Adapters::new(a.config.clone()).unwrap();
+        let _m2 = model(&fresh, DType::F32);
+        fresh.load_peft(&file, &identity(), "transformer").unwrap();
+        for ((n0, t0), (_, t1)) in a.params().unwrap().iter().zip(fresh.params().unwrap()) {
+            let e = rel(&t1, t0);
+            assert!(e < 1e-6, "{kind} {n0}: PEFT round trip off by {e:e}");
+        }
+    }
+    // A LoRA file read as LoHa: the first LoHa tensor is missing, by name.
+    let mut c = config("loha");
+    c.kind = "loha".into();
+    let loha = Adapters::new(c).unwrap();
+    let _m = model(&loha, DType::F32);
+    let e = loha
+        .load_peft(d.join("lora.safetensors"), &identity(), "transformer")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("transformer.") && e.contains("hada_w1_a") && e.contains("missing"),
+        "{e}"
+    );
+    // The same kind at another rank: a shape error naming the tensor.
+    let mut c = config("lora");
+    c.rank = 2;
+    c.conv_rank = 2;
+    let small = Adapters::new(c).unwrap();
+    let _m = model(&small, DType::F32);
+    let e = small
+        .load_peft(d.join("lora.safetensors"), &identity(), "transformer")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("lora_A.weight") && e.contains("shape"), "{e}");
+    // A DoRA file read as a plain LoRA: the magnitude is left over, named.
+    let lora = Adapters::new(config("lora")).unwrap();
+    let _m = model(&lora, DType::F32);
+    let e = lora
+        .load_peft(d.join("dora.safetensors"), &identity(), "transformer")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("lora_magnitude_vector") && e.contains("no planned"),
+        "{e}"
+    );
+}
+
+/// f64 gradcheck of each kind's forward (the function `Adapter::forward` runs) on a Linear
+/// and a 3x3 convolution, over the input and every parameter. DoRA's norm is detached by
+/// design (PEFT's semantics), so its check holds A and B fixed and covers the input and the
+/// magnitude.
+#[test]
+fn every_kind_passes_an_f64_gradcheck() {
+    let base = load(&dir().join("base.safetensors"));
+    let inp = load(&dir().join("inputs.safetensors"));
+    for kind in ["lora", "dora", "lokr", "lokr_full", "loha", "full"] {
+        let mut c = config(if kind == "full" { "lora" } else { kind });
+        if kind == "full" {
+            c.kind = "full".into();
+        }
+        let a = Adapters::new(c).unwrap();
+        let m = model(&a, DType::F64);
+        for name in ["lin", "conv"] {
+            let l: Arc<dyn Adapter> = a
+                .layers()
+                .unwrap()
+                .into_iter()
+                .find(|l| l.path() == name)
+                .unwrap();
+            let w = base[&format!("{name}.weight")].clone();
+            let params: Vec<Tensor> = l
+                .params()
+                .iter()
+                .enumerate()
+                .map(|(i, (_, t))| {
+                    Tensor::randn(t.dims().to_vec(), DType::F64, &CPU, 90 + i as u64)
+                        .unwrap()
+                        .affine(0.3, 0.0)
+                        .unwrap()
+                })
+                .collect();
+            let x = inp[&format!("x.{name}")].narrow(0, 0, 1).unwrap();
+            let frozen_op = |x: &Tensor| match name {
+                "lin" => x.matmul(&w.t().unwrap()),
+                _ => flame::nn::conv2d(x, &w, None, (1, 1), (1, 1), (1, 1), 1),
+            };
+            let weight = |dt| w.to_dtype(dt);
+            let dora = kind == "dora";
+            let f = |t: &[Tensor]| {
+                let base = BaseLayer::new(l.shape(), &weight);
+                let p: Vec<Tensor> = if dora {
+                    vec![params[0].clone(), params[1].clone(), t[1].clone()]
+                } else {
+                    t[1..].to_vec()
+                };
+                l.forward_with(&base, &t[0], frozen_op(&t[0])?, &p)
+            };
+            let mut leaves = vec![x];
+            if dora {
+                leaves.push(params[2].affine(1.0, 2.0).unwrap());
+            } else {
+                leaves.extend(params.iter().cloned());
+            }
+            let r = gradcheck(f, &leaves, GradcheckConfig::default())
+                .unwrap_or_else(|e| panic!("{kind} {name}: {e}"));
+            assert!(r.checked > 0);
+        }
+        drop(m);
+    }
+}
+
+/// LoCon on SDXL: with `conv_rank` the ResNet convolutions get adapters beside the Linear
+/// layers; a fresh adapter changes nothing, trained ones act, and gradients reach them.
+#[test]
+fn conv_adapters_train_on_sdxl() {
+    use flame::models::sdxl::{SdxlConfig, Unet};
+    let cfg = SdxlConfig {
+        in_channels: 4,
+        out_channels: 4,
+        model_channels: 8,
+        channel_mult: vec![1, 2],
+        num_res_blocks: 1,
+        transformer_depth: vec![0, 1],
+        num_heads: vec![1, 2],
+        transformer_depth_middle: 1,
+        context_dim: 12,
+        adm_in_channels: 10,
+        addition_time_embed_dim: 4,
+        num_groups: 4,
+    };
+    for kind in ["lora", "dora", "lokr", "loha"] {
+        let a = Adapters::new(AdapterConfig {
+            kind: kind.into(),
+            rank: 2,
+            alpha: 2.0,
+            dropout: 0.0,
+            targets: vec!["input_blocks.*".into(), "output_blocks.*".into()],
+            seed: 3,
+            conv_rank: 2,
+            conv_alpha: 1.0,
+            factor: -1,
+            decompose_both: false,
+        })
+        .unwrap();
+        let vb = VarBuilder::random(5, 0.2, DType::F32, &CPU)
+            .with_adapters(a.clone())
+            .unwrap();
+        let unet = Unet::new(&vb, &cfg).unwrap();
+        let convs = a
+            .layers()
+            .unwrap()
+            .iter()
+            .filter(|l| l.shape().is_conv())
+            .count();
+        assert!(convs >= 4, "{kind}: {convs} convolutions adapted");
+        let x = Tensor::randn((1, 4, 8, 8), DType::F32, &CPU, 1).unwrap();
+        let t = Tensor::full(500.0, 1, DType::F32, &CPU).unwrap();
+        let ctx = Tensor::randn((1, 5, 12), DType::F32, &CPU, 2).unwrap();
+        let y = Tensor::randn((1, 10), DType::F32, &CPU, 3).unwrap();
+        let run = || unet.forward(&x, &t, &ctx, &y).unwrap();
+        let out0 = run();
+        // Every parameter random: the adapters act and every one gets a gradient.
+        for (i, (_, p)) in a.params().unwrap().iter().enumerate() {
+            let r = Tensor::randn(p.dims().to_vec(), DType::F32, &CPU, 30 + i as u64).unwrap();
+            p.assign(&r.affine(0.1, 0.0).unwrap()).unwrap();
+        }
+        let out = run();
+        assert!(rel(&out, &out0) > 1e-4, "{kind}: the adapters act");
+        let grads = out.sqr().unwrap().mean_all().unwrap().backward().unwrap();
+        for (n, p) in a.params().unwrap() {
+            if n.contains("input_blocks") || n.contains("output_blocks") {
+                let g = grads
+                    .get(&p)
+                    .unwrap_or_else(|| panic!("{kind}: no gradient of {n}"));
+                assert!(
+                    g.to_vec_f64().unwrap().iter().any(|v| *v != 0.0),
+                    "{kind} {n}"
+                );
+            }
+        }
+    }
+}

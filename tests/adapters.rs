@@ -587,3 +587,59 @@ fn conv_adapters_train_on_sdxl() {
         }
     }
 }
+
+/// The `sample` binary's merge (`LoraMerge`) reads every kind's kohya file on Linear layers
+/// the way ComfyUI does and gives the adapted layer's output (strength 1), the base at
+/// strength 0; every tensor of the file is taken.
+#[test]
+fn merging_each_kind_s_file_gives_the_adapted_layer() {
+    use flame::nn::LoraMerge;
+    let inp = inputs();
+    let d = temp("merge");
+    for kind in ["lora", "dora", "lokr", "lokr_full", "loha", "full"] {
+        let mut c = config(if kind == "full" { "lora" } else { kind });
+        if kind == "full" {
+            c.kind = "full".into();
+        }
+        c.targets = vec!["lin".into()];
+        let a = Adapters::new(c).unwrap();
+        let m = model(&a, DType::F32);
+        let x = &inp["x.lin"];
+        m.forward("lin", x); // DoRA's magnitude from the weight
+        for (i, (_, t)) in a.params().unwrap().iter().enumerate() {
+            let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, 300 + i as u64).unwrap();
+            t.assign(&t.add(&r.affine(0.3, 0.0).unwrap()).unwrap())
+                .unwrap();
+        }
+        let want = m.forward("lin", x);
+        let file = d.join(format!("{kind}.safetensors"));
+        a.save_kohya(&file, DType::F32).unwrap();
+        for strength in [1.0, 0.0] {
+            let merge = Arc::new(LoraMerge::open(&file, strength, "transformer").unwrap());
+            let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
+                .unwrap()
+                .with_merge(merge.clone())
+                .unwrap();
+            let plain = Linear::new(&vb.pp("lin"), 12, 10, true).unwrap();
+            assert!(plain.adapter.is_none());
+            let got = plain.forward(x).unwrap();
+            merge.check_all_used().unwrap();
+            if strength == 0.0 {
+                // The base: the adapted layer without its adapter.
+                let base = {
+                    let vb0 =
+                        VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
+                            .unwrap();
+                    Linear::new(&vb0.pp("lin"), 12, 10, true)
+                        .unwrap()
+                        .forward(x)
+                        .unwrap()
+                };
+                assert!(rel(&got, &base) < 1e-6, "{kind}: strength 0");
+            } else {
+                let e = rel(&got, &want);
+                assert!(e < 2e-6, "{kind}: merged output off by {e:e}");
+            }
+        }
+    }
+}

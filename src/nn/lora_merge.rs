@@ -11,8 +11,16 @@
 //! - PEFT names on the original keys (ai-toolkit, ComfyUI): `diffusion_model.<layer
 //!   path>.lora_A.weight` / `.lora_B.weight`, or the same without the prefix.
 //!
+//! - kohya / LyCORIS kinds on Linear layers, read as ComfyUI reads them: DoRA
+//!   (`lora_down`/`lora_up`/`alpha` + `dora_scale`, (out, 1) per output row or (1, in) per
+//!   input column: W' = m (W + ΔW) / ‖W + ΔW‖), LoKr (`lokr_w1` or `lokr_w1_a/_b`, `lokr_w2`
+//!   or `lokr_w2_a/_b`: ΔW = s w1 ⊗ w2, s = alpha / r with a low-rank factor, else 1), LoHa
+//!   (`hada_w1_a/_b`, `hada_w2_a/_b`: ΔW = alpha / r (w1_a w1_b) ⊙ (w2_a w2_b)) and full
+//!   (`diff`: ΔW = diff).
+//!
 //! Every tensor of the file must be taken by some layer: a file for another model, or an
-//! adapter kind FLAME does not merge (LoKr, LoHa), is an error naming a tensor left over.
+//! adapter kind FLAME does not merge (LyCORIS's Tucker forms, convolutions), is an error
+//! naming a tensor left over.
 
 use super::adapter::kohya_name;
 use super::params::{KeyMap, KeySource};
@@ -94,6 +102,7 @@ impl LoraMerge {
         rows: usize,
         in_dim: usize,
         device: &Device,
+        strength: f64,
     ) -> Result<Tensor> {
         let shape = |k: &str| {
             self.file
@@ -136,7 +145,166 @@ impl LoraMerge {
         drop(used);
         let a = self.file.load_as(a, device, DType::F32)?;
         let b = self.file.load_as(b, device, DType::F32)?;
-        b.matmul(&a)?.affine(scale * self.strength, 0.0)
+        b.matmul(&a)?.affine(scale * strength, 0.0)
+    }
+
+    /// Tensor `k` of the file as f32 on `device`, marked used; `None` when absent.
+    fn take(&self, k: &str, device: &Device) -> Result<Option<Tensor>> {
+        if !self.file.contains(k) {
+            return Ok(None);
+        }
+        self.used
+            .lock()
+            .map_err(|_| Error::Poisoned("LoRA merge"))?
+            .insert(k.to_string());
+        self.file.load_as(k, device, DType::F32).map(Some)
+    }
+
+    /// A shape error for tensor `k`.
+    fn bad(&self, k: &str, t: &Tensor, want: &str) -> Error {
+        err(
+            &self.path,
+            Some(k),
+            format!("shape {:?}: expected {want} for this layer", t.dims()),
+        )
+    }
+
+    /// The LyCORIS kinds of the kohya layout (LoKr, LoHa, full) for the layer named `k`,
+    /// (out, in): s · ΔW in f32, or `None` when the file has none of them for it.
+    fn lycoris(
+        &self,
+        k: &str,
+        out: usize,
+        in_dim: usize,
+        device: &Device,
+    ) -> Result<Option<Tensor>> {
+        let name = |t: &str| format!("{k}.{t}");
+        let alpha = || -> Result<Option<f64>> {
+            Ok(match self.take(&name("alpha"), device)? {
+                Some(a) => match a.to_vec_f64()?.as_slice() {
+                    [x] if x.is_finite() => Some(*x),
+                    v => {
+                        return Err(err(
+                            &self.path,
+                            Some(&name("alpha")),
+                            format!("alpha {v:?}"),
+                        ))
+                    }
+                },
+                None => None,
+            })
+        };
+        if let Some(d) = self.take(&name("diff"), device)? {
+            if d.dims() != [out, in_dim] {
+                return Err(self.bad(&name("diff"), &d, &format!("({out}, {in_dim})")));
+            }
+            return Ok(Some(d));
+        }
+        if let Some(a1) = self.take(&name("hada_w1_a"), device)? {
+            let get = |t: &str| {
+                self.take(&name(t), device)?
+                    .ok_or_else(|| err(&self.path, Some(&name(t)), "missing (a LoHa needs it)"))
+            };
+            let (b1, a2, b2) = (get("hada_w1_b")?, get("hada_w2_a")?, get("hada_w2_b")?);
+            let r = b1.dims()[0];
+            let s = alpha()?.map_or(1.0, |a| a / r as f64);
+            let d = a1.matmul(&b1)?.mul(&a2.matmul(&b2)?)?;
+            if d.dims() != [out, in_dim] {
+                return Err(self.bad(
+                    &name("hada_w1_a"),
+                    &a1,
+                    &format!("a product of ({out}, {in_dim})"),
+                ));
+            }
+            return d.affine(s, 0.0).map(Some);
+        }
+        let factor = |w: &str| -> Result<Option<(Tensor, Option<usize>)>> {
+            if let Some(t) = self.take(&name(w), device)? {
+                return Ok(Some((t, None)));
+            }
+            match (
+                self.take(&name(&format!("{w}_a")), device)?,
+                self.take(&name(&format!("{w}_b")), device)?,
+            ) {
+                (Some(a), Some(b)) => {
+                    let r = b.dims()[0];
+                    Ok(Some((a.matmul(&b)?, Some(r))))
+                }
+                (None, None) => Ok(None),
+                _ => Err(err(&self.path, Some(&name(w)), "half of a low-rank factor")),
+            }
+        };
+        let Some((w1, r1)) = factor("lokr_w1")? else {
+            return Ok(None);
+        };
+        let (w2, r2) = factor("lokr_w2")?.ok_or_else(|| {
+            err(
+                &self.path,
+                Some(&name("lokr_w2")),
+                "missing (a LoKr needs it)",
+            )
+        })?;
+        let ((l, m), (kk, n)) = ((w1.dims()[0], w1.dims()[1]), (w2.dims()[0], w2.dims()[1]));
+        if l * kk != out || m * n != in_dim || w2.rank() != 2 {
+            return Err(self.bad(
+                &name("lokr_w2"),
+                &w2,
+                &format!("factors of ({out}, {in_dim}) with lokr_w1 {:?}", w1.dims()),
+            ));
+        }
+        // ComfyUI: alpha / r where a factor is low-rank (r of w2 first), else 1.
+        let s = match (alpha()?, r2.or(r1)) {
+            (Some(a), Some(r)) => a / r as f64,
+            _ => 1.0,
+        };
+        w1.reshape((l, 1, m, 1))?
+            .mul(&w2.reshape((1, kk, 1, n))?)?
+            .reshape((out, in_dim))?
+            .affine(s, 0.0)
+            .map(Some)
+    }
+
+    /// `delta`, with the kohya / LyCORIS kinds too (DoRA needs the weight `w` (out, in) it
+    /// rescales): the update at strength to add to `w`.
+    pub fn delta_for(&self, key: &str, w: &Tensor, device: &Device) -> Result<Option<Tensor>> {
+        let (out, in_dim) = match w.dims() {
+            &[o, i] => (o, i),
+            _ => return Ok(None),
+        };
+        let Some(path) = key.strip_suffix(".weight") else {
+            return Ok(None);
+        };
+        let k = kohya_name(path);
+        if let Some(d) = self.lycoris(&k, out, in_dim, device)? {
+            return d.affine(self.strength, 0.0).map(Some);
+        }
+        let dora = format!("{k}.dora_scale");
+        if !self.file.contains(&dora) {
+            return self.delta(key, out, in_dim, device);
+        }
+        // DoRA: the LoRA's update at strength 1, then W' = m (W + ΔW) / ‖W + ΔW‖ over the
+        // axis `dora_scale` names; the update is strength · (W' - W), as ComfyUI applies it.
+        let Some(lora) = self.delta_at(key, out, in_dim, device, 1.0)? else {
+            return Err(err(
+                &self.path,
+                Some(&dora),
+                "a DoRA scale without lora_down/lora_up",
+            ));
+        };
+        let m = self
+            .take(&dora, device)?
+            .ok_or_else(|| err(&self.path, Some(&dora), "unreadable"))?;
+        let w = w.to_dtype(DType::F32)?;
+        let v = w.add(&lora)?;
+        let norm = match m.dims() {
+            [o, 1] if *o == out => v.sqr()?.sum_keepdim(&[1])?.sqrt()?,
+            [1, i] if *i == in_dim => v.sqr()?.sum_keepdim(&[0])?.sqrt()?,
+            _ => return Err(self.bad(&dora, &m, &format!("({out}, 1) or (1, {in_dim})"))),
+        };
+        v.mul(&m.div(&norm)?)?
+            .sub(&w)?
+            .affine(self.strength, 0.0)
+            .map(Some)
     }
 
     /// The update of the weight at model key `key` (out, in) when the file adapts its layer,
@@ -149,6 +317,17 @@ impl LoraMerge {
         out: usize,
         in_dim: usize,
         device: &Device,
+    ) -> Result<Option<Tensor>> {
+        self.delta_at(key, out, in_dim, device, self.strength)
+    }
+
+    fn delta_at(
+        &self,
+        key: &str,
+        out: usize,
+        in_dim: usize,
+        device: &Device,
+        strength: f64,
     ) -> Result<Option<Tensor>> {
         let map = self
             .diffusers
@@ -178,7 +357,7 @@ impl LoraMerge {
             ),
         ];
         if let Some(p) = whole.into_iter().flatten().next() {
-            return self.update(&p, out, in_dim, device).map(Some);
+            return self.update(&p, out, in_dim, device, strength).map(Some);
         }
         // The diffusers layout: one pair per diffusers part of the layer.
         let parts: Vec<(String, usize, bool)> = match map.as_ref().and_then(|m| m(key)) {
@@ -201,7 +380,7 @@ impl LoraMerge {
             pieces.push(match found {
                 Some(pair) => {
                     any = true;
-                    let u = self.update(&pair, *rows, in_dim, device)?;
+                    let u = self.update(&pair, *rows, in_dim, device, strength)?;
                     if *swapped {
                         let h = rows / 2;
                         Tensor::cat(&[&u.narrow(0, h, h)?, &u.narrow(0, 0, h)?], 0)?
@@ -248,7 +427,8 @@ impl LoraMerge {
                 format!(
                     "no layer of the model takes it ({} of {} tensors left over): a LoRA for \
                      another model, or a layout or adapter kind FLAME does not merge (kohya \
-                     lora_down/lora_up, diffusers/PEFT lora_A/lora_B)",
+                     lora_down/lora_up, dora_scale, lokr_*, hada_*, diff; diffusers/PEFT \
+                     lora_A/lora_B)",
                     left.len(),
                     self.file.names().count()
                 ),

@@ -579,9 +579,9 @@ impl VarBuilder {
             .detach()
         };
         let t = match (&self.shared.merge, t.dims()) {
-            (Some(m), &[out, inp]) => {
+            (Some(m), &[_, _]) => {
                 let dev = &self.shared.device;
-                match m.delta(&key, out, inp, dev)? {
+                match m.delta_for(&key, &t, dev)? {
                     Some(d) => {
                         let _g = crate::no_grad();
                         t.to_dtype(DType::F32)?

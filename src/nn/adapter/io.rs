@@ -322,11 +322,9 @@ impl Adapters {
         let mut unused: BTreeSet<String> = file.names().map(str::to_string).collect();
         let _g = crate::no_grad();
         for l in self.layers()? {
-            let device = l
-                .params()
-                .first()
-                .map(|(_, t)| t.device().clone())
-                .unwrap_or(Device::Cpu);
+            let Some(device) = l.params().first().map(|(_, t)| t.device().clone()) else {
+                continue;
+            };
             let mut reader = Reader {
                 file: &file,
                 path,

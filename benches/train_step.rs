@@ -248,7 +248,11 @@ fn run<M: ModelSpec>(
     cuda.synchronize()?;
     cuda.reset_peak_memory();
     let mut losses = vec![first];
-    let (evictions, flushes) = (cuda.memory().evictions, cuda.memory().flushes);
+    let (evictions, flushes, overflows) = (
+        cuda.memory().evictions,
+        cuda.memory().flushes,
+        cuda.memory().overflows,
+    );
     // The driver's view of the device memory, sampled every 2 ms through the timed steps:
     // the cap's proof is its peak, not its value after the last sync.
     let sampling = Arc::new(AtomicBool::new(true));
@@ -270,9 +274,10 @@ fn run<M: ModelSpec>(
     sampling.store(false, Ordering::Relaxed);
     let driver_peak = sampler.join().unwrap_or(0);
     let per_step = |n: u64| n as f64 / 3.0;
-    let (evictions, flushes) = (
+    let (evictions, flushes, overflows) = (
         per_step(cuda.memory().evictions - evictions),
         per_step(cuda.memory().flushes - flushes),
+        per_step(cuda.memory().overflows - overflows),
     );
     println!("losses: {losses:?}");
     let gib = |b: u64| b as f64 / GIB;
@@ -318,7 +323,7 @@ fn run<M: ModelSpec>(
         _ => "none".into(),
     };
     println!(
-        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB, peak while stepping {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step | cache evictions {evictions:.1}/step, pool trims {flushes:.1}/step",
+        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB, peak while stepping {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step | cache evictions {evictions:.1}/step, pool trims {flushes:.1}/step, beyond the arena {overflows:.1}/step",
         n_params as f64 / 1e6,
         if fp8 { "fp8" } else { "bf16" },
         if adam8bit { "AdamW8bit" } else { "AdamW" },

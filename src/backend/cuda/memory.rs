@@ -14,20 +14,24 @@
 //! and the bytes the cache holds (`cached`), which `empty_cache` returns to the driver's pool.
 //! When the driver runs out of memory, the cache is emptied, the driver's pool trimmed and the
 //! request tried once more.
-//! Under a cap, the memory the process holds stays near it too (the proof that a run fits a
-//! smaller card): when a new buffer would take in-use plus cached bytes past the cap, the
-//! least recently freed cached buffers go back to the driver's pool, as many as needed,
-//! without a host wait (first one that could hold the new buffer, so the pool can reuse its
-//! memory); the pool's release threshold (the cap) hands what it keeps beyond the cap back to
-//! the driver at each synchronisation, and where the pool holds more than the cap plus
-//! `POOL_SLACK` before that (pieces it could not reuse), the cache is emptied and the pool
-//! trimmed after a host wait.
+//! Under a cap (FLAME_GPU_MEMORY_LIMIT, `set_memory_limit`, the planner's budget), the memory
+//! the process holds is the cap, proven: the first request under it empties the cache, trims
+//! the driver's pool and makes one driver allocation of the cap less what is in use (the
+//! arena); buffers are then cut from it by best fit, a freed range merged with its free
+//! neighbours, with no driver call and no pieces left in the driver's pool (which, fed
+//! buffers of many sizes, kept gigabytes of pieces it could not reuse: measured 2–4 GiB over a
+//! 12 GiB cap). Large requests are cut from the arena's top and small ones from its bottom; a
+//! request that no free range holds although the cap does is served by the driver and counted
+//! (`MemoryReport::overflows`: the process is past the cap while it lives). Memory
+//! taken from the driver before the arena goes back to it when freed. Where the arena cannot
+//! be made, the cache evicts instead: the smallest cached buffer that holds the request, then
+//! the least recently freed, and the pool is trimmed past the cap + `POOL_SLACK`.
 
 use crate::{Error, Result};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DeviceRepr};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Requests are rounded up to this many bytes, so near sizes share a free list.
@@ -37,6 +41,13 @@ const ROUND: u64 = 512;
 /// reused yet) before it is trimmed: with the CUDA context's own ~0.5 GiB, the process stays
 /// within the cap + 1 GiB.
 const POOL_SLACK: u64 = 256 << 20;
+
+/// The cap's arena is a multiple of this (the driver's allocation granularity).
+const ARENA_GRAIN: u64 = 2 << 20;
+
+/// Requests of at least this many bytes are cut from the arena's top, smaller ones from its
+/// bottom.
+const ARENA_LARGE: u64 = 32 << 20;
 
 /// A snapshot of a device's memory accounting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +66,10 @@ pub struct MemoryReport {
     /// Times cached buffers went back to the driver because a new buffer would have taken
     /// the memory held (in use plus cached) past the cap.
     pub evictions: u64,
+    /// Buffers the driver served beyond the cap's arena because no free range of it held them
+    /// although the cap did (the arena cut into pieces): each takes the process past the cap
+    /// while it lives.
+    pub overflows: u64,
     /// Times the driver's pool was trimmed after a host wait for the stream: it held more
     /// than the cap allows, or the driver ran out of memory (then the cache was emptied too
     /// and the request tried again). Each costs the host its lead over the GPU.
@@ -78,6 +93,12 @@ pub(crate) struct Pool {
     cached: AtomicU64,
     evictions: AtomicU64,
     flushes: AtomicU64,
+    overflows: AtomicU64,
+    /// The cap's arena, made at the first request under a cap.
+    arena: Mutex<Option<Arena>>,
+    has_arena: AtomicBool,
+    /// Whether making the arena was tried (a failure falls back to the cache's eviction).
+    arena_tried: AtomicBool,
 }
 
 /// Device memory of `len` elements; dropping it returns the memory to its pool's cache.
@@ -93,6 +114,88 @@ enum Home {
     /// Nowhere: a part of a packed buffer, whose memory returns to the pool when its last
     /// part drops (the `Arc` this holds).
     Part(#[allow(dead_code)] Arc<Packed>),
+    /// Back to the cap's arena: `bytes` at byte `offset` of it.
+    Arena {
+        offset: u64,
+        bytes: u64,
+        pool: Arc<Pool>,
+    },
+}
+
+/// Under a cap: one driver allocation of the cap's size, cut into buffers by best fit (the
+/// smallest free range that holds a request), a freed range merged with its free neighbours.
+/// No driver call per buffer, no pieces the driver's pool cannot reuse: the memory the
+/// process holds is the arena, whatever the buffers' sizes. Reuse is safe in compute-stream
+/// order, as the cache's (copies into a new buffer wait for the compute stream first).
+struct Arena {
+    base: sys::CUdeviceptr,
+    size: u64,
+    /// Free ranges by offset (-> length) and by (length, offset).
+    by_offset: BTreeMap<u64, u64>,
+    by_length: BTreeSet<(u64, u64)>,
+}
+
+impl Arena {
+    fn new(base: sys::CUdeviceptr, size: u64) -> Arena {
+        Arena {
+            base,
+            size,
+            by_offset: BTreeMap::from([(0, size)]),
+            by_length: BTreeSet::from([(size, 0)]),
+        }
+    }
+
+    /// The offset of `bytes`: a small request (under `ARENA_LARGE`) cut from the start of the
+    /// smallest free range that holds it, a large one from the end of the highest free range
+    /// that holds it, so large and small buffers grow from opposite ends and small ones do
+    /// not split the room large ones need.
+    fn take(&mut self, bytes: u64) -> Option<u64> {
+        let (len, off) = if bytes < ARENA_LARGE {
+            *self.by_length.range((bytes, 0)..).next()?
+        } else {
+            self.by_offset
+                .iter()
+                .rev()
+                .find(|(_, &len)| len >= bytes)
+                .map(|(&off, &len)| (len, off))?
+        };
+        self.by_length.remove(&(len, off));
+        self.by_offset.remove(&off);
+        if len == bytes {
+            return Some(off);
+        }
+        let (rest, at) = if bytes < ARENA_LARGE {
+            ((off + bytes, len - bytes), off)
+        } else {
+            ((off, len - bytes), off + len - bytes)
+        };
+        self.by_offset.insert(rest.0, rest.1);
+        self.by_length.insert((rest.1, rest.0));
+        Some(at)
+    }
+
+    /// Frees `bytes` at `off`, merged with the free ranges on either side.
+    fn give(&mut self, mut off: u64, mut bytes: u64) {
+        if let Some(next) = self.by_offset.remove(&(off + bytes)) {
+            self.by_length.remove(&(next, off + bytes));
+            bytes += next;
+        }
+        if let Some((&prev, &len)) = self.by_offset.range(..off).next_back() {
+            if prev + len == off {
+                self.by_offset.remove(&prev);
+                self.by_length.remove(&(len, prev));
+                off = prev;
+                bytes += len;
+            }
+        }
+        self.by_offset.insert(off, bytes);
+        self.by_length.insert((bytes, off));
+    }
+
+    /// The largest free range.
+    fn largest(&self) -> u64 {
+        self.by_length.iter().next_back().map_or(0, |r| r.0)
+    }
 }
 
 /// One allocation of the pool cut into parts of several element types: the device copy of a
@@ -164,11 +267,30 @@ impl<T> Drop for DevBuf<T> {
         // SAFETY: the slice is taken once, here, and never used again.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         let ptr = slice.leak();
-        let Home::Pool { bytes, pool } = &self.home else {
+        let (bytes, pool) = match &self.home {
+            Home::Pool { bytes, pool } => (bytes, pool),
+            Home::Arena {
+                offset,
+                bytes,
+                pool,
+            } => {
+                pool.in_use.fetch_sub(*bytes, Ordering::Relaxed);
+                if let Ok(mut a) = pool.arena.lock() {
+                    if let Some(a) = a.as_mut() {
+                        a.give(*offset, *bytes);
+                    }
+                }
+                return;
+            }
             // A part: the packed buffer's memory returns when the last part drops.
-            return;
+            Home::Part(_) => return,
         };
         pool.in_use.fetch_sub(*bytes, Ordering::Relaxed);
+        // With an arena, memory from the driver goes back to it: the cap counts the arena.
+        if pool.has_arena.load(Ordering::Relaxed) {
+            pool.release(ptr, *bytes);
+            return;
+        }
         match pool.free.lock() {
             Ok(mut free) => {
                 let tick = pool.tick.fetch_add(1, Ordering::Relaxed);
@@ -196,7 +318,49 @@ impl Pool {
             cached: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
             flushes: AtomicU64::new(0),
+            overflows: AtomicU64::new(0),
+            arena: Mutex::new(None),
+            has_arena: AtomicBool::new(false),
+            arena_tried: AtomicBool::new(false),
         }
+    }
+
+    /// Makes the cap's arena, once: the cache and the driver's unused pool memory go back
+    /// first (after a host wait), then one driver allocation of the cap less what is in use.
+    fn make_arena(&self, limit: u64, in_use: u64) {
+        if self.arena_tried.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        self.empty();
+        self.stream.synchronize().ok();
+        super::device::trim_pool(self.ordinal);
+        let size = (limit.saturating_sub(in_use) / ARENA_GRAIN) * ARENA_GRAIN;
+        if size == 0 || self.stream.context().bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: a plain device allocation, freed in `Drop for Pool`; buffers cut from it
+        // are written before they are read (as any new buffer).
+        let Ok(base) = (unsafe { cudarc::driver::result::malloc_sync(size as usize) }) else {
+            return;
+        };
+        if let Ok(mut a) = self.arena.lock() {
+            *a = Some(Arena::new(base, size));
+            self.has_arena.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// `bytes` from the arena, if there is one: its offset, or None when no free range holds
+    /// them (with the largest free range).
+    fn arena_take(&self, bytes: u64) -> Option<std::result::Result<(sys::CUdeviceptr, u64), u64>> {
+        if !self.has_arena.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut a = self.arena.lock().ok()?;
+        let a = a.as_mut()?;
+        Some(match a.take(bytes) {
+            Some(off) => Ok((a.base + off, off)),
+            None => Err(a.largest()),
+        })
     }
 
     pub(crate) fn report(&self) -> MemoryReport {
@@ -208,6 +372,7 @@ impl Pool {
             cached: self.cached.load(Ordering::Relaxed),
             evictions: self.evictions.load(Ordering::Relaxed),
             flushes: self.flushes.load(Ordering::Relaxed),
+            overflows: self.overflows.load(Ordering::Relaxed),
         }
     }
 
@@ -241,6 +406,33 @@ impl Pool {
         if in_use.saturating_add(bytes) > limit {
             self.in_use.fetch_sub(bytes, Ordering::Relaxed);
             return Err(oom(in_use, limit));
+        }
+        // Under a cap, buffers come from the cap's arena.
+        if limit != u64::MAX {
+            self.make_arena(limit, in_use);
+        }
+        match self.arena_take(bytes) {
+            Some(Ok((ptr, offset))) => {
+                self.peak.fetch_max(in_use + bytes, Ordering::Relaxed);
+                self.allocations.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: `bytes` >= len * size_of::<T>() bytes at `ptr` are inside the arena
+                // and owned by this buffer alone until it drops (and leaks the slice).
+                let slice = unsafe { self.stream.upgrade_device_ptr::<T>(ptr, len.max(1)) };
+                return Ok(DevBuf {
+                    slice: ManuallyDrop::new(slice),
+                    home: Home::Arena {
+                        offset,
+                        bytes,
+                        pool: self.clone(),
+                    },
+                });
+            }
+            // No free range holds it although the cap does (the arena is cut into pieces):
+            // the driver serves it, counted, and it goes back to the driver when freed.
+            Some(Err(_)) => {
+                self.overflows.fetch_add(1, Ordering::Relaxed);
+            }
+            None => {}
         }
         // (A poisoned cache is bypassed: the driver serves the request.)
         let reused = self
@@ -425,5 +617,12 @@ impl Pool {
 impl Drop for Pool {
     fn drop(&mut self) {
         self.empty();
+        if let Ok(Some(a)) = self.arena.get_mut().map(Option::take) {
+            self.stream.synchronize().ok();
+            // SAFETY: the arena's allocation; no buffer cut from it outlives the pool (each
+            // holds an `Arc` of it).
+            let _ = unsafe { cudarc::driver::result::free_sync(a.base) };
+            let _ = a.size;
+        }
     }
 }

@@ -737,9 +737,10 @@ impl Device {
     }
 
     /// New storages on this device with the values of the parts of `p`, in order, and what to
-    /// wait for before reading them (see `wait`). On a GPU they are cut from one allocation
-    /// filled by one copy, which returns to the cache when the last of them drops.
-    pub(crate) fn upload_pack(&self, p: &HostPack) -> Result<(Vec<Storage>, Ticket)> {
+    /// wait for before reading them (see `wait`). On a GPU they are cut from one allocation of
+    /// at least `slot` bytes filled by one copy, which returns to the cache when the last of
+    /// them drops.
+    pub(crate) fn upload_pack(&self, p: &HostPack, slot: usize) -> Result<(Vec<Storage>, Ticket)> {
         let other = || crate::Error::DeviceMismatch {
             op: "upload",
             lhs: self.location(),
@@ -752,7 +753,7 @@ impl Device {
             }
             #[cfg(feature = "cuda")]
             (Device::Cuda(d), HostPack::Cuda(p)) => {
-                let (storages, u) = d.upload_pack(p)?;
+                let (storages, u) = d.upload_pack(p, slot)?;
                 Ok((
                     storages.into_iter().map(Storage::Cuda).collect(),
                     Ticket::Cuda(u),

@@ -57,6 +57,9 @@ struct State {
     /// Tickets of uploads the compute work has waited for, until their copies' durations can
     /// be read.
     timing: Vec<Ticket>,
+    /// The bytes every block's device copy takes (the largest pack), set when the packs are
+    /// made.
+    slot_bytes: usize,
 }
 
 impl State {
@@ -115,6 +118,7 @@ impl BlockStreamer {
                 blocks,
                 report: StreamReport::default(),
                 timing: vec![],
+                slot_bytes: 0,
             }),
         })
     }
@@ -179,11 +183,12 @@ impl BlockStreamer {
         let handle = t.with_storage(self.device.placeholder(t.dtype())?);
         let mut st = self.lock()?;
         st.report.host_bytes += host.bytes() as u64;
+        let sealed = st.slot_bytes > 0;
         let b = st
             .blocks
             .get_mut(block)
             .ok_or_else(|| Error::Stream(format!("no streamed block {block}")))?;
-        if !matches!(b.residency, Residency::Released) || b.pack.is_some() {
+        if !matches!(b.residency, Residency::Released) || b.pack.is_some() || sealed {
             return Err(Error::Stream(format!(
                 "block {} took a new weight after its first fetch",
                 b.prefix
@@ -225,6 +230,35 @@ impl BlockStreamer {
             return Ok(());
         }
         if b.pack.is_none() {
+            self.seal(st)?;
+        }
+        let slot = st.slot_bytes;
+        let Some(b) = st.blocks.get_mut(i) else {
+            return Ok(());
+        };
+        let Some(pack) = &b.pack else {
+            return Ok(());
+        };
+        let bytes = pack.bytes() as u64;
+        let (storages, ticket) = self.device.upload_pack(pack, slot)?;
+        for (p, storage) in b.params.iter_mut().zip(storages) {
+            p.placeholder = Some(p.tensor.swap_storage(storage)?);
+        }
+        b.residency = Residency::InFlight(ticket);
+        st.report.uploads += 1;
+        st.report.uploaded_bytes += bytes;
+        Ok(())
+    }
+
+    /// Joins every block's weights into its pack (at the first fetch: every weight has been
+    /// adopted by then), and sets the slot size every upload takes: the largest pack, so a
+    /// released block's memory holds any block's next (no pieces between packs of different
+    /// sizes under a cap's arena).
+    fn seal(&self, st: &mut State) -> Result<()> {
+        for b in &mut st.blocks {
+            if b.pack.is_some() || b.params.is_empty() {
+                continue;
+            }
             let hosts = b
                 .params
                 .iter()
@@ -238,17 +272,12 @@ impl BlockStreamer {
                 p.host = None;
             }
         }
-        let Some(pack) = &b.pack else {
-            return Ok(());
-        };
-        let bytes = pack.bytes() as u64;
-        let (storages, ticket) = self.device.upload_pack(pack)?;
-        for (p, storage) in b.params.iter_mut().zip(storages) {
-            p.placeholder = Some(p.tensor.swap_storage(storage)?);
-        }
-        b.residency = Residency::InFlight(ticket);
-        st.report.uploads += 1;
-        st.report.uploaded_bytes += bytes;
+        st.slot_bytes = st
+            .blocks
+            .iter()
+            .filter_map(|b| b.pack.as_ref().map(HostPack::bytes))
+            .max()
+            .unwrap_or(0);
         Ok(())
     }
 

@@ -234,12 +234,18 @@ impl CudaDevice {
         Ok(PinnedPack { host, parts, used })
     }
 
-    /// The parts of `p` as new device buffers cut from one allocation and filled by one copy
+    /// The parts of `p` as new device buffers cut from one allocation (of at least `slot`
+    /// bytes: the streamer gives every block the same, so a freed one fits the next) and
+    /// filled by one copy
     /// on the copy stream after the compute stream's work so far; `wait` on the event before
     /// reading them or dropping them (as for `upload`). The allocation returns to the cache
     /// when the last part drops.
-    pub(crate) fn upload_pack(&self, p: &PinnedPack) -> Result<(Vec<CudaStorage>, Upload)> {
-        let packed = self.alloc_packed(p.used.max(1))?;
+    pub(crate) fn upload_pack(
+        &self,
+        p: &PinnedPack,
+        slot: usize,
+    ) -> Result<(Vec<CudaStorage>, Upload)> {
+        let packed = self.alloc_packed(p.used.max(slot).max(1))?;
         let copy = self.copy_stream()?;
         copy.join(self.stream())
             .map_err(cuda_err("ordering the copy stream after compute"))?;

@@ -740,6 +740,7 @@ impl Device {
     /// wait for before reading them (see `wait`). On a GPU they are cut from one allocation of
     /// at least `slot` bytes filled by one copy, which returns to the cache when the last of
     /// them drops.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub(crate) fn upload_pack(&self, p: &HostPack, slot: usize) -> Result<(Vec<Storage>, Ticket)> {
         let other = || crate::Error::DeviceMismatch {
             op: "upload",

@@ -643,3 +643,43 @@ fn merging_each_kind_s_file_gives_the_adapted_layer() {
         }
     }
 }
+
+/// A LyCORIS file with a tensor of the wrong rank or shape is an error naming it, not a panic.
+#[test]
+fn a_malformed_lycoris_file_is_named_in_the_merge() {
+    use flame::nn::LoraMerge;
+    let d = temp("malformed");
+    let t = |dims: &[usize]| Tensor::zeros(dims.to_vec(), DType::F32, &CPU).unwrap();
+    for (bad, tensors) in [
+        (
+            "hada_w1_b",
+            vec![
+                ("hada_w1_a", t(&[10, 2])),
+                ("hada_w1_b", t(&[])),
+                ("hada_w2_a", t(&[10, 2])),
+                ("hada_w2_b", t(&[2, 12])),
+            ],
+        ),
+        (
+            "lokr_w2",
+            vec![("lokr_w1", t(&[2, 3])), ("lokr_w2", t(&[5, 5]))],
+        ),
+    ] {
+        let file = d.join(format!("{bad}.safetensors"));
+        let named: Vec<(String, Tensor)> = tensors
+            .into_iter()
+            .map(|(n, v)| (format!("lora_unet_lin.{n}"), v))
+            .collect();
+        flame::safetensors::save(named.iter().map(|(k, v)| (k.as_str(), v)), &file).unwrap();
+        let merge = Arc::new(LoraMerge::open(&file, 1.0, "transformer").unwrap());
+        let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
+            .unwrap()
+            .with_merge(merge)
+            .unwrap();
+        let e = Linear::new(&vb.pp("lin"), 12, 10, true)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("lora_unet_lin.{bad}")), "{e}");
+    }
+}

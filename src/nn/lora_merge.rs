@@ -160,6 +160,14 @@ impl LoraMerge {
         self.file.load_as(k, device, DType::F32).map(Some)
     }
 
+    /// The (rows, cols) of `t`, read from tensor `k`: an error naming it unless a matrix.
+    fn matrix(&self, k: &str, t: &Tensor) -> Result<(usize, usize)> {
+        match t.dims() {
+            &[r, c] => Ok((r, c)),
+            _ => Err(self.bad(k, t, "a matrix")),
+        }
+    }
+
     /// A shape error for tensor `k`.
     fn bad(&self, k: &str, t: &Tensor, want: &str) -> Error {
         err(
@@ -206,7 +214,7 @@ impl LoraMerge {
                     .ok_or_else(|| err(&self.path, Some(&name(t)), "missing (a LoHa needs it)"))
             };
             let (b1, a2, b2) = (get("hada_w1_b")?, get("hada_w2_a")?, get("hada_w2_b")?);
-            let r = b1.dims()[0];
+            let r = self.matrix(&name("hada_w1_b"), &b1)?.0;
             let s = alpha()?.map_or(1.0, |a| a / r as f64);
             let d = a1.matmul(&b1)?.mul(&a2.matmul(&b2)?)?;
             if d.dims() != [out, in_dim] {
@@ -227,7 +235,7 @@ impl LoraMerge {
                 self.take(&name(&format!("{w}_b")), device)?,
             ) {
                 (Some(a), Some(b)) => {
-                    let r = b.dims()[0];
+                    let r = self.matrix(&name(&format!("{w}_b")), &b)?.0;
                     Ok(Some((a.matmul(&b)?, Some(r))))
                 }
                 (None, None) => Ok(None),
@@ -244,8 +252,11 @@ impl LoraMerge {
                 "missing (a LoKr needs it)",
             )
         })?;
-        let ((l, m), (kk, n)) = ((w1.dims()[0], w1.dims()[1]), (w2.dims()[0], w2.dims()[1]));
-        if l * kk != out || m * n != in_dim || w2.rank() != 2 {
+        let ((l, m), (kk, n)) = (
+            self.matrix(&name("lokr_w1"), &w1)?,
+            self.matrix(&name("lokr_w2"), &w2)?,
+        );
+        if l * kk != out || m * n != in_dim {
             return Err(self.bad(
                 &name("lokr_w2"),
                 &w2,

@@ -213,6 +213,10 @@ pub enum Error {
     /// The requested work needs a backend that is not compiled in (the CPU without `cpu-ref`).
     #[error("no backend is compiled in for {0}: enable the `cpu-ref` feature")]
     NoBackend(&'static str),
+    /// Training over several processes or GPUs (`dist`): a rank that failed or vanished,
+    /// a broken connection, a rendezvous that timed out, an NCCL call that failed.
+    #[error("distributed: {0}")]
+    Dist(String),
     /// A lock inside FLAME (named here) was poisoned by a panic on another thread.
     #[error("internal: a lock was poisoned by a panic on another thread ({0})")]
     Poisoned(&'static str),

@@ -6,8 +6,10 @@
 //!
 //! `<point>@<n>` acts on the n-th time the point is reached (default the first). Points are
 //! `write:<file name>` (a file written atomically, before its rename into place),
-//! `checkpoint:<step>` (a checkpoint folder filled, before its rename), `rotation`, `clear`
-//! and `log-append`. Without the variable this is a no-op.
+//! `checkpoint:<step>` (a checkpoint folder filled, before its rename), `rotation`, `clear`,
+//! `log-append` and `step` (the start of each training step). With `FLAME_FAULT_RANK` set,
+//! only the process whose `RANK` it names (data-parallel training) acts. Without the
+//! variable this is a no-op.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -23,6 +25,11 @@ fn spec() -> Option<&'static Spec> {
     static SPEC: OnceLock<Option<Spec>> = OnceLock::new();
     SPEC.get_or_init(|| {
         let v = std::env::var("FLAME_FAULT").ok()?;
+        if let Ok(r) = std::env::var("FLAME_FAULT_RANK") {
+            if std::env::var("RANK").unwrap_or_else(|_| "0".into()) != r {
+                return None;
+            }
+        }
         let (kind, rest) = v.split_once(':')?;
         let (point, nth) = match rest.rsplit_once('@') {
             Some((p, n)) => (p.to_string(), n.parse().ok()?),

@@ -55,6 +55,7 @@ pub mod autograd;
 pub mod backend;
 pub mod data;
 mod device;
+pub mod dist;
 mod dtype;
 pub mod encoders;
 mod error;

@@ -489,11 +489,20 @@ impl Op {
     }
 }
 
+/// Told when a backward has summed a leaf's gradient: every contribution of that backward
+/// is in it (data-parallel training starts summing it over the ranks then, while the
+/// backward goes on).
+pub trait GradHook: Send + Sync {
+    /// Leaf `id`'s gradient, as it stands after this backward's contributions.
+    fn ready(&self, id: TensorId, grad: &Tensor) -> crate::Result<()>;
+}
+
 /// Gradients of leaf tensors, keyed by tensor id. `backward_into` adds to what is here, so
 /// gradients accumulate across backward calls until `zero_grad`.
 #[derive(Default, Clone)]
 pub struct Grads {
     map: HashMap<TensorId, Tensor>,
+    hook: Option<std::sync::Arc<dyn GradHook>>,
 }
 
 impl Grads {
@@ -517,6 +526,10 @@ impl Grads {
     pub fn remove(&mut self, t: &Tensor) -> Option<Tensor> {
         self.map.remove(&t.id())
     }
+    /// Calls `hook` each time a backward has summed a leaf's gradient (`None`: stop).
+    pub fn set_hook(&mut self, hook: Option<std::sync::Arc<dyn GradHook>>) {
+        self.hook = hook;
+    }
     /// Forgets every gradient.
     pub fn zero_grad(&mut self) {
         self.map.clear()
@@ -535,6 +548,9 @@ impl Grads {
             Some(prev) => prev.add(&g)?,
             None => g,
         };
+        if let Some(h) = &self.hook {
+            h.ready(id, &sum)?;
+        }
         self.map.insert(id, sum);
         Ok(())
     }

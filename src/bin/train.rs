@@ -2,14 +2,21 @@
 //! examples/flux-tiny.toml and `train --print-config`). `--resume` continues the run in the
 //! output folder; `--overwrite` replaces it; `--plan` checks everything and says what would
 //! happen, writing nothing.
+//!
+//! Several GPUs: `--gpus 0,1` (or `train.gpus`) starts one worker process per GPU and waits
+//! for them; a process started with torchrun's variables (`WORLD_SIZE`, `RANK`, ...) is one
+//! such worker, wherever it runs (see README, "Several GPUs").
 
 use argh::FromArgs;
+use flame::dist::{free_port, Launch, ProcessGroup};
+use flame::train::config::Gpus;
 use flame::train::{
-    Event, FolderAction, Prepare, RunEnd, RunOptions, StepReport, TrainConfig, Trainer,
+    Event, FolderAction, Placement, Prepare, RunEnd, RunOptions, StepReport, TrainConfig, Trainer,
 };
 use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// Train a LoRA on Flux, SD3.5 or SDXL from pre-encoded latents and text embeddings.
 #[derive(FromArgs)]
@@ -30,6 +37,14 @@ struct Args {
     /// print every config key with its type, default and meaning (Markdown)
     #[argh(switch)]
     print_config: bool,
+    /// data-parallel training on these GPUs, one process each: "0,1" or "all" (overrides
+    /// train.gpus)
+    #[argh(option)]
+    gpus: Option<String>,
+    /// data-parallel training in this many processes on the CPU (train.device = "cpu"): the
+    /// multi-GPU path without GPUs
+    #[argh(option)]
+    workers: Option<usize>,
     /// print the version
     #[argh(switch)]
     version: bool,
@@ -39,6 +54,8 @@ struct Args {
 /// `train.log_every` steps. Knows whether the cursor is mid-line, so every other message
 /// starts on its own line.
 struct Progress {
+    /// Another rank's process: errors only.
+    quiet: bool,
     tty: bool,
     every: usize,
     mid_line: bool,
@@ -49,6 +66,9 @@ struct Progress {
 
 impl Progress {
     fn line(&mut self, msg: &str) {
+        if self.quiet {
+            return;
+        }
         if self.mid_line {
             eprintln!();
             self.mid_line = false;
@@ -57,6 +77,9 @@ impl Progress {
     }
 
     fn step(&mut self, r: &StepReport) {
+        if self.quiet {
+            return;
+        }
         let first = *self.first.get_or_insert(r.step - 1);
         let its = (r.step - first) as f64 / self.start.elapsed().as_secs_f64().max(1e-9);
         let mem = flame::train::trainer::gpu_memory(&self.device);
@@ -100,8 +123,25 @@ fn main() -> ExitCode {
         eprintln!("error: no config file given (see train --help)");
         return ExitCode::from(2);
     };
+    // A worker of a data-parallel run: started by `--gpus` below, by torchrun or by srun.
+    match Launch::from_env() {
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+        Ok(Some(launch)) => return worker(&args, &path, launch),
+        Ok(None) => {}
+    }
     let mut progress: Option<Progress> = None;
-    match run(&args, &path, &mut progress) {
+    let place = match placement(&args, &path) {
+        Ok(Start::Alone(place)) => place,
+        Ok(Start::Workers(n, gpus)) => return launch(&args, &path, n, gpus),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(&args, &path, &mut progress, place, None) {
         Ok(code) => code,
         Err(e) => {
             let msg = format!("error: {e}");
@@ -114,11 +154,287 @@ fn main() -> ExitCode {
     }
 }
 
+/// How a run starts: in this process (on the one GPU `--gpus` names, or as the config
+/// says), or as `n` workers (on these GPUs, or on the CPU).
+enum Start {
+    Alone(Placement),
+    Workers(usize, Option<Vec<usize>>),
+}
+
+fn placement(args: &Args, path: &std::path::Path) -> flame::Result<Start> {
+    let config = TrainConfig::from_file(path)?;
+    let gpus = match &args.gpus {
+        Some(g) => Gpus::parse(g).map_err(|msg| flame::Error::Config { path: None, msg })?,
+        None => config.train.gpus.clone(),
+    };
+    let workers = args.workers.unwrap_or(1);
+    if gpus == Gpus::List(vec![]) {
+        if workers > 1 && config.train.device != "cpu" {
+            return Err(flame::Error::Config {
+                path: None,
+                msg: "--workers runs CPU processes (train.device = \"cpu\"); for GPUs use \
+                      --gpus or train.gpus"
+                    .into(),
+            });
+        }
+        return Ok(match workers {
+            0 | 1 => Start::Alone(Placement::default()),
+            n => Start::Workers(n, None),
+        });
+    }
+    if args.workers.is_some() {
+        return Err(flame::Error::Config {
+            path: None,
+            msg: "--workers and --gpus (or train.gpus) exclude each other".into(),
+        });
+    }
+    let list = gpus
+        .resolve(gpu_count()?)
+        .map_err(|msg| flame::Error::Config {
+            path: None,
+            msg: format!("--gpus / train.gpus: {msg}"),
+        })?;
+    Ok(match list.len() {
+        0 => Start::Alone(Placement::default()),
+        1 => Start::Alone(Placement {
+            device: Some(gpu(list[0])?),
+            group: None,
+        }),
+        n => Start::Workers(n, Some(list)),
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_count() -> flame::Result<usize> {
+    flame::cuda::device_count()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_count() -> flame::Result<usize> {
+    Err(flame::Error::CudaUnavailable(
+        "a build without the `cuda` feature".into(),
+    ))
+}
+
+#[cfg(feature = "cuda")]
+fn gpu(i: usize) -> flame::Result<flame::Device> {
+    flame::Device::cuda(i)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu(_: usize) -> flame::Result<flame::Device> {
+    Err(flame::Error::CudaUnavailable(
+        "a build without the `cuda` feature".into(),
+    ))
+}
+
+#[cfg(feature = "cpu-ref")]
+fn cpu() -> flame::Result<flame::Device> {
+    Ok(flame::Device::Cpu)
+}
+
+#[cfg(not(feature = "cpu-ref"))]
+fn cpu() -> flame::Result<flame::Device> {
+    Err(flame::Error::NoBackend("training on the CPU"))
+}
+
+/// Sends `sig` to a worker (the workers run in their own process group, so a Ctrl-C at the
+/// terminal reaches them once, through here).
+fn signal(pid: u32, sig: &str) {
+    let _ = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .stderr(std::process::Stdio::null())
+        .status();
+}
+
+/// The exit code of a worker stopped because another rank failed.
+const STOPPED_BY_PEER: i32 = 3;
+
+/// Starts `n` workers of this run (on `gpus`, or on the CPU), forwards Ctrl-C / SIGTERM to
+/// them, and waits: when one fails, the others are stopped (their watchdogs stop them; the
+/// ones still running after 30 s are killed) and the failure is reported by rank.
+fn launch(args: &Args, path: &std::path::Path, n: usize, gpus: Option<Vec<usize>>) -> ExitCode {
+    let started = (|| -> flame::Result<Vec<std::process::Child>> {
+        let exe = std::env::current_exe().map_err(|source| flame::Error::Io {
+            path: "the train executable".into(),
+            source,
+        })?;
+        let port = free_port()?;
+        let mut children: Vec<std::process::Child> = vec![];
+        for rank in 0..n {
+            let mut c = std::process::Command::new(&exe);
+            c.arg(path);
+            for (on, flag) in [
+                (args.resume, "--resume"),
+                (args.overwrite, "--overwrite"),
+                (args.plan, "--plan"),
+            ] {
+                if on {
+                    c.arg(flag);
+                }
+            }
+            c.env("WORLD_SIZE", n.to_string())
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string());
+            match &gpus {
+                Some(g) => {
+                    let list: Vec<String> = g.iter().map(|x| x.to_string()).collect();
+                    c.env("FLAME_GPUS", list.join(","));
+                }
+                None => {
+                    c.env_remove("FLAME_GPUS");
+                }
+            }
+            #[cfg(unix)]
+            {
+                use std::os::unix::process::CommandExt;
+                c.process_group(0);
+            }
+            match c.spawn() {
+                Ok(ch) => children.push(ch),
+                Err(source) => {
+                    for ch in &mut children {
+                        let _ = ch.kill();
+                    }
+                    return Err(flame::Error::Io {
+                        path: exe.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(children)
+    })();
+    let mut children = match started {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: starting the workers: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let where_ = |rank: usize| match &gpus {
+        Some(g) => format!("rank {rank} (GPU {})", g[rank]),
+        None => format!("rank {rank} (CPU worker)"),
+    };
+    let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
+    let signals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    {
+        let (pids, signals) = (pids.clone(), signals.clone());
+        let _ = ctrlc::set_handler(move || {
+            // The first signal asks every worker to checkpoint and stop; a second one stops
+            // them at once.
+            let sig = match signals.fetch_add(1, Ordering::Relaxed) {
+                0 => "-INT",
+                _ => "-KILL",
+            };
+            for &p in &pids {
+                signal(p, sig);
+            }
+        });
+    }
+    let mut status: Vec<Option<std::process::ExitStatus>> = vec![None; n];
+    let mut failed: Option<(usize, std::process::ExitStatus)> = None;
+    let mut deadline: Option<std::time::Instant> = None;
+    while status.iter().any(|s| s.is_none()) {
+        for (r, ch) in children.iter_mut().enumerate() {
+            if status[r].is_some() {
+                continue;
+            }
+            if let Ok(Some(st)) = ch.try_wait() {
+                status[r] = Some(st);
+                let clean = st.success() || st.code() == Some(130);
+                // The rank that failed first, not one its failure stopped.
+                let cause = st.code() != Some(STOPPED_BY_PEER);
+                let replace = match failed {
+                    None => true,
+                    Some((_, f)) => cause && f.code() == Some(STOPPED_BY_PEER),
+                };
+                if !clean && replace {
+                    failed = Some((r, st));
+                    deadline = Some(std::time::Instant::now() + std::time::Duration::from_secs(30));
+                }
+            }
+        }
+        if deadline.is_some_and(|d| std::time::Instant::now() > d) {
+            for (r, ch) in children.iter_mut().enumerate() {
+                if status[r].is_none() {
+                    let _ = ch.kill();
+                }
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    if let Some((r, st)) = failed {
+        eprintln!(
+            "error: {} failed ({st}); the run stopped on every rank",
+            where_(r)
+        );
+        return ExitCode::FAILURE;
+    }
+    if status.iter().any(|s| s.and_then(|s| s.code()) == Some(130)) {
+        return ExitCode::from(130);
+    }
+    ExitCode::SUCCESS
+}
+
+/// One rank of a data-parallel run: joins the group, starts the watchdog (another rank's
+/// failure stops this process with a message naming it), trains; on an error it tells the
+/// others before exiting. Only rank 0 prints progress.
+fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
+    let rank = launch.rank;
+    let joined = (|| -> flame::Result<(flame::Device, Arc<dyn ProcessGroup>)> {
+        let config = TrainConfig::from_file(path)?;
+        let device = match config.train.device.as_str() {
+            "cpu" => cpu()?,
+            _ => gpu(launch.gpu()?)?,
+        };
+        let group = launch.join(&device)?;
+        group.watch(Arc::new(move |msg: &str| {
+            eprintln!("rank {rank}: stopping: {msg}");
+            std::process::exit(STOPPED_BY_PEER);
+        }))?;
+        Ok((device, group))
+    })();
+    let (device, group) = match joined {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("rank {rank}: error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut progress: Option<Progress> = None;
+    let place = Placement {
+        device: Some(device),
+        group: Some(group.clone()),
+    };
+    match run(args, path, &mut progress, place, Some(rank)) {
+        Ok(code) => code,
+        Err(e) => {
+            let msg = format!("rank {rank}: error: {e}");
+            group.fail(&e.to_string());
+            if let Some(p) = progress.as_mut() {
+                p.quiet = false;
+                p.line(&msg);
+            } else {
+                eprintln!("{msg}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Trains in this process on `place`; `rank` is this process's rank in a data-parallel run
+/// (only rank 0 prints).
 fn run(
     args: &Args,
     path: &std::path::Path,
     progress: &mut Option<Progress>,
+    place: Placement,
+    rank: Option<usize>,
 ) -> flame::Result<ExitCode> {
+    let quiet = rank.is_some_and(|r| r > 0);
     let config = TrainConfig::from_file(path)?;
     let out = config.train.output_dir.clone();
     let every = config.train.log_every;
@@ -126,8 +442,9 @@ fn run(
         true => Prepare::DryRun,
         false => Prepare::Encode,
     };
-    let mut trainer = Trainer::open(config, prepare, &mut |e| {
-        if let Event::Note(m) = e {
+    let world = place.group.as_ref().map(|g| g.describe());
+    let mut trainer = Trainer::open_in(config, prepare, place, &mut |e| {
+        if let (Event::Note(m), false) = (e, quiet) {
             eprintln!("{m}");
         }
     })?;
@@ -137,6 +454,7 @@ fn run(
         stop_at: None,
     };
     let p = progress.insert(Progress {
+        quiet,
         tty: std::io::stderr().is_terminal(),
         every,
         mid_line: false,
@@ -162,6 +480,15 @@ fn run(
         out.display()
     ));
     p.line(&trainer.memory.describe());
+    if let (Some(w), Some(g)) = (&world, trainer.group()) {
+        p.line(&format!(
+            "data-parallel: {w}; {} ranks x batch {} x {} micro-batches = {} samples a step",
+            g.world(),
+            trainer.config.train.batch_size,
+            trainer.config.train.grad_accum,
+            g.world() * trainer.config.train.batch_size * trainer.config.train.grad_accum
+        ));
+    }
     if args.plan {
         let what = match &trainer.plan(&opts)? {
             FolderAction::New => "start a new run".to_string(),

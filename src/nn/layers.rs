@@ -283,6 +283,21 @@ pub struct Dropout {
     pub p: f64,
     seed: u64,
     calls: AtomicU64,
+    /// The rows of the global batch x holds (start, rows, global rows; 0 rows: all of it).
+    part: [AtomicU64; 3],
+}
+
+/// The rows of a global batch that one process's inputs hold (data-parallel training):
+/// dropout draws its mask for the whole batch and keeps these rows, so the processes
+/// together apply the mask one process would.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct BatchPart {
+    /// The first row.
+    pub start: usize,
+    /// The rows (0: the whole batch).
+    pub len: usize,
+    /// The rows of the global batch.
+    pub global: usize,
 }
 
 impl Dropout {
@@ -299,7 +314,15 @@ impl Dropout {
             p,
             seed,
             calls: AtomicU64::new(0),
+            part: Default::default(),
         })
+    }
+
+    /// Which rows of the global batch the inputs hold from now on.
+    pub fn set_part(&self, p: BatchPart) {
+        for (a, v) in self.part.iter().zip([p.start, p.len, p.global]) {
+            a.store(v as u64, Ordering::Relaxed);
+        }
     }
 
     /// Moves the call counter to `n`: a resumed run sets it to where the interrupted one
@@ -317,7 +340,21 @@ impl Dropout {
         let k = crate::autograd::next_draw(&self.calls);
         // splitmix64 of (seed, call): independent streams per call.
         let z = mix64(self.seed ^ k.wrapping_mul(GOLDEN));
-        let u = Tensor::rand(x.shape().clone(), x.dtype(), x.device(), z)?;
+        let [start, len, global] = self
+            .part
+            .each_ref()
+            .map(|a| a.load(Ordering::Relaxed) as usize);
+        let n = x.dims().first().copied().unwrap_or(1);
+        let u = if len > 0 && global != len && n % len == 0 {
+            // x's first dim is `len` samples of n / len rows each (batch outermost): draw
+            // the global batch's mask and keep this part's rows.
+            let per = n / len;
+            let mut dims = x.dims().to_vec();
+            dims[0] = per * global;
+            Tensor::rand(dims, x.dtype(), x.device(), z)?.narrow(0, per * start, per * len)?
+        } else {
+            Tensor::rand(x.shape().clone(), x.dtype(), x.device(), z)?
+        };
         let keep = u.cmp_scalar(self.p, crate::CmpOp::Ge)?;
         x.mul(&keep)?.affine(1.0 / (1.0 - self.p), 0.0)
     }

@@ -19,7 +19,8 @@ pub use embeddings::{
     apply_rope, modulate, rope, timestep_embedding, EmbedNd, Modulation, ModulationOut,
 };
 pub use layers::{
-    upsample_nearest2d, Activation, Dropout, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
+    upsample_nearest2d, Activation, BatchPart, Dropout, Embedding, GroupNorm, LayerNorm, Linear,
+    RmsNorm,
 };
 pub use lora_merge::LoraMerge;
 pub use params::{KeyMap, KeySource, VarBuilder};

@@ -51,6 +51,7 @@ fn toml_type(rust: &str) -> &'static str {
         "Vec<DirEntry>" => "tables [[...]] of path, repeats",
         "[usize;2]" => "[integer, integer]",
         "[f64;2]" => "[float, float]",
+        "Gpus" => "list of integers, or \"all\"",
         _ => "string",
     }
 }
@@ -131,6 +132,67 @@ macro_rules! section {
             }
         }
     };
+}
+
+/// `train.gpus`: the GPUs data-parallel training runs on, one process each: a list of GPU
+/// numbers, `"all"`, or empty (one process on `train.device`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum Gpus {
+    /// These GPUs (empty: no data-parallel training).
+    List(Vec<usize>),
+    /// `"all"`: every GPU of the machine.
+    Named(String),
+}
+
+impl Gpus {
+    /// From the `train --gpus` argument: "all" or numbers separated by commas.
+    pub fn parse(s: &str) -> std::result::Result<Gpus, String> {
+        if s.trim() == "all" {
+            return Ok(Gpus::Named("all".into()));
+        }
+        s.split(',')
+            .filter(|p| !p.trim().is_empty())
+            .map(|p| {
+                p.trim()
+                    .parse::<usize>()
+                    .map_err(|_| format!("--gpus {s:?}: expected \"all\" or GPU numbers like 0,1"))
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map(Gpus::List)
+    }
+
+    /// The GPU numbers, given how many the machine has (`"all"`: every one); an error for
+    /// a duplicate or a GPU the machine lacks.
+    pub fn resolve(&self, count: usize) -> std::result::Result<Vec<usize>, String> {
+        let list = match self {
+            Gpus::Named(n) if n == "all" => (0..count).collect(),
+            Gpus::Named(n) => {
+                return Err(format!(
+                    "\"{n}\": expected a list of GPU numbers or \"all\""
+                ))
+            }
+            Gpus::List(l) => l.clone(),
+        };
+        for (i, g) in list.iter().enumerate() {
+            if list[..i].contains(g) {
+                return Err(format!("GPU {g} is listed twice"));
+            }
+            if *g >= count {
+                return Err(format!(
+                    "GPU {g}: this machine has {count} GPUs (0 to {})",
+                    count.max(1) - 1
+                ));
+            }
+        }
+        Ok(list)
+    }
+}
+
+impl From<Vec<usize>> for Gpus {
+    fn from(v: Vec<usize>) -> Gpus {
+        Gpus::List(v)
+    }
 }
 
 /// The dtype of the base model's weights on the device.
@@ -261,6 +323,12 @@ section! {
         output_dir: PathBuf,
         /// "auto" (the GPU if one opens), "cuda" or "cpu".
         device: String = "auto",
+        /// Data-parallel training on several GPUs of this machine, one process each (`train
+        /// --gpus` overrides it): a list like [0, 1], or "all"; empty: one process.
+        /// batch_size is then per GPU (the global batch is batch_size x GPUs x grad_accum).
+        /// Across machines, start `train` on each with torchrun's variables instead
+        /// (README, "Several GPUs").
+        gpus: Gpus = Vec::<usize>::new(),
         /// Flow matching: how t is drawn, "uniform", "logit_normal", "shift" or "flux_shift".
         timesteps: String = "logit_normal",
         /// logit_normal / flux_shift: the mean of the normal.
@@ -636,6 +704,13 @@ impl TrainConfig {
             in_list("model.prediction", &m.prediction, &["epsilon", "v"]),
             in_list("schedule.kind", &s.kind, &["constant", "cosine"]),
             in_list("train.device", &t.device, &["auto", "cuda", "cpu"]),
+            match &t.gpus {
+                Gpus::Named(n) if n != "all" => Some(Problem {
+                    key: "train.gpus",
+                    msg: format!("\"{n}\": expected a list of GPU numbers or \"all\""),
+                }),
+                _ => None,
+            },
             in_list(
                 "train.timesteps",
                 &t.timesteps,

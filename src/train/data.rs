@@ -149,10 +149,29 @@ impl Dataset {
 /// each (B, ...), and the files its samples came from (named in errors).
 #[derive(Clone, Debug)]
 pub struct Batch {
-    /// The inputs, latents first.
+    /// The inputs, latents first (none when this process's part of the batch is empty).
     pub inputs: Vec<Tensor>,
     /// The sample files (pre-encoded samples or images).
     pub files: Vec<String>,
+    /// This process's rows of the global batch.
+    pub rows: std::ops::Range<usize>,
+    /// The samples in the global batch (every process's part together).
+    pub global: usize,
+}
+
+/// Which part of every global batch a process takes in data-parallel training: the rows
+/// [`crate::dist::shard`] gives rank `rank` of `world`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Part {
+    /// The process's rank.
+    pub rank: usize,
+    /// The number of processes.
+    pub world: usize,
+}
+
+impl Part {
+    /// The whole batch (a single process).
+    pub const WHOLE: Part = Part { rank: 0, world: 1 };
 }
 
 /// Where a run's batches come from: pre-encoded samples ([`Dataset`]) or images with
@@ -167,14 +186,16 @@ pub trait Samples: Send + Sync {
     /// The per-sample shapes, in the model's input order, of the largest samples a batch
     /// can hold: what the memory plan is made for.
     fn largest(&self) -> Vec<Vec<usize>>;
-    /// Micro-batch number `micro` of the run (from 0, across epochs) of `batch` samples,
-    /// in `dtype` on `device`: a function of (`seed`, `micro`) alone, so a resumed run sees
-    /// the batches the uninterrupted one would have.
+    /// `part` of micro-batch number `micro` of the run (from 0, across epochs) of `batch`
+    /// samples (all processes together), in `dtype` on `device`: a function of (`seed`,
+    /// `micro`, `part`) alone, so a resumed run sees the batches the uninterrupted one
+    /// would have, and the parts of all processes make the batch one process would take.
     fn batch(
         &self,
         micro: usize,
         batch: usize,
         seed: u64,
+        part: Part,
         dtype: DType,
         device: &Device,
     ) -> Result<Batch>;
@@ -194,16 +215,24 @@ impl Samples for Dataset {
         micro: usize,
         batch: usize,
         seed: u64,
+        part: Part,
         dtype: DType,
         device: &Device,
     ) -> Result<Batch> {
-        let idx = indices(self.files.len(), seed, micro * batch, batch);
+        let all = indices(self.files.len(), seed, micro * batch, batch);
+        let rows = crate::dist::shard(all.len(), part.rank, part.world);
+        let idx = &all[rows.clone()];
         Ok(Batch {
-            inputs: Dataset::batch(self, &idx, dtype, device)?,
+            inputs: match idx.is_empty() {
+                true => vec![],
+                false => Dataset::batch(self, idx, dtype, device)?,
+            },
             files: idx
                 .iter()
                 .map(|&i| self.files[i].display().to_string())
                 .collect(),
+            rows,
+            global: all.len(),
         })
     }
     fn describe(&self) -> String {

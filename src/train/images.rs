@@ -4,7 +4,7 @@
 //! and batches read back from the caches step by step.
 
 use super::config::{ModelDType, TrainConfig};
-use super::data::{Batch, Samples};
+use super::data::{Batch, Part, Samples};
 use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
 use crate::encoders::{AutoencoderKl, VaeTiling};
 use crate::models::pipeline::{
@@ -160,7 +160,9 @@ fn reporter<'a>(what: &'a str, on: &'a mut dyn FnMut(String)) -> impl FnMut(&Pro
 /// and text caches (loading the autoencoder, then the text encoders, each freed when done)
 /// so that every batch of the run and every sample prompt is on disk. Without it (a dry
 /// run) nothing is written and only the shapes are worked out. `inputs` are the model's,
-/// `guided` whether it takes a guidance input. Notes go to `on`.
+/// `guided` whether it takes a guidance input. Notes go to `on`. Batches are cut for `world`
+/// processes of `train.batch_size` samples each (data-parallel training; 1 alone).
+#[allow(clippy::too_many_arguments)]
 pub fn prepare(
     config: &TrainConfig,
     family: &'static Family,
@@ -168,6 +170,7 @@ pub fn prepare(
     guided: bool,
     train_device: &Device,
     encode: bool,
+    world: usize,
     on: &mut dyn FnMut(String),
 ) -> Result<ImageRun> {
     let d = &config.data;
@@ -246,7 +249,7 @@ pub fn prepare(
     // Text: every caption the run's epochs will draw, the held-out captions, the empty
     // caption and the sample prompts.
     let train_ds = &sets[0].0;
-    let sampler = train_ds.sampler(t.batch_size, false)?;
+    let sampler = train_ds.sampler(t.batch_size * world, false)?;
     let micro_batches = t.steps * t.grad_accum;
     let epochs = micro_batches.div_ceil(sampler.batches_per_epoch().max(1));
     let mut captions: Vec<String> = vec![String::new()];
@@ -294,7 +297,7 @@ pub fn prepare(
 
     let mut samples = vec![];
     for ((ds, _), latents) in sets.into_iter().zip(caches) {
-        let sampler = ds.sampler(t.batch_size.min(ds.len()), false)?;
+        let sampler = ds.sampler((t.batch_size * world).min(ds.len()), false)?;
         let (bw, bh) = sampler
             .bucket_sizes()
             .iter()
@@ -403,7 +406,12 @@ impl ImageSamples {
             .iter()
             .map(|&i| self.ds.item(i).map(|it| it.path.display().to_string()))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Batch { inputs: out, files })
+        Ok(Batch {
+            inputs: out,
+            files,
+            rows: 0..idx.len(),
+            global: idx.len(),
+        })
     }
 }
 
@@ -419,11 +427,26 @@ impl Samples for ImageSamples {
         micro: usize,
         _batch: usize,
         _seed: u64,
+        part: Part,
         dtype: DType,
         device: &Device,
     ) -> Result<Batch> {
-        let (epoch, idx) = self.sampler.batch_at(micro);
-        self.inputs(&idx, epoch, false, dtype, device)
+        // The sampler cuts global batches (`prepare`'s `world` times the batch size).
+        let (epoch, all) = self.sampler.batch_at(micro);
+        let rows = crate::dist::shard(all.len(), part.rank, part.world);
+        let idx = &all[rows.clone()];
+        if idx.is_empty() {
+            return Ok(Batch {
+                inputs: vec![],
+                files: vec![],
+                rows,
+                global: all.len(),
+            });
+        }
+        let mut b = self.inputs(idx, epoch, false, dtype, device)?;
+        b.rows = rows;
+        b.global = all.len();
+        Ok(b)
     }
     fn describe(&self) -> String {
         let buckets: Vec<String> = self

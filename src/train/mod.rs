@@ -18,4 +18,6 @@ pub use objectives::{
     flow_matching, flux_mu, flux_time_shift, shift_time, weighted_mse, Ddpm, Prediction,
     TimestepSampling,
 };
-pub use trainer::{Event, FolderAction, Prepare, RunEnd, RunOptions, StepReport, Trainer};
+pub use trainer::{
+    Event, FolderAction, Placement, Prepare, RunEnd, RunOptions, StepReport, Trainer,
+};

@@ -9,7 +9,7 @@
 //! `"step": k`, and `checkpoint-k` holds the state after it.
 
 use super::config::{AdapterFormat, ModelDType, TrainConfig};
-use super::data::{Dataset, Samples};
+use super::data::{Batch, Dataset, Part, Samples};
 use super::demo;
 use super::images::{self, ImageSamples};
 use super::memory::{plan_memory, MemoryChoice};
@@ -18,8 +18,9 @@ use super::rundir::{
     read_log, write_atomic, CheckpointState, Manifest, RunDir, FINAL, LOG, PLOT, SAMPLES,
 };
 use super::scaler::LossScaler;
+use crate::dist::{GradReducer, ProcessGroup, BUCKET_BYTES};
 use crate::models::{self, DiffusionModel, LoadOptions, MemoryPlan, Objective};
-use crate::nn::{Adapters, KeyMap, GOLDEN};
+use crate::nn::{Adapters, BatchPart, KeyMap, GOLDEN};
 use crate::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
 use crate::{sum_sq_multi, DType, Device, Error, Grads, Result, Tensor};
 use std::io::Write;
@@ -54,6 +55,21 @@ pub struct Trainer {
     run_id: String,
     /// Set (e.g. by a signal handler) to stop after the current step with a checkpoint.
     interrupt: Arc<AtomicBool>,
+    /// Data-parallel training: the group, and the gradient sums over it.
+    dist: Option<(Arc<dyn ProcessGroup>, Arc<GradReducer>)>,
+    /// Whether any rank was interrupted by the last step (data-parallel training, where all
+    /// ranks must stop after the same step).
+    stop_all: bool,
+}
+
+/// Where [`Trainer::open_in`] trains: the device (default: `train.device`'s) and, for
+/// data-parallel training, the process group (on the group's GPU for NCCL).
+#[derive(Clone, Default)]
+pub struct Placement {
+    /// The device; `None`: as `train.device` says (the first GPU for "cuda").
+    pub device: Option<Device>,
+    /// The process group of data-parallel training, if any.
+    pub group: Option<Arc<dyn ProcessGroup>>,
 }
 
 /// The image pipeline's pieces sampling needs after the encoders are freed: the text cache
@@ -219,9 +235,33 @@ impl Trainer {
         prepare: Prepare,
         on: &mut dyn FnMut(Event),
     ) -> Result<Trainer> {
+        Self::open_in(config, prepare, Placement::default(), on)
+    }
+
+    /// As [`Trainer::open`], on `place`'s device, as one rank of data-parallel training
+    /// when it has a group:
+    /// `train.batch_size` is then each rank's part of a global batch of `batch_size` ×
+    /// ranks; rank 0 makes the files every rank reads (the tiny model, the caches) while
+    /// the others wait, and only rank 0 writes the run's files.
+    pub fn open_in(
+        config: TrainConfig,
+        prepare: Prepare,
+        place: Placement,
+        on: &mut dyn FnMut(Event),
+    ) -> Result<Trainer> {
         config.validate()?;
         let m = &config.model;
-        let device = pick_device(&config.train.device)?;
+        let device = match place.device {
+            Some(d) => d,
+            None => pick_device(&config.train.device)?,
+        };
+        let group = place.group;
+        let world = group.as_ref().map_or(1, |g| g.world());
+        let root = group.as_ref().is_none_or(|g| g.rank() == 0);
+        // Rank 0 first: it makes the files the others then read.
+        if let (Some(g), false) = (&group, root) {
+            g.barrier()?;
+        }
         let family = models::family(&m.arch)?;
         let mut json = None;
         if m.create_if_missing.is_some() {
@@ -282,6 +322,7 @@ impl Trainer {
                     probe.guidance_input(),
                     &device,
                     prepare == Prepare::Encode,
+                    world,
                     &mut |n| on(Event::Note(n)),
                 )?;
                 probe
@@ -299,6 +340,9 @@ impl Trainer {
             }
         };
         drop(probe);
+        if let (Some(g), true) = (&group, root) {
+            g.barrier()?;
+        }
         opts.adapters = Some(adapters.clone());
         let memory = plan_memory(&config, family, &opts, &device, &data.largest())?;
         opts.memory = memory.plan.clone();
@@ -342,6 +386,14 @@ impl Trainer {
             msg: format!("[optimizer]: {e}"),
         })?;
         let scaler = config.loss_scaler();
+        let dist = match group {
+            Some(g) => {
+                let params = adapters.params()?.into_iter().map(|(_, t)| t).collect();
+                let r = GradReducer::new(g.clone(), params, BUCKET_BYTES);
+                Some((g, r))
+            }
+            None => None,
+        };
         Ok(Trainer {
             config,
             memory,
@@ -359,7 +411,44 @@ impl Trainer {
             scaler,
             run_id: String::new(),
             interrupt: Arc::new(AtomicBool::new(false)),
+            dist,
+            stop_all: false,
         })
+    }
+
+    /// The process group of data-parallel training, if any.
+    pub fn group(&self) -> Option<&Arc<dyn ProcessGroup>> {
+        self.dist.as_ref().map(|(g, _)| g)
+    }
+
+    /// Whether this process writes the run's files (rank 0, or a single process).
+    pub fn is_root(&self) -> bool {
+        self.group().is_none_or(|g| g.rank() == 0)
+    }
+
+    /// The config's resume keys, and the number of ranks where there are several (the
+    /// global batch depends on it).
+    fn resume_keys(&self) -> Vec<(&'static str, String)> {
+        let mut k = self.config.resume_keys();
+        let world = self.part().world;
+        if world > 1 {
+            k.push((
+                "ranks (GPUs or workers of data-parallel training)",
+                world.to_string(),
+            ));
+        }
+        k
+    }
+
+    /// This process's part of every global batch.
+    fn part(&self) -> Part {
+        match self.group() {
+            Some(g) => Part {
+                rank: g.rank(),
+                world: g.world(),
+            },
+            None => Part::WHOLE,
+        }
     }
 
     /// The device it trains on.
@@ -386,12 +475,17 @@ impl Trainer {
         RunDir::new(&self.config.train.output_dir)
     }
 
-    /// The loss of one batch of clean latents, noised with draws from `seed`.
-    fn loss(&self, batch: &[Tensor], seed: u64) -> Result<Tensor> {
-        let x0 = &batch[0];
-        let (b, dims) = (x0.dims()[0], x0.dims().to_vec());
-        let noise =
-            Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?.to_dtype(self.dtype)?;
+    /// The loss of this process's rows of one batch of clean latents, noised with draws
+    /// from `seed`: noise and timesteps are drawn for the whole global batch and the rows
+    /// taken, so the ranks together see what one process would.
+    fn loss(&self, batch: &Batch, seed: u64) -> Result<Tensor> {
+        let x0 = &batch.inputs[0];
+        let (b, mut dims) = (batch.global, x0.dims().to_vec());
+        let (start, len) = (batch.rows.start, batch.rows.len());
+        dims[0] = b;
+        let noise = Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?
+            .narrow(0, start, len)?
+            .to_dtype(self.dtype)?;
         let t = match self.model.objective() {
             Objective::FlowMatching => {
                 // Flux's resolution-dependent shift counts 2x2 latent patches as tokens.
@@ -402,7 +496,7 @@ impl Trainer {
             }
             Objective::Ddpm(ddpm) => ddpm.sample_timesteps(b, seed ^ 0x7133, &self.device)?,
         };
-        self.loss_at(batch, &t, &noise)
+        self.loss_at(&batch.inputs, &t.narrow(0, start, len)?, &noise)
     }
 
     /// What the model is trained to predict (DDPM models).
@@ -581,6 +675,10 @@ impl Trainer {
     /// gradient norm stops with an error naming the step, the batch's files and the tensor,
     /// or (`train.on_nonfinite = "skip"`) skips the update.
     pub fn train_step(&mut self) -> Result<StepReport> {
+        crate::fault::point("step").map_err(|source| Error::Io {
+            path: format!("step {}", self.step + 1).into(),
+            source,
+        })?;
         self.step_inner().map_err(|e| self.memory.explain(e))
     }
 
@@ -589,30 +687,79 @@ impl Trainer {
         let (b, acc, seed) = (t.batch_size, t.grad_accum, t.seed);
         let lr = self.config.lr_at(self.step);
         self.opt.set_learning_rate(lr);
-        self.adapters.set_step(self.step as u64)?;
         let mut grads = Grads::new();
         let mut total = 0.0;
         let mut files: Vec<String> = vec![];
         let mut bad: Option<String> = None;
         // Dynamic loss scaling: the backward runs on loss * scale, the step divides by it.
         let scale = self.scaler.map_or(1.0, |s| s.scale);
+        let part = self.part();
+        let reducer = self.dist.as_ref().map(|(_, r)| r.clone());
+        if let Some(r) = &reducer {
+            grads.set_hook(Some(r.clone()));
+        }
         for micro in 0..acc {
             let m = self.step * acc + micro;
-            let batch = self.data.batch(m, b, seed, self.dtype, &self.device)?;
-            files.extend(batch.files);
+            let batch = self
+                .data
+                .batch(m, b * part.world, seed, part, self.dtype, &self.device)?;
+            files.extend(batch.files.iter().cloned());
+            if micro + 1 == acc {
+                // The last backward of the step starts the gradient sums over the ranks.
+                if let Some(r) = &reducer {
+                    r.arm()?;
+                }
+            }
+            if batch.inputs.is_empty() {
+                // This rank has no rows of a short last batch: it adds zeros.
+                continue;
+            }
+            let part = BatchPart {
+                start: batch.rows.start,
+                len: batch.rows.len(),
+                global: batch.global,
+            };
+            self.adapters
+                .set_batch(self.step as u64, micro as u64, part)?;
             let s = seed ^ (m as u64 + 1).wrapping_mul(GOLDEN);
-            let loss = self.loss(&batch.inputs, s)?.affine(1.0 / acc as f64, 0.0)?;
+            // Each rank's mean over its rows, weighted by its share of the global batch:
+            // the ranks' sum is the global batch's mean.
+            let w = batch.rows.len() as f64 / batch.global.max(1) as f64 / acc as f64;
+            let loss = self.loss(&batch, s)?.affine(w, 0.0)?;
             let value = loss.to_scalar_f64()?;
             total += value;
             if !value.is_finite() {
                 bad = Some(format!("the loss of micro-batch {} is {value}", micro + 1));
-                break;
+                if reducer.is_none() {
+                    break;
+                }
+                // The other ranks go on to the gradient sums: so does this one.
+                continue;
             }
             if scale == 1.0 {
                 loss.backward_into(&mut grads)?;
             } else {
                 loss.affine(scale, 0.0)?.backward_into(&mut grads)?;
             }
+        }
+        grads.set_hook(None);
+        if let Some((g, r)) = &self.dist {
+            r.finish(&mut grads)?;
+            // Every rank agrees on the loss, on a non-finite loss anywhere and on a stop.
+            let mut v = [
+                total,
+                f64::from(u8::from(bad.is_some())),
+                f64::from(u8::from(self.interrupt.load(Ordering::Relaxed))),
+            ];
+            g.sum_host(&mut v)?;
+            total = v[0];
+            if bad.is_none() && v[1] > 0.0 {
+                bad = Some(format!(
+                    "the loss is not finite on {} of {} ranks",
+                    v[1], part.world
+                ));
+            }
+            self.stop_all = v[2] > 0.0;
         }
         let params = self.adapters.params()?;
         let with_grads: Vec<(&str, &Tensor)> = params
@@ -830,7 +977,7 @@ impl Trainer {
             });
         }
         // Resume.
-        let keys = self.config.resume_keys();
+        let keys = self.resume_keys();
         match dir.manifest()? {
             None if present.is_empty() => return Ok(plain(FolderAction::New)),
             None => {
@@ -912,7 +1059,155 @@ impl Trainer {
     /// Runs to `train.steps` (or `opts.stop_at`): prepares the output folder as
     /// [`Trainer::plan`] decides, logs each step to `loss.jsonl`, saves checkpoints and the
     /// final adapter, and tells `on` about notes, steps and saves.
+    ///
+    /// In data-parallel training every rank calls it: rank 0 decides and prepares the
+    /// folder, every other rank starts where rank 0 does (reading the same checkpoint: the
+    /// output folder must be one every rank can read), the adapter is broadcast from rank 0,
+    /// and only rank 0 writes the log, checkpoints, samples and the final adapter.
     pub fn run(&mut self, opts: &RunOptions, on: &mut dyn FnMut(Event)) -> Result<RunEnd> {
+        let root = self.is_root();
+        let dir = self.run_dir();
+        let log_path = dir.path.join(LOG);
+        let n = self.config.train.steps;
+        let action = match root {
+            true => self.prepare_folder(opts, on)?,
+            false => FolderAction::New,
+        };
+        if let Some(g) = self.group().cloned() {
+            // Rank 0's starting step on every rank.
+            let mut v = [if root { self.step as f64 } else { 0.0 }];
+            g.sum_host(&mut v)?;
+            let step = v[0] as usize;
+            if !root {
+                self.step = 0;
+                self.skipped_in_row = 0;
+                if step > 0 {
+                    let path = dir.checkpoint_dir(step);
+                    let st = CheckpointState::read_verified(&path).map_err(|e| {
+                        Error::Dist(format!(
+                            "rank {} cannot read the checkpoint rank 0 resumes from ({e});                              train.output_dir must be a folder every rank reads",
+                            g.rank()
+                        ))
+                    })?;
+                    self.restore(&path, &st)?;
+                }
+            }
+            let params: Vec<Tensor> = self
+                .adapters
+                .params()?
+                .into_iter()
+                .map(|(_, t)| t)
+                .collect();
+            g.broadcast(&params.iter().collect::<Vec<_>>())?;
+        }
+        let mut log = match root {
+            false => None,
+            true => Some(
+                std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(&log_path)
+                    .map_err(|source| Error::Io {
+                        path: log_path.clone(),
+                        source,
+                    })?,
+            ),
+        };
+        let every = self.config.train.save_every;
+        let end = opts.stop_at.unwrap_or(n).min(n);
+        while self.step < end {
+            let r = self.train_step()?;
+            let mut line = serde_json::json!({
+                "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm
+            });
+            if let Some(why) = &r.skipped {
+                line["skipped"] = why.clone().into();
+            }
+            if let Some(log) = &mut log {
+                crate::fault::point("log-append")
+                    .and_then(|()| writeln!(log, "{line}"))
+                    .and_then(|()| log.flush())
+                    .map_err(|source| Error::Io {
+                        path: log_path.clone(),
+                        source,
+                    })?;
+            }
+            on(Event::Step(r));
+            let interrupted = match self.dist {
+                Some(_) => self.stop_all,
+                None => self.interrupt.load(Ordering::Relaxed),
+            };
+            let save = interrupted || self.step == n || (every > 0 && self.step % every == 0);
+            let ve = self.config.train.validate_every;
+            let validate = match ve {
+                0 => save && !interrupted,
+                _ => self.step % ve == 0 || self.step == n,
+            };
+            if let (true, Some(log)) = (validate, &mut log) {
+                if let Some(loss) = self.validation_loss()? {
+                    let line = serde_json::json!({"step": self.step, "val_loss": loss});
+                    writeln!(log, "{line}")
+                        .and_then(|()| log.flush())
+                        .map_err(|source| Error::Io {
+                            path: log_path.clone(),
+                            source,
+                        })?;
+                    on(Event::Validation {
+                        step: self.step,
+                        loss,
+                    });
+                }
+            }
+            let se = self.config.sample.every;
+            if root && !interrupted && (self.step == n || (se > 0 && self.step % se == 0)) {
+                let written = self.sample_images()?;
+                if !written.is_empty() {
+                    on(Event::Samples(written));
+                }
+            }
+            if save {
+                let p = match root {
+                    true => {
+                        let p = self.save_checkpoint()?;
+                        if self.pipeline.is_some() {
+                            self.plot()?;
+                        }
+                        on(Event::Saved(p.clone()));
+                        p
+                    }
+                    false => dir.checkpoint_dir(self.step),
+                };
+                if let Some(g) = self.group() {
+                    g.barrier()?;
+                }
+                if interrupted {
+                    return Ok(RunEnd::Interrupted(self.step, p));
+                }
+            }
+        }
+        let fin = dir.path.join(FINAL);
+        let finished = self.step == n;
+        if root
+            && finished
+            && !(matches!(action, FolderAction::AlreadyFinished(_)) && fin.is_file())
+        {
+            self.save_adapter(&fin)?;
+        }
+        if let Some(g) = self.group() {
+            g.barrier()?;
+        }
+        Ok(match finished {
+            true => RunEnd::Finished(fin),
+            false => RunEnd::Stopped(self.step),
+        })
+    }
+
+    /// Rank 0's (or a single process's) start of `run`: decides, prepares the folder and
+    /// restores the checkpoint it resumes from.
+    fn prepare_folder(
+        &mut self,
+        opts: &RunOptions,
+        on: &mut dyn FnMut(Event),
+    ) -> Result<FolderAction> {
         let Decision {
             action,
             from,
@@ -920,7 +1215,6 @@ impl Trainer {
         } = self.decide(opts)?;
         let dir = self.run_dir();
         let log_path = dir.path.join(LOG);
-        let n = self.config.train.steps;
         match &action {
             FolderAction::New | FolderAction::Overwrite(_) => {
                 if matches!(action, FolderAction::Overwrite(_)) {
@@ -930,7 +1224,7 @@ impl Trainer {
                     )));
                     dir.clear()?;
                 }
-                let m = Manifest::new(self.config.resume_keys());
+                let m = Manifest::new(self.resume_keys());
                 dir.create(&m)?;
                 self.run_id = m.run_id;
                 self.step = 0;
@@ -972,79 +1266,7 @@ impl Trainer {
                 write_atomic(&log_path, kept.as_bytes())?;
             }
         }
-        let mut log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&log_path)
-            .map_err(|source| Error::Io {
-                path: log_path.clone(),
-                source,
-            })?;
-        let every = self.config.train.save_every;
-        let end = opts.stop_at.unwrap_or(n).min(n);
-        while self.step < end {
-            let r = self.train_step()?;
-            let mut line = serde_json::json!({
-                "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm
-            });
-            if let Some(why) = &r.skipped {
-                line["skipped"] = why.clone().into();
-            }
-            crate::fault::point("log-append")
-                .and_then(|()| writeln!(log, "{line}"))
-                .and_then(|()| log.flush())
-                .map_err(|source| Error::Io {
-                    path: log_path.clone(),
-                    source,
-                })?;
-            on(Event::Step(r));
-            let interrupted = self.interrupt.load(Ordering::Relaxed);
-            let save = interrupted || self.step == n || (every > 0 && self.step % every == 0);
-            let ve = self.config.train.validate_every;
-            let validate = match ve {
-                0 => save && !interrupted,
-                _ => self.step % ve == 0 || self.step == n,
-            };
-            if validate {
-                if let Some(loss) = self.validation_loss()? {
-                    let line = serde_json::json!({"step": self.step, "val_loss": loss});
-                    writeln!(log, "{line}")
-                        .and_then(|()| log.flush())
-                        .map_err(|source| Error::Io {
-                            path: log_path.clone(),
-                            source,
-                        })?;
-                    on(Event::Validation {
-                        step: self.step,
-                        loss,
-                    });
-                }
-            }
-            let se = self.config.sample.every;
-            if !interrupted && (self.step == n || (se > 0 && self.step % se == 0)) {
-                let written = self.sample_images()?;
-                if !written.is_empty() {
-                    on(Event::Samples(written));
-                }
-            }
-            if save {
-                let p = self.save_checkpoint()?;
-                if self.pipeline.is_some() {
-                    self.plot()?;
-                }
-                on(Event::Saved(p.clone()));
-                if interrupted {
-                    return Ok(RunEnd::Interrupted(self.step, p));
-                }
-            }
-        }
-        if self.step == n {
-            let fin = dir.path.join(FINAL);
-            if !(matches!(action, FolderAction::AlreadyFinished(_)) && fin.is_file()) {
-                self.save_adapter(&fin)?;
-            }
-            return Ok(RunEnd::Finished(fin));
-        }
-        Ok(RunEnd::Stopped(self.step))
+        Ok(action)
     }
 }
 

@@ -39,6 +39,9 @@ struct Inner {
     /// The stream of offloaded activations' copies (host.rs), made on first use: apart from
     /// the weights' copies, so the compute never waits behind weights prefetched ahead.
     offload: OnceLock<Arc<CudaStream>>,
+    /// The stream of collectives over NCCL (`dist`), made on first use: gradient buckets
+    /// are summed there while the backward goes on.
+    comm: OnceLock<Arc<CudaStream>>,
 }
 
 /// How many completion counters `CudaDevice::done_counters` holds (16 KiB).
@@ -136,6 +139,7 @@ impl CudaDevice {
             done: OnceLock::new(),
             copy: OnceLock::new(),
             offload: OnceLock::new(),
+            comm: OnceLock::new(),
         })))
     }
 
@@ -189,6 +193,11 @@ impl CudaDevice {
     /// The stream that offloaded activations' copies run on (host.rs), made on first use.
     pub(crate) fn offload_stream(&self) -> Result<&Arc<CudaStream>> {
         self.lazy_stream(&self.0.offload, "offload")
+    }
+
+    /// The stream NCCL collectives run on (nccl.rs), made on first use.
+    pub(crate) fn comm_stream(&self) -> Result<&Arc<CudaStream>> {
+        self.lazy_stream(&self.0.comm, "collectives")
     }
 
     fn lazy_stream<'a>(

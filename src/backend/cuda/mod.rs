@@ -14,6 +14,7 @@ mod layout;
 mod matmul;
 mod memory;
 mod multi;
+mod nccl;
 mod norm;
 mod reduce;
 mod storage;
@@ -25,6 +26,7 @@ pub(crate) mod ptx {
 pub use device::CudaDevice;
 pub(crate) use host::{PinnedBuf, PinnedPack, Upload};
 pub use memory::MemoryReport;
+pub use nccl::{nccl_available, nccl_unique_id, NcclComm};
 pub use storage::CudaStorage;
 
 use crate::Error;
@@ -121,6 +123,19 @@ pub fn kernels_compiled() -> bool {
 pub fn driver_available() -> bool {
     // SAFETY: only tries to dlopen libcuda and drops the handle; no CUDA call is made.
     unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// The number of GPUs the CUDA driver sees (an error without a driver).
+pub fn device_count() -> crate::Result<usize> {
+    if !driver_available() {
+        return Err(Error::CudaUnavailable(
+            "no CUDA driver (libcuda.so) on this machine".into(),
+        ));
+    }
+    cudarc::driver::result::init().map_err(cuda_err("initialising the driver"))?;
+    cudarc::driver::result::device::get_count()
+        .map(|n| n as usize)
+        .map_err(cuda_err("counting the GPUs"))
 }
 
 pub(crate) fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {

@@ -16,6 +16,7 @@
 use super::io::{join_rows, part_rows, PeftFile, Reader};
 use super::lora::Lora;
 use super::{cast, Adapter, BaseLayer, Kind, LayerShape, PeftPart};
+use crate::nn::layers::BatchPart;
 use crate::{DType, Error, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -211,7 +212,7 @@ impl Adapter for Dora {
         Ok(())
     }
 
-    fn set_step(&self, step: u64) {
-        self.lora.set_step(step);
+    fn set_batch(&self, step: u64, micro: u64, part: BatchPart) {
+        self.lora.set_batch(step, micro, part);
     }
 }

@@ -10,7 +10,7 @@
 
 use super::io::{join_rows, part_rows, PeftFile, Reader};
 use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
-use crate::nn::layers::Dropout;
+use crate::nn::layers::{BatchPart, Dropout};
 use crate::{Error, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -239,7 +239,9 @@ impl Adapter for Lora {
         self.read_peft(parts, file, file_scale)
     }
 
-    fn set_step(&self, step: u64) {
-        self.dropout.set_calls(step << 24);
+    fn set_batch(&self, step: u64, micro: u64, part: BatchPart) {
+        self.dropout
+            .set_calls((step << 24) | ((micro & 0xFFF) << 12));
+        self.dropout.set_part(part);
     }
 }

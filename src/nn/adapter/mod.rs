@@ -28,6 +28,7 @@ pub use io::{kohya_name, PeftFile};
 pub use lokr::factorization;
 pub use lora::Lora;
 
+use super::layers::BatchPart;
 use super::seed::key_hash;
 use crate::{DType, Device, Error, Result, Tensor};
 use std::collections::BTreeMap;
@@ -223,8 +224,9 @@ pub trait Adapter: Send + Sync + std::fmt::Debug {
     /// Reads a PEFT-layout file whose adapters PEFT scales by `file_scale` (its alpha / r).
     fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()>;
 
-    /// Puts the adapter's dropout at the start of training step `step`.
-    fn set_step(&self, _step: u64) {}
+    /// Puts the adapter's dropout at the start of micro-batch `micro` of training step
+    /// `step`, whose inputs hold `part` of the global batch.
+    fn set_batch(&self, _step: u64, _micro: u64, _part: BatchPart) {}
 }
 
 /// Everything a kind needs to make a fresh adapter for one layer.
@@ -509,8 +511,14 @@ impl Adapters {
     /// a function of the seed, the step and the call order within the step, so a resumed run
     /// repeats them).
     pub fn set_step(&self, step: u64) -> Result<()> {
+        self.set_batch(step, 0, BatchPart::default())
+    }
+
+    /// As [`Adapters::set_step`], at micro-batch `micro` of the step, whose inputs are
+    /// `part` of the global batch (data-parallel training).
+    pub fn set_batch(&self, step: u64, micro: u64, part: BatchPart) -> Result<()> {
         for l in self.layers()? {
-            l.set_step(step);
+            l.set_batch(step, micro, part);
         }
         Ok(())
     }

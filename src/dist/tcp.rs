@@ -1,0 +1,493 @@
+//! The process group over TCP: the rendezvous every run of several processes starts with,
+//! the control plane (small host sums, barriers, failure reports) of every group, and the
+//! whole group on the CPU (tensors travel through the host, so it also works, slowly, for
+//! any device).
+//!
+//! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank opens two connections to it:
+//! one for collectives, one for the watchdog. Collectives are a star through rank 0, which
+//! adds the ranks' values in rank order, in f64, and sends the one result back: every rank
+//! ends with the same bits, and the same bits run after run.
+
+use super::{Pending, ProcessGroup};
+use crate::{Device, Error, Result, Tensor};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const DATA: u8 = 1;
+const ABORT: u8 = 2;
+const FAILED: u8 = 3;
+const BYE: u8 = 4;
+/// "FLME": the first word of every connection, so a stray client is refused by name.
+const MAGIC: u32 = 0x464C_4D45;
+const KIND_DATA: u32 = 0;
+const KIND_WATCH: u32 = 1;
+/// The largest frame read (a bigger length is a corrupt or foreign stream).
+const MAX_FRAME: u64 = 1 << 36;
+
+/// What a rank does when the watchdog learns that another rank failed or vanished: the
+/// message names the rank and why. The `train` binary exits the process (a collective in
+/// flight on a GPU cannot be cancelled from the host any other way).
+pub type OnAbort = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// A process group whose connections are TCP sockets; see the module documentation.
+pub struct TcpGroup {
+    rank: usize,
+    world: usize,
+    /// Rank 0: the data connection of rank r at r - 1; the others: the one to rank 0.
+    data: Mutex<Vec<TcpStream>>,
+    /// The watch connections, the same way (writer handles; the watchdog reads clones).
+    watch: Arc<Mutex<Vec<TcpStream>>>,
+    /// Set when the group is dropped: a closed watch connection then means a clean exit.
+    done: Arc<AtomicBool>,
+}
+
+fn dist(msg: impl Into<String>) -> Error {
+    Error::Dist(msg.into())
+}
+
+fn send(s: &mut TcpStream, tag: u8, payload: &[u8]) -> std::io::Result<()> {
+    let mut head = [0u8; 9];
+    head[0] = tag;
+    head[1..].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    s.write_all(&head)?;
+    s.write_all(payload)?;
+    s.flush()
+}
+
+fn recv(s: &mut TcpStream) -> std::io::Result<(u8, Vec<u8>)> {
+    let mut head = [0u8; 9];
+    s.read_exact(&mut head)?;
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&head[1..]);
+    let len = u64::from_le_bytes(len);
+    if len > MAX_FRAME {
+        return Err(std::io::Error::other(format!(
+            "a frame of {len} bytes: not a FLAME peer"
+        )));
+    }
+    let mut p = vec![0u8; len as usize];
+    s.read_exact(&mut p)?;
+    Ok((head[0], p))
+}
+
+fn f64s(bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(c);
+            f64::from_le_bytes(b)
+        })
+        .collect()
+}
+
+fn bytes(values: &[f64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn word(s: &mut TcpStream) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+impl TcpGroup {
+    /// Joins the group as `rank` of `world`: rank 0 listens on `addr:port` (see
+    /// [`TcpGroup::host`]), the others connect to it, retrying until `timeout` (rank 0 may
+    /// start later). An error names the address and what went wrong.
+    pub fn connect(
+        addr: &str,
+        port: u16,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<TcpGroup> {
+        if world == 0 || rank >= world {
+            return Err(dist(format!("rank {rank} of a world of {world}")));
+        }
+        if rank == 0 {
+            let l = TcpListener::bind((addr, port)).map_err(|e| {
+                dist(format!(
+                    "rank 0 cannot listen on {addr}:{port} (MASTER_ADDR:MASTER_PORT): {e}"
+                ))
+            })?;
+            return Self::host(l, world, timeout);
+        }
+        let deadline = Instant::now() + timeout;
+        let open = |kind: u32| -> Result<TcpStream> {
+            loop {
+                match TcpStream::connect((addr, port)) {
+                    Ok(mut s) => {
+                        let _ = s.set_nodelay(true);
+                        let mut hello = vec![];
+                        for w in [MAGIC, rank as u32, world as u32, kind] {
+                            hello.extend(w.to_le_bytes());
+                        }
+                        s.write_all(&hello).map_err(|e| {
+                            dist(format!(
+                                "rank {rank}: greeting rank 0 at {addr}:{port}: {e}"
+                            ))
+                        })?;
+                        return Ok(s);
+                    }
+                    Err(e) if Instant::now() >= deadline => {
+                        return Err(dist(format!(
+                            "rank {rank}: no rank 0 at {addr}:{port} (MASTER_ADDR:MASTER_PORT) \
+                             after {} s: {e}",
+                            timeout.as_secs()
+                        )))
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        };
+        let data = open(KIND_DATA)?;
+        let watch = open(KIND_WATCH)?;
+        let g = TcpGroup {
+            rank,
+            world,
+            data: Mutex::new(vec![data]),
+            watch: Arc::new(Mutex::new(vec![watch])),
+            done: Arc::new(AtomicBool::new(false)),
+        };
+        // Rank 0 answers once every rank has joined: a wrong world size or a duplicate rank
+        // fails here, by name, on every rank.
+        let mut ok = [0.0];
+        g.sum_host(&mut ok)?;
+        Ok(g)
+    }
+
+    /// Rank 0 of a group of `world` on a listener already bound (tests bind port 0 and
+    /// pass the port to the other ranks): waits up to `timeout` for every rank.
+    pub fn host(listener: TcpListener, world: usize, timeout: Duration) -> Result<TcpGroup> {
+        let at = listener
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| "?".into());
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| dist(format!("listening on {at}: {e}")))?;
+        let n = world.saturating_sub(1);
+        let mut data: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+        let mut watch: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+        let deadline = Instant::now() + timeout;
+        let missing = |d: &[Option<TcpStream>], w: &[Option<TcpStream>]| -> Vec<usize> {
+            (0..n)
+                .filter(|&i| d[i].is_none() || w[i].is_none())
+                .map(|i| i + 1)
+                .collect()
+        };
+        while !missing(&data, &watch).is_empty() {
+            match listener.accept() {
+                Ok((mut s, peer)) => {
+                    let _ = s.set_nonblocking(false);
+                    let _ = s.set_nodelay(true);
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+                    let hello: std::io::Result<[u32; 4]> =
+                        (|| Ok([word(&mut s)?, word(&mut s)?, word(&mut s)?, word(&mut s)?]))();
+                    let _ = s.set_read_timeout(None);
+                    let [magic, r, w, kind] = match hello {
+                        Ok(h) => h,
+                        Err(_) => continue,
+                    };
+                    if magic != MAGIC {
+                        // Not one of ours (a port scanner, a stale client): ignore it.
+                        continue;
+                    }
+                    let (r, w) = (r as usize, w as usize);
+                    let refuse = if w != world {
+                        Some(format!(
+                            "rank {r} (from {peer}) says the world has {w} ranks; rank 0 has \
+                             {world} (WORLD_SIZE must agree)"
+                        ))
+                    } else if r == 0 || r >= world {
+                        Some(format!("a rank {r} (from {peer}) in a world of {world}"))
+                    } else {
+                        let slot = if kind == KIND_WATCH {
+                            &mut watch[r - 1]
+                        } else {
+                            &mut data[r - 1]
+                        };
+                        if slot.is_some() {
+                            Some(format!("two processes (one from {peer}) claim rank {r}"))
+                        } else {
+                            *slot = Some(s.try_clone().map_err(|e| dist(e.to_string()))?);
+                            None
+                        }
+                    };
+                    if let Some(msg) = refuse {
+                        let _ = send(&mut s, ABORT, msg.as_bytes());
+                        for c in data.iter_mut().chain(watch.iter_mut()).flatten() {
+                            let _ = send(c, ABORT, msg.as_bytes());
+                        }
+                        return Err(dist(msg));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(dist(format!(
+                            "rank 0 at {at}: ranks {:?} did not join within {} s",
+                            missing(&data, &watch),
+                            timeout.as_secs()
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(dist(format!("accepting on {at}: {e}"))),
+            }
+        }
+        let g = TcpGroup {
+            rank: 0,
+            world,
+            data: Mutex::new(data.into_iter().flatten().collect()),
+            watch: Arc::new(Mutex::new(watch.into_iter().flatten().collect())),
+            done: Arc::new(AtomicBool::new(false)),
+        };
+        let mut ok = [0.0];
+        g.sum_host(&mut ok)?;
+        Ok(g)
+    }
+
+    /// Starts the watchdog: when another rank fails (says so, exits or is killed), every
+    /// rank's `on_abort` runs with a message naming it, even while its main thread is
+    /// blocked in a collective.
+    pub fn start_watchdog(&self, on_abort: OnAbort) -> Result<()> {
+        let readers: Vec<TcpStream> = self
+            .watch
+            .lock()
+            .map_err(|_| Error::Poisoned("watch connections"))?
+            .iter()
+            .map(|s| s.try_clone())
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| dist(format!("the watchdog's connections: {e}")))?;
+        for (i, mut r) in readers.into_iter().enumerate() {
+            let (done, on, writers) = (self.done.clone(), on_abort.clone(), self.watch.clone());
+            let root = self.rank == 0;
+            let peer = if root { i + 1 } else { 0 };
+            std::thread::spawn(move || {
+                let msg = match recv(&mut r) {
+                    Ok((BYE, _)) => return,
+                    Ok((FAILED, p)) | Ok((ABORT, p)) if !root => {
+                        String::from_utf8_lossy(&p).into_owned()
+                    }
+                    Ok((FAILED, p)) => {
+                        format!("rank {peer} failed: {}", String::from_utf8_lossy(&p))
+                    }
+                    _ if done.load(Ordering::Relaxed) => return,
+                    _ => format!(
+                        "rank {peer} exited without saying why (killed, crashed, or its \
+                         machine went away)"
+                    ),
+                };
+                if root {
+                    // Tell every other rank before acting.
+                    if let Ok(mut ws) = writers.lock() {
+                        for (j, w) in ws.iter_mut().enumerate() {
+                            if j != i {
+                                let _ = send(w, ABORT, msg.as_bytes());
+                            }
+                        }
+                    }
+                }
+                on(&msg);
+            });
+        }
+        Ok(())
+    }
+
+    fn abort_data(conns: &mut [TcpStream], msg: &str) {
+        for c in conns.iter_mut() {
+            let _ = send(c, ABORT, msg.as_bytes());
+        }
+    }
+
+    /// Sums `values` over the ranks: rank 0 adds them in rank order.
+    fn sum_f64(&self, values: &mut [f64]) -> Result<()> {
+        let mut conns = self
+            .data
+            .lock()
+            .map_err(|_| Error::Poisoned("group connections"))?;
+        let n = values.len();
+        if self.rank == 0 {
+            let mut acc = values.to_vec();
+            for r in 1..self.world {
+                let got = recv(&mut conns[r - 1]);
+                let fail = match got {
+                    Ok((DATA, p)) if p.len() == 8 * n => {
+                        for (a, v) in acc.iter_mut().zip(f64s(&p)) {
+                            *a += v;
+                        }
+                        None
+                    }
+                    Ok((DATA, p)) => Some(format!(
+                        "rank {r} sent {} values to a collective of {n}: the ranks are out of \
+                         step (a different config or data on that rank?)",
+                        p.len() / 8
+                    )),
+                    Ok((FAILED, p)) | Ok((ABORT, p)) => {
+                        Some(format!("rank {r} failed: {}", String::from_utf8_lossy(&p)))
+                    }
+                    Ok((t, _)) => Some(format!("rank {r} sent an unknown frame {t}")),
+                    Err(e) => Some(format!(
+                        "rank {r} closed its connection ({e}): it failed, was killed, or its \
+                         machine went away"
+                    )),
+                };
+                if let Some(msg) = fail {
+                    Self::abort_data(&mut conns, &msg);
+                    return Err(dist(msg));
+                }
+            }
+            let out = bytes(&acc);
+            for (i, c) in conns.iter_mut().enumerate() {
+                send(c, DATA, &out)
+                    .map_err(|e| dist(format!("sending a sum to rank {}: {e}", i + 1)))?;
+            }
+            values.copy_from_slice(&acc);
+        } else {
+            let c = &mut conns[0];
+            send(c, DATA, &bytes(values)).map_err(|e| {
+                dist(format!(
+                    "rank {}: rank 0 closed its connection ({e}): it failed or was stopped",
+                    self.rank
+                ))
+            })?;
+            match recv(c) {
+                Ok((DATA, p)) if p.len() == 8 * n => values.copy_from_slice(&f64s(&p)),
+                Ok((ABORT, p)) => return Err(dist(String::from_utf8_lossy(&p).into_owned())),
+                Ok((t, p)) => {
+                    return Err(dist(format!(
+                        "rank {}: an unexpected frame {t} of {} bytes from rank 0",
+                        self.rank,
+                        p.len()
+                    )))
+                }
+                Err(e) => {
+                    return Err(dist(format!(
+                        "rank {}: rank 0 closed its connection ({e}): it failed or was stopped",
+                        self.rank
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Rank 0's `values` on every rank.
+    fn broadcast_f64(&self, values: &mut [f64]) -> Result<()> {
+        // A sum where every other rank contributes zeros: rank 0's values, exactly.
+        if self.rank != 0 {
+            values.iter_mut().for_each(|v| *v = 0.0);
+        }
+        self.sum_f64(values)
+    }
+}
+
+/// The tensors' elements, one after the other, as f64 (exact for every float dtype).
+fn gather(tensors: &[&Tensor]) -> Result<Vec<f64>> {
+    let mut all = vec![];
+    for t in tensors {
+        all.extend(t.to_vec_f64()?);
+    }
+    Ok(all)
+}
+
+/// Writes `values` back into the tensors (rounded once to each one's dtype).
+fn scatter(tensors: &[&Tensor], values: &[f64]) -> Result<()> {
+    let mut at = 0;
+    for t in tensors {
+        let n = t.elem_count();
+        let host = Tensor::from_vec(
+            values[at..at + n].to_vec(),
+            t.shape().clone(),
+            &host_device()?,
+        )?;
+        t.assign(&host.to_dtype(t.dtype())?.to_device(t.device())?)?;
+        at += n;
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cpu-ref")]
+fn host_device() -> Result<Device> {
+    Ok(Device::Cpu)
+}
+
+#[cfg(not(feature = "cpu-ref"))]
+fn host_device() -> Result<Device> {
+    Err(Error::NoBackend(
+        "a TCP process group's tensors (they pass through the host)",
+    ))
+}
+
+impl ProcessGroup for TcpGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world(&self) -> usize {
+        self.world
+    }
+    fn all_reduce_sum(&self, tensors: &[&Tensor]) -> Result<Pending> {
+        let mut v = gather(tensors)?;
+        self.sum_f64(&mut v)?;
+        scatter(tensors, &v)?;
+        Ok(Pending::done())
+    }
+    fn asynchronous(&self) -> bool {
+        false
+    }
+    fn broadcast(&self, tensors: &[&Tensor]) -> Result<()> {
+        let mut v = gather(tensors)?;
+        self.broadcast_f64(&mut v)?;
+        scatter(tensors, &v)
+    }
+    fn sum_host(&self, values: &mut [f64]) -> Result<()> {
+        self.sum_f64(values)
+    }
+    fn fail(&self, why: &str) {
+        // First: the others exit when told, and their closing connections are expected.
+        self.done.store(true, Ordering::Relaxed);
+        let Ok(mut ws) = self.watch.lock() else {
+            return;
+        };
+        if self.rank == 0 {
+            let msg = format!("rank 0 failed: {why}");
+            for w in ws.iter_mut() {
+                let _ = send(w, ABORT, msg.as_bytes());
+            }
+        } else if let Some(w) = ws.first_mut() {
+            let _ = send(w, FAILED, why.as_bytes());
+        }
+    }
+    fn watch(&self, on_abort: OnAbort) -> Result<()> {
+        self.start_watchdog(on_abort)
+    }
+    fn describe(&self) -> String {
+        format!("rank {} of {} (TCP)", self.rank, self.world)
+    }
+}
+
+impl Drop for TcpGroup {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Relaxed);
+        if let Ok(mut ws) = self.watch.lock() {
+            for w in ws.iter_mut() {
+                let _ = send(w, BYE, &[]);
+                let _ = w.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+/// A free TCP port on this machine (bound and released; a launcher passes it to its
+/// workers as `MASTER_PORT`).
+pub fn free_port() -> Result<u16> {
+    let l =
+        TcpListener::bind(("127.0.0.1", 0)).map_err(|e| dist(format!("finding a port: {e}")))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| dist(format!("finding a port: {e}")))
+}

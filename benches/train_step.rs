@@ -12,6 +12,13 @@
 //! AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
 //! streamed.
+//!
+//! Data-parallel: started with torchrun's variables (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`,
+//! `MASTER_ADDR`, `MASTER_PORT`; one process per GPU), each rank takes its part of a global
+//! batch of `--batch N` samples (default: one per rank), the adapter gradients are summed
+//! over NCCL in buckets during the backward, and rank 0 prints the global loss and the step
+//! time; `--allreduce-mib M` first times NCCL sums of M MiB (bus bandwidth, as nccl-tests
+//! counts it).
 
 mod common;
 
@@ -87,10 +94,35 @@ fn run<M: ModelSpec>(
     targets: &[&str],
     sample: Vec<Vec<usize>>,
 ) -> Result<()> {
-    let dev = Device::cuda(0)?;
+    let launch = flame::dist::Launch::from_env()?;
+    let dev = Device::cuda(launch.as_ref().map_or(Ok(0), |l| l.gpu())?)?;
     let Device::Cuda(cuda) = &dev else {
         return Ok(());
     };
+    let group = match &launch {
+        Some(l) => Some(l.join(&dev)?),
+        None => None,
+    };
+    let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.world()));
+    let batch: usize = args
+        .value("--batch")
+        .map_or(world, |s| s.parse().expect("a number"));
+    let rows = flame::dist::shard(batch, rank, world);
+    let root = rank == 0;
+    if let (Some(g), Some(mib)) = (&group, args.value("--allreduce-mib")) {
+        let mib: usize = mib.parse().expect("a number");
+        let buf = Tensor::ones(mib << 18, DType::F32, &dev)?;
+        let s = common::time(cuda, 3, 10, &mut || g.all_reduce_sum(&[&buf])?.wait())?;
+        let bytes = (mib << 20) as f64;
+        let bus = 2.0 * (world - 1) as f64 / world as f64 * bytes / s / 1e9;
+        if root {
+            println!(
+                "NCCL all-reduce of {mib} MiB f32 over {world} GPUs: {:.3} ms, algorithm bandwidth {:.1} GB/s, bus bandwidth {bus:.1} GB/s",
+                s * 1e3,
+                bytes / s / 1e9
+            );
+        }
+    }
     let lora = LoraConfig {
         rank: 16,
         alpha: 16.0,
@@ -169,7 +201,9 @@ fn run<M: ModelSpec>(
         }
     };
     let predicted = profile.peak(&plan) as f64 / GIB;
-    println!("flame {name}: plan {plan}, predicted peak {predicted:.2} GiB");
+    if root {
+        println!("flame {name}: plan {plan}, predicted peak {predicted:.2} GiB");
+    }
     let adapters = Adapters::new(lora)?;
     let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev)
         .with_fp8(fp8)?
@@ -200,6 +234,23 @@ fn run<M: ModelSpec>(
     });
     let params = adapters.params()?;
     let n_params: usize = params.iter().map(|(_, t)| t.elem_count()).sum();
+    let reducer = match &group {
+        Some(g) => {
+            let ts: Vec<Tensor> = params.iter().map(|(_, t)| t.clone()).collect();
+            g.broadcast(&ts.iter().collect::<Vec<_>>())?;
+            let r = flame::dist::GradReducer::new(g.clone(), ts, flame::dist::BUCKET_BYTES);
+            if root {
+                println!(
+                    "data-parallel: {} ranks, global batch {batch}, adapter gradients {:.1} MiB in {} buckets",
+                    world,
+                    (n_params * 4) as f64 / (1u64 << 20) as f64,
+                    r.buckets()
+                );
+            }
+            Some(r)
+        }
+        None => None,
+    };
     let adam = AdamConfig {
         lr: 1e-4,
         ..Default::default()
@@ -215,13 +266,16 @@ fn run<M: ModelSpec>(
     } else {
         Box::new(AdamW::new(params, adam)?)
     };
-    let with_batch = |s: &[usize]| [&[1usize][..], s].concat();
-    let x0 = Tensor::randn(with_batch(&sample[0]), DType::BF16, &dev, 10)?;
+    // The global batch, the same on every rank; each takes its rows.
+    let with_batch = |s: &[usize]| [&[batch][..], s].concat();
+    let mine = |t: Tensor| t.narrow(0, rows.start, rows.len())?.contiguous();
+    let x0 = mine(Tensor::randn(with_batch(&sample[0]), DType::BF16, &dev, 10)?)?;
     let cond: Vec<Tensor> = sample[1..]
         .iter()
         .enumerate()
-        .map(|(i, s)| Tensor::randn(with_batch(s), DType::BF16, &dev, 11 + i as u64))
+        .map(|(i, s)| mine(Tensor::randn(with_batch(s), DType::BF16, &dev, 11 + i as u64)?))
         .collect::<Result<_>>()?;
+    let share = rows.len() as f64 / batch as f64;
     let tokens = sample[0][1] * sample[0][2] / 4;
     let sampling = TimestepSampling::FluxShift {
         mean: 0.0,
@@ -231,18 +285,36 @@ fn run<M: ModelSpec>(
     let mut seed = 100;
     let mut step = || -> Result<f64> {
         seed += 1;
-        let noise = Tensor::randn(x0.dims().to_vec(), DType::BF16, &dev, seed)?;
-        let t = sampling.sample(1, tokens, seed, &dev)?;
+        let noise = mine(Tensor::randn(
+            with_batch(&sample[0]),
+            DType::BF16,
+            &dev,
+            seed,
+        )?)?;
+        let t = mine(sampling.sample(batch, tokens, seed, &dev)?)?;
         // The flow-matching pair for every family (the step's cost does not depend on the
         // objective); a DDPM model takes the time as a timestep in [0, 1000).
         let (xt, target) = flow_matching(&x0, &noise, &t)?;
         let t_in = if ddpm { t.affine(999.0, 0.0)? } else { t };
         let out = model.predict(&xt, &t_in, &cond, 1.0)?;
-        let loss = weighted_mse(&out, &target, None)?;
+        // Each rank's mean weighted by its share: the ranks' sum is the batch's mean.
+        let loss = weighted_mse(&out, &target, None)?.affine(share, 0.0)?;
         let mut grads = Grads::new();
+        if let Some(r) = &reducer {
+            grads.set_hook(Some(r.clone()));
+            r.arm()?;
+        }
         loss.backward_into(&mut grads)?;
+        if let Some(r) = &reducer {
+            grads.set_hook(None);
+            r.finish(&mut grads)?;
+        }
         opt.step(&grads)?;
-        loss.to_scalar_f64()
+        let mut v = [loss.to_scalar_f64()?];
+        if let Some(g) = &group {
+            g.sum_host(&mut v)?;
+        }
+        Ok(v[0])
     };
     let first = step()?;
     cuda.synchronize()?;
@@ -279,6 +351,9 @@ fn run<M: ModelSpec>(
         per_step(cuda.memory().flushes - flushes),
         per_step(cuda.memory().overflows - overflows),
     );
+    if !root {
+        return Ok(());
+    }
     println!("losses: {losses:?}");
     let gib = |b: u64| b as f64 / GIB;
     let weights: u64 = vb
@@ -323,10 +398,11 @@ fn run<M: ModelSpec>(
         _ => "none".into(),
     };
     println!(
-        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB, peak while stepping {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step | cache evictions {evictions:.1}/step, pool trims {flushes:.1}/step, beyond the arena {overflows:.1}/step",
+        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}, batch {batch} on {world} GPU(s), {:.3} samples/s): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB, peak while stepping {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step | cache evictions {evictions:.1}/step, pool trims {flushes:.1}/step, beyond the arena {overflows:.1}/step",
         n_params as f64 / 1e6,
         if fp8 { "fp8" } else { "bf16" },
         if adam8bit { "AdamW8bit" } else { "AdamW" },
+        batch as f64 / (ms / 1e3),
         gib(weights),
         gib(cuda.memory().peak),
         gib(cuda.device_memory_used()?),

@@ -483,3 +483,54 @@ fn the_launcher_trains_worker_processes_and_names_a_failing_rank() {
         std::fs::remove_dir_all(d).ok();
     }
 }
+
+/// On a machine with two GPUs (`nvidia-h200-x2`), through NCCL: `train --gpus 0,1` with
+/// 2 samples per GPU logs what `--gpus 0` with 4 logs (f32, to rounding); a rank killed at
+/// step 7 stops the run naming it, and `--resume` reproduces the uninterrupted 2-GPU log
+/// bit for bit. `FLAME_TRAIN_EXE` names the `train` executable where the build's path
+/// does not exist.
+#[cfg(all(feature = "cuda", feature = "cli"))]
+#[test]
+#[ignore = "needs two GPUs"]
+fn two_gpus_over_nccl_train_as_one_and_resume_exactly() {
+    use std::process::{Command, Output};
+    let exe = std::env::var("FLAME_TRAIN_EXE").unwrap_or(env!("CARGO_BIN_EXE_train").into());
+    assert!(flame::cuda::device_count().unwrap() >= 2, "needs two GPUs");
+    let shared = temp("gpu-shared");
+    let write = |name: &str, batch: usize| {
+        let d = temp(name);
+        let text = tiny_text(&d, &shared, 10, batch, 1)
+            .replace("device = \"cpu\"", "device = \"cuda\"");
+        let p = d.join("train.toml");
+        std::fs::write(&p, &text).unwrap();
+        (p, TrainConfig::from_toml(&text).unwrap())
+    };
+    let run = |cfg: &Path, args: &[&str], fault: Option<(&str, &str)>| -> Output {
+        let mut c = Command::new(&exe);
+        c.arg(cfg).args(args).env_remove("FLAME_FAULT").env_remove("WORLD_SIZE");
+        if let Some((f, rank)) = fault {
+            c.env("FLAME_FAULT", f).env("FLAME_FAULT_RANK", rank);
+        }
+        c.output().unwrap()
+    };
+    let (one_p, one) = write("gpu-one", 4);
+    let out = run(&one_p, &["--gpus", "0"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (two_p, two) = write("gpu-two", 2);
+    let out = run(&two_p, &["--gpus", "0,1"], None);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    eprintln!("{err}");
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("NCCL"), "{err}");
+    close(&log(&one), &log(&two), "2 GPUs over NCCL");
+    let (p, cfg) = write("gpu-fault", 2);
+    let out = run(&p, &["--gpus", "0,1"], Some(("kill:step@7", "1")));
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(err.contains("error: rank 1 (GPU 1) failed"), "{err}");
+    let out = run(&p, &["--gpus", "0,1", "--resume"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(log(&cfg), log(&two), "resumed on 2 GPUs");
+    for d in [&shared, &one.train.output_dir, &two.train.output_dir] {
+        std::fs::remove_dir_all(d).ok();
+    }
+}

@@ -534,3 +534,52 @@ fn two_gpus_over_nccl_train_as_one_and_resume_exactly() {
         std::fs::remove_dir_all(d).ok();
     }
 }
+
+/// On one GPU: an NCCL group of one rank sums (the identity) and broadcasts whole tensors
+/// and offset views in place in every float dtype, leaving the rest of their buffers alone;
+/// and the tiny model trained through that group (bucket copies, the collectives stream,
+/// its events, the sums put back as views) logs exactly what it logs without one.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU and libnccl.so"]
+fn an_nccl_group_of_one_gpu_is_the_identity_and_trains_the_same() {
+    let dev = Device::cuda(0).unwrap();
+    let Device::Cuda(c) = &dev else {
+        unreachable!()
+    };
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let g: Arc<dyn ProcessGroup> = Arc::new(
+        flame::dist::NcclGroup::new(TcpGroup::host(l, 1, TIMEOUT).unwrap(), c).unwrap(),
+    );
+    assert!(g.asynchronous());
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+        let whole = Tensor::randn(12_347, dtype, &dev, 3).unwrap();
+        let base = Tensor::randn(1001, dtype, &dev, 4).unwrap();
+        let view = base.narrow(0, 17, 555).unwrap();
+        let (w0, b0) = (whole.to_vec_f64().unwrap(), base.to_vec_f64().unwrap());
+        g.all_reduce_sum(&[&whole, &view]).unwrap().wait().unwrap();
+        g.broadcast(&[&whole]).unwrap();
+        c.synchronize().unwrap();
+        assert_eq!(whole.to_vec_f64().unwrap(), w0, "{dtype:?}");
+        assert_eq!(base.to_vec_f64().unwrap(), b0, "{dtype:?}");
+    }
+    let shared = temp("nccl1-shared");
+    let text = |d: &Path| {
+        tiny_text(d, &shared, 6, 4, 2).replace("device = \"cpu\"", "device = \"cuda\"")
+    };
+    let plain = TrainConfig::from_toml(&text(&temp("nccl1-plain"))).unwrap();
+    let grouped = TrainConfig::from_toml(&text(&temp("nccl1-group"))).unwrap();
+    Trainer::new(plain.clone())
+        .unwrap()
+        .run(&RunOptions::default(), &mut |_| {})
+        .unwrap();
+    let place = Placement {
+        device: Some(dev.clone()),
+        group: Some(g),
+    };
+    Trainer::open_in(grouped.clone(), Prepare::Encode, place, &mut |_| {})
+        .unwrap()
+        .run(&RunOptions::default(), &mut |_| {})
+        .unwrap();
+    assert_eq!(log(&plain), log(&grouped));
+}

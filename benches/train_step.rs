@@ -269,11 +269,23 @@ fn run<M: ModelSpec>(
     // The global batch, the same on every rank; each takes its rows.
     let with_batch = |s: &[usize]| [&[batch][..], s].concat();
     let mine = |t: Tensor| t.narrow(0, rows.start, rows.len())?.contiguous();
-    let x0 = mine(Tensor::randn(with_batch(&sample[0]), DType::BF16, &dev, 10)?)?;
+    let x0 = mine(Tensor::randn(
+        with_batch(&sample[0]),
+        DType::BF16,
+        &dev,
+        10,
+    )?)?;
     let cond: Vec<Tensor> = sample[1..]
         .iter()
         .enumerate()
-        .map(|(i, s)| mine(Tensor::randn(with_batch(s), DType::BF16, &dev, 11 + i as u64)?))
+        .map(|(i, s)| {
+            mine(Tensor::randn(
+                with_batch(s),
+                DType::BF16,
+                &dev,
+                11 + i as u64,
+            )?)
+        })
         .collect::<Result<_>>()?;
     let share = rows.len() as f64 / batch as f64;
     let tokens = sample[0][1] * sample[0][2] / 4;

@@ -439,7 +439,8 @@ fn the_launcher_trains_worker_processes_and_names_a_failing_rank() {
         (p, TrainConfig::from_toml(&text).unwrap())
     };
     let run = |cfg: &Path, args: &[&str], fault: Option<(&str, &str)>| -> Output {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_train"));
+        let exe = std::env::var("FLAME_TRAIN_EXE").unwrap_or(env!("CARGO_BIN_EXE_train").into());
+        let mut c = Command::new(exe);
         c.arg(cfg)
             .args(args)
             .env_remove("FLAME_FAULT")
@@ -499,15 +500,18 @@ fn two_gpus_over_nccl_train_as_one_and_resume_exactly() {
     let shared = temp("gpu-shared");
     let write = |name: &str, batch: usize| {
         let d = temp(name);
-        let text = tiny_text(&d, &shared, 10, batch, 1)
-            .replace("device = \"cpu\"", "device = \"cuda\"");
+        let text =
+            tiny_text(&d, &shared, 10, batch, 1).replace("device = \"cpu\"", "device = \"cuda\"");
         let p = d.join("train.toml");
         std::fs::write(&p, &text).unwrap();
         (p, TrainConfig::from_toml(&text).unwrap())
     };
     let run = |cfg: &Path, args: &[&str], fault: Option<(&str, &str)>| -> Output {
         let mut c = Command::new(&exe);
-        c.arg(cfg).args(args).env_remove("FLAME_FAULT").env_remove("WORLD_SIZE");
+        c.arg(cfg)
+            .args(args)
+            .env_remove("FLAME_FAULT")
+            .env_remove("WORLD_SIZE");
         if let Some((f, rank)) = fault {
             c.env("FLAME_FAULT", f).env("FLAME_FAULT_RANK", rank);
         }
@@ -515,7 +519,11 @@ fn two_gpus_over_nccl_train_as_one_and_resume_exactly() {
     };
     let (one_p, one) = write("gpu-one", 4);
     let out = run(&one_p, &["--gpus", "0"], None);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let (two_p, two) = write("gpu-two", 2);
     let out = run(&two_p, &["--gpus", "0,1"], None);
     let err = String::from_utf8_lossy(&out.stderr).to_string();
@@ -528,7 +536,11 @@ fn two_gpus_over_nccl_train_as_one_and_resume_exactly() {
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(err.contains("error: rank 1 (GPU 1) failed"), "{err}");
     let out = run(&p, &["--gpus", "0,1", "--resume"], None);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(log(&cfg), log(&two), "resumed on 2 GPUs");
     for d in [&shared, &one.train.output_dir, &two.train.output_dir] {
         std::fs::remove_dir_all(d).ok();
@@ -548,9 +560,8 @@ fn an_nccl_group_of_one_gpu_is_the_identity_and_trains_the_same() {
         unreachable!()
     };
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let g: Arc<dyn ProcessGroup> = Arc::new(
-        flame::dist::NcclGroup::new(TcpGroup::host(l, 1, TIMEOUT).unwrap(), c).unwrap(),
-    );
+    let g: Arc<dyn ProcessGroup> =
+        Arc::new(flame::dist::NcclGroup::new(TcpGroup::host(l, 1, TIMEOUT).unwrap(), c).unwrap());
     assert!(g.asynchronous());
     for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
         let whole = Tensor::randn(12_347, dtype, &dev, 3).unwrap();
@@ -564,9 +575,8 @@ fn an_nccl_group_of_one_gpu_is_the_identity_and_trains_the_same() {
         assert_eq!(base.to_vec_f64().unwrap(), b0, "{dtype:?}");
     }
     let shared = temp("nccl1-shared");
-    let text = |d: &Path| {
-        tiny_text(d, &shared, 6, 4, 2).replace("device = \"cpu\"", "device = \"cuda\"")
-    };
+    let text =
+        |d: &Path| tiny_text(d, &shared, 6, 4, 2).replace("device = \"cpu\"", "device = \"cuda\"");
     let plain = TrainConfig::from_toml(&text(&temp("nccl1-plain"))).unwrap();
     let grouped = TrainConfig::from_toml(&text(&temp("nccl1-group"))).unwrap();
     Trainer::new(plain.clone())

@@ -112,7 +112,8 @@ impl NcclComm {
                     )));
                 }
                 #[allow(irrefutable_let_patterns)]
-                let Storage::Cuda(cs) = &**g else {
+                let Storage::Cuda(cs) = &**g
+                else {
                     return Err(Error::Dist(format!("{what} of a tensor not on a GPU")));
                 };
                 if cs.dev != self.dev {

@@ -367,6 +367,34 @@ fn run<M: ModelSpec>(
         return Ok(());
     }
     println!("losses: {losses:?}");
+    if args.flag("--profile") {
+        // One more step with every kernel timed; the step's own time is the timed one above.
+        flame::profile::enable(true);
+        step()?;
+        cuda.synchronize()?;
+        let rows = flame::profile::report()?;
+        flame::profile::enable(false);
+        let kernels: f64 = rows
+            .iter()
+            .filter(|r| !r.category.starts_with("scope:"))
+            .map(|r| r.ms)
+            .sum();
+        println!("profile of one step ({ms:.1} ms unprofiled): category | ms | share | kernels");
+        for r in &rows {
+            println!(
+                "  {} | {:.1} | {:.1}% | {}",
+                r.category,
+                r.ms,
+                100.0 * r.ms / ms,
+                r.kernels
+            );
+        }
+        println!(
+            "  GPU idle between kernels (host gaps) | {:.1} | {:.1}% |",
+            ms - kernels,
+            100.0 * (ms - kernels) / ms
+        );
+    }
     let gib = |b: u64| b as f64 / GIB;
     let weights: u64 = vb
         .params()?

@@ -63,6 +63,7 @@ mod fault;
 pub mod models;
 pub mod nn;
 pub mod optim;
+pub mod profile;
 pub mod safetensors;
 pub mod sample;
 mod shape;

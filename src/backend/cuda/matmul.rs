@@ -112,11 +112,13 @@ where
     // SAFETY: check() proved both views lie inside their buffers; the leading dimensions and
     // batch strides are the views' own strides, so cuBLAS reads only those elements, and
     // `out` holds B*M*N elements.
+    let span = crate::profile::Span::start(dev);
     unsafe {
         dev.blas()
             .gemm_strided_batched(cfg, &bv, &av, &mut *out.slice)
     }
     .map_err(|e| Error::Cuda(format!("cuBLAS gemm {d:?}: {e:?}")))?;
+    span.stop(dev, "gemm");
     Ok(a.wrap(T::wrap(out)))
 }
 

@@ -82,13 +82,19 @@ impl Lora {
     /// The adapter's term s · B(A(dropout(x))) with `down`, `up` in place of its own, in x's
     /// dtype.
     pub(super) fn term(&self, x: &Tensor, down: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let _p = crate::profile::scope("lora");
         let x = self
             .dropout
             .forward(x, self.train.load(Ordering::Relaxed))?;
         let h = self.shape.apply(&x, &cast(down, &x)?)?;
-        self.shape
-            .apply_pointwise(&h, &cast(up, &x)?)?
-            .affine(self.scale(), 0.0)
+        // s folded into B (out x r) rather than applied to the product (rows x out): one
+        // pass over the layer's output fewer, forward and backward.
+        let s = self.scale();
+        let up = match s == 1.0 {
+            true => cast(up, &x)?,
+            false => cast(&up.affine(s, 0.0)?, &x)?,
+        };
+        self.shape.apply_pointwise(&h, &up)
     }
 
     /// s · B A in f32 with the weight's shape.

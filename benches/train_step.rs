@@ -372,28 +372,28 @@ fn run<M: ModelSpec>(
         flame::profile::enable(true);
         step()?;
         cuda.synchronize()?;
-        let rows = flame::profile::report()?;
+        let p = flame::profile::report()?;
         flame::profile::enable(false);
-        let kernels: f64 = rows
-            .iter()
-            .filter(|r| !r.category.starts_with("scope:"))
-            .map(|r| r.ms)
-            .sum();
-        println!("profile of one step ({ms:.1} ms unprofiled): category | ms | share | kernels");
-        for r in &rows {
-            println!(
-                "  {} | {:.1} | {:.1}% | {}",
-                r.category,
-                r.ms,
-                100.0 * r.ms / ms,
-                r.kernels
-            );
-        }
+        let kernels: f64 = p.kinds.iter().map(|r| r.ms).sum();
         println!(
-            "  GPU idle between kernels (host gaps) | {:.1} | {:.1}% |",
-            ms - kernels,
-            100.0 * (ms - kernels) / ms
+            "profile of one step ({ms:.1} ms unprofiled, {kernels:.1} ms in kernels with events around each)"
         );
+        let table = |title: &str, rows: &[flame::profile::Row], n: usize| {
+            println!("{title} | ms | share of the step | kernels");
+            for r in rows.iter().take(n) {
+                println!(
+                    "  {} | {:.1} | {:.1}% | {}",
+                    r.category,
+                    r.ms,
+                    100.0 * r.ms / ms,
+                    r.kernels
+                );
+            }
+        };
+        table("kind", &p.kinds, 20);
+        table("scope", &p.scopes, 5);
+        table("phase", &p.phases, 25);
+        table("kernel", &p.kernels, 30);
     }
     let gib = |b: u64| b as f64 / GIB;
     let weights: u64 = vb

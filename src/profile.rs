@@ -6,7 +6,9 @@
 //! with profiling off; the difference to the kernels' sum is the time the GPU waited.
 //!
 //! Scopes are the forward's only: the backward's kernels of a scoped layer are filed under
-//! their own categories.
+//! their own categories, and under the recorded op whose gradient they compute (the
+//! backward sets [`backward_op`] around each op's VJP, and around the sums of gradient
+//! contributions).
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,6 +17,7 @@ static ON: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     static SCOPE: Cell<Option<&'static str>> = const { Cell::new(None) };
+    static BACKWARD: Cell<Option<&'static str>> = const { Cell::new(None) };
 }
 
 /// Turns kernel timing on or off (off by default); turning it on forgets earlier records.
@@ -49,10 +52,26 @@ impl Drop for ScopeGuard {
     }
 }
 
+/// Files the kernels this thread launches until the guard drops as the backward of op
+/// `kind` (the autograd calls it; nested backward passes override it inside).
+pub fn backward_op(kind: &'static str) -> BackwardGuard {
+    BackwardGuard(BACKWARD.with(|s| s.replace(Some(kind))))
+}
+
+/// Restores the enclosing backward op when dropped.
+pub struct BackwardGuard(Option<&'static str>);
+
+impl Drop for BackwardGuard {
+    fn drop(&mut self) {
+        BACKWARD.with(|s| s.set(self.0));
+    }
+}
+
 /// One category's kernels.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Row {
-    /// The category ("gemm", "attention", "cast", a cuda/ module, or "scope:<name>").
+    /// The category: a kind of kernel ("gemm", "cast", a cuda/ module), a scope, the op a
+    /// backward kernel serves, or a kernel's name, as the table says.
     pub category: String,
     /// The kernels' summed GPU time.
     pub ms: f64,
@@ -60,14 +79,26 @@ pub struct Row {
     pub kernels: usize,
 }
 
-/// The categories' sums since [`enable`], largest first (scopes listed apart, as
-/// "scope:<name>", counting kernels also counted in their own category); waits for the
-/// device. Empty without the `cuda` feature.
-pub fn report() -> crate::Result<Vec<Row>> {
+/// The kernels timed since [`enable`], summed four ways; each table largest first.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Profile {
+    /// By kind of kernel (every kernel once).
+    pub kinds: Vec<Row>,
+    /// By scope (kernels launched inside one; also counted in `kinds`).
+    pub scopes: Vec<Row>,
+    /// By phase: "forward" (and the optimizer) or "backward of <op>" (every kernel once).
+    pub phases: Vec<Row>,
+    /// By kernel name ("module/name"; every kernel once).
+    pub kernels: Vec<Row>,
+}
+
+/// The sums since [`enable`]; waits for the device and forgets the records. Empty without
+/// the `cuda` feature.
+pub fn report() -> crate::Result<Profile> {
     #[cfg(feature = "cuda")]
     return imp::report();
     #[cfg(not(feature = "cuda"))]
-    Ok(vec![])
+    Ok(Profile::default())
 }
 
 #[cfg(feature = "cuda")]
@@ -85,14 +116,21 @@ pub(crate) fn category<'a>(module: &'a str, name: &str) -> &'a str {
 
 #[cfg(feature = "cuda")]
 mod imp {
-    use super::{Row, SCOPE};
+    use super::{Profile, Row, BACKWARD, SCOPE};
     use crate::backend::cuda::CudaDevice;
     use crate::{Error, Result};
     use cudarc::driver::CudaEvent;
     use std::collections::BTreeMap;
     use std::sync::Mutex;
 
-    type Record = (String, Option<&'static str>, CudaEvent, CudaEvent);
+    pub(super) struct Record {
+        kind: String,
+        name: String,
+        scope: Option<&'static str>,
+        backward: Option<&'static str>,
+        start: CudaEvent,
+        end: CudaEvent,
+    }
     pub(super) static RECORDS: Mutex<Vec<Record>> = Mutex::new(Vec::new());
 
     const TIMED: Option<cudarc::driver::sys::CUevent_flags> =
@@ -110,44 +148,70 @@ mod imp {
             Span(dev.stream().record_event(TIMED).ok())
         }
 
-        /// After the launch: files it under `category`.
-        pub(crate) fn stop(self, dev: &CudaDevice, category: &str) {
+        /// After the launch of kernel `name`: files it under `kind`.
+        pub(crate) fn stop(self, dev: &CudaDevice, kind: &str, name: &str) {
             let Some(start) = self.0 else { return };
             if let Ok(end) = dev.stream().record_event(TIMED) {
-                let scope = SCOPE.with(|s| s.get());
+                let rec = Record {
+                    kind: kind.to_string(),
+                    name: name.to_string(),
+                    scope: SCOPE.with(|s| s.get()),
+                    backward: BACKWARD.with(|s| s.get()),
+                    start,
+                    end,
+                };
                 if let Ok(mut r) = RECORDS.lock() {
-                    r.push((category.to_string(), scope, start, end));
+                    r.push(rec);
                 }
             }
         }
     }
 
-    pub(super) fn report() -> Result<Vec<Row>> {
+    pub(super) fn report() -> Result<Profile> {
         let records = std::mem::take(&mut *RECORDS.lock().map_err(|_| Error::Poisoned("profile"))?);
-        let mut sums: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-        for (cat, scope, a, b) in &records {
-            let ms = a
-                .elapsed_ms(b)
+        let mut tables: [BTreeMap<String, (f64, usize)>; 4] = Default::default();
+        for r in &records {
+            let ms = r
+                .start
+                .elapsed_ms(&r.end)
                 .map_err(|e| Error::Cuda(format!("reading a kernel's events: {e:?}")))?
                 as f64;
-            let e = sums.entry(cat.clone()).or_default();
-            e.0 += ms;
-            e.1 += 1;
-            if let Some(s) = scope {
-                let e = sums.entry(format!("scope:{s}")).or_default();
-                e.0 += ms;
-                e.1 += 1;
+            let phase = match r.backward {
+                Some(op) => format!("backward of {op}"),
+                None => "forward".to_string(),
+            };
+            let keys = [
+                Some(r.kind.clone()),
+                r.scope.map(str::to_string),
+                Some(phase),
+                Some(r.name.clone()),
+            ];
+            for (t, k) in tables.iter_mut().zip(keys) {
+                if let Some(k) = k {
+                    let e = t.entry(k).or_default();
+                    e.0 += ms;
+                    e.1 += 1;
+                }
             }
         }
-        let mut rows: Vec<Row> = sums
-            .into_iter()
-            .map(|(category, (ms, kernels))| Row {
-                category,
-                ms,
-                kernels,
-            })
-            .collect();
-        rows.sort_by(|a, b| b.ms.total_cmp(&a.ms));
-        Ok(rows)
+        let rows = |t: BTreeMap<String, (f64, usize)>| {
+            let mut v: Vec<Row> = t
+                .into_iter()
+                .map(|(category, (ms, kernels))| Row {
+                    category,
+                    ms,
+                    kernels,
+                })
+                .collect();
+            v.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+            v
+        };
+        let [kinds, scopes, phases, kernels] = tables.map(rows);
+        Ok(Profile {
+            kinds,
+            scopes,
+            phases,
+            kernels,
+        })
     }
 }

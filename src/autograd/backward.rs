@@ -145,7 +145,10 @@ pub(crate) fn backward_from(
     for t in order {
         let t = &t;
         let g = match pending.remove(&t.id()) {
-            Some(parts) => Some(sum_contributions(parts)?),
+            Some(parts) => {
+                let _p = crate::profile::backward_op("gradient sums");
+                Some(sum_contributions(parts)?)
+            }
             None => None,
         };
         if t.is_var() {
@@ -165,7 +168,10 @@ pub(crate) fn backward_from(
                 let Some(gs) = outputs.remove(&t.id()) else {
                     continue;
                 };
-                let gis = node.backward(&gs, grads)?;
+                let gis = {
+                    let _p = crate::profile::backward_op(node.name());
+                    node.backward(&gs, grads)?
+                };
                 if gis.len() != inputs.len() {
                     return Err(Error::Autograd(format!(
                         "custom node {} returned {} input gradients for {} inputs",
@@ -196,6 +202,7 @@ pub(crate) fn backward_from(
             }
             _ => {
                 let Some(g) = g else { continue };
+                let _p = crate::profile::backward_op(op.kind());
                 vjp(op, t, &g)?
             }
         };

@@ -118,7 +118,7 @@ where
             .gemm_strided_batched(cfg, &bv, &av, &mut *out.slice)
     }
     .map_err(|e| Error::Cuda(format!("cuBLAS gemm {d:?}: {e:?}")))?;
-    span.stop(dev, "gemm");
+    span.stop(dev, "gemm", "cublas_gemm");
     Ok(a.wrap(T::wrap(out)))
 }
 

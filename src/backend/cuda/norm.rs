@@ -423,6 +423,6 @@ pub(crate) fn launch_bwd_bulk<T: Elem>(
     let span = crate::profile::Span::start(dev);
     unsafe { b.launch_cooperative(cfg) }
         .map_err(|e| Error::Cuda(format!("launching {kernel}: {e:?}")))?;
-    span.stop(dev, crate::profile::category(module, &kernel));
+    span.stop(dev, crate::profile::category(module, &kernel), &kernel);
     Ok(Some((dx, dw, db)))
 }

@@ -106,7 +106,7 @@ macro_rules! launch {
         let r = unsafe { b.launch($cfg) }
             .map(|_| ())
             .map_err(|e| Error::Cuda(format!("launching {name}: {e:?}")));
-        span.stop(&$dev, crate::profile::category($module, name));
+        span.stop(&$dev, crate::profile::category($module, name), name);
         r
     }};
 }

@@ -133,9 +133,9 @@ pub(crate) fn backward_from(
     drop(roots);
     // Each tensor's gradient contributions, in arrival order, summed when its turn
     // comes (see `sum_contributions`).
-    let mut pending: HashMap<TensorId, Vec<Tensor>> = HashMap::new();
+    let mut pending: HashMap<TensorId, Vec<Part>> = HashMap::new();
     for (t, g) in seeds {
-        pending.entry(t.id()).or_default().push(g);
+        pending.entry(t.id()).or_default().push(Part::Full(g));
     }
     // Gradients of a custom node's outputs, gathered until the node's turn.
     let mut outputs: HashMap<TensorId, Vec<Option<Tensor>>> = HashMap::new();
@@ -147,7 +147,7 @@ pub(crate) fn backward_from(
         let g = match pending.remove(&t.id()) {
             Some(parts) => {
                 let _p = crate::profile::backward_op("gradient sums");
-                Some(sum_contributions(parts)?)
+                Some(sum_contributions(parts, t.dims())?)
             }
             None => None,
         };
@@ -183,7 +183,7 @@ pub(crate) fn backward_from(
                 inputs
                     .iter()
                     .zip(gis)
-                    .filter_map(|(x, gi)| gi.map(|gi| (x.clone(), gi)))
+                    .filter_map(|(x, gi)| gi.map(|gi| (x.clone(), Part::Full(gi))))
                     .collect()
             }
             Op::Output { node, index, count } => {
@@ -200,10 +200,27 @@ pub(crate) fn backward_from(
                 });
                 continue;
             }
+            // A narrow's gradient is its slice of the input's: kept as a slice, so the
+            // slices of one input are laid side by side once (see `sum_contributions`)
+            // rather than each padded with zeros to the input's size and then added.
+            Op::Narrow(x, dim, start) => {
+                let Some(g) = g else { continue };
+                vec![(
+                    x.clone(),
+                    Part::Slice {
+                        dim: *dim,
+                        start: *start,
+                        grad: g,
+                    },
+                )]
+            }
             _ => {
                 let Some(g) = g else { continue };
                 let _p = crate::profile::backward_op(op.kind());
                 vjp(op, t, &g)?
+                    .into_iter()
+                    .map(|(x, gx)| (x, Part::Full(gx)))
+                    .collect()
             }
         };
         for (input, gi) in input_grads {
@@ -216,12 +233,99 @@ pub(crate) fn backward_from(
     Ok(())
 }
 
-/// The sum of a tensor's gradient contributions, folded from the last to arrive:
-/// g1 + (g2 + (... + gn)). Contributions arrive in reverse execution order of the ops that
-/// used the tensor, so the ones a checkpointed block makes (which its node returns already
-/// summed, in the same fold) are grouped the same way with and without the checkpoint, and
-/// the sums agree bit for bit.
-fn sum_contributions(mut parts: Vec<Tensor>) -> Result<Tensor> {
+/// One gradient contribution to a tensor: of its whole shape, or (from a narrow) of the
+/// slice `start..start + len` of dim `dim`, zero elsewhere.
+enum Part {
+    Full(Tensor),
+    Slice {
+        dim: usize,
+        start: usize,
+        grad: Tensor,
+    },
+}
+
+impl Part {
+    /// The contribution at the tensor's full shape `dims` (a slice padded with zeros).
+    fn full(self, dims: &[usize]) -> Result<Tensor> {
+        match self {
+            Part::Full(g) => Ok(g),
+            Part::Slice { dim, start, grad } => pad_along(&[(start, grad)], dim, dims[dim], dims),
+        }
+    }
+}
+
+/// `slices` (start, gradient) along `dim`, disjoint and sorted, laid into one tensor of
+/// `dims` with zeros in the gaps: one concatenation, zeros only where no slice is.
+fn pad_along(
+    slices: &[(usize, Tensor)],
+    dim: usize,
+    size: usize,
+    dims: &[usize],
+) -> Result<Tensor> {
+    let (dtype, device) = (slices[0].1.dtype(), slices[0].1.device().clone());
+    let zeros = |n: usize| {
+        let mut d = dims.to_vec();
+        d[dim] = n;
+        Tensor::zeros(d, dtype, &device)
+    };
+    let mut parts = vec![];
+    let mut at = 0;
+    for (start, g) in slices {
+        if *start > at {
+            parts.push(zeros(start - at)?);
+        }
+        at = start + g.dims()[dim];
+        parts.push(g.clone());
+    }
+    if at < size {
+        parts.push(zeros(size - at)?);
+    }
+    if parts.len() == 1 {
+        return Ok(parts.remove(0));
+    }
+    Tensor::cat(&parts.iter().collect::<Vec<_>>(), dim)
+}
+
+/// The sum of a tensor's gradient contributions (`dims` its shape), folded from the last
+/// to arrive: g1 + (g2 + (... + gn)). Contributions arrive in reverse execution order of
+/// the ops that used the tensor, so the ones a checkpointed block makes (which its node
+/// returns already summed, in the same fold) are grouped the same way with and without the
+/// checkpoint, and the sums agree bit for bit.
+///
+/// When every contribution is a slice of one dim (the tensor was only narrowed: a fused
+/// projection split into q, k, v, a modulation into its chunks) and no two overlap, they
+/// are laid side by side in one concatenation instead: each element then holds exactly the
+/// one slice's value (or 0) that the fold would have added to zeros.
+fn sum_contributions(parts: Vec<Part>, dims: &[usize]) -> Result<Tensor> {
+    if parts.len() > 1 || matches!(parts.first(), Some(Part::Slice { .. })) {
+        let mut slices = vec![];
+        let mut dim0 = None;
+        for p in &parts {
+            match p {
+                Part::Slice { dim, start, grad } if dim0.is_none_or(|d| d == *dim) => {
+                    dim0 = Some(*dim);
+                    slices.push((*start, grad.clone()));
+                }
+                _ => {
+                    slices.clear();
+                    break;
+                }
+            }
+        }
+        if let (Some(dim), false) = (dim0, slices.is_empty()) {
+            slices.sort_by_key(|(s, _)| *s);
+            let disjoint = slices
+                .windows(2)
+                .all(|w| w[0].0 + w[0].1.dims()[dim] <= w[1].0);
+            if disjoint {
+                return pad_along(&slices, dim, dims[dim], dims);
+            }
+        }
+    }
+    let mut parts = parts
+        .into_iter()
+        .map(|p| p.full(dims))
+        .collect::<Result<Vec<_>>>()?;
     let mut acc = parts
         .pop()
         .ok_or_else(|| Error::Autograd("internal: no gradient contribution".into()))?;
@@ -353,26 +457,11 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             vec![(x.clone(), g.permute(&inv)?)]
         }
         // Zeros around the gradient of the kept range.
-        Op::Narrow(x, dim, start) => {
-            let (d, s) = (*dim, *start);
-            let (len, size) = (out.dims()[d], x.dims()[d]);
-            let mut parts = vec![];
-            let pad = |n: usize| {
-                let mut dims = x.dims().to_vec();
-                dims[d] = n;
-                Tensor::zeros(dims, g.dtype(), g.device())
-            };
-            if s > 0 {
-                parts.push(pad(s)?);
-            }
-            parts.push(g.clone());
-            if s + len < size {
-                parts.push(pad(size - s - len)?);
-            }
-            vec![(
-                x.clone(),
-                Tensor::cat(&parts.iter().collect::<Vec<_>>(), d)?,
-            )]
+        // Handled by the backward loop (a slice contribution, see `Part`).
+        Op::Narrow(..) => {
+            return Err(Error::Autograd(
+                "internal: narrow reached the per-op VJP".into(),
+            ))
         }
         // Sum over the dims that were stretched or prepended.
         Op::Broadcast(x) => {

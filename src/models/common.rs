@@ -19,10 +19,11 @@ pub fn split_qkv(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)>
         ));
     }
     let (b, n, e) = (d[0], d[1], d[2] / (3 * heads));
-    let qkv = qkv
-        .reshape(vec![b, n, 3, heads, e])?
-        .permute(&[2, 0, 3, 1, 4])?;
-    let pick = |i: usize| qkv.narrow(0, i, 1)?.squeeze(0);
+    // Narrowed before the heads are permuted: the same views, but the backward then lays
+    // the three gradients side by side straight into the projection's layout (one copy)
+    // instead of into the permuted one and copying that again to undo the permute.
+    let qkv = qkv.reshape(vec![b, n, 3, heads, e])?;
+    let pick = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.permute(&[0, 2, 1, 3]);
     Ok((pick(0)?, pick(1)?, pick(2)?))
 }
 

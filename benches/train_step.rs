@@ -394,6 +394,7 @@ fn run<M: ModelSpec>(
         table("scope", &p.scopes, 5);
         table("phase", &p.phases, 25);
         table("kernel", &p.kernels, 30);
+        table("phase / kernel", &p.phase_kernels, 30);
     }
     let gib = |b: u64| b as f64 / GIB;
     let weights: u64 = vb

@@ -86,10 +86,12 @@ pub struct Profile {
     pub kinds: Vec<Row>,
     /// By scope (kernels launched inside one; also counted in `kinds`).
     pub scopes: Vec<Row>,
-    /// By phase: "forward" (and the optimizer) or "backward of <op>" (every kernel once).
+    /// By phase: "forward" (and the optimizer) or `"backward of OP"` (every kernel once).
     pub phases: Vec<Row>,
-    /// By kernel name ("module/name"; every kernel once).
+    /// By kernel name (every kernel once).
     pub kernels: Vec<Row>,
+    /// By phase and kernel name, "phase / kernel" (every kernel once).
+    pub phase_kernels: Vec<Row>,
 }
 
 /// The sums since [`enable`]; waits for the device and forgets the records. Empty without
@@ -169,7 +171,7 @@ mod imp {
 
     pub(super) fn report() -> Result<Profile> {
         let records = std::mem::take(&mut *RECORDS.lock().map_err(|_| Error::Poisoned("profile"))?);
-        let mut tables: [BTreeMap<String, (f64, usize)>; 4] = Default::default();
+        let mut tables: [BTreeMap<String, (f64, usize)>; 5] = Default::default();
         for r in &records {
             let ms = r
                 .start
@@ -183,6 +185,7 @@ mod imp {
             let keys = [
                 Some(r.kind.clone()),
                 r.scope.map(str::to_string),
+                Some(format!("{phase} / {}", r.name)),
                 Some(phase),
                 Some(r.name.clone()),
             ];
@@ -206,12 +209,13 @@ mod imp {
             v.sort_by(|a, b| b.ms.total_cmp(&a.ms));
             v
         };
-        let [kinds, scopes, phases, kernels] = tables.map(rows);
+        let [kinds, scopes, phase_kernels, phases, kernels] = tables.map(rows);
         Ok(Profile {
             kinds,
             scopes,
             phases,
             kernels,
+            phase_kernels,
         })
     }
 }

@@ -45,5 +45,6 @@ fn gpu_kernels_are_filed_by_kind_scope_phase_and_name() {
     let all = |rows: &[profile::Row]| rows.iter().map(|r| r.kernels).sum::<usize>();
     assert_eq!(all(&p.kinds), all(&p.phases));
     assert_eq!(all(&p.kinds), all(&p.kernels));
+    assert_eq!(all(&p.kinds), all(&p.phase_kernels));
     assert!(p.kinds.iter().all(|r| r.ms >= 0.0));
 }

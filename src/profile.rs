@@ -108,6 +108,7 @@ pub(crate) use imp::Span;
 
 /// The category of kernel `name` of cuda/`module`: "cast" for dtype conversions, else the
 /// module.
+#[cfg(feature = "cuda")]
 pub(crate) fn category<'a>(module: &'a str, name: &str) -> &'a str {
     if name.starts_with("cast") {
         "cast"

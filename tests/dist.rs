@@ -422,6 +422,37 @@ fn a_failing_rank_is_named_by_the_others() {
     }
 }
 
+/// The tiny config (10 steps, `batch` samples a rank, on `device`) written to a fresh
+/// folder `name`, with the model and data in `shared`.
+#[cfg(feature = "cli")]
+fn write_tiny(name: &str, shared: &Path, batch: usize, device: &str) -> (PathBuf, TrainConfig) {
+    let d = temp(name);
+    let text = tiny_text(&d, shared, 10, batch, 1)
+        .replace("device = \"cpu\"", &format!("device = \"{device}\""));
+    let p = d.join("train.toml");
+    std::fs::write(&p, &text).unwrap();
+    (p, TrainConfig::from_toml(&text).unwrap())
+}
+
+/// The `train` binary (`FLAME_TRAIN_EXE` where the build's path does not exist) on `cfg`
+/// with `args`, and `fault` = (FLAME_FAULT, the rank it hits) if given; fails if it hangs.
+#[cfg(feature = "cli")]
+fn train_bin(cfg: &Path, args: &[&str], fault: Option<(&str, &str)>) -> std::process::Output {
+    let exe = std::env::var("FLAME_TRAIN_EXE").unwrap_or(env!("CARGO_BIN_EXE_train").into());
+    let mut c = std::process::Command::new(exe);
+    c.arg(cfg)
+        .args(args)
+        .env_remove("FLAME_FAULT")
+        .env_remove("WORLD_SIZE");
+    if let Some((f, rank)) = fault {
+        c.env("FLAME_FAULT", f).env("FLAME_FAULT_RANK", rank);
+    }
+    let start = std::time::Instant::now();
+    let out = c.output().unwrap();
+    assert!(start.elapsed().as_secs() < 120, "the run hung");
+    out
+}
+
 /// The `train` binary with `--workers 2` (one process a rank, TCP on loopback): its log
 /// equals one process's with the same global batch; a rank killed mid-run (or failing with
 /// an error) stops the run with a message naming it, and `--resume` on 2 workers then
@@ -429,30 +460,9 @@ fn a_failing_rank_is_named_by_the_others() {
 #[cfg(feature = "cli")]
 #[test]
 fn the_launcher_trains_worker_processes_and_names_a_failing_rank() {
-    use std::process::{Command, Output};
     let shared = temp("bin-shared");
-    let write = |name: &str, batch: usize| {
-        let d = temp(name);
-        let text = tiny_text(&d, &shared, 10, batch, 1);
-        let p = d.join("train.toml");
-        std::fs::write(&p, &text).unwrap();
-        (p, TrainConfig::from_toml(&text).unwrap())
-    };
-    let run = |cfg: &Path, args: &[&str], fault: Option<(&str, &str)>| -> Output {
-        let exe = std::env::var("FLAME_TRAIN_EXE").unwrap_or(env!("CARGO_BIN_EXE_train").into());
-        let mut c = Command::new(exe);
-        c.arg(cfg)
-            .args(args)
-            .env_remove("FLAME_FAULT")
-            .env_remove("WORLD_SIZE");
-        if let Some((f, rank)) = fault {
-            c.env("FLAME_FAULT", f).env("FLAME_FAULT_RANK", rank);
-        }
-        let start = std::time::Instant::now();
-        let out = c.output().unwrap();
-        assert!(start.elapsed().as_secs() < 120, "the run hung");
-        out
-    };
+    let write = |name: &str, batch: usize| write_tiny(name, &shared, batch, "cpu");
+    let run = train_bin;
     let (one_p, one) = write("bin-one", 4);
     assert!(run(&one_p, &[], None).status.success());
     let (two_p, two) = write("bin-two", 2);
@@ -494,29 +504,10 @@ fn the_launcher_trains_worker_processes_and_names_a_failing_rank() {
 #[test]
 #[ignore = "needs two GPUs"]
 fn two_gpus_over_nccl_train_as_one_and_resume_exactly() {
-    use std::process::{Command, Output};
-    let exe = std::env::var("FLAME_TRAIN_EXE").unwrap_or(env!("CARGO_BIN_EXE_train").into());
     assert!(flame::cuda::device_count().unwrap() >= 2, "needs two GPUs");
     let shared = temp("gpu-shared");
-    let write = |name: &str, batch: usize| {
-        let d = temp(name);
-        let text =
-            tiny_text(&d, &shared, 10, batch, 1).replace("device = \"cpu\"", "device = \"cuda\"");
-        let p = d.join("train.toml");
-        std::fs::write(&p, &text).unwrap();
-        (p, TrainConfig::from_toml(&text).unwrap())
-    };
-    let run = |cfg: &Path, args: &[&str], fault: Option<(&str, &str)>| -> Output {
-        let mut c = Command::new(&exe);
-        c.arg(cfg)
-            .args(args)
-            .env_remove("FLAME_FAULT")
-            .env_remove("WORLD_SIZE");
-        if let Some((f, rank)) = fault {
-            c.env("FLAME_FAULT", f).env("FLAME_FAULT_RANK", rank);
-        }
-        c.output().unwrap()
-    };
+    let write = |name: &str, batch: usize| write_tiny(name, &shared, batch, "cuda");
+    let run = train_bin;
     let (one_p, one) = write("gpu-one", 4);
     let out = run(&one_p, &["--gpus", "0"], None);
     assert!(

@@ -249,19 +249,15 @@ impl Part {
     fn full(self, dims: &[usize]) -> Result<Tensor> {
         match self {
             Part::Full(g) => Ok(g),
-            Part::Slice { dim, start, grad } => pad_along(&[(start, grad)], dim, dims[dim], dims),
+            Part::Slice { dim, start, grad } => pad_along(&[(start, grad)], dim, dims),
         }
     }
 }
 
 /// `slices` (start, gradient) along `dim`, disjoint and sorted, laid into one tensor of
 /// `dims` with zeros in the gaps: one concatenation, zeros only where no slice is.
-fn pad_along(
-    slices: &[(usize, Tensor)],
-    dim: usize,
-    size: usize,
-    dims: &[usize],
-) -> Result<Tensor> {
+fn pad_along(slices: &[(usize, Tensor)], dim: usize, dims: &[usize]) -> Result<Tensor> {
+    let size = dims[dim];
     let (dtype, device) = (slices[0].1.dtype(), slices[0].1.device().clone());
     let zeros = |n: usize| {
         let mut d = dims.to_vec();
@@ -318,7 +314,7 @@ fn sum_contributions(parts: Vec<Part>, dims: &[usize]) -> Result<Tensor> {
                 .windows(2)
                 .all(|w| w[0].0 + w[0].1.dims()[dim] <= w[1].0);
             if disjoint {
-                return pad_along(&slices, dim, dims[dim], dims);
+                return pad_along(&slices, dim, dims);
             }
         }
     }

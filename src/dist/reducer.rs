@@ -38,8 +38,6 @@ struct StepState {
     armed: bool,
     /// The gradient each parameter has now, once its backward summed it.
     ready: Vec<Option<Tensor>>,
-    /// The bucket each parameter's sum started in, if started.
-    started: Vec<bool>,
     /// The next bucket to start.
     next: usize,
     /// Each started bucket's flat buffer, with its collective.
@@ -128,7 +126,6 @@ impl GradReducer {
         *s = StepState {
             armed: true,
             ready: vec![None; n],
-            started: vec![false; n],
             next: 0,
             flats: (0..k).map(|_| None).collect(),
             stale: vec![false; k],
@@ -160,9 +157,6 @@ impl GradReducer {
             self.flat(k, &|i| ready[i].clone())?
         };
         let pending = self.group.all_reduce_sum(&[&flat])?;
-        for &i in &self.buckets[k].members {
-            s.started[i] = true;
-        }
         s.flats[k] = Some((flat, pending));
         Ok(())
     }
@@ -246,8 +240,8 @@ impl GradHook for GradReducer {
         if !s.armed {
             return Ok(());
         }
-        if s.started[i] {
-            let k = self.bucket_of[i];
+        let k = self.bucket_of[i];
+        if s.flats[k].is_some() {
             s.stale[k] = true;
             return Ok(());
         }

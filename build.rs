@@ -12,6 +12,10 @@ use std::process::Command;
 /// Kernel files compiled a second time for compute_90 (see below).
 const HOPPER_VARIANTS: &[&str] = &["attention", "group_norm", "norm_bulk"];
 
+/// Kernel files compiled for compute_90a only (wgmma), whatever $FLAME_CUDA_ARCH says: their
+/// launchers use them on compute capability 9.0 and fall back to other kernels elsewhere.
+const SM90A_ONLY: &[&str] = &["attention_wgmma"];
+
 fn find_nvcc() -> Option<PathBuf> {
     let exe = if cfg!(windows) { "nvcc.exe" } else { "nvcc" };
     if let Some(p) = std::env::var_os("NVCC") {
@@ -73,6 +77,10 @@ fn main() {
                     .file_stem()
                     .and_then(|s| s.to_str())
                     .expect("utf-8 kernel file name");
+                if SM90A_ONLY.contains(&stem) {
+                    jobs.push((src, stem.to_string(), "compute_90a".to_string()));
+                    continue;
+                }
                 jobs.push((src, stem.to_string(), arch.clone()));
                 if HOPPER_VARIANTS.contains(&stem) && below_90 {
                     jobs.push((src, format!("{stem}_sm90"), "compute_90".to_string()));

@@ -113,7 +113,11 @@ pub(crate) fn category<'a>(module: &'a str, name: &str) -> &'a str {
     if name.starts_with("cast") {
         "cast"
     } else {
+        // A file's Hopper builds count as the file.
         module
+            .strip_suffix("_sm90")
+            .or_else(|| module.strip_suffix("_wgmma"))
+            .unwrap_or(module)
     }
 }
 

@@ -93,6 +93,39 @@ fn bwd_smem(d: usize) -> usize {
     (2 * BWD_KEYS * d + 4 * BWD_ROWS * d + BWD_KEYS * BWD_ROWS) * 2 + 4 * BWD_ROWS * 4
 }
 
+/// The wgmma kernels (cuda/attention_wgmma.cu): two warpgroups a block; the forward takes
+/// 128 queries and walks keys in tiles of 128, the backward takes 128 keys and walks queries
+/// in tiles of 64. Their tiles start 1024-aligned, hence the extra KiB.
+const WG_THREADS: u32 = 256;
+const WG_FWD_ROWS: usize = 128;
+const WG_FWD_KEYS: usize = 128;
+const WG_BWD_KEYS: usize = 128;
+const WG_BWD_ROWS: usize = 64;
+
+fn wg_fwd_smem(d: usize) -> usize {
+    // Q and two stages of K and V.
+    (WG_FWD_ROWS + 4 * WG_FWD_KEYS) * d * 2 + 1024
+}
+
+fn wg_bwd_smem(d: usize) -> usize {
+    // K, V, two stages of Q and dO, dS^T; two stages of lse and dvec.
+    (2 * WG_BWD_KEYS * d + 4 * WG_BWD_ROWS * d + WG_BWD_KEYS * WG_BWD_ROWS) * 2
+        + 4 * WG_BWD_ROWS * 4
+        + 1024
+}
+
+/// The module of the wgmma kernels, on compute capability 9.0 for head dims 64 and 128,
+/// unless `FLAME_ATTENTION=mma` asks for the mma.sync kernels everywhere (for comparisons).
+fn wgmma_module(dev: &CudaDevice, d: usize) -> Option<&'static str> {
+    static MMA_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let mma_only =
+        *MMA_ONLY.get_or_init(|| std::env::var("FLAME_ATTENTION").is_ok_and(|v| v == "mma"));
+    if mma_only || !matches!(d, 64 | 128) {
+        return None;
+    }
+    super::sm90a_module(dev, "attention_wgmma")
+}
+
 fn ptr(s: &CudaStorage) -> u64 {
     s.buf.raw_ptr(s.dev.stream())
 }
@@ -258,11 +291,24 @@ fn launch_all<T: Elem>(
         launch!(dev, module, kernel, grid, &*p)?;
         return Ok(vec![T::wrap(o), f32::wrap(lse)]);
     }
+    let wg = wgmma_module(dev, d);
     if fwd {
         let o = dev.alloc::<T>(bh * lq * d)?;
         let lse = dev.alloc::<f32>(bh * lq)?;
         p.o = dense_view(o.raw(dev), h, lq, d);
         p.lse = lse.raw(dev);
+        if let Some(wm) = wg {
+            let kernel = format!("attnw_fwd_{}_d{d}", T::SFX);
+            super::allow_shared_memory(dev, wm, &kernel, wg_fwd_smem(d))?;
+            launch!(
+                dev,
+                wm,
+                kernel,
+                cfg(lq.div_ceil(WG_FWD_ROWS), WG_THREADS, wg_fwd_smem(d)),
+                &*p
+            )?;
+            return Ok(vec![T::wrap(o), f32::wrap(lse)]);
+        }
         let kernel = format!("attn_fwd_{}_d{d}", T::SFX);
         super::allow_shared_memory(dev, module, &kernel, fwd_smem(d))?;
         launch!(
@@ -291,15 +337,27 @@ fn launch_all<T: Elem>(
         grid_for(bh * lq * 32, sms),
         &*p
     )?;
-    let kernel = format!("attn_bwd_{}_d{d}", T::SFX);
-    super::allow_shared_memory(dev, module, &kernel, bwd_smem(d))?;
-    launch!(
-        dev,
-        module,
-        kernel,
-        cfg(lk.div_ceil(BWD_KEYS), BWD_THREADS, bwd_smem(d)),
-        &*p
-    )?;
+    if let Some(wm) = wg {
+        let kernel = format!("attnw_bwd_{}_d{d}", T::SFX);
+        super::allow_shared_memory(dev, wm, &kernel, wg_bwd_smem(d))?;
+        launch!(
+            dev,
+            wm,
+            kernel,
+            cfg(lk.div_ceil(WG_BWD_KEYS), WG_THREADS, wg_bwd_smem(d)),
+            &*p
+        )?;
+    } else {
+        let kernel = format!("attn_bwd_{}_d{d}", T::SFX);
+        super::allow_shared_memory(dev, module, &kernel, bwd_smem(d))?;
+        launch!(
+            dev,
+            module,
+            kernel,
+            cfg(lk.div_ceil(BWD_KEYS), BWD_THREADS, bwd_smem(d)),
+            &*p
+        )?;
+    }
     let n = bh * lq * d;
     let mut dq = dq;
     launch!(

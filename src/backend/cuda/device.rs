@@ -23,6 +23,7 @@ struct Inner {
     sm_count: usize,
     /// The compute capability's major version (9 for Hopper).
     cc_major: u32,
+    cc_minor: u32,
     /// The most shared memory a block may opt into (bytes, static and dynamic together).
     smem_optin: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
@@ -117,6 +118,9 @@ impl CudaDevice {
         let cc_major = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .map_err(cuda_err("reading the compute capability"))? as u32;
+        let cc_minor = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+            .map_err(cuda_err("reading the compute capability"))? as u32;
         let smem_optin =
             ctx.attribute(
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
@@ -131,6 +135,7 @@ impl CudaDevice {
             blas,
             sm_count,
             cc_major,
+            cc_minor,
             smem_optin,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
@@ -169,6 +174,11 @@ impl CudaDevice {
     /// The compute capability's major version (8 Ampere/Ada, 9 Hopper).
     pub fn compute_capability_major(&self) -> u32 {
         self.0.cc_major
+    }
+
+    /// The compute capability's minor version.
+    pub fn compute_capability_minor(&self) -> u32 {
+        self.0.cc_minor
     }
 
     /// Waits for all queued work.

@@ -59,6 +59,13 @@ pub(crate) fn hopper_module(dev: &CudaDevice, stem: &'static str) -> Option<&'st
     variant.or_else(|| (main_is_90 && has(stem)).then_some(stem))
 }
 
+/// The module `stem`, built for compute_90a only (build.rs), on a GPU of compute capability
+/// 9.0, where PTX for sm_90a runs (it holds wgmma kernels); `None` elsewhere.
+pub(crate) fn sm90a_module(dev: &CudaDevice, stem: &'static str) -> Option<&'static str> {
+    let hopper = dev.compute_capability_major() == 9 && dev.compute_capability_minor() == 0;
+    (hopper && ptx::MODULES.iter().any(|(n, _)| *n == stem)).then_some(stem)
+}
+
 /// Lets `name` of `module` take `bytes` of dynamic shared memory (past the default 48 KiB).
 ///
 /// The limit is a property of the kernel, shared by every thread that launches it, so it is

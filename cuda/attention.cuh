@@ -1,0 +1,117 @@
+// Shared by the flash-attention kernels (attention.cu: mma.sync, every GPU from Ampere;
+// attention_wgmma.cu: wgmma, Hopper): the parameter block, cp.async, ldmatrix, mma.sync,
+// packing and the swizzled tile layout of attention.cu.
+#pragma once
+#include "common.cuh"
+
+// A tensor view: element strides over batch, head and row.
+struct AttnView {
+  uint64_t ptr;
+  int64_t sb, sh, sr;
+};
+
+// Must match `AttnParams` in src/backend/cuda/attention.rs (repr(C)).
+struct AttnParams {
+  AttnView q, k, v, o, dout;
+  uint64_t lse, dvec, dq_acc, keep, dq, dk, dv;
+  int32_t B, H, Lq, Lk;
+  float scale, scale_log2;
+  int32_t causal, pad;
+};
+
+#define ATTN_THREADS 256
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared, asynchronously; zero-filled when !valid.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm4(uint32_t a, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldsm4t(uint32_t a, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// c += a b on one m16n8k16 tile.
+template <typename T> __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <> __device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as one register of two T (x in the low half).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float x, float y) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float x, float y) {
+  __half2 h = __floats2half2_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Byte offset of chunk c (8 elements) of row r in a swizzled tile of W-element rows.
+template <int W> __device__ __forceinline__ uint32_t swz(int r, int c) {
+  return (uint32_t)((r * W + ((c ^ (r & 7)) << 3)) * 2);
+}
+
+// Rows [row0, row0 + R) of a slice with row stride sr into a swizzled R x D tile; rows at or
+// past L are zeros.
+template <typename T, int R, int D, int NT>
+__device__ __forceinline__ void load_tile(uint32_t tile, const T* g, int64_t sr, int row0, int L) {
+  constexpr int CH = D / 8;
+  static_assert((R * CH) % NT == 0, "tile chunks must split evenly over the block");
+#pragma unroll
+  for (int it = 0; it < R * CH / NT; ++it) {
+    const int i = threadIdx.x + it * NT;
+    const int r = i / CH, c = i % CH;
+    const bool ok = row0 + r < L;
+    cp_async16(tile + swz<D>(r, c), g + (ok ? (int64_t)(row0 + r) * sr : 0) + c * 8, ok);
+  }
+}
+
+// Address lanes give ldmatrix.x4 for an A fragment (16 rows x 16 k) at rows r0, k chunk 2kk.
+template <int W> __device__ __forceinline__ uint32_t a_addr(uint32_t tile, int r0, int kk, int lane) {
+  return tile + swz<W>(r0 + (lane & 15), kk * 2 + (lane >> 4));
+}
+// ... for two B fragments (n 0-7 and 8-15) from rows n0.. stored n-major (k contiguous).
+template <int W> __device__ __forceinline__ uint32_t bn_addr(uint32_t tile, int n0, int kk, int lane) {
+  return tile + swz<W>(n0 + ((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1));
+}
+// ... for two B fragments (n chunks c0, c0 + 1) from rows k0.. stored k-major (n contiguous),
+// with ldmatrix.trans.
+template <int W> __device__ __forceinline__ uint32_t bk_addr(uint32_t tile, int k0, int c0, int lane) {
+  return tile + swz<W>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), c0 + (lane >> 4));
+}
+
+template <typename T> __device__ __forceinline__ const T* view_at(const AttnView& v, int b, int h) {
+  return reinterpret_cast<const T*>(v.ptr) + b * v.sb + h * v.sh;
+}
+

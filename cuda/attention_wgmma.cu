@@ -1,0 +1,428 @@
+// Flash attention on Hopper (sm_90a): the forward and backward of attention.cu with the
+// products on warpgroup MMA (wgmma.mma_async, cuda/wgmma.cuh) instead of mma.sync, after
+// FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608): operands read by the tensor cores
+// straight from shared memory in the 128-byte-swizzled layout wgmma defines, probabilities
+// fed from registers, products issued asynchronously so the softmax and the gradient algebra
+// of one warpgroup run while its next product is in flight and the other warpgroup computes.
+//
+// Same parameters, masks (key padding, causal with key j visible to query i iff j <= i),
+// strided q/k/v/o/do views, outputs and dq accumulator as attention.cu; head dims 64 and 128,
+// bf16/f16. Built only for compute_90a (build.rs), used on compute capability 9.0.
+//
+// Tiles: R rows of D elements are stored as D / 64 column chunks of 64 elements (128 bytes
+// per row); chunk c at c R 128 bytes, row r at r 128, its 16-byte unit u at u ^ (r % 8)
+// (PTX ISA, "Shared Memory Matrix Layout", 128B swizzle; the tile base is 1024-aligned).
+// Read with rows as M or N and columns as k it is a K-major operand: 8 rows apart by 1024
+// bytes (the stride offset), the k16 step kk at chunk kk / 4, byte 32 (kk % 4). Read with
+// rows as k it is an MN-major operand (transposed): 64 columns to a 128-byte row, chunks
+// apart by R 128 bytes (the leading offset), 8 rows apart by 1024 bytes.
+#include "attention.cuh"
+#include "wgmma.cuh"
+
+#define WG_THREADS 256  // two warpgroups
+
+// Byte offset of 16-byte unit c of row r in a tile of R rows.
+template <int R> __device__ __forceinline__ uint32_t sw128(int r, int c) {
+  return (uint32_t)((c >> 3) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// Rows [row0, row0 + R) of a slice with row stride sr into a tile; rows at or past L zeros.
+template <typename T, int R, int D>
+__device__ __forceinline__ void load_sw128(uint32_t tile, const T* g, int64_t sr, int row0, int L) {
+  constexpr int CH = D / 8;
+  static_assert((R * CH) % WG_THREADS == 0, "tile chunks must split evenly over the block");
+#pragma unroll
+  for (int it = 0; it < R * CH / WG_THREADS; ++it) {
+    const int i = threadIdx.x + it * WG_THREADS;
+    const int r = i / CH, c = i % CH;
+    const bool ok = row0 + r < L;
+    cp_async16(tile + sw128<R>(r, c), g + (ok ? (int64_t)(row0 + r) * sr : 0) + c * 8, ok);
+  }
+}
+
+// 4 bytes global -> shared, asynchronously; zero when !valid.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
+
+// K-major operand: rows [row0, row0 + 64 or N) of a tile of R rows, k16 step kk.
+template <int R> __device__ __forceinline__ uint64_t kmajor(uint32_t tile, int row0, int kk) {
+  return sw128_desc(tile + (kk >> 2) * (R * 128) + row0 * 128 + (kk & 3) * 32, 16, 1024);
+}
+// MN-major operand: tile rows [k0, k0 + 16) as k, columns from chunk c0 on as M or N.
+template <int R> __device__ __forceinline__ uint64_t mnmajor(uint32_t tile, int k0, int c0) {
+  return sw128_desc(tile + c0 * (R * 128) + k0 * 128, R * 128, 1024);
+}
+
+template <int N> __device__ __forceinline__ void pin_regs(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+}
+
+template <int NB> __device__ __forceinline__ void zero(float (&d)[NB][4]) {
+#pragma unroll
+  for (int i = 0; i < NB; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.f;
+}
+
+// The m64nN accumulator of probabilities (or dS) as A fragments of N / 16 k16 steps.
+template <typename T, int NB>
+__device__ __forceinline__ void to_a(const float (&s)[NB][4], uint32_t (&a)[NB / 2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < NB / 2; ++kk) {
+    a[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+    a[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+    a[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
+// ----- forward ------------------------------------------------------------------------------
+// A block of two warpgroups takes 128 queries of one (b, h), 64 a warpgroup (16 a warp), and
+// walks the keys in tiles of 128 loaded with cp.async. Per tile a warpgroup forms S = Q K^T
+// (SS), the online softmax in registers (as attention.cu), then O += P V with P from
+// registers (RS) and V read transposed.
+template <typename T, int D>
+__device__ __forceinline__ void attnw_fwd(const AttnParams& p) {
+  constexpr int BR = 128, BC = 128, NB = D / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = (smem_u32(smem) + 1023) & ~1023u;
+  const uint32_t sK0 = sQ + BR * D * 2;      // K stage s at sK0 + s * BC * D * 2
+  const uint32_t sV0 = sK0 + 2 * BC * D * 2;  // V stage s at sV0 + s * BC * D * 2
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int q0 = blockIdx.x * BR;
+  const T* Q = view_at<T>(p.q, b, h);
+  const T* K = view_at<T>(p.k, b, h);
+  const T* V = view_at<T>(p.v, b, h);
+  const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
+  const int kend = p.causal ? min(p.Lk, min(q0 + BR, p.Lq)) : p.Lk;
+  const int nkt = (kend + BC - 1) / BC;
+  const float sl2 = p.scale_log2;
+  constexpr int KV = BC * D * 2;
+
+  load_sw128<T, BR, D>(sQ, Q, p.q.sr, q0, p.Lq);
+  load_sw128<T, BC, D>(sK0, K, p.k.sr, 0, p.Lk);
+  load_sw128<T, BC, D>(sV0, V, p.v.sr, 0, p.Lk);
+  if (nkt > 1) load_sw128<T, BC, D>(sK0 + KV, K, p.k.sr, BC, p.Lk);
+  cp_commit();
+  cp_wait<0>();
+  fence_async_smem();
+  __syncthreads();
+
+  float o[NB][4];
+  zero(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int rbase = q0 + 64 * wg + 16 * warp;  // this warp's first query
+  const int qrow0 = rbase + (lane >> 2);       // + 8 r
+
+  // S_j = Q K_j^T is formed one tile ahead: while the softmax of tile j runs, the tensor cores
+  // work on O += P_{j-1} V_{j-1}. K and V have two stages each: K_{j+2} replaces K_j once every
+  // warpgroup has S_j, V_{j+1} replaces V_{j-1} once every warpgroup's PV_{j-1} is done.
+  float s[BC / 8][4];  // written by the first product (scale_d = 0)
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, 0, 0>(s, kmajor<BR>(sQ, 64 * wg, kk), kmajor<BC>(sK0, 0, kk), kk);
+  wgmma_commit();
+  wgmma_wait<0>();
+  pin(s);
+  uint32_t a[BC / 16][4];
+
+  // The softmax of tile j in s: P_j as A fragments in a; o rescaled once PV_{j-1} is done.
+  auto softmax = [&](int j) {
+    const int k0 = j * BC;
+    const bool edge = k0 + BC > p.Lk || keep || (p.causal && k0 + BC - 1 > rbase);
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[n][e] * sl2;
+        if (edge) {
+          const int key = k0 + n * 8 + 2 * (lane & 3) + (e & 1);
+          const int row = qrow0 + (e >> 1) * 8;
+          const bool vis = key < p.Lk && (!keep || keep[key] != 0.f) && (!p.causal || key <= row);
+          if (!vis) x = -INFINITY;
+        }
+        s[n][e] = x;
+      }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mnew = fmaxf(m[r], mx);
+      const float muse = mnew == -INFINITY ? 0.f : mnew;
+      alpha[r] = ex2(m[r] - muse);
+      m[r] = mnew;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) {
+        s[n][2 * r] = ex2(s[n][2 * r] - muse);
+        s[n][2 * r + 1] = ex2(s[n][2 * r + 1] - muse);
+        sum += s[n][2 * r] + s[n][2 * r + 1];
+      }
+      l[r] = l[r] * alpha[r] + sum;
+    }
+    wgmma_wait<0>();  // PV_{j-1}
+    pin(o);
+    pin_regs(a);
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+    to_a<T>(s, a);
+    cp_wait<0>();  // V_j and K_{j+1}
+    fence_async_smem();
+    __syncthreads();
+  };
+  auto pv = [&](int j) {
+    const uint32_t sV = sV0 + (j & 1) * KV;
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, 1>(o, a[kk], mnmajor<BC>(sV, 16 * kk, 0), 1);
+    wgmma_commit();
+  };
+  for (int j = 0; j + 1 < nkt; ++j) {
+    softmax(j);
+    if (j + 2 < nkt) load_sw128<T, BC, D>(sK0 + (j & 1) * KV, K, p.k.sr, (j + 2) * BC, p.Lk);
+    load_sw128<T, BC, D>(sV0 + ((j + 1) & 1) * KV, V, p.v.sr, (j + 1) * BC, p.Lk);
+    cp_commit();
+    wgmma_fence();
+    const uint32_t sK = sK0 + ((j + 1) & 1) * KV;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, 0, 0>(s, kmajor<BR>(sQ, 64 * wg, kk), kmajor<BC>(sK, 0, kk), kk);
+    wgmma_commit();
+    pv(j);
+    wgmma_wait<1>();  // S_{j+1}; PV_j may still run
+    pin(s);
+  }
+  softmax(nkt - 1);
+  wgmma_fence();
+  pv(nkt - 1);
+  wgmma_wait<0>();
+  pin(o);
+  pin_regs(a);
+
+  T* O = reinterpret_cast<T*>(p.o.ptr) + b * p.o.sb + h * p.o.sh;
+  float* lse = reinterpret_cast<float*>(p.lse) + (int64_t)bh * p.Lq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float lt = l[r];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const float inv = lt > 0.f ? 1.f / lt : 0.f;
+    const int row = qrow0 + r * 8;
+    if (row < p.Lq) {
+      T* orow = O + (int64_t)row * p.o.sr + 2 * (lane & 3);
+#pragma unroll
+      for (int n = 0; n < NB; ++n)
+        *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+      if ((lane & 3) == 0) lse[row] = lt > 0.f ? m[r] * LN2 + logf(lt) : INFINITY;
+    }
+  }
+}
+
+// ----- backward -----------------------------------------------------------------------------
+// A block of two warpgroups owns 128 keys of one (b, h), 64 a warpgroup, and walks the
+// queries in tiles of 64, double-buffered (Q, dO, lse, dvec). Per tile a warpgroup forms
+// S^T = K Q^T and dP^T = V dO^T (SS), P^T from the saved lse, dV += P^T dO (RS, dO read
+// transposed) while it forms dS^T = P^T (dP^T - dvec), stores dS^T to shared memory and
+// adds dK += dS^T Q (RS). Then dQ += scale dS K (SS, both operands transposed): at D = 128
+// warpgroup w takes columns 64w.. over all 128 keys, at D = 64 its own 64 keys over all
+// columns; the sums go to the f32 accumulator with 16-byte reductions. attention.cu's
+// attn_bwd_pre (dvec, zeroed accumulator) runs before, attn_dq after.
+template <typename T, int D>
+__device__ __forceinline__ void attnw_bwd(const AttnParams& p) {
+  constexpr int BC = 128, BR = 64, NB = D / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sK = (smem_u32(smem) + 1023) & ~1023u;
+  const uint32_t sV = sK + BC * D * 2;
+  const uint32_t sQ0 = sV + BC * D * 2;       // stage s: Q at sQ0 + s * 2 * BR * D * 2, then dO
+  const uint32_t sdS = sQ0 + 4 * BR * D * 2;  // dS^T, BC x BR
+  const uint32_t sRows = sdS + BC * BR * 2;   // [2][BR] lse, then [2][BR] dvec (f32)
+  float* rows = reinterpret_cast<float*>(smem + (sRows - smem_u32(smem)));
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int k0 = blockIdx.x * BC, kw = 64 * wg;  // this warpgroup's keys: k0 + kw ..
+  const T* Q = view_at<T>(p.q, b, h);
+  const T* K = view_at<T>(p.k, b, h);
+  const T* V = view_at<T>(p.v, b, h);
+  const T* dO = view_at<T>(p.dout, b, h);
+  const float* lse = reinterpret_cast<const float*>(p.lse) + (int64_t)bh * p.Lq;
+  const float* dvec = reinterpret_cast<const float*>(p.dvec) + (int64_t)bh * p.Lq;
+  float* dqacc = reinterpret_cast<float*>(p.dq_acc) + (int64_t)bh * p.Lq * D;
+  const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
+  const float sl2 = p.scale_log2;
+
+  const int it0 = p.causal ? k0 / BR : 0;
+  const int nqt = (p.Lq + BR - 1) / BR;
+  // Rows past Lq load as zeros (Q, dO, lse, dvec): their P^T is 1 but dO and dvec are 0, so
+  // they add nothing to dV, dK or dQ.
+  auto stage = [&](int s, int it) {
+    const uint32_t q = sQ0 + s * (2 * BR * D * 2);
+    load_sw128<T, BR, D>(q, Q, p.q.sr, it * BR, p.Lq);
+    load_sw128<T, BR, D>(q + BR * D * 2, dO, p.dout.sr, it * BR, p.Lq);
+    if (tid < 2 * BR) {
+      const int r = tid % BR, qi = it * BR + r;
+      const bool ok = qi < p.Lq;
+      const float* src = tid < BR ? lse : dvec;
+      cp_async4(sRows + ((tid < BR ? 0 : 2 * BR) + s * BR + r) * 4, src + (ok ? qi : 0), ok);
+    }
+  };
+  load_sw128<T, BC, D>(sK, K, p.k.sr, k0, p.Lk);
+  load_sw128<T, BC, D>(sV, V, p.v.sr, k0, p.Lk);
+  if (it0 < nqt) stage(0, it0);
+  cp_commit();
+
+  int kidx[2];
+  bool kvis[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    kidx[r] = k0 + kw + 16 * warp + (lane >> 2) + 8 * r;
+    kvis[r] = kidx[r] < p.Lk && (!keep || keep[kidx[r]] != 0.f);
+  }
+  float dk[NB][4], dv[NB][4];
+  zero(dk);
+  zero(dv);
+
+  for (int it = it0; it < nqt; ++it) {
+    const int st = (it - it0) & 1;
+    cp_wait<0>();
+    fence_async_smem();
+    __syncthreads();
+    if (it + 1 < nqt) {
+      stage(st ^ 1, it + 1);
+      cp_commit();
+    }
+    const int q0 = it * BR;
+    const uint32_t sQ = sQ0 + st * (2 * BR * D * 2), sdO = sQ + BR * D * 2;
+    const float* L = rows + st * BR;
+    const float* Dv = rows + 2 * BR + st * BR;
+
+    float s[BR / 8][4], dp[BR / 8][4];  // written by their first products (scale_d = 0)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, 0, 0>(s, kmajor<BC>(sK, kw, kk), kmajor<BR>(sQ, 0, kk), kk);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, 0, 0>(dp, kmajor<BC>(sV, kw, kk), kmajor<BR>(sdO, 0, kk), kk);
+    wgmma_commit();
+    wgmma_wait<1>();
+    pin(s);
+
+    // P^T = 2^(s scale log2e - lse log2e); 0 for hidden keys.
+    const bool diag = p.causal && k0 + kw + 16 * warp + 15 > q0;
+#pragma unroll
+    for (int n = 0; n < BR / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qc = n * 8 + 2 * (lane & 3) + e;
+        const float lq = L[qc] * LOG2E;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float pv = ex2(s[n][2 * r + e] * sl2 - lq);
+          if (!kvis[r] || (diag && kidx[r] > q0 + qc)) pv = 0.f;
+          s[n][2 * r + e] = pv;
+        }
+      }
+    uint32_t pa[BR / 16][4];
+    to_a<T>(s, pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dv, pa[kk], mnmajor<BR>(sdO, 16 * kk, 0), 1);
+    wgmma_commit();
+    wgmma_wait<1>();  // dP^T is ready; dV may still run
+    pin(dp);
+
+    // dS^T = P^T (dP^T - dvec), to shared memory as T (rows: keys, columns: queries).
+#pragma unroll
+    for (int n = 0; n < BR / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - Dv[n * 8 + 2 * (lane & 3) + (e & 1)];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = kw + 16 * warp + (lane >> 2) + 8 * r;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + sw128<BC>(row, n) + 4 * (lane & 3)),
+                     "r"(pack2<T>(s[n][2 * r], s[n][2 * r + 1])));
+      }
+    }
+    uint32_t da[BR / 16][4];
+    to_a<T>(s, da);
+    wgmma_wait<0>();
+    pin(dv);
+    pin_regs(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dk, da[kk], mnmajor<BR>(sQ, 16 * kk, 0), 1);
+    wgmma_commit();
+    fence_async_smem();
+    __syncthreads();  // dS^T of both warpgroups is in shared memory
+
+    float dq[8][4];  // m64n64: 64 queries x 64 columns, written by the first product
+    if (D == 128) {
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; ++kk)
+        wgmma_ss<T, 1, 1>(dq, mnmajor<BC>(sdS, 16 * kk, 0), mnmajor<BC>(sK, 16 * kk, wg), kk);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_ss<T, 1, 1>(dq, mnmajor<BC>(sdS, kw + 16 * kk, 0), mnmajor<BC>(sK, kw + 16 * kk, 0), kk);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(dk);
+    pin(dq);
+    pin_regs(da);
+    // Lanes t and t ^ 1 swap halves so each holds four adjacent columns of one row (row g for
+    // even t, g + 8 for odd t): one 16-byte reduction instead of four.
+    {
+      const bool odd = lane & 1;
+      const int qi = q0 + 16 * warp + (lane >> 2) + (odd ? 8 : 0);
+      float* dst = dqacc + (int64_t)qi * D + (D == 128 ? 64 * wg : 0) + 2 * ((lane & 3) & ~1);
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const float s0 = odd ? dq[n][0] : dq[n][2], s1 = odd ? dq[n][1] : dq[n][3];
+        const float r0v = __shfl_xor_sync(0xffffffffu, s0, 1), r1v = __shfl_xor_sync(0xffffffffu, s1, 1);
+        const float4 v = odd ? make_float4(r0v, r1v, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], r0v, r1v);
+        if (qi < p.Lq)
+          asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + n * 8), "f"(v.x * p.scale),
+                       "f"(v.y * p.scale), "f"(v.z * p.scale), "f"(v.w * p.scale)
+                       : "memory");
+      }
+    }
+  }
+  cp_wait<0>();  // K and V when no query tile ran (causal, keys past Lq)
+
+  T* gdk = reinterpret_cast<T*>(p.dk) + (int64_t)bh * p.Lk * D;
+  T* gdv = reinterpret_cast<T*>(p.dv) + (int64_t)bh * p.Lk * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (kidx[r] < p.Lk) {
+      const int64_t off = (int64_t)kidx[r] * D + 2 * (lane & 3);
+#pragma unroll
+      for (int n = 0; n < NB; ++n) {
+        *reinterpret_cast<uint32_t*>(gdk + off + n * 8) = pack2<T>(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(gdv + off + n * 8) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+      }
+    }
+  }
+}
+
+#define ATTNW_KERNELS(T, SFX, D)                                                                     \
+  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attnw_fwd_##SFX##_d##D(const AttnParams p) { \
+    attnw_fwd<T, D>(p);                                                                             \
+  }                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attnw_bwd_##SFX##_d##D(const AttnParams p) { \
+    attnw_bwd<T, D>(p);                                                                             \
+  }
+
+ATTNW_KERNELS(__nv_bfloat16, bf16, 64)
+ATTNW_KERNELS(__nv_bfloat16, bf16, 128)
+ATTNW_KERNELS(__half, f16, 64)
+ATTNW_KERNELS(__half, f16, 128)

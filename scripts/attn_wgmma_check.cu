@@ -1,0 +1,259 @@
+// Checks and times the Hopper wgmma attention kernels (cuda/attention_wgmma.cu) against the
+// mma.sync kernels (cuda/attention.cu) on the same random inputs, without the crate: the
+// output, lse, dq, dk and dv of both, compared as max |new - old| / max |old|, at odd sizes,
+// with masks and causality; then both timed at the Flux shape (B 1, H 24, L 4608, D 128) and
+// SD3.5's (B 1, H 38, L 4250, D 64) with CUDA events. The crate's GPU suite
+// (tests/gpu_ops/attention.rs) is the real test; this is for kernel work on the GPU machine.
+// Build here (the GPU machine needs only the driver):
+//   nvcc -O3 -std=c++17 -arch=sm_90a -Icuda scripts/attn_wgmma_check.cu -o attn_check
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "attention.cu"
+#include "attention_wgmma.cu"
+
+#define CK(x)                                                                              \
+  do {                                                                                     \
+    cudaError_t e = (x);                                                                   \
+    if (e != cudaSuccess) {                                                                \
+      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__);       \
+      exit(1);                                                                             \
+    }                                                                                      \
+  } while (0)
+
+typedef void (*Kern)(const AttnParams);
+
+struct Kernels {
+  Kern fwd, bwd, wfwd, wbwd, pre;
+  void (*dq)(const float*, void*, size_t);
+};
+
+template <typename T> Kernels kernels(int d);
+template <> Kernels kernels<__nv_bfloat16>(int d) {
+  if (d == 128)
+    return {attn_fwd_bf16_d128, attn_bwd_bf16_d128, attnw_fwd_bf16_d128, attnw_bwd_bf16_d128, attn_bwd_pre_bf16_d128,
+            (void (*)(const float*, void*, size_t))attn_dq_bf16};
+  return {attn_fwd_bf16_d64, attn_bwd_bf16_d64, attnw_fwd_bf16_d64, attnw_bwd_bf16_d64, attn_bwd_pre_bf16_d64,
+          (void (*)(const float*, void*, size_t))attn_dq_bf16};
+}
+template <> Kernels kernels<__half>(int d) {
+  if (d == 128)
+    return {attn_fwd_f16_d128, attn_bwd_f16_d128, attnw_fwd_f16_d128, attnw_bwd_f16_d128, attn_bwd_pre_f16_d128,
+            (void (*)(const float*, void*, size_t))attn_dq_f16};
+  return {attn_fwd_f16_d64, attn_bwd_f16_d64, attnw_fwd_f16_d64, attnw_bwd_f16_d64, attn_bwd_pre_f16_d64,
+          (void (*)(const float*, void*, size_t))attn_dq_f16};
+}
+
+static size_t fwd_smem(int d) { return (128 + 4 * (d == 128 ? 32 : 64)) * d * 2; }
+static size_t bwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 4 * 64 * 4; }
+static size_t wfwd_smem(int d) { return (128 + 4 * 128) * d * 2 + 1024; }
+static size_t wbwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 4 * 64 * 4 + 1024; }
+
+struct Case {
+  int B, H, Lq, Lk, D;
+  bool causal, mask;
+};
+
+template <typename T> struct Run {
+  Case c;
+  Kernels k;
+  T *q, *kk, *v, *dout, *o, *dq, *dk, *dv;
+  float *lse, *dvec, *acc, *keep;
+  size_t nq, nk;
+
+  AttnParams params() {
+    AttnParams p{};
+    auto view = [&](T* ptr, int L) { return AttnView{(uint64_t)ptr, (int64_t)c.H * L * c.D, (int64_t)L * c.D, (int64_t)c.D}; };
+    p.q = view(q, c.Lq);
+    p.k = view(kk, c.Lk);
+    p.v = view(v, c.Lk);
+    p.o = view(o, c.Lq);
+    p.dout = view(dout, c.Lq);
+    p.lse = (uint64_t)lse;
+    p.dvec = (uint64_t)dvec;
+    p.dq_acc = (uint64_t)acc;
+    p.keep = c.mask ? (uint64_t)keep : 0;
+    p.dq = (uint64_t)dq;
+    p.dk = (uint64_t)dk;
+    p.dv = (uint64_t)dv;
+    p.B = c.B, p.H = c.H, p.Lq = c.Lq, p.Lk = c.Lk;
+    p.scale = 1.f / sqrtf((float)c.D);
+    p.scale_log2 = p.scale * 1.4426950408889634f;
+    p.causal = c.causal;
+    return p;
+  }
+
+  void fwd(bool wg) {
+    AttnParams p = params();
+    const int bh = c.B * c.H;
+    if (wg)
+      k.wfwd<<<dim3((c.Lq + 127) / 128, bh), 256, wfwd_smem(c.D)>>>(p);
+    else
+      k.fwd<<<dim3((c.Lq + 127) / 128, bh), 128, fwd_smem(c.D)>>>(p);
+  }
+  void bwd(bool wg) {
+    AttnParams p = params();
+    const int bh = c.B * c.H;
+    k.pre<<<1024, 256>>>(p);
+    if (wg)
+      k.wbwd<<<dim3((c.Lk + 127) / 128, bh), 256, wbwd_smem(c.D)>>>(p);
+    else
+      k.bwd<<<dim3((c.Lk + 127) / 128, bh), 256, bwd_smem(c.D)>>>(p);
+    k.dq<<<1024, 256>>>(acc, dq, nq);
+  }
+};
+
+static float frand(uint64_t& s) {
+  s = s * 6364136223846793005ull + 1442695040888963407ull;
+  const float u1 = ((s >> 40) + 1) / 16777217.f;
+  s = s * 6364136223846793005ull + 1442695040888963407ull;
+  const float u2 = (s >> 40) / 16777216.f;
+  return sqrtf(-2.f * logf(u1)) * cosf(6.2831853f * u2);
+}
+
+template <typename T> static T* upload_rand(size_t n, uint64_t seed) {
+  std::vector<T> h(n);
+  for (auto& x : h) x = (T)frand(seed);
+  T* d;
+  CK(cudaMalloc(&d, n * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+template <typename T> static std::vector<float> download(const T* d, size_t n) {
+  std::vector<T> h(n);
+  CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  std::vector<float> f(n);
+  for (size_t i = 0; i < n; ++i) f[i] = (float)h[i];
+  return f;
+}
+
+static double rel(const std::vector<float>& a, const std::vector<float>& r) {
+  double m = 0, s = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(r[i]) && r[i] == a[i]) continue;
+    const double e = std::isnan(a[i]) ? INFINITY : fabs((double)a[i] - r[i]);
+    m = fmax(m, e);
+    if (!std::isinf(r[i])) s = fmax(s, fabs(r[i]));
+  }
+  return m / (s > 0 ? s : 1);
+}
+
+template <typename T> static Run<T> make(Case c, uint64_t seed) {
+  Run<T> r{};
+  r.c = c;
+  r.k = kernels<T>(c.D);
+  r.nq = (size_t)c.B * c.H * c.Lq * c.D;
+  r.nk = (size_t)c.B * c.H * c.Lk * c.D;
+  r.q = upload_rand<T>(r.nq, seed);
+  r.kk = upload_rand<T>(r.nk, seed + 1);
+  r.v = upload_rand<T>(r.nk, seed + 2);
+  r.dout = upload_rand<T>(r.nq, seed + 3);
+  CK(cudaMalloc(&r.o, r.nq * sizeof(T)));
+  CK(cudaMalloc(&r.dq, r.nq * sizeof(T)));
+  CK(cudaMalloc(&r.dk, r.nk * sizeof(T)));
+  CK(cudaMalloc(&r.dv, r.nk * sizeof(T)));
+  CK(cudaMalloc(&r.lse, (size_t)c.B * c.H * c.Lq * 4));
+  CK(cudaMalloc(&r.dvec, (size_t)c.B * c.H * c.Lq * 4));
+  CK(cudaMalloc(&r.acc, r.nq * 4));
+  std::vector<float> keep((size_t)c.B * c.Lk);
+  uint64_t s = seed + 9;
+  for (size_t i = 0; i < keep.size(); ++i) keep[i] = (frand(s) > -0.5f && i / c.Lk != 1) ? 1.f : 0.f;
+  keep[0] = 1.f;
+  CK(cudaMalloc(&r.keep, keep.size() * 4));
+  CK(cudaMemcpy(r.keep, keep.data(), keep.size() * 4, cudaMemcpyHostToDevice));
+  return r;
+}
+
+template <typename T> static void free_run(Run<T>& r) {
+  for (void* p : {(void*)r.q, (void*)r.kk, (void*)r.v, (void*)r.dout, (void*)r.o, (void*)r.dq, (void*)r.dk, (void*)r.dv,
+                  (void*)r.lse, (void*)r.dvec, (void*)r.acc, (void*)r.keep})
+    CK(cudaFree(p));
+}
+
+template <typename T> static bool check(Case c, const char* ty, uint64_t seed) {
+  Run<T> r = make<T>(c, seed);
+  std::vector<float> out[2][5];
+  for (int wg = 0; wg < 2; ++wg) {
+    r.fwd(wg);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    out[wg][0] = download(r.o, r.nq);
+    out[wg][1] = download(r.lse, (size_t)c.B * c.H * c.Lq);
+    r.bwd(wg);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    out[wg][2] = download(r.dq, r.nq);
+    out[wg][3] = download(r.dk, r.nk);
+    out[wg][4] = download(r.dv, r.nk);
+  }
+  double e[5];
+  bool ok = true;
+  for (int i = 0; i < 5; ++i) {
+    e[i] = rel(out[1][i], out[0][i]);
+    ok &= e[i] < (i == 1 ? 1e-4 : 2e-2);
+  }
+  printf("%s %s B=%d H=%d Lq=%d Lk=%d D=%d causal=%d mask=%d  [o lse dq dk dv] %.2e %.2e %.2e %.2e %.2e\n", ok ? "ok  " : "FAIL",
+         ty, c.B, c.H, c.Lq, c.Lk, c.D, c.causal, c.mask, e[0], e[1], e[2], e[3], e[4]);
+  free_run(r);
+  return ok;
+}
+
+template <typename T> static void timeit(Case c) {
+  Run<T> r = make<T>(c, 7);
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  const double flops = 4.0 * c.B * c.H * (double)c.Lq * c.Lk * c.D / (c.causal ? 2 : 1);
+  for (int wg = 0; wg < 2; ++wg) {
+    float ms[2];
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int i = 0; i < 3; ++i) pass ? r.bwd(wg) : r.fwd(wg);
+      CK(cudaEventRecord(a));
+      const int n = 20;
+      for (int i = 0; i < n; ++i) pass ? r.bwd(wg) : r.fwd(wg);
+      CK(cudaEventRecord(b));
+      CK(cudaEventSynchronize(b));
+      CK(cudaGetLastError());
+      CK(cudaEventElapsedTime(&ms[pass], a, b));
+      ms[pass] /= n;
+    }
+    printf("%s B=%d H=%d L=%d D=%d causal=%d  fwd %.3f ms %.1f TFLOP/s | bwd (pre+kernel+dq) %.3f ms %.1f TFLOP/s\n",
+           wg ? "wgmma" : "mma  ", c.B, c.H, c.Lq, c.D, c.causal, ms[0], flops / ms[0] / 1e9, ms[1],
+           2.5 * flops / ms[1] / 1e9);
+  }
+  free_run(r);
+}
+
+int main(int argc, char** argv) {
+  const bool time_only = argc > 1;  // any argument: the Flux-shape timing alone (for ncu)
+  for (Kern f : {(Kern)attnw_fwd_bf16_d128, (Kern)attnw_fwd_bf16_d64, (Kern)attnw_fwd_f16_d128, (Kern)attnw_fwd_f16_d64})
+    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wfwd_smem(128)));
+  for (Kern f : {(Kern)attnw_bwd_bf16_d128, (Kern)attnw_bwd_bf16_d64, (Kern)attnw_bwd_f16_d128, (Kern)attnw_bwd_f16_d64})
+    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wbwd_smem(128)));
+  for (Kern f : {(Kern)attn_fwd_bf16_d128, (Kern)attn_fwd_bf16_d64, (Kern)attn_fwd_f16_d128, (Kern)attn_fwd_f16_d64})
+    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fwd_smem(128)));
+  for (Kern f : {(Kern)attn_bwd_bf16_d128, (Kern)attn_bwd_bf16_d64, (Kern)attn_bwd_f16_d128, (Kern)attn_bwd_f16_d64})
+    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bwd_smem(128)));
+  if (time_only) {
+    timeit<__nv_bfloat16>({1, 24, 4608, 4608, 128, false, false});
+    return 0;
+  }
+  int fails = 0;
+  const Case cases[] = {
+      {1, 2, 256, 256, 128, false, false}, {1, 2, 256, 256, 64, false, false}, {2, 3, 1, 1, 128, false, false},
+      {2, 2, 77, 77, 128, false, true},    {2, 2, 333, 77, 64, true, false},   {1, 3, 77, 333, 128, true, true},
+      {2, 2, 333, 333, 64, false, true},   {1, 2, 1024, 1024, 128, true, false}, {1, 2, 4608, 4608, 128, false, false},
+      {1, 2, 1000, 1000, 64, true, true},
+  };
+  uint64_t seed = 1;
+  for (const Case& c : cases) fails += !check<__nv_bfloat16>(c, "bf16", seed += 10);
+  for (const Case& c : cases) fails += !check<__half>(c, "f16 ", seed += 10);
+  timeit<__nv_bfloat16>({1, 24, 4608, 4608, 128, false, false});
+  timeit<__nv_bfloat16>({1, 38, 4250, 4250, 64, false, false});
+  timeit<__nv_bfloat16>({4, 16, 4096, 4096, 128, true, false});
+  printf("%d failures\n", fails);
+  return fails != 0;
+}

@@ -7,7 +7,10 @@
 //
 // Same parameters, masks (key padding, causal with key j visible to query i iff j <= i),
 // strided q/k/v/o/do views, outputs and dq accumulator as attention.cu; head dims 64 and 128,
-// bf16/f16. Built only for compute_90a (build.rs), used on compute capability 9.0.
+// bf16/f16. Built only for compute_90a (build.rs), used on compute capability 9.0. Tiles
+// are loaded by the tensor memory accelerator (TMA: one thread issues a tile, an mbarrier
+// counts its bytes in), which writes them in the swizzled layout below and zero-fills rows
+// past the sequence.
 //
 // Tiles: R rows of D elements are stored as D / 64 column chunks of 64 elements (128 bytes
 // per row); chunk c at c R 128 bytes, row r at r 128, its 16-byte unit u at u ^ (r % 8)
@@ -26,18 +29,43 @@ template <int R> __device__ __forceinline__ uint32_t sw128(int r, int c) {
   return (uint32_t)((c >> 3) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-// Rows [row0, row0 + R) of a slice with row stride sr into a tile; rows at or past L zeros.
-template <typename T, int R, int D>
-__device__ __forceinline__ void load_sw128(uint32_t tile, const T* g, int64_t sr, int row0, int L) {
-  constexpr int CH = D / 8;
-  static_assert((R * CH) % WG_THREADS == 0, "tile chunks must split evenly over the block");
+// A TMA descriptor (CUtensorMap, made by the launcher with cuTensorMapEncodeTiled) of one
+// operand: 4-d (D, L, H, B) with the view's strides, boxes of 64 columns x the tile's rows,
+// 128-byte swizzle (the layout above), rows past L read as zeros.
+struct alignas(64) TmaMap {
+  uint64_t v[16];
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialised barriers visible to the async proxy (TMA).
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// Arms `bar` for `bytes` of TMA transfers (one arrival: the issuing thread's).
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits for the completion of `bar`'s phase `phase` (0, 1, 0, ... for its uses in order).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(phase)
+        : "memory");
+  } while (!done);
+}
+// Rows [row, row + R) of head (b, h) into a tile of R rows: D / 64 boxes, completing on bar.
+template <int R, int D>
+__device__ __forceinline__ void tma_tile(uint32_t tile, const TmaMap& m, uint32_t bar, int row, int h, int b) {
 #pragma unroll
-  for (int it = 0; it < R * CH / WG_THREADS; ++it) {
-    const int i = threadIdx.x + it * WG_THREADS;
-    const int r = i / CH, c = i % CH;
-    const bool ok = row0 + r < L;
-    cp_async16(tile + sw128<R>(r, c), g + (ok ? (int64_t)(row0 + r) * sr : 0) + c * 8, ok);
-  }
+  for (int c = 0; c < D / 64; ++c)
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(tile + c * R * 128),
+        "l"(reinterpret_cast<uint64_t>(&m)), "r"(c * 64), "r"(row), "r"(h), "r"(b), "r"(bar)
+        : "memory");
 }
 
 // 4 bytes global -> shared, asynchronously; zero when !valid.
@@ -80,36 +108,46 @@ __device__ __forceinline__ void to_a(const float (&s)[NB][4], uint32_t (&a)[NB /
 
 // ----- forward ------------------------------------------------------------------------------
 // A block of two warpgroups takes 128 queries of one (b, h), 64 a warpgroup (16 a warp), and
-// walks the keys in tiles of 128 loaded with cp.async. Per tile a warpgroup forms S = Q K^T
+// walks the keys in tiles of 128. Per tile a warpgroup forms S = Q K^T
 // (SS), the online softmax in registers (as attention.cu), then O += P V with P from
 // registers (RS) and V read transposed.
 template <typename T, int D>
-__device__ __forceinline__ void attnw_fwd(const AttnParams& p) {
+__device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq, const TmaMap& tk, const TmaMap& tv) {
   constexpr int BR = 128, BC = 128, NB = D / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = (smem_u32(smem) + 1023) & ~1023u;
-  const uint32_t sK0 = sQ + BR * D * 2;      // K stage s at sK0 + s * BC * D * 2
+  const uint32_t sK0 = sQ + BR * D * 2;       // K stage s at sK0 + s * BC * D * 2
   const uint32_t sV0 = sK0 + 2 * BC * D * 2;  // V stage s at sV0 + s * BC * D * 2
+  const uint32_t sBar = sV0 + 2 * BC * D * 2;  // barriers: Q, K stages 0 and 1, V stages 0 and 1
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
   const int q0 = blockIdx.x * BR;
-  const T* Q = view_at<T>(p.q, b, h);
-  const T* K = view_at<T>(p.k, b, h);
-  const T* V = view_at<T>(p.v, b, h);
   const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
   const int kend = p.causal ? min(p.Lk, min(q0 + BR, p.Lq)) : p.Lk;
   const int nkt = (kend + BC - 1) / BC;
   const float sl2 = p.scale_log2;
   constexpr int KV = BC * D * 2;
+  auto barK = [&](int s) { return sBar + 8 + 8 * s; };
+  auto barV = [&](int s) { return sBar + 24 + 8 * s; };
 
-  load_sw128<T, BR, D>(sQ, Q, p.q.sr, q0, p.Lq);
-  load_sw128<T, BC, D>(sK0, K, p.k.sr, 0, p.Lk);
-  load_sw128<T, BC, D>(sV0, V, p.v.sr, 0, p.Lk);
-  if (nkt > 1) load_sw128<T, BC, D>(sK0 + KV, K, p.k.sr, BC, p.Lk);
-  cp_commit();
-  cp_wait<0>();
-  fence_async_smem();
+  // Thread 0 issues every load (TMA); the tiles complete on their stage's barrier.
+  if (tid == 0) {
+    for (int i = 0; i < 5; ++i) mbar_init(sBar + 8 * i, 1);
+    mbar_init_fence();
+    mbar_expect(sBar, BR * D * 2);
+    tma_tile<BR, D>(sQ, tq, sBar, q0, h, b);
+    mbar_expect(barK(0), KV);
+    tma_tile<BC, D>(sK0, tk, barK(0), 0, h, b);
+    mbar_expect(barV(0), KV);
+    tma_tile<BC, D>(sV0, tv, barV(0), 0, h, b);
+    if (nkt > 1) {
+      mbar_expect(barK(1), KV);
+      tma_tile<BC, D>(sK0 + KV, tk, barK(1), BC, h, b);
+    }
+  }
   __syncthreads();
+  mbar_wait(sBar, 0);
+  mbar_wait(barK(0), 0);
 
   float o[NB][4];
   zero(o);
@@ -178,8 +216,7 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p) {
       o[n][3] *= alpha[1];
     }
     to_a<T>(s, a);
-    cp_wait<0>();  // V_j and K_{j+1}
-    fence_async_smem();
+    // Every warpgroup is done with S_j (K stage j % 2) and PV_{j-1} (V stage (j + 1) % 2).
     __syncthreads();
   };
   auto pv = [&](int j) {
@@ -190,9 +227,16 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p) {
   };
   for (int j = 0; j + 1 < nkt; ++j) {
     softmax(j);
-    if (j + 2 < nkt) load_sw128<T, BC, D>(sK0 + (j & 1) * KV, K, p.k.sr, (j + 2) * BC, p.Lk);
-    load_sw128<T, BC, D>(sV0 + ((j + 1) & 1) * KV, V, p.v.sr, (j + 1) * BC, p.Lk);
-    cp_commit();
+    if (tid == 0) {
+      if (j + 2 < nkt) {
+        mbar_expect(barK(j & 1), KV);
+        tma_tile<BC, D>(sK0 + (j & 1) * KV, tk, barK(j & 1), (j + 2) * BC, h, b);
+      }
+      mbar_expect(barV((j + 1) & 1), KV);
+      tma_tile<BC, D>(sV0 + ((j + 1) & 1) * KV, tv, barV((j + 1) & 1), (j + 1) * BC, h, b);
+    }
+    mbar_wait(barK((j + 1) & 1), ((j + 1) >> 1) & 1);
+    mbar_wait(barV(j & 1), (j >> 1) & 1);
     wgmma_fence();
     const uint32_t sK = sK0 + ((j + 1) & 1) * KV;
 #pragma unroll
@@ -203,6 +247,7 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p) {
     pin(s);
   }
   softmax(nkt - 1);
+  mbar_wait(barV((nkt - 1) & 1), ((nkt - 1) >> 1) & 1);
   wgmma_fence();
   pv(nkt - 1);
   wgmma_wait<0>();
@@ -230,7 +275,7 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p) {
 
 // ----- backward -----------------------------------------------------------------------------
 // A block of two warpgroups owns 128 keys of one (b, h), 64 a warpgroup, and walks the
-// queries in tiles of 64, double-buffered (Q, dO, lse, dvec). Per tile a warpgroup forms
+// queries in tiles of 64, double-buffered (Q and dO by TMA, lse and dvec by cp.async). Per tile a warpgroup forms
 // S^T = K Q^T and dP^T = V dO^T (SS), P^T from the saved lse, dV += P^T dO (RS, dO read
 // transposed) while it forms dS^T = P^T (dP^T - dvec), stores dS^T to shared memory and
 // adds dK += dS^T Q (RS). Then dQ += scale dS K (SS, both operands transposed): at D = 128
@@ -238,7 +283,8 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p) {
 // columns; the sums go to the f32 accumulator with 16-byte reductions. attention.cu's
 // attn_bwd_pre (dvec, zeroed accumulator) runs before, attn_dq after.
 template <typename T, int D>
-__device__ __forceinline__ void attnw_bwd(const AttnParams& p) {
+__device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
+                                          const TmaMap& tdo) {
   constexpr int BC = 128, BR = 64, NB = D / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sK = (smem_u32(smem) + 1023) & ~1023u;
@@ -246,39 +292,47 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p) {
   const uint32_t sQ0 = sV + BC * D * 2;       // stage s: Q at sQ0 + s * 2 * BR * D * 2, then dO
   const uint32_t sdS = sQ0 + 4 * BR * D * 2;  // dS^T, BC x BR
   const uint32_t sRows = sdS + BC * BR * 2;   // [2][BR] lse, then [2][BR] dvec (f32)
+  const uint32_t sBar = sRows + 4 * BR * 4;   // barriers: K and V, Q and dO stages 0 and 1
   float* rows = reinterpret_cast<float*>(smem + (sRows - smem_u32(smem)));
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
   const int k0 = blockIdx.x * BC, kw = 64 * wg;  // this warpgroup's keys: k0 + kw ..
-  const T* Q = view_at<T>(p.q, b, h);
-  const T* K = view_at<T>(p.k, b, h);
-  const T* V = view_at<T>(p.v, b, h);
-  const T* dO = view_at<T>(p.dout, b, h);
   const float* lse = reinterpret_cast<const float*>(p.lse) + (int64_t)bh * p.Lq;
   const float* dvec = reinterpret_cast<const float*>(p.dvec) + (int64_t)bh * p.Lq;
   float* dqacc = reinterpret_cast<float*>(p.dq_acc) + (int64_t)bh * p.Lq * D;
   const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
   const float sl2 = p.scale_log2;
+  constexpr int QD = BR * D * 2;
+  auto barQ = [&](int s) { return sBar + 8 + 8 * s; };
 
   const int it0 = p.causal ? k0 / BR : 0;
   const int nqt = (p.Lq + BR - 1) / BR;
   // Rows past Lq load as zeros (Q, dO, lse, dvec): their P^T is 1 but dO and dvec are 0, so
-  // they add nothing to dV, dK or dQ.
+  // they add nothing to dV, dK or dQ. Thread 0 issues the tiles (TMA); lse and dvec go by
+  // cp.async.
   auto stage = [&](int s, int it) {
-    const uint32_t q = sQ0 + s * (2 * BR * D * 2);
-    load_sw128<T, BR, D>(q, Q, p.q.sr, it * BR, p.Lq);
-    load_sw128<T, BR, D>(q + BR * D * 2, dO, p.dout.sr, it * BR, p.Lq);
+    if (tid == 0) {
+      mbar_expect(barQ(s), 2 * QD);
+      tma_tile<BR, D>(sQ0 + s * 2 * QD, tq, barQ(s), it * BR, h, b);
+      tma_tile<BR, D>(sQ0 + s * 2 * QD + QD, tdo, barQ(s), it * BR, h, b);
+    }
     if (tid < 2 * BR) {
       const int r = tid % BR, qi = it * BR + r;
       const bool ok = qi < p.Lq;
       const float* src = tid < BR ? lse : dvec;
       cp_async4(sRows + ((tid < BR ? 0 : 2 * BR) + s * BR + r) * 4, src + (ok ? qi : 0), ok);
     }
+    cp_commit();
   };
-  load_sw128<T, BC, D>(sK, K, p.k.sr, k0, p.Lk);
-  load_sw128<T, BC, D>(sV, V, p.v.sr, k0, p.Lk);
+  if (tid == 0) {
+    for (int i = 0; i < 3; ++i) mbar_init(sBar + 8 * i, 1);
+    mbar_init_fence();
+    mbar_expect(sBar, 2 * BC * D * 2);
+    tma_tile<BC, D>(sK, tk, sBar, k0, h, b);
+    tma_tile<BC, D>(sV, tv, sBar, k0, h, b);
+  }
+  __syncthreads();
   if (it0 < nqt) stage(0, it0);
-  cp_commit();
 
   int kidx[2];
   bool kvis[2];
@@ -291,15 +345,13 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p) {
   zero(dk);
   zero(dv);
 
+  mbar_wait(sBar, 0);
   for (int it = it0; it < nqt; ++it) {
     const int st = (it - it0) & 1;
-    cp_wait<0>();
-    fence_async_smem();
-    __syncthreads();
-    if (it + 1 < nqt) {
-      stage(st ^ 1, it + 1);
-      cp_commit();
-    }
+    cp_wait<0>();  // this tile's lse and dvec
+    __syncthreads();  // ... from every thread; and every warpgroup is done with stage st ^ 1
+    if (it + 1 < nqt) stage(st ^ 1, it + 1);
+    mbar_wait(barQ(st), ((it - it0) >> 1) & 1);
     const int q0 = it * BR;
     const uint32_t sQ = sQ0 + st * (2 * BR * D * 2), sdO = sQ + BR * D * 2;
     const float* L = rows + st * BR;
@@ -397,7 +449,6 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p) {
       }
     }
   }
-  cp_wait<0>();  // K and V when no query tile ran (causal, keys past Lq)
 
   T* gdk = reinterpret_cast<T*>(p.dk) + (int64_t)bh * p.Lk * D;
   T* gdv = reinterpret_cast<T*>(p.dv) + (int64_t)bh * p.Lk * D;
@@ -414,12 +465,20 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p) {
   }
 }
 
-#define ATTNW_KERNELS(T, SFX, D)                                                                     \
-  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attnw_fwd_##SFX##_d##D(const AttnParams p) { \
-    attnw_fwd<T, D>(p);                                                                             \
-  }                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attnw_bwd_##SFX##_d##D(const AttnParams p) { \
-    attnw_bwd<T, D>(p);                                                                             \
+// The TMA descriptors of q, k, v and do (the forward ignores do's); q's boxes are 128 rows in
+// the forward, 64 in the backward, k's and v's 128.
+#define ATTNW_KERNELS(T, SFX, D)                                                                         \
+  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                            \
+      attnw_fwd_##SFX##_d##D(const AttnParams p, const __grid_constant__ TmaMap tq,                      \
+                             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,       \
+                             const __grid_constant__ TmaMap tdo) {                                       \
+    attnw_fwd<T, D>(p, tq, tk, tv);                                                                      \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                            \
+      attnw_bwd_##SFX##_d##D(const AttnParams p, const __grid_constant__ TmaMap tq,                      \
+                             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,       \
+                             const __grid_constant__ TmaMap tdo) {                                       \
+    attnw_bwd<T, D>(p, tq, tk, tv, tdo);                                                                 \
   }
 
 ATTNW_KERNELS(__nv_bfloat16, bf16, 64)

@@ -349,6 +349,25 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   zero(dk);
   zero(dv);
 
+  // dQ of the query tile at qt, added to the f32 accumulator.
+  float dq[8][4];  // m64n64: 64 queries x 64 columns
+  auto add_dq = [&](int qt) {
+  // Lanes t and t ^ 1 swap halves so each holds four adjacent columns of one row (row g for
+  // even t, g + 8 for odd t): one 16-byte reduction instead of four.
+    const bool odd = lane & 1;
+    const int qi = qt + 16 * warp + (lane >> 2) + (odd ? 8 : 0);
+    float* dst = dqacc + (int64_t)qi * D + (D == 128 ? 64 * wg : 0) + 2 * ((lane & 3) & ~1);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const float s0 = odd ? dq[n][0] : dq[n][2], s1 = odd ? dq[n][1] : dq[n][3];
+      const float r0v = __shfl_xor_sync(0xffffffffu, s0, 1), r1v = __shfl_xor_sync(0xffffffffu, s1, 1);
+      const float4 v = odd ? make_float4(r0v, r1v, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], r0v, r1v);
+      if (qi < p.Lq)
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + n * 8), "f"(v.x * p.scale),
+                     "f"(v.y * p.scale), "f"(v.z * p.scale), "f"(v.w * p.scale)
+                     : "memory");
+    }
+  };
   mbar_wait(sBar, 0);
   for (int it = it0; it < nqt; ++it) {
     const int st = (it - it0) & 1;
@@ -369,6 +388,12 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, 0, 0>(dp, kmajor<BC>(sV, kw, kk), kmajor<BR>(sdO, 0, kk), kk);
     wgmma_commit();
+    // The previous tile's dQ was queued before S and dP: add it while they run.
+    wgmma_wait<0>();
+    if (it > it0) {
+      pin(dq);
+      add_dq(q0 - BR);
+    }
     wgmma_wait<1>();
     pin(s);
 
@@ -420,7 +445,6 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     fence_async_smem();
     __syncthreads();  // dS^T of both warpgroups is in shared memory
 
-    float dq[8][4];  // m64n64: 64 queries x 64 columns, written by the first product
     if (D == 128) {
 #pragma unroll
       for (int kk = 0; kk < BC / 16; ++kk)
@@ -431,27 +455,14 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
         wgmma_ss<T, 1, 1>(dq, mnmajor<BC>(sdS, kw + 16 * kk, 0), mnmajor<BC>(sK, kw + 16 * kk, 0), kk);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<1>();  // dK: stage st is free for the next load once every warpgroup is here
     pin(dk);
-    pin(dq);
     pin_regs(da);
-    // Lanes t and t ^ 1 swap halves so each holds four adjacent columns of one row (row g for
-    // even t, g + 8 for odd t): one 16-byte reduction instead of four.
-    {
-      const bool odd = lane & 1;
-      const int qi = q0 + 16 * warp + (lane >> 2) + (odd ? 8 : 0);
-      float* dst = dqacc + (int64_t)qi * D + (D == 128 ? 64 * wg : 0) + 2 * ((lane & 3) & ~1);
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        const float s0 = odd ? dq[n][0] : dq[n][2], s1 = odd ? dq[n][1] : dq[n][3];
-        const float r0v = __shfl_xor_sync(0xffffffffu, s0, 1), r1v = __shfl_xor_sync(0xffffffffu, s1, 1);
-        const float4 v = odd ? make_float4(r0v, r1v, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], r0v, r1v);
-        if (qi < p.Lq)
-          asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + n * 8), "f"(v.x * p.scale),
-                       "f"(v.y * p.scale), "f"(v.z * p.scale), "f"(v.w * p.scale)
-                       : "memory");
-      }
-    }
+  }
+  wgmma_wait<0>();
+  if (it0 < nqt) {
+    pin(dq);
+    add_dq((nqt - 1) * BR);
   }
 
   T* gdk = reinterpret_cast<T*>(p.dk) + (int64_t)bh * p.Lk * D;

@@ -6,9 +6,11 @@ memory. Models (the shapes of benches/train_step.rs):
   flux  Flux-dev, 4096 image + 512 text tokens, LoRA on transformer_blocks/single_transformer_blocks
   sd35  SD3.5-large, 4096 image + 333 text tokens, LoRA on transformer_blocks
   sdxl  the SDXL UNet, 128x128 latents, 77 text tokens, LoRA on down/mid/up blocks
-Modes: eager, and eager with diffusers' gradient checkpointing. Needs diffusers and peft and
+Modes: eager, eager with diffusers' gradient checkpointing, and compile (torch.compile applied
+to each transformer block / UNet block, after the LoRA injection; its first steps compile,
+so it warms up over two steps before timing). Needs diffusers and peft and
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (diffusers' Flux backward fails without it
-on the GPU machine). Usage: python3 torch_train_step.py [--model flux|sd35|sdxl] [eager] [checkpoint]"""
+on the GPU machine). Usage: python3 torch_train_step.py [--model flux|sd35|sdxl] [eager] [checkpoint] [compile]"""
 import sys
 
 import torch
@@ -130,10 +132,22 @@ def main():
 
     gib = 1 << 30
     label = {"flux": "flux-dev", "sd35": "sd3.5-large", "sdxl": "sdxl"}[name]
+    # Compile last: it replaces the blocks' forward for good.
+    modes = sorted(modes, key=lambda x: x == "compile")
     for mode in modes:
         m.enable_gradient_checkpointing() if mode == "checkpoint" else m.disable_gradient_checkpointing()
+        if mode == "compile":
+            def is_block(n):  # transformer_blocks.3, single_transformer_blocks.7, mid_block
+                parts = n.split(".")
+                return (len(parts) == 2 and parts[1].isdigit() and any(p in n + "." for p in prefixes)
+                        or n + "." in prefixes)
+            blocks = [mod for n, mod in m.named_modules() if is_block(n)]
+            for b in blocks:
+                b.compile()
         try:
             step()
+            if mode == "compile":
+                step()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             s = timed(step, warmup=0, iters=3)

@@ -188,6 +188,36 @@ fn flash_attention_reads_strided_views_and_matches_dense_inputs() {
     assert_eq!(o1.to_vec_f64().unwrap(), o2.to_vec_f64().unwrap());
 }
 
+/// On Hopper the wgmma kernels read q, k, v and do through TMA descriptors; views the
+/// descriptors cannot express (a head stride of 0 from broadcasting one head) and a negative
+/// scale (the wgmma forward folds the scale in after the row max) take the mma.sync kernels.
+/// Every GPU runs this: against the f32 composite, as the main test.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn flash_attention_takes_broadcast_heads_and_negative_scales() {
+    let _one = serial();
+    let dev = gpu();
+    let (b, h, l, d) = (2, 3, 200, 128);
+    let one = randn(&[b, 1, l, d], DType::BF16, 40, &dev);
+    let q = one.broadcast_as((b, h, l, d)).unwrap();
+    let k = randn(&[b, h, l, d], DType::BF16, 41, &dev);
+    let v = randn(&[b, h, l, d], DType::BF16, 42, &dev);
+    let dy = randn(&[b, h, l, d], DType::BF16, 43, &dev);
+    let f32_ = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    for scale in [0.1, -0.1] {
+        let flash = fwd_bwd(&[&q, &k, &v], &dy, &|q, k, v| {
+            q.attention_fused(k, v, None, false, scale)
+        });
+        let reference = fwd_bwd(&[&f32_(&q), &f32_(&k), &f32_(&v)], &f32_(&dy), &|q, k, v| {
+            q.attention_composite(k, v, None, false, scale)
+        });
+        for (i, (a, r)) in flash.iter().zip(&reference).enumerate() {
+            let e = rel_err(a, r);
+            assert!(e <= tol(DType::BF16), "scale {scale}, output {i}: error {e:.2e}");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_attention_allocates_nothing_of_size_l_squared() {

@@ -54,6 +54,61 @@ struct Params {
 // kernels declare (8-byte fields first, then an even number of 4-byte fields: no padding).
 unsafe impl DeviceRepr for Params {}
 
+/// A TMA descriptor (`CUtensorMap`, 128 bytes, 64-byte aligned), `TmaMap` of
+/// cuda/attention_wgmma.cu, passed by value as a `__grid_constant__` kernel parameter.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct TmaMap([u64; 16]);
+
+// SAFETY: 128 plain bytes, the size and alignment of the kernels' `TmaMap`.
+unsafe impl DeviceRepr for TmaMap {}
+
+/// The tensor map of operand `v` (B, H, L, D) for the wgmma kernels: boxes of 64 columns x
+/// `rows`, 128-byte swizzle, rows past L read as zeros. `None` when the driver refuses the
+/// view (strides it cannot express); the caller then takes the mma.sync kernels.
+fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<TmaMap> {
+    use cudarc::driver::sys;
+    let [b, h, l, d] = dims;
+    let global_dim = [d as u64, l as u64, h as u64, b as u64];
+    let strides = [v.sr, v.sh, v.sb];
+    if strides.iter().any(|&s| s <= 0) {
+        return None;
+    }
+    // Bytes: the kernels take 2-byte elements.
+    let global_strides = strides.map(|s| s as u64 * 2);
+    let box_dim = [64u32, rows, 1, 1];
+    let element_strides = [1u32; 4];
+    let ty = match dtype {
+        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    };
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every pointer refers to a live local array of the length the rank (4) implies;
+    // the driver only writes the descriptor and reads the arrays.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            ty,
+            4,
+            v.ptr as *mut std::ffi::c_void,
+            global_dim.as_ptr(),
+            global_strides.as_ptr(),
+            box_dim.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    // SAFETY: the driver initialised the descriptor (CUDA_SUCCESS); it is 16 u64s.
+    let map = unsafe { map.assume_init() };
+    Some(TmaMap(map.opaque))
+}
+
 /// Tile sizes, as cuda/attention.cu sets them: the forward's 4 warps take 128 queries and
 /// walk keys in tiles of FWD_BC(D); the backward's 8 warps take 128 keys and walk queries in
 /// tiles of 64.
@@ -95,7 +150,8 @@ fn bwd_smem(d: usize) -> usize {
 
 /// The wgmma kernels (cuda/attention_wgmma.cu): two warpgroups a block; the forward takes
 /// 128 queries and walks keys in tiles of 128, the backward takes 128 keys and walks queries
-/// in tiles of 64. Their tiles start 1024-aligned, hence the extra KiB.
+/// in tiles of 64; tiles come by TMA (`tma_map`). Their tiles start 1024-aligned, hence the
+/// extra KiB.
 const WG_THREADS: u32 = 256;
 const WG_FWD_ROWS: usize = 128;
 const WG_FWD_KEYS: usize = 128;
@@ -103,15 +159,16 @@ const WG_BWD_KEYS: usize = 128;
 const WG_BWD_ROWS: usize = 64;
 
 fn wg_fwd_smem(d: usize) -> usize {
-    // Q and two stages of K and V.
-    (WG_FWD_ROWS + 4 * WG_FWD_KEYS) * d * 2 + 1024
+    // Q and two stages of K and V; the TMA barriers.
+    (WG_FWD_ROWS + 4 * WG_FWD_KEYS) * d * 2 + 1024 + 64
 }
 
 fn wg_bwd_smem(d: usize) -> usize {
-    // K, V, two stages of Q and dO, dS^T; two stages of lse and dvec.
+    // K, V, two stages of Q and dO, dS^T; two stages of lse and dvec; the TMA barriers.
     (2 * WG_BWD_KEYS * d + 4 * WG_BWD_ROWS * d + WG_BWD_KEYS * WG_BWD_ROWS) * 2
         + 4 * WG_BWD_ROWS * 4
         + 1024
+        + 64
 }
 
 /// The module of the wgmma kernels, on compute capability 9.0 for head dims 64 and 128,
@@ -291,13 +348,27 @@ fn launch_all<T: Elem>(
         launch!(dev, module, kernel, grid, &*p)?;
         return Ok(vec![T::wrap(o), f32::wrap(lse)]);
     }
-    let wg = wgmma_module(dev, d);
+    // The wgmma kernels fold the scale into the exponent after the row max: scale > 0.
+    let wg = wgmma_module(dev, d).filter(|_| p.scale > 0.0);
+    let (qd, kd) = ([b, h, lq, d], [b, h, lk, d]);
+    let maps = |q_rows: u32| -> Option<[TmaMap; 4]> {
+        let dt = T::DTYPE;
+        let dout = if fwd { p.q } else { p.dout };
+        Some([
+            tma_map(&p.q, qd, q_rows, dt)?,
+            tma_map(&p.k, kd, WG_FWD_KEYS as u32, dt)?,
+            tma_map(&p.v, kd, WG_FWD_KEYS as u32, dt)?,
+            tma_map(&dout, qd, WG_BWD_ROWS as u32, dt)?,
+        ])
+    };
+    let rows = if fwd { WG_FWD_ROWS } else { WG_BWD_ROWS } as u32;
+    let wg = wg.and_then(|m| Some((m, maps(rows)?)));
     if fwd {
         let o = dev.alloc::<T>(bh * lq * d)?;
         let lse = dev.alloc::<f32>(bh * lq)?;
         p.o = dense_view(o.raw(dev), h, lq, d);
         p.lse = lse.raw(dev);
-        if let Some(wm) = wg {
+        if let Some((wm, [tq, tk, tv, tdo])) = wg {
             let kernel = format!("attnw_fwd_{}_d{d}", T::SFX);
             super::allow_shared_memory(dev, wm, &kernel, wg_fwd_smem(d))?;
             launch!(
@@ -305,7 +376,11 @@ fn launch_all<T: Elem>(
                 wm,
                 kernel,
                 cfg(lq.div_ceil(WG_FWD_ROWS), WG_THREADS, wg_fwd_smem(d)),
-                &*p
+                &*p,
+                &tq,
+                &tk,
+                &tv,
+                &tdo
             )?;
             return Ok(vec![T::wrap(o), f32::wrap(lse)]);
         }
@@ -337,7 +412,7 @@ fn launch_all<T: Elem>(
         grid_for(bh * lq * 32, sms),
         &*p
     )?;
-    if let Some(wm) = wg {
+    if let Some((wm, [tq, tk, tv, tdo])) = wg {
         let kernel = format!("attnw_bwd_{}_d{d}", T::SFX);
         super::allow_shared_memory(dev, wm, &kernel, wg_bwd_smem(d))?;
         launch!(
@@ -345,7 +420,11 @@ fn launch_all<T: Elem>(
             wm,
             kernel,
             cfg(lk.div_ceil(WG_BWD_KEYS), WG_THREADS, wg_bwd_smem(d)),
-            &*p
+            &*p,
+            &tq,
+            &tk,
+            &tv,
+            &tdo
         )?;
     } else {
         let kernel = format!("attn_bwd_{}_d{d}", T::SFX);

@@ -16,7 +16,10 @@ struct AttnParams {
   uint64_t lse, dvec, dq_acc, keep, dq, dk, dv;
   int32_t B, H, Lq, Lk;
   float scale, scale_log2;
-  int32_t causal, pad;
+  int32_t causal;
+  // attention_wgmma.cu: where each TMA descriptor (q, k, v, do: 6 bits each from bit 0) puts
+  // the row, head and batch coordinates among its dims 1-3 (2 bits each).
+  uint32_t tma_order;
 };
 
 #define ATTN_THREADS 256

@@ -57,17 +57,26 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
   } while (!done);
 }
 // Rows [row, row + R) of head (b, h) into a tile of R rows: D / 64 boxes, completing on bar.
+// The descriptor's dims 1-3 are row, head and batch in the order of their strides (the
+// driver wants them increasing); `order` (AttnParams::tma_order for this operand) says
+// where each goes: 2 bits each, row, head, batch.
 template <int R, int D>
-__device__ __forceinline__ void tma_tile(uint32_t tile, const TmaMap& m, uint32_t bar, int row, int h, int b) {
+__device__ __forceinline__ void tma_tile(uint32_t tile, const TmaMap& m, uint32_t bar, int row, int h, int b,
+                                         uint32_t order) {
+  const uint32_t pr = order & 3, ph = (order >> 2) & 3;
+  int x[3];
+#pragma unroll
+  for (int i = 0; i < 3; ++i) x[i] = pr == (uint32_t)i ? row : (ph == (uint32_t)i ? h : b);
 #pragma unroll
   for (int c = 0; c < D / 64; ++c)
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
         "[%6];\n" ::"r"(tile + c * R * 128),
-        "l"(reinterpret_cast<uint64_t>(&m)), "r"(c * 64), "r"(row), "r"(h), "r"(b), "r"(bar)
+        "l"(reinterpret_cast<uint64_t>(&m)), "r"(c * 64), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(bar)
         : "memory");
 }
 
+// All 256 threads of the block, on named barrier 2 (1 is the forward's, 0 __syncthreads').
 // 4 bytes global -> shared, asynchronously; zero when !valid.
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
@@ -135,14 +144,14 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
     for (int i = 0; i < 5; ++i) mbar_init(sBar + 8 * i, 1);
     mbar_init_fence();
     mbar_expect(sBar, BR * D * 2);
-    tma_tile<BR, D>(sQ, tq, sBar, q0, h, b);
+    tma_tile<BR, D>(sQ, tq, sBar, q0, h, b, p.tma_order & 63);
     mbar_expect(barK(0), KV);
-    tma_tile<BC, D>(sK0, tk, barK(0), 0, h, b);
+    tma_tile<BC, D>(sK0, tk, barK(0), 0, h, b, (p.tma_order >> 6) & 63);
     mbar_expect(barV(0), KV);
-    tma_tile<BC, D>(sV0, tv, barV(0), 0, h, b);
+    tma_tile<BC, D>(sV0, tv, barV(0), 0, h, b, (p.tma_order >> 12) & 63);
     if (nkt > 1) {
       mbar_expect(barK(1), KV);
-      tma_tile<BC, D>(sK0 + KV, tk, barK(1), BC, h, b);
+      tma_tile<BC, D>(sK0 + KV, tk, barK(1), BC, h, b, (p.tma_order >> 6) & 63);
     }
   }
   __syncthreads();
@@ -230,10 +239,10 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
     if (tid == 0) {
       if (j + 2 < nkt) {
         mbar_expect(barK(j & 1), KV);
-        tma_tile<BC, D>(sK0 + (j & 1) * KV, tk, barK(j & 1), (j + 2) * BC, h, b);
+        tma_tile<BC, D>(sK0 + (j & 1) * KV, tk, barK(j & 1), (j + 2) * BC, h, b, (p.tma_order >> 6) & 63);
       }
       mbar_expect(barV((j + 1) & 1), KV);
-      tma_tile<BC, D>(sV0 + ((j + 1) & 1) * KV, tv, barV((j + 1) & 1), (j + 1) * BC, h, b);
+      tma_tile<BC, D>(sV0 + ((j + 1) & 1) * KV, tv, barV((j + 1) & 1), (j + 1) * BC, h, b, (p.tma_order >> 12) & 63);
     }
     mbar_wait(barK((j + 1) & 1), ((j + 1) >> 1) & 1);
     mbar_wait(barV(j & 1), (j >> 1) & 1);
@@ -317,8 +326,8 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   auto stage = [&](int s, int it) {
     if (tid == 0) {
       mbar_expect(barQ(s), 2 * QD);
-      tma_tile<BR, D>(sQ0 + s * 2 * QD, tq, barQ(s), it * BR, h, b);
-      tma_tile<BR, D>(sQ0 + s * 2 * QD + QD, tdo, barQ(s), it * BR, h, b);
+      tma_tile<BR, D>(sQ0 + s * 2 * QD, tq, barQ(s), it * BR, h, b, p.tma_order & 63);
+      tma_tile<BR, D>(sQ0 + s * 2 * QD + QD, tdo, barQ(s), it * BR, h, b, (p.tma_order >> 18) & 63);
     }
     if (tid < 2 * BR) {
       const int r = tid % BR, qi = it * BR + r;
@@ -332,8 +341,8 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     for (int i = 0; i < 3; ++i) mbar_init(sBar + 8 * i, 1);
     mbar_init_fence();
     mbar_expect(sBar, 2 * BC * D * 2);
-    tma_tile<BC, D>(sK, tk, sBar, k0, h, b);
-    tma_tile<BC, D>(sV, tv, sBar, k0, h, b);
+    tma_tile<BC, D>(sK, tk, sBar, k0, h, b, (p.tma_order >> 6) & 63);
+    tma_tile<BC, D>(sV, tv, sBar, k0, h, b, (p.tma_order >> 12) & 63);
   }
   __syncthreads();
   if (it0 < nqt) stage(0, it0);
@@ -352,8 +361,8 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   // dQ of the query tile at qt, added to the f32 accumulator.
   float dq[8][4];  // m64n64: 64 queries x 64 columns
   auto add_dq = [&](int qt) {
-  // Lanes t and t ^ 1 swap halves so each holds four adjacent columns of one row (row g for
-  // even t, g + 8 for odd t): one 16-byte reduction instead of four.
+    // Lanes t and t ^ 1 swap halves so each holds four adjacent columns of one row (row g
+    // for even t, g + 8 for odd t): one 16-byte reduction instead of four.
     const bool odd = lane & 1;
     const int qi = qt + 16 * warp + (lane >> 2) + (odd ? 8 : 0);
     float* dst = dqacc + (int64_t)qi * D + (D == 128 ? 64 * wg : 0) + 2 * ((lane & 3) & ~1);

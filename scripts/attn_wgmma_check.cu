@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <vector>
 
 #include <cuda.h>
@@ -113,6 +114,9 @@ template <typename T> struct Run {
     p.scale = 1.f / sqrtf((float)c.D);
     p.scale_log2 = p.scale * 1.4426950408889634f;
     p.causal = c.causal;
+    // Dense maps: row, head, batch in dims 1, 2, 3 (see tma_tile).
+    const uint32_t natural = 0 | 1 << 2 | 2 << 4;
+    p.tma_order = natural | natural << 6 | natural << 12 | natural << 18;
     return p;
   }
 
@@ -210,18 +214,34 @@ template <typename T> static void free_run(Run<T>& r) {
     CK(cudaFree(p));
 }
 
+// Waits for the device, at most 10 s: a hang names its phase instead of blocking forever.
+static void sync_or_die(const char* phase) {
+  for (int i = 0; i < 10000; ++i) {
+    cudaError_t e = cudaStreamQuery(0);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) {
+      printf("CUDA error %s in %s\n", cudaGetErrorString(e), phase);
+      exit(1);
+    }
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, nullptr);
+  }
+  printf("HANG in %s\n", phase);
+  exit(2);
+}
+
 template <typename T> static bool check(Case c, const char* ty, uint64_t seed) {
   Run<T> r = make<T>(c, seed);
   std::vector<float> out[2][5];
   for (int wg = 0; wg < 2; ++wg) {
     r.fwd(wg);
     CK(cudaGetLastError());
-    CK(cudaDeviceSynchronize());
+    sync_or_die(wg ? "wgmma forward" : "mma forward");
     out[wg][0] = download(r.o, r.nq);
     out[wg][1] = download(r.lse, (size_t)c.B * c.H * c.Lq);
     r.bwd(wg);
     CK(cudaGetLastError());
-    CK(cudaDeviceSynchronize());
+    sync_or_die(wg ? "wgmma backward" : "mma backward");
     out[wg][2] = download(r.dq, r.nq);
     out[wg][3] = download(r.dk, r.nk);
     out[wg][4] = download(r.dv, r.nk);
@@ -265,7 +285,8 @@ template <typename T> static void timeit(Case c) {
 }
 
 int main(int argc, char** argv) {
-  const bool time_only = argc > 1;  // any argument: the Flux-shape timing alone (for ncu)
+  const bool time_only = argc > 1;
+  setvbuf(stdout, nullptr, _IONBF, 0);  // any argument: the Flux-shape timing alone (for ncu)
   for (WKern f : {attnw_fwd_bf16_d128, attnw_fwd_bf16_d64, attnw_fwd_f16_d128, attnw_fwd_f16_d64})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wfwd_smem(128)));
   for (WKern f : {attnw_bwd_bf16_d128, attnw_bwd_bf16_d64, attnw_bwd_f16_d128, attnw_bwd_f16_d64})

@@ -208,14 +208,92 @@ fn flash_attention_takes_broadcast_heads_and_negative_scales() {
         let flash = fwd_bwd(&[&q, &k, &v], &dy, &|q, k, v| {
             q.attention_fused(k, v, None, false, scale)
         });
-        let reference = fwd_bwd(&[&f32_(&q), &f32_(&k), &f32_(&v)], &f32_(&dy), &|q, k, v| {
-            q.attention_composite(k, v, None, false, scale)
-        });
+        let reference = fwd_bwd(
+            &[&f32_(&q), &f32_(&k), &f32_(&v)],
+            &f32_(&dy),
+            &|q, k, v| q.attention_composite(k, v, None, false, scale),
+        );
         for (i, (a, r)) in flash.iter().zip(&reference).enumerate() {
             let e = rel_err(a, r);
-            assert!(e <= tol(DType::BF16), "scale {scale}, output {i}: error {e:.2e}");
+            assert!(
+                e <= tol(DType::BF16),
+                "scale {scale}, output {i}: error {e:.2e}"
+            );
         }
     }
+}
+
+/// On compute capability 9.0 the layouts the models pass take the wgmma kernels, not the
+/// mma.sync fallback: Flux's single block (q and k normed, v a view into a wider projection,
+/// batch 1), its double block (concatenated, dense), and q, k, v all views of one
+/// projection, batch 2. Checked by the kernel names the profiler records.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_takes_the_wgmma_kernels_for_the_models_layouts() {
+    let _one = serial();
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        panic!("a CUDA device")
+    };
+    let cc = (
+        cuda.compute_capability_major(),
+        cuda.compute_capability_minor(),
+    );
+    if cc != (9, 0) || std::env::var("FLAME_ATTENTION").is_ok_and(|v| v == "mma") {
+        println!("compute capability {cc:?} (or FLAME_ATTENTION=mma): the mma.sync kernels serve");
+        return;
+    }
+    let (l, h, d) = (300, 4, 128);
+    let views = |b: usize, seed: u64| {
+        let x = randn(&[b, l, 3 * h * d + 256], DType::BF16, seed, &dev);
+        let qkv = x
+            .narrow(2, 0, 3 * h * d)
+            .unwrap()
+            .reshape(vec![b, l, 3, h, d])
+            .unwrap();
+        let pick = |i| {
+            qkv.narrow(2, i, 1)
+                .unwrap()
+                .squeeze(2)
+                .unwrap()
+                .permute(&[0, 2, 1, 3])
+                .unwrap()
+        };
+        (pick(0), pick(1), pick(2))
+    };
+    let (q1, k1, v1) = views(1, 60);
+    let single = [
+        q1.contiguous().unwrap(),
+        k1.contiguous().unwrap(),
+        v1.clone(),
+    ];
+    let double = [
+        q1.contiguous().unwrap(),
+        k1.contiguous().unwrap(),
+        v1.contiguous().unwrap(),
+    ];
+    let (q2, k2, v2) = views(2, 61);
+    let strided = [q2, k2, v2];
+    flame::profile::enable(true);
+    for x in [&single, &double, &strided] {
+        let dy = randn(x[0].dims(), DType::BF16, 62, &dev);
+        fwd_bwd(&[&x[0], &x[1], &x[2]], &dy, &|q, k, v| {
+            q.attention_fused(k, v, None, false, 0.088)
+        });
+    }
+    let p = flame::profile::report().unwrap();
+    flame::profile::enable(false);
+    let count = |prefix: &str| -> usize {
+        p.kernels
+            .iter()
+            .filter(|r| r.category.starts_with(prefix))
+            .map(|r| r.kernels)
+            .sum()
+    };
+    let names: Vec<&str> = p.kernels.iter().map(|r| r.category.as_str()).collect();
+    assert_eq!(count("attnw_fwd_"), 3, "{names:?}");
+    assert_eq!(count("attnw_bwd_"), 3, "{names:?}");
+    assert_eq!(count("attn_fwd_") + count("attn_bwd_bf16"), 0, "{names:?}");
 }
 
 #[test]

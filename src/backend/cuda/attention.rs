@@ -47,7 +47,8 @@ struct Params {
     scale: f32,
     scale_log2: f32,
     causal: i32,
-    pad: i32,
+    /// For the wgmma kernels: each descriptor's dims order (`tma_map`), 6 bits per operand.
+    tma_order: u32,
 }
 
 // SAFETY: plain repr(C) structs of integers and floats, laid out as the C structs the
@@ -64,19 +65,34 @@ struct TmaMap([u64; 16]);
 unsafe impl DeviceRepr for TmaMap {}
 
 /// The tensor map of operand `v` (B, H, L, D) for the wgmma kernels: boxes of 64 columns x
-/// `rows`, 128-byte swizzle, rows past L read as zeros. `None` when the driver refuses the
-/// view (strides it cannot express); the caller then takes the mma.sync kernels.
-fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<TmaMap> {
+/// `rows`, 128-byte swizzle, rows past L read as zeros; and its dims order. The driver wants
+/// the strides of dims 1-3 increasing, so row, head and batch go in the order of their
+/// strides (a dim of size 1 last, with any stride); the order is 2 bits each for row, head
+/// and batch (`tma_tile` in cuda/attention_wgmma.cu). `None` when the driver refuses the view
+/// (strides it cannot express); the caller then takes the mma.sync kernels.
+fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<(TmaMap, u32)> {
     use cudarc::driver::sys;
     let [b, h, l, d] = dims;
-    let global_dim = [d as u64, l as u64, h as u64, b as u64];
-    let strides = [v.sr, v.sh, v.sb];
-    if strides.iter().any(|&s| s <= 0) {
-        return None;
-    }
+    let mut outer = [(v.sr, l, 0u32), (v.sh, h, 1), (v.sb, b, 2)];
+    outer.sort_by_key(|&(stride, n, _)| (n == 1, stride));
+    let mut global_dim = [d as u64, 0, 0, 0];
     // Bytes: the kernels take 2-byte elements.
-    let global_strides = strides.map(|s| s as u64 * 2);
-    let box_dim = [64u32, rows, 1, 1];
+    let mut global_strides = [0u64; 3];
+    let mut order = 0u32;
+    let mut extent = d as u64 * 2;
+    for (i, &(stride, n, which)) in outer.iter().enumerate() {
+        let bytes = match (n, stride) {
+            (1, _) => extent,
+            (_, s) if s > 0 => s as u64 * 2,
+            _ => return None,
+        };
+        global_dim[i + 1] = n as u64;
+        global_strides[i] = bytes;
+        extent = bytes * n as u64;
+        order |= (i as u32) << (2 * which);
+    }
+    let mut box_dim = [64u32, 1, 1, 1];
+    box_dim[1 + (order & 3) as usize] = rows;
     let element_strides = [1u32; 4];
     let ty = match dtype {
         DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -106,7 +122,7 @@ fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<TmaMap
     }
     // SAFETY: the driver initialised the descriptor (CUDA_SUCCESS); it is 16 u64s.
     let map = unsafe { map.assume_init() };
-    Some(TmaMap(map.opaque))
+    Some((TmaMap(map.opaque), order))
 }
 
 /// Tile sizes, as cuda/attention.cu sets them: the forward's 4 warps take 128 queries and
@@ -351,18 +367,30 @@ fn launch_all<T: Elem>(
     // The wgmma kernels fold the scale into the exponent after the row max: scale > 0.
     let wg = wgmma_module(dev, d).filter(|_| p.scale > 0.0);
     let (qd, kd) = ([b, h, lq, d], [b, h, lk, d]);
-    let maps = |q_rows: u32| -> Option<[TmaMap; 4]> {
-        let dt = T::DTYPE;
-        let dout = if fwd { p.q } else { p.dout };
-        Some([
-            tma_map(&p.q, qd, q_rows, dt)?,
-            tma_map(&p.k, kd, WG_FWD_KEYS as u32, dt)?,
-            tma_map(&p.v, kd, WG_FWD_KEYS as u32, dt)?,
-            tma_map(&dout, qd, WG_BWD_ROWS as u32, dt)?,
-        ])
-    };
     let rows = if fwd { WG_FWD_ROWS } else { WG_BWD_ROWS } as u32;
-    let wg = wg.and_then(|m| Some((m, maps(rows)?)));
+    let maps = {
+        let dt = T::DTYPE;
+        // The forward reads no do: q's view stands in.
+        let dout = if fwd { p.q } else { p.dout };
+        (|| {
+            Some([
+                tma_map(&p.q, qd, rows, dt)?,
+                tma_map(&p.k, kd, WG_FWD_KEYS as u32, dt)?,
+                tma_map(&p.v, kd, WG_FWD_KEYS as u32, dt)?,
+                tma_map(&dout, qd, WG_BWD_ROWS as u32, dt)?,
+            ])
+        })()
+    };
+    let wg = match (wg, maps) {
+        (Some(m), Some(maps)) => {
+            p.tma_order = maps
+                .iter()
+                .enumerate()
+                .fold(0, |acc, (i, (_, o))| acc | o << (6 * i));
+            Some((m, maps.map(|(t, _)| t)))
+        }
+        _ => None,
+    };
     if fwd {
         let o = dev.alloc::<T>(bh * lq * d)?;
         let lse = dev.alloc::<f32>(bh * lq)?;

@@ -30,8 +30,8 @@ template <int R> __device__ __forceinline__ uint32_t sw128(int r, int c) {
 }
 
 // A TMA descriptor (CUtensorMap, made by the launcher with cuTensorMapEncodeTiled) of one
-// operand: 4-d (D, L, H, B) with the view's strides, boxes of 64 columns x the tile's rows,
-// 128-byte swizzle (the layout above), rows past L read as zeros.
+// operand: 4-d, D then the row, head and batch dims in the order `tma_tile` is told, boxes of
+// 64 columns x the tile's rows, 128-byte swizzle (the layout above), rows past L read as zeros.
 struct alignas(64) TmaMap {
   uint64_t v[16];
 };
@@ -57,9 +57,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
   } while (!done);
 }
 // Rows [row, row + R) of head (b, h) into a tile of R rows: D / 64 boxes, completing on bar.
-// The descriptor's dims 1-3 are row, head and batch in the order of their strides (the
-// driver wants them increasing); `order` (AttnParams::tma_order for this operand) says
-// where each goes: 2 bits each, row, head, batch.
+// The descriptor's dims 1-3 are row, head and batch in the order the launcher chose (by
+// stride); `order` (AttnParams::tma_order for this operand) says where each goes: 2 bits
+// each, row, head, batch.
 template <int R, int D>
 __device__ __forceinline__ void tma_tile(uint32_t tile, const TmaMap& m, uint32_t bar, int row, int h, int b,
                                          uint32_t order) {
@@ -76,7 +76,6 @@ __device__ __forceinline__ void tma_tile(uint32_t tile, const TmaMap& m, uint32_
         : "memory");
 }
 
-// All 256 threads of the block, on named barrier 2 (1 is the forward's, 0 __syncthreads').
 // 4 bytes global -> shared, asynchronously; zero when !valid.
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));

@@ -32,7 +32,8 @@ fn device_creation_reports_what_is_missing() {
 
 #[test]
 fn build_embeds_every_kernel_module_when_nvcc_is_present() {
-    // Hopper variants (`<stem>_sm90`) exist only when the main target is below compute_90.
+    // Hopper variants (`<stem>_sm90`) exist only when the main target is below compute_90;
+    // attention_wgmma is built for compute_90a alone, always.
     let mut found: Vec<_> = kernel_modules().filter(|m| !m.ends_with("_sm90")).collect();
     found.sort_unstable();
     if kernels_compiled() {
@@ -40,6 +41,7 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
             found,
             [
                 "attention",
+                "attention_wgmma",
                 "conv",
                 "elementwise",
                 "fill",

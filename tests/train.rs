@@ -214,6 +214,7 @@ fn bad_configs_and_data_fail_before_writing() {
 }
 
 /// Waits until the run in `out` has logged `n` steps (or fails after a minute).
+#[cfg(feature = "cli")]
 fn wait_for_steps(out: &Path, n: usize, child: &mut std::process::Child) {
     let start = std::time::Instant::now();
     while losses(out).len() < n {

@@ -65,11 +65,12 @@ struct TmaMap([u64; 16]);
 unsafe impl DeviceRepr for TmaMap {}
 
 /// The tensor map of operand `v` (B, H, L, D) for the wgmma kernels: boxes of 64 columns x
-/// `rows`, 128-byte swizzle, rows past L read as zeros; and its dims order. The driver wants
-/// the strides of dims 1-3 increasing, so row, head and batch go in the order of their
-/// strides (a dim of size 1 last, with any stride); the order is 2 bits each for row, head
-/// and batch (`tma_tile` in cuda/attention_wgmma.cu). `None` when the driver refuses the view
-/// (strides it cannot express); the caller then takes the mma.sync kernels.
+/// `rows`, 128-byte swizzle, rows past L read as zeros; and its dims order. Row, head and
+/// batch go in the order of their strides, a dim of size 1 last with a stride made up (a
+/// squeezed batch of 1 can carry stride 0, which the driver refuses: Flux's single blocks
+/// fell back to the mma.sync kernels for that); the order is 2 bits each for row, head and
+/// batch (`tma_tile` in cuda/attention_wgmma.cu). `None` when the driver refuses the view
+/// (a stride of 0 over more than one element); the caller then takes the mma.sync kernels.
 fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<(TmaMap, u32)> {
     use cudarc::driver::sys;
     let [b, h, l, d] = dims;

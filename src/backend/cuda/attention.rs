@@ -365,33 +365,33 @@ fn launch_all<T: Elem>(
         launch!(dev, module, kernel, grid, &*p)?;
         return Ok(vec![T::wrap(o), f32::wrap(lse)]);
     }
-    // The wgmma kernels fold the scale into the exponent after the row max: scale > 0.
-    let wg = wgmma_module(dev, d).filter(|_| p.scale > 0.0);
+    // The wgmma kernels fold the scale into the exponent after the row max: scale > 0. Their
+    // descriptors are made only where they run.
     let (qd, kd) = ([b, h, lq, d], [b, h, lk, d]);
     let rows = if fwd { WG_FWD_ROWS } else { WG_BWD_ROWS } as u32;
-    let maps = {
+    let maps = |p: &Params| -> Option<[(TmaMap, u32); 4]> {
         let dt = T::DTYPE;
-        // The forward reads no do: q's view stands in.
-        let dout = if fwd { p.q } else { p.dout };
-        (|| {
-            Some([
-                tma_map(&p.q, qd, rows, dt)?,
-                tma_map(&p.k, kd, WG_FWD_KEYS as u32, dt)?,
-                tma_map(&p.v, kd, WG_FWD_KEYS as u32, dt)?,
-                tma_map(&dout, qd, WG_BWD_ROWS as u32, dt)?,
-            ])
-        })()
+        let q = tma_map(&p.q, qd, rows, dt)?;
+        let k = tma_map(&p.k, kd, WG_FWD_KEYS as u32, dt)?;
+        let v = tma_map(&p.v, kd, WG_FWD_KEYS as u32, dt)?;
+        // The forward reads no do: q's descriptor stands in.
+        let dout = if fwd {
+            q
+        } else {
+            tma_map(&p.dout, qd, WG_BWD_ROWS as u32, dt)?
+        };
+        Some([q, k, v, dout])
     };
-    let wg = match (wg, maps) {
-        (Some(m), Some(maps)) => {
-            p.tma_order = maps
-                .iter()
-                .enumerate()
-                .fold(0, |acc, (i, (_, o))| acc | o << (6 * i));
-            Some((m, maps.map(|(t, _)| t)))
-        }
-        _ => None,
-    };
+    let wg = wgmma_module(dev, d)
+        .filter(|_| p.scale > 0.0)
+        .and_then(|m| Some((m, maps(p)?)));
+    let wg = wg.map(|(m, maps)| {
+        p.tma_order = maps
+            .iter()
+            .enumerate()
+            .fold(0, |acc, (i, (_, o))| acc | o << (6 * i));
+        (m, maps.map(|(t, _)| t))
+    });
     if fwd {
         let o = dev.alloc::<T>(bh * lq * d)?;
         let lse = dev.alloc::<f32>(bh * lq)?;

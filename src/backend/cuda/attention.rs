@@ -55,24 +55,20 @@ struct Params {
 // kernels declare (8-byte fields first, then an even number of 4-byte fields: no padding).
 unsafe impl DeviceRepr for Params {}
 
-/// A TMA descriptor (`CUtensorMap`, 128 bytes, 64-byte aligned), `TmaMap` of
-/// cuda/attention_wgmma.cu, passed by value as a `__grid_constant__` kernel parameter.
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct TmaMap([u64; 16]);
+/// What `cuTensorMapEncodeTiled` gets for one operand: dims (D first), strides in bytes of
+/// dims 1-3, the box, and where row, head and batch went (2 bits each).
+#[derive(Debug, PartialEq)]
+struct TmaLayout {
+    global_dim: [u64; 4],
+    global_strides: [u64; 3],
+    box_dim: [u32; 4],
+    order: u32,
+}
 
-// SAFETY: 128 plain bytes, the size and alignment of the kernels' `TmaMap`.
-unsafe impl DeviceRepr for TmaMap {}
-
-/// The tensor map of operand `v` (B, H, L, D) for the wgmma kernels: boxes of 64 columns x
-/// `rows`, 128-byte swizzle, rows past L read as zeros; and its dims order. Row, head and
-/// batch go in the order of their strides, a dim of size 1 last with a stride made up (a
-/// squeezed batch of 1 can carry stride 0, which the driver refuses: Flux's single blocks
-/// fell back to the mma.sync kernels for that); the order is 2 bits each for row, head and
-/// batch (`tma_tile` in cuda/attention_wgmma.cu). `None` when the driver refuses the view
-/// (a stride of 0 over more than one element); the caller then takes the mma.sync kernels.
-fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<(TmaMap, u32)> {
-    use cudarc::driver::sys;
+/// The layout of `tma_map`: row, head and batch dims of view `v` (B, H, L, D) in the order
+/// of their strides, a dim of size 1 last with the stride of a dense layout (its own stride
+/// is never used); `None` for a stride of 0 (or less) over more than one element.
+fn tma_layout(v: &View, dims: [usize; 4], rows: u32) -> Option<TmaLayout> {
     let [b, h, l, d] = dims;
     let mut outer = [(v.sr, l, 0u32), (v.sh, h, 1), (v.sb, b, 2)];
     outer.sort_by_key(|&(stride, n, _)| (n == 1, stride));
@@ -94,6 +90,38 @@ fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<(TmaMa
     }
     let mut box_dim = [64u32, 1, 1, 1];
     box_dim[1 + (order & 3) as usize] = rows;
+    Some(TmaLayout {
+        global_dim,
+        global_strides,
+        box_dim,
+        order,
+    })
+}
+
+/// A TMA descriptor (`CUtensorMap`, 128 bytes, 64-byte aligned), `TmaMap` of
+/// cuda/attention_wgmma.cu, passed by value as a `__grid_constant__` kernel parameter.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct TmaMap([u64; 16]);
+
+// SAFETY: 128 plain bytes, the size and alignment of the kernels' `TmaMap`.
+unsafe impl DeviceRepr for TmaMap {}
+
+/// The tensor map of operand `v` (B, H, L, D) for the wgmma kernels: boxes of 64 columns x
+/// `rows`, 128-byte swizzle, rows past L read as zeros; and its dims order. Row, head and
+/// batch go in the order of their strides, a dim of size 1 last with a stride made up (a
+/// squeezed batch of 1 can carry stride 0, which the driver refuses: Flux's single blocks
+/// fell back to the mma.sync kernels for that); the order is 2 bits each for row, head and
+/// batch (`tma_tile` in cuda/attention_wgmma.cu). `None` when the driver refuses the view
+/// (a stride of 0 over more than one element); the caller then takes the mma.sync kernels.
+fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<(TmaMap, u32)> {
+    use cudarc::driver::sys;
+    let TmaLayout {
+        global_dim,
+        global_strides,
+        box_dim,
+        order,
+    } = tma_layout(v, dims, rows)?;
     let element_strides = [1u32; 4];
     let ty = match dtype {
         DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -478,4 +506,59 @@ fn launch_all<T: Elem>(
         &n
     )?;
     Ok(vec![T::wrap(dq), T::wrap(dk), T::wrap(dv)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{tma_layout, TmaLayout, View};
+
+    fn view(sb: i64, sh: i64, sr: i64) -> View {
+        View { ptr: 0, sb, sh, sr }
+    }
+
+    /// Row, head, batch positions packed as `tma_tile` (cuda/attention_wgmma.cu) reads them.
+    fn order(row: u32, head: u32, batch: u32) -> u32 {
+        row | head << 2 | batch << 4
+    }
+
+    #[test]
+    fn dense_operands_keep_row_head_batch_order() {
+        let (b, h, l, d) = (2, 3, 301, 128);
+        let dense = view((h * l * d) as i64, (l * d) as i64, d as i64);
+        let t = tma_layout(&dense, [b, h, l, d], 128).unwrap();
+        assert_eq!(
+            t,
+            TmaLayout {
+                global_dim: [128, 301, 3, 2],
+                global_strides: [256, 301 * 256, 3 * 301 * 256],
+                box_dim: [64, 128, 1, 1],
+                order: order(0, 1, 2),
+            }
+        );
+    }
+
+    #[test]
+    fn a_projection_view_puts_heads_before_rows_and_a_batch_of_one_last() {
+        // Flux's single block: v is a view into (1, L, 21504) with heads 128 apart; the
+        // squeezed batch of 1 reports stride 0, which the driver would refuse.
+        let (l, h, d, w) = (4608, 24, 128, 21504);
+        let v = view(0, d as i64, w as i64);
+        let t = tma_layout(&v, [1, h, l, d], 64).unwrap();
+        assert_eq!(t.global_dim, [128, 24, 4608, 1]);
+        assert_eq!(t.global_strides, [256, 2 * w as u64, 2 * (w * l) as u64]);
+        assert_eq!(t.box_dim, [64, 1, 64, 1]);
+        assert_eq!(t.order, order(1, 0, 2));
+    }
+
+    #[test]
+    fn broadcast_heads_have_no_layout_but_a_single_head_does() {
+        let (l, d) = (77, 64);
+        assert_eq!(
+            tma_layout(&view((l * d) as i64, 0, d as i64), [2, 3, l, d], 64),
+            None
+        );
+        let one = tma_layout(&view((l * d) as i64, 0, d as i64), [2, 1, l, d], 64).unwrap();
+        assert_eq!(one.global_dim, [64, 77, 2, 1]);
+        assert_eq!(one.order, order(0, 2, 1));
+    }
 }

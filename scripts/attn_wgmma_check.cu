@@ -4,8 +4,12 @@
 // with masks and causality; then both timed at the Flux shape (B 1, H 24, L 4608, D 128) and
 // SD3.5's (B 1, H 38, L 4250, D 64) with CUDA events. The crate's GPU suite
 // (tests/gpu_ops/attention.rs) is the real test; this is for kernel work on the GPU machine.
-// Build here (the GPU machine needs only the driver):
-//   nvcc -O3 -std=c++17 -arch=sm_90a -Icuda scripts/attn_wgmma_check.cu -o attn_check
+// Build here (the GPU machine needs only the driver; cudart is linked statically from the pip
+// nvcc's lib folder):
+//   . ../shared/gpu/nvcc-env
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -L$(dirname $(which nvcc))/../lib \
+//     -Icuda scripts/attn_wgmma_check.cu -o .gpu/attn_check
+// Run there: `.gpu/attn_check` (checks, then timings) or `.gpu/attn_check t` (the Flux timing).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>

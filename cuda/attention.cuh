@@ -118,3 +118,70 @@ template <typename T> __device__ __forceinline__ const T* view_at(const AttnView
   return reinterpret_cast<const T*>(v.ptr) + b * v.sb + h * v.sh;
 }
 
+// ----- epilogues shared by the kernels --------------------------------------------------------
+// An m16 tile's accumulator, as mma.sync and wgmma lay it out: this thread holds rows g and
+// g + 8 (g = lane / 4), columns 8n + 2 (lane % 4) and the next.
+
+// The normalised output o / l of one tile into O (rows row0 and row0 + 8 for this thread) and,
+// when with_lse, lse = m ln 2 + ln l (+inf for a row that saw no key). m is the row max in
+// log2 units, l this thread's part of the row sum.
+template <typename T, int NB>
+__device__ __forceinline__ void store_rows(const AttnParams& p, T* O, float* lse, const float (&o)[NB][4],
+                                           const float (&m)[2], const float (&l)[2], int row0, int lane,
+                                           bool with_lse) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float lt = l[r];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const float inv = lt > 0.f ? 1.f / lt : 0.f;
+    const int row = row0 + r * 8;
+    if (row < p.Lq) {
+      T* orow = O + (int64_t)row * p.o.sr + 2 * (lane & 3);
+#pragma unroll
+      for (int n = 0; n < NB; ++n)
+        *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+      if (with_lse && (lane & 3) == 0) lse[row] = lt > 0.f ? m[r] * LN2 + logf(lt) : INFINITY;
+    }
+  }
+}
+
+// scale times one tile's accumulator added to f32 rows with 16-byte reductions (sm_90): lanes
+// t and t ^ 1 swap halves so each holds four adjacent columns of one row, row g for even t,
+// g + 8 for odd t. dst: that row at this lane's first column (the tile's + 2 (t & ~1)); ok:
+// whether the row exists.
+template <int NB>
+__device__ __forceinline__ void red_rows_v4(float* dst, const float (&acc)[NB][4], float scale, bool ok, int lane) {
+  const bool odd = lane & 1;
+#pragma unroll
+  for (int n = 0; n < NB; ++n) {
+    // Even lanes send their row g + 8 pair, odd lanes their row g pair.
+    const float s0 = odd ? acc[n][0] : acc[n][2], s1 = odd ? acc[n][1] : acc[n][3];
+    const float r0v = __shfl_xor_sync(0xffffffffu, s0, 1), r1v = __shfl_xor_sync(0xffffffffu, s1, 1);
+    const float4 v = odd ? make_float4(r0v, r1v, acc[n][2], acc[n][3]) : make_float4(acc[n][0], acc[n][1], r0v, r1v);
+    if (ok)
+      asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + n * 8), "f"(v.x * scale),
+                   "f"(v.y * scale), "f"(v.z * scale), "f"(v.w * scale)
+                   : "memory");
+  }
+}
+
+// dK (times the scale) and dV of this thread's key rows kidx[0], kidx[1] (rows past Lk
+// skipped), contiguous (B, H, Lk, D).
+template <typename T, int D>
+__device__ __forceinline__ void store_dkdv(const AttnParams& p, int bh, const int (&kidx)[2],
+                                           const float (&dk)[D / 8][4], const float (&dv)[D / 8][4], int lane) {
+  T* gdk = reinterpret_cast<T*>(p.dk) + (int64_t)bh * p.Lk * D;
+  T* gdv = reinterpret_cast<T*>(p.dv) + (int64_t)bh * p.Lk * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (kidx[r] < p.Lk) {
+      const int64_t off = (int64_t)kidx[r] * D + 2 * (lane & 3);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<uint32_t*>(gdk + off + n * 8) = pack2<T>(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(gdv + off + n * 8) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+      }
+    }
+  }
+}

@@ -268,21 +268,7 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
 
   T* O = reinterpret_cast<T*>(p.o.ptr) + b * p.o.sb + h * p.o.sh;
   float* lse = reinterpret_cast<float*>(p.lse) + (int64_t)bh * p.Lq;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float lt = l[r];
-    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-    const float inv = lt > 0.f ? 1.f / lt : 0.f;
-    const int row = qrow0 + r * 8;
-    if (row < p.Lq) {
-      T* orow = O + (int64_t)row * p.o.sr + 2 * (lane & 3);
-#pragma unroll
-      for (int n = 0; n < NB; ++n)
-        *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-      if ((lane & 3) == 0) lse[row] = lt > 0.f ? m[r] * LN2 + logf(lt) : INFINITY;
-    }
-  }
+  store_rows<T>(p, O, lse, o, m, l, qrow0, lane, true);
 }
 
 // ----- backward -----------------------------------------------------------------------------
@@ -360,21 +346,9 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   // dQ of the query tile at qt, added to the f32 accumulator.
   float dq[8][4];  // m64n64: 64 queries x 64 columns
   auto add_dq = [&](int qt) {
-    // Lanes t and t ^ 1 swap halves so each holds four adjacent columns of one row (row g
-    // for even t, g + 8 for odd t): one 16-byte reduction instead of four.
-    const bool odd = lane & 1;
-    const int qi = qt + 16 * warp + (lane >> 2) + (odd ? 8 : 0);
-    float* dst = dqacc + (int64_t)qi * D + (D == 128 ? 64 * wg : 0) + 2 * ((lane & 3) & ~1);
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      const float s0 = odd ? dq[n][0] : dq[n][2], s1 = odd ? dq[n][1] : dq[n][3];
-      const float r0v = __shfl_xor_sync(0xffffffffu, s0, 1), r1v = __shfl_xor_sync(0xffffffffu, s1, 1);
-      const float4 v = odd ? make_float4(r0v, r1v, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], r0v, r1v);
-      if (qi < p.Lq)
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + n * 8), "f"(v.x * p.scale),
-                     "f"(v.y * p.scale), "f"(v.z * p.scale), "f"(v.w * p.scale)
-                     : "memory");
-    }
+    const int qi = qt + 16 * warp + (lane >> 2) + ((lane & 1) ? 8 : 0);
+    red_rows_v4(dqacc + (int64_t)qi * D + (D == 128 ? 64 * wg : 0) + 2 * ((lane & 3) & ~1), dq, p.scale,
+                qi < p.Lq, lane);
   };
   mbar_wait(sBar, 0);
   for (int it = it0; it < nqt; ++it) {
@@ -473,19 +447,7 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     add_dq((nqt - 1) * BR);
   }
 
-  T* gdk = reinterpret_cast<T*>(p.dk) + (int64_t)bh * p.Lk * D;
-  T* gdv = reinterpret_cast<T*>(p.dv) + (int64_t)bh * p.Lk * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (kidx[r] < p.Lk) {
-      const int64_t off = (int64_t)kidx[r] * D + 2 * (lane & 3);
-#pragma unroll
-      for (int n = 0; n < NB; ++n) {
-        *reinterpret_cast<uint32_t*>(gdk + off + n * 8) = pack2<T>(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(gdv + off + n * 8) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
-      }
-    }
-  }
+  store_dkdv<T, D>(p, bh, kidx, dk, dv, lane);
 }
 
 // The TMA descriptors of q, k, v and do (the forward ignores do's); q's boxes are 128 rows in

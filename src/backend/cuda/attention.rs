@@ -359,6 +359,29 @@ pub(crate) fn run(
     Ok(out.into_iter().map(|b| x.wrap(b)).collect())
 }
 
+/// Launches attention kernel `kernel` of `module`, (blocks, threads, shared memory bytes) as
+/// given, over (blocks, B x H) blocks: the parameters, and for the wgmma kernels the four TMA
+/// descriptors.
+fn launch_attention(
+    dev: &CudaDevice,
+    module: &'static str,
+    kernel: String,
+    (blocks, threads, smem): (usize, u32, usize),
+    p: &Params,
+    maps: Option<&[TmaMap; 4]>,
+) -> Result<()> {
+    super::allow_shared_memory(dev, module, &kernel, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, (p.b * p.h) as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    match maps {
+        Some([tq, tk, tv, tdo]) => launch!(dev, module, kernel, cfg, p, tq, tk, tv, tdo),
+        None => launch!(dev, module, kernel, cfg, p),
+    }
+}
+
 fn launch_all<T: Elem>(
     dev: &CudaDevice,
     fwd: bool,
@@ -369,11 +392,6 @@ fn launch_all<T: Elem>(
     let bh = b * h;
     // Hopper gets the compute_90 build, whose backward adds dq with 16-byte reductions.
     let module = super::hopper_module(dev, "attention").unwrap_or("attention");
-    let cfg = |blocks: usize, threads: u32, smem: usize| LaunchConfig {
-        grid_dim: (blocks as u32, bh as u32, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: smem as u32,
-    };
     if fwd && d == WIDE_D {
         let o = dev.alloc::<T>(bh * lq * d)?;
         let lse = dev.alloc::<f32>(bh * lq)?;
@@ -425,31 +443,24 @@ fn launch_all<T: Elem>(
         let lse = dev.alloc::<f32>(bh * lq)?;
         p.o = dense_view(o.raw(dev), h, lq, d);
         p.lse = lse.raw(dev);
-        if let Some((wm, [tq, tk, tv, tdo])) = wg {
-            let kernel = format!("attnw_fwd_{}_d{d}", T::SFX);
-            super::allow_shared_memory(dev, wm, &kernel, wg_fwd_smem(d))?;
-            launch!(
+        match &wg {
+            Some((wm, maps)) => launch_attention(
                 dev,
                 wm,
-                kernel,
-                cfg(lq.div_ceil(WG_FWD_ROWS), WG_THREADS, wg_fwd_smem(d)),
-                &*p,
-                &tq,
-                &tk,
-                &tv,
-                &tdo
-            )?;
-            return Ok(vec![T::wrap(o), f32::wrap(lse)]);
+                format!("attnw_fwd_{}_d{d}", T::SFX),
+                (lq.div_ceil(WG_FWD_ROWS), WG_THREADS, wg_fwd_smem(d)),
+                p,
+                Some(maps),
+            )?,
+            None => launch_attention(
+                dev,
+                module,
+                format!("attn_fwd_{}_d{d}", T::SFX),
+                (lq.div_ceil(FWD_ROWS), FWD_THREADS, fwd_smem(d)),
+                p,
+                None,
+            )?,
         }
-        let kernel = format!("attn_fwd_{}_d{d}", T::SFX);
-        super::allow_shared_memory(dev, module, &kernel, fwd_smem(d))?;
-        launch!(
-            dev,
-            module,
-            kernel,
-            cfg(lq.div_ceil(FWD_ROWS), FWD_THREADS, fwd_smem(d)),
-            &*p
-        )?;
         return Ok(vec![T::wrap(o), f32::wrap(lse)]);
     }
     let dvec = dev.alloc::<f32>(bh * lq)?;
@@ -469,30 +480,23 @@ fn launch_all<T: Elem>(
         grid_for(bh * lq * 32, sms),
         &*p
     )?;
-    if let Some((wm, [tq, tk, tv, tdo])) = wg {
-        let kernel = format!("attnw_bwd_{}_d{d}", T::SFX);
-        super::allow_shared_memory(dev, wm, &kernel, wg_bwd_smem(d))?;
-        launch!(
+    match &wg {
+        Some((wm, maps)) => launch_attention(
             dev,
             wm,
-            kernel,
-            cfg(lk.div_ceil(WG_BWD_KEYS), WG_THREADS, wg_bwd_smem(d)),
-            &*p,
-            &tq,
-            &tk,
-            &tv,
-            &tdo
-        )?;
-    } else {
-        let kernel = format!("attn_bwd_{}_d{d}", T::SFX);
-        super::allow_shared_memory(dev, module, &kernel, bwd_smem(d))?;
-        launch!(
+            format!("attnw_bwd_{}_d{d}", T::SFX),
+            (lk.div_ceil(WG_BWD_KEYS), WG_THREADS, wg_bwd_smem(d)),
+            p,
+            Some(maps),
+        )?,
+        None => launch_attention(
             dev,
             module,
-            kernel,
-            cfg(lk.div_ceil(BWD_KEYS), BWD_THREADS, bwd_smem(d)),
-            &*p
-        )?;
+            format!("attn_bwd_{}_d{d}", T::SFX),
+            (lk.div_ceil(BWD_KEYS), BWD_THREADS, bwd_smem(d)),
+            p,
+            None,
+        )?,
     }
     let n = bh * lq * d;
     let mut dq = dq;

@@ -96,19 +96,30 @@ fn errors(
         Tensor::from_slice(&keep, (b, lk), &dev).unwrap()
     });
     let scale = 1.0 / (d as f64).sqrt();
-    let m = mask.as_ref();
-    let flash = fwd_bwd(&[&q, &k, &v], &dy, &|q, k, v| {
-        q.attention_fused(k, v, m, causal, scale)
+    errors_on(&[&q, &k, &v], &dy, mask.as_ref(), causal, scale)
+}
+
+/// Worst relative errors [o, dq, dk, dv] of the flash kernels on inputs x (q, k, v) and
+/// output gradient dy, against the f32 composite on the same rounded values.
+fn errors_on(
+    x: &[&Tensor; 3],
+    dy: &Tensor,
+    mask: Option<&Tensor>,
+    causal: bool,
+    scale: f64,
+) -> [f64; 4] {
+    let flash = fwd_bwd(x, dy, &|q, k, v| {
+        q.attention_fused(k, v, mask, causal, scale)
     });
     let f32_ = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
     let reference = fwd_bwd(
-        &[&f32_(&q), &f32_(&k), &f32_(&v)],
-        &f32_(&dy),
-        &|q, k, v| q.attention_composite(k, v, m, causal, scale),
+        &[&f32_(x[0]), &f32_(x[1]), &f32_(x[2])],
+        &f32_(dy),
+        &|q, k, v| q.attention_composite(k, v, mask, causal, scale),
     );
     let mut e = [0.0; 4];
     for (i, (a, r)) in flash.iter().zip(&reference).enumerate() {
-        assert_eq!(a.dtype(), dt);
+        assert_eq!(a.dtype(), x[0].dtype());
         e[i] = rel_err(a, r);
     }
     e
@@ -203,18 +214,9 @@ fn flash_attention_takes_broadcast_heads_and_negative_scales() {
     let k = randn(&[b, h, l, d], DType::BF16, 41, &dev);
     let v = randn(&[b, h, l, d], DType::BF16, 42, &dev);
     let dy = randn(&[b, h, l, d], DType::BF16, 43, &dev);
-    let f32_ = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
     for scale in [0.1, -0.1] {
-        let flash = fwd_bwd(&[&q, &k, &v], &dy, &|q, k, v| {
-            q.attention_fused(k, v, None, false, scale)
-        });
-        let reference = fwd_bwd(
-            &[&f32_(&q), &f32_(&k), &f32_(&v)],
-            &f32_(&dy),
-            &|q, k, v| q.attention_composite(k, v, None, false, scale),
-        );
-        for (i, (a, r)) in flash.iter().zip(&reference).enumerate() {
-            let e = rel_err(a, r);
+        let e = errors_on(&[&q, &k, &v], &dy, None, false, scale);
+        for (i, e) in e.into_iter().enumerate() {
             assert!(
                 e <= tol(DType::BF16),
                 "scale {scale}, output {i}: error {e:.2e}"

@@ -274,6 +274,40 @@ impl Storage {
     ) -> Result<Storage> {
         Ok(on_pair!("matmul", self, rhs, (a, b) => a.matmul(l, b, rl, dims)?))
     }
+    pub(crate) fn matmul_bias(
+        &self,
+        l: &Layout,
+        rhs: &Storage,
+        rl: &Layout,
+        dims: MatmulDims,
+        bias: &Storage,
+        bl: &Layout,
+    ) -> Result<Storage> {
+        Ok(
+            on_triple!("matmul_bias", self, rhs, bias, (a, b, c) => a.matmul_bias(l, b, rl, dims, c, bl)?),
+        )
+    }
+    pub(crate) fn matmul_acc(
+        &self,
+        l: &Layout,
+        rhs: &Storage,
+        rl: &Layout,
+        dims: MatmulDims,
+        acc: &mut Storage,
+    ) -> Result<()> {
+        match (self, rhs, acc) {
+            #[cfg(feature = "cpu-ref")]
+            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => a.matmul_acc(l, b, rl, dims, c),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) => {
+                a.matmul_acc(l, b, rl, dims, c)
+            }
+            #[cfg(all(feature = "cpu-ref", feature = "cuda"))]
+            _ => Err(mismatch("matmul_acc")),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            (Storage::None(n), _, _) => match *n {},
+        }
+    }
     pub(crate) fn unfold2d(&self, l: &Layout, w: crate::backend::Window2d) -> Result<Storage> {
         Ok(on_storage!(self, s => wrap s.unfold2d(l, w)?))
     }

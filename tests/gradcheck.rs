@@ -512,6 +512,46 @@ fn matmul_cases() -> Vec<Case> {
         Case::new("matmul of narrow", vec![g.n([3, 7]), g.n([5, 2])], |x| {
             x[0].narrow(1, 1, 5)?.matmul(&x[1])
         }),
+        // The linear layer's ops: the bias in the GEMM, an adapter's product added into the
+        // base output's buffer (in place when nothing else holds it, else into a copy).
+        Case::new(
+            "matmul_bias (2,3,4) @ (4,5) + (5)",
+            vec![g.n([2, 3, 4]), g.n([4, 5]), g.n([5])],
+            |x| x[0].matmul_bias(&x[1], &x[2]),
+        )
+        .expect(&["matmul"])
+        .forbid(&["add", "broadcast"]),
+        Case::new(
+            "matmul_bias with a transposed weight",
+            vec![g.n([3, 4]), g.n([5, 4]), g.n([5])],
+            |x| x[0].matmul_bias(&x[1].t()?, &x[2]),
+        )
+        .forbid(&["add", "copy"]),
+        Case::new(
+            "add_matmul into a fresh GEMM output (in place)",
+            vec![g.n([3, 4]), g.n([4, 5]), g.n([3, 2]), g.n([2, 5])],
+            |x| x[0].matmul(&x[1])?.add_matmul(&x[2], &x[3]),
+        )
+        .expect(&["matmul"])
+        .forbid(&["add"]),
+        Case::new(
+            "add_matmul with leading dims and a transposed factor",
+            vec![g.n([2, 3, 5]), g.n([2, 3, 4]), g.n([5, 4])],
+            |x| x[0].affine(2.0, 0.0)?.add_matmul(&x[1], &x[2].t()?),
+        ),
+        Case::new(
+            "add_matmul onto an output its op's backward reads (exp)",
+            vec![g.n([3, 5]), g.n([3, 2]), g.n([2, 5])],
+            |x| x[0].exp()?.add_matmul(&x[1], &x[2]),
+        ),
+        Case::new(
+            "add_matmul onto a tensor used again afterwards",
+            vec![g.n([3, 4]), g.n([4, 5]), g.n([3, 2]), g.n([2, 5])],
+            |x| {
+                let c = x[0].matmul(&x[1])?;
+                c.clone().add_matmul(&x[2], &x[3])?.mul(&c)
+            },
+        ),
     ]
 }
 

@@ -221,7 +221,8 @@ fn gradcheck_lora_linear() {
     )
     .unwrap();
     assert!(report.checked > 0);
-    // And the layer computes that same expression.
+    // And the layer computes that same expression, in its order: the bias goes with the
+    // base GEMM (its epilogue on CUDA), the adapter's term is added after.
     let term = x
         .matmul(&down.t().unwrap())
         .unwrap()
@@ -232,9 +233,9 @@ fn gradcheck_lora_linear() {
     let want = x
         .matmul(&w.t().unwrap())
         .unwrap()
-        .add(&term)
-        .unwrap()
         .add(&b)
+        .unwrap()
+        .add(&term)
         .unwrap();
     assert_eq!(max_diff(&lin.forward(&x).unwrap(), &want), 0.0);
 }

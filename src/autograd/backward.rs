@@ -506,6 +506,23 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             }
             v
         }
+        // out = c + a b + bias: dc = g, da, db as Matmul, dbias = g summed over the rows.
+        Op::Addmm { c, a, b, bias } => {
+            let mut v = vec![];
+            if let Some(c) = c.as_ref().filter(|c| c.requires_grad()) {
+                v.push((c.clone(), g.clone()));
+            }
+            if a.requires_grad() {
+                v.push((a.clone(), g.matmul3(&b.t()?)?));
+            }
+            if b.requires_grad() {
+                v.push((b.clone(), a.t()?.matmul3(g)?));
+            }
+            if let Some(bias) = bias.as_ref().filter(|b| b.requires_grad()) {
+                v.push((bias.clone(), g.sum(&[0usize, 1])?.to_dtype(bias.dtype())?));
+            }
+            v
+        }
         Op::ToDevice(x) => vec![(x.clone(), g.to_device(x.device())?)],
         // fold2d is the adjoint of unfold2d, and the other way round.
         Op::Unfold2d(x, w) => {

@@ -44,6 +44,14 @@ pub(crate) enum Op {
     ScatterAdd(Tensor, Tensor, Tensor, usize),
     /// Rank-3 operands (B, M, K) @ (B, K, N).
     Matmul(Tensor, Tensor),
+    /// out = c + a @ b + bias: a (B, M, K), b (B, K, N), c (B, M, N) when present (never
+    /// read: its values may have been overwritten by the sum), bias (N) added to every row.
+    Addmm {
+        c: Option<Tensor>,
+        a: Tensor,
+        b: Tensor,
+        bias: Option<Tensor>,
+    },
     /// A copy to another device; the gradient goes back to the input's device.
     ToDevice(Tensor),
     /// The fused softmax over the last dim.
@@ -176,7 +184,7 @@ impl Op {
             Op::IndexSelect(..) => "index_select",
             Op::Gather(..) => "gather",
             Op::ScatterAdd(..) => "scatter_add",
-            Op::Matmul(..) => "matmul",
+            Op::Matmul(..) | Op::Addmm { .. } => "matmul",
             Op::ToDevice(_) => "to_device",
             Op::Softmax(_) => "softmax",
             Op::Unfold2d(..) => "unfold2d",
@@ -229,6 +237,7 @@ impl Op {
                 .flatten()
                 .collect(),
             Op::Modulate { x, shift, scale } => vec![x, shift, scale],
+            Op::Addmm { c, a, b, bias } => [c, Some(a), Some(b), bias].into_iter().flatten().collect(),
             Op::Rope { x, rot, .. } => vec![x, rot],
             Op::Attention {
                 q, k, v, keep, lse, ..
@@ -274,6 +283,10 @@ impl Op {
                 .flatten()
                 .collect(),
             Op::Modulate { x, shift, scale } => vec![x, shift, scale],
+            Op::Addmm { c, a, b, bias } => [c.as_ref(), Some(a), Some(b), bias.as_ref()]
+                .into_iter()
+                .flatten()
+                .collect(),
             Op::Rope { x, .. } => vec![x],
             Op::Attention { q, k, v, .. } => vec![q, k, v],
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
@@ -430,6 +443,16 @@ impl Op {
             Op::Matmul(a, b) => {
                 let (ga, gb) = (a.requires_grad(), b.requires_grad());
                 Op::Matmul(keep_if(a, gb), keep_if(b, ga))
+            }
+            // As Matmul; c and bias are never read (dc = g, dbias = the row sums of g).
+            Op::Addmm { c, a, b, bias } => {
+                let (ga, gb) = (a.requires_grad(), b.requires_grad());
+                Op::Addmm {
+                    c: c.map(e),
+                    a: keep_if(a, gb),
+                    b: keep_if(b, ga),
+                    bias: bias.map(e),
+                }
             }
             Op::ToDevice(x) => Op::ToDevice(e(x)),
             Op::Softmax(x) => Op::Softmax(e(x)),

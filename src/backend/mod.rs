@@ -394,6 +394,39 @@ pub trait BackendStorage: Sized + Send + Sync {
     ) -> Result<Self>;
     /// `(B, M, K) @ (B, K, N)`; each operand is a rank-3 layout of any strides.
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: MatmulDims) -> Result<Self>;
+    /// `self @ rhs + bias`, the vector `bias` (N) added to every row of each (M, N) product:
+    /// a linear layer's forward in one kernel where the backend's GEMM has a bias epilogue
+    /// (cuBLASLt's on CUDA). The default is the matmul, then a broadcast add.
+    fn matmul_bias(
+        &self,
+        l: &Layout,
+        rhs: &Self,
+        rl: &Layout,
+        dims: MatmulDims,
+        bias: &Self,
+        bl: &Layout,
+    ) -> Result<Self> {
+        let out = self.matmul(l, rhs, rl, dims)?;
+        let shape = Shape::from(vec![dims.b, dims.m, dims.n]);
+        let ol = Layout::contiguous(shape.clone());
+        out.binary(&ol, bias, &bl.broadcast_as(&shape)?, BinaryOp::Add)
+    }
+    /// `acc += self @ rhs` in place, `acc` holding the contiguous (B, M, N) values in the
+    /// operands' dtype: on CUDA one GEMM with beta = 1 (the sum rounded once, no separate
+    /// pass over `acc`). The default is the matmul, then an add.
+    fn matmul_acc(
+        &self,
+        l: &Layout,
+        rhs: &Self,
+        rl: &Layout,
+        dims: MatmulDims,
+        acc: &mut Self,
+    ) -> Result<()> {
+        let p = self.matmul(l, rhs, rl, dims)?;
+        let ol = Layout::contiguous(Shape::from(vec![dims.b, dims.m, dims.n]));
+        *acc = acc.binary(&ol, &p, &ol, BinaryOp::Add)?;
+        Ok(())
+    }
     /// im2col: (N, C, H, W) -> (N, C * kh * kw, Ho * Wo), rows ordered (c, ki, kj), zeros
     /// where the window reaches into the padding (PyTorch's `unfold`).
     fn unfold2d(&self, l: &Layout, w: Window2d) -> Result<Self>;

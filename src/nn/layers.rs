@@ -75,10 +75,19 @@ impl Linear {
         }
         let rows: usize = d[..d.len() - 1].iter().product();
         let x = x.reshape((rows, in_dim))?;
-        let y = match &self.fp8_scale {
-            Some(scale) => fp8_matmul(&x, &self.weight, scale)?,
-            None => x.matmul(&self.weight.t()?)?,
+        // The bias goes into the base GEMM's epilogue unless an adapter rescales the base
+        // output (DoRA), which must then see it without the bias.
+        let early_bias = match (&self.bias, &self.adapter) {
+            (Some(b), None) => Some(b),
+            (Some(b), Some(a)) if a.adds_to_output() => Some(b),
+            _ => None,
         };
+        let y = match (&self.fp8_scale, early_bias) {
+            (Some(scale), _) => fp8_matmul(&x, &self.weight, scale)?,
+            (None, Some(b)) if b.dtype() == x.dtype() => x.matmul_bias(&self.weight.t()?, b)?,
+            (None, _) => x.matmul(&self.weight.t()?)?,
+        };
+        let bias_done = early_bias.is_some_and(|b| self.fp8_scale.is_none() && b.dtype() == x.dtype());
         let y = match &self.adapter {
             Some(a) => {
                 let weight = |dtype| self.dense_weight(dtype);
@@ -87,9 +96,9 @@ impl Linear {
             }
             None => y,
         };
-        let y = match &self.bias {
-            Some(b) => y.add(b)?,
-            None => y,
+        let y = match (&self.bias, bias_done) {
+            (Some(b), false) => y.add(b)?,
+            _ => y,
         };
         let mut out = d.to_vec();
         if let Some(last) = out.last_mut() {

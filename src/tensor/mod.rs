@@ -377,6 +377,25 @@ impl Tensor {
         })
     }
 
+    /// The buffer behind this tensor when this handle is the only one to it (no clone, no
+    /// view, no value saved by the tape) and the tensor is a contiguous view from its start:
+    /// a sum may then overwrite it in place. Otherwise the tensor comes back unchanged.
+    pub(crate) fn into_exclusive_storage(self) -> std::result::Result<Arc<RwLock<Storage>>, Tensor> {
+        if !self.0.layout.is_contiguous() || self.0.layout.offset() != 0 {
+            return Err(self);
+        }
+        match Arc::try_unwrap(self.0) {
+            Ok(mut inner) => match inner.storage.take() {
+                Some(s) if Arc::strong_count(&s) == 1 && Arc::weak_count(&s) == 0 => Ok(s),
+                s => {
+                    inner.storage = s;
+                    Err(Tensor(Arc::new(inner)))
+                }
+            },
+            Err(arc) => Err(Tensor(arc)),
+        }
+    }
+
     pub(crate) fn storage(&self) -> Result<RwLockReadGuard<'_, Storage>> {
         let s = self
             .storage_arc()?

@@ -519,6 +519,83 @@ impl Tensor {
         out.reshape(with_batch([m, n]))
     }
 
+    /// `self @ rhs + bias`: self (..., M, K), rhs (K, N), bias (N) added to every row (a
+    /// linear layer's forward). On CUDA, for bf16 / f16, one cuBLASLt GEMM with its bias
+    /// epilogue instead of a GEMM and a pass over the output.
+    pub fn matmul_bias(&self, rhs: &Tensor, bias: &Tensor) -> Result<Tensor> {
+        let (lead, m, k, n) = linear_dims("matmul_bias", self, rhs)?;
+        same_device("matmul_bias", self, bias)?;
+        same_dtype("matmul_bias", self, bias)?;
+        if bias.dims() != [n] {
+            return Err(Error::ShapeMismatch {
+                op: "matmul_bias",
+                lhs: rhs.shape().clone(),
+                rhs: bias.shape().clone(),
+            });
+        }
+        let a3 = self.reshape((1, m, k))?;
+        let b3 = rhs.reshape((1, k, n))?;
+        let dims = MatmulDims { b: 1, m, k, n };
+        let s = with3(&a3, &b3, bias, |x, y, z| {
+            x.matmul_bias(a3.layout(), y, b3.layout(), dims, z, bias.layout())
+        })?;
+        let rec = record(&[&a3, &b3, bias], || Op::Addmm {
+            c: None,
+            a: a3.clone(),
+            b: b3.clone(),
+            bias: Some(bias.clone()),
+        });
+        let out = Tensor::from_storage(s, (1, m, n).into(), self.device().clone(), rec);
+        out.reshape([lead, vec![n]].concat())
+    }
+
+    /// `self + a @ b`: self (..., M, N), a (..., M, K) with the same leading dims, b (K, N).
+    /// Takes `self` by value: when nothing else holds its buffer (the output of a GEMM that
+    /// the tape does not keep, as a linear layer's base output is), the product is added
+    /// into that buffer by one GEMM with beta = 1 on CUDA, with no separate pass for the add;
+    /// otherwise into a copy of it.
+    pub fn add_matmul(self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let (lead, m, k, n) = linear_dims("add_matmul", a, b)?;
+        same_device("add_matmul", &self, a)?;
+        same_dtype("add_matmul", &self, a)?;
+        if self.dims() != [lead.clone(), vec![n]].concat() {
+            return Err(Error::ShapeMismatch {
+                op: "add_matmul",
+                lhs: self.shape().clone(),
+                rhs: a.shape().clone(),
+            });
+        }
+        let (a3, b3) = (a.reshape((1, m, k))?, b.reshape((1, k, n))?);
+        let c3 = self.reshape((1, m, n))?;
+        drop(self);
+        let rec = record(&[&c3, &a3, &b3], || Op::Addmm {
+            c: Some(c3.clone()),
+            a: a3.clone(),
+            b: b3.clone(),
+            bias: None,
+        });
+        let dims = MatmulDims { b: 1, m, k, n };
+        let device = c3.device().clone();
+        let acc = |acc: &mut crate::device::Storage| {
+            with2(&a3, &b3, |x, y| x.matmul_acc(a3.layout(), y, b3.layout(), dims, acc))
+        };
+        let out = match c3.into_exclusive_storage() {
+            Ok(buf) => {
+                {
+                    let mut g = buf.write().map_err(|_| Error::Poisoned("tensor storage"))?;
+                    acc(&mut g)?;
+                }
+                Tensor::view_of_storage(buf, Layout::contiguous((1, m, n)), device, rec)
+            }
+            Err(c3) => {
+                let mut s = c3.storage()?.copy_contiguous(c3.layout())?;
+                acc(&mut s)?;
+                Tensor::from_storage(s, (1, m, n).into(), device, rec)
+            }
+        };
+        out.reshape([lead, vec![n]].concat())
+    }
+
     /// The primitive: rank-3 operands with equal batch.
     pub(crate) fn matmul3(&self, rhs: &Tensor) -> Result<Tensor> {
         let (a, b) = (self.dims(), rhs.dims());
@@ -534,5 +611,75 @@ impl Tensor {
         let rec = record(&[self, rhs], || Op::Matmul(self.clone(), rhs.clone()));
         let shape = Layout::contiguous((dims.b, dims.m, dims.n)).shape().clone();
         Ok(Tensor::from_storage(s, shape, self.device().clone(), rec))
+    }
+}
+
+/// (leading dims, M, K, N) of `a` (..., M, K) times `b` (K, N), after the device, dtype and
+/// shape checks.
+fn linear_dims(
+    op: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+) -> Result<(Vec<usize>, usize, usize, usize)> {
+    same_device(op, a, b)?;
+    same_dtype(op, a, b)?;
+    let r = a.rank();
+    if r < 1 || b.rank() != 2 || a.dims()[r - 1] != b.dims()[0] {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: a.shape().clone(),
+            rhs: b.shape().clone(),
+        });
+    }
+    let lead = a.dims()[..r - 1].to_vec();
+    Ok((lead.clone(), lead.iter().product(), b.dims()[0], b.dims()[1]))
+}
+
+#[cfg(all(test, feature = "cpu-ref"))]
+mod tests {
+    use crate::{DType, Device, Result, Tensor};
+    use std::sync::Arc;
+
+    fn buffer(t: &Tensor) -> usize {
+        t.0.storage.as_ref().map_or(0, |s| Arc::as_ptr(s) as usize)
+    }
+
+    #[test]
+    fn add_matmul_sums_into_an_exclusive_buffer_and_copies_a_shared_one() -> Result<()> {
+        let dev = Device::Cpu;
+        let (x, w) = (
+            Tensor::randn((3, 4), DType::F32, &dev, 1)?,
+            Tensor::randn((4, 5), DType::F32, &dev, 2)?,
+        );
+        let (a, b) = (
+            Tensor::randn((3, 2), DType::F32, &dev, 3)?,
+            Tensor::randn((2, 5), DType::F32, &dev, 4)?,
+        );
+        let want = x.matmul(&w)?.add(&a.matmul(&b)?)?.to_vec_f64()?;
+        let close = |t: &Tensor| -> Result<()> {
+            for (g, w) in t.to_vec_f64()?.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-5, "{g} vs {w}");
+            }
+            Ok(())
+        };
+        // A fresh GEMM output that nothing else holds: the sum lands in its buffer.
+        let c = x.matmul(&w)?;
+        let before = buffer(&c);
+        let out = c.add_matmul(&a, &b)?;
+        assert_eq!(buffer(&out), before);
+        close(&out)?;
+        // A clone kept elsewhere: its values stay, the sum goes to a new buffer.
+        let c = x.matmul(&w)?;
+        let kept = c.clone();
+        let kept_vals = kept.to_vec_f64()?;
+        let out = c.add_matmul(&a, &b)?;
+        assert_ne!(buffer(&out), buffer(&kept));
+        assert_eq!(kept.to_vec_f64()?, kept_vals);
+        close(&out)?;
+        // A view (transposed) of another tensor: copied as well.
+        let ct = x.matmul(&w)?.t()?.contiguous()?.t()?;
+        let out = ct.add_matmul(&a, &b)?;
+        close(&out)?;
+        Ok(())
     }
 }

@@ -20,6 +20,9 @@ struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLASLt, for GEMMs with a bias epilogue; made on first use (its 32 MiB workspace on
+    /// Hopper comes from the driver, outside FLAME's pool).
+    blas_lt: OnceLock<cudarc::cublaslt::CudaBlasLT>,
     sm_count: usize,
     /// The compute capability's major version (9 for Hopper).
     cc_major: u32,
@@ -133,6 +136,7 @@ impl CudaDevice {
             ctx,
             stream,
             blas,
+            blas_lt: OnceLock::new(),
             sm_count,
             cc_major,
             cc_minor,
@@ -160,6 +164,16 @@ impl CudaDevice {
 
     pub(crate) fn blas(&self) -> &CudaBlas {
         &self.0.blas
+    }
+
+    /// The cuBLASLt handle on this device's stream, made on first use.
+    pub(crate) fn blas_lt(&self) -> Result<&cudarc::cublaslt::CudaBlasLT> {
+        if let Some(lt) = self.0.blas_lt.get() {
+            return Ok(lt);
+        }
+        let lt = cudarc::cublaslt::CudaBlasLT::new(self.0.stream.clone())
+            .map_err(|e| Error::Cuda(format!("creating cuBLASLt: {e:?}")))?;
+        Ok(self.0.blas_lt.get_or_init(|| lt))
     }
 
     pub(crate) fn sm_count(&self) -> usize {

@@ -51,44 +51,51 @@ fn as_i32(v: usize, what: &str, l: &Layout) -> Result<i32> {
     })
 }
 
-fn gemm_t<T: Elem>(
+/// cuBLAS's view of C = A B: (transa, lda) of A' = B's memory and (transb, ldb) of
+/// B' = A's memory (see the module comment).
+fn trans_of(m: Mat) -> (Trans, usize) {
+    match m {
+        Mat::RowMajor(ld) => (Trans::CUBLAS_OP_N, ld),
+        Mat::ColMajor(ld) => (Trans::CUBLAS_OP_T, ld),
+    }
+}
+
+/// `out = a @ b + beta * out` over the B batches into `out` (at least B*M*N elements,
+/// contiguous (B, M, N)); beta is 0 (out's values unread) or 1 (accumulate).
+fn gemm_into<T: Elem>(
     a: &CudaStorage,
     al: &Layout,
     b: &CudaStorage,
     bl: &Layout,
     d: MatmulDims,
-) -> Result<CudaStorage>
+    out: &mut super::memory::DevBuf<T>,
+    accumulate: bool,
+) -> Result<()>
 where
     CudaBlas: Gemm<T>,
 {
     const OP: &str = "matmul";
     a.check(OP, al)?;
     b.check(OP, bl)?;
+    let dev = &a.dev;
+    if d.b * d.m * d.n == 0 {
+        return Ok(());
+    }
+    if d.k == 0 {
+        // An empty sum: zeros, or nothing to add.
+        if !accumulate {
+            dev.stream()
+                .memset_zeros(&mut *out.slice)
+                .map_err(super::cuda_err("zeroing"))?;
+        }
+        return Ok(());
+    }
     let (ac, al, am) = operand(a, al)?;
     let (bc, bl, bm) = operand(b, bl)?;
     let (a, b) = (ac.as_ref().unwrap_or(a), bc.as_ref().unwrap_or(b));
     let (ab, bb) = (a.typed::<T>(OP)?, b.typed::<T>(OP)?);
-    let dev = &a.dev;
-    let mut out = dev.alloc::<T>(d.b * d.m * d.n)?;
-    if d.b * d.m * d.n == 0 {
-        return Ok(a.wrap(T::wrap(out)));
-    }
-    if d.k == 0 {
-        // An empty sum: zeros.
-        dev.stream()
-            .memset_zeros(&mut *out.slice)
-            .map_err(super::cuda_err("zeroing"))?;
-        return Ok(a.wrap(T::wrap(out)));
-    }
-    // cuBLAS's A' is B's memory (K x N), B' is A's memory (M x K).
-    let (transa, lda) = match bm {
-        Mat::RowMajor(ld) => (Trans::CUBLAS_OP_N, ld),
-        Mat::ColMajor(ld) => (Trans::CUBLAS_OP_T, ld),
-    };
-    let (transb, ldb) = match am {
-        Mat::RowMajor(ld) => (Trans::CUBLAS_OP_N, ld),
-        Mat::ColMajor(ld) => (Trans::CUBLAS_OP_T, ld),
-    };
+    let (transa, lda) = trans_of(bm);
+    let (transb, ldb) = trans_of(am);
     let cfg = StridedBatchedConfig {
         gemm: GemmConfig {
             transa,
@@ -99,7 +106,7 @@ where
             alpha: T::one(),
             lda: as_i32(lda, "lda", &bl)?,
             ldb: as_i32(ldb, "ldb", &al)?,
-            beta: T::default(),
+            beta: if accumulate { T::one() } else { T::default() },
             ldc: as_i32(d.n, "N", &bl)?,
         },
         batch_size: as_i32(d.b, "batch", &al)?,
@@ -111,7 +118,7 @@ where
     let bv = bb.slice.slice(bl.offset()..);
     // SAFETY: check() proved both views lie inside their buffers; the leading dimensions and
     // batch strides are the views' own strides, so cuBLAS reads only those elements, and
-    // `out` holds B*M*N elements.
+    // `out` holds B*M*N elements (checked by the callers).
     let span = crate::profile::Span::start(dev);
     unsafe {
         dev.blas()
@@ -119,7 +126,175 @@ where
     }
     .map_err(|e| Error::Cuda(format!("cuBLAS gemm {d:?}: {e:?}")))?;
     span.stop(dev, "gemm", "cublas_gemm");
+    Ok(())
+}
+
+fn gemm_t<T: Elem>(
+    a: &CudaStorage,
+    al: &Layout,
+    b: &CudaStorage,
+    bl: &Layout,
+    d: MatmulDims,
+) -> Result<CudaStorage>
+where
+    CudaBlas: Gemm<T>,
+{
+    let mut out = a.dev.alloc::<T>(d.b * d.m * d.n)?;
+    gemm_into(a, al, b, bl, d, &mut out, false)?;
     Ok(a.wrap(T::wrap(out)))
+}
+
+/// `a @ b + bias` by cuBLASLt with its bias epilogue, for bf16 / f16 (f32 stays on cuBLAS,
+/// whose f32 GEMMs are exact unless TF32 is allowed; cudarc's cuBLASLt f32 path is TF32).
+/// None where it does not apply: the caller takes the matmul and an add.
+fn gemm_bias_lt<T: Elem>(
+    a: &CudaStorage,
+    al: &Layout,
+    b: &CudaStorage,
+    bl: &Layout,
+    d: MatmulDims,
+    bias: &CudaStorage,
+    biasl: &Layout,
+) -> Result<Option<CudaStorage>>
+where
+    cudarc::cublaslt::CudaBlasLT: cudarc::cublaslt::Matmul<T>,
+{
+    use cudarc::cublaslt::{Matmul, MatmulConfig};
+    const OP: &str = "matmul_bias";
+    a.check(OP, al)?;
+    b.check(OP, bl)?;
+    bias.check(OP, biasl)?;
+    let unit = biasl.dims() == [d.n] && (d.n == 1 || biasl.strides() == [1]);
+    if !unit || d.k == 0 || d.b * d.m * d.n == 0 || bias.typed::<T>(OP).is_err() {
+        return Ok(None);
+    }
+    let (ac, al, am) = operand(a, al)?;
+    let (bc, bl, bm) = operand(b, bl)?;
+    let (a, b) = (ac.as_ref().unwrap_or(a), bc.as_ref().unwrap_or(b));
+    let (ab, bb, biasb) = (a.typed::<T>(OP)?, b.typed::<T>(OP)?, bias.typed::<T>(OP)?);
+    let (transa, lda) = trans_of(bm);
+    let (transb, ldb) = trans_of(am);
+    let batched = d.b > 1;
+    let cfg = MatmulConfig {
+        transa: transa == Trans::CUBLAS_OP_T,
+        transb: transb == Trans::CUBLAS_OP_T,
+        transc: false,
+        m: d.n as u64,
+        n: d.m as u64,
+        k: d.k as u64,
+        alpha: 1.0,
+        lda: lda as i64,
+        ldb: ldb as i64,
+        beta: 0.0,
+        ldc: d.n as i64,
+        stride_a: batched.then(|| bl.strides()[0] as i64),
+        stride_b: batched.then(|| al.strides()[0] as i64),
+        stride_c: batched.then(|| (d.m * d.n) as i64),
+        stride_bias: batched.then_some(0),
+        batch_size: batched.then(|| d.b as i32),
+    };
+    let dev = &a.dev;
+    let lt = dev.blas_lt()?;
+    let mut out = dev.alloc::<T>(d.b * d.m * d.n)?;
+    let av = ab.slice.slice(al.offset()..);
+    let bv = bb.slice.slice(bl.offset()..);
+    let biasv = biasb.slice.slice(biasl.offset()..);
+    // SAFETY: as `gemm_into`; the bias view holds N unit-stride elements (checked above).
+    let span = crate::profile::Span::start(dev);
+    let r = unsafe { lt.matmul(cfg, &bv, &av, &mut *out.slice, Some(&biasv), None) };
+    span.stop(dev, "gemm", "cublaslt_gemm_bias");
+    match r {
+        Ok(()) => Ok(Some(a.wrap(T::wrap(out)))),
+        // No algorithm for this shape / alignment: the caller falls back.
+        Err(e) if format!("{e:?}").contains("NOT_SUPPORTED") => Ok(None),
+        Err(e) => Err(Error::Cuda(format!("cuBLASLt gemm + bias {d:?}: {e:?}"))),
+    }
+}
+
+fn check_pair(op: &'static str, a: &CudaStorage, al: &Layout, b: &CudaStorage, bl: &Layout, d: MatmulDims) -> Result<()> {
+    a.same_device(op, b)?;
+    if al.dims() != [d.b, d.m, d.k] || bl.dims() != [d.b, d.k, d.n] {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: al.shape().clone(),
+            rhs: bl.shape().clone(),
+        });
+    }
+    if a.buf.dtype() != b.buf.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: a.buf.dtype(),
+            rhs: b.buf.dtype(),
+        });
+    }
+    Ok(())
+}
+
+/// `a @ b + bias` (bias (N) on every row): one cuBLASLt GEMM with its bias epilogue for
+/// bf16 / f16, else the matmul and a broadcast add.
+pub(crate) fn matmul_bias(
+    a: &CudaStorage,
+    al: &Layout,
+    b: &CudaStorage,
+    bl: &Layout,
+    d: MatmulDims,
+    bias: &CudaStorage,
+    biasl: &Layout,
+) -> Result<CudaStorage> {
+    check_pair("matmul_bias", a, al, b, bl, d)?;
+    bias.same_device("matmul_bias", a)?;
+    let fused = match a.buf.dtype() {
+        DType::BF16 => gemm_bias_lt::<bf16>(a, al, b, bl, d, bias, biasl)?,
+        DType::F16 => gemm_bias_lt::<f16>(a, al, b, bl, d, bias, biasl)?,
+        _ => None,
+    };
+    if let Some(out) = fused {
+        return Ok(out);
+    }
+    use crate::backend::{BackendStorage, BinaryOp};
+    let out = matmul(a, al, b, bl, d)?;
+    let shape = crate::Shape::from(vec![d.b, d.m, d.n]);
+    let ol = Layout::contiguous(shape.clone());
+    out.binary(&ol, bias, &biasl.broadcast_as(&shape)?, BinaryOp::Add)
+}
+
+/// `acc += a @ b`: one GEMM with beta = 1 into `acc` (contiguous (B, M, N) values).
+pub(crate) fn matmul_acc(
+    a: &CudaStorage,
+    al: &Layout,
+    b: &CudaStorage,
+    bl: &Layout,
+    d: MatmulDims,
+    acc: &mut CudaStorage,
+) -> Result<()> {
+    check_pair("matmul_acc", a, al, b, bl, d)?;
+    acc.same_device("matmul_acc", a)?;
+    if acc.buf.len() < d.b * d.m * d.n || acc.buf.dtype() != a.buf.dtype() {
+        return Err(Error::invalid(
+            "matmul_acc",
+            format!(
+                "the accumulator holds {} {} values, the product {} x {} x {} {}",
+                acc.buf.len(),
+                acc.buf.dtype(),
+                d.b,
+                d.m,
+                d.n,
+                a.buf.dtype()
+            ),
+            al.shape(),
+        ));
+    }
+    use super::storage::typed_mut;
+    match a.buf.dtype() {
+        DType::F32 => gemm_into::<f32>(a, al, b, bl, d, typed_mut(&mut acc.buf, "matmul_acc")?, true),
+        DType::F64 => gemm_into::<f64>(a, al, b, bl, d, typed_mut(&mut acc.buf, "matmul_acc")?, true),
+        DType::BF16 => gemm_into::<bf16>(a, al, b, bl, d, typed_mut(&mut acc.buf, "matmul_acc")?, true),
+        DType::F16 => gemm_into::<f16>(a, al, b, bl, d, typed_mut(&mut acc.buf, "matmul_acc")?, true),
+        DType::U32 => Err(Error::UnsupportedDType {
+            op: "matmul_acc",
+            dtype: DType::U32,
+        }),
+    }
 }
 
 pub(crate) fn matmul(
@@ -129,21 +304,7 @@ pub(crate) fn matmul(
     bl: &Layout,
     d: MatmulDims,
 ) -> Result<CudaStorage> {
-    a.same_device("matmul", b)?;
-    if al.dims() != [d.b, d.m, d.k] || bl.dims() != [d.b, d.k, d.n] {
-        return Err(Error::ShapeMismatch {
-            op: "matmul",
-            lhs: al.shape().clone(),
-            rhs: bl.shape().clone(),
-        });
-    }
-    if a.buf.dtype() != b.buf.dtype() {
-        return Err(Error::DTypeMismatch {
-            op: "matmul",
-            lhs: a.buf.dtype(),
-            rhs: b.buf.dtype(),
-        });
-    }
+    check_pair("matmul", a, al, b, bl, d)?;
     match a.buf.dtype() {
         DType::F32 => gemm_t::<f32>(a, al, b, bl, d),
         DType::F64 => gemm_t::<f64>(a, al, b, bl, d),

@@ -577,6 +577,29 @@ impl BackendStorage for CudaStorage {
         super::matmul::matmul(self, l, rhs, rl, dims)
     }
 
+    fn matmul_bias(
+        &self,
+        l: &Layout,
+        rhs: &Self,
+        rl: &Layout,
+        dims: MatmulDims,
+        bias: &Self,
+        bl: &Layout,
+    ) -> Result<Self> {
+        super::matmul::matmul_bias(self, l, rhs, rl, dims, bias, bl)
+    }
+
+    fn matmul_acc(
+        &self,
+        l: &Layout,
+        rhs: &Self,
+        rl: &Layout,
+        dims: MatmulDims,
+        acc: &mut Self,
+    ) -> Result<()> {
+        super::matmul::matmul_acc(self, l, rhs, rl, dims, acc)
+    }
+
     fn unfold2d(&self, l: &Layout, w: crate::backend::Window2d) -> Result<Self> {
         super::conv::unfold2d(self, l, w)
     }

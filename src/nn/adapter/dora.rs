@@ -152,7 +152,7 @@ impl Adapter for Dora {
         };
         let scale = self.scale(base, down, up, m)?;
         let scale = self.lora.shape.per_channel(&cast(&scale, &y)?)?;
-        y.add(&self.lora.term(x, down, up)?)?.mul(&scale)
+        self.lora.add_term(y, x, down, up)?.mul(&scale)
     }
 
     fn delta_weight(&self, base: &BaseLayer) -> Result<Tensor> {

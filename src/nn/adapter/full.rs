@@ -65,11 +65,15 @@ impl Adapter for Full {
         vec![("diff", self.diff.clone())]
     }
 
+    fn adds_to_output(&self) -> bool {
+        true
+    }
+
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
         let [diff] = p else {
             return Err(Error::Autograd("full: expected 1 parameter".into()));
         };
-        y.add(&self.shape.apply(x, &cast(diff, x)?)?)
+        self.shape.add_apply(y, x, &cast(diff, x)?)
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {

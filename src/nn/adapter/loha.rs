@@ -101,9 +101,13 @@ impl Adapter for Loha {
         NAMES.into_iter().zip(self.w.iter().cloned()).collect()
     }
 
+    fn adds_to_output(&self) -> bool {
+        true
+    }
+
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
         let dw = cast(&self.delta_of(p)?, x)?;
-        y.add(&self.shape.apply(x, &dw)?)
+        self.shape.add_apply(y, x, &dw)
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {

@@ -79,9 +79,9 @@ impl Lora {
         self.alpha / self.rank() as f64
     }
 
-    /// The adapter's term s · B(A(dropout(x))) with `down`, `up` in place of its own, in x's
-    /// dtype.
-    pub(super) fn term(&self, x: &Tensor, down: &Tensor, up: &Tensor) -> Result<Tensor> {
+    /// `y` plus the adapter's term s · B(A(dropout(x))) with `down`, `up` in place of its
+    /// own, in x's dtype; on a Linear the up-projection's GEMM adds into `y`'s buffer.
+    pub(super) fn add_term(&self, y: Tensor, x: &Tensor, down: &Tensor, up: &Tensor) -> Result<Tensor> {
         let _p = crate::profile::scope("lora");
         let x = self
             .dropout
@@ -94,7 +94,7 @@ impl Lora {
             true => cast(up, &x)?,
             false => cast(&up.affine(s, 0.0)?, &x)?,
         };
-        self.shape.apply_pointwise(&h, &up)
+        self.shape.add_apply_pointwise(y, &h, &up)
     }
 
     /// s · B A in f32 with the weight's shape.
@@ -215,7 +215,11 @@ impl Adapter for Lora {
         let [down, up] = p else {
             return Err(Error::Autograd("lora: expected 2 parameters".into()));
         };
-        y.add(&self.term(x, down, up)?)
+        self.add_term(y, x, down, up)
+    }
+
+    fn adds_to_output(&self) -> bool {
+        true
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {

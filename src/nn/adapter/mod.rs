@@ -130,6 +130,24 @@ impl LayerShape {
         }
     }
 
+    /// `y + x ⊛ w`: on a Linear the product is added into `y`'s buffer by the GEMM itself
+    /// when nothing else holds it (`Tensor::add_matmul`), so an adapter's term costs no
+    /// separate pass over the layer's output.
+    pub fn add_apply(&self, y: Tensor, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        match self {
+            LayerShape::Linear { .. } => y.add_matmul(x, &w.t()?),
+            LayerShape::Conv2d { .. } => y.add(&self.apply(x, w)?),
+        }
+    }
+
+    /// `y + x ⊛ w` for a 1×1 `w`, as [`LayerShape::add_apply`].
+    pub fn add_apply_pointwise(&self, y: Tensor, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        match self {
+            LayerShape::Linear { .. } => y.add_matmul(x, &w.t()?),
+            LayerShape::Conv2d { .. } => y.add(&self.apply_pointwise(x, w)?),
+        }
+    }
+
     /// `v` (out) shaped to scale an output along its channels: (out) for a Linear's (rows,
     /// out), (1, out, 1, 1) for a convolution's (N, out, H, W).
     pub fn per_channel(&self, v: &Tensor) -> Result<Tensor> {
@@ -199,6 +217,13 @@ pub trait Adapter: Send + Sync + std::fmt::Debug {
         y: Tensor,
         params: &[Tensor],
     ) -> Result<Tensor>;
+
+    /// Whether the adapted output is `y + f(x)`, with `y` entering only as a summand (LoRA,
+    /// LoHa, LoKr, a full delta; not DoRA, which rescales it): the layer may then add its
+    /// bias to `y` first, inside its GEMM.
+    fn adds_to_output(&self) -> bool {
+        false
+    }
 
     /// The adapted output with the adapter's own parameters.
     fn forward(&self, base: &BaseLayer, x: &Tensor, y: Tensor) -> Result<Tensor> {

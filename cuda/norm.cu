@@ -12,6 +12,19 @@
 #include "common.cuh"
 #include "rows.cuh"
 
+// Where row r of x starts, in elements, for the register-resident kernels: rows indexed by
+// up to three leading dims (d0 = rows / (d1 d2), d1, d2) with their strides, so a strided
+// view (a head-split q or k of a fused projection, (B, H, N, E) over (B, N, 3, H, E)) is
+// normed where it lies instead of being copied first. A dense x is d1 = d2 = 1, s0 = cols.
+struct RowMap {
+  unsigned long long d1, d2, s0, s1, s2;
+};
+__device__ __forceinline__ RowMap dense_rows(size_t cols) { return RowMap{1, 1, cols, 0, 0}; }
+__device__ __forceinline__ size_t row_off(const RowMap& m, size_t r) {
+  const size_t i2 = r % m.d2, t = r / m.d2;
+  return (t / m.d1) * m.s0 + (t % m.d1) * m.s1 + i2 * m.s2;
+}
+
 // Sum over groups of LANES neighbouring lanes (LANES a power of two, at most 32).
 template <int LANES, typename A>
 __device__ __forceinline__ A group_sum(A v) {
@@ -23,11 +36,12 @@ __device__ __forceinline__ A group_sum(A v) {
 // Streaming version for any row length: a warp per row, the row re-read from L1 per pass.
 template <typename T, typename S>
 __device__ __forceinline__ void norm_fwd(const T* __restrict__ in, const T* w, const T* b, T* __restrict__ out,
-                                         S* mean_out, S* rstd_out, size_t rows, size_t cols, double eps, int rms) {
+                                         S* mean_out, S* rstd_out, size_t rows, size_t cols, double eps, int rms,
+                                         const RowMap xm) {
   typedef typename AccT<T>::type A;
   const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
   for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
-    const T* x = in + r * cols;
+    const T* x = in + row_off(xm, r);
     A sum = A(0);
     if (!rms) for_row(x, cols, lane, [&](size_t, T v) { sum += to_acc(v); });
     const A mean = rms ? A(0) : group_sum<32>(sum) / (A)cols;
@@ -68,11 +82,11 @@ __device__ __forceinline__ void norm_fwd(const T* __restrict__ in, const T* w, c
 template <typename T, typename S>
 __device__ __forceinline__ void norm_bwd(const T* __restrict__ in, const T* __restrict__ dy, const T* w,
                                          const S* mean_in, const S* rstd_in, T* __restrict__ dx, size_t rows,
-                                         size_t cols, int rms) {
+                                         size_t cols, int rms, const RowMap xm) {
   typedef typename AccT<T>::type A;
   const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
   for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
-    const T* x = in + r * cols;
+    const T* x = in + row_off(xm, r);
     const T* g = dy + r * cols;
     const A m = (A)mean_in[r], s = (A)rstd_in[r];
     A sum_g = A(0), sum_gx = A(0);
@@ -145,7 +159,8 @@ __device__ __forceinline__ void params_ready(bool& staged) {
 
 template <typename T, int PACKS, int LANES, int RPT>
 __device__ __forceinline__ void norm_fwd_reg(const T* __restrict__ in, const T* w, const T* b, T* __restrict__ out, float* mean_out,
-                                             float* rstd_out, size_t rows, size_t cols, double eps, int rms) {
+                                             float* rstd_out, size_t rows, size_t cols, double eps, int rms,
+                                             const RowMap xm) {
   constexpr bool VW = PACKS >= 4;
   const int lane = threadIdx.x % LANES;
   const size_t per_block = blockDim.x / LANES, packs = cols / 8, grp = threadIdx.x / LANES;
@@ -157,7 +172,7 @@ __device__ __forceinline__ void norm_fwd_reg(const T* __restrict__ in, const T* 
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
       const size_t r = base + j * per_block + grp;
-      load_row<T, PACKS, LANES>(in + (r < rows ? r : 0) * cols, r < rows, packs, lane, v[j]);
+      load_row<T, PACKS, LANES>(in + row_off(xm, r < rows ? r : 0), r < rows, packs, lane, v[j]);
     }
     params_ready(staged);
 #pragma unroll
@@ -220,7 +235,7 @@ template <typename T, int PACKS, int LANES, int RPT, bool SUMS = false>
 __device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* __restrict__ dy,
                                              const T* w, const float* mean_in, const float* rstd_in,
                                              T* __restrict__ dx, size_t rows, size_t cols, int rms,
-                                             float* __restrict__ part = nullptr) {
+                                             const RowMap xm, float* __restrict__ part = nullptr) {
   constexpr bool VW = PACKS >= 4;
   const int lane = threadIdx.x % LANES;
   const size_t per_block = blockDim.x / LANES, packs = cols / 8, grp = threadIdx.x / LANES;
@@ -244,11 +259,11 @@ __device__ __forceinline__ void norm_bwd_reg(const T* __restrict__ in, const T* 
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
       const size_t r = base + j * per_block + grp;
-      const size_t off = (r < rows ? r : 0) * cols;
+      const size_t off = (r < rows ? r : 0) * cols, xoff = row_off(xm, r < rows ? r : 0);
       // The statistics load with the row: read after the shuffles, they would stall each row.
       ms[j] = r < rows && !rms ? mean_in[r] : 0.f;
       ss[j] = r < rows ? rstd_in[r] : 0.f;
-      load_row<T, PACKS, LANES>(in + off, r < rows, packs, lane, xv[j]);
+      load_row<T, PACKS, LANES>(in + xoff, r < rows, packs, lane, xv[j]);
       load_row<T, PACKS, LANES>(dy + off, r < rows, packs, lane, gv[j]);
     }
     params_ready(staged);
@@ -449,18 +464,18 @@ NORM_BWD_PARAMS(f16, __half)
 #define NORM_REG(SUF, T, P, L, R)                                                                             \
   extern "C" __global__ void norm_fwd_reg_##P##_##L##_##SUF(const T* x, const T* w, const T* b, T* y, float* mean, \
                                                             float* rstd, size_t rows, size_t cols, double eps,  \
-                                                            int rms) {                                          \
-    norm_fwd_reg<T, P, L, R>(x, w, b, y, mean, rstd, rows, cols, eps, rms);                                     \
+                                                            int rms, RowMap xm) {                               \
+    norm_fwd_reg<T, P, L, R>(x, w, b, y, mean, rstd, rows, cols, eps, rms, xm);                                 \
   }                                                                                                             \
   extern "C" __global__ void norm_bwd_reg_##P##_##L##_##SUF(const T* x, const T* dy, const T* w,               \
                                                             const float* mean, const float* rstd, T* dx,        \
-                                                            size_t rows, size_t cols, int rms) {                \
-    norm_bwd_reg<T, P, L, R>(x, dy, w, mean, rstd, dx, rows, cols, rms);                                        \
+                                                            size_t rows, size_t cols, int rms, RowMap xm) {     \
+    norm_bwd_reg<T, P, L, R>(x, dy, w, mean, rstd, dx, rows, cols, rms, xm);                                    \
   }                                                                                                             \
   extern "C" __global__ void norm_bwd_sums_##P##_##L##_##SUF(const T* x, const T* dy, const T* w,              \
                                                              const float* mean, const float* rstd, T* dx,       \
                                                              float* part, size_t rows, size_t cols, int rms) {  \
-    norm_bwd_reg<T, P, L, R, true>(x, dy, w, mean, rstd, dx, rows, cols, rms, part);                           \
+    norm_bwd_reg<T, P, L, R, true>(x, dy, w, mean, rstd, dx, rows, cols, rms, dense_rows(cols), part);        \
   }
 // Must match `reg_shape` in src/backend/cuda/norm.rs: rows of up to 256 columns take 4 rows
 // a group at once, of 512 two; longer rows one, with up to 12 packs a lane (3072 columns).
@@ -482,12 +497,13 @@ NORM_REG_LONG(f16, __half)
 
 #define NORM(SUF, T, S)                                                                                  \
   extern "C" __global__ void norm_fwd_##SUF(const T* x, const T* w, const T* b, T* y, S* mean, S* rstd,   \
-                                            size_t rows, size_t cols, double eps, int rms) {             \
-    norm_fwd<T, S>(x, w, b, y, mean, rstd, rows, cols, eps, rms);                                        \
+                                            size_t rows, size_t cols, double eps, int rms, RowMap xm) {  \
+    norm_fwd<T, S>(x, w, b, y, mean, rstd, rows, cols, eps, rms, xm);                                    \
   }                                                                                                      \
   extern "C" __global__ void norm_bwd_##SUF(const T* x, const T* dy, const T* w, const S* mean,           \
-                                            const S* rstd, T* dx, size_t rows, size_t cols, int rms) {   \
-    norm_bwd<T, S>(x, dy, w, mean, rstd, dx, rows, cols, rms);                                           \
+                                            const S* rstd, T* dx, size_t rows, size_t cols, int rms,     \
+                                            RowMap xm) {                                                 \
+    norm_bwd<T, S>(x, dy, w, mean, rstd, dx, rows, cols, rms, xm);                                       \
   }
 NORM(f32, float, float)
 NORM(f64, double, double)

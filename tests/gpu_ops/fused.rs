@@ -48,7 +48,7 @@ fn both(
     (fwd_bwd(&gr, &gdy, f), fwd_bwd(&cr, &cdy, f))
 }
 
-const NAMES: [&str; 4] = ["y", "d0", "d1", "d2"];
+const NAMES: [&str; 5] = ["y", "d0", "d1", "d2", "d3"];
 
 /// Compares output and gradients; `mags[k]` is the magnitude scale of result k (sums of many
 /// terms carry an error proportional to the terms, not to the result).
@@ -452,6 +452,91 @@ fn column_reductions_match_the_cpu() {
                     "argmax {what}"
                 );
             }
+        }
+    }
+}
+
+/// The norms read a strided view of rows where it lies (the head-split q of a fused
+/// projection, (B, H, N, E) over (B, N, 3, H, E)) instead of copying it first: against the
+/// CPU, and bit for bit against the same norm of a dense copy, forward and backward. E = 128
+/// and 64 take the register-resident kernels through the row map, E = 20 (no whole packs) and
+/// f64 the streaming ones, E = 12 in bf16 (rows off 16-byte boundaries) the copy.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn norms_read_strided_rows_where_they_lie() {
+    let _one = serial();
+    let q = |x: &Tensor| x.narrow(2, 1, 1)?.squeeze(2)?.permute(&[0, 2, 1, 3]);
+    for dt in FLOATS {
+        for e in [128usize, 64, 20, 12] {
+            let shape = vec![2, 37, 3, 4, e];
+            let (cx, gx) = normal_pair(&shape, dt, 4000 + e as u64);
+            let (cw, gw) = normal_pair(&[e], dt, 4100);
+            let (cdy, gdy) = normal_pair(&[2, 4, 37, e], dt, 4200);
+            for rms in [true, false] {
+                let norm = |v: &Tensor, w: &Tensor| {
+                    if rms {
+                        v.rms_norm(Some(w), 1e-6)
+                    } else {
+                        v.layer_norm(None, None, 1e-6)
+                    }
+                };
+                let what = format!("{} E {e} [{dt}]", if rms { "rms_norm" } else { "layer_norm" });
+                let g = fwd_bwd(&[&gx], &gdy, &|x| norm(&q(&x[0])?, &gw));
+                let c = fwd_bwd(&[&cx], &cdy, &|x| norm(&q(&x[0])?, &cw));
+                check(&what, &g, &c, dt, &[3.0, 9.0]);
+                let d = fwd_bwd(&[&gx], &gdy, &|x| norm(&q(&x[0])?.contiguous()?, &gw));
+                for (k, (a, b)) in g.iter().zip(&d).enumerate() {
+                    assert_eq!(
+                        a.to_vec_f64().unwrap(),
+                        b.to_vec_f64().unwrap(),
+                        "{what} {}: strided rows vs a dense copy",
+                        NAMES[k]
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A linear layer's GEMM epilogues: `matmul_bias` (cuBLASLt's bias epilogue for bf16 / f16,
+/// cuBLAS and an add otherwise) with the weight transposed as Linear passes it, and
+/// `add_matmul` (a beta = 1 GEMM into a fresh product's buffer, as an adapter's term is
+/// added), outputs and gradients against the CPU at odd sizes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn linear_epilogues_match_the_cpu() {
+    let _one = serial();
+    for dt in FLOATS {
+        for (m, k, n) in [(37, 24, 40), (1, 8, 1), (129, 200, 72), (300, 3072, 17)] {
+            let mag = |terms: usize| 3.0 * (terms as f64).sqrt();
+            let (go, co) = both(
+                &[vec![m, k], vec![n, k], vec![n]],
+                &[m, n],
+                dt,
+                4300,
+                &|x| x[0].matmul_bias(&x[1].t()?, &x[2]),
+            );
+            check(
+                &format!("matmul_bias {m}x{k}x{n}"),
+                &go,
+                &co,
+                dt,
+                &[mag(k), mag(n), mag(m), mag(m)],
+            );
+            let (go, co) = both(
+                &[vec![m, k], vec![n, k], vec![m, 4], vec![n, 4]],
+                &[m, n],
+                dt,
+                4400,
+                &|x| x[0].matmul(&x[1].t()?)?.add_matmul(&x[2], &x[3].t()?),
+            );
+            check(
+                &format!("add_matmul {m}x{k}x{n}"),
+                &go,
+                &co,
+                dt,
+                &[mag(k + 4), mag(n), mag(m), mag(n), mag(m)],
+            );
         }
     }
 }

@@ -322,7 +322,15 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 // Other rows (f64, columns not in whole packs, past 6144): the row kernel
                 // for dx, then the column sweep.
                 (None, None) => {
-                    super::norm::launch_bwd::<T>(dev, &p, w, &mut dx, (rows, cols), kind)?;
+                    super::norm::launch_bwd::<T>(
+                        dev,
+                        &p,
+                        w,
+                        &mut dx,
+                        (rows, cols),
+                        kind,
+                        super::norm::RowMap::dense(cols),
+                    )?;
                     norm_param_sweep::<T, T>(dev, &p, (rows, cols), kind)?
                 }
             };

@@ -41,6 +41,75 @@ fn param_ptr<T: Elem>(
 
 type Triple = (CudaStorage, CudaStorage, CudaStorage);
 
+/// Where each row of x starts (cuda/norm.cu `RowMap`): rows indexed by up to three leading
+/// dims (d0 = rows / (d1 d2), d1, d2) with strides s0, s1, s2 in elements. The norm kernels
+/// read a strided view of rows through it (the head-split q and k of a fused projection)
+/// instead of copying it first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct RowMap {
+    d1: u64,
+    d2: u64,
+    s0: u64,
+    s1: u64,
+    s2: u64,
+}
+
+// SAFETY: a plain #[repr(C)] struct of u64s, laid out as the kernels' `RowMap`.
+unsafe impl cudarc::driver::DeviceRepr for RowMap {}
+
+impl RowMap {
+    /// Dense rows of `cols` elements.
+    pub(crate) fn dense(cols: usize) -> Self {
+        RowMap {
+            d1: 1,
+            d2: 1,
+            s0: cols as u64,
+            s1: 0,
+            s2: 0,
+        }
+    }
+
+    /// The rows of the view `l` (a unit-stride last dim) as at most three leading dims, each
+    /// row starting on a 16-byte boundary (`elem` bytes an element) as the kernels' packed
+    /// loads need; None for other views, which are copied first.
+    pub(crate) fn of(l: &Layout, elem: usize) -> Option<Self> {
+        let (d, st) = (l.dims(), l.strides());
+        let (&cols, lead) = d.split_last()?;
+        if cols > 1 && st[d.len() - 1] != 1 {
+            return None;
+        }
+        // Size-1 dims dropped, neighbours merged where the outer steps over the inner whole.
+        let mut dims: Vec<(usize, usize)> = vec![];
+        for (&n, &s) in lead.iter().zip(st) {
+            if n == 1 {
+                continue;
+            }
+            match dims.last_mut() {
+                Some(outer) if outer.1 == s * n => *outer = (outer.0 * n, s),
+                _ => dims.push((n, s)),
+            }
+        }
+        if dims.len() > 3 {
+            return None;
+        }
+        while dims.len() < 3 {
+            dims.insert(0, (1, 0));
+        }
+        let aligned = |x: usize| (x * elem) % 16 == 0;
+        if !aligned(l.offset()) || dims.iter().any(|&(n, s)| n > 1 && !aligned(s)) {
+            return None;
+        }
+        Some(RowMap {
+            d1: dims[1].0 as u64,
+            d2: dims[2].0 as u64,
+            s0: dims[0].1 as u64,
+            s1: dims[1].1 as u64,
+            s2: dims[2].1 as u64,
+        })
+    }
+}
+
 /// (packs per lane, lanes per row, rows a group of lanes takes at once) of the
 /// register-resident kernels for rows of `cols`: rows of whole 8-element packs, f32 and half
 /// types (the instances in cuda/norm.cu). Rows of up to 256 columns share a warp between
@@ -115,8 +184,13 @@ fn fwd<T: Elem, S: Elem>(
         param_ptr::<T>(weight, cols, "norm", l)?,
         param_ptr::<T>(bias, cols, "norm", l)?,
     );
-    let d = s.dense("norm", l)?;
+    s.check("norm", l)?;
+    let (d, xm, xoff) = match RowMap::of(l, T::DTYPE.size_in_bytes()) {
+        Some(m) => (None, m, l.offset()),
+        None => (s.dense("norm", l)?, RowMap::dense(cols), 0),
+    };
     let x = d.as_ref().unwrap_or(s).typed::<T>("norm")?;
+    let xv = x.slice.slice(xoff..);
     let dev = &s.dev;
     let (mut y, mut mean, mut rstd) = (
         dev.alloc::<T>(rows * cols)?,
@@ -139,7 +213,7 @@ fn fwd<T: Elem, S: Elem>(
             "norm",
             kernel,
             cfg,
-            &*x.slice,
+            &xv,
             &w,
             &b,
             &mut *y.slice,
@@ -148,7 +222,8 @@ fn fwd<T: Elem, S: Elem>(
             &rows,
             &cols,
             &eps,
-            &rms
+            &rms,
+            &xm
         )?;
     }
     Ok((
@@ -194,7 +269,13 @@ fn bwd<T: Elem, S: Elem>(o: &NormGrad, kind: NormKind) -> Result<CudaStorage> {
     crate::backend::validate::same_shape(OP, o.l, o.dyl)?;
     let (rows, cols) = rows_cols(OP, o.l)?;
     let w = param_ptr::<T>(o.weight, cols, OP, o.l)?;
-    let (dx_, dg_) = (o.x.dense(OP, o.l)?, o.dy.dense(OP, o.dyl)?);
+    o.x.check(OP, o.l)?;
+    let elem = T::DTYPE.size_in_bytes();
+    let (dx_, xm, xoff) = match RowMap::of(o.l, elem) {
+        Some(m) => (None, m, o.l.offset()),
+        None => (o.x.dense(OP, o.l)?, RowMap::dense(cols), 0),
+    };
+    let dg_ = o.dy.dense(OP, o.dyl)?;
     let (xs, gs) = (dx_.as_ref().unwrap_or(o.x), dg_.as_ref().unwrap_or(o.dy));
     xs.typed::<T>(OP)?;
     gs.typed::<T>(OP)?;
@@ -208,13 +289,14 @@ fn bwd<T: Elem, S: Elem>(o: &NormGrad, kind: NormKind) -> Result<CudaStorage> {
     }
     let dev = &o.x.dev;
     let mut out = dev.alloc::<T>(rows * cols)?;
-    let p = [xs, gs, o.mean, o.rstd].map(|b| b.buf.raw_ptr(dev.stream()));
-    launch_bwd::<T>(dev, &p, w, &mut out, (rows, cols), kind)?;
+    let mut p = [xs, gs, o.mean, o.rstd].map(|b| b.buf.raw_ptr(dev.stream()));
+    p[0] += (xoff * elem) as u64;
+    launch_bwd::<T>(dev, &p, w, &mut out, (rows, cols), kind, xm)?;
     Ok(o.x.wrap(T::wrap(out)))
 }
 
-/// dx of the norm into `out` from raw operands p = [x, dy, mean, rstd] (dense, checked by
-/// the caller) and the weight's address w (0: none).
+/// dx of the norm into `out` from raw operands p = [x, dy, mean, rstd] (dy dense; x's rows
+/// where `xm` puts them; checked by the caller) and the weight's address w (0: none).
 pub(crate) fn launch_bwd<T: Elem>(
     dev: &super::CudaDevice,
     p: &[u64],
@@ -222,6 +304,7 @@ pub(crate) fn launch_bwd<T: Elem>(
     out: &mut super::memory::DevBuf<T>,
     (rows, cols): (usize, usize),
     kind: NormKind,
+    xm: RowMap,
 ) -> Result<()> {
     if rows == 0 {
         return Ok(());
@@ -248,7 +331,8 @@ pub(crate) fn launch_bwd<T: Elem>(
         &mut *out.slice,
         &rows,
         &cols,
-        &rms
+        &rms,
+        &xm
     )
 }
 
@@ -425,4 +509,46 @@ pub(crate) fn launch_bwd_bulk<T: Elem>(
         .map_err(|e| Error::Cuda(format!("launching {kernel}: {e:?}")))?;
     span.stop(dev, crate::profile::category(module, &kernel), &kernel);
     Ok(Some((dx, dw, db)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RowMap;
+    use crate::Layout;
+
+    fn map(d: [u64; 5]) -> Option<RowMap> {
+        Some(RowMap {
+            d1: d[0],
+            d2: d[1],
+            s0: d[2],
+            s1: d[3],
+            s2: d[4],
+        })
+    }
+
+    #[test]
+    fn row_maps_of_views() {
+        // Dense (B, N, D): one merged dim of rows.
+        let dense = Layout::contiguous((2, 5, 64));
+        assert_eq!(RowMap::of(&dense, 2), map([1, 10, 0, 0, 64]));
+        // q of a fused projection: (B, N, 3, H, E) narrowed at 0 on dim 2, permuted to
+        // (B, H, N, E): three leading dims, none mergeable.
+        let qkv = Layout::contiguous(vec![2, 5, 3, 4, 64]);
+        let q = qkv.narrow(2, 1, 1).unwrap();
+        let q = Layout::new(
+            vec![2, 4, 5, 64].into(),
+            vec![5 * 3 * 4 * 64, 64, 3 * 4 * 64, 1],
+            q.offset(),
+        );
+        assert_eq!(RowMap::of(&q, 2), map([4, 5, 3840, 64, 768]));
+        // Batch 1: the size-1 dim dropped.
+        let q1 = Layout::new(vec![1, 4, 5, 64].into(), vec![0, 64, 768, 1], 256);
+        assert_eq!(RowMap::of(&q1, 2), map([4, 5, 0, 64, 768]));
+        // Rows off a 16-byte boundary, a strided last dim, four unmergeable dims: copied.
+        assert_eq!(RowMap::of(&Layout::new(vec![3, 8].into(), vec![12, 1], 0), 2), None);
+        assert_eq!(RowMap::of(&Layout::new(vec![3, 8].into(), vec![16, 1], 3), 2), None);
+        assert_eq!(RowMap::of(&Layout::new(vec![3, 8].into(), vec![1, 3], 0), 2), None);
+        let four = Layout::new(vec![2, 2, 2, 2, 8].into(), vec![1000, 300, 80, 24, 1], 0);
+        assert_eq!(RowMap::of(&four, 4), None);
+    }
 }

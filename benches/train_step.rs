@@ -140,7 +140,8 @@ fn run<M: ModelSpec>(
     opts.fp8 = fp8;
     let run_shape = RunShape {
         sample: sample.clone(),
-        batch: 1,
+        // This rank's samples: the planner sizes the activations for them.
+        batch: rows.len().max(1),
         optimizer_bytes_per_value: if adam8bit { 2.0 + 8.0 / 256.0 } else { 8.0 },
     };
     let profile: MemoryProfile = profile_config::<M>(&cfg, &opts, &run_shape)?;

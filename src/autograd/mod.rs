@@ -237,7 +237,9 @@ impl Op {
                 .flatten()
                 .collect(),
             Op::Modulate { x, shift, scale } => vec![x, shift, scale],
-            Op::Addmm { c, a, b, bias } => [c, Some(a), Some(b), bias].into_iter().flatten().collect(),
+            Op::Addmm { c, a, b, bias } => {
+                [c, Some(a), Some(b), bias].into_iter().flatten().collect()
+            }
             Op::Rope { x, rot, .. } => vec![x, rot],
             Op::Attention {
                 q, k, v, keep, lse, ..

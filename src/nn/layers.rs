@@ -87,7 +87,8 @@ impl Linear {
             (None, Some(b)) if b.dtype() == x.dtype() => x.matmul_bias(&self.weight.t()?, b)?,
             (None, _) => x.matmul(&self.weight.t()?)?,
         };
-        let bias_done = early_bias.is_some_and(|b| self.fp8_scale.is_none() && b.dtype() == x.dtype());
+        let bias_done =
+            early_bias.is_some_and(|b| self.fp8_scale.is_none() && b.dtype() == x.dtype());
         let y = match &self.adapter {
             Some(a) => {
                 let weight = |dtype| self.dense_weight(dtype);

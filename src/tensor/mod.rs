@@ -380,7 +380,9 @@ impl Tensor {
     /// The buffer behind this tensor when this handle is the only one to it (no clone, no
     /// view, no value saved by the tape) and the tensor is a contiguous view from its start:
     /// a sum may then overwrite it in place. Otherwise the tensor comes back unchanged.
-    pub(crate) fn into_exclusive_storage(self) -> std::result::Result<Arc<RwLock<Storage>>, Tensor> {
+    pub(crate) fn into_exclusive_storage(
+        self,
+    ) -> std::result::Result<Arc<RwLock<Storage>>, Tensor> {
         if !self.0.layout.is_contiguous() || self.0.layout.offset() != 0 {
             return Err(self);
         }

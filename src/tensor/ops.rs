@@ -577,7 +577,9 @@ impl Tensor {
         let dims = MatmulDims { b: 1, m, k, n };
         let device = c3.device().clone();
         let acc = |acc: &mut crate::device::Storage| {
-            with2(&a3, &b3, |x, y| x.matmul_acc(a3.layout(), y, b3.layout(), dims, acc))
+            with2(&a3, &b3, |x, y| {
+                x.matmul_acc(a3.layout(), y, b3.layout(), dims, acc)
+            })
         };
         let out = match c3.into_exclusive_storage() {
             Ok(buf) => {
@@ -632,7 +634,12 @@ fn linear_dims(
         });
     }
     let lead = a.dims()[..r - 1].to_vec();
-    Ok((lead.clone(), lead.iter().product(), b.dims()[0], b.dims()[1]))
+    Ok((
+        lead.clone(),
+        lead.iter().product(),
+        b.dims()[0],
+        b.dims()[1],
+    ))
 }
 
 #[cfg(all(test, feature = "cpu-ref"))]

@@ -480,7 +480,10 @@ fn norms_read_strided_rows_where_they_lie() {
                         v.layer_norm(None, None, 1e-6)
                     }
                 };
-                let what = format!("{} E {e} [{dt}]", if rms { "rms_norm" } else { "layer_norm" });
+                let what = format!(
+                    "{} E {e} [{dt}]",
+                    if rms { "rms_norm" } else { "layer_norm" }
+                );
                 let g = fwd_bwd(&[&gx], &gdy, &|x| norm(&q(&x[0])?, &gw));
                 let c = fwd_bwd(&[&cx], &cdy, &|x| norm(&q(&x[0])?, &cw));
                 check(&what, &g, &c, dt, &[3.0, 9.0]);

@@ -211,7 +211,14 @@ where
     }
 }
 
-fn check_pair(op: &'static str, a: &CudaStorage, al: &Layout, b: &CudaStorage, bl: &Layout, d: MatmulDims) -> Result<()> {
+fn check_pair(
+    op: &'static str,
+    a: &CudaStorage,
+    al: &Layout,
+    b: &CudaStorage,
+    bl: &Layout,
+    d: MatmulDims,
+) -> Result<()> {
     a.same_device(op, b)?;
     if al.dims() != [d.b, d.m, d.k] || bl.dims() != [d.b, d.k, d.n] {
         return Err(Error::ShapeMismatch {
@@ -286,10 +293,42 @@ pub(crate) fn matmul_acc(
     }
     use super::storage::typed_mut;
     match a.buf.dtype() {
-        DType::F32 => gemm_into::<f32>(a, al, b, bl, d, typed_mut(&mut acc.buf, "matmul_acc")?, true),
-        DType::F64 => gemm_into::<f64>(a, al, b, bl, d, typed_mut(&mut acc.buf, "matmul_acc")?, true),
-        DType::BF16 => gemm_into::<bf16>(a, al, b, bl, d, typed_mut(&mut acc.buf, "matmul_acc")?, true),
-        DType::F16 => gemm_into::<f16>(a, al, b, bl, d, typed_mut(&mut acc.buf, "matmul_acc")?, true),
+        DType::F32 => gemm_into::<f32>(
+            a,
+            al,
+            b,
+            bl,
+            d,
+            typed_mut(&mut acc.buf, "matmul_acc")?,
+            true,
+        ),
+        DType::F64 => gemm_into::<f64>(
+            a,
+            al,
+            b,
+            bl,
+            d,
+            typed_mut(&mut acc.buf, "matmul_acc")?,
+            true,
+        ),
+        DType::BF16 => gemm_into::<bf16>(
+            a,
+            al,
+            b,
+            bl,
+            d,
+            typed_mut(&mut acc.buf, "matmul_acc")?,
+            true,
+        ),
+        DType::F16 => gemm_into::<f16>(
+            a,
+            al,
+            b,
+            bl,
+            d,
+            typed_mut(&mut acc.buf, "matmul_acc")?,
+            true,
+        ),
         DType::U32 => Err(Error::UnsupportedDType {
             op: "matmul_acc",
             dtype: DType::U32,

@@ -545,9 +545,18 @@ mod tests {
         let q1 = Layout::new(vec![1, 4, 5, 64].into(), vec![0, 64, 768, 1], 256);
         assert_eq!(RowMap::of(&q1, 2), map([4, 5, 0, 64, 768]));
         // Rows off a 16-byte boundary, a strided last dim, four unmergeable dims: copied.
-        assert_eq!(RowMap::of(&Layout::new(vec![3, 8].into(), vec![12, 1], 0), 2), None);
-        assert_eq!(RowMap::of(&Layout::new(vec![3, 8].into(), vec![16, 1], 3), 2), None);
-        assert_eq!(RowMap::of(&Layout::new(vec![3, 8].into(), vec![1, 3], 0), 2), None);
+        assert_eq!(
+            RowMap::of(&Layout::new(vec![3, 8].into(), vec![12, 1], 0), 2),
+            None
+        );
+        assert_eq!(
+            RowMap::of(&Layout::new(vec![3, 8].into(), vec![16, 1], 3), 2),
+            None
+        );
+        assert_eq!(
+            RowMap::of(&Layout::new(vec![3, 8].into(), vec![1, 3], 0), 2),
+            None
+        );
         let four = Layout::new(vec![2, 2, 2, 2, 8].into(), vec![1000, 300, 80, 24, 1], 0);
         assert_eq!(RowMap::of(&four, 4), None);
     }

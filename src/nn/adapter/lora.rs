@@ -81,7 +81,13 @@ impl Lora {
 
     /// `y` plus the adapter's term s · B(A(dropout(x))) with `down`, `up` in place of its
     /// own, in x's dtype; on a Linear the up-projection's GEMM adds into `y`'s buffer.
-    pub(super) fn add_term(&self, y: Tensor, x: &Tensor, down: &Tensor, up: &Tensor) -> Result<Tensor> {
+    pub(super) fn add_term(
+        &self,
+        y: Tensor,
+        x: &Tensor,
+        down: &Tensor,
+        up: &Tensor,
+    ) -> Result<Tensor> {
         let _p = crate::profile::scope("lora");
         let x = self
             .dropout

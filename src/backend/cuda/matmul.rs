@@ -191,7 +191,7 @@ where
         stride_b: batched.then(|| al.strides()[0] as i64),
         stride_c: batched.then(|| (d.m * d.n) as i64),
         stride_bias: batched.then_some(0),
-        batch_size: batched.then(|| d.b as i32),
+        batch_size: batched.then_some(d.b as i32),
     };
     let dev = &a.dev;
     let lt = dev.blas_lt()?;

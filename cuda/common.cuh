@@ -23,6 +23,10 @@ struct StridedLayout {
 #define LAYOUT_CONTIGUOUS 1u
 // Fewer than 2^32 elements: index arithmetic in 32 bits (64-bit division is emulated).
 #define LAYOUT_INDEX32 2u
+// The innermost (merged) dim has stride 1 and a multiple of 8 elements, so elements 8v .. 8v + 7
+// lie side by side; bits 8..12 of flags hold log2 of a power of two (at most 16) that divides
+// the offset and every other stride, in elements (src/backend/cuda/layout.rs).
+#define LAYOUT_ROWS8 4u
 
 __device__ __forceinline__ bool is_contiguous(const StridedLayout& l) { return l.flags & LAYOUT_CONTIGUOUS; }
 
@@ -87,6 +91,16 @@ template <> __device__ __forceinline__ uint32_t from_f64<uint32_t>(double x) {
 template <typename T> struct alignas(16) Pack8 { T v[8]; };
 
 __device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
+// Whether every pack of 8 elements of `l` (elements 8v .. 8v + 7 in row-major order) is one
+// 16-byte-aligned Pack8 at base + offset_of(l, 8v): a contiguous view from an aligned start, or
+// rows of whole packs whose offset and strides keep the packs aligned for T.
+template <typename T>
+__device__ __forceinline__ bool packs8(const StridedLayout& l, const T* base) {
+  if (!aligned16(base)) return false;
+  if (l.flags & LAYOUT_CONTIGUOUS) return aligned16(base + l.offset);
+  return (l.flags & LAYOUT_ROWS8) && (((size_t)1 << ((l.flags >> 8) & 31u)) * sizeof(T)) % 16 == 0;
+}
 
 #define GRID_STRIDE(i, n) \
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); i += (size_t)gridDim.x * blockDim.x)

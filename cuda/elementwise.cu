@@ -57,6 +57,16 @@ __device__ __forceinline__ void unary_impl(const T* in, StridedLayout l, T* out,
     GRID_STRIDE(i, n) out[i] = from_acc<T>(op(to_acc(src[i]), p0, p1));
     return;
   }
+  // Rows of whole packs (a narrowed or broadcast view): one address computation per 8 elements.
+  if (n % 8 == 0 && packs8(l, in) && aligned16(out)) {
+    GRID_STRIDE(v, n / 8) {
+      Pack8<T> p = *reinterpret_cast<const Pack8<T>*>(in + offset_of(l, v * 8));
+#pragma unroll
+      for (int k = 0; k < 8; ++k) p.v[k] = from_acc<T>(op(to_acc(p.v[k]), p0, p1));
+      reinterpret_cast<Pack8<T>*>(out)[v] = p;
+    }
+    return;
+  }
   GRID_STRIDE(i, n) out[i] = from_acc<T>(op(to_acc(in[offset_of(l, i)]), p0, p1));
 }
 
@@ -140,6 +150,17 @@ __device__ __forceinline__ void binary_impl(const T* a, StridedLayout al, const 
       return;
     }
     GRID_STRIDE(i, n) out[i] = from_acc<T>(op(to_acc(x[i]), to_acc(y[i])));
+    return;
+  }
+  // Rows of whole packs on both sides (narrowed views, a row broadcast against a matrix).
+  if (n % 8 == 0 && packs8(al, a) && packs8(bl, b) && aligned16(out)) {
+    GRID_STRIDE(v, n / 8) {
+      Pack8<T> p = *reinterpret_cast<const Pack8<T>*>(a + offset_of(al, v * 8));
+      const Pack8<T> q = *reinterpret_cast<const Pack8<T>*>(b + offset_of(bl, v * 8));
+#pragma unroll
+      for (int k = 0; k < 8; ++k) p.v[k] = from_acc<T>(op(to_acc(p.v[k]), to_acc(q.v[k])));
+      reinterpret_cast<Pack8<T>*>(out)[v] = p;
+    }
     return;
   }
   GRID_STRIDE(i, n) out[i] = from_acc<T>(op(to_acc(a[offset_of(al, i)]), to_acc(b[offset_of(bl, i)])));
@@ -231,6 +252,16 @@ __device__ __forceinline__ void cast_impl(const S* in, StridedLayout l, D* out, 
     GRID_STRIDE(i, n) out[i] = from_f64<D>(to_f64(src[i]));
     return;
   }
+  if (n % 8 == 0 && packs8(l, in) && aligned16(out)) {
+    GRID_STRIDE(v, n / 8) {
+      const Pack8<S> p = *reinterpret_cast<const Pack8<S>*>(in + offset_of(l, v * 8));
+      Pack8<D> q;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) q.v[k] = from_f64<D>(to_f64(p.v[k]));
+      reinterpret_cast<Pack8<D>*>(out)[v] = q;
+    }
+    return;
+  }
   GRID_STRIDE(i, n) out[i] = from_f64<D>(to_f64(in[offset_of(l, i)]));
 }
 
@@ -251,14 +282,27 @@ CAST_FROM(f16, __half)
 CAST_FROM(u32, uint32_t)
 
 // ----- strided copy: dst view <- src view, by element size ---------------------------------
+// Whole packs of 8 where both views allow them (contiguous runs, the slices of a concatenation,
+// permuted heads with a contiguous head dim), element by element otherwise.
+template <typename T>
+__device__ __forceinline__ void copy_impl(const T* in, StridedLayout sl, T* out, StridedLayout dl, size_t n) {
+  if (n % 8 == 0 && packs8(sl, in) && packs8(dl, out)) {
+    GRID_STRIDE(v, n / 8) {
+      *reinterpret_cast<Pack8<T>*>(out + offset_of(dl, v * 8)) =
+          *reinterpret_cast<const Pack8<T>*>(in + offset_of(sl, v * 8));
+    }
+    return;
+  }
+  if (is_contiguous(sl) && is_contiguous(dl)) {
+    GRID_STRIDE(i, n) out[dl.offset + i] = in[sl.offset + i];
+    return;
+  }
+  GRID_STRIDE(i, n) out[offset_of(dl, i)] = in[offset_of(sl, i)];
+}
 #define COPY(SUF, T)                                                                             \
   extern "C" __global__ void copy_##SUF(const T* in, StridedLayout sl, T* out, StridedLayout dl, \
                                         size_t n) {                                              \
-    if (is_contiguous(sl) && is_contiguous(dl)) {                                                        \
-      GRID_STRIDE(i, n) out[dl.offset + i] = in[sl.offset + i];                                 \
-      return;                                                                                    \
-    }                                                                                            \
-    GRID_STRIDE(i, n) out[offset_of(dl, i)] = in[offset_of(sl, i)];                             \
+    copy_impl<T>(in, sl, out, dl, n);                                                            \
   }
 COPY(b16, uint16_t)
 COPY(b32, uint32_t)

@@ -434,6 +434,120 @@ fn copies_views_and_joins() {
     }
 }
 
+/// The kernels' path for views whose rows are whole packs of 8 (cuda/common.cuh `packs8`):
+/// narrowed rows at offsets that keep the packs 16-byte aligned for every dtype, for f32 only,
+/// or for none; a row broadcast over a matrix; heads permuted with the head dim innermost.
+/// Unary, binary, cast and copy (contiguous(), concatenation into slices, assign) against
+/// the CPU; copies and casts bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn views_of_whole_packs_match_the_cpu() {
+    let _one = serial();
+    let bits = |t: &Tensor| -> Vec<u64> {
+        t.to_vec_f64()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    for dt in FLOATS {
+        let (c, g) = normal_pair(&[37, 56], dt, 91);
+        let (ch, gh) = normal_pair(&[2, 7, 3, 16], dt, 92);
+        let views = |x: &Tensor, h: &Tensor| -> Vec<(&'static str, Tensor)> {
+            vec![
+                ("rows of 24 from column 8", x.narrow(1, 8, 24).unwrap()),
+                ("rows of 16 from column 4", x.narrow(1, 4, 16).unwrap()),
+                ("rows of 8 from column 3", x.narrow(1, 3, 8).unwrap()),
+                ("permuted heads", h.permute(&[0, 2, 1, 3]).unwrap()),
+            ]
+        };
+        let (crow, grow) = normal_pair(&[1, 24], dt, 93);
+        for ((name, cv), (_, gv)) in views(&c, &ch).into_iter().zip(views(&g, &gh)) {
+            close(
+                &format!("gelu_tanh of {name}"),
+                &gv.gelu_tanh().unwrap(),
+                &cv.gelu_tanh().unwrap(),
+                dt,
+            );
+            close(
+                &format!("exp of {name}"),
+                &gv.exp().unwrap(),
+                &cv.exp().unwrap(),
+                dt,
+            );
+            close(
+                &format!("{name} times itself"),
+                &gv.mul(&gv).unwrap(),
+                &cv.mul(&cv).unwrap(),
+                dt,
+            );
+            assert_eq!(
+                bits(&gv.contiguous().unwrap()),
+                bits(&cv.contiguous().unwrap()),
+                "contiguous() of {name} [{dt}]"
+            );
+            let to = if dt == DType::F32 {
+                DType::BF16
+            } else {
+                DType::F32
+            };
+            assert_eq!(
+                bits(&gv.to_dtype(to).unwrap()),
+                bits(&cv.to_dtype(to).unwrap()),
+                "cast of {name} [{dt}]"
+            );
+        }
+        // A row broadcast over a narrowed matrix (a gate times a projection's output), and
+        // two narrowed operands.
+        let (gn, cn) = (g.narrow(1, 16, 24).unwrap(), c.narrow(1, 16, 24).unwrap());
+        close(
+            "row times rows",
+            &grow.mul(&gn).unwrap(),
+            &crow.mul(&cn).unwrap(),
+            dt,
+        );
+        close(
+            "rows plus rows",
+            &gn.add(&g.narrow(1, 32, 24).unwrap()).unwrap(),
+            &cn.add(&c.narrow(1, 32, 24).unwrap()).unwrap(),
+            dt,
+        );
+        // Concatenations write slices of whole packs, aligned and not.
+        for (a, b) in [(16, 24), (8, 40), (5, 16)] {
+            assert_eq!(
+                bits(
+                    &Tensor::cat(
+                        &[&g.narrow(1, 0, a).unwrap(), &g.narrow(1, 8, b).unwrap()],
+                        1
+                    )
+                    .unwrap()
+                ),
+                bits(
+                    &Tensor::cat(
+                        &[&c.narrow(1, 0, a).unwrap(), &c.narrow(1, 8, b).unwrap()],
+                        1
+                    )
+                    .unwrap()
+                ),
+                "cat of widths {a} and {b} [{dt}]"
+            );
+        }
+        let (gz, cz) = (
+            Tensor::zeros((37, 56), dt, &gpu()).unwrap(),
+            Tensor::zeros((37, 56), dt, &CPU).unwrap(),
+        );
+        gz.narrow(1, 24, 16)
+            .unwrap()
+            .assign(&g.narrow(1, 0, 16).unwrap())
+            .unwrap();
+        cz.narrow(1, 24, 16)
+            .unwrap()
+            .assign(&c.narrow(1, 0, 16).unwrap())
+            .unwrap();
+        assert_eq!(bits(&gz), bits(&cz), "assign into rows [{dt}]");
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn index_select_gather_scatter_add() {

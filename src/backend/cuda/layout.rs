@@ -6,13 +6,17 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 pub(crate) const MAX_RANK: usize = 8;
 const CONTIGUOUS: u32 = 1;
 const INDEX32: u32 = 2;
+/// The innermost merged dim has stride 1 and a multiple of 8 elements; bits 8..12 hold log2
+/// of a power of two (at most 16) dividing the offset and the other strides (`packs8` in
+/// cuda/common.cuh: the kernels then move 8 elements per address computation).
+const ROWS8: u32 = 4;
 
 /// `StridedLayout` of cuda/common.cuh, passed to kernels by value.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct KernelLayout {
     rank: u32,
-    /// CONTIGUOUS | INDEX32, as in cuda/common.cuh.
+    /// CONTIGUOUS | INDEX32 | ROWS8 and the pack alignment, as in cuda/common.cuh.
     flags: u32,
     offset: u64,
     dims: [u64; MAX_RANK],
@@ -71,7 +75,27 @@ impl KernelLayout {
         };
         k.dims[..d.len()].copy_from_slice(&d);
         k.strides[..s.len()].copy_from_slice(&s);
+        k.flags |= rows8(l.offset() as u64, &d, &s);
         Ok(k)
+    }
+}
+
+/// ROWS8 and the pack alignment (log2, in bits 8..12) of merged dims `d` with strides `s`:
+/// set where the innermost dim has stride 1 and a multiple of 8 elements, so elements
+/// 8v .. 8v + 7 in row-major order sit side by side; the alignment is the largest power of
+/// two up to 16 dividing the offset and every other stride of a dim longer than one (the
+/// merged dims have none of length one).
+fn rows8(offset: u64, d: &[u64], s: &[u64]) -> u32 {
+    match (d.last(), s.last()) {
+        (Some(&n), Some(&1)) if n % 8 == 0 => {
+            let g = s[..s.len() - 1]
+                .iter()
+                .fold(offset, |g, &st| g | st)
+                .trailing_zeros()
+                .min(4);
+            ROWS8 | (g << 8)
+        }
+        _ => 0,
     }
 }
 
@@ -106,5 +130,42 @@ mod tests {
             .broadcast_as(&Shape::from([5, 3]))
             .unwrap();
         assert_eq!(collapse(&b), (vec![5, 3], vec![0, 1]));
+    }
+
+    fn flags(l: &Layout) -> u32 {
+        KernelLayout::new(l, "test").unwrap().flags & !(CONTIGUOUS | INDEX32)
+    }
+
+    #[test]
+    fn rows_of_whole_packs_and_their_alignment() {
+        let pack = |log2: u32| ROWS8 | (log2 << 8);
+        // The mlp half of a single block's projection: rows of 12288 in rows of 21504, from
+        // column 9216: aligned to 16 elements (2^4).
+        let h = Layout::contiguous([1, 4608, 21504]);
+        assert_eq!(flags(&h.narrow(2, 9216, 12288).unwrap()), pack(4));
+        // Off by 4 elements: packs of 8 bf16 would straddle 16 bytes, of f32 not (2^2).
+        assert_eq!(flags(&h.narrow(2, 4, 16).unwrap()), pack(2));
+        // A row broadcast over a matrix (a gate or a bias): stride 0 is aligned to anything.
+        let row = Layout::contiguous([1, 1, 24])
+            .broadcast_as(&Shape::from([1, 5, 24]))
+            .unwrap();
+        assert_eq!(flags(&row), pack(4));
+        // Heads permuted with the head dim innermost: (B, H, L, D) over (B, L, H, D).
+        let heads = Layout::contiguous([2, 7, 3, 64])
+            .permute(&[0, 2, 1, 3])
+            .unwrap();
+        assert_eq!(flags(&heads), pack(4));
+        // Rows not a whole number of packs, a strided innermost dim, an odd offset.
+        assert_eq!(flags(&h.narrow(2, 0, 12).unwrap()), 0);
+        assert_eq!(
+            flags(&Layout::contiguous([8, 8]).permute(&[1, 0]).unwrap()),
+            0
+        );
+        assert_eq!(flags(&h.narrow(2, 3, 8).unwrap()), pack(0));
+        // A contiguous run from an offset of 24: aligned to 8 elements.
+        assert_eq!(
+            flags(&Layout::contiguous([10, 24]).narrow(0, 1, 3).unwrap()),
+            pack(3)
+        );
     }
 }

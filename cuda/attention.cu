@@ -305,7 +305,8 @@ __device__ __forceinline__ void attn_fwd_wide(const AttnParams& p) {
 }
 
 // ----- backward -----------------------------------------------------------------------------
-// dvec = rowsum(do * o) per query (f32), and the f32 dq accumulator zeroed: a warp per row.
+// dvec = rowsum(do * o) per query (f32), and the f32 dq accumulator zeroed (every slab of
+// the deterministic mode): a warp per row.
 template <typename T, int D>
 __device__ __forceinline__ void attn_bwd_pre(const AttnParams& p) {
   const int64_t rows = (int64_t)p.B * p.H * p.Lq;
@@ -323,6 +324,8 @@ __device__ __forceinline__ void attn_bwd_pre(const AttnParams& p) {
       sum += to_acc(o[c]) * to_acc(g[c]);
       acc[c] = 0.f;
     }
+    for (int s = 1; s < p.dq_parts; ++s)
+      for (int c = lane; c < D; c += 32) acc[s * rows * D + c] = 0.f;
 #pragma unroll
     for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
     if (lane == 0) reinterpret_cast<float*>(p.dvec)[row] = sum;
@@ -352,7 +355,9 @@ __device__ __forceinline__ void attn_bwd(const AttnParams& p) {
   const T* dO = view_at<T>(p.dout, b, h);
   const float* lse = reinterpret_cast<const float*>(p.lse) + (int64_t)bh * p.Lq;
   const float* dvec = reinterpret_cast<const float*>(p.dvec) + (int64_t)bh * p.Lq;
-  float* dqacc = reinterpret_cast<float*>(p.dq_acc) + (int64_t)bh * p.Lq * D;
+  // The deterministic mode: this key block's own slab.
+  const int64_t slab = p.dq_parts ? (int64_t)blockIdx.x * p.B * p.H * p.Lq * D : 0;
+  float* dqacc = reinterpret_cast<float*>(p.dq_acc) + slab + (int64_t)bh * p.Lq * D;
   const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
   const float sl2 = p.scale_log2;
 
@@ -525,7 +530,8 @@ __device__ __forceinline__ void attn_bwd(const AttnParams& p) {
 #if __CUDA_ARCH__ >= 900
       {
         const int qi = q0 + mq * 16 + (lane >> 2) + ((lane & 1) ? 8 : 0);
-        red_rows_v4(dqacc + (int64_t)qi * D + dh * (D / 2) + 2 * ((lane & 3) & ~1), dq, p.scale, qi < p.Lq, lane);
+        red_rows_v4(dqacc + (int64_t)qi * D + dh * (D / 2) + 2 * ((lane & 3) & ~1), dq, p.scale, qi < p.Lq, lane,
+                    p.dq_parts > 0);
       }
 #else
 #pragma unroll
@@ -535,8 +541,13 @@ __device__ __forceinline__ void attn_bwd(const AttnParams& p) {
           float* dst = dqacc + (int64_t)qi * D + dh * (D / 2) + 2 * (lane & 3);
 #pragma unroll
           for (int n = 0; n < D / 16; ++n) {
-            atomicAdd(dst + n * 8, dq[n][2 * r] * p.scale);
-            atomicAdd(dst + n * 8 + 1, dq[n][2 * r + 1] * p.scale);
+            if (p.dq_parts) {
+              dst[n * 8] = dq[n][2 * r] * p.scale;
+              dst[n * 8 + 1] = dq[n][2 * r + 1] * p.scale;
+            } else {
+              atomicAdd(dst + n * 8, dq[n][2 * r] * p.scale);
+              atomicAdd(dst + n * 8 + 1, dq[n][2 * r + 1] * p.scale);
+            }
           }
         }
       }
@@ -553,6 +564,16 @@ __device__ __forceinline__ void attn_bwd(const AttnParams& p) {
 template <typename T>
 __device__ __forceinline__ void attn_dq(const float* acc, T* dq, size_t n) {
   GRID_STRIDE(i, n) dq[i] = from_acc<T>(acc[i]);
+}
+
+// The deterministic mode: dq = the sum of `parts` f32 slabs of n, in slab order, rounded to T.
+template <typename T>
+__device__ __forceinline__ void attn_dq_parts(const float* acc, T* dq, size_t n, int parts) {
+  GRID_STRIDE(i, n) {
+    float s = 0.f;
+    for (int k = 0; k < parts; ++k) s += acc[k * n + i];
+    dq[i] = from_acc<T>(s);
+  }
 }
 
 #define ATTN_KERNELS(T, SFX, D)                                                                         \
@@ -578,3 +599,9 @@ extern "C" __global__ void __launch_bounds__(32 * WIDE_WARPS, 1) attn_fwd_wide_f
 
 extern "C" __global__ void attn_dq_bf16(const float* acc, __nv_bfloat16* dq, size_t n) { attn_dq(acc, dq, n); }
 extern "C" __global__ void attn_dq_f16(const float* acc, __half* dq, size_t n) { attn_dq(acc, dq, n); }
+extern "C" __global__ void attn_dq_parts_bf16(const float* acc, __nv_bfloat16* dq, size_t n, int parts) {
+  attn_dq_parts(acc, dq, n, parts);
+}
+extern "C" __global__ void attn_dq_parts_f16(const float* acc, __half* dq, size_t n, int parts) {
+  attn_dq_parts(acc, dq, n, parts);
+}

@@ -20,6 +20,11 @@ struct AttnParams {
   // attention_wgmma.cu: where each TMA descriptor (q, k, v, do: 6 bits each from bit 0) puts
   // the row, head and batch coordinates among its dims 1-3 (2 bits each).
   uint32_t tma_order;
+  // 0: dQ summed into one f32 accumulator with atomic adds (fast, order varies). n > 0: the
+  // deterministic mode: each key block (each warpgroup of one at D = 64 in the wgmma kernels)
+  // stores its dQ in a slab of its own among n, zeroed by attn_bwd_pre, and attn_dq_parts
+  // sums the slabs in order.
+  int32_t dq_parts, pad_;
 };
 
 #define ATTN_THREADS 256
@@ -146,12 +151,13 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, T* O, float* lse
   }
 }
 
-// scale times one tile's accumulator added to f32 rows with 16-byte reductions (sm_90): lanes
-// t and t ^ 1 swap halves so each holds four adjacent columns of one row, row g for even t,
-// g + 8 for odd t. dst: that row at this lane's first column (the tile's + 2 (t & ~1)); ok:
-// whether the row exists.
+// scale times one tile's accumulator added to f32 rows with 16-byte reductions (sm_90), or
+// stored (`store`: a dQ slab of the deterministic mode): lanes t and t ^ 1 swap halves so
+// each holds four adjacent columns of one row, row g for even t, g + 8 for odd t. dst: that
+// row at this lane's first column (the tile's + 2 (t & ~1)); ok: whether the row exists.
 template <int NB>
-__device__ __forceinline__ void red_rows_v4(float* dst, const float (&acc)[NB][4], float scale, bool ok, int lane) {
+__device__ __forceinline__ void red_rows_v4(float* dst, const float (&acc)[NB][4], float scale, bool ok, int lane,
+                                            bool store = false) {
   const bool odd = lane & 1;
 #pragma unroll
   for (int n = 0; n < NB; ++n) {
@@ -159,7 +165,9 @@ __device__ __forceinline__ void red_rows_v4(float* dst, const float (&acc)[NB][4
     const float s0 = odd ? acc[n][0] : acc[n][2], s1 = odd ? acc[n][1] : acc[n][3];
     const float r0v = __shfl_xor_sync(0xffffffffu, s0, 1), r1v = __shfl_xor_sync(0xffffffffu, s1, 1);
     const float4 v = odd ? make_float4(r0v, r1v, acc[n][2], acc[n][3]) : make_float4(acc[n][0], acc[n][1], r0v, r1v);
-    if (ok)
+    if (ok && store)
+      *reinterpret_cast<float4*>(dst + n * 8) = make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
+    else if (ok)
       asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + n * 8), "f"(v.x * scale),
                    "f"(v.y * scale), "f"(v.z * scale), "f"(v.w * scale)
                    : "memory");

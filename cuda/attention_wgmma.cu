@@ -297,7 +297,11 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   const int k0 = blockIdx.x * BC, kw = 64 * wg;  // this warpgroup's keys: k0 + kw ..
   const float* lse = reinterpret_cast<const float*>(p.lse) + (int64_t)bh * p.Lq;
   const float* dvec = reinterpret_cast<const float*>(p.dvec) + (int64_t)bh * p.Lq;
-  float* dqacc = reinterpret_cast<float*>(p.dq_acc) + (int64_t)bh * p.Lq * D;
+  // The deterministic mode: a slab per key block, at D = 64 per warpgroup (both add to every
+  // column of a query).
+  const int64_t part = D == 128 ? blockIdx.x : 2 * blockIdx.x + wg;
+  const int64_t slab = p.dq_parts ? part * p.B * p.H * p.Lq * D : 0;
+  float* dqacc = reinterpret_cast<float*>(p.dq_acc) + slab + (int64_t)bh * p.Lq * D;
   const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
   const float sl2 = p.scale_log2;
   constexpr int QD = BR * D * 2;
@@ -348,7 +352,7 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   auto add_dq = [&](int qt) {
     const int qi = qt + 16 * warp + (lane >> 2) + ((lane & 1) ? 8 : 0);
     red_rows_v4(dqacc + (int64_t)qi * D + (D == 128 ? 64 * wg : 0) + 2 * ((lane & 3) & ~1), dq, p.scale,
-                qi < p.Lq, lane);
+                qi < p.Lq, lane, p.dq_parts > 0);
   };
   mbar_wait(sBar, 0);
   for (int it = it0; it < nqt; ++it) {

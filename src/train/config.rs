@@ -360,6 +360,11 @@ section! {
         /// Compute the validation loss every this many steps (0: at each checkpoint and at the
         /// end), when data.validation_split or data.validation_dir is set.
         validate_every: usize = 0_usize,
+        /// Deterministic CUDA kernels: attention's dQ summed over key blocks in a fixed order
+        /// instead of with atomic adds, so every step gives the same bits and a run resumes
+        /// bit for bit on CUDA too; costs f32 slabs of 2 GiB during Flux's attention backward
+        /// at 1024² and some speed (also FLAME_DETERMINISTIC=1).
+        deterministic: bool = false,
     }
 }
 

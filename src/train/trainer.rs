@@ -251,6 +251,10 @@ impl Trainer {
     ) -> Result<Trainer> {
         config.validate()?;
         let m = &config.model;
+        #[cfg(feature = "cuda")]
+        if config.train.deterministic {
+            crate::cuda::set_deterministic(true);
+        }
         let device = match place.device {
             Some(d) => d,
             None => pick_device(&config.train.device)?,

@@ -425,3 +425,75 @@ fn wide_head_forward_matches_the_f32_composite() {
         .to_string();
     assert!(e.contains("512 forward only"), "{e}");
 }
+
+/// Turns deterministic kernels on for a test and off again, also when it fails.
+struct Deterministic;
+
+impl Deterministic {
+    fn on() -> Self {
+        flame::cuda::set_deterministic(true);
+        Deterministic
+    }
+}
+
+impl Drop for Deterministic {
+    fn drop(&mut self) {
+        flame::cuda::set_deterministic(false);
+    }
+}
+
+/// The deterministic mode (`flame::cuda::set_deterministic`): dQ summed over key blocks in
+/// slab order gives the same bits on every run, and stays within the flash tolerance of the
+/// f32 composite, for head dims 128 and 64 (two slabs per key block in the wgmma kernels),
+/// causal with Lq != Lk, a key mask, and a negative scale (the mma.sync kernels).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn deterministic_mode_repeats_the_same_bits() {
+    let _one = serial();
+    let dev = gpu();
+    let _det = Deterministic::on();
+    let cases = [
+        // (B, H, Lq, Lk, D), causal, masked, scale sign
+        ((1, 3, 1000, 1000, 128), false, false, 1.0),
+        ((2, 2, 333, 700, 64), true, false, 1.0),
+        ((2, 2, 500, 300, 128), false, true, 1.0),
+        ((1, 2, 257, 257, 64), false, false, -1.0),
+    ];
+    for (i, ((b, h, lq, lk, d), causal, masked, sign)) in cases.into_iter().enumerate() {
+        for dt in [DType::BF16, DType::F16] {
+            let seed = 900 + 10 * i as u64;
+            let q = randn(&[b, h, lq, d], dt, seed, &dev);
+            let k = randn(&[b, h, lk, d], dt, seed + 1, &dev);
+            let v = randn(&[b, h, lk, d], dt, seed + 2, &dev);
+            let dy = randn(&[b, h, lq, d], dt, seed + 3, &dev);
+            let mask = masked.then(|| {
+                let u = Tensor::rand_uniform(0.0, 1.0, (b, lk), DType::F32, &CPU, seed + 4);
+                let keep: Vec<f32> = u.unwrap().to_vec().unwrap();
+                let keep: Vec<f32> = keep.iter().map(|&x| f32::from(x > 0.3)).collect();
+                Tensor::from_slice(&keep, (b, lk), &dev).unwrap()
+            });
+            let scale = sign / (d as f64).sqrt();
+            let what = format!("case {i} [{dt}]");
+            let run = || {
+                fwd_bwd(&[&q, &k, &v], &dy, &|q, k, v| {
+                    q.attention_fused(k, v, mask.as_ref(), causal, scale)
+                })
+            };
+            let (first, second) = (run(), run());
+            for (n, (a, r)) in first.iter().zip(&second).enumerate() {
+                let bits = |t: &Tensor| -> Vec<u64> {
+                    t.to_vec_f64()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect()
+                };
+                assert_eq!(bits(a), bits(r), "{what}: output {n} differs between runs");
+            }
+            let e = errors_on(&[&q, &k, &v], &dy, mask.as_ref(), causal, scale);
+            for (n, e) in e.into_iter().enumerate() {
+                assert!(e <= tol(dt), "{what}, output {n}: error {e:.2e}");
+            }
+        }
+    }
+}

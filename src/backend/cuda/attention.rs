@@ -49,6 +49,9 @@ struct Params {
     causal: i32,
     /// For the wgmma kernels: each descriptor's dims order (`tma_map`), 6 bits per operand.
     tma_order: u32,
+    /// The deterministic mode's number of dQ slabs (0: atomic adds into one accumulator).
+    dq_parts: i32,
+    pad: i32,
 }
 
 // SAFETY: plain repr(C) structs of integers and floats, laid out as the C structs the
@@ -463,8 +466,15 @@ fn launch_all<T: Elem>(
         }
         return Ok(vec![T::wrap(o), f32::wrap(lse)]);
     }
+    // The deterministic mode: a dQ slab per key block (per warpgroup of one in the wgmma
+    // kernels at D = 64, where both warpgroups add to every column).
+    p.dq_parts = match (super::deterministic(), &wg) {
+        (false, _) => 0,
+        (true, Some(_)) => (lk.div_ceil(WG_BWD_KEYS) * if d == 64 { 2 } else { 1 }) as i32,
+        (true, None) => lk.div_ceil(BWD_KEYS) as i32,
+    };
     let dvec = dev.alloc::<f32>(bh * lq)?;
-    let acc = dev.alloc::<f32>(bh * lq * d)?;
+    let acc = dev.alloc::<f32>(bh * lq * d * (p.dq_parts.max(1) as usize))?;
     let dq = dev.alloc::<T>(bh * lq * d)?;
     let dk = dev.alloc::<T>(bh * lk * d)?;
     let dv = dev.alloc::<T>(bh * lk * d)?;
@@ -500,15 +510,28 @@ fn launch_all<T: Elem>(
     }
     let n = bh * lq * d;
     let mut dq = dq;
-    launch!(
-        dev,
-        module,
-        format!("attn_dq_{}", T::SFX),
-        grid_for(n, sms),
-        &*acc.slice,
-        &mut *dq.slice,
-        &n
-    )?;
+    if p.dq_parts > 0 {
+        launch!(
+            dev,
+            module,
+            format!("attn_dq_parts_{}", T::SFX),
+            grid_for(n, sms),
+            &*acc.slice,
+            &mut *dq.slice,
+            &n,
+            &p.dq_parts
+        )?;
+    } else {
+        launch!(
+            dev,
+            module,
+            format!("attn_dq_{}", T::SFX),
+            grid_for(n, sms),
+            &*acc.slice,
+            &mut *dq.slice,
+            &n
+        )?;
+    }
     Ok(vec![T::wrap(dq), T::wrap(dk), T::wrap(dv)])
 }
 

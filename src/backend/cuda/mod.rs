@@ -132,6 +132,33 @@ pub fn driver_available() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// 0: not decided yet (`FLAME_DETERMINISTIC` decides at first use), 1: off, 2: on.
+static DETERMINISTIC: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Deterministic kernels on or off for this process (default: off, or on where the
+/// environment has `FLAME_DETERMINISTIC=1`). On, attention's backward sums dQ over the key
+/// blocks in a fixed order (each key block stores its part in a slab of its own, and the
+/// slabs are added in order) instead of with atomic adds whose order varies between runs, so
+/// a step's results are the same bits every time and a bf16 run on CUDA resumes exactly.
+/// The cost: f32 slabs of (key blocks of 128) x the dQ size while a backward runs (about 2
+/// GiB for Flux at 1024²) and their sum. Every other kernel is deterministic already.
+pub fn set_deterministic(on: bool) {
+    DETERMINISTIC.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether deterministic kernels are on (see [`set_deterministic`]).
+pub fn deterministic() -> bool {
+    use std::sync::atomic::Ordering;
+    match DETERMINISTIC.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("FLAME_DETERMINISTIC").is_ok_and(|v| v == "1");
+            DETERMINISTIC.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+        v => v == 2,
+    }
+}
+
 /// The number of GPUs the CUDA driver sees (an error without a driver).
 pub fn device_count() -> crate::Result<usize> {
     if !driver_available() {

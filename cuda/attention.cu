@@ -305,8 +305,8 @@ __device__ __forceinline__ void attn_fwd_wide(const AttnParams& p) {
 }
 
 // ----- backward -----------------------------------------------------------------------------
-// dvec = rowsum(do * o) per query (f32), and the f32 dq accumulator zeroed (every slab of
-// the deterministic mode): a warp per row.
+// dvec = rowsum(do * o) per query (f32), and the f32 dq accumulator zeroed (the first slab
+// of the deterministic mode, whose slabs need no zeros: see dq_fold): a warp per row.
 template <typename T, int D>
 __device__ __forceinline__ void attn_bwd_pre(const AttnParams& p) {
   const int64_t rows = (int64_t)p.B * p.H * p.Lq;
@@ -324,8 +324,6 @@ __device__ __forceinline__ void attn_bwd_pre(const AttnParams& p) {
       sum += to_acc(o[c]) * to_acc(g[c]);
       acc[c] = 0.f;
     }
-    for (int s = 1; s < p.dq_parts; ++s)
-      for (int c = lane; c < D; c += 32) acc[s * rows * D + c] = 0.f;
 #pragma unroll
     for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
     if (lane == 0) reinterpret_cast<float*>(p.dvec)[row] = sum;
@@ -348,7 +346,7 @@ __device__ __forceinline__ void attn_bwd(const AttnParams& p) {
   float* sDv = sL + 2 * BR;                                                                 // [2][BR]: dvec
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-  const int k0 = blockIdx.x * BC, kr0 = warp * 16;
+  const int k0 = (blockIdx.x + p.kb0) * BC, kr0 = warp * 16;
   const T* Q = view_at<T>(p.q, b, h);
   const T* K = view_at<T>(p.k, b, h);
   const T* V = view_at<T>(p.v, b, h);
@@ -566,13 +564,27 @@ __device__ __forceinline__ void attn_dq(const float* acc, T* dq, size_t n) {
   GRID_STRIDE(i, n) dq[i] = from_acc<T>(acc[i]);
 }
 
-// The deterministic mode: dq = the sum of `parts` f32 slabs of n, in slab order, rounded to T.
-template <typename T>
-__device__ __forceinline__ void attn_dq_parts(const float* acc, T* dq, size_t n, int parts) {
-  GRID_STRIDE(i, n) {
-    float s = 0.f;
-    for (int k = 0; k < parts; ++k) s += acc[k * n + i];
-    dq[i] = from_acc<T>(s);
+// The deterministic mode, after each launch of the backward: acc (n f32 = rows of D, row r
+// the query r % Lq) = acc (0 for the first launch) + the `parts` slabs of n in slab order,
+// four columns a thread. Slab k is key block kb0 + k / per_block's; when causal a key block
+// reaches only the queries from its first key on, and its slab's rows before them hold
+// another launch's values: they are skipped (so no slab is ever zeroed).
+__device__ __forceinline__ void dq_fold(float* __restrict__ acc, const float* __restrict__ slabs, size_t n,
+                                        int parts, int first, int D, int Lq, int causal, int kb0, int per_block,
+                                        int keys) {
+  GRID_STRIDE(v, n / 4) {
+    const size_t i = v * 4;
+    const int q = (int)((i / D) % Lq);
+    float4 s = first ? make_float4(0.f, 0.f, 0.f, 0.f) : reinterpret_cast<const float4*>(acc)[v];
+    for (int k = 0; k < parts; ++k) {
+      if (causal && q < (kb0 + k / per_block) * keys) break;
+      const float4 x = reinterpret_cast<const float4*>(slabs + (size_t)k * n)[v];
+      s.x += x.x;
+      s.y += x.y;
+      s.z += x.z;
+      s.w += x.w;
+    }
+    reinterpret_cast<float4*>(acc)[v] = s;
   }
 }
 
@@ -599,9 +611,7 @@ extern "C" __global__ void __launch_bounds__(32 * WIDE_WARPS, 1) attn_fwd_wide_f
 
 extern "C" __global__ void attn_dq_bf16(const float* acc, __nv_bfloat16* dq, size_t n) { attn_dq(acc, dq, n); }
 extern "C" __global__ void attn_dq_f16(const float* acc, __half* dq, size_t n) { attn_dq(acc, dq, n); }
-extern "C" __global__ void attn_dq_parts_bf16(const float* acc, __nv_bfloat16* dq, size_t n, int parts) {
-  attn_dq_parts(acc, dq, n, parts);
-}
-extern "C" __global__ void attn_dq_parts_f16(const float* acc, __half* dq, size_t n, int parts) {
-  attn_dq_parts(acc, dq, n, parts);
+extern "C" __global__ void attn_dq_fold(float* acc, const float* slabs, size_t n, int parts, int first, int D,
+                                        int Lq, int causal, int kb0, int per_block, int keys) {
+  dq_fold(acc, slabs, n, parts, first, D, Lq, causal, kb0, per_block, keys);
 }

@@ -21,10 +21,11 @@ struct AttnParams {
   // the row, head and batch coordinates among its dims 1-3 (2 bits each).
   uint32_t tma_order;
   // 0: dQ summed into one f32 accumulator with atomic adds (fast, order varies). n > 0: the
-  // deterministic mode: each key block (each warpgroup of one at D = 64 in the wgmma kernels)
-  // stores its dQ in a slab of its own among n, zeroed by attn_bwd_pre, and attn_dq_parts
-  // sums the slabs in order.
-  int32_t dq_parts, pad_;
+  // deterministic mode: each key block of a launch (each warpgroup of one at D = 64 in the
+  // wgmma kernels) stores its dQ in a slab of its own among n, and attn_dq_fold adds the
+  // slabs in order to the running sum. The backward then runs in launches of a few key
+  // blocks each, from key block kb0, so the slabs stay small.
+  int32_t dq_parts, kb0;
 };
 
 #define ATTN_THREADS 256

@@ -294,7 +294,7 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   float* rows = reinterpret_cast<float*>(smem + (sRows - smem_u32(smem)));
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-  const int k0 = blockIdx.x * BC, kw = 64 * wg;  // this warpgroup's keys: k0 + kw ..
+  const int k0 = (blockIdx.x + p.kb0) * BC, kw = 64 * wg;  // this warpgroup's keys: k0 + kw ..
   const float* lse = reinterpret_cast<const float*>(p.lse) + (int64_t)bh * p.Lq;
   const float* dvec = reinterpret_cast<const float*>(p.dvec) + (int64_t)bh * p.Lq;
   // The deterministic mode: a slab per key block, at D = 64 per warpgroup (both add to every

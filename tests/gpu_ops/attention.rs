@@ -445,7 +445,8 @@ impl Drop for Deterministic {
 /// The deterministic mode (`flame::cuda::set_deterministic`): dQ summed over key blocks in
 /// slab order gives the same bits on every run, and stays within the flash tolerance of the
 /// f32 composite, for head dims 128 and 64 (two slabs per key block in the wgmma kernels),
-/// causal with Lq != Lk, a key mask, and a negative scale (the mma.sync kernels).
+/// causal with Lq != Lk, a key mask, a negative scale (the mma.sync kernels), and a backward
+/// run in several launches.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn deterministic_mode_repeats_the_same_bits() {
@@ -458,6 +459,10 @@ fn deterministic_mode_repeats_the_same_bits() {
         ((2, 2, 333, 700, 64), true, false, 1.0),
         ((2, 2, 500, 300, 128), false, true, 1.0),
         ((1, 2, 257, 257, 64), false, false, -1.0),
+        // 64 heads of 4096: slabs of 128 MiB, so the backward runs in launches of 5 of the 32
+        // key blocks (`deterministic_chunk` on an H100), causal: the folds zero the slabs
+        // the next launch skips.
+        ((8, 8, 4096, 4096, 128), true, false, 1.0),
     ];
     for (i, ((b, h, lq, lk, d), causal, masked, sign)) in cases.into_iter().enumerate() {
         for dt in [DType::BF16, DType::F16] {
@@ -496,4 +501,93 @@ fn deterministic_mode_repeats_the_same_bits() {
             }
         }
     }
+}
+
+/// What the deterministic mode is for: a bf16 LoRA run on CUDA through the flash kernels
+/// (head dim 64) gives the same adapter bits when run again, so a resumed run repeats the
+/// uninterrupted one exactly. Three AdamW steps of a small Flux (256 image + 16 text tokens),
+/// twice.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_bf16_lora_run_repeats_its_bits_in_deterministic_mode() {
+    use flame::models::flux::{self, Flux, FluxConfig};
+    use flame::nn::{Adapters, LoraConfig, VarBuilder};
+    use flame::optim::{AdamConfig, AdamW, Optimizer};
+    let _one = serial();
+    let dev = gpu();
+    let _det = Deterministic::on();
+    let cfg = FluxConfig {
+        in_channels: 16,
+        out_channels: 16,
+        vec_in_dim: 8,
+        context_in_dim: 24,
+        hidden_size: 128,
+        mlp_ratio: 2.0,
+        num_heads: 2,
+        depth: 1,
+        depth_single_blocks: 1,
+        axes_dim: vec![16, 24, 24],
+        theta: 10_000.0,
+        qkv_bias: true,
+        guidance_embed: true,
+    };
+    let bf = DType::BF16;
+    let (img, txt, y) = (
+        randn(&[1, 256, 16], bf, 60, &dev),
+        randn(&[1, 16, 24], bf, 61, &dev),
+        randn(&[1, 8], bf, 62, &dev),
+    );
+    let (ii, ti) = (
+        flux::image_ids(16, 16, &dev).unwrap(),
+        flux::text_ids(16, &dev).unwrap(),
+    );
+    let t = Tensor::full(0.6, 1, DType::F32, &dev).unwrap();
+    let g = Tensor::full(3.5, 1, DType::F32, &dev).unwrap();
+    let train = || -> Vec<Vec<u64>> {
+        let adapters = Adapters::new(LoraConfig {
+            rank: 4,
+            alpha: 4.0,
+            dropout: 0.0,
+            targets: vec!["double_blocks.*".into(), "single_blocks.*".into()],
+            seed: 1,
+        })
+        .unwrap();
+        let vb = VarBuilder::random(3, 0.05, bf, &dev)
+            .with_adapters(adapters.clone())
+            .unwrap();
+        let model = Flux::new(&vb, &cfg).unwrap();
+        let params = adapters.params().unwrap();
+        let adam = AdamConfig {
+            lr: 1e-2,
+            ..AdamConfig::default()
+        };
+        let mut opt = AdamW::new(params.clone(), adam).unwrap();
+        for _ in 0..3 {
+            let out = model
+                .forward(&img, &ii, &txt, &ti, &t, &y, Some(&g))
+                .unwrap();
+            let loss = out
+                .to_dtype(DType::F32)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .mean_all()
+                .unwrap();
+            let grads = loss.backward().unwrap();
+            opt.step(&grads).unwrap();
+        }
+        params
+            .iter()
+            .map(|(_, p)| {
+                p.to_vec_f64()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            })
+            .collect()
+    };
+    let first = train();
+    assert!(first.iter().flatten().any(|&b| b != 0));
+    assert!(first == train(), "the second run's adapter differs");
 }

@@ -51,7 +51,8 @@ struct Params {
     tma_order: u32,
     /// The deterministic mode's number of dQ slabs (0: atomic adds into one accumulator).
     dq_parts: i32,
-    pad: i32,
+    /// The first key block of this launch of the backward.
+    kb0: i32,
 }
 
 // SAFETY: plain repr(C) structs of integers and floats, laid out as the C structs the
@@ -466,23 +467,36 @@ fn launch_all<T: Elem>(
         }
         return Ok(vec![T::wrap(o), f32::wrap(lse)]);
     }
-    // The deterministic mode: a dQ slab per key block (per warpgroup of one in the wgmma
-    // kernels at D = 64, where both warpgroups add to every column).
-    p.dq_parts = match (super::deterministic(), &wg) {
-        (false, _) => 0,
-        (true, Some(_)) => (lk.div_ceil(WG_BWD_KEYS) * if d == 64 { 2 } else { 1 }) as i32,
-        (true, None) => lk.div_ceil(BWD_KEYS) as i32,
+    let n = bh * lq * d;
+    let sms = dev.sm_count().max(1);
+    // Key blocks of a backward block, and dQ slabs per key block in the deterministic mode
+    // (two in the wgmma kernels at D = 64, whose warpgroups both add to every column).
+    let (keys, per_block) = match &wg {
+        Some(_) => (WG_BWD_KEYS, if d == 64 { 2 } else { 1 }),
+        None => (BWD_KEYS, 1),
     };
+    let blocks = lk.div_ceil(keys);
+    let det = super::deterministic();
+    let chunk = match det {
+        true => deterministic_chunk(blocks, per_block, bh, n, sms),
+        false => blocks,
+    };
+    p.dq_parts = if det { (chunk * per_block) as i32 } else { 0 };
     let dvec = dev.alloc::<f32>(bh * lq)?;
-    let acc = dev.alloc::<f32>(bh * lq * d * (p.dq_parts.max(1) as usize))?;
-    let dq = dev.alloc::<T>(bh * lq * d)?;
+    // The accumulator, or the deterministic mode's slabs and their running sum.
+    let acc = dev.alloc::<f32>(n * (p.dq_parts.max(1) as usize))?;
+    let mut total = if det {
+        Some(dev.alloc::<f32>(n)?)
+    } else {
+        None
+    };
+    let dq = dev.alloc::<T>(n)?;
     let dk = dev.alloc::<T>(bh * lk * d)?;
     let dv = dev.alloc::<T>(bh * lk * d)?;
     p.dvec = dvec.raw(dev);
     p.dq_acc = acc.raw(dev);
     p.dk = dk.raw(dev);
     p.dv = dv.raw(dev);
-    let sms = dev.sm_count().max(1);
     launch!(
         dev,
         module,
@@ -490,54 +504,86 @@ fn launch_all<T: Elem>(
         grid_for(bh * lq * 32, sms),
         &*p
     )?;
-    match &wg {
-        Some((wm, maps)) => launch_attention(
-            dev,
-            wm,
-            format!("attnw_bwd_{}_d{d}", T::SFX),
-            (lk.div_ceil(WG_BWD_KEYS), WG_THREADS, wg_bwd_smem(d)),
-            p,
-            Some(maps),
-        )?,
-        None => launch_attention(
-            dev,
-            module,
-            format!("attn_bwd_{}_d{d}", T::SFX),
-            (lk.div_ceil(BWD_KEYS), BWD_THREADS, bwd_smem(d)),
-            p,
-            None,
-        )?,
+    for (i, kb0) in (0..blocks).step_by(chunk).enumerate() {
+        p.kb0 = kb0 as i32;
+        let launched = chunk.min(blocks - kb0);
+        match &wg {
+            Some((wm, maps)) => launch_attention(
+                dev,
+                wm,
+                format!("attnw_bwd_{}_d{d}", T::SFX),
+                (launched, WG_THREADS, wg_bwd_smem(d)),
+                p,
+                Some(maps),
+            )?,
+            None => launch_attention(
+                dev,
+                module,
+                format!("attn_bwd_{}_d{d}", T::SFX),
+                (launched, BWD_THREADS, bwd_smem(d)),
+                p,
+                None,
+            )?,
+        }
+        if let Some(total) = &mut total {
+            let (parts, first) = ((launched * per_block) as i32, i32::from(i == 0));
+            let (dd, blocks0, per, kk) = (d as i32, kb0 as i32, per_block as i32, keys as i32);
+            launch!(
+                dev,
+                module,
+                "attn_dq_fold",
+                grid_for(n / 4, sms),
+                &mut *total.slice,
+                &*acc.slice,
+                &n,
+                &parts,
+                &first,
+                &dd,
+                &p.lq,
+                &p.causal,
+                &blocks0,
+                &per,
+                &kk
+            )?;
+        }
     }
-    let n = bh * lq * d;
     let mut dq = dq;
-    if p.dq_parts > 0 {
-        launch!(
-            dev,
-            module,
-            format!("attn_dq_parts_{}", T::SFX),
-            grid_for(n, sms),
-            &*acc.slice,
-            &mut *dq.slice,
-            &n,
-            &p.dq_parts
-        )?;
-    } else {
-        launch!(
-            dev,
-            module,
-            format!("attn_dq_{}", T::SFX),
-            grid_for(n, sms),
-            &*acc.slice,
-            &mut *dq.slice,
-            &n
-        )?;
-    }
+    launch!(
+        dev,
+        module,
+        format!("attn_dq_{}", T::SFX),
+        grid_for(n, sms),
+        &*total.as_ref().unwrap_or(&acc).slice,
+        &mut *dq.slice,
+        &n
+    )?;
     Ok(vec![T::wrap(dq), T::wrap(dk), T::wrap(dv)])
+}
+
+/// Key blocks per launch of the deterministic backward: enough for two blocks per SM over
+/// the batch x heads, or as many as 512 MiB of slabs (`n` f32 values each, `per_block` per
+/// key block) hold, whichever is more; at least 1, at most all `blocks`.
+fn deterministic_chunk(blocks: usize, per_block: usize, bh: usize, n: usize, sms: usize) -> usize {
+    let fill = (2 * sms).div_ceil(bh.max(1));
+    let fit = (512usize << 20) / (n * 4 * per_block).max(1);
+    fill.max(fit).clamp(1, blocks.max(1))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{tma_layout, TmaLayout, View};
+    use super::{deterministic_chunk, tma_layout, TmaLayout, View};
+
+    #[test]
+    fn deterministic_launches_fill_the_gpu_within_bounded_slabs() {
+        // Flux (B 1, H 24, L 4608, D 128) on 132 SMs: 36 key blocks, 11 a launch (fill) beat
+        // the 9 slabs of 56.6 MB that 512 MiB holds.
+        let flux = 24 * 4608 * 128;
+        assert_eq!(deterministic_chunk(36, 1, 24, flux, 132), 11);
+        // Short sequences: every key block in one launch.
+        assert_eq!(deterministic_chunk(3, 2, 32, 32 * 333 * 64, 132), 3);
+        // Huge slabs on a small GPU: one key block a launch.
+        assert_eq!(deterministic_chunk(128, 1, 64, 64 * 16384 * 128, 1), 1);
+    }
 
     fn view(sb: i64, sh: i64, sr: i64) -> View {
         View { ptr: 0, sb, sh, sr }

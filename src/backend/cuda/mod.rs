@@ -137,11 +137,12 @@ static DETERMINISTIC: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8:
 
 /// Deterministic kernels on or off for this process (default: off, or on where the
 /// environment has `FLAME_DETERMINISTIC=1`). On, attention's backward sums dQ over the key
-/// blocks in a fixed order (each key block stores its part in a slab of its own, and the
-/// slabs are added in order) instead of with atomic adds whose order varies between runs, so
-/// a step's results are the same bits every time and a bf16 run on CUDA resumes exactly.
-/// The cost: f32 slabs of (key blocks of 128) x the dQ size while a backward runs (about 2
-/// GiB for Flux at 1024²) and their sum. Every other kernel is deterministic already.
+/// blocks in a fixed order (each key block of a launch stores its part in an f32 slab of its
+/// own, and the slabs are added in order to a running sum) instead of with atomic adds whose
+/// order varies between runs, so a step's results are the same bits every time and a bf16
+/// run on CUDA resumes exactly. The cost, on an H100: the Flux-dev LoRA step at 1024² 488 ms
+/// against 437, its peak 0.45 GiB higher (slabs for 11 key blocks of 128 at a time, at most
+/// about 512 MiB where that fills the GPU). Every other kernel is deterministic already.
 pub fn set_deterministic(on: bool) {
     DETERMINISTIC.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }

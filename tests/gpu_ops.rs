@@ -69,6 +69,15 @@ fn pair(shape: &[usize], dt: DType, seed: u64, lo: f64, hi: f64) -> (Tensor, Ten
     (c, g)
 }
 
+/// The values of `t` as f64 bit patterns, for comparisons bit for bit.
+fn bits(t: &Tensor) -> Vec<u64> {
+    t.to_vec_f64()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
 fn normal_pair(shape: &[usize], dt: DType, seed: u64) -> (Tensor, Tensor) {
     let c = Tensor::randn(shape.to_vec(), DType::F64, &CPU, seed)
         .unwrap()
@@ -443,13 +452,6 @@ fn copies_views_and_joins() {
 #[ignore = "needs a CUDA GPU"]
 fn views_of_whole_packs_match_the_cpu() {
     let _one = serial();
-    let bits = |t: &Tensor| -> Vec<u64> {
-        t.to_vec_f64()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
-    };
     for dt in FLOATS {
         let (c, g) = normal_pair(&[37, 56], dt, 91);
         let (ch, gh) = normal_pair(&[2, 7, 3, 16], dt, 92);

@@ -9,7 +9,7 @@
 //! (f16) per term, averaging out over the sums. Measured worst cases are printed; the bounds
 //! (bf16 1e-2, f16 2e-3) leave about 2x margin over them.
 
-use super::{gpu, serial, CPU};
+use super::{bits, gpu, serial, CPU};
 use flame::{DType, Device, Grads, Tensor};
 
 fn tol(dt: DType) -> f64 {
@@ -486,13 +486,6 @@ fn deterministic_mode_repeats_the_same_bits() {
             };
             let (first, second) = (run(), run());
             for (n, (a, r)) in first.iter().zip(&second).enumerate() {
-                let bits = |t: &Tensor| -> Vec<u64> {
-                    t.to_vec_f64()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect()
-                };
                 assert_eq!(bits(a), bits(r), "{what}: output {n} differs between runs");
             }
             let e = errors_on(&[&q, &k, &v], &dy, mask.as_ref(), causal, scale);
@@ -576,16 +569,7 @@ fn a_bf16_lora_run_repeats_its_bits_in_deterministic_mode() {
             let grads = loss.backward().unwrap();
             opt.step(&grads).unwrap();
         }
-        params
-            .iter()
-            .map(|(_, p)| {
-                p.to_vec_f64()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect()
-            })
-            .collect()
+        params.iter().map(|(_, p)| bits(p)).collect()
     };
     let first = train();
     assert!(first.iter().flatten().any(|&b| b != 0));

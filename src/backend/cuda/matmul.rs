@@ -292,43 +292,24 @@ pub(crate) fn matmul_acc(
         ));
     }
     use super::storage::typed_mut;
+    macro_rules! into {
+        ($t:ty) => {
+            gemm_into::<$t>(
+                a,
+                al,
+                b,
+                bl,
+                d,
+                typed_mut(&mut acc.buf, "matmul_acc")?,
+                true,
+            )
+        };
+    }
     match a.buf.dtype() {
-        DType::F32 => gemm_into::<f32>(
-            a,
-            al,
-            b,
-            bl,
-            d,
-            typed_mut(&mut acc.buf, "matmul_acc")?,
-            true,
-        ),
-        DType::F64 => gemm_into::<f64>(
-            a,
-            al,
-            b,
-            bl,
-            d,
-            typed_mut(&mut acc.buf, "matmul_acc")?,
-            true,
-        ),
-        DType::BF16 => gemm_into::<bf16>(
-            a,
-            al,
-            b,
-            bl,
-            d,
-            typed_mut(&mut acc.buf, "matmul_acc")?,
-            true,
-        ),
-        DType::F16 => gemm_into::<f16>(
-            a,
-            al,
-            b,
-            bl,
-            d,
-            typed_mut(&mut acc.buf, "matmul_acc")?,
-            true,
-        ),
+        DType::F32 => into!(f32),
+        DType::F64 => into!(f64),
+        DType::BF16 => into!(bf16),
+        DType::F16 => into!(f16),
         DType::U32 => Err(Error::UnsupportedDType {
             op: "matmul_acc",
             dtype: DType::U32,

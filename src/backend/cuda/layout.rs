@@ -29,9 +29,14 @@ unsafe impl DeviceRepr for KernelLayout {}
 /// Drops size-1 dims and merges dims that are contiguous with each other, so a view of rank
 /// up to any size usually fits MAX_RANK and strided indexing does fewer divisions.
 fn collapse(l: &Layout) -> (Vec<u64>, Vec<u64>) {
+    collapse_dims(l.dims(), l.strides())
+}
+
+/// [`collapse`] of dims `dims_in` with `strides_in` (the leading dims of a view, say).
+pub(crate) fn collapse_dims(dims_in: &[usize], strides_in: &[usize]) -> (Vec<u64>, Vec<u64>) {
     let mut dims: Vec<u64> = vec![];
     let mut strides: Vec<u64> = vec![];
-    for (&d, &s) in l.dims().iter().zip(l.strides()) {
+    for (&d, &s) in dims_in.iter().zip(strides_in) {
         if d == 1 {
             continue;
         }

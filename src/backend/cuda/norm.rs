@@ -76,36 +76,30 @@ impl RowMap {
     pub(crate) fn of(l: &Layout, elem: usize) -> Option<Self> {
         let (d, st) = (l.dims(), l.strides());
         let (&cols, lead) = d.split_last()?;
-        if cols > 1 && st[d.len() - 1] != 1 {
+        if cols > 1 && st[lead.len()] != 1 {
             return None;
         }
         // Size-1 dims dropped, neighbours merged where the outer steps over the inner whole.
-        let mut dims: Vec<(usize, usize)> = vec![];
-        for (&n, &s) in lead.iter().zip(st) {
-            if n == 1 {
-                continue;
-            }
-            match dims.last_mut() {
-                Some(outer) if outer.1 == s * n => *outer = (outer.0 * n, s),
-                _ => dims.push((n, s)),
-            }
-        }
+        let (dims, strides) = super::layout::collapse_dims(lead, &st[..lead.len()]);
         if dims.len() > 3 {
             return None;
         }
-        while dims.len() < 3 {
-            dims.insert(0, (1, 0));
-        }
-        let aligned = |x: usize| (x * elem) % 16 == 0;
-        if !aligned(l.offset()) || dims.iter().any(|&(n, s)| n > 1 && !aligned(s)) {
+        let aligned = |x: u64| (x * elem as u64) % 16 == 0;
+        if !aligned(l.offset() as u64) || !strides.iter().all(|&s| aligned(s)) {
             return None;
         }
+        // Padded in front to three dims, the missing ones of length one.
+        let pad = 3 - dims.len();
+        let dim = |i: usize| match i.checked_sub(pad) {
+            Some(j) => (dims[j], strides[j]),
+            None => (1, 0),
+        };
         Some(RowMap {
-            d1: dims[1].0 as u64,
-            d2: dims[2].0 as u64,
-            s0: dims[0].1 as u64,
-            s1: dims[1].1 as u64,
-            s2: dims[2].1 as u64,
+            d1: dim(1).0,
+            d2: dim(2).0,
+            s0: dim(0).1,
+            s1: dim(1).1,
+            s2: dim(2).1,
         })
     }
 }

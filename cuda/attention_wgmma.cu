@@ -115,68 +115,120 @@ __device__ __forceinline__ void to_a(const float (&s)[NB][4], uint32_t (&a)[NB /
 }
 
 // ----- forward ------------------------------------------------------------------------------
-// A block of two warpgroups takes 128 queries of one (b, h), 64 a warpgroup (16 a warp), and
-// walks the keys in tiles of 128. Per tile a warpgroup forms S = Q K^T
-// (SS), the online softmax in registers (as attention.cu), then O += P V with P from
-// registers (RS) and V read transposed.
+// Warp-specialised, after FlashAttention-3 (arXiv:2407.08608, sections 3.1-3.2): a block takes
+// 64 NC queries of one (b, h) and has NC + 1 warpgroups. Warpgroup 0 is the producer: it gives
+// its registers away (setmaxnreg) and one thread loads Q once and the K and V tiles of 128
+// keys into ST stages by TMA, each stage freed by an mbarrier the consumers arrive at. The NC
+// consumer warpgroups own 64 queries each. Per key tile j a consumer issues S_j = Q K_j^T
+// (SS) and O += P_{j-1} V_{j-1} (RS, P from registers, V read transposed), then runs the
+// online softmax of S_j while PV_{j-1} is in flight (intra-warpgroup overlap). The consumers
+// take turns issuing their products (a ring of named barriers, "ping-pong"): the tensor cores
+// run one warpgroup's products while the others do their softmax.
+template <int D> struct FwdCfg {
+  static constexpr int NC = D == 64 ? 3 : 2;  // consumer warpgroups
+  static constexpr int BR = 64 * NC, BC = 128, ST = 2;
+  static constexpr int THREADS = 128 * (NC + 1);
+  // Registers a thread after setmaxnreg (multiples of 8; 65536 in all).
+  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = NC == 2 ? 240 : 160;
+};
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
 template <typename T, int D>
 __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq, const TmaMap& tk, const TmaMap& tv) {
-  constexpr int BR = 128, BC = 128, NB = D / 8;
+  using C = FwdCfg<D>;
+  constexpr int NC = C::NC, BR = C::BR, BC = C::BC, ST = C::ST, NB = D / 8;
   extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int KV = BC * D * 2;
   const uint32_t sQ = (smem_u32(smem) + 1023) & ~1023u;
-  const uint32_t sK0 = sQ + BR * D * 2;       // K stage s at sK0 + s * BC * D * 2
-  const uint32_t sV0 = sK0 + 2 * BC * D * 2;  // V stage s at sV0 + s * BC * D * 2
-  const uint32_t sBar = sV0 + 2 * BC * D * 2;  // barriers: Q, K stages 0 and 1, V stages 0 and 1
+  const uint32_t sK0 = sQ + BR * D * 2;  // K stage s at sK0 + s KV
+  const uint32_t sV0 = sK0 + ST * KV;    // V stage s at sV0 + s KV
+  // Barriers: Q; K full, V full, K empty, V empty, ST each.
+  const uint32_t sBar = sV0 + ST * KV;
+  auto fullK = [&](int s) { return sBar + 8 + 8 * s; };
+  auto fullV = [&](int s) { return sBar + 8 + 8 * (ST + s); };
+  auto emptyK = [&](int s) { return sBar + 8 + 8 * (2 * ST + s); };
+  auto emptyV = [&](int s) { return sBar + 8 + 8 * (3 * ST + s); };
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
   const int q0 = blockIdx.x * BR;
-  const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
   const int kend = p.causal ? min(p.Lk, min(q0 + BR, p.Lq)) : p.Lk;
   const int nkt = (kend + BC - 1) / BC;
-  const float sl2 = p.scale_log2;
-  constexpr int KV = BC * D * 2;
-  auto barK = [&](int s) { return sBar + 8 + 8 * s; };
-  auto barV = [&](int s) { return sBar + 24 + 8 * s; };
 
-  // Thread 0 issues every load (TMA); the tiles complete on their stage's barrier.
   if (tid == 0) {
-    for (int i = 0; i < 5; ++i) mbar_init(sBar + 8 * i, 1);
-    mbar_init_fence();
-    mbar_expect(sBar, BR * D * 2);
-    tma_tile<BR, D>(sQ, tq, sBar, q0, h, b, p.tma_order & 63);
-    mbar_expect(barK(0), KV);
-    tma_tile<BC, D>(sK0, tk, barK(0), 0, h, b, (p.tma_order >> 6) & 63);
-    mbar_expect(barV(0), KV);
-    tma_tile<BC, D>(sV0, tv, barV(0), 0, h, b, (p.tma_order >> 12) & 63);
-    if (nkt > 1) {
-      mbar_expect(barK(1), KV);
-      tma_tile<BC, D>(sK0 + KV, tk, barK(1), BC, h, b, (p.tma_order >> 6) & 63);
+    mbar_init(sBar, 1);
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(fullK(s), 1);
+      mbar_init(fullV(s), 1);
+      mbar_init(emptyK(s), 4 * NC);  // lane 0 of every consumer warp
+      mbar_init(emptyV(s), 4 * NC);
     }
+    mbar_init_fence();
   }
   __syncthreads();
-  mbar_wait(sBar, 0);
-  mbar_wait(barK(0), 0);
+
+  if (wg == 0) {  // the producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS));
+    if (tid == 0) {
+      mbar_expect(sBar, BR * D * 2);
+      tma_tile<BR, D>(sQ, tq, sBar, q0, h, b, p.tma_order & 63);
+      for (int j = 0; j < nkt; ++j) {
+        const int s = j % ST;
+        const uint32_t ph = ((j / ST) + 1) & 1;  // the previous use's phase
+        if (j >= ST) mbar_wait(emptyK(s), ph);
+        mbar_expect(fullK(s), KV);
+        tma_tile<BC, D>(sK0 + s * KV, tk, fullK(s), j * BC, h, b, (p.tma_order >> 6) & 63);
+        if (j >= ST) mbar_wait(emptyV(s), ph);
+        mbar_expect(fullV(s), KV);
+        tma_tile<BC, D>(sV0 + s * KV, tv, fullV(s), j * BC, h, b, (p.tma_order >> 12) & 63);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS));
+  const int cw = wg - 1;  // consumer index
+  const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
+  const float sl2 = p.scale_log2;
+  const int rbase = q0 + 64 * cw + 16 * warp;  // this warp's first query
+  const int qrow0 = rbase + (lane >> 2);       // + 8 r
+  // The turn ring: consumer c waits at barrier 1 + c, then passes the turn to c + 1.
+  const int my_turn = 1 + cw, next_turn = 1 + (cw + 1) % NC;
+  if (cw == NC - 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // consumer 0 goes first
 
   float o[NB][4];
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const int rbase = q0 + 64 * wg + 16 * warp;  // this warp's first query
-  const int qrow0 = rbase + (lane >> 2);       // + 8 r
-
-  // S_j = Q K_j^T is formed one tile ahead: while the softmax of tile j runs, the tensor cores
-  // work on O += P_{j-1} V_{j-1}. K and V have two stages each: K_{j+2} replaces K_j once every
-  // warpgroup has S_j, V_{j+1} replaces V_{j-1} once every warpgroup's PV_{j-1} is done.
-  float s[BC / 8][4];  // written by the first product (scale_d = 0)
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, 0, 0>(s, kmajor<BR>(sQ, 64 * wg, kk), kmajor<BC>(sK0, 0, kk), kk);
-  wgmma_commit();
-  wgmma_wait<0>();
-  pin(s);
+  float s[BC / 8][4];
   uint32_t a[BC / 16][4];
+  mbar_wait(sBar, 0);
 
-  // The softmax of tile j in s: P_j as A fragments in a; o rescaled once PV_{j-1} is done.
+  auto pv = [&](int j) {
+    const uint32_t sV = sV0 + (j % ST) * KV;
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, 1>(o, a[kk], mnmajor<BC>(sV, 16 * kk, 0), 1);
+    wgmma_commit();
+  };
+  // S_j issued in this consumer's turn, with PV_{j-1} behind it when j > 0.
+  auto issue = [&](int j, bool with_pv) {
+    const int st = j % ST;
+    mbar_wait(fullK(st), (j / ST) & 1);
+    if (with_pv) mbar_wait(fullV((j - 1) % ST), ((j - 1) / ST) & 1);
+    asm volatile("bar.sync %0, 256;\n" ::"r"(my_turn) : "memory");
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, 0, 0>(s, kmajor<BR>(sQ, 64 * cw, kk), kmajor<BC>(sK0 + st * KV, 0, kk), kk);
+    wgmma_commit();
+    if (with_pv) pv(j - 1);
+    // Every consumer's turns pass on, but the last one's last: the ring ends balanced.
+    if (!(cw == NC - 1 && j == nkt - 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(next_turn) : "memory");
+  };
+  // The online softmax of S_j in s: P_j as A fragments in a; o rescaled once PV_{j-1} is done.
   auto softmax = [&](int j) {
+    if (lane == 0) mbar_arrive(emptyK(j % ST));
     // Raw scores; hidden keys -inf (the scale > 0 keeps the max and the masks the same).
     const int k0 = j * BC;
     if (k0 + BC > p.Lk || keep || (p.causal && k0 + BC - 1 > rbase)) {
@@ -216,6 +268,7 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
     wgmma_wait<0>();  // PV_{j-1}
     pin(o);
     pin_regs(a);
+    if (j > 0 && lane == 0) mbar_arrive(emptyV((j - 1) % ST));
 #pragma unroll
     for (int n = 0; n < NB; ++n) {
       o[n][0] *= alpha[0];
@@ -224,42 +277,18 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
       o[n][3] *= alpha[1];
     }
     to_a<T>(s, a);
-    // Every warpgroup is done with S_j (K stage j % 2) and PV_{j-1} (V stage (j + 1) % 2).
-    __syncthreads();
   };
-  auto pv = [&](int j) {
-    const uint32_t sV = sV0 + (j & 1) * KV;
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, 1>(o, a[kk], mnmajor<BC>(sV, 16 * kk, 0), 1);
-    wgmma_commit();
-  };
-  for (int j = 0; j + 1 < nkt; ++j) {
-    softmax(j);
-    if (tid == 0) {
-      if (j + 2 < nkt) {
-        mbar_expect(barK(j & 1), KV);
-        tma_tile<BC, D>(sK0 + (j & 1) * KV, tk, barK(j & 1), (j + 2) * BC, h, b, (p.tma_order >> 6) & 63);
-      }
-      mbar_expect(barV((j + 1) & 1), KV);
-      tma_tile<BC, D>(sV0 + ((j + 1) & 1) * KV, tv, barV((j + 1) & 1), (j + 1) * BC, h, b, (p.tma_order >> 12) & 63);
-    }
-    mbar_wait(barK((j + 1) & 1), ((j + 1) >> 1) & 1);
-    mbar_wait(barV(j & 1), (j >> 1) & 1);
-    wgmma_fence();
-    const uint32_t sK = sK0 + ((j + 1) & 1) * KV;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, 0, 0>(s, kmajor<BR>(sQ, 64 * wg, kk), kmajor<BC>(sK, 0, kk), kk);
-    wgmma_commit();
-    // Both warpgroups' S_{j+1} go to the tensor cores before either PV_j: each warpgroup's
-    // softmax of tile j + 1 then overlaps the PV_j products (313 -> 328 TFLOP/s at the Flux
-    // shape on an H100).
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    pv(j);
-    wgmma_wait<1>();  // S_{j+1}; PV_j may still run
+  issue(0, false);
+  wgmma_wait<0>();
+  pin(s);
+  softmax(0);
+  for (int j = 1; j < nkt; ++j) {
+    issue(j, true);
+    wgmma_wait<1>();  // S_j; PV_{j-1} may still run
     pin(s);
+    softmax(j);
   }
-  softmax(nkt - 1);
-  mbar_wait(barV((nkt - 1) & 1), ((nkt - 1) >> 1) & 1);
+  mbar_wait(fullV((nkt - 1) % ST), ((nkt - 1) / ST) & 1);
   wgmma_fence();
   pv(nkt - 1);
   wgmma_wait<0>();
@@ -457,7 +486,7 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
 // The TMA descriptors of q, k, v and do (the forward ignores do's); q's boxes are 128 rows in
 // the forward, 64 in the backward, k's and v's 128.
 #define ATTNW_KERNELS(T, SFX, D)                                                                         \
-  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                            \
+  extern "C" __global__ void __launch_bounds__(FwdCfg<D>::THREADS, 1)                                   \
       attnw_fwd_##SFX##_d##D(const AttnParams p, const __grid_constant__ TmaMap tq,                      \
                              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,       \
                              const __grid_constant__ TmaMap tdo) {                                       \

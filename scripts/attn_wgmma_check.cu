@@ -60,7 +60,9 @@ template <> Kernels kernels<__half>(int d) {
 
 static size_t fwd_smem(int d) { return (128 + 4 * (d == 128 ? 32 : 64)) * d * 2; }
 static size_t bwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 4 * 64 * 4; }
-static size_t wfwd_smem(int d) { return (128 + 4 * 128) * d * 2 + 1024 + 64; }
+static int wfwd_rows(int d) { return d == 64 ? FwdCfg<64>::BR : FwdCfg<128>::BR; }
+static int wfwd_threads(int d) { return d == 64 ? FwdCfg<64>::THREADS : FwdCfg<128>::THREADS; }
+static size_t wfwd_smem(int d) { return (wfwd_rows(d) + 4 * 128) * d * 2 + 1024 + 128; }
 static size_t wbwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 4 * 64 * 4 + 1024 + 64; }
 
 // The launcher's tensor map of a dense (B, H, L, D) operand with boxes of 64 x rows.
@@ -129,8 +131,8 @@ template <typename T> struct Run {
     const int bh = c.B * c.H;
     const bool bf = sizeof(T) == 2 && std::is_same<T, __nv_bfloat16>::value;
     if (wg)
-      k.wfwd<<<dim3((c.Lq + 127) / 128, bh), 256, wfwd_smem(c.D)>>>(
-          p, tma_map(q, bf, c.B, c.H, c.Lq, c.D, 128), tma_map(kk, bf, c.B, c.H, c.Lk, c.D, 128),
+      k.wfwd<<<dim3((c.Lq + wfwd_rows(c.D) - 1) / wfwd_rows(c.D), bh), wfwd_threads(c.D), wfwd_smem(c.D)>>>(
+          p, tma_map(q, bf, c.B, c.H, c.Lq, c.D, wfwd_rows(c.D)), tma_map(kk, bf, c.B, c.H, c.Lk, c.D, 128),
           tma_map(v, bf, c.B, c.H, c.Lk, c.D, 128), tma_map(dout, bf, c.B, c.H, c.Lq, c.D, 64));
     else
       k.fwd<<<dim3((c.Lq + 127) / 128, bh), 128, fwd_smem(c.D)>>>(p);

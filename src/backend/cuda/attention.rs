@@ -197,19 +197,37 @@ fn bwd_smem(d: usize) -> usize {
     (2 * BWD_KEYS * d + 4 * BWD_ROWS * d + BWD_KEYS * BWD_ROWS) * 2 + 4 * BWD_ROWS * 4
 }
 
-/// The wgmma kernels (cuda/attention_wgmma.cu): two warpgroups a block; the forward takes
-/// 128 queries and walks keys in tiles of 128, the backward takes 128 keys and walks queries
-/// in tiles of 64; tiles come by TMA (`tma_map`). Their tiles start 1024-aligned, hence the
-/// extra KiB.
+/// The wgmma kernels (cuda/attention_wgmma.cu). The forward is warp-specialised: a producer
+/// warpgroup and `wg_fwd_consumers(d)` consumer warpgroups of 64 queries each (3 at D = 64,
+/// 2 at D = 128), walking keys in tiles of 128 through two stages of K and V. The backward
+/// has two warpgroups, takes 128 keys and walks queries in tiles of 64. Tiles come by TMA
+/// (`tma_map`) and start 1024-aligned, hence the extra KiB.
 const WG_THREADS: u32 = 256;
-const WG_FWD_ROWS: usize = 128;
 const WG_FWD_KEYS: usize = 128;
+const WG_FWD_STAGES: usize = 2;
 const WG_BWD_KEYS: usize = 128;
 const WG_BWD_ROWS: usize = 64;
 
+/// Consumer warpgroups of the forward (FwdCfg<D>::NC in the kernel).
+fn wg_fwd_consumers(d: usize) -> usize {
+    if d == 64 {
+        3
+    } else {
+        2
+    }
+}
+
+fn wg_fwd_rows(d: usize) -> usize {
+    64 * wg_fwd_consumers(d)
+}
+
+fn wg_fwd_threads(d: usize) -> u32 {
+    128 * (wg_fwd_consumers(d) as u32 + 1)
+}
+
 fn wg_fwd_smem(d: usize) -> usize {
-    // Q and two stages of K and V; the TMA barriers.
-    (WG_FWD_ROWS + 4 * WG_FWD_KEYS) * d * 2 + 1024 + 64
+    // Q and the stages of K and V; the TMA barriers (1 + 4 per stage, 8 bytes each).
+    (wg_fwd_rows(d) + 2 * WG_FWD_STAGES * WG_FWD_KEYS) * d * 2 + 1024 + 8 * (1 + 4 * WG_FWD_STAGES)
 }
 
 fn wg_bwd_smem(d: usize) -> usize {
@@ -418,7 +436,7 @@ fn launch_all<T: Elem>(
     // The wgmma kernels fold the scale into the exponent after the row max: scale > 0. Their
     // descriptors are made only where they run.
     let (qd, kd) = ([b, h, lq, d], [b, h, lk, d]);
-    let rows = if fwd { WG_FWD_ROWS } else { WG_BWD_ROWS } as u32;
+    let rows = if fwd { wg_fwd_rows(d) } else { WG_BWD_ROWS } as u32;
     let maps = |p: &Params| -> Option<[(TmaMap, u32); 4]> {
         let dt = T::DTYPE;
         let q = tma_map(&p.q, qd, rows, dt)?;
@@ -452,7 +470,11 @@ fn launch_all<T: Elem>(
                 dev,
                 wm,
                 format!("attnw_fwd_{}_d{d}", T::SFX),
-                (lq.div_ceil(WG_FWD_ROWS), WG_THREADS, wg_fwd_smem(d)),
+                (
+                    lq.div_ceil(wg_fwd_rows(d)),
+                    wg_fwd_threads(d),
+                    wg_fwd_smem(d),
+                ),
                 p,
                 Some(maps),
             )?,

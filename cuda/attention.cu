@@ -305,24 +305,45 @@ __device__ __forceinline__ void attn_fwd_wide(const AttnParams& p) {
 }
 
 // ----- backward -----------------------------------------------------------------------------
-// dvec = rowsum(do * o) per query (f32), and the f32 dq accumulator zeroed (the first slab
-// of the deterministic mode, whose slabs need no zeros: see dq_fold): a warp per row.
+// dvec = rowsum(do * o) per query (f32), and the f32 dq accumulator zeroed (not in the
+// deterministic mode, whose slabs need no zeros: see dq_fold): a warp per row, D / 32
+// adjacent elements a lane (one 4- or 8-byte load) where the rows of o and do are aligned to
+// that, else a lane every 32 elements.
 template <typename T, int D>
 __device__ __forceinline__ void attn_bwd_pre(const AttnParams& p) {
+  constexpr int V = D / 32;
+  using Vec = typename std::conditional<V == 4, uint2, uint32_t>::type;
+  static_assert(V * sizeof(T) == sizeof(Vec), "a lane's elements are one load");
   const int64_t rows = (int64_t)p.B * p.H * p.Lq;
   const int lane = threadIdx.x & 31;
+  const uint64_t align = p.o.ptr | p.dout.ptr | (uint64_t)((p.o.sr | p.o.sh | p.o.sb | p.dout.sr | p.dout.sh | p.dout.sb) * sizeof(T));
+  const bool vec = align % sizeof(Vec) == 0;
   for (int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5; row < rows;
        row += ((int64_t)gridDim.x * blockDim.x) >> 5) {
     const int i = (int)(row % p.Lq);
     const int bh = (int)(row / p.Lq), b = bh / p.H, h = bh % p.H;
     const T* o = view_at<T>(p.o, b, h) + (int64_t)i * p.o.sr;
     const T* g = view_at<T>(p.dout, b, h) + (int64_t)i * p.dout.sr;
+    // The accumulator starts at zero; the deterministic mode's slabs need no zeroing (the
+    // fold reads only the rows each key block wrote).
     float* acc = reinterpret_cast<float*>(p.dq_acc) + row * D;
+    const bool zero_acc = p.dq_parts == 0;
     float sum = 0.f;
+    if (vec) {
+      T ov[V], gv[V];
+      *reinterpret_cast<Vec*>(ov) = *reinterpret_cast<const Vec*>(o + lane * V);
+      *reinterpret_cast<Vec*>(gv) = *reinterpret_cast<const Vec*>(g + lane * V);
 #pragma unroll
-    for (int c = lane; c < D; c += 32) {
-      sum += to_acc(o[c]) * to_acc(g[c]);
-      acc[c] = 0.f;
+      for (int e = 0; e < V; ++e) sum += to_acc(ov[e]) * to_acc(gv[e]);
+    } else {
+#pragma unroll
+      for (int c = lane; c < D; c += 32) sum += to_acc(o[c]) * to_acc(g[c]);
+    }
+    if (zero_acc) {
+      if constexpr (V == 4)
+        *reinterpret_cast<float4*>(acc + lane * 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+      else
+        *reinterpret_cast<float2*>(acc + lane * 2) = make_float2(0.f, 0.f);
     }
 #pragma unroll
     for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
@@ -561,23 +582,26 @@ __device__ __forceinline__ void attn_bwd(const AttnParams& p) {
 // dq = the f32 accumulator rounded to T.
 template <typename T>
 __device__ __forceinline__ void attn_dq(const float* acc, T* dq, size_t n) {
-  GRID_STRIDE(i, n) dq[i] = from_acc<T>(acc[i]);
+  // n is a multiple of D: four elements a thread.
+  GRID_STRIDE(i, n / 4) {
+    const float4 a = reinterpret_cast<const float4*>(acc)[i];
+    reinterpret_cast<uint2*>(dq)[i] = make_uint2(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w));
+  }
 }
 
 // The deterministic mode, after each launch of the backward: acc (n f32 = rows of D, row r
 // the query r % Lq) = acc (0 for the first launch) + the `parts` slabs of n in slab order,
-// four columns a thread. Slab k is key block kb0 + k / per_block's; when causal a key block
+// four columns a thread. Slab k is key block kb0 + k's; when causal a key block
 // reaches only the queries from its first key on, and its slab's rows before them hold
 // another launch's values: they are skipped (so no slab is ever zeroed).
 __device__ __forceinline__ void dq_fold(float* __restrict__ acc, const float* __restrict__ slabs, size_t n,
-                                        int parts, int first, int D, int Lq, int causal, int kb0, int per_block,
-                                        int keys) {
+                                        int parts, int first, int D, int Lq, int causal, int kb0, int keys) {
   GRID_STRIDE(v, n / 4) {
     const size_t i = v * 4;
     const int q = (int)((i / D) % Lq);
     float4 s = first ? make_float4(0.f, 0.f, 0.f, 0.f) : reinterpret_cast<const float4*>(acc)[v];
     for (int k = 0; k < parts; ++k) {
-      if (causal && q < (kb0 + k / per_block) * keys) break;
+      if (causal && q < (kb0 + k) * keys) break;
       const float4 x = reinterpret_cast<const float4*>(slabs + (size_t)k * n)[v];
       s.x += x.x;
       s.y += x.y;
@@ -612,6 +636,6 @@ extern "C" __global__ void __launch_bounds__(32 * WIDE_WARPS, 1) attn_fwd_wide_f
 extern "C" __global__ void attn_dq_bf16(const float* acc, __nv_bfloat16* dq, size_t n) { attn_dq(acc, dq, n); }
 extern "C" __global__ void attn_dq_f16(const float* acc, __half* dq, size_t n) { attn_dq(acc, dq, n); }
 extern "C" __global__ void attn_dq_fold(float* acc, const float* slabs, size_t n, int parts, int first, int D,
-                                        int Lq, int causal, int kb0, int per_block, int keys) {
-  dq_fold(acc, slabs, n, parts, first, D, Lq, causal, kb0, per_block, keys);
+                                        int Lq, int causal, int kb0, int keys) {
+  dq_fold(acc, slabs, n, parts, first, D, Lq, causal, kb0, keys);
 }

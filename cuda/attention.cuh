@@ -2,6 +2,8 @@
 // attention_wgmma.cu: wgmma, Hopper): the parameter block, cp.async, ldmatrix, mma.sync,
 // packing and the swizzled tile layout of attention.cu.
 #pragma once
+#include <type_traits>
+
 #include "common.cuh"
 
 // A tensor view: element strides over batch, head and row.
@@ -21,10 +23,9 @@ struct AttnParams {
   // the row, head and batch coordinates among its dims 1-3 (2 bits each).
   uint32_t tma_order;
   // 0: dQ summed into one f32 accumulator with atomic adds (fast, order varies). n > 0: the
-  // deterministic mode: each key block of a launch (each warpgroup of one at D = 64 in the
-  // wgmma kernels) stores its dQ in a slab of its own among n, and attn_dq_fold adds the
-  // slabs in order to the running sum. The backward then runs in launches of a few key
-  // blocks each, from key block kb0, so the slabs stay small.
+  // deterministic mode: each key block of a launch stores its dQ in a slab of its own among
+  // n, and attn_dq_fold adds the slabs in order to the running sum. The backward then runs in
+  // launches of a few key blocks each, from key block kb0, so the slabs stay small.
   int32_t dq_parts, kb0;
 };
 

@@ -22,7 +22,6 @@
 #include "attention.cuh"
 #include "wgmma.cuh"
 
-#define WG_THREADS 256  // two warpgroups
 
 // Byte offset of 16-byte unit c of row r in a tile of R rows.
 template <int R> __device__ __forceinline__ uint32_t sw128(int r, int c) {
@@ -153,7 +152,8 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
   auto emptyV = [&](int s) { return sBar + 8 + 8 * (3 * ST + s); };
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-  const int q0 = blockIdx.x * BR;
+  // Causal: the query blocks with the most keys first (a shorter tail of the grid).
+  const int q0 = (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR;
   const int kend = p.causal ? min(p.Lk, min(q0 + BR, p.Lq)) : p.Lk;
   const int nkt = (kend + BC - 1) / BC;
 
@@ -301,70 +301,150 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
 }
 
 // ----- backward -----------------------------------------------------------------------------
-// A block of two warpgroups owns 128 keys of one (b, h), 64 a warpgroup, and walks the
-// queries in tiles of 64, double-buffered (Q and dO by TMA, lse and dvec by cp.async). Per tile a warpgroup forms
+// Warp-specialised like the forward: a block owns 128 keys of one (b, h) and has three
+// warpgroups. In warpgroup 0 (registers given away) warp 0 is the producer: K and V once,
+// then per query tile of 64 the Q and dO tiles by TMA and the lse (times log2 e) and dvec rows
+// by plain loads, into two stages freed by mbarriers; warps 1 (and 2) are dQ writers: they
+// add each tile's dQ, which the consumers leave in shared memory, to the f32 accumulator with
+// bulk tensor reductions (cp.reduce.async.bulk.tensor through the accumulator's tensor map
+// tdq; bulk tensor stores of the slab in the deterministic mode). The tile sits in shared
+// memory in the 128-byte swizzle those copies read, which keeps the consumers' stores free of
+// bank conflicts (shared memory bandwidth is what the SS products here run short of: row-major
+// tiles with one bulk reduction ran at 421 / 294 TFLOP/s at the Flux / SD3.5 shapes on an
+// H100, swizzled tiles at 449 / 329; a bulk operation per row, 381 / 132). The two consumer warpgroups own 64 keys each. Per query tile a consumer forms
 // S^T = K Q^T and dP^T = V dO^T (SS), P^T from the saved lse, dV += P^T dO (RS, dO read
-// transposed) while it forms dS^T = P^T (dP^T - dvec), stores dS^T to shared memory and
-// adds dK += dS^T Q (RS). Then dQ += scale dS K (SS, both operands transposed): at D = 128
-// warpgroup w takes columns 64w.. over all 128 keys, at D = 64 its own 64 keys over all
-// columns; the sums go to the f32 accumulator with 16-byte reductions. attention.cu's
-// attn_bwd_pre (dvec, zeroed accumulator) runs before, attn_dq after.
+// transposed) while it forms dS^T = P^T (dP^T - dvec), stores dS^T to shared memory (two
+// buffers), then dQ = scale dS K (SS, both operands transposed) and dK += dS^T Q (RS); dQ
+// goes to shared memory while dK runs. At D = 128 the consumers share one dQ tile: consumer
+// w takes columns 64w.. over all 128 keys, after a barrier of the two, and one writer adds
+// the tile. At D = 64 each consumer adds its own 64 keys' dQ over all columns to a tile of
+// its own with a writer of its own: the two never wait for each other, so one's products can
+// run while the other does its elementwise work (sharing the tile at D = 64 ran at 271
+// TFLOP/s at SD3.5's shape on an H100, this 294; a third consumer, with 160 registers, 257).
+// attention.cu's attn_bwd_pre (dvec, zeroed accumulator) runs before, attn_dq after.
+template <int D> struct BwdCfg {
+  static constexpr int BC = 128, BR = 64, ST = 2, THREADS = 384;
+  // D = 128: both consumers fill one dQ tile (columns 64w..); D = 64: the tile's owner alone.
+  static constexpr bool SPLIT_DQ = D == 128;
+  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+};
+// Named barriers of the backward (0 is __syncthreads): the consumers' dS exchange (of tiles of
+// parity c when the owner alternates); per dQ buffer c, the tile in shared memory (its
+// consumers arrive, its writer waits) and the buffer free again (the reverse).
+#define BWD_BAR_DS(c) (1 + 6 * (c))
+#define BWD_BAR_DQ_FULL(c) (2 + 2 * (c))
+#define BWD_BAR_DQ_EMPTY(c) (3 + 2 * (c))
+
 template <typename T, int D>
 __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
-                                          const TmaMap& tdo) {
-  constexpr int BC = 128, BR = 64, NB = D / 8;
+                                          const TmaMap& tdo, const TmaMap& tdq) {
+  using C = BwdCfg<D>;
+  constexpr int BC = C::BC, BR = C::BR, ST = C::ST, NB = D / 8;
+  constexpr bool SPLIT = C::SPLIT_DQ;
+  constexpr int DQ_SYNC = SPLIT ? 288 : 160;  // threads at a dQ barrier: consumers and writer
   extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int QD = BR * D * 2;
   const uint32_t sK = (smem_u32(smem) + 1023) & ~1023u;
   const uint32_t sV = sK + BC * D * 2;
-  const uint32_t sQ0 = sV + BC * D * 2;       // stage s: Q at sQ0 + s * 2 * BR * D * 2, then dO
-  const uint32_t sdS = sQ0 + 4 * BR * D * 2;  // dS^T, BC x BR
-  const uint32_t sRows = sdS + BC * BR * 2;   // [2][BR] lse, then [2][BR] dvec (f32)
-  const uint32_t sBar = sRows + 4 * BR * 4;   // barriers: K and V, Q and dO stages 0 and 1
+  const uint32_t sQ0 = sV + BC * D * 2;          // stage s: Q at sQ0 + s 2 QD, then dO
+  const uint32_t sdS0 = sQ0 + ST * 2 * QD;       // dS^T (BC x BR), two buffers
+  const uint32_t sdQ = sdS0 + 2 * BC * BR * 2;   // dQ, f32: BR x D (D = 128), 2 x BR x 64 (D = 64)
+  const uint32_t sRows = sdQ + BR * 128 * 4;     // stage s: lse (times log2 e) at s 2 BR, dvec after
+  const uint32_t sBar = sRows + ST * 2 * BR * 4;  // barriers: K and V; full, empty per stage
   float* rows = reinterpret_cast<float*>(smem + (sRows - smem_u32(smem)));
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  auto full = [&](int s) { return sBar + 8 + 8 * s; };
+  auto empty = [&](int s) { return sBar + 8 + 8 * (ST + s); };
+  // At D = 64 the warpgroup through a shuffle: the compiler then knows it is the same across
+  // the warp (the owner's branch around its products is not divergent).
+  const int tid = threadIdx.x, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int wg = SPLIT ? tid >> 7 : __shfl_sync(0xffffffffu, tid >> 7, 0);
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-  const int k0 = (blockIdx.x + p.kb0) * BC, kw = 64 * wg;  // this warpgroup's keys: k0 + kw ..
-  const float* lse = reinterpret_cast<const float*>(p.lse) + (int64_t)bh * p.Lq;
-  const float* dvec = reinterpret_cast<const float*>(p.dvec) + (int64_t)bh * p.Lq;
-  // The deterministic mode: a slab per key block, at D = 64 per warpgroup (both add to every
-  // column of a query).
-  const int64_t part = D == 128 ? blockIdx.x : 2 * blockIdx.x + wg;
-  const int64_t slab = p.dq_parts ? part * p.B * p.H * p.Lq * D : 0;
-  float* dqacc = reinterpret_cast<float*>(p.dq_acc) + slab + (int64_t)bh * p.Lq * D;
-  const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
-  const float sl2 = p.scale_log2;
-  constexpr int QD = BR * D * 2;
-  auto barQ = [&](int s) { return sBar + 8 + 8 * s; };
-
+  const int k0 = (blockIdx.x + p.kb0) * BC;
   const int it0 = p.causal ? k0 / BR : 0;
   const int nqt = (p.Lq + BR - 1) / BR;
-  // Rows past Lq load as zeros (Q, dO, lse, dvec): their P^T is 1 but dO and dvec are 0, so
-  // they add nothing to dV, dK or dQ. Thread 0 issues the tiles (TMA); lse and dvec go by
-  // cp.async.
-  auto stage = [&](int s, int it) {
-    if (tid == 0) {
-      mbar_expect(barQ(s), 2 * QD);
-      tma_tile<BR, D>(sQ0 + s * 2 * QD, tq, barQ(s), it * BR, h, b, p.tma_order & 63);
-      tma_tile<BR, D>(sQ0 + s * 2 * QD + QD, tdo, barQ(s), it * BR, h, b, (p.tma_order >> 18) & 63);
-    }
-    if (tid < 2 * BR) {
-      const int r = tid % BR, qi = it * BR + r;
-      const bool ok = qi < p.Lq;
-      const float* src = tid < BR ? lse : dvec;
-      cp_async4(sRows + ((tid < BR ? 0 : 2 * BR) + s * BR + r) * 4, src + (ok ? qi : 0), ok);
-    }
-    cp_commit();
-  };
+
   if (tid == 0) {
-    for (int i = 0; i < 3; ++i) mbar_init(sBar + 8 * i, 1);
+    mbar_init(sBar, 1);
+    for (int st = 0; st < ST; ++st) {
+      mbar_init(full(st), 1 + 32);  // the TMA's expected bytes and the producer warp's rows
+      mbar_init(empty(st), 8);      // lane 0 of every consumer warp
+    }
     mbar_init_fence();
-    mbar_expect(sBar, 2 * BC * D * 2);
-    tma_tile<BC, D>(sK, tk, sBar, k0, h, b, (p.tma_order >> 6) & 63);
-    tma_tile<BC, D>(sV, tv, sBar, k0, h, b, (p.tma_order >> 12) & 63);
   }
   __syncthreads();
-  if (it0 < nqt) stage(0, it0);
 
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS));
+    if (warp == 0) {  // the producer
+      if (lane == 0) {
+        mbar_expect(sBar, 2 * BC * D * 2);
+        tma_tile<BC, D>(sK, tk, sBar, k0, h, b, (p.tma_order >> 6) & 63);
+        tma_tile<BC, D>(sV, tv, sBar, k0, h, b, (p.tma_order >> 12) & 63);
+      }
+      const float* lse = reinterpret_cast<const float*>(p.lse) + (int64_t)bh * p.Lq;
+      const float* dvec = reinterpret_cast<const float*>(p.dvec) + (int64_t)bh * p.Lq;
+      for (int it = it0; it < nqt; ++it) {
+        const int n = it - it0, st = n % ST;
+        if (n >= ST) mbar_wait(empty(st), ((n / ST) + 1) & 1);
+        if (lane == 0) {
+          mbar_expect(full(st), 2 * QD);
+          tma_tile<BR, D>(sQ0 + st * 2 * QD, tq, full(st), it * BR, h, b, p.tma_order & 63);
+          tma_tile<BR, D>(sQ0 + st * 2 * QD + QD, tdo, full(st), it * BR, h, b, (p.tma_order >> 18) & 63);
+        }
+        // Rows past Lq: lse 0 and dvec 0 (their Q and dO load as zeros: they add nothing).
+        float* r = rows + st * 2 * BR;
+#pragma unroll
+        for (int i = 0; i < BR / 32; ++i) {
+          const int c = lane + 32 * i, qi = it * BR + c;
+          r[c] = qi < p.Lq ? lse[qi] * LOG2E : 0.f;
+          r[BR + c] = qi < p.Lq ? dvec[qi] : 0.f;
+        }
+        mbar_arrive(full(st));
+      }
+    } else if (warp <= (SPLIT ? 1 : 2)) {  // a dQ writer: of buffer c
+      // SPLIT: one buffer, every tile; else buffer c holds the tiles it0 + c, it0 + c + 2, ...
+      const int c = warp - 1, step = SPLIT ? 1 : 2;
+      // The deterministic mode: a slab per key block.
+      const bool det = p.dq_parts > 0;
+      const int sl = blockIdx.x;
+      // The buffer starts free (a block with no tile for it leaves no barrier half-arrived).
+      if (it0 + c < nqt) asm volatile("bar.arrive %0, %1;\n" ::"r"(BWD_BAR_DQ_EMPTY(c)), "n"(DQ_SYNC) : "memory");
+      for (int it = it0 + c; it < nqt; it += step) {
+        asm volatile("bar.sync %0, %1;\n" ::"r"(BWD_BAR_DQ_FULL(c)), "n"(DQ_SYNC) : "memory");
+        if (lane == 0) {
+          // The tile as boxes of 64 rows x 32 columns (tdq: the accumulator, or the slabs, as
+          // (slab, b h, Lq, D) f32, 128-byte swizzle; rows past Lq are not written).
+#pragma unroll
+          for (int j = 0; j < D / 32; ++j) {
+            const uint32_t src = sdQ + (c * (D / 32) + j) * BR * 128;
+            if (det)
+              asm volatile(
+                  "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                      reinterpret_cast<uint64_t>(&tdq)),
+                  "r"(32 * j), "r"(it * BR), "r"(bh), "r"(sl), "r"(src)
+                  : "memory");
+            else
+              asm volatile(
+                  "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], "
+                  "[%5];\n" ::"l"(reinterpret_cast<uint64_t>(&tdq)),
+                  "r"(32 * j), "r"(it * BR), "r"(bh), "r"(0), "r"(src)
+                  : "memory");
+          }
+          asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+          asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        }
+        __syncwarp();
+        if (it + step < nqt) asm volatile("bar.arrive %0, %1;\n" ::"r"(BWD_BAR_DQ_EMPTY(c)), "n"(DQ_SYNC) : "memory");
+      }
+      if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS));
+  const int cw = wg - 1, kw = 64 * cw;  // this consumer's keys: k0 + kw ..
+  const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
+  const float sl2 = p.scale_log2;
   int kidx[2];
   bool kvis[2];
 #pragma unroll
@@ -375,25 +455,15 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   float dk[NB][4], dv[NB][4];
   zero(dk);
   zero(dv);
-
-  // dQ of the query tile at qt, added to the f32 accumulator.
-  float dq[8][4];  // m64n64: 64 queries x 64 columns
-  auto add_dq = [&](int qt) {
-    const int qi = qt + 16 * warp + (lane >> 2) + ((lane & 1) ? 8 : 0);
-    red_rows_v4(dqacc + (int64_t)qi * D + (D == 128 ? 64 * wg : 0) + 2 * ((lane & 3) & ~1), dq, p.scale,
-                qi < p.Lq, lane, p.dq_parts > 0);
-  };
   mbar_wait(sBar, 0);
+
   for (int it = it0; it < nqt; ++it) {
-    const int st = (it - it0) & 1;
-    cp_wait<0>();  // this tile's lse and dvec
-    __syncthreads();  // ... from every thread; and every warpgroup is done with stage st ^ 1
-    if (it + 1 < nqt) stage(st ^ 1, it + 1);
-    mbar_wait(barQ(st), ((it - it0) >> 1) & 1);
+    const int n = it - it0, st = n % ST;
+    mbar_wait(full(st), (n / ST) & 1);
     const int q0 = it * BR;
-    const uint32_t sQ = sQ0 + st * (2 * BR * D * 2), sdO = sQ + BR * D * 2;
-    const float* L = rows + st * BR;
-    const float* Dv = rows + 2 * BR + st * BR;
+    const uint32_t sQ = sQ0 + st * 2 * QD, sdO = sQ + QD, sdS = sdS0 + (n & 1) * BC * BR * 2;
+    const float* L = rows + st * 2 * BR;
+    const float* Dv = L + BR;
 
     float s[BR / 8][4], dp[BR / 8][4];  // written by their first products (scale_d = 0)
     wgmma_fence();
@@ -403,28 +473,22 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, 0, 0>(dp, kmajor<BC>(sV, kw, kk), kmajor<BR>(sdO, 0, kk), kk);
     wgmma_commit();
-    // The previous tile's dQ was queued before S and dP: add it while they run.
-    wgmma_wait<0>();
-    if (it > it0) {
-      pin(dq);
-      add_dq(q0 - BR);
-    }
     wgmma_wait<1>();
     pin(s);
 
     // P^T = 2^(s scale log2e - lse log2e); 0 for hidden keys.
     const bool diag = p.causal && k0 + kw + 16 * warp + 15 > q0;
 #pragma unroll
-    for (int n = 0; n < BR / 8; ++n)
+    for (int nn = 0; nn < BR / 8; ++nn)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int qc = n * 8 + 2 * (lane & 3) + e;
-        const float lq = L[qc] * LOG2E;
+        const int qc = nn * 8 + 2 * (lane & 3) + e;
+        const float lq = L[qc];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          float pv = ex2(s[n][2 * r + e] * sl2 - lq);
+          float pv = ex2(s[nn][2 * r + e] * sl2 - lq);
           if (!kvis[r] || (diag && kidx[r] > q0 + qc)) pv = 0.f;
-          s[n][2 * r + e] = pv;
+          s[nn][2 * r + e] = pv;
         }
       }
     uint32_t pa[BR / 16][4];
@@ -438,46 +502,70 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
 
     // dS^T = P^T (dP^T - dvec), to shared memory as T (rows: keys, columns: queries).
 #pragma unroll
-    for (int n = 0; n < BR / 8; ++n) {
+    for (int nn = 0; nn < BR / 8; ++nn) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - Dv[n * 8 + 2 * (lane & 3) + (e & 1)];
+      for (int e = 0; e < 4; ++e) s[nn][e] *= dp[nn][e] - Dv[nn * 8 + 2 * (lane & 3) + (e & 1)];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = kw + 16 * warp + (lane >> 2) + 8 * r;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + sw128<BC>(row, n) + 4 * (lane & 3)),
-                     "r"(pack2<T>(s[n][2 * r], s[n][2 * r + 1])));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + sw128<BC>(row, nn) + 4 * (lane & 3)),
+                     "r"(pack2<T>(s[nn][2 * r], s[nn][2 * r + 1])));
       }
     }
     uint32_t da[BR / 16][4];
     to_a<T>(s, da);
-    wgmma_wait<0>();
-    pin(dv);
-    pin_regs(pa);
+    fence_async_smem();
+    // dQ reads both consumers' dS^T: at D = 128 both take half its columns, at D = 64 the
+    // tile's owner (alternating) takes all, and the other consumer only hands its dS^T over.
+    // (The other dS^T buffer is free: the stages keep the consumers within a tile of each
+    // other, and each finishes its dQ product of a tile before it releases the tile's stage.)
+    const int par = (it - it0) & 1;
+    const bool mine = SPLIT || par == cw;
+    if (SPLIT || mine)
+      asm volatile("bar.sync %0, 256;\n" ::"r"(BWD_BAR_DS(SPLIT ? 0 : par)) : "memory");
+    else
+      asm volatile("bar.arrive %0, 256;\n" ::"r"(BWD_BAR_DS(par)) : "memory");
+
+    float dq[8][4];  // m64n64: 64 queries x 64 columns (of chunk cw at D = 128)
     wgmma_fence();
+    if (mine) {
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; ++kk)
+        wgmma_ss<T, 1, 1>(dq, mnmajor<BC>(sdS, 16 * kk, 0), mnmajor<BC>(sK, 16 * kk, SPLIT ? cw : 0), kk);
+    }
+    wgmma_commit();  // (an empty group when not the owner)
 #pragma unroll
     for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dk, da[kk], mnmajor<BR>(sQ, 16 * kk, 0), 1);
     wgmma_commit();
-    fence_async_smem();
-    __syncthreads();  // dS^T of both warpgroups is in shared memory
-
-    if (D == 128) {
+    wgmma_wait<1>();  // dV and dQ; dK may still run
+    pin(dq);
+    pin(dv);
+    pin_regs(pa);
+    if (mine) {
+      // scale dQ to shared memory in the tensor map's boxes: buffer c's box j (columns 32j..)
+      // at sdQ + (c D / 32 + j) BR 128, rows of 128 bytes, 16-byte unit u of row r at
+      // u ^ (r % 8) (the 128-byte swizzle the bulk tensor copy reads).
+      const int buf = SPLIT ? 0 : par;
+      asm volatile("bar.sync %0, %1;\n" ::"r"(BWD_BAR_DQ_EMPTY(buf)), "n"(DQ_SYNC) : "memory");
+      const int col0 = SPLIT ? 64 * cw : 0;
+      const uint32_t base = sdQ + buf * (D / 32) * BR * 128;
 #pragma unroll
-      for (int kk = 0; kk < BC / 16; ++kk)
-        wgmma_ss<T, 1, 1>(dq, mnmajor<BC>(sdS, 16 * kk, 0), mnmajor<BC>(sK, 16 * kk, wg), kk);
-    } else {
+      for (int nn = 0; nn < 8; ++nn)
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_ss<T, 1, 1>(dq, mnmajor<BC>(sdS, kw + 16 * kk, 0), mnmajor<BC>(sK, kw + 16 * kk, 0), kk);
+        for (int r = 0; r < 2; ++r) {
+          const int row = 16 * warp + (lane >> 2) + 8 * r, col = col0 + nn * 8 + 2 * (lane & 3);
+          const uint32_t at = base + (col >> 5) * BR * 128 + row * 128 + ((((col & 31) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[nn][2 * r] * p.scale),
+                       "f"(dq[nn][2 * r + 1] * p.scale)
+                       : "memory");
+        }
+      fence_async_smem();
+      asm volatile("bar.arrive %0, %1;\n" ::"r"(BWD_BAR_DQ_FULL(buf)), "n"(DQ_SYNC) : "memory");
     }
-    wgmma_commit();
-    wgmma_wait<1>();  // dK: stage st is free for the next load once every warpgroup is here
+    wgmma_wait<0>();  // dK
     pin(dk);
     pin_regs(da);
-  }
-  wgmma_wait<0>();
-  if (it0 < nqt) {
-    pin(dq);
-    add_dq((nqt - 1) * BR);
+    if (lane == 0) mbar_arrive(empty(st));
   }
 
   store_dkdv<T, D>(p, bh, kidx, dk, dv, lane);
@@ -489,14 +577,14 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   extern "C" __global__ void __launch_bounds__(FwdCfg<D>::THREADS, 1)                                   \
       attnw_fwd_##SFX##_d##D(const AttnParams p, const __grid_constant__ TmaMap tq,                      \
                              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,       \
-                             const __grid_constant__ TmaMap tdo) {                                       \
+                             const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tdq) {  \
     attnw_fwd<T, D>(p, tq, tk, tv);                                                                      \
   }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                            \
+  extern "C" __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 1)                                   \
       attnw_bwd_##SFX##_d##D(const AttnParams p, const __grid_constant__ TmaMap tq,                      \
                              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,       \
-                             const __grid_constant__ TmaMap tdo) {                                       \
-    attnw_bwd<T, D>(p, tq, tk, tv, tdo);                                                                 \
+                             const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tdq) {  \
+    attnw_bwd<T, D>(p, tq, tk, tv, tdo, tdq);                                                            \
   }
 
 ATTNW_KERNELS(__nv_bfloat16, bf16, 64)

@@ -33,7 +33,7 @@
   } while (0)
 
 typedef void (*Kern)(const AttnParams);
-typedef void (*WKern)(const AttnParams, const TmaMap, const TmaMap, const TmaMap, const TmaMap);
+typedef void (*WKern)(const AttnParams, const TmaMap, const TmaMap, const TmaMap, const TmaMap, const TmaMap);
 
 struct Kernels {
   Kern fwd, bwd;
@@ -63,7 +63,7 @@ static size_t bwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2
 static int wfwd_rows(int d) { return d == 64 ? FwdCfg<64>::BR : FwdCfg<128>::BR; }
 static int wfwd_threads(int d) { return d == 64 ? FwdCfg<64>::THREADS : FwdCfg<128>::THREADS; }
 static size_t wfwd_smem(int d) { return (wfwd_rows(d) + 4 * 128) * d * 2 + 1024 + 128; }
-static size_t wbwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 4 * 64 * 4 + 1024 + 64; }
+static size_t wbwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 2 * 128 * 64) * 2 + 64 * 128 * 4 + 4 * 64 * 4 + 1024 + 64; }
 
 // The launcher's tensor map of a dense (B, H, L, D) operand with boxes of 64 x rows.
 static TmaMap tma_map(const void* ptr, bool bf16, int B, int H, int L, int D, int rows) {
@@ -82,6 +82,31 @@ static TmaMap tma_map(const void* ptr, bool bf16, int B, int H, int L, int D, in
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     printf("cuTensorMapEncodeTiled failed: %d\n", (int)r);
+    exit(1);
+  }
+  TmaMap t;
+  memcpy(&t, &m, sizeof t);
+  return t;
+}
+
+// The f32 dq accumulator (slabs, b h, Lq, D) for the backward's bulk reductions: boxes of
+// 32 columns x 64 rows, 128-byte swizzle.
+static TmaMap tma_map_dq(const float* ptr, int BH, int L, int D, int slabs) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (!encode) {
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void**)&encode, 12000, cudaEnableDefault, &q));
+  }
+  CUtensorMap m;
+  cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)L, (cuuint64_t)BH, (cuuint64_t)slabs};
+  cuuint64_t strides[3] = {(cuuint64_t)D * 4, (cuuint64_t)L * D * 4, (cuuint64_t)BH * L * D * 4};
+  cuuint32_t box[4] = {32, 64, 1, 1};
+  cuuint32_t es[4] = {1, 1, 1, 1};
+  CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, (void*)ptr, dims, strides, box, es,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    printf("cuTensorMapEncodeTiled (dq) failed: %d\n", (int)r);
     exit(1);
   }
   TmaMap t;
@@ -133,7 +158,8 @@ template <typename T> struct Run {
     if (wg)
       k.wfwd<<<dim3((c.Lq + wfwd_rows(c.D) - 1) / wfwd_rows(c.D), bh), wfwd_threads(c.D), wfwd_smem(c.D)>>>(
           p, tma_map(q, bf, c.B, c.H, c.Lq, c.D, wfwd_rows(c.D)), tma_map(kk, bf, c.B, c.H, c.Lk, c.D, 128),
-          tma_map(v, bf, c.B, c.H, c.Lk, c.D, 128), tma_map(dout, bf, c.B, c.H, c.Lq, c.D, 64));
+          tma_map(v, bf, c.B, c.H, c.Lk, c.D, 128), tma_map(dout, bf, c.B, c.H, c.Lq, c.D, 64),
+          tma_map_dq(acc, c.B * c.H, c.Lq, c.D, 1));
     else
       k.fwd<<<dim3((c.Lq + 127) / 128, bh), 128, fwd_smem(c.D)>>>(p);
   }
@@ -143,9 +169,10 @@ template <typename T> struct Run {
     k.pre<<<1024, 256>>>(p);
     const bool bf = std::is_same<T, __nv_bfloat16>::value;
     if (wg)
-      k.wbwd<<<dim3((c.Lk + 127) / 128, bh), 256, wbwd_smem(c.D)>>>(
+      k.wbwd<<<dim3((c.Lk + 127) / 128, bh), 384, wbwd_smem(c.D)>>>(
           p, tma_map(q, bf, c.B, c.H, c.Lq, c.D, 64), tma_map(kk, bf, c.B, c.H, c.Lk, c.D, 128),
-          tma_map(v, bf, c.B, c.H, c.Lk, c.D, 128), tma_map(dout, bf, c.B, c.H, c.Lq, c.D, 64));
+          tma_map(v, bf, c.B, c.H, c.Lk, c.D, 128), tma_map(dout, bf, c.B, c.H, c.Lq, c.D, 64),
+          tma_map_dq(acc, c.B * c.H, c.Lq, c.D, 1));
     else
       k.bwd<<<dim3((c.Lk + 127) / 128, bh), 256, bwd_smem(c.D)>>>(p);
     k.dq<<<1024, 256>>>(acc, dq, nq);
@@ -264,13 +291,13 @@ template <typename T> static bool check(Case c, const char* ty, uint64_t seed) {
   return ok;
 }
 
-template <typename T> static void timeit(Case c) {
+template <typename T> static void timeit(Case c, bool only_wg = false) {
   Run<T> r = make<T>(c, 7);
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
   const double flops = 4.0 * c.B * c.H * (double)c.Lq * c.Lk * c.D / (c.causal ? 2 : 1);
-  for (int wg = 0; wg < 2; ++wg) {
+  for (int wg = only_wg ? 1 : 0; wg < 2; ++wg) {
     float ms[2];
     for (int pass = 0; pass < 2; ++pass) {
       for (int i = 0; i < 3; ++i) pass ? r.bwd(wg) : r.fwd(wg);
@@ -301,8 +328,22 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fwd_smem(128)));
   for (Kern f : {(Kern)attn_bwd_bf16_d128, (Kern)attn_bwd_bf16_d64, (Kern)attn_bwd_f16_d128, (Kern)attn_bwd_f16_d64})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bwd_smem(128)));
-  if (time_only) {
-    timeit<__nv_bfloat16>({1, 24, 4608, 4608, 128, false, false});
+  if (time_only) {  // "t": the Flux shape; "t64": SD3.5's; "tab": benches/attention.rs's shapes
+    if (strcmp(argv[1], "tab") == 0) {
+      const Case tab[] = {{1, 24, 4608, 4608, 128, false, false}, {1, 24, 4608, 4608, 128, true, false},
+                          {16, 16, 1024, 1024, 128, false, false}, {16, 16, 1024, 1024, 128, true, false},
+                          {4, 16, 4096, 4096, 128, false, false},  {4, 16, 4096, 4096, 128, true, false},
+                          {1, 16, 16384, 16384, 128, false, false}, {1, 16, 16384, 16384, 128, true, false},
+                          {16, 32, 1024, 1024, 64, false, false},  {16, 32, 1024, 1024, 64, true, false},
+                          {4, 32, 4096, 4096, 64, false, false},   {4, 32, 4096, 4096, 64, true, false},
+                          {1, 32, 16384, 16384, 64, false, false}, {1, 32, 16384, 16384, 64, true, false}};
+      const int only_d = argc > 2 ? atoi(argv[2]) : 0;  // "tab 64": D = 64 alone
+      for (const Case& c : tab)
+        if (!only_d || c.D == only_d) timeit<__nv_bfloat16>(c, true);
+    } else if (strcmp(argv[1], "t64") == 0)
+      timeit<__nv_bfloat16>({1, 38, 4250, 4250, 64, false, false});
+    else
+      timeit<__nv_bfloat16>({1, 24, 4608, 4608, 128, false, false});
     return 0;
   }
   int fails = 0;

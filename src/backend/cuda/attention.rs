@@ -119,18 +119,50 @@ unsafe impl DeviceRepr for TmaMap {}
 /// batch (`tma_tile` in cuda/attention_wgmma.cu). `None` when the driver refuses the view
 /// (a stride of 0 over more than one element); the caller then takes the mma.sync kernels.
 fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<(TmaMap, u32)> {
-    use cudarc::driver::sys;
+    use cudarc::driver::sys::CUtensorMapDataType as Ty;
     let TmaLayout {
         global_dim,
         global_strides,
         box_dim,
         order,
     } = tma_layout(v, dims, rows)?;
-    let element_strides = [1u32; 4];
     let ty = match dtype {
-        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        DType::BF16 => Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        _ => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
     };
+    Some((
+        encode_tma(v.ptr, ty, global_dim, global_strides, box_dim)?,
+        order,
+    ))
+}
+
+/// The tensor map of the backward's f32 dq accumulator, (slabs, B H, Lq, D) dense, for the
+/// wgmma backward's bulk reductions (stores of the deterministic mode's slabs): boxes of 32
+/// columns x 64 rows, 128-byte swizzle (the dQ tiles' layout in shared memory).
+fn tma_map_dq(ptr: u64, bh: usize, lq: usize, d: usize, slabs: usize) -> Option<TmaMap> {
+    use cudarc::driver::sys::CUtensorMapDataType as Ty;
+    let row = d as u64 * 4;
+    encode_tma(
+        ptr,
+        Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        [d as u64, lq as u64, bh as u64, slabs as u64],
+        [row, row * lq as u64, row * (lq * bh) as u64],
+        [32, WG_BWD_ROWS as u32, 1, 1],
+    )
+}
+
+/// `cuTensorMapEncodeTiled` of a 4-d tensor at `ptr`: dims innermost first, byte strides of
+/// dims 1-3, the box; 128-byte swizzle, elements past the dims read as zeros and not written.
+/// `None` when the driver refuses it.
+fn encode_tma(
+    ptr: u64,
+    ty: cudarc::driver::sys::CUtensorMapDataType,
+    global_dim: [u64; 4],
+    global_strides: [u64; 3],
+    box_dim: [u32; 4],
+) -> Option<TmaMap> {
+    use cudarc::driver::sys;
+    let element_strides = [1u32; 4];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: every pointer refers to a live local array of the length the rank (4) implies;
     // the driver only writes the descriptor and reads the arrays.
@@ -139,7 +171,7 @@ fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<(TmaMa
             map.as_mut_ptr(),
             ty,
             4,
-            v.ptr as *mut std::ffi::c_void,
+            ptr as *mut std::ffi::c_void,
             global_dim.as_ptr(),
             global_strides.as_ptr(),
             box_dim.as_ptr(),
@@ -155,7 +187,7 @@ fn tma_map(v: &View, dims: [usize; 4], rows: u32, dtype: DType) -> Option<(TmaMa
     }
     // SAFETY: the driver initialised the descriptor (CUDA_SUCCESS); it is 16 u64s.
     let map = unsafe { map.assume_init() };
-    Some((TmaMap(map.opaque), order))
+    Some(TmaMap(map.opaque))
 }
 
 /// Tile sizes, as cuda/attention.cu sets them: the forward's 4 warps take 128 queries and
@@ -200,9 +232,10 @@ fn bwd_smem(d: usize) -> usize {
 /// The wgmma kernels (cuda/attention_wgmma.cu). The forward is warp-specialised: a producer
 /// warpgroup and `wg_fwd_consumers(d)` consumer warpgroups of 64 queries each (3 at D = 64,
 /// 2 at D = 128), walking keys in tiles of 128 through two stages of K and V. The backward
-/// has two warpgroups, takes 128 keys and walks queries in tiles of 64. Tiles come by TMA
+/// has three warpgroups (a producer and dQ writer, two consumers of 64 keys each), takes 128
+/// keys and walks queries in tiles of 64. Tiles come by TMA
 /// (`tma_map`) and start 1024-aligned, hence the extra KiB.
-const WG_THREADS: u32 = 256;
+const WG_BWD_THREADS: u32 = 384;
 const WG_FWD_KEYS: usize = 128;
 const WG_FWD_STAGES: usize = 2;
 const WG_BWD_KEYS: usize = 128;
@@ -231,8 +264,10 @@ fn wg_fwd_smem(d: usize) -> usize {
 }
 
 fn wg_bwd_smem(d: usize) -> usize {
-    // K, V, two stages of Q and dO, dS^T; two stages of lse and dvec; the TMA barriers.
-    (2 * WG_BWD_KEYS * d + 4 * WG_BWD_ROWS * d + WG_BWD_KEYS * WG_BWD_ROWS) * 2
+    // K, V, two stages of Q and dO, two buffers of dS^T; the f32 dQ tiles (one of 64 x 128 at
+    // D = 128, two of 64 x 64 at D = 64); two stages of lse and dvec; the TMA barriers.
+    (2 * WG_BWD_KEYS * d + 4 * WG_BWD_ROWS * d + 2 * WG_BWD_KEYS * WG_BWD_ROWS) * 2
+        + WG_BWD_ROWS * 128 * 4
         + 4 * WG_BWD_ROWS * 4
         + 1024
         + 64
@@ -390,7 +425,7 @@ fn launch_attention(
     kernel: String,
     (blocks, threads, smem): (usize, u32, usize),
     p: &Params,
-    maps: Option<&[TmaMap; 4]>,
+    maps: Option<&[TmaMap; 5]>,
 ) -> Result<()> {
     super::allow_shared_memory(dev, module, &kernel, smem)?;
     let cfg = LaunchConfig {
@@ -399,7 +434,7 @@ fn launch_attention(
         shared_mem_bytes: smem as u32,
     };
     match maps {
-        Some([tq, tk, tv, tdo]) => launch!(dev, module, kernel, cfg, p, tq, tk, tv, tdo),
+        Some([tq, tk, tv, tdo, tdq]) => launch!(dev, module, kernel, cfg, p, tq, tk, tv, tdo, tdq),
         None => launch!(dev, module, kernel, cfg, p),
     }
 }
@@ -476,7 +511,8 @@ fn launch_all<T: Elem>(
                     wg_fwd_smem(d),
                 ),
                 p,
-                Some(maps),
+                // The forward reads no dq accumulator: q's descriptor stands in.
+                Some(&[maps[0], maps[1], maps[2], maps[3], maps[0]]),
             )?,
             None => launch_attention(
                 dev,
@@ -491,19 +527,19 @@ fn launch_all<T: Elem>(
     }
     let n = bh * lq * d;
     let sms = dev.sm_count().max(1);
-    // Key blocks of a backward block, and dQ slabs per key block in the deterministic mode
-    // (two in the wgmma kernels at D = 64, whose warpgroups both add to every column).
-    let (keys, per_block) = match &wg {
-        Some(_) => (WG_BWD_KEYS, if d == 64 { 2 } else { 1 }),
-        None => (BWD_KEYS, 1),
+    // Keys of a backward block. The deterministic mode gives each key block a dQ slab (every
+    // kernel sums a query tile's dQ over its block's keys before adding it).
+    let keys = match &wg {
+        Some(_) => WG_BWD_KEYS,
+        None => BWD_KEYS,
     };
     let blocks = lk.div_ceil(keys);
     let det = super::deterministic();
     let chunk = match det {
-        true => deterministic_chunk(blocks, per_block, bh, n, sms),
+        true => deterministic_chunk(blocks, bh, n, sms),
         false => blocks,
     };
-    p.dq_parts = if det { (chunk * per_block) as i32 } else { 0 };
+    p.dq_parts = if det { chunk as i32 } else { 0 };
     let dvec = dev.alloc::<f32>(bh * lq)?;
     // The accumulator, or the deterministic mode's slabs and their running sum.
     let acc = dev.alloc::<f32>(n * (p.dq_parts.max(1) as usize))?;
@@ -519,6 +555,20 @@ fn launch_all<T: Elem>(
     p.dq_acc = acc.raw(dev);
     p.dk = dk.raw(dev);
     p.dv = dv.raw(dev);
+    // The wgmma backward adds dQ tiles to the accumulator (or stores the slabs) through a
+    // tensor map of it.
+    let wg = match wg {
+        Some((wm, [q, k, v, dout])) => {
+            let tdq = tma_map_dq(p.dq_acc, bh, lq, d, p.dq_parts.max(1) as usize).ok_or_else(|| {
+                Error::Cuda(format!(
+                    "the driver refused a tensor map of the attention dq accumulator ({} slabs of {bh} x {lq} x {d} f32)",
+                    p.dq_parts.max(1)
+                ))
+            })?;
+            Some((wm, [q, k, v, dout, tdq]))
+        }
+        None => None,
+    };
     launch!(
         dev,
         module,
@@ -534,7 +584,7 @@ fn launch_all<T: Elem>(
                 dev,
                 wm,
                 format!("attnw_bwd_{}_d{d}", T::SFX),
-                (launched, WG_THREADS, wg_bwd_smem(d)),
+                (launched, WG_BWD_THREADS, wg_bwd_smem(d)),
                 p,
                 Some(maps),
             )?,
@@ -548,8 +598,8 @@ fn launch_all<T: Elem>(
             )?,
         }
         if let Some(total) = &mut total {
-            let (parts, first) = ((launched * per_block) as i32, i32::from(i == 0));
-            let (dd, blocks0, per, kk) = (d as i32, kb0 as i32, per_block as i32, keys as i32);
+            let (parts, first) = (launched as i32, i32::from(i == 0));
+            let (dd, blocks0, kk) = (d as i32, kb0 as i32, keys as i32);
             launch!(
                 dev,
                 module,
@@ -564,7 +614,6 @@ fn launch_all<T: Elem>(
                 &p.lq,
                 &p.causal,
                 &blocks0,
-                &per,
                 &kk
             )?;
         }
@@ -574,7 +623,7 @@ fn launch_all<T: Elem>(
         dev,
         module,
         format!("attn_dq_{}", T::SFX),
-        grid_for(n, sms),
+        grid_for(n / 4, sms),
         &*total.as_ref().unwrap_or(&acc).slice,
         &mut *dq.slice,
         &n
@@ -583,11 +632,11 @@ fn launch_all<T: Elem>(
 }
 
 /// Key blocks per launch of the deterministic backward: enough for two blocks per SM over
-/// the batch x heads, or as many as 512 MiB of slabs (`n` f32 values each, `per_block` per
-/// key block) hold, whichever is more; at least 1, at most all `blocks`.
-fn deterministic_chunk(blocks: usize, per_block: usize, bh: usize, n: usize, sms: usize) -> usize {
+/// the batch x heads, or as many as 512 MiB of slabs (`n` f32 values each, one per key
+/// block) hold, whichever is more; at least 1, at most all `blocks`.
+fn deterministic_chunk(blocks: usize, bh: usize, n: usize, sms: usize) -> usize {
     let fill = (2 * sms).div_ceil(bh.max(1));
-    let fit = (512usize << 20) / (n * 4 * per_block).max(1);
+    let fit = (512usize << 20) / (n * 4).max(1);
     fill.max(fit).clamp(1, blocks.max(1))
 }
 
@@ -600,11 +649,11 @@ mod tests {
         // Flux (B 1, H 24, L 4608, D 128) on 132 SMs: 36 key blocks, 11 a launch (fill) beat
         // the 9 slabs of 56.6 MB that 512 MiB holds.
         let flux = 24 * 4608 * 128;
-        assert_eq!(deterministic_chunk(36, 1, 24, flux, 132), 11);
+        assert_eq!(deterministic_chunk(36, 24, flux, 132), 11);
         // Short sequences: every key block in one launch.
-        assert_eq!(deterministic_chunk(3, 2, 32, 32 * 333 * 64, 132), 3);
+        assert_eq!(deterministic_chunk(3, 32, 32 * 333 * 64, 132), 3);
         // Huge slabs on a small GPU: one key block a launch.
-        assert_eq!(deterministic_chunk(128, 1, 64, 64 * 16384 * 128, 1), 1);
+        assert_eq!(deterministic_chunk(128, 64, 64 * 16384 * 128, 1), 1);
     }
 
     fn view(sb: i64, sh: i64, sr: i64) -> View {

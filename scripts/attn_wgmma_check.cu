@@ -9,7 +9,9 @@
 //   . ../shared/gpu/nvcc-env
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -L$(dirname $(which nvcc))/../lib \
 //     -Icuda scripts/attn_wgmma_check.cu -o .gpu/attn_check
-// Run there: `.gpu/attn_check` (checks, then timings) or `.gpu/attn_check t` (the Flux timing).
+// Run there: `.gpu/attn_check` (checks, then timings), `.gpu/attn_check t` (the Flux timing),
+// `t64` (SD3.5's), `tab` (the wgmma kernels alone at benches/attention.rs's shapes; `tab 64`:
+// its D = 64 rows).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>

@@ -3,7 +3,9 @@
 // FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608): operands read by the tensor cores
 // straight from shared memory in the 128-byte-swizzled layout wgmma defines, probabilities
 // fed from registers, products issued asynchronously so the softmax and the gradient algebra
-// of one warpgroup run while its next product is in flight and the other warpgroup computes.
+// of one warpgroup run while its next product is in flight and the other warpgroups compute.
+// Both kernels are warp-specialised: producer warps (registers given away with setmaxnreg)
+// load the tiles and, in the backward, write dQ; consumer warpgroups do the products.
 //
 // Same parameters, masks (key padding, causal with key j visible to query i iff j <= i),
 // strided q/k/v/o/do views, outputs and dq accumulator as attention.cu; head dims 64 and 128,
@@ -571,8 +573,9 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   store_dkdv<T, D>(p, bh, kidx, dk, dv, lane);
 }
 
-// The TMA descriptors of q, k, v and do (the forward ignores do's); q's boxes are 128 rows in
-// the forward, 64 in the backward, k's and v's 128.
+// The TMA descriptors of q, k, v, do and the f32 dq accumulator (the forward ignores do's and
+// dq's): q's boxes are FwdCfg<D>::BR rows in the forward (128 at D = 128, 192 at D = 64) and
+// 64 in the backward, k's and v's 128, dq's 64 rows x 32 columns (`tma_map_dq`).
 #define ATTNW_KERNELS(T, SFX, D)                                                                         \
   extern "C" __global__ void __launch_bounds__(FwdCfg<D>::THREADS, 1)                                   \
       attnw_fwd_##SFX##_d##D(const AttnParams p, const __grid_constant__ TmaMap tq,                      \

@@ -363,7 +363,7 @@ section! {
         /// Deterministic CUDA kernels: attention's dQ summed over key blocks in a fixed order
         /// instead of with atomic adds, so every step gives the same bits and a run resumes
         /// bit for bit on CUDA too; costs speed and memory (Flux-dev at 1024² on an H100:
-        /// 488 ms a step against 437, 0.45 GiB more at the peak, which the memory planner
+        /// 459 ms a step against 418, 0.45 GiB more at the peak, which the memory planner
         /// does not count). Also FLAME_DETERMINISTIC=1.
         deterministic: bool = false,
     }

@@ -140,8 +140,8 @@ static DETERMINISTIC: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8:
 /// blocks in a fixed order (each key block of a launch stores its part in an f32 slab of its
 /// own, and the slabs are added in order to a running sum) instead of with atomic adds whose
 /// order varies between runs, so a step's results are the same bits every time and a bf16
-/// run on CUDA resumes exactly. The cost, on an H100: the Flux-dev LoRA step at 1024² 488 ms
-/// against 437, its peak 0.45 GiB higher (slabs for 11 key blocks of 128 at a time, at most
+/// run on CUDA resumes exactly. The cost, on an H100: the Flux-dev LoRA step at 1024² 459 ms
+/// against 418, its peak 0.45 GiB higher (slabs for 11 key blocks of 128 at a time, at most
 /// about 512 MiB where that fills the GPU). Every other kernel is deterministic already.
 pub fn set_deterministic(on: bool) {
     DETERMINISTIC.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);

@@ -233,8 +233,8 @@ fn bwd_smem(d: usize) -> usize {
 /// warpgroup and `wg_fwd_consumers(d)` consumer warpgroups of 64 queries each (3 at D = 64,
 /// 2 at D = 128), walking keys in tiles of 128 through two stages of K and V. The backward
 /// has three warpgroups (a producer and dQ writer, two consumers of 64 keys each), takes 128
-/// keys and walks queries in tiles of 64. Tiles come by TMA
-/// (`tma_map`) and start 1024-aligned, hence the extra KiB.
+/// keys and walks queries in tiles of 64, adding dQ through a tensor map of the accumulator
+/// (`tma_map_dq`). Tiles come by TMA (`tma_map`) and start 1024-aligned, hence the extra KiB.
 const WG_BWD_THREADS: u32 = 384;
 const WG_FWD_KEYS: usize = 128;
 const WG_FWD_STAGES: usize = 2;

@@ -77,11 +77,6 @@ __device__ __forceinline__ void tma_tile(uint32_t tile, const TmaMap& m, uint32_
         : "memory");
 }
 
-// 4 bytes global -> shared, asynchronously; zero when !valid.
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
-}
-
 // K-major operand: rows [row0, row0 + 64 or N) of a tile of R rows, k16 step kk.
 template <int R> __device__ __forceinline__ uint64_t kmajor(uint32_t tile, int row0, int kk) {
   return sw128_desc(tile + (kk >> 2) * (R * 128) + row0 * 128 + (kk & 3) * 32, 16, 1024);
@@ -521,12 +516,13 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     // tile's owner (alternating) takes all, and the other consumer only hands its dS^T over.
     // (The other dS^T buffer is free: the stages keep the consumers within a tile of each
     // other, and each finishes its dQ product of a tile before it releases the tile's stage.)
-    const int par = (it - it0) & 1;
-    const bool mine = SPLIT || par == cw;
-    if (SPLIT || mine)
-      asm volatile("bar.sync %0, 256;\n" ::"r"(BWD_BAR_DS(SPLIT ? 0 : par)) : "memory");
+    // buf: the tile's parity when the owner alternates (its dS barrier and dQ buffer), else 0.
+    const int buf = SPLIT ? 0 : (it - it0) & 1;
+    const bool mine = SPLIT || buf == cw;
+    if (mine)
+      asm volatile("bar.sync %0, 256;\n" ::"r"(BWD_BAR_DS(buf)) : "memory");
     else
-      asm volatile("bar.arrive %0, 256;\n" ::"r"(BWD_BAR_DS(par)) : "memory");
+      asm volatile("bar.arrive %0, 256;\n" ::"r"(BWD_BAR_DS(buf)) : "memory");
 
     float dq[8][4];  // m64n64: 64 queries x 64 columns (of chunk cw at D = 128)
     wgmma_fence();
@@ -547,7 +543,6 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
       // scale dQ to shared memory in the tensor map's boxes: buffer c's box j (columns 32j..)
       // at sdQ + (c D / 32 + j) BR 128, rows of 128 bytes, 16-byte unit u of row r at
       // u ^ (r % 8) (the 128-byte swizzle the bulk tensor copy reads).
-      const int buf = SPLIT ? 0 : par;
       asm volatile("bar.sync %0, %1;\n" ::"r"(BWD_BAR_DQ_EMPTY(buf)), "n"(DQ_SYNC) : "memory");
       const int col0 = SPLIT ? 64 * cw : 0;
       const uint32_t base = sdQ + buf * (D / 32) * BR * 128;

@@ -67,21 +67,19 @@ static int wfwd_threads(int d) { return d == 64 ? FwdCfg<64>::THREADS : FwdCfg<1
 static size_t wfwd_smem(int d) { return (wfwd_rows(d) + 4 * 128) * d * 2 + 1024 + 128; }
 static size_t wbwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 2 * 128 * 64) * 2 + 64 * 128 * 4 + 4 * 64 * 4 + 1024 + 64; }
 
-// The launcher's tensor map of a dense (B, H, L, D) operand with boxes of 64 x rows.
-static TmaMap tma_map(const void* ptr, bool bf16, int B, int H, int L, int D, int rows) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (!encode) {
+// cuTensorMapEncodeTiled of a 4-d tensor (dims innermost first, byte strides of dims 1-3),
+// 128-byte swizzle, as the crate's encode_tma.
+static TmaMap encode(CUtensorMapDataType ty, const void* ptr, const cuuint64_t (&dims)[4],
+                     const cuuint64_t (&strides)[3], const cuuint32_t (&box)[4]) {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (!fn) {
     cudaDriverEntryPointQueryResult q;
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void**)&encode, 12000, cudaEnableDefault, &q));
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void**)&fn, 12000, cudaEnableDefault, &q));
   }
   CUtensorMap m;
-  cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)L, (cuuint64_t)H, (cuuint64_t)B};
-  cuuint64_t strides[3] = {(cuuint64_t)D * 2, (cuuint64_t)L * D * 2, (cuuint64_t)H * L * D * 2};
-  cuuint32_t box[4] = {64, (cuuint32_t)rows, 1, 1};
-  cuuint32_t es[4] = {1, 1, 1, 1};
-  CUresult r = encode(&m, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, (void*)ptr, dims,
-                      strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const cuuint32_t es[4] = {1, 1, 1, 1};
+  CUresult r = fn(&m, ty, 4, (void*)ptr, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     printf("cuTensorMapEncodeTiled failed: %d\n", (int)r);
     exit(1);
@@ -91,29 +89,21 @@ static TmaMap tma_map(const void* ptr, bool bf16, int B, int H, int L, int D, in
   return t;
 }
 
+// The launcher's tensor map of a dense (B, H, L, D) operand with boxes of 64 x rows.
+static TmaMap tma_map(const void* ptr, bool bf16, int B, int H, int L, int D, int rows) {
+  const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)L, (cuuint64_t)H, (cuuint64_t)B};
+  const cuuint64_t strides[3] = {(cuuint64_t)D * 2, (cuuint64_t)L * D * 2, (cuuint64_t)H * L * D * 2};
+  const cuuint32_t box[4] = {64, (cuuint32_t)rows, 1, 1};
+  return encode(bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, ptr, dims, strides, box);
+}
+
 // The f32 dq accumulator (slabs, b h, Lq, D) for the backward's bulk reductions: boxes of
-// 32 columns x 64 rows, 128-byte swizzle.
+// 32 columns x 64 rows.
 static TmaMap tma_map_dq(const float* ptr, int BH, int L, int D, int slabs) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (!encode) {
-    cudaDriverEntryPointQueryResult q;
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void**)&encode, 12000, cudaEnableDefault, &q));
-  }
-  CUtensorMap m;
-  cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)L, (cuuint64_t)BH, (cuuint64_t)slabs};
-  cuuint64_t strides[3] = {(cuuint64_t)D * 4, (cuuint64_t)L * D * 4, (cuuint64_t)BH * L * D * 4};
-  cuuint32_t box[4] = {32, 64, 1, 1};
-  cuuint32_t es[4] = {1, 1, 1, 1};
-  CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, (void*)ptr, dims, strides, box, es,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    printf("cuTensorMapEncodeTiled (dq) failed: %d\n", (int)r);
-    exit(1);
-  }
-  TmaMap t;
-  memcpy(&t, &m, sizeof t);
-  return t;
+  const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)L, (cuuint64_t)BH, (cuuint64_t)slabs};
+  const cuuint64_t strides[3] = {(cuuint64_t)D * 4, (cuuint64_t)L * D * 4, (cuuint64_t)BH * L * D * 4};
+  const cuuint32_t box[4] = {32, 64, 1, 1};
+  return encode(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ptr, dims, strides, box);
 }
 
 struct Case {

@@ -475,8 +475,9 @@ fn launch_all<T: Elem>(
     let maps = |p: &Params| -> Option<[(TmaMap, u32); 4]> {
         let dt = T::DTYPE;
         let q = tma_map(&p.q, qd, rows, dt)?;
-        let k = tma_map(&p.k, kd, WG_FWD_KEYS as u32, dt)?;
-        let v = tma_map(&p.v, kd, WG_FWD_KEYS as u32, dt)?;
+        let keys = if fwd { WG_FWD_KEYS } else { WG_BWD_KEYS } as u32;
+        let k = tma_map(&p.k, kd, keys, dt)?;
+        let v = tma_map(&p.v, kd, keys, dt)?;
         // The forward reads no do: q's descriptor stands in.
         let dout = if fwd {
             q

@@ -141,18 +141,31 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
   const uint32_t sQ = (smem_u32(smem) + 1023) & ~1023u;
   const uint32_t sK0 = sQ + BR * D * 2;  // K stage s at sK0 + s KV
   const uint32_t sV0 = sK0 + ST * KV;    // V stage s at sV0 + s KV
-  // Barriers: Q; K full, V full, K empty, V empty, ST each.
+  // Barriers: Q full; K full, V full, K empty, V empty, ST each; Q empty.
   const uint32_t sBar = sV0 + ST * KV;
   auto fullK = [&](int s) { return sBar + 8 + 8 * s; };
   auto fullV = [&](int s) { return sBar + 8 + 8 * (ST + s); };
   auto emptyK = [&](int s) { return sBar + 8 + 8 * (2 * ST + s); };
   auto emptyV = [&](int s) { return sBar + 8 + 8 * (3 * ST + s); };
+  const uint32_t emptyQ = sBar + 8 + 8 * 4 * ST;
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-  // Causal: the query blocks with the most keys first (a shorter tail of the grid).
-  const int q0 = (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR;
-  const int kend = p.causal ? min(p.Lk, min(q0 + BR, p.Lq)) : p.Lk;
-  const int nkt = (kend + BC - 1) / BC;
+  // The work: nq query blocks of BR rows for each of the B H heads, a head's blocks side by
+  // side (its K and V shared in L2; all heads' heaviest blocks first ran a causal L 1024,
+  // D 128 at 252 TFLOP/s against 306 on an H100: the K/V of 132 heads at once thrash L2),
+  // causal ones with the most keys first. One tile per block of a full grid, or several per
+  // block of a persistent grid (fewer blocks than tiles: tile t, t + G, ... for G blocks; the
+  // next tile's Q and first K/V tiles load while this one's output is written).
+  const int nq = (p.Lq + BR - 1) / BR, ntiles = nq * p.B * p.H;
+  const int G = gridDim.x * gridDim.y, t0 = blockIdx.x + gridDim.x * blockIdx.y;
+  struct Tile {
+    int q0, bh, nkt;
+  };
+  auto tile = [&](int t) {
+    const int qb = p.causal ? nq - 1 - t % nq : t % nq, bh = t / nq;
+    const int q0 = qb * BR;
+    const int kend = p.causal ? min(p.Lk, min(q0 + BR, p.Lq)) : p.Lk;
+    return Tile{q0, bh, (kend + BC - 1) / BC};
+  };
 
   if (tid == 0) {
     mbar_init(sBar, 1);
@@ -162,6 +175,7 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
       mbar_init(emptyK(s), 4 * NC);  // lane 0 of every consumer warp
       mbar_init(emptyV(s), 4 * NC);
     }
+    mbar_init(emptyQ, 4 * NC);
     mbar_init_fence();
   }
   __syncthreads();
@@ -169,17 +183,23 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
   if (wg == 0) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS));
     if (tid == 0) {
-      mbar_expect(sBar, BR * D * 2);
-      tma_tile<BR, D>(sQ, tq, sBar, q0, h, b, p.tma_order & 63);
-      for (int j = 0; j < nkt; ++j) {
-        const int s = j % ST;
-        const uint32_t ph = ((j / ST) + 1) & 1;  // the previous use's phase
-        if (j >= ST) mbar_wait(emptyK(s), ph);
-        mbar_expect(fullK(s), KV);
-        tma_tile<BC, D>(sK0 + s * KV, tk, fullK(s), j * BC, h, b, (p.tma_order >> 6) & 63);
-        if (j >= ST) mbar_wait(emptyV(s), ph);
-        mbar_expect(fullV(s), KV);
-        tma_tile<BC, D>(sV0 + s * KV, tv, fullV(s), j * BC, h, b, (p.tma_order >> 12) & 63);
+      int it = 0;  // K/V tiles loaded so far, over the block's tiles: stage it % ST
+      for (int t = t0, ti = 0; t < ntiles; t += G, ++ti) {
+        const Tile w = tile(t);
+        const int b = w.bh / p.H, h = w.bh % p.H;
+        if (ti > 0) mbar_wait(emptyQ, (ti - 1) & 1);  // the last tile's S products are done
+        mbar_expect(sBar, BR * D * 2);
+        tma_tile<BR, D>(sQ, tq, sBar, w.q0, h, b, p.tma_order & 63);
+        for (int j = 0; j < w.nkt; ++j, ++it) {
+          const int s = it % ST;
+          const uint32_t ph = ((it / ST) + 1) & 1;  // the previous use's phase
+          if (it >= ST) mbar_wait(emptyK(s), ph);
+          mbar_expect(fullK(s), KV);
+          tma_tile<BC, D>(sK0 + s * KV, tk, fullK(s), j * BC, h, b, (p.tma_order >> 6) & 63);
+          if (it >= ST) mbar_wait(emptyV(s), ph);
+          mbar_expect(fullV(s), KV);
+          tma_tile<BC, D>(sV0 + s * KV, tv, fullV(s), j * BC, h, b, (p.tma_order >> 12) & 63);
+        }
       }
     }
     return;
@@ -187,114 +207,130 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS));
   const int cw = wg - 1;  // consumer index
-  const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
   const float sl2 = p.scale_log2;
-  const int rbase = q0 + 64 * cw + 16 * warp;  // this warp's first query
-  const int qrow0 = rbase + (lane >> 2);       // + 8 r
-  // The turn ring: consumer c waits at barrier 1 + c, then passes the turn to c + 1.
+  // The turn ring: consumer c waits at barrier 1 + c, then passes the turn to c + 1; it runs
+  // on over the block's tiles.
   const int my_turn = 1 + cw, next_turn = 1 + (cw + 1) % NC;
-  if (cw == NC - 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // consumer 0 goes first
+  if (cw == NC - 1 && t0 < ntiles) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // consumer 0 goes first
 
   float o[NB][4];
-  zero(o);
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float m[2], l[2];
   float s[BC / 8][4];
   uint32_t a[BC / 16][4];
-  mbar_wait(sBar, 0);
+  int it0 = 0;  // K/V tiles before this tile's
+  for (int t = t0, ti = 0; t < ntiles; t += G, ++ti) {
+    const Tile w = tile(t);
+    const int b = w.bh / p.H, h = w.bh % p.H, nkt = w.nkt;
+    const bool last_tile = t + G >= ntiles;
+    const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
+    const int rbase = w.q0 + 64 * cw + 16 * warp;  // this warp's first query
+    const int qrow0 = rbase + (lane >> 2);         // + 8 r
+    zero(o);
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+    mbar_wait(sBar, ti & 1);
 
-  auto pv = [&](int j) {
-    const uint32_t sV = sV0 + (j % ST) * KV;
+    auto pv = [&](int j) {
+      const uint32_t sV = sV0 + ((it0 + j) % ST) * KV;
 #pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, 1>(o, a[kk], mnmajor<BC>(sV, 16 * kk, 0), 1);
-    wgmma_commit();
-  };
-  // S_j issued in this consumer's turn, with PV_{j-1} behind it when j > 0.
-  auto issue = [&](int j, bool with_pv) {
-    const int st = j % ST;
-    mbar_wait(fullK(st), (j / ST) & 1);
-    if (with_pv) mbar_wait(fullV((j - 1) % ST), ((j - 1) / ST) & 1);
-    asm volatile("bar.sync %0, 256;\n" ::"r"(my_turn) : "memory");
-    wgmma_fence();
+      for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, 1>(o, a[kk], mnmajor<BC>(sV, 16 * kk, 0), 1);
+      wgmma_commit();
+    };
+    // S_j issued in this consumer's turn, with PV_{j-1} behind it when j > 0.
+    auto issue = [&](int j, bool with_pv) {
+      const int st = (it0 + j) % ST;
+      mbar_wait(fullK(st), ((it0 + j) / ST) & 1);
+      if (with_pv) mbar_wait(fullV((it0 + j - 1) % ST), ((it0 + j - 1) / ST) & 1);
+      asm volatile("bar.sync %0, 256;\n" ::"r"(my_turn) : "memory");
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T, 0, 0>(s, kmajor<BR>(sQ, 64 * cw, kk), kmajor<BC>(sK0 + st * KV, 0, kk), kk);
-    wgmma_commit();
-    if (with_pv) pv(j - 1);
-    // Every consumer's turns pass on, but the last one's last: the ring ends balanced.
-    if (!(cw == NC - 1 && j == nkt - 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(next_turn) : "memory");
-  };
-  // The online softmax of S_j in s: P_j as A fragments in a; o rescaled once PV_{j-1} is done.
-  auto softmax = [&](int j) {
-    if (lane == 0) mbar_arrive(emptyK(j % ST));
-    // Raw scores; hidden keys -inf (the scale > 0 keeps the max and the masks the same).
-    const int k0 = j * BC;
-    if (k0 + BC > p.Lk || keep || (p.causal && k0 + BC - 1 > rbase)) {
-#pragma unroll
-      for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + n * 8 + 2 * (lane & 3) + (e & 1);
-          const int row = qrow0 + (e >> 1) * 8;
-          const bool vis = key < p.Lk && (!keep || keep[key] != 0.f) && (!p.causal || key <= row);
-          if (!vis) s[n][e] = -INFINITY;
-        }
-    }
-    // Max and sum over four partials each: short dependency chains.
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-      for (int n = 0; n < BC / 8; ++n) mp[n & 3] = fmaxf(mp[n & 3], fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mnew = fmaxf(m[r], mx * sl2);  // log2 units
-      const float muse = mnew == -INFINITY ? 0.f : mnew;
-      alpha[r] = ex2(m[r] - muse);
-      m[r] = mnew;
-      float sp[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int n = 0; n < BC / 8; ++n) {
-        s[n][2 * r] = ex2(fmaf(s[n][2 * r], sl2, -muse));
-        s[n][2 * r + 1] = ex2(fmaf(s[n][2 * r + 1], sl2, -muse));
-        sp[n & 3] += s[n][2 * r] + s[n][2 * r + 1];
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_ss<T, 0, 0>(s, kmajor<BR>(sQ, 64 * cw, kk), kmajor<BC>(sK0 + st * KV, 0, kk), kk);
+      wgmma_commit();
+      if (with_pv) pv(j - 1);
+      // Every consumer's turns pass on, but the last one's last: the ring ends balanced.
+      if (!(cw == NC - 1 && last_tile && j == nkt - 1))
+        asm volatile("bar.arrive %0, 256;\n" ::"r"(next_turn) : "memory");
+    };
+    // The online softmax of S_j in s: P_j as A fragments in a; o rescaled once PV_{j-1} is
+    // done. Q's stage is free once the tile's last S is (its lane 0 arrives for the warp).
+    auto softmax = [&](int j) {
+      if (lane == 0) {
+        mbar_arrive(emptyK((it0 + j) % ST));
+        if (j == nkt - 1) mbar_arrive(emptyQ);
       }
-      l[r] = l[r] * alpha[r] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
+      // Raw scores; hidden keys -inf (the scale > 0 keeps the max and the masks the same).
+      const int k0 = j * BC;
+      if (k0 + BC > p.Lk || keep || (p.causal && k0 + BC - 1 > rbase)) {
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = k0 + n * 8 + 2 * (lane & 3) + (e & 1);
+            const int row = qrow0 + (e >> 1) * 8;
+            const bool vis = key < p.Lk && (!keep || keep[key] != 0.f) && (!p.causal || key <= row);
+            if (!vis) s[n][e] = -INFINITY;
+          }
+      }
+      // Max and sum over four partials each: short dependency chains.
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n) mp[n & 3] = fmaxf(mp[n & 3], fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+        float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(m[r], mx * sl2);  // log2 units
+        const float muse = mnew == -INFINITY ? 0.f : mnew;
+        alpha[r] = ex2(m[r] - muse);
+        m[r] = mnew;
+        float sp[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n) {
+          s[n][2 * r] = ex2(fmaf(s[n][2 * r], sl2, -muse));
+          s[n][2 * r + 1] = ex2(fmaf(s[n][2 * r + 1], sl2, -muse));
+          sp[n & 3] += s[n][2 * r] + s[n][2 * r + 1];
+        }
+        l[r] = l[r] * alpha[r] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
+      }
+      wgmma_wait<0>();  // PV_{j-1}
+      pin(o);
+      pin_regs(a);
+      if (j > 0 && lane == 0) mbar_arrive(emptyV((it0 + j - 1) % ST));
+#pragma unroll
+      for (int n = 0; n < NB; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+      }
+      to_a<T>(s, a);
+    };
+    issue(0, false);
+    wgmma_wait<0>();
+    pin(s);
+    softmax(0);
+    for (int j = 1; j < nkt; ++j) {
+      issue(j, true);
+      wgmma_wait<1>();  // S_j; PV_{j-1} may still run
+      pin(s);
+      softmax(j);
     }
-    wgmma_wait<0>();  // PV_{j-1}
+    mbar_wait(fullV((it0 + nkt - 1) % ST), ((it0 + nkt - 1) / ST) & 1);
+    wgmma_fence();
+    pv(nkt - 1);
+    wgmma_wait<0>();
     pin(o);
     pin_regs(a);
-    if (j > 0 && lane == 0) mbar_arrive(emptyV((j - 1) % ST));
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
-    }
-    to_a<T>(s, a);
-  };
-  issue(0, false);
-  wgmma_wait<0>();
-  pin(s);
-  softmax(0);
-  for (int j = 1; j < nkt; ++j) {
-    issue(j, true);
-    wgmma_wait<1>();  // S_j; PV_{j-1} may still run
-    pin(s);
-    softmax(j);
-  }
-  mbar_wait(fullV((nkt - 1) % ST), ((nkt - 1) / ST) & 1);
-  wgmma_fence();
-  pv(nkt - 1);
-  wgmma_wait<0>();
-  pin(o);
-  pin_regs(a);
+    if (lane == 0) mbar_arrive(emptyV((it0 + nkt - 1) % ST));
 
-  T* O = reinterpret_cast<T*>(p.o.ptr) + b * p.o.sb + h * p.o.sh;
-  float* lse = reinterpret_cast<float*>(p.lse) + (int64_t)bh * p.Lq;
-  store_rows<T>(p, O, lse, o, m, l, qrow0, lane, true);
+    T* O = reinterpret_cast<T*>(p.o.ptr) + b * p.o.sb + h * p.o.sh;
+    float* lse = reinterpret_cast<float*>(p.lse) + (int64_t)w.bh * p.Lq;
+    store_rows<T>(p, O, lse, o, m, l, qrow0, lane, true);
+    it0 += nkt;
+  }
 }
 
 // ----- backward -----------------------------------------------------------------------------

@@ -60,6 +60,7 @@ template <> Kernels kernels<__half>(int d) {
           (void (*)(const float*, void*, size_t))attn_dq_f16};
 }
 
+static int g_fwd_blocks = 0;  // the wgmma forward's grid: 0 a block per tile, else persistent
 static size_t fwd_smem(int d) { return (128 + 4 * (d == 128 ? 32 : 64)) * d * 2; }
 static size_t bwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 4 * 64 * 4; }
 static int wfwd_rows(int d) { return d == 64 ? FwdCfg<64>::BR : FwdCfg<128>::BR; }
@@ -147,8 +148,11 @@ template <typename T> struct Run {
     AttnParams p = params();
     const int bh = c.B * c.H;
     const bool bf = sizeof(T) == 2 && std::is_same<T, __nv_bfloat16>::value;
+    const int tiles = (c.Lq + wfwd_rows(c.D) - 1) / wfwd_rows(c.D) * bh;
+    // g_fwd_blocks > 0: a persistent grid of that many blocks (each takes tiles t, t + G, ...).
+    const dim3 grid = g_fwd_blocks > 0 ? dim3(std::min(g_fwd_blocks, tiles)) : dim3(tiles / bh, bh);
     if (wg)
-      k.wfwd<<<dim3((c.Lq + wfwd_rows(c.D) - 1) / wfwd_rows(c.D), bh), wfwd_threads(c.D), wfwd_smem(c.D)>>>(
+      k.wfwd<<<grid, wfwd_threads(c.D), wfwd_smem(c.D)>>>(
           p, tma_map(q, bf, c.B, c.H, c.Lq, c.D, wfwd_rows(c.D)), tma_map(kk, bf, c.B, c.H, c.Lk, c.D, 128),
           tma_map(v, bf, c.B, c.H, c.Lk, c.D, 128), tma_map(dout, bf, c.B, c.H, c.Lq, c.D, 64),
           tma_map_dq(acc, c.B * c.H, c.Lq, c.D, 1));
@@ -302,8 +306,8 @@ template <typename T> static void timeit(Case c, bool only_wg = false) {
       CK(cudaEventElapsedTime(&ms[pass], a, b));
       ms[pass] /= n;
     }
-    printf("%s B=%d H=%d L=%d D=%d causal=%d  fwd %.3f ms %.1f TFLOP/s | bwd (pre+kernel+dq) %.3f ms %.1f TFLOP/s\n",
-           wg ? "wgmma" : "mma  ", c.B, c.H, c.Lq, c.D, c.causal, ms[0], flops / ms[0] / 1e9, ms[1],
+    printf("%s%s B=%d H=%d L=%d D=%d causal=%d  fwd %.3f ms %.1f TFLOP/s | bwd (pre+kernel+dq) %.3f ms %.1f TFLOP/s\n",
+           wg ? "wgmma" : "mma  ", wg && g_fwd_blocks ? "P" : " ", c.B, c.H, c.Lq, c.D, c.causal, ms[0], flops / ms[0] / 1e9, ms[1],
            2.5 * flops / ms[1] / 1e9);
   }
   free_run(r);
@@ -331,7 +335,12 @@ int main(int argc, char** argv) {
                           {1, 32, 16384, 16384, 64, false, false}, {1, 32, 16384, 16384, 64, true, false}};
       const int only_d = argc > 2 ? atoi(argv[2]) : 0;  // "tab 64": D = 64 alone
       for (const Case& c : tab)
-        if (!only_d || c.D == only_d) timeit<__nv_bfloat16>(c, true);
+        if (!only_d || c.D == only_d) {
+          g_fwd_blocks = 0;
+          timeit<__nv_bfloat16>(c, true);
+          g_fwd_blocks = 132;  // persistent, one block per SM of an H100
+          timeit<__nv_bfloat16>(c, true);
+        }
     } else if (strcmp(argv[1], "t64") == 0)
       timeit<__nv_bfloat16>({1, 38, 4250, 4250, 64, false, false});
     else
@@ -348,6 +357,11 @@ int main(int argc, char** argv) {
   uint64_t seed = 1;
   for (const Case& c : cases) fails += !check<__nv_bfloat16>(c, "bf16", seed += 10);
   for (const Case& c : cases) fails += !check<__half>(c, "f16 ", seed += 10);
+  g_fwd_blocks = 7;  // persistent forward: several tiles per block, uneven counts
+  printf("persistent forward, 7 blocks:\n");
+  for (const Case& c : cases) fails += !check<__nv_bfloat16>(c, "bf16", seed += 10);
+  for (const Case& c : cases) fails += !check<__half>(c, "f16 ", seed += 10);
+  g_fwd_blocks = 0;
   timeit<__nv_bfloat16>({1, 24, 4608, 4608, 128, false, false});
   timeit<__nv_bfloat16>({1, 38, 4250, 4250, 64, false, false});
   timeit<__nv_bfloat16>({4, 16, 4096, 4096, 128, true, false});

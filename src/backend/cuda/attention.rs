@@ -229,9 +229,10 @@ fn bwd_smem(d: usize) -> usize {
     (2 * BWD_KEYS * d + 4 * BWD_ROWS * d + BWD_KEYS * BWD_ROWS) * 2 + 4 * BWD_ROWS * 4
 }
 
-/// The wgmma kernels (cuda/attention_wgmma.cu). The forward is warp-specialised: a producer
-/// warpgroup and `wg_fwd_consumers(d)` consumer warpgroups of 64 queries each (3 at D = 64,
-/// 2 at D = 128), walking keys in tiles of 128 through two stages of K and V. The backward
+/// The wgmma kernels (cuda/attention_wgmma.cu). The forward is warp-specialised and
+/// persistent (a block per SM takes every G-th query tile): a producer warpgroup and
+/// `wg_fwd_consumers(d)` consumer warpgroups of 64 queries each (3 at D = 64, 2 at D = 128),
+/// walking keys in tiles of 128 through two stages of K and V. The backward
 /// has three warpgroups (a producer and dQ writer, two consumers of 64 keys each), takes 128
 /// keys and walks queries in tiles of 64, adding dQ through a tensor map of the accumulator
 /// (`tma_map_dq`). Tiles come by TMA (`tma_map`) and start 1024-aligned, hence the extra KiB.
@@ -258,9 +259,24 @@ fn wg_fwd_threads(d: usize) -> u32 {
     128 * (wg_fwd_consumers(d) as u32 + 1)
 }
 
+/// Blocks of the wgmma forward for `tiles` query tiles: persistent (a block per SM, each
+/// taking every G-th tile, the next tile's loads under this one's output) unless the
+/// attention is causal, whose tiles differ in length: a block per tile, the hardware handing
+/// the next tile to the first free SM. H100, harness timings: persistent 402 against 364
+/// TFLOP/s at B 16, H 32, L 1024, D 64 and 543 against 509 at B 16, H 16, L 1024, D 128;
+/// the same at long sequences; causal at L 16384, D 128, 577 against 613.
+fn wg_fwd_blocks(tiles: usize, p: &Params, sms: usize) -> usize {
+    if p.causal != 0 {
+        tiles
+    } else {
+        tiles.min(sms.max(1))
+    }
+}
+
 fn wg_fwd_smem(d: usize) -> usize {
-    // Q and the stages of K and V; the TMA barriers (1 + 4 per stage, 8 bytes each).
-    (wg_fwd_rows(d) + 2 * WG_FWD_STAGES * WG_FWD_KEYS) * d * 2 + 1024 + 8 * (1 + 4 * WG_FWD_STAGES)
+    // Q and the stages of K and V; the TMA barriers (Q full and empty, 4 per stage, 8 bytes
+    // each).
+    (wg_fwd_rows(d) + 2 * WG_FWD_STAGES * WG_FWD_KEYS) * d * 2 + 1024 + 8 * (2 + 4 * WG_FWD_STAGES)
 }
 
 fn wg_bwd_smem(d: usize) -> usize {
@@ -355,10 +371,12 @@ pub(crate) fn run(
             &shape(),
         ));
     }
-    if b * h > 65535 || lq.max(lk) >= 1 << 30 {
+    // The persistent forward numbers its query tiles (64 rows or more) in 32 bits.
+    if b * h > 65535 || lq.max(lk) >= 1 << 30 || b * h * lq.div_ceil(64) >= 1 << 31 {
         return Err(Error::invalid(
             name,
-            "B * H above 65535 or a sequence of 2^30 rows exceeds one launch".to_string(),
+            "B * H above 65535, a sequence of 2^30 rows or 2^31 query tiles exceeds one launch"
+                .to_string(),
             &shape(),
         ));
     }
@@ -416,20 +434,19 @@ pub(crate) fn run(
     Ok(out.into_iter().map(|b| x.wrap(b)).collect())
 }
 
-/// Launches attention kernel `kernel` of `module`, (blocks, threads, shared memory bytes) as
-/// given, over (blocks, B x H) blocks: the parameters, and for the wgmma kernels the four TMA
-/// descriptors.
+/// Launches attention kernel `kernel` of `module`, (grid, threads, shared memory bytes) as
+/// given: the parameters, and for the wgmma kernels the five TMA descriptors.
 fn launch_attention(
     dev: &CudaDevice,
     module: &'static str,
     kernel: String,
-    (blocks, threads, smem): (usize, u32, usize),
+    ((gx, gy), threads, smem): ((usize, usize), u32, usize),
     p: &Params,
     maps: Option<&[TmaMap; 5]>,
 ) -> Result<()> {
     super::allow_shared_memory(dev, module, &kernel, smem)?;
     let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, (p.b * p.h) as u32, 1),
+        grid_dim: (gx as u32, gy as u32, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     };
@@ -507,7 +524,10 @@ fn launch_all<T: Elem>(
                 wm,
                 format!("attnw_fwd_{}_d{d}", T::SFX),
                 (
-                    lq.div_ceil(wg_fwd_rows(d)),
+                    (
+                        wg_fwd_blocks(lq.div_ceil(wg_fwd_rows(d)) * bh, p, dev.sm_count()),
+                        1,
+                    ),
                     wg_fwd_threads(d),
                     wg_fwd_smem(d),
                 ),
@@ -519,7 +539,7 @@ fn launch_all<T: Elem>(
                 dev,
                 module,
                 format!("attn_fwd_{}_d{d}", T::SFX),
-                (lq.div_ceil(FWD_ROWS), FWD_THREADS, fwd_smem(d)),
+                ((lq.div_ceil(FWD_ROWS), bh), FWD_THREADS, fwd_smem(d)),
                 p,
                 None,
             )?,
@@ -585,7 +605,7 @@ fn launch_all<T: Elem>(
                 dev,
                 wm,
                 format!("attnw_bwd_{}_d{d}", T::SFX),
-                (launched, WG_BWD_THREADS, wg_bwd_smem(d)),
+                ((launched, bh), WG_BWD_THREADS, wg_bwd_smem(d)),
                 p,
                 Some(maps),
             )?,
@@ -593,7 +613,7 @@ fn launch_all<T: Elem>(
                 dev,
                 module,
                 format!("attn_bwd_{}_d{d}", T::SFX),
-                (launched, BWD_THREADS, bwd_smem(d)),
+                ((launched, bh), BWD_THREADS, bwd_smem(d)),
                 p,
                 None,
             )?,

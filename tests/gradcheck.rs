@@ -544,6 +544,48 @@ fn matmul_cases() -> Vec<Case> {
             vec![g.n([3, 5]), g.n([3, 2]), g.n([2, 5])],
             |x| x[0].exp()?.add_matmul(&x[1], &x[2]),
         ),
+        // An adapter's x A (inner dim r <= a quarter of x's width): x's gradient through it
+        // is added into the base layer's by one GEMM, also through the reshapes of 2-d rows,
+        // broadcast weights of a batch, either order of arrival, and formed when alone.
+        Case::new(
+            "low-rank input gradient into the base's (3-d x)",
+            vec![
+                g.n([2, 3, 8]),
+                g.n([8, 5]),
+                g.n([5]),
+                g.n([8, 2]),
+                g.n([2, 5]),
+            ],
+            |x| {
+                x[0].matmul_bias(&x[1], &x[2])?
+                    .add_matmul(&x[0].matmul(&x[3])?, &x[4])
+            },
+        ),
+        Case::new(
+            "low-rank input gradient into the base's (2-d x, reshapes)",
+            vec![g.n([6, 8]), g.n([8, 5]), g.n([5]), g.n([8, 2]), g.n([2, 5])],
+            |x| {
+                x[0].matmul_bias(&x[1], &x[2])?
+                    .add_matmul(&x[0].matmul(&x[3])?, &x[4])
+            },
+        ),
+        Case::new(
+            "low-rank input gradient arriving last",
+            vec![g.n([6, 8]), g.n([8, 5]), g.n([8, 2]), g.n([2, 5])],
+            |x| {
+                let h = x[0].matmul(&x[2])?;
+                x[0].matmul(&x[1])?.add_matmul(&h, &x[3])
+            },
+        ),
+        Case::new(
+            "low-rank input gradient alone, with two further uses",
+            vec![g.n([2, 3, 8]), g.n([8, 2]), g.n([2, 3, 8])],
+            |x| {
+                let y = x[0].matmul(&x[1])?;
+                let z = x[2].matmul(&x[1])?;
+                y.mul(&z)?.add(&x[0].narrow(2, 0, 2)?)
+            },
+        ),
         Case::new(
             "add_matmul onto a tensor used again afterwards",
             vec![g.n([3, 4]), g.n([4, 5]), g.n([3, 2]), g.n([2, 5])],

@@ -3,9 +3,14 @@
 //! backward of the op it serves) and by name, and inside a scope under the scope too.
 
 use flame::profile;
+use std::sync::Mutex;
+
+/// The profiler is one per process: the tests here take turns with it.
+static PROFILER: Mutex<()> = Mutex::new(());
 
 #[test]
 fn nothing_is_recorded_without_a_gpu_kernel_and_scopes_restore() {
+    let _turn = PROFILER.lock().unwrap_or_else(|e| e.into_inner());
     profile::enable(true);
     {
         let _a = profile::scope("outer");
@@ -21,6 +26,7 @@ fn nothing_is_recorded_without_a_gpu_kernel_and_scopes_restore() {
 #[test]
 #[ignore = "needs a GPU"]
 fn gpu_kernels_are_filed_by_kind_scope_phase_and_name() {
+    let _turn = PROFILER.lock().unwrap_or_else(|e| e.into_inner());
     use flame::{DType, Device, Tensor};
     let dev = Device::cuda(0).unwrap();
     let a = Tensor::randn((64, 32), DType::F32, &dev, 1)
@@ -47,4 +53,80 @@ fn gpu_kernels_are_filed_by_kind_scope_phase_and_name() {
     assert_eq!(all(&p.kinds), all(&p.kernels));
     assert_eq!(all(&p.kinds), all(&p.phase_kernels));
     assert!(p.kinds.iter().all(|r| r.ms >= 0.0));
+}
+
+/// A rank-r adapter's x A beside the base layer: x's gradient through A is added into the
+/// base's by one GEMM with beta = 1 when the gradient sums come, with no add kernel, through
+/// the reshape a linear layer makes of its rows, and equals the formed sum.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU"]
+fn a_low_rank_input_gradient_is_summed_by_a_gemm_not_an_add() {
+    let _turn = PROFILER.lock().unwrap_or_else(|e| e.into_inner());
+    use flame::{DType, Device, Tensor};
+    let dev = Device::cuda(0).unwrap();
+    let r = |dims: &[usize], seed| {
+        Tensor::randn(dims.to_vec(), DType::F32, &Device::Cpu, seed)
+            .unwrap()
+            .affine(0.2, 0.0)
+            .unwrap()
+    };
+    let (x, w, bias, a, b) = (
+        r(&[1, 64, 128], 1),
+        r(&[256, 128], 2),
+        r(&[256], 3),
+        r(&[16, 128], 4),
+        r(&[256, 16], 5),
+    );
+    let wts = r(&[64, 256], 6);
+    let run = |dev: &Device, dtype: DType, profiled: bool| {
+        let on = |t: &Tensor| t.to_device(dev).unwrap().to_dtype(dtype).unwrap();
+        let x = on(&x).requires_grad_().unwrap();
+        let (w, bias, a, b) = (on(&w), on(&bias), on(&a), on(&b));
+        profile::enable(profiled);
+        let x2 = x.reshape((64, 128)).unwrap();
+        let y = x2
+            .matmul_bias(&w.t().unwrap(), &bias)
+            .unwrap()
+            .add_matmul(&x2.matmul(&a.t().unwrap()).unwrap(), &b.t().unwrap())
+            .unwrap();
+        // A fixed weighting: x's gradient has two contributions, y's one (not y * y's two).
+        let loss = y
+            .to_dtype(DType::F32)
+            .unwrap()
+            .mul(&on(&wts).to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let g = loss.backward().unwrap();
+        let p = profiled.then(|| profile::report().unwrap());
+        profile::enable(false);
+        let gx = g
+            .get(&x)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        (gx, p)
+    };
+    let (got, p) = run(&dev, DType::BF16, true);
+    let p = p.unwrap();
+    let sums: Vec<&profile::Row> = p
+        .phase_kernels
+        .iter()
+        .filter(|r| r.category.starts_with("backward of gradient sums"))
+        .collect();
+    assert!(sums.iter().any(|r| r.category.contains("gemm")), "{sums:?}");
+    assert!(!sums.iter().any(|r| r.category.contains("add")), "{sums:?}");
+    let (want, _) = run(&Device::Cpu, DType::F32, false);
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+    assert!(
+        err <= 0.03 * scale,
+        "x's gradient: max error {err} of {scale}"
+    );
 }

@@ -144,15 +144,13 @@ pub(crate) fn backward_from(
     // are freed as the backward walks past them rather than at its end.
     for t in order {
         let t = &t;
-        let g = match pending.remove(&t.id()) {
-            Some(parts) => {
-                let _p = crate::profile::backward_op("gradient sums");
-                Some(sum_contributions(parts, t.dims())?)
-            }
-            None => None,
+        let parts = pending.remove(&t.id());
+        let sum = |parts: Option<Vec<Part>>| -> Result<Option<Tensor>> {
+            let _p = crate::profile::backward_op("gradient sums");
+            parts.map(|p| sum_contributions(p, t.dims())).transpose()
         };
         if t.is_var() {
-            if let Some(g) = g {
+            if let Some(g) = sum(parts)? {
                 grads.accumulate(t.id(), g)?;
             }
             continue;
@@ -163,6 +161,14 @@ pub(crate) fn backward_from(
             (Some(o), _) | (None, Some(o)) => o,
             (None, None) => return Err(freed()),
         };
+        // Contributions a view passes on unformed (see `pass_through`).
+        if let Some((x, moved)) = pass_through(op, parts.as_deref().unwrap_or(&[]), t.dims())? {
+            if x.requires_grad() {
+                pending.entry(x.id()).or_default().extend(moved);
+            }
+            continue;
+        }
+        let g = sum(parts)?;
         let input_grads = match op {
             Op::Custom { inputs, node } => {
                 let Some(gs) = outputs.remove(&t.id()) else {
@@ -214,6 +220,28 @@ pub(crate) fn backward_from(
                     },
                 )]
             }
+            // A product's input gradient g b^T through a small inner dim (a rank-r adapter's
+            // x A) is kept unformed: added into the input's other contribution by one GEMM
+            // with beta = 1 when the sums come (see `sum_contributions`).
+            Op::Matmul(a, b)
+            | Op::Addmm {
+                a,
+                b,
+                c: None,
+                bias: None,
+            } if a.requires_grad() => {
+                let Some(g) = g else { continue };
+                let _p = crate::profile::backward_op(op.kind());
+                let mut v = vec![];
+                match deferred_product(&g, b)? {
+                    Some(part) => v.push((a.clone(), part)),
+                    None => v.push((a.clone(), Part::Full(g.matmul3(&b.t()?)?))),
+                }
+                if b.requires_grad() {
+                    v.push((b.clone(), Part::Full(weight_grad(a, &g, b)?)));
+                }
+                v
+            }
             _ => {
                 let Some(g) = g else { continue };
                 let _p = crate::profile::backward_op(op.kind());
@@ -233,8 +261,8 @@ pub(crate) fn backward_from(
     Ok(())
 }
 
-/// One gradient contribution to a tensor: of its whole shape, or (from a narrow) of the
-/// slice `start..start + len` of dim `dim`, zero elsewhere.
+/// One gradient contribution to a tensor: of its whole shape, (from a narrow) of the slice
+/// `start..start + len` of dim `dim`, zero elsewhere, or a product not yet formed.
 enum Part {
     Full(Tensor),
     Slice {
@@ -242,16 +270,135 @@ enum Part {
         start: usize,
         grad: Tensor,
     },
+    /// `a @ b` with a (B, M, K), b (K, N) and K small beside N (`deferred_product`).
+    Product {
+        a: Tensor,
+        b: Tensor,
+    },
 }
 
 impl Part {
-    /// The contribution at the tensor's full shape `dims` (a slice padded with zeros).
+    /// The contribution at the tensor's full shape `dims` (a slice padded with zeros, a
+    /// product formed).
     fn full(self, dims: &[usize]) -> Result<Tensor> {
         match self {
             Part::Full(g) => Ok(g),
             Part::Slice { dim, start, grad } => pad_along(&[(start, grad)], dim, dims),
+            Part::Product { a, b } => {
+                let n = b.dims()[0];
+                a.reshape((a.elem_count() / n.max(1), n))?
+                    .matmul(&b)?
+                    .reshape(dims)
+            }
         }
     }
+}
+
+/// The contributions `parts` to a view's output that pass to its input unformed, with that
+/// input: a lone product through a reshape that keeps its last dim (a linear layer's rows
+/// flattened or restored); slices of one dim through a narrow of that dim (shifted by its
+/// start) or through a reshape that merges the sliced dim with the dims after it (heads
+/// split off a fused projection, merged back). The slices of a fused projection's output
+/// then meet at the projection and are laid side by side there once, not first into each
+/// narrow's part and again into the whole. None: the parts are summed as usual.
+fn pass_through(op: &Op, parts: &[Part], td: &[usize]) -> Result<Option<(Tensor, Vec<Part>)>> {
+    let slices = || {
+        let mut dim = None;
+        for p in parts {
+            match p {
+                Part::Slice { dim: d, .. } if dim.is_none_or(|x| x == *d) => dim = Some(*d),
+                _ => return None,
+            }
+        }
+        dim
+    };
+    Ok(match (op, parts) {
+        (Op::Reshape(x), [Part::Product { a, b }]) => {
+            let (xd, (n, k)) = (x.dims(), (b.dims()[0], b.dims()[1]));
+            if xd.last() != Some(&k) {
+                return Ok(None);
+            }
+            let rows: Vec<usize> = xd[..xd.len() - 1].iter().copied().chain([n]).collect();
+            let a = a.reshape(rows)?;
+            Some((x.clone(), vec![Part::Product { a, b: b.clone() }]))
+        }
+        (Op::Narrow(x, nd, ns), _) if slices() == Some(*nd) => {
+            let mut shifted = vec![];
+            for p in parts {
+                if let Part::Slice { dim, start, grad } = p {
+                    shifted.push(Part::Slice {
+                        dim: *dim,
+                        start: start + ns,
+                        grad: grad.clone(),
+                    });
+                }
+            }
+            Some((x.clone(), shifted))
+        }
+        (Op::Reshape(x), _) => {
+            let Some(d) = slices() else { return Ok(None) };
+            let xd = x.dims();
+            // x is t with dims d..=e merged into dim d.
+            let Some(e) = (d + td.len()).checked_sub(xd.len()) else {
+                return Ok(None);
+            };
+            let merged = e >= d
+                && e < td.len()
+                && xd.len() > d
+                && xd[..d] == td[..d]
+                && xd[d] == td[d..=e].iter().product::<usize>()
+                && xd[d + 1..] == td[e + 1..];
+            if !merged {
+                return Ok(None);
+            }
+            let inner: usize = td[d + 1..=e].iter().product();
+            let mut moved = vec![];
+            for p in parts {
+                let Part::Slice { start, grad, .. } = p else {
+                    return Ok(None);
+                };
+                let mut gd = xd.to_vec();
+                gd[d] = grad.dims()[d] * inner;
+                moved.push(Part::Slice {
+                    dim: d,
+                    start: start * inner,
+                    grad: grad.reshape(gd)?,
+                });
+            }
+            Some((x.clone(), moved))
+        }
+        _ => None,
+    })
+}
+
+/// The gradient `a^T g` of a product's right operand b (rank-3 operands). When b is the
+/// transpose of a dense tensor (a linear layer's `w.t()`, an adapter's `A.t()`), it is formed
+/// as `(g^T a)^T`: the same GEMM, its output laid out as that tensor, so the transposes back
+/// (and a cast to an f32 master weight) read it densely.
+fn weight_grad(a: &Tensor, g: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if !b.is_contiguous() && b.t()?.is_contiguous() {
+        g.t()?.matmul3(a)?.t()
+    } else {
+        a.t()?.matmul3(g)
+    }
+}
+
+/// The input gradient `g b^T` of a product `a b` (g: (B, M, N), b: (B, K, N)... as the
+/// product's rank-3 operands) as a `Part::Product` when its inner dim N is at most a quarter
+/// of its output's K and b is one matrix for every batch entry: a rank-r adapter's x A, whose
+/// [M, K] gradient would otherwise be written, then read again by the add into the base
+/// layer's input gradient. Held unformed it costs g and b (small) until the sums, where it
+/// is added into another contribution's buffer by one GEMM with beta = 1 (`add_matmul`).
+fn deferred_product(g: &Tensor, b: &Tensor) -> Result<Option<Part>> {
+    let (bd, n) = (b.dims(), g.dims()[g.rank() - 1]);
+    if n == 0 || b.rank() != 3 || 4 * n > bd[1] || !(bd[0] == 1 || b.layout().strides()[0] == 0) {
+        return Ok(None);
+    }
+    let b2 = b.narrow(0, 0, 1)?.reshape((bd[1], bd[2]))?.t()?;
+    Ok(Some(Part::Product {
+        a: g.clone(),
+        b: b2,
+    }))
 }
 
 /// `slices` (start, gradient) along `dim`, disjoint and sorted, laid into one tensor of
@@ -318,17 +465,36 @@ fn sum_contributions(parts: Vec<Part>, dims: &[usize]) -> Result<Tensor> {
             }
         }
     }
-    let mut parts = parts
-        .into_iter()
-        .map(|p| p.full(dims))
-        .collect::<Result<Vec<_>>>()?;
+    // The fold keeps its grouping with products among the parts: a product meets the sum
+    // it is added to (either side) inside one GEMM with beta = 1, into the other operand's
+    // buffer where nothing else holds it.
+    let mut parts = parts;
     let mut acc = parts
         .pop()
         .ok_or_else(|| Error::Autograd("internal: no gradient contribution".into()))?;
     while let Some(g) = parts.pop() {
-        acc = g.add(&acc)?;
+        acc = Part::Full(match (g, acc) {
+            (Part::Product { a, b }, acc) | (acc, Part::Product { a, b }) => {
+                add_product(acc.full(dims)?, &a, &b, dims)?
+            }
+            (g, acc) => g.full(dims)?.add(&acc.full(dims)?)?,
+        });
     }
-    Ok(acc)
+    acc.full(dims)
+}
+
+/// `acc + a @ b` at `dims` (a: (..., M, N), b: (N, K)), by one GEMM with beta = 1 into
+/// acc's buffer when nothing else holds it (`add_matmul`).
+fn add_product(acc: Tensor, a: &Tensor, b: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    let rows: Vec<usize> = a.dims()[..a.rank() - 1]
+        .iter()
+        .copied()
+        .chain([b.dims()[1]])
+        .collect();
+    // The view alone holds acc's buffer once acc is gone.
+    let shaped = acc.reshape(rows)?;
+    drop(acc);
+    shaped.add_matmul(a, b)?.reshape(dims)
 }
 
 /// d(loss)/d(input) for each differentiable input of `op`, given `g` = d(loss)/d(out).
@@ -502,7 +668,7 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
                 v.push((a.clone(), g.matmul3(&b.t()?)?));
             }
             if b.requires_grad() {
-                v.push((b.clone(), a.t()?.matmul3(g)?));
+                v.push((b.clone(), weight_grad(a, g, b)?));
             }
             v
         }
@@ -516,7 +682,7 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
                 v.push((a.clone(), g.matmul3(&b.t()?)?));
             }
             if b.requires_grad() {
-                v.push((b.clone(), a.t()?.matmul3(g)?));
+                v.push((b.clone(), weight_grad(a, g, b)?));
             }
             if let Some(bias) = bias.as_ref().filter(|b| b.requires_grad()) {
                 v.push((bias.clone(), g.sum(&[0usize, 1])?.to_dtype(bias.dtype())?));
@@ -621,4 +787,52 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
             vec![(q.clone(), dq), (k.clone(), dk), (v.clone(), dv)]
         }
     })
+}
+
+#[cfg(all(test, feature = "cpu-ref"))]
+mod tests {
+    use super::*;
+    use crate::{DType, Device};
+
+    fn randn(dims: &[usize], seed: u64) -> Tensor {
+        Tensor::randn(dims.to_vec(), DType::F64, &Device::Cpu, seed).unwrap()
+    }
+
+    #[test]
+    fn only_products_of_a_small_inner_dim_and_one_matrix_are_deferred() -> Result<()> {
+        let g = randn(&[1, 6, 4], 1);
+        // a (1, 6, 16) @ b (1, 16, 4): the input gradient g b^T has inner dim 4 <= 16 / 4.
+        assert!(deferred_product(&g, &randn(&[1, 16, 4], 2))?.is_some());
+        // inner dim 4 > 12 / 4: formed at once.
+        assert!(deferred_product(&g, &randn(&[1, 12, 4], 3))?.is_none());
+        // a batch of different matrices: formed at once; one matrix broadcast: deferred.
+        let g2 = randn(&[2, 6, 4], 4);
+        assert!(deferred_product(&g2, &randn(&[2, 16, 4], 5))?.is_none());
+        let shared = randn(&[16, 4], 6).broadcast_as((2, 16, 4))?;
+        assert!(deferred_product(&g2, &shared)?.is_some());
+        Ok(())
+    }
+
+    #[test]
+    fn a_product_summed_into_a_contribution_equals_the_formed_sum() -> Result<()> {
+        let (a, b) = (randn(&[2, 3, 2], 7), randn(&[2, 8], 8));
+        let full = randn(&[2, 3, 8], 9);
+        let want = full.add(&a.matmul(&b)?)?.to_vec::<f64>()?;
+        let part = |t: &Tensor| -> Result<Part> { Ok(Part::Full(t.affine(1.0, 0.0)?)) };
+        let product = || Part::Product {
+            a: a.clone(),
+            b: b.clone(),
+        };
+        for parts in [vec![product(), part(&full)?], vec![part(&full)?, product()]] {
+            let got = sum_contributions(parts, &[2, 3, 8])?.to_vec::<f64>()?;
+            for (x, y) in got.iter().zip(&want) {
+                assert!((x - y).abs() < 1e-12, "{x} vs {y}");
+            }
+        }
+        let alone = sum_contributions(vec![product()], &[6, 8])?;
+        assert_eq!(alone.dims(), &[6, 8]);
+        let formed = a.reshape((6, 2))?.matmul(&b)?;
+        assert_eq!(alone.to_vec::<f64>()?, formed.to_vec::<f64>()?);
+        Ok(())
+    }
 }

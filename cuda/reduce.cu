@@ -166,7 +166,27 @@ __device__ __forceinline__ void reduce_cols(const T* in, StridedLayout kept, Str
   const size_t c = blockIdx.y, start = c * chunk, end = min(n_red, start + chunk);
   const size_t base = offset_of(kept, o);
   Partial p = identity<OP>();
-  for (size_t r = start; r < end; ++r) p = combine<OP>(p, Partial{to_f64(in[base + offset_of(red, r)]), r});
+  // One reduced dim of size > 1 (a bias or modulation gradient: rows of a matrix): plain
+  // strides, eight loads in flight before they are combined (in order, as below). H100, a
+  // column sum of 4608 x 3072 bf16 in Flux's step: 51 us a call through offset_of.
+  int big = -1, nbig = 0;
+  for (int d = 0; d < (int)red.rank; ++d)
+    if (red.dims[d] > 1) big = d, ++nbig;
+  if (nbig <= 1) {
+    const size_t rs = (red.flags & LAYOUT_CONTIGUOUS) ? 1 : big < 0 ? 0 : red.strides[big];
+    const T* col = in + base + red.offset;
+    size_t r = start;
+    for (; r + 8 <= end; r += 8) {
+      T v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = col[(r + k) * rs];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) p = combine<OP>(p, Partial{to_f64(v[k]), r + k});
+    }
+    for (; r < end; ++r) p = combine<OP>(p, Partial{to_f64(col[r * rs]), r});
+  } else {
+    for (size_t r = start; r < end; ++r) p = combine<OP>(p, Partial{to_f64(in[base + offset_of(red, r)]), r});
+  }
   if (gridDim.y == 1)
     write_out<T, OP>(out, out_idx, o, p);
   else

@@ -158,6 +158,11 @@ impl Device {
         on_device!(self, d => d.full(shape, dtype, value))
     }
 
+    /// Storage for an op that writes every element first (see `BackendDevice::uninit`).
+    pub(crate) fn uninit(&self, shape: &Shape, dtype: DType) -> Result<Storage> {
+        on_device!(self, d => d.uninit(shape, dtype))
+    }
+
     pub(crate) fn rand_uniform(
         &self,
         shape: &Shape,

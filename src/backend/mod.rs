@@ -499,6 +499,12 @@ pub trait BackendDevice: Sized + Clone + Send + Sync {
     fn storage_from_host(&self, data: &CpuStorage) -> Result<Self::Storage>;
     /// Contiguous storage of `shape` with every element `value` (converted to `dtype`).
     fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<Self::Storage>;
+    /// Contiguous storage of `shape` for an op that writes every element before anything
+    /// reads one (a concatenation): its contents are unspecified. Zeros unless a backend
+    /// can skip the fill.
+    fn uninit(&self, shape: &Shape, dtype: DType) -> Result<Self::Storage> {
+        self.full(shape, dtype, 0.0)
+    }
     /// Uniform in [lo, hi) from a counter-based generator: element i depends only on
     /// (seed, i), not on how the work is split.
     fn rand_uniform(

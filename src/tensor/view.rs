@@ -228,7 +228,8 @@ impl Tensor {
         let mut dims = first.dims().to_vec();
         dims[d] = total;
         let out_l = Layout::contiguous(dims.clone());
-        let mut dst = first.device().full(out_l.shape(), first.dtype(), 0.0)?;
+        // The parts cover the output: nothing to zero first.
+        let mut dst = first.device().uninit(out_l.shape(), first.dtype())?;
         let mut start = 0;
         for t in tensors {
             let n = t.dims()[d];

@@ -690,6 +690,10 @@ fn from_host_t<T: Elem>(dev: &CudaDevice, data: &CpuStorage) -> Result<Buf> {
     Ok(T::wrap(out))
 }
 
+fn alloc_t<T: Elem>(dev: &CudaDevice, n: usize) -> Result<Buf> {
+    Ok(T::wrap(dev.alloc::<T>(n)?))
+}
+
 fn fill_t<T: Elem>(dev: &CudaDevice, n: usize, value: f64) -> Result<Buf> {
     let mut out = dev.alloc::<T>(n)?;
     if n > 0 {
@@ -752,6 +756,15 @@ impl BackendDevice for CudaDevice {
 
     fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<CudaStorage> {
         let buf = by_dtype!(dtype, fill_t(self, shape.elem_count(), value))?;
+        Ok(CudaStorage {
+            buf,
+            dev: self.clone(),
+        })
+    }
+
+    /// A pool buffer as it was left: no fill kernel.
+    fn uninit(&self, shape: &Shape, dtype: DType) -> Result<CudaStorage> {
+        let buf = by_dtype!(dtype, alloc_t(self, shape.elem_count()))?;
         Ok(CudaStorage {
             buf,
             dev: self.clone(),

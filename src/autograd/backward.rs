@@ -381,9 +381,10 @@ fn pass_through(op: &Op, parts: &[Part], td: &[usize]) -> Result<Option<(Tensor,
 /// The gradient `a^T g` of a product's right operand b (rank-3 operands). When b is the
 /// transpose of a dense tensor (a linear layer's `w.t()`, an adapter's `A.t()`), it is formed
 /// as `(g^T a)^T`: the same GEMM, its output laid out as that tensor, so the transposes back
-/// (and a cast to an f32 master weight) read it densely.
+/// (and a cast to an f32 master weight) read it densely. Not for a leaf, whose gradient is
+/// kept as it comes.
 fn weight_grad(a: &Tensor, g: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if !b.is_contiguous() && b.t()?.is_contiguous() {
+    if !b.is_var() && !b.is_contiguous() && b.t()?.is_contiguous() {
         g.t()?.matmul3(a)?.t()
     } else {
         a.t()?.matmul3(g)

@@ -220,27 +220,10 @@ pub(crate) fn backward_from(
                     },
                 )]
             }
-            // A product's input gradient g b^T through a small inner dim (a rank-r adapter's
-            // x A) is kept unformed: added into the input's other contribution by one GEMM
-            // with beta = 1 when the sums come (see `sum_contributions`).
-            Op::Matmul(a, b)
-            | Op::Addmm {
-                a,
-                b,
-                c: None,
-                bias: None,
-            } if a.requires_grad() => {
+            Op::Matmul(..) | Op::Addmm { .. } => {
                 let Some(g) = g else { continue };
                 let _p = crate::profile::backward_op(op.kind());
-                let mut v = vec![];
-                match deferred_product(&g, b)? {
-                    Some(part) => v.push((a.clone(), part)),
-                    None => v.push((a.clone(), Part::Full(g.matmul3(&b.t()?)?))),
-                }
-                if b.requires_grad() {
-                    v.push((b.clone(), Part::Full(weight_grad(a, &g, b)?)));
-                }
-                v
+                product_vjp(op, &g)?
             }
             _ => {
                 let Some(g) = g else { continue };
@@ -378,6 +361,42 @@ fn pass_through(op: &Op, parts: &[Part], td: &[usize]) -> Result<Option<(Tensor,
     })
 }
 
+/// The contributions of `out = c + a b + bias` (Matmul: a b alone) to its inputs: dc = g;
+/// da = g b^T, kept unformed when its inner dim is small (`deferred_product`: a rank-r
+/// adapter's x A, added into the input's other contribution by one GEMM with beta = 1 when
+/// the sums come); db = a^T g (`weight_grad`); dbias = g summed over the rows.
+fn product_vjp(op: &Op, g: &Tensor) -> Result<Vec<(Tensor, Part)>> {
+    let (c, a, b, bias) = match op {
+        Op::Matmul(a, b) => (None, a, b, None),
+        Op::Addmm { c, a, b, bias } => (c.as_ref(), a, b, bias.as_ref()),
+        _ => {
+            return Err(Error::Autograd(format!(
+                "internal: {} is no product",
+                op.kind()
+            )))
+        }
+    };
+    let mut v = vec![];
+    if let Some(c) = c.filter(|c| c.requires_grad()) {
+        v.push((c.clone(), Part::Full(g.clone())));
+    }
+    if a.requires_grad() {
+        let part = match deferred_product(g, b)? {
+            Some(part) => part,
+            None => Part::Full(g.matmul3(&b.t()?)?),
+        };
+        v.push((a.clone(), part));
+    }
+    if b.requires_grad() {
+        v.push((b.clone(), Part::Full(weight_grad(a, g, b)?)));
+    }
+    if let Some(bias) = bias.filter(|b| b.requires_grad()) {
+        let db = g.sum(&[0usize, 1])?.to_dtype(bias.dtype())?;
+        v.push((bias.clone(), Part::Full(db)));
+    }
+    Ok(v)
+}
+
 /// The gradient `a^T g` of a product's right operand b (rank-3 operands). When b is the
 /// transpose of a dense tensor (a linear layer's `w.t()`, an adapter's `A.t()`), it is formed
 /// as `(g^T a)^T`: the same GEMM, its output laid out as that tensor, so the transposes back
@@ -508,8 +527,9 @@ fn add_product(acc: Tensor, a: &Tensor, b: &Tensor, dims: &[usize]) -> Result<Te
 /// d(loss)/d(input) for each differentiable input of `op`, given `g` = d(loss)/d(out).
 fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
     Ok(match op {
-        // Handled by the backward loop, which gathers a custom node's output gradients.
-        Op::Custom { .. } | Op::Output { .. } => {
+        // Handled by the backward loop, which gathers a custom node's output gradients and
+        // keeps a product's input gradient as a part (`product_vjp`).
+        Op::Custom { .. } | Op::Output { .. } | Op::Matmul(..) | Op::Addmm { .. } => {
             return Err(Error::Autograd(format!(
                 "internal: {} reached the per-op VJP",
                 op.kind()
@@ -670,33 +690,6 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
         ],
         // C = A B: dA = dC B^T, dB = A^T dC
         // Only the operands that need it: a frozen weight costs no GEMM.
-        Op::Matmul(a, b) => {
-            let mut v = vec![];
-            if a.requires_grad() {
-                v.push((a.clone(), g.matmul3(&b.t()?)?));
-            }
-            if b.requires_grad() {
-                v.push((b.clone(), weight_grad(a, g, b)?));
-            }
-            v
-        }
-        // out = c + a b + bias: dc = g, da, db as Matmul, dbias = g summed over the rows.
-        Op::Addmm { c, a, b, bias } => {
-            let mut v = vec![];
-            if let Some(c) = c.as_ref().filter(|c| c.requires_grad()) {
-                v.push((c.clone(), g.clone()));
-            }
-            if a.requires_grad() {
-                v.push((a.clone(), g.matmul3(&b.t()?)?));
-            }
-            if b.requires_grad() {
-                v.push((b.clone(), weight_grad(a, g, b)?));
-            }
-            if let Some(bias) = bias.as_ref().filter(|b| b.requires_grad()) {
-                v.push((bias.clone(), g.sum(&[0usize, 1])?.to_dtype(bias.dtype())?));
-            }
-            v
-        }
         Op::ToDevice(x) => vec![(x.clone(), g.to_device(x.device())?)],
         // fold2d is the adjoint of unfold2d, and the other way round.
         Op::Unfold2d(x, w) => {

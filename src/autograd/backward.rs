@@ -146,8 +146,12 @@ pub(crate) fn backward_from(
         let t = &t;
         let parts = pending.remove(&t.id());
         let sum = |parts: Option<Vec<Part>>| -> Result<Option<Tensor>> {
-            let _p = crate::profile::backward_op("gradient sums");
-            parts.map(|p| sum_contributions(p, t.dims())).transpose()
+            parts
+                .map(|p| {
+                    let _p = crate::profile::backward_op("gradient sums");
+                    sum_contributions(p, t.dims())
+                })
+                .transpose()
         };
         if t.is_var() {
             if let Some(g) = sum(parts)? {

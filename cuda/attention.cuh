@@ -16,6 +16,9 @@ struct AttnView {
 struct AttnParams {
   AttnView q, k, v, o, dout;
   uint64_t lse, dvec, dq_acc, keep, dq, dk, dv;
+  // attention_wgmma.cu's persistent forward: a u32 tile counter the launcher zeroes (blocks
+  // claim their next query tile from it), or 0 for the static order (tile t, t + G, ...).
+  uint64_t tile_counter;
   int32_t B, H, Lq, Lk;
   float scale, scale_log2;
   int32_t causal;
@@ -27,6 +30,11 @@ struct AttnParams {
   // n, and attn_dq_fold adds the slabs in order to the running sum. The backward then runs in
   // launches of a few key blocks each, from key block kb0, so the slabs stay small.
   int32_t dq_parts, kb0;
+  // attention_wgmma.cu's forward: query tiles are ordered in groups of head_group heads (the
+  // K and V of a group fit in L2), within a group by query block (the heaviest first when
+  // causal), heads side by side; 1: a head's query blocks side by side. `pad` keeps the
+  // struct free of padding (an even number of 4-byte fields).
+  int32_t head_group, pad;
 };
 
 #define ATTN_THREADS 256

@@ -113,15 +113,15 @@ __device__ __forceinline__ void to_a(const float (&s)[NB][4], uint32_t (&a)[NB /
 // ----- forward ------------------------------------------------------------------------------
 // Warp-specialised, after FlashAttention-3 (arXiv:2407.08608, sections 3.1-3.2): a block takes
 // 64 NC queries of one (b, h) and has NC + 1 warpgroups. Warpgroup 0 is the producer: it gives
-// its registers away (setmaxnreg) and one thread loads Q once and the K and V tiles of 128
-// keys into ST stages by TMA, each stage freed by an mbarrier the consumers arrive at. The NC
+// its registers away (setmaxnreg) and one thread loads each tile's Q and the K and V tiles of
+// 128 keys into ST stages by TMA, each stage freed by an mbarrier the consumers arrive at. The NC
 // consumer warpgroups own 64 queries each. Per key tile j a consumer issues S_j = Q K_j^T
 // (SS) and O += P_{j-1} V_{j-1} (RS, P from registers, V read transposed), then runs the
 // online softmax of S_j while PV_{j-1} is in flight (intra-warpgroup overlap). The consumers
 // take turns issuing their products (a ring of named barriers, "ping-pong"): the tensor cores
 // run one warpgroup's products while the others do their softmax.
-template <int D> struct FwdCfg {
-  static constexpr int NC = D == 64 ? 3 : 2;  // consumer warpgroups
+template <int D, int NC_> struct FwdCfg {
+  static constexpr int NC = NC_;  // consumer warpgroups
   static constexpr int BR = 64 * NC, BC = 128, ST = 2;
   static constexpr int THREADS = 128 * (NC + 1);
   // Registers a thread after setmaxnreg (multiples of 8; 65536 in all).
@@ -132,50 +132,61 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
-template <typename T, int D>
+template <typename T, int D, int NC_>
 __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq, const TmaMap& tk, const TmaMap& tv) {
-  using C = FwdCfg<D>;
+  using C = FwdCfg<D, NC_>;
   constexpr int NC = C::NC, BR = C::BR, BC = C::BC, ST = C::ST, NB = D / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int KV = BC * D * 2;
+  // One Q buffer (two, the next tile's Q loading under this one, measured no faster on an
+  // H100: 227 against 223 TFLOP/s at B 16, H 32, L 1024, D 64, causal), ST stages of K and V
+  // (three at D = 64 measured the same as two).
   const uint32_t sQ = (smem_u32(smem) + 1023) & ~1023u;
   const uint32_t sK0 = sQ + BR * D * 2;  // K stage s at sK0 + s KV
   const uint32_t sV0 = sK0 + ST * KV;    // V stage s at sV0 + s KV
   // Barriers: Q full; K full, V full, K empty, V empty, ST each; Q empty.
-  const uint32_t sBar = sV0 + ST * KV;
-  auto fullK = [&](int s) { return sBar + 8 + 8 * s; };
-  auto fullV = [&](int s) { return sBar + 8 + 8 * (ST + s); };
-  auto emptyK = [&](int s) { return sBar + 8 + 8 * (2 * ST + s); };
-  auto emptyV = [&](int s) { return sBar + 8 + 8 * (3 * ST + s); };
-  const uint32_t emptyQ = sBar + 8 + 8 * 4 * ST;
+  const uint32_t fullQ = sV0 + ST * KV;
+  auto fullK = [&](int s) { return fullQ + 8 + 8 * s; };
+  auto fullV = [&](int s) { return fullQ + 8 + 8 * (ST + s); };
+  auto emptyK = [&](int s) { return fullQ + 8 + 8 * (2 * ST + s); };
+  auto emptyV = [&](int s) { return fullQ + 8 + 8 * (3 * ST + s); };
+  const uint32_t emptyQ = fullQ + 8 + 8 * 4 * ST;
+  // The tile the block works on next, from the producer (written before it arms Q's barrier,
+  // read by the consumers once that phase completes); ntiles or more: no tile left.
+  volatile int* next_tile = reinterpret_cast<volatile int*>(smem + (emptyQ + 8 - smem_u32(smem)));
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  // The work: nq query blocks of BR rows for each of the B H heads, a head's blocks side by
-  // side (its K and V shared in L2; all heads' heaviest blocks first ran a causal L 1024,
-  // D 128 at 252 TFLOP/s against 306 on an H100: the K/V of 132 heads at once thrash L2),
-  // causal ones with the most keys first. One tile per block of a full grid, or several per
-  // block of a persistent grid (fewer blocks than tiles: tile t, t + G, ... for G blocks; the
-  // next tile's Q and first K/V tiles load while this one's output is written).
-  const int nq = (p.Lq + BR - 1) / BR, ntiles = nq * p.B * p.H;
+  // The work: nq query blocks of BR rows for each of the B H heads, numbered in groups of
+  // p.head_group heads (their K and V fit in L2 together), within a group by query block,
+  // causal ones with the most keys first, the group's heads side by side. All heads' heaviest
+  // blocks first ran a causal L 1024, D 128 at 252 TFLOP/s against 306 on an H100 (the K/V
+  // of 132 heads at once thrash L2); head_group 1 puts a head's blocks side by side. One tile
+  // per block of a full grid, or several per block of a persistent grid (fewer blocks than
+  // tiles): tile t, t + G, ... for G blocks, or, with p.tile_counter, block b's first tile b
+  // and then G + the counter's next value (the first block free takes the next tile, which
+  // keeps causal tiles of unequal length balanced). The next tile's Q and first K/V tiles
+  // load while this one's output is written.
+  const int nq = (p.Lq + BR - 1) / BR, BH = p.B * p.H, ntiles = nq * BH;
   const int G = gridDim.x * gridDim.y, t0 = blockIdx.x + gridDim.x * blockIdx.y;
   struct Tile {
     int q0, bh, nkt;
   };
   auto tile = [&](int t) {
-    const int qb = p.causal ? nq - 1 - t % nq : t % nq, bh = t / nq;
+    const int HG = max(1, p.head_group), g = t / (HG * nq), r = t - g * HG * nq, hg = min(HG, BH - g * HG);
+    const int qi = r / hg, bh = g * HG + r % hg, qb = p.causal ? nq - 1 - qi : qi;
     const int q0 = qb * BR;
     const int kend = p.causal ? min(p.Lk, min(q0 + BR, p.Lq)) : p.Lk;
     return Tile{q0, bh, (kend + BC - 1) / BC};
   };
 
   if (tid == 0) {
-    mbar_init(sBar, 1);
+    mbar_init(fullQ, 1);
+    mbar_init(emptyQ, 4 * NC);  // lane 0 of every consumer warp
     for (int s = 0; s < ST; ++s) {
       mbar_init(fullK(s), 1);
       mbar_init(fullV(s), 1);
-      mbar_init(emptyK(s), 4 * NC);  // lane 0 of every consumer warp
+      mbar_init(emptyK(s), 4 * NC);
       mbar_init(emptyV(s), 4 * NC);
     }
-    mbar_init(emptyQ, 4 * NC);
     mbar_init_fence();
   }
   __syncthreads();
@@ -184,12 +195,20 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS));
     if (tid == 0) {
       int it = 0;  // K/V tiles loaded so far, over the block's tiles: stage it % ST
-      for (int t = t0, ti = 0; t < ntiles; t += G, ++ti) {
+      int* counter = reinterpret_cast<int*>(p.tile_counter);
+      for (int t = t0, ti = 0;; ++ti) {
+        if (ti > 0) mbar_wait(emptyQ, (ti - 1) & 1);  // the last tile's S products are done
+        *next_tile = t;
+        if (t >= ntiles) {
+          mbar_arrive(fullQ);  // no tile left: the phase completes without a load
+          break;
+        }
         const Tile w = tile(t);
         const int b = w.bh / p.H, h = w.bh % p.H;
-        if (ti > 0) mbar_wait(emptyQ, (ti - 1) & 1);  // the last tile's S products are done
-        mbar_expect(sBar, BR * D * 2);
-        tma_tile<BR, D>(sQ, tq, sBar, w.q0, h, b, p.tma_order & 63);
+        mbar_expect(fullQ, BR * D * 2);
+        tma_tile<BR, D>(sQ, tq, fullQ, w.q0, h, b, p.tma_order & 63);
+        // The next tile claimed now: the atomic's latency passes under this tile's loads.
+        t = counter ? G + atomicAdd(counter, 1) : t + G;
         for (int j = 0; j < w.nkt; ++j, ++it) {
           const int s = it % ST;
           const uint32_t ph = ((it / ST) + 1) & 1;  // the previous use's phase
@@ -209,7 +228,7 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
   const int cw = wg - 1;  // consumer index
   const float sl2 = p.scale_log2;
   // The turn ring: consumer c waits at barrier 1 + c, then passes the turn to c + 1; it runs
-  // on over the block's tiles.
+  // on over the block's tiles, and consumer 0 takes the last consumer's final pass at the end.
   const int my_turn = 1 + cw, next_turn = 1 + (cw + 1) % NC;
   if (cw == NC - 1 && t0 < ntiles) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // consumer 0 goes first
 
@@ -218,17 +237,19 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
   float s[BC / 8][4];
   uint32_t a[BC / 16][4];
   int it0 = 0;  // K/V tiles before this tile's
-  for (int t = t0, ti = 0; t < ntiles; t += G, ++ti) {
+  int ti = 0;
+  for (;; ++ti) {
+    mbar_wait(fullQ, ti & 1);  // this tile's Q, or the producer's word that none is left
+    const int t = *next_tile;
+    if (t >= ntiles) break;
     const Tile w = tile(t);
     const int b = w.bh / p.H, h = w.bh % p.H, nkt = w.nkt;
-    const bool last_tile = t + G >= ntiles;
     const float* keep = p.keep ? reinterpret_cast<const float*>(p.keep) + (int64_t)b * p.Lk : nullptr;
     const int rbase = w.q0 + 64 * cw + 16 * warp;  // this warp's first query
     const int qrow0 = rbase + (lane >> 2);         // + 8 r
     zero(o);
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
-    mbar_wait(sBar, ti & 1);
 
     auto pv = [&](int j) {
       const uint32_t sV = sV0 + ((it0 + j) % ST) * KV;
@@ -248,9 +269,7 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
         wgmma_ss<T, 0, 0>(s, kmajor<BR>(sQ, 64 * cw, kk), kmajor<BC>(sK0 + st * KV, 0, kk), kk);
       wgmma_commit();
       if (with_pv) pv(j - 1);
-      // Every consumer's turns pass on, but the last one's last: the ring ends balanced.
-      if (!(cw == NC - 1 && last_tile && j == nkt - 1))
-        asm volatile("bar.arrive %0, 256;\n" ::"r"(next_turn) : "memory");
+      asm volatile("bar.arrive %0, 256;\n" ::"r"(next_turn) : "memory");
     };
     // The online softmax of S_j in s: P_j as A fragments in a; o rescaled once PV_{j-1} is
     // done. Q's stage is free once the tile's last S is (its lane 0 arrives for the warp).
@@ -261,7 +280,7 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
       }
       // Raw scores; hidden keys -inf (the scale > 0 keeps the max and the masks the same).
       const int k0 = j * BC;
-      if (k0 + BC > p.Lk || keep || (p.causal && k0 + BC - 1 > rbase)) {
+      if (k0 + BC > p.Lk || keep) {
 #pragma unroll
         for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
@@ -271,6 +290,17 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
             const bool vis = key < p.Lk && (!keep || keep[key] != 0.f) && (!p.causal || key <= row);
             if (!vis) s[n][e] = -INFINITY;
           }
+      } else if (p.causal && k0 + BC - 1 > rbase) {
+        // The causal diagonal alone: element (n, e) hides its key when key - row, which is
+        // dk + 8 n + (e & 1) - 8 (e >> 1), is above 0; one compare with a constant each
+        // (the general test above ran the causal B 16, H 32, L 1024, D 64 forward at 226
+        // TFLOP/s on an H100, no mask at all 304).
+        const int dk = k0 + 2 * (lane & 3) - qrow0;
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (dk > (e >> 1) * 8 - n * 8 - (e & 1)) s[n][e] = -INFINITY;
       }
       // Max and sum over four partials each: short dependency chains.
       float alpha[2];
@@ -331,6 +361,9 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
     store_rows<T>(p, O, lse, o, m, l, qrow0, lane, true);
     it0 += nkt;
   }
+  // The last consumer's final pass of the turn (a block with tiles only): the ring ends
+  // balanced.
+  if (cw == 0 && t0 < ntiles) asm volatile("bar.sync 1, 256;\n" ::: "memory");
 }
 
 // ----- backward -----------------------------------------------------------------------------
@@ -605,23 +638,32 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
 }
 
 // The TMA descriptors of q, k, v, do and the f32 dq accumulator (the forward ignores do's and
-// dq's): q's boxes are FwdCfg<D>::BR rows in the forward (128 at D = 128, 192 at D = 64) and
-// 64 in the backward, k's and v's 128, dq's 64 rows x 32 columns (`tma_map_dq`).
+// dq's): q's boxes are FwdCfg<D, NC>::BR rows in the forward (64 NC: 128 at D = 128, 192 or
+// 128 at D = 64) and 64 in the backward, k's and v's 128, dq's 64 rows x 32 columns (`tma_map_dq`).
 #define ATTNW_KERNELS(T, SFX, D)                                                                         \
-  extern "C" __global__ void __launch_bounds__(FwdCfg<D>::THREADS, 1)                                   \
-      attnw_fwd_##SFX##_d##D(const AttnParams p, const __grid_constant__ TmaMap tq,                      \
-                             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,       \
-                             const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tdq) {  \
-    attnw_fwd<T, D>(p, tq, tk, tv);                                                                      \
-  }                                                                                                      \
+  ATTNW_FWD(T, SFX, D, (D == 64 ? 3 : 2), )                                                              \
   extern "C" __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 1)                                   \
       attnw_bwd_##SFX##_d##D(const AttnParams p, const __grid_constant__ TmaMap tq,                      \
                              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,       \
                              const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tdq) {  \
     attnw_bwd<T, D>(p, tq, tk, tv, tdo, tdq);                                                            \
   }
+// The forward with NC consumer warpgroups (64 NC queries a tile): kernel attnw_fwd_SFX_dD,
+// or attnw_fwd_SFX_dD_cNC for another count than the default (3 at D = 64, 2 at D = 128).
+#define ATTNW_FWD(T, SFX, D, NC, NAME_TAIL)                                                              \
+  extern "C" __global__ void __launch_bounds__(FwdCfg<D, NC>::THREADS, 1)                               \
+      attnw_fwd_##SFX##_d##D##NAME_TAIL(const AttnParams p, const __grid_constant__ TmaMap tq,           \
+                                        const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
+                                        const __grid_constant__ TmaMap tdo,                             \
+                                        const __grid_constant__ TmaMap tdq) {                           \
+    attnw_fwd<T, D, NC>(p, tq, tk, tv);                                                                  \
+  }
 
 ATTNW_KERNELS(__nv_bfloat16, bf16, 64)
 ATTNW_KERNELS(__nv_bfloat16, bf16, 128)
 ATTNW_KERNELS(__half, f16, 64)
 ATTNW_KERNELS(__half, f16, 128)
+// D = 64 with two consumers (tiles of 128 queries): causal attention, where a tile of 192
+// queries computes keys its first rows never see.
+ATTNW_FWD(__nv_bfloat16, bf16, 64, 2, _c2)
+ATTNW_FWD(__half, f16, 64, 2, _c2)

@@ -39,7 +39,7 @@ typedef void (*WKern)(const AttnParams, const TmaMap, const TmaMap, const TmaMap
 
 struct Kernels {
   Kern fwd, bwd;
-  WKern wfwd, wbwd;
+  WKern wfwd, wbwd, wfwd2;  // wfwd2: D = 64 with two consumers (null at D = 128)
   Kern pre;
   void (*dq)(const float*, void*, size_t);
 };
@@ -47,25 +47,31 @@ struct Kernels {
 template <typename T> Kernels kernels(int d);
 template <> Kernels kernels<__nv_bfloat16>(int d) {
   if (d == 128)
-    return {attn_fwd_bf16_d128, attn_bwd_bf16_d128, attnw_fwd_bf16_d128, attnw_bwd_bf16_d128, attn_bwd_pre_bf16_d128,
-            (void (*)(const float*, void*, size_t))attn_dq_bf16};
-  return {attn_fwd_bf16_d64, attn_bwd_bf16_d64, attnw_fwd_bf16_d64, attnw_bwd_bf16_d64, attn_bwd_pre_bf16_d64,
-          (void (*)(const float*, void*, size_t))attn_dq_bf16};
+    return {attn_fwd_bf16_d128, attn_bwd_bf16_d128, attnw_fwd_bf16_d128, attnw_bwd_bf16_d128, nullptr,
+            attn_bwd_pre_bf16_d128, (void (*)(const float*, void*, size_t))attn_dq_bf16};
+  return {attn_fwd_bf16_d64,     attn_bwd_bf16_d64,     attnw_fwd_bf16_d64, attnw_bwd_bf16_d64, attnw_fwd_bf16_d64_c2,
+          attn_bwd_pre_bf16_d64, (void (*)(const float*, void*, size_t))attn_dq_bf16};
 }
 template <> Kernels kernels<__half>(int d) {
   if (d == 128)
-    return {attn_fwd_f16_d128, attn_bwd_f16_d128, attnw_fwd_f16_d128, attnw_bwd_f16_d128, attn_bwd_pre_f16_d128,
-            (void (*)(const float*, void*, size_t))attn_dq_f16};
-  return {attn_fwd_f16_d64, attn_bwd_f16_d64, attnw_fwd_f16_d64, attnw_bwd_f16_d64, attn_bwd_pre_f16_d64,
-          (void (*)(const float*, void*, size_t))attn_dq_f16};
+    return {attn_fwd_f16_d128, attn_bwd_f16_d128, attnw_fwd_f16_d128, attnw_bwd_f16_d128, nullptr,
+            attn_bwd_pre_f16_d128, (void (*)(const float*, void*, size_t))attn_dq_f16};
+  return {attn_fwd_f16_d64,     attn_bwd_f16_d64,     attnw_fwd_f16_d64, attnw_bwd_f16_d64, attnw_fwd_f16_d64_c2,
+          attn_bwd_pre_f16_d64, (void (*)(const float*, void*, size_t))attn_dq_f16};
 }
 
 static int g_fwd_blocks = 0;  // the wgmma forward's grid: 0 a block per tile, else persistent
+static bool g_dynamic = false;  // persistent: tiles claimed from a counter (else t, t + G, ...)
+static int g_head_group = 1;    // AttnParams::head_group; 0: the launcher's rule (causal: K/V in 32 MiB)
+static int g_nc64 = 3;          // consumers of the D = 64 forward (3 or 2)
+static int* g_counter = nullptr;
 static size_t fwd_smem(int d) { return (128 + 4 * (d == 128 ? 32 : 64)) * d * 2; }
 static size_t bwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 4 * 64 * 4; }
-static int wfwd_rows(int d) { return d == 64 ? FwdCfg<64>::BR : FwdCfg<128>::BR; }
-static int wfwd_threads(int d) { return d == 64 ? FwdCfg<64>::THREADS : FwdCfg<128>::THREADS; }
+static int wfwd_rows(int d) { return d == 64 ? 64 * g_nc64 : FwdCfg<128, 2>::BR; }
+static int wfwd_threads(int d) { return d == 64 ? 128 * (g_nc64 + 1) : FwdCfg<128, 2>::THREADS; }
+// Q, two stages of K and V, the alignment and the barriers.
 static size_t wfwd_smem(int d) { return (wfwd_rows(d) + 4 * 128) * d * 2 + 1024 + 128; }
+static size_t wfwd_smem_max() { return (192 + 4 * 128) * 128 * 2 + 1024 + 128; }
 static size_t wbwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 2 * 128 * 64) * 2 + 64 * 128 * 4 + 4 * 64 * 4 + 1024 + 64; }
 
 // cuTensorMapEncodeTiled of a 4-d tensor (dims innermost first, byte strides of dims 1-3),
@@ -141,6 +147,9 @@ template <typename T> struct Run {
     // Dense maps: row, head, batch in dims 1, 2, 3 (see tma_tile).
     const uint32_t natural = 0 | 1 << 2 | 2 << 4;
     p.tma_order = natural | natural << 6 | natural << 12 | natural << 18;
+    // The launcher's rule: causal tiles in groups of heads whose K and V take 32 MiB.
+    p.head_group = g_head_group > 0 ? g_head_group
+                                    : (c.causal ? std::max(1, (int)((32 << 20) / ((size_t)c.Lk * c.D * 4))) : 1);
     return p;
   }
 
@@ -151,8 +160,12 @@ template <typename T> struct Run {
     const int tiles = (c.Lq + wfwd_rows(c.D) - 1) / wfwd_rows(c.D) * bh;
     // g_fwd_blocks > 0: a persistent grid of that many blocks (each takes tiles t, t + G, ...).
     const dim3 grid = g_fwd_blocks > 0 ? dim3(std::min(g_fwd_blocks, tiles)) : dim3(tiles / bh, bh);
+    if (wg && g_fwd_blocks > 0 && g_dynamic) {
+      CK(cudaMemsetAsync(g_counter, 0, 4));
+      p.tile_counter = (uint64_t)g_counter;
+    }
     if (wg)
-      k.wfwd<<<grid, wfwd_threads(c.D), wfwd_smem(c.D)>>>(
+      (c.D == 64 && g_nc64 == 2 ? k.wfwd2 : k.wfwd)<<<grid, wfwd_threads(c.D), wfwd_smem(c.D)>>>(
           p, tma_map(q, bf, c.B, c.H, c.Lq, c.D, wfwd_rows(c.D)), tma_map(kk, bf, c.B, c.H, c.Lk, c.D, 128),
           tma_map(v, bf, c.B, c.H, c.Lk, c.D, 128), tma_map(dout, bf, c.B, c.H, c.Lq, c.D, 64),
           tma_map_dq(acc, c.B * c.H, c.Lq, c.D, 1));
@@ -306,18 +319,56 @@ template <typename T> static void timeit(Case c, bool only_wg = false) {
       CK(cudaEventElapsedTime(&ms[pass], a, b));
       ms[pass] /= n;
     }
-    printf("%s%s B=%d H=%d L=%d D=%d causal=%d  fwd %.3f ms %.1f TFLOP/s | bwd (pre+kernel+dq) %.3f ms %.1f TFLOP/s\n",
-           wg ? "wgmma" : "mma  ", wg && g_fwd_blocks ? "P" : " ", c.B, c.H, c.Lq, c.D, c.causal, ms[0], flops / ms[0] / 1e9, ms[1],
+    printf("%s%s%s B=%d H=%d L=%d D=%d causal=%d  fwd %.3f ms %.1f TFLOP/s | bwd (pre+kernel+dq) %.3f ms %.1f TFLOP/s\n",
+           wg ? "wgmma" : "mma  ", wg && g_fwd_blocks ? (g_dynamic ? "Pd" : "Ps") : "  ",
+           c.D == 64 && g_nc64 == 2 ? "c2" : "  ", c.B, c.H, c.Lq, c.D, c.causal, ms[0], flops / ms[0] / 1e9, ms[1],
            2.5 * flops / ms[1] / 1e9);
   }
   free_run(r);
 }
 
+// The wgmma forward alone, on one set of inputs, under each grid variant (fast sweeps).
+static void time_fwd_variants(Case c) {
+  Run<__nv_bfloat16> r = make<__nv_bfloat16>(c, 7);
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  const double flops = 4.0 * c.B * c.H * (double)c.Lq * c.Lk * c.D / (c.causal ? 2 : 1);
+  struct V {
+    int blocks, nc, hg;
+    bool dyn;
+  };
+  const V vs[] = {{0, 3, 1, false}, {132, 3, 1, false}, {132, 3, 0, true}, {132, 3, 8, true},
+                  {0, 2, 1, false}, {132, 2, 1, false}, {132, 2, 0, true}, {132, 2, 8, true}};
+  printf("B=%d H=%d L=%d D=%d causal=%d:", c.B, c.H, c.Lq, c.D, c.causal);
+  for (const V& v : vs) {
+    if (c.D == 128 && v.nc == 3) continue;
+    if (!c.causal && v.hg != 1 && v.hg != 0) continue;
+    g_fwd_blocks = v.blocks, g_nc64 = v.nc, g_head_group = v.hg, g_dynamic = v.dyn;
+    for (int i = 0; i < 3; ++i) r.fwd(true);
+    CK(cudaEventRecord(a));
+    const int n = 20;
+    for (int i = 0; i < n; ++i) r.fwd(true);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    printf("  %s%s%s%s %.0f", v.blocks ? (v.dyn ? "Pd" : "Ps") : "B", c.D == 64 ? (v.nc == 2 ? "c2" : "c3") : "",
+           v.hg == 0 ? "g" : "", v.hg == 8 ? "g8" : "", flops / (ms / n) / 1e9);
+  }
+  printf("\n");
+  free_run(r);
+  g_fwd_blocks = 0, g_nc64 = 3, g_head_group = 1, g_dynamic = false;
+}
+
 int main(int argc, char** argv) {
   const bool time_only = argc > 1;
   setvbuf(stdout, nullptr, _IONBF, 0);  // any argument: the Flux-shape timing alone (for ncu)
-  for (WKern f : {attnw_fwd_bf16_d128, attnw_fwd_bf16_d64, attnw_fwd_f16_d128, attnw_fwd_f16_d64})
-    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wfwd_smem(128)));
+  for (WKern f : {attnw_fwd_bf16_d128, attnw_fwd_bf16_d64, attnw_fwd_f16_d128, attnw_fwd_f16_d64, attnw_fwd_bf16_d64_c2,
+                  attnw_fwd_f16_d64_c2})
+    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wfwd_smem_max()));
+  CK(cudaMalloc(&g_counter, 4));
   for (WKern f : {attnw_bwd_bf16_d128, attnw_bwd_bf16_d64, attnw_bwd_f16_d128, attnw_bwd_f16_d64})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wbwd_smem(128)));
   for (Kern f : {(Kern)attn_fwd_bf16_d128, (Kern)attn_fwd_bf16_d64, (Kern)attn_fwd_f16_d128, (Kern)attn_fwd_f16_d64})
@@ -325,6 +376,18 @@ int main(int argc, char** argv) {
   for (Kern f : {(Kern)attn_bwd_bf16_d128, (Kern)attn_bwd_bf16_d64, (Kern)attn_bwd_f16_d128, (Kern)attn_bwd_f16_d64})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bwd_smem(128)));
   if (time_only) {  // "t": the Flux shape; "t64": SD3.5's; "tab": benches/attention.rs's shapes
+    if (strcmp(argv[1], "tc") == 0) {  // the forward's grid variants at the bench's shapes
+      const Case tab[] = {{1, 24, 4608, 4608, 128, false, false}, {1, 24, 4608, 4608, 128, true, false},
+                          {16, 16, 1024, 1024, 128, false, false}, {16, 16, 1024, 1024, 128, true, false},
+                          {4, 16, 4096, 4096, 128, false, false},  {4, 16, 4096, 4096, 128, true, false},
+                          {1, 16, 16384, 16384, 128, false, false}, {1, 16, 16384, 16384, 128, true, false},
+                          {16, 32, 1024, 1024, 64, false, false},  {16, 32, 1024, 1024, 64, true, false},
+                          {4, 32, 4096, 4096, 64, false, false},   {4, 32, 4096, 4096, 64, true, false},
+                          {1, 32, 16384, 16384, 64, false, false}, {1, 32, 16384, 16384, 64, true, false},
+                          {1, 38, 4250, 4250, 64, false, false}};
+      for (const Case& c : tab) time_fwd_variants(c);
+      return 0;
+    }
     if (strcmp(argv[1], "tab") == 0) {
       const Case tab[] = {{1, 24, 4608, 4608, 128, false, false}, {1, 24, 4608, 4608, 128, true, false},
                           {16, 16, 1024, 1024, 128, false, false}, {16, 16, 1024, 1024, 128, true, false},
@@ -335,11 +398,45 @@ int main(int argc, char** argv) {
                           {1, 32, 16384, 16384, 64, false, false}, {1, 32, 16384, 16384, 64, true, false}};
       const int only_d = argc > 2 ? atoi(argv[2]) : 0;  // "tab 64": D = 64 alone
       for (const Case& c : tab)
-        if (!only_d || c.D == only_d) {
-          g_fwd_blocks = 0;
-          timeit<__nv_bfloat16>(c, true);
-          g_fwd_blocks = 132;  // persistent, one block per SM of an H100
-          timeit<__nv_bfloat16>(c, true);
+        if (!only_d || c.D == only_d)
+          for (int nc : {2, 3}) {  // D = 64: two consumers, then three
+            if (c.D == 128 && nc == 3) continue;
+            g_nc64 = nc;
+            g_head_group = 1;
+            g_fwd_blocks = 0;  // a block per tile
+            timeit<__nv_bfloat16>(c, true);
+            g_fwd_blocks = 132;  // persistent, one block per SM of an H100
+            g_dynamic = false;
+            timeit<__nv_bfloat16>(c, true);
+            g_dynamic = true;
+            timeit<__nv_bfloat16>(c, true);
+            if (c.causal) {
+              g_head_group = 0;  // heads grouped by L2
+              printf("  head groups: ");
+              timeit<__nv_bfloat16>(c, true);
+              g_fwd_blocks = 0;
+              printf("  head groups: ");
+              timeit<__nv_bfloat16>(c, true);
+            }
+          }
+      g_nc64 = 3, g_dynamic = false, g_head_group = 1;
+    } else if (strcmp(argv[1], "dbg") == 0) {  // checks of big persistent grids, one config each
+      struct V {
+        int blocks, nc, hg;
+        bool dyn;
+      };
+      const V vs[] = {{132, 3, 0, true}, {132, 3, 2, true}, {132, 2, 0, true}, {0, 3, 0, false},
+                      {132, 3, 0, false}, {132, 3, 1, true}, {132, 2, 1, true}};
+      const Case cs[] = {{16, 32, 1024, 1024, 64, true, false}, {4, 32, 4096, 4096, 64, true, false}};
+      uint64_t seed = 5;
+      const int only = argc > 2 ? atoi(argv[2]) : -1;  // "dbg i": the i-th alone (a hang ends the process)
+      int i = 0;
+      for (const Case& c : cs)
+        for (const V& v : vs) {
+          if (only >= 0 && i++ != only) continue;
+          g_fwd_blocks = v.blocks, g_nc64 = v.nc, g_head_group = v.hg, g_dynamic = v.dyn;
+          printf("blocks %d nc %d hg %d dyn %d: ", v.blocks, v.nc, v.hg, (int)v.dyn);
+          check<__nv_bfloat16>(c, "bf16", seed += 10);
         }
     } else if (strcmp(argv[1], "t64") == 0)
       timeit<__nv_bfloat16>({1, 38, 4250, 4250, 64, false, false});
@@ -358,10 +455,17 @@ int main(int argc, char** argv) {
   for (const Case& c : cases) fails += !check<__nv_bfloat16>(c, "bf16", seed += 10);
   for (const Case& c : cases) fails += !check<__half>(c, "f16 ", seed += 10);
   g_fwd_blocks = 7;  // persistent forward: several tiles per block, uneven counts
-  printf("persistent forward, 7 blocks:\n");
+  for (int variant = 0; variant < 3; ++variant) {
+    // static order; claimed from the counter in L2 head groups; two consumers at D = 64
+    g_dynamic = variant > 0, g_head_group = variant > 0 ? 0 : 1, g_nc64 = variant == 2 ? 2 : 3;
+    printf("persistent forward, 7 blocks, %s:\n", variant == 0 ? "static" : variant == 1 ? "counter" : "counter, D 64 c2");
+    for (const Case& c : cases) fails += !check<__nv_bfloat16>(c, "bf16", seed += 10);
+    for (const Case& c : cases) fails += !check<__half>(c, "f16 ", seed += 10);
+  }
+  g_fwd_blocks = 0, g_dynamic = false, g_nc64 = 2;
+  printf("a block per tile, D 64 c2, head groups:\n");
   for (const Case& c : cases) fails += !check<__nv_bfloat16>(c, "bf16", seed += 10);
-  for (const Case& c : cases) fails += !check<__half>(c, "f16 ", seed += 10);
-  g_fwd_blocks = 0;
+  g_nc64 = 3, g_head_group = 1;
   timeit<__nv_bfloat16>({1, 24, 4608, 4608, 128, false, false});
   timeit<__nv_bfloat16>({1, 38, 4250, 4250, 64, false, false});
   timeit<__nv_bfloat16>({4, 16, 4096, 4096, 128, true, false});

@@ -40,6 +40,9 @@ struct Params {
     dq: u64,
     dk: u64,
     dv: u64,
+    /// The wgmma forward's u32 tile counter (zeroed before the launch), or 0: blocks take
+    /// tiles t, t + G, ... in order.
+    tile_counter: u64,
     b: i32,
     h: i32,
     lq: i32,
@@ -53,6 +56,10 @@ struct Params {
     dq_parts: i32,
     /// The first key block of this launch of the backward.
     kb0: i32,
+    /// The wgmma forward's tile order: query tiles in groups of this many heads.
+    head_group: i32,
+    /// Keeps the struct free of padding.
+    pad: i32,
 }
 
 // SAFETY: plain repr(C) structs of integers and floats, laid out as the C structs the
@@ -230,9 +237,9 @@ fn bwd_smem(d: usize) -> usize {
 }
 
 /// The wgmma kernels (cuda/attention_wgmma.cu). The forward is warp-specialised and
-/// persistent (a block per SM takes every G-th query tile): a producer warpgroup and
-/// `wg_fwd_consumers(d)` consumer warpgroups of 64 queries each (3 at D = 64, 2 at D = 128),
-/// walking keys in tiles of 128 through two stages of K and V. The backward
+/// persistent (a block per SM): a producer warpgroup and `wg_fwd_consumers` consumer
+/// warpgroups of 64 queries each, walking keys in tiles of 128 through two stages of K and V.
+/// The backward
 /// has three warpgroups (a producer and dQ writer, two consumers of 64 keys each), takes 128
 /// keys and walks queries in tiles of 64, adding dQ through a tensor map of the accumulator
 /// (`tma_map_dq`). Tiles come by TMA (`tma_map`) and start 1024-aligned, hence the extra KiB.
@@ -242,41 +249,67 @@ const WG_FWD_STAGES: usize = 2;
 const WG_BWD_KEYS: usize = 128;
 const WG_BWD_ROWS: usize = 64;
 
-/// Consumer warpgroups of the forward (FwdCfg<D>::NC in the kernel).
-fn wg_fwd_consumers(d: usize) -> usize {
-    if d == 64 {
+/// Consumer warpgroups of the forward (FwdCfg<D, NC>::NC in the kernel): 2 at D = 128; at
+/// D = 64 3 (192 queries a tile: the softmax, which costs as much as the products there,
+/// hidden under two others' products), but 2 for causal attention up to 2048 queries, whose
+/// short tiles of 192 queries compute many keys their first rows never see. H100, harness:
+/// causal B 16, H 32, L 1024 302 against 286 TFLOP/s; L 4096 393 against 447.
+fn wg_fwd_consumers(d: usize, p: &Params) -> usize {
+    if d == 64 && !(p.causal != 0 && p.lq <= 2048) {
         3
     } else {
         2
     }
 }
 
-fn wg_fwd_rows(d: usize) -> usize {
-    64 * wg_fwd_consumers(d)
+fn wg_fwd_rows(d: usize, p: &Params) -> usize {
+    64 * wg_fwd_consumers(d, p)
 }
 
-fn wg_fwd_threads(d: usize) -> u32 {
-    128 * (wg_fwd_consumers(d) as u32 + 1)
-}
-
-/// Blocks of the wgmma forward for `tiles` query tiles: persistent (a block per SM, each
-/// taking every G-th tile, the next tile's loads under this one's output) unless the
-/// attention is causal, whose tiles differ in length: a block per tile, the hardware handing
-/// the next tile to the first free SM. H100, harness timings: persistent 402 against 364
-/// TFLOP/s at B 16, H 32, L 1024, D 64 and 543 against 509 at B 16, H 16, L 1024, D 128;
-/// the same at long sequences; causal at L 16384, D 128, 577 against 613.
-fn wg_fwd_blocks(tiles: usize, p: &Params, sms: usize) -> usize {
-    if p.causal != 0 {
-        tiles
-    } else {
-        tiles.min(sms.max(1))
+fn wg_fwd_kernel(sfx: &str, d: usize, p: &Params) -> String {
+    match (d, wg_fwd_consumers(d, p)) {
+        (64, 2) => format!("attnw_fwd_{sfx}_d64_c2"),
+        _ => format!("attnw_fwd_{sfx}_d{d}"),
     }
 }
 
-fn wg_fwd_smem(d: usize) -> usize {
+fn wg_fwd_threads(d: usize, p: &Params) -> u32 {
+    128 * (wg_fwd_consumers(d, p) as u32 + 1)
+}
+
+/// The wgmma forward's grid and tile order for `tiles` query tiles. Non-causal tiles are
+/// equal: persistent, a block per SM, block b taking tiles b, b + G, ..., a head's tiles side
+/// by side. Causal tiles differ in length: up to 8192 keys, persistent with blocks claiming
+/// their next tile from a counter (the first free one takes the next), the heaviest first, in
+/// groups of heads whose K and V take 32 MiB of L2 (the H100 has 50); longer, a block per
+/// tile, a head's tiles side by side, the heaviest first. H100, harness, TFLOP/s (a block per
+/// tile / persistent in order / persistent claiming in head groups): non-causal B 16, H 16,
+/// L 1024, D 128 503 / 541 / 537; causal 357 / 323 / 390; causal Flux shape 506 / 420 / 546;
+/// causal B 16, H 32, L 1024, D 64 (two consumers) 248 / 242 / 302; causal B 1, H 16,
+/// L 16384, D 128 647 / 407 / 595. Returns (blocks, head group, counter).
+fn wg_fwd_grid(tiles: usize, p: &Params, d: usize, sms: usize) -> (usize, i32, bool) {
+    let blocks = tiles.min(sms.max(1));
+    if p.causal == 0 {
+        return (blocks, 1, false);
+    }
+    if p.lk > 8192 {
+        return (tiles, 1, false);
+    }
+    // K and V of one head: Lk rows of D 2-byte elements each. At most every head (the
+    // kernel's tile numbers, group times query blocks, stay within the tile count).
+    let head = (p.lk.max(1) as usize) * d * 2 * 2;
+    let heads = (p.b * p.h).max(1) as usize;
+    let group = ((32usize << 20) / head).clamp(1, heads) as i32;
+    (blocks, group, true)
+}
+
+fn wg_fwd_smem(d: usize, p: &Params) -> usize {
     // Q and the stages of K and V; the TMA barriers (Q full and empty, 4 per stage, 8 bytes
-    // each).
-    (wg_fwd_rows(d) + 2 * WG_FWD_STAGES * WG_FWD_KEYS) * d * 2 + 1024 + 8 * (2 + 4 * WG_FWD_STAGES)
+    // each) and the next tile's number.
+    (wg_fwd_rows(d, p) + 2 * WG_FWD_STAGES * WG_FWD_KEYS) * d * 2
+        + 1024
+        + 8 * (2 + 4 * WG_FWD_STAGES)
+        + 8
 }
 
 fn wg_bwd_smem(d: usize) -> usize {
@@ -488,7 +521,7 @@ fn launch_all<T: Elem>(
     // The wgmma kernels fold the scale into the exponent after the row max: scale > 0. Their
     // descriptors are made only where they run.
     let (qd, kd) = ([b, h, lq, d], [b, h, lk, d]);
-    let rows = if fwd { wg_fwd_rows(d) } else { WG_BWD_ROWS } as u32;
+    let rows = if fwd { wg_fwd_rows(d, p) } else { WG_BWD_ROWS } as u32;
     let maps = |p: &Params| -> Option<[(TmaMap, u32); 4]> {
         let dt = T::DTYPE;
         let q = tma_map(&p.q, qd, rows, dt)?;
@@ -519,22 +552,34 @@ fn launch_all<T: Elem>(
         p.o = dense_view(o.raw(dev), h, lq, d);
         p.lse = lse.raw(dev);
         match &wg {
-            Some((wm, maps)) => launch_attention(
-                dev,
-                wm,
-                format!("attnw_fwd_{}_d{d}", T::SFX),
-                (
-                    (
-                        wg_fwd_blocks(lq.div_ceil(wg_fwd_rows(d)) * bh, p, dev.sm_count()),
-                        1,
-                    ),
-                    wg_fwd_threads(d),
-                    wg_fwd_smem(d),
-                ),
-                p,
-                // The forward reads no dq accumulator: q's descriptor stands in.
-                Some(&[maps[0], maps[1], maps[2], maps[3], maps[0]]),
-            )?,
+            Some((wm, maps)) => {
+                let tiles = lq.div_ceil(wg_fwd_rows(d, p)) * bh;
+                let (blocks, group, counted) = wg_fwd_grid(tiles, p, d, dev.sm_count());
+                p.head_group = group;
+                // The counter lives until the stream has run the kernel (frees are ordered
+                // after it).
+                let counter = match counted {
+                    true => {
+                        let mut c = dev.alloc::<u32>(1)?;
+                        dev.stream()
+                            .memset_zeros(&mut *c.slice)
+                            .map_err(super::cuda_err("clearing the attention tile counter"))?;
+                        p.tile_counter = c.raw(dev);
+                        Some(c)
+                    }
+                    false => None,
+                };
+                launch_attention(
+                    dev,
+                    wm,
+                    wg_fwd_kernel(T::SFX, d, p),
+                    ((blocks, 1), wg_fwd_threads(d, p), wg_fwd_smem(d, p)),
+                    p,
+                    // The forward reads no dq accumulator: q's descriptor stands in.
+                    Some(&[maps[0], maps[1], maps[2], maps[3], maps[0]]),
+                )?;
+                drop(counter);
+            }
             None => launch_attention(
                 dev,
                 module,

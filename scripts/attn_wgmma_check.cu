@@ -388,6 +388,18 @@ int main(int argc, char** argv) {
       for (const Case& c : tab) time_fwd_variants(c);
       return 0;
     }
+    if (strcmp(argv[1], "tb") == 0) {  // the bench's shapes once each (for the backward)
+      const Case tab[] = {{1, 24, 4608, 4608, 128, false, false}, {1, 24, 4608, 4608, 128, true, false},
+                          {16, 16, 1024, 1024, 128, false, false}, {16, 16, 1024, 1024, 128, true, false},
+                          {4, 16, 4096, 4096, 128, false, false},  {4, 16, 4096, 4096, 128, true, false},
+                          {1, 16, 16384, 16384, 128, false, false}, {1, 16, 16384, 16384, 128, true, false},
+                          {16, 32, 1024, 1024, 64, false, false},  {16, 32, 1024, 1024, 64, true, false},
+                          {4, 32, 4096, 4096, 64, false, false},   {4, 32, 4096, 4096, 64, true, false},
+                          {1, 32, 16384, 16384, 64, false, false}, {1, 32, 16384, 16384, 64, true, false},
+                          {1, 38, 4250, 4250, 64, false, false}};
+      for (const Case& c : tab) timeit<__nv_bfloat16>(c, true);
+      return 0;
+    }
     if (strcmp(argv[1], "tab") == 0) {
       const Case tab[] = {{1, 24, 4608, 4608, 128, false, false}, {1, 24, 4608, 4608, 128, true, false},
                           {16, 16, 1024, 1024, 128, false, false}, {16, 16, 1024, 1024, 128, true, false},

@@ -708,7 +708,85 @@ fn deterministic_chunk(blocks: usize, bh: usize, n: usize, sms: usize) -> usize 
 
 #[cfg(test)]
 mod tests {
-    use super::{deterministic_chunk, tma_layout, TmaLayout, View};
+    use super::{
+        deterministic_chunk, tma_layout, wg_fwd_consumers, wg_fwd_grid, wg_fwd_kernel, wg_fwd_smem,
+        Params, TmaLayout, View,
+    };
+
+    fn params(b: i32, h: i32, lq: i32, lk: i32, causal: bool) -> Params {
+        Params {
+            b,
+            h,
+            lq,
+            lk,
+            causal: i32::from(causal),
+            ..Params::default()
+        }
+    }
+
+    #[test]
+    fn the_forward_picks_its_consumers_and_kernel() {
+        // D = 128: two consumers; D = 64: three, but two for causal attention to 2048 queries.
+        let cases = [
+            (
+                128,
+                params(1, 24, 4608, 4608, true),
+                2,
+                "attnw_fwd_bf16_d128",
+            ),
+            (
+                64,
+                params(16, 32, 1024, 1024, false),
+                3,
+                "attnw_fwd_bf16_d64",
+            ),
+            (
+                64,
+                params(16, 32, 1024, 1024, true),
+                2,
+                "attnw_fwd_bf16_d64_c2",
+            ),
+            (64, params(2, 12, 77, 77, true), 2, "attnw_fwd_bf16_d64_c2"),
+            (64, params(4, 32, 4096, 4096, true), 3, "attnw_fwd_bf16_d64"),
+        ];
+        for (d, p, nc, kernel) in cases {
+            assert_eq!(wg_fwd_consumers(d, &p), nc);
+            assert_eq!(wg_fwd_kernel("bf16", d, &p), kernel);
+            // Q, two stages of K and V, the alignment, barriers and the tile slot: under the
+            // 227 KiB of shared memory a block may have on an H100.
+            assert!(wg_fwd_smem(d, &p) <= 227 * 1024, "{}", wg_fwd_smem(d, &p));
+        }
+    }
+
+    #[test]
+    fn causal_forwards_claim_tiles_in_head_groups_that_fit_l2() {
+        let sms = 132;
+        // Non-causal: a block per SM in order, no counter.
+        assert_eq!(
+            wg_fwd_grid(864, &params(1, 24, 4608, 4608, false), 128, sms),
+            (132, 1, false)
+        );
+        // Causal: a block per SM claiming from the counter; K and V of a head (Lk D 4 bytes)
+        // in 32 MiB: Flux's 2.25 MiB heads in groups of 14, L 1024 D 64 in groups of 128.
+        assert_eq!(
+            wg_fwd_grid(864, &params(1, 24, 4608, 4608, true), 128, sms),
+            (132, 14, true)
+        );
+        assert_eq!(
+            wg_fwd_grid(4096, &params(16, 32, 1024, 1024, true), 64, sms),
+            (132, 128, true)
+        );
+        // At most every head; fewer tiles than SMs, a block each.
+        assert_eq!(
+            wg_fwd_grid(8, &params(2, 4, 77, 77, true), 64, sms),
+            (8, 8, true)
+        );
+        // Past 8192 keys: a block per tile, in order.
+        assert_eq!(
+            wg_fwd_grid(2048, &params(1, 16, 16384, 16384, true), 128, sms),
+            (2048, 1, false)
+        );
+    }
 
     #[test]
     fn deterministic_launches_fill_the_gpu_within_bounded_slabs() {

@@ -237,7 +237,8 @@ fn bwd_smem(d: usize) -> usize {
 }
 
 /// The wgmma kernels (cuda/attention_wgmma.cu). The forward is warp-specialised and
-/// persistent (a block per SM): a producer warpgroup and `wg_fwd_consumers` consumer
+/// persistent (a block per SM; causal attention past 8192 keys a block per tile, see
+/// `wg_fwd_grid`): a producer warpgroup and `wg_fwd_consumers` consumer
 /// warpgroups of 64 queries each, walking keys in tiles of 128 through two stages of K and V.
 /// The backward
 /// has three warpgroups (a producer and dQ writer, two consumers of 64 keys each), takes 128

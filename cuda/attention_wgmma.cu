@@ -237,8 +237,7 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
   float s[BC / 8][4];
   uint32_t a[BC / 16][4];
   int it0 = 0;  // K/V tiles before this tile's
-  int ti = 0;
-  for (;; ++ti) {
+  for (int ti = 0;; ++ti) {
     mbar_wait(fullQ, ti & 1);  // this tile's Q, or the producer's word that none is left
     const int t = *next_tile;
     if (t >= ntiles) break;

@@ -329,6 +329,16 @@ template <typename T> static void timeit(Case c, bool only_wg = false) {
   free_run(r);
 }
 
+// benches/attention.rs's shapes (B L = 16384, H D = 2048 beside Flux's), and SD3.5's.
+static const Case kBench[] = {{1, 24, 4608, 4608, 128, false, false}, {1, 24, 4608, 4608, 128, true, false},
+                              {16, 16, 1024, 1024, 128, false, false}, {16, 16, 1024, 1024, 128, true, false},
+                              {4, 16, 4096, 4096, 128, false, false},  {4, 16, 4096, 4096, 128, true, false},
+                              {1, 16, 16384, 16384, 128, false, false}, {1, 16, 16384, 16384, 128, true, false},
+                              {16, 32, 1024, 1024, 64, false, false},  {16, 32, 1024, 1024, 64, true, false},
+                              {4, 32, 4096, 4096, 64, false, false},   {4, 32, 4096, 4096, 64, true, false},
+                              {1, 32, 16384, 16384, 64, false, false}, {1, 32, 16384, 16384, 64, true, false}};
+static const Case kSd35 = {1, 38, 4250, 4250, 64, false, false};
+
 // The wgmma forward alone, on one set of inputs, under each grid variant (fast sweeps).
 static void time_fwd_variants(Case c) {
   Run<__nv_bfloat16> r = make<__nv_bfloat16>(c, 7);
@@ -379,39 +389,18 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bwd_smem(128)));
   if (time_only) {  // "t": the Flux shape; "t64": SD3.5's; "tab": benches/attention.rs's shapes
     if (strcmp(argv[1], "tc") == 0) {  // the forward's grid variants at the bench's shapes
-      const Case tab[] = {{1, 24, 4608, 4608, 128, false, false}, {1, 24, 4608, 4608, 128, true, false},
-                          {16, 16, 1024, 1024, 128, false, false}, {16, 16, 1024, 1024, 128, true, false},
-                          {4, 16, 4096, 4096, 128, false, false},  {4, 16, 4096, 4096, 128, true, false},
-                          {1, 16, 16384, 16384, 128, false, false}, {1, 16, 16384, 16384, 128, true, false},
-                          {16, 32, 1024, 1024, 64, false, false},  {16, 32, 1024, 1024, 64, true, false},
-                          {4, 32, 4096, 4096, 64, false, false},   {4, 32, 4096, 4096, 64, true, false},
-                          {1, 32, 16384, 16384, 64, false, false}, {1, 32, 16384, 16384, 64, true, false},
-                          {1, 38, 4250, 4250, 64, false, false}};
-      for (const Case& c : tab) time_fwd_variants(c);
+      for (const Case& c : kBench) time_fwd_variants(c);
+      time_fwd_variants(kSd35);
       return 0;
     }
     if (strcmp(argv[1], "tb") == 0) {  // the bench's shapes once each (for the backward)
-      const Case tab[] = {{1, 24, 4608, 4608, 128, false, false}, {1, 24, 4608, 4608, 128, true, false},
-                          {16, 16, 1024, 1024, 128, false, false}, {16, 16, 1024, 1024, 128, true, false},
-                          {4, 16, 4096, 4096, 128, false, false},  {4, 16, 4096, 4096, 128, true, false},
-                          {1, 16, 16384, 16384, 128, false, false}, {1, 16, 16384, 16384, 128, true, false},
-                          {16, 32, 1024, 1024, 64, false, false},  {16, 32, 1024, 1024, 64, true, false},
-                          {4, 32, 4096, 4096, 64, false, false},   {4, 32, 4096, 4096, 64, true, false},
-                          {1, 32, 16384, 16384, 64, false, false}, {1, 32, 16384, 16384, 64, true, false},
-                          {1, 38, 4250, 4250, 64, false, false}};
-      for (const Case& c : tab) timeit<__nv_bfloat16>(c, true);
+      for (const Case& c : kBench) timeit<__nv_bfloat16>(c, true);
+      timeit<__nv_bfloat16>(kSd35, true);
       return 0;
     }
     if (strcmp(argv[1], "tab") == 0) {
-      const Case tab[] = {{1, 24, 4608, 4608, 128, false, false}, {1, 24, 4608, 4608, 128, true, false},
-                          {16, 16, 1024, 1024, 128, false, false}, {16, 16, 1024, 1024, 128, true, false},
-                          {4, 16, 4096, 4096, 128, false, false},  {4, 16, 4096, 4096, 128, true, false},
-                          {1, 16, 16384, 16384, 128, false, false}, {1, 16, 16384, 16384, 128, true, false},
-                          {16, 32, 1024, 1024, 64, false, false},  {16, 32, 1024, 1024, 64, true, false},
-                          {4, 32, 4096, 4096, 64, false, false},   {4, 32, 4096, 4096, 64, true, false},
-                          {1, 32, 16384, 16384, 64, false, false}, {1, 32, 16384, 16384, 64, true, false}};
       const int only_d = argc > 2 ? atoi(argv[2]) : 0;  // "tab 64": D = 64 alone
-      for (const Case& c : tab)
+      for (const Case& c : kBench)
         if (!only_d || c.D == only_d)
           for (int nc : {2, 3}) {  // D = 64: two consumers, then three
             if (c.D == 128 && nc == 3) continue;
@@ -453,7 +442,7 @@ int main(int argc, char** argv) {
           check<__nv_bfloat16>(c, "bf16", seed += 10);
         }
     } else if (strcmp(argv[1], "t64") == 0)
-      timeit<__nv_bfloat16>({1, 38, 4250, 4250, 64, false, false});
+      timeit<__nv_bfloat16>(kSd35);
     else
       timeit<__nv_bfloat16>({1, 24, 4608, 4608, 128, false, false});
     return 0;
@@ -481,7 +470,7 @@ int main(int argc, char** argv) {
   for (const Case& c : cases) fails += !check<__nv_bfloat16>(c, "bf16", seed += 10);
   g_nc64 = 3, g_head_group = 1;
   timeit<__nv_bfloat16>({1, 24, 4608, 4608, 128, false, false});
-  timeit<__nv_bfloat16>({1, 38, 4250, 4250, 64, false, false});
+  timeit<__nv_bfloat16>(kSd35);
   timeit<__nv_bfloat16>({4, 16, 4096, 4096, 128, true, false});
   printf("%d failures\n", fails);
   return fails != 0;

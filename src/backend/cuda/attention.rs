@@ -761,32 +761,27 @@ mod tests {
 
     #[test]
     fn causal_forwards_claim_tiles_in_head_groups_that_fit_l2() {
-        let sms = 132;
-        // Non-causal: a block per SM in order, no counter.
-        assert_eq!(
-            wg_fwd_grid(864, &params(1, 24, 4608, 4608, false), 128, sms),
-            (132, 1, false)
-        );
-        // Causal: a block per SM claiming from the counter; K and V of a head (Lk D 4 bytes)
-        // in 32 MiB: Flux's 2.25 MiB heads in groups of 14, L 1024 D 64 in groups of 128.
-        assert_eq!(
-            wg_fwd_grid(864, &params(1, 24, 4608, 4608, true), 128, sms),
-            (132, 14, true)
-        );
-        assert_eq!(
-            wg_fwd_grid(4096, &params(16, 32, 1024, 1024, true), 64, sms),
-            (132, 128, true)
-        );
-        // At most every head; fewer tiles than SMs, a block each.
-        assert_eq!(
-            wg_fwd_grid(8, &params(2, 4, 77, 77, true), 64, sms),
-            (8, 8, true)
-        );
-        // Past 8192 keys: a block per tile, in order.
-        assert_eq!(
-            wg_fwd_grid(2048, &params(1, 16, 16384, 16384, true), 128, sms),
-            (2048, 1, false)
-        );
+        // (tiles, params, D) and the grid on 132 SMs: (blocks, head group, counter).
+        let cases = [
+            // Non-causal: a block per SM in order, no counter.
+            (864, params(1, 24, 4608, 4608, false), 128, (132, 1, false)),
+            // Causal: a block per SM claiming from the counter; K and V of a head (Lk D 4
+            // bytes) in 32 MiB: Flux's 2.25 MiB heads in groups of 14, L 1024 D 64 of 128.
+            (864, params(1, 24, 4608, 4608, true), 128, (132, 14, true)),
+            (4096, params(16, 32, 1024, 1024, true), 64, (132, 128, true)),
+            // At most every head; fewer tiles than SMs, a block each.
+            (8, params(2, 4, 77, 77, true), 64, (8, 8, true)),
+            // Past 8192 keys: a block per tile, in order.
+            (
+                2048,
+                params(1, 16, 16384, 16384, true),
+                128,
+                (2048, 1, false),
+            ),
+        ];
+        for (tiles, p, d, grid) in cases {
+            assert_eq!(wg_fwd_grid(tiles, &p, d, 132), grid, "{tiles} tiles, D {d}");
+        }
     }
 
     #[test]

@@ -3,6 +3,10 @@
 //! FlashAttention's own benchmark), non-causal and causal; peak memory at L = 16384. Run on
 //! the GPU machine; benches/torch_attention.py times PyTorch's SDPA on the same inputs in the
 //! same call. FLOPs: forward 4 B H Lq Lk D, backward 2.5x that, halved when causal.
+//! FLAME_BENCH_FILTER=text keeps the rows whose "L=.. D=.. causal=.." contains the text
+//! (e.g. "L=16384 D=64 causal=false", one shape under a profiler); FLAME_BENCH_PROFILE=1
+//! adds each row's kernels of three forward+backward passes (flame::profile) beside the wall
+//! time of those passes, to tell kernel time from time the GPU waited.
 
 mod common;
 
@@ -26,8 +30,13 @@ fn main() -> Result<()> {
             shapes.push(("", 16384 / l, 2048 / d, l, d));
         }
     }
+    let filter = std::env::var("FLAME_BENCH_FILTER").unwrap_or_default();
+    let profile = std::env::var("FLAME_BENCH_PROFILE").is_ok_and(|v| v == "1");
     for (name, b, h, l, d) in shapes {
         for causal in [false, true] {
+            if !format!("L={l} D={d} causal={causal}").contains(&filter) {
+                continue;
+            }
             let x: Vec<Tensor> = (0..4)
                 .map(|i| Tensor::randn((b, h, l, d), DType::BF16, &dev, 10 + i))
                 .collect::<Result<_>>()?;
@@ -41,14 +50,36 @@ fn main() -> Result<()> {
             cuda.synchronize()?;
             let base = cuda.memory().in_use;
             cuda.reset_peak_memory();
-            let both = time(cuda, || {
+            let pass = || {
                 let y = scaled_dot_product_attention(
                     &leaves[0], &leaves[1], &leaves[2], None, causal, None,
                 )?;
                 let mut g = Grads::new();
                 y.backward_with_grad(&x[3], &mut g, false)
-            })?;
+            };
+            let both = time(cuda, pass)?;
             let peak = cuda.memory().peak - base;
+            if profile {
+                flame::profile::enable(true);
+                let t = std::time::Instant::now();
+                for _ in 0..3 {
+                    pass()?;
+                }
+                cuda.synchronize()?;
+                let wall = t.elapsed().as_secs_f64() * 1e3 / 3.0;
+                let p = flame::profile::report()?;
+                flame::profile::enable(false);
+                let sum: f64 = p.kernels.iter().map(|r| r.ms).sum::<f64>() / 3.0;
+                println!("  profiled pass: wall {wall:.3} ms, kernels {sum:.3} ms");
+                for r in &p.kernels {
+                    println!(
+                        "    {:<40} {:8.3} ms x{}",
+                        r.category,
+                        r.ms / 3.0,
+                        r.kernels / 3
+                    );
+                }
+            }
             let flops = 4.0 * (b * h * l * l * d) as f64 / if causal { 2.0 } else { 1.0 };
             let bwd = both - fwd;
             println!(

@@ -1,6 +1,7 @@
 """PyTorch's scaled_dot_product_attention on the shapes of benches/attention.rs, timed the same
 way in the same call: the default backend choice, FlashAttention-2 and cuDNN, bf16."""
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,10 @@ def main():
     for d in (128, 64):
         for l in (1024, 4096, 16384):
             shapes.append(("", 16384 // l, 2048 // d, l, d))
-    for backend in (None, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+    backends = (None, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION)
+    if os.environ.get("TORCH_ATTENTION_CUDNN_ONLY") == "1":  # the cuDNN rows alone (quick calls)
+        backends = (SDPBackend.CUDNN_ATTENTION,)
+    for backend in backends:
         for s in shapes:
             for causal in (False, True):
                 run(*s, causal, backend)

@@ -368,61 +368,65 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
 // ----- backward -----------------------------------------------------------------------------
 // Warp-specialised like the forward: a block owns 128 keys of one (b, h) and has three
 // warpgroups. In warpgroup 0 (registers given away) warp 0 is the producer: K and V once,
-// then per query tile of 64 the Q and dO tiles by TMA and the lse (times log2 e) and dvec rows
-// by plain loads, into two stages freed by mbarriers; warps 1 (and 2) are dQ writers: they
-// add each tile's dQ, which the consumers leave in shared memory, to the f32 accumulator with
-// bulk tensor reductions (cp.reduce.async.bulk.tensor through the accumulator's tensor map
-// tdq; bulk tensor stores of the slab in the deterministic mode). The tile sits in shared
-// memory in the 128-byte swizzle those copies read, which keeps the consumers' stores free of
-// bank conflicts (shared memory bandwidth is what the SS products here run short of: row-major
-// tiles with one bulk reduction ran at 421 / 294 TFLOP/s at the Flux / SD3.5 shapes on an
-// H100, swizzled tiles at 449 / 329; a bulk operation per row, 381 / 132). The two consumer warpgroups own 64 keys each. Per query tile a consumer forms
-// S^T = K Q^T and dP^T = V dO^T (SS), P^T from the saved lse, dV += P^T dO (RS, dO read
-// transposed) while it forms dS^T = P^T (dP^T - dvec), stores dS^T to shared memory (two
-// buffers), then dQ = scale dS K (SS, both operands transposed) and dK += dS^T Q (RS); dQ
-// goes to shared memory while dK runs. At D = 128 the consumers share one dQ tile: consumer
-// w takes columns 64w.. over all 128 keys, after a barrier of the two, and one writer adds
-// the tile. At D = 64 each consumer adds its own 64 keys' dQ over all columns to a tile of
-// its own with a writer of its own: the two never wait for each other, so one's products can
-// run while the other does its elementwise work (sharing the tile at D = 64 ran at 271
-// TFLOP/s at SD3.5's shape on an H100, this 294; a third consumer, with 160 registers, 257).
+// then per query tile (BR: 64 at D = 128, 128 at D = 64) the Q and dO tiles by TMA and the lse
+// (times log2 e) and dvec rows by plain loads, into two stages freed by mbarriers; warp 1 is
+// the dQ writer: it adds each tile's dQ, which the consumers leave in shared memory, to the
+// f32 accumulator with bulk tensor reductions (cp.reduce.async.bulk.tensor through the
+// accumulator's tensor map tdq; bulk tensor stores of the slab in the deterministic mode).
+// The tile sits in shared memory in the 128-byte swizzle those copies read, which keeps the
+// consumers' stores free of most bank conflicts (shared memory bandwidth is what the SS
+// products here run short of: row-major tiles with one bulk reduction ran at 421 / 294
+// TFLOP/s at the Flux / SD3.5 shapes on an H100, swizzled tiles at 449 / 329; a bulk
+// operation per row, 381 / 132). The two consumer warpgroups own 64 keys each. Per query tile
+// a consumer forms S^T = K Q^T and dP^T = V dO^T (SS), P^T from the saved lse, dV += P^T dO
+// (RS, dO read transposed), dS^T = P^T (dP^T - dvec), stores dS^T to shared memory (two
+// buffers), then, after a barrier of the two, dQ = scale dS K (SS, both operands transposed)
+// and dK += dS^T Q (RS); dQ goes to shared memory while dK runs. Both consumers fill one dQ
+// tile: consumer w takes columns 64w.. at D = 128, queries 64w.. at D = 64, over all 128
+// keys.
+// Tiles of 128 queries at D = 64 (after FlashAttention-3's 128 x 128 at head dim 64) make
+// S^T and dP^T m64n128 products, which read 6 KiB of shared memory per 131k multiply-adds
+// against 4 KiB per 65k at n64: on an H100, 377 against 357 TFLOP/s at B 4, H 32, L 4096
+// (368 / 351 at SD3.5's shape), each consumer adding its own keys' dQ of every other tile
+// before. There dV is issued once dS^T is formed (LATE_DV): P^T, dP^T and P^T's fragments
+// live at once took 256 registers with the accumulators and spilled. At D = 128 issuing dV
+// late measured slower (444 against 457 at the Flux shape), and so did carrying a tile's dK
+// product into the next tile under its S^T and dP^T (384: ptxas serialises the products).
 // attention.cu's attn_bwd_pre (dvec, zeroed accumulator) runs before, attn_dq after.
 template <int D> struct BwdCfg {
-  static constexpr int BC = 128, BR = 64, ST = 2, THREADS = 384;
-  // D = 128: both consumers fill one dQ tile (columns 64w..); D = 64: the tile's owner alone.
-  static constexpr bool SPLIT_DQ = D == 128;
+  static constexpr int BC = 128, BR = D == 64 ? 128 : 64, ST = 2, THREADS = 384;
+  static constexpr bool LATE_DV = BR == 128;
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 };
-// Named barriers of the backward (0 is __syncthreads): the consumers' dS exchange (of tiles of
-// parity c when the owner alternates); per dQ buffer c, the tile in shared memory (its
-// consumers arrive, its writer waits) and the buffer free again (the reverse).
-#define BWD_BAR_DS(c) (1 + 6 * (c))
-#define BWD_BAR_DQ_FULL(c) (2 + 2 * (c))
-#define BWD_BAR_DQ_EMPTY(c) (3 + 2 * (c))
+// Named barriers of the backward (0 is __syncthreads): the consumers' dS exchange; the dQ
+// tile in shared memory (the consumers arrive, the writer waits) and free again (the reverse).
+#define BWD_BAR_DS 1
+#define BWD_BAR_DQ_FULL 2
+#define BWD_BAR_DQ_EMPTY 3
 
 template <typename T, int D>
 __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                           const TmaMap& tdo, const TmaMap& tdq) {
   using C = BwdCfg<D>;
   constexpr int BC = C::BC, BR = C::BR, ST = C::ST, NB = D / 8;
-  constexpr bool SPLIT = C::SPLIT_DQ;
-  constexpr int DQ_SYNC = SPLIT ? 288 : 160;  // threads at a dQ barrier: consumers and writer
+  constexpr bool LATE_DV = C::LATE_DV;
+  constexpr int DQ_SYNC = 288;  // threads at a dQ barrier: the consumers and the writer
+  // The dQ tile in boxes of 64 rows x 32 columns (the accumulator map's), box (r, j) (rows
+  // 64r.., columns 32j..) at sdQ + (r D / 32 + j) 8 KiB.
+  constexpr int DQ_BOX = 64 * 128, DQ_RB = BR / 64;
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int QD = BR * D * 2;
   const uint32_t sK = (smem_u32(smem) + 1023) & ~1023u;
   const uint32_t sV = sK + BC * D * 2;
   const uint32_t sQ0 = sV + BC * D * 2;          // stage s: Q at sQ0 + s 2 QD, then dO
   const uint32_t sdS0 = sQ0 + ST * 2 * QD;       // dS^T (BC x BR), two buffers
-  const uint32_t sdQ = sdS0 + 2 * BC * BR * 2;   // dQ, f32: BR x D (D = 128), 2 x BR x 64 (D = 64)
-  const uint32_t sRows = sdQ + BR * 128 * 4;     // stage s: lse (times log2 e) at s 2 BR, dvec after
+  const uint32_t sdQ = sdS0 + 2 * BC * BR * 2;   // dQ, f32: DQ_RB boxes of 64 rows x D
+  const uint32_t sRows = sdQ + DQ_RB * (D / 32) * DQ_BOX;     // stage s: lse (times log2 e) at s 2 BR, dvec after
   const uint32_t sBar = sRows + ST * 2 * BR * 4;  // barriers: K and V; full, empty per stage
   float* rows = reinterpret_cast<float*>(smem + (sRows - smem_u32(smem)));
   auto full = [&](int s) { return sBar + 8 + 8 * s; };
   auto empty = [&](int s) { return sBar + 8 + 8 * (ST + s); };
-  // At D = 64 the warpgroup through a shuffle: the compiler then knows it is the same across
-  // the warp (the owner's branch around its products is not divergent).
-  const int tid = threadIdx.x, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int wg = SPLIT ? tid >> 7 : __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
   const int k0 = (blockIdx.x + p.kb0) * BC;
   const int it0 = p.causal ? k0 / BR : 0;
@@ -466,40 +470,41 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
         }
         mbar_arrive(full(st));
       }
-    } else if (warp <= (SPLIT ? 1 : 2)) {  // a dQ writer: of buffer c
-      // SPLIT: one buffer, every tile; else buffer c holds the tiles it0 + c, it0 + c + 2, ...
-      const int c = warp - 1, step = SPLIT ? 1 : 2;
+    } else if (warp == 1) {  // the dQ writer
       // The deterministic mode: a slab per key block.
       const bool det = p.dq_parts > 0;
       const int sl = blockIdx.x;
-      // The buffer starts free (a block with no tile for it leaves no barrier half-arrived).
-      if (it0 + c < nqt) asm volatile("bar.arrive %0, %1;\n" ::"r"(BWD_BAR_DQ_EMPTY(c)), "n"(DQ_SYNC) : "memory");
-      for (int it = it0 + c; it < nqt; it += step) {
-        asm volatile("bar.sync %0, %1;\n" ::"r"(BWD_BAR_DQ_FULL(c)), "n"(DQ_SYNC) : "memory");
+      // The tile starts free (a block with no tile leaves no barrier half-arrived).
+      if (it0 < nqt) asm volatile("bar.arrive %0, %1;\n" ::"n"(BWD_BAR_DQ_EMPTY), "n"(DQ_SYNC) : "memory");
+      for (int it = it0; it < nqt; ++it) {
+        asm volatile("bar.sync %0, %1;\n" ::"n"(BWD_BAR_DQ_FULL), "n"(DQ_SYNC) : "memory");
         if (lane == 0) {
-          // The tile as boxes of 64 rows x 32 columns (tdq: the accumulator, or the slabs, as
+          // The tile's boxes of 64 rows x 32 columns (tdq: the accumulator, or the slabs, as
           // (slab, b h, Lq, D) f32, 128-byte swizzle; rows past Lq are not written).
 #pragma unroll
-          for (int j = 0; j < D / 32; ++j) {
-            const uint32_t src = sdQ + (c * (D / 32) + j) * BR * 128;
-            if (det)
-              asm volatile(
-                  "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
-                      reinterpret_cast<uint64_t>(&tdq)),
-                  "r"(32 * j), "r"(it * BR), "r"(bh), "r"(sl), "r"(src)
-                  : "memory");
-            else
-              asm volatile(
-                  "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], "
-                  "[%5];\n" ::"l"(reinterpret_cast<uint64_t>(&tdq)),
-                  "r"(32 * j), "r"(it * BR), "r"(bh), "r"(0), "r"(src)
-                  : "memory");
-          }
+          for (int rb = 0; rb < DQ_RB; ++rb)
+#pragma unroll
+            for (int j = 0; j < D / 32; ++j) {
+              const uint32_t src = sdQ + (rb * (D / 32) + j) * DQ_BOX;
+              const int row = it * BR + 64 * rb;
+              if (det)
+                asm volatile(
+                    "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                        reinterpret_cast<uint64_t>(&tdq)),
+                    "r"(32 * j), "r"(row), "r"(bh), "r"(sl), "r"(src)
+                    : "memory");
+              else
+                asm volatile(
+                    "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], "
+                    "[%5];\n" ::"l"(reinterpret_cast<uint64_t>(&tdq)),
+                    "r"(32 * j), "r"(row), "r"(bh), "r"(0), "r"(src)
+                    : "memory");
+            }
           asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
           asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
         }
         __syncwarp();
-        if (it + step < nqt) asm volatile("bar.arrive %0, %1;\n" ::"r"(BWD_BAR_DQ_EMPTY(c)), "n"(DQ_SYNC) : "memory");
+        if (it + 1 < nqt) asm volatile("bar.arrive %0, %1;\n" ::"n"(BWD_BAR_DQ_EMPTY), "n"(DQ_SYNC) : "memory");
       }
       if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
@@ -556,50 +561,56 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
           s[nn][2 * r + e] = pv;
         }
       }
+    // LATE_DV (tiles of 128 queries): dV is issued after dS^T is formed, when P^T's float
+    // values are no longer needed, which keeps P^T, dP^T and P^T's fragments from being live
+    // at once (256 registers with the accumulators); else as soon as P^T is.
     uint32_t pa[BR / 16][4];
-    to_a<T>(s, pa);
-    wgmma_fence();
+    if constexpr (!LATE_DV) {
+      to_a<T>(s, pa);
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dv, pa[kk], mnmajor<BR>(sdO, 16 * kk, 0), 1);
-    wgmma_commit();
-    wgmma_wait<1>();  // dP^T is ready; dV may still run
+      for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dv, pa[kk], mnmajor<BR>(sdO, 16 * kk, 0), 1);
+      wgmma_commit();
+      wgmma_wait<1>();  // dP^T is ready; dV may still run
+    } else {
+      wgmma_wait<0>();
+    }
     pin(dp);
 
     // dS^T = P^T (dP^T - dvec), to shared memory as T (rows: keys, columns: queries).
 #pragma unroll
     for (int nn = 0; nn < BR / 8; ++nn) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nn][e] *= dp[nn][e] - Dv[nn * 8 + 2 * (lane & 3) + (e & 1)];
+      for (int e = 0; e < 4; ++e) dp[nn][e] = s[nn][e] * (dp[nn][e] - Dv[nn * 8 + 2 * (lane & 3) + (e & 1)]);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = kw + 16 * warp + (lane >> 2) + 8 * r;
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + sw128<BC>(row, nn) + 4 * (lane & 3)),
-                     "r"(pack2<T>(s[nn][2 * r], s[nn][2 * r + 1])));
+                     "r"(pack2<T>(dp[nn][2 * r], dp[nn][2 * r + 1])));
       }
     }
-    uint32_t da[BR / 16][4];
-    to_a<T>(s, da);
-    fence_async_smem();
-    // dQ reads both consumers' dS^T: at D = 128 both take half its columns, at D = 64 the
-    // tile's owner (alternating) takes all, and the other consumer only hands its dS^T over.
-    // (The other dS^T buffer is free: the stages keep the consumers within a tile of each
-    // other, and each finishes its dQ product of a tile before it releases the tile's stage.)
-    // buf: the tile's parity when the owner alternates (its dS barrier and dQ buffer), else 0.
-    const int buf = SPLIT ? 0 : (it - it0) & 1;
-    const bool mine = SPLIT || buf == cw;
-    if (mine)
-      asm volatile("bar.sync %0, 256;\n" ::"r"(BWD_BAR_DS(buf)) : "memory");
-    else
-      asm volatile("bar.arrive %0, 256;\n" ::"r"(BWD_BAR_DS(buf)) : "memory");
-
-    float dq[8][4];  // m64n64: 64 queries x 64 columns (of chunk cw at D = 128)
-    wgmma_fence();
-    if (mine) {
+    if constexpr (LATE_DV) {
+      to_a<T>(s, pa);
+      wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BC / 16; ++kk)
-        wgmma_ss<T, 1, 1>(dq, mnmajor<BC>(sdS, 16 * kk, 0), mnmajor<BC>(sK, 16 * kk, SPLIT ? cw : 0), kk);
+      for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dv, pa[kk], mnmajor<BR>(sdO, 16 * kk, 0), 1);
+      wgmma_commit();
     }
-    wgmma_commit();  // (an empty group when not the owner)
+    uint32_t da[BR / 16][4];
+    to_a<T>(dp, da);
+    fence_async_smem();
+    // dQ reads both consumers' dS^T. (The other dS^T buffer is free: the stages keep the
+    // consumers within a tile of each other, and each finishes its dQ product of a tile
+    // before it releases the tile's stage.)
+    asm volatile("bar.sync %0, 256;\n" ::"n"(BWD_BAR_DS) : "memory");
+
+    float dq[8][4];  // m64n64: 64 queries (chunk cw at BR = 128) x 64 columns (chunk cw at D = 128)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+      wgmma_ss<T, 1, 1>(dq, mnmajor<BC>(sdS, 16 * kk, BR == 128 ? cw : 0), mnmajor<BC>(sK, 16 * kk, D == 128 ? cw : 0),
+                        kk);
+    wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dk, da[kk], mnmajor<BR>(sQ, 16 * kk, 0), 1);
     wgmma_commit();
@@ -607,25 +618,52 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     pin(dq);
     pin(dv);
     pin_regs(pa);
-    if (mine) {
-      // scale dQ to shared memory in the tensor map's boxes: buffer c's box j (columns 32j..)
-      // at sdQ + (c D / 32 + j) BR 128, rows of 128 bytes, 16-byte unit u of row r at
-      // u ^ (r % 8) (the 128-byte swizzle the bulk tensor copy reads).
-      asm volatile("bar.sync %0, %1;\n" ::"r"(BWD_BAR_DQ_EMPTY(buf)), "n"(DQ_SYNC) : "memory");
-      const int col0 = SPLIT ? 64 * cw : 0;
-      const uint32_t base = sdQ + buf * (D / 32) * BR * 128;
+    {
+      // scale dQ to shared memory in the tensor map's boxes: row box rb, column box j at
+      // sdQ + (rb D / 32 + j) 8 KiB, rows of 128 bytes, 16-byte unit u of row r at u ^ (r % 8)
+      // (the 128-byte swizzle the bulk tensor copy reads).
+      asm volatile("bar.sync %0, %1;\n" ::"n"(BWD_BAR_DQ_EMPTY), "n"(DQ_SYNC) : "memory");
+      const int col0 = D == 128 ? 64 * cw : 0, rb = BR == 128 ? cw : 0;
+      const uint32_t base = sdQ + rb * (D / 32) * DQ_BOX;
+      // A half-warp's 8-byte stores take 4 rows r, r ^ 1, ...; a row's 8 columns of group g
+      // are units 2g, 2g + 1 swizzled by r % 8, which rows r and r ^ 1 share for the same g
+      // (a 2-way bank conflict: ncu counted 16M excess wavefronts a Flux-shape backward). So
+      // store k of a box writes group k ^ s (s = lane / 4 % 4) in each thread: the 4 rows
+      // then take 8 distinct units. The thread's groups are permuted by s in registers.
+      // H100: SD3.5's shape 383 against 375 TFLOP/s; the Flux shape within noise.
+      const int sw = (lane >> 2) & 3;
 #pragma unroll
-      for (int nn = 0; nn < 8; ++nn)
+      for (int bx = 0; bx < 2; ++bx)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int row = 16 * warp + (lane >> 2) + 8 * r, col = col0 + nn * 8 + 2 * (lane & 3);
-          const uint32_t at = base + (col >> 5) * BR * 128 + row * 128 + ((((col & 31) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[nn][2 * r] * p.scale),
-                       "f"(dq[nn][2 * r + 1] * p.scale)
-                       : "memory");
+          float x[4], y[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) x[k] = dq[4 * bx + k][2 * r], y[k] = dq[4 * bx + k][2 * r + 1];
+          // x[k] <- x[k ^ sw]: swap neighbours if bit 0, pairs if bit 1.
+#pragma unroll
+          for (int k = 0; k < 4; k += 2) {
+            const float x0 = x[k], y0 = y[k];
+            x[k] = sw & 1 ? x[k + 1] : x0, y[k] = sw & 1 ? y[k + 1] : y0;
+            x[k + 1] = sw & 1 ? x0 : x[k + 1], y[k + 1] = sw & 1 ? y0 : y[k + 1];
+          }
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const float x0 = x[k], y0 = y[k];
+            x[k] = sw & 2 ? x[k + 2] : x0, y[k] = sw & 2 ? y[k + 2] : y0;
+            x[k + 2] = sw & 2 ? x0 : x[k + 2], y[k + 2] = sw & 2 ? y0 : y[k + 2];
+          }
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int nn = 4 * bx + (k ^ sw);
+            const int row = 16 * warp + (lane >> 2) + 8 * r, col = col0 + nn * 8 + 2 * (lane & 3);
+            const uint32_t at =
+                base + (col >> 5) * DQ_BOX + row * 128 + ((((col & 31) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x[k] * p.scale), "f"(y[k] * p.scale)
+                         : "memory");
+          }
         }
       fence_async_smem();
-      asm volatile("bar.arrive %0, %1;\n" ::"r"(BWD_BAR_DQ_FULL(buf)), "n"(DQ_SYNC) : "memory");
+      asm volatile("bar.arrive %0, %1;\n" ::"n"(BWD_BAR_DQ_FULL), "n"(DQ_SYNC) : "memory");
     }
     wgmma_wait<0>();  // dK
     pin(dk);
@@ -638,7 +676,7 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
 
 // The TMA descriptors of q, k, v, do and the f32 dq accumulator (the forward ignores do's and
 // dq's): q's boxes are FwdCfg<D, NC>::BR rows in the forward (64 NC: 128 at D = 128, 192 or
-// 128 at D = 64) and 64 in the backward, k's and v's 128, dq's 64 rows x 32 columns (`tma_map_dq`).
+// 128 at D = 64) and BwdCfg<D>::BR in the backward (64 at D = 128, 128 at D = 64), k's and v's 128, dq's 64 rows x 32 columns (`tma_map_dq`).
 #define ATTNW_KERNELS(T, SFX, D)                                                                         \
   ATTNW_FWD(T, SFX, D, (D == 64 ? 3 : 2), )                                                              \
   extern "C" __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 1)                                   \

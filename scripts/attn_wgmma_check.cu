@@ -12,7 +12,7 @@
 // Run there: `.gpu/attn_check` (checks, then timings), `.gpu/attn_check t` (the Flux timing),
 // `t64` (SD3.5's), `tab` (the wgmma kernels alone at benches/attention.rs's shapes under the
 // forward's grids; `tab 64`: its D = 64 rows), `tc` (the forward alone under each grid, tile
-// order and consumer count), `tb` (each shape once, for the backward), `dbg i` (the i-th
+// order and consumer count), `tb [64]` (each shape once, for the backward), `dbg i` (the i-th
 // check of a big persistent grid alone: a hang ends the process).
 #include <cmath>
 #include <cstdio>
@@ -74,7 +74,12 @@ static int wfwd_threads(int d) { return d == 64 ? 128 * (g_nc64 + 1) : FwdCfg<12
 // Q, two stages of K and V, the alignment and the barriers.
 static size_t wfwd_smem(int d) { return (wfwd_rows(d) + 4 * 128) * d * 2 + 1024 + 128; }
 static size_t wfwd_smem_max() { return (192 + 4 * 128) * 128 * 2 + 1024 + 128; }
-static size_t wbwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 2 * 128 * 64) * 2 + 64 * 128 * 4 + 4 * 64 * 4 + 1024 + 64; }
+static int wbwd_rows(int d) { return d == 64 ? BwdCfg<64>::BR : BwdCfg<128>::BR; }
+// K, V, two stages of Q and dO, two dS^T buffers, the f32 dQ tile (32 KiB), lse and dvec rows.
+static size_t wbwd_smem(int d) {
+  const int br = wbwd_rows(d);
+  return (2 * 128 * d + 4 * br * d + 2 * 128 * br) * 2 + 32768 + 4 * br * 4 + 1024 + 64;
+}
 
 // cuTensorMapEncodeTiled of a 4-d tensor (dims innermost first, byte strides of dims 1-3),
 // 128-byte swizzle, as the crate's encode_tma.
@@ -181,8 +186,8 @@ template <typename T> struct Run {
     const bool bf = std::is_same<T, __nv_bfloat16>::value;
     if (wg)
       k.wbwd<<<dim3((c.Lk + 127) / 128, bh), 384, wbwd_smem(c.D)>>>(
-          p, tma_map(q, bf, c.B, c.H, c.Lq, c.D, 64), tma_map(kk, bf, c.B, c.H, c.Lk, c.D, 128),
-          tma_map(v, bf, c.B, c.H, c.Lk, c.D, 128), tma_map(dout, bf, c.B, c.H, c.Lq, c.D, 64),
+          p, tma_map(q, bf, c.B, c.H, c.Lq, c.D, wbwd_rows(c.D)), tma_map(kk, bf, c.B, c.H, c.Lk, c.D, 128),
+          tma_map(v, bf, c.B, c.H, c.Lk, c.D, 128), tma_map(dout, bf, c.B, c.H, c.Lq, c.D, wbwd_rows(c.D)),
           tma_map_dq(acc, c.B * c.H, c.Lq, c.D, 1));
     else
       k.bwd<<<dim3((c.Lk + 127) / 128, bh), 256, bwd_smem(c.D)>>>(p);
@@ -381,8 +386,10 @@ int main(int argc, char** argv) {
                   attnw_fwd_f16_d64_c2})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wfwd_smem_max()));
   CK(cudaMalloc(&g_counter, 4));
-  for (WKern f : {attnw_bwd_bf16_d128, attnw_bwd_bf16_d64, attnw_bwd_f16_d128, attnw_bwd_f16_d64})
+  for (WKern f : {attnw_bwd_bf16_d128, attnw_bwd_f16_d128})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wbwd_smem(128)));
+  for (WKern f : {attnw_bwd_bf16_d64, attnw_bwd_f16_d64})
+    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wbwd_smem(64)));
   for (Kern f : {(Kern)attn_fwd_bf16_d128, (Kern)attn_fwd_bf16_d64, (Kern)attn_fwd_f16_d128, (Kern)attn_fwd_f16_d64})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fwd_smem(128)));
   for (Kern f : {(Kern)attn_bwd_bf16_d128, (Kern)attn_bwd_bf16_d64, (Kern)attn_bwd_f16_d128, (Kern)attn_bwd_f16_d64})
@@ -393,9 +400,11 @@ int main(int argc, char** argv) {
       time_fwd_variants(kSd35);
       return 0;
     }
-    if (strcmp(argv[1], "tb") == 0) {  // the bench's shapes once each (for the backward)
-      for (const Case& c : kBench) timeit<__nv_bfloat16>(c, true);
-      timeit<__nv_bfloat16>(kSd35, true);
+    if (strcmp(argv[1], "tb") == 0) {  // the bench's shapes once each (for the backward); "tb 64": D = 64
+      const int only_d = argc > 2 ? atoi(argv[2]) : 0;
+      for (const Case& c : kBench)
+        if (!only_d || c.D == only_d) timeit<__nv_bfloat16>(c, true);
+      if (!only_d || only_d == 64) timeit<__nv_bfloat16>(kSd35, true);
       return 0;
     }
     if (strcmp(argv[1], "tab") == 0) {

@@ -154,7 +154,7 @@ fn tma_map_dq(ptr: u64, bh: usize, lq: usize, d: usize, slabs: usize) -> Option<
         Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
         [d as u64, lq as u64, bh as u64, slabs as u64],
         [row, row * lq as u64, row * (lq * bh) as u64],
-        [32, WG_BWD_ROWS as u32, 1, 1],
+        [32, WG_BWD_DQ_ROWS as u32, 1, 1],
     )
 }
 
@@ -242,13 +242,25 @@ fn bwd_smem(d: usize) -> usize {
 /// warpgroups of 64 queries each, walking keys in tiles of 128 through two stages of K and V.
 /// The backward
 /// has three warpgroups (a producer and dQ writer, two consumers of 64 keys each), takes 128
-/// keys and walks queries in tiles of 64, adding dQ through a tensor map of the accumulator
-/// (`tma_map_dq`). Tiles come by TMA (`tma_map`) and start 1024-aligned, hence the extra KiB.
+/// keys and walks queries in tiles of `wg_bwd_rows`, adding dQ through a tensor map of the
+/// accumulator (`tma_map_dq`, boxes of `WG_BWD_DQ_ROWS` rows). Tiles come by TMA (`tma_map`) and start 1024-aligned, hence the extra KiB.
 const WG_BWD_THREADS: u32 = 384;
 const WG_FWD_KEYS: usize = 128;
 const WG_FWD_STAGES: usize = 2;
 const WG_BWD_KEYS: usize = 128;
-const WG_BWD_ROWS: usize = 64;
+const WG_BWD_DQ_ROWS: usize = 64;
+
+/// Queries of a backward tile (BwdCfg<D>::BR in the kernel): 128 at D = 64, where the
+/// products S^T = K Q^T and dP^T = V dO^T are m64n128 and read 6 KiB of shared memory per
+/// 131k multiply-adds instead of 4 KiB per 65k at n64 (after FlashAttention-3's 128 x 128
+/// tiles at head dim 64); 64 at D = 128, where the registers hold no more.
+fn wg_bwd_rows(d: usize) -> usize {
+    if d == 64 {
+        128
+    } else {
+        64
+    }
+}
 
 /// Consumer warpgroups of the forward (FwdCfg<D, NC>::NC in the kernel): 2 at D = 128; at
 /// D = 64 3 (192 queries a tile: the softmax, which costs as much as the products there,
@@ -314,11 +326,12 @@ fn wg_fwd_smem(d: usize, p: &Params) -> usize {
 }
 
 fn wg_bwd_smem(d: usize) -> usize {
-    // K, V, two stages of Q and dO, two buffers of dS^T; the f32 dQ tiles (one of 64 x 128 at
-    // D = 128, two of 64 x 64 at D = 64); two stages of lse and dvec; the TMA barriers.
-    (2 * WG_BWD_KEYS * d + 4 * WG_BWD_ROWS * d + 2 * WG_BWD_KEYS * WG_BWD_ROWS) * 2
-        + WG_BWD_ROWS * 128 * 4
-        + 4 * WG_BWD_ROWS * 4
+    // K, V, two stages of Q and dO, two buffers of dS^T; the f32 dQ tile (rows x d); two
+    // stages of lse and dvec; the TMA barriers.
+    let rows = wg_bwd_rows(d);
+    (2 * WG_BWD_KEYS * d + 4 * rows * d + 2 * WG_BWD_KEYS * rows) * 2
+        + rows * d * 4
+        + 4 * rows * 4
         + 1024
         + 64
 }
@@ -522,7 +535,11 @@ fn launch_all<T: Elem>(
     // The wgmma kernels fold the scale into the exponent after the row max: scale > 0. Their
     // descriptors are made only where they run.
     let (qd, kd) = ([b, h, lq, d], [b, h, lk, d]);
-    let rows = if fwd { wg_fwd_rows(d, p) } else { WG_BWD_ROWS } as u32;
+    let rows = if fwd {
+        wg_fwd_rows(d, p)
+    } else {
+        wg_bwd_rows(d)
+    } as u32;
     let maps = |p: &Params| -> Option<[(TmaMap, u32); 4]> {
         let dt = T::DTYPE;
         let q = tma_map(&p.q, qd, rows, dt)?;
@@ -533,7 +550,7 @@ fn launch_all<T: Elem>(
         let dout = if fwd {
             q
         } else {
-            tma_map(&p.dout, qd, WG_BWD_ROWS as u32, dt)?
+            tma_map(&p.dout, qd, rows, dt)?
         };
         Some([q, k, v, dout])
     };
@@ -710,8 +727,8 @@ fn deterministic_chunk(blocks: usize, bh: usize, n: usize, sms: usize) -> usize 
 #[cfg(test)]
 mod tests {
     use super::{
-        deterministic_chunk, tma_layout, wg_fwd_consumers, wg_fwd_grid, wg_fwd_kernel, wg_fwd_smem,
-        Params, TmaLayout, View,
+        deterministic_chunk, tma_layout, wg_bwd_rows, wg_bwd_smem, wg_fwd_consumers, wg_fwd_grid,
+        wg_fwd_kernel, wg_fwd_smem, Params, TmaLayout, View,
     };
 
     fn params(b: i32, h: i32, lq: i32, lk: i32, causal: bool) -> Params {
@@ -756,6 +773,17 @@ mod tests {
             // Q, two stages of K and V, the alignment, barriers and the tile slot: under the
             // 227 KiB of shared memory a block may have on an H100.
             assert!(wg_fwd_smem(d, &p) <= 227 * 1024, "{}", wg_fwd_smem(d, &p));
+        }
+    }
+
+    #[test]
+    fn the_backward_tiles_fit_shared_memory() {
+        // (D, queries a tile, shared memory): K, V, two stages of Q and dO, two dS^T buffers,
+        // the 32 KiB f32 dQ tile, lse and dvec, alignment and barriers; under 227 KiB.
+        for (d, rows, smem) in [(64, 128, 199_744), (128, 64, 198_720)] {
+            assert_eq!(wg_bwd_rows(d), rows);
+            assert_eq!(wg_bwd_smem(d), smem);
+            assert!(wg_bwd_smem(d) <= 227 * 1024);
         }
     }
 

@@ -19,6 +19,10 @@ struct AttnParams {
   // attention_wgmma.cu's persistent forward: a u32 tile counter the launcher zeroes (blocks
   // claim their next query tile from it), or 0 for the static order (tile t, t + G, ...).
   uint64_t tile_counter;
+  // attention_wgmma.cu's backward, when its last wave is split (split_parts > 1): f32 dK then
+  // dV (128 keys x D each) of every split unit, zeroed by the launcher; the parts add to it
+  // and attnw_dkv_fold writes dk and dv from it.
+  uint64_t dkv_part;
   int32_t B, H, Lq, Lk;
   float scale, scale_log2;
   int32_t causal;
@@ -32,9 +36,13 @@ struct AttnParams {
   int32_t dq_parts, kb0;
   // attention_wgmma.cu's forward: query tiles are ordered in groups of head_group heads (the
   // K and V of a group fit in L2), within a group by query block (the heaviest first when
-  // causal), heads side by side; 1: a head's query blocks side by side. `pad` keeps the
-  // struct free of padding (an even number of 4-byte fields).
-  int32_t head_group, pad;
+  // causal), heads side by side; 1: a head's query blocks side by side.
+  // attention_wgmma.cu's backward: a 1-d grid of units (key block x of kblocks in this launch,
+  // head b h) numbered x + kblocks b h. Blocks below split_from take a unit each, all its
+  // query tiles; the units from split_from on (the last wave's) are each split into
+  // split_parts blocks over runs of their query tiles (1: none). (An even number of 4-byte
+  // fields keeps the struct free of padding.)
+  int32_t head_group, kblocks, split_from, split_parts;
 };
 
 #define ATTN_THREADS 256

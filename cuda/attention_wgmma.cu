@@ -427,10 +427,23 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   auto full = [&](int s) { return sBar + 8 + 8 * s; };
   auto empty = [&](int s) { return sBar + 8 + 8 * (ST + s); };
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-  const int k0 = (blockIdx.x + p.kb0) * BC;
-  const int it0 = p.causal ? k0 / BR : 0;
-  const int nqt = (p.Lq + BR - 1) / BR;
+  // The block's unit u (key block kx of this launch, head bh) and its run of query tiles
+  // [it0, it1): all of them (from the diagonal's when causal), or part `part` of `parts`
+  // when the unit is one of the split last wave's (AttnParams::split_from).
+  // (Recomputed after the loop, not kept in registers through it.)
+  auto unit = [&](int& u, int& part, int& parts) {
+    u = blockIdx.x, part = 0, parts = 1;
+    if (u >= p.split_from) {
+      const int j = u - p.split_from;
+      u = p.split_from + j / p.split_parts, part = j % p.split_parts, parts = p.split_parts;
+    }
+  };
+  int u, part, parts;
+  unit(u, part, parts);
+  const int kx = u % p.kblocks, bh = u / p.kblocks, b = bh / p.H, h = bh % p.H;
+  const int k0 = (kx + p.kb0) * BC;
+  const int nqt = (p.Lq + BR - 1) / BR, first = p.causal ? min(nqt, k0 / BR) : 0;
+  const int it0 = first + part * (nqt - first) / parts, it1 = first + (part + 1) * (nqt - first) / parts;
 
   if (tid == 0) {
     mbar_init(sBar, 1);
@@ -452,7 +465,7 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
       }
       const float* lse = reinterpret_cast<const float*>(p.lse) + (int64_t)bh * p.Lq;
       const float* dvec = reinterpret_cast<const float*>(p.dvec) + (int64_t)bh * p.Lq;
-      for (int it = it0; it < nqt; ++it) {
+      for (int it = it0; it < it1; ++it) {
         const int n = it - it0, st = n % ST;
         if (n >= ST) mbar_wait(empty(st), ((n / ST) + 1) & 1);
         if (lane == 0) {
@@ -473,10 +486,10 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     } else if (warp == 1) {  // the dQ writer
       // The deterministic mode: a slab per key block.
       const bool det = p.dq_parts > 0;
-      const int sl = blockIdx.x;
+      const int sl = kx;
       // The tile starts free (a block with no tile leaves no barrier half-arrived).
-      if (it0 < nqt) asm volatile("bar.arrive %0, %1;\n" ::"n"(BWD_BAR_DQ_EMPTY), "n"(DQ_SYNC) : "memory");
-      for (int it = it0; it < nqt; ++it) {
+      if (it0 < it1) asm volatile("bar.arrive %0, %1;\n" ::"n"(BWD_BAR_DQ_EMPTY), "n"(DQ_SYNC) : "memory");
+      for (int it = it0; it < it1; ++it) {
         asm volatile("bar.sync %0, %1;\n" ::"n"(BWD_BAR_DQ_FULL), "n"(DQ_SYNC) : "memory");
         if (lane == 0) {
           // The tile's boxes of 64 rows x 32 columns (tdq: the accumulator, or the slabs, as
@@ -504,7 +517,7 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
           asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
         }
         __syncwarp();
-        if (it + 1 < nqt) asm volatile("bar.arrive %0, %1;\n" ::"n"(BWD_BAR_DQ_EMPTY), "n"(DQ_SYNC) : "memory");
+        if (it + 1 < it1) asm volatile("bar.arrive %0, %1;\n" ::"n"(BWD_BAR_DQ_EMPTY), "n"(DQ_SYNC) : "memory");
       }
       if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
@@ -527,7 +540,7 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   zero(dv);
   mbar_wait(sBar, 0);
 
-  for (int it = it0; it < nqt; ++it) {
+  for (int it = it0; it < it1; ++it) {
     const int n = it - it0, st = n % ST;
     mbar_wait(full(st), (n / ST) & 1);
     const int q0 = it * BR;
@@ -671,7 +684,43 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     if (lane == 0) mbar_arrive(empty(st));
   }
 
-  store_dkdv<T, D>(p, bh, kidx, dk, dv, lane);
+  unit(u, part, parts);
+  if (parts == 1) {
+    store_dkdv<T, D>(p, bh, kidx, dk, dv, lane);
+    return;
+  }
+  // A split unit's part: its dK (scaled) and dV added to the unit's f32 rows of dkv_part.
+  float* part_dk = reinterpret_cast<float*>(p.dkv_part) + (size_t)(u - p.split_from) * 2 * BC * D;
+  float* part_dv = part_dk + BC * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (kidx[r] >= p.Lk) continue;
+    const int off = (kidx[r] - k0) * D + 2 * (lane & 3);
+#pragma unroll
+    for (int nn = 0; nn < NB; ++nn) {  // 8-byte atomic adds (compute capability 9.0)
+      atomicAdd(reinterpret_cast<float2*>(part_dk + off + nn * 8),
+                make_float2(dk[nn][2 * r] * p.scale, dk[nn][2 * r + 1] * p.scale));
+      atomicAdd(reinterpret_cast<float2*>(part_dv + off + nn * 8), make_float2(dv[nn][2 * r], dv[nn][2 * r + 1]));
+    }
+  }
+}
+
+// dk and dv of the backward's split units from their f32 sums in dkv_part (see AttnParams):
+// two columns a thread.
+template <typename T, int D> __device__ __forceinline__ void attnw_dkv_fold(const AttnParams& p) {
+  constexpr int BC = BwdCfg<D>::BC;
+  const size_t pairs = (size_t)(p.kblocks * p.B * p.H - p.split_from) * 2 * BC * D / 2;
+  const float* src = reinterpret_cast<const float*>(p.dkv_part);
+  GRID_STRIDE(i, pairs) {
+    const size_t e = 2 * i;
+    const int col = (int)(e % D), row = (int)(e / D % BC), dv = (int)(e / (BC * D) % 2);
+    const int u = p.split_from + (int)(e / (2 * BC * D)), kx = u % p.kblocks, bh = u / p.kblocks;
+    const int key = (kx + p.kb0) * BC + row;
+    if (key < p.Lk) {
+      T* dst = reinterpret_cast<T*>(dv ? p.dv : p.dk) + ((int64_t)bh * p.Lk + key) * D + col;
+      *reinterpret_cast<uint32_t*>(dst) = pack2<T>(src[e], src[e + 1]);
+    }
+  }
 }
 
 // The TMA descriptors of q, k, v, do and the f32 dq accumulator (the forward ignores do's and
@@ -684,7 +733,8 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
                              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,       \
                              const __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tdq) {  \
     attnw_bwd<T, D>(p, tq, tk, tv, tdo, tdq);                                                            \
-  }
+  }                                                                                                      \
+  extern "C" __global__ void attnw_dkv_fold_##SFX##_d##D(const AttnParams p) { attnw_dkv_fold<T, D>(p); }
 // The forward with NC consumer warpgroups (64 NC queries a tile): kernel attnw_fwd_SFX_dD,
 // or attnw_fwd_SFX_dD_cNC for another count than the default (3 at D = 64, 2 at D = 128).
 #define ATTNW_FWD(T, SFX, D, NC, NAME_TAIL)                                                              \

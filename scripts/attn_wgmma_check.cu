@@ -44,22 +44,23 @@ struct Kernels {
   WKern wfwd, wbwd, wfwd2;  // wfwd2: D = 64 with two consumers (null at D = 128)
   Kern pre;
   void (*dq)(const float*, void*, size_t);
+  Kern wfold;  // the split backward's dk / dv from their f32 sums
 };
 
 template <typename T> Kernels kernels(int d);
 template <> Kernels kernels<__nv_bfloat16>(int d) {
   if (d == 128)
     return {attn_fwd_bf16_d128, attn_bwd_bf16_d128, attnw_fwd_bf16_d128, attnw_bwd_bf16_d128, nullptr,
-            attn_bwd_pre_bf16_d128, (void (*)(const float*, void*, size_t))attn_dq_bf16};
+            attn_bwd_pre_bf16_d128, (void (*)(const float*, void*, size_t))attn_dq_bf16, attnw_dkv_fold_bf16_d128};
   return {attn_fwd_bf16_d64,     attn_bwd_bf16_d64,     attnw_fwd_bf16_d64, attnw_bwd_bf16_d64, attnw_fwd_bf16_d64_c2,
-          attn_bwd_pre_bf16_d64, (void (*)(const float*, void*, size_t))attn_dq_bf16};
+          attn_bwd_pre_bf16_d64, (void (*)(const float*, void*, size_t))attn_dq_bf16,  attnw_dkv_fold_bf16_d64};
 }
 template <> Kernels kernels<__half>(int d) {
   if (d == 128)
     return {attn_fwd_f16_d128, attn_bwd_f16_d128, attnw_fwd_f16_d128, attnw_bwd_f16_d128, nullptr,
-            attn_bwd_pre_f16_d128, (void (*)(const float*, void*, size_t))attn_dq_f16};
+            attn_bwd_pre_f16_d128, (void (*)(const float*, void*, size_t))attn_dq_f16, attnw_dkv_fold_f16_d128};
   return {attn_fwd_f16_d64,     attn_bwd_f16_d64,     attnw_fwd_f16_d64, attnw_bwd_f16_d64, attnw_fwd_f16_d64_c2,
-          attn_bwd_pre_f16_d64, (void (*)(const float*, void*, size_t))attn_dq_f16};
+          attn_bwd_pre_f16_d64, (void (*)(const float*, void*, size_t))attn_dq_f16,  attnw_dkv_fold_f16_d64};
 }
 
 static int g_fwd_blocks = 0;  // the wgmma forward's grid: 0 a block per tile, else persistent
@@ -67,6 +68,22 @@ static bool g_dynamic = false;  // persistent: tiles claimed from a counter (els
 static int g_head_group = 1;    // AttnParams::head_group; 0: the launcher's rule (causal: K/V in 32 MiB)
 static int g_nc64 = 3;          // consumers of the D = 64 forward (3 or 2)
 static int* g_counter = nullptr;
+static bool g_split = true;  // the backward's last wave split as the launcher's wg_bwd_split rule
+static int g_sms = 132;
+static float* g_dkv_part = nullptr;  // the split units' f32 dK and dV (at most g_sms units)
+
+// src/backend/cuda/attention.rs's wg_bwd_split: (first unit split, blocks per split unit).
+static void bwd_split(int units, int tiles, int& from, int& parts) {
+  from = units, parts = 1;
+  const int rem = units % g_sms;
+  double best = 1e30;
+  int bs = 1;
+  for (int s = 2; s <= std::min(tiles, 8); ++s) {
+    const double t = (double)((rem * s + g_sms - 1) / g_sms) * ((tiles + s - 1) / s + 3.0);
+    if (t < best) best = t, bs = s;
+  }
+  if (rem > 0 && bs > 1 && best <= 0.9 * tiles) from = units - rem, parts = bs;
+}
 static size_t fwd_smem(int d) { return (128 + 4 * (d == 128 ? 32 : 64)) * d * 2; }
 static size_t bwd_smem(int d) { return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 4 * 64 * 4; }
 static int wfwd_rows(int d) { return d == 64 ? 64 * g_nc64 : FwdCfg<128, 2>::BR; }
@@ -155,6 +172,8 @@ template <typename T> struct Run {
     const uint32_t natural = 0 | 1 << 2 | 2 << 4;
     p.tma_order = natural | natural << 6 | natural << 12 | natural << 18;
     // The launcher's rule: causal tiles in groups of heads whose K and V take 32 MiB.
+    p.kblocks = (c.Lk + 127) / 128;
+    p.split_from = p.kblocks * c.B * c.H, p.split_parts = 1;
     p.head_group = g_head_group > 0 ? g_head_group
                                     : (c.causal ? std::max(1, (int)((32 << 20) / ((size_t)c.Lk * c.D * 4))) : 1);
     return p;
@@ -184,13 +203,22 @@ template <typename T> struct Run {
     const int bh = c.B * c.H;
     k.pre<<<1024, 256>>>(p);
     const bool bf = std::is_same<T, __nv_bfloat16>::value;
+    const int units = p.kblocks * bh;
+    int from = units, parts = 1;
+    if (wg && g_split && !c.causal) bwd_split(units, (c.Lq + wbwd_rows(c.D) - 1) / wbwd_rows(c.D), from, parts);
+    p.split_from = from, p.split_parts = parts;
+    if (parts > 1) {
+      p.dkv_part = (uint64_t)g_dkv_part;
+      CK(cudaMemsetAsync(g_dkv_part, 0, (size_t)(units - from) * 2 * 128 * c.D * 4));
+    }
     if (wg)
-      k.wbwd<<<dim3((c.Lk + 127) / 128, bh), 384, wbwd_smem(c.D)>>>(
+      k.wbwd<<<from + (units - from) * parts, 384, wbwd_smem(c.D)>>>(
           p, tma_map(q, bf, c.B, c.H, c.Lq, c.D, wbwd_rows(c.D)), tma_map(kk, bf, c.B, c.H, c.Lk, c.D, 128),
           tma_map(v, bf, c.B, c.H, c.Lk, c.D, 128), tma_map(dout, bf, c.B, c.H, c.Lq, c.D, wbwd_rows(c.D)),
           tma_map_dq(acc, c.B * c.H, c.Lq, c.D, 1));
     else
       k.bwd<<<dim3((c.Lk + 127) / 128, bh), 256, bwd_smem(c.D)>>>(p);
+    if (parts > 1) k.wfold<<<1024, 256>>>(p);
     k.dq<<<1024, 256>>>(acc, dq, nq);
   }
 };
@@ -386,6 +414,8 @@ int main(int argc, char** argv) {
                   attnw_fwd_f16_d64_c2})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wfwd_smem_max()));
   CK(cudaMalloc(&g_counter, 4));
+  CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
+  CK(cudaMalloc(&g_dkv_part, (size_t)g_sms * 2 * 128 * 128 * 4));
   for (WKern f : {attnw_bwd_bf16_d128, attnw_bwd_f16_d128})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wbwd_smem(128)));
   for (WKern f : {attnw_bwd_bf16_d64, attnw_bwd_f16_d64})
@@ -402,9 +432,14 @@ int main(int argc, char** argv) {
     }
     if (strcmp(argv[1], "tb") == 0) {  // the bench's shapes once each (for the backward); "tb 64": D = 64
       const int only_d = argc > 2 ? atoi(argv[2]) : 0;
-      for (const Case& c : kBench)
-        if (!only_d || c.D == only_d) timeit<__nv_bfloat16>(c, true);
-      if (!only_d || only_d == 64) timeit<__nv_bfloat16>(kSd35, true);
+      for (int split = 1; split >= 0; --split) {  // the last wave split, then not
+        g_split = split;
+        printf("last wave split: %d\n", split);
+        for (const Case& c : kBench)
+          if (!only_d || c.D == only_d) timeit<__nv_bfloat16>(c, true);
+        if (!only_d || only_d == 64) timeit<__nv_bfloat16>(kSd35, true);
+      }
+      g_split = true;
       return 0;
     }
     if (strcmp(argv[1], "tab") == 0) {
@@ -450,10 +485,14 @@ int main(int argc, char** argv) {
           printf("blocks %d nc %d hg %d dyn %d: ", v.blocks, v.nc, v.hg, (int)v.dyn);
           check<__nv_bfloat16>(c, "bf16", seed += 10);
         }
-    } else if (strcmp(argv[1], "t64") == 0)
-      timeit<__nv_bfloat16>(kSd35);
-    else
-      timeit<__nv_bfloat16>({1, 24, 4608, 4608, 128, false, false});
+    } else {  // "t64": SD3.5's shape, else Flux's; the backward's last wave split, then not
+      const Case c = strcmp(argv[1], "t64") == 0 ? kSd35 : Case{1, 24, 4608, 4608, 128, false, false};
+      timeit<__nv_bfloat16>(c);
+      g_split = false;
+      printf("unsplit: ");
+      timeit<__nv_bfloat16>(c, true);
+      g_split = true;
+    }
     return 0;
   }
   int fails = 0;
@@ -461,7 +500,7 @@ int main(int argc, char** argv) {
       {1, 2, 256, 256, 128, false, false}, {1, 2, 256, 256, 64, false, false}, {2, 3, 1, 1, 128, false, false},
       {2, 2, 77, 77, 128, false, true},    {2, 2, 333, 77, 64, true, false},   {1, 3, 77, 333, 128, true, true},
       {2, 2, 333, 333, 64, false, true},   {1, 2, 1024, 1024, 128, true, false}, {1, 2, 4608, 4608, 128, false, false},
-      {1, 2, 1000, 1000, 64, true, true},
+      {1, 2, 1000, 1000, 64, true, true},  {2, 2, 333, 77, 128, false, true}, {1, 2, 1000, 1000, 64, false, true},
   };
   uint64_t seed = 1;
   for (const Case& c : cases) fails += !check<__nv_bfloat16>(c, "bf16", seed += 10);

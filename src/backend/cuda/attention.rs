@@ -43,6 +43,8 @@ struct Params {
     /// The wgmma forward's u32 tile counter (zeroed before the launch), or 0: blocks take
     /// tiles t, t + G, ... in order.
     tile_counter: u64,
+    /// The wgmma backward's f32 dK and dV of the units it splits (zeroed), or 0.
+    dkv_part: u64,
     b: i32,
     h: i32,
     lq: i32,
@@ -58,8 +60,11 @@ struct Params {
     kb0: i32,
     /// The wgmma forward's tile order: query tiles in groups of this many heads.
     head_group: i32,
-    /// Keeps the struct free of padding.
-    pad: i32,
+    /// The wgmma backward's units (key block, head) in this launch: key blocks a head, the
+    /// first unit split and the blocks each split unit takes (`wg_bwd_split`).
+    kblocks: i32,
+    split_from: i32,
+    split_parts: i32,
 }
 
 // SAFETY: plain repr(C) structs of integers and floats, laid out as the C structs the
@@ -664,14 +669,53 @@ fn launch_all<T: Elem>(
         p.kb0 = kb0 as i32;
         let launched = chunk.min(blocks - kb0);
         match &wg {
-            Some((wm, maps)) => launch_attention(
-                dev,
-                wm,
-                format!("attnw_bwd_{}_d{d}", T::SFX),
-                ((launched, bh), WG_BWD_THREADS, wg_bwd_smem(d)),
-                p,
-                Some(maps),
-            )?,
+            Some((wm, maps)) => {
+                // A 1-d grid of units (key block, head); a last wave that would leave SMs
+                // idle is split over runs of query tiles (not causal: its units are unequal;
+                // not deterministic: the parts' dK and dV are summed with atomic adds).
+                let units = launched * bh;
+                let (from, parts) = match p.causal != 0 || det {
+                    true => (units, 1),
+                    false => wg_bwd_split(units, sms, lq.div_ceil(wg_bwd_rows(d))),
+                };
+                p.kblocks = launched as i32;
+                p.split_from = from as i32;
+                p.split_parts = parts as i32;
+                let part = match parts > 1 {
+                    true => {
+                        let mut part = dev.alloc::<f32>((units - from) * 2 * WG_BWD_KEYS * d)?;
+                        dev.stream()
+                            .memset_zeros(&mut *part.slice)
+                            .map_err(super::cuda_err(
+                                "clearing the attention dk/dv partial sums",
+                            ))?;
+                        p.dkv_part = part.raw(dev);
+                        Some(part)
+                    }
+                    false => None,
+                };
+                launch_attention(
+                    dev,
+                    wm,
+                    format!("attnw_bwd_{}_d{d}", T::SFX),
+                    (
+                        (from + (units - from) * parts, 1),
+                        WG_BWD_THREADS,
+                        wg_bwd_smem(d),
+                    ),
+                    p,
+                    Some(maps),
+                )?;
+                if let Some(part) = part {
+                    launch!(
+                        dev,
+                        wm,
+                        format!("attnw_dkv_fold_{}_d{d}", T::SFX),
+                        grid_for(part.len() / 2, sms),
+                        &*p
+                    )?;
+                }
+            }
             None => launch_attention(
                 dev,
                 module,
@@ -715,6 +759,29 @@ fn launch_all<T: Elem>(
     Ok(vec![T::wrap(dq), T::wrap(dk), T::wrap(dv)])
 }
 
+/// How the wgmma backward splits its last wave: (the first unit split, blocks per split unit),
+/// `(units, 1)` for none. `units` (key block, head) of equal work, `tiles` query tiles each,
+/// run a block per SM (`sms`) in waves; a last wave of `units % sms` leaves the other SMs idle
+/// for a unit's time. Split into s runs of query tiles, its units take
+/// ceil(rem s / sms) rounds of a run (ceil(tiles / s) tiles) plus a part's fixed cost (loading
+/// K and V, filling the pipeline, adding its f32 dK and dV with atomics: taken as 3 tiles).
+/// The s of the least time (the fewest parts among equals) is taken where it saves a tenth of
+/// a unit's time or more; at most 8 parts. The Flux shape (864 units of 72 tiles on 132 SMs:
+/// a last wave of 72) splits its last wave in 3: 54 tiles' time instead of 72.
+fn wg_bwd_split(units: usize, sms: usize, tiles: usize) -> (usize, usize) {
+    const FIXED: f64 = 3.0;
+    let sms = sms.max(1);
+    let (from, rem) = (units / sms * sms, units % sms);
+    let time = |s: usize| (rem * s).div_ceil(sms) as f64 * (tiles.div_ceil(s) as f64 + FIXED);
+    let best = (2..=tiles.min(8))
+        .map(|s| (time(s), s))
+        .min_by(|a, b| a.0.total_cmp(&b.0));
+    match best {
+        Some((t, s)) if rem > 0 && t <= 0.9 * tiles as f64 => (from, s),
+        _ => (units, 1),
+    }
+}
+
 /// Key blocks per launch of the deterministic backward: enough for two blocks per SM over
 /// the batch x heads, or as many as 512 MiB of slabs (`n` f32 values each, one per key
 /// block) hold, whichever is more; at least 1, at most all `blocks`.
@@ -727,8 +794,8 @@ fn deterministic_chunk(blocks: usize, bh: usize, n: usize, sms: usize) -> usize 
 #[cfg(test)]
 mod tests {
     use super::{
-        deterministic_chunk, tma_layout, wg_bwd_rows, wg_bwd_smem, wg_fwd_consumers, wg_fwd_grid,
-        wg_fwd_kernel, wg_fwd_smem, Params, TmaLayout, View,
+        deterministic_chunk, tma_layout, wg_bwd_rows, wg_bwd_smem, wg_bwd_split, wg_fwd_consumers,
+        wg_fwd_grid, wg_fwd_kernel, wg_fwd_smem, Params, TmaLayout, View,
     };
 
     fn params(b: i32, h: i32, lq: i32, lk: i32, causal: bool) -> Params {
@@ -773,6 +840,30 @@ mod tests {
             // Q, two stages of K and V, the alignment, barriers and the tile slot: under the
             // 227 KiB of shared memory a block may have on an H100.
             assert!(wg_fwd_smem(d, &p) <= 227 * 1024, "{}", wg_fwd_smem(d, &p));
+        }
+    }
+
+    #[test]
+    fn the_backward_splits_a_last_wave_that_leaves_sms_idle() {
+        // (units, SMs, query tiles a unit) and (the first unit split, blocks per split unit).
+        let cases = [
+            // Flux, D = 128: 864 units, a last wave of 72 in runs of 24 tiles (2 rounds).
+            ((864, 132, 72), (792, 3)),
+            // B 1, H 32, L 16384, D = 64: 4 units left over, each in 8 runs of 16 tiles.
+            ((4096, 132, 128), (4092, 8)),
+            // A grid under one wave: its 72 units split as well.
+            ((72, 132, 72), (0, 3)),
+            // Whole waves; a last wave too short to gain a tenth; a single tile: no split.
+            ((264, 132, 72), (264, 1)),
+            ((2048, 132, 16), (2048, 1)),
+            ((10, 132, 1), (10, 1)),
+        ];
+        for ((units, sms, tiles), want) in cases {
+            assert_eq!(
+                wg_bwd_split(units, sms, tiles),
+                want,
+                "{units} {sms} {tiles}"
+            );
         }
     }
 

@@ -423,11 +423,13 @@ pub(crate) fn run(
             &shape(),
         ));
     }
-    // The persistent forward numbers its query tiles (64 rows or more) in 32 bits.
-    if b * h > 65535 || lq.max(lk) >= 1 << 30 || b * h * lq.div_ceil(64) >= 1 << 31 {
+    // The persistent forward numbers its query tiles (64 rows or more) in 32 bits, the
+    // backward its units (128 keys of a head) and their split parts.
+    if b * h > 65535 || lq.max(lk) >= 1 << 30 || b * h * lq.max(lk).div_ceil(64) >= 1 << 31 {
         return Err(Error::invalid(
             name,
-            "B * H above 65535, a sequence of 2^30 rows or 2^31 query tiles exceeds one launch"
+            "B * H above 65535, a sequence of 2^30 rows or 2^31 tiles of 64 queries or keys \
+             exceeds one launch"
                 .to_string(),
             &shape(),
         ));

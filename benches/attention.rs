@@ -7,8 +7,8 @@
 //!
 //! Timing: ROUNDS rounds over all rows, each row's forward and forward + backward timed over
 //! ITERS launches per round; a row reports the median round. The rounds interleave the rows,
-//! so that none is always timed after minutes of load (the clocks of a hot card drop: the
-//! last row read 10% slower in a whole-table run than alone, on an H100).
+//! so that none is always timed after minutes of load (in a single pass over the rows the
+//! last one read 10% slower than alone, on an H100 drawing ~650 W).
 //! FLAME_BENCH_FILTER=text keeps the rows whose "L=.. D=.. causal=.." contains the text
 //! (e.g. "L=16384 D=64 causal=false", one shape under a profiler); FLAME_BENCH_PROFILE=1
 //! adds each row's kernels of three forward+backward passes (flame::profile) beside the wall

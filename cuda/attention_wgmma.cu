@@ -421,7 +421,8 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   const uint32_t sQ0 = sV + BC * D * 2;          // stage s: Q at sQ0 + s 2 QD, then dO
   const uint32_t sdS0 = sQ0 + ST * 2 * QD;       // dS^T (BC x BR), two buffers
   const uint32_t sdQ = sdS0 + 2 * BC * BR * 2;   // dQ, f32: DQ_RB boxes of 64 rows x D
-  const uint32_t sRows = sdQ + DQ_RB * (D / 32) * DQ_BOX;     // stage s: lse (times log2 e) at s 2 BR, dvec after
+  // Stage s: lse (times log2 e) at s 2 BR, dvec after.
+  const uint32_t sRows = sdQ + DQ_RB * (D / 32) * DQ_BOX;
   const uint32_t sBar = sRows + ST * 2 * BR * 4;  // barriers: K and V; full, empty per stage
   float* rows = reinterpret_cast<float*>(smem + (sRows - smem_u32(smem)));
   auto full = [&](int s) { return sBar + 8 + 8 * s; };
@@ -578,12 +579,15 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     // values are no longer needed, which keeps P^T, dP^T and P^T's fragments from being live
     // at once (256 registers with the accumulators); else as soon as P^T is.
     uint32_t pa[BR / 16][4];
-    if constexpr (!LATE_DV) {
+    auto issue_dv = [&] {
       to_a<T>(s, pa);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dv, pa[kk], mnmajor<BR>(sdO, 16 * kk, 0), 1);
       wgmma_commit();
+    };
+    if constexpr (!LATE_DV) {
+      issue_dv();
       wgmma_wait<1>();  // dP^T is ready; dV may still run
     } else {
       wgmma_wait<0>();
@@ -602,13 +606,7 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
                      "r"(pack2<T>(dp[nn][2 * r], dp[nn][2 * r + 1])));
       }
     }
-    if constexpr (LATE_DV) {
-      to_a<T>(s, pa);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dv, pa[kk], mnmajor<BR>(sdO, 16 * kk, 0), 1);
-      wgmma_commit();
-    }
+    if constexpr (LATE_DV) issue_dv();
     uint32_t da[BR / 16][4];
     to_a<T>(dp, da);
     fence_async_smem();
@@ -631,53 +629,51 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     pin(dq);
     pin(dv);
     pin_regs(pa);
-    {
-      // scale dQ to shared memory in the tensor map's boxes: row box rb, column box j at
-      // sdQ + (rb D / 32 + j) 8 KiB, rows of 128 bytes, 16-byte unit u of row r at u ^ (r % 8)
-      // (the 128-byte swizzle the bulk tensor copy reads).
-      asm volatile("bar.sync %0, %1;\n" ::"n"(BWD_BAR_DQ_EMPTY), "n"(DQ_SYNC) : "memory");
-      const int col0 = D == 128 ? 64 * cw : 0, rb = BR == 128 ? cw : 0;
-      const uint32_t base = sdQ + rb * (D / 32) * DQ_BOX;
-      // A half-warp's 8-byte stores take 4 rows r, r ^ 1, ...; a row's 8 columns of group g
-      // are units 2g, 2g + 1 swizzled by r % 8, which rows r and r ^ 1 share for the same g
-      // (a 2-way bank conflict: ncu counted 16M excess wavefronts a Flux-shape backward). So
-      // store k of a box writes group k ^ s (s = lane / 4 % 4) in each thread: the 4 rows
-      // then take 8 distinct units. The thread's groups are permuted by s in registers.
-      // H100: SD3.5's shape 383 against 375 TFLOP/s; the Flux shape within noise.
-      const int sw = (lane >> 2) & 3;
+    // scale dQ to shared memory in the tensor map's boxes: row box rb, column box j at
+    // sdQ + (rb D / 32 + j) 8 KiB, rows of 128 bytes, 16-byte unit u of row r at u ^ (r % 8)
+    // (the 128-byte swizzle the bulk tensor copy reads).
+    asm volatile("bar.sync %0, %1;\n" ::"n"(BWD_BAR_DQ_EMPTY), "n"(DQ_SYNC) : "memory");
+    const int col0 = D == 128 ? 64 * cw : 0, rb = BR == 128 ? cw : 0;
+    const uint32_t base = sdQ + rb * (D / 32) * DQ_BOX;
+    // A half-warp's 8-byte stores take 4 rows r, r ^ 1, ...; a row's 8 columns of group g
+    // are units 2g, 2g + 1 swizzled by r % 8, which rows r and r ^ 1 share for the same g
+    // (a 2-way bank conflict: ncu counted 16M excess wavefronts a Flux-shape backward). So
+    // store k of a box writes group k ^ s (s = lane / 4 % 4) in each thread: the 4 rows
+    // then take 8 distinct units. The thread's groups are permuted by s in registers.
+    // H100: SD3.5's shape 383 against 375 TFLOP/s; the Flux shape within noise.
+    const int sw = (lane >> 2) & 3;
 #pragma unroll
-      for (int bx = 0; bx < 2; ++bx)
+    for (int bx = 0; bx < 2; ++bx)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float x[4], y[4];
+      for (int r = 0; r < 2; ++r) {
+        float x[4], y[4];
 #pragma unroll
-          for (int k = 0; k < 4; ++k) x[k] = dq[4 * bx + k][2 * r], y[k] = dq[4 * bx + k][2 * r + 1];
-          // x[k] <- x[k ^ sw]: swap neighbours if bit 0, pairs if bit 1.
+        for (int k = 0; k < 4; ++k) x[k] = dq[4 * bx + k][2 * r], y[k] = dq[4 * bx + k][2 * r + 1];
+        // x[k] <- x[k ^ sw]: swap neighbours if bit 0, pairs if bit 1.
 #pragma unroll
-          for (int k = 0; k < 4; k += 2) {
-            const float x0 = x[k], y0 = y[k];
-            x[k] = sw & 1 ? x[k + 1] : x0, y[k] = sw & 1 ? y[k + 1] : y0;
-            x[k + 1] = sw & 1 ? x0 : x[k + 1], y[k + 1] = sw & 1 ? y0 : y[k + 1];
-          }
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const float x0 = x[k], y0 = y[k];
-            x[k] = sw & 2 ? x[k + 2] : x0, y[k] = sw & 2 ? y[k + 2] : y0;
-            x[k + 2] = sw & 2 ? x0 : x[k + 2], y[k + 2] = sw & 2 ? y0 : y[k + 2];
-          }
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int nn = 4 * bx + (k ^ sw);
-            const int row = 16 * warp + (lane >> 2) + 8 * r, col = col0 + nn * 8 + 2 * (lane & 3);
-            const uint32_t at =
-                base + (col >> 5) * DQ_BOX + row * 128 + ((((col & 31) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x[k] * p.scale), "f"(y[k] * p.scale)
-                         : "memory");
-          }
+        for (int k = 0; k < 4; k += 2) {
+          const float x0 = x[k], y0 = y[k];
+          x[k] = sw & 1 ? x[k + 1] : x0, y[k] = sw & 1 ? y[k + 1] : y0;
+          x[k + 1] = sw & 1 ? x0 : x[k + 1], y[k + 1] = sw & 1 ? y0 : y[k + 1];
         }
-      fence_async_smem();
-      asm volatile("bar.arrive %0, %1;\n" ::"n"(BWD_BAR_DQ_FULL), "n"(DQ_SYNC) : "memory");
-    }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const float x0 = x[k], y0 = y[k];
+          x[k] = sw & 2 ? x[k + 2] : x0, y[k] = sw & 2 ? y[k + 2] : y0;
+          x[k + 2] = sw & 2 ? x0 : x[k + 2], y[k + 2] = sw & 2 ? y0 : y[k + 2];
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int nn = 4 * bx + (k ^ sw);
+          const int row = 16 * warp + (lane >> 2) + 8 * r, col = col0 + nn * 8 + 2 * (lane & 3);
+          const uint32_t at =
+              base + (col >> 5) * DQ_BOX + row * 128 + ((((col & 31) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x[k] * p.scale), "f"(y[k] * p.scale)
+                       : "memory");
+        }
+      }
+    fence_async_smem();
+    asm volatile("bar.arrive %0, %1;\n" ::"n"(BWD_BAR_DQ_FULL), "n"(DQ_SYNC) : "memory");
     wgmma_wait<0>();  // dK
     pin(dk);
     pin_regs(da);
@@ -725,7 +721,8 @@ template <typename T, int D> __device__ __forceinline__ void attnw_dkv_fold(cons
 
 // The TMA descriptors of q, k, v, do and the f32 dq accumulator (the forward ignores do's and
 // dq's): q's boxes are FwdCfg<D, NC>::BR rows in the forward (64 NC: 128 at D = 128, 192 or
-// 128 at D = 64) and BwdCfg<D>::BR in the backward (64 at D = 128, 128 at D = 64), k's and v's 128, dq's 64 rows x 32 columns (`tma_map_dq`).
+// 128 at D = 64) and BwdCfg<D>::BR in the backward (64 at D = 128, 128 at D = 64), k's and
+// v's 128, dq's 64 rows x 32 columns (`tma_map_dq`).
 #define ATTNW_KERNELS(T, SFX, D)                                                                         \
   ATTNW_FWD(T, SFX, D, (D == 64 ? 3 : 2), )                                                              \
   extern "C" __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 1)                                   \

@@ -10,10 +10,11 @@
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -L$(dirname $(which nvcc))/../lib \
 //     -Icuda scripts/attn_wgmma_check.cu -o .gpu/attn_check
 // Run there: `.gpu/attn_check` (checks, then timings), `.gpu/attn_check t` (the Flux timing,
-// the backward's last wave split as the launcher splits it, then not), `t64` (SD3.5's), `tab` (the wgmma kernels alone at benches/attention.rs's shapes under the
-// forward's grids; `tab 64`: its D = 64 rows), `tc` (the forward alone under each grid, tile
-// order and consumer count), `tb [64]` (each shape once, split then not, for the backward), `dbg i` (the i-th
-// check of a big persistent grid alone: a hang ends the process).
+// the backward's last wave split as the launcher splits it, then not), `t64` (SD3.5's), `tab`
+// (the wgmma kernels alone at benches/attention.rs's shapes under the forward's grids;
+// `tab 64`: its D = 64 rows), `tc` (the forward alone under each grid, tile order and
+// consumer count), `tb [64]` (each shape once, split then not, for the backward), `dbg i` (the
+// i-th check of a big persistent grid alone: a hang ends the process).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>

@@ -243,12 +243,12 @@ fn bwd_smem(d: usize) -> usize {
 
 /// The wgmma kernels (cuda/attention_wgmma.cu). The forward is warp-specialised and
 /// persistent (a block per SM; causal attention past 8192 keys a block per tile, see
-/// `wg_fwd_grid`): a producer warpgroup and `wg_fwd_consumers` consumer
-/// warpgroups of 64 queries each, walking keys in tiles of 128 through two stages of K and V.
-/// The backward
-/// has three warpgroups (a producer and dQ writer, two consumers of 64 keys each), takes 128
-/// keys and walks queries in tiles of `wg_bwd_rows`, adding dQ through a tensor map of the
-/// accumulator (`tma_map_dq`, boxes of `WG_BWD_DQ_ROWS` rows). Tiles come by TMA (`tma_map`) and start 1024-aligned, hence the extra KiB.
+/// `wg_fwd_grid`): a producer warpgroup and `wg_fwd_consumers` consumer warpgroups of 64
+/// queries each, walking keys in tiles of 128 through two stages of K and V. The backward has
+/// three warpgroups (a producer and dQ writer, two consumers of 64 keys each), takes 128 keys
+/// and walks queries in tiles of `wg_bwd_rows`, adding dQ through a tensor map of the
+/// accumulator (`tma_map_dq`, boxes of `WG_BWD_DQ_ROWS` rows). Tiles come by TMA (`tma_map`)
+/// and start 1024-aligned, hence the extra KiB.
 const WG_BWD_THREADS: u32 = 384;
 const WG_FWD_KEYS: usize = 128;
 const WG_FWD_STAGES: usize = 2;
@@ -585,10 +585,8 @@ fn launch_all<T: Elem>(
                 // after it).
                 let counter = match counted {
                     true => {
-                        let mut c = dev.alloc::<u32>(1)?;
-                        dev.stream()
-                            .memset_zeros(&mut *c.slice)
-                            .map_err(super::cuda_err("clearing the attention tile counter"))?;
+                        let c =
+                            dev.alloc_zeroed::<u32>(1, "clearing the attention tile counter")?;
                         p.tile_counter = c.raw(dev);
                         Some(c)
                     }
@@ -685,12 +683,10 @@ fn launch_all<T: Elem>(
                 p.split_parts = parts as i32;
                 let part = match parts > 1 {
                     true => {
-                        let mut part = dev.alloc::<f32>((units - from) * 2 * WG_BWD_KEYS * d)?;
-                        dev.stream()
-                            .memset_zeros(&mut *part.slice)
-                            .map_err(super::cuda_err(
-                                "clearing the attention dk/dv partial sums",
-                            ))?;
+                        let part = dev.alloc_zeroed::<f32>(
+                            (units - from) * 2 * WG_BWD_KEYS * d,
+                            "clearing the attention dk/dv partial sums",
+                        )?;
                         p.dkv_part = part.raw(dev);
                         Some(part)
                     }

@@ -10,7 +10,7 @@ use super::{cuda_err, ptx, NVCC_HELP};
 use crate::{Error, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr,
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -294,6 +294,20 @@ impl CudaDevice {
         self.0
             .mem
             .alloc(len, || self.total_memory().unwrap_or(u64::MAX))
+    }
+
+    /// `len` zeros in device memory (cleared on the stream), counted against the limit;
+    /// `what` names the buffer in an error.
+    pub(crate) fn alloc_zeroed<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+        what: &str,
+    ) -> Result<DevBuf<T>> {
+        let mut buf = self.alloc::<T>(len)?;
+        self.stream()
+            .memset_zeros(&mut *buf.slice)
+            .map_err(cuda_err(what))?;
+        Ok(buf)
     }
 
     /// One buffer of `bytes` bytes to cut into parts of several element types

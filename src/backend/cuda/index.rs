@@ -64,15 +64,6 @@ impl CudaStorage {
     }
 }
 
-fn zeroed_flag(s: &CudaStorage) -> Result<super::memory::DevBuf<u32>> {
-    let mut bad = s.dev.alloc::<u32>(1)?;
-    s.dev
-        .stream()
-        .memset_zeros(&mut *bad.slice)
-        .map_err(super::cuda_err("clearing the index flag"))?;
-    Ok(bad)
-}
-
 /// index_select (kernel `index_select_*`, `n_j` = the number of ids) and gather (`gather_*`,
 /// `n_j` = the ids' size along `dim`) share one signature: src, ids, out, outer, size, n_j,
 /// inner, flag. The output has outer * n_j * inner elements.
@@ -92,7 +83,7 @@ fn lookup_t<T: Elem>(
     let (outer, size, inner) = blocks(l.shape(), dim);
     let n = outer * n_j * inner;
     let mut out = s.dev.alloc::<T>(n)?;
-    let mut bad = zeroed_flag(s)?;
+    let mut bad = s.dev.alloc_zeroed::<u32>(1, "clearing the index flag")?;
     if n > 0 {
         launch!(
             s.dev,
@@ -167,7 +158,7 @@ fn scatter_t<T: Elem>(
     let srb = srd.as_ref().unwrap_or(src).typed::<T>(OP)?;
     let (outer, size, inner) = blocks(l.shape(), dim);
     let n_j = il.dims()[dim];
-    let mut bad = zeroed_flag(s)?;
+    let mut bad = s.dev.alloc_zeroed::<u32>(1, "clearing the index flag")?;
     let dev = s.dev.clone();
     let cols = outer * inner;
     if cols > 0 && n_j > 0 {

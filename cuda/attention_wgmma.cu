@@ -379,11 +379,12 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
 // TFLOP/s at the Flux / SD3.5 shapes on an H100, swizzled tiles at 449 / 329; a bulk
 // operation per row, 381 / 132). The two consumer warpgroups own 64 keys each. Per query tile
 // a consumer forms S^T = K Q^T and dP^T = V dO^T (SS), P^T from the saved lse, dV += P^T dO
-// (RS, dO read transposed), dS^T = P^T (dP^T - dvec), stores dS^T to shared memory (two
-// buffers), then, after a barrier of the two, dQ = scale dS K (SS, both operands transposed)
-// and dK += dS^T Q (RS); dQ goes to shared memory while dK runs. Both consumers fill one dQ
-// tile: consumer w takes columns 64w.. at D = 128, queries 64w.. at D = 64, over all 128
-// keys.
+// (RS, dO read transposed), dS^T = P^T (dP^T - dvec), stores dS to shared memory (two
+// buffers), then, after a barrier of the two, dQ (SS) and dK += dS^T Q (RS); dQ goes to
+// shared memory while dK runs. Both consumers fill one dQ tile over all 128 keys: at D = 128
+// consumer w forms columns 64w.. as dQ^T = K^T dS^T (K read transposed, dS stored
+// query-major by transposing stmatrix: FlashAttention-3's dQ_swapAB at head dim 128), at
+// D = 64 queries 64w.. as dQ = dS K (both read transposed from dS^T stored key-major).
 // Tiles of 128 queries at D = 64 (after FlashAttention-3's 128 x 128 at head dim 64) make
 // S^T and dP^T m64n128 products, which read 6 KiB of shared memory per 131k multiply-adds
 // against 4 KiB per 65k at n64: on an H100, 377 against 357 TFLOP/s at B 4, H 32, L 4096
@@ -396,6 +397,8 @@ __device__ __forceinline__ void attnw_fwd(const AttnParams& p, const TmaMap& tq,
 template <int D> struct BwdCfg {
   static constexpr int BC = 128, BR = D == 64 ? 128 : 64, ST = 2, THREADS = 384;
   static constexpr bool LATE_DV = BR == 128;
+  // dQ transposed: dQ^T = K^T dS^T with dS stored query-major (see the consumer's dQ).
+  static constexpr bool DQT = D == 128;
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 };
 // Named barriers of the backward (0 is __syncthreads): the consumers' dS exchange; the dQ
@@ -409,7 +412,7 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
                                           const TmaMap& tdo, const TmaMap& tdq) {
   using C = BwdCfg<D>;
   constexpr int BC = C::BC, BR = C::BR, ST = C::ST, NB = D / 8;
-  constexpr bool LATE_DV = C::LATE_DV;
+  constexpr bool LATE_DV = C::LATE_DV, DQT = C::DQT;
   constexpr int DQ_SYNC = 288;  // threads at a dQ barrier: the consumers and the writer
   // The dQ tile in boxes of 64 rows x 32 columns (the accumulator map's), box (r, j) (rows
   // 64r.., columns 32j..) at sdQ + (r D / 32 + j) 8 KiB.
@@ -578,15 +581,15 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     // LATE_DV (tiles of 128 queries): dV is issued after dS^T is formed, when P^T's float
     // values are no longer needed, which keeps P^T, dP^T and P^T's fragments from being live
     // at once (256 registers with the accumulators); else as soon as P^T is.
-    uint32_t pa[BR / 16][4];
+    uint32_t pa[BR / 16][4], da[BR / 16][4];
     auto issue_dv = [&] {
-      to_a<T>(s, pa);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dv, pa[kk], mnmajor<BR>(sdO, 16 * kk, 0), 1);
       wgmma_commit();
     };
     if constexpr (!LATE_DV) {
+      to_a<T>(s, pa);
       issue_dv();
       wgmma_wait<1>();  // dP^T is ready; dV may still run
     } else {
@@ -594,33 +597,56 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     }
     pin(dp);
 
-    // dS^T = P^T (dP^T - dvec), to shared memory as T (rows: keys, columns: queries).
+    // dS^T = P^T (dP^T - dvec), to shared memory as T: at D = 128 as dS (rows: queries,
+    // columns: keys; dQ^T's K-major B), at D = 64 as dS^T (rows: keys, columns: queries).
 #pragma unroll
     for (int nn = 0; nn < BR / 8; ++nn) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[nn][e] = s[nn][e] * (dp[nn][e] - Dv[nn * 8 + 2 * (lane & 3) + (e & 1)]);
+      if constexpr (!DQT)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = kw + 16 * warp + (lane >> 2) + 8 * r;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + sw128<BC>(row, nn) + 4 * (lane & 3)),
-                     "r"(pack2<T>(dp[nn][2 * r], dp[nn][2 * r + 1])));
-      }
+        for (int r = 0; r < 2; ++r) {
+          const int row = kw + 16 * warp + (lane >> 2) + 8 * r;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + sw128<BC>(row, nn) + 4 * (lane & 3)),
+                       "r"(pack2<T>(dp[nn][2 * r], dp[nn][2 * r + 1])));
+        }
     }
-    if constexpr (LATE_DV) issue_dv();
-    uint32_t da[BR / 16][4];
+    if constexpr (LATE_DV) {
+      to_a<T>(s, pa);
+      issue_dv();
+    }
     to_a<T>(dp, da);
+    if constexpr (DQT) {
+      // da[kk] holds four 8 x 8 blocks of dS^T (keys 16 warp + 8 (j & 1).., queries
+      // 16 kk + 8 (j >> 1)..) in mma.sync's fragment layout; stmatrix .trans writes each
+      // transposed, a query's 8 keys as one 16-byte unit, lane l giving the address of row
+      // l % 8 of block l / 8 (a block's 8 rows on 8 distinct units: no bank conflicts).
+      const int j = lane >> 3, q = 8 * (j >> 1) + (lane & 7), unit = 8 * cw + 2 * warp + (j & 1);
+#pragma unroll
+      for (int kk = 0; kk < BR / 16; ++kk)
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                         sdS + sw128<BR>(16 * kk + q, unit)),
+                     "r"(da[kk][0]), "r"(da[kk][1]), "r"(da[kk][2]), "r"(da[kk][3])
+                     : "memory");
+    }
     fence_async_smem();
-    // dQ reads both consumers' dS^T. (The other dS^T buffer is free: the stages keep the
+    // dQ reads both consumers' dS. (The other dS buffer is free: the stages keep the
     // consumers within a tile of each other, and each finishes its dQ product of a tile
     // before it releases the tile's stage.)
     asm volatile("bar.sync %0, 256;\n" ::"n"(BWD_BAR_DS) : "memory");
 
-    float dq[8][4];  // m64n64: 64 queries (chunk cw at BR = 128) x 64 columns (chunk cw at D = 128)
+    // D = 128: dQ^T (m64n64: columns 64 cw.. x the tile's 64 queries) = K^T (M-major) dS^T
+    // (K-major). D = 64: dQ (m64n64: queries 64 cw.. x the 64 columns) = dS (M-major) K
+    // (N-major). Both over the block's 128 keys.
+    float dq[8][4];
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk)
-      wgmma_ss<T, 1, 1>(dq, mnmajor<BC>(sdS, 16 * kk, BR == 128 ? cw : 0), mnmajor<BC>(sK, 16 * kk, D == 128 ? cw : 0),
-                        kk);
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      if constexpr (DQT)
+        wgmma_ss<T, 1, 0>(dq, mnmajor<BC>(sK, 16 * kk, cw), kmajor<BR>(sdS, 0, kk), kk);
+      else
+        wgmma_ss<T, 1, 1>(dq, mnmajor<BC>(sdS, 16 * kk, cw), mnmajor<BC>(sK, 16 * kk, 0), kk);
+    }
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < BR / 16; ++kk) wgmma_rs<T, 1>(dk, da[kk], mnmajor<BR>(sQ, 16 * kk, 0), 1);
@@ -633,45 +659,64 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     // sdQ + (rb D / 32 + j) 8 KiB, rows of 128 bytes, 16-byte unit u of row r at u ^ (r % 8)
     // (the 128-byte swizzle the bulk tensor copy reads).
     asm volatile("bar.sync %0, %1;\n" ::"n"(BWD_BAR_DQ_EMPTY), "n"(DQ_SYNC) : "memory");
-    const int col0 = D == 128 ? 64 * cw : 0, rb = BR == 128 ? cw : 0;
-    const uint32_t base = sdQ + rb * (D / 32) * DQ_BOX;
-    // A half-warp's 8-byte stores take 4 rows r, r ^ 1, ...; a row's 8 columns of group g
-    // are units 2g, 2g + 1 swizzled by r % 8, which rows r and r ^ 1 share for the same g
-    // (a 2-way bank conflict: ncu counted 16M excess wavefronts a Flux-shape backward). So
-    // store k of a box writes group k ^ s (s = lane / 4 % 4) in each thread: the 4 rows
-    // then take 8 distinct units. The thread's groups are permuted by s in registers.
-    // H100: SD3.5's shape 383 against 375 TFLOP/s; the Flux shape within noise.
-    const int sw = (lane >> 2) & 3;
+    if constexpr (DQT) {
+      // Thread's dQ^T rows: columns d = 64 cw + 16 warp + lane / 4 + 8 r; its columns: queries
+      // 8 nn + 2 (lane % 4) + e. A store of the warp takes 8 columns x 4 queries of one
+      // parity: 8 distinct 16-byte units of the swizzle, no bank conflicts. (Against dQ = dS
+      // K with both operands M/N-major, dS^T stored by 4-byte stores and dQ by 8-byte ones:
+      // 492 against 459 TFLOP/s at the Flux shape on an H100, 514 / 488 at L 16384. At
+      // D = 64 the transposed form measured slower, 335 against 385 at SD3.5's shape.)
 #pragma unroll
-    for (int bx = 0; bx < 2; ++bx)
+      for (int nn = 0; nn < 8; ++nn)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float x[4], y[4];
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int k = 0; k < 4; ++k) x[k] = dq[4 * bx + k][2 * r], y[k] = dq[4 * bx + k][2 * r + 1];
-        // x[k] <- x[k ^ sw]: swap neighbours if bit 0, pairs if bit 1.
+          for (int e = 0; e < 2; ++e) {
+            const int d = 64 * cw + 16 * warp + (lane >> 2) + 8 * r, q = 8 * nn + 2 * (lane & 3) + e;
+            const uint32_t at = sdQ + (d >> 5) * DQ_BOX + q * 128 + ((((d & 31) >> 2) ^ (q & 7)) << 4) + (d & 3) * 4;
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(dq[nn][2 * r + e] * p.scale) : "memory");
+          }
+    } else {
+      const int rb = cw;
+      const uint32_t base = sdQ + rb * (D / 32) * DQ_BOX;
+      // A half-warp's 8-byte stores take 4 rows r, r ^ 1, ...; a row's 8 columns of group g
+      // are units 2g, 2g + 1 swizzled by r % 8, which rows r and r ^ 1 share for the same g
+      // (a 2-way bank conflict: ncu counted 16M excess wavefronts a Flux-shape backward). So
+      // store k of a box writes group k ^ s (s = lane / 4 % 4) in each thread: the 4 rows
+      // then take 8 distinct units. The thread's groups are permuted by s in registers.
+      // H100: SD3.5's shape 383 against 375 TFLOP/s; the Flux shape within noise.
+      const int sw = (lane >> 2) & 3;
 #pragma unroll
-        for (int k = 0; k < 4; k += 2) {
-          const float x0 = x[k], y0 = y[k];
-          x[k] = sw & 1 ? x[k + 1] : x0, y[k] = sw & 1 ? y[k + 1] : y0;
-          x[k + 1] = sw & 1 ? x0 : x[k + 1], y[k + 1] = sw & 1 ? y0 : y[k + 1];
+      for (int bx = 0; bx < 2; ++bx)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float x[4], y[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) x[k] = dq[4 * bx + k][2 * r], y[k] = dq[4 * bx + k][2 * r + 1];
+          // x[k] <- x[k ^ sw]: swap neighbours if bit 0, pairs if bit 1.
+#pragma unroll
+          for (int k = 0; k < 4; k += 2) {
+            const float x0 = x[k], y0 = y[k];
+            x[k] = sw & 1 ? x[k + 1] : x0, y[k] = sw & 1 ? y[k + 1] : y0;
+            x[k + 1] = sw & 1 ? x0 : x[k + 1], y[k + 1] = sw & 1 ? y0 : y[k + 1];
+          }
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const float x0 = x[k], y0 = y[k];
+            x[k] = sw & 2 ? x[k + 2] : x0, y[k] = sw & 2 ? y[k + 2] : y0;
+            x[k + 2] = sw & 2 ? x0 : x[k + 2], y[k + 2] = sw & 2 ? y0 : y[k + 2];
+          }
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int nn = 4 * bx + (k ^ sw);
+            const int row = 16 * warp + (lane >> 2) + 8 * r, col = nn * 8 + 2 * (lane & 3);
+            const uint32_t at =
+                base + (col >> 5) * DQ_BOX + row * 128 + ((((col & 31) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x[k] * p.scale), "f"(y[k] * p.scale)
+                         : "memory");
+          }
         }
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const float x0 = x[k], y0 = y[k];
-          x[k] = sw & 2 ? x[k + 2] : x0, y[k] = sw & 2 ? y[k + 2] : y0;
-          x[k + 2] = sw & 2 ? x0 : x[k + 2], y[k + 2] = sw & 2 ? y0 : y[k + 2];
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int nn = 4 * bx + (k ^ sw);
-          const int row = 16 * warp + (lane >> 2) + 8 * r, col = col0 + nn * 8 + 2 * (lane & 3);
-          const uint32_t at =
-              base + (col >> 5) * DQ_BOX + row * 128 + ((((col & 31) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x[k] * p.scale), "f"(y[k] * p.scale)
-                       : "memory");
-        }
-      }
+    }
     fence_async_smem();
     asm volatile("bar.arrive %0, %1;\n" ::"n"(BWD_BAR_DQ_FULL), "n"(DQ_SYNC) : "memory");
     wgmma_wait<0>();  // dK

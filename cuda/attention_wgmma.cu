@@ -422,7 +422,8 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
   const uint32_t sK = (smem_u32(smem) + 1023) & ~1023u;
   const uint32_t sV = sK + BC * D * 2;
   const uint32_t sQ0 = sV + BC * D * 2;          // stage s: Q at sQ0 + s 2 QD, then dO
-  const uint32_t sdS0 = sQ0 + ST * 2 * QD;       // dS^T (BC x BR), two buffers
+  // dS, two buffers of BC x BR: query-major at D = 128 (DQT), key-major (dS^T) at D = 64.
+  const uint32_t sdS0 = sQ0 + ST * 2 * QD;
   const uint32_t sdQ = sdS0 + 2 * BC * BR * 2;   // dQ, f32: DQ_RB boxes of 64 rows x D
   // Stage s: lse (times log2 e) at s 2 BR, dvec after.
   const uint32_t sRows = sdQ + DQ_RB * (D / 32) * DQ_BOX;

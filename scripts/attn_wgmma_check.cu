@@ -93,10 +93,10 @@ static int wfwd_threads(int d) { return d == 64 ? 128 * (g_nc64 + 1) : FwdCfg<12
 static size_t wfwd_smem(int d) { return (wfwd_rows(d) + 4 * 128) * d * 2 + 1024 + 128; }
 static size_t wfwd_smem_max() { return (192 + 4 * 128) * 128 * 2 + 1024 + 128; }
 static int wbwd_rows(int d) { return d == 64 ? BwdCfg<64>::BR : BwdCfg<128>::BR; }
-// K, V, two stages of Q and dO, two dS^T buffers, the f32 dQ tile (32 KiB), lse and dvec rows.
+// K, V, two stages of Q and dO, two dS buffers, the f32 dQ tile, lse and dvec rows.
 static size_t wbwd_smem(int d) {
   const int br = wbwd_rows(d);
-  return (2 * 128 * d + 4 * br * d + 2 * 128 * br) * 2 + 32768 + 4 * br * 4 + 1024 + 64;
+  return (2 * 128 * d + 4 * br * d + 2 * 128 * br) * 2 + br * d * 4 + 4 * br * 4 + 1024 + 64;
 }
 
 // cuTensorMapEncodeTiled of a 4-d tensor (dims innermost first, byte strides of dims 1-3),

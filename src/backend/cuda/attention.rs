@@ -331,7 +331,7 @@ fn wg_fwd_smem(d: usize, p: &Params) -> usize {
 }
 
 fn wg_bwd_smem(d: usize) -> usize {
-    // K, V, two stages of Q and dO, two buffers of dS^T; the f32 dQ tile (rows x d); two
+    // K, V, two stages of Q and dO, two buffers of dS; the f32 dQ tile (rows x d); two
     // stages of lse and dvec; the TMA barriers.
     let rows = wg_bwd_rows(d);
     (2 * WG_BWD_KEYS * d + 4 * rows * d + 2 * WG_BWD_KEYS * rows) * 2
@@ -867,7 +867,7 @@ mod tests {
 
     #[test]
     fn the_backward_tiles_fit_shared_memory() {
-        // (D, queries a tile, shared memory): K, V, two stages of Q and dO, two dS^T buffers,
+        // (D, queries a tile, shared memory): K, V, two stages of Q and dO, two dS buffers,
         // the 32 KiB f32 dQ tile, lse and dvec, alignment and barriers; under 227 KiB.
         for (d, rows, smem) in [(64, 128, 199_744), (128, 64, 198_720)] {
             assert_eq!(wg_bwd_rows(d), rows);

@@ -306,48 +306,47 @@ __device__ __forceinline__ void attn_fwd_wide(const AttnParams& p) {
 
 // ----- backward -----------------------------------------------------------------------------
 // dvec = rowsum(do * o) per query (f32), and the f32 dq accumulator zeroed (not in the
-// deterministic mode, whose slabs need no zeros: see dq_fold): a warp per row, D / 32
-// adjacent elements a lane (one 4- or 8-byte load) where the rows of o and do are aligned to
-// that, else a lane every 32 elements.
+// deterministic mode, whose slabs need no zeros: see dq_fold). A group of G = D / 8 lanes per
+// row, 8 adjacent elements a lane: one 16-byte load of o and of do where their rows are
+// aligned to that, else 8 loads; 32 / G rows a warp at once. (A warp per row with one 4-byte
+// load a lane ran the B 16, H 32, L 1024, D 64 pass at 2.3 TB/s on an H100, 0.115 ms.)
 template <typename T, int D>
 __device__ __forceinline__ void attn_bwd_pre(const AttnParams& p) {
-  constexpr int V = D / 32;
-  using Vec = typename std::conditional<V == 4, uint2, uint32_t>::type;
-  static_assert(V * sizeof(T) == sizeof(Vec), "a lane's elements are one load");
+  constexpr int G = D / 8, RW = 32 / G;
+  static_assert(D % 8 == 0 && 32 % G == 0, "a row is a power-of-two group of lanes of 8 elements");
   const int64_t rows = (int64_t)p.B * p.H * p.Lq;
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, c0 = (lane % G) * 8;
   const uint64_t align = p.o.ptr | p.dout.ptr | (uint64_t)((p.o.sr | p.o.sh | p.o.sb | p.dout.sr | p.dout.sh | p.dout.sb) * sizeof(T));
-  const bool vec = align % sizeof(Vec) == 0;
-  for (int64_t row = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5; row < rows;
-       row += ((int64_t)gridDim.x * blockDim.x) >> 5) {
-    const int i = (int)(row % p.Lq);
-    const int bh = (int)(row / p.Lq), b = bh / p.H, h = bh % p.H;
-    const T* o = view_at<T>(p.o, b, h) + (int64_t)i * p.o.sr;
-    const T* g = view_at<T>(p.dout, b, h) + (int64_t)i * p.dout.sr;
-    // The accumulator starts at zero; the deterministic mode's slabs need no zeroing (the
-    // fold reads only the rows each key block wrote).
-    float* acc = reinterpret_cast<float*>(p.dq_acc) + row * D;
-    const bool zero_acc = p.dq_parts == 0;
+  const bool vec = align % 16 == 0;
+  const bool zero_acc = p.dq_parts == 0;
+  const int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  for (int64_t base = ((blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5) * RW; base < rows; base += warps * RW) {
+    const int64_t row = base + lane / G;
     float sum = 0.f;
-    if (vec) {
-      T ov[V], gv[V];
-      *reinterpret_cast<Vec*>(ov) = *reinterpret_cast<const Vec*>(o + lane * V);
-      *reinterpret_cast<Vec*>(gv) = *reinterpret_cast<const Vec*>(g + lane * V);
+    if (row < rows) {
+      const int i = (int)(row % p.Lq);
+      const int bh = (int)(row / p.Lq), b = bh / p.H, h = bh % p.H;
+      const T* o = view_at<T>(p.o, b, h) + (int64_t)i * p.o.sr + c0;
+      const T* g = view_at<T>(p.dout, b, h) + (int64_t)i * p.dout.sr + c0;
+      T ov[8], gv[8];
+      if (vec) {
+        *reinterpret_cast<uint4*>(ov) = *reinterpret_cast<const uint4*>(o);
+        *reinterpret_cast<uint4*>(gv) = *reinterpret_cast<const uint4*>(g);
+      } else {
 #pragma unroll
-      for (int e = 0; e < V; ++e) sum += to_acc(ov[e]) * to_acc(gv[e]);
-    } else {
+        for (int e = 0; e < 8; ++e) ov[e] = o[e], gv[e] = g[e];
+      }
 #pragma unroll
-      for (int c = lane; c < D; c += 32) sum += to_acc(o[c]) * to_acc(g[c]);
+      for (int e = 0; e < 8; ++e) sum += to_acc(ov[e]) * to_acc(gv[e]);
+      if (zero_acc) {
+        float4* acc = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.dq_acc) + row * D + c0);
+        acc[0] = acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
     }
-    if (zero_acc) {
-      if constexpr (V == 4)
-        *reinterpret_cast<float4*>(acc + lane * 4) = make_float4(0.f, 0.f, 0.f, 0.f);
-      else
-        *reinterpret_cast<float2*>(acc + lane * 2) = make_float2(0.f, 0.f);
-    }
+    // The row's sum over its group of lanes (xor within the group; every lane takes part).
 #pragma unroll
-    for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
-    if (lane == 0) reinterpret_cast<float*>(p.dvec)[row] = sum;
+    for (int w = G / 2; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
+    if (lane % G == 0 && row < rows) reinterpret_cast<float*>(p.dvec)[row] = sum;
   }
 }
 

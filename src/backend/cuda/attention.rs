@@ -662,7 +662,7 @@ fn launch_all<T: Elem>(
         dev,
         module,
         format!("attn_bwd_pre_{}_d{d}", T::SFX),
-        grid_for(bh * lq * 32, sms),
+        grid_for(bh * lq * (d / 8), sms),
         &*p
     )?;
     for (i, kb0) in (0..blocks).step_by(chunk).enumerate() {

@@ -570,8 +570,8 @@ __device__ __forceinline__ void attnw_bwd(const AttnParams& p, const TmaMap& tq,
     // diagonal, none else; the compares run only where some key of the thread is hidden.
     // (The general test per score, key visible and not after the query, took five
     // instructions a score, half of the elementwise work at D = 64: on an H100, SD3.5's
-    // shape 382 -> 410 TFLOP/s, B 4 H 32 L 4096 D 64 400 -> 431, the Flux shape 495 -> 530;
-    // the compare against a constant for every score instead, 410 / 416 / 522.)
+    // shape 382 -> 410 TFLOP/s, B 4 H 32 L 4096 D 64 393-400 -> 429-432, the Flux shape
+    // 492-495 -> 529-531; the compare on every score instead, 410 / 415-418 / 517-528.)
     const bool diag = p.causal && k0 + kw + 16 * warp + 15 > q0;
     int hide[2];
 #pragma unroll

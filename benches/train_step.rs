@@ -11,7 +11,9 @@
 //! budget). `--fp8` stores the base weights in FP8 E4M3, `--adam8bit` uses 8-bit
 //! AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
-//! streamed.
+//! streamed. `--host-probe` issues one more step with about a second of GEMMs queued between
+//! its forward and backward, and prints when the host had issued the backward and the update:
+//! the host's own cost where nothing in them waits for the GPU.
 //!
 //! Data-parallel: started with torchrun's variables (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`,
 //! `MASTER_ADDR`, `MASTER_PORT`; one process per GPU), each rank takes its part of a global
@@ -296,7 +298,18 @@ fn run<M: ModelSpec>(
     };
     let ddpm = matches!(model.objective(), Objective::Ddpm(_));
     let mut seed = 100;
+    // The host's time to issue the forward (from the timestep draw), then the backward and
+    // the optimizer update (from after the probe's queue) (for `--host-probe`).
+    let marks = std::cell::Cell::new([0.0f64; 3]);
+    // GEMMs queued between the forward and the backward: the GPU's work ahead of the
+    // backward's (ditto).
+    let probe = args
+        .flag("--host-probe")
+        .then(|| Tensor::randn((8192, 8192), DType::BF16, &dev, 7))
+        .transpose()?;
+    let queue = std::cell::Cell::new(0usize);
     let mut step = || -> Result<f64> {
+        let mut m = [0.0; 3];
         seed += 1;
         let noise = mine(Tensor::randn(
             with_batch(&sample[0]),
@@ -305,11 +318,20 @@ fn run<M: ModelSpec>(
             seed,
         )?)?;
         let t = mine(sampling.sample(batch, tokens, seed, &dev)?)?;
+        // (The timesteps are drawn on the host from device random numbers: a wait.)
+        let issued = std::time::Instant::now();
         // The flow-matching pair for every family (the step's cost does not depend on the
         // objective); a DDPM model takes the time as a timestep in [0, 1000).
         let (xt, target) = flow_matching(&x0, &noise, &t)?;
         let t_in = if ddpm { t.affine(999.0, 0.0)? } else { t };
         let out = model.predict(&xt, &t_in, &cond, 1.0)?;
+        m[0] = issued.elapsed().as_secs_f64();
+        if let Some(a) = &probe {
+            for _ in 0..queue.get() {
+                a.matmul(a)?;
+            }
+        }
+        let issued = std::time::Instant::now();
         // Each rank's mean weighted by its share: the ranks' sum is the batch's mean.
         let loss = weighted_mse(&out, &target, None)?.affine(share, 0.0)?;
         let mut grads = Grads::new();
@@ -318,11 +340,14 @@ fn run<M: ModelSpec>(
             r.arm()?;
         }
         loss.backward_into(&mut grads)?;
+        m[1] = issued.elapsed().as_secs_f64();
         if let Some(r) = &reducer {
             grads.set_hook(None);
             r.finish(&mut grads)?;
         }
         opt.step(&grads)?;
+        m[2] = issued.elapsed().as_secs_f64();
+        marks.set(m);
         let mut v = [loss.to_scalar_f64()?];
         if let Some(g) = &group {
             g.sum_host(&mut v)?;
@@ -368,6 +393,32 @@ fn run<M: ModelSpec>(
         return Ok(());
     }
     println!("losses: {losses:?}");
+    if let Some(a) = &probe {
+        // About a second of large GEMMs queued between one step's forward and backward: where
+        // the host has issued the backward and the update before that queue drains, nothing
+        // in them waited for the GPU and their marks are the host's own cost.
+        cuda.synchronize()?;
+        let t = std::time::Instant::now();
+        a.matmul(a)?;
+        cuda.synchronize()?;
+        let one = t.elapsed().as_secs_f64();
+        queue.set((1.0 / one).ceil() as usize);
+        let t = std::time::Instant::now();
+        step()?;
+        cuda.synchronize()?;
+        let total = t.elapsed().as_secs_f64();
+        let m = marks.get();
+        println!(
+            "host probe: the forward issued in {:.1} ms; then {} GEMMs queued ({:.1} ms of GPU work timed one by one), the backward issued in {:.1} ms after them, the update by {:.1}; all done at {:.1} ms (step {ms:.1} ms)",
+            m[0] * 1e3,
+            queue.get(),
+            one * queue.get() as f64 * 1e3,
+            m[1] * 1e3,
+            m[2] * 1e3,
+            total * 1e3
+        );
+        queue.set(0);
+    }
     if args.flag("--profile") {
         // One more step with every kernel timed; the step's own time is the timed one above.
         flame::profile::enable(true);

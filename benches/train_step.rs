@@ -397,11 +397,7 @@ fn run<M: ModelSpec>(
         // About a second of large GEMMs queued between one step's forward and backward: where
         // the host has issued the backward and the update before that queue drains, nothing
         // in them waited for the GPU and their marks are the host's own cost.
-        cuda.synchronize()?;
-        let t = std::time::Instant::now();
-        a.matmul(a)?;
-        cuda.synchronize()?;
-        let one = t.elapsed().as_secs_f64();
+        let one = common::time(cuda, 1, 8, || a.matmul(a))?;
         queue.set((1.0 / one).ceil() as usize);
         let t = std::time::Instant::now();
         step()?;
@@ -409,7 +405,7 @@ fn run<M: ModelSpec>(
         let total = t.elapsed().as_secs_f64();
         let m = marks.get();
         println!(
-            "host probe: the forward issued in {:.1} ms; then {} GEMMs queued ({:.1} ms of GPU work timed one by one), the backward issued in {:.1} ms after them, the update by {:.1}; all done at {:.1} ms (step {ms:.1} ms)",
+            "host probe: the forward issued in {:.1} ms; then {} GEMMs queued ({:.1} ms of GPU work, timed back to back), the backward issued in {:.1} ms after them, the update by {:.1}; all done at {:.1} ms (step {ms:.1} ms)",
             m[0] * 1e3,
             queue.get(),
             one * queue.get() as f64 * 1e3,

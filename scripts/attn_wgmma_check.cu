@@ -13,9 +13,9 @@
 // the backward's last wave split as the launcher splits it, then not), `t64` (SD3.5's), `tab`
 // (the wgmma kernels alone at benches/attention.rs's shapes under the forward's grids;
 // `tab 64`: its D = 64 rows), `tc` (the forward alone under each grid, tile order and
-// consumer count), `tb [64]` (each shape once, split then not, for the backward), `tr i j ..` (rows i, j, .. of
-// the bench's shapes, 14 SD3.5's, split as launched), `dbg i` (the
-// i-th check of a big persistent grid alone: a hang ends the process).
+// consumer count), `tb [64]` (each shape once, split then not, for the backward), `tr i j ..`
+// (rows i, j, .. of the bench's shapes, one past the last SD3.5's, split as launched), `dbg i`
+// (the i-th check of a big persistent grid alone: a hang ends the process).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -444,10 +444,11 @@ int main(int argc, char** argv) {
       g_split = true;
       return 0;
     }
-    if (strcmp(argv[1], "tr") == 0) {  // "tr i j ..": kBench rows i, j, .. (14: SD3.5's), split as launched
+    if (strcmp(argv[1], "tr") == 0) {  // "tr i j ..": kBench rows i, j, .. (one past the last: SD3.5's)
+      constexpr int rows = sizeof(kBench) / sizeof(kBench[0]);
       for (int a = 2; a < argc; ++a) {
         const int i = atoi(argv[a]);
-        timeit<__nv_bfloat16>(i < 14 ? kBench[i] : kSd35, true);
+        timeit<__nv_bfloat16>(i >= 0 && i < rows ? kBench[i] : kSd35, true);
       }
       return 0;
     }

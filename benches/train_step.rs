@@ -205,7 +205,12 @@ fn run<M: ModelSpec>(
     };
     let predicted = profile.peak(&plan) as f64 / GIB;
     if root {
-        println!("flame {name}: plan {plan}, predicted peak {predicted:.2} GiB");
+        println!(
+            "flame {name}: plan {plan}, predicted peak {predicted:.2} GiB, predicted step {:.2}x the resident one ({:.1} ms by the H100 time model, resident {:.1})",
+            profile.step_ms(&plan) / profile.resident_ms(),
+            profile.step_ms(&plan),
+            profile.resident_ms()
+        );
     }
     let adapters = Adapters::new(lora)?;
     let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev)

@@ -5,7 +5,8 @@
 //   scale  (rows)        f32   one scale per row (output channel)
 //   w      (rows, cols)  T     cols = 4 words; w = decode(code) * scale in f32, rounded once
 //
-// One thread per word: one 4-byte load, four values out. E4M3 decodes exactly into f32 by bit
+// One thread per word: one 4-byte load, four values out; rows of whole 16-code groups take
+// dequant_fp8_x16 (a thread per 16 codes, 16-byte loads and stores). E4M3 decodes exactly into f32 by bit
 // rules (OCP OFP8: bias 7, subnormals 0.mmm * 2^-6, S.1111.111 is NaN), so the f32 product is
 // the CPU's bit for bit.
 #include "common.cuh"
@@ -45,6 +46,31 @@ __device__ __forceinline__ void dequant_fp8<double>(const uint32_t* codes, const
   }
 }
 
+// Rows of whole 16-code groups (cols % 16 == 0, 16-byte aligned operands; the launcher checks):
+// a thread per group, one 16-byte load, 16 values out in 16-byte stores. The values are those
+// of dequant_fp8 bit for bit (the same decode and product). The row of a group comes from a
+// 32-bit division while the groups fit 32 bits.
+template <typename T>
+__device__ __forceinline__ void dequant_fp8_x16(const uint4* codes, const float* scale, T* w, size_t groups_per_row,
+                                                size_t groups) {
+  static_assert((16 * sizeof(T)) % 16 == 0, "whole 16-byte stores");
+  const bool narrow = groups <= 0xFFFFFFFFull;
+  for (size_t g = blockIdx.x * (size_t)blockDim.x + threadIdx.x; g < groups; g += (size_t)gridDim.x * blockDim.x) {
+    const size_t row = narrow ? (size_t)((uint32_t)g / (uint32_t)groups_per_row) : g / groups_per_row;
+    const float s = scale[row];
+    const uint4 q = codes[g];
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    alignas(16) T out[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      out[j] = from_acc<T>(__fmul_rn(e4m3_decode((words[j / 4] >> (8 * (j % 4))) & 0xFFu), s));
+    uint4* dst = reinterpret_cast<uint4*>(w + 16 * g);
+    const uint4* src = reinterpret_cast<const uint4*>(out);
+#pragma unroll
+    for (int k = 0; k < (int)(16 * sizeof(T) / 16); ++k) dst[k] = src[k];
+  }
+}
+
 #define DEQUANT_FP8(SUF, T)                                                                                  \
   extern "C" __global__ void dequant_fp8_##SUF(const uint32_t* codes, const float* scale, T* w,              \
                                                size_t words_per_row, size_t words) {                         \
@@ -54,3 +80,12 @@ DEQUANT_FP8(f32, float)
 DEQUANT_FP8(f64, double)
 DEQUANT_FP8(bf16, __nv_bfloat16)
 DEQUANT_FP8(f16, __half)
+
+#define DEQUANT_FP8_X16(SUF, T)                                                                              \
+  extern "C" __global__ void dequant_fp8_x16_##SUF(const uint4* codes, const float* scale, T* w,             \
+                                                   size_t groups_per_row, size_t groups) {                   \
+    dequant_fp8_x16<T>(codes, scale, w, groups_per_row, groups);                                             \
+  }
+DEQUANT_FP8_X16(f32, float)
+DEQUANT_FP8_X16(bf16, __nv_bfloat16)
+DEQUANT_FP8_X16(f16, __half)

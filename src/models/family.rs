@@ -424,6 +424,7 @@ pub fn profile_config<M: ModelSpec>(
                 saved_bytes,
                 attention_bytes,
                 compute: 0.0,
+                decode_bytes: 0,
             }
         })
         .collect();
@@ -433,13 +434,20 @@ pub fn profile_config<M: ModelSpec>(
             key.strip_prefix(&b.prefix)
                 .is_some_and(|r| r.starts_with('.'))
         }) {
-            Some(b) => b.weight_bytes += bytes(t),
+            Some(b) => {
+                b.weight_bytes += bytes(t);
+                // FP8 codes are the u32 tensors (four codes a word).
+                if t.dtype() == DType::U32 {
+                    b.decode_bytes += bytes(t);
+                }
+            }
             None => other += bytes(t),
         }
     }
-    // Work per block: positions times weight bytes (FLOPs of its Linears and convolutions).
+    // Work per block: the positions its weights see times its weight bytes (FLOPs of its
+    // Linears and convolutions).
     for (b, sh) in blocks.iter_mut().zip(&shapes) {
-        b.compute = sh.tokens as f64 * b.weight_bytes as f64;
+        b.compute = sh.weight_tokens as f64 * b.weight_bytes as f64;
     }
     let trainable_values: usize = match &probe_adapters {
         Some(a) => a.params()?.iter().map(|(_, t)| t.elem_count()).sum(),

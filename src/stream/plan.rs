@@ -14,14 +14,16 @@
 //!
 //! The candidates: no, every n-th (n = 4, 3, 2) or every block checkpointed, with 0 to all
 //! blocks streamed from host memory (the smallest blocks first: they free the most memory for
-//! their copies; streamed blocks are always checkpointed), attention kept or not, block inputs
-//! offloaded or not; the last streams every block with a prefetch of one. They are ordered by
-//! a time model (`MemoryProfile::cost`, calibrated on an H100): recompute costs each
-//! checkpointed block its share of the work, each GiB copied per step costs a little of the
-//! exposed copy time, and a step is never shorter than its uploads at the measured bandwidth. Streaming more blocks to leave others resident and unrecomputed is
-//! often the faster way to a budget: Flux-dev within 24 GiB ran at 1.23x with 43 of 57 blocks
-//! streamed and the rest resident, against 1.33x with every block checkpointed and 16
-//! streamed. A budget under the last plan's peak cannot be met: `plan` says the minimum.
+//! their copies; streamed blocks are always checkpointed) with a prefetch of 2 or 1, attention
+//! kept or not, block inputs offloaded or not; the last streams every block with a prefetch
+//! of one. They are ordered by a time model (`MemoryProfile::step_ms`, calibrated on an
+//! H100) that plays the step's compute and its uploads on two clocks: recompute costs each
+//! checkpointed block its share of the work, and a block whose upload has not arrived waits
+//! for it. On the H100 the host link (47 GiB/s) uploads a Flux block in 2-4 times its
+//! forward, so once the compute stops hiding them, the copies set the step: Flux-dev's
+//! 389 ms resident step ran 548 ms within 24 GiB (every block checkpointed, 16 streamed) and
+//! 748 ms within 12 GiB (50 streamed). A budget under the last plan's peak cannot be met:
+//! `plan` says the minimum.
 
 use crate::autograd::Keep;
 use crate::stream::Checkpointing;
@@ -42,6 +44,9 @@ pub struct BlockCost {
     /// Its share of the step's work in relative units (positions times weight bytes: a
     /// Linear's or a convolution's FLOPs are positions times weights), for the time model.
     pub compute: f64,
+    /// Bytes of FP8 codes among its weights, decoded to the compute dtype at each use (the
+    /// forward, a checkpoint's re-run, the backward); 0 for bf16 weights.
+    pub decode_bytes: u64,
 }
 
 /// The sizes the planner works from.
@@ -88,7 +93,14 @@ impl std::fmt::Display for Plan {
             Checkpointing::Off if self.streamed.is_empty() => "no checkpointing".to_string(),
             Checkpointing::Off => "only streamed blocks checkpointed".to_string(),
             Checkpointing::All => "every block checkpointed".to_string(),
-            Checkpointing::Every(n) => format!("every {n}th block checkpointed"),
+            Checkpointing::Every(n) => format!(
+                "every {n}{} block checkpointed",
+                match n {
+                    2 => "nd",
+                    3 => "rd",
+                    _ => "th",
+                }
+            ),
         };
         write!(f, "{ck}")?;
         if self.keep.attention {
@@ -116,9 +128,12 @@ pub struct Planned {
     pub plan: Plan,
     /// Predicted peak bytes on the device.
     pub peak: u64,
-    /// Bytes copied from host memory per step (each streamed block twice: the forward and
-    /// the backward's re-run).
+    /// Bytes copied from host memory per step (each streamed block twice, the forward and
+    /// the backward's re-run, but those each pass leaves on the device for the next).
     pub streamed_bytes: u64,
+    /// The time model's step under the plan against the resident step's
+    /// (`MemoryProfile::step_ms` over `resident_ms`).
+    pub slowdown: f64,
 }
 
 /// Plans that mix resident-activation blocks with streamed ones are held to the budget less
@@ -136,50 +151,85 @@ pub struct NoPlan {
     pub minimum: u64,
 }
 
-/// The time model's constants, as fractions of the resident step, from one H100 call
-/// (session 13, Flux-dev LoRA at 1024², resident 759.6 ms): every block checkpointed with
-/// attention kept ran 967.0 ms (recompute 0.273); no checkpointing with 43 blocks streamed
-/// 935.5 ms, every 4th with 40 streamed 932.5 ms, every 2nd with 37 streamed 945.2 ms and
-/// none with 50 streamed 1003.3 ms, each within 1% of the model with 2 ms (0.0026) of exposed
-/// copy per GiB streamed per step. Without kept attention the recompute was 1.35x (session
-/// 12). Offloading block inputs measured dearer than streaming the same bytes, so it is
-/// chosen where only it fits. Run-to-run noise on that machine is about ±2% (the resident
-/// step ran 757–776 ms within one call).
+/// The time model's constants, from one H100 80GB call (session 25, Flux-dev LoRA at 1024²,
+/// batch 1, rank 16 on every block Linear; resident step 389.3 ms). The model
+/// (`MemoryProfile::step_ms`) plays a step on two clocks, the compute stream's and the host
+/// link's: each block's forward, re-run and backward take its share of the work (the
+/// profile's `compute`) of the resident step; a streamed block's upload starts when its slot
+/// is free (the compute has reached the block `prefetch` uploads before it: the copy waits for
+/// the compute issued before it) and the link is idle, and the block waits for it. Measured
+/// the same call: every block checkpointed 555.7 ms (nothing kept) and 524.7 ms (attention
+/// kept); 16 of 57 blocks streamed, every block checkpointed, attention kept 547.6 ms; 43
+/// streamed, the rest resident 632.6 ms; 50 streamed 748.2 ms (every block checkpointed) and
+/// 751.0 ms (only the streamed ones); 54 streamed, nothing kept 907.6 ms. tests/plan.rs holds
+/// the model to those rows. Uploads ran at 46.2-47.9 GiB/s (PyTorch's pinned copy on the same
+/// link: 51.5 GiB/s), so copies cost far more of a step than when the step took 760 ms
+/// (session 13): a faster GPU or a slower link makes streaming dearer, and the model's
+/// resident step is an H100's.
 pub mod cost_model {
-    /// Recompute of every block, attention kept (fraction of the resident step).
-    pub const RECOMPUTE_KEEP: f64 = 0.273;
-    /// Recompute of every block, nothing kept (fraction of the resident step).
-    pub const RECOMPUTE_FULL: f64 = 0.35;
-    /// The resident step's length, estimated from the activations it saves: 24.1 ms a GiB
-    /// (Flux-dev's 31.6 GiB ran 760 ms; the same rate predicts SD3.5-large's step at 440 ms
-    /// and SDXL's at 170 ms, measured 402 and 161–295 ms). Copy costs are absolute times,
-    /// so a faster step pays relatively more for the same copies.
-    pub const STEP_MS_PER_SAVED_GIB: f64 = 24.1;
-    /// Exposed copy time per GiB streamed per step, ms.
-    pub const COPY_MS_PER_GIB: f64 = 1.2;
-    /// Exposed time per streamed block per step, ms: the fetch, wait and release around each
-    /// run (with the per-GiB term, 65 ms for Flux-dev's 43 blocks and 25.6 GiB, measured
-    /// 52–80; it keeps SDXL, whose blocks are small and many, from streaming where
-    /// checkpointing alone fits: 14 of its blocks streamed cost about 4.5 ms each).
-    pub const STREAM_MS_PER_BLOCK: f64 = 0.8;
-    /// Per GiB of block inputs moved to host memory and back per step, ms (every block
-    /// checkpointed with 10 streamed and the inputs offloaded ran 1062 ms; with 52 streamed,
-    /// nothing kept and the inputs offloaded 1232 ms: 29 and 45 ms a GiB).
-    pub const OFFLOAD_MS_PER_GIB: f64 = 34.0;
-    /// A prefetch of one block instead of two (the copies hide less), fraction of the step.
-    pub const PREFETCH_ONE: f64 = 0.02;
-    /// Copy time per GiB uploaded per step, ms: past the compute, the step waits for the
-    /// copies (no checkpointing with 53 blocks streamed, 38.3 GiB a step, ran 1091 ms; every
-    /// block checkpointed with 56 streamed, 42.1 GiB, 1140 ms: about 36.5 GiB/s).
-    pub const UPLOAD_MS_PER_GIB: f64 = 27.4;
+    /// The resident step's length, estimated from the activations it saves: 12.3 ms a GiB
+    /// (Flux-dev's 31.6 GiB ran 389.3 ms; the same rate puts SD3.5-large's step at 210 ms and
+    /// SDXL's at 87 ms, measured 220 and 120-187 ms).
+    pub const STEP_MS_PER_SAVED_GIB: f64 = 12.3;
+    /// The forward's share of the resident step, and so the re-run of a block that keeps
+    /// nothing (every block checkpointed: 555.7 ms against 389.3: 0.428).
+    pub const FORWARD: f64 = 0.428;
+    /// The re-run's share of the resident step with attention's outputs kept (524.7 ms:
+    /// 0.348).
+    pub const RECOMPUTE_KEEP: f64 = 0.348;
+    /// Host-to-device upload rate of packed blocks, GiB/s (46.2-47.9 measured).
+    pub const UPLOAD_GIB_PER_S: f64 = 47.0;
+    /// Exposed time per streamed block and pass, ms: the fetch, the waits and the release
+    /// around each run (16 streamed blocks whose uploads the model hides cost 23 ms).
+    pub const STREAM_MS_PER_BLOCK: f64 = 0.3;
+    /// Per GiB of block inputs moved to host memory and back per step, ms, beyond their
+    /// time on the link (which the model plays): the copies out and the events the compute
+    /// waits on.
+    pub const OFFLOAD_MS_PER_GIB: f64 = 20.0;
+    /// Decoding FP8 codes to bf16 before a matmul, ms per GiB of codes and use: the FP8
+    /// resident step ran 452.2 ms against bf16's 385.8 (two uses a step of 11.0 GiB of codes).
+    pub const DECODE_MS_PER_GIB: f64 = 1.6;
+    /// Plans predicted within this fraction of the fastest fitting one's step count as
+    /// equally fast (the model's error on the measured steps reaches 2.1%): of those the
+    /// planner takes the smallest peak, which leaves the allocator the most room (FP8 at
+    /// 6 GiB: the fastest plan by 0.2%, predicted at 5.96 GiB, sent 7 requests a step past
+    /// the cap's arena and held 7.01 GiB on the driver).
+    pub const NEAR: f64 = 0.01;
 }
 
 impl MemoryProfile {
-    /// The predicted cost of a step under `plan` beyond the resident step, as a fraction of
-    /// it (see `cost_model`): candidates are ordered by it.
-    pub fn cost(&self, plan: &Plan) -> f64 {
+    /// The resident step's predicted length, ms (`cost_model::STEP_MS_PER_SAVED_GIB`, and
+    /// two decodes of any FP8 codes).
+    pub fn resident_ms(&self) -> f64 {
+        self.compute_ms() + 2.0 * self.blocks.iter().map(|b| self.decode_ms(b)).sum::<f64>()
+    }
+
+    /// The resident step's work without FP8 decodes, ms.
+    fn compute_ms(&self) -> f64 {
+        const GIB: f64 = (1u64 << 30) as f64;
+        let saved: u64 = self.blocks.iter().map(|b| b.saved_bytes).sum();
+        (cost_model::STEP_MS_PER_SAVED_GIB * saved as f64 / GIB).max(1e-9)
+    }
+
+    /// One decode of block `b`'s FP8 codes, ms.
+    fn decode_ms(&self, b: &BlockCost) -> f64 {
+        cost_model::DECODE_MS_PER_GIB * b.decode_bytes as f64 / (1u64 << 30) as f64
+    }
+
+    /// The predicted length of a step under `plan`, ms: the forward over the blocks in
+    /// execution order, then the backward in reverse, on a compute clock and a link clock
+    /// (see `cost_model`). A streamed block's upload is issued when the block `prefetch`
+    /// streamed blocks before it enters (so after the compute before that block) and runs
+    /// when the link is free; the block starts when its upload is done. The first streamed
+    /// `prefetch + 1` blocks are on the device at the forward's start and the last
+    /// ones at the backward's (each pass leaves the blocks the next begins with). Offloaded inputs go out on the other
+    /// direction of the link (the next checkpointed block waits for the copy) and come back
+    /// a block ahead in the backward, sharing the link with the weights.
+    pub fn step_ms(&self, plan: &Plan) -> f64 {
         use cost_model::*;
         const GIB: f64 = (1u64 << 30) as f64;
+        let step = self.compute_ms();
+        let n = self.blocks.len();
         let total: f64 = self
             .blocks
             .iter()
@@ -189,32 +239,102 @@ impl MemoryProfile {
         let rate = if plan.keep.attention {
             RECOMPUTE_KEEP
         } else {
-            RECOMPUTE_FULL
+            FORWARD
         };
-        let mut c = 0.0;
-        let mut offloaded = 0u64;
-        for (i, b) in self.blocks.iter().enumerate() {
-            let streamed = plan.streamed.iter().any(|p| p == &b.prefix);
-            if Self::checkpointed(plan, i, streamed) {
-                c += rate * b.compute / total;
-                offloaded += b.input_bytes;
+        let link_ms = |bytes: u64| bytes as f64 / GIB / UPLOAD_GIB_PER_S * 1e3;
+        let is_streamed: Vec<bool> = self
+            .blocks
+            .iter()
+            .map(|b| plan.streamed.iter().any(|p| p == &b.prefix))
+            .collect();
+        let ck: Vec<bool> = (0..n)
+            .map(|i| Self::checkpointed(plan, i, is_streamed[i]))
+            .collect();
+        let offload = |i: usize| plan.offload_inputs && ck[i];
+        let share = |i: usize| self.blocks[i].compute / total * step;
+        // The streamed blocks in execution order, and each block's place among them.
+        let order: Vec<usize> = (0..n).filter(|&i| is_streamed[i]).collect();
+        let mut place = vec![usize::MAX; n];
+        for (j, &i) in order.iter().enumerate() {
+            place[i] = j;
+        }
+        let m = order.len();
+        let ahead = plan.prefetch;
+        // Compute clock, link clock (host to device), the other direction's clock.
+        let (mut t, mut link, mut down) = (0.0f64, 0.0f64, 0.0f64);
+        // The backward left the first `prefetch + 1` streamed blocks on the device.
+        let mut ready: Vec<Option<f64>> = vec![None; m];
+        for r in ready.iter_mut().take(ahead + 1) {
+            *r = Some(0.0);
+        }
+        let mut overhead = 0.0;
+        let mut out_done = 0.0f64;
+        for i in 0..n {
+            if ck[i] && plan.offload_inputs {
+                // The block's inputs are packed once the previous copy out is done.
+                t = t.max(out_done);
+            }
+            if is_streamed[i] {
+                let j = place[i];
+                for k in j..(j + ahead + 1).min(m) {
+                    if ready[k].is_none() {
+                        link = link.max(t) + link_ms(self.blocks[order[k]].weight_bytes);
+                        ready[k] = Some(link);
+                    }
+                }
+                t = t.max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK;
+            }
+            t += FORWARD * share(i) + self.decode_ms(&self.blocks[i]);
+            if offload(i) {
+                down = down.max(t) + link_ms(self.blocks[i].input_bytes);
+                out_done = down;
+                overhead += OFFLOAD_MS_PER_GIB * 2.0 * self.blocks[i].input_bytes as f64 / GIB;
             }
         }
-        let streamed = self.streamed_bytes(plan) as f64 / GIB;
-        let saved: u64 = self.blocks.iter().map(|b| b.saved_bytes).sum();
-        let step_ms = (STEP_MS_PER_SAVED_GIB * saved as f64 / GIB).max(f64::MIN_POSITIVE);
-        c += (COPY_MS_PER_GIB * streamed + STREAM_MS_PER_BLOCK * plan.streamed.len() as f64)
-            / step_ms;
-        let mut uploaded = streamed;
-        if plan.offload_inputs {
-            c += OFFLOAD_MS_PER_GIB * 2.0 * offloaded as f64 / GIB / step_ms;
-            uploaded += offloaded as f64 / GIB;
+        // The backward: the last `prefetch + 1` streamed blocks stay from the forward;
+        // offloaded inputs come back one checkpointed block ahead.
+        let mut ready: Vec<Option<f64>> = vec![None; m];
+        for r in ready.iter_mut().skip(m.saturating_sub(ahead + 1)) {
+            *r = Some(t);
         }
-        if plan.prefetch < 2 && !plan.streamed.is_empty() {
-            c += PREFETCH_ONE;
+        let mut inputs: Vec<Option<f64>> = vec![None; n];
+        let upload_input = |i: usize, link: &mut f64, t: f64, inputs: &mut Vec<Option<f64>>| {
+            if offload(i) && inputs[i].is_none() {
+                *link = link.max(t) + link_ms(self.blocks[i].input_bytes);
+                inputs[i] = Some(*link);
+            }
+        };
+        for i in (0..n).rev() {
+            upload_input(i, &mut link, t, &mut inputs);
+            if let Some(prev) = (0..i).rev().find(|&p| offload(p)) {
+                upload_input(prev, &mut link, t, &mut inputs);
+            }
+            if is_streamed[i] {
+                let j = place[i];
+                for k in (j.saturating_sub(ahead)..=j).rev() {
+                    if ready[k].is_none() {
+                        link = link.max(t) + link_ms(self.blocks[order[k]].weight_bytes);
+                        ready[k] = Some(link);
+                    }
+                }
+                t = t.max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK;
+            }
+            if let Some(r) = inputs[i] {
+                t = t.max(r);
+            }
+            let decode = self.decode_ms(&self.blocks[i]);
+            t += (1.0 - FORWARD) * share(i) + decode;
+            if ck[i] {
+                t += rate * share(i) + decode;
+            }
         }
-        // The step is at least as long as its uploads.
-        c.max(UPLOAD_MS_PER_GIB * uploaded / step_ms - 1.0)
+        t + overhead
+    }
+
+    /// The predicted cost of a step under `plan` beyond the resident step, as a fraction of
+    /// it (`step_ms` over `resident_ms`, less one): candidates are ordered by it.
+    pub fn cost(&self, plan: &Plan) -> f64 {
+        self.step_ms(plan) / self.resident_ms() - 1.0
     }
 
     /// Whether block `i` is checkpointed under `plan`.
@@ -271,13 +391,21 @@ impl MemoryProfile {
         weights + 2 * self.trainable_bytes + self.optimizer_bytes + held + work + self.fixed_bytes
     }
 
-    /// Bytes copied from host memory per step under `plan`.
+    /// Bytes copied from host memory per step under `plan`, in a steady run: the forward
+    /// uploads every streamed block but the first `prefetch + 1` and the backward every one
+    /// but the last `prefetch + 1` (each pass leaves those for the next).
     pub fn streamed_bytes(&self, plan: &Plan) -> u64 {
-        self.blocks
+        let sizes: Vec<u64> = self
+            .blocks
             .iter()
             .filter(|b| plan.streamed.contains(&b.prefix))
-            .map(|b| 2 * b.weight_bytes)
-            .sum()
+            .map(|b| b.weight_bytes)
+            .collect();
+        let (m, kept) = (sizes.len(), plan.prefetch + 1);
+        if m <= kept {
+            return 0;
+        }
+        sizes[kept..].iter().sum::<u64>() + sizes[..m - kept].iter().sum::<u64>()
     }
 
     /// Block prefixes in the order the planner streams them: the smallest blocks first,
@@ -314,15 +442,22 @@ impl MemoryProfile {
                         if nothing_checkpointed && (!attention || offload_inputs) {
                             continue;
                         }
-                        v.push(Plan {
-                            checkpointing,
-                            streamed: order[..k].to_vec(),
-                            prefetch: 2,
-                            keep: Keep {
-                                attention: attention && !nothing_checkpointed,
-                            },
-                            offload_inputs,
-                        });
+                        // A prefetch of one holds a streamed block less on the device and
+                        // hides less of the copies (the time model weighs both).
+                        for prefetch in [2, 1] {
+                            if k == 0 && prefetch == 1 {
+                                continue;
+                            }
+                            v.push(Plan {
+                                checkpointing,
+                                streamed: order[..k].to_vec(),
+                                prefetch,
+                                keep: Keep {
+                                    attention: attention && !nothing_checkpointed,
+                                },
+                                offload_inputs,
+                            });
+                        }
                     }
                 }
             }
@@ -351,7 +486,8 @@ impl MemoryProfile {
     }
 
     /// The first of `candidates` (fastest first) whose predicted peak is within `budget`
-    /// (less `MARGIN_DIVISOR`'s share of it for mixed plans).
+    /// (less `MARGIN_DIVISOR`'s share of it for mixed plans), or, of the fitting plans
+    /// predicted within `cost_model::NEAR` of its step, the one with the smallest peak.
     pub fn plan_among(
         &self,
         budget: u64,
@@ -359,19 +495,31 @@ impl MemoryProfile {
     ) -> std::result::Result<Planned, NoPlan> {
         let usable = budget - budget / MARGIN_DIVISOR;
         let mut minimum = u64::MAX;
+        let mut chosen: Option<(Plan, u64)> = None;
+        let mut limit = f64::INFINITY;
         for plan in candidates {
             let peak = self.peak(&plan);
             minimum = minimum.min(peak);
-            if peak <= if plan.mixes() { usable } else { budget } {
-                let streamed_bytes = self.streamed_bytes(&plan);
-                return Ok(Planned {
-                    plan,
-                    peak,
-                    streamed_bytes,
-                });
+            if peak > if plan.mixes() { usable } else { budget } {
+                continue;
+            }
+            let cost = self.cost(&plan);
+            match &chosen {
+                None => {
+                    limit = (1.0 + cost) * (1.0 + cost_model::NEAR) - 1.0;
+                    chosen = Some((plan, peak));
+                }
+                Some((_, p)) if cost <= limit && peak < *p => chosen = Some((plan, peak)),
+                _ => {}
             }
         }
-        Err(NoPlan { budget, minimum })
+        let (plan, peak) = chosen.ok_or(NoPlan { budget, minimum })?;
+        Ok(Planned {
+            streamed_bytes: self.streamed_bytes(&plan),
+            slowdown: self.step_ms(&plan) / self.resident_ms(),
+            plan,
+            peak,
+        })
     }
 }
 
@@ -395,6 +543,10 @@ pub const SAVED_PER_TOKEN_CHANNEL: f64 = 21.0;
 pub struct BlockShape {
     /// Positions (tokens, or pixels of a feature map) per sample.
     pub tokens: usize,
+    /// Positions each of the block's weights multiplies, on average (its work is this times
+    /// its weights): `tokens`, except in double-stream blocks (Flux's, SD3's joint blocks),
+    /// whose image weights see the image tokens and text weights the text tokens.
+    pub weight_tokens: usize,
     /// Channels of the block's stream.
     pub width: usize,
     /// Transformer-layer equivalents of work per token (1 for a Flux or SD3 block; a UNet
@@ -431,6 +583,7 @@ mod tests {
                 saved_bytes: 200,
                 attention_bytes: 5,
                 compute: if i < 2 { 3.0 } else { 1.0 },
+                decode_bytes: 0,
             })
             .collect();
         MemoryProfile {
@@ -462,7 +615,16 @@ mod tests {
             ..all.clone()
         };
         assert_eq!(p.peak(&streamed), 50 + 400 + 600 + 80 + 90 + 220 + 30);
-        assert_eq!(p.streamed_bytes(&streamed), 1200);
+        // No more than prefetch + 1 blocks: none ever leaves the device.
+        assert_eq!(p.streamed_bytes(&streamed), 0);
+        // Four with a prefetch of one: the forward uploads all but the first two (b.2, b.3),
+        // the backward all but the last two (b.0, b.1).
+        let four = Plan {
+            streamed: (0..4).map(|i| format!("b.{i}")).collect(),
+            prefetch: 1,
+            ..all.clone()
+        };
+        assert_eq!(p.streamed_bytes(&four), 200 + 600);
     }
 
     #[test]
@@ -494,7 +656,12 @@ mod tests {
                 .map(|c| p.cost(&c))
                 .fold(f64::INFINITY, f64::min);
             assert!(planned.peak <= budget);
-            assert_eq!(p.cost(&planned.plan), best);
+            // The fastest, or one within NEAR of it with a smaller peak.
+            let cost = p.cost(&planned.plan);
+            assert!(
+                cost >= best && 1.0 + cost <= (1.0 + best) * (1.0 + cost_model::NEAR) + 1e-12,
+                "{budget}: {cost} against {best}"
+            );
             // Streamed blocks are the small ones first.
             if let Some(first) = planned.plan.streamed.first() {
                 assert!(first != "b.0" && first != "b.1", "{budget}: {first}");
@@ -507,22 +674,6 @@ mod tests {
             ..Plan::default()
         };
         assert!((p.cost(&all) - cost_model::RECOMPUTE_KEEP).abs() < 1e-12);
-        let first_two = Plan {
-            checkpointing: Checkpointing::Off,
-            streamed: vec!["b.0".into(), "b.1".into()],
-            prefetch: 2,
-            keep: Keep { attention: true },
-            offload_inputs: false,
-        };
-        // 6 of the 10 units of work, 2 blocks and 1200 bytes copied, against a step of
-        // 6 x 200 saved bytes; at least the uploads' time.
-        let gib = (1u64 << 30) as f64;
-        let step_ms = cost_model::STEP_MS_PER_SAVED_GIB * 1200.0 / gib;
-        let want = (0.6 * cost_model::RECOMPUTE_KEEP
-            + (cost_model::COPY_MS_PER_GIB * 1200.0 / gib + cost_model::STREAM_MS_PER_BLOCK * 2.0)
-                / step_ms)
-            .max(cost_model::UPLOAD_MS_PER_GIB * 1200.0 / gib / step_ms - 1.0);
-        assert!((p.cost(&first_two) - want).abs() < 1e-9 * want);
         // Below every plan: the minimum is every block streamed, prefetch 1, nothing kept.
         let err = p.plan(10).unwrap_err();
         let last = p.candidates().pop().unwrap();
@@ -535,5 +686,75 @@ mod tests {
                 assert_eq!(pl.peak, p.peak(&pl.plan));
             }
         }
+    }
+
+    /// The time model's two clocks on four blocks of 1 GiB weights, all streamed with a
+    /// prefetch of one, worked by hand.
+    #[test]
+    fn the_time_model_plays_uploads_against_compute() {
+        use cost_model::*;
+        const G: u64 = 1 << 30;
+        let p = MemoryProfile {
+            blocks: (0..4)
+                .map(|i| BlockCost {
+                    prefix: format!("b.{i}"),
+                    weight_bytes: G,
+                    input_bytes: 0,
+                    saved_bytes: G,
+                    attention_bytes: 0,
+                    compute: 1.0,
+                    decode_bytes: 0,
+                })
+                .collect(),
+            other_weight_bytes: 0,
+            trainable_bytes: 0,
+            optimizer_bytes: 0,
+            fixed_bytes: 0,
+        };
+        let share = STEP_MS_PER_SAVED_GIB; // each block's share of the resident step
+        assert!((p.resident_ms() - 4.0 * share).abs() < 1e-9);
+        let all = Plan {
+            checkpointing: Checkpointing::All,
+            keep: Keep { attention: true },
+            ..Plan::default()
+        };
+        assert!((p.cost(&all) - RECOMPUTE_KEEP).abs() < 1e-12);
+        let streamed = Plan {
+            streamed: (0..4).map(|i| format!("b.{i}")).collect(),
+            prefetch: 1,
+            ..all
+        };
+        let (up, o) = (1e3 / UPLOAD_GIB_PER_S, STREAM_MS_PER_BLOCK);
+        let (f, b) = (FORWARD * share, (1.0 - FORWARD + RECOMPUTE_KEEP) * share);
+        // Forward: blocks 0 and 1 stay from the last backward; block 1's entry starts 2's
+        // upload, block 2's entry 3's (after 2's, on the one link).
+        let t0 = o + f;
+        let up2 = t0 + up; // issued as block 1 entered: after block 0's compute
+        let t1 = t0 + o + f;
+        let t2 = t1.max(up2) + o + f;
+        let up3 = up2.max(t1) + up;
+        let t3 = t2.max(up3) + o + f;
+        // Backward: blocks 3 and 2 stay; block 2's entry starts 1's upload, 1's starts 0's.
+        let t = t3 + o + b;
+        let up1 = up3.max(t) + up;
+        let t = t + o + b;
+        let up0 = up1.max(t) + up;
+        let t = t.max(up1) + o + b;
+        let t = t.max(up0) + o + b;
+        assert!(
+            (p.step_ms(&streamed) - t).abs() < 1e-9,
+            "{} against {t}",
+            p.step_ms(&streamed)
+        );
+        // Copies the compute cannot hide set the step: at least the uploads of each pass.
+        assert!(t > 4.0 * up);
+        // Streaming no more than prefetch + 1 blocks costs only the per-block time: they
+        // never leave the device.
+        let two = Plan {
+            streamed: vec!["b.2".into(), "b.3".into()],
+            ..streamed.clone()
+        };
+        let want = p.step_ms(&all) + 4.0 * o;
+        assert!((p.step_ms(&two) - want).abs() < 1e-9);
     }
 }

@@ -186,9 +186,11 @@ pub(crate) fn plan_memory(
                     MemoryChoice {
                         plan,
                         summary: format!(
-                            "{} ({:.1} GiB streamed a step)",
+                            "{} ({:.1} GiB streamed a step; a step predicted at {:.2}x the \
+                             resident one by the time model of an H100)",
                             p.plan,
-                            gib(p.streamed_bytes)
+                            gib(p.streamed_bytes),
+                            p.slowdown
                         ),
                         budget,
                         predicted_peak: Some(p.peak),

@@ -1,5 +1,6 @@
-//! Launcher of `FusedOp::DequantFp8` (kernel in cuda/fp8.cu): one thread per packed word of
-//! four E4M3 codes, a grid-stride loop. Operands were checked by `validate::fused` (dtypes,
+//! Launcher of `FusedOp::DequantFp8` (kernels in cuda/fp8.cu): a thread per 16 codes with
+//! 16-byte loads and stores where rows are whole groups of 16 and the buffers aligned, else a
+//! thread per packed word of four E4M3 codes; grid-stride loops. Operands were checked by `validate::fused` (dtypes,
 //! shapes) and made dense by `fused`; the output is a fresh buffer.
 
 use super::layout::grid_for;
@@ -49,6 +50,29 @@ fn run<T: Elem>(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
     if words > 0 {
         let ptr = |s: &CudaStorage| s.buf.raw_ptr(dev.stream());
         let (c, s) = (ptr(codes), ptr(scale));
+        // Rows of whole 16-code groups from 16-byte aligned codes into an aligned output: a
+        // thread per group with 16-byte loads and stores (f64 keeps the word kernel).
+        let out = {
+            use cudarc::driver::DevicePtr;
+            w.slice.device_ptr(dev.stream()).0
+        };
+        if T::SFX != "f64" && cols % 16 == 0 && c % 16 == 0 && out % 16 == 0 {
+            let (groups, groups_per_row) = (rows * cols / 16, cols / 16);
+            return {
+                launch!(
+                    dev,
+                    "fp8",
+                    format!("dequant_fp8_x16_{}", T::SFX),
+                    grid_for(groups, dev.sm_count()),
+                    &c,
+                    &s,
+                    &mut *w.slice,
+                    &groups_per_row,
+                    &groups
+                )?;
+                Ok(vec![codes.wrap(T::wrap(w))])
+            };
+        }
         launch!(
             dev,
             "fp8",

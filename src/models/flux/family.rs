@@ -113,14 +113,23 @@ impl ModelSpec for Flux {
     /// text tokens at the hidden width, one attention call each.
     fn block_shapes(config: &FluxConfig, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>> {
         let ((h, w), t) = latent_and_context("flux", sample)?;
-        let shape = BlockShape {
-            tokens: (h / 2) * (w / 2) + t,
+        let img = (h / 2) * (w / 2);
+        let single = BlockShape {
+            tokens: img + t,
+            weight_tokens: img + t,
             width: config.hidden_size,
             layers: 1.0,
             attention_calls: 1,
             heads: config.num_heads,
         };
-        Ok(vec![shape; config.depth + config.depth_single_blocks])
+        // A double block's image and text weights (equal halves) each see their own tokens.
+        let double = BlockShape {
+            weight_tokens: (img + t) / 2,
+            ..single
+        };
+        let mut v = vec![double; config.depth];
+        v.extend(vec![single; config.depth_single_blocks]);
+        Ok(v)
     }
 }
 

@@ -131,6 +131,8 @@ impl ModelSpec for Sd3 {
                 let dual = config.dual_attention_layers.contains(&i);
                 BlockShape {
                     tokens: (h / p) * (w / p) + t,
+                    // Image and text weights (about equal halves) see their own tokens.
+                    weight_tokens: ((h / p) * (w / p) + t) / 2,
                     width: config.hidden_size,
                     layers: if dual { 1.5 } else { 1.15 },
                     attention_calls: 1 + usize::from(dual),

@@ -123,6 +123,7 @@ impl ModelSpec for Unet {
         const MEASURED: f64 = 1.2;
         let at = |l: usize, layers: f64, depth: usize| BlockShape {
             tokens: (h >> l).max(1) * (w >> l).max(1),
+            weight_tokens: (h >> l).max(1) * (w >> l).max(1),
             width: config.channels(l),
             layers: layers * MEASURED,
             attention_calls: 2 * depth,

@@ -187,7 +187,8 @@ pub mod cost_model {
     /// waits on.
     pub const OFFLOAD_MS_PER_GIB: f64 = 20.0;
     /// Decoding FP8 codes to bf16 before a matmul, ms per GiB of codes and use: the FP8
-    /// resident step ran 452.2 ms against bf16's 385.8 (two uses a step of 11.0 GiB of codes).
+    /// resident step ran 420.2 ms against bf16's 385.4 in the same call (two uses a step of
+    /// 11.0 GiB of codes; 452.2 ms before the decode's 16-byte kernel).
     pub const DECODE_MS_PER_GIB: f64 = 1.6;
     /// Plans predicted within this fraction of the fastest fitting one's step count as
     /// equally fast (the model's error on the measured steps reaches 2.1%): of those the

@@ -205,11 +205,10 @@ fn run<M: ModelSpec>(
     };
     let predicted = profile.peak(&plan) as f64 / GIB;
     if root {
+        let (step, resident) = (profile.step_ms(&plan), profile.resident_ms());
         println!(
-            "flame {name}: plan {plan}, predicted peak {predicted:.2} GiB, predicted step {:.2}x the resident one ({:.1} ms by the H100 time model, resident {:.1})",
-            profile.step_ms(&plan) / profile.resident_ms(),
-            profile.step_ms(&plan),
-            profile.resident_ms()
+            "flame {name}: plan {plan}, predicted peak {predicted:.2} GiB, predicted step {:.2}x the resident one ({step:.1} ms by the H100 time model, resident {resident:.1})",
+            step / resident
         );
     }
     let adapters = Adapters::new(lora)?;

@@ -24,6 +24,11 @@ __device__ __forceinline__ float e4m3_decode(uint32_t c) {
   return __int_as_float(sign | ((e + 120u) << 23) | (m << 20));
 }
 
+// The j-th code of a word decoded and multiplied by its row's scale, in f32 (rounded once).
+__device__ __forceinline__ float scaled_code(uint32_t word, int j, float s) {
+  return __fmul_rn(e4m3_decode((word >> (8 * j)) & 0xFFu), s);
+}
+
 template <typename T>
 __device__ __forceinline__ void dequant_fp8(const uint32_t* codes, const float* scale, T* w, size_t words_per_row,
                                             size_t words) {
@@ -31,7 +36,7 @@ __device__ __forceinline__ void dequant_fp8(const uint32_t* codes, const float* 
     const uint32_t word = codes[i];
     const float s = scale[i / words_per_row];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) w[4 * i + j] = from_acc<T>(__fmul_rn(e4m3_decode((word >> (8 * j)) & 0xFFu), s));
+    for (int j = 0; j < 4; ++j) w[4 * i + j] = from_acc<T>(scaled_code(word, j, s));
   }
 }
 
@@ -42,7 +47,7 @@ __device__ __forceinline__ void dequant_fp8<double>(const uint32_t* codes, const
     const uint32_t word = codes[i];
     const float s = scale[i / words_per_row];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) w[4 * i + j] = (double)__fmul_rn(e4m3_decode((word >> (8 * j)) & 0xFFu), s);
+    for (int j = 0; j < 4; ++j) w[4 * i + j] = (double)scaled_code(word, j, s);
   }
 }
 
@@ -62,8 +67,7 @@ __device__ __forceinline__ void dequant_fp8_x16(const uint4* codes, const float*
     const uint32_t words[4] = {q.x, q.y, q.z, q.w};
     alignas(16) T out[16];
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
-      out[j] = from_acc<T>(__fmul_rn(e4m3_decode((words[j / 4] >> (8 * (j % 4))) & 0xFFu), s));
+    for (int j = 0; j < 16; ++j) out[j] = from_acc<T>(scaled_code(words[j / 4], j % 4, s));
     uint4* dst = reinterpret_cast<uint4*>(w + 16 * g);
     const uint4* src = reinterpret_cast<const uint4*>(out);
 #pragma unroll

@@ -136,6 +136,15 @@ fn flux_dev_predictions_match_the_h100_measurements() {
 fn flux_dev_plans_for_24_16_12_8_6_gib() {
     let bf = flux_dev(false, false);
     let q8 = flux_dev(true, true);
+    let show = |what: &str, profile: &MemoryProfile, p: &flame::stream::Planned| {
+        println!(
+            "{what}: {} -> {:.2} GiB, {:.1} ms ({:.2}x)",
+            p.plan,
+            p.peak as f64 / GIB,
+            profile.step_ms(&p.plan),
+            p.slowdown
+        )
+    };
     let mut last_streamed = 0;
     for gb in [24.0, 16.0, 12.0, 8.0] {
         let b = (gb * GIB) as u64;
@@ -146,47 +155,19 @@ fn flux_dev_plans_for_24_16_12_8_6_gib() {
             "{gb} GiB streams less"
         );
         last_streamed = p.plan.streamed.len();
-        println!(
-            "{gb} GiB bf16: {} -> {:.2} GiB, {:.1} ms ({:.2}x)",
-            p.plan,
-            p.peak as f64 / GIB,
-            bf.step_ms(&p.plan),
-            bf.step_ms(&p.plan) / bf.resident_ms()
-        );
+        show(&format!("{gb} GiB bf16"), &bf, &p);
     }
     let six = (6.0 * GIB) as u64;
     match bf.plan(six) {
         Ok(p) => {
             assert!(p.peak <= six);
-            println!(
-                "6 GiB bf16: {} -> {:.2} GiB, {:.1} ms ({:.2}x)",
-                p.plan,
-                p.peak as f64 / GIB,
-                bf.step_ms(&p.plan),
-                bf.step_ms(&p.plan) / bf.resident_ms()
-            );
-            let p = q8.plan(six).expect("fp8 + AdamW8bit fits 6 GiB");
-            println!(
-                "6 GiB fp8: {} -> {:.2} GiB, {:.1} ms ({:.2}x)",
-                p.plan,
-                p.peak as f64 / GIB,
-                q8.step_ms(&p.plan),
-                q8.step_ms(&p.plan) / q8.resident_ms()
-            );
+            show("6 GiB bf16", &bf, &p);
         }
-        Err(e) => {
-            assert!(e.minimum > six);
-            let p = q8.plan(six).expect("fp8 + AdamW8bit fits 6 GiB");
-            assert!(p.peak <= six);
-            println!(
-                "6 GiB fp8: {} -> {:.2} GiB, {:.1} ms ({:.2}x)",
-                p.plan,
-                p.peak as f64 / GIB,
-                q8.step_ms(&p.plan),
-                q8.step_ms(&p.plan) / q8.resident_ms()
-            );
-        }
+        Err(e) => assert!(e.minimum > six),
     }
+    let p = q8.plan(six).expect("fp8 + AdamW8bit fits 6 GiB");
+    assert!(p.peak <= six);
+    show("6 GiB fp8", &q8, &p);
     // The smallest blocks (Flux's single blocks) stream first.
     let p = bf.plan((24.0 * GIB) as u64).unwrap();
     let order = bf.stream_order();

@@ -151,18 +151,18 @@ pub struct NoPlan {
     pub minimum: u64,
 }
 
-/// The time model's constants, from one H100 80GB call (session 25, Flux-dev LoRA at 1024²,
-/// batch 1, rank 16 on every block Linear; resident step 389.3 ms). The model
+/// The time model's constants, from H100 80GB calls (session 25, Flux-dev LoRA at 1024², batch
+/// 1, rank 16 on every block Linear; resident step 383-389 ms). The model
 /// (`MemoryProfile::step_ms`) plays a step on two clocks, the compute stream's and the host
 /// link's: each block's forward, re-run and backward take its share of the work (the
 /// profile's `compute`) of the resident step; a streamed block's upload starts when its slot
 /// is free (the compute has reached the block `prefetch` uploads before it: the copy waits for
-/// the compute issued before it) and the link is idle, and the block waits for it. Measured
-/// the same call: every block checkpointed 555.7 ms (nothing kept) and 524.7 ms (attention
-/// kept); 16 of 57 blocks streamed, every block checkpointed, attention kept 547.6 ms; 43
-/// streamed, the rest resident 632.6 ms; 50 streamed 748.2 ms (every block checkpointed) and
-/// 751.0 ms (only the streamed ones); 54 streamed, nothing kept 907.6 ms. tests/plan.rs holds
-/// the model to those rows. Uploads ran at 46.2-47.9 GiB/s (PyTorch's pinned copy on the same
+/// the compute issued before it) and the link is idle, and the block waits for it. The
+/// checkpointing constants come from one call (every block checkpointed: 555.7 ms with
+/// nothing kept, 524.7 ms with attention kept, against 389.3 resident), the streaming ones
+/// from the planner's picks for 24, 16, 12 and 8 GiB in another (523.5-868.4 ms against
+/// 385.8), the FP8 decode from a third; tests/plan.rs holds the model to those rows. Uploads
+/// ran at 46.2-48.7 GiB/s (PyTorch's pinned copy on the same
 /// link: 51.5 GiB/s), so copies cost far more of a step than when the step took 760 ms
 /// (session 13): a faster GPU or a slower link makes streaming dearer, and the model's
 /// resident step is an H100's.
@@ -177,10 +177,11 @@ pub mod cost_model {
     /// The re-run's share of the resident step with attention's outputs kept (524.7 ms:
     /// 0.348).
     pub const RECOMPUTE_KEEP: f64 = 0.348;
-    /// Host-to-device upload rate of packed blocks, GiB/s (46.2-47.9 measured).
+    /// Host-to-device upload rate of packed blocks, GiB/s (46.2-48.7 measured; 49.2-51.2 in a
+    /// later call).
     pub const UPLOAD_GIB_PER_S: f64 = 47.0;
     /// Exposed time per streamed block and pass, ms: the fetch, the waits and the release
-    /// around each run (16 streamed blocks whose uploads the model hides cost 23 ms).
+    /// around each run (fitted with the upload rate to the streamed rows).
     pub const STREAM_MS_PER_BLOCK: f64 = 0.3;
     /// Per GiB of block inputs moved to host memory and back per step, ms, beyond their
     /// time on the link (which the model plays): the copies out and the events the compute
@@ -221,10 +222,10 @@ impl MemoryProfile {
     /// execution order, then the backward in reverse, on a compute clock and a link clock
     /// (see `cost_model`). A streamed block's upload is issued when the block `prefetch`
     /// streamed blocks before it enters (so after the compute before that block) and runs
-    /// when the link is free; the block starts when its upload is done. The first streamed
-    /// `prefetch + 1` blocks are on the device at the forward's start and the last
-    /// ones at the backward's (each pass leaves the blocks the next begins with). Offloaded inputs go out on the other
-    /// direction of the link (the next checkpointed block waits for the copy) and come back
+    /// when the link is free; the block starts when its upload is done. The first `prefetch +
+    /// 1` streamed blocks are on the device at the forward's start and the last ones at the
+    /// backward's (each pass leaves the blocks the next begins with). Offloaded inputs go out
+    /// on the other direction of the link (the next checkpointed block waits for the copy) and come back
     /// a block ahead in the backward, sharing the link with the weights.
     pub fn step_ms(&self, plan: &Plan) -> f64 {
         use cost_model::*;
@@ -261,7 +262,24 @@ impl MemoryProfile {
         }
         let m = order.len();
         let ahead = plan.prefetch;
-        // Compute clock, link clock (host to device), the other direction's clock.
+        // Uploads streamed blocks `ks` not on the device or coming (each once the compute
+        // has reached `t` and the link is free), then returns when block `j`'s upload is done
+        // and the compute may start it.
+        let enter = |ready: &mut [Option<f64>],
+                     link: &mut f64,
+                     t: f64,
+                     j: usize,
+                     ks: &mut dyn Iterator<Item = usize>| {
+            for k in ks {
+                if ready[k].is_none() {
+                    *link = link.max(t) + link_ms(self.blocks[order[k]].weight_bytes);
+                    ready[k] = Some(*link);
+                }
+            }
+            t.max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK
+        };
+        // Compute clock, link clock (host to device), the other direction's clock (its last
+        // copy out, which the next checkpointed block's packing waits for).
         let (mut t, mut link, mut down) = (0.0f64, 0.0f64, 0.0f64);
         // The backward left the first `prefetch + 1` streamed blocks on the device.
         let mut ready: Vec<Option<f64>> = vec![None; m];
@@ -269,26 +287,24 @@ impl MemoryProfile {
             *r = Some(0.0);
         }
         let mut overhead = 0.0;
-        let mut out_done = 0.0f64;
         for i in 0..n {
-            if ck[i] && plan.offload_inputs {
+            if offload(i) {
                 // The block's inputs are packed once the previous copy out is done.
-                t = t.max(out_done);
+                t = t.max(down);
             }
             if is_streamed[i] {
                 let j = place[i];
-                for k in j..(j + ahead + 1).min(m) {
-                    if ready[k].is_none() {
-                        link = link.max(t) + link_ms(self.blocks[order[k]].weight_bytes);
-                        ready[k] = Some(link);
-                    }
-                }
-                t = t.max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK;
+                t = enter(
+                    &mut ready,
+                    &mut link,
+                    t,
+                    j,
+                    &mut (j..(j + ahead + 1).min(m)),
+                );
             }
             t += FORWARD * share(i) + self.decode_ms(&self.blocks[i]);
             if offload(i) {
                 down = down.max(t) + link_ms(self.blocks[i].input_bytes);
-                out_done = down;
                 overhead += OFFLOAD_MS_PER_GIB * 2.0 * self.blocks[i].input_bytes as f64 / GIB;
             }
         }
@@ -312,13 +328,13 @@ impl MemoryProfile {
             }
             if is_streamed[i] {
                 let j = place[i];
-                for k in (j.saturating_sub(ahead)..=j).rev() {
-                    if ready[k].is_none() {
-                        link = link.max(t) + link_ms(self.blocks[order[k]].weight_bytes);
-                        ready[k] = Some(link);
-                    }
-                }
-                t = t.max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK;
+                t = enter(
+                    &mut ready,
+                    &mut link,
+                    t,
+                    j,
+                    &mut (j.saturating_sub(ahead)..=j).rev(),
+                );
             }
             if let Some(r) = inputs[i] {
                 t = t.max(r);

@@ -51,38 +51,28 @@ fn run<T: Elem>(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
         let ptr = |s: &CudaStorage| s.buf.raw_ptr(dev.stream());
         let (c, s) = (ptr(codes), ptr(scale));
         // Rows of whole 16-code groups from 16-byte aligned codes into an aligned output: a
-        // thread per group with 16-byte loads and stores (f64 keeps the word kernel).
+        // thread per group with 16-byte loads and stores (f64 keeps the word kernel); else a
+        // thread per word. Each kernel takes (items per row, items).
         let out = {
             use cudarc::driver::DevicePtr;
             w.slice.device_ptr(dev.stream()).0
         };
-        if T::SFX != "f64" && cols % 16 == 0 && c % 16 == 0 && out % 16 == 0 {
-            let (groups, groups_per_row) = (rows * cols / 16, cols / 16);
-            return {
-                launch!(
-                    dev,
-                    "fp8",
-                    format!("dequant_fp8_x16_{}", T::SFX),
-                    grid_for(groups, dev.sm_count()),
-                    &c,
-                    &s,
-                    &mut *w.slice,
-                    &groups_per_row,
-                    &groups
-                )?;
-                Ok(vec![codes.wrap(T::wrap(w))])
-            };
-        }
+        let x16 = T::DTYPE != DType::F64 && cols % 16 == 0 && c % 16 == 0 && out % 16 == 0;
+        let (kernel, per_row, items) = if x16 {
+            ("dequant_fp8_x16", cols / 16, rows * cols / 16)
+        } else {
+            ("dequant_fp8", words_per_row, words)
+        };
         launch!(
             dev,
             "fp8",
-            format!("dequant_fp8_{}", T::SFX),
-            grid_for(words, dev.sm_count()),
+            format!("{kernel}_{}", T::SFX),
+            grid_for(items, dev.sm_count()),
             &c,
             &s,
             &mut *w.slice,
-            &words_per_row,
-            &words
+            &per_row,
+            &items
         )?;
     }
     Ok(vec![codes.wrap(T::wrap(w))])

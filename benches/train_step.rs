@@ -7,9 +7,9 @@
 //! The memory plan: `--budget GB` lets the planner choose (its plan and predicted peak are
 //! printed; the allocator is capped at the budget), or by hand `--checkpoint
 //! none|all|every:N`, `--stream N` (N blocks spread evenly over the model), `--prefetch K`,
-//! `--keep-attention` (`--headroom GB` plans for the budget less that, the cap staying at the
-//! budget). `--fp8` stores the base weights in FP8 E4M3, `--adam8bit` uses 8-bit
-//! AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
+//! `--keep-attention`, `--keep-down` (the down-projections' outputs); `--headroom GB` plans
+//! for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
+//! in FP8 E4M3, `--adam8bit` uses 8-bit AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
 //! streamed. `--host-probe` issues one more step with about a second of GEMMs queued between
 //! its forward and backward, and prints when the host had issued the backward and the update:
@@ -198,6 +198,7 @@ fn run<M: ModelSpec>(
                 prefetch: num("--prefetch", 1),
                 keep: Keep {
                     attention: args.flag("--keep-attention"),
+                    down_projections: args.flag("--keep-down"),
                 },
                 offload_inputs: args.flag("--offload"),
             }

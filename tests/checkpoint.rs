@@ -144,8 +144,9 @@ fn lora_grads<M>(
     prefixes: Vec<String>,
     streamed: &[usize],
     checkpointing: Checkpointing,
+    keep: Keep,
     fp8: bool,
-) -> (Vec<(String, Vec<u32>)>, u64) {
+) -> (Vec<(String, Vec<u32>)>, u64, u64) {
     // Adapters on the blocks' layers (the LoRA use case; embeddings before the blocks stay
     // frozen: a trainable input shared by every block, such as the time embedding, sums
     // its per-block gradients in another grouping with checkpoints, equal only to rounding).
@@ -169,11 +170,14 @@ fn lora_grads<M>(
         BlockExec {
             checkpointing,
             streamer: streamer.clone(),
+            keep,
             ..Default::default()
         },
     );
+    let reused = kept_reused();
     let loss = forward(&model, dev).unwrap();
     let grads = loss.backward().unwrap();
+    let reused = kept_reused() - reused;
     if let Some(s) = &streamer {
         let r = s.report().unwrap();
         assert_eq!(r.blocks, streamed.len());
@@ -194,7 +198,7 @@ fn lora_grads<M>(
             (n, bits(g))
         })
         .collect();
-    (named, loss.to_scalar_f64().unwrap().to_bits())
+    (named, loss.to_scalar_f64().unwrap().to_bits(), reused)
 }
 
 fn check_model<M>(
@@ -226,24 +230,51 @@ fn check_model_on<M>(
         prefixes.clone(),
         &[],
         Checkpointing::Off,
+        Keep::NONE,
         fp8,
     );
     assert!(!resident.0.is_empty());
-    let variants: Vec<(&str, Vec<usize>, Checkpointing)> = vec![
-        ("every block checkpointed", vec![], Checkpointing::All),
+    let down = Keep {
+        down_projections: true,
+        ..Keep::NONE
+    };
+    let both = Keep {
+        attention: true,
+        down_projections: true,
+    };
+    let variants: Vec<(&str, Vec<usize>, Checkpointing, Keep)> = vec![
         (
-            "every 2nd block checkpointed",
+            "every block checkpointed",
+            vec![],
+            Checkpointing::All,
+            Keep::NONE,
+        ),
+        (
+            "every block checkpointed, down-projections kept",
+            vec![],
+            Checkpointing::All,
+            down,
+        ),
+        (
+            "every 2nd block checkpointed, attention and down-projections kept",
             vec![],
             Checkpointing::Every(2),
+            both,
         ),
         (
             "alternate blocks streamed",
             (0..n).step_by(2).collect(),
             Checkpointing::Off,
+            Keep::NONE,
         ),
-        ("all blocks streamed", (0..n).collect(), Checkpointing::All),
+        (
+            "all blocks streamed, down-projections kept",
+            (0..n).collect(),
+            Checkpointing::All,
+            down,
+        ),
     ];
-    for (name, streamed, ck) in variants {
+    for (name, streamed, ck, keep) in variants {
         let got = lora_grads(
             dev,
             build,
@@ -252,8 +283,12 @@ fn check_model_on<M>(
             prefixes.clone(),
             &streamed,
             ck,
+            keep,
             fp8,
         );
+        // A keeping checkpoint's re-run takes some outputs from its log (every block of
+        // these models has a down-projection); one that keeps nothing takes none.
+        assert_eq!(got.2 > 0, keep.any(), "{what}, {name}: {} reused", got.2);
         assert_eq!(got.1, resident.1, "{what}, {name}: loss");
         assert_eq!(got.0.len(), resident.0.len());
         for ((n0, g0), (n1, g1)) in resident.0.iter().zip(&got.0) {
@@ -573,7 +608,10 @@ fn checkpoint_keeping_attention_equals_resident_and_skips_the_kernel() {
     assert_eq!(reused, 0);
     let (gx_none, gw_none, reused_none) = attention_grads(Some(Keep::NONE));
     assert_eq!(reused_none, 0, "nothing is kept without Keep");
-    let (gx_keep, gw_keep, reused_keep) = attention_grads(Some(Keep { attention: true }));
+    let (gx_keep, gw_keep, reused_keep) = attention_grads(Some(Keep {
+        attention: true,
+        ..Keep::NONE
+    }));
     assert_eq!(
         reused_keep, 2,
         "both attention calls come from the kept log"

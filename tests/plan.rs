@@ -44,7 +44,10 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
         checkpointing,
         streamed,
         prefetch,
-        keep: Keep { attention: keep },
+        keep: Keep {
+            attention: keep,
+            ..Keep::NONE
+        },
         offload_inputs: false,
     }
 }
@@ -101,6 +104,30 @@ fn flux_dev_predictions_match_the_h100_measurements() {
             &bf,
             plan(all, even(&bf, 52), 2, true),
             7.26,
+        ),
+        (
+            "all + attention + down-projections (session 26)",
+            &bf,
+            Plan {
+                keep: Keep {
+                    attention: true,
+                    down_projections: true,
+                },
+                ..plan(all, vec![], 2, true)
+            },
+            28.23,
+        ),
+        (
+            "all + attention + down-projections + 20 smallest streamed, prefetch 1",
+            &bf,
+            Plan {
+                keep: Keep {
+                    attention: true,
+                    down_projections: true,
+                },
+                ..plan(all, bf.stream_order()[..20].to_vec(), 1, true)
+            },
+            23.48,
         ),
         (
             "fp8 all streamed, AdamW8bit",
@@ -416,12 +443,59 @@ fn flux_dev_step_times_match_the_h100_measurements() {
             868.4,
         ),
     ];
-    // FP8 base weights, resident (a third call: 420.2 ms against bf16's 385.4 there).
+    // Down-projections kept (session 26, two calls whose resident step ran 380.5-382.6 ms).
+    let kept = |k: usize, prefetch: usize, attention: bool| Plan {
+        keep: Keep {
+            attention,
+            down_projections: true,
+        },
+        ..plan(all, first(k), prefetch, attention)
+    };
+    let rows = rows.into_iter().chain([
+        (
+            "all + attention + down-projections",
+            kept(0, 2, true),
+            480.4,
+        ),
+        ("all + down-projections", kept(0, 2, false), 506.1),
+        (
+            "24 GiB: all + attention + down-projections + 20 streamed, prefetch 1",
+            kept(20, 1, true),
+            482.7,
+        ),
+        (
+            "16 GiB: all + attention + down-projections + 46 streamed",
+            kept(46, 2, true),
+            603.0,
+        ),
+    ]);
+    // FP8 base weights, resident (a third call: 420.2 ms against bf16's 385.4 there), and
+    // within 6 GiB with 8-bit AdamW and down-projections kept (session 26).
     let q8 = flux_dev(true, false);
+    let q8s = flux_dev(true, true);
+    let q8_order = q8s.stream_order();
+    let fp8_kept = |k: usize, prefetch: usize| Plan {
+        streamed: q8_order[..k].to_vec(),
+        ..kept(0, prefetch, false)
+    };
     let rows: Vec<(&str, &MemoryProfile, Plan, f64)> = rows
         .into_iter()
         .map(|(n, p, ms)| (n, &bf, p, ms))
-        .chain([("fp8 resident", &q8, Plan::default(), 420.2)])
+        .chain([
+            ("fp8 resident", &q8, Plan::default(), 420.2),
+            (
+                "fp8 6 GiB: all + down-projections + 56 streamed",
+                &q8s,
+                fp8_kept(56, 2),
+                596.6,
+            ),
+            (
+                "fp8 6 GiB: all + down-projections + 55 streamed, prefetch 1",
+                &q8s,
+                fp8_kept(55, 1),
+                599.8,
+            ),
+        ])
         .collect();
     let mut report = vec![];
     let mut worst = 0.0f64;

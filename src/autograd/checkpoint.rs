@@ -6,9 +6,11 @@
 //! the re-run computes the same values and the gradients equal those without checkpointing.
 //!
 //! Selective recompute: a checkpoint may keep the outputs of expensive ops from its forward
-//! instead of recomputing them (`Keep`; today attention, whose output and log-sum-exp are
-//! ~1% of a transformer block's activations and a quarter of its forward time at 4608
-//! tokens). An op opts in through `kept_or`: in a checkpoint's forward it computes and logs
+//! instead of recomputing them (`Keep`): attention, whose output and log-sum-exp are ~1% of
+//! a transformer block's activations and a fifth of its forward time at 4608 tokens; and
+//! the base GEMMs of down-projections (Linears narrower out than in: the MLPs' second
+//! layers), which give the most work saved per byte kept (a GEMM's FLOPs per output value
+//! are twice its input width) and are about a third of a Flux block's forward. An op opts in through `kept_or`: in a checkpoint's forward it computes and logs
 //! its outputs; in the re-run it takes them back from the log, in the same order, instead of
 //! computing. The re-run sees the same inputs in the same order (that is what makes the draws
 //! repeat), so the logged values are the ones it would compute, bit for bit.
@@ -142,17 +144,31 @@ pub struct Keep {
     /// The fused attention's output and log-sum-exp (B, H, Lq, D) + (B, H, Lq) f32 per
     /// call: the re-run then skips the attention forward kernel.
     pub attention: bool,
+    /// The base GEMM's output (rows, out), before any adapter's term, of every Linear whose
+    /// output is narrower than its input (a down-projection: Flux's `linear2` and the MLPs'
+    /// `fc2`, 28 MiB a Flux block at 1024²): the re-run then skips that GEMM (and an FP8
+    /// weight's decode for it). The adapter's term is recomputed from the layer's input.
+    pub down_projections: bool,
 }
 
 impl Keep {
     /// Nothing kept: the whole function is recomputed.
-    pub const NONE: Keep = Keep { attention: false };
+    pub const NONE: Keep = Keep {
+        attention: false,
+        down_projections: false,
+    };
 
     /// Whether outputs of `kind` are kept.
     fn keeps(self, kind: KeptKind) -> bool {
         match kind {
             KeptKind::Attention => self.attention,
+            KeptKind::DownProjection => self.down_projections,
         }
+    }
+
+    /// Whether anything is kept.
+    pub fn any(self) -> bool {
+        self.attention || self.down_projections
     }
 }
 
@@ -161,6 +177,8 @@ impl Keep {
 pub(crate) enum KeptKind {
     /// The fused attention: [o, lse].
     Attention,
+    /// A down-projection's base GEMM: [y].
+    DownProjection,
 }
 
 enum KeepMode {

@@ -423,6 +423,8 @@ pub fn profile_config<M: ModelSpec>(
                 input_bytes,
                 saved_bytes,
                 attention_bytes,
+                down_bytes: 0,
+                down_weight_bytes: 0,
                 compute: 0.0,
                 decode_bytes: 0,
             }
@@ -430,15 +432,29 @@ pub fn profile_config<M: ModelSpec>(
         .collect();
     let mut other = 0u64;
     for (key, t) in &params {
-        match blocks.iter_mut().find(|b| {
+        match blocks.iter_mut().zip(&shapes).find(|(b, _)| {
             key.strip_prefix(&b.prefix)
                 .is_some_and(|r| r.starts_with('.'))
         }) {
-            Some(b) => {
+            Some((b, sh)) => {
                 b.weight_bytes += bytes(t);
                 // FP8 codes are the u32 tensors (four codes a word).
-                if t.dtype() == DType::U32 {
+                let fp8 = t.dtype() == DType::U32;
+                if fp8 {
                     b.decode_bytes += bytes(t);
+                }
+                // A Linear's weight (out, in) narrower out than in: a down-projection, whose
+                // output (positions, out) `Keep { down_projections }` keeps.
+                if let (true, &[out, cols]) = (key.ends_with(".weight"), t.dims()) {
+                    let width = if fp8 {
+                        cols * crate::backend::fp8::CODES_PER_WORD
+                    } else {
+                        cols
+                    };
+                    if width > out {
+                        b.down_weight_bytes += bytes(t);
+                        b.down_bytes += (run.batch.max(1) * sh.weight_tokens * out * elem) as u64;
+                    }
                 }
             }
             None => other += bytes(t),

@@ -4,6 +4,7 @@
 use super::adapter::{Adapter, BaseLayer, LayerShape};
 use super::seed::{mix64, GOLDEN};
 use super::VarBuilder;
+use crate::autograd::{kept_or, KeptKind};
 use crate::{Error, Result, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -82,13 +83,14 @@ impl Linear {
             (Some(b), Some(a)) if a.adds_to_output() => Some(b),
             _ => None,
         };
-        let y = match (&self.fp8_scale, early_bias) {
-            (Some(scale), _) => fp8_matmul(&x, &self.weight, scale)?,
-            (None, Some(b)) if b.dtype() == x.dtype() => x.matmul_bias(&self.weight.t()?, b)?,
-            (None, _) => x.matmul(&self.weight.t()?)?,
+        // A down-projection's base output is one a checkpoint may keep (`Keep`).
+        let keep = (in_dim > out_dim).then_some(KeptKind::DownProjection);
+        let early_bias = early_bias.filter(|b| self.fp8_scale.is_none() && b.dtype() == x.dtype());
+        let y = match &self.fp8_scale {
+            Some(scale) => fp8_matmul(&x, &self.weight, scale, keep)?,
+            None => x.linear_product(&self.weight.t()?, early_bias, keep)?,
         };
-        let bias_done =
-            early_bias.is_some_and(|b| self.fp8_scale.is_none() && b.dtype() == x.dtype());
+        let bias_done = early_bias.is_some();
         let y = match &self.adapter {
             Some(a) => {
                 let weight = |dtype| self.dense_weight(dtype);
@@ -111,12 +113,34 @@ impl Linear {
 
 /// x (rows, in) @ decode(codes, scale)^T: the weight decoded into x's dtype for the GEMM and
 /// dropped after it. The backward (dx = dy W) decodes it again, so the tape keeps only the
-/// codes (a frozen weight gets no gradient).
-fn fp8_matmul(x: &Tensor, codes: &Tensor, scale: &Tensor) -> Result<Tensor> {
-    let y = {
+/// codes (a frozen weight gets no gradient). With `keep`, a checkpoint may keep the output
+/// (see `Tensor::linear_product`); its re-run then neither decodes nor multiplies.
+fn fp8_matmul(
+    x: &Tensor,
+    codes: &Tensor,
+    scale: &Tensor,
+    keep: Option<KeptKind>,
+) -> Result<Tensor> {
+    let compute = || -> Result<Vec<Tensor>> {
         let _g = crate::no_grad();
         let w = codes.dequant_fp8(scale, x.dtype())?;
-        x.matmul(&w.t()?)?
+        Ok(vec![x.matmul(&w.t()?)?])
+    };
+    let y = match keep {
+        Some(kind) => kept_or(kind, compute)?,
+        None => compute()?,
+    };
+    let rows = x.dims()[0];
+    let out = scale.elem_count();
+    let y = match <[Tensor; 1]>::try_from(y) {
+        Ok([y]) if y.dims() == [rows, out] && y.dtype() == x.dtype() => y,
+        _ => {
+            return Err(Error::Autograd(format!(
+                "kept FP8 linear output does not fit this call ({rows}, {out}) {}: the \
+                 checkpoint's re-run differs from its forward",
+                x.dtype()
+            )))
+        }
     };
     let node = Arc::new(Fp8Matmul {
         codes: codes.clone(),

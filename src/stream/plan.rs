@@ -7,23 +7,24 @@
 //!   such window);
 //! - the trainable adapters, their gradients and the optimizer state;
 //! - per block, for the backward: all it saves when resident; only its inputs when
-//!   checkpointed (plus attention's output and log-sum-exp when kept); and, while a
-//!   checkpointed block is re-run and backpropagated, that block's saved activations and the
-//!   gradients of its inputs;
+//!   checkpointed (plus what it keeps: attention's output and log-sum-exp, the
+//!   down-projections' outputs); and, while a checkpointed block is re-run and
+//!   backpropagated, that block's saved activations and the gradients of its inputs;
 //! - a fixed margin (the sample, the loss, transient buffers).
 //!
 //! The candidates: no, every n-th (n = 4, 3, 2) or every block checkpointed, with 0 to all
 //! blocks streamed from host memory (the smallest blocks first: they free the most memory for
-//! their copies; streamed blocks are always checkpointed) with a prefetch of 2 or 1, attention
-//! kept or not, block inputs offloaded or not; the last streams every block with a prefetch
-//! of one. They are ordered by a time model (`MemoryProfile::step_ms`, calibrated on an
-//! H100) that plays the step's compute and its uploads on two clocks: recompute costs each
-//! checkpointed block its share of the work, and a block whose upload has not arrived waits
-//! for it. On the H100 the host link (47 GiB/s) uploads a Flux block in 2-4 times its
-//! forward, so once the compute stops hiding them, the copies set the step: Flux-dev's
-//! 389 ms resident step ran 548 ms within 24 GiB (every block checkpointed, 16 streamed) and
-//! 748 ms within 12 GiB (50 streamed). A budget under the last plan's peak cannot be met:
-//! `plan` says the minimum.
+//! their copies; streamed blocks are always checkpointed) with a prefetch of 2 or 1, what
+//! checkpointed blocks keep (attention, the down-projections, both or neither), block inputs
+//! offloaded or not; the last streams every block with a prefetch of one. They are ordered by
+//! a time model (`MemoryProfile::step_ms`, calibrated on an H100) that plays the step's
+//! compute and its uploads on two clocks: recompute costs each checkpointed block its share
+//! of the work less what it keeps, and a block whose upload has not arrived waits for it. On
+//! the H100 the host link (47 GiB/s) uploads a Flux block in 2-4 times its forward, so once
+//! the compute stops hiding them, the copies set the step: Flux-dev's 381 ms resident step
+//! ran 483 ms within 24 GiB (every block checkpointed keeping attention and down-projections,
+//! 20 streamed) and 673 ms within 12 GiB (47 streamed, 29.2 GiB uploaded a step). A budget
+//! under the last plan's peak cannot be met: `plan` says the minimum.
 
 use crate::autograd::Keep;
 use crate::stream::Checkpointing;
@@ -41,6 +42,11 @@ pub struct BlockCost {
     pub saved_bytes: u64,
     /// Bytes of attention outputs and log-sum-exps that `Keep { attention }` keeps.
     pub attention_bytes: u64,
+    /// Bytes of down-projection outputs that `Keep { down_projections }` keeps.
+    pub down_bytes: u64,
+    /// Bytes of its down-projections' weights (as stored), whose share of the block's work
+    /// (and of its FP8 decodes) the re-run skips when their outputs are kept.
+    pub down_weight_bytes: u64,
     /// Its share of the step's work in relative units (positions times weight bytes: a
     /// Linear's or a convolution's FLOPs are positions times weights), for the time model.
     pub compute: f64,
@@ -105,6 +111,9 @@ impl std::fmt::Display for Plan {
         write!(f, "{ck}")?;
         if self.keep.attention {
             write!(f, ", attention kept")?;
+        }
+        if self.keep.down_projections {
+            write!(f, ", down-projections kept")?;
         }
         if self.offload_inputs {
             write!(f, ", block inputs in host memory")?;
@@ -177,6 +186,16 @@ pub mod cost_model {
     /// The re-run's share of the resident step with attention's outputs kept (524.7 ms:
     /// 0.348).
     pub const RECOMPUTE_KEEP: f64 = 0.348;
+    /// The fraction of its down-projections' share of a block's forward (their weight bytes
+    /// over the block's) that keeping their outputs takes out of the block's re-run. By
+    /// FLOPs a Flux single block's `linear2` is a third of its forward and its weights a
+    /// third of the block's; a double block's two `fc2` are 27% of the FLOPs but 22% of the
+    /// weights (the modulation Linears weigh much and see one position). At 1.0 the model
+    /// puts every block checkpointed with the down-projections kept at 505.9 ms, measured
+    /// 506.1 (session 26, resident 381-383 ms), and with attention kept too at 474.9,
+    /// measured 480.4. An SDXL block's cross-attention keys and values also narrow (2048
+    /// context channels in) but see 77 tokens: there the model overrates the saving.
+    pub const DOWN_SAVED: f64 = 1.0;
     /// Host-to-device upload rate of packed blocks, GiB/s (46.2-48.7 measured; 49.2-51.2 in a
     /// later call).
     pub const UPLOAD_GIB_PER_S: f64 = 47.0;
@@ -242,6 +261,15 @@ impl MemoryProfile {
             RECOMPUTE_KEEP
         } else {
             FORWARD
+        };
+        // The fraction of block i's work and decodes in down-projections the re-run skips.
+        let skipped = |i: usize| {
+            let b = &self.blocks[i];
+            if plan.keep.down_projections && b.weight_bytes > 0 {
+                b.down_weight_bytes as f64 / b.weight_bytes as f64
+            } else {
+                0.0
+            }
         };
         let link_ms = |bytes: u64| bytes as f64 / GIB / UPLOAD_GIB_PER_S * 1e3;
         let is_streamed: Vec<bool> = self
@@ -342,7 +370,8 @@ impl MemoryProfile {
             let decode = self.decode_ms(&self.blocks[i]);
             t += (1.0 - FORWARD) * share(i) + decode;
             if ck[i] {
-                t += rate * share(i) + decode;
+                let d = skipped(i);
+                t += (rate - DOWN_SAVED * FORWARD * d) * share(i) + decode * (1.0 - d);
             }
         }
         t + overhead
@@ -386,6 +415,9 @@ impl MemoryProfile {
                 }
                 if plan.keep.attention {
                     held += b.attention_bytes;
+                }
+                if plan.keep.down_projections {
+                    held += b.down_bytes;
                 }
                 // The re-run's tape and the gradients of its inputs.
                 work = work.max(b.saved_bytes + 2 * b.input_bytes);
@@ -453,10 +485,10 @@ impl MemoryProfile {
         ] {
             for k in 0..=n {
                 let nothing_checkpointed = k == 0 && checkpointing == Checkpointing::Off;
-                for attention in [true, false] {
+                for (ki, keep) in KEEPS.into_iter().enumerate() {
                     for offload_inputs in [false, true] {
                         // Keeping and offloading mean nothing without a checkpoint.
-                        if nothing_checkpointed && (!attention || offload_inputs) {
+                        if nothing_checkpointed && (ki > 0 || offload_inputs) {
                             continue;
                         }
                         // A prefetch of one holds a streamed block less on the device and
@@ -469,8 +501,10 @@ impl MemoryProfile {
                                 checkpointing,
                                 streamed: order[..k].to_vec(),
                                 prefetch,
-                                keep: Keep {
-                                    attention: attention && !nothing_checkpointed,
+                                keep: if nothing_checkpointed {
+                                    Keep::NONE
+                                } else {
+                                    keep
                                 },
                                 offload_inputs,
                             });
@@ -540,6 +574,24 @@ impl MemoryProfile {
     }
 }
 
+/// What checkpointed blocks may keep, in the candidates: each of attention and the
+/// down-projections, or both, or neither.
+const KEEPS: [Keep; 4] = [
+    Keep {
+        attention: true,
+        down_projections: true,
+    },
+    Keep {
+        attention: true,
+        down_projections: false,
+    },
+    Keep {
+        attention: false,
+        down_projections: true,
+    },
+    Keep::NONE,
+];
+
 /// `n` of `prefixes` (execution order) spread evenly over it: block `k * len / n` for `k < n`
 /// (all of them when `n >= len`). The hand-set `memory.stream_blocks` picks its blocks so.
 pub fn spread_evenly(prefixes: &[String], n: usize) -> Vec<String> {
@@ -599,6 +651,8 @@ mod tests {
                 input_bytes: 10,
                 saved_bytes: 200,
                 attention_bytes: 5,
+                down_bytes: 4,
+                down_weight_bytes: if i < 2 { 100 } else { 25 },
                 compute: if i < 2 { 3.0 } else { 1.0 },
                 decode_bytes: 0,
             })
@@ -621,10 +675,29 @@ mod tests {
         // All checkpointed with attention: inputs 60 + kept 30, work 200 + 20.
         let all = Plan {
             checkpointing: Checkpointing::All,
-            keep: Keep { attention: true },
+            keep: Keep {
+                attention: true,
+                ..Keep::NONE
+            },
             ..Plan::default()
         };
         assert_eq!(p.peak(&all), 1050 + 80 + 90 + 220 + 30);
+        // Keeping the down-projections too: 6 x 4 more held; the re-run skips their share
+        // of each block's work (a third of the large blocks', a quarter of the others').
+        let both = Plan {
+            keep: Keep {
+                attention: true,
+                down_projections: true,
+            },
+            ..all.clone()
+        };
+        assert_eq!(p.peak(&both), p.peak(&all) + 24);
+        let skipped = cost_model::DOWN_SAVED
+            * cost_model::FORWARD
+            * p.resident_ms()
+            * (2.0 * 3.0 / 3.0 + 4.0 * 1.0 / 4.0)
+            / 10.0;
+        assert!((p.step_ms(&all) - p.step_ms(&both) - skipped).abs() < 1e-9);
         // Streaming the two large blocks with prefetch 2: both on the device at once.
         let streamed = Plan {
             streamed: vec!["b.0".into(), "b.1".into()],
@@ -687,7 +760,10 @@ mod tests {
         // The time model: recompute in proportion to the work, copies per GiB.
         let all = Plan {
             checkpointing: Checkpointing::All,
-            keep: Keep { attention: true },
+            keep: Keep {
+                attention: true,
+                ..Keep::NONE
+            },
             ..Plan::default()
         };
         assert!((p.cost(&all) - cost_model::RECOMPUTE_KEEP).abs() < 1e-12);
@@ -719,6 +795,8 @@ mod tests {
                     input_bytes: 0,
                     saved_bytes: G,
                     attention_bytes: 0,
+                    down_bytes: 0,
+                    down_weight_bytes: 0,
                     compute: 1.0,
                     decode_bytes: 0,
                 })
@@ -732,7 +810,10 @@ mod tests {
         assert!((p.resident_ms() - 4.0 * share).abs() < 1e-9);
         let all = Plan {
             checkpointing: Checkpointing::All,
-            keep: Keep { attention: true },
+            keep: Keep {
+                attention: true,
+                ..Keep::NONE
+            },
             ..Plan::default()
         };
         assert!((p.cost(&all) - RECOMPUTE_KEEP).abs() < 1e-12);

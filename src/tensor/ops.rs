@@ -2,7 +2,7 @@
 //! storage, record the op for autograd when an input requires grad.
 
 use super::{with2, with3, Tensor};
-use crate::autograd::{record, Op};
+use crate::autograd::{kept_or, record, KeptKind, Op};
 use crate::backend::{BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp, Window2d};
 use crate::shape::Dim;
 use crate::{DType, Device, Error, Layout, Result, Shape};
@@ -547,6 +547,55 @@ impl Tensor {
         });
         let out = Tensor::from_storage(s, (1, m, n).into(), self.device().clone(), rec);
         out.reshape([lead, vec![n]].concat())
+    }
+
+    /// `self @ rhs (+ bias)`: self (..., M, K), rhs (K, N), bias (N); a linear layer's
+    /// base GEMM, recorded as one product (`Op::Addmm`) whatever the bias. With `keep`, the
+    /// output is one a checkpoint may keep (`crate::autograd::Keep`): logged in a keeping
+    /// checkpoint's forward and, in its re-run, taken from the log instead of computed, the
+    /// graph recorded as if computed (so gradients flow to self, rhs and bias alike).
+    pub(crate) fn linear_product(
+        &self,
+        rhs: &Tensor,
+        bias: Option<&Tensor>,
+        keep: Option<KeptKind>,
+    ) -> Result<Tensor> {
+        let (lead, m, k, n) = linear_dims("linear", self, rhs)?;
+        let a3 = self.reshape((1, m, k))?;
+        let b3 = rhs.reshape((1, k, n))?;
+        let compute = || -> Result<Vec<Tensor>> {
+            let _g = crate::no_grad();
+            Ok(vec![match bias {
+                Some(b) => self.matmul_bias(rhs, b)?.reshape((1, m, n))?,
+                None => a3.matmul3(&b3)?,
+            }])
+        };
+        let y = match keep {
+            Some(kind) => kept_or(kind, compute)?,
+            None => compute()?,
+        };
+        let [y] = <[Tensor; 1]>::try_from(y).map_err(|v| {
+            Error::Autograd(format!("kept linear: {} tensors, expected 1", v.len()))
+        })?;
+        if y.dims() != [1, m, n] || y.dtype() != self.dtype() {
+            return Err(Error::Autograd(format!(
+                "kept linear output {:?} {} does not fit this call (1, {m}, {n}) {}: the \
+                 checkpoint's re-run differs from its forward",
+                y.dims(),
+                y.dtype(),
+                self.dtype()
+            )));
+        }
+        let mut inputs = vec![&a3, &b3];
+        inputs.extend(bias);
+        let rec = record(&inputs, || Op::Addmm {
+            c: None,
+            a: a3.clone(),
+            b: b3.clone(),
+            bias: bias.cloned(),
+        });
+        y.view(y.layout().clone(), rec)
+            .reshape([lead, vec![n]].concat())
     }
 
     /// `self + a @ b`: self (..., M, N), a (..., M, K) with the same leading dims, b (K, N).

@@ -127,6 +127,7 @@ pub(crate) fn plan_memory(
                 prefetch: mem.prefetch,
                 keep: crate::autograd::Keep {
                     attention: mem.keep_attention,
+                    down_projections: mem.keep_down_projections,
                 },
                 stream_prefixes: None,
                 offload_inputs: mem.offload_inputs,

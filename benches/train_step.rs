@@ -7,7 +7,8 @@
 //! The memory plan: `--budget GB` lets the planner choose (its plan and predicted peak are
 //! printed; the allocator is capped at the budget), or by hand `--checkpoint
 //! none|all|every:N`, `--stream N` (N blocks spread evenly over the model), `--prefetch K`,
-//! `--keep-attention`, `--keep-down` (the down-projections' outputs); `--headroom GB` plans
+//! `--keep-attention`, `--keep-down` (the down-projections' outputs), `--raw-wire` (streamed
+//! bf16 weights cross the link uncoded, with the planner too); `--headroom GB` plans
 //! for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
 //! in FP8 E4M3, `--adam8bit` uses 8-bit AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
@@ -157,11 +158,22 @@ fn run<M: ModelSpec>(
             });
             // `--no-offload`: the planner without the plans that offload block inputs (to
             // time what offloading gains).
-            let candidates: Vec<Plan> = profile
+            // `--raw-wire`: streamed weights cross uncoded (to time what the code gains).
+            let mut candidates: Vec<Plan> = profile
                 .candidates()
                 .into_iter()
                 .filter(|p| !(args.flag("--no-offload") && p.offload_inputs))
+                .map(|mut p| {
+                    p.wire_code &= !args.flag("--raw-wire");
+                    p
+                })
                 .collect();
+            candidates.sort_by(|a, b| {
+                profile
+                    .cost(a)
+                    .total_cmp(&profile.cost(b))
+                    .then(profile.peak(a).cmp(&profile.peak(b)))
+            });
             match profile.plan_among(b.saturating_sub(headroom), candidates) {
                 Ok(p) => p.plan,
                 Err(e) => {
@@ -201,6 +213,7 @@ fn run<M: ModelSpec>(
                     down_projections: args.flag("--keep-down"),
                 },
                 offload_inputs: args.flag("--offload"),
+                wire_code: !args.flag("--raw-wire"),
             }
         }
     };
@@ -227,6 +240,7 @@ fn run<M: ModelSpec>(
             .filter(|p| plan.streamed.contains(p))
             .collect();
         let s = BlockStreamer::new(&dev, order, plan.prefetch.max(1));
+        s.set_wire_code(plan.wire_code)?;
         vb = vb.with_streamer(s.clone())?;
         Some(s)
     };
@@ -455,7 +469,7 @@ fn run<M: ModelSpec>(
         .iter()
         .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
         .sum();
-    let (streamed_gib, per_step) = match &streamer {
+    let (streamed_gib, per_step, decoded_per_step) = match &streamer {
         Some(s) => {
             let r = s.report()?;
             if r.timed_uploads > 0 {
@@ -469,9 +483,13 @@ fn run<M: ModelSpec>(
                     r.uploads
                 );
             }
-            (gib(r.host_bytes), gib(r.uploaded_bytes) / 4.0)
+            (
+                gib(r.host_bytes),
+                gib(r.uploaded_bytes) / 4.0,
+                gib(r.decoded_bytes) / 4.0,
+            )
         }
-        None => (0.0, 0.0),
+        None => (0.0, 0.0, 0.0),
     };
     if let Some(o) = &offload {
         let r = o.report()?;
@@ -492,7 +510,7 @@ fn run<M: ModelSpec>(
         _ => "none".into(),
     };
     println!(
-        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}, batch {batch} on {world} GPU(s), {:.3} samples/s): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB, peak while stepping {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step | cache evictions {evictions:.1}/step, pool trims {flushes:.1}/step, beyond the arena {overflows:.1}/step",
+        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}, batch {batch} on {world} GPU(s), {:.3} samples/s): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB, peak while stepping {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step ({decoded_per_step:.2} GiB of weights) | cache evictions {evictions:.1}/step, pool trims {flushes:.1}/step, beyond the arena {overflows:.1}/step",
         n_params as f64 / 1e6,
         if fp8 { "fp8" } else { "bf16" },
         if adam8bit { "AdamW8bit" } else { "AdamW" },

@@ -598,24 +598,72 @@ impl HostCopy {
 }
 
 /// Several host copies joined for one upload (`Device::upload_pack`): on a GPU one
-/// page-locked buffer brought in by one copy into one device allocation; on the CPU backend
-/// the copies as they are.
+/// page-locked buffer brought into one device allocation; on the CPU backend the copies as
+/// they are. Either way bf16 parts may be held in the host link's lossless code
+/// (`crate::backend::wire`) and decoded at each upload.
 pub(crate) enum HostPack {
     #[cfg(feature = "cpu-ref")]
-    Cpu(Vec<CpuStorage>),
+    Cpu(Vec<CpuPart>),
     #[cfg(feature = "cuda")]
     Cuda(crate::backend::cuda::PinnedPack),
 }
 
+/// A part of a CPU pack: the values, or a bf16 tensor's code.
+#[cfg(feature = "cpu-ref")]
+pub(crate) enum CpuPart {
+    Raw(CpuStorage),
+    Coded(crate::backend::wire::Coded),
+}
+
 impl HostPack {
+    /// Bytes the parts take on the device.
     pub(crate) fn bytes(&self) -> usize {
         match self {
             #[cfg(feature = "cpu-ref")]
-            HostPack::Cpu(v) => v.iter().map(|s| s.len() * s.dtype().size_in_bytes()).sum(),
+            HostPack::Cpu(v) => v
+                .iter()
+                .map(|p| match p {
+                    CpuPart::Raw(s) => s.len() * s.dtype().size_in_bytes(),
+                    CpuPart::Coded(c) => 2 * c.layout.len,
+                })
+                .sum(),
             #[cfg(feature = "cuda")]
             HostPack::Cuda(p) => p.bytes(),
         }
     }
+
+    /// Bytes an upload moves over the host link (the coded parts at their coded size).
+    pub(crate) fn wire_bytes(&self) -> usize {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(v) => v
+                .iter()
+                .map(|p| match p {
+                    CpuPart::Raw(s) => s.len() * s.dtype().size_in_bytes(),
+                    CpuPart::Coded(c) => c.bytes.len(),
+                })
+                .sum(),
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.wire_bytes(),
+        }
+    }
+
+    /// Device bytes an upload stages its coded parts in before decoding them (0 on the CPU
+    /// backend, which decodes from host memory).
+    pub(crate) fn staging_bytes(&self) -> usize {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(_) => 0,
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.staging_bytes(),
+        }
+    }
+}
+
+/// Device memory that coded uploads land in before their decode (`Device::staging`).
+pub(crate) enum Staging {
+    #[cfg(feature = "cuda")]
+    Cuda(std::sync::Arc<crate::backend::cuda::Packed>),
 }
 
 /// What the compute work must wait for before reading an uploaded storage.
@@ -741,7 +789,7 @@ impl Device {
 
     /// The host copies `hs` joined, in order, for `upload_pack` (on a GPU: copied into one
     /// new page-locked buffer; `hs` may be dropped after).
-    pub(crate) fn pack(&self, hs: &[&HostCopy]) -> Result<HostPack> {
+    pub(crate) fn pack(&self, hs: &[&HostCopy], code: bool) -> Result<HostPack> {
         let other = || crate::Error::DeviceMismatch {
             op: "pack",
             lhs: self.location(),
@@ -752,7 +800,14 @@ impl Device {
             Device::Cpu => hs
                 .iter()
                 .map(|h| match h {
-                    HostCopy::Cpu(s) => Ok(s.clone()),
+                    HostCopy::Cpu(CpuStorage::BF16(v)) if code => {
+                        let bits: Vec<u16> = v.iter().map(|x| x.to_bits()).collect();
+                        Ok(match crate::backend::wire::encode(&bits) {
+                            Some(c) => CpuPart::Coded(c),
+                            None => CpuPart::Raw(CpuStorage::BF16(v.clone())),
+                        })
+                    }
+                    HostCopy::Cpu(s) => Ok(CpuPart::Raw(s.clone())),
                     #[allow(unreachable_patterns)]
                     _ => Err(other()),
                 })
@@ -768,7 +823,7 @@ impl Device {
                         _ => Err(other()),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                Ok(HostPack::Cuda(d.pack(&pinned)?))
+                Ok(HostPack::Cuda(d.pack(&pinned, code)?))
             }
             #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
             Device::None(n) => match *n {},
@@ -780,7 +835,12 @@ impl Device {
     /// at least `slot` bytes filled by one copy, which returns to the cache when the last of
     /// them drops.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    pub(crate) fn upload_pack(&self, p: &HostPack, slot: usize) -> Result<(Vec<Storage>, Ticket)> {
+    pub(crate) fn upload_pack(
+        &self,
+        p: &HostPack,
+        slot: usize,
+        staging: Option<&Staging>,
+    ) -> Result<(Vec<Storage>, Ticket)> {
         let other = || crate::Error::DeviceMismatch {
             op: "upload",
             lhs: self.location(),
@@ -789,11 +849,29 @@ impl Device {
         match (self, p) {
             #[cfg(feature = "cpu-ref")]
             (Device::Cpu, HostPack::Cpu(v)) => {
-                Ok((v.iter().cloned().map(Storage::Cpu).collect(), Ticket::Ready))
+                let storages = v
+                    .iter()
+                    .map(|p| match p {
+                        CpuPart::Raw(s) => Ok(Storage::Cpu(s.clone())),
+                        CpuPart::Coded(c) => {
+                            let mut bits = vec![0u16; c.layout.len];
+                            crate::backend::wire::decode(&c.layout, c.base, &c.bytes, &mut bits)?;
+                            Ok(Storage::Cpu(CpuStorage::BF16(
+                                bits.into_iter().map(half::bf16::from_bits).collect(),
+                            )))
+                        }
+                    })
+                    .collect::<Result<_>>()?;
+                Ok((storages, Ticket::Ready))
             }
             #[cfg(feature = "cuda")]
             (Device::Cuda(d), HostPack::Cuda(p)) => {
-                let (storages, u) = d.upload_pack(p, slot)?;
+                let staging = match staging {
+                    Some(Staging::Cuda(s)) => Some(s),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                };
+                let (storages, u) = d.upload_pack(p, slot, staging)?;
                 Ok((
                     storages.into_iter().map(Storage::Cuda).collect(),
                     Ticket::Cuda(u),
@@ -801,6 +879,16 @@ impl Device {
             }
             #[allow(unreachable_patterns)]
             _ => Err(other()),
+        }
+    }
+
+    /// Device memory of `bytes` for coded uploads to stage in (`upload_pack`); `None` on the
+    /// CPU backend or for 0 bytes.
+    pub(crate) fn staging(&self, bytes: usize) -> Result<Option<Staging>> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) if bytes > 0 => Ok(Some(Staging::Cuda(d.alloc_staging(bytes)?))),
+            _ => Ok(None),
         }
     }
 

@@ -15,6 +15,14 @@ use std::sync::Arc;
 
 const CPU: Device = Device::Cpu;
 
+/// The CUDA tests of this file one at a time: they share the device, and one reads its
+/// memory counters.
+#[cfg(feature = "cuda")]
+fn cuda_alone() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn randn(shape: &[usize], seed: u64) -> Tensor {
     randn_on(shape, seed, &CPU)
 }
@@ -345,6 +353,7 @@ fn flux_blocks_checkpointed_or_streamed_give_the_resident_gradients() {
 #[test]
 #[ignore = "needs a GPU (run with --include-ignored on the GPU machine)"]
 fn flux_blocks_streamed_on_cuda_give_the_resident_gradients() {
+    let _one = cuda_alone();
     let Ok(dev) = Device::cuda(0) else {
         panic!("no CUDA device");
     };
@@ -500,6 +509,113 @@ fn a_released_streamed_weight_is_an_error_to_read_and_comes_back_when_fetched() 
     assert!(s.adopt(0, &t).is_err());
 }
 
+/// bf16 weights of a streamed block (odd sizes, zeros, subnormals, infinities, NaNs and wide
+/// exponents among normal values) stream through the link's lossless code and come back bit
+/// for bit on `dev`; with the code off they cross as they are. Returns (uploaded, decoded)
+/// bytes of one fetch with the code on.
+fn wire_round_trip(dev: &Device) -> (u64, u64) {
+    let sizes = [1usize, 300, 511, 512, 513, 4097, 70_001];
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let values: Vec<Vec<u16>> = sizes
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|i| match i % 89 {
+                    0 => 0x0000,
+                    1 => 0x8000,
+                    2 => 0x0003,
+                    3 => 0xFF80,
+                    4 => 0x7FC0,
+                    5 => 0x7F7F,
+                    _ => {
+                        let u: f32 = (0..4)
+                            .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32)
+                            .sum();
+                        ((0.05 * (u - 2.0)).to_bits() >> 16) as u16
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let mut report = (0, 0);
+    for code in [true, false] {
+        let s = BlockStreamer::new(dev, vec!["blk".into()], 1);
+        s.set_wire_code(code).unwrap();
+        let mut ws: Vec<Tensor> = values
+            .iter()
+            .map(|v| {
+                let b: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_bits(x)).collect();
+                Tensor::from_vec(b, v.len(), dev).unwrap()
+            })
+            .collect();
+        ws.push(Tensor::randn(33, DType::F32, dev, 7).unwrap());
+        let handles: Vec<Tensor> = ws.iter().map(|w| s.adopt(0, w).unwrap()).collect();
+        drop(ws);
+        let exec = BlockExec {
+            streamer: Some(s.clone()),
+            ..Default::default()
+        };
+        let hs = handles.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        exec.run("blk", 0, &[randn_on(&[1], 4, dev)], move |_| {
+            let got: Vec<Vec<u16>> = hs[..hs.len() - 1]
+                .iter()
+                .map(|t| {
+                    t.to_vec::<half::bf16>()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect()
+                })
+                .collect();
+            tx.send(got).unwrap();
+            Ok(vec![hs[0].affine(1.0, 0.0)?])
+        })
+        .unwrap();
+        assert_eq!(rx.recv().unwrap(), values, "fetched values, code {code}");
+        let r = s.report().unwrap();
+        assert_eq!(r.uploads, 1);
+        if code {
+            // The large tensors go coded (12 bits a value and the escapes).
+            assert!(
+                (r.uploaded_bytes as f64) < 0.8 * r.decoded_bytes as f64,
+                "{r:?}"
+            );
+            report = (r.uploaded_bytes, r.decoded_bytes);
+        } else {
+            assert_eq!(r.uploaded_bytes, r.decoded_bytes, "{r:?}");
+        }
+        s.release_all().unwrap();
+        // The wire code is chosen before the first fetch.
+        assert!(s.set_wire_code(!code).is_err());
+    }
+    report
+}
+
+#[test]
+fn bf16_weights_stream_in_the_wire_code_and_come_back_bit_for_bit() {
+    wire_round_trip(&CPU);
+}
+
+/// The same through pinned memory, the staging buffer and cuda/wire.cu's decoder.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bf16_weights_stream_in_the_wire_code_on_cuda() {
+    let _one = cuda_alone();
+    let dev = Device::cuda(0).expect("a CUDA GPU");
+    let on_cpu = wire_round_trip(&CPU);
+    let (uploaded, decoded) = wire_round_trip(&dev);
+    // The same code on both backends; the GPU's pack adds only alignment.
+    assert!(decoded >= on_cpu.1 && uploaded >= on_cpu.0 && uploaded < on_cpu.0 + 8 * 256);
+}
+
 /// On a GPU a streamed block's weights (of several dtypes) come in as one allocation, cut
 /// into one buffer per weight: counted once, exact values, and back in the cache (all of it)
 /// when the block is released.
@@ -507,6 +623,7 @@ fn a_released_streamed_weight_is_an_error_to_read_and_comes_back_when_fetched() 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_streamed_block_comes_in_as_one_allocation_and_goes_back_whole() {
+    let _one = cuda_alone();
     let dev = Device::cuda(0).expect("a CUDA GPU");
     let Device::Cuda(cuda) = &dev else {
         unreachable!()
@@ -681,8 +798,11 @@ fn offloaded_block_inputs_give_the_same_gradients_and_come_back_ahead() {
 #[ignore = "needs a CUDA GPU"]
 fn offloaded_block_inputs_on_cuda_give_the_same_gradients() {
     #[cfg(feature = "cuda")]
-    match Device::cuda(0) {
-        Ok(gpu) => check_offload(&gpu),
-        Err(e) => eprintln!("skipping: no CUDA device ({e})"),
+    {
+        let _one = cuda_alone();
+        match Device::cuda(0) {
+            Ok(gpu) => check_offload(&gpu),
+            Err(e) => eprintln!("skipping: no CUDA device ({e})"),
+        }
     }
 }

@@ -49,6 +49,8 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
             ..Keep::NONE
         },
         offload_inputs: false,
+        // The measured rows streamed uncoded.
+        wire_code: false,
     }
 }
 
@@ -128,6 +130,19 @@ fn flux_dev_predictions_match_the_h100_measurements() {
                 ..plan(all, bf.stream_order()[..20].to_vec(), 1, true)
             },
             23.48,
+        ),
+        (
+            "all + down-projections + 50 smallest streamed, coded (session 26)",
+            &bf,
+            Plan {
+                keep: Keep {
+                    attention: false,
+                    down_projections: true,
+                },
+                wire_code: true,
+                ..plan(all, bf.stream_order()[..50].to_vec(), 2, false)
+            },
+            11.49,
         ),
         (
             "fp8 all streamed, AdamW8bit",
@@ -467,6 +482,38 @@ fn flux_dev_step_times_match_the_h100_measurements() {
             "16 GiB: all + attention + down-projections + 46 streamed",
             kept(46, 2, true),
             603.0,
+        ),
+    ]);
+    // Streamed weights in the link's lossless code, the copy stream at high priority
+    // (session 26, resident 383.1 / 383.7 ms in that call).
+    let coded = |k: usize, attention: bool, down: bool| Plan {
+        keep: Keep {
+            attention,
+            down_projections: down,
+        },
+        wire_code: true,
+        ..plan(all, first(k), 2, attention)
+    };
+    let rows = rows.chain([
+        (
+            "12 GiB coded: all + down-projections + 50 streamed",
+            coded(50, false, true),
+            628.6,
+        ),
+        (
+            "16 GiB coded: all + attention + down-projections + 47 streamed",
+            coded(47, true, true),
+            576.1,
+        ),
+        (
+            "24 GiB coded: all + attention + down-projections + 23 streamed",
+            coded(23, true, true),
+            498.6,
+        ),
+        (
+            "8 GiB coded: all + 54 streamed",
+            coded(54, false, false),
+            722.3,
         ),
     ]);
     // FP8 base weights, resident (a third call: 420.2 ms against bf16's 385.4 there), and

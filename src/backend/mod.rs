@@ -11,6 +11,7 @@ pub mod multi;
 pub mod quant8;
 #[cfg_attr(not(any(feature = "cpu-ref", feature = "cuda")), allow(dead_code))]
 pub(crate) mod validate;
+pub mod wire;
 
 use crate::{CpuStorage, DType, Layout, Result, Shape};
 

@@ -144,6 +144,9 @@ pub struct MemoryPlan {
     pub stream_prefixes: Option<Vec<String>>,
     /// Checkpointed blocks keep their inputs in host memory (`stream::InputOffload`).
     pub offload_inputs: bool,
+    /// Streamed bf16 weights cross the host link in its lossless code
+    /// (`BlockStreamer::set_wire_code`).
+    pub wire_code: bool,
 }
 
 impl MemoryPlan {
@@ -156,6 +159,7 @@ impl MemoryPlan {
             keep: plan.keep,
             stream_prefixes: Some(plan.streamed.clone()),
             offload_inputs: plan.offload_inputs,
+            wire_code: plan.wire_code,
         }
     }
 }
@@ -306,6 +310,7 @@ pub fn load_as<M: ModelSpec>(
     };
     let streamer = if !chosen.is_empty() {
         let s = BlockStreamer::new(&opts.device, chosen, plan.prefetch.max(1));
+        s.set_wire_code(plan.wire_code)?;
         vb = vb.with_streamer(s.clone())?;
         Some(s)
     } else {
@@ -425,6 +430,8 @@ pub fn profile_config<M: ModelSpec>(
                 attention_bytes,
                 down_bytes: 0,
                 down_weight_bytes: 0,
+                wire_bytes: 0,
+                coded_bytes: 0,
                 compute: 0.0,
                 decode_bytes: 0,
             }
@@ -438,6 +445,17 @@ pub fn profile_config<M: ModelSpec>(
         }) {
             Some((b, sh)) => {
                 b.weight_bytes += bytes(t);
+                // The link's lossless code takes bf16 tensors of a few chunks or more at
+                // 12 bits a value plus the escapes (a few per thousand on normal values: 1 in
+                // 256 assumed) and its per-chunk counts.
+                let n = t.elem_count();
+                if t.dtype() == DType::BF16 && n >= 2 * crate::backend::wire::CHUNK {
+                    let coded = crate::backend::wire::Layout::new(n, n / 256).bytes as u64;
+                    b.wire_bytes += coded;
+                    b.coded_bytes += coded;
+                } else {
+                    b.wire_bytes += bytes(t);
+                }
                 // FP8 codes are the u32 tensors (four codes a word).
                 let fp8 = t.dtype() == DType::U32;
                 if fp8 {

@@ -36,6 +36,12 @@ pub struct BlockCost {
     pub prefix: String,
     /// Bytes of its frozen weights as stored on the device (bf16, or FP8 codes + scales).
     pub weight_bytes: u64,
+    /// Bytes of those weights on the host link when bf16 weights cross coded
+    /// (`crate::backend::wire`; estimated from their sizes at the code's ratio on normal
+    /// values).
+    pub wire_bytes: u64,
+    /// Bytes of the coded weights among `wire_bytes` (the staging an upload needs).
+    pub coded_bytes: u64,
     /// Bytes of its inputs: what a checkpoint keeps.
     pub input_bytes: u64,
     /// Bytes its forward keeps for the backward when it runs resident.
@@ -83,6 +89,9 @@ pub struct Plan {
     pub keep: Keep,
     /// Checkpointed blocks keep their inputs in host memory (`InputOffload`).
     pub offload_inputs: bool,
+    /// Streamed bf16 weights cross the host link in its lossless code
+    /// (`BlockStreamer::set_wire_code`): fewer bytes copied, a staging buffer on the device.
+    pub wire_code: bool,
 }
 
 impl Plan {
@@ -121,9 +130,10 @@ impl std::fmt::Display for Plan {
         if !self.streamed.is_empty() {
             write!(
                 f,
-                ", {} blocks streamed from host memory (prefetch {})",
+                ", {} blocks streamed from host memory (prefetch {}{})",
                 self.streamed.len(),
-                self.prefetch
+                self.prefetch,
+                if self.wire_code { ", coded" } else { "" }
             )?;
         }
         Ok(())
@@ -210,6 +220,16 @@ pub mod cost_model {
     /// resident step ran 420.2 ms against bf16's 385.4 in the same call (two uses a step of
     /// 11.0 GiB of codes; 452.2 ms before the decode's 16-byte kernel).
     pub const DECODE_MS_PER_GIB: f64 = 1.6;
+    /// Decoding weights that crossed the link coded, ms per GiB of bf16 out, on the copy
+    /// stream after each copy (so on the link's clock; the stream runs at the highest
+    /// priority): at 12 GiB the copy stream was busy 549.8 ms a step for 24.9 GiB coded,
+    /// 33.0 GiB out (session 26), against 29.2 GiB uncoded in 622.3 ms in the same call.
+    pub const WIRE_DECODE_MS_PER_GIB: f64 = 1.0;
+    /// The same decodes' cost to the compute stream, ms per GiB out: the SMs they take from
+    /// it (the decoder reads 0.38 GiB and writes 1 GiB per GiB out, about 0.5 ms at the
+    /// H100's ~2.7 TB/s). At 24 GiB, where the link has room, it makes the uncoded plan the
+    /// faster: 490.9 ms against 498.6 coded in one call.
+    pub const WIRE_DECODE_COMPUTE_MS_PER_GIB: f64 = 0.5;
     /// Plans predicted within this fraction of the fastest fitting one's step count as
     /// equally fast (the model's error on the measured steps reaches 2.1%): of those the
     /// planner takes the smallest peak, which leaves the allocator the most room (FP8 at
@@ -272,6 +292,14 @@ impl MemoryProfile {
             }
         };
         let link_ms = |bytes: u64| bytes as f64 / GIB / UPLOAD_GIB_PER_S * 1e3;
+        // A streamed block's time on the link: its bytes, coded or not, and the decode.
+        let upload_ms = |b: &BlockCost| {
+            if plan.wire_code {
+                link_ms(b.wire_bytes) + WIRE_DECODE_MS_PER_GIB * b.coded_bytes as f64 / GIB
+            } else {
+                link_ms(b.weight_bytes)
+            }
+        };
         let is_streamed: Vec<bool> = self
             .blocks
             .iter()
@@ -298,13 +326,19 @@ impl MemoryProfile {
                      t: f64,
                      j: usize,
                      ks: &mut dyn Iterator<Item = usize>| {
+            // The decodes of the uploads issued here take the compute stream's time too.
+            let mut decodes = 0.0;
             for k in ks {
                 if ready[k].is_none() {
-                    *link = link.max(t) + link_ms(self.blocks[order[k]].weight_bytes);
+                    let b = &self.blocks[order[k]];
+                    *link = link.max(t) + upload_ms(b);
                     ready[k] = Some(*link);
+                    if plan.wire_code {
+                        decodes += WIRE_DECODE_COMPUTE_MS_PER_GIB * b.coded_bytes as f64 / GIB;
+                    }
                 }
             }
-            t.max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK
+            t.max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK + decodes
         };
         // Compute clock, link clock (host to device), the other direction's clock (its last
         // copy out, which the next checkpointed block's packing waits for).
@@ -437,7 +471,24 @@ impl MemoryProfile {
             .max()
             .unwrap_or(0);
         held += 2 * offloaded;
-        weights + 2 * self.trainable_bytes + self.optimizer_bytes + held + work + self.fixed_bytes
+        // Coded uploads land in one staging buffer: the largest streamed block's coded bytes.
+        let staging = if plan.wire_code {
+            self.blocks
+                .iter()
+                .filter(|b| plan.streamed.contains(&b.prefix))
+                .map(|b| b.coded_bytes)
+                .max()
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        weights
+            + staging
+            + 2 * self.trainable_bytes
+            + self.optimizer_bytes
+            + held
+            + work
+            + self.fixed_bytes
     }
 
     /// Bytes copied from host memory per step under `plan`, in a steady run: the forward
@@ -448,7 +499,13 @@ impl MemoryProfile {
             .blocks
             .iter()
             .filter(|b| plan.streamed.contains(&b.prefix))
-            .map(|b| b.weight_bytes)
+            .map(|b| {
+                if plan.wire_code {
+                    b.wire_bytes
+                } else {
+                    b.weight_bytes
+                }
+            })
             .collect();
         let (m, kept) = (sizes.len(), plan.prefetch + 1);
         if m <= kept {
@@ -474,6 +531,7 @@ impl MemoryProfile {
     /// to the smaller peak.
     pub fn candidates(&self) -> Vec<Plan> {
         let order = self.stream_order();
+        let codes = self.blocks.iter().any(|b| b.coded_bytes > 0);
         let n = self.blocks.len();
         let mut v = vec![];
         for checkpointing in [
@@ -497,17 +555,26 @@ impl MemoryProfile {
                             if k == 0 && prefetch == 1 {
                                 continue;
                             }
-                            v.push(Plan {
-                                checkpointing,
-                                streamed: order[..k].to_vec(),
-                                prefetch,
-                                keep: if nothing_checkpointed {
-                                    Keep::NONE
-                                } else {
-                                    keep
-                                },
-                                offload_inputs,
-                            });
+                            // Coded uploads when anything would be coded (fewer bytes on
+                            // the link, decodes taking the GPU's time; nothing to code
+                            // without streamed blocks), and uncoded.
+                            for wire_code in [codes && k > 0, false] {
+                                v.push(Plan {
+                                    checkpointing,
+                                    streamed: order[..k].to_vec(),
+                                    prefetch,
+                                    keep: if nothing_checkpointed {
+                                        Keep::NONE
+                                    } else {
+                                        keep
+                                    },
+                                    offload_inputs,
+                                    wire_code,
+                                });
+                                if !(codes && k > 0) {
+                                    break;
+                                }
+                            }
                         }
                     }
                 }
@@ -520,13 +587,15 @@ impl MemoryProfile {
         keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         let mut v: Vec<Plan> = keyed.into_iter().map(|(_, _, p)| p).collect();
         // The smallest plan, last: every block streamed with a prefetch of one, nothing kept,
-        // the inputs in host memory.
+        // the inputs in host memory, the weights uncoded.
         v.push(Plan {
             checkpointing: Checkpointing::All,
             streamed: order,
             prefetch: 1,
             keep: Keep::NONE,
             offload_inputs: true,
+            // Uncoded: the staging buffer would add to the smallest peak.
+            wire_code: false,
         });
         v
     }
@@ -648,6 +717,8 @@ mod tests {
             .map(|i| BlockCost {
                 prefix: format!("b.{i}"),
                 weight_bytes: if i < 2 { 300 } else { 100 },
+                wire_bytes: if i < 2 { 225 } else { 75 },
+                coded_bytes: if i < 2 { 225 } else { 75 },
                 input_bytes: 10,
                 saved_bytes: 200,
                 attention_bytes: 5,
@@ -792,6 +863,8 @@ mod tests {
                 .map(|i| BlockCost {
                     prefix: format!("b.{i}"),
                     weight_bytes: G,
+                    wire_bytes: G,
+                    coded_bytes: 0,
                     input_bytes: 0,
                     saved_bytes: G,
                     attention_bytes: 0,

@@ -2,7 +2,7 @@
 //! the device around each use.
 
 use crate::autograd::{CheckpointHooks, Pass};
-use crate::device::{HostCopy, HostPack, Storage, Ticket};
+use crate::device::{HostCopy, HostPack, Staging, Storage, Ticket};
 use crate::{Device, Error, Result, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -15,8 +15,11 @@ pub struct StreamReport {
     pub host_bytes: u64,
     /// Block uploads started (each brings all of a block's weights).
     pub uploads: u64,
-    /// Bytes copied to the device.
+    /// Bytes copied to the device over the host link.
     pub uploaded_bytes: u64,
+    /// Bytes those uploads put on the device: more than `uploaded_bytes` where bf16 weights
+    /// crossed in the link's lossless code (`crate::backend::wire`).
+    pub decoded_bytes: u64,
     /// Microseconds the device spent in those copies, over the copies that have finished and
     /// were timed (on a GPU; 0 on the CPU backend): `uploaded_bytes` over it is the bandwidth
     /// the streaming got.
@@ -60,6 +63,11 @@ struct State {
     /// The bytes every block's device copy takes (the largest pack), set when the packs are
     /// made.
     slot_bytes: usize,
+    /// Whether bf16 weights cross the link coded (`set_wire_code`).
+    code: bool,
+    /// Where coded uploads land before their decode (the largest pack's coded bytes), made
+    /// with the packs.
+    staging: Option<Staging>,
 }
 
 impl State {
@@ -119,6 +127,8 @@ impl BlockStreamer {
                 report: StreamReport::default(),
                 timing: vec![],
                 slot_bytes: 0,
+                code: true,
+                staging: None,
             }),
         })
     }
@@ -132,6 +142,21 @@ impl BlockStreamer {
     /// The device the blocks' weights are copied to.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Whether bf16 weights are held in host memory and cross the link in a lossless code
+    /// (`crate::backend::wire`: about a quarter fewer bytes, decoded on the device after
+    /// each copy; the values are the same bit for bit). On by default; set before the first
+    /// fetch.
+    pub fn set_wire_code(&self, on: bool) -> Result<()> {
+        let mut st = self.lock()?;
+        if st.slot_bytes > 0 {
+            return Err(Error::Stream(
+                "the wire code is chosen before the first fetch".into(),
+            ));
+        }
+        st.code = on;
+        Ok(())
     }
 
     /// The counters so far, with `blocks` the number of streamed blocks.
@@ -232,28 +257,39 @@ impl BlockStreamer {
         if b.pack.is_none() {
             self.seal(st)?;
         }
-        let slot = st.slot_bytes;
-        let Some(b) = st.blocks.get_mut(i) else {
+        let State {
+            blocks,
+            report,
+            slot_bytes,
+            staging,
+            ..
+        } = st;
+        let Some(b) = blocks.get_mut(i) else {
             return Ok(());
         };
         let Some(pack) = &b.pack else {
             return Ok(());
         };
-        let bytes = pack.bytes() as u64;
-        let (storages, ticket) = self.device.upload_pack(pack, slot)?;
+        let (wire, bytes) = (pack.wire_bytes() as u64, pack.bytes() as u64);
+        let (storages, ticket) = self
+            .device
+            .upload_pack(pack, *slot_bytes, staging.as_ref())?;
         for (p, storage) in b.params.iter_mut().zip(storages) {
             p.placeholder = Some(p.tensor.swap_storage(storage)?);
         }
         b.residency = Residency::InFlight(ticket);
-        st.report.uploads += 1;
-        st.report.uploaded_bytes += bytes;
+        report.uploads += 1;
+        report.uploaded_bytes += wire;
+        report.decoded_bytes += bytes;
         Ok(())
     }
 
     /// Joins every block's weights into its pack (at the first fetch: every weight has been
-    /// adopted by then), and sets the slot size every upload takes: the largest pack, so a
-    /// released block's memory holds any block's next (no pieces between packs of different
-    /// sizes under a cap's arena).
+    /// adopted by then), bf16 weights coded when `code` is on, and sets the slot size every
+    /// upload takes: the largest pack, so a released block's memory holds any block's next
+    /// (no pieces between packs of different sizes under a cap's arena); and makes the
+    /// staging buffer coded uploads land in (the largest pack's coded bytes: uploads run one
+    /// after another on the copy stream, each decoded before the next copy starts).
     fn seal(&self, st: &mut State) -> Result<()> {
         for b in &mut st.blocks {
             if b.pack.is_some() || b.params.is_empty() {
@@ -267,7 +303,7 @@ impl BlockStreamer {
                 .ok_or_else(|| {
                     Error::Stream(format!("block {}: a weight lost its values", b.prefix))
                 })?;
-            b.pack = Some(self.device.pack(&hosts)?);
+            b.pack = Some(self.device.pack(&hosts, st.code)?);
             for p in &mut b.params {
                 p.host = None;
             }
@@ -278,6 +314,13 @@ impl BlockStreamer {
             .filter_map(|b| b.pack.as_ref().map(HostPack::bytes))
             .max()
             .unwrap_or(0);
+        let staging = st
+            .blocks
+            .iter()
+            .filter_map(|b| b.pack.as_ref().map(HostPack::staging_bytes))
+            .max()
+            .unwrap_or(0);
+        st.staging = self.device.staging(staging)?;
         Ok(())
     }
 

@@ -131,6 +131,7 @@ pub(crate) fn plan_memory(
                 },
                 stream_prefixes: None,
                 offload_inputs: mem.offload_inputs,
+                wire_code: mem.wire_code,
             };
             let prof = profile(config, family, opts, sample)?;
             let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
@@ -140,6 +141,7 @@ pub(crate) fn plan_memory(
                 prefetch: plan.prefetch,
                 keep: plan.keep,
                 offload_inputs: plan.offload_inputs,
+                wire_code: plan.wire_code,
             };
             MemoryChoice {
                 summary: format!("{as_plan} (as configured)"),

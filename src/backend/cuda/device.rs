@@ -210,8 +210,11 @@ impl CudaDevice {
     }
 
     /// The stream that streaming copies run on (host.rs), made on first use.
+    /// At the highest priority: the decodes of coded uploads (host.rs) run on it, and their
+    /// blocks go ahead of the compute stream's queued ones, so the next copy is not held
+    /// behind a GEMM.
     pub(crate) fn copy_stream(&self) -> Result<&Arc<CudaStream>> {
-        self.lazy_stream(&self.0.copy, "copy")
+        self.lazy_stream_at(&self.0.copy, "copy", true)
     }
 
     /// The stream that offloaded activations' copies run on (host.rs), made on first use.
@@ -229,12 +232,26 @@ impl CudaDevice {
         cell: &'a OnceLock<Arc<CudaStream>>,
         what: &'static str,
     ) -> Result<&'a Arc<CudaStream>> {
+        self.lazy_stream_at(cell, what, false)
+    }
+
+    /// `lazy_stream`, at the context's highest stream priority when `high`.
+    fn lazy_stream_at<'a>(
+        &self,
+        cell: &'a OnceLock<Arc<CudaStream>>,
+        what: &'static str,
+        high: bool,
+    ) -> Result<&'a Arc<CudaStream>> {
         if cell.get().is_none() {
-            let s = self
-                .0
-                .ctx
-                .new_stream()
-                .map_err(|e| Error::Cuda(format!("creating the {what} stream: {e:?}")))?;
+            let err = |e| Error::Cuda(format!("creating the {what} stream: {e:?}"));
+            let s = if high {
+                self.0.ctx.bind_to_thread().map_err(err)?;
+                let (_, greatest) =
+                    cudarc::driver::result::stream::get_priority_range().map_err(err)?;
+                self.0.ctx.new_stream_with_priority(greatest).map_err(err)?
+            } else {
+                self.0.ctx.new_stream().map_err(err)?
+            };
             // A racing thread may have set it first; either stream serves.
             let _ = cell.set(s);
         }

@@ -15,10 +15,12 @@
 //!   stream instead; uploads from it run on that stream too, so they follow the write, and
 //!   the host never reads it.
 
+use super::memory::Packed;
 use super::storage::{Buf, CudaStorage};
 use super::{cuda_err, CudaDevice};
 use crate::{DType, Error, Result};
-use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
+use cudarc::driver::{result, CudaEvent, CudaStream, PinnedHostSlice};
+use std::sync::Arc;
 
 /// A device buffer's bytes in page-locked host memory.
 pub struct PinnedBuf {
@@ -67,31 +69,66 @@ const TIMED: Option<cudarc::driver::sys::CUevent_flags> =
 /// cuBLAS and the vectorised kernels expect of a buffer's start).
 pub(crate) const PACK_ALIGN: usize = 256;
 
-/// Several device buffers' bytes in one page-locked host buffer, each part at a multiple of
-/// `PACK_ALIGN`: a streamed block's weights, uploaded by one copy into one device buffer
-/// (`upload_pack`).
+/// Several device buffers' bytes in one page-locked host buffer: a streamed block's weights,
+/// uploaded into one device allocation (`upload_pack`), each part at a multiple of
+/// `PACK_ALIGN` there. Parts sent as they are come first, at their device offsets (one copy
+/// brings them all); bf16 parts in the link's lossless code (`crate::backend::wire`) follow,
+/// copied into a staging buffer and decoded into place on the copy stream.
 pub struct PinnedPack {
     host: PinnedHostSlice<u8>,
-    /// (byte offset, dtype, elements) of each part, in the order given to `pack`.
-    parts: Vec<(usize, DType, usize)>,
-    /// Bytes up to the end of the last part.
+    /// Each part, in the order given to `pack`.
+    parts: Vec<PackPart>,
+    /// Device bytes: up to the end of the last part.
     used: usize,
+    /// Host bytes `[0, raw)`: the uncoded parts, laid out as on the device.
+    raw: usize,
+    /// Where the coded parts' bytes start in the host buffer, and how many there are.
+    coded_at: usize,
+    coded: usize,
+}
+
+/// One part of a pack: its place in the device allocation and, when coded, in the coded
+/// bytes.
+struct PackPart {
+    at: usize,
+    dtype: DType,
+    len: usize,
+    coded: Option<CodedPart>,
+}
+
+struct CodedPart {
+    /// Offset in the coded bytes (a multiple of `PACK_ALIGN`).
+    wire: usize,
+    layout: crate::backend::wire::Layout,
+    base: u8,
 }
 
 impl std::fmt::Debug for PinnedPack {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "PinnedPack({} parts, {} bytes)",
+            "PinnedPack({} parts, {} bytes on the device, {} on the link)",
             self.parts.len(),
-            self.used
+            self.used,
+            self.wire_bytes()
         )
     }
 }
 
 impl PinnedPack {
+    /// Bytes the parts take on the device.
     pub fn bytes(&self) -> usize {
         self.used
+    }
+
+    /// Bytes an upload copies over the link.
+    pub fn wire_bytes(&self) -> usize {
+        self.raw + self.coded
+    }
+
+    /// Bytes of coded parts: the staging an upload needs.
+    pub fn staging_bytes(&self) -> usize {
+        self.coded
     }
 }
 
@@ -208,30 +245,99 @@ impl CudaDevice {
         Ok((storages, Upload(event, None)))
     }
 
-    /// The buffers `ps` copied, in order, into one new page-locked buffer (each part at a
-    /// multiple of `PACK_ALIGN`), for `upload_pack`. A host copy: returns when done.
-    pub(crate) fn pack(&self, ps: &[&PinnedBuf]) -> Result<PinnedPack> {
-        let mut parts = Vec::with_capacity(ps.len());
+    /// The buffers `ps` copied, in order, into one new page-locked buffer, for
+    /// `upload_pack`; with `code`, bf16 buffers that the link's lossless code shrinks go
+    /// coded (`crate::backend::wire`, encoded here on the host's cores). A host copy:
+    /// returns when done.
+    pub(crate) fn pack(&self, ps: &[&PinnedBuf], code: bool) -> Result<PinnedPack> {
+        use crate::backend::wire;
+        use rayon::prelude::*;
+        let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
+        // SAFETY: a stashed buffer is written once, synchronously, and only read since.
+        let srcs = ps
+            .iter()
+            .map(|p| {
+                let bytes = p.len * p.dtype.size_in_bytes();
+                Ok(unsafe { std::slice::from_raw_parts(host_ptr(&p.host)?, bytes) })
+            })
+            .collect::<Result<Vec<&[u8]>>>()?;
+        let coded: Vec<Option<wire::Coded>> = ps
+            .par_iter()
+            .zip(&srcs)
+            .map(|(p, src)| {
+                if !code || p.dtype != DType::BF16 {
+                    return None;
+                }
+                // Pinned memory is page-aligned: the bytes are u16s in place.
+                bytemuck::try_cast_slice::<u8, u16>(src)
+                    .ok()
+                    .and_then(wire::encode)
+            })
+            .collect();
+        // Device layout: the uncoded parts first (the host buffer's first `raw` bytes mirror
+        // them), then the coded ones (whose bytes follow in the host buffer at `coded_at`).
+        let mut slots: Vec<Option<PackPart>> = ps.iter().map(|_| None).collect();
         let mut used = 0usize;
-        for p in ps {
-            let at = used.div_ceil(PACK_ALIGN) * PACK_ALIGN;
-            parts.push((at, p.dtype, p.len));
-            used = at + p.len.max(1) * p.dtype.size_in_bytes();
+        for (i, p) in ps.iter().enumerate() {
+            if coded[i].is_none() {
+                let at = align(used);
+                used = at + p.len.max(1) * p.dtype.size_in_bytes();
+                slots[i] = Some(PackPart {
+                    at,
+                    dtype: p.dtype,
+                    len: p.len,
+                    coded: None,
+                });
+            }
         }
+        let raw = used;
+        let mut wire_used = 0usize;
+        for (i, c) in coded.iter().enumerate() {
+            if let Some(c) = c {
+                let at = align(used);
+                used = at + c.layout.len.max(1) * 2;
+                let w = align(wire_used);
+                wire_used = w + c.bytes.len();
+                slots[i] = Some(PackPart {
+                    at,
+                    dtype: DType::BF16,
+                    len: c.layout.len,
+                    coded: Some(CodedPart {
+                        wire: w,
+                        layout: c.layout,
+                        base: c.base,
+                    }),
+                });
+            }
+        }
+        let parts: Vec<PackPart> = slots.into_iter().flatten().collect();
+        let coded_at = align(raw);
+        let total = coded_at + wire_used;
         // SAFETY: every byte that a copy reads is written below (the parts) or is padding,
         // which nothing reads as a value.
-        let mut host = unsafe { self.context().alloc_pinned::<u8>(used.max(1)) }
-            .map_err(|e| Error::Cuda(format!("allocating {used} bytes of pinned memory: {e:?}")))?;
+        let mut host = unsafe { self.context().alloc_pinned::<u8>(total.max(1)) }.map_err(|e| {
+            Error::Cuda(format!("allocating {total} bytes of pinned memory: {e:?}"))
+        })?;
         let dst = host
             .as_mut_slice()
             .map_err(cuda_err("reading the pinned buffer"))?;
-        for (p, &(at, dtype, len)) in ps.iter().zip(&parts) {
-            let bytes = len * dtype.size_in_bytes();
-            // SAFETY: a stashed buffer is written once, synchronously, and only read since.
-            let src = unsafe { std::slice::from_raw_parts(host_ptr(&p.host)?, bytes) };
-            dst[at..at + bytes].copy_from_slice(src);
+        for ((part, src), c) in parts.iter().zip(&srcs).zip(&coded) {
+            match (&part.coded, c) {
+                (Some(cp), Some(c)) => {
+                    let at = coded_at + cp.wire;
+                    dst[at..at + c.bytes.len()].copy_from_slice(&c.bytes);
+                }
+                _ => dst[part.at..part.at + src.len()].copy_from_slice(src),
+            }
         }
-        Ok(PinnedPack { host, parts, used })
+        Ok(PinnedPack {
+            host,
+            parts,
+            used,
+            raw,
+            coded_at,
+            coded: wire_used,
+        })
     }
 
     /// The parts of `p` as new device buffers cut from one allocation (of at least `slot`
@@ -244,7 +350,18 @@ impl CudaDevice {
         &self,
         p: &PinnedPack,
         slot: usize,
+        staging: Option<&Arc<Packed>>,
     ) -> Result<(Vec<CudaStorage>, Upload)> {
+        let staging = match (p.coded, staging) {
+            (0, _) => None,
+            (n, Some(s)) if s.len() >= n => Some(s),
+            (n, s) => {
+                return Err(Error::Stream(format!(
+                    "a coded pack needs {n} bytes of staging, has {}",
+                    s.map_or(0, |s| s.len())
+                )))
+            }
+        };
         let packed = self.alloc_packed(p.used.max(slot).max(1))?;
         let copy = self.copy_stream()?;
         copy.join(self.stream())
@@ -252,19 +369,41 @@ impl CudaDevice {
         let start = copy
             .record_event(TIMED)
             .map_err(cuda_err("recording the copy's start"))?;
+        let host = host_ptr(&p.host)?;
         // SAFETY: the pinned memory is never written after `pack`; the destination holds
-        // `used` bytes and is not read before the compute stream waits on the event.
-        let src = unsafe { std::slice::from_raw_parts(host_ptr(&p.host)?, p.used) };
-        unsafe { result::memcpy_htod_async(packed.base(), src, copy.cu_stream()) }
-            .map_err(cuda_err("copying from pinned memory"))?;
+        // `used` bytes (of which the uncoded parts take `raw`) and is not read before the
+        // compute stream waits on the event.
+        if p.raw > 0 {
+            let src = unsafe { std::slice::from_raw_parts(host, p.raw) };
+            unsafe { result::memcpy_htod_async(packed.base(), src, copy.cu_stream()) }
+                .map_err(cuda_err("copying from pinned memory"))?;
+        }
+        if let Some(staging) = staging {
+            // The staging buffer is only used on the copy stream: the previous upload's
+            // decodes, ahead in the stream, have read it by now.
+            let src = unsafe { std::slice::from_raw_parts(host.add(p.coded_at), p.coded) };
+            unsafe { result::memcpy_htod_async(staging.base(), src, copy.cu_stream()) }
+                .map_err(cuda_err("copying coded weights from pinned memory"))?;
+            for part in &p.parts {
+                if let Some(c) = &part.coded {
+                    self.decode_wire(
+                        copy,
+                        staging.base() + c.wire as u64,
+                        c,
+                        packed.base() + part.at as u64,
+                    )?;
+                }
+            }
+        }
         let event = copy
             .record_event(TIMED)
             .map_err(cuda_err("recording the copy's event"))?;
         let storages = p
             .parts
             .iter()
-            .map(|&(at, dtype, len)| {
-                let buf = match dtype {
+            .map(|part| {
+                let (at, len) = (part.at, part.len);
+                let buf = match part.dtype {
                     DType::F32 => Buf::F32(packed.part(at, len)?),
                     DType::F64 => Buf::F64(packed.part(at, len)?),
                     DType::BF16 => Buf::BF16(packed.part(at, len)?),
@@ -278,6 +417,59 @@ impl CudaDevice {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok((storages, Upload(event, Some(start))))
+    }
+
+    /// Decodes the coded bf16 part at device address `src` into `dst`, on `stream`
+    /// (cuda/wire.cu: a thread per 16 values).
+    fn decode_wire(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: u64,
+        c: &CodedPart,
+        dst: u64,
+    ) -> Result<()> {
+        use cudarc::driver::{LaunchConfig, PushKernelArg};
+        let l = &c.layout;
+        let threads = (l.padded() / 16) as u32;
+        if threads == 0 {
+            return Ok(());
+        }
+        let f = self.function("wire", "wire_decode_bf16")?;
+        let (sm, codes, offsets, escapes) = (
+            src + l.sm as u64,
+            src + l.codes as u64,
+            src + l.offsets as u64,
+            src + l.escapes as u64,
+        );
+        let (len, padded, base) = (l.len as u64, l.padded() as u64, c.base as u32);
+        let vec_out = i32::from(dst % 16 == 0);
+        let mut b = stream.launch_builder(&f);
+        b.arg(&sm);
+        b.arg(&codes);
+        b.arg(&offsets);
+        b.arg(&escapes);
+        b.arg(&dst);
+        b.arg(&len);
+        b.arg(&padded);
+        b.arg(&base);
+        b.arg(&vec_out);
+        let cfg = LaunchConfig {
+            grid_dim: (threads.div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel takes exactly these arguments; the coded bytes lie in the staging
+        // buffer (its sections padded to whole chunks, as the kernel reads them) and the output
+        // holds `len` bf16 values at `dst`, inside the pack's allocation.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| Error::Cuda(format!("launching wire_decode_bf16: {e:?}")))
+    }
+
+    /// A device buffer of `bytes` for coded uploads to land in before their decode
+    /// (`upload_pack`); used only on the copy stream.
+    pub(crate) fn alloc_staging(&self, bytes: usize) -> Result<Arc<Packed>> {
+        self.alloc_packed(bytes.max(1))
     }
 
     /// The compute stream waits for an upload (no host wait).

@@ -54,7 +54,8 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
                 "norm_bulk",
                 "random",
                 "reduce",
-                "softmax"
+                "softmax",
+                "wire"
             ]
         );
     } else {

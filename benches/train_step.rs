@@ -158,22 +158,13 @@ fn run<M: ModelSpec>(
             });
             // `--no-offload`: the planner without the plans that offload block inputs (to
             // time what offloading gains).
-            // `--raw-wire`: streamed weights cross uncoded (to time what the code gains).
-            let mut candidates: Vec<Plan> = profile
+            // `--raw-wire`: only the uncoded plans (to time what the code gains).
+            let candidates: Vec<Plan> = profile
                 .candidates()
                 .into_iter()
                 .filter(|p| !(args.flag("--no-offload") && p.offload_inputs))
-                .map(|mut p| {
-                    p.wire_code &= !args.flag("--raw-wire");
-                    p
-                })
+                .filter(|p| !(args.flag("--raw-wire") && p.wire_code))
                 .collect();
-            candidates.sort_by(|a, b| {
-                profile
-                    .cost(a)
-                    .total_cmp(&profile.cost(b))
-                    .then(profile.peak(a).cmp(&profile.peak(b)))
-            });
             match profile.plan_among(b.saturating_sub(headroom), candidates) {
                 Ok(p) => p.plan,
                 Err(e) => {

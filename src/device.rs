@@ -615,18 +615,26 @@ pub(crate) enum CpuPart {
     Coded(crate::backend::wire::Coded),
 }
 
+#[cfg(feature = "cpu-ref")]
+impl CpuPart {
+    /// (bytes on the device, bytes on the link).
+    fn bytes(&self) -> (usize, usize) {
+        match self {
+            CpuPart::Raw(s) => {
+                let b = s.len() * s.dtype().size_in_bytes();
+                (b, b)
+            }
+            CpuPart::Coded(c) => (2 * c.layout.len, c.bytes.len()),
+        }
+    }
+}
+
 impl HostPack {
     /// Bytes the parts take on the device.
     pub(crate) fn bytes(&self) -> usize {
         match self {
             #[cfg(feature = "cpu-ref")]
-            HostPack::Cpu(v) => v
-                .iter()
-                .map(|p| match p {
-                    CpuPart::Raw(s) => s.len() * s.dtype().size_in_bytes(),
-                    CpuPart::Coded(c) => 2 * c.layout.len,
-                })
-                .sum(),
+            HostPack::Cpu(v) => v.iter().map(|p| p.bytes().0).sum(),
             #[cfg(feature = "cuda")]
             HostPack::Cuda(p) => p.bytes(),
         }
@@ -636,13 +644,7 @@ impl HostPack {
     pub(crate) fn wire_bytes(&self) -> usize {
         match self {
             #[cfg(feature = "cpu-ref")]
-            HostPack::Cpu(v) => v
-                .iter()
-                .map(|p| match p {
-                    CpuPart::Raw(s) => s.len() * s.dtype().size_in_bytes(),
-                    CpuPart::Coded(c) => c.bytes.len(),
-                })
-                .sum(),
+            HostPack::Cpu(v) => v.iter().map(|p| p.bytes().1).sum(),
             #[cfg(feature = "cuda")]
             HostPack::Cuda(p) => p.wire_bytes(),
         }

@@ -558,7 +558,12 @@ impl MemoryProfile {
                             // Coded uploads when anything would be coded (fewer bytes on
                             // the link, decodes taking the GPU's time; nothing to code
                             // without streamed blocks), and uncoded.
-                            for wire_code in [codes && k > 0, false] {
+                            let codings: &[bool] = if codes && k > 0 {
+                                &[true, false]
+                            } else {
+                                &[false]
+                            };
+                            for &wire_code in codings {
                                 v.push(Plan {
                                     checkpointing,
                                     streamed: order[..k].to_vec(),
@@ -571,9 +576,6 @@ impl MemoryProfile {
                                     offload_inputs,
                                     wire_code,
                                 });
-                                if !(codes && k > 0) {
-                                    break;
-                                }
                             }
                         }
                     }

@@ -8,7 +8,9 @@
 //! printed; the allocator is capped at the budget), or by hand `--checkpoint
 //! none|all|every:N`, `--stream N` (N blocks spread evenly over the model), `--prefetch K`,
 //! `--keep-attention`, `--keep-down` (the down-projections' outputs), `--raw-wire` (streamed
-//! bf16 weights cross the link uncoded, with the planner too); `--headroom GB` plans
+//! bf16 weights cross the link uncoded, with the planner too), `--shallow` (the forward
+//! fetches only `--prefetch` ahead and the backward leaves only that many and one for it,
+//! with the planner too); `--headroom GB` plans
 //! for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
 //! in FP8 E4M3, `--adam8bit` uses 8-bit AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
@@ -164,6 +166,10 @@ fn run<M: ModelSpec>(
                 .into_iter()
                 .filter(|p| !(args.flag("--no-offload") && p.offload_inputs))
                 .filter(|p| !(args.flag("--raw-wire") && p.wire_code))
+                .map(|p| Plan {
+                    deep_prefetch: p.deep_prefetch && !args.flag("--shallow"),
+                    ..p
+                })
                 .collect();
             match profile.plan_among(b.saturating_sub(headroom), candidates) {
                 Ok(p) => p.plan,
@@ -205,6 +211,7 @@ fn run<M: ModelSpec>(
                 },
                 offload_inputs: args.flag("--offload"),
                 wire_code: !args.flag("--raw-wire"),
+                deep_prefetch: !args.flag("--shallow"),
             }
         }
     };
@@ -232,6 +239,9 @@ fn run<M: ModelSpec>(
             .collect();
         let s = BlockStreamer::new(&dev, order, plan.prefetch.max(1));
         s.set_wire_code(plan.wire_code)?;
+        if plan.deep_prefetch {
+            s.set_reach(profile.reach(&plan))?;
+        }
         vb = vb.with_streamer(s.clone())?;
         Some(s)
     };
@@ -467,11 +477,12 @@ fn run<M: ModelSpec>(
                 // Each upload's bytes are about the same share: the timed ones stand for all.
                 let share = r.timed_uploads as f64 / r.uploads as f64;
                 println!(
-                    "copy stream: {:.1} ms/step busy at {:.1} GiB/s ({} of {} uploads timed)",
+                    "copy stream: {:.1} ms/step busy at {:.1} GiB/s ({} of {} uploads timed; the backward leaves {} blocks for the forward)",
                     r.copy_us as f64 / 1e3 / share / 4.0,
                     gib(r.uploaded_bytes) * share / (r.copy_us as f64 / 1e6),
                     r.timed_uploads,
-                    r.uploads
+                    r.uploads,
+                    s.carried()?
                 );
             }
             (

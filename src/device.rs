@@ -905,6 +905,18 @@ impl Device {
     }
 
     /// A one-element storage of `dtype`: what a released streamed tensor holds.
+    /// The largest buffer the device can make now without going past its memory cap (a
+    /// GPU under a cap: the largest free range of the cap's arena); u64::MAX where nothing
+    /// limits it.
+    pub(crate) fn room(&self) -> u64 {
+        match self {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => d.memory().arena_room,
+            #[allow(unreachable_patterns)]
+            _ => u64::MAX,
+        }
+    }
+
     pub(crate) fn placeholder(&self, dtype: DType) -> Result<Storage> {
         on_device!(self, d => d.full(&Shape::from(1), dtype, 0.0))
     }

@@ -806,3 +806,146 @@ fn offloaded_block_inputs_on_cuda_give_the_same_gradients() {
         }
     }
 }
+
+/// Four steps of a chain of eight blocks, each `tanh(h Wf + h T)` with `Wf` frozen and `T`
+/// trainable, a forward under `no_grad` (a validation loss) before the last; with `reach`,
+/// every `Wf` streams from host memory (prefetch 1) and the forward fetches up to
+/// `reach[j]` while block `j` runs. Returns each step's gradients of the input and every
+/// `T`, and, when streamed, the uploads counted when block 0's forward ran and at each
+/// step's end, and the blocks on the device when block 0's forward ran.
+type ChainRun = (Vec<Vec<Vec<u32>>>, Vec<(u64, u64)>, Vec<usize>);
+fn streamed_chain(dev: &Device, reach: Option<Vec<usize>>) -> ChainRun {
+    const N: usize = 8;
+    let names: Vec<String> = (0..N).map(|i| format!("b{i}")).collect();
+    let frozen: Vec<Tensor> = (0..N)
+        .map(|i| {
+            randn_on(&[37, 37], 40 + i as u64, dev)
+                .affine(0.2, 0.0)
+                .unwrap()
+        })
+        .collect();
+    let trained: Vec<Tensor> = (0..N)
+        .map(|i| {
+            randn_on(&[37, 37], 60 + i as u64, dev)
+                .affine(0.05, 0.0)
+                .unwrap()
+                .requires_grad_()
+                .unwrap()
+        })
+        .collect();
+    let streamer = reach.map(|r| {
+        let s = BlockStreamer::new(dev, names.clone(), 1);
+        s.set_reach(r).unwrap();
+        s
+    });
+    let frozen: Vec<Tensor> = match &streamer {
+        Some(s) => frozen
+            .iter()
+            .enumerate()
+            .map(|(i, w)| s.adopt(i, w).unwrap())
+            .collect(),
+        None => frozen,
+    };
+    let exec = BlockExec {
+        checkpointing: Checkpointing::All,
+        streamer: streamer.clone(),
+        ..Default::default()
+    };
+    // What the streamer reported in block 0's forward (not its re-run).
+    let first = Arc::new(std::sync::Mutex::new(None::<flame::stream::StreamReport>));
+    let forward = |x: &Tensor| {
+        *first.lock().unwrap() = None;
+        let mut h = x.clone();
+        for (i, (wf, t)) in frozen.iter().zip(&trained).enumerate() {
+            let (wf, t, s, at) = (wf.clone(), t.clone(), streamer.clone(), first.clone());
+            h = exec
+                .run(&names[i], i, &[h], move |xs| {
+                    if let (0, Some(s)) = (i, &s) {
+                        let mut at = at.lock().unwrap();
+                        if at.is_none() {
+                            *at = Some(s.report()?);
+                        }
+                    }
+                    Ok(vec![xs[0].matmul(&wf)?.add(&xs[0].matmul(&t)?)?.tanh()?])
+                })
+                .unwrap()
+                .remove(0);
+        }
+        h
+    };
+    let (mut grads, mut counts, mut resident) = (vec![], vec![], vec![]);
+    for step in 0..4u64 {
+        if step == 3 {
+            let _g = flame::no_grad();
+            forward(&randn_on(&[3, 37], 99, dev));
+        }
+        let x = randn_on(&[3, 37], 100 + step, dev)
+            .requires_grad_()
+            .unwrap();
+        let h = forward(&x);
+        let at_first = first.lock().unwrap().unwrap_or_default();
+        let g = h.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        let mut out = vec![bits(g.get(&x).unwrap())];
+        out.extend(trained.iter().map(|t| bits(g.get(t).unwrap())));
+        grads.push(out);
+        if let Some(s) = &streamer {
+            counts.push((at_first.uploads, s.report().unwrap().uploads));
+            resident.push(at_first.resident);
+        }
+    }
+    (grads, counts, resident)
+}
+
+fn check_deep_prefetch(dev: &Device) {
+    let (plain, _, _) = streamed_chain(dev, None);
+    // The shallow reach (prefetch 1): each pass leaves two blocks for the next. The first
+    // step's forward uploads 8 (two by block 0's run), its backward 6; each later forward 6.
+    // The validation forward uploads 6 (its last two stay); the training forward after it
+    // finds them outside its window, releases them and uploads all 8.
+    let shallow: Vec<usize> = (0..8).map(|j| (j + 1).min(7)).collect();
+    let (got, counts, resident) = streamed_chain(dev, Some(shallow));
+    assert_eq!(got, plain, "shallow");
+    assert_eq!(counts, vec![(2, 14), (14, 26), (26, 38), (46, 58)]);
+    assert_eq!(resident, vec![2; 4]);
+    // Three ahead: block 0's forward has blocks 0-3 fetched, and the backward leaves four
+    // (stream::carry), so each later forward uploads four; the validation forward releases
+    // all but the last two, so the next forward uploads 8.
+    let deep = vec![3, 4, 5, 6, 7, 7, 7, 7];
+    assert_eq!(flame::stream::carry(&deep, 1), 4);
+    let (got, counts, resident) = streamed_chain(dev, Some(deep));
+    assert_eq!(got, plain, "deep");
+    assert_eq!(counts, vec![(4, 14), (14, 24), (24, 34), (42, 52)]);
+    assert_eq!(resident, vec![4; 4]);
+}
+
+#[test]
+fn a_deeper_forward_fetch_leaves_blocks_for_the_next_step_and_the_same_gradients() {
+    check_deep_prefetch(&CPU);
+    // A reach must cover the prefetch, never fall, and stay within the blocks.
+    let s = BlockStreamer::new(&CPU, (0..4).map(|i| format!("b{i}")).collect(), 1);
+    for bad in [
+        vec![1, 2, 3],
+        vec![0, 2, 3, 3],
+        vec![2, 2, 3, 4],
+        vec![3, 2, 3, 3],
+    ] {
+        assert!(
+            matches!(s.set_reach(bad.clone()), Err(Error::Stream(_))),
+            "{bad:?}"
+        );
+    }
+    // Block 0 may have all four: the backward keeps three (at block 1 it holds 1-3 and
+    // fetches 0, four blocks, where the forward held three).
+    s.set_reach(vec![3, 3, 3, 3]).unwrap();
+    assert_eq!(s.carried().unwrap(), 3);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_deeper_forward_fetch_on_cuda_gives_the_same_gradients() {
+    #[cfg(feature = "cuda")]
+    {
+        let _one = cuda_alone();
+        check_deep_prefetch(&Device::cuda(0).expect("a CUDA GPU"));
+    }
+}

@@ -925,8 +925,8 @@ fn freed_buffers_are_cached_and_handed_out_again() {
 }
 
 /// Under a cap, buffers are cut from one arena of the cap's size (made at the first request):
-/// small ones from the bottom by best fit, large ones (32 MiB and up) from the top, freed
-/// neighbours merged; a request no free range holds although the cap does goes to the driver,
+/// small ones from the bottom by best fit (below the large ones first), large ones (32 MiB
+/// and up) from the top, freed neighbours merged; a request no free range holds although the cap does goes to the driver,
 /// counted as an overflow.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -968,8 +968,25 @@ fn under_a_cap_buffers_come_from_one_arena_small_below_large_above() {
     drop(f);
     let h = mib(48).unwrap();
     assert_eq!(cuda.memory().overflows, before.overflows + 1);
-    cuda.set_memory_limit(None);
     for (t, v) in [(&big, 64.0), (&d, 40.0), (&e, 8.0), (&h, 48.0)] {
+        assert!(t.to_vec::<f32>().unwrap().iter().all(|&x| x == v));
+    }
+    drop((big, d, e, h));
+    // A range a large buffer frees among large ones (a streamed block's, which the next one
+    // takes) stays whole: small buffers take the smallest range below every live large one
+    // first. Large [120, 160) and [56, 120), small [0, 8); free [8, 56).
+    let l1 = mib(40).unwrap();
+    let l2 = mib(64).unwrap();
+    let a = mib(8).unwrap();
+    // Freed: [120, 160), smaller than [8, 56) but above the large [56, 120). 16 MiB goes
+    // below, [8, 24), so two large ones fit after it: [120, 160) and [24, 56).
+    drop(l1);
+    let b = mib(16).unwrap();
+    let l3 = mib(40).unwrap();
+    let l4 = mib(32).unwrap();
+    assert_eq!(cuda.memory().overflows, before.overflows + 1);
+    cuda.set_memory_limit(None);
+    for (t, v) in [(&l2, 64.0), (&a, 8.0), (&b, 16.0), (&l3, 40.0), (&l4, 32.0)] {
         assert!(t.to_vec::<f32>().unwrap().iter().all(|&x| x == v));
     }
 }

@@ -147,11 +147,15 @@ pub struct MemoryPlan {
     /// Streamed bf16 weights cross the host link in its lossless code
     /// (`BlockStreamer::set_wire_code`).
     pub wire_code: bool,
+    /// How far the forward fetches ahead of each streamed block, by its place among them
+    /// (`BlockStreamer::set_reach`, from `MemoryProfile::reach`); empty: `prefetch` ahead.
+    pub reach: Vec<usize>,
 }
 
 impl MemoryPlan {
-    /// The load-time form of a planner's plan.
-    pub fn from_plan(plan: &Plan) -> Self {
+    /// The load-time form of a plan for the model `profile` describes (the plan's reach
+    /// comes from it).
+    pub fn from_plan(profile: &MemoryProfile, plan: &Plan) -> Self {
         MemoryPlan {
             checkpointing: plan.checkpointing,
             stream_blocks: plan.streamed.len(),
@@ -160,6 +164,11 @@ impl MemoryPlan {
             stream_prefixes: Some(plan.streamed.clone()),
             offload_inputs: plan.offload_inputs,
             wire_code: plan.wire_code,
+            reach: if plan.deep_prefetch {
+                profile.reach(plan)
+            } else {
+                vec![]
+            },
         }
     }
 }
@@ -311,6 +320,9 @@ pub fn load_as<M: ModelSpec>(
     let streamer = if !chosen.is_empty() {
         let s = BlockStreamer::new(&opts.device, chosen, plan.prefetch.max(1));
         s.set_wire_code(plan.wire_code)?;
+        if !plan.reach.is_empty() {
+            s.set_reach(plan.reach.clone())?;
+        }
         vb = vb.with_streamer(s.clone())?;
         Some(s)
     } else {

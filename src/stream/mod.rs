@@ -26,7 +26,7 @@ mod streamer;
 
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{
-    cost_model, spread_evenly, BlockCost, BlockShape, MemoryProfile, NoPlan, Plan, Planned,
+    carry, cost_model, spread_evenly, BlockCost, BlockShape, MemoryProfile, NoPlan, Plan, Planned,
     MARGIN_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
 };
 pub use streamer::{BlockStreamer, StreamReport};

@@ -16,7 +16,9 @@
 //! blocks streamed from host memory (the smallest blocks first: they free the most memory for
 //! their copies; streamed blocks are always checkpointed) with a prefetch of 2 or 1, what
 //! checkpointed blocks keep (attention, the down-projections, both or neither), block inputs
-//! offloaded or not; the last streams every block with a prefetch of one. They are ordered by
+//! offloaded or not, streamed weights coded or not, the forward fetching deeper while the
+//! memory its checkpoints will take is free (and the backward leaving those blocks for it:
+//! `MemoryProfile::reach`); the last streams every block with a prefetch of one. They are ordered by
 //! a time model (`MemoryProfile::step_ms`, calibrated on an H100) that plays the step's
 //! compute and its uploads on two clocks: recompute costs each checkpointed block its share
 //! of the work less what it keeps, and a block whose upload has not arrived waits for it. On
@@ -92,6 +94,12 @@ pub struct Plan {
     /// Streamed bf16 weights cross the host link in its lossless code
     /// (`BlockStreamer::set_wire_code`): fewer bytes copied, a staging buffer on the device.
     pub wire_code: bool,
+    /// The forward fetches as far ahead as the memory its checkpoints have not yet taken
+    /// allows, and the backward leaves that many blocks on the device for the next forward
+    /// (`MemoryProfile::reach`, `BlockStreamer::set_reach`): fewer uploads in the forward,
+    /// at no cost to the peak. Off, each pass fetches `prefetch` ahead and leaves
+    /// `prefetch + 1`.
+    pub deep_prefetch: bool,
 }
 
 impl Plan {
@@ -130,9 +138,14 @@ impl std::fmt::Display for Plan {
         if !self.streamed.is_empty() {
             write!(
                 f,
-                ", {} blocks streamed from host memory (prefetch {}{})",
+                ", {} blocks streamed from host memory (prefetch {}{}{})",
                 self.streamed.len(),
                 self.prefetch,
+                if self.deep_prefetch {
+                    ", deeper while memory allows"
+                } else {
+                    ""
+                },
                 if self.wire_code { ", coded" } else { "" }
             )?;
         }
@@ -158,7 +171,11 @@ pub struct Planned {
 /// Plans that mix resident-activation blocks with streamed ones are held to the budget less
 /// 1/32 of it: their predicted peak measured up to 1.6% under the real one (every 2nd block
 /// checkpointed, 37 streamed: 23.27 predicted, 23.65 GiB measured); the others' predictions
-/// measured over.
+/// measured over. So are plans whose forward fetches deeper than `prefetch`
+/// (`MemoryProfile::spare`): their accounting holds (the peak measured under the prediction)
+/// but the blocks fetched early, released as the checkpoints fill the memory, cut the cap's
+/// arena into pieces: SD3.5-large within 8 GiB with 2.3% of it spare sent 3 requests a step
+/// past the arena, while Flux-dev's plans with 3.4% and more sent none (H100, session 27).
 pub const MARGIN_DIVISOR: u64 = 32;
 
 /// No plan fits the budget.
@@ -259,11 +276,12 @@ impl MemoryProfile {
 
     /// The predicted length of a step under `plan`, ms: the forward over the blocks in
     /// execution order, then the backward in reverse, on a compute clock and a link clock
-    /// (see `cost_model`). A streamed block's upload is issued when the block `prefetch`
-    /// streamed blocks before it enters (so after the compute before that block) and runs
-    /// when the link is free; the block starts when its upload is done. The first `prefetch +
-    /// 1` streamed blocks are on the device at the forward's start and the last ones at the
-    /// backward's (each pass leaves the blocks the next begins with). Offloaded inputs go out
+    /// (see `cost_model`). A streamed block's upload is issued when the first block whose
+    /// reach (`reach`: `prefetch` ahead, or deeper) takes it in enters (so after the compute
+    /// before that block) and runs when the link is free; the block starts when its upload
+    /// is done. The first `carry` streamed blocks are on the device at the forward's start
+    /// and the last `prefetch + 1` at the backward's (each pass leaves the blocks the next
+    /// begins with). Offloaded inputs go out
     /// on the other direction of the link (the next checkpointed block waits for the copy) and come back
     /// a block ahead in the backward, sharing the link with the weights.
     pub fn step_ms(&self, plan: &Plan) -> f64 {
@@ -318,6 +336,8 @@ impl MemoryProfile {
         }
         let m = order.len();
         let ahead = plan.prefetch;
+        let reach = self.reach(plan);
+        let carried = carry(&reach, ahead.max(1));
         // Uploads streamed blocks `ks` not on the device or coming (each once the compute
         // has reached `t` and the link is free), then returns when block `j`'s upload is done
         // and the compute may start it.
@@ -343,9 +363,9 @@ impl MemoryProfile {
         // Compute clock, link clock (host to device), the other direction's clock (its last
         // copy out, which the next checkpointed block's packing waits for).
         let (mut t, mut link, mut down) = (0.0f64, 0.0f64, 0.0f64);
-        // The backward left the first `prefetch + 1` streamed blocks on the device.
+        // The backward left the first `carried` streamed blocks on the device.
         let mut ready: Vec<Option<f64>> = vec![None; m];
-        for r in ready.iter_mut().take(ahead + 1) {
+        for r in ready.iter_mut().take(carried) {
             *r = Some(0.0);
         }
         let mut overhead = 0.0;
@@ -356,13 +376,7 @@ impl MemoryProfile {
             }
             if is_streamed[i] {
                 let j = place[i];
-                t = enter(
-                    &mut ready,
-                    &mut link,
-                    t,
-                    j,
-                    &mut (j..(j + ahead + 1).min(m)),
-                );
+                t = enter(&mut ready, &mut link, t, j, &mut (j..=reach[j]));
             }
             t += FORWARD * share(i) + self.decode_ms(&self.blocks[i]);
             if offload(i) {
@@ -427,6 +441,124 @@ impl MemoryProfile {
             }
     }
 
+    /// Bytes block `i` holds on the device from its forward to its backward under `plan`:
+    /// what it saves when resident; its inputs (unless offloaded) and what it keeps when
+    /// checkpointed.
+    fn held_bytes(&self, plan: &Plan, i: usize, streamed: bool) -> u64 {
+        let b = &self.blocks[i];
+        if !Self::checkpointed(plan, i, streamed) {
+            return b.saved_bytes;
+        }
+        let mut held = if plan.offload_inputs {
+            0
+        } else {
+            b.input_bytes
+        };
+        if plan.keep.attention {
+            held += b.attention_bytes;
+        }
+        if plan.keep.down_projections {
+            held += b.down_bytes;
+        }
+        held
+    }
+
+    /// The peak's streamed weights: the block running and the `prefetch` streamed blocks
+    /// after it (in execution order) are on the device together, the heaviest such window
+    /// of `sizes` (the streamed blocks' bytes in execution order). Not the mean block: the
+    /// SDXL UNet's large blocks sit next to each other (a 4 GiB plan sized with the mean ran
+    /// out of memory on the H100).
+    fn window_bytes(plan: &Plan, sizes: &[u64]) -> u64 {
+        let window = (plan.prefetch.max(1) + 1).min(sizes.len()).max(1);
+        sizes
+            .windows(window)
+            .map(|w| w.iter().sum::<u64>())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether some block runs resident under `plan`, keeping its activations for the
+    /// backward. Such plans fetch only `prefetch` ahead (`reach`): the activations, large
+    /// buffers made all through the forward, land among the blocks fetched early and cut the
+    /// room the next ones need (SD3.5-large within 8 GiB, 4 resident blocks beside 34
+    /// streamed: requests past the cap's arena, 9.05 GiB on the driver; H100, session 27).
+    pub fn saves_activations(&self, plan: &Plan) -> bool {
+        (0..self.blocks.len()).any(|i| {
+            let streamed = plan.streamed.contains(&self.blocks[i].prefix);
+            !Self::checkpointed(plan, i, streamed)
+        })
+    }
+
+    /// Whether `plan` is held to its budget less `MARGIN_DIVISOR`'s share: it mixes
+    /// resident-activation blocks with streamed ones (`Plan::mixes`), or its forward fetches
+    /// deeper than `prefetch` somewhere (`reach`).
+    pub fn spare(&self, plan: &Plan) -> bool {
+        plan.mixes()
+            || (plan.deep_prefetch
+                && self.reach(plan)
+                    != self.reach(&Plan {
+                        deep_prefetch: false,
+                        ..plan.clone()
+                    }))
+    }
+
+    /// How far ahead the forward may fetch under `plan`: for each streamed block (by its
+    /// place among the streamed blocks, in execution order), the last place that may be on
+    /// the device while it runs. Always at least `prefetch` ahead; with
+    /// `plan.deep_prefetch` (and every block checkpointed: `saves_activations`), as far as
+    /// the memory the step's peak sets aside for what the
+    /// blocks hold for the backward (`held_bytes`), less what the blocks up to this one
+    /// already hold, takes more blocks: at the forward's start nothing is held yet, and the
+    /// peak comes at the backward's start, with everything held. Each place's reach is at
+    /// most every later place's window, so no fetch issued early exceeds a later place's
+    /// room. The backward leaves the first `carry(reach, prefetch)` streamed blocks on the
+    /// device for the next forward.
+    pub fn reach(&self, plan: &Plan) -> Vec<usize> {
+        let streamed: Vec<usize> = (0..self.blocks.len())
+            .filter(|&i| plan.streamed.contains(&self.blocks[i].prefix))
+            .collect();
+        let m = streamed.len();
+        let ahead = plan.prefetch.max(1);
+        let shallow: Vec<usize> = (0..m).map(|j| (j + ahead).min(m - 1)).collect();
+        if !plan.deep_prefetch || m == 0 || self.saves_activations(plan) {
+            return shallow;
+        }
+        let sizes: Vec<u64> = streamed
+            .iter()
+            .map(|&i| self.blocks[i].weight_bytes)
+            .collect();
+        // Every upload takes the largest block's bytes (the streamer's slot).
+        let slot = sizes.iter().copied().max().unwrap_or(0).max(1);
+        let total: u64 = (0..self.blocks.len())
+            .map(|i| self.held_bytes(plan, i, streamed.contains(&i)))
+            .sum();
+        let window = Self::window_bytes(plan, &sizes);
+        // Blocks place j may have on the device: the peak's window plus the held bytes not
+        // yet taken once block j has run (its own counted: the forward's transients fit in
+        // the peak's re-run tape), in slots.
+        let mut taken = 0u64;
+        let mut next = 0usize;
+        let room: Vec<usize> = streamed
+            .iter()
+            .map(|&i| {
+                while next <= i {
+                    taken += self.held_bytes(plan, next, streamed.contains(&next));
+                    next += 1;
+                }
+                ((window + total.saturating_sub(taken)) / slot) as usize
+            })
+            .collect();
+        // Place j reaches j + room - 1, but no further than any later place's reach.
+        let mut reach = vec![0usize; m];
+        let mut limit = usize::MAX;
+        for j in (0..m).rev() {
+            let own = j + room[j].max(ahead + 1) - 1;
+            limit = limit.min(own);
+            reach[j] = limit.min(m - 1).max(shallow[j]);
+        }
+        reach
+    }
+
     /// The predicted peak bytes of a step under `plan` (see the module docs).
     pub fn peak(&self, plan: &Plan) -> u64 {
         let mut weights = self.other_weight_bytes;
@@ -439,37 +571,20 @@ impl MemoryProfile {
             } else {
                 weights += b.weight_bytes;
             }
+            held += self.held_bytes(plan, i, streamed);
             if Self::checkpointed(plan, i, streamed) {
                 if plan.offload_inputs {
                     // In host memory; on the device only while its copy runs (forward) or
                     // once fetched ahead of its re-run (backward): two blocks' worth.
                     offloaded = offloaded.max(b.input_bytes);
-                } else {
-                    held += b.input_bytes;
-                }
-                if plan.keep.attention {
-                    held += b.attention_bytes;
-                }
-                if plan.keep.down_projections {
-                    held += b.down_bytes;
                 }
                 // The re-run's tape and the gradients of its inputs.
                 work = work.max(b.saved_bytes + 2 * b.input_bytes);
             } else {
-                held += b.saved_bytes;
                 work = work.max(2 * b.input_bytes);
             }
         }
-        // The block running and the `prefetch` streamed blocks after it (in execution
-        // order) are on the device together: the heaviest such window. Not the mean block:
-        // the SDXL UNet's large blocks sit next to each other (a 4 GiB plan sized with the
-        // mean ran out of memory on the H100).
-        let window = (plan.prefetch.max(1) + 1).min(streamed_sizes.len()).max(1);
-        weights += streamed_sizes
-            .windows(window)
-            .map(|w| w.iter().sum::<u64>())
-            .max()
-            .unwrap_or(0);
+        weights += Self::window_bytes(plan, &streamed_sizes);
         held += 2 * offloaded;
         // Coded uploads land in one staging buffer: the largest streamed block's coded bytes.
         let staging = if plan.wire_code {
@@ -492,8 +607,9 @@ impl MemoryProfile {
     }
 
     /// Bytes copied from host memory per step under `plan`, in a steady run: the forward
-    /// uploads every streamed block but the first `prefetch + 1` and the backward every one
-    /// but the last `prefetch + 1` (each pass leaves those for the next).
+    /// uploads every streamed block but the first `carry` (`prefetch + 1` unless
+    /// `deep_prefetch`) and the backward every one but the last `prefetch + 1` (each pass
+    /// leaves those for the next).
     pub fn streamed_bytes(&self, plan: &Plan) -> u64 {
         let sizes: Vec<u64> = self
             .blocks
@@ -507,11 +623,12 @@ impl MemoryProfile {
                 }
             })
             .collect();
-        let (m, kept) = (sizes.len(), plan.prefetch + 1);
+        let (m, kept) = (sizes.len(), plan.prefetch.max(1) + 1);
         if m <= kept {
             return 0;
         }
-        sizes[kept..].iter().sum::<u64>() + sizes[..m - kept].iter().sum::<u64>()
+        let carried = carry(&self.reach(plan), plan.prefetch.max(1)).max(kept);
+        sizes[carried.min(m)..].iter().sum::<u64>() + sizes[..m - kept].iter().sum::<u64>()
     }
 
     /// Block prefixes in the order the planner streams them: the smallest blocks first,
@@ -568,6 +685,10 @@ impl MemoryProfile {
                                     checkpointing,
                                     streamed: order[..k].to_vec(),
                                     prefetch,
+                                    // It costs no peak: always, when blocks stream
+                                    // (`reach` leaves it out where it would cut the
+                                    // arena).
+                                    deep_prefetch: k > 0,
                                     keep: if nothing_checkpointed {
                                         Keep::NONE
                                     } else {
@@ -598,6 +719,7 @@ impl MemoryProfile {
             offload_inputs: true,
             // Uncoded: the staging buffer would add to the smallest peak.
             wire_code: false,
+            deep_prefetch: true,
         });
         v
     }
@@ -608,7 +730,7 @@ impl MemoryProfile {
     }
 
     /// The first of `candidates` (fastest first) whose predicted peak is within `budget`
-    /// (less `MARGIN_DIVISOR`'s share of it for mixed plans), or, of the fitting plans
+    /// (less `MARGIN_DIVISOR`'s share of it for the plans `spare` names), or, of the fitting plans
     /// predicted within `cost_model::NEAR` of its step, the one with the smallest peak.
     pub fn plan_among(
         &self,
@@ -622,7 +744,7 @@ impl MemoryProfile {
         for plan in candidates {
             let peak = self.peak(&plan);
             minimum = minimum.min(peak);
-            if peak > if plan.mixes() { usable } else { budget } {
+            if peak > if self.spare(&plan) { usable } else { budget } {
                 continue;
             }
             let cost = self.cost(&plan);
@@ -668,6 +790,21 @@ const KEEPS: [Keep; 4] = [
 pub fn spread_evenly(prefixes: &[String], n: usize) -> Vec<String> {
     let (len, n) = (prefixes.len(), n.min(prefixes.len()));
     (0..n).map(|k| prefixes[k * len / n].clone()).collect()
+}
+
+/// How many of the first streamed blocks the backward may leave on the device for the next
+/// forward, given the forward's `reach` (`MemoryProfile::reach`) and `prefetch`: the most,
+/// `c`, such that at each place `j < c` the backward holds no more blocks (the kept places
+/// `j..c` and the `prefetch` being fetched below `j`) than the forward may hold there (its
+/// reach, and never less than `prefetch + 1`, what any place of a pass holds). So
+/// `prefetch + 1` without a deeper reach.
+pub fn carry(reach: &[usize], prefetch: usize) -> usize {
+    let room = |j: usize| (reach[j] + 1).saturating_sub(j).max(prefetch + 1);
+    // If `c` fits, every smaller count does.
+    (1..=reach.len())
+        .take_while(|&c| (0..c).all(|j| c - j + prefetch.min(j) <= room(j)))
+        .last()
+        .unwrap_or(0)
 }
 
 /// Activation bytes of a transformer-style block per token and channel of its width, in
@@ -790,6 +927,64 @@ mod tests {
         assert_eq!(p.streamed_bytes(&four), 200 + 600);
     }
 
+    /// The forward's reach worked by hand: four blocks of 100 bytes, all streamed with a
+    /// prefetch of one and checkpointed, each holding 60 bytes of inputs until the
+    /// backward. The peak sets aside the window (200) and everything held (240); once block
+    /// j has run, the blocks up to it hold 60 (j + 1).
+    #[test]
+    fn the_forward_reaches_as_far_as_the_memory_held_later_allows() {
+        let mut p = profile();
+        p.blocks.truncate(4);
+        for b in &mut p.blocks {
+            b.weight_bytes = 100;
+            b.input_bytes = 60;
+        }
+        let shallow = Plan {
+            checkpointing: Checkpointing::All,
+            streamed: (0..4).map(|i| format!("b.{i}")).collect(),
+            prefetch: 1,
+            ..Plan::default()
+        };
+        let deep = Plan {
+            deep_prefetch: true,
+            ..shallow.clone()
+        };
+        assert_eq!(p.reach(&shallow), vec![1, 2, 3, 3]);
+        // Place 0: (200 + 240 - 60) / 100 = 3 slots, blocks 0-2; place 1: 3, blocks 1-3.
+        assert_eq!(p.reach(&deep), vec![2, 3, 3, 3]);
+        assert_eq!(carry(&p.reach(&shallow), 1), 2);
+        // At place 1 the backward holds 0-2 (three, as the forward there); four would not fit
+        // at place 0.
+        assert_eq!(carry(&p.reach(&deep), 1), 3);
+        assert_eq!(p.peak(&deep), p.peak(&shallow));
+        // The forward uploads the last one only; the backward the first two.
+        assert_eq!(p.streamed_bytes(&shallow), 200 + 200);
+        assert_eq!(p.streamed_bytes(&deep), 100 + 200);
+        assert!(p.step_ms(&deep) <= p.step_ms(&shallow));
+        // A block that keeps its activations (resident, not checkpointed) keeps the reach
+        // at the prefetch.
+        let mixed = Plan {
+            checkpointing: Checkpointing::Off,
+            streamed: (0..3).map(|i| format!("b.{i}")).collect(),
+            ..deep.clone()
+        };
+        assert!(p.saves_activations(&mixed) && !p.saves_activations(&deep));
+        assert_eq!(p.reach(&mixed), vec![1, 2, 2]);
+        // All streamed: checkpointed whatever the checkpointing says.
+        let all_streamed = Plan {
+            checkpointing: Checkpointing::Off,
+            ..deep.clone()
+        };
+        assert_eq!(p.reach(&all_streamed), p.reach(&deep));
+        // A reach never falls below the prefetch's, nor past the last block.
+        let one = Plan {
+            streamed: vec!["b.3".into()],
+            ..deep.clone()
+        };
+        assert_eq!(p.reach(&one), vec![0]);
+        assert_eq!(carry(&p.reach(&one), 1), 1);
+    }
+
     #[test]
     fn the_fastest_plan_that_fits_and_the_minimum() {
         let p = profile();
@@ -808,9 +1003,8 @@ mod tests {
                 .candidates()
                 .into_iter()
                 .filter(|c| {
-                    let mixed = c.checkpointing != Checkpointing::All && !c.streamed.is_empty();
                     p.peak(c)
-                        <= if mixed {
+                        <= if p.spare(c) {
                             budget - budget / MARGIN_DIVISOR
                         } else {
                             budget

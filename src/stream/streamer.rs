@@ -1,6 +1,7 @@
 //! The block streamer: frozen weights of chosen blocks kept in host memory and brought to
 //! the device around each use.
 
+use super::plan::carry;
 use crate::autograd::{CheckpointHooks, Pass};
 use crate::device::{HostCopy, HostPack, Staging, Storage, Ticket};
 use crate::{Device, Error, Result, Tensor};
@@ -26,6 +27,8 @@ pub struct StreamReport {
     pub copy_us: u64,
     /// Uploads counted in `copy_us`.
     pub timed_uploads: u64,
+    /// Blocks on the device or coming, now.
+    pub resident: usize,
 }
 
 struct Param {
@@ -68,6 +71,12 @@ struct State {
     /// Where coded uploads land before their decode (the largest pack's coded bytes), made
     /// with the packs.
     staging: Option<Staging>,
+    /// For each block, the last block the forward may have on the device while it runs
+    /// (`set_reach`; `prefetch` ahead unless set).
+    reach: Vec<usize>,
+    /// The first blocks the backward leaves on the device for the next forward
+    /// (`stream::carry` of `reach`).
+    carry: usize,
 }
 
 impl State {
@@ -119,6 +128,8 @@ impl BlockStreamer {
                 residency: Residency::Released,
             })
             .collect::<Vec<_>>();
+        let reach = shallow_reach(blocks.len(), prefetch);
+        let carry = carry(&reach, prefetch);
         Arc::new(BlockStreamer {
             device: device.clone(),
             prefetch,
@@ -129,6 +140,8 @@ impl BlockStreamer {
                 slot_bytes: 0,
                 code: true,
                 staging: None,
+                reach,
+                carry,
             }),
         })
     }
@@ -159,12 +172,55 @@ impl BlockStreamer {
         Ok(())
     }
 
+    /// Lets the forward fetch further ahead than `prefetch` where memory allows: while
+    /// block `j` runs, blocks up to `reach[j]` may be on the device (fetched in order, the
+    /// link kept busy). The backward then leaves the first `stream::carry(reach, prefetch)`
+    /// blocks on the device for the next forward, which begins with them. `reach` has one
+    /// entry per block, each at least `prefetch` ahead (or the last block), never beyond
+    /// the last, and never decreasing; the planner's `MemoryProfile::reach` makes it from
+    /// the memory the blocks' checkpoints take later in the step. Past the prefetch, blocks
+    /// are fetched and kept only while the device's cap has room for two in one piece each
+    /// (`Device::room`).
+    pub fn set_reach(&self, reach: Vec<usize>) -> Result<()> {
+        let mut st = self.lock()?;
+        let n = st.blocks.len();
+        if reach.len() != n {
+            return Err(Error::Stream(format!(
+                "a reach for {} blocks given to a streamer of {n}",
+                reach.len()
+            )));
+        }
+        let floor = shallow_reach(n, self.prefetch);
+        for (j, &r) in reach.iter().enumerate() {
+            if r >= n || r < floor[j] || (j > 0 && r < reach[j - 1]) {
+                return Err(Error::Stream(format!(
+                    "reach {r} for block {j} of {n} (prefetch {}): each must be at least \
+                     {} and no less than the one before, below {n}",
+                    self.prefetch, floor[j]
+                )));
+            }
+        }
+        st.carry = carry(&reach, self.prefetch);
+        st.reach = reach;
+        Ok(())
+    }
+
+    /// How many of the first blocks the backward leaves on the device for the next forward.
+    pub fn carried(&self) -> Result<usize> {
+        Ok(self.lock()?.carry)
+    }
+
     /// The counters so far, with `blocks` the number of streamed blocks.
     pub fn report(&self) -> Result<StreamReport> {
         let mut st = self.lock()?;
         st.collect_timings();
         Ok(StreamReport {
             blocks: st.blocks.len(),
+            resident: st
+                .blocks
+                .iter()
+                .filter(|b| !matches!(b.residency, Residency::Released))
+                .count(),
             ..st.report
         })
     }
@@ -366,39 +422,67 @@ impl BlockStreamer {
         Ok(())
     }
 
-    /// Brings block `i` in (and starts the next `prefetch` blocks in the pass's direction).
+    /// Brings block `i` in, and starts the blocks after it in the pass's direction: up to
+    /// its reach in the forward, `prefetch` in the backward.
     fn enter(&self, i: usize, pass: Pass) -> Result<()> {
         let mut st = self.lock()?;
         self.start(&mut st, i)?;
-        for k in 1..=self.prefetch {
-            let j = match pass {
-                Pass::Forward => i + k,
-                Pass::Backward => match i.checked_sub(k) {
-                    Some(j) => j,
-                    None => break,
-                },
-            };
-            self.start(&mut st, j)?;
+        match pass {
+            Pass::Forward => {
+                let (n, last) = (st.blocks.len(), st.reach.get(i).copied().unwrap_or(i));
+                // Blocks outside the forward's window here (before this one, but for the last
+                // ones the forward keeps for the backward; past the reach) were left by a
+                // pass no backward followed (a validation forward under no_grad, a skipped
+                // step): release them, so the window has the memory the plan gives it.
+                let tail = i.min(n.saturating_sub(self.prefetch + 1));
+                for j in (0..tail).chain(last + 1..n) {
+                    self.release(&mut st, j)?;
+                }
+                for j in i + 1..=last {
+                    // Past the prefetch, only while the device has room for this block and
+                    // one more in one piece (`has_room`).
+                    if j > i + self.prefetch && !self.has_room(&st) {
+                        break;
+                    }
+                    self.start(&mut st, j)?;
+                }
+            }
+            Pass::Backward => {
+                for j in (i.saturating_sub(self.prefetch)..i).rev() {
+                    self.start(&mut st, j)?;
+                }
+            }
         }
         self.wait(&mut st, i)
     }
 
     /// Releases block `i` after a run, except the blocks the next pass starts with: the last
     /// `prefetch + 1` after the forward (the backward begins there and would fetch them at
-    /// once), the first `prefetch + 1` after the backward (the next step's forward begins
-    /// there). The device holds that many streamed blocks throughout a pass anyway (the one
-    /// running and those in flight), so keeping them costs no peak and saves their uploads:
-    /// 2 (prefetch + 1) fewer a step.
+    /// once), the first `carry` after the backward (the next step's forward begins there:
+    /// `prefetch + 1`, or more with `set_reach`). The device holds that many streamed blocks
+    /// at those points of a pass anyway (the one running and those in flight), so keeping
+    /// them costs no peak and saves their uploads.
     fn exit(&self, i: usize, pass: Pass) -> Result<()> {
         let mut st = self.lock()?;
         let keep = match pass {
             Pass::Forward => i + 1 + self.prefetch >= st.blocks.len(),
-            Pass::Backward => i <= self.prefetch,
+            Pass::Backward => i <= self.prefetch || (i < st.carry && self.has_room(&st)),
         };
         if keep {
             return Ok(());
         }
         self.release(&mut st, i)
+    }
+
+    /// Whether the device can make two blocks' buffers in one piece each without going past
+    /// its cap: the condition for fetching past the prefetch or keeping more than
+    /// `prefetch + 1` blocks for the next forward. The planner's reach holds the step's
+    /// bytes under the peak, but blocks fetched early and released as the checkpoints fill
+    /// the memory can cut a cap's arena into pieces no block fits (SD3.5-large within 8 GiB:
+    /// 2-3 requests a step past the arena, H100, session 27); then the streamer falls back to
+    /// the prefetch.
+    fn has_room(&self, st: &State) -> bool {
+        self.device.room() >= 2 * st.slot_bytes as u64
     }
 
     /// Releases every block (e.g. before sampling with another model, or at the end).
@@ -409,6 +493,11 @@ impl BlockStreamer {
         }
         Ok(())
     }
+}
+
+/// The forward's reach without `set_reach`: `prefetch` ahead, within `n` blocks.
+fn shallow_reach(n: usize, prefetch: usize) -> Vec<usize> {
+    (0..n).map(|j| (j + prefetch).min(n - 1)).collect()
 }
 
 /// The checkpoint hooks of one streamed block.

@@ -508,6 +508,11 @@ section! {
         /// (the sign and mantissa as a byte, the exponent as 4 bits with rare escapes; about
         /// a quarter fewer bytes, decoded on the GPU, the values unchanged).
         wire_code: bool = true,
+        /// The forward fetches streamed blocks further ahead while the memory its
+        /// checkpoints take later in the step is still free, and the backward leaves that
+        /// many blocks on the device for the next forward: fewer uploads a step, the peak
+        /// unchanged.
+        deep_prefetch: bool = true,
     }
 }
 

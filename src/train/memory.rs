@@ -121,27 +121,26 @@ pub(crate) fn plan_memory(
     }
     let choice = match (manual, budget) {
         (Some(checkpointing), _) => {
-            let plan = MemoryPlan {
+            let prof = profile(config, family, opts, sample)?;
+            let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
+            let as_plan = Plan {
                 checkpointing,
-                stream_blocks: mem.stream_blocks,
+                streamed: spread_evenly(&prefixes, mem.stream_blocks),
                 prefetch: mem.prefetch,
                 keep: crate::autograd::Keep {
                     attention: mem.keep_attention,
                     down_projections: mem.keep_down_projections,
                 },
-                stream_prefixes: None,
                 offload_inputs: mem.offload_inputs,
                 wire_code: mem.wire_code,
+                deep_prefetch: mem.deep_prefetch,
             };
-            let prof = profile(config, family, opts, sample)?;
-            let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
-            let as_plan = Plan {
-                checkpointing,
-                streamed: spread_evenly(&prefixes, plan.stream_blocks),
-                prefetch: plan.prefetch,
-                keep: plan.keep,
-                offload_inputs: plan.offload_inputs,
-                wire_code: plan.wire_code,
+            let plan = MemoryPlan {
+                // The loader spreads them the same way, and says so when they are too many.
+                stream_prefixes: None,
+                stream_blocks: mem.stream_blocks,
+                prefetch: mem.prefetch,
+                ..MemoryPlan::from_plan(&prof, &as_plan)
             };
             MemoryChoice {
                 summary: format!("{as_plan} (as configured)"),
@@ -165,11 +164,20 @@ pub(crate) fn plan_memory(
         },
         (None, Some(b)) => {
             let prof = profile(config, family, opts, sample)?;
-            match prof.plan(b) {
+            // memory.wire_code and memory.deep_prefetch turned off bind the planner too.
+            let candidates: Vec<Plan> = prof
+                .candidates()
+                .into_iter()
+                .filter(|c| mem.wire_code || !c.wire_code)
+                .map(|c| Plan {
+                    deep_prefetch: c.deep_prefetch && mem.deep_prefetch,
+                    ..c
+                })
+                .collect();
+            match prof.plan_among(b, candidates.clone()) {
                 Ok(p) => {
                     // The next plan down the list, for the out-of-memory advice.
-                    let next = prof
-                        .candidates()
+                    let next = candidates
                         .into_iter()
                         .map(|c| (prof.peak(&c), c))
                         .find(|(peak, _)| *peak < p.peak);
@@ -182,7 +190,7 @@ pub(crate) fn plan_memory(
                         ),
                         None => fp8_hint(config, family, opts, sample, p.peak)?,
                     };
-                    let mut plan = MemoryPlan::from_plan(&p.plan);
+                    let mut plan = MemoryPlan::from_plan(&prof, &p.plan);
                     if p.plan.streamed.is_empty() {
                         plan.prefetch = mem.prefetch;
                     }

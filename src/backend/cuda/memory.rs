@@ -74,6 +74,9 @@ pub struct MemoryReport {
     /// than the cap allows, or the driver ran out of memory (then the cache was emptied too
     /// and the request tried again). Each costs the host its lead over the GPU.
     pub flushes: u64,
+    /// The largest free range of the cap's arena: the largest buffer a request can get
+    /// without going past the cap (u64::MAX without an arena).
+    pub arena_room: u64,
 }
 
 /// The free lists and counters of one device, shared by every buffer made on it.
@@ -133,6 +136,8 @@ struct Arena {
     /// Free ranges by offset (-> length) and by (length, offset).
     by_offset: BTreeMap<u64, u64>,
     by_length: BTreeSet<(u64, u64)>,
+    /// Offsets of the live large buffers.
+    large: BTreeSet<u64>,
 }
 
 impl Arena {
@@ -142,16 +147,24 @@ impl Arena {
             size,
             by_offset: BTreeMap::from([(0, size)]),
             by_length: BTreeSet::from([(size, 0)]),
+            large: BTreeSet::new(),
         }
     }
 
     /// The offset of `bytes`: a small request (under `ARENA_LARGE`) cut from the start of the
-    /// smallest free range that holds it, a large one from the end of the highest free range
-    /// that holds it, so large and small buffers grow from opposite ends and small ones do
-    /// not split the room large ones need.
+    /// smallest free range below every live large buffer that holds it (else the smallest
+    /// anywhere), a large one from the end of the highest free range that holds it, so large
+    /// and small buffers grow from opposite ends and small ones do not split the room large
+    /// ones need: a range a large buffer left among large ones (a streamed block's, whose
+    /// successor takes its place) stays whole for the next large one.
     fn take(&mut self, bytes: u64) -> Option<u64> {
         let (len, off) = if bytes < ARENA_LARGE {
-            *self.by_length.range((bytes, 0)..).next()?
+            let low = self.large.first().copied().unwrap_or(self.size);
+            let mut fits = self.by_length.range((bytes, 0)..);
+            match fits.clone().find(|&&(len, off)| off + len <= low) {
+                Some(r) => *r,
+                None => *fits.next()?,
+            }
         } else {
             self.by_offset
                 .iter()
@@ -161,21 +174,26 @@ impl Arena {
         };
         self.by_length.remove(&(len, off));
         self.by_offset.remove(&off);
-        if len == bytes {
-            return Some(off);
-        }
         let (rest, at) = if bytes < ARENA_LARGE {
             ((off + bytes, len - bytes), off)
         } else {
             ((off, len - bytes), off + len - bytes)
         };
-        self.by_offset.insert(rest.0, rest.1);
-        self.by_length.insert((rest.1, rest.0));
+        if rest.1 > 0 {
+            self.by_offset.insert(rest.0, rest.1);
+            self.by_length.insert((rest.1, rest.0));
+        }
+        if bytes >= ARENA_LARGE {
+            self.large.insert(at);
+        }
         Some(at)
     }
 
     /// Frees `bytes` at `off`, merged with the free ranges on either side.
     fn give(&mut self, mut off: u64, mut bytes: u64) {
+        if bytes >= ARENA_LARGE {
+            self.large.remove(&off);
+        }
         if let Some(next) = self.by_offset.remove(&(off + bytes)) {
             self.by_length.remove(&(next, off + bytes));
             bytes += next;
@@ -373,6 +391,18 @@ impl Pool {
             evictions: self.evictions.load(Ordering::Relaxed),
             flushes: self.flushes.load(Ordering::Relaxed),
             overflows: self.overflows.load(Ordering::Relaxed),
+            arena_room: self.arena_room(),
+        }
+    }
+
+    /// The largest free range of the cap's arena, or u64::MAX without one.
+    fn arena_room(&self) -> u64 {
+        if !self.has_arena.load(Ordering::Relaxed) {
+            return u64::MAX;
+        }
+        match self.arena.lock() {
+            Ok(a) => a.as_ref().map_or(u64::MAX, Arena::largest),
+            Err(_) => 0,
         }
     }
 

@@ -477,7 +477,7 @@ fn run<M: ModelSpec>(
                 // Each upload's bytes are about the same share: the timed ones stand for all.
                 let share = r.timed_uploads as f64 / r.uploads as f64;
                 println!(
-                    "copy stream: {:.1} ms/step busy at {:.1} GiB/s ({} of {} uploads timed; the backward leaves {} blocks for the forward)",
+                    "copy stream: {:.1} ms/step busy at {:.1} GiB/s ({} of {} uploads timed; the backward leaves up to {} blocks for the forward)",
                     r.copy_us as f64 / 1e3 / share / 4.0,
                     gib(r.uploaded_bytes) * share / (r.copy_us as f64 / 1e6),
                     r.timed_uploads,

@@ -205,7 +205,8 @@ impl BlockStreamer {
         Ok(())
     }
 
-    /// How many of the first blocks the backward leaves on the device for the next forward.
+    /// How many of the first blocks the backward may leave on the device for the next
+    /// forward (fewer while the device lacks the room `set_reach` asks for).
     pub fn carried(&self) -> Result<usize> {
         Ok(self.lock()?.carry)
     }

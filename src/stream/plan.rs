@@ -493,13 +493,13 @@ impl MemoryProfile {
     /// resident-activation blocks with streamed ones (`Plan::mixes`), or its forward fetches
     /// deeper than `prefetch` somewhere (`reach`).
     pub fn spare(&self, plan: &Plan) -> bool {
+        let ahead = plan.prefetch.max(1);
         plan.mixes()
-            || (plan.deep_prefetch
-                && self.reach(plan)
-                    != self.reach(&Plan {
-                        deep_prefetch: false,
-                        ..plan.clone()
-                    }))
+            || self
+                .reach(plan)
+                .iter()
+                .enumerate()
+                .any(|(j, &r)| r > j + ahead)
     }
 
     /// How far ahead the forward may fetch under `plan`: for each streamed block (by its
@@ -514,12 +514,15 @@ impl MemoryProfile {
     /// room. The backward leaves the first `carry(reach, prefetch)` streamed blocks on the
     /// device for the next forward.
     pub fn reach(&self, plan: &Plan) -> Vec<usize> {
-        let streamed: Vec<usize> = (0..self.blocks.len())
-            .filter(|&i| plan.streamed.contains(&self.blocks[i].prefix))
+        let is_streamed: Vec<bool> = self
+            .blocks
+            .iter()
+            .map(|b| plan.streamed.contains(&b.prefix))
             .collect();
+        let streamed: Vec<usize> = (0..self.blocks.len()).filter(|&i| is_streamed[i]).collect();
         let m = streamed.len();
         let ahead = plan.prefetch.max(1);
-        let shallow: Vec<usize> = (0..m).map(|j| (j + ahead).min(m - 1)).collect();
+        let shallow = shallow_reach(m, ahead);
         if !plan.deep_prefetch || m == 0 || self.saves_activations(plan) {
             return shallow;
         }
@@ -530,7 +533,7 @@ impl MemoryProfile {
         // Every upload takes the largest block's bytes (the streamer's slot).
         let slot = sizes.iter().copied().max().unwrap_or(0).max(1);
         let total: u64 = (0..self.blocks.len())
-            .map(|i| self.held_bytes(plan, i, streamed.contains(&i)))
+            .map(|i| self.held_bytes(plan, i, is_streamed[i]))
             .sum();
         let window = Self::window_bytes(plan, &sizes);
         // Blocks place j may have on the device: the peak's window plus the held bytes not
@@ -542,7 +545,7 @@ impl MemoryProfile {
             .iter()
             .map(|&i| {
                 while next <= i {
-                    taken += self.held_bytes(plan, next, streamed.contains(&next));
+                    taken += self.held_bytes(plan, next, is_streamed[next]);
                     next += 1;
                 }
                 ((window + total.saturating_sub(taken)) / slot) as usize
@@ -627,8 +630,9 @@ impl MemoryProfile {
         if m <= kept {
             return 0;
         }
-        let carried = carry(&self.reach(plan), plan.prefetch.max(1)).max(kept);
-        sizes[carried.min(m)..].iter().sum::<u64>() + sizes[..m - kept].iter().sum::<u64>()
+        // At least `kept` (every place holds that many), at most `m`.
+        let carried = carry(&self.reach(plan), plan.prefetch.max(1));
+        sizes[carried..].iter().sum::<u64>() + sizes[..m - kept].iter().sum::<u64>()
     }
 
     /// Block prefixes in the order the planner streams them: the smallest blocks first,
@@ -790,6 +794,12 @@ const KEEPS: [Keep; 4] = [
 pub fn spread_evenly(prefixes: &[String], n: usize) -> Vec<String> {
     let (len, n) = (prefixes.len(), n.min(prefixes.len()));
     (0..n).map(|k| prefixes[k * len / n].clone()).collect()
+}
+
+/// The forward's reach over `m` streamed blocks without a deeper fetch: `prefetch` ahead,
+/// within the last.
+pub(crate) fn shallow_reach(m: usize, prefetch: usize) -> Vec<usize> {
+    (0..m).map(|j| (j + prefetch).min(m - 1)).collect()
 }
 
 /// How many of the first streamed blocks the backward may leave on the device for the next

@@ -1,7 +1,7 @@
 //! The block streamer: frozen weights of chosen blocks kept in host memory and brought to
 //! the device around each use.
 
-use super::plan::carry;
+use super::plan::{carry, shallow_reach};
 use crate::autograd::{CheckpointHooks, Pass};
 use crate::device::{HostCopy, HostPack, Staging, Storage, Ticket};
 use crate::{Device, Error, Result, Tensor};
@@ -437,7 +437,9 @@ impl BlockStreamer {
                 // step): release them, so the window has the memory the plan gives it.
                 let tail = i.min(n.saturating_sub(self.prefetch + 1));
                 for j in (0..tail).chain(last + 1..n) {
-                    self.release(&mut st, j)?;
+                    if !matches!(st.blocks[j].residency, Residency::Released) {
+                        self.release(&mut st, j)?;
+                    }
                 }
                 for j in i + 1..=last {
                     // Past the prefetch, only while the device has room for this block and
@@ -494,11 +496,6 @@ impl BlockStreamer {
         }
         Ok(())
     }
-}
-
-/// The forward's reach without `set_reach`: `prefetch` ahead, within `n` blocks.
-fn shallow_reach(n: usize, prefetch: usize) -> Vec<usize> {
-    (0..n).map(|j| (j + prefetch).min(n - 1)).collect()
 }
 
 /// The checkpoint hooks of one streamed block.

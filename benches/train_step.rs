@@ -477,9 +477,11 @@ fn run<M: ModelSpec>(
                 // Each upload's bytes are about the same share: the timed ones stand for all.
                 let share = r.timed_uploads as f64 / r.uploads as f64;
                 println!(
-                    "copy stream: {:.1} ms/step busy at {:.1} GiB/s ({} of {} uploads timed; the backward leaves up to {} blocks for the forward)",
+                    "link: {:.1} ms/step copying at {:.1} GiB/s, {:.1} ms/step from uploads' first copies to their last, decodes {:.1} ms/step ({} of {} uploads timed; the backward leaves up to {} blocks for the forward)",
                     r.copy_us as f64 / 1e3 / share / 4.0,
                     gib(r.uploaded_bytes) * share / (r.copy_us as f64 / 1e6),
+                    r.span_us as f64 / 1e3 / share / 4.0,
+                    r.decode_us as f64 / 1e3 / share / 4.0,
                     r.timed_uploads,
                     r.uploads,
                     s.carried()?

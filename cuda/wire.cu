@@ -1,58 +1,82 @@
 // Decoding the host link's lossless bf16 code (format and the CPU reference in
-// src/backend/wire.rs): a thread per 16 values, a warp per chunk of 512.
+// src/backend/wire.rs): a warp per chunk of 4096 values, a thread per run of 128 taken four
+// consecutive values a step with the warp's 32 runs side by side (so every load and store of
+// the warp is one contiguous piece), each code looked up in a table of the next 10 bits.
 //
-//   sm       (padded)       u8    sign in bit 7, mantissa in bits 0-6
-//   codes    (padded / 2)   u8    4-bit exponent codes, value 2k in the low nibble of byte k
-//   offsets  (chunks)       u32   escapes before each chunk
-//   escapes  (escaped)      u8    the exponents of values coded 15, in value order
-//   out      (len)          bf16
-//
-// Each thread loads its 16 bytes of sm and 8 bytes of codes, counts its escapes, and an
-// exclusive scan over the warp puts its first escape at offsets[chunk] plus the lanes before.
+//   sm      (len, to 16)  u8    sign in bit 7, mantissa in bits 0-6
+//   table   (1024)        u16   next 10 bits (first bit lowest) -> exponent | length << 8
+//   chunks  (chunks)      u32   the word each chunk's interleaved streams start at
+//   bits    (words + 64)  u32   word w of run t of a chunk at chunks[c] + 32 w + t
+//   out     (len)         bf16
 #include <stdint.h>
 
-extern "C" __global__ void wire_decode_bf16(const uint8_t* __restrict__ sm, const uint8_t* __restrict__ codes,
-                                            const uint32_t* __restrict__ offsets,
-                                            const uint8_t* __restrict__ escapes, uint16_t* __restrict__ out,
-                                            unsigned long long len, unsigned long long padded, uint32_t base,
-                                            int vec_out) {
+#define WIRE_STEPS 32
+#define WIRE_MAX_LEN 10
+#define WIRE_TABLE (1 << WIRE_MAX_LEN)
+
+extern "C" __global__ void wire_decode_bf16(const uint8_t* __restrict__ sm, const uint16_t* __restrict__ table,
+                                            const uint32_t* __restrict__ chunks,
+                                            const uint32_t* __restrict__ bits, uint16_t* __restrict__ out,
+                                            unsigned long long len, int vec_out) {
+  // The table is read through the read-only cache (2 KiB, hot after the first lookups), not
+  // staged in shared memory: a block that needs none fits beside a GEMM's on an SM, so the
+  // decode (on a high-priority stream) runs while the compute does.
   const unsigned long long t = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-  const unsigned long long first = t * 16;
-  // padded / 16 threads is a whole number of warps: a warp is in or out as a whole.
-  if (first >= padded) return;
-  const uint32_t lane = threadIdx.x & 31u;
-  const uint4 s = *reinterpret_cast<const uint4*>(sm + first);
-  const uint2 c = *reinterpret_cast<const uint2*>(codes + first / 2);
-  int n = 0;
+  const unsigned long long c = t / 32;
+  const uint32_t lane = (uint32_t)(t & 31);
+  const unsigned long long base = c * 32 * 4 * WIRE_STEPS;
+  if (base + 4ull * lane >= len) return;
+  // Word w of this run's stream.
+  const uint32_t* w = bits + chunks[c] + lane;
+  // `buf` holds `have` bits of the stream, the next code's first bit lowest.
+  uint64_t buf = (uint64_t)w[0] | ((uint64_t)w[32] << 32);
+  int have = 64;
+  w += 64;
+  for (int k = 0; k < WIRE_STEPS; ++k) {
+    const unsigned long long at = base + 4ull * (32 * k + lane);
+    if (at >= len) break;
+    const int n = (int)min(4ull, len - at);
+    uint32_t b4;
+    if (n == 4) {
+      b4 = *reinterpret_cast<const uint32_t*>(sm + at);
+    } else {
+      b4 = 0;
+      for (int j = 0; j < n; ++j) b4 |= (uint32_t)sm[at + j] << (8 * j);
+    }
+    uint32_t v[2] = {0, 0};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    n += ((c.x >> (4 * j)) & 0xFu) == 0xFu;
-    n += ((c.y >> (4 * j)) & 0xFu) == 0xFu;
+    for (int j = 0; j < 4; ++j) {
+      if (j < n) {
+        if (have < WIRE_MAX_LEN) {
+          buf |= (uint64_t)(*w) << have;
+          w += 32;
+          have += 32;
+        }
+        const uint32_t e = __ldg(table + (buf & (WIRE_TABLE - 1)));
+        const int l = (int)(e >> 8);
+        buf >>= l;
+        have -= l;
+        const uint32_t b = (b4 >> (8 * j)) & 0xFFu;
+        const uint32_t x = ((b & 0x80u) << 8) | ((e & 0xFFu) << 7) | (b & 0x7Fu);
+        v[j >> 1] |= x << (16 * (j & 1));
+      }
+    }
+    if (vec_out && n == 4) {
+      *reinterpret_cast<uint2*>(out + at) = make_uint2(v[0], v[1]);
+    } else {
+      for (int j = 0; j < n; ++j) out[at + j] = (uint16_t)(v[j >> 1] >> (16 * (j & 1)));
+    }
   }
-  int incl = n;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-    if (lane >= (uint32_t)o) incl += y;
-  }
-  uint32_t pos = offsets[t >> 5] + (uint32_t)(incl - n);
-  const uint32_t sw[4] = {s.x, s.y, s.z, s.w};
-  uint32_t v[8];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const uint32_t code = ((j < 8 ? c.x : c.y) >> (4 * (j & 7))) & 0xFu;
-    const uint32_t e = code == 0xFu ? (uint32_t)escapes[pos++] : ((base + code) & 0xFFu);
-    const uint32_t b = (sw[j >> 2] >> (8 * (j & 3))) & 0xFFu;
-    const uint32_t x = ((b & 0x80u) << 8) | (e << 7) | (b & 0x7Fu);
-    if (j & 1) v[j >> 1] |= x << 16; else v[j >> 1] = x;
-  }
-  if (vec_out && first + 16 <= len) {
-    uint4* o = reinterpret_cast<uint4*>(out + first);
-    o[0] = make_uint4(v[0], v[1], v[2], v[3]);
-    o[1] = make_uint4(v[4], v[5], v[6], v[7]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-      if (first + j < len) out[first + j] = (uint16_t)(v[j >> 1] >> (16 * (j & 1)));
-  }
+}
+
+// Copies `n` bytes from `src` to `dst` (both 16-byte aligned): a staged upload's raw parts
+// into place on the decode stream. A kernel, not a device-to-device memcpy, so the copy runs
+// on the SMs and never queues on a copy engine behind the link's next pieces.
+extern "C" __global__ void wire_copy_bytes(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
+                                           unsigned long long n) {
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  const unsigned long long i0 = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+  for (unsigned long long i = i0; i < n / 16; i += stride)
+    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  for (unsigned long long i = n / 16 * 16 + i0; i < n; i += stride) dst[i] = src[i];
 }

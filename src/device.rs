@@ -650,22 +650,33 @@ impl HostPack {
         }
     }
 
-    /// Device bytes an upload stages its coded parts in before decoding them (0 on the CPU
-    /// backend, which decodes from host memory).
-    pub(crate) fn staging_bytes(&self) -> usize {
+    /// What an upload stages before decoding its coded parts: (the whole pack's bytes on the
+    /// link when it has any, its largest raw prefix or coded part); (0, 0) on the CPU backend,
+    /// which decodes from host memory.
+    pub(crate) fn staging_bytes(&self) -> (usize, usize) {
         match self {
             #[cfg(feature = "cpu-ref")]
-            HostPack::Cpu(_) => 0,
+            HostPack::Cpu(_) => (0, 0),
             #[cfg(feature = "cuda")]
             HostPack::Cuda(p) => p.staging_bytes(),
         }
     }
 }
 
+/// The bytes of the staging ring for uploads of at most `wire` bytes on the link, none of
+/// whose raw prefix or coded parts takes more than `part`: the largest upload beside one
+/// piece (`wire / 8` bytes or a part), so that no upload's pieces wrap onto its own.
+pub(crate) fn staging_ring_bytes(wire: usize, part: usize) -> usize {
+    if wire == 0 {
+        return 0;
+    }
+    wire + (wire / 8).max(part) + part
+}
+
 /// Device memory that coded uploads land in before their decode (`Device::staging`).
 pub(crate) enum Staging {
     #[cfg(feature = "cuda")]
-    Cuda(std::sync::Arc<crate::backend::cuda::Packed>),
+    Cuda(crate::backend::cuda::Staging),
 }
 
 /// What the compute work must wait for before reading an uploaded storage.
@@ -678,9 +689,10 @@ pub(crate) enum Ticket {
 }
 
 impl Ticket {
-    /// The copy's duration on the device once it has finished (None before, for a copy that
-    /// was not timed, or on the CPU backend).
-    pub(crate) fn copy_ms(&self) -> Option<f64> {
+    /// Once the copies have finished (None before, for copies that were not timed, or on the
+    /// CPU backend): their time on the link, from the first one's start to the last one's
+    /// end, and the decodes' time.
+    pub(crate) fn copy_ms(&self) -> Option<(f64, f64, f64)> {
         match self {
             #[cfg(feature = "cuda")]
             Ticket::Cuda(u) => u.copy_ms(),
@@ -857,7 +869,7 @@ impl Device {
                         CpuPart::Raw(s) => Ok(Storage::Cpu(s.clone())),
                         CpuPart::Coded(c) => {
                             let mut bits = vec![0u16; c.layout.len];
-                            crate::backend::wire::decode(&c.layout, c.base, &c.bytes, &mut bits)?;
+                            crate::backend::wire::decode(&c.layout, &c.bytes, &mut bits)?;
                             Ok(Storage::Cpu(CpuStorage::BF16(
                                 bits.into_iter().map(half::bf16::from_bits).collect(),
                             )))
@@ -886,10 +898,10 @@ impl Device {
 
     /// Device memory of `bytes` for coded uploads to stage in (`upload_pack`); `None` on the
     /// CPU backend or for 0 bytes.
-    pub(crate) fn staging(&self, bytes: usize) -> Result<Option<Staging>> {
+    pub(crate) fn staging(&self, wire: usize, part: usize) -> Result<Option<Staging>> {
         match self {
             #[cfg(feature = "cuda")]
-            Device::Cuda(d) if bytes > 0 => Ok(Some(Staging::Cuda(d.alloc_staging(bytes)?))),
+            Device::Cuda(d) if wire > 0 => Ok(Some(Staging::Cuda(d.alloc_staging(wire, part)?))),
             _ => Ok(None),
         }
     }

@@ -509,39 +509,43 @@ fn a_released_streamed_weight_is_an_error_to_read_and_comes_back_when_fetched() 
     assert!(s.adopt(0, &t).is_err());
 }
 
-/// bf16 weights of a streamed block (odd sizes, zeros, subnormals, infinities, NaNs and wide
-/// exponents among normal values) stream through the link's lossless code and come back bit
-/// for bit on `dev`; with the code off they cross as they are. Returns (uploaded, decoded)
-/// bytes of one fetch with the code on.
-fn wire_round_trip(dev: &Device) -> (u64, u64) {
-    let sizes = [1usize, 300, 511, 512, 513, 4097, 70_001];
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
+/// `n` seeded bf16 bit patterns: roughly normal values of scale `scale`, with zeros,
+/// subnormals, infinities, NaNs and the largest value mixed in.
+fn bf16_patterns(n: usize, scale: f32, seed: u64) -> Vec<u16> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64 ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let mut next = move || {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
         state
     };
+    (0..n)
+        .map(|i| match i % 89 {
+            0 => 0x0000,
+            1 => 0x8000,
+            2 => 0x0003,
+            3 => 0xFF80,
+            4 => 0x7FC0,
+            5 => 0x7F7F,
+            _ => {
+                let u: f32 = (0..4)
+                    .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32)
+                    .sum();
+                ((scale * (u - 2.0)).to_bits() >> 16) as u16
+            }
+        })
+        .collect()
+}
+
+/// bf16 weights of a streamed block (odd sizes, zeros, subnormals, infinities, NaNs and wide
+/// exponents among normal values) stream through the link's lossless code and come back bit
+/// for bit on `dev`; with the code off they cross as they are. Returns (uploaded, decoded)
+/// bytes of one fetch with the code on.
+fn wire_round_trip(dev: &Device) -> (u64, u64) {
+    let sizes = [1usize, 300, 511, 4095, 4097, 20_001, 70_001, 131_073];
     let values: Vec<Vec<u16>> = sizes
         .iter()
-        .map(|&n| {
-            (0..n)
-                .map(|i| match i % 89 {
-                    0 => 0x0000,
-                    1 => 0x8000,
-                    2 => 0x0003,
-                    3 => 0xFF80,
-                    4 => 0x7FC0,
-                    5 => 0x7F7F,
-                    _ => {
-                        let u: f32 = (0..4)
-                            .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32)
-                            .sum();
-                        ((0.05 * (u - 2.0)).to_bits() >> 16) as u16
-                    }
-                })
-                .collect()
-        })
+        .map(|&n| bf16_patterns(n, 0.05, n as u64))
         .collect();
     let mut report = (0, 0);
     for code in [true, false] {
@@ -582,7 +586,8 @@ fn wire_round_trip(dev: &Device) -> (u64, u64) {
         let r = s.report().unwrap();
         assert_eq!(r.uploads, 1);
         if code {
-            // The large tensors go coded (12 bits a value and the escapes).
+            // The large tensors go coded (a byte and ~2.8 bits a value, and an 8 KiB table
+            // each), the small ones as they are.
             assert!(
                 (r.uploaded_bytes as f64) < 0.8 * r.decoded_bytes as f64,
                 "{r:?}"
@@ -603,7 +608,86 @@ fn bf16_weights_stream_in_the_wire_code_and_come_back_bit_for_bit() {
     wire_round_trip(&CPU);
 }
 
-/// The same through pinned memory, the staging buffer and cuda/wire.cu's decoder.
+/// Five streamed blocks of bf16 weights of different sizes, coded, run in order for six
+/// passes with two blocks fetched ahead: every fetch brings the exact values, the uploads
+/// cross the staging ring at every offset (pieces wrap around it) and one pass's uploads
+/// overlap the next's decodes. Returns the uploads.
+fn coded_blocks_cycle(dev: &Device) -> u64 {
+    let n = 5;
+    let prefixes: Vec<String> = (0..n).map(|i| format!("b{i}")).collect();
+    let s = BlockStreamer::new(dev, prefixes.clone(), 2);
+    s.set_wire_code(true).unwrap();
+    let values: Vec<Vec<Vec<u16>>> = (0..n)
+        .map(|b| {
+            [30_011 + 7_919 * b, 70_001 - 9_001 * b, 4_097 * (b + 1), 129]
+                .iter()
+                .enumerate()
+                .map(|(k, &len)| bf16_patterns(len, 0.02 * (k + 1) as f32, (10 * b + k) as u64))
+                .collect()
+        })
+        .collect();
+    let handles: Vec<Vec<Tensor>> = values
+        .iter()
+        .enumerate()
+        .map(|(b, vs)| {
+            vs.iter()
+                .map(|v| {
+                    let x: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_bits(x)).collect();
+                    let t = Tensor::from_vec(x, v.len(), dev).unwrap();
+                    s.adopt(b, &t).unwrap()
+                })
+                .collect()
+        })
+        .collect();
+    let exec = BlockExec {
+        streamer: Some(s.clone()),
+        ..Default::default()
+    };
+    for pass in 0..6 {
+        for (b, prefix) in prefixes.iter().enumerate() {
+            let hs = handles[b].clone();
+            let (tx, rx) = std::sync::mpsc::channel();
+            exec.run(prefix, b, &[randn_on(&[1], 4, dev)], move |_| {
+                let got: Vec<Vec<u16>> = hs
+                    .iter()
+                    .map(|t| {
+                        let v = t.to_vec::<half::bf16>().unwrap();
+                        v.iter().map(|x| x.to_bits()).collect()
+                    })
+                    .collect();
+                tx.send(got).unwrap();
+                Ok(vec![hs[0].affine(1.0, 0.0)?])
+            })
+            .unwrap();
+            assert_eq!(rx.recv().unwrap(), values[b], "pass {pass}, block {b}");
+        }
+    }
+    let r = s.report().unwrap();
+    assert!(r.uploaded_bytes < r.decoded_bytes, "{r:?}");
+    s.release_all().unwrap();
+    r.uploads
+}
+
+#[test]
+fn coded_blocks_cycle_exactly_on_the_cpu() {
+    assert!(coded_blocks_cycle(&CPU) >= 5);
+}
+
+/// The same on the GPU, where the pieces cross a staging ring of the largest block's bytes
+/// and are decoded on the decode stream.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn coded_blocks_cycle_through_the_staging_ring_on_cuda() {
+    let _one = cuda_alone();
+    let dev = Device::cuda(0).expect("a CUDA GPU");
+    let uploads = coded_blocks_cycle(&dev);
+    // The same fetches as on the CPU.
+    assert_eq!(uploads, coded_blocks_cycle(&CPU));
+    assert!(uploads >= 5 * 6 - 3 * 5, "{uploads}");
+}
+
+/// The same through pinned memory, the staging ring and cuda/wire.cu's decoder.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU"]

@@ -457,12 +457,11 @@ pub fn profile_config<M: ModelSpec>(
         }) {
             Some((b, sh)) => {
                 b.weight_bytes += bytes(t);
-                // The link's lossless code takes bf16 tensors of a few chunks or more at
-                // 12 bits a value plus the escapes (a few per thousand on normal values: 1 in
-                // 256 assumed) and its per-chunk counts.
+                // The link's lossless code takes bf16 tensors of a few chunks or more at a
+                // byte and about 2.7 bits a value (`wire::Layout::expected`).
                 let n = t.elem_count();
                 if t.dtype() == DType::BF16 && n >= 2 * crate::backend::wire::CHUNK {
-                    let coded = crate::backend::wire::Layout::new(n, n / 256).bytes as u64;
+                    let coded = crate::backend::wire::Layout::expected(n).bytes as u64;
                     b.wire_bytes += coded;
                     b.coded_bytes += coded;
                 } else {

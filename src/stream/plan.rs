@@ -237,16 +237,16 @@ pub mod cost_model {
     /// resident step ran 420.2 ms against bf16's 385.4 in the same call (two uses a step of
     /// 11.0 GiB of codes; 452.2 ms before the decode's 16-byte kernel).
     pub const DECODE_MS_PER_GIB: f64 = 1.6;
-    /// Decoding weights that crossed the link coded, ms per GiB of bf16 out, on the copy
-    /// stream after each copy (so on the link's clock; the stream runs at the highest
-    /// priority): at 12 GiB the copy stream was busy 549.8 ms a step for 24.9 GiB coded,
-    /// 33.0 GiB out (session 26), against 29.2 GiB uncoded in 622.3 ms in the same call.
-    pub const WIRE_DECODE_MS_PER_GIB: f64 = 1.0;
-    /// The same decodes' cost to the compute stream, ms per GiB out: the SMs they take from
-    /// it (the decoder reads 0.38 GiB and writes 1 GiB per GiB out, about 0.5 ms at the
-    /// H100's ~2.7 TB/s). At 24 GiB, where the link has room, it makes the uncoded plan the
-    /// faster: 490.9 ms against 498.6 coded in one call.
-    pub const WIRE_DECODE_COMPUTE_MS_PER_GIB: f64 = 0.5;
+    /// Decoding weights that crossed the link coded, ms per GiB of coded bytes, on the
+    /// decode stream (the highest priority) after each piece's copy: a block is ready this
+    /// long after its last byte crossed. Session 28 measured the Huffman decoder at 129-135 ms
+    /// a step for 24.2-27.1 GiB coded (12, 16 and 8 GiB plans; events around each piece's
+    /// decodes, which run beside the compute's kernels).
+    pub const WIRE_DECODE_MS_PER_GIB: f64 = 5.3;
+    /// The same decodes' cost to the compute stream, ms per GiB coded: the SMs they take from
+    /// it. Fitted with the row above to session 28's coded steps (0.5 fitted the fixed-width
+    /// code's lighter decoder).
+    pub const WIRE_DECODE_COMPUTE_MS_PER_GIB: f64 = 1.0;
     /// Plans predicted within this fraction of the fastest fitting one's step count as
     /// equally fast (the model's error on the measured steps reaches 2.1%): of those the
     /// planner takes the smallest peak, which leaves the allocator the most room (FP8 at
@@ -310,10 +310,10 @@ impl MemoryProfile {
             }
         };
         let link_ms = |bytes: u64| bytes as f64 / GIB / UPLOAD_GIB_PER_S * 1e3;
-        // A streamed block's time on the link: its bytes, coded or not, and the decode.
+        // A streamed block's time on the link: its bytes, coded or not.
         let upload_ms = |b: &BlockCost| {
             if plan.wire_code {
-                link_ms(b.wire_bytes) + WIRE_DECODE_MS_PER_GIB * b.coded_bytes as f64 / GIB
+                link_ms(b.wire_bytes)
             } else {
                 link_ms(b.weight_bytes)
             }
@@ -338,11 +338,15 @@ impl MemoryProfile {
         let ahead = plan.prefetch;
         let reach = self.reach(plan);
         let carried = carry(&reach, ahead.max(1));
-        // Uploads streamed blocks `ks` not on the device or coming (each once the compute
-        // has reached `t` and the link is free), then returns when block `j`'s upload is done
-        // and the compute may start it.
+        // Uploads streamed blocks `ks` not on the device or coming, then returns when block
+        // `j`'s upload is done and the compute may start it. Uncoded, an upload runs once the
+        // compute has reached `t` (its slot is free) and the link is free. Coded, it crosses
+        // into the staging ring once the link is free and the ring has room (the upload
+        // issued before it has been decoded: its slot was free at `gate`), and is decoded
+        // into its slot once the compute has reached `t`.
         let enter = |ready: &mut [Option<f64>],
                      link: &mut f64,
+                     gate: &mut f64,
                      t: f64,
                      j: usize,
                      ks: &mut dyn Iterator<Item = usize>| {
@@ -351,10 +355,15 @@ impl MemoryProfile {
             for k in ks {
                 if ready[k].is_none() {
                     let b = &self.blocks[order[k]];
-                    *link = link.max(t) + upload_ms(b);
-                    ready[k] = Some(*link);
                     if plan.wire_code {
+                        *link = link.max(*gate) + upload_ms(b);
+                        *gate = t;
+                        let decode = WIRE_DECODE_MS_PER_GIB * b.coded_bytes as f64 / GIB;
+                        ready[k] = Some(link.max(t) + decode);
                         decodes += WIRE_DECODE_COMPUTE_MS_PER_GIB * b.coded_bytes as f64 / GIB;
+                    } else {
+                        *link = link.max(t) + upload_ms(b);
+                        ready[k] = Some(*link);
                     }
                 }
             }
@@ -363,6 +372,8 @@ impl MemoryProfile {
         // Compute clock, link clock (host to device), the other direction's clock (its last
         // copy out, which the next checkpointed block's packing waits for).
         let (mut t, mut link, mut down) = (0.0f64, 0.0f64, 0.0f64);
+        // When the ring last had room (coded uploads).
+        let mut gate = 0.0f64;
         // The backward left the first `carried` streamed blocks on the device.
         let mut ready: Vec<Option<f64>> = vec![None; m];
         for r in ready.iter_mut().take(carried) {
@@ -376,7 +387,7 @@ impl MemoryProfile {
             }
             if is_streamed[i] {
                 let j = place[i];
-                t = enter(&mut ready, &mut link, t, j, &mut (j..=reach[j]));
+                t = enter(&mut ready, &mut link, &mut gate, t, j, &mut (j..=reach[j]));
             }
             t += FORWARD * share(i) + self.decode_ms(&self.blocks[i]);
             if offload(i) {
@@ -407,6 +418,7 @@ impl MemoryProfile {
                 t = enter(
                     &mut ready,
                     &mut link,
+                    &mut gate,
                     t,
                     j,
                     &mut (j.saturating_sub(ahead)..=j).rev(),
@@ -589,14 +601,18 @@ impl MemoryProfile {
         }
         weights += Self::window_bytes(plan, &streamed_sizes);
         held += 2 * offloaded;
-        // Coded uploads land in one staging buffer: the largest streamed block's coded bytes.
+        // Coded uploads cross into a staging ring that holds the largest streamed block's
+        // bytes on the link beside a piece and a part (the largest part taken as a fifth of
+        // the largest block: Flux's, a single block's linear1, is 0.2 of a double block).
         let staging = if plan.wire_code {
-            self.blocks
+            let wire = self
+                .blocks
                 .iter()
-                .filter(|b| plan.streamed.contains(&b.prefix))
-                .map(|b| b.coded_bytes)
+                .filter(|b| plan.streamed.contains(&b.prefix) && b.coded_bytes > 0)
+                .map(|b| b.wire_bytes)
                 .max()
-                .unwrap_or(0)
+                .unwrap_or(0);
+            crate::device::staging_ring_bytes(wire as usize, wire as usize / 5) as u64
         } else {
             0
         };

@@ -25,6 +25,12 @@ pub struct StreamReport {
     /// were timed (on a GPU; 0 on the CPU backend): `uploaded_bytes` over it is the bandwidth
     /// the streaming got.
     pub copy_us: u64,
+    /// Microseconds from each of those uploads' first copy's start to its last copy's end:
+    /// more than `copy_us` where a staged upload's copies waited for the staging ring.
+    pub span_us: u64,
+    /// Microseconds those uploads' decodes (and copies of staged raw parts) took on the
+    /// device.
+    pub decode_us: u64,
     /// Uploads counted in `copy_us`.
     pub timed_uploads: u64,
     /// Blocks on the device or coming, now.
@@ -84,8 +90,10 @@ impl State {
     fn collect_timings(&mut self) {
         let report = &mut self.report;
         self.timing.retain(|t| match t.copy_ms() {
-            Some(ms) => {
+            Some((ms, span, decode)) => {
                 report.copy_us += (ms * 1e3).round() as u64;
+                report.span_us += (span * 1e3).round() as u64;
+                report.decode_us += (decode * 1e3).round() as u64;
                 report.timed_uploads += 1;
                 false
             }
@@ -345,8 +353,8 @@ impl BlockStreamer {
     /// adopted by then), bf16 weights coded when `code` is on, and sets the slot size every
     /// upload takes: the largest pack, so a released block's memory holds any block's next
     /// (no pieces between packs of different sizes under a cap's arena); and makes the
-    /// staging buffer coded uploads land in (the largest pack's coded bytes: uploads run one
-    /// after another on the copy stream, each decoded before the next copy starts).
+    /// staging ring coded uploads cross into (`crate::device::staging_ring_bytes`: a copy goes
+    /// into the ring while the decode stream empties the pieces before it).
     fn seal(&self, st: &mut State) -> Result<()> {
         for b in &mut st.blocks {
             if b.pack.is_some() || b.params.is_empty() {
@@ -371,13 +379,12 @@ impl BlockStreamer {
             .filter_map(|b| b.pack.as_ref().map(HostPack::bytes))
             .max()
             .unwrap_or(0);
-        let staging = st
+        let (wire, part) = st
             .blocks
             .iter()
             .filter_map(|b| b.pack.as_ref().map(HostPack::staging_bytes))
-            .max()
-            .unwrap_or(0);
-        st.staging = self.device.staging(staging)?;
+            .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)));
+        st.staging = self.device.staging(wire, part)?;
         Ok(())
     }
 

@@ -40,6 +40,8 @@ struct Inner {
     done: OnceLock<CudaSlice<u32>>,
     /// The stream of streaming copies (host.rs), made on first use.
     copy: OnceLock<Arc<CudaStream>>,
+    /// The stream that decodes staged uploads into place (host.rs), made on first use.
+    decode: OnceLock<Arc<CudaStream>>,
     /// The stream of offloaded activations' copies (host.rs), made on first use: apart from
     /// the weights' copies, so the compute never waits behind weights prefetched ahead.
     offload: OnceLock<Arc<CudaStream>>,
@@ -147,6 +149,7 @@ impl CudaDevice {
             mem,
             done: OnceLock::new(),
             copy: OnceLock::new(),
+            decode: OnceLock::new(),
             offload: OnceLock::new(),
             comm: OnceLock::new(),
         })))
@@ -210,11 +213,16 @@ impl CudaDevice {
     }
 
     /// The stream that streaming copies run on (host.rs), made on first use.
-    /// At the highest priority: the decodes of coded uploads (host.rs) run on it, and their
-    /// blocks go ahead of the compute stream's queued ones, so the next copy is not held
-    /// behind a GEMM.
     pub(crate) fn copy_stream(&self) -> Result<&Arc<CudaStream>> {
-        self.lazy_stream_at(&self.0.copy, "copy", true)
+        self.lazy_stream(&self.0.copy, "copy")
+    }
+
+    /// The stream that staged uploads are copied or decoded into place on (host.rs), made on
+    /// first use. At the highest priority: its blocks go ahead of the compute stream's queued
+    /// ones, so a streamed block is not held behind a GEMM, nor the staging ring (and so the
+    /// next copy over the link) behind its decode.
+    pub(crate) fn decode_stream(&self) -> Result<&Arc<CudaStream>> {
+        self.lazy_stream_at(&self.0.decode, "decode", true)
     }
 
     /// The stream that offloaded activations' copies run on (host.rs), made on first use.

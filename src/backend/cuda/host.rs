@@ -42,23 +42,85 @@ impl PinnedBuf {
 }
 
 /// The event of an upload: the buffer's values are there once the event has completed. A
-/// packed upload also records when its copy began, for the copy's duration (`copy_ms`).
-pub struct Upload(CudaEvent, Option<CudaEvent>);
+/// packed upload also records when each of its copies over the link began and ended, for the
+/// link's time (`copy_ms`).
+pub struct Upload(
+    CudaEvent,
+    Vec<(CudaEvent, CudaEvent)>,
+    Vec<(CudaEvent, CudaEvent)>,
+);
 
 impl Upload {
     pub(crate) fn timed(&self) -> bool {
-        self.1.is_some()
+        !self.1.is_empty()
     }
 
-    /// The copy's duration on the device, once it has finished (None before, or when the
-    /// upload was not timed).
-    pub(crate) fn copy_ms(&self) -> Option<f64> {
-        let start = self.1.as_ref()?;
-        if !(start.is_complete() && self.0.is_complete()) {
+    /// Once the copies have finished (None before, or when the upload was not timed): their
+    /// time on the link, the time from the first one's start to the last one's end (more
+    /// where a copy waited for the staging ring), and the decodes' time.
+    pub(crate) fn copy_ms(&self) -> Option<(f64, f64, f64)> {
+        let done = |v: &[(CudaEvent, CudaEvent)]| {
+            v.iter().all(|(s, e)| s.is_complete() && e.is_complete())
+        };
+        if !(done(&self.1) && done(&self.2)) {
             return None;
         }
-        start.elapsed_ms(&self.0).ok().map(f64::from)
+        let ms = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).ok().map(f64::from);
+        let sum =
+            |v: &[(CudaEvent, CudaEvent)]| v.iter().map(|(s, e)| ms(s, e)).sum::<Option<f64>>();
+        let span = ms(&self.1.first()?.0, &self.1.last()?.1)?;
+        Some((sum(&self.1)?, span, sum(&self.2)?))
     }
+}
+
+/// Device memory packed uploads land in before their decode (`upload_pack`), used as a ring:
+/// the copy stream writes a piece of an upload into the next free range while the decode
+/// stream decodes the pieces before it into their blocks, so the link never waits for a
+/// decode, nor for the compute to free the block a copy is for (only the decode waits for
+/// that). A range is written again only after the decode stream has read it (its event).
+/// The ring holds the largest upload, a piece and the largest part beside it, so no upload's
+/// pieces wrap onto its own (whose decodes wait for the compute).
+pub struct Staging {
+    buf: Arc<Packed>,
+    /// The bytes a piece gathers coded parts up to.
+    piece: usize,
+    ring: std::sync::Mutex<Ring>,
+    /// The compute stream, which waits for the last decode before the ring's memory returns.
+    compute: Arc<CudaStream>,
+}
+
+#[derive(Default)]
+struct Ring {
+    /// The next free byte.
+    head: usize,
+    /// Ranges the decode stream may still read, oldest first, with its event after the read.
+    pending: std::collections::VecDeque<(usize, usize, CudaEvent)>,
+}
+
+impl Staging {
+    pub(crate) fn len(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // The memory returns in compute-stream order: after the last decode has read it.
+        if let Ok(ring) = self.ring.get_mut() {
+            if let Some((_, _, e)) = ring.pending.back() {
+                let _ = self.compute.wait(e);
+            }
+        }
+    }
+}
+
+/// A piece of a packed upload copied into the ring at once: host bytes `[from, from + len)`,
+/// then the raw prefix copied or the coded parts `parts` decoded.
+struct Piece {
+    from: usize,
+    len: usize,
+    raw: bool,
+    parts: std::ops::Range<usize>,
 }
 
 /// Events that can time a copy.
@@ -73,7 +135,7 @@ pub(crate) const PACK_ALIGN: usize = 256;
 /// uploaded into one device allocation (`upload_pack`), each part at a multiple of
 /// `PACK_ALIGN` there. Parts sent as they are come first, at their device offsets (one copy
 /// brings them all); bf16 parts in the link's lossless code (`crate::backend::wire`) follow,
-/// copied into a staging buffer and decoded into place on the copy stream.
+/// copied into a staging ring and decoded into place on the decode stream.
 pub struct PinnedPack {
     host: PinnedHostSlice<u8>,
     /// Each part, in the order given to `pack`.
@@ -100,7 +162,6 @@ struct CodedPart {
     /// Offset in the coded bytes (a multiple of `PACK_ALIGN`).
     wire: usize,
     layout: crate::backend::wire::Layout,
-    base: u8,
 }
 
 impl std::fmt::Debug for PinnedPack {
@@ -126,9 +187,19 @@ impl PinnedPack {
         self.raw + self.coded
     }
 
-    /// Bytes of coded parts: the staging an upload needs.
-    pub fn staging_bytes(&self) -> usize {
-        self.coded
+    /// The staging an upload needs: a pack with coded parts crosses whole into the staging
+    /// ring (`upload_pack`); one without needs none. Returns (bytes on the link, the largest
+    /// piece that cannot be split: the raw prefix or one coded part).
+    pub fn staging_bytes(&self) -> (usize, usize) {
+        if self.coded == 0 {
+            return (0, 0);
+        }
+        let part = self
+            .parts
+            .iter()
+            .filter_map(|p| p.coded.as_ref().map(|c| c.layout.bytes))
+            .fold(self.raw, usize::max);
+        (self.wire_bytes(), part)
     }
 }
 
@@ -216,7 +287,10 @@ impl CudaDevice {
         let event = copy
             .record_event(None)
             .map_err(cuda_err("recording the copy's event"))?;
-        Ok((PinnedBuf { host, dtype, len }, Upload(event, None)))
+        Ok((
+            PinnedBuf { host, dtype, len },
+            Upload(event, Vec::new(), Vec::new()),
+        ))
     }
 
     /// New device buffers with the values of `ps` (buffers `offload` wrote), copied on the
@@ -242,7 +316,7 @@ impl CudaDevice {
         let event = copy
             .record_event(None)
             .map_err(cuda_err("recording the copy's event"))?;
-        Ok((storages, Upload(event, None)))
+        Ok((storages, Upload(event, Vec::new(), Vec::new())))
     }
 
     /// The buffers `ps` copied, in order, into one new page-locked buffer, for
@@ -305,7 +379,6 @@ impl CudaDevice {
                     coded: Some(CodedPart {
                         wire: w,
                         layout: c.layout,
-                        base: c.base,
                     }),
                 });
             }
@@ -341,63 +414,59 @@ impl CudaDevice {
     }
 
     /// The parts of `p` as new device buffers cut from one allocation (of at least `slot`
-    /// bytes: the streamer gives every block the same, so a freed one fits the next) and
-    /// filled by one copy
-    /// on the copy stream after the compute stream's work so far; `wait` on the event before
-    /// reading them or dropping them (as for `upload`). The allocation returns to the cache
-    /// when the last part drops.
+    /// bytes: the streamer gives every block the same, so a freed one fits the next); `wait`
+    /// on the event before reading them or dropping them (as for `upload`). The allocation
+    /// returns to the cache when the last part drops.
+    ///
+    /// Without `staging`, one copy on the copy stream after the compute stream's work so far
+    /// brings every part as it is. With it (`p` may then hold coded parts), the pack crosses
+    /// the link into the staging ring in pieces of an eighth of the largest upload, none waiting
+    /// for the compute; the decode stream, after the compute stream's work so far and each
+    /// piece's copy, copies or decodes it into the allocation.
     pub(crate) fn upload_pack(
         &self,
         p: &PinnedPack,
         slot: usize,
-        staging: Option<&Arc<Packed>>,
+        staging: Option<&Staging>,
     ) -> Result<(Vec<CudaStorage>, Upload)> {
-        let staging = match (p.coded, staging) {
-            (0, _) => None,
-            (n, Some(s)) if s.len() >= n => Some(s),
-            (n, s) => {
-                return Err(Error::Stream(format!(
-                    "a coded pack needs {n} bytes of staging, has {}",
-                    s.map_or(0, |s| s.len())
-                )))
-            }
-        };
+        let ring = staging.filter(|s| s.len() >= p.wire_bytes());
+        if p.coded > 0 && ring.is_none() {
+            return Err(Error::Stream(format!(
+                "a coded pack of {} bytes on the link needs as much staging, has {}",
+                p.wire_bytes(),
+                staging.map_or(0, Staging::len)
+            )));
+        }
         let packed = self.alloc_packed(p.used.max(slot).max(1))?;
         let copy = self.copy_stream()?;
-        copy.join(self.stream())
-            .map_err(cuda_err("ordering the copy stream after compute"))?;
-        let start = copy
-            .record_event(TIMED)
-            .map_err(cuda_err("recording the copy's start"))?;
         let host = host_ptr(&p.host)?;
-        // SAFETY: the pinned memory is never written after `pack`; the destination holds
-        // `used` bytes (of which the uncoded parts take `raw`) and is not read before the
-        // compute stream waits on the event.
-        if p.raw > 0 {
-            let src = unsafe { std::slice::from_raw_parts(host, p.raw) };
-            unsafe { result::memcpy_htod_async(packed.base(), src, copy.cu_stream()) }
-                .map_err(cuda_err("copying from pinned memory"))?;
-        }
-        if let Some(staging) = staging {
-            // The staging buffer is only used on the copy stream: the previous upload's
-            // decodes, ahead in the stream, have read it by now.
-            let src = unsafe { std::slice::from_raw_parts(host.add(p.coded_at), p.coded) };
-            unsafe { result::memcpy_htod_async(staging.base(), src, copy.cu_stream()) }
-                .map_err(cuda_err("copying coded weights from pinned memory"))?;
-            for part in &p.parts {
-                if let Some(c) = &part.coded {
-                    self.decode_wire(
-                        copy,
-                        staging.base() + c.wire as u64,
-                        c,
-                        packed.base() + part.at as u64,
-                    )?;
+        let event = match ring {
+            None => {
+                copy.join(self.stream())
+                    .map_err(cuda_err("ordering the copy stream after compute"))?;
+                let start = copy
+                    .record_event(TIMED)
+                    .map_err(cuda_err("recording the copy's start"))?;
+                if p.raw > 0 {
+                    // SAFETY: the pinned memory is never written after `pack`; the
+                    // destination holds `used` bytes (of which the parts take `raw`) and is not
+                    // read before the compute stream waits on the event.
+                    let src = unsafe { std::slice::from_raw_parts(host, p.raw) };
+                    unsafe { result::memcpy_htod_async(packed.base(), src, copy.cu_stream()) }
+                        .map_err(cuda_err("copying from pinned memory"))?;
                 }
+                let end = copy
+                    .record_event(TIMED)
+                    .map_err(cuda_err("recording the copy's event"))?;
+                Upload(
+                    copy.record_event(None)
+                        .map_err(cuda_err("recording the copy's event"))?,
+                    vec![(start, end)],
+                    Vec::new(),
+                )
             }
-        }
-        let event = copy
-            .record_event(TIMED)
-            .map_err(cuda_err("recording the copy's event"))?;
+            Some(staging) => self.upload_staged(p, &packed, staging)?,
+        };
         let storages = p
             .parts
             .iter()
@@ -416,11 +485,144 @@ impl CudaDevice {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok((storages, Upload(event, Some(start))))
+        Ok((storages, event))
+    }
+
+    /// `upload_pack` through the staging ring: the pieces of `p` (its raw prefix, then runs
+    /// of coded parts of `Staging::piece` bytes or one part) copied on the copy stream, each into the
+    /// ring's next free range once the decode stream has read what was there; copied or
+    /// decoded into `packed` on the decode stream once the compute stream has freed it (its
+    /// work so far) and the piece is in.
+    fn upload_staged(&self, p: &PinnedPack, packed: &Packed, staging: &Staging) -> Result<Upload> {
+        let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
+        let coded: Vec<(usize, &CodedPart)> = p
+            .parts
+            .iter()
+            .filter_map(|part| part.coded.as_ref().map(|c| (part.at, c)))
+            .collect();
+        let mut pieces = Vec::new();
+        if p.raw > 0 {
+            pieces.push(Piece {
+                from: 0,
+                len: p.raw,
+                raw: true,
+                parts: 0..0,
+            });
+        }
+        let target = staging.piece.max(1);
+        let mut k = 0;
+        while k < coded.len() {
+            let first = k;
+            let from = p.coded_at + coded[k].1.wire;
+            let mut end = from;
+            while k < coded.len() && (k == first || end - from < target) {
+                end = p.coded_at + coded[k].1.wire + coded[k].1.layout.bytes;
+                k += 1;
+            }
+            pieces.push(Piece {
+                from,
+                len: end - from,
+                raw: false,
+                parts: first..k,
+            });
+        }
+        let copy = self.copy_stream()?;
+        let decode = self.decode_stream()?;
+        decode
+            .join(self.stream())
+            .map_err(cuda_err("ordering the decode stream after compute"))?;
+        let host = host_ptr(&p.host)?;
+        let mut ring = staging
+            .ring
+            .lock()
+            .map_err(|_| Error::Poisoned("staging ring"))?;
+        let mut timing = Vec::with_capacity(pieces.len());
+        let mut decoding = Vec::with_capacity(pieces.len());
+        for piece in &pieces {
+            // The piece's range in the ring, and the decode that last read it.
+            let mut at = ring.head;
+            if at + piece.len > staging.len() {
+                at = 0;
+            }
+            let overlaps = |&(s, e, _): &(usize, usize, CudaEvent)| s < at + piece.len && at < e;
+            if let Some(last) = ring.pending.iter().rposition(overlaps) {
+                // The decode stream runs in order: its event after this read means every
+                // earlier read is done too.
+                let (_, _, e) = &ring.pending[last];
+                copy.wait(e)
+                    .map_err(cuda_err("waiting for the staging ring"))?;
+                ring.pending.drain(..=last);
+            }
+            let start = copy
+                .record_event(TIMED)
+                .map_err(cuda_err("recording the copy's start"))?;
+            // SAFETY: the pinned memory is never written after `pack`; the range lies inside
+            // the ring (checked against its length above) and nothing reads it until the
+            // decode stream waits for this copy.
+            let src = unsafe { std::slice::from_raw_parts(host.add(piece.from), piece.len) };
+            let dst = staging.buf.base() + at as u64;
+            unsafe { result::memcpy_htod_async(dst, src, copy.cu_stream()) }
+                .map_err(cuda_err("copying from pinned memory"))?;
+            let copied = copy
+                .record_event(TIMED)
+                .map_err(cuda_err("recording the copy's event"))?;
+            decode
+                .wait(&copied)
+                .map_err(cuda_err("waiting for a staged copy"))?;
+            timing.push((start, copied));
+            let before = decode
+                .record_event(TIMED)
+                .map_err(cuda_err("recording a decode's start"))?;
+            if piece.raw {
+                self.copy_staged(decode, dst, packed.base(), piece.len)?;
+            }
+            for &(part_at, c) in &coded[piece.parts.clone()] {
+                let src = dst + (p.coded_at + c.wire - piece.from) as u64;
+                self.decode_wire(decode, src, c, packed.base() + part_at as u64)?;
+            }
+            let read = decode
+                .record_event(None)
+                .map_err(cuda_err("recording a staged decode"))?;
+            let after = decode
+                .record_event(TIMED)
+                .map_err(cuda_err("recording a decode's end"))?;
+            decoding.push((before, after));
+            ring.pending.push_back((at, at + piece.len, read));
+            ring.head = align(at + piece.len);
+        }
+        let ready = decode
+            .record_event(None)
+            .map_err(cuda_err("recording the upload's event"))?;
+        Ok(Upload(ready, timing, decoding))
+    }
+
+    /// Copies `n` bytes from device address `src` to `dst` (both 16-byte aligned) on
+    /// `stream` with a kernel (cuda/wire.cu `wire_copy_bytes`).
+    fn copy_staged(&self, stream: &Arc<CudaStream>, src: u64, dst: u64, n: usize) -> Result<()> {
+        use cudarc::driver::{LaunchConfig, PushKernelArg};
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("wire", "wire_copy_bytes")?;
+        let len = n as u64;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&src);
+        b.arg(&dst);
+        b.arg(&len);
+        let cfg = LaunchConfig {
+            grid_dim: ((n.div_ceil(16 * 256)).clamp(1, 1024) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel takes exactly these arguments; both ranges hold `n` bytes (a
+        // staged piece and the start of the pack's allocation, both at 256-byte alignment).
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| Error::Cuda(format!("launching wire_copy_bytes: {e:?}")))
     }
 
     /// Decodes the coded bf16 part at device address `src` into `dst`, on `stream`
-    /// (cuda/wire.cu: a thread per 16 values).
+    /// (cuda/wire.cu: a thread per run of values).
     fn decode_wire(
         &self,
         stream: &Arc<CudaStream>,
@@ -430,28 +632,26 @@ impl CudaDevice {
     ) -> Result<()> {
         use cudarc::driver::{LaunchConfig, PushKernelArg};
         let l = &c.layout;
-        let threads = (l.padded() / 16) as u32;
+        let threads = l.runs() as u32;
         if threads == 0 {
             return Ok(());
         }
         let f = self.function("wire", "wire_decode_bf16")?;
-        let (sm, codes, offsets, escapes) = (
+        let (sm, table, chunks, bits) = (
             src + l.sm as u64,
-            src + l.codes as u64,
-            src + l.offsets as u64,
-            src + l.escapes as u64,
+            src + l.table as u64,
+            src + l.chunks as u64,
+            src + l.bits as u64,
         );
-        let (len, padded, base) = (l.len as u64, l.padded() as u64, c.base as u32);
+        let len = l.len as u64;
         let vec_out = i32::from(dst % 16 == 0);
         let mut b = stream.launch_builder(&f);
         b.arg(&sm);
-        b.arg(&codes);
-        b.arg(&offsets);
-        b.arg(&escapes);
+        b.arg(&table);
+        b.arg(&chunks);
+        b.arg(&bits);
         b.arg(&dst);
         b.arg(&len);
-        b.arg(&padded);
-        b.arg(&base);
         b.arg(&vec_out);
         let cfg = LaunchConfig {
             grid_dim: (threads.div_ceil(256), 1, 1),
@@ -459,17 +659,26 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         // SAFETY: the kernel takes exactly these arguments; the coded bytes lie in the staging
-        // buffer (its sections padded to whole chunks, as the kernel reads them) and the output
-        // holds `len` bf16 values at `dst`, inside the pack's allocation.
+        // buffer (sections 16-byte aligned at a 256-byte aligned start, two spare rows of
+        // words after the streams) and the output holds `len` bf16 values at `dst`, inside the pack's
+        // allocation.
         unsafe { b.launch(cfg) }
             .map(|_| ())
             .map_err(|e| Error::Cuda(format!("launching wire_decode_bf16: {e:?}")))
     }
 
-    /// A device buffer of `bytes` for coded uploads to land in before their decode
-    /// (`upload_pack`); used only on the copy stream.
-    pub(crate) fn alloc_staging(&self, bytes: usize) -> Result<Arc<Packed>> {
-        self.alloc_packed(bytes.max(1))
+    /// A staging ring for packed uploads of at most `wire` bytes on the link whose parts take
+    /// at most `part` each to land in before their decode (`upload_pack`): pieces of
+    /// `wire / 8` bytes or one part, and room for the largest upload beside one piece
+    /// (`staging_ring_bytes`).
+    pub(crate) fn alloc_staging(&self, wire: usize, part: usize) -> Result<Staging> {
+        let piece = wire / 8;
+        Ok(Staging {
+            buf: self.alloc_packed(crate::device::staging_ring_bytes(wire, part).max(1))?,
+            piece,
+            ring: std::sync::Mutex::new(Ring::default()),
+            compute: self.stream().clone(),
+        })
     }
 
     /// The compute stream waits for an upload (no host wait).

@@ -24,9 +24,9 @@ pub(crate) mod ptx {
 }
 
 pub use device::CudaDevice;
-pub(crate) use host::{PinnedBuf, PinnedPack, Upload};
+pub(crate) use host::{PinnedBuf, PinnedPack, Staging, Upload};
 pub use memory::MemoryReport;
-pub(crate) use memory::Packed;
+
 pub use nccl::{nccl_available, nccl_unique_id, NcclComm};
 pub use storage::CudaStorage;
 

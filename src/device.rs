@@ -651,26 +651,28 @@ impl HostPack {
     }
 
     /// What an upload stages before decoding its coded parts: (the whole pack's bytes on the
-    /// link when it has any, its largest raw prefix or coded part); (0, 0) on the CPU backend,
-    /// which decodes from host memory.
-    pub(crate) fn staging_bytes(&self) -> (usize, usize) {
+    /// link when it has any, its largest raw prefix or coded part, the most pieces it may
+    /// take); zeros on the CPU backend, which decodes from host memory.
+    pub(crate) fn staging_bytes(&self) -> (usize, usize, usize) {
         match self {
             #[cfg(feature = "cpu-ref")]
-            HostPack::Cpu(_) => (0, 0),
+            HostPack::Cpu(_) => (0, 0, 0),
             #[cfg(feature = "cuda")]
             HostPack::Cuda(p) => p.staging_bytes(),
         }
     }
 }
 
-/// The bytes of the staging ring for uploads of at most `wire` bytes on the link, none of
-/// whose raw prefix or coded parts takes more than `part`: the largest upload beside one
-/// piece (`wire / 8` bytes or a part), so that no upload's pieces wrap onto its own.
-pub(crate) fn staging_ring_bytes(wire: usize, part: usize) -> usize {
+/// The bytes of the staging ring for uploads of at most `wire` bytes on the link in at most
+/// `pieces` pieces, none of whose raw prefix or coded parts takes more than `part`: the
+/// largest upload, the end of the ring a piece (`wire / 8` bytes or a part) may skip when it
+/// wraps, each piece's alignment, and a part more, so that no upload's pieces wrap onto its
+/// own (whose decodes wait for the compute).
+pub(crate) fn staging_ring_bytes(wire: usize, part: usize, pieces: usize) -> usize {
     if wire == 0 {
         return 0;
     }
-    wire + (wire / 8).max(part) + part
+    wire + (wire / 8).max(part) + part + 256 * (pieces + 1)
 }
 
 /// Device memory that coded uploads land in before their decode (`Device::staging`).
@@ -846,8 +848,8 @@ impl Device {
 
     /// New storages on this device with the values of the parts of `p`, in order, and what to
     /// wait for before reading them (see `wait`). On a GPU they are cut from one allocation of
-    /// at least `slot` bytes filled by one copy, which returns to the cache when the last of
-    /// them drops.
+    /// at least `slot` bytes filled by one copy (coded packs: a few pieces through the staging
+    /// ring, decoded into place), which returns to the cache when the last of them drops.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub(crate) fn upload_pack(
         &self,
@@ -898,10 +900,17 @@ impl Device {
 
     /// Device memory of `bytes` for coded uploads to stage in (`upload_pack`); `None` on the
     /// CPU backend or for 0 bytes.
-    pub(crate) fn staging(&self, wire: usize, part: usize) -> Result<Option<Staging>> {
+    pub(crate) fn staging(
+        &self,
+        wire: usize,
+        part: usize,
+        pieces: usize,
+    ) -> Result<Option<Staging>> {
         match self {
             #[cfg(feature = "cuda")]
-            Device::Cuda(d) if wire > 0 => Ok(Some(Staging::Cuda(d.alloc_staging(wire, part)?))),
+            Device::Cuda(d) if wire > 0 => {
+                Ok(Some(Staging::Cuda(d.alloc_staging(wire, part, pieces)?)))
+            }
             _ => Ok(None),
         }
     }

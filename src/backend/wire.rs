@@ -230,7 +230,8 @@ pub fn encode(bits: &[u16]) -> Option<Coded> {
                 stream.push(acc as u32);
             }
         }
-        chunk_words.push(words.len() as u32);
+        // Streams start at a u32 word: a tensor of over ~10^10 values is not coded.
+        chunk_words.push(u32::try_from(words.len()).ok()?);
         let rows = streams.iter().map(Vec::len).max().unwrap_or(0);
         for w in 0..rows {
             words.extend(streams.iter().map(|s| s.get(w).copied().unwrap_or(0)));
@@ -276,6 +277,10 @@ pub fn decode(layout: &Layout, bytes: &[u8], out: &mut [u16]) -> Result<()> {
     };
     if bytes.len() < layout.bytes || layout.bytes < layout.bits || out.len() != layout.len {
         return Err(bad("too few bytes or a wrong output length"));
+    }
+    let words = ((layout.bytes - layout.bits) / 4).checked_sub(SPARE);
+    if words.is_none_or(|w| *layout != Layout::new(layout.len, w)) {
+        return Err(bad("a layout that is not the code's"));
     }
     let u16_at = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
     let word = |k: usize| -> Result<u64> {
@@ -461,6 +466,12 @@ mod tests {
         let at = c.layout.chunks + 4;
         bad[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(decode(&c.layout, &bad, &mut out).is_err());
+        // A layout whose sections are not where the code puts them.
+        let moved = Layout {
+            chunks: c.layout.chunks + 16,
+            ..c.layout
+        };
+        assert!(decode(&moved, &c.bytes, &mut out).is_err());
         // Every table entry empty: no code decodes.
         let mut bad = c.bytes.clone();
         bad[c.layout.table..c.layout.table + 2 * TABLE].fill(0);

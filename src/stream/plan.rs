@@ -92,7 +92,7 @@ pub struct Plan {
     /// Checkpointed blocks keep their inputs in host memory (`InputOffload`).
     pub offload_inputs: bool,
     /// Streamed bf16 weights cross the host link in its lossless code
-    /// (`BlockStreamer::set_wire_code`): fewer bytes copied, a staging buffer on the device.
+    /// (`BlockStreamer::set_wire_code`): fewer bytes copied, a staging ring on the device.
     pub wire_code: bool,
     /// The forward fetches as far ahead as the memory its checkpoints have not yet taken
     /// allows, and the backward leaves that many blocks on the device for the next forward
@@ -603,7 +603,8 @@ impl MemoryProfile {
         held += 2 * offloaded;
         // Coded uploads cross into a staging ring that holds the largest streamed block's
         // bytes on the link beside a piece and a part (the largest part taken as a fifth of
-        // the largest block: Flux's, a single block's linear1, is 0.2 of a double block).
+        // the largest block: Flux's, a single block's linear1, is 0.2 of a double block;
+        // 32 pieces' alignment).
         let staging = if plan.wire_code {
             let wire = self
                 .blocks
@@ -612,7 +613,7 @@ impl MemoryProfile {
                 .map(|b| b.wire_bytes)
                 .max()
                 .unwrap_or(0);
-            crate::device::staging_ring_bytes(wire as usize, wire as usize / 5) as u64
+            crate::device::staging_ring_bytes(wire as usize, wire as usize / 5, 32) as u64
         } else {
             0
         };
@@ -737,7 +738,7 @@ impl MemoryProfile {
             prefetch: 1,
             keep: Keep::NONE,
             offload_inputs: true,
-            // Uncoded: the staging buffer would add to the smallest peak.
+            // Uncoded: the staging ring would add to the smallest peak.
             wire_code: false,
             deep_prefetch: true,
         });

@@ -57,8 +57,8 @@ enum Residency {
 struct Block {
     prefix: String,
     params: Vec<Param>,
-    /// Every parameter's values in one host buffer, made at the first fetch: one copy and
-    /// one device allocation per fetch instead of one per parameter.
+    /// Every parameter's values in one host buffer, made at the first fetch: one copy (a few
+    /// pieces when coded) and one device allocation per fetch instead of one per parameter.
     pack: Option<HostPack>,
     residency: Residency,
 }
@@ -166,8 +166,8 @@ impl BlockStreamer {
     }
 
     /// Whether bf16 weights are held in host memory and cross the link in a lossless code
-    /// (`crate::backend::wire`: about a quarter fewer bytes, decoded on the device after
-    /// each copy; the values are the same bit for bit). On by default; set before the first
+    /// (`crate::backend::wire`: about 0.69 of the bytes, decoded on the device as each piece
+    /// arrives; the values are the same bit for bit). On by default; set before the first
     /// fetch.
     pub fn set_wire_code(&self, on: bool) -> Result<()> {
         let mut st = self.lock()?;
@@ -379,12 +379,14 @@ impl BlockStreamer {
             .filter_map(|b| b.pack.as_ref().map(HostPack::bytes))
             .max()
             .unwrap_or(0);
-        let (wire, part) = st
+        let (wire, part, pieces) = st
             .blocks
             .iter()
             .filter_map(|b| b.pack.as_ref().map(HostPack::staging_bytes))
-            .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)));
-        st.staging = self.device.staging(wire, part)?;
+            .fold((0, 0, 0), |(w, p, n), (bw, bp, bn)| {
+                (w.max(bw), p.max(bp), n.max(bn))
+            });
+        st.staging = self.device.staging(wire, part, pieces)?;
         Ok(())
     }
 

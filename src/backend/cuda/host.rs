@@ -7,9 +7,14 @@
 //!   order, so before a copy writes into a freshly allocated buffer, the copy stream waits
 //!   for the compute stream's work enqueued so far (an event): whatever last used that
 //!   memory has finished.
-//! - `upload` returns the buffers with the event of their copies; the compute stream must wait
-//!   on that event (`wait`) before any kernel reads the buffer, and before the buffer is
-//!   dropped (so it never returns to the cache while the copy may still write it).
+//! - Coded uploads cross into a staging ring (`Staging`) and are decoded into their buffers on
+//!   the decode stream: the copy stream waits for the compute once, when the ring is made, and
+//!   then only for the decode of whatever last held a range of the ring; the decode stream
+//!   waits for the compute stream's work so far before writing the fresh buffer.
+//! - `upload` returns the buffers with the event after their last write (copy or decode); the
+//!   compute stream must wait on that event (`wait`) before any kernel reads the buffer, and
+//!   before the buffer is dropped (so it never returns to the cache while a copy or a decode
+//!   may still write it).
 //! - A `PinnedBuf` is written once (`stash`, synchronously) and only read afterwards, so
 //!   copies from it need no ordering against the host. `offload` writes one on the copy
 //!   stream instead; uploads from it run on that stream too, so they follow the write, and
@@ -85,8 +90,11 @@ pub struct Staging {
     /// The bytes a piece gathers coded parts up to.
     piece: usize,
     ring: std::sync::Mutex<Ring>,
-    /// The compute stream, which waits for the last decode before the ring's memory returns.
+    /// The compute, copy and decode streams: the compute waits for the other two before the
+    /// ring's memory returns to the cache.
     compute: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    decode: Arc<CudaStream>,
 }
 
 #[derive(Default)]
@@ -105,12 +113,10 @@ impl Staging {
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        // The memory returns in compute-stream order: after the last decode has read it.
-        if let Ok(ring) = self.ring.get_mut() {
-            if let Some((_, _, e)) = ring.pending.back() {
-                let _ = self.compute.wait(e);
-            }
-        }
+        // The memory returns in compute-stream order: after every copy into it and every
+        // decode from it issued so far, whatever the ring's bookkeeping says.
+        let _ = self.compute.join(&self.copy);
+        let _ = self.compute.join(&self.decode);
     }
 }
 
@@ -133,9 +139,9 @@ pub(crate) const PACK_ALIGN: usize = 256;
 
 /// Several device buffers' bytes in one page-locked host buffer: a streamed block's weights,
 /// uploaded into one device allocation (`upload_pack`), each part at a multiple of
-/// `PACK_ALIGN` there. Parts sent as they are come first, at their device offsets (one copy
-/// brings them all); bf16 parts in the link's lossless code (`crate::backend::wire`) follow,
-/// copied into a staging ring and decoded into place on the decode stream.
+/// `PACK_ALIGN` there. Parts sent as they are come first, at their device offsets (uncoded,
+/// one copy brings them all); bf16 parts in the link's lossless code (`crate::backend::wire`)
+/// follow, copied into a staging ring in pieces and decoded into place on the decode stream.
 pub struct PinnedPack {
     host: PinnedHostSlice<u8>,
     /// Each part, in the order given to `pack`.
@@ -189,17 +195,18 @@ impl PinnedPack {
 
     /// The staging an upload needs: a pack with coded parts crosses whole into the staging
     /// ring (`upload_pack`); one without needs none. Returns (bytes on the link, the largest
-    /// piece that cannot be split: the raw prefix or one coded part).
-    pub fn staging_bytes(&self) -> (usize, usize) {
+    /// piece that cannot be split: the raw prefix or one coded part, the most pieces: one a
+    /// coded part and the raw prefix).
+    pub fn staging_bytes(&self) -> (usize, usize, usize) {
         if self.coded == 0 {
-            return (0, 0);
+            return (0, 0, 0);
         }
-        let part = self
-            .parts
-            .iter()
-            .filter_map(|p| p.coded.as_ref().map(|c| c.layout.bytes))
+        let coded = self.parts.iter().filter_map(|p| p.coded.as_ref());
+        let part = coded
+            .clone()
+            .map(|c| c.layout.bytes)
             .fold(self.raw, usize::max);
-        (self.wire_bytes(), part)
+        (self.wire_bytes(), part, coded.count() + 1)
     }
 }
 
@@ -494,7 +501,6 @@ impl CudaDevice {
     /// decoded into `packed` on the decode stream once the compute stream has freed it (its
     /// work so far) and the piece is in.
     fn upload_staged(&self, p: &PinnedPack, packed: &Packed, staging: &Staging) -> Result<Upload> {
-        let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
         let coded: Vec<(usize, &CodedPart)> = p
             .parts
             .iter()
@@ -509,14 +515,18 @@ impl CudaDevice {
                 parts: 0..0,
             });
         }
+        // A piece takes the next part, and the ones after it while it stays within the
+        // target: no piece is larger than the target or one part (`staging_ring_bytes`).
         let target = staging.piece.max(1);
+        let part_end = |k: usize| p.coded_at + coded[k].1.wire + coded[k].1.layout.bytes;
         let mut k = 0;
         while k < coded.len() {
             let first = k;
             let from = p.coded_at + coded[k].1.wire;
-            let mut end = from;
-            while k < coded.len() && (k == first || end - from < target) {
-                end = p.coded_at + coded[k].1.wire + coded[k].1.layout.bytes;
+            let mut end = part_end(k);
+            k += 1;
+            while k < coded.len() && part_end(k) - from <= target {
+                end = part_end(k);
                 k += 1;
             }
             pieces.push(Piece {
@@ -528,6 +538,30 @@ impl CudaDevice {
         }
         let copy = self.copy_stream()?;
         let decode = self.decode_stream()?;
+        let queued = self.queue_staged(p, &pieces, &coded, packed, staging, copy, decode);
+        if queued.is_err() {
+            // Some of it may be queued: nothing the copies or decodes touch may return to
+            // the cache (the pack's buffer drops with the error) before they are done.
+            let _ = self.stream().join(copy);
+            let _ = self.stream().join(decode);
+        }
+        queued
+    }
+
+    /// Queues `upload_staged`'s pieces: on the copy stream into the ring, on the decode stream
+    /// into `packed`.
+    #[allow(clippy::too_many_arguments)]
+    fn queue_staged(
+        &self,
+        p: &PinnedPack,
+        pieces: &[Piece],
+        coded: &[(usize, &CodedPart)],
+        packed: &Packed,
+        staging: &Staging,
+        copy: &Arc<CudaStream>,
+        decode: &Arc<CudaStream>,
+    ) -> Result<Upload> {
+        let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
         decode
             .join(self.stream())
             .map_err(cuda_err("ordering the decode stream after compute"))?;
@@ -538,7 +572,7 @@ impl CudaDevice {
             .map_err(|_| Error::Poisoned("staging ring"))?;
         let mut timing = Vec::with_capacity(pieces.len());
         let mut decoding = Vec::with_capacity(pieces.len());
-        for piece in &pieces {
+        for piece in pieces {
             // The piece's range in the ring, and the decode that last read it.
             let mut at = ring.head;
             if at + piece.len > staging.len() {
@@ -632,7 +666,8 @@ impl CudaDevice {
     ) -> Result<()> {
         use cudarc::driver::{LaunchConfig, PushKernelArg};
         let l = &c.layout;
-        let threads = l.runs() as u32;
+        let threads = u32::try_from(l.runs())
+            .map_err(|_| Error::Stream(format!("a coded tensor of {} values", l.len)))?;
         if threads == 0 {
             return Ok(());
         }
@@ -667,17 +702,25 @@ impl CudaDevice {
             .map_err(|e| Error::Cuda(format!("launching wire_decode_bf16: {e:?}")))
     }
 
-    /// A staging ring for packed uploads of at most `wire` bytes on the link whose parts take
-    /// at most `part` each to land in before their decode (`upload_pack`): pieces of
-    /// `wire / 8` bytes or one part, and room for the largest upload beside one piece
-    /// (`staging_ring_bytes`).
-    pub(crate) fn alloc_staging(&self, wire: usize, part: usize) -> Result<Staging> {
-        let piece = wire / 8;
+    /// A staging ring for packed uploads of at most `wire` bytes on the link, in at most
+    /// `pieces` pieces, whose raw prefix or coded parts take at most `part` each, to land in
+    /// before their decode (`upload_pack`): pieces of up to `wire / 8` bytes or one part, and
+    /// room for the largest upload beside one piece (`staging_ring_bytes`). The copy stream
+    /// waits here for the compute stream's work so far: the ring's memory may be a buffer
+    /// the compute has just freed.
+    pub(crate) fn alloc_staging(&self, wire: usize, part: usize, pieces: usize) -> Result<Staging> {
+        let buf =
+            self.alloc_packed(crate::device::staging_ring_bytes(wire, part, pieces).max(1))?;
+        let (copy, decode) = (self.copy_stream()?.clone(), self.decode_stream()?.clone());
+        copy.join(self.stream())
+            .map_err(cuda_err("ordering the copy stream after compute"))?;
         Ok(Staging {
-            buf: self.alloc_packed(crate::device::staging_ring_bytes(wire, part).max(1))?,
-            piece,
+            buf,
+            piece: wire / 8,
             ring: std::sync::Mutex::new(Ring::default()),
             compute: self.stream().clone(),
+            copy,
+            decode,
         })
     }
 

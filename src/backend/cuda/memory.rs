@@ -217,9 +217,9 @@ impl Arena {
 }
 
 /// One allocation of the pool cut into parts of several element types: the device copy of a
-/// streamed block's weights, brought in by one copy (`crate::stream`). Counted once, as the
-/// buffer it is; each part is a `DevBuf` of its own (offset 0, its own length) that keeps the
-/// whole alive.
+/// streamed block's weights, brought in by one copy or decoded into it (`crate::stream`).
+/// Counted once, as the buffer it is; each part is a `DevBuf` of its own (offset 0, its own
+/// length) that keeps the whole alive.
 pub(crate) struct Packed {
     buf: DevBuf<u8>,
     base: sys::CUdeviceptr,

@@ -217,6 +217,10 @@ pub enum Error {
     /// a broken connection, a rendezvous that timed out, an NCCL call that failed.
     #[error("distributed: {0}")]
     Dist(String),
+    /// Training over several processes: another rank failed, was killed or left, so this
+    /// one stops too. The cause is that rank's (a launcher names it, not this one).
+    #[error("distributed: {0}")]
+    PeerFailed(String),
     /// A lock inside FLAME (named here) was poisoned by a panic on another thread.
     #[error("internal: a lock was poisoned by a panic on another thread ({0})")]
     Poisoned(&'static str),

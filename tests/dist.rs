@@ -403,22 +403,36 @@ fn two_and_four_ranks_train_as_one_process_with_the_global_batch_and_resume_exac
     }
 }
 
-/// A rank that fails mid-run makes the others stop with an error naming it.
+/// A rank that fails mid-run (saying so, or vanishing without a word) makes the others stop
+/// with an error naming it, of the kind that says the cause is another rank's
+/// (`Error::PeerFailed`: a launcher names the failing rank, not these).
 #[test]
 fn a_failing_rank_is_named_by_the_others() {
-    let out = ranks(3, |r, g| {
-        g.barrier().unwrap();
-        if r == 2 {
-            g.fail("out of memory in step 3");
-            drop(g);
-            return Ok(());
+    for says in [true, false] {
+        let out = ranks(3, |r, g| {
+            g.barrier().unwrap();
+            if r == 2 {
+                if says {
+                    g.fail("out of memory in step 3");
+                }
+                drop(g);
+                return Ok(());
+            }
+            let mut v = [1.0];
+            g.sum_host(&mut v)
+        });
+        for (r, o) in out.into_iter().enumerate().take(2) {
+            let e = o.unwrap().unwrap_err();
+            assert!(
+                matches!(e, flame::Error::PeerFailed(_)),
+                "rank {r}, says {says}: {e:?}"
+            );
+            let e = e.to_string();
+            assert!(
+                e.contains("rank 2") || (r > 0 && e.contains("rank 0")),
+                "rank {r}: {e}"
+            );
         }
-        let mut v = [1.0];
-        g.sum_host(&mut v)
-    });
-    for (r, o) in out.into_iter().enumerate().take(2) {
-        let e = o.unwrap().unwrap_err().to_string();
-        assert!(e.contains("rank 2"), "rank {r}: {e}");
     }
 }
 

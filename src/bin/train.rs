@@ -420,7 +420,12 @@ fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
             } else {
                 eprintln!("{msg}");
             }
-            ExitCode::FAILURE
+            // Stopped by another rank's failure (seen in a collective before the watchdog
+            // saw it): the launcher names that rank, not this one.
+            match e {
+                flame::Error::PeerFailed(_) => ExitCode::from(STOPPED_BY_PEER as u8),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }

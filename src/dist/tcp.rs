@@ -48,6 +48,11 @@ fn dist(msg: impl Into<String>) -> Error {
     Error::Dist(msg.into())
 }
 
+/// Another rank failed or left: this one stops because of it.
+fn peer(msg: impl Into<String>) -> Error {
+    Error::PeerFailed(msg.into())
+}
+
 fn send(s: &mut TcpStream, tag: u8, payload: &[u8]) -> std::io::Result<()> {
     let mut head = [0u8; 9];
     head[0] = tag;
@@ -266,7 +271,7 @@ impl TcpGroup {
         for (i, mut r) in readers.into_iter().enumerate() {
             let (done, on, writers) = (self.done.clone(), on_abort.clone(), self.watch.clone());
             let root = self.rank == 0;
-            let peer = if root { i + 1 } else { 0 };
+            let other = if root { i + 1 } else { 0 };
             std::thread::spawn(move || {
                 let msg = match recv(&mut r) {
                     Ok((BYE, _)) => return,
@@ -274,11 +279,11 @@ impl TcpGroup {
                         String::from_utf8_lossy(&p).into_owned()
                     }
                     Ok((FAILED, p)) => {
-                        format!("rank {peer} failed: {}", String::from_utf8_lossy(&p))
+                        format!("rank {other} failed: {}", String::from_utf8_lossy(&p))
                     }
                     _ if done.load(Ordering::Relaxed) => return,
                     _ => format!(
-                        "rank {peer} exited without saying why (killed, crashed, or its \
+                        "rank {other} exited without saying why (killed, crashed, or its \
                          machine went away)"
                     ),
                 };
@@ -322,42 +327,47 @@ impl TcpGroup {
                         }
                         None
                     }
-                    Ok((DATA, p)) => Some(format!(
+                    Ok((DATA, p)) => Some(dist(format!(
                         "rank {r} sent {} values to a collective of {n}: the ranks are out of \
                          step (a different config or data on that rank?)",
                         p.len() / 8
-                    )),
-                    Ok((FAILED, p)) | Ok((ABORT, p)) => {
-                        Some(format!("rank {r} failed: {}", String::from_utf8_lossy(&p)))
-                    }
-                    Ok((t, _)) => Some(format!("rank {r} sent an unknown frame {t}")),
-                    Err(e) => Some(format!(
+                    ))),
+                    Ok((FAILED, p)) | Ok((ABORT, p)) => Some(peer(format!(
+                        "rank {r} failed: {}",
+                        String::from_utf8_lossy(&p)
+                    ))),
+                    Ok((t, _)) => Some(dist(format!("rank {r} sent an unknown frame {t}"))),
+                    Err(e) => Some(peer(format!(
                         "rank {r} closed its connection ({e}): it failed, was killed, or its \
                          machine went away"
-                    )),
+                    ))),
                 };
-                if let Some(msg) = fail {
+                if let Some(e) = fail {
+                    let msg = match &e {
+                        Error::Dist(m) | Error::PeerFailed(m) => m.clone(),
+                        other => other.to_string(),
+                    };
                     Self::abort_data(&mut conns, &msg);
-                    return Err(dist(msg));
+                    return Err(e);
                 }
             }
             let out = bytes(&acc);
             for (i, c) in conns.iter_mut().enumerate() {
                 send(c, DATA, &out)
-                    .map_err(|e| dist(format!("sending a sum to rank {}: {e}", i + 1)))?;
+                    .map_err(|e| peer(format!("sending a sum to rank {}: {e}", i + 1)))?;
             }
             values.copy_from_slice(&acc);
         } else {
             let c = &mut conns[0];
             send(c, DATA, &bytes(values)).map_err(|e| {
-                dist(format!(
+                peer(format!(
                     "rank {}: rank 0 closed its connection ({e}): it failed or was stopped",
                     self.rank
                 ))
             })?;
             match recv(c) {
                 Ok((DATA, p)) if p.len() == 8 * n => values.copy_from_slice(&f64s(&p)),
-                Ok((ABORT, p)) => return Err(dist(String::from_utf8_lossy(&p).into_owned())),
+                Ok((ABORT, p)) => return Err(peer(String::from_utf8_lossy(&p).into_owned())),
                 Ok((t, p)) => {
                     return Err(dist(format!(
                         "rank {}: an unexpected frame {t} of {} bytes from rank 0",
@@ -366,7 +376,7 @@ impl TcpGroup {
                     )))
                 }
                 Err(e) => {
-                    return Err(dist(format!(
+                    return Err(peer(format!(
                         "rank {}: rank 0 closed its connection ({e}): it failed or was stopped",
                         self.rank
                     )))

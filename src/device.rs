@@ -672,7 +672,13 @@ pub(crate) fn staging_ring_bytes(wire: usize, part: usize, pieces: usize) -> usi
     if wire == 0 {
         return 0;
     }
-    wire + (wire / 8).max(part) + part + 256 * (pieces + 1)
+    wire + staging_piece(wire).max(part) + part + 256 * (pieces + 1)
+}
+
+/// The bytes a staged piece gathers coded parts up to, for uploads of at most `wire` bytes on
+/// the link: an eighth of the largest.
+pub(crate) fn staging_piece(wire: usize) -> usize {
+    wire / 8
 }
 
 /// Device memory that coded uploads land in before their decode (`Device::staging`).

@@ -537,6 +537,18 @@ fn bf16_patterns(n: usize, scale: f32, seed: u64) -> Vec<u16> {
         .collect()
 }
 
+/// A bf16 tensor on `dev` with the bit patterns `bits`.
+fn bf16_tensor(bits: &[u16], dev: &Device) -> Tensor {
+    let x: Vec<half::bf16> = bits.iter().map(|&b| half::bf16::from_bits(b)).collect();
+    Tensor::from_vec(x, bits.len(), dev).unwrap()
+}
+
+/// The bit patterns of bf16 tensor `t`.
+fn bf16_bits(t: &Tensor) -> Vec<u16> {
+    let v = t.to_vec::<half::bf16>().unwrap();
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// bf16 weights of a streamed block (odd sizes, zeros, subnormals, infinities, NaNs and wide
 /// exponents among normal values) stream through the link's lossless code and come back bit
 /// for bit on `dev`; with the code off they cross as they are. Returns (uploaded, decoded)
@@ -551,13 +563,7 @@ fn wire_round_trip(dev: &Device) -> (u64, u64) {
     for code in [true, false] {
         let s = BlockStreamer::new(dev, vec!["blk".into()], 1);
         s.set_wire_code(code).unwrap();
-        let mut ws: Vec<Tensor> = values
-            .iter()
-            .map(|v| {
-                let b: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_bits(x)).collect();
-                Tensor::from_vec(b, v.len(), dev).unwrap()
-            })
-            .collect();
+        let mut ws: Vec<Tensor> = values.iter().map(|v| bf16_tensor(v, dev)).collect();
         ws.push(Tensor::randn(33, DType::F32, dev, 7).unwrap());
         let handles: Vec<Tensor> = ws.iter().map(|w| s.adopt(0, w).unwrap()).collect();
         drop(ws);
@@ -568,16 +574,7 @@ fn wire_round_trip(dev: &Device) -> (u64, u64) {
         let hs = handles.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         exec.run("blk", 0, &[randn_on(&[1], 4, dev)], move |_| {
-            let got: Vec<Vec<u16>> = hs[..hs.len() - 1]
-                .iter()
-                .map(|t| {
-                    t.to_vec::<half::bf16>()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect()
-                })
-                .collect();
+            let got: Vec<Vec<u16>> = hs[..hs.len() - 1].iter().map(bf16_bits).collect();
             tx.send(got).unwrap();
             Ok(vec![hs[0].affine(1.0, 0.0)?])
         })
@@ -586,7 +583,7 @@ fn wire_round_trip(dev: &Device) -> (u64, u64) {
         let r = s.report().unwrap();
         assert_eq!(r.uploads, 1);
         if code {
-            // The large tensors go coded (a byte and ~2.8 bits a value, and an 8 KiB table
+            // The large tensors go coded (a byte and ~3.2 bits a value, and a 2 KiB table
             // each), the small ones as they are.
             assert!(
                 (r.uploaded_bytes as f64) < 0.8 * r.decoded_bytes as f64,
@@ -631,11 +628,7 @@ fn coded_blocks_cycle(dev: &Device) -> u64 {
         .enumerate()
         .map(|(b, vs)| {
             vs.iter()
-                .map(|v| {
-                    let x: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_bits(x)).collect();
-                    let t = Tensor::from_vec(x, v.len(), dev).unwrap();
-                    s.adopt(b, &t).unwrap()
-                })
+                .map(|v| s.adopt(b, &bf16_tensor(v, dev)).unwrap())
                 .collect()
         })
         .collect();
@@ -648,13 +641,7 @@ fn coded_blocks_cycle(dev: &Device) -> u64 {
             let hs = handles[b].clone();
             let (tx, rx) = std::sync::mpsc::channel();
             exec.run(prefix, b, &[randn_on(&[1], 4, dev)], move |_| {
-                let got: Vec<Vec<u16>> = hs
-                    .iter()
-                    .map(|t| {
-                        let v = t.to_vec::<half::bf16>().unwrap();
-                        v.iter().map(|x| x.to_bits()).collect()
-                    })
-                    .collect();
+                let got: Vec<Vec<u16>> = hs.iter().map(bf16_bits).collect();
                 tx.send(got).unwrap();
                 Ok(vec![hs[0].affine(1.0, 0.0)?])
             })

@@ -320,35 +320,42 @@ impl TcpGroup {
             let mut acc = values.to_vec();
             for r in 1..self.world {
                 let got = recv(&mut conns[r - 1]);
-                let fail = match got {
+                // The message sent to the other ranks, and the error it is here: a broken
+                // collective (`Error::Dist`) or another rank's failure (`Error::PeerFailed`).
+                type Kind = fn(String) -> Error;
+                let fail: Option<(String, Kind)> = match got {
                     Ok((DATA, p)) if p.len() == 8 * n => {
                         for (a, v) in acc.iter_mut().zip(f64s(&p)) {
                             *a += v;
                         }
                         None
                     }
-                    Ok((DATA, p)) => Some(dist(format!(
-                        "rank {r} sent {} values to a collective of {n}: the ranks are out of \
-                         step (a different config or data on that rank?)",
-                        p.len() / 8
-                    ))),
-                    Ok((FAILED, p)) | Ok((ABORT, p)) => Some(peer(format!(
-                        "rank {r} failed: {}",
-                        String::from_utf8_lossy(&p)
-                    ))),
-                    Ok((t, _)) => Some(dist(format!("rank {r} sent an unknown frame {t}"))),
-                    Err(e) => Some(peer(format!(
-                        "rank {r} closed its connection ({e}): it failed, was killed, or its \
-                         machine went away"
-                    ))),
+                    Ok((DATA, p)) => Some((
+                        format!(
+                            "rank {r} sent {} values to a collective of {n}: the ranks are out \
+                             of step (a different config or data on that rank?)",
+                            p.len() / 8
+                        ),
+                        Error::Dist,
+                    )),
+                    Ok((FAILED, p)) | Ok((ABORT, p)) => Some((
+                        format!("rank {r} failed: {}", String::from_utf8_lossy(&p)),
+                        Error::PeerFailed,
+                    )),
+                    Ok((t, _)) => {
+                        Some((format!("rank {r} sent an unknown frame {t}"), Error::Dist))
+                    }
+                    Err(e) => Some((
+                        format!(
+                            "rank {r} closed its connection ({e}): it failed, was killed, or \
+                             its machine went away"
+                        ),
+                        Error::PeerFailed,
+                    )),
                 };
-                if let Some(e) = fail {
-                    let msg = match &e {
-                        Error::Dist(m) | Error::PeerFailed(m) => m.clone(),
-                        other => other.to_string(),
-                    };
+                if let Some((msg, kind)) = fail {
                     Self::abort_data(&mut conns, &msg);
-                    return Err(e);
+                    return Err(kind(msg));
                 }
             }
             let out = bytes(&acc);

@@ -46,14 +46,14 @@ impl PinnedBuf {
     }
 }
 
+/// An event several holders keep: an upload's last copy or decode is its ready event, the end
+/// of its timing and the staging ring's mark of a piece read, one event for all three.
+type Shared = Arc<CudaEvent>;
+
 /// The event of an upload: the buffer's values are there once the event has completed. A
-/// packed upload also records when each of its copies over the link began and ended, for the
-/// link's time (`copy_ms`).
-pub struct Upload(
-    CudaEvent,
-    Vec<(CudaEvent, CudaEvent)>,
-    Vec<(CudaEvent, CudaEvent)>,
-);
+/// packed upload also records when each of its copies over the link, and each of its
+/// decodes, began and ended (`copy_ms`).
+pub struct Upload(Shared, Vec<(CudaEvent, Shared)>, Vec<(CudaEvent, Shared)>);
 
 impl Upload {
     pub(crate) fn timed(&self) -> bool {
@@ -64,15 +64,13 @@ impl Upload {
     /// time on the link, the time from the first one's start to the last one's end (more
     /// where a copy waited for the staging ring), and the decodes' time.
     pub(crate) fn copy_ms(&self) -> Option<(f64, f64, f64)> {
-        let done = |v: &[(CudaEvent, CudaEvent)]| {
-            v.iter().all(|(s, e)| s.is_complete() && e.is_complete())
-        };
+        let done =
+            |v: &[(CudaEvent, Shared)]| v.iter().all(|(s, e)| s.is_complete() && e.is_complete());
         if !(done(&self.1) && done(&self.2)) {
             return None;
         }
         let ms = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).ok().map(f64::from);
-        let sum =
-            |v: &[(CudaEvent, CudaEvent)]| v.iter().map(|(s, e)| ms(s, e)).sum::<Option<f64>>();
+        let sum = |v: &[(CudaEvent, Shared)]| v.iter().map(|(s, e)| ms(s, e)).sum::<Option<f64>>();
         let span = ms(&self.1.first()?.0, &self.1.last()?.1)?;
         Some((sum(&self.1)?, span, sum(&self.2)?))
     }
@@ -102,7 +100,7 @@ struct Ring {
     /// The next free byte.
     head: usize,
     /// Ranges the decode stream may still read, oldest first, with its event after the read.
-    pending: std::collections::VecDeque<(usize, usize, CudaEvent)>,
+    pending: std::collections::VecDeque<(usize, usize, Shared)>,
 }
 
 impl Staging {
@@ -296,7 +294,7 @@ impl CudaDevice {
             .map_err(cuda_err("recording the copy's event"))?;
         Ok((
             PinnedBuf { host, dtype, len },
-            Upload(event, Vec::new(), Vec::new()),
+            Upload(Arc::new(event), Vec::new(), Vec::new()),
         ))
     }
 
@@ -323,7 +321,7 @@ impl CudaDevice {
         let event = copy
             .record_event(None)
             .map_err(cuda_err("recording the copy's event"))?;
-        Ok((storages, Upload(event, Vec::new(), Vec::new())))
+        Ok((storages, Upload(Arc::new(event), Vec::new(), Vec::new())))
     }
 
     /// The buffers `ps` copied, in order, into one new page-locked buffer, for
@@ -462,15 +460,11 @@ impl CudaDevice {
                     unsafe { result::memcpy_htod_async(packed.base(), src, copy.cu_stream()) }
                         .map_err(cuda_err("copying from pinned memory"))?;
                 }
-                let end = copy
-                    .record_event(TIMED)
-                    .map_err(cuda_err("recording the copy's event"))?;
-                Upload(
-                    copy.record_event(None)
+                let end = Arc::new(
+                    copy.record_event(TIMED)
                         .map_err(cuda_err("recording the copy's event"))?,
-                    vec![(start, end)],
-                    Vec::new(),
-                )
+                );
+                Upload(end.clone(), vec![(start, end)], Vec::new())
             }
             Some(staging) => self.upload_staged(p, &packed, staging)?,
         };
@@ -578,7 +572,7 @@ impl CudaDevice {
             if at + piece.len > staging.len() {
                 at = 0;
             }
-            let overlaps = |&(s, e, _): &(usize, usize, CudaEvent)| s < at + piece.len && at < e;
+            let overlaps = |&(s, e, _): &(usize, usize, Shared)| s < at + piece.len && at < e;
             if let Some(last) = ring.pending.iter().rposition(overlaps) {
                 // The decode stream runs in order: its event after this read means every
                 // earlier read is done too.
@@ -603,7 +597,7 @@ impl CudaDevice {
             decode
                 .wait(&copied)
                 .map_err(cuda_err("waiting for a staged copy"))?;
-            timing.push((start, copied));
+            timing.push((start, Arc::new(copied)));
             let before = decode
                 .record_event(TIMED)
                 .map_err(cuda_err("recording a decode's start"))?;
@@ -614,19 +608,24 @@ impl CudaDevice {
                 let src = dst + (p.coded_at + c.wire - piece.from) as u64;
                 self.decode_wire(decode, src, c, packed.base() + part_at as u64)?;
             }
-            let read = decode
-                .record_event(None)
-                .map_err(cuda_err("recording a staged decode"))?;
-            let after = decode
-                .record_event(TIMED)
-                .map_err(cuda_err("recording a decode's end"))?;
-            decoding.push((before, after));
-            ring.pending.push_back((at, at + piece.len, read));
+            let after = Arc::new(
+                decode
+                    .record_event(TIMED)
+                    .map_err(cuda_err("recording a decode's end"))?,
+            );
+            decoding.push((before, after.clone()));
+            ring.pending.push_back((at, at + piece.len, after));
             ring.head = align(at + piece.len);
         }
-        let ready = decode
-            .record_event(None)
-            .map_err(cuda_err("recording the upload's event"))?;
+        // The decode stream runs in order: the last piece's end is the upload's.
+        let ready = match decoding.last() {
+            Some((_, e)) => e.clone(),
+            None => Arc::new(
+                decode
+                    .record_event(None)
+                    .map_err(cuda_err("recording the upload's event"))?,
+            ),
+        };
         Ok(Upload(ready, timing, decoding))
     }
 
@@ -716,7 +715,7 @@ impl CudaDevice {
             .map_err(cuda_err("ordering the copy stream after compute"))?;
         Ok(Staging {
             buf,
-            piece: wire / 8,
+            piece: crate::device::staging_piece(wire),
             ring: std::sync::Mutex::new(Ring::default()),
             compute: self.stream().clone(),
             copy,

@@ -7,7 +7,9 @@
 //! The memory plan: `--budget GB` lets the planner choose (its plan and predicted peak are
 //! printed; the allocator is capped at the budget), or by hand `--checkpoint
 //! none|all|every:N`, `--stream N` (N blocks spread evenly over the model), `--prefetch K`,
-//! `--keep-attention`, `--keep-down` (the down-projections' outputs), `--raw-wire` (streamed
+//! `--keep-attention`, `--keep-down` (the down-projections' outputs), `--no-keep-few` (the
+//! outputs of Linears that see few rows are recomputed, and their weights not left out of the
+//! backward's uploads; with the planner too), `--raw-wire` (streamed
 //! bf16 weights cross the link uncoded, with the planner too), `--shallow` (the forward
 //! fetches only `--prefetch` ahead and the backward leaves only that many and one for it,
 //! with the planner too); `--headroom GB` plans
@@ -168,6 +170,10 @@ fn run<M: ModelSpec>(
                 .filter(|p| !(args.flag("--raw-wire") && p.wire_code))
                 .map(|p| Plan {
                     deep_prefetch: p.deep_prefetch && !args.flag("--shallow"),
+                    keep: Keep {
+                        few_rows: p.keep.few_rows && !args.flag("--no-keep-few"),
+                        ..p.keep
+                    },
                     ..p
                 })
                 .collect();
@@ -208,6 +214,7 @@ fn run<M: ModelSpec>(
                 keep: Keep {
                     attention: args.flag("--keep-attention"),
                     down_projections: args.flag("--keep-down"),
+                    few_rows: !args.flag("--no-keep-few"),
                 },
                 offload_inputs: args.flag("--offload"),
                 wire_code: !args.flag("--raw-wire"),
@@ -477,14 +484,15 @@ fn run<M: ModelSpec>(
                 // Each upload's bytes are about the same share: the timed ones stand for all.
                 let share = r.timed_uploads as f64 / r.uploads as f64;
                 println!(
-                    "link: {:.1} ms/step copying at {:.1} GiB/s, {:.1} ms/step from uploads' first copies to their last, decodes {:.1} ms/step ({} of {} uploads timed; the backward leaves up to {} blocks for the forward)",
+                    "link: {:.1} ms/step copying at {:.1} GiB/s, {:.1} ms/step from uploads' first copies to their last, decodes {:.1} ms/step ({} of {} uploads timed; the backward leaves up to {} blocks for the forward; {:.2} GiB/step of forward-only weights left out of the backward's uploads)",
                     r.copy_us as f64 / 1e3 / share / 4.0,
                     gib(r.uploaded_bytes) * share / (r.copy_us as f64 / 1e6),
                     r.span_us as f64 / 1e3 / share / 4.0,
                     r.decode_us as f64 / 1e3 / share / 4.0,
                     r.timed_uploads,
                     r.uploads,
-                    s.carried()?
+                    s.carried()?,
+                    gib(r.left_out_bytes) / 4.0
                 );
             }
             (

@@ -640,13 +640,13 @@ impl HostPack {
         }
     }
 
-    /// Bytes an upload moves over the host link (the coded parts at their coded size).
-    pub(crate) fn wire_bytes(&self) -> usize {
+    /// Each part's bytes on the device and on the host link, in order.
+    pub(crate) fn part_bytes(&self) -> Vec<(usize, usize)> {
         match self {
             #[cfg(feature = "cpu-ref")]
-            HostPack::Cpu(v) => v.iter().map(|p| p.bytes().1).sum(),
+            HostPack::Cpu(v) => v.iter().map(CpuPart::bytes).collect(),
             #[cfg(feature = "cuda")]
-            HostPack::Cuda(p) => p.wire_bytes(),
+            HostPack::Cuda(p) => p.part_bytes(),
         }
     }
 
@@ -856,13 +856,17 @@ impl Device {
     /// wait for before reading them (see `wait`). On a GPU they are cut from one allocation of
     /// at least `slot` bytes filled by one copy (coded packs: a few pieces through the staging
     /// ring, decoded into place), which returns to the cache when the last of them drops.
+    /// Parts whose entry in `skip` is true (`skip` empty: none) are not brought: `None` in
+    /// their place.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub(crate) fn upload_pack(
         &self,
         p: &HostPack,
         slot: usize,
         staging: Option<&Staging>,
-    ) -> Result<(Vec<Storage>, Ticket)> {
+        skip: &[bool],
+    ) -> Result<(Vec<Option<Storage>>, Ticket)> {
+        let skipped = |k: usize| skip.get(k).copied().unwrap_or(false);
         let other = || crate::Error::DeviceMismatch {
             op: "upload",
             lhs: self.location(),
@@ -871,16 +875,25 @@ impl Device {
         match (self, p) {
             #[cfg(feature = "cpu-ref")]
             (Device::Cpu, HostPack::Cpu(v)) => {
+                if !skip.is_empty() && skip.len() != v.len() {
+                    return Err(crate::Error::Stream(format!(
+                        "an upload of {} parts told to skip {} entries",
+                        v.len(),
+                        skip.len()
+                    )));
+                }
                 let storages = v
                     .iter()
-                    .map(|p| match p {
-                        CpuPart::Raw(s) => Ok(Storage::Cpu(s.clone())),
+                    .enumerate()
+                    .map(|(k, p)| match p {
+                        _ if skipped(k) => Ok(None),
+                        CpuPart::Raw(s) => Ok(Some(Storage::Cpu(s.clone()))),
                         CpuPart::Coded(c) => {
                             let mut bits = vec![0u16; c.layout.len];
                             crate::backend::wire::decode(&c.layout, &c.bytes, &mut bits)?;
-                            Ok(Storage::Cpu(CpuStorage::BF16(
+                            Ok(Some(Storage::Cpu(CpuStorage::BF16(
                                 bits.into_iter().map(half::bf16::from_bits).collect(),
-                            )))
+                            ))))
                         }
                     })
                     .collect::<Result<_>>()?;
@@ -893,9 +906,13 @@ impl Device {
                     #[allow(unreachable_patterns)]
                     _ => None,
                 };
-                let (storages, u) = d.upload_pack(p, slot, staging)?;
+                let (storages, u) = d.upload_pack(p, slot, staging, skip)?;
                 Ok((
-                    storages.into_iter().map(Storage::Cuda).collect(),
+                    storages
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, s)| (!skipped(k)).then_some(Storage::Cuda(s)))
+                        .collect(),
                     Ticket::Cuda(u),
                 ))
             }

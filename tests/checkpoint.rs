@@ -141,8 +141,10 @@ fn lora(targets: &[&str]) -> Arc<Adapters> {
     .unwrap()
 }
 
-/// The LoRA gradients (by name, as bits) and the loss of one step of a model built by
-/// `build` with `exec`, optionally streaming `streamed` blocks of `prefixes`.
+/// The LoRA gradients (by name, as bits) and the loss of the second of two steps (the
+/// adapters unchanged, the dropout masks new) of a model built by `build` with `exec`,
+/// optionally streaming `streamed` blocks of `prefixes`; the outputs the re-runs took from
+/// their logs, and the bytes the backward's uploads left out.
 #[allow(clippy::too_many_arguments)]
 fn lora_grads<M>(
     dev: &Device,
@@ -154,7 +156,7 @@ fn lora_grads<M>(
     checkpointing: Checkpointing,
     keep: Keep,
     fp8: bool,
-) -> (Vec<(String, Vec<u32>)>, u64, u64) {
+) -> (Vec<(String, Vec<u32>)>, u64, u64, u64) {
     // Adapters on the blocks' layers (the LoRA use case; embeddings before the blocks stay
     // frozen: a trainable input shared by every block, such as the time embedding, sums
     // its per-block gradients in another grouping with checkpoints, equal only to rounding).
@@ -183,17 +185,24 @@ fn lora_grads<M>(
         },
     );
     let reused = kept_reused();
+    // The second step begins with blocks the first one's backward left (whole, though the
+    // backward leaves forward-only weights out of the others).
+    let _ = forward(&model, dev).unwrap().backward().unwrap();
     let loss = forward(&model, dev).unwrap();
     let grads = loss.backward().unwrap();
     let reused = kept_reused() - reused;
+    let mut left_out = 0;
     if let Some(s) = &streamer {
         let r = s.report().unwrap();
         assert_eq!(r.blocks, streamed.len());
         assert!(r.host_bytes > 0);
-        // The forward fetches every block; the backward all but the last prefetch + 1 = 2,
-        // which the forward left on the device for it.
+        // The first forward fetches every block; each backward all but the last
+        // prefetch + 1 = 2, which the forward left on the device for it; the second forward
+        // all but the first 2, which the backward left.
         let m = streamed.len();
-        assert_eq!(r.uploads as usize, 2 * m - m.min(2), "{r:?}");
+        let k = m.min(2);
+        assert_eq!(r.uploads as usize, m + 3 * (m - k), "{r:?}");
+        left_out = r.left_out_bytes;
     }
     let named = adapters
         .params()
@@ -206,7 +215,12 @@ fn lora_grads<M>(
             (n, bits(g))
         })
         .collect();
-    (named, loss.to_scalar_f64().unwrap().to_bits(), reused)
+    (
+        named,
+        loss.to_scalar_f64().unwrap().to_bits(),
+        reused,
+        left_out,
+    )
 }
 
 fn check_model<M>(
@@ -249,6 +263,16 @@ fn check_model_on<M>(
     let both = Keep {
         attention: true,
         down_projections: true,
+        ..Keep::NONE
+    };
+    let few = Keep {
+        few_rows: true,
+        ..Keep::NONE
+    };
+    let all = Keep {
+        attention: true,
+        down_projections: true,
+        few_rows: true,
     };
     let variants: Vec<(&str, Vec<usize>, Checkpointing, Keep)> = vec![
         (
@@ -281,6 +305,24 @@ fn check_model_on<M>(
             Checkpointing::All,
             down,
         ),
+        (
+            "every block checkpointed, few-row outputs kept",
+            vec![],
+            Checkpointing::All,
+            few,
+        ),
+        (
+            "all blocks streamed, few-row outputs kept",
+            (0..n).collect(),
+            Checkpointing::All,
+            few,
+        ),
+        (
+            "alternate blocks streamed, everything kept",
+            (0..n).step_by(2).collect(),
+            Checkpointing::Every(3),
+            all,
+        ),
     ];
     for (name, streamed, ck, keep) in variants {
         let got = lora_grads(
@@ -295,8 +337,21 @@ fn check_model_on<M>(
             fp8,
         );
         // A keeping checkpoint's re-run takes some outputs from its log (every block of
-        // these models has a down-projection); one that keeps nothing takes none.
+        // these models has a down-projection and a Linear over the conditioning vector); one
+        // that keeps nothing takes none.
         assert_eq!(got.2 > 0, keep.any(), "{what}, {name}: {} reused", got.2);
+        // Those Linears' weights are then the forward's only: the backward's uploads of
+        // streamed blocks past the first two leave them out (the backward fetches blocks
+        // 0..m - 2, the forward having left the last two).
+        // (A down-projection over the conditioning vector, as an SDXL ResNet's time
+        // embedding, is left out when down-projections are kept too.)
+        let m = streamed.len();
+        if keep.few_rows && m >= 5 {
+            assert!(got.3 > 0, "{what}, {name}: nothing left out");
+        }
+        if !keep.few_rows && !keep.down_projections || m < 5 {
+            assert_eq!(got.3, 0, "{what}, {name}: {} bytes left out", got.3);
+        }
         assert_eq!(got.1, resident.1, "{what}, {name}: loss");
         assert_eq!(got.0.len(), resident.0.len());
         for ((n0, g0), (n1, g1)) in resident.0.iter().zip(&got.0) {
@@ -1018,5 +1073,138 @@ fn a_deeper_forward_fetch_on_cuda_gives_the_same_gradients() {
     {
         let _one = cuda_alone();
         check_deep_prefetch(&Device::cuda(0).expect("a CUDA GPU"));
+    }
+}
+
+// ----- weights only the forward reads -------------------------------------------------------
+
+/// The backward of a gradient that never arrives: an error, injected between two blocks.
+struct Injected;
+
+impl flame::autograd::CustomBackward for Injected {
+    fn name(&self) -> &'static str {
+        "injected"
+    }
+    fn backward(&self, _: &[Option<Tensor>], _: &mut Grads) -> Result<Vec<Option<Tensor>>> {
+        Err(Error::Autograd("injected failure".into()))
+    }
+}
+
+/// Six blocks `b.i`, each a Linear over a conditioning row (`mod`, 1 row: few rows) scaling a
+/// Linear over 8 rows (`main`), LoRA on both.
+struct Toy {
+    blocks: Vec<(flame::nn::Linear, flame::nn::Linear)>,
+    exec: BlockExec,
+}
+
+const TOY_BLOCKS: usize = 6;
+
+impl Toy {
+    fn new(vb: &VarBuilder) -> Result<Toy> {
+        let blocks = (0..TOY_BLOCKS)
+            .map(|i| {
+                let b = vb.pp(format!("b.{i}"));
+                Ok((
+                    flame::nn::Linear::new(&b.pp("mod"), 32, 32, true)?,
+                    flame::nn::Linear::new(&b.pp("main"), 32, 32, true)?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Toy {
+            blocks,
+            exec: BlockExec::default(),
+        })
+    }
+
+    /// The loss; with `fail_after`, an op whose backward fails follows that block.
+    fn loss(&self, dev: &Device, fail_after: Option<usize>) -> Result<Tensor> {
+        let c = randn_on(&[1, 32], 60, dev);
+        let mut h = randn_on(&[8, 32], 61, dev);
+        for (i, (m, l)) in self.blocks.iter().enumerate() {
+            let (m, l) = (m.clone(), l.clone());
+            let out = self
+                .exec
+                .run(&format!("b.{i}"), i, &[h, c.clone()], move |xs| {
+                    let s = m.forward(&xs[1])?;
+                    Ok(vec![l.forward(&xs[0])?.mul(&s)?.tanh()?])
+                })?;
+            h = out[0].clone();
+            if fail_after == Some(i) {
+                let y = h.detach();
+                h = flame::autograd::custom_op(&[h], vec![y], Arc::new(Injected), true)?.remove(0);
+            }
+        }
+        h.sqr()?.mean_all()
+    }
+}
+
+/// Streamed blocks keeping their few-row outputs leave the conditioning Linears' weights out
+/// of the backward's uploads, the gradients unchanged; a backward that fails midway leaves a
+/// block on the device without them, which the next forward brings again, whole.
+#[test]
+fn forward_only_weights_stay_out_of_the_backward_and_come_back_for_the_forward() {
+    let dev = &CPU;
+    let prefixes: Vec<String> = (0..TOY_BLOCKS).map(|i| format!("b.{i}")).collect();
+    let grads = |streamed: bool, steps: &[Option<usize>]| {
+        let adapters = Adapters::new(LoraConfig {
+            rank: 2,
+            alpha: 2.0,
+            dropout: 0.0,
+            targets: vec!["b.*".into()],
+            seed: 7,
+        })
+        .unwrap();
+        let mut vb = VarBuilder::random(9, 0.3, DType::F32, dev)
+            .with_adapters(adapters.clone())
+            .unwrap();
+        let streamer = streamed.then(|| BlockStreamer::new(dev, prefixes.clone(), 1));
+        if let Some(s) = &streamer {
+            vb = vb.with_streamer(s.clone()).unwrap();
+        }
+        let mut toy = Toy::new(&vb).unwrap();
+        toy.exec = BlockExec {
+            checkpointing: Checkpointing::All,
+            streamer: streamer.clone(),
+            keep: Keep {
+                few_rows: true,
+                ..Keep::NONE
+            },
+            ..Default::default()
+        };
+        if let Some(s) = &streamer {
+            // The forward holds up to block 3 from the first: the block the failed backward
+            // left (3) is inside its window, not released as outside it. The backward leaves
+            // blocks 0-2 for the forward (whole) and brings block 3 without the conditioning
+            // weights.
+            s.set_reach(vec![3, 3, 3, 4, 5, 5]).unwrap();
+            assert_eq!(s.carried().unwrap(), 3);
+        }
+        let mut left_out = vec![];
+        for &fail in steps {
+            let r = toy.loss(dev, fail).unwrap().backward();
+            assert_eq!(r.is_err(), fail.is_some(), "{:?}", r.err());
+            if let Some(s) = &streamer {
+                left_out.push(s.report().unwrap().left_out_bytes);
+            }
+        }
+        let g = toy.loss(dev, None).unwrap().backward().unwrap();
+        let named: Vec<(String, Vec<u32>)> = adapters
+            .params()
+            .unwrap()
+            .into_iter()
+            .map(|(n, p)| (n.clone(), bits(g.get(&p).unwrap())))
+            .collect();
+        (named, left_out)
+    };
+    let (resident, _) = grads(false, &[]);
+    // A whole step (the re-runs find the conditioning Linears' weights unread), a step whose
+    // backward fails after leaving out those weights, then the step compared.
+    let (streamed, left_out) = grads(true, &[None, Some(3), None]);
+    assert_eq!(left_out[0], 0, "the first backward brings every weight");
+    assert!(left_out[1] > 0 && left_out[2] > left_out[1], "{left_out:?}");
+    assert_eq!(resident.len(), streamed.len());
+    for ((n0, g0), (n1, g1)) in resident.iter().zip(&streamed) {
+        assert_eq!(n0, n1);
+        assert!(g0 == g1, "gradient of {n0} differs");
     }
 }

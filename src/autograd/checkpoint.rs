@@ -46,6 +46,14 @@ pub trait CheckpointHooks: Send + Sync {
     fn enter(&self, pass: Pass) -> Result<()>;
     /// After the forward's run, or after the backward's re-run and its backpropagation.
     fn exit(&self, pass: Pass) -> Result<()>;
+    /// After the backward's re-run: the weights the forward read that the re-run took the
+    /// outputs of from its log and that nothing it recorded will read in the
+    /// backpropagation (see `Keep::few_rows`), so the hooks need not bring them back for
+    /// the next backward. Nothing by default.
+    fn forward_only(&self, weights: &[Tensor]) -> Result<()> {
+        let _ = weights;
+        Ok(())
+    }
 }
 
 /// Where a checkpoint keeps the inputs it saves for its re-run (PyTorch's
@@ -149,13 +157,28 @@ pub struct Keep {
     /// `fc2`, 28 MiB a Flux block at 1024²): the re-run then skips that GEMM (and an FP8
     /// weight's decode for it). The adapter's term is recomputed from the layer's input.
     pub down_projections: bool,
+    /// The base GEMM's output of every Linear that sees few rows (at most `1 / FEW_ROWS` of
+    /// its input width: the modulations over the conditioning vector, cross-attention's keys
+    /// and values over a short text), at most that fraction of the weight's bytes: the re-run
+    /// skips the GEMM. Where nothing of the GEMM needs a gradient (its input, weight and
+    /// bias) and the adapter does not read the frozen weight (LoRA, LoHa, LoKr; not DoRA),
+    /// neither the re-run nor the backward reads that weight: the re-run tells the
+    /// checkpoint's hooks (`CheckpointHooks::forward_only`), and a streamed block's next
+    /// backward uploads leave the weight out (Flux-dev's modulations are 27% of its weight
+    /// bytes).
+    pub few_rows: bool,
 }
+
+/// A Linear sees few rows when `FEW_ROWS` times its rows are at most its input width
+/// (`Keep::few_rows`): its output is then at most `1 / FEW_ROWS` of its weight's values.
+pub const FEW_ROWS: usize = 16;
 
 impl Keep {
     /// Nothing kept: the whole function is recomputed.
     pub const NONE: Keep = Keep {
         attention: false,
         down_projections: false,
+        few_rows: false,
     };
 
     /// Whether outputs of `kind` are kept.
@@ -163,12 +186,13 @@ impl Keep {
         match kind {
             KeptKind::Attention => self.attention,
             KeptKind::DownProjection => self.down_projections,
+            KeptKind::FewRows => self.few_rows,
         }
     }
 
     /// Whether anything is kept.
     pub fn any(self) -> bool {
-        self.attention || self.down_projections
+        self.attention || self.down_projections || self.few_rows
     }
 }
 
@@ -179,13 +203,17 @@ pub(crate) enum KeptKind {
     Attention,
     /// A down-projection's base GEMM: [y].
     DownProjection,
+    /// The base GEMM of a Linear that sees few rows: [y].
+    FewRows,
 }
 
 enum KeepMode {
     /// A checkpoint's forward: outputs of the kinds in `Keep` are logged.
     Record(Keep, Vec<(KeptKind, Vec<Tensor>)>),
-    /// A checkpoint's re-run: logged outputs are handed back in order.
-    Replay(Arc<Vec<(KeptKind, Vec<Tensor>)>>, usize),
+    /// A checkpoint's re-run: logged outputs are handed back in order; the weights of ops
+    /// whose outputs came from the log and that recorded nothing are noted
+    /// (`note_forward_only`).
+    Replay(Arc<Vec<(KeptKind, Vec<Tensor>)>>, usize, Vec<Tensor>),
 }
 
 thread_local! {
@@ -193,18 +221,30 @@ thread_local! {
     static REUSED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// The outputs of an op of `kind`: `compute()`, except inside a checkpoint's re-run whose
-/// forward kept them, which gets the kept tensors (no storage-less handles: each is a value
-/// computed on the forward, detached). Inside a checkpoint's forward that keeps `kind`, the
-/// computed outputs are logged.
+/// The outputs of an op that may keep them as any of `kinds`: `compute()`, except inside a
+/// checkpoint's re-run whose forward kept them, which gets the kept tensors (no storage-less
+/// handles: each is a value computed on the forward, detached). Inside a checkpoint's
+/// forward that keeps one of `kinds`, the computed outputs are logged (as the first kept
+/// kind).
 pub(crate) fn kept_or(
-    kind: KeptKind,
+    kinds: &[KeptKind],
     compute: impl FnOnce() -> Result<Vec<Tensor>>,
 ) -> Result<Vec<Tensor>> {
+    Ok(kept_or_replayed(kinds, compute)?.0)
+}
+
+/// `kept_or`, and whether the outputs came from a checkpoint's log (the op computed
+/// nothing).
+pub(crate) fn kept_or_replayed(
+    kinds: &[KeptKind],
+    compute: impl FnOnce() -> Result<Vec<Tensor>>,
+) -> Result<(Vec<Tensor>, bool)> {
     let replayed = KEPT.with(|k| {
         let mut k = k.borrow_mut();
         match k.last_mut() {
-            Some(KeepMode::Replay(log, pos)) if *pos < log.len() && log[*pos].0 == kind => {
+            Some(KeepMode::Replay(log, pos, _))
+                if *pos < log.len() && kinds.contains(&log[*pos].0) =>
+            {
                 let out = log[*pos].1.clone();
                 *pos += 1;
                 Some(out)
@@ -214,17 +254,30 @@ pub(crate) fn kept_or(
     });
     if let Some(out) = replayed {
         REUSED.with(|r| r.set(r.get() + 1));
-        return Ok(out);
+        return Ok((out, true));
     }
     let out = compute()?;
     KEPT.with(|k| {
         if let Some(KeepMode::Record(keep, log)) = k.borrow_mut().last_mut() {
-            if keep.keeps(kind) {
+            if let Some(&kind) = kinds.iter().find(|&&kind| keep.keeps(kind)) {
                 log.push((kind, out.iter().map(Tensor::detach).collect()));
             }
         }
     });
-    Ok(out)
+    Ok((out, false))
+}
+
+/// Notes, inside a checkpoint's re-run, weights that only its forward read: an op whose
+/// output came from the log, that recorded nothing for the backward (nothing of it needs a
+/// gradient) and that read them for nothing else (a Linear whose adapter does not read the
+/// frozen weight). The checkpoint hands them to its hooks (`CheckpointHooks::forward_only`).
+/// Elsewhere, nothing.
+pub(crate) fn note_forward_only<'a>(weights: impl IntoIterator<Item = &'a Tensor>) {
+    KEPT.with(|k| {
+        if let Some(KeepMode::Replay(_, _, unread)) = k.borrow_mut().last_mut() {
+            unread.extend(weights.into_iter().cloned());
+        }
+    });
 }
 
 /// How many op outputs this thread has taken from a checkpoint's kept log instead of
@@ -250,6 +303,16 @@ impl KeepGuard {
         });
         std::mem::forget(self);
         log
+    }
+
+    /// The weights a `Replay` mode noted (`note_forward_only`), popping it.
+    fn finish_unread(self) -> Vec<Tensor> {
+        let unread = KEPT.with(|k| match k.borrow_mut().pop() {
+            Some(KeepMode::Replay(_, _, unread)) => unread,
+            _ => Vec::new(),
+        });
+        std::mem::forget(self);
+        unread
     }
 }
 
@@ -422,12 +485,17 @@ impl Checkpoint {
                 Ok(leaf)
             })
             .collect::<Result<Vec<_>>>()?;
-        let outputs = {
+        let (outputs, unread) = {
             let _rec = enable_grad();
             let _draws = DrawGuard::push(DrawMode::Replay(self.draws.clone(), 0));
-            let _kept = KeepGuard::push(KeepMode::Replay(self.kept.clone(), 0));
-            (self.f)(&leaves)?
+            let kept = KeepGuard::push(KeepMode::Replay(self.kept.clone(), 0, Vec::new()));
+            let outputs = (self.f)(&leaves);
+            let unread = kept.finish_unread();
+            (outputs?, unread)
         };
+        if let (Some(h), false) = (&self.hooks, unread.is_empty()) {
+            h.forward_only(&unread)?;
+        }
         if outputs.len() != out_grads.len() {
             return Err(Error::Autograd(format!(
                 "a checkpointed function gave {} outputs on its re-run and {} on its forward",

@@ -446,6 +446,9 @@ pub fn profile_config<M: ModelSpec>(
                 coded_bytes: 0,
                 compute: 0.0,
                 decode_bytes: 0,
+                forward_only_bytes: 0,
+                forward_only_wire: 0,
+                forward_only_coded: 0,
             }
         })
         .collect();
@@ -460,27 +463,41 @@ pub fn profile_config<M: ModelSpec>(
                 // The link's lossless code takes bf16 tensors of a few chunks or more at a
                 // byte and about 2.7 bits a value (`wire::Layout::expected`).
                 let n = t.elem_count();
-                if t.dtype() == DType::BF16 && n >= 2 * crate::backend::wire::CHUNK {
-                    let coded = crate::backend::wire::Layout::expected(n).bytes as u64;
-                    b.wire_bytes += coded;
-                    b.coded_bytes += coded;
-                } else {
-                    b.wire_bytes += bytes(t);
-                }
+                let (wire, coded) =
+                    if t.dtype() == DType::BF16 && n >= 2 * crate::backend::wire::CHUNK {
+                        let coded = crate::backend::wire::Layout::expected(n).bytes as u64;
+                        (coded, coded)
+                    } else {
+                        (bytes(t), 0)
+                    };
+                b.wire_bytes += wire;
+                b.coded_bytes += coded;
                 // FP8 codes are the u32 tensors (four codes a word).
                 let fp8 = t.dtype() == DType::U32;
+                // A Linear over the conditioning vector that sees few rows (`Keep::few_rows`).
+                let width = |cols: usize| {
+                    if fp8 {
+                        cols * crate::backend::fp8::CODES_PER_WORD
+                    } else {
+                        cols
+                    }
+                };
+                if let &[_, cols] = t.dims() {
+                    if sh.conditioned.iter().any(|c| key.contains(c))
+                        && run.batch.max(1) * crate::autograd::FEW_ROWS <= width(cols)
+                    {
+                        b.forward_only_bytes += bytes(t);
+                        b.forward_only_wire += wire;
+                        b.forward_only_coded += coded;
+                    }
+                }
                 if fp8 {
                     b.decode_bytes += bytes(t);
                 }
                 // A Linear's weight (out, in) narrower out than in: a down-projection, whose
                 // output (positions, out) `Keep { down_projections }` keeps.
                 if let (true, &[out, cols]) = (key.ends_with(".weight"), t.dims()) {
-                    let width = if fp8 {
-                        cols * crate::backend::fp8::CODES_PER_WORD
-                    } else {
-                        cols
-                    };
-                    if width > out {
+                    if width(cols) > out {
                         b.down_weight_bytes += bytes(t);
                         b.down_bytes += (run.batch.max(1) * sh.weight_tokens * out * elem) as u64;
                     }

@@ -4,8 +4,9 @@
 use super::adapter::{Adapter, BaseLayer, LayerShape};
 use super::seed::{mix64, GOLDEN};
 use super::VarBuilder;
-use crate::autograd::{kept_or, KeptKind};
+use crate::autograd::{kept_or_replayed, note_forward_only, KeptKind, FEW_ROWS};
 use crate::{Error, Result, Tensor};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -83,22 +84,40 @@ impl Linear {
             (Some(b), Some(a)) if a.adds_to_output() => Some(b),
             _ => None,
         };
-        // A down-projection's base output is one a checkpoint may keep (`Keep`).
-        let keep = (in_dim > out_dim).then_some(KeptKind::DownProjection);
+        // The base output of a layer that sees few rows, or of a down-projection, is one a
+        // checkpoint may keep (`Keep`).
+        let few = rows * FEW_ROWS <= in_dim;
+        let keep: &[KeptKind] = match (few, in_dim > out_dim) {
+            (true, true) => &[KeptKind::FewRows, KeptKind::DownProjection],
+            (true, false) => &[KeptKind::FewRows],
+            (false, true) => &[KeptKind::DownProjection],
+            (false, false) => &[],
+        };
         let early_bias = early_bias.filter(|b| self.fp8_scale.is_none() && b.dtype() == x.dtype());
-        let y = match &self.fp8_scale {
+        let (y, unread) = match &self.fp8_scale {
             Some(scale) => fp8_matmul(&x, &self.weight, scale, keep)?,
             None => x.linear_product(&self.weight.t()?, early_bias, keep)?,
         };
         let bias_done = early_bias.is_some();
+        // Whether the adapter read the frozen weight (DoRA's norms do).
+        let read = Cell::new(false);
         let y = match &self.adapter {
             Some(a) => {
-                let weight = |dtype| self.dense_weight(dtype);
+                let weight = |dtype| {
+                    read.set(true);
+                    self.dense_weight(dtype)
+                };
                 let base = BaseLayer::new(LayerShape::Linear { in_dim, out_dim }, &weight);
                 a.forward(&base, &x, y)?
             }
             None => y,
         };
+        // A re-run that took the base output from the log and recorded nothing of the GEMM
+        // (nothing of it needs a gradient), whose adapter read no weight: only the forward
+        // read the weight (and its FP8 scales; a bias added after the GEMM is read again).
+        if unread && !read.get() {
+            note_forward_only(std::iter::once(&self.weight).chain(&self.fp8_scale));
+        }
         let y = match (&self.bias, bias_done) {
             (Some(b), false) => y.add(b)?,
             _ => y,
@@ -114,22 +133,20 @@ impl Linear {
 /// x (rows, in) @ decode(codes, scale)^T: the weight decoded into x's dtype for the GEMM and
 /// dropped after it. The backward (dx = dy W) decodes it again, so the tape keeps only the
 /// codes (a frozen weight gets no gradient). With `keep`, a checkpoint may keep the output
-/// (see `Tensor::linear_product`); its re-run then neither decodes nor multiplies.
+/// (see `Tensor::linear_product`); its re-run then neither decodes nor multiplies. Also
+/// returns whether the weight went unread (as `linear_product`).
 fn fp8_matmul(
     x: &Tensor,
     codes: &Tensor,
     scale: &Tensor,
-    keep: Option<KeptKind>,
-) -> Result<Tensor> {
+    keep: &[KeptKind],
+) -> Result<(Tensor, bool)> {
     let compute = || -> Result<Vec<Tensor>> {
         let _g = crate::no_grad();
         let w = codes.dequant_fp8(scale, x.dtype())?;
         Ok(vec![x.matmul(&w.t()?)?])
     };
-    let y = match keep {
-        Some(kind) => kept_or(kind, compute)?,
-        None => compute()?,
-    };
+    let (y, replayed) = kept_or_replayed(keep, compute)?;
     let rows = x.dims()[0];
     let out = scale.elem_count();
     let y = match <[Tensor; 1]>::try_from(y) {
@@ -148,8 +165,11 @@ fn fp8_matmul(
     });
     let mut out =
         crate::autograd::custom_op(std::slice::from_ref(x), vec![y], node, x.requires_grad())?;
-    out.pop()
-        .ok_or_else(|| Error::Autograd("fp8 matmul: no output".into()))
+    let y = out
+        .pop()
+        .ok_or_else(|| Error::Autograd("fp8 matmul: no output".into()))?;
+    // From the log, and no backward recorded: the codes and scales were not read.
+    Ok((y, replayed && !x.requires_grad()))
 }
 
 /// The backward of `fp8_matmul`: dx = dy decode(W).

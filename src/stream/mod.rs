@@ -12,7 +12,9 @@
 //!   runs (in the forward, and again for the backward's re-run), a few blocks ahead on a copy
 //!   stream so the copy overlaps the compute of the blocks before it, and releases them after.
 //!   Streaming needs the checkpoint: otherwise the tape would hold the weights until the
-//!   backward.
+//!   backward. The backward's uploads leave out the weights its re-runs showed only the
+//!   forward reads (`autograd::Keep::few_rows`: the modulations over the conditioning
+//!   vector).
 //!
 //! A streamed weight is one `Tensor` handle throughout (the model keeps it in its `Linear`);
 //! only the buffer behind it changes: a one-element placeholder while released, the device

@@ -61,6 +61,14 @@ pub struct BlockCost {
     /// Bytes of FP8 codes among its weights, decoded to the compute dtype at each use (the
     /// forward, a checkpoint's re-run, the backward); 0 for bf16 weights.
     pub decode_bytes: u64,
+    /// Bytes of its weights that only the forward reads under `Keep::few_rows` (Linears over
+    /// the conditioning vector, `BlockShape::conditioned`), as stored: the backward's uploads
+    /// leave them out.
+    pub forward_only_bytes: u64,
+    /// The same weights' bytes on the host link (coded or not), and of those coded.
+    pub forward_only_wire: u64,
+    /// Of `forward_only_wire`, the coded bytes.
+    pub forward_only_coded: u64,
 }
 
 /// The sizes the planner works from.
@@ -131,6 +139,10 @@ impl std::fmt::Display for Plan {
         }
         if self.keep.down_projections {
             write!(f, ", down-projections kept")?;
+        }
+        let checkpointed = self.checkpointing != Checkpointing::Off || !self.streamed.is_empty();
+        if self.keep.few_rows && checkpointed {
+            write!(f, ", few-row outputs kept")?;
         }
         if self.offload_inputs {
             write!(f, ", block inputs in host memory")?;
@@ -310,12 +322,19 @@ impl MemoryProfile {
             }
         };
         let link_ms = |bytes: u64| bytes as f64 / GIB / UPLOAD_GIB_PER_S * 1e3;
-        // A streamed block's time on the link: its bytes, coded or not.
-        let upload_ms = |b: &BlockCost| {
-            if plan.wire_code {
-                link_ms(b.wire_bytes)
+        // A streamed block's bytes on the link, coded or not, and of those coded: the
+        // backward's uploads leave out what only the forward reads (`Keep::few_rows`).
+        let upload_bytes = |b: &BlockCost, left_out: bool| {
+            let (all, only) = if plan.wire_code {
+                (b.wire_bytes, b.forward_only_wire)
             } else {
-                link_ms(b.weight_bytes)
+                (b.weight_bytes, b.forward_only_bytes)
+            };
+            let coded = if plan.wire_code { b.coded_bytes } else { 0 };
+            if left_out {
+                (all - only.min(all), coded - b.forward_only_coded.min(coded))
+            } else {
+                (all, coded)
             }
         };
         let is_streamed: Vec<bool> = self
@@ -344,25 +363,31 @@ impl MemoryProfile {
         // into the staging ring once the link is free and the ring has room (the upload
         // issued before it has been decoded: its slot was free at `gate`), and is decoded
         // into its slot once the compute has reached `t`.
+        // The backward's uploads leave out the forward-only weights, but for the blocks it
+        // leaves on the device for the next forward (`BlockStreamer`).
+        let leaves_out =
+            |backward: bool, k: usize| backward && plan.keep.few_rows && k > ahead && k >= carried;
         let enter = |ready: &mut [Option<f64>],
                      link: &mut f64,
                      gate: &mut f64,
                      t: f64,
                      j: usize,
+                     backward: bool,
                      ks: &mut dyn Iterator<Item = usize>| {
             // The decodes of the uploads issued here take the compute stream's time too.
             let mut decodes = 0.0;
             for k in ks {
                 if ready[k].is_none() {
                     let b = &self.blocks[order[k]];
+                    let (bytes, coded) = upload_bytes(b, leaves_out(backward, k));
                     if plan.wire_code {
-                        *link = link.max(*gate) + upload_ms(b);
+                        *link = link.max(*gate) + link_ms(bytes);
                         *gate = t;
-                        let decode = WIRE_DECODE_MS_PER_GIB * b.coded_bytes as f64 / GIB;
+                        let decode = WIRE_DECODE_MS_PER_GIB * coded as f64 / GIB;
                         ready[k] = Some(link.max(t) + decode);
-                        decodes += WIRE_DECODE_COMPUTE_MS_PER_GIB * b.coded_bytes as f64 / GIB;
+                        decodes += WIRE_DECODE_COMPUTE_MS_PER_GIB * coded as f64 / GIB;
                     } else {
-                        *link = link.max(t) + upload_ms(b);
+                        *link = link.max(t) + link_ms(bytes);
                         ready[k] = Some(*link);
                     }
                 }
@@ -387,7 +412,15 @@ impl MemoryProfile {
             }
             if is_streamed[i] {
                 let j = place[i];
-                t = enter(&mut ready, &mut link, &mut gate, t, j, &mut (j..=reach[j]));
+                t = enter(
+                    &mut ready,
+                    &mut link,
+                    &mut gate,
+                    t,
+                    j,
+                    false,
+                    &mut (j..=reach[j]),
+                );
             }
             t += FORWARD * share(i) + self.decode_ms(&self.blocks[i]);
             if offload(i) {
@@ -421,6 +454,7 @@ impl MemoryProfile {
                     &mut gate,
                     t,
                     j,
+                    true,
                     &mut (j.saturating_sub(ahead)..=j).rev(),
                 );
             }
@@ -688,7 +722,9 @@ impl MemoryProfile {
                             continue;
                         }
                         // A prefetch of one holds a streamed block less on the device and
-                        // hides less of the copies (the time model weighs both).
+                        // hides less of the copies (the time model weighs both). Three ran
+                        // 4 ms faster than two at 12 GiB (session 29, 580.6 against 585.5 ms)
+                        // where the model promised 16 ms: not a candidate.
                         for prefetch in [2, 1] {
                             if k == 0 && prefetch == 1 {
                                 continue;
@@ -789,21 +825,30 @@ impl MemoryProfile {
 }
 
 /// What checkpointed blocks may keep, in the candidates: each of attention and the
-/// down-projections, or both, or neither.
+/// down-projections, or both, or neither; always the outputs of Linears that see few rows
+/// (at most a sixteenth of their weights' bytes, and their weights then stay off the
+/// backward's uploads where only the forward reads them).
 const KEEPS: [Keep; 4] = [
     Keep {
         attention: true,
         down_projections: true,
+        few_rows: true,
     },
     Keep {
         attention: true,
         down_projections: false,
+        few_rows: true,
     },
     Keep {
         attention: false,
         down_projections: true,
+        few_rows: true,
     },
-    Keep::NONE,
+    Keep {
+        attention: false,
+        down_projections: false,
+        few_rows: true,
+    },
 ];
 
 /// `n` of `prefixes` (execution order) spread evenly over it: block `k * len / n` for `k < n`
@@ -860,6 +905,11 @@ pub struct BlockShape {
     pub attention_calls: usize,
     /// Attention heads (for the f32 log-sum-exp per head and token).
     pub heads: usize,
+    /// Key fragments of the block's Linear weights whose input is the conditioning vector
+    /// (a row a sample: Flux's and SD3's modulations, a UNet ResNet's time embedding): with
+    /// `Keep::few_rows` only the forward reads them, and the backward's uploads leave them
+    /// out (`BlockCost::forward_only_bytes`).
+    pub conditioned: &'static [&'static str],
 }
 
 impl BlockShape {
@@ -892,6 +942,9 @@ mod tests {
                 down_weight_bytes: if i < 2 { 100 } else { 25 },
                 compute: if i < 2 { 3.0 } else { 1.0 },
                 decode_bytes: 0,
+                forward_only_bytes: 0,
+                forward_only_wire: 0,
+                forward_only_coded: 0,
             })
             .collect();
         MemoryProfile {
@@ -925,6 +978,7 @@ mod tests {
             keep: Keep {
                 attention: true,
                 down_projections: true,
+                ..Keep::NONE
             },
             ..all.clone()
         };
@@ -1095,6 +1149,9 @@ mod tests {
                     down_weight_bytes: 0,
                     compute: 1.0,
                     decode_bytes: 0,
+                    forward_only_bytes: 0,
+                    forward_only_wire: 0,
+                    forward_only_coded: 0,
                 })
                 .collect(),
             other_weight_bytes: 0,

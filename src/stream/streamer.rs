@@ -33,6 +33,9 @@ pub struct StreamReport {
     pub decode_us: u64,
     /// Uploads counted in `copy_us`.
     pub timed_uploads: u64,
+    /// Bytes of weights the backward's uploads left out: weights only the forward reads
+    /// (`autograd::Keep::few_rows`), which stay released through the backward.
+    pub left_out_bytes: u64,
     /// Blocks on the device or coming, now.
     pub resident: usize,
 }
@@ -42,8 +45,8 @@ struct Param {
     tensor: Tensor,
     /// The values until the block's first fetch joins them into the block's pack.
     host: Option<HostCopy>,
-    /// The one-element buffer the tensor holds while released; `None` while the device copy
-    /// is in.
+    /// While the device copy is in, the one-element buffer the tensor holds while released
+    /// (put back at the release); `None` while released, or left out of the upload.
     placeholder: Option<Storage>,
 }
 
@@ -61,6 +64,11 @@ struct Block {
     /// pieces when coded) and one device allocation per fetch instead of one per parameter.
     pack: Option<HostPack>,
     residency: Residency,
+    /// For each parameter, whether the last forward said only it reads the weight
+    /// (`CheckpointHooks::forward_only`): the backward's upload leaves those out.
+    forward_only: Vec<bool>,
+    /// Whether the device copy lacks the forward-only weights (a backward's upload).
+    partial: bool,
 }
 
 struct State {
@@ -134,6 +142,8 @@ impl BlockStreamer {
                 params: vec![],
                 pack: None,
                 residency: Residency::Released,
+                forward_only: vec![],
+                partial: false,
             })
             .collect::<Vec<_>>();
         let reach = shallow_reach(blocks.len(), prefetch);
@@ -308,17 +318,29 @@ impl BlockStreamer {
         }))
     }
 
-    /// Starts copying block `i`'s weights to the device, unless they are there or coming.
-    fn start(&self, st: &mut State, i: usize) -> Result<()> {
-        let Some(b) = st.blocks.get_mut(i) else {
+    /// Starts copying block `i`'s weights to the device for `pass`, unless they are there or
+    /// coming. The backward's uploads leave out the weights only the forward reads, except
+    /// for the blocks the backward leaves on the device for the next forward; a forward
+    /// finding such a partial copy (a backward that stopped midway) brings the block again.
+    fn start(&self, st: &mut State, i: usize, pass: Pass) -> Result<()> {
+        let Some(b) = st.blocks.get(i) else {
             return Ok(());
         };
         if !matches!(b.residency, Residency::Released) {
-            return Ok(());
+            if !(b.partial && pass == Pass::Forward) {
+                return Ok(());
+            }
+            self.release(st, i)?;
         }
+        let b = &st.blocks[i];
         if b.params.is_empty() {
             return Ok(());
         }
+        let left_out = pass == Pass::Backward
+            && i > self.prefetch
+            && i >= st.carry
+            && b.forward_only.len() == b.params.len()
+            && b.forward_only.iter().any(|&f| f);
         if b.pack.is_none() {
             self.seal(st)?;
         }
@@ -335,17 +357,46 @@ impl BlockStreamer {
         let Some(pack) = &b.pack else {
             return Ok(());
         };
-        let (wire, bytes) = (pack.wire_bytes() as u64, pack.bytes() as u64);
-        let (storages, ticket) = self
-            .device
-            .upload_pack(pack, *slot_bytes, staging.as_ref())?;
+        let skip: &[bool] = if left_out { &b.forward_only } else { &[] };
+        let (mut wire, mut bytes, mut left) = (0u64, 0u64, 0u64);
+        for (k, (device, link)) in pack.part_bytes().into_iter().enumerate() {
+            if skip.get(k).copied().unwrap_or(false) {
+                left += device as u64;
+            } else {
+                wire += link as u64;
+                bytes += device as u64;
+            }
+        }
+        let (storages, ticket) =
+            self.device
+                .upload_pack(pack, *slot_bytes, staging.as_ref(), skip)?;
         for (p, storage) in b.params.iter_mut().zip(storages) {
-            p.placeholder = Some(p.tensor.swap_storage(storage)?);
+            if let Some(storage) = storage {
+                p.placeholder = Some(p.tensor.swap_storage(storage)?);
+            }
         }
         b.residency = Residency::InFlight(ticket);
+        b.partial = left_out;
         report.uploads += 1;
         report.uploaded_bytes += wire;
         report.decoded_bytes += bytes;
+        report.left_out_bytes += left;
+        Ok(())
+    }
+
+    /// Marks the weights of block `i` among `weights` as read by its forward only (see
+    /// `CheckpointHooks::forward_only`); the others as read by its backward too.
+    fn note_forward_only(&self, i: usize, weights: &[Tensor]) -> Result<()> {
+        let mut st = self.lock()?;
+        let Some(b) = st.blocks.get_mut(i) else {
+            return Ok(());
+        };
+        let ids: Vec<_> = weights.iter().map(Tensor::id).collect();
+        b.forward_only = b
+            .params
+            .iter()
+            .map(|p| ids.contains(&p.tensor.id()))
+            .collect();
         Ok(())
     }
 
@@ -421,14 +472,14 @@ impl BlockStreamer {
         if !matches!(b.residency, Residency::Resident) {
             return Ok(());
         }
+        // A parameter without a placeholder kept holds its own: it was left out.
         for p in &mut b.params {
-            let placeholder = match p.placeholder.take() {
-                Some(s) => s,
-                None => self.device.placeholder(p.tensor.dtype())?,
-            };
-            drop(p.tensor.swap_storage(placeholder)?);
+            if let Some(placeholder) = p.placeholder.take() {
+                drop(p.tensor.swap_storage(placeholder)?);
+            }
         }
         b.residency = Residency::Released;
+        b.partial = false;
         Ok(())
     }
 
@@ -436,7 +487,7 @@ impl BlockStreamer {
     /// its reach in the forward, `prefetch` in the backward.
     fn enter(&self, i: usize, pass: Pass) -> Result<()> {
         let mut st = self.lock()?;
-        self.start(&mut st, i)?;
+        self.start(&mut st, i, pass)?;
         match pass {
             Pass::Forward => {
                 let (n, last) = (st.blocks.len(), st.reach.get(i).copied().unwrap_or(i));
@@ -456,12 +507,12 @@ impl BlockStreamer {
                     if j > i + self.prefetch && !self.has_room(&st) {
                         break;
                     }
-                    self.start(&mut st, j)?;
+                    self.start(&mut st, j, Pass::Forward)?;
                 }
             }
             Pass::Backward => {
                 for j in (i.saturating_sub(self.prefetch)..i).rev() {
-                    self.start(&mut st, j)?;
+                    self.start(&mut st, j, Pass::Backward)?;
                 }
             }
         }
@@ -519,5 +570,8 @@ impl CheckpointHooks for BlockHooks {
     }
     fn exit(&self, pass: Pass) -> Result<()> {
         self.streamer.exit(self.index, pass)
+    }
+    fn forward_only(&self, weights: &[Tensor]) -> Result<()> {
+        self.streamer.note_forward_only(self.index, weights)
     }
 }

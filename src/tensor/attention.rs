@@ -146,7 +146,7 @@ impl Tensor {
         };
         // In a checkpoint that keeps attention, the re-run takes the forward's o and lse
         // instead of running the kernel again (`autograd::Keep`).
-        let kept = kept_or(KeptKind::Attention, || {
+        let kept = kept_or(&[KeptKind::Attention], || {
             let mut o = run(op, &args)?;
             let lse =
                 Tensor::from_storage(o.remove(1), (b, h, lq).into(), self.device().clone(), None);

@@ -2,7 +2,7 @@
 //! storage, record the op for autograd when an input requires grad.
 
 use super::{with2, with3, Tensor};
-use crate::autograd::{kept_or, record, KeptKind, Op};
+use crate::autograd::{kept_or_replayed, record, KeptKind, Op};
 use crate::backend::{BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp, Window2d};
 use crate::shape::Dim;
 use crate::{DType, Device, Error, Layout, Result, Shape};
@@ -550,16 +550,18 @@ impl Tensor {
     }
 
     /// `self @ rhs (+ bias)`: self (..., M, K), rhs (K, N), bias (N); a linear layer's
-    /// base GEMM, recorded as one product (`Op::Addmm`) whatever the bias. With `keep`, the
-    /// output is one a checkpoint may keep (`crate::autograd::Keep`): logged in a keeping
-    /// checkpoint's forward and, in its re-run, taken from the log instead of computed, the
-    /// graph recorded as if computed (so gradients flow to self, rhs and bias alike).
+    /// base GEMM, recorded as one product (`Op::Addmm`) whatever the bias. With `keep` not
+    /// empty, the output is one a checkpoint may keep as those kinds (`crate::autograd::Keep`):
+    /// logged in a keeping checkpoint's forward and, in its re-run, taken from the log
+    /// instead of computed, the graph recorded as if computed (so gradients flow to self, rhs
+    /// and bias alike). Also returns whether the output came from the log and nothing was
+    /// recorded (nothing of the product needs a gradient): then `rhs` was not read at all.
     pub(crate) fn linear_product(
         &self,
         rhs: &Tensor,
         bias: Option<&Tensor>,
-        keep: Option<KeptKind>,
-    ) -> Result<Tensor> {
+        keep: &[KeptKind],
+    ) -> Result<(Tensor, bool)> {
         let (lead, m, k, n) = linear_dims("linear", self, rhs)?;
         let a3 = self.reshape((1, m, k))?;
         let b3 = rhs.reshape((1, k, n))?;
@@ -570,10 +572,7 @@ impl Tensor {
                 None => a3.matmul3(&b3)?,
             }])
         };
-        let y = match keep {
-            Some(kind) => kept_or(kind, compute)?,
-            None => compute()?,
-        };
+        let (y, replayed) = kept_or_replayed(keep, compute)?;
         let [y] = <[Tensor; 1]>::try_from(y).map_err(|v| {
             Error::Autograd(format!("kept linear: {} tensors, expected 1", v.len()))
         })?;
@@ -594,8 +593,11 @@ impl Tensor {
             b: b3.clone(),
             bias: bias.cloned(),
         });
-        y.view(y.layout().clone(), rec)
-            .reshape([lead, vec![n]].concat())
+        let unread = replayed && rec.is_none();
+        let y = y
+            .view(y.layout().clone(), rec)
+            .reshape([lead, vec![n]].concat())?;
+        Ok((y, unread))
     }
 
     /// `self + a @ b`: self (..., M, N), a (..., M, K) with the same leading dims, b (K, N).

@@ -483,8 +483,8 @@ section! {
         budget_gb: f64 = 0.0,
         /// Gradient checkpointing of blocks: "auto" (the planner chooses checkpointing,
         /// streamed blocks and what checkpointed blocks keep for memory.budget_gb), "off", "all" or
-        /// "every:N" (every N-th block; then stream_blocks, keep_attention and
-        /// keep_down_projections apply as given).
+        /// "every:N" (every N-th block; then stream_blocks, keep_attention,
+        /// keep_down_projections and keep_few_rows apply as given).
         checkpointing: String = "auto",
         /// Blocks whose frozen weights stay in host memory and are streamed to the GPU when
         /// used (spread over the model; implies their checkpointing).
@@ -500,6 +500,13 @@ section! {
         /// 1024²) instead of recomputing them: a third less re-run work for a little more
         /// memory.
         keep_down_projections: bool = false,
+        /// Checkpointed blocks keep the outputs of Linears that see few rows (the
+        /// modulations over the conditioning vector, cross-attention's keys and values over a
+        /// short text; each at most 1/16 of its weight) instead of recomputing them; the
+        /// weights of those whose input needs no gradient are then read only by the forward,
+        /// and streamed blocks leave them out of the backward's uploads (27% of Flux-dev's
+        /// weight bytes).
+        keep_few_rows: bool = true,
         /// Checkpointed blocks keep their inputs (the activations passed from block to block,
         /// 28 MiB a Flux block at 1024²) in page-locked host memory between the forward and
         /// the backward, copied out and back on the copy stream beside the compute.

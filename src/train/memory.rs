@@ -130,6 +130,7 @@ pub(crate) fn plan_memory(
                 keep: crate::autograd::Keep {
                     attention: mem.keep_attention,
                     down_projections: mem.keep_down_projections,
+                    few_rows: mem.keep_few_rows,
                 },
                 offload_inputs: mem.offload_inputs,
                 wire_code: mem.wire_code,
@@ -164,13 +165,18 @@ pub(crate) fn plan_memory(
         },
         (None, Some(b)) => {
             let prof = profile(config, family, opts, sample)?;
-            // memory.wire_code and memory.deep_prefetch turned off bind the planner too.
+            // memory.wire_code, memory.deep_prefetch and memory.keep_few_rows turned off bind
+            // the planner too.
             let candidates: Vec<Plan> = prof
                 .candidates()
                 .into_iter()
                 .filter(|c| mem.wire_code || !c.wire_code)
                 .map(|c| Plan {
                     deep_prefetch: c.deep_prefetch && mem.deep_prefetch,
+                    keep: crate::autograd::Keep {
+                        few_rows: c.keep.few_rows && mem.keep_few_rows,
+                        ..c.keep
+                    },
                     ..c
                 })
                 .collect();

@@ -191,6 +191,17 @@ impl PinnedPack {
         self.raw + self.coded
     }
 
+    /// Each part's bytes on the device and on the link, in the order given to `pack`.
+    pub fn part_bytes(&self) -> Vec<(usize, usize)> {
+        self.parts
+            .iter()
+            .map(|p| {
+                let device = p.len * p.dtype.size_in_bytes();
+                (device, p.coded.as_ref().map_or(device, |c| c.layout.bytes))
+            })
+            .collect()
+    }
+
     /// The staging an upload needs: a pack with coded parts crosses whole into the staging
     /// ring (`upload_pack`); one without needs none. Returns (bytes on the link, the largest
     /// piece that cannot be split: the raw prefix or one coded part, the most pieces: one a
@@ -213,6 +224,22 @@ fn raw(buf: &Buf, dev: &CudaDevice) -> u64 {
 }
 
 impl CudaDevice {
+    /// `bytes` (at least 1) of page-locked host memory, cached (not write-combined, which
+    /// cudarc's `alloc_pinned` asks for): the host reads stashed weights when it packs them,
+    /// and uploads from write-combined packs ran no faster (H100, session 29: 48.1 against
+    /// 48.2 GiB/s).
+    ///
+    /// # Safety
+    /// The memory is unset: the caller writes what it reads.
+    unsafe fn alloc_host(&self, bytes: usize) -> Result<PinnedHostSlice<u8>> {
+        // SAFETY: as the caller's.
+        unsafe {
+            self.context()
+                .alloc_pinned_with_flags::<u8>(bytes.max(1), 0)
+        }
+        .map_err(|e| Error::Cuda(format!("allocating {bytes} bytes of pinned memory: {e:?}")))
+    }
+
     /// The first `len` elements of `s` copied to new page-locked host memory; returns when
     /// the copy is done.
     pub(crate) fn stash(&self, s: &CudaStorage, len: usize) -> Result<PinnedBuf> {
@@ -225,9 +252,7 @@ impl CudaDevice {
         }
         let bytes = len * dtype.size_in_bytes();
         // SAFETY: the memory is written whole by the copy below before it is read.
-        let mut host = unsafe { self.context().alloc_pinned::<u8>(bytes.max(1)) }.map_err(|e| {
-            Error::Cuda(format!("allocating {bytes} bytes of pinned memory: {e:?}"))
-        })?;
+        let mut host = unsafe { self.alloc_host(bytes) }?;
         let stream = self.stream();
         self.context()
             .bind_to_thread()
@@ -272,9 +297,7 @@ impl CudaDevice {
             Some(p) if p.host.len() == bytes.max(1) => p.host,
             _ => {
                 // SAFETY: the memory is written whole by the copy below before it is read.
-                unsafe { self.context().alloc_pinned::<u8>(bytes.max(1)) }.map_err(|e| {
-                    Error::Cuda(format!("allocating {bytes} bytes of pinned memory: {e:?}"))
-                })?
+                unsafe { self.alloc_host(bytes) }?
             }
         };
         let copy = self.offload_stream()?;
@@ -393,9 +416,7 @@ impl CudaDevice {
         let total = coded_at + wire_used;
         // SAFETY: every byte that a copy reads is written below (the parts) or is padding,
         // which nothing reads as a value.
-        let mut host = unsafe { self.context().alloc_pinned::<u8>(total.max(1)) }.map_err(|e| {
-            Error::Cuda(format!("allocating {total} bytes of pinned memory: {e:?}"))
-        })?;
+        let mut host = unsafe { self.alloc_host(total) }?;
         let dst = host
             .as_mut_slice()
             .map_err(cuda_err("reading the pinned buffer"))?;
@@ -428,12 +449,26 @@ impl CudaDevice {
     /// the link into the staging ring in pieces of an eighth of the largest upload, none waiting
     /// for the compute; the decode stream, after the compute stream's work so far and each
     /// piece's copy, copies or decodes it into the allocation.
+    ///
+    /// Parts whose entry in `skip` is true (`skip` empty: none) need not be brought: coded
+    /// ones are not copied or decoded, and without staging the copies take only the runs of
+    /// the other parts. Their buffers' contents are then undefined (the raw prefix of a coded
+    /// pack still crosses whole).
     pub(crate) fn upload_pack(
         &self,
         p: &PinnedPack,
         slot: usize,
         staging: Option<&Staging>,
+        skip: &[bool],
     ) -> Result<(Vec<CudaStorage>, Upload)> {
+        if !skip.is_empty() && skip.len() != p.parts.len() {
+            return Err(Error::Stream(format!(
+                "an upload of {} parts told to skip {} entries",
+                p.parts.len(),
+                skip.len()
+            )));
+        }
+        let skipped = |k: usize| skip.get(k).copied().unwrap_or(false);
         let ring = staging.filter(|s| s.len() >= p.wire_bytes());
         if p.coded > 0 && ring.is_none() {
             return Err(Error::Stream(format!(
@@ -452,13 +487,34 @@ impl CudaDevice {
                 let start = copy
                     .record_event(TIMED)
                     .map_err(cuda_err("recording the copy's start"))?;
-                if p.raw > 0 {
-                    // SAFETY: the pinned memory is never written after `pack`; the
-                    // destination holds `used` bytes (of which the parts take `raw`) and is not
+                // Runs of parts to bring (all of `[0, raw)` when none is skipped), each from
+                // its first part's start to its last's end: the host buffer mirrors them.
+                let mut runs: Vec<(usize, usize)> = Vec::new();
+                let mut prev = false;
+                for (k, part) in p.parts.iter().enumerate() {
+                    let take = !skipped(k) && part.coded.is_none();
+                    if take {
+                        let end = part.at + part.len.max(1) * part.dtype.size_in_bytes();
+                        match runs.last_mut() {
+                            Some(run) if prev => run.1 = end,
+                            _ => runs.push((part.at, end)),
+                        }
+                    }
+                    prev = take;
+                }
+                for (from, to) in runs {
+                    // SAFETY: the pinned memory is never written after `pack`; the range lies
+                    // within its first `raw` bytes and the destination's `used`, and is not
                     // read before the compute stream waits on the event.
-                    let src = unsafe { std::slice::from_raw_parts(host, p.raw) };
-                    unsafe { result::memcpy_htod_async(packed.base(), src, copy.cu_stream()) }
-                        .map_err(cuda_err("copying from pinned memory"))?;
+                    let src = unsafe { std::slice::from_raw_parts(host.add(from), to - from) };
+                    unsafe {
+                        result::memcpy_htod_async(
+                            packed.base() + from as u64,
+                            src,
+                            copy.cu_stream(),
+                        )
+                    }
+                    .map_err(cuda_err("copying from pinned memory"))?;
                 }
                 let end = Arc::new(
                     copy.record_event(TIMED)
@@ -466,7 +522,7 @@ impl CudaDevice {
                 );
                 Upload(end.clone(), vec![(start, end)], Vec::new())
             }
-            Some(staging) => self.upload_staged(p, &packed, staging)?,
+            Some(staging) => self.upload_staged(p, &packed, staging, skip)?,
         };
         let storages = p
             .parts
@@ -494,12 +550,29 @@ impl CudaDevice {
     /// ring's next free range once the decode stream has read what was there; copied or
     /// decoded into `packed` on the decode stream once the compute stream has freed it (its
     /// work so far) and the piece is in.
-    fn upload_staged(&self, p: &PinnedPack, packed: &Packed, staging: &Staging) -> Result<Upload> {
-        let coded: Vec<(usize, &CodedPart)> = p
-            .parts
-            .iter()
-            .filter_map(|part| part.coded.as_ref().map(|c| (part.at, c)))
-            .collect();
+    fn upload_staged(
+        &self,
+        p: &PinnedPack,
+        packed: &Packed,
+        staging: &Staging,
+        skip: &[bool],
+    ) -> Result<Upload> {
+        // The coded parts to bring, each with whether the one before it in the pack's coded
+        // bytes is brought too (a piece gathers only adjacent parts).
+        let mut coded: Vec<(usize, &CodedPart)> = Vec::new();
+        let mut follows: Vec<bool> = Vec::new();
+        let mut last_taken = false;
+        for (k, part) in p.parts.iter().enumerate() {
+            let Some(c) = part.coded.as_ref() else {
+                continue;
+            };
+            let take = !skip.get(k).copied().unwrap_or(false);
+            if take {
+                coded.push((part.at, c));
+                follows.push(last_taken);
+            }
+            last_taken = take;
+        }
         let mut pieces = Vec::new();
         if p.raw > 0 {
             pieces.push(Piece {
@@ -519,7 +592,7 @@ impl CudaDevice {
             let from = p.coded_at + coded[k].1.wire;
             let mut end = part_end(k);
             k += 1;
-            while k < coded.len() && part_end(k) - from <= target {
+            while k < coded.len() && follows[k] && part_end(k) - from <= target {
                 end = part_end(k);
                 k += 1;
             }

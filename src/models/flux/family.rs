@@ -121,6 +121,8 @@ impl ModelSpec for Flux {
             layers: 1.0,
             attention_calls: 1,
             heads: config.num_heads,
+            // The modulations (`img_mod`, `txt_mod`, a single block's `modulation`).
+            conditioned: &["_mod.lin.weight", "modulation.lin.weight"],
         };
         // A double block's image and text weights (equal halves) each see their own tokens.
         let double = BlockShape {

@@ -137,6 +137,7 @@ impl ModelSpec for Sd3 {
                     layers: if dual { 1.5 } else { 1.15 },
                     attention_calls: 1 + usize::from(dual),
                     heads: config.num_heads,
+                    conditioned: &["adaLN_modulation.1.weight"],
                 }
             })
             .collect())

@@ -128,6 +128,8 @@ impl ModelSpec for Unet {
             layers: layers * MEASURED,
             attention_calls: 2 * depth,
             heads: config.num_heads[l],
+            // The ResNets' time-embedding projections.
+            conditioned: &["emb_layers.1.weight"],
         };
         let mut v = vec![];
         for l in 0..levels {

@@ -854,8 +854,9 @@ impl Device {
 
     /// New storages on this device with the values of the parts of `p`, in order, and what to
     /// wait for before reading them (see `wait`). On a GPU they are cut from one allocation of
-    /// at least `slot` bytes filled by one copy (coded packs: a few pieces through the staging
-    /// ring, decoded into place), which returns to the cache when the last of them drops.
+    /// at least `slot` bytes filled by one copy a run of parts brought (coded packs: a few
+    /// pieces through the staging ring, decoded into place), which returns to the cache when
+    /// the last of them drops.
     /// Parts whose entry in `skip` is true (`skip` empty: none) are not brought: `None` in
     /// their place.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]

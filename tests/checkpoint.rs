@@ -1116,9 +1116,10 @@ impl Toy {
         })
     }
 
-    /// The loss; with `fail_after`, an op whose backward fails follows that block.
-    fn loss(&self, dev: &Device, fail_after: Option<usize>) -> Result<Tensor> {
-        let c = randn_on(&[1, 32], 60, dev);
+    /// The loss over `rows` conditioning rows (1: few; 8, one a row of the input: not); with
+    /// `fail_after`, an op whose backward fails follows that block.
+    fn loss(&self, dev: &Device, rows: usize, fail_after: Option<usize>) -> Result<Tensor> {
+        let c = randn_on(&[rows, 32], 60, dev);
         let mut h = randn_on(&[8, 32], 61, dev);
         for (i, (m, l)) in self.blocks.iter().enumerate() {
             let (m, l) = (m.clone(), l.clone());
@@ -1145,66 +1146,114 @@ impl Toy {
 fn forward_only_weights_stay_out_of_the_backward_and_come_back_for_the_forward() {
     let dev = &CPU;
     let prefixes: Vec<String> = (0..TOY_BLOCKS).map(|i| format!("b.{i}")).collect();
-    let grads = |streamed: bool, steps: &[Option<usize>]| {
-        let adapters = Adapters::new(LoraConfig {
-            rank: 2,
-            alpha: 2.0,
-            dropout: 0.0,
-            targets: vec!["b.*".into()],
-            seed: 7,
-        })
-        .unwrap();
-        let mut vb = VarBuilder::random(9, 0.3, DType::F32, dev)
-            .with_adapters(adapters.clone())
+    // A loss over `held` rows made first and held, steps of (conditioning rows, failing
+    // block), then the step compared: the held loss and the losses over `rows` conditioning
+    // rows each, summed (every forward before the backward).
+    let grads =
+        |streamed: bool, held: Option<usize>, steps: &[(usize, Option<usize>)], rows: &[usize]| {
+            let adapters = Adapters::new(LoraConfig {
+                rank: 2,
+                alpha: 2.0,
+                dropout: 0.0,
+                targets: vec!["b.*".into()],
+                seed: 7,
+            })
             .unwrap();
-        let streamer = streamed.then(|| BlockStreamer::new(dev, prefixes.clone(), 1));
-        if let Some(s) = &streamer {
-            vb = vb.with_streamer(s.clone()).unwrap();
-        }
-        let mut toy = Toy::new(&vb).unwrap();
-        toy.exec = BlockExec {
-            checkpointing: Checkpointing::All,
-            streamer: streamer.clone(),
-            keep: Keep {
-                few_rows: true,
-                ..Keep::NONE
-            },
-            ..Default::default()
-        };
-        if let Some(s) = &streamer {
-            // The forward holds up to block 3 from the first: the block the failed backward
-            // left (3) is inside its window, not released as outside it. The backward leaves
-            // blocks 0-2 for the forward (whole) and brings block 3 without the conditioning
-            // weights.
-            s.set_reach(vec![3, 3, 3, 4, 5, 5]).unwrap();
-            assert_eq!(s.carried().unwrap(), 3);
-        }
-        let mut left_out = vec![];
-        for &fail in steps {
-            let r = toy.loss(dev, fail).unwrap().backward();
-            assert_eq!(r.is_err(), fail.is_some(), "{:?}", r.err());
+            let mut vb = VarBuilder::random(9, 0.3, DType::F32, dev)
+                .with_adapters(adapters.clone())
+                .unwrap();
+            let streamer = streamed.then(|| BlockStreamer::new(dev, prefixes.clone(), 1));
+            if let Some(s) = &streamer {
+                vb = vb.with_streamer(s.clone()).unwrap();
+            }
+            let mut toy = Toy::new(&vb).unwrap();
+            toy.exec = BlockExec {
+                checkpointing: Checkpointing::All,
+                streamer: streamer.clone(),
+                keep: Keep {
+                    few_rows: true,
+                    ..Keep::NONE
+                },
+                ..Default::default()
+            };
+            if let Some(s) = &streamer {
+                // The forward holds up to block 3 from the first: the block the failed backward
+                // left (3) is inside its window, not released as outside it. The backward leaves
+                // blocks 0-2 for the forward (whole) and brings block 3 without the conditioning
+                // weights.
+                s.set_reach(vec![3, 3, 3, 4, 5, 5]).unwrap();
+                assert_eq!(s.carried().unwrap(), 3);
+            }
+            let held = held.map(|r| toy.loss(dev, r, None).unwrap());
+            let mut left_out = vec![];
+            for &(r, fail) in steps {
+                let r = toy.loss(dev, r, fail).unwrap().backward();
+                assert_eq!(r.is_err(), fail.is_some(), "{:?}", r.err());
+                if let Some(s) = &streamer {
+                    left_out.push(s.report().unwrap().left_out_bytes);
+                }
+            }
+            let mut total = toy.loss(dev, rows[0], None).unwrap();
+            if let Some(h) = held {
+                total = h.add(&total).unwrap();
+            }
+            for &r in &rows[1..] {
+                total = total.add(&toy.loss(dev, r, None).unwrap()).unwrap();
+            }
+            let g = total.backward().unwrap();
             if let Some(s) = &streamer {
                 left_out.push(s.report().unwrap().left_out_bytes);
             }
+            let named: Vec<(String, Vec<u32>)> = adapters
+                .params()
+                .unwrap()
+                .into_iter()
+                .map(|(n, p)| (n.clone(), bits(g.get(&p).unwrap())))
+                .collect();
+            (named, left_out)
+        };
+    let same = |a: &[(String, Vec<u32>)], b: &[(String, Vec<u32>)], what: &str| {
+        assert_eq!(a.len(), b.len());
+        for ((n0, g0), (n1, g1)) in a.iter().zip(b) {
+            assert_eq!(n0, n1);
+            assert!(g0 == g1, "{what}: gradient of {n0} differs");
         }
-        let g = toy.loss(dev, None).unwrap().backward().unwrap();
-        let named: Vec<(String, Vec<u32>)> = adapters
-            .params()
-            .unwrap()
-            .into_iter()
-            .map(|(n, p)| (n.clone(), bits(g.get(&p).unwrap())))
-            .collect();
-        (named, left_out)
     };
-    let (resident, _) = grads(false, &[]);
+    let (resident, _) = grads(false, None, &[], &[1]);
     // A whole step (the re-runs find the conditioning Linears' weights unread), a step whose
     // backward fails after leaving out those weights, then the step compared.
-    let (streamed, left_out) = grads(true, &[None, Some(3), None]);
+    let (streamed, left_out) = grads(true, None, &[(1, None), (1, Some(3)), (1, None)], &[1]);
     assert_eq!(left_out[0], 0, "the first backward brings every weight");
     assert!(left_out[1] > 0 && left_out[2] > left_out[1], "{left_out:?}");
-    assert_eq!(resident.len(), streamed.len());
-    for ((n0, g0), (n1, g1)) in resident.iter().zip(&streamed) {
-        assert_eq!(n0, n1);
-        assert!(g0 == g1, "gradient of {n0} differs");
-    }
+    same(&resident, &streamed, "after a failed backward");
+    // A step whose conditioning has as many rows as the input: its Linears no longer see
+    // few rows, nothing is kept, their weights are read again in the re-run; the backward
+    // must bring them although the steps before left them out.
+    let (resident, _) = grads(false, None, &[], &[8]);
+    let (streamed, left_out) = grads(true, None, &[(1, None), (1, None)], &[8]);
+    assert!(
+        left_out[1] > 0 && left_out[2] == left_out[1],
+        "{left_out:?}"
+    );
+    same(&resident, &streamed, "after a change of rows");
+    // Two forwards before their backward (two losses summed), the last like the steps
+    // before: the first's re-runs read the weights, so the backward brings them.
+    let (resident, _) = grads(false, None, &[], &[8, 1]);
+    let (streamed, left_out) = grads(true, None, &[(1, None), (1, None)], &[8, 1]);
+    assert!(
+        left_out[1] > 0 && left_out[2] == left_out[1],
+        "{left_out:?}"
+    );
+    same(&resident, &streamed, "two forwards of different digests");
+    // Two forwards of the same digest: the backward leaves the weights out for both.
+    let (resident, _) = grads(false, None, &[], &[1, 1]);
+    let (streamed, left_out) = grads(true, None, &[(1, None), (1, None)], &[1, 1]);
+    assert!(left_out[2] > left_out[1], "{left_out:?}");
+    same(&resident, &streamed, "two forwards of one digest");
+    // A forward held across another step: its re-runs read the weights the step's re-runs
+    // left unread, so the blocks prefetched for the steps' digest are brought again whole.
+    let (resident, _) = grads(false, Some(8), &[(1, None)], &[1]);
+    let (streamed, left_out) = grads(true, Some(8), &[(1, None)], &[1]);
+    assert!(left_out[1] > left_out[0], "{left_out:?}");
+    same(&resident, &streamed, "a forward held across a step");
 }

@@ -46,12 +46,26 @@ pub trait CheckpointHooks: Send + Sync {
     fn enter(&self, pass: Pass) -> Result<()>;
     /// After the forward's run, or after the backward's re-run and its backpropagation.
     fn exit(&self, pass: Pass) -> Result<()>;
-    /// After the backward's re-run: the weights the forward read that the re-run took the
-    /// outputs of from its log and that nothing it recorded will read in the
-    /// backpropagation (see `Keep::few_rows`), so the hooks need not bring them back for
-    /// the next backward. Nothing by default.
-    fn forward_only(&self, weights: &[Tensor]) -> Result<()> {
-        let _ = weights;
+    /// After a forward that the backward will re-run: a digest of what its re-run will take
+    /// from the log instead of computing (the kept outputs' kinds, shapes and dtypes) and of
+    /// which inputs need gradients. Nothing by default.
+    fn forward_digest(&self, digest: u64) -> Result<()> {
+        let _ = digest;
+        Ok(())
+    }
+    /// Before the backward's run of a checkpoint (before `enter(Pass::Backward)`): the
+    /// digest of the forward it re-runs. Nothing by default.
+    fn rerun(&self, digest: u64) -> Result<()> {
+        let _ = digest;
+        Ok(())
+    }
+    /// After the backward's re-run of a forward of digest `digest`: the weights (maybe none)
+    /// that the re-run took the outputs of from its log and that nothing it recorded will
+    /// read in the backpropagation (see `Keep::few_rows`). A later forward of the same digest
+    /// runs the same ops on the same kinds of values, so its backward will not read them
+    /// either: the hooks need not bring them back for it. Nothing by default.
+    fn forward_only(&self, weights: &[Tensor], digest: u64) -> Result<()> {
+        let _ = (weights, digest);
         Ok(())
     }
 }
@@ -159,13 +173,13 @@ pub struct Keep {
     pub down_projections: bool,
     /// The base GEMM's output of every Linear that sees few rows (at most `1 / FEW_ROWS` of
     /// its input width: the modulations over the conditioning vector, cross-attention's keys
-    /// and values over a short text), at most that fraction of the weight's bytes: the re-run
+    /// and values over a short text), at most that fraction of the weight's values: the re-run
     /// skips the GEMM. Where nothing of the GEMM needs a gradient (its input, weight and
     /// bias) and the adapter does not read the frozen weight (LoRA, LoHa, LoKr; not DoRA),
     /// neither the re-run nor the backward reads that weight: the re-run tells the
-    /// checkpoint's hooks (`CheckpointHooks::forward_only`), and a streamed block's next
-    /// backward uploads leave the weight out (Flux-dev's modulations are 27% of its weight
-    /// bytes).
+    /// checkpoint's hooks (`CheckpointHooks::forward_only`, with the digest of its forward),
+    /// and a streamed block's backward uploads after forwards of the same digest leave the
+    /// weight out (Flux-dev's modulations are 27% of its weight bytes).
     pub few_rows: bool,
 }
 
@@ -400,9 +414,14 @@ pub fn checkpoint_opts(
             Ok((value, x.requires_grad()))
         })
         .collect::<Result<Vec<_>>>()?;
+    let digest = digest(&kept, &saved);
+    if let Some(h) = &hooks {
+        h.forward_digest(digest)?;
+    }
     let node = Arc::new(Checkpoint {
         f,
         hooks,
+        digest,
         saved,
         draws: Arc::new(draws),
         kept: Arc::new(kept),
@@ -430,6 +449,31 @@ fn run_hooked<R>(
     r
 }
 
+/// The digest `CheckpointHooks::forward_digest` reports: the kinds of the kept outputs in
+/// order, the shapes and dtypes of the few-row ones, and which inputs need gradients. Which
+/// weights a re-run leaves unread follows from these (a Linear's outputs are kept as few
+/// rows or not by its rows; whether its GEMM records depends on what needs a gradient); the
+/// other kept outputs' shapes (attention's, with the image size) do not enter, so steps of
+/// several image sizes share a digest.
+fn digest(kept: &[(KeptKind, Vec<Tensor>)], saved: &[(Saved, bool)]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for (kind, ts) in kept {
+        (*kind as u8).hash(&mut h);
+        ts.len().hash(&mut h);
+        if *kind == KeptKind::FewRows {
+            for t in ts {
+                t.dims().hash(&mut h);
+                t.dtype().hash(&mut h);
+            }
+        }
+    }
+    for (_, needs) in saved {
+        needs.hash(&mut h);
+    }
+    h.finish()
+}
+
 /// A saved input: its value on the device, or a packed handle.
 enum Saved {
     Value(Tensor),
@@ -439,6 +483,8 @@ enum Saved {
 struct Checkpoint {
     f: Arc<BlockFn>,
     hooks: Option<Arc<dyn CheckpointHooks>>,
+    /// The forward's digest (`CheckpointHooks::forward_digest`).
+    digest: u64,
     /// The inputs' values (detached) and whether each needs a gradient.
     saved: Vec<(Saved, bool)>,
     draws: Arc<Vec<u64>>,
@@ -457,6 +503,9 @@ impl CustomBackward for Checkpoint {
         out_grads: &[Option<Tensor>],
         grads: &mut Grads,
     ) -> Result<Vec<Option<Tensor>>> {
+        if let Some(h) = &self.hooks {
+            h.rerun(self.digest)?;
+        }
         run_hooked(&self.hooks, Pass::Backward, || {
             self.rerun_backward(out_grads, grads)
         })
@@ -493,8 +542,8 @@ impl Checkpoint {
             let unread = kept.finish_unread();
             (outputs?, unread)
         };
-        if let (Some(h), false) = (&self.hooks, unread.is_empty()) {
-            h.forward_only(&unread)?;
+        if let Some(h) = &self.hooks {
+            h.forward_only(&unread, self.digest)?;
         }
         if outputs.len() != out_grads.len() {
             return Err(Error::Autograd(format!(

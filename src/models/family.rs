@@ -428,6 +428,19 @@ pub fn profile_config<M: ModelSpec>(
     }
     let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
     let params = vb.params()?;
+    let in_block = |key: &str| {
+        prefixes.iter().any(|p| {
+            key.strip_prefix(p.as_str())
+                .is_some_and(|r| r.starts_with('.'))
+        })
+    };
+    // The conditioned weights are forward-only (`Keep::few_rows`) unless the conditioning
+    // vector needs a gradient (an adapter outside the blocks, on the embedders it comes
+    // from) or the adapters read the frozen weights (DoRA).
+    let forward_only = match &probe_adapters {
+        Some(a) => a.kind()?.name != "dora" && a.params()?.iter().all(|(k, _)| in_block(k)),
+        None => true,
+    };
     let elem = opts.dtype.size_in_bytes();
     let mut blocks: Vec<BlockCost> = prefixes
         .iter()
@@ -482,7 +495,7 @@ pub fn profile_config<M: ModelSpec>(
                         cols
                     }
                 };
-                if let &[_, cols] = t.dims() {
+                if let (true, &[_, cols]) = (forward_only, t.dims()) {
                     if sh.conditioned.iter().any(|c| key.contains(c))
                         && run.batch.max(1) * crate::autograd::FEW_ROWS <= width(cols)
                     {

@@ -14,9 +14,11 @@ pub struct StreamReport {
     pub blocks: usize,
     /// Bytes of weights kept in host memory.
     pub host_bytes: u64,
-    /// Block uploads started (each brings all of a block's weights).
+    /// Block uploads started (each brings a block's weights: all of them, or in the
+    /// backward all but those only the forward reads).
     pub uploads: u64,
-    /// Bytes copied to the device over the host link.
+    /// Bytes copied to the device over the host link (the parts brought, their alignment
+    /// aside).
     pub uploaded_bytes: u64,
     /// Bytes those uploads put on the device: more than `uploaded_bytes` where bf16 weights
     /// crossed in the link's lossless code (`crate::backend::wire`).
@@ -33,8 +35,9 @@ pub struct StreamReport {
     pub decode_us: u64,
     /// Uploads counted in `copy_us`.
     pub timed_uploads: u64,
-    /// Bytes of weights the backward's uploads left out: weights only the forward reads
-    /// (`autograd::Keep::few_rows`), which stay released through the backward.
+    /// Bytes of weights the backward's uploads left out (neither copied nor decoded): weights
+    /// only the forward reads (`autograd::Keep::few_rows`), which stay released through the
+    /// backward.
     pub left_out_bytes: u64,
     /// Blocks on the device or coming, now.
     pub resident: usize,
@@ -48,6 +51,15 @@ struct Param {
     /// While the device copy is in, the one-element buffer the tensor holds while released
     /// (put back at the release); `None` while released, or left out of the upload.
     placeholder: Option<Storage>,
+}
+
+/// What an upload of a block must bring (`BlockStreamer::start`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Need {
+    /// Every weight: a forward, or a re-run whose forward's digest is unknown.
+    Whole,
+    /// The weights a re-run of a forward of this digest reads.
+    Rerun(u64),
 }
 
 enum Residency {
@@ -64,11 +76,21 @@ struct Block {
     /// pieces when coded) and one device allocation per fetch instead of one per parameter.
     pack: Option<HostPack>,
     residency: Residency,
-    /// For each parameter, whether the last forward said only it reads the weight
-    /// (`CheckpointHooks::forward_only`): the backward's upload leaves those out.
+    /// For each parameter, whether the last re-run found only the forward reads it
+    /// (`CheckpointHooks::forward_only`), and the digest of the forward it re-ran: a backward
+    /// whose forward has the same digest (`digest`) leaves those weights out of its upload.
     forward_only: Vec<bool>,
-    /// Whether the device copy lacks the forward-only weights (a backward's upload).
-    partial: bool,
+    only_digest: Option<u64>,
+    /// The digest of the forwards since the block's last re-run that a backward will re-run
+    /// (`None` when two of them differ: a backward may then serve either).
+    digest: Option<u64>,
+    /// Whether a forward has reported its digest since the block's last re-run.
+    pending: bool,
+    /// The digest of the forward whose re-run the device copy was brought for, when it lacks
+    /// that forward's forward-only weights (a backward's upload); `None` when whole.
+    partial_for: Option<u64>,
+    /// The digest of the re-run about to enter (`CheckpointHooks::rerun`).
+    rerun_digest: Option<u64>,
 }
 
 struct State {
@@ -143,7 +165,11 @@ impl BlockStreamer {
                 pack: None,
                 residency: Residency::Released,
                 forward_only: vec![],
-                partial: false,
+                only_digest: None,
+                digest: None,
+                pending: false,
+                partial_for: None,
+                rerun_digest: None,
             })
             .collect::<Vec<_>>();
         let reach = shallow_reach(blocks.len(), prefetch);
@@ -318,16 +344,25 @@ impl BlockStreamer {
         }))
     }
 
-    /// Starts copying block `i`'s weights to the device for `pass`, unless they are there or
-    /// coming. The backward's uploads leave out the weights only the forward reads, except
-    /// for the blocks the backward leaves on the device for the next forward; a forward
-    /// finding such a partial copy (a backward that stopped midway) brings the block again.
-    fn start(&self, st: &mut State, i: usize, pass: Pass) -> Result<()> {
+    /// Starts copying block `i`'s weights to the device for `need`, unless they are there or
+    /// coming. A backward's upload for the re-run of a forward of digest `d`
+    /// (`Need::Rerun(d)`) leaves out the weights an earlier re-run of a forward of that
+    /// digest found only the forward reads, except for the blocks the backward leaves on the
+    /// device for the next forward. With `verify`, a copy that lacks weights `need` may read
+    /// (brought for another digest's re-run, or a forward finding one a backward that stopped
+    /// midway left) is released and the block brought again; without (a prefetch, whose
+    /// digest is a guess), a copy there stays until its own run verifies it.
+    fn start(&self, st: &mut State, i: usize, need: Need, verify: bool) -> Result<()> {
         let Some(b) = st.blocks.get(i) else {
             return Ok(());
         };
         if !matches!(b.residency, Residency::Released) {
-            if !(b.partial && pass == Pass::Forward) {
+            let enough = match (b.partial_for, need) {
+                (None, _) => true,
+                (Some(d), Need::Rerun(e)) => d == e,
+                (Some(_), Need::Whole) => false,
+            };
+            if enough || !verify {
                 return Ok(());
             }
             self.release(st, i)?;
@@ -336,11 +371,16 @@ impl BlockStreamer {
         if b.params.is_empty() {
             return Ok(());
         }
-        let left_out = pass == Pass::Backward
-            && i > self.prefetch
-            && i >= st.carry
-            && b.forward_only.len() == b.params.len()
-            && b.forward_only.iter().any(|&f| f);
+        let left_out = match need {
+            Need::Rerun(d) => {
+                i > self.prefetch
+                    && i >= st.carry
+                    && b.only_digest == Some(d)
+                    && b.forward_only.len() == b.params.len()
+                    && b.forward_only.iter().any(|&f| f)
+            }
+            Need::Whole => false,
+        };
         if b.pack.is_none() {
             self.seal(st)?;
         }
@@ -376,7 +416,10 @@ impl BlockStreamer {
             }
         }
         b.residency = Residency::InFlight(ticket);
-        b.partial = left_out;
+        b.partial_for = match need {
+            Need::Rerun(d) if left_out => Some(d),
+            _ => None,
+        };
         report.uploads += 1;
         report.uploaded_bytes += wire;
         report.decoded_bytes += bytes;
@@ -384,9 +427,10 @@ impl BlockStreamer {
         Ok(())
     }
 
-    /// Marks the weights of block `i` among `weights` as read by its forward only (see
-    /// `CheckpointHooks::forward_only`); the others as read by its backward too.
-    fn note_forward_only(&self, i: usize, weights: &[Tensor]) -> Result<()> {
+    /// Marks the weights of block `i` among `weights` as read by its forward only, for
+    /// forwards of digest `digest` (see `CheckpointHooks::forward_only`); the others as read
+    /// by its backward too.
+    fn note_forward_only(&self, i: usize, weights: &[Tensor], digest: u64) -> Result<()> {
         let mut st = self.lock()?;
         let Some(b) = st.blocks.get_mut(i) else {
             return Ok(());
@@ -397,6 +441,34 @@ impl BlockStreamer {
             .iter()
             .map(|p| ids.contains(&p.tensor.id()))
             .collect();
+        b.only_digest = Some(digest);
+        b.pending = false;
+        Ok(())
+    }
+
+    /// Records that block `i`'s next backward run re-runs a forward of digest `digest`
+    /// (`CheckpointHooks::rerun`).
+    fn note_rerun(&self, i: usize, digest: u64) -> Result<()> {
+        if let Some(b) = self.lock()?.blocks.get_mut(i) {
+            b.rerun_digest = Some(digest);
+        }
+        Ok(())
+    }
+
+    /// Records the digest of block `i`'s forward (`CheckpointHooks::forward_digest`). Several
+    /// forwards before their backwards (two losses summed, say) with different digests leave
+    /// none: the backward's uploads then bring every weight until a forward follows a re-run.
+    fn note_digest(&self, i: usize, digest: u64) -> Result<()> {
+        if let Some(b) = self.lock()?.blocks.get_mut(i) {
+            if b.pending {
+                if b.digest != Some(digest) {
+                    b.digest = None;
+                }
+            } else {
+                b.digest = Some(digest);
+                b.pending = true;
+            }
+        }
         Ok(())
     }
 
@@ -479,7 +551,7 @@ impl BlockStreamer {
             }
         }
         b.residency = Residency::Released;
-        b.partial = false;
+        b.partial_for = None;
         Ok(())
     }
 
@@ -487,7 +559,13 @@ impl BlockStreamer {
     /// its reach in the forward, `prefetch` in the backward.
     fn enter(&self, i: usize, pass: Pass) -> Result<()> {
         let mut st = self.lock()?;
-        self.start(&mut st, i, pass)?;
+        // A re-run needs what its forward's digest says (`rerun`); a forward, everything.
+        let need = |digest: Option<u64>| match digest {
+            Some(d) if pass == Pass::Backward => Need::Rerun(d),
+            _ => Need::Whole,
+        };
+        let own = need(st.blocks.get_mut(i).and_then(|b| b.rerun_digest.take()));
+        self.start(&mut st, i, own, true)?;
         match pass {
             Pass::Forward => {
                 let (n, last) = (st.blocks.len(), st.reach.get(i).copied().unwrap_or(i));
@@ -507,12 +585,15 @@ impl BlockStreamer {
                     if j > i + self.prefetch && !self.has_room(&st) {
                         break;
                     }
-                    self.start(&mut st, j, Pass::Forward)?;
+                    self.start(&mut st, j, Need::Whole, true)?;
                 }
             }
             Pass::Backward => {
+                // The blocks before it will most likely serve re-runs of the forwards since
+                // their last re-run (`digest`): a guess, verified when each enters.
                 for j in (i.saturating_sub(self.prefetch)..i).rev() {
-                    self.start(&mut st, j, Pass::Backward)?;
+                    let guess = need(st.blocks[j].digest);
+                    self.start(&mut st, j, guess, false)?;
                 }
             }
         }
@@ -571,7 +652,13 @@ impl CheckpointHooks for BlockHooks {
     fn exit(&self, pass: Pass) -> Result<()> {
         self.streamer.exit(self.index, pass)
     }
-    fn forward_only(&self, weights: &[Tensor]) -> Result<()> {
-        self.streamer.note_forward_only(self.index, weights)
+    fn forward_digest(&self, digest: u64) -> Result<()> {
+        self.streamer.note_digest(self.index, digest)
+    }
+    fn rerun(&self, digest: u64) -> Result<()> {
+        self.streamer.note_rerun(self.index, digest)
+    }
+    fn forward_only(&self, weights: &[Tensor], digest: u64) -> Result<()> {
+        self.streamer.note_forward_only(self.index, weights, digest)
     }
 }

@@ -119,7 +119,8 @@ impl Drop for Staging {
 }
 
 /// A piece of a packed upload copied into the ring at once: host bytes `[from, from + len)`,
-/// then the raw prefix copied or the coded parts `parts` decoded.
+/// then copied to the same offset of the allocation (`raw`: a run of uncoded parts, laid out
+/// on the host as on the device) or the coded parts `parts` decoded.
 struct Piece {
     from: usize,
     len: usize,
@@ -191,6 +192,32 @@ impl PinnedPack {
         self.raw + self.coded
     }
 
+    /// The runs of uncoded parts to bring, as byte ranges of the device allocation (which the
+    /// host buffer's first `raw` bytes mirror): from a part's start to the end of the last
+    /// taken part after it with none skipped between (`skip[k]`: part k is not brought;
+    /// empty: none is). All of `[0, raw)` when nothing is skipped.
+    fn raw_runs(&self, skip: &[bool]) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut prev = false;
+        for (k, part) in self.parts.iter().enumerate() {
+            // The raw parts lie back to back from 0 (`pack`): coded parts between them in
+            // the parts' order do not split a run.
+            if part.coded.is_some() {
+                continue;
+            }
+            let take = !skip.get(k).copied().unwrap_or(false);
+            if take {
+                let end = part.at + part.len.max(1) * part.dtype.size_in_bytes();
+                match runs.last_mut() {
+                    Some(run) if prev => run.1 = end,
+                    _ => runs.push((part.at, end)),
+                }
+            }
+            prev = take;
+        }
+        runs
+    }
+
     /// Each part's bytes on the device and on the link, in the order given to `pack`.
     pub fn part_bytes(&self) -> Vec<(usize, usize)> {
         self.parts
@@ -205,7 +232,7 @@ impl PinnedPack {
     /// The staging an upload needs: a pack with coded parts crosses whole into the staging
     /// ring (`upload_pack`); one without needs none. Returns (bytes on the link, the largest
     /// piece that cannot be split: the raw prefix or one coded part, the most pieces: one a
-    /// coded part and the raw prefix).
+    /// part, and one more).
     pub fn staging_bytes(&self) -> (usize, usize, usize) {
         if self.coded == 0 {
             return (0, 0, 0);
@@ -215,7 +242,7 @@ impl PinnedPack {
             .clone()
             .map(|c| c.layout.bytes)
             .fold(self.raw, usize::max);
-        (self.wire_bytes(), part, coded.count() + 1)
+        (self.wire_bytes(), part, self.parts.len() + 1)
     }
 }
 
@@ -450,10 +477,9 @@ impl CudaDevice {
     /// for the compute; the decode stream, after the compute stream's work so far and each
     /// piece's copy, copies or decodes it into the allocation.
     ///
-    /// Parts whose entry in `skip` is true (`skip` empty: none) need not be brought: coded
-    /// ones are not copied or decoded, and without staging the copies take only the runs of
-    /// the other parts. Their buffers' contents are then undefined (the raw prefix of a coded
-    /// pack still crosses whole).
+    /// Parts whose entry in `skip` is true (`skip` empty: none) are not brought: neither
+    /// copied nor decoded (the copies take the runs of the other parts); their ranges of the
+    /// allocation hold whatever was there.
     pub(crate) fn upload_pack(
         &self,
         p: &PinnedPack,
@@ -468,7 +494,6 @@ impl CudaDevice {
                 skip.len()
             )));
         }
-        let skipped = |k: usize| skip.get(k).copied().unwrap_or(false);
         let ring = staging.filter(|s| s.len() >= p.wire_bytes());
         if p.coded > 0 && ring.is_none() {
             return Err(Error::Stream(format!(
@@ -487,21 +512,7 @@ impl CudaDevice {
                 let start = copy
                     .record_event(TIMED)
                     .map_err(cuda_err("recording the copy's start"))?;
-                // Runs of parts to bring (all of `[0, raw)` when none is skipped), each from
-                // its first part's start to its last's end: the host buffer mirrors them.
-                let mut runs: Vec<(usize, usize)> = Vec::new();
-                let mut prev = false;
-                for (k, part) in p.parts.iter().enumerate() {
-                    let take = !skipped(k) && part.coded.is_none();
-                    if take {
-                        let end = part.at + part.len.max(1) * part.dtype.size_in_bytes();
-                        match runs.last_mut() {
-                            Some(run) if prev => run.1 = end,
-                            _ => runs.push((part.at, end)),
-                        }
-                    }
-                    prev = take;
-                }
+                let runs = p.raw_runs(skip);
                 for (from, to) in runs {
                     // SAFETY: the pinned memory is never written after `pack`; the range lies
                     // within its first `raw` bytes and the destination's `used`, and is not
@@ -545,8 +556,9 @@ impl CudaDevice {
         Ok((storages, event))
     }
 
-    /// `upload_pack` through the staging ring: the pieces of `p` (its raw prefix, then runs
-    /// of coded parts of `Staging::piece` bytes or one part) copied on the copy stream, each into the
+    /// `upload_pack` through the staging ring: the pieces of `p` (the runs of its raw parts
+    /// brought, then runs of adjacent coded parts brought of up to `Staging::piece` bytes or
+    /// one part) copied on the copy stream, each into the
     /// ring's next free range once the decode stream has read what was there; copied or
     /// decoded into `packed` on the decode stream once the compute stream has freed it (its
     /// work so far) and the piece is in.
@@ -573,15 +585,18 @@ impl CudaDevice {
             }
             last_taken = take;
         }
-        let mut pieces = Vec::new();
-        if p.raw > 0 {
-            pieces.push(Piece {
-                from: 0,
-                len: p.raw,
+        // The raw parts to bring, a piece a run (the host buffer's raw prefix mirrors the
+        // device layout: a run lands at its own offset).
+        let mut pieces: Vec<Piece> = p
+            .raw_runs(skip)
+            .into_iter()
+            .map(|(from, to)| Piece {
+                from,
+                len: to - from,
                 raw: true,
                 parts: 0..0,
-            });
-        }
+            })
+            .collect();
         // A piece takes the next part, and the ones after it while it stays within the
         // target: no piece is larger than the target or one part (`staging_ring_bytes`).
         let target = staging.piece.max(1);
@@ -675,7 +690,7 @@ impl CudaDevice {
                 .record_event(TIMED)
                 .map_err(cuda_err("recording a decode's start"))?;
             if piece.raw {
-                self.copy_staged(decode, dst, packed.base(), piece.len)?;
+                self.copy_staged(decode, dst, packed.base() + piece.from as u64, piece.len)?;
             }
             for &(part_at, c) in &coded[piece.parts.clone()] {
                 let src = dst + (p.coded_at + c.wire - piece.from) as u64;

@@ -640,6 +640,16 @@ impl HostPack {
         }
     }
 
+    /// How many parts it holds.
+    pub(crate) fn parts(&self) -> usize {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.parts(),
+        }
+    }
+
     /// Each part's bytes on the device and on the host link, in order.
     pub(crate) fn part_bytes(&self) -> Vec<(usize, usize)> {
         match self {
@@ -854,7 +864,7 @@ impl Device {
 
     /// New storages on this device with the values of the parts of `p`, in order, and what to
     /// wait for before reading them (see `wait`). On a GPU they are cut from one allocation of
-    /// at least `slot` bytes filled by one copy a run of parts brought (coded packs: a few
+    /// at least `slot` bytes filled by one copy per run of parts brought (coded packs: a few
     /// pieces through the staging ring, decoded into place), which returns to the cache when
     /// the last of them drops.
     /// Parts whose entry in `skip` is true (`skip` empty: none) are not brought: `None` in
@@ -867,6 +877,13 @@ impl Device {
         staging: Option<&Staging>,
         skip: &[bool],
     ) -> Result<(Vec<Option<Storage>>, Ticket)> {
+        let parts = p.parts();
+        if !skip.is_empty() && skip.len() != parts {
+            return Err(crate::Error::Stream(format!(
+                "an upload of {parts} parts told to skip {} entries",
+                skip.len()
+            )));
+        }
         let skipped = |k: usize| skip.get(k).copied().unwrap_or(false);
         let other = || crate::Error::DeviceMismatch {
             op: "upload",
@@ -876,13 +893,6 @@ impl Device {
         match (self, p) {
             #[cfg(feature = "cpu-ref")]
             (Device::Cpu, HostPack::Cpu(v)) => {
-                if !skip.is_empty() && skip.len() != v.len() {
-                    return Err(crate::Error::Stream(format!(
-                        "an upload of {} parts told to skip {} entries",
-                        v.len(),
-                        skip.len()
-                    )));
-                }
                 let storages = v
                     .iter()
                     .enumerate()

@@ -1212,48 +1212,64 @@ fn forward_only_weights_stay_out_of_the_backward_and_come_back_for_the_forward()
                 .collect();
             (named, left_out)
         };
-    let same = |a: &[(String, Vec<u32>)], b: &[(String, Vec<u32>)], what: &str| {
-        assert_eq!(a.len(), b.len());
-        for ((n0, g0), (n1, g1)) in a.iter().zip(b) {
-            assert_eq!(n0, n1);
-            assert!(g0 == g1, "{what}: gradient of {n0} differs");
-        }
-    };
-    let (resident, _) = grads(false, None, &[], &[1]);
+    // The streamed run's gradients against the resident one's (the same losses; the steps
+    // before do not change the adapters), and its bytes left out after each backward.
+    let compare =
+        |what: &str, held: Option<usize>, steps: &[(usize, Option<usize>)], rows: &[usize]| {
+            let (resident, _) = grads(false, held, &[], rows);
+            let (streamed, left_out) = grads(true, held, steps, rows);
+            assert_eq!(resident.len(), streamed.len());
+            for ((n0, g0), (n1, g1)) in resident.iter().zip(&streamed) {
+                assert_eq!(n0, n1);
+                assert!(g0 == g1, "{what}: gradient of {n0} differs");
+            }
+            left_out
+        };
     // A whole step (the re-runs find the conditioning Linears' weights unread), a step whose
     // backward fails after leaving out those weights, then the step compared.
-    let (streamed, left_out) = grads(true, None, &[(1, None), (1, Some(3)), (1, None)], &[1]);
+    let left_out = compare(
+        "after a failed backward",
+        None,
+        &[(1, None), (1, Some(3)), (1, None)],
+        &[1],
+    );
     assert_eq!(left_out[0], 0, "the first backward brings every weight");
     assert!(left_out[1] > 0 && left_out[2] > left_out[1], "{left_out:?}");
-    same(&resident, &streamed, "after a failed backward");
     // A step whose conditioning has as many rows as the input: its Linears no longer see
     // few rows, nothing is kept, their weights are read again in the re-run; the backward
     // must bring them although the steps before left them out.
-    let (resident, _) = grads(false, None, &[], &[8]);
-    let (streamed, left_out) = grads(true, None, &[(1, None), (1, None)], &[8]);
+    let left_out = compare(
+        "after a change of rows",
+        None,
+        &[(1, None), (1, None)],
+        &[8],
+    );
     assert!(
         left_out[1] > 0 && left_out[2] == left_out[1],
         "{left_out:?}"
     );
-    same(&resident, &streamed, "after a change of rows");
     // Two forwards before their backward (two losses summed), the last like the steps
     // before: the first's re-runs read the weights, so the backward brings them.
-    let (resident, _) = grads(false, None, &[], &[8, 1]);
-    let (streamed, left_out) = grads(true, None, &[(1, None), (1, None)], &[8, 1]);
+    let left_out = compare(
+        "two forwards of different digests",
+        None,
+        &[(1, None), (1, None)],
+        &[8, 1],
+    );
     assert!(
         left_out[1] > 0 && left_out[2] == left_out[1],
         "{left_out:?}"
     );
-    same(&resident, &streamed, "two forwards of different digests");
     // Two forwards of the same digest: the backward leaves the weights out for both.
-    let (resident, _) = grads(false, None, &[], &[1, 1]);
-    let (streamed, left_out) = grads(true, None, &[(1, None), (1, None)], &[1, 1]);
+    let left_out = compare(
+        "two forwards of one digest",
+        None,
+        &[(1, None), (1, None)],
+        &[1, 1],
+    );
     assert!(left_out[2] > left_out[1], "{left_out:?}");
-    same(&resident, &streamed, "two forwards of one digest");
     // A forward held across another step: its re-runs read the weights the step's re-runs
     // left unread, so the blocks prefetched for the steps' digest are brought again whole.
-    let (resident, _) = grads(false, Some(8), &[(1, None)], &[1]);
-    let (streamed, left_out) = grads(true, Some(8), &[(1, None)], &[1]);
+    let left_out = compare("a forward held across a step", Some(8), &[(1, None)], &[1]);
     assert!(left_out[1] > left_out[0], "{left_out:?}");
-    same(&resident, &streamed, "a forward held across a step");
 }

@@ -42,20 +42,15 @@ pub enum Pass {
 
 /// Called around each run of a checkpointed function.
 pub trait CheckpointHooks: Send + Sync {
-    /// Before the function runs in `pass`.
-    fn enter(&self, pass: Pass) -> Result<()>;
+    /// Before the function runs in `pass`; for the backward's re-run, `digest` is the digest
+    /// of the forward it re-runs (`forward_digest`), `None` in the forward.
+    fn enter(&self, pass: Pass, digest: Option<u64>) -> Result<()>;
     /// After the forward's run, or after the backward's re-run and its backpropagation.
     fn exit(&self, pass: Pass) -> Result<()>;
     /// After a forward that the backward will re-run: a digest of what its re-run will take
     /// from the log instead of computing (the kept outputs' kinds, shapes and dtypes) and of
     /// which inputs need gradients. Nothing by default.
     fn forward_digest(&self, digest: u64) -> Result<()> {
-        let _ = digest;
-        Ok(())
-    }
-    /// Before the backward's run of a checkpoint (before `enter(Pass::Backward)`): the
-    /// digest of the forward it re-runs. Nothing by default.
-    fn rerun(&self, digest: u64) -> Result<()> {
         let _ = digest;
         Ok(())
     }
@@ -389,11 +384,11 @@ pub fn checkpoint_opts(
         saved: saved_hooks,
     } = opts;
     if !super::grad_enabled() {
-        return run_hooked(&hooks, Pass::Forward, || f(inputs));
+        return run_hooked(&hooks, Pass::Forward, None, || f(inputs));
     }
     let draws = DrawGuard::push(DrawMode::Record(Vec::new()));
     let kept = KeepGuard::push(KeepMode::Record(keep, Vec::new()));
-    let (outputs, needs_grad) = probe(|| run_hooked(&hooks, Pass::Forward, || f(inputs)));
+    let (outputs, needs_grad) = probe(|| run_hooked(&hooks, Pass::Forward, None, || f(inputs)));
     let kept = kept.finish();
     let draws = draws.finish();
     let outputs = outputs?;
@@ -433,10 +428,11 @@ pub fn checkpoint_opts(
 fn run_hooked<R>(
     hooks: &Option<Arc<dyn CheckpointHooks>>,
     pass: Pass,
+    digest: Option<u64>,
     f: impl FnOnce() -> Result<R>,
 ) -> Result<R> {
     if let Some(h) = hooks {
-        h.enter(pass)?;
+        h.enter(pass, digest)?;
     }
     let r = f();
     if let Some(h) = hooks {
@@ -503,10 +499,7 @@ impl CustomBackward for Checkpoint {
         out_grads: &[Option<Tensor>],
         grads: &mut Grads,
     ) -> Result<Vec<Option<Tensor>>> {
-        if let Some(h) = &self.hooks {
-            h.rerun(self.digest)?;
-        }
-        run_hooked(&self.hooks, Pass::Backward, || {
+        run_hooked(&self.hooks, Pass::Backward, Some(self.digest), || {
             self.rerun_backward(out_grads, grads)
         })
     }

@@ -428,12 +428,7 @@ pub fn profile_config<M: ModelSpec>(
     }
     let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
     let params = vb.params()?;
-    let in_block = |key: &str| {
-        prefixes.iter().any(|p| {
-            key.strip_prefix(p.as_str())
-                .is_some_and(|r| r.starts_with('.'))
-        })
-    };
+    let in_block = |key: &str| prefixes.iter().any(|p| crate::stream::under(key, p));
     // The conditioned weights are forward-only (`Keep::few_rows`) unless the conditioning
     // vector needs a gradient (an adapter outside the blocks, on the embedders it comes
     // from) or the adapters read the frozen weights (DoRA).
@@ -467,10 +462,11 @@ pub fn profile_config<M: ModelSpec>(
         .collect();
     let mut other = 0u64;
     for (key, t) in &params {
-        match blocks.iter_mut().zip(&shapes).find(|(b, _)| {
-            key.strip_prefix(&b.prefix)
-                .is_some_and(|r| r.starts_with('.'))
-        }) {
+        match blocks
+            .iter_mut()
+            .zip(&shapes)
+            .find(|(b, _)| crate::stream::under(key, &b.prefix))
+        {
             Some((b, sh)) => {
                 b.weight_bytes += bytes(t);
                 // The link's lossless code takes bf16 tensors of a few chunks or more at a

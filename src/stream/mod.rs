@@ -37,6 +37,12 @@ use crate::autograd::{checkpoint_opts, CheckpointHooks, CheckpointOptions, Keep,
 use crate::{Result, Tensor};
 use std::sync::Arc;
 
+/// Whether parameter `key` belongs to the block of key prefix `prefix` (`<prefix>.<rest>`).
+pub(crate) fn under(key: &str, prefix: &str) -> bool {
+    key.strip_prefix(prefix)
+        .is_some_and(|rest| rest.starts_with('.'))
+}
+
 /// Which blocks are checkpointed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Checkpointing {

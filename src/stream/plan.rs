@@ -332,7 +332,10 @@ impl MemoryProfile {
             };
             let coded = if plan.wire_code { b.coded_bytes } else { 0 };
             if left_out {
-                (all - only.min(all), coded - b.forward_only_coded.min(coded))
+                (
+                    all.saturating_sub(only),
+                    coded.saturating_sub(b.forward_only_coded),
+                )
             } else {
                 (all, coded)
             }
@@ -826,7 +829,7 @@ impl MemoryProfile {
 
 /// What checkpointed blocks may keep, in the candidates: each of attention and the
 /// down-projections, or both, or neither; always the outputs of Linears that see few rows
-/// (at most a sixteenth of their weights' bytes, and their weights then stay off the
+/// (at most a sixteenth of their weights' values, and their weights then stay off the
 /// backward's uploads where only the forward reads them).
 const KEEPS: [Keep; 4] = [
     Keep {

@@ -89,8 +89,6 @@ struct Block {
     /// The digest of the forward whose re-run the device copy was brought for, when it lacks
     /// that forward's forward-only weights (a backward's upload); `None` when whole.
     partial_for: Option<u64>,
-    /// The digest of the re-run about to enter (`CheckpointHooks::rerun`).
-    rerun_digest: Option<u64>,
 }
 
 struct State {
@@ -169,7 +167,6 @@ impl BlockStreamer {
                 digest: None,
                 pending: false,
                 partial_for: None,
-                rerun_digest: None,
             })
             .collect::<Vec<_>>();
         let reach = shallow_reach(blocks.len(), prefetch);
@@ -272,10 +269,11 @@ impl BlockStreamer {
 
     /// The streamed block that parameter `key` belongs to (`<prefix>.<rest>`).
     pub fn owner(&self, key: &str) -> Result<Option<usize>> {
-        Ok(self.lock()?.blocks.iter().position(|b| {
-            key.strip_prefix(b.prefix.as_str())
-                .is_some_and(|rest| rest.starts_with('.'))
-        }))
+        Ok(self
+            .lock()?
+            .blocks
+            .iter()
+            .position(|b| super::under(key, &b.prefix)))
     }
 
     /// Takes parameter `t` of block `block` into host memory and returns the handle the
@@ -376,7 +374,6 @@ impl BlockStreamer {
                 i > self.prefetch
                     && i >= st.carry
                     && b.only_digest == Some(d)
-                    && b.forward_only.len() == b.params.len()
                     && b.forward_only.iter().any(|&f| f)
             }
             Need::Whole => false,
@@ -443,15 +440,6 @@ impl BlockStreamer {
             .collect();
         b.only_digest = Some(digest);
         b.pending = false;
-        Ok(())
-    }
-
-    /// Records that block `i`'s next backward run re-runs a forward of digest `digest`
-    /// (`CheckpointHooks::rerun`).
-    fn note_rerun(&self, i: usize, digest: u64) -> Result<()> {
-        if let Some(b) = self.lock()?.blocks.get_mut(i) {
-            b.rerun_digest = Some(digest);
-        }
         Ok(())
     }
 
@@ -556,16 +544,16 @@ impl BlockStreamer {
     }
 
     /// Brings block `i` in, and starts the blocks after it in the pass's direction: up to
-    /// its reach in the forward, `prefetch` in the backward.
-    fn enter(&self, i: usize, pass: Pass) -> Result<()> {
+    /// its reach in the forward, `prefetch` in the backward. `digest`: the digest of the
+    /// forward a backward's run re-runs.
+    fn enter(&self, i: usize, pass: Pass, digest: Option<u64>) -> Result<()> {
         let mut st = self.lock()?;
-        // A re-run needs what its forward's digest says (`rerun`); a forward, everything.
+        // A re-run needs what its forward's digest says; a forward, everything.
         let need = |digest: Option<u64>| match digest {
             Some(d) if pass == Pass::Backward => Need::Rerun(d),
             _ => Need::Whole,
         };
-        let own = need(st.blocks.get_mut(i).and_then(|b| b.rerun_digest.take()));
-        self.start(&mut st, i, own, true)?;
+        self.start(&mut st, i, need(digest), true)?;
         match pass {
             Pass::Forward => {
                 let (n, last) = (st.blocks.len(), st.reach.get(i).copied().unwrap_or(i));
@@ -646,17 +634,14 @@ pub(crate) struct BlockHooks {
 }
 
 impl CheckpointHooks for BlockHooks {
-    fn enter(&self, pass: Pass) -> Result<()> {
-        self.streamer.enter(self.index, pass)
+    fn enter(&self, pass: Pass, digest: Option<u64>) -> Result<()> {
+        self.streamer.enter(self.index, pass, digest)
     }
     fn exit(&self, pass: Pass) -> Result<()> {
         self.streamer.exit(self.index, pass)
     }
     fn forward_digest(&self, digest: u64) -> Result<()> {
         self.streamer.note_digest(self.index, digest)
-    }
-    fn rerun(&self, digest: u64) -> Result<()> {
-        self.streamer.note_rerun(self.index, digest)
     }
     fn forward_only(&self, weights: &[Tensor], digest: u64) -> Result<()> {
         self.streamer.note_forward_only(self.index, weights, digest)

@@ -218,6 +218,11 @@ impl PinnedPack {
         runs
     }
 
+    /// How many parts it holds.
+    pub fn parts(&self) -> usize {
+        self.parts.len()
+    }
+
     /// Each part's bytes on the device and on the link, in the order given to `pack`.
     pub fn part_bytes(&self) -> Vec<(usize, usize)> {
         self.parts
@@ -477,7 +482,8 @@ impl CudaDevice {
     /// for the compute; the decode stream, after the compute stream's work so far and each
     /// piece's copy, copies or decodes it into the allocation.
     ///
-    /// Parts whose entry in `skip` is true (`skip` empty: none) are not brought: neither
+    /// Parts whose entry in `skip` is true (`skip` empty: none; the caller checks its length)
+    /// are not brought: neither
     /// copied nor decoded (the copies take the runs of the other parts); their ranges of the
     /// allocation hold whatever was there.
     pub(crate) fn upload_pack(
@@ -487,13 +493,6 @@ impl CudaDevice {
         staging: Option<&Staging>,
         skip: &[bool],
     ) -> Result<(Vec<CudaStorage>, Upload)> {
-        if !skip.is_empty() && skip.len() != p.parts.len() {
-            return Err(Error::Stream(format!(
-                "an upload of {} parts told to skip {} entries",
-                p.parts.len(),
-                skip.len()
-            )));
-        }
         let ring = staging.filter(|s| s.len() >= p.wire_bytes());
         if p.coded > 0 && ring.is_none() {
             return Err(Error::Stream(format!(
@@ -736,7 +735,7 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         // SAFETY: the kernel takes exactly these arguments; both ranges hold `n` bytes (a
-        // staged piece and the start of the pack's allocation, both at 256-byte alignment).
+        // staged piece and its run of the pack's allocation, both at 256-byte alignment).
         unsafe { b.launch(cfg) }
             .map(|_| ())
             .map_err(|e| Error::Cuda(format!("launching wire_copy_bytes: {e:?}")))

@@ -12,13 +12,16 @@
 //! backward's uploads; with the planner too), `--raw-wire` (streamed
 //! bf16 weights cross the link uncoded, with the planner too), `--shallow` (the forward
 //! fetches only `--prefetch` ahead and the backward leaves only that many and one for it,
-//! with the planner too); `--headroom GB` plans
+//! with the planner too), `--no-host-products` (streamed blocks' Linears over the
+//! conditioning vector bring their weights to the GPU instead of computing their products on
+//! the host, with the planner too); `--headroom GB` plans
 //! for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
 //! in FP8 E4M3, `--adam8bit` uses 8-bit AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
 //! streamed. `--host-probe` issues one more step with about a second of GEMMs queued between
 //! its forward and backward, and prints when the host had issued the backward and the update:
-//! the host's own cost where nothing in them waits for the GPU.
+//! the host's own cost where nothing in them waits for the GPU. `--phases` times one more
+//! step with the device synchronised after its forward and after its backward.
 //!
 //! Data-parallel: started with torchrun's variables (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`,
 //! `MASTER_ADDR`, `MASTER_PORT`; one process per GPU), each rank takes its part of a global
@@ -170,6 +173,7 @@ fn run<M: ModelSpec>(
                 .filter(|p| !(args.flag("--raw-wire") && p.wire_code))
                 .map(|p| Plan {
                     deep_prefetch: p.deep_prefetch && !args.flag("--shallow"),
+                    host_products: p.host_products && !args.flag("--no-host-products"),
                     keep: Keep {
                         few_rows: p.keep.few_rows && !args.flag("--no-keep-few"),
                         ..p.keep
@@ -219,6 +223,7 @@ fn run<M: ModelSpec>(
                 offload_inputs: args.flag("--offload"),
                 wire_code: !args.flag("--raw-wire"),
                 deep_prefetch: !args.flag("--shallow"),
+                host_products: !args.flag("--no-host-products"),
             }
         }
     };
@@ -246,6 +251,9 @@ fn run<M: ModelSpec>(
             .collect();
         let s = BlockStreamer::new(&dev, order, plan.prefetch.max(1));
         s.set_wire_code(plan.wire_code)?;
+        if plan.host_products {
+            s.set_host_products(M::CONDITIONED.iter().map(|c| c.to_string()).collect())?;
+        }
         if plan.deep_prefetch {
             s.set_reach(profile.reach(&plan))?;
         }
@@ -383,6 +391,11 @@ fn run<M: ModelSpec>(
     };
     let first = step()?;
     cuda.synchronize()?;
+    // The host products' counters after the warm-up, to report the timed steps alone.
+    let host_before = match &streamer {
+        Some(s) => s.report()?.host,
+        None => Default::default(),
+    };
     cuda.reset_peak_memory();
     let mut losses = vec![first];
     let (evictions, flushes, overflows) = (
@@ -471,6 +484,57 @@ fn run<M: ModelSpec>(
         table("kernel", &p.kernels, 30);
         table("phase / kernel", &p.phase_kernels, 30);
     }
+    if args.flag("--phases") {
+        // One more step, the device synchronised after the forward and after the backward:
+        // each pass's own time (the passes no longer overlap at their boundary).
+        let before = streamer.as_ref().map(|s| s.report()).transpose()?;
+        let t = std::time::Instant::now();
+        let seed = 10_000;
+        let noise = mine(Tensor::randn(
+            with_batch(&sample[0]),
+            DType::BF16,
+            &dev,
+            seed,
+        )?)?;
+        let tt = mine(
+            TimestepSampling::FluxShift {
+                mean: 0.0,
+                std: 1.0,
+            }
+            .sample(batch, tokens, seed, &dev)?,
+        )?;
+        let (xt, target) = flow_matching(&x0, &noise, &tt)?;
+        let t_in = if ddpm { tt.affine(999.0, 0.0)? } else { tt };
+        cuda.synchronize()?;
+        let t0 = t.elapsed().as_secs_f64();
+        let out = model.predict(&xt, &t_in, &cond, 1.0)?;
+        let loss = weighted_mse(&out, &target, None)?.affine(share, 0.0)?;
+        cuda.synchronize()?;
+        let t1 = t.elapsed().as_secs_f64();
+        let mid = streamer.as_ref().map(|s| s.report()).transpose()?;
+        let grads = loss.backward()?;
+        cuda.synchronize()?;
+        let t2 = t.elapsed().as_secs_f64();
+        opt.step(&grads)?;
+        cuda.synchronize()?;
+        let t3 = t.elapsed().as_secs_f64();
+        let after = streamer.as_ref().map(|s| s.report()).transpose()?;
+        let gib_between = |a: &Option<flame::stream::StreamReport>,
+                           b: &Option<flame::stream::StreamReport>| match (
+            a, b,
+        ) {
+            (Some(a), Some(b)) => (b.uploaded_bytes - a.uploaded_bytes) as f64 / GIB,
+            _ => 0.0,
+        };
+        println!(
+            "phases (one more step, synchronised between them): forward {:.1} ms ({:.2} GiB over the link), backward {:.1} ms ({:.2} GiB), update {:.1} ms",
+            (t1 - t0) * 1e3,
+            gib_between(&before, &mid),
+            (t2 - t1) * 1e3,
+            gib_between(&mid, &after),
+            (t3 - t2) * 1e3
+        );
+    }
     let gib = |b: u64| b as f64 / GIB;
     let weights: u64 = vb
         .params()?
@@ -493,6 +557,20 @@ fn run<M: ModelSpec>(
                     r.uploads,
                     s.carried()?,
                     gib(r.left_out_bytes) / 4.0
+                );
+            }
+            let (h, b) = (r.host, host_before);
+            if h.products > b.products {
+                // Per timed step (the warm-up's left out).
+                let per = |a: u64, b: u64| (a - b) as f64 / 3.0;
+                println!(
+                    "host products (the timed steps): {:.1} a step, {} inputs; {:.1} ms/step computing, the model's thread waited {:.1} ms/step for them and spent {:.1} ms/step bringing inputs, {:.1} sending products",
+                    per(h.products, b.products),
+                    h.inputs - b.inputs,
+                    per(h.compute_us, b.compute_us) / 1e3,
+                    per(h.wait_us, b.wait_us) / 1e3,
+                    per(h.input_us, b.input_us) / 1e3,
+                    per(h.transfer_us, b.transfer_us) / 1e3
                 );
             }
             (

@@ -587,6 +587,16 @@ pub(crate) enum HostCopy {
 }
 
 impl HostCopy {
+    /// The values in host memory of the CPU's own.
+    pub(crate) fn to_cpu(&self) -> Result<CpuStorage> {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostCopy::Cpu(s) => Ok(s.clone()),
+            #[cfg(feature = "cuda")]
+            HostCopy::Cuda(p) => p.to_cpu(),
+        }
+    }
+
     pub(crate) fn bytes(&self) -> usize {
         match self {
             #[cfg(feature = "cpu-ref")]

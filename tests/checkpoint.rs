@@ -1119,7 +1119,11 @@ impl Toy {
     /// The loss over `rows` conditioning rows (1: few; 8, one a row of the input: not); with
     /// `fail_after`, an op whose backward fails follows that block.
     fn loss(&self, dev: &Device, rows: usize, fail_after: Option<usize>) -> Result<Tensor> {
-        let c = randn_on(&[rows, 32], 60, dev);
+        self.loss_with(dev, randn_on(&[rows, 32], 60, dev), fail_after)
+    }
+
+    /// As `loss`, over the conditioning rows `c`.
+    fn loss_with(&self, dev: &Device, c: Tensor, fail_after: Option<usize>) -> Result<Tensor> {
         let mut h = randn_on(&[8, 32], 61, dev);
         for (i, (m, l)) in self.blocks.iter().enumerate() {
             let (m, l) = (m.clone(), l.clone());
@@ -1272,4 +1276,113 @@ fn forward_only_weights_stay_out_of_the_backward_and_come_back_for_the_forward()
     // left unread, so the blocks prefetched for the steps' digest are brought again whole.
     let left_out = compare("a forward held across a step", Some(8), &[(1, None)], &[1]);
     assert!(left_out[1] > left_out[0], "{left_out:?}");
+}
+
+/// The toy's streamed blocks holding their conditioning Linears' weights on the host
+/// (`set_host_products`): those weights never cross (every upload brings the rest of a
+/// block), the losses and gradients over two steps are the resident ones up to the order
+/// of the f32 sums, with and without the few-row outputs kept, for one and eight
+/// conditioning rows; an input that needs a gradient is refused.
+fn check_host_products(dev: &Device) {
+    let prefixes: Vec<String> = (0..TOY_BLOCKS).map(|i| format!("b.{i}")).collect();
+    let run = |host: bool, few: bool, rows: usize| {
+        let adapters = Adapters::new(LoraConfig {
+            rank: 2,
+            alpha: 2.0,
+            dropout: 0.0,
+            targets: vec!["b.*".into()],
+            seed: 7,
+        })
+        .unwrap();
+        let mut vb = VarBuilder::random(9, 0.3, DType::F32, dev)
+            .with_adapters(adapters.clone())
+            .unwrap();
+        let streamer = host.then(|| BlockStreamer::new(dev, prefixes.clone(), 1));
+        if let Some(s) = &streamer {
+            s.set_host_products(vec!["mod.weight".into()]).unwrap();
+            vb = vb.with_streamer(s.clone()).unwrap();
+        }
+        let mut toy = Toy::new(&vb).unwrap();
+        toy.exec = BlockExec {
+            checkpointing: Checkpointing::All,
+            streamer: streamer.clone(),
+            keep: Keep {
+                few_rows: few,
+                ..Keep::NONE
+            },
+            ..Default::default()
+        };
+        let mut out = vec![];
+        for _ in 0..2 {
+            let loss = toy.loss(dev, rows, None).unwrap();
+            let g = loss.backward().unwrap();
+            out.push(loss.to_vec::<f32>().unwrap());
+            for (_, p) in adapters.params().unwrap() {
+                out.push(g.get(&p).unwrap().to_vec::<f32>().unwrap());
+            }
+        }
+        if let Some(s) = &streamer {
+            let r = s.report().unwrap();
+            // The blocks the backward leaves for the forward (the first two) bring their
+            // `mod.weight`; the others hold it on the host, their uploads bring the rest.
+            let carried = s.carried().unwrap();
+            assert_eq!(carried, 2);
+            let whole = (2 * 32 * 32 + 64) * 4;
+            let held = r.uploads * whole - r.decoded_bytes;
+            assert!(held > 0 && held % (32 * 32 * 4) == 0, "{r:?}");
+            assert_eq!(
+                s.host_product_bytes().unwrap(),
+                ((TOY_BLOCKS - carried) * 32 * 32 * 4) as u64
+            );
+            // One input a step, announced by block 0; a product a held block a forward
+            // (the re-runs take theirs from the log when the few-row outputs are kept).
+            assert_eq!(r.host.inputs, 2, "{r:?}");
+            let reruns = if few && rows == 1 { 0 } else { 1 };
+            assert_eq!(
+                r.host.products,
+                2 * (1 + reruns) * (TOY_BLOCKS - carried) as u64,
+                "{r:?}"
+            );
+        }
+        (out, toy)
+    };
+    for few in [true, false] {
+        for rows in [1, 8] {
+            let (want, _) = run(false, few, rows);
+            let (got, _) = run(true, few, rows);
+            assert_eq!(want.len(), got.len());
+            for (w, g) in want.iter().zip(&got) {
+                let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+                for (a, b) in w.iter().zip(g) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * scale,
+                        "few {few}, rows {rows}: {a} against {b}"
+                    );
+                }
+            }
+        }
+    }
+    // A conditioning input that needs a gradient: the weight's backward would need it on the
+    // device.
+    let (_, toy) = run(true, true, 1);
+    let c = randn_on(&[1, 32], 61, dev).requires_grad_().unwrap();
+    match toy.loss_with(dev, c, None) {
+        Err(Error::Stream(m)) => assert!(m.contains("host"), "{m}"),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn host_held_conditioning_weights_never_cross_and_give_the_resident_gradients() {
+    check_host_products(&CPU);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn host_held_conditioning_weights_on_cuda_give_the_resident_gradients() {
+    #[cfg(feature = "cuda")]
+    {
+        let _one = cuda_alone();
+        check_host_products(&Device::cuda(0).expect("a CUDA GPU"));
+    }
 }

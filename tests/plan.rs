@@ -52,6 +52,7 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
         // The measured rows streamed uncoded, each pass fetching `prefetch` ahead.
         wire_code: false,
         deep_prefetch: false,
+        host_products: false,
     }
 }
 
@@ -532,6 +533,7 @@ fn flux_dev_step_times_match_the_h100_measurements() {
         offload_inputs: false,
         wire_code: code,
         deep_prefetch: true,
+        host_products: false,
     };
     let both = Keep {
         attention: true,
@@ -622,6 +624,26 @@ fn flux_dev_step_times_match_the_h100_measurements() {
             485.1,
         ),
     ]);
+    // Session 30: the modulations of the blocks past the carry held on the host for their
+    // products (calls 3-8, resident 380.6-390.3 ms, links 45-48 GiB/s).
+    let host = |k: usize| Plan {
+        host_products: true,
+        ..deep(&bf, k, 1, all3, true)
+    };
+    let rows = rows.chain([
+        (
+            "12 GiB host products: all + both + few-row kept + 53 streamed, prefetch 1",
+            &bf,
+            host(53),
+            (537.7 + 540.5) / 2.0,
+        ),
+        (
+            "12 GiB host products: 52 streamed, prefetch 1",
+            &bf,
+            host(52),
+            (543.1 + 540.1 + 542.7) / 3.0,
+        ),
+    ]);
     let mut report = vec![];
     let mut worst = 0.0f64;
     for (name, profile, plan, measured) in rows.collect::<Vec<_>>() {
@@ -663,6 +685,7 @@ fn forward_only_weights_leave_the_backward_uploads() {
         offload_inputs: false,
         wire_code: code,
         deep_prefetch: false,
+        host_products: false,
     };
     for code in [false, true] {
         let (with, without) = (
@@ -686,4 +709,58 @@ fn forward_only_weights_leave_the_backward_uploads() {
             "coded {code}: {with:.1} ms against {without:.1} (at most {most:.1} less)"
         );
     }
+}
+
+/// With `Plan::host_products` the modulations of the streamed blocks past the ones the
+/// backward leaves for the forward stay on the host: both passes' uploads leave them out
+/// (fewer bytes a step, a faster step by the time model), the device's memory is planned as
+/// before; FP8 codes are not held (the host products take floating-point weights).
+#[test]
+fn host_products_take_the_modulations_off_the_link() {
+    let p = flux_dev(false, false);
+    let with = |host: bool| Plan {
+        checkpointing: Checkpointing::All,
+        streamed: p.stream_order()[..53].to_vec(),
+        prefetch: 1,
+        keep: Keep {
+            attention: true,
+            down_projections: true,
+            few_rows: true,
+        },
+        offload_inputs: false,
+        wire_code: true,
+        deep_prefetch: true,
+        host_products: host,
+    };
+    let (on, off) = (with(true), with(false));
+    assert_eq!(p.peak(&on), p.peak(&off));
+    let carried = flame::stream::carry(&p.reach(&on), 1);
+    assert!(carried >= 2, "{carried}");
+    // The forward's uploads lose at least the held weights of the blocks past the carry.
+    let streamed: Vec<&flame::stream::BlockCost> = p
+        .blocks
+        .iter()
+        .filter(|b| on.streamed.contains(&b.prefix))
+        .collect();
+    let held: u64 = streamed[carried..]
+        .iter()
+        .map(|b| b.forward_only_wire)
+        .sum();
+    assert!(held > 0);
+    let (a, b) = (p.streamed_bytes(&on), p.streamed_bytes(&off));
+    assert!(
+        b - a >= held && b - a <= 2 * held,
+        "{a} against {b} ({held} held)"
+    );
+    let (t_on, t_off) = (p.step_ms(&on), p.step_ms(&off));
+    assert!(t_on < t_off, "{t_on:.1} ms against {t_off:.1}");
+    // FP8: nothing held, the same step.
+    let q = flux_dev(true, false);
+    let fp8 = |host: bool| Plan {
+        streamed: q.stream_order(),
+        wire_code: false,
+        ..with(host)
+    };
+    assert_eq!(q.step_ms(&fp8(true)), q.step_ms(&fp8(false)));
+    assert_eq!(q.streamed_bytes(&fp8(true)), q.streamed_bytes(&fp8(false)));
 }

@@ -63,6 +63,57 @@ pub trait CheckpointHooks: Send + Sync {
         let _ = (weights, digest);
         Ok(())
     }
+    /// Inside a run: `x @ weight^T` when the hooks compute that product elsewhere than on
+    /// the device (a streamed weight held in host memory, `BlockStreamer::set_host_products`),
+    /// else `None` (the default): the caller computes it.
+    fn product(&self, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+        let _ = (weight, x);
+        Ok(None)
+    }
+    /// Whether `product` computes the products of `weight` with inputs like `x` (false by
+    /// default); the hooks may start computing them ahead.
+    fn computes(&self, weight: &Tensor, x: &Tensor) -> Result<bool> {
+        let _ = (weight, x);
+        Ok(false)
+    }
+}
+
+thread_local! {
+    /// The hooks of the checkpointed runs under way on this thread, innermost last.
+    static HOOKS: RefCell<Vec<Arc<dyn CheckpointHooks>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `x @ weight^T` from the hooks of a checkpointed run under way that compute it elsewhere
+/// (`CheckpointHooks::product`, innermost first), or `None`: the caller computes it.
+pub(crate) fn hooked_product(weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+    let hooks: Vec<Arc<dyn CheckpointHooks>> = HOOKS.with(|h| h.borrow().clone());
+    for h in hooks.iter().rev() {
+        if let Some(y) = h.product(weight, x)? {
+            return Ok(Some(y));
+        }
+    }
+    Ok(None)
+}
+
+/// Whether the hooks of a checkpointed run under way compute the products of `weight`
+/// (`CheckpointHooks::computes`): its values are not on the device.
+pub(crate) fn hooked_computes(weight: &Tensor, x: &Tensor) -> Result<bool> {
+    let hooks: Vec<Arc<dyn CheckpointHooks>> = HOOKS.with(|h| h.borrow().clone());
+    for h in &hooks {
+        if h.computes(weight, x)? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Pops the hooks `run_hooked` pushed, on every way out.
+struct HooksGuard;
+
+impl Drop for HooksGuard {
+    fn drop(&mut self) {
+        HOOKS.with(|h| h.borrow_mut().pop());
+    }
 }
 
 /// Where a checkpoint keeps the inputs it saves for its re-run (PyTorch's
@@ -434,7 +485,14 @@ fn run_hooked<R>(
     if let Some(h) = hooks {
         h.enter(pass, digest)?;
     }
-    let r = f();
+    let r = match hooks {
+        Some(h) => {
+            HOOKS.with(|s| s.borrow_mut().push(h.clone()));
+            let _pop = HooksGuard;
+            f()
+        }
+        None => f(),
+    };
     if let Some(h) = hooks {
         let exited = h.exit(pass);
         // The function's own error first; a hook's error only when the run succeeded.

@@ -13,7 +13,9 @@ pub use checkpoint::{
     checkpoint, checkpoint_keeping, checkpoint_opts, checkpoint_with, kept_reused, next_draw,
     CheckpointHooks, CheckpointOptions, Keep, PackedTensor, Pass, SavedHooks, FEW_ROWS,
 };
-pub(crate) use checkpoint::{kept_or, kept_or_replayed, note_forward_only, KeptKind};
+pub(crate) use checkpoint::{
+    hooked_computes, hooked_product, kept_or, kept_or_replayed, note_forward_only, KeptKind,
+};
 pub use custom::{custom_op, CustomBackward};
 
 use crate::backend::{BinaryOp, NormKind, ReduceOp, UnaryOp, Window2d};

@@ -150,6 +150,10 @@ pub struct MemoryPlan {
     /// How far the forward fetches ahead of each streamed block, by its place among them
     /// (`BlockStreamer::set_reach`, from `MemoryProfile::reach`); empty: `prefetch` ahead.
     pub reach: Vec<usize>,
+    /// Streamed blocks' Linears over the conditioning vector hold their weights in host
+    /// memory and compute their products there (`BlockStreamer::set_host_products`, with the
+    /// family's `BlockShape::conditioned` key endings).
+    pub host_products: bool,
 }
 
 impl MemoryPlan {
@@ -164,6 +168,10 @@ impl MemoryPlan {
             stream_prefixes: Some(plan.streamed.clone()),
             offload_inputs: plan.offload_inputs,
             wire_code: plan.wire_code,
+            // Only where the profile found weights only the forward reads (none with DoRA or
+            // with adapters before the blocks, whose inputs then need gradients).
+            host_products: plan.host_products
+                && profile.blocks.iter().any(|b| b.forward_only_bytes > 0),
             reach: if plan.deep_prefetch {
                 profile.reach(plan)
             } else {
@@ -221,6 +229,9 @@ impl LoadOptions {
 pub trait ModelSpec: DiffusionModel + Sized + 'static {
     /// The family's config type.
     type Config: Clone;
+    /// Key endings of the blocks' Linear weights whose input is the conditioning vector
+    /// (`BlockShape::conditioned`).
+    const CONDITIONED: &'static [&'static str];
     /// The family's registry entry.
     fn entry() -> &'static Family;
     /// From a diffusers `config.json`.
@@ -320,6 +331,9 @@ pub fn load_as<M: ModelSpec>(
     let streamer = if !chosen.is_empty() {
         let s = BlockStreamer::new(&opts.device, chosen, plan.prefetch.max(1));
         s.set_wire_code(plan.wire_code)?;
+        if plan.host_products {
+            s.set_host_products(M::CONDITIONED.iter().map(|c| c.to_string()).collect())?;
+        }
         if !plan.reach.is_empty() {
             s.set_reach(plan.reach.clone())?;
         }

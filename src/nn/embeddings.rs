@@ -154,7 +154,14 @@ impl Modulation {
 
     /// vec (N, dim) -> one ModulationOut per triple.
     pub fn forward(&self, vec: &Tensor) -> Result<Vec<ModulationOut>> {
-        let out = self.lin.forward(&vec.silu()?)?.unsqueeze(1)?;
+        self.forward_activated(&vec.silu()?)
+    }
+
+    /// As `forward`, from `silu(vec)` (a model computes it once for all its blocks, so their
+    /// modulations see one input: `BlockStreamer::set_host_products` computes their products
+    /// from one copy of it).
+    pub fn forward_activated(&self, vec_act: &Tensor) -> Result<Vec<ModulationOut>> {
+        let out = self.lin.forward(vec_act)?.unsqueeze(1)?;
         let chunks = out.chunk(3 * self.triples, 2)?;
         Ok(chunks
             .chunks(3)

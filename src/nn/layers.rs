@@ -4,7 +4,9 @@
 use super::adapter::{Adapter, BaseLayer, LayerShape};
 use super::seed::{mix64, GOLDEN};
 use super::VarBuilder;
-use crate::autograd::{kept_or_replayed, note_forward_only, KeptKind, FEW_ROWS};
+use crate::autograd::{
+    hooked_computes, hooked_product, kept_or_replayed, note_forward_only, KeptKind, FEW_ROWS,
+};
 use crate::{Error, Result, Tensor};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -93,9 +95,15 @@ impl Linear {
             (false, true) => &[KeptKind::DownProjection],
             (false, false) => &[],
         };
-        let early_bias = early_bias.filter(|b| self.fp8_scale.is_none() && b.dtype() == x.dtype());
+        // A streamed weight held in host memory for its products (the Linears over the
+        // conditioning vector, `BlockStreamer::set_host_products`): the product comes from
+        // the host (or a re-run's log), the bias is added after.
+        let host = self.fp8_scale.is_none() && hooked_computes(&self.weight, &x)?;
+        let early_bias =
+            early_bias.filter(|b| !host && self.fp8_scale.is_none() && b.dtype() == x.dtype());
         let (y, unread) = match &self.fp8_scale {
             Some(scale) => fp8_matmul(&x, &self.weight, scale, keep)?,
+            None if host => (host_matmul(&x, &self.weight, keep)?, false),
             None => x.linear_product(&self.weight.t()?, early_bias, keep)?,
         };
         let bias_done = early_bias.is_some();
@@ -127,6 +135,34 @@ impl Linear {
             *last = out_dim;
         }
         y.reshape(out)
+    }
+}
+
+/// x (rows, in) @ weight^T computed by the hooks of the block's run (`hooked_product`: a
+/// weight held in host memory), or taken from a checkpoint's log in its re-run. The input
+/// needs no gradient (the host products refuse one that does) and the weight is frozen:
+/// nothing is recorded.
+fn host_matmul(x: &Tensor, weight: &Tensor, keep: &[KeptKind]) -> Result<Tensor> {
+    let compute = || -> Result<Vec<Tensor>> {
+        match hooked_product(weight, x)? {
+            Some(y) => Ok(vec![y]),
+            None => Err(Error::Stream(format!(
+                "the host-held weight of shape {} was asked for a product outside its \
+                 block's run",
+                weight.shape()
+            ))),
+        }
+    };
+    let (y, _) = kept_or_replayed(keep, compute)?;
+    let rows = x.dims()[0];
+    let out = weight.dims()[0];
+    match <[Tensor; 1]>::try_from(y) {
+        Ok([y]) if y.dims() == [rows, out] && y.dtype() == x.dtype() => Ok(y),
+        _ => Err(Error::Autograd(format!(
+            "kept host product does not fit this call ({rows}, {out}) {}: the checkpoint's \
+             re-run differs from its forward",
+            x.dtype()
+        ))),
     }
 }
 

@@ -610,7 +610,7 @@ impl VarBuilder {
             return Ok(t);
         };
         match streamer.owner(key)? {
-            Some(block) => streamer.adopt(block, &t),
+            Some(block) => streamer.adopt_key(block, key, &t),
             None => Ok(t),
         }
     }

@@ -24,6 +24,7 @@
 
 mod offload;
 mod plan;
+mod products;
 mod streamer;
 
 pub use offload::{InputOffload, OffloadReport};
@@ -31,6 +32,7 @@ pub use plan::{
     carry, cost_model, spread_evenly, BlockCost, BlockShape, MemoryProfile, NoPlan, Plan, Planned,
     MARGIN_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
 };
+pub use products::ProductReport;
 pub use streamer::{BlockStreamer, StreamReport};
 
 use crate::autograd::{checkpoint_opts, CheckpointHooks, CheckpointOptions, Keep, SavedHooks};

@@ -108,6 +108,11 @@ pub struct Plan {
     /// at no cost to the peak. Off, each pass fetches `prefetch` ahead and leaves
     /// `prefetch + 1`.
     pub deep_prefetch: bool,
+    /// Streamed blocks' Linears over the conditioning vector keep their weights in host
+    /// memory and get their products from the host (`BlockStreamer::set_host_products`):
+    /// those weights (`BlockCost::forward_only_bytes`, where they are floating-point) never
+    /// cross the link nor take device memory.
+    pub host_products: bool,
 }
 
 impl Plan {
@@ -160,6 +165,9 @@ impl std::fmt::Display for Plan {
                 },
                 if self.wire_code { ", coded" } else { "" }
             )?;
+            if self.host_products {
+                write!(f, ", conditioning products on the host")?;
+            }
         }
         Ok(())
     }
@@ -265,9 +273,33 @@ pub mod cost_model {
     /// 6 GiB: the fastest plan by 0.2%, predicted at 5.96 GiB, sent 7 requests a step past
     /// the cap's arena and held 7.01 GiB on the driver).
     pub const NEAR: f64 = 0.01;
+    /// The host's rate at the products of weights it holds (`Plan::host_products`), GiB of
+    /// weights a second: an f32 sum over each weight's values, bound by the host's memory,
+    /// which the link's copies read at the same time. Session 30 measured 235-265 ms a step
+    /// for 5.2-5.8 GiB of Flux-dev's modulations (H100 machine, 16 cores, every streamed
+    /// block's products on the host).
+    pub const HOST_PRODUCT_GIB_PER_S: f64 = 21.0;
 }
 
 impl MemoryProfile {
+    /// Bytes of streamed block `b`'s weights held in host memory under `plan` (as stored, on
+    /// the link, coded) when it is not one the backward leaves for the forward: its
+    /// forward-only weights with `Plan::host_products`, unless they are FP8 codes (the host
+    /// products take floating-point weights). The device's memory is planned as if they
+    /// were there (the blocks left for the forward keep theirs, and every upload takes the
+    /// largest block's slot).
+    fn host_held(plan: &Plan, b: &BlockCost) -> (u64, u64, u64) {
+        if plan.host_products && b.decode_bytes == 0 {
+            (
+                b.forward_only_bytes,
+                b.forward_only_wire,
+                b.forward_only_coded,
+            )
+        } else {
+            (0, 0, 0)
+        }
+    }
+
     /// The resident step's predicted length, ms (`cost_model::STEP_MS_PER_SAVED_GIB`, and
     /// two decodes of any FP8 codes).
     pub fn resident_ms(&self) -> f64 {
@@ -324,13 +356,20 @@ impl MemoryProfile {
         let link_ms = |bytes: u64| bytes as f64 / GIB / UPLOAD_GIB_PER_S * 1e3;
         // A streamed block's bytes on the link, coded or not, and of those coded: the
         // backward's uploads leave out what only the forward reads (`Keep::few_rows`).
-        let upload_bytes = |b: &BlockCost, left_out: bool| {
+        // Weights held on the host for their products never cross.
+        let upload_bytes = |b: &BlockCost, left_out: bool, held: bool| {
             let (all, only) = if plan.wire_code {
                 (b.wire_bytes, b.forward_only_wire)
             } else {
                 (b.weight_bytes, b.forward_only_bytes)
             };
             let coded = if plan.wire_code { b.coded_bytes } else { 0 };
+            let (host, host_wire, host_coded) = Self::host_held(plan, b);
+            if held && host > 0 {
+                let held = if plan.wire_code { host_wire } else { host };
+                let held_coded = if plan.wire_code { host_coded } else { 0 };
+                return (all.saturating_sub(held), coded.saturating_sub(held_coded));
+            }
             if left_out {
                 (
                     all.saturating_sub(only),
@@ -382,7 +421,7 @@ impl MemoryProfile {
             for k in ks {
                 if ready[k].is_none() {
                     let b = &self.blocks[order[k]];
-                    let (bytes, coded) = upload_bytes(b, leaves_out(backward, k));
+                    let (bytes, coded) = upload_bytes(b, leaves_out(backward, k), k >= carried);
                     if plan.wire_code {
                         *link = link.max(*gate) + link_ms(bytes);
                         *gate = t;
@@ -408,6 +447,9 @@ impl MemoryProfile {
             *r = Some(0.0);
         }
         let mut overhead = 0.0;
+        // The host computes the held weights' products in execution order from the forward's
+        // start; a block runs once its own are done.
+        let mut host = 0.0f64;
         for i in 0..n {
             if offload(i) {
                 // The block's inputs are packed once the previous copy out is done.
@@ -424,6 +466,11 @@ impl MemoryProfile {
                     false,
                     &mut (j..=reach[j]),
                 );
+                let held = Self::host_held(plan, &self.blocks[i]).0;
+                if j >= carried && held > 0 {
+                    host += held as f64 / GIB / HOST_PRODUCT_GIB_PER_S * 1e3;
+                    t = t.max(host);
+                }
             }
             t += FORWARD * share(i) + self.decode_ms(&self.blocks[i]);
             if offload(i) {
@@ -680,13 +727,28 @@ impl MemoryProfile {
                 }
             })
             .collect();
+        // What the blocks past the carry hold on the host.
+        let held: Vec<u64> = self
+            .blocks
+            .iter()
+            .filter(|b| plan.streamed.contains(&b.prefix))
+            .map(|b| {
+                let (host, host_wire, _) = Self::host_held(plan, b);
+                if plan.wire_code {
+                    host_wire
+                } else {
+                    host
+                }
+            })
+            .collect();
         let (m, kept) = (sizes.len(), plan.prefetch.max(1) + 1);
         if m <= kept {
             return 0;
         }
         // At least `kept` (every place holds that many), at most `m`.
         let carried = carry(&self.reach(plan), plan.prefetch.max(1));
-        sizes[carried..].iter().sum::<u64>() + sizes[..m - kept].iter().sum::<u64>()
+        let bytes = |k: usize| sizes[k] - if k >= carried { held[k] } else { 0 };
+        (carried..m).map(bytes).sum::<u64>() + (0..m - kept).map(bytes).sum::<u64>()
     }
 
     /// Block prefixes in the order the planner streams them: the smallest blocks first,
@@ -756,6 +818,9 @@ impl MemoryProfile {
                                     },
                                     offload_inputs,
                                     wire_code,
+                                    // Whenever blocks stream (nothing is held where the
+                                    // profile has no forward-only weights).
+                                    host_products: k > 0,
                                 });
                             }
                         }
@@ -780,6 +845,7 @@ impl MemoryProfile {
             // Uncoded: the staging ring would add to the smallest peak.
             wire_code: false,
             deep_prefetch: true,
+            host_products: true,
         });
         v
     }

@@ -2,6 +2,7 @@
 //! the device around each use.
 
 use super::plan::{carry, shallow_reach};
+use super::products::{HostProducts, ProductReport};
 use crate::autograd::{CheckpointHooks, Pass};
 use crate::device::{HostCopy, HostPack, Staging, Storage, Ticket};
 use crate::{Device, Error, Result, Tensor};
@@ -41,6 +42,8 @@ pub struct StreamReport {
     pub left_out_bytes: u64,
     /// Blocks on the device or coming, now.
     pub resident: usize,
+    /// The products of the weights held on the host (`BlockStreamer::set_host_products`).
+    pub host: ProductReport,
 }
 
 struct Param {
@@ -51,6 +54,10 @@ struct Param {
     /// While the device copy is in, the one-element buffer the tensor holds while released
     /// (put back at the release); `None` while released, or left out of the upload.
     placeholder: Option<Storage>,
+    /// A Linear's weight over the conditioning vector (`set_host_products`): held on the
+    /// host for its products from the first fetch on, unless its block is one the backward
+    /// leaves for the forward.
+    conditioned: bool,
 }
 
 /// What an upload of a block must bring (`BlockStreamer::start`).
@@ -136,6 +143,10 @@ pub struct BlockStreamer {
     device: Device,
     prefetch: usize,
     state: Mutex<State>,
+    /// Key endings of the weights held on the host for their products
+    /// (`set_host_products`), and those weights.
+    host_keys: Mutex<Vec<String>>,
+    products: HostProducts,
 }
 
 impl std::fmt::Debug for BlockStreamer {
@@ -184,6 +195,8 @@ impl BlockStreamer {
                 reach,
                 carry,
             }),
+            host_keys: Mutex::new(vec![]),
+            products: HostProducts::default(),
         })
     }
 
@@ -263,6 +276,7 @@ impl BlockStreamer {
                 .iter()
                 .filter(|b| !matches!(b.residency, Residency::Released))
                 .count(),
+            host: self.products.report()?,
             ..st.report
         })
     }
@@ -276,10 +290,84 @@ impl BlockStreamer {
             .position(|b| super::under(key, &b.prefix)))
     }
 
+    /// Holds the weights whose keys end with one of `endings` in host memory for good,
+    /// computing their products there (`crate::stream` module `products`): the Linears over
+    /// the conditioning vector (`BlockShape::conditioned`), a few rows each, whose weights
+    /// then never cross the link nor take device memory. Only for weights whose input needs
+    /// no gradient and whose adapter reads no frozen weight (not DoRA): a Linear that would
+    /// read such a weight on the device is an error (`Error::Stream`). Set before the
+    /// weights are adopted (`VarBuilder::with_streamer`); none by default.
+    pub fn set_host_products(&self, endings: Vec<String>) -> Result<()> {
+        if self.lock()?.slot_bytes > 0 {
+            return Err(Error::Stream(
+                "the weights held on the host are chosen before the first fetch".into(),
+            ));
+        }
+        *self
+            .host_keys
+            .lock()
+            .map_err(|_| Error::Poisoned("block streamer"))? = endings;
+        Ok(())
+    }
+
+    /// Bytes of the weights held on the host for their products (`set_host_products`).
+    pub fn host_product_bytes(&self) -> Result<u64> {
+        self.products.bytes()
+    }
+
+    /// As `adopt`, for the weight of key `key`: one whose key ends with one of
+    /// `set_host_products`' endings, a floating-point (out, in) weight (FP8 codes are not),
+    /// is held on the host for its products from the first fetch on, unless its block is one
+    /// of the first the backward leaves on the device for the next forward (`set_reach`):
+    /// those blocks begin the forward while the host computes the others' products, and
+    /// their own Linears over the same input start those products.
+    pub fn adopt_key(&self, block: usize, key: &str, t: &Tensor) -> Result<Tensor> {
+        let conditioned = self
+            .host_keys
+            .lock()
+            .map_err(|_| Error::Poisoned("block streamer"))?
+            .iter()
+            .any(|e| key.ends_with(e.as_str()))
+            && matches!(
+                t.dtype(),
+                crate::DType::BF16 | crate::DType::F16 | crate::DType::F32
+            )
+            && t.rank() == 2;
+        self.adopt_as(block, t, conditioned)
+    }
+
+    /// Whether `weight` (read by block `i` on input `x`) is held on the host for its
+    /// products; a conditioning Linear's weight kept on the device (a block the backward
+    /// leaves for the forward) starts the host-held weights' products on `x` instead.
+    fn computes(&self, i: usize, weight: &Tensor, x: &Tensor) -> Result<bool> {
+        if self.products.holds(weight)? {
+            return Ok(true);
+        }
+        let announces = self.lock()?.blocks.get(i).is_some_and(|b| {
+            b.params
+                .iter()
+                .any(|p| p.conditioned && p.tensor.id() == weight.id())
+        });
+        if announces {
+            self.products.start(x)?;
+        }
+        Ok(false)
+    }
+
+    /// `x @ weight^T` computed on the host when `weight` is held there
+    /// (`set_host_products`), else `None`.
+    pub(crate) fn product(&self, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+        self.products.product(weight, x)
+    }
+
     /// Takes parameter `t` of block `block` into host memory and returns the handle the
     /// model keeps: same shape, dtype and device, its buffer released until the block is
     /// fetched. `t`'s own device buffer is freed once the caller drops `t`.
     pub fn adopt(&self, block: usize, t: &Tensor) -> Result<Tensor> {
+        self.adopt_as(block, t, false)
+    }
+
+    fn adopt_as(&self, block: usize, t: &Tensor, conditioned: bool) -> Result<Tensor> {
         if t.device() != &self.device {
             return Err(Error::DeviceMismatch {
                 op: "stream adopt",
@@ -323,6 +411,7 @@ impl BlockStreamer {
             tensor: handle.clone(),
             host: Some(host),
             placeholder: None,
+            conditioned,
         });
         Ok(handle)
     }
@@ -467,9 +556,24 @@ impl BlockStreamer {
     /// staging ring coded uploads cross into (`crate::device::staging_ring_bytes`: a copy goes
     /// into the ring while the decode stream empties the pieces before it).
     fn seal(&self, st: &mut State) -> Result<()> {
-        for b in &mut st.blocks {
+        let carry = st.carry;
+        for (i, b) in st.blocks.iter_mut().enumerate() {
             if b.pack.is_some() || b.params.is_empty() {
                 continue;
+            }
+            if i >= carry {
+                // The conditioning Linears' weights stay on the host for their products.
+                let mut kept = Vec::with_capacity(b.params.len());
+                for p in b.params.drain(..) {
+                    match (&p.host, p.conditioned) {
+                        (Some(h), true) => self.products.hold(&p.tensor, h.to_cpu()?)?,
+                        _ => kept.push(p),
+                    }
+                }
+                b.params = kept;
+                if b.params.is_empty() {
+                    continue;
+                }
             }
             let hosts = b
                 .params
@@ -645,5 +749,11 @@ impl CheckpointHooks for BlockHooks {
     }
     fn forward_only(&self, weights: &[Tensor], digest: u64) -> Result<()> {
         self.streamer.note_forward_only(self.index, weights, digest)
+    }
+    fn product(&self, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+        self.streamer.product(weight, x)
+    }
+    fn computes(&self, weight: &Tensor, x: &Tensor) -> Result<bool> {
+        self.streamer.computes(self.index, weight, x)
     }
 }

@@ -520,6 +520,14 @@ section! {
         /// many blocks on the device for the next forward: fewer uploads a step, the peak
         /// unchanged.
         deep_prefetch: bool = true,
+        /// Streamed blocks' Linears over the conditioning vector (Flux's and SD3's
+        /// modulations, a UNet ResNet's time embedding: 27% of Flux-dev's weight bytes, one
+        /// row a sample) keep their bf16/f16/f32 weights in host memory for good and compute
+        /// their products on the CPU, ahead, as the forward runs: those weights never cross
+        /// to the GPU. The values match a GPU GEMM's up to the order of the f32 sums. Not with
+        /// DoRA or adapters before the blocks (their inputs would need gradients), nor FP8
+        /// weights.
+        host_products: bool = true,
     }
 }
 

@@ -135,6 +135,7 @@ pub(crate) fn plan_memory(
                 offload_inputs: mem.offload_inputs,
                 wire_code: mem.wire_code,
                 deep_prefetch: mem.deep_prefetch,
+                host_products: mem.host_products,
             };
             let plan = MemoryPlan {
                 // The loader spreads them the same way, and says so when they are too many.
@@ -165,14 +166,15 @@ pub(crate) fn plan_memory(
         },
         (None, Some(b)) => {
             let prof = profile(config, family, opts, sample)?;
-            // memory.wire_code, memory.deep_prefetch and memory.keep_few_rows turned off bind
-            // the planner too.
+            // memory.wire_code, memory.deep_prefetch, memory.keep_few_rows and
+            // memory.host_products turned off bind the planner too.
             let candidates: Vec<Plan> = prof
                 .candidates()
                 .into_iter()
                 .filter(|c| mem.wire_code || !c.wire_code)
                 .map(|c| Plan {
                     deep_prefetch: c.deep_prefetch && mem.deep_prefetch,
+                    host_products: c.host_products && mem.host_products,
                     keep: crate::autograd::Keep {
                         few_rows: c.keep.few_rows && mem.keep_few_rows,
                         ..c.keep

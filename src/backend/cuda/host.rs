@@ -44,6 +44,23 @@ impl PinnedBuf {
     pub fn bytes(&self) -> usize {
         self.host.len()
     }
+
+    /// The values, copied into host memory of the CPU's own.
+    pub(crate) fn to_cpu(&self) -> Result<crate::CpuStorage> {
+        use crate::CpuStorage as C;
+        let bytes = &self
+            .host
+            .as_slice()
+            .map_err(cuda_err("reading the pinned buffer"))?
+            [..self.len * self.dtype.size_in_bytes()];
+        Ok(match self.dtype {
+            DType::F32 => C::F32(bytemuck::pod_collect_to_vec(bytes)),
+            DType::F64 => C::F64(bytemuck::pod_collect_to_vec(bytes)),
+            DType::BF16 => C::BF16(bytemuck::pod_collect_to_vec(bytes)),
+            DType::F16 => C::F16(bytemuck::pod_collect_to_vec(bytes)),
+            DType::U32 => C::U32(bytemuck::pod_collect_to_vec(bytes)),
+        })
+    }
 }
 
 /// An event several holders keep: an upload's last copy or decode is its ready event, the end

@@ -77,6 +77,7 @@ static PIPELINE: PipelineSpec = PipelineSpec {
 
 impl ModelSpec for Flux {
     type Config = FluxConfig;
+    const CONDITIONED: &'static [&'static str] = &["_mod.lin.weight", "modulation.lin.weight"];
 
     fn entry() -> &'static Family {
         &FAMILY
@@ -122,7 +123,7 @@ impl ModelSpec for Flux {
             attention_calls: 1,
             heads: config.num_heads,
             // The modulations (`img_mod`, `txt_mod`, a single block's `modulation`).
-            conditioned: &["_mod.lin.weight", "modulation.lin.weight"],
+            conditioned: Self::CONDITIONED,
         };
         // A double block's image and text weights (equal halves) each see their own tokens.
         let double = BlockShape {

@@ -114,17 +114,17 @@ impl DoubleStreamBlock {
         })
     }
 
-    /// img (B, L, D), txt (B, T, D), vec (B, D), pe (B|1, 1, T+L, E/2, 2, 2) -> the new
-    /// (img, txt), shapes unchanged.
+    /// img (B, L, D), txt (B, T, D), vec_act = silu(vec) (B, D), pe (B|1, 1, T+L, E/2, 2,
+    /// 2) -> the new (img, txt), shapes unchanged.
     pub fn forward(
         &self,
         img: &Tensor,
         txt: &Tensor,
-        vec: &Tensor,
+        vec_act: &Tensor,
         pe: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let im = self.img.modulation.forward(vec)?;
-        let tm = self.txt.modulation.forward(vec)?;
+        let im = self.img.modulation.forward_activated(vec_act)?;
+        let tm = self.txt.modulation.forward_activated(vec_act)?;
         let norm = |x: &Tensor| x.layer_norm(None, None, EPS);
         let (iq, ik, iv) = qkv_normed(
             &self.img.qkv.forward(&im[0].modulate(&norm(img)?)?)?,
@@ -183,10 +183,10 @@ impl SingleStreamBlock {
         })
     }
 
-    /// x (B, T+L, D) joint tokens, vec (B, D), pe as for [`DoubleStreamBlock::forward`]
-    /// -> (B, T+L, D).
-    pub fn forward(&self, x: &Tensor, vec: &Tensor, pe: &Tensor) -> Result<Tensor> {
-        let m = self.modulation.forward(vec)?;
+    /// x (B, T+L, D) joint tokens, vec_act = silu(vec) (B, D), pe as for
+    /// [`DoubleStreamBlock::forward`] -> (B, T+L, D).
+    pub fn forward(&self, x: &Tensor, vec_act: &Tensor, pe: &Tensor) -> Result<Tensor> {
+        let m = self.modulation.forward_activated(vec_act)?;
         let x_mod = m[0].modulate(&x.layer_norm(None, None, EPS)?)?;
         let h = self.linear1.forward(&x_mod)?;
         let width = h.dims()[2];
@@ -310,12 +310,14 @@ impl Flux {
         let mut img = self.img_in.forward(img)?;
         let mut txt = self.txt_in.forward(txt)?;
         let depth = self.double_blocks.len();
+        // Once for every block's modulation (one input for their host-held products).
+        let vec_act = vec.silu()?;
         for (i, block) in self.double_blocks.iter().enumerate() {
             let b = block.clone();
             let out = self.exec.run(
                 &format!("double_blocks.{i}"),
                 i,
-                &[img, txt, vec.clone(), pe.clone()],
+                &[img, txt, vec_act.clone(), pe.clone()],
                 move |xs| {
                     let (img, txt) = b.forward(&xs[0], &xs[1], &xs[2], &xs[3])?;
                     Ok(vec![img, txt])
@@ -330,7 +332,7 @@ impl Flux {
             let out = self.exec.run(
                 &format!("single_blocks.{i}"),
                 depth + i,
-                &[x, vec.clone(), pe.clone()],
+                &[x, vec_act.clone(), pe.clone()],
                 move |xs| Ok(vec![b.forward(&xs[0], &xs[1], &xs[2])?]),
             )?;
             [x] = outputs::<1>(out, "flux single block")?;

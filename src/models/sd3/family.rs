@@ -93,6 +93,7 @@ static PIPELINE: PipelineSpec = PipelineSpec {
 
 impl ModelSpec for Sd3 {
     type Config = Sd3Config;
+    const CONDITIONED: &'static [&'static str] = &["adaLN_modulation.1.weight"];
 
     fn entry() -> &'static Family {
         &FAMILY
@@ -137,7 +138,7 @@ impl ModelSpec for Sd3 {
                     layers: if dual { 1.5 } else { 1.15 },
                     attention_calls: 1 + usize::from(dual),
                     heads: config.num_heads,
-                    conditioned: &["adaLN_modulation.1.weight"],
+                    conditioned: Self::CONDITIONED,
                 }
             })
             .collect())

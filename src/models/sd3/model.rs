@@ -147,9 +147,9 @@ impl Stream {
         })
     }
 
-    /// The modulation chunks, each (B, 1, D).
+    /// The modulation chunks, each (B, 1, D), from c_act = silu(c).
     fn mods(&self, c: &Tensor) -> Result<Vec<Tensor>> {
-        let out = self.ada.forward(&c.silu()?)?.unsqueeze(1)?;
+        let out = self.ada.forward(c)?.unsqueeze(1)?;
         let n = out.dims()[2] / c.dims()[1];
         out.chunk(n, 2)
     }
@@ -191,15 +191,16 @@ impl JointBlock {
         })
     }
 
-    /// context (B, T, D), x (B, L, D), c (B, D) -> (context or None after the last, x).
+    /// context (B, T, D), x (B, L, D), c_act = silu(c) (B, D) -> (context or None after
+    /// the last, x).
     pub fn forward(
         &self,
         context: &Tensor,
         x: &Tensor,
-        c: &Tensor,
+        c_act: &Tensor,
     ) -> Result<(Option<Tensor>, Tensor)> {
-        let xm = self.x_block.mods(c)?;
-        let cm = self.context_block.mods(c)?;
+        let xm = self.x_block.mods(c_act)?;
+        let cm = self.context_block.mods(c_act)?;
         let xn = x.layer_norm(None, None, EPS)?;
         let cn = context.layer_norm(None, None, EPS)?;
         let (xq, xk, xv) = self.x_block.attn.qkv(&xn.modulate(&xm[0], &xm[1])?)?;
@@ -319,6 +320,8 @@ impl Sd3 {
             .add(&self.y_embedder.forward(y)?)?;
         let mut context = Some(self.context_embedder.forward(context)?);
         let mut x = tokens;
+        // Once for every block's modulation (one input for their host-held products).
+        let c_act = c.silu()?;
         for (i, block) in self.joint_blocks.iter().enumerate() {
             let ctx = context
                 .ok_or_else(|| Error::invalid("sd3", "a pre-only block is not last", x.shape()))?;
@@ -326,7 +329,7 @@ impl Sd3 {
             let out = self.exec.run(
                 &format!("joint_blocks.{i}"),
                 i,
-                &[ctx, x, c.clone()],
+                &[ctx, x, c_act.clone()],
                 move |xs| {
                     let (context, x) = b.forward(&xs[0], &xs[1], &xs[2])?;
                     Ok(match context {

@@ -84,6 +84,7 @@ const TIME_IDS: usize = 6;
 
 impl ModelSpec for Unet {
     type Config = SdxlConfig;
+    const CONDITIONED: &'static [&'static str] = &["emb_layers.1.weight"];
 
     fn entry() -> &'static Family {
         &FAMILY
@@ -129,7 +130,7 @@ impl ModelSpec for Unet {
             attention_calls: 2 * depth,
             heads: config.num_heads[l],
             // The ResNets' time-embedding projections.
-            conditioned: &["emb_layers.1.weight"],
+            conditioned: Self::CONDITIONED,
         };
         let mut v = vec![];
         for l in 0..levels {

@@ -1,0 +1,416 @@
+//! Products of streamed weights computed where the weights live: on the host.
+//!
+//! A streamed block's Linears over the conditioning vector (Flux's and SD3's modulations, a
+//! UNet ResNet's time embedding: `BlockShape::conditioned`) multiply one row a sample by a
+//! large weight: Flux-dev's modulations are 27% of its block weights and a negligible share
+//! of its work. Bringing those weights over the host link for a product of a few rows costs
+//! the link far more than the product costs the host's memory. With
+//! `BlockStreamer::set_host_products`, such weights stay in host memory for good (they
+//! never cross the link, nor take device memory), and `Linear::forward` gets their product
+//! from here: the input (a few rows) crosses to the host once, the products of every
+//! host-held weight that takes an input of its width are computed ahead, in block order, on
+//! a worker thread (the rows of each product spread over rayon's threads), and each comes
+//! back to the device as the block asks for it (`rows x out` values).
+//!
+//! The products are f32 sums of the weight's values times the input's (bf16, f16 or f32),
+//! each output one sequential sum in a fixed order (deterministic whatever the thread
+//! count), rounded once to the input's dtype: the same values as a GEMM with f32
+//! accumulation up to the order of the sums (the CPU backend's and cuBLAS's differ from it,
+//! and from each other, in the last bits).
+//!
+//! The input is recognised by its storage (the same buffer, view and dtype): the
+//! models compute the conditioning vector's activation once and hand the same tensor to
+//! every block (a checkpoint's re-run gets a view of the same buffer). The products are
+//! kept until another input comes; the input's handle is kept with them, so its buffer
+//! cannot be reused for other values while they are.
+
+use crate::{CpuStorage, DType, Error, Result, Tensor};
+use rayon::prelude::*;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// A weight held in host memory, (out, in).
+struct HostWeight {
+    /// The model's handle (a placeholder buffer: the weight is never on the device).
+    handle: Tensor,
+    values: Arc<CpuStorage>,
+    out: usize,
+    inp: usize,
+}
+
+enum Slot {
+    /// Not computed, and no job will compute it for the current input.
+    Empty,
+    /// A job will compute it.
+    Pending,
+    /// The products, (rows, out) row-major.
+    Ready(Arc<Vec<f32>>),
+}
+
+/// Counters of the host products since the streamer was made (microseconds of wall time).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProductReport {
+    /// Products handed to the model.
+    pub products: u64,
+    /// Inputs brought to the host (each waits for the device's work up to it).
+    pub inputs: u64,
+    /// Spent computing products (on the worker, or by the model's thread).
+    pub compute_us: u64,
+    /// The model's thread waited for the worker.
+    pub wait_us: u64,
+    /// The model's thread spent bringing inputs to the host (each a wait for the device).
+    pub input_us: u64,
+    /// The model's thread spent sending products back.
+    pub transfer_us: u64,
+}
+
+#[derive(Default)]
+struct State {
+    /// The input whose products `slots` hold, its values as f32 (rows, in).
+    input: Option<(Tensor, Arc<Vec<f32>>)>,
+    /// Bumped at each new input: a job for an older one stops.
+    generation: u64,
+    slots: Vec<Slot>,
+    report: ProductReport,
+}
+
+/// The host-held weights of a streamer and their products (see the module docs).
+#[derive(Default)]
+pub(crate) struct HostProducts {
+    weights: Mutex<Vec<Arc<HostWeight>>>,
+    state: Arc<(Mutex<State>, Condvar)>,
+}
+
+fn poisoned<T>(_: T) -> Error {
+    Error::Poisoned("host products")
+}
+
+impl HostProducts {
+    /// Holds the values of `handle` (out, in), a frozen floating-point weight whose device
+    /// buffer is a placeholder for good, for its products.
+    pub(crate) fn hold(&self, handle: &Tensor, values: CpuStorage) -> Result<()> {
+        let (out, inp) = match handle.dims() {
+            &[out, inp] if values.len() == out * inp => (out, inp),
+            _ => {
+                return Err(Error::Stream(format!(
+                    "{} values cannot be held on the host for the products of a weight of \
+                     shape {} (a Linear's (out, in) weight can)",
+                    values.len(),
+                    handle.shape()
+                )))
+            }
+        };
+        if !matches!(values.dtype(), DType::BF16 | DType::F16 | DType::F32) {
+            return Err(Error::Stream(format!(
+                "a {} weight cannot be held on the host for its products (bf16, f16 or f32 can)",
+                values.dtype()
+            )));
+        }
+        self.weights
+            .lock()
+            .map_err(poisoned)?
+            .push(Arc::new(HostWeight {
+                handle: handle.clone(),
+                values: Arc::new(values),
+                out,
+                inp,
+            }));
+        Ok(())
+    }
+
+    /// Bytes of the weights held.
+    pub(crate) fn bytes(&self) -> Result<u64> {
+        Ok(self
+            .weights
+            .lock()
+            .map_err(poisoned)?
+            .iter()
+            .map(|w| (w.out * w.inp * w.values.dtype().size_in_bytes()) as u64)
+            .sum())
+    }
+
+    /// Starts the products of every held weight for input `x` (rows, in), unless they are
+    /// under way or done: a Linear over the same input whose weight is on the device (a block
+    /// the backward left for the forward) announces it before the held weights' blocks run.
+    pub(crate) fn start(&self, x: &Tensor) -> Result<()> {
+        let weights: Vec<Arc<HostWeight>> = self.weights.lock().map_err(poisoned)?.clone();
+        if weights.is_empty() || x.requires_grad() || x.rank() != 2 {
+            return Ok(());
+        }
+        let mut st = self.state.0.lock().map_err(poisoned)?;
+        self.ensure_input(&mut st, &weights, x, 0)
+    }
+
+    /// Makes `x` the input whose products are held: when it is not already, brings it to the
+    /// host and starts the products of the held weights of its width from index `from` on.
+    fn ensure_input(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        weights: &[Arc<HostWeight>],
+        x: &Tensor,
+        from: usize,
+    ) -> Result<()> {
+        let same = |held: &Tensor| {
+            held.same_storage(x) && held.layout() == x.layout() && held.dtype() == x.dtype()
+        };
+        if st.input.as_ref().is_some_and(|(held, _)| same(held)) {
+            return Ok(());
+        }
+        let (rows, inp) = match x.dims() {
+            &[rows, inp] => (rows, inp),
+            _ => return Ok(()),
+        };
+        let t0 = std::time::Instant::now();
+        let values = {
+            let _g = crate::no_grad();
+            x.to_dtype(DType::F32)?.to_vec::<f32>()?
+        };
+        st.report.inputs += 1;
+        st.report.input_us += t0.elapsed().as_micros() as u64;
+        let values = Arc::new(values);
+        st.generation += 1;
+        st.input = Some((x.clone(), values.clone()));
+        st.slots = weights.iter().map(|_| Slot::Empty).collect();
+        let jobs: Vec<(usize, Arc<HostWeight>)> = (from..weights.len())
+            .filter(|&k| weights[k].inp == inp)
+            .map(|k| (k, weights[k].clone()))
+            .collect();
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        for (k, _) in &jobs {
+            st.slots[*k] = Slot::Pending;
+        }
+        let (state, generation) = (self.state.clone(), st.generation);
+        std::thread::Builder::new()
+            .name("flame-host-products".into())
+            .spawn(move || run_jobs(&state, generation, &values, rows, jobs))
+            .map_err(|e| Error::Stream(format!("starting the host products' thread: {e}")))?;
+        Ok(())
+    }
+
+    /// The counters so far.
+    pub(crate) fn report(&self) -> Result<ProductReport> {
+        Ok(self.state.0.lock().map_err(poisoned)?.report)
+    }
+
+    /// Whether `weight` is one of the host-held weights.
+    pub(crate) fn holds(&self, weight: &Tensor) -> Result<bool> {
+        Ok(self.index(weight)?.is_some())
+    }
+
+    fn index(&self, weight: &Tensor) -> Result<Option<usize>> {
+        Ok(self
+            .weights
+            .lock()
+            .map_err(poisoned)?
+            .iter()
+            .position(|w| w.handle.id() == weight.id()))
+    }
+
+    /// `x (rows, in) @ weight^T` on the device of `x`, in `x`'s dtype, when `weight` is held
+    /// here; `None` otherwise. A new input crosses to the host (a wait for the device's work
+    /// up to it) and starts the products of every held weight of its width from `weight`
+    /// on, in the order they were adopted (execution order), on a worker thread.
+    pub(crate) fn product(&self, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+        let Some(w) = self.index(weight)? else {
+            return Ok(None);
+        };
+        let weights: Vec<Arc<HostWeight>> = self.weights.lock().map_err(poisoned)?.clone();
+        let hw = &weights[w];
+        let (rows, inp) = match x.dims() {
+            &[rows, inp] => (rows, inp),
+            _ => (0, 0),
+        };
+        if inp != hw.inp || rows == 0 {
+            return Err(Error::ShapeMismatch {
+                op: "host product",
+                lhs: x.shape().clone(),
+                rhs: (hw.out, hw.inp).into(),
+            });
+        }
+        if x.requires_grad() {
+            return Err(Error::Stream(format!(
+                "a weight ({}, {}) held on the host for its products got an input that needs a \
+                 gradient, whose backward would read the weight on the device: hold no weights \
+                 on the host (memory.host_products = false) when adapters sit before the \
+                 blocks",
+                hw.out, hw.inp
+            )));
+        }
+        let (lock, cvar) = &*self.state;
+        let mut st = lock.lock().map_err(poisoned)?;
+        self.ensure_input(&mut st, &weights, x, w)?;
+        if st.slots.len() < weights.len() {
+            st.slots.resize_with(weights.len(), || Slot::Empty);
+        }
+        let t0 = std::time::Instant::now();
+        let mut inline = 0u64;
+        let values = loop {
+            match &st.slots[w] {
+                Slot::Ready(v) => break v.clone(),
+                Slot::Pending => st = cvar.wait(st).map_err(poisoned)?,
+                Slot::Empty => {
+                    let input = st
+                        .input
+                        .as_ref()
+                        .map(|(_, v)| v.clone())
+                        .unwrap_or_default();
+                    drop(st);
+                    let t = std::time::Instant::now();
+                    let v = Arc::new(products(hw, &input, rows));
+                    let us = t.elapsed().as_micros() as u64;
+                    st = lock.lock().map_err(poisoned)?;
+                    st.report.compute_us += us;
+                    inline = us;
+                    st.slots[w] = Slot::Ready(v.clone());
+                    break v;
+                }
+            }
+        };
+        st.report.wait_us += (t0.elapsed().as_micros() as u64).saturating_sub(inline);
+        st.report.products += 1;
+        drop(st);
+        let t0 = std::time::Instant::now();
+        let host = match x.dtype() {
+            DType::BF16 => {
+                CpuStorage::BF16(values.iter().map(|&v| half::bf16::from_f32(v)).collect())
+            }
+            DType::F16 => CpuStorage::F16(values.iter().map(|&v| half::f16::from_f32(v)).collect()),
+            DType::F32 => CpuStorage::F32(values.to_vec()),
+            other => {
+                return Err(Error::UnsupportedDType {
+                    op: "host product",
+                    dtype: other,
+                })
+            }
+        };
+        // A few rows of values: from pageable memory, which the driver writes into the
+        // compute stream's commands, where a copy from page-locked memory would wait for the
+        // copy engine behind the blocks' uploads (session 30, H100: 630 ms a step against
+        // 538).
+        let y = Tensor::from_host(host, (rows, hw.out), x.device())?;
+        if let Ok(mut st) = lock.lock() {
+            st.report.transfer_us += t0.elapsed().as_micros() as u64;
+        }
+        Ok(Some(y))
+    }
+}
+
+/// The worker: each job's products in order, while the input is still the current one.
+fn run_jobs(
+    state: &(Mutex<State>, Condvar),
+    generation: u64,
+    input: &[f32],
+    rows: usize,
+    jobs: Vec<(usize, Arc<HostWeight>)>,
+) {
+    let (lock, cvar) = state;
+    for (k, w) in jobs {
+        let current = |st: &MutexGuard<'_, State>| st.generation == generation;
+        match lock.lock() {
+            Ok(st) if current(&st) => {}
+            _ => return,
+        }
+        let t = std::time::Instant::now();
+        let v = Arc::new(products(&w, input, rows));
+        let us = t.elapsed().as_micros() as u64;
+        let Ok(mut st) = lock.lock() else { return };
+        st.report.compute_us += us;
+        if !current(&st) {
+            return;
+        }
+        if let Some(slot) = st.slots.get_mut(k) {
+            *slot = Slot::Ready(v);
+        }
+        cvar.notify_all();
+    }
+}
+
+/// `x (rows, in) @ w^T` as f32, (rows, out) row-major.
+fn products(w: &HostWeight, x: &[f32], rows: usize) -> Vec<f32> {
+    let by_output: Vec<f32> = match &*w.values {
+        // The bits shifted in place (`half`'s conversion branches on NaN, which keeps the
+        // loop from vectorising; a NaN stays a NaN either way).
+        CpuStorage::BF16(v) => by_output(v, w.inp, x, rows, |b| {
+            f32::from_bits((b.to_bits() as u32) << 16)
+        }),
+        CpuStorage::F16(v) => by_output(v, w.inp, x, rows, |b| b.to_f32()),
+        CpuStorage::F32(v) => by_output(v, w.inp, x, rows, |b| b),
+        // `adopt` holds floating-point weights only.
+        _ => vec![0.0; w.out * rows],
+    };
+    // (out, rows) -> (rows, out).
+    let mut out = vec![0.0; by_output.len()];
+    for (o, chunk) in by_output.chunks(rows).enumerate() {
+        for (r, &v) in chunk.iter().enumerate() {
+            out[r * w.out + o] = v;
+        }
+    }
+    out
+}
+
+/// For each output (a row of `w`, `inp` values), its sum with each of `x`'s rows: (out,
+/// rows). Outputs spread over rayon's threads; each sum is sequential in a fixed order.
+fn by_output<T: Copy + Sync>(
+    w: &[T],
+    inp: usize,
+    x: &[f32],
+    rows: usize,
+    to: impl Fn(T) -> f32 + Sync,
+) -> Vec<f32> {
+    w.par_chunks(inp)
+        .with_min_len(16)
+        .flat_map_iter(|row| x.chunks(inp).take(rows).map(|xr| dot(row, xr, &to)))
+        .collect()
+}
+
+/// Sixteen lanes of partial sums over the values in order, then the lanes summed pairwise:
+/// the same order for every call of a given length.
+pub(crate) fn dot<T: Copy>(w: &[T], x: &[f32], to: &impl Fn(T) -> f32) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0.0f32; LANES];
+    let (wc, xc) = (w.chunks_exact(LANES), x.chunks_exact(LANES));
+    let (wt, xt) = (wc.remainder(), xc.remainder());
+    for (a, b) in wc.zip(xc) {
+        for l in 0..LANES {
+            acc[l] += to(a[l]) * b[l];
+        }
+    }
+    for (l, (&a, &b)) in wt.iter().zip(xt).enumerate() {
+        acc[l] += to(a) * b;
+    }
+    let mut n = LANES;
+    while n > 1 {
+        n /= 2;
+        for l in 0..n {
+            acc[l] += acc[l + n];
+        }
+    }
+    acc[0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_matches_f64_on_odd_lengths() {
+        for n in [1usize, 15, 16, 17, 100, 3073] {
+            let w: Vec<half::bf16> = (0..n)
+                .map(|i| half::bf16::from_f32(((i * 7919 % 97) as f32 - 48.0) / 32.0))
+                .collect();
+            let x: Vec<f32> = (0..n).map(|i| ((i * 31 % 13) as f32 - 6.0) / 8.0).collect();
+            let want: f64 = w.iter().zip(&x).map(|(a, b)| a.to_f64() * *b as f64).sum();
+            let got = dot(&w, &x, &|b: half::bf16| b.to_f32());
+            let scale: f64 = w
+                .iter()
+                .zip(&x)
+                .map(|(a, b)| (a.to_f64() * *b as f64).abs())
+                .sum();
+            assert!(
+                (got as f64 - want).abs() <= 1e-6 * scale.max(1.0),
+                "n {n}: {got} against {want}"
+            );
+        }
+    }
+}

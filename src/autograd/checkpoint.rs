@@ -99,7 +99,7 @@ pub(crate) fn hooked_product(weight: &Tensor, x: &Tensor) -> Result<Option<Tenso
 /// (`CheckpointHooks::computes`): its values are not on the device.
 pub(crate) fn hooked_computes(weight: &Tensor, x: &Tensor) -> Result<bool> {
     let hooks: Vec<Arc<dyn CheckpointHooks>> = HOOKS.with(|h| h.borrow().clone());
-    for h in &hooks {
+    for h in hooks.iter().rev() {
         if h.computes(weight, x)? {
             return Ok(true);
         }

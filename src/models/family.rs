@@ -230,8 +230,8 @@ pub trait ModelSpec: DiffusionModel + Sized + 'static {
     /// The family's config type.
     type Config: Clone;
     /// Key endings of the blocks' Linear weights whose input is the conditioning vector
-    /// (`BlockShape::conditioned`).
-    const CONDITIONED: &'static [&'static str];
+    /// (`BlockShape::conditioned`; none by default).
+    const CONDITIONED: &'static [&'static str] = &[];
     /// The family's registry entry.
     fn entry() -> &'static Family;
     /// From a diffusers `config.json`.

@@ -63,7 +63,7 @@ pub struct BlockCost {
     pub decode_bytes: u64,
     /// Bytes of its weights that only the forward reads under `Keep::few_rows` (Linears over
     /// the conditioning vector, `BlockShape::conditioned`), as stored: the backward's uploads
-    /// leave them out.
+    /// leave them out, and with `Plan::host_products` both passes' (past the carry).
     pub forward_only_bytes: u64,
     /// The same weights' bytes on the host link (coded or not), and of those coded.
     pub forward_only_wire: u64,
@@ -447,8 +447,9 @@ impl MemoryProfile {
             *r = Some(0.0);
         }
         let mut overhead = 0.0;
-        // The host computes the held weights' products in execution order from the forward's
-        // start; a block runs once its own are done.
+        // The host computes the held weights' products in execution order from the first
+        // streamed block's entry (its conditioning Linear, or the first held one, brings the
+        // input over); a block runs once its own are done.
         let mut host = 0.0f64;
         for i in 0..n {
             if offload(i) {
@@ -466,6 +467,9 @@ impl MemoryProfile {
                     false,
                     &mut (j..=reach[j]),
                 );
+                if j == 0 {
+                    host = t;
+                }
                 let held = Self::host_held(plan, &self.blocks[i]).0;
                 if j >= carried && held > 0 {
                     host += held as f64 / GIB / HOST_PRODUCT_GIB_PER_S * 1e3;
@@ -747,7 +751,7 @@ impl MemoryProfile {
         }
         // At least `kept` (every place holds that many), at most `m`.
         let carried = carry(&self.reach(plan), plan.prefetch.max(1));
-        let bytes = |k: usize| sizes[k] - if k >= carried { held[k] } else { 0 };
+        let bytes = |k: usize| sizes[k].saturating_sub(if k >= carried { held[k] } else { 0 });
         (carried..m).map(bytes).sum::<u64>() + (0..m - kept).map(bytes).sum::<u64>()
     }
 
@@ -769,6 +773,10 @@ impl MemoryProfile {
     pub fn candidates(&self) -> Vec<Plan> {
         let order = self.stream_order();
         let codes = self.blocks.iter().any(|b| b.coded_bytes > 0);
+        let held = self
+            .blocks
+            .iter()
+            .any(|b| b.forward_only_bytes > 0 && b.decode_bytes == 0);
         let n = self.blocks.len();
         let mut v = vec![];
         for checkpointing in [
@@ -802,26 +810,33 @@ impl MemoryProfile {
                             } else {
                                 &[false]
                             };
+                            // The conditioning products on the host or not, when
+                            // blocks stream and hold weights only the forward reads.
+                            let hosts: &[bool] = if k > 0 && held {
+                                &[true, false]
+                            } else {
+                                &[false]
+                            };
                             for &wire_code in codings {
-                                v.push(Plan {
-                                    checkpointing,
-                                    streamed: order[..k].to_vec(),
-                                    prefetch,
-                                    // It costs no peak: always, when blocks stream
-                                    // (`reach` leaves it out where it would cut the
-                                    // arena).
-                                    deep_prefetch: k > 0,
-                                    keep: if nothing_checkpointed {
-                                        Keep::NONE
-                                    } else {
-                                        keep
-                                    },
-                                    offload_inputs,
-                                    wire_code,
-                                    // Whenever blocks stream (nothing is held where the
-                                    // profile has no forward-only weights).
-                                    host_products: k > 0,
-                                });
+                                for &host_products in hosts {
+                                    v.push(Plan {
+                                        checkpointing,
+                                        streamed: order[..k].to_vec(),
+                                        prefetch,
+                                        // It costs no peak: always, when blocks stream
+                                        // (`reach` leaves it out where it would cut the
+                                        // arena).
+                                        deep_prefetch: k > 0,
+                                        keep: if nothing_checkpointed {
+                                            Keep::NONE
+                                        } else {
+                                            keep
+                                        },
+                                        offload_inputs,
+                                        wire_code,
+                                        host_products,
+                                    });
+                                }
                             }
                         }
                     }
@@ -845,7 +860,7 @@ impl MemoryProfile {
             // Uncoded: the staging ring would add to the smallest peak.
             wire_code: false,
             deep_prefetch: true,
-            host_products: true,
+            host_products: held,
         });
         v
     }
@@ -977,7 +992,8 @@ pub struct BlockShape {
     /// Key fragments of the block's Linear weights whose input is the conditioning vector
     /// (a row a sample: Flux's and SD3's modulations, a UNet ResNet's time embedding): with
     /// `Keep::few_rows` only the forward reads them, and the backward's uploads leave them
-    /// out (`BlockCost::forward_only_bytes`).
+    /// out (`BlockCost::forward_only_bytes`); with `Plan::host_products` they stay on the
+    /// host, past the blocks the backward leaves for the forward, in both passes.
     pub conditioned: &'static [&'static str],
 }
 

@@ -13,8 +13,8 @@
 //! back to the device as the block asks for it (`rows x out` values).
 //!
 //! The products are f32 sums of the weight's values times the input's (bf16, f16 or f32),
-//! each output one sequential sum in a fixed order (deterministic whatever the thread
-//! count), rounded once to the input's dtype: the same values as a GEMM with f32
+//! each output sixteen partial sums added in a fixed order (deterministic whatever the
+//! thread count), rounded once to the input's dtype: the same values as a GEMM with f32
 //! accumulation up to the order of the sums (the CPU backend's and cuBLAS's differ from it,
 //! and from each other, in the last bits).
 //!
@@ -156,7 +156,7 @@ impl HostProducts {
             return Ok(());
         }
         let (rows, inp) = match x.dims() {
-            &[rows, inp] => (rows, inp),
+            &[rows, inp] if rows > 0 => (rows, inp),
             _ => return Ok(()),
         };
         let t0 = std::time::Instant::now();
@@ -177,14 +177,16 @@ impl HostProducts {
         if jobs.is_empty() {
             return Ok(());
         }
-        for (k, _) in &jobs {
-            st.slots[*k] = Slot::Pending;
-        }
+        let pending: Vec<usize> = jobs.iter().map(|(k, _)| *k).collect();
         let (state, generation) = (self.state.clone(), st.generation);
         std::thread::Builder::new()
             .name("flame-host-products".into())
             .spawn(move || run_jobs(&state, generation, &values, rows, jobs))
             .map_err(|e| Error::Stream(format!("starting the host products' thread: {e}")))?;
+        // Pending once the worker exists (it cannot take the lock before this returns).
+        for k in pending {
+            st.slots[k] = Slot::Pending;
+        }
         Ok(())
     }
 
@@ -243,18 +245,26 @@ impl HostProducts {
         if st.slots.len() < weights.len() {
             st.slots.resize_with(weights.len(), || Slot::Empty);
         }
+        // This input's values and generation: a slot is read or written only while the
+        // generation is this one (another input may have come meanwhile).
+        let generation = st.generation;
+        let input = st
+            .input
+            .as_ref()
+            .map(|(_, v)| v.clone())
+            .ok_or(Error::Stream("host products: no input".into()))?;
         let t0 = std::time::Instant::now();
         let mut inline = 0u64;
         let values = loop {
-            match &st.slots[w] {
+            let slot = if st.generation == generation {
+                &st.slots[w]
+            } else {
+                &Slot::Empty
+            };
+            match slot {
                 Slot::Ready(v) => break v.clone(),
                 Slot::Pending => st = cvar.wait(st).map_err(poisoned)?,
                 Slot::Empty => {
-                    let input = st
-                        .input
-                        .as_ref()
-                        .map(|(_, v)| v.clone())
-                        .unwrap_or_default();
                     drop(st);
                     let t = std::time::Instant::now();
                     let v = Arc::new(products(hw, &input, rows));
@@ -262,7 +272,9 @@ impl HostProducts {
                     st = lock.lock().map_err(poisoned)?;
                     st.report.compute_us += us;
                     inline = us;
-                    st.slots[w] = Slot::Ready(v.clone());
+                    if st.generation == generation {
+                        st.slots[w] = Slot::Ready(v.clone());
+                    }
                     break v;
                 }
             }
@@ -296,6 +308,29 @@ impl HostProducts {
     }
 }
 
+/// On the worker's way out (its jobs done, superseded, or a panic): the slots of its
+/// generation still pending go back to empty, so a waiting model thread computes them itself
+/// instead of waiting for good.
+struct Release<'a>(&'a (Mutex<State>, Condvar), u64);
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        let (lock, cvar) = self.0;
+        let mut st = match lock.lock() {
+            Ok(st) => st,
+            Err(p) => p.into_inner(),
+        };
+        if st.generation == self.1 {
+            for slot in st.slots.iter_mut() {
+                if matches!(slot, Slot::Pending) {
+                    *slot = Slot::Empty;
+                }
+            }
+        }
+        cvar.notify_all();
+    }
+}
+
 /// The worker: each job's products in order, while the input is still the current one.
 fn run_jobs(
     state: &(Mutex<State>, Condvar),
@@ -304,6 +339,7 @@ fn run_jobs(
     rows: usize,
     jobs: Vec<(usize, Arc<HostWeight>)>,
 ) {
+    let _release = Release(state, generation);
     let (lock, cvar) = state;
     for (k, w) in jobs {
         let current = |st: &MutexGuard<'_, State>| st.generation == generation;
@@ -336,9 +372,12 @@ fn products(w: &HostWeight, x: &[f32], rows: usize) -> Vec<f32> {
         }),
         CpuStorage::F16(v) => by_output(v, w.inp, x, rows, |b| b.to_f32()),
         CpuStorage::F32(v) => by_output(v, w.inp, x, rows, |b| b),
-        // `adopt` holds floating-point weights only.
+        // `hold` takes floating-point weights only.
         _ => vec![0.0; w.out * rows],
     };
+    if rows == 0 {
+        return by_output;
+    }
     // (out, rows) -> (rows, out).
     let mut out = vec![0.0; by_output.len()];
     for (o, chunk) in by_output.chunks(rows).enumerate() {

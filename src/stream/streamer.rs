@@ -237,6 +237,12 @@ impl BlockStreamer {
     /// (`Device::room`).
     pub fn set_reach(&self, reach: Vec<usize>) -> Result<()> {
         let mut st = self.lock()?;
+        if st.slot_bytes > 0 {
+            // The carry decided which blocks hold their conditioning weights on the host.
+            return Err(Error::Stream(
+                "the reach is set before the first fetch".into(),
+            ));
+        }
         let n = st.blocks.len();
         if reach.len() != n {
             return Err(Error::Stream(format!(
@@ -298,11 +304,13 @@ impl BlockStreamer {
     /// read such a weight on the device is an error (`Error::Stream`). Set before the
     /// weights are adopted (`VarBuilder::with_streamer`); none by default.
     pub fn set_host_products(&self, endings: Vec<String>) -> Result<()> {
-        if self.lock()?.slot_bytes > 0 {
+        let st = self.lock()?;
+        if st.slot_bytes > 0 || st.blocks.iter().any(|b| !b.params.is_empty()) {
             return Err(Error::Stream(
-                "the weights held on the host are chosen before the first fetch".into(),
+                "the weights held on the host are chosen before any weight is adopted".into(),
             ));
         }
+        drop(st);
         *self
             .host_keys
             .lock()
@@ -563,11 +571,20 @@ impl BlockStreamer {
             }
             if i >= carry {
                 // The conditioning Linears' weights stay on the host for their products.
+                // The values first: an error leaves the block's weights as they were.
+                let values = b
+                    .params
+                    .iter()
+                    .map(|p| match (&p.host, p.conditioned) {
+                        (Some(h), true) => h.to_cpu().map(Some),
+                        _ => Ok(None),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
                 let mut kept = Vec::with_capacity(b.params.len());
-                for p in b.params.drain(..) {
-                    match (&p.host, p.conditioned) {
-                        (Some(h), true) => self.products.hold(&p.tensor, h.to_cpu()?)?,
-                        _ => kept.push(p),
+                for (p, v) in b.params.drain(..).zip(values) {
+                    match v {
+                        Some(v) => self.products.hold(&p.tensor, v)?,
+                        None => kept.push(p),
                     }
                 }
                 b.params = kept;

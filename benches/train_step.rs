@@ -343,22 +343,30 @@ fn run<M: ModelSpec>(
         .then(|| Tensor::randn((8192, 8192), DType::BF16, &dev, 7))
         .transpose()?;
     let queue = std::cell::Cell::new(0usize);
-    let mut step = || -> Result<f64> {
-        let mut m = [0.0; 3];
-        seed += 1;
+    // A step's noise and timesteps (this rank's rows).
+    let draw = |seed: u64| -> Result<(Tensor, Tensor)> {
         let noise = mine(Tensor::randn(
             with_batch(&sample[0]),
             DType::BF16,
             &dev,
             seed,
         )?)?;
-        let t = mine(sampling.sample(batch, tokens, seed, &dev)?)?;
+        Ok((noise, mine(sampling.sample(batch, tokens, seed, &dev)?)?))
+    };
+    // The flow-matching pair for every family (the step's cost does not depend on the
+    // objective) and the model's time input: a DDPM model takes a timestep in [0, 1000).
+    let pair = |noise: &Tensor, t: Tensor| -> Result<(Tensor, Tensor, Tensor)> {
+        let (xt, target) = flow_matching(&x0, noise, &t)?;
+        let t_in = if ddpm { t.affine(999.0, 0.0)? } else { t };
+        Ok((xt, target, t_in))
+    };
+    let mut step = || -> Result<f64> {
+        let mut m = [0.0; 3];
+        seed += 1;
+        let (noise, t) = draw(seed)?;
         // (The timesteps are drawn on the host from device random numbers: a wait.)
         let issued = std::time::Instant::now();
-        // The flow-matching pair for every family (the step's cost does not depend on the
-        // objective); a DDPM model takes the time as a timestep in [0, 1000).
-        let (xt, target) = flow_matching(&x0, &noise, &t)?;
-        let t_in = if ddpm { t.affine(999.0, 0.0)? } else { t };
+        let (xt, target, t_in) = pair(&noise, t)?;
         let out = model.predict(&xt, &t_in, &cond, 1.0)?;
         m[0] = issued.elapsed().as_secs_f64();
         if let Some(a) = &probe {
@@ -489,22 +497,8 @@ fn run<M: ModelSpec>(
         // each pass's own time (the passes no longer overlap at their boundary).
         let before = streamer.as_ref().map(|s| s.report()).transpose()?;
         let t = std::time::Instant::now();
-        let seed = 10_000;
-        let noise = mine(Tensor::randn(
-            with_batch(&sample[0]),
-            DType::BF16,
-            &dev,
-            seed,
-        )?)?;
-        let tt = mine(
-            TimestepSampling::FluxShift {
-                mean: 0.0,
-                std: 1.0,
-            }
-            .sample(batch, tokens, seed, &dev)?,
-        )?;
-        let (xt, target) = flow_matching(&x0, &noise, &tt)?;
-        let t_in = if ddpm { tt.affine(999.0, 0.0)? } else { tt };
+        let (noise, tt) = draw(10_000)?;
+        let (xt, target, t_in) = pair(&noise, tt)?;
         cuda.synchronize()?;
         let t0 = t.elapsed().as_secs_f64();
         let out = model.predict(&xt, &t_in, &cond, 1.0)?;

@@ -1116,6 +1116,47 @@ impl Toy {
         })
     }
 
+    /// The toy with random weights and LoRA on every Linear, every block checkpointed with
+    /// the few-row outputs kept when `few`; with `streamed`, every block streamed (prefetch
+    /// 1), the `mod` weights held on the host for their products when `host`.
+    fn built(
+        dev: &Device,
+        streamed: bool,
+        host: bool,
+        few: bool,
+    ) -> (Toy, Arc<Adapters>, Option<Arc<BlockStreamer>>) {
+        let adapters = Adapters::new(LoraConfig {
+            rank: 2,
+            alpha: 2.0,
+            dropout: 0.0,
+            targets: vec!["b.*".into()],
+            seed: 7,
+        })
+        .unwrap();
+        let mut vb = VarBuilder::random(9, 0.3, DType::F32, dev)
+            .with_adapters(adapters.clone())
+            .unwrap();
+        let prefixes: Vec<String> = (0..TOY_BLOCKS).map(|i| format!("b.{i}")).collect();
+        let streamer = streamed.then(|| BlockStreamer::new(dev, prefixes, 1));
+        if let Some(s) = &streamer {
+            if host {
+                s.set_host_products(vec!["mod.weight".into()]).unwrap();
+            }
+            vb = vb.with_streamer(s.clone()).unwrap();
+        }
+        let mut toy = Toy::new(&vb).unwrap();
+        toy.exec = BlockExec {
+            checkpointing: Checkpointing::All,
+            streamer: streamer.clone(),
+            keep: Keep {
+                few_rows: few,
+                ..Keep::NONE
+            },
+            ..Default::default()
+        };
+        (toy, adapters, streamer)
+    }
+
     /// The loss over `rows` conditioning rows (1: few; 8, one a row of the input: not); with
     /// `fail_after`, an op whose backward fails follows that block.
     fn loss(&self, dev: &Device, rows: usize, fail_after: Option<usize>) -> Result<Tensor> {
@@ -1149,37 +1190,12 @@ impl Toy {
 #[test]
 fn forward_only_weights_stay_out_of_the_backward_and_come_back_for_the_forward() {
     let dev = &CPU;
-    let prefixes: Vec<String> = (0..TOY_BLOCKS).map(|i| format!("b.{i}")).collect();
     // A loss over `held` rows made first and held, steps of (conditioning rows, failing
     // block), then the step compared: the held loss and the losses over `rows` conditioning
     // rows each, summed (every forward before the backward).
     let grads =
         |streamed: bool, held: Option<usize>, steps: &[(usize, Option<usize>)], rows: &[usize]| {
-            let adapters = Adapters::new(LoraConfig {
-                rank: 2,
-                alpha: 2.0,
-                dropout: 0.0,
-                targets: vec!["b.*".into()],
-                seed: 7,
-            })
-            .unwrap();
-            let mut vb = VarBuilder::random(9, 0.3, DType::F32, dev)
-                .with_adapters(adapters.clone())
-                .unwrap();
-            let streamer = streamed.then(|| BlockStreamer::new(dev, prefixes.clone(), 1));
-            if let Some(s) = &streamer {
-                vb = vb.with_streamer(s.clone()).unwrap();
-            }
-            let mut toy = Toy::new(&vb).unwrap();
-            toy.exec = BlockExec {
-                checkpointing: Checkpointing::All,
-                streamer: streamer.clone(),
-                keep: Keep {
-                    few_rows: true,
-                    ..Keep::NONE
-                },
-                ..Default::default()
-            };
+            let (toy, adapters, streamer) = Toy::built(dev, streamed, false, true);
             if let Some(s) = &streamer {
                 // The forward holds up to block 3 from the first: the block the failed backward
                 // left (3) is inside its window, not released as outside it. The backward leaves
@@ -1284,34 +1300,8 @@ fn forward_only_weights_stay_out_of_the_backward_and_come_back_for_the_forward()
 /// of the f32 sums, with and without the few-row outputs kept, for one and eight
 /// conditioning rows; an input that needs a gradient is refused.
 fn check_host_products(dev: &Device) {
-    let prefixes: Vec<String> = (0..TOY_BLOCKS).map(|i| format!("b.{i}")).collect();
     let run = |host: bool, few: bool, rows: usize| {
-        let adapters = Adapters::new(LoraConfig {
-            rank: 2,
-            alpha: 2.0,
-            dropout: 0.0,
-            targets: vec!["b.*".into()],
-            seed: 7,
-        })
-        .unwrap();
-        let mut vb = VarBuilder::random(9, 0.3, DType::F32, dev)
-            .with_adapters(adapters.clone())
-            .unwrap();
-        let streamer = host.then(|| BlockStreamer::new(dev, prefixes.clone(), 1));
-        if let Some(s) = &streamer {
-            s.set_host_products(vec!["mod.weight".into()]).unwrap();
-            vb = vb.with_streamer(s.clone()).unwrap();
-        }
-        let mut toy = Toy::new(&vb).unwrap();
-        toy.exec = BlockExec {
-            checkpointing: Checkpointing::All,
-            streamer: streamer.clone(),
-            keep: Keep {
-                few_rows: few,
-                ..Keep::NONE
-            },
-            ..Default::default()
-        };
+        let (toy, adapters, streamer) = Toy::built(dev, host, host, few);
         let mut out = vec![];
         for _ in 0..2 {
             let loss = toy.loss(dev, rows, None).unwrap();

@@ -86,25 +86,31 @@ thread_local! {
 /// `x @ weight^T` from the hooks of a checkpointed run under way that compute it elsewhere
 /// (`CheckpointHooks::product`, innermost first), or `None`: the caller computes it.
 pub(crate) fn hooked_product(weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
-    let hooks: Vec<Arc<dyn CheckpointHooks>> = HOOKS.with(|h| h.borrow().clone());
-    for h in hooks.iter().rev() {
-        if let Some(y) = h.product(weight, x)? {
-            return Ok(Some(y));
-        }
-    }
-    Ok(None)
+    innermost_first(|h| h.product(weight, x))
 }
 
 /// Whether the hooks of a checkpointed run under way compute the products of `weight`
 /// (`CheckpointHooks::computes`): its values are not on the device.
 pub(crate) fn hooked_computes(weight: &Tensor, x: &Tensor) -> Result<bool> {
-    let hooks: Vec<Arc<dyn CheckpointHooks>> = HOOKS.with(|h| h.borrow().clone());
-    for h in hooks.iter().rev() {
-        if h.computes(weight, x)? {
-            return Ok(true);
+    Ok(innermost_first(|h| Ok(h.computes(weight, x)?.then_some(())))?.is_some())
+}
+
+/// The first answer of the hooks of the runs under way, innermost first. Each is taken out
+/// of the stack alone (an `Arc` clone, no allocation: this runs for every Linear), and no
+/// borrow of the stack is held while it answers.
+fn innermost_first<R>(
+    mut ask: impl FnMut(&dyn CheckpointHooks) -> Result<Option<R>>,
+) -> Result<Option<R>> {
+    let depth = HOOKS.with(|h| h.borrow().len());
+    for i in (0..depth).rev() {
+        let Some(h) = HOOKS.with(|s| s.borrow().get(i).cloned()) else {
+            continue;
+        };
+        if let Some(r) = ask(&*h)? {
+            return Ok(Some(r));
         }
     }
-    Ok(false)
+    Ok(None)
 }
 
 /// Pops the hooks `run_hooked` pushed, on every way out.

@@ -154,13 +154,18 @@ fn host_matmul(x: &Tensor, weight: &Tensor, keep: &[KeptKind]) -> Result<Tensor>
         }
     };
     let (y, _) = kept_or_replayed(keep, compute)?;
+    one_output(y, x, weight.dims()[0], "host product")
+}
+
+/// The one (rows, out) output in `x`'s dtype that a Linear's GEMM computed or its
+/// checkpoint's log gave back; anything else means the re-run differs from its forward.
+fn one_output(y: Vec<Tensor>, x: &Tensor, out: usize, what: &str) -> Result<Tensor> {
     let rows = x.dims()[0];
-    let out = weight.dims()[0];
     match <[Tensor; 1]>::try_from(y) {
         Ok([y]) if y.dims() == [rows, out] && y.dtype() == x.dtype() => Ok(y),
         _ => Err(Error::Autograd(format!(
-            "kept host product does not fit this call ({rows}, {out}) {}: the checkpoint's \
-             re-run differs from its forward",
+            "kept {what} does not fit this call ({rows}, {out}) {}: the checkpoint's re-run \
+             differs from its forward",
             x.dtype()
         ))),
     }
@@ -183,18 +188,7 @@ fn fp8_matmul(
         Ok(vec![x.matmul(&w.t()?)?])
     };
     let (y, replayed) = kept_or_replayed(keep, compute)?;
-    let rows = x.dims()[0];
-    let out = scale.elem_count();
-    let y = match <[Tensor; 1]>::try_from(y) {
-        Ok([y]) if y.dims() == [rows, out] && y.dtype() == x.dtype() => y,
-        _ => {
-            return Err(Error::Autograd(format!(
-                "kept FP8 linear output does not fit this call ({rows}, {out}) {}: the \
-                 checkpoint's re-run differs from its forward",
-                x.dtype()
-            )))
-        }
-    };
+    let y = one_output(y, x, scale.elem_count(), "FP8 linear output")?;
     let node = Arc::new(Fp8Matmul {
         codes: codes.clone(),
         scale: scale.clone(),

@@ -719,32 +719,21 @@ impl MemoryProfile {
     /// `deep_prefetch`) and the backward every one but the last `prefetch + 1` (each pass
     /// leaves those for the next).
     pub fn streamed_bytes(&self, plan: &Plan) -> u64 {
-        let sizes: Vec<u64> = self
-            .blocks
-            .iter()
-            .filter(|b| plan.streamed.contains(&b.prefix))
-            .map(|b| {
-                if plan.wire_code {
-                    b.wire_bytes
-                } else {
-                    b.weight_bytes
-                }
-            })
-            .collect();
-        // What the blocks past the carry hold on the host.
-        let held: Vec<u64> = self
+        // Each streamed block's bytes on the link, and of those what it holds on the host
+        // once past the carry.
+        let (sizes, held): (Vec<u64>, Vec<u64>) = self
             .blocks
             .iter()
             .filter(|b| plan.streamed.contains(&b.prefix))
             .map(|b| {
                 let (host, host_wire, _) = Self::host_held(plan, b);
                 if plan.wire_code {
-                    host_wire
+                    (b.wire_bytes, host_wire)
                 } else {
-                    host
+                    (b.weight_bytes, host)
                 }
             })
-            .collect();
+            .unzip();
         let (m, kept) = (sizes.len(), plan.prefetch.max(1) + 1);
         if m <= kept {
             return 0;

@@ -197,16 +197,12 @@ impl HostProducts {
 
     /// Whether `weight` is one of the host-held weights.
     pub(crate) fn holds(&self, weight: &Tensor) -> Result<bool> {
-        Ok(self.index(weight)?.is_some())
-    }
-
-    fn index(&self, weight: &Tensor) -> Result<Option<usize>> {
         Ok(self
             .weights
             .lock()
             .map_err(poisoned)?
             .iter()
-            .position(|w| w.handle.id() == weight.id()))
+            .any(|w| w.handle.id() == weight.id()))
     }
 
     /// `x (rows, in) @ weight^T` on the device of `x`, in `x`'s dtype, when `weight` is held
@@ -214,10 +210,10 @@ impl HostProducts {
     /// up to it) and starts the products of every held weight of its width from `weight`
     /// on, in the order they were adopted (execution order), on a worker thread.
     pub(crate) fn product(&self, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
-        let Some(w) = self.index(weight)? else {
+        let weights: Vec<Arc<HostWeight>> = self.weights.lock().map_err(poisoned)?.clone();
+        let Some(w) = weights.iter().position(|h| h.handle.id() == weight.id()) else {
             return Ok(None);
         };
-        let weights: Vec<Arc<HostWeight>> = self.weights.lock().map_err(poisoned)?.clone();
         let hw = &weights[w];
         let (rows, inp) = match x.dims() {
             &[rows, inp] => (rows, inp),
@@ -405,7 +401,7 @@ fn by_output<T: Copy + Sync>(
 
 /// Sixteen lanes of partial sums over the values in order, then the lanes summed pairwise:
 /// the same order for every call of a given length.
-pub(crate) fn dot<T: Copy>(w: &[T], x: &[f32], to: &impl Fn(T) -> f32) -> f32 {
+fn dot<T: Copy>(w: &[T], x: &[f32], to: &impl Fn(T) -> f32) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
     let (wc, xc) = (w.chunks_exact(LANES), x.chunks_exact(LANES));

@@ -118,6 +118,9 @@ struct State {
     /// The first blocks the backward leaves on the device for the next forward
     /// (`stream::carry` of `reach`).
     carry: usize,
+    /// Key endings of the weights held on the host for their products
+    /// (`set_host_products`).
+    host_keys: Vec<String>,
 }
 
 impl State {
@@ -143,9 +146,7 @@ pub struct BlockStreamer {
     device: Device,
     prefetch: usize,
     state: Mutex<State>,
-    /// Key endings of the weights held on the host for their products
-    /// (`set_host_products`), and those weights.
-    host_keys: Mutex<Vec<String>>,
+    /// The weights held on the host for their products (`set_host_products`).
     products: HostProducts,
 }
 
@@ -194,8 +195,8 @@ impl BlockStreamer {
                 staging: None,
                 reach,
                 carry,
+                host_keys: vec![],
             }),
-            host_keys: Mutex::new(vec![]),
             products: HostProducts::default(),
         })
     }
@@ -304,17 +305,13 @@ impl BlockStreamer {
     /// read such a weight on the device is an error (`Error::Stream`). Set before the
     /// weights are adopted (`VarBuilder::with_streamer`); none by default.
     pub fn set_host_products(&self, endings: Vec<String>) -> Result<()> {
-        let st = self.lock()?;
+        let mut st = self.lock()?;
         if st.slot_bytes > 0 || st.blocks.iter().any(|b| !b.params.is_empty()) {
             return Err(Error::Stream(
                 "the weights held on the host are chosen before any weight is adopted".into(),
             ));
         }
-        drop(st);
-        *self
-            .host_keys
-            .lock()
-            .map_err(|_| Error::Poisoned("block streamer"))? = endings;
+        st.host_keys = endings;
         Ok(())
     }
 
@@ -331,9 +328,8 @@ impl BlockStreamer {
     /// their own Linears over the same input start those products.
     pub fn adopt_key(&self, block: usize, key: &str, t: &Tensor) -> Result<Tensor> {
         let conditioned = self
+            .lock()?
             .host_keys
-            .lock()
-            .map_err(|_| Error::Poisoned("block streamer"))?
             .iter()
             .any(|e| key.ends_with(e.as_str()))
             && matches!(

@@ -733,7 +733,14 @@ fn host_products_take_the_modulations_off_the_link() {
         host_products: host,
     };
     let (on, off) = (with(true), with(false));
-    assert_eq!(p.peak(&on), p.peak(&off));
+    // The copies past the carry leave the held weights out: the backward's start holds the
+    // last blocks' copies without them.
+    assert!(
+        p.peak(&on) < p.peak(&off),
+        "{} against {}",
+        p.peak(&on),
+        p.peak(&off)
+    );
     let carried = flame::stream::carry(&p.reach(&on), 1);
     assert!(carried >= 2, "{carried}");
     // The forward's uploads lose at least the held weights of the blocks past the carry.

@@ -281,13 +281,20 @@ pub mod cost_model {
     pub const HOST_PRODUCT_GIB_PER_S: f64 = 21.0;
 }
 
+/// The streamed blocks' device copies under a plan (`MemoryProfile::layout`).
+struct Layout {
+    /// The forward's reach at each streamed place (`MemoryProfile::reach`).
+    reach: Vec<usize>,
+    /// The most bytes the blocks hold for the backward and the streamed copies take
+    /// together at any moment of the step.
+    held: u64,
+}
+
 impl MemoryProfile {
     /// Bytes of streamed block `b`'s weights held in host memory under `plan` (as stored, on
     /// the link, coded) when it is not one the backward leaves for the forward: its
     /// forward-only weights with `Plan::host_products`, unless they are FP8 codes (the host
-    /// products take floating-point weights). The device's memory is planned as if they
-    /// were there (the blocks left for the forward keep theirs, and every upload takes the
-    /// largest block's slot).
+    /// products take floating-point weights).
     fn host_held(plan: &Plan, b: &BlockCost) -> (u64, u64, u64) {
         if plan.host_products && b.decode_bytes == 0 {
             (
@@ -563,20 +570,6 @@ impl MemoryProfile {
         held
     }
 
-    /// The peak's streamed weights: the block running and the `prefetch` streamed blocks
-    /// after it (in execution order) are on the device together, the heaviest such window
-    /// of `sizes` (the streamed blocks' bytes in execution order). Not the mean block: the
-    /// SDXL UNet's large blocks sit next to each other (a 4 GiB plan sized with the mean ran
-    /// out of memory on the H100).
-    fn window_bytes(plan: &Plan, sizes: &[u64]) -> u64 {
-        let window = (plan.prefetch.max(1) + 1).min(sizes.len()).max(1);
-        sizes
-            .windows(window)
-            .map(|w| w.iter().sum::<u64>())
-            .max()
-            .unwrap_or(0)
-    }
-
     /// Whether some block runs resident under `plan`, keeping its activations for the
     /// backward. Such plans fetch only `prefetch` ahead (`reach`): the activations, large
     /// buffers made all through the forward, land among the blocks fetched early and cut the
@@ -606,75 +599,128 @@ impl MemoryProfile {
     /// place among the streamed blocks, in execution order), the last place that may be on
     /// the device while it runs. Always at least `prefetch` ahead; with
     /// `plan.deep_prefetch` (and every block checkpointed: `saves_activations`), as far as
-    /// the memory the step's peak sets aside for what the
-    /// blocks hold for the backward (`held_bytes`), less what the blocks up to this one
-    /// already hold, takes more blocks: at the forward's start nothing is held yet, and the
-    /// peak comes at the backward's start, with everything held. Each place's reach is at
-    /// most every later place's window, so no fetch issued early exceeds a later place's
-    /// room. The backward leaves the first `carry(reach, prefetch)` streamed blocks on the
-    /// device for the next forward.
+    /// the memory the step's peak sets aside for the blocks' weights and for what the blocks
+    /// hold for the backward (`held_bytes`), less what the blocks up to this one already
+    /// hold, takes more blocks: at the forward's start nothing is held yet, and the peak
+    /// comes at the backward's start, with everything held. Each place's reach is at most
+    /// every later place's window, so no fetch issued early exceeds a later place's room.
+    /// The backward leaves the first `carry(reach, prefetch)` streamed blocks on the device
+    /// for the next forward (see `layout`).
     pub fn reach(&self, plan: &Plan) -> Vec<usize> {
+        self.layout(plan).reach
+    }
+
+    /// The streamed blocks' device copies under `plan` and where they fit: each upload
+    /// takes its own block's bytes (the streamer's `slot`), which past the carry leave out
+    /// the weights held on the host (`host_held`), so the heaviest moment is found place by
+    /// place: at the backward's place `j` the blocks up to it still hold their checkpoints
+    /// (`held_bytes`) while block `j` and the `prefetch` before it are on the device; at its
+    /// start everything is held beside the last `prefetch + 1`. The forward's reach at each
+    /// place takes the blocks that fit in what that heaviest moment sets aside less what
+    /// the blocks up to it hold, and the backward leaves no more of the first blocks than
+    /// fit there. The carry decides which blocks keep their held weights on the device (and
+    /// so their sizes), so the layout is worked out again from a larger carry until the
+    /// carry it finds is no larger than the one it assumed.
+    fn layout(&self, plan: &Plan) -> Layout {
+        let n = self.blocks.len();
         let is_streamed: Vec<bool> = self
             .blocks
             .iter()
             .map(|b| plan.streamed.contains(&b.prefix))
             .collect();
-        let streamed: Vec<usize> = (0..self.blocks.len()).filter(|&i| is_streamed[i]).collect();
+        let held: Vec<u64> = (0..n)
+            .map(|i| self.held_bytes(plan, i, is_streamed[i]))
+            .collect();
+        let total: u64 = held.iter().sum();
+        let streamed: Vec<usize> = (0..n).filter(|&i| is_streamed[i]).collect();
         let m = streamed.len();
+        if m == 0 {
+            return Layout {
+                reach: vec![],
+                held: total,
+            };
+        }
         let ahead = plan.prefetch.max(1);
         let shallow = shallow_reach(m, ahead);
-        if !plan.deep_prefetch || m == 0 || self.saves_activations(plan) {
-            return shallow;
-        }
-        let sizes: Vec<u64> = streamed
+        // What the blocks up to each place (its own included) hold.
+        let taken: Vec<u64> = streamed.iter().map(|&i| held[..=i].iter().sum()).collect();
+        let full: Vec<u64> = streamed
             .iter()
             .map(|&i| self.blocks[i].weight_bytes)
             .collect();
-        // Every upload takes the largest block's bytes (the streamer's slot).
-        let slot = sizes.iter().copied().max().unwrap_or(0).max(1);
-        let total: u64 = (0..self.blocks.len())
-            .map(|i| self.held_bytes(plan, i, is_streamed[i]))
-            .sum();
-        let window = Self::window_bytes(plan, &sizes);
-        // Blocks place j may have on the device: the peak's window plus the held bytes not
-        // yet taken once block j has run (its own counted: the forward's transients fit in
-        // the peak's re-run tape), in slots.
-        let mut taken = 0u64;
-        let mut next = 0usize;
-        let room: Vec<usize> = streamed
+        let lean: Vec<u64> = streamed
             .iter()
             .map(|&i| {
-                while next <= i {
-                    taken += self.held_bytes(plan, next, is_streamed[next]);
-                    next += 1;
-                }
-                ((window + total.saturating_sub(taken)) / slot) as usize
+                let b = &self.blocks[i];
+                b.weight_bytes.saturating_sub(Self::host_held(plan, b).0)
             })
             .collect();
-        // Place j reaches j + room - 1, but no further than any later place's reach.
-        let mut reach = vec![0usize; m];
-        let mut limit = usize::MAX;
-        for j in (0..m).rev() {
-            let own = j + room[j].max(ahead + 1) - 1;
-            limit = limit.min(own);
-            reach[j] = limit.min(m - 1).max(shallow[j]);
+        let deep = plan.deep_prefetch && !self.saves_activations(plan);
+        let mut assumed = (ahead + 1).min(m);
+        loop {
+            let sizes: Vec<u64> = (0..m)
+                .map(|k| if k < assumed { full[k] } else { lean[k] })
+                .collect();
+            let sum = |a: usize, b: usize| sizes[a..=b].iter().sum::<u64>();
+            // The heaviest moment of the backward: held bytes and streamed blocks together.
+            let peak = (0..m)
+                .map(|j| {
+                    let h = if j + 1 == m { total } else { taken[j] };
+                    h + sum(j.saturating_sub(ahead), j)
+                })
+                .max()
+                .unwrap_or(total);
+            if !deep {
+                return Layout {
+                    reach: shallow,
+                    held: peak,
+                };
+            }
+            // What place j may have on the device: the peak's set-aside less what is held.
+            let room: Vec<u64> = (0..m)
+                .map(|j| peak.saturating_sub(taken[j]).max(sum(j, shallow[j])))
+                .collect();
+            let mut reach = vec![0usize; m];
+            let mut limit = usize::MAX;
+            for j in (0..m).rev() {
+                let mut own = j;
+                let mut bytes = sizes[j];
+                while own + 1 < m && bytes + sizes[own + 1] <= room[j] {
+                    own += 1;
+                    bytes += sizes[own];
+                }
+                limit = limit.min(own.max(j + ahead));
+                reach[j] = limit.min(m - 1).max(shallow[j]);
+            }
+            // The most first blocks the backward may leave, in bytes: at each place below
+            // them, those from it (and the `prefetch` fetched below it) up to the last fit
+            // its room. The count the streamer works out from the reach (`carry`) is held
+            // to it through the first place's reach.
+            let fits =
+                |c: usize| (0..c).all(|j| full[j - ahead.min(j)..c].iter().sum::<u64>() <= room[j]);
+            let most = (ahead + 1..=m)
+                .take_while(|&c| fits(c))
+                .last()
+                .unwrap_or(ahead + 1)
+                .min(m);
+            reach[0] = reach[0].min((most - 1).max(shallow[0]));
+            let carried = carry(&reach, ahead);
+            if carried <= assumed {
+                return Layout { reach, held: peak };
+            }
+            assumed = carried;
         }
-        reach
     }
 
     /// The predicted peak bytes of a step under `plan` (see the module docs).
     pub fn peak(&self, plan: &Plan) -> u64 {
         let mut weights = self.other_weight_bytes;
-        let mut streamed_sizes = vec![];
-        let (mut held, mut work, mut offloaded) = (0u64, 0u64, 0u64);
+        let (mut work, mut offloaded) = (0u64, 0u64);
         for (i, b) in self.blocks.iter().enumerate() {
             let streamed = plan.streamed.iter().any(|p| p == &b.prefix);
-            if streamed {
-                streamed_sizes.push(b.weight_bytes);
-            } else {
+            if !streamed {
                 weights += b.weight_bytes;
             }
-            held += self.held_bytes(plan, i, streamed);
             if Self::checkpointed(plan, i, streamed) {
                 if plan.offload_inputs {
                     // In host memory; on the device only while its copy runs (forward) or
@@ -687,8 +733,9 @@ impl MemoryProfile {
                 work = work.max(2 * b.input_bytes);
             }
         }
-        weights += Self::window_bytes(plan, &streamed_sizes);
-        held += 2 * offloaded;
+        // What the blocks hold for the backward and the streamed blocks' copies at the
+        // heaviest moment (`layout`).
+        let held = self.layout(plan).held + 2 * offloaded;
         // Coded uploads cross into a staging ring that holds the largest streamed block's
         // bytes on the link beside a piece and a part (the largest part taken as a fifth of
         // the largest block: Flux's, a single block's linear1, is 0.2 of a double block;
@@ -1082,6 +1129,56 @@ mod tests {
         assert_eq!(p.streamed_bytes(&four), 200 + 600);
     }
 
+    /// Each copy takes its own block's bytes, so the heaviest moment is found place by
+    /// place. Six blocks streamed with a prefetch of one, two of 300 bytes before four of
+    /// 100, each holding 10 bytes of inputs: the backward at b.1 has b.0 and b.1 on the
+    /// device beside 20 held (620), more than at its start (all 60 held beside b.4 and b.5:
+    /// 260), and less than both large blocks beside everything held (660).
+    #[test]
+    fn each_copy_takes_its_own_blocks_bytes() {
+        let p = profile();
+        let all = Plan {
+            checkpointing: Checkpointing::All,
+            streamed: (0..6).map(|i| format!("b.{i}")).collect(),
+            prefetch: 1,
+            ..Plan::default()
+        };
+        // Other weights 50, adapters and their gradients 40, optimizer 40, fixed 30; the
+        // re-run's tape 200 and its inputs' gradients 20.
+        assert_eq!(p.peak(&all), 50 + 40 + 40 + 30 + 620 + 220);
+        // Weights held on the host past the carry (the first two, `prefetch + 1`) leave
+        // the later copies: four blocks of 100 holding 60 each, 40 of each block's bytes
+        // read only by the forward. At the backward's start 240 are held beside b.2 and
+        // b.3 without theirs (120): 360, against 440 with them.
+        let mut p = profile();
+        p.blocks.truncate(4);
+        for b in &mut p.blocks {
+            b.weight_bytes = 100;
+            b.input_bytes = 60;
+            b.forward_only_bytes = 40;
+        }
+        let off = Plan {
+            streamed: (0..4).map(|i| format!("b.{i}")).collect(),
+            ..all.clone()
+        };
+        let on = Plan {
+            host_products: true,
+            ..off.clone()
+        };
+        assert_eq!(p.peak(&off) - p.peak(&on), 80);
+        // Fetching deeper: place 0 has 360 - 60 = 300 for b.0-b.2 (100 + 100 + 60) and
+        // place 1 has 240 for b.1-b.3. Three carried blocks would keep their 40 each on the
+        // device, and the backward at place 1 would hold b.0-b.2 whole (300 > 240): the
+        // first reach is cut so that two are carried.
+        let deep = Plan {
+            deep_prefetch: true,
+            ..on.clone()
+        };
+        assert_eq!(p.reach(&deep), vec![1, 3, 3, 3]);
+        assert_eq!(carry(&p.reach(&deep), 1), 2);
+        assert_eq!(p.peak(&deep), p.peak(&on));
+    }
+
     /// The forward's reach worked by hand: four blocks of 100 bytes, all streamed with a
     /// prefetch of one and checkpointed, each holding 60 bytes of inputs until the
     /// backward. The peak sets aside the window (200) and everything held (240); once block
@@ -1105,7 +1202,8 @@ mod tests {
             ..shallow.clone()
         };
         assert_eq!(p.reach(&shallow), vec![1, 2, 3, 3]);
-        // Place 0: (200 + 240 - 60) / 100 = 3 slots, blocks 0-2; place 1: 3, blocks 1-3.
+        // The heaviest moment is the backward's start: 240 held beside b.2 and b.3. Place 0
+        // has 440 - 60 = 380 for b.0-b.2, place 1 has 320 for b.1-b.3.
         assert_eq!(p.reach(&deep), vec![2, 3, 3, 3]);
         assert_eq!(carry(&p.reach(&shallow), 1), 2);
         // At place 1 the backward holds 0-2 (three, as the forward there); four would not fit

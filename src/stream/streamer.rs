@@ -104,8 +104,8 @@ struct State {
     /// Tickets of uploads the compute work has waited for, until their copies' durations can
     /// be read.
     timing: Vec<Ticket>,
-    /// The bytes every block's device copy takes (the largest pack), set when the packs are
-    /// made.
+    /// The largest block's device copy (its pack's bytes), set when the packs are made: 0
+    /// until then.
     slot_bytes: usize,
     /// Whether bf16 weights cross the link coded (`set_wire_code`).
     code: bool,
@@ -477,7 +477,6 @@ impl BlockStreamer {
         let State {
             blocks,
             report,
-            slot_bytes,
             staging,
             ..
         } = st;
@@ -497,9 +496,12 @@ impl BlockStreamer {
                 bytes += device as u64;
             }
         }
+        // The copy takes its own pack's bytes: past the first blocks, whose Linears over the
+        // conditioning vector hold their weights on the device, a block's copy is smaller
+        // than theirs (Flux-dev's single blocks, a third of a double block's).
         let (storages, ticket) =
             self.device
-                .upload_pack(pack, *slot_bytes, staging.as_ref(), skip)?;
+                .upload_pack(pack, pack.bytes(), staging.as_ref(), skip)?;
         for (p, storage) in b.params.iter_mut().zip(storages) {
             if let Some(storage) = storage {
                 p.placeholder = Some(p.tensor.swap_storage(storage)?);
@@ -554,9 +556,8 @@ impl BlockStreamer {
     }
 
     /// Joins every block's weights into its pack (at the first fetch: every weight has been
-    /// adopted by then), bf16 weights coded when `code` is on, and sets the slot size every
-    /// upload takes: the largest pack, so a released block's memory holds any block's next
-    /// (no pieces between packs of different sizes under a cap's arena); and makes the
+    /// adopted by then), bf16 weights coded when `code` is on (each upload then takes its
+    /// pack's bytes: the planner's `MemoryProfile::layout` counts them so); and makes the
     /// staging ring coded uploads cross into (`crate::device::staging_ring_bytes`: a copy goes
     /// into the ring while the decode stream empties the pieces before it).
     fn seal(&self, st: &mut State) -> Result<()> {
@@ -687,7 +688,7 @@ impl BlockStreamer {
                 for j in i + 1..=last {
                     // Past the prefetch, only while the device has room for this block and
                     // one more in one piece (`has_room`).
-                    if j > i + self.prefetch && !self.has_room(&st) {
+                    if j > i + self.prefetch && !self.has_room(&st, j) {
                         break;
                     }
                     self.start(&mut st, j, Need::Whole, true)?;
@@ -715,7 +716,7 @@ impl BlockStreamer {
         let mut st = self.lock()?;
         let keep = match pass {
             Pass::Forward => i + 1 + self.prefetch >= st.blocks.len(),
-            Pass::Backward => i <= self.prefetch || (i < st.carry && self.has_room(&st)),
+            Pass::Backward => i <= self.prefetch || (i < st.carry && self.has_room(&st, i)),
         };
         if keep {
             return Ok(());
@@ -723,15 +724,20 @@ impl BlockStreamer {
         self.release(&mut st, i)
     }
 
-    /// Whether the device can make two blocks' buffers in one piece each without going past
-    /// its cap: the condition for fetching past the prefetch or keeping more than
+    /// Whether the device can make two of block `i`'s buffers in one piece each without going
+    /// past its cap: the condition for fetching it past the prefetch or keeping more than
     /// `prefetch + 1` blocks for the next forward. The planner's reach holds the step's
     /// bytes under the peak, but blocks fetched early and released as the checkpoints fill
     /// the memory can cut a cap's arena into pieces no block fits (SD3.5-large within 8 GiB:
     /// 2-3 requests a step past the arena, H100, session 27); then the streamer falls back to
     /// the prefetch.
-    fn has_room(&self, st: &State) -> bool {
-        self.device.room() >= 2 * st.slot_bytes as u64
+    fn has_room(&self, st: &State, i: usize) -> bool {
+        let bytes = st
+            .blocks
+            .get(i)
+            .and_then(|b| b.pack.as_ref())
+            .map_or(st.slot_bytes, HostPack::bytes);
+        self.device.room() >= 2 * bytes as u64
     }
 
     /// Releases every block (e.g. before sampling with another model, or at the end).

@@ -215,8 +215,10 @@ fn flux_dev_plans_for_24_16_12_8_6_gib() {
     let p = q8.plan(six).expect("fp8 + AdamW8bit fits 6 GiB");
     assert!(p.peak <= six);
     show("6 GiB fp8", &q8, &p);
-    // The smallest blocks (Flux's single blocks) stream first.
+    // The smallest blocks (Flux's single blocks) stream first; among near plans one that
+    // checkpoints every block goes before one that mixes resident blocks in.
     let p = bf.plan((24.0 * GIB) as u64).unwrap();
+    assert!(!bf.saves_activations(&p.plan), "{}", p.plan);
     let order = bf.stream_order();
     assert_eq!(p.plan.streamed, order[..p.plan.streamed.len()].to_vec());
     assert!(order[..38].iter().all(|s| s.starts_with("single_blocks")));

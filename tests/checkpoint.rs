@@ -1064,6 +1064,10 @@ fn a_deeper_forward_fetch_leaves_blocks_for_the_next_step_and_the_same_gradients
     // fetches 0, four blocks, where the forward held three).
     s.set_reach(vec![3, 3, 3, 3]).unwrap();
     assert_eq!(s.carried().unwrap(), 3);
+    // A prefetch past the blocks fetches them all and leaves them all for the next forward.
+    let s = BlockStreamer::new(&CPU, (0..4).map(|i| format!("b{i}")).collect(), usize::MAX);
+    assert_eq!(s.carried().unwrap(), 4);
+    s.set_reach(vec![3, 3, 3, 3]).unwrap();
 }
 
 #[test]

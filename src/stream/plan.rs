@@ -3,8 +3,9 @@
 //!
 //! What a training step holds on the device, by plan:
 //! - every weight outside the streamed blocks (non-block weights always), plus, when blocks
-//!   stream, the block running and the `prefetch` streamed blocks after it (the heaviest
-//!   such window);
+//!   stream, the copies of the streamed blocks on the device at the step's heaviest moment,
+//!   found place by place beside what the blocks hold for the backward
+//!   (`MemoryProfile::layout`: each copy its own block's bytes);
 //! - the trainable adapters, their gradients and the optimizer state;
 //! - per block, for the backward: all it saves when resident; only its inputs when
 //!   checkpointed (plus what it keeps: attention's output and log-sum-exp, the
@@ -492,7 +493,10 @@ impl MemoryProfile {
         // The backward: the last `prefetch + 1` streamed blocks stay from the forward;
         // offloaded inputs come back one checkpointed block ahead.
         let mut ready: Vec<Option<f64>> = vec![None; m];
-        for r in ready.iter_mut().skip(m.saturating_sub(ahead + 1)) {
+        for r in ready
+            .iter_mut()
+            .skip(m.saturating_sub(ahead.saturating_add(1)))
+        {
             *r = Some(t);
         }
         let mut inputs: Vec<Option<f64>> = vec![None; n];
@@ -592,7 +596,7 @@ impl MemoryProfile {
                 .reach(plan)
                 .iter()
                 .enumerate()
-                .any(|(j, &r)| r > j + ahead)
+                .any(|(j, &r)| r > j.saturating_add(ahead))
     }
 
     /// How far ahead the forward may fetch under `plan`: for each streamed block (by its
@@ -601,8 +605,9 @@ impl MemoryProfile {
     /// `plan.deep_prefetch` (and every block checkpointed: `saves_activations`), as far as
     /// the memory the step's peak sets aside for the blocks' weights and for what the blocks
     /// hold for the backward (`held_bytes`), less what the blocks up to this one already
-    /// hold, takes more blocks: at the forward's start nothing is held yet, and the peak
-    /// comes at the backward's start, with everything held. Each place's reach is at most
+    /// hold, takes more blocks: at the forward's start nothing is held yet, and the heaviest
+    /// moment comes in the backward, most often at its start with everything held. Each
+    /// place's reach is at most
     /// every later place's window, so no fetch issued early exceeds a later place's room.
     /// The backward leaves the first `carry(reach, prefetch)` streamed blocks on the device
     /// for the next forward (see `layout`).
@@ -611,7 +616,7 @@ impl MemoryProfile {
     }
 
     /// The streamed blocks' device copies under `plan` and where they fit: each upload
-    /// takes its own block's bytes (the streamer's `slot`), which past the carry leave out
+    /// takes its own block's bytes (`BlockStreamer`), which past the carry leave out
     /// the weights held on the host (`host_held`), so the heaviest moment is found place by
     /// place: at the backward's place `j` the blocks up to it still hold their checkpoints
     /// (`held_bytes`) while block `j` and the `prefetch` before it are on the device; at its
@@ -620,7 +625,10 @@ impl MemoryProfile {
     /// the blocks up to it hold, and the backward leaves no more of the first blocks than
     /// fit there. The carry decides which blocks keep their held weights on the device (and
     /// so their sizes), so the layout is worked out again from a larger carry until the
-    /// carry it finds is no larger than the one it assumed.
+    /// carry it finds is no larger than the one it assumed; where it is smaller, the blocks
+    /// between keep their assumed larger sizes (the peak over-predicted, never under). The
+    /// cap on the first place's reach that holds the carry to its bytes also stops that
+    /// place's forward fetching deeper.
     fn layout(&self, plan: &Plan) -> Layout {
         let n = self.blocks.len();
         let is_streamed: Vec<bool> = self
@@ -640,7 +648,8 @@ impl MemoryProfile {
                 held: total,
             };
         }
-        let ahead = plan.prefetch.max(1);
+        // A prefetch past the last block fetches them all.
+        let ahead = plan.prefetch.clamp(1, m);
         let shallow = shallow_reach(m, ahead);
         // What the blocks up to each place (its own included) hold.
         let taken: Vec<u64> = streamed.iter().map(|&i| held[..=i].iter().sum()).collect();
@@ -781,7 +790,7 @@ impl MemoryProfile {
                 }
             })
             .unzip();
-        let (m, kept) = (sizes.len(), plan.prefetch.max(1) + 1);
+        let (m, kept) = (sizes.len(), plan.prefetch.max(1).saturating_add(1));
         if m <= kept {
             return 0;
         }
@@ -908,8 +917,8 @@ impl MemoryProfile {
 
     /// The first of `candidates` (fastest first) whose predicted peak is within `budget`
     /// (less `MARGIN_DIVISOR`'s share of it for the plans `spare` names), or, of the fitting plans
-    /// predicted within `cost_model::NEAR` of its step, one whose every block is checkpointed
-    /// (`saves_activations`) before one that mixes resident blocks with streamed ones, then
+    /// predicted within `cost_model::NEAR` of its step, one that does not mix blocks keeping
+    /// their activations (`saves_activations`) with streamed ones before one that does, then
     /// the one with the smallest peak. Mixed plans ran slower than the model says: Flux-dev
     /// within 24 GiB, 12 resident blocks beside 45 streamed, 506.4 and 494.2 ms against 492.8
     /// predicted, where every block checkpointed with 31 streamed ran 489.3 (1.26x) and 492.9
@@ -931,7 +940,8 @@ impl MemoryProfile {
                 continue;
             }
             let cost = self.cost(&plan);
-            let rank = (self.saves_activations(&plan), peak);
+            let mixes = self.saves_activations(&plan) && !plan.streamed.is_empty();
+            let rank = (mixes, peak);
             match &chosen {
                 None => {
                     limit = (1.0 + cost) * (1.0 + cost_model::NEAR) - 1.0;
@@ -988,7 +998,9 @@ pub fn spread_evenly(prefixes: &[String], n: usize) -> Vec<String> {
 /// The forward's reach over `m` streamed blocks without a deeper fetch: `prefetch` ahead,
 /// within the last.
 pub(crate) fn shallow_reach(m: usize, prefetch: usize) -> Vec<usize> {
-    (0..m).map(|j| (j + prefetch).min(m - 1)).collect()
+    (0..m)
+        .map(|j| j.saturating_add(prefetch).min(m - 1))
+        .collect()
 }
 
 /// How many of the first streamed blocks the backward may leave on the device for the next
@@ -998,7 +1010,11 @@ pub(crate) fn shallow_reach(m: usize, prefetch: usize) -> Vec<usize> {
 /// reach, and never less than `prefetch + 1`, what any place of a pass holds). So
 /// `prefetch + 1` without a deeper reach.
 pub fn carry(reach: &[usize], prefetch: usize) -> usize {
-    let room = |j: usize| (reach[j] + 1).saturating_sub(j).max(prefetch + 1);
+    let room = |j: usize| {
+        (reach[j] + 1)
+            .saturating_sub(j)
+            .max(prefetch.saturating_add(1))
+    };
     // If `c` fits, every smaller count does.
     (1..=reach.len())
         .take_while(|&c| (0..c).all(|j| c - j + prefetch.min(j) <= room(j)))
@@ -1184,6 +1200,27 @@ mod tests {
         assert_eq!(p.reach(&deep), vec![1, 3, 3, 3]);
         assert_eq!(carry(&p.reach(&deep), 1), 2);
         assert_eq!(p.peak(&deep), p.peak(&on));
+    }
+
+    /// A prefetch past the last block (up to `usize::MAX`) fetches them all, as one of the
+    /// blocks' count does: the same reach, carry, peak, time and bytes, no overflow.
+    #[test]
+    fn a_prefetch_past_the_blocks_fetches_them_all() {
+        let p = profile();
+        let with = |prefetch: usize| Plan {
+            checkpointing: Checkpointing::All,
+            streamed: (0..6).map(|i| format!("b.{i}")).collect(),
+            prefetch,
+            deep_prefetch: true,
+            ..Plan::default()
+        };
+        let (all, huge) = (with(6), with(usize::MAX));
+        assert_eq!(p.reach(&huge), p.reach(&all));
+        assert_eq!(carry(&p.reach(&huge), usize::MAX), 6);
+        assert_eq!(p.peak(&huge), p.peak(&all));
+        assert_eq!(p.step_ms(&huge), p.step_ms(&all));
+        assert_eq!(p.streamed_bytes(&huge), 0);
+        assert_eq!(p.spare(&huge), p.spare(&all));
     }
 
     /// The forward's reach worked by hand: four blocks of 100 bytes, all streamed with a

@@ -9,8 +9,8 @@
 //! never cross the link, nor take device memory), and `Linear::forward` gets their product
 //! from here: the input (a few rows) crosses to the host once, the products of every
 //! host-held weight that takes an input of its width are computed ahead, in block order, on
-//! a worker thread (the rows of each product spread over rayon's threads), and each comes
-//! back to the device as the block asks for it (`rows x out` values).
+//! a worker thread (the rows of each product spread over a thread pool of their own), and
+//! each comes back to the device as the block asks for it (`rows x out` values).
 //!
 //! The products are f32 sums of the weight's values times the input's (bf16, f16 or f32),
 //! each output sixteen partial sums added in a fixed order (deterministic whatever the

@@ -181,6 +181,8 @@ impl BlockStreamer {
                 partial_for: None,
             })
             .collect::<Vec<_>>();
+        // A prefetch past the last block fetches them all.
+        let prefetch = prefetch.min(blocks.len());
         let reach = shallow_reach(blocks.len(), prefetch);
         let carry = carry(&reach, prefetch);
         Arc::new(BlockStreamer {

@@ -489,7 +489,7 @@ impl CudaDevice {
     }
 
     /// The parts of `p` as new device buffers cut from one allocation (of at least `slot`
-    /// bytes: the streamer gives every block the same, so a freed one fits the next); `wait`
+    /// bytes; the streamer asks for each block's own pack's); `wait`
     /// on the event before reading them or dropping them (as for `upload`). The allocation
     /// returns to the cache when the last part drops.
     ///

@@ -874,7 +874,7 @@ impl Device {
 
     /// New storages on this device with the values of the parts of `p`, in order, and what to
     /// wait for before reading them (see `wait`). On a GPU they are cut from one allocation of
-    /// at least `slot` bytes filled by one copy per run of parts brought (coded packs: a few
+    /// the pack's bytes filled by one copy per run of parts brought (coded packs: a few
     /// pieces through the staging ring, decoded into place), which returns to the cache when
     /// the last of them drops.
     /// Parts whose entry in `skip` is true (`skip` empty: none) are not brought: `None` in
@@ -883,7 +883,6 @@ impl Device {
     pub(crate) fn upload_pack(
         &self,
         p: &HostPack,
-        slot: usize,
         staging: Option<&Staging>,
         skip: &[bool],
     ) -> Result<(Vec<Option<Storage>>, Ticket)> {
@@ -927,7 +926,7 @@ impl Device {
                     #[allow(unreachable_patterns)]
                     _ => None,
                 };
-                let (storages, u) = d.upload_pack(p, slot, staging, skip)?;
+                let (storages, u) = d.upload_pack(p, staging, skip)?;
                 Ok((
                     storages
                         .into_iter()

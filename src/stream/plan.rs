@@ -607,8 +607,8 @@ impl MemoryProfile {
     /// hold for the backward (`held_bytes`), less what the blocks up to this one already
     /// hold, takes more blocks: at the forward's start nothing is held yet, and the heaviest
     /// moment comes in the backward, most often at its start with everything held. Each
-    /// place's reach is at most
-    /// every later place's window, so no fetch issued early exceeds a later place's room.
+    /// place's reach is at most every later place's window, so no fetch issued early exceeds
+    /// a later place's room.
     /// The backward leaves the first `carry(reach, prefetch)` streamed blocks on the device
     /// for the next forward (see `layout`).
     pub fn reach(&self, plan: &Plan) -> Vec<usize> {
@@ -652,7 +652,14 @@ impl MemoryProfile {
         let ahead = plan.prefetch.clamp(1, m);
         let shallow = shallow_reach(m, ahead);
         // What the blocks up to each place (its own included) hold.
-        let taken: Vec<u64> = streamed.iter().map(|&i| held[..=i].iter().sum()).collect();
+        let upto: Vec<u64> = held
+            .iter()
+            .scan(0u64, |sum, &h| {
+                *sum += h;
+                Some(*sum)
+            })
+            .collect();
+        let taken: Vec<u64> = streamed.iter().map(|&i| upto[i]).collect();
         let full: Vec<u64> = streamed
             .iter()
             .map(|&i| self.blocks[i].weight_bytes)

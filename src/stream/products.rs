@@ -402,7 +402,8 @@ fn products_here(w: &HostWeight, x: &[f32], rows: usize) -> Vec<f32> {
         // `hold` takes floating-point weights only.
         _ => vec![0.0; w.out * rows],
     };
-    if rows == 0 {
+    if rows <= 1 {
+        // (out, 1) is (1, out).
         return by_output;
     }
     // (out, rows) -> (rows, out).

@@ -104,9 +104,8 @@ struct State {
     /// Tickets of uploads the compute work has waited for, until their copies' durations can
     /// be read.
     timing: Vec<Ticket>,
-    /// The largest block's device copy (its pack's bytes), set when the packs are made: 0
-    /// until then.
-    slot_bytes: usize,
+    /// Whether the blocks' packs are made (`seal`, at the first fetch).
+    sealed: bool,
     /// Whether bf16 weights cross the link coded (`set_wire_code`).
     code: bool,
     /// Where coded uploads land before their decode (the largest pack's coded bytes), made
@@ -192,7 +191,7 @@ impl BlockStreamer {
                 blocks,
                 report: StreamReport::default(),
                 timing: vec![],
-                slot_bytes: 0,
+                sealed: false,
                 code: true,
                 staging: None,
                 reach,
@@ -220,7 +219,7 @@ impl BlockStreamer {
     /// fetch.
     pub fn set_wire_code(&self, on: bool) -> Result<()> {
         let mut st = self.lock()?;
-        if st.slot_bytes > 0 {
+        if st.sealed {
             return Err(Error::Stream(
                 "the wire code is chosen before the first fetch".into(),
             ));
@@ -240,7 +239,7 @@ impl BlockStreamer {
     /// (`Device::room`).
     pub fn set_reach(&self, reach: Vec<usize>) -> Result<()> {
         let mut st = self.lock()?;
-        if st.slot_bytes > 0 {
+        if st.sealed {
             // The carry decided which blocks hold their conditioning weights on the host.
             return Err(Error::Stream(
                 "the reach is set before the first fetch".into(),
@@ -308,7 +307,7 @@ impl BlockStreamer {
     /// weights are adopted (`VarBuilder::with_streamer`); none by default.
     pub fn set_host_products(&self, endings: Vec<String>) -> Result<()> {
         let mut st = self.lock()?;
-        if st.slot_bytes > 0 || st.blocks.iter().any(|b| !b.params.is_empty()) {
+        if st.sealed || st.blocks.iter().any(|b| !b.params.is_empty()) {
             return Err(Error::Stream(
                 "the weights held on the host are chosen before any weight is adopted".into(),
             ));
@@ -401,7 +400,7 @@ impl BlockStreamer {
         let handle = t.with_storage(self.device.placeholder(t.dtype())?);
         let mut st = self.lock()?;
         st.report.host_bytes += host.bytes() as u64;
-        let sealed = st.slot_bytes > 0;
+        let sealed = st.sealed;
         let b = st
             .blocks
             .get_mut(block)
@@ -501,9 +500,7 @@ impl BlockStreamer {
         // The copy takes its own pack's bytes: past the first blocks, whose Linears over the
         // conditioning vector hold their weights on the device, a block's copy is smaller
         // than theirs (Flux-dev's single blocks, a third of a double block's).
-        let (storages, ticket) =
-            self.device
-                .upload_pack(pack, pack.bytes(), staging.as_ref(), skip)?;
+        let (storages, ticket) = self.device.upload_pack(pack, staging.as_ref(), skip)?;
         for (p, storage) in b.params.iter_mut().zip(storages) {
             if let Some(storage) = storage {
                 p.placeholder = Some(p.tensor.swap_storage(storage)?);
@@ -604,12 +601,6 @@ impl BlockStreamer {
                 p.host = None;
             }
         }
-        st.slot_bytes = st
-            .blocks
-            .iter()
-            .filter_map(|b| b.pack.as_ref().map(HostPack::bytes))
-            .max()
-            .unwrap_or(0);
         let (wire, part, pieces) = st
             .blocks
             .iter()
@@ -618,6 +609,7 @@ impl BlockStreamer {
                 (w.max(bw), p.max(bp), n.max(bn))
             });
         st.staging = self.device.staging(wire, part, pieces)?;
+        st.sealed = true;
         Ok(())
     }
 
@@ -738,7 +730,7 @@ impl BlockStreamer {
             .blocks
             .get(i)
             .and_then(|b| b.pack.as_ref())
-            .map_or(st.slot_bytes, HostPack::bytes);
+            .map_or(0, HostPack::bytes);
         self.device.room() >= 2 * bytes as u64
     }
 

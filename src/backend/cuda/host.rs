@@ -47,18 +47,17 @@ impl PinnedBuf {
 
     /// The values, copied into host memory of the CPU's own.
     pub(crate) fn to_cpu(&self) -> Result<crate::CpuStorage> {
-        use crate::CpuStorage as C;
         let bytes = &self
             .host
             .as_slice()
             .map_err(cuda_err("reading the pinned buffer"))?
             [..self.len * self.dtype.size_in_bytes()];
-        Ok(match self.dtype {
-            DType::F32 => C::F32(bytemuck::pod_collect_to_vec(bytes)),
-            DType::F64 => C::F64(bytemuck::pod_collect_to_vec(bytes)),
-            DType::BF16 => C::BF16(bytemuck::pod_collect_to_vec(bytes)),
-            DType::F16 => C::F16(bytemuck::pod_collect_to_vec(bytes)),
-            DType::U32 => C::U32(bytemuck::pod_collect_to_vec(bytes)),
+        crate::CpuStorage::from_bytes(self.dtype, bytes).ok_or_else(|| {
+            Error::Stream(format!(
+                "a pinned buffer of {} bytes holds no whole {} values",
+                bytes.len(),
+                self.dtype
+            ))
         })
     }
 }
@@ -488,9 +487,8 @@ impl CudaDevice {
         })
     }
 
-    /// The parts of `p` as new device buffers cut from one allocation (of at least `slot`
-    /// bytes; the streamer asks for each block's own pack's); `wait`
-    /// on the event before reading them or dropping them (as for `upload`). The allocation
+    /// The parts of `p` as new device buffers cut from one allocation of the pack's bytes;
+    /// `wait` on the event before reading them or dropping them (as for `upload`). The allocation
     /// returns to the cache when the last part drops.
     ///
     /// Without `staging`, one copy on the copy stream after the compute stream's work so far
@@ -506,7 +504,6 @@ impl CudaDevice {
     pub(crate) fn upload_pack(
         &self,
         p: &PinnedPack,
-        slot: usize,
         staging: Option<&Staging>,
         skip: &[bool],
     ) -> Result<(Vec<CudaStorage>, Upload)> {
@@ -518,7 +515,7 @@ impl CudaDevice {
                 staging.map_or(0, Staging::len)
             )));
         }
-        let packed = self.alloc_packed(p.used.max(slot).max(1))?;
+        let packed = self.alloc_packed(p.used.max(1))?;
         let copy = self.copy_stream()?;
         let host = host_ptr(&p.host)?;
         let event = match ring {

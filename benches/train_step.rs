@@ -21,7 +21,10 @@
 //! streamed. `--host-probe` issues one more step with about a second of GEMMs queued between
 //! its forward and backward, and prints when the host had issued the backward and the update:
 //! the host's own cost where nothing in them waits for the GPU. `--phases` times one more
-//! step with the device synchronised after its forward and after its backward.
+//! step with the device synchronised after its forward and after its backward. Each step
+//! announces the next one's inputs between its forward and its backward
+//! (`DiffusionModel::prepare`: host products computed during the backward); `--no-prepare`
+//! leaves them to each forward.
 //!
 //! Data-parallel: started with torchrun's variables (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`,
 //! `MASTER_ADDR`, `MASTER_PORT`; one process per GPU), each rank takes its part of a global
@@ -332,7 +335,12 @@ fn run<M: ModelSpec>(
         std: 1.0,
     };
     let ddpm = matches!(model.objective(), Objective::Ddpm(_));
-    let mut seed = 100;
+    // The seed of the last step drawn: each step draws from the next (`--phases` too).
+    let seed = std::cell::Cell::new(100u64);
+    // Each step announces the next one's inputs between its forward and its backward
+    // (`DiffusionModel::prepare`: the host products are computed ahead); `--no-prepare`
+    // leaves them to the forward.
+    let announce = !args.flag("--no-prepare");
     // The host's time to issue the forward (from the timestep draw), then the backward and
     // the optimizer update (from after the probe's queue) (for `--host-probe`).
     let marks = std::cell::Cell::new([0.0f64; 3]);
@@ -344,6 +352,7 @@ fn run<M: ModelSpec>(
         .transpose()?;
     let queue = std::cell::Cell::new(0usize);
     // A step's noise and timesteps (this rank's rows).
+    let times = |seed: u64| mine(sampling.sample(batch, tokens, seed, &dev)?);
     let draw = |seed: u64| -> Result<(Tensor, Tensor)> {
         let noise = mine(Tensor::randn(
             with_batch(&sample[0]),
@@ -351,23 +360,34 @@ fn run<M: ModelSpec>(
             &dev,
             seed,
         )?)?;
-        Ok((noise, mine(sampling.sample(batch, tokens, seed, &dev)?)?))
+        Ok((noise, times(seed)?))
     };
+    // The model's time input: a DDPM model takes a timestep in [0, 1000).
+    let time_in = |t: Tensor| if ddpm { t.affine(999.0, 0.0) } else { Ok(t) };
     // The flow-matching pair for every family (the step's cost does not depend on the
-    // objective) and the model's time input: a DDPM model takes a timestep in [0, 1000).
+    // objective) and the model's time input.
     let pair = |noise: &Tensor, t: Tensor| -> Result<(Tensor, Tensor, Tensor)> {
         let (xt, target) = flow_matching(&x0, noise, &t)?;
-        let t_in = if ddpm { t.affine(999.0, 0.0)? } else { t };
-        Ok((xt, target, t_in))
+        Ok((xt, target, time_in(t)?))
+    };
+    // A step's forward from the next seed, then the next step's inputs announced.
+    let forward = || -> Result<(Tensor, Tensor)> {
+        seed.set(seed.get() + 1);
+        let (noise, t) = draw(seed.get())?;
+        // (The timesteps are drawn on the host from device random numbers: a wait, so the
+        // next step's are drawn here too.)
+        let next = announce.then(|| times(seed.get() + 1)).transpose()?;
+        let (xt, target, t_in) = pair(&noise, t)?;
+        let out = model.predict(&xt, &t_in, &cond, 1.0)?;
+        if let Some(t) = next {
+            model.prepare(&x0, &time_in(t)?, &cond, 1.0)?;
+        }
+        Ok((out, target))
     };
     let mut step = || -> Result<f64> {
         let mut m = [0.0; 3];
-        seed += 1;
-        let (noise, t) = draw(seed)?;
-        // (The timesteps are drawn on the host from device random numbers: a wait.)
         let issued = std::time::Instant::now();
-        let (xt, target, t_in) = pair(&noise, t)?;
-        let out = model.predict(&xt, &t_in, &cond, 1.0)?;
+        let (out, target) = forward()?;
         m[0] = issued.elapsed().as_secs_f64();
         if let Some(a) = &probe {
             for _ in 0..queue.get() {
@@ -429,6 +449,10 @@ fn run<M: ModelSpec>(
         losses.push(step()?);
         Ok(())
     })? * 1e3;
+    let host_after = match &streamer {
+        Some(s) => s.report()?.host,
+        None => Default::default(),
+    };
     sampling.store(false, Ordering::Relaxed);
     let driver_peak = sampler.join().unwrap_or(0);
     let per_step = |n: u64| n as f64 / 3.0;
@@ -497,11 +521,11 @@ fn run<M: ModelSpec>(
         // each pass's own time (the passes no longer overlap at their boundary).
         let before = streamer.as_ref().map(|s| s.report()).transpose()?;
         let t = std::time::Instant::now();
-        let (noise, tt) = draw(10_000)?;
-        let (xt, target, t_in) = pair(&noise, tt)?;
         cuda.synchronize()?;
         let t0 = t.elapsed().as_secs_f64();
-        let out = model.predict(&xt, &t_in, &cond, 1.0)?;
+        // The forward from its inputs' draw (a short wait for the device) on, with the inputs
+        // the step before announced (as a timed step's).
+        let (out, target) = forward()?;
         let loss = weighted_mse(&out, &target, None)?.affine(share, 0.0)?;
         cuda.synchronize()?;
         let t1 = t.elapsed().as_secs_f64();
@@ -553,14 +577,15 @@ fn run<M: ModelSpec>(
                     gib(r.left_out_bytes) / 4.0
                 );
             }
-            let (h, b) = (r.host, host_before);
+            let (h, b) = (host_after, host_before);
             if h.products > b.products {
                 // Per timed step (the warm-up's left out).
                 let per = |a: u64, b: u64| (a - b) as f64 / 3.0;
                 println!(
-                    "host products (the timed steps): {:.1} a step, {} inputs; {:.1} ms/step computing, the model's thread waited {:.1} ms/step for them and spent {:.1} ms/step bringing inputs, {:.1} sending products",
+                    "host products (the timed steps): {:.1} a step, {} inputs ({} of them announced ahead and taken); {:.1} ms/step computing, the model's thread waited {:.1} ms/step for them and spent {:.1} ms/step bringing inputs, {:.1} sending products",
                     per(h.products, b.products),
                     h.inputs - b.inputs,
+                    h.taken_ahead - b.taken_ahead,
                     per(h.compute_us, b.compute_us) / 1e3,
                     per(h.wait_us, b.wait_us) / 1e3,
                     per(h.input_us, b.input_us) / 1e3,

@@ -728,6 +728,15 @@ impl Ticket {
         }
     }
 
+    /// Blocks the calling thread until the copies are done (at once on the CPU backend).
+    pub(crate) fn wait_host(&self) -> crate::Result<()> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Ticket::Cuda(u) => u.wait_host(),
+            _ => Ok(()),
+        }
+    }
+
     /// Whether the copy can still report a duration (a timed GPU copy).
     pub(crate) fn timed(&self) -> bool {
         match self {

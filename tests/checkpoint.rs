@@ -609,11 +609,28 @@ fn bf16_bits(t: &Tensor) -> Vec<u16> {
 /// for bit on `dev`; with the code off they cross as they are. Returns (uploaded, decoded)
 /// bytes of one fetch with the code on.
 fn wire_round_trip(dev: &Device) -> (u64, u64) {
-    let sizes = [1usize, 300, 511, 4095, 4097, 20_001, 70_001, 131_073];
-    let values: Vec<Vec<u16>> = sizes
+    let sizes = [
+        1usize, 300, 511, 4095, 4097, 16_384, 20_001, 49_153, 70_001, 131_073,
+    ];
+    let mut values: Vec<Vec<u16>> = sizes
         .iter()
         .map(|&n| bf16_patterns(n, 0.05, n as u64))
         .collect();
+    // The longest codes: three exponents in all but the fourth of four chunks (2-bit codes),
+    // the 253 others in that one (10-bit codes, the Kraft sum leaving no room for shorter
+    // ones), so its streams take about the 40 words a run may.
+    values.push(
+        (0..4 * 4096)
+            .map(|i: usize| {
+                let e = if i < 3 * 4096 {
+                    118 + i % 3
+                } else {
+                    (121 + i % 253) % 256
+                };
+                (i as u16 & 0x807F) | ((e as u16) << 7)
+            })
+            .collect(),
+    );
     let mut report = (0, 0);
     for code in [true, false] {
         let s = BlockStreamer::new(dev, vec!["blk".into()], 1);
@@ -1317,24 +1334,21 @@ fn check_host_products(dev: &Device) {
         }
         if let Some(s) = &streamer {
             let r = s.report().unwrap();
-            // The blocks the backward leaves for the forward (the first two) bring their
-            // `mod.weight`; the others hold it on the host, their uploads bring the rest.
-            let carried = s.carried().unwrap();
-            assert_eq!(carried, 2);
-            let whole = (2 * 32 * 32 + 64) * 4;
-            let held = r.uploads * whole - r.decoded_bytes;
-            assert!(held > 0 && held % (32 * 32 * 4) == 0, "{r:?}");
+            // Every block holds its `mod.weight` on the host; the uploads bring the rest
+            // (`main`'s weight and both biases).
+            assert_eq!(r.decoded_bytes, r.uploads * (32 * 32 + 64) * 4, "{r:?}");
             assert_eq!(
                 s.host_product_bytes().unwrap(),
-                ((TOY_BLOCKS - carried) * 32 * 32 * 4) as u64
+                (TOY_BLOCKS * 32 * 32 * 4) as u64
             );
-            // One input a step, announced by block 0; a product a held block a forward
-            // (the re-runs take theirs from the log when the few-row outputs are kept).
+            // One input a step, brought over by block 0's product; a product a block a
+            // forward (the re-runs take theirs from the log when the few-row outputs are
+            // kept).
             assert_eq!(r.host.inputs, 2, "{r:?}");
             let reruns = if few && rows == 1 { 0 } else { 1 };
             assert_eq!(
                 r.host.products,
-                2 * (1 + reruns) * (TOY_BLOCKS - carried) as u64,
+                2 * (1 + reruns) * TOY_BLOCKS as u64,
                 "{r:?}"
             );
         }
@@ -1363,6 +1377,69 @@ fn check_host_products(dev: &Device) {
     match toy.loss_with(dev, c, None) {
         Err(Error::Stream(m)) => assert!(m.contains("host"), "{m}"),
         other => panic!("{:?}", other.map(|_| ())),
+    }
+}
+
+/// The toy's host products announced ahead (`BlockStreamer::prepare_products`, between a
+/// step's forward and its backward, as the trainer does): a forward whose conditioning has the
+/// announced values (another tensor) takes the products computed ahead, one with other
+/// values computes its own, and the losses and gradients of three steps are the same bits
+/// as without announcements; an announcement before any weight is held does nothing.
+fn check_products_ahead(dev: &Device) {
+    let conds: Vec<Tensor> = (0..3).map(|k| randn_on(&[1, 32], 70 + k, dev)).collect();
+    let run = |announce: bool| {
+        let (toy, adapters, streamer) = Toy::built(dev, true, true, true);
+        let s = streamer.unwrap();
+        if announce {
+            s.prepare_products(&conds[0]).unwrap();
+        }
+        let mut out = vec![];
+        for (k, c) in conds.iter().enumerate() {
+            let loss = toy.loss_with(dev, c.clone(), None).unwrap();
+            if announce {
+                // The next step's values in a tensor of their own; the third step's announced
+                // wrong.
+                let next = match k {
+                    0 => conds[1].affine(1.0, 0.0).unwrap(),
+                    _ => randn_on(&[1, 32], 90 + k as u64, dev),
+                };
+                s.prepare_products(&next).unwrap();
+            }
+            let g = loss.backward().unwrap();
+            out.push(bits(&loss));
+            for (_, p) in adapters.params().unwrap() {
+                out.push(bits(g.get(&p).unwrap()));
+            }
+        }
+        (out, s.report().unwrap().host)
+    };
+    let (want, plain) = run(false);
+    let (got, ahead) = run(true);
+    assert!(
+        want == got,
+        "the announced run's losses or gradients differ"
+    );
+    assert_eq!((plain.announced, plain.taken_ahead), (0, 0), "{plain:?}");
+    // The first announcement came before the first fetch: no weight was held.
+    assert_eq!((ahead.announced, ahead.taken_ahead), (3, 1), "{ahead:?}");
+    assert_eq!(
+        (ahead.inputs, ahead.products),
+        (plain.inputs, plain.products)
+    );
+}
+
+#[test]
+fn host_products_announced_ahead_are_taken_by_the_forward_of_the_same_values() {
+    check_products_ahead(&CPU);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn host_products_announced_ahead_on_cuda() {
+    #[cfg(feature = "cuda")]
+    {
+        let _one = cuda_alone();
+        check_products_ahead(&Device::cuda(0).expect("a CUDA GPU"));
     }
 }
 

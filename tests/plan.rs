@@ -713,10 +713,10 @@ fn forward_only_weights_leave_the_backward_uploads() {
     }
 }
 
-/// With `Plan::host_products` the modulations of the streamed blocks past the ones the
-/// backward leaves for the forward stay on the host: both passes' uploads leave them out
-/// (fewer bytes a step, a faster step by the time model), the device's memory is planned as
-/// before; FP8 codes are not held (the host products take floating-point weights).
+/// With `Plan::host_products` the modulations of the streamed blocks stay on the host: both
+/// passes' uploads leave them out (fewer bytes a step, a faster step by the time model), the
+/// device's copies are smaller; FP8 codes are not held (the host products take
+/// floating-point weights).
 #[test]
 fn host_products_take_the_modulations_off_the_link() {
     let p = flux_dev(false, false);
@@ -735,8 +735,8 @@ fn host_products_take_the_modulations_off_the_link() {
         host_products: host,
     };
     let (on, off) = (with(true), with(false));
-    // The copies past the carry leave the held weights out: the backward's start holds the
-    // last blocks' copies without them.
+    // The copies leave the held weights out: the backward's start holds the last blocks'
+    // copies without them.
     assert!(
         p.peak(&on) < p.peak(&off),
         "{} against {}",
@@ -745,7 +745,8 @@ fn host_products_take_the_modulations_off_the_link() {
     );
     let carried = flame::stream::carry(&p.reach(&on), 1);
     assert!(carried >= 2, "{carried}");
-    // The forward's uploads lose at least the held weights of the blocks past the carry.
+    // The forward's uploads lose at least the held weights of the blocks it uploads (past
+    // the carry), and the smaller copies let the backward leave more blocks for it.
     let streamed: Vec<&flame::stream::BlockCost> = p
         .blocks
         .iter()
@@ -756,10 +757,11 @@ fn host_products_take_the_modulations_off_the_link() {
         .map(|b| b.forward_only_wire)
         .sum();
     assert!(held > 0);
+    assert!(carried >= flame::stream::carry(&p.reach(&off), 1));
     let (a, b) = (p.streamed_bytes(&on), p.streamed_bytes(&off));
     assert!(
-        b - a >= held && b - a <= 2 * held,
-        "{a} against {b} ({held} held)"
+        b - a >= held,
+        "{a} against {b} ({held} held past the carry)"
     );
     let (t_on, t_off) = (p.step_ms(&on), p.step_ms(&off));
     assert!(t_on < t_off, "{t_on:.1} ms against {t_off:.1}");
@@ -775,9 +777,12 @@ fn host_products_take_the_modulations_off_the_link() {
 }
 
 /// The planner holds the modulations on the host where the host computes them ahead of the
-/// blocks (Flux-dev at 12 GiB: 540.5 ms against 584.2 without, H100, session 30) and leaves
-/// them on the device where it would not (SD3.5-large at 8 GiB: 142 MB of modulations a block
-/// against 2.3 ms of a block's forward; 454.8 ms with them on the host against 374.4 without).
+/// blocks, from the backward before (`DiffusionModel::prepare`): Flux-dev at 12 GiB (540.5
+/// ms against 584.2 without, H100, session 30) and SD3.5-large at 8 GiB (142 MB of
+/// modulations a block against 2.3 ms of a block's forward: with the products computed as
+/// the forward ran, 454.8 ms against 374.4 without, session 30; computed during the backward
+/// before, 333.6 ms against 425.3, session 32). `tests` in `stream::plan` hold the case the
+/// host cannot keep up with.
 #[test]
 fn the_planner_holds_the_modulations_on_the_host_where_the_host_keeps_up() {
     use flame::models::sd3::{Sd3, Sd3Config};
@@ -802,7 +807,7 @@ fn the_planner_holds_the_modulations_on_the_host_where_the_host_keeps_up() {
     )
     .unwrap();
     let bf = flux_dev(false, false);
-    for (profile, gb, host) in [(&bf, 12.0, true), (&sd3, 8.0, false)] {
+    for (profile, gb, host) in [(&bf, 12.0, true), (&sd3, 8.0, true)] {
         let p = profile.plan((gb * GIB) as u64).unwrap().plan;
         assert_eq!(p.host_products, host, "{gb} GiB: {p}");
         let flipped = Plan {

@@ -1019,3 +1019,36 @@ fn every_adapter_kind_trains_and_resumes_exactly() {
         std::fs::remove_dir_all(&b).ok();
     }
 }
+
+/// Streamed blocks with their conditioning products on the host: each micro-batch's inputs
+/// are fetched and announced to the model during the micro-batch before
+/// (`DiffusionModel::prepare`); the run takes the same batches and timesteps as without
+/// (the same losses, bit for bit, as with the products on the device) and resumes exactly.
+#[test]
+fn announced_micro_batches_train_as_read_in_turn_and_resume_exactly() {
+    let cfg_for = |name: &str, host: bool| {
+        let dir = temp(name);
+        let mut cfg = TrainConfig::from_file(tiny(&dir, 6, "")).unwrap();
+        cfg.train.grad_accum = 2;
+        cfg.memory.checkpointing = "all".into();
+        cfg.memory.stream_blocks = 2;
+        cfg.memory.prefetch = 1;
+        cfg.memory.host_products = host;
+        cfg
+    };
+    let plain = cfg_for("announce-off", false);
+    run_with(&plain, fresh()).unwrap();
+    let want = losses(&plain.train.output_dir);
+    assert_eq!(want.len(), 6);
+    let cfg = cfg_for("announce-on", true);
+    run_with(&cfg, fresh()).unwrap();
+    assert_eq!(losses(&cfg.train.output_dir), want);
+    let b = cfg_for("announce-resumed", true);
+    let stop = RunOptions {
+        stop_at: Some(3),
+        ..Default::default()
+    };
+    assert_eq!(run_with(&b, stop).unwrap().0, RunEnd::Stopped(3));
+    run_with(&b, resume()).unwrap();
+    assert_eq!(losses(&b.train.output_dir), want);
+}

@@ -114,6 +114,17 @@ pub trait DiffusionModel: Send + Sync {
     /// order (each (B, ...)) and the guidance scale of guidance-distilled models (others
     /// ignore it). Returns (B, C, H, W).
     fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], guidance: f64) -> Result<Tensor>;
+    /// Announces the inputs of a coming `predict` (`xt` may be any latents of its shape and
+    /// dtype: the conditioning depends on `t`, `cond` and `guidance` only). A model whose
+    /// streamed blocks compute their conditioning products on the host
+    /// (`memory.host_products`) starts them now, so the forward finds them done (a trainer
+    /// calls this between one step's forward and its backward, which leaves the host idle);
+    /// that forward compares its conditioning with the announced one bit for bit, so a
+    /// wrong announcement costs time, never values. Nothing by default.
+    fn prepare(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], guidance: f64) -> Result<()> {
+        let _ = (xt, t, cond, guidance);
+        Ok(())
+    }
     /// Whether `predict` reads its `guidance` argument (guidance-distilled models: Flux dev).
     fn guidance_input(&self) -> bool {
         false

@@ -87,6 +87,16 @@ impl BlockExec {
         }
     }
 
+    /// Announces the conditioning activation `x` of a coming forward to the streamer, which
+    /// computes the products of the weights it holds on the host ahead
+    /// (`BlockStreamer::prepare_products`); nothing without a streamer.
+    pub fn prepare_products(&self, x: &Tensor) -> Result<()> {
+        match &self.streamer {
+            Some(s) => s.prepare_products(x),
+            None => Ok(()),
+        }
+    }
+
     /// Runs block `prefix`, the `index`-th in execution order, as `f(inputs)`.
     pub fn run<F>(&self, prefix: &str, index: usize, inputs: &[Tensor], f: F) -> Result<Vec<Tensor>>
     where

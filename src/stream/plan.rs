@@ -64,7 +64,7 @@ pub struct BlockCost {
     pub decode_bytes: u64,
     /// Bytes of its weights that only the forward reads under `Keep::few_rows` (Linears over
     /// the conditioning vector, `BlockShape::conditioned`), as stored: the backward's uploads
-    /// leave them out, and with `Plan::host_products` both passes' (past the carry).
+    /// leave them out, and with `Plan::host_products` both passes'.
     pub forward_only_bytes: u64,
     /// The same weights' bytes on the host link (coded or not), and of those coded.
     pub forward_only_wire: u64,
@@ -275,11 +275,10 @@ pub mod cost_model {
     /// the cap's arena and held 7.01 GiB on the driver).
     pub const NEAR: f64 = 0.01;
     /// The host's rate at the products of weights it holds (`Plan::host_products`), GiB of
-    /// weights a second: an f32 sum over each weight's values, bound by the host's memory,
-    /// which the link's copies read at the same time. Session 30 measured 235-265 ms a step
-    /// for 5.2-5.8 GiB of Flux-dev's modulations (H100 machine, 16 cores, every streamed
-    /// block's products on the host).
-    pub const HOST_PRODUCT_GIB_PER_S: f64 = 21.0;
+    /// weights a second: an f32 sum over each weight's values on a pool of one thread a core,
+    /// bound by the host's memory. Session 32 measured 106-141 ms a step for Flux-dev's 5.2
+    /// GiB of modulations at 12 GiB (H100 machine, 16 cores: 37-49 GiB/s).
+    pub const HOST_PRODUCT_GIB_PER_S: f64 = 35.0;
 }
 
 /// The streamed blocks' device copies under a plan (`MemoryProfile::layout`).
@@ -293,9 +292,9 @@ struct Layout {
 
 impl MemoryProfile {
     /// Bytes of streamed block `b`'s weights held in host memory under `plan` (as stored, on
-    /// the link, coded) when it is not one the backward leaves for the forward: its
-    /// forward-only weights with `Plan::host_products`, unless they are FP8 codes (the host
-    /// products take floating-point weights).
+    /// the link, coded): its forward-only weights with `Plan::host_products`, unless they are
+    /// FP8 codes (the host products take floating-point weights). Their products are
+    /// computed from the start of the backward before each forward (`DiffusionModel::prepare`).
     fn host_held(plan: &Plan, b: &BlockCost) -> (u64, u64, u64) {
         if plan.host_products && b.decode_bytes == 0 {
             (
@@ -335,7 +334,10 @@ impl MemoryProfile {
     /// and the last `prefetch + 1` at the backward's (each pass leaves the blocks the next
     /// begins with). Offloaded inputs go out
     /// on the other direction of the link (the next checkpointed block waits for the copy) and come back
-    /// a block ahead in the backward, sharing the link with the weights.
+    /// a block ahead in the backward, sharing the link with the weights. The products of
+    /// weights held on the host run in block order from the start of the backward before
+    /// (a steady step: that backward is as long as this one's), and a block waits for its
+    /// own.
     pub fn step_ms(&self, plan: &Plan) -> f64 {
         use cost_model::*;
         const GIB: f64 = (1u64 << 30) as f64;
@@ -365,7 +367,7 @@ impl MemoryProfile {
         // A streamed block's bytes on the link, coded or not, and of those coded: the
         // backward's uploads leave out what only the forward reads (`Keep::few_rows`).
         // Weights held on the host for their products never cross.
-        let upload_bytes = |b: &BlockCost, left_out: bool, held: bool| {
+        let upload_bytes = |b: &BlockCost, left_out: bool| {
             let (all, only) = if plan.wire_code {
                 (b.wire_bytes, b.forward_only_wire)
             } else {
@@ -373,7 +375,7 @@ impl MemoryProfile {
             };
             let coded = if plan.wire_code { b.coded_bytes } else { 0 };
             let (host, host_wire, host_coded) = Self::host_held(plan, b);
-            if held && host > 0 {
+            if host > 0 {
                 let held = if plan.wire_code { host_wire } else { host };
                 let held_coded = if plan.wire_code { host_coded } else { 0 };
                 return (all.saturating_sub(held), coded.saturating_sub(held_coded));
@@ -429,7 +431,7 @@ impl MemoryProfile {
             for k in ks {
                 if ready[k].is_none() {
                     let b = &self.blocks[order[k]];
-                    let (bytes, coded) = upload_bytes(b, leaves_out(backward, k), k >= carried);
+                    let (bytes, coded) = upload_bytes(b, leaves_out(backward, k));
                     if plan.wire_code {
                         *link = link.max(*gate) + link_ms(bytes);
                         *gate = t;
@@ -444,96 +446,100 @@ impl MemoryProfile {
             }
             t.max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK + decodes
         };
-        // Compute clock, link clock (host to device), the other direction's clock (its last
-        // copy out, which the next checkpointed block's packing waits for).
-        let (mut t, mut link, mut down) = (0.0f64, 0.0f64, 0.0f64);
-        // When the ring last had room (coded uploads).
-        let mut gate = 0.0f64;
-        // The backward left the first `carried` streamed blocks on the device.
-        let mut ready: Vec<Option<f64>> = vec![None; m];
-        for r in ready.iter_mut().take(carried) {
-            *r = Some(0.0);
-        }
-        let mut overhead = 0.0;
-        // The host computes the held weights' products in execution order from the first
-        // streamed block's entry (its conditioning Linear, or the first held one, brings the
-        // input over); a block runs once its own are done.
-        let mut host = 0.0f64;
-        for i in 0..n {
-            if offload(i) {
-                // The block's inputs are packed once the previous copy out is done.
-                t = t.max(down);
+        // One step from the forward's start: the forward's end and the step's. The host
+        // computes the held weights' products in execution order from `lead` before the
+        // forward (the backward before, which announced its input); a block runs once its
+        // own are done.
+        let play = |lead: f64| -> (f64, f64) {
+            // Compute clock, link clock (host to device), the other direction's clock (its last
+            // copy out, which the next checkpointed block's packing waits for).
+            let (mut t, mut link, mut down) = (0.0f64, 0.0f64, 0.0f64);
+            let mut host = -lead;
+            // When the ring last had room (coded uploads).
+            let mut gate = 0.0f64;
+            // The backward left the first `carried` streamed blocks on the device.
+            let mut ready: Vec<Option<f64>> = vec![None; m];
+            for r in ready.iter_mut().take(carried) {
+                *r = Some(0.0);
             }
-            if is_streamed[i] {
-                let j = place[i];
-                t = enter(
-                    &mut ready,
-                    &mut link,
-                    &mut gate,
-                    t,
-                    j,
-                    false,
-                    &mut (j..=reach[j]),
-                );
-                if j == 0 {
-                    host = t;
+            let mut overhead = 0.0;
+            for i in 0..n {
+                if offload(i) {
+                    // The block's inputs are packed once the previous copy out is done.
+                    t = t.max(down);
                 }
-                let held = Self::host_held(plan, &self.blocks[i]).0;
-                if j >= carried && held > 0 {
-                    host += held as f64 / GIB / HOST_PRODUCT_GIB_PER_S * 1e3;
-                    t = t.max(host);
+                if is_streamed[i] {
+                    let j = place[i];
+                    t = enter(
+                        &mut ready,
+                        &mut link,
+                        &mut gate,
+                        t,
+                        j,
+                        false,
+                        &mut (j..=reach[j]),
+                    );
+                    let held = Self::host_held(plan, &self.blocks[i]).0;
+                    if held > 0 {
+                        host += held as f64 / GIB / HOST_PRODUCT_GIB_PER_S * 1e3;
+                        t = t.max(host);
+                    }
+                }
+                t += FORWARD * share(i) + self.decode_ms(&self.blocks[i]);
+                if offload(i) {
+                    down = down.max(t) + link_ms(self.blocks[i].input_bytes);
+                    overhead += OFFLOAD_MS_PER_GIB * 2.0 * self.blocks[i].input_bytes as f64 / GIB;
                 }
             }
-            t += FORWARD * share(i) + self.decode_ms(&self.blocks[i]);
-            if offload(i) {
-                down = down.max(t) + link_ms(self.blocks[i].input_bytes);
-                overhead += OFFLOAD_MS_PER_GIB * 2.0 * self.blocks[i].input_bytes as f64 / GIB;
+            let forward = t;
+            // The backward: the last `prefetch + 1` streamed blocks stay from the forward;
+            // offloaded inputs come back one checkpointed block ahead.
+            let mut ready: Vec<Option<f64>> = vec![None; m];
+            for r in ready
+                .iter_mut()
+                .skip(m.saturating_sub(ahead.saturating_add(1)))
+            {
+                *r = Some(t);
             }
-        }
-        // The backward: the last `prefetch + 1` streamed blocks stay from the forward;
-        // offloaded inputs come back one checkpointed block ahead.
-        let mut ready: Vec<Option<f64>> = vec![None; m];
-        for r in ready
-            .iter_mut()
-            .skip(m.saturating_sub(ahead.saturating_add(1)))
-        {
-            *r = Some(t);
-        }
-        let mut inputs: Vec<Option<f64>> = vec![None; n];
-        let upload_input = |i: usize, link: &mut f64, t: f64, inputs: &mut Vec<Option<f64>>| {
-            if offload(i) && inputs[i].is_none() {
-                *link = link.max(t) + link_ms(self.blocks[i].input_bytes);
-                inputs[i] = Some(*link);
+            let mut inputs: Vec<Option<f64>> = vec![None; n];
+            let upload_input = |i: usize, link: &mut f64, t: f64, inputs: &mut Vec<Option<f64>>| {
+                if offload(i) && inputs[i].is_none() {
+                    *link = link.max(t) + link_ms(self.blocks[i].input_bytes);
+                    inputs[i] = Some(*link);
+                }
+            };
+            for i in (0..n).rev() {
+                upload_input(i, &mut link, t, &mut inputs);
+                if let Some(prev) = (0..i).rev().find(|&p| offload(p)) {
+                    upload_input(prev, &mut link, t, &mut inputs);
+                }
+                if is_streamed[i] {
+                    let j = place[i];
+                    t = enter(
+                        &mut ready,
+                        &mut link,
+                        &mut gate,
+                        t,
+                        j,
+                        true,
+                        &mut (j.saturating_sub(ahead)..=j).rev(),
+                    );
+                }
+                if let Some(r) = inputs[i] {
+                    t = t.max(r);
+                }
+                let decode = self.decode_ms(&self.blocks[i]);
+                t += (1.0 - FORWARD) * share(i) + decode;
+                if ck[i] {
+                    let d = skipped(i);
+                    t += (rate - DOWN_SAVED * FORWARD * d) * share(i) + decode * (1.0 - d);
+                }
             }
+            (forward, t + overhead)
         };
-        for i in (0..n).rev() {
-            upload_input(i, &mut link, t, &mut inputs);
-            if let Some(prev) = (0..i).rev().find(|&p| offload(p)) {
-                upload_input(prev, &mut link, t, &mut inputs);
-            }
-            if is_streamed[i] {
-                let j = place[i];
-                t = enter(
-                    &mut ready,
-                    &mut link,
-                    &mut gate,
-                    t,
-                    j,
-                    true,
-                    &mut (j.saturating_sub(ahead)..=j).rev(),
-                );
-            }
-            if let Some(r) = inputs[i] {
-                t = t.max(r);
-            }
-            let decode = self.decode_ms(&self.blocks[i]);
-            t += (1.0 - FORWARD) * share(i) + decode;
-            if ck[i] {
-                let d = skipped(i);
-                t += (rate - DOWN_SAVED * FORWARD * d) * share(i) + decode * (1.0 - d);
-            }
-        }
-        t + overhead
+        // A steady step: the backward before is as long as this one's.
+        let (forward, step) = play(0.0);
+        play(step - forward).1
     }
 
     /// The predicted cost of a step under `plan` beyond the resident step, as a fraction of
@@ -616,19 +622,15 @@ impl MemoryProfile {
     }
 
     /// The streamed blocks' device copies under `plan` and where they fit: each upload
-    /// takes its own block's bytes (`BlockStreamer`), which past the carry leave out
-    /// the weights held on the host (`host_held`), so the heaviest moment is found place by
-    /// place: at the backward's place `j` the blocks up to it still hold their checkpoints
-    /// (`held_bytes`) while block `j` and the `prefetch` before it are on the device; at its
-    /// start everything is held beside the last `prefetch + 1`. The forward's reach at each
-    /// place takes the blocks that fit in what that heaviest moment sets aside less what
-    /// the blocks up to it hold, and the backward leaves no more of the first blocks than
-    /// fit there. The carry decides which blocks keep their held weights on the device (and
-    /// so their sizes), so the layout is worked out again from a larger carry until the
-    /// carry it finds is no larger than the one it assumed; where it is smaller, the blocks
-    /// between keep their assumed larger sizes (the peak over-predicted, never under). The
-    /// cap on the first place's reach that holds the carry to its bytes also stops that
-    /// place's forward fetching deeper.
+    /// takes its own block's bytes (`BlockStreamer`), which leave out the weights held on
+    /// the host (`host_held`), so the heaviest moment is found place by place: at the
+    /// backward's place `j` the blocks up to it still hold their checkpoints (`held_bytes`)
+    /// while block `j` and the `prefetch` before it are on the device; at its start
+    /// everything is held beside the last `prefetch + 1`. The forward's reach at each place
+    /// takes the blocks that fit in what that heaviest moment sets aside less what the
+    /// blocks up to it hold, and the backward leaves no more of the first blocks than fit
+    /// there. The cap on the first place's reach that holds the carry to its bytes also
+    /// stops that place's forward fetching deeper.
     fn layout(&self, plan: &Plan) -> Layout {
         let n = self.blocks.len();
         let is_streamed: Vec<bool> = self
@@ -660,72 +662,57 @@ impl MemoryProfile {
             })
             .collect();
         let taken: Vec<u64> = streamed.iter().map(|&i| upto[i]).collect();
-        let full: Vec<u64> = streamed
-            .iter()
-            .map(|&i| self.blocks[i].weight_bytes)
-            .collect();
-        let lean: Vec<u64> = streamed
+        let sizes: Vec<u64> = streamed
             .iter()
             .map(|&i| {
                 let b = &self.blocks[i];
                 b.weight_bytes.saturating_sub(Self::host_held(plan, b).0)
             })
             .collect();
-        let deep = plan.deep_prefetch && !self.saves_activations(plan);
-        let mut assumed = (ahead + 1).min(m);
-        loop {
-            let sizes: Vec<u64> = (0..m)
-                .map(|k| if k < assumed { full[k] } else { lean[k] })
-                .collect();
-            let sum = |a: usize, b: usize| sizes[a..=b].iter().sum::<u64>();
-            // The heaviest moment of the backward: held bytes and streamed blocks together.
-            let peak = (0..m)
-                .map(|j| {
-                    let h = if j + 1 == m { total } else { taken[j] };
-                    h + sum(j.saturating_sub(ahead), j)
-                })
-                .max()
-                .unwrap_or(total);
-            if !deep {
-                return Layout {
-                    reach: shallow,
-                    held: peak,
-                };
-            }
-            // What place j may have on the device: the peak's set-aside less what is held.
-            let room: Vec<u64> = (0..m)
-                .map(|j| peak.saturating_sub(taken[j]).max(sum(j, shallow[j])))
-                .collect();
-            let mut reach = vec![0usize; m];
-            let mut limit = usize::MAX;
-            for j in (0..m).rev() {
-                let mut own = j;
-                let mut bytes = sizes[j];
-                while own + 1 < m && bytes + sizes[own + 1] <= room[j] {
-                    own += 1;
-                    bytes += sizes[own];
-                }
-                limit = limit.min(own.max(j + ahead));
-                reach[j] = limit.min(m - 1).max(shallow[j]);
-            }
-            // The most first blocks the backward may leave, in bytes: at each place below
-            // them, those from it (and the `prefetch` fetched below it) up to the last fit
-            // its room. The count the streamer works out from the reach (`carry`) is held
-            // to it through the first place's reach.
-            let fits =
-                |c: usize| (0..c).all(|j| full[j - ahead.min(j)..c].iter().sum::<u64>() <= room[j]);
-            let most = (ahead + 1..=m)
-                .take_while(|&c| fits(c))
-                .last()
-                .unwrap_or(ahead + 1)
-                .min(m);
-            reach[0] = reach[0].min((most - 1).max(shallow[0]));
-            let carried = carry(&reach, ahead);
-            if carried <= assumed {
-                return Layout { reach, held: peak };
-            }
-            assumed = carried;
+        let sum = |a: usize, b: usize| sizes[a..=b].iter().sum::<u64>();
+        // The heaviest moment of the backward: held bytes and streamed blocks together.
+        let peak = (0..m)
+            .map(|j| {
+                let h = if j + 1 == m { total } else { taken[j] };
+                h + sum(j.saturating_sub(ahead), j)
+            })
+            .max()
+            .unwrap_or(total);
+        if !plan.deep_prefetch || self.saves_activations(plan) {
+            return Layout {
+                reach: shallow,
+                held: peak,
+            };
         }
+        // What place j may have on the device: the peak's set-aside less what is held.
+        let room: Vec<u64> = (0..m)
+            .map(|j| peak.saturating_sub(taken[j]).max(sum(j, shallow[j])))
+            .collect();
+        let mut reach = vec![0usize; m];
+        let mut limit = usize::MAX;
+        for j in (0..m).rev() {
+            let mut own = j;
+            let mut bytes = sizes[j];
+            while own + 1 < m && bytes + sizes[own + 1] <= room[j] {
+                own += 1;
+                bytes += sizes[own];
+            }
+            limit = limit.min(own.max(j + ahead));
+            reach[j] = limit.min(m - 1).max(shallow[j]);
+        }
+        // The most first blocks the backward may leave, in bytes: at each place below them,
+        // those from it (and the `prefetch` fetched below it) up to the last fit its room.
+        // The count the streamer works out from the reach (`carry`) is held to it through
+        // the first place's reach.
+        let fits =
+            |c: usize| (0..c).all(|j| sizes[j - ahead.min(j)..c].iter().sum::<u64>() <= room[j]);
+        let most = (ahead + 1..=m)
+            .take_while(|&c| fits(c))
+            .last()
+            .unwrap_or(ahead + 1)
+            .min(m);
+        reach[0] = reach[0].min((most - 1).max(shallow[0]));
+        Layout { reach, held: peak }
     }
 
     /// The predicted peak bytes of a step under `plan` (see the module docs).
@@ -780,31 +767,29 @@ impl MemoryProfile {
     /// Bytes copied from host memory per step under `plan`, in a steady run: the forward
     /// uploads every streamed block but the first `carry` (`prefetch + 1` unless
     /// `deep_prefetch`) and the backward every one but the last `prefetch + 1` (each pass
-    /// leaves those for the next).
+    /// leaves those for the next); weights held on the host never cross.
     pub fn streamed_bytes(&self, plan: &Plan) -> u64 {
-        // Each streamed block's bytes on the link, and of those what it holds on the host
-        // once past the carry.
-        let (sizes, held): (Vec<u64>, Vec<u64>) = self
+        // Each streamed block's bytes on the link, less what it holds on the host.
+        let sizes: Vec<u64> = self
             .blocks
             .iter()
             .filter(|b| plan.streamed.contains(&b.prefix))
             .map(|b| {
                 let (host, host_wire, _) = Self::host_held(plan, b);
                 if plan.wire_code {
-                    (b.wire_bytes, host_wire)
+                    b.wire_bytes.saturating_sub(host_wire)
                 } else {
-                    (b.weight_bytes, host)
+                    b.weight_bytes.saturating_sub(host)
                 }
             })
-            .unzip();
+            .collect();
         let (m, kept) = (sizes.len(), plan.prefetch.max(1).saturating_add(1));
         if m <= kept {
             return 0;
         }
         // At least `kept` (every place holds that many), at most `m`.
         let carried = carry(&self.reach(plan), plan.prefetch.max(1));
-        let bytes = |k: usize| sizes[k].saturating_sub(if k >= carried { held[k] } else { 0 });
-        (carried..m).map(bytes).sum::<u64>() + (0..m - kept).map(bytes).sum::<u64>()
+        sizes[carried..].iter().sum::<u64>() + sizes[..m - kept].iter().sum::<u64>()
     }
 
     /// Block prefixes in the order the planner streams them: the smallest blocks first,
@@ -1176,10 +1161,9 @@ mod tests {
         // Other weights 50, adapters and their gradients 40, optimizer 40, fixed 30; the
         // re-run's tape 200 and its inputs' gradients 20.
         assert_eq!(p.peak(&all), 50 + 40 + 40 + 30 + 620 + 220);
-        // Weights held on the host past the carry (the first two, `prefetch + 1`) leave
-        // the later copies: four blocks of 100 holding 60 each, 40 of each block's bytes
-        // read only by the forward. At the backward's start 240 are held beside b.2 and
-        // b.3 without theirs (120): 360, against 440 with them.
+        // Weights held on the host leave every copy: four blocks of 100 holding 60 each, 40
+        // of each block's bytes read only by the forward. At the backward's start 240 are
+        // held beside b.2 and b.3 without theirs (120): 360, against 440 with them.
         let mut p = profile();
         p.blocks.truncate(4);
         for b in &mut p.blocks {
@@ -1196,17 +1180,74 @@ mod tests {
             ..off.clone()
         };
         assert_eq!(p.peak(&off) - p.peak(&on), 80);
-        // Fetching deeper: place 0 has 360 - 60 = 300 for b.0-b.2 (100 + 100 + 60) and
-        // place 1 has 240 for b.1-b.3. Three carried blocks would keep their 40 each on the
-        // device, and the backward at place 1 would hold b.0-b.2 whole (300 > 240): the
-        // first reach is cut so that two are carried.
+        // Fetching deeper: place 0 has 360 - 60 = 300 for the four copies (240): the
+        // forward starts with all four, the peak unchanged, and the backward leaves three
+        // (at place 1 it holds b.1-b.3 and fetches b.0, one more than the forward holds
+        // there). With their weights whole (100 each), place 0 has 440 - 60 = 380, not the
+        // 400 of four copies.
         let deep = Plan {
             deep_prefetch: true,
             ..on.clone()
         };
-        assert_eq!(p.reach(&deep), vec![1, 3, 3, 3]);
-        assert_eq!(carry(&p.reach(&deep), 1), 2);
+        assert_eq!(p.reach(&deep), vec![3, 3, 3, 3]);
+        assert_eq!(carry(&p.reach(&deep), 1), 3);
         assert_eq!(p.peak(&deep), p.peak(&on));
+        let whole = Plan {
+            deep_prefetch: true,
+            ..off.clone()
+        };
+        assert_eq!(p.reach(&whole), vec![2, 3, 3, 3]);
+        assert_eq!(p.peak(&whole), p.peak(&off));
+    }
+
+    /// The products of weights held on the host start with the backward before the forward
+    /// that needs them: where the host finishes them in that time the forward waits for
+    /// none and the step is shorter than with those weights on the link; where they take
+    /// the host far longer than the backward (nearly all of each block's bytes read only by
+    /// the forward, the backward's uploads small), the forward waits for them and the
+    /// weights are better on the link.
+    #[test]
+    fn host_products_count_their_time_against_the_backward_before() {
+        const GIB: u64 = 1 << 30;
+        let with = |forward_only: u64| MemoryProfile {
+            blocks: (0..4)
+                .map(|i| BlockCost {
+                    prefix: format!("b.{i}"),
+                    weight_bytes: 4 * GIB,
+                    wire_bytes: 4 * GIB,
+                    coded_bytes: 0,
+                    input_bytes: 10 << 20,
+                    saved_bytes: GIB,
+                    attention_bytes: 0,
+                    down_bytes: 0,
+                    down_weight_bytes: 0,
+                    compute: 1.0,
+                    decode_bytes: 0,
+                    forward_only_bytes: forward_only,
+                    forward_only_wire: forward_only,
+                    forward_only_coded: 0,
+                })
+                .collect(),
+            other_weight_bytes: 0,
+            trainable_bytes: 0,
+            optimizer_bytes: 0,
+            fixed_bytes: 0,
+        };
+        let plan = |host: bool| Plan {
+            checkpointing: Checkpointing::All,
+            streamed: (0..4).map(|i| format!("b.{i}")).collect(),
+            prefetch: 1,
+            keep: Keep {
+                few_rows: true,
+                ..Keep::NONE
+            },
+            host_products: host,
+            ..Plan::default()
+        };
+        let p = with(GIB);
+        assert!(p.step_ms(&plan(true)) < p.step_ms(&plan(false)));
+        let p = with(4 * GIB - (64 << 20));
+        assert!(p.step_ms(&plan(true)) > p.step_ms(&plan(false)));
     }
 
     /// A prefetch past the last block (up to `usize::MAX`) fetches them all, as one of the

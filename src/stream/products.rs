@@ -23,6 +23,15 @@
 //! every block (a checkpoint's re-run gets a view of the same buffer). The products are
 //! kept until another input comes; the input's handle is kept with them, so its buffer
 //! cannot be reused for other values while they are.
+//!
+//! A step's forward runs while the host link brings the blocks' weights, and the products
+//! share the host's memory with those copies: on the H100 machine the forward waited 60-87
+//! ms a step for them. The backward leaves both idle for longer. So the input of the next
+//! forward may be announced ahead (`prepare`, through `DiffusionModel::prepare`): it is
+//! copied to the host once the device has computed it and its products are computed while
+//! the backward runs. The forward that takes an input of the same values (compared bit for
+//! bit once it reaches the host) takes those products; any other input is computed as
+//! before, so a wrong announcement costs time, never values.
 
 use crate::{CpuStorage, DType, Error, Result, Tensor};
 use rayon::prelude::*;
@@ -61,16 +70,57 @@ pub struct ProductReport {
     pub input_us: u64,
     /// The model's thread spent sending products back.
     pub transfer_us: u64,
+    /// Inputs announced ahead (`prepare`).
+    pub announced: u64,
+    /// Inputs a forward took whose products were computed (or under way) from an
+    /// announcement: the rest of `inputs` waited for their products in the forward.
+    pub taken_ahead: u64,
+}
+
+/// The products of an input announced ahead of its forward (`HostProducts::prepare`).
+struct Ahead {
+    /// The job's generation.
+    generation: u64,
+    /// The input's values as f32 (rows, in), once they have reached the host.
+    values: Option<Arc<Vec<f32>>>,
+    slots: Vec<Slot>,
 }
 
 #[derive(Default)]
 struct State {
     /// The input whose products `slots` hold, its values as f32 (rows, in).
     input: Option<(Tensor, Arc<Vec<f32>>)>,
-    /// Bumped at each new input: a job for an older one stops.
+    /// Counts the jobs: each takes the next value as its generation.
+    jobs: u64,
+    /// The current input's generation: a job for an older one stops.
     generation: u64,
     slots: Vec<Slot>,
+    /// An announced input's products, until a forward takes them or another comes.
+    ahead: Option<Ahead>,
     report: ProductReport,
+}
+
+impl State {
+    /// Whether the job of `generation` is for the current input or the announced one.
+    fn runs(&self, generation: u64) -> bool {
+        self.generation == generation
+            || self
+                .ahead
+                .as_ref()
+                .is_some_and(|a| a.generation == generation)
+    }
+
+    /// The slots of the job of `generation`: the current input's or the announced one's;
+    /// `None` once neither is (the job stops).
+    fn slots_of(&mut self, generation: u64) -> Option<&mut Vec<Slot>> {
+        if self.generation == generation {
+            return Some(&mut self.slots);
+        }
+        self.ahead
+            .as_mut()
+            .filter(|a| a.generation == generation)
+            .map(|a| &mut a.slots)
+    }
 }
 
 /// The host-held weights of a streamer and their products (see the module docs).
@@ -128,36 +178,104 @@ impl HostProducts {
             .sum())
     }
 
-    /// Starts the products of every held weight for input `x` (rows, in), unless they are
-    /// under way or done: a Linear over the same input whose weight is on the device (a block
-    /// the backward left for the forward) announces it before the held weights' blocks run.
-    pub(crate) fn start(&self, x: &Tensor) -> Result<()> {
+    /// Announces the input `x` (rows, in) of a coming forward: it is copied to the host once
+    /// the device's work so far has computed it (the calling thread does not wait) and the
+    /// products of every held weight of its width are computed on the worker; a forward whose
+    /// input has the same values takes them (see the module docs). Replaces an earlier
+    /// announcement whose input no forward took.
+    pub(crate) fn prepare(&self, x: &Tensor) -> Result<()> {
         let weights: Vec<Arc<HostWeight>> = self.weights.lock().map_err(poisoned)?.clone();
-        if weights.is_empty() || x.requires_grad() || x.rank() != 2 {
+        let (rows, inp) = match x.dims() {
+            &[rows, inp] if rows > 0 => (rows, inp),
+            _ => return Ok(()),
+        };
+        let jobs = jobs_for(&weights, 0, inp);
+        if jobs.is_empty() {
             return Ok(());
         }
-        let mut st = self.state.0.lock().map_err(poisoned)?;
-        self.ensure_input(&mut st, &weights, x, 0)
+        let xf = {
+            let _g = crate::no_grad();
+            x.to_dtype(DType::F32)?.contiguous()?
+        };
+        let (host, ticket) = xf.storage()?.offload(rows * inp, None)?;
+        let (lock, cvar) = &*self.state;
+        let mut st = lock.lock().map_err(poisoned)?;
+        st.jobs += 1;
+        let generation = st.jobs;
+        let mut slots: Vec<Slot> = weights.iter().map(|_| Slot::Empty).collect();
+        for (k, _) in &jobs {
+            slots[*k] = Slot::Pending;
+        }
+        st.ahead = Some(Ahead {
+            generation,
+            values: None,
+            slots,
+        });
+        st.report.announced += 1;
+        let state = self.state.clone();
+        let spawned = std::thread::Builder::new()
+            .name("flame-host-products".into())
+            .spawn(move || {
+                // The input's values on the host; the device buffer is kept until its copy
+                // is done.
+                let values = ticket.wait_host().and_then(|_| host.to_cpu());
+                drop(xf);
+                let values = match values {
+                    Ok(CpuStorage::F32(v)) => Arc::new(v),
+                    _ => {
+                        // No values, no products: a forward computes its own.
+                        let _release = Release(&state, generation);
+                        if let Ok(mut st) = state.0.lock() {
+                            if st
+                                .ahead
+                                .as_ref()
+                                .is_some_and(|a| a.generation == generation)
+                            {
+                                st.ahead = None;
+                            }
+                        }
+                        return;
+                    }
+                };
+                match state.0.lock() {
+                    Ok(mut st) => match st.ahead.as_mut() {
+                        Some(a) if a.generation == generation => a.values = Some(values.clone()),
+                        _ => return,
+                    },
+                    Err(_) => return,
+                }
+                state.1.notify_all();
+                run_jobs(&state, generation, &values, rows, jobs)
+            });
+        if let Err(e) = spawned {
+            st.ahead = None;
+            cvar.notify_all();
+            return Err(Error::Stream(format!(
+                "starting the host products' thread: {e}"
+            )));
+        }
+        Ok(())
     }
 
     /// Makes `x` the input whose products are held: when it is not already, brings it to the
-    /// host and starts the products of the held weights of its width from index `from` on.
-    fn ensure_input(
-        &self,
-        st: &mut MutexGuard<'_, State>,
+    /// host and takes the products announced for the same values (`prepare`), or starts the
+    /// products of the held weights of its width from index `from` on.
+    fn ensure_input<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
         weights: &[Arc<HostWeight>],
         x: &Tensor,
         from: usize,
-    ) -> Result<()> {
+    ) -> Result<MutexGuard<'a, State>> {
         let same = |held: &Tensor| {
             held.same_storage(x) && held.layout() == x.layout() && held.dtype() == x.dtype()
         };
         if st.input.as_ref().is_some_and(|(held, _)| same(held)) {
-            return Ok(());
+            return Ok(st);
         }
         let (rows, inp) = match x.dims() {
             &[rows, inp] if rows > 0 => (rows, inp),
-            _ => return Ok(()),
+            _ => return Ok(st),
         };
         let t0 = std::time::Instant::now();
         let values = {
@@ -166,16 +284,37 @@ impl HostProducts {
         };
         st.report.inputs += 1;
         st.report.input_us += t0.elapsed().as_micros() as u64;
+        // An announced input whose values are still on their way: wait for them (the worker
+        // sets them, or drops the announcement, and notifies).
+        while st.ahead.as_ref().is_some_and(|a| a.values.is_none()) {
+            st = self.state.1.wait(st).map_err(poisoned)?;
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let announced = st
+            .ahead
+            .as_ref()
+            .and_then(|a| a.values.as_ref())
+            .is_some_and(|v| v.len() == values.len() && bits(v) == bits(&values));
+        if announced {
+            if let Some(a) = st.ahead.take() {
+                st.generation = a.generation;
+                st.slots = a.slots;
+                let values = a.values.unwrap_or_else(|| Arc::new(values));
+                st.input = Some((x.clone(), values));
+                st.report.taken_ahead += 1;
+                return Ok(st);
+            }
+        }
+        // Another input than announced: its products are of no use.
+        st.ahead = None;
         let values = Arc::new(values);
-        st.generation += 1;
+        st.jobs += 1;
+        st.generation = st.jobs;
         st.input = Some((x.clone(), values.clone()));
         st.slots = weights.iter().map(|_| Slot::Empty).collect();
-        let jobs: Vec<(usize, Arc<HostWeight>)> = (from..weights.len())
-            .filter(|&k| weights[k].inp == inp)
-            .map(|k| (k, weights[k].clone()))
-            .collect();
+        let jobs = jobs_for(weights, from, inp);
         if jobs.is_empty() {
-            return Ok(());
+            return Ok(st);
         }
         let pending: Vec<usize> = jobs.iter().map(|(k, _)| *k).collect();
         let (state, generation) = (self.state.clone(), st.generation);
@@ -187,7 +326,7 @@ impl HostProducts {
         for k in pending {
             st.slots[k] = Slot::Pending;
         }
-        Ok(())
+        Ok(st)
     }
 
     /// The counters so far.
@@ -236,8 +375,8 @@ impl HostProducts {
             )));
         }
         let (lock, cvar) = &*self.state;
-        let mut st = lock.lock().map_err(poisoned)?;
-        self.ensure_input(&mut st, &weights, x, w)?;
+        let st = lock.lock().map_err(poisoned)?;
+        let mut st = self.ensure_input(st, &weights, x, w)?;
         if st.slots.len() < weights.len() {
             st.slots.resize_with(weights.len(), || Slot::Empty);
         }
@@ -316,8 +455,8 @@ impl Drop for Release<'_> {
             Ok(st) => st,
             Err(p) => p.into_inner(),
         };
-        if st.generation == self.1 {
-            for slot in st.slots.iter_mut() {
+        if let Some(slots) = st.slots_of(self.1) {
+            for slot in slots.iter_mut() {
                 if matches!(slot, Slot::Pending) {
                     *slot = Slot::Empty;
                 }
@@ -327,7 +466,16 @@ impl Drop for Release<'_> {
     }
 }
 
-/// The worker: each job's products in order, while the input is still the current one.
+/// The held weights from index `from` on that take inputs of width `inp`, with their indices.
+fn jobs_for(weights: &[Arc<HostWeight>], from: usize, inp: usize) -> Vec<(usize, Arc<HostWeight>)> {
+    (from..weights.len())
+        .filter(|&k| weights[k].inp == inp)
+        .map(|k| (k, weights[k].clone()))
+        .collect()
+}
+
+/// The worker: each job's products in order, while its input is still the current one or
+/// the announced one.
 fn run_jobs(
     state: &(Mutex<State>, Condvar),
     generation: u64,
@@ -338,9 +486,8 @@ fn run_jobs(
     let _release = Release(state, generation);
     let (lock, cvar) = state;
     for (k, w) in jobs {
-        let current = |st: &MutexGuard<'_, State>| st.generation == generation;
         match lock.lock() {
-            Ok(st) if current(&st) => {}
+            Ok(st) if st.runs(generation) => {}
             _ => return,
         }
         let t = std::time::Instant::now();
@@ -348,10 +495,10 @@ fn run_jobs(
         let us = t.elapsed().as_micros() as u64;
         let Ok(mut st) = lock.lock() else { return };
         st.report.compute_us += us;
-        if !current(&st) {
+        let Some(slots) = st.slots_of(generation) else {
             return;
-        }
-        if let Some(slot) = st.slots.get_mut(k) {
+        };
+        if let Some(slot) = slots.get_mut(k) {
             *slot = Slot::Ready(v);
         }
         cvar.notify_all();

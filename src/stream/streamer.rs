@@ -239,12 +239,6 @@ impl BlockStreamer {
     /// (`Device::room`).
     pub fn set_reach(&self, reach: Vec<usize>) -> Result<()> {
         let mut st = self.lock()?;
-        if st.sealed {
-            // The carry decided which blocks hold their conditioning weights on the host.
-            return Err(Error::Stream(
-                "the reach is set before the first fetch".into(),
-            ));
-        }
         let n = st.blocks.len();
         if reach.len() != n {
             return Err(Error::Stream(format!(
@@ -323,10 +317,9 @@ impl BlockStreamer {
 
     /// As `adopt`, for the weight of key `key`: one whose key ends with one of
     /// `set_host_products`' endings, a floating-point (out, in) weight (FP8 codes are not),
-    /// is held on the host for its products from the first fetch on, unless its block is one
-    /// of the first the backward leaves on the device for the next forward (`set_reach`):
-    /// those blocks begin the forward while the host computes the others' products, and
-    /// their own Linears over the same input start those products.
+    /// is held on the host for its products from the first fetch on. The products of a
+    /// forward's input are computed ahead where it was announced (`prepare_products`);
+    /// otherwise the first block's product brings the input over and starts them all.
     pub fn adopt_key(&self, block: usize, key: &str, t: &Tensor) -> Result<Tensor> {
         let conditioned = self
             .lock()?
@@ -341,22 +334,19 @@ impl BlockStreamer {
         self.adopt_as(block, t, conditioned)
     }
 
-    /// Whether `weight` (read by block `i` on input `x`) is held on the host for its
-    /// products; a conditioning Linear's weight kept on the device (a block the backward
-    /// leaves for the forward) starts the host-held weights' products on `x` instead.
-    fn computes(&self, i: usize, weight: &Tensor, x: &Tensor) -> Result<bool> {
-        if self.products.holds(weight)? {
-            return Ok(true);
-        }
-        let announces = self.lock()?.blocks.get(i).is_some_and(|b| {
-            b.params
-                .iter()
-                .any(|p| p.conditioned && p.tensor.id() == weight.id())
-        });
-        if announces {
-            self.products.start(x)?;
-        }
-        Ok(false)
+    /// Whether `weight` is held on the host for its products.
+    fn computes(&self, weight: &Tensor) -> Result<bool> {
+        self.products.holds(weight)
+    }
+
+    /// Announces the input of the conditioning Linears of a coming forward (the
+    /// activation the model hands every block, `x` (rows, in)): the products of the weights
+    /// held on the host (`set_host_products`) are computed for it from when the device's work
+    /// so far has computed it, without the caller waiting, and a forward whose input has the
+    /// same values takes them instead of waiting for its own (`crate::stream` module
+    /// `products`). Nothing where no weights are held (before the first fetch, too).
+    pub fn prepare_products(&self, x: &Tensor) -> Result<()> {
+        self.products.prepare(x)
     }
 
     /// `x @ weight^T` computed on the host when `weight` is held there
@@ -560,33 +550,30 @@ impl BlockStreamer {
     /// staging ring coded uploads cross into (`crate::device::staging_ring_bytes`: a copy goes
     /// into the ring while the decode stream empties the pieces before it).
     fn seal(&self, st: &mut State) -> Result<()> {
-        let carry = st.carry;
-        for (i, b) in st.blocks.iter_mut().enumerate() {
+        for b in st.blocks.iter_mut() {
             if b.pack.is_some() || b.params.is_empty() {
                 continue;
             }
-            if i >= carry {
-                // The conditioning Linears' weights stay on the host for their products.
-                // The values first: an error leaves the block's weights as they were.
-                let values = b
-                    .params
-                    .iter()
-                    .map(|p| match (&p.host, p.conditioned) {
-                        (Some(h), true) => h.to_cpu().map(Some),
-                        _ => Ok(None),
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let mut kept = Vec::with_capacity(b.params.len());
-                for (p, v) in b.params.drain(..).zip(values) {
-                    match v {
-                        Some(v) => self.products.hold(&p.tensor, v)?,
-                        None => kept.push(p),
-                    }
+            // The conditioning Linears' weights stay on the host for their products. The
+            // values first: an error leaves the block's weights as they were.
+            let values = b
+                .params
+                .iter()
+                .map(|p| match (&p.host, p.conditioned) {
+                    (Some(h), true) => h.to_cpu().map(Some),
+                    _ => Ok(None),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut kept = Vec::with_capacity(b.params.len());
+            for (p, v) in b.params.drain(..).zip(values) {
+                match v {
+                    Some(v) => self.products.hold(&p.tensor, v)?,
+                    None => kept.push(p),
                 }
-                b.params = kept;
-                if b.params.is_empty() {
-                    continue;
-                }
+            }
+            b.params = kept;
+            if b.params.is_empty() {
+                continue;
             }
             let hosts = b
                 .params
@@ -766,7 +753,7 @@ impl CheckpointHooks for BlockHooks {
     fn product(&self, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
         self.streamer.product(weight, x)
     }
-    fn computes(&self, weight: &Tensor, x: &Tensor) -> Result<bool> {
-        self.streamer.computes(self.index, weight, x)
+    fn computes(&self, weight: &Tensor, _x: &Tensor) -> Result<bool> {
+        self.streamer.computes(weight)
     }
 }

@@ -523,8 +523,8 @@ section! {
         /// Streamed blocks' Linears over the conditioning vector (Flux's and SD3's
         /// modulations, a UNet ResNet's time embedding: 27% of Flux-dev's weight bytes, one
         /// row a sample) keep their bf16/f16/f32 weights in host memory for good and compute
-        /// their products on the CPU, ahead, as the forward runs: those weights never cross
-        /// to the GPU. The values match a GPU GEMM's up to the order of the f32 sums. Not with
+        /// their products on the CPU, ahead (each micro-batch's during the backward before
+        /// it): those weights never cross to the GPU. The values match a GPU GEMM's up to the order of the f32 sums. Not with
         /// DoRA or adapters before the blocks (their inputs would need gradients), nor FP8
         /// weights.
         host_products: bool = true,

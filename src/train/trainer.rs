@@ -60,6 +60,9 @@ pub struct Trainer {
     /// Whether any rank was interrupted by the last step (data-parallel training, where all
     /// ranks must stop after the same step).
     stop_all: bool,
+    /// The next micro-batch (its index), fetched during the one before to announce its
+    /// inputs to the model (`announce`).
+    ahead: Option<(usize, Batch)>,
 }
 
 /// Where [`Trainer::open_in`] trains: the device (default: `train.device`'s) and, for
@@ -417,6 +420,7 @@ impl Trainer {
             interrupt: Arc::new(AtomicBool::new(false)),
             dist,
             stop_all: false,
+            ahead: None,
         })
     }
 
@@ -490,6 +494,15 @@ impl Trainer {
         let noise = Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?
             .narrow(0, start, len)?
             .to_dtype(self.dtype)?;
+        let t = self.timesteps(batch, seed)?;
+        self.loss_at(&batch.inputs, &t, &noise)
+    }
+
+    /// The timesteps of this process's rows of `batch`, drawn from `seed` for the whole global
+    /// batch (as `loss` draws them).
+    fn timesteps(&self, batch: &Batch, seed: u64) -> Result<Tensor> {
+        let dims = batch.inputs[0].dims();
+        let b = batch.global;
         let t = match self.model.objective() {
             Objective::FlowMatching => {
                 // Flux's resolution-dependent shift counts 2x2 latent patches as tokens.
@@ -500,7 +513,41 @@ impl Trainer {
             }
             Objective::Ddpm(ddpm) => ddpm.sample_timesteps(b, seed ^ 0x7133, &self.device)?,
         };
-        self.loss_at(&batch.inputs, &t.narrow(0, start, len)?, &noise)
+        t.narrow(0, batch.rows.start, batch.rows.len())
+    }
+
+    /// Micro-batch `m`: the one fetched ahead when it is that one, else read now.
+    fn micro_batch(&mut self, m: usize, part: Part) -> Result<Batch> {
+        let t = &self.config.train;
+        match self.ahead.take() {
+            Some((k, batch)) if k == m => Ok(batch),
+            _ => self.data.batch(
+                m,
+                t.batch_size * part.world,
+                t.seed,
+                part,
+                self.dtype,
+                &self.device,
+            ),
+        }
+    }
+
+    /// Fetches micro-batch `m` and announces its inputs to the model
+    /// (`DiffusionModel::prepare`): called between a micro-batch's forward and its backward
+    /// where the model computes conditioning products on the host
+    /// (`MemoryPlan::host_products`), which it then does during that backward instead of in
+    /// `m`'s forward.
+    fn announce(&mut self, m: usize, part: Part) -> Result<()> {
+        let batch = self.micro_batch(m, part)?;
+        if !batch.inputs.is_empty() {
+            let seed = self.config.train.seed ^ (m as u64 + 1).wrapping_mul(GOLDEN);
+            let t = self.timesteps(&batch, seed)?;
+            let guidance = self.config.model.guidance;
+            self.model
+                .prepare(&batch.inputs[0], &t, &batch.inputs[1..], guidance)?;
+        }
+        self.ahead = Some((m, batch));
+        Ok(())
     }
 
     /// What the model is trained to predict (DDPM models).
@@ -687,8 +734,10 @@ impl Trainer {
     }
 
     fn step_inner(&mut self) -> Result<StepReport> {
-        let t = &self.config.train;
-        let (b, acc, seed) = (t.batch_size, t.grad_accum, t.seed);
+        let (acc, seed, max_skipped) = {
+            let t = &self.config.train;
+            (t.grad_accum, t.seed, t.max_skipped)
+        };
         let lr = self.config.lr_at(self.step);
         self.opt.set_learning_rate(lr);
         let mut grads = Grads::new();
@@ -702,11 +751,11 @@ impl Trainer {
         if let Some(r) = &reducer {
             grads.set_hook(Some(r.clone()));
         }
+        // Host-held conditioning products are computed ahead, during the backward before.
+        let announce = self.memory.plan.host_products && self.memory.plan.stream_blocks > 0;
         for micro in 0..acc {
             let m = self.step * acc + micro;
-            let batch = self
-                .data
-                .batch(m, b * part.world, seed, part, self.dtype, &self.device)?;
+            let batch = self.micro_batch(m, part)?;
             files.extend(batch.files.iter().cloned());
             if micro + 1 == acc {
                 // The last backward of the step starts the gradient sums over the ranks.
@@ -730,6 +779,9 @@ impl Trainer {
             // the ranks' sum is the global batch's mean.
             let w = batch.rows.len() as f64 / batch.global.max(1) as f64 / acc as f64;
             let loss = self.loss(&batch, s)?.affine(w, 0.0)?;
+            if announce {
+                self.announce(m + 1, self.part())?;
+            }
             let value = loss.to_scalar_f64()?;
             total += value;
             if !value.is_finite() {
@@ -814,13 +866,13 @@ impl Trainer {
         }
         if let Some(what) = bad {
             let names = files;
-            if self.config.train.on_nonfinite == "stop" || self.skipped_in_row + 1 > t.max_skipped {
+            if self.config.train.on_nonfinite == "stop" || self.skipped_in_row + 1 > max_skipped {
                 let why = if self.config.train.on_nonfinite == "stop" {
                     "train.on_nonfinite = \"stop\"".to_string()
                 } else {
                     format!(
                         "{} steps skipped in a row (train.max_skipped)",
-                        t.max_skipped + 1
+                        max_skipped + 1
                     )
                 };
                 return Err(Error::NonFinite {

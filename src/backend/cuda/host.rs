@@ -72,6 +72,13 @@ type Shared = Arc<CudaEvent>;
 pub struct Upload(Shared, Vec<(CudaEvent, Shared)>, Vec<(CudaEvent, Shared)>);
 
 impl Upload {
+    /// Blocks the calling thread until the last copy or decode is done.
+    pub(crate) fn wait_host(&self) -> Result<()> {
+        self.0
+            .synchronize()
+            .map_err(cuda_err("waiting for a copy on the host"))
+    }
+
     pub(crate) fn timed(&self) -> bool {
         !self.1.is_empty()
     }

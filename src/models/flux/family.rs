@@ -198,6 +198,19 @@ impl DiffusionModel for Flux {
         unpack_latents(&out, h, w)
     }
 
+    fn prepare(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], guidance: f64) -> Result<()> {
+        let [_, pooled] = conds("flux", cond, [3, 2])?;
+        let _g = crate::no_grad();
+        let b = xt.dims().first().copied().unwrap_or(1);
+        let g = if self.config.guidance_embed {
+            Some(Tensor::full(guidance, b, DType::F32, xt.device())?)
+        } else {
+            None
+        };
+        let vec = self.conditioning(xt.dtype(), t, pooled, g.as_ref())?;
+        self.exec.prepare_products(&vec.silu()?)
+    }
+
     /// Flux dev (a `guidance_in` embedder); schnell has none.
     fn guidance_input(&self) -> bool {
         self.config.guidance_embed

@@ -8,7 +8,7 @@ use crate::nn::{
     VarBuilder,
 };
 use crate::stream::BlockExec;
-use crate::{Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 /// Timestep and guidance embeddings: 256 sinusoidal channels (BFL `timestep_embedding`,
 /// `time_factor` 1000, cos first).
@@ -259,6 +259,34 @@ impl Flux {
         })
     }
 
+    /// The conditioning vector `vec` (B, D) in `dtype`: the embeddings of `timesteps` (B,)
+    /// in [0, 1], of `guidance` (B,) for dev, and of the pooled text `y` (B, vec), summed.
+    /// The blocks' modulations take `silu(vec)`.
+    pub fn conditioning(
+        &self,
+        dtype: DType,
+        timesteps: &Tensor,
+        y: &Tensor,
+        guidance: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let time = |t: &Tensor| -> Result<Tensor> {
+            timestep_embedding(t, TIME_DIM, 10_000.0, true, 0.0, TIME_FACTOR)?.to_dtype(dtype)
+        };
+        let mut vec = self.time_in.forward(&time(timesteps)?)?;
+        match (&self.guidance_in, guidance) {
+            (Some(g_in), Some(g)) => vec = vec.add(&g_in.forward(&time(g)?)?)?,
+            (Some(_), None) => {
+                return Err(Error::invalid(
+                    "flux",
+                    "this Flux (dev) needs a guidance input",
+                    timesteps.shape(),
+                ))
+            }
+            (None, _) => {}
+        }
+        vec.add(&self.vector_in.forward(y)?)
+    }
+
     /// img (B, L, in) packed latents, img_ids (L, 3) or (B, L, 3), txt (B, T, context),
     /// txt_ids (T, 3) or (B, T, 3), timesteps (B,) in [0, 1], y (B, vec) pooled text,
     /// guidance (B,) for dev -> (B, L, out).
@@ -277,17 +305,7 @@ impl Flux {
         if img.rank() != 3 || txt.rank() != 3 {
             return bad("img and txt must be (B, N, C)".into(), img);
         }
-        let dtype = img.dtype();
-        let time = |t: &Tensor| -> Result<Tensor> {
-            timestep_embedding(t, TIME_DIM, 10_000.0, true, 0.0, TIME_FACTOR)?.to_dtype(dtype)
-        };
-        let mut vec = self.time_in.forward(&time(timesteps)?)?;
-        match (&self.guidance_in, guidance) {
-            (Some(g_in), Some(g)) => vec = vec.add(&g_in.forward(&time(g)?)?)?,
-            (Some(_), None) => return bad("this Flux (dev) needs a guidance input".into(), img),
-            (None, _) => {}
-        }
-        vec = vec.add(&self.vector_in.forward(y)?)?;
+        let vec = self.conditioning(img.dtype(), timesteps, y, guidance)?;
         let ids = |t: &Tensor| {
             if t.rank() == 2 {
                 t.unsqueeze(0)

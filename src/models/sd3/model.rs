@@ -8,7 +8,7 @@ use crate::nn::{
     VarBuilder,
 };
 use crate::stream::BlockExec;
-use crate::{Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 /// Sinusoidal timestep channels (Stability `TimestepEmbedder`, frequency_embedding_size 256,
 /// cos first, max period 10000).
@@ -287,6 +287,17 @@ impl Sd3 {
             .reshape((1, h * w, d))
     }
 
+    /// The conditioning `c` (B, D) in `dtype`: the embeddings of `timesteps` (B,) in [0,
+    /// 1000) and of the pooled text `y` (B, pooled), summed. The blocks' modulations take
+    /// `silu(c)`.
+    pub fn conditioning(&self, dtype: DType, timesteps: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let t =
+            timestep_embedding(timesteps, TIME_DIM, 10_000.0, true, 0.0, 1.0)?.to_dtype(dtype)?;
+        self.t_embedder
+            .forward(&t)?
+            .add(&self.y_embedder.forward(y)?)
+    }
+
     /// x (B, C, H, W) latents, timesteps (B,) in [0, 1000), context (B, T, context_dim),
     /// y (B, pooled_dim) -> (B, out, H, W).
     pub fn forward(
@@ -312,12 +323,7 @@ impl Sd3 {
             .flatten(2, 3)?
             .transpose(1, 2)?
             .add(&self.cropped_pos_embed(h, w)?.to_dtype(x.dtype())?)?;
-        let t = timestep_embedding(timesteps, TIME_DIM, 10_000.0, true, 0.0, 1.0)?
-            .to_dtype(x.dtype())?;
-        let c = self
-            .t_embedder
-            .forward(&t)?
-            .add(&self.y_embedder.forward(y)?)?;
+        let c = self.conditioning(x.dtype(), timesteps, y)?;
         let mut context = Some(self.context_embedder.forward(context)?);
         let mut x = tokens;
         // Once for every block's modulation (one input for their host-held products).

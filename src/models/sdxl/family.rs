@@ -192,6 +192,25 @@ impl DiffusionModel for Unet {
         self.forward(xt, t, ctx, &y)
     }
 
+    fn prepare(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], _guidance: f64) -> Result<()> {
+        let [_, pooled, time_ids] = conds("sdxl", cond, [3, 2, 2])?;
+        let _g = crate::no_grad();
+        let y = sdxl_vector(
+            pooled,
+            &time_ids.to_dtype(DType::F32)?,
+            self.config.addition_time_embed_dim,
+        )?;
+        // One timestep for the whole batch, as `forward` broadcasts it.
+        let b = xt.dims().first().copied().unwrap_or(1);
+        let t = if t.dims() == [1] && b != 1 {
+            t.broadcast_as(b)?
+        } else {
+            t.clone()
+        };
+        let emb = self.conditioning(xt.dtype(), &t, &y)?;
+        self.exec.prepare_products(&emb.silu()?)
+    }
+
     fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
     }

@@ -6,7 +6,7 @@ use super::SdxlConfig;
 use crate::models::common::outputs;
 use crate::nn::{timestep_embedding, Conv2d, Conv2dConfig, GroupNorm, Linear, VarBuilder};
 use crate::stream::BlockExec;
-use crate::{Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 /// Sinusoidal timestep embedding: max period 10000, cos first, no frequency shift (sgm
 /// `timestep_embedding`; diffusers `Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0)`).
@@ -187,6 +187,31 @@ impl Unet {
 
     /// The noise (or v) prediction: x (B, C, H, W) latents, timesteps (B,) or (1,),
     /// context (B, T, context_dim) text tokens, y (B, adm_in_channels) from [`super::sdxl_vector`].
+    /// The conditioning `emb` (B, time_embed_dim) in `dtype`: the embeddings of `timesteps`
+    /// (B,) and of the vector `y` (B, adm_in_channels), summed. Every ResBlock takes
+    /// `silu(emb)`.
+    pub fn conditioning(&self, dtype: DType, timesteps: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let cast = |t: &Tensor| {
+            if t.dtype() == dtype {
+                Ok(t.clone())
+            } else {
+                t.to_dtype(dtype)
+            }
+        };
+        // Diffusers casts the f32 sinusoids to the sample's dtype (`t_emb.to(sample.dtype)`).
+        let t_emb = timestep_embedding(
+            timesteps,
+            self.config.model_channels,
+            MAX_PERIOD,
+            true,
+            0.0,
+            1.0,
+        )?;
+        self.time_embed
+            .forward(&cast(&t_emb)?)?
+            .add(&self.label_emb.forward(&cast(y)?)?)
+    }
+
     /// Any H x W works: where a level's size was odd, upsampling goes to the skip
     /// connection's size, as diffusers does. Keep timesteps in f32 whatever the model's dtype
     /// (bf16 rounds 901 to 900); their embedding is cast to x's dtype, as in diffusers.
@@ -240,12 +265,7 @@ impl Unet {
         };
         let (context, y) = (cast(context)?, cast(y)?);
 
-        // Diffusers casts the f32 sinusoids to the sample's dtype (`t_emb.to(sample.dtype)`).
-        let t_emb = timestep_embedding(&timesteps, cfg.model_channels, MAX_PERIOD, true, 0.0, 1.0)?;
-        let emb = self
-            .time_embed
-            .forward(&cast(&t_emb)?)?
-            .add(&self.label_emb.forward(&y)?)?;
+        let emb = self.conditioning(dt, &timesteps, &y)?;
         // Every ResBlock applies SiLU to emb before its own projection: done once here.
         let emb = emb.silu()?;
 

@@ -132,6 +132,8 @@ pub trait DiffusionModel: Send + Sync {
     /// Sets how its blocks run (the loader applies `LoadOptions::memory` through it; the
     /// block names are `ModelSpec::block_prefixes_of` of the config).
     fn set_exec(&mut self, exec: BlockExec);
+    /// How its blocks run (`set_exec`'s).
+    fn exec(&self) -> &BlockExec;
 }
 
 /// The smallest checkpoint input the loader's `InputOffload` moves to host memory (smaller

@@ -15,9 +15,10 @@
 //!   backward. The backward's uploads leave out the weights its re-runs showed only the
 //!   forward reads (`autograd::Keep::few_rows`: the modulations over the conditioning
 //!   vector). With `BlockStreamer::set_host_products` those weights (the Linears over the
-//!   conditioning vector, a few rows each) stay in host memory for good, past the first
-//!   blocks the backward leaves for the forward, and their products are computed on the
-//!   host (`products`): they cross the link in neither pass.
+//!   conditioning vector, a few rows each) stay in host memory for good, in every streamed
+//!   block, and their products are computed on the host (`products`), ahead where the next
+//!   forward's input was announced (`BlockStreamer::prepare_products`): they cross the link
+//!   in neither pass.
 //!
 //! A streamed weight is one `Tensor` handle throughout (the model keeps it in its `Linear`);
 //! only the buffer behind it changes: a one-element placeholder while released, the device

@@ -1246,6 +1246,10 @@ mod tests {
         };
         let p = with(GIB);
         assert!(p.step_ms(&plan(true)) < p.step_ms(&plan(false)));
+        // 3 GiB a block: the host's 343 ms of products would hold the forward back past the
+        // link's uploads if they began with it; begun with the backward before, they do not.
+        let p = with(3 * GIB);
+        assert!(p.step_ms(&plan(true)) < p.step_ms(&plan(false)));
         let p = with(4 * GIB - (64 << 20));
         assert!(p.step_ms(&plan(true)) > p.step_ms(&plan(false)));
     }

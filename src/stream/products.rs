@@ -97,6 +97,8 @@ struct State {
     slots: Vec<Slot>,
     /// An announced input's products, until a forward takes them or another comes.
     ahead: Option<Ahead>,
+    /// The page-locked buffer the last announced input crossed into, for the next.
+    spare: Option<crate::device::HostCopy>,
     report: ProductReport,
 }
 
@@ -193,11 +195,14 @@ impl HostProducts {
         if jobs.is_empty() {
             return Ok(());
         }
+        // Its own buffer, whole: the copy takes a buffer's first elements.
         let xf = {
             let _g = crate::no_grad();
-            x.to_dtype(DType::F32)?.contiguous()?
+            x.to_dtype(DType::F32)?.dense()?
         };
-        let (host, ticket) = xf.storage()?.offload(rows * inp, None)?;
+        // The page-locked buffer the last announcement's input crossed into, when free.
+        let spare = self.state.0.lock().map_err(poisoned)?.spare.take();
+        let (host, ticket) = xf.storage()?.offload(rows * inp, spare)?;
         let (lock, cvar) = &*self.state;
         let mut st = lock.lock().map_err(poisoned)?;
         st.jobs += 1;
@@ -216,27 +221,21 @@ impl HostProducts {
         let spawned = std::thread::Builder::new()
             .name("flame-host-products".into())
             .spawn(move || {
+                // Until the values are stored: on any way out (an error, a panic) the
+                // announcement is dropped and a forward waiting for its values computes its
+                // own.
+                let mut unstored = Unstored(&state, generation, true);
                 // The input's values on the host; the device buffer is kept until its copy
                 // is done.
                 let values = ticket.wait_host().and_then(|_| host.to_cpu());
                 drop(xf);
-                let values = match values {
-                    Ok(CpuStorage::F32(v)) => Arc::new(v),
-                    _ => {
-                        // No values, no products: a forward computes its own.
-                        let _release = Release(&state, generation);
-                        if let Ok(mut st) = state.0.lock() {
-                            if st
-                                .ahead
-                                .as_ref()
-                                .is_some_and(|a| a.generation == generation)
-                            {
-                                st.ahead = None;
-                            }
-                        }
-                        return;
-                    }
+                if let Ok(mut st) = state.0.lock() {
+                    st.spare = Some(host);
+                }
+                let Ok(CpuStorage::F32(values)) = values else {
+                    return;
                 };
+                let values = Arc::new(values);
                 match state.0.lock() {
                     Ok(mut st) => match st.ahead.as_mut() {
                         Some(a) if a.generation == generation => a.values = Some(values.clone()),
@@ -244,6 +243,7 @@ impl HostProducts {
                     },
                     Err(_) => return,
                 }
+                unstored.2 = false;
                 state.1.notify_all();
                 run_jobs(&state, generation, &values, rows, jobs)
             });
@@ -346,7 +346,8 @@ impl HostProducts {
 
     /// `x (rows, in) @ weight^T` on the device of `x`, in `x`'s dtype, when `weight` is held
     /// here; `None` otherwise. A new input crosses to the host (a wait for the device's work
-    /// up to it) and starts the products of every held weight of its width from `weight`
+    /// up to it) and takes the products computed for an announced input of the same values
+    /// (`prepare`), or starts the products of every held weight of its width from `weight`
     /// on, in the order they were adopted (execution order), on a worker thread.
     pub(crate) fn product(&self, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
         let weights: Vec<Arc<HostWeight>> = self.weights.lock().map_err(poisoned)?.clone();
@@ -440,6 +441,28 @@ impl HostProducts {
             st.report.transfer_us += t0.elapsed().as_micros() as u64;
         }
         Ok(Some(y))
+    }
+}
+
+/// An announcement's worker before it has stored its input's values (`.2`): on its way out
+/// (an error, a panic) it drops the announcement of its generation (`.1`), so a forward
+/// waiting for those values computes its own products.
+struct Unstored<'a>(&'a (Mutex<State>, Condvar), u64, bool);
+
+impl Drop for Unstored<'_> {
+    fn drop(&mut self) {
+        if !self.2 {
+            return;
+        }
+        let (lock, cvar) = self.0;
+        let mut st = match lock.lock() {
+            Ok(st) => st,
+            Err(p) => p.into_inner(),
+        };
+        if st.ahead.as_ref().is_some_and(|a| a.generation == self.1) {
+            st.ahead = None;
+        }
+        cvar.notify_all();
     }
 }
 

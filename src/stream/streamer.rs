@@ -55,8 +55,7 @@ struct Param {
     /// (put back at the release); `None` while released, or left out of the upload.
     placeholder: Option<Storage>,
     /// A Linear's weight over the conditioning vector (`set_host_products`): held on the
-    /// host for its products from the first fetch on, unless its block is one the backward
-    /// leaves for the forward.
+    /// host for its products from the first fetch on.
     conditioned: bool,
 }
 

@@ -516,6 +516,16 @@ impl Trainer {
         t.narrow(0, batch.rows.start, batch.rows.len())
     }
 
+    /// The counters of the model's block streamer, when blocks are streamed.
+    pub fn stream_report(&self) -> Result<Option<crate::stream::StreamReport>> {
+        self.model
+            .exec()
+            .streamer
+            .as_ref()
+            .map(|s| s.report())
+            .transpose()
+    }
+
     /// Micro-batch `m`: the one fetched ahead when it is that one, else read now.
     fn micro_batch(&mut self, m: usize, part: Part) -> Result<Batch> {
         let t = &self.config.train;
@@ -779,8 +789,13 @@ impl Trainer {
             // the ranks' sum is the global batch's mean.
             let w = batch.rows.len() as f64 / batch.global.max(1) as f64 / acc as f64;
             let loss = self.loss(&batch, s)?.affine(w, 0.0)?;
-            if announce {
-                self.announce(m + 1, self.part())?;
+            if announce && m + 1 < self.config.train.steps * acc {
+                // Best effort: where the announcement fails (the next batch unreadable, no
+                // page-locked memory), that micro-batch reads its data and computes its
+                // products in its own turn, which reports any error that persists.
+                if self.announce(m + 1, self.part()).is_err() {
+                    self.ahead = None;
+                }
             }
             let value = loss.to_scalar_f64()?;
             total += value;

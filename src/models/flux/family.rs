@@ -219,4 +219,8 @@ impl DiffusionModel for Flux {
     fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
     }
+
+    fn exec(&self) -> &BlockExec {
+        &self.exec
+    }
 }

@@ -201,4 +201,8 @@ impl DiffusionModel for Sd3 {
     fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
     }
+
+    fn exec(&self) -> &BlockExec {
+        &self.exec
+    }
 }

@@ -214,4 +214,8 @@ impl DiffusionModel for Unet {
     fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
     }
+
+    fn exec(&self) -> &BlockExec {
+        &self.exec
+    }
 }

@@ -185,8 +185,6 @@ impl Unet {
         })
     }
 
-    /// The noise (or v) prediction: x (B, C, H, W) latents, timesteps (B,) or (1,),
-    /// context (B, T, context_dim) text tokens, y (B, adm_in_channels) from [`super::sdxl_vector`].
     /// The conditioning `emb` (B, time_embed_dim) in `dtype`: the embeddings of `timesteps`
     /// (B,) and of the vector `y` (B, adm_in_channels), summed. Every ResBlock takes
     /// `silu(emb)`.
@@ -212,6 +210,8 @@ impl Unet {
             .add(&self.label_emb.forward(&cast(y)?)?)
     }
 
+    /// The noise (or v) prediction: x (B, C, H, W) latents, timesteps (B,) or (1,),
+    /// context (B, T, context_dim) text tokens, y (B, adm_in_channels) from [`super::sdxl_vector`].
     /// Any H x W works: where a level's size was odd, upsampling goes to the skip
     /// connection's size, as diffusers does. Keep timesteps in f32 whatever the model's dtype
     /// (bf16 rounds 901 to 900); their embedding is cast to x's dtype, as in diffusers.

@@ -7,7 +7,9 @@
 //! `<point>@<n>` acts on the n-th time the point is reached (default the first). Points are
 //! `write:<file name>` (a file written atomically, before its rename into place),
 //! `checkpoint:<step>` (a checkpoint folder filled, before its rename), `rotation`, `clear`,
-//! `log-append` and `step` (the start of each training step). With `FLAME_FAULT_RANK` set,
+//! `log-append`, `step` (the start of each training step) and `announce` (a worker bringing
+//! an announced conditioning input to the host for its products ahead,
+//! `BlockStreamer::prepare_products`: a failure there leaves the forward to compute its own). With `FLAME_FAULT_RANK` set,
 //! only the process whose `RANK` it names (data-parallel training) acts. Without the
 //! variable this is a no-op.
 

@@ -1082,3 +1082,51 @@ fn announced_micro_batches_train_as_read_in_turn_and_resume_exactly() {
     run_with(&b, resume()).unwrap();
     assert_eq!(losses(&b.train.output_dir), full);
 }
+
+/// The tiny run of `announced_micro_batches_…` as a config file under `dir` (streamed
+/// blocks, their modulations on the host, each micro-batch announced during the one before).
+fn tiny_announced(dir: &Path, steps: usize) -> PathBuf {
+    let p = tiny(dir, steps, "");
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("batch_size = 4", "batch_size = 2\ngrad_accum = 2")
+        .replace(", \"final_layer.linear\"]", "]");
+    let text = format!(
+        "{text}\n[memory]\ncheckpointing = \"all\"\nstream_blocks = 2\nprefetch = 1\nhost_products = true\n"
+    );
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// An announcement whose worker fails to bring its input to the host (`FLAME_FAULT`'s
+/// `announce` point, a full-disk error there) costs that micro-batch its products ahead,
+/// nothing else: the run ends, exit 0, with the uninterrupted run's log and LoRA, bit for
+/// bit.
+#[cfg(feature = "cli")]
+#[test]
+fn a_failed_announcement_leaves_the_run_as_it_was() {
+    let run = |name: &str, fault: Option<&str>| {
+        let d = temp(name);
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_train"));
+        c.arg(tiny_announced(&d, 4));
+        match fault {
+            Some(f) => c.env("FLAME_FAULT", f),
+            None => c.env_remove("FLAME_FAULT"),
+        };
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{fault:?}: {err}");
+        let out = d.join("tiny/out-encoded");
+        (
+            losses(&out),
+            std::fs::read(out.join("lora.safetensors")).unwrap(),
+        )
+    };
+    let (want, lora) = run("announce-whole", None);
+    assert_eq!(want.len(), 4);
+    for point in ["enospc:announce", "enospc:announce@4"] {
+        let (got, got_lora) = run(&format!("announce-{}", point.len()), Some(point));
+        assert_eq!(got, want, "{point}");
+        assert!(got_lora == lora, "{point}: the LoRA differs");
+    }
+}

@@ -227,7 +227,10 @@ impl HostProducts {
                 let mut unstored = Unstored(&state, generation, true);
                 // The input's values on the host; the device buffer is kept until its copy
                 // is done.
-                let values = ticket.wait_host().and_then(|_| host.to_cpu());
+                let values = crate::fault::point("announce")
+                    .map_err(|e| Error::Stream(format!("an announced input: {e}")))
+                    .and_then(|_| ticket.wait_host())
+                    .and_then(|_| host.to_cpu());
                 drop(xf);
                 if let Ok(mut st) = state.0.lock() {
                     st.spare = Some(host);

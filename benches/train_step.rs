@@ -337,10 +337,10 @@ fn run<M: ModelSpec>(
     let ddpm = matches!(model.objective(), Objective::Ddpm(_));
     // The seed of the last step drawn: each step draws from the next (`--phases` too).
     let seed = std::cell::Cell::new(100u64);
-    // Each step announces the next one's inputs between its forward and its backward
-    // (`DiffusionModel::prepare`: the host products are computed ahead); `--no-prepare`
-    // leaves them to the forward.
-    let announce = !args.flag("--no-prepare");
+    // Each step of a streamed plan announces the next one's inputs between its forward and
+    // its backward (`DiffusionModel::prepare`: the host products are computed ahead);
+    // `--no-prepare` leaves them to the forward.
+    let announce = streamer.is_some() && !args.flag("--no-prepare");
     // The host's time to issue the forward (from the timestep draw), then the backward and
     // the optimizer update (from after the probe's queue) (for `--host-probe`).
     let marks = std::cell::Cell::new([0.0f64; 3]);

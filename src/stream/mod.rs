@@ -88,13 +88,13 @@ impl BlockExec {
         }
     }
 
-    /// Announces the conditioning activation `x` of a coming forward to the streamer, which
-    /// computes the products of the weights it holds on the host ahead
-    /// (`BlockStreamer::prepare_products`); nothing without a streamer.
-    pub fn prepare_products(&self, x: &Tensor) -> Result<()> {
+    /// Announces the conditioning activation of a coming forward, `x()`, to the streamer,
+    /// which computes the products of the weights it holds on the host ahead
+    /// (`BlockStreamer::prepare_products`). `x` runs only where the streamer holds weights.
+    pub fn prepare_products(&self, x: impl FnOnce() -> Result<Tensor>) -> Result<()> {
         match &self.streamer {
-            Some(s) => s.prepare_products(x),
-            None => Ok(()),
+            Some(s) if s.host_product_bytes()? > 0 => s.prepare_products(&x()?),
+            _ => Ok(()),
         }
     }
 

@@ -103,15 +103,6 @@ struct State {
 }
 
 impl State {
-    /// Whether the job of `generation` is for the current input or the announced one.
-    fn runs(&self, generation: u64) -> bool {
-        self.generation == generation
-            || self
-                .ahead
-                .as_ref()
-                .is_some_and(|a| a.generation == generation)
-    }
-
     /// The slots of the job of `generation`: the current input's or the announced one's;
     /// `None` once neither is (the job stops).
     fn slots_of(&mut self, generation: u64) -> Option<&mut Vec<Slot>> {
@@ -200,11 +191,10 @@ impl HostProducts {
             let _g = crate::no_grad();
             x.to_dtype(DType::F32)?.dense()?
         };
-        // The page-locked buffer the last announcement's input crossed into, when free.
-        let spare = self.state.0.lock().map_err(poisoned)?.spare.take();
-        let (host, ticket) = xf.storage()?.offload(rows * inp, spare)?;
         let (lock, cvar) = &*self.state;
         let mut st = lock.lock().map_err(poisoned)?;
+        // Into the page-locked buffer the last announcement's input crossed into, when free.
+        let (host, ticket) = xf.storage()?.offload(rows * inp, st.spare.take())?;
         st.jobs += 1;
         let generation = st.jobs;
         let mut slots: Vec<Slot> = weights.iter().map(|_| Slot::Empty).collect();
@@ -221,10 +211,9 @@ impl HostProducts {
         let spawned = std::thread::Builder::new()
             .name("flame-host-products".into())
             .spawn(move || {
-                // Until the values are stored: on any way out (an error, a panic) the
-                // announcement is dropped and a forward waiting for its values computes its
-                // own.
-                let mut unstored = Unstored(&state, generation, true);
+                // On any way out (an error, a panic) before the values are stored, the
+                // announcement is dropped: a forward waiting for them computes its own.
+                let _release = Release(&state, generation);
                 // The input's values on the host; the device buffer is kept until its copy
                 // is done.
                 let values = crate::fault::point("announce")
@@ -246,7 +235,6 @@ impl HostProducts {
                     },
                     Err(_) => return,
                 }
-                unstored.2 = false;
                 state.1.notify_all();
                 run_jobs(&state, generation, &values, rows, jobs)
             });
@@ -292,12 +280,16 @@ impl HostProducts {
         while st.ahead.as_ref().is_some_and(|a| a.values.is_none()) {
             st = self.state.1.wait(st).map_err(poisoned)?;
         }
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
         let announced = st
             .ahead
             .as_ref()
             .and_then(|a| a.values.as_ref())
-            .is_some_and(|v| v.len() == values.len() && bits(v) == bits(&values));
+            .is_some_and(|v| {
+                v.len() == values.len()
+                    && v.iter()
+                        .zip(&values)
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+            });
         if announced {
             if let Some(a) = st.ahead.take() {
                 st.generation = a.generation;
@@ -323,7 +315,10 @@ impl HostProducts {
         let (state, generation) = (self.state.clone(), st.generation);
         std::thread::Builder::new()
             .name("flame-host-products".into())
-            .spawn(move || run_jobs(&state, generation, &values, rows, jobs))
+            .spawn(move || {
+                let _release = Release(&state, generation);
+                run_jobs(&state, generation, &values, rows, jobs)
+            })
             .map_err(|e| Error::Stream(format!("starting the host products' thread: {e}")))?;
         // Pending once the worker exists (it cannot take the lock before this returns).
         for k in pending {
@@ -447,31 +442,10 @@ impl HostProducts {
     }
 }
 
-/// An announcement's worker before it has stored its input's values (`.2`): on its way out
-/// (an error, a panic) it drops the announcement of its generation (`.1`), so a forward
-/// waiting for those values computes its own products.
-struct Unstored<'a>(&'a (Mutex<State>, Condvar), u64, bool);
-
-impl Drop for Unstored<'_> {
-    fn drop(&mut self) {
-        if !self.2 {
-            return;
-        }
-        let (lock, cvar) = self.0;
-        let mut st = match lock.lock() {
-            Ok(st) => st,
-            Err(p) => p.into_inner(),
-        };
-        if st.ahead.as_ref().is_some_and(|a| a.generation == self.1) {
-            st.ahead = None;
-        }
-        cvar.notify_all();
-    }
-}
-
-/// On the worker's way out (its jobs done, superseded, or a panic): the slots of its
+/// On a worker's way out (its jobs done, superseded, an error or a panic): the slots of its
 /// generation still pending go back to empty, so a waiting model thread computes them itself
-/// instead of waiting for good.
+/// instead of waiting for good; an announcement of its generation whose input's values never
+/// arrived is dropped, so a forward waiting for them computes its own.
 struct Release<'a>(&'a (Mutex<State>, Condvar), u64);
 
 impl Drop for Release<'_> {
@@ -481,7 +455,13 @@ impl Drop for Release<'_> {
             Ok(st) => st,
             Err(p) => p.into_inner(),
         };
-        if let Some(slots) = st.slots_of(self.1) {
+        if st
+            .ahead
+            .as_ref()
+            .is_some_and(|a| a.generation == self.1 && a.values.is_none())
+        {
+            st.ahead = None;
+        } else if let Some(slots) = st.slots_of(self.1) {
             for slot in slots.iter_mut() {
                 if matches!(slot, Slot::Pending) {
                     *slot = Slot::Empty;
@@ -501,7 +481,7 @@ fn jobs_for(weights: &[Arc<HostWeight>], from: usize, inp: usize) -> Vec<(usize,
 }
 
 /// The worker: each job's products in order, while its input is still the current one or
-/// the announced one.
+/// the announced one (the caller holds a `Release` of its generation).
 fn run_jobs(
     state: &(Mutex<State>, Condvar),
     generation: u64,
@@ -509,12 +489,15 @@ fn run_jobs(
     rows: usize,
     jobs: Vec<(usize, Arc<HostWeight>)>,
 ) {
-    let _release = Release(state, generation);
     let (lock, cvar) = state;
     for (k, w) in jobs {
         match lock.lock() {
-            Ok(st) if st.runs(generation) => {}
-            _ => return,
+            Ok(mut st) => {
+                if st.slots_of(generation).is_none() {
+                    return;
+                }
+            }
+            Err(_) => return,
         }
         let t = std::time::Instant::now();
         let v = Arc::new(products(&w, input, rows));

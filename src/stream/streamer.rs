@@ -486,9 +486,8 @@ impl BlockStreamer {
                 bytes += device as u64;
             }
         }
-        // The copy takes its own pack's bytes: past the first blocks, whose Linears over the
-        // conditioning vector hold their weights on the device, a block's copy is smaller
-        // than theirs (Flux-dev's single blocks, a third of a double block's).
+        // The copy takes its own pack's bytes (Flux-dev's single blocks, their conditioning
+        // weights held on the host, a third of a double block's).
         let (storages, ticket) = self.device.upload_pack(pack, staging.as_ref(), skip)?;
         for (p, storage) in b.params.iter_mut().zip(storages) {
             if let Some(storage) = storage {

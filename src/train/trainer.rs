@@ -526,6 +526,11 @@ impl Trainer {
             .transpose()
     }
 
+    /// The seed of micro-batch `m`'s noise and timesteps.
+    fn micro_seed(&self, m: usize) -> u64 {
+        self.config.train.seed ^ (m as u64 + 1).wrapping_mul(GOLDEN)
+    }
+
     /// Micro-batch `m`: the one fetched ahead when it is that one, else read now.
     fn micro_batch(&mut self, m: usize, part: Part) -> Result<Batch> {
         let t = &self.config.train;
@@ -550,8 +555,7 @@ impl Trainer {
     fn announce(&mut self, m: usize, part: Part) -> Result<()> {
         let batch = self.micro_batch(m, part)?;
         if !batch.inputs.is_empty() {
-            let seed = self.config.train.seed ^ (m as u64 + 1).wrapping_mul(GOLDEN);
-            let t = self.timesteps(&batch, seed)?;
+            let t = self.timesteps(&batch, self.micro_seed(m))?;
             let guidance = self.config.model.guidance;
             self.model
                 .prepare(&batch.inputs[0], &t, &batch.inputs[1..], guidance)?;
@@ -744,10 +748,7 @@ impl Trainer {
     }
 
     fn step_inner(&mut self) -> Result<StepReport> {
-        let (acc, seed, max_skipped) = {
-            let t = &self.config.train;
-            (t.grad_accum, t.seed, t.max_skipped)
-        };
+        let (acc, max_skipped) = (self.config.train.grad_accum, self.config.train.max_skipped);
         let lr = self.config.lr_at(self.step);
         self.opt.set_learning_rate(lr);
         let mut grads = Grads::new();
@@ -784,7 +785,7 @@ impl Trainer {
             };
             self.adapters
                 .set_batch(self.step as u64, micro as u64, part)?;
-            let s = seed ^ (m as u64 + 1).wrapping_mul(GOLDEN);
+            let s = self.micro_seed(m);
             // Each rank's mean over its rows, weighted by its share of the global batch:
             // the ranks' sum is the global batch's mean.
             let w = batch.rows.len() as f64 / batch.global.max(1) as f64 / acc as f64;

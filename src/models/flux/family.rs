@@ -12,7 +12,7 @@ use crate::models::pipeline::{
 use crate::nn::{KeyMap, VarBuilder};
 use crate::sample::{FlowMatchConfig, FlowMatchEuler, Schedule};
 use crate::stream::{BlockExec, BlockShape};
-use crate::{DType, Result, Tensor};
+use crate::{DType, Device, Result, Tensor};
 
 /// The registry entry of Flux (BFL's FLUX.1 dev / schnell and fine-tunes).
 pub static FAMILY: Family = Family::of::<Flux>(
@@ -136,6 +136,17 @@ impl ModelSpec for Flux {
     }
 }
 
+impl Flux {
+    /// The guidance input of a batch of `b` at scale `guidance`: dev's (`guidance_in`);
+    /// schnell takes none.
+    fn guidance_tensor(&self, guidance: f64, b: usize, dev: &Device) -> Result<Option<Tensor>> {
+        self.config
+            .guidance_embed
+            .then(|| Tensor::full(guidance, b, DType::F32, dev))
+            .transpose()
+    }
+}
+
 impl DiffusionModel for Flux {
     fn family(&self) -> &'static Family {
         &FAMILY
@@ -181,11 +192,7 @@ impl DiffusionModel for Flux {
         let (b, h, w) = (d[0], d[2] / 2, d[3] / 2);
         let dev = xt.device();
         let img = pack_latents(xt)?;
-        let g = if self.config.guidance_embed {
-            Some(Tensor::full(guidance, b, DType::F32, dev)?)
-        } else {
-            None
-        };
+        let g = self.guidance_tensor(guidance, b, dev)?;
         let out = self.forward(
             &img,
             &image_ids(h, w, dev)?,
@@ -200,15 +207,12 @@ impl DiffusionModel for Flux {
 
     fn prepare(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], guidance: f64) -> Result<()> {
         let [_, pooled] = conds("flux", cond, [3, 2])?;
-        let _g = crate::no_grad();
-        let b = xt.dims().first().copied().unwrap_or(1);
-        let g = if self.config.guidance_embed {
-            Some(Tensor::full(guidance, b, DType::F32, xt.device())?)
-        } else {
-            None
-        };
-        let vec = self.conditioning(xt.dtype(), t, pooled, g.as_ref())?;
-        self.exec.prepare_products(&vec.silu()?)
+        self.exec.prepare_products(|| {
+            let _g = crate::no_grad();
+            let b = xt.dims().first().copied().unwrap_or(1);
+            let g = self.guidance_tensor(guidance, b, xt.device())?;
+            self.conditioning(xt.dtype(), t, pooled, g.as_ref())?.silu()
+        })
     }
 
     /// Flux dev (a `guidance_in` embedder); schnell has none.

@@ -193,9 +193,11 @@ impl DiffusionModel for Sd3 {
 
     fn prepare(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], _guidance: f64) -> Result<()> {
         let [_, pooled] = conds("sd3", cond, [3, 2])?;
-        let _g = crate::no_grad();
-        let c = self.conditioning(xt.dtype(), &t.affine(1000.0, 0.0)?, pooled)?;
-        self.exec.prepare_products(&c.silu()?)
+        self.exec.prepare_products(|| {
+            let _g = crate::no_grad();
+            self.conditioning(xt.dtype(), &t.affine(1000.0, 0.0)?, pooled)?
+                .silu()
+        })
     }
 
     fn set_exec(&mut self, exec: BlockExec) {

@@ -155,6 +155,20 @@ impl ModelSpec for Unet {
     }
 }
 
+impl Unet {
+    /// The text tokens and the vector input ([`sdxl_vector`] of pooled and time_ids) of a
+    /// batch's `cond` (in `inputs` order).
+    fn context_and_vector<'a>(&self, cond: &'a [Tensor]) -> Result<(&'a Tensor, Tensor)> {
+        let [ctx, pooled, time_ids] = conds("sdxl", cond, [3, 2, 2])?;
+        let y = sdxl_vector(
+            pooled,
+            &time_ids.to_dtype(DType::F32)?,
+            self.config.addition_time_embed_dim,
+        )?;
+        Ok((ctx, y))
+    }
+}
+
 impl DiffusionModel for Unet {
     fn family(&self) -> &'static Family {
         &FAMILY
@@ -183,32 +197,17 @@ impl DiffusionModel for Unet {
 
     /// The UNet's vector input is made from pooled and time_ids ([`sdxl_vector`]).
     fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], _guidance: f64) -> Result<Tensor> {
-        let [ctx, pooled, time_ids] = conds("sdxl", cond, [3, 2, 2])?;
-        let y = sdxl_vector(
-            pooled,
-            &time_ids.to_dtype(DType::F32)?,
-            self.config.addition_time_embed_dim,
-        )?;
+        let (ctx, y) = self.context_and_vector(cond)?;
         self.forward(xt, t, ctx, &y)
     }
 
     fn prepare(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], _guidance: f64) -> Result<()> {
-        let [_, pooled, time_ids] = conds("sdxl", cond, [3, 2, 2])?;
-        let _g = crate::no_grad();
-        let y = sdxl_vector(
-            pooled,
-            &time_ids.to_dtype(DType::F32)?,
-            self.config.addition_time_embed_dim,
-        )?;
-        // One timestep for the whole batch, as `forward` broadcasts it.
-        let b = xt.dims().first().copied().unwrap_or(1);
-        let t = if t.dims() == [1] && b != 1 {
-            t.broadcast_as(b)?
-        } else {
-            t.clone()
-        };
-        let emb = self.conditioning(xt.dtype(), &t, &y)?;
-        self.exec.prepare_products(&emb.silu()?)
+        self.exec.prepare_products(|| {
+            let _g = crate::no_grad();
+            let (_, y) = self.context_and_vector(cond)?;
+            // `forward` casts y to the latents' dtype; `conditioning` does too.
+            self.conditioning(xt.dtype(), t, &y)?.silu()
+        })
     }
 
     fn set_exec(&mut self, exec: BlockExec) {

@@ -186,9 +186,16 @@ impl Unet {
     }
 
     /// The conditioning `emb` (B, time_embed_dim) in `dtype`: the embeddings of `timesteps`
-    /// (B,) and of the vector `y` (B, adm_in_channels), summed. Every ResBlock takes
-    /// `silu(emb)`.
+    /// (B,), or (1,) for the whole batch, and of the vector `y` (B, adm_in_channels), summed.
+    /// Every ResBlock takes `silu(emb)`.
     pub fn conditioning(&self, dtype: DType, timesteps: &Tensor, y: &Tensor) -> Result<Tensor> {
+        // One timestep for the whole batch (diffusers' `timesteps.expand(batch)`).
+        let b = y.dims().first().copied().unwrap_or(1);
+        let timesteps = if timesteps.dims() == [1] && b != 1 {
+            timesteps.broadcast_as(b)?
+        } else {
+            timesteps.clone()
+        };
         let cast = |t: &Tensor| {
             if t.dtype() == dtype {
                 Ok(t.clone())
@@ -198,7 +205,7 @@ impl Unet {
         };
         // Diffusers casts the f32 sinusoids to the sample's dtype (`t_emb.to(sample.dtype)`).
         let t_emb = timestep_embedding(
-            timesteps,
+            &timesteps,
             self.config.model_channels,
             MAX_PERIOD,
             true,
@@ -249,12 +256,9 @@ impl Unet {
         if y.dims() != [b, cfg.adm_in_channels] {
             return Err(bad(format!("y must be ({b}, {})", cfg.adm_in_channels), y));
         }
-        let timesteps = match timesteps.dims() {
-            [n] if *n == b => timesteps.clone(),
-            // One timestep for the whole batch (diffusers' `timesteps.expand(batch)`).
-            [1] => timesteps.broadcast_as(b)?,
-            _ => return Err(bad(format!("timesteps must be ({b},) or (1,)"), timesteps)),
-        };
+        if !matches!(timesteps.dims(), [n] if *n == b || *n == 1) {
+            return Err(bad(format!("timesteps must be ({b},) or (1,)"), timesteps));
+        }
         let dt = x.dtype();
         let cast = |t: &Tensor| {
             if t.dtype() == dt {
@@ -265,7 +269,7 @@ impl Unet {
         };
         let (context, y) = (cast(context)?, cast(y)?);
 
-        let emb = self.conditioning(dt, &timesteps, &y)?;
+        let emb = self.conditioning(dt, timesteps, &y)?;
         // Every ResBlock applies SiLU to emb before its own projection: done once here.
         let emb = emb.silu()?;
 

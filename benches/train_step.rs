@@ -174,6 +174,8 @@ fn run<M: ModelSpec>(
                 .into_iter()
                 .filter(|p| !(args.flag("--no-offload") && p.offload_inputs))
                 .filter(|p| !(args.flag("--raw-wire") && p.wire_code))
+                // `--no-uncoded-carry`: the carried blocks cross coded too.
+                .filter(|p| !(args.flag("--no-uncoded-carry") && p.uncoded_carry))
                 .map(|p| Plan {
                     deep_prefetch: p.deep_prefetch && !args.flag("--shallow"),
                     host_products: p.host_products && !args.flag("--no-host-products"),
@@ -225,6 +227,7 @@ fn run<M: ModelSpec>(
                 },
                 offload_inputs: args.flag("--offload"),
                 wire_code: !args.flag("--raw-wire"),
+                uncoded_carry: args.flag("--uncoded-carry"),
                 deep_prefetch: !args.flag("--shallow"),
                 host_products: !args.flag("--no-host-products"),
             }
@@ -254,6 +257,7 @@ fn run<M: ModelSpec>(
             .collect();
         let s = BlockStreamer::new(&dev, order, plan.prefetch.max(1));
         s.set_wire_code(plan.wire_code)?;
+        s.set_uncoded_first(profile.uncoded_first(&plan))?;
         if plan.host_products {
             s.set_host_products(M::CONDITIONED.iter().map(|c| c.to_string()).collect())?;
         }

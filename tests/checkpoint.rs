@@ -677,15 +677,17 @@ fn bf16_weights_stream_in_the_wire_code_and_come_back_bit_for_bit() {
     wire_round_trip(&CPU);
 }
 
-/// Five streamed blocks of bf16 weights of different sizes, coded, run in order for six
-/// passes with two blocks fetched ahead: every fetch brings the exact values, the uploads
-/// cross the staging ring at every offset (pieces wrap around it) and one pass's uploads
-/// overlap the next's decodes. Returns the uploads.
-fn coded_blocks_cycle(dev: &Device) -> u64 {
+/// Five streamed blocks of bf16 weights of different sizes, coded but the first
+/// `uncoded_first`, run in order for six passes with two blocks fetched ahead: every fetch
+/// brings the exact values, the uploads cross the staging ring at every offset (pieces wrap
+/// around it) and one pass's uploads overlap the next's decodes; the uncoded blocks cross
+/// beside them straight into place. Returns the uploads and the bytes they took on the link.
+fn coded_blocks_cycle(dev: &Device, uncoded_first: usize) -> (u64, u64) {
     let n = 5;
     let prefixes: Vec<String> = (0..n).map(|i| format!("b{i}")).collect();
     let s = BlockStreamer::new(dev, prefixes.clone(), 2);
     s.set_wire_code(true).unwrap();
+    s.set_uncoded_first(uncoded_first).unwrap();
     let values: Vec<Vec<Vec<u16>>> = (0..n)
         .map(|b| {
             [30_011 + 7_919 * b, 70_001 - 9_001 * b, 4_097 * (b + 1), 129]
@@ -724,12 +726,19 @@ fn coded_blocks_cycle(dev: &Device) -> u64 {
     let r = s.report().unwrap();
     assert!(r.uploaded_bytes < r.decoded_bytes, "{r:?}");
     s.release_all().unwrap();
-    r.uploads
+    // Chosen before the first fetch.
+    assert!(s.set_uncoded_first(0).is_err());
+    (r.uploads, r.uploaded_bytes)
 }
 
 #[test]
 fn coded_blocks_cycle_exactly_on_the_cpu() {
-    assert!(coded_blocks_cycle(&CPU) >= 5);
+    let (uploads, coded) = coded_blocks_cycle(&CPU, 0);
+    assert!(uploads >= 5);
+    // The first two uncoded: the same fetches, more bytes.
+    let (again, more) = coded_blocks_cycle(&CPU, 2);
+    assert_eq!(again, uploads);
+    assert!(more > coded, "{more} against {coded}");
 }
 
 /// The same on the GPU, where the pieces cross a staging ring of the largest block's bytes
@@ -740,10 +749,15 @@ fn coded_blocks_cycle_exactly_on_the_cpu() {
 fn coded_blocks_cycle_through_the_staging_ring_on_cuda() {
     let _one = cuda_alone();
     let dev = Device::cuda(0).expect("a CUDA GPU");
-    let uploads = coded_blocks_cycle(&dev);
-    // The same fetches as on the CPU.
-    assert_eq!(uploads, coded_blocks_cycle(&CPU));
-    assert!(uploads >= 5 * 6 - 3 * 5, "{uploads}");
+    for uncoded_first in [0, 2] {
+        let (uploads, bytes) = coded_blocks_cycle(&dev, uncoded_first);
+        // The same fetches as on the CPU.
+        let (cpu_uploads, cpu_bytes) = coded_blocks_cycle(&CPU, uncoded_first);
+        assert_eq!(uploads, cpu_uploads);
+        assert!(uploads >= 5 * 6 - 3 * 5, "{uploads}");
+        // The GPU's packs add only alignment.
+        assert!(bytes >= cpu_bytes && bytes < cpu_bytes + uploads * 8 * 256);
+    }
 }
 
 /// The same through pinned memory, the staging ring and cuda/wire.cu's decoder.

@@ -51,6 +51,7 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
         offload_inputs: false,
         // The measured rows streamed uncoded, each pass fetching `prefetch` ahead.
         wire_code: false,
+        uncoded_carry: false,
         deep_prefetch: false,
         host_products: false,
     }
@@ -145,6 +146,7 @@ fn flux_dev_predictions_match_the_h100_measurements() {
                     few_rows: false,
                 },
                 wire_code: true,
+                uncoded_carry: false,
                 ..plan(all, bf.stream_order()[..50].to_vec(), 2, false)
             },
             11.49,
@@ -534,6 +536,7 @@ fn flux_dev_step_times_match_the_h100_measurements() {
         keep,
         offload_inputs: false,
         wire_code: code,
+        uncoded_carry: false,
         deep_prefetch: true,
         host_products: false,
     };
@@ -646,6 +649,150 @@ fn flux_dev_step_times_match_the_h100_measurements() {
             (543.1 + 540.1 + 542.7) / 3.0,
         ),
     ]);
+    // Session 32: the products computed during the backward before, every streamed block
+    // holding its modulations on the host (call 4, the planner's picks; resident 384.9 ms,
+    // link 43.6-49.8 GiB/s).
+    let host2 = |k: usize, prefetch: usize, code: bool| Plan {
+        host_products: true,
+        ..deep(&bf, k, prefetch, all3, code)
+    };
+    let rows = rows.chain([
+        (
+            "12 GiB host products ahead: 55 streamed, prefetch 1, coded",
+            &bf,
+            host2(55, 1, true),
+            547.0,
+        ),
+        (
+            "16 GiB host products ahead: 49 streamed, uncoded",
+            &bf,
+            host2(49, 2, false),
+            496.3,
+        ),
+        (
+            "8 GiB host products ahead: only the 57 streamed checkpointed, prefetch 1, coded",
+            &bf,
+            Plan {
+                checkpointing: Checkpointing::Off,
+                ..host2(57, 1, true)
+            },
+            559.1,
+        ),
+        (
+            "24 GiB host products ahead: 27 streamed, prefetch 1, uncoded",
+            &bf,
+            host2(27, 1, false),
+            488.4,
+        ),
+    ]);
+    // Session 33: the carried blocks uncoded (`Plan::uncoded_carry`) and the plans the
+    // planner picks with the decodes' cost raised (H100; three calls, resident 377.5, 382.9
+    // and 388.3 ms, links 47.1-51.2 GiB/s; each row scaled to the model's resident step,
+    // 385.8).
+    let (call1, call2) = (|ms: f64| ms * 385.8 / 377.5, |ms: f64| ms * 385.8 / 382.9);
+    let call3 = |ms: f64| ms * 385.8 / 388.3;
+    let uncoded_carry = |k: usize, prefetch: usize| Plan {
+        uncoded_carry: true,
+        ..host2(k, prefetch, true)
+    };
+    let rows = rows.chain([
+        (
+            "12 GiB: 51 streamed, uncoded (call 1)",
+            &bf,
+            host2(51, 2, false),
+            call1(512.0),
+        ),
+        (
+            "12 GiB: 51 streamed, uncoded (call 2)",
+            &bf,
+            host2(51, 2, false),
+            call2(512.0),
+        ),
+        (
+            "12 GiB: 50 streamed, prefetch 1, uncoded",
+            &bf,
+            host2(50, 1, false),
+            call1(517.7),
+        ),
+        (
+            "12 GiB: 55 streamed, prefetch 1, coded",
+            &bf,
+            host2(55, 1, true),
+            call1(531.1),
+        ),
+        (
+            "12 GiB: 55 streamed, prefetch 1, coded, the carried 11 uncoded",
+            &bf,
+            uncoded_carry(55, 1),
+            call2(526.0),
+        ),
+        (
+            "12 GiB: 52 streamed, coded",
+            &bf,
+            host2(52, 2, true),
+            call2(530.6),
+        ),
+        (
+            "12 GiB: 52 streamed, coded, the carried 11 uncoded (call 1)",
+            &bf,
+            uncoded_carry(52, 2),
+            call1(506.6),
+        ),
+        (
+            "12 GiB: 52 streamed, coded, the carried 11 uncoded (call 2)",
+            &bf,
+            uncoded_carry(52, 2),
+            call2(513.4),
+        ),
+        (
+            "16 GiB: 49 streamed, uncoded",
+            &bf,
+            host2(49, 2, false),
+            call2(495.0),
+        ),
+        (
+            "8 GiB: only the 57 streamed checkpointed, prefetch 1, coded",
+            &bf,
+            Plan {
+                checkpointing: Checkpointing::Off,
+                ..host2(57, 1, true)
+            },
+            call2(541.2),
+        ),
+        (
+            "24 GiB: 31 streamed, prefetch 1, uncoded",
+            &bf,
+            host2(31, 1, false),
+            call2(485.1),
+        ),
+        (
+            "24 GiB: 37 streamed, uncoded",
+            &bf,
+            host2(37, 2, false),
+            call3(491.3),
+        ),
+        (
+            "16 GiB: 47 streamed, uncoded",
+            &bf,
+            host2(47, 2, false),
+            call3(494.4),
+        ),
+        (
+            "12 GiB: 51 streamed, uncoded (call 3)",
+            &bf,
+            host2(51, 2, false),
+            call3(517.2),
+        ),
+        (
+            "8 GiB: only the 57 streamed checkpointed, prefetch 1, coded (call 3)",
+            &bf,
+            Plan {
+                checkpointing: Checkpointing::Off,
+                ..host2(57, 1, true)
+            },
+            call3(546.8),
+        ),
+    ]);
     let mut report = vec![];
     let mut worst = 0.0f64;
     for (name, profile, plan, measured) in rows.collect::<Vec<_>>() {
@@ -686,6 +833,7 @@ fn forward_only_weights_leave_the_backward_uploads() {
         },
         offload_inputs: false,
         wire_code: code,
+        uncoded_carry: false,
         deep_prefetch: false,
         host_products: false,
     };
@@ -731,6 +879,7 @@ fn host_products_take_the_modulations_off_the_link() {
         },
         offload_inputs: false,
         wire_code: true,
+        uncoded_carry: false,
         deep_prefetch: true,
         host_products: host,
     };
@@ -770,6 +919,7 @@ fn host_products_take_the_modulations_off_the_link() {
     let fp8 = |host: bool| Plan {
         streamed: q.stream_order(),
         wire_code: false,
+        uncoded_carry: false,
         ..with(host)
     };
     assert_eq!(q.step_ms(&fp8(true)), q.step_ms(&fp8(false)));

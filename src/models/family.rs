@@ -160,6 +160,10 @@ pub struct MemoryPlan {
     /// Streamed bf16 weights cross the host link in its lossless code
     /// (`BlockStreamer::set_wire_code`).
     pub wire_code: bool,
+    /// With `wire_code`, how many of the first streamed blocks cross uncoded
+    /// (`BlockStreamer::set_uncoded_first`; the planner's `Plan::uncoded_carry`: the
+    /// blocks the backward leaves for the next forward).
+    pub uncoded_first: usize,
     /// How far the forward fetches ahead of each streamed block, by its place among them
     /// (`BlockStreamer::set_reach`, from `MemoryProfile::reach`); empty: `prefetch` ahead.
     pub reach: Vec<usize>,
@@ -181,6 +185,7 @@ impl MemoryPlan {
             stream_prefixes: Some(plan.streamed.clone()),
             offload_inputs: plan.offload_inputs,
             wire_code: plan.wire_code,
+            uncoded_first: profile.uncoded_first(plan),
             // Only where the profile found weights only the forward reads (none with DoRA or
             // with adapters before the blocks, whose inputs then need gradients).
             host_products: plan.host_products
@@ -344,6 +349,7 @@ pub fn load_as<M: ModelSpec>(
     let streamer = if !chosen.is_empty() {
         let s = BlockStreamer::new(&opts.device, chosen, plan.prefetch.max(1));
         s.set_wire_code(plan.wire_code)?;
+        s.set_uncoded_first(plan.uncoded_first)?;
         if plan.host_products {
             s.set_host_products(M::CONDITIONED.iter().map(|c| c.to_string()).collect())?;
         }

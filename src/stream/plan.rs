@@ -17,7 +17,8 @@
 //! blocks streamed from host memory (the smallest blocks first: they free the most memory for
 //! their copies; streamed blocks are always checkpointed) with a prefetch of 2 or 1, what
 //! checkpointed blocks keep (attention, the down-projections, both or neither), block inputs
-//! offloaded or not, streamed weights coded or not, the forward fetching deeper while the
+//! offloaded or not, streamed weights coded or not (the carried blocks, which only the
+//! backward uploads, uncoded or not: `Plan::uncoded_carry`), the forward fetching deeper while the
 //! memory its checkpoints will take is free (and the backward leaving those blocks for it:
 //! `MemoryProfile::reach`); the last streams every block with a prefetch of one. They are ordered by
 //! a time model (`MemoryProfile::step_ms`, calibrated on an H100) that plays the step's
@@ -103,6 +104,11 @@ pub struct Plan {
     /// Streamed bf16 weights cross the host link in its lossless code
     /// (`BlockStreamer::set_wire_code`): fewer bytes copied, a staging ring on the device.
     pub wire_code: bool,
+    /// With `wire_code`, the first streamed blocks, those the backward leaves on the device
+    /// for the next forward (`carry`), cross uncoded: only the backward uploads them, and
+    /// its link has time to spare where the decodes beside its kernels would slow them
+    /// (`cost_model::WIRE_DECODE_COMPUTE_MS_PER_GIB`). Their device copies are the same.
+    pub uncoded_carry: bool,
     /// The forward fetches as far ahead as the memory its checkpoints have not yet taken
     /// allows, and the backward leaves that many blocks on the device for the next forward
     /// (`MemoryProfile::reach`, `BlockStreamer::set_reach`): fewer uploads in the forward,
@@ -166,6 +172,9 @@ impl std::fmt::Display for Plan {
                 },
                 if self.wire_code { ", coded" } else { "" }
             )?;
+            if self.wire_code && self.uncoded_carry {
+                write!(f, ", the carried blocks uncoded")?;
+            }
             if self.host_products {
                 write!(f, ", conditioning products on the host")?;
             }
@@ -228,9 +237,14 @@ pub mod cost_model {
     /// (Flux-dev's 31.6 GiB ran 389.3 ms; the same rate puts SD3.5-large's step at 210 ms and
     /// SDXL's at 87 ms, measured 220 and 120-187 ms).
     pub const STEP_MS_PER_SAVED_GIB: f64 = 12.3;
-    /// The forward's share of the resident step, and so the re-run of a block that keeps
-    /// nothing (every block checkpointed: 555.7 ms against 389.3: 0.428).
+    /// The re-run's share of the resident step for a block that keeps nothing (every block
+    /// checkpointed: 555.7 ms against 389.3: 0.428).
     pub const FORWARD: f64 = 0.428;
+    /// The forward pass's share of the resident step (its compute; the backward takes the
+    /// rest): every block checkpointed keeping attention and down-projections, nothing
+    /// streamed, ran its forward in 154.5 ms (session 32, `--phases`; resident steps of that
+    /// machine 385-389 ms). The re-run costs more than the forward it repeats (`FORWARD`).
+    pub const FORWARD_PASS: f64 = 0.40;
     /// The re-run's share of the resident step with attention's outputs kept (524.7 ms:
     /// 0.348).
     pub const RECOMPUTE_KEEP: f64 = 0.348;
@@ -248,8 +262,11 @@ pub mod cost_model {
     /// later call).
     pub const UPLOAD_GIB_PER_S: f64 = 47.0;
     /// Exposed time per streamed block and pass, ms: the fetch, the waits and the release
-    /// around each run (fitted with the upload rate to the streamed rows).
-    pub const STREAM_MS_PER_BLOCK: f64 = 0.3;
+    /// around each run. Session 33 (`--phases`): the backward of 51 blocks streamed uncoded,
+    /// their uploads hidden, ran 327.8 ms against 321.5 with nothing streamed (session 32's
+    /// machine): 0.12 a block. (0.3, fitted with the upload rate to the streamed rows of
+    /// sessions 25-28, took what `FORWARD_PASS` and the decodes now count.)
+    pub const STREAM_MS_PER_BLOCK: f64 = 0.1;
     /// Per GiB of block inputs moved to host memory and back per step, ms, beyond their
     /// time on the link (which the model plays): the copies out and the events the compute
     /// waits on.
@@ -265,9 +282,13 @@ pub mod cost_model {
     /// decodes, which run beside the compute's kernels).
     pub const WIRE_DECODE_MS_PER_GIB: f64 = 5.3;
     /// The same decodes' cost to the compute stream, ms per GiB coded: the SMs they take from
-    /// it. Fitted with the row above to session 28's coded steps (0.5 fitted the fixed-width
-    /// code's lighter decoder).
-    pub const WIRE_DECODE_COMPUTE_MS_PER_GIB: f64 = 1.0;
+    /// it, where the compute does not wait for the link anyway. Session 33 (`--phases`, one
+    /// call): Flux-dev within 12 GiB streaming 52 blocks coded ran its backward in 357.8 ms
+    /// with 9.12 GiB coded, 51 uncoded in 327.8 (3.3 ms a GiB); with the 11 carried blocks
+    /// uncoded, 346.0 with 5.7 GiB coded (3.2); the coded forward took 175.6 ms for 6.37 GiB
+    /// against 154.5 with nothing streamed. (1.0 was fitted beside a forward played at the
+    /// re-run's cost, `FORWARD`, which hid the decodes' cost in the backward.)
+    pub const WIRE_DECODE_COMPUTE_MS_PER_GIB: f64 = 3.3;
     /// Plans predicted within this fraction of the fastest fitting one's step count as
     /// equally fast (the model's error on the measured steps reaches 2.1%): of those the
     /// planner takes the smallest peak, which leaves the allocator the most room (FP8 at
@@ -364,20 +385,20 @@ impl MemoryProfile {
             }
         };
         let link_ms = |bytes: u64| bytes as f64 / GIB / UPLOAD_GIB_PER_S * 1e3;
-        // A streamed block's bytes on the link, coded or not, and of those coded: the
-        // backward's uploads leave out what only the forward reads (`Keep::few_rows`).
+        // A streamed block's bytes on the link, coded (`code`) or not, and of those coded:
+        // the backward's uploads leave out what only the forward reads (`Keep::few_rows`).
         // Weights held on the host for their products never cross.
-        let upload_bytes = |b: &BlockCost, left_out: bool| {
-            let (all, only) = if plan.wire_code {
+        let upload_bytes = |b: &BlockCost, left_out: bool, code: bool| {
+            let (all, only) = if code {
                 (b.wire_bytes, b.forward_only_wire)
             } else {
                 (b.weight_bytes, b.forward_only_bytes)
             };
-            let coded = if plan.wire_code { b.coded_bytes } else { 0 };
+            let coded = if code { b.coded_bytes } else { 0 };
             let (host, host_wire, host_coded) = Self::host_held(plan, b);
             if host > 0 {
-                let held = if plan.wire_code { host_wire } else { host };
-                let held_coded = if plan.wire_code { host_coded } else { 0 };
+                let held = if code { host_wire } else { host };
+                let held_coded = if code { host_coded } else { 0 };
                 return (all.saturating_sub(held), coded.saturating_sub(held_coded));
             }
             if left_out {
@@ -409,6 +430,8 @@ impl MemoryProfile {
         let ahead = plan.prefetch;
         let reach = self.reach(plan);
         let carried = carry(&reach, ahead.max(1));
+        // Whether streamed place `k` crosses coded (`Plan::uncoded_carry`).
+        let coded_at = |k: usize| Self::coded_place(plan, k, carried);
         // Uploads streamed blocks `ks` not on the device or coming, then returns when block
         // `j`'s upload is done and the compute may start it. Uncoded, an upload runs once the
         // compute has reached `t` (its slot is free) and the link is free. Coded, it crosses
@@ -431,8 +454,9 @@ impl MemoryProfile {
             for k in ks {
                 if ready[k].is_none() {
                     let b = &self.blocks[order[k]];
-                    let (bytes, coded) = upload_bytes(b, leaves_out(backward, k));
-                    if plan.wire_code {
+                    let code = coded_at(k);
+                    let (bytes, coded) = upload_bytes(b, leaves_out(backward, k), code);
+                    if code {
                         *link = link.max(*gate) + link_ms(bytes);
                         *gate = t;
                         let decode = WIRE_DECODE_MS_PER_GIB * coded as f64 / GIB;
@@ -444,7 +468,8 @@ impl MemoryProfile {
                     }
                 }
             }
-            t.max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK + decodes
+            // The decodes take the compute's time, but where it waits for the link anyway.
+            (t + decodes).max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK
         };
         // One step from the forward's start: the forward's end and the step's. The host
         // computes the held weights' products in execution order from `lead` before the
@@ -485,7 +510,7 @@ impl MemoryProfile {
                         t = t.max(host);
                     }
                 }
-                t += FORWARD * share(i) + self.decode_ms(&self.blocks[i]);
+                t += FORWARD_PASS * share(i) + self.decode_ms(&self.blocks[i]);
                 if offload(i) {
                     down = down.max(t) + link_ms(self.blocks[i].input_bytes);
                     overhead += OFFLOAD_MS_PER_GIB * 2.0 * self.blocks[i].input_bytes as f64 / GIB;
@@ -529,7 +554,7 @@ impl MemoryProfile {
                     t = t.max(r);
                 }
                 let decode = self.decode_ms(&self.blocks[i]);
-                t += (1.0 - FORWARD) * share(i) + decode;
+                t += (1.0 - FORWARD_PASS) * share(i) + decode;
                 if ck[i] {
                     let d = skipped(i);
                     t += (rate - DOWN_SAVED * FORWARD * d) * share(i) + decode * (1.0 - d);
@@ -546,6 +571,12 @@ impl MemoryProfile {
     /// it (`step_ms` over `resident_ms`, less one): candidates are ordered by it.
     pub fn cost(&self, plan: &Plan) -> f64 {
         self.step_ms(plan) / self.resident_ms() - 1.0
+    }
+
+    /// Whether the streamed block at place `k` (execution order among the streamed) crosses
+    /// the link coded under `plan`, the backward leaving the first `carried` on the device.
+    fn coded_place(plan: &Plan, k: usize, carried: usize) -> bool {
+        plan.wire_code && !(plan.uncoded_carry && k < carried)
     }
 
     /// Whether block `i` is checkpointed under `plan`.
@@ -738,17 +769,22 @@ impl MemoryProfile {
         }
         // What the blocks hold for the backward and the streamed blocks' copies at the
         // heaviest moment (`layout`).
-        let held = self.layout(plan).held + 2 * offloaded;
+        let layout = self.layout(plan);
+        let held = layout.held + 2 * offloaded;
+        let carried = carry(&layout.reach, plan.prefetch.max(1));
         // Coded uploads cross into a staging ring that holds the largest streamed block's
         // bytes on the link beside a piece and a part (the largest part taken as a fifth of
         // the largest block: Flux's, a single block's linear1, is 0.2 of a double block;
         // 32 pieces' alignment).
+        // The carried blocks crossing uncoded (`Plan::uncoded_carry`) take no staging.
         let staging = if plan.wire_code {
             let wire = self
                 .blocks
                 .iter()
-                .filter(|b| plan.streamed.contains(&b.prefix) && b.coded_bytes > 0)
-                .map(|b| b.wire_bytes)
+                .filter(|b| plan.streamed.contains(&b.prefix))
+                .enumerate()
+                .filter(|&(k, b)| Self::coded_place(plan, k, carried) && b.coded_bytes > 0)
+                .map(|(_, b)| b.wire_bytes)
                 .max()
                 .unwrap_or(0);
             crate::device::staging_ring_bytes(wire as usize, wire as usize / 5, 32) as u64
@@ -769,14 +805,16 @@ impl MemoryProfile {
     /// `deep_prefetch`) and the backward every one but the last `prefetch + 1` (each pass
     /// leaves those for the next); weights held on the host never cross.
     pub fn streamed_bytes(&self, plan: &Plan) -> u64 {
+        let carried = carry(&self.reach(plan), plan.prefetch.max(1));
         // Each streamed block's bytes on the link, less what it holds on the host.
         let sizes: Vec<u64> = self
             .blocks
             .iter()
             .filter(|b| plan.streamed.contains(&b.prefix))
-            .map(|b| {
+            .enumerate()
+            .map(|(k, b)| {
                 let (host, host_wire, _) = Self::host_held(plan, b);
-                if plan.wire_code {
+                if Self::coded_place(plan, k, carried) {
                     b.wire_bytes.saturating_sub(host_wire)
                 } else {
                     b.weight_bytes.saturating_sub(host)
@@ -788,8 +826,18 @@ impl MemoryProfile {
             return 0;
         }
         // At least `kept` (every place holds that many), at most `m`.
-        let carried = carry(&self.reach(plan), plan.prefetch.max(1));
         sizes[carried..].iter().sum::<u64>() + sizes[..m - kept].iter().sum::<u64>()
+    }
+
+    /// How many of the first streamed blocks cross uncoded under `plan`
+    /// (`Plan::uncoded_carry`: those the backward leaves for the next forward), for
+    /// `BlockStreamer::set_uncoded_first`.
+    pub fn uncoded_first(&self, plan: &Plan) -> usize {
+        if plan.wire_code && plan.uncoded_carry && !plan.streamed.is_empty() {
+            carry(&self.reach(plan), plan.prefetch.max(1))
+        } else {
+            0
+        }
     }
 
     /// Block prefixes in the order the planner streams them: the smallest blocks first,
@@ -841,11 +889,12 @@ impl MemoryProfile {
                             }
                             // Coded uploads when anything would be coded (fewer bytes on
                             // the link, decodes taking the GPU's time; nothing to code
-                            // without streamed blocks), and uncoded.
-                            let codings: &[bool] = if codes && k > 0 {
-                                &[true, false]
+                            // without streamed blocks), with the carried blocks uncoded or
+                            // not, and uncoded: (wire_code, uncoded_carry).
+                            let codings: &[(bool, bool)] = if codes && k > 0 {
+                                &[(true, true), (true, false), (false, false)]
                             } else {
-                                &[false]
+                                &[(false, false)]
                             };
                             // The conditioning products on the host or not, when
                             // blocks stream and hold weights only the forward reads.
@@ -854,7 +903,7 @@ impl MemoryProfile {
                             } else {
                                 &[false]
                             };
-                            for &wire_code in codings {
+                            for &(wire_code, uncoded_carry) in codings {
                                 for &host_products in hosts {
                                     v.push(Plan {
                                         checkpointing,
@@ -871,6 +920,7 @@ impl MemoryProfile {
                                         },
                                         offload_inputs,
                                         wire_code,
+                                        uncoded_carry,
                                         host_products,
                                     });
                                 }
@@ -896,6 +946,7 @@ impl MemoryProfile {
             offload_inputs: true,
             // Uncoded: the staging ring would add to the smallest peak.
             wire_code: false,
+            uncoded_carry: false,
             deep_prefetch: true,
             host_products: held,
         });
@@ -1444,7 +1495,10 @@ mod tests {
             ..all
         };
         let (up, o) = (1e3 / UPLOAD_GIB_PER_S, STREAM_MS_PER_BLOCK);
-        let (f, b) = (FORWARD * share, (1.0 - FORWARD + RECOMPUTE_KEEP) * share);
+        let (f, b) = (
+            FORWARD_PASS * share,
+            (1.0 - FORWARD_PASS + RECOMPUTE_KEEP) * share,
+        );
         // Forward: blocks 0 and 1 stay from the last backward; block 1's entry starts 2's
         // upload, block 2's entry 3's (after 2's, on the one link).
         let t0 = o + f;

@@ -107,6 +107,8 @@ struct State {
     sealed: bool,
     /// Whether bf16 weights cross the link coded (`set_wire_code`).
     code: bool,
+    /// The first blocks that cross uncoded whatever `code` says (`set_uncoded_first`).
+    uncoded_first: usize,
     /// Where coded uploads land before their decode (the largest pack's coded bytes), made
     /// with the packs.
     staging: Option<Staging>,
@@ -192,6 +194,7 @@ impl BlockStreamer {
                 timing: vec![],
                 sealed: false,
                 code: true,
+                uncoded_first: 0,
                 staging: None,
                 reach,
                 carry,
@@ -224,6 +227,21 @@ impl BlockStreamer {
             ));
         }
         st.code = on;
+        Ok(())
+    }
+
+    /// Makes the first `n` blocks cross uncoded though the wire code is on: the blocks the
+    /// backward leaves on the device for the next forward (`carried`), which only the
+    /// backward uploads, while its link has time to spare (the planner's
+    /// `Plan::uncoded_carry`). Set before the first fetch.
+    pub fn set_uncoded_first(&self, n: usize) -> Result<()> {
+        let mut st = self.lock()?;
+        if st.sealed {
+            return Err(Error::Stream(
+                "the uncoded blocks are chosen before the first fetch".into(),
+            ));
+        }
+        st.uncoded_first = n;
         Ok(())
     }
 
@@ -543,12 +561,14 @@ impl BlockStreamer {
     }
 
     /// Joins every block's weights into its pack (at the first fetch: every weight has been
-    /// adopted by then), bf16 weights coded when `code` is on (each upload then takes its
+    /// adopted by then), bf16 weights coded when `code` is on (but in the first
+    /// `uncoded_first` blocks; each upload then takes its
     /// pack's bytes: the planner's `MemoryProfile::layout` counts them so); and makes the
     /// staging ring coded uploads cross into (`crate::device::staging_ring_bytes`: a copy goes
     /// into the ring while the decode stream empties the pieces before it).
     fn seal(&self, st: &mut State) -> Result<()> {
-        for b in st.blocks.iter_mut() {
+        let (code, uncoded_first) = (st.code, st.uncoded_first);
+        for (i, b) in st.blocks.iter_mut().enumerate() {
             if b.pack.is_some() || b.params.is_empty() {
                 continue;
             }
@@ -581,7 +601,7 @@ impl BlockStreamer {
                 .ok_or_else(|| {
                     Error::Stream(format!("block {}: a weight lost its values", b.prefix))
                 })?;
-            b.pack = Some(self.device.pack(&hosts, st.code)?);
+            b.pack = Some(self.device.pack(&hosts, code && i >= uncoded_first)?);
             for p in &mut b.params {
                 p.host = None;
             }

@@ -515,6 +515,10 @@ section! {
         /// (the sign and mantissa as a byte, the exponent in a Huffman code of its tensor's
         /// exponents; about 0.69 of the bytes, decoded on the GPU, the values unchanged).
         wire_code: bool = true,
+        /// With wire_code, the blocks the backward leaves on the GPU for the next forward
+        /// (only the backward uploads them, while the link has time to spare) cross uncoded:
+        /// no decodes beside the backward's kernels (more host memory for those blocks).
+        uncoded_carry: bool = true,
         /// The forward fetches streamed blocks further ahead while the memory its
         /// checkpoints take later in the step is still free, and the backward leaves that
         /// many blocks on the device for the next forward: fewer uploads a step, the peak

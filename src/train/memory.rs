@@ -134,6 +134,7 @@ pub(crate) fn plan_memory(
                 },
                 offload_inputs: mem.offload_inputs,
                 wire_code: mem.wire_code,
+                uncoded_carry: mem.uncoded_carry,
                 deep_prefetch: mem.deep_prefetch,
                 host_products: mem.host_products,
             };
@@ -166,12 +167,13 @@ pub(crate) fn plan_memory(
         },
         (None, Some(b)) => {
             let prof = profile(config, family, opts, sample)?;
-            // memory.wire_code, memory.deep_prefetch, memory.keep_few_rows and
-            // memory.host_products turned off bind the planner too.
+            // memory.wire_code, memory.uncoded_carry, memory.deep_prefetch,
+            // memory.keep_few_rows and memory.host_products turned off bind the planner too.
             let candidates: Vec<Plan> = prof
                 .candidates()
                 .into_iter()
                 .filter(|c| mem.wire_code || !c.wire_code)
+                .filter(|c| mem.uncoded_carry || !c.uncoded_carry)
                 .map(|c| Plan {
                     deep_prefetch: c.deep_prefetch && mem.deep_prefetch,
                     host_products: c.host_products && mem.host_products,

@@ -514,7 +514,9 @@ impl CudaDevice {
         staging: Option<&Staging>,
         skip: &[bool],
     ) -> Result<(Vec<CudaStorage>, Upload)> {
-        let ring = staging.filter(|s| s.len() >= p.wire_bytes());
+        // An uncoded pack crosses straight into place (a coded streamer's first blocks may
+        // be: `BlockStreamer::set_uncoded_first`).
+        let ring = staging.filter(|s| p.coded > 0 && s.len() >= p.wire_bytes());
         if p.coded > 0 && ring.is_none() {
             return Err(Error::Stream(format!(
                 "a coded pack of {} bytes on the link needs as much staging, has {}",

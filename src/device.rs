@@ -963,7 +963,11 @@ impl Device {
             Device::Cuda(d) if wire > 0 => {
                 Ok(Some(Staging::Cuda(d.alloc_staging(wire, part, pieces)?)))
             }
-            _ => Ok(None),
+            _ => {
+                // Only a GPU stages (the CPU backend alone reads none of them).
+                let _ = (wire, part, pieces);
+                Ok(None)
+            }
         }
     }
 

@@ -157,7 +157,20 @@ fn run<M: ModelSpec>(
         batch: rows.len().max(1),
         optimizer_bytes_per_value: if adam8bit { 2.0 + 8.0 / 256.0 } else { 8.0 },
     };
-    let profile: MemoryProfile = profile_config::<M>(&cfg, &opts, &run_shape)?;
+    let mut profile: MemoryProfile = profile_config::<M>(&cfg, &opts, &run_shape)?;
+    // `--measure-machine`: the time model plays this machine's link and GPU
+    // (`memory.measure_machine`).
+    if args.flag("--measure-machine") {
+        if let Some(m) = flame::stream::measure_machine(&dev)? {
+            if root {
+                println!(
+                    "machine: {} (bf16 GEMM {:.0} TFLOP/s)",
+                    m.machine, m.gemm_tflops
+                );
+            }
+            profile.machine = m.machine;
+        }
+    }
     let plan = match args.value("--budget") {
         Some(gb) => {
             let b = (gb.parse::<f64>().expect("--budget GB") * GIB) as u64;

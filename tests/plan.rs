@@ -970,3 +970,43 @@ fn the_planner_holds_the_modulations_on_the_host_where_the_host_keeps_up() {
         );
     }
 }
+
+/// The time model plays the machine it is given (`MemoryProfile::machine`, measured by
+/// `stream::measure_machine` under `memory.measure_machine`): a GPU twice as slow doubles the
+/// resident step and the work of a plan that streams nothing; a link a quarter as fast as
+/// the H100's makes streaming dearer, and within 12 GiB the planner then codes the weights
+/// it streams, where on the H100 it streams them uncoded (measured fastest, session 33).
+#[test]
+fn the_time_model_plays_the_machine_it_is_given() {
+    use flame::stream::Machine;
+    let bf = flux_dev(false, false);
+    assert_eq!(bf.machine, Machine::H100);
+    let twelve = (12.0 * GIB) as u64;
+    let h100 = bf.plan(twelve).unwrap();
+    assert!(!h100.plan.wire_code, "{}", h100.plan);
+    let slow_gpu = MemoryProfile {
+        machine: Machine {
+            compute_scale: 2.0,
+            ..Machine::H100
+        },
+        ..bf.clone()
+    };
+    assert!((slow_gpu.resident_ms() / bf.resident_ms() - 2.0).abs() < 1e-9);
+    let checkpointed = plan(Checkpointing::All, vec![], 2, true);
+    let ratio = slow_gpu.step_ms(&checkpointed) / bf.step_ms(&checkpointed);
+    assert!((ratio - 2.0).abs() < 1e-9, "{ratio}");
+    let slow_link = MemoryProfile {
+        machine: Machine {
+            upload_gib_per_s: 12.0,
+            ..Machine::H100
+        },
+        ..bf.clone()
+    };
+    assert!(slow_link.step_ms(&h100.plan) > 1.3 * bf.step_ms(&h100.plan));
+    let p = slow_link.plan(twelve).unwrap();
+    assert!(p.plan.wire_code, "{}", p.plan);
+    println!(
+        "12 GiB over a 12 GiB/s link: {} ({:.2}x)",
+        p.plan, p.slowdown
+    );
+}

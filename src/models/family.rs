@@ -567,6 +567,7 @@ pub fn profile_config<M: ModelSpec>(
         trainable_bytes: (trainable_values * 4) as u64,
         optimizer_bytes: (trainable_values as f64 * run.optimizer_bytes_per_value) as u64,
         fixed_bytes: fixed,
+        machine: crate::stream::Machine::H100,
     })
 }
 

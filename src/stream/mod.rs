@@ -26,15 +26,17 @@
 //! garbage. The README's "Memory model" section states who owns which buffer on which
 //! stream.
 
+mod machine;
 mod offload;
 mod plan;
 mod products;
 mod streamer;
 
+pub use machine::{measure_machine, MachineProbe, H100_GEMM_TFLOPS};
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{
-    carry, cost_model, spread_evenly, BlockCost, BlockShape, MemoryProfile, NoPlan, Plan, Planned,
-    MARGIN_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
+    carry, cost_model, spread_evenly, BlockCost, BlockShape, Machine, MemoryProfile, NoPlan, Plan,
+    Planned, MARGIN_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
 };
 pub use products::ProductReport;
 pub use streamer::{BlockStreamer, StreamReport};

@@ -86,6 +86,47 @@ pub struct MemoryProfile {
     pub optimizer_bytes: u64,
     /// The sample, the loss and transient buffers.
     pub fixed_bytes: u64,
+    /// The machine the time model plays a step on (`Machine::H100` unless measured:
+    /// `stream::measure_machine`).
+    pub machine: Machine,
+}
+
+/// The machine the time model plays a plan's step on: its host link and its GPU's speed,
+/// against the H100 the model's constants come from (`cost_model`). The planner's choice
+/// turns on how the link compares with the compute: a slower link (PCIe 3 or 4 on a desktop
+/// card) makes uploads dearer and the wire code worth its decodes; a slower GPU makes them
+/// cheaper.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Machine {
+    /// The host-to-device rate of a streamed block's upload, GiB/s.
+    pub upload_gib_per_s: f64,
+    /// The GPU's time for a step's work over an H100's: the resident step, the re-runs,
+    /// FP8 and wire-code decodes scale with it (1.0 on an H100).
+    pub compute_scale: f64,
+}
+
+impl Machine {
+    /// The H100 80GB machine the time model was calibrated on.
+    pub const H100: Machine = Machine {
+        upload_gib_per_s: cost_model::UPLOAD_GIB_PER_S,
+        compute_scale: 1.0,
+    };
+}
+
+impl Default for Machine {
+    fn default() -> Self {
+        Machine::H100
+    }
+}
+
+impl std::fmt::Display for Machine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "host link {:.1} GiB/s, GPU {:.2}x an H100's time",
+            self.upload_gib_per_s, self.compute_scale
+        )
+    }
 }
 
 /// A plan: how blocks run (the planner's choice, or the user's).
@@ -338,12 +379,14 @@ impl MemoryProfile {
     fn compute_ms(&self) -> f64 {
         const GIB: f64 = (1u64 << 30) as f64;
         let saved: u64 = self.blocks.iter().map(|b| b.saved_bytes).sum();
-        (cost_model::STEP_MS_PER_SAVED_GIB * saved as f64 / GIB).max(1e-9)
+        (cost_model::STEP_MS_PER_SAVED_GIB * self.machine.compute_scale * saved as f64 / GIB)
+            .max(1e-9)
     }
 
     /// One decode of block `b`'s FP8 codes, ms.
     fn decode_ms(&self, b: &BlockCost) -> f64 {
-        cost_model::DECODE_MS_PER_GIB * b.decode_bytes as f64 / (1u64 << 30) as f64
+        cost_model::DECODE_MS_PER_GIB * self.machine.compute_scale * b.decode_bytes as f64
+            / (1u64 << 30) as f64
     }
 
     /// The predicted length of a step under `plan`, ms: the forward over the blocks in
@@ -384,7 +427,11 @@ impl MemoryProfile {
                 0.0
             }
         };
-        let link_ms = |bytes: u64| bytes as f64 / GIB / UPLOAD_GIB_PER_S * 1e3;
+        let (upload_rate, scale) = (
+            self.machine.upload_gib_per_s.max(1e-3),
+            self.machine.compute_scale,
+        );
+        let link_ms = |bytes: u64| bytes as f64 / GIB / upload_rate * 1e3;
         // A streamed block's bytes on the link, coded (`code`) or not, and of those coded:
         // the backward's uploads leave out what only the forward reads (`Keep::few_rows`).
         // Weights held on the host for their products never cross.
@@ -459,9 +506,9 @@ impl MemoryProfile {
                     if code {
                         *link = link.max(*gate) + link_ms(bytes);
                         *gate = t;
-                        let decode = WIRE_DECODE_MS_PER_GIB * coded as f64 / GIB;
+                        let decode = WIRE_DECODE_MS_PER_GIB * scale * coded as f64 / GIB;
                         ready[k] = Some(link.max(t) + decode);
-                        decodes += WIRE_DECODE_COMPUTE_MS_PER_GIB * coded as f64 / GIB;
+                        decodes += WIRE_DECODE_COMPUTE_MS_PER_GIB * scale * coded as f64 / GIB;
                     } else {
                         *link = link.max(t) + link_ms(bytes);
                         ready[k] = Some(*link);
@@ -1140,6 +1187,7 @@ mod tests {
             trainable_bytes: 20,
             optimizer_bytes: 40,
             fixed_bytes: 30,
+            machine: Machine::H100,
         }
     }
 
@@ -1283,6 +1331,7 @@ mod tests {
             trainable_bytes: 0,
             optimizer_bytes: 0,
             fixed_bytes: 0,
+            machine: Machine::H100,
         };
         let plan = |host: bool| Plan {
             checkpointing: Checkpointing::All,
@@ -1477,6 +1526,7 @@ mod tests {
             trainable_bytes: 0,
             optimizer_bytes: 0,
             fixed_bytes: 0,
+            machine: Machine::H100,
         };
         let share = STEP_MS_PER_SAVED_GIB; // each block's share of the resident step
         assert!((p.resident_ms() - 4.0 * share).abs() < 1e-9);

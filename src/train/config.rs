@@ -532,6 +532,13 @@ section! {
         /// DoRA or adapters before the blocks (their inputs would need gradients), nor FP8
         /// weights.
         host_products: bool = true,
+        /// With memory.budget_gb, the planner measures this machine's host link and GPU
+        /// before loading (a quarter of a second: 256 MiB uploads and bf16 GEMMs) and plays
+        /// its time model on them instead of on the H100 its constants come from: a slower
+        /// link favours the wire code and fewer streamed blocks. The plan may then differ
+        /// between runs by the measurement's noise, a resumed run's too (its steps stay exact
+        /// unless the choice of memory.host_products flips).
+        measure_machine: bool = false,
     }
 }
 

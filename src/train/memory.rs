@@ -166,7 +166,16 @@ pub(crate) fn plan_memory(
             hint: "set memory.budget_gb".into(),
         },
         (None, Some(b)) => {
-            let prof = profile(config, family, opts, sample)?;
+            let mut prof = profile(config, family, opts, sample)?;
+            // memory.measure_machine: the time model plays this machine's link and GPU.
+            let machine = if mem.measure_machine {
+                crate::stream::measure_machine(device)?.map(|m| m.machine)
+            } else {
+                None
+            };
+            if let Some(m) = machine {
+                prof.machine = m;
+            }
             // memory.wire_code, memory.uncoded_carry, memory.deep_prefetch,
             // memory.keep_few_rows and memory.host_products turned off bind the planner too.
             let candidates: Vec<Plan> = prof
@@ -208,10 +217,14 @@ pub(crate) fn plan_memory(
                         plan,
                         summary: format!(
                             "{} ({:.1} GiB streamed a step; a step predicted at {:.2}x the \
-                             resident one by the time model of an H100)",
+                             resident one by the time model of {})",
                             p.plan,
                             gib(p.streamed_bytes),
-                            p.slowdown
+                            p.slowdown,
+                            match machine {
+                                Some(m) => format!("this machine ({m})"),
+                                None => "an H100".into(),
+                            }
                         ),
                         budget,
                         predicted_peak: Some(p.peak),

@@ -113,12 +113,6 @@ impl Machine {
     };
 }
 
-impl Default for Machine {
-    fn default() -> Self {
-        Machine::H100
-    }
-}
-
 impl std::fmt::Display for Machine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -852,7 +846,7 @@ impl MemoryProfile {
     /// `deep_prefetch`) and the backward every one but the last `prefetch + 1` (each pass
     /// leaves those for the next); weights held on the host never cross.
     pub fn streamed_bytes(&self, plan: &Plan) -> u64 {
-        let carried = carry(&self.reach(plan), plan.prefetch.max(1));
+        let carried = self.carried(plan);
         // Each streamed block's bytes on the link, less what it holds on the host.
         let sizes: Vec<u64> = self
             .blocks
@@ -880,11 +874,17 @@ impl MemoryProfile {
     /// (`Plan::uncoded_carry`: those the backward leaves for the next forward), for
     /// `BlockStreamer::set_uncoded_first`.
     pub fn uncoded_first(&self, plan: &Plan) -> usize {
-        if plan.wire_code && plan.uncoded_carry && !plan.streamed.is_empty() {
-            carry(&self.reach(plan), plan.prefetch.max(1))
+        if plan.wire_code && plan.uncoded_carry {
+            self.carried(plan)
         } else {
             0
         }
+    }
+
+    /// How many of the first streamed blocks the backward leaves on the device for the next
+    /// forward under `plan` (`carry` of its `reach`; 0 when nothing streams).
+    fn carried(&self, plan: &Plan) -> usize {
+        carry(&self.reach(plan), plan.prefetch.max(1))
     }
 
     /// Block prefixes in the order the planner streams them: the smallest blocks first,

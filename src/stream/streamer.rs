@@ -220,13 +220,7 @@ impl BlockStreamer {
     /// arrives; the values are the same bit for bit). On by default; set before the first
     /// fetch.
     pub fn set_wire_code(&self, on: bool) -> Result<()> {
-        let mut st = self.lock()?;
-        if st.sealed {
-            return Err(Error::Stream(
-                "the wire code is chosen before the first fetch".into(),
-            ));
-        }
-        st.code = on;
+        self.unsealed("the wire code is")?.code = on;
         Ok(())
     }
 
@@ -235,14 +229,20 @@ impl BlockStreamer {
     /// backward uploads, while its link has time to spare (the planner's
     /// `Plan::uncoded_carry`). Set before the first fetch.
     pub fn set_uncoded_first(&self, n: usize) -> Result<()> {
-        let mut st = self.lock()?;
-        if st.sealed {
-            return Err(Error::Stream(
-                "the uncoded blocks are chosen before the first fetch".into(),
-            ));
-        }
-        st.uncoded_first = n;
+        self.unsealed("the uncoded blocks are")?.uncoded_first = n;
         Ok(())
+    }
+
+    /// The state, while the packs are not made yet (`seal`): what they are made with
+    /// (`what`, with its verb) is chosen before the first fetch.
+    fn unsealed(&self, what: &str) -> Result<MutexGuard<'_, State>> {
+        let st = self.lock()?;
+        if st.sealed {
+            return Err(Error::Stream(format!(
+                "{what} chosen before the first fetch"
+            )));
+        }
+        Ok(st)
     }
 
     /// Lets the forward fetch further ahead than `prefetch` where memory allows: while

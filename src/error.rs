@@ -154,6 +154,41 @@ pub enum Error {
         /// What is wrong.
         msg: String,
     },
+    /// A run's output folder cannot take the run as asked: another run's files in it, files
+    /// at a run's names that no run there recorded, nothing to resume.
+    #[error("output folder {path}: {msg}")]
+    RunFolder {
+        /// The output folder.
+        path: PathBuf,
+        /// What is in the way, and what to do.
+        msg: String,
+    },
+    /// A phase of a run besides its training steps (the validation loss, sample images, the
+    /// loss plot) failed; what was trained up to `step` is saved.
+    #[error("{phase} after step {step} failed: {error}\n  {saved}\n  {hint}")]
+    Phase {
+        /// The phase ("validation", "sample images", "the loss plot").
+        phase: &'static str,
+        /// The last training step done.
+        step: usize,
+        /// The phase's error.
+        error: Box<Error>,
+        /// What is saved (the checkpoint, the final adapter).
+        saved: String,
+        /// The knob that would let the phase fit, and how to finish.
+        hint: String,
+    },
+    /// Stopped by a signal (Ctrl-C, SIGTERM) before training started: what was under way.
+    #[error("interrupted {0}")]
+    Interrupted(String),
+    /// A host (CPU) memory allocation this large failed: what it was for and its size.
+    #[error("out of host memory: {what} needs {bytes} bytes")]
+    HostMemory {
+        /// What the memory was for (a tensor's shape, a setting's key).
+        what: String,
+        /// Bytes requested.
+        bytes: u64,
+    },
     /// A training image, caption, manifest or dataset cache entry cannot be used: the file
     /// and why.
     #[error("data {path}: {msg}")]

@@ -265,7 +265,17 @@ fn temp(name: &str) -> PathBuf {
 /// The tiny example under `dir`: `steps` steps, `batch` samples per rank, checkpoints every
 /// 4 steps, the model and data in `shared` (made once).
 fn tiny(dir: &Path, shared: &Path, steps: usize, batch: usize, accum: usize) -> TrainConfig {
-    TrainConfig::from_toml(&tiny_text(dir, shared, steps, batch, accum)).unwrap()
+    let cfg = TrainConfig::from_toml(&tiny_text(dir, shared, steps, batch, accum)).unwrap();
+    make_tiny_once(&cfg);
+    cfg
+}
+
+/// The shared model and samples `cfg` names, as `train --make-tiny` makes them, one test at
+/// a time (tests run side by side).
+fn make_tiny_once(cfg: &TrainConfig) {
+    static MAKE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = MAKE.lock().unwrap_or_else(|e| e.into_inner());
+    flame::train::demo::make_tiny(cfg).unwrap();
 }
 
 fn tiny_text(dir: &Path, shared: &Path, steps: usize, batch: usize, accum: usize) -> String {
@@ -314,6 +324,7 @@ fn train(cfg: &TrainConfig, world: usize, opts: RunOptions, queued: bool) -> Vec
         let place = Placement {
             device: Some(Device::Cpu),
             group: Some(g),
+            interrupt: None,
         };
         Trainer::open_in(cfg.clone(), Prepare::Encode, place, &mut |_| {})?.run(&opts, &mut |_| {})
     })
@@ -445,7 +456,9 @@ fn write_tiny(name: &str, shared: &Path, batch: usize, device: &str) -> (PathBuf
         .replace("device = \"cpu\"", &format!("device = \"{device}\""));
     let p = d.join("train.toml");
     std::fs::write(&p, &text).unwrap();
-    (p, TrainConfig::from_toml(&text).unwrap())
+    let cfg = TrainConfig::from_toml(&text).unwrap();
+    make_tiny_once(&cfg);
+    (p, cfg)
 }
 
 /// The `train` binary (`FLAME_TRAIN_EXE` where the build's path does not exist) on `cfg`
@@ -584,6 +597,7 @@ fn an_nccl_group_of_one_gpu_is_the_identity_and_trains_the_same() {
         |d: &Path| tiny_text(d, &shared, 6, 4, 2).replace("device = \"cpu\"", "device = \"cuda\"");
     let plain = TrainConfig::from_toml(&text(&temp("nccl1-plain"))).unwrap();
     let grouped = TrainConfig::from_toml(&text(&temp("nccl1-group"))).unwrap();
+    make_tiny_once(&plain);
     Trainer::new(plain.clone())
         .unwrap()
         .run(&RunOptions::default(), &mut |_| {})
@@ -591,6 +605,7 @@ fn an_nccl_group_of_one_gpu_is_the_identity_and_trains_the_same() {
     let place = Placement {
         device: Some(dev.clone()),
         group: Some(g),
+        interrupt: None,
     };
     Trainer::open_in(grouped.clone(), Prepare::Encode, place, &mut |_| {})
         .unwrap()

@@ -37,7 +37,10 @@ fn config(dir: &Path, steps: usize, every: usize) -> TrainConfig {
         .replace("t5_tokens = 32", "t5_tokens = 32\nstream_t5 = \"on\"");
     let p = dir.join("train.toml");
     std::fs::write(&p, text).unwrap();
-    TrainConfig::from_file(p).unwrap()
+    let cfg = TrainConfig::from_file(p).unwrap();
+    // The tiny model, encoders, autoencoder and pictures, as `train --make-tiny` makes them.
+    flame::train::demo::make_tiny(&cfg).unwrap();
+    cfg
 }
 
 fn open(cfg: &TrainConfig, prepare: Prepare) -> (Trainer, Vec<String>) {
@@ -66,7 +69,7 @@ fn images_train_a_lora_with_validation_samples_and_a_plot() {
     let cfg = config(&d, 8, 4);
     let out = cfg.train.output_dir.clone();
 
-    // A dry run makes the tiny files (create_if_missing) but no cache and no run folder.
+    // A dry run writes no cache and no run folder.
     let (t, _) = open(&cfg, Prepare::DryRun);
     assert!(!out.exists(), "a dry run wrote {}", out.display());
     let desc = t.data().describe();

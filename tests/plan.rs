@@ -276,7 +276,9 @@ fn tiny_config(name: &str, memory: &str) -> flame::train::TrainConfig {
         + &format!("\n[memory]\n{memory}\n");
     let p = dir.join("train.toml");
     std::fs::write(&p, text).unwrap();
-    flame::train::TrainConfig::from_file(p).unwrap()
+    let cfg = flame::train::TrainConfig::from_file(p).unwrap();
+    flame::train::demo::make_tiny(&cfg).unwrap();
+    cfg
 }
 
 fn losses(cfg: &flame::train::TrainConfig) -> (String, Vec<String>) {

@@ -1,4 +1,4 @@
-//! The training loop on the tiny Flux (made on first use, as examples/flux-tiny-encoded.toml does):
+//! The training loop on the tiny Flux (made as `train --make-tiny examples/flux-tiny-encoded.toml` does):
 //! exact resume after an interruption, checkpoint rotation, the loss falling, bad input
 //! caught before anything is written, run folders that cannot mix, non-finite guards, and
 //! (with the `train` binary) crash safety under injected kills and write failures.
@@ -52,6 +52,8 @@ fn tiny(dir: &Path, steps: usize, extra: &str) -> PathBuf {
         .replace("[adapter]\n", &format!("[adapter]\n{extra}"));
     let p = dir.join("train.toml");
     std::fs::write(&p, text).unwrap();
+    // The tiny model and its synthetic samples, as `train --make-tiny` makes them.
+    flame::train::demo::make_tiny(&TrainConfig::from_file(&p).unwrap()).unwrap();
     p
 }
 
@@ -182,20 +184,24 @@ fn bad_configs_and_data_fail_before_writing() {
         good.replace("device = \"cpu\"", "device = \"tpu\""),
         &["train.device", "tpu"],
     );
-    // A missing model file (and no create_if_missing).
+    // A missing model file: an error, and nothing made in its place.
     check(
-        good.replace("create_if_missing = \"flux-tiny\"\n", "")
-            .replace("tiny/flux-tiny.safetensors", "nowhere.safetensors"),
+        good.replace("tiny/flux-tiny.safetensors", "nowhere.safetensors"),
         &["nowhere.safetensors", "no such file"],
     );
+    assert!(!d.join("nowhere.safetensors").exists());
+    // A missing data folder: an error, and nothing made in its place.
+    check(
+        good.replace("dir = \"tiny/data\"", "dir = \"tiny/dta\""),
+        &["tiny/dta"],
+    );
+    assert!(!d.join("tiny/dta").exists());
     // Patterns that match nothing.
     check(
         good.replace("targets = [", "targets = [\"nothing.here\"]\n#"),
         &["match no Linear layer"],
     );
     // A data file with the wrong shape.
-    let cfg = TrainConfig::from_file(d.join("train.toml")).unwrap();
-    drop(Trainer::new(cfg).unwrap()); // makes the model and the synthetic data
     let bad = flame::Tensor::zeros((3, 8, 8), flame::DType::F32, &flame::Device::Cpu).unwrap();
     let sample = d.join("tiny/data/sample-0003.safetensors");
     let mut t = flame::safetensors::load(&sample, &flame::Device::Cpu).unwrap();
@@ -414,7 +420,6 @@ fn bad_samples_are_refused_naming_file_and_tensor() {
     use flame::{DType, Device, Tensor};
     let d = temp("samples");
     let cfg = TrainConfig::from_file(tiny(&d, 4, "")).unwrap();
-    drop(Trainer::new(cfg.clone()).unwrap()); // makes the model and the synthetic data
     let sample = cfg
         .data
         .dir
@@ -559,18 +564,35 @@ fn rotation_deletes_only_this_runs_older_checkpoints() {
         r#"{"step":99,"seed":7,"run_id":"other","files":{}}"#,
     )
     .unwrap();
-    // The resume picks checkpoint-99? No: it is past train.steps, so refused...
-    let e = run_with(&cfg, resume()).unwrap_err().to_string();
+    // The resume passes over another run's checkpoint, saying so, and resumes its own...
+    let (end, notes) = run_with(&cfg, resume()).unwrap();
+    assert!(matches!(end, RunEnd::Finished(_)), "{end:?}");
     assert!(
-        e.contains("checkpoint-0000099") && e.contains("past train.steps"),
+        notes
+            .iter()
+            .any(|n| n.contains("checkpoint-0000099 was written by another run")),
+        "{notes:?}"
+    );
+    assert!(
+        notes.iter().any(|n| n.contains("resuming after step 4")),
+        "{notes:?}"
+    );
+    // ... whose rotation never deletes it.
+    let kept: Vec<usize> = checkpoints(&out).unwrap().iter().map(|c| c.0).collect();
+    assert_eq!(kept, [4, 8, 99]);
+    assert!(foreign.join("state.json").is_file());
+    // --overwrite cannot prove it was this run's: refused, naming it; nothing deleted.
+    let o = RunOptions {
+        overwrite: true,
+        ..Default::default()
+    };
+    let e = run_with(&cfg, o).unwrap_err().to_string();
+    assert!(
+        e.contains("checkpoint-0000099") && e.contains("no run recorded"),
         "{e}"
     );
-    // ... and at a step inside the run, another run's checkpoint is never deleted.
-    std::fs::rename(&foreign, out.join("checkpoint-0000002")).unwrap();
-    let e = run_with(&cfg, resume());
-    assert!(e.is_ok(), "{e:?}");
-    let kept: Vec<usize> = checkpoints(&out).unwrap().iter().map(|c| c.0).collect();
-    assert!(kept.contains(&2) && kept.contains(&8), "{kept:?}");
+    assert_eq!(losses(&out).len(), 8);
+    assert!(out.join("lora.safetensors").is_file());
     std::fs::remove_dir_all(&d).ok();
 }
 
@@ -783,19 +805,21 @@ fn the_binary_survives_kills_and_full_disks_at_every_write() {
             std::fs::remove_dir_all(&d).ok();
         }
     }
-    // --overwrite killed midway: the folder is refused without --overwrite, which then works.
+    // --overwrite killed midway: the manifest goes last, so the folder is still the run's:
+    // refused without --overwrite, what is left still resumes, and --overwrite then works.
     let d = temp("fault-clear");
     let out = d.join("tiny/out-encoded");
     assert!(train_bin(&d, steps, None, &[]).status.success());
     assert!(!train_bin(&d, steps, Some("kill:clear"), &["--overwrite"])
         .status
         .success());
-    for args in [&[][..], &["--resume"][..]] {
-        let o = train_bin(&d, steps, None, args);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
-        assert!(err.contains("--overwrite"), "{args:?}: {err}");
-    }
+    let o = train_bin(&d, steps, None, &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("--overwrite"), "{err}");
+    let o = train_bin(&d, steps, None, &["--resume"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read(out.join("lora.safetensors")).unwrap(), lora);
     assert!(train_bin(&d, steps, None, &["--overwrite"])
         .status
         .success());

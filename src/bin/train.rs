@@ -1,7 +1,10 @@
 //! `cargo run --release --bin train -- flux.toml`: trains a LoRA as the TOML file says (see
 //! examples/flux-tiny.toml and `train --print-config`). `--resume` continues the run in the
 //! output folder; `--overwrite` replaces it; `--plan` checks everything and says what would
-//! happen, writing nothing.
+//! happen, writing nothing; `--make-tiny` makes the tiny demo's stand-in files.
+//!
+//! Exit status: 0 when the run did what was asked, 1 when it failed, 2 for a usage error
+//! (an unknown flag, no config), 130 when stopped by a signal.
 //!
 //! Several GPUs: `--gpus 0,1` (or `train.gpus`) starts one worker process per GPU and waits
 //! for them; a process started with torchrun's variables (`WORLD_SIZE`, `RANK`, ...) is one
@@ -18,7 +21,8 @@ use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Train a LoRA on Flux, SD3.5 or SDXL from pre-encoded latents and text embeddings.
+/// Train a LoRA (or LoKr, LoHa, DoRA) on Flux, SD3.5 or SDXL from a folder of images with
+/// captions (or pre-encoded samples), as a TOML config says.
 #[derive(FromArgs)]
 #[argh(help_triggers("-h", "--help"))]
 struct Args {
@@ -45,9 +49,79 @@ struct Args {
     /// multi-GPU path without GPUs
     #[argh(option)]
     workers: Option<usize>,
+    /// make the tiny demo's stand-ins (a random tiny Flux, text encoders, autoencoder and
+    /// generated pictures, or pre-encoded samples) at the paths the config names that do not
+    /// exist, then exit: for examples/flux-tiny*.toml
+    #[argh(switch)]
+    make_tiny: bool,
     /// print the version
     #[argh(switch)]
     version: bool,
+}
+
+/// The usage-error exit status (a bad flag, no config).
+const USAGE: u8 = 2;
+/// The exit status of a run stopped by a signal.
+const INTERRUPTED: u8 = 130;
+
+/// The arguments, or the exit for `--help` (0) and usage errors (2).
+fn parse_args() -> Result<Args, ExitCode> {
+    let all: Vec<String> = std::env::args().collect();
+    let name = all
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .map_or("train".into(), |n| n.to_string_lossy().into_owned());
+    let rest: Vec<&str> = all.iter().skip(1).map(String::as_str).collect();
+    match Args::from_args(&[&name], &rest) {
+        Ok(a) => Ok(a),
+        Err(argh::EarlyExit { output, status }) => match status {
+            Ok(()) => {
+                print!("{output}");
+                Err(ExitCode::SUCCESS)
+            }
+            Err(()) => {
+                eprint!("error: {output}");
+                eprintln!("(see {name} --help)");
+                Err(ExitCode::from(USAGE))
+            }
+        },
+    }
+}
+
+/// What to do next after `e`, where something can be done.
+fn next_step(e: &flame::Error) -> Option<&'static str> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(x) = cur {
+        if let Some(io) = x.downcast_ref::<std::io::Error>() {
+            if io.raw_os_error() == Some(28) {
+                return Some(
+                    "the disk is full: free space on it, then continue with --resume (the \
+                     last checkpoint and everything before it are intact)",
+                );
+            }
+        }
+        cur = x.source();
+    }
+    match e {
+        flame::Error::OutOfMemory { .. } | flame::Error::PlanExceeded { .. } => Some(
+            "everything up to the last checkpoint is saved: after changing what the message \
+             says, continue with --resume",
+        ),
+        _ => None,
+    }
+}
+
+/// The exit status and message of a failed run.
+fn failure(e: &flame::Error) -> (ExitCode, String) {
+    let mut msg = format!("error: {e}");
+    if let Some(next) = next_step(e) {
+        msg.push_str(&format!("\n  next: {next}"));
+    }
+    let code = match e {
+        flame::Error::Interrupted(_) => ExitCode::from(INTERRUPTED),
+        _ => ExitCode::FAILURE,
+    };
+    (code, msg)
 }
 
 /// Progress on stderr: a bar redrawn in place on a terminal, else a line every
@@ -110,7 +184,10 @@ impl Progress {
 }
 
 fn main() -> ExitCode {
-    let args: Args = argh::from_env();
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
     if args.version {
         println!("train (flame) {}", env!("CARGO_PKG_VERSION"));
         return ExitCode::SUCCESS;
@@ -121,8 +198,15 @@ fn main() -> ExitCode {
     }
     let Some(path) = args.config.clone() else {
         eprintln!("error: no config file given (see train --help)");
-        return ExitCode::from(2);
+        return ExitCode::from(USAGE);
     };
+    if args.resume && args.overwrite {
+        eprintln!("error: --resume and --overwrite exclude each other (see train --help)");
+        return ExitCode::from(USAGE);
+    }
+    if args.make_tiny {
+        return make_tiny(&path);
+    }
     // A worker of a data-parallel run: started by `--gpus` below, by torchrun or by srun.
     match Launch::from_env() {
         Err(e) => {
@@ -144,11 +228,32 @@ fn main() -> ExitCode {
     match run(&args, &path, &mut progress, place, None) {
         Ok(code) => code,
         Err(e) => {
-            let msg = format!("error: {e}");
+            let (code, msg) = failure(&e);
             match progress.as_mut() {
                 Some(p) => p.line(&msg),
                 None => eprintln!("{msg}"),
             }
+            code
+        }
+    }
+}
+
+/// `--make-tiny`: the tiny demo's stand-ins at the paths the config names and lacks.
+fn make_tiny(path: &std::path::Path) -> ExitCode {
+    let made = TrainConfig::from_file(path).and_then(|c| flame::train::demo::make_tiny(&c));
+    match made {
+        Ok(made) if made.is_empty() => {
+            eprintln!("nothing to make: every path the config names exists");
+            ExitCode::SUCCESS
+        }
+        Ok(made) => {
+            for p in made {
+                eprintln!("made {}", p.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -198,7 +303,7 @@ fn placement(args: &Args, path: &std::path::Path) -> flame::Result<Start> {
         0 => Start::Alone(Placement::default()),
         1 => Start::Alone(Placement {
             device: Some(gpu(list[0])?),
-            group: None,
+            ..Default::default()
         }),
         n => Start::Workers(n, Some(list)),
     })
@@ -408,11 +513,12 @@ fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
     let place = Placement {
         device: Some(device),
         group: Some(group.clone()),
+        interrupt: None,
     };
     match run(args, path, &mut progress, place, Some(rank)) {
         Ok(code) => code,
         Err(e) => {
-            let msg = format!("rank {rank}: error: {e}");
+            let msg = format!("rank {rank}: {}", failure(&e).1);
             group.fail(&e.to_string());
             if let Some(p) = progress.as_mut() {
                 p.quiet = false;
@@ -448,16 +554,47 @@ fn run(
         false => Prepare::Encode,
     };
     let world = place.group.as_ref().map(|g| g.describe());
-    let mut trainer = Trainer::open_in(config, prepare, place, &mut |e| {
-        if let (Event::Note(m), false) = (e, quiet) {
-            eprintln!("{m}");
-        }
-    })?;
+    let ranks = place.group.as_ref().map_or(1, |g| g.world());
     let opts = RunOptions {
         resume: args.resume,
         overwrite: args.overwrite,
         stop_at: None,
     };
+    // The output folder first: an occupied one is refused before any data is cached.
+    if !quiet {
+        flame::train::plan_folder(&config, ranks, &opts)?;
+    }
+    // Ctrl-C, SIGTERM, SIGHUP: stop caching at once, or finish the current step, save a
+    // checkpoint and exit; a second signal exits at once.
+    let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if !args.plan {
+        let f = flag.clone();
+        ctrlc::set_handler(move || {
+            if f.swap(true, Ordering::Relaxed) {
+                std::process::exit(INTERRUPTED as i32);
+            }
+            eprintln!("\ninterrupted: stopping at the next safe point (again to quit now)");
+        })
+        .map_err(|e| flame::Error::Io {
+            path: "signal handler".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    }
+    let place = Placement {
+        interrupt: Some(flag.clone()),
+        ..place
+    };
+    let mut trainer = Trainer::open_in(config, prepare, place, &mut |e| {
+        if let (Event::Note(m), false) = (e, quiet) {
+            eprintln!("{m}");
+        }
+    })?;
+    if flag.load(Ordering::Relaxed) {
+        return Err(flame::Error::Interrupted(
+            "while loading the model (nothing of the run was written)".into(),
+        ));
+    }
+
     let p = progress.insert(Progress {
         quiet,
         tty: std::io::stderr().is_terminal(),
@@ -514,27 +651,13 @@ fn run(
             }
         };
         p.line(&format!(
-            "plan: {what}; {} steps of {} x {} samples; {}; nothing was written",
+            "plan: {what}; {} steps of {} x {} samples; nothing was written",
             trainer.config.train.steps,
             trainer.config.train.batch_size,
             trainer.config.train.grad_accum,
-            trainer.memory.describe(),
         ));
         return Ok(ExitCode::SUCCESS);
     }
-    // Ctrl-C, SIGTERM, SIGHUP: finish the current step, save a checkpoint, exit; a second
-    // signal exits at once.
-    let flag = trainer.interrupt_flag();
-    ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::Relaxed) {
-            std::process::exit(130);
-        }
-        eprintln!("\ninterrupted: saving a checkpoint after this step (again to quit now)");
-    })
-    .map_err(|e| flame::Error::Io {
-        path: "signal handler".into(),
-        source: std::io::Error::other(e.to_string()),
-    })?;
     let end = trainer.run(&opts, &mut |e| match e {
         Event::Note(m) => p.line(&m),
         Event::Step(r) => p.step(&r),

@@ -131,11 +131,6 @@ impl DataConfig {
             },
         );
         check(
-            self.synthetic == 0 || self.dir.is_some(),
-            "data.synthetic",
-            format!("{}: synthetic samples need data.dir", self.synthetic),
-        );
-        check(
             (0.0..1.0).contains(&self.validation_split),
             "data.validation_split",
             format!("{}: must be in [0, 1)", self.validation_split),

@@ -24,6 +24,10 @@ pub enum Format {
     Diffusers,
 }
 
+/// The metadata key of a single `.safetensors` file that holds its model's diffusers
+/// `config.json` (as text), for files whose shapes do not pin the config down.
+pub const CONFIG_METADATA: &str = "config";
+
 /// A located checkpoint: its files and, for diffusers folders, the parsed config.json.
 #[derive(Clone, Debug)]
 pub struct Checkpoint {
@@ -33,7 +37,7 @@ pub struct Checkpoint {
     pub path: PathBuf,
     /// The `.safetensors` files holding the weights (one, or every shard of the index).
     pub files: Vec<PathBuf>,
-    /// `config.json` of a diffusers folder.
+    /// `config.json` of a diffusers folder, or a single file's [`CONFIG_METADATA`].
     pub config: Option<serde_json::Value>,
     /// The key prefix of a single file's model tensors ("" or [`LDM_PREFIX`]).
     pub prefix: String,
@@ -66,11 +70,20 @@ impl Checkpoint {
             } else {
                 String::new()
             };
+            let config = match file.metadata().get(CONFIG_METADATA) {
+                Some(text) => Some(serde_json::from_str(text).map_err(|e| {
+                    ck_err(
+                        path,
+                        format!("metadata \"{CONFIG_METADATA}\": invalid JSON: {e}"),
+                    )
+                })?),
+                None => None,
+            };
             return Ok(Checkpoint {
                 format: Format::SingleFile,
                 path: path.to_path_buf(),
                 files: vec![path.to_path_buf()],
-                config: None,
+                config,
                 prefix,
             });
         }

@@ -11,7 +11,7 @@ pub mod pipeline;
 pub mod sd3;
 pub mod sdxl;
 
-pub use checkpoint::{Checkpoint, Format};
+pub use checkpoint::{Checkpoint, Format, CONFIG_METADATA};
 pub use family::{
     family, load, load_as, profile_as, profile_config, DiffusionModel, Family, Input, LoadOptions,
     Loaded, MemoryPlan, ModelSpec, Objective, RunShape, Size, FAMILIES, OFFLOAD_MIN_BYTES,

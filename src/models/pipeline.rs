@@ -345,6 +345,10 @@ enum Encoder {
     T5(T5Encoder),
 }
 
+/// The most T5 tokens a caption may take: the length T5 was trained to and diffusers' Flux
+/// and SD3 pipelines accept (`max_sequence_length` cannot be greater than 512 there).
+pub const T5_MAX_TOKENS: usize = 512;
+
 /// How a [`TextConditioner`] is set up.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TextOptions {
@@ -388,6 +392,12 @@ impl TextConditioner {
                 located.len(),
                 family.name,
                 family.pipeline.text.len()
+            )));
+        }
+        if opts.t5_tokens > T5_MAX_TOKENS {
+            return Err(pipeline_err(format!(
+                "{key}: {} T5 tokens a caption; T5 takes at most {T5_MAX_TOKENS}",
+                opts.t5_tokens
             )));
         }
         let mut encoders = vec![];

@@ -235,9 +235,6 @@ section! {
         dtype: ModelDType = ModelDType::Bf16,
         /// A diffusers config.json for a single file whose shapes do not pin its config down.
         config: Option<PathBuf> = None,
-        /// Make a tiny random model (fixed seed) at `path` when it does not exist: only
-        /// "flux-tiny".
-        create_if_missing: Option<String> = None,
         /// The guidance input of guidance-distilled models (Flux dev) during training.
         guidance: f64 = 1.0,
         /// DDPM models (SDXL): what the model predicts, "epsilon" or "v".
@@ -377,8 +374,6 @@ section! {
         /// sample, holding the tensors the model family needs (Flux: latents, context,
         /// pooled; SDXL adds time_ids).
         dir: Option<PathBuf> = None,
-        /// Make this many synthetic pre-encoded samples in `dir` when it does not exist.
-        synthetic: usize = 0_usize,
         /// Image folders, each a `[[data.dirs]]` table with `path` (images: png, jpg, jpeg,
         /// webp, with a .txt caption beside each) and `repeats` (times each image appears in
         /// an epoch, default 1).
@@ -774,13 +769,6 @@ impl TrainConfig {
         .flatten()
         .collect();
         let mut c = Checks(&mut v);
-        if let Some(demo) = &m.create_if_missing {
-            c.check(
-                demo == "flux-tiny" && m.arch == "flux",
-                "model.create_if_missing",
-                format!("\"{demo}\": only \"flux-tiny\" (with arch = \"flux\")"),
-            );
-        }
         c.check(
             m.guidance.is_finite(),
             "model.guidance",
@@ -904,6 +892,23 @@ impl TrainConfig {
         let mut c = Checks(&mut v);
         let sm = &self.sample;
         c.positive_n("sample.steps", sm.steps);
+        let max_t5 = crate::models::pipeline::T5_MAX_TOKENS;
+        c.check(
+            e.t5_tokens <= max_t5,
+            "encoders.t5_tokens",
+            format!(
+                "{}: T5 takes at most {max_t5} tokens a caption",
+                e.t5_tokens
+            ),
+        );
+        c.check(
+            sm.prompts.is_empty() || self.data.dir.is_none(),
+            "sample.prompts",
+            "sample images need image data (data.dirs or data.manifest, which bring the text \
+             encoders and the autoencoder), not pre-encoded samples (data.dir): remove \
+             [sample]'s prompts or train from images"
+                .into(),
+        );
         c.check(
             sm.guidance.is_finite() && sm.guidance >= 0.0,
             "sample.guidance",

@@ -244,6 +244,32 @@ impl Samples for Dataset {
     }
 }
 
+/// Refuses a batch larger than the `samples` the run draws from (`what` they are), naming
+/// the key: each optimizer step takes `train.batch_size` samples on each of `world` ranks.
+pub fn check_batch_size(
+    config: &super::config::TrainConfig,
+    world: usize,
+    samples: usize,
+    what: &str,
+) -> Result<()> {
+    let b = config.train.batch_size;
+    if b.saturating_mul(world) > samples {
+        let ranks = match world {
+            1 => String::new(),
+            w => format!(" x {w} ranks"),
+        };
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "train.batch_size = {b}{ranks} is more than the {samples} {what}: lower \
+                 train.batch_size (or raise train.grad_accum for a larger effective batch), or \
+                 add data"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// A permutation of 0..n from `seed` (Fisher-Yates over splitmix64).
 pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
     let mut state = seed;

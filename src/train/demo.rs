@@ -1,7 +1,8 @@
 //! The tiny demo of examples/flux-tiny.toml: a Flux with random weights (fixed seed), tiny
 //! random text encoders with made-up vocabularies, a tiny autoencoder, and a folder of
-//! small generated pictures with captions, made on first use so the example needs no
-//! download. (Or, with `data.dir`, a synthetic pre-encoded dataset.)
+//! small generated pictures with captions, so the example needs no download. (Or, with
+//! `data.dir`, a synthetic pre-encoded dataset.) They are made only when asked
+//! (`train --make-tiny`, [`make_tiny`]), never in place of a path a run cannot find.
 
 use super::config::TrainConfig;
 use crate::encoders::{clip_key_map, AutoencoderKl, ClipLayout, VaeConfig, VaeKind};
@@ -10,7 +11,7 @@ use crate::nn::{KeyMap, KeySource, VarBuilder};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::Path;
 
-/// The tiny Flux of `create_if_missing = "flux-tiny"`: 4 latent channels, hidden 32, one
+/// The tiny Flux of [`make_tiny`]: 4 latent channels, hidden 32, one
 /// block of each kind, text width 32 (the tiny T5's), pooled 16 (the tiny CLIP's).
 pub fn flux_tiny_config() -> FluxConfig {
     FluxConfig {
@@ -30,8 +31,9 @@ pub fn flux_tiny_config() -> FluxConfig {
     }
 }
 
-/// [`flux_tiny_config`] as a diffusers `config.json` (what the loader reads: a single file's
-/// shapes cannot give its RoPE axes).
+/// [`flux_tiny_config`] as a diffusers `config.json` (a single file's shapes cannot give its
+/// RoPE axes: [`make_tiny_flux`] writes it into the file's metadata, where the loader reads
+/// it).
 pub fn flux_tiny_diffusers_config() -> serde_json::Value {
     let c = flux_tiny_config();
     serde_json::json!({
@@ -59,7 +61,8 @@ fn create_dir(dir: &Path) -> Result<()> {
     })
 }
 
-/// Writes the tiny Flux's weights (BFL keys) to `path`.
+/// Writes the tiny Flux's weights (BFL keys) to `path`, with its diffusers config in the
+/// file's metadata (`config`), so the file loads as it is.
 pub fn make_tiny_flux(path: &Path) -> Result<()> {
     let vb = VarBuilder::random(TINY_SEED, 0.08, DType::F32, &host_device()?);
     Flux::new(&vb, &flux_tiny_config())?;
@@ -67,8 +70,17 @@ pub fn make_tiny_flux(path: &Path) -> Result<()> {
     if let Some(dir) = path.parent() {
         create_dir(dir)?;
     }
-    crate::safetensors::save(params.iter().map(|(k, t)| (k.as_str(), t)), path)
+    let meta = [(
+        crate::models::CONFIG_METADATA.to_string(),
+        flux_tiny_diffusers_config().to_string(),
+    )]
+    .into_iter()
+    .collect();
+    crate::safetensors::save_with_metadata(params.iter().map(|(k, t)| (k.as_str(), t)), &meta, path)
 }
+
+/// Pre-encoded samples [`make_tiny`] makes for a `data.dir`.
+pub const TINY_SAMPLES: usize = 16;
 
 /// `n` synthetic samples for a model with `c` latent channels, `ctx` text width and
 /// `pooled` pooled width: latents made of a few smooth patterns (something to learn),
@@ -150,18 +162,40 @@ fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
     write(path, v.to_string())
 }
 
-/// Makes what `config` names and lacks, for `model.create_if_missing = "flux-tiny"`: the
-/// model at `model.path`; with images (no `data.dir`), the tiny CLIP and T5 at
+/// Makes the tiny demo's stand-ins at the paths `config` names that do not exist (`train
+/// --make-tiny`): the tiny Flux at `model.path`; with `data.dir`, [`TINY_SAMPLES`]
+/// synthetic pre-encoded samples there; with images, the tiny CLIP and T5 at
 /// `encoders.text`, their tokenizers at `encoders.tokenizers`, the autoencoder at
-/// `encoders.vae` and pictures with captions in the first of `data.dirs`. Each piece is
-/// made in a temporary folder and renamed into place, so it appears whole or not at all.
-pub fn make_tiny(config: &TrainConfig) -> Result<()> {
+/// `encoders.vae` and pictures with captions in the first of `data.dirs`. A path that exists
+/// is left as it is. Each piece is made under a temporary name and renamed into place, so it
+/// appears whole or not at all. Returns the paths made.
+pub fn make_tiny(config: &TrainConfig) -> Result<Vec<std::path::PathBuf>> {
     let m = &config.model;
+    if m.arch != "flux" {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "the tiny demo is a Flux: model.arch = \"{}\" has no tiny stand-in",
+                m.arch
+            ),
+        });
+    }
+    let mut made = vec![];
     if !m.path.exists() {
         make_tiny_flux(&m.path)?;
+        made.push(m.path.clone());
     }
-    if config.data.dir.is_some() {
-        return Ok(());
+    if let Some(dir) = &config.data.dir {
+        if !dir.exists() {
+            let c = flux_tiny_config();
+            make_synthetic(
+                dir,
+                TINY_SAMPLES,
+                (c.in_channels / 4, c.context_in_dim, c.vec_in_dim),
+            )?;
+            made.push(dir.clone());
+        }
+        return Ok(made);
     }
     let e = &config.encoders;
     let pieces: [(Option<&Path>, Maker); 6] = [
@@ -181,9 +215,10 @@ pub fn make_tiny(config: &TrainConfig) -> Result<()> {
     for (path, make) in pieces {
         if let Some(p) = path.filter(|p| !p.exists()) {
             whole(p, make)?;
+            made.push(p.to_path_buf());
         }
     }
-    Ok(())
+    Ok(made)
 }
 
 /// Makes one piece at a path.

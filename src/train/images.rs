@@ -49,6 +49,70 @@ fn cfg_err(msg: String) -> Error {
     Error::Config { path: None, msg }
 }
 
+/// [`Error::Interrupted`] once `stop` is set.
+fn interrupted(stop: &std::sync::atomic::AtomicBool, what: &str) -> Result<()> {
+    match stop.load(std::sync::atomic::Ordering::Relaxed) {
+        true => Err(Error::Interrupted(format!(
+            "while caching {what} (the entries cached so far are kept and reused)"
+        ))),
+        false => Ok(()),
+    }
+}
+
+/// Checks every bucket's size and the sample images' size against the autoencoder's
+/// downsampling `factor` and the model's rules for its latents (`latents`: (C, H, W)), so a
+/// size no batch could train on fails before anything is encoded, naming the keys.
+fn check_sizes(
+    config: &TrainConfig,
+    family: &Family,
+    latents: &Input,
+    factor: usize,
+    buckets: &[data::Bucket],
+) -> Result<()> {
+    let multiple = |dim: usize| match latents.dims.get(dim) {
+        Some(Size::MultipleOf(m)) => factor * m.max(&1),
+        Some(Size::Exactly(_)) | None => factor,
+    };
+    let (mh, mw) = (multiple(1), multiple(2));
+    let d = &config.data;
+    let bad = |w: usize, h: usize| w % mw != 0 || h % mh != 0 || w == 0 || h == 0;
+    if let Some(b) = buckets.iter().find(|b| bad(b.width, b.height)) {
+        return Err(cfg_err(format!(
+            "data.bucket_step = {} with data.resolution = {} makes a {}x{} bucket: {} takes \
+             images whose sides are multiples of {} (its autoencoder shrinks them {factor}x, \
+             its latents need sides in multiples of {}); use a data.bucket_step and \
+             data.resolution that are multiples of {}",
+            d.bucket_step,
+            d.resolution,
+            b.width,
+            b.height,
+            family.name,
+            mw.max(mh),
+            mw.max(mh) / factor,
+            mw.max(mh)
+        )));
+    }
+    let s = &config.sample;
+    if !s.prompts.is_empty() {
+        let (w, h, key) = match s.size {
+            [0, 0] => (
+                d.resolution,
+                d.resolution,
+                "sample.size (default: data.resolution)",
+            ),
+            [w, h] => (w, h, "sample.size"),
+        };
+        if bad(w, h) {
+            return Err(cfg_err(format!(
+                "{key} = [{w}, {h}]: {} samples images whose sides are multiples of {}",
+                family.name,
+                mw.max(mh)
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The device the encoders run on (`encoders.device`).
 pub fn encoder_device(config: &TrainConfig, train: &Device) -> Result<Device> {
     match config.encoders.device.as_str() {
@@ -162,6 +226,11 @@ fn reporter<'a>(what: &'a str, on: &'a mut dyn FnMut(String)) -> impl FnMut(&Pro
 /// run) nothing is written and only the shapes are worked out. `inputs` are the model's,
 /// `guided` whether it takes a guidance input. Notes go to `on`. Batches are cut for `world`
 /// processes of `train.batch_size` samples each (data-parallel training; 1 alone).
+///
+/// Everything that can be checked is checked before the first encode: the batch size
+/// against the samples, and every bucket (and the sample size) against the autoencoder's
+/// factor and the model's latent rules. `stop` set (a signal) ends the caching with
+/// [`Error::Interrupted`] at the next image or caption.
 #[allow(clippy::too_many_arguments)]
 pub fn prepare(
     config: &TrainConfig,
@@ -171,6 +240,7 @@ pub fn prepare(
     train_device: &Device,
     encode: bool,
     world: usize,
+    stop: &std::sync::atomic::AtomicBool,
     on: &mut dyn FnMut(String),
 ) -> Result<ImageRun> {
     let d = &config.data;
@@ -191,6 +261,12 @@ pub fn prepare(
     for bad in ds.skipped.iter().chain(val.iter().flat_map(|v| &v.skipped)) {
         on(format!("skipped {bad}"));
     }
+    super::data::check_batch_size(
+        config,
+        world,
+        ds.len(),
+        "training views (images x repeats x flips)",
+    )?;
     let names: Vec<&'static str> = inputs.iter().map(|i| i.name).collect();
     if names.first() != Some(&LATENTS) {
         return Err(cfg_err(format!(
@@ -216,6 +292,11 @@ pub fn prepare(
             )));
         }
     }
+    let mut shapes: Vec<data::Bucket> = ds.buckets.clone();
+    if let Some(v) = &val {
+        shapes.extend(v.buckets.iter().copied());
+    }
+    check_sizes(config, family, &inputs[0], factor, &shapes)?;
     let vae_id = format!(
         "{} under {:?}, {dtype:?}, tile {}",
         file_identity(&vae_at.path),
@@ -231,6 +312,7 @@ pub fn prepare(
         let mut lc = LatentCache::open(&cache, &vae_id)?;
         if encode {
             let mut enc = |x: &Tensor| -> Result<data::cache::Encoded> {
+                interrupted(stop, what)?;
                 let z = vae.encode_latents(&x.unsqueeze(0)?.to_dtype(dtype)?)?;
                 Ok(vec![(
                     LATENTS.to_string(),
@@ -277,6 +359,7 @@ pub fn prepare(
     let text_shapes: Vec<(String, Vec<usize>)> = if encode || !empty.is_file() {
         let cond = TextConditioner::load(family, &text_at, &text_opts, dtype, &device, "encoders")?;
         let mut enc = |c: &str| -> Result<data::cache::Encoded> {
+            interrupted(stop, "captions")?;
             cond.encode(&[c])?
                 .into_iter()
                 .map(|(n, t)| Ok((n, t.squeeze(0)?)))

@@ -19,5 +19,5 @@ pub use objectives::{
     TimestepSampling,
 };
 pub use trainer::{
-    Event, FolderAction, Placement, Prepare, RunEnd, RunOptions, StepReport, Trainer,
+    plan_folder, Event, FolderAction, Placement, Prepare, RunEnd, RunOptions, StepReport, Trainer,
 };

@@ -3,9 +3,13 @@
 //!
 //! The folder holds `run.json` (the run's id and the config values a resume must share),
 //! `loss.jsonl` (one line per step), `checkpoint-<step>/` folders (adapter, optimizer state,
-//! `state.json` with each file's size and hash) and, at the end, `lora.safetensors`. A run
-//! owns its folder: a new run refuses one holding another run's files unless told to
-//! overwrite them, and rotation only deletes the current run's older checkpoints.
+//! `state.json` with each file's size and hash, and the loss log up to its step) and, at
+//! the end, `lora.safetensors`. A run owns its folder and nothing else in it: `run.json`
+//! records every file the run wrote outside its checkpoints (size, hash, and the step that
+//! made it), each checkpoint's `state.json` names its run and lists its files, and only what
+//! these records prove the run wrote is ever deleted or replaced ([`RunDir::clear`],
+//! rotation). A file at a name the run would write that no record covers (a user's own
+//! `loss.png`, another run's checkpoint) makes a new run refuse the folder, naming it.
 //!
 //! Every file is written to a temporary name, synced and renamed into place (a checkpoint
 //! folder as a whole), so a reader sees the old version or the new one, never a mix.
@@ -71,12 +75,20 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// A 64-bit hash of a file's bytes (8-byte words, multiply-rotate mixing): detects a
 /// truncated or damaged checkpoint file, not tampering.
 pub fn file_hash(path: &Path) -> Result<u64> {
+    let len = std::fs::metadata(path).map_err(io(path))?.len();
+    prefix_hash(path, len)
+}
+
+/// [`file_hash`] of the first `len` bytes of the file at `path` (the whole hash of a file of
+/// `len` bytes); an error when the file is shorter.
+pub fn prefix_hash(path: &Path, len: u64) -> Result<u64> {
     use std::io::Read;
     const P: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut f = std::fs::File::open(path).map_err(io(path))?;
-    let len = f.metadata().map_err(io(path))?.len();
+    let f = std::fs::File::open(path).map_err(io(path))?;
+    let mut f = f.take(len);
     let mut h = len ^ P;
-    // Read in blocks of whole words; only the file's last block may end with a partial one.
+    let mut seen = 0u64;
+    // Read in blocks of whole words; only the last block may end with a partial one.
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let mut n = 0;
@@ -86,6 +98,7 @@ pub fn file_hash(path: &Path) -> Result<u64> {
                 k => n += k,
             }
         }
+        seen += n as u64;
         let mut words = buf[..n].chunks_exact(8);
         for c in &mut words {
             let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
@@ -95,8 +108,45 @@ pub fn file_hash(path: &Path) -> Result<u64> {
             h = (h ^ b as u64).wrapping_mul(P).rotate_left(29);
         }
         if n < buf.len() {
+            if seen < len {
+                return Err(Error::Io {
+                    path: path.to_path_buf(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!("{seen} bytes, {len} expected"),
+                    ),
+                });
+            }
             return Ok(h ^ (h >> 32));
         }
+    }
+}
+
+/// What `run.json` records of a file the run wrote (outside its checkpoints).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// Its size in bytes when recorded.
+    pub bytes: u64,
+    /// [`file_hash`] of those bytes.
+    pub hash: u64,
+    /// The step whose state it holds (the final adapter, a sample image), if any.
+    pub step: Option<usize>,
+    /// An append-only file (the loss log): the record covers its first `bytes` bytes.
+    pub prefix: bool,
+}
+
+impl Record {
+    /// Whether the file at `path` is still what was recorded (its recorded prefix, for an
+    /// append-only file).
+    pub fn matches(&self, path: &Path) -> bool {
+        let Ok(meta) = std::fs::metadata(path) else {
+            return false;
+        };
+        let size_ok = match self.prefix {
+            true => meta.len() >= self.bytes,
+            false => meta.len() == self.bytes,
+        };
+        meta.is_file() && size_ok && prefix_hash(path, self.bytes).ok() == Some(self.hash)
     }
 }
 
@@ -107,6 +157,8 @@ pub struct Manifest {
     pub run_id: String,
     /// The config values a resume must share, by key (TOML text).
     pub keys: BTreeMap<String, String>,
+    /// The files the run wrote outside its checkpoints, by path relative to the folder.
+    pub files: BTreeMap<String, Record>,
 }
 
 impl Manifest {
@@ -119,6 +171,7 @@ impl Manifest {
         Manifest {
             run_id: format!("{id:016x}"),
             keys: keys.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+            files: BTreeMap::new(),
         }
     }
 
@@ -144,7 +197,23 @@ impl Manifest {
     }
 
     fn to_json(&self) -> String {
-        serde_json::json!({ "run_id": self.run_id, "config": self.keys }).to_string()
+        let files: BTreeMap<&String, serde_json::Value> = self
+            .files
+            .iter()
+            .map(|(k, r)| {
+                let mut v =
+                    serde_json::json!({ "bytes": r.bytes, "hash": format!("{:016x}", r.hash) });
+                if let Some(s) = r.step {
+                    v["step"] = s.into();
+                }
+                if r.prefix {
+                    v["prefix"] = true.into();
+                }
+                (k, v)
+            })
+            .collect();
+        serde_json::json!({ "run_id": self.run_id, "config": self.keys, "files": files })
+            .to_string()
     }
 
     fn from_json(path: &Path, text: &str) -> Result<Self> {
@@ -162,9 +231,32 @@ impl Manifest {
             .map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
             .collect::<Option<BTreeMap<_, _>>>()
             .ok_or_else(|| damaged("config values must be strings"))?;
+        let mut files = BTreeMap::new();
+        if let Some(list) = v.get("files") {
+            let list = list
+                .as_object()
+                .ok_or_else(|| damaged("files is not an object"))?;
+            for (name, r) in list {
+                let bytes = r["bytes"].as_u64();
+                let hash = r["hash"]
+                    .as_str()
+                    .and_then(|h| u64::from_str_radix(h, 16).ok());
+                let (Some(bytes), Some(hash)) = (bytes, hash) else {
+                    return Err(damaged(&format!("a bad record for {name}")));
+                };
+                let rec = Record {
+                    bytes,
+                    hash,
+                    step: r["step"].as_u64().map(|s| s as usize),
+                    prefix: r["prefix"].as_bool().unwrap_or(false),
+                };
+                files.insert(name.clone(), rec);
+            }
+        }
         Ok(Manifest {
             run_id: run_id.to_string(),
             keys,
+            files,
         })
     }
 }
@@ -334,46 +426,123 @@ impl RunDir {
         }
     }
 
-    /// The run files present (manifest, log, checkpoints, final adapter), by name.
-    pub fn run_files(&self) -> Result<Vec<String>> {
-        let Ok(entries) = std::fs::read_dir(&self.path) else {
-            return Ok(vec![]);
+    /// What the folder holds, as far as runs go: the manifest, what its records prove the
+    /// run wrote, and what sits at a run's names without such proof.
+    pub fn survey(&self) -> Result<Survey> {
+        let manifest = self.manifest()?;
+        let mut sv = Survey {
+            manifest: None,
+            owned: vec![],
+            foreign: vec![],
+            checkpoints: vec![],
         };
-        let mut v: Vec<String> = entries
+        let Ok(entries) = std::fs::read_dir(&self.path) else {
+            return Ok(sv);
+        };
+        let ours = |name: &str| {
+            let rec = manifest.as_ref().and_then(|m| m.files.get(name));
+            rec.is_some_and(|r| r.matches(&self.path.join(name)))
+        };
+        let mut names: Vec<(String, bool)> = entries
             .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| {
-                n == MANIFEST
-                    || n == LOG
-                    || n == FINAL
-                    || n == SAMPLES
-                    || n == PLOT
-                    || n.starts_with(CHECKPOINT_PREFIX)
-                    || n.starts_with(".tmp-checkpoint-")
+            .map(|e| {
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    e.path().is_dir(),
+                )
             })
             .collect();
-        v.sort();
-        Ok(v)
+        names.sort();
+        for (n, is_dir) in names {
+            if n == MANIFEST {
+                if manifest.is_some() {
+                    sv.owned.push(n);
+                }
+            } else if n == LOG || n == FINAL || n == PLOT {
+                match ours(&n) {
+                    true => sv.owned.push(n),
+                    false => sv.foreign.push(n),
+                }
+            } else if let Some(step) = checkpoint_step(&n).filter(|_| is_dir) {
+                let run = run_id_of(&self.path.join(&n));
+                let mine = run.is_some() && run == manifest.as_ref().map(|m| m.run_id.clone());
+                if mine {
+                    sv.owned.push(n.clone());
+                }
+                sv.checkpoints.push((step, self.path.join(&n), run));
+            } else if is_temp_name(&n, is_dir) {
+                // A write of a run killed before its rename: the run's own hidden names.
+                sv.owned.push(n);
+            } else if n == SAMPLES && is_dir {
+                let dir = self.path.join(SAMPLES);
+                let mut files: Vec<String> = std::fs::read_dir(&dir)
+                    .map_err(io(&dir))?
+                    .filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|f| is_sample_name(f))
+                    .collect();
+                files.sort();
+                for f in files {
+                    let rel = format!("{SAMPLES}/{f}");
+                    match ours(&rel) {
+                        true => sv.owned.push(rel),
+                        false => sv.foreign.push(rel),
+                    }
+                }
+            }
+        }
+        sv.manifest = manifest;
+        Ok(sv)
     }
 
-    /// Deletes the run files (and nothing else): the manifest first, so a kill midway
-    /// leaves a folder that is still refused without `--overwrite`.
-    pub fn clear(&self) -> Result<()> {
-        let mut names = self.run_files()?;
-        names.sort_by_key(|n| n != MANIFEST);
-        for (i, n) in names.into_iter().enumerate() {
+    /// Deletes what `survey` proves the recorded run wrote, and nothing else: its recorded
+    /// files, the files its checkpoints' `state.json` lists, its interrupted writes; a
+    /// folder is removed only once empty. The manifest goes last, so a kill midway leaves
+    /// a folder whose remaining files are still proven (and a new run still refused
+    /// without `--overwrite`).
+    pub fn clear(&self, survey: &Survey) -> Result<()> {
+        let mut names = survey.owned.clone();
+        names.sort_by_key(|n| n == MANIFEST);
+        for (i, n) in names.iter().enumerate() {
             if i == 1 {
                 crate::fault::point("clear").map_err(io(&self.path))?;
             }
-            let p = self.path.join(&n);
-            if p.is_dir() {
-                std::fs::remove_dir_all(&p).map_err(io(&p))?;
+            let p = self.path.join(n);
+            if checkpoint_step(n).is_some() {
+                remove_checkpoint(&p)?;
+            } else if p.is_dir() {
+                // An interrupted checkpoint write: only the names a checkpoint holds.
+                remove_known(&p, &CHECKPOINT_FILES)?;
             } else {
-                std::fs::remove_file(&p).map_err(io(&p))?;
+                remove_file(&p)?;
             }
+        }
+        let samples = self.path.join(SAMPLES);
+        if samples.is_dir() {
+            let _ = std::fs::remove_dir(&samples);
         }
         sync_dir(&self.path);
         Ok(())
+    }
+
+    /// Records the file at `name` (relative to the folder) in the manifest as written by
+    /// this run (for `step`; `prefix`: append-only, its present bytes), rewriting
+    /// `run.json` atomically. A folder without a manifest is no run: nothing is recorded.
+    pub fn record(&self, name: &str, step: Option<usize>, prefix: bool) -> Result<()> {
+        let mp = self.path.join(MANIFEST);
+        let Some(mut m) = self.manifest()? else {
+            return Ok(());
+        };
+        let p = self.path.join(name);
+        let bytes = std::fs::metadata(&p).map_err(io(&p))?.len();
+        let rec = Record {
+            bytes,
+            hash: prefix_hash(&p, bytes)?,
+            step,
+            prefix,
+        };
+        m.files.insert(name.to_string(), rec);
+        write_atomic(&mp, m.to_json().as_bytes())
     }
 
     /// Creates the folder and writes the manifest.
@@ -397,7 +566,7 @@ impl RunDir {
         let tmp = self.path.join(format!(".tmp-checkpoint-{step:07}"));
         let result = (|| {
             if tmp.exists() {
-                std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+                remove_known(&tmp, &CHECKPOINT_FILES)?;
             }
             std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
             let names = write(&tmp)?;
@@ -411,14 +580,22 @@ impl RunDir {
             write_atomic(&tmp.join("state.json"), st.to_json().as_bytes())?;
             crate::fault::point(&format!("checkpoint:{step}")).map_err(io(&tmp))?;
             if dir.exists() {
-                std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+                if run_id_of(&dir).as_deref() != Some(run_id) {
+                    return Err(Error::Checkpoint {
+                        path: dir.clone(),
+                        msg: "is in the way of this run's checkpoint and was not written by \
+                              this run: move it away, then continue with --resume"
+                            .into(),
+                    });
+                }
+                remove_checkpoint(&dir)?;
             }
             std::fs::rename(&tmp, &dir).map_err(io(&dir))?;
             sync_dir(&self.path);
             Ok(())
         })();
         if result.is_err() {
-            let _ = std::fs::remove_dir_all(&tmp);
+            let _ = remove_known(&tmp, &CHECKPOINT_FILES);
         }
         result?;
         // Rotation: only this run's checkpoints, only those older than the one just written.
@@ -432,7 +609,7 @@ impl RunDir {
             crate::fault::point("rotation").map_err(io(&self.path))?;
         }
         for (_, old) in ours.into_iter().take(surplus) {
-            std::fs::remove_dir_all(&old).map_err(io(&old))?;
+            remove_checkpoint(&old)?;
         }
         Ok(dir)
     }
@@ -443,6 +620,123 @@ fn run_id_of(dir: &Path) -> Option<String> {
     let text = std::fs::read_to_string(dir.join("state.json")).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     v["run_id"].as_str().map(str::to_string)
+}
+
+/// What [`RunDir::survey`] found.
+#[derive(Clone, Debug, Default)]
+pub struct Survey {
+    /// The run's manifest, if the folder has one.
+    pub manifest: Option<Manifest>,
+    /// Names (relative to the folder) the manifest's run provably wrote: deletable.
+    pub owned: Vec<String>,
+    /// Names at which a run writes files (`loss.jsonl`, `lora.safetensors`, `loss.png`,
+    /// `samples/step-*.png`) that no record proves the recorded run wrote.
+    pub foreign: Vec<String>,
+    /// Every checkpoint folder: step, path and the run its `state.json` names (`None`:
+    /// unreadable).
+    pub checkpoints: Vec<(usize, PathBuf, Option<String>)>,
+}
+
+/// The files a checkpoint folder holds (besides `state.json`'s list).
+const CHECKPOINT_FILES: [&str; 4] = [
+    "adapter.safetensors",
+    "optimizer.safetensors",
+    "state.json",
+    LOG,
+];
+
+/// The step of a `checkpoint-<step>` name.
+fn checkpoint_step(name: &str) -> Option<usize> {
+    let digits = name.strip_prefix(CHECKPOINT_PREFIX)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// A sample image's name: `step-<7 digits>-<i>.png`.
+fn is_sample_name(name: &str) -> bool {
+    let Some(rest) = name
+        .strip_prefix("step-")
+        .and_then(|r| r.strip_suffix(".png"))
+    else {
+        return false;
+    };
+    match rest.split_once('-') {
+        Some((s, i)) => {
+            s.len() == 7
+                && s.bytes().all(|b| b.is_ascii_digit())
+                && !i.is_empty()
+                && i.bytes().all(|b| b.is_ascii_digit())
+        }
+        None => false,
+    }
+}
+
+/// Whether `name` is one of a run's interrupted writes: a `.tmp-checkpoint-<7 digits>`
+/// folder or a `.<run file>.tmp-<pid>` file.
+pub fn is_temp_name(name: &str, is_dir: bool) -> bool {
+    if is_dir {
+        return name
+            .strip_prefix(".tmp-checkpoint-")
+            .is_some_and(|d| d.len() == 7 && d.bytes().all(|b| b.is_ascii_digit()));
+    }
+    [MANIFEST, LOG, FINAL, PLOT].iter().any(|f| {
+        name.strip_prefix(&format!(".{f}.tmp-"))
+            .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+    })
+}
+
+fn remove_file(p: &Path) -> Result<()> {
+    match std::fs::remove_file(p) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(p)(e)),
+        _ => Ok(()),
+    }
+}
+
+/// Deletes the entries of `dir` named in `names` (and their interrupted writes,
+/// `.<name>.tmp-<pid>`), then `dir` itself if nothing else is left in it.
+fn remove_known(dir: &Path, names: &[&str]) -> Result<()> {
+    let entries: Vec<String> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    for n in entries {
+        let known = names.iter().any(|k| {
+            n == *k
+                || n.strip_prefix(&format!(".{k}.tmp-"))
+                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        });
+        if known {
+            remove_file(&dir.join(&n))?;
+        }
+    }
+    // Something not ours left in it keeps the folder.
+    let _ = std::fs::remove_dir(dir);
+    Ok(())
+}
+
+/// Deletes a checkpoint folder of a run: the files its `state.json` lists, `state.json`,
+/// and the folder once empty (a file someone added stays, and so does the folder).
+fn remove_checkpoint(dir: &Path) -> Result<()> {
+    let mut names: Vec<String> = CHECKPOINT_FILES.iter().map(|s| s.to_string()).collect();
+    if let Some(v) = std::fs::read_to_string(dir.join("state.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+    {
+        if let Some(files) = v["files"].as_object() {
+            // Plain names only: a listed path never leaves the folder.
+            names.extend(
+                files
+                    .keys()
+                    .filter(|k| !k.contains(['/', '\\']) && *k != ".." && *k != ".")
+                    .cloned(),
+            );
+        }
+    }
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    remove_known(dir, &refs)
 }
 
 /// The checkpoint folders in `out`, oldest first, with their steps.

@@ -10,12 +10,11 @@
 
 use super::config::{AdapterFormat, ModelDType, TrainConfig};
 use super::data::{Batch, Dataset, Part, Samples};
-use super::demo;
 use super::images::{self, ImageSamples};
 use super::memory::{plan_memory, MemoryChoice};
 use super::objectives::{flow_matching, weighted_mse, Prediction};
 use super::rundir::{
-    read_log, write_atomic, CheckpointState, Manifest, RunDir, FINAL, LOG, PLOT, SAMPLES,
+    read_log, write_atomic, CheckpointState, Manifest, RunDir, Survey, FINAL, LOG, PLOT, SAMPLES,
 };
 use super::scaler::LossScaler;
 use crate::dist::{GradReducer, ProcessGroup, BUCKET_BYTES};
@@ -73,6 +72,10 @@ pub struct Placement {
     pub device: Option<Device>,
     /// The process group of data-parallel training, if any.
     pub group: Option<Arc<dyn ProcessGroup>>,
+    /// The flag a signal handler sets to stop: caching stops at the next image or caption
+    /// ([`Error::Interrupted`]) and the run after the current step, with a checkpoint.
+    /// `None`: a flag of the trainer's own ([`Trainer::interrupt_flag`]).
+    pub interrupt: Option<Arc<AtomicBool>>,
 }
 
 /// The image pipeline's pieces sampling needs after the encoders are freed: the text cache
@@ -151,12 +154,14 @@ pub enum Event {
     Saved(PathBuf),
 }
 
-/// What `Trainer::decide` found: the folder action and, for a resume, the checkpoint to
-/// restore (verified) and the damaged ones passed over.
+/// What `decide` found: the folder action and, for a resume, the checkpoint to restore
+/// (verified) and the ones passed over; the folder's survey.
 struct Decision {
     action: FolderAction,
     from: Option<(PathBuf, CheckpointState)>,
-    damaged: Vec<(PathBuf, String)>,
+    /// Checkpoints passed over (damaged, another run's), with why.
+    passed: Vec<(PathBuf, String)>,
+    survey: Survey,
 }
 
 /// What a run would do, from `Trainer::plan`.
@@ -223,9 +228,8 @@ fn cpu_device() -> Result<Device> {
 }
 
 impl Trainer {
-    /// Checks the config, makes the tiny model / synthetic data if asked, loads the model
-    /// with its adapters and the data, and checks every sample; fills the image caches;
-    /// writes nothing else. [`Trainer::open`] with [`Prepare::Encode`] and no notes.
+    /// Checks the config, loads the model with its adapters and the data, and checks every
+    /// sample; fills the image caches; writes nothing else. [`Trainer::open`] with [`Prepare::Encode`] and no notes.
     pub fn new(config: TrainConfig) -> Result<Trainer> {
         Self::open(config, Prepare::Encode, &mut |_| {})
     }
@@ -263,6 +267,7 @@ impl Trainer {
             None => pick_device(&config.train.device)?,
         };
         let group = place.group;
+        let interrupt = place.interrupt.unwrap_or_default();
         let world = group.as_ref().map_or(1, |g| g.world());
         let root = group.as_ref().is_none_or(|g| g.rank() == 0);
         // Rank 0 first: it makes the files the others then read.
@@ -271,10 +276,6 @@ impl Trainer {
         }
         let family = models::family(&m.arch)?;
         let mut json = None;
-        if m.create_if_missing.is_some() {
-            demo::make_tiny(&config)?;
-            json = Some(demo::flux_tiny_diffusers_config());
-        }
         if let Some(p) = &m.config {
             let text = std::fs::read_to_string(p).map_err(|source| Error::Io {
                 path: p.clone(),
@@ -306,19 +307,8 @@ impl Trainer {
         let inputs = probe.inputs();
         let (data, validation, pipeline): (Box<dyn Samples>, _, _) = match &config.data.dir {
             Some(dir) => {
-                if config.data.synthetic > 0 && !dir.exists() {
-                    let size = |i: usize, d: usize| match inputs.get(i).and_then(|x| x.dims.get(d))
-                    {
-                        Some(models::Size::Exactly(n)) => *n,
-                        _ => 16,
-                    };
-                    demo::make_synthetic(
-                        dir,
-                        config.data.synthetic,
-                        (size(0, 0), size(1, 1), size(2, 0)),
-                    )?;
-                }
                 let data = Dataset::open(dir, &inputs, &|s| probe.check_shapes(s))?;
+                super::data::check_batch_size(&config, world, data.len(), "pre-encoded samples")?;
                 (Box::new(data), None, None)
             }
             None => {
@@ -330,6 +320,7 @@ impl Trainer {
                     &device,
                     prepare == Prepare::Encode,
                     world,
+                    &interrupt,
                     &mut |n| on(Event::Note(n)),
                 )?;
                 probe
@@ -417,7 +408,7 @@ impl Trainer {
             skipped_in_row: 0,
             scaler,
             run_id: String::new(),
-            interrupt: Arc::new(AtomicBool::new(false)),
+            interrupt,
             dist,
             stop_all: false,
             ahead: None,
@@ -437,15 +428,7 @@ impl Trainer {
     /// The config's resume keys, and the number of ranks where there are several (the
     /// global batch depends on it).
     fn resume_keys(&self) -> Vec<(&'static str, String)> {
-        let mut k = self.config.resume_keys();
-        let world = self.part().world;
-        if world > 1 {
-            k.push((
-                "ranks (GPUs or workers of data-parallel training)",
-                world.to_string(),
-            ));
-        }
-        k
+        resume_keys_of(&self.config, self.part().world)
     }
 
     /// This process's part of every global batch.
@@ -620,18 +603,30 @@ impl Trainer {
                     .collect(),
             };
             let t = Tensor::from_vec(t, k, &self.device)?;
+            // The timesteps go through the model in batches no larger than a training
+            // micro-batch, so the validation forward fits where the step does.
+            let rows = self.config.train.batch_size.clamp(1, k);
             let mut total = 0.0;
             for i in 0..v.ds.len() {
                 let batch = v.inputs(&[i], 0, true, self.dtype, &self.device)?;
-                let rep = batch
-                    .inputs
-                    .iter()
-                    .map(|x| Tensor::cat(&vec![x; k], 0))
-                    .collect::<Result<Vec<_>>>()?;
                 let seed = self.config.train.seed ^ v.ds.sample(i)?.id ^ 0x7A1;
-                let noise = Tensor::randn(rep[0].dims().to_vec(), DType::F32, &self.device, seed)?
-                    .to_dtype(self.dtype)?;
-                total += self.loss_at(&rep, &t, &noise)?.to_scalar_f64()?;
+                let mut dims = batch.inputs[0].dims().to_vec();
+                dims[0] = k;
+                let noise =
+                    Tensor::randn(dims, DType::F32, &self.device, seed)?.to_dtype(self.dtype)?;
+                let mut sum = 0.0;
+                for start in (0..k).step_by(rows) {
+                    let n = rows.min(k - start);
+                    let rep = batch
+                        .inputs
+                        .iter()
+                        .map(|x| Tensor::cat(&vec![x; n], 0))
+                        .collect::<Result<Vec<_>>>()?;
+                    let loss =
+                        self.loss_at(&rep, &t.narrow(0, start, n)?, &noise.narrow(0, start, n)?)?;
+                    sum += loss.to_scalar_f64()? * n as f64;
+                }
+                total += sum / k as f64;
             }
             Ok(total / v.ds.len().max(1) as f64)
         })();
@@ -702,7 +697,8 @@ impl Trainer {
                 // Flux's VAE at 1024² against 6.7 whole).
                 vae.tiling = Some(crate::encoders::VaeTiling::new(512));
             }
-            let dir = self.run_dir().path.join(SAMPLES);
+            let run = self.run_dir();
+            let dir = run.path.join(SAMPLES);
             std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
                 path: dir.clone(),
                 source,
@@ -710,8 +706,12 @@ impl Trainer {
             let mut written = vec![];
             for (i, z) in latents.iter().enumerate() {
                 let img = vae.decode_latents(&z.to_dtype(self.dtype)?)?;
-                let path = dir.join(format!("step-{:07}-{i}.png", self.step));
+                let rel = sample_name(self.step, i);
+                let path = run.path.join(&rel);
                 crate::data::save_png(&img.squeeze(0)?, &path)?;
+                if self.is_root() {
+                    run.record(&rel, Some(self.step), false)?;
+                }
                 written.push(path);
             }
             Ok(written)
@@ -733,7 +733,8 @@ impl Trainer {
                 val.push((step, l));
             }
         }
-        crate::data::plot_loss(&train, &val, 640, 400, dir.path.join(PLOT))
+        crate::data::plot_loss(&train, &val, 640, 400, dir.path.join(PLOT))?;
+        dir.record(PLOT, None, false)
     }
 
     /// One optimizer step (with its accumulated micro-batches). A non-finite loss or
@@ -965,7 +966,20 @@ impl Trainer {
             .save_checkpoint(self.step, state, keep, |tmp| {
                 self.save_adapter(&tmp.join("adapter.safetensors"))?;
                 self.opt.save_state(&tmp.join("optimizer.safetensors"))?;
-                Ok(vec!["adapter.safetensors", "optimizer.safetensors"])
+                // The loss log up to this step: a resume restores it from here when the
+                // folder's log lost lines.
+                let log = self.run_dir().path.join(LOG);
+                let text: String = read_log(&log)?
+                    .into_iter()
+                    .filter(|(s, _)| *s <= self.step)
+                    .map(|(_, l)| l + "\n")
+                    .collect();
+                write_atomic(&tmp.join(LOG), text.as_bytes())?;
+                Ok(vec!["adapter.safetensors", "optimizer.safetensors", LOG])
+            })
+            .and_then(|p| {
+                self.run_dir().record(LOG, None, true)?;
+                Ok(p)
             })
     }
 
@@ -1004,133 +1018,19 @@ impl Trainer {
     }
 
     /// Decides what `run` would do with the output folder, checking everything it can
-    /// without writing: another run's files without `overwrite` or `resume`, a resume whose
-    /// config differs in a key that matters, a checkpoint past `train.steps`.
+    /// without writing: another run's files without `overwrite` or `resume`, files at a
+    /// run's names that no run recorded, a resume with no run to resume or whose config
+    /// differs in a key that matters, a checkpoint past `train.steps`.
     pub fn plan(&self, opts: &RunOptions) -> Result<FolderAction> {
-        self.decide(opts).map(|d| d.action)
-    }
-
-    /// [`Trainer::plan`] with what a resume needs: the newest checkpoint that verifies (its
-    /// files hashed once, here) and the damaged ones passed over, newest first.
-    fn decide(&self, opts: &RunOptions) -> Result<Decision> {
-        let plain = |action| Decision {
-            action,
-            from: None,
-            damaged: vec![],
-        };
-        let dir = self.run_dir();
-        let present = dir.run_files()?;
-        let out = dir.path.display();
-        if opts.resume && opts.overwrite {
-            return Err(Error::Config {
-                path: None,
-                msg: "--resume and --overwrite exclude each other".into(),
-            });
-        }
-        if opts.overwrite {
-            return Ok(plain(if present.is_empty() {
-                FolderAction::New
-            } else {
-                FolderAction::Overwrite(present)
-            }));
-        }
-        if !opts.resume {
-            if present.is_empty() {
-                return Ok(plain(FolderAction::New));
-            }
-            return Err(Error::Config {
-                path: None,
-                msg: format!(
-                    "the output folder {out} holds another run ({}); continue it with \
-                     --resume, replace it with --overwrite, or set train.output_dir to \
-                     another folder",
-                    present.join(", ")
-                ),
-            });
-        }
-        // Resume.
-        let keys = self.resume_keys();
-        match dir.manifest()? {
-            None if present.is_empty() => return Ok(plain(FolderAction::New)),
-            None => {
-                return Err(Error::Config {
-                    path: None,
-                    msg: format!(
-                        "the output folder {out} holds run files ({}) but no {}: not a run \
-                         this version can resume; use --overwrite to start over",
-                        present.join(", "),
-                        super::rundir::MANIFEST
-                    ),
-                })
-            }
-            Some(m) => {
-                let diff = m.differences(&keys);
-                if !diff.is_empty() {
-                    let lines: Vec<String> = diff
-                        .iter()
-                        .map(|(k, was, now)| format!("{k} was {was}, the config says {now}"))
-                        .collect();
-                    return Err(Error::Config {
-                        path: None,
-                        msg: format!(
-                            "--resume: the run in {out} was made with another config:\n{}\n\
-                             (restore those values, or start over with --overwrite)",
-                            lines.join("\n")
-                        ),
-                    });
-                }
-            }
-        }
-        let n = self.config.train.steps;
-        let mut damaged = vec![];
-        for (step, path) in dir.checkpoints()?.into_iter().rev() {
-            let st = match CheckpointState::read_verified(&path) {
-                Ok(st) => st,
-                Err(e) => {
-                    damaged.push((path, e.to_string()));
-                    continue;
-                }
-            };
-            if step > n {
-                return Err(Error::Config {
-                    path: None,
-                    msg: format!(
-                        "--resume: {} is at step {step}, past train.steps = {n}",
-                        path.display()
-                    ),
-                });
-            }
-            let action = if step == n {
-                FolderAction::AlreadyFinished(step)
-            } else {
-                FolderAction::Resume(step, path.clone())
-            };
-            return Ok(Decision {
-                action,
-                from: Some((path, st)),
-                damaged,
-            });
-        }
-        if !damaged.is_empty() {
-            let names: Vec<String> = damaged
-                .iter()
-                .map(|(p, _)| p.display().to_string())
-                .collect();
-            return Err(Error::Checkpoint {
-                path: dir.path.clone(),
-                msg: format!(
-                    "no intact checkpoint to resume from ({} damaged); start over with \
-                     --overwrite",
-                    names.join(", ")
-                ),
-            });
-        }
-        Ok(plain(FolderAction::Resume(0, dir.path.clone())))
+        decide(&self.config, self.part().world, opts).map(|d| d.action)
     }
 
     /// Runs to `train.steps` (or `opts.stop_at`): prepares the output folder as
     /// [`Trainer::plan`] decides, logs each step to `loss.jsonl`, saves checkpoints and the
-    /// final adapter, and tells `on` about notes, steps and saves.
+    /// final adapter, and tells `on` about notes, steps and saves. The checkpoint of a step
+    /// (and at the last step the final adapter) is written before that step's validation,
+    /// samples and plot, so a failure in one of those loses no training: it is an
+    /// [`Error::Phase`], and `--resume` then does only the phases still missing.
     ///
     /// In data-parallel training every rank calls it: rank 0 decides and prepares the
     /// folder, every other rank starts where rank 0 does (reading the same checkpoint: the
@@ -1157,7 +1057,8 @@ impl Trainer {
                     let path = dir.checkpoint_dir(step);
                     let st = CheckpointState::read_verified(&path).map_err(|e| {
                         Error::Dist(format!(
-                            "rank {} cannot read the checkpoint rank 0 resumes from ({e});                              train.output_dir must be a folder every rank reads",
+                            "rank {} cannot read the checkpoint rank 0 resumes from ({e}); \
+                             train.output_dir must be a folder every rank reads",
                             g.rank()
                         ))
                     })?;
@@ -1184,6 +1085,31 @@ impl Trainer {
                     })?,
             ),
         };
+        let fin = dir.path.join(FINAL);
+        if root && self.step > 0 {
+            // A resume: the final adapter of a finished run is the one of its last step, and
+            // the phases due at the step it resumes from are done if they are missing.
+            if self.step == n && !self.final_is_current()? {
+                self.save_final()?;
+            }
+            let due = self.due_at(self.step, true);
+            let missing = Due {
+                validation: due.validation && !self.validated_in_log(self.step)?,
+                samples: due.samples && !self.samples_written(self.step)?,
+                plot: due.plot,
+            };
+            if missing.validation || missing.samples {
+                on(Event::Note(format!(
+                    "doing what step {} still lacks: {}",
+                    self.step,
+                    missing.describe()
+                )));
+            }
+            self.phases(missing, true, log.as_mut(), on)?;
+        }
+        if matches!(action, FolderAction::AlreadyFinished(_)) {
+            return Ok(RunEnd::Finished(fin));
+        }
         let every = self.config.train.save_every;
         let end = opts.stop_at.unwrap_or(n).min(n);
         while self.step < end {
@@ -1209,39 +1135,12 @@ impl Trainer {
                 None => self.interrupt.load(Ordering::Relaxed),
             };
             let save = interrupted || self.step == n || (every > 0 && self.step % every == 0);
-            let ve = self.config.train.validate_every;
-            let validate = match ve {
-                0 => save && !interrupted,
-                _ => self.step % ve == 0 || self.step == n,
-            };
-            if let (true, Some(log)) = (validate, &mut log) {
-                if let Some(loss) = self.validation_loss()? {
-                    let line = serde_json::json!({"step": self.step, "val_loss": loss});
-                    writeln!(log, "{line}")
-                        .and_then(|()| log.flush())
-                        .map_err(|source| Error::Io {
-                            path: log_path.clone(),
-                            source,
-                        })?;
-                    on(Event::Validation {
-                        step: self.step,
-                        loss,
-                    });
-                }
-            }
-            let se = self.config.sample.every;
-            if root && !interrupted && (self.step == n || (se > 0 && self.step % se == 0)) {
-                let written = self.sample_images()?;
-                if !written.is_empty() {
-                    on(Event::Samples(written));
-                }
-            }
             if save {
                 let p = match root {
                     true => {
                         let p = self.save_checkpoint()?;
-                        if self.pipeline.is_some() {
-                            self.plot()?;
+                        if self.step == n {
+                            self.save_final()?;
                         }
                         on(Event::Saved(p.clone()));
                         p
@@ -1255,22 +1154,175 @@ impl Trainer {
                     return Ok(RunEnd::Interrupted(self.step, p));
                 }
             }
-        }
-        let fin = dir.path.join(FINAL);
-        let finished = self.step == n;
-        if root
-            && finished
-            && !(matches!(action, FolderAction::AlreadyFinished(_)) && fin.is_file())
-        {
-            self.save_adapter(&fin)?;
+            if root {
+                let due = self.due_at(self.step, save);
+                self.phases(due, save, log.as_mut(), on)?;
+            }
         }
         if let Some(g) = self.group() {
             g.barrier()?;
         }
-        Ok(match finished {
+        Ok(match self.step == n {
             true => RunEnd::Finished(fin),
             false => RunEnd::Stopped(self.step),
         })
+    }
+
+    /// What is due after `step` (`saved`: a checkpoint of it was written).
+    fn due_at(&self, step: usize, saved: bool) -> Due {
+        let n = self.config.train.steps;
+        let ve = self.config.train.validate_every;
+        let se = self.config.sample.every;
+        Due {
+            validation: self.validation.is_some()
+                && match ve {
+                    0 => saved,
+                    _ => step % ve == 0 || step == n,
+                },
+            samples: !self.config.sample.prompts.is_empty()
+                && (step == n || (se > 0 && step % se == 0)),
+            plot: saved && self.pipeline.is_some(),
+        }
+    }
+
+    /// Does the phases `due` after the current step: the validation loss (logged), the
+    /// sample images and the loss plot, each recorded as the run's. A failure saves a
+    /// checkpoint of the step first, if none was (`saved`), and says which phase failed,
+    /// what is saved and what to change.
+    fn phases(
+        &mut self,
+        due: Due,
+        saved: bool,
+        mut log: Option<&mut std::fs::File>,
+        on: &mut dyn FnMut(Event),
+    ) -> Result<()> {
+        let step = self.step;
+        let dir = self.run_dir();
+        let log_path = dir.path.join(LOG);
+        let validated = (|| -> Result<()> {
+            if !due.validation {
+                return Ok(());
+            }
+            let (Some(loss), Some(log)) = (self.validation_loss()?, log.as_mut()) else {
+                return Ok(());
+            };
+            let line = serde_json::json!({"step": step, "val_loss": loss});
+            writeln!(log, "{line}")
+                .and_then(|()| log.flush())
+                .map_err(|source| Error::Io {
+                    path: log_path.clone(),
+                    source,
+                })?;
+            on(Event::Validation { step, loss });
+            Ok(())
+        })();
+        let sampled = validated.as_ref().ok().map(|_| -> Result<()> {
+            if due.samples {
+                let written = self.sample_images()?;
+                if !written.is_empty() {
+                    on(Event::Samples(written));
+                }
+            }
+            Ok(())
+        });
+        let plotted = match (&validated, &sampled) {
+            (Ok(()), Some(Ok(()))) if due.plot => self.plot(),
+            _ => Ok(()),
+        };
+        let (phase, error) = match (validated, sampled, plotted) {
+            (Err(e), _, _) => ("validation", e),
+            (_, Some(Err(e)), _) => ("sample images", e),
+            (_, _, Err(e)) => ("the loss plot", e),
+            _ => return Ok(()),
+        };
+        // Nothing trained is lost: the step's checkpoint, if it has none yet.
+        let mut saved_what = vec![];
+        let checkpoint = match saved {
+            true => Ok(dir.checkpoint_dir(step)),
+            false => self.save_checkpoint(),
+        };
+        match &checkpoint {
+            Ok(p) => saved_what.push(format!("{} holds step {step}", p.display())),
+            Err(e) => saved_what.push(format!("the checkpoint of step {step} failed too: {e}")),
+        }
+        if step == self.config.train.steps && dir.path.join(FINAL).is_file() {
+            saved_what.push(format!(
+                "the final adapter is {}",
+                dir.path.join(FINAL).display()
+            ));
+        }
+        let knob = match phase {
+            "validation" => {
+                "the validation loss runs every held-out image at 4 timesteps under the \
+                 step's memory plan: give it room (a larger memory.budget_gb, fewer or \
+                 smaller held-out images) or turn it off (train.validate_every = 0 with no \
+                 data.validation_split or data.validation_dir)"
+                    .to_string()
+            }
+            "sample images" => {
+                let [w, h] = self.config.sample.size;
+                format!(
+                    "sampling denoises {} prompt(s) at {} and decodes them in tiles under a \
+                     budget: lower sample.size, or turn it off (sample.prompts = [])",
+                    self.config.sample.prompts.len(),
+                    match (w, h) {
+                        (0, 0) => format!("data.resolution = {}", self.config.data.resolution),
+                        _ => format!("sample.size = [{w}, {h}]"),
+                    }
+                )
+            }
+            _ => "see the error above (the output folder's disk space or permissions)".into(),
+        };
+        Err(Error::Phase {
+            phase,
+            step,
+            error: Box::new(error),
+            saved: saved_what.join("; "),
+            hint: format!(
+                "{knob}; then run again with --resume: it does the missing phases without \
+                 training again"
+            ),
+        })
+    }
+
+    /// Whether `lora.safetensors` is the one this run wrote at its last step (recorded in
+    /// `run.json` with that step, and unchanged since).
+    fn final_is_current(&self) -> Result<bool> {
+        let dir = self.run_dir();
+        let Some(m) = dir.manifest()? else {
+            return Ok(false);
+        };
+        Ok(m.files.get(FINAL).is_some_and(|r| {
+            r.step == Some(self.config.train.steps) && r.matches(&dir.path.join(FINAL))
+        }))
+    }
+
+    /// Writes the final adapter of the current step and records it as this run's.
+    fn save_final(&self) -> Result<()> {
+        let dir = self.run_dir();
+        self.save_adapter(&dir.path.join(FINAL))?;
+        dir.record(FINAL, Some(self.step), false)
+    }
+
+    /// Whether the loss log has a validation line for `step`.
+    fn validated_in_log(&self, step: usize) -> Result<bool> {
+        Ok(read_log(&self.run_dir().path.join(LOG))?
+            .iter()
+            .any(|(s, l)| *s == step && l.contains("\"val_loss\"")))
+    }
+
+    /// Whether every sample image of `step` is written and recorded as this run's.
+    fn samples_written(&self, step: usize) -> Result<bool> {
+        let dir = self.run_dir();
+        let Some(m) = dir.manifest()? else {
+            return Ok(false);
+        };
+        Ok((0..self.config.sample.prompts.len()).all(|i| {
+            let rel = sample_name(step, i);
+            m.files
+                .get(&rel)
+                .is_some_and(|r| r.matches(&dir.path.join(&rel)))
+        }))
     }
 
     /// Rank 0's (or a single process's) start of `run`: decides, prepares the folder and
@@ -1283,40 +1335,54 @@ impl Trainer {
         let Decision {
             action,
             from,
-            damaged,
-        } = self.decide(opts)?;
+            passed,
+            survey,
+        } = decide(&self.config, self.part().world, opts)?;
         let dir = self.run_dir();
         let log_path = dir.path.join(LOG);
         match &action {
             FolderAction::New | FolderAction::Overwrite(_) => {
-                if matches!(action, FolderAction::Overwrite(_)) {
+                if opts.resume {
                     on(Event::Note(format!(
-                        "--overwrite: deleting the earlier run in {}",
+                        "no run was recorded in {} yet (it stopped before its first write): \
+                         starting it",
                         dir.path.display()
                     )));
-                    dir.clear()?;
+                }
+                if matches!(action, FolderAction::Overwrite(_)) {
+                    on(Event::Note(format!(
+                        "--overwrite: deleting the earlier run's files in {} (only those it \
+                         recorded)",
+                        dir.path.display()
+                    )));
+                    dir.clear(&survey)?;
                 }
                 let m = Manifest::new(self.resume_keys());
                 dir.create(&m)?;
                 self.run_id = m.run_id;
                 self.step = 0;
                 write_atomic(&log_path, b"")?;
+                dir.record(LOG, None, true)?;
             }
             FolderAction::Resume(..) | FolderAction::AlreadyFinished(_) => {
-                let m = dir.manifest()?.ok_or_else(|| Error::Checkpoint {
+                let m = survey.manifest.ok_or_else(|| Error::Checkpoint {
                     path: dir.path.clone(),
                     msg: "the run manifest disappeared".into(),
                 })?;
                 self.run_id = m.run_id;
-                for (path, e) in damaged {
+                for (path, why) in passed {
                     on(Event::Note(format!(
-                        "{} is damaged ({e}); trying the one before",
+                        "{} {why}; trying the one before",
                         path.display()
                     )));
                 }
+                let mut copy = None;
                 match from {
                     Some((path, st)) => {
                         self.restore(&path, &st)?;
+                        if st.files.contains_key(LOG) {
+                            copy = Some(path.join(LOG));
+                        }
                         on(Event::Note(format!(
                             "resuming after step {} from {}",
                             self.step,
@@ -1329,17 +1395,253 @@ impl Trainer {
                         self.skipped_in_row = 0;
                     }
                 }
-                // The log keeps the steps the checkpoint covers; replaced atomically.
-                let kept = read_log(&log_path)?
+                // The log keeps the steps the checkpoint covers; where the folder's log
+                // lacks some of them (deleted, cut), the checkpoint's copy replaces it.
+                let kept: Vec<(usize, String)> = read_log(&log_path)?
                     .into_iter()
                     .filter(|(s, _)| *s <= self.step)
-                    .map(|(_, line)| line + "\n")
-                    .collect::<String>();
-                write_atomic(&log_path, kept.as_bytes())?;
+                    .collect();
+                let covered = |lines: &[(usize, String)]| {
+                    let steps: std::collections::BTreeSet<usize> = lines
+                        .iter()
+                        .filter(|(_, l)| l.contains("\"loss\""))
+                        .map(|(s, _)| *s)
+                        .collect();
+                    (1..=self.step).filter(|s| !steps.contains(s)).count()
+                };
+                let mut lines = kept;
+                let lacking = covered(&lines);
+                if lacking > 0 {
+                    match &copy {
+                        Some(c) => {
+                            lines = read_log(c)?;
+                            on(Event::Note(format!(
+                                "{} lacked {lacking} of steps 1-{}: taken from {}",
+                                log_path.display(),
+                                self.step,
+                                c.display()
+                            )));
+                        }
+                        None => on(Event::Note(format!(
+                            "{} lacks {lacking} of steps 1-{} and the checkpoint holds no \
+                             copy of it: those lines are lost",
+                            log_path.display(),
+                            self.step
+                        ))),
+                    }
+                }
+                let text: String = lines.into_iter().map(|(_, l)| l + "\n").collect();
+                write_atomic(&log_path, text.as_bytes())?;
+                dir.record(LOG, None, true)?;
             }
         }
         Ok(action)
     }
+}
+
+/// The phases due after a step.
+#[derive(Clone, Copy, Debug)]
+struct Due {
+    validation: bool,
+    samples: bool,
+    plot: bool,
+}
+
+impl Due {
+    fn describe(&self) -> String {
+        let mut v = vec![];
+        if self.validation {
+            v.push("the validation loss");
+        }
+        if self.samples {
+            v.push("the sample images");
+        }
+        v.join(" and ")
+    }
+}
+
+/// A sample image's path in the output folder (relative): `samples/step-<step>-<i>.png`.
+fn sample_name(step: usize, i: usize) -> String {
+    format!("{SAMPLES}/step-{step:07}-{i}.png")
+}
+
+/// The config's resume keys, and the number of ranks where there are several (the global
+/// batch depends on it).
+fn resume_keys_of(config: &TrainConfig, world: usize) -> Vec<(&'static str, String)> {
+    let mut k = config.resume_keys();
+    if world > 1 {
+        k.push((
+            "ranks (GPUs or workers of data-parallel training)",
+            world.to_string(),
+        ));
+    }
+    k
+}
+
+/// What a run of `config` over `world` ranks would do with its output folder, as
+/// [`Trainer::plan`] says, from the config alone (nothing loaded, nothing written): for a
+/// front end to refuse an occupied folder before any data is cached.
+pub fn plan_folder(config: &TrainConfig, world: usize, opts: &RunOptions) -> Result<FolderAction> {
+    decide(config, world, opts).map(|d| d.action)
+}
+
+/// [`plan_folder`] with what a resume needs: the newest checkpoint of the run that verifies
+/// (its files hashed once, here), the ones passed over (damaged, another run's) newest
+/// first, and the folder's survey.
+fn decide(config: &TrainConfig, world: usize, opts: &RunOptions) -> Result<Decision> {
+    let dir = RunDir::new(&config.train.output_dir);
+    let out = dir.path.display().to_string();
+    let folder = |msg: String| Error::RunFolder {
+        path: dir.path.clone(),
+        msg,
+    };
+    if opts.resume && opts.overwrite {
+        return Err(Error::Config {
+            path: None,
+            msg: "--resume and --overwrite exclude each other".into(),
+        });
+    }
+    let survey = dir.survey()?;
+    let run_id = survey.manifest.as_ref().map(|m| m.run_id.clone());
+    let strangers: Vec<String> = survey
+        .checkpoints
+        .iter()
+        .filter(|(_, _, r)| r.is_none() || *r != run_id)
+        .map(|(_, p, _)| p.file_name().map(|f| f.to_string_lossy().into_owned()))
+        .map(Option::unwrap_or_default)
+        .collect();
+    let plain = |action, survey| Decision {
+        action,
+        from: None,
+        passed: vec![],
+        survey,
+    };
+    if !opts.resume {
+        let mut blocked = survey.foreign.clone();
+        blocked.extend(strangers);
+        if !blocked.is_empty() {
+            return Err(folder(format!(
+                "{} {} at names a run writes, and no run recorded in this folder wrote {}; \
+                 runs delete or replace only files they recorded as their own: move {} away \
+                 or set train.output_dir to another folder",
+                blocked.join(", "),
+                if blocked.len() == 1 { "is" } else { "are" },
+                if blocked.len() == 1 { "it" } else { "them" },
+                if blocked.len() == 1 { "it" } else { "them" },
+            )));
+        }
+        return match (survey.manifest.is_some(), opts.overwrite) {
+            (false, _) => Ok(plain(FolderAction::New, survey)),
+            (true, true) => {
+                let owned = survey.owned.clone();
+                Ok(plain(FolderAction::Overwrite(owned), survey))
+            }
+            (true, false) => Err(folder(format!(
+                "holds another run ({}); continue it with --resume, replace it with \
+                 --overwrite (which deletes only that run's recorded files), or set \
+                 train.output_dir to another folder",
+                survey.owned.join(", ")
+            ))),
+        };
+    }
+    // Resume.
+    let Some(m) = &survey.manifest else {
+        // A run stopped before its manifest was in place (killed, a full disk) left at most
+        // its interrupted writes and its caches: it starts again. Anything else is no run.
+        let cache = super::images::cache_dir(config);
+        let started = std::fs::read_dir(&dir.path).ok().map(|entries| {
+            entries.filter_map(|e| e.ok()).all(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                e.path() == cache || super::rundir::is_temp_name(&n, e.path().is_dir())
+            })
+        });
+        if started == Some(true) {
+            return Ok(plain(FolderAction::New, survey));
+        }
+        let what = match started {
+            None => format!("{out} does not exist"),
+            Some(_) => format!("{out} has no {}", super::rundir::MANIFEST),
+        };
+        return Err(folder(format!(
+            "--resume: no run to resume ({what}); check train.output_dir, or start a new run \
+             without --resume"
+        )));
+    };
+    let diff = m.differences(&resume_keys_of(config, world));
+    if !diff.is_empty() {
+        let lines: Vec<String> = diff
+            .iter()
+            .map(|(k, was, now)| format!("{k} was {was}, the config says {now}"))
+            .collect();
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "--resume: the run in {out} was made with another config:\n{}\n\
+                 (restore those values, or start over with --overwrite)",
+                lines.join("\n")
+            ),
+        });
+    }
+    let n = config.train.steps;
+    let mut passed = vec![];
+    for (step, path, run) in survey.checkpoints.iter().rev() {
+        if run.is_none() || *run != run_id {
+            let why = match run {
+                Some(r) => format!("was written by another run (id {r}): passed over"),
+                None => "is damaged (its state.json is unreadable)".into(),
+            };
+            passed.push((path.clone(), why));
+            continue;
+        }
+        let st = match CheckpointState::read_verified(path) {
+            Ok(st) => st,
+            Err(e) => {
+                passed.push((path.clone(), format!("is damaged ({e})")));
+                continue;
+            }
+        };
+        if *step > n {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "--resume: {} is at step {step}, past train.steps = {n}",
+                    path.display()
+                ),
+            });
+        }
+        let action = if *step == n {
+            FolderAction::AlreadyFinished(*step)
+        } else {
+            FolderAction::Resume(*step, path.clone())
+        };
+        return Ok(Decision {
+            action,
+            from: Some((path.clone(), st)),
+            passed,
+            survey,
+        });
+    }
+    let ours_damaged: Vec<String> = passed
+        .iter()
+        .filter(|(_, why)| why.starts_with("is damaged"))
+        .map(|(p, _)| p.display().to_string())
+        .collect();
+    if !ours_damaged.is_empty() {
+        return Err(Error::Checkpoint {
+            path: dir.path.clone(),
+            msg: format!(
+                "no intact checkpoint to resume from ({} damaged); start over with \
+                 --overwrite",
+                ours_damaged.join(", ")
+            ),
+        });
+    }
+    Ok(Decision {
+        action: FolderAction::Resume(0, dir.path.clone()),
+        from: None,
+        passed,
+        survey,
+    })
 }
 
 /// " | GPU x GiB" in use on a CUDA device, "" on the CPU.

@@ -53,6 +53,8 @@
 
 pub mod autograd;
 pub mod backend;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod data;
 mod device;
 pub mod dist;

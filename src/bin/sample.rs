@@ -10,13 +10,15 @@
 //!
 //! The text encoders run first and are freed, then the model (with the LoRA merged into its
 //! weights as they load) denoises every prompt and is freed, then the autoencoder decodes.
-//! Image i is `<out>/<i>-<seed + i>.png`, written atomically.
+//! Image i is `<out>/<i>-<seed + i>.png`, written atomically. `--latents` starts from given
+//! noise instead of the seed's. Exit status: 0 done, 1 failed, 2 usage error.
 
 use argh::FromArgs;
+use flame::cli::{failure, parse_args, usage};
 use flame::models::pipeline::{conditioning, load_vae, Sources, TextConditioner, TextOptions};
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
-use flame::sample::{generate, Request};
+use flame::sample::{generate, generate_from, Request};
 use flame::train::trainer::pick_device;
 use flame::train::Prediction;
 use flame::{DType, Error};
@@ -28,12 +30,13 @@ use std::sync::Arc;
 #[derive(FromArgs)]
 #[argh(help_triggers("-h", "--help"))]
 struct Args {
-    /// the model family: flux, sd3 or sdxl
+    /// the model family: flux, sd3 or sdxl (required)
     #[argh(option)]
-    arch: String,
+    arch: Option<String>,
     /// the model: a single .safetensors file, a diffusers model folder or a pipeline folder
+    /// (required)
     #[argh(option)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// a LoRA file to merge (kohya, diffusers / PEFT, or FLAME's own)
     #[argh(option)]
     lora: Option<PathBuf>,
@@ -95,6 +98,14 @@ struct Args {
     /// encode and decode in tiles of this many pixels (0, the default: whole images)
     #[argh(option, default = "0")]
     vae_tile: usize,
+    /// start from these latents instead of the seed's noise: a .safetensors file whose
+    /// `latents` tensor is (N, C, H/f, W/f), one per prompt (Flux: also diffusers' packed
+    /// (N, tokens, 4C))
+    #[argh(option)]
+    latents: Option<PathBuf>,
+    /// print the version
+    #[argh(switch)]
+    version: bool,
 }
 
 fn bad(msg: String) -> Error {
@@ -102,8 +113,21 @@ fn bad(msg: String) -> Error {
 }
 
 fn main() -> ExitCode {
-    let args: Args = argh::from_env();
-    match run(&args) {
+    let args: Args = match parse_args() {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
+    if args.version {
+        println!("sample (flame) {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
+    let (Some(arch), Some(model)) = (&args.arch, &args.model) else {
+        return usage("sample", "--arch and --model are required");
+    };
+    if args.prompt.is_empty() {
+        return usage("sample", "no --prompt given");
+    }
+    match run(&args, arch, model) {
         Ok(paths) => {
             for p in paths {
                 println!("{}", p.display());
@@ -111,15 +135,56 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
+            let (code, msg) = failure(&e);
+            eprintln!("{msg}");
+            code
         }
     }
 }
 
-fn run(a: &Args) -> flame::Result<Vec<PathBuf>> {
-    if a.prompt.is_empty() {
-        return Err(bad("no --prompt given".into()));
+/// The starting latents of `--latents` for `n` prompts at `hw` latent pixels, each
+/// (1, C, h, w).
+fn read_latents(
+    path: &std::path::Path,
+    arch: &str,
+    n: usize,
+    hw: (usize, usize),
+) -> flame::Result<Vec<flame::Tensor>> {
+    let file = flame::safetensors::SafeTensorsFile::open(path)?;
+    let t = file.load_as("latents", &flame::Device::Cpu, DType::F32)?;
+    let t = match (t.rank(), arch) {
+        (4, _) => t,
+        // diffusers' Flux pipeline takes its latents packed in 2x2 patches.
+        (3, "flux") => flame::models::flux::unpack_latents(&t, hw.0 / 2, hw.1 / 2)?,
+        _ => {
+            return Err(Error::SafeTensors {
+                path: path.to_path_buf(),
+                tensor: Some("latents".into()),
+                msg: format!("shape {:?}: (N, C, h, w) expected", t.dims()),
+            })
+        }
+    };
+    let d = t.dims().to_vec();
+    if d[0] != n || (d[2], d[3]) != hw {
+        return Err(Error::SafeTensors {
+            path: path.to_path_buf(),
+            tensor: Some("latents".into()),
+            msg: format!(
+                "shape {d:?}: {n} prompt(s) at {}x{} latent pixels need ({n}, C, {}, {})",
+                hw.1, hw.0, hw.0, hw.1
+            ),
+        });
+    }
+    (0..n).map(|i| t.narrow(0, i, 1)).collect()
+}
+
+fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
+    let max_t5 = flame::models::pipeline::T5_MAX_TOKENS;
+    if a.t5_tokens > max_t5 {
+        return Err(bad(format!(
+            "--t5-tokens {}: T5 takes at most {max_t5} tokens a prompt",
+            a.t5_tokens
+        )));
     }
     if a.steps == 0 {
         return Err(bad("--steps 0: at least 1".into()));
@@ -138,7 +203,7 @@ fn run(a: &Args) -> flame::Result<Vec<PathBuf>> {
         "v" => Prediction::V,
         other => return Err(bad(format!("--prediction {other}: epsilon or v"))),
     };
-    let family = models::family(&a.arch)?;
+    let family = models::family(arch)?;
     let device = pick_device(&a.device)?;
     let (dtype, fp8) = match a.dtype.as_str() {
         "bf16" => (DType::BF16, false),
@@ -160,7 +225,7 @@ fn run(a: &Args) -> flame::Result<Vec<PathBuf>> {
         })?);
     }
     // The model's inputs and guidance input, from a build without weights.
-    let probe = family.probe(&a.model, &opts)?;
+    let probe = family.probe(model_path, &opts)?;
     let (inputs, guided) = (probe.inputs(), probe.guidance_input());
     drop(probe);
     let (text_at, vae_at) = Sources {
@@ -168,7 +233,11 @@ fn run(a: &Args) -> flame::Result<Vec<PathBuf>> {
         tokenizers: a.tokenizer.clone(),
         vae: a.vae.clone(),
     }
-    .locate(family, &a.model, ["--text-encoder", "--tokenizer", "--vae"])?;
+    .locate(
+        family,
+        model_path,
+        ["--text-encoder", "--tokenizer", "--vae"],
+    )?;
 
     // Text first, then the encoders are freed.
     let enc_dtype = if dtype == DType::F32 || !device.is_cuda() {
@@ -215,7 +284,7 @@ fn run(a: &Args) -> flame::Result<Vec<PathBuf>> {
         }
         opts.merge = Some(Arc::new(m));
     }
-    let model = family.load(&a.model, &opts)?.model;
+    let model = family.load(model_path, &opts)?.model;
     let vae = {
         let mut v = load_vae(family, &vae_at, dtype, &device, "--vae")?;
         if a.vae_tile > 0 {
@@ -237,7 +306,16 @@ fn run(a: &Args) -> flame::Result<Vec<PathBuf>> {
         seed: a.seed,
         prediction,
     };
-    let latents = generate(model.as_ref(), &conds, Some(uncond), &req, &device)?;
+    let latents = match &a.latents {
+        Some(p) => {
+            let noise = read_latents(p, arch, conds.len(), req.latent_hw)?
+                .into_iter()
+                .map(|z| z.to_device(&device))
+                .collect::<flame::Result<Vec<_>>>()?;
+            generate_from(model.as_ref(), &conds, Some(uncond), &req, &noise)?
+        }
+        None => generate(model.as_ref(), &conds, Some(uncond), &req, &device)?,
+    };
     drop(model);
 
     std::fs::create_dir_all(&a.out).map_err(|source| Error::Io {

@@ -59,70 +59,7 @@ struct Args {
     version: bool,
 }
 
-/// The usage-error exit status (a bad flag, no config).
-const USAGE: u8 = 2;
-/// The exit status of a run stopped by a signal.
-const INTERRUPTED: u8 = 130;
-
-/// The arguments, or the exit for `--help` (0) and usage errors (2).
-fn parse_args() -> Result<Args, ExitCode> {
-    let all: Vec<String> = std::env::args().collect();
-    let name = all
-        .first()
-        .and_then(|a| std::path::Path::new(a).file_name())
-        .map_or("train".into(), |n| n.to_string_lossy().into_owned());
-    let rest: Vec<&str> = all.iter().skip(1).map(String::as_str).collect();
-    match Args::from_args(&[&name], &rest) {
-        Ok(a) => Ok(a),
-        Err(argh::EarlyExit { output, status }) => match status {
-            Ok(()) => {
-                print!("{output}");
-                Err(ExitCode::SUCCESS)
-            }
-            Err(()) => {
-                eprint!("error: {output}");
-                eprintln!("(see {name} --help)");
-                Err(ExitCode::from(USAGE))
-            }
-        },
-    }
-}
-
-/// What to do next after `e`, where something can be done.
-fn next_step(e: &flame::Error) -> Option<&'static str> {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(x) = cur {
-        if let Some(io) = x.downcast_ref::<std::io::Error>() {
-            if io.raw_os_error() == Some(28) {
-                return Some(
-                    "the disk is full: free space on it, then continue with --resume (the \
-                     last checkpoint and everything before it are intact)",
-                );
-            }
-        }
-        cur = x.source();
-    }
-    match e {
-        flame::Error::OutOfMemory { .. } | flame::Error::PlanExceeded { .. } => Some(
-            "everything up to the last checkpoint is saved: after changing what the message \
-             says, continue with --resume",
-        ),
-        _ => None,
-    }
-}
-
-/// The exit status and message of a failed run.
-fn failure(e: &flame::Error) -> (ExitCode, String) {
-    let mut msg = format!("error: {e}");
-    if let Some(next) = next_step(e) {
-        msg.push_str(&format!("\n  next: {next}"));
-    }
-    let code = match e {
-        flame::Error::Interrupted(_) => ExitCode::from(INTERRUPTED),
-        _ => ExitCode::FAILURE,
-    };
-    (code, msg)
-}
+use flame::cli::{failure, parse_args, INTERRUPTED, USAGE};
 
 /// Progress on stderr: a bar redrawn in place on a terminal, else a line every
 /// `train.log_every` steps. Knows whether the cursor is mid-line, so every other message
@@ -184,7 +121,7 @@ impl Progress {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
+    let args: Args = match parse_args() {
         Ok(a) => a,
         Err(code) => return code,
     };

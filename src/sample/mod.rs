@@ -399,3 +399,65 @@ pub fn generate(
         })
         .collect()
 }
+
+/// [`generate`] from given starting noise instead of `req.seed`'s: `noise[i]` (1, C, h, w)
+/// for `conds[i]` (a user reproducing an image of another tool from the same latents).
+pub fn generate_from(
+    model: &dyn DiffusionModel,
+    conds: &[Vec<Tensor>],
+    uncond: Option<Vec<Tensor>>,
+    req: &Request,
+    noise: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    if noise.len() != conds.len() {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "{} starting latents for {} prompts: give one per prompt",
+                noise.len(),
+                conds.len()
+            ),
+        });
+    }
+    let guided = model.guidance_input();
+    let schedule = (model.family().pipeline.schedule)(&crate::models::SampleSetup {
+        steps: req.steps,
+        latent_hw: req.latent_hw,
+        guided,
+        prediction: req.prediction,
+    })?;
+    let guidance = match (guided, uncond) {
+        (true, _) => Guidance::distilled(req.guidance),
+        (false, Some(u)) if req.guidance > 1.0 => Guidance::cfg(u, req.guidance),
+        _ => Guidance::none(),
+    };
+    let want = model.inputs();
+    for n in noise {
+        let d = n.dims();
+        let ok = d.len() == 4
+            && d[0] == 1
+            && (d[2], d[3]) == req.latent_hw
+            && want
+                .first()
+                .and_then(|i| i.dims.first())
+                .is_none_or(|c| c.admits(d[1]));
+        if !ok {
+            return Err(Error::invalid(
+                "generate_from",
+                format!(
+                    "starting latents must be (1, C, {}, {}) with the model's C",
+                    req.latent_hw.0, req.latent_hw.1
+                ),
+                n.shape(),
+            ));
+        }
+    }
+    conds
+        .iter()
+        .zip(noise)
+        .map(|(cond, z)| {
+            let z = z.to_dtype(DType::F32)?;
+            denoise(model, schedule.as_ref(), &z, cond, &guidance, None)
+        })
+        .collect()
+}

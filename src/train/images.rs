@@ -485,9 +485,19 @@ impl ImageSamples {
                     .ok_or_else(|| cfg_err(format!("the caches hold no \"{other}\"")))?,
             });
         }
+        // Each image with the cache entries its inputs were read from (where a NaN in the
+        // inputs would come from: a damaged entry, not the picture).
         let files = idx
             .iter()
-            .map(|&i| self.ds.item(i).map(|it| it.path.display().to_string()))
+            .zip(&captions)
+            .map(|(&i, c)| {
+                Ok(format!(
+                    "{} (latents {}, text {})",
+                    self.ds.item(i)?.path.display(),
+                    self.latents.entry_path(&self.ds, i, epoch)?.display(),
+                    self.text.entry_path(c).display()
+                ))
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Batch {
             inputs: out,

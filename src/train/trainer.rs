@@ -802,7 +802,27 @@ impl Trainer {
             let value = loss.to_scalar_f64()?;
             total += value;
             if !value.is_finite() {
-                bad = Some(format!("the loss of micro-batch {} is {value}", micro + 1));
+                // Inputs that were not finite before the model ran: the data, not training.
+                let names: Vec<String> = self
+                    .model
+                    .inputs()
+                    .iter()
+                    .map(|i| i.name.to_string())
+                    .collect();
+                let named: Vec<(&str, &Tensor)> = names
+                    .iter()
+                    .map(String::as_str)
+                    .zip(batch.inputs.iter())
+                    .collect();
+                bad = Some(match first_nonfinite(&named)? {
+                    Some(input) => format!(
+                        "the input {input} of micro-batch {} holds a NaN or an infinity as \
+                         read from the data (the files below, before the model ran): delete \
+                         those cache entries or samples to make them again",
+                        micro + 1
+                    ),
+                    None => format!("the loss of micro-batch {} is {value}", micro + 1),
+                });
                 if reducer.is_none() {
                     break;
                 }

@@ -1,0 +1,453 @@
+//! What a run may do to the files around it, and how it tells the user: it deletes or
+//! replaces only files its records prove it wrote, never makes stand-ins for a path it cannot
+//! find, checks what it can before its first write, ties its final adapter to the step that
+//! made it, keeps its loss log whole, and speaks one command-line convention (usage errors 2,
+//! failures 1, `-h`, `--version`). On the tiny Flux, made as `train --make-tiny` makes it.
+#![cfg(feature = "cpu-ref")]
+
+use flame::train::{Event, FolderAction, RunEnd, RunOptions, TrainConfig, Trainer};
+use std::path::{Path, PathBuf};
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("flame-folder-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The pre-encoded tiny example under `dir` with `steps` steps (checkpoints every 4, a
+/// constant schedule so a resume may extend it), its files made.
+fn tiny(dir: &Path, steps: usize) -> PathBuf {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny-encoded.toml");
+    let text = std::fs::read_to_string(example)
+        .unwrap()
+        .replace("steps = 200", &format!("steps = {steps}"))
+        .replace("save_every = 50", "save_every = 4")
+        .replace("device = \"auto\"", "device = \"cpu\"")
+        .replace("kind = \"cosine\"", "kind = \"constant\"")
+        .replace("warmup_steps = 10", "warmup_steps = 0");
+    let p = dir.join("train.toml");
+    std::fs::write(&p, text).unwrap();
+    flame::train::demo::make_tiny(&TrainConfig::from_file(&p).unwrap()).unwrap();
+    p
+}
+
+/// The image example under `dir` (8 steps, validation and samples every 4), files made.
+fn images(dir: &Path) -> PathBuf {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny.toml");
+    let text = std::fs::read_to_string(example)
+        .unwrap()
+        .replace("steps = 200", "steps = 8")
+        .replace("save_every = 50", "save_every = 4")
+        .replace("validate_every = 50", "validate_every = 4")
+        .replace("every = 100", "every = 4")
+        .replace("device = \"auto\"", "device = \"cpu\"")
+        .replace("warmup_steps = 10", "warmup_steps = 2");
+    let p = dir.join("train.toml");
+    std::fs::write(&p, text).unwrap();
+    flame::train::demo::make_tiny(&TrainConfig::from_file(&p).unwrap()).unwrap();
+    p
+}
+
+fn run(cfg: &TrainConfig, opts: RunOptions) -> flame::Result<(RunEnd, Vec<String>)> {
+    let mut notes = vec![];
+    let end = Trainer::new(cfg.clone())?.run(&opts, &mut |e| {
+        if let Event::Note(n) = e {
+            notes.push(n)
+        }
+    })?;
+    Ok((end, notes))
+}
+
+fn opts(resume: bool, overwrite: bool) -> RunOptions {
+    RunOptions {
+        resume,
+        overwrite,
+        ..Default::default()
+    }
+}
+
+fn log(out: &Path) -> Vec<String> {
+    flame::train::rundir::read_log(&out.join("loss.jsonl"))
+        .unwrap()
+        .into_iter()
+        .map(|(_, l)| l)
+        .collect()
+}
+
+#[cfg(feature = "cli")]
+fn train_bin(args: &[&std::ffi::OsStr], fault: Option<&str>) -> std::process::Output {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_train"));
+    c.args(args);
+    match fault {
+        Some(f) => c.env("FLAME_FAULT", f),
+        None => c.env_remove("FLAME_FAULT"),
+    };
+    c.output().unwrap()
+}
+
+#[test]
+fn overwrite_deletes_only_what_the_run_recorded() {
+    let d = temp("overwrite");
+    let cfg = TrainConfig::from_file(images(&d)).unwrap();
+    let out = cfg.train.output_dir.clone();
+    // A user's own files beside a run's names, made before the run.
+    std::fs::create_dir_all(out.join("checkpoint-best-by-hand")).unwrap();
+    std::fs::write(out.join("checkpoint-best-by-hand/keep.txt"), b"mine").unwrap();
+    std::fs::write(out.join("checkpoint-notes.md"), b"notes").unwrap();
+    std::fs::create_dir_all(out.join("samples")).unwrap();
+    std::fs::write(out.join("samples/my-picture.png"), b"not a png").unwrap();
+    run(&cfg, opts(false, false)).unwrap();
+    assert!(out.join("samples/step-0000008-0.png").is_file());
+    assert!(out.join("loss.png").is_file());
+    // A file dropped into a checkpoint of the run stays too.
+    std::fs::write(out.join("checkpoint-0000008/why.txt"), b"mine").unwrap();
+    let (_, notes) = run(&cfg, opts(false, true)).unwrap();
+    assert!(notes.iter().any(|n| n.contains("--overwrite")), "{notes:?}");
+    for f in [
+        "checkpoint-best-by-hand/keep.txt",
+        "checkpoint-notes.md",
+        "samples/my-picture.png",
+        "checkpoint-0000008/why.txt",
+    ] {
+        assert!(out.join(f).is_file(), "{f} was deleted");
+    }
+    assert_eq!(
+        log(&out).iter().filter(|l| l.contains("\"loss\"")).count(),
+        8
+    );
+    // A file at a run's name that no run recorded: refused, naming it, nothing deleted.
+    std::fs::write(out.join("loss.png"), b"my own plot").unwrap();
+    for o in [opts(false, true), opts(false, false)] {
+        let e = run(&cfg, o).unwrap_err();
+        assert!(matches!(e, flame::Error::RunFolder { .. }), "{e}");
+        let e = e.to_string();
+        assert!(
+            e.contains("loss.png") && e.contains("no run recorded"),
+            "{e}"
+        );
+    }
+    assert_eq!(std::fs::read(out.join("loss.png")).unwrap(), b"my own plot");
+    assert!(out.join("lora.safetensors").is_file());
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn resume_needs_a_run_and_keeps_the_whole_log() {
+    let d = temp("resume");
+    let cfg = TrainConfig::from_file(tiny(&d, 8)).unwrap();
+    let out = cfg.train.output_dir.clone();
+    // No run there: a typo in the folder is an error, not a new run.
+    let mut typo = cfg.clone();
+    typo.train.output_dir = d.join("tiny/out-encodde");
+    let e = run(&typo, opts(true, false)).unwrap_err();
+    assert!(
+        matches!(e, flame::Error::RunFolder { .. }) && e.to_string().contains("no run to resume"),
+        "{e}"
+    );
+    assert!(!typo.train.output_dir.exists());
+    // A folder of other things: no run either.
+    std::fs::create_dir_all(&typo.train.output_dir).unwrap();
+    std::fs::write(typo.train.output_dir.join("notes.txt"), b"x").unwrap();
+    let e = run(&typo, opts(true, false)).unwrap_err().to_string();
+    assert!(e.contains("has no run.json"), "{e}");
+    // The full run, then a run stopped at 6 whose log is deleted: the resume restores it
+    // from its checkpoint (4) and ends with the same log.
+    run(&cfg, opts(false, false)).unwrap();
+    let want = log(&out);
+    let b = temp("resume-b");
+    let cfg_b = TrainConfig::from_file(tiny(&b, 8)).unwrap();
+    let stop = RunOptions {
+        stop_at: Some(6),
+        ..Default::default()
+    };
+    run(&cfg_b, stop).unwrap();
+    std::fs::remove_file(cfg_b.train.output_dir.join("loss.jsonl")).unwrap();
+    let (_, notes) = run(&cfg_b, opts(true, false)).unwrap();
+    assert!(
+        notes.iter().any(|n| n.contains("lacked 4 of steps 1-4")),
+        "{notes:?}"
+    );
+    assert_eq!(log(&cfg_b.train.output_dir), want);
+    std::fs::remove_dir_all(&d).ok();
+    std::fs::remove_dir_all(&b).ok();
+}
+
+/// A finished run extended with `--resume` (more steps) and killed after its new last
+/// checkpoint is in place but before `lora.safetensors` is replaced: the next `--resume`
+/// replaces the stale adapter with the one of the last step.
+#[cfg(feature = "cli")]
+#[test]
+fn a_stale_final_adapter_is_replaced() {
+    let a = temp("stale-a");
+    let b = temp("stale-b");
+    let (pa, pb) = (tiny(&a, 12), tiny(&b, 8));
+    assert!(train_bin(&[pa.as_os_str()], None).status.success());
+    let want = std::fs::read(a.join("tiny/out-encoded/lora.safetensors")).unwrap();
+    assert!(train_bin(&[pb.as_os_str()], None).status.success());
+    let out = b.join("tiny/out-encoded");
+    let eight = std::fs::read(out.join("lora.safetensors")).unwrap();
+    assert_ne!(eight, want);
+    // Extend to 12 steps; killed as the final adapter is written.
+    let text = std::fs::read_to_string(&pb)
+        .unwrap()
+        .replace("steps = 8", "steps = 12");
+    std::fs::write(&pb, text).unwrap();
+    let resume = std::ffi::OsStr::new("--resume");
+    let o = train_bin(
+        &[pb.as_os_str(), resume],
+        Some("kill:write:lora.safetensors"),
+    );
+    assert!(!o.status.success());
+    assert!(out.join("checkpoint-0000012").is_dir());
+    assert_eq!(std::fs::read(out.join("lora.safetensors")).unwrap(), eight);
+    let o = train_bin(&[pb.as_os_str(), resume], None);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read(out.join("lora.safetensors")).unwrap(), want);
+    assert_eq!(log(&out), log(&a.join("tiny/out-encoded")));
+    std::fs::remove_dir_all(&a).ok();
+    std::fs::remove_dir_all(&b).ok();
+}
+
+#[test]
+fn checks_come_before_the_first_write() {
+    let d = temp("checks");
+    let p = images(&d);
+    let base = std::fs::read_to_string(&p).unwrap();
+    let out = d.join("tiny/out");
+    let cache = out.join("cache");
+    let check = |text: String, want: &[&str]| {
+        std::fs::write(&p, &text).unwrap();
+        let e = TrainConfig::from_file(&p)
+            .and_then(|c| {
+                Trainer::new(c.clone())?.run(&RunOptions::default(), &mut |_| {})?;
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        for w in want {
+            assert!(e.contains(w), "{w:?} not in: {e}");
+        }
+        assert!(!out.join("run.json").exists(), "a run was started: {e}");
+        assert!(!cache.exists(), "caching started: {e}");
+    };
+    // Buckets whose sides the model cannot take, naming the key.
+    check(
+        base.replace("bucket_step = 16", "bucket_step = 7"),
+        &["data.bucket_step = 7", "multiples of 4"],
+    );
+    // A sample size the model cannot take.
+    check(
+        base.replace("[sample]\n", "[sample]\nsize = [48, 40]\n"),
+        &["sample.size", "[48, 40]"],
+    );
+    // A batch larger than the data.
+    check(
+        base.replace("batch_size = 4", "batch_size = 1000000"),
+        &["train.batch_size = 1000000", "training views"],
+    );
+    // T5 past its length.
+    check(
+        base.replace("t5_tokens = 32", "t5_tokens = 100000"),
+        &["encoders.t5_tokens", "at most 512"],
+    );
+    // [sample] with pre-encoded data.
+    let e = TrainConfig::from_toml(
+        &std::fs::read_to_string(tiny(&d, 4))
+            .unwrap()
+            .replace("[data]\n", "[sample]\nprompts = [\"a cat\"]\n\n[data]\n"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("sample.prompts") && e.contains("pre-encoded"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_signal_during_caching_stops_it_at_once() {
+    let d = temp("signal");
+    let cfg = TrainConfig::from_file(images(&d)).unwrap();
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let place = flame::train::Placement {
+        interrupt: Some(flag),
+        ..Default::default()
+    };
+    let start = std::time::Instant::now();
+    let e = Trainer::open_in(
+        cfg.clone(),
+        flame::train::Prepare::Encode,
+        place,
+        &mut |_| {},
+    )
+    .err()
+    .unwrap();
+    assert!(matches!(e, flame::Error::Interrupted(_)), "{e}");
+    assert!(e.to_string().contains("caching latents"), "{e}");
+    // Nothing of the run, and no cache entry (the first image was not encoded).
+    assert!(!cfg.train.output_dir.join("run.json").exists());
+    let entries = std::fs::read_dir(cfg.train.output_dir.join("cache"))
+        .map(|r| r.count())
+        .unwrap_or(0);
+    assert!(entries <= 2, "{entries} cache entries");
+    assert!(start.elapsed().as_secs() < 60);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn nan_in_a_cache_entry_is_blamed_on_the_entry() {
+    let d = temp("nan-cache");
+    let cfg = TrainConfig::from_file(images(&d)).unwrap();
+    // Fill the caches, then damage every latent entry with a NaN.
+    drop(Trainer::new(cfg.clone()).unwrap());
+    let cache = cfg.train.output_dir.join("cache");
+    let mut damaged = 0;
+    for e in walk(&cache) {
+        if e.extension().is_some_and(|x| x == "safetensors") {
+            let mut t = flame::safetensors::load(&e, &flame::Device::Cpu).unwrap();
+            if let Some(l) = t.get("latents").cloned() {
+                let mut v = l.to_vec_f64().unwrap();
+                v[0] = f64::NAN;
+                let n = flame::Tensor::from_vec(
+                    v.iter().map(|&x| x as f32).collect::<Vec<_>>(),
+                    l.dims().to_vec(),
+                    &flame::Device::Cpu,
+                )
+                .unwrap();
+                t.insert("latents".into(), n);
+                let meta = flame::safetensors::SafeTensorsFile::open(&e)
+                    .unwrap()
+                    .metadata()
+                    .clone();
+                flame::safetensors::save_with_metadata(
+                    t.iter().map(|(k, v)| (k.as_str(), v)),
+                    &meta,
+                    &e,
+                )
+                .unwrap();
+                damaged += 1;
+            }
+        }
+    }
+    assert!(damaged > 0);
+    let e = run(&cfg, opts(false, false)).unwrap_err().to_string();
+    assert!(
+        e.contains("input latents") && e.contains("as read from the data"),
+        "{e}"
+    );
+    assert!(e.contains(&cache.display().to_string()), "{e}");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut v = vec![];
+    if let Ok(r) = std::fs::read_dir(dir) {
+        for e in r.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                v.extend(walk(&p));
+            } else {
+                v.push(p);
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn plan_folder_refuses_before_loading() {
+    let d = temp("plan-folder");
+    let cfg = TrainConfig::from_file(tiny(&d, 4)).unwrap();
+    assert_eq!(
+        flame::train::plan_folder(&cfg, 1, &opts(false, false)).unwrap(),
+        FolderAction::New
+    );
+    run(&cfg, opts(false, false)).unwrap();
+    let e = flame::train::plan_folder(&cfg, 1, &opts(false, false)).unwrap_err();
+    assert!(matches!(e, flame::Error::RunFolder { .. }), "{e}");
+    assert_eq!(
+        flame::train::plan_folder(&cfg, 1, &opts(true, false)).unwrap(),
+        FolderAction::AlreadyFinished(4)
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// One convention for both binaries: usage errors exit 2 naming `--help`, `-h` and
+/// `--version` work, and the train binary's help says what it trains from.
+#[cfg(feature = "cli")]
+#[test]
+fn both_binaries_speak_one_convention() {
+    for exe in [env!("CARGO_BIN_EXE_train"), env!("CARGO_BIN_EXE_sample")] {
+        let cmd = || std::process::Command::new(exe);
+        let o = cmd().output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{exe}: no arguments");
+        let o = cmd().arg("--no-such-flag").output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{exe}: an unknown flag");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("--help"));
+        for h in ["-h", "--help"] {
+            let o = cmd().arg(h).output().unwrap();
+            assert!(o.status.success(), "{exe} {h}");
+            assert!(!o.stdout.is_empty());
+        }
+        let o = cmd().arg("--version").output().unwrap();
+        assert!(o.status.success(), "{exe} --version");
+        assert!(String::from_utf8_lossy(&o.stdout).contains(env!("CARGO_PKG_VERSION")));
+    }
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .arg("-h")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        help.contains("images with") && help.contains("--make-tiny"),
+        "{help}"
+    );
+}
+
+/// `--make-tiny` makes what is missing and says so; a run whose files are missing makes
+/// nothing and fails; `--plan` writes nothing, and a full disk says what to do.
+#[cfg(feature = "cli")]
+#[test]
+fn stand_ins_only_when_asked() {
+    let d = temp("make-tiny");
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny.toml");
+    let p = d.join("train.toml");
+    std::fs::copy(&example, &p).unwrap();
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("steps = 200", "steps = 2")
+        .replace("device = \"auto\"", "device = \"cpu\"");
+    std::fs::write(&p, text).unwrap();
+    // Nothing there: the run (and its plan) fail naming a missing file, making nothing.
+    for extra in [None, Some("--plan")] {
+        let mut args = vec![p.as_os_str()];
+        args.extend(extra.map(std::ffi::OsStr::new));
+        let o = train_bin(&args, None);
+        assert_eq!(o.status.code(), Some(1), "{extra:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("tiny"), "{err}");
+        assert_eq!(
+            std::fs::read_dir(&d).unwrap().count(),
+            1,
+            "only the config: {err}"
+        );
+    }
+    let make = std::ffi::OsStr::new("--make-tiny");
+    let o = train_bin(&[make, p.as_os_str()], None);
+    assert!(o.status.success());
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(said.matches("made ").count(), 7, "{said}");
+    let o = train_bin(&[make, p.as_os_str()], None);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nothing to make"));
+    // A full disk at the first checkpoint: exit 1, and what to do next.
+    let o = train_bin(&[p.as_os_str()], Some("enospc:write:adapter.safetensors"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("free space") && err.contains("--resume"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}

@@ -9,6 +9,10 @@
 //! resized sides rounded, at least W and H), then cropped to W x H at its centre or at a
 //! seeded random offset, and optionally mirrored.
 //!
+//! Images unfit for bucketing ([`unfit`]): a shorter side under a quarter of the
+//! resolution, or an aspect ratio over 4:1 (or the buckets' cap, when larger). The scan of
+//! a dataset ([`crate::data::source::scan_for`]) reports them as bad files.
+//!
 //! SDXL conditions on (original height, original width, crop top, crop left, target height,
 //! target width) ([`Geometry::time_ids`]): the crop offset is in the resized image's pixels;
 //! for a mirrored sample the left offset is the crop's left edge in the mirrored resized
@@ -108,6 +112,57 @@ pub fn buckets(cfg: &BucketConfig) -> Result<Vec<Bucket>> {
         )));
     }
     Ok(out)
+}
+
+/// The aspect ratio beyond which an image is not bucketed, whatever the buckets' own cap
+/// (a larger [`BucketConfig::max_aspect`] raises it).
+pub const MAX_IMAGE_ASPECT: f64 = 4.0;
+
+/// `x` with at most `digits` decimals, trailing zeros dropped.
+fn short(x: f64, digits: usize) -> String {
+    let s = format!("{x:.digits$}");
+    match s.contains('.') {
+        true => s.trim_end_matches('0').trim_end_matches('.').to_string(),
+        false => s,
+    }
+}
+
+/// Why a `width` x `height` image is unfit for the buckets of `cfg`, or `None` when it is
+/// fit: its shorter side is under a quarter of `cfg.resolution` (so small that the resize
+/// would mostly invent its pixels), or its aspect ratio max(w/h, h/w) is over
+/// [`MAX_IMAGE_ASPECT`] (or `cfg.max_aspect`, when larger): such a strip loses most of its
+/// pixels to the crop. The reason starts with the size and names each limit that is passed, e.g. "8x8 pixels: the
+/// shorter side is under 16 (a quarter of data.resolution = 64)".
+pub fn unfit(width: usize, height: usize, cfg: &BucketConfig) -> Option<String> {
+    let (long, short_side) = (width.max(height), width.min(height));
+    let mut why = vec![];
+    let max_aspect = cfg.max_aspect.max(MAX_IMAGE_ASPECT);
+    let ratio = long as f64 / short_side.max(1) as f64;
+    if ratio > max_aspect {
+        let mut r = short(ratio, 2);
+        if r.parse::<f64>().is_ok_and(|x| x <= max_aspect) {
+            r = short(ratio, 6);
+        }
+        let shape = match width >= height {
+            true => format!("{r}:1"),
+            false => format!("1:{r}"),
+        };
+        why.push(format!(
+            "a {shape} strip: aspect ratios over {}:1 are not bucketed",
+            short(max_aspect, 2)
+        ));
+    }
+    if short_side.saturating_mul(4) < cfg.resolution {
+        why.push(format!(
+            "the shorter side is under {} (a quarter of data.resolution = {})",
+            cfg.resolution.div_ceil(4),
+            cfg.resolution
+        ));
+    }
+    match why.is_empty() {
+        true => None,
+        false => Some(format!("{width}x{height} pixels: {}", why.join("; "))),
+    }
 }
 
 /// The bucket of `buckets` whose aspect ratio is closest to `width / height` in log scale;

@@ -15,6 +15,10 @@
 //! [[data.dirs]]
 //! path = "images/landscapes"
 //! ```
+//!
+//! A `data.dirs` folder laid out for kohya's sd-scripts, with its images in subfolders
+//! named `<repeats>_<name>` (`images/10_mychar/`, `images/3_style/`), is read as it is:
+//! each such subfolder's images appear its number times the entry's `repeats` an epoch.
 
 use super::bucket::{BucketConfig, CropMode, Resample};
 use super::caption::CaptionOptions;
@@ -29,9 +33,13 @@ use std::path::{Path, PathBuf};
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DirEntry {
-    /// The folder: images (png, jpg, jpeg, webp) with a `.txt` caption beside each.
+    /// The folder: images (png, jpg, jpeg, webp) with a `.txt` caption beside each. Its
+    /// subfolders named `<repeats>_<name>` (kohya's convention: `10_mychar`, `3_style`) are
+    /// read too, their images appearing that number times `repeats`; other subfolders are
+    /// not searched.
     pub path: PathBuf,
-    /// Times each of its images appears in an epoch, >= 1.
+    /// Times each of its images appears in an epoch, >= 1 (multiplied by a
+    /// `<repeats>_<name>` subfolder's number for that subfolder's images).
     #[serde(default = "one")]
     pub repeats: usize,
 }

@@ -54,20 +54,26 @@ pub struct Dataset {
     pub samples: Vec<Sample>,
     /// The buckets of `options.buckets`, sorted by aspect ratio.
     pub buckets: Vec<Bucket>,
-    /// The files left out ([`OnBadFile::Skip`]): at the scan, and images that failed to
+    /// The files left out ([`OnBadFile::Skip`]): at the scan (including images too small
+    /// or too elongated for the buckets, [`bucket::unfit`]), and images that failed to
     /// decode when a cache was filled.
     pub skipped: Vec<BadFile>,
+    /// The scan's remarks on files used but not as written ([`source::Scan::notes`]: a
+    /// caption read as Windows-1252), for the user to see.
+    pub notes: Vec<String>,
 }
 
 impl Dataset {
-    /// Scans the sources, makes the buckets and places every sample (module docs of
-    /// [`source`] and [`bucket`]). An error when no usable image remains.
+    /// Scans the sources, leaving out images unfit for the buckets ([`source::scan_for`]),
+    /// makes the buckets and places every sample (module docs of [`source`] and
+    /// [`bucket`]). An error when no usable image remains.
     pub fn open(options: DatasetOptions) -> Result<Dataset> {
-        let scan = source::scan(&options.sources, options.on_bad_file)?;
+        let scan = source::scan_for(&options.sources, options.on_bad_file, &options.buckets)?;
         let buckets = bucket::buckets(&options.buckets)?;
         let mut ds = Dataset {
             items: scan.items,
             skipped: scan.skipped,
+            notes: scan.notes,
             samples: vec![],
             buckets,
             options,
@@ -187,6 +193,7 @@ impl Dataset {
         self.place()?;
         val.items = out;
         val.skipped.clear();
+        val.notes.clear();
         val.place()?;
         Ok((self, Some(val)))
     }

@@ -1,17 +1,23 @@
 //! Training images and captions, from files on disk to the tensors a training step takes.
 //!
 //! - [`source`]: folders of images (png, jpg, webp) with a `.txt` caption beside each, or a
-//!   JSONL manifest; several sources, each with a `repeats` count; bad files reported by
-//!   name and skipped or fatal ([`OnBadFile`]).
+//!   JSONL manifest; several sources, each with a `repeats` count. A folder's subfolders
+//!   named `<repeats>_<name>` (`10_mychar`, kohya's sd-scripts convention) are scanned too,
+//!   their images repeated that number times the folder's `repeats`; other subfolders are
+//!   not. Captions in UTF-8 (with or without a byte-order mark), UTF-16 with its
+//!   byte-order mark, or else Windows-1252 (noted in [`Scan::notes`]). Bad files reported
+//!   by name and skipped or fatal ([`OnBadFile`]).
 //! - [`bucket`]: aspect-ratio buckets at a target resolution, each image's resize and crop
 //!   ([`Geometry`], with SDXL's micro-conditioning numbers), image files to (3, H, W) f32
-//!   tensors in [-1, 1].
+//!   tensors in [-1, 1]. Images under a quarter of the resolution on their shorter side or
+//!   beyond 4:1 are bad files ([`bucket::unfit`]).
 //! - [`caption`]: caption dropout and tag shuffling with `keep_tokens`.
 //! - [`Dataset`] ties them together; [`BatchSampler`] draws batches from one bucket at a
 //!   time, as a function of (seed, epoch) alone, so a resumed run repeats them.
 //! - [`cache`]: latents and text embeddings on disk, keyed by content hashes, filled by a
 //!   caller's encoder and read back batch by batch.
-//! - [`png`]: images and the loss plot written as PNG files, atomically.
+//! - [`png`]: images and the loss plot (axis titles, tick labels and a legend in a built-in
+//!   5x7 pixel font) written as PNG files, atomically.
 //! - [`config`]: the `[data]` table of the train config.
 //!
 //! Every random choice (crop, flip, caption dropout, tag order, batch order) is a function
@@ -33,7 +39,7 @@ pub use caption::CaptionOptions;
 pub use config::{DataConfig, DirEntry};
 pub use dataset::{BatchSampler, Dataset, DatasetOptions, Sample};
 pub use png::{plot_loss, save_png};
-pub use source::{scan, BadFile, Item, OnBadFile, Scan, Source};
+pub use source::{scan, scan_for, BadFile, Item, OnBadFile, Scan, Source};
 
 use crate::nn::{key_hash, mix64, GOLDEN};
 use crate::Error;

@@ -3,13 +3,32 @@
 //! `{"file": "...", "caption": "..."}` object a line (`file` relative to the manifest's
 //! folder). Every source has a `repeats` count: its images appear that many times an epoch.
 //!
+//! A folder's subfolders are searched only when named `<repeats>_<name>` (a number >= 1, an
+//! underscore, any name: `10_mychar`, `3_style`), the layout kohya's sd-scripts read: each
+//! such subfolder is scanned as a folder of its own whose images appear (that number × the
+//! folder's `repeats`) times an epoch, and its images are named `<subfolder>/<file>` so that
+//! two subfolders holding the same file names stay distinct. Images directly in the folder
+//! are scanned as well, with the folder's `repeats`; other subfolders are not searched. A
+//! folder that gives no usable image while holding subfolders that do not follow the
+//! convention is an error that names some of them.
+//!
+//! Captions are UTF-8 (a leading byte-order mark is dropped), or UTF-16 when they start
+//! with its byte-order mark (`FF FE` little-endian, `FE FF` big-endian). A caption that is
+//! neither is read as Windows-1252 (every byte is a character; the five bytes that table
+//! leaves undefined stand for the Latin-1 control characters of the same value), and the
+//! scan says so in [`Scan::notes`]. A manifest is JSON and must be UTF-8; a leading
+//! byte-order mark is dropped.
+//!
 //! A scan reads each image's header (format and size, not the pixels) and its caption. An
-//! image that cannot be opened or recognised, or whose caption is missing or not UTF-8, is a
-//! [`BadFile`] named by its path: collected into [`Scan::skipped`] with
-//! [`OnBadFile::Skip`], or the scan's error with [`OnBadFile::Stop`]. Pixels that fail to
-//! decode later (a truncated file) follow the same option where the images are decoded
+//! image that cannot be opened or recognised, or whose caption is missing or cannot be
+//! decoded, is a [`BadFile`] named by its path: collected into [`Scan::skipped`] with
+//! [`OnBadFile::Skip`], or the scan's error with [`OnBadFile::Stop`]. [`scan_for`] also
+//! leaves out images too small or too elongated for a [`BucketConfig`]
+//! ([`crate::data::bucket::unfit`]) the same way. Pixels that fail to decode later (a
+//! truncated file) follow the same option where the images are decoded
 //! ([`crate::data::LatentCache::fill`]).
 
+use super::bucket::{unfit, BucketConfig};
 use super::{data_err, io_err};
 use crate::{Error, Result};
 use std::path::{Path, PathBuf};
@@ -17,15 +36,20 @@ use std::path::{Path, PathBuf};
 /// The image file extensions a folder source picks up (case-insensitive).
 pub const IMAGE_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "webp"];
 
+/// How many subfolder names an error about a folder's subfolders lists.
+const LISTED_SUBFOLDERS: usize = 5;
+
 /// One source of images.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Source {
-    /// The images of a folder (not its subfolders), each with a `.txt` caption of the same
-    /// stem beside it; in path order.
+    /// The images of a folder, each with a `.txt` caption of the same stem beside it, in
+    /// path order; then the images of its `<repeats>_<name>` subfolders (module docs),
+    /// subfolders in name order. Other subfolders are not searched.
     Folder {
         /// The folder.
         dir: PathBuf,
-        /// Times each image appears in an epoch (at least 1).
+        /// Times each image appears in an epoch (at least 1); a `<repeats>_<name>`
+        /// subfolder's images appear this times its number.
         repeats: usize,
     },
     /// A JSONL file of `{"file": ..., "caption": ...}` lines (blank lines ignored); `file`
@@ -53,8 +77,9 @@ pub enum OnBadFile {
 pub struct Item {
     /// The image file.
     pub path: PathBuf,
-    /// The image's name within its source (the file name in a folder, `file` in a
-    /// manifest): the stable part of its random draws, so moving a dataset keeps its crops.
+    /// The image's name within its source (the file name in a folder, `<subfolder>/<file>`
+    /// in a `<repeats>_<name>` subfolder, `file` in a manifest): the stable part of its
+    /// random draws, so moving a dataset keeps its crops.
     pub name: String,
     /// The caption, trimmed of surrounding whitespace.
     pub caption: String,
@@ -88,13 +113,17 @@ impl BadFile {
     }
 }
 
-/// The result of a scan: the usable images in order, and the ones left out.
+/// The result of a scan: the usable images in order, the ones left out, and what the user
+/// should be told about the ones used.
 #[derive(Clone, Debug, Default)]
 pub struct Scan {
     /// Usable images: sources in the order given, each in its own order.
     pub items: Vec<Item>,
     /// Files left out with [`OnBadFile::Skip`], in the order met.
     pub skipped: Vec<BadFile>,
+    /// Remarks on the images used whose files were read other than as written, one line
+    /// each in the order met: a caption that is not UTF-8 and was read as Windows-1252.
+    pub notes: Vec<String>,
 }
 
 impl Scan {
@@ -112,10 +141,12 @@ impl Scan {
         }
     }
 
-    /// Adds the image at `path` with its caption (or why it has none), or reports it.
+    /// Adds the image at `path` with its caption (or why it has none), or reports it; with
+    /// `limits`, an image [`unfit`] for them is reported too.
     fn add(
         &mut self,
         on_bad: OnBadFile,
+        limits: Option<&BucketConfig>,
         path: &Path,
         name: String,
         caption: std::result::Result<String, String>,
@@ -125,20 +156,22 @@ impl Scan {
             Ok(c) => c,
             Err(why) => return self.bad(on_bad, path, why),
         };
-        match image_size(path) {
-            Ok((width, height)) => {
-                self.items.push(Item {
-                    path: path.to_path_buf(),
-                    name,
-                    caption: caption.trim().to_string(),
-                    width,
-                    height,
-                    repeats,
-                });
-                Ok(())
-            }
-            Err(why) => self.bad(on_bad, path, why),
+        let (width, height) = match image_size(path) {
+            Ok(size) => size,
+            Err(why) => return self.bad(on_bad, path, why),
+        };
+        if let Some(why) = limits.and_then(|cfg| unfit(width, height, cfg)) {
+            return self.bad(on_bad, path, why);
         }
+        self.items.push(Item {
+            path: path.to_path_buf(),
+            name,
+            caption: caption.trim().to_string(),
+            width,
+            height,
+            repeats,
+        });
+        Ok(())
     }
 }
 
@@ -160,10 +193,117 @@ pub fn image_size(path: &Path) -> std::result::Result<(usize, usize), String> {
     Ok((w as usize, h as usize))
 }
 
-fn read_caption(path: &Path) -> std::result::Result<String, String> {
+/// The text encoding a caption file was read in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TextEncoding {
+    /// UTF-8, with or without a byte-order mark.
+    Utf8,
+    /// UTF-16 little-endian, from its byte-order mark `FF FE`.
+    Utf16Le,
+    /// UTF-16 big-endian, from its byte-order mark `FE FF`.
+    Utf16Be,
+    /// Windows-1252: bytes that are not UTF-8 and start with no byte-order mark.
+    Windows1252,
+}
+
+/// The characters of Windows-1252's bytes 0x80 to 0x9F; the five bytes the table leaves
+/// undefined (0x81, 0x8D, 0x8F, 0x90, 0x9D) stand for the Latin-1 control characters of the
+/// same value. Every other byte is the Unicode code point of its value.
+const WINDOWS_1252_80: [char; 32] = [
+    '\u{20AC}', '\u{0081}', '\u{201A}', '\u{0192}', '\u{201E}', '\u{2026}', '\u{2020}', '\u{2021}',
+    '\u{02C6}', '\u{2030}', '\u{0160}', '\u{2039}', '\u{0152}', '\u{008D}', '\u{017D}', '\u{008F}',
+    '\u{0090}', '\u{2018}', '\u{2019}', '\u{201C}', '\u{201D}', '\u{2022}', '\u{2013}', '\u{2014}',
+    '\u{02DC}', '\u{2122}', '\u{0161}', '\u{203A}', '\u{0153}', '\u{009D}', '\u{017E}', '\u{0178}',
+];
+
+/// The text of a caption file's `bytes` and the encoding it was read in (module docs): a
+/// leading UTF-8 byte-order mark is dropped; `FF FE` and `FE FF` start UTF-16 (LE, BE);
+/// other bytes are UTF-8 when valid, else Windows-1252. `Err` says why the bytes cannot be
+/// text: a UTF-8 byte-order mark before bytes that are not UTF-8, or UTF-16 that is not
+/// valid (an odd length, an unpaired surrogate).
+pub fn decode_text(bytes: &[u8]) -> std::result::Result<(String, TextEncoding), String> {
+    if let Some(rest) = bytes.strip_prefix(&[0xEF, 0xBB, 0xBF]) {
+        return String::from_utf8(rest.to_vec())
+            .map(|s| (s, TextEncoding::Utf8))
+            .map_err(|e| {
+                format!(
+                    "starts with a UTF-8 byte-order mark but is not UTF-8 (byte {} of the \
+                     text after it)",
+                    e.utf8_error().valid_up_to()
+                )
+            });
+    }
+    let utf16 = match bytes {
+        [0xFF, 0xFE, rest @ ..] => Some((rest, TextEncoding::Utf16Le)),
+        [0xFE, 0xFF, rest @ ..] => Some((rest, TextEncoding::Utf16Be)),
+        _ => None,
+    };
+    if let Some((rest, enc)) = utf16 {
+        let (name, mark) = match enc {
+            TextEncoding::Utf16Le => ("UTF-16 LE", "FF FE"),
+            _ => ("UTF-16 BE", "FE FF"),
+        };
+        let bad = |why: String| {
+            format!("is not UTF-8, and not valid {name} despite its byte-order mark {mark}: {why}")
+        };
+        if rest.len() % 2 != 0 {
+            return Err(bad(format!(
+                "an odd number of bytes ({}) after the mark",
+                rest.len()
+            )));
+        }
+        let units = rest.chunks_exact(2).map(|p| match enc {
+            TextEncoding::Utf16Le => u16::from_le_bytes([p[0], p[1]]),
+            _ => u16::from_be_bytes([p[0], p[1]]),
+        });
+        let mut text = String::with_capacity(rest.len() / 2);
+        let mut at = 2;
+        for c in char::decode_utf16(units) {
+            match c {
+                Ok(c) => {
+                    at += 2 * c.len_utf16();
+                    text.push(c);
+                }
+                Err(e) => {
+                    return Err(bad(format!(
+                        "an unpaired surrogate {:04X} at byte {at}",
+                        e.unpaired_surrogate()
+                    )))
+                }
+            }
+        }
+        return Ok((text, enc));
+    }
+    match std::str::from_utf8(bytes) {
+        Ok(s) => Ok((s.to_string(), TextEncoding::Utf8)),
+        Err(_) => Ok((
+            bytes
+                .iter()
+                .map(|&b| match b {
+                    0x80..=0x9F => WINDOWS_1252_80[(b - 0x80) as usize],
+                    _ => char::from(b),
+                })
+                .collect(),
+            TextEncoding::Windows1252,
+        )),
+    }
+}
+
+/// The caption at `path` (or why it cannot be had), with a note for the user when it was
+/// read as Windows-1252.
+fn read_caption(path: &Path) -> std::result::Result<(String, Option<String>), String> {
     match std::fs::read(path) {
         Ok(bytes) => {
-            String::from_utf8(bytes).map_err(|_| format!("caption {} is not UTF-8", path.display()))
+            let (text, enc) =
+                decode_text(&bytes).map_err(|why| format!("caption {} {why}", path.display()))?;
+            let note = (enc == TextEncoding::Windows1252).then(|| {
+                format!(
+                    "caption {} is not UTF-8: read as Windows-1252 (save it as UTF-8 to \
+                     silence this)",
+                    path.display()
+                )
+            });
+            Ok((text, note))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             Err(format!("no caption file {}", path.display()))
@@ -178,36 +318,156 @@ fn is_image(path: &Path) -> bool {
         .is_some_and(|e| IMAGE_EXTENSIONS.contains(&e.to_ascii_lowercase().as_str()))
 }
 
+/// The repeats a subfolder named `<repeats>_<name>` (kohya's convention) gives its images:
+/// `Some(repeats)` for a number >= 1 (ASCII digits), an underscore and a non-empty name;
+/// `None` for any other name. A number too large for `usize` reads as `usize::MAX`, which
+/// the caller's multiplication then reports.
+pub fn kohya_repeats(name: &str) -> Option<usize> {
+    let (number, rest) = name.split_once('_')?;
+    if number.is_empty() || rest.is_empty() || !number.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n = number.parse::<usize>().unwrap_or(usize::MAX);
+    (n >= 1).then_some(n)
+}
+
+/// The entries of `dir`, sorted by path.
+fn entries(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = std::fs::read_dir(dir)
+        .map_err(io_err(dir))?
+        .map(|e| e.map(|e| e.path()).map_err(io_err(dir)))
+        .collect::<Result<Vec<_>>>()?;
+    out.sort();
+    Ok(out)
+}
+
+/// The last component of `path` as text.
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Scans the folder source `dir` with `repeats` into `scan` (module docs).
+fn scan_folder(
+    scan: &mut Scan,
+    dir: &Path,
+    repeats: usize,
+    on_bad: OnBadFile,
+    limits: Option<&BucketConfig>,
+) -> Result<()> {
+    let before = scan.items.len();
+    let all = entries(dir)?;
+    let mut images: Vec<(PathBuf, String, usize)> = all
+        .iter()
+        .filter(|p| is_image(p) && p.is_file())
+        .map(|p| (p.clone(), file_name(p), repeats))
+        .collect();
+    let mut others = vec![];
+    for sub in all.iter().filter(|p| p.is_dir()) {
+        let sub_name = file_name(sub);
+        let Some(n) = kohya_repeats(&sub_name) else {
+            others.push(sub_name);
+            continue;
+        };
+        let times = n.checked_mul(repeats).ok_or_else(|| {
+            data_err(
+                sub,
+                format!("repeats {n} × {repeats} is too large for this machine"),
+            )
+        })?;
+        images.extend(
+            entries(sub)?
+                .into_iter()
+                .filter(|p| is_image(p) && p.is_file())
+                .map(|p| {
+                    let name = format!("{sub_name}/{}", file_name(&p));
+                    (p, name, times)
+                }),
+        );
+    }
+    for (image, name, times) in images {
+        let (caption, note) = match read_caption(&image.with_extension("txt")) {
+            Ok((text, note)) => (Ok(text), note),
+            Err(why) => (Err(why), None),
+        };
+        let used = scan.items.len();
+        scan.add(on_bad, limits, &image, name, caption, times)?;
+        // Only images that are used: a skipped one is reported as such.
+        if scan.items.len() > used {
+            scan.notes.extend(note);
+        }
+    }
+    if scan.items.len() == before && !others.is_empty() {
+        others.retain(|n| !n.starts_with('.'));
+        let mut listed: Vec<String> = others
+            .iter()
+            .take(LISTED_SUBFOLDERS)
+            .map(|n| format!("{n}/"))
+            .collect();
+        if others.len() > LISTED_SUBFOLDERS {
+            listed.push(format!("and {} more", others.len() - LISTED_SUBFOLDERS));
+        }
+        if !listed.is_empty() {
+            return Err(data_err(
+                dir,
+                format!(
+                    "no usable image in this folder; its subfolders are only searched when \
+                     named <repeats>_<name> (kohya's convention, e.g. 10_mychar), and these \
+                     are not: {}",
+                    listed.join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Every image of `sources` with its caption, in a fixed order (each folder's images sorted
-/// by path, a manifest's in line order, sources in the order given). A missing folder or
-/// manifest, or a manifest line that is not such an object, is an error naming it and its
-/// line, whatever `on_bad`; bad images and captions follow `on_bad`.
+/// by path, then its `<repeats>_<name>` subfolders' in name order, a manifest's in line
+/// order, sources in the order given). A missing folder or manifest, a manifest line that
+/// is not such an object, or a folder with no usable image but with subfolders outside the
+/// `<repeats>_<name>` convention is an error naming it (and the line), whatever `on_bad`;
+/// bad images and captions follow `on_bad`.
 pub fn scan(sources: &[Source], on_bad: OnBadFile) -> Result<Scan> {
+    scan_sources(sources, on_bad, None)
+}
+
+/// As [`scan`], and images unfit for the buckets of `limits` (a shorter side under a
+/// quarter of the resolution, or an aspect ratio beyond 4:1 or the buckets' own cap,
+/// [`unfit`]) are bad files too, following `on_bad` like the others.
+pub fn scan_for(sources: &[Source], on_bad: OnBadFile, limits: &BucketConfig) -> Result<Scan> {
+    scan_sources(sources, on_bad, Some(limits))
+}
+
+fn scan_sources(
+    sources: &[Source],
+    on_bad: OnBadFile,
+    limits: Option<&BucketConfig>,
+) -> Result<Scan> {
     let mut scan = Scan::default();
     for source in sources {
         match source {
             Source::Folder { dir, repeats } => {
                 check_repeats(dir, *repeats)?;
-                let mut images: Vec<PathBuf> = std::fs::read_dir(dir)
-                    .map_err(io_err(dir))?
-                    .map(|e| e.map(|e| e.path()).map_err(io_err(dir)))
-                    .collect::<Result<Vec<_>>>()?
-                    .into_iter()
-                    .filter(|p| is_image(p) && p.is_file())
-                    .collect();
-                images.sort();
-                for image in images {
-                    let caption = read_caption(&image.with_extension("txt"));
-                    let name = image
-                        .file_name()
-                        .map(|n| n.to_string_lossy().into_owned())
-                        .unwrap_or_default();
-                    scan.add(on_bad, &image, name, caption, *repeats)?;
-                }
+                scan_folder(&mut scan, dir, *repeats, on_bad, limits)?;
             }
             Source::Manifest { path, repeats } => {
                 check_repeats(path, *repeats)?;
-                let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+                let bytes = std::fs::read(path).map_err(io_err(path))?;
+                let (bom, bytes) = match bytes.strip_prefix(&[0xEF, 0xBB, 0xBF]) {
+                    Some(rest) => (3, rest),
+                    None => (0, &bytes[..]),
+                };
+                let text = std::str::from_utf8(bytes).map_err(|e| {
+                    data_err(
+                        path,
+                        format!(
+                            "not UTF-8 (at byte {}): a JSONL manifest must be saved as UTF-8",
+                            bom + e.valid_up_to()
+                        ),
+                    )
+                })?;
                 let base = path.parent().unwrap_or(Path::new("."));
                 for (i, line) in text.lines().enumerate() {
                     if line.trim().is_empty() {
@@ -219,7 +479,7 @@ pub fn scan(sources: &[Source], on_bad: OnBadFile) -> Result<Scan> {
                     let caption = caption.ok_or_else(|| {
                         format!("no caption (manifest {} line {})", path.display(), i + 1)
                     });
-                    scan.add(on_bad, &image, file, caption, *repeats)?;
+                    scan.add(on_bad, limits, &image, file, caption, *repeats)?;
                 }
             }
         }

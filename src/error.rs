@@ -214,9 +214,9 @@ pub enum Error {
         /// What is wrong.
         msg: String,
     },
-    #[error("out of GPU memory on {device}: requested {requested} bytes with {in_use} in use, limit {limit}")]
-    /// A GPU allocation would pass the memory limit (`FLAME_GPU_MEMORY_LIMIT`), or the
-    /// driver has no memory left.
+    #[error("out of GPU memory on {device}: requested {requested} bytes with {in_use} in use, {}", oom_where(*limit, *device_full))]
+    /// A GPU allocation would pass the memory limit (the budget's cap,
+    /// `FLAME_GPU_MEMORY_LIMIT`), or the device itself has no memory left.
     OutOfMemory {
         /// The GPU (e.g. `cuda:0`).
         device: String,
@@ -224,8 +224,11 @@ pub enum Error {
         requested: u64,
         /// Bytes held by live buffers when the request was made.
         in_use: u64,
-        /// The cap in bytes, or the GPU's total memory when the driver ran out.
+        /// The allocator's cap in bytes, or the GPU's total memory when the device ran out.
         limit: u64,
+        /// The device itself had no memory left (other processes, or memory outside
+        /// FLAME's count, hold the rest), rather than the cap refusing.
+        device_full: bool,
     },
     /// A training step ran out of GPU memory under a memory plan: the allocator's error and
     /// what to change (the planner's next plan, or the knob that would fit).
@@ -272,6 +275,22 @@ pub enum Error {
         /// Why this stops the run.
         why: String,
     },
+}
+
+fn oom_where(limit: u64, device_full: bool) -> String {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    match device_full {
+        true => format!(
+            "and the device itself has no more ({:.2} GiB in all: other processes and memory \
+             outside FLAME's allocator hold the rest)",
+            gib(limit)
+        ),
+        false => format!(
+            "over the allocator's cap of {limit} bytes ({:.2} GiB: the budget less the CUDA \
+             context, kernels and workspaces)",
+            gib(limit)
+        ),
+    }
 }
 
 fn fmt_files(files: &[String]) -> String {

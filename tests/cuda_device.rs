@@ -131,7 +131,7 @@ fn memory_accounting_and_hard_limit() {
     }
     let msg = err.to_string();
     assert!(
-        msg.contains("requested 134217728 bytes") && msg.contains("limit"),
+        msg.contains("requested 134217728 bytes") && msg.contains("cap"),
         "{msg}"
     );
     // After the refusal the device still works.

@@ -100,15 +100,24 @@ fn overwrite_deletes_only_what_the_run_recorded() {
     run(&cfg, opts(false, false)).unwrap();
     assert!(out.join("samples/step-0000008-0.png").is_file());
     assert!(out.join("loss.png").is_file());
-    // A file dropped into a checkpoint of the run stays too.
+    // A file dropped into a checkpoint of the run: --overwrite refuses, naming it, and
+    // deletes nothing.
     std::fs::write(out.join("checkpoint-0000008/why.txt"), b"mine").unwrap();
+    let e = run(&cfg, opts(false, true)).unwrap_err().to_string();
+    assert!(e.contains("why.txt"), "{e}");
+    assert!(out.join("checkpoint-0000008/adapter.safetensors").is_file());
+    std::fs::rename(
+        out.join("checkpoint-0000008/why.txt"),
+        out.join("checkpoint-best-by-hand/why.txt"),
+    )
+    .unwrap();
     let (_, notes) = run(&cfg, opts(false, true)).unwrap();
     assert!(notes.iter().any(|n| n.contains("--overwrite")), "{notes:?}");
     for f in [
         "checkpoint-best-by-hand/keep.txt",
         "checkpoint-notes.md",
         "samples/my-picture.png",
-        "checkpoint-0000008/why.txt",
+        "checkpoint-best-by-hand/why.txt",
     ] {
         assert!(out.join(f).is_file(), "{f} was deleted");
     }
@@ -118,12 +127,13 @@ fn overwrite_deletes_only_what_the_run_recorded() {
     );
     // A file at a run's name that no run recorded: refused, naming it, nothing deleted.
     std::fs::write(out.join("loss.png"), b"my own plot").unwrap();
-    for o in [opts(false, true), opts(false, false)] {
+    for o in [opts(false, true), opts(false, false), opts(true, false)] {
         let e = run(&cfg, o).unwrap_err();
         assert!(matches!(e, flame::Error::RunFolder { .. }), "{e}");
         let e = e.to_string();
         assert!(
-            e.contains("loss.png") && e.contains("no run recorded"),
+            e.contains("loss.png")
+                && (e.contains("no run recorded") || e.contains("did not record")),
             "{e}"
         );
     }
@@ -391,6 +401,17 @@ fn both_binaries_speak_one_convention() {
             assert!(o.status.success(), "{exe} {h}");
             assert!(!o.stdout.is_empty());
         }
+        // A flag with a value no run can take is a usage error too.
+        if exe.ends_with("sample") {
+            let o = cmd()
+                .args([
+                    "--arch", "flux", "--model", "m", "--prompt", "a", "--steps", "0",
+                ])
+                .output()
+                .unwrap();
+            assert_eq!(o.status.code(), Some(2));
+            assert!(String::from_utf8_lossy(&o.stderr).contains("--steps 0"));
+        }
         let o = cmd().arg("--version").output().unwrap();
         assert!(o.status.success(), "{exe} --version");
         assert!(String::from_utf8_lossy(&o.stdout).contains(env!("CARGO_PKG_VERSION")));
@@ -418,6 +439,7 @@ fn stand_ins_only_when_asked() {
     let text = std::fs::read_to_string(&p)
         .unwrap()
         .replace("steps = 200", "steps = 2")
+        .replace("warmup_steps = 10", "warmup_steps = 0")
         .replace("device = \"auto\"", "device = \"cpu\"");
     std::fs::write(&p, text).unwrap();
     // Nothing there: the run (and its plan) fail naming a missing file, making nothing.
@@ -435,6 +457,20 @@ fn stand_ins_only_when_asked() {
         );
     }
     let make = std::ffi::OsStr::new("--make-tiny");
+    // A config naming a path outside its own folder: refused, nothing made anywhere.
+    let elsewhere = temp("make-tiny-elsewhere").join("flux1-dev.safetensors");
+    let other = d.join("other.toml");
+    let text = std::fs::read_to_string(&p).unwrap().replace(
+        "path = \"tiny/flux-tiny.safetensors\"",
+        &format!("path = \"{}\"", elsewhere.display()),
+    );
+    std::fs::write(&other, text).unwrap();
+    let o = train_bin(&[make, other.as_os_str()], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("model.path"));
+    assert!(!elsewhere.exists());
+    assert!(!d.join("tiny").exists());
+    std::fs::remove_file(&other).unwrap();
     let o = train_bin(&[make, p.as_os_str()], None);
     assert!(o.status.success());
     let said = String::from_utf8_lossy(&o.stderr);

@@ -103,6 +103,11 @@ struct Args {
     /// (N, tokens, 4C))
     #[argh(option)]
     latents: Option<PathBuf>,
+    /// hold the process to this many GiB of the GPU as the driver counts them: the
+    /// training planner's plan (blocks streamed from host memory as needed), T5 streamed,
+    /// the decode tiled (0, the default: no budget)
+    #[argh(option, default = "0.0")]
+    budget: f64,
     /// print the version
     #[argh(switch)]
     version: bool,
@@ -124,8 +129,8 @@ fn main() -> ExitCode {
     let (Some(arch), Some(model)) = (&args.arch, &args.model) else {
         return usage("sample", "--arch and --model are required");
     };
-    if args.prompt.is_empty() {
-        return usage("sample", "no --prompt given");
+    if let Err(msg) = check_flags(&args) {
+        return usage("sample", &msg);
     }
     match run(&args, arch, model) {
         Ok(paths) => {
@@ -140,6 +145,94 @@ fn main() -> ExitCode {
             code
         }
     }
+}
+
+/// The flags' values that are wrong whatever the files say (a usage error).
+fn check_flags(a: &Args) -> Result<(), String> {
+    let max_t5 = flame::models::pipeline::T5_MAX_TOKENS;
+    let problems = [
+        (a.prompt.is_empty(), "no --prompt given".to_string()),
+        (a.steps == 0, "--steps 0: at least 1".into()),
+        (
+            !(a.guidance.is_finite() && a.guidance >= 0.0),
+            format!("--guidance {}: finite and >= 0", a.guidance),
+        ),
+        (
+            a.width == 0 || a.height == 0 || a.width % 16 != 0 || a.height % 16 != 0,
+            format!(
+                "--width {} --height {}: positive multiples of 16",
+                a.width, a.height
+            ),
+        ),
+        (
+            !matches!(a.prediction.as_str(), "epsilon" | "v"),
+            format!("--prediction {}: epsilon or v", a.prediction),
+        ),
+        (
+            !matches!(a.dtype.as_str(), "bf16" | "f16" | "f32" | "fp8"),
+            format!("--dtype {}: bf16, f16, f32 or fp8", a.dtype),
+        ),
+        (
+            !matches!(a.device.as_str(), "auto" | "cuda" | "cpu"),
+            format!("--device {}: auto, cuda or cpu", a.device),
+        ),
+        (
+            a.t5_tokens > max_t5,
+            format!(
+                "--t5-tokens {}: T5 takes at most {max_t5} a prompt",
+                a.t5_tokens
+            ),
+        ),
+        (
+            !(a.budget.is_finite() && a.budget >= 0.0),
+            format!("--budget {}: a number of GiB >= 0", a.budget),
+        ),
+        (
+            !(a.lora_strength.is_finite()),
+            format!("--lora-strength {}: a finite number", a.lora_strength),
+        ),
+        (
+            a.vae_tile != 0 && a.vae_tile < 64,
+            format!(
+                "--vae-tile {}: 0 (whole images) or at least 64 pixels",
+                a.vae_tile
+            ),
+        ),
+        (
+            a.seed.checked_add(a.prompt.len() as u64).is_none(),
+            format!(
+                "--seed {}: image i takes seed + i, which passes the largest seed",
+                a.seed
+            ),
+        ),
+    ];
+    let bad: Vec<String> = problems
+        .into_iter()
+        .filter(|(b, _)| *b)
+        .map(|(_, m)| m)
+        .collect();
+    match bad.is_empty() {
+        true => Ok(()),
+        false => Err(bad.join("; ")),
+    }
+}
+
+/// The image files this run writes, refused where one exists (the user's, or an earlier
+/// run's: a run replaces nothing).
+fn outputs(a: &Args) -> flame::Result<Vec<PathBuf>> {
+    let paths: Vec<PathBuf> = (0..a.prompt.len())
+        .map(|i| a.out.join(format!("{i}-{}.png", a.seed + i as u64)))
+        .collect();
+    if let Some(p) = paths.iter().find(|p| p.exists()) {
+        return Err(Error::Io {
+            path: p.clone(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "exists: sample writes new files only; choose another --out or --seed",
+            ),
+        });
+    }
+    Ok(paths)
 }
 
 /// The starting latents of `--latents` for `n` prompts at `hw` latent pixels, each
@@ -245,12 +338,16 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
     } else {
         DType::BF16
     };
+    if !(a.budget.is_finite() && a.budget >= 0.0) {
+        return Err(bad(format!("--budget {}: a number of GiB >= 0", a.budget)));
+    }
     let size = (a.height, a.width);
     let (conds, uncond) = {
         let opts = TextOptions {
             guided,
             t5_tokens: a.t5_tokens,
-            stream_t5: a.stream_t5,
+            // Under a budget T5 streams its blocks (the same embeddings in less memory).
+            stream_t5: a.stream_t5 || a.budget > 0.0,
         };
         let cond = TextConditioner::load(
             family,
@@ -284,11 +381,14 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         }
         opts.merge = Some(Arc::new(m));
     }
-    let model = family.load(model_path, &opts)?.model;
     let vae = {
         let mut v = load_vae(family, &vae_at, dtype, &device, "--vae")?;
-        if a.vae_tile > 0 {
-            v.tiling = Some(flame::encoders::VaeTiling::new(a.vae_tile));
+        match (a.vae_tile, a.budget > 0.0) {
+            (0, false) => {}
+            // Under a budget the decode goes in tiles (Flux's VAE at 1024²: 1.8 GiB against
+            // 6.7 whole).
+            (0, true) => v.tiling = Some(flame::encoders::VaeTiling::new(512)),
+            (t, _) => v.tiling = Some(flame::encoders::VaeTiling::new(t)),
         }
         v
     };
@@ -299,6 +399,25 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
             a.width, a.height
         )));
     }
+    if a.budget > 0.0 {
+        // One sample's inputs: the latents, then the conditioning as encoded.
+        let channels = match inputs.first().and_then(|i| i.dims.first()) {
+            Some(models::Size::Exactly(c)) => *c,
+            _ => {
+                return Err(bad(format!(
+                    "{arch}: the latents' channel count is not fixed"
+                )))
+            }
+        };
+        let mut shapes = vec![vec![channels, a.height / f, a.width / f]];
+        shapes.extend(conds[0].iter().map(|t| t.dims()[1..].to_vec()));
+        let choice = flame::train::memory::plan_denoising(
+            family, model_path, &opts, &device, a.budget, &shapes, "--budget",
+        )?;
+        eprintln!("{}", choice.describe());
+        opts.memory = choice.plan;
+    }
+    let model = family.load(model_path, &opts)?.model;
     let req = Request {
         steps: a.steps,
         guidance: a.guidance,
@@ -306,6 +425,7 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         seed: a.seed,
         prediction,
     };
+    let paths = outputs(a)?;
     let latents = match &a.latents {
         Some(p) => {
             let noise = read_latents(p, arch, conds.len(), req.latent_hw)?
@@ -317,6 +437,26 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         None => generate(model.as_ref(), &conds, Some(uncond), &req, &device)?,
     };
     drop(model);
+    for (i, z) in latents.iter().enumerate() {
+        if z.to_dtype(DType::F32)?
+            .to_vec_f64()?
+            .iter()
+            .any(|v| !v.is_finite())
+        {
+            return Err(Error::NonFinite {
+                step: a.steps,
+                what: format!("the denoised latents of prompt {i} hold a NaN or an infinity"),
+                files: [a.lora.as_ref(), a.latents.as_ref()]
+                    .into_iter()
+                    .flatten()
+                    .map(|p| p.display().to_string())
+                    .collect(),
+                why: "no image written: check the LoRA (and --lora-strength) or the starting \
+                      latents"
+                    .into(),
+            });
+        }
+    }
 
     std::fs::create_dir_all(&a.out).map_err(|source| Error::Io {
         path: a.out.clone(),
@@ -324,11 +464,8 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
     })?;
     let _g = flame::no_grad();
     let mut written = vec![];
-    for (i, z) in latents.iter().enumerate() {
+    for (z, path) in latents.iter().zip(paths) {
         let img = vae.decode_latents(&z.to_dtype(dtype)?)?;
-        let path = a
-            .out
-            .join(format!("{i}-{}.png", a.seed.wrapping_add(i as u64)));
         flame::data::save_png(&img.squeeze(0)?, &path)?;
         written.push(path);
     }

@@ -177,7 +177,9 @@ fn main() -> ExitCode {
 
 /// `--make-tiny`: the tiny demo's stand-ins at the paths the config names and lacks.
 fn make_tiny(path: &std::path::Path) -> ExitCode {
-    let made = TrainConfig::from_file(path).and_then(|c| flame::train::demo::make_tiny(&c));
+    let home = path.parent().unwrap_or(std::path::Path::new("."));
+    let made =
+        TrainConfig::from_file(path).and_then(|c| flame::train::demo::make_tiny_in(&c, Some(home)));
     match made {
         Ok(made) if made.is_empty() => {
             eprintln!("nothing to make: every path the config names exists");

@@ -375,15 +375,20 @@ section! {
         /// pooled; SDXL adds time_ids).
         dir: Option<PathBuf> = None,
         /// Image folders, each a `[[data.dirs]]` table with `path` (images: png, jpg, jpeg,
-        /// webp, with a .txt caption beside each) and `repeats` (times each image appears in
-        /// an epoch, default 1).
+        /// webp, with a .txt caption beside each; subfolders named `<repeats>_<name>`,
+        /// kohya's layout, are read too, their images repeated that number times `repeats`;
+        /// other subfolders are not searched) and `repeats` (times each image appears in an
+        /// epoch, default 1). Captions in UTF-8 (a byte-order mark is dropped) or UTF-16
+        /// with its mark; other bytes are read as Windows-1252, with a note.
         dirs: Vec<DirEntry> = Vec::<DirEntry>::new(),
         /// A JSONL manifest of `{"file": ..., "caption": ...}` lines instead of `dirs`
         /// (`file` relative to the manifest).
         manifest: Option<PathBuf> = None,
         /// Repeats of every manifest image, >= 1.
         manifest_repeats: usize = 1_usize,
-        /// The target resolution R: aspect-ratio buckets hold at most R² pixels.
+        /// The target resolution R: aspect-ratio buckets hold at most R² pixels. Images whose
+        /// shorter side is under R/4, or with an aspect ratio over 4:1, are bad files
+        /// (`data.on_bad_file`).
         resolution: usize = 1024_usize,
         /// Bucket sides are multiples of this, > 0 and at most `resolution`.
         bucket_step: usize = 64_usize,

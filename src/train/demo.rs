@@ -170,6 +170,13 @@ fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
 /// is left as it is. Each piece is made under a temporary name and renamed into place, so it
 /// appears whole or not at all. Returns the paths made.
 pub fn make_tiny(config: &TrainConfig) -> Result<Vec<std::path::PathBuf>> {
+    make_tiny_in(config, None)
+}
+
+/// [`make_tiny`], refusing (before making anything) a config that names any of those paths
+/// outside `home` (the config file's folder, for `train --make-tiny`): stand-ins belong to
+/// the demo's own folder, never in place of a user's files elsewhere.
+pub fn make_tiny_in(config: &TrainConfig, home: Option<&Path>) -> Result<Vec<std::path::PathBuf>> {
     let m = &config.model;
     if m.arch != "flux" {
         return Err(Error::Config {
@@ -179,6 +186,39 @@ pub fn make_tiny(config: &TrainConfig) -> Result<Vec<std::path::PathBuf>> {
                 m.arch
             ),
         });
+    }
+    if let Some(home) = home {
+        let e = &config.encoders;
+        let mut named: Vec<(&str, &Path)> = vec![("model.path", m.path.as_path())];
+        named.extend(config.data.dir.iter().map(|d| ("data.dir", d.as_path())));
+        named.extend(e.text.iter().map(|p| ("encoders.text", p.as_path())));
+        named.extend(
+            e.tokenizers
+                .iter()
+                .map(|p| ("encoders.tokenizers", p.as_path())),
+        );
+        named.extend(e.vae.iter().map(|p| ("encoders.vae", p.as_path())));
+        named.extend(
+            config
+                .data
+                .dirs
+                .iter()
+                .map(|d| ("data.dirs", d.path.as_path())),
+        );
+        for (key, p) in named {
+            let inside = p.components().all(|c| c != std::path::Component::ParentDir);
+            if !p.starts_with(home) || !inside {
+                return Err(Error::Config {
+                    path: None,
+                    msg: format!(
+                        "{key} = {}: the tiny demo's stand-ins are made only under the \
+                         config's own folder ({}); this config names real files",
+                        p.display(),
+                        home.display()
+                    ),
+                });
+            }
+        }
     }
     let mut made = vec![];
     if !m.path.exists() {

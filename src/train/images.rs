@@ -261,6 +261,9 @@ pub fn prepare(
     for bad in ds.skipped.iter().chain(val.iter().flat_map(|v| &v.skipped)) {
         on(format!("skipped {bad}"));
     }
+    for note in ds.notes.iter().chain(val.iter().flat_map(|v| &v.notes)) {
+        on(note.clone());
+    }
     super::data::check_batch_size(
         config,
         world,

@@ -20,8 +20,12 @@ pub struct MemoryChoice {
     pub plan: MemoryPlan,
     /// The plan in words.
     pub summary: String,
-    /// The budget in bytes (the allocator's cap on a GPU), if any.
+    /// The budget in bytes for FLAME's allocator (its cap on a GPU), if any.
     pub budget: Option<u64>,
+    /// On a GPU: the bytes of the budget held outside the allocator (the CUDA context,
+    /// kernels, library workspaces, measured at start, and [`LATE_HEADROOM`]); the budget
+    /// as the driver counts it is `budget` plus this.
+    pub outside: Option<u64>,
     /// The predicted peak of a step, when the model's profile was worked out.
     pub predicted_peak: Option<u64>,
     /// What to change if a step runs out of memory anyway.
@@ -35,9 +39,18 @@ impl MemoryChoice {
         if let Some(p) = self.predicted_peak {
             s += &format!(", predicted peak {:.2} GiB", gib(p));
         }
-        match self.budget {
-            Some(b) => s += &format!(" (budget {:.2} GiB)", gib(b)),
-            None => s += " (no budget)",
+        match (self.budget, self.outside) {
+            (Some(b), Some(o)) => {
+                s += &format!(
+                    " (budget {:.2} GiB on the device as the driver counts it: {:.2} for \
+                     FLAME's allocator, {:.2} for the CUDA context, kernels and workspaces)",
+                    gib(b + o),
+                    gib(b),
+                    gib(o)
+                )
+            }
+            (Some(b), None) => s += &format!(" (budget {:.2} GiB)", gib(b)),
+            (None, _) => s += " (no budget)",
         }
         s
     }
@@ -83,18 +96,114 @@ fn profile(
     )
 }
 
-/// The budget: `memory.budget_gb`, else on a GPU the memory free now; none on the CPU.
-fn budget(config: &TrainConfig, device: &Device) -> Result<Option<u64>> {
-    if config.memory.budget_gb > 0.0 {
-        return Ok(Some((config.memory.budget_gb * GIB) as u64));
-    }
+/// What a budget leaves for what the process makes after the plan is chosen and outside
+/// FLAME's allocator: kernels loaded on first use, the cuBLASLt workspace (32 MiB on
+/// Hopper), the data-parallel group's buffers.
+pub const LATE_HEADROOM: u64 = 384 << 20;
+
+/// The budget: (bytes for FLAME's allocator, bytes outside it), from `memory.budget_gb`
+/// ([`split_budget`]).
+fn budget(config: &TrainConfig, device: &Device) -> Result<(Option<u64>, Option<u64>)> {
+    split_budget(device, config.memory.budget_gb)
+}
+
+/// A budget of `budget_gb` GiB (0: none given) split into (bytes for FLAME's allocator,
+/// bytes outside it). On a GPU the budget is what the process may hold as the driver counts
+/// it (`budget_gb`, else the memory free now): the context, kernels and workspaces measured
+/// now plus [`LATE_HEADROOM`] come off it. On the CPU, `budget_gb` as it is (none when 0).
+pub fn split_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Option<u64>)> {
+    let asked = (budget_gb > 0.0).then_some((budget_gb * GIB) as u64);
     #[cfg(feature = "cuda")]
     #[allow(irrefutable_let_patterns)] // the only variant in builds without cpu-ref
     if let Device::Cuda(c) = device {
-        return Ok(Some(c.total_memory()? - c.device_memory_used()?));
+        let held = c.memory_outside_allocator()?;
+        let (total, outside) = match asked {
+            Some(b) => (b, held + LATE_HEADROOM),
+            // The free memory is what the process has not taken yet: only the headroom
+            // comes off it.
+            None => (c.total_memory()? - c.device_memory_used()?, LATE_HEADROOM),
+        };
+        if total <= outside {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "a budget of {:.2} GiB: the CUDA context, kernels and workspaces take \
+                     {:.2} GiB of it (measured), leaving nothing for the work",
+                    gib(total),
+                    gib(outside)
+                ),
+            });
+        }
+        return Ok((Some(total - outside), Some(outside)));
     }
     let _ = device;
-    Ok(None)
+    Ok((asked, None))
+}
+
+/// The plan for denoising with `family`'s model at `path` (`opts`: dtype, FP8, no adapters)
+/// within a budget of `budget_gb` GiB on `device`, for inputs of `sample` shapes (one
+/// sample, `DiffusionModel::inputs` order): the training step's plan for a batch of one,
+/// which holds more than a forward without gradients needs. The allocator is capped at the
+/// budget's share (see [`split_budget`]) when a GPU has a budget. Errors name `key`.
+pub fn plan_denoising(
+    family: &Family,
+    path: &std::path::Path,
+    opts: &LoadOptions,
+    device: &Device,
+    budget_gb: f64,
+    sample: &[Vec<usize>],
+    key: &str,
+) -> Result<MemoryChoice> {
+    let (cap, outside) = split_budget(device, budget_gb)?;
+    let resident = MemoryChoice {
+        plan: MemoryPlan::default(),
+        summary: "every block resident (no budget)".into(),
+        budget: None,
+        outside: None,
+        predicted_peak: None,
+        hint: format!("set {key}"),
+    };
+    let (Some(cap), true) = (cap, budget_gb > 0.0) else {
+        return Ok(resident);
+    };
+    let prof = family.profile(
+        path,
+        opts,
+        &RunShape {
+            sample: sample.to_vec(),
+            batch: 1,
+            optimizer_bytes_per_value: 0.0,
+        },
+    )?;
+    let p =
+        prof.plan_among(cap, prof.candidates())
+            .map_err(|no| Error::Config {
+                path: None,
+                msg: format!(
+            "{key} {:.2}: no plan fits; the smallest (every block streamed from host memory) \
+             needs {:.2} GiB with the CUDA context, kernels and workspaces{}",
+            budget_gb,
+            gib(no.minimum + outside.unwrap_or(0)),
+            if opts.fp8 { "" } else { "; FP8 weights (--dtype fp8) need less" }
+        ),
+            })?;
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let Device::Cuda(c) = device {
+        c.set_memory_limit(Some(cap));
+    }
+    Ok(MemoryChoice {
+        plan: MemoryPlan::from_plan(&prof, &p.plan),
+        summary: format!(
+            "{} ({:.1} GiB streamed a pass)",
+            p.plan,
+            gib(p.streamed_bytes) / 2.0
+        ),
+        budget: Some(cap),
+        outside,
+        predicted_peak: Some(p.peak),
+        hint: format!("lower the image size or raise {key}"),
+    })
 }
 
 /// Picks (or takes from the config) the memory plan, caps the allocator at the budget, and
@@ -111,7 +220,7 @@ pub(crate) fn plan_memory(
         path: None,
         msg: format!("memory.checkpointing = {msg}"),
     })?;
-    let budget = budget(config, device)?;
+    let (budget, outside) = budget(config, device)?;
     #[cfg(feature = "cuda")]
     #[allow(irrefutable_let_patterns)]
     if let (Device::Cuda(c), Some(b)) = (device, budget) {
@@ -153,6 +262,7 @@ pub(crate) fn plan_memory(
                     .into(),
                 plan,
                 budget,
+                outside,
             }
         }
         (None, None) => MemoryChoice {
@@ -162,6 +272,7 @@ pub(crate) fn plan_memory(
             },
             summary: "every block resident (no budget on this device)".into(),
             budget,
+            outside,
             predicted_peak: None,
             hint: "set memory.budget_gb".into(),
         },
@@ -205,7 +316,7 @@ pub(crate) fn plan_memory(
                             "the next plan ({c}) predicts {:.2} GiB: lower memory.budget_gb to \
                              {:.1} to choose it",
                             gib(peak),
-                            (gib(with_margin(peak)) * 10.0).ceil() / 10.0
+                            (gib(with_margin(peak) + outside.unwrap_or(0)) * 10.0).ceil() / 10.0
                         ),
                         None => fp8_hint(config, family, opts, sample, p.peak)?,
                     };
@@ -227,6 +338,7 @@ pub(crate) fn plan_memory(
                             }
                         ),
                         budget,
+                        outside,
                         predicted_peak: Some(p.peak),
                         hint,
                     }
@@ -237,9 +349,11 @@ pub(crate) fn plan_memory(
                         msg: format!(
                             "memory.budget_gb = {:.2}: no plan fits; the smallest (every block \
                              checkpointed and streamed from host memory, prefetch 1) needs \
-                             {:.2} GiB. {}",
-                            gib(no.budget),
-                            gib(no.minimum),
+                             {:.2} GiB with the {:.2} GiB the process holds outside FLAME's \
+                             allocator (CUDA context, kernels, workspaces, headroom). {}",
+                            gib(no.budget + outside.unwrap_or(0)),
+                            gib(no.minimum + outside.unwrap_or(0)),
+                            gib(outside.unwrap_or(0)),
                             fp8_hint(config, family, opts, sample, no.minimum)?
                         ),
                     })

@@ -468,6 +468,10 @@ impl RunDir {
                 let mine = run.is_some() && run == manifest.as_ref().map(|m| m.run_id.clone());
                 if mine {
                     sv.owned.push(n.clone());
+                    // Files someone added to the run's checkpoint stay, and so would the folder.
+                    for extra in checkpoint_extras(&self.path.join(&n)) {
+                        sv.foreign.push(format!("{n}/{extra}"));
+                    }
                 }
                 sv.checkpoints.push((step, self.path.join(&n), run));
             } else if is_temp_name(&n, is_dir) {
@@ -630,7 +634,8 @@ pub struct Survey {
     /// Names (relative to the folder) the manifest's run provably wrote: deletable.
     pub owned: Vec<String>,
     /// Names at which a run writes files (`loss.jsonl`, `lora.safetensors`, `loss.png`,
-    /// `samples/step-*.png`) that no record proves the recorded run wrote.
+    /// `samples/step-*.png`) that no record proves the recorded run wrote, and files
+    /// someone added to the run's checkpoint folders.
     pub foreign: Vec<String>,
     /// Every checkpoint folder: step, path and the run its `state.json` names (`None`:
     /// unreadable).
@@ -715,6 +720,27 @@ fn remove_known(dir: &Path, names: &[&str]) -> Result<()> {
     // Something not ours left in it keeps the folder.
     let _ = std::fs::remove_dir(dir);
     Ok(())
+}
+
+/// The names in a run's checkpoint folder that are neither a checkpoint's files nor listed
+/// by its `state.json`.
+fn checkpoint_extras(dir: &Path) -> Vec<String> {
+    let listed: Vec<String> = std::fs::read_to_string(dir.join("state.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v["files"].as_object().map(|f| f.keys().cloned().collect()))
+        .unwrap_or_default();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return vec![];
+    };
+    let mut v: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !CHECKPOINT_FILES.contains(&n.as_str()) && !listed.contains(n))
+        .filter(|n| !n.starts_with('.') || !n.contains(".tmp-"))
+        .collect();
+    v.sort();
+    v
 }
 
 /// Deletes a checkpoint folder of a run: the files its `state.json` lists, `state.json`,

@@ -1541,7 +1541,7 @@ fn decide(config: &TrainConfig, world: usize, opts: &RunOptions) -> Result<Decis
         blocked.extend(strangers);
         if !blocked.is_empty() {
             return Err(folder(format!(
-                "{} {} at names a run writes, and no run recorded in this folder wrote {}; \
+                "{} {} where a run writes, and no run recorded in this folder wrote {}; \
                  runs delete or replace only files they recorded as their own: move {} away \
                  or set train.output_dir to another folder",
                 blocked.join(", "),
@@ -1587,6 +1587,19 @@ fn decide(config: &TrainConfig, world: usize, opts: &RunOptions) -> Result<Decis
              without --resume"
         )));
     };
+    if !survey.foreign.is_empty() {
+        let n = survey.foreign.len();
+        return Err(folder(format!(
+            "--resume: {} {} where the run writes, and the run did not record {} (or {} \
+             changed since); runs replace only files they recorded as their own: move {} \
+             away, then resume",
+            survey.foreign.join(", "),
+            if n == 1 { "is" } else { "are" },
+            if n == 1 { "it" } else { "them" },
+            if n == 1 { "it" } else { "they" },
+            if n == 1 { "it" } else { "them" },
+        )));
+    }
     let diff = m.differences(&resume_keys_of(config, world));
     if !diff.is_empty() {
         let lines: Vec<String> = diff
@@ -1628,6 +1641,20 @@ fn decide(config: &TrainConfig, world: usize, opts: &RunOptions) -> Result<Decis
                     path.display()
                 ),
             });
+        }
+        // Folders the resumed steps would save over that no run here can be shown to own.
+        let in_the_way: Vec<String> = survey
+            .checkpoints
+            .iter()
+            .filter(|(s, _, r)| s > step && *s <= n && (r.is_none() || *r != run_id))
+            .map(|(_, p, _)| p.display().to_string())
+            .collect();
+        if !in_the_way.is_empty() {
+            return Err(folder(format!(
+                "--resume from step {step}: {} would be replaced by the run's own \
+                 checkpoints, and no run here recorded them: move them away, then resume",
+                in_the_way.join(", ")
+            )));
         }
         let action = if *step == n {
             FolderAction::AlreadyFinished(*step)

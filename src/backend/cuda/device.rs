@@ -18,6 +18,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 struct Inner {
     ordinal: usize,
     ctx: Arc<CudaContext>,
+    /// The driver's free bytes once the context was made: what this process took since is
+    /// `start_free` less the free bytes now.
+    start_free: u64,
+    /// The bytes a context of this device takes (measured on a second context made and
+    /// destroyed at start), which `start_free` already lacks.
+    context_bytes: u64,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     /// cuBLASLt, for GEMMs with a bias epilogue; made on first use (its 32 MiB workspace on
@@ -111,6 +117,12 @@ impl CudaDevice {
         let limit = limit_from_env()?;
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| Error::CudaUnavailable(format!("opening GPU {ordinal}: {e:?}")))?;
+        ctx.bind_to_thread()
+            .map_err(cuda_err("binding the context"))?;
+        let start_free = driver_free()?;
+        let context_bytes = context_cost(ordinal, start_free);
+        ctx.bind_to_thread()
+            .map_err(cuda_err("binding the context"))?;
         // One stream orders all of FLAME's work: cudarc's per-buffer events are not needed.
         // SAFETY: every buffer of this context is used on `stream` only.
         unsafe { ctx.disable_event_tracking() };
@@ -136,6 +148,8 @@ impl CudaDevice {
         Ok(CudaDevice(Arc::new(Inner {
             ordinal,
             ctx,
+            start_free,
+            context_bytes,
             stream,
             blas,
             blas_lt: OnceLock::new(),
@@ -375,6 +389,28 @@ impl CudaDevice {
         pool_reserved(self.0.ordinal)
     }
 
+    /// Bytes this process holds on the GPU as the driver counts them (what `nvidia-smi`
+    /// shows for it): its context, measured at start, plus everything it took since (the
+    /// free memory at start less the free memory now; another process that allocates or
+    /// frees meanwhile moves this figure too).
+    pub fn process_memory(&self) -> Result<u64> {
+        let (free, _) = self.mem_info()?;
+        Ok(self.0.context_bytes + self.0.start_free.saturating_sub(free))
+    }
+
+    /// The bytes this process holds on the GPU outside the buffers FLAME's allocator counts:
+    /// the context, loaded kernels, library handles and workspaces. Freed buffers kept for
+    /// reuse go back to the driver first, so they do not count.
+    pub fn memory_outside_allocator(&self) -> Result<u64> {
+        // The cached buffers go back to the driver's pool (stream-ordered frees), the
+        // stream drains them, and the pool hands its unused memory to the driver.
+        self.0.mem.empty();
+        self.synchronize()?;
+        trim_pool(self.0.ordinal);
+        let process = self.process_memory()?;
+        Ok(process.saturating_sub(self.0.mem.report().in_use))
+    }
+
     // ----- kernels ------------------------------------------------------------------------
 
     /// How many clusters of `name` (its cluster size compiled in) with `cfg`'s block and shared
@@ -470,6 +506,50 @@ fn default_pool(ordinal: usize) -> Result<sys::CUmemoryPool> {
 
 /// Returns the driver pool's unused memory to the device (memory whose stream-ordered free
 /// has not completed yet stays).
+/// The driver's free bytes of the device whose context is current.
+fn driver_free() -> Result<u64> {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: plain out-parameters; a context is current.
+    let r = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+    if r != sys::cudaError_enum::CUDA_SUCCESS {
+        return Err(Error::Cuda(format!("cuMemGetInfo: {r:?}")));
+    }
+    Ok(free as u64)
+}
+
+/// What a context of GPU `ordinal` takes, as the driver counts it: a second context is
+/// made, the free memory read, and the context destroyed; `before` is the free memory with
+/// the first one alone. When that cannot be done, [`CONTEXT_BYTES_UNMEASURED`]. The caller
+/// makes its own context current again.
+fn context_cost(ordinal: usize, before: u64) -> u64 {
+    let measured = std::panic::catch_unwind(|| {
+        let mut dev: sys::CUdevice = 0;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: out-parameters; a context made here is destroyed before returning and
+        // holds no allocation of FLAME's.
+        unsafe {
+            if sys::cuDeviceGet(&mut dev, ordinal as i32) != sys::cudaError_enum::CUDA_SUCCESS {
+                return None;
+            }
+            if sys::cuCtxCreate_v4(&mut ctx, std::ptr::null_mut(), 0, dev)
+                != sys::cudaError_enum::CUDA_SUCCESS
+            {
+                return None;
+            }
+            let after = driver_free().ok();
+            sys::cuCtxDestroy_v2(ctx);
+            after
+        }
+    });
+    match measured {
+        Ok(Some(after)) if after < before => before - after,
+        _ => CONTEXT_BYTES_UNMEASURED,
+    }
+}
+
+/// A context's bytes where they cannot be measured: about what CUDA 13 takes on an H100.
+const CONTEXT_BYTES_UNMEASURED: u64 = 512 << 20;
+
 pub(super) fn trim_pool(ordinal: usize) {
     if let Ok(pool) = default_pool(ordinal) {
         // SAFETY: a valid pool handle; trimming only releases unused memory.

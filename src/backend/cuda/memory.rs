@@ -427,15 +427,16 @@ impl Pool {
         let bytes = want.div_ceil(ROUND) * ROUND;
         let limit = self.limit.load(Ordering::Relaxed);
         let in_use = self.in_use.fetch_add(bytes, Ordering::Relaxed);
-        let oom = |in_use: u64, limit: u64| Error::OutOfMemory {
+        let oom = |in_use: u64, limit: u64, device_full: bool| Error::OutOfMemory {
             device: self.device.clone(),
             requested: bytes,
             in_use,
             limit,
+            device_full,
         };
         if in_use.saturating_add(bytes) > limit {
             self.in_use.fetch_sub(bytes, Ordering::Relaxed);
-            return Err(oom(in_use, limit));
+            return Err(oom(in_use, limit, false));
         }
         // Under a cap, buffers come from the cap's arena.
         if limit != u64::MAX {
@@ -494,7 +495,7 @@ impl Pool {
                 Err(e) => {
                     self.in_use.fetch_sub(bytes, Ordering::Relaxed);
                     return Err(if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
-                        oom(in_use, total())
+                        oom(in_use, total(), true)
                     } else {
                         Error::Cuda(format!("allocating {bytes} bytes: {e:?}"))
                     });

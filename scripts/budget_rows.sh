@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# The whole-run memory proof on the GPU machine: a second process holds all but BUDGET GiB of
+# the card, so the card itself enforces the budget, not FLAME's own count. A random full-size
+# pipeline folder (made by `benches/torch_encoders.py --make DIR --transformer` for Flux-dev)
+# trains from 8 generated pictures through the `train` binary under memory.budget_gb =
+# BUDGET, with validation, sample images and checkpoints every 10 steps (20 steps). The
+# device's memory is sampled every 200 ms through the run: the run's driver-side peak is the
+# device's used memory less what the holder took, printed beside the budget with the exit
+# status, the files written and each phase's lines.
+# MODEL_DTYPE (default bf16) and OPTIMIZER (default adamw) set model.dtype and optimizer.kind.
+#   [SAMPLE_EXE=.../sample] bash scripts/budget_rows.sh PIPELINE_DIR WORK_DIR TRAIN_EXE BUDGET_GB [EXTRA_TOML]
+# With SAMPLE_EXE, the `sample` binary then makes a 1024² image with the trained LoRA under
+# the same budget, the holder still in place, and its peak is printed too.
+# EXTRA_TOML is appended to the config (e.g. 'model.dtype = "fp8"' lines go under [model]:
+# pass a whole section, "[optimizer]\nkind = \"adamw8bit\"").
+set -euo pipefail
+pipe=$1
+work=$2
+exe=$3
+budget=$4
+extra=${5:-}
+mkdir -p "$work"
+python3 - "$work/images" <<'PY'
+import os, sys
+from PIL import Image, ImageDraw
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+sizes = [(1024, 1024)] * 4 + [(832, 1216)] * 2 + [(1216, 832)] * 2
+colours = [("red", (220, 40, 40)), ("green", (40, 200, 60)), ("blue", (40, 70, 220)),
+           ("yellow", (230, 210, 40))]
+for i, (w, h) in enumerate(sizes):
+    name, c = colours[i % 4]
+    im = Image.new("RGB", (w, h), (240, 240, 240))
+    d = ImageDraw.Draw(im)
+    r = min(w, h) // 4
+    d.ellipse((w // 2 - r, h // 2 - r, w // 2 + r, h // 2 + r), fill=c)
+    im.save(f"{out}/img-{i}.png")
+    open(f"{out}/img-{i}.txt", "w").write(f"a {name} circle on a white background")
+PY
+cat > "$work/run.toml" <<TOML
+[model]
+arch = "flux"
+path = "$pipe"
+dtype = "${MODEL_DTYPE:-bf16}"
+guidance = 1.0
+
+[adapter]
+rank = 16
+alpha = 16.0
+targets = ["double_blocks.*_attn.qkv", "double_blocks.*_attn.proj", "double_blocks.*_mlp.*", "single_blocks.*.linear*"]
+format = "peft"
+
+[optimizer]
+lr = 1e-4
+kind = "${OPTIMIZER:-adamw}"
+
+[train]
+steps = 20
+batch_size = 1
+seed = 1
+output_dir = "$work/out"
+device = "cuda"
+save_every = 10
+validate_every = 10
+log_every = 5
+
+[memory]
+budget_gb = $budget
+
+[data]
+resolution = 1024
+validation_split = 0.2
+
+[[data.dirs]]
+path = "$work/images"
+
+[sample]
+every = 10
+prompts = ["a red circle on a white background"]
+steps = 20
+guidance = 3.5
+seed = 3
+TOML
+if [ -n "$extra" ]; then printf '%b\n' "$extra" >> "$work/run.toml"; fi
+
+# The holder: all but BUDGET GiB of the card, in 256 MiB blocks, until killed.
+python3 - "$budget" > "$work/holder.log" 2>&1 <<'PY' &
+import sys, time, torch
+keep = int(float(sys.argv[1]) * 2**30)
+free, total = torch.cuda.mem_get_info()
+blocks, hold = [], free - keep
+while hold >= 2**28:
+    blocks.append(torch.empty(2**28, dtype=torch.uint8, device="cuda"))
+    hold -= 2**28
+if hold >= 2**21:
+    blocks.append(torch.empty(hold, dtype=torch.uint8, device="cuda"))
+torch.cuda.synchronize()
+free_now, _ = torch.cuda.mem_get_info()
+print(f"holder: {(total - free_now) / 2**30:.2f} GiB of {total / 2**30:.2f} used, "
+      f"{free_now / 2**30:.2f} GiB free", flush=True)
+while True:
+    time.sleep(60)
+PY
+holder=$!
+for _ in $(seq 1 120); do
+  grep -q "GiB free" "$work/holder.log" 2>/dev/null && break
+  sleep 0.5
+done
+cat "$work/holder.log"
+base=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -n 1)
+nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$work/smi.log" &
+smi=$!
+start=$(date +%s.%N)
+set +e
+"$exe" "$work/run.toml" > "$work/train.log" 2>&1
+rc=$?
+set -e
+end=$(date +%s.%N)
+kill "$smi" 2>/dev/null || true
+wait "$smi" 2>/dev/null || true
+peak=$(sort -n "$work/smi.log" | tail -n 1)
+# With SAMPLE_EXE set: the `sample` binary on the trained LoRA under the same budget, the
+# holder still in place.
+speak=""
+if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$work/smi-sample.log" &
+  smi=$!
+  set +e
+  "$SAMPLE_EXE" --arch flux --model "$pipe" --lora "$work/out/lora.safetensors" \
+    --prompt "a red circle on a white background" --steps 20 --guidance 3.5 \
+    --width 1024 --height 1024 --budget "$budget" --out "$work/sample" > "$work/sample.log" 2>&1
+  src=$?
+  set -e
+  kill "$smi" 2>/dev/null || true
+  wait "$smi" 2>/dev/null || true
+  speak=$(sort -n "$work/smi-sample.log" | tail -n 1)
+  echo "== sample --budget ${budget}: exit ${src}; driver-side peak $(( (speak - base) )) MiB"
+  tail -n 5 "$work/sample.log"
+fi
+kill "$holder" 2>/dev/null || true
+wait "$holder" 2>/dev/null || true
+awk -v b="$budget" -v rc="$rc" -v s="$start" -v e="$end" -v base="$base" -v peak="$peak" 'BEGIN {
+  printf "== budget %s GiB: exit %d in %.1f s; device used before the run %d MiB (the holder), " \
+    "peak %d MiB: the run'"'"'s driver-side peak %.2f GiB\n", b, rc, e - s, base, peak, (peak - base) / 1024 }'
+grep -E "memory:|validation loss|samples:|done:|error|step 20/20|checkpoint|caching" "$work/train.log" | head -n 40
+ls -la "$work/out" "$work/out/samples" 2>/dev/null | grep -E "lora|step-|loss" || true
+exit "$rc"

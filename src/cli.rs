@@ -57,6 +57,10 @@ pub fn next_step(e: &crate::Error) -> Option<&'static str> {
         cur = x.source();
     }
     match e {
+        crate::Error::HostMemory { .. } => Some(
+            "the host has not that much memory: lower the image size or resolution, decode \
+             in tiles (--vae-tile, encoders.vae_tile), or run on a GPU",
+        ),
         crate::Error::OutOfMemory { .. } | crate::Error::PlanExceeded { .. } => Some(
             "after changing what the message says, run again (a training run: with --resume; \
              everything up to its last checkpoint is saved)",

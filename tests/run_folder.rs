@@ -487,3 +487,16 @@ fn stand_ins_only_when_asked() {
     );
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// A host buffer larger than the machine can give is an error naming it, not an abort: a
+/// matmul of broadcast views whose output would take 2^62 elements.
+#[test]
+fn a_host_buffer_too_large_is_an_error() {
+    let dev = flame::Device::Cpu;
+    let one = flame::Tensor::zeros((1, 1), flame::DType::F32, &dev).unwrap();
+    let a = one.broadcast_as((1usize << 31, 1)).unwrap();
+    let b = one.broadcast_as((1, 1usize << 31)).unwrap();
+    let e = a.matmul(&b).unwrap_err();
+    assert!(matches!(e, flame::Error::HostMemory { .. }), "{e}");
+    assert!(e.to_string().contains("matmul output"), "{e}");
+}

@@ -29,7 +29,7 @@ pub(super) fn unfold<T: Elem>(v: &[T], l: &Layout, win: Window2d) -> Result<Vec<
     let x = strided::contiguous(v, l);
     let (kh, kw) = win.kernel;
     let plane = kh * kw * ho * wo;
-    let mut out = vec![T::default(); x.len() / (h * w).max(1) * plane];
+    let mut out = super::zeroed_vec::<T>(x.len() / (h * w).max(1) * plane, "im2col columns")?;
     if plane == 0 {
         return Ok(out);
     }
@@ -82,7 +82,7 @@ pub(super) fn fold<T: Elem>(
     }
     let cols = strided::contiguous(v, l);
     let plane = kh * kw * ho * wo;
-    let mut out = vec![T::default(); cols.len() / plane.max(1) * h * w];
+    let mut out = super::zeroed_vec::<T>(cols.len() / plane.max(1) * h * w, "col2im output")?;
     if h * w == 0 {
         return Ok(out);
     }

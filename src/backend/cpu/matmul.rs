@@ -35,7 +35,7 @@ fn gemm_batched<T: WithDType + Default>(
     let MatmulDims { b: batch, m, n, k } = d;
     check("lhs", al, a.len(), [batch, m, k])?;
     check("rhs", bl, b.len(), [batch, k, n])?;
-    let mut out = vec![T::default(); batch * m * n];
+    let mut out = super::zeroed_vec::<T>(batch * m * n, "matmul output")?;
     if m * n == 0 {
         return Ok(out);
     }

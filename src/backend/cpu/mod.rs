@@ -41,6 +41,18 @@ macro_rules! float_dispatch {
     };
 }
 
+/// `n` default values (zeros) in a vector whose allocation may fail: a buffer too large
+/// for the host is [`Error::HostMemory`] naming `what`, not an abort.
+pub(crate) fn zeroed_vec<T: Default + Clone>(n: usize, what: &str) -> Result<Vec<T>> {
+    let mut v: Vec<T> = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::HostMemory {
+        what: format!("{what} of {n} elements"),
+        bytes: (n as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
 fn unary_map<T: Elem>(v: &[T], l: &Layout, op: UnaryOp) -> Vec<T> {
     let m = |f: fn(T::Acc) -> T::Acc| strided::map1(v, l, move |x: T| T::from_acc(f(x.to_acc())));
     match op {

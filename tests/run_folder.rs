@@ -416,6 +416,17 @@ fn both_binaries_speak_one_convention() {
         assert!(o.status.success(), "{exe} --version");
         assert!(String::from_utf8_lossy(&o.stdout).contains(env!("CARGO_PKG_VERSION")));
     }
+    for args in [
+        &["c.toml", "--gpus", "abc"][..],
+        &["c.toml", "--gpus", "0", "--workers", "2"][..],
+        &["c.toml", "--resume", "--overwrite"][..],
+    ] {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+    }
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
         .arg("-h")
         .output()
@@ -499,4 +510,30 @@ fn a_host_buffer_too_large_is_an_error() {
     let e = a.matmul(&b).unwrap_err();
     assert!(matches!(e, flame::Error::HostMemory { .. }), "{e}");
     assert!(e.to_string().contains("matmul output"), "{e}");
+}
+
+/// A signal in a long gradient accumulation stops between micro-batches: the step in flight
+/// is dropped and a checkpoint of the steps done is saved.
+#[test]
+fn a_signal_stops_a_long_accumulation_between_micro_batches() {
+    let d = temp("accum-signal");
+    let mut cfg = TrainConfig::from_file(tiny(&d, 8)).unwrap();
+    cfg.train.grad_accum = 3;
+    let stop = RunOptions {
+        stop_at: Some(5),
+        ..Default::default()
+    };
+    run(&cfg, stop).unwrap();
+    let mut t = Trainer::new(cfg.clone()).unwrap();
+    t.interrupt_flag()
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let end = t.run(&opts(true, false), &mut |_| {}).unwrap();
+    let out = &cfg.train.output_dir;
+    assert_eq!(end, RunEnd::Interrupted(4, out.join("checkpoint-0000004")));
+    assert_eq!(log(out).len(), 4);
+    // The run goes on from there.
+    let (end, _) = run(&cfg, opts(true, false)).unwrap();
+    assert!(matches!(end, RunEnd::Finished(_)), "{end:?}");
+    assert_eq!(log(out).len(), 8);
+    std::fs::remove_dir_all(&d).ok();
 }

@@ -137,6 +137,12 @@ fn main() -> ExitCode {
         eprintln!("error: no config file given (see train --help)");
         return ExitCode::from(USAGE);
     };
+    if let Some(Err(msg)) = args.gpus.as_deref().map(Gpus::parse) {
+        return flame::cli::usage("train", &format!("--gpus: {msg}"));
+    }
+    if args.workers.is_some() && args.gpus.is_some() {
+        return flame::cli::usage("train", "--workers and --gpus exclude each other");
+    }
     if args.resume && args.overwrite {
         eprintln!("error: --resume and --overwrite exclude each other (see train --help)");
         return ExitCode::from(USAGE);

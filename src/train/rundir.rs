@@ -190,7 +190,11 @@ impl Manifest {
         }
         for (k, was) in &self.keys {
             if !keys.iter().any(|(n, _)| n == k) {
-                v.push((k.clone(), was.clone(), "(absent)".into()));
+                v.push((
+                    k.clone(),
+                    was.clone(),
+                    "(a key this config does not compare)".into(),
+                ));
             }
         }
         v

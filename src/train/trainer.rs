@@ -766,6 +766,15 @@ impl Trainer {
         // Host-held conditioning products are computed ahead, during the backward before.
         let announce = self.memory.plan.host_products && self.memory.plan.stream_blocks > 0;
         for micro in 0..acc {
+            // A signal in a long accumulation stops between micro-batches (one process: the
+            // ranks of a group agree on a stop at the step's end instead); the step is dropped.
+            if micro > 0 && self.dist.is_none() && self.interrupt.load(Ordering::Relaxed) {
+                return Err(Error::Interrupted(format!(
+                    "during step {} after {micro} of its {acc} micro-batches (the step is \
+                     dropped)",
+                    self.step + 1
+                )));
+            }
             let m = self.step * acc + micro;
             let batch = self.micro_batch(m, part)?;
             files.extend(batch.files.iter().cloned());
@@ -1133,7 +1142,16 @@ impl Trainer {
         let every = self.config.train.save_every;
         let end = opts.stop_at.unwrap_or(n).min(n);
         while self.step < end {
-            let r = self.train_step()?;
+            let r = match self.train_step() {
+                // Stopped inside a step: the steps done so far are saved.
+                Err(Error::Interrupted(why)) if self.step > 0 => {
+                    on(Event::Note(format!("interrupted {why}")));
+                    let p = self.save_checkpoint()?;
+                    on(Event::Saved(p.clone()));
+                    return Ok(RunEnd::Interrupted(self.step, p));
+                }
+                r => r?,
+            };
             let mut line = serde_json::json!({
                 "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm
             });

@@ -537,3 +537,29 @@ fn a_signal_stops_a_long_accumulation_between_micro_batches() {
     assert_eq!(log(out).len(), 8);
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// A cache folder holding someone else's `files.json`: refused before anything is written
+/// over it.
+#[test]
+fn a_cache_folder_of_other_files_is_refused() {
+    let d = temp("cache-other");
+    let p = images(&d);
+    let mine = d.join("mycache");
+    std::fs::create_dir_all(&mine).unwrap();
+    std::fs::write(mine.join("files.json"), br#"{"my": 1}"#).unwrap();
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("[data]\n", "[data]\ncache_dir = \"mycache\"\n");
+    std::fs::write(&p, text).unwrap();
+    let cfg = TrainConfig::from_file(&p).unwrap();
+    let e = Trainer::new(cfg).err().unwrap().to_string();
+    assert!(
+        e.contains("files.json") && e.contains("data.cache_dir"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read(mine.join("files.json")).unwrap(),
+        br#"{"my": 1}"#
+    );
+    std::fs::remove_dir_all(&d).ok();
+}

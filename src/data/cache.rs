@@ -10,7 +10,8 @@
 //! So a changed image, caption, resolution, crop or encoder misses only the entries it
 //! changes, and the rest are reused. Hashing every image each run would read the whole
 //! dataset: `<dir>/files.json` keeps each image's (size, mtime, SHA-256), and an image whose
-//! size and mtime are unchanged keeps its stored hash.
+//! size and mtime are unchanged keeps its stored hash. A `files.json` that is not such an
+//! index is someone else's file: the cache refuses the folder rather than write over it.
 //!
 //! Filling is resumable: an entry whose file opens, has a well-formed header within the
 //! file's length and names its own key in its metadata is reused; a missing entry is
@@ -180,11 +181,20 @@ impl LatentCache {
     pub fn open(dir: impl AsRef<Path>, encoder: &str) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         let index = dir.join("files.json");
-        // A missing or unreadable index only costs rehashing.
-        let files = std::fs::read(&index)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<BTreeMap<PathBuf, FileStamp>>(&b).ok())
-            .unwrap_or_default();
+        // A missing index only costs rehashing; a file of that name that is not one is
+        // someone else's, and the cache would write over it.
+        let files = match std::fs::read(&index) {
+            Err(_) => BTreeMap::new(),
+            Ok(b) => serde_json::from_slice::<BTreeMap<PathBuf, FileStamp>>(&b).map_err(|e| {
+                data_err(
+                    &index,
+                    format!(
+                        "not a latent cache's index ({e}): the cache folder (data.cache_dir) \
+                         holds other files; point it at an empty folder or a cache's own"
+                    ),
+                )
+            })?,
+        };
         Ok(LatentCache {
             dir,
             encoder: encoder.to_string(),

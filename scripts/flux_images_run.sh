@@ -8,23 +8,7 @@ set -euo pipefail
 dir=$1
 exe=$2
 budget=${3:-24}
-python3 - "$dir/images" <<'PY'
-import os, sys
-from PIL import Image, ImageDraw
-out = sys.argv[1]
-os.makedirs(out, exist_ok=True)
-sizes = [(1024, 1024)] * 4 + [(832, 1216)] * 2 + [(1216, 832)] * 2
-colours = [("red", (220, 40, 40)), ("green", (40, 200, 60)), ("blue", (40, 70, 220)),
-           ("yellow", (230, 210, 40))]
-for i, (w, h) in enumerate(sizes):
-    name, c = colours[i % 4]
-    im = Image.new("RGB", (w, h), (240, 240, 240))
-    d = ImageDraw.Draw(im)
-    r = min(w, h) // 4
-    d.ellipse((w // 2 - r, h // 2 - r, w // 2 + r, h // 2 + r), fill=c)
-    im.save(f"{out}/img-{i}.png")
-    open(f"{out}/img-{i}.txt", "w").write(f"a {name} circle on a white background")
-PY
+python3 "$(dirname "$0")/circle_images.py" "$dir/images"
 cat > "$dir/run.toml" <<TOML
 [model]
 arch = "flux"

@@ -361,18 +361,6 @@ pub fn generate(
     req: &Request,
     device: &crate::Device,
 ) -> Result<Vec<Tensor>> {
-    let guided = model.guidance_input();
-    let schedule = (model.family().pipeline.schedule)(&crate::models::SampleSetup {
-        steps: req.steps,
-        latent_hw: req.latent_hw,
-        guided,
-        prediction: req.prediction,
-    })?;
-    let guidance = match (guided, uncond) {
-        (true, _) => Guidance::distilled(req.guidance),
-        (false, Some(u)) if req.guidance > 1.0 => Guidance::cfg(u, req.guidance),
-        _ => Guidance::none(),
-    };
     let channels = match model.inputs().first().and_then(|i| i.dims.first()) {
         Some(crate::models::Size::Exactly(c)) => *c,
         _ => {
@@ -385,19 +373,17 @@ pub fn generate(
             })
         }
     };
-    conds
-        .iter()
-        .enumerate()
-        .map(|(i, cond)| {
-            let noise = Tensor::randn(
+    let noise = (0..conds.len())
+        .map(|i| {
+            Tensor::randn(
                 (1, channels, req.latent_hw.0, req.latent_hw.1),
                 DType::F32,
                 device,
                 req.seed.wrapping_add(i as u64),
-            )?;
-            denoise(model, schedule.as_ref(), &noise, cond, &guidance, None)
+            )
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    generate_from(model, conds, uncond, req, &noise)
 }
 
 /// [`generate`] from given starting noise instead of `req.seed`'s: `noise[i]` (1, C, h, w)

@@ -318,7 +318,7 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         })?);
     }
     // The model's inputs and guidance input, from a build without weights.
-    let probe = family.probe(model_path, &opts)?;
+    let probe = family.probe(model_path, &opts)?.model;
     let (inputs, guided) = (probe.inputs(), probe.guidance_input());
     drop(probe);
     let (text_at, vae_at) = Sources {

@@ -63,6 +63,19 @@ pub struct Dataset {
     pub notes: Vec<String>,
 }
 
+/// The most samples (images × repeats) an epoch may hold: each takes a few dozen bytes of
+/// host memory and a latent cache entry on disk.
+pub const MAX_SAMPLES: usize = 10_000_000;
+
+/// The first source's folder or manifest, to name in an error about the whole dataset.
+fn source_place(sources: &[Source]) -> std::path::PathBuf {
+    match sources.first() {
+        Some(Source::Folder { dir, .. }) => dir.clone(),
+        Some(Source::Manifest { path, .. }) => path.clone(),
+        None => std::path::PathBuf::from("."),
+    }
+}
+
 impl Dataset {
     /// Scans the sources, leaving out images unfit for the buckets ([`source::scan_for`]),
     /// makes the buckets and places every sample (module docs of [`source`] and
@@ -84,7 +97,23 @@ impl Dataset {
 
     fn place(&mut self) -> Result<()> {
         let o = &self.options;
-        let mut samples = vec![];
+        let views = self
+            .items
+            .iter()
+            .try_fold(0usize, |n, it| n.checked_add(it.repeats))
+            .filter(|n| *n <= MAX_SAMPLES);
+        let Some(views) = views else {
+            return Err(data_err(
+                &source_place(&o.sources),
+                format!(
+                    "{} images with their repeats make more than {MAX_SAMPLES} samples an \
+                     epoch: lower the repeats (data.dirs, data.manifest_repeats, \
+                     <repeats>_<name> folders)",
+                    self.items.len()
+                ),
+            ));
+        };
+        let mut samples = Vec::with_capacity(views);
         for (i, item) in self.items.iter().enumerate() {
             let b = bucket::closest(&self.buckets, item.width, item.height)
                 .ok_or_else(|| data_err(&item.path, "no bucket for this image"))?;
@@ -100,13 +129,8 @@ impl Dataset {
             }
         }
         if samples.is_empty() {
-            let place = match o.sources.first() {
-                Some(Source::Folder { dir, .. }) => dir.clone(),
-                Some(Source::Manifest { path, .. }) => path.clone(),
-                None => std::path::PathBuf::from("."),
-            };
             return Err(data_err(
-                &place,
+                &source_place(&o.sources),
                 format!(
                     "no usable image in the {} source(s) ({} file(s) left out)",
                     o.sources.len(),
@@ -250,6 +274,22 @@ impl Dataset {
     /// SDXL's micro-conditioning of sample `i` in `epoch` ([`Geometry::time_ids`]).
     pub fn time_ids(&self, i: usize, epoch: u64) -> Result<[usize; 6]> {
         Ok(self.sample(i)?.geometry.time_ids(self.flip(i, epoch)?))
+    }
+
+    /// Decodes every item's pixels (in parallel) and returns the ones that fail, in item
+    /// order, as [`BadFile`]s: what a cache fill would meet, found without encoding (a
+    /// truncated file passes the scan, which reads headers only).
+    pub fn check_pixels(&self) -> Vec<BadFile> {
+        use rayon::prelude::*;
+        self.items
+            .par_iter()
+            .filter_map(|it| {
+                bucket::decode(&it.path).err().map(|reason| BadFile {
+                    path: it.path.clone(),
+                    reason,
+                })
+            })
+            .collect()
     }
 
     /// Sample `i`'s image in `epoch`: decoded, resized, cropped and maybe mirrored, a

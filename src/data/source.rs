@@ -8,9 +8,14 @@
 //! such subfolder is scanned as a folder of its own whose images appear (that number × the
 //! folder's `repeats`) times an epoch, and its images are named `<subfolder>/<file>` so that
 //! two subfolders holding the same file names stay distinct. Images directly in the folder
-//! are scanned as well, with the folder's `repeats`; other subfolders are not searched. A
-//! folder that gives no usable image while holding subfolders that do not follow the
-//! convention is an error that names some of them.
+//! are scanned as well, with the folder's `repeats`; other subfolders (`0_name` included,
+//! which kohya leaves out) and the subfolders of a `<repeats>_<name>` folder are not
+//! searched, and the scan says so in [`Scan::notes`]. A folder that gives no usable image
+//! while holding subfolders that do not follow the convention is an error that names some
+//! of them. An image appears at most [`MAX_REPEATS`] times an epoch.
+//!
+//! Image paths must be valid UTF-8 (the caches key images by path): one that is not is a
+//! bad file.
 //!
 //! Captions are UTF-8 (a leading byte-order mark is dropped), or UTF-16 when they start
 //! with its byte-order mark (`FF FE` little-endian, `FE FF` big-endian). A caption that is
@@ -36,8 +41,12 @@ use std::path::{Path, PathBuf};
 /// The image file extensions a folder source picks up (case-insensitive).
 pub const IMAGE_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "webp"];
 
-/// How many subfolder names an error about a folder's subfolders lists.
+/// How many subfolder names an error or note about a folder's subfolders lists.
 const LISTED_SUBFOLDERS: usize = 5;
+
+/// The most times one image may appear in an epoch (a source's `repeats` times a
+/// `<repeats>_<name>` subfolder's number): kohya's datasets use 1 to a few hundred.
+pub const MAX_REPEATS: usize = 100_000;
 
 /// One source of images.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -121,8 +130,8 @@ pub struct Scan {
     pub items: Vec<Item>,
     /// Files left out with [`OnBadFile::Skip`], in the order met.
     pub skipped: Vec<BadFile>,
-    /// Remarks on the images used whose files were read other than as written, one line
-    /// each in the order met: a caption that is not UTF-8 and was read as Windows-1252.
+    /// Remarks for the user, one line each in the order met: a used image's caption that is
+    /// not UTF-8 and was read as Windows-1252, subfolders that were not searched.
     pub notes: Vec<String>,
 }
 
@@ -152,6 +161,15 @@ impl Scan {
         caption: std::result::Result<String, String>,
         repeats: usize,
     ) -> Result<()> {
+        if path.to_str().is_none() {
+            return self.bad(
+                on_bad,
+                path,
+                "the path is not valid UTF-8 (the caches key images by path): rename the file \
+                 or its folder"
+                    .into(),
+            );
+        }
         let caption = match caption {
             Ok(c) => c,
             Err(why) => return self.bad(on_bad, path, why),
@@ -321,7 +339,7 @@ fn is_image(path: &Path) -> bool {
 /// The repeats a subfolder named `<repeats>_<name>` (kohya's convention) gives its images:
 /// `Some(repeats)` for a number >= 1 (ASCII digits), an underscore and a non-empty name;
 /// `None` for any other name. A number too large for `usize` reads as `usize::MAX`, which
-/// the caller's multiplication then reports.
+/// the caller then refuses ([`MAX_REPEATS`]).
 pub fn kohya_repeats(name: &str) -> Option<usize> {
     let (number, rest) = name.split_once('_')?;
     if number.is_empty() || rest.is_empty() || !number.bytes().all(|b| b.is_ascii_digit()) {
@@ -370,14 +388,37 @@ fn scan_folder(
             others.push(sub_name);
             continue;
         };
-        let times = n.checked_mul(repeats).ok_or_else(|| {
-            data_err(
-                sub,
-                format!("repeats {n} × {repeats} is too large for this machine"),
-            )
-        })?;
+        let times = n
+            .checked_mul(repeats)
+            .filter(|t| *t <= MAX_REPEATS)
+            .ok_or_else(|| {
+                let digits = sub_name.split('_').next().unwrap_or_default();
+                data_err(
+                    sub,
+                    format!(
+                        "the folder name asks for {digits} repeats (× the source's {repeats}): \
+                         at most {MAX_REPEATS} times an image an epoch"
+                    ),
+                )
+            })?;
+        let inner = entries(sub)?;
+        let nested: Vec<String> = inner
+            .iter()
+            .filter(|p| p.is_dir())
+            .map(|p| file_name(p))
+            .filter(|n| !n.starts_with('.'))
+            .collect();
+        if !nested.is_empty() {
+            scan.notes.push(format!(
+                "{}: not searched: {} (the subfolders of a <repeats>_<name> folder are not \
+                 searched; move their images up or give them their own <repeats>_<name> \
+                 folder beside it)",
+                sub.display(),
+                listing(&nested)
+            ));
+        }
         images.extend(
-            entries(sub)?
+            inner
                 .into_iter()
                 .filter(|p| is_image(p) && p.is_file())
                 .map(|p| {
@@ -398,29 +439,55 @@ fn scan_folder(
             scan.notes.extend(note);
         }
     }
-    if scan.items.len() == before && !others.is_empty() {
-        others.retain(|n| !n.starts_with('.'));
-        let mut listed: Vec<String> = others
-            .iter()
-            .take(LISTED_SUBFOLDERS)
-            .map(|n| format!("{n}/"))
-            .collect();
-        if others.len() > LISTED_SUBFOLDERS {
-            listed.push(format!("and {} more", others.len() - LISTED_SUBFOLDERS));
-        }
-        if !listed.is_empty() {
-            return Err(data_err(
-                dir,
-                format!(
-                    "no usable image in this folder; its subfolders are only searched when \
-                     named <repeats>_<name> (kohya's convention, e.g. 10_mychar), and these \
-                     are not: {}",
-                    listed.join(", ")
-                ),
-            ));
-        }
+    others.retain(|n| !n.starts_with('.'));
+    if others.is_empty() {
+        return Ok(());
     }
+    let zero: Vec<String> = others.iter().filter(|n| zero_repeats(n)).cloned().collect();
+    if scan.items.len() == before {
+        let why = match zero.is_empty() {
+            true => "".to_string(),
+            false => format!(
+                " ({} named with 0 repeats, which kohya's convention leaves out)",
+                listing(&zero)
+            ),
+        };
+        return Err(data_err(
+            dir,
+            format!(
+                "no usable image in this folder; its subfolders are only searched when \
+                 named <repeats>_<name> with repeats >= 1 (kohya's convention, e.g. \
+                 10_mychar), and these are not: {}{why}",
+                listing(&others)
+            ),
+        ));
+    }
+    scan.notes.push(format!(
+        "{}: subfolders not searched: {} (only <repeats>_<name> subfolders with repeats >= 1 \
+         are, kohya's convention)",
+        dir.display(),
+        listing(&others)
+    ));
     Ok(())
+}
+
+/// Whether a subfolder's name is kohya's `<repeats>_<name>` with repeats 0 (left out).
+fn zero_repeats(name: &str) -> bool {
+    name.split_once('_')
+        .is_some_and(|(n, rest)| !n.is_empty() && !rest.is_empty() && n.bytes().all(|b| b == b'0'))
+}
+
+/// Up to [`LISTED_SUBFOLDERS`] folder names as `a/, b/ and N more`.
+fn listing(names: &[String]) -> String {
+    let mut listed: Vec<String> = names
+        .iter()
+        .take(LISTED_SUBFOLDERS)
+        .map(|n| format!("{n}/"))
+        .collect();
+    if names.len() > LISTED_SUBFOLDERS {
+        listed.push(format!("and {} more", names.len() - LISTED_SUBFOLDERS));
+    }
+    listed.join(", ")
 }
 
 /// Every image of `sources` with its caption, in a fixed order (each folder's images sorted
@@ -490,6 +557,12 @@ fn scan_sources(
 fn check_repeats(path: &Path, repeats: usize) -> Result<()> {
     if repeats == 0 {
         return Err(data_err(path, "repeats = 0: must be at least 1"));
+    }
+    if repeats > MAX_REPEATS {
+        return Err(data_err(
+            path,
+            format!("repeats = {repeats}: at most {MAX_REPEATS} times an image an epoch"),
+        ));
     }
     Ok(())
 }

@@ -579,10 +579,20 @@ fn profile_boxed<M: ModelSpec>(
     profile_as::<M>(path, opts, run)
 }
 
-fn probe_boxed<M: ModelSpec>(path: &Path, opts: &LoadOptions) -> Result<Box<dyn DiffusionModel>> {
+fn probe_boxed<M: ModelSpec>(
+    path: &Path,
+    opts: &LoadOptions,
+) -> Result<Loaded<dyn DiffusionModel>> {
     let (_, config) = resolve::<M>(path, opts, None)?;
-    let vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?;
-    Ok(Box::new(M::build(&vb, &config)?))
+    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?;
+    if let Some(a) = &opts.adapters {
+        vb = vb.with_adapters(a.clone())?;
+    }
+    Ok(Loaded {
+        model: Box::new(M::build(&vb, &config)?),
+        vb,
+        key_map: M::diffusers_map(&config),
+    })
 }
 
 fn load_boxed<M: ModelSpec>(path: &Path, opts: &LoadOptions) -> Result<Loaded<dyn DiffusionModel>> {
@@ -607,7 +617,7 @@ pub struct Family {
     pub pipeline: &'static PipelineSpec,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
     profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
-    probe: fn(&Path, &LoadOptions) -> Result<Box<dyn DiffusionModel>>,
+    probe: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
 }
 
 impl Family {
@@ -629,13 +639,15 @@ impl Family {
         }
     }
 
-    /// The model at `path` built without its weights (every parameter a zero-stride view;
-    /// adapters not attached): its inputs and shape checks before anything is loaded.
+    /// The model at `path` built without its weights (every parameter a zero-stride view),
+    /// with `opts.adapters` attached when given (made on `opts.device`: give a set of its
+    /// own, not the one the run loads with): its inputs, shape checks, adapter shapes and key
+    /// map before anything is loaded.
     pub fn probe(
         &self,
         path: impl AsRef<Path>,
         opts: &LoadOptions,
-    ) -> Result<Box<dyn DiffusionModel>> {
+    ) -> Result<Loaded<dyn DiffusionModel>> {
         (self.probe)(path.as_ref(), opts)
     }
 

@@ -64,12 +64,26 @@ fn show<T: Serialize>(v: &T) -> String {
     }
 }
 
+/// The most samples a run may draw (train.steps × grad_accum × batch_size): counts up to
+/// this stay exact in the f64 figures (epochs, schedules) a run computes from them.
+pub const MAX_SAMPLES_DRAWN: usize = 1 << 50;
+
 macro_rules! field_value {
     ($raw:expr, $key:expr) => {
         $raw.ok_or_else(|| format!("missing key `{}`", $key))?
     };
     ($raw:expr, $key:expr, $default:expr) => {
         $raw.unwrap_or_else(|| ($default).into())
+    };
+}
+
+/// Whether a field declared without a default is required (`required!()`) or not.
+macro_rules! required {
+    () => {
+        true
+    };
+    ($default:expr) => {
+        false
     };
 }
 
@@ -109,6 +123,17 @@ macro_rules! section {
         }
 
         impl $raw {
+            /// The required keys this section lacks.
+            pub(crate) fn missing(&self) -> Vec<&'static str> {
+                let mut v = vec![];
+                $(
+                    if required!($($default)?) && self.$field.is_none() {
+                        v.push(concat!($key, ".", stringify!($field)));
+                    }
+                )*
+                v
+            }
+
             pub(crate) fn finish(self) -> std::result::Result<$name, String> {
                 Ok($name {
                     $( $field: field_value!(
@@ -683,6 +708,26 @@ impl TrainConfig {
             msg,
         };
         let raw: RawConfig = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let missing = [
+            raw.model.missing(),
+            raw.adapter.missing(),
+            raw.optimizer.missing(),
+            raw.schedule.missing(),
+            raw.train.missing(),
+            raw.data.missing(),
+            raw.encoders.missing(),
+            raw.sample.missing(),
+            raw.memory.missing(),
+        ]
+        .concat();
+        if missing.len() > 1 {
+            let keys: Vec<String> = missing.iter().map(|k| format!("`{k}`")).collect();
+            return Err(bad(format!(
+                "missing keys {} (see examples/flux.toml, or train --print-config for every \
+                 key)",
+                keys.join(", ")
+            )));
+        }
         let finish = || -> std::result::Result<TrainConfig, String> {
             Ok(TrainConfig {
                 model: raw.model.finish()?,
@@ -847,6 +892,18 @@ impl TrainConfig {
         c.positive_n("train.steps", t.steps);
         c.positive_n("train.batch_size", t.batch_size);
         c.positive_n("train.grad_accum", t.grad_accum);
+        c.check(
+            t.steps
+                .checked_mul(t.grad_accum)
+                .and_then(|n| n.checked_mul(t.batch_size))
+                .is_some_and(|n| n <= MAX_SAMPLES_DRAWN),
+            "train.steps",
+            format!(
+                "{} x train.grad_accum = {} x train.batch_size = {}: more than {MAX_SAMPLES_DRAWN} \
+                 samples drawn in the run",
+                t.steps, t.grad_accum, t.batch_size
+            ),
+        );
         c.check(
             s.warmup_steps <= t.steps,
             "schedule.warmup_steps",

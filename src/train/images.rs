@@ -205,6 +205,52 @@ pub fn cache_dir(config: &TrainConfig) -> PathBuf {
         .unwrap_or_else(|| config.train.output_dir.join("cache"))
 }
 
+/// The most captions a run may encode ahead (its epochs' captions with `data.shuffle_tags`):
+/// each is a text cache entry on disk (Flux's T5 at 512 tokens: 4 MiB).
+pub const MAX_CAPTIONS: usize = 1_000_000;
+
+/// Every distinct caption the training samples `ds` are drawn with over the run's epochs
+/// (`world` ranks of `train.batch_size`), in first-drawn order; without
+/// `data.shuffle_tags` the captions as written (caption dropout draws only the empty
+/// caption besides). An error naming the keys when the run would draw more than
+/// [`MAX_CAPTIONS`].
+fn run_captions(config: &TrainConfig, ds: &data::Dataset, world: usize) -> Result<Vec<String>> {
+    let t = &config.train;
+    if !config.data.shuffle_tags {
+        let mut seen = std::collections::HashSet::new();
+        return Ok(ds
+            .items
+            .iter()
+            .filter(|it| seen.insert(it.caption.as_str()))
+            .map(|it| it.caption.clone())
+            .collect());
+    }
+    let sampler = ds.sampler(t.batch_size * world, false)?;
+    let micro_batches = t.steps.saturating_mul(t.grad_accum);
+    let epochs = micro_batches.div_ceil(sampler.batches_per_epoch().max(1));
+    if epochs.saturating_mul(ds.len()) > MAX_CAPTIONS {
+        return Err(cfg_err(format!(
+            "data.shuffle_tags: train.steps = {} x train.grad_accum = {} make {epochs} epochs \
+             of {} samples, and every epoch's shuffled captions are encoded ahead: at most \
+             {MAX_CAPTIONS} captions; train fewer epochs or turn shuffle_tags off",
+            t.steps,
+            t.grad_accum,
+            ds.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut captions = vec![];
+    for e in 0..epochs as u64 {
+        for i in 0..ds.len() {
+            let c = ds.caption(i, e)?;
+            if seen.insert(c.clone()) {
+                captions.push(c);
+            }
+        }
+    }
+    Ok(captions)
+}
+
 /// Progress of a cache fill, as a note at every tenth of the way and at the end.
 fn reporter<'a>(what: &'a str, on: &'a mut dyn FnMut(String)) -> impl FnMut(&Progress) + 'a {
     let mut last = 0;
@@ -270,6 +316,8 @@ pub fn prepare(
         ds.len(),
         "training views (images x repeats x flips)",
     )?;
+    // The run's captions are bounded before anything is encoded.
+    run_captions(config, &ds, world)?;
     let names: Vec<&'static str> = inputs.iter().map(|i| i.name).collect();
     if names.first() != Some(&LATENTS) {
         return Err(cfg_err(format!(
@@ -326,6 +374,26 @@ pub fn prepare(
             for bad in &report.skipped {
                 on(format!("skipped {bad}"));
             }
+        } else {
+            // A dry run decodes the pixels a fill would, to find the files it would fail on.
+            let bad = ds.check_pixels();
+            match (ds.options.on_bad_file, bad.first()) {
+                (_, None) => {}
+                (data::OnBadFile::Stop, Some(b)) => return Err(b.to_error()),
+                (data::OnBadFile::Skip, Some(_)) => {
+                    for b in &bad {
+                        on(format!("would skip {b}"));
+                    }
+                    let items: Vec<(usize, String)> = bad
+                        .iter()
+                        .filter_map(|b| {
+                            let i = ds.items.iter().position(|it| it.path == b.path)?;
+                            Some((i, b.reason.clone()))
+                        })
+                        .collect();
+                    ds.remove_items(items)?;
+                }
+            }
         }
         caches.push(lc);
     }
@@ -334,15 +402,8 @@ pub fn prepare(
     // Text: every caption the run's epochs will draw, the held-out captions, the empty
     // caption and the sample prompts.
     let train_ds = &sets[0].0;
-    let sampler = train_ds.sampler(t.batch_size * world, false)?;
-    let micro_batches = t.steps * t.grad_accum;
-    let epochs = micro_batches.div_ceil(sampler.batches_per_epoch().max(1));
     let mut captions: Vec<String> = vec![String::new()];
-    for e in 0..epochs as u64 {
-        for i in 0..train_ds.len() {
-            captions.push(train_ds.caption(i, e)?);
-        }
-    }
+    captions.extend(run_captions(config, train_ds, world)?);
     if let Some((v, _)) = sets.get(1) {
         captions.extend(v.items.iter().map(|it| it.caption.clone()));
     }

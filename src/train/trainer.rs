@@ -195,8 +195,6 @@ fn first_nonfinite<'a>(tensors: &[(&'a str, &'a Tensor)]) -> Result<Option<Strin
     Ok(None)
 }
 
-/// Scales every gradient of `params` by `f`.
-/// `train.device`: "cuda" (an error without a GPU), "cpu", or "auto" (the GPU if one opens).
 /// The device named by a config's `device` value: "cuda" (an error without one), "cpu", or
 /// "auto" (the GPU if one opens, else the CPU).
 pub fn pick_device(name: &str) -> Result<Device> {
@@ -215,6 +213,25 @@ pub fn pick_device(name: &str) -> Result<Device> {
         ));
     }
     cpu_device()
+}
+
+/// The adapters made on a model's layers (`map`: its key map) can train and be saved as
+/// `config` says: some layer matched, and a PEFT file can name every one.
+fn check_adapters(config: &TrainConfig, adapters: &Adapters, map: &KeyMap) -> Result<()> {
+    if adapters.layers()?.is_empty() {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "adapter.targets = {:?} match no Linear layer (nor, with adapter.conv_rank, a \
+                 convolution) of the model",
+                config.adapter.targets
+            ),
+        });
+    }
+    if config.adapter.format == AdapterFormat::Peft {
+        adapters.check_peft(map)?;
+    }
+    Ok(())
 }
 
 #[cfg(feature = "cpu-ref")]
@@ -303,8 +320,22 @@ impl Trainer {
         };
         // The model's inputs and the data's shapes first, from a build without weights, so
         // bad data and an impossible memory budget fail before any weight is read.
-        let probe = family.probe(&m.path, &opts)?;
+        let probe = family.probe(&m.path, &opts)?.model;
         let inputs = probe.inputs();
+        // The adapters on the model's layers, from a build without weights on the CPU where
+        // the build has it (a set of their own, dropped here): targets that match nothing, a
+        // rank a layer cannot take, a PEFT layout the model cannot be given, before any data
+        // is read or cached.
+        {
+            let trial = Adapters::new(config.adapter_config())?;
+            let on_cpu = LoadOptions {
+                adapters: Some(trial.clone()),
+                device: cpu_device().unwrap_or_else(|_| device.clone()),
+                ..opts.clone()
+            };
+            let built = family.probe(&m.path, &on_cpu)?;
+            check_adapters(&config, &trial, &built.key_map)?;
+        }
         let (data, validation, pipeline): (Box<dyn Samples>, _, _) = match &config.data.dir {
             Some(dir) => {
                 let data = Dataset::open(dir, &inputs, &|s| probe.check_shapes(s))?;
@@ -346,19 +377,7 @@ impl Trainer {
         opts.memory = memory.plan.clone();
         let loaded = family.load(&m.path, &opts)?;
         let model = loaded.model;
-        if adapters.layers()?.is_empty() {
-            return Err(Error::Config {
-                path: None,
-                msg: format!(
-                    "adapter.targets = {:?} match no Linear layer (nor, with adapter.conv_rank, \
-                     a convolution) of the model",
-                    config.adapter.targets
-                ),
-            });
-        }
-        if config.adapter.format == AdapterFormat::Peft {
-            adapters.check_peft(&loaded.key_map)?;
-        }
+        check_adapters(&config, &adapters, &loaded.key_map)?;
         let o = &config.optimizer;
         let adam = AdamConfig {
             lr: o.lr,

@@ -192,6 +192,12 @@ impl Adapter for Dora {
         Ok(v)
     }
 
+    /// The magnitude is split by rows as the LoRA's up matrix is: the LoRA part decides
+    /// (the magnitude is set from the weight only at the layer's first use).
+    fn check_peft(&self, parts: &[PeftPart]) -> Result<()> {
+        self.lora.write_peft(parts).map(|_| ())
+    }
+
     fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
         self.lora.read_peft(parts, file, file_scale)?;
         let dev = self.magnitude.device().clone();

@@ -397,7 +397,7 @@ impl Adapters {
                 });
             }
             if parts.len() > 1 || parts.iter().any(|p| p.swapped) {
-                l.to_peft(&parts)?;
+                l.check_peft(&parts)?;
             }
         }
         Ok(())

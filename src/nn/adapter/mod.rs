@@ -246,6 +246,12 @@ pub trait Adapter: Send + Sync + std::fmt::Debug {
     /// `<module>.<PEFT name>`), meaning the same under `peft_alpha(rank)`.
     fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>>;
 
+    /// Whether `to_peft(parts)` can be written, before training (the values may not be
+    /// set yet): by default a trial of it.
+    fn check_peft(&self, parts: &[PeftPart]) -> Result<()> {
+        self.to_peft(parts).map(|_| ())
+    }
+
     /// Reads a PEFT-layout file whose adapters PEFT scales by `file_scale` (its alpha / r).
     fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()>;
 

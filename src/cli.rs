@@ -43,6 +43,9 @@ pub fn usage(name: &str, msg: &str) -> ExitCode {
 
 /// What to do next after `e`, where something can be done.
 pub fn next_step(e: &crate::Error) -> Option<&'static str> {
+    if let crate::Error::Flag { error, .. } = e {
+        return next_step(error);
+    }
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(x) = cur {
         if let Some(io) = x.downcast_ref::<std::io::Error>() {
@@ -77,6 +80,7 @@ pub fn failure(e: &crate::Error) -> (ExitCode, String) {
     }
     let code = match e {
         crate::Error::Interrupted(_) => ExitCode::from(INTERRUPTED),
+        crate::Error::Flag { error, .. } => return (failure(error).0, msg),
         _ => ExitCode::FAILURE,
     };
     (code, msg)

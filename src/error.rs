@@ -178,6 +178,15 @@ pub enum Error {
         /// The knob that would let the phase fit, and how to finish.
         hint: String,
     },
+    /// What a command-line flag or argument names cannot be used: the flag and the error.
+    #[error("{flag}: {error}")]
+    Flag {
+        /// The flag (`--lora`), with its value where that helps.
+        flag: String,
+        /// What went wrong with it.
+        #[source]
+        error: Box<Error>,
+    },
     /// Stopped by a signal (Ctrl-C, SIGTERM) before training started: what was under way.
     #[error("interrupted {0}")]
     Interrupted(String),

@@ -214,3 +214,18 @@ fn bad_shapes_and_dtypes_are_errors_naming_attention() {
         );
     }
 }
+
+#[test]
+fn large_attention_on_the_cpu_runs_row_by_row() -> Result<()> {
+    // Scores of 1 x 1 x 8200 x 8200 f32 (269 MB) pass the composite's limit: the fused pass
+    // runs, so the result is its own, bit for bit.
+    let l = 8200;
+    assert!((l * l * 4) as u64 > flame::nn::CPU_COMPOSITE_SCORES);
+    let q = randn(&[1, 1, l, 8], DType::F32, 41);
+    let k = randn(&[1, 1, l, 8], DType::F32, 42);
+    let v = randn(&[1, 1, l, 8], DType::F32, 43);
+    let a = scaled_dot_product_attention(&q, &k, &v, None, false, None)?;
+    let f = q.attention_fused(&k, &v, None, false, 1.0 / 8f64.sqrt())?;
+    assert_eq!(a.to_vec_f64()?, f.to_vec_f64()?);
+    Ok(())
+}

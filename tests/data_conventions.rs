@@ -269,6 +269,14 @@ fn kohya_subfolders_multiply_repeats_and_keep_names_apart() {
     // Two subfolders' a.png are distinct images: every sample has its own id.
     let ids: std::collections::BTreeSet<u64> = ds.samples.iter().map(|s| s.id).collect();
     assert_eq!(ids.len(), ds.len());
+    // The folders not searched are said, 0_zero as kohya's "left out".
+    assert!(
+        ds.notes.iter().any(|n| n.contains("not searched")
+            && n.contains("0_zero/")
+            && n.contains("unsorted/")),
+        "{:?}",
+        ds.notes
+    );
 
     // The same from the [data] table.
     let cfg = DataConfig::from_toml(&format!(
@@ -562,4 +570,53 @@ fn loss_plot_has_titles_ticks_and_a_legend() {
 fn legend_only(img: &RgbImage, training: bool) {
     assert_eq!(find(img, "training loss", false).len(), training as usize);
     assert!(find(img, "validation loss", false).is_empty());
+}
+
+#[test]
+fn nested_folders_huge_repeats_and_undecodable_paths_are_said() {
+    let dir = TempDir::new("kohya-nested");
+    let root = dir.path().join("images");
+    put(&root.join("2_set"), "a.png", (32, 32), b"a");
+    put(&root.join("2_set").join("deeper"), "b.png", (32, 32), b"b");
+    let ds = Dataset::open(options(&root, 1, 64)).unwrap();
+    assert_eq!(ds.items.len(), 1);
+    assert!(
+        ds.notes
+            .iter()
+            .any(|n| n.contains("2_set") && n.contains("deeper/")),
+        "{:?}",
+        ds.notes
+    );
+
+    // A folder name asking for more repeats than a machine counts: the number as written.
+    let huge = "99999999999999999999999";
+    put(&root.join(format!("{huge}_x")), "c.png", (32, 32), b"c");
+    let e = Dataset::open(options(&root, 1, 64))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(huge) && e.contains("at most 100000"), "{e}");
+    std::fs::remove_dir_all(root.join(format!("{huge}_x"))).unwrap();
+    let e = Dataset::open(options(&root, 100_001, 64))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("repeats = 100001"), "{e}");
+
+    // A file name that is not UTF-8 is a bad file (the caches key images by path).
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let name = std::ffi::OsStr::from_bytes(b"caf\xe9.png");
+        let p = root.join("2_set").join(name);
+        std::fs::copy(root.join("2_set/a.png"), &p).unwrap();
+        std::fs::write(p.with_extension("txt"), b"cafe").unwrap();
+        let e = Dataset::open(options(&root, 1, 64))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not valid UTF-8") && e.contains("rename"), "{e}");
+        let mut o = options(&root, 1, 64);
+        o.on_bad_file = OnBadFile::Skip;
+        let ds = Dataset::open(o).unwrap();
+        assert_eq!(ds.items.len(), 1);
+        assert!(ds.skipped.iter().any(|b| b.reason.contains("UTF-8")));
+    }
 }

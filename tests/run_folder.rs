@@ -261,6 +261,47 @@ fn checks_come_before_the_first_write() {
         base.replace("t5_tokens = 32", "t5_tokens = 100000"),
         &["encoders.t5_tokens", "at most 512"],
     );
+    // An adapter rank a layer cannot take, targets that match nothing, and (on the
+    // adapters of a weightless build) both before the latents are cached.
+    check(
+        base.replace("rank = 8", "rank = 100000"),
+        &["adapter.rank = 100000", "at most the smaller width"],
+    );
+    let targets = base
+        .lines()
+        .find(|l| l.starts_with("targets = "))
+        .unwrap()
+        .to_string();
+    check(
+        base.replace(&targets, "targets = [\"no_such_layer.*\"]"),
+        &["adapter.targets", "match no Linear layer"],
+    );
+    // Paths that are missing or of the wrong kind, each named by its key, all at once.
+    check(
+        base.replace("\"tiny/images\"", "\"tiny/no-images\"")
+            .replace("vae = \"tiny/vae\"", "vae = \"tiny/no-vae\""),
+        &[
+            "data.dirs[0].path = ",
+            "no-images: no such file or folder",
+            "encoders.vae = ",
+        ],
+    );
+    std::fs::write(d.join("a-file"), b"").unwrap();
+    check(
+        base.replace("output_dir = \"tiny/out\"", "output_dir = \"a-file\""),
+        &["train.output_dir = ", "is a file, not a folder"],
+    );
+    // Every epoch's shuffled captions encoded ahead: bounded.
+    check(
+        base.replace("flip = true", "flip = true\nshuffle_tags = true")
+            .replace("[train]\nsteps = 8", "[train]\nsteps = 100000000000"),
+        &["data.shuffle_tags", "at most 1000000 captions"],
+    );
+    // Repeats past the bound, with the number as written.
+    check(
+        base.replace("repeats = 2", "repeats = 100000000000"),
+        &["repeats = 100000000000", "at most 100000"],
+    );
     // [sample] with pre-encoded data.
     let e = TrainConfig::from_toml(
         &std::fs::read_to_string(tiny(&d, 4))
@@ -561,5 +602,106 @@ fn a_cache_folder_of_other_files_is_refused() {
         std::fs::read(mine.join("files.json")).unwrap(),
         br#"{"my": 1}"#
     );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// `--plan` decodes the pixels a cache fill would (a truncated picture passes the header
+/// scan); `--workers` checks what every rank would refuse once, before any worker starts;
+/// `sample` names the flag whose file is missing before loading anything, and says how far
+/// the denoising is.
+#[cfg(feature = "cli")]
+#[test]
+fn the_binaries_check_before_they_start() {
+    let d = temp("binaries");
+    let p = images(&d);
+    let cfg = TrainConfig::from_file(&p).unwrap();
+    let pictures = d.join("tiny/images");
+    let first = std::fs::read(pictures.join("picture-00.png")).unwrap();
+    std::fs::write(pictures.join("cut.png"), &first[..first.len() / 2]).unwrap();
+    std::fs::write(pictures.join("cut.txt"), b"half a picture").unwrap();
+    let o = train_bin(&[p.as_os_str(), "--plan".as_ref()], None);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("cut.png") && err.contains("decode"), "{err}");
+    assert!(!cfg.train.output_dir.exists(), "--plan wrote");
+    std::fs::remove_file(pictures.join("cut.png")).unwrap();
+    std::fs::remove_file(pictures.join("cut.txt")).unwrap();
+
+    // 1000 CPU workers on 20 samples: one error, from the launcher, no worker started.
+    let o = train_bin(
+        &[p.as_os_str(), "--workers".as_ref(), "1000".as_ref()],
+        None,
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("error")).count(),
+        1,
+        "{err}"
+    );
+    assert!(
+        err.contains("x 1000 ranks") && !err.contains("rank 0"),
+        "{err}"
+    );
+    assert!(!cfg.train.output_dir.exists());
+
+    let tiny = d.join("tiny");
+    let sample = |extra: &[&str]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_sample"));
+        c.current_dir(&tiny).args([
+            "--arch",
+            "flux",
+            "--model",
+            "flux-tiny.safetensors",
+            "--text-encoder",
+            "text_encoder",
+            "--text-encoder",
+            "text_encoder_2",
+            "--tokenizer",
+            "tokenizer",
+            "--tokenizer",
+            "tokenizer_2",
+            "--vae",
+            "vae",
+            "--dtype",
+            "f32",
+            "--device",
+            "cpu",
+            "--t5-tokens",
+            "32",
+            "--steps",
+            "3",
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--prompt",
+            "a red circle",
+        ]);
+        c.args(extra).output().unwrap()
+    };
+    let o = sample(&[
+        "--lora",
+        "no-such.safetensors",
+        "--latents",
+        "nor-this.safetensors",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--lora no-such.safetensors") && err.contains("--latents nor-this"),
+        "{err}"
+    );
+    // A file that is not a LoRA: the error names the flag.
+    let o = sample(&["--lora", "vae/config.json", "--out", "s1"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("error: --lora vae/config.json: "), "{err}");
+    let o = sample(&["--out", "s2"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    for s in 1..=3 {
+        assert!(err.contains(&format!("image 1/1: step {s}/3")), "{err}");
+    }
     std::fs::remove_dir_all(&d).ok();
 }

@@ -1154,3 +1154,29 @@ fn a_failed_announcement_leaves_the_run_as_it_was() {
         assert!(got_lora == lora, "{point}: the LoRA differs");
     }
 }
+
+/// DoRA in PEFT's layout on layers PEFT splits (Flux's fused qkv into to_q, to_k, to_v): the
+/// layout is checked before training without the magnitudes (set at a layer's first use),
+/// and the file holds each part's magnitude.
+#[test]
+fn dora_in_the_peft_layout_splits_fused_layers() {
+    let d = temp("dora-peft");
+    let p = tiny(&d, 2, "kind = \"dora\"\n");
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("format = \"kohya\"", "format = \"peft\"");
+    assert!(text.contains("format = \"peft\"") && text.contains("_attn.qkv"));
+    std::fs::write(&p, text).unwrap();
+    let cfg = TrainConfig::from_file(&p).unwrap();
+    run_with(&cfg, fresh()).unwrap();
+    let f = flame::safetensors::load(
+        cfg.train.output_dir.join("lora.safetensors"),
+        &flame::Device::Cpu,
+    )
+    .unwrap();
+    for part in ["to_q", "to_k", "to_v"] {
+        let k = format!("transformer.transformer_blocks.0.attn.{part}.lora_magnitude_vector");
+        assert!(f.contains_key(&k), "{k} not in {:?}", f.keys());
+    }
+    std::fs::remove_dir_all(&d).ok();
+}

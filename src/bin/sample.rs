@@ -18,7 +18,7 @@ use flame::cli::{failure, parse_args, usage};
 use flame::models::pipeline::{conditioning, load_vae, Sources, TextConditioner, TextOptions};
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
-use flame::sample::{generate, generate_from, Request};
+use flame::sample::{generate_watched, seeded_noise, Request, StepInfo};
 use flame::train::trainer::pick_device;
 use flame::train::Prediction;
 use flame::{DType, Error};
@@ -235,6 +235,14 @@ fn outputs(a: &Args) -> flame::Result<Vec<PathBuf>> {
     Ok(paths)
 }
 
+/// `error` as the failure of what `name` (a flag) gives at `path`.
+fn flag(name: &str, path: &std::path::Path, error: Error) -> Error {
+    Error::Flag {
+        flag: format!("{name} {}", path.display()),
+        error: Box::new(error),
+    }
+}
+
 /// The starting latents of `--latents` for `n` prompts at `hw` latent pixels, each
 /// (1, C, h, w).
 fn read_latents(
@@ -271,7 +279,39 @@ fn read_latents(
     (0..n).map(|i| t.narrow(0, i, 1)).collect()
 }
 
+/// Every file or folder a flag names exists, and no output file does: checked before
+/// anything is loaded, one error naming every flag that is wrong.
+fn check_files(a: &Args, model: &std::path::Path) -> flame::Result<()> {
+    let mut named: Vec<(&str, &std::path::Path)> = vec![("--model", model)];
+    for (f, p) in [
+        ("--lora", &a.lora),
+        ("--latents", &a.latents),
+        ("--config", &a.config),
+        ("--vae", &a.vae),
+    ] {
+        if let Some(p) = p {
+            named.push((f, p));
+        }
+    }
+    named.extend(
+        a.text_encoder
+            .iter()
+            .map(|p| ("--text-encoder", p.as_path())),
+    );
+    named.extend(a.tokenizer.iter().map(|p| ("--tokenizer", p.as_path())));
+    let missing: Vec<String> = named
+        .iter()
+        .filter(|(_, p)| !p.exists())
+        .map(|(f, p)| format!("{f} {}: no such file or folder", p.display()))
+        .collect();
+    if !missing.is_empty() {
+        return Err(bad(missing.join("; ")));
+    }
+    outputs(a).map(|_| ())
+}
+
 fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
+    check_files(a, model_path)?;
     let max_t5 = flame::models::pipeline::T5_MAX_TOKENS;
     if a.t5_tokens > max_t5 {
         return Err(bad(format!(
@@ -370,7 +410,8 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
 
     // The model, with the LoRA merged as its weights load.
     if let Some(l) = &a.lora {
-        let m = LoraMerge::open(l, a.lora_strength, family.subfolder)?;
+        let m = LoraMerge::open(l, a.lora_strength, family.subfolder)
+            .map_err(|e| flag("--lora", l, e))?;
         if m.text_encoder_tensors() > 0 {
             eprintln!(
                 "note: {} holds {} text-encoder tensors; they are not merged (the diffusion \
@@ -426,16 +467,36 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         prediction,
     };
     let paths = outputs(a)?;
-    let latents = match &a.latents {
-        Some(p) => {
-            let noise = read_latents(p, arch, conds.len(), req.latent_hw)?
-                .into_iter()
-                .map(|z| z.to_device(&device))
-                .collect::<flame::Result<Vec<_>>>()?;
-            generate_from(model.as_ref(), &conds, Some(uncond), &req, &noise)?
-        }
-        None => generate(model.as_ref(), &conds, Some(uncond), &req, &device)?,
+    let noise = match &a.latents {
+        Some(p) => read_latents(p, arch, conds.len(), req.latent_hw)
+            .map_err(|e| flag("--latents", p, e))?
+            .into_iter()
+            .map(|z| z.to_device(&device))
+            .collect::<flame::Result<Vec<_>>>()?,
+        None => seeded_noise(model.as_ref(), conds.len(), &req, &device)?,
     };
+    // A line a step on stderr (stdout is for the written paths): denoising a large image
+    // takes minutes.
+    let count = conds.len();
+    let start = std::time::Instant::now();
+    let mut progress = |i: usize, s: &StepInfo<'_>| -> flame::Result<()> {
+        eprintln!(
+            "image {}/{count}: step {}/{} ({:.1} s)",
+            i + 1,
+            s.index + 1,
+            s.steps,
+            start.elapsed().as_secs_f64()
+        );
+        Ok(())
+    };
+    let latents = generate_watched(
+        model.as_ref(),
+        &conds,
+        Some(uncond),
+        &req,
+        &noise,
+        &mut progress,
+    )?;
     drop(model);
     for (i, z) in latents.iter().enumerate() {
         if z.to_dtype(DType::F32)?

@@ -297,6 +297,9 @@ fn signal(pid: u32, sig: &str) {
         .status();
 }
 
+/// Set in the environment of the workers `--gpus` / `--workers` start.
+const LAUNCHED: &str = "FLAME_LAUNCHED";
+
 /// The exit code of a worker stopped because another rank failed.
 const STOPPED_BY_PEER: i32 = 3;
 
@@ -304,6 +307,19 @@ const STOPPED_BY_PEER: i32 = 3;
 /// them, and waits: when one fails, the others are stopped (their watchdogs stop them; the
 /// ones still running after 30 s are killed) and the failure is reported by rank.
 fn launch(args: &Args, path: &std::path::Path, n: usize, gpus: Option<Vec<usize>>) -> ExitCode {
+    // What every rank would refuse is said once, before any worker starts.
+    let opts = RunOptions {
+        resume: args.resume,
+        overwrite: args.overwrite,
+        stop_at: None,
+    };
+    let checked =
+        TrainConfig::from_file(path).and_then(|config| flame::train::preflight(&config, n, &opts));
+    if let Err(e) = checked {
+        let (code, msg) = failure(&e);
+        eprintln!("{msg}");
+        return code;
+    }
     let started = (|| -> flame::Result<Vec<std::process::Child>> {
         let exe = std::env::current_exe().map_err(|source| flame::Error::Io {
             path: "the train executable".into(),
@@ -327,7 +343,8 @@ fn launch(args: &Args, path: &std::path::Path, n: usize, gpus: Option<Vec<usize>
                 .env("RANK", rank.to_string())
                 .env("LOCAL_RANK", rank.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string());
+                .env("MASTER_PORT", port.to_string())
+                .env(LAUNCHED, "1");
             match &gpus {
                 Some(g) => {
                     let list: Vec<String> = g.iter().map(|x| x.to_string()).collect();
@@ -441,8 +458,13 @@ fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
             _ => gpu(launch.gpu()?)?,
         };
         let group = launch.join(&device)?;
+        // Under this binary's launcher, which names the rank that failed, a rank stopped by
+        // another's failure exits quietly; started otherwise (torchrun), it says why.
+        let launched = std::env::var_os(LAUNCHED).is_some();
         group.watch(Arc::new(move |msg: &str| {
-            eprintln!("rank {rank}: stopping: {msg}");
+            if !launched {
+                eprintln!("rank {rank}: stopping: {msg}");
+            }
             std::process::exit(STOPPED_BY_PEER);
         }))?;
         Ok((device, group))
@@ -505,8 +527,11 @@ fn run(
         overwrite: args.overwrite,
         stop_at: None,
     };
-    // The output folder first: an occupied one is refused before any data is cached.
+    // The paths and the output folder first: a missing one, or an occupied folder, is
+    // refused before any data is cached.
     if !quiet {
+        config.validate()?;
+        config.check_paths()?;
         flame::train::plan_folder(&config, ranks, &opts)?;
     }
     // Ctrl-C, SIGTERM, SIGHUP: stop caching at once, or finish the current step, save a

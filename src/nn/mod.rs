@@ -10,7 +10,7 @@ mod lora_merge;
 mod params;
 mod seed;
 
-pub use crate::tensor::scaled_dot_product_attention;
+pub use crate::tensor::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
 pub use adapter::{
     kohya_name, Adapter, AdapterConfig, Adapters, BaseLayer, LayerShape, Lora, LoraConfig,
 };

@@ -361,6 +361,18 @@ pub fn generate(
     req: &Request,
     device: &crate::Device,
 ) -> Result<Vec<Tensor>> {
+    let noise = seeded_noise(model, conds.len(), req, device)?;
+    generate_from(model, conds, uncond, req, &noise)
+}
+
+/// The starting noise [`generate`] draws for `count` images: image i's (1, C, h, w) f32
+/// on `device` from `req.seed + i`.
+pub fn seeded_noise(
+    model: &dyn DiffusionModel,
+    count: usize,
+    req: &Request,
+    device: &crate::Device,
+) -> Result<Vec<Tensor>> {
     let channels = match model.inputs().first().and_then(|i| i.dims.first()) {
         Some(crate::models::Size::Exactly(c)) => *c,
         _ => {
@@ -373,7 +385,7 @@ pub fn generate(
             })
         }
     };
-    let noise = (0..conds.len())
+    (0..count)
         .map(|i| {
             Tensor::randn(
                 (1, channels, req.latent_hw.0, req.latent_hw.1),
@@ -382,8 +394,7 @@ pub fn generate(
                 req.seed.wrapping_add(i as u64),
             )
         })
-        .collect::<Result<Vec<_>>>()?;
-    generate_from(model, conds, uncond, req, &noise)
+        .collect()
 }
 
 /// [`generate`] from given starting noise instead of `req.seed`'s: `noise[i]` (1, C, h, w)
@@ -394,6 +405,19 @@ pub fn generate_from(
     uncond: Option<Vec<Tensor>>,
     req: &Request,
     noise: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    generate_watched(model, conds, uncond, req, noise, &mut |_, _| Ok(()))
+}
+
+/// [`generate_from`], with `on_step(i, step)` called after every denoising step of image
+/// `i` (progress; an `Err` stops and is returned).
+pub fn generate_watched(
+    model: &dyn DiffusionModel,
+    conds: &[Vec<Tensor>],
+    uncond: Option<Vec<Tensor>>,
+    req: &Request,
+    noise: &[Tensor],
+    on_step: &mut dyn FnMut(usize, &StepInfo<'_>) -> Result<()>,
 ) -> Result<Vec<Tensor>> {
     if noise.len() != conds.len() {
         return Err(Error::Config {
@@ -441,9 +465,18 @@ pub fn generate_from(
     conds
         .iter()
         .zip(noise)
-        .map(|(cond, z)| {
+        .enumerate()
+        .map(|(i, (cond, z))| {
             let z = z.to_dtype(DType::F32)?;
-            denoise(model, schedule.as_ref(), &z, cond, &guidance, None)
+            let mut each = |s: &StepInfo<'_>| on_step(i, s);
+            denoise(
+                model,
+                schedule.as_ref(),
+                &z,
+                cond,
+                &guidance,
+                Some(&mut each),
+            )
         })
         .collect()
 }

@@ -80,6 +80,10 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Di
     Ok(Dims { b, h, lq, lk, d })
 }
 
+/// The largest (B, H, Lq, Lk) f32 score tensor the CPU's attention materializes (256 MiB);
+/// larger attention runs the fused row-by-row pass.
+pub const CPU_COMPOSITE_SCORES: u64 = 256 << 20;
+
 /// `1 / sqrt(D)` unless given.
 fn scale_or_default(scale: Option<f64>, d: usize) -> f64 {
     scale.unwrap_or(1.0 / (d as f64).sqrt())
@@ -94,7 +98,9 @@ fn scale_or_default(scale: Option<f64>, d: usize) -> f64 {
 /// On CUDA, bf16 and f16 at head dims 64 and 128 run the flash-attention kernels: nothing of
 /// size Lq x Lk is allocated, forward or backward; at head dim 512 (the autoencoders'
 /// mid-block attention) a forward-only flash kernel serves calls that record no gradient.
-/// Everything else runs the composite
+/// On the CPU, scores larger than [`CPU_COMPOSITE_SCORES`] bytes run the CPU's fused
+/// row-by-row pass, whose memory grows with Lq + Lk, not their product (a large image on the
+/// CPU would otherwise ask for terabytes). Everything else runs the composite
 /// (`Tensor::attention_composite`), which materializes the (B, H, Lq, Lk) scores.
 pub fn scaled_dot_product_attention(
     q: &Tensor,
@@ -112,7 +118,9 @@ pub fn scaled_dot_product_attention(
     let flash = q.device().is_cuda()
         && matches!(q.dtype(), DType::BF16 | DType::F16)
         && (matches!(dims.d, 64 | 128) || (dims.d == 512 && !records));
-    if flash {
+    let scores = (dims.b * dims.h) as u64 * dims.lq as u64 * dims.lk as u64 * 4;
+    let cpu_rows = !q.device().is_cuda() && scores > CPU_COMPOSITE_SCORES;
+    if flash || cpu_rows {
         q.attention_fused(k, v, mask, causal, scale)
     } else {
         q.attention_composite(k, v, mask, causal, scale)

@@ -8,7 +8,7 @@ pub(crate) mod multi;
 mod ops;
 mod view;
 
-pub use attention::scaled_dot_product_attention;
+pub use attention::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
 pub use multi::sum_sq_multi;
 
 use crate::autograd::{self, Op};

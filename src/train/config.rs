@@ -1011,11 +1011,83 @@ impl TrainConfig {
 
     /// The first problem as an error (no file, no line); Ok when every check passes.
     pub fn validate(&self) -> Result<()> {
-        match self.problems().into_iter().next() {
-            None => Ok(()),
-            Some(p) => Err(Error::Config {
+        let problems = self.problems();
+        if problems.is_empty() {
+            return Ok(());
+        }
+        let all: Vec<String> = problems
+            .iter()
+            .map(|p| format!("{} = {}", p.key, p.msg))
+            .collect();
+        Err(Error::Config {
+            path: None,
+            msg: all.join("; "),
+        })
+    }
+
+    /// Every path the config reads from exists, as the kind of thing its key takes (a file
+    /// or a folder), and the output and cache folders are folders where they exist: one
+    /// error naming each key that is not so.
+    pub fn check_paths(&self) -> Result<()> {
+        #[derive(Clone, Copy)]
+        enum Want {
+            Any,
+            File,
+            Dir,
+        }
+        let mut wanted: Vec<(String, &Path, Want, bool)> = vec![
+            ("model.path".into(), &self.model.path, Want::Any, true),
+            (
+                "train.output_dir".into(),
+                &self.train.output_dir,
+                Want::Dir,
+                false,
+            ),
+        ];
+        let d = &self.data;
+        let optional = [
+            ("model.config", &self.model.config, Want::File, true),
+            ("data.dir", &d.dir, Want::Dir, true),
+            ("data.manifest", &d.manifest, Want::File, true),
+            ("data.validation_dir", &d.validation_dir, Want::Dir, true),
+            ("data.cache_dir", &d.cache_dir, Want::Dir, false),
+            ("encoders.vae", &self.encoders.vae, Want::Any, true),
+        ];
+        for (key, p, want, must) in optional {
+            if let Some(p) = p {
+                wanted.push((key.into(), p, want, must));
+            }
+        }
+        for (i, e) in d.dirs.iter().enumerate() {
+            wanted.push((format!("data.dirs[{i}].path"), &e.path, Want::Dir, true));
+        }
+        for (i, p) in self.encoders.text.iter().enumerate() {
+            wanted.push((format!("encoders.text[{i}]"), p, Want::Any, true));
+        }
+        for (i, p) in self.encoders.tokenizers.iter().enumerate() {
+            wanted.push((format!("encoders.tokenizers[{i}]"), p, Want::Any, true));
+        }
+        let mut bad = vec![];
+        for (key, p, want, must) in wanted {
+            let why = match (std::fs::metadata(p), want) {
+                (Err(_), _) if !must => None,
+                (Err(e), _) if e.kind() == std::io::ErrorKind::NotFound => {
+                    Some("no such file or folder".to_string())
+                }
+                (Err(e), _) => Some(format!("cannot be read: {e}")),
+                (Ok(m), Want::File) if m.is_dir() => Some("is a folder, not a file".into()),
+                (Ok(m), Want::Dir) if !m.is_dir() => Some("is a file, not a folder".into()),
+                (Ok(_), _) => None,
+            };
+            if let Some(why) = why {
+                bad.push(format!("{key} = {}: {why}", p.display()));
+            }
+        }
+        match bad.is_empty() {
+            true => Ok(()),
+            false => Err(Error::Config {
                 path: None,
-                msg: format!("{} = {}", p.key, p.msg),
+                msg: bad.join("; "),
             }),
         }
     }

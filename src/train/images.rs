@@ -266,32 +266,17 @@ fn reporter<'a>(what: &'a str, on: &'a mut dyn FnMut(String)) -> impl FnMut(&Pro
     }
 }
 
-/// Scans, splits and buckets the images of `config.data`; with `encode`, fills the latent
-/// and text caches (loading the autoencoder, then the text encoders, each freed when done)
-/// so that every batch of the run and every sample prompt is on disk. Without it (a dry
-/// run) nothing is written and only the shapes are worked out. `inputs` are the model's,
-/// `guided` whether it takes a guidance input. Notes go to `on`. Batches are cut for `world`
-/// processes of `train.batch_size` samples each (data-parallel training; 1 alone).
-///
-/// Everything that can be checked is checked before the first encode: the batch size
-/// against the samples, and every bucket (and the sample size) against the autoencoder's
-/// factor and the model's latent rules. `stop` set (a signal) ends the caching with
-/// [`Error::Interrupted`] at the next image or caption.
-#[allow(clippy::too_many_arguments)]
-pub fn prepare(
+/// Scans, splits and buckets the images of `config.data` (the training set and the held-out
+/// one), telling `on` about skipped files and notes, and checks what can be checked without
+/// the model: the batch size against the samples (for `world` ranks) and the captions the
+/// run would encode ahead ([`MAX_CAPTIONS`]).
+pub fn scan(
     config: &TrainConfig,
-    family: &'static Family,
-    inputs: &[Input],
-    guided: bool,
-    train_device: &Device,
-    encode: bool,
     world: usize,
-    stop: &std::sync::atomic::AtomicBool,
     on: &mut dyn FnMut(String),
-) -> Result<ImageRun> {
+) -> Result<(data::Dataset, Option<data::Dataset>)> {
     let d = &config.data;
-    let t = &config.train;
-    let opts = d.options(t.seed)?;
+    let opts = d.options(config.train.seed)?;
     let ds = data::Dataset::open(opts.clone())?;
     let (ds, val) = match &d.validation_dir {
         Some(dir) => {
@@ -318,6 +303,34 @@ pub fn prepare(
     )?;
     // The run's captions are bounded before anything is encoded.
     run_captions(config, &ds, world)?;
+    Ok((ds, val))
+}
+
+/// Scans, splits and buckets the images of `config.data` ([`scan`]); with `encode`, fills the latent
+/// and text caches (loading the autoencoder, then the text encoders, each freed when done)
+/// so that every batch of the run and every sample prompt is on disk. Without it (a dry
+/// run) nothing is written and only the shapes are worked out. `inputs` are the model's,
+/// `guided` whether it takes a guidance input. Notes go to `on`. Batches are cut for `world`
+/// processes of `train.batch_size` samples each (data-parallel training; 1 alone).
+///
+/// Everything that can be checked is checked before the first encode: the batch size
+/// against the samples, and every bucket (and the sample size) against the autoencoder's
+/// factor and the model's latent rules. `stop` set (a signal) ends the caching with
+/// [`Error::Interrupted`] at the next image or caption.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare(
+    config: &TrainConfig,
+    family: &'static Family,
+    inputs: &[Input],
+    guided: bool,
+    train_device: &Device,
+    encode: bool,
+    world: usize,
+    stop: &std::sync::atomic::AtomicBool,
+    on: &mut dyn FnMut(String),
+) -> Result<ImageRun> {
+    let t = &config.train;
+    let (ds, val) = scan(config, world, on)?;
     let names: Vec<&'static str> = inputs.iter().map(|i| i.name).collect();
     if names.first() != Some(&LATENTS) {
         return Err(cfg_err(format!(

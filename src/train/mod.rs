@@ -19,5 +19,6 @@ pub use objectives::{
     TimestepSampling,
 };
 pub use trainer::{
-    plan_folder, Event, FolderAction, Placement, Prepare, RunEnd, RunOptions, StepReport, Trainer,
+    plan_folder, preflight, Event, FolderAction, Placement, Prepare, RunEnd, RunOptions,
+    StepReport, Trainer,
 };

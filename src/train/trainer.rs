@@ -274,6 +274,7 @@ impl Trainer {
         on: &mut dyn FnMut(Event),
     ) -> Result<Trainer> {
         config.validate()?;
+        config.check_paths()?;
         let m = &config.model;
         #[cfg(feature = "cuda")]
         if config.train.deterministic {
@@ -1540,6 +1541,20 @@ fn resume_keys_of(config: &TrainConfig, world: usize) -> Vec<(&'static str, Stri
 /// front end to refuse an occupied folder before any data is cached.
 pub fn plan_folder(config: &TrainConfig, world: usize, opts: &RunOptions) -> Result<FolderAction> {
     decide(config, world, opts).map(|d| d.action)
+}
+
+/// The checks that need neither the model nor a device, for a front end to run once before
+/// it starts `world` workers (so a problem every rank would meet is said once): the
+/// config's values and paths, the output folder as `opts` asks ([`plan_folder`]), and for
+/// image data the scan and the batch size ([`images::scan`]).
+pub fn preflight(config: &TrainConfig, world: usize, opts: &RunOptions) -> Result<()> {
+    config.validate()?;
+    config.check_paths()?;
+    plan_folder(config, world, opts)?;
+    if config.data.dir.is_none() {
+        images::scan(config, world, &mut |_| {})?;
+    }
+    Ok(())
 }
 
 /// [`plan_folder`] with what a resume needs: the newest checkpoint of the run that verifies

@@ -7,7 +7,9 @@
 # device's memory is sampled every 200 ms through the run: the run's driver-side peak is the
 # device's used memory less what the holder took, printed beside the budget with the exit
 # status, the files written and each phase's lines.
-# MODEL_DTYPE (default bf16) and OPTIMIZER (default adamw) set model.dtype and optimizer.kind.
+# MODEL_DTYPE (default bf16) and OPTIMIZER (default adamw) set model.dtype and optimizer.kind;
+# ARCH (flux, the default; sd3 or sdxl, pipelines made by `torch_encoders.py --make DIR
+# --family sd3|sdxl`) picks the family, its adapter targets and its guidance.
 #   [SAMPLE_EXE=.../sample] bash scripts/budget_rows.sh PIPELINE_DIR WORK_DIR TRAIN_EXE BUDGET_GB [EXTRA_TOML]
 # With SAMPLE_EXE, the `sample` binary then makes a 1024² image with the trained LoRA under
 # the same budget, the holder still in place, and its peak is printed too.
@@ -20,18 +22,27 @@ exe=$3
 budget=$4
 extra=${5:-}
 mkdir -p "$work"
+arch=${ARCH:-flux}
+case "$arch" in
+  flux) targets='"double_blocks.*_attn.qkv", "double_blocks.*_attn.proj", "double_blocks.*_mlp.*", "single_blocks.*.linear*"'
+        guidance=3.5 ;;
+  sd3) targets='"joint_blocks.*.attn.qkv", "joint_blocks.*.attn.proj", "joint_blocks.*.mlp.*"'
+       guidance=4.5 ;;
+  sdxl) targets='"*transformer_blocks.*.attn1.to_*", "*transformer_blocks.*.attn2.to_*", "*transformer_blocks.*.ff.net.*"'
+        guidance=5.0 ;;
+  *) echo "ARCH=$arch: flux, sd3 or sdxl" >&2; exit 2 ;;
+esac
 python3 "$(dirname "$0")/circle_images.py" "$work/images"
 cat > "$work/run.toml" <<TOML
 [model]
-arch = "flux"
+arch = "$arch"
 path = "$pipe"
 dtype = "${MODEL_DTYPE:-bf16}"
-guidance = 1.0
 
 [adapter]
 rank = 16
 alpha = 16.0
-targets = ["double_blocks.*_attn.qkv", "double_blocks.*_attn.proj", "double_blocks.*_mlp.*", "single_blocks.*.linear*"]
+targets = [$targets]
 format = "peft"
 
 [optimizer]
@@ -62,7 +73,7 @@ path = "$work/images"
 every = 10
 prompts = ["a red circle on a white background"]
 steps = 20
-guidance = 3.5
+guidance = $guidance
 seed = 3
 TOML
 if [ -n "$extra" ]; then printf '%b\n' "$extra" >> "$work/run.toml"; fi
@@ -110,8 +121,8 @@ if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$work/smi-sample.log" &
   smi=$!
   set +e
-  "$SAMPLE_EXE" --arch flux --model "$pipe" --lora "$work/out/lora.safetensors" \
-    --prompt "a red circle on a white background" --steps 20 --guidance 3.5 \
+  "$SAMPLE_EXE" --arch "$arch" --model "$pipe" --lora "$work/out/lora.safetensors" \
+    --prompt "a red circle on a white background" --steps 20 --guidance "$guidance" \
     --width 1024 --height 1024 --budget "$budget" --out "$work/sample" > "$work/sample.log" 2>&1
   src=$?
   set -e

@@ -62,6 +62,8 @@ pub struct Trainer {
     /// The next micro-batch (its index), fetched during the one before to announce its
     /// inputs to the model (`announce`).
     ahead: Option<(usize, Batch)>,
+    /// The peak bytes in use on the device per phase of the run (GPU only).
+    peaks: PhasePeaks,
 }
 
 /// Where [`Trainer::open_in`] trains: the device (default: `train.device`'s) and, for
@@ -195,6 +197,37 @@ fn first_nonfinite<'a>(tensors: &[(&'a str, &'a Tensor)]) -> Result<Option<Strin
     Ok(None)
 }
 
+/// Peak bytes in use on a GPU per phase of a run: [`PhasePeaks::start`] resets the
+/// device's peak, [`PhasePeaks::end`] keeps the largest seen for the phase.
+#[derive(Default)]
+struct PhasePeaks(std::sync::Mutex<Vec<(&'static str, u64)>>);
+
+impl PhasePeaks {
+    fn start(&self, device: &Device) {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(c) = device {
+            c.reset_peak_memory();
+        }
+        let _ = device;
+    }
+
+    fn end(&self, device: &Device, phase: &'static str) {
+        #[cfg(feature = "cuda")]
+        if let (Device::Cuda(c), Ok(mut v)) = (device, self.0.lock()) {
+            let peak = c.memory().peak;
+            match v.iter_mut().find(|(p, _)| *p == phase) {
+                Some((_, b)) => *b = (*b).max(peak),
+                None => v.push((phase, peak)),
+            }
+        }
+        let _ = (device, phase);
+    }
+
+    fn all(&self) -> Vec<(&'static str, u64)> {
+        self.0.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+}
+
 /// The device named by a config's `device` value: "cuda" (an error without one), "cpu", or
 /// "auto" (the GPU if one opens, else the CPU).
 pub fn pick_device(name: &str) -> Result<Device> {
@@ -321,6 +354,7 @@ impl Trainer {
         };
         // The model's inputs and the data's shapes first, from a build without weights, so
         // bad data and an impossible memory budget fail before any weight is read.
+        let peaks = PhasePeaks::default();
         let probe = family.probe(&m.path, &opts)?.model;
         let inputs = probe.inputs();
         // The adapters on the model's layers, from a build without weights on the CPU where
@@ -344,6 +378,7 @@ impl Trainer {
                 (Box::new(data), None, None)
             }
             None => {
+                peaks.start(&device);
                 let run = images::prepare(
                     &config,
                     family,
@@ -355,6 +390,7 @@ impl Trainer {
                     &interrupt,
                     &mut |n| on(Event::Note(n)),
                 )?;
+                peaks.end(&device, "caching");
                 probe
                     .check_shapes(&run.train.largest())
                     .map_err(|msg| Error::Config {
@@ -432,6 +468,7 @@ impl Trainer {
             dist,
             stop_all: false,
             ahead: None,
+            peaks,
         })
     }
 
@@ -765,7 +802,17 @@ impl Trainer {
             path: format!("step {}", self.step + 1).into(),
             source,
         })?;
-        self.step_inner().map_err(|e| self.memory.explain(e))
+        self.peaks.start(&self.device);
+        let r = self.step_inner().map_err(|e| self.memory.explain(e));
+        self.peaks.end(&self.device, "training steps");
+        r
+    }
+
+    /// The peak bytes FLAME's allocator held in use on the GPU in each phase of this
+    /// process's run so far ("caching", "training steps", "validation", "sample images",
+    /// "checkpoints"), in the order first met; empty on the CPU.
+    pub fn phase_peaks(&self) -> Vec<(&'static str, u64)> {
+        self.peaks.all()
     }
 
     fn step_inner(&mut self) -> Result<StepReport> {
@@ -1004,6 +1051,13 @@ impl Trainer {
     /// size and hash) atomically, then deletes this run's older checkpoints beyond
     /// `train.keep_last`.
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
+        self.peaks.start(&self.device);
+        let r = self.write_checkpoint();
+        self.peaks.end(&self.device, "checkpoints");
+        r
+    }
+
+    fn write_checkpoint(&self) -> Result<PathBuf> {
         let keep = self.config.train.keep_last;
         let state = (
             self.config.train.seed,
@@ -1261,7 +1315,10 @@ impl Trainer {
             if !due.validation {
                 return Ok(());
             }
-            let (Some(loss), Some(log)) = (self.validation_loss()?, log.as_mut()) else {
+            self.peaks.start(&self.device);
+            let loss = self.validation_loss();
+            self.peaks.end(&self.device, "validation");
+            let (Some(loss), Some(log)) = (loss?, log.as_mut()) else {
                 return Ok(());
             };
             let line = serde_json::json!({"step": step, "val_loss": loss});
@@ -1276,7 +1333,10 @@ impl Trainer {
         })();
         let sampled = validated.as_ref().ok().map(|_| -> Result<()> {
             if due.samples {
-                let written = self.sample_images()?;
+                self.peaks.start(&self.device);
+                let written = self.sample_images();
+                self.peaks.end(&self.device, "sample images");
+                let written = written?;
                 if !written.is_empty() {
                     on(Event::Samples(written));
                 }

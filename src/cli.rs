@@ -43,7 +43,7 @@ pub fn usage(name: &str, msg: &str) -> ExitCode {
 
 /// What to do next after `e`, where something can be done.
 pub fn next_step(e: &crate::Error) -> Option<&'static str> {
-    if let crate::Error::Flag { error, .. } = e {
+    if let crate::Error::Context { error, .. } = e {
         return next_step(error);
     }
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
@@ -80,7 +80,7 @@ pub fn failure(e: &crate::Error) -> (ExitCode, String) {
     }
     let code = match e {
         crate::Error::Interrupted(_) => ExitCode::from(INTERRUPTED),
-        crate::Error::Flag { error, .. } => return (failure(error).0, msg),
+        crate::Error::Context { error, .. } => return (failure(error).0, msg),
         _ => ExitCode::FAILURE,
     };
     (code, msg)

@@ -178,12 +178,13 @@ pub enum Error {
         /// The knob that would let the phase fit, and how to finish.
         hint: String,
     },
-    /// What a command-line flag or argument names cannot be used: the flag and the error.
-    #[error("{flag}: {error}")]
-    Flag {
-        /// The flag (`--lora`), with its value where that helps.
-        flag: String,
-        /// What went wrong with it.
+    /// An error with what was under way when it happened: the flag whose file could not be
+    /// used (`--lora x.safetensors`), the phase that ran out of memory (`caching latents`).
+    #[error("{what}: {error}")]
+    Context {
+        /// What was under way, with the setting that would change it where one would.
+        what: String,
+        /// The error.
         #[source]
         error: Box<Error>,
     },

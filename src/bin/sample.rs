@@ -237,8 +237,8 @@ fn outputs(a: &Args) -> flame::Result<Vec<PathBuf>> {
 
 /// `error` as the failure of what `name` (a flag) gives at `path`.
 fn flag(name: &str, path: &std::path::Path, error: Error) -> Error {
-    Error::Flag {
-        flag: format!("{name} {}", path.display()),
+    Error::Context {
+        what: format!("{name} {}", path.display()),
         error: Box::new(error),
     }
 }

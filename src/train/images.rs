@@ -59,6 +59,9 @@ fn interrupted(stop: &std::sync::atomic::AtomicBool, what: &str) -> Result<()> {
     }
 }
 
+/// The model's check of one sample's input shapes (`DiffusionModel::check_shapes`).
+pub type ShapeCheck<'a> = &'a dyn Fn(&[Vec<usize>]) -> std::result::Result<(), String>;
+
 /// Checks every bucket's size and the sample images' size against the autoencoder's
 /// downsampling `factor` and the model's rules for its latents (`latents`: (C, H, W)), so a
 /// size no batch could train on fails before anything is encoded, naming the keys.
@@ -66,8 +69,9 @@ fn check_sizes(
     config: &TrainConfig,
     family: &Family,
     latents: &Input,
-    factor: usize,
+    (factor, channels): (usize, usize),
     buckets: &[data::Bucket],
+    model: ShapeCheck<'_>,
 ) -> Result<()> {
     let multiple = |dim: usize| match latents.dims.get(dim) {
         Some(Size::MultipleOf(m)) => factor * m.max(&1),
@@ -92,6 +96,17 @@ fn check_sizes(
             mw.max(mh)
         )));
     }
+    // The model's own limits on its latents (SD3's position table).
+    let grid = |w: usize, h: usize| model(&[vec![channels, h / factor, w / factor]]);
+    if let Some((b, why)) = buckets
+        .iter()
+        .find_map(|b| grid(b.width, b.height).err().map(|e| (b, e)))
+    {
+        return Err(cfg_err(format!(
+            "data.resolution = {} makes a {}x{} bucket: {why}; lower data.resolution",
+            d.resolution, b.width, b.height
+        )));
+    }
     let s = &config.sample;
     if !s.prompts.is_empty() {
         let (w, h, key) = match s.size {
@@ -108,6 +123,9 @@ fn check_sizes(
                 family.name,
                 mw.max(mh)
             )));
+        }
+        if let Err(why) = grid(w, h) {
+            return Err(cfg_err(format!("{key} = [{w}, {h}]: {why}")));
         }
     }
     Ok(())
@@ -158,6 +176,47 @@ pub fn vae(
         v.tiling = Some(VaeTiling::new(config.encoders.vae_tile));
     }
     Ok(v)
+}
+
+/// The tile the autoencoder encodes in: `encoders.vae_tile` when set; else, on a GPU under
+/// `memory.budget_gb`, 512-pixel tiles when encoding a whole image of `pixels` would take
+/// more than the allocator's share of the budget (said in a note), and whole images
+/// otherwise (0).
+fn encode_tile(
+    config: &TrainConfig,
+    device: &Device,
+    vae: &AutoencoderKl,
+    dtype: DType,
+    pixels: usize,
+    on: &mut dyn FnMut(String),
+) -> Result<usize> {
+    let budget_gb = config.memory.budget_gb;
+    if config.encoders.vae_tile > 0 || budget_gb <= 0.0 || !device.is_cuda() {
+        return Ok(config.encoders.vae_tile);
+    }
+    let (Some(cap), _) = super::memory::split_budget(device, budget_gb)? else {
+        return Ok(0);
+    };
+    // The encoder's first stage holds about 16 activations of its width at full resolution
+    // at once (measured: a 1024² encode with the 128-wide stage peaks at 3.9 GiB in bf16).
+    let width = vae
+        .config
+        .block_out_channels
+        .first()
+        .copied()
+        .unwrap_or(128);
+    let need = (pixels * width * dtype.size_in_bytes() * 16) as u64;
+    if need <= cap {
+        return Ok(0);
+    }
+    on(format!(
+        "the autoencoder encodes in 512-pixel tiles: a whole image of {pixels} pixels needs \
+         about {:.1} GiB, more than the {:.1} GiB of memory.budget_gb FLAME's allocator may \
+         hold (set encoders.vae_tile to choose the tile)",
+        need as f64 / (1u64 << 30) as f64,
+        cap as f64 / (1u64 << 30) as f64
+    ));
+    Ok(512)
 }
 
 /// Bytes of the weight files at `path` (a file, or the .safetensors files of a folder).
@@ -310,7 +369,8 @@ pub fn scan(
 /// and text caches (loading the autoencoder, then the text encoders, each freed when done)
 /// so that every batch of the run and every sample prompt is on disk. Without it (a dry
 /// run) nothing is written and only the shapes are worked out. `inputs` are the model's,
-/// `guided` whether it takes a guidance input. Notes go to `on`. Batches are cut for `world`
+/// `guided` whether it takes a guidance input, `model_shapes` its check of input shapes
+/// (run on every bucket and the sample size before anything is encoded). Notes go to `on`. Batches are cut for `world`
 /// processes of `train.batch_size` samples each (data-parallel training; 1 alone).
 ///
 /// Everything that can be checked is checked before the first encode: the batch size
@@ -323,6 +383,7 @@ pub fn prepare(
     family: &'static Family,
     inputs: &[Input],
     guided: bool,
+    model_shapes: ShapeCheck<'_>,
     train_device: &Device,
     encode: bool,
     world: usize,
@@ -344,7 +405,7 @@ pub fn prepare(
     let cache = cache_dir(config);
 
     // Latents: the autoencoder, loaded once for the training and validation images.
-    let vae = vae(config, family, &vae_at, dtype, &device)?;
+    let mut vae = vae(config, family, &vae_at, dtype, &device)?;
     let factor = 1usize << vae.config.block_out_channels.len().saturating_sub(1);
     let channels = vae.config.latent_channels;
     if let Some(Size::Exactly(c)) = inputs[0].dims.first() {
@@ -360,12 +421,23 @@ pub fn prepare(
     if let Some(v) = &val {
         shapes.extend(v.buckets.iter().copied());
     }
-    check_sizes(config, family, &inputs[0], factor, &shapes)?;
+    check_sizes(
+        config,
+        family,
+        &inputs[0],
+        (factor, channels),
+        &shapes,
+        model_shapes,
+    )?;
+    let largest = shapes.iter().map(|b| b.width * b.height).max().unwrap_or(0);
+    let tile = encode_tile(config, &device, &vae, dtype, largest, &mut *on)?;
+    if tile > 0 {
+        vae.tiling = Some(VaeTiling::new(tile));
+    }
     let vae_id = format!(
-        "{} under {:?}, {dtype:?}, tile {}",
+        "{} under {:?}, {dtype:?}, tile {tile}",
         file_identity(&vae_at.path),
         vae_at.prefix,
-        config.encoders.vae_tile
     );
     let mut sets = vec![(ds, "latents")];
     if let Some(v) = val {
@@ -383,7 +455,18 @@ pub fn prepare(
                     z.squeeze(0)?.to_dtype(DType::F32)?,
                 )])
             };
-            let report = lc.fill(ds, &device, &mut enc, &mut reporter(what, &mut *on))?;
+            let report = lc
+                .fill(ds, &device, &mut enc, &mut reporter(what, &mut *on))
+                .map_err(|e| match e {
+                    Error::OutOfMemory { .. } => Error::Context {
+                        what: format!(
+                            "caching {what} (encoders.vae_tile = 512 encodes in tiles; the text \
+                             encoders and the autoencoder run before the model loads)"
+                        ),
+                        error: Box::new(e),
+                    },
+                    e => e,
+                })?;
             for bad in &report.skipped {
                 on(format!("skipped {bad}"));
             }

@@ -384,6 +384,7 @@ impl Trainer {
                     family,
                     &inputs,
                     probe.guidance_input(),
+                    &|s| probe.check_shapes(s),
                     &device,
                     prepare == Prepare::Encode,
                     world,

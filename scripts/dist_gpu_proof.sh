@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two-GPU proof of data-parallel training (issue 23), for nvidia-h200-x2 / nvidia-h100-x2.
+# The two-GPU proof of data-parallel training, on a machine with two GPUs of one host.
 # Build here:
 #   ../shared/gpu/bundle --test dist --bench train_step --bin train --features cuda
 #   cd .gpu && rm -f sample && tar cf - test-* bench-* train | xz -T2 -3 > bins.tar.xz && rm test-* bench-* train

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The full-size check of issue 21 on the GPU machine: a random FLUX.1-dev pipeline (made by
+# A full-size run on a GPU: a random FLUX.1-dev pipeline (made by
 # benches/torch_encoders.py --make DIR --transformer) trained from a folder of generated
 # 1024-pixel pictures with captions through the `train` binary: caching, 20 steps under a
 # memory budget (24 GiB unless given), validation, and one 1024² sample at the end; every phase timed.

@@ -522,7 +522,7 @@ fn the_launcher_trains_worker_processes_and_names_a_failing_rank() {
     }
 }
 
-/// On a machine with two GPUs (`nvidia-h200-x2`), through NCCL: `train --gpus 0,1` with
+/// On a machine with two GPUs, through NCCL: `train --gpus 0,1` with
 /// 2 samples per GPU logs what `--gpus 0` with 4 logs (f32, to rounding); a rank killed at
 /// step 7 stops the run naming it, and `--resume` reproduces the uninterrupted 2-GPU log
 /// bit for bit. `FLAME_TRAIN_EXE` names the `train` executable where the build's path

@@ -81,7 +81,7 @@ fn flux_dev_profile_sizes() {
 }
 
 /// Predicted peaks against FLAME's peaks measured by benches/train_step.rs on an H100 80GB
-/// (session 12, README "Memory"): never more than 5% under (a plan must fit) and at most 15%
+/// (README "Memory"): never more than 5% under (a plan must fit) and at most 15%
 /// plus 0.6 GiB over (the fixed margin of transient buffers weighs on the smallest rows). The
 /// model's one calibrated constant, `SAVED_PER_TOKEN_CHANNEL`, comes from the resident row.
 #[test]
@@ -111,7 +111,7 @@ fn flux_dev_predictions_match_the_h100_measurements() {
             7.26,
         ),
         (
-            "all + attention + down-projections (session 26)",
+            "all + attention + down-projections",
             &bf,
             Plan {
                 keep: Keep {
@@ -137,7 +137,7 @@ fn flux_dev_predictions_match_the_h100_measurements() {
             23.48,
         ),
         (
-            "all + down-projections + 50 smallest streamed, coded (session 26)",
+            "all + down-projections + 50 smallest streamed, coded",
             &bf,
             Plan {
                 keep: Keep {
@@ -353,7 +353,7 @@ fn the_trainer_holds_a_tiny_run_to_its_budget() {
 }
 
 /// SD3.5-large and SDXL at 1024², as benches/train_step.rs runs them (LoRA rank 16 on every
-/// block Linear, AdamW): predictions against the H100 measurements of session 12 (resident,
+/// block Linear, AdamW): predictions against the H100 measurements (resident,
 /// and the plans the planner then chose), within the same bounds as Flux.
 #[test]
 fn sd35_and_sdxl_predictions_match_the_h100_measurements() {
@@ -434,7 +434,7 @@ fn sd35_and_sdxl_predictions_match_the_h100_measurements() {
 }
 
 /// The time model against the steps measured by benches/train_step.rs on an H100 80GB
-/// (session 25; `stream::cost_model`): the planner's picks for 24, 16, 12 and 8 GiB and the
+/// (`stream::cost_model`): the planner's picks for 24, 16, 12 and 8 GiB and the
 /// resident step in one call, every block checkpointed without streaming in another (the
 /// resident step 389.3 ms there). Within 6% on every row (2.1% at most when measured). In a
 /// later call the link ran at 49-51 GiB/s instead of 46-49, and the model read 3-6% over.
@@ -473,7 +473,7 @@ fn flux_dev_step_times_match_the_h100_measurements() {
             868.4,
         ),
     ];
-    // Down-projections kept (session 26, two calls whose resident step ran 380.5-382.6 ms).
+    // Down-projections kept (two calls whose resident step ran 380.5-382.6 ms).
     let kept = |k: usize, prefetch: usize, attention: bool| Plan {
         keep: Keep {
             attention,
@@ -501,7 +501,7 @@ fn flux_dev_step_times_match_the_h100_measurements() {
         ),
     ]);
     // FP8 base weights, resident (a third call: 420.2 ms against bf16's 385.4 there), and
-    // within 6 GiB with 8-bit AdamW and down-projections kept (session 26).
+    // within 6 GiB with 8-bit AdamW and down-projections kept.
     let q8 = flux_dev(true, false);
     let q8s = flux_dev(true, true);
     let q8_order = q8s.stream_order();
@@ -529,7 +529,7 @@ fn flux_dev_step_times_match_the_h100_measurements() {
         ])
         .collect();
     // The forward fetching deeper while memory allows, the backward leaving those blocks for
-    // it (session 27, the planner's picks; the mean of two calls whose resident step ran
+    // it (the planner's picks; the mean of two calls whose resident step ran
     // 378.6-381.0 ms and whose link ran 47-51 and 44-47 GiB/s).
     let deep = |profile: &MemoryProfile, k: usize, prefetch: usize, keep: Keep, code: bool| Plan {
         checkpointing: all,
@@ -567,8 +567,8 @@ fn flux_dev_step_times_match_the_h100_measurements() {
         ),
     ]);
     // Coded: the Huffman wire code, copies into the staging ring, decodes on their own
-    // stream (session 28, the planner's picks; one call, resident 382.8 ms, link 48 GiB/s,
-    // decodes 129-135 ms a step). Rows measured with session 26-27's fixed-width code and
+    // stream (the planner's picks; one call, resident 382.8 ms, link 48 GiB/s,
+    // decodes 129-135 ms a step). Rows measured with the earlier fixed-width code and
     // decodes on the copy stream were dropped: that runtime is gone.
     let rows = rows.chain([
         (
@@ -590,7 +590,7 @@ fn flux_dev_step_times_match_the_h100_measurements() {
             647.0,
         ),
     ]);
-    // Session 29: the modulations' outputs kept and their weights left out of the backward's
+    // The modulations' outputs kept and their weights left out of the backward's
     // uploads (`Keep::few_rows`; call 4, two rows, resident 382.8 ms, link 47.6-48.2
     // GiB/s). A prefetch of 3 ran 578.3 / 582.8 ms where the model said 544.1: the model
     // over-credits fetching further ahead through the staging ring, and the planner offers
@@ -631,7 +631,7 @@ fn flux_dev_step_times_match_the_h100_measurements() {
             485.1,
         ),
     ]);
-    // Session 30: the modulations of the blocks past the carry held on the host for their
+    // The modulations of the blocks past the carry held on the host for their
     // products (calls 3-8, resident 380.6-390.3 ms, links 45-48 GiB/s).
     let host = |k: usize| Plan {
         host_products: true,
@@ -651,7 +651,7 @@ fn flux_dev_step_times_match_the_h100_measurements() {
             (543.1 + 540.1 + 542.7) / 3.0,
         ),
     ]);
-    // Session 32: the products computed during the backward before, every streamed block
+    // The products computed during the backward before, every streamed block
     // holding its modulations on the host (call 4, the planner's picks; resident 384.9 ms,
     // link 43.6-49.8 GiB/s).
     let host2 = |k: usize, prefetch: usize, code: bool| Plan {
@@ -687,7 +687,7 @@ fn flux_dev_step_times_match_the_h100_measurements() {
             488.4,
         ),
     ]);
-    // Session 33: the carried blocks uncoded (`Plan::uncoded_carry`) and the plans the
+    // The carried blocks uncoded (`Plan::uncoded_carry`) and the plans the
     // planner picks with the decodes' cost raised (H100; three calls, resident 377.5, 382.9
     // and 388.3 ms, links 47.1-51.2 GiB/s; each row scaled to the model's resident step,
     // 385.8).
@@ -930,10 +930,10 @@ fn host_products_take_the_modulations_off_the_link() {
 
 /// The planner holds the modulations on the host where the host computes them ahead of the
 /// blocks, from the backward before (`DiffusionModel::prepare`): Flux-dev at 12 GiB (540.5
-/// ms against 584.2 without, H100, session 30) and SD3.5-large at 8 GiB (142 MB of
+/// ms against 584.2 without, H100) and SD3.5-large at 8 GiB (142 MB of
 /// modulations a block against 2.3 ms of a block's forward: with the products computed as
-/// the forward ran, 454.8 ms against 374.4 without, session 30; computed during the backward
-/// before, 333.6 ms against 425.3, session 32). `tests` in `stream::plan` hold the case the
+/// the forward ran, 454.8 ms against 374.4 without; computed during the backward
+/// before, 333.6 ms against 425.3). `tests` in `stream::plan` hold the case the
 /// host cannot keep up with.
 #[test]
 fn the_planner_holds_the_modulations_on_the_host_where_the_host_keeps_up() {
@@ -977,7 +977,7 @@ fn the_planner_holds_the_modulations_on_the_host_where_the_host_keeps_up() {
 /// `stream::measure_machine` under `memory.measure_machine`): a GPU twice as slow doubles the
 /// resident step and the work of a plan that streams nothing; a link a quarter as fast as
 /// the H100's makes streaming dearer, and within 12 GiB the planner then codes the weights
-/// it streams, where on the H100 it streams them uncoded (measured fastest, session 33).
+/// it streams, where on the H100 it streams them uncoded (measured fastest).
 #[test]
 fn the_time_model_plays_the_machine_it_is_given() {
     use flame::stream::Machine;

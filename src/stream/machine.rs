@@ -8,7 +8,7 @@ use crate::{Device, Result};
 
 /// The bf16 GEMM rate of the H100 80GB the time model was calibrated on, TFLOP/s: cuBLAS at
 /// 8192³ through `Tensor::matmul` (README, Benchmarks: 805.6 at 4096³ and 796.9 at Flux's
-/// 4608 x 3072 @ 3072 x 12288; this probe's 8192³ GEMMs ran 782-792 in session 33).
+/// 4608 x 3072 @ 3072 x 12288; this probe's 8192³ GEMMs ran 782-792 on an H100).
 pub const H100_GEMM_TFLOPS: f64 = 790.0;
 
 /// Bytes of the probe upload: a Flux single block's streamed weights are about 230 MiB.
@@ -56,7 +56,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
         device.pack(&[&host], false)?
     };
     // Each upload timed alone; the fastest counts: the first of a process ran at 38.6 GiB/s
-    // where its steps' copies ran at 47.1 (H100, session 33).
+    // where its steps' copies ran at 47.1 (H100).
     let upload = || -> Result<f64> {
         cuda.synchronize()?;
         let start = Instant::now();

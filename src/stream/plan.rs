@@ -240,7 +240,7 @@ pub struct Planned {
 /// (`MemoryProfile::spare`): their accounting holds (the peak measured under the prediction)
 /// but the blocks fetched early, released as the checkpoints fill the memory, cut the cap's
 /// arena into pieces: SD3.5-large within 8 GiB with 2.3% of it spare sent 3 requests a step
-/// past the arena, while Flux-dev's plans with 3.4% and more sent none (H100, session 27).
+/// past the arena, while Flux-dev's plans with 3.4% and more sent none (H100).
 pub const MARGIN_DIVISOR: u64 = 32;
 
 /// No plan fits the budget.
@@ -252,7 +252,7 @@ pub struct NoPlan {
     pub minimum: u64,
 }
 
-/// The time model's constants, from H100 80GB calls (session 25, Flux-dev LoRA at 1024², batch
+/// The time model's constants, from H100 80GB calls (Flux-dev LoRA at 1024², batch
 /// 1, rank 16 on every block Linear; resident step 383-389 ms). The model
 /// (`MemoryProfile::step_ms`) plays a step on two clocks, the compute stream's and the host
 /// link's: each block's forward, re-run and backward take its share of the work (the
@@ -264,8 +264,8 @@ pub struct NoPlan {
 /// from the planner's picks for 24, 16, 12 and 8 GiB in another (523.5-868.4 ms against
 /// 385.8), the FP8 decode from a third; tests/plan.rs holds the model to those rows. Uploads
 /// ran at 46.2-48.7 GiB/s (PyTorch's pinned copy on the same
-/// link: 51.5 GiB/s), so copies cost far more of a step than when the step took 760 ms
-/// (session 13): a faster GPU or a slower link makes streaming dearer, and the model's
+/// link: 51.5 GiB/s), so copies cost far more of a step than when the step took 760 ms: a
+/// faster GPU or a slower link makes streaming dearer, and the model's
 /// resident step is an H100's.
 pub mod cost_model {
     /// The resident step's length, estimated from the activations it saves: 12.3 ms a GiB
@@ -277,7 +277,7 @@ pub mod cost_model {
     pub const FORWARD: f64 = 0.428;
     /// The forward pass's share of the resident step (its compute; the backward takes the
     /// rest): every block checkpointed keeping attention and down-projections, nothing
-    /// streamed, ran its forward in 154.5 ms (session 32, `--phases`; resident steps of that
+    /// streamed, ran its forward in 154.5 ms (`--phases`; resident steps of that
     /// machine 385-389 ms). The re-run costs more than the forward it repeats (`FORWARD`).
     pub const FORWARD_PASS: f64 = 0.40;
     /// The re-run's share of the resident step with attention's outputs kept (524.7 ms:
@@ -289,7 +289,7 @@ pub mod cost_model {
     /// third of the block's; a double block's two `fc2` are 27% of the FLOPs but 22% of the
     /// weights (the modulation Linears weigh much and see one position). At 1.0 the model
     /// puts every block checkpointed with the down-projections kept at 505.9 ms, measured
-    /// 506.1 (session 26, resident 381-383 ms), and with attention kept too at 474.9,
+    /// 506.1 (resident 381-383 ms), and with attention kept too at 474.9,
     /// measured 480.4. An SDXL block's cross-attention keys and values also narrow (2048
     /// context channels in) but see 77 tokens: there the model overrates the saving.
     pub const DOWN_SAVED: f64 = 1.0;
@@ -297,10 +297,10 @@ pub mod cost_model {
     /// later call).
     pub const UPLOAD_GIB_PER_S: f64 = 47.0;
     /// Exposed time per streamed block and pass, ms: the fetch, the waits and the release
-    /// around each run. Session 33 (`--phases`): the backward of 51 blocks streamed uncoded,
-    /// their uploads hidden, ran 327.8 ms against 321.5 with nothing streamed (session 32's
+    /// around each run. Measured (`--phases`): the backward of 51 blocks streamed uncoded,
+    /// their uploads hidden, ran 327.8 ms against 321.5 with nothing streamed (an earlier build's
     /// machine): 0.12 a block. (0.3, fitted with the upload rate to the streamed rows of
-    /// sessions 25-28, took what `FORWARD_PASS` and the decodes now count.)
+    /// the builds before it, took what `FORWARD_PASS` and the decodes now count.)
     pub const STREAM_MS_PER_BLOCK: f64 = 0.1;
     /// Per GiB of block inputs moved to host memory and back per step, ms, beyond their
     /// time on the link (which the model plays): the copies out and the events the compute
@@ -312,12 +312,12 @@ pub mod cost_model {
     pub const DECODE_MS_PER_GIB: f64 = 1.6;
     /// Decoding weights that crossed the link coded, ms per GiB of coded bytes, on the
     /// decode stream (the highest priority) after each piece's copy: a block is ready this
-    /// long after its last byte crossed. Session 28 measured the Huffman decoder at 129-135 ms
+    /// long after its last byte crossed. Measured: the Huffman decoder at 129-135 ms
     /// a step for 24.2-27.1 GiB coded (12, 16 and 8 GiB plans; events around each piece's
     /// decodes, which run beside the compute's kernels).
     pub const WIRE_DECODE_MS_PER_GIB: f64 = 5.3;
     /// The same decodes' cost to the compute stream, ms per GiB coded: the SMs they take from
-    /// it, where the compute does not wait for the link anyway. Session 33 (`--phases`, one
+    /// it, where the compute does not wait for the link anyway. Measured (`--phases`, one
     /// call): Flux-dev within 12 GiB streaming 52 blocks coded ran its backward in 357.8 ms
     /// with 9.12 GiB coded, 51 uncoded in 327.8 (3.3 ms a GiB); with the 11 carried blocks
     /// uncoded, 346.0 with 5.7 GiB coded (3.2); the coded forward took 175.6 ms for 6.37 GiB
@@ -332,7 +332,7 @@ pub mod cost_model {
     pub const NEAR: f64 = 0.01;
     /// The host's rate at the products of weights it holds (`Plan::host_products`), GiB of
     /// weights a second: an f32 sum over each weight's values on a pool of one thread a core,
-    /// bound by the host's memory. Session 32 measured 106-141 ms a step for Flux-dev's 5.2
+    /// bound by the host's memory. Measured: 106-141 ms a step for Flux-dev's 5.2
     /// GiB of modulations at 12 GiB (H100 machine, 16 cores: 37-49 GiB/s).
     pub const HOST_PRODUCT_GIB_PER_S: f64 = 35.0;
 }
@@ -656,7 +656,7 @@ impl MemoryProfile {
     /// backward. Such plans fetch only `prefetch` ahead (`reach`): the activations, large
     /// buffers made all through the forward, land among the blocks fetched early and cut the
     /// room the next ones need (SD3.5-large within 8 GiB, 4 resident blocks beside 34
-    /// streamed: requests past the cap's arena, 9.05 GiB on the driver; H100, session 27).
+    /// streamed: requests past the cap's arena, 9.05 GiB on the driver; H100).
     pub fn saves_activations(&self, plan: &Plan) -> bool {
         (0..self.blocks.len()).any(|i| {
             let streamed = plan.streamed.contains(&self.blocks[i].prefix);
@@ -928,7 +928,7 @@ impl MemoryProfile {
                         }
                         // A prefetch of one holds a streamed block less on the device and
                         // hides less of the copies (the time model weighs both). Three ran
-                        // 4 ms faster than two at 12 GiB (session 29, 580.6 against 585.5 ms)
+                        // 4 ms faster than two at 12 GiB (580.6 against 585.5 ms)
                         // where the model promised 16 ms: not a candidate.
                         for prefetch in [2, 1] {
                             if k == 0 && prefetch == 1 {
@@ -1012,7 +1012,7 @@ impl MemoryProfile {
     /// the one with the smallest peak. Mixed plans ran slower than the model says: Flux-dev
     /// within 24 GiB, 12 resident blocks beside 45 streamed, 506.4 and 494.2 ms against 492.8
     /// predicted, where every block checkpointed with 31 streamed ran 489.3 (1.26x) and 492.9
-    /// in session 30 (H100, session 31).
+    /// on an earlier build (H100).
     pub fn plan_among(
         &self,
         budget: u64,
@@ -1114,7 +1114,7 @@ pub fn carry(reach: &[usize], prefetch: usize) -> usize {
 
 /// Activation bytes of a transformer-style block per token and channel of its width, in
 /// units of the activation dtype's size: what a resident block's forward keeps for the LoRA
-/// step's backward. Measured on Flux-dev at 1024² (H100, session 12): the resident step's
+/// step's backward. Measured on Flux-dev at 1024² (H100): the resident step's
 /// peak (54.69 GiB) less weights, adapters, gradients and AdamW state (23.3 GiB), over 57
 /// blocks of 4608 tokens x 3072 channels in bf16, is 20.9 values a token-channel.
 pub const SAVED_PER_TOKEN_CHANNEL: f64 = 21.0;

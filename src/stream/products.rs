@@ -432,7 +432,7 @@ impl HostProducts {
         };
         // A few rows of values: from pageable memory, which the driver writes into the
         // compute stream's commands, where a copy from page-locked memory would wait for the
-        // copy engine behind the blocks' uploads (session 30, H100: 630 ms a step against
+        // copy engine behind the blocks' uploads (H100: 630 ms a step against
         // 538).
         let y = Tensor::from_host(host, (rows, hw.out), x.device())?;
         if let Ok(mut st) = lock.lock() {
@@ -517,8 +517,8 @@ fn run_jobs(
 /// The threads that compute the products, a pool of their own: `FLAME_HOST_PRODUCT_THREADS`
 /// when set to a positive count, else one a core. Each thread's rate is bound by the
 /// memory's latency, so fewer threads computed slower: Flux-dev at 12 GiB on the H100
-/// machine's 16 cores took 115 ms a step with 16 threads, 143 with 14, 179 with 8, 418 with 4
-/// (session 31). `None` (rayon's global pool) where the pool cannot be made.
+/// machine's 16 cores took 115 ms a step with 16 threads, 143 with 14, 179 with 8, 418 with 4.
+/// `None` (rayon's global pool) where the pool cannot be made.
 fn pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
     POOL.get_or_init(|| {
@@ -589,7 +589,7 @@ fn by_output<T: Copy + Sync>(
 
 /// How far ahead of its sums `dot` asks the memory for a weight's bytes: each thread's rate
 /// at the products was bound by the memory's latency on the H100 machine (2 GB/s a thread,
-/// linear in the threads from 4 to 16, session 31), where the hardware's own prefetch did not
+/// linear in the threads from 4 to 16), where the hardware's own prefetch did not
 /// keep enough lines in flight.
 const PREFETCH_BYTES: usize = 2048;
 

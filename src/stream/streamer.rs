@@ -728,7 +728,7 @@ impl BlockStreamer {
     /// `prefetch + 1` blocks for the next forward. The planner's reach holds the step's
     /// bytes under the peak, but blocks fetched early and released as the checkpoints fill
     /// the memory can cut a cap's arena into pieces no block fits (SD3.5-large within 8 GiB:
-    /// 2-3 requests a step past the arena, H100, session 27); then the streamer falls back to
+    /// 2-3 requests a step past the arena, H100); then the streamer falls back to
     /// the prefetch.
     fn has_room(&self, st: &State, i: usize) -> bool {
         let bytes = st

@@ -281,7 +281,7 @@ fn raw(buf: &Buf, dev: &CudaDevice) -> u64 {
 impl CudaDevice {
     /// `bytes` (at least 1) of page-locked host memory, cached (not write-combined, which
     /// cudarc's `alloc_pinned` asks for): the host reads stashed weights when it packs them,
-    /// and uploads from write-combined packs ran no faster (H100, session 29: 48.1 against
+    /// and uploads from write-combined packs ran no faster (measured on an H100: 48.1 against
     /// 48.2 GiB/s).
     ///
     /// # Safety

@@ -123,7 +123,7 @@ impl ModelSpec for Sd3 {
     /// hidden width; MMDiT-X's dual-attention blocks attend twice over the image tokens. A
     /// joint block keeps 1.15 times what a Flux block does a token and channel (its QK
     /// norms): the resident SD3.5-large LoRA step at 1024² measured 34.62 GiB on an H100
-    /// (session 12) against 32.5 predicted at 1.0.
+    /// against 32.5 predicted at 1.0.
     fn block_shapes(config: &Sd3Config, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>> {
         let ((h, w), t) = latent_and_context("sd3", sample)?;
         let p = config.patch_size.max(1);

@@ -115,7 +115,7 @@ impl ModelSpec for Unet {
     /// transformer layer's ~21), each transformer layer 1 and two attention calls (self and
     /// cross), a downsampling block 0.25; output blocks read the concatenated skip (0.5 more).
     /// All of it times 1.2, from the resident SDXL LoRA step at 1024² measured on an H100
-    /// (session 12: 12.07 GiB against 11.08 predicted without it, and a 4 GiB plan that ran
+    /// (12.07 GiB against 11.08 predicted without it, and a 4 GiB plan that ran
     /// out of memory).
     fn block_shapes(config: &SdxlConfig, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>> {
         let ((h, w), _) = latent_and_context("sdxl", sample)?;

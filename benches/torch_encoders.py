@@ -76,15 +76,15 @@ def t5xxl():
     return build(lambda: T5EncoderModel(cfg))
 
 
-def vae():
+def vae(scaling_factor=0.3611, shift_factor=0.1159):
     from diffusers import AutoencoderKL
-    # FLUX.1-dev vae/config.json.
+    # FLUX.1-dev vae/config.json; SD3.5's differs only in its latent scale and shift.
     return build(lambda: AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=16,
         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
         block_out_channels=[128, 256, 512, 512], layers_per_block=2, norm_num_groups=32,
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611,
-        shift_factor=0.1159))
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=scaling_factor,
+        shift_factor=shift_factor))
 
 
 def transformer():
@@ -97,14 +97,8 @@ def transformer():
 
 
 def sd3_vae():
-    from diffusers import AutoencoderKL
     # stabilityai/stable-diffusion-3.5-large vae/config.json.
-    return build(lambda: AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16,
-        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-        block_out_channels=[128, 256, 512, 512], layers_per_block=2, norm_num_groups=32,
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305,
-        shift_factor=0.0609))
+    return vae(scaling_factor=1.5305, shift_factor=0.0609)
 
 
 def sd35_large():

@@ -238,6 +238,15 @@ fn phases(c: &TrainConfig) -> String {
     )
 }
 
+/// What the flags ask of the output folder.
+fn run_options(args: &Args) -> RunOptions {
+    RunOptions {
+        resume: args.resume,
+        overwrite: args.overwrite,
+        stop_at: None,
+    }
+}
+
 /// How a run starts: in this process (on the one GPU `--gpus` names, or as the config
 /// says), or as `n` workers (on these GPUs, or on the CPU).
 enum Start {
@@ -342,11 +351,7 @@ const STOPPED_BY_PEER: i32 = 3;
 /// ones still running after 30 s are killed) and the failure is reported by rank.
 fn launch(args: &Args, path: &std::path::Path, n: usize, gpus: Option<Vec<usize>>) -> ExitCode {
     // What every rank would refuse is said once, before any worker starts.
-    let opts = RunOptions {
-        resume: args.resume,
-        overwrite: args.overwrite,
-        stop_at: None,
-    };
+    let opts = run_options(args);
     let checked =
         TrainConfig::from_file(path).and_then(|config| flame::train::preflight(&config, n, &opts));
     if let Err(e) = checked {
@@ -556,11 +561,7 @@ fn run(
     };
     let world = place.group.as_ref().map(|g| g.describe());
     let ranks = place.group.as_ref().map_or(1, |g| g.world());
-    let opts = RunOptions {
-        resume: args.resume,
-        overwrite: args.overwrite,
-        stop_at: None,
-    };
+    let opts = run_options(args);
     // The paths and the output folder first: a missing one, or an occupied folder, is
     // refused before any data is cached.
     if !quiet {

@@ -341,12 +341,16 @@ fn is_image(path: &Path) -> bool {
 /// `None` for any other name. A number too large for `usize` reads as `usize::MAX`, which
 /// the caller then refuses ([`MAX_REPEATS`]).
 pub fn kohya_repeats(name: &str) -> Option<usize> {
-    let (number, rest) = name.split_once('_')?;
-    if number.is_empty() || rest.is_empty() || !number.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let n = number.parse::<usize>().unwrap_or(usize::MAX);
+    let n = kohya_number(name)?.parse::<usize>().unwrap_or(usize::MAX);
     (n >= 1).then_some(n)
+}
+
+/// The digits of a `<number>_<name>` folder name (ASCII digits, an underscore, a non-empty
+/// name), whatever the number.
+fn kohya_number(name: &str) -> Option<&str> {
+    let (number, rest) = name.split_once('_')?;
+    let digits = !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit());
+    (digits && !rest.is_empty()).then_some(number)
 }
 
 /// The entries of `dir`, sorted by path.
@@ -392,7 +396,7 @@ fn scan_folder(
             .checked_mul(repeats)
             .filter(|t| *t <= MAX_REPEATS)
             .ok_or_else(|| {
-                let digits = sub_name.split('_').next().unwrap_or_default();
+                let digits = kohya_number(&sub_name).unwrap_or_default();
                 data_err(
                     sub,
                     format!(
@@ -473,8 +477,7 @@ fn scan_folder(
 
 /// Whether a subfolder's name is kohya's `<repeats>_<name>` with repeats 0 (left out).
 fn zero_repeats(name: &str) -> bool {
-    name.split_once('_')
-        .is_some_and(|(n, rest)| !n.is_empty() && !rest.is_empty() && n.bytes().all(|b| b == b'0'))
+    kohya_number(name).is_some_and(|n| n.bytes().all(|b| b == b'0'))
 }
 
 /// Up to [`LISTED_SUBFOLDERS`] folder names as `a/, b/ and N more`.

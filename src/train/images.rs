@@ -274,15 +274,33 @@ pub const MAX_CAPTIONS: usize = 1_000_000;
 /// caption besides). An error naming the keys when the run would draw more than
 /// [`MAX_CAPTIONS`].
 fn run_captions(config: &TrainConfig, ds: &data::Dataset, world: usize) -> Result<Vec<String>> {
-    let t = &config.train;
+    let mut seen = std::collections::HashSet::new();
     if !config.data.shuffle_tags {
-        let mut seen = std::collections::HashSet::new();
         return Ok(ds
             .items
             .iter()
-            .filter(|it| seen.insert(it.caption.as_str()))
+            .filter(|it| seen.insert(it.caption.clone()))
             .map(|it| it.caption.clone())
             .collect());
+    }
+    let mut captions = vec![];
+    for e in 0..shuffled_epochs(config, ds, world)? as u64 {
+        for i in 0..ds.len() {
+            let c = ds.caption(i, e)?;
+            if seen.insert(c.clone()) {
+                captions.push(c);
+            }
+        }
+    }
+    Ok(captions)
+}
+
+/// The epochs whose shuffled captions the run encodes ahead (0 without
+/// `data.shuffle_tags`); an error naming the keys past [`MAX_CAPTIONS`] drawn captions.
+fn shuffled_epochs(config: &TrainConfig, ds: &data::Dataset, world: usize) -> Result<usize> {
+    let t = &config.train;
+    if !config.data.shuffle_tags {
+        return Ok(0);
     }
     let sampler = ds.sampler(t.batch_size * world, false)?;
     let micro_batches = t.steps.saturating_mul(t.grad_accum);
@@ -297,17 +315,7 @@ fn run_captions(config: &TrainConfig, ds: &data::Dataset, world: usize) -> Resul
             ds.len()
         )));
     }
-    let mut seen = std::collections::HashSet::new();
-    let mut captions = vec![];
-    for e in 0..epochs as u64 {
-        for i in 0..ds.len() {
-            let c = ds.caption(i, e)?;
-            if seen.insert(c.clone()) {
-                captions.push(c);
-            }
-        }
-    }
-    Ok(captions)
+    Ok(epochs)
 }
 
 /// Progress of a cache fill, as a note at every tenth of the way and at the end.
@@ -361,7 +369,7 @@ pub fn scan(
         "training views (images x repeats x flips)",
     )?;
     // The run's captions are bounded before anything is encoded.
-    run_captions(config, &ds, world)?;
+    shuffled_epochs(config, &ds, world)?;
     Ok((ds, val))
 }
 

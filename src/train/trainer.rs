@@ -352,25 +352,29 @@ impl Trainer {
             memory: MemoryPlan::default(),
             merge: None,
         };
-        // The model's inputs and the data's shapes first, from a build without weights, so
-        // bad data and an impossible memory budget fail before any weight is read.
         let peaks = PhasePeaks::default();
-        let probe = family.probe(&m.path, &opts)?.model;
-        let inputs = probe.inputs();
-        // The adapters on the model's layers, from a build without weights on the CPU where
-        // the build has it (a set of their own, dropped here): targets that match nothing, a
-        // rank a layer cannot take, a PEFT layout the model cannot be given, before any data
-        // is read or cached.
-        {
-            let trial = Adapters::new(config.adapter_config())?;
-            let on_cpu = LoadOptions {
+        // The model's inputs and shape checks, and the adapters on its layers, first, from one
+        // build without weights (on the CPU where the build has it; the adapters a set of
+        // their own, dropped with the build): bad data, targets that match nothing, a rank a
+        // layer cannot take, a PEFT layout the model cannot be given and an impossible memory
+        // budget fail before any data is cached or weight read.
+        let trial = Adapters::new(config.adapter_config())?;
+        let built = family.probe(
+            &m.path,
+            &LoadOptions {
                 adapters: Some(trial.clone()),
                 device: cpu_device().unwrap_or_else(|_| device.clone()),
                 ..opts.clone()
-            };
-            let built = family.probe(&m.path, &on_cpu)?;
-            check_adapters(&config, &trial, &built.key_map)?;
-        }
+            },
+        )?;
+        check_adapters(&config, &trial, &built.key_map)?;
+        // The builder and key map (holding the trial adapters) go here, the model stays.
+        let probe = {
+            let b = built;
+            b.model
+        };
+        drop(trial);
+        let inputs = probe.inputs();
         let (data, validation, pipeline): (Box<dyn Samples>, _, _) = match &config.data.dir {
             Some(dir) => {
                 let data = Dataset::open(dir, &inputs, &|s| probe.check_shapes(s))?;

@@ -2,7 +2,9 @@
 //! a point in the code that writes files and what happens there.
 //! - `kill:<point>` aborts the process at that point (no destructors, no flushing, as
 //!   `kill -9` would);
-//! - `enospc:<point>` makes the write there fail with "No space left on device".
+//! - `enospc:<point>` makes the write there fail with "No space left on device";
+//! - `hang:<point>` stops the thread there for good, the process alive and its connections
+//!   open (a rank stuck in a kernel, a dead file system or a deadlock).
 //!
 //! `<point>@<n>` acts on the n-th time the point is reached (default the first). Points are
 //! `write:<file name>` (a file written atomically, before its rename into place),
@@ -16,8 +18,15 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
+#[derive(PartialEq)]
+enum Kind {
+    Kill,
+    Enospc,
+    Hang,
+}
+
 struct Spec {
-    kill: bool,
+    kind: Kind,
     point: String,
     nth: usize,
     hits: AtomicUsize,
@@ -37,8 +46,13 @@ fn spec() -> Option<&'static Spec> {
             Some((p, n)) => (p.to_string(), n.parse().ok()?),
             None => (rest.to_string(), 1),
         };
+        let kind = match kind {
+            "kill" => Kind::Kill,
+            "hang" => Kind::Hang,
+            _ => Kind::Enospc,
+        };
         Some(Spec {
-            kill: kind == "kill",
+            kind,
             point,
             nth,
             hits: AtomicUsize::new(0),
@@ -55,8 +69,12 @@ pub(crate) fn point(point: &str) -> std::io::Result<()> {
     if s.point != point || s.hits.fetch_add(1, Ordering::Relaxed) + 1 != s.nth {
         return Ok(());
     }
-    if s.kill {
-        std::process::abort();
+    match s.kind {
+        Kind::Kill => std::process::abort(),
+        Kind::Hang => loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        },
+        Kind::Enospc => {}
     }
     // ENOSPC on Linux and macOS.
     Err(std::io::Error::from_raw_os_error(28))

@@ -66,6 +66,7 @@ pub mod models;
 pub mod nn;
 pub mod optim;
 pub mod profile;
+pub mod progress;
 pub mod safetensors;
 pub mod sample;
 mod shape;

@@ -156,6 +156,7 @@ impl SafeTensorsFile {
 
     /// Reads one tensor (its bytes are read now) onto `device`, in the file's dtype.
     pub fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
+        crate::progress::tick();
         let data = self.host(name)?;
         let shape = self
             .tensors

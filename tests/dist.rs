@@ -338,8 +338,16 @@ fn close(a: &[serde_json::Value], b: &[serde_json::Value], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}");
     for (x, y) in a.iter().zip(b) {
         assert_eq!(x["step"], y["step"]);
-        for k in ["loss", "grad_norm"] {
-            let (u, v) = (x[k].as_f64().unwrap(), y[k].as_f64().unwrap());
+        for k in ["loss", "grad_norm", "val_loss"] {
+            let (Some(u), Some(v)) = (x[k].as_f64(), y[k].as_f64()) else {
+                assert_eq!(
+                    x[k].is_null(),
+                    y[k].is_null(),
+                    "{what}: step {} {k}",
+                    x["step"]
+                );
+                continue;
+            };
             assert!(
                 (u - v).abs() <= 2e-5 * u.abs().max(v.abs()),
                 "{what}: step {} {k}: {u} vs {v}",
@@ -520,6 +528,97 @@ fn the_launcher_trains_worker_processes_and_names_a_failing_rank() {
     for d in [&shared, &one.train.output_dir, &two.train.output_dir] {
         std::fs::remove_dir_all(d).ok();
     }
+}
+
+/// From images, two worker processes fill the latent and caption caches together, each its
+/// share, and then train as one process with the global batch does from a cache it filled
+/// alone: the same losses, and every cache entry on disk once.
+#[cfg(feature = "cli")]
+#[test]
+fn worker_processes_cache_their_share_of_the_images_and_train_as_one() {
+    let home = temp("images-shared");
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny.toml");
+    let base = std::fs::read_to_string(example)
+        .unwrap()
+        .replace("steps = 200", "steps = 6")
+        .replace("warmup_steps = 10", "warmup_steps = 2")
+        .replace("device = \"auto\"", "device = \"cpu\"")
+        .replace("tiny/", &format!("{}/", home.display()));
+    let write = |name: &str, batch: usize| {
+        let d = temp(name);
+        let text = base
+            .replace("batch_size = 4", &format!("batch_size = {batch}"))
+            .replace(
+                &format!("{}/out", home.display()),
+                &d.join("out").display().to_string(),
+            );
+        let p = d.join("train.toml");
+        std::fs::write(&p, &text).unwrap();
+        let cfg = TrainConfig::from_toml(&text).unwrap();
+        make_tiny_once(&cfg);
+        (p, cfg)
+    };
+    let (one_p, one) = write("images-one", 4);
+    let out = train_bin(&one_p, &[], None);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (two_p, two) = write("images-two", 2);
+    let out = train_bin(&two_p, &["--workers", "2"], None);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("captions, rank 0 of 2's share"), "{err}");
+    assert!(err.contains("every rank's share done"), "{err}");
+    close(&log(&one), &log(&two), "2 workers caching their shares");
+    let entries = |cfg: &TrainConfig, sub: &str| {
+        let mut v: Vec<String> = std::fs::read_dir(cfg.train.output_dir.join("cache").join(sub))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    for sub in ["latents", "text"] {
+        assert_eq!(entries(&one, sub), entries(&two, sub), "{sub}");
+    }
+    for d in [&home, &one.train.output_dir, &two.train.output_dir] {
+        std::fs::remove_dir_all(d).ok();
+    }
+}
+
+/// A rank that stays alive but stops making progress (stuck in a kernel, a file system, a
+/// deadlock: here a thread that sleeps for good at the start of step 3) is found by the
+/// watchdog once `FLAME_STALL_TIMEOUT` passes without progress while the other rank waits
+/// for it: the message names it and its phase, and every process exits (no hang, non-zero).
+#[cfg(feature = "cli")]
+#[test]
+fn a_stuck_rank_is_named_and_every_process_stops() {
+    let shared = temp("stuck-shared");
+    for stuck in ["1", "0"] {
+        let (p, cfg) = write_tiny(&format!("stuck-{stuck}"), &shared, 2, "cpu");
+        let exe = std::env::var("FLAME_TRAIN_EXE").unwrap_or(env!("CARGO_BIN_EXE_train").into());
+        let start = std::time::Instant::now();
+        let out = std::process::Command::new(exe)
+            .arg(&p)
+            .args(["--workers", "2"])
+            .env_remove("WORLD_SIZE")
+            .env("FLAME_FAULT", "hang:step@3")
+            .env("FLAME_FAULT_RANK", stuck)
+            .env("FLAME_STALL_TIMEOUT", "2")
+            .output()
+            .unwrap();
+        let took = start.elapsed().as_secs();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "rank {stuck} stuck: {err}");
+        assert!(took < 60, "rank {stuck} stuck: the run took {took} s");
+        let named = format!("rank {stuck} (last: training step 3) made no progress for 2 s");
+        assert!(err.contains(&named), "rank {stuck} stuck: {err}");
+        assert!(err.contains("stopped the run on every rank"), "{err}");
+        std::fs::remove_dir_all(&cfg.train.output_dir).ok();
+    }
+    std::fs::remove_dir_all(&shared).ok();
 }
 
 /// On a machine with two GPUs, through NCCL: `train --gpus 0,1` with

@@ -11,7 +11,7 @@
 //! such worker, wherever it runs (see README, "Several GPUs").
 
 use argh::FromArgs;
-use flame::dist::{free_port, Launch, ProcessGroup};
+use flame::dist::{free_port, AbortCause, Launch, ProcessGroup};
 use flame::train::config::Gpus;
 use flame::train::{
     Event, FolderAction, Placement, Prepare, RunEnd, RunOptions, StepReport, TrainConfig, Trainer,
@@ -346,6 +346,9 @@ const LAUNCHED: &str = "FLAME_LAUNCHED";
 /// The exit code of a worker stopped because another rank failed.
 const STOPPED_BY_PEER: i32 = 3;
 
+/// The exit code of a worker whose watchdog judged the run stuck (it printed why).
+const STALLED: i32 = 4;
+
 /// Starts `n` workers of this run (on `gpus`, or on the CPU), forwards Ctrl-C / SIGTERM to
 /// them, and waits: when one fails, the others are stopped (their watchdogs stop them; the
 /// ones still running after 30 s are killed) and the failure is reported by rank.
@@ -473,10 +476,16 @@ fn launch(args: &Args, path: &std::path::Path, n: usize, gpus: Option<Vec<usize>
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     if let Some((r, st)) = failed {
-        eprintln!(
-            "error: {} failed ({st}); the run stopped on every rank",
-            where_(r)
-        );
+        match st.code() == Some(STALLED) {
+            true => eprintln!(
+                "error: the watchdog of {} stopped the run on every rank (why: above)",
+                where_(r)
+            ),
+            false => eprintln!(
+                "error: {} failed ({st}); the run stopped on every rank",
+                where_(r)
+            ),
+        }
         return ExitCode::FAILURE;
     }
     if status.iter().any(|s| s.and_then(|s| s.code()) == Some(130)) {
@@ -500,7 +509,12 @@ fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
         // Under this binary's launcher, which names the rank that failed, a rank stopped by
         // another's failure exits quietly; started otherwise (torchrun), it says why.
         let launched = std::env::var_os(LAUNCHED).is_some();
-        group.watch(Arc::new(move |msg: &str| {
+        group.watch(Arc::new(move |msg: &str, cause: AbortCause| {
+            if cause == AbortCause::Stalled {
+                // This process judged the run stuck: it says why, whoever started it.
+                eprintln!("error: {msg}");
+                std::process::exit(STALLED);
+            }
             if !launched {
                 eprintln!("rank {rank}: stopping: {msg}");
             }

@@ -254,6 +254,25 @@ impl LatentCache {
         encode: &mut dyn FnMut(&Tensor) -> Result<Encoded>,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<FillReport> {
+        self.fill_part(ds, device, encode, progress, 0, 1)
+    }
+
+    /// [`LatentCache::fill`]'s share of process `rank` of `world` filling one cache together
+    /// (data-parallel training): the images `rank`, `rank + world`, ... of `ds`. Every
+    /// image is hashed (so each process's index is whole), only the share is decoded and
+    /// encoded. With several processes `ds` is left as it is and the skipped images are
+    /// only listed: a whole [`LatentCache::fill`] after every share is done then finds every
+    /// entry on disk and leaves out the unreadable images the same way in every process.
+    pub fn fill_part(
+        &mut self,
+        ds: &mut Dataset,
+        device: &Device,
+        encode: &mut dyn FnMut(&Tensor) -> Result<Encoded>,
+        progress: &mut dyn FnMut(&Progress),
+        rank: usize,
+        world: usize,
+    ) -> Result<FillReport> {
+        let world = world.max(1);
         let latents = self.dir.join("latents");
         std::fs::create_dir_all(&latents).map_err(io_err(&latents))?;
         let flips: &[bool] = if ds.options.flip {
@@ -271,6 +290,9 @@ impl LatentCache {
                     continue;
                 }
             };
+            if i % world != rank {
+                continue;
+            }
             let mut entries = BTreeMap::new();
             for s in ds.samples.iter().filter(|s| s.item == i) {
                 for &f in flips {
@@ -346,6 +368,7 @@ impl LatentCache {
                     p.computed += 1;
                 }
                 p.done += 1;
+                crate::progress::tick();
                 progress(&p);
             }
         }
@@ -362,7 +385,9 @@ impl LatentCache {
                     reason: why.clone(),
                 })
                 .collect();
-            ds.remove_items(bad)?;
+            if world == 1 {
+                ds.remove_items(bad)?;
+            }
         }
         Ok(report)
     }
@@ -443,10 +468,31 @@ impl TextCache {
         encode: &mut dyn FnMut(&str) -> Result<Encoded>,
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<FillReport> {
+        self.fill_part(captions, encode, progress, 0, 1)
+    }
+
+    /// [`TextCache::fill`]'s share of process `rank` of `world` filling one cache together:
+    /// the distinct captions `rank`, `rank + world`, ... in sorted order.
+    pub fn fill_part(
+        &self,
+        captions: &[String],
+        encode: &mut dyn FnMut(&str) -> Result<Encoded>,
+        progress: &mut dyn FnMut(&Progress),
+        rank: usize,
+        world: usize,
+    ) -> Result<FillReport> {
         let text = self.dir.join("text");
         std::fs::create_dir_all(&text).map_err(io_err(&text))?;
-        let distinct: std::collections::BTreeSet<&str> =
-            captions.iter().map(String::as_str).collect();
+        let world = world.max(1);
+        let distinct: std::collections::BTreeSet<&str> = captions
+            .iter()
+            .map(String::as_str)
+            .collect::<std::collections::BTreeSet<&str>>()
+            .into_iter()
+            .enumerate()
+            .filter(|(k, _)| k % world == rank)
+            .map(|(_, c)| c)
+            .collect();
         let mut report = FillReport {
             total: distinct.len(),
             ..FillReport::default()
@@ -470,6 +516,7 @@ impl TextCache {
                 p.computed += 1;
             }
             p.done += 1;
+            crate::progress::tick();
             progress(&p);
         }
         Ok(report)

@@ -13,7 +13,7 @@ mod reducer;
 mod tcp;
 
 pub use reducer::{GradReducer, BUCKET_BYTES};
-pub use tcp::{free_port, OnAbort, TcpGroup};
+pub use tcp::{free_port, AbortCause, OnAbort, TcpGroup};
 
 use crate::{Device, Error, Result, Tensor};
 use std::sync::Arc;
@@ -107,7 +107,16 @@ pub struct Launch {
     /// `FLAME_DIST_TIMEOUT` (seconds, default 600): how long ranks wait for each other to
     /// join.
     pub timeout: Duration,
+    /// `FLAME_STALL_TIMEOUT` (seconds, default [`DEFAULT_STALL_S`]; 0: never): how long a
+    /// rank may make no progress while the others wait for it, or send no heartbeat, before
+    /// every rank stops with a message naming it.
+    pub stall: Option<Duration>,
 }
+
+/// The default stall limit: 15 minutes, longer than any single piece of work FLAME does
+/// without a sign of progress (a checkpoint write, a first kernel compile, one step of the
+/// largest model streamed from host memory).
+pub const DEFAULT_STALL_S: u64 = 900;
 
 /// torchrun's default port.
 pub const DEFAULT_PORT: u16 = 29500;
@@ -166,6 +175,10 @@ impl Launch {
                 .map_err(|_| env_err("FLAME_GPUS", &v, "not a list of GPU numbers"))?,
         };
         let timeout = Duration::from_secs(num("FLAME_DIST_TIMEOUT")?.unwrap_or(600) as u64);
+        let stall = match num("FLAME_STALL_TIMEOUT")?.unwrap_or(DEFAULT_STALL_S as usize) {
+            0 => None,
+            s => Some(Duration::from_secs(s as u64)),
+        };
         Ok(Some(Launch {
             rank,
             world,
@@ -174,6 +187,7 @@ impl Launch {
             port,
             gpus,
             timeout,
+            stall,
         }))
     }
 
@@ -193,7 +207,8 @@ impl Launch {
 
     /// Joins the group: TCP for the CPU, NCCL (over the TCP rendezvous) for a GPU.
     pub fn join(&self, device: &Device) -> Result<Arc<dyn ProcessGroup>> {
-        let tcp = TcpGroup::connect(&self.addr, self.port, self.rank, self.world, self.timeout)?;
+        let tcp = TcpGroup::connect(&self.addr, self.port, self.rank, self.world, self.timeout)?
+            .stall_after(self.stall);
         #[cfg(feature = "cuda")]
         #[allow(irrefutable_let_patterns)]
         if let Device::Cuda(d) = device {
@@ -260,6 +275,7 @@ impl ProcessGroup for NcclGroup {
         self.ctl.world()
     }
     fn all_reduce_sum(&self, tensors: &[&Tensor]) -> Result<Pending> {
+        crate::progress::entered_collective();
         let e = self.comm.all_reduce_sum(tensors)?;
         Ok(Pending(PendingInner::Cuda(self.dev.clone(), e)))
     }
@@ -267,6 +283,7 @@ impl ProcessGroup for NcclGroup {
         true
     }
     fn broadcast(&self, tensors: &[&Tensor]) -> Result<()> {
+        crate::progress::entered_collective();
         let e = self.comm.broadcast(tensors)?;
         self.comm.wait(&e)
     }

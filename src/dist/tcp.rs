@@ -9,6 +9,7 @@
 //! ends with the same bits, and the same bits run after run.
 
 use super::{Pending, ProcessGroup};
+use crate::progress::{self, Snapshot};
 use crate::{Device, Error, Result, Tensor};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -20,6 +21,8 @@ const DATA: u8 = 1;
 const ABORT: u8 = 2;
 const FAILED: u8 = 3;
 const BYE: u8 = 4;
+/// A heartbeat: the sender's [`progress::Snapshot`].
+const BEAT: u8 = 5;
 /// "FLME": the first word of every connection, so a stray client is refused by name.
 const MAGIC: u32 = 0x464C_4D45;
 const KIND_DATA: u32 = 0;
@@ -27,10 +30,20 @@ const KIND_WATCH: u32 = 1;
 /// The largest frame read (a bigger length is a corrupt or foreign stream).
 const MAX_FRAME: u64 = 1 << 36;
 
-/// What a rank does when the watchdog learns that another rank failed or vanished: the
-/// message names the rank and why. The `train` binary exits the process (a collective in
-/// flight on a GPU cannot be cancelled from the host any other way).
-pub type OnAbort = Arc<dyn Fn(&str) + Send + Sync>;
+/// Why the watchdog stops this rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbortCause {
+    /// Another rank failed, exited or stopped the run: its process reports why.
+    Peer,
+    /// This process's watchdog judged the run stuck (rank 0: a rank made no progress, or
+    /// went silent; another rank: rank 0 went silent): this process reports it.
+    Stalled,
+}
+
+/// What a rank does when the watchdog learns that another rank failed or vanished, or judges
+/// the run stuck: the message names the rank and why. The `train` binary exits the process
+/// (a collective in flight on a GPU cannot be cancelled from the host any other way).
+pub type OnAbort = Arc<dyn Fn(&str, AbortCause) + Send + Sync>;
 
 /// A process group whose connections are TCP sockets; see the module documentation.
 pub struct TcpGroup {
@@ -42,6 +55,9 @@ pub struct TcpGroup {
     watch: Arc<Mutex<Vec<TcpStream>>>,
     /// Set when the group is dropped: a closed watch connection then means a clean exit.
     done: Arc<AtomicBool>,
+    /// How long a rank may make no progress, or rank 0 hear nothing from it, before the
+    /// watchdog stops the run ([`TcpGroup::stall_after`]); `None`: never.
+    stall: Option<Duration>,
 }
 
 fn dist(msg: impl Into<String>) -> Error {
@@ -157,6 +173,7 @@ impl TcpGroup {
             data: Mutex::new(vec![data]),
             watch: Arc::new(Mutex::new(vec![watch])),
             done: Arc::new(AtomicBool::new(false)),
+            stall: None,
         };
         // Rank 0 answers once every rank has joined: a wrong world size or a duplicate rank
         // fails here, by name, on every rank.
@@ -250,15 +267,27 @@ impl TcpGroup {
             data: Mutex::new(data.into_iter().flatten().collect()),
             watch: Arc::new(Mutex::new(watch.into_iter().flatten().collect())),
             done: Arc::new(AtomicBool::new(false)),
+            stall: None,
         };
         let mut ok = [0.0];
         g.sum_host(&mut ok)?;
         Ok(g)
     }
 
+    /// The group with a stall limit: once the watchdog runs, a rank that makes no progress
+    /// for `stall` while another waits for it (or every rank, inside one collective), or
+    /// that sends no heartbeat for `stall`, stops the run with a message naming it.
+    pub fn stall_after(mut self, stall: Option<Duration>) -> TcpGroup {
+        self.stall = stall.filter(|d| !d.is_zero());
+        self
+    }
+
     /// Starts the watchdog: when another rank fails (says so, exits or is killed), every
     /// rank's `on_abort` runs with a message naming it, even while its main thread is
-    /// blocked in a collective.
+    /// blocked in a collective. Every rank sends its [`progress`] to rank 0 as a heartbeat,
+    /// and rank 0 its own to every rank; with a stall limit ([`TcpGroup::stall_after`])
+    /// rank 0 judges from them whether a rank is stuck (see [`stuck`]), and a rank that
+    /// hears nothing from rank 0 for that long stops.
     pub fn start_watchdog(&self, on_abort: OnAbort) -> Result<()> {
         let readers: Vec<TcpStream> = self
             .watch
@@ -268,24 +297,56 @@ impl TcpGroup {
             .map(|s| s.try_clone())
             .collect::<std::io::Result<_>>()
             .map_err(|e| dist(format!("the watchdog's connections: {e}")))?;
+        let root = self.rank == 0;
+        let n = readers.len();
+        // What rank 0 heard of each rank (index 0: itself), and when rank 0 was last heard.
+        let table: Arc<Mutex<Vec<Heard>>> =
+            Arc::new(Mutex::new((0..=n).map(|_| Heard::new()).collect()));
+        // Set once `on_abort` ran: the watchdog acts once.
+        let fired = Arc::new(AtomicBool::new(false));
+        let fire = {
+            let (on, fired) = (on_abort.clone(), fired.clone());
+            Arc::new(move |msg: &str, cause: AbortCause| {
+                if !fired.swap(true, Ordering::SeqCst) {
+                    on(msg, cause);
+                }
+            })
+        };
         for (i, mut r) in readers.into_iter().enumerate() {
-            let (done, on, writers) = (self.done.clone(), on_abort.clone(), self.watch.clone());
-            let root = self.rank == 0;
+            let (done, on, writers) = (self.done.clone(), fire.clone(), self.watch.clone());
+            let table = table.clone();
             let other = if root { i + 1 } else { 0 };
             std::thread::spawn(move || {
-                let msg = match recv(&mut r) {
-                    Ok((BYE, _)) => return,
-                    Ok((FAILED, p)) | Ok((ABORT, p)) if !root => {
-                        String::from_utf8_lossy(&p).into_owned()
+                let msg = loop {
+                    match recv(&mut r) {
+                        Ok((BEAT, p)) => {
+                            if let (Some(snap), Ok(mut t)) =
+                                (Snapshot::from_bytes(&p), table.lock())
+                            {
+                                t[if root { other } else { 0 }].heard(snap);
+                            }
+                        }
+                        Ok((BYE, _)) => {
+                            // A clean exit: nothing more to hear from that rank.
+                            if let Ok(mut t) = table.lock() {
+                                t[if root { other } else { 0 }].left = true;
+                            }
+                            return;
+                        }
+                        Ok((FAILED, p)) | Ok((ABORT, p)) if !root => {
+                            break String::from_utf8_lossy(&p).into_owned()
+                        }
+                        Ok((FAILED, p)) => {
+                            break format!("rank {other} failed: {}", String::from_utf8_lossy(&p))
+                        }
+                        _ if done.load(Ordering::Relaxed) => return,
+                        _ => {
+                            break format!(
+                                "rank {other} exited without saying why (killed, crashed, or \
+                                 its machine went away)"
+                            )
+                        }
                     }
-                    Ok((FAILED, p)) => {
-                        format!("rank {other} failed: {}", String::from_utf8_lossy(&p))
-                    }
-                    _ if done.load(Ordering::Relaxed) => return,
-                    _ => format!(
-                        "rank {other} exited without saying why (killed, crashed, or its \
-                         machine went away)"
-                    ),
                 };
                 if root {
                     // Tell every other rank before acting.
@@ -297,9 +358,61 @@ impl TcpGroup {
                         }
                     }
                 }
-                on(&msg);
+                on(&msg, AbortCause::Peer);
             });
         }
+        // The heartbeat: this rank's progress to rank 0 (rank 0's to every rank), and on
+        // rank 0 the stall judgement.
+        let (done, writers, stall, rank) =
+            (self.done.clone(), self.watch.clone(), self.stall, self.rank);
+        let every = stall.map_or(Duration::from_secs(5), |s| {
+            (s / 8).clamp(Duration::from_millis(50), Duration::from_secs(5))
+        });
+        std::thread::spawn(move || loop {
+            std::thread::sleep(every);
+            if done.load(Ordering::Relaxed) || fired.load(Ordering::Relaxed) {
+                return;
+            }
+            let own = progress::snapshot();
+            let sent = match writers.lock() {
+                Ok(mut ws) => ws
+                    .iter_mut()
+                    .all(|w| send(w, BEAT, &own.to_bytes()).is_ok()),
+                Err(_) => return,
+            };
+            // A failed send is the reader's to report (the connection closed).
+            let _ = sent;
+            let Some(limit) = stall else { continue };
+            let verdict = match table.lock() {
+                Ok(mut t) => {
+                    if root {
+                        t[0].heard(own);
+                        stuck(&t, limit)
+                    } else {
+                        let quiet = t[0].last_heard.elapsed();
+                        (quiet > limit && !t[0].left).then(|| {
+                            format!(
+                                "rank {rank}: no heartbeat from rank 0 for {} s: its process is \
+                                 frozen, or its machine or the network went away",
+                                quiet.as_secs()
+                            )
+                        })
+                    }
+                }
+                Err(_) => return,
+            };
+            if let Some(msg) = verdict {
+                if root {
+                    if let Ok(mut ws) = writers.lock() {
+                        for w in ws.iter_mut() {
+                            let _ = send(w, ABORT, msg.as_bytes());
+                        }
+                    }
+                }
+                fire(&msg, AbortCause::Stalled);
+                return;
+            }
+        });
         Ok(())
     }
 
@@ -311,6 +424,8 @@ impl TcpGroup {
 
     /// Sums `values` over the ranks: rank 0 adds them in rank order.
     fn sum_f64(&self, values: &mut [f64]) -> Result<()> {
+        progress::entered_collective();
+        let _waiting = progress::waiting();
         let mut conns = self
             .data
             .lock()
@@ -401,6 +516,105 @@ impl TcpGroup {
         }
         self.sum_f64(values)
     }
+}
+
+/// What rank 0 knows of one rank: its last heartbeat, when its progress last moved, when
+/// it was last heard.
+struct Heard {
+    snap: Option<Snapshot>,
+    moved: Instant,
+    last_heard: Instant,
+    /// It said goodbye (its group closed): the run is ending.
+    left: bool,
+}
+
+impl Heard {
+    fn new() -> Heard {
+        Heard {
+            snap: None,
+            moved: Instant::now(),
+            last_heard: Instant::now(),
+            left: false,
+        }
+    }
+
+    fn heard(&mut self, snap: Snapshot) {
+        let now = Instant::now();
+        let moved = match &self.snap {
+            None => true,
+            Some(s) => {
+                s.ticks != snap.ticks
+                    || s.collectives != snap.collectives
+                    || s.waiting != snap.waiting
+            }
+        };
+        if moved {
+            self.moved = now;
+        }
+        self.last_heard = now;
+        self.snap = Some(snap);
+    }
+}
+
+/// Rank 0's judgement over the ranks' heartbeats (index = rank): a message when the run is
+/// stuck, naming the rank. A rank is *idle* when it is not waiting in a host collective and
+/// its progress has not moved for `limit`. Every rank enters the same collectives in the
+/// same order, so an idle rank that has entered fewer than another is the one the others
+/// wait for (a rank idle *ahead* of the others waits for them on the device, NCCL's way,
+/// and is not stuck while they work). Every rank idle in the same collective is a
+/// collective that does not finish. A rank unheard for `limit` is frozen or gone.
+fn stuck(t: &[Heard], limit: Duration) -> Option<String> {
+    let secs = limit.as_secs_f64();
+    if t.iter().any(|h| h.left) {
+        return None;
+    }
+    for (r, h) in t.iter().enumerate().skip(1) {
+        let quiet = h.last_heard.elapsed();
+        if quiet > limit {
+            return Some(format!(
+                "rank {r} sent no heartbeat for {:.0} s (FLAME_STALL_TIMEOUT = {secs:.0}): its \
+                 process is frozen, or its machine or the network went away; every rank stops",
+                quiet.as_secs_f64()
+            ));
+        }
+    }
+    let snaps: Vec<&Snapshot> = t.iter().filter_map(|h| h.snap.as_ref()).collect();
+    if snaps.len() < t.len() {
+        return None;
+    }
+    let most = snaps.iter().map(|s| s.collectives).max().unwrap_or(0);
+    let idle: Vec<usize> = (0..t.len())
+        .filter(|&r| !snaps[r].waiting && t[r].moved.elapsed() > limit)
+        .collect();
+    let behind: Vec<usize> = idle
+        .iter()
+        .copied()
+        .filter(|&r| snaps[r].collectives < most)
+        .collect();
+    let name = |r: usize| {
+        let phase = &snaps[r].phase;
+        match phase.is_empty() {
+            true => format!("rank {r}"),
+            false => format!("rank {r} (last: {phase})"),
+        }
+    };
+    if !behind.is_empty() {
+        let who: Vec<String> = behind.iter().map(|&r| name(r)).collect();
+        return Some(format!(
+            "{} made no progress for {secs:.0} s while the other ranks wait for it in a \
+             collective: stuck (a kernel that does not return, a file system that does not \
+             answer, a deadlock); every rank stops (FLAME_STALL_TIMEOUT sets the limit)",
+            who.join(", ")
+        ));
+    }
+    if idle.len() == t.len() {
+        return Some(format!(
+            "no rank made progress for {secs:.0} s, every one in collective {most}: the \
+             collective does not finish (NCCL or the network between the ranks); every rank \
+             stops (FLAME_STALL_TIMEOUT sets the limit; NCCL_DEBUG=INFO says more)"
+        ));
+    }
+    None
 }
 
 /// The tensors' elements, one after the other, as f64 (exact for every float dtype).

@@ -468,7 +468,10 @@ pub fn generate_watched(
         .enumerate()
         .map(|(i, (cond, z))| {
             let z = z.to_dtype(DType::F32)?;
-            let mut each = |s: &StepInfo<'_>| on_step(i, s);
+            let mut each = |s: &StepInfo<'_>| {
+                crate::progress::tick();
+                on_step(i, s)
+            };
             denoise(
                 model,
                 schedule.as_ref(),

@@ -6,6 +6,7 @@
 use super::config::{ModelDType, TrainConfig};
 use super::data::{Batch, Part, Samples};
 use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
+use crate::dist::ProcessGroup;
 use crate::encoders::{AutoencoderKl, VaeTiling};
 use crate::models::pipeline::{
     file_identity, load_vae, Located, Sources, TextConditioner, TextEncoderKind, TextOptions,
@@ -318,6 +319,18 @@ fn shuffled_epochs(config: &TrainConfig, ds: &data::Dataset, world: usize) -> Re
     Ok(epochs)
 }
 
+/// The whole fill after every rank filled its share: one note at the end.
+fn checked<'a>(what: &'a str, on: &'a mut dyn FnMut(String)) -> impl FnMut(&Progress) + 'a {
+    move |p: &Progress| {
+        if p.done == p.total {
+            on(format!(
+                "caching {what}: every rank's share done, {} on disk ({} encoded again)",
+                p.total, p.computed
+            ));
+        }
+    }
+}
+
 /// Progress of a cache fill, as a note at every tenth of the way and at the end.
 fn reporter<'a>(what: &'a str, on: &'a mut dyn FnMut(String)) -> impl FnMut(&Progress) + 'a {
     let mut last = 0;
@@ -379,7 +392,10 @@ pub fn scan(
 /// run) nothing is written and only the shapes are worked out. `inputs` are the model's,
 /// `guided` whether it takes a guidance input, `model_shapes` its check of input shapes
 /// (run on every bucket and the sample size before anything is encoded). Notes go to `on`. Batches are cut for `world`
-/// processes of `train.batch_size` samples each (data-parallel training; 1 alone).
+/// processes of `train.batch_size` samples each (data-parallel training; 1 alone). With
+/// `group` (the processes of a data-parallel run, every one calling this), each process
+/// encodes its share of the images and captions, then, once all are done, every process
+/// finds the whole cache on disk.
 ///
 /// Everything that can be checked is checked before the first encode: the batch size
 /// against the samples, and every bucket (and the sample size) against the autoencoder's
@@ -395,9 +411,11 @@ pub fn prepare(
     train_device: &Device,
     encode: bool,
     world: usize,
+    group: Option<&dyn ProcessGroup>,
     stop: &std::sync::atomic::AtomicBool,
     on: &mut dyn FnMut(String),
 ) -> Result<ImageRun> {
+    let group = group.filter(|g| g.world() > 1);
     let t = &config.train;
     let (ds, val) = scan(config, world, on)?;
     let names: Vec<&'static str> = inputs.iter().map(|i| i.name).collect();
@@ -463,18 +481,32 @@ pub fn prepare(
                     z.squeeze(0)?.to_dtype(DType::F32)?,
                 )])
             };
-            let report = lc
-                .fill(ds, &device, &mut enc, &mut reporter(what, &mut *on))
-                .map_err(|e| match e {
-                    Error::OutOfMemory { .. } => Error::Context {
-                        what: format!(
-                            "caching {what} (encoders.vae_tile = 512 encodes in tiles; the text \
+            let report = (|| {
+                if let Some(g) = group {
+                    let share = format!("{what}, rank {} of {}'s share", g.rank(), g.world());
+                    lc.fill_part(
+                        ds,
+                        &device,
+                        &mut enc,
+                        &mut reporter(&share, &mut *on),
+                        g.rank(),
+                        g.world(),
+                    )?;
+                    g.barrier()?;
+                    return lc.fill(ds, &device, &mut enc, &mut checked(what, &mut *on));
+                }
+                lc.fill(ds, &device, &mut enc, &mut reporter(what, &mut *on))
+            })()
+            .map_err(|e| match e {
+                Error::OutOfMemory { .. } => Error::Context {
+                    what: format!(
+                        "caching {what} (encoders.vae_tile = 512 encodes in tiles; the text \
                              encoders and the autoencoder run before the model loads)"
-                        ),
-                        error: Box::new(e),
-                    },
-                    e => e,
-                })?;
+                    ),
+                    error: Box::new(e),
+                },
+                e => e,
+            })?;
             for bad in &report.skipped {
                 on(format!("skipped {bad}"));
             }
@@ -534,7 +566,20 @@ pub fn prepare(
                 .collect()
         };
         if encode {
-            text.fill(&captions, &mut enc, &mut reporter("captions", &mut *on))?;
+            if let Some(g) = group {
+                let share = format!("captions, rank {} of {}'s share", g.rank(), g.world());
+                text.fill_part(
+                    &captions,
+                    &mut enc,
+                    &mut reporter(&share, &mut *on),
+                    g.rank(),
+                    g.world(),
+                )?;
+                g.barrier()?;
+                text.fill(&captions, &mut enc, &mut checked("captions", &mut *on))?;
+            } else {
+                text.fill(&captions, &mut enc, &mut reporter("captions", &mut *on))?;
+            }
             read_shapes(&empty)?
         } else {
             enc("")?

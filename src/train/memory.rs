@@ -68,14 +68,19 @@ impl MemoryChoice {
     }
 }
 
-/// Optimizer state bytes per trainable value: AdamW's two f32 moments, or AdamW8bit's two
-/// 8-bit codes plus an f32 absmax per 256-value block for each moment.
-fn optimizer_bytes(kind: &str) -> f64 {
-    if kind == "adamw8bit" {
-        2.0 + 8.0 / 256.0
-    } else {
-        8.0
-    }
+/// State bytes per trainable value beyond the value and its gradient: AdamW's two f32
+/// moments, or AdamW8bit's two 8-bit codes plus an f32 absmax per 256-value block for each
+/// moment; with several ranks (`world` > 1), the data-parallel reducer's bucket buffers too,
+/// which hold a flat f32 copy of every gradient while its sum is in flight
+/// ([`crate::dist::GradReducer`]).
+fn optimizer_bytes(kind: &str, world: usize) -> f64 {
+    let buckets = if world > 1 { 4.0 } else { 0.0 };
+    buckets
+        + if kind == "adamw8bit" {
+            2.0 + 8.0 / 256.0
+        } else {
+            8.0
+        }
 }
 
 /// The profile of this run's model (reads the checkpoint's header only).
@@ -84,6 +89,7 @@ fn profile(
     family: &Family,
     opts: &LoadOptions,
     sample: &[Vec<usize>],
+    world: usize,
 ) -> Result<MemoryProfile> {
     family.profile(
         &config.model.path,
@@ -91,14 +97,15 @@ fn profile(
         &RunShape {
             sample: sample.to_vec(),
             batch: config.train.batch_size,
-            optimizer_bytes_per_value: optimizer_bytes(&config.optimizer.kind),
+            optimizer_bytes_per_value: optimizer_bytes(&config.optimizer.kind, world),
         },
     )
 }
 
 /// What a budget leaves for what the process makes after the plan is chosen and outside
 /// FLAME's allocator: kernels loaded on first use, the cuBLASLt workspace (32 MiB on
-/// Hopper), the data-parallel group's buffers.
+/// Hopper). (A data-parallel group's NCCL buffers are made by a first collective before
+/// the measurement, so they are measured, not guessed.)
 pub const LATE_HEADROOM: u64 = 384 << 20;
 
 /// The budget: (bytes for FLAME's allocator, bytes outside it), from `memory.budget_gb`
@@ -207,13 +214,15 @@ pub fn plan_denoising(
 }
 
 /// Picks (or takes from the config) the memory plan, caps the allocator at the budget, and
-/// refuses a budget no plan fits before any weight is loaded.
+/// refuses a budget no plan fits before any weight is loaded. `world`: the ranks of a
+/// data-parallel run (each plans for its own device, with the reducer's buffers).
 pub(crate) fn plan_memory(
     config: &TrainConfig,
     family: &Family,
     opts: &LoadOptions,
     device: &Device,
     sample: &[Vec<usize>],
+    world: usize,
 ) -> Result<MemoryChoice> {
     let mem = &config.memory;
     let manual = config.checkpointing().map_err(|msg| Error::Config {
@@ -230,7 +239,7 @@ pub(crate) fn plan_memory(
     }
     let choice = match (manual, budget) {
         (Some(checkpointing), _) => {
-            let prof = profile(config, family, opts, sample)?;
+            let prof = profile(config, family, opts, sample, world)?;
             let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
             let as_plan = Plan {
                 checkpointing,
@@ -277,7 +286,7 @@ pub(crate) fn plan_memory(
             hint: "set memory.budget_gb".into(),
         },
         (None, Some(b)) => {
-            let mut prof = profile(config, family, opts, sample)?;
+            let mut prof = profile(config, family, opts, sample, world)?;
             // memory.measure_machine: the time model plays this machine's link and GPU.
             let machine = if mem.measure_machine {
                 crate::stream::measure_machine(device)?.map(|m| m.machine)
@@ -318,7 +327,7 @@ pub(crate) fn plan_memory(
                             gib(peak),
                             (gib(with_margin(peak) + outside.unwrap_or(0)) * 10.0).ceil() / 10.0
                         ),
-                        None => fp8_hint(config, family, opts, sample, p.peak)?,
+                        None => fp8_hint(config, family, opts, sample, p.peak, world)?,
                     };
                     let mut plan = MemoryPlan::from_plan(&prof, &p.plan);
                     if p.plan.streamed.is_empty() {
@@ -354,7 +363,7 @@ pub(crate) fn plan_memory(
                             gib(no.budget + outside.unwrap_or(0)),
                             gib(no.minimum + outside.unwrap_or(0)),
                             gib(outside.unwrap_or(0)),
-                            fp8_hint(config, family, opts, sample, no.minimum)?
+                            fp8_hint(config, family, opts, sample, no.minimum, world)?
                         ),
                     })
                 }
@@ -378,6 +387,7 @@ fn fp8_hint(
     opts: &LoadOptions,
     sample: &[Vec<usize>],
     minimum: u64,
+    world: usize,
 ) -> Result<String> {
     let advice = "Lower train.batch_size or the resolution, or raise the budget.";
     if opts.fp8 {
@@ -385,7 +395,7 @@ fn fp8_hint(
     }
     let mut o = opts.clone();
     o.fp8 = true;
-    let prof = profile(config, family, &o, sample)?;
+    let prof = profile(config, family, &o, sample, world)?;
     Ok(match prof.candidates().iter().map(|c| prof.peak(c)).min() {
         // Only where it helps: a model whose weights are not what fills the device gains
         // nothing from FP8.

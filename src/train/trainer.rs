@@ -203,7 +203,10 @@ fn first_nonfinite<'a>(tensors: &[(&'a str, &'a Tensor)]) -> Result<Option<Strin
 struct PhasePeaks(std::sync::Mutex<Vec<(&'static str, u64)>>);
 
 impl PhasePeaks {
-    fn start(&self, device: &Device) {
+    /// A phase begins: its peak counts from here, and the data-parallel watchdog names it
+    /// ([`crate::progress`]).
+    fn start(&self, device: &Device, phase: &str) {
+        crate::progress::set_phase(phase);
         #[cfg(feature = "cuda")]
         if let Device::Cuda(c) = device {
             c.reset_peak_memory();
@@ -267,6 +270,20 @@ fn check_adapters(config: &TrainConfig, adapters: &Adapters, map: &KeyMap) -> Re
     Ok(())
 }
 
+/// One sum of a reducer bucket's size and one of a single value over `group`, finished: the
+/// group's transport is connected and its buffers allocated before memory is measured.
+fn warm_collectives(group: &dyn ProcessGroup, device: &Device) -> Result<()> {
+    if !group.asynchronous() {
+        return Ok(());
+    }
+    for n in [BUCKET_BYTES / 4, 1] {
+        let t = Tensor::zeros(n, DType::F32, device)?;
+        group.all_reduce_sum(&[&t])?.wait()?;
+        t.to_vec_f64()?;
+    }
+    Ok(())
+}
+
 #[cfg(feature = "cpu-ref")]
 fn cpu_device() -> Result<Device> {
     Ok(Device::Cpu)
@@ -298,8 +315,8 @@ impl Trainer {
     /// As [`Trainer::open`], on `place`'s device, as one rank of data-parallel training
     /// when it has a group:
     /// `train.batch_size` is then each rank's part of a global batch of `batch_size` ×
-    /// ranks; rank 0 makes the files every rank reads (the tiny model, the caches) while
-    /// the others wait, and only rank 0 writes the run's files.
+    /// ranks; every rank encodes its share of the image and caption caches (then reads the
+    /// whole of them), and only rank 0 writes the run's files.
     pub fn open_in(
         config: TrainConfig,
         prepare: Prepare,
@@ -320,11 +337,6 @@ impl Trainer {
         let group = place.group;
         let interrupt = place.interrupt.unwrap_or_default();
         let world = group.as_ref().map_or(1, |g| g.world());
-        let root = group.as_ref().is_none_or(|g| g.rank() == 0);
-        // Rank 0 first: it makes the files the others then read.
-        if let (Some(g), false) = (&group, root) {
-            g.barrier()?;
-        }
         let family = models::family(&m.arch)?;
         let mut json = None;
         if let Some(p) = &m.config {
@@ -382,7 +394,7 @@ impl Trainer {
                 (Box::new(data), None, None)
             }
             None => {
-                peaks.start(&device);
+                peaks.start(&device, "caching");
                 let run = images::prepare(
                     &config,
                     family,
@@ -392,6 +404,7 @@ impl Trainer {
                     &device,
                     prepare == Prepare::Encode,
                     world,
+                    group.as_deref(),
                     &interrupt,
                     &mut |n| on(Event::Note(n)),
                 )?;
@@ -411,11 +424,13 @@ impl Trainer {
             }
         };
         drop(probe);
-        if let (Some(g), true) = (&group, root) {
-            g.barrier()?;
-        }
         opts.adapters = Some(adapters.clone());
-        let memory = plan_memory(&config, family, &opts, &device, &data.largest())?;
+        // NCCL sets up its connections and buffers at the first collective: one of a
+        // bucket's size, now, puts them in the memory measured outside FLAME's allocator.
+        if let Some(g) = &group {
+            warm_collectives(g.as_ref(), &device)?;
+        }
+        let memory = plan_memory(&config, family, &opts, &device, &data.largest(), world)?;
         opts.memory = memory.plan.clone();
         let loaded = family.load(&m.path, &opts)?;
         let model = loaded.model;
@@ -678,6 +693,7 @@ impl Trainer {
                     Tensor::randn(dims, DType::F32, &self.device, seed)?.to_dtype(self.dtype)?;
                 let mut sum = 0.0;
                 for start in (0..k).step_by(rows) {
+                    crate::progress::tick();
                     let n = rows.min(k - start);
                     let rep = batch
                         .inputs
@@ -803,11 +819,12 @@ impl Trainer {
     /// gradient norm stops with an error naming the step, the batch's files and the tensor,
     /// or (`train.on_nonfinite = "skip"`) skips the update.
     pub fn train_step(&mut self) -> Result<StepReport> {
+        self.peaks
+            .start(&self.device, &format!("training step {}", self.step + 1));
         crate::fault::point("step").map_err(|source| Error::Io {
             path: format!("step {}", self.step + 1).into(),
             source,
         })?;
-        self.peaks.start(&self.device);
         let r = self.step_inner().map_err(|e| self.memory.explain(e));
         self.peaks.end(&self.device, "training steps");
         r
@@ -838,6 +855,7 @@ impl Trainer {
         // Host-held conditioning products are computed ahead, during the backward before.
         let announce = self.memory.plan.host_products && self.memory.plan.stream_blocks > 0;
         for micro in 0..acc {
+            crate::progress::tick();
             // A signal in a long accumulation stops between micro-batches (one process: the
             // ranks of a group agree on a stop at the step's end instead); the step is dropped.
             if micro > 0 && self.dist.is_none() && self.interrupt.load(Ordering::Relaxed) {
@@ -1056,7 +1074,7 @@ impl Trainer {
     /// size and hash) atomically, then deletes this run's older checkpoints beyond
     /// `train.keep_last`.
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
-        self.peaks.start(&self.device);
+        self.peaks.start(&self.device, "checkpoint");
         let r = self.write_checkpoint();
         self.peaks.end(&self.device, "checkpoints");
         r
@@ -1320,7 +1338,7 @@ impl Trainer {
             if !due.validation {
                 return Ok(());
             }
-            self.peaks.start(&self.device);
+            self.peaks.start(&self.device, "validation");
             let loss = self.validation_loss();
             self.peaks.end(&self.device, "validation");
             let (Some(loss), Some(log)) = (loss?, log.as_mut()) else {
@@ -1338,7 +1356,7 @@ impl Trainer {
         })();
         let sampled = validated.as_ref().ok().map(|_| -> Result<()> {
             if due.samples {
-                self.peaks.start(&self.device);
+                self.peaks.start(&self.device, "sample images");
                 let written = self.sample_images();
                 self.peaks.end(&self.device, "sample images");
                 let written = written?;

@@ -334,3 +334,79 @@ fn text_cache_recomputes_only_changed_captions() {
         .load_batch(&["never cached".into()], &Device::Cpu, DType::F32)
         .is_err());
 }
+
+/// Processes filling one cache together (data-parallel training) each encode their share:
+/// every entry once over all shares, an unreadable image listed by the process whose share
+/// it is and left in every process's dataset; the whole fill after the shares then encodes
+/// nothing and leaves the unreadable image out. Captions likewise.
+#[test]
+fn shares_of_a_fill_encode_each_entry_once() {
+    let dir = TempDir::new("cache-shares");
+    let imgs = dir.path().join("imgs");
+    std::fs::create_dir_all(&imgs).unwrap();
+    for i in 0..6u8 {
+        put(
+            &imgs,
+            &format!("{i}.png"),
+            &pattern(32 + 8 * (i as u32 % 2), 32, i),
+            Some("c"),
+        );
+    }
+    let bad = imgs.join("3.png");
+    let bytes = std::fs::read(&bad).unwrap();
+    std::fs::write(&bad, &bytes[..bytes.len() * 2 / 3]).unwrap();
+    let cdir = dir.path().join("cache");
+    let mut o = options(&imgs, 32, 8);
+    o.flip = true;
+    o.on_bad_file = OnBadFile::Skip;
+    let world = 4;
+    let (mut computed, mut skipped) = (0, vec![]);
+    for rank in 0..world {
+        let mut ds = Dataset::open(o.clone()).unwrap();
+        let mut cache = LatentCache::open(&cdir, "pool4").unwrap();
+        let r = cache
+            .fill_part(&mut ds, &Device::Cpu, &mut pool4, &mut |_| {}, rank, world)
+            .unwrap();
+        assert_eq!(r.reused, 0, "rank {rank}");
+        assert_eq!(ds.len(), 6, "rank {rank}: a share leaves the dataset whole");
+        computed += r.computed;
+        skipped.extend(r.skipped.into_iter().map(|b| (rank, b.path)));
+    }
+    // Five readable images, both mirrorings, each encoded by one share; the damaged one
+    // (item 3 in name order) belongs to rank 3.
+    assert_eq!(computed, 10);
+    assert_eq!(skipped.len(), 1);
+    assert_eq!(skipped[0].0, 3);
+    assert!(skipped[0].1.ends_with("3.png"));
+    for rank in 0..world {
+        let mut ds = Dataset::open(o.clone()).unwrap();
+        let mut cache = LatentCache::open(&cdir, "pool4").unwrap();
+        let (r, calls, _) = fill(&mut cache, &mut ds);
+        assert_eq!((r.computed, r.reused, calls), (0, 10, 0), "rank {rank}");
+        assert_eq!(r.skipped.len(), 1);
+        assert_eq!(ds.len(), 5);
+    }
+
+    let text = TextCache::open(&cdir, "lengths").unwrap();
+    let captions: Vec<String> = ["a", "b", "a", "c", "dd", "e", "f", ""]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let mut encode = |c: &str| -> Result<Vec<(String, Tensor)>> {
+        Ok(vec![(
+            "len".into(),
+            Tensor::from_vec(vec![c.len() as f32], 1, &Device::Cpu)?,
+        )])
+    };
+    let mut computed = 0;
+    for rank in 0..3 {
+        let r = text
+            .fill_part(&captions, &mut encode, &mut |_| {}, rank, 3)
+            .unwrap();
+        computed += r.computed;
+        assert!(r.total == 2 || r.total == 3, "rank {rank}: {}", r.total);
+    }
+    assert_eq!(computed, 7);
+    let r = text.fill(&captions, &mut encode, &mut |_| {}).unwrap();
+    assert_eq!((r.computed, r.reused), (0, 7));
+}

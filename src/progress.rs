@@ -1,0 +1,107 @@
+//! What this process is doing, for the watchdog of a run of several processes
+//! ([`crate::dist`]): a counter that long work ticks (a training micro-batch, a cache entry,
+//! a denoising step, a tensor read, a file written), the number of collectives entered
+//! (every rank enters the same ones in the same order, so the counts compare across ranks:
+//! a rank behind the others is the one they wait for), whether the main thread waits for
+//! other ranks in a host collective, and a few words for the phase it is in.
+//!
+//! Everything here is process-wide and costs an atomic add; a process that is not part of a
+//! group ticks the counters and nobody reads them.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+static TICKS: AtomicU64 = AtomicU64::new(0);
+static COLLECTIVES: AtomicU64 = AtomicU64::new(0);
+static WAITING: AtomicUsize = AtomicUsize::new(0);
+static PHASE: Mutex<String> = Mutex::new(String::new());
+
+/// Some work was done: the process is not stuck.
+pub fn tick() {
+    TICKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The main thread entered a collective (counted by the process groups).
+pub fn entered_collective() {
+    COLLECTIVES.fetch_add(1, Ordering::Relaxed);
+    tick();
+}
+
+/// Names what the process does now ("caching latents", "training step 12", ...).
+pub fn set_phase(phase: impl Into<String>) {
+    if let Ok(mut p) = PHASE.lock() {
+        *p = phase.into();
+    }
+    tick();
+}
+
+/// While alive, the main thread waits for other ranks (a host collective): not progress,
+/// and not being stuck either.
+pub struct Waiting(());
+
+/// Marks the main thread as waiting for other ranks until the guard drops.
+pub fn waiting() -> Waiting {
+    WAITING.fetch_add(1, Ordering::Relaxed);
+    Waiting(())
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        WAITING.fetch_sub(1, Ordering::Relaxed);
+        tick();
+    }
+}
+
+/// The counters at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Work done so far ([`tick`]).
+    pub ticks: u64,
+    /// Collectives entered so far.
+    pub collectives: u64,
+    /// Whether the main thread waits in a host collective now.
+    pub waiting: bool,
+    /// The phase last named.
+    pub phase: String,
+}
+
+/// This process's counters now.
+pub fn snapshot() -> Snapshot {
+    Snapshot {
+        ticks: TICKS.load(Ordering::Relaxed),
+        collectives: COLLECTIVES.load(Ordering::Relaxed),
+        waiting: WAITING.load(Ordering::Relaxed) > 0,
+        phase: PHASE.lock().map(|p| p.clone()).unwrap_or_default(),
+    }
+}
+
+impl Snapshot {
+    /// The wire form: ticks and collectives (u64, little-endian), the waiting flag, the
+    /// phase in UTF-8.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(17 + self.phase.len());
+        b.extend(self.ticks.to_le_bytes());
+        b.extend(self.collectives.to_le_bytes());
+        b.push(self.waiting as u8);
+        b.extend(self.phase.as_bytes());
+        b
+    }
+
+    /// Reads [`Snapshot::to_bytes`]; `None` for a frame too short to be one.
+    pub fn from_bytes(b: &[u8]) -> Option<Snapshot> {
+        if b.len() < 17 {
+            return None;
+        }
+        let word = |at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[at..at + 8]);
+            u64::from_le_bytes(w)
+        };
+        Some(Snapshot {
+            ticks: word(0),
+            collectives: word(8),
+            waiting: b[16] != 0,
+            phase: String::from_utf8_lossy(&b[17..]).into_owned(),
+        })
+    }
+}

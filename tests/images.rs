@@ -485,3 +485,61 @@ fn the_sample_binary_makes_images_with_a_lora() {
     assert!(!o.status.success());
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// Every phase of a run from images has a plan and a predicted peak before anything is
+/// cached, in the order the run meets them; a phase predicted past the budget (here sample
+/// images far larger than the training pictures) is said at open, naming the knob, while a
+/// run whose phases fit says nothing.
+#[test]
+fn every_phase_is_planned_and_one_past_the_budget_is_said() {
+    let d = temp("phase-plans");
+    let mut cfg = config(&d, 4, 2);
+    cfg.memory.budget_gb = 0.3;
+    let (t, notes) = open(&cfg, Prepare::DryRun);
+    let names: Vec<&str> = t.phase_plans().iter().map(|p| p.phase).collect();
+    assert_eq!(
+        names,
+        [
+            "caching",
+            "training steps",
+            "validation",
+            "sample images",
+            "checkpoints"
+        ]
+    );
+    assert!(
+        t.phase_plans().iter().all(|p| p.peak.is_some()),
+        "{:?}",
+        t.phase_plans()
+    );
+    let peak = |name: &str| {
+        t.phase_plans()
+            .iter()
+            .find(|p| p.phase == name)
+            .and_then(|p| p.peak)
+            .unwrap()
+    };
+    let step = t.memory.predicted_peak.unwrap();
+    assert_eq!(peak("training steps"), step);
+    assert!(peak("validation") <= step && peak("checkpoints") < step);
+    assert!(
+        notes.iter().all(|n| !n.contains("may not fit")),
+        "{notes:?}"
+    );
+    drop(t);
+
+    cfg.sample.size = [1024, 1024];
+    let (t, notes) = open(&cfg, Prepare::DryRun);
+    let sample = t.phase_plans()[3].clone();
+    assert!(sample.plan.contains("1024x1024"), "{sample:?}");
+    assert!(
+        sample.peak.unwrap() > (0.3 * (1u64 << 30) as f64) as u64,
+        "{sample:?}"
+    );
+    let said = notes
+        .iter()
+        .find(|n| n.starts_with("sample images may not fit memory.budget_gb"))
+        .unwrap_or_else(|| panic!("{notes:?}"));
+    assert!(said.contains("sample.size"), "{said}");
+    std::fs::remove_dir_all(&d).ok();
+}

@@ -204,40 +204,6 @@ fn make_tiny(path: &std::path::Path) -> ExitCode {
     }
 }
 
-/// What each phase of the run does with memory, as `--plan` says it: caching (the
-/// encoders, one at a time, freed before training), the steps and validation under the
-/// memory plan, sample images, checkpoints.
-fn phases(c: &TrainConfig) -> String {
-    let caching = match (&c.data.dir, c.encoders.vae_tile) {
-        (Some(_), _) => "none (pre-encoded samples)".to_string(),
-        (None, 0) => "the autoencoder encodes whole images, then the text encoders run \
-                      (T5 streamed from host memory when encoders.stream_t5 says so)"
-            .into(),
-        (None, t) => format!(
-            "the autoencoder encodes in {t}-pixel tiles, then the text encoders run (T5 \
-             streamed from host memory when encoders.stream_t5 says so)"
-        ),
-    };
-    let decode = match (c.encoders.vae_tile, c.memory.budget_gb > 0.0) {
-        (0, false) => "decoded whole".to_string(),
-        (0, true) => "decoded in 512-pixel tiles".to_string(),
-        (t, _) => format!("decoded in {t}-pixel tiles"),
-    };
-    let samples = match (c.sample.prompts.len(), c.sample.size) {
-        (0, _) => "none".to_string(),
-        (n, [0, 0]) => format!(
-            "{n} at {0}x{0}, one at a time without gradients, {decode}",
-            c.data.resolution
-        ),
-        (n, [w, h]) => format!("{n} at {w}x{h}, one at a time without gradients, {decode}"),
-    };
-    format!(
-        "phases: caching: {caching}; training: the memory plan above; validation: forward \
-         only, micro-batches of at most train.batch_size, under the same plan; sample images: \
-         {samples}; checkpoints: the adapter and optimizer state through host memory"
-    )
-}
-
 /// What the flags ask of the output folder.
 fn run_options(args: &Args) -> RunOptions {
     RunOptions {
@@ -669,7 +635,10 @@ fn run(
                 )
             }
         };
-        p.line(&phases(&trainer.config));
+        p.line("phases:");
+        for ph in trainer.phase_plans() {
+            p.line(&format!("  {}", ph.describe()));
+        }
         p.line(&format!(
             "plan: {what}; {} steps of {} x {} samples; nothing was written",
             trainer.config.train.steps,

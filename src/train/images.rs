@@ -40,6 +40,8 @@ pub struct ImageRun {
     pub validation: Option<ImageSamples>,
     /// The autoencoder's downsampling factor (8 in the released ones).
     pub vae_factor: usize,
+    /// The autoencoder's first stage's width (`block_out_channels[0]`), for memory estimates.
+    pub vae_width: usize,
     /// The located autoencoder (sampling loads it again to decode).
     pub vae: Located,
     /// The text cache holding the sample prompts' embeddings.
@@ -179,10 +181,54 @@ pub fn vae(
     Ok(v)
 }
 
-/// The tile the autoencoder encodes in: `encoders.vae_tile` when set; else, on a GPU under
-/// `memory.budget_gb`, 512-pixel tiles when encoding a whole image of `pixels` would take
-/// more than the allocator's share of the budget (said in a note), and whole images
-/// otherwise (0).
+/// The first stage's width of the released Flux, SD3 and SDXL autoencoders (diffusers'
+/// `block_out_channels[0]`), for estimates made before one is loaded.
+pub(crate) const VAE_FIRST_WIDTH: usize = 128;
+
+/// The side of the tiles the autoencoder works in when a whole image does not fit.
+pub(crate) const AUTO_TILE: usize = 512;
+
+/// Bytes the autoencoder's encoder holds at once for an image (or tile) of `pixels`: about
+/// 16 activations of its first stage's `width` at full resolution (measured: a 1024² encode
+/// with the 128-wide stage peaks at 3.9 GiB in bf16, weights included).
+pub(crate) fn encode_bytes(pixels: usize, width: usize, dtype: DType) -> u64 {
+    (pixels * width * dtype.size_in_bytes() * 16) as u64
+}
+
+/// Bytes the autoencoder's decoder holds at once for an image (or tile) of `pixels`: about
+/// 27 activations of its first stage's `width` at full resolution (measured: Flux's decoder
+/// at 1024² peaks at 6.7 GiB in bf16; in 512-pixel tiles at 1.8 GiB).
+pub(crate) fn decode_bytes(pixels: usize, width: usize, dtype: DType) -> u64 {
+    (pixels * width * dtype.size_in_bytes() * 27) as u64
+}
+
+/// The encode tile for images of up to `pixels` with an allocator share of `cap` bytes
+/// (none: no budget on a GPU): `encoders.vae_tile` when set, else [`AUTO_TILE`] when a
+/// whole image would need more than `cap`, else 0 (whole images).
+pub(crate) fn choose_encode_tile(
+    config: &TrainConfig,
+    cap: Option<u64>,
+    pixels: usize,
+    width: usize,
+    dtype: DType,
+) -> usize {
+    match (config.encoders.vae_tile, cap) {
+        (0, Some(cap)) if encode_bytes(pixels, width, dtype) > cap => AUTO_TILE,
+        (t, _) => t,
+    }
+}
+
+/// The allocator's share of `memory.budget_gb` on a GPU device (none without a budget or
+/// on the CPU).
+fn allocator_share(config: &TrainConfig, device: &Device) -> Result<Option<u64>> {
+    if config.memory.budget_gb <= 0.0 || !device.is_cuda() {
+        return Ok(None);
+    }
+    Ok(super::memory::split_budget(device, config.memory.budget_gb)?.0)
+}
+
+/// The tile the autoencoder encodes in ([`choose_encode_tile`] for this run's budget on
+/// `device`); a tile chosen for the budget is said in a note.
 fn encode_tile(
     config: &TrainConfig,
     device: &Device,
@@ -191,33 +237,47 @@ fn encode_tile(
     pixels: usize,
     on: &mut dyn FnMut(String),
 ) -> Result<usize> {
-    let budget_gb = config.memory.budget_gb;
-    if config.encoders.vae_tile > 0 || budget_gb <= 0.0 || !device.is_cuda() {
-        return Ok(config.encoders.vae_tile);
-    }
-    let (Some(cap), _) = super::memory::split_budget(device, budget_gb)? else {
-        return Ok(0);
-    };
-    // The encoder's first stage holds about 16 activations of its width at full resolution
-    // at once (measured: a 1024² encode with the 128-wide stage peaks at 3.9 GiB in bf16).
     let width = vae
         .config
         .block_out_channels
         .first()
         .copied()
-        .unwrap_or(128);
-    let need = (pixels * width * dtype.size_in_bytes() * 16) as u64;
-    if need <= cap {
-        return Ok(0);
+        .unwrap_or(VAE_FIRST_WIDTH);
+    let cap = allocator_share(config, device)?;
+    let tile = choose_encode_tile(config, cap, pixels, width, dtype);
+    if let (Some(cap), true) = (cap, tile != config.encoders.vae_tile) {
+        on(format!(
+            "the autoencoder encodes in {tile}-pixel tiles: a whole image of {pixels} pixels \
+             needs about {:.1} GiB, more than the {:.1} GiB of memory.budget_gb FLAME's \
+             allocator may hold (set encoders.vae_tile to choose the tile)",
+            encode_bytes(pixels, width, dtype) as f64 / (1u64 << 30) as f64,
+            cap as f64 / (1u64 << 30) as f64
+        ));
     }
-    on(format!(
-        "the autoencoder encodes in 512-pixel tiles: a whole image of {pixels} pixels needs \
-         about {:.1} GiB, more than the {:.1} GiB of memory.budget_gb FLAME's allocator may \
-         hold (set encoders.vae_tile to choose the tile)",
-        need as f64 / (1u64 << 30) as f64,
-        cap as f64 / (1u64 << 30) as f64
-    ));
-    Ok(512)
+    Ok(tile)
+}
+
+/// Bytes the text encoders hold while captions are encoded, about: their weight files
+/// (at most: a file stored in f32 is encoded in bf16 on a GPU), T5 an eighth of its
+/// weights when streamed (its embedding and the blocks in flight). With whether T5
+/// streams.
+pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Result<(u64, bool)> {
+    let (text_at, _) = locate(config, family)?;
+    let streamed = stream_t5(config, family, &text_at);
+    let bytes = family
+        .pipeline
+        .text
+        .iter()
+        .zip(&text_at)
+        .map(|(slot, (l, _))| {
+            let b = weight_bytes(&l.path);
+            match streamed && slot.kind == TextEncoderKind::T5 {
+                true => b / 8,
+                false => b,
+            }
+        })
+        .sum();
+    Ok((bytes, streamed))
 }
 
 /// Bytes of the weight files at `path` (a file, or the .safetensors files of a folder).
@@ -433,6 +493,12 @@ pub fn prepare(
     // Latents: the autoencoder, loaded once for the training and validation images.
     let mut vae = vae(config, family, &vae_at, dtype, &device)?;
     let factor = 1usize << vae.config.block_out_channels.len().saturating_sub(1);
+    let vae_width = vae
+        .config
+        .block_out_channels
+        .first()
+        .copied()
+        .unwrap_or(VAE_FIRST_WIDTH);
     let channels = vae.config.latent_channels;
     if let Some(Size::Exactly(c)) = inputs[0].dims.first() {
         if *c != channels {
@@ -636,6 +702,7 @@ pub fn prepare(
         train,
         validation: it.next(),
         vae_factor: factor,
+        vae_width,
         vae: vae_at,
         text,
     })

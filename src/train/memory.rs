@@ -30,6 +30,9 @@ pub struct MemoryChoice {
     pub predicted_peak: Option<u64>,
     /// What to change if a step runs out of memory anyway.
     pub hint: String,
+    /// The model's profile for the run's largest sample and the plan chosen from it, when
+    /// the plan was worked out (the other phases' predictions start from them).
+    pub sized: Option<(MemoryProfile, Plan)>,
 }
 
 impl MemoryChoice {
@@ -169,6 +172,7 @@ pub fn plan_denoising(
         outside: None,
         predicted_peak: None,
         hint: format!("set {key}"),
+        sized: None,
     };
     let (Some(cap), true) = (cap, budget_gb > 0.0) else {
         return Ok(resident);
@@ -210,6 +214,7 @@ pub fn plan_denoising(
         outside,
         predicted_peak: Some(p.peak),
         hint: format!("lower the image size or raise {key}"),
+        sized: Some((prof, p.plan)),
     })
 }
 
@@ -266,6 +271,7 @@ pub(crate) fn plan_memory(
             MemoryChoice {
                 summary: format!("{as_plan} (as configured)"),
                 predicted_peak: Some(prof.peak(&as_plan)),
+                sized: Some((prof.clone(), as_plan.clone())),
                 hint: "set memory.checkpointing = \"auto\" with memory.budget_gb to let the \
                        planner choose, or stream more blocks (memory.stream_blocks)"
                     .into(),
@@ -284,6 +290,7 @@ pub(crate) fn plan_memory(
             outside,
             predicted_peak: None,
             hint: "set memory.budget_gb".into(),
+            sized: None,
         },
         (None, Some(b)) => {
             let mut prof = profile(config, family, opts, sample, world)?;
@@ -350,6 +357,7 @@ pub(crate) fn plan_memory(
                         outside,
                         predicted_peak: Some(p.peak),
                         hint,
+                        sized: Some((prof.clone(), p.plan.clone())),
                     }
                 }
                 Err(no) => {
@@ -405,4 +413,212 @@ fn fp8_hint(
         ),
         _ => advice.into(),
     })
+}
+
+/// What one phase of a run does with memory, and the peak predicted for it in FLAME's
+/// allocator.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PhasePlan {
+    /// The phase, as the run's summary names its measured peak ("caching", "training
+    /// steps", "validation", "sample images", "checkpoints").
+    pub phase: &'static str,
+    /// How it runs.
+    pub plan: String,
+    /// The predicted peak in FLAME's allocator (an upper bound where the plan says "at
+    /// most"), when it can be worked out.
+    pub peak: Option<u64>,
+}
+
+impl PhasePlan {
+    /// One line: the phase, its plan and its predicted peak.
+    pub fn describe(&self) -> String {
+        match self.peak {
+            Some(p) => format!(
+                "{}: {}; predicted peak {:.2} GiB",
+                self.phase,
+                self.plan,
+                gib(p)
+            ),
+            None => format!("{}: {}", self.phase, self.plan),
+        }
+    }
+}
+
+/// What the run keeps on the device between its steps under `plan`: the weights not
+/// streamed, the adapters and the optimizer state.
+fn between_steps(prof: &MemoryProfile, plan: &Plan) -> u64 {
+    let resident: u64 = prof
+        .blocks
+        .iter()
+        .filter(|b| !plan.streamed.contains(&b.prefix))
+        .map(|b| b.weight_bytes)
+        .sum();
+    prof.other_weight_bytes + resident + prof.trainable_bytes + prof.optimizer_bytes
+}
+
+/// Each phase's plan and predicted peak for a run of `config` with `choice` (the step's
+/// plan), for `world` ranks: caching (the autoencoder's encode, whole or tiled, and the text
+/// encoders), the training step, validation (forward only, under the step's plan: at most
+/// its peak), sample images (the denoising forward at `sample.size` under the step's plan,
+/// at most the step's peak at that size, and the decode beside what the run keeps between
+/// steps) and checkpoints (written through host memory). `largest` is the largest sample's
+/// input shapes, `vae` the autoencoder's downsampling factor and first stage's width (image
+/// data only; `None` for pre-encoded samples).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn phase_plans(
+    config: &TrainConfig,
+    family: &Family,
+    opts: &LoadOptions,
+    choice: &MemoryChoice,
+    largest: &[Vec<usize>],
+    vae: Option<(usize, usize)>,
+    device: &Device,
+    world: usize,
+) -> Result<Vec<PhasePlan>> {
+    use super::images::{
+        choose_encode_tile, decode_bytes, encode_bytes, encoder_dtype, text_encoder_bytes,
+        AUTO_TILE,
+    };
+    let dtype = encoder_dtype(config, device);
+    let factor = vae.map(|(f, _)| f);
+    let width = vae.map_or(0, |(_, w)| w);
+    // The step's profile and plan (every block resident when no plan was worked out).
+    let (prof, plan) = match &choice.sized {
+        Some((p, plan)) => (p.clone(), plan.clone()),
+        None => (
+            profile(config, family, opts, largest, world)?,
+            Plan::default(),
+        ),
+    };
+    let step_peak = choice.predicted_peak.unwrap_or_else(|| prof.peak(&plan));
+    let mut out = vec![];
+    let latent_hw = largest
+        .first()
+        .filter(|d| d.len() == 3)
+        .map(|d| (d[1], d[2]));
+    match (factor, latent_hw) {
+        (Some(f), Some((h, w))) => {
+            let pixels = h * w * f * f;
+            let cap = choice.budget.filter(|_| device.is_cuda());
+            let tile = choose_encode_tile(config, cap, pixels, width, dtype);
+            let encode = encode_bytes(
+                if tile > 0 {
+                    pixels.min(tile * tile)
+                } else {
+                    pixels
+                },
+                width,
+                dtype,
+            );
+            let (text, streamed) = text_encoder_bytes(config, family)?;
+            out.push(PhasePlan {
+                phase: "caching",
+                plan: format!(
+                    "the autoencoder encodes {} (about {:.2} GiB), then the text encoders run \
+                     ({}about {:.2} GiB), before the model loads{}",
+                    match tile {
+                        0 => "whole images".to_string(),
+                        t => format!("in {t}-pixel tiles"),
+                    },
+                    gib(encode),
+                    if streamed {
+                        "T5 streamed from host memory, "
+                    } else {
+                        ""
+                    },
+                    gib(text),
+                    if world > 1 {
+                        "; each rank its share"
+                    } else {
+                        ""
+                    }
+                ),
+                peak: Some(encode.max(text)),
+            });
+        }
+        _ => out.push(PhasePlan {
+            phase: "caching",
+            plan: "none (pre-encoded samples)".into(),
+            peak: None,
+        }),
+    }
+    out.push(PhasePlan {
+        phase: "training steps",
+        plan: "the memory plan above".into(),
+        peak: Some(step_peak),
+    });
+    out.push(PhasePlan {
+        phase: "validation",
+        plan: "forward only under the step's plan, micro-batches of at most train.batch_size: \
+               at most the step's peak"
+            .into(),
+        peak: Some(step_peak),
+    });
+    let sc = &config.sample;
+    match (factor, sc.prompts.is_empty()) {
+        (Some(f), false) => {
+            let res = config.data.resolution;
+            let (w, h) = match sc.size {
+                [0, 0] => (res, res),
+                [w, h] => (w, h),
+            };
+            let mut shape = largest.to_vec();
+            if let Some(l) = shape.first_mut().filter(|l| l.len() == 3) {
+                (l[1], l[2]) = (h / f, w / f);
+            }
+            let denoise = family
+                .profile(
+                    &config.model.path,
+                    opts,
+                    &RunShape {
+                        sample: shape,
+                        batch: 1,
+                        optimizer_bytes_per_value: optimizer_bytes(&config.optimizer.kind, world),
+                    },
+                )?
+                .peak(&plan);
+            let tile = match (config.encoders.vae_tile, config.memory.budget_gb > 0.0) {
+                (0, true) => AUTO_TILE,
+                (t, _) => t,
+            };
+            let pixels = w * h;
+            let decode = between_steps(&prof, &plan)
+                + decode_bytes(
+                    if tile > 0 {
+                        pixels.min(tile * tile)
+                    } else {
+                        pixels
+                    },
+                    width,
+                    dtype,
+                );
+            out.push(PhasePlan {
+                phase: "sample images",
+                plan: format!(
+                    "{} at {w}x{h}, one at a time without gradients under the step's plan (at \
+                     most {:.2} GiB), the autoencoder decoding {} (about {:.2} GiB with what \
+                     the run keeps)",
+                    sc.prompts.len(),
+                    gib(denoise),
+                    match tile {
+                        0 => "whole images".to_string(),
+                        t => format!("in {t}-pixel tiles"),
+                    },
+                    gib(decode)
+                ),
+                peak: Some(denoise.max(decode)),
+            });
+        }
+        _ => out.push(PhasePlan {
+            phase: "sample images",
+            plan: "none".into(),
+            peak: None,
+        }),
+    }
+    out.push(PhasePlan {
+        phase: "checkpoints",
+        plan: "the adapter and optimizer state through host memory".into(),
+        peak: Some(between_steps(&prof, &plan)),
+    });
+    Ok(out)
 }

@@ -13,7 +13,7 @@ pub mod scaler;
 pub mod trainer;
 
 pub use config::TrainConfig;
-pub use memory::MemoryChoice;
+pub use memory::{MemoryChoice, PhasePlan};
 pub use objectives::{
     flow_matching, flux_mu, flux_time_shift, shift_time, weighted_mse, Ddpm, Prediction,
     TimestepSampling,

@@ -11,7 +11,7 @@
 use super::config::{AdapterFormat, ModelDType, TrainConfig};
 use super::data::{Batch, Dataset, Part, Samples};
 use super::images::{self, ImageSamples};
-use super::memory::{plan_memory, MemoryChoice};
+use super::memory::{phase_plans, plan_memory, MemoryChoice, PhasePlan};
 use super::objectives::{flow_matching, weighted_mse, Prediction};
 use super::rundir::{
     read_log, write_atomic, CheckpointState, Manifest, RunDir, Survey, FINAL, LOG, PLOT, SAMPLES,
@@ -64,6 +64,8 @@ pub struct Trainer {
     ahead: Option<(usize, Batch)>,
     /// The peak bytes in use on the device per phase of the run (GPU only).
     peaks: PhasePeaks,
+    /// Each phase's plan and predicted peak, worked out at open.
+    phases: Vec<PhasePlan>,
 }
 
 /// Where [`Trainer::open_in`] trains: the device (default: `train.device`'s) and, for
@@ -387,11 +389,14 @@ impl Trainer {
         };
         drop(trial);
         let inputs = probe.inputs();
-        let (data, validation, pipeline): (Box<dyn Samples>, _, _) = match &config.data.dir {
+        let (data, validation, pipeline, vae_shape): (Box<dyn Samples>, _, _, _) = match &config
+            .data
+            .dir
+        {
             Some(dir) => {
                 let data = Dataset::open(dir, &inputs, &|s| probe.check_shapes(s))?;
                 super::data::check_batch_size(&config, world, data.len(), "pre-encoded samples")?;
-                (Box::new(data), None, None)
+                (Box::new(data), None, None, None)
             }
             None => {
                 peaks.start(&device, "caching");
@@ -420,7 +425,8 @@ impl Trainer {
                     vae: run.vae,
                     factor: run.vae_factor,
                 };
-                (Box::new(run.train), run.validation, Some(parts))
+                let vae_shape = Some((run.vae_factor, run.vae_width));
+                (Box::new(run.train), run.validation, Some(parts), vae_shape)
             }
         };
         drop(probe);
@@ -431,6 +437,34 @@ impl Trainer {
             warm_collectives(g.as_ref(), &device)?;
         }
         let memory = plan_memory(&config, family, &opts, &device, &data.largest(), world)?;
+        let phases = phase_plans(
+            &config,
+            family,
+            &opts,
+            &memory,
+            &data.largest(),
+            vae_shape,
+            &device,
+            world,
+        )?;
+        if let Some(cap) = memory.budget {
+            for p in phases.iter().filter(|p| p.peak.is_some_and(|b| b > cap)) {
+                on(Event::Note(format!(
+                    "{} may not fit memory.budget_gb: predicted up to {:.2} GiB of the {:.2} \
+                     GiB FLAME's allocator may hold ({}); {}",
+                    p.phase,
+                    p.peak.unwrap_or(0) as f64 / (1u64 << 30) as f64,
+                    cap as f64 / (1u64 << 30) as f64,
+                    p.plan,
+                    match p.phase {
+                        "sample images" => "a smaller sample.size or encoders.vae_tile lowers it",
+                        "caching" =>
+                            "encoders.vae_tile = 512 and encoders.stream_t5 = \"on\" lower it",
+                        _ => "a larger budget or a smaller batch lowers it",
+                    }
+                )));
+            }
+        }
         opts.memory = memory.plan.clone();
         let loaded = family.load(&m.path, &opts)?;
         let model = loaded.model;
@@ -489,6 +523,7 @@ impl Trainer {
             stop_all: false,
             ahead: None,
             peaks,
+            phases,
         })
     }
 
@@ -828,6 +863,12 @@ impl Trainer {
         let r = self.step_inner().map_err(|e| self.memory.explain(e));
         self.peaks.end(&self.device, "training steps");
         r
+    }
+
+    /// Each phase's plan and predicted peak in FLAME's allocator (caching, training steps,
+    /// validation, sample images, checkpoints), as worked out when the trainer opened.
+    pub fn phase_plans(&self) -> &[PhasePlan] {
+        &self.phases
     }
 
     /// The peak bytes FLAME's allocator held in use on the GPU in each phase of this

@@ -15,6 +15,9 @@
 # the same budget, the holder still in place, and its peak is printed too.
 # EXTRA_TOML is appended to the config (e.g. 'model.dtype = "fp8"' lines go under [model]:
 # pass a whole section, "[optimizer]\nkind = \"adamw8bit\"").
+# GPUS (default 0) lists the GPUs: with several (GPUS=0,1) the run is data-parallel over
+# them (`train --gpus`), every one held to the budget by its own holder, and each GPU's
+# driver-side peak is printed.
 set -euo pipefail
 pipe=$1
 work=$2
@@ -78,8 +81,12 @@ seed = 3
 TOML
 if [ -n "$extra" ]; then printf '%b\n' "$extra" >> "$work/run.toml"; fi
 
-# The holder: all but BUDGET GiB of the card, in 256 MiB blocks, until killed.
-python3 - "$budget" > "$work/holder.log" 2>&1 <<'PY' &
+gpus=${GPUS:-0}
+IFS=, read -r -a gpu_list <<< "$gpus"
+# The holders: all but BUDGET GiB of each card, in 256 MiB blocks, until killed.
+holders=()
+for g in "${gpu_list[@]}"; do
+CUDA_VISIBLE_DEVICES=$g python3 - "$budget" > "$work/holder-$g.log" 2>&1 <<'PY' &
 import sys, time, torch
 keep = int(float(sys.argv[1]) * 2**30)
 free, total = torch.cuda.mem_get_info()
@@ -96,32 +103,45 @@ print(f"holder: {(total - free_now) / 2**30:.2f} GiB of {total / 2**30:.2f} used
 while True:
     time.sleep(60)
 PY
-holder=$!
-for _ in $(seq 1 120); do
-  grep -q "GiB free" "$work/holder.log" 2>/dev/null && break
-  sleep 0.5
+holders+=($!)
 done
-cat "$work/holder.log"
-base=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -n 1)
-nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$work/smi.log" &
+for g in "${gpu_list[@]}"; do
+  for _ in $(seq 1 120); do
+    grep -q "GiB free" "$work/holder-$g.log" 2>/dev/null && break
+    sleep 0.5
+  done
+  echo "GPU $g: $(cat "$work/holder-$g.log")"
+done
+# Used memory of every GPU (index, MiB) before the run and every 200 ms through it.
+nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits > "$work/base.log"
+base=$(awk -F', ' -v g="${gpu_list[0]}" '$1 == g {print $2}' "$work/base.log")
+nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$work/smi.log" &
 smi=$!
 start=$(date +%s.%N)
 set +e
-"$exe" "$work/run.toml" > "$work/train.log" 2>&1
+if [ "${#gpu_list[@]}" -gt 1 ]; then
+  "$exe" "$work/run.toml" --gpus "$gpus" > "$work/train.log" 2>&1
+else
+  CUDA_VISIBLE_DEVICES=${gpu_list[0]} "$exe" "$work/run.toml" > "$work/train.log" 2>&1
+fi
 rc=$?
 set -e
 end=$(date +%s.%N)
 kill "$smi" 2>/dev/null || true
 wait "$smi" 2>/dev/null || true
-peak=$(sort -n "$work/smi.log" | tail -n 1)
+# Each GPU's driver-side peak: its highest reading less what its holder took.
+peaks=$(awk -F', ' 'NR == FNR {b[$1] = $2; next} {if ($2 > p[$1]) p[$1] = $2}
+  END {for (g in p) printf "GPU %s %.2f GiB; ", g, (p[g] - b[g]) / 1024}' "$work/base.log" "$work/smi.log")
+peak=$(awk -F', ' -v g="${gpu_list[0]}" '$1 == g {print $2}' "$work/smi.log" | sort -n | tail -n 1)
 # With SAMPLE_EXE set: the `sample` binary on the trained LoRA under the same budget, the
 # holder still in place.
 speak=""
 if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$work/smi-sample.log" &
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
+    -i "${gpu_list[0]}" > "$work/smi-sample.log" &
   smi=$!
   set +e
-  "$SAMPLE_EXE" --arch "$arch" --model "$pipe" --lora "$work/out/lora.safetensors" \
+  CUDA_VISIBLE_DEVICES=${gpu_list[0]} "$SAMPLE_EXE" --arch "$arch" --model "$pipe" --lora "$work/out/lora.safetensors" \
     --prompt "a red circle on a white background" --steps 20 --guidance "$guidance" \
     --width 1024 --height 1024 --budget "$budget" --out "$work/sample" > "$work/sample.log" 2>&1
   src=$?
@@ -132,11 +152,12 @@ if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
   echo "== sample --budget ${budget}: exit ${src}; driver-side peak $(( (speak - base) )) MiB"
   tail -n 5 "$work/sample.log"
 fi
-kill "$holder" 2>/dev/null || true
-wait "$holder" 2>/dev/null || true
+kill "${holders[@]}" 2>/dev/null || true
+wait "${holders[@]}" 2>/dev/null || true
+echo "== driver-side peaks: $peaks"
 awk -v b="$budget" -v rc="$rc" -v s="$start" -v e="$end" -v base="$base" -v peak="$peak" 'BEGIN {
   printf "== budget %s GiB: exit %d in %.1f s; device used before the run %d MiB (the holder), " \
     "peak %d MiB: the run'"'"'s driver-side peak %.2f GiB\n", b, rc, e - s, base, peak, (peak - base) / 1024 }'
-grep -E "memory:|validation loss|samples:|done:|error|step 20/20|checkpoint|caching" "$work/train.log" | head -n 40
+grep -E "memory:|validation loss|samples:|done:|error|step 20/20|checkpoint|caching|data-parallel|peaks" "$work/train.log" | head -n 40
 ls -la "$work/out" "$work/out/samples" 2>/dev/null | grep -E "lora|step-|loss" || true
 exit "$rc"

@@ -12,6 +12,13 @@
 #           FLAME's bus bandwidth)
 #   sdxl    the same for SDXL
 #   budget  Flux under a 24 GiB budget: 1 GPU batch 1, 2 GPUs batch 2
+#   net     across machines as NCCL sees them: each rank started as torchrun starts one on its own
+#           host (LOCAL_RANK 0, only its GPU visible) and NCCL forced onto its network transport
+#           (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, sockets on loopback); the Flux-dev step,
+#           batch 1 a rank, against 1 GPU at batch 1 (scaling) and batch 2 (loss parity), and
+#           2 GPUs over NVLink
+#   stall   the tiny model on 2 GPUs with rank 1 stuck at step 3 (FLAME_FAULT=hang:step@3):
+#           the watchdog names it within FLAME_STALL_TIMEOUT and every process exits
 # Scaling efficiency = samples/s (2 GPUs, batch 2) / (2 x samples/s (1 GPU, batch 1)); loss parity:
 # the 2-GPU losses against 1 GPU at batch 2 (which needs checkpointing where batch 2 does not fit
 # one GPU: it is retried under a 76 GiB budget).
@@ -37,6 +44,22 @@ run2() {
   wait "${pids[@]}"; cat /tmp/r0.log; grep -iE "error|panic" /tmp/r1.log | head
 }
 step() { echo "== $*"; timeout 170 .gpu/bench-train_step "$@"; }
+# Two ranks as two hosts would start them: each sees one GPU, NCCL over sockets on loopback.
+run2net() {
+  local port=$((29600 + RANDOM % 300))
+  local pids=()
+  for r in 0 1; do
+    CUDA_VISIBLE_DEVICES=$r NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET WORLD_SIZE=2 RANK=$r LOCAL_RANK=0 \
+      MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 170 .gpu/bench-train_step "$@" \
+      >/tmp/n$r.log 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  grep -v "NCCL INFO" /tmp/n0.log
+  grep -E "NCCL INFO.*(via NET|Using network|NET/)" /tmp/n0.log | head -4
+  grep -iE "error|panic" /tmp/n1.log | head
+}
 for phase in "$@"; do
   case $phase in
   suites)
@@ -62,5 +85,20 @@ for phase in "$@"; do
   budget)
     step --model flux --budget 24
     echo "== flux 2 GPUs batch 2, 24 GiB budget each"; run2 --model flux --budget 24 --batch 2 ;;
+  net)
+    step --model flux
+    step --model flux --batch 2
+    echo "== flux 2 GPUs over NVLink, batch 1 each"; run2 --model flux
+    echo "== flux 2 ranks over NCCL's network transport, batch 1 each"; run2net --model flux ;;
+  stall)
+    d=/tmp/stall && rm -rf $d && mkdir -p $d
+    sed -e "s#tiny/#$d/tiny/#g" -e 's/device = "auto"/device = "cuda"/' \
+      -e 's/batch_size = 4/batch_size = 2/' examples/flux-tiny-encoded.toml > $d/t.toml
+    .gpu/train $d/t.toml --make-tiny >/dev/null
+    start=$(date +%s)
+    FLAME_FAULT=hang:step@3 FLAME_FAULT_RANK=1 FLAME_STALL_TIMEOUT=20 timeout 200 \
+      .gpu/train $d/t.toml --gpus 0,1 2>&1 | tail -n 4
+    echo "== stall: exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | head ;;
   esac
 done

@@ -315,6 +315,16 @@ const STOPPED_BY_PEER: i32 = 3;
 /// The exit code of a worker whose watchdog judged the run stuck (it printed why).
 const STALLED: i32 = 4;
 
+/// Ends the process at once with `code`, from the watchdog's thread: no exit handlers run
+/// (the CUDA driver's would wait for a collective in flight that will never finish), and the
+/// driver frees the device with the process.
+fn leave(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stderr().flush();
+    // SAFETY: _exit ends the process; nothing of this process runs after it.
+    unsafe { libc::_exit(code) }
+}
+
 /// Starts `n` workers of this run (on `gpus`, or on the CPU), forwards Ctrl-C / SIGTERM to
 /// them, and waits: when one fails, the others are stopped (their watchdogs stop them; the
 /// ones still running after 30 s are killed) and the failure is reported by rank.
@@ -479,12 +489,12 @@ fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
             if cause == AbortCause::Stalled {
                 // This process judged the run stuck: it says why, whoever started it.
                 eprintln!("error: {msg}");
-                std::process::exit(STALLED);
+                leave(STALLED);
             }
             if !launched {
                 eprintln!("rank {rank}: stopping: {msg}");
             }
-            std::process::exit(STOPPED_BY_PEER);
+            leave(STOPPED_BY_PEER);
         }))?;
         Ok((device, group))
     })();

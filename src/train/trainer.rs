@@ -278,6 +278,13 @@ fn warm_collectives(group: &dyn ProcessGroup, device: &Device) -> Result<()> {
     if !group.asynchronous() {
         return Ok(());
     }
+    // What caching left in FLAME's cache goes back to the driver first: NCCL allocates
+    // with the driver, not through FLAME.
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let Device::Cuda(c) = device {
+        c.release_cached()?;
+    }
     for n in [BUCKET_BYTES / 4, 1] {
         let t = Tensor::zeros(n, DType::F32, device)?;
         group.all_reduce_sum(&[&t])?.wait()?;

@@ -301,6 +301,17 @@ impl CudaDevice {
             .and_then(|_| set_release_threshold(self.0.ordinal, bytes.unwrap_or(u64::MAX)));
     }
 
+    /// Gives the memory of freed buffers back to the driver, where other libraries of this
+    /// process (NCCL, cuBLAS) and other processes can take it: the cached buffers go back to
+    /// the driver's pool (stream-ordered frees), the stream drains them, and the pool hands
+    /// its unused memory to the driver.
+    pub fn release_cached(&self) -> Result<()> {
+        self.0.mem.empty();
+        self.synchronize()?;
+        trim_pool(self.0.ordinal);
+        Ok(())
+    }
+
     /// Returns the memory of freed buffers, kept for reuse, to the driver's pool (where other
     /// processes still cannot see it; the pool keeps it until the context closes).
     pub fn empty_cache(&self) {
@@ -402,11 +413,7 @@ impl CudaDevice {
     /// the context, loaded kernels, library handles and workspaces. Freed buffers kept for
     /// reuse go back to the driver first, so they do not count.
     pub fn memory_outside_allocator(&self) -> Result<u64> {
-        // The cached buffers go back to the driver's pool (stream-ordered frees), the
-        // stream drains them, and the pool hands its unused memory to the driver.
-        self.0.mem.empty();
-        self.synchronize()?;
-        trim_pool(self.0.ordinal);
+        self.release_cached()?;
         let process = self.process_memory()?;
         Ok(process.saturating_sub(self.0.mem.report().in_use))
     }

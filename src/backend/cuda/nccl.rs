@@ -17,7 +17,17 @@ pub fn nccl_available() -> bool {
 }
 
 fn nccl_err(what: &str) -> impl Fn(result::NcclError) -> Error + '_ {
-    move |e| Error::Dist(format!("NCCL {what}: {:?}", e.0))
+    move |e| {
+        let hint = match e.0 {
+            // NCCL's CUDA calls failing: most often its buffers finding no device memory.
+            cudarc::nccl::sys::ncclResult_t::ncclUnhandledCudaError => {
+                " (a CUDA call inside NCCL failed, most often an allocation of its buffers: \
+                 too little device memory outside FLAME's allocator; NCCL_DEBUG=WARN says which)"
+            }
+            _ => "",
+        };
+        Error::Dist(format!("NCCL {what}: {:?}{hint}", e.0))
+    }
 }
 
 /// A fresh NCCL unique id (rank 0 makes it; the others receive it over the control plane).

@@ -295,8 +295,25 @@ fn model(family: &str, name: &str, dev: &Device) -> Box<dyn DiffusionModel> {
 }
 
 /// Runs `case` with `schedule` on `dev` and checks the latents after every step; returns the
-/// worst relative error.
+/// worst relative error. Classifier-free guidance runs both ways: its two predictions one
+/// after the other, and as one batch (diffusers' way).
 fn trajectory(case: &str, family: &str, name: &str, schedule: &dyn Schedule, dev: &Device) -> f64 {
+    let f = load(case, dev);
+    let mut worst = trajectory_as(case, family, name, schedule, dev, false);
+    if f.contains_key("neg_context") {
+        worst = worst.max(trajectory_as(case, family, name, schedule, dev, true));
+    }
+    worst
+}
+
+fn trajectory_as(
+    case: &str,
+    family: &str,
+    name: &str,
+    schedule: &dyn Schedule,
+    dev: &Device,
+    batched: bool,
+) -> f64 {
     let f = load(case, dev);
     let m = model(family, name, dev);
     let ts = vals(&f["timesteps"]);
@@ -317,7 +334,7 @@ fn trajectory(case: &str, family: &str, name: &str, schedule: &dyn Schedule, dev
             if let Some(ids) = f.get("time_ids") {
                 un.push(ids.clone());
             }
-            Guidance::cfg(un, g)
+            Guidance::cfg(un, g).batched(batched)
         }
         (None, true) => Guidance::distilled(g),
         (None, false) => Guidance::none(),
@@ -355,7 +372,7 @@ fn trajectory(case: &str, family: &str, name: &str, schedule: &dyn Schedule, dev
         TRAJECTORY_TOL,
     );
     println!(
-        "{case} on {dev}: {} steps, worst latents error {worst:.2e}",
+        "{case} on {dev} (guidance batched: {batched}): {} steps, worst latents error {worst:.2e}",
         ts.len()
     );
     worst

@@ -440,6 +440,7 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
             a.width, a.height
         )));
     }
+    let mut batched = true;
     if a.budget > 0.0 {
         // One sample's inputs: the latents, then the conditioning as encoded.
         let channels = match inputs.first().and_then(|i| i.dims.first()) {
@@ -456,6 +457,8 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
             family, model_path, &opts, &device, a.budget, &shapes, "--budget",
         )?;
         eprintln!("{}", choice.describe());
+        // Guidance's two predictions at once where the plan holds a batch of two.
+        batched = flame::train::memory::batch_fits(family, model_path, &opts, &choice, &shapes, 2)?;
         opts.memory = choice.plan;
     }
     let model = family.load(model_path, &opts)?.model;
@@ -465,6 +468,7 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         latent_hw: (a.height / f, a.width / f),
         seed: a.seed,
         prediction,
+        batched_guidance: batched,
     };
     let paths = outputs(a)?;
     let noise = match &a.latents {

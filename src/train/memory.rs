@@ -218,6 +218,33 @@ pub fn plan_denoising(
     })
 }
 
+/// Whether `batch` samples of `sample` shapes at once fit `choice`'s budget under its plan
+/// (`choice` from [`plan_denoising`] for one sample): the profile's peak for that batch,
+/// which counts what a backward would keep (an upper bound for a forward). Without a budget
+/// or a worked-out plan: true.
+pub fn batch_fits(
+    family: &Family,
+    path: &std::path::Path,
+    opts: &LoadOptions,
+    choice: &MemoryChoice,
+    sample: &[Vec<usize>],
+    batch: usize,
+) -> Result<bool> {
+    let (Some(cap), Some((_, plan))) = (choice.budget, &choice.sized) else {
+        return Ok(true);
+    };
+    let prof = family.profile(
+        path,
+        opts,
+        &RunShape {
+            sample: sample.to_vec(),
+            batch,
+            optimizer_bytes_per_value: 0.0,
+        },
+    )?;
+    Ok(prof.peak(plan) <= cap)
+}
+
 /// Picks (or takes from the config) the memory plan, caps the allocator at the budget, and
 /// refuses a budget no plan fits before any weight is loaded. `world`: the ranks of a
 /// data-parallel run (each plans for its own device, with the reducer's buffers).

@@ -807,6 +807,8 @@ impl Trainer {
                 latent_hw: (h / parts.factor, w / parts.factor),
                 seed: sc.seed,
                 prediction: self.prediction(),
+                // Under a budget the step's plan leaves room for one prediction at a time.
+                batched_guidance: self.config.memory.budget_gb <= 0.0,
             };
             let uncond = Some(text(&sc.negative_prompt)?);
             let latents =

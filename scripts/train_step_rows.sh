@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The rows of the README's train-step memory table, on a GPU after
+# The rows of BENCHMARKS.md's train-step memory table, on a GPU after
 # ../shared/gpu/bundle staged bench-train_step in .gpu/. Usage: bash scripts/train_step_rows.sh
 # GROUP: "a" Flux-dev plans by hand (resident, checkpointed, 24 and 12 GiB caps), "b" FP8
 # rows, "c" Flux-dev plans the planner picks for 24/16/12/8 GiB (bf16) and 6 GiB (fp8,

@@ -81,7 +81,7 @@ fn flux_dev_profile_sizes() {
 }
 
 /// Predicted peaks against FLAME's peaks measured by benches/train_step.rs on an H100 80GB
-/// (README "Memory"): never more than 5% under (a plan must fit) and at most 15%
+/// (docs/MEMORY.md): never more than 5% under (a plan must fit) and at most 15%
 /// plus 0.6 GiB over (the fixed margin of transient buffers weighs on the smallest rows). The
 /// model's one calibrated constant, `SAVED_PER_TOKEN_CHANNEL`, comes from the resident row.
 #[test]

@@ -8,7 +8,7 @@
 //!
 //! Several GPUs: `--gpus 0,1` (or `train.gpus`) starts one worker process per GPU and waits
 //! for them; a process started with torchrun's variables (`WORLD_SIZE`, `RANK`, ...) is one
-//! such worker, wherever it runs (see README, "Several GPUs").
+//! such worker, wherever it runs (see docs/TRAINING.md, "Several GPUs").
 
 use argh::FromArgs;
 use flame::dist::{free_port, AbortCause, Launch, ProcessGroup};

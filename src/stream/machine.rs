@@ -7,7 +7,7 @@ use crate::stream::Machine;
 use crate::{Device, Result};
 
 /// The bf16 GEMM rate of the H100 80GB the time model was calibrated on, TFLOP/s: cuBLAS at
-/// 8192³ through `Tensor::matmul` (README, Benchmarks: 805.6 at 4096³ and 796.9 at Flux's
+/// 8192³ through `Tensor::matmul` (BENCHMARKS.md: 805.6 at 4096³ and 796.9 at Flux's
 /// 4608 x 3072 @ 3072 x 12288; this probe's 8192³ GEMMs ran 782-792 on an H100).
 pub const H100_GEMM_TFLOPS: f64 = 790.0;
 

@@ -23,7 +23,7 @@
 //! A streamed weight is one `Tensor` handle throughout (the model keeps it in its `Linear`);
 //! only the buffer behind it changes: a one-element placeholder while released, the device
 //! copy while fetched. Reading a released weight is an error (`Error::Stream`), never
-//! garbage. The README's "Memory model" section states who owns which buffer on which
+//! garbage. docs/MEMORY.md's "Memory model" section states who owns which buffer on which
 //! stream.
 
 mod machine;

@@ -2,7 +2,7 @@
 //!
 //! Each section is declared once, with the `section!` macro: a field's doc comment, type
 //! and default make the struct, its reader and its entry in the generated reference
-//! ([`TrainConfig::reference`], printed by `train --print-config` and kept in the README).
+//! ([`TrainConfig::reference`], printed by `train --print-config` and kept in docs/CONFIG.md).
 //! Unknown keys and wrong types are errors naming the key and its line (the toml crate's
 //! spans); every value check ([`TrainConfig::problems`]) names its key and, read from a file,
 //! its line. Paths are relative to the config file's folder. Nothing is written before every
@@ -349,7 +349,7 @@ section! {
         /// --gpus` overrides it): a list like [0, 1], or "all"; empty: one process.
         /// batch_size is then per GPU (the global batch is batch_size x GPUs x grad_accum).
         /// Across machines, start `train` on each with torchrun's variables instead
-        /// (README, "Several GPUs").
+        /// (docs/TRAINING.md, "Several GPUs").
         gpus: Gpus = Vec::<usize>::new(),
         /// Flow matching: how t is drawn, "uniform", "logit_normal", "shift" or "flux_shift".
         timesteps: String = "logit_normal",
@@ -1199,7 +1199,7 @@ impl TrainConfig {
         .concat()
     }
 
-    /// The reference as a Markdown table (`train --print-config`, the README).
+    /// The reference as a Markdown table (`train --print-config`, docs/CONFIG.md).
     pub fn reference_markdown() -> String {
         let mut s = String::from("| key | type | default | meaning |\n|---|---|---|---|\n");
         for k in Self::reference() {

@@ -1,7 +1,7 @@
 //! Page-locked host copies of device buffers and copies between them on the device's copy
 //! stream, for block streaming (`crate::stream`).
 //!
-//! Ownership and ordering (the invariants `crate::stream` relies on; README "Memory model"):
+//! Ownership and ordering (the invariants `crate::stream` relies on; docs/MEMORY.md, "Memory model"):
 //! - All compute runs on the device's one compute stream; copies for streaming run on its
 //!   copy stream. A buffer of the cache (memory.rs) is only ever handed out in compute-stream
 //!   order, so before a copy writes into a freshly allocated buffer, the copy stream waits

@@ -55,8 +55,10 @@ pub mod autograd;
 pub mod backend;
 #[cfg(feature = "cli")]
 pub mod cli;
+mod config;
 pub mod data;
 mod device;
+pub mod diffusion;
 pub mod dist;
 mod dtype;
 pub mod encoders;
@@ -65,7 +67,6 @@ mod fault;
 pub mod models;
 pub mod nn;
 pub mod optim;
-pub mod profile;
 pub mod progress;
 pub mod safetensors;
 pub mod sample;
@@ -76,6 +77,7 @@ pub mod train;
 
 #[cfg(feature = "cuda")]
 pub use backend::cuda;
+pub use backend::profile;
 
 pub use autograd::{grad_enabled, no_grad, Grads, NoGradGuard};
 pub use backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp, Window2d};

@@ -8,6 +8,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod fp8;
 pub mod multi;
+pub mod profile;
 pub mod quant8;
 #[cfg_attr(not(any(feature = "cpu-ref", feature = "cuda")), allow(dead_code))]
 pub(crate) mod validate;

@@ -24,7 +24,7 @@ use super::bucket::{BucketConfig, CropMode, Resample};
 use super::caption::CaptionOptions;
 use super::dataset::DatasetOptions;
 use super::source::{OnBadFile, Source};
-use crate::train::config::{in_list, line_of, DataSection, Problem, RawData};
+use crate::config::{in_list, line_of, section, Problem};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -48,8 +48,61 @@ fn one() -> usize {
     1
 }
 
-/// The `[data]` table: images with captions or pre-encoded samples (the keys are declared
-/// with the train config's, [`crate::train::config::DataSection`]).
+section! {
+    /// `[data]`: the training samples: images with captions (`dirs` or `manifest`, encoded
+    /// and cached before training), or pre-encoded samples (`dir`).
+    DataSection / RawData = "data" {
+        /// Pre-encoded samples instead of images: a folder of .safetensors files, one per
+        /// sample, holding the tensors the model family needs (Flux: latents, context,
+        /// pooled; SDXL adds time_ids).
+        dir: Option<PathBuf> = None,
+        /// Image folders, each a `[[data.dirs]]` table with `path` (images: png, jpg, jpeg,
+        /// webp, with a .txt caption beside each; subfolders named `<repeats>_<name>`,
+        /// kohya's layout, are read too, their images repeated that number times `repeats`;
+        /// other subfolders are not searched) and `repeats` (times each image appears in an
+        /// epoch, default 1). Captions in UTF-8 (a byte-order mark is dropped) or UTF-16
+        /// with its mark; other bytes are read as Windows-1252, with a note.
+        dirs: Vec<DirEntry> = Vec::<DirEntry>::new(),
+        /// A JSONL manifest of `{"file": ..., "caption": ...}` lines instead of `dirs`
+        /// (`file` relative to the manifest).
+        manifest: Option<PathBuf> = None,
+        /// Repeats of every manifest image, >= 1.
+        manifest_repeats: usize = 1_usize,
+        /// The target resolution R: aspect-ratio buckets hold at most R² pixels. Images whose
+        /// shorter side is under R/4, or with an aspect ratio over 4:1, are bad files
+        /// (`data.on_bad_file`).
+        resolution: usize = 1024_usize,
+        /// Bucket sides are multiples of this, > 0 and at most `resolution`.
+        bucket_step: usize = 64_usize,
+        /// The largest bucket aspect ratio (long side / short side), >= 1.
+        max_aspect: f64 = 2.0,
+        /// "center" or "random" (seeded, one offset per sample and repeat).
+        crop: String = "center",
+        /// Mirror samples at random (seeded per epoch); SDXL's crop left is mirrored with them.
+        flip: bool = false,
+        /// The resize filter: "lanczos3" or "catmullrom".
+        resample: String = "lanczos3",
+        /// Probability in [0, 1] that a sample trains on the empty caption.
+        caption_dropout: f64 = 0.0,
+        /// Shuffle the comma-separated tags of each caption every epoch.
+        shuffle_tags: bool = false,
+        /// With shuffle_tags, this many leading tags keep their place.
+        keep_tokens: usize = 0_usize,
+        /// An unreadable image or a missing caption: "skip" (reported, left out) or "stop".
+        on_bad_file: String = "stop",
+        /// Where latents and text embeddings are cached (default: `cache` in
+        /// train.output_dir). Entries are keyed by content, so a changed image, caption,
+        /// resolution or encoder recomputes only what it changes.
+        cache_dir: Option<PathBuf> = None,
+        /// The fraction of images, in [0, 1), held out for the validation loss (chosen by
+        /// file name and seed, so the split is stable when images are added).
+        validation_split: f64 = 0.0,
+        /// A folder of images with captions for the validation loss, instead of a split.
+        validation_dir: Option<PathBuf> = None,
+    }
+}
+
+/// The `[data]` table: images with captions or pre-encoded samples.
 pub type DataConfig = DataSection;
 
 /// A document holding the `[data]` table (other tables are not read).

@@ -5,7 +5,7 @@ use super::caption::CaptionOptions;
 use super::source::{self, BadFile, Item, OnBadFile, Source};
 use super::{data_err, draw, purpose, unit};
 use crate::nn::key_hash;
-use crate::train::data::permutation;
+use crate::nn::permutation;
 use crate::{Result, Tensor};
 use std::collections::BTreeSet;
 

@@ -9,9 +9,13 @@
 //! - [`GradReducer`]: data-parallel gradient sums in buckets, started as the backward
 //!   finishes each bucket's gradients and overlapped with the rest of it.
 
+#[cfg(feature = "cuda")]
+mod nccl;
 mod reducer;
 mod tcp;
 
+#[cfg(feature = "cuda")]
+pub use nccl::{nccl_available, nccl_unique_id, NcclComm};
 pub use reducer::{GradReducer, BUCKET_BYTES};
 pub use tcp::{free_port, AbortCause, OnAbort, TcpGroup};
 
@@ -223,7 +227,7 @@ impl Launch {
 #[cfg(feature = "cuda")]
 pub struct NcclGroup {
     ctl: TcpGroup,
-    comm: crate::backend::cuda::NcclComm,
+    comm: NcclComm,
     dev: crate::backend::cuda::CudaDevice,
 }
 
@@ -233,7 +237,6 @@ impl NcclGroup {
     /// rank first says whether it can load NCCL, so a missing library fails everywhere, by
     /// rank, instead of hanging the others.
     pub fn new(ctl: TcpGroup, dev: &crate::backend::cuda::CudaDevice) -> Result<NcclGroup> {
-        use crate::backend::cuda::{nccl_available, nccl_unique_id};
         let mut missing = vec![0.0; ctl.world()];
         if !nccl_available() {
             missing[ctl.rank()] = 1.0;
@@ -257,7 +260,7 @@ impl NcclGroup {
         for (b, v) in raw.iter_mut().zip(&id) {
             *b = *v as u8;
         }
-        let comm = crate::backend::cuda::NcclComm::new(dev, raw, ctl.rank(), ctl.world())?;
+        let comm = NcclComm::new(dev, raw, ctl.rank(), ctl.world())?;
         Ok(NcclGroup {
             ctl,
             comm,

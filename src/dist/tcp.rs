@@ -286,7 +286,7 @@ impl TcpGroup {
     /// rank's `on_abort` runs with a message naming it, even while its main thread is
     /// blocked in a collective. Every rank sends its [`progress`] to rank 0 as a heartbeat,
     /// and rank 0 its own to every rank; with a stall limit ([`TcpGroup::stall_after`])
-    /// rank 0 judges from them whether a rank is stuck (see [`stuck`]), and a rank that
+    /// rank 0 judges from them whether a rank is stuck (the rule is `stuck`'s, below), and a rank that
     /// hears nothing from rank 0 for that long stops.
     pub fn start_watchdog(&self, on_abort: OnAbort) -> Result<()> {
         let readers: Vec<TcpStream> = self

@@ -9,7 +9,7 @@
 //! E head width, P projection width.
 
 use super::{detect_prefix, open_files, prefixes_with};
-use crate::models::common::{merge_heads, split_qkv};
+use crate::nn::{merge_heads, split_qkv};
 use crate::nn::{
     scaled_dot_product_attention, Embedding, KeyMap, KeySource, LayerNorm, Linear, VarBuilder,
 };

@@ -5,7 +5,7 @@
 //! Shape letters: B batch, L tokens, D `d_model`, H heads, K `d_kv` (head width), F `d_ff`.
 
 use super::{detect_prefix, open_files, prefixes_with};
-use crate::models::common::merge_heads;
+use crate::nn::merge_heads;
 use crate::nn::{Embedding, KeySource, Linear, RmsNorm, VarBuilder};
 use crate::stream::{BlockExec, BlockStreamer};
 use crate::{DType, Device, Error, Result, Tensor};

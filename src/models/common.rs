@@ -8,30 +8,7 @@ use crate::{Error, Result, Tensor};
 /// `nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)`).
 pub const EPS: f64 = 1e-6;
 
-/// A fused projection (B, N, 3 D) -> q, k, v each (B, H, N, E), as strided views.
-pub fn split_qkv(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
-    let d = qkv.dims();
-    if d.len() != 3 || heads == 0 || d[2] % (3 * heads) != 0 {
-        return Err(Error::invalid(
-            "split_qkv",
-            format!("needs (B, N, 3 x {heads} x head dim)"),
-            qkv.shape(),
-        ));
-    }
-    let (b, n, e) = (d[0], d[1], d[2] / (3 * heads));
-    // Narrowed before the heads are permuted: the same views, but the backward then lays
-    // the three gradients side by side straight into the projection's layout (one copy)
-    // instead of into the permuted one and copying that again to undo the permute.
-    let qkv = qkv.reshape(vec![b, n, 3, heads, e])?;
-    let pick = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.permute(&[0, 2, 1, 3]);
-    Ok((pick(0)?, pick(1)?, pick(2)?))
-}
-
-/// Attention output (B, H, N, E) -> (B, N, H E).
-pub fn merge_heads(o: &Tensor) -> Result<Tensor> {
-    let d = o.dims().to_vec();
-    o.transpose(1, 2)?.reshape((d[0], d[2], d[1] * d[3]))
-}
+pub use crate::nn::{merge_heads, split_qkv};
 
 /// `adaLN_modulation.1` -> (shift, scale) of a LayerNorm without affine, then `linear`
 /// (BFL `LastLayer`, Stability `FinalLayer`).

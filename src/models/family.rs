@@ -13,12 +13,12 @@
 use super::checkpoint::{Checkpoint, Format};
 use super::pipeline::PipelineSpec;
 use crate::autograd::Keep;
+use crate::diffusion::Ddpm;
 use crate::nn::{Adapters, KeyMap, LoraMerge, VarBuilder};
 use crate::stream::{spread_evenly, InputOffload};
 use crate::stream::{
     BlockCost, BlockExec, BlockShape, BlockStreamer, Checkpointing, MemoryProfile, Plan,
 };
-use crate::train::Ddpm;
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::Path;
 use std::sync::Arc;

@@ -5,12 +5,12 @@
 //! diffusers pipeline folder, an all-in-one single file, or the files a config points at.
 
 use super::family::Family;
+use crate::diffusion::Prediction;
+use crate::diffusion::Schedule;
 use crate::encoders::{
     AutoencoderKl, ClipOutput, ClipTextModel, ClipTokenizer, T5Encoder, T5Tokenizer, Tokens,
     VaeKind,
 };
-use crate::sample::Schedule;
-use crate::train::Prediction;
 use crate::{no_grad, DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
 

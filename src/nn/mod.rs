@@ -5,6 +5,7 @@
 pub mod adapter;
 mod conv;
 mod embeddings;
+mod heads;
 mod layers;
 mod lora_merge;
 mod params;
@@ -18,10 +19,12 @@ pub use conv::{adaptive_avg_pool2d, avg_pool2d, conv2d, max_pool2d, pad2d, Conv2
 pub use embeddings::{
     apply_rope, modulate, rope, timestep_embedding, EmbedNd, Modulation, ModulationOut,
 };
+pub use heads::{merge_heads, split_qkv};
 pub use layers::{
     upsample_nearest2d, Activation, BatchPart, Dropout, Embedding, GroupNorm, LayerNorm, Linear,
     RmsNorm,
 };
 pub use lora_merge::LoraMerge;
 pub use params::{KeyMap, KeySource, VarBuilder};
+pub use seed::permutation;
 pub(crate) use seed::{key_hash, mix64, GOLDEN};

@@ -17,3 +17,18 @@ pub(crate) fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
 }
+
+/// A permutation of 0..n from `seed` (Fisher-Yates over splitmix64).
+pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(GOLDEN);
+        mix64(state)
+    };
+    let mut p: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
+}

@@ -17,46 +17,14 @@
 //! # Ok::<(), flame::Error>(())
 //! ```
 
-pub mod schedulers;
-
-pub use schedulers::{Ddim, DdpmConfig, EulerDiscrete, FlowMatchConfig, FlowMatchEuler};
+pub use crate::diffusion::schedulers;
+pub use crate::diffusion::schedulers::{
+    Ddim, DdpmConfig, EulerDiscrete, FlowMatchConfig, FlowMatchEuler,
+};
+pub use crate::diffusion::{Process, Schedule};
 
 use crate::models::{DiffusionModel, Objective};
 use crate::{no_grad, DType, Error, Result, Shape, Tensor};
-
-/// The noise process a schedule steps through; it must be the model's [`Objective`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Process {
-    /// Rectified flow (Flux, SD3): the model takes t ∈ (0, 1] and predicts a velocity.
-    FlowMatching,
-    /// DDPM (SDXL): the model takes a training timestep and predicts ε or v.
-    Ddpm,
-}
-
-/// A scheduler with its timesteps set: what [`denoise`] steps through. Steps are addressed
-/// by index (0 = the noisiest), so a schedule holds no state and can be reused.
-pub trait Schedule: Send + Sync {
-    /// diffusers' `scheduler.timesteps`, one per step (flow matching: sigma x 1000).
-    fn timesteps(&self) -> &[f32];
-    /// The noise process it belongs to.
-    fn process(&self) -> Process;
-    /// The `t` [`DiffusionModel::predict`] takes at step `i` (flow matching: sigma in
-    /// (0, 1]; DDPM: the timestep).
-    fn model_time(&self, i: usize) -> Result<f32>;
-    /// What unit-variance noise is multiplied by to make the first latents (diffusers'
-    /// `init_noise_sigma`).
-    fn init_noise_sigma(&self) -> f32 {
-        1.0
-    }
-    /// The model's input at step `i` from the latents (diffusers' `scale_model_input`).
-    fn scale_model_input(&self, x: &Tensor, i: usize) -> Result<Tensor> {
-        let _ = i;
-        x.to_dtype(DType::F32)
-    }
-    /// The latents after step `i` from the (guided) model output and the latents before it,
-    /// in f32 (diffusers' `step(...).prev_sample`).
-    fn step(&self, model_output: &Tensor, i: usize, sample: &Tensor) -> Result<Tensor>;
-}
 
 /// Classifier-free guidance: the prediction is uncond + scale (cond - uncond).
 #[derive(Clone, Debug)]
@@ -395,7 +363,7 @@ pub struct Request {
     /// The noise of the i-th image is drawn (f32, on the model's device) from `seed + i`.
     pub seed: u64,
     /// What a DDPM model predicts.
-    pub prediction: crate::train::Prediction,
+    pub prediction: crate::diffusion::Prediction,
     /// Classifier-free guidance's two predictions as one batch ([`Cfg::batched`]): faster,
     /// twice the activations.
     pub batched_guidance: bool,

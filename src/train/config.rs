@@ -9,155 +9,19 @@
 //! check has passed.
 
 use super::objectives::TimestepSampling;
-use crate::data::DirEntry;
+use crate::config::{in_list, section, show};
+pub use crate::config::{line_of, KeyDoc, Problem, Section};
+pub use crate::data::config::DataSection;
+use crate::data::config::RawData;
 use crate::nn::{AdapterConfig, LoraConfig};
 use crate::stream::Checkpointing;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-/// One key of the config reference.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KeyDoc {
-    /// `section.key`.
-    pub key: &'static str,
-    /// Its TOML type, in words.
-    pub ty: &'static str,
-    /// Its default as TOML, `None` when the key is required.
-    pub default: Option<String>,
-    /// What it means.
-    pub doc: String,
-}
-
-/// A config section: its name and the reference of its keys.
-pub trait Section {
-    /// The section's name (`[model]` is "model").
-    const NAME: &'static str;
-    /// One entry per key, in declaration order.
-    fn reference() -> Vec<KeyDoc>;
-}
-
-/// The TOML type of a Rust field type, in words.
-fn toml_type(rust: &str) -> &'static str {
-    match rust.replace(' ', "").as_str() {
-        "usize" | "u64" => "integer >= 0",
-        "f64" => "float",
-        "bool" => "bool",
-        "PathBuf" => "path",
-        "Option<PathBuf>" => "path (optional)",
-        "Option<String>" => "string (optional)",
-        "Vec<String>" => "list of strings",
-        "Vec<PathBuf>" => "list of paths",
-        "Vec<DirEntry>" => "tables [[...]] of path, repeats",
-        "[usize;2]" => "[integer, integer]",
-        "[f64;2]" => "[float, float]",
-        "Gpus" => "list of integers, or \"all\"",
-        _ => "string",
-    }
-}
-
-/// A value as TOML text ("none" for an absent optional value, which TOML cannot write).
-fn show<T: Serialize>(v: &T) -> String {
-    match toml::Value::try_from(v) {
-        Ok(v) => v.to_string(),
-        Err(_) => "none".into(),
-    }
-}
-
 /// The most samples a run may draw (train.steps × grad_accum × batch_size): counts up to
 /// this stay exact in the f64 figures (epochs, schedules) a run computes from them.
 pub const MAX_SAMPLES_DRAWN: usize = 1 << 50;
-
-macro_rules! field_value {
-    ($raw:expr, $key:expr) => {
-        $raw.ok_or_else(|| format!("missing key `{}`", $key))?
-    };
-    ($raw:expr, $key:expr, $default:expr) => {
-        $raw.unwrap_or_else(|| ($default).into())
-    };
-}
-
-/// Whether a field declared without a default is required (`required!()`) or not.
-macro_rules! required {
-    () => {
-        true
-    };
-    ($default:expr) => {
-        false
-    };
-}
-
-macro_rules! field_default {
-    ($ty:ty) => {
-        None
-    };
-    ($ty:ty, $default:expr) => {{
-        let v: $ty = ($default).into();
-        Some(show(&v))
-    }};
-}
-
-/// Declares a config section: the public struct, a reader with every key optional (so a
-/// missing required key is an error naming it, and a missing section of defaults is fine),
-/// and the reference of its keys from the fields' doc comments, types and defaults.
-macro_rules! section {
-    (
-        $(#[doc = $sdoc:literal])*
-        $name:ident / $raw:ident = $key:literal {
-            $(
-                $(#[doc = $doc:literal])*
-                $field:ident : $ty:ty $(= $default:expr)? ,
-            )*
-        }
-    ) => {
-        $(#[doc = $sdoc])*
-        #[derive(Clone, Debug, PartialEq, Serialize)]
-        pub struct $name {
-            $( $(#[doc = $doc])* pub $field: $ty, )*
-        }
-
-        #[derive(Debug, Default, Deserialize)]
-        #[serde(deny_unknown_fields)]
-        pub(crate) struct $raw {
-            $( #[serde(default)] $field: Option<$ty>, )*
-        }
-
-        impl $raw {
-            /// The required keys this section lacks.
-            pub(crate) fn missing(&self) -> Vec<&'static str> {
-                let mut v = vec![];
-                $(
-                    if required!($($default)?) && self.$field.is_none() {
-                        v.push(concat!($key, ".", stringify!($field)));
-                    }
-                )*
-                v
-            }
-
-            pub(crate) fn finish(self) -> std::result::Result<$name, String> {
-                Ok($name {
-                    $( $field: field_value!(
-                        self.$field,
-                        concat!($key, ".", stringify!($field))
-                        $(, $default)?
-                    ), )*
-                })
-            }
-        }
-
-        impl Section for $name {
-            const NAME: &'static str = $key;
-            fn reference() -> Vec<KeyDoc> {
-                vec![$(KeyDoc {
-                    key: concat!($key, ".", stringify!($field)),
-                    ty: toml_type(stringify!($ty)),
-                    default: field_default!($ty $(, $default)?),
-                    doc: [$($doc),*].iter().map(|l| l.trim()).collect::<Vec<_>>().join(" "),
-                },)*]
-            }
-        }
-    };
-}
 
 /// `train.gpus`: the GPUs data-parallel training runs on, one process each: a list of GPU
 /// numbers, `"all"`, or empty (one process on `train.device`).
@@ -392,60 +256,6 @@ section! {
 }
 
 section! {
-    /// `[data]`: the training samples: images with captions (`dirs` or `manifest`, encoded
-    /// and cached before training), or pre-encoded samples (`dir`).
-    DataSection / RawData = "data" {
-        /// Pre-encoded samples instead of images: a folder of .safetensors files, one per
-        /// sample, holding the tensors the model family needs (Flux: latents, context,
-        /// pooled; SDXL adds time_ids).
-        dir: Option<PathBuf> = None,
-        /// Image folders, each a `[[data.dirs]]` table with `path` (images: png, jpg, jpeg,
-        /// webp, with a .txt caption beside each; subfolders named `<repeats>_<name>`,
-        /// kohya's layout, are read too, their images repeated that number times `repeats`;
-        /// other subfolders are not searched) and `repeats` (times each image appears in an
-        /// epoch, default 1). Captions in UTF-8 (a byte-order mark is dropped) or UTF-16
-        /// with its mark; other bytes are read as Windows-1252, with a note.
-        dirs: Vec<DirEntry> = Vec::<DirEntry>::new(),
-        /// A JSONL manifest of `{"file": ..., "caption": ...}` lines instead of `dirs`
-        /// (`file` relative to the manifest).
-        manifest: Option<PathBuf> = None,
-        /// Repeats of every manifest image, >= 1.
-        manifest_repeats: usize = 1_usize,
-        /// The target resolution R: aspect-ratio buckets hold at most R² pixels. Images whose
-        /// shorter side is under R/4, or with an aspect ratio over 4:1, are bad files
-        /// (`data.on_bad_file`).
-        resolution: usize = 1024_usize,
-        /// Bucket sides are multiples of this, > 0 and at most `resolution`.
-        bucket_step: usize = 64_usize,
-        /// The largest bucket aspect ratio (long side / short side), >= 1.
-        max_aspect: f64 = 2.0,
-        /// "center" or "random" (seeded, one offset per sample and repeat).
-        crop: String = "center",
-        /// Mirror samples at random (seeded per epoch); SDXL's crop left is mirrored with them.
-        flip: bool = false,
-        /// The resize filter: "lanczos3" or "catmullrom".
-        resample: String = "lanczos3",
-        /// Probability in [0, 1] that a sample trains on the empty caption.
-        caption_dropout: f64 = 0.0,
-        /// Shuffle the comma-separated tags of each caption every epoch.
-        shuffle_tags: bool = false,
-        /// With shuffle_tags, this many leading tags keep their place.
-        keep_tokens: usize = 0_usize,
-        /// An unreadable image or a missing caption: "skip" (reported, left out) or "stop".
-        on_bad_file: String = "stop",
-        /// Where latents and text embeddings are cached (default: `cache` in
-        /// train.output_dir). Entries are keyed by content, so a changed image, caption,
-        /// resolution or encoder recomputes only what it changes.
-        cache_dir: Option<PathBuf> = None,
-        /// The fraction of images, in [0, 1), held out for the validation loss (chosen by
-        /// file name and seed, so the split is stable when images are added).
-        validation_split: f64 = 0.0,
-        /// A folder of images with captions for the validation loss, instead of a split.
-        validation_dir: Option<PathBuf> = None,
-    }
-}
-
-section! {
     /// `[encoders]`: the text encoders, tokenizers and autoencoder that turn images and
     /// captions into training inputs and latents into sample images.
     EncodersSection / RawEncoders = "encoders" {
@@ -613,42 +423,6 @@ struct RawConfig {
     memory: RawMemory,
 }
 
-/// One failed check: the key and what is wrong with its value.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Problem {
-    /// `section.key`.
-    pub key: &'static str,
-    /// What is wrong.
-    pub msg: String,
-}
-
-/// The 1-based line of `key` (`section.name`) in a TOML text: under its `[section]` header,
-/// or as a dotted key; `None` when the key is not written (a default).
-pub fn line_of(text: &str, key: &str) -> Option<usize> {
-    let (section, name) = key.split_once('.')?;
-    let mut current = String::new();
-    for (i, line) in text.lines().enumerate() {
-        let l = line.trim();
-        if let Some(h) = l.strip_prefix('[') {
-            current = h.trim_end_matches(']').trim().to_string();
-            continue;
-        }
-        let Some((k, _)) = l.split_once('=') else {
-            continue;
-        };
-        let k = k.trim().trim_matches('"');
-        let full = if current.is_empty() {
-            k.to_string()
-        } else {
-            format!("{current}.{k}")
-        };
-        if full == format!("{section}.{name}") {
-            return Some(i + 1);
-        }
-    }
-    None
-}
-
 /// The problems found so far, with the checks that recur.
 struct Checks<'a>(&'a mut Vec<Problem>);
 
@@ -675,14 +449,6 @@ impl Checks<'_> {
     fn positive_n(&mut self, key: &'static str, n: usize) {
         self.check(n > 0, key, "0: must be positive".into());
     }
-}
-
-/// A problem when `v` is not one of `list`.
-pub(crate) fn in_list(key: &'static str, v: &str, list: &[&str]) -> Option<Problem> {
-    (!list.contains(&v)).then(|| Problem {
-        key,
-        msg: format!("\"{v}\": expected {}", list.join(", ")),
-    })
 }
 
 impl TrainConfig {

@@ -5,7 +5,6 @@
 //! that every value is finite; a bad sample is an error naming the file and the tensor.
 
 use crate::models::Input;
-use crate::nn::{mix64, GOLDEN};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Tensor};
 use rayon::prelude::*;
@@ -270,20 +269,7 @@ pub fn check_batch_size(
     Ok(())
 }
 
-/// A permutation of 0..n from `seed` (Fisher-Yates over splitmix64).
-pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
-    let mut state = seed;
-    let mut next = || {
-        state = state.wrapping_add(GOLDEN);
-        mix64(state)
-    };
-    let mut p: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
-        let j = (next() % (i as u64 + 1)) as usize;
-        p.swap(i, j);
-    }
-    p
-}
+pub use crate::nn::permutation;
 
 /// Sample indices of global position `pos` onwards (`b` of them), epoch by epoch, each epoch
 /// in its own order from (seed, epoch): data order is a function of the position alone, so

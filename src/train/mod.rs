@@ -7,7 +7,7 @@ pub mod data;
 pub mod demo;
 pub mod images;
 pub mod memory;
-pub mod objectives;
+pub use crate::diffusion::objectives;
 pub mod rundir;
 pub mod scaler;
 pub mod trainer;

@@ -210,6 +210,7 @@ impl PhasePeaks {
     fn start(&self, device: &Device, phase: &str) {
         crate::progress::set_phase(phase);
         #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
         if let Device::Cuda(c) = device {
             c.reset_peak_memory();
         }

@@ -119,7 +119,7 @@ where
     // SAFETY: check() proved both views lie inside their buffers; the leading dimensions and
     // batch strides are the views' own strides, so cuBLAS reads only those elements, and
     // `out` holds B*M*N elements (checked by the callers).
-    let span = crate::profile::Span::start(dev);
+    let span = crate::backend::profile::Span::start(dev);
     unsafe {
         dev.blas()
             .gemm_strided_batched(cfg, &bv, &av, &mut *out.slice)
@@ -200,7 +200,7 @@ where
     let bv = bb.slice.slice(bl.offset()..);
     let biasv = biasb.slice.slice(biasl.offset()..);
     // SAFETY: as `gemm_into`; the bias view holds N unit-stride elements (checked above).
-    let span = crate::profile::Span::start(dev);
+    let span = crate::backend::profile::Span::start(dev);
     let r = unsafe { lt.matmul(cfg, &bv, &av, &mut *out.slice, Some(&biasv), None) };
     span.stop(dev, "gemm", "cublaslt_gemm_bias");
     match r {

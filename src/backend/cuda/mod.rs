@@ -14,7 +14,6 @@ mod layout;
 mod matmul;
 mod memory;
 mod multi;
-mod nccl;
 mod norm;
 mod reduce;
 mod storage;
@@ -27,7 +26,6 @@ pub use device::CudaDevice;
 pub(crate) use host::{PinnedBuf, PinnedPack, Staging, Upload};
 pub use memory::MemoryReport;
 
-pub use nccl::{nccl_available, nccl_unique_id, NcclComm};
 pub use storage::CudaStorage;
 
 use crate::Error;

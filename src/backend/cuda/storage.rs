@@ -99,14 +99,14 @@ macro_rules! launch {
         let f = $dev.function($module, name)?;
         let mut b = $dev.stream().launch_builder(&f);
         $( b.arg($arg); )*
-        let span = crate::profile::Span::start(&$dev);
+        let span = crate::backend::profile::Span::start(&$dev);
         // SAFETY: every kernel of cuda/ takes exactly these arguments (pointer, layout, count
         // and scalar types as declared there), and the launcher checked that each view lies
         // inside its buffer and each output holds the elements the kernel writes.
         let r = unsafe { b.launch($cfg) }
             .map(|_| ())
             .map_err(|e| Error::Cuda(format!("launching {name}: {e:?}")));
-        span.stop(&$dev, crate::profile::category($module, name), name);
+        span.stop(&$dev, crate::backend::profile::category($module, name), name);
         r
     }};
 }

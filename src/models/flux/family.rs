@@ -2,6 +2,8 @@
 //! inputs (latents packed into 2x2 patches, T5 tokens, the CLIP pooled vector).
 
 use super::{diffusers_map, image_ids, pack_latents, text_ids, unpack_latents, Flux, FluxConfig};
+use crate::diffusion::schedulers::{FlowMatchConfig, FlowMatchEuler};
+use crate::diffusion::Schedule;
 use crate::encoders::{VaeKind, CLIP_MAX_LEN, T5_LEN_FLUX_DEV, T5_LEN_SCHNELL_SD35};
 use crate::models::checkpoint::Checkpoint;
 use crate::models::common::{conds, latent_and_context};
@@ -10,7 +12,6 @@ use crate::models::pipeline::{
     output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
 };
 use crate::nn::{KeyMap, VarBuilder};
-use crate::sample::{FlowMatchConfig, FlowMatchEuler, Schedule};
 use crate::stream::{BlockExec, BlockShape};
 use crate::{DType, Device, Result, Tensor};
 

@@ -1,6 +1,9 @@
 //! The SDXL UNet as a registered model family.
 
 use super::{diffusers_map, sdxl_vector, SdxlConfig, Unet};
+use crate::diffusion::schedulers::EulerDiscrete;
+use crate::diffusion::Ddpm;
+use crate::diffusion::Schedule;
 use crate::encoders::{VaeKind, CLIP_MAX_LEN, SDXL_CLIP_G, SDXL_CLIP_L};
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
@@ -8,9 +11,7 @@ use crate::models::pipeline::{
     output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
 };
 use crate::nn::{KeyMap, VarBuilder};
-use crate::sample::{EulerDiscrete, Schedule};
 use crate::stream::{BlockExec, BlockShape};
-use crate::train::Ddpm;
 use crate::{DType, Result, Tensor};
 
 /// The registry entry of the SDXL UNet.

@@ -7,8 +7,8 @@
 //! last bit or two. Sample updates run in f32 on the device as diffusers' `step` does (it
 //! casts the sample to float32), in the same order of operations.
 
+use super::objectives::Prediction;
 use super::{Process, Schedule};
-use crate::train::Prediction;
 use crate::{DType, Error, Result, Shape, Tensor};
 
 fn bad(msg: String) -> Error {

@@ -3,7 +3,7 @@
 //! so far by an event, and returning the event the compute stream must wait on before it
 //! reads the results. NCCL is loaded at run time (`libnccl.so`), like the rest of CUDA.
 
-use super::{cuda_err, CudaDevice};
+use crate::backend::cuda::{cuda_err, CudaDevice};
 use crate::device::Storage;
 use crate::{DType, Error, Result, Tensor};
 use cudarc::driver::CudaEvent;

@@ -683,3 +683,114 @@ fn a_malformed_lycoris_file_is_named_in_the_merge() {
         assert!(e.contains(&format!("lora_unet_lin.{bad}")), "{e}");
     }
 }
+
+/// PEFT's per-module scales from `adapter_config.json`: `rank_pattern` and `alpha_pattern`
+/// (regular expressions matching a module's name whole or a dot-separated suffix of it,
+/// PEFT's `get_pattern_key`) override r and alpha for the modules they match, and
+/// `use_rslora` makes the scale alpha / √r. Built from the LoRA fixture (r = 4, alpha = 8):
+/// its `lin` adapter cut to rank 2 under `rank_pattern = {"lin": 2}` (scale 8 / 2), its
+/// `conv` under `alpha_pattern = {"c.nv": 12}` (scale 12 / 4), `pw` as it was (8 / 4). Read
+/// into planned adapters and merged by the `sample` binary's reader alike.
+#[test]
+fn peft_rank_and_alpha_patterns_and_rslora_scale_each_module() {
+    let src = dir().join("lora");
+    let t = load(&src.join("peft.safetensors"));
+    let io = load(&src.join("io.safetensors"));
+    let base = load(&dir().join("base.safetensors"));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("adapter_config.json")).unwrap())
+            .unwrap();
+    let key = |m: &str, ab: &str| format!("base_model.model.{m}.lora_{ab}.weight");
+    let write = |name: &str, tensors: &HashMap<String, Tensor>, extra: serde_json::Value| {
+        let d = temp(name);
+        let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        flame::safetensors::save(named, d.join("adapter_model.safetensors")).unwrap();
+        let mut c = cfg.clone();
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        std::fs::write(d.join("adapter_config.json"), c.to_string()).unwrap();
+        d.join("adapter_model.safetensors")
+    };
+    let deltas = |file: &Path, lin_rank: usize| -> HashMap<String, Tensor> {
+        let a = Adapters::new(AdapterConfig {
+            rank: lin_rank,
+            conv_rank: 4,
+            ..config("lora")
+        })
+        .unwrap();
+        let _m = model(&a, DType::F64);
+        a.load_peft(file, &identity(), "base_model.model").unwrap();
+        a.layers()
+            .unwrap()
+            .into_iter()
+            .map(|l| {
+                let w = base[&format!("{}.weight", l.path())].clone();
+                let weight = |dt| w.to_dtype(dt);
+                let d = l.delta_weight(&BaseLayer::new(l.shape(), &weight)).unwrap();
+                (l.path().to_string(), d)
+            })
+            .collect()
+    };
+
+    // Patterns: lin at rank 2.
+    let mut cut = t.clone();
+    let a2 = t[&key("lin", "A")]
+        .narrow(0, 0, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    let b2 = t[&key("lin", "B")]
+        .narrow(1, 0, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    cut.insert(key("lin", "A"), a2.clone());
+    cut.insert(key("lin", "B"), b2.clone());
+    let file = write(
+        "peft-patterns",
+        &cut,
+        serde_json::json!({"rank_pattern": {"lin": 2}, "alpha_pattern": {"c.nv": 12}}),
+    );
+    let got = deltas(&file, 2);
+    let want_lin = b2.matmul(&a2).unwrap().affine(8.0 / 2.0, 0.0).unwrap();
+    // The fixture's deltas are PEFT's at scale 8 / 4.
+    let want_conv = io["delta.conv"].affine(3.0 / 2.0, 0.0).unwrap();
+    for (m, want) in [
+        ("lin", &want_lin),
+        ("conv", &want_conv),
+        ("pw", &io["delta.pw"]),
+    ] {
+        let e = rel(&got[m].reshape(want.shape().clone()).unwrap(), want);
+        assert!(e < 1e-6, "patterns: {m} off by {e:e}");
+    }
+    // The sample binary's merge reads the same scale (Linear layers).
+    let merge = flame::nn::LoraMerge::open(&file, 1.0, "base_model.model").unwrap();
+    let w = base["lin.weight"].to_dtype(DType::F32).unwrap();
+    let d = merge.delta_for("lin.weight", &w, &CPU).unwrap().unwrap();
+    let e = rel(&d.to_dtype(DType::F64).unwrap(), &want_lin);
+    assert!(e < 1e-6, "merge with patterns: lin off by {e:e}");
+
+    // rsLoRA: alpha / √r = 8 / 2, twice the fixture's scale.
+    let file = write("peft-rslora", &t, serde_json::json!({"use_rslora": true}));
+    let got = deltas(&file, 4);
+    for m in MODULES {
+        let want = io[&format!("delta.{m}")].affine(2.0, 0.0).unwrap();
+        let e = rel(&got[m].reshape(want.shape().clone()).unwrap(), &want);
+        assert!(e < 1e-6, "rslora: {m} off by {e:e}");
+    }
+
+    // A pattern that is not a regular expression is named.
+    let file = write(
+        "peft-bad-pattern",
+        &t,
+        serde_json::json!({"rank_pattern": {"lin(": 2}}),
+    );
+    let a = Adapters::new(config("lora")).unwrap();
+    let _m = model(&a, DType::F64);
+    let e = a
+        .load_peft(&file, &identity(), "base_model.model")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank_pattern") && e.contains("lin("), "{e}");
+}

@@ -6,8 +6,10 @@
 //!   `.lora_up.weight` (out, r), optional `.alpha`; s = alpha / r (1 without alpha).
 //! - diffusers / PEFT: `<prefix>.<diffusers module>.lora_A.weight` (r, in) and
 //!   `.lora_B.weight` (rows, r), `<prefix>` the family's pipeline folder (`transformer`,
-//!   `unet`); fused layers (Flux's qkv, linear1) take each diffusers part's rows; s = 1
-//!   (PEFT's alpha = r), or alpha / r where an `.alpha` tensor is stored.
+//!   `unet`); fused layers (Flux's qkv, linear1) take each diffusers part's rows; s = alpha /
+//!   r where an `.alpha` tensor is stored, else PEFT's scale of the module from the
+//!   `adapter_config.json` beside the file (its `rank_pattern`, `alpha_pattern` and
+//!   `use_rslora` too), else 1 (diffusers' alpha = r).
 //! - PEFT names on the original keys (ai-toolkit, ComfyUI): `diffusion_model.<layer
 //!   path>.lora_A.weight` / `.lora_B.weight`, or the same without the prefix.
 //!
@@ -22,7 +24,7 @@
 //! adapter kind FLAME does not merge (LyCORIS's Tucker forms, convolutions), is an error
 //! naming a tensor left over.
 
-use super::adapter::kohya_name;
+use super::adapter::{kohya_name, PeftScales};
 use super::params::{KeyMap, KeySource};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Tensor};
@@ -41,6 +43,8 @@ pub struct LoraMerge {
     /// The model's diffusers key map (model key -> diffusers keys), set by the loader.
     diffusers: Mutex<Option<KeyMap>>,
     used: Mutex<BTreeSet<String>>,
+    /// PEFT's scales from the `adapter_config.json` beside the file, if there is one.
+    peft: Option<PeftScales>,
 }
 
 impl std::fmt::Debug for LoraMerge {
@@ -69,6 +73,7 @@ impl LoraMerge {
         if file.is_empty() {
             return Err(err(&path, None, "holds no tensor"));
         }
+        let peft = PeftScales::beside(&path)?;
         Ok(LoraMerge {
             path,
             file,
@@ -76,6 +81,7 @@ impl LoraMerge {
             prefixes: vec![diffusers_prefix.to_string()],
             diffusers: Mutex::new(None),
             used: Mutex::new(BTreeSet::new()),
+            peft,
         })
     }
 
@@ -138,7 +144,12 @@ impl LoraMerge {
                 _ => return Err(err(&self.path, Some(alpha), format!("alpha {v:?}"))),
             }
         } else {
-            1.0
+            // The PEFT layout without alpha tensors: PEFT's scale of the module (its
+            // adapter_config.json beside the file), else 1 (diffusers' alpha = r).
+            match (&self.peft, a.strip_suffix(".lora_A.weight")) {
+                (Some(p), Some(module)) => p.of(module),
+                _ => 1.0,
+            }
         };
         used.insert(a.clone());
         used.insert(b.clone());

@@ -242,32 +242,123 @@ pub(crate) fn single_part<'p>(
     }
 }
 
-/// The scale PEFT gives the adapters of a PEFT file: alpha / r from the `adapter_config.json`
-/// beside it (PEFT's `save_pretrained` writes one), else 1 (diffusers' default alpha = r, what
-/// FLAME's own PEFT files assume).
-fn peft_file_scale(path: &Path) -> Result<f64> {
-    let Some(cfg) = path.parent().map(|d| d.join("adapter_config.json")) else {
-        return Ok(1.0);
-    };
-    if !cfg.is_file() {
-        return Ok(1.0);
+/// How PEFT scales each module of a file, from the `adapter_config.json` beside it (PEFT's
+/// `save_pretrained` writes one): alpha / r, where `rank_pattern` and `alpha_pattern` give
+/// the modules they match their own r and alpha, and `use_rslora` makes it alpha / √r
+/// (PEFT's `LoraConfig`; LoKr's and LoHa's alpha is `alpha`). A pattern matches a module
+/// name whole or a dot-separated suffix of it, as a regular expression, the first in the
+/// file's order winning (PEFT's `get_pattern_key`: `(.*\.)?(pattern)$`). PEFT's default
+/// alpha is 8. Without the file, every module's scale is 1 (diffusers' default alpha = r,
+/// what FLAME's own PEFT files assume).
+#[derive(Clone, Debug)]
+pub(crate) struct PeftScales {
+    r: f64,
+    alpha: f64,
+    rank_pattern: Vec<(regex::Regex, f64)>,
+    alpha_pattern: Vec<(regex::Regex, f64)>,
+    rslora: bool,
+}
+
+/// A JSON object's entries in the file's order (serde_json's maps sort their keys).
+#[derive(Default)]
+struct Ordered(Vec<(String, f64)>);
+
+impl<'de> serde::Deserialize<'de> for Ordered {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Ordered;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object of module patterns to numbers")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> std::result::Result<Ordered, A::Error> {
+                let mut v = vec![];
+                while let Some((k, x)) = m.next_entry::<String, f64>()? {
+                    v.push((k, x));
+                }
+                Ok(Ordered(v))
+            }
+        }
+        d.deserialize_map(V)
     }
-    let text = std::fs::read_to_string(&cfg).map_err(|source| Error::Io {
-        path: cfg.clone(),
-        source,
-    })?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
-        path: Some(cfg.clone()),
-        msg: format!("not JSON: {e}"),
-    })?;
-    let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
-    let r = num("r").filter(|r| *r > 0.0).ok_or_else(|| Error::Config {
-        path: Some(cfg.clone()),
-        msg: "no positive \"r\"".into(),
-    })?;
-    // LoRA's key is lora_alpha, LoKr's and LoHa's alpha; PEFT's default alpha is 8.
-    let alpha = num("lora_alpha").or_else(|| num("alpha")).unwrap_or(8.0);
-    Ok(alpha / r)
+}
+
+#[derive(serde::Deserialize)]
+struct PeftConfigFile {
+    r: Option<f64>,
+    lora_alpha: Option<f64>,
+    alpha: Option<f64>,
+    #[serde(default)]
+    rank_pattern: Ordered,
+    #[serde(default)]
+    alpha_pattern: Ordered,
+    #[serde(default)]
+    use_rslora: bool,
+}
+
+impl PeftScales {
+    /// The scales of the PEFT file at `path` (`None`: no `adapter_config.json` beside it).
+    pub(crate) fn beside(path: &Path) -> Result<Option<PeftScales>> {
+        let Some(cfg) = path.parent().map(|d| d.join("adapter_config.json")) else {
+            return Ok(None);
+        };
+        if !cfg.is_file() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&cfg).map_err(|source| Error::Io {
+            path: cfg.clone(),
+            source,
+        })?;
+        let bad = |msg: String| Error::Config {
+            path: Some(cfg.clone()),
+            msg,
+        };
+        let c: PeftConfigFile =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not a PEFT config: {e}")))?;
+        let r =
+            c.r.filter(|r| *r > 0.0)
+                .ok_or_else(|| bad("no positive \"r\"".into()))?;
+        let patterns = |name: &str, o: Ordered| -> Result<Vec<(regex::Regex, f64)>> {
+            o.0.into_iter()
+                .map(|(p, x)| {
+                    let re = regex::Regex::new(&format!("^(?:.*\\.)?(?:{p})$"))
+                        .map_err(|e| bad(format!("{name} key {p:?}: not a pattern ({e})")))?;
+                    if !(x.is_finite() && (name == "alpha_pattern" || x > 0.0)) {
+                        return Err(bad(format!("{name}[{p:?}] = {x}")));
+                    }
+                    Ok((re, x))
+                })
+                .collect()
+        };
+        Ok(Some(PeftScales {
+            r,
+            // LoRA's key is lora_alpha, LoKr's and LoHa's alpha; PEFT's default alpha is 8.
+            alpha: c.lora_alpha.or(c.alpha).unwrap_or(8.0),
+            rank_pattern: patterns("rank_pattern", c.rank_pattern)?,
+            alpha_pattern: patterns("alpha_pattern", c.alpha_pattern)?,
+            rslora: c.use_rslora,
+        }))
+    }
+
+    /// The scale PEFT gives the adapter of `module` (its name in the model, any prefix).
+    pub(crate) fn of(&self, module: &str) -> f64 {
+        let find = |ps: &[(regex::Regex, f64)], default: f64| {
+            ps.iter()
+                .find(|(re, _)| re.is_match(module))
+                .map_or(default, |(_, x)| *x)
+        };
+        let (r, alpha) = (
+            find(&self.rank_pattern, self.r),
+            find(&self.alpha_pattern, self.alpha),
+        );
+        match self.rslora {
+            true => alpha / r.sqrt(),
+            false => alpha / r,
+        }
+    }
 }
 
 impl Adapters {
@@ -404,12 +495,13 @@ impl Adapters {
     }
 
     /// Reads a diffusers / PEFT-layout file into the planned adapters. PEFT scales a file's
-    /// adapters by alpha / r from the `adapter_config.json` beside it (1 without one, as FLAME
-    /// writes them); the values are rescaled to this set's alpha. A missing, misshapen or
+    /// adapters by alpha / r from the `adapter_config.json` beside it, per module where its
+    /// `rank_pattern` / `alpha_pattern` say so, alpha / √r with `use_rslora` ([`PeftScales`];
+    /// 1 without the file, as FLAME writes them); the values are rescaled to this set's alpha. A missing, misshapen or
     /// unexpected tensor is an error naming it.
     pub fn load_peft(&self, path: impl AsRef<Path>, map: &KeyMap, prefix: &str) -> Result<()> {
         let path = path.as_ref();
-        let file_scale = peft_file_scale(path)?;
+        let scales = PeftScales::beside(path)?;
         let file = SafeTensorsFile::open(path)?;
         let unused: BTreeSet<String> = file.names().map(str::to_string).collect();
         let mut file = PeftFile {
@@ -421,6 +513,30 @@ impl Adapters {
         let _g = crate::no_grad();
         for l in self.layers()? {
             let parts = peft_parts(map, l.path(), l.shape().out_dim())?;
+            // One scale a layer: its parts' (PEFT may give the parts of a split layer
+            // different ones through its patterns, which one adapter cannot hold).
+            let each: Vec<f64> = parts
+                .iter()
+                .map(|p| scales.as_ref().map_or(1.0, |s| s.of(&p.module)))
+                .collect();
+            let file_scale = each.first().copied().unwrap_or(1.0);
+            if each.iter().any(|x| *x != file_scale) {
+                return Err(err(
+                    path,
+                    None,
+                    format!(
+                        "adapter_config.json's rank_pattern / alpha_pattern scale the parts of \
+                         layer {} differently ({}): one adapter on that layer cannot hold them",
+                        l.path(),
+                        parts
+                            .iter()
+                            .zip(&each)
+                            .map(|(p, x)| format!("{} {x}", p.module))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+            }
             l.load_peft(&parts, &mut file, file_scale)?;
         }
         if let Some(k) = file.unused.iter().next() {

@@ -24,6 +24,7 @@ mod loha;
 mod lokr;
 mod lora;
 
+pub(crate) use io::PeftScales;
 pub use io::{kohya_name, PeftFile};
 pub use lokr::factorization;
 pub use lora::Lora;

@@ -794,3 +794,40 @@ fn peft_rank_and_alpha_patterns_and_rslora_scale_each_module() {
         .to_string();
     assert!(e.contains("rank_pattern") && e.contains("lin("), "{e}");
 }
+
+/// Files PEFT 0.21.0 wrote with `rank_pattern` / `alpha_pattern` and with `use_rslora`
+/// (scripts/make_peft_pattern_fixtures.py: lin at rank 2 scaled 8 / 2, conv 12 / 4 through
+/// the pattern "c.nv", pw 5 / 4 through "p."; rsLoRA 8 / √4 everywhere): read into adapters,
+/// every module's weight change is the one PEFT's merge made, and the `sample` binary's merge
+/// gives the Linear's too.
+#[test]
+fn peft_made_pattern_and_rslora_files_compute_what_peft_merged() {
+    for (case, lin_rank) in [("lora_patterns", 2), ("lora_rslora", 4)] {
+        let d = dir().join(case);
+        let want = load(&d.join("delta.safetensors"));
+        let base = load(&dir().join("base.safetensors"));
+        let a = Adapters::new(AdapterConfig {
+            rank: lin_rank,
+            conv_rank: 4,
+            ..config("lora")
+        })
+        .unwrap();
+        let _m = model(&a, DType::F64);
+        let file = d.join("adapter_model.safetensors");
+        a.load_peft(&file, &identity(), "base_model.model").unwrap();
+        for l in a.layers().unwrap() {
+            let m = l.path().to_string();
+            let w = base[&format!("{m}.weight")].clone();
+            let weight = |dt| w.to_dtype(dt);
+            let got = l.delta_weight(&BaseLayer::new(l.shape(), &weight)).unwrap();
+            let want = &want[&format!("delta.{m}")];
+            let e = rel(&got.reshape(want.shape().clone()).unwrap(), want);
+            assert!(e < 1e-6, "{case} {m}: weight change off by {e:e}");
+        }
+        let merge = flame::nn::LoraMerge::open(&file, 1.0, "base_model.model").unwrap();
+        let w = base["lin.weight"].to_dtype(DType::F32).unwrap();
+        let got = merge.delta_for("lin.weight", &w, &CPU).unwrap().unwrap();
+        let e = rel(&got.to_dtype(DType::F64).unwrap(), &want["delta.lin"]);
+        assert!(e < 1e-6, "{case}: the merge's lin off by {e:e}");
+    }
+}

@@ -496,7 +496,7 @@ impl Adapters {
 
     /// Reads a diffusers / PEFT-layout file into the planned adapters. PEFT scales a file's
     /// adapters by alpha / r from the `adapter_config.json` beside it, per module where its
-    /// `rank_pattern` / `alpha_pattern` say so, alpha / √r with `use_rslora` ([`PeftScales`];
+    /// `rank_pattern` / `alpha_pattern` say so, alpha / √r with `use_rslora` (`PeftScales`;
     /// 1 without the file, as FLAME writes them); the values are rescaled to this set's alpha. A missing, misshapen or
     /// unexpected tensor is an error naming it.
     pub fn load_peft(&self, path: impl AsRef<Path>, map: &KeyMap, prefix: &str) -> Result<()> {

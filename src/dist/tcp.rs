@@ -374,14 +374,15 @@ impl TcpGroup {
                 return;
             }
             let own = progress::snapshot();
-            let sent = match writers.lock() {
-                Ok(mut ws) => ws
-                    .iter_mut()
-                    .all(|w| send(w, BEAT, &own.to_bytes()).is_ok()),
+            let beat = own.to_bytes();
+            match writers.lock() {
+                // To every rank, whatever one send does: a failed send is the reader's to
+                // report (the connection closed).
+                Ok(mut ws) => ws.iter_mut().for_each(|w| {
+                    let _ = send(w, BEAT, &beat);
+                }),
                 Err(_) => return,
-            };
-            // A failed send is the reader's to report (the connection closed).
-            let _ = sent;
+            }
             let Some(limit) = stall else { continue };
             let verdict = match table.lock() {
                 Ok(mut t) => {

@@ -684,6 +684,30 @@ fn a_malformed_lycoris_file_is_named_in_the_merge() {
     }
 }
 
+/// The weight change of every module of the fixture model after the PEFT-layout LoRA `file`
+/// is read into adapters planned at rank `lin_rank` on the Linear and 4 on the convolutions.
+fn peft_lora_deltas(file: &Path, lin_rank: usize) -> HashMap<String, Tensor> {
+    let base = load(&dir().join("base.safetensors"));
+    let a = Adapters::new(AdapterConfig {
+        rank: lin_rank,
+        conv_rank: 4,
+        ..config("lora")
+    })
+    .unwrap();
+    let _m = model(&a, DType::F64);
+    a.load_peft(file, &identity(), "base_model.model").unwrap();
+    a.layers()
+        .unwrap()
+        .into_iter()
+        .map(|l| {
+            let w = base[&format!("{}.weight", l.path())].clone();
+            let weight = |dt| w.to_dtype(dt);
+            let d = l.delta_weight(&BaseLayer::new(l.shape(), &weight)).unwrap();
+            (l.path().to_string(), d)
+        })
+        .collect()
+}
+
 /// PEFT's per-module scales from `adapter_config.json`: `rank_pattern` and `alpha_pattern`
 /// (regular expressions matching a module's name whole or a dot-separated suffix of it,
 /// PEFT's `get_pattern_key`) override r and alpha for the modules they match, and
@@ -712,27 +736,6 @@ fn peft_rank_and_alpha_patterns_and_rslora_scale_each_module() {
         std::fs::write(d.join("adapter_config.json"), c.to_string()).unwrap();
         d.join("adapter_model.safetensors")
     };
-    let deltas = |file: &Path, lin_rank: usize| -> HashMap<String, Tensor> {
-        let a = Adapters::new(AdapterConfig {
-            rank: lin_rank,
-            conv_rank: 4,
-            ..config("lora")
-        })
-        .unwrap();
-        let _m = model(&a, DType::F64);
-        a.load_peft(file, &identity(), "base_model.model").unwrap();
-        a.layers()
-            .unwrap()
-            .into_iter()
-            .map(|l| {
-                let w = base[&format!("{}.weight", l.path())].clone();
-                let weight = |dt| w.to_dtype(dt);
-                let d = l.delta_weight(&BaseLayer::new(l.shape(), &weight)).unwrap();
-                (l.path().to_string(), d)
-            })
-            .collect()
-    };
-
     // Patterns: lin at rank 2.
     let mut cut = t.clone();
     let a2 = t[&key("lin", "A")]
@@ -752,7 +755,7 @@ fn peft_rank_and_alpha_patterns_and_rslora_scale_each_module() {
         &cut,
         serde_json::json!({"rank_pattern": {"lin": 2}, "alpha_pattern": {"c.nv": 12}}),
     );
-    let got = deltas(&file, 2);
+    let got = peft_lora_deltas(&file, 2);
     let want_lin = b2.matmul(&a2).unwrap().affine(8.0 / 2.0, 0.0).unwrap();
     // The fixture's deltas are PEFT's at scale 8 / 4.
     let want_conv = io["delta.conv"].affine(3.0 / 2.0, 0.0).unwrap();
@@ -773,7 +776,7 @@ fn peft_rank_and_alpha_patterns_and_rslora_scale_each_module() {
 
     // rsLoRA: alpha / √r = 8 / 2, twice the fixture's scale.
     let file = write("peft-rslora", &t, serde_json::json!({"use_rslora": true}));
-    let got = deltas(&file, 4);
+    let got = peft_lora_deltas(&file, 4);
     for m in MODULES {
         let want = io[&format!("delta.{m}")].affine(2.0, 0.0).unwrap();
         let e = rel(&got[m].reshape(want.shape().clone()).unwrap(), &want);
@@ -806,20 +809,8 @@ fn peft_made_pattern_and_rslora_files_compute_what_peft_merged() {
         let d = dir().join(case);
         let want = load(&d.join("delta.safetensors"));
         let base = load(&dir().join("base.safetensors"));
-        let a = Adapters::new(AdapterConfig {
-            rank: lin_rank,
-            conv_rank: 4,
-            ..config("lora")
-        })
-        .unwrap();
-        let _m = model(&a, DType::F64);
         let file = d.join("adapter_model.safetensors");
-        a.load_peft(&file, &identity(), "base_model.model").unwrap();
-        for l in a.layers().unwrap() {
-            let m = l.path().to_string();
-            let w = base[&format!("{m}.weight")].clone();
-            let weight = |dt| w.to_dtype(dt);
-            let got = l.delta_weight(&BaseLayer::new(l.shape(), &weight)).unwrap();
+        for (m, got) in peft_lora_deltas(&file, lin_rank) {
             let want = &want[&format!("delta.{m}")];
             let e = rel(&got.reshape(want.shape().clone()).unwrap(), want);
             assert!(e < 1e-6, "{case} {m}: weight change off by {e:e}");

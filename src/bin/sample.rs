@@ -424,12 +424,9 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
     }
     let vae = {
         let mut v = load_vae(family, &vae_at, dtype, &device, "--vae")?;
-        match (a.vae_tile, a.budget > 0.0) {
-            (0, false) => {}
-            // Under a budget the decode goes in tiles (Flux's VAE at 1024²: 1.8 GiB against
-            // 6.7 whole).
-            (0, true) => v.tiling = Some(flame::encoders::VaeTiling::new(512)),
-            (t, _) => v.tiling = Some(flame::encoders::VaeTiling::new(t)),
+        match flame::train::images::decode_tile(a.vae_tile, a.budget > 0.0) {
+            0 => {}
+            t => v.tiling = Some(flame::encoders::VaeTiling::new(t)),
         }
         v
     };

@@ -186,7 +186,27 @@ pub fn vae(
 pub(crate) const VAE_FIRST_WIDTH: usize = 128;
 
 /// The side of the tiles the autoencoder works in when a whole image does not fit.
-pub(crate) const AUTO_TILE: usize = 512;
+pub const AUTO_TILE: usize = 512;
+
+/// The tile the autoencoder decodes in: `vae_tile` when set, else [`AUTO_TILE`] under a
+/// memory budget (the model holds most of it: Flux's decoder takes 1.8 GiB at 1024² in
+/// tiles against 6.7 whole), else 0 (whole images). The trainer's samples and the `sample`
+/// binary decode with it.
+pub fn decode_tile(vae_tile: usize, budgeted: bool) -> usize {
+    match (vae_tile, budgeted) {
+        (0, true) => AUTO_TILE,
+        (t, _) => t,
+    }
+}
+
+/// The pixels the autoencoder holds at once for an image of `pixels` in tiles of side
+/// `tile` (0: whole).
+pub(crate) fn pixels_at_once(pixels: usize, tile: usize) -> usize {
+    match tile {
+        0 => pixels,
+        t => pixels.min(t * t),
+    }
+}
 
 /// Bytes the autoencoder's encoder holds at once for an image (or tile) of `pixels`: about
 /// 16 activations of its first stage's `width` at full resolution (measured: a 1024² encode
@@ -391,6 +411,28 @@ fn checked<'a>(what: &'a str, on: &'a mut dyn FnMut(String)) -> impl FnMut(&Prog
     }
 }
 
+/// One process's share of a cache fill: (progress, rank, world) -> what it did.
+type ShareFill<'a> =
+    dyn FnMut(&mut dyn FnMut(&Progress), usize, usize) -> Result<data::FillReport> + 'a;
+
+/// A cache fill of `what`, `fill(progress, rank, world)` filling process `rank`'s share of
+/// `world`: alone, the whole, with progress notes; with a group, this rank's share (noted),
+/// a barrier, then the whole, which finds every share on disk (one note at its end).
+fn fill_shared(
+    group: Option<&dyn ProcessGroup>,
+    what: &str,
+    on: &mut dyn FnMut(String),
+    fill: &mut ShareFill<'_>,
+) -> Result<data::FillReport> {
+    let Some(g) = group else {
+        return fill(&mut reporter(what, on), 0, 1);
+    };
+    let share = format!("{what}, rank {} of {}'s share", g.rank(), g.world());
+    fill(&mut reporter(&share, &mut *on), g.rank(), g.world())?;
+    g.barrier()?;
+    fill(&mut checked(what, on), 0, 1)
+}
+
 /// Progress of a cache fill, as a note at every tenth of the way and at the end.
 fn reporter<'a>(what: &'a str, on: &'a mut dyn FnMut(String)) -> impl FnMut(&Progress) + 'a {
     let mut last = 0;
@@ -547,22 +589,9 @@ pub fn prepare(
                     z.squeeze(0)?.to_dtype(DType::F32)?,
                 )])
             };
-            let report = (|| {
-                if let Some(g) = group {
-                    let share = format!("{what}, rank {} of {}'s share", g.rank(), g.world());
-                    lc.fill_part(
-                        ds,
-                        &device,
-                        &mut enc,
-                        &mut reporter(&share, &mut *on),
-                        g.rank(),
-                        g.world(),
-                    )?;
-                    g.barrier()?;
-                    return lc.fill(ds, &device, &mut enc, &mut checked(what, &mut *on));
-                }
-                lc.fill(ds, &device, &mut enc, &mut reporter(what, &mut *on))
-            })()
+            let report = fill_shared(group, what, &mut *on, &mut |progress, rank, world| {
+                lc.fill_part(ds, &device, &mut enc, progress, rank, world)
+            })
             .map_err(|e| match e {
                 Error::OutOfMemory { .. } => Error::Context {
                     what: format!(
@@ -632,20 +661,9 @@ pub fn prepare(
                 .collect()
         };
         if encode {
-            if let Some(g) = group {
-                let share = format!("captions, rank {} of {}'s share", g.rank(), g.world());
-                text.fill_part(
-                    &captions,
-                    &mut enc,
-                    &mut reporter(&share, &mut *on),
-                    g.rank(),
-                    g.world(),
-                )?;
-                g.barrier()?;
-                text.fill(&captions, &mut enc, &mut checked("captions", &mut *on))?;
-            } else {
-                text.fill(&captions, &mut enc, &mut reporter("captions", &mut *on))?;
-            }
+            fill_shared(group, "captions", &mut *on, &mut |progress, rank, world| {
+                text.fill_part(&captions, &mut enc, progress, rank, world)
+            })?;
             read_shapes(&empty)?
         } else {
             enc("")?

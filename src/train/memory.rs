@@ -471,6 +471,20 @@ impl PhasePlan {
     }
 }
 
+/// How the autoencoder goes through an image in tiles of side `tile` (0: whole), in words.
+fn tiling_words(tile: usize) -> String {
+    match tile {
+        0 => "whole images".into(),
+        t => format!("in {t}-pixel tiles"),
+    }
+}
+
+/// Whether the run's sample images put classifier-free guidance's two predictions through
+/// the model as one batch: not under a budget, whose plan leaves room for one at a time.
+pub(crate) fn guidance_batched(config: &TrainConfig) -> bool {
+    config.memory.budget_gb <= 0.0
+}
+
 /// What the run keeps on the device between its steps under `plan`: the weights not
 /// streamed, the adapters and the optimizer state.
 fn between_steps(prof: &MemoryProfile, plan: &Plan) -> u64 {
@@ -490,7 +504,8 @@ fn between_steps(prof: &MemoryProfile, plan: &Plan) -> u64 {
 /// at most the step's peak at that size, and the decode beside what the run keeps between
 /// steps) and checkpoints (written through host memory). `largest` is the largest sample's
 /// input shapes, `vae` the autoencoder's downsampling factor and first stage's width (image
-/// data only; `None` for pre-encoded samples).
+/// data only; `None` for pre-encoded samples), `guided` whether the model takes a distilled
+/// guidance input (no classifier-free guidance in its samples).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn phase_plans(
     config: &TrainConfig,
@@ -499,12 +514,13 @@ pub(crate) fn phase_plans(
     choice: &MemoryChoice,
     largest: &[Vec<usize>],
     vae: Option<(usize, usize)>,
+    guided: bool,
     device: &Device,
     world: usize,
 ) -> Result<Vec<PhasePlan>> {
     use super::images::{
-        choose_encode_tile, decode_bytes, encode_bytes, encoder_dtype, text_encoder_bytes,
-        AUTO_TILE,
+        choose_encode_tile, decode_bytes, decode_tile, encode_bytes, encoder_dtype, pixels_at_once,
+        text_encoder_bytes,
     };
     let dtype = encoder_dtype(config, device);
     let factor = vae.map(|(f, _)| f);
@@ -528,25 +544,14 @@ pub(crate) fn phase_plans(
             let pixels = h * w * f * f;
             let cap = choice.budget.filter(|_| device.is_cuda());
             let tile = choose_encode_tile(config, cap, pixels, width, dtype);
-            let encode = encode_bytes(
-                if tile > 0 {
-                    pixels.min(tile * tile)
-                } else {
-                    pixels
-                },
-                width,
-                dtype,
-            );
+            let encode = encode_bytes(pixels_at_once(pixels, tile), width, dtype);
             let (text, streamed) = text_encoder_bytes(config, family)?;
             out.push(PhasePlan {
                 phase: "caching",
                 plan: format!(
                     "the autoencoder encodes {} (about {:.2} GiB), then the text encoders run \
                      ({}about {:.2} GiB), before the model loads{}",
-                    match tile {
-                        0 => "whole images".to_string(),
-                        t => format!("in {t}-pixel tiles"),
-                    },
+                    tiling_words(tile),
                     gib(encode),
                     if streamed {
                         "T5 streamed from host memory, "
@@ -593,44 +598,41 @@ pub(crate) fn phase_plans(
             if let Some(l) = shape.first_mut().filter(|l| l.len() == 3) {
                 (l[1], l[2]) = (h / f, w / f);
             }
+            // Classifier-free guidance's two predictions as one batch where the run does so.
+            let cfg = !guided && sc.guidance > 1.0;
+            let batch = if cfg && guidance_batched(config) {
+                2
+            } else {
+                1
+            };
             let denoise = family
                 .profile(
                     &config.model.path,
                     opts,
                     &RunShape {
                         sample: shape,
-                        batch: 1,
+                        batch,
                         optimizer_bytes_per_value: optimizer_bytes(&config.optimizer.kind, world),
                     },
                 )?
                 .peak(&plan);
-            let tile = match (config.encoders.vae_tile, config.memory.budget_gb > 0.0) {
-                (0, true) => AUTO_TILE,
-                (t, _) => t,
-            };
-            let pixels = w * h;
+            let tile = decode_tile(config.encoders.vae_tile, config.memory.budget_gb > 0.0);
             let decode = between_steps(&prof, &plan)
-                + decode_bytes(
-                    if tile > 0 {
-                        pixels.min(tile * tile)
-                    } else {
-                        pixels
-                    },
-                    width,
-                    dtype,
-                );
+                + decode_bytes(pixels_at_once(w * h, tile), width, dtype);
             out.push(PhasePlan {
                 phase: "sample images",
                 plan: format!(
-                    "{} at {w}x{h}, one at a time without gradients under the step's plan (at \
-                     most {:.2} GiB), the autoencoder decoding {} (about {:.2} GiB with what \
-                     the run keeps)",
+                    "{} at {w}x{h}, one at a time{} without gradients under the step's plan \
+                     (at most {:.2} GiB), the autoencoder decoding {} (about {:.2} GiB with \
+                     what the run keeps)",
                     sc.prompts.len(),
-                    gib(denoise),
-                    match tile {
-                        0 => "whole images".to_string(),
-                        t => format!("in {t}-pixel tiles"),
+                    if batch > 1 {
+                        ", guidance's two predictions batched,"
+                    } else {
+                        ""
                     },
+                    gib(denoise),
+                    tiling_words(tile),
                     gib(decode)
                 ),
                 peak: Some(denoise.max(decode)),

@@ -396,6 +396,7 @@ impl Trainer {
             b.model
         };
         drop(trial);
+        let guided = probe.guidance_input();
         let inputs = probe.inputs();
         let (data, validation, pipeline, vae_shape): (Box<dyn Samples>, _, _, _) = match &config
             .data
@@ -412,7 +413,7 @@ impl Trainer {
                     &config,
                     family,
                     &inputs,
-                    probe.guidance_input(),
+                    guided,
                     &|s| probe.check_shapes(s),
                     &device,
                     prepare == Prepare::Encode,
@@ -452,6 +453,7 @@ impl Trainer {
             &memory,
             &data.largest(),
             vae_shape,
+            guided,
             &device,
             world,
         )?;
@@ -808,17 +810,18 @@ impl Trainer {
                 latent_hw: (h / parts.factor, w / parts.factor),
                 seed: sc.seed,
                 prediction: self.prediction(),
-                // Under a budget the step's plan leaves room for one prediction at a time.
-                batched_guidance: self.config.memory.budget_gb <= 0.0,
+                batched_guidance: super::memory::guidance_batched(&self.config),
             };
             let uncond = Some(text(&sc.negative_prompt)?);
             let latents =
                 crate::sample::generate(self.model.as_ref(), &conds, uncond, &req, &self.device)?;
             let mut vae = images::vae(&self.config, family, &parts.vae, self.dtype, &self.device)?;
-            if vae.tiling.is_none() && self.config.memory.budget_gb > 0.0 {
-                // Under a budget the model holds most of it: decode in tiles (1.8 GiB for
-                // Flux's VAE at 1024² against 6.7 whole).
-                vae.tiling = Some(crate::encoders::VaeTiling::new(512));
+            let tile = images::decode_tile(
+                self.config.encoders.vae_tile,
+                self.config.memory.budget_gb > 0.0,
+            );
+            if tile > 0 {
+                vae.tiling = Some(crate::encoders::VaeTiling::new(tile));
             }
             let run = self.run_dir();
             let dir = run.path.join(SAMPLES);

@@ -260,19 +260,42 @@ impl SpatialTransformer {
 
     /// x (B, C, H, W), context (B, T, Dc) -> (B, C, H, W).
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
-        let d = x.dims();
-        let (b, c, h, w) = (d[0], d[1], d[2], d[3]);
+        let mut t = self.tokens_in(x)?;
+        for block in &self.blocks {
+            t = block.forward(&t, context)?;
+        }
+        self.tokens_out(&t, x)
+    }
+
+    /// Before the layers: x (B, C, H, W) normed and projected to tokens (B, H x W, C).
+    pub fn tokens_in(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, c, h, w) = bchw(x)?;
         let t = self
             .norm
             .forward(x)?
             .permute(&[0, 2, 3, 1])?
             .reshape((b, h * w, c))?;
-        let mut t = self.proj_in.forward(&t)?;
-        for block in &self.blocks {
-            t = block.forward(&t, context)?;
-        }
-        let t = self.proj_out.forward(&t)?;
+        self.proj_in.forward(&t)
+    }
+
+    /// After the layers: tokens t (B, H x W, C) projected back onto x (B, C, H, W), the
+    /// block's input, as the residual.
+    pub fn tokens_out(&self, t: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let (b, c, h, w) = bchw(x)?;
+        let t = self.proj_out.forward(t)?;
         t.reshape(vec![b, h, w, c])?.permute(&[0, 3, 1, 2])?.add(x)
+    }
+}
+
+/// The sizes of a feature map x (B, C, H, W).
+fn bchw(x: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    match *x.dims() {
+        [b, c, h, w] => Ok((b, c, h, w)),
+        _ => Err(Error::invalid(
+            "sdxl spatial transformer",
+            "x must be (B, C, H, W)",
+            x.shape(),
+        )),
     }
 }
 

@@ -1,6 +1,6 @@
 //! The SDXL UNet as a registered model family.
 
-use super::{diffusers_map, sdxl_vector, SdxlConfig, Unet};
+use super::{diffusers_map, sdxl_vector, SdxlConfig, Unet, UnitKind};
 use crate::diffusion::schedulers::EulerDiscrete;
 use crate::diffusion::Ddpm;
 use crate::diffusion::Schedule;
@@ -111,48 +111,45 @@ impl ModelSpec for Unet {
     fn build(vb: &VarBuilder, config: &SdxlConfig) -> Result<Unet> {
         Unet::new(vb, config)
     }
-    /// Each block at its level's resolution (H/2^l x W/2^l positions) and channels: a
-    /// ResNet counts 0.35 of a transformer layer (a handful of maps a position against a
-    /// transformer layer's ~21), each transformer layer 1 and two attention calls (self and
-    /// cross), a downsampling block 0.25; output blocks read the concatenated skip (0.5 more).
+    /// Each unit ([`SdxlConfig::units`]) at its level's resolution (H/2^l x W/2^l
+    /// positions) and channels: a ResNet counts 0.35 of a transformer layer (a handful of
+    /// maps a position against a transformer layer's ~21), each transformer layer 1 and two
+    /// attention calls (self and cross), a resampler 0.25 at the larger of its two
+    /// resolutions; an output block's ResNet reads the concatenated skip (0.5 more).
     /// All of it times 1.2, from the resident SDXL LoRA step at 1024² measured on an H100
     /// (12.07 GiB against 11.08 predicted without it, and a 4 GiB plan that ran
     /// out of memory).
     fn block_shapes(config: &SdxlConfig, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>> {
         let ((h, w), _) = latent_and_context("sdxl", sample)?;
-        let levels = config.levels();
         // Calibration against the measured step (see above).
         const MEASURED: f64 = 1.2;
-        let at = |l: usize, layers: f64, depth: usize| BlockShape {
-            tokens: (h >> l).max(1) * (w >> l).max(1),
-            weight_tokens: (h >> l).max(1) * (w >> l).max(1),
+        let positions = |l: usize| (h >> l).max(1) * (w >> l).max(1);
+        let at = |l: usize, tokens: usize, layers: f64, attention_calls: usize| BlockShape {
+            tokens,
+            weight_tokens: tokens,
             width: config.channels(l),
             layers: layers * MEASURED,
-            attention_calls: 2 * depth,
+            attention_calls,
             heads: config.num_heads[l],
             // The ResNets' time-embedding projections.
             conditioned: Self::CONDITIONED,
         };
-        let mut v = vec![];
-        for l in 0..levels {
-            let d = config.transformer_depth[l];
-            for _ in 0..config.num_res_blocks {
-                v.push(at(l, 0.35 + d as f64, d));
-            }
-            if l + 1 < levels {
-                v.push(at(l, 0.25, 0));
-            }
-        }
-        let top = levels - 1;
-        let dm = config.transformer_depth_middle;
-        v.push(at(top, 0.7 + dm as f64, dm));
-        for l in (0..levels).rev() {
-            let d = config.transformer_depth[l];
-            for _ in 0..=config.num_res_blocks {
-                v.push(at(l, 0.85 + d as f64, d));
-            }
-        }
-        Ok(v)
+        Ok(config
+            .units()
+            .iter()
+            .map(|u| {
+                let (l, here) = (u.level, positions(u.level));
+                match u.kind {
+                    UnitKind::Res => at(l, here, 0.35, 0),
+                    UnitKind::SkipRes { up: false } => at(l, here, 0.85, 0),
+                    // The upsampler's 0.25 at four times the positions.
+                    UnitKind::SkipRes { up: true } => at(l, here, 1.85, 0),
+                    UnitKind::Layer => at(l, here, 1.0, 2),
+                    UnitKind::Down => at(l, here, 0.25, 0),
+                    UnitKind::Up => at(l, positions(l.saturating_sub(1)), 0.25, 0),
+                }
+            })
+            .collect())
     }
 }
 

@@ -17,7 +17,7 @@ pub use blocks::{
     interpolate_nearest, nearest_indices, Attention, Downsample, FeedForward, ResBlock,
     SpatialTransformer, TransformerBlock, Upsample,
 };
-pub use config::{SdxlConfig, ADDITION_TIME_EMBED_DIM, HEAD_CHANNELS, NUM_GROUPS};
+pub use config::{SdxlConfig, Unit, UnitKind, ADDITION_TIME_EMBED_DIM, HEAD_CHANNELS, NUM_GROUPS};
 pub use family::FAMILY;
 pub use keys::{diffusers_map, map_key};
 pub use unet::{InputBlock, Mlp, OutputBlock, ResLayer, Unet, MAX_PERIOD};

@@ -185,6 +185,43 @@ impl Unet {
         })
     }
 
+    /// Runs one unit (`SdxlConfig::units`), the `index`-th, through [`BlockExec`], and
+    /// counts it.
+    fn unit<F>(&self, prefix: &str, index: &mut usize, inputs: &[Tensor], f: F) -> Result<Tensor>
+    where
+        F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+    {
+        let out = self
+            .exec
+            .run(prefix, *index, inputs, move |xs| Ok(vec![f(xs)?]))?;
+        *index += 1;
+        let [h] = outputs::<1>(out, "sdxl unit")?;
+        Ok(h)
+    }
+
+    /// A SpatialTransformer under `prefix` on x (B, C, H, W): its projections in and out
+    /// resident, each transformer layer a unit.
+    fn attention(
+        &self,
+        st: &SpatialTransformer,
+        prefix: &str,
+        index: &mut usize,
+        x: &Tensor,
+        context: &Tensor,
+    ) -> Result<Tensor> {
+        let mut t = st.tokens_in(x)?;
+        for (k, layer) in st.blocks.iter().enumerate() {
+            let layer = layer.clone();
+            t = self.unit(
+                &format!("{prefix}.transformer_blocks.{k}"),
+                index,
+                &[t, context.clone()],
+                move |xs| layer.forward(&xs[0], &xs[1]),
+            )?;
+        }
+        st.tokens_out(&t, x)
+    }
+
     /// The conditioning `emb` (B, time_embed_dim) in `dtype`: the embeddings of `timesteps`
     /// (B,), or (1,) for the whole batch, and of the vector `y` (B, adm_in_channels), summed.
     /// Every ResBlock takes `silu(emb)`.
@@ -275,43 +312,46 @@ impl Unet {
 
         let mut h = self.conv_in.forward(x)?;
         let mut hs = vec![h.clone()];
+        // The units run in `SdxlConfig::units` order; `index` counts them.
         let mut index = 0;
         for (i, block) in self.input_blocks.iter().enumerate() {
-            let b = block.clone();
-            let out = self.exec.run(
-                &format!("input_blocks.{}", i + 1),
-                index,
-                &[h, emb.clone(), context.clone()],
-                move |xs| {
-                    Ok(vec![match &b {
-                        InputBlock::Res(layer) => {
-                            let h = layer.res.forward(&xs[0], &xs[1])?;
-                            match &layer.attn {
-                                Some(a) => a.forward(&h, &xs[2])?,
-                                None => h,
-                            }
+            let prefix = format!("input_blocks.{}", i + 1);
+            h = match block {
+                InputBlock::Res(layer) => {
+                    let res = layer.res.clone();
+                    let whole = layer.attn.is_none();
+                    let h = self.unit(
+                        &if whole {
+                            prefix.clone()
+                        } else {
+                            format!("{prefix}.0")
+                        },
+                        &mut index,
+                        &[h, emb.clone()],
+                        move |xs| res.forward(&xs[0], &xs[1]),
+                    )?;
+                    match &layer.attn {
+                        Some(a) => {
+                            self.attention(a, &format!("{prefix}.1"), &mut index, &h, &context)?
                         }
-                        InputBlock::Down(d) => d.forward(&xs[0])?,
-                    }])
-                },
-            )?;
-            index += 1;
-            [h] = outputs::<1>(out, "sdxl input block")?;
+                        None => h,
+                    }
+                }
+                InputBlock::Down(d) => {
+                    let d = d.clone();
+                    self.unit(&prefix, &mut index, &[h], move |xs| d.forward(&xs[0]))?
+                }
+            };
             hs.push(h.clone());
         }
-        let middle = self.middle.clone();
-        let out = self.exec.run(
-            "middle_block",
-            index,
-            &[h, emb.clone(), context.clone()],
-            move |xs| {
-                let (r0, attn, r1) = &middle;
-                let h = r0.forward(&xs[0], &xs[1])?;
-                Ok(vec![r1.forward(&attn.forward(&h, &xs[2])?, &xs[1])?])
-            },
-        )?;
-        index += 1;
-        [h] = outputs::<1>(out, "sdxl middle block")?;
+        let (r0, attn, r1) = self.middle.clone();
+        h = self.unit("middle_block.0", &mut index, &[h, emb.clone()], move |xs| {
+            r0.forward(&xs[0], &xs[1])
+        })?;
+        h = self.attention(&attn, "middle_block.1", &mut index, &h, &context)?;
+        h = self.unit("middle_block.2", &mut index, &[h, emb.clone()], move |xs| {
+            r1.forward(&xs[0], &xs[1])
+        })?;
         for (i, block) in self.output_blocks.iter().enumerate() {
             let skip = hs.pop().ok_or_else(|| {
                 Error::invalid(
@@ -332,24 +372,35 @@ impl Unet {
                     ))
                 }
             };
-            let b = block.clone();
-            let out = self.exec.run(
-                &format!("output_blocks.{i}"),
-                index,
-                &[h, skip, emb.clone(), context.clone()],
-                move |xs| {
-                    let mut h = b.res.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)?, &xs[2])?;
-                    if let Some(a) = &b.attn {
-                        h = a.forward(&h, &xs[3])?;
+            let prefix = format!("output_blocks.{i}");
+            let res = block.res.clone();
+            match &block.attn {
+                // Without attention the block is one unit: the ResBlock and the upsampler.
+                None => {
+                    let up = block.up.clone();
+                    h = self.unit(&prefix, &mut index, &[h, skip, emb.clone()], move |xs| {
+                        let h = res.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)?, &xs[2])?;
+                        match (&up, next) {
+                            (Some(up), Some(size)) => up.forward(&h, size),
+                            _ => Ok(h),
+                        }
+                    })?;
+                }
+                Some(a) => {
+                    h = self.unit(
+                        &format!("{prefix}.0"),
+                        &mut index,
+                        &[h, skip, emb.clone()],
+                        move |xs| res.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)?, &xs[2]),
+                    )?;
+                    h = self.attention(a, &format!("{prefix}.1"), &mut index, &h, &context)?;
+                    if let (Some(up), Some(size)) = (block.up.clone(), next) {
+                        h = self.unit(&format!("{prefix}.2"), &mut index, &[h], move |xs| {
+                            up.forward(&xs[0], size)
+                        })?;
                     }
-                    if let (Some(up), Some(size)) = (&b.up, next) {
-                        h = up.forward(&h, size)?;
-                    }
-                    Ok(vec![h])
-                },
-            )?;
-            index += 1;
-            [h] = outputs::<1>(out, "sdxl output block")?;
+                }
+            }
         }
         self.conv_out.forward(&self.norm_out.forward(&h)?.silu()?)
     }

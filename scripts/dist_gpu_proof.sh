@@ -17,6 +17,7 @@
 #           (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, sockets on loopback); the Flux-dev step,
 #           batch 1 a rank, against 1 GPU at batch 1 (scaling) and batch 2 (loss parity), and
 #           2 GPUs over NVLink
+#   (RANKS=4 runs `net` with four ranks, on a machine with four GPUs.)
 #   stall   the tiny model on 2 GPUs with rank 1 stuck at step 3 (FLAME_FAULT=hang:step@3):
 #           the watchdog names it within FLAME_STALL_TIMEOUT and every process exits
 # Scaling efficiency = samples/s (2 GPUs, batch 2) / (2 x samples/s (1 GPU, batch 1)); loss parity:
@@ -32,25 +33,27 @@ if ! ls /usr/lib/x86_64-linux-gnu/libnccl.so >/dev/null 2>&1; then
   mkdir -p /tmp/nccl && ln -sf /usr/lib/x86_64-linux-gnu/libnccl.so.2 /tmp/nccl/libnccl.so
   export LD_LIBRARY_PATH=/tmp/nccl:$LD_LIBRARY_PATH
 fi
+# RANKS (default 2): how many ranks `run2` and `run2net` start, one a GPU.
+ranks=${RANKS:-2}
 run2() {
   local port=$((29600 + RANDOM % 300))
   local pids=()
-  for r in 0 1; do
-    WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 170 \
+  for r in $(seq 0 $((ranks - 1))); do
+    WORLD_SIZE=$ranks RANK=$r LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 170 \
       .gpu/bench-train_step "$@" >/tmp/r$r.log 2>&1 &
     pids+=($!)
   done
   # Only these: a bare `wait` would also wait for the tee of the log (a process substitution).
-  wait "${pids[@]}"; cat /tmp/r0.log; grep -iE "error|panic" /tmp/r1.log | head
+  wait "${pids[@]}"; cat /tmp/r0.log; grep -iE "error|panic" /tmp/r[1-9]*.log | head
 }
 step() { echo "== $*"; timeout 170 .gpu/bench-train_step "$@"; }
 # Two ranks as two hosts would start them: each sees one GPU, NCCL over sockets on loopback.
 run2net() {
   local port=$((29600 + RANDOM % 300))
   local pids=()
-  for r in 0 1; do
+  for r in $(seq 0 $((ranks - 1))); do
     CUDA_VISIBLE_DEVICES=$r NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
-      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET WORLD_SIZE=2 RANK=$r LOCAL_RANK=0 \
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET WORLD_SIZE=$ranks RANK=$r LOCAL_RANK=0 \
       MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 170 .gpu/bench-train_step "$@" \
       >/tmp/n$r.log 2>&1 &
     pids+=($!)
@@ -58,7 +61,7 @@ run2net() {
   wait "${pids[@]}"
   grep -v "NCCL INFO" /tmp/n0.log
   grep -E "NCCL INFO.*(via NET|Using network|NET/)" /tmp/n0.log | head -4
-  grep -iE "error|panic" /tmp/n1.log | head
+  grep -iE "error|panic" /tmp/n[1-9]*.log | head
 }
 for phase in "$@"; do
   case $phase in
@@ -87,9 +90,9 @@ for phase in "$@"; do
     echo "== flux 2 GPUs batch 2, 24 GiB budget each"; run2 --model flux --budget 24 --batch 2 ;;
   net)
     step --model flux
-    step --model flux --batch 2
-    echo "== flux 2 GPUs over NVLink, batch 1 each"; run2 --model flux
-    echo "== flux 2 ranks over NCCL's network transport, batch 1 each"; run2net --model flux ;;
+    step --model flux --batch "$ranks" || step --model flux --batch "$ranks" --budget 120
+    echo "== flux $ranks GPUs over NVLink, batch 1 each"; run2 --model flux
+    echo "== flux $ranks ranks over NCCL's network transport, batch 1 each"; run2net --model flux ;;
   stall)
     d=/tmp/stall && rm -rf $d && mkdir -p $d
     sed -e "s#tiny/#$d/tiny/#g" -e 's/device = "auto"/device = "cuda"/' \

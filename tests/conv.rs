@@ -2,7 +2,7 @@
 //! dtype, and the adjoint identity that makes fold2d the gradient of unfold2d.
 #![cfg(feature = "cpu-ref")]
 
-use flame::nn::{adaptive_avg_pool2d, avg_pool2d, conv2d, max_pool2d};
+use flame::nn::{adaptive_avg_pool2d, avg_pool2d, conv2d, conv2d_banded, max_pool2d, COLUMN_BYTES};
 use flame::{DType, Device, Result, Tensor, Window2d};
 
 const CPU: Device = Device::Cpu;
@@ -115,6 +115,57 @@ fn conv2d_matches_direct_loops() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// A convolution made a band of output rows at a time (as `conv2d` runs one whose column
+/// buffer would pass `COLUMN_BYTES` where nothing is recorded) gives the whole one's values:
+/// bands of one row, of a few, of rows reaching into both paddings, with strides, dilations,
+/// groups, padding wider than the kernel reaches, and a band budget under one row.
+#[test]
+fn banded_convolutions_equal_the_whole_one() -> Result<()> {
+    // (x dims, w dims, stride, padding, dilation, groups)
+    let configs = [
+        ([2, 3, 11, 7], [4, 3, 3, 3], 1, 1, 1, 1),
+        ([1, 4, 13, 9], [6, 2, 3, 3], 2, 1, 1, 2),
+        ([2, 2, 10, 7], [3, 2, 2, 3], 1, 2, 2, 1),
+        ([1, 3, 6, 5], [2, 3, 3, 3], 1, 4, 1, 1),
+        ([1, 2, 9, 4], [2, 2, 5, 1], 3, 2, 1, 1),
+    ];
+    for (k, (xd, wd, s, p, d, groups)) in configs.into_iter().enumerate() {
+        let x = Tensor::randn(xd.to_vec(), DType::F64, &CPU, 300 + k as u64)?;
+        let w = Tensor::randn(wd.to_vec(), DType::F64, &CPU, 400 + k as u64)?;
+        let b = Tensor::randn(wd[0], DType::F64, &CPU, 500 + k as u64)?;
+        let whole = conv2d(&x, &w, Some(&b), (s, s), (p, p), (d, d), groups)?;
+        let row = xd[0] * xd[1] * wd[2] * wd[3] * whole.dims()[3] * 8;
+        for rows in [0, 1, 2, 3, 1000] {
+            let got = conv2d_banded(&x, &w, Some(&b), (s, s), (p, p), (d, d), groups, rows * row)?;
+            assert_eq!(got.dims(), whole.dims(), "config {k}, {rows} rows a band");
+            close(
+                &format!("config {k}, {rows} rows a band"),
+                &got,
+                &whole.to_vec_f64()?,
+                DType::F64,
+                (wd[1] * wd[2] * wd[3]) as f64,
+            );
+        }
+    }
+    // Inside no_grad, `conv2d` bands a convolution past the bound by itself: 3x3 over 64
+    // channels of 256 x 256 in f32 wants 576 columns a position, 151 MB: under the bound
+    // whole; at 512 x 256, 302 MB, banded, with the same values as its rows run whole.
+    let x = Tensor::randn((1, 64, 512, 256), DType::F32, &CPU, 600)?;
+    let w = Tensor::randn((2, 64, 3, 3), DType::F32, &CPU, 601)?;
+    assert!(64 * 9 * 512 * 256 * 4 > COLUMN_BYTES);
+    let _g = flame::no_grad();
+    let got = conv2d(&x, &w, None, (1, 1), (1, 1), (1, 1), 1)?;
+    let want = conv2d_banded(&x, &w, None, (1, 1), (1, 1), (1, 1), 1, usize::MAX)?;
+    close(
+        "no_grad banding",
+        &got,
+        &want.to_vec_f64()?,
+        DType::F32,
+        576.0,
+    );
     Ok(())
 }
 

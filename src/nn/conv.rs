@@ -33,6 +33,40 @@ pub fn conv2d(
     groups: usize,
 ) -> Result<Tensor> {
     let (wd, xd) = (weight.dims(), x.dims());
+    // Where nothing is recorded (sampling, caching, validation), a column buffer past
+    // `COLUMN_BYTES` is made a band of output rows at a time.
+    if wd.len() == 4 && xd.len() == 4 && !crate::autograd::grad_enabled() {
+        let win = window((wd[2], wd[3]), stride, padding, dilation);
+        if let Some((ho, wo)) = win.out_size(xd[2], xd[3]) {
+            let cols = xd[0] * xd[1] * wd[2] * wd[3] * ho * wo * x.dtype().size_in_bytes();
+            if cols > COLUMN_BYTES && ho > 1 {
+                return conv2d_banded(
+                    x,
+                    weight,
+                    bias,
+                    stride,
+                    padding,
+                    dilation,
+                    groups,
+                    COLUMN_BYTES,
+                );
+            }
+        }
+    }
+    conv2d_whole(x, weight, bias, stride, padding, dilation, groups)
+}
+
+/// [`conv2d`] with one column buffer for the whole input.
+fn conv2d_whole(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    stride: (usize, usize),
+    padding: (usize, usize),
+    dilation: (usize, usize),
+    groups: usize,
+) -> Result<Tensor> {
+    let (wd, xd) = (weight.dims(), x.dims());
     let ok = wd.len() == 4
         && xd.len() == 4
         && groups > 0
@@ -59,6 +93,93 @@ pub fn conv2d(
     match bias {
         Some(b) => y.add(&b.reshape((1, cout, 1, 1))?),
         None => Ok(y),
+    }
+}
+
+/// The largest column buffer (bytes) [`conv2d`] makes at once where no gradient is recorded:
+/// past it, the convolution runs a band of output rows at a time ([`conv2d_banded`]). A
+/// 3x3 convolution of 128 channels over a 512² f32 tile (the SDXL autoencoder's last
+/// decoder level) would otherwise ask for one 1.125 GiB buffer, which a budget's arena of
+/// 3 GiB could not place beside the model.
+pub const COLUMN_BYTES: usize = 256 << 20;
+
+/// [`conv2d`] a band of output rows at a time, each band's column buffer at most
+/// `max_column_bytes` (one output row when a row alone needs more): the same values as the
+/// whole convolution (each output is the same dot product), with a column buffer that no
+/// longer grows with the image. Each band reads its input rows with the padding's zeros
+/// around them.
+#[allow(clippy::too_many_arguments)] // conv2d's arguments and the bound
+pub fn conv2d_banded(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    stride: (usize, usize),
+    padding: (usize, usize),
+    dilation: (usize, usize),
+    groups: usize,
+    max_column_bytes: usize,
+) -> Result<Tensor> {
+    let (wd, xd) = (weight.dims(), x.dims());
+    if wd.len() != 4 || xd.len() != 4 {
+        return Err(Error::ShapeMismatch {
+            op: "conv2d",
+            lhs: x.shape().clone(),
+            rhs: weight.shape().clone(),
+        });
+    }
+    let (n, c, h, w) = (xd[0], xd[1], xd[2], xd[3]);
+    let (kh, kw) = (wd[2], wd[3]);
+    let win = window((kh, kw), stride, padding, dilation);
+    let (ho, wo) = win.out_size(h, w).ok_or_else(|| {
+        Error::invalid("conv2d", format!("window {win:?} does not fit"), x.shape())
+    })?;
+    let row_bytes = (n * c * kh * kw * wo * x.dtype().size_in_bytes()).max(1);
+    let rows = (max_column_bytes / row_bytes).clamp(1, ho.max(1));
+    let (sh, ph, dh) = (stride.0, padding.0, dilation.0);
+    let mut bands = vec![];
+    let mut r0 = 0;
+    while r0 < ho {
+        let r1 = (r0 + rows).min(ho);
+        // Input rows of output rows r0..r1, in padded coordinates, then clipped to x.
+        let (lo, hi) = (r0 * sh, (r1 - 1) * sh + (kh - 1) * dh + 1);
+        // Rows a..b of x (a may be negative, b past h): zeros above and below it.
+        let (a, b) = (lo as i64 - ph as i64, hi as i64 - ph as i64);
+        let (start, end) = (a.clamp(0, h as i64), b.clamp(0, h as i64));
+        let end = end.max(start);
+        let top = (start - a).clamp(0, b - a) as usize;
+        let (start, end) = (start as usize, end as usize);
+        let bottom = (hi - lo) - top - (end - start);
+        let mut parts = vec![];
+        let zeros = |rows: usize| Tensor::zeros((n, c, rows, w), x.dtype(), x.device());
+        if top > 0 {
+            parts.push(zeros(top)?);
+        }
+        if end > start {
+            parts.push(x.narrow(2, start, end - start)?);
+        }
+        if bottom > 0 {
+            parts.push(zeros(bottom)?);
+        }
+        let input = if parts.len() == 1 {
+            parts.swap_remove(0)
+        } else {
+            Tensor::cat(&parts.iter().collect::<Vec<_>>(), 2)?
+        };
+        bands.push(conv2d_whole(
+            &input,
+            weight,
+            bias,
+            stride,
+            (0, padding.1),
+            dilation,
+            groups,
+        )?);
+        r0 = r1;
+    }
+    if bands.len() == 1 {
+        Ok(bands.swap_remove(0))
+    } else {
+        Tensor::cat(&bands.iter().collect::<Vec<_>>(), 2)
     }
 }
 

@@ -15,7 +15,10 @@ pub use crate::tensor::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
 pub use adapter::{
     kohya_name, Adapter, AdapterConfig, Adapters, BaseLayer, LayerShape, Lora, LoraConfig,
 };
-pub use conv::{adaptive_avg_pool2d, avg_pool2d, conv2d, max_pool2d, pad2d, Conv2d, Conv2dConfig};
+pub use conv::{
+    adaptive_avg_pool2d, avg_pool2d, conv2d, conv2d_banded, max_pool2d, pad2d, Conv2d,
+    Conv2dConfig, COLUMN_BYTES,
+};
 pub use embeddings::{
     apply_rope, modulate, rope, timestep_embedding, EmbedNd, Modulation, ModulationOut,
 };

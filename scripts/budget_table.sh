@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Every row of the whole-run memory table (BENCHMARKS.md) from one build, spread over the
+# GPUs of the machine: each row is `scripts/budget_rows.sh` on a GPU of its own (its own
+# holder keeps all but the row's budget of that card), the rows of a GPU one after another.
+# Build here:
+#   ../shared/gpu/bundle --bin train --bin sample --bench train_step --features cuda
+#   cd .gpu && tar cf - train sample bench-train_step | xz -T2 -3 > bins.tar.xz && rm -f train sample bench-*
+# then, there, with carry [".gpu", ".whl"] (diffusers for the pipelines):
+#   bash scripts/budget_table.sh make PIPES          random full-size Flux-dev, SD3.5-large and
+#                                                     SDXL pipelines in PIPES/{flux,sd3,sdxl}
+#   bash scripts/budget_table.sh rows PIPES WORK ROW...   the rows named (or "all"), ROW k on
+#                                                     GPU k mod the GPU count
+#   bash scripts/budget_table.sh steps               the step of each row's plan against the
+#                                                     resident step (benches/train_step.rs), the
+#                                                     planner given what the train binary gives
+#                                                     it: the budget less the 1.02 GiB outside
+#                                                     its allocator (`--headroom`)
+#   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
+# Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+cd "$root"
+[ -x .gpu/train ] || { (cd .gpu && xz -dc bins.tar.xz | tar xf -); }
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+if ! ls /usr/lib/x86_64-linux-gnu/libnccl.so >/dev/null 2>&1; then
+  mkdir -p /tmp/nccl && ln -sf /usr/lib/x86_64-linux-gnu/libnccl.so.2 /tmp/nccl/libnccl.so
+  export LD_LIBRARY_PATH=/tmp/nccl:$LD_LIBRARY_PATH
+fi
+ngpu=$(nvidia-smi -L | wc -l)
+ALL="flux24 flux12 flux8 flux6 sd3-16 sd3-8 sdxl8 sdxl4"
+
+# One row on GPU $1: ROW PIPES WORK.
+row() {
+  local g=$1 name=$2 pipes=$3 work=$4
+  local arch budget dtype=bf16 opt=adamw
+  case $name in
+    flux24) arch=flux budget=24 ;;
+    flux12) arch=flux budget=12 ;;
+    flux8) arch=flux budget=8 ;;
+    flux6) arch=flux budget=6 dtype=fp8 opt=adamw8bit ;;
+    sd3-16) arch=sd3 budget=16 ;;
+    sd3-8) arch=sd3 budget=8 ;;
+    sdxl8) arch=sdxl budget=8 ;;
+    sdxl4) arch=sdxl budget=4 ;;
+    *) echo "row $name: one of $ALL" >&2; return 2 ;;
+  esac
+  GPUS=$g ARCH=$arch MODEL_DTYPE=$dtype OPTIMIZER=$opt SAMPLE_EXE=$root/.gpu/sample \
+    bash "$here/budget_rows.sh" "$pipes/$arch" "$work/$name" "$root/.gpu/train" "$budget" \
+    > "$work/$name.log" 2>&1
+  echo "== row $name on GPU $g: exit $?"
+  grep -E "^== |memory:|peaks" "$work/$name.log" | head -n 12
+}
+
+case ${1:-} in
+  make)
+    pipes=$2
+    mkdir -p "$pipes"
+    pids=()
+    for f in flux sd3 sdxl; do
+      [ -d "$pipes/$f/vae" ] && { echo "$pipes/$f: there"; continue; }
+      args=(--make "$pipes/$f" --family "$f")
+      [ $f = flux ] && args=(--make "$pipes/$f" --transformer)
+      g=$(( ${#pids[@]} % ngpu ))
+      (CUDA_VISIBLE_DEVICES=$g python3 benches/torch_encoders.py "${args[@]}" \
+        > "$pipes/make-$f.log" 2>&1; echo "== made $f: exit $?"; tail -n 3 "$pipes/make-$f.log") &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    du -sh "$pipes"/* ;;
+  rows)
+    pipes=$2 work=$3
+    shift 3
+    rows=("$@")
+    [ "${rows[*]}" = all ] && read -r -a rows <<< "$ALL"
+    mkdir -p "$work"
+    pids=()
+    for g in $(seq 0 $((ngpu - 1))); do
+      (k=0
+       for r in "${rows[@]}"; do
+         [ $((k % ngpu)) = "$g" ] && row "$g" "$r" "$pipes" "$work"
+         k=$((k + 1))
+       done) &
+      pids+=($!)
+    done
+    wait "${pids[@]}" ;;
+  steps)
+    b() { echo "== $*"; timeout 170 .gpu/bench-train_step "$@" 2>&1 | grep -vE "^\s*$" | tail -n 8; }
+    for m in flux sd35 sdxl; do b --model $m; done
+    for gb in 24 12 8; do b --model flux --budget $gb --headroom 1.02; done
+    b --model flux --budget 6 --headroom 1.02 --fp8 --adam8bit
+    b --model sd35 --budget 16 --headroom 1.02
+    b --model sd35 --budget 8 --headroom 1.02
+    b --model sdxl --budget 8 --headroom 1.05
+    b --model sdxl --budget 4 --headroom 1.05 ;;
+  gpus)
+    pipes=$2 work=$3 n=$4
+    list=$(seq -s, 0 $((n - 1)))
+    mkdir -p "$work"
+    GPUS=$list ARCH=flux SAMPLE_EXE=$root/.gpu/sample \
+      bash "$here/budget_rows.sh" "$pipes/flux" "$work/flux12-x$n" "$root/.gpu/train" 12 \
+      > "$work/flux12-x$n.log" 2>&1
+    echo "== Flux-dev 12 GiB on $n GPUs: exit $?"
+    grep -E "^== |memory:|peaks|data-parallel" "$work/flux12-x$n.log" | head -n 16 ;;
+  *)
+    sed -n 2,21p "$0"; exit 2 ;;
+esac

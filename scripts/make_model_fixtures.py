@@ -22,7 +22,7 @@ Parameter initialisation (so that no layer is zero, diffusers zero-inits some):
     LayerNorm/GroupNorm/RMSNorm): 1 + 0.1 * N(0, 1)
   * other 1-D parameters (biases): 0.1 * N(0, 1)
 
-Files written, per model NAME in {flux, sd35_large, sd35_medium, sdxl}:
+Files written, per model NAME in {flux, flux_schnell, sd35_large, sd35_medium, sdxl, sdxl_widths}:
 
   NAME/SUB/            diffusers layout from `model.save_pretrained(..., safe_serialization=True)`,
                        float32; SUB = `transformer` (flux, sd35_*) or `unet` (sdxl). config.json +
@@ -209,6 +209,13 @@ MODELS = {
 MODELS["flux_schnell"] = dict(
     MODELS["flux"],
     config=dict(MODELS["flux"]["config"], guidance_embeds=False, num_layers=1, num_single_layers=1),
+)
+
+# SDXL with level widths that are not multiples of the first (diffusers builds any widths the
+# norm groups and heads divide).
+MODELS["sdxl_widths"] = dict(
+    MODELS["sdxl"],
+    config=dict(MODELS["sdxl"]["config"], block_out_channels=(4, 6, 10), attention_head_dim=(1, 2, 5)),
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -440,7 +447,7 @@ def sdxl_to_original(sd, cfg):
     return out
 
 
-TO_ORIGINAL = {"flux": flux_to_original, "flux_schnell": flux_to_original, "sd35_large": sd3_to_original, "sd35_medium": sd3_to_original, "sdxl": sdxl_to_original}
+TO_ORIGINAL = {"flux": flux_to_original, "flux_schnell": flux_to_original, "sd35_large": sd3_to_original, "sd35_medium": sd3_to_original, "sdxl": sdxl_to_original, "sdxl_widths": sdxl_to_original}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,6 +501,7 @@ def verify_single_file(name, spec, model_dir, single_path, ref):
         "sd35_large": sfu.convert_sd3_transformer_checkpoint_to_diffusers,
         "sd35_medium": sfu.convert_sd3_transformer_checkpoint_to_diffusers,
         "sdxl": sfu.convert_ldm_unet_checkpoint,
+        "sdxl_widths": sfu.convert_ldm_unet_checkpoint,
     }[name]
     ckpt = load_file(single_path)
     cfg = json.load(open(os.path.join(model_dir, spec["sub"], "config.json")))
@@ -640,7 +648,7 @@ def build(name, spec, out_dir):
 
     # 1. diffusers layout (float32)
     kw = dict(safe_serialization=True)
-    if name == "sdxl":
+    if name.startswith("sdxl"):
         kw["max_shard_size"] = "200KB"
     model.save_pretrained(os.path.join(d, spec["sub"]), **kw)
 

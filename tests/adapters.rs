@@ -525,7 +525,7 @@ fn conv_adapters_train_on_sdxl() {
         in_channels: 4,
         out_channels: 4,
         model_channels: 8,
-        channel_mult: vec![1, 2],
+        block_out_channels: vec![8, 16],
         num_res_blocks: 1,
         transformer_depth: vec![0, 1],
         num_heads: vec![1, 2],

@@ -483,7 +483,7 @@ fn tiny_sdxl() -> SdxlConfig {
         in_channels: 4,
         out_channels: 4,
         model_channels: 8,
-        channel_mult: vec![1, 2],
+        block_out_channels: vec![8, 16],
         num_res_blocks: 1,
         transformer_depth: vec![0, 2],
         num_heads: vec![1, 2],

@@ -11,8 +11,16 @@ use std::path::Path;
 
 const NAME: &str = "sdxl";
 
+/// The fixture whose level widths are not multiples of the first: block_out_channels
+/// (4, 6, 10), heads (1, 2, 5), otherwise `sdxl`'s.
+const WIDTHS: &str = "sdxl_widths";
+
 fn config() -> SdxlConfig {
-    let ckpt = Checkpoint::open(fixture(NAME), "unet").unwrap();
+    config_of(NAME)
+}
+
+fn config_of(name: &str) -> SdxlConfig {
+    let ckpt = Checkpoint::open(fixture(name), "unet").unwrap();
     SdxlConfig::from_diffusers(ckpt.config.as_ref().unwrap()).unwrap()
 }
 
@@ -20,7 +28,16 @@ fn config() -> SdxlConfig {
 /// head and 2 norm groups are not SDXL's 64 and 32, which a single file cannot show) and
 /// runs the fixture with y built from text_embeds and time_ids.
 fn run(path: &Path, io: &BTreeMap<String, Tensor>, device: &Device, dtype: DType) -> Result<Run> {
-    let cfg = config();
+    run_as(config(), path, io, device, dtype)
+}
+
+fn run_as(
+    cfg: SdxlConfig,
+    path: &Path,
+    io: &BTreeMap<String, Tensor>,
+    device: &Device,
+    dtype: DType,
+) -> Result<Run> {
     let (model, vb) = Unet::load(path, dtype, device, Some(cfg.clone()))?;
     vb.set_trainable(|_| true)?;
     let inputs = vars(io, &["x", "context", "text_embeds"]);
@@ -39,12 +56,32 @@ fn sdxl_matches_diffusers_f32_cpu_both_layouts() {
     }
 }
 
+/// Level widths that are not multiples of the first (4, 6, 10), as diffusers builds them:
+/// the same outputs and gradients in both layouts, and the single file's shapes give the
+/// same widths.
+#[test]
+fn sdxl_with_widths_not_multiples_of_the_first_matches_diffusers() {
+    let cfg = config_of(WIDTHS);
+    assert_eq!(cfg.block_out_channels, vec![4, 6, 10]);
+    for format in [Format::Diffusers, Format::SingleFile] {
+        parity(WIDTHS, format, &Device::Cpu, DType::F32, |p, io| {
+            run_as(cfg.clone(), p, io, &Device::Cpu, DType::F32)
+        });
+    }
+    let ckpt = Checkpoint::open(fixture(WIDTHS).join("single_file.safetensors"), "unet").unwrap();
+    let vb = ckpt
+        .var_builder(DType::F32, &Device::Cpu, sdxl::diffusers_map(&cfg))
+        .unwrap();
+    let inferred = SdxlConfig::from_single_file_with(&vb, 2, 2).unwrap();
+    assert_eq!(inferred.block_out_channels, vec![4, 6, 10]);
+}
+
 #[test]
 fn sdxl_config_from_diffusers_json_and_single_file_shapes() {
     let c = config();
     assert_eq!(
-        (c.model_channels, &c.channel_mult, c.num_res_blocks),
-        (4, &vec![1, 2, 4], 2)
+        (c.model_channels, &c.block_out_channels, c.num_res_blocks),
+        (4, &vec![4, 8, 16], 2)
     );
     assert_eq!(
         (&c.transformer_depth, c.transformer_depth_middle),
@@ -300,7 +337,7 @@ fn sdxl_nearest_resize_matches_pytorch() {
 fn sdxl_runs_on_odd_sizes() {
     let cfg = SdxlConfig {
         model_channels: 8,
-        channel_mult: vec![1, 2, 4],
+        block_out_channels: vec![8, 12, 20],
         transformer_depth: vec![0, 1, 1],
         num_heads: vec![1, 2, 4],
         transformer_depth_middle: 1,

@@ -18,8 +18,8 @@ pub const NUM_GROUPS: usize = 32;
 /// 256)`, diffusers `addition_time_embed_dim` 256): six numbers x 256 + 1280 pooled = 2816.
 pub const ADDITION_TIME_EMBED_DIM: usize = 256;
 
-/// The SDXL UNet's hyperparameters (sgm `UNetModel`). Level l has `model_channels *
-/// channel_mult[l]` channels, `num_res_blocks` ResBlocks on the way down (one more on the way
+/// The SDXL UNet's hyperparameters (sgm `UNetModel`, diffusers `UNet2DConditionModel`). Level
+/// l has `block_out_channels[l]` channels, `num_res_blocks` ResBlocks on the way down (one more on the way
 /// up), each followed by a SpatialTransformer of `transformer_depth[l]` blocks when that is
 /// above 0.
 #[derive(Clone, Debug, PartialEq)]
@@ -28,11 +28,13 @@ pub struct SdxlConfig {
     pub in_channels: usize,
     /// Channels of the predicted noise (4).
     pub out_channels: usize,
-    /// Channels of the first level (320); the time embedding is 4x this wide.
+    /// Channels of `conv_in`'s output, the first level's (320); the time embedding is 4x
+    /// this wide.
     pub model_channels: usize,
-    /// Channel multiplier of each level, on `model_channels` (`[1, 2, 4]`); its length is
-    /// the number of levels.
-    pub channel_mult: Vec<usize>,
+    /// Channels of each level (`[320, 640, 1280]`; diffusers' `block_out_channels`, sgm's
+    /// `model_channels * channel_mult`); its length is the number of levels, and the first
+    /// is `model_channels`. Any widths GroupNorm's groups and the heads divide.
+    pub block_out_channels: Vec<usize>,
     /// ResBlocks per level on the way down (2).
     pub num_res_blocks: usize,
     /// Transformer blocks per SpatialTransformer, per level (0: no attention there).
@@ -93,7 +95,7 @@ impl SdxlConfig {
             in_channels: 4,
             out_channels: 4,
             model_channels: 320,
-            channel_mult: vec![1, 2, 4],
+            block_out_channels: vec![320, 640, 1280],
             num_res_blocks: 2,
             transformer_depth: vec![0, 2, 10],
             num_heads: vec![5, 10, 20],
@@ -105,14 +107,14 @@ impl SdxlConfig {
         }
     }
 
-    /// Number of resolution levels (`channel_mult.len()`, 3).
+    /// Number of resolution levels (`block_out_channels.len()`, 3).
     pub fn levels(&self) -> usize {
-        self.channel_mult.len()
+        self.block_out_channels.len()
     }
 
     /// Channels of level `level`.
     pub fn channels(&self, level: usize) -> usize {
-        self.model_channels * self.channel_mult[level]
+        self.block_out_channels[level]
     }
 
     /// Width of the timestep embedding (sgm `time_embed_dim = model_channels * 4`).
@@ -217,15 +219,22 @@ impl SdxlConfig {
         let l = self.levels();
         if l == 0 || self.transformer_depth.len() != l || self.num_heads.len() != l {
             return Err(bad(format!(
-                "sdxl: channel_mult {:?}, transformer_depth {:?} and num_heads {:?} need one \
-                 entry per level",
-                self.channel_mult, self.transformer_depth, self.num_heads
+                "sdxl: block_out_channels {:?}, transformer_depth {:?} and num_heads {:?} need \
+                 one entry per level",
+                self.block_out_channels, self.transformer_depth, self.num_heads
             )));
         }
         if self.model_channels == 0 || self.num_res_blocks == 0 || self.num_groups == 0 {
             return Err(bad(format!(
                 "sdxl: model_channels {}, num_res_blocks {} and num_groups {} must be positive",
                 self.model_channels, self.num_res_blocks, self.num_groups
+            )));
+        }
+        if self.block_out_channels[0] != self.model_channels {
+            return Err(bad(format!(
+                "sdxl: block_out_channels {:?} must start with model_channels {} (conv_in's \
+                 output is the first level's input)",
+                self.block_out_channels, self.model_channels
             )));
         }
         if self.transformer_depth_middle == 0 {
@@ -350,12 +359,6 @@ impl SdxlConfig {
         let model_channels = *block_out
             .first()
             .ok_or_else(|| err("block_out_channels", "is empty".into()))?;
-        if model_channels == 0 || block_out.iter().any(|c| c % model_channels != 0) {
-            return Err(err(
-                "block_out_channels",
-                format!("{block_out:?}: each must be a multiple of the first"),
-            ));
-        }
         // An int, or one per level (diffusers accepts either for these fields).
         let per_level = |field: &str, default: usize| -> Result<Vec<usize>> {
             match cfg_opt(cfg, field) {
@@ -436,7 +439,7 @@ impl SdxlConfig {
             out_channels: cfg_opt(cfg, "out_channels")
                 .map_or(Ok(4), |_| cfg_usize(cfg, "out_channels"))?,
             model_channels,
-            channel_mult: block_out.iter().map(|c| c / model_channels).collect(),
+            block_out_channels: block_out.clone(),
             num_res_blocks,
             transformer_depth,
             num_heads,
@@ -506,17 +509,12 @@ impl SdxlConfig {
                 })
                 .count()
         };
-        let mut channel_mult = vec![];
+        let mut block_out_channels = vec![];
         let mut transformer_depth = vec![];
         let mut num_heads = vec![];
         for level in 0..levels {
             let block = format!("input_blocks.{}", 1 + level * (num_res_blocks + 1));
             let c = shape(&format!("{block}.0.out_layers.3.weight"))?[0];
-            if c % model_channels != 0 {
-                return Err(bad(format!(
-                    "sdxl single file: level {level}'s {c} channels are not a multiple of {model_channels}"
-                )));
-            }
             if c % head_channels != 0 {
                 return Err(bad(format!(
                     "sdxl single file: level {level}'s {c} channels do not split into heads of \
@@ -532,7 +530,7 @@ impl SdxlConfig {
                      linear projections (SDXL) are supported"
                 )));
             }
-            channel_mult.push(c / model_channels);
+            block_out_channels.push(c);
             transformer_depth.push(depth(&block));
             num_heads.push(c / head_channels);
         }
@@ -540,7 +538,7 @@ impl SdxlConfig {
             in_channels: conv_in[1],
             out_channels: conv_out[0],
             model_channels,
-            channel_mult,
+            block_out_channels,
             num_res_blocks,
             transformer_depth,
             num_heads,

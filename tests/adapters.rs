@@ -73,6 +73,8 @@ fn config(kind: &str) -> AdapterConfig {
         conv_alpha: alpha,
         factor: c["decompose_factor"].as_i64().unwrap_or(-1),
         decompose_both: c["decompose_both"].as_bool().unwrap_or(false),
+        // The fixtures were made by PEFT.
+        lokr_split: flame::nn::LokrSplit::Peft,
     }
 }
 
@@ -214,6 +216,87 @@ fn lokr_factorisation_is_peft_s() {
         assert_eq!(factorization(dim, -1), want, "{dim}");
     }
     assert_eq!(factorization(3072, 8), (8, 384));
+}
+
+/// LoKr's split where the factor divides a side: PEFT's (factor, dim / factor) as it comes,
+/// LyCORIS's smaller side first. Adapters split by the rule they are built with; a file says
+/// which it holds (`LokrSplit::of_file`); one read with the other rule is refused naming the
+/// setting; read with its own, and merged by the `sample` binary's reader, it gives the layer
+/// it was saved from.
+#[test]
+fn lokr_splits_follow_peft_or_lycoris_and_a_file_says_which() {
+    use flame::nn::{LokrSplit, LoraMerge};
+    for (dim, f, peft, lycoris) in [
+        (12, 4, (4, 3), (3, 4)),
+        (3072, 64, (64, 48), (48, 64)),
+        (3072, -1, (48, 64), (48, 64)),
+        (12, 5, (3, 4), (3, 4)),
+        (128, 4, (4, 32), (4, 32)),
+    ] {
+        assert_eq!(LokrSplit::Peft.split(dim, f), peft, "{dim} by {f}");
+        assert_eq!(LokrSplit::Lycoris.split(dim, f), lycoris, "{dim} by {f}");
+    }
+    let inp = inputs();
+    let x = &inp["x.lin"];
+    let d = temp("lokr_split");
+    let other = |s: LokrSplit| match s {
+        LokrSplit::Peft => LokrSplit::Lycoris,
+        LokrSplit::Lycoris => LokrSplit::Peft,
+    };
+    for split in [LokrSplit::Peft, LokrSplit::Lycoris] {
+        let mut c = config("lokr");
+        c.targets = vec!["lin".into()];
+        c.factor = 4;
+        c.decompose_both = false;
+        c.lokr_split = split;
+        let a = Adapters::new(c.clone()).unwrap();
+        let m = model(&a, DType::F32);
+        for (i, (_, t)) in a.params().unwrap().iter().enumerate() {
+            let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, 700 + i as u64).unwrap();
+            t.assign(&t.add(&r.affine(0.3, 0.0).unwrap()).unwrap())
+                .unwrap();
+        }
+        let want = m.forward("lin", x);
+        // lin is 12 -> 10: 10 splits (2, 5) by either rule, 12 by 4 as the rule says.
+        let params = a.params().unwrap();
+        let w1 = &params
+            .iter()
+            .find(|(n, _)| n.ends_with("lokr_w1"))
+            .unwrap()
+            .1;
+        assert_eq!(w1.dims(), [2, split.split(12, 4).0], "{split:?}");
+        let file = d.join(format!("{split:?}.safetensors"));
+        a.save_kohya(&file, DType::F32).unwrap();
+        assert_eq!(LokrSplit::of_file(&file, 4).unwrap(), Some(split));
+        assert_eq!(LokrSplit::of_file(&file, -1).unwrap(), None);
+        // Read with the other rule: refused, naming the split and the setting.
+        let mut wrong = c.clone();
+        wrong.lokr_split = other(split);
+        let b = Adapters::new(wrong).unwrap();
+        let _unused = model(&b, DType::F32);
+        let e = b.load_kohya(&file).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{split:?}'s split")) && e.contains("lokr_split"),
+            "{e}"
+        );
+        // Read with the rule the file shows: the layer it was saved from.
+        let mut right = c.clone();
+        right.lokr_split = LokrSplit::of_file(&file, 4).unwrap().unwrap();
+        let b = Adapters::new(right).unwrap();
+        let mb = model(&b, DType::F32);
+        b.load_kohya(&file).unwrap();
+        let e = rel(&mb.forward("lin", x), &want);
+        assert!(e < 1e-6, "{split:?}: read back off by {e:e}");
+        // The merge takes the split from the file's shapes.
+        let merge = Arc::new(LoraMerge::open(&file, 1.0, "transformer").unwrap());
+        let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
+            .unwrap()
+            .with_merge(merge.clone())
+            .unwrap();
+        let plain = Linear::new(&vb.pp("lin"), 12, 10, true).unwrap();
+        let e = rel(&plain.forward(x).unwrap(), &want);
+        assert!(e < 2e-6, "{split:?}: merged off by {e:e}");
+    }
 }
 
 /// Host math for the independent formulas below.
@@ -547,6 +630,7 @@ fn conv_adapters_train_on_sdxl() {
             conv_alpha: 1.0,
             factor: -1,
             decompose_both: false,
+            lokr_split: Default::default(),
         })
         .unwrap();
         let vb = VarBuilder::random(5, 0.2, DType::F32, &CPU)

@@ -13,7 +13,8 @@ mod seed;
 
 pub use crate::tensor::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
 pub use adapter::{
-    kohya_name, Adapter, AdapterConfig, Adapters, BaseLayer, LayerShape, Lora, LoraConfig,
+    kohya_name, Adapter, AdapterConfig, Adapters, BaseLayer, LayerShape, LokrSplit, Lora,
+    LoraConfig,
 };
 pub use conv::{
     adaptive_avg_pool2d, avg_pool2d, conv2d, conv2d_banded, max_pool2d, pad2d, Conv2d,

@@ -13,7 +13,7 @@ use crate::config::{in_list, section, show};
 pub use crate::config::{line_of, KeyDoc, Problem, Section};
 pub use crate::data::config::DataSection;
 use crate::data::config::RawData;
-use crate::nn::{AdapterConfig, LoraConfig};
+use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
 use crate::stream::Checkpointing;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -151,7 +151,9 @@ section! {
         conv_rank: usize = 0usize,
         /// The convolutions' alpha (LyCORIS's conv_alpha).
         conv_alpha: f64 = 1.0,
-        /// LoKr: the Kronecker split's factor, -1 for the most balanced.
+        /// LoKr: the Kronecker split's factor, -1 for the most balanced. Where it divides a
+        /// side, the pair is ordered as LyCORIS does (smaller first) for "kohya" files and
+        /// as PEFT does ((factor, side / factor)) for "peft" files.
         factor: i64 = -1,
         /// LoKr: make w1 low-rank too where the rank allows.
         decompose_both: bool = false,
@@ -872,6 +874,12 @@ impl TrainConfig {
             conv_alpha: a.conv_alpha,
             factor: a.factor,
             decompose_both: a.decompose_both,
+            // LoKr's split follows the library of the layout written: LyCORIS's for kohya
+            // files, PEFT's for PEFT files.
+            lokr_split: match a.format {
+                AdapterFormat::Kohya => LokrSplit::Lycoris,
+                AdapterFormat::Peft => LokrSplit::Peft,
+            },
         }
     }
 

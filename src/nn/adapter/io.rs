@@ -44,6 +44,13 @@ impl Reader<'_> {
         self.file.contains(&format!("{}.{t}", self.name))
     }
 
+    /// The shape of tensor `t` of this adapter, if the file has it.
+    pub fn shape(&self, t: &str) -> Option<Vec<usize>> {
+        self.file
+            .info(&format!("{}.{t}", self.name))
+            .map(|i| i.shape.clone())
+    }
+
     /// Tensor `t` as f32, which must have shape `dims`.
     pub fn take(&mut self, t: &str, dims: &[usize]) -> Result<Tensor> {
         let key = format!("{}.{t}", self.name);
@@ -105,6 +112,13 @@ impl PeftFile {
     /// Whether the file has `<module>.<t>`.
     pub fn has(&self, module: &str, t: &str) -> bool {
         self.file.contains(&self.key(module, t))
+    }
+
+    /// The shape of `<module>.<t>`, if the file has it.
+    pub fn shape(&self, module: &str, t: &str) -> Option<Vec<usize>> {
+        self.file
+            .info(&self.key(module, t))
+            .map(|i| i.shape.clone())
     }
 
     fn key(&self, module: &str, t: &str) -> String {

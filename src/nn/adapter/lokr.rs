@@ -26,10 +26,103 @@ pub(super) const KIND: Kind = Kind {
     make: |p| Ok(Arc::new(Lokr::new(p)?)),
 };
 
-/// The split of `dim` into (m, n), m · n = dim, as PEFT's `factorization` and LyCORIS's:
-/// with `factor` = -1 the most balanced split, m the largest divisor at most sqrt(dim)
-/// (3072 -> (48, 64)); with a positive factor that divides `dim`, (factor, dim / factor);
-/// otherwise the most balanced split with m at most `factor`.
+/// How a LoKr splits a layer's sides when `factor` divides them: the two libraries differ
+/// there and only there. The split shows in a file's shapes (`lokr_w1` is (out_l, in_m)), and
+/// w1 ⊗ w2 under one split is not a Kronecker product under the other, so a file is read
+/// with the split it was written with ([`LokrSplit::of_file`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LokrSplit {
+    /// PEFT 0.21's `factorization`: (factor, dim / factor) as it comes (12 by 4 is (4, 3)).
+    Peft,
+    /// LyCORIS 4.1's: the smaller side first (12 by 4 is (3, 4)); kohya-layout files, and
+    /// the default.
+    #[default]
+    Lycoris,
+}
+
+impl LokrSplit {
+    /// The split of `dim` into (m, n), m · n = dim, by this library's rule ([`factorization`]
+    /// for PEFT's, that pair smaller side first for LyCORIS's).
+    pub fn split(self, dim: usize, factor: i64) -> (usize, usize) {
+        let (m, n) = factorization(dim, factor);
+        match self {
+            LokrSplit::Lycoris if m > n => (n, m),
+            _ => (m, n),
+        }
+    }
+
+    /// The split a LoKr file's shapes show, for `factor`: the first of its layers whose
+    /// sides the two rules split differently says which rule made it; `None` when no layer
+    /// tells them apart (both rules read it alike). Reads the header only; kohya and PEFT
+    /// names alike (`<layer>.lokr_w1`, or `lokr_w1_a` and `lokr_w1_b`).
+    pub fn of_file(path: impl AsRef<std::path::Path>, factor: i64) -> Result<Option<LokrSplit>> {
+        let file = crate::safetensors::SafeTensorsFile::open(path.as_ref())?;
+        let shape = |k: &str| file.info(k).map(|i| i.shape.clone());
+        let mut layers = vec![];
+        for name in file.names() {
+            let Some(base) = name
+                .strip_suffix(".lokr_w1")
+                .or(name.strip_suffix(".lokr_w1_a"))
+            else {
+                continue;
+            };
+            let w1 = match (
+                shape(&format!("{base}.lokr_w1")),
+                shape(&format!("{base}.lokr_w1_a")),
+                shape(&format!("{base}.lokr_w1_b")),
+            ) {
+                (Some(w), _, _) if w.len() == 2 => (w[0], w[1]),
+                (None, Some(a), Some(b)) if a.len() == 2 && b.len() == 2 => (a[0], b[1]),
+                _ => continue,
+            };
+            // w2's rows and its columns: a Linear's inputs; a low-rank convolution's
+            // columns hold its kernel too, which rarely matches either rule and is then
+            // passed over.
+            let (rows, cols) = match (
+                shape(&format!("{base}.lokr_w2")),
+                shape(&format!("{base}.lokr_w2_a")),
+                shape(&format!("{base}.lokr_w2_b")),
+            ) {
+                (Some(w), _, _) if w.len() >= 2 => (w[0], w[1]),
+                (None, Some(a), Some(b)) if a.len() == 2 && b.len() == 2 => (a[0], b[1]),
+                _ => continue,
+            };
+            layers.push((w1, w1.0 * rows, Some(w1.1 * cols)));
+        }
+        Ok(Self::of_shapes(layers, factor))
+    }
+
+    /// [`LokrSplit::of_file`] over each layer's (w1's rows and columns, the layer's out, the
+    /// layer's in where known).
+    pub fn of_shapes(
+        layers: impl IntoIterator<Item = ((usize, usize), usize, Option<usize>)>,
+        factor: i64,
+    ) -> Option<LokrSplit> {
+        let rules = [LokrSplit::Peft, LokrSplit::Lycoris];
+        for ((rows, cols), out, inn) in layers {
+            let mut sides = vec![(rows, out)];
+            sides.extend(inn.map(|i| (cols, i)));
+            for (got, dim) in sides {
+                let [peft, lycoris] = rules.map(|r| r.split(dim, factor).0);
+                if peft != lycoris {
+                    if got == peft {
+                        return Some(LokrSplit::Peft);
+                    }
+                    if got == lycoris {
+                        return Some(LokrSplit::Lycoris);
+                    }
+                }
+            }
+        }
+        None
+    }
+}
+
+/// The split of `dim` into (m, n), m · n = dim, as PEFT's `factorization` (LyCORIS's
+/// differs only in ordering the first case's pair, [`LokrSplit`]): with `factor` = -1 the
+/// most balanced split, m the largest divisor at most sqrt(dim) (3072 -> (48, 64)); with a
+/// positive factor that divides `dim`, (factor, dim / factor); otherwise the most balanced
+/// split with m at most `factor`.
 pub fn factorization(dim: usize, factor: i64) -> (usize, usize) {
     if factor > 0 && dim % factor as usize == 0 {
         return (factor as usize, dim / factor as usize);
@@ -81,6 +174,9 @@ pub struct Lokr {
     shape: LayerShape,
     rank: usize,
     alpha: f64,
+    /// The rule and factor that split the sides.
+    split: LokrSplit,
+    factor: i64,
     /// (out_l, out_k), (in_m, in_n).
     out_split: (usize, usize),
     in_split: (usize, usize),
@@ -91,9 +187,9 @@ pub struct Lokr {
 impl Lokr {
     fn new(p: &Plan) -> Result<Self> {
         let (shape, r) = (p.shape, p.rank);
-        let factor = p.config.factor;
-        let (out_l, out_k) = factorization(shape.out_dim(), factor);
-        let (in_m, in_n) = factorization(shape.in_dim(), factor);
+        let (factor, split) = (p.config.factor, p.config.lokr_split);
+        let (out_l, out_k) = split.split(shape.out_dim(), factor);
+        let (in_m, in_n) = split.split(shape.in_dim(), factor);
         let (kh, kw) = shape.kernel();
         let dev = p.device;
         let seed = p.seed;
@@ -125,6 +221,8 @@ impl Lokr {
             shape,
             rank: r,
             alpha: p.alpha,
+            split,
+            factor,
             out_split: (out_l, out_k),
             in_split: (in_m, in_n),
             w1,
@@ -187,6 +285,34 @@ impl Lokr {
                 p.len()
             )))
         }
+    }
+
+    /// Where a file's w1 (rows, columns), from `shape` (a tensor's shape by name), is the
+    /// other rule's split of this layer: an error saying so and how to read it.
+    fn split_mismatch(&self, shape: impl Fn(&str) -> Option<Vec<usize>>) -> Option<String> {
+        let w1 = match (shape("lokr_w1"), shape("lokr_w1_a"), shape("lokr_w1_b")) {
+            (Some(w), _, _) if w.len() == 2 => (w[0], w[1]),
+            (None, Some(a), Some(b)) if a.len() == 2 && b.len() == 2 => (a[0], b[1]),
+            _ => return None,
+        };
+        let ours = (self.out_split.0, self.in_split.0);
+        let other = match self.split {
+            LokrSplit::Peft => LokrSplit::Lycoris,
+            LokrSplit::Lycoris => LokrSplit::Peft,
+        };
+        let (out, inn) = (self.shape.out_dim(), self.shape.in_dim());
+        let theirs = (
+            other.split(out, self.factor).0,
+            other.split(inn, self.factor).0,
+        );
+        (w1 != ours && w1 == theirs).then(|| {
+            format!(
+                "w1 is {w1:?}: {other:?}'s split of ({out}, {inn}) by factor {}, where these \
+                 adapters take {:?}'s {ours:?}; build them with AdapterConfig::lokr_split = \
+                 {other:?} (LokrSplit::of_file tells which a file holds)",
+                self.factor, self.split
+            )
+        })
     }
 
     /// Both factors full: ComfyUI applies the product unscaled.
@@ -269,6 +395,9 @@ impl Adapter for Lokr {
     }
 
     fn load_kohya(&self, file: &mut Reader) -> Result<()> {
+        if let Some(msg) = self.split_mismatch(|t| file.shape(t)) {
+            return Err(file.error("lokr_w1", msg));
+        }
         let read = self
             .params()
             .into_iter()
@@ -293,6 +422,9 @@ impl Adapter for Lokr {
 
     fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
         let part = single_part("LoKr", &self.path, parts)?;
+        if let Some(msg) = self.split_mismatch(|t| file.shape(&part.module, t)) {
+            return Err(file.error(&part.module, "lokr_w1", msg));
+        }
         let read = self
             .params()
             .into_iter()

@@ -26,7 +26,7 @@ mod lora;
 
 pub(crate) use io::PeftScales;
 pub use io::{kohya_name, PeftFile};
-pub use lokr::factorization;
+pub use lokr::{factorization, LokrSplit};
 pub use lora::Lora;
 
 use super::layers::BatchPart;
@@ -353,6 +353,9 @@ pub struct AdapterConfig {
     pub factor: i64,
     /// LoKr: w1 low-rank too where the rank allows (PEFT's `decompose_both`).
     pub decompose_both: bool,
+    /// LoKr: whose rule splits a side that `factor` divides (PEFT's or LyCORIS's; they
+    /// order the pair differently). A file is read with the split it was written with.
+    pub lokr_split: LokrSplit,
 }
 
 impl LoraConfig {
@@ -382,6 +385,7 @@ impl From<LoraConfig> for AdapterConfig {
             conv_alpha: 1.0,
             factor: -1,
             decompose_both: false,
+            lokr_split: LokrSplit::default(),
         }
     }
 }

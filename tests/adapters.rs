@@ -728,6 +728,51 @@ fn merging_each_kind_s_file_gives_the_adapted_layer() {
     }
 }
 
+/// The merge on convolutions: each kind's kohya file on the fixture's 3x3 and 1x1 Conv2d
+/// (LoCon, DoRA, LoKr, LoHa, full) gives the adapted layer's output, every tensor taken.
+#[test]
+fn merging_each_kind_s_file_on_convolutions_gives_the_adapted_layer() {
+    use flame::nn::LoraMerge;
+    let inp = inputs();
+    let d = temp("merge_conv");
+    for kind in ["lora", "dora", "lokr", "lokr_full", "loha", "full"] {
+        let mut c = config(if kind == "full" { "lora" } else { kind });
+        if kind == "full" {
+            c.kind = "full".into();
+        }
+        c.targets = vec!["conv".into(), "pw".into()];
+        let a = Adapters::new(c).unwrap();
+        let m = model(&a, DType::F32);
+        for layer in ["conv", "pw"] {
+            m.forward(layer, &inp[&format!("x.{layer}")]); // DoRA's magnitude from the weight
+        }
+        for (i, (_, t)) in a.params().unwrap().iter().enumerate() {
+            let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, 900 + i as u64).unwrap();
+            t.assign(&t.add(&r.affine(0.3, 0.0).unwrap()).unwrap())
+                .unwrap();
+        }
+        let file = d.join(format!("{kind}.safetensors"));
+        a.save_kohya(&file, DType::F32).unwrap();
+        let merge = Arc::new(LoraMerge::open(&file, 1.0, "unet").unwrap());
+        let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
+            .unwrap()
+            .with_merge(merge.clone())
+            .unwrap();
+        for (layer, k, padding) in [("conv", 3, 1), ("pw", 1, 0)] {
+            let cfg = Conv2dConfig {
+                padding,
+                ..Default::default()
+            };
+            let plain = Conv2d::new(&vb.pp(layer), 4, 6, k, cfg).unwrap();
+            assert!(plain.adapter.is_none());
+            let x = &inp[&format!("x.{layer}")];
+            let e = rel(&plain.forward(x).unwrap(), &m.forward(layer, x));
+            assert!(e < 2e-6, "{kind} on {layer}: merged output off by {e:e}");
+        }
+        merge.check_all_used().unwrap();
+    }
+}
+
 /// A LyCORIS file with a tensor of the wrong rank or shape is an error naming it, not a panic.
 #[test]
 fn a_malformed_lycoris_file_is_named_in_the_merge() {

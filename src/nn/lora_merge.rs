@@ -20,9 +20,14 @@
 //!   (`hada_w1_a/_b`, `hada_w2_a/_b`: ΔW = alpha / r (w1_a w1_b) ⊙ (w2_a w2_b)) and full
 //!   (`diff`: ΔW = diff).
 //!
+//! - Convolutions in each of these (LoCon, DoRA, LoKr, LoHa, full): a factor's kernel joins
+//!   its columns (`lora_down` (r, in, kh, kw), `lora_up` (out, r, 1, 1), `lokr_w2` (out_k,
+//!   in_n, kh, kw), `hada_w1_b` (r, in · kh · kw)), the update made as the matrix (out, in ·
+//!   kh · kw) and shaped as the weight.
+//!
 //! Every tensor of the file must be taken by some layer: a file for another model, or an
-//! adapter kind FLAME does not merge (LyCORIS's Tucker forms, convolutions), is an error
-//! naming a tensor left over.
+//! adapter kind FLAME does not merge (LyCORIS's Tucker forms), is an error naming a tensor
+//! left over.
 
 use super::adapter::{kohya_name, PeftScales};
 use super::params::{KeyMap, KeySource};
@@ -116,16 +121,18 @@ impl LoraMerge {
                 .map(|i| i.shape.clone())
                 .unwrap_or_default()
         };
+        // A convolution's down holds its kernel (r, in, kh, kw) and its up is 1x1
+        // (rows, r, 1, 1): both read as matrices, in_dim counting the kernel.
         let (sa, sb) = (shape(a), shape(b));
         let r = sa.first().copied().unwrap_or(0);
-        if sa.len() != 2 || sa[1] != in_dim || r == 0 {
+        if sa.len() < 2 || sa[1..].iter().product::<usize>() != in_dim || r == 0 {
             return Err(err(
                 &self.path,
                 Some(a),
                 format!("shape {sa:?}: expected (rank, {in_dim}) for this layer"),
             ));
         }
-        if sb.as_slice() != [rows, r] {
+        if sb.len() < 2 || sb[..2] != [rows, r] || sb[2..].iter().any(|&d| d != 1) {
             return Err(err(
                 &self.path,
                 Some(b),
@@ -154,8 +161,14 @@ impl LoraMerge {
         used.insert(a.clone());
         used.insert(b.clone());
         drop(used);
-        let a = self.file.load_as(a, device, DType::F32)?;
-        let b = self.file.load_as(b, device, DType::F32)?;
+        let a = self
+            .file
+            .load_as(a, device, DType::F32)?
+            .reshape((r, in_dim))?;
+        let b = self
+            .file
+            .load_as(b, device, DType::F32)?
+            .reshape((rows, r))?;
         b.matmul(&a)?.affine(scale * strength, 0.0)
     }
 
@@ -179,6 +192,19 @@ impl LoraMerge {
         }
     }
 
+    /// `t` (rows, ...) as the matrix (rows, the rest): a convolution factor's kernel joins its
+    /// columns.
+    fn flat(&self, k: &str, t: Tensor) -> Result<Tensor> {
+        match t.dims() {
+            [r, rest @ ..] if !rest.is_empty() => {
+                let cols = rest.iter().product::<usize>();
+                let r = *r;
+                t.reshape((r, cols))
+            }
+            _ => Err(self.bad(k, &t, "a matrix")),
+        }
+    }
+
     /// A shape error for tensor `k`.
     fn bad(&self, k: &str, t: &Tensor, want: &str) -> Error {
         err(
@@ -189,14 +215,12 @@ impl LoraMerge {
     }
 
     /// The LyCORIS kinds of the kohya layout (LoKr, LoHa, full) for the layer named `k`,
-    /// (out, in): s · ΔW in f32, or `None` when the file has none of them for it.
-    fn lycoris(
-        &self,
-        k: &str,
-        out: usize,
-        in_dim: usize,
-        device: &Device,
-    ) -> Result<Option<Tensor>> {
+    /// whose weight has `dims` ((out, in), or (out, in, kh, kw) for a convolution, whose
+    /// kernel the factors' columns hold): s · ΔW in f32 as the matrix (out, in · kh · kw), or
+    /// `None` when the file has none of them for it.
+    fn lycoris(&self, k: &str, dims: &[usize], device: &Device) -> Result<Option<Tensor>> {
+        let out = dims.first().copied().unwrap_or(0);
+        let in_dim = dims.iter().skip(1).product::<usize>();
         let name = |t: &str| format!("{k}.{t}");
         let alpha = || -> Result<Option<f64>> {
             Ok(match self.take(&name("alpha"), device)? {
@@ -214,17 +238,21 @@ impl LoraMerge {
             })
         };
         if let Some(d) = self.take(&name("diff"), device)? {
-            if d.dims() != [out, in_dim] {
-                return Err(self.bad(&name("diff"), &d, &format!("({out}, {in_dim})")));
+            if d.dims() != dims {
+                return Err(self.bad(&name("diff"), &d, &format!("{dims:?}")));
             }
-            return Ok(Some(d));
+            return d.reshape((out, in_dim)).map(Some);
         }
         if let Some(a1) = self.take(&name("hada_w1_a"), device)? {
             let get = |t: &str| {
                 self.take(&name(t), device)?
                     .ok_or_else(|| err(&self.path, Some(&name(t)), "missing (a LoHa needs it)"))
             };
-            let (b1, a2, b2) = (get("hada_w1_b")?, get("hada_w2_a")?, get("hada_w2_b")?);
+            let (b1, a2, b2) = (
+                self.flat(&name("hada_w1_b"), get("hada_w1_b")?)?,
+                get("hada_w2_a")?,
+                self.flat(&name("hada_w2_b"), get("hada_w2_b")?)?,
+            );
             let r = self.matrix(&name("hada_w1_b"), &b1)?.0;
             let s = alpha()?.map_or(1.0, |a| a / r as f64);
             let d = a1.matmul(&b1)?.mul(&a2.matmul(&b2)?)?;
@@ -239,13 +267,14 @@ impl LoraMerge {
         }
         let factor = |w: &str| -> Result<Option<(Tensor, Option<usize>)>> {
             if let Some(t) = self.take(&name(w), device)? {
-                return Ok(Some((t, None)));
+                return Ok(Some((self.flat(&name(w), t)?, None)));
             }
             match (
                 self.take(&name(&format!("{w}_a")), device)?,
                 self.take(&name(&format!("{w}_b")), device)?,
             ) {
                 (Some(a), Some(b)) => {
+                    let b = self.flat(&name(&format!("{w}_b")), b)?;
                     let r = self.matrix(&name(&format!("{w}_b")), &b)?.0;
                     Ok(Some((a.matmul(&b)?, Some(r))))
                 }
@@ -289,20 +318,24 @@ impl LoraMerge {
     /// `delta`, with the kohya / LyCORIS kinds too (DoRA needs the weight `w` (out, in) it
     /// rescales): the update at strength to add to `w`.
     pub fn delta_for(&self, key: &str, w: &Tensor, device: &Device) -> Result<Option<Tensor>> {
-        let (out, in_dim) = match w.dims() {
+        let dims = w.dims().to_vec();
+        // A convolution's update is made as the matrix (out, in · kh · kw), then shaped.
+        let (out, in_dim) = match dims.as_slice() {
             &[o, i] => (o, i),
+            &[o, i, kh, kw] => (o, i * kh * kw),
             _ => return Ok(None),
         };
         let Some(path) = key.strip_suffix(".weight") else {
             return Ok(None);
         };
+        let shaped = |d: Option<Tensor>| d.map(|d| d.reshape(dims.clone())).transpose();
         let k = kohya_name(path);
-        if let Some(d) = self.lycoris(&k, out, in_dim, device)? {
-            return d.affine(self.strength, 0.0).map(Some);
+        if let Some(d) = self.lycoris(&k, &dims, device)? {
+            return shaped(Some(d.affine(self.strength, 0.0)?));
         }
         let dora = format!("{k}.dora_scale");
         if !self.file.contains(&dora) {
-            return self.delta(key, out, in_dim, device);
+            return shaped(self.delta(key, out, in_dim, device)?);
         }
         // DoRA: the LoRA's update at strength 1, then W' = m (W + ΔW) / ‖W + ΔW‖ over the
         // axis `dora_scale` names; the update is strength · (W' - W), as ComfyUI applies it.
@@ -316,17 +349,20 @@ impl LoraMerge {
         let m = self
             .take(&dora, device)?
             .ok_or_else(|| err(&self.path, Some(&dora), "unreadable"))?;
-        let w = w.to_dtype(DType::F32)?;
+        let w = w.to_dtype(DType::F32)?.reshape((out, in_dim))?;
         let v = w.add(&lora)?;
+        // Per output row ((out, 1), a convolution's (out, 1, 1, 1)), or per input column of
+        // a Linear ((1, in)).
+        let per_row = m.dims().first() == Some(&out) && m.elem_count() == out;
         let norm = match m.dims() {
-            [o, 1] if *o == out => v.sqr()?.sum_keepdim(&[1])?.sqrt()?,
+            _ if per_row => v.sqr()?.sum_keepdim(&[1])?.sqrt()?,
             [1, i] if *i == in_dim => v.sqr()?.sum_keepdim(&[0])?.sqrt()?,
             _ => return Err(self.bad(&dora, &m, &format!("({out}, 1) or (1, {in_dim})"))),
         };
-        v.mul(&m.div(&norm)?)?
-            .sub(&w)?
-            .affine(self.strength, 0.0)
-            .map(Some)
+        let m = if per_row { m.reshape((out, 1))? } else { m };
+        shaped(Some(
+            v.mul(&m.div(&norm)?)?.sub(&w)?.affine(self.strength, 0.0)?,
+        ))
     }
 
     /// The update of the weight at model key `key` (out, in) when the file adapts its layer,

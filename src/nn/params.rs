@@ -578,8 +578,9 @@ impl VarBuilder {
             .contiguous()?
             .detach()
         };
-        let t = match (&self.shared.merge, t.dims()) {
-            (Some(m), &[_, _]) => {
+        // Linear weights and convolutions' (out, in, kh, kw).
+        let t = match (&self.shared.merge, t.dims().len()) {
+            (Some(m), 2 | 4) => {
                 let dev = &self.shared.device;
                 match m.delta_for(&key, &t, dev)? {
                     Some(d) => {

@@ -773,6 +773,51 @@ fn merging_each_kind_s_file_on_convolutions_gives_the_adapted_layer() {
     }
 }
 
+/// The merge reads the PEFT-layout files FLAME writes for DoRA, LoKr and LoHa (and LoRA) on
+/// a Linear and both convolutions: each gives the adapted layer's output, every tensor taken.
+#[test]
+fn merging_flame_s_peft_files_of_each_kind_gives_the_adapted_layer() {
+    use flame::nn::LoraMerge;
+    let inp = inputs();
+    let d = temp("merge_peft");
+    for kind in ["lora", "dora", "lokr", "lokr_full", "loha"] {
+        let mut c = config(kind);
+        c.targets = vec!["lin".into(), "conv".into(), "pw".into()];
+        let a = Adapters::new(c).unwrap();
+        let m = model(&a, DType::F32);
+        for layer in ["lin", "conv", "pw"] {
+            m.forward(layer, &inp[&format!("x.{layer}")]); // DoRA's magnitude from the weight
+        }
+        for (i, (_, t)) in a.params().unwrap().iter().enumerate() {
+            let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, 950 + i as u64).unwrap();
+            t.assign(&t.add(&r.affine(0.3, 0.0).unwrap()).unwrap())
+                .unwrap();
+        }
+        let file = d.join(format!("{kind}.safetensors"));
+        a.save_peft(&file, &identity(), "unet", DType::F32).unwrap();
+        let merge = Arc::new(LoraMerge::open(&file, 1.0, "unet").unwrap());
+        let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
+            .unwrap()
+            .with_merge(merge.clone())
+            .unwrap();
+        let lin = Linear::new(&vb.pp("lin"), 12, 10, true).unwrap();
+        let x = &inp["x.lin"];
+        let e = rel(&lin.forward(x).unwrap(), &m.forward("lin", x));
+        assert!(e < 2e-6, "{kind} on lin: merged output off by {e:e}");
+        for (layer, k, padding) in [("conv", 3, 1), ("pw", 1, 0)] {
+            let cfg = Conv2dConfig {
+                padding,
+                ..Default::default()
+            };
+            let plain = Conv2d::new(&vb.pp(layer), 4, 6, k, cfg).unwrap();
+            let x = &inp[&format!("x.{layer}")];
+            let e = rel(&plain.forward(x).unwrap(), &m.forward(layer, x));
+            assert!(e < 2e-6, "{kind} on {layer}: merged output off by {e:e}");
+        }
+        merge.check_all_used().unwrap();
+    }
+}
+
 /// A LyCORIS file with a tensor of the wrong rank or shape is an error naming it, not a panic.
 #[test]
 fn a_malformed_lycoris_file_is_named_in_the_merge() {

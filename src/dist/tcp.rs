@@ -287,7 +287,7 @@ impl TcpGroup {
     /// blocked in a collective. Every rank sends its [`progress`] to rank 0 as a heartbeat,
     /// and rank 0 its own to every rank; with a stall limit ([`TcpGroup::stall_after`])
     /// rank 0 judges from them whether a rank is stuck (the rule is `stuck`'s, below), and a rank that
-    /// hears nothing from rank 0 for that long stops.
+    /// hears nothing from rank 0 for twice that long stops.
     pub fn start_watchdog(&self, on_abort: OnAbort) -> Result<()> {
         let readers: Vec<TcpStream> = self
             .watch
@@ -390,8 +390,10 @@ impl TcpGroup {
                         t[0].heard(own);
                         stuck(&t, limit)
                     } else {
+                        // Twice the limit: while rank 0 lives, its own verdict (at the
+                        // limit) comes first, even when a loaded machine delays its beats.
                         let quiet = t[0].last_heard.elapsed();
-                        (quiet > limit && !t[0].left).then(|| {
+                        (quiet > 2 * limit && !t[0].left).then(|| {
                             format!(
                                 "rank {rank}: no heartbeat from rank 0 for {} s: its process is \
                                  frozen, or its machine or the network went away",

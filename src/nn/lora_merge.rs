@@ -20,6 +20,10 @@
 //!   (`hada_w1_a/_b`, `hada_w2_a/_b`: ΔW = alpha / r (w1_a w1_b) ⊙ (w2_a w2_b)) and full
 //!   (`diff`: ΔW = diff).
 //!
+//! - The PEFT layout's DoRA (`lora_A`/`lora_B` + `lora_magnitude_vector` of each diffusers
+//!   part: W' = m (W + ΔW) / ‖W + ΔW‖ per output row), LoKr and LoHa (`lokr_*`, `hada_*` on
+//!   a whole layer, s = PEFT's scale of the module from `adapter_config.json`, else 1: FLAME
+//!   folds s into them), as FLAME writes them.
 //! - Convolutions in each of these (LoCon, DoRA, LoKr, LoHa, full): a factor's kernel joins
 //!   its columns (`lora_down` (r, in, kh, kw), `lora_up` (out, r, 1, 1), `lokr_w2` (out_k,
 //!   in_n, kh, kw), `hada_w1_b` (r, in · kh · kw)), the update made as the matrix (out, in ·
@@ -320,9 +324,9 @@ impl LoraMerge {
     pub fn delta_for(&self, key: &str, w: &Tensor, device: &Device) -> Result<Option<Tensor>> {
         let dims = w.dims().to_vec();
         // A convolution's update is made as the matrix (out, in · kh · kw), then shaped.
-        let (out, in_dim) = match dims.as_slice() {
-            &[o, i] => (o, i),
-            &[o, i, kh, kw] => (o, i * kh * kw),
+        let (out, in_dim) = match *dims.as_slice() {
+            [o, i] => (o, i),
+            [o, i, kh, kw] => (o, i * kh * kw),
             _ => return Ok(None),
         };
         let Some(path) = key.strip_suffix(".weight") else {
@@ -331,6 +335,22 @@ impl LoraMerge {
         let shaped = |d: Option<Tensor>| d.map(|d| d.reshape(dims.clone())).transpose();
         let k = kohya_name(path);
         if let Some(d) = self.lycoris(&k, &dims, device)? {
+            return shaped(Some(d.affine(self.strength, 0.0)?));
+        }
+        if let Some(d) = self.peft_lycoris(key, &dims, device)? {
+            return shaped(Some(d.affine(self.strength, 0.0)?));
+        }
+        // PEFT's DoRA: lora_A / lora_B and the magnitudes.
+        if let Some(m) = self.peft_magnitude(key, out, device)? {
+            let Some(lora) = self.delta_at(key, out, in_dim, device, 1.0)? else {
+                return Err(err(
+                    &self.path,
+                    None,
+                    format!("{key}: DoRA magnitudes without lora_A/lora_B"),
+                ));
+            };
+            let w = w.to_dtype(DType::F32)?.reshape((out, in_dim))?;
+            let d = self.dora("lora_magnitude_vector", &w, &lora, &m)?;
             return shaped(Some(d.affine(self.strength, 0.0)?));
         }
         let dora = format!("{k}.dora_scale");
@@ -349,20 +369,11 @@ impl LoraMerge {
         let m = self
             .take(&dora, device)?
             .ok_or_else(|| err(&self.path, Some(&dora), "unreadable"))?;
-        let w = w.to_dtype(DType::F32)?.reshape((out, in_dim))?;
-        let v = w.add(&lora)?;
         // Per output row ((out, 1), a convolution's (out, 1, 1, 1)), or per input column of
         // a Linear ((1, in)).
-        let per_row = m.dims().first() == Some(&out) && m.elem_count() == out;
-        let norm = match m.dims() {
-            _ if per_row => v.sqr()?.sum_keepdim(&[1])?.sqrt()?,
-            [1, i] if *i == in_dim => v.sqr()?.sum_keepdim(&[0])?.sqrt()?,
-            _ => return Err(self.bad(&dora, &m, &format!("({out}, 1) or (1, {in_dim})"))),
-        };
-        let m = if per_row { m.reshape((out, 1))? } else { m };
-        shaped(Some(
-            v.mul(&m.div(&norm)?)?.sub(&w)?.affine(self.strength, 0.0)?,
-        ))
+        let w = w.to_dtype(DType::F32)?.reshape((out, in_dim))?;
+        let d = self.dora(&dora, &w, &lora, &m)?;
+        shaped(Some(d.affine(self.strength, 0.0)?))
     }
 
     /// The update of the weight at model key `key` (out, in) when the file adapts its layer,
@@ -418,16 +429,10 @@ impl LoraMerge {
             return self.update(&p, out, in_dim, device, strength).map(Some);
         }
         // The diffusers layout: one pair per diffusers part of the layer.
-        let parts: Vec<(String, usize, bool)> = match map.as_ref().and_then(|m| m(key)) {
-            Some(KeySource::Key(k)) => vec![(k, out, false)],
-            Some(KeySource::SwapHalves(k)) => vec![(k, out, true)],
-            Some(KeySource::Cat(ps)) => ps.into_iter().map(|(k, r)| (k, r, false)).collect(),
-            None => vec![(key.to_string(), out, false)],
-        };
+        let parts = self.parts(map.as_ref(), key, out);
         let mut pieces = vec![];
         let mut any = false;
-        for (k, rows, swapped) in &parts {
-            let module = k.strip_suffix(".weight").unwrap_or(k);
+        for (module, rows, swapped) in &parts {
             let found = self.prefixes.iter().find_map(|p| {
                 self.pair(
                     format!("{p}.{module}.lora_A.weight"),
@@ -453,6 +458,123 @@ impl LoraMerge {
             return Ok(None);
         }
         Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0).map(Some)
+    }
+
+    /// The diffusers parts of the layer at model key `key` with `out` rows, by `map`:
+    /// (module name, rows, halves swapped).
+    fn parts(&self, map: Option<&KeyMap>, key: &str, out: usize) -> Vec<(String, usize, bool)> {
+        let module = |k: &str| k.strip_suffix(".weight").unwrap_or(k).to_string();
+        match map.and_then(|m| m(key)) {
+            Some(KeySource::Key(k)) => vec![(module(&k), out, false)],
+            Some(KeySource::SwapHalves(k)) => vec![(module(&k), out, true)],
+            Some(KeySource::Cat(ps)) => ps.iter().map(|(k, r)| (module(k), *r, false)).collect(),
+            None => vec![(module(key), out, false)],
+        }
+    }
+
+    /// The PEFT layout's DoRA magnitudes of the layer at `key` (`<prefix>.<module>.
+    /// lora_magnitude_vector` of each diffusers part, in the layer's row order) as (out,
+    /// 1), or `None` when the file has none for it.
+    fn peft_magnitude(&self, key: &str, out: usize, device: &Device) -> Result<Option<Tensor>> {
+        let map = self
+            .diffusers
+            .lock()
+            .map_err(|_| Error::Poisoned("LoRA merge"))?
+            .clone();
+        let mut pieces = vec![];
+        for (module, rows, swapped) in self.parts(map.as_ref(), key, out) {
+            let name = self
+                .prefixes
+                .iter()
+                .map(|p| format!("{p}.{module}.lora_magnitude_vector"))
+                .find(|n| self.file.contains(n));
+            let Some(name) = name else {
+                if pieces.is_empty() {
+                    continue;
+                }
+                return Err(err(
+                    &self.path,
+                    None,
+                    format!("{module}: a DoRA part without its lora_magnitude_vector"),
+                ));
+            };
+            let m = self
+                .take(&name, device)?
+                .ok_or_else(|| err(&self.path, Some(&name), "unreadable"))?;
+            if m.elem_count() != rows {
+                return Err(self.bad(&name, &m, &format!("{rows} magnitudes")));
+            }
+            let m = m.reshape((rows, 1))?;
+            pieces.push(if swapped {
+                let h = rows / 2;
+                Tensor::cat(&[&m.narrow(0, h, h)?, &m.narrow(0, 0, h)?], 0)?
+            } else {
+                m
+            });
+        }
+        if pieces.is_empty() {
+            return Ok(None);
+        }
+        if pieces.iter().map(|p| p.dims()[0]).sum::<usize>() != out {
+            return Err(err(
+                &self.path,
+                None,
+                format!("{key}: DoRA magnitudes for some of its parts only"),
+            ));
+        }
+        Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0).map(Some)
+    }
+
+    /// The PEFT layout's LoKr and LoHa on a whole layer at `key` (`<prefix>.<module>.lokr_*`,
+    /// `.hada_*`): s · ΔW as the matrix (out, in · kh · kw), s PEFT's scale of the module
+    /// from the `adapter_config.json` beside the file, else 1 (FLAME's own files fold s into
+    /// the tensors).
+    fn peft_lycoris(&self, key: &str, dims: &[usize], device: &Device) -> Result<Option<Tensor>> {
+        let map = self
+            .diffusers
+            .lock()
+            .map_err(|_| Error::Poisoned("LoRA merge"))?
+            .clone();
+        let out = dims.first().copied().unwrap_or(0);
+        let parts = self.parts(map.as_ref(), key, out);
+        let [(module, _, false)] = parts.as_slice() else {
+            return Ok(None);
+        };
+        for p in &self.prefixes {
+            let name = format!("{p}.{module}");
+            let kinds = ["lokr_w1", "lokr_w1_a", "hada_w1_a"];
+            if kinds
+                .iter()
+                .any(|t| self.file.contains(&format!("{name}.{t}")))
+            {
+                let scale = self.peft.as_ref().map_or(1.0, |c| c.of(module));
+                return self
+                    .lycoris(&name, dims, device)?
+                    .map(|d| d.affine(scale, 0.0))
+                    .transpose();
+            }
+        }
+        Ok(None)
+    }
+
+    /// W' - W of a DoRA: W' = m (W + ΔW) / ‖W + ΔW‖, the norm per output row (`m` (out, 1),
+    /// or a convolution's (out, 1, 1, 1)) or, for a Linear's (1, in), per input column; `w`
+    /// and `lora` (out, in · kh · kw). `name` names `m` in an error.
+    fn dora(&self, name: &str, w: &Tensor, lora: &Tensor, m: &Tensor) -> Result<Tensor> {
+        let (out, in_dim) = (w.dims()[0], w.dims()[1]);
+        let v = w.add(lora)?;
+        let per_row = m.dims().first() == Some(&out) && m.elem_count() == out;
+        let norm = match m.dims() {
+            _ if per_row => v.sqr()?.sum_keepdim(&[1])?.sqrt()?,
+            [1, i] if *i == in_dim => v.sqr()?.sum_keepdim(&[0])?.sqrt()?,
+            _ => return Err(self.bad(name, m, &format!("({out}, 1) or (1, {in_dim})"))),
+        };
+        let m = if per_row {
+            m.reshape((out, 1))?
+        } else {
+            m.clone()
+        };
+        v.mul(&m.div(&norm)?)?.sub(w)
     }
 
     /// The file's text-encoder tensors (kohya's `lora_te*`), which are not merged: FLAME

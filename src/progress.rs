@@ -8,13 +8,27 @@
 //! Everything here is process-wide and costs an atomic add; a process that is not part of a
 //! group ticks the counters and nobody reads them.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 static TICKS: AtomicU64 = AtomicU64::new(0);
 static COLLECTIVES: AtomicU64 = AtomicU64::new(0);
 static WAITING: AtomicUsize = AtomicUsize::new(0);
 static PHASE: Mutex<String> = Mutex::new(String::new());
+static STOPPING: AtomicBool = AtomicBool::new(false);
+
+/// Marks that this process's watchdog has judged the run stuck and is stopping it: the
+/// other ranks are being told, and this process exits from the watchdog's thread. Its main
+/// thread, which may see those ranks leave first, should wait for that exit
+/// ([`stopping`]) rather than report them.
+pub fn set_stopping() {
+    STOPPING.store(true, Ordering::SeqCst);
+}
+
+/// Whether this process's watchdog is stopping the run ([`set_stopping`]).
+pub fn stopping() -> bool {
+    STOPPING.load(Ordering::SeqCst)
+}
 
 /// Some work was done: the process is not stuck.
 pub fn tick() {

@@ -514,6 +514,12 @@ fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
     match run(args, path, &mut progress, place, Some(rank)) {
         Ok(code) => code,
         Err(e) => {
+            // This process's watchdog judged the run stuck and told the others, whose
+            // leaving this thread saw first: the watchdog exits with its verdict.
+            if flame::progress::stopping() {
+                std::thread::sleep(std::time::Duration::from_secs(10));
+                leave(STALLED);
+            }
             let msg = format!("rank {rank}: {}", failure(&e).1);
             group.fail(&e.to_string());
             if let Some(p) = progress.as_mut() {

@@ -405,6 +405,9 @@ impl TcpGroup {
                 Err(_) => return,
             };
             if let Some(msg) = verdict {
+                // Before anyone hears of it: the ranks told to stop close their
+                // connections, which this process's main thread may see first.
+                progress::set_stopping();
                 if root {
                     if let Ok(mut ws) = writers.lock() {
                         for w in ws.iter_mut() {

@@ -23,6 +23,8 @@ fn window(
 }
 
 /// 2D convolution: x (N, Cin, H, W), weight (Cout, Cin / groups, kh, kw), bias (Cout).
+/// Where nothing is recorded (sampling, caching, validation), a column buffer past
+/// [`COLUMN_BYTES`] is made a band of output rows at a time ([`conv2d_banded`]).
 pub fn conv2d(
     x: &Tensor,
     weight: &Tensor,
@@ -32,40 +34,32 @@ pub fn conv2d(
     dilation: (usize, usize),
     groups: usize,
 ) -> Result<Tensor> {
-    let (wd, xd) = (weight.dims(), x.dims());
-    // Where nothing is recorded (sampling, caching, validation), a column buffer past
-    // `COLUMN_BYTES` is made a band of output rows at a time.
-    if wd.len() == 4 && xd.len() == 4 && !crate::autograd::grad_enabled() {
-        let win = window((wd[2], wd[3]), stride, padding, dilation);
-        if let Some((ho, wo)) = win.out_size(xd[2], xd[3]) {
-            let cols = xd[0] * xd[1] * wd[2] * wd[3] * ho * wo * x.dtype().size_in_bytes();
-            if cols > COLUMN_BYTES && ho > 1 {
-                return conv2d_banded(
-                    x,
-                    weight,
-                    bias,
-                    stride,
-                    padding,
-                    dilation,
-                    groups,
-                    COLUMN_BYTES,
-                );
-            }
-        }
+    if crate::autograd::grad_enabled() {
+        conv2d_whole(x, weight, bias, stride, padding, dilation, groups)
+    } else {
+        conv2d_banded(
+            x,
+            weight,
+            bias,
+            stride,
+            padding,
+            dilation,
+            groups,
+            COLUMN_BYTES,
+        )
     }
-    conv2d_whole(x, weight, bias, stride, padding, dilation, groups)
 }
 
-/// [`conv2d`] with one column buffer for the whole input.
-fn conv2d_whole(
+/// The window of a convolution of x by `weight` and its output size (Ho, Wo), once the
+/// shapes are checked to fit together.
+fn geometry(
     x: &Tensor,
     weight: &Tensor,
-    bias: Option<&Tensor>,
     stride: (usize, usize),
     padding: (usize, usize),
     dilation: (usize, usize),
     groups: usize,
-) -> Result<Tensor> {
+) -> Result<(Window2d, usize, usize)> {
     let (wd, xd) = (weight.dims(), x.dims());
     let ok = wd.len() == 4
         && xd.len() == 4
@@ -80,12 +74,26 @@ fn conv2d_whole(
             rhs: weight.shape().clone(),
         });
     }
-    let (n, cout, kh, kw) = (xd[0], wd[0], wd[2], wd[3]);
-    let win = window((kh, kw), stride, padding, dilation);
+    let win = window((wd[2], wd[3]), stride, padding, dilation);
     let (ho, wo) = win.out_size(xd[2], xd[3]).ok_or_else(|| {
         Error::invalid("conv2d", format!("window {win:?} does not fit"), x.shape())
     })?;
-    let k = wd[1] * kh * kw;
+    Ok((win, ho, wo))
+}
+
+/// [`conv2d`] with one column buffer for the whole input.
+fn conv2d_whole(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    stride: (usize, usize),
+    padding: (usize, usize),
+    dilation: (usize, usize),
+    groups: usize,
+) -> Result<Tensor> {
+    let (win, ho, wo) = geometry(x, weight, stride, padding, dilation, groups)?;
+    let (wd, n) = (weight.dims(), x.dims()[0]);
+    let (cout, k) = (wd[0], wd[1] * wd[2] * wd[3]);
     // (N, G, K, L) columns against (G, Cout/G, K) weights.
     let cols = x.unfold2d(win)?.reshape(vec![n, groups, k, ho * wo])?;
     let w = weight.reshape((groups, cout / groups, k))?;
@@ -119,22 +127,16 @@ pub fn conv2d_banded(
     groups: usize,
     max_column_bytes: usize,
 ) -> Result<Tensor> {
+    let (_, ho, wo) = geometry(x, weight, stride, padding, dilation, groups)?;
     let (wd, xd) = (weight.dims(), x.dims());
-    if wd.len() != 4 || xd.len() != 4 {
-        return Err(Error::ShapeMismatch {
-            op: "conv2d",
-            lhs: x.shape().clone(),
-            rhs: weight.shape().clone(),
-        });
-    }
     let (n, c, h, w) = (xd[0], xd[1], xd[2], xd[3]);
     let (kh, kw) = (wd[2], wd[3]);
-    let win = window((kh, kw), stride, padding, dilation);
-    let (ho, wo) = win.out_size(h, w).ok_or_else(|| {
-        Error::invalid("conv2d", format!("window {win:?} does not fit"), x.shape())
-    })?;
     let row_bytes = (n * c * kh * kw * wo * x.dtype().size_in_bytes()).max(1);
     let rows = (max_column_bytes / row_bytes).clamp(1, ho.max(1));
+    if rows >= ho {
+        // One band: the whole convolution, its padding as it is.
+        return conv2d_whole(x, weight, bias, stride, padding, dilation, groups);
+    }
     let (sh, ph, dh) = (stride.0, padding.0, dilation.0);
     let mut bands = vec![];
     let mut r0 = 0;
@@ -176,11 +178,7 @@ pub fn conv2d_banded(
         )?);
         r0 = r1;
     }
-    if bands.len() == 1 {
-        Ok(bands.swap_remove(0))
-    } else {
-        Tensor::cat(&bands.iter().collect::<Vec<_>>(), 2)
-    }
+    Tensor::cat(&bands.iter().collect::<Vec<_>>(), 2)
 }
 
 /// A Conv2d layer; keys `weight` (Cout, Cin / groups, kh, kw) and `bias` (Cout).

@@ -115,6 +115,24 @@ impl Model {
     }
 }
 
+/// Every adapter tensor of `a` moved by 0.3 N(0, 1) (seeds from `seed`), so no kind's
+/// tensor is left at its zero start.
+fn perturb(a: &Adapters, seed: u64) {
+    for (i, (_, t)) in a.params().unwrap().iter().enumerate() {
+        let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, seed + i as u64).unwrap();
+        t.assign(&t.add(&r.affine(0.3, 0.0).unwrap()).unwrap())
+            .unwrap();
+    }
+}
+
+/// The fixture's base weights with `merge` merged in as they load.
+fn merged_base(merge: &Arc<flame::nn::LoraMerge>) -> VarBuilder {
+    VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
+        .unwrap()
+        .with_merge(merge.clone())
+        .unwrap()
+}
+
 /// Keys map to themselves (the fixture model's modules are its own diffusers names).
 fn identity() -> KeyMap {
     Arc::new(|k: &str| Some(KeySource::Key(k.to_string())))
@@ -251,11 +269,7 @@ fn lokr_splits_follow_peft_or_lycoris_and_a_file_says_which() {
         c.lokr_split = split;
         let a = Adapters::new(c.clone()).unwrap();
         let m = model(&a, DType::F32);
-        for (i, (_, t)) in a.params().unwrap().iter().enumerate() {
-            let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, 700 + i as u64).unwrap();
-            t.assign(&t.add(&r.affine(0.3, 0.0).unwrap()).unwrap())
-                .unwrap();
-        }
+        perturb(&a, 700);
         let want = m.forward("lin", x);
         // lin is 12 -> 10: 10 splits (2, 5) by either rule, 12 by 4 as the rule says.
         let params = a.params().unwrap();
@@ -289,10 +303,7 @@ fn lokr_splits_follow_peft_or_lycoris_and_a_file_says_which() {
         assert!(e < 1e-6, "{split:?}: read back off by {e:e}");
         // The merge takes the split from the file's shapes.
         let merge = Arc::new(LoraMerge::open(&file, 1.0, "transformer").unwrap());
-        let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
-            .unwrap()
-            .with_merge(merge.clone())
-            .unwrap();
+        let vb = merged_base(&merge);
         let plain = Linear::new(&vb.pp("lin"), 12, 10, true).unwrap();
         let e = rel(&plain.forward(x).unwrap(), &want);
         assert!(e < 2e-6, "{split:?}: merged off by {e:e}");
@@ -690,20 +701,13 @@ fn merging_each_kind_s_file_gives_the_adapted_layer() {
         let m = model(&a, DType::F32);
         let x = &inp["x.lin"];
         m.forward("lin", x); // DoRA's magnitude from the weight
-        for (i, (_, t)) in a.params().unwrap().iter().enumerate() {
-            let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, 300 + i as u64).unwrap();
-            t.assign(&t.add(&r.affine(0.3, 0.0).unwrap()).unwrap())
-                .unwrap();
-        }
+        perturb(&a, 300);
         let want = m.forward("lin", x);
         let file = d.join(format!("{kind}.safetensors"));
         a.save_kohya(&file, DType::F32).unwrap();
         for strength in [1.0, 0.0] {
             let merge = Arc::new(LoraMerge::open(&file, strength, "transformer").unwrap());
-            let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
-                .unwrap()
-                .with_merge(merge.clone())
-                .unwrap();
+            let vb = merged_base(&merge);
             let plain = Linear::new(&vb.pp("lin"), 12, 10, true).unwrap();
             assert!(plain.adapter.is_none());
             let got = plain.forward(x).unwrap();
@@ -746,18 +750,11 @@ fn merging_each_kind_s_file_on_convolutions_gives_the_adapted_layer() {
         for layer in ["conv", "pw"] {
             m.forward(layer, &inp[&format!("x.{layer}")]); // DoRA's magnitude from the weight
         }
-        for (i, (_, t)) in a.params().unwrap().iter().enumerate() {
-            let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, 900 + i as u64).unwrap();
-            t.assign(&t.add(&r.affine(0.3, 0.0).unwrap()).unwrap())
-                .unwrap();
-        }
+        perturb(&a, 900);
         let file = d.join(format!("{kind}.safetensors"));
         a.save_kohya(&file, DType::F32).unwrap();
         let merge = Arc::new(LoraMerge::open(&file, 1.0, "unet").unwrap());
-        let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
-            .unwrap()
-            .with_merge(merge.clone())
-            .unwrap();
+        let vb = merged_base(&merge);
         for (layer, k, padding) in [("conv", 3, 1), ("pw", 1, 0)] {
             let cfg = Conv2dConfig {
                 padding,
@@ -788,18 +785,11 @@ fn merging_flame_s_peft_files_of_each_kind_gives_the_adapted_layer() {
         for layer in ["lin", "conv", "pw"] {
             m.forward(layer, &inp[&format!("x.{layer}")]); // DoRA's magnitude from the weight
         }
-        for (i, (_, t)) in a.params().unwrap().iter().enumerate() {
-            let r = Tensor::randn(t.dims().to_vec(), DType::F32, &CPU, 950 + i as u64).unwrap();
-            t.assign(&t.add(&r.affine(0.3, 0.0).unwrap()).unwrap())
-                .unwrap();
-        }
+        perturb(&a, 950);
         let file = d.join(format!("{kind}.safetensors"));
         a.save_peft(&file, &identity(), "unet", DType::F32).unwrap();
         let merge = Arc::new(LoraMerge::open(&file, 1.0, "unet").unwrap());
-        let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
-            .unwrap()
-            .with_merge(merge.clone())
-            .unwrap();
+        let vb = merged_base(&merge);
         let lin = Linear::new(&vb.pp("lin"), 12, 10, true).unwrap();
         let x = &inp["x.lin"];
         let e = rel(&lin.forward(x).unwrap(), &m.forward("lin", x));
@@ -846,10 +836,7 @@ fn a_malformed_lycoris_file_is_named_in_the_merge() {
             .collect();
         flame::safetensors::save(named.iter().map(|(k, v)| (k.as_str(), v)), &file).unwrap();
         let merge = Arc::new(LoraMerge::open(&file, 1.0, "transformer").unwrap());
-        let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU)
-            .unwrap()
-            .with_merge(merge)
-            .unwrap();
+        let vb = merged_base(&merge);
         let e = Linear::new(&vb.pp("lin"), 12, 10, true)
             .map(|_| ())
             .unwrap_err()

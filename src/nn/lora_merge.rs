@@ -398,11 +398,6 @@ impl LoraMerge {
         device: &Device,
         strength: f64,
     ) -> Result<Option<Tensor>> {
-        let map = self
-            .diffusers
-            .lock()
-            .map_err(|_| Error::Poisoned("LoRA merge"))?
-            .clone();
         let Some(path) = key.strip_suffix(".weight") else {
             return Ok(None);
         };
@@ -429,7 +424,7 @@ impl LoraMerge {
             return self.update(&p, out, in_dim, device, strength).map(Some);
         }
         // The diffusers layout: one pair per diffusers part of the layer.
-        let parts = self.parts(map.as_ref(), key, out);
+        let parts = self.parts(key, out)?;
         let mut pieces = vec![];
         let mut any = false;
         for (module, rows, swapped) in &parts {
@@ -460,29 +455,30 @@ impl LoraMerge {
         Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0).map(Some)
     }
 
-    /// The diffusers parts of the layer at model key `key` with `out` rows, by `map`:
+    /// The diffusers parts of the layer at model key `key` with `out` rows, by the map of
+    /// [`set_diffusers_map`](Self::set_diffusers_map) (without one, the key is its own):
     /// (module name, rows, halves swapped).
-    fn parts(&self, map: Option<&KeyMap>, key: &str, out: usize) -> Vec<(String, usize, bool)> {
+    fn parts(&self, key: &str, out: usize) -> Result<Vec<(String, usize, bool)>> {
+        let map = self
+            .diffusers
+            .lock()
+            .map_err(|_| Error::Poisoned("LoRA merge"))?
+            .clone();
         let module = |k: &str| k.strip_suffix(".weight").unwrap_or(k).to_string();
-        match map.and_then(|m| m(key)) {
+        Ok(match map.and_then(|m| m(key)) {
             Some(KeySource::Key(k)) => vec![(module(&k), out, false)],
             Some(KeySource::SwapHalves(k)) => vec![(module(&k), out, true)],
             Some(KeySource::Cat(ps)) => ps.iter().map(|(k, r)| (module(k), *r, false)).collect(),
             None => vec![(module(key), out, false)],
-        }
+        })
     }
 
     /// The PEFT layout's DoRA magnitudes of the layer at `key` (`<prefix>.<module>.
     /// lora_magnitude_vector` of each diffusers part, in the layer's row order) as (out,
     /// 1), or `None` when the file has none for it.
     fn peft_magnitude(&self, key: &str, out: usize, device: &Device) -> Result<Option<Tensor>> {
-        let map = self
-            .diffusers
-            .lock()
-            .map_err(|_| Error::Poisoned("LoRA merge"))?
-            .clone();
         let mut pieces = vec![];
-        for (module, rows, swapped) in self.parts(map.as_ref(), key, out) {
+        for (module, rows, swapped) in self.parts(key, out)? {
             let name = self
                 .prefixes
                 .iter()
@@ -530,13 +526,8 @@ impl LoraMerge {
     /// from the `adapter_config.json` beside the file, else 1 (FLAME's own files fold s into
     /// the tensors).
     fn peft_lycoris(&self, key: &str, dims: &[usize], device: &Device) -> Result<Option<Tensor>> {
-        let map = self
-            .diffusers
-            .lock()
-            .map_err(|_| Error::Poisoned("LoRA merge"))?
-            .clone();
         let out = dims.first().copied().unwrap_or(0);
-        let parts = self.parts(map.as_ref(), key, out);
+        let parts = self.parts(key, out)?;
         let [(module, _, false)] = parts.as_slice() else {
             return Ok(None);
         };

@@ -66,26 +66,15 @@ impl LokrSplit {
             else {
                 continue;
             };
-            let w1 = match (
-                shape(&format!("{base}.lokr_w1")),
-                shape(&format!("{base}.lokr_w1_a")),
-                shape(&format!("{base}.lokr_w1_b")),
-            ) {
-                (Some(w), _, _) if w.len() == 2 => (w[0], w[1]),
-                (None, Some(a), Some(b)) if a.len() == 2 && b.len() == 2 => (a[0], b[1]),
-                _ => continue,
+            let named = |t: &str| shape(&format!("{base}.{t}"));
+            let Some(w1) = factor_sides(named, "lokr_w1") else {
+                continue;
             };
             // w2's rows and its columns: a Linear's inputs; a low-rank convolution's
             // columns hold its kernel too, which rarely matches either rule and is then
             // passed over.
-            let (rows, cols) = match (
-                shape(&format!("{base}.lokr_w2")),
-                shape(&format!("{base}.lokr_w2_a")),
-                shape(&format!("{base}.lokr_w2_b")),
-            ) {
-                (Some(w), _, _) if w.len() >= 2 => (w[0], w[1]),
-                (None, Some(a), Some(b)) if a.len() == 2 && b.len() == 2 => (a[0], b[1]),
-                _ => continue,
+            let Some((rows, cols)) = factor_sides(named, "lokr_w2") else {
+                continue;
             };
             layers.push((w1, w1.0 * rows, Some(w1.1 * cols)));
         }
@@ -115,6 +104,17 @@ impl LokrSplit {
             }
         }
         None
+    }
+}
+
+/// The (rows, columns) of factor `w` (`lokr_w1` or `lokr_w2`) in a file, from `shape` (a
+/// tensor's shape by name): the full tensor's first two sides, or the low-rank pair's
+/// (`_a`'s rows, `_b`'s columns).
+fn factor_sides(shape: impl Fn(&str) -> Option<Vec<usize>>, w: &str) -> Option<(usize, usize)> {
+    match (shape(w), shape(&format!("{w}_a")), shape(&format!("{w}_b"))) {
+        (Some(t), _, _) if t.len() >= 2 => Some((t[0], t[1])),
+        (None, Some(a), Some(b)) if a.len() == 2 && b.len() == 2 => Some((a[0], b[1])),
+        _ => None,
     }
 }
 
@@ -290,11 +290,7 @@ impl Lokr {
     /// Where a file's w1 (rows, columns), from `shape` (a tensor's shape by name), is the
     /// other rule's split of this layer: an error saying so and how to read it.
     fn split_mismatch(&self, shape: impl Fn(&str) -> Option<Vec<usize>>) -> Option<String> {
-        let w1 = match (shape("lokr_w1"), shape("lokr_w1_a"), shape("lokr_w1_b")) {
-            (Some(w), _, _) if w.len() == 2 => (w[0], w[1]),
-            (None, Some(a), Some(b)) if a.len() == 2 && b.len() == 2 => (a[0], b[1]),
-            _ => return None,
-        };
+        let w1 = factor_sides(shape, "lokr_w1")?;
         let ours = (self.out_split.0, self.in_split.0);
         let other = match self.split {
             LokrSplit::Peft => LokrSplit::Lycoris,

@@ -1109,6 +1109,7 @@ fn announced_micro_batches_train_as_read_in_turn_and_resume_exactly() {
 
 /// The tiny run of `announced_micro_batches_…` as a config file under `dir` (streamed
 /// blocks, their modulations on the host, each micro-batch announced during the one before).
+#[cfg(feature = "cli")]
 fn tiny_announced(dir: &Path, steps: usize) -> PathBuf {
     let p = tiny(dir, steps, "");
     let text = std::fs::read_to_string(&p)

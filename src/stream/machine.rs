@@ -12,12 +12,15 @@ use crate::{Device, Result};
 pub const H100_GEMM_TFLOPS: f64 = 790.0;
 
 /// Bytes of the probe upload: a Flux single block's streamed weights are about 230 MiB.
+#[cfg(feature = "cuda")]
 const PROBE_BYTES: usize = 256 << 20;
 
 /// Uploads timed (the fastest counts).
+#[cfg(feature = "cuda")]
 const UPLOADS: usize = 6;
 
 /// The GEMM's side (three 128 MiB bf16 operands: 1.1 TFLOP a product).
+#[cfg(feature = "cuda")]
 const PROBE_SIDE: usize = 8192;
 
 /// What `measure_machine` measured, with the figures behind the `Machine`.

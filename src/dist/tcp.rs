@@ -348,6 +348,12 @@ impl TcpGroup {
                         }
                     }
                 };
+                // This process's watchdog is stopping the run and told the others: a rank
+                // leaving now is that, and the watchdog gives the verdict (set before any
+                // rank was told, so before this thread can see one leave).
+                if progress::stopping() {
+                    return;
+                }
                 if root {
                     // Tell every other rank before acting.
                     if let Ok(mut ws) = writers.lock() {

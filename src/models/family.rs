@@ -466,7 +466,7 @@ pub fn profile_config<M: ModelSpec>(
     // vector needs a gradient (an adapter outside the blocks, on the embedders it comes
     // from) or the adapters read the frozen weights (DoRA).
     let forward_only = match &probe_adapters {
-        Some(a) => a.kind()?.name != "dora" && a.params()?.iter().all(|(k, _)| in_block(k)),
+        Some(a) => !a.kind()?.reads_weight && a.params()?.iter().all(|(k, _)| in_block(k)),
         None => true,
     };
     let elem = opts.dtype.size_in_bytes();

@@ -1,39 +1,31 @@
-//! LoRA files made anywhere, merged into a model's weights as it loads: W + s · B A for every
-//! layer the file adapts (inference: sampling with a trained LoRA costs nothing extra).
+//! Adapter files made anywhere, merged into a model's weights as it loads: W + strength · ΔW
+//! for every layer the file adapts (inference: sampling with a trained adapter costs nothing
+//! extra).
 //!
-//! Layouts, recognized per tensor:
-//! - kohya / ComfyUI: `lora_unet_<layer path, dots as underscores>.lora_down.weight` (r, in),
-//!   `.lora_up.weight` (out, r), optional `.alpha`; s = alpha / r (1 without alpha).
-//! - diffusers / PEFT: `<prefix>.<diffusers module>.lora_A.weight` (r, in) and
-//!   `.lora_B.weight` (rows, r), `<prefix>` the family's pipeline folder (`transformer`,
-//!   `unet`); fused layers (Flux's qkv, linear1) take each diffusers part's rows; s = alpha /
-//!   r where an `.alpha` tensor is stored, else PEFT's scale of the module from the
-//!   `adapter_config.json` beside the file (its `rank_pattern`, `alpha_pattern` and
-//!   `use_rslora` too), else 1 (diffusers' alpha = r).
+//! This file knows the layouts, which names a layer's tensors take; each adapter kind knows
+//! its change (`Kind::merge` in `nn::adapter`, the same definition as its
+//! `Adapter::delta_weight`), and the first kind that finds its tensors under a name takes
+//! them. The names, tried in turn for each weight:
+//! - kohya / LyCORIS / ComfyUI: `lora_unet_<layer path, dots as underscores>.<tensor>`
+//!   (`lora_down`/`lora_up`/`alpha`, `dora_scale`, `lokr_*`, `hada_*`, `diff`), scaled as
+//!   ComfyUI reads them;
 //! - PEFT names on the original keys (ai-toolkit, ComfyUI): `diffusion_model.<layer
-//!   path>.lora_A.weight` / `.lora_B.weight`, or the same without the prefix.
+//!   path>.<tensor>`, or the same without the prefix;
+//! - diffusers / PEFT: `<prefix>.<diffusers module>.<tensor>` (`lora_A`/`lora_B`,
+//!   `lora_magnitude_vector`, `lokr_*`, `hada_*`), `<prefix>` the family's pipeline folder
+//!   (`transformer`, `unet`); fused layers (Flux's qkv, linear1) take each diffusers part's
+//!   rows, halves swapped where diffusers swaps them. Where the file stores no alpha, PEFT's
+//!   scale of the module from the `adapter_config.json` beside the file (its `rank_pattern`,
+//!   `alpha_pattern` and `use_rslora` too), else 1 (diffusers' alpha = r).
 //!
-//! - kohya / LyCORIS kinds on Linear layers, read as ComfyUI reads them: DoRA
-//!   (`lora_down`/`lora_up`/`alpha` + `dora_scale`, (out, 1) per output row or (1, in) per
-//!   input column: W' = m (W + ΔW) / ‖W + ΔW‖), LoKr (`lokr_w1` or `lokr_w1_a/_b`, `lokr_w2`
-//!   or `lokr_w2_a/_b`: ΔW = s w1 ⊗ w2, s = alpha / r with a low-rank factor, else 1), LoHa
-//!   (`hada_w1_a/_b`, `hada_w2_a/_b`: ΔW = alpha / r (w1_a w1_b) ⊙ (w2_a w2_b)) and full
-//!   (`diff`: ΔW = diff).
-//!
-//! - The PEFT layout's DoRA (`lora_A`/`lora_B` + `lora_magnitude_vector` of each diffusers
-//!   part: W' = m (W + ΔW) / ‖W + ΔW‖ per output row), LoKr and LoHa (`lokr_*`, `hada_*` on
-//!   a whole layer, s = PEFT's scale of the module from `adapter_config.json`, else 1: FLAME
-//!   folds s into them), as FLAME writes them.
-//! - Convolutions in each of these (LoCon, DoRA, LoKr, LoHa, full): a factor's kernel joins
-//!   its columns (`lora_down` (r, in, kh, kw), `lora_up` (out, r, 1, 1), `lokr_w2` (out_k,
-//!   in_n, kh, kw), `hada_w1_b` (r, in · kh · kw)), the update made as the matrix (out, in ·
-//!   kh · kw) and shaped as the weight.
+//! Convolutions in each: a factor's kernel joins its columns, the change made as the matrix
+//! (out, in · kh · kw) and shaped as the weight.
 //!
 //! Every tensor of the file must be taken by some layer: a file for another model, or an
-//! adapter kind FLAME does not merge (LyCORIS's Tucker forms), is an error naming a tensor
+//! adapter form FLAME does not merge (LyCORIS's Tucker forms), is an error naming a tensor
 //! left over.
 
-use super::adapter::{kohya_name, PeftScales};
+use super::adapter::{kohya_name, MergeLayer, PeftScales, KINDS};
 use super::params::{KeyMap, KeySource};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Tensor};
@@ -104,227 +96,35 @@ impl LoraMerge {
         Ok(())
     }
 
-    /// One (A, B, alpha key) lookup of the file: `Some` when both A and B are present.
-    fn pair(&self, a: String, b: String, alpha: String) -> Option<(String, String, String)> {
-        (self.file.contains(&a) && self.file.contains(&b)).then_some((a, b, alpha))
+    /// The change the file's tensors under `name` stand for, by the first kind that finds
+    /// its tensors there (`KINDS`), at strength 1: the matrix (out, in · kh · kw).
+    fn by_kind(&self, name: String, w: &Tensor, default_scale: f64) -> Result<Option<Tensor>> {
+        let layer = MergeLayer::new(&self.file, &self.used, name, w, default_scale);
+        for kind in KINDS {
+            if let Some(d) = (kind.merge)(&layer)? {
+                return Ok(Some(d));
+            }
+        }
+        Ok(None)
     }
 
-    /// The update s · B A (rows, in) in f32 on `device` from the tensors `a` (r, in) and `b`
-    /// (rows, r), checked against the layer's shape.
-    fn update(
-        &self,
-        (a, b, alpha): &(String, String, String),
-        rows: usize,
-        in_dim: usize,
-        device: &Device,
-        strength: f64,
-    ) -> Result<Tensor> {
-        let shape = |k: &str| {
-            self.file
-                .info(k)
-                .map(|i| i.shape.clone())
-                .unwrap_or_default()
-        };
-        // A convolution's down holds its kernel (r, in, kh, kw) and its up is 1x1
-        // (rows, r, 1, 1): both read as matrices, in_dim counting the kernel.
-        let (sa, sb) = (shape(a), shape(b));
-        let r = sa.first().copied().unwrap_or(0);
-        if sa.len() < 2 || sa[1..].iter().product::<usize>() != in_dim || r == 0 {
-            return Err(err(
-                &self.path,
-                Some(a),
-                format!("shape {sa:?}: expected (rank, {in_dim}) for this layer"),
-            ));
-        }
-        if sb.len() < 2 || sb[..2] != [rows, r] || sb[2..].iter().any(|&d| d != 1) {
-            return Err(err(
-                &self.path,
-                Some(b),
-                format!("shape {sb:?}: expected ({rows}, {r}) for this layer"),
-            ));
-        }
-        let mut used = self
-            .used
-            .lock()
-            .map_err(|_| Error::Poisoned("LoRA merge"))?;
-        let scale = if self.file.contains(alpha) {
-            used.insert(alpha.clone());
-            let v = self.file.load_as(alpha, device, DType::F64)?.to_vec_f64()?;
-            match v.as_slice() {
-                [x] if x.is_finite() => x / r as f64,
-                _ => return Err(err(&self.path, Some(alpha), format!("alpha {v:?}"))),
-            }
-        } else {
-            // The PEFT layout without alpha tensors: PEFT's scale of the module (its
-            // adapter_config.json beside the file), else 1 (diffusers' alpha = r).
-            match (&self.peft, a.strip_suffix(".lora_A.weight")) {
-                (Some(p), Some(module)) => p.of(module),
-                _ => 1.0,
-            }
-        };
-        used.insert(a.clone());
-        used.insert(b.clone());
-        drop(used);
-        let a = self
-            .file
-            .load_as(a, device, DType::F32)?
-            .reshape((r, in_dim))?;
-        let b = self
-            .file
-            .load_as(b, device, DType::F32)?
-            .reshape((rows, r))?;
-        b.matmul(&a)?.affine(scale * strength, 0.0)
+    /// PEFT's scale of `module` from the `adapter_config.json` beside the file, else 1
+    /// (diffusers' alpha = r): what scales a change whose alpha the file does not store.
+    fn peft_scale(&self, module: &str) -> f64 {
+        self.peft.as_ref().map_or(1.0, |p| p.of(module))
     }
 
-    /// Tensor `k` of the file as f32 on `device`, marked used; `None` when absent.
-    fn take(&self, k: &str, device: &Device) -> Result<Option<Tensor>> {
-        if !self.file.contains(k) {
-            return Ok(None);
-        }
-        self.used
-            .lock()
-            .map_err(|_| Error::Poisoned("LoRA merge"))?
-            .insert(k.to_string());
-        self.file.load_as(k, device, DType::F32).map(Some)
-    }
-
-    /// The (rows, cols) of `t`, read from tensor `k`: an error naming it unless a matrix.
-    fn matrix(&self, k: &str, t: &Tensor) -> Result<(usize, usize)> {
-        match t.dims() {
-            &[r, c] => Ok((r, c)),
-            _ => Err(self.bad(k, t, "a matrix")),
-        }
-    }
-
-    /// `t` (rows, ...) as the matrix (rows, the rest): a convolution factor's kernel joins its
-    /// columns.
-    fn flat(&self, k: &str, t: Tensor) -> Result<Tensor> {
-        match t.dims() {
-            [r, rest @ ..] if !rest.is_empty() => {
-                let cols = rest.iter().product::<usize>();
-                let r = *r;
-                t.reshape((r, cols))
-            }
-            _ => Err(self.bad(k, &t, "a matrix")),
-        }
-    }
-
-    /// A shape error for tensor `k`.
-    fn bad(&self, k: &str, t: &Tensor, want: &str) -> Error {
-        err(
-            &self.path,
-            Some(k),
-            format!("shape {:?}: expected {want} for this layer", t.dims()),
-        )
-    }
-
-    /// The LyCORIS kinds of the kohya layout (LoKr, LoHa, full) for the layer named `k`,
-    /// whose weight has `dims` ((out, in), or (out, in, kh, kw) for a convolution, whose
-    /// kernel the factors' columns hold): s · ΔW in f32 as the matrix (out, in · kh · kw), or
-    /// `None` when the file has none of them for it.
-    fn lycoris(&self, k: &str, dims: &[usize], device: &Device) -> Result<Option<Tensor>> {
-        let out = dims.first().copied().unwrap_or(0);
-        let in_dim = dims.iter().skip(1).product::<usize>();
-        let name = |t: &str| format!("{k}.{t}");
-        let alpha = || -> Result<Option<f64>> {
-            Ok(match self.take(&name("alpha"), device)? {
-                Some(a) => match a.to_vec_f64()?.as_slice() {
-                    [x] if x.is_finite() => Some(*x),
-                    v => {
-                        return Err(err(
-                            &self.path,
-                            Some(&name("alpha")),
-                            format!("alpha {v:?}"),
-                        ))
-                    }
-                },
-                None => None,
-            })
-        };
-        if let Some(d) = self.take(&name("diff"), device)? {
-            if d.dims() != dims {
-                return Err(self.bad(&name("diff"), &d, &format!("{dims:?}")));
-            }
-            return d.reshape((out, in_dim)).map(Some);
-        }
-        if let Some(a1) = self.take(&name("hada_w1_a"), device)? {
-            let get = |t: &str| {
-                self.take(&name(t), device)?
-                    .ok_or_else(|| err(&self.path, Some(&name(t)), "missing (a LoHa needs it)"))
-            };
-            let (b1, a2, b2) = (
-                self.flat(&name("hada_w1_b"), get("hada_w1_b")?)?,
-                get("hada_w2_a")?,
-                self.flat(&name("hada_w2_b"), get("hada_w2_b")?)?,
-            );
-            let r = self.matrix(&name("hada_w1_b"), &b1)?.0;
-            let s = alpha()?.map_or(1.0, |a| a / r as f64);
-            let d = a1.matmul(&b1)?.mul(&a2.matmul(&b2)?)?;
-            if d.dims() != [out, in_dim] {
-                return Err(self.bad(
-                    &name("hada_w1_a"),
-                    &a1,
-                    &format!("a product of ({out}, {in_dim})"),
-                ));
-            }
-            return d.affine(s, 0.0).map(Some);
-        }
-        let factor = |w: &str| -> Result<Option<(Tensor, Option<usize>)>> {
-            if let Some(t) = self.take(&name(w), device)? {
-                return Ok(Some((self.flat(&name(w), t)?, None)));
-            }
-            match (
-                self.take(&name(&format!("{w}_a")), device)?,
-                self.take(&name(&format!("{w}_b")), device)?,
-            ) {
-                (Some(a), Some(b)) => {
-                    let b = self.flat(&name(&format!("{w}_b")), b)?;
-                    let r = self.matrix(&name(&format!("{w}_b")), &b)?.0;
-                    Ok(Some((a.matmul(&b)?, Some(r))))
-                }
-                (None, None) => Ok(None),
-                _ => Err(err(&self.path, Some(&name(w)), "half of a low-rank factor")),
-            }
-        };
-        let Some((w1, r1)) = factor("lokr_w1")? else {
-            return Ok(None);
-        };
-        let (w2, r2) = factor("lokr_w2")?.ok_or_else(|| {
-            err(
-                &self.path,
-                Some(&name("lokr_w2")),
-                "missing (a LoKr needs it)",
-            )
-        })?;
-        let ((l, m), (kk, n)) = (
-            self.matrix(&name("lokr_w1"), &w1)?,
-            self.matrix(&name("lokr_w2"), &w2)?,
-        );
-        if l * kk != out || m * n != in_dim {
-            return Err(self.bad(
-                &name("lokr_w2"),
-                &w2,
-                &format!("factors of ({out}, {in_dim}) with lokr_w1 {:?}", w1.dims()),
-            ));
-        }
-        // ComfyUI: alpha / r where a factor is low-rank (r of w2 first), else 1.
-        let s = match (alpha()?, r2.or(r1)) {
-            (Some(a), Some(r)) => a / r as f64,
-            _ => 1.0,
-        };
-        w1.reshape((l, 1, m, 1))?
-            .mul(&w2.reshape((1, kk, 1, n))?)?
-            .reshape((out, in_dim))?
-            .affine(s, 0.0)
-            .map(Some)
-    }
-
-    /// `delta`, with the kohya / LyCORIS kinds too (DoRA needs the weight `w` (out, in) it
-    /// rescales): the update at strength to add to `w`.
-    pub fn delta_for(&self, key: &str, w: &Tensor, device: &Device) -> Result<Option<Tensor>> {
+    /// The update at strength to add to the weight `w` (out, in) or (out, in, kh, kw) at
+    /// model key `key` when the file adapts its layer, f32, on `w`'s device; every kind
+    /// computes its change as it does for its own adapters (`Kind::merge`). The file's
+    /// names are tried in turn: kohya's (`lora_unet_…`), PEFT names on the original keys
+    /// (with or without `diffusion_model.`), then the diffusers layout, one set of tensors
+    /// per diffusers part of the layer, read through the map of
+    /// [`set_diffusers_map`](Self::set_diffusers_map) (without one, model keys are taken as
+    /// diffusers keys). A part the file leaves out is left unchanged.
+    pub fn delta_for(&self, key: &str, w: &Tensor, _device: &Device) -> Result<Option<Tensor>> {
         let dims = w.dims().to_vec();
-        // A convolution's update is made as the matrix (out, in · kh · kw), then shaped.
-        let (out, in_dim) = match *dims.as_slice() {
+        let (out, cols) = match *dims.as_slice() {
             [o, i] => (o, i),
             [o, i, kh, kw] => (o, i * kh * kw),
             _ => return Ok(None),
@@ -332,127 +132,63 @@ impl LoraMerge {
         let Some(path) = key.strip_suffix(".weight") else {
             return Ok(None);
         };
-        let shaped = |d: Option<Tensor>| d.map(|d| d.reshape(dims.clone())).transpose();
-        let k = kohya_name(path);
-        if let Some(d) = self.lycoris(&k, &dims, device)? {
-            return shaped(Some(d.affine(self.strength, 0.0)?));
+        let finish = |d: Tensor| {
+            d.affine(self.strength, 0.0)?
+                .reshape(dims.clone())
+                .map(Some)
+        };
+        if let Some(d) = self.by_kind(kohya_name(path), w, 1.0)? {
+            return finish(d);
         }
-        if let Some(d) = self.peft_lycoris(key, &dims, device)? {
-            return shaped(Some(d.affine(self.strength, 0.0)?));
+        for name in [format!("diffusion_model.{path}"), path.to_string()] {
+            let scale = self.peft_scale(&name);
+            if let Some(d) = self.by_kind(name, w, scale)? {
+                return finish(d);
+            }
         }
-        // PEFT's DoRA: lora_A / lora_B and the magnitudes.
-        if let Some(m) = self.peft_magnitude(key, out, device)? {
-            let Some(lora) = self.delta_at(key, out, in_dim, device, 1.0)? else {
+        // Halves swapped between FLAME's rows and diffusers' (an even count of rows).
+        let swap = |t: Tensor| -> Result<Tensor> {
+            let h = t.dims()[0] / 2;
+            Tensor::cat(&[&t.narrow(0, h, h)?, &t.narrow(0, 0, h)?], 0)
+        };
+        let mut pieces = vec![];
+        let (mut start, mut any) = (0, false);
+        for (module, rows, swapped) in self.parts(key, out)? {
+            if start + rows > out {
                 return Err(err(
                     &self.path,
                     None,
-                    format!("{key}: DoRA magnitudes without lora_A/lora_B"),
+                    format!("{key}: its diffusers parts hold more than its {out} rows"),
                 ));
-            };
-            let w = w.to_dtype(DType::F32)?.reshape((out, in_dim))?;
-            let d = self.dora("lora_magnitude_vector", &w, &lora, &m)?;
-            return shaped(Some(d.affine(self.strength, 0.0)?));
-        }
-        let dora = format!("{k}.dora_scale");
-        if !self.file.contains(&dora) {
-            return shaped(self.delta(key, out, in_dim, device)?);
-        }
-        // DoRA: the LoRA's update at strength 1, then W' = m (W + ΔW) / ‖W + ΔW‖ over the
-        // axis `dora_scale` names; the update is strength · (W' - W), as ComfyUI applies it.
-        let Some(lora) = self.delta_at(key, out, in_dim, device, 1.0)? else {
-            return Err(err(
-                &self.path,
-                Some(&dora),
-                "a DoRA scale without lora_down/lora_up",
-            ));
-        };
-        let m = self
-            .take(&dora, device)?
-            .ok_or_else(|| err(&self.path, Some(&dora), "unreadable"))?;
-        // Per output row ((out, 1), a convolution's (out, 1, 1, 1)), or per input column of
-        // a Linear ((1, in)).
-        let w = w.to_dtype(DType::F32)?.reshape((out, in_dim))?;
-        let d = self.dora(&dora, &w, &lora, &m)?;
-        shaped(Some(d.affine(self.strength, 0.0)?))
-    }
-
-    /// The update of the weight at model key `key` (out, in) when the file adapts its layer,
-    /// in f32 on `device`; the diffusers layout is read through the map of
-    /// [`set_diffusers_map`](Self::set_diffusers_map) (without one, model keys are taken as
-    /// diffusers keys).
-    pub fn delta(
-        &self,
-        key: &str,
-        out: usize,
-        in_dim: usize,
-        device: &Device,
-    ) -> Result<Option<Tensor>> {
-        self.delta_at(key, out, in_dim, device, self.strength)
-    }
-
-    fn delta_at(
-        &self,
-        key: &str,
-        out: usize,
-        in_dim: usize,
-        device: &Device,
-        strength: f64,
-    ) -> Result<Option<Tensor>> {
-        let Some(path) = key.strip_suffix(".weight") else {
-            return Ok(None);
-        };
-        // kohya names, then PEFT names on the original keys.
-        let k = kohya_name(path);
-        let whole = [
-            self.pair(
-                format!("{k}.lora_down.weight"),
-                format!("{k}.lora_up.weight"),
-                format!("{k}.alpha"),
-            ),
-            self.pair(
-                format!("diffusion_model.{path}.lora_A.weight"),
-                format!("diffusion_model.{path}.lora_B.weight"),
-                format!("diffusion_model.{path}.alpha"),
-            ),
-            self.pair(
-                format!("{path}.lora_A.weight"),
-                format!("{path}.lora_B.weight"),
-                format!("{path}.alpha"),
-            ),
-        ];
-        if let Some(p) = whole.into_iter().flatten().next() {
-            return self.update(&p, out, in_dim, device, strength).map(Some);
-        }
-        // The diffusers layout: one pair per diffusers part of the layer.
-        let parts = self.parts(key, out)?;
-        let mut pieces = vec![];
-        let mut any = false;
-        for (module, rows, swapped) in &parts {
-            let found = self.prefixes.iter().find_map(|p| {
-                self.pair(
-                    format!("{p}.{module}.lora_A.weight"),
-                    format!("{p}.{module}.lora_B.weight"),
-                    format!("{p}.{module}.alpha"),
-                )
-            });
+            }
+            let part = w.narrow(0, start, rows)?;
+            let part = if swapped { swap(part)? } else { part };
+            start += rows;
+            let mut found = None;
+            for p in &self.prefixes {
+                let name = format!("{p}.{module}");
+                let scale = self.peft_scale(&name);
+                if let Some(d) = self.by_kind(name, &part, scale)? {
+                    found = Some(d);
+                    break;
+                }
+            }
             pieces.push(match found {
-                Some(pair) => {
+                Some(d) => {
                     any = true;
-                    let u = self.update(&pair, *rows, in_dim, device, strength)?;
-                    if *swapped {
-                        let h = rows / 2;
-                        Tensor::cat(&[&u.narrow(0, h, h)?, &u.narrow(0, 0, h)?], 0)?
+                    if swapped {
+                        swap(d)?
                     } else {
-                        u
+                        d
                     }
                 }
-                None => Tensor::zeros((*rows, in_dim), DType::F32, device)?,
+                None => Tensor::zeros((rows, cols), DType::F32, w.device())?,
             });
         }
         if !any {
             return Ok(None);
         }
-        Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0).map(Some)
+        finish(Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0)?)
     }
 
     /// The diffusers parts of the layer at model key `key` with `out` rows, by the map of
@@ -471,101 +207,6 @@ impl LoraMerge {
             Some(KeySource::Cat(ps)) => ps.iter().map(|(k, r)| (module(k), *r, false)).collect(),
             None => vec![(module(key), out, false)],
         })
-    }
-
-    /// The PEFT layout's DoRA magnitudes of the layer at `key` (`<prefix>.<module>.
-    /// lora_magnitude_vector` of each diffusers part, in the layer's row order) as (out,
-    /// 1), or `None` when the file has none for it.
-    fn peft_magnitude(&self, key: &str, out: usize, device: &Device) -> Result<Option<Tensor>> {
-        let mut pieces = vec![];
-        for (module, rows, swapped) in self.parts(key, out)? {
-            let name = self
-                .prefixes
-                .iter()
-                .map(|p| format!("{p}.{module}.lora_magnitude_vector"))
-                .find(|n| self.file.contains(n));
-            let Some(name) = name else {
-                if pieces.is_empty() {
-                    continue;
-                }
-                return Err(err(
-                    &self.path,
-                    None,
-                    format!("{module}: a DoRA part without its lora_magnitude_vector"),
-                ));
-            };
-            let m = self
-                .take(&name, device)?
-                .ok_or_else(|| err(&self.path, Some(&name), "unreadable"))?;
-            if m.elem_count() != rows {
-                return Err(self.bad(&name, &m, &format!("{rows} magnitudes")));
-            }
-            let m = m.reshape((rows, 1))?;
-            pieces.push(if swapped {
-                let h = rows / 2;
-                Tensor::cat(&[&m.narrow(0, h, h)?, &m.narrow(0, 0, h)?], 0)?
-            } else {
-                m
-            });
-        }
-        if pieces.is_empty() {
-            return Ok(None);
-        }
-        if pieces.iter().map(|p| p.dims()[0]).sum::<usize>() != out {
-            return Err(err(
-                &self.path,
-                None,
-                format!("{key}: DoRA magnitudes for some of its parts only"),
-            ));
-        }
-        Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0).map(Some)
-    }
-
-    /// The PEFT layout's LoKr and LoHa on a whole layer at `key` (`<prefix>.<module>.lokr_*`,
-    /// `.hada_*`): s · ΔW as the matrix (out, in · kh · kw), s PEFT's scale of the module
-    /// from the `adapter_config.json` beside the file, else 1 (FLAME's own files fold s into
-    /// the tensors).
-    fn peft_lycoris(&self, key: &str, dims: &[usize], device: &Device) -> Result<Option<Tensor>> {
-        let out = dims.first().copied().unwrap_or(0);
-        let parts = self.parts(key, out)?;
-        let [(module, _, false)] = parts.as_slice() else {
-            return Ok(None);
-        };
-        for p in &self.prefixes {
-            let name = format!("{p}.{module}");
-            let kinds = ["lokr_w1", "lokr_w1_a", "hada_w1_a"];
-            if kinds
-                .iter()
-                .any(|t| self.file.contains(&format!("{name}.{t}")))
-            {
-                let scale = self.peft.as_ref().map_or(1.0, |c| c.of(module));
-                return self
-                    .lycoris(&name, dims, device)?
-                    .map(|d| d.affine(scale, 0.0))
-                    .transpose();
-            }
-        }
-        Ok(None)
-    }
-
-    /// W' - W of a DoRA: W' = m (W + ΔW) / ‖W + ΔW‖, the norm per output row (`m` (out, 1),
-    /// or a convolution's (out, 1, 1, 1)) or, for a Linear's (1, in), per input column; `w`
-    /// and `lora` (out, in · kh · kw). `name` names `m` in an error.
-    fn dora(&self, name: &str, w: &Tensor, lora: &Tensor, m: &Tensor) -> Result<Tensor> {
-        let (out, in_dim) = (w.dims()[0], w.dims()[1]);
-        let v = w.add(lora)?;
-        let per_row = m.dims().first() == Some(&out) && m.elem_count() == out;
-        let norm = match m.dims() {
-            _ if per_row => v.sqr()?.sum_keepdim(&[1])?.sqrt()?,
-            [1, i] if *i == in_dim => v.sqr()?.sum_keepdim(&[0])?.sqrt()?,
-            _ => return Err(self.bad(name, m, &format!("({out}, 1) or (1, {in_dim})"))),
-        };
-        let m = if per_row {
-            m.reshape((out, 1))?
-        } else {
-            m.clone()
-        };
-        v.mul(&m.div(&norm)?)?.sub(w)
     }
 
     /// The file's text-encoder tensors (kohya's `lora_te*`), which are not merged: FLAME

@@ -614,9 +614,13 @@ impl TrainConfig {
             format!("{}: must be in [0, 1)", a.dropout),
         );
         c.check(
-            a.dropout == 0.0 || matches!(a.kind.as_str(), "lora" | "dora"),
+            a.dropout == 0.0 || crate::nn::adapter::kind(&a.kind).map_or(true, |k| k.dropout),
             "adapter.dropout",
-            format!("{}: input dropout applies to lora and dora", a.dropout),
+            format!(
+                "{}: input dropout applies to {}",
+                a.dropout,
+                crate::nn::adapter::dropout_kinds()
+            ),
         );
         c.check(
             a.factor == -1 || a.factor > 0,

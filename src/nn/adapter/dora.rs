@@ -15,6 +15,7 @@
 
 use super::io::{join_rows, part_rows, PeftFile, Reader};
 use super::lora::Lora;
+use super::merge::MergeLayer;
 use super::{cast, Adapter, BaseLayer, Kind, LayerShape, PeftPart};
 use crate::nn::layers::BatchPart;
 use crate::{DType, Error, Result, Tensor};
@@ -25,6 +26,11 @@ pub(super) const KIND: Kind = Kind {
     name: "dora",
     peft: true,
     ranked: true,
+    dropout: true,
+    reads_weight: true,
+    lycoris_algo: "locon",
+    plain_kohya: false,
+    merge,
     make: |p| {
         let lora = Lora::new(p)?;
         let magnitude = super::zeros(&[p.shape.out_dim()], p.device)?;
@@ -35,6 +41,47 @@ pub(super) const KIND: Kind = Kind {
         }))
     },
 };
+
+/// W' - W of a DoRA, W' = m (W + ΔW) / ‖W + ΔW‖, from `w` and the LoRA's change `lora`
+/// (out, cols): the norm per output row (`per_row`, `m` (out, 1)), or per input column for a
+/// Linear's `m` (1, cols) (the form LyCORIS writes without `wd_on_out`).
+pub(super) fn rescale(w: &Tensor, lora: &Tensor, m: &Tensor, per_row: bool) -> Result<Tensor> {
+    let v = w.add(lora)?;
+    let axis = if per_row { 1 } else { 0 };
+    v.mul(&m.div(&v.sqr()?.sum_keepdim(&[axis])?.sqrt()?)?)?
+        .sub(w)
+}
+
+/// The change a file's DoRA of one layer stands for, as the matrix (out, cols): a LoRA's
+/// tensors (`lora::merge`) and its magnitudes, kohya's `dora_scale` ((out, 1[, 1, 1]) per
+/// output row, or a Linear's (1, in) per input column) or PEFT's `lora_magnitude_vector`
+/// ((out), or (1, out, 1, 1) for a convolution).
+pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
+    let Some(name) = ["dora_scale", "lora_magnitude_vector"]
+        .into_iter()
+        .find(|t| l.has(t))
+    else {
+        return Ok(None);
+    };
+    let lora = super::lora::merge(l)?
+        .ok_or_else(|| l.error(name, "a DoRA magnitude without its LoRA's tensors"))?;
+    let m = l.need(name, "DoRA")?;
+    let (out, cols) = (l.out(), l.cols());
+    let per_row = m.elem_count() == out
+        && (name == "lora_magnitude_vector" || m.dims().first() == Some(&out));
+    let m = if per_row {
+        m.reshape((out, 1))?
+    } else if name == "dora_scale" && m.dims() == [1, cols] && l.dims().len() == 2 {
+        m
+    } else {
+        return Err(l.bad(
+            name,
+            &m,
+            &format!("{out} magnitudes, (out, 1) or (1, {cols})"),
+        ));
+    };
+    rescale(&l.weight()?, &lora, &m, per_row).map(Some)
+}
 
 /// One layer's DoRA: a LoRA and the magnitude vector.
 #[derive(Debug)]
@@ -158,10 +205,15 @@ impl Adapter for Dora {
     fn delta_weight(&self, base: &BaseLayer) -> Result<Tensor> {
         self.ensure_magnitude(base)?;
         let w = base.weight(DType::F32)?;
-        let v = w.add(&self.lora.delta_of(&self.lora.down, &self.lora.up)?)?;
-        let scale = self.scale(base, &self.lora.down, &self.lora.up, &self.magnitude)?;
-        let dims = [&[w.dims()[0]][..], &vec![1; w.rank() - 1]].concat();
-        v.mul(&scale.reshape(dims)?)?.sub(&w)
+        let (out, cols) = (self.lora.shape.out_dim(), self.lora.shape.cols());
+        let lora = self.lora.delta_of(&self.lora.down, &self.lora.up)?;
+        rescale(
+            &w.reshape((out, cols))?,
+            &lora.reshape((out, cols))?,
+            &self.magnitude.reshape((out, 1))?,
+            true,
+        )?
+        .reshape(w.dims())
     }
 
     fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {

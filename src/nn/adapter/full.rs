@@ -9,6 +9,7 @@
 //! PEFT has no such kind, so there is no PEFT layout.
 
 use super::io::{PeftFile, Reader};
+use super::merge::MergeLayer;
 use super::{cast, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart};
 use crate::{Error, Result, Tensor};
 use std::sync::Arc;
@@ -17,6 +18,11 @@ pub(super) const KIND: Kind = Kind {
     name: "full",
     peft: false,
     ranked: false,
+    dropout: false,
+    reads_weight: false,
+    lycoris_algo: "full",
+    plain_kohya: false,
+    merge,
     make: |p| {
         Ok(Arc::new(Full {
             path: p.path.to_string(),
@@ -25,6 +31,18 @@ pub(super) const KIND: Kind = Kind {
         }))
     },
 };
+
+/// The change a file's full-weight difference of one layer stands for (`diff`, the weight's
+/// shape), as the matrix (out, cols).
+pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
+    let Some(d) = l.take("diff")? else {
+        return Ok(None);
+    };
+    if d.dims() != l.dims() {
+        return Err(l.bad("diff", &d, &format!("{:?}", l.dims())));
+    }
+    d.reshape((l.out(), l.cols())).map(Some)
+}
 
 /// One fully trained layer.
 #[derive(Debug)]

@@ -397,14 +397,12 @@ impl Adapters {
             ("flame_kind".to_string(), c.kind.clone()),
             ("flame_targets".to_string(), c.targets.join(",")),
         ]);
-        if c.kind == "lora" && c.conv_rank == 0 {
+        let kind = super::kind(&c.kind)?;
+        if kind.plain_kohya && c.conv_rank == 0 {
             meta.insert("ss_network_module".into(), "networks.lora".into());
         } else {
             // LyCORIS's kohya wrapper records its algorithm in the network args.
-            let algo = match c.kind.as_str() {
-                "lora" => "locon",
-                k => k,
-            };
+            let algo = kind.lycoris_algo;
             meta.insert("ss_network_module".into(), "lycoris.kohya".into());
             meta.insert(
                 "ss_network_args".into(),

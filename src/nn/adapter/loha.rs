@@ -10,6 +10,7 @@
 //! that diffusers splits into modules) is refused in the PEFT layout.
 
 use super::io::{single_part, PeftFile, Reader};
+use super::merge::MergeLayer;
 use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
 use crate::{Error, Result, Tensor};
 use std::sync::Arc;
@@ -18,8 +19,43 @@ pub(super) const KIND: Kind = Kind {
     name: "loha",
     peft: true,
     ranked: true,
+    dropout: false,
+    reads_weight: false,
+    lycoris_algo: "loha",
+    plain_kohya: false,
     make: |p| Ok(Arc::new(Loha::new(p)?)),
+    merge,
 };
+
+/// A LoHa's change s · (w1_a w1_b) ⊙ (w2_a w2_b) as the matrix (out, cols), the `_b`
+/// factors as matrices (r, cols).
+pub(super) fn hadamard(w: [&Tensor; 4], scale: f64) -> Result<Tensor> {
+    let [a1, b1, a2, b2] = w;
+    a1.matmul(b1)?.mul(&a2.matmul(b2)?)?.affine(scale, 0.0)
+}
+
+/// The change a file's LoHa of one layer stands for (`hada_w1_a` ... `hada_w2_b`, a
+/// convolution's kernel in the `_b` factors' columns), as the matrix (out, cols); scaled by
+/// alpha / r where the file stores alpha, as ComfyUI reads it.
+pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
+    let Some(a1) = l.take(NAMES[0])? else {
+        return Ok(None);
+    };
+    let b1 = l.matrix(NAMES[1], l.need(NAMES[1], "LoHa")?)?;
+    let a2 = l.need(NAMES[2], "LoHa")?;
+    let b2 = l.matrix(NAMES[3], l.need(NAMES[3], "LoHa")?)?;
+    let (out, cols) = (l.out(), l.cols());
+    let r = b1.dims()[0];
+    let fits = a1.dims() == [out, r]
+        && a2.dims() == [out, r]
+        && b1.dims() == [r, cols]
+        && b2.dims() == [r, cols];
+    if !fits {
+        return Err(l.bad(NAMES[0], &a1, &format!("factors of ({out}, {cols})")));
+    }
+    let s = l.scale(r)?;
+    hadamard([&a1, &b1, &a2, &b2], s).map(Some)
+}
 
 const NAMES: [&str; 4] = ["hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"];
 
@@ -64,10 +100,7 @@ impl Loha {
         let [a1, b1, a2, b2] = p else {
             return Err(Error::Autograd("loha: expected 4 parameters".into()));
         };
-        a1.matmul(b1)?
-            .mul(&a2.matmul(b2)?)?
-            .affine(self.scale(), 0.0)?
-            .reshape(self.shape.weight_dims())
+        hadamard([a1, b1, a2, b2], self.scale())?.reshape(self.shape.weight_dims())
     }
 
     /// Assigns tensors read in `NAMES` order, w1_a rescaled by `ratio`.

@@ -15,6 +15,7 @@
 //! same under alpha = r. A fused layer has no PEFT form (w1 ⊗ w2 does not split by rows).
 
 use super::io::{single_part, PeftFile, Reader};
+use super::merge::MergeLayer;
 use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
 use crate::{Error, Result, Tensor};
 use std::sync::Arc;
@@ -23,8 +24,75 @@ pub(super) const KIND: Kind = Kind {
     name: "lokr",
     peft: true,
     ranked: true,
+    dropout: false,
+    reads_weight: false,
+    lycoris_algo: "lokr",
+    plain_kohya: false,
     make: |p| Ok(Arc::new(Lokr::new(p)?)),
+    merge,
 };
+
+/// A LoKr's change s · w1 ⊗ w2 as the matrix (out, cols) from w1 (l, m) and w2 (k, n), l·k =
+/// out, m·n = cols (a convolution's kernel in w2's columns): ΔW[a·k + b, c·n + d] =
+/// s · w1[a, c] · w2[b, d].
+pub(super) fn kron(w1: &Tensor, w2: &Tensor, scale: f64) -> Result<Tensor> {
+    let (&[l, m], &[k, n]) = (w1.dims(), w2.dims()) else {
+        return Err(Error::InvalidArgument {
+            op: "lokr",
+            msg: format!("factor w2 {:?}: w1 and w2 must be matrices", w2.dims()),
+            shape: w1.shape().clone(),
+        });
+    };
+    w1.reshape((l, 1, m, 1))?
+        .mul(&w2.reshape((1, k, 1, n))?)?
+        .reshape((l * k, m * n))?
+        .affine(scale, 0.0)
+}
+
+/// The change a file's LoKr of one layer stands for (`lokr_w1` or `lokr_w1_a`/`_b`,
+/// `lokr_w2` or `lokr_w2_a`/`_b`; either split, read from the shapes), as the matrix (out,
+/// cols). Scaled as ComfyUI reads it: alpha / r where a factor is low-rank (w2's rank first),
+/// else 1; the default scale (PEFT's) where the file stores no alpha.
+pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
+    let factor = |w: &str| -> Result<Option<(Tensor, Option<usize>)>> {
+        if let Some(t) = l.take(w)? {
+            return Ok(Some((l.matrix(w, t)?, None)));
+        }
+        let (an, bn) = (format!("{w}_a"), format!("{w}_b"));
+        match (l.take(&an)?, l.take(&bn)?) {
+            (Some(a), Some(b)) => {
+                let b = l.matrix(&bn, b)?;
+                let r = b.dims()[0];
+                if a.dims().len() != 2 || a.dims()[1] != r {
+                    return Err(l.bad(&an, &a, &format!("(rows, {r})")));
+                }
+                Ok(Some((a.matmul(&b)?, Some(r))))
+            }
+            (None, None) => Ok(None),
+            _ => Err(l.error(w, "half of a low-rank factor")),
+        }
+    };
+    let Some((w1, r1)) = factor("lokr_w1")? else {
+        return Ok(None);
+    };
+    let (w2, r2) =
+        factor("lokr_w2")?.ok_or_else(|| l.error("lokr_w2", "missing (a LoKr needs it)"))?;
+    let (out, cols) = (l.out(), l.cols());
+    let ((a, m), (k, n)) = ((w1.dims()[0], w1.dims()[1]), (w2.dims()[0], w2.dims()[1]));
+    if a * k != out || m * n != cols {
+        return Err(l.bad(
+            "lokr_w2",
+            &w2,
+            &format!("factors of ({out}, {cols}) with lokr_w1 {:?}", w1.dims()),
+        ));
+    }
+    let s = match (l.alpha()?, r2.or(r1)) {
+        (Some(alpha), Some(r)) => alpha / r as f64,
+        (Some(_), None) => 1.0,
+        (None, _) => l.default_scale(),
+    };
+    kron(&w1, &w2, s).map(Some)
+}
 
 /// How a LoKr splits a layer's sides when `factor` divides them: the two libraries differ
 /// there and only there. The split shows in a file's shapes (`lokr_w1` is (out_l, in_m)), and
@@ -267,12 +335,11 @@ impl Lokr {
             Factor::Full(_) => rest[0].clone(),
             Factor::LowRank(..) => rest[0].matmul(&rest[1])?,
         };
-        // ΔW[a·out_k + b, c·in_n + d, h, w] = w1[a, c] · w2[b, d, h, w].
-        let w1 = w1.reshape(vec![out_l, 1, in_m, 1, 1, 1])?;
-        let w2 = w2.reshape(vec![1, out_k, 1, in_n, kh, kw])?;
-        w1.mul(&w2)?
-            .affine(self.scale(), 0.0)?
-            .reshape(self.shape.weight_dims())
+        // ΔW[a·out_k + b, c·in_n + d, h, w] = w1[a, c] · w2[b, d, h, w]: w2's kernel joins
+        // its columns.
+        let w1 = w1.reshape((out_l, in_m))?;
+        let w2 = w2.reshape((out_k, in_n * kh * kw))?;
+        kron(&w1, &w2, self.scale())?.reshape(self.shape.weight_dims())
     }
 
     fn check(&self, p: &[Tensor]) -> Result<()> {

@@ -9,6 +9,7 @@
 //! `lora_B.weight` (same shapes), with s folded into B.
 
 use super::io::{join_rows, part_rows, PeftFile, Reader};
+use super::merge::MergeLayer;
 use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
 use crate::nn::layers::{BatchPart, Dropout};
 use crate::{Error, Result, Tensor};
@@ -19,8 +20,43 @@ pub(super) const KIND: Kind = Kind {
     name: "lora",
     peft: true,
     ranked: true,
+    dropout: true,
+    reads_weight: false,
+    lycoris_algo: "locon",
+    plain_kohya: true,
     make: |p| Ok(Arc::new(Lora::new(p)?)),
+    merge,
 };
+
+/// A LoRA's change s · B A as the matrix (out, cols), from A (r, cols) and B (out, r).
+pub(super) fn product(down: &Tensor, up: &Tensor, scale: f64) -> Result<Tensor> {
+    up.matmul(down)?.affine(scale, 0.0)
+}
+
+/// The change a file's LoRA of one layer stands for, as the matrix (out, cols): kohya's
+/// `lora_down` / `lora_up` or PEFT's `lora_A` / `lora_B` (a convolution's down holding its
+/// kernel, its up 1×1), scaled by alpha / r where the file stores alpha.
+pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
+    let names = [
+        ("lora_down.weight", "lora_up.weight"),
+        ("lora_A.weight", "lora_B.weight"),
+    ];
+    let Some((a, b)) = names.into_iter().find(|(a, b)| l.has(a) && l.has(b)) else {
+        return Ok(None);
+    };
+    let (out, cols) = (l.out(), l.cols());
+    let (down, up) = (l.need(a, "LoRA")?, l.need(b, "LoRA")?);
+    let r = down.dims().first().copied().unwrap_or(0);
+    let (sa, sb) = (down.dims(), up.dims());
+    if sa.len() < 2 || sa[1..].iter().product::<usize>() != cols || r == 0 {
+        return Err(l.bad(a, &down, &format!("(rank, {cols})")));
+    }
+    if sb.len() < 2 || sb[..2] != [out, r] || sb[2..].iter().any(|&d| d != 1) {
+        return Err(l.bad(b, &up, &format!("({out}, {r})")));
+    }
+    let s = l.scale(r)?;
+    product(&down.reshape((r, cols))?, &up.reshape((out, r))?, s).map(Some)
+}
 
 /// One layer's LoRA.
 #[derive(Debug)]
@@ -108,9 +144,7 @@ impl Lora {
         let r = self.rank();
         let a = down.reshape((r, self.shape.cols()))?;
         let b = up.reshape((self.shape.out_dim(), r))?;
-        b.matmul(&a)?
-            .affine(self.scale(), 0.0)?
-            .reshape(self.shape.weight_dims())
+        product(&a, &b, self.scale())?.reshape(self.shape.weight_dims())
     }
 
     /// Reads A and B in the kohya layout and checks alpha against the config.

@@ -23,11 +23,13 @@ mod io;
 mod loha;
 mod lokr;
 mod lora;
+mod merge;
 
 pub(crate) use io::PeftScales;
 pub use io::{kohya_name, PeftFile};
 pub use lokr::{factorization, LokrSplit};
 pub use lora::Lora;
+pub use merge::MergeLayer;
 
 use super::layers::BatchPart;
 use super::seed::key_hash;
@@ -289,12 +291,38 @@ pub struct Kind {
     pub peft: bool,
     /// Whether the kind uses `rank` (full fine-tuning does not).
     pub ranked: bool,
+    /// Whether the kind takes input dropout (`AdapterConfig::dropout`).
+    pub dropout: bool,
+    /// Whether its adapters read the frozen weight in the forward (DoRA's norm): the weights
+    /// they sit on are then not forward-only.
+    pub reads_weight: bool,
+    /// The algorithm's name in LyCORIS's kohya network args (`ss_network_args`).
+    pub lycoris_algo: &'static str,
+    /// Whether kohya's own `networks.lora` writes the kind where no convolution is adapted
+    /// (the file's `ss_network_module`; else LyCORIS's `lycoris.kohya`).
+    pub plain_kohya: bool,
     /// A fresh adapter for one layer.
     pub make: fn(&Plan) -> Result<Arc<dyn Adapter>>,
+    /// The change a file's tensors of this kind for one layer stand for, at strength 1 (the
+    /// matrix (out, in · kh · kw)), by the kind's own definition of its change, the one its
+    /// `Adapter::delta_weight` uses; `None` when the file holds none of this kind there.
+    pub merge: fn(&MergeLayer) -> Result<Option<Tensor>>,
 }
 
-/// Every kind, by name: adding one is a file and a line here.
-pub const KINDS: &[Kind] = &[lora::KIND, dora::KIND, lokr::KIND, loha::KIND, full::KIND];
+/// Every kind, by name: adding one is a file and a line here. A merge takes the first kind
+/// that finds its tensors, so a kind whose tensors extend another's (DoRA's magnitudes
+/// beside a LoRA's) comes before it.
+pub const KINDS: &[Kind] = &[dora::KIND, lora::KIND, lokr::KIND, loha::KIND, full::KIND];
+
+/// The kinds that take input dropout, by name ("lora and dora").
+pub fn dropout_kinds() -> String {
+    let v: Vec<&str> = KINDS.iter().filter(|k| k.dropout).map(|k| k.name).collect();
+    match v.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        Some((last, _)) => last.to_string(),
+        None => "no kind".into(),
+    }
+}
 
 /// The kind named `name`.
 pub fn kind(name: &str) -> Result<&'static Kind> {
@@ -402,10 +430,12 @@ impl AdapterConfig {
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!("adapter.dropout {} is not in [0, 1)", self.dropout));
         }
-        if self.dropout > 0.0 && !matches!(kind.name, "lora" | "dora") {
+        if self.dropout > 0.0 && !kind.dropout {
             return bad(format!(
-                "adapter.dropout = {}: input dropout applies to lora and dora, not {}",
-                self.dropout, kind.name
+                "adapter.dropout = {}: input dropout applies to {}, not {}",
+                self.dropout,
+                dropout_kinds(),
+                kind.name
             ));
         }
         for (name, a) in [("alpha", self.alpha), ("conv_alpha", self.conv_alpha)] {

@@ -983,3 +983,48 @@ fn peft_made_pattern_and_rslora_files_compute_what_peft_merged() {
         assert!(e < 1e-6, "{case}: the merge's lin off by {e:e}");
     }
 }
+
+/// Files LyCORIS 4.1.3 wrote (`scripts/make_lycoris_fixtures.py`): its Tucker forms
+/// (`lora_mid`, `hada_t1`/`hada_t2`, `lokr_t2` on a 3x3 convolution), DoRA's per-column
+/// `dora_scale` on a Linear, and full fine-tuning's `diff` with `diff_b`, merged as the weights
+/// load, give every weight and bias LyCORIS's own change (`get_diff_weight`, or the merged
+/// weight for DoRA), every tensor of each file taken.
+#[test]
+fn lycoris_tucker_dora_and_bias_files_merge_as_lycoris_computes_them() {
+    let lyco = dir().join("lycoris");
+    let base = load(&lyco.join("base.safetensors"));
+    for case in [
+        "locon_tucker",
+        "loha_tucker",
+        "lokr_tucker",
+        "dora_columns",
+        "full",
+    ] {
+        let merge = Arc::new(
+            flame::nn::LoraMerge::open(lyco.join(format!("{case}.safetensors")), 1.0, "unet")
+                .unwrap(),
+        );
+        let want = load(&lyco.join(format!("{case}_delta.safetensors")));
+        let vb = VarBuilder::from_files(&[lyco.join("base.safetensors")], DType::F32, &CPU)
+            .unwrap()
+            .with_merge(merge.clone())
+            .unwrap();
+        for (key, b) in &base {
+            let got = vb.get(b.dims().to_vec(), key).unwrap();
+            let b32 = b.to_dtype(DType::F32).unwrap();
+            let change = got.sub(&b32).unwrap();
+            match want.get(key) {
+                Some(d) => {
+                    let e = rel(&change, &d.to_dtype(DType::F32).unwrap());
+                    assert!(e < 1e-5, "{case} {key}: off by {e:e}");
+                }
+                None => assert_eq!(
+                    got.to_vec_f64().unwrap(),
+                    b32.to_vec_f64().unwrap(),
+                    "{case} {key}: changed"
+                ),
+            }
+        }
+        merge.check_all_used().unwrap();
+    }
+}

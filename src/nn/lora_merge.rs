@@ -21,9 +21,12 @@
 //! Convolutions in each: a factor's kernel joins its columns, the change made as the matrix
 //! (out, in · kh · kw) and shaped as the weight.
 //!
+//! LyCORIS's Tucker forms (`lora_mid`, `hada_t1`/`hada_t2`, `lokr_t2`) and full
+//! fine-tuning's bias changes (`diff_b`, [`LoraMerge::bias_delta`]) merge too.
+//!
 //! Every tensor of the file must be taken by some layer: a file for another model, or an
-//! adapter form FLAME does not merge (LyCORIS's Tucker forms), is an error naming a tensor
-//! left over.
+//! adapter form FLAME does not merge (LyCORIS's DoRA on LoKr or LoHa, its other algorithms), is
+//! an error naming a tensor left over.
 
 use super::adapter::{kohya_name, MergeLayer, PeftScales, KINDS};
 use super::params::{KeyMap, KeySource};
@@ -103,6 +106,28 @@ impl LoraMerge {
         for kind in KINDS {
             if let Some(d) = (kind.merge)(&layer)? {
                 return Ok(Some(d));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The update at strength to add to the bias `b` at model key `key` (`<layer>.bias`)
+    /// where the file changes it (full fine-tuning's `diff_b`), under the kohya names or
+    /// the PEFT names on the original keys; f32, on `b`'s device.
+    pub fn bias_delta(&self, key: &str, b: &Tensor) -> Result<Option<Tensor>> {
+        let Some(path) = key.strip_suffix(".bias") else {
+            return Ok(None);
+        };
+        for name in [
+            kohya_name(path),
+            format!("diffusion_model.{path}"),
+            path.to_string(),
+        ] {
+            let layer = MergeLayer::new(&self.file, &self.used, name, b, 1.0);
+            for kind in KINDS {
+                if let Some(d) = (kind.merge_bias)(&layer)? {
+                    return d.affine(self.strength, 0.0).map(Some);
+                }
             }
         }
         Ok(None)
@@ -239,8 +264,8 @@ impl LoraMerge {
                 format!(
                     "no layer of the model takes it ({} of {} tensors left over): a LoRA for \
                      another model, or a layout or adapter kind FLAME does not merge (kohya \
-                     lora_down/lora_up, dora_scale, lokr_*, hada_*, diff; diffusers/PEFT \
-                     lora_A/lora_B)",
+                     lora_down/lora_up/lora_mid, dora_scale, lokr_*, hada_*, diff, diff_b; \
+                     diffusers/PEFT lora_A/lora_B, lora_magnitude_vector, lokr_*, hada_*)",
                     left.len(),
                     self.file.names().count()
                 ),

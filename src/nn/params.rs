@@ -593,6 +593,17 @@ impl VarBuilder {
                     None => t,
                 }
             }
+            // Biases: full fine-tuning's `diff_b`.
+            (Some(m), 1) => match m.bias_delta(&key, &t)? {
+                Some(d) => {
+                    let _g = crate::no_grad();
+                    t.to_dtype(DType::F32)?
+                        .add(&d)?
+                        .to_dtype(self.shared.dtype)?
+                        .detach()
+                }
+                None => t,
+            },
             _ => t,
         };
         let mut used = self

@@ -24,6 +24,7 @@ use std::sync::Arc;
 
 pub(super) const KIND: Kind = Kind {
     name: "dora",
+    merge_bias: super::no_bias,
     peft: true,
     ranked: true,
     dropout: true,

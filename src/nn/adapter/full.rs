@@ -23,6 +23,7 @@ pub(super) const KIND: Kind = Kind {
     lycoris_algo: "full",
     plain_kohya: false,
     merge,
+    merge_bias,
     make: |p| {
         Ok(Arc::new(Full {
             path: p.path.to_string(),
@@ -42,6 +43,18 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
         return Err(l.bad("diff", &d, &format!("{:?}", l.dims())));
     }
     d.reshape((l.out(), l.cols())).map(Some)
+}
+
+/// The change to the layer's bias in a file of full fine-tuning (`diff_b`, the bias's
+/// shape; `l`'s weight is the bias).
+pub(super) fn merge_bias(l: &MergeLayer) -> Result<Option<Tensor>> {
+    let Some(d) = l.take("diff_b")? else {
+        return Ok(None);
+    };
+    if d.dims() != l.dims() {
+        return Err(l.bad("diff_b", &d, &format!("{:?}", l.dims())));
+    }
+    Ok(Some(d))
 }
 
 /// One fully trained layer.

@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 pub(super) const KIND: Kind = Kind {
     name: "loha",
+    merge_bias: super::no_bias,
     peft: true,
     ranked: true,
     dropout: false,
@@ -35,12 +36,35 @@ pub(super) fn hadamard(w: [&Tensor; 4], scale: f64) -> Result<Tensor> {
 }
 
 /// The change a file's LoHa of one layer stands for (`hada_w1_a` ... `hada_w2_b`, a
-/// convolution's kernel in the `_b` factors' columns), as the matrix (out, cols); scaled by
+/// convolution's kernel in the `_b` factors' columns, or LyCORIS's Tucker form with cores
+/// `hada_t1`, `hada_t2`), as the matrix (out, cols); scaled by
 /// alpha / r where the file stores alpha, as ComfyUI reads it.
 pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
     let Some(a1) = l.take(NAMES[0])? else {
         return Ok(None);
     };
+    if let Some(t1) = l.take("hada_t1")? {
+        // LyCORIS's Tucker LoHa: each half t (r, r, kh, kw) with w_a (r, out), w_b (r, in).
+        let t2 = l.need("hada_t2", "Tucker LoHa")?;
+        let (b1, a2, b2) = (
+            l.need(NAMES[1], "LoHa")?,
+            l.need(NAMES[2], "LoHa")?,
+            l.need(NAMES[3], "LoHa")?,
+        );
+        let half = |t: &Tensor, a: &Tensor, b: &Tensor, name: &str| {
+            super::tucker(t, a, b).map_err(|e| l.error(name, e.to_string()))
+        };
+        let d = half(&t1, &a1, &b1, "hada_t1")?.mul(&half(&t2, &a2, &b2, "hada_t2")?)?;
+        if d.dims() != [l.out(), l.cols()] {
+            return Err(l.bad(
+                "hada_t1",
+                &t1,
+                &format!("a core of ({}, {})", l.out(), l.cols()),
+            ));
+        }
+        let s = l.scale(b1.dims()[0])?;
+        return d.affine(s, 0.0).map(Some);
+    }
     let b1 = l.matrix(NAMES[1], l.need(NAMES[1], "LoHa")?)?;
     let a2 = l.need(NAMES[2], "LoHa")?;
     let b2 = l.matrix(NAMES[3], l.need(NAMES[3], "LoHa")?)?;

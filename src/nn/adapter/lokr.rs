@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 pub(super) const KIND: Kind = Kind {
     name: "lokr",
+    merge_bias: super::no_bias,
     peft: true,
     ranked: true,
     dropout: false,
@@ -50,7 +51,8 @@ pub(super) fn kron(w1: &Tensor, w2: &Tensor, scale: f64) -> Result<Tensor> {
 }
 
 /// The change a file's LoKr of one layer stands for (`lokr_w1` or `lokr_w1_a`/`_b`,
-/// `lokr_w2` or `lokr_w2_a`/`_b`; either split, read from the shapes), as the matrix (out,
+/// `lokr_w2` or `lokr_w2_a`/`_b`, or LyCORIS's Tucker form, the core `lokr_t2` between
+/// `lokr_w2_a` and `lokr_w2_b`; either split, read from the shapes), as the matrix (out,
 /// cols). Scaled as ComfyUI reads it: alpha / r where a factor is low-rank (w2's rank first),
 /// else 1; the default scale (PEFT's) where the file stores no alpha.
 pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
@@ -75,8 +77,17 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
     let Some((w1, r1)) = factor("lokr_w1")? else {
         return Ok(None);
     };
-    let (w2, r2) =
-        factor("lokr_w2")?.ok_or_else(|| l.error("lokr_w2", "missing (a LoKr needs it)"))?;
+    let (w2, r2) = match l.take("lokr_t2")? {
+        // LyCORIS's Tucker w2: the core t2 (r, r, kh, kw), w2_a (r, out_k), w2_b (r, in_n).
+        Some(t2) => {
+            let (a, b) = (l.need("lokr_w2_a", "LoKr")?, l.need("lokr_w2_b", "LoKr")?);
+            let w2 = super::tucker(&t2, &a, &b).map_err(|e| l.error("lokr_t2", e.to_string()))?;
+            (w2, Some(b.dims()[0]))
+        }
+        None => {
+            factor("lokr_w2")?.ok_or_else(|| l.error("lokr_w2", "missing (a LoKr needs it)"))?
+        }
+    };
     let (out, cols) = (l.out(), l.cols());
     let ((a, m), (k, n)) = ((w1.dims()[0], w1.dims()[1]), (w2.dims()[0], w2.dims()[1]));
     if a * k != out || m * n != cols {

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 pub(super) const KIND: Kind = Kind {
     name: "lora",
+    merge_bias: super::no_bias,
     peft: true,
     ranked: true,
     dropout: true,
@@ -35,7 +36,8 @@ pub(super) fn product(down: &Tensor, up: &Tensor, scale: f64) -> Result<Tensor> 
 
 /// The change a file's LoRA of one layer stands for, as the matrix (out, cols): kohya's
 /// `lora_down` / `lora_up` or PEFT's `lora_A` / `lora_B` (a convolution's down holding its
-/// kernel, its up 1×1), scaled by alpha / r where the file stores alpha.
+/// kernel, its up 1×1; or LyCORIS's Tucker form, `lora_mid` (r, r, kh, kw) between a 1×1
+/// down and up), scaled by alpha / r where the file stores alpha.
 pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
     let names = [
         ("lora_down.weight", "lora_up.weight"),
@@ -47,6 +49,30 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
     let (out, cols) = (l.out(), l.cols());
     let (down, up) = (l.need(a, "LoRA")?, l.need(b, "LoRA")?);
     let r = down.dims().first().copied().unwrap_or(0);
+    if let Some(mid) = l.take("lora_mid.weight")? {
+        // LyCORIS's Tucker LoCon: down (r, in, 1, 1), mid (r, r, kh, kw), up (out, r, 1, 1).
+        let k: usize = l.dims().iter().skip(2).product();
+        let in_dim = cols / k.max(1);
+        if mid.dims().len() != 4 || mid.dims()[2..].iter().product::<usize>() != k {
+            return Err(l.bad(
+                "lora_mid.weight",
+                &mid,
+                &format!("(r, r, {:?})", &l.dims()[2..]),
+            ));
+        }
+        let (rm, rd) = (mid.dims()[0], mid.dims()[1]);
+        if down.elem_count() != rd * in_dim || down.dims().first() != Some(&rd) {
+            return Err(l.bad(a, &down, &format!("({rd}, {in_dim}, 1, 1)")));
+        }
+        if up.elem_count() != out * rm || up.dims().first() != Some(&out) {
+            return Err(l.bad(b, &up, &format!("({out}, {rm}, 1, 1)")));
+        }
+        let s = l.scale(rd)?;
+        let up_t = up.reshape((out, rm))?.t()?.contiguous()?;
+        return super::tucker(&mid, &up_t, &down.reshape((rd, in_dim))?)?
+            .affine(s, 0.0)
+            .map(Some);
+    }
     let (sa, sb) = (down.dims(), up.dims());
     if sa.len() < 2 || sa[1..].iter().product::<usize>() != cols || r == 0 {
         return Err(l.bad(a, &down, &format!("(rank, {cols})")));

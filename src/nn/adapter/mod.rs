@@ -307,12 +307,61 @@ pub struct Kind {
     /// matrix (out, in · kh · kw)), by the kind's own definition of its change, the one its
     /// `Adapter::delta_weight` uses; `None` when the file holds none of this kind there.
     pub merge: fn(&MergeLayer) -> Result<Option<Tensor>>,
+    /// The change to the layer's bias a file's tensors of this kind stand for (the
+    /// `MergeLayer`'s weight is then the bias), or `None` (`no_bias`: most kinds leave it).
+    pub merge_bias: fn(&MergeLayer) -> Result<Option<Tensor>>,
+}
+
+/// `Kind::merge_bias` of the kinds that leave the bias alone.
+pub(super) fn no_bias(_: &MergeLayer) -> Result<Option<Tensor>> {
+    Ok(None)
 }
 
 /// Every kind, by name: adding one is a file and a line here. A merge takes the first kind
 /// that finds its tensors, so a kind whose tensors extend another's (DoRA's magnitudes
 /// beside a LoRA's) comes before it.
 pub const KINDS: &[Kind] = &[dora::KIND, lora::KIND, lokr::KIND, loha::KIND, full::KIND];
+
+/// A Tucker core's rebuild (LyCORIS 4.1's `rebuild_tucker`, ComfyUI's einsum
+/// "i j k l, j r, i p -> p r k l"): ΔW[p, c, h, w] = Σ_ij t[i, j, h, w] · a[i, p] · b[j, c],
+/// from the core `t` (r1, r2, kh, kw) and the factors `a` (r1, P) and `b` (r2, C), as the
+/// matrix (P, C · kh · kw), a weight (P, C, kh, kw) flattened.
+pub(super) fn tucker(t: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let bad = |msg: String| Error::InvalidArgument {
+        op: "tucker",
+        msg,
+        shape: t.shape().clone(),
+    };
+    let (&[r1, r2, kh, kw], &[ra, p], &[rb, c]) = (t.dims(), a.dims(), b.dims()) else {
+        return Err(bad(format!(
+            "core (r1, r2, kh, kw) with factors (r1, P) and (r2, C): got {:?} and {:?}",
+            a.dims(),
+            b.dims()
+        )));
+    };
+    if ra != r1 || rb != r2 {
+        return Err(bad(format!(
+            "factors {:?} and {:?} for a core of ranks ({r1}, {r2})",
+            a.dims(),
+            b.dims()
+        )));
+    }
+    let k = kh * kw;
+    // Σ_j t[i, j, k] b[j, c] -> (r1, k, c), then Σ_i a[i, p] · that -> (p, k, c).
+    let tb = t
+        .reshape((r1, r2, k))?
+        .permute(&[0, 2, 1])?
+        .contiguous()?
+        .reshape((r1 * k, r2))?
+        .matmul(b)?
+        .reshape((r1, k * c))?;
+    a.t()?
+        .matmul(&tb)?
+        .reshape((p, k, c))?
+        .permute(&[0, 2, 1])?
+        .contiguous()?
+        .reshape((p, c * k))
+}
 
 /// The kinds that take input dropout, by name ("lora and dora").
 pub fn dropout_kinds() -> String {

@@ -112,6 +112,39 @@ macro_rules! on_device {
 }
 
 impl Device {
+    /// The device a setting names (`train.device`, `encoders.device`, `sample --device`):
+    /// "cuda" (GPU 0; an error without one), "cpu", or "auto" and anything else (GPU 0 where
+    /// one answers, else the CPU).
+    pub fn by_name(name: &str) -> Result<Device> {
+        #[cfg(feature = "cuda")]
+        if name != "cpu" {
+            match Device::cuda(0) {
+                Ok(d) => return Ok(d),
+                Err(e) if name == "cuda" => return Err(e),
+                Err(_) => {}
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        if name == "cuda" {
+            return Err(crate::Error::CudaUnavailable(
+                "device \"cuda\" in a build without the `cuda` feature".into(),
+            ));
+        }
+        Device::cpu_backend()
+    }
+
+    /// The CPU reference backend, or an error in a build without it.
+    #[cfg(feature = "cpu-ref")]
+    pub fn cpu_backend() -> Result<Device> {
+        Ok(Device::Cpu)
+    }
+
+    /// The CPU reference backend, or an error in a build without it.
+    #[cfg(not(feature = "cpu-ref"))]
+    pub fn cpu_backend() -> Result<Device> {
+        Err(crate::Error::NoBackend("the CPU (the `cpu-ref` feature)"))
+    }
+
     /// The CPU reference backend.
     #[cfg(feature = "cpu-ref")]
     pub fn cpu() -> Device {

@@ -19,7 +19,6 @@ use flame::models::pipeline::{conditioning, load_vae, Sources, TextConditioner, 
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
 use flame::sample::{generate_watched, seeded_noise, Request, StepInfo};
-use flame::train::trainer::pick_device;
 use flame::train::Prediction;
 use flame::{DType, Error};
 use std::path::PathBuf;
@@ -337,7 +336,7 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         other => return Err(bad(format!("--prediction {other}: epsilon or v"))),
     };
     let family = models::family(arch)?;
-    let device = pick_device(&a.device)?;
+    let device = flame::Device::by_name(&a.device)?;
     let (dtype, fp8) = match a.dtype.as_str() {
         "bf16" => (DType::BF16, false),
         "f16" => (DType::F16, false),

@@ -138,7 +138,7 @@ fn check_sizes(
 pub fn encoder_device(config: &TrainConfig, train: &Device) -> Result<Device> {
     match config.encoders.device.as_str() {
         "auto" => Ok(train.clone()),
-        other => super::trainer::pick_device(other),
+        other => Device::by_name(other),
     }
 }
 

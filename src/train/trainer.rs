@@ -234,26 +234,6 @@ impl PhasePeaks {
     }
 }
 
-/// The device named by a config's `device` value: "cuda" (an error without one), "cpu", or
-/// "auto" (the GPU if one opens, else the CPU).
-pub fn pick_device(name: &str) -> Result<Device> {
-    #[cfg(feature = "cuda")]
-    if name != "cpu" {
-        match Device::cuda(0) {
-            Ok(d) => return Ok(d),
-            Err(e) if name == "cuda" => return Err(e),
-            Err(_) => {}
-        }
-    }
-    #[cfg(not(feature = "cuda"))]
-    if name == "cuda" {
-        return Err(Error::CudaUnavailable(
-            "train.device = \"cuda\" in a build without the `cuda` feature".into(),
-        ));
-    }
-    cpu_device()
-}
-
 /// The adapters made on a model's layers (`map`: its key map) can train and be saved as
 /// `config` says: some layer matched, and a PEFT file can name every one.
 fn check_adapters(config: &TrainConfig, adapters: &Adapters, map: &KeyMap) -> Result<()> {
@@ -294,16 +274,6 @@ fn warm_collectives(group: &dyn ProcessGroup, device: &Device) -> Result<()> {
     Ok(())
 }
 
-#[cfg(feature = "cpu-ref")]
-fn cpu_device() -> Result<Device> {
-    Ok(Device::Cpu)
-}
-
-#[cfg(not(feature = "cpu-ref"))]
-fn cpu_device() -> Result<Device> {
-    Err(Error::NoBackend("training on the CPU"))
-}
-
 impl Trainer {
     /// Checks the config, loads the model with its adapters and the data, and checks every
     /// sample; fills the image caches; writes nothing else. [`Trainer::open`] with [`Prepare::Encode`] and no notes.
@@ -342,7 +312,7 @@ impl Trainer {
         }
         let device = match place.device {
             Some(d) => d,
-            None => pick_device(&config.train.device)?,
+            None => Device::by_name(&config.train.device)?,
         };
         let group = place.group;
         let interrupt = place.interrupt.unwrap_or_default();
@@ -385,7 +355,7 @@ impl Trainer {
             &m.path,
             &LoadOptions {
                 adapters: Some(trial.clone()),
-                device: cpu_device().unwrap_or_else(|_| device.clone()),
+                device: Device::cpu_backend().unwrap_or_else(|_| device.clone()),
                 ..opts.clone()
             },
         )?;

@@ -203,7 +203,7 @@ fn bad_image_data_is_named() {
     std::fs::remove_dir_all(&d).ok();
 }
 
-/// The tiny Flux with rank-4 adapters on `targets`, their B filled with random values.
+/// The tiny Flux with rank-4 LoRAs on `targets`, their B filled with random values.
 fn tiny_with_adapters(
     model: &Path,
     targets: &[&str],
@@ -212,14 +212,29 @@ fn tiny_with_adapters(
     Arc<Adapters>,
     flame::nn::KeyMap,
 ) {
-    let adapters = Adapters::new(LoraConfig {
+    tiny_with_kind(model, targets, "lora")
+}
+
+/// The tiny Flux with rank-4 adapters of `kind` (LoRA or DoRA) on `targets`, their B filled
+/// with random values.
+fn tiny_with_kind(
+    model: &Path,
+    targets: &[&str],
+    kind: &str,
+) -> (
+    Box<dyn models::DiffusionModel>,
+    Arc<Adapters>,
+    flame::nn::KeyMap,
+) {
+    let mut config = flame::nn::adapter::AdapterConfig::from(LoraConfig {
         rank: 4,
         alpha: 2.0,
         dropout: 0.0,
         targets: targets.iter().map(|s| s.to_string()).collect(),
         seed: 3,
-    })
-    .unwrap();
+    });
+    config.kind = kind.into();
+    let adapters = Adapters::new(config).unwrap();
     let mut opts = LoadOptions::new(DType::F32, &Device::Cpu).with_adapters(adapters.clone());
     opts.config = Some(flame::train::demo::flux_tiny_diffusers_config());
     let l = models::load("flux", model, &opts).unwrap();
@@ -257,6 +272,41 @@ fn merged(model: &Path, lora: &Path, strength: f64) -> flame::Result<Vec<f32>> {
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// DoRA on fused layers (a double block's qkv, a single block's linear1, which diffusers
+/// splits into parts): FLAME's kohya file (one `dora_scale` a layer) and its PEFT file (a
+/// `lora_magnitude_vector` a diffusers part) merge into the weights the adapters compute with.
+#[test]
+fn dora_files_on_fused_layers_merge_as_the_adapters_compute() {
+    let d = temp("merge-dora");
+    let model = d.join("flux-tiny.safetensors");
+    flame::train::demo::make_tiny_flux(&model).unwrap();
+    let targets = ["double_blocks.*.img_attn.qkv", "single_blocks.*.linear1"];
+    let (m, adapters, map) = tiny_with_kind(&model, &targets, "dora");
+    let want = predict(m.as_ref());
+    let (lora, ..) = tiny_with_kind(&model, &targets, "lora");
+    assert!(
+        max_diff(&predict(lora.as_ref()), &want) > 1e-4,
+        "DoRA computes what LoRA does"
+    );
+    let kohya = d.join("kohya.safetensors");
+    adapters.save_kohya(&kohya, DType::F32).unwrap();
+    let peft = d.join("peft.safetensors");
+    adapters
+        .save_peft(&peft, &map, "transformer", DType::F32)
+        .unwrap();
+    let names = flame::safetensors::load(&peft, &Device::Cpu).unwrap();
+    assert!(
+        names.contains_key("transformer.transformer_blocks.0.attn.to_k.lora_magnitude_vector"),
+        "{:?}",
+        names.keys().collect::<Vec<_>>()
+    );
+    for f in [&kohya, &peft] {
+        let e = max_diff(&merged(&model, f, 1.0).unwrap(), &want);
+        assert!(e < 1e-5, "{}: {e}", f.display());
+    }
+    std::fs::remove_dir_all(&d).ok();
 }
 
 #[test]

@@ -67,6 +67,7 @@ fn config(kind: &str) -> AdapterConfig {
         rank: r,
         alpha,
         dropout: 0.0,
+        module_dropout: 0.0,
         targets: MODULES.iter().map(|s| s.to_string()).collect(),
         seed: 1,
         conv_rank: r,
@@ -635,6 +636,7 @@ fn conv_adapters_train_on_sdxl() {
             rank: 2,
             alpha: 2.0,
             dropout: 0.0,
+            module_dropout: 0.0,
             targets: vec!["input_blocks.*".into(), "output_blocks.*".into()],
             seed: 3,
             conv_rank: 2,
@@ -1027,4 +1029,57 @@ fn lycoris_tucker_dora_and_bias_files_merge_as_lycoris_computes_them() {
         }
         merge.check_all_used().unwrap();
     }
+}
+
+/// Module dropout (`AdapterConfig::module_dropout`, kohya's and LyCORIS's) skips a layer's
+/// whole adapter for some micro-batches while training, the same ones again for the same
+/// step and micro-batch, and never outside training; the others compute the adapter as
+/// without it. Kinds without dropout refuse it.
+#[test]
+fn module_dropout_skips_whole_adapters_for_some_micro_batches_in_training_only() {
+    let a = Adapters::new(AdapterConfig {
+        module_dropout: 0.5,
+        ..config("lora")
+    })
+    .unwrap();
+    let m = model(&a, DType::F32);
+    perturb(&a, 11);
+    let x = Tensor::randn((3, 12), DType::F32, &CPU, 5).unwrap();
+    let base = {
+        let vb =
+            VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU).unwrap();
+        Linear::new(&vb.pp("lin"), 12, 10, true)
+            .unwrap()
+            .forward(&x)
+            .unwrap()
+    };
+    a.set_train(false);
+    let adapted = m.lin.forward(&x).unwrap();
+    assert!(rel(&adapted, &base) > 1e-3, "the adapter changes nothing");
+    let dropped = |step: u64| -> bool {
+        a.set_step(step).unwrap();
+        a.set_train(true);
+        let y = m.lin.forward(&x).unwrap();
+        a.set_train(false);
+        match (rel(&y, &base) < 1e-7, rel(&y, &adapted) < 1e-7) {
+            (true, false) => true,
+            (false, true) => false,
+            _ => panic!("step {step}: neither the base nor the adapted output"),
+        }
+    };
+    let first: Vec<bool> = (0..40).map(dropped).collect();
+    let n = first.iter().filter(|d| **d).count();
+    assert!(
+        (8..=32).contains(&n),
+        "{n} of 40 micro-batches skipped at p = 0.5"
+    );
+    let again: Vec<bool> = (0..40).map(dropped).collect();
+    assert_eq!(first, again, "the same steps skip the same adapters");
+    let e = Adapters::new(AdapterConfig {
+        module_dropout: 0.1,
+        ..config("loha")
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("module_dropout"), "{e}");
 }

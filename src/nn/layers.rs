@@ -415,6 +415,19 @@ impl Dropout {
         self.calls.store(n, Ordering::Relaxed)
     }
 
+    /// Whether the next draw drops a whole module when `train` (probability `p`): one uniform
+    /// draw a call from the same seeded counter as [`Dropout::forward`], through the
+    /// autograd's draw log (a checkpointed block's re-run repeats it). Kohya's and LyCORIS's
+    /// module dropout: an adapter skipped for a whole forward.
+    pub fn drops(&self, train: bool) -> bool {
+        if !train || self.p == 0.0 {
+            return false;
+        }
+        let k = crate::autograd::next_draw(&self.calls);
+        let z = mix64(self.seed ^ k.wrapping_mul(GOLDEN));
+        ((z >> 11) as f64 / (1u64 << 53) as f64) < self.p
+    }
+
     /// x with the next mask applied when `train`; x unchanged otherwise (or when `p` is 0).
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         if !train || self.p == 0.0 {

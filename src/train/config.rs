@@ -143,6 +143,9 @@ section! {
         alpha: f64 = 16.0,
         /// Dropout on the adapter's input while training, in [0, 1) (lora and dora).
         dropout: f64 = 0.0,
+        /// The probability of skipping a layer's adapter for a whole micro-batch while
+        /// training (kohya's and LyCORIS's module_dropout), in [0, 1) (lora and dora).
+        module_dropout: f64 = 0.0,
         /// Layer path patterns (`*` matches any run of characters), in the model's original
         /// key names, e.g. "double_blocks.*.img_attn.qkv".
         targets: Vec<String>,
@@ -623,6 +626,21 @@ impl TrainConfig {
             ),
         );
         c.check(
+            (0.0..1.0).contains(&a.module_dropout),
+            "adapter.module_dropout",
+            format!("{}: must be in [0, 1)", a.module_dropout),
+        );
+        c.check(
+            a.module_dropout == 0.0
+                || crate::nn::adapter::kind(&a.kind).map_or(true, |k| k.dropout),
+            "adapter.module_dropout",
+            format!(
+                "{}: module dropout applies to {}",
+                a.module_dropout,
+                crate::nn::adapter::dropout_kinds()
+            ),
+        );
+        c.check(
             a.factor == -1 || a.factor > 0,
             "adapter.factor",
             format!("{}: -1 (balanced) or a positive divisor", a.factor),
@@ -872,6 +890,7 @@ impl TrainConfig {
             rank: a.rank,
             alpha: a.alpha,
             dropout: a.dropout,
+            module_dropout: a.module_dropout,
             targets: a.targets.clone(),
             seed: self.train.seed,
             conv_rank: a.conv_rank,
@@ -1008,6 +1027,11 @@ impl TrainConfig {
         let extra = [
             ("adapter.kind", a.kind != "lora", show(&a.kind)),
             ("adapter.conv_rank", a.conv_rank != 0, show(&a.conv_rank)),
+            (
+                "adapter.module_dropout",
+                a.module_dropout != 0.0,
+                show(&a.module_dropout),
+            ),
             (
                 "adapter.conv_alpha",
                 a.conv_alpha != 1.0,

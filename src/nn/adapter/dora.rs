@@ -198,6 +198,9 @@ impl Adapter for Dora {
         let [down, up, m] = p else {
             return Err(Error::Autograd("dora: expected 3 parameters".into()));
         };
+        if self.lora.dropped() {
+            return Ok(y);
+        }
         let scale = self.scale(base, down, up, m)?;
         let scale = self.lora.shape.per_channel(&cast(&scale, &y)?)?;
         self.lora.add_term(y, x, down, up)?.mul(&scale)

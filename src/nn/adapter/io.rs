@@ -398,19 +398,26 @@ impl Adapters {
             ("flame_targets".to_string(), c.targets.join(",")),
         ]);
         let kind = super::kind(&c.kind)?;
+        // The network args as kohya's scripts record them: strings by name.
+        let mut args = vec![];
         if kind.plain_kohya && c.conv_rank == 0 {
             meta.insert("ss_network_module".into(), "networks.lora".into());
         } else {
             // LyCORIS's kohya wrapper records its algorithm in the network args.
-            let algo = kind.lycoris_algo;
             meta.insert("ss_network_module".into(), "lycoris.kohya".into());
-            meta.insert(
-                "ss_network_args".into(),
-                format!(
-                    "{{\"algo\": \"{algo}\", \"conv_dim\": \"{}\", \"conv_alpha\": \"{}\"}}",
-                    c.conv_rank, c.conv_alpha
-                ),
-            );
+            args.push(("algo", kind.lycoris_algo.to_string()));
+            args.push(("conv_dim", c.conv_rank.to_string()));
+            args.push(("conv_alpha", c.conv_alpha.to_string()));
+        }
+        if c.module_dropout > 0.0 {
+            args.push(("module_dropout", c.module_dropout.to_string()));
+        }
+        if !args.is_empty() {
+            let body: Vec<String> = args
+                .iter()
+                .map(|(k, v)| format!("\"{k}\": \"{v}\""))
+                .collect();
+            meta.insert("ss_network_args".into(), format!("{{{}}}", body.join(", ")));
         }
         save_with_metadata(tensors.iter().map(|(k, t)| (k.as_str(), t)), &meta, path)
     }

@@ -98,6 +98,8 @@ pub struct Lora {
     /// The term is scaled by alpha / rank.
     pub alpha: f64,
     dropout: Dropout,
+    /// Skips the whole term for a micro-batch (`AdapterConfig::module_dropout`).
+    module: Dropout,
     train: Arc<AtomicBool>,
 }
 
@@ -127,6 +129,7 @@ impl Lora {
             up: zeros(&up_dims, p.device)?,
             alpha: p.alpha,
             dropout: Dropout::new(p.config.dropout, p.seed.rotate_left(17))?,
+            module: Dropout::new(p.config.module_dropout, p.seed.rotate_left(29))?,
             train: p.train.clone(),
         })
     }
@@ -139,6 +142,11 @@ impl Lora {
     /// alpha / rank.
     pub fn scale(&self) -> f64 {
         self.alpha / self.rank() as f64
+    }
+
+    /// Whether module dropout skips the adapter in this forward (training only).
+    pub(super) fn dropped(&self) -> bool {
+        self.module.drops(self.train.load(Ordering::Relaxed))
     }
 
     /// `y` plus the adapter's term s · B(A(dropout(x))) with `down`, `up` in place of its
@@ -281,6 +289,9 @@ impl Adapter for Lora {
         let [down, up] = p else {
             return Err(Error::Autograd("lora: expected 2 parameters".into()));
         };
+        if self.dropped() {
+            return Ok(y);
+        }
         self.add_term(y, x, down, up)
     }
 
@@ -316,8 +327,9 @@ impl Adapter for Lora {
     }
 
     fn set_batch(&self, step: u64, micro: u64, part: BatchPart) {
-        self.dropout
-            .set_calls((step << 24) | ((micro & 0xFFF) << 12));
+        let calls = (step << 24) | ((micro & 0xFFF) << 12);
+        self.dropout.set_calls(calls);
+        self.module.set_calls(calls);
         self.dropout.set_part(part);
     }
 }

@@ -416,6 +416,9 @@ pub struct AdapterConfig {
     pub alpha: f64,
     /// Dropout on the adapter's input while training (LoRA and DoRA).
     pub dropout: f64,
+    /// The probability of skipping a layer's adapter for a whole micro-batch while training
+    /// (kohya's and LyCORIS's `module_dropout`), in [0, 1); the kinds that take dropout.
+    pub module_dropout: f64,
     /// Key path patterns (`*` matches any run of characters, dots included).
     pub targets: Vec<String>,
     /// Seed of the initial values (mixed with each layer's path) and of the dropout.
@@ -456,6 +459,7 @@ impl From<LoraConfig> for AdapterConfig {
             rank: c.rank,
             alpha: c.alpha,
             dropout: c.dropout,
+            module_dropout: 0.0,
             targets: c.targets,
             seed: c.seed,
             conv_rank: 0,
@@ -483,6 +487,20 @@ impl AdapterConfig {
             return bad(format!(
                 "adapter.dropout = {}: input dropout applies to {}, not {}",
                 self.dropout,
+                dropout_kinds(),
+                kind.name
+            ));
+        }
+        if !(0.0..1.0).contains(&self.module_dropout) {
+            return bad(format!(
+                "adapter.module_dropout {} is not in [0, 1)",
+                self.module_dropout
+            ));
+        }
+        if self.module_dropout > 0.0 && !kind.dropout {
+            return bad(format!(
+                "adapter.module_dropout = {}: module dropout applies to {}, not {}",
+                self.module_dropout,
                 dropout_kinds(),
                 kind.name
             ));

@@ -68,6 +68,7 @@ fn config(kind: &str) -> AdapterConfig {
         alpha,
         dropout: 0.0,
         module_dropout: 0.0,
+        rank_dropout: 0.0,
         targets: MODULES.iter().map(|s| s.to_string()).collect(),
         seed: 1,
         conv_rank: r,
@@ -637,6 +638,7 @@ fn conv_adapters_train_on_sdxl() {
             alpha: 2.0,
             dropout: 0.0,
             module_dropout: 0.0,
+            rank_dropout: 0.0,
             targets: vec!["input_blocks.*".into(), "output_blocks.*".into()],
             seed: 3,
             conv_rank: 2,
@@ -1082,4 +1084,78 @@ fn module_dropout_skips_whole_adapters_for_some_micro_batches_in_training_only()
     .unwrap_err()
     .to_string();
     assert!(e.contains("module_dropout"), "{e}");
+}
+
+/// Rank dropout (`AdapterConfig::rank_dropout`, kohya's): while training, each row of the
+/// down-projection's output keeps each rank component with probability 1 - p, scaled by
+/// 1 / (1 - p); the same step draws the same mask again, and outside training nothing is
+/// dropped. Checked on every row by finding the mask in {0, 2}^r that gives its term.
+#[test]
+fn rank_dropout_keeps_each_rank_component_of_a_row_or_drops_it_in_training_only() {
+    let a = Adapters::new(AdapterConfig {
+        rank_dropout: 0.5,
+        ..config("lora")
+    })
+    .unwrap();
+    let m = model(&a, DType::F32);
+    perturb(&a, 13);
+    let rows = 3;
+    let x = Tensor::randn((rows, 12), DType::F32, &CPU, 6).unwrap();
+    let base = {
+        let vb =
+            VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU).unwrap();
+        Linear::new(&vb.pp("lin"), 12, 10, true)
+            .unwrap()
+            .forward(&x)
+            .unwrap()
+    };
+    let lin = a
+        .layers()
+        .unwrap()
+        .into_iter()
+        .find(|l| l.path() == "lin")
+        .unwrap();
+    let p = lin.params();
+    let (down, up) = (&p[0].1, &p[1].1);
+    let r = down.dims()[0];
+    let s = a.config.alpha / r as f64;
+    // u = A x per row (rows, r), and each rank component's column s B[:, k].
+    let u = x.matmul(&down.t().unwrap()).unwrap().to_vec_f64().unwrap();
+    let b = up.to_vec_f64().unwrap();
+    a.set_train(false);
+    let adapted = m.lin.forward(&x).unwrap();
+    let masks = |step: u64| -> Vec<Vec<bool>> {
+        a.set_step(step).unwrap();
+        a.set_train(true);
+        let y = m.lin.forward(&x).unwrap();
+        a.set_train(false);
+        let term = y.sub(&base).unwrap().to_vec_f64().unwrap();
+        (0..rows)
+            .map(|i| {
+                let fits = |mask: usize| {
+                    (0..10).all(|j| {
+                        let want: f64 = (0..r)
+                            .filter(|k| mask >> k & 1 == 1)
+                            .map(|k| 2.0 * u[i * r + k] * s * b[j * r + k])
+                            .sum();
+                        (term[i * 10 + j] - want).abs() < 1e-4
+                    })
+                };
+                let mask = (0..1usize << r)
+                    .find(|&mk| fits(mk))
+                    .unwrap_or_else(|| panic!("step {step} row {i}: no mask gives its term"));
+                (0..r).map(|k| mask >> k & 1 == 1).collect()
+            })
+            .collect()
+    };
+    let first: Vec<_> = (0..20).map(masks).collect();
+    let kept = first.iter().flatten().flatten().filter(|k| **k).count();
+    let all = 20 * rows * r;
+    assert!(
+        kept > all / 4 && kept < 3 * all / 4,
+        "{kept} of {all} kept at p = 0.5"
+    );
+    let again: Vec<_> = (0..20).map(masks).collect();
+    assert_eq!(first, again, "the same steps draw the same masks");
+    assert!(rel(&m.lin.forward(&x).unwrap(), &adapted) < 1e-7);
 }

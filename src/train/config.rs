@@ -146,6 +146,10 @@ section! {
         /// The probability of skipping a layer's adapter for a whole micro-batch while
         /// training (kohya's and LyCORIS's module_dropout), in [0, 1) (lora and dora).
         module_dropout: f64 = 0.0,
+        /// The probability of zeroing each rank component of a sample's down-projection
+        /// while training, the rest scaled by 1 / (1 - p) (kohya's rank_dropout), in [0, 1)
+        /// (lora and dora).
+        rank_dropout: f64 = 0.0,
         /// Layer path patterns (`*` matches any run of characters), in the model's original
         /// key names, e.g. "double_blocks.*.img_attn.qkv".
         targets: Vec<String>,
@@ -625,21 +629,21 @@ impl TrainConfig {
                 crate::nn::adapter::dropout_kinds()
             ),
         );
-        c.check(
-            (0.0..1.0).contains(&a.module_dropout),
-            "adapter.module_dropout",
-            format!("{}: must be in [0, 1)", a.module_dropout),
-        );
-        c.check(
-            a.module_dropout == 0.0
-                || crate::nn::adapter::kind(&a.kind).map_or(true, |k| k.dropout),
-            "adapter.module_dropout",
-            format!(
-                "{}: module dropout applies to {}",
-                a.module_dropout,
-                crate::nn::adapter::dropout_kinds()
-            ),
-        );
+        for (key, p) in [
+            ("adapter.module_dropout", a.module_dropout),
+            ("adapter.rank_dropout", a.rank_dropout),
+        ] {
+            c.check(
+                (0.0..1.0).contains(&p),
+                key,
+                format!("{p}: must be in [0, 1)"),
+            );
+            c.check(
+                p == 0.0 || crate::nn::adapter::kind(&a.kind).map_or(true, |k| k.dropout),
+                key,
+                format!("{p}: applies to {}", crate::nn::adapter::dropout_kinds()),
+            );
+        }
         c.check(
             a.factor == -1 || a.factor > 0,
             "adapter.factor",
@@ -891,6 +895,7 @@ impl TrainConfig {
             alpha: a.alpha,
             dropout: a.dropout,
             module_dropout: a.module_dropout,
+            rank_dropout: a.rank_dropout,
             targets: a.targets.clone(),
             seed: self.train.seed,
             conv_rank: a.conv_rank,
@@ -1031,6 +1036,11 @@ impl TrainConfig {
                 "adapter.module_dropout",
                 a.module_dropout != 0.0,
                 show(&a.module_dropout),
+            ),
+            (
+                "adapter.rank_dropout",
+                a.rank_dropout != 0.0,
+                show(&a.rank_dropout),
             ),
             (
                 "adapter.conv_alpha",

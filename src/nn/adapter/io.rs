@@ -412,6 +412,9 @@ impl Adapters {
         if c.module_dropout > 0.0 {
             args.push(("module_dropout", c.module_dropout.to_string()));
         }
+        if c.rank_dropout > 0.0 {
+            args.push(("rank_dropout", c.rank_dropout.to_string()));
+        }
         if !args.is_empty() {
             let body: Vec<String> = args
                 .iter()

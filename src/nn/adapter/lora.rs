@@ -100,6 +100,8 @@ pub struct Lora {
     dropout: Dropout,
     /// Skips the whole term for a micro-batch (`AdapterConfig::module_dropout`).
     module: Dropout,
+    /// Drops rank components per sample (`AdapterConfig::rank_dropout`).
+    rank_drop: Dropout,
     train: Arc<AtomicBool>,
 }
 
@@ -130,6 +132,7 @@ impl Lora {
             alpha: p.alpha,
             dropout: Dropout::new(p.config.dropout, p.seed.rotate_left(17))?,
             module: Dropout::new(p.config.module_dropout, p.seed.rotate_left(29))?,
+            rank_drop: Dropout::new(p.config.rank_dropout, p.seed.rotate_left(41))?,
             train: p.train.clone(),
         })
     }
@@ -142,6 +145,27 @@ impl Lora {
     /// alpha / rank.
     pub fn scale(&self) -> f64 {
         self.alpha / self.rank() as f64
+    }
+
+    /// `h` (the down-projection's output: (samples, ..., r), or a convolution's (N, r, H, W))
+    /// with rank dropout applied while training: each sample's rank components zeroed with
+    /// probability p and the rest scaled by 1 / (1 - p) (kohya's `rank_dropout`), the mask
+    /// drawn for the global batch (`Dropout::forward` over a ones tensor of the mask's shape).
+    fn rank_mask(&self, h: Tensor) -> Result<Tensor> {
+        let train = self.train.load(Ordering::Relaxed);
+        if !train || self.rank_drop.p == 0.0 {
+            return Ok(h);
+        }
+        let d = h.dims();
+        let r = self.rank();
+        let mut dims = vec![1; d.len()];
+        dims[0] = d[0];
+        match self.shape {
+            LayerShape::Linear { .. } => dims[d.len() - 1] = r,
+            LayerShape::Conv2d { .. } => dims[1] = r,
+        }
+        let ones = Tensor::ones(dims, h.dtype(), h.device())?;
+        h.mul(&self.rank_drop.forward(&ones, true)?)
     }
 
     /// Whether module dropout skips the adapter in this forward (training only).
@@ -163,6 +187,7 @@ impl Lora {
             .dropout
             .forward(x, self.train.load(Ordering::Relaxed))?;
         let h = self.shape.apply(&x, &cast(down, &x)?)?;
+        let h = self.rank_mask(h)?;
         // s folded into B (out x r) rather than applied to the product (rows x out): one
         // pass over the layer's output fewer, forward and backward.
         let s = self.scale();
@@ -330,6 +355,8 @@ impl Adapter for Lora {
         let calls = (step << 24) | ((micro & 0xFFF) << 12);
         self.dropout.set_calls(calls);
         self.module.set_calls(calls);
+        self.rank_drop.set_calls(calls);
         self.dropout.set_part(part);
+        self.rank_drop.set_part(part);
     }
 }

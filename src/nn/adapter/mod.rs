@@ -419,6 +419,10 @@ pub struct AdapterConfig {
     /// The probability of skipping a layer's adapter for a whole micro-batch while training
     /// (kohya's and LyCORIS's `module_dropout`), in [0, 1); the kinds that take dropout.
     pub module_dropout: f64,
+    /// The probability of zeroing each rank component of a sample's down-projection while
+    /// training, the rest scaled by 1 / (1 - p) (kohya's `rank_dropout`), in [0, 1); the kinds
+    /// that take dropout.
+    pub rank_dropout: f64,
     /// Key path patterns (`*` matches any run of characters, dots included).
     pub targets: Vec<String>,
     /// Seed of the initial values (mixed with each layer's path) and of the dropout.
@@ -460,6 +464,7 @@ impl From<LoraConfig> for AdapterConfig {
             alpha: c.alpha,
             dropout: c.dropout,
             module_dropout: 0.0,
+            rank_dropout: 0.0,
             targets: c.targets,
             seed: c.seed,
             conv_rank: 0,
@@ -491,19 +496,20 @@ impl AdapterConfig {
                 kind.name
             ));
         }
-        if !(0.0..1.0).contains(&self.module_dropout) {
-            return bad(format!(
-                "adapter.module_dropout {} is not in [0, 1)",
-                self.module_dropout
-            ));
-        }
-        if self.module_dropout > 0.0 && !kind.dropout {
-            return bad(format!(
-                "adapter.module_dropout = {}: module dropout applies to {}, not {}",
-                self.module_dropout,
-                dropout_kinds(),
-                kind.name
-            ));
+        for (name, p) in [
+            ("module_dropout", self.module_dropout),
+            ("rank_dropout", self.rank_dropout),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return bad(format!("adapter.{name} {p} is not in [0, 1)"));
+            }
+            if p > 0.0 && !kind.dropout {
+                return bad(format!(
+                    "adapter.{name} = {p}: it applies to {}, not {}",
+                    dropout_kinds(),
+                    kind.name
+                ));
+            }
         }
         for (name, a) in [("alpha", self.alpha), ("conv_alpha", self.conv_alpha)] {
             if !a.is_finite() || a <= 0.0 {

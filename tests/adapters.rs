@@ -935,7 +935,7 @@ fn peft_rank_and_alpha_patterns_and_rslora_scale_each_module() {
     // The sample binary's merge reads the same scale (Linear layers).
     let merge = flame::nn::LoraMerge::open(&file, 1.0, "base_model.model").unwrap();
     let w = base["lin.weight"].to_dtype(DType::F32).unwrap();
-    let d = merge.delta_for("lin.weight", &w, &CPU).unwrap().unwrap();
+    let d = merge.delta_for("lin.weight", &w).unwrap().unwrap();
     let e = rel(&d.to_dtype(DType::F64).unwrap(), &want_lin);
     assert!(e < 1e-6, "merge with patterns: lin off by {e:e}");
 
@@ -982,7 +982,7 @@ fn peft_made_pattern_and_rslora_files_compute_what_peft_merged() {
         }
         let merge = flame::nn::LoraMerge::open(&file, 1.0, "base_model.model").unwrap();
         let w = base["lin.weight"].to_dtype(DType::F32).unwrap();
-        let got = merge.delta_for("lin.weight", &w, &CPU).unwrap().unwrap();
+        let got = merge.delta_for("lin.weight", &w).unwrap().unwrap();
         let e = rel(&got.to_dtype(DType::F64).unwrap(), &want["delta.lin"]);
         assert!(e < 1e-6, "{case}: the merge's lin off by {e:e}");
     }
@@ -1033,6 +1033,15 @@ fn lycoris_tucker_dora_and_bias_files_merge_as_lycoris_computes_them() {
     }
 }
 
+/// The fixture's Linear without an adapter, on `x`.
+fn base_lin(x: &Tensor) -> Tensor {
+    let vb = VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU).unwrap();
+    Linear::new(&vb.pp("lin"), 12, 10, true)
+        .unwrap()
+        .forward(x)
+        .unwrap()
+}
+
 /// Module dropout (`AdapterConfig::module_dropout`, kohya's and LyCORIS's) skips a layer's
 /// whole adapter for some micro-batches while training, the same ones again for the same
 /// step and micro-batch, and never outside training; the others compute the adapter as
@@ -1047,14 +1056,7 @@ fn module_dropout_skips_whole_adapters_for_some_micro_batches_in_training_only()
     let m = model(&a, DType::F32);
     perturb(&a, 11);
     let x = Tensor::randn((3, 12), DType::F32, &CPU, 5).unwrap();
-    let base = {
-        let vb =
-            VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU).unwrap();
-        Linear::new(&vb.pp("lin"), 12, 10, true)
-            .unwrap()
-            .forward(&x)
-            .unwrap()
-    };
+    let base = base_lin(&x);
     a.set_train(false);
     let adapted = m.lin.forward(&x).unwrap();
     assert!(rel(&adapted, &base) > 1e-3, "the adapter changes nothing");
@@ -1101,14 +1103,7 @@ fn rank_dropout_keeps_each_rank_component_of_a_row_or_drops_it_in_training_only(
     perturb(&a, 13);
     let rows = 3;
     let x = Tensor::randn((rows, 12), DType::F32, &CPU, 6).unwrap();
-    let base = {
-        let vb =
-            VarBuilder::from_files(&[dir().join("base.safetensors")], DType::F32, &CPU).unwrap();
-        Linear::new(&vb.pp("lin"), 12, 10, true)
-            .unwrap()
-            .forward(&x)
-            .unwrap()
-    };
+    let base = base_lin(&x);
     let lin = a
         .layers()
         .unwrap()

@@ -22,7 +22,7 @@
 //! (out, in · kh · kw) and shaped as the weight.
 //!
 //! LyCORIS's Tucker forms (`lora_mid`, `hada_t1`/`hada_t2`, `lokr_t2`) and full
-//! fine-tuning's bias changes (`diff_b`, [`LoraMerge::bias_delta`]) merge too.
+//! fine-tuning's bias changes (`diff_b`) merge too.
 //!
 //! Every tensor of the file must be taken by some layer: a file for another model, or an
 //! adapter form FLAME does not merge (LyCORIS's DoRA on LoKr or LoHa, its other algorithms), is
@@ -31,7 +31,7 @@
 use super::adapter::{kohya_name, MergeLayer, PeftScales, KINDS};
 use super::params::{KeyMap, KeySource};
 use crate::safetensors::SafeTensorsFile;
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -100,34 +100,20 @@ impl LoraMerge {
     }
 
     /// The change the file's tensors under `name` stand for, by the first kind that finds
-    /// its tensors there (`KINDS`), at strength 1: the matrix (out, in · kh · kw).
-    fn by_kind(&self, name: String, w: &Tensor, default_scale: f64) -> Result<Option<Tensor>> {
+    /// its tensors there (`KINDS`; `Kind::merge_bias` for a bias), at strength 1: the matrix
+    /// (out, in · kh · kw), or the bias's shape.
+    fn by_kind(
+        &self,
+        name: String,
+        w: &Tensor,
+        default_scale: f64,
+        bias: bool,
+    ) -> Result<Option<Tensor>> {
         let layer = MergeLayer::new(&self.file, &self.used, name, w, default_scale);
         for kind in KINDS {
-            if let Some(d) = (kind.merge)(&layer)? {
+            let merge = if bias { kind.merge_bias } else { kind.merge };
+            if let Some(d) = merge(&layer)? {
                 return Ok(Some(d));
-            }
-        }
-        Ok(None)
-    }
-
-    /// The update at strength to add to the bias `b` at model key `key` (`<layer>.bias`)
-    /// where the file changes it (full fine-tuning's `diff_b`), under the kohya names or
-    /// the PEFT names on the original keys; f32, on `b`'s device.
-    pub fn bias_delta(&self, key: &str, b: &Tensor) -> Result<Option<Tensor>> {
-        let Some(path) = key.strip_suffix(".bias") else {
-            return Ok(None);
-        };
-        for name in [
-            kohya_name(path),
-            format!("diffusion_model.{path}"),
-            path.to_string(),
-        ] {
-            let layer = MergeLayer::new(&self.file, &self.used, name, b, 1.0);
-            for kind in KINDS {
-                if let Some(d) = (kind.merge_bias)(&layer)? {
-                    return d.affine(self.strength, 0.0).map(Some);
-                }
             }
         }
         Ok(None)
@@ -139,38 +125,44 @@ impl LoraMerge {
         self.peft.as_ref().map_or(1.0, |p| p.of(module))
     }
 
-    /// The update at strength to add to the weight `w` (out, in) or (out, in, kh, kw) at
-    /// model key `key` when the file adapts its layer, f32, on `w`'s device; every kind
-    /// computes its change as it does for its own adapters (`Kind::merge`). The file's
-    /// names are tried in turn: kohya's (`lora_unet_…`), PEFT names on the original keys
-    /// (with or without `diffusion_model.`), then the diffusers layout, one set of tensors
-    /// per diffusers part of the layer, read through the map of
-    /// [`set_diffusers_map`](Self::set_diffusers_map) (without one, model keys are taken as
-    /// diffusers keys). A part the file leaves out is left unchanged.
-    pub fn delta_for(&self, key: &str, w: &Tensor, _device: &Device) -> Result<Option<Tensor>> {
+    /// The update at strength to add to the tensor `w` at model key `key` when the file
+    /// changes it, f32, on `w`'s device: a weight (out, in) or (out, in, kh, kw) of a layer
+    /// the file adapts, every kind computing its change as it does for its own adapters
+    /// (`Kind::merge`), or a bias (`<layer>.bias`) the file changes (`Kind::merge_bias`: full
+    /// fine-tuning's `diff_b`). The file's names are tried in turn: kohya's (`lora_unet_…`),
+    /// PEFT names on the original keys (with or without `diffusion_model.`), then, for
+    /// weights, the diffusers layout, one set of tensors per diffusers part of the layer,
+    /// read through the map of [`set_diffusers_map`](Self::set_diffusers_map) (without one,
+    /// model keys are taken as diffusers keys). A part the file leaves out is left unchanged.
+    pub fn delta_for(&self, key: &str, w: &Tensor) -> Result<Option<Tensor>> {
         let dims = w.dims().to_vec();
-        let (out, cols) = match *dims.as_slice() {
-            [o, i] => (o, i),
-            [o, i, kh, kw] => (o, i * kh * kw),
+        let (path, bias) = match (key.strip_suffix(".weight"), key.strip_suffix(".bias")) {
+            (Some(p), _) if matches!(dims.len(), 2 | 4) => (p, false),
+            (_, Some(p)) if dims.len() == 1 => (p, true),
             _ => return Ok(None),
-        };
-        let Some(path) = key.strip_suffix(".weight") else {
-            return Ok(None);
         };
         let finish = |d: Tensor| {
             d.affine(self.strength, 0.0)?
                 .reshape(dims.clone())
                 .map(Some)
         };
-        if let Some(d) = self.by_kind(kohya_name(path), w, 1.0)? {
-            return finish(d);
-        }
-        for name in [format!("diffusion_model.{path}"), path.to_string()] {
-            let scale = self.peft_scale(&name);
-            if let Some(d) = self.by_kind(name, w, scale)? {
+        let whole = [
+            (kohya_name(path), 1.0),
+            (
+                format!("diffusion_model.{path}"),
+                self.peft_scale(&format!("diffusion_model.{path}")),
+            ),
+            (path.to_string(), self.peft_scale(path)),
+        ];
+        for (name, scale) in whole {
+            if let Some(d) = self.by_kind(name, w, scale, bias)? {
                 return finish(d);
             }
         }
+        if bias {
+            return Ok(None);
+        }
+        let (out, cols) = (dims[0], dims[1..].iter().product::<usize>());
         // Halves swapped between FLAME's rows and diffusers' (an even count of rows).
         let swap = |t: Tensor| -> Result<Tensor> {
             let h = t.dims()[0] / 2;
@@ -193,7 +185,7 @@ impl LoraMerge {
             for p in &self.prefixes {
                 let name = format!("{p}.{module}");
                 let scale = self.peft_scale(&name);
-                if let Some(d) = self.by_kind(name, &part, scale)? {
+                if let Some(d) = self.by_kind(name, &part, scale, false)? {
                     found = Some(d);
                     break;
                 }

@@ -578,33 +578,21 @@ impl VarBuilder {
             .contiguous()?
             .detach()
         };
-        // Linear weights and convolutions' (out, in, kh, kw).
-        let t = match (&self.shared.merge, t.dims().len()) {
-            (Some(m), 2 | 4) => {
-                let dev = &self.shared.device;
-                match m.delta_for(&key, &t, dev)? {
-                    Some(d) => {
-                        let _g = crate::no_grad();
-                        t.to_dtype(DType::F32)?
-                            .add(&d)?
-                            .to_dtype(self.shared.dtype)?
-                            .detach()
-                    }
-                    None => t,
-                }
+        // Linear weights and convolutions' (out, in, kh, kw), and biases (full fine-tuning's
+        // `diff_b`).
+        let delta = match &self.shared.merge {
+            Some(m) => m.delta_for(&key, &t)?,
+            None => None,
+        };
+        let t = match delta {
+            Some(d) => {
+                let _g = crate::no_grad();
+                t.to_dtype(DType::F32)?
+                    .add(&d)?
+                    .to_dtype(self.shared.dtype)?
+                    .detach()
             }
-            // Biases: full fine-tuning's `diff_b`.
-            (Some(m), 1) => match m.bias_delta(&key, &t)? {
-                Some(d) => {
-                    let _g = crate::no_grad();
-                    t.to_dtype(DType::F32)?
-                        .add(&d)?
-                        .to_dtype(self.shared.dtype)?
-                        .detach()
-                }
-                None => t,
-            },
-            _ => t,
+            None => t,
         };
         let mut used = self
             .shared

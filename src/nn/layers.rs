@@ -430,8 +430,25 @@ impl Dropout {
 
     /// x with the next mask applied when `train`; x unchanged otherwise (or when `p` is 0).
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        match self.mask(x.shape().clone(), x.dtype(), x.device(), train)? {
+            Some(m) => x.mul(&m),
+            None => Ok(x.clone()),
+        }
+    }
+
+    /// The next mask for a tensor of `shape` when `train` and `p` > 0: 0 where dropped,
+    /// 1 / (1 - p) where kept, its first axis samples of the global batch as
+    /// [`Dropout::forward`] draws them. Broadcast against a larger tensor, it drops whole
+    /// slices (a sample's rank components, say).
+    pub fn mask(
+        &self,
+        shape: crate::Shape,
+        dtype: crate::DType,
+        device: &crate::Device,
+        train: bool,
+    ) -> Result<Option<Tensor>> {
         if !train || self.p == 0.0 {
-            return Ok(x.clone());
+            return Ok(None);
         }
         // Through the autograd's draw log, so a checkpointed block's re-run repeats the mask.
         let k = crate::autograd::next_draw(&self.calls);
@@ -441,19 +458,19 @@ impl Dropout {
             .part
             .each_ref()
             .map(|a| a.load(Ordering::Relaxed) as usize);
-        let n = x.dims().first().copied().unwrap_or(1);
+        let n = shape.dims().first().copied().unwrap_or(1);
         let u = if len > 0 && global != len && n % len == 0 {
             // x's first dim is `len` samples of n / len rows each (batch outermost): draw
             // the global batch's mask and keep this part's rows.
             let per = n / len;
-            let mut dims = x.dims().to_vec();
+            let mut dims = shape.dims().to_vec();
             dims[0] = per * global;
-            Tensor::rand(dims, x.dtype(), x.device(), z)?.narrow(0, per * start, per * len)?
+            Tensor::rand(dims, dtype, device, z)?.narrow(0, per * start, per * len)?
         } else {
-            Tensor::rand(x.shape().clone(), x.dtype(), x.device(), z)?
+            Tensor::rand(shape, dtype, device, z)?
         };
         let keep = u.cmp_scalar(self.p, crate::CmpOp::Ge)?;
-        x.mul(&keep)?.affine(1.0 / (1.0 - self.p), 0.0)
+        keep.affine(1.0 / (1.0 - self.p), 0.0).map(Some)
     }
 }
 

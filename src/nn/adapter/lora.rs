@@ -150,22 +150,23 @@ impl Lora {
     /// `h` (the down-projection's output: (samples, ..., r), or a convolution's (N, r, H, W))
     /// with rank dropout applied while training: each sample's rank components zeroed with
     /// probability p and the rest scaled by 1 / (1 - p) (kohya's `rank_dropout`), the mask
-    /// drawn for the global batch (`Dropout::forward` over a ones tensor of the mask's shape).
+    /// drawn for the global batch (`Dropout::mask`, broadcast over the other axes).
     fn rank_mask(&self, h: Tensor) -> Result<Tensor> {
-        let train = self.train.load(Ordering::Relaxed);
-        if !train || self.rank_drop.p == 0.0 {
-            return Ok(h);
-        }
         let d = h.dims();
-        let r = self.rank();
         let mut dims = vec![1; d.len()];
         dims[0] = d[0];
         match self.shape {
-            LayerShape::Linear { .. } => dims[d.len() - 1] = r,
-            LayerShape::Conv2d { .. } => dims[1] = r,
+            LayerShape::Linear { .. } => dims[d.len() - 1] = self.rank(),
+            LayerShape::Conv2d { .. } => dims[1] = self.rank(),
         }
-        let ones = Tensor::ones(dims, h.dtype(), h.device())?;
-        h.mul(&self.rank_drop.forward(&ones, true)?)
+        let train = self.train.load(Ordering::Relaxed);
+        match self
+            .rank_drop
+            .mask(dims.into(), h.dtype(), h.device(), train)?
+        {
+            Some(m) => h.mul(&m),
+            None => Ok(h),
+        }
     }
 
     /// Whether module dropout skips the adapter in this forward (training only).

@@ -250,6 +250,17 @@ fn tiny_with_kind(
     (l.model, adapters, l.key_map)
 }
 
+/// `adapters` saved under `d` in the kohya and the PEFT layouts: (kohya file, PEFT file).
+fn save_both(adapters: &Adapters, map: &flame::nn::KeyMap, d: &Path) -> (PathBuf, PathBuf) {
+    let kohya = d.join("kohya.safetensors");
+    adapters.save_kohya(&kohya, DType::F32).unwrap();
+    let peft = d.join("peft.safetensors");
+    adapters
+        .save_peft(&peft, map, "transformer", DType::F32)
+        .unwrap();
+    (kohya, peft)
+}
+
 fn predict(m: &dyn models::DiffusionModel) -> Vec<f32> {
     let dev = Device::Cpu;
     let x = Tensor::randn((1, 4, 8, 8), DType::F32, &dev, 1).unwrap();
@@ -290,12 +301,7 @@ fn dora_files_on_fused_layers_merge_as_the_adapters_compute() {
         max_diff(&predict(lora.as_ref()), &want) > 1e-4,
         "DoRA computes what LoRA does"
     );
-    let kohya = d.join("kohya.safetensors");
-    adapters.save_kohya(&kohya, DType::F32).unwrap();
-    let peft = d.join("peft.safetensors");
-    adapters
-        .save_peft(&peft, &map, "transformer", DType::F32)
-        .unwrap();
+    let (kohya, peft) = save_both(&adapters, &map, &d);
     let names = flame::safetensors::load(&peft, &Device::Cpu).unwrap();
     assert!(
         names.contains_key("transformer.transformer_blocks.0.attn.to_k.lora_magnitude_vector"),
@@ -329,12 +335,7 @@ fn lora_files_merge_into_the_weights_as_the_adapters_compute() {
     };
     assert!(max_diff(&base, &want) > 1e-3, "the adapters change nothing");
 
-    let kohya = d.join("kohya.safetensors");
-    adapters.save_kohya(&kohya, DType::F32).unwrap();
-    let peft = d.join("peft.safetensors");
-    adapters
-        .save_peft(&peft, &map, "transformer", DType::F32)
-        .unwrap();
+    let (kohya, peft) = save_both(&adapters, &map, &d);
     for f in [&kohya, &peft] {
         let got = merged(&model, f, 1.0).unwrap();
         let e = max_diff(&got, &want);

@@ -358,6 +358,8 @@ fn run<M: ModelSpec>(
     // its backward (`DiffusionModel::prepare`: the host products are computed ahead);
     // `--no-prepare` leaves them to the forward.
     let announce = streamer.is_some() && !args.flag("--no-prepare");
+    // Steps run in all (the warm-up, the timed ones and any `--phases` or probe step).
+    let steps_run = std::cell::Cell::new(0u32);
     // The host's time to issue the forward (from the timestep draw), then the backward and
     // the optimizer update (from after the probe's queue) (for `--host-probe`).
     let marks = std::cell::Cell::new([0.0f64; 3]);
@@ -402,6 +404,7 @@ fn run<M: ModelSpec>(
         Ok((out, target))
     };
     let mut step = || -> Result<f64> {
+        steps_run.set(steps_run.get() + 1);
         let mut m = [0.0; 3];
         let issued = std::time::Instant::now();
         let (out, target) = forward()?;
@@ -436,11 +439,9 @@ fn run<M: ModelSpec>(
     };
     let first = step()?;
     cuda.synchronize()?;
-    // The host products' counters after the warm-up, to report the timed steps alone.
-    let host_before = match &streamer {
-        Some(s) => s.report()?.host,
-        None => Default::default(),
-    };
+    // The streamer's counters after the warm-up, to report the timed steps alone (the
+    // warm-up's forward finds no block carried over; `--phases` and the probes run more).
+    let stream_before = streamer.as_ref().map(|s| s.report()).transpose()?;
     cuda.reset_peak_memory();
     let mut losses = vec![first];
     let (evictions, flushes, overflows) = (
@@ -466,10 +467,7 @@ fn run<M: ModelSpec>(
         losses.push(step()?);
         Ok(())
     })? * 1e3;
-    let host_after = match &streamer {
-        Some(s) => s.report()?.host,
-        None => Default::default(),
-    };
+    let stream_after = streamer.as_ref().map(|s| s.report()).transpose()?;
     sampling.store(false, Ordering::Relaxed);
     let driver_peak = sampler.join().unwrap_or(0);
     let per_step = |n: u64| n as f64 / 3.0;
@@ -576,25 +574,37 @@ fn run<M: ModelSpec>(
         .iter()
         .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
         .sum();
-    let (streamed_gib, per_step, decoded_per_step) = match &streamer {
-        Some(s) => {
-            let r = s.report()?;
+    let (streamed_gib, per_step, decoded_per_step) = match (&streamer, stream_before, stream_after)
+    {
+        (Some(s), Some(b), Some(a)) => {
+            // The timed steps' share of each counter, a step.
+            let r = flame::stream::StreamReport {
+                uploads: a.uploads - b.uploads,
+                uploaded_bytes: a.uploaded_bytes - b.uploaded_bytes,
+                decoded_bytes: a.decoded_bytes - b.decoded_bytes,
+                copy_us: a.copy_us - b.copy_us,
+                span_us: a.span_us - b.span_us,
+                decode_us: a.decode_us - b.decode_us,
+                timed_uploads: a.timed_uploads - b.timed_uploads,
+                left_out_bytes: a.left_out_bytes - b.left_out_bytes,
+                ..a
+            };
             if r.timed_uploads > 0 {
                 // Each upload's bytes are about the same share: the timed ones stand for all.
                 let share = r.timed_uploads as f64 / r.uploads as f64;
                 println!(
                     "link: {:.1} ms/step copying at {:.1} GiB/s, {:.1} ms/step from uploads' first copies to their last, decodes {:.1} ms/step ({} of {} uploads timed; the backward leaves up to {} blocks for the forward; {:.2} GiB/step of forward-only weights left out of the backward's uploads)",
-                    r.copy_us as f64 / 1e3 / share / 4.0,
+                    r.copy_us as f64 / 1e3 / share / 3.0,
                     gib(r.uploaded_bytes) * share / (r.copy_us as f64 / 1e6),
-                    r.span_us as f64 / 1e3 / share / 4.0,
-                    r.decode_us as f64 / 1e3 / share / 4.0,
+                    r.span_us as f64 / 1e3 / share / 3.0,
+                    r.decode_us as f64 / 1e3 / share / 3.0,
                     r.timed_uploads,
                     r.uploads,
                     s.carried()?,
-                    gib(r.left_out_bytes) / 4.0
+                    gib(r.left_out_bytes) / 3.0
                 );
             }
-            let (h, b) = (host_after, host_before);
+            let (h, b) = (a.host, b.host);
             if h.products > b.products {
                 // Per timed step (the warm-up's left out).
                 let per = |a: u64, b: u64| (a - b) as f64 / 3.0;
@@ -611,17 +621,17 @@ fn run<M: ModelSpec>(
             }
             (
                 gib(r.host_bytes),
-                gib(r.uploaded_bytes) / 4.0,
-                gib(r.decoded_bytes) / 4.0,
+                gib(r.uploaded_bytes) / 3.0,
+                gib(r.decoded_bytes) / 3.0,
             )
         }
-        None => (0.0, 0.0, 0.0),
+        _ => (0.0, 0.0, 0.0),
     };
     if let Some(o) = &offload {
         let r = o.report()?;
         println!(
             "offloaded block inputs: {:.2} GiB/step out and back, {} of {} fetched ahead, {:.2} GiB pinned",
-            gib(r.packed_bytes) / 4.0,
+            gib(r.packed_bytes) / steps_run.get() as f64,
             r.prefetched,
             r.unpacked,
             gib(r.host_bytes)

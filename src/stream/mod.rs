@@ -36,7 +36,7 @@ pub use machine::{measure_machine, MachineProbe, H100_GEMM_TFLOPS};
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{
     carry, cost_model, spread_evenly, BlockCost, BlockShape, Machine, MemoryProfile, NoPlan, Plan,
-    Planned, MARGIN_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
+    Planned, MARGIN_DIVISOR, ROOM_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
 };
 pub use products::ProductReport;
 pub use streamer::{BlockStreamer, StreamReport};

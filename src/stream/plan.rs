@@ -243,6 +243,18 @@ pub struct Planned {
 /// past the arena, while Flux-dev's plans with 3.4% and more sent none (H100).
 pub const MARGIN_DIVISOR: u64 = 32;
 
+/// Of the plans predicted equally fast (`cost_model::NEAR`), those whose predicted peak leaves
+/// at least 1/16 of the budget spare go first, the one that copies the fewest bytes over the
+/// host link leading. The link's rate moved by 5-10% between calls on the same machine
+/// (46-51 GiB/s, H100) and the compute overlaps it less fully the closer the two are, so
+/// a plan that leans less on it holds its step better than the model's tie says: SD3.5-large
+/// within 16 GiB, 26 of 38 blocks streamed (10.2 GiB a step, the link busy for 213 of the
+/// step's 260 ms) ran 1.33x of the resident step where the model put 13-17 streamed blocks
+/// (3.9-6.0 GiB a step) within 1% of it (H200). Plans without that room keep the smallest
+/// peak first (FP8 within 6 GiB: a plan predicted 0.7% under the cap sent 7 requests a step
+/// past its arena).
+pub const ROOM_DIVISOR: u64 = 16;
+
 /// No plan fits the budget.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NoPlan {
@@ -326,9 +338,10 @@ pub mod cost_model {
     pub const WIRE_DECODE_COMPUTE_MS_PER_GIB: f64 = 3.3;
     /// Plans predicted within this fraction of the fastest fitting one's step count as
     /// equally fast (the model's error on the measured steps reaches 2.1%): of those the
-    /// planner takes the smallest peak, which leaves the allocator the most room (FP8 at
-    /// 6 GiB: the fastest plan by 0.2%, predicted at 5.96 GiB, sent 7 requests a step past
-    /// the cap's arena and held 7.01 GiB on the driver).
+    /// planner takes one with room (`ROOM_DIVISOR`) that leans least on the link, else the
+    /// smallest peak, which leaves the allocator the most room (FP8 at 6 GiB: the fastest
+    /// plan by 0.2%, predicted at 5.96 GiB, sent 7 requests a step past the cap's arena and
+    /// held 7.01 GiB on the driver).
     pub const NEAR: f64 = 0.01;
     /// The host's rate at the products of weights it holds (`Plan::host_products`), GiB of
     /// weights a second: an f32 sum over each weight's values on a pool of one thread a core,
@@ -1009,7 +1022,8 @@ impl MemoryProfile {
     /// (less `MARGIN_DIVISOR`'s share of it for the plans `spare` names), or, of the fitting plans
     /// predicted within `cost_model::NEAR` of its step, one that does not mix blocks keeping
     /// their activations (`saves_activations`) with streamed ones before one that does, then
-    /// the one with the smallest peak. Mixed plans ran slower than the model says: Flux-dev
+    /// one that leaves `ROOM_DIVISOR`'s share of the budget spare, the fewest bytes over the
+    /// link first, then the one with the smallest peak. Mixed plans ran slower than the model says: Flux-dev
     /// within 24 GiB, 12 resident blocks beside 45 streamed, 506.4 and 494.2 ms against 492.8
     /// predicted, where every block checkpointed with 31 streamed ran 489.3 (1.26x) and 492.9
     /// on an earlier build (H100).
@@ -1020,8 +1034,9 @@ impl MemoryProfile {
     ) -> std::result::Result<Planned, NoPlan> {
         let usable = budget - budget / MARGIN_DIVISOR;
         let mut minimum = u64::MAX;
-        // The chosen plan, and its rank among the near ones: (mixes, peak).
-        let mut chosen: Option<(Plan, (bool, u64))> = None;
+        // The chosen plan, and its rank among the near ones: (mixes, lacks room, bytes over
+        // the link if it has room, peak).
+        let mut chosen: Option<(Plan, (bool, bool, u64, u64))> = None;
         let mut limit = f64::INFINITY;
         for plan in candidates {
             let peak = self.peak(&plan);
@@ -1031,7 +1046,9 @@ impl MemoryProfile {
             }
             let cost = self.cost(&plan);
             let mixes = self.saves_activations(&plan) && !plan.streamed.is_empty();
-            let rank = (mixes, peak);
+            let roomy = peak <= budget - budget / ROOM_DIVISOR;
+            let link = if roomy { self.streamed_bytes(&plan) } else { 0 };
+            let rank = (mixes, !roomy, link, peak);
             match &chosen {
                 None => {
                     limit = (1.0 + cost) * (1.0 + cost_model::NEAR) - 1.0;
@@ -1041,7 +1058,7 @@ impl MemoryProfile {
                 _ => {}
             }
         }
-        let (plan, (_, peak)) = chosen.ok_or(NoPlan { budget, minimum })?;
+        let (plan, (_, _, _, peak)) = chosen.ok_or(NoPlan { budget, minimum })?;
         Ok(Planned {
             streamed_bytes: self.streamed_bytes(&plan),
             slowdown: self.step_ms(&plan) / self.resident_ms(),

@@ -717,25 +717,16 @@ impl HostPack {
 }
 
 /// The bytes of the staging ring for uploads of at most `wire` bytes on the link in at most
-/// `pieces` pieces, none of whose raw prefix or coded parts takes more than `part`:
-/// `STAGED_UPLOADS` of the largest upload, the end of the ring a piece (`wire / 8` bytes or a
-/// part) may skip when it wraps, each piece's alignment, and a part more, so that no upload's
-/// pieces wrap onto its own (whose decodes wait for the compute).
+/// `pieces` pieces, none of whose raw prefix or coded parts takes more than `part`: the
+/// largest upload, the end of the ring a piece (`wire / 8` bytes or a part) may skip when it
+/// wraps, each piece's alignment, and a part more, so that no upload's pieces wrap onto its
+/// own (whose decodes wait for the compute).
 pub(crate) fn staging_ring_bytes(wire: usize, part: usize, pieces: usize) -> usize {
     if wire == 0 {
         return 0;
     }
-    STAGED_UPLOADS * wire + staging_piece(wire).max(part) + part + 256 * (pieces + 1)
+    wire + staging_piece(wire).max(part) + part + 256 * (pieces + 1)
 }
-
-/// Uploads the staging ring holds. An upload's decodes wait for the compute queued when it was
-/// issued (its block's memory may have been freed by that work), and the host issues ahead of
-/// the GPU, so a piece's decode may wait a block or more; the copies behind it wait for its
-/// range of the ring. With one upload's room the link stood idle for a quarter of the step:
-/// copies spanned 286.1 ms of a 304.0 ms step where they ran 206.5 (SD3.5-large within
-/// 8 GiB, 33 blocks streamed coded), 487.5 where they ran 337.7 (Flux-dev within 12 GiB,
-/// 53 coded), H200.
-pub(crate) const STAGED_UPLOADS: usize = 2;
 
 /// The bytes a staged piece gathers coded parts up to, for uploads of at most `wire` bytes on
 /// the link: an eighth of the largest.

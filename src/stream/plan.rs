@@ -826,8 +826,8 @@ impl MemoryProfile {
         let layout = self.layout(plan);
         let held = layout.held + 2 * offloaded;
         let carried = carry(&layout.reach, plan.prefetch.max(1));
-        // Coded uploads cross into a staging ring that holds `STAGED_UPLOADS` of the largest
-        // streamed block's bytes on the link beside a piece and a part (the largest part taken as a fifth of
+        // Coded uploads cross into a staging ring that holds the largest streamed block's
+        // bytes on the link beside a piece and a part (the largest part taken as a fifth of
         // the largest block: Flux's, a single block's linear1, is 0.2 of a double block;
         // 32 pieces' alignment).
         // The carried blocks crossing uncoded (`Plan::uncoded_carry`) take no staging.

@@ -104,9 +104,8 @@ impl Upload {
 /// stream decodes the pieces before it into their blocks, so the link never waits for a
 /// decode, nor for the compute to free the block a copy is for (only the decode waits for
 /// that). A range is written again only after the decode stream has read it (its event).
-/// The ring holds `crate::device::STAGED_UPLOADS` of the largest upload, a piece and the
-/// largest part beside them, so no upload's pieces wrap onto its own (whose decodes wait for
-/// the compute) and the copies run ahead of decodes that wait.
+/// The ring holds the largest upload, a piece and the largest part beside it, so no upload's
+/// pieces wrap onto its own (whose decodes wait for the compute).
 pub struct Staging {
     buf: Arc<Packed>,
     /// The bytes a piece gathers coded parts up to.
@@ -815,7 +814,7 @@ impl CudaDevice {
     /// A staging ring for packed uploads of at most `wire` bytes on the link, in at most
     /// `pieces` pieces, whose raw prefix or coded parts take at most `part` each, to land in
     /// before their decode (`upload_pack`): pieces of up to `wire / 8` bytes or one part, and
-    /// room for `STAGED_UPLOADS` of the largest upload beside one piece (`staging_ring_bytes`). The copy stream
+    /// room for the largest upload beside one piece (`staging_ring_bytes`). The copy stream
     /// waits here for the compute stream's work so far: the ring's memory may be a buffer
     /// the compute has just freed.
     pub(crate) fn alloc_staging(&self, wire: usize, part: usize, pieces: usize) -> Result<Staging> {

@@ -6,7 +6,7 @@
 #   ../shared/gpu/bundle --bin train --bin sample --bench train_step --features cuda
 #   cd .gpu && tar cf - train sample bench-train_step | xz -T2 -3 > bins.tar.xz && rm -f train sample bench-*
 # then, there, with carry [".gpu", ".whl"] (diffusers for the pipelines):
-#   bash scripts/budget_table.sh make PIPES          random full-size Flux-dev, SD3.5-large and
+#   [FAMILIES="sd3 ..."] bash scripts/budget_table.sh make PIPES   random full-size Flux-dev, SD3.5-large and
 #                                                     SDXL pipelines in PIPES/{flux,sd3,sdxl}
 #   bash scripts/budget_table.sh rows PIPES WORK ROW...   the rows named (or "all"), ROW k on
 #                                                     GPU k mod the GPU count
@@ -57,7 +57,7 @@ case ${1:-} in
     pipes=$2
     mkdir -p "$pipes"
     pids=()
-    for f in flux sd3 sdxl; do
+    for f in ${FAMILIES:-flux sd3 sdxl}; do
       [ -d "$pipes/$f/vae" ] && { echo "$pipes/$f: there"; continue; }
       args=(--make "$pipes/$f" --family "$f")
       [ $f = flux ] && args=(--make "$pipes/$f" --transformer)

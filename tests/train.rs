@@ -1156,6 +1156,88 @@ fn a_failed_announcement_leaves_the_run_as_it_was() {
     }
 }
 
+/// `adapter.format = "comfyui"`: the final DoRA file carries the magnitudes ComfyUI's reading
+/// needs and says so in its metadata, the checkpoints keep the kohya layout (a resume reads
+/// them back bit for bit), and the `sample` binary's merge computes the same weights from
+/// either.
+#[test]
+fn dora_in_the_comfyui_layout() {
+    let d = temp("dora-comfyui");
+    let p = tiny(&d, 4, "kind = \"dora\"\n");
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("format = \"kohya\"", "format = \"comfyui\"");
+    assert!(text.contains("format = \"comfyui\""));
+    std::fs::write(&p, text).unwrap();
+    let cfg = TrainConfig::from_file(&p).unwrap();
+    run_with(&cfg, fresh()).unwrap();
+    let out = &cfg.train.output_dir;
+    let last = checkpoints(out).unwrap().last().unwrap().1.clone();
+    let (final_file, ckpt_file) = (
+        out.join("lora.safetensors"),
+        last.join("adapter.safetensors"),
+    );
+    let meta = |f: &Path| {
+        flame::safetensors::SafeTensorsFile::open(f)
+            .unwrap()
+            .metadata()
+            .get("flame_layout")
+            .cloned()
+    };
+    assert_eq!(meta(&final_file).as_deref(), Some("comfyui"));
+    assert_eq!(meta(&ckpt_file), None);
+    let weights = flame::safetensors::load(&cfg.model.path, &flame::Device::Cpu).unwrap();
+    let a = flame::safetensors::load(&final_file, &flame::Device::Cpu).unwrap();
+    let b = flame::safetensors::load(&ckpt_file, &flame::Device::Cpu).unwrap();
+    let merge = |f: &Path| flame::nn::LoraMerge::open(f, 1.0, "transformer").unwrap();
+    let (ma, mb) = (merge(&final_file), merge(&ckpt_file));
+    let mut layers = 0;
+    for key in a.keys().filter(|k| k.ends_with(".dora_scale")) {
+        let name = key.trim_end_matches(".dora_scale");
+        let differ = a[key]
+            .sub(&b[key])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar_f64()
+            .unwrap();
+        assert!(differ > 0.0, "{key}: the magnitudes as kohya writes them");
+        let path = name.trim_start_matches("lora_unet_");
+        let wkey = weights
+            .keys()
+            .find(|k| {
+                k.strip_suffix(".weight").map(|s| s.replace('.', "_")) == Some(path.to_string())
+            })
+            .unwrap_or_else(|| panic!("no weight for {name}"))
+            .clone();
+        let w = &weights[&wkey];
+        let da = ma.delta_for(&wkey, w).unwrap().unwrap();
+        let db = mb.delta_for(&wkey, w).unwrap().unwrap();
+        let scale = db
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar_f64()
+            .unwrap();
+        let e = da
+            .sub(&db)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar_f64()
+            .unwrap();
+        assert!(e <= 1e-5 * scale.max(1e-6), "{wkey}: merged {e} apart");
+        layers += 1;
+    }
+    assert!(layers > 0);
+    std::fs::remove_dir_all(&d).ok();
+}
+
 /// DoRA in PEFT's layout on layers PEFT splits (Flux's fused qkv into to_q, to_k, to_v): the
 /// layout is checked before training without the magnitudes (set at a layer's first use),
 /// and the file holds each part's magnitude.

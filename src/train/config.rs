@@ -104,10 +104,13 @@ pub enum ModelDType {
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum AdapterFormat {
-    /// `lora_unet_*.lora_down/lora_up/alpha` (ComfyUI, kohya).
+    /// `lora_unet_*.lora_down/lora_up/alpha` (ComfyUI, kohya, LyCORIS).
     Kohya,
     /// `transformer.*.lora_A/lora_B` (diffusers, PEFT).
     Peft,
+    /// The kohya layout written for ComfyUI's reading (`Adapters::save_comfyui`): the same
+    /// file but for DoRA, whose magnitudes ComfyUI divides by the norm of the frozen weight.
+    Comfyui,
 }
 
 section! {
@@ -164,8 +167,11 @@ section! {
         factor: i64 = -1,
         /// LoKr: make w1 low-rank too where the rank allows.
         decompose_both: bool = false,
-        /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS) or "peft" (diffusers,
-        /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits).
+        /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS), "peft" (diffusers,
+        /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits) or "comfyui"
+        /// (the kohya layout with DoRA's magnitudes written for ComfyUI, which divides them
+        /// by the norm of the frozen weight, not of the adapted one; the same as "kohya" for
+        /// the other kinds).
         format: AdapterFormat = AdapterFormat::Kohya,
     }
 }
@@ -905,7 +911,7 @@ impl TrainConfig {
             // LoKr's split follows the library of the layout written: LyCORIS's for kohya
             // files, PEFT's for PEFT files.
             lokr_split: match a.format {
-                AdapterFormat::Kohya => LokrSplit::Lycoris,
+                AdapterFormat::Kohya | AdapterFormat::Comfyui => LokrSplit::Lycoris,
                 AdapterFormat::Peft => LokrSplit::Peft,
             },
         }

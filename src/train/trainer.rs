@@ -1063,8 +1063,17 @@ impl Trainer {
         Ok(report)
     }
 
-    /// Writes the adapter in the configured layout, refusing one with a non-finite value.
-    fn save_adapter(&self, path: &Path) -> Result<()> {
+    /// The layout of the adapter in checkpoints: the configured one, but "kohya" for
+    /// "comfyui", whose DoRA magnitudes would not read back bit for bit (a resume is exact).
+    fn checkpoint_format(&self) -> AdapterFormat {
+        match self.config.adapter.format {
+            AdapterFormat::Comfyui => AdapterFormat::Kohya,
+            f => f,
+        }
+    }
+
+    /// Writes the adapter in `format`, refusing one with a non-finite value.
+    fn save_adapter(&self, path: &Path, format: AdapterFormat) -> Result<()> {
         let params = self.adapters.params()?;
         let named: Vec<(&str, &Tensor)> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
         if let Some(name) = first_nonfinite(&named)? {
@@ -1075,23 +1084,48 @@ impl Trainer {
                 why: format!("refusing to write {}", path.display()),
             });
         }
-        match self.config.adapter.format {
+        match format {
             AdapterFormat::Kohya => self.adapters.save_kohya(path, DType::F32),
             AdapterFormat::Peft => {
                 let prefix = self.model.family().subfolder;
                 self.adapters.save_peft(path, &self.map, prefix, DType::F32)
             }
+            AdapterFormat::Comfyui => {
+                self.adapters
+                    .save_comfyui(path, DType::F32, &self.base_weights()?)
+            }
         }
     }
 
-    fn load_adapter(&self, path: &Path) -> Result<()> {
-        match self.config.adapter.format {
+    fn load_adapter(&self, path: &Path, format: AdapterFormat) -> Result<()> {
+        match format {
             AdapterFormat::Kohya => self.adapters.load_kohya(path),
             AdapterFormat::Peft => {
                 let prefix = self.model.family().subfolder;
                 self.adapters.load_peft(path, &self.map, prefix)
             }
+            AdapterFormat::Comfyui => self.adapters.load_comfyui(path, &self.base_weights()?),
         }
+    }
+
+    /// The frozen weight of the layer at a path, read from the model's files as ComfyUI will
+    /// have it (f32, on the CPU; memory-mapped, a layer at a time), for the "comfyui"
+    /// layout.
+    fn base_weights(&self) -> Result<impl Fn(&str) -> Result<Tensor> + '_> {
+        let m = &self.config.model;
+        let vb = models::Checkpoint::open(&m.path, self.model.family().subfolder)?.var_builder(
+            DType::F32,
+            &Device::Cpu,
+            self.map.clone(),
+        )?;
+        Ok(move |path: &str| {
+            let name = format!("{path}.weight");
+            let shape = vb.shape_of(&name).ok_or_else(|| Error::Config {
+                path: Some(m.path.clone()),
+                msg: format!("the model holds no {name} for the \"comfyui\" layout"),
+            })?;
+            vb.get(shape, &name)
+        })
     }
 
     /// Writes `checkpoint-<step>/` (adapter, optimizer state, `state.json` with each file's
@@ -1114,7 +1148,7 @@ impl Trainer {
         );
         self.run_dir()
             .save_checkpoint(self.step, state, keep, |tmp| {
-                self.save_adapter(&tmp.join("adapter.safetensors"))?;
+                self.save_adapter(&tmp.join("adapter.safetensors"), self.checkpoint_format())?;
                 self.opt.save_state(&tmp.join("optimizer.safetensors"))?;
                 // The loss log up to this step: a resume restores it from here when the
                 // folder's log lost lines.
@@ -1151,7 +1185,7 @@ impl Trainer {
                 ),
             });
         }
-        self.load_adapter(&dir.join("adapter.safetensors"))?;
+        self.load_adapter(&dir.join("adapter.safetensors"), self.checkpoint_format())?;
         self.opt.load_state(&dir.join("optimizer.safetensors"))?;
         self.step = st.step;
         self.skipped_in_row = st.skipped_in_row;
@@ -1465,7 +1499,7 @@ impl Trainer {
     /// Writes the final adapter of the current step and records it as this run's.
     fn save_final(&self) -> Result<()> {
         let dir = self.run_dir();
-        self.save_adapter(&dir.path.join(FINAL))?;
+        self.save_adapter(&dir.path.join(FINAL), self.config.adapter.format)?;
         dir.record(FINAL, Some(self.step), false)
     }
 

@@ -11,7 +11,9 @@
 //! Files: kohya / LyCORIS `lora_down.weight`, `lora_up.weight`, `alpha` and `dora_scale`
 //! (out, 1[, 1, 1]), the output-channel form LyCORIS writes (`wd_on_out`); PEFT
 //! `lora_A.weight`, `lora_B.weight` (s folded in) and `lora_magnitude_vector` ((out) for a
-//! Linear, (1, out, 1, 1) for a convolution).
+//! Linear, (1, out, 1, 1) for a convolution). ComfyUI reads the kohya form against the
+//! frozen weight's norm: the "comfyui" layout writes m (‖W‖ + ε) / ‖W + ΔW‖ for it
+//! (`Adapter::to_comfyui`).
 
 use super::io::{join_rows, part_rows, PeftFile, Reader};
 use super::lora::Lora;
@@ -81,6 +83,16 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
             &format!("{out} magnitudes, (out, 1) or (1, {cols})"),
         ));
     };
+    if per_row && l.for_comfyui() {
+        // Written for ComfyUI's reading (`Dora::comfyui_ratio`): m / (‖W‖ + ε).
+        let w = l.weight()?;
+        let norm = w
+            .sqr()?
+            .sum_keepdim(&[1])?
+            .sqrt()?
+            .affine(1.0, f32::EPSILON as f64)?;
+        return w.add(&lora)?.mul(&m.div(&norm)?)?.sub(&w).map(Some);
+    }
     rescale(&l.weight()?, &lora, &m, per_row).map(Some)
 }
 
@@ -128,6 +140,22 @@ impl Dora {
             row_norms(&v)?
         };
         m.div(&norm.to_dtype(m.dtype())?)
+    }
+
+    /// (‖W‖ + ε) / ‖W + s B A‖ (out), ε float32's epsilon: what ComfyUI's magnitudes are
+    /// to FLAME's. ComfyUI (0.3.64, comfy/weight_adapter/base.py `weight_decompose`) reads
+    /// a `dora_scale` of one value a row as W' = (W + ΔW) · m / (‖W‖ + ε), the norm of the
+    /// frozen W, where PEFT, LyCORIS (`wd_on_out`) and this adapter divide by ‖W + ΔW‖; it
+    /// computes in float32 and adds that type's epsilon.
+    fn comfyui_ratio(&self, base: &BaseLayer) -> Result<Tensor> {
+        let _g = crate::no_grad();
+        let w = base
+            .weight(DType::F32)?
+            .to_device(self.magnitude.device())?;
+        let v = w.add(&self.lora.delta_of(&self.lora.down, &self.lora.up)?)?;
+        row_norms(&w)?
+            .affine(1.0, f32::EPSILON as f64)?
+            .div(&row_norms(&v)?)
     }
 
     fn magnitude_ready(&self) -> Result<()> {
@@ -236,6 +264,23 @@ impl Adapter for Dora {
         self.magnitude.assign(&m.flatten_all()?)?;
         self.ready.store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// The kohya tensors with `dora_scale` = m (‖W‖ + ε) / ‖W + ΔW‖, which ComfyUI's
+    /// reading (`comfyui_ratio`) turns into this layer's W'.
+    fn to_comfyui(&self, base: &BaseLayer) -> Result<Vec<(String, Tensor)>> {
+        self.magnitude_ready()?;
+        let mut v = self.lora.to_kohya()?;
+        let m = self.magnitude.mul(&self.comfyui_ratio(base)?)?;
+        v.push(("dora_scale".into(), m.reshape(self.kohya_shape())?));
+        Ok(v)
+    }
+
+    fn load_comfyui(&self, file: &mut Reader, base: &BaseLayer) -> Result<()> {
+        self.load_kohya(file)?;
+        let _g = crate::no_grad();
+        let m = self.magnitude.div(&self.comfyui_ratio(base)?)?;
+        self.magnitude.assign(&m)
     }
 
     fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {

@@ -3,16 +3,28 @@
 //! `lokr_w1`, `hada_w1_a`, `dora_scale`, `diff`, `alpha`, ...) and the diffusers / PEFT
 //! layout (`<prefix>.<diffusers module>.<PEFT tensor>`: `lora_A.weight`,
 //! `lora_magnitude_vector`, `lokr_w1`, `hada_w1_a`, ...), which diffusers' `load_lora_weights`
-//! / `load_lora_adapter` and PEFT load. Each kind names its own tensors (`Adapter::to_kohya`,
-//! `to_peft`); this file owns the files: atomic writes, the shape checks, and that every
-//! tensor of a file finds its adapter.
+//! / `load_lora_adapter` and PEFT load; and the kohya layout written for ComfyUI's reading
+//! (`Adapters::save_comfyui`, metadata `flame_layout = "comfyui"`), where a kind's tensors
+//! mean something else to ComfyUI (DoRA). Each kind names its own tensors
+//! (`Adapter::to_kohya`, `to_comfyui`, `to_peft`); this file owns the files: atomic writes,
+//! the shape checks, and that every tensor of a file finds its adapter.
 
-use super::{Adapters, PeftPart};
+use super::{Adapters, BaseLayer, PeftPart};
 use crate::nn::params::{KeyMap, KeySource};
 use crate::safetensors::{save_with_metadata, SafeTensorsFile};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+
+/// The metadata key a kohya-layout file written for ComfyUI's reading carries
+/// (`Adapters::save_comfyui`), with the value `COMFYUI_LAYOUT`.
+pub const LAYOUT_KEY: &str = "flame_layout";
+
+/// `LAYOUT_KEY`'s value in a file written for ComfyUI's reading.
+pub const COMFYUI_LAYOUT: &str = "comfyui";
+
+/// The frozen weight of the layer at a path (any device, any float dtype).
+pub type WeightOf<'a> = dyn Fn(&str) -> Result<Tensor> + 'a;
 
 /// kohya's name of the adapter on the layer at `path`.
 pub fn kohya_name(path: &str) -> String {
@@ -381,11 +393,45 @@ impl Adapters {
     /// records the network module (`networks.lora`, or `lycoris.kohya` with the algorithm),
     /// rank, alpha and targets, as kohya and LyCORIS write them.
     pub fn save_kohya(&self, path: impl AsRef<Path>, dtype: DType) -> Result<()> {
+        self.save_kohya_layout(path.as_ref(), dtype, None)
+    }
+
+    /// Writes every adapter in the kohya layout so that ComfyUI computes the changes FLAME's
+    /// adapters make: the kohya file, except that the kinds ComfyUI reads differently from
+    /// their definition write their tensors for ComfyUI's reading (`Adapter::to_comfyui`:
+    /// DoRA's magnitudes, which ComfyUI divides by the norm of the frozen weight).
+    /// `weight(path)` gives the frozen weight of the layer at `path` (any device, any float
+    /// dtype). The file records `flame_layout = "comfyui"`; `load_comfyui` and the `sample`
+    /// binary's merge read it back exactly.
+    pub fn save_comfyui(
+        &self,
+        path: impl AsRef<Path>,
+        dtype: DType,
+        weight: &WeightOf<'_>,
+    ) -> Result<()> {
+        self.save_kohya_layout(path.as_ref(), dtype, Some(weight))
+    }
+
+    /// The kohya layout, each adapter's tensors for ComfyUI's reading given the weights, or
+    /// as kohya and LyCORIS read them.
+    fn save_kohya_layout(
+        &self,
+        path: &Path,
+        dtype: DType,
+        weight: Option<&WeightOf<'_>>,
+    ) -> Result<()> {
         let _g = crate::no_grad();
         let mut tensors: Vec<(String, Tensor)> = vec![];
         for l in self.layers()? {
             let name = kohya_name(l.path());
-            for (t, v) in l.to_kohya()? {
+            let layer = match weight {
+                Some(w) => {
+                    let get = |dt: DType| w(l.path())?.to_dtype(dt);
+                    l.to_comfyui(&BaseLayer::new(l.shape(), &get))?
+                }
+                None => l.to_kohya()?,
+            };
+            for (t, v) in layer {
                 let v = if t == "alpha" { v } else { v.to_dtype(dtype)? };
                 tensors.push((format!("{name}.{t}"), v));
             }
@@ -422,6 +468,9 @@ impl Adapters {
                 .collect();
             meta.insert("ss_network_args".into(), format!("{{{}}}", body.join(", ")));
         }
+        if weight.is_some() {
+            meta.insert(LAYOUT_KEY.into(), COMFYUI_LAYOUT.into());
+        }
         save_with_metadata(tensors.iter().map(|(k, t)| (k.as_str(), t)), &meta, path)
     }
 
@@ -430,8 +479,39 @@ impl Adapters {
     /// file may hold nothing else: a missing, misshapen or unexpected tensor (one of another
     /// kind included) is an error naming it.
     pub fn load_kohya(&self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
+        self.load_kohya_layout(path.as_ref(), None)
+    }
+
+    /// Reads a file `save_comfyui` wrote (it must say so in its metadata) into the planned
+    /// adapters, as `load_kohya` does; `weight(path)` gives the frozen weight of the layer
+    /// at `path`, which DoRA's magnitudes are read back through.
+    pub fn load_comfyui(&self, path: impl AsRef<Path>, weight: &WeightOf) -> Result<()> {
+        self.load_kohya_layout(path.as_ref(), Some(weight))
+    }
+
+    fn load_kohya_layout(&self, path: &Path, weight: Option<&WeightOf>) -> Result<()> {
         let file = SafeTensorsFile::open(path)?;
+        let layout = file.metadata().get(LAYOUT_KEY).map(String::as_str);
+        match (weight.is_some(), layout) {
+            (true, Some(COMFYUI_LAYOUT)) | (false, None) => {}
+            (true, _) => {
+                return Err(err(
+                    path,
+                    None,
+                    format!(
+                        "not written in the \"comfyui\" layout (its metadata has no \
+                         {LAYOUT_KEY} = \"{COMFYUI_LAYOUT}\"): read it as \"kohya\""
+                    ),
+                ))
+            }
+            (false, Some(other)) => {
+                return Err(err(
+                    path,
+                    None,
+                    format!("written in the {other:?} layout: read it as {other:?}"),
+                ))
+            }
+        }
         let mut unused: BTreeSet<String> = file.names().map(str::to_string).collect();
         let _g = crate::no_grad();
         for l in self.layers()? {
@@ -446,7 +526,13 @@ impl Adapters {
                 device: &device,
                 unused: &mut unused,
             };
-            l.load_kohya(&mut reader)?;
+            match weight {
+                Some(w) => {
+                    let get = |dt: DType| w(l.path())?.to_dtype(dt);
+                    l.load_comfyui(&mut reader, &BaseLayer::new(l.shape(), &get))?
+                }
+                None => l.load_kohya(&mut reader)?,
+            }
         }
         if let Some(k) = unused.iter().next() {
             return Err(err(

@@ -46,6 +46,15 @@ impl<'a> MergeLayer<'a> {
         &self.name
     }
 
+    /// Whether the file was written for ComfyUI's reading (`Adapters::save_comfyui`).
+    pub fn for_comfyui(&self) -> bool {
+        self.file
+            .metadata()
+            .get(super::io::LAYOUT_KEY)
+            .map(String::as_str)
+            == Some(super::io::COMFYUI_LAYOUT)
+    }
+
     /// The full name of tensor `t`.
     pub fn full(&self, t: &str) -> String {
         format!("{}.{t}", self.name)

@@ -245,6 +245,19 @@ pub trait Adapter: Send + Sync + std::fmt::Debug {
     /// Reads what `to_kohya` writes.
     fn load_kohya(&self, file: &mut io::Reader) -> Result<()>;
 
+    /// The tensors of the kohya layout written so that ComfyUI computes this adapter's
+    /// change from them (`Adapters::save_comfyui`), given the layer's frozen weight: the
+    /// kohya tensors, unless ComfyUI reads the kind's tensors differently from the kind's
+    /// own definition (DoRA).
+    fn to_comfyui(&self, _base: &BaseLayer) -> Result<Vec<(String, Tensor)>> {
+        self.to_kohya()
+    }
+
+    /// Reads what `to_comfyui` writes.
+    fn load_comfyui(&self, file: &mut io::Reader, _base: &BaseLayer) -> Result<()> {
+        self.load_kohya(file)
+    }
+
     /// The tensors of the PEFT layout for the diffusers modules `parts` (full names
     /// `<module>.<PEFT name>`), meaning the same under `peft_alpha(rank)`.
     fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>>;

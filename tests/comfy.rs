@@ -1,0 +1,591 @@
+//! The adapter files FLAME writes, read as ComfyUI reads them. `tests/fixtures/comfy/` holds
+//! the key maps ComfyUI's own `comfy.lora.model_lora_keys_unet` builds for the tiny Flux,
+//! SD3.5 and SDXL models of the model fixtures, and the tensor names its `load_lora` and
+//! weight adapters look for (`scripts/make_comfy_keymaps.py`, ComfyUI 0.3.64). For every
+//! adapter kind, on every Linear and convolution of the models' blocks, each tensor of the
+//! kohya-layout file must be one ComfyUI maps to a weight and reads, and the change ComfyUI
+//! computes from the file (its scale rules, written out below from its code) must be the
+//! change FLAME's adapter applies. DoRA is the exception ComfyUI makes: with a magnitude per
+//! output row it divides by the norm of W, where PEFT, LyCORIS and FLAME divide by the norm
+//! of W + ΔW; `adapter.format = "comfyui"` writes the magnitudes so that ComfyUI computes
+//! what FLAME trained. The PEFT layout of Flux and SD3.5 maps as well. The keys of the
+//! released Flux-dev, SD3.5-large and SDXL base are checked against the maps ComfyUI builds
+//! for them at full size.
+#![cfg(feature = "cpu-ref")]
+
+use flame::models::{self, LoadOptions, ModelSpec};
+use flame::nn::adapter::{AdapterConfig, Adapters, BaseLayer};
+use flame::nn::{kohya_name, LoraConfig};
+use flame::{DType, Device, Tensor};
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const CPU: Device = Device::Cpu;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("flame-comfy-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Where ComfyUI applies a key's change: the weight's rows (start, size) in ComfyUI's units,
+/// the whole weight, or the whole weight with the change's two halves of rows swapped
+/// (`comfy.utils.swap_scale_shift`: diffusers' order of an adaLN's scale and shift).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Place {
+    Whole,
+    Rows(usize, usize),
+    Swapped,
+}
+
+/// A ComfyUI key map: adapter key -> (model weight key without `diffusion_model.`, where).
+type KeyMap = HashMap<String, (String, Place)>;
+
+fn key_map(name: &str) -> KeyMap {
+    let path = fixtures().join(format!("comfy/{name}.json"));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let strip = |k: &str| k.trim_start_matches("diffusion_model.").to_string();
+    v["map"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, t)| {
+            let target = match t {
+                Value::String(s) => (strip(s), Place::Whole),
+                Value::Array(a) if a.len() == 4 => {
+                    assert_eq!(a[1].as_u64(), Some(0), "{k}: a slice along rows");
+                    let n = |i: usize| a[i].as_u64().unwrap() as usize;
+                    (strip(a[0].as_str().unwrap()), Place::Rows(n(2), n(3)))
+                }
+                Value::Array(a) if a.get(1).and_then(Value::as_str) == Some("swap_scale_shift") => {
+                    (strip(a[0].as_str().unwrap()), Place::Swapped)
+                }
+                _ => panic!("{k}: target {t}"),
+            };
+            (k.clone(), target)
+        })
+        .collect()
+}
+
+/// Every tensor name ComfyUI's `load_lora` and its weight adapters read after a mapped key.
+fn comfy_suffixes() -> BTreeSet<String> {
+    let path = fixtures().join("comfy/kinds.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut s: BTreeSet<String> = v["load_lora"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    for (_, a) in v["adapters"].as_object().unwrap() {
+        for variant in a["variants"].as_array().unwrap() {
+            s.insert(variant["trigger"].as_str().unwrap().to_string());
+            for r in variant["requires"].as_array().unwrap() {
+                s.insert(r.as_str().unwrap().to_string());
+            }
+            for (o, _) in variant["optional"].as_object().unwrap() {
+                s.insert(o.clone());
+            }
+        }
+    }
+    s
+}
+
+/// A tiny model of `family` from the model fixtures, with adapters of `kind` on every Linear
+/// and convolution of its blocks, every adapter tensor random (DoRA's magnitudes set from the
+/// weights first): (the model's weights by key, the adapters, the diffusers key map).
+fn tiny(family: &str, kind: &str) -> (HashMap<String, Tensor>, Arc<Adapters>, flame::nn::KeyMap) {
+    let (dir, targets): (&str, &[&str]) = match family {
+        "flux" => ("flux", &["double_blocks.*", "single_blocks.*"]),
+        "sd3" => ("sd35_large", &["joint_blocks.*"]),
+        _ => (
+            "sdxl",
+            &["input_blocks.*", "middle_block.*", "output_blocks.*"],
+        ),
+    };
+    let mut config = AdapterConfig::from(LoraConfig {
+        rank: 4,
+        alpha: 3.0,
+        dropout: 0.0,
+        targets: targets.iter().map(|s| s.to_string()).collect(),
+        seed: 5,
+    });
+    config.kind = kind.into();
+    config.conv_rank = 2;
+    config.conv_alpha = 1.5;
+    let adapters = Adapters::new(config).unwrap();
+    let sub = models::family(family).unwrap().subfolder;
+    let folder = fixtures().join("models").join(dir).join(sub);
+    let json = serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap())
+        .unwrap();
+    let mut opts = LoadOptions::new(DType::F32, &CPU).with_adapters(adapters.clone());
+    opts.config = Some(json);
+    let l = models::load(family, &folder, &opts).unwrap();
+    let weights: HashMap<String, Tensor> = l.vb.params().unwrap().into_iter().collect();
+    for (i, layer) in adapters.layers().unwrap().iter().enumerate() {
+        // DoRA's magnitudes come from the weight at the first use.
+        let w = weights[&format!("{}.weight", layer.path())].clone();
+        let get = move |dt: DType| w.to_dtype(dt);
+        layer
+            .delta_weight(&BaseLayer::new(layer.shape(), &get))
+            .unwrap();
+        for (j, (name, p)) in layer.params().into_iter().enumerate() {
+            if name == "dora_scale" {
+                continue;
+            }
+            let seed = 1000 + 10 * i as u64 + j as u64;
+            let v = Tensor::randn(p.dims().to_vec(), DType::F32, &CPU, seed).unwrap();
+            p.assign(&v.affine(0.2, 0.0).unwrap()).unwrap();
+        }
+    }
+    adapters.set_train(false);
+    (weights, adapters, l.key_map)
+}
+
+/// The change FLAME's adapter on `path` applies to its weight `w`.
+fn flame_delta(adapters: &Adapters, path: &str, w: &Tensor) -> Tensor {
+    let layer = adapters
+        .layers()
+        .unwrap()
+        .into_iter()
+        .find(|l| l.path() == path)
+        .unwrap();
+    let w = w.clone();
+    let get = move |dt: DType| w.to_dtype(dt);
+    layer
+        .delta_weight(&BaseLayer::new(layer.shape(), &get))
+        .unwrap()
+}
+
+fn mat(t: &Tensor) -> (usize, usize, Vec<f32>) {
+    let d = t.dims();
+    let rows = d[0];
+    let v = t
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    (rows, v.len() / rows.max(1), v)
+}
+
+fn mm(a: &Tensor, b: &Tensor) -> (usize, usize, Vec<f32>) {
+    let (n, k, a) = mat(a);
+    let (k2, m, b) = mat(b);
+    assert_eq!(k, k2);
+    let mut c = vec![0f32; n * m];
+    for i in 0..n {
+        for l in 0..k {
+            let x = a[i * k + l];
+            for j in 0..m {
+                c[i * m + j] += x * b[l * m + j];
+            }
+        }
+    }
+    (n, m, c)
+}
+
+fn kron(a: (usize, usize, Vec<f32>), b: (usize, usize, Vec<f32>)) -> Vec<f32> {
+    let ((n1, m1, a), (n2, m2, b)) = (a, b);
+    let cols = m1 * m2;
+    let mut c = vec![0f32; n1 * n2 * cols];
+    for i in 0..n1 {
+        for j in 0..m1 {
+            for k in 0..n2 {
+                for l in 0..m2 {
+                    c[(i * n2 + k) * cols + j * m2 + l] = a[i * m1 + j] * b[k * m2 + l];
+                }
+            }
+        }
+    }
+    c
+}
+
+/// The change ComfyUI 0.3.64 computes for one layer from the tensors `t` a file holds under
+/// its key (names after the key's dot), on the weight `w` (rows, cols): its `load_lora` and
+/// `calculate_weight` at strength 1, written out from comfy/lora.py and
+/// comfy/weight_adapter/{lora,loha,lokr,base}.py.
+fn comfy_delta(t: &BTreeMap<String, Tensor>, w: &[f32], rows: usize) -> Vec<f32> {
+    let alpha = t.get("alpha").map(|a| {
+        a.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()[0]
+    });
+    let scaled = |v: Vec<f32>, s: f32| v.into_iter().map(|x| x * s).collect::<Vec<_>>();
+    if let Some(diff) = t.get("diff") {
+        return mat(diff).2;
+    }
+    // lora.py's pairs: kohya's up/down, PEFT's B/A.
+    let pair = [
+        ("lora_up.weight", "lora_down.weight"),
+        ("lora_B.weight", "lora_A.weight"),
+    ]
+    .into_iter()
+    .find_map(|(u, d)| Some((t.get(u)?, t.get(d)?)));
+    if let Some((up, down)) = pair {
+        // lora.py: alpha / rank (the down-projection's rows), 1 without an alpha.
+        let r = down.dims()[0];
+        let s = alpha.map_or(1.0, |a| a / r as f32);
+        let (_, _, d) = mm(up, down);
+        let d = scaled(d, s);
+        let Some(m) = t.get("dora_scale") else {
+            return d;
+        };
+        // base.py `weight_decompose`: W' = (W + ΔW) m / n, n the norm of each row of W when
+        // m has a value a row, else of each column of W + ΔW; ComfyUI adds float32's eps.
+        let cols = w.len() / rows;
+        let v: Vec<f32> = w.iter().zip(&d).map(|(a, b)| a + b).collect();
+        let m = mat(m).2;
+        let eps = f32::EPSILON;
+        let per_row = m.len() == rows;
+        let mut out = vec![0f32; w.len()];
+        for i in 0..rows {
+            for j in 0..cols {
+                let (scale, norm) = if per_row {
+                    let n = (0..cols)
+                        .map(|k| w[i * cols + k].powi(2))
+                        .sum::<f32>()
+                        .sqrt();
+                    (m[i], n)
+                } else {
+                    let n = (0..rows)
+                        .map(|k| v[k * cols + j].powi(2))
+                        .sum::<f32>()
+                        .sqrt();
+                    (m[j], n)
+                };
+                out[i * cols + j] = v[i * cols + j] * scale / (norm + eps) - w[i * cols + j];
+            }
+        }
+        return out;
+    }
+    if let Some(w1a) = t.get("hada_w1_a") {
+        // loha.py: alpha / the rank of w1_b, 1 without an alpha; (w1a w1b) ⊙ (w2a w2b).
+        let w1b = &t["hada_w1_b"];
+        let s = alpha.map_or(1.0, |a| a / w1b.dims()[0] as f32);
+        let (_, _, a) = mm(w1a, w1b);
+        let (_, _, b) = mm(&t["hada_w2_a"], &t["hada_w2_b"]);
+        return a.iter().zip(&b).map(|(x, y)| x * y * s).collect();
+    }
+    if t.keys().any(|k| k.starts_with("lokr_")) {
+        // lokr.py: the rank is w2_b's rows if w2 is low-rank, else w1_b's if w1 is; alpha /
+        // rank then, and 1 when both factors are full or without an alpha.
+        let mut dim = None;
+        let w1 = match t.get("lokr_w1") {
+            Some(w1) => mat(w1),
+            None => {
+                dim = Some(t["lokr_w1_b"].dims()[0]);
+                mm(&t["lokr_w1_a"], &t["lokr_w1_b"])
+            }
+        };
+        let w2 = match t.get("lokr_w2") {
+            Some(w2) => mat(w2),
+            None => {
+                dim = Some(t["lokr_w2_b"].dims()[0]);
+                mm(&t["lokr_w2_a"], &t["lokr_w2_b"])
+            }
+        };
+        let s = match (alpha, dim) {
+            (Some(a), Some(r)) => a / r as f32,
+            _ => 1.0,
+        };
+        return scaled(kron(w1, w2), s);
+    }
+    panic!(
+        "no tensor ComfyUI reads: {:?}",
+        t.keys().collect::<Vec<_>>()
+    );
+}
+
+fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// A file's tensors grouped by the key before their tensor name: (key, tensor name) for
+/// kohya files (no dot in a key) or by the longest key of `map` a tensor starts with.
+fn group(file: &Path, map: &KeyMap, kohya: bool) -> BTreeMap<String, BTreeMap<String, Tensor>> {
+    let tensors = flame::safetensors::load(file, &CPU).unwrap();
+    let mut groups: BTreeMap<String, BTreeMap<String, Tensor>> = BTreeMap::new();
+    for (k, v) in tensors {
+        let (key, name) = if kohya {
+            let (a, b) = k.split_once('.').unwrap();
+            (a.to_string(), b.to_string())
+        } else {
+            let key = map
+                .keys()
+                .filter(|m| k.starts_with(&format!("{m}.")))
+                .max_by_key(|m| m.len())
+                .unwrap_or_else(|| panic!("{file:?}: ComfyUI maps no key of {k}"));
+            (key.clone(), k[key.len() + 1..].to_string())
+        };
+        groups.entry(key).or_default().insert(name, v);
+    }
+    groups
+}
+
+/// Every kind's kohya file, on every adapted layer of the tiny Flux, SD3.5 and SDXL: each key
+/// one ComfyUI maps to the layer's weight, each tensor one it reads, and the change it
+/// computes the adapter's (DoRA: see `dora_needs_the_comfyui_layout`).
+#[test]
+fn kohya_files_load_in_comfyui_as_trained() {
+    let suffixes = comfy_suffixes();
+    for (family, map) in [
+        ("flux", "flux_tiny"),
+        ("sd3", "sd35_tiny"),
+        ("sdxl", "sdxl_tiny"),
+    ] {
+        let map = key_map(map);
+        for kind in ["lora", "lokr", "loha", "full"] {
+            let (weights, adapters, _) = tiny(family, kind);
+            let d = temp(&format!("{family}-{kind}"));
+            let file = d.join("kohya.safetensors");
+            adapters.save_kohya(&file, DType::F32).unwrap();
+            let groups = group(&file, &map, true);
+            let layers = adapters.layers().unwrap();
+            assert_eq!(groups.len(), layers.len(), "{family} {kind}");
+            for layer in &layers {
+                let key = kohya_name(layer.path());
+                let tensors = groups
+                    .get(&key)
+                    .unwrap_or_else(|| panic!("{family} {kind}: {key} not in the file"));
+                let (target, slice) = map
+                    .get(&key)
+                    .unwrap_or_else(|| panic!("{family} {kind}: ComfyUI maps no {key}"));
+                assert_eq!(target, &format!("{}.weight", layer.path()), "{key}");
+                assert_eq!(*slice, Place::Whole, "{key}");
+                for name in tensors.keys() {
+                    assert!(
+                        suffixes.contains(&format!(".{name}")),
+                        "{family} {kind}: ComfyUI does not read {key}.{name}"
+                    );
+                }
+                let w = &weights[target];
+                let (rows, _, wv) = mat(w);
+                let comfy = comfy_delta(tensors, &wv, rows);
+                let flame = mat(&flame_delta(&adapters, layer.path(), w)).2;
+                let e = rel_diff(&comfy, &flame);
+                assert!(
+                    e < 1e-5,
+                    "{family} {kind} {key}: ComfyUI's change off by {e}"
+                );
+            }
+            let _ = std::fs::remove_dir_all(&d);
+        }
+    }
+}
+
+/// DoRA: FLAME's kohya file stores the magnitude a row (LyCORIS's `wd_on_out` form, which
+/// LyCORIS and FLAME read back exactly); ComfyUI then divides by ‖W‖ instead of ‖W + ΔW‖ and
+/// computes another layer. The "comfyui" layout stores m ‖W‖ / ‖W + ΔW‖ instead, which
+/// ComfyUI turns into what FLAME trained, and FLAME reads it back to the same adapter.
+#[test]
+fn dora_needs_the_comfyui_layout() {
+    for (family, map) in [
+        ("flux", "flux_tiny"),
+        ("sd3", "sd35_tiny"),
+        ("sdxl", "sdxl_tiny"),
+    ] {
+        let map = key_map(map);
+        let (weights, adapters, _) = tiny(family, "dora");
+        let d = temp(&format!("{family}-dora"));
+        let kohya = d.join("kohya.safetensors");
+        adapters.save_kohya(&kohya, DType::F32).unwrap();
+        let comfyui = d.join("comfyui.safetensors");
+        adapters
+            .save_comfyui(&comfyui, DType::F32, &|path: &str| {
+                Ok(weights[&format!("{path}.weight")].clone())
+            })
+            .unwrap();
+        let (plain, made) = (group(&kohya, &map, true), group(&comfyui, &map, true));
+        let mut worst_plain = 0f32;
+        for layer in adapters.layers().unwrap() {
+            let key = kohya_name(layer.path());
+            assert!(map.contains_key(&key), "{family}: ComfyUI maps no {key}");
+            let w = &weights[&format!("{}.weight", layer.path())];
+            let (rows, _, wv) = mat(w);
+            let flame = mat(&flame_delta(&adapters, layer.path(), w)).2;
+            worst_plain = worst_plain.max(rel_diff(&comfy_delta(&plain[&key], &wv, rows), &flame));
+            let e = rel_diff(&comfy_delta(&made[&key], &wv, rows), &flame);
+            assert!(e < 1e-5, "{family} {key}: the comfyui layout off by {e}");
+        }
+        println!(
+            "{family}: ComfyUI's DoRA from the kohya file is {worst_plain:.3} of the change off"
+        );
+        assert!(
+            worst_plain > 1e-3,
+            "{family}: ComfyUI computed FLAME's DoRA from the plain file ({worst_plain})"
+        );
+        // The comfyui file reads back into the same adapters.
+        let (_, back, _) = tiny(family, "dora");
+        back.load_comfyui(&comfyui, &|path: &str| {
+            Ok(weights[&format!("{path}.weight")].clone())
+        })
+        .unwrap();
+        for (a, b) in adapters
+            .layers()
+            .unwrap()
+            .iter()
+            .zip(back.layers().unwrap())
+        {
+            for ((n, x), (_, y)) in a.params().into_iter().zip(b.params()) {
+                let e = rel_diff(&mat(&y).2, &mat(&x).2);
+                assert!(e < 1e-5, "{family} {} {n}: read back off by {e}", a.path());
+            }
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
+/// The PEFT layout of Flux and SD3.5 (diffusers' module names under `transformer.`, a fused
+/// layer's parts under their own names): every key one ComfyUI maps, to the part's rows of
+/// the fused weight, and the change it computes the adapter's on those rows.
+#[test]
+fn peft_files_of_flux_and_sd35_load_in_comfyui_as_trained() {
+    for (family, map) in [("flux", "flux_tiny"), ("sd3", "sd35_tiny")] {
+        let map = key_map(map);
+        let (weights, adapters, keys) = tiny(family, "lora");
+        let d = temp(&format!("{family}-peft"));
+        let file = d.join("peft.safetensors");
+        adapters
+            .save_peft(&file, &keys, "transformer", DType::F32)
+            .unwrap();
+        let groups = group(&file, &map, false);
+        // Each adapted layer's rows, as the parts ComfyUI patches them.
+        let mut covered: HashMap<String, usize> = HashMap::new();
+        for (key, tensors) in &groups {
+            let (target, slice) = &map[key];
+            let path = target.trim_end_matches(".weight");
+            let names: BTreeSet<&str> = tensors.keys().map(String::as_str).collect();
+            assert_eq!(
+                names,
+                BTreeSet::from(["lora_A.weight", "lora_B.weight"]),
+                "{family} {key}"
+            );
+            let w = &weights[target];
+            let (rows, cols, wv) = mat(w);
+            let part = tensors["lora_B.weight"].dims()[0];
+            // ComfyUI's unit for SD3's slices is 64 x depth, not the tiny width: the slice's
+            // place scales with the part's rows.
+            let start = match *slice {
+                Place::Rows(s, size) => s * part / size,
+                _ => 0,
+            };
+            let mut comfy = comfy_delta(tensors, &wv[start * cols..(start + part) * cols], part);
+            if *slice == Place::Swapped {
+                let half = comfy.len() / 2;
+                comfy.rotate_left(half);
+            }
+            let flame = mat(&flame_delta(&adapters, path, w)).2;
+            let e = rel_diff(&comfy, &flame[start * cols..(start + part) * cols]);
+            assert!(e < 1e-5, "{family} {key}: ComfyUI's change off by {e}");
+            *covered.entry(path.to_string()).or_default() += part;
+            assert!(covered[path] <= rows);
+        }
+        for layer in adapters.layers().unwrap() {
+            let rows = layer.shape().out_dim();
+            assert_eq!(
+                covered.get(layer.path()).copied(),
+                Some(rows),
+                "{family}: {} not whole in the PEFT file",
+                layer.path()
+            );
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
+/// A full-size model of `M` at `config`, built without weights, with rank-1 LoRAs on every
+/// Linear and convolution of its blocks: the adapters and the diffusers key map.
+fn full_size<M: ModelSpec>(
+    config: &M::Config,
+    targets: &[&str],
+) -> (Arc<Adapters>, flame::nn::KeyMap) {
+    let mut c = AdapterConfig::from(LoraConfig {
+        rank: 1,
+        alpha: 1.0,
+        dropout: 0.0,
+        targets: targets.iter().map(|s| s.to_string()).collect(),
+        seed: 5,
+    });
+    c.conv_rank = 1;
+    let adapters = Adapters::new(c).unwrap();
+    let vb = flame::nn::VarBuilder::shapes_only(DType::BF16, &CPU)
+        .with_adapters(adapters.clone())
+        .unwrap();
+    M::build(&vb, config).unwrap();
+    (adapters, M::diffusers_map(config))
+}
+
+/// The released models' layers (FLUX.1-dev, SD3.5-large, SDXL base at their published
+/// configurations): the key FLAME's kohya file gives each adapted layer is one ComfyUI maps
+/// to that layer's weight, in the maps its code builds for the full-size models; and for
+/// Flux-dev and SD3.5-large each key of the PEFT layout is one it maps too, every row of each
+/// layer covered once.
+#[test]
+fn the_released_models_keys_are_ones_comfyui_maps() {
+    use flame::models::flux::{Flux, FluxConfig};
+    use flame::models::sd3::{Sd3, Sd3Config};
+    use flame::models::sdxl::{SdxlConfig, Unet};
+    let flux = full_size::<Flux>(&FluxConfig::dev(), &["double_blocks.*", "single_blocks.*"]);
+    let sd3 = full_size::<Sd3>(&Sd3Config::large(), &["joint_blocks.*"]);
+    let sdxl = full_size::<Unet>(
+        &SdxlConfig::base(),
+        &["input_blocks.*", "middle_block.*", "output_blocks.*"],
+    );
+    for (name, (adapters, keys), peft) in [
+        ("flux_dev", &flux, true),
+        ("sd35_large", &sd3, true),
+        ("sdxl_base", &sdxl, false),
+    ] {
+        let map = key_map(name);
+        let layers = adapters.layers().unwrap();
+        assert!(layers.len() > 100, "{name}: {} layers", layers.len());
+        for l in &layers {
+            let key = kohya_name(l.path());
+            assert_eq!(
+                map.get(&key),
+                Some(&(format!("{}.weight", l.path()), Place::Whole)),
+                "{name}: {key}"
+            );
+        }
+        if !peft {
+            continue;
+        }
+        let d = temp(&format!("{name}-full-peft"));
+        let file = d.join("peft.safetensors");
+        adapters
+            .save_peft(&file, keys, "transformer", DType::BF16)
+            .unwrap();
+        let f = flame::safetensors::SafeTensorsFile::open(&file).unwrap();
+        let mut rows: HashMap<String, usize> = HashMap::new();
+        for t in f.names().filter(|t| t.ends_with(".lora_B.weight")) {
+            let module = t.trim_end_matches(".lora_B.weight");
+            let (target, _) = map
+                .get(module)
+                .unwrap_or_else(|| panic!("{name}: ComfyUI maps no {module}"));
+            *rows.entry(target.clone()).or_default() += f.info(t).unwrap().shape[0];
+        }
+        for l in &layers {
+            let w = format!("{}.weight", l.path());
+            assert_eq!(
+                rows.get(&w).copied(),
+                Some(l.shape().out_dim()),
+                "{name}: {w}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

@@ -1109,13 +1109,14 @@ impl Trainer {
     }
 
     /// The frozen weight of the layer at a path, read from the model's files as ComfyUI will
-    /// have it (f32, on the CPU; memory-mapped, a layer at a time), for the "comfyui"
-    /// layout.
+    /// have it (f32, memory-mapped, a layer at a time; on the CPU backend where the build has
+    /// it, else on the run's device), for the "comfyui" layout.
     fn base_weights(&self) -> Result<impl Fn(&str) -> Result<Tensor> + '_> {
         let m = &self.config.model;
+        let device = Device::cpu_backend().unwrap_or_else(|_| self.device.clone());
         let vb = models::Checkpoint::open(&m.path, self.model.family().subfolder)?.var_builder(
             DType::F32,
-            &Device::Cpu,
+            &device,
             self.map.clone(),
         )?;
         Ok(move |path: &str| {

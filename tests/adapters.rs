@@ -348,7 +348,8 @@ impl Mat {
 }
 
 /// ΔW (out, in·kh·kw) of one layer from the kohya file's tensors, written from the names'
-/// meaning as ComfyUI reads them (comfy/weight_adapter), not from FLAME's code.
+/// meaning as LyCORIS and ComfyUI read them (comfy/weight_adapter), not from FLAME's code;
+/// DoRA's `dora_scale` as LyCORIS reads it (ComfyUI divides by ‖W‖ instead: tests/comfy.rs).
 #[allow(clippy::needless_range_loop)] // index math, written out
 fn kohya_delta(t: &HashMap<String, Tensor>, k: &str, w: &Mat, in_ch: usize) -> Mat {
     let get = |n: &str| t.get(&format!("{k}.{n}"));
@@ -1153,4 +1154,78 @@ fn rank_dropout_keeps_each_rank_component_of_a_row_or_drops_it_in_training_only(
     let again: Vec<_> = (0..20).map(masks).collect();
     assert_eq!(first, again, "the same steps draw the same masks");
     assert!(rel(&m.lin.forward(&x).unwrap(), &adapted) < 1e-7);
+}
+
+/// FLAME's kohya files read by LyCORIS itself (`scripts/check_lycoris_load.py`, LyCORIS
+/// 4.1.3): every kind on the fixture's Linear, 3x3 and 1x1 convolutions (LoKr with a
+/// low-rank and with two full factors, DoRA with its magnitude a row), LyCORIS wraps every
+/// layer and adds what FLAME's adapter adds, in float64. Needs Python with torch and
+/// lycoris-lora: `FLAME_LYCORIS_PYTHONPATH=/tmp/pysite2:/tmp/pysite cargo test --features
+/// cpu-ref --test adapters -- --ignored lycoris`.
+#[test]
+#[ignore = "needs Python with torch and lycoris-lora (FLAME_LYCORIS_PYTHONPATH)"]
+fn flame_kohya_files_load_into_lycoris() {
+    let d = temp("lycoris-load");
+    let base = load(&dir().join("base.safetensors"));
+    for case in ["lora", "dora", "lokr", "lokr_full", "loha", "full"] {
+        let cfg = match case {
+            "full" => AdapterConfig {
+                kind: "full".into(),
+                ..config("lora")
+            },
+            c => config(c),
+        };
+        let a = Adapters::new(AdapterConfig {
+            lokr_split: flame::nn::LokrSplit::Lycoris,
+            ..cfg
+        })
+        .unwrap();
+        let _m = model(&a, DType::F64);
+        let delta = |l: &Arc<dyn Adapter>| {
+            let w = base[&format!("{}.weight", l.path())].clone();
+            let get = move |dt: DType| w.to_dtype(dt);
+            l.delta_weight(&BaseLayer::new(l.shape(), &get)).unwrap()
+        };
+        // DoRA's magnitudes from the weights first, then every tensor moved.
+        for l in a.layers().unwrap() {
+            delta(&l);
+        }
+        perturb(&a, 31);
+        a.save_kohya(d.join(format!("{case}.safetensors")), DType::F64)
+            .unwrap();
+        let deltas: Vec<(String, Tensor)> = a
+            .layers()
+            .unwrap()
+            .iter()
+            .map(|l| {
+                let t = delta(l).to_dtype(DType::F64).unwrap();
+                (format!("{}.weight", l.path()), t)
+            })
+            .collect();
+        flame::safetensors::save(
+            deltas.iter().map(|(k, t)| (k.as_str(), t)),
+            d.join(format!("{case}_delta.safetensors")),
+        )
+        .unwrap();
+    }
+    let python = std::env::var("FLAME_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_lycoris_load.py");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .arg(&d)
+        .arg(dir().join("base.safetensors"))
+        .env(
+            "PYTHONPATH",
+            std::env::var("FLAME_LYCORIS_PYTHONPATH").unwrap_or_default(),
+        )
+        .output()
+        .expect("python3");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(out.status.success(), "LyCORIS:\n{text}");
+    std::fs::remove_dir_all(&d).ok();
 }

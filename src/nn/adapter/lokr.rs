@@ -10,8 +10,9 @@
 //!
 //! Files: kohya / LyCORIS and PEFT name the tensors alike (`lokr_w1`, `lokr_w1_a`,
 //! `lokr_w1_b`, `lokr_w2`, `lokr_w2_a`, `lokr_w2_b`). ComfyUI scales a LoKr by alpha / r when
-//! a factor is low-rank and by 1 when both are full, so with both full the kohya file
-//! carries s inside w1 and no alpha. PEFT files carry s inside w1 (or w1_a) too, meaning the
+//! a factor is low-rank and by 1 when both are full (LyCORIS too), so with both full the
+//! kohya file carries s inside w1 (and the alpha they then ignore, which LyCORIS needs to
+//! load the file). PEFT files carry s inside w1 (or w1_a) too, meaning the
 //! same under alpha = r. A fused layer has no PEFT form (w1 ⊗ w2 does not split by rows).
 
 use super::io::{single_part, PeftFile, Reader};
@@ -451,18 +452,17 @@ impl Adapter for Lokr {
     }
 
     fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {
-        if self.both_full() {
-            return Ok(self
-                .scaled()?
-                .into_iter()
-                .map(|(n, t)| (n.to_string(), t))
-                .collect());
-        }
-        let mut v: Vec<(String, Tensor)> = self
-            .params()
+        let tensors = if self.both_full() {
+            self.scaled()?
+        } else {
+            self.params()
+        };
+        let mut v: Vec<(String, Tensor)> = tensors
             .into_iter()
             .map(|(n, t)| (n.to_string(), t))
             .collect();
+        // With both factors full, LyCORIS and ComfyUI apply the product unscaled whatever
+        // alpha says, but LyCORIS 4.1.3 cannot build the module without one.
         let dev = self.own()[0].device().clone();
         v.push(("alpha".into(), super::alpha_tensor(self.alpha, &dev)?));
         Ok(v)

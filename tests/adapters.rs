@@ -1044,49 +1044,65 @@ fn base_lin(x: &Tensor) -> Tensor {
 }
 
 /// Module dropout (`AdapterConfig::module_dropout`, kohya's and LyCORIS's) skips a layer's
-/// whole adapter for some micro-batches while training, the same ones again for the same
-/// step and micro-batch, and never outside training; the others compute the adapter as
-/// without it. Kinds without dropout refuse it.
+/// whole adapter (LoRA, LoKr, LoHa) for some micro-batches while training, the same ones
+/// again for the same step and micro-batch, and never outside training; the others compute
+/// the adapter as without it. Full training refuses it, LoHa rank dropout.
 #[test]
 fn module_dropout_skips_whole_adapters_for_some_micro_batches_in_training_only() {
-    let a = Adapters::new(AdapterConfig {
-        module_dropout: 0.5,
-        ..config("lora")
-    })
-    .unwrap();
-    let m = model(&a, DType::F32);
-    perturb(&a, 11);
-    let x = Tensor::randn((3, 12), DType::F32, &CPU, 5).unwrap();
-    let base = base_lin(&x);
-    a.set_train(false);
-    let adapted = m.lin.forward(&x).unwrap();
-    assert!(rel(&adapted, &base) > 1e-3, "the adapter changes nothing");
-    let dropped = |step: u64| -> bool {
-        a.set_step(step).unwrap();
-        a.set_train(true);
-        let y = m.lin.forward(&x).unwrap();
+    for kind in ["lora", "lokr", "loha"] {
+        let a = Adapters::new(AdapterConfig {
+            module_dropout: 0.5,
+            ..config(kind)
+        })
+        .unwrap();
+        let m = model(&a, DType::F32);
+        perturb(&a, 11);
+        let x = Tensor::randn((3, 12), DType::F32, &CPU, 5).unwrap();
+        let base = base_lin(&x);
         a.set_train(false);
-        match (rel(&y, &base) < 1e-7, rel(&y, &adapted) < 1e-7) {
-            (true, false) => true,
-            (false, true) => false,
-            _ => panic!("step {step}: neither the base nor the adapted output"),
-        }
-    };
-    let first: Vec<bool> = (0..40).map(dropped).collect();
-    let n = first.iter().filter(|d| **d).count();
-    assert!(
-        (8..=32).contains(&n),
-        "{n} of 40 micro-batches skipped at p = 0.5"
-    );
-    let again: Vec<bool> = (0..40).map(dropped).collect();
-    assert_eq!(first, again, "the same steps skip the same adapters");
+        let adapted = m.lin.forward(&x).unwrap();
+        assert!(
+            rel(&adapted, &base) > 1e-3,
+            "{kind}: the adapter changes nothing"
+        );
+        let dropped = |step: u64| -> bool {
+            a.set_step(step).unwrap();
+            a.set_train(true);
+            let y = m.lin.forward(&x).unwrap();
+            a.set_train(false);
+            match (rel(&y, &base) < 1e-7, rel(&y, &adapted) < 1e-7) {
+                (true, false) => true,
+                (false, true) => false,
+                _ => panic!("{kind} step {step}: neither the base nor the adapted output"),
+            }
+        };
+        let first: Vec<bool> = (0..40).map(dropped).collect();
+        let n = first.iter().filter(|d| **d).count();
+        assert!(
+            (8..=32).contains(&n),
+            "{kind}: {n} of 40 micro-batches skipped at p = 0.5"
+        );
+        let again: Vec<bool> = (0..40).map(dropped).collect();
+        assert_eq!(
+            first, again,
+            "{kind}: the same steps skip the same adapters"
+        );
+    }
     let e = Adapters::new(AdapterConfig {
         module_dropout: 0.1,
-        ..config("loha")
+        kind: "full".into(),
+        ..config("lora")
     })
     .unwrap_err()
     .to_string();
     assert!(e.contains("module_dropout"), "{e}");
+    let e = Adapters::new(AdapterConfig {
+        rank_dropout: 0.1,
+        ..config("loha")
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("rank_dropout"), "{e}");
 }
 
 /// Rank dropout (`AdapterConfig::rank_dropout`, kohya's): while training, each row of the

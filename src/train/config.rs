@@ -147,7 +147,8 @@ section! {
         /// Dropout on the adapter's input while training, in [0, 1) (lora and dora).
         dropout: f64 = 0.0,
         /// The probability of skipping a layer's adapter for a whole micro-batch while
-        /// training (kohya's and LyCORIS's module_dropout), in [0, 1) (lora and dora).
+        /// training (kohya's and LyCORIS's module_dropout), in [0, 1) (lora, dora, lokr and
+        /// loha).
         module_dropout: f64 = 0.0,
         /// The probability of zeroing each rank component of a sample's down-projection
         /// while training, the rest scaled by 1 / (1 - p) (kohya's rank_dropout), in [0, 1)
@@ -635,9 +636,22 @@ impl TrainConfig {
                 crate::nn::adapter::dropout_kinds()
             ),
         );
-        for (key, p) in [
-            ("adapter.module_dropout", a.module_dropout),
-            ("adapter.rank_dropout", a.rank_dropout),
+        use crate::nn::adapter::{dropout_kinds, module_dropout_kinds, Kind};
+        let module = |k: &Kind| k.module_dropout;
+        let rank = |k: &Kind| k.dropout;
+        for (key, p, takes, kinds) in [
+            (
+                "adapter.module_dropout",
+                a.module_dropout,
+                &module as &dyn Fn(&Kind) -> bool,
+                module_dropout_kinds(),
+            ),
+            (
+                "adapter.rank_dropout",
+                a.rank_dropout,
+                &rank,
+                dropout_kinds(),
+            ),
         ] {
             c.check(
                 (0.0..1.0).contains(&p),
@@ -645,9 +659,9 @@ impl TrainConfig {
                 format!("{p}: must be in [0, 1)"),
             );
             c.check(
-                p == 0.0 || crate::nn::adapter::kind(&a.kind).map_or(true, |k| k.dropout),
+                p == 0.0 || kind.as_ref().map_or(true, |k| takes(k)),
                 key,
-                format!("{p}: applies to {}", crate::nn::adapter::dropout_kinds()),
+                format!("{p}: applies to {kinds}"),
             );
         }
         c.check(

@@ -30,6 +30,7 @@ pub(super) const KIND: Kind = Kind {
     peft: true,
     ranked: true,
     dropout: true,
+    module_dropout: true,
     reads_weight: true,
     lycoris_algo: "locon",
     plain_kohya: false,

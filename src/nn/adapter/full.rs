@@ -19,6 +19,7 @@ pub(super) const KIND: Kind = Kind {
     peft: false,
     ranked: false,
     dropout: false,
+    module_dropout: false,
     reads_weight: false,
     lycoris_algo: "full",
     plain_kohya: false,

@@ -21,6 +21,7 @@ pub(super) const KIND: Kind = Kind {
     peft: true,
     ranked: true,
     dropout: false,
+    module_dropout: true,
     reads_weight: false,
     lycoris_algo: "loha",
     plain_kohya: false,
@@ -87,6 +88,8 @@ const NAMES: [&str; 4] = ["hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"];
 #[derive(Debug)]
 pub struct Loha {
     path: String,
+    /// Skips the whole adapter for a micro-batch (`AdapterConfig::module_dropout`).
+    module: super::ModuleDropout,
     shape: LayerShape,
     alpha: f64,
     /// w1_a, w1_b, w2_a, w2_b.
@@ -99,6 +102,7 @@ impl Loha {
         let (out, cols) = (shape.out_dim(), shape.cols());
         Ok(Loha {
             path: p.path.to_string(),
+            module: super::ModuleDropout::new(p)?,
             shape,
             alpha: p.alpha,
             w: [
@@ -163,6 +167,9 @@ impl Adapter for Loha {
     }
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
+        if self.module.skips() {
+            return Ok(y);
+        }
         let dw = cast(&self.delta_of(p)?, x)?;
         self.shape.add_apply(y, x, &dw)
     }
@@ -219,5 +226,9 @@ impl Adapter for Loha {
             .map(|(n, t)| file.take(&part.module, n, t.dims(), t.device()))
             .collect::<Result<Vec<_>>>()?;
         self.assign(read, file_scale / self.scale())
+    }
+
+    fn set_batch(&self, step: u64, micro: u64, _: crate::nn::layers::BatchPart) {
+        self.module.set_batch(step, micro);
     }
 }

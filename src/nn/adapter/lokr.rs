@@ -27,6 +27,7 @@ pub(super) const KIND: Kind = Kind {
     peft: true,
     ranked: true,
     dropout: false,
+    module_dropout: true,
     reads_weight: false,
     lycoris_algo: "lokr",
     plain_kohya: false,
@@ -251,6 +252,8 @@ impl Factor {
 #[derive(Debug)]
 pub struct Lokr {
     path: String,
+    /// Skips the whole adapter for a micro-batch (`AdapterConfig::module_dropout`).
+    module: super::ModuleDropout,
     shape: LayerShape,
     rank: usize,
     alpha: f64,
@@ -298,6 +301,7 @@ impl Lokr {
         };
         Ok(Lokr {
             path: p.path.to_string(),
+            module: super::ModuleDropout::new(p)?,
             shape,
             rank: r,
             alpha: p.alpha,
@@ -443,6 +447,9 @@ impl Adapter for Lokr {
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
         self.check(p)?;
+        if self.module.skips() {
+            return Ok(y);
+        }
         let dw = cast(&self.delta_of(p)?, x)?;
         self.shape.add_apply(y, x, &dw)
     }
@@ -505,5 +512,9 @@ impl Adapter for Lokr {
             .map(|(n, t)| file.take(&part.module, n, t.dims(), t.device()))
             .collect::<Result<Vec<_>>>()?;
         self.assign(read, file_scale / self.scale())
+    }
+
+    fn set_batch(&self, step: u64, micro: u64, _: crate::nn::layers::BatchPart) {
+        self.module.set_batch(step, micro);
     }
 }

@@ -22,6 +22,7 @@ pub(super) const KIND: Kind = Kind {
     peft: true,
     ranked: true,
     dropout: true,
+    module_dropout: true,
     reads_weight: false,
     lycoris_algo: "locon",
     plain_kohya: true,
@@ -353,7 +354,7 @@ impl Adapter for Lora {
     }
 
     fn set_batch(&self, step: u64, micro: u64, part: BatchPart) {
-        let calls = (step << 24) | ((micro & 0xFFF) << 12);
+        let calls = super::batch_calls(step, micro);
         self.dropout.set_calls(calls);
         self.module.set_calls(calls);
         self.rank_drop.set_calls(calls);

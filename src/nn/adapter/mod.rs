@@ -304,8 +304,11 @@ pub struct Kind {
     pub peft: bool,
     /// Whether the kind uses `rank` (full fine-tuning does not).
     pub ranked: bool,
-    /// Whether the kind takes input dropout (`AdapterConfig::dropout`).
+    /// Whether the kind takes input dropout and rank dropout (`AdapterConfig::dropout`,
+    /// `rank_dropout`).
     pub dropout: bool,
+    /// Whether the kind takes module dropout (`AdapterConfig::module_dropout`).
+    pub module_dropout: bool,
     /// Whether its adapters read the frozen weight in the forward (DoRA's norm): the weights
     /// they sit on are then not forward-only.
     pub reads_weight: bool,
@@ -376,9 +379,50 @@ pub(super) fn tucker(t: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         .reshape((p, c * k))
 }
 
-/// The kinds that take input dropout, by name ("lora and dora").
+/// The dropout counter of micro-batch `micro` of training step `step`: every dropout of an
+/// adapter starts there, so a re-run, a resume and every data-parallel rank draw alike.
+pub(super) fn batch_calls(step: u64, micro: u64) -> u64 {
+    (step << 24) | ((micro & 0xFFF) << 12)
+}
+
+/// Module dropout (`AdapterConfig::module_dropout`, kohya's and LyCORIS's): whether a layer's
+/// whole adapter is skipped for a micro-batch while training.
+#[derive(Debug)]
+pub(super) struct ModuleDropout {
+    drop: crate::nn::layers::Dropout,
+    train: Arc<AtomicBool>,
+}
+
+impl ModuleDropout {
+    pub(super) fn new(p: &Plan) -> Result<Self> {
+        Ok(ModuleDropout {
+            drop: crate::nn::layers::Dropout::new(p.config.module_dropout, p.seed.rotate_left(29))?,
+            train: p.train.clone(),
+        })
+    }
+
+    /// Whether the adapter is skipped in this forward (training only).
+    pub(super) fn skips(&self) -> bool {
+        self.drop.drops(self.train.load(Ordering::Relaxed))
+    }
+
+    pub(super) fn set_batch(&self, step: u64, micro: u64) {
+        self.drop.set_calls(batch_calls(step, micro));
+    }
+}
+
+/// The kinds that take input dropout and rank dropout, by name ("lora and dora").
 pub fn dropout_kinds() -> String {
-    let v: Vec<&str> = KINDS.iter().filter(|k| k.dropout).map(|k| k.name).collect();
+    kinds_where(|k| k.dropout)
+}
+
+/// The kinds that take module dropout, by name.
+pub fn module_dropout_kinds() -> String {
+    kinds_where(|k| k.module_dropout)
+}
+
+fn kinds_where(f: impl Fn(&Kind) -> bool) -> String {
+    let v: Vec<&str> = KINDS.iter().filter(|k| f(k)).map(|k| k.name).collect();
     match v.split_last() {
         Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
         Some((last, _)) => last.to_string(),
@@ -509,17 +553,26 @@ impl AdapterConfig {
                 kind.name
             ));
         }
-        for (name, p) in [
-            ("module_dropout", self.module_dropout),
-            ("rank_dropout", self.rank_dropout),
+        for (name, p, takes, kinds) in [
+            (
+                "module_dropout",
+                self.module_dropout,
+                kind.module_dropout,
+                module_dropout_kinds(),
+            ),
+            (
+                "rank_dropout",
+                self.rank_dropout,
+                kind.dropout,
+                dropout_kinds(),
+            ),
         ] {
             if !(0.0..1.0).contains(&p) {
                 return bad(format!("adapter.{name} {p} is not in [0, 1)"));
             }
-            if p > 0.0 && !kind.dropout {
+            if p > 0.0 && !takes {
                 return bad(format!(
-                    "adapter.{name} = {p}: it applies to {}, not {}",
-                    dropout_kinds(),
+                    "adapter.{name} = {p}: it applies to {kinds}, not {}",
                     kind.name
                 ));
             }

@@ -1046,7 +1046,7 @@ fn base_lin(x: &Tensor) -> Tensor {
 /// Module dropout (`AdapterConfig::module_dropout`, kohya's and LyCORIS's) skips a layer's
 /// whole adapter (LoRA, LoKr, LoHa) for some micro-batches while training, the same ones
 /// again for the same step and micro-batch, and never outside training; the others compute
-/// the adapter as without it. Full training refuses it, LoHa rank dropout.
+/// the adapter as without it. Full training refuses it and rank dropout.
 #[test]
 fn module_dropout_skips_whole_adapters_for_some_micro_batches_in_training_only() {
     for kind in ["lora", "lokr", "loha"] {
@@ -1098,7 +1098,8 @@ fn module_dropout_skips_whole_adapters_for_some_micro_batches_in_training_only()
     assert!(e.contains("module_dropout"), "{e}");
     let e = Adapters::new(AdapterConfig {
         rank_dropout: 0.1,
-        ..config("loha")
+        kind: "full".into(),
+        ..config("lora")
     })
     .unwrap_err()
     .to_string();
@@ -1244,4 +1245,68 @@ fn flame_kohya_files_load_into_lycoris() {
     println!("{text}");
     assert!(out.status.success(), "LyCORIS:\n{text}");
     std::fs::remove_dir_all(&d).ok();
+}
+
+/// Rank dropout on LoKr and LoHa (`AdapterConfig::rank_dropout`, LyCORIS's for these kinds):
+/// while training, each output row of the weight change is kept whole or zeroed, about half
+/// of them at p = 0.5 and the kept ones unscaled; the same step drops the same rows again,
+/// and outside training nothing is dropped.
+#[test]
+fn rank_dropout_on_lokr_and_loha_keeps_or_zeroes_each_row_of_the_change() {
+    for kind in ["lokr", "loha"] {
+        let a = Adapters::new(AdapterConfig {
+            rank_dropout: 0.5,
+            ..config(kind)
+        })
+        .unwrap();
+        let m = model(&a, DType::F32);
+        perturb(&a, 17);
+        let x = Tensor::randn((3, 12), DType::F32, &CPU, 7).unwrap();
+        let base = base_lin(&x);
+        let term = |train: Option<u64>| -> Vec<f64> {
+            if let Some(step) = train {
+                a.set_step(step).unwrap();
+            }
+            a.set_train(train.is_some());
+            let y = m.lin.forward(&x).unwrap().sub(&base).unwrap();
+            a.set_train(false);
+            y.to_vec_f64().unwrap()
+        };
+        let whole = term(None);
+        assert!(whole.iter().any(|v| v.abs() > 1e-3), "{kind}: no change");
+        let (mut kept, mut rows) = (0, 0);
+        let mut first = vec![];
+        for step in 0..8 {
+            let t = term(Some(step));
+            for j in 0..10 {
+                let col = |v: &[f64]| (0..3).map(|i| v[i * 10 + j]).collect::<Vec<_>>();
+                let (got, want) = (col(&t), col(&whole));
+                let scale = want.iter().fold(1e-6f64, |s, v| s.max(v.abs()));
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(g, w)| (g - w).abs() < 1e-5 * scale);
+                let zero = got.iter().all(|g| g.abs() < 1e-6 * scale);
+                assert!(
+                    same ^ zero,
+                    "{kind} step {step} row {j}: {got:?} against {want:?}"
+                );
+                kept += same as usize;
+                rows += 1;
+            }
+            first.push(t);
+        }
+        assert!(
+            (20..=60).contains(&kept),
+            "{kind}: {kept} of {rows} rows kept at p = 0.5"
+        );
+        for (step, t) in first.iter().enumerate() {
+            assert_eq!(
+                &term(Some(step as u64)),
+                t,
+                "{kind} step {step}: another mask"
+            );
+        }
+        assert_eq!(term(None), whole, "{kind}: outside training");
+    }
 }

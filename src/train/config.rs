@@ -150,9 +150,10 @@ section! {
         /// training (kohya's and LyCORIS's module_dropout), in [0, 1) (lora, dora, lokr and
         /// loha).
         module_dropout: f64 = 0.0,
-        /// The probability of zeroing each rank component of a sample's down-projection
-        /// while training, the rest scaled by 1 / (1 - p) (kohya's rank_dropout), in [0, 1)
-        /// (lora and dora).
+        /// Rank dropout while training, in [0, 1): for lora and dora each rank component of
+        /// a sample's down-projection zeroed with this probability, the rest scaled by
+        /// 1 / (1 - p) (kohya's rank_dropout); for lokr and loha each output row of the
+        /// weight change zeroed, the rest left as they are (LyCORIS's).
         rank_dropout: f64 = 0.0,
         /// Layer path patterns (`*` matches any run of characters), in the model's original
         /// key names, e.g. "double_blocks.*.img_attn.qkv".
@@ -636,9 +637,9 @@ impl TrainConfig {
                 crate::nn::adapter::dropout_kinds()
             ),
         );
-        use crate::nn::adapter::{dropout_kinds, module_dropout_kinds, Kind};
+        use crate::nn::adapter::{module_dropout_kinds, rank_dropout_kinds, Kind};
         let module = |k: &Kind| k.module_dropout;
-        let rank = |k: &Kind| k.dropout;
+        let rank = |k: &Kind| k.rank_dropout;
         for (key, p, takes, kinds) in [
             (
                 "adapter.module_dropout",
@@ -650,7 +651,7 @@ impl TrainConfig {
                 "adapter.rank_dropout",
                 a.rank_dropout,
                 &rank,
-                dropout_kinds(),
+                rank_dropout_kinds(),
             ),
         ] {
             c.check(

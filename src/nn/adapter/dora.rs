@@ -31,6 +31,7 @@ pub(super) const KIND: Kind = Kind {
     ranked: true,
     dropout: true,
     module_dropout: true,
+    rank_dropout: true,
     reads_weight: true,
     lycoris_algo: "locon",
     plain_kohya: false,

@@ -20,6 +20,7 @@ pub(super) const KIND: Kind = Kind {
     ranked: false,
     dropout: false,
     module_dropout: false,
+    rank_dropout: false,
     reads_weight: false,
     lycoris_algo: "full",
     plain_kohya: false,

@@ -22,6 +22,7 @@ pub(super) const KIND: Kind = Kind {
     ranked: true,
     dropout: false,
     module_dropout: true,
+    rank_dropout: true,
     reads_weight: false,
     lycoris_algo: "loha",
     plain_kohya: false,
@@ -88,8 +89,8 @@ const NAMES: [&str; 4] = ["hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"];
 #[derive(Debug)]
 pub struct Loha {
     path: String,
-    /// Skips the whole adapter for a micro-batch (`AdapterConfig::module_dropout`).
-    module: super::ModuleDropout,
+    /// Module and rank dropout.
+    drops: super::WeightDropout,
     shape: LayerShape,
     alpha: f64,
     /// w1_a, w1_b, w2_a, w2_b.
@@ -102,7 +103,7 @@ impl Loha {
         let (out, cols) = (shape.out_dim(), shape.cols());
         Ok(Loha {
             path: p.path.to_string(),
-            module: super::ModuleDropout::new(p)?,
+            drops: super::WeightDropout::new(p)?,
             shape,
             alpha: p.alpha,
             w: [
@@ -167,10 +168,10 @@ impl Adapter for Loha {
     }
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
-        if self.module.skips() {
+        if self.drops.skips() {
             return Ok(y);
         }
-        let dw = cast(&self.delta_of(p)?, x)?;
+        let dw = cast(&self.drops.rows(self.delta_of(p)?)?, x)?;
         self.shape.add_apply(y, x, &dw)
     }
 
@@ -229,6 +230,6 @@ impl Adapter for Loha {
     }
 
     fn set_batch(&self, step: u64, micro: u64, _: crate::nn::layers::BatchPart) {
-        self.module.set_batch(step, micro);
+        self.drops.set_batch(step, micro);
     }
 }

@@ -28,6 +28,7 @@ pub(super) const KIND: Kind = Kind {
     ranked: true,
     dropout: false,
     module_dropout: true,
+    rank_dropout: true,
     reads_weight: false,
     lycoris_algo: "lokr",
     plain_kohya: false,
@@ -252,8 +253,8 @@ impl Factor {
 #[derive(Debug)]
 pub struct Lokr {
     path: String,
-    /// Skips the whole adapter for a micro-batch (`AdapterConfig::module_dropout`).
-    module: super::ModuleDropout,
+    /// Module and rank dropout.
+    drops: super::WeightDropout,
     shape: LayerShape,
     rank: usize,
     alpha: f64,
@@ -301,7 +302,7 @@ impl Lokr {
         };
         Ok(Lokr {
             path: p.path.to_string(),
-            module: super::ModuleDropout::new(p)?,
+            drops: super::WeightDropout::new(p)?,
             shape,
             rank: r,
             alpha: p.alpha,
@@ -447,10 +448,10 @@ impl Adapter for Lokr {
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
         self.check(p)?;
-        if self.module.skips() {
+        if self.drops.skips() {
             return Ok(y);
         }
-        let dw = cast(&self.delta_of(p)?, x)?;
+        let dw = cast(&self.drops.rows(self.delta_of(p)?)?, x)?;
         self.shape.add_apply(y, x, &dw)
     }
 
@@ -515,6 +516,6 @@ impl Adapter for Lokr {
     }
 
     fn set_batch(&self, step: u64, micro: u64, _: crate::nn::layers::BatchPart) {
-        self.module.set_batch(step, micro);
+        self.drops.set_batch(step, micro);
     }
 }

@@ -23,6 +23,7 @@ pub(super) const KIND: Kind = Kind {
     ranked: true,
     dropout: true,
     module_dropout: true,
+    rank_dropout: true,
     reads_weight: false,
     lycoris_algo: "locon",
     plain_kohya: true,

@@ -304,11 +304,12 @@ pub struct Kind {
     pub peft: bool,
     /// Whether the kind uses `rank` (full fine-tuning does not).
     pub ranked: bool,
-    /// Whether the kind takes input dropout and rank dropout (`AdapterConfig::dropout`,
-    /// `rank_dropout`).
+    /// Whether the kind takes input dropout (`AdapterConfig::dropout`).
     pub dropout: bool,
     /// Whether the kind takes module dropout (`AdapterConfig::module_dropout`).
     pub module_dropout: bool,
+    /// Whether the kind takes rank dropout (`AdapterConfig::rank_dropout`).
+    pub rank_dropout: bool,
     /// Whether its adapters read the frozen weight in the forward (DoRA's norm): the weights
     /// they sit on are then not forward-only.
     pub reads_weight: bool,
@@ -385,33 +386,63 @@ pub(super) fn batch_calls(step: u64, micro: u64) -> u64 {
     (step << 24) | ((micro & 0xFFF) << 12)
 }
 
-/// Module dropout (`AdapterConfig::module_dropout`, kohya's and LyCORIS's): whether a layer's
-/// whole adapter is skipped for a micro-batch while training.
+/// Module and rank dropout as LyCORIS applies them to a kind whose change is a weight (LoKr,
+/// LoHa): a layer's whole adapter skipped for a micro-batch (`AdapterConfig::module_dropout`,
+/// kohya's and LyCORIS's), and each output row of the change zeroed with probability p, the
+/// rest left as they are (`rank_dropout`; LyCORIS 4.1.3 `get_weight`, whose scaling of the
+/// kept rows, `rank_dropout_scale`, is off by default). While training only; both drawn
+/// for the whole global batch, so data-parallel ranks drop alike.
 #[derive(Debug)]
-pub(super) struct ModuleDropout {
-    drop: crate::nn::layers::Dropout,
+pub(super) struct WeightDropout {
+    module: crate::nn::layers::Dropout,
+    rows: crate::nn::layers::Dropout,
     train: Arc<AtomicBool>,
 }
 
-impl ModuleDropout {
+impl WeightDropout {
     pub(super) fn new(p: &Plan) -> Result<Self> {
-        Ok(ModuleDropout {
-            drop: crate::nn::layers::Dropout::new(p.config.module_dropout, p.seed.rotate_left(29))?,
+        use crate::nn::layers::Dropout;
+        Ok(WeightDropout {
+            module: Dropout::new(p.config.module_dropout, p.seed.rotate_left(29))?,
+            rows: Dropout::new(p.config.rank_dropout, p.seed.rotate_left(41))?,
             train: p.train.clone(),
         })
     }
 
-    /// Whether the adapter is skipped in this forward (training only).
+    fn training(&self) -> bool {
+        self.train.load(Ordering::Relaxed)
+    }
+
+    /// Whether the adapter is skipped in this forward.
     pub(super) fn skips(&self) -> bool {
-        self.drop.drops(self.train.load(Ordering::Relaxed))
+        self.module.drops(self.training())
+    }
+
+    /// The change `dw` (out, ...) with this forward's rows dropped.
+    pub(super) fn rows(&self, dw: Tensor) -> Result<Tensor> {
+        let out = dw.dims()[0];
+        match self
+            .rows
+            .mask(out.into(), dw.dtype(), dw.device(), self.training())?
+        {
+            Some(m) => {
+                let mut dims = vec![1; dw.dims().len()];
+                dims[0] = out;
+                // The mask keeps rows at 1 / (1 - p); LyCORIS keeps them at 1.
+                dw.mul(&m.sign()?.reshape(dims)?)
+            }
+            None => Ok(dw),
+        }
     }
 
     pub(super) fn set_batch(&self, step: u64, micro: u64) {
-        self.drop.set_calls(batch_calls(step, micro));
+        let calls = batch_calls(step, micro);
+        self.module.set_calls(calls);
+        self.rows.set_calls(calls);
     }
 }
 
-/// The kinds that take input dropout and rank dropout, by name ("lora and dora").
+/// The kinds that take input dropout, by name ("lora and dora").
 pub fn dropout_kinds() -> String {
     kinds_where(|k| k.dropout)
 }
@@ -419,6 +450,11 @@ pub fn dropout_kinds() -> String {
 /// The kinds that take module dropout, by name.
 pub fn module_dropout_kinds() -> String {
     kinds_where(|k| k.module_dropout)
+}
+
+/// The kinds that take rank dropout, by name.
+pub fn rank_dropout_kinds() -> String {
+    kinds_where(|k| k.rank_dropout)
 }
 
 fn kinds_where(f: impl Fn(&Kind) -> bool) -> String {
@@ -563,8 +599,8 @@ impl AdapterConfig {
             (
                 "rank_dropout",
                 self.rank_dropout,
-                kind.dropout,
-                dropout_kinds(),
+                kind.rank_dropout,
+                rank_dropout_kinds(),
             ),
         ] {
             if !(0.0..1.0).contains(&p) {

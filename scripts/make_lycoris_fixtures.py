@@ -28,11 +28,14 @@ UNet), one per case:
   dora_columns   LoConModule(lora_dim=4, alpha=2, weight_decompose=True, wd_on_out=False):
                  on lin only: its dora_scale is (1, in), per input column
   full           FullModule: diff and diff_b (the bias's change)
+  loha_dora      LohaModule(lora_dim=4, alpha=2, weight_decompose=True): dora_scale a row
+  lokr_dora      LokrModule(lora_dim=2, alpha=1, factor=4, weight_decompose=True)
 Every other case adapts every layer above. Beside them, base.safetensors (`<layer>.weight`, `<layer>.bias`) and, for each case,
 <case>_delta.safetensors: `<layer>.weight` = the change LyCORIS's forward adds, ΔW: for LoCon
 `get_diff_weight(multiplier=1)`; for LoHa and LoKr `get_weight(shape) * scalar`, what their
 forward adds (4.1.3's `get_diff_weight` multiplies those two by alpha / r a second time, which
-their forward does not); for DoRA the merged weight less the base (`get_merged_weight`); and for
+their forward does not); for DoRA the merged weight less the base (`get_merged_weight`; for LoHa
+and LoKr with magnitudes, their forward's change decomposed, `apply_weight_decompose`); and for
 full `<layer>.bias` = its diff_b.
 """
 
@@ -88,6 +91,12 @@ CASES = [
         dict(lora_dim=4, alpha=2, weight_decompose=True, wd_on_out=False),
     ),
     ("full", FullModule, dict()),
+    ("loha_dora", LohaModule, dict(lora_dim=4, alpha=2, weight_decompose=True)),
+    (
+        "lokr_dora",
+        LokrModule,
+        dict(lora_dim=2, alpha=1, factor=4, weight_decompose=True),
+    ),
 ]
 
 
@@ -121,6 +130,12 @@ def main():
                     deltas[f"{name}.bias"] = diff_b.clone().contiguous()
                 elif case == "dora_columns":
                     merged = mod.get_merged_weight(multiplier=1)[0]
+                    deltas[f"{name}.weight"] = (merged - org.weight).detach().contiguous()
+                elif case in ("loha_dora", "lokr_dora"):
+                    # What the module's forward makes the weight: its change (get_weight x
+                    # scalar, as below) decomposed with the magnitudes a row.
+                    change = mod.get_weight(mod.shape) * mod.scalar
+                    merged = mod.apply_weight_decompose(org.weight + change, 1)
                     deltas[f"{name}.weight"] = (merged - org.weight).detach().contiguous()
                 elif case in ("loha_tucker", "lokr_tucker"):
                     # What the module's forward adds (get_weight x scalar): 4.1.3's

@@ -991,7 +991,8 @@ fn peft_made_pattern_and_rslora_files_compute_what_peft_merged() {
 
 /// Files LyCORIS 4.1.3 wrote (`scripts/make_lycoris_fixtures.py`): its Tucker forms
 /// (`lora_mid`, `hada_t1`/`hada_t2`, `lokr_t2` on a 3x3 convolution), DoRA's per-column
-/// `dora_scale` on a Linear, and full fine-tuning's `diff` with `diff_b`, merged as the weights
+/// `dora_scale` on a Linear, LoHa and LoKr with DoRA's magnitudes a row (its
+/// `weight_decompose` on them), and full fine-tuning's `diff` with `diff_b`, merged as the weights
 /// load, give every weight and bias LyCORIS's own change (`get_diff_weight`, or the merged
 /// weight for DoRA), every tensor of each file taken.
 #[test]
@@ -1004,6 +1005,8 @@ fn lycoris_tucker_dora_and_bias_files_merge_as_lycoris_computes_them() {
         "lokr_tucker",
         "dora_columns",
         "full",
+        "loha_dora",
+        "lokr_dora",
     ] {
         let merge = Arc::new(
             flame::nn::LoraMerge::open(lyco.join(format!("{case}.safetensors")), 1.0, "unet")

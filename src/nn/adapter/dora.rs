@@ -58,18 +58,30 @@ pub(super) fn rescale(w: &Tensor, lora: &Tensor, m: &Tensor, per_row: bool) -> R
 }
 
 /// The change a file's DoRA of one layer stands for, as the matrix (out, cols): a LoRA's
-/// tensors (`lora::merge`) and its magnitudes, kohya's `dora_scale` ((out, 1[, 1, 1]) per
-/// output row, or a Linear's (1, in) per input column) or PEFT's `lora_magnitude_vector`
-/// ((out), or (1, out, 1, 1) for a convolution).
+/// tensors (`lora::merge`) and its magnitudes (`decompose`); `None` without a LoRA's tensors
+/// (LyCORIS's LoKr and LoHa with magnitudes are theirs).
 pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
-    let Some(name) = ["dora_scale", "lora_magnitude_vector"]
-        .into_iter()
-        .find(|t| l.has(t))
-    else {
+    if !MAGNITUDES.iter().any(|t| l.has(t)) {
         return Ok(None);
+    }
+    match super::lora::merge(l)? {
+        Some(lora) => decompose(l, lora).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// The names a file's DoRA magnitudes go by: kohya's and LyCORIS's, PEFT's.
+const MAGNITUDES: [&str; 2] = ["dora_scale", "lora_magnitude_vector"];
+
+/// W' - W for a layer whose file holds magnitudes beside a change `change` (out, cols) of any
+/// kind (LyCORIS decomposes LoRA, LoKr and LoHa alike, `weight_decompose`): kohya's
+/// `dora_scale` ((out, 1[, 1, 1]) per output row, or a Linear's (1, in) per input column) or
+/// PEFT's `lora_magnitude_vector` ((out), or (1, out, 1, 1) for a convolution); `change`
+/// itself without them.
+pub(super) fn decompose(l: &MergeLayer, change: Tensor) -> Result<Tensor> {
+    let Some(name) = MAGNITUDES.into_iter().find(|t| l.has(t)) else {
+        return Ok(change);
     };
-    let lora = super::lora::merge(l)?
-        .ok_or_else(|| l.error(name, "a DoRA magnitude without its LoRA's tensors"))?;
     let m = l.need(name, "DoRA")?;
     let (out, cols) = (l.out(), l.cols());
     let per_row = m.elem_count() == out
@@ -93,9 +105,9 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
             .sum_keepdim(&[1])?
             .sqrt()?
             .affine(1.0, f32::EPSILON as f64)?;
-        return w.add(&lora)?.mul(&m.div(&norm)?)?.sub(&w).map(Some);
+        return w.add(&change)?.mul(&m.div(&norm)?)?.sub(&w);
     }
-    rescale(&l.weight()?, &lora, &m, per_row).map(Some)
+    rescale(&l.weight()?, &change, &m, per_row)
 }
 
 /// One layer's DoRA: a LoRA and the magnitude vector.

@@ -65,7 +65,7 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
             ));
         }
         let s = l.scale(b1.dims()[0])?;
-        return d.affine(s, 0.0).map(Some);
+        return super::dora::decompose(l, d.affine(s, 0.0)?).map(Some);
     }
     let b1 = l.matrix(NAMES[1], l.need(NAMES[1], "LoHa")?)?;
     let a2 = l.need(NAMES[2], "LoHa")?;
@@ -80,7 +80,7 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
         return Err(l.bad(NAMES[0], &a1, &format!("factors of ({out}, {cols})")));
     }
     let s = l.scale(r)?;
-    hadamard([&a1, &b1, &a2, &b2], s).map(Some)
+    super::dora::decompose(l, hadamard([&a1, &b1, &a2, &b2], s)?).map(Some)
 }
 
 const NAMES: [&str; 4] = ["hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"];

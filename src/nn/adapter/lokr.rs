@@ -105,7 +105,7 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
         (Some(_), None) => 1.0,
         (None, _) => l.default_scale(),
     };
-    kron(&w1, &w2, s).map(Some)
+    super::dora::decompose(l, kron(&w1, &w2, s)?).map(Some)
 }
 
 /// How a LoKr splits a layer's sides when `factor` divides them: the two libraries differ

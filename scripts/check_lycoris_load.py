@@ -7,7 +7,7 @@ Usage:  PYTHONPATH=/tmp/pysite2:/tmp/pysite python3 scripts/check_lycoris_load.p
 
 DIR holds, for each case, `<case>.safetensors` (FLAME's kohya file: `lora_unet_<layer>.<tensor>`)
 and `<case>_delta.safetensors` (`<layer>.weight`: the change FLAME's adapter makes to that
-layer's weight, float64). BASE is tests/fixtures/adapters/base.safetensors, the layers
+layer's weight, and `<layer>.bias` to its bias where the kind trains it; float64). BASE is tests/fixtures/adapters/base.safetensors, the layers
   lin   nn.Linear(12, 10)
   conv  nn.Conv2d(4, 6, kernel_size=3, padding=1)
   pw    nn.Conv2d(4, 6, kernel_size=1)
@@ -85,10 +85,12 @@ def main():
         with torch.no_grad():
             for m, x in inputs.items():
                 d = delta[f"{m}.weight"].to(torch.float64)
+                b = delta.get(f"{m}.bias")
+                b = None if b is None else b.to(torch.float64)
                 if m == "lin":
-                    want = F.linear(x, d)
+                    want = F.linear(x, d, b)
                 else:
-                    want = F.conv2d(x, d, padding=getattr(model, m).padding)
+                    want = F.conv2d(x, d, b, padding=getattr(model, m).padding)
                 got = getattr(model, m)(x) - plain[m]
                 err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
                 status = "ok" if err <= TOLERANCE else "OFF"

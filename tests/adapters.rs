@@ -468,7 +468,11 @@ fn kohya_files_mean_what_comfyui_reads_and_load_back() {
                 .unwrap()
                 .to_dtype(DType::F32)
                 .unwrap();
-            let b = base[&format!("{name}.bias")].to_dtype(DType::F32).unwrap();
+            // The bias and its change where the file has one (full's `diff_b`).
+            let mut b = base[&format!("{name}.bias")].to_dtype(DType::F32).unwrap();
+            if let Some(db) = t.get(&format!("{}.diff_b", flame::nn::kohya_name(name))) {
+                b = b.add(&db.to_dtype(DType::F32).unwrap()).unwrap();
+            }
             let x = &inp[&format!("x.{name}")];
             let plain = match name {
                 "lin" => x.matmul(&merged.t().unwrap()).unwrap().add(&b).unwrap(),
@@ -1178,8 +1182,8 @@ fn rank_dropout_keeps_each_rank_component_of_a_row_or_drops_it_in_training_only(
 
 /// FLAME's kohya files read by LyCORIS itself (`scripts/check_lycoris_load.py`, LyCORIS
 /// 4.1.3): every kind on the fixture's Linear, 3x3 and 1x1 convolutions (LoKr with a
-/// low-rank and with two full factors, DoRA with its magnitude a row), LyCORIS wraps every
-/// layer and adds what FLAME's adapter adds, in float64. Needs Python with torch and
+/// low-rank and with two full factors, DoRA with its magnitude a row, full with the biases'
+/// changes), LyCORIS wraps every layer and adds what FLAME's adapter adds, in float64. Needs Python with torch and
 /// lycoris-lora: `FLAME_LYCORIS_PYTHONPATH=/tmp/pysite2:/tmp/pysite cargo test --features
 /// cpu-ref --test adapters -- --ignored lycoris`.
 #[test]
@@ -1213,15 +1217,21 @@ fn flame_kohya_files_load_into_lycoris() {
         perturb(&a, 31);
         a.save_kohya(d.join(format!("{case}.safetensors")), DType::F64)
             .unwrap();
-        let deltas: Vec<(String, Tensor)> = a
-            .layers()
-            .unwrap()
-            .iter()
-            .map(|l| {
-                let t = delta(l).to_dtype(DType::F64).unwrap();
-                (format!("{}.weight", l.path()), t)
-            })
-            .collect();
+        // The weights' changes, and the biases' where the kind trains them (full).
+        let mut deltas: Vec<(String, Tensor)> = vec![];
+        for l in a.layers().unwrap() {
+            let t = delta(&l).to_dtype(DType::F64).unwrap();
+            deltas.push((format!("{}.weight", l.path()), t));
+            for (name, p) in l.params() {
+                if name == "diff_b" {
+                    let b = p.to_dtype(DType::F64).unwrap();
+                    deltas.push((format!("{}.bias", l.path()), b));
+                }
+            }
+        }
+        if case == "full" {
+            assert_eq!(deltas.len(), 6, "full trains every layer's bias");
+        }
         flame::safetensors::save(
             deltas.iter().map(|(k, t)| (k.as_str(), t)),
             d.join(format!("{case}_delta.safetensors")),

@@ -372,6 +372,17 @@ fn kohya_files_load_in_comfyui_as_trained() {
                         "{family} {kind}: ComfyUI does not read {key}.{name}"
                     );
                 }
+                // A bias change goes to the layer's bias, which ComfyUI patches only where
+                // the model has one.
+                if let Some(b) = tensors.get("diff_b") {
+                    let bias = format!("{}.bias", layer.path());
+                    assert!(weights.contains_key(&bias), "{key}: no {bias} for diff_b");
+                    assert_eq!(b.dims(), weights[&bias].dims(), "{key}.diff_b");
+                }
+                if kind == "full" {
+                    let has_bias = weights.contains_key(&format!("{}.bias", layer.path()));
+                    assert_eq!(tensors.contains_key("diff_b"), has_bias, "{key}");
+                }
                 let w = &weights[target];
                 let (rows, _, wv) = mat(w);
                 let comfy = comfy_delta(tensors, &wv, rows);

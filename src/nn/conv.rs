@@ -263,7 +263,7 @@ impl Conv2d {
             adapter: None,
         };
         let shape = conv.layer_shape();
-        conv.adapter = match vb.adapter(shape)? {
+        conv.adapter = match vb.adapter(shape, conv.bias.is_some())? {
             Some(_) if cfg.groups != 1 => {
                 return Err(Error::Param {
                     key: vb.key("weight"),

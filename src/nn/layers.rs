@@ -34,6 +34,7 @@ impl Linear {
     /// adapter the builder plans for this path, if any.
     pub fn new(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
         let (weight, fp8_scale) = vb.get_linear_weight(out_dim, in_dim, "weight")?;
+        let has_bias = bias;
         let bias = if bias {
             Some(vb.get(out_dim, "bias")?)
         } else {
@@ -42,7 +43,7 @@ impl Linear {
         Ok(Linear {
             weight,
             bias,
-            adapter: vb.adapter(LayerShape::Linear { in_dim, out_dim })?,
+            adapter: vb.adapter(LayerShape::Linear { in_dim, out_dim }, has_bias)?,
             fp8_scale,
         })
     }

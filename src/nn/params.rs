@@ -289,10 +289,11 @@ impl VarBuilder {
         self.shared.adapters.as_ref()
     }
 
-    /// The adapter for the layer of `shape` at this prefix, if one is planned for it.
-    pub fn adapter(&self, shape: LayerShape) -> Result<Option<Arc<dyn Adapter>>> {
+    /// The adapter for the layer of `shape` (with a bias or not) at this prefix, if one is
+    /// planned for it.
+    pub fn adapter(&self, shape: LayerShape, bias: bool) -> Result<Option<Arc<dyn Adapter>>> {
         match &self.shared.adapters {
-            Some(a) => a.for_layer(&self.prefix.join("."), shape, self.device()),
+            Some(a) => a.for_layer(&self.prefix.join("."), shape, bias, self.device()),
             None => Ok(None),
         }
     }

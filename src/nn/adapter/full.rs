@@ -1,12 +1,14 @@
 //! Full fine-tuning of chosen layers: the layer's weight itself is trained, held as a change
 //! to the frozen weight, `diff` (f32, the weight's shape, starting at zero), so the frozen
 //! weight can stay in its own dtype (bf16, FP8) or in host memory while the trained values
-//! keep f32 precision. The forward adds x ⊛ diff to the frozen output. It costs what
-//! training a weight costs: the f32 change, its gradient and the optimizer's moments (8-bit
-//! AdamW and the memory planner apply).
+//! keep f32 precision; where the layer has a bias, its change `diff_b` (f32, starting at
+//! zero) is trained too, as LyCORIS's full module trains the bias. The forward adds
+//! x ⊛ diff + diff_b to the frozen output. It costs what training a weight costs: the f32
+//! change, its gradient and the optimizer's moments (8-bit AdamW and the memory planner
+//! apply).
 //!
-//! Files: the kohya / LyCORIS full-weight difference, `diff` (ComfyUI adds it to the weight);
-//! PEFT has no such kind, so there is no PEFT layout.
+//! Files: the kohya / LyCORIS full-weight difference, `diff` and `diff_b` (ComfyUI adds them
+//! to the weight and the bias); PEFT has no such kind, so there is no PEFT layout.
 
 use super::io::{PeftFile, Reader};
 use super::merge::MergeLayer;
@@ -31,6 +33,11 @@ pub(super) const KIND: Kind = Kind {
             path: p.path.to_string(),
             shape: p.shape,
             diff: zeros(&p.shape.weight_dims(), p.device)?,
+            diff_b: if p.bias {
+                Some(zeros(&[p.shape.out_dim()], p.device)?)
+            } else {
+                None
+            },
         }))
     },
 };
@@ -66,6 +73,8 @@ pub struct Full {
     shape: LayerShape,
     /// The trained change to the weight: f32, trainable.
     diff: Tensor,
+    /// The trained change to the bias, where the layer has one: (out), f32, trainable.
+    diff_b: Option<Tensor>,
 }
 
 impl Full {
@@ -95,7 +104,11 @@ impl Adapter for Full {
     }
 
     fn params(&self) -> Vec<(&'static str, Tensor)> {
-        vec![("diff", self.diff.clone())]
+        let mut p = vec![("diff", self.diff.clone())];
+        if let Some(b) = &self.diff_b {
+            p.push(("diff_b", b.clone()));
+        }
+        p
     }
 
     fn adds_to_output(&self) -> bool {
@@ -103,10 +116,16 @@ impl Adapter for Full {
     }
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
-        let [diff] = p else {
-            return Err(Error::Autograd("full: expected 1 parameter".into()));
+        let (diff, diff_b) = match p {
+            [diff] => (diff, None),
+            [diff, b] => (diff, Some(b)),
+            _ => return Err(Error::Autograd("full: expected 1 or 2 parameters".into())),
         };
-        self.shape.add_apply(y, x, &cast(diff, x)?)
+        let y = self.shape.add_apply(y, x, &cast(diff, x)?)?;
+        match diff_b {
+            Some(b) => y.add(&self.shape.per_channel(&cast(b, x)?)?),
+            None => Ok(y),
+        }
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {
@@ -114,12 +133,22 @@ impl Adapter for Full {
     }
 
     fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(vec![("diff".into(), self.diff.clone())])
+        Ok(self
+            .params()
+            .into_iter()
+            .map(|(n, t)| (n.to_string(), t))
+            .collect())
     }
 
+    /// `diff`, and `diff_b` where the layer has a bias (a file without it, written before
+    /// biases were trained, leaves the bias as it is).
     fn load_kohya(&self, file: &mut Reader) -> Result<()> {
         let d = file.take("diff", self.diff.dims())?;
-        self.diff.assign(&d)
+        self.diff.assign(&d)?;
+        match &self.diff_b {
+            Some(b) if file.has("diff_b") => b.assign(&file.take("diff_b", b.dims())?),
+            _ => Ok(()),
+        }
     }
 
     fn to_peft(&self, _: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {

@@ -282,6 +282,8 @@ pub struct Plan<'a> {
     pub path: &'a str,
     /// The layer's op.
     pub shape: LayerShape,
+    /// Whether the layer has a bias (full fine-tuning trains its change too).
+    pub bias: bool,
     /// The rank for this layer (`conv_rank` for a convolution).
     pub rank: usize,
     /// The alpha for this layer (`conv_alpha` for a convolution).
@@ -681,6 +683,7 @@ impl Adapters {
         &self,
         path: &str,
         shape: LayerShape,
+        bias: bool,
         device: &Device,
     ) -> Result<Option<Arc<dyn Adapter>>> {
         if !self.config.matches(path) {
@@ -713,6 +716,7 @@ impl Adapters {
         let l = (kind.make)(&Plan {
             path,
             shape,
+            bias,
             rank,
             alpha,
             config: &self.config,

@@ -400,7 +400,7 @@ fn kohya_files_load_in_comfyui_as_trained() {
 
 /// DoRA: FLAME's kohya file stores the magnitude a row (LyCORIS's `wd_on_out` form, which
 /// LyCORIS and FLAME read back exactly); ComfyUI then divides by ‖W‖ instead of ‖W + ΔW‖ and
-/// computes another layer. The "comfyui" layout stores m ‖W‖ / ‖W + ΔW‖ instead, which
+/// computes another layer. The "comfyui" layout stores m (‖W‖ + ε) / ‖W + ΔW‖ instead, which
 /// ComfyUI turns into what FLAME trained, and FLAME reads it back to the same adapter.
 #[test]
 fn dora_needs_the_comfyui_layout() {

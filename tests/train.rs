@@ -1157,9 +1157,9 @@ fn a_failed_announcement_leaves_the_run_as_it_was() {
 }
 
 /// `adapter.format = "comfyui"`: the final DoRA file carries the magnitudes ComfyUI's reading
-/// needs and says so in its metadata, the checkpoints keep the kohya layout (a resume reads
-/// them back bit for bit), and the `sample` binary's merge computes the same weights from
-/// either.
+/// needs and says so in its metadata, the checkpoints keep the kohya layout (the one the exact
+/// resume tests read), and the `sample` binary's merge computes the same weights from either
+/// (what ComfyUI computes from the final file: tests/comfy.rs).
 #[test]
 fn dora_in_the_comfyui_layout() {
     let d = temp("dora-comfyui");

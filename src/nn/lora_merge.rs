@@ -21,12 +21,12 @@
 //! Convolutions in each: a factor's kernel joins its columns, the change made as the matrix
 //! (out, in · kh · kw) and shaped as the weight.
 //!
-//! LyCORIS's Tucker forms (`lora_mid`, `hada_t1`/`hada_t2`, `lokr_t2`) and full
-//! fine-tuning's bias changes (`diff_b`) merge too.
+//! LyCORIS's Tucker forms (`lora_mid`, `hada_t1`/`hada_t2`, `lokr_t2`), its DoRA magnitudes on
+//! LoKr and LoHa, and full fine-tuning's bias changes (`diff_b`) merge too.
 //!
 //! Every tensor of the file must be taken by some layer: a file for another model, or an
-//! adapter form FLAME does not merge (LyCORIS's DoRA on LoKr or LoHa, its other algorithms), is
-//! an error naming a tensor left over.
+//! adapter form FLAME does not merge (LyCORIS's other algorithms), is an error naming a
+//! tensor left over.
 
 use super::adapter::{kohya_name, MergeLayer, PeftScales, KINDS};
 use super::params::{KeyMap, KeySource};

@@ -172,8 +172,8 @@ section! {
         /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS), "peft" (diffusers,
         /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits) or "comfyui"
         /// (the kohya layout with DoRA's magnitudes written for ComfyUI, which divides them
-        /// by the norm of the frozen weight, not of the adapted one; the same as "kohya" for
-        /// the other kinds).
+        /// by the norm of the frozen weight, not of the adapted one; the other kinds' tensors
+        /// as "kohya" writes them, in a file FLAME reads back as "comfyui").
         format: AdapterFormat = AdapterFormat::Kohya,
     }
 }

@@ -1109,17 +1109,15 @@ impl Trainer {
     }
 
     /// The frozen weight of the layer at a path, read from the model's files as ComfyUI will
-    /// have it (f32, memory-mapped, a layer at a time; on the CPU backend where the build has
-    /// it, else on the run's device), for the "comfyui" layout.
+    /// have it (f32, memory-mapped; on the CPU backend where the build has it, else on the
+    /// run's device), for the "comfyui" layout. Each call reads through a builder of its own,
+    /// which keeps nothing once the weight is returned: one layer's weight is held at a time.
     fn base_weights(&self) -> Result<impl Fn(&str) -> Result<Tensor> + '_> {
         let m = &self.config.model;
         let device = Device::cpu_backend().unwrap_or_else(|_| self.device.clone());
-        let vb = models::Checkpoint::open(&m.path, self.model.family().subfolder)?.var_builder(
-            DType::F32,
-            &device,
-            self.map.clone(),
-        )?;
+        let ckpt = models::Checkpoint::open(&m.path, self.model.family().subfolder)?;
         Ok(move |path: &str| {
+            let vb = ckpt.var_builder(DType::F32, &device, self.map.clone())?;
             let name = format!("{path}.weight");
             let shape = vb.shape_of(&name).ok_or_else(|| Error::Config {
                 path: Some(m.path.clone()),

@@ -402,7 +402,10 @@ impl Adapters {
     /// DoRA's magnitudes, which ComfyUI divides by the norm of the frozen weight).
     /// `weight(path)` gives the frozen weight of the layer at `path` (any device, any float
     /// dtype). The file records `flame_layout = "comfyui"`; `load_comfyui` and the `sample`
-    /// binary's merge read it back exactly.
+    /// binary's merge read it back (DoRA's magnitudes to float32's rounding, through the same
+    /// weights). ComfyUI computes the trained layer where its weight is the one given here
+    /// and the file is the first change applied to it (not over an FP8 copy of the weight,
+    /// nor stacked after another adapter on the same layer).
     pub fn save_comfyui(
         &self,
         path: impl AsRef<Path>,
@@ -494,7 +497,7 @@ impl Adapters {
         let layout = file.metadata().get(LAYOUT_KEY).map(String::as_str);
         match (weight.is_some(), layout) {
             (true, Some(COMFYUI_LAYOUT)) | (false, None) => {}
-            (true, _) => {
+            (true, None) => {
                 return Err(err(
                     path,
                     None,
@@ -502,6 +505,13 @@ impl Adapters {
                         "not written in the \"comfyui\" layout (its metadata has no \
                          {LAYOUT_KEY} = \"{COMFYUI_LAYOUT}\"): read it as \"kohya\""
                     ),
+                ))
+            }
+            (true, Some(other)) => {
+                return Err(err(
+                    path,
+                    None,
+                    format!("written in a layout FLAME does not know ({LAYOUT_KEY} = {other:?})"),
                 ))
             }
             (false, Some(other)) => {

@@ -33,6 +33,28 @@ fn flux_dev(fp8: bool, adam8bit: bool) -> MemoryProfile {
     profile_config::<Flux>(&FluxConfig::dev(), &opts, &run).unwrap()
 }
 
+/// SD3.5-large at 1024² (4096 image + 333 text tokens), batch 1, LoRA rank 16 on every joint
+/// block Linear, AdamW, as benches/train_step.rs runs it.
+fn sd35_large() -> MemoryProfile {
+    use flame::models::sd3::{Sd3, Sd3Config};
+    let opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(
+        Adapters::new(LoraConfig {
+            rank: 16,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: vec!["joint_blocks.*".into()],
+            seed: 0,
+        })
+        .unwrap(),
+    );
+    let run = RunShape {
+        sample: vec![vec![16, 128, 128], vec![333, 4096], vec![2048]],
+        batch: 1,
+        optimizer_bytes_per_value: 8.0,
+    };
+    profile_config::<Sd3>(&Sd3Config::large(), &opts, &run).unwrap()
+}
+
 /// `n` blocks spread evenly over the execution order, as the bench's `--stream n` picks.
 fn even(p: &MemoryProfile, n: usize) -> Vec<String> {
     let prefixes: Vec<String> = p.blocks.iter().map(|b| b.prefix.clone()).collect();
@@ -357,7 +379,6 @@ fn the_trainer_holds_a_tiny_run_to_its_budget() {
 /// and the plans the planner then chose), within the same bounds as Flux.
 #[test]
 fn sd35_and_sdxl_predictions_match_the_h100_measurements() {
-    use flame::models::sd3::{Sd3, Sd3Config};
     use flame::models::sdxl::{SdxlConfig, Unet};
     let opts = |targets: &[&str]| {
         LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(
@@ -376,12 +397,7 @@ fn sd35_and_sdxl_predictions_match_the_h100_measurements() {
         batch: 1,
         optimizer_bytes_per_value: 8.0,
     };
-    let sd3 = profile_config::<Sd3>(
-        &Sd3Config::large(),
-        &opts(&["joint_blocks.*"]),
-        &run(vec![vec![16, 128, 128], vec![333, 4096], vec![2048]]),
-    )
-    .unwrap();
+    let sd3 = sd35_large();
     let sdxl = profile_config::<Unet>(
         &SdxlConfig::base(),
         &opts(&["input_blocks.*", "middle_block.*", "output_blocks.*"]),
@@ -936,28 +952,8 @@ fn host_products_take_the_modulations_off_the_link() {
 /// such room the smallest peak goes first.
 #[test]
 fn near_plans_with_room_lean_least_on_the_link() {
-    use flame::models::sd3::{Sd3, Sd3Config};
     use flame::stream::{cost_model, ROOM_DIVISOR};
-    let opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(
-        Adapters::new(LoraConfig {
-            rank: 16,
-            alpha: 16.0,
-            dropout: 0.0,
-            targets: vec!["joint_blocks.*".into()],
-            seed: 0,
-        })
-        .unwrap(),
-    );
-    let sd3 = profile_config::<Sd3>(
-        &Sd3Config::large(),
-        &opts,
-        &RunShape {
-            sample: vec![vec![16, 128, 128], vec![333, 4096], vec![2048]],
-            batch: 1,
-            optimizer_bytes_per_value: 8.0,
-        },
-    )
-    .unwrap();
+    let sd3 = sd35_large();
     // The fitting plans predicted within `NEAR` of the fastest fitting one that do not mix
     // resident-activation blocks with streamed ones: (peak, bytes over the link).
     let near = |profile: &MemoryProfile, budget: u64| -> Vec<(u64, u64)> {
@@ -1037,27 +1033,7 @@ fn near_plans_with_room_lean_least_on_the_link() {
 /// host cannot keep up with.
 #[test]
 fn the_planner_holds_the_modulations_on_the_host_where_the_host_keeps_up() {
-    use flame::models::sd3::{Sd3, Sd3Config};
-    let opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(
-        Adapters::new(LoraConfig {
-            rank: 16,
-            alpha: 16.0,
-            dropout: 0.0,
-            targets: vec!["joint_blocks.*".into()],
-            seed: 0,
-        })
-        .unwrap(),
-    );
-    let sd3 = profile_config::<Sd3>(
-        &Sd3Config::large(),
-        &opts,
-        &RunShape {
-            sample: vec![vec![16, 128, 128], vec![333, 4096], vec![2048]],
-            batch: 1,
-            optimizer_bytes_per_value: 8.0,
-        },
-    )
-    .unwrap();
+    let sd3 = sd35_large();
     let bf = flux_dev(false, false);
     for (profile, gb, host) in [(&bf, 12.0, true), (&sd3, 8.0, true)] {
         let p = profile.plan((gb * GIB) as u64).unwrap().plan;

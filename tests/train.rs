@@ -1156,6 +1156,18 @@ fn a_failed_announcement_leaves_the_run_as_it_was() {
     }
 }
 
+/// The tiny run of `steps` steps training DoRA, its file written in the layout `format`.
+fn tiny_dora(dir: &Path, steps: usize, format: &str) -> TrainConfig {
+    let p = tiny(dir, steps, "kind = \"dora\"\n");
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("format = \"kohya\"", &format!("format = \"{format}\""));
+    std::fs::write(&p, text).unwrap();
+    let cfg = TrainConfig::from_file(&p).unwrap();
+    assert_eq!(format!("{:?}", cfg.adapter.format).to_lowercase(), format);
+    cfg
+}
+
 /// `adapter.format = "comfyui"`: the final DoRA file carries the magnitudes ComfyUI's reading
 /// needs and says so in its metadata, the checkpoints keep the kohya layout (the one the exact
 /// resume tests read), and the `sample` binary's merge computes the same weights from either
@@ -1163,13 +1175,7 @@ fn a_failed_announcement_leaves_the_run_as_it_was() {
 #[test]
 fn dora_in_the_comfyui_layout() {
     let d = temp("dora-comfyui");
-    let p = tiny(&d, 4, "kind = \"dora\"\n");
-    let text = std::fs::read_to_string(&p)
-        .unwrap()
-        .replace("format = \"kohya\"", "format = \"comfyui\"");
-    assert!(text.contains("format = \"comfyui\""));
-    std::fs::write(&p, text).unwrap();
-    let cfg = TrainConfig::from_file(&p).unwrap();
+    let cfg = tiny_dora(&d, 4, "comfyui");
     run_with(&cfg, fresh()).unwrap();
     let out = &cfg.train.output_dir;
     let last = checkpoints(out).unwrap().last().unwrap().1.clone();
@@ -1244,13 +1250,8 @@ fn dora_in_the_comfyui_layout() {
 #[test]
 fn dora_in_the_peft_layout_splits_fused_layers() {
     let d = temp("dora-peft");
-    let p = tiny(&d, 2, "kind = \"dora\"\n");
-    let text = std::fs::read_to_string(&p)
-        .unwrap()
-        .replace("format = \"kohya\"", "format = \"peft\"");
-    assert!(text.contains("format = \"peft\"") && text.contains("_attn.qkv"));
-    std::fs::write(&p, text).unwrap();
-    let cfg = TrainConfig::from_file(&p).unwrap();
+    let cfg = tiny_dora(&d, 2, "peft");
+    assert!(cfg.adapter.targets.iter().any(|t| t.contains("_attn.qkv")));
     run_with(&cfg, fresh()).unwrap();
     let f = flame::safetensors::load(
         cfg.train.output_dir.join("lora.safetensors"),

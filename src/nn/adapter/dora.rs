@@ -100,11 +100,7 @@ pub(super) fn decompose(l: &MergeLayer, change: Tensor) -> Result<Tensor> {
     if per_row && l.for_comfyui() {
         // Written for ComfyUI's reading (`Dora::comfyui_ratio`): m / (‖W‖ + ε).
         let w = l.weight()?;
-        let norm = w
-            .sqr()?
-            .sum_keepdim(&[1])?
-            .sqrt()?
-            .affine(1.0, f32::EPSILON as f64)?;
+        let norm = comfyui_norms(&w)?.reshape((out, 1))?;
         return w.add(&change)?.mul(&m.div(&norm)?)?.sub(&w);
     }
     rescale(&l.weight()?, &change, &m, per_row)
@@ -128,6 +124,12 @@ fn row_norms(w: &Tensor) -> Result<Tensor> {
         .sqr()?
         .sum(&[1])?
         .sqrt()
+}
+
+/// The norm ComfyUI divides a per-row `dora_scale` by: ‖W‖ of each output row of the frozen
+/// weight, plus float32's epsilon (comfy/weight_adapter/base.py `weight_decompose`): (out).
+fn comfyui_norms(w: &Tensor) -> Result<Tensor> {
+    row_norms(w)?.affine(1.0, f32::EPSILON as f64)
 }
 
 impl Dora {
@@ -167,9 +169,7 @@ impl Dora {
             .weight(DType::F32)?
             .to_device(self.magnitude.device())?;
         let v = w.add(&self.lora.delta_of(&self.lora.down, &self.lora.up)?)?;
-        row_norms(&w)?
-            .affine(1.0, f32::EPSILON as f64)?
-            .div(&row_norms(&v)?)
+        comfyui_norms(&w)?.div(&row_norms(&v)?)
     }
 
     fn magnitude_ready(&self) -> Result<()> {

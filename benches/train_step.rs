@@ -6,7 +6,8 @@
 //!
 //! The memory plan: `--budget GB` lets the planner choose (its plan and predicted peak are
 //! printed; the allocator is capped at the budget), or by hand `--checkpoint
-//! none|all|every:N`, `--stream N` (N blocks spread evenly over the model), `--prefetch K`,
+//! none|all|every:N`, `--stream N` (N blocks spread evenly over the model), `--prefetch K`
+//! (with the planner too: every streaming plan then fetches K ahead),
 //! `--keep-attention`, `--keep-down` (the down-projections' outputs), `--no-keep-few` (the
 //! outputs of Linears that see few rows are recomputed, and their weights not left out of the
 //! backward's uploads; with the planner too), `--raw-wire` (streamed
@@ -189,7 +190,13 @@ fn run<M: ModelSpec>(
                 .filter(|p| !(args.flag("--raw-wire") && p.wire_code))
                 // `--no-uncoded-carry`: the carried blocks cross coded too.
                 .filter(|p| !(args.flag("--no-uncoded-carry") && p.uncoded_carry))
+                // `--prefetch K` with the planner: every streaming plan fetches K ahead (the
+                // planner then picks among those).
                 .map(|p| Plan {
+                    prefetch: match args.value("--prefetch") {
+                        Some(k) if !p.streamed.is_empty() => k.parse().expect("--prefetch K"),
+                        _ => p.prefetch,
+                    },
                     deep_prefetch: p.deep_prefetch && !args.flag("--shallow"),
                     host_products: p.host_products && !args.flag("--no-host-products"),
                     keep: Keep {

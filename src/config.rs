@@ -105,7 +105,7 @@ macro_rules! section {
         #[derive(Debug, Default, serde::Deserialize)]
         #[serde(deny_unknown_fields)]
         pub(crate) struct $raw {
-            $( #[serde(default)] $field: Option<$ty>, )*
+            $( #[serde(default)] $field: Option<$crate::config::Lenient<$ty>>, )*
         }
 
         impl $raw {
@@ -120,14 +120,38 @@ macro_rules! section {
                 v
             }
 
-            pub(crate) fn finish(self) -> std::result::Result<$name, String> {
-                Ok($name {
+            /// The section's values. A value of the wrong type or out of its choices is a
+            /// problem pushed to `problems`: the key's default stands in for it, so that the
+            /// other checks still run; a required key's makes the section fail (`None`).
+            pub(crate) fn finish(
+                self,
+                problems: &mut Vec<$crate::config::Problem>,
+            ) -> std::result::Result<Option<$name>, String> {
+                let mut whole = true;
+                $(
+                    let $field = match self.$field {
+                        Some($crate::config::Lenient::Bad { shown, why }) => {
+                            problems.push($crate::config::Problem {
+                                key: concat!($key, ".", stringify!($field)),
+                                msg: format!("{shown}: {why}"),
+                            });
+                            whole &= !$crate::config::required!($($default)?);
+                            None
+                        }
+                        Some($crate::config::Lenient::Good(v)) => Some(v),
+                        None => None,
+                    };
+                )*
+                if !whole {
+                    return Ok(None);
+                }
+                Ok(Some($name {
                     $( $field: $crate::config::field_value!(
-                        self.$field,
+                        $field,
                         concat!($key, ".", stringify!($field))
                         $(, $default)?
                     ), )*
-                })
+                }))
             }
         }
 
@@ -146,6 +170,28 @@ macro_rules! section {
 }
 
 pub(crate) use {field_default, field_value, required, section};
+
+/// A config value as read: of its type (`Good`), or not (`Bad`: the value as TOML and why it
+/// does not fit, from its type's own reading, e.g. the choices of an enum), so that every bad
+/// key is reported at once, each with its line, not only the first one TOML's reader meets.
+#[derive(Debug)]
+pub(crate) enum Lenient<T> {
+    Good(T),
+    Bad { shown: String, why: String },
+}
+
+impl<'de, T: serde::de::DeserializeOwned> serde::Deserialize<'de> for Lenient<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let v = toml::Value::deserialize(d)?;
+        match v.clone().try_into::<T>() {
+            Ok(t) => Ok(Lenient::Good(t)),
+            Err(e) => Ok(Lenient::Bad {
+                shown: v.to_string(),
+                why: e.message().trim().to_string(),
+            }),
+        }
+    }
+}
 
 /// One failed check: the key and what is wrong with its value.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -181,6 +227,29 @@ pub fn line_of(text: &str, key: &str) -> Option<usize> {
         }
     }
     None
+}
+
+/// The line of a key written as a table of arrays (`[[data.dirs]]`): its first header.
+fn table_line(text: &str, key: &str) -> Option<usize> {
+    let header = format!("[[{key}]]");
+    text.lines()
+        .position(|l| l.trim().replace(' ', "") == header)
+        .map(|i| i + 1)
+}
+
+/// `problems` as lines of a message, each naming its key with its line in `text` (`line_of`,
+/// or the header of a table of arrays), or "(default)" where the key is not written.
+pub(crate) fn problem_lines(text: &str, problems: &[Problem]) -> String {
+    problems
+        .iter()
+        .map(
+            |p| match line_of(text, p.key).or_else(|| table_line(text, p.key)) {
+                Some(n) => format!("line {n}: {} = {}", p.key, p.msg),
+                None => format!("{} (default) = {}", p.key, p.msg),
+            },
+        )
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// A problem when `v` is not one of `list`.

@@ -111,21 +111,43 @@ macro_rules! on_device {
     };
 }
 
+/// Where a run computes, as a config names it ("auto", "cuda" or "cpu").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// The first GPU where one answers, else the CPU (for the encoders: the training device).
+    Auto,
+    /// The first GPU; an error without one.
+    Cuda,
+    /// The CPU reference backend.
+    Cpu,
+}
+
 impl Device {
     /// The device a setting names (`train.device`, `encoders.device`, `sample --device`):
     /// "cuda" (GPU 0; an error without one), "cpu", or "auto" and anything else (GPU 0 where
     /// one answers, else the CPU).
     pub fn by_name(name: &str) -> Result<Device> {
+        Device::chosen(match name {
+            "cuda" => DeviceChoice::Cuda,
+            "cpu" => DeviceChoice::Cpu,
+            _ => DeviceChoice::Auto,
+        })
+    }
+
+    /// The device `choice` names: [`DeviceChoice::Cuda`] is GPU 0 (an error without one),
+    /// [`DeviceChoice::Auto`] GPU 0 where one answers, else the CPU.
+    pub fn chosen(choice: DeviceChoice) -> Result<Device> {
         #[cfg(feature = "cuda")]
-        if name != "cpu" {
+        if choice != DeviceChoice::Cpu {
             match Device::cuda(0) {
                 Ok(d) => return Ok(d),
-                Err(e) if name == "cuda" => return Err(e),
+                Err(e) if choice == DeviceChoice::Cuda => return Err(e),
                 Err(_) => {}
             }
         }
         #[cfg(not(feature = "cuda"))]
-        if name == "cuda" {
+        if choice == DeviceChoice::Cuda {
             return Err(crate::Error::CudaUnavailable(
                 "device \"cuda\" in a build without the `cuda` feature".into(),
             ));

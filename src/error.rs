@@ -146,6 +146,17 @@ pub enum Error {
         /// What is wrong.
         msg: String,
     },
+    /// A value of one of the library's settings does not fit (an adapter's rank for a layer,
+    /// a kind the adapters do not have, more streamed blocks than a model has), named in the
+    /// library's terms ([`Setting::name`]); a front end with its own names for the settings
+    /// maps it (`train`'s config: [`crate::train::config::TrainConfig::named`]).
+    #[error("{} {msg}", setting.name())]
+    Setting {
+        /// The setting.
+        setting: Setting,
+        /// What is wrong with its value, beginning with the value.
+        msg: String,
+    },
     #[error("config{}: {msg}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
     /// A model, LoRA or training configuration is invalid.
     Config {
@@ -317,6 +328,54 @@ impl Error {
             op,
             msg: msg.into(),
             shape: shape.clone(),
+        }
+    }
+}
+
+/// The library's settings an [`Error::Setting`] names: fields of
+/// [`crate::nn::AdapterConfig`] and of [`crate::models::MemoryPlan`], and the layout an
+/// adapter file is written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setting {
+    /// `AdapterConfig::kind`.
+    AdapterKind,
+    /// `AdapterConfig::rank`.
+    AdapterRank,
+    /// `AdapterConfig::alpha`.
+    AdapterAlpha,
+    /// `AdapterConfig::conv_alpha`.
+    AdapterConvAlpha,
+    /// `AdapterConfig::dropout`.
+    AdapterDropout,
+    /// `AdapterConfig::module_dropout`.
+    AdapterModuleDropout,
+    /// `AdapterConfig::rank_dropout`.
+    AdapterRankDropout,
+    /// `AdapterConfig::factor`.
+    AdapterFactor,
+    /// `AdapterConfig::targets`.
+    AdapterTargets,
+    /// The layout of the adapter file written (`Adapters::save_peft`, `save_kohya`, ...).
+    AdapterLayout,
+    /// `MemoryPlan::stream_blocks`.
+    StreamBlocks,
+}
+
+impl Setting {
+    /// The setting in the library's terms.
+    pub fn name(self) -> &'static str {
+        match self {
+            Setting::AdapterKind => "AdapterConfig::kind",
+            Setting::AdapterRank => "AdapterConfig::rank",
+            Setting::AdapterAlpha => "AdapterConfig::alpha",
+            Setting::AdapterConvAlpha => "AdapterConfig::conv_alpha",
+            Setting::AdapterDropout => "AdapterConfig::dropout",
+            Setting::AdapterModuleDropout => "AdapterConfig::module_dropout",
+            Setting::AdapterRankDropout => "AdapterConfig::rank_dropout",
+            Setting::AdapterFactor => "AdapterConfig::factor",
+            Setting::AdapterTargets => "AdapterConfig::targets",
+            Setting::AdapterLayout => "the adapter file's layout:",
+            Setting::StreamBlocks => "MemoryPlan::stream_blocks",
         }
     }
 }

@@ -81,8 +81,8 @@ pub use backend::profile;
 
 pub use autograd::{grad_enabled, no_grad, Grads, NoGradGuard};
 pub use backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp, Window2d};
-pub use device::Device;
+pub use device::{Device, DeviceChoice};
 pub use dtype::{CpuStorage, DType, WithDType};
-pub use error::{Error, Result};
+pub use error::{Error, Result, Setting};
 pub use shape::{Dim, Layout, Shape};
 pub use tensor::{sum_sq_multi, Tensor, TensorId};

@@ -746,8 +746,8 @@ fn config_defaults_and_problems() {
     assert_eq!(c.dirs[0].repeats, 1);
     assert_eq!((c.resolution, c.bucket_step, c.max_aspect), (1024, 64, 2.0));
     assert_eq!(
-        (c.crop.as_str(), c.on_bad_file.as_str(), c.resample.as_str()),
-        ("center", "stop", "lanczos3")
+        (c.crop, c.on_bad_file, c.resample),
+        (CropMode::Center, OnBadFile::Stop, Resample::Lanczos3)
     );
     let o = c.options(5).unwrap();
     assert_eq!(o.seed, 5);

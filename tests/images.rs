@@ -187,7 +187,7 @@ fn bad_image_data_is_named() {
     assert!(e.contains("picture-03.png"), "{e}");
     // Skipped instead, with a note naming it.
     let mut skip = cfg.clone();
-    skip.data.on_bad_file = "skip".into();
+    skip.data.on_bad_file = flame::data::OnBadFile::Skip;
     let (_, notes) = open(&skip, Prepare::Encode);
     assert!(
         notes

@@ -4,6 +4,10 @@
 //! (with the `train` binary) crash safety under injected kills and write failures.
 #![cfg(feature = "cpu-ref")]
 
+use flame::stream::Checkpointing;
+use flame::train::config::{
+    CheckpointSetting, LossScale, OnNonFinite, OptimizerKind, ScheduleKind,
+};
 use flame::train::rundir::{checkpoints, read_log};
 use flame::train::{Event, RunEnd, RunOptions, TrainConfig, Trainer};
 use std::path::{Path, PathBuf};
@@ -183,6 +187,25 @@ fn bad_configs_and_data_fail_before_writing() {
     check(
         good.replace("device = \"cpu\"", "device = \"tpu\""),
         &["train.device", "tpu"],
+    );
+    // Every bad choice and bad type at once, each with its line and the choices there are;
+    // the other checks still run beside them.
+    let dev = good.lines().position(|l| l == "device = \"cpu\"").unwrap() + 1;
+    check(
+        good.replace(
+            "device = \"cpu\"",
+            "device = \"tpu\"\non_nonfinite = \"ignore\"",
+        )
+        .replace("rank = 8", "rank = \"eight\"")
+        .replace("max_grad_norm = 1.0", "max_grad_norm = -1.0"),
+        &[
+            &format!("line {dev}: train.device = \"tpu\": unknown variant `tpu`"),
+            "expected one of `auto`, `cuda`, `cpu`",
+            &format!("line {}: train.on_nonfinite = \"ignore\"", dev + 1),
+            "`stop` or `skip`",
+            &format!("line {line}: adapter.rank = \"eight\": invalid type"),
+            "train.max_grad_norm",
+        ],
     );
     // A missing model file: an error, and nothing made in its place.
     check(
@@ -491,7 +514,7 @@ fn a_run_owns_its_folder() {
     // Under a cosine schedule train.steps is part of every learning rate, so a resume must
     // keep it; under a constant one it may grow or shrink.
     let mut cosine = cfg.clone();
-    cfg.schedule.kind = "constant".into();
+    cfg.schedule.kind = ScheduleKind::Constant;
     let out = cfg.train.output_dir.clone();
     run_with(&cfg, fresh()).unwrap();
     let first = losses(&out);
@@ -619,7 +642,7 @@ fn non_finite_steps_stop_or_skip_and_never_reach_a_saved_adapter() {
         }
     }
     // Skipping: the optimizer does not step; too many in a row stop the run.
-    cfg.train.on_nonfinite = "skip".into();
+    cfg.train.on_nonfinite = OnNonFinite::Skip;
     cfg.train.max_skipped = 3;
     let o = RunOptions {
         overwrite: true,
@@ -893,12 +916,12 @@ fn the_binary_explains_itself() {
 fn adamw8bit_from_the_config_resumes_exactly() {
     let a = temp("adam8-full");
     let mut cfg = TrainConfig::from_file(tiny(&a, 8, "")).unwrap();
-    cfg.optimizer.kind = "adamw8bit".into();
+    cfg.optimizer.kind = OptimizerKind::AdamW8bit;
     run_with(&cfg, fresh()).unwrap();
     let full = losses(&cfg.train.output_dir);
     let b = temp("adam8-resumed");
     let mut cfg_b = TrainConfig::from_file(tiny(&b, 8, "")).unwrap();
-    cfg_b.optimizer.kind = "adamw8bit".into();
+    cfg_b.optimizer.kind = OptimizerKind::AdamW8bit;
     let stop = RunOptions {
         stop_at: Some(6),
         ..Default::default()
@@ -974,7 +997,7 @@ fn f16_with_dynamic_loss_scaling_skips_overflows_and_resumes_exactly() {
 
     // "off" never scales; a bad initial scale is refused with its key.
     let mut off = f16(&temp("f16-off"));
-    off.train.loss_scale = "off".into();
+    off.train.loss_scale = LossScale::Off;
     assert!(off.loss_scaler().is_none());
     let mut bad = f16(&temp("f16-bad"));
     bad.train.loss_scale_init = 0.5;
@@ -1057,7 +1080,7 @@ fn announced_micro_batches_train_as_read_in_turn_and_resume_exactly() {
         let mut cfg = TrainConfig::from_file(tiny(&dir, 6, "")).unwrap();
         cfg.train.batch_size = 2;
         cfg.train.grad_accum = 2;
-        cfg.memory.checkpointing = "all".into();
+        cfg.memory.checkpointing = CheckpointSetting::Fixed(Checkpointing::All);
         cfg.memory.stream_blocks = 2;
         cfg.memory.prefetch = 1;
         cfg.memory.host_products = host;

@@ -12,7 +12,7 @@
 
 use argh::FromArgs;
 use flame::dist::{free_port, AbortCause, Launch, ProcessGroup};
-use flame::train::config::Gpus;
+use flame::train::config::{DeviceChoice, Gpus};
 use flame::train::{
     Event, FolderAction, Placement, Prepare, RunEnd, RunOptions, StepReport, TrainConfig, Trainer,
 };
@@ -228,7 +228,7 @@ fn placement(args: &Args, path: &std::path::Path) -> flame::Result<Start> {
     };
     let workers = args.workers.unwrap_or(1);
     if gpus == Gpus::List(vec![]) {
-        if workers > 1 && config.train.device != "cpu" {
+        if workers > 1 && config.train.device != DeviceChoice::Cpu {
             return Err(flame::Error::Config {
                 path: None,
                 msg: "--workers runs CPU processes (train.device = \"cpu\"); for GPUs use \
@@ -477,9 +477,9 @@ fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
     let rank = launch.rank;
     let joined = (|| -> flame::Result<(flame::Device, Arc<dyn ProcessGroup>)> {
         let config = TrainConfig::from_file(path)?;
-        let device = match config.train.device.as_str() {
-            "cpu" => cpu()?,
-            _ => gpu(launch.gpu()?)?,
+        let device = match config.train.device {
+            DeviceChoice::Cpu => cpu()?,
+            DeviceChoice::Auto | DeviceChoice::Cuda => gpu(launch.gpu()?)?,
         };
         let group = launch.join(&device)?;
         // Under this binary's launcher, which names the rank that failed, a rank stopped by

@@ -182,8 +182,9 @@ pub fn closest(buckets: &[Bucket], width: usize, height: usize) -> Option<Bucket
     best.map(|(_, b)| b)
 }
 
-/// Where the crop of an image lies in its resized copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// Where the crop of an image lies in its resized copy ("center" or "random" in a config).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum CropMode {
     /// At the centre (the margin's floor half on the top and left).
     #[default]
@@ -192,8 +193,9 @@ pub enum CropMode {
     Random,
 }
 
-/// The resampling filter of the resize.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// The resampling filter of the resize ("lanczos3" or "catmullrom" in a config).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Resample {
     /// Lanczos with a = 3 (PIL's `LANCZOS`).
     #[default]

@@ -24,7 +24,7 @@ use super::bucket::{BucketConfig, CropMode, Resample};
 use super::caption::CaptionOptions;
 use super::dataset::DatasetOptions;
 use super::source::{OnBadFile, Source};
-use crate::config::{in_list, line_of, section, Problem};
+use crate::config::{problem_lines, section, Problem};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -77,11 +77,11 @@ section! {
         /// The largest bucket aspect ratio (long side / short side), >= 1.
         max_aspect: f64 = 2.0,
         /// "center" or "random" (seeded, one offset per sample and repeat).
-        crop: String = "center",
+        crop: CropMode = CropMode::Center,
         /// Mirror samples at random (seeded per epoch); SDXL's crop left is mirrored with them.
         flip: bool = false,
         /// The resize filter: "lanczos3" or "catmullrom".
-        resample: String = "lanczos3",
+        resample: Resample = Resample::Lanczos3,
         /// Probability in [0, 1] that a sample trains on the empty caption.
         caption_dropout: f64 = 0.0,
         /// Shuffle the comma-separated tags of each caption every epoch.
@@ -89,7 +89,7 @@ section! {
         /// With shuffle_tags, this many leading tags keep their place.
         keep_tokens: usize = 0_usize,
         /// An unreadable image or a missing caption: "skip" (reported, left out) or "stop".
-        on_bad_file: String = "stop",
+        on_bad_file: OnBadFile = OnBadFile::Stop,
         /// Where latents and text embeddings are cached (default: `cache` in
         /// train.output_dir). Entries are keyed by content, so a changed image, caption,
         /// resolution or encoder recomputes only what it changes.
@@ -133,7 +133,12 @@ impl DataConfig {
             msg,
         };
         let doc: Doc = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
-        let mut c = doc.data.finish().map_err(bad)?;
+        let mut problems = vec![];
+        let finished = doc.data.finish(&mut problems).map_err(bad)?;
+        let report = |problems: &[Problem]| bad(problem_lines(text, problems));
+        let Some(mut c) = finished else {
+            return Err(report(&problems));
+        };
         if let Some(base) = path.and_then(Path::parent) {
             let paths = c
                 .dirs
@@ -149,20 +154,11 @@ impl DataConfig {
                 }
             }
         }
-        let problems = c.problems();
+        problems.extend(c.problems());
         if problems.is_empty() {
             return Ok(c);
         }
-        let lines: Vec<String> = problems
-            .iter()
-            .map(
-                |p| match line_of(text, p.key).or_else(|| table_line(text, p.key)) {
-                    Some(n) => format!("line {n}: {} = {}", p.key, p.msg),
-                    None => format!("{} (default) = {}", p.key, p.msg),
-                },
-            )
-            .collect();
-        Err(bad(lines.join("\n")))
+        Err(report(&problems))
     }
 
     /// Every problem of the values, each naming its key; empty when all pass.
@@ -266,17 +262,6 @@ impl DataConfig {
                 });
             }
         }
-        v.extend(in_list("data.crop", &self.crop, &["center", "random"]));
-        v.extend(in_list(
-            "data.resample",
-            &self.resample,
-            &["lanczos3", "catmullrom"],
-        ));
-        v.extend(in_list(
-            "data.on_bad_file",
-            &self.on_bad_file,
-            &["skip", "stop"],
-        ));
         v
     }
 
@@ -326,33 +311,16 @@ impl DataConfig {
                 step: self.bucket_step,
                 max_aspect: self.max_aspect,
             },
-            crop: match self.crop.as_str() {
-                "random" => CropMode::Random,
-                _ => CropMode::Center,
-            },
+            crop: self.crop,
             flip: self.flip,
-            resample: match self.resample.as_str() {
-                "catmullrom" => Resample::CatmullRom,
-                _ => Resample::Lanczos3,
-            },
+            resample: self.resample,
             captions: CaptionOptions {
                 dropout: self.caption_dropout,
                 shuffle_tags: self.shuffle_tags,
                 keep_tokens: self.keep_tokens,
             },
-            on_bad_file: match self.on_bad_file.as_str() {
-                "skip" => OnBadFile::Skip,
-                _ => OnBadFile::Stop,
-            },
+            on_bad_file: self.on_bad_file,
             seed,
         })
     }
-}
-
-/// The line of a key written as a table of arrays (`[[data.dirs]]`): its first header.
-fn table_line(text: &str, key: &str) -> Option<usize> {
-    let header = format!("[[{key}]]");
-    text.lines()
-        .position(|l| l.trim().replace(' ', "") == header)
-        .map(|i| i + 1)
 }

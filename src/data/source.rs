@@ -71,8 +71,9 @@ pub enum Source {
     },
 }
 
-/// What to do with an image or caption that cannot be used.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// What to do with an image or caption that cannot be used ("skip" or "stop" in a config).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum OnBadFile {
     /// Leave the image out and report it ([`Scan::skipped`], [`crate::data::FillReport`]).
     Skip,

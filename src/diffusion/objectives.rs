@@ -132,8 +132,9 @@ pub fn flow_matching(x0: &Tensor, noise: &Tensor, t: &Tensor) -> Result<(Tensor,
     Ok((xt, noise.sub(x0)?))
 }
 
-/// What an SDXL-style model predicts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What an SDXL-style model predicts ("epsilon" or "v" in a config).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Prediction {
     /// The noise ε that was added.
     Epsilon,

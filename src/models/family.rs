@@ -19,7 +19,7 @@ use crate::stream::{spread_evenly, InputOffload};
 use crate::stream::{
     BlockCost, BlockExec, BlockShape, BlockStreamer, Checkpointing, MemoryProfile, Plan,
 };
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Setting, Tensor};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -327,10 +327,10 @@ pub fn load_as<M: ModelSpec>(
         });
     }
     if plan.stream_blocks > prefixes.len() {
-        return Err(Error::Config {
-            path: None,
+        return Err(Error::Setting {
+            setting: Setting::StreamBlocks,
             msg: format!(
-                "memory.stream_blocks = {}: {} has {} blocks",
+                "= {}: {} has {} blocks",
                 plan.stream_blocks,
                 family.name,
                 prefixes.len()

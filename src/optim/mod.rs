@@ -37,6 +37,46 @@ use crate::{DType, Error, Grads, Result, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+/// The optimizers a training run picks by name (`optimizer.kind`: "adamw" or "adamw8bit").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// [`AdamW`]: f32 moments.
+    AdamW,
+    /// [`AdamW8bit`]: block-wise 8-bit moments.
+    AdamW8bit,
+}
+
+impl OptimizerKind {
+    /// Bytes of state per parameter value: AdamW's two f32 moments; AdamW8bit's two 8-bit
+    /// codes and each block's f32 maximum per moment (parameters under 4096 values keep f32
+    /// moments, a negligible share of a model's adapters).
+    pub fn state_bytes_per_value(self) -> f64 {
+        match self {
+            OptimizerKind::AdamW => 8.0,
+            OptimizerKind::AdamW8bit => 2.0 + 8.0 / quant8::BLOCK as f64,
+        }
+    }
+
+    /// The optimizer of this kind over `params` with `adam`'s hyperparameters.
+    pub fn build(
+        self,
+        params: Vec<(String, Tensor)>,
+        adam: AdamConfig,
+    ) -> Result<Box<dyn Optimizer>> {
+        Ok(match self {
+            OptimizerKind::AdamW => Box::new(AdamW::new(params, adam)?),
+            OptimizerKind::AdamW8bit => Box::new(AdamW8bit::new(
+                params,
+                AdamW8bitConfig {
+                    adam,
+                    ..Default::default()
+                },
+            )?),
+        })
+    }
+}
+
 /// An optimizer: updates its parameters in place from their gradients.
 ///
 /// Object safe, so a trainer can hold a `Box<dyn Optimizer>`.

@@ -8,14 +8,16 @@
 //! its line. Paths are relative to the config file's folder. Nothing is written before every
 //! check has passed.
 
-use super::objectives::TimestepSampling;
-use crate::config::{in_list, section, show};
+use super::objectives::{Prediction, TimestepSampling};
+use crate::config::{in_list, problem_lines, section, show};
 pub use crate::config::{line_of, KeyDoc, Problem, Section};
 pub use crate::data::config::DataSection;
 use crate::data::config::RawData;
+pub use crate::device::DeviceChoice;
 use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
+pub use crate::optim::OptimizerKind;
 use crate::stream::Checkpointing;
-use crate::{Error, Result};
+use crate::{Error, Result, Setting};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -100,6 +102,115 @@ pub enum ModelDType {
     Fp8,
 }
 
+impl ModelDType {
+    /// The dtype the model computes in: bf16 for FP8 weights (decoded at each use).
+    pub fn compute_dtype(self) -> crate::DType {
+        match self {
+            ModelDType::F32 => crate::DType::F32,
+            ModelDType::F16 => crate::DType::F16,
+            ModelDType::Bf16 | ModelDType::Fp8 => crate::DType::BF16,
+        }
+    }
+}
+
+/// The learning-rate schedule after the warm-up (`schedule.kind`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleKind {
+    /// The peak rate to the end.
+    Constant,
+    /// Half a cosine from the peak to zero at the last step.
+    Cosine,
+}
+
+/// How flow matching draws t (`train.timesteps`); the distributions' parameters are keys of
+/// their own ([`TrainConfig::sampling`]).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum TimestepKind {
+    /// Uniform on (0, 1).
+    Uniform,
+    /// sigmoid of a normal draw (SD3's).
+    LogitNormal,
+    /// Uniform, then shifted by `train.timestep_shift`.
+    Shift,
+    /// Logit-normal, shifted by the image size as Flux's pipeline shifts its schedule.
+    FluxShift,
+}
+
+/// What a step with a non-finite loss or gradient does (`train.on_nonfinite`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OnNonFinite {
+    /// End the run with an error naming the step and the tensor.
+    Stop,
+    /// Skip the update (at most `train.max_skipped` steps in a row).
+    Skip,
+}
+
+/// Dynamic loss scaling (`train.loss_scale`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LossScale {
+    /// On for f16 weights, off otherwise.
+    Auto,
+    /// Always on.
+    Dynamic,
+    /// Never.
+    Off,
+}
+
+/// A switch whose default the run works out (`encoders.stream_t5`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Toggle {
+    /// As the run's sizes say.
+    Auto,
+    /// Always.
+    On,
+    /// Never.
+    Off,
+}
+
+/// `memory.checkpointing`: the planner's choice, or checkpointing as given ("auto", "off",
+/// "all" or "every:N").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum CheckpointSetting {
+    /// The planner chooses with `memory.budget_gb`.
+    Auto,
+    /// Checkpointing as given.
+    Fixed(Checkpointing),
+}
+
+impl TryFrom<String> for CheckpointSetting {
+    type Error = String;
+    fn try_from(c: String) -> std::result::Result<Self, String> {
+        match c.as_str() {
+            "auto" => Ok(CheckpointSetting::Auto),
+            "off" => Ok(CheckpointSetting::Fixed(Checkpointing::Off)),
+            "all" => Ok(CheckpointSetting::Fixed(Checkpointing::All)),
+            _ => c
+                .strip_prefix("every:")
+                .and_then(|n| n.trim().parse::<usize>().ok())
+                .filter(|&n| n > 0)
+                .map(|n| CheckpointSetting::Fixed(Checkpointing::Every(n)))
+                .ok_or_else(|| "expected auto, off, all or every:N with N >= 1".to_string()),
+        }
+    }
+}
+
+impl From<CheckpointSetting> for String {
+    fn from(c: CheckpointSetting) -> String {
+        match c {
+            CheckpointSetting::Auto => "auto".into(),
+            CheckpointSetting::Fixed(Checkpointing::Off) => "off".into(),
+            CheckpointSetting::Fixed(Checkpointing::All) => "all".into(),
+            CheckpointSetting::Fixed(Checkpointing::Every(n)) => format!("every:{n}"),
+        }
+    }
+}
+
 /// The key layout of saved adapter files.
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -130,7 +241,7 @@ section! {
         /// The guidance input of guidance-distilled models (Flux dev) during training.
         guidance: f64 = 1.0,
         /// DDPM models (SDXL): what the model predicts, "epsilon" or "v".
-        prediction: String = "epsilon",
+        prediction: Prediction = Prediction::Epsilon,
     }
 }
 
@@ -183,7 +294,7 @@ section! {
     OptimizerSection / RawOptimizer = "optimizer" {
         /// "adamw" (f32 moments, 8 bytes a parameter) or "adamw8bit" (both moments
         /// block-wise 8-bit, about 2 bytes a parameter; parameters under 4096 values keep f32).
-        kind: String = "adamw",
+        kind: OptimizerKind = OptimizerKind::AdamW,
         /// The peak learning rate, > 0.
         lr: f64 = 1e-4,
         /// Adam's beta1 and beta2, each in [0, 1).
@@ -199,7 +310,7 @@ section! {
     /// `[schedule]`: the learning-rate schedule.
     ScheduleSection / RawSchedule = "schedule" {
         /// "constant", or "cosine" (to zero at the last step), after the warm-up.
-        kind: String = "constant",
+        kind: ScheduleKind = ScheduleKind::Constant,
         /// Steps of linear warm-up from lr / warmup_steps to lr; at most train.steps.
         warmup_steps: usize = 0_usize,
     }
@@ -225,7 +336,7 @@ section! {
         /// The run's folder: checkpoints, loss.jsonl, lora.safetensors, run.json.
         output_dir: PathBuf,
         /// "auto" (the GPU if one opens), "cuda" or "cpu".
-        device: String = "auto",
+        device: DeviceChoice = DeviceChoice::Auto,
         /// Data-parallel training on several GPUs of this machine, one process each (`train
         /// --gpus` overrides it): a list like [0, 1], or "all"; empty: one process.
         /// batch_size is then per GPU (the global batch is batch_size x GPUs x grad_accum).
@@ -233,7 +344,7 @@ section! {
         /// (docs/TRAINING.md, "Several GPUs").
         gpus: Gpus = Vec::<usize>::new(),
         /// Flow matching: how t is drawn, "uniform", "logit_normal", "shift" or "flux_shift".
-        timesteps: String = "logit_normal",
+        timesteps: TimestepKind = TimestepKind::LogitNormal,
         /// logit_normal / flux_shift: the mean of the normal.
         timestep_mean: f64 = 0.0,
         /// logit_normal / flux_shift: the standard deviation of the normal, > 0.
@@ -244,7 +355,7 @@ section! {
         min_snr_gamma: f64 = 0.0,
         /// A non-finite loss or gradient norm: "stop" the run (naming the step, the batch's
         /// files and the tensor) or "skip" the step (the optimizer does not step).
-        on_nonfinite: String = "stop",
+        on_nonfinite: OnNonFinite = OnNonFinite::Stop,
         /// With on_nonfinite = "skip": stop after this many skipped steps in a row.
         max_skipped: usize = 10_usize,
         /// Loss scaling: "auto" (dynamic when model.dtype = "f16"), "dynamic" or "off".
@@ -252,7 +363,7 @@ section! {
         /// divided by it in the optimizer step; a step whose gradients overflow is skipped
         /// and the scale halved, and the scale doubles after loss_scale_growth_interval
         /// clean steps (torch.cuda.amp.GradScaler's rule). Saved in checkpoints.
-        loss_scale: String = "auto",
+        loss_scale: LossScale = LossScale::Auto,
         /// Dynamic loss scaling: the first scale (GradScaler's init_scale, 2^16), >= 1.
         loss_scale_init: f64 = 65536.0,
         /// Dynamic loss scaling: clean steps before the scale doubles (GradScaler's
@@ -288,14 +399,14 @@ section! {
         /// model's single file). Default: the pipeline's vae/, or the model's single file.
         vae: Option<PathBuf> = None,
         /// Where the encoders run: "auto" (the training device), "cuda" or "cpu".
-        device: String = "auto",
+        device: DeviceChoice = DeviceChoice::Auto,
         /// T5's tokens per caption (0: the pipeline's, Flux dev 512, schnell and SD3.5 256);
         /// fewer is faster and lighter when captions are short.
         t5_tokens: usize = 0_usize,
         /// Stream T5's blocks from host memory while encoding captions: "on", "off", or
         /// "auto" (on when memory.budget_gb is set and T5's weights take more than half of it;
         /// T5-XXL then encodes in about 1.5 GiB instead of 9).
-        stream_t5: String = "auto",
+        stream_t5: Toggle = Toggle::Auto,
         /// Encode and decode in tiles of this many pixels (0: whole images, except that sample
         /// images decode in 512-pixel tiles under a memory.budget_gb); less memory, slightly
         /// different latents near tile borders.
@@ -337,7 +448,7 @@ section! {
         /// streamed blocks and what checkpointed blocks keep for memory.budget_gb), "off", "all" or
         /// "every:N" (every N-th block; then stream_blocks, keep_attention,
         /// keep_down_projections and keep_few_rows apply as given).
-        checkpointing: String = "auto",
+        checkpointing: CheckpointSetting = CheckpointSetting::Auto,
         /// Blocks whose frozen weights stay in host memory and are streamed to the GPU when
         /// used (spread over the model; implies their checkpointing).
         stream_blocks: usize = 0_usize,
@@ -511,20 +622,51 @@ impl TrainConfig {
                 keys.join(", ")
             )));
         }
-        let finish = || -> std::result::Result<TrainConfig, String> {
-            Ok(TrainConfig {
-                model: raw.model.finish()?,
-                adapter: raw.adapter.finish()?,
-                optimizer: raw.optimizer.finish()?,
-                schedule: raw.schedule.finish()?,
-                train: raw.train.finish()?,
-                data: raw.data.finish()?,
-                encoders: raw.encoders.finish()?,
-                sample: raw.sample.finish()?,
-                memory: raw.memory.finish()?,
-            })
+        let mut problems = vec![];
+        let finish = || -> std::result::Result<Option<TrainConfig>, String> {
+            let p = &mut problems;
+            let sections = (
+                raw.model.finish(p)?,
+                raw.adapter.finish(p)?,
+                raw.optimizer.finish(p)?,
+                raw.schedule.finish(p)?,
+                raw.train.finish(p)?,
+                raw.data.finish(p)?,
+                raw.encoders.finish(p)?,
+                raw.sample.finish(p)?,
+                raw.memory.finish(p)?,
+            );
+            let (
+                Some(model),
+                Some(adapter),
+                Some(optimizer),
+                Some(schedule),
+                Some(train),
+                Some(data),
+                Some(encoders),
+                Some(sample),
+                Some(memory),
+            ) = sections
+            else {
+                return Ok(None);
+            };
+            Ok(Some(TrainConfig {
+                model,
+                adapter,
+                optimizer,
+                schedule,
+                train,
+                data,
+                encoders,
+                sample,
+                memory,
+            }))
         };
-        let mut c = finish().map_err(bad)?;
+        let finished = finish().map_err(bad)?;
+        let report = |problems: &[Problem]| bad(problem_lines(text, problems));
+        let Some(mut c) = finished else {
+            return Err(report(&problems));
+        };
         if let Some(base) = path.and_then(Path::parent) {
             let d = &mut c.data;
             let mut paths: Vec<&mut PathBuf> = vec![&mut c.model.path, &mut c.train.output_dir];
@@ -549,18 +691,11 @@ impl TrainConfig {
                 }
             }
         }
-        let problems = c.problems();
+        problems.extend(c.problems());
         if problems.is_empty() {
             return Ok(c);
         }
-        let lines: Vec<String> = problems
-            .iter()
-            .map(|p| match line_of(text, p.key) {
-                Some(n) => format!("line {n}: {} = {}", p.key, p.msg),
-                None => format!("{} (default) = {}", p.key, p.msg),
-            })
-            .collect();
-        Err(bad(lines.join("\n")))
+        Err(report(&problems))
     }
 
     /// Every check that needs no files, as (key, problem) pairs; empty when all pass.
@@ -576,9 +711,6 @@ impl TrainConfig {
         let families: Vec<&str> = crate::models::FAMILIES.iter().map(|f| f.name).collect();
         let mut v: Vec<Problem> = [
             in_list("model.arch", &m.arch, &families),
-            in_list("model.prediction", &m.prediction, &["epsilon", "v"]),
-            in_list("schedule.kind", &s.kind, &["constant", "cosine"]),
-            in_list("train.device", &t.device, &["auto", "cuda", "cpu"]),
             match &t.gpus {
                 Gpus::Named(n) if n != "all" => Some(Problem {
                     key: "train.gpus",
@@ -586,17 +718,6 @@ impl TrainConfig {
                 }),
                 _ => None,
             },
-            in_list(
-                "train.timesteps",
-                &t.timesteps,
-                &["uniform", "logit_normal", "shift", "flux_shift"],
-            ),
-            in_list("train.on_nonfinite", &t.on_nonfinite, &["stop", "skip"]),
-            in_list(
-                "train.loss_scale",
-                &t.loss_scale,
-                &["auto", "dynamic", "off"],
-            ),
         ]
         .into_iter()
         .flatten()
@@ -683,11 +804,6 @@ impl TrainConfig {
             "adapter.targets",
             format!("{:?}: must be non-empty patterns", a.targets),
         );
-        c.check(
-            matches!(o.kind.as_str(), "adamw" | "adamw8bit"),
-            "optimizer.kind",
-            format!("{:?}: expected \"adamw\" or \"adamw8bit\"", o.kind),
-        );
         c.positive_f("optimizer.lr", o.lr);
         c.check(
             o.betas.iter().all(|b| (0.0..1.0).contains(b)),
@@ -742,7 +858,7 @@ impl TrainConfig {
         c.positive_f("train.timestep_std", t.timestep_std);
         c.positive_f("train.timestep_shift", t.timestep_shift);
         c.check(
-            t.on_nonfinite != "skip" || t.max_skipped > 0,
+            t.on_nonfinite != OnNonFinite::Skip || t.max_skipped > 0,
             "train.max_skipped",
             "0: with on_nonfinite = \"skip\", at least 1".into(),
         );
@@ -756,17 +872,8 @@ impl TrainConfig {
             "train.loss_scale_growth_interval",
             "0: at least 1".into(),
         );
-        if let Err(e) = self.checkpointing() {
-            c.check(false, "memory.checkpointing", e);
-        }
         c.check(mem.prefetch > 0, "memory.prefetch", "0: at least 1".into());
         let e = &self.encoders;
-        v.extend(in_list(
-            "encoders.device",
-            &e.device,
-            &["auto", "cuda", "cpu"],
-        ));
-        let mut c = Checks(&mut v);
         let sm = &self.sample;
         c.positive_n("sample.steps", sm.steps);
         let max_t5 = crate::models::pipeline::T5_MAX_TOKENS;
@@ -816,10 +923,10 @@ impl TrainConfig {
     /// The dynamic loss scaler `train.loss_scale` asks for (None: no scaling).
     pub fn loss_scaler(&self) -> Option<super::scaler::LossScaler> {
         let t = &self.train;
-        let on = match t.loss_scale.as_str() {
-            "dynamic" => true,
-            "auto" => self.model.dtype == ModelDType::F16,
-            _ => false,
+        let on = match t.loss_scale {
+            LossScale::Dynamic => true,
+            LossScale::Auto => self.model.dtype == ModelDType::F16,
+            LossScale::Off => false,
         };
         on.then(|| super::scaler::LossScaler::new(t.loss_scale_init, t.loss_scale_growth_interval))
     }
@@ -907,6 +1014,39 @@ impl TrainConfig {
         }
     }
 
+    /// The config's key for a library setting.
+    pub fn key_of(setting: Setting) -> &'static str {
+        match setting {
+            Setting::AdapterKind => "adapter.kind",
+            Setting::AdapterRank => "adapter.rank",
+            Setting::AdapterAlpha => "adapter.alpha",
+            Setting::AdapterConvAlpha => "adapter.conv_alpha",
+            Setting::AdapterDropout => "adapter.dropout",
+            Setting::AdapterModuleDropout => "adapter.module_dropout",
+            Setting::AdapterRankDropout => "adapter.rank_dropout",
+            Setting::AdapterFactor => "adapter.factor",
+            Setting::AdapterTargets => "adapter.targets",
+            Setting::AdapterLayout => "adapter.format",
+            Setting::StreamBlocks => "memory.stream_blocks",
+        }
+    }
+
+    /// `e` in the config's terms: an [`Error::Setting`] becomes a config error naming the
+    /// setting's key ([`TrainConfig::key_of`]); other errors pass as they are.
+    pub fn named(e: Error) -> Error {
+        match e {
+            Error::Setting { setting, msg } => {
+                let key = Self::key_of(setting);
+                let sep = if msg.starts_with('=') { " " } else { ": " };
+                Error::Config {
+                    path: None,
+                    msg: format!("{key}{sep}{msg}"),
+                }
+            }
+            e => e,
+        }
+    }
+
     /// The adapter config.
     pub fn adapter_config(&self) -> AdapterConfig {
         let a = &self.adapter;
@@ -943,48 +1083,26 @@ impl TrainConfig {
         }
     }
 
-    /// `memory.checkpointing` parsed: `None` for "auto" (the planner decides).
-    pub fn checkpointing(&self) -> std::result::Result<Option<Checkpointing>, String> {
-        let c = self.memory.checkpointing.as_str();
-        match c {
-            "auto" => Ok(None),
-            "off" => Ok(Some(Checkpointing::Off)),
-            "all" => Ok(Some(Checkpointing::All)),
-            _ => c
-                .strip_prefix("every:")
-                .and_then(|n| n.trim().parse::<usize>().ok())
-                .filter(|&n| n > 0)
-                .map(|n| Some(Checkpointing::Every(n)))
-                .ok_or_else(|| format!("\"{c}\": expected auto, off, all or every:N with N >= 1")),
+    /// `memory.checkpointing` as given: `None` for "auto" (the planner decides).
+    pub fn checkpointing(&self) -> Option<Checkpointing> {
+        match self.memory.checkpointing {
+            CheckpointSetting::Auto => None,
+            CheckpointSetting::Fixed(c) => Some(c),
         }
     }
 
     /// The flow-matching timestep sampler of `train.timesteps`.
-    pub fn sampling(&self) -> Result<TimestepSampling> {
+    pub fn sampling(&self) -> TimestepSampling {
         let t = &self.train;
-        Ok(match t.timesteps.as_str() {
-            "uniform" => TimestepSampling::Uniform,
-            "logit_normal" => TimestepSampling::LogitNormal {
-                mean: t.timestep_mean,
-                std: t.timestep_std,
-            },
-            "shift" => TimestepSampling::Shift {
+        let (mean, std) = (t.timestep_mean, t.timestep_std);
+        match t.timesteps {
+            TimestepKind::Uniform => TimestepSampling::Uniform,
+            TimestepKind::LogitNormal => TimestepSampling::LogitNormal { mean, std },
+            TimestepKind::Shift => TimestepSampling::Shift {
                 shift: t.timestep_shift,
             },
-            "flux_shift" => TimestepSampling::FluxShift {
-                mean: t.timestep_mean,
-                std: t.timestep_std,
-            },
-            other => {
-                return Err(Error::Config {
-                    path: None,
-                    msg: format!(
-                        "train.timesteps = \"{other}\": expected uniform, logit_normal, shift \
-                         or flux_shift"
-                    ),
-                })
-            }
-        })
+            TimestepKind::FluxShift => TimestepSampling::FluxShift { mean, std },
+        }
     }
 
     /// The learning rate at `step` (0-based): linear warm-up, then constant or cosine to 0.
@@ -997,8 +1115,8 @@ impl TrainConfig {
         if step < w {
             return lr * (step + 1) as f64 / w as f64;
         }
-        match self.schedule.kind.as_str() {
-            "cosine" if n > w => {
+        match self.schedule.kind {
+            ScheduleKind::Cosine if n > w => {
                 let p = (step - w) as f64 / (n - w) as f64;
                 lr * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
             }
@@ -1116,7 +1234,7 @@ impl TrainConfig {
             ("train.loss_scale", show(&t.loss_scale)),
         ];
         // A cosine schedule runs to zero at the last step: its length is part of every lr.
-        if s.kind == "cosine" {
+        if s.kind == ScheduleKind::Cosine {
             v.push(("train.steps", show(&t.steps)));
         }
         // Images: what decides the batches a step sees.

@@ -3,7 +3,7 @@
 //! family's autoencoder and text encoders ([`crate::models::pipeline`]), the encoders freed,
 //! and batches read back from the caches step by step.
 
-use super::config::{ModelDType, TrainConfig};
+use super::config::{DeviceChoice, ModelDType, Toggle, TrainConfig};
 use super::data::{Batch, Part, Samples};
 use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
 use crate::dist::ProcessGroup;
@@ -136,9 +136,9 @@ fn check_sizes(
 
 /// The device the encoders run on (`encoders.device`).
 pub fn encoder_device(config: &TrainConfig, train: &Device) -> Result<Device> {
-    match config.encoders.device.as_str() {
-        "auto" => Ok(train.clone()),
-        other => Device::by_name(other),
+    match config.encoders.device {
+        DeviceChoice::Auto => Ok(train.clone()),
+        other => Device::chosen(other),
     }
 }
 
@@ -317,10 +317,10 @@ fn weight_bytes(path: &Path) -> u64 {
 /// budget is set and T5's weight files take more than half of it (a T5 inside an all-in-one
 /// file counts the whole file: streaming is then the safe side).
 pub fn stream_t5(config: &TrainConfig, family: &Family, text_at: &[(Located, PathBuf)]) -> bool {
-    match config.encoders.stream_t5.as_str() {
-        "on" => true,
-        "off" => false,
-        _ => {
+    match config.encoders.stream_t5 {
+        Toggle::On => true,
+        Toggle::Off => false,
+        Toggle::Auto => {
             let budget = config.memory.budget_gb * (1u64 << 30) as f64;
             budget > 0.0
                 && family

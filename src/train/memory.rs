@@ -2,7 +2,7 @@
 //! model loads with, the predicted peak, the allocator cap, and the advice an out-of-memory
 //! error carries.
 
-use super::config::TrainConfig;
+use super::config::{OptimizerKind, TrainConfig};
 use crate::models::{Family, LoadOptions, MemoryPlan, RunShape};
 use crate::stream::{spread_evenly, MemoryProfile, Plan};
 use crate::{Device, Error, Result};
@@ -76,14 +76,9 @@ impl MemoryChoice {
 /// moment; with several ranks (`world` > 1), the data-parallel reducer's bucket buffers too,
 /// which hold a flat f32 copy of every gradient while its sum is in flight
 /// ([`crate::dist::GradReducer`]).
-fn optimizer_bytes(kind: &str, world: usize) -> f64 {
+fn optimizer_bytes(kind: OptimizerKind, world: usize) -> f64 {
     let buckets = if world > 1 { 4.0 } else { 0.0 };
-    buckets
-        + if kind == "adamw8bit" {
-            2.0 + 8.0 / 256.0
-        } else {
-            8.0
-        }
+    buckets + kind.state_bytes_per_value()
 }
 
 /// The profile of this run's model (reads the checkpoint's header only).
@@ -100,7 +95,7 @@ fn profile(
         &RunShape {
             sample: sample.to_vec(),
             batch: config.train.batch_size,
-            optimizer_bytes_per_value: optimizer_bytes(&config.optimizer.kind, world),
+            optimizer_bytes_per_value: optimizer_bytes(config.optimizer.kind, world),
         },
     )
 }
@@ -257,10 +252,7 @@ pub(crate) fn plan_memory(
     world: usize,
 ) -> Result<MemoryChoice> {
     let mem = &config.memory;
-    let manual = config.checkpointing().map_err(|msg| Error::Config {
-        path: None,
-        msg: format!("memory.checkpointing = {msg}"),
-    })?;
+    let manual = config.checkpointing();
     let (budget, outside) = budget(config, device)?;
     #[cfg(feature = "cuda")]
     #[allow(irrefutable_let_patterns)]
@@ -612,7 +604,7 @@ pub(crate) fn phase_plans(
                     &RunShape {
                         sample: shape,
                         batch,
-                        optimizer_bytes_per_value: optimizer_bytes(&config.optimizer.kind, world),
+                        optimizer_bytes_per_value: optimizer_bytes(config.optimizer.kind, world),
                     },
                 )?
                 .peak(&plan);

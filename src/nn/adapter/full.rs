@@ -13,7 +13,7 @@
 use super::io::{PeftFile, Reader};
 use super::merge::MergeLayer;
 use super::{cast, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart};
-use crate::{Error, Result, Tensor};
+use crate::{Error, Result, Setting, Tensor};
 use std::sync::Arc;
 
 pub(super) const KIND: Kind = Kind {
@@ -79,11 +79,11 @@ pub struct Full {
 
 impl Full {
     fn no_peft(&self) -> Error {
-        Error::Config {
-            path: None,
+        Error::Setting {
+            setting: Setting::AdapterLayout,
             msg: format!(
-                "layer {} is fully trained: PEFT has no layout for that; use adapter.format = \
-                 \"kohya\" (its `diff` tensors)",
+                "layer {} is fully trained: PEFT has no layout for that; the kohya layout \
+                 (its `diff` tensors) has",
                 self.path
             ),
         }

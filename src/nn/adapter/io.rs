@@ -12,7 +12,7 @@
 use super::{Adapters, BaseLayer, PeftPart};
 use crate::nn::params::{KeyMap, KeySource};
 use crate::safetensors::{save_with_metadata, SafeTensorsFile};
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Setting, Tensor};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -250,13 +250,13 @@ pub(crate) fn single_part<'p>(
 ) -> Result<&'p PeftPart> {
     match parts {
         [p] if !p.swapped => Ok(p),
-        _ => Err(Error::Config {
-            path: None,
+        _ => Err(Error::Setting {
+            setting: Setting::AdapterLayout,
             msg: format!(
                 "a {kind} adapter on layer {layer} cannot be written in the diffusers / PEFT \
                  layout: diffusers splits that layer into {} modules ({}), and a {kind} \
-                 factorisation does not split by rows; use adapter.format = \"kohya\" or \
-                 leave the layer out of the targets",
+                 factorisation does not split by rows; write the kohya layout or leave the \
+                 layer out of the targets",
                 parts.len(),
                 parts
                     .iter()
@@ -597,10 +597,10 @@ impl Adapters {
         for l in self.layers()? {
             let parts = peft_parts(map, l.path(), l.shape().out_dim())?;
             if !self.kind()?.peft {
-                return Err(Error::Config {
-                    path: None,
+                return Err(Error::Setting {
+                    setting: Setting::AdapterLayout,
                     msg: format!(
-                        "adapter.kind = {:?} has no PEFT layout; use adapter.format = \"kohya\"",
+                        "the {:?} kind has no diffusers / PEFT layout; write the kohya layout",
                         self.config.kind
                     ),
                 });

@@ -12,7 +12,7 @@ use super::io::{join_rows, part_rows, PeftFile, Reader};
 use super::merge::MergeLayer;
 use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
 use crate::nn::layers::{BatchPart, Dropout};
-use crate::{Error, Result, Tensor};
+use crate::{Error, Result, Setting, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -113,11 +113,11 @@ impl Lora {
     pub(super) fn new(p: &Plan) -> Result<Self> {
         let (rank, shape) = (p.rank, p.shape);
         if rank > shape.in_dim().min(shape.out_dim()) && !shape.is_conv() {
-            return Err(Error::Config {
-                path: None,
+            return Err(Error::Setting {
+                setting: Setting::AdapterRank,
                 msg: format!(
-                    "adapter.rank = {rank}: layer {} maps {} -> {}; a LoRA rank must be at \
-                     most the smaller width, {}",
+                    "= {rank}: layer {} maps {} -> {}; a LoRA rank must be at most the \
+                     smaller width, {}",
                     p.path,
                     shape.in_dim(),
                     shape.out_dim(),

@@ -33,7 +33,7 @@ pub use merge::MergeLayer;
 
 use super::layers::BatchPart;
 use super::seed::key_hash;
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Setting, Tensor};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -473,10 +473,10 @@ pub fn kind(name: &str) -> Result<&'static Kind> {
     KINDS
         .iter()
         .find(|k| k.name == name)
-        .ok_or_else(|| Error::Config {
-            path: None,
+        .ok_or_else(|| Error::Setting {
+            setting: Setting::AdapterKind,
             msg: format!(
-                "adapter.kind = {name:?}: not a kind; one of {:?}",
+                "= {name:?}: not a kind; one of {:?}",
                 KINDS.iter().map(|k| k.name).collect::<Vec<_>>()
             ),
         })
@@ -575,59 +575,57 @@ impl AdapterConfig {
     /// Checks the kind, rank > 0 (where it is used), dropout in `[0, 1)` (and only for LoRA
     /// and DoRA), alphas finite and positive, the LoKr factor, and some target.
     pub fn validate(&self) -> Result<()> {
-        let bad = |msg: String| Err(Error::Config { path: None, msg });
+        let bad = |setting: Setting, msg: String| Err(Error::Setting { setting, msg });
         let kind = kind(&self.kind)?;
         if kind.ranked && self.rank == 0 {
-            return bad("adapter.rank must be positive".into());
+            return bad(Setting::AdapterRank, "= 0: must be positive".into());
         }
-        if !(0.0..1.0).contains(&self.dropout) {
-            return bad(format!("adapter.dropout {} is not in [0, 1)", self.dropout));
-        }
-        if self.dropout > 0.0 && !kind.dropout {
-            return bad(format!(
-                "adapter.dropout = {}: input dropout applies to {}, not {}",
-                self.dropout,
-                dropout_kinds(),
-                kind.name
-            ));
-        }
-        for (name, p, takes, kinds) in [
+        for (setting, p, takes, kinds) in [
             (
-                "module_dropout",
+                Setting::AdapterDropout,
+                self.dropout,
+                kind.dropout,
+                dropout_kinds(),
+            ),
+            (
+                Setting::AdapterModuleDropout,
                 self.module_dropout,
                 kind.module_dropout,
                 module_dropout_kinds(),
             ),
             (
-                "rank_dropout",
+                Setting::AdapterRankDropout,
                 self.rank_dropout,
                 kind.rank_dropout,
                 rank_dropout_kinds(),
             ),
         ] {
             if !(0.0..1.0).contains(&p) {
-                return bad(format!("adapter.{name} {p} is not in [0, 1)"));
+                return bad(setting, format!("= {p}: not in [0, 1)"));
             }
             if p > 0.0 && !takes {
-                return bad(format!(
-                    "adapter.{name} = {p}: it applies to {kinds}, not {}",
-                    kind.name
-                ));
+                return bad(
+                    setting,
+                    format!("= {p}: it applies to {kinds}, not {}", kind.name),
+                );
             }
         }
-        for (name, a) in [("alpha", self.alpha), ("conv_alpha", self.conv_alpha)] {
+        for (setting, a) in [
+            (Setting::AdapterAlpha, self.alpha),
+            (Setting::AdapterConvAlpha, self.conv_alpha),
+        ] {
             if !a.is_finite() || a <= 0.0 {
-                return bad(format!("adapter.{name} {a} must be positive"));
+                return bad(setting, format!("= {a}: must be positive"));
             }
         }
         if self.factor == 0 || self.factor < -1 {
-            return bad(format!(
-                "adapter.factor = {}: -1 (balanced) or a positive divisor",
-                self.factor
-            ));
+            return bad(
+                Setting::AdapterFactor,
+                format!("= {}: -1 (balanced) or a positive divisor", self.factor),
+            );
         }
         if self.targets.is_empty() {
-            return bad("adapter.targets: no target patterns".into());
+            return bad(Setting::AdapterTargets, "= []: no target patterns".into());
         }
         Ok(())
     }

@@ -1,0 +1,164 @@
+use super::step::first_nonfinite;
+use super::Trainer;
+use crate::train::config::{AdapterFormat, TrainConfig};
+use crate::train::rundir::{read_log, write_atomic, CheckpointState, FINAL, LOG};
+use crate::{models, DType, Device, Error, Result, Tensor};
+use std::path::{Path, PathBuf};
+
+impl Trainer {
+    /// The layout of the adapter in checkpoints: the configured one, but "kohya" for
+    /// "comfyui", whose DoRA magnitudes would not read back bit for bit (a resume is exact).
+    pub(super) fn checkpoint_format(&self) -> AdapterFormat {
+        match self.config.adapter.format {
+            AdapterFormat::Comfyui => AdapterFormat::Kohya,
+            f => f,
+        }
+    }
+
+    /// Writes the adapter in `format`, refusing one with a non-finite value.
+    pub(super) fn save_adapter(&self, path: &Path, format: AdapterFormat) -> Result<()> {
+        let params = self.adapters.params()?;
+        let named: Vec<(&str, &Tensor)> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        if let Some(name) = first_nonfinite(&named)? {
+            return Err(Error::NonFinite {
+                step: self.step,
+                what: format!("adapter weight {name}"),
+                files: vec![],
+                why: format!("refusing to write {}", path.display()),
+            });
+        }
+        match format {
+            AdapterFormat::Kohya => self.adapters.save_kohya(path, DType::F32),
+            AdapterFormat::Peft => {
+                let prefix = self.model.family().subfolder;
+                self.adapters.save_peft(path, &self.map, prefix, DType::F32)
+            }
+            AdapterFormat::Comfyui => {
+                self.adapters
+                    .save_comfyui(path, DType::F32, &self.base_weights()?)
+            }
+        }
+    }
+
+    pub(super) fn load_adapter(&self, path: &Path, format: AdapterFormat) -> Result<()> {
+        match format {
+            AdapterFormat::Kohya => self.adapters.load_kohya(path),
+            AdapterFormat::Peft => {
+                let prefix = self.model.family().subfolder;
+                self.adapters.load_peft(path, &self.map, prefix)
+            }
+            AdapterFormat::Comfyui => self.adapters.load_comfyui(path, &self.base_weights()?),
+        }
+    }
+
+    /// The frozen weight of the layer at a path, read from the model's files as ComfyUI will
+    /// have it (f32, memory-mapped; on the CPU backend where the build has it, else on the
+    /// run's device), for the "comfyui" layout. Each call reads through a builder of its own,
+    /// which keeps nothing once the weight is returned: one layer's weight is held at a time.
+    pub(super) fn base_weights(&self) -> Result<impl Fn(&str) -> Result<Tensor> + '_> {
+        let m = &self.config.model;
+        let device = Device::cpu_backend().unwrap_or_else(|_| self.device.clone());
+        let ckpt = models::Checkpoint::open(&m.path, self.model.family().subfolder)?;
+        Ok(move |path: &str| {
+            let vb = ckpt.var_builder(DType::F32, &device, self.map.clone())?;
+            let name = format!("{path}.weight");
+            let shape = vb.shape_of(&name).ok_or_else(|| Error::Config {
+                path: Some(m.path.clone()),
+                msg: format!("the model holds no {name} for the \"comfyui\" layout"),
+            })?;
+            vb.get(shape, &name)
+        })
+    }
+
+    /// Writes `checkpoint-<step>/` (adapter, optimizer state, `state.json` with each file's
+    /// size and hash) atomically, then deletes this run's older checkpoints beyond
+    /// `train.keep_last`.
+    pub fn save_checkpoint(&self) -> Result<PathBuf> {
+        self.peaks.start(&self.device, "checkpoint");
+        let r = self.write_checkpoint().map_err(TrainConfig::named);
+        self.peaks.end(&self.device, "checkpoints");
+        r
+    }
+
+    pub(super) fn write_checkpoint(&self) -> Result<PathBuf> {
+        let keep = self.config.train.keep_last;
+        let state = (
+            self.config.train.seed,
+            self.run_id.as_str(),
+            self.skipped_in_row,
+            self.scaler.map(|s| (s.scale, s.clean_steps)),
+        );
+        self.run_dir()
+            .save_checkpoint(self.step, state, keep, |tmp| {
+                self.save_adapter(&tmp.join("adapter.safetensors"), self.checkpoint_format())?;
+                self.opt.save_state(&tmp.join("optimizer.safetensors"))?;
+                // The loss log up to this step: a resume restores it from here when the
+                // folder's log lost lines.
+                let log = self.run_dir().path.join(LOG);
+                let text: String = read_log(&log)?
+                    .into_iter()
+                    .filter(|(s, _)| *s <= self.step)
+                    .map(|(_, l)| l + "\n")
+                    .collect();
+                write_atomic(&tmp.join(LOG), text.as_bytes())?;
+                Ok(vec!["adapter.safetensors", "optimizer.safetensors", LOG])
+            })
+            .and_then(|p| {
+                self.run_dir().record(LOG, None, true)?;
+                Ok(p)
+            })
+    }
+
+    /// Restores the adapter, optimizer state and step from `dir`, after checking its files
+    /// against the sizes and hashes recorded when it was written.
+    pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
+        let st = CheckpointState::read_verified(dir)?;
+        self.restore(dir, &st)
+    }
+
+    /// Restores from `dir`, whose files `st` has verified.
+    pub(super) fn restore(&mut self, dir: &Path, st: &CheckpointState) -> Result<()> {
+        if st.seed != self.config.train.seed {
+            return Err(Error::Checkpoint {
+                path: dir.to_path_buf(),
+                msg: format!(
+                    "saved with train.seed = {}, the config has {}",
+                    st.seed, self.config.train.seed
+                ),
+            });
+        }
+        self.load_adapter(&dir.join("adapter.safetensors"), self.checkpoint_format())?;
+        self.opt.load_state(&dir.join("optimizer.safetensors"))?;
+        self.step = st.step;
+        self.skipped_in_row = st.skipped_in_row;
+        // A run that scales resumes at the saved scale (a checkpoint without one, from a
+        // run that did not scale, starts at the configured initial scale).
+        self.scaler = self.config.loss_scaler().map(|mut s| {
+            if let Some((scale, clean)) = st.loss_scale {
+                s.scale = scale;
+                s.clean_steps = clean;
+            }
+            s
+        });
+        Ok(())
+    }
+
+    /// Whether `lora.safetensors` is the one this run wrote at its last step (recorded in
+    /// `run.json` with that step, and unchanged since).
+    pub(super) fn final_is_current(&self) -> Result<bool> {
+        let dir = self.run_dir();
+        let Some(m) = dir.manifest()? else {
+            return Ok(false);
+        };
+        Ok(m.files.get(FINAL).is_some_and(|r| {
+            r.step == Some(self.config.train.steps) && r.matches(&dir.path.join(FINAL))
+        }))
+    }
+
+    /// Writes the final adapter of the current step and records it as this run's.
+    pub(super) fn save_final(&self) -> Result<()> {
+        let dir = self.run_dir();
+        self.save_adapter(&dir.path.join(FINAL), self.config.adapter.format)?;
+        dir.record(FINAL, Some(self.step), false)
+    }
+}

@@ -1,0 +1,311 @@
+//! The training loop behind `train`: a LoRA on any registered model family from pre-encoded
+//! data, with AdamW, a warm-up + constant/cosine schedule, gradient accumulation and
+//! clipping, a guard against non-finite losses and gradients, a JSONL loss log and atomic,
+//! verified checkpoints that resume exactly. Every random draw (data order, noise,
+//! timesteps, dropout) is a function of (seed, step), so a checkpoint needs only the step,
+//! the adapter and the optimizer state.
+//!
+//! Steps count from 1: step k is the k-th optimizer step; the log's line for it says
+//! `"step": k`, and `checkpoint-k` holds the state after it.
+//!
+//! The parts: `open` (the config checked, the model probed, data prepared, memory planned,
+//! the model loaded, the optimizer made), `step` (one optimizer step: micro-batches, the
+//! ranks' agreement, loss scaling, the non-finite policy, clipping), `outputs` (validation
+//! loss, sample images, the loss plot), `checkpoint` (adapter files and checkpoints, saved
+//! and restored), `run` (the loop and the phases due after each step) and `folder` (what a
+//! run does with its output folder: new, overwrite, resume or finished).
+
+use super::config::TrainConfig;
+use super::data::{Batch, Part, Samples};
+use super::images::ImageSamples;
+use super::memory::{MemoryChoice, PhasePlan};
+use super::rundir::RunDir;
+use super::scaler::LossScaler;
+use crate::dist::{GradReducer, ProcessGroup};
+use crate::models::DiffusionModel;
+use crate::nn::{Adapters, KeyMap};
+use crate::optim::Optimizer;
+use crate::{DType, Device, Result};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+mod checkpoint;
+mod folder;
+mod open;
+mod outputs;
+mod run;
+mod step;
+
+use folder::resume_keys_of;
+pub use folder::{plan_folder, preflight};
+
+/// A loaded model with its adapters, data and optimizer, ready to step.
+pub struct Trainer {
+    /// The checked config.
+    pub config: TrainConfig,
+    model: Box<dyn DiffusionModel>,
+    map: KeyMap,
+    /// The adapters being trained.
+    pub adapters: Arc<Adapters>,
+    data: Box<dyn Samples>,
+    /// Held-out images for the validation loss.
+    validation: Option<ImageSamples>,
+    /// What sampling needs of the image pipeline (absent for pre-encoded data).
+    pipeline: Option<PipelineParts>,
+    opt: Box<dyn Optimizer>,
+    /// The memory plan the model runs under, as chosen or configured.
+    pub memory: MemoryChoice,
+    device: Device,
+    dtype: DType,
+    /// Optimizer steps done (the next step is `step + 1`).
+    pub step: usize,
+    /// Non-finite steps skipped in a row up to `step`.
+    skipped_in_row: usize,
+    /// The dynamic loss scale (`train.loss_scale`), if any.
+    pub scaler: Option<LossScaler>,
+    run_id: String,
+    /// Set (e.g. by a signal handler) to stop after the current step with a checkpoint.
+    interrupt: Arc<AtomicBool>,
+    /// Data-parallel training: the group, and the gradient sums over it.
+    dist: Option<(Arc<dyn ProcessGroup>, Arc<GradReducer>)>,
+    /// Whether any rank was interrupted by the last step (data-parallel training, where all
+    /// ranks must stop after the same step).
+    stop_all: bool,
+    /// The next micro-batch (its index), fetched during the one before to announce its
+    /// inputs to the model (`announce`).
+    ahead: Option<(usize, Batch)>,
+    /// The peak bytes in use on the device per phase of the run (GPU only).
+    peaks: PhasePeaks,
+    /// Each phase's plan and predicted peak, worked out at open.
+    phases: Vec<PhasePlan>,
+}
+
+/// Where [`Trainer::open_in`] trains: the device (default: `train.device`'s) and, for
+/// data-parallel training, the process group (on the group's GPU for NCCL).
+#[derive(Clone, Default)]
+pub struct Placement {
+    /// The device; `None`: as `train.device` says (the first GPU for "cuda").
+    pub device: Option<Device>,
+    /// The process group of data-parallel training, if any.
+    pub group: Option<Arc<dyn ProcessGroup>>,
+    /// The flag a signal handler sets to stop: caching stops at the next image or caption
+    /// ([`crate::Error::Interrupted`]) and the run after the current step, with a checkpoint.
+    /// `None`: a flag of the trainer's own ([`Trainer::interrupt_flag`]).
+    pub interrupt: Option<Arc<AtomicBool>>,
+}
+
+/// The image pipeline's pieces sampling needs after the encoders are freed: the text cache
+/// holding the prompts' embeddings, and where the autoencoder is.
+struct PipelineParts {
+    text: crate::data::TextCache,
+    vae: crate::models::Located,
+    factor: usize,
+}
+
+/// How [`Trainer::open`] prepares a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prepare {
+    /// Fill the image caches (the normal start of a run).
+    Encode,
+    /// Work out shapes only; write nothing (`train --plan`).
+    DryRun,
+}
+
+/// How `Trainer::run` ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RunEnd {
+    /// All steps done; the final adapter is at this path.
+    Finished(PathBuf),
+    /// Stopped at the requested step (`RunOptions::stop_at`), without a checkpoint.
+    Stopped(usize),
+    /// Interrupted after this step; a checkpoint of it is at this path.
+    Interrupted(usize, PathBuf),
+}
+
+/// What `Trainer::run` does with the output folder and how far it goes.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Continue from the newest intact checkpoint of the run in the output folder.
+    pub resume: bool,
+    /// Delete the run files of an earlier run in the output folder first.
+    pub overwrite: bool,
+    /// Stop after this step (tests of resuming).
+    pub stop_at: Option<usize>,
+}
+
+/// One step's figures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepReport {
+    /// The step (from 1).
+    pub step: usize,
+    /// The steps of the run.
+    pub steps: usize,
+    /// The loss, averaged over micro-batches.
+    pub loss: f64,
+    /// The learning rate used.
+    pub lr: f64,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Why the step was skipped (a non-finite loss or gradient), if it was.
+    pub skipped: Option<String>,
+}
+
+/// What a run tells its caller as it goes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// Something the user should know (a damaged checkpoint passed over, a resume point).
+    Note(String),
+    /// The validation loss after a step.
+    Validation {
+        /// The step.
+        step: usize,
+        /// The mean loss over the held-out samples at fixed timesteps and noise.
+        loss: f64,
+    },
+    /// Sample images were written.
+    Samples(Vec<PathBuf>),
+    /// A step finished.
+    Step(StepReport),
+    /// A checkpoint was written.
+    Saved(PathBuf),
+}
+
+/// What a run would do, from `Trainer::plan`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FolderAction {
+    /// Start a new run in an empty or new folder.
+    New,
+    /// Delete these files of an earlier run, then start a new one.
+    Overwrite(Vec<String>),
+    /// Continue from this checkpoint (step, folder).
+    Resume(usize, PathBuf),
+    /// The run is already finished; only the final adapter is written if it is missing.
+    AlreadyFinished(usize),
+}
+
+/// Fixed timesteps per held-out sample in [`Trainer::validation_loss`].
+pub const VALIDATION_POINTS: usize = 4;
+
+/// Peak bytes in use on a GPU per phase of a run: [`PhasePeaks::start`] resets the
+/// device's peak, [`PhasePeaks::end`] keeps the largest seen for the phase.
+#[derive(Default)]
+struct PhasePeaks(std::sync::Mutex<Vec<(&'static str, u64)>>);
+
+impl PhasePeaks {
+    /// A phase begins: its peak counts from here, and the data-parallel watchdog names it
+    /// ([`crate::progress`]).
+    fn start(&self, device: &Device, phase: &str) {
+        crate::progress::set_phase(phase);
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let Device::Cuda(c) = device {
+            c.reset_peak_memory();
+        }
+        let _ = device;
+    }
+
+    fn end(&self, device: &Device, phase: &'static str) {
+        #[cfg(feature = "cuda")]
+        if let (Device::Cuda(c), Ok(mut v)) = (device, self.0.lock()) {
+            let peak = c.memory().peak;
+            match v.iter_mut().find(|(p, _)| *p == phase) {
+                Some((_, b)) => *b = (*b).max(peak),
+                None => v.push((phase, peak)),
+            }
+        }
+        let _ = (device, phase);
+    }
+
+    fn all(&self) -> Vec<(&'static str, u64)> {
+        self.0.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+}
+
+impl Trainer {
+    /// The process group of data-parallel training, if any.
+    pub fn group(&self) -> Option<&Arc<dyn ProcessGroup>> {
+        self.dist.as_ref().map(|(g, _)| g)
+    }
+
+    /// Whether this process writes the run's files (rank 0, or a single process).
+    pub fn is_root(&self) -> bool {
+        self.group().is_none_or(|g| g.rank() == 0)
+    }
+
+    /// The config's resume keys, and the number of ranks where there are several (the
+    /// global batch depends on it).
+    fn resume_keys(&self) -> Vec<(&'static str, String)> {
+        resume_keys_of(&self.config, self.part().world)
+    }
+
+    /// This process's part of every global batch.
+    fn part(&self) -> Part {
+        match self.group() {
+            Some(g) => Part {
+                rank: g.rank(),
+                world: g.world(),
+            },
+            None => Part::WHOLE,
+        }
+    }
+
+    /// The device it trains on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The loaded model.
+    pub fn model(&self) -> &dyn DiffusionModel {
+        self.model.as_ref()
+    }
+
+    /// The training samples.
+    pub fn data(&self) -> &dyn Samples {
+        self.data.as_ref()
+    }
+
+    /// The flag that stops the run after the current step, with a checkpoint.
+    pub fn interrupt_flag(&self) -> Arc<AtomicBool> {
+        self.interrupt.clone()
+    }
+
+    fn run_dir(&self) -> RunDir {
+        RunDir::new(&self.config.train.output_dir)
+    }
+
+    /// The counters of the model's block streamer, when blocks are streamed.
+    pub fn stream_report(&self) -> Result<Option<crate::stream::StreamReport>> {
+        self.model
+            .exec()
+            .streamer
+            .as_ref()
+            .map(|s| s.report())
+            .transpose()
+    }
+
+    /// Each phase's plan and predicted peak in FLAME's allocator (caching, training steps,
+    /// validation, sample images, checkpoints), as worked out when the trainer opened.
+    pub fn phase_plans(&self) -> &[PhasePlan] {
+        &self.phases
+    }
+
+    /// The peak bytes FLAME's allocator held in use on the GPU in each phase of this
+    /// process's run so far ("caching", "training steps", "validation", "sample images",
+    /// "checkpoints"), in the order first met; empty on the CPU.
+    pub fn phase_peaks(&self) -> Vec<(&'static str, u64)> {
+        self.peaks.all()
+    }
+}
+
+/// " | GPU x GiB" in use on a CUDA device, "" on the CPU.
+#[allow(irrefutable_let_patterns)]
+pub fn gpu_memory(device: &Device) -> String {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(c) = device {
+        let gib = c.memory().in_use as f64 / (1u64 << 30) as f64;
+        return format!(" | GPU {gib:.2} GiB");
+    }
+    let _ = device;
+    String::new()
+}

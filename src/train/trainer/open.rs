@@ -1,0 +1,353 @@
+use super::{Event, PhasePeaks, PipelineParts, Placement, Prepare, Trainer};
+use crate::dist::{GradReducer, ProcessGroup, BUCKET_BYTES};
+use crate::models::{DiffusionModel, Family, LoadOptions, MemoryPlan};
+use crate::nn::{Adapters, KeyMap};
+use crate::optim::AdamConfig;
+use crate::train::config::{AdapterFormat, ModelDType, TrainConfig};
+use crate::train::data::{check_batch_size, Dataset, Samples};
+use crate::train::images::{self, ImageSamples};
+use crate::train::memory::{phase_plans, plan_memory, MemoryChoice, PhasePlan};
+use crate::{models, DType, Device, Error, Result, Tensor};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+/// The adapters made on a model's layers (`map`: its key map) can train and be saved as
+/// `config` says: some layer matched, and a PEFT file can name every one.
+pub(super) fn check_adapters(
+    config: &TrainConfig,
+    adapters: &Adapters,
+    map: &KeyMap,
+) -> Result<()> {
+    if adapters.layers()?.is_empty() {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "adapter.targets = {:?} match no Linear layer (nor, with adapter.conv_rank, a \
+                 convolution) of the model",
+                config.adapter.targets
+            ),
+        });
+    }
+    if config.adapter.format == AdapterFormat::Peft {
+        adapters.check_peft(map)?;
+    }
+    Ok(())
+}
+
+/// One sum of a reducer bucket's size and one of a single value over `group`, finished: the
+/// group's transport is connected and its buffers allocated before memory is measured.
+pub(super) fn warm_collectives(group: &dyn ProcessGroup, device: &Device) -> Result<()> {
+    if !group.asynchronous() {
+        return Ok(());
+    }
+    // What caching left in FLAME's cache goes back to the driver first: NCCL allocates
+    // with the driver, not through FLAME.
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let Device::Cuda(c) = device {
+        c.release_cached()?;
+    }
+    for n in [BUCKET_BYTES / 4, 1] {
+        let t = Tensor::zeros(n, DType::F32, device)?;
+        group.all_reduce_sum(&[&t])?.wait()?;
+        t.to_vec_f64()?;
+    }
+    Ok(())
+}
+
+impl Trainer {
+    /// Checks the config, loads the model with its adapters and the data, and checks every
+    /// sample; fills the image caches; writes nothing else. [`Trainer::open`] with [`Prepare::Encode`] and no notes.
+    pub fn new(config: TrainConfig) -> Result<Trainer> {
+        Self::open(config, Prepare::Encode, &mut |_| {})
+    }
+
+    /// As [`Trainer::new`], telling `on` about data preparation (skipped files, cache
+    /// progress); with [`Prepare::DryRun`] the image caches are not filled (the trainer can
+    /// then plan but not step).
+    pub fn open(
+        config: TrainConfig,
+        prepare: Prepare,
+        on: &mut dyn FnMut(Event),
+    ) -> Result<Trainer> {
+        Self::open_in(config, prepare, Placement::default(), on)
+    }
+
+    /// As [`Trainer::open`], on `place`'s device, as one rank of data-parallel training
+    /// when it has a group:
+    /// `train.batch_size` is then each rank's part of a global batch of `batch_size` ×
+    /// ranks; every rank encodes its share of the image and caption caches (then reads the
+    /// whole of them), and only rank 0 writes the run's files.
+    /// Errors name the config's keys ([`TrainConfig::named`]).
+    pub fn open_in(
+        config: TrainConfig,
+        prepare: Prepare,
+        place: Placement,
+        on: &mut dyn FnMut(Event),
+    ) -> Result<Trainer> {
+        Self::setup(config, prepare, place, on).map_err(TrainConfig::named)
+    }
+
+    fn setup(
+        config: TrainConfig,
+        prepare: Prepare,
+        place: Placement,
+        on: &mut dyn FnMut(Event),
+    ) -> Result<Trainer> {
+        config.validate()?;
+        config.check_paths()?;
+        #[cfg(feature = "cuda")]
+        if config.train.deterministic {
+            crate::cuda::set_deterministic(true);
+        }
+        let device = match place.device {
+            Some(d) => d,
+            None => Device::chosen(config.train.device)?,
+        };
+        let group = place.group;
+        let interrupt = place.interrupt.unwrap_or_default();
+        let world = group.as_ref().map_or(1, |g| g.world());
+        let family = models::family(&config.model.arch)?;
+        let mut opts = load_options(&config, &device)?;
+        let peaks = PhasePeaks::default();
+        let probe = probe(&config, family, &opts, &device)?;
+        let data = Data::prepare(
+            &config,
+            family,
+            probe.as_ref(),
+            prepare,
+            &device,
+            group.as_deref(),
+            &interrupt,
+            &peaks,
+            on,
+        )?;
+        drop(probe);
+        let adapters = Adapters::new(config.adapter_config())?;
+        opts.adapters = Some(adapters.clone());
+        // NCCL sets up its connections and buffers at the first collective: one of a
+        // bucket's size, now, puts them in the memory measured outside FLAME's allocator.
+        if let Some(g) = &group {
+            warm_collectives(g.as_ref(), &device)?;
+        }
+        let largest = data.train.largest();
+        let memory = plan_memory(&config, family, &opts, &device, &largest, world)?;
+        let phases = phase_plans(
+            &config,
+            family,
+            &opts,
+            &memory,
+            &largest,
+            data.vae_shape,
+            data.guided,
+            &device,
+            world,
+        )?;
+        note_phases_past_the_budget(&memory, &phases, on);
+        opts.memory = memory.plan.clone();
+        let loaded = family.load(&config.model.path, &opts)?;
+        check_adapters(&config, &adapters, &loaded.key_map)?;
+        let o = &config.optimizer;
+        let adam = AdamConfig {
+            lr: o.lr,
+            beta1: o.betas[0],
+            beta2: o.betas[1],
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+        };
+        let opt = o
+            .kind
+            .build(adapters.params()?, adam)
+            .map_err(|e| Error::Config {
+                path: None,
+                msg: format!("[optimizer]: {e}"),
+            })?;
+        let scaler = config.loss_scaler();
+        let dist = match group {
+            Some(g) => {
+                let params = adapters.params()?.into_iter().map(|(_, t)| t).collect();
+                let r = GradReducer::new(g.clone(), params, BUCKET_BYTES);
+                Some((g, r))
+            }
+            None => None,
+        };
+        Ok(Trainer {
+            config,
+            memory,
+            model: loaded.model,
+            map: loaded.key_map,
+            adapters,
+            data: data.train,
+            validation: data.validation,
+            pipeline: data.pipeline,
+            opt,
+            device,
+            dtype: opts.dtype,
+            step: 0,
+            skipped_in_row: 0,
+            scaler,
+            run_id: String::new(),
+            interrupt,
+            dist,
+            stop_all: false,
+            ahead: None,
+            peaks,
+            phases,
+        })
+    }
+}
+
+/// The load options of `config`'s model on `device`, without adapters, under the default
+/// memory plan: the dtype, FP8, and the diffusers config.json given for a single file.
+fn load_options(config: &TrainConfig, device: &Device) -> Result<LoadOptions> {
+    let m = &config.model;
+    let json = match &m.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|source| Error::Io {
+                path: p.clone(),
+                source,
+            })?;
+            Some(serde_json::from_str(&text).map_err(|e| Error::Config {
+                path: Some(p.clone()),
+                msg: format!("model.config: invalid JSON: {e}"),
+            })?)
+        }
+        None => None,
+    };
+    Ok(LoadOptions {
+        dtype: m.dtype.compute_dtype(),
+        device: device.clone(),
+        adapters: None,
+        config: json,
+        fp8: m.dtype == ModelDType::Fp8,
+        memory: MemoryPlan::default(),
+        merge: None,
+    })
+}
+
+/// The model's inputs and shape checks, and the adapters on its layers, from one build
+/// without weights (on the CPU where the build has it; the adapters a set of their own,
+/// dropped with the build): bad data, targets that match nothing, a rank a layer cannot
+/// take, a PEFT layout the model cannot be given and an impossible memory budget fail before
+/// any data is cached or weight read.
+fn probe(
+    config: &TrainConfig,
+    family: &Family,
+    opts: &LoadOptions,
+    device: &Device,
+) -> Result<Box<dyn DiffusionModel>> {
+    let trial = Adapters::new(config.adapter_config())?;
+    let built = family.probe(
+        &config.model.path,
+        &LoadOptions {
+            adapters: Some(trial.clone()),
+            device: Device::cpu_backend().unwrap_or_else(|_| device.clone()),
+            ..opts.clone()
+        },
+    )?;
+    check_adapters(config, &trial, &built.key_map)?;
+    // The builder and key map (holding the trial adapters) go here, the model stays.
+    Ok(built.model)
+}
+
+/// The run's data, checked against the model: pre-encoded samples, or images with their
+/// caches filled (unless a dry run) and what sampling needs of the pipeline.
+struct Data {
+    train: Box<dyn Samples>,
+    validation: Option<ImageSamples>,
+    pipeline: Option<PipelineParts>,
+    /// The autoencoder's downscale factor and its image width, for the phases' plans.
+    vae_shape: Option<(usize, usize)>,
+    /// Whether the model takes a guidance input.
+    guided: bool,
+}
+
+impl Data {
+    #[allow(clippy::too_many_arguments)]
+    fn prepare(
+        config: &TrainConfig,
+        family: &'static Family,
+        probe: &dyn DiffusionModel,
+        prepare: Prepare,
+        device: &Device,
+        group: Option<&dyn ProcessGroup>,
+        interrupt: &Arc<AtomicBool>,
+        peaks: &PhasePeaks,
+        on: &mut dyn FnMut(Event),
+    ) -> Result<Data> {
+        let world = group.map_or(1, |g| g.world());
+        let guided = probe.guidance_input();
+        let inputs = probe.inputs();
+        if let Some(dir) = &config.data.dir {
+            let data = Dataset::open(dir, &inputs, &|s| probe.check_shapes(s))?;
+            check_batch_size(config, world, data.len(), "pre-encoded samples")?;
+            return Ok(Data {
+                train: Box::new(data),
+                validation: None,
+                pipeline: None,
+                vae_shape: None,
+                guided,
+            });
+        }
+        peaks.start(device, "caching");
+        let run = images::prepare(
+            config,
+            family,
+            &inputs,
+            guided,
+            &|s| probe.check_shapes(s),
+            device,
+            prepare == Prepare::Encode,
+            world,
+            group,
+            interrupt,
+            &mut |n| on(Event::Note(n)),
+        )?;
+        peaks.end(device, "caching");
+        probe
+            .check_shapes(&run.train.largest())
+            .map_err(|msg| Error::Config {
+                path: None,
+                msg: format!("[data]: {msg}"),
+            })?;
+        Ok(Data {
+            vae_shape: Some((run.vae_factor, run.vae_width)),
+            pipeline: Some(PipelineParts {
+                text: run.text,
+                vae: run.vae,
+                factor: run.vae_factor,
+            }),
+            train: Box::new(run.train),
+            validation: run.validation,
+            guided,
+        })
+    }
+}
+
+/// Tells `on` of each phase whose predicted peak passes the budget, with the knob that
+/// lowers it.
+fn note_phases_past_the_budget(
+    memory: &MemoryChoice,
+    phases: &[PhasePlan],
+    on: &mut dyn FnMut(Event),
+) {
+    let Some(cap) = memory.budget else {
+        return;
+    };
+    const GIB: f64 = (1u64 << 30) as f64;
+    for p in phases.iter().filter(|p| p.peak.is_some_and(|b| b > cap)) {
+        on(Event::Note(format!(
+            "{} may not fit memory.budget_gb: predicted up to {:.2} GiB of the {:.2} GiB \
+             FLAME's allocator may hold ({}); {}",
+            p.phase,
+            p.peak.unwrap_or(0) as f64 / GIB,
+            cap as f64 / GIB,
+            p.plan,
+            match p.phase {
+                "sample images" => "a smaller sample.size or encoders.vae_tile lowers it",
+                "caching" => "encoders.vae_tile = 512 and encoders.stream_t5 = \"on\" lower it",
+                _ => "a larger budget or a smaller batch lowers it",
+            }
+        )));
+    }
+}

@@ -1,0 +1,399 @@
+use super::{StepReport, Trainer};
+use crate::models::Objective;
+use crate::nn::{BatchPart, GOLDEN};
+use crate::train::config::OnNonFinite;
+use crate::train::data::{Batch, Part};
+use crate::train::objectives::{flow_matching, weighted_mse, Prediction};
+use crate::{sum_sq_multi, DType, Error, Grads, Result, Tensor};
+use std::sync::atomic::Ordering;
+
+/// The name of the first tensor holding a NaN or an infinity: one host copy when all are
+/// finite, one per tensor only to find the culprit.
+pub(super) fn first_nonfinite<'a>(tensors: &[(&'a str, &'a Tensor)]) -> Result<Option<String>> {
+    let all: Vec<&Tensor> = tensors.iter().map(|(_, t)| *t).collect();
+    if sum_sq_multi(&all)?.is_finite() {
+        return Ok(None);
+    }
+    for (name, t) in tensors {
+        if !sum_sq_multi(&[*t])?.is_finite() {
+            return Ok(Some(name.to_string()));
+        }
+    }
+    Ok(None)
+}
+
+impl Trainer {
+    /// The loss of this process's rows of one batch of clean latents, noised with draws
+    /// from `seed`: noise and timesteps are drawn for the whole global batch and the rows
+    /// taken, so the ranks together see what one process would.
+    pub(super) fn loss(&self, batch: &Batch, seed: u64) -> Result<Tensor> {
+        let x0 = &batch.inputs[0];
+        let (b, mut dims) = (batch.global, x0.dims().to_vec());
+        let (start, len) = (batch.rows.start, batch.rows.len());
+        dims[0] = b;
+        let noise = Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?
+            .narrow(0, start, len)?
+            .to_dtype(self.dtype)?;
+        let t = self.timesteps(batch, seed)?;
+        self.loss_at(&batch.inputs, &t, &noise)
+    }
+
+    /// The timesteps of this process's rows of `batch`, drawn from `seed` for the whole global
+    /// batch (as `loss` draws them).
+    pub(super) fn timesteps(&self, batch: &Batch, seed: u64) -> Result<Tensor> {
+        let dims = batch.inputs[0].dims();
+        let b = batch.global;
+        let t = match self.model.objective() {
+            Objective::FlowMatching => {
+                // Flux's resolution-dependent shift counts 2x2 latent patches as tokens.
+                let tokens = dims[2] * dims[3] / 4;
+                self.config
+                    .sampling()
+                    .sample(b, tokens, seed ^ 0x7133, &self.device)?
+            }
+            Objective::Ddpm(ddpm) => ddpm.sample_timesteps(b, seed ^ 0x7133, &self.device)?,
+        };
+        t.narrow(0, batch.rows.start, batch.rows.len())
+    }
+
+    /// The seed of micro-batch `m`'s noise and timesteps.
+    pub(super) fn micro_seed(&self, m: usize) -> u64 {
+        self.config.train.seed ^ (m as u64 + 1).wrapping_mul(GOLDEN)
+    }
+
+    /// Micro-batch `m`: the one fetched ahead when it is that one, else read now.
+    pub(super) fn micro_batch(&mut self, m: usize, part: Part) -> Result<Batch> {
+        let t = &self.config.train;
+        match self.ahead.take() {
+            Some((k, batch)) if k == m => Ok(batch),
+            _ => self.data.batch(
+                m,
+                t.batch_size * part.world,
+                t.seed,
+                part,
+                self.dtype,
+                &self.device,
+            ),
+        }
+    }
+
+    /// Fetches micro-batch `m` and announces its inputs to the model
+    /// (`DiffusionModel::prepare`): called between a micro-batch's forward and its backward
+    /// where the model computes conditioning products on the host
+    /// (`MemoryPlan::host_products`), which it then does during that backward instead of in
+    /// `m`'s forward.
+    pub(super) fn announce(&mut self, m: usize, part: Part) -> Result<()> {
+        let batch = self.micro_batch(m, part)?;
+        if !batch.inputs.is_empty() {
+            let t = self.timesteps(&batch, self.micro_seed(m))?;
+            let guidance = self.config.model.guidance;
+            self.model
+                .prepare(&batch.inputs[0], &t, &batch.inputs[1..], guidance)?;
+        }
+        self.ahead = Some((m, batch));
+        Ok(())
+    }
+
+    /// What the model is trained to predict (DDPM models).
+    pub(super) fn prediction(&self) -> Prediction {
+        self.config.model.prediction
+    }
+
+    /// The loss of one batch of clean latents at timesteps `t` (B) with `noise`.
+    pub(super) fn loss_at(&self, batch: &[Tensor], t: &Tensor, noise: &Tensor) -> Result<Tensor> {
+        let x0 = &batch[0];
+        let cond = &batch[1..];
+        let guidance = self.config.model.guidance;
+        match self.model.objective() {
+            Objective::FlowMatching => {
+                let (xt, target) = flow_matching(x0, noise, t)?;
+                let pred = self.model.predict(&xt, t, cond, guidance)?;
+                weighted_mse(&pred, &target, None)
+            }
+            Objective::Ddpm(ddpm) => {
+                let kind = self.prediction();
+                let (xt, target) = ddpm.noisy_and_target(x0, noise, t, kind)?;
+                let pred = self.model.predict(&xt, t, cond, guidance)?;
+                let gamma = self.config.train.min_snr_gamma;
+                let w = if gamma > 0.0 {
+                    Some(ddpm.min_snr_weights(t, gamma, kind)?)
+                } else {
+                    None
+                };
+                weighted_mse(&pred, &target, w.as_ref())
+            }
+        }
+    }
+
+    /// One optimizer step (with its accumulated micro-batches). A non-finite loss or
+    /// gradient norm stops with an error naming the step, the batch's files and the tensor,
+    /// or (`train.on_nonfinite = "skip"`) skips the update.
+    pub fn train_step(&mut self) -> Result<StepReport> {
+        self.peaks
+            .start(&self.device, &format!("training step {}", self.step + 1));
+        crate::fault::point("step").map_err(|source| Error::Io {
+            path: format!("step {}", self.step + 1).into(),
+            source,
+        })?;
+        let r = self.step_inner().map_err(|e| self.memory.explain(e));
+        self.peaks.end(&self.device, "training steps");
+        r
+    }
+
+    /// One optimizer step: the micro-batches' gradients (`accumulate`), the ranks'
+    /// agreement (`agree`), the gradient norm (`gradient_norm`), then the update, or a step
+    /// skipped as the loss scale or `train.on_nonfinite` says (`skip_or_stop`).
+    pub(super) fn step_inner(&mut self) -> Result<StepReport> {
+        let lr = self.config.lr_at(self.step);
+        self.opt.set_learning_rate(lr);
+        // Dynamic loss scaling: the backward runs on loss * scale, the step divides by it.
+        let scale = self.scaler.map_or(1.0, |s| s.scale);
+        let mut acc = self.accumulate(scale)?;
+        self.agree(&mut acc)?;
+        let (norm, overflow) = self.gradient_norm(&mut acc, scale)?;
+        let step = self.step + 1;
+        let mut report = StepReport {
+            step,
+            steps: self.config.train.steps,
+            loss: acc.total,
+            lr,
+            grad_norm: norm,
+            skipped: None,
+        };
+        if overflow {
+            // GradScaler's skipped step: no update, the scale halved; not a failure.
+            self.step = step;
+            let now = self.scaler.map_or(1.0, |s| s.scale);
+            report.skipped = Some(format!(
+                "the f16 gradients overflowed at loss scale {scale}; the scale is now {now}"
+            ));
+            return Ok(report);
+        }
+        if let Some(what) = acc.bad {
+            return self.skip_or_stop(report, what, acc.files);
+        }
+        // Clipping and unscaling, folded into the optimizer's fused update.
+        let max = self.config.train.max_grad_norm;
+        let clip = if max > 0.0 && norm > max {
+            max / (norm + 1e-6)
+        } else {
+            1.0
+        };
+        self.opt.step_scaled(&acc.grads, clip / scale)?;
+        if let Some(sc) = &mut self.scaler {
+            sc.clean();
+        }
+        self.skipped_in_row = 0;
+        self.step = step;
+        Ok(report)
+    }
+
+    /// The micro-batches of the next step, forward and backward, their gradients summed
+    /// (and, across ranks, handed to the reducer as the last backward makes them). A
+    /// non-finite loss stops a single process's accumulation; ranks of a group go on to the
+    /// sums, which every rank must join.
+    fn accumulate(&mut self, scale: f64) -> Result<Accumulated> {
+        let acc = self.config.train.grad_accum;
+        let mut out = Accumulated {
+            grads: Grads::new(),
+            total: 0.0,
+            files: vec![],
+            bad: None,
+        };
+        let part = self.part();
+        let reducer = self.dist.as_ref().map(|(_, r)| r.clone());
+        if let Some(r) = &reducer {
+            out.grads.set_hook(Some(r.clone()));
+        }
+        // Host-held conditioning products are computed ahead, during the backward before.
+        let announce = self.memory.plan.host_products && self.memory.plan.stream_blocks > 0;
+        for micro in 0..acc {
+            crate::progress::tick();
+            // A signal in a long accumulation stops between micro-batches (one process: the
+            // ranks of a group agree on a stop at the step's end instead); the step is dropped.
+            if micro > 0 && self.dist.is_none() && self.interrupt.load(Ordering::Relaxed) {
+                return Err(Error::Interrupted(format!(
+                    "during step {} after {micro} of its {acc} micro-batches (the step is \
+                     dropped)",
+                    self.step + 1
+                )));
+            }
+            let m = self.step * acc + micro;
+            let batch = self.micro_batch(m, part)?;
+            out.files.extend(batch.files.iter().cloned());
+            if micro + 1 == acc {
+                // The last backward of the step starts the gradient sums over the ranks.
+                if let Some(r) = &reducer {
+                    r.arm()?;
+                }
+            }
+            if batch.inputs.is_empty() {
+                // This rank has no rows of a short last batch: it adds zeros.
+                continue;
+            }
+            let rows = BatchPart {
+                start: batch.rows.start,
+                len: batch.rows.len(),
+                global: batch.global,
+            };
+            self.adapters
+                .set_batch(self.step as u64, micro as u64, rows)?;
+            let s = self.micro_seed(m);
+            // Each rank's mean over its rows, weighted by its share of the global batch:
+            // the ranks' sum is the global batch's mean.
+            let w = batch.rows.len() as f64 / batch.global.max(1) as f64 / acc as f64;
+            let loss = self.loss(&batch, s)?.affine(w, 0.0)?;
+            if announce && m + 1 < self.config.train.steps * acc {
+                // Best effort: where the announcement fails (the next batch unreadable, no
+                // page-locked memory), that micro-batch reads its data and computes its
+                // products in its own turn, which reports any error that persists.
+                if self.announce(m + 1, self.part()).is_err() {
+                    self.ahead = None;
+                }
+            }
+            let value = loss.to_scalar_f64()?;
+            out.total += value;
+            if !value.is_finite() {
+                out.bad = Some(self.why_not_finite(&batch, micro, value)?);
+                if reducer.is_none() {
+                    break;
+                }
+                // The other ranks go on to the gradient sums: so does this one.
+                continue;
+            }
+            if scale == 1.0 {
+                loss.backward_into(&mut out.grads)?;
+            } else {
+                loss.affine(scale, 0.0)?.backward_into(&mut out.grads)?;
+            }
+        }
+        out.grads.set_hook(None);
+        Ok(out)
+    }
+
+    /// Why micro-batch `micro`'s loss is `value`: an input that was not finite before the
+    /// model ran (the data, not training), else the loss itself.
+    fn why_not_finite(&self, batch: &Batch, micro: usize, value: f64) -> Result<String> {
+        let names: Vec<String> = self
+            .model
+            .inputs()
+            .iter()
+            .map(|i| i.name.to_string())
+            .collect();
+        let named: Vec<(&str, &Tensor)> = names
+            .iter()
+            .map(String::as_str)
+            .zip(batch.inputs.iter())
+            .collect();
+        Ok(match first_nonfinite(&named)? {
+            Some(input) => format!(
+                "the input {input} of micro-batch {} holds a NaN or an infinity as read from \
+                 the data (the files below, before the model ran): delete those cache entries \
+                 or samples to make them again",
+                micro + 1
+            ),
+            None => format!("the loss of micro-batch {} is {value}", micro + 1),
+        })
+    }
+
+    /// Data-parallel training: the gradient sums finished, and every rank agreeing on the
+    /// loss, on a non-finite loss anywhere and on a stop. One process: nothing to do.
+    fn agree(&mut self, acc: &mut Accumulated) -> Result<()> {
+        let Some((g, r)) = &self.dist else {
+            return Ok(());
+        };
+        r.finish(&mut acc.grads)?;
+        let mut v = [
+            acc.total,
+            f64::from(u8::from(acc.bad.is_some())),
+            f64::from(u8::from(self.interrupt.load(Ordering::Relaxed))),
+        ];
+        g.sum_host(&mut v)?;
+        acc.total = v[0];
+        if acc.bad.is_none() && v[1] > 0.0 {
+            acc.bad = Some(format!(
+                "the loss is not finite on {} of {} ranks",
+                v[1],
+                g.world()
+            ));
+        }
+        self.stop_all = v[2] > 0.0;
+        Ok(())
+    }
+
+    /// The global norm of the adapters' gradients, unscaled, and whether the f16 gradients
+    /// overflowed (the loss scaler then backs off: no failure). A non-finite norm the scaler
+    /// cannot explain names the first parameter whose gradient is not finite in `acc.bad`.
+    fn gradient_norm(&mut self, acc: &mut Accumulated, scale: f64) -> Result<(f64, bool)> {
+        if acc.bad.is_some() {
+            return Ok((f64::NAN, false));
+        }
+        let params = self.adapters.params()?;
+        let with_grads: Vec<(&str, &Tensor)> = params
+            .iter()
+            .filter_map(|(n, p)| Some((n.as_str(), acc.grads.get(p)?)))
+            .collect();
+        let gs: Vec<&Tensor> = with_grads.iter().map(|(_, g)| *g).collect();
+        let norm = sum_sq_multi(&gs)?.sqrt() / scale;
+        if norm.is_finite() {
+            return Ok((norm, false));
+        }
+        match &mut self.scaler {
+            // The loss was finite: the scaled gradients overflowed f16.
+            Some(sc) if sc.can_back_off() => {
+                sc.overflowed();
+                Ok((norm, true))
+            }
+            _ => {
+                acc.bad = Some(match first_nonfinite(&with_grads)? {
+                    Some(n) => format!("the gradient of {n} is not finite (gradient norm {norm})"),
+                    None => format!("the gradient norm is {norm}"),
+                });
+                Ok((norm, false))
+            }
+        }
+    }
+
+    /// A step whose loss or gradients are not finite (`what`, from the micro-batches of
+    /// `files`): skipped, or the run stopped as `train.on_nonfinite` and
+    /// `train.max_skipped` say.
+    fn skip_or_stop(
+        &mut self,
+        mut report: StepReport,
+        what: String,
+        files: Vec<String>,
+    ) -> Result<StepReport> {
+        let t = &self.config.train;
+        let stop = t.on_nonfinite == OnNonFinite::Stop;
+        if stop || self.skipped_in_row + 1 > t.max_skipped {
+            let why = if stop {
+                "train.on_nonfinite = \"stop\"".to_string()
+            } else {
+                format!(
+                    "{} steps skipped in a row (train.max_skipped)",
+                    t.max_skipped + 1
+                )
+            };
+            return Err(Error::NonFinite {
+                step: report.step,
+                what,
+                files,
+                why,
+            });
+        }
+        self.skipped_in_row += 1;
+        self.step = report.step;
+        report.skipped = Some(what);
+        Ok(report)
+    }
+}
+
+/// What the micro-batches of a step gave: their gradients summed, the loss (averaged over
+/// them), the files they were read from, and why the step cannot update (a non-finite loss
+/// or gradient), if it cannot.
+struct Accumulated {
+    grads: Grads,
+    total: f64,
+    files: Vec<String>,
+    bad: Option<String>,
+}

@@ -189,3 +189,156 @@ fn the_scanner_reads_paths_and_groups() {
         ["progress", "fault"]
     );
 }
+
+/// The first names after `prefix` on one line of code: `super::a::b` gives `a`,
+/// `super::{a, b::c}` gives `a` and `b` (as `crate_paths` reads `crate::`).
+fn paths_after(line: &str, prefix: &str) -> Vec<String> {
+    crate_paths(
+        &line
+            .replace(prefix, "crate::")
+            .replace("crate::crate::", "crate::"),
+    )
+}
+
+/// The sibling files (or folders) of a module folder's file that one of its lines names:
+/// `super::x` and `crate::<the folder's path>::x`, where `x` is a sibling.
+fn sibling_uses(line: &str, folder_path: &str, siblings: &[String]) -> Vec<String> {
+    let code = line.split("//").next().unwrap_or("");
+    // Only `super::` and the folder's own `crate::` path count; other `crate::` paths are the
+    // layer test's business.
+    let mut names: Vec<String> = vec![];
+    let mut rest = code;
+    while let Some(at) = rest.find("super::") {
+        let tail = &rest[at..];
+        names.extend(paths_after(
+            tail.split(';').next().unwrap_or(tail),
+            "super::",
+        ));
+        rest = &rest[at + "super::".len()..];
+    }
+    let own = format!("crate::{folder_path}::");
+    let mut rest = code;
+    while let Some(at) = rest.find(&own) {
+        let tail = &rest[at + own.len()..];
+        names.extend(crate_paths(&format!(
+            "crate::{}",
+            tail.split(';').next().unwrap_or(tail)
+        )));
+        rest = &rest[at + own.len()..];
+    }
+    names.retain(|n| siblings.contains(n));
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Within each module folder, the files (and sub-folders) other than `mod.rs` form no
+/// circle of uses: one that a sibling uses does not use it back, directly or around a loop
+/// (`backend/cuda/`: the op files use `storage.rs`, and `dispatch.rs` uses the op files).
+#[test]
+fn no_files_of_a_module_use_each_other_in_a_circle() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut folders = vec![];
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                out.push(p.clone());
+                walk(&p, out);
+            }
+        }
+    }
+    walk(&src, &mut folders);
+    let mut circles = vec![];
+    for folder in folders {
+        let rel = folder.strip_prefix(&src).unwrap();
+        if rel.starts_with("bin") {
+            continue;
+        }
+        let folder_path = rel.to_string_lossy().replace('/', "::");
+        let mut siblings: Vec<String> = vec![];
+        for e in std::fs::read_dir(&folder).unwrap() {
+            let p = e.unwrap().path();
+            let name = p.file_stem().unwrap().to_string_lossy().to_string();
+            if name != "mod" && (p.is_dir() || p.extension().is_some_and(|x| x == "rs")) {
+                siblings.push(name);
+            }
+        }
+        siblings.sort();
+        // Each sibling's uses of the others (a folder: every file in it).
+        let mut uses: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for s in &siblings {
+            let path = folder.join(s);
+            let mut files = vec![];
+            if path.is_dir() {
+                // A sub-folder's files name the folder's siblings through `super::super::`
+                // or the full path; its own `super::` is the sub-folder.
+                rust_files(&path, &mut files);
+            } else {
+                files.push(folder.join(format!("{s}.rs")));
+            }
+            let mut named = vec![];
+            for f in files {
+                let text = std::fs::read_to_string(&f).unwrap();
+                let nested = f.parent() != Some(folder.as_path());
+                for line in text.lines() {
+                    let line = if nested {
+                        // `super::super::x` from one level down names a sibling `x`.
+                        line.replace("super::super::", "super::")
+                    } else {
+                        line.replace("super::super::", "")
+                    };
+                    let own_only = nested && !line.contains("super::");
+                    let found = sibling_uses(&line, &folder_path, &siblings);
+                    if !own_only || line.contains(&format!("crate::{folder_path}::")) {
+                        named.extend(found);
+                    }
+                }
+            }
+            named.retain(|n| n != s);
+            named.sort();
+            named.dedup();
+            uses.insert(s.clone(), named);
+        }
+        // A circle: a path of uses back to where it began.
+        for start in &siblings {
+            let mut stack = vec![(start.clone(), vec![start.clone()])];
+            let mut seen = std::collections::BTreeSet::new();
+            while let Some((at, path)) = stack.pop() {
+                for next in &uses[&at] {
+                    if next == start {
+                        let mut c = path.clone();
+                        c.push(start.clone());
+                        circles.push(format!("{}: {}", rel.display(), c.join(" -> ")));
+                    } else if seen.insert(next.clone()) {
+                        let mut p = path.clone();
+                        p.push(next.clone());
+                        stack.push((next.clone(), p));
+                    }
+                }
+            }
+        }
+    }
+    circles.sort();
+    circles.dedup();
+    assert!(
+        circles.is_empty(),
+        "files of a module using each other in a circle:\n{}",
+        circles.join("\n")
+    );
+}
+
+#[test]
+fn the_circle_scanner_reads_super_and_own_paths() {
+    let sib = vec!["a".to_string(), "b".to_string(), "c".to_string()];
+    assert_eq!(sibling_uses("use super::a::X;", "m", &sib), ["a"]);
+    assert_eq!(
+        sibling_uses("use super::{b::Y, c, Z};", "m", &sib),
+        ["b", "c"]
+    );
+    assert_eq!(
+        sibling_uses("let x = crate::m::c::f(); // super::a", "m", &sib),
+        ["c"]
+    );
+    assert!(sibling_uses("use super::cuda_err;", "m", &sib).is_empty());
+}

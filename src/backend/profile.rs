@@ -124,9 +124,8 @@ pub(crate) fn category<'a>(module: &'a str, name: &str) -> &'a str {
 #[cfg(feature = "cuda")]
 mod imp {
     use super::{Profile, Row, BACKWARD, SCOPE};
-    use crate::backend::cuda::CudaDevice;
     use crate::{Error, Result};
-    use cudarc::driver::CudaEvent;
+    use cudarc::driver::{CudaEvent, CudaStream};
     use std::collections::BTreeMap;
     use std::sync::Mutex;
 
@@ -147,18 +146,18 @@ mod imp {
     pub(crate) struct Span(Option<CudaEvent>);
 
     impl Span {
-        /// Before a launch on `dev`'s compute stream.
-        pub(crate) fn start(dev: &CudaDevice) -> Span {
+        /// Before a launch on `stream` (a device's compute stream).
+        pub(crate) fn start(stream: &CudaStream) -> Span {
             if !super::enabled() {
                 return Span(None);
             }
-            Span(dev.stream().record_event(TIMED).ok())
+            Span(stream.record_event(TIMED).ok())
         }
 
-        /// After the launch of kernel `name`: files it under `kind`.
-        pub(crate) fn stop(self, dev: &CudaDevice, kind: &str, name: &str) {
+        /// After the launch of kernel `name` on `stream`: files it under `kind`.
+        pub(crate) fn stop(self, stream: &CudaStream, kind: &str, name: &str) {
             let Some(start) = self.0 else { return };
-            if let Ok(end) = dev.stream().record_event(TIMED) {
+            if let Ok(end) = stream.record_event(TIMED) {
                 let rec = Record {
                     kind: kind.to_string(),
                     name: name.to_string(),

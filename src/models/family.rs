@@ -11,7 +11,7 @@
 //!   before anything runs), its noise objective, and one prediction call.
 
 use super::checkpoint::{Checkpoint, Format};
-use super::pipeline::PipelineSpec;
+use super::spec::PipelineSpec;
 use crate::autograd::Keep;
 use crate::diffusion::Ddpm;
 use crate::nn::{Adapters, KeyMap, LoraMerge, VarBuilder};
@@ -675,40 +675,4 @@ impl std::fmt::Debug for Family {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name)
     }
-}
-
-/// Every registered family. A new model is a folder under `src/models` implementing
-/// [`ModelSpec`] and [`DiffusionModel`], and one line here.
-pub static FAMILIES: &[&Family] = &[
-    &super::flux::FAMILY,
-    &super::sd3::FAMILY,
-    &super::sdxl::FAMILY,
-];
-
-/// The family named `name`, or an error listing the known ones.
-pub fn family(name: &str) -> Result<&'static Family> {
-    FAMILIES
-        .iter()
-        .copied()
-        .find(|f| f.name == name)
-        .ok_or_else(|| Error::Config {
-            path: None,
-            msg: format!(
-                "unknown model family \"{name}\": known are {}",
-                FAMILIES
-                    .iter()
-                    .map(|f| f.name)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        })
-}
-
-/// Loads a model of family `name` from `path` (see [`load_as`]).
-pub fn load(
-    name: &str,
-    path: impl AsRef<Path>,
-    opts: &LoadOptions,
-) -> Result<Loaded<dyn DiffusionModel>> {
-    family(name)?.load(path, opts)
 }

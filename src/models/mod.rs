@@ -3,6 +3,9 @@
 //! download or from a diffusers folder, whose keys a per-model map turns into the original
 //! ones (fused q/k/v projections are concatenated at load time).
 
+use crate::{Error, Result};
+use std::path::Path;
+
 pub mod checkpoint;
 pub(crate) mod common;
 pub mod family;
@@ -10,13 +13,46 @@ pub mod flux;
 pub mod pipeline;
 pub mod sd3;
 pub mod sdxl;
+pub mod spec;
 
 pub use checkpoint::{Checkpoint, Format, CONFIG_METADATA};
 pub use family::{
-    family, load, load_as, profile_as, profile_config, DiffusionModel, Family, Input, LoadOptions,
-    Loaded, MemoryPlan, ModelSpec, Objective, RunShape, Size, FAMILIES, OFFLOAD_MIN_BYTES,
+    load_as, profile_as, profile_config, DiffusionModel, Family, Input, LoadOptions, Loaded,
+    MemoryPlan, ModelSpec, Objective, RunShape, Size, OFFLOAD_MIN_BYTES,
 };
 pub use pipeline::{
     load_vae, EncoderSlot, Located, PipelineSpec, SampleSetup, Sources, TextConditioner,
     TextEncoderKind, TextOptions, TextOutput,
 };
+
+/// Every registered family. A new model is a folder under `src/models` implementing
+/// [`ModelSpec`] and [`DiffusionModel`], and one line here.
+pub static FAMILIES: &[&Family] = &[&flux::FAMILY, &sd3::FAMILY, &sdxl::FAMILY];
+
+/// The family named `name`, or an error listing the known ones.
+pub fn family(name: &str) -> Result<&'static Family> {
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.name == name)
+        .ok_or_else(|| Error::Config {
+            path: None,
+            msg: format!(
+                "unknown model family \"{name}\": known are {}",
+                FAMILIES
+                    .iter()
+                    .map(|f| f.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        })
+}
+
+/// Loads a model of family `name` from `path` (see [`load_as`]).
+pub fn load(
+    name: &str,
+    path: impl AsRef<Path>,
+    opts: &LoadOptions,
+) -> Result<Loaded<dyn DiffusionModel>> {
+    family(name)?.load(path, opts)
+}

@@ -4,8 +4,11 @@
 
 pub mod adapter;
 mod conv;
+mod dropout;
 mod embeddings;
+mod functional;
 mod heads;
+mod keys;
 mod layers;
 mod lora_merge;
 mod params;
@@ -16,19 +19,20 @@ pub use adapter::{
     kohya_name, Adapter, AdapterConfig, Adapters, BaseLayer, LayerShape, LokrSplit, Lora,
     LoraConfig,
 };
-pub use conv::{
-    adaptive_avg_pool2d, avg_pool2d, conv2d, conv2d_banded, max_pool2d, pad2d, Conv2d,
-    Conv2dConfig, COLUMN_BYTES,
-};
+pub use conv::{Conv2d, Conv2dConfig};
+pub use dropout::{BatchPart, Dropout};
 pub use embeddings::{
     apply_rope, modulate, rope, timestep_embedding, EmbedNd, Modulation, ModulationOut,
 };
+pub use functional::{
+    adaptive_avg_pool2d, avg_pool2d, conv2d, conv2d_banded, max_pool2d, pad2d, COLUMN_BYTES,
+};
 pub use heads::{merge_heads, split_qkv};
+pub use keys::{KeyMap, KeySource};
 pub use layers::{
-    upsample_nearest2d, Activation, BatchPart, Dropout, Embedding, GroupNorm, LayerNorm, Linear,
-    RmsNorm,
+    upsample_nearest2d, Activation, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
 pub use lora_merge::LoraMerge;
-pub use params::{KeyMap, KeySource, VarBuilder};
+pub use params::VarBuilder;
 pub use seed::permutation;
 pub(crate) use seed::{key_hash, mix64, GOLDEN};

@@ -26,12 +26,14 @@
 //! garbage. docs/MEMORY.md's "Memory model" section states who owns which buffer on which
 //! stream.
 
+mod budget;
 mod machine;
 mod offload;
 mod plan;
 mod products;
 mod streamer;
 
+pub use budget::{split_budget, LATE_HEADROOM};
 pub use machine::{measure_machine, MachineProbe, H100_GEMM_TFLOPS};
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{

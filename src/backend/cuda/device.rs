@@ -5,7 +5,7 @@
 //! stream-ordered pool (cuMemAllocAsync; cudarc uses it when the device supports it), whose
 //! release threshold is raised to "never", so memory the cache gives back stays pooled too.
 
-use super::memory::{DevBuf, MemoryReport, Pool};
+use super::memory::{pool_reserved, set_release_threshold, trim_pool, DevBuf, MemoryReport, Pool};
 use super::{cuda_err, ptx, NVCC_HELP};
 use crate::{Error, Result};
 use cudarc::cublas::CudaBlas;
@@ -501,18 +501,6 @@ impl CudaDevice {
     }
 }
 
-fn default_pool(ordinal: usize) -> Result<sys::CUmemoryPool> {
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: out-parameter; ordinal was opened by CudaContext::new, so it is valid.
-    let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal as sys::CUdevice) };
-    if r != sys::cudaError_enum::CUDA_SUCCESS {
-        return Err(Error::Cuda(format!("cuDeviceGetDefaultMemPool: {r:?}")));
-    }
-    Ok(pool)
-}
-
-/// Returns the driver pool's unused memory to the device (memory whose stream-ordered free
-/// has not completed yet stays).
 /// The driver's free bytes of the device whose context is current.
 fn driver_free() -> Result<u64> {
     let (mut free, mut total) = (0usize, 0usize);
@@ -556,53 +544,3 @@ fn context_cost(ordinal: usize, before: u64) -> u64 {
 
 /// A context's bytes where they cannot be measured: about what CUDA 13 takes on an H100.
 const CONTEXT_BYTES_UNMEASURED: u64 = 512 << 20;
-
-pub(super) fn trim_pool(ordinal: usize) {
-    if let Ok(pool) = default_pool(ordinal) {
-        // SAFETY: a valid pool handle; trimming only releases unused memory.
-        let _ = unsafe { sys::cuMemPoolTrimTo(pool, 0) };
-    }
-}
-
-/// Bytes the driver's pool of GPU `ordinal` holds (in use plus kept for reuse).
-pub(super) fn pool_reserved(ordinal: usize) -> Result<u64> {
-    pool_attribute(
-        ordinal,
-        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-    )
-}
-
-fn pool_attribute(ordinal: usize, attr: sys::CUmemPool_attribute) -> Result<u64> {
-    let pool = default_pool(ordinal)?;
-    let mut v: u64 = 0;
-    // SAFETY: the reserved/used attributes are cuuint64_t out-parameters.
-    let r = unsafe {
-        sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void)
-    };
-    if r != sys::cudaError_enum::CUDA_SUCCESS {
-        return Err(Error::Cuda(format!("cuMemPoolGetAttribute: {r:?}")));
-    }
-    Ok(v)
-}
-
-/// How much freed memory the driver's pool keeps for reuse at a synchronisation: all of it
-/// without a cap (u64::MAX), else up to the cap, so that the memory the process holds goes
-/// back under the cap at every sync without FLAME waiting for it.
-fn set_release_threshold(ordinal: usize, bytes: u64) -> Result<()> {
-    let pool = default_pool(ordinal)?;
-    let mut threshold: u64 = bytes;
-    // SAFETY: RELEASE_THRESHOLD takes a cuuint64_t.
-    let r = unsafe {
-        sys::cuMemPoolSetAttribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            &mut threshold as *mut u64 as *mut std::ffi::c_void,
-        )
-    };
-    if r != sys::cudaError_enum::CUDA_SUCCESS {
-        return Err(Error::Cuda(format!(
-            "setting the pool's release threshold: {r:?}"
-        )));
-    }
-    Ok(())
-}

@@ -119,13 +119,13 @@ where
     // SAFETY: check() proved both views lie inside their buffers; the leading dimensions and
     // batch strides are the views' own strides, so cuBLAS reads only those elements, and
     // `out` holds B*M*N elements (checked by the callers).
-    let span = crate::backend::profile::Span::start(dev);
+    let span = crate::backend::profile::Span::start(dev.stream());
     unsafe {
         dev.blas()
             .gemm_strided_batched(cfg, &bv, &av, &mut *out.slice)
     }
     .map_err(|e| Error::Cuda(format!("cuBLAS gemm {d:?}: {e:?}")))?;
-    span.stop(dev, "gemm", "cublas_gemm");
+    span.stop(dev.stream(), "gemm", "cublas_gemm");
     Ok(())
 }
 
@@ -200,9 +200,9 @@ where
     let bv = bb.slice.slice(bl.offset()..);
     let biasv = biasb.slice.slice(biasl.offset()..);
     // SAFETY: as `gemm_into`; the bias view holds N unit-stride elements (checked above).
-    let span = crate::backend::profile::Span::start(dev);
+    let span = crate::backend::profile::Span::start(dev.stream());
     let r = unsafe { lt.matmul(cfg, &bv, &av, &mut *out.slice, Some(&biasv), None) };
-    span.stop(dev, "gemm", "cublaslt_gemm_bias");
+    span.stop(dev.stream(), "gemm", "cublaslt_gemm_bias");
     match r {
         Ok(()) => Ok(Some(a.wrap(T::wrap(out)))),
         // No algorithm for this shape / alignment: the caller falls back.

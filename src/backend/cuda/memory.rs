@@ -351,7 +351,7 @@ impl Pool {
         }
         self.empty();
         self.stream.synchronize().ok();
-        super::device::trim_pool(self.ordinal);
+        trim_pool(self.ordinal);
         let size = (limit.saturating_sub(in_use) / ARENA_GRAIN) * ARENA_GRAIN;
         if size == 0 || self.stream.context().bind_to_thread().is_err() {
             return;
@@ -508,13 +508,12 @@ impl Pool {
         // may still use it. The cache then refills from nothing, so this is rare.
         if reused.is_none()
             && limit != u64::MAX
-            && super::device::pool_reserved(self.ordinal)
-                .is_ok_and(|r| r > limit.saturating_add(POOL_SLACK))
+            && pool_reserved(self.ordinal).is_ok_and(|r| r > limit.saturating_add(POOL_SLACK))
         {
             self.flushes.fetch_add(1, Ordering::Relaxed);
             self.empty();
             self.stream.synchronize().ok();
-            super::device::trim_pool(self.ordinal);
+            trim_pool(self.ordinal);
         }
         self.peak.fetch_max(in_use + bytes, Ordering::Relaxed);
         self.allocations.fetch_add(1, Ordering::Relaxed);
@@ -567,7 +566,7 @@ impl Pool {
                 self.flushes.fetch_add(1, Ordering::Relaxed);
                 self.empty();
                 self.stream.synchronize().ok();
-                super::device::trim_pool(self.ordinal);
+                trim_pool(self.ordinal);
                 get()
             }
             r => r,
@@ -656,4 +655,67 @@ impl Drop for Pool {
             let _ = a.size;
         }
     }
+}
+
+/// The driver's default memory pool of GPU `ordinal`, which FLAME's allocations come from.
+fn default_pool(ordinal: usize) -> Result<sys::CUmemoryPool> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: out-parameter; ordinal was opened by CudaContext::new, so it is valid.
+    let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal as sys::CUdevice) };
+    if r != sys::cudaError_enum::CUDA_SUCCESS {
+        return Err(Error::Cuda(format!("cuDeviceGetDefaultMemPool: {r:?}")));
+    }
+    Ok(pool)
+}
+
+/// Returns the driver pool's unused memory to the device (memory whose stream-ordered free
+/// has not completed yet stays).
+pub(super) fn trim_pool(ordinal: usize) {
+    if let Ok(pool) = default_pool(ordinal) {
+        // SAFETY: a valid pool handle; trimming only releases unused memory.
+        let _ = unsafe { sys::cuMemPoolTrimTo(pool, 0) };
+    }
+}
+
+/// Bytes the driver's pool of GPU `ordinal` holds (in use plus kept for reuse).
+pub(super) fn pool_reserved(ordinal: usize) -> Result<u64> {
+    pool_attribute(
+        ordinal,
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+    )
+}
+
+fn pool_attribute(ordinal: usize, attr: sys::CUmemPool_attribute) -> Result<u64> {
+    let pool = default_pool(ordinal)?;
+    let mut v: u64 = 0;
+    // SAFETY: the reserved/used attributes are cuuint64_t out-parameters.
+    let r = unsafe {
+        sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void)
+    };
+    if r != sys::cudaError_enum::CUDA_SUCCESS {
+        return Err(Error::Cuda(format!("cuMemPoolGetAttribute: {r:?}")));
+    }
+    Ok(v)
+}
+
+/// How much freed memory the driver's pool keeps for reuse at a synchronisation: all of it
+/// without a cap (u64::MAX), else up to the cap, so that the memory the process holds goes
+/// back under the cap at every sync without FLAME waiting for it.
+pub(super) fn set_release_threshold(ordinal: usize, bytes: u64) -> Result<()> {
+    let pool = default_pool(ordinal)?;
+    let mut threshold: u64 = bytes;
+    // SAFETY: RELEASE_THRESHOLD takes a cuuint64_t.
+    let r = unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+    };
+    if r != sys::cudaError_enum::CUDA_SUCCESS {
+        return Err(Error::Cuda(format!(
+            "setting the pool's release threshold: {r:?}"
+        )));
+    }
+    Ok(())
 }

@@ -5,6 +5,7 @@
 mod attention;
 mod conv;
 mod device;
+mod dispatch;
 mod fp8;
 mod fused;
 mod group_norm;

@@ -498,11 +498,11 @@ pub(crate) fn launch_bwd_bulk<T: Elem>(
     // are fresh buffers of the sizes the kernel writes, and the counters are the device's
     // zeroed completion counters, which the kernel leaves at zero. The cooperative launch
     // fails rather than run with blocks that are not all resident (the grid-wide barrier).
-    let span = crate::backend::profile::Span::start(dev);
+    let span = crate::backend::profile::Span::start(dev.stream());
     unsafe { b.launch_cooperative(cfg) }
         .map_err(|e| Error::Cuda(format!("launching {kernel}: {e:?}")))?;
     span.stop(
-        dev,
+        dev.stream(),
         crate::backend::profile::category(module, &kernel),
         &kernel,
     );

@@ -19,7 +19,7 @@ use super::io::{join_rows, part_rows, PeftFile, Reader};
 use super::lora::Lora;
 use super::merge::MergeLayer;
 use super::{cast, Adapter, BaseLayer, Kind, LayerShape, PeftPart};
-use crate::nn::layers::BatchPart;
+use crate::nn::dropout::BatchPart;
 use crate::{DType, Error, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -10,7 +10,7 @@
 //! the shape checks, and that every tensor of a file finds its adapter.
 
 use super::{Adapters, BaseLayer, PeftPart};
-use crate::nn::params::{KeyMap, KeySource};
+use crate::nn::keys::{KeyMap, KeySource};
 use crate::safetensors::{save_with_metadata, SafeTensorsFile};
 use crate::{DType, Device, Error, Result, Setting, Tensor};
 use std::collections::{BTreeMap, BTreeSet};

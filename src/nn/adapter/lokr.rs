@@ -515,7 +515,7 @@ impl Adapter for Lokr {
         self.assign(read, file_scale / self.scale())
     }
 
-    fn set_batch(&self, step: u64, micro: u64, _: crate::nn::layers::BatchPart) {
+    fn set_batch(&self, step: u64, micro: u64, _: crate::nn::dropout::BatchPart) {
         self.drops.set_batch(step, micro);
     }
 }

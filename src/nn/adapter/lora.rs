@@ -11,7 +11,7 @@
 use super::io::{join_rows, part_rows, PeftFile, Reader};
 use super::merge::MergeLayer;
 use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
-use crate::nn::layers::{BatchPart, Dropout};
+use crate::nn::dropout::{BatchPart, Dropout};
 use crate::{Error, Result, Setting, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -31,7 +31,7 @@ pub use lokr::{factorization, LokrSplit};
 pub use lora::Lora;
 pub use merge::MergeLayer;
 
-use super::layers::BatchPart;
+use super::dropout::BatchPart;
 use super::seed::key_hash;
 use crate::{DType, Device, Error, Result, Setting, Tensor};
 use std::collections::BTreeMap;
@@ -121,7 +121,7 @@ impl LayerShape {
                 padding,
                 dilation,
                 ..
-            } => super::conv::conv2d(x, w, None, stride, padding, dilation, 1),
+            } => super::functional::conv2d(x, w, None, stride, padding, dilation, 1),
         }
     }
 
@@ -129,7 +129,9 @@ impl LayerShape {
     pub fn apply_pointwise(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         match self {
             LayerShape::Linear { .. } => x.matmul(&w.t()?),
-            LayerShape::Conv2d { .. } => super::conv::conv2d(x, w, None, (1, 1), (0, 0), (1, 1), 1),
+            LayerShape::Conv2d { .. } => {
+                super::functional::conv2d(x, w, None, (1, 1), (0, 0), (1, 1), 1)
+            }
         }
     }
 
@@ -396,14 +398,14 @@ pub(super) fn batch_calls(step: u64, micro: u64) -> u64 {
 /// for the whole global batch, so data-parallel ranks drop alike.
 #[derive(Debug)]
 pub(super) struct WeightDropout {
-    module: crate::nn::layers::Dropout,
-    rows: crate::nn::layers::Dropout,
+    module: crate::nn::dropout::Dropout,
+    rows: crate::nn::dropout::Dropout,
     train: Arc<AtomicBool>,
 }
 
 impl WeightDropout {
     pub(super) fn new(p: &Plan) -> Result<Self> {
-        use crate::nn::layers::Dropout;
+        use crate::nn::dropout::Dropout;
         Ok(WeightDropout {
             module: Dropout::new(p.config.module_dropout, p.seed.rotate_left(29))?,
             rows: Dropout::new(p.config.rank_dropout, p.seed.rotate_left(41))?,

@@ -1,0 +1,112 @@
+//! What a family's pipeline is made of: its text encoders' slots and how their outputs
+//! become the model's text inputs, its autoencoder's latent scaling, and its sampler. Each
+//! family declares one [`PipelineSpec`] in its own `family.rs`; `pipeline.rs` loads and runs
+//! what it names.
+
+use crate::diffusion::{Prediction, Schedule};
+use crate::encoders::{ClipOutput, VaeKind};
+use crate::{Error, Result, Tensor};
+
+/// The architecture of a text encoder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TextEncoderKind {
+    /// A CLIP text transformer (OpenAI's L/14 or OpenCLIP's bigG).
+    Clip,
+    /// The T5 v1.1 encoder.
+    T5,
+}
+
+/// One text encoder of a family's conditioning.
+#[derive(Clone, Copy, Debug)]
+pub struct EncoderSlot {
+    /// Its name in messages ("clip_l", "clip_g", "t5").
+    pub name: &'static str,
+    /// Its architecture.
+    pub kind: TextEncoderKind,
+    /// Its folder in a diffusers pipeline (`text_encoder`, `text_encoder_2`, ...).
+    pub folder: &'static str,
+    /// Its tokenizer's folder in a diffusers pipeline (`tokenizer`, `tokenizer_2`, ...).
+    pub tokenizer: &'static str,
+    /// Its key prefix inside the family's all-in-one single file, if such files hold it.
+    pub single_file_prefix: Option<&'static str>,
+    /// Tokens per caption (CLIP 77; T5 256 or 512).
+    pub max_len: usize,
+    /// Tokens per caption when the model has no guidance input (FLUX.1 schnell: 256).
+    pub max_len_unguided: usize,
+}
+
+impl EncoderSlot {
+    /// Tokens per caption for a model with (`guided`) or without a guidance input; a T5
+    /// slot takes `t5_tokens` instead when it is not 0.
+    pub fn len(&self, guided: bool, t5_tokens: usize) -> usize {
+        match (self.kind, guided) {
+            (TextEncoderKind::T5, _) if t5_tokens > 0 => t5_tokens,
+            (_, true) => self.max_len,
+            (_, false) => self.max_len_unguided,
+        }
+    }
+}
+
+/// One text encoder's output for a batch of captions.
+#[derive(Clone, Debug)]
+pub enum TextOutput {
+    /// A CLIP's hidden states, pooled and projected outputs.
+    Clip(ClipOutput),
+    /// T5's last hidden state (B, L, D).
+    T5(Tensor),
+}
+
+impl TextOutput {
+    /// The CLIP output, or an error naming `slot`.
+    pub fn clip(&self, slot: &str) -> Result<&ClipOutput> {
+        match self {
+            TextOutput::Clip(c) => Ok(c),
+            TextOutput::T5(_) => Err(Error::Config {
+                path: None,
+                msg: format!("{slot}: expected a CLIP output"),
+            }),
+        }
+    }
+
+    /// The T5 hidden state, or an error naming `slot`.
+    pub fn t5(&self, slot: &str) -> Result<&Tensor> {
+        match self {
+            TextOutput::T5(t) => Ok(t),
+            TextOutput::Clip(_) => Err(Error::Config {
+                path: None,
+                msg: format!("{slot}: expected a T5 output"),
+            }),
+        }
+    }
+}
+
+/// Tensors by name.
+pub type Named = Vec<(String, Tensor)>;
+
+/// The inputs of a sampler a family builds ([`PipelineSpec::schedule`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SampleSetup {
+    /// Denoising steps.
+    pub steps: usize,
+    /// Latent height and width.
+    pub latent_hw: (usize, usize),
+    /// Whether the model takes a guidance input (FLUX.1 dev) or not (schnell).
+    pub guided: bool,
+    /// What a DDPM model predicts.
+    pub prediction: Prediction,
+}
+
+/// A family's pipeline around the model (module docs).
+pub struct PipelineSpec {
+    /// Its text encoders, in the order their outputs reach `combine`.
+    pub text: &'static [EncoderSlot],
+    /// The encoders' outputs (one per slot) to the model's text inputs, by input name
+    /// (`context`, `pooled`), each with its batch dim.
+    pub combine: fn(&[TextOutput]) -> Result<Named>,
+    /// Its autoencoder's latent scaling.
+    pub vae: VaeKind,
+    /// The autoencoder's key prefix inside the family's all-in-one single file, if any.
+    pub vae_single_file_prefix: Option<&'static str>,
+    /// Its sampler, as the diffusers pipeline sets it up by default.
+    pub schedule: fn(&SampleSetup) -> Result<Box<dyn Schedule>>,
+}

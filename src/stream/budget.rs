@@ -1,0 +1,49 @@
+//! What a budget of device memory leaves FLAME's allocator: the budget is what the process
+//! holds as the driver counts it, so what it holds outside the allocator comes off it.
+
+use crate::{Device, Error, Result};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn gib(b: u64) -> f64 {
+    b as f64 / GIB
+}
+
+/// What a budget leaves for what the process makes after the plan is chosen and outside
+/// FLAME's allocator: kernels loaded on first use, the cuBLASLt workspace (32 MiB on
+/// Hopper). (A data-parallel group's NCCL buffers are made by a first collective before
+/// the measurement, so they are measured, not guessed.)
+pub const LATE_HEADROOM: u64 = 384 << 20;
+
+/// A budget of `budget_gb` GiB (0: none given) split into (bytes for FLAME's allocator,
+/// bytes outside it). On a GPU the budget is what the process may hold as the driver counts
+/// it (`budget_gb`, else the memory free now): the context, kernels and workspaces measured
+/// now plus [`LATE_HEADROOM`] come off it. On the CPU, `budget_gb` as it is (none when 0).
+pub fn split_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Option<u64>)> {
+    let asked = (budget_gb > 0.0).then_some((budget_gb * GIB) as u64);
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)] // the only variant in builds without cpu-ref
+    if let Device::Cuda(c) = device {
+        let held = c.memory_outside_allocator()?;
+        let (total, outside) = match asked {
+            Some(b) => (b, held + LATE_HEADROOM),
+            // The free memory is what the process has not taken yet: only the headroom
+            // comes off it.
+            None => (c.total_memory()? - c.device_memory_used()?, LATE_HEADROOM),
+        };
+        if total <= outside {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "a budget of {:.2} GiB: the CUDA context, kernels and workspaces take \
+                     {:.2} GiB of it (measured), leaving nothing for the work",
+                    gib(total),
+                    gib(outside)
+                ),
+            });
+        }
+        return Ok((Some(total - outside), Some(outside)));
+    }
+    let _ = device;
+    Ok((asked, None))
+}

@@ -940,10 +940,13 @@ impl MemoryProfile {
                             continue;
                         }
                         // A prefetch of one holds a streamed block less on the device and
-                        // hides less of the copies (the time model weighs both). Three ran
-                        // 4 ms faster than two at 12 GiB (580.6 against 585.5 ms)
-                        // where the model promised 16 ms: not a candidate.
-                        for prefetch in [2, 1] {
+                        // hides less of the copies; three holds one more and hides more (the
+                        // time model weighs both). Three ran 4 ms faster than two for Flux-dev
+                        // within 12 GiB (580.6 against 585.5 ms, H100) and 8-12 ms faster for
+                        // SD3.5-large within 8 GiB (295.4 against 303.7 and 307.4, H200); the
+                        // model puts them within `NEAR`, where the planner's room rule takes
+                        // the one that leans least on the link.
+                        for prefetch in [3, 2, 1] {
                             if k == 0 && prefetch == 1 {
                                 continue;
                             }

@@ -15,7 +15,7 @@
 //!
 //! The candidates: no, every n-th (n = 4, 3, 2) or every block checkpointed, with 0 to all
 //! blocks streamed from host memory (the smallest blocks first: they free the most memory for
-//! their copies; streamed blocks are always checkpointed) with a prefetch of 2 or 1, what
+//! their copies; streamed blocks are always checkpointed) with a prefetch of 3, 2 or 1, what
 //! checkpointed blocks keep (attention, the down-projections, both or neither), block inputs
 //! offloaded or not, streamed weights coded or not (the carried blocks, which only the
 //! backward uploads, uncoded or not: `Plan::uncoded_carry`), the forward fetching deeper while the

@@ -122,7 +122,8 @@ macro_rules! section {
 
             /// The section's values. A value of the wrong type or out of its choices is a
             /// problem pushed to `problems`: the key's default stands in for it, so that the
-            /// other checks still run; a required key's makes the section fail (`None`).
+            /// other checks still run; a required key's, or a required key missing, makes the
+            /// section fail (`None`) after every key was read.
             pub(crate) fn finish(
                 self,
                 problems: &mut Vec<$crate::config::Problem>,
@@ -139,7 +140,16 @@ macro_rules! section {
                             None
                         }
                         Some($crate::config::Lenient::Good(v)) => Some(v),
-                        None => None,
+                        None => {
+                            if $crate::config::required!($($default)?) {
+                                problems.push($crate::config::Problem {
+                                    key: concat!($key, ".", stringify!($field)),
+                                    msg: $crate::config::MISSING.into(),
+                                });
+                                whole = false;
+                            }
+                            None
+                        }
                     };
                 )*
                 if !whole {
@@ -237,17 +247,23 @@ fn table_line(text: &str, key: &str) -> Option<usize> {
         .map(|i| i + 1)
 }
 
+/// The message of a [`Problem`] whose required key is not written.
+pub(crate) const MISSING: &str = "missing";
+
 /// `problems` as lines of a message, each naming its key with its line in `text` (`line_of`,
 /// or the header of a table of arrays), or "(default)" where the key is not written.
 pub(crate) fn problem_lines(text: &str, problems: &[Problem]) -> String {
     problems
         .iter()
-        .map(
-            |p| match line_of(text, p.key).or_else(|| table_line(text, p.key)) {
+        .map(|p| {
+            if p.msg == MISSING {
+                return format!("missing key `{}`", p.key);
+            }
+            match line_of(text, p.key).or_else(|| table_line(text, p.key)) {
                 Some(n) => format!("line {n}: {} = {}", p.key, p.msg),
                 None => format!("{} (default) = {}", p.key, p.msg),
-            },
-        )
+            }
+        })
         .collect::<Vec<_>>()
         .join("\n")
 }

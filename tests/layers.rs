@@ -200,14 +200,20 @@ fn paths_after(line: &str, prefix: &str) -> Vec<String> {
     )
 }
 
-/// The sibling files (or folders) of a module folder's file that one of its lines names:
-/// `super::x` and `crate::<the folder's path>::x`, where `x` is a sibling.
-fn sibling_uses(line: &str, folder_path: &str, siblings: &[String]) -> Vec<String> {
-    let code = line.split("//").next().unwrap_or("");
+/// The sibling files (or folders) of a module folder's file that one of its statements
+/// names: `super::x` and `crate::<the folder's path>::x`, where `x` is a sibling, or an item
+/// the folder's `mod.rs` re-exports from a sibling (`reexports`: item -> sibling).
+fn sibling_uses(
+    line: &str,
+    folder_path: &str,
+    siblings: &[String],
+    reexports: &BTreeMap<String, String>,
+) -> Vec<String> {
+    let code = code_of(line);
     // Only `super::` and the folder's own `crate::` path count; other `crate::` paths are the
     // layer test's business.
     let mut names: Vec<String> = vec![];
-    let mut rest = code;
+    let mut rest = code.as_str();
     while let Some(at) = rest.find("super::") {
         let tail = &rest[at..];
         names.extend(paths_after(
@@ -217,7 +223,7 @@ fn sibling_uses(line: &str, folder_path: &str, siblings: &[String]) -> Vec<Strin
         rest = &rest[at + "super::".len()..];
     }
     let own = format!("crate::{folder_path}::");
-    let mut rest = code;
+    let mut rest = code.as_str();
     while let Some(at) = rest.find(&own) {
         let tail = &rest[at + own.len()..];
         names.extend(crate_paths(&format!(
@@ -226,10 +232,93 @@ fn sibling_uses(line: &str, folder_path: &str, siblings: &[String]) -> Vec<Strin
         )));
         rest = &rest[at + own.len()..];
     }
-    names.retain(|n| siblings.contains(n));
-    names.sort();
-    names.dedup();
-    names
+    let mut out: Vec<String> = names
+        .into_iter()
+        .filter_map(|n| {
+            if siblings.contains(&n) {
+                Some(n)
+            } else {
+                reexports.get(&n).cloned()
+            }
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// A line without its comment (`//` outside string literals).
+fn code_of(line: &str) -> String {
+    let mut in_str = false;
+    let b = line.as_bytes();
+    for i in 0..b.len() {
+        match b[i] {
+            b'"' if i == 0 || b[i - 1] != b'\\' => in_str = !in_str,
+            b'/' if !in_str && b.get(i + 1) == Some(&b'/') => return line[..i].to_string(),
+            _ => {}
+        }
+    }
+    line.to_string()
+}
+
+/// A file's text as statements: a `use` declaration spread over lines joined into one, every
+/// other line as it is.
+fn statements(text: &str) -> Vec<String> {
+    let mut out = vec![];
+    let mut open: Option<String> = None;
+    for line in text.lines() {
+        let code = code_of(line);
+        match open.as_mut() {
+            Some(u) => {
+                u.push(' ');
+                u.push_str(code.trim());
+            }
+            None => {
+                let t = code.trim_start();
+                let is_use = t.starts_with("use ")
+                    || t.starts_with("pub use ")
+                    || (t.starts_with("pub(") && t.contains(") use "));
+                if !is_use {
+                    out.push(code);
+                    continue;
+                }
+                open = Some(code.trim().to_string());
+            }
+        }
+        if open.as_ref().is_some_and(|u| u.contains(';')) {
+            out.extend(open.take());
+        }
+    }
+    out.extend(open);
+    out
+}
+
+/// The items a folder's `mod.rs` re-exports from its files: `pub use x::{A, b::C}` gives
+/// A -> x and C -> x.
+fn reexports_of(mod_rs: &str, siblings: &[String]) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for st in statements(mod_rs) {
+        let t = st.trim();
+        let Some(at) = t.find("use ") else { continue };
+        if !t.starts_with("pub") {
+            continue;
+        }
+        let path = t[at + 4..].trim_end_matches(';').trim();
+        let (first, rest) = path.split_once("::").unwrap_or((path, ""));
+        if !siblings.iter().any(|s| s == first) {
+            continue;
+        }
+        let rest = rest.trim_start_matches('{').trim_end_matches('}');
+        for item in rest.split(',') {
+            let name = item.rsplit("::").next().unwrap_or("").trim();
+            let name = name.rsplit(" as ").next().unwrap_or(name).trim();
+            let name = name.trim_start_matches('{').trim_end_matches('}').trim();
+            if !name.is_empty() && name != "self" {
+                out.insert(name.to_string(), first.to_string());
+            }
+        }
+    }
+    out
 }
 
 /// Within each module folder, the files (and sub-folders) other than `mod.rs` form no
@@ -265,6 +354,9 @@ fn no_files_of_a_module_use_each_other_in_a_circle() {
             }
         }
         siblings.sort();
+        let reexports = std::fs::read_to_string(folder.join("mod.rs"))
+            .map(|t| reexports_of(&t, &siblings))
+            .unwrap_or_default();
         // Each sibling's uses of the others (a folder: every file in it).
         let mut uses: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for s in &siblings {
@@ -281,7 +373,7 @@ fn no_files_of_a_module_use_each_other_in_a_circle() {
             for f in files {
                 let text = std::fs::read_to_string(&f).unwrap();
                 let nested = f.parent() != Some(folder.as_path());
-                for line in text.lines() {
+                for line in statements(&text) {
                     let line = if nested {
                         // `super::super::x` from one level down names a sibling `x`.
                         line.replace("super::super::", "super::")
@@ -289,7 +381,7 @@ fn no_files_of_a_module_use_each_other_in_a_circle() {
                         line.replace("super::super::", "")
                     };
                     let own_only = nested && !line.contains("super::");
-                    let found = sibling_uses(&line, &folder_path, &siblings);
+                    let found = sibling_uses(&line, &folder_path, &siblings, &reexports);
                     if !own_only || line.contains(&format!("crate::{folder_path}::")) {
                         named.extend(found);
                     }
@@ -331,14 +423,21 @@ fn no_files_of_a_module_use_each_other_in_a_circle() {
 #[test]
 fn the_circle_scanner_reads_super_and_own_paths() {
     let sib = vec!["a".to_string(), "b".to_string(), "c".to_string()];
-    assert_eq!(sibling_uses("use super::a::X;", "m", &sib), ["a"]);
-    assert_eq!(
-        sibling_uses("use super::{b::Y, c, Z};", "m", &sib),
-        ["b", "c"]
+    let re = reexports_of(
+        "pub use a::{Thing, x::Other as O};\npub(crate) use c::Z;",
+        &sib,
     );
-    assert_eq!(
-        sibling_uses("let x = crate::m::c::f(); // super::a", "m", &sib),
-        ["c"]
-    );
-    assert!(sibling_uses("use super::cuda_err;", "m", &sib).is_empty());
+    assert_eq!(re.get("Thing").map(String::as_str), Some("a"));
+    assert_eq!(re.get("O").map(String::as_str), Some("a"));
+    assert_eq!(re.get("Z").map(String::as_str), Some("c"));
+    let u = |l: &str| sibling_uses(l, "m", &sib, &re);
+    assert_eq!(u("use super::a::X;"), ["a"]);
+    assert_eq!(u("use super::{b::Y, c, W};"), ["b", "c"]);
+    assert_eq!(u("let x = crate::m::c::f(); // super::a"), ["c"]);
+    assert_eq!(u("fn f(d: &super::Thing) {}"), ["a"]);
+    assert_eq!(u("let s = \"https://x\"; super::Z::new()"), ["c"]);
+    assert!(u("use super::cuda_err;").is_empty());
+    // A `use` group over several lines is one statement.
+    let st = statements("use super::{\n    b::Y,\n    c,\n};\nfn g() {}");
+    assert_eq!(u(&st[0]), ["b", "c"]);
 }

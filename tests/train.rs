@@ -207,6 +207,12 @@ fn bad_configs_and_data_fail_before_writing() {
             "train.max_grad_norm",
         ],
     );
+    // A missing required key beside a bad value: both said.
+    check(
+        good.replace("steps = 4\n", "")
+            .replace("device = \"cpu\"", "device = \"tpu\""),
+        &["missing key `train.steps`", "train.device = \"tpu\""],
+    );
     // A missing model file: an error, and nothing made in its place.
     check(
         good.replace("tiny/flux-tiny.safetensors", "nowhere.safetensors"),

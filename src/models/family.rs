@@ -1,7 +1,7 @@
 //! One model trait and one loader for every diffusion model.
 //!
 //! A model family is a folder under `src/models` that implements two traits and adds one
-//! line to [`FAMILIES`]:
+//! line to [`crate::models::FAMILIES`]:
 //! - [`ModelSpec`]: how its config is read (a diffusers `config.json` or a single file's
 //!   shapes), its diffusers key map, its block names, and its constructor. From these the
 //!   one loader, [`load_as`], goes from a path to a model with adapters attached and blocks

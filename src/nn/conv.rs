@@ -117,7 +117,7 @@ impl Conv2d {
         }
     }
 
-    /// x (N, Cin, H, W) -> (N, Cout, Ho, Wo), sizes as [`Window2d::out_size`] gives them.
+    /// x (N, Cin, H, W) -> (N, Cout, Ho, Wo), sizes as [`crate::Window2d::out_size`] gives them.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let Some(a) = &self.adapter else {
             return conv2d(

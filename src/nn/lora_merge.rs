@@ -29,7 +29,7 @@
 //! tensor left over.
 
 use super::adapter::{kohya_name, MergeLayer, PeftScales, KINDS};
-use super::params::{KeyMap, KeySource};
+use super::keys::{KeyMap, KeySource};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Error, Result, Tensor};
 use std::collections::BTreeSet;

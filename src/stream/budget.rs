@@ -1,10 +1,11 @@
 //! What a budget of device memory leaves FLAME's allocator: the budget is what the process
 //! holds as the driver counts it, so what it holds outside the allocator comes off it.
 
-use crate::{Device, Error, Result};
+use crate::{Device, Result};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+#[cfg(feature = "cuda")]
 fn gib(b: u64) -> f64 {
     b as f64 / GIB
 }
@@ -32,7 +33,7 @@ pub fn split_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Opt
             None => (c.total_memory()? - c.device_memory_used()?, LATE_HEADROOM),
         };
         if total <= outside {
-            return Err(Error::Config {
+            return Err(crate::Error::Config {
                 path: None,
                 msg: format!(
                     "a budget of {:.2} GiB: the CUDA context, kernels and workspaces take \

@@ -947,7 +947,8 @@ impl MemoryProfile {
                         // model puts them within `NEAR`, where the planner's room rule takes
                         // the one that leans least on the link.
                         for prefetch in [3, 2, 1] {
-                            if k == 0 && prefetch == 1 {
+                            // Nothing streamed: the prefetch means nothing (one plan, at 2).
+                            if k == 0 && prefetch != 2 {
                                 continue;
                             }
                             // Coded uploads when anything would be coded (fewer bytes on

@@ -3,9 +3,10 @@
 //! Each section is declared once, with the `section!` macro: a field's doc comment, type
 //! and default make the struct, its reader and its entry in the generated reference
 //! ([`TrainConfig::reference`], printed by `train --print-config` and kept in docs/CONFIG.md).
-//! Unknown keys and wrong types are errors naming the key and its line (the toml crate's
-//! spans); every value check ([`TrainConfig::problems`]) names its key and, read from a file,
-//! its line. Paths are relative to the config file's folder. Nothing is written before every
+//! Unknown keys are errors naming the key and its line (the toml crate's spans). A value of
+//! the wrong type or not one of its key's choices, a missing required key and every failed
+//! value check ([`TrainConfig::problems`]) are problems, all reported in one error, each
+//! naming its key and, read from a file, its line. Paths are relative to the config file's folder. Nothing is written before every
 //! check has passed.
 
 use super::objectives::{Prediction, TimestepSampling};

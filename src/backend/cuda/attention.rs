@@ -523,8 +523,8 @@ fn launch_all<T: Elem>(
     if fwd && d == WIDE_D {
         let o = dev.alloc::<T>(bh * lq * d)?;
         let lse = dev.alloc::<f32>(bh * lq)?;
-        p.o = dense_view(o.raw(dev), h, lq, d);
-        p.lse = lse.raw(dev);
+        p.o = dense_view(o.raw(dev.stream()), h, lq, d);
+        p.lse = lse.raw(dev.stream());
         let kernel = format!("attn_fwd_wide_{}_d{d}", T::SFX);
         super::allow_shared_memory(dev, module, &kernel, wide_smem())?;
         let grid = LaunchConfig {
@@ -574,8 +574,8 @@ fn launch_all<T: Elem>(
     if fwd {
         let o = dev.alloc::<T>(bh * lq * d)?;
         let lse = dev.alloc::<f32>(bh * lq)?;
-        p.o = dense_view(o.raw(dev), h, lq, d);
-        p.lse = lse.raw(dev);
+        p.o = dense_view(o.raw(dev.stream()), h, lq, d);
+        p.lse = lse.raw(dev.stream());
         match &wg {
             Some((wm, maps)) => {
                 let tiles = lq.div_ceil(wg_fwd_rows(d, p)) * bh;
@@ -587,7 +587,7 @@ fn launch_all<T: Elem>(
                     true => {
                         let c =
                             dev.alloc_zeroed::<u32>(1, "clearing the attention tile counter")?;
-                        p.tile_counter = c.raw(dev);
+                        p.tile_counter = c.raw(dev.stream());
                         Some(c)
                     }
                     false => None,
@@ -640,10 +640,10 @@ fn launch_all<T: Elem>(
     let dq = dev.alloc::<T>(n)?;
     let dk = dev.alloc::<T>(bh * lk * d)?;
     let dv = dev.alloc::<T>(bh * lk * d)?;
-    p.dvec = dvec.raw(dev);
-    p.dq_acc = acc.raw(dev);
-    p.dk = dk.raw(dev);
-    p.dv = dv.raw(dev);
+    p.dvec = dvec.raw(dev.stream());
+    p.dq_acc = acc.raw(dev.stream());
+    p.dk = dk.raw(dev.stream());
+    p.dv = dv.raw(dev.stream());
     // The wgmma backward adds dQ tiles to the accumulator (or stores the slabs) through a
     // tensor map of it.
     let wg = match wg {
@@ -687,7 +687,7 @@ fn launch_all<T: Elem>(
                             (units - from) * 2 * WG_BWD_KEYS * d,
                             "clearing the attention dk/dv partial sums",
                         )?;
-                        p.dkv_part = part.raw(dev);
+                        p.dkv_part = part.raw(dev.stream());
                         Some(part)
                     }
                     false => None,

@@ -274,9 +274,9 @@ impl<T> DevBuf<T> {
 impl<T: DeviceRepr> DevBuf<T> {
     /// The raw device address, for kernel parameter structs (event tracking is off, so
     /// cudarc's guard has nothing to record).
-    pub(crate) fn raw(&self, dev: &super::CudaDevice) -> u64 {
+    pub(crate) fn raw(&self, stream: &CudaStream) -> u64 {
         use cudarc::driver::DevicePtr;
-        self.slice.device_ptr(dev.stream()).0
+        self.slice.device_ptr(stream).0
     }
 }
 

@@ -82,8 +82,8 @@ impl Full {
         Error::Setting {
             setting: Setting::AdapterLayout,
             msg: format!(
-                "layer {} is fully trained: PEFT has no layout for that; the kohya layout \
-                 (its `diff` tensors) has",
+                "layer {} is fully trained: PEFT has no layout for that; write the kohya \
+                 layout, which has (its `diff` tensors)",
                 self.path
             ),
         }

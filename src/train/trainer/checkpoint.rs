@@ -113,7 +113,7 @@ impl Trainer {
     /// against the sizes and hashes recorded when it was written.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
         let st = CheckpointState::read_verified(dir)?;
-        self.restore(dir, &st)
+        self.restore(dir, &st).map_err(TrainConfig::named)
     }
 
     /// Restores from `dir`, whose files `st` has verified.

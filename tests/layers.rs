@@ -374,17 +374,16 @@ fn no_files_of_a_module_use_each_other_in_a_circle() {
                 let text = std::fs::read_to_string(&f).unwrap();
                 let nested = f.parent() != Some(folder.as_path());
                 for line in statements(&text) {
+                    // One level down, `super::super::x` names a sibling `x` and `super::`
+                    // the sub-folder's own items; one level up is outside the folder.
                     let line = if nested {
-                        // `super::super::x` from one level down names a sibling `x`.
-                        line.replace("super::super::", "super::")
+                        line.replace("super::super::", "\u{1}")
+                            .replace("super::", "self::")
+                            .replace('\u{1}', "super::")
                     } else {
                         line.replace("super::super::", "")
                     };
-                    let own_only = nested && !line.contains("super::");
-                    let found = sibling_uses(&line, &folder_path, &siblings, &reexports);
-                    if !own_only || line.contains(&format!("crate::{folder_path}::")) {
-                        named.extend(found);
-                    }
+                    named.extend(sibling_uses(&line, &folder_path, &siblings, &reexports));
                 }
             }
             named.retain(|n| n != s);

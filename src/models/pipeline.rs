@@ -11,11 +11,8 @@ use crate::encoders::{
 use crate::{no_grad, DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
 
+use super::spec::pipeline_err;
 pub use super::spec::{EncoderSlot, Named, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput};
-
-fn pipeline_err(msg: String) -> Error {
-    Error::Config { path: None, msg }
-}
 
 /// Output `i` of `outs` (for a family's `combine`), or an error naming the count.
 pub fn output(outs: &[TextOutput], i: usize) -> Result<&TextOutput> {

@@ -56,15 +56,17 @@ pub enum TextOutput {
     T5(Tensor),
 }
 
+/// A pipeline's error: a config error without a file.
+pub(super) fn pipeline_err(msg: String) -> Error {
+    Error::Config { path: None, msg }
+}
+
 impl TextOutput {
     /// The CLIP output, or an error naming `slot`.
     pub fn clip(&self, slot: &str) -> Result<&ClipOutput> {
         match self {
             TextOutput::Clip(c) => Ok(c),
-            TextOutput::T5(_) => Err(Error::Config {
-                path: None,
-                msg: format!("{slot}: expected a CLIP output"),
-            }),
+            TextOutput::T5(_) => Err(pipeline_err(format!("{slot}: expected a CLIP output"))),
         }
     }
 
@@ -72,10 +74,7 @@ impl TextOutput {
     pub fn t5(&self, slot: &str) -> Result<&Tensor> {
         match self {
             TextOutput::T5(t) => Ok(t),
-            TextOutput::Clip(_) => Err(Error::Config {
-                path: None,
-                msg: format!("{slot}: expected a T5 output"),
-            }),
+            TextOutput::Clip(_) => Err(pipeline_err(format!("{slot}: expected a T5 output"))),
         }
     }
 }

@@ -37,17 +37,15 @@
 mod common;
 
 use flame::autograd::Keep;
+use flame::memory::{
+    spread_evenly, BlockExec, BlockStreamer, Checkpointing, MemoryProfile, Plan, Switches,
+};
 use flame::models::flux::{Flux, FluxConfig};
 use flame::models::sd3::{Sd3, Sd3Config};
 use flame::models::sdxl::{SdxlConfig, Unet};
-use flame::models::{
-    profile_config, LoadOptions, ModelSpec, Objective, RunShape, OFFLOAD_MIN_BYTES,
-};
+use flame::models::{profile_config, LoadOptions, ModelSpec, Objective, RunShape};
 use flame::nn::{Adapters, LoraConfig, VarBuilder};
 use flame::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
-use flame::stream::{
-    spread_evenly, BlockExec, BlockStreamer, Checkpointing, InputOffload, MemoryProfile, Plan,
-};
 use flame::train::{flow_matching, weighted_mse, TimestepSampling};
 use flame::{DType, Device, Grads, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -159,10 +157,27 @@ fn run<M: ModelSpec>(
         optimizer_bytes_per_value: if adam8bit { 2.0 + 8.0 / 256.0 } else { 8.0 },
     };
     let mut profile: MemoryProfile = profile_config::<M>(&cfg, &opts, &run_shape)?;
-    // `--measure-machine`: the time model plays this machine's link and GPU
-    // (`memory.measure_machine`).
-    if args.flag("--measure-machine") {
-        if let Some(m) = flame::stream::measure_machine(&dev)? {
+    // The planner's switches: `FLAME_PLANNER`, then the flags `--raw-wire` (streamed bf16
+    // weights cross uncoded), `--no-uncoded-carry`, `--shallow` (no deep prefetch),
+    // `--no-host-products`, `--no-keep-few` and `--measure-machine`.
+    let mut switches = Switches::default().with_env()?;
+    for (flag, name, on) in [
+        ("--raw-wire", "wire_code", false),
+        ("--no-uncoded-carry", "uncoded_carry", false),
+        ("--shallow", "deep_prefetch", false),
+        ("--no-host-products", "host_products", false),
+        ("--no-keep-few", "keep_few_rows", false),
+        ("--measure-machine", "measure_machine", true),
+    ] {
+        if args.flag(flag) {
+            if let Some(s) = switches.get_mut(name) {
+                *s = on;
+            }
+        }
+    }
+    // The time model plays this machine's link and GPU where the switch says so.
+    if switches.measure_machine {
+        if let Some(m) = flame::memory::measure_machine(&dev)? {
             if root {
                 println!(
                     "machine: {} (bf16 GEMM {:.0} TFLOP/s)",
@@ -181,27 +196,17 @@ fn run<M: ModelSpec>(
                 (h.parse::<f64>().expect("--headroom GB") * GIB) as u64
             });
             // `--no-offload`: the planner without the plans that offload block inputs (to
-            // time what offloading gains).
-            // `--raw-wire`: only the uncoded plans (to time what the code gains).
-            let candidates: Vec<Plan> = profile
-                .candidates()
+            // time what offloading gains); the planner's switches from the flags.
+            let candidates: Vec<Plan> = switches
+                .filter(profile.candidates())
                 .into_iter()
                 .filter(|p| !(args.flag("--no-offload") && p.offload_inputs))
-                .filter(|p| !(args.flag("--raw-wire") && p.wire_code))
-                // `--no-uncoded-carry`: the carried blocks cross coded too.
-                .filter(|p| !(args.flag("--no-uncoded-carry") && p.uncoded_carry))
                 // `--prefetch K` with the planner: every streaming plan fetches K ahead (the
                 // planner then picks among those).
                 .map(|p| Plan {
                     prefetch: match args.value("--prefetch") {
                         Some(k) if !p.streamed.is_empty() => k.parse().expect("--prefetch K"),
                         _ => p.prefetch,
-                    },
-                    deep_prefetch: p.deep_prefetch && !args.flag("--shallow"),
-                    host_products: p.host_products && !args.flag("--no-host-products"),
-                    keep: Keep {
-                        few_rows: p.keep.few_rows && !args.flag("--no-keep-few"),
-                        ..p.keep
                     },
                     ..p
                 })
@@ -236,21 +241,22 @@ fn run<M: ModelSpec>(
             } else {
                 spread_evenly(&prefixes, num("--stream", 0))
             };
-            Plan {
+            switches.bind(Plan {
                 checkpointing,
                 streamed,
                 prefetch: num("--prefetch", 1),
                 keep: Keep {
                     attention: args.flag("--keep-attention"),
                     down_projections: args.flag("--keep-down"),
-                    few_rows: !args.flag("--no-keep-few"),
+                    few_rows: true,
                 },
                 offload_inputs: args.flag("--offload"),
-                wire_code: !args.flag("--raw-wire"),
+                wire_code: true,
                 uncoded_carry: args.flag("--uncoded-carry"),
-                deep_prefetch: !args.flag("--shallow"),
-                host_products: !args.flag("--no-host-products"),
-            }
+                deep_prefetch: true,
+                host_products: true,
+                ..Plan::default()
+            })
         }
     };
     let predicted = profile.peak(&plan) as f64 / GIB;
@@ -265,38 +271,15 @@ fn run<M: ModelSpec>(
     let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev)
         .with_fp8(fp8)?
         .with_adapters(adapters.clone())?;
-    let streamer = if plan.streamed.is_empty() {
-        None
-    } else {
-        // In execution order.
-        let order: Vec<String> = profile
-            .blocks
-            .iter()
-            .map(|b| b.prefix.clone())
-            .filter(|p| plan.streamed.contains(p))
-            .collect();
-        let s = BlockStreamer::new(&dev, order, plan.prefetch.max(1));
-        s.set_wire_code(plan.wire_code)?;
-        s.set_uncoded_first(profile.uncoded_first(&plan))?;
-        if plan.host_products {
-            s.set_host_products(M::CONDITIONED.iter().map(|c| c.to_string()).collect())?;
-        }
-        if plan.deep_prefetch {
-            s.set_reach(profile.reach(&plan))?;
-        }
-        vb = vb.with_streamer(s.clone())?;
-        Some(s)
-    };
+    let plan = profile.settle(&plan)?;
+    let streamer = BlockStreamer::for_plan(&dev, &plan, M::CONDITIONED)?;
+    if let Some(s) = &streamer {
+        vb = vb.with_host_weights(s.clone())?;
+    }
     let mut model = M::build(&vb, &cfg)?;
-    let offload = plan
-        .offload_inputs
-        .then(|| InputOffload::new(&dev, OFFLOAD_MIN_BYTES));
-    model.set_exec(BlockExec {
-        checkpointing: plan.checkpointing,
-        streamer: streamer.clone(),
-        keep: plan.keep,
-        offload: offload.clone(),
-    });
+    let exec = BlockExec::for_plan(&plan, streamer.clone(), &dev);
+    let offload = exec.offload.clone();
+    model.set_exec(exec);
     let params = adapters.params()?;
     let n_params: usize = params.iter().map(|(_, t)| t.elem_count()).sum();
     let reducer = match &group {
@@ -559,8 +542,8 @@ fn run<M: ModelSpec>(
         cuda.synchronize()?;
         let t3 = t.elapsed().as_secs_f64();
         let after = streamer.as_ref().map(|s| s.report()).transpose()?;
-        let gib_between = |a: &Option<flame::stream::StreamReport>,
-                           b: &Option<flame::stream::StreamReport>| match (
+        let gib_between = |a: &Option<flame::memory::StreamReport>,
+                           b: &Option<flame::memory::StreamReport>| match (
             a, b,
         ) {
             (Some(a), Some(b)) => (b.uploaded_bytes - a.uploaded_bytes) as f64 / GIB,
@@ -585,7 +568,7 @@ fn run<M: ModelSpec>(
     {
         (Some(s), Some(b), Some(a)) => {
             // The timed steps' share of each counter, a step.
-            let r = flame::stream::StreamReport {
+            let r = flame::memory::StreamReport {
                 uploads: a.uploads - b.uploads,
                 uploaded_bytes: a.uploaded_bytes - b.uploaded_bytes,
                 decoded_bytes: a.decoded_bytes - b.decoded_bytes,

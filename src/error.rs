@@ -333,8 +333,7 @@ impl Error {
 }
 
 /// The library's settings an [`Error::Setting`] names: fields of
-/// [`crate::nn::AdapterConfig`] and of [`crate::models::MemoryPlan`], and the layout an
-/// adapter file is written in.
+/// [`crate::nn::AdapterConfig`], and the layout an adapter file is written in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Setting {
     /// `AdapterConfig::kind`.
@@ -357,8 +356,6 @@ pub enum Setting {
     AdapterTargets,
     /// The layout of the adapter file written (`Adapters::save_peft`, `save_kohya`, ...).
     AdapterLayout,
-    /// `MemoryPlan::stream_blocks`.
-    StreamBlocks,
 }
 
 impl Setting {
@@ -375,7 +372,6 @@ impl Setting {
             Setting::AdapterFactor => "AdapterConfig::factor",
             Setting::AdapterTargets => "AdapterConfig::targets",
             Setting::AdapterLayout => "the adapter file's layout:",
-            Setting::StreamBlocks => "MemoryPlan::stream_blocks",
         }
     }
 }

@@ -4,7 +4,8 @@
 //! [`backend`] traits (a CPU reference backend behind `cpu-ref`; the CUDA backend behind
 //! `cuda`), a tape-based [`autograd`] with f64 gradcheck, [`safetensors`] I/O and [`optim`].
 //! Layers ([`nn`]) take their parameters from a [`nn::VarBuilder`] by key path; the models
-//! ([`models`]) are built from those layers and run their blocks through [`stream`].
+//! ([`models`]) are built from those layers and run their blocks through [`memory`] (checkpointing, block streaming
+//! from host memory, the planner that fits a run to its budget).
 //!
 //! # Example
 //!
@@ -64,6 +65,7 @@ mod dtype;
 pub mod encoders;
 mod error;
 mod fault;
+pub mod memory;
 pub mod models;
 pub mod nn;
 pub mod optim;
@@ -71,7 +73,6 @@ pub mod progress;
 pub mod safetensors;
 pub mod sample;
 mod shape;
-pub mod stream;
 mod tensor;
 pub mod train;
 

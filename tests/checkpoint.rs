@@ -5,11 +5,11 @@
 
 use flame::autograd::gradcheck::graph_ops;
 use flame::autograd::{checkpoint, checkpoint_keeping, kept_reused, Keep};
+use flame::memory::{BlockExec, BlockStreamer, Checkpointing, InputOffload};
 use flame::models::flux::{self, Flux, FluxConfig};
 use flame::models::sd3::{Sd3, Sd3Config};
 use flame::models::sdxl::{SdxlConfig, Unet};
 use flame::nn::{Adapters, Dropout, LoraConfig, VarBuilder};
-use flame::stream::{BlockExec, BlockStreamer, Checkpointing, InputOffload};
 use flame::{DType, Device, Error, Grads, Result, Tensor};
 use std::sync::Arc;
 
@@ -171,7 +171,7 @@ fn lora_grads<M>(
     if !streamed.is_empty() {
         let names = streamed.iter().map(|&i| prefixes[i].clone()).collect();
         let s = BlockStreamer::new(dev, names, 1);
-        vb = vb.with_streamer(s.clone()).unwrap();
+        vb = vb.with_host_weights(s.clone()).unwrap();
         streamer = Some(s);
     }
     let mut model = build(&vb).unwrap();
@@ -531,7 +531,7 @@ fn block_prefixes_name_every_block_the_models_build() {
 fn a_released_streamed_weight_is_an_error_to_read_and_comes_back_when_fetched() {
     let s = BlockStreamer::new(&CPU, vec!["blk".into()], 1);
     let vb = VarBuilder::random(1, 1.0, DType::F32, &CPU)
-        .with_streamer(s.clone())
+        .with_host_weights(s.clone())
         .unwrap();
     let w = vb.pp("blk").get((3, 4), "weight").unwrap();
     let other = vb.pp("head").get((3, 4), "weight").unwrap();
@@ -1009,7 +1009,7 @@ fn streamed_chain(dev: &Device, reach: Option<Vec<usize>>) -> ChainRun {
         ..Default::default()
     };
     // What the streamer reported in block 0's forward (not its re-run).
-    let first = Arc::new(std::sync::Mutex::new(None::<flame::stream::StreamReport>));
+    let first = Arc::new(std::sync::Mutex::new(None::<flame::memory::StreamReport>));
     let forward = |x: &Tensor| {
         *first.lock().unwrap() = None;
         let mut h = x.clone();
@@ -1068,7 +1068,7 @@ fn check_deep_prefetch(dev: &Device) {
     // (stream::carry), so each later forward uploads four; the validation forward releases
     // all but the last two, so the next forward uploads 8.
     let deep = vec![3, 4, 5, 6, 7, 7, 7, 7];
-    assert_eq!(flame::stream::carry(&deep, 1), 4);
+    assert_eq!(flame::memory::carry(&deep, 1), 4);
     let (got, counts, resident) = streamed_chain(dev, Some(deep));
     assert_eq!(got, plain, "deep");
     assert_eq!(counts, vec![(4, 14), (14, 24), (24, 34), (42, 52)]);
@@ -1177,7 +1177,7 @@ impl Toy {
             if host {
                 s.set_host_products(vec!["mod.weight".into()]).unwrap();
             }
-            vb = vb.with_streamer(s.clone()).unwrap();
+            vb = vb.with_host_weights(s.clone()).unwrap();
         }
         let mut toy = Toy::new(&vb).unwrap();
         toy.exec = BlockExec {

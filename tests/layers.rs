@@ -12,7 +12,7 @@ const LAYERS: &[&[&str]] = &[
     &["dtype", "shape", "error", "progress", "fault", "config"],
     &["backend", "device"],
     &["tensor", "autograd", "safetensors"],
-    &["optim", "nn", "stream", "dist", "diffusion"],
+    &["optim", "nn", "memory", "dist", "diffusion"],
     &["encoders", "models", "sample", "data"],
     &["train"],
     &["cli"],

@@ -4,10 +4,10 @@
 #![cfg(feature = "cpu-ref")]
 
 use flame::autograd::Keep;
+use flame::memory::{spread_evenly, Checkpointing, MemoryProfile, Plan};
 use flame::models::flux::{Flux, FluxConfig};
 use flame::models::{profile_config, LoadOptions, RunShape};
 use flame::nn::{Adapters, LoraConfig};
-use flame::stream::{spread_evenly, Checkpointing, MemoryProfile, Plan};
 use flame::{DType, Device};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -76,6 +76,8 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
         uncoded_carry: false,
         deep_prefetch: false,
         host_products: false,
+        reach: vec![],
+        uncoded_first: 0,
     }
 }
 
@@ -207,7 +209,7 @@ fn flux_dev_predictions_match_the_h100_measurements() {
 fn flux_dev_plans_for_24_16_12_8_6_gib() {
     let bf = flux_dev(false, false);
     let q8 = flux_dev(true, true);
-    let show = |what: &str, profile: &MemoryProfile, p: &flame::stream::Planned| {
+    let show = |what: &str, profile: &MemoryProfile, p: &flame::memory::Planned| {
         println!(
             "{what}: {} -> {:.2} GiB, {:.1} ms ({:.2}x)",
             p.plan,
@@ -450,7 +452,7 @@ fn sd35_and_sdxl_predictions_match_the_h100_measurements() {
 }
 
 /// The time model against the steps measured by benches/train_step.rs on an H100 80GB
-/// (`stream::cost_model`): the planner's picks for 24, 16, 12 and 8 GiB and the
+/// (`memory::cost_model`): the planner's picks for 24, 16, 12 and 8 GiB and the
 /// resident step in one call, every block checkpointed without streaming in another (the
 /// resident step 389.3 ms there). Within 6% on every row (2.1% at most when measured). In a
 /// later call the link ran at 49-51 GiB/s instead of 46-49, and the model read 3-6% over.
@@ -557,6 +559,8 @@ fn flux_dev_step_times_match_the_h100_measurements() {
         uncoded_carry: false,
         deep_prefetch: true,
         host_products: false,
+        reach: vec![],
+        uncoded_first: 0,
     };
     let both = Keep {
         attention: true,
@@ -854,6 +858,8 @@ fn forward_only_weights_leave_the_backward_uploads() {
         uncoded_carry: false,
         deep_prefetch: false,
         host_products: false,
+        reach: vec![],
+        uncoded_first: 0,
     };
     for code in [false, true] {
         let (with, without) = (
@@ -871,7 +877,7 @@ fn forward_only_weights_leave_the_backward_uploads() {
                 }
             })
             .sum();
-        let most = wire as f64 / GIB / flame::stream::cost_model::UPLOAD_GIB_PER_S * 1e3;
+        let most = wire as f64 / GIB / flame::memory::cost_model::UPLOAD_GIB_PER_S * 1e3;
         assert!(
             with < without && without - with <= most,
             "coded {code}: {with:.1} ms against {without:.1} (at most {most:.1} less)"
@@ -900,6 +906,8 @@ fn host_products_take_the_modulations_off_the_link() {
         uncoded_carry: false,
         deep_prefetch: true,
         host_products: host,
+        reach: vec![],
+        uncoded_first: 0,
     };
     let (on, off) = (with(true), with(false));
     // The copies leave the held weights out: the backward's start holds the last blocks'
@@ -910,11 +918,11 @@ fn host_products_take_the_modulations_off_the_link() {
         p.peak(&on),
         p.peak(&off)
     );
-    let carried = flame::stream::carry(&p.reach(&on), 1);
+    let carried = flame::memory::carry(&p.reach(&on), 1);
     assert!(carried >= 2, "{carried}");
     // The forward's uploads lose at least the held weights of the blocks it uploads (past
     // the carry), and the smaller copies let the backward leave more blocks for it.
-    let streamed: Vec<&flame::stream::BlockCost> = p
+    let streamed: Vec<&flame::memory::BlockCost> = p
         .blocks
         .iter()
         .filter(|b| on.streamed.contains(&b.prefix))
@@ -924,7 +932,7 @@ fn host_products_take_the_modulations_off_the_link() {
         .map(|b| b.forward_only_wire)
         .sum();
     assert!(held > 0);
-    assert!(carried >= flame::stream::carry(&p.reach(&off), 1));
+    assert!(carried >= flame::memory::carry(&p.reach(&off), 1));
     let (a, b) = (p.streamed_bytes(&on), p.streamed_bytes(&off));
     assert!(
         b - a >= held,
@@ -952,12 +960,12 @@ fn host_products_take_the_modulations_off_the_link() {
 /// such room the smallest peak goes first.
 #[test]
 fn near_plans_with_room_lean_least_on_the_link() {
-    use flame::stream::{cost_model, ROOM_DIVISOR};
+    use flame::memory::{cost_model, ROOM_DIVISOR};
     let sd3 = sd35_large();
     // The fitting plans predicted within `NEAR` of the fastest fitting one that do not mix
     // resident-activation blocks with streamed ones: (peak, bytes over the link).
     let near = |profile: &MemoryProfile, budget: u64| -> Vec<(u64, u64)> {
-        let usable = budget - budget / flame::stream::MARGIN_DIVISOR;
+        let usable = budget - budget / flame::memory::MARGIN_DIVISOR;
         let fitting: Vec<(f64, u64, u64, bool)> = profile
             .candidates()
             .iter()
@@ -1038,7 +1046,7 @@ fn near_plans_with_room_lean_least_on_the_link() {
 /// ms against 584.2 without, H100) and SD3.5-large at 8 GiB (142 MB of
 /// modulations a block against 2.3 ms of a block's forward: with the products computed as
 /// the forward ran, 454.8 ms against 374.4 without; computed during the backward
-/// before, 333.6 ms against 425.3). `tests` in `stream::plan` hold the case the
+/// before, 333.6 ms against 425.3). `tests` in `memory::plan` hold the case the
 /// host cannot keep up with.
 #[test]
 fn the_planner_holds_the_modulations_on_the_host_where_the_host_keeps_up() {
@@ -1059,13 +1067,13 @@ fn the_planner_holds_the_modulations_on_the_host_where_the_host_keeps_up() {
 }
 
 /// The time model plays the machine it is given (`MemoryProfile::machine`, measured by
-/// `stream::measure_machine` under `memory.measure_machine`): a GPU twice as slow doubles the
+/// `memory::measure_machine` under `memory.measure_machine`): a GPU twice as slow doubles the
 /// resident step and the work of a plan that streams nothing; a link a quarter as fast as
 /// the H100's makes streaming dearer, and within 12 GiB the planner then codes the weights
 /// it streams, where on the H100 it streams them uncoded (measured fastest).
 #[test]
 fn the_time_model_plays_the_machine_it_is_given() {
-    use flame::stream::Machine;
+    use flame::memory::Machine;
     let bf = flux_dev(false, false);
     assert_eq!(bf.machine, Machine::H100);
     let twelve = (12.0 * GIB) as u64;

@@ -4,7 +4,7 @@
 //! (with the `train` binary) crash safety under injected kills and write failures.
 #![cfg(feature = "cpu-ref")]
 
-use flame::stream::Checkpointing;
+use flame::memory::{Checkpointing, Switches};
 use flame::train::config::{
     CheckpointSetting, LossScale, OnNonFinite, OptimizerKind, ScheduleKind,
 };
@@ -153,6 +153,42 @@ fn the_tiny_example_learns() {
     );
     assert!(last < 0.85 * first, "loss {first} -> {last}");
     std::fs::remove_dir_all(&d).ok();
+}
+
+/// The `[memory]` keys that are now the planner's switches (`memory::Switches`) still read
+/// in an older config: into the switches, each with a note naming its line; a value other
+/// than a boolean, or an unknown key beside them, is refused.
+#[test]
+fn older_memory_keys_are_read_into_the_planner_switches() {
+    let d = temp("retired");
+    let good = std::fs::read_to_string(tiny(&d, 4, "")).unwrap();
+    let plain = TrainConfig::from_toml(&good).unwrap();
+    assert_eq!(plain.planner, Switches::default());
+    assert!(plain.notes.is_empty());
+    let old =
+        format!("{good}\n[memory]\nprefetch = 1\nwire_code = false\nmeasure_machine = true\n");
+    let line = old.lines().position(|l| l == "wire_code = false").unwrap() + 1;
+    let c = TrainConfig::from_toml(&old).unwrap();
+    assert_eq!(c.memory.prefetch, 1);
+    assert_eq!(
+        c.planner,
+        Switches::parse("wire_code=off,measure_machine=on").unwrap()
+    );
+    assert_eq!(c.notes.len(), 2, "{:?}", c.notes);
+    assert!(
+        c.notes[0].starts_with(&format!("line {line}: memory.wire_code"))
+            && c.notes[0].contains("FLAME_PLANNER"),
+        "{:?}",
+        c.notes
+    );
+    let e = TrainConfig::from_toml(&old.replace("wire_code = false", "wire_code = \"no\""))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&format!("line {line}: memory.wire_code")), "{e}");
+    let e = TrainConfig::from_toml(&old.replace("prefetch = 1", "prefetch = 1\nprefetsh = 2"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown field `prefetsh`"), "{e}");
 }
 
 #[test]
@@ -1089,7 +1125,7 @@ fn announced_micro_batches_train_as_read_in_turn_and_resume_exactly() {
         cfg.memory.checkpointing = CheckpointSetting::Fixed(Checkpointing::All);
         cfg.memory.stream_blocks = 2;
         cfg.memory.prefetch = 1;
-        cfg.memory.host_products = host;
+        cfg.planner.host_products = host;
         // Adapters in the blocks only: one on the final layer (outside them) would have the
         // conditioning need a gradient.
         cfg.adapter

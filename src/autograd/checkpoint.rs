@@ -17,10 +17,10 @@
 //!
 //! `CheckpointHooks` bracket each run of the function: the forward pass and the backward's
 //! re-run plus backpropagation. Block streaming uses them to bring a block's weights to the
-//! GPU before either and to release them after (`crate::stream`).
+//! GPU before either and to release them after (`crate::memory`).
 //!
 //! `SavedHooks` decide where a checkpoint keeps its inputs: on the device (the default), or
-//! packed elsewhere (`crate::stream::InputOffload` copies them to page-locked host memory and
+//! packed elsewhere (`crate::memory::InputOffload` copies them to page-locked host memory and
 //! brings them back, one block ahead, for the re-run). Packing changes where a value waits,
 //! never the value: gradients are the same bit for bit.
 

@@ -1,5 +1,5 @@
 //! A lossless code for bf16 weights on the host link: streamed blocks cross it coded and are
-//! decoded on the device (`crate::stream`), about 0.69 of the bytes for the same values.
+//! decoded on the device (`crate::memory`), about 0.69 of the bytes for the same values.
 //!
 //! A bf16 value is a sign, an 8-bit exponent and a 7-bit mantissa. The sign and mantissa look
 //! random; the exponents of a weight tensor crowd into a few values (a trained or a random
@@ -313,6 +313,24 @@ pub fn decode(layout: &Layout, bytes: &[u8], out: &mut [u16]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The bytes of the staging ring for uploads of at most `wire` bytes on the link in at most
+/// `pieces` pieces, none of whose raw prefix or coded parts takes more than `part`: the
+/// largest upload, the end of the ring a piece (`wire / 8` bytes or a part) may skip when it
+/// wraps, each piece's alignment, and a part more, so that no upload's pieces wrap onto its
+/// own (whose decodes wait for the compute).
+pub(crate) fn staging_ring_bytes(wire: usize, part: usize, pieces: usize) -> usize {
+    if wire == 0 {
+        return 0;
+    }
+    wire + staging_piece(wire).max(part) + part + 256 * (pieces + 1)
+}
+
+/// The bytes a staged piece gathers coded parts up to, for uploads of at most `wire` bytes on
+/// the link: an eighth of the largest.
+pub(crate) fn staging_piece(wire: usize) -> usize {
+    wire / 8
 }
 
 #[cfg(test)]

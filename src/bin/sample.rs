@@ -449,12 +449,20 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         };
         let mut shapes = vec![vec![channels, a.height / f, a.width / f]];
         shapes.extend(conds[0].iter().map(|t| t.dims()[1..].to_vec()));
-        let choice = flame::train::memory::plan_denoising(
-            family, model_path, &opts, &device, a.budget, &shapes, "--budget",
+        let choice = flame::train::planning::plan_denoising(
+            family,
+            model_path,
+            &opts,
+            &device,
+            a.budget,
+            &shapes,
+            "--budget",
+            &flame::memory::Switches::default().with_env()?,
         )?;
         eprintln!("{}", choice.describe());
         // Guidance's two predictions at once where the plan holds a batch of two.
-        batched = flame::train::memory::batch_fits(family, model_path, &opts, &choice, &shapes, 2)?;
+        batched =
+            flame::train::planning::batch_fits(family, model_path, &opts, &choice, &shapes, 2)?;
         opts.memory = choice.plan;
     }
     let model = family.load(model_path, &opts)?.model;

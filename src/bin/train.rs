@@ -184,8 +184,7 @@ fn main() -> ExitCode {
 /// `--make-tiny`: the tiny demo's stand-ins at the paths the config names and lacks.
 fn make_tiny(path: &std::path::Path) -> ExitCode {
     let home = path.parent().unwrap_or(std::path::Path::new("."));
-    let made =
-        TrainConfig::from_file(path).and_then(|c| flame::train::demo::make_tiny_in(&c, Some(home)));
+    let made = read_config(path).and_then(|c| flame::train::demo::make_tiny_in(&c, Some(home)));
     match made {
         Ok(made) if made.is_empty() => {
             eprintln!("nothing to make: every path the config names exists");
@@ -213,6 +212,14 @@ fn run_options(args: &Args) -> RunOptions {
     }
 }
 
+/// The config at `path`, with the planner's switches of the environment (`FLAME_PLANNER`)
+/// applied over it.
+fn read_config(path: &std::path::Path) -> flame::Result<TrainConfig> {
+    let mut config = TrainConfig::from_file(path)?;
+    config.planner = config.planner.with_env()?;
+    Ok(config)
+}
+
 /// How a run starts: in this process (on the one GPU `--gpus` names, or as the config
 /// says), or as `n` workers (on these GPUs, or on the CPU).
 enum Start {
@@ -221,7 +228,7 @@ enum Start {
 }
 
 fn placement(args: &Args, path: &std::path::Path) -> flame::Result<Start> {
-    let config = TrainConfig::from_file(path)?;
+    let config = read_config(path)?;
     let gpus = match &args.gpus {
         Some(g) => Gpus::parse(g).map_err(|msg| flame::Error::Config { path: None, msg })?,
         None => config.train.gpus.clone(),
@@ -331,8 +338,7 @@ fn leave(code: i32) -> ! {
 fn launch(args: &Args, path: &std::path::Path, n: usize, gpus: Option<Vec<usize>>) -> ExitCode {
     // What every rank would refuse is said once, before any worker starts.
     let opts = run_options(args);
-    let checked =
-        TrainConfig::from_file(path).and_then(|config| flame::train::preflight(&config, n, &opts));
+    let checked = read_config(path).and_then(|config| flame::train::preflight(&config, n, &opts));
     if let Err(e) = checked {
         let (code, msg) = failure(&e);
         eprintln!("{msg}");
@@ -476,7 +482,7 @@ fn launch(args: &Args, path: &std::path::Path, n: usize, gpus: Option<Vec<usize>
 fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
     let rank = launch.rank;
     let joined = (|| -> flame::Result<(flame::Device, Arc<dyn ProcessGroup>)> {
-        let config = TrainConfig::from_file(path)?;
+        let config = read_config(path)?;
         let device = match config.train.device {
             DeviceChoice::Cpu => cpu()?,
             DeviceChoice::Auto | DeviceChoice::Cuda => gpu(launch.gpu()?)?,
@@ -548,7 +554,12 @@ fn run(
     rank: Option<usize>,
 ) -> flame::Result<ExitCode> {
     let quiet = rank.is_some_and(|r| r > 0);
-    let config = TrainConfig::from_file(path)?;
+    let config = read_config(path)?;
+    if !quiet {
+        for note in &config.notes {
+            eprintln!("note: {note}");
+        }
+    }
     let out = config.train.output_dir.clone();
     let every = config.train.log_every;
     let prepare = match args.plan {

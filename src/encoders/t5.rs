@@ -5,9 +5,9 @@
 //! Shape letters: B batch, L tokens, D `d_model`, H heads, K `d_kv` (head width), F `d_ff`.
 
 use super::{detect_prefix, open_files, prefixes_with};
+use crate::memory::{BlockExec, BlockStreamer};
 use crate::nn::merge_heads;
 use crate::nn::{Embedding, KeySource, Linear, RmsNorm, VarBuilder};
-use crate::stream::{BlockExec, BlockStreamer};
 use crate::{DType, Device, Error, Result, Tensor};
 use serde_json::Value;
 use std::path::Path;
@@ -284,7 +284,7 @@ impl T5Encoder {
     /// GPU) and copied to the device `prefetch` blocks ahead of the one running, on the copy
     /// stream: the device holds the embedding, the final norm and about `prefetch + 1`
     /// blocks (T5-XXL: 0.5 GiB a block against 8.9 GiB resident), as the diffusion models
-    /// stream theirs (`crate::stream`). Outputs equal the resident encoder's.
+    /// stream theirs (`crate::memory`). Outputs equal the resident encoder's.
     pub fn load_streamed(
         path: impl AsRef<Path>,
         prefix: Option<&str>,
@@ -365,7 +365,7 @@ impl T5Encoder {
             .map(|i| format!("encoder.block.{i}"))
             .collect();
         let streamer = BlockStreamer::new(&device, prefixes, prefetch);
-        let vb = vb.with_streamer(streamer.clone())?;
+        let vb = vb.with_host_weights(streamer.clone())?;
         let mut model = Self::new(&vb, &cfg)?;
         model.set_exec(BlockExec {
             streamer: Some(streamer),

@@ -12,14 +12,10 @@
 
 use super::checkpoint::{Checkpoint, Format};
 use super::spec::PipelineSpec;
-use crate::autograd::Keep;
 use crate::diffusion::Ddpm;
+use crate::memory::{BlockCost, BlockExec, BlockShape, BlockStreamer, MemoryProfile, Plan};
 use crate::nn::{Adapters, KeyMap, LoraMerge, VarBuilder};
-use crate::stream::{spread_evenly, InputOffload};
-use crate::stream::{
-    BlockCost, BlockExec, BlockShape, BlockStreamer, Checkpointing, MemoryProfile, Plan,
-};
-use crate::{DType, Device, Error, Result, Setting, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -136,69 +132,6 @@ pub trait DiffusionModel: Send + Sync {
     fn exec(&self) -> &BlockExec;
 }
 
-/// The smallest checkpoint input the loader's `InputOffload` moves to host memory (smaller
-/// ones cost more in copy overhead than they free).
-pub const OFFLOAD_MIN_BYTES: usize = 1 << 20;
-
-/// Which blocks run checkpointed or streamed from host memory.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MemoryPlan {
-    /// Which blocks are checkpointed (streamed blocks always are).
-    pub checkpointing: Checkpointing,
-    /// How many blocks keep their frozen weights in host memory, spread evenly over the
-    /// execution order (0: none). More than the model has is an error.
-    pub stream_blocks: usize,
-    /// How many streamed blocks are copied ahead of the one running (at least 1).
-    pub prefetch: usize,
-    /// What checkpointed blocks keep from their forward instead of recomputing.
-    pub keep: Keep,
-    /// The streamed blocks by prefix (the planner's choice); when set, it replaces
-    /// `stream_blocks`. A prefix that is not a block of the model is an error.
-    pub stream_prefixes: Option<Vec<String>>,
-    /// Checkpointed blocks keep their inputs in host memory (`stream::InputOffload`).
-    pub offload_inputs: bool,
-    /// Streamed bf16 weights cross the host link in its lossless code
-    /// (`BlockStreamer::set_wire_code`).
-    pub wire_code: bool,
-    /// With `wire_code`, how many of the first streamed blocks cross uncoded
-    /// (`BlockStreamer::set_uncoded_first`; the planner's `Plan::uncoded_carry`: the
-    /// blocks the backward leaves for the next forward).
-    pub uncoded_first: usize,
-    /// How far the forward fetches ahead of each streamed block, by its place among them
-    /// (`BlockStreamer::set_reach`, from `MemoryProfile::reach`); empty: `prefetch` ahead.
-    pub reach: Vec<usize>,
-    /// Streamed blocks' Linears over the conditioning vector hold their weights in host
-    /// memory and compute their products there (`BlockStreamer::set_host_products`, with the
-    /// family's `BlockShape::conditioned` key endings).
-    pub host_products: bool,
-}
-
-impl MemoryPlan {
-    /// The load-time form of a plan for the model `profile` describes (the plan's reach
-    /// comes from it).
-    pub fn from_plan(profile: &MemoryProfile, plan: &Plan) -> Self {
-        MemoryPlan {
-            checkpointing: plan.checkpointing,
-            stream_blocks: plan.streamed.len(),
-            prefetch: plan.prefetch.max(1),
-            keep: plan.keep,
-            stream_prefixes: Some(plan.streamed.clone()),
-            offload_inputs: plan.offload_inputs,
-            wire_code: plan.wire_code,
-            uncoded_first: profile.uncoded_first(plan),
-            // Only where the profile found weights only the forward reads (none with DoRA or
-            // with adapters before the blocks, whose inputs then need gradients).
-            host_products: plan.host_products
-                && profile.blocks.iter().any(|b| b.forward_only_bytes > 0),
-            reach: if plan.deep_prefetch {
-                profile.reach(plan)
-            } else {
-                vec![]
-            },
-        }
-    }
-}
-
 /// Everything a load needs besides the path.
 #[derive(Clone)]
 pub struct LoadOptions {
@@ -211,8 +144,9 @@ pub struct LoadOptions {
     /// A diffusers `config.json` (parsed) that replaces the checkpoint's own or the one a
     /// single file's shapes give (for single files whose shapes do not pin the config down).
     pub config: Option<serde_json::Value>,
-    /// Block checkpointing and streaming.
-    pub memory: MemoryPlan,
+    /// Block checkpointing and streaming: a plan settled for this model
+    /// (`MemoryProfile::settle`; the default runs every block resident).
+    pub memory: Plan,
     /// Store the Linear weights as FP8 E4M3 with per-row scales (`VarBuilder::with_fp8`);
     /// the rest stays in `dtype`, the compute dtype.
     pub fp8: bool,
@@ -229,7 +163,7 @@ impl LoadOptions {
             device: device.clone(),
             adapters: None,
             config: None,
-            memory: MemoryPlan::default(),
+            memory: Plan::default(),
             fp8: false,
             merge: None,
         }
@@ -312,12 +246,7 @@ pub fn load_as<M: ModelSpec>(
     }
     let prefixes = M::block_prefixes_of(&config);
     let plan = &opts.memory;
-    if let Some(bad) = plan
-        .stream_prefixes
-        .iter()
-        .flatten()
-        .find(|p| !prefixes.contains(p))
-    {
+    if let Some(bad) = plan.streamed.iter().find(|p| !prefixes.contains(p)) {
         return Err(Error::Config {
             path: None,
             msg: format!(
@@ -326,53 +255,15 @@ pub fn load_as<M: ModelSpec>(
             ),
         });
     }
-    if plan.stream_blocks > prefixes.len() {
-        return Err(Error::Setting {
-            setting: Setting::StreamBlocks,
-            msg: format!(
-                "= {}: {} has {} blocks",
-                plan.stream_blocks,
-                family.name,
-                prefixes.len()
-            ),
-        });
+    let streamer = BlockStreamer::for_plan(&opts.device, plan, M::CONDITIONED)?;
+    if let Some(s) = &streamer {
+        vb = vb.with_host_weights(s.clone())?;
     }
-    let chosen: Vec<String> = match &plan.stream_prefixes {
-        // In execution order, whatever order the plan lists them in.
-        Some(list) => prefixes
-            .iter()
-            .filter(|p| list.contains(p))
-            .cloned()
-            .collect(),
-        None => spread_evenly(&prefixes, plan.stream_blocks),
-    };
-    let streamer = if !chosen.is_empty() {
-        let s = BlockStreamer::new(&opts.device, chosen, plan.prefetch.max(1));
-        s.set_wire_code(plan.wire_code)?;
-        s.set_uncoded_first(plan.uncoded_first)?;
-        if plan.host_products {
-            s.set_host_products(M::CONDITIONED.iter().map(|c| c.to_string()).collect())?;
-        }
-        if !plan.reach.is_empty() {
-            s.set_reach(plan.reach.clone())?;
-        }
-        vb = vb.with_streamer(s.clone())?;
-        Some(s)
-    } else {
-        None
-    };
     let mut model = M::build(&vb, &config)?;
     if let Some(m) = &opts.merge {
         m.check_all_used()?;
     }
-    model.set_exec(BlockExec {
-        checkpointing: plan.checkpointing,
-        streamer,
-        keep: plan.keep,
-        offload: plan
-            .offload_inputs
-            .then(|| InputOffload::new(&opts.device, OFFLOAD_MIN_BYTES)),
-    });
+    model.set_exec(BlockExec::for_plan(plan, streamer, &opts.device));
     Ok(Loaded {
         model: Box::new(model),
         vb,
@@ -461,7 +352,7 @@ pub fn profile_config<M: ModelSpec>(
     }
     let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
     let params = vb.params()?;
-    let in_block = |key: &str| prefixes.iter().any(|p| crate::stream::under(key, p));
+    let in_block = |key: &str| prefixes.iter().any(|p| crate::memory::under(key, p));
     // The conditioned weights are forward-only (`Keep::few_rows`) unless the conditioning
     // vector needs a gradient (an adapter outside the blocks, on the embedders it comes
     // from) or the adapters read the frozen weights (DoRA).
@@ -498,7 +389,7 @@ pub fn profile_config<M: ModelSpec>(
         match blocks
             .iter_mut()
             .zip(&shapes)
-            .find(|(b, _)| crate::stream::under(key, &b.prefix))
+            .find(|(b, _)| crate::memory::under(key, &b.prefix))
         {
             Some((b, sh)) => {
                 b.weight_bytes += bytes(t);
@@ -567,7 +458,7 @@ pub fn profile_config<M: ModelSpec>(
         trainable_bytes: (trainable_values * 4) as u64,
         optimizer_bytes: (trainable_values as f64 * run.optimizer_bytes_per_value) as u64,
         fixed_bytes: fixed,
-        machine: crate::stream::Machine::H100,
+        machine: crate::memory::Machine::H100,
     })
 }
 

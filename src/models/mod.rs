@@ -18,7 +18,7 @@ pub mod spec;
 pub use checkpoint::{Checkpoint, Format, CONFIG_METADATA};
 pub use family::{
     load_as, profile_as, profile_config, DiffusionModel, Family, Input, LoadOptions, Loaded,
-    MemoryPlan, ModelSpec, Objective, RunShape, Size, OFFLOAD_MIN_BYTES,
+    ModelSpec, Objective, RunShape, Size,
 };
 pub use pipeline::{
     load_vae, EncoderSlot, Located, PipelineSpec, SampleSetup, Sources, TextConditioner,

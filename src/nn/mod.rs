@@ -33,6 +33,6 @@ pub use layers::{
     upsample_nearest2d, Activation, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
 pub use lora_merge::LoraMerge;
-pub use params::VarBuilder;
+pub use params::{HostWeights, VarBuilder};
 pub use seed::permutation;
 pub(crate) use seed::{key_hash, mix64, GOLDEN};

@@ -33,15 +33,27 @@ enum Source {
     },
 }
 
+/// A keeper of some weights away from the device they are used on, which hands the model a
+/// handle of its own for each (`VarBuilder::with_host_weights`): a block streamer
+/// (`crate::memory::BlockStreamer`) keeps streamed blocks' weights in host memory and brings
+/// them to the device around the blocks' runs.
+pub trait HostWeights: Send + Sync {
+    /// The device the weights are used on.
+    fn device(&self) -> &Device;
+    /// Takes `t`, loaded as parameter `key` on the device, when it keeps that key: the
+    /// handle the model keeps instead (`None`: not one of its keys, `t` stays as it is).
+    fn place(&self, key: &str, t: &Tensor) -> Result<Option<Tensor>>;
+}
+
 struct Shared {
     source: Source,
     /// Model key -> source key(s); `None` reads every key as is.
     map: Option<KeyMap>,
     /// LoRA adapters planned for the layers built from this builder.
     adapters: Option<Arc<Adapters>>,
-    /// Streams the weights of its blocks: keys under a streamed block's prefix are kept in
-    /// host memory (see `crate::stream`).
-    streamer: Option<Arc<crate::stream::BlockStreamer>>,
+    /// Where the weights it owns live instead of the device (host memory for a streamed
+    /// block's weights: `crate::memory::BlockStreamer`).
+    host: Option<Arc<dyn HostWeights>>,
     /// Linear weights load as FP8 E4M3 codes with per-row scales (`get_linear_weight`).
     fp8: bool,
     /// A LoRA file merged into the weights as they load.
@@ -160,7 +172,7 @@ impl VarBuilder {
                 source,
                 map: None,
                 adapters: None,
-                streamer: None,
+                host: None,
                 fp8: false,
                 merge: None,
                 shapes_only: false,
@@ -239,21 +251,21 @@ impl VarBuilder {
         })
     }
 
-    /// The same source with the weights of `streamer`'s blocks kept in host memory: each key
-    /// under a streamed block's prefix is loaded, copied to host memory and handed out as a
-    /// released handle that the streamer fetches around the block's runs. Set before the
-    /// builder is shared.
-    pub fn with_streamer(self, streamer: Arc<crate::stream::BlockStreamer>) -> Result<Self> {
-        self.with_shared("the streamer", |shared| {
-            if streamer.device() != &shared.device {
+    /// The same source with the weights `host` owns kept where it keeps them: each such key
+    /// is loaded, handed to `host` and handed out as the handle it returns (a block
+    /// streamer keeps a streamed block's weights in host memory and returns a released
+    /// handle that it fetches around the block's runs). Set before the builder is shared.
+    pub fn with_host_weights(self, host: Arc<dyn HostWeights>) -> Result<Self> {
+        self.with_shared("the host weights", |shared| {
+            if host.device() != &shared.device {
                 return Err(Error::DeviceMismatch {
-                    op: "VarBuilder::with_streamer",
+                    op: "VarBuilder::with_host_weights",
                     lhs: shared.device.location(),
-                    rhs: streamer.device().location(),
+                    rhs: host.device().location(),
                 });
             }
             Ok(Shared {
-                streamer: Some(streamer),
+                host: Some(host),
                 ..shared
             })
         })
@@ -579,14 +591,11 @@ impl VarBuilder {
         Ok(t)
     }
 
-    /// A loaded tensor where it lives: host memory for a streamed block's weight (the device
+    /// A loaded tensor where it lives: where `with_host_weights`' owner keeps it (the device
     /// copy is dropped here), else as loaded.
     fn place(&self, key: &str, t: Tensor) -> Result<Tensor> {
-        let Some(streamer) = &self.shared.streamer else {
-            return Ok(t);
-        };
-        match streamer.owner(key)? {
-            Some(block) => streamer.adopt_key(block, key, &t),
+        match &self.shared.host {
+            Some(host) => Ok(host.place(key, &t)?.unwrap_or(t)),
             None => Ok(t),
         }
     }

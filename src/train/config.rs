@@ -15,9 +15,9 @@ pub use crate::config::{line_of, KeyDoc, Problem, Section};
 pub use crate::data::config::DataSection;
 use crate::data::config::RawData;
 pub use crate::device::DeviceChoice;
+use crate::memory::{Checkpointing, Switches};
 use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
 pub use crate::optim::OptimizerKind;
-use crate::stream::Checkpointing;
 use crate::{Error, Result, Setting};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -447,8 +447,8 @@ section! {
         budget_gb: f64 = 0.0,
         /// Gradient checkpointing of blocks: "auto" (the planner chooses checkpointing,
         /// streamed blocks and what checkpointed blocks keep for memory.budget_gb), "off", "all" or
-        /// "every:N" (every N-th block; then stream_blocks, keep_attention,
-        /// keep_down_projections and keep_few_rows apply as given).
+        /// "every:N" (every N-th block; then stream_blocks, keep_attention and
+        /// keep_down_projections apply as given).
         checkpointing: CheckpointSetting = CheckpointSetting::Auto,
         /// Blocks whose frozen weights stay in host memory and are streamed to the GPU when
         /// used (spread over the model; implies their checkpointing).
@@ -464,45 +464,10 @@ section! {
         /// 1024²) instead of recomputing them: a third less re-run work for a little more
         /// memory.
         keep_down_projections: bool = false,
-        /// Checkpointed blocks keep the outputs of Linears that see few rows (the
-        /// modulations over the conditioning vector, cross-attention's keys and values over a
-        /// short text; each at most 1/16 of its weight) instead of recomputing them; the
-        /// weights of those whose input needs no gradient are then read only by the forward,
-        /// and streamed blocks leave them out of the backward's uploads (27% of Flux-dev's
-        /// weight bytes).
-        keep_few_rows: bool = true,
         /// Checkpointed blocks keep their inputs (the activations passed from block to block,
         /// 28 MiB a Flux block at 1024²) in page-locked host memory between the forward and
         /// the backward, copied out and back on the copy stream beside the compute.
         offload_inputs: bool = false,
-        /// Streamed bf16 weights wait in host memory and cross to the GPU in a lossless code
-        /// (the sign and mantissa as a byte, the exponent in a Huffman code of its tensor's
-        /// exponents; about 0.69 of the bytes, decoded on the GPU, the values unchanged).
-        wire_code: bool = true,
-        /// With wire_code, the blocks the backward leaves on the GPU for the next forward
-        /// (only the backward uploads them, while the link has time to spare) cross uncoded:
-        /// no decodes beside the backward's kernels (more host memory for those blocks).
-        uncoded_carry: bool = true,
-        /// The forward fetches streamed blocks further ahead while the memory its
-        /// checkpoints take later in the step is still free, and the backward leaves that
-        /// many blocks on the device for the next forward: fewer uploads a step, the peak
-        /// unchanged.
-        deep_prefetch: bool = true,
-        /// Streamed blocks' Linears over the conditioning vector (Flux's and SD3's
-        /// modulations, a UNet ResNet's time embedding: 27% of Flux-dev's weight bytes, one
-        /// row a sample) keep their bf16/f16/f32 weights in host memory for good and compute
-        /// their products on the CPU, ahead (each micro-batch's during the backward before
-        /// it): those weights never cross to the GPU. The values match a GPU GEMM's up to the order of the f32 sums. Not with
-        /// DoRA or adapters before the blocks (their inputs would need gradients), nor FP8
-        /// weights.
-        host_products: bool = true,
-        /// With memory.budget_gb, the planner measures this machine's host link and GPU
-        /// before loading (a quarter of a second: 256 MiB uploads and bf16 GEMMs) and plays
-        /// its time model on them instead of on the H100 its constants come from: a slower
-        /// link favours the wire code and fewer streamed blocks. The plan may then differ
-        /// between runs by the measurement's noise, a resumed run's too (its steps stay exact
-        /// unless the choice of memory.host_products flips).
-        measure_machine: bool = false,
     }
 }
 
@@ -527,7 +492,20 @@ pub struct TrainConfig {
     pub sample: SampleSection,
     /// `[memory]`.
     pub memory: MemorySection,
+    /// The planner's switches (developer settings, not config keys: the binaries read them
+    /// from `FLAME_PLANNER`, see [`Switches`]); a config written when some of them were
+    /// `[memory]` keys sets them through those keys.
+    #[serde(skip)]
+    pub planner: Switches,
+    /// What the reading noticed beside the problems it refuses (keys of an older config read
+    /// another way), for the run to say.
+    #[serde(skip)]
+    pub notes: Vec<String>,
 }
+
+/// `[memory]` keys of older configs that are now the planner's switches ([`Switches`]): read
+/// into them, with a note.
+const RETIRED_MEMORY_KEYS: [&str; 6] = Switches::NAMES;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -550,6 +528,54 @@ struct RawConfig {
     sample: RawSample,
     #[serde(default)]
     memory: RawMemory,
+}
+
+/// The raw sections of `text`, with the planner's switches its retired `[memory]` keys set
+/// and a note for each. A text without such keys is read as it is, so that TOML's own errors
+/// keep their lines.
+fn read_raw(text: &str) -> std::result::Result<(RawConfig, Switches, Vec<String>), String> {
+    let mut planner = Switches::default();
+    let mut notes = vec![];
+    let table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+    let retired = table
+        .get("memory")
+        .and_then(toml::Value::as_table)
+        .is_some_and(|m| RETIRED_MEMORY_KEYS.iter().any(|k| m.contains_key(*k)));
+    if !retired {
+        let raw = toml::from_str(text).map_err(|e| e.to_string())?;
+        return Ok((raw, planner, notes));
+    }
+    let mut table = table;
+    if let Some(toml::Value::Table(m)) = table.get_mut("memory") {
+        let mut bad = vec![];
+        for key in RETIRED_MEMORY_KEYS {
+            let Some(v) = m.remove(key) else {
+                continue;
+            };
+            let line = crate::config::line_of(text, &format!("memory.{key}"))
+                .map(|n| format!("line {n}: "))
+                .unwrap_or_default();
+            match v.as_bool() {
+                Some(on) => {
+                    if let Some(s) = planner.get_mut(key) {
+                        *s = on;
+                    }
+                    notes.push(format!(
+                        "{line}memory.{key} = {on} is no longer a config key: the planner \
+                         decides; read as the developer switch {}=\"{key}={}\"",
+                        Switches::VAR,
+                        if on { "on" } else { "off" }
+                    ));
+                }
+                None => bad.push(format!("{line}memory.{key} = {v}: expected true or false")),
+            }
+        }
+        if !bad.is_empty() {
+            return Err(bad.join("\n"));
+        }
+    }
+    let raw = RawConfig::deserialize(toml::Value::Table(table)).map_err(|e| e.to_string())?;
+    Ok((raw, planner, notes))
 }
 
 /// The problems found so far, with the checks that recur.
@@ -602,7 +628,7 @@ impl TrainConfig {
             path: path.map(Path::to_path_buf),
             msg,
         };
-        let raw: RawConfig = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let (raw, planner, notes) = read_raw(text).map_err(bad)?;
         let missing = [
             raw.model.missing(),
             raw.adapter.missing(),
@@ -661,6 +687,8 @@ impl TrainConfig {
                 encoders,
                 sample,
                 memory,
+                planner,
+                notes,
             }))
         };
         let finished = finish().map_err(bad)?;
@@ -1028,7 +1056,6 @@ impl TrainConfig {
             Setting::AdapterFactor => "adapter.factor",
             Setting::AdapterTargets => "adapter.targets",
             Setting::AdapterLayout => "adapter.format",
-            Setting::StreamBlocks => "memory.stream_blocks",
         }
     }
 

@@ -244,7 +244,7 @@ fn allocator_share(config: &TrainConfig, device: &Device) -> Result<Option<u64>>
     if config.memory.budget_gb <= 0.0 || !device.is_cuda() {
         return Ok(None);
     }
-    Ok(crate::stream::split_budget(device, config.memory.budget_gb)?.0)
+    Ok(crate::memory::split_budget(device, config.memory.budget_gb)?.0)
 }
 
 /// The tile the autoencoder encodes in ([`choose_encode_tile`] for this run's budget on

@@ -6,18 +6,18 @@ pub mod config;
 pub mod data;
 pub mod demo;
 pub mod images;
-pub mod memory;
+pub mod planning;
 pub use crate::diffusion::objectives;
 pub mod rundir;
 pub mod scaler;
 pub mod trainer;
 
 pub use config::TrainConfig;
-pub use memory::{MemoryChoice, PhasePlan};
 pub use objectives::{
     flow_matching, flux_mu, flux_time_shift, shift_time, weighted_mse, Ddpm, Prediction,
     TimestepSampling,
 };
+pub use planning::{MemoryChoice, PhasePlan};
 pub use trainer::{
     plan_folder, preflight, Event, FolderAction, Placement, Prepare, RunEnd, RunOptions,
     StepReport, Trainer,

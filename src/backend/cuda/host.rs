@@ -1,7 +1,7 @@
 //! Page-locked host copies of device buffers and copies between them on the device's copy
-//! stream, for block streaming (`crate::stream`).
+//! stream, for block streaming (`crate::memory`).
 //!
-//! Ownership and ordering (the invariants `crate::stream` relies on; docs/MEMORY.md, "Memory model"):
+//! Ownership and ordering (the invariants `crate::memory` relies on; docs/MEMORY.md, "Memory model"):
 //! - All compute runs on the device's one compute stream; copies for streaming run on its
 //!   copy stream. A buffer of the cache (memory.rs) is only ever handed out in compute-stream
 //!   order, so before a copy writes into a freshly allocated buffer, the copy stream waits
@@ -819,13 +819,13 @@ impl CudaDevice {
     /// the compute has just freed.
     pub(crate) fn alloc_staging(&self, wire: usize, part: usize, pieces: usize) -> Result<Staging> {
         let buf =
-            self.alloc_packed(crate::device::staging_ring_bytes(wire, part, pieces).max(1))?;
+            self.alloc_packed(crate::backend::wire::staging_ring_bytes(wire, part, pieces).max(1))?;
         let (copy, decode) = (self.copy_stream()?.clone(), self.decode_stream()?.clone());
         copy.join(self.stream())
             .map_err(cuda_err("ordering the copy stream after compute"))?;
         Ok(Staging {
             buf,
-            piece: crate::device::staging_piece(wire),
+            piece: crate::backend::wire::staging_piece(wire),
             ring: std::sync::Mutex::new(Ring::default()),
             compute: self.stream().clone(),
             copy,

@@ -217,7 +217,7 @@ impl Arena {
 }
 
 /// One allocation of the pool cut into parts of several element types: the device copy of a
-/// streamed block's weights, brought in by one copy or decoded into it (`crate::stream`).
+/// streamed block's weights, brought in by one copy or decoded into it (`crate::memory`).
 /// Counted once, as the buffer it is; each part is a `DevBuf` of its own (offset 0, its own
 /// length) that keeps the whole alive.
 pub(crate) struct Packed {

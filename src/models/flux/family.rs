@@ -5,6 +5,7 @@ use super::{diffusers_map, image_ids, pack_latents, text_ids, unpack_latents, Fl
 use crate::diffusion::schedulers::{FlowMatchConfig, FlowMatchEuler};
 use crate::diffusion::Schedule;
 use crate::encoders::{VaeKind, CLIP_MAX_LEN, T5_LEN_FLUX_DEV, T5_LEN_SCHNELL_SD35};
+use crate::memory::{BlockExec, BlockShape};
 use crate::models::checkpoint::Checkpoint;
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
@@ -12,7 +13,6 @@ use crate::models::pipeline::{
     output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
 };
 use crate::nn::{KeyMap, VarBuilder};
-use crate::stream::{BlockExec, BlockShape};
 use crate::{DType, Device, Result, Tensor};
 
 /// The registry entry of Flux (BFL's FLUX.1 dev / schnell and fine-tunes).

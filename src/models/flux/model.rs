@@ -2,12 +2,12 @@
 //! D hidden, H heads, E head dim (D = H E).
 
 use super::FluxConfig;
+use crate::memory::BlockExec;
 use crate::models::common::{merge_heads, outputs, split_qkv, FinalLayer, EPS};
 use crate::nn::{
     scaled_dot_product_attention, timestep_embedding, EmbedNd, Linear, Modulation, RmsNorm,
     VarBuilder,
 };
-use crate::stream::BlockExec;
 use crate::{DType, Error, Result, Tensor};
 
 /// Timestep and guidance embeddings: 256 sinusoidal channels (BFL `timestep_embedding`,

@@ -4,13 +4,13 @@ use super::{diffusers_map, Sd3, Sd3Config};
 use crate::diffusion::schedulers::{FlowMatchConfig, FlowMatchEuler};
 use crate::diffusion::Schedule;
 use crate::encoders::{VaeKind, CLIP_MAX_LEN, SD3_CLIP_G, SD3_CLIP_L, SD3_T5, T5_LEN_SCHNELL_SD35};
+use crate::memory::{BlockExec, BlockShape};
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
 use crate::models::pipeline::{
     output, pad_last, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
 };
 use crate::nn::{KeyMap, VarBuilder};
-use crate::stream::{BlockExec, BlockShape};
 use crate::{Result, Tensor};
 
 /// The registry entry of SD3 / SD3.5 (Stability's MMDiT).

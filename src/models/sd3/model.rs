@@ -2,12 +2,12 @@
 //! tokens, T text tokens, D hidden, H heads, E head dim.
 
 use super::Sd3Config;
+use crate::memory::BlockExec;
 use crate::models::common::{merge_heads, split_qkv, FinalLayer, EPS};
 use crate::nn::{
     scaled_dot_product_attention, timestep_embedding, Conv2d, Conv2dConfig, Linear, RmsNorm,
     VarBuilder,
 };
-use crate::stream::BlockExec;
 use crate::{DType, Error, Result, Tensor};
 
 /// Sinusoidal timestep channels (Stability `TimestepEmbedder`, frequency_embedding_size 256,

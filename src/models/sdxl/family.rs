@@ -5,13 +5,13 @@ use crate::diffusion::schedulers::EulerDiscrete;
 use crate::diffusion::Ddpm;
 use crate::diffusion::Schedule;
 use crate::encoders::{VaeKind, CLIP_MAX_LEN, SDXL_CLIP_G, SDXL_CLIP_L};
+use crate::memory::{BlockExec, BlockShape};
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
 use crate::models::pipeline::{
     output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
 };
 use crate::nn::{KeyMap, VarBuilder};
-use crate::stream::{BlockExec, BlockShape};
 use crate::{DType, Result, Tensor};
 
 /// The registry entry of the SDXL UNet.

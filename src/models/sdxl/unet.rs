@@ -3,9 +3,9 @@
 
 use super::blocks::{Downsample, ResBlock, SpatialTransformer, Upsample, RESNET_EPS};
 use super::SdxlConfig;
+use crate::memory::BlockExec;
 use crate::models::common::outputs;
 use crate::nn::{timestep_embedding, Conv2d, Conv2dConfig, GroupNorm, Linear, VarBuilder};
-use crate::stream::BlockExec;
 use crate::{DType, Error, Result, Tensor};
 
 /// Sinusoidal timestep embedding: max period 10000, cos first, no frequency shift (sgm

@@ -18,7 +18,7 @@
 use super::config::TrainConfig;
 use super::data::{Batch, Part, Samples};
 use super::images::ImageSamples;
-use super::memory::{MemoryChoice, PhasePlan};
+use super::planning::{MemoryChoice, PhasePlan};
 use super::rundir::RunDir;
 use super::scaler::LossScaler;
 use crate::dist::{GradReducer, ProcessGroup};
@@ -275,7 +275,7 @@ impl Trainer {
     }
 
     /// The counters of the model's block streamer, when blocks are streamed.
-    pub fn stream_report(&self) -> Result<Option<crate::stream::StreamReport>> {
+    pub fn stream_report(&self) -> Result<Option<crate::memory::StreamReport>> {
         self.model
             .exec()
             .streamer

@@ -1,12 +1,12 @@
 use super::{Event, PhasePeaks, PipelineParts, Placement, Prepare, Trainer};
 use crate::dist::{GradReducer, ProcessGroup, BUCKET_BYTES};
-use crate::models::{DiffusionModel, Family, LoadOptions, MemoryPlan};
+use crate::models::{DiffusionModel, Family, LoadOptions};
 use crate::nn::{Adapters, KeyMap};
 use crate::optim::AdamConfig;
 use crate::train::config::{AdapterFormat, ModelDType, TrainConfig};
 use crate::train::data::{check_batch_size, Dataset, Samples};
 use crate::train::images::{self, ImageSamples};
-use crate::train::memory::{phase_plans, plan_memory, MemoryChoice, PhasePlan};
+use crate::train::planning::{phase_plans, plan_memory, MemoryChoice, PhasePlan};
 use crate::{models, DType, Device, Error, Result, Tensor};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -220,7 +220,7 @@ fn load_options(config: &TrainConfig, device: &Device) -> Result<LoadOptions> {
         adapters: None,
         config: json,
         fp8: m.dtype == ModelDType::Fp8,
-        memory: MemoryPlan::default(),
+        memory: crate::memory::Plan::default(),
         merge: None,
     })
 }

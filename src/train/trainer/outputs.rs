@@ -117,7 +117,7 @@ impl Trainer {
                 latent_hw: (h / parts.factor, w / parts.factor),
                 seed: sc.seed,
                 prediction: self.prediction(),
-                batched_guidance: crate::train::memory::guidance_batched(&self.config),
+                batched_guidance: crate::train::planning::guidance_batched(&self.config),
             };
             let uncond = Some(text(&sc.negative_prompt)?);
             let latents =

@@ -80,7 +80,7 @@ impl Trainer {
     /// Fetches micro-batch `m` and announces its inputs to the model
     /// (`DiffusionModel::prepare`): called between a micro-batch's forward and its backward
     /// where the model computes conditioning products on the host
-    /// (`MemoryPlan::host_products`), which it then does during that backward instead of in
+    /// (`Plan::host_products`), which it then does during that backward instead of in
     /// `m`'s forward.
     pub(super) fn announce(&mut self, m: usize, part: Part) -> Result<()> {
         let batch = self.micro_batch(m, part)?;
@@ -206,7 +206,7 @@ impl Trainer {
             out.grads.set_hook(Some(r.clone()));
         }
         // Host-held conditioning products are computed ahead, during the backward before.
-        let announce = self.memory.plan.host_products && self.memory.plan.stream_blocks > 0;
+        let announce = self.memory.plan.host_products && !self.memory.plan.streamed.is_empty();
         for micro in 0..acc {
             crate::progress::tick();
             // A signal in a long accumulation stops between micro-batches (one process: the

@@ -3,9 +3,9 @@
 //! error carries.
 
 use super::config::{OptimizerKind, TrainConfig};
-use crate::models::{Family, LoadOptions, MemoryPlan, RunShape};
-pub use crate::stream::{split_budget, LATE_HEADROOM};
-use crate::stream::{spread_evenly, MemoryProfile, Plan};
+pub use crate::memory::{split_budget, LATE_HEADROOM};
+use crate::memory::{spread_evenly, MemoryProfile, Plan, Switches};
+use crate::models::{Family, LoadOptions, RunShape};
 use crate::{Device, Error, Result};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -17,8 +17,8 @@ fn gib(b: u64) -> f64 {
 /// The plan a run uses and what it predicts.
 #[derive(Clone, Debug)]
 pub struct MemoryChoice {
-    /// What the model loads with.
-    pub plan: MemoryPlan,
+    /// What the model loads with (settled for it: `MemoryProfile::settle`).
+    pub plan: Plan,
     /// The plan in words.
     pub summary: String,
     /// The budget in bytes for FLAME's allocator (its cap on a GPU), if any.
@@ -111,7 +111,9 @@ fn budget(config: &TrainConfig, device: &Device) -> Result<(Option<u64>, Option<
 /// within a budget of `budget_gb` GiB on `device`, for inputs of `sample` shapes (one
 /// sample, `DiffusionModel::inputs` order): the training step's plan for a batch of one,
 /// which holds more than a forward without gradients needs. The allocator is capped at the
-/// budget's share (see [`split_budget`]) when a GPU has a budget. Errors name `key`.
+/// budget's share (see [`split_budget`]) when a GPU has a budget; `switches` bind the
+/// planner as in training. Errors name `key`.
+#[allow(clippy::too_many_arguments)]
 pub fn plan_denoising(
     family: &Family,
     path: &std::path::Path,
@@ -120,10 +122,11 @@ pub fn plan_denoising(
     budget_gb: f64,
     sample: &[Vec<usize>],
     key: &str,
+    switches: &Switches,
 ) -> Result<MemoryChoice> {
     let (cap, outside) = split_budget(device, budget_gb)?;
     let resident = MemoryChoice {
-        plan: MemoryPlan::default(),
+        plan: Plan::default(),
         summary: "every block resident (no budget)".into(),
         budget: None,
         outside: None,
@@ -143,8 +146,14 @@ pub fn plan_denoising(
             optimizer_bytes_per_value: 0.0,
         },
     )?;
+    let mut prof = prof;
+    if switches.measure_machine {
+        if let Some(m) = crate::memory::measure_machine(device)? {
+            prof.machine = m.machine;
+        }
+    }
     let p =
-        prof.plan_among(cap, prof.candidates())
+        prof.plan_among(cap, switches.filter(prof.candidates()))
             .map_err(|no| Error::Config {
                 path: None,
                 msg: format!(
@@ -160,8 +169,9 @@ pub fn plan_denoising(
     if let Device::Cuda(c) = device {
         c.set_memory_limit(Some(cap));
     }
+    let plan = prof.settle(&p.plan)?;
     Ok(MemoryChoice {
-        plan: MemoryPlan::from_plan(&prof, &p.plan),
+        plan: plan.clone(),
         summary: format!(
             "{} ({:.1} GiB streamed a pass)",
             p.plan,
@@ -171,7 +181,7 @@ pub fn plan_denoising(
         outside,
         predicted_peak: Some(p.peak),
         hint: format!("lower the image size or raise {key}"),
-        sized: Some((prof, p.plan)),
+        sized: Some((prof, plan)),
     })
 }
 
@@ -227,6 +237,17 @@ pub(crate) fn plan_memory(
         (Some(checkpointing), _) => {
             let prof = profile(config, family, opts, sample, world)?;
             let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
+            if mem.stream_blocks > prefixes.len() {
+                return Err(Error::Config {
+                    path: None,
+                    msg: format!(
+                        "memory.stream_blocks = {}: {} has {} blocks",
+                        mem.stream_blocks,
+                        family.name,
+                        prefixes.len()
+                    ),
+                });
+            }
             let as_plan = Plan {
                 checkpointing,
                 streamed: spread_evenly(&prefixes, mem.stream_blocks),
@@ -234,25 +255,22 @@ pub(crate) fn plan_memory(
                 keep: crate::autograd::Keep {
                     attention: mem.keep_attention,
                     down_projections: mem.keep_down_projections,
-                    few_rows: mem.keep_few_rows,
+                    few_rows: true,
                 },
                 offload_inputs: mem.offload_inputs,
-                wire_code: mem.wire_code,
-                uncoded_carry: mem.uncoded_carry,
-                deep_prefetch: mem.deep_prefetch,
-                host_products: mem.host_products,
+                wire_code: true,
+                uncoded_carry: true,
+                deep_prefetch: true,
+                host_products: true,
+                reach: vec![],
+                uncoded_first: 0,
             };
-            let plan = MemoryPlan {
-                // The loader spreads them the same way, and says so when they are too many.
-                stream_prefixes: None,
-                stream_blocks: mem.stream_blocks,
-                prefetch: mem.prefetch,
-                ..MemoryPlan::from_plan(&prof, &as_plan)
-            };
+            // The planner's switches bind a plan given by hand too.
+            let plan = prof.settle(&config.planner.bind(as_plan))?;
             MemoryChoice {
-                summary: format!("{as_plan} (as configured)"),
-                predicted_peak: Some(prof.peak(&as_plan)),
-                sized: Some((prof.clone(), as_plan.clone())),
+                summary: format!("{plan} (as configured)"),
+                predicted_peak: Some(prof.peak(&plan)),
+                sized: Some((prof.clone(), plan.clone())),
                 hint: "set memory.checkpointing = \"auto\" with memory.budget_gb to let the \
                        planner choose, or stream more blocks (memory.stream_blocks)"
                     .into(),
@@ -262,10 +280,7 @@ pub(crate) fn plan_memory(
             }
         }
         (None, None) => MemoryChoice {
-            plan: MemoryPlan {
-                prefetch: mem.prefetch,
-                ..MemoryPlan::default()
-            },
+            plan: Plan::default(),
             summary: "every block resident (no budget on this device)".into(),
             budget,
             outside,
@@ -275,32 +290,16 @@ pub(crate) fn plan_memory(
         },
         (None, Some(b)) => {
             let mut prof = profile(config, family, opts, sample, world)?;
-            // memory.measure_machine: the time model plays this machine's link and GPU.
-            let machine = if mem.measure_machine {
-                crate::stream::measure_machine(device)?.map(|m| m.machine)
+            // The time model plays this machine's link and GPU where the switch says so.
+            let machine = if config.planner.measure_machine {
+                crate::memory::measure_machine(device)?.map(|m| m.machine)
             } else {
                 None
             };
             if let Some(m) = machine {
                 prof.machine = m;
             }
-            // memory.wire_code, memory.uncoded_carry, memory.deep_prefetch,
-            // memory.keep_few_rows and memory.host_products turned off bind the planner too.
-            let candidates: Vec<Plan> = prof
-                .candidates()
-                .into_iter()
-                .filter(|c| mem.wire_code || !c.wire_code)
-                .filter(|c| mem.uncoded_carry || !c.uncoded_carry)
-                .map(|c| Plan {
-                    deep_prefetch: c.deep_prefetch && mem.deep_prefetch,
-                    host_products: c.host_products && mem.host_products,
-                    keep: crate::autograd::Keep {
-                        few_rows: c.keep.few_rows && mem.keep_few_rows,
-                        ..c.keep
-                    },
-                    ..c
-                })
-                .collect();
+            let candidates = config.planner.filter(prof.candidates());
             match prof.plan_among(b, candidates.clone()) {
                 Ok(p) => {
                     // The next plan down the list, for the out-of-memory advice.
@@ -317,12 +316,9 @@ pub(crate) fn plan_memory(
                         ),
                         None => fp8_hint(config, family, opts, sample, p.peak, world)?,
                     };
-                    let mut plan = MemoryPlan::from_plan(&prof, &p.plan);
-                    if p.plan.streamed.is_empty() {
-                        plan.prefetch = mem.prefetch;
-                    }
+                    let plan = prof.settle(&p.plan)?;
                     MemoryChoice {
-                        plan,
+                        plan: plan.clone(),
                         summary: format!(
                             "{} ({:.1} GiB streamed a step; a step predicted at {:.2}x the \
                              resident one by the time model of {})",
@@ -338,7 +334,7 @@ pub(crate) fn plan_memory(
                         outside,
                         predicted_peak: Some(p.peak),
                         hint,
-                        sized: Some((prof.clone(), p.plan.clone())),
+                        sized: Some((prof.clone(), plan.clone())),
                     }
                 }
                 Err(no) => {
@@ -365,7 +361,7 @@ pub(crate) fn plan_memory(
 /// A budget that takes a plan of predicted `peak` whatever its kind (mixed plans keep 1/32
 /// of the budget spare).
 fn with_margin(peak: u64) -> u64 {
-    peak.saturating_add(peak / (crate::stream::MARGIN_DIVISOR - 1))
+    peak.saturating_add(peak / (crate::memory::MARGIN_DIVISOR - 1))
 }
 
 /// Advice past the last plan, whose budget is `minimum`: FP8 base weights when the run does

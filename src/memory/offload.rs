@@ -17,8 +17,8 @@
 //! On the CPU backend "host memory" is a second copy: the mechanism runs the same way, which
 //! is how its bookkeeping is tested without a GPU.
 
+use super::link::{HostCopy, Ticket};
 use crate::autograd::{PackedTensor, SavedHooks};
-use crate::device::{HostCopy, Ticket};
 use crate::{Device, Error, Result, Shape, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 

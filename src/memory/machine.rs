@@ -3,7 +3,7 @@
 //! pack copied into one allocation), and the GPU's bf16 GEMM rate against the H100's the
 //! model was calibrated on.
 
-use crate::stream::Machine;
+use crate::memory::Machine;
 use crate::{Device, Result};
 
 /// The bf16 GEMM rate of the H100 80GB the time model was calibrated on, TFLOP/s: cuBLAS at

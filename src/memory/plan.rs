@@ -31,7 +31,8 @@
 //! under the last plan's peak cannot be met: `plan` says the minimum.
 
 use crate::autograd::Keep;
-use crate::stream::Checkpointing;
+use crate::memory::Checkpointing;
+use crate::{Error, Result};
 
 /// One block's sizes, for one batch.
 #[derive(Clone, Debug, PartialEq)]
@@ -87,7 +88,7 @@ pub struct MemoryProfile {
     /// The sample, the loss and transient buffers.
     pub fixed_bytes: u64,
     /// The machine the time model plays a step on (`Machine::H100` unless measured:
-    /// `stream::measure_machine`).
+    /// `memory::measure_machine`).
     pub machine: Machine,
 }
 
@@ -155,6 +156,14 @@ pub struct Plan {
     /// those weights (`BlockCost::forward_only_bytes`, where they are floating-point) never
     /// cross the link nor take device memory.
     pub host_products: bool,
+    /// Worked out by [`MemoryProfile::settle`] from the fields above: how far the forward
+    /// fetches ahead of each streamed block, by its place among them (`deep_prefetch`,
+    /// `BlockStreamer::set_reach`); empty: `prefetch` ahead.
+    pub reach: Vec<usize>,
+    /// Worked out by [`MemoryProfile::settle`]: how many of the first streamed blocks cross
+    /// uncoded though the wire code is on (`uncoded_carry`,
+    /// `BlockStreamer::set_uncoded_first`).
+    pub uncoded_first: usize,
 }
 
 impl Plan {
@@ -841,7 +850,7 @@ impl MemoryProfile {
                 .map(|(_, b)| b.wire_bytes)
                 .max()
                 .unwrap_or(0);
-            crate::device::staging_ring_bytes(wire as usize, wire as usize / 5, 32) as u64
+            crate::backend::wire::staging_ring_bytes(wire as usize, wire as usize / 5, 32) as u64
         } else {
             0
         };
@@ -881,6 +890,43 @@ impl MemoryProfile {
         }
         // At least `kept` (every place holds that many), at most `m`.
         sizes[carried..].iter().sum::<u64>() + sizes[..m - kept].iter().sum::<u64>()
+    }
+
+    /// `plan` as a model loads and streams it: the streamed blocks in execution order (a
+    /// prefix that is not a block of this model is an error), `reach` and `uncoded_first`
+    /// worked out, and the host products kept only where some weights are read by the forward
+    /// alone (none with DoRA, or with adapters before the blocks, whose inputs then need
+    /// gradients). What the planner weighs is unchanged: settling twice gives the same plan.
+    pub fn settle(&self, plan: &Plan) -> Result<Plan> {
+        if let Some(bad) = plan
+            .streamed
+            .iter()
+            .find(|p| !self.blocks.iter().any(|b| &b.prefix == *p))
+        {
+            return Err(Error::Stream(format!(
+                "the plan streams \"{bad}\", which is not a block of this model"
+            )));
+        }
+        let mut p = Plan {
+            streamed: self
+                .blocks
+                .iter()
+                .filter(|b| plan.streamed.contains(&b.prefix))
+                .map(|b| b.prefix.clone())
+                .collect(),
+            prefetch: plan.prefetch.max(1),
+            host_products: plan.host_products
+                && !plan.streamed.is_empty()
+                && self.blocks.iter().any(|b| b.forward_only_bytes > 0),
+            reach: vec![],
+            uncoded_first: 0,
+            ..plan.clone()
+        };
+        p.uncoded_first = self.uncoded_first(&p);
+        if p.deep_prefetch && !p.streamed.is_empty() {
+            p.reach = self.reach(&p);
+        }
+        Ok(p)
     }
 
     /// How many of the first streamed blocks cross uncoded under `plan`
@@ -986,6 +1032,8 @@ impl MemoryProfile {
                                         wire_code,
                                         uncoded_carry,
                                         host_products,
+                                        reach: vec![],
+                                        uncoded_first: 0,
                                     });
                                 }
                             }
@@ -1013,6 +1061,8 @@ impl MemoryProfile {
             uncoded_carry: false,
             deep_prefetch: true,
             host_products: held,
+            reach: vec![],
+            uncoded_first: 0,
         });
         v
     }
@@ -1563,7 +1613,7 @@ mod tests {
         let streamed = Plan {
             streamed: (0..4).map(|i| format!("b.{i}")).collect(),
             prefetch: 1,
-            ..all
+            ..all.clone()
         };
         let (up, o) = (1e3 / UPLOAD_GIB_PER_S, STREAM_MS_PER_BLOCK);
         let (f, b) = (

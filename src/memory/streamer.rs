@@ -1,10 +1,11 @@
 //! The block streamer: frozen weights of chosen blocks kept in host memory and brought to
 //! the device around each use.
 
+use super::link::{HostCopy, HostPack, Staging, Ticket};
 use super::plan::{carry, shallow_reach};
 use super::products::{HostProducts, ProductReport};
 use crate::autograd::{CheckpointHooks, Pass};
-use crate::device::{HostCopy, HostPack, Staging, Storage, Ticket};
+use crate::device::Storage;
 use crate::{Device, Error, Result, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -116,7 +117,7 @@ struct State {
     /// (`set_reach`; `prefetch` ahead unless set).
     reach: Vec<usize>,
     /// The first blocks the backward leaves on the device for the next forward
-    /// (`stream::carry` of `reach`).
+    /// (`memory::carry` of `reach`).
     carry: usize,
     /// Key endings of the weights held on the host for their products
     /// (`set_host_products`).
@@ -141,7 +142,7 @@ impl State {
 }
 
 /// Streams the frozen weights of a list of blocks (key prefixes, in execution order) between
-/// host memory and `device`: see the module docs of `crate::stream`.
+/// host memory and `device`: see the module docs of `crate::memory`.
 pub struct BlockStreamer {
     device: Device,
     prefetch: usize,
@@ -162,10 +163,25 @@ impl std::fmt::Debug for BlockStreamer {
     }
 }
 
+impl crate::nn::HostWeights for BlockStreamer {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// A weight under one of the streamed blocks' prefixes, into host memory
+    /// (`adopt_key`); others stay.
+    fn place(&self, key: &str, t: &Tensor) -> Result<Option<Tensor>> {
+        match self.owner(key)? {
+            Some(block) => self.adopt_key(block, key, t).map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
 impl BlockStreamer {
     /// A streamer for the blocks named by `prefixes` (execution order), fetching up to
     /// `prefetch` blocks ahead of the one running. Weights join it through `adopt` (the
-    /// `VarBuilder` does this for keys under a prefix: `VarBuilder::with_streamer`).
+    /// `VarBuilder` does this for keys under a prefix: `VarBuilder::with_host_weights`).
     pub fn new(device: &Device, prefixes: Vec<String>, prefetch: usize) -> Arc<Self> {
         let blocks = prefixes
             .into_iter()
@@ -202,6 +218,31 @@ impl BlockStreamer {
             }),
             products: HostProducts::default(),
         })
+    }
+
+    /// The streamer of `plan` (settled: `MemoryProfile::settle`), `None` where it streams
+    /// nothing: its blocks, prefetch, wire code, uncoded first blocks and reach, and with
+    /// `plan.host_products` the weights whose keys end with one of `conditioned` (the
+    /// family's Linears over the conditioning vector) held on the host for their products.
+    /// Weights join it as they load (`VarBuilder::with_host_weights`).
+    pub fn for_plan(
+        device: &Device,
+        plan: &super::Plan,
+        conditioned: &[&str],
+    ) -> Result<Option<Arc<Self>>> {
+        if plan.streamed.is_empty() {
+            return Ok(None);
+        }
+        let s = BlockStreamer::new(device, plan.streamed.clone(), plan.prefetch.max(1));
+        s.set_wire_code(plan.wire_code)?;
+        s.set_uncoded_first(plan.uncoded_first)?;
+        if plan.host_products {
+            s.set_host_products(conditioned.iter().map(|c| c.to_string()).collect())?;
+        }
+        if !plan.reach.is_empty() {
+            s.set_reach(plan.reach.clone())?;
+        }
+        Ok(Some(s))
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, State>> {
@@ -247,7 +288,7 @@ impl BlockStreamer {
 
     /// Lets the forward fetch further ahead than `prefetch` where memory allows: while
     /// block `j` runs, blocks up to `reach[j]` may be on the device (fetched in order, the
-    /// link kept busy). The backward then leaves the first `stream::carry(reach, prefetch)`
+    /// link kept busy). The backward then leaves the first `memory::carry(reach, prefetch)`
     /// blocks on the device for the next forward, which begins with them. `reach` has one
     /// entry per block, each at least `prefetch` ahead (or the last block), never beyond
     /// the last, and never decreasing; the planner's `MemoryProfile::reach` makes it from
@@ -310,12 +351,12 @@ impl BlockStreamer {
     }
 
     /// Holds the weights whose keys end with one of `endings` in host memory for good,
-    /// computing their products there (`crate::stream` module `products`): the Linears over
+    /// computing their products there (`crate::memory` module `products`): the Linears over
     /// the conditioning vector (`BlockShape::conditioned`), a few rows each, whose weights
     /// then never cross the link nor take device memory. Only for weights whose input needs
     /// no gradient and whose adapter reads no frozen weight (not DoRA): a Linear that would
     /// read such a weight on the device is an error (`Error::Stream`). Set before the
-    /// weights are adopted (`VarBuilder::with_streamer`); none by default.
+    /// weights are adopted (`VarBuilder::with_host_weights`); none by default.
     pub fn set_host_products(&self, endings: Vec<String>) -> Result<()> {
         let mut st = self.lock()?;
         if st.sealed || st.blocks.iter().any(|b| !b.params.is_empty()) {
@@ -360,7 +401,7 @@ impl BlockStreamer {
     /// activation the model hands every block, `x` (rows, in)): the products of the weights
     /// held on the host (`set_host_products`) are computed for it from when the device's work
     /// so far has computed it, without the caller waiting, and a forward whose input has the
-    /// same values takes them instead of waiting for its own (`crate::stream` module
+    /// same values takes them instead of waiting for its own (`crate::memory` module
     /// `products`). Nothing where no weights are held (before the first fetch, too).
     pub fn prepare_products(&self, x: &Tensor) -> Result<()> {
         self.products.prepare(x)
@@ -564,7 +605,7 @@ impl BlockStreamer {
     /// adopted by then), bf16 weights coded when `code` is on (but in the first
     /// `uncoded_first` blocks; each upload then takes its
     /// pack's bytes: the planner's `MemoryProfile::layout` counts them so); and makes the
-    /// staging ring coded uploads cross into (`crate::device::staging_ring_bytes`: a copy goes
+    /// staging ring coded uploads cross into (`crate::backend::wire::staging_ring_bytes`: a copy goes
     /// into the ring while the decode stream empties the pieces before it).
     fn seal(&self, st: &mut State) -> Result<()> {
         let (code, uncoded_first) = (st.code, st.uncoded_first);

@@ -98,7 +98,7 @@ struct State {
     /// An announced input's products, until a forward takes them or another comes.
     ahead: Option<Ahead>,
     /// The page-locked buffer the last announced input crossed into, for the next.
-    spare: Option<crate::device::HostCopy>,
+    spare: Option<super::link::HostCopy>,
     report: ProductReport,
 }
 

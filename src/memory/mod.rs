@@ -27,11 +27,13 @@
 //! stream.
 
 mod budget;
+mod link;
 mod machine;
 mod offload;
 mod plan;
 mod products;
 mod streamer;
+mod switches;
 
 pub use budget::{split_budget, LATE_HEADROOM};
 pub use machine::{measure_machine, MachineProbe, H100_GEMM_TFLOPS};
@@ -40,8 +42,10 @@ pub use plan::{
     carry, cost_model, spread_evenly, BlockCost, BlockShape, Machine, MemoryProfile, NoPlan, Plan,
     Planned, MARGIN_DIVISOR, ROOM_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
 };
+
 pub use products::ProductReport;
 pub use streamer::{BlockStreamer, StreamReport};
+pub use switches::Switches;
 
 use crate::autograd::{checkpoint_opts, CheckpointHooks, CheckpointOptions, Keep, SavedHooks};
 use crate::{Result, Tensor};
@@ -81,7 +85,29 @@ pub struct BlockExec {
     pub offload: Option<Arc<InputOffload>>,
 }
 
+/// The smallest checkpoint input an [`InputOffload`] made for a plan moves to host memory
+/// (smaller ones cost more in copy overhead than they free).
+pub const OFFLOAD_MIN_BYTES: usize = 1 << 20;
+
 impl BlockExec {
+    /// How a model runs its blocks under `plan`, with `plan`'s streamer (`streamer`,
+    /// `BlockStreamer::for_plan`) and, where the plan offloads block inputs, an
+    /// [`InputOffload`] on `device`.
+    pub fn for_plan(
+        plan: &Plan,
+        streamer: Option<Arc<BlockStreamer>>,
+        device: &crate::Device,
+    ) -> Self {
+        BlockExec {
+            checkpointing: plan.checkpointing,
+            streamer,
+            keep: plan.keep,
+            offload: plan
+                .offload_inputs
+                .then(|| InputOffload::new(device, OFFLOAD_MIN_BYTES)),
+        }
+    }
+
     /// Every block checkpointed, nothing streamed.
     pub fn checkpoint_all() -> Self {
         BlockExec {

@@ -1,0 +1,410 @@
+//! The host link: values of device storages kept in host memory while their buffers are
+//! released (`HostCopy`: page-locked on a GPU), several joined for one upload (`HostPack`,
+//! bf16 parts optionally in the link's lossless code, `crate::backend::wire`), the device
+//! memory coded uploads land in (`Staging`), what compute must wait for (`Ticket`), and the
+//! storage and device methods that move values across. Only the streamer, the input offload
+//! and the machine probe use it; each backend implements the moves (`backend/cuda/host.rs`).
+
+use crate::device::{Device, Storage};
+use crate::{CpuStorage, Result};
+#[cfg(feature = "cpu-ref")]
+use crate::{Layout, Shape};
+
+/// A storage's values kept in host memory while its device buffer is released (block
+/// streaming): page-locked memory for a GPU, a plain copy for the CPU backend.
+pub(crate) enum HostCopy {
+    #[cfg(feature = "cpu-ref")]
+    Cpu(CpuStorage),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::PinnedBuf),
+}
+
+impl HostCopy {
+    /// The values in host memory of the CPU's own.
+    pub(crate) fn to_cpu(&self) -> Result<CpuStorage> {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostCopy::Cpu(s) => Ok(s.clone()),
+            #[cfg(feature = "cuda")]
+            HostCopy::Cuda(p) => p.to_cpu(),
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostCopy::Cpu(s) => s.len() * s.dtype().size_in_bytes(),
+            #[cfg(feature = "cuda")]
+            HostCopy::Cuda(p) => p.bytes(),
+        }
+    }
+}
+
+/// Several host copies joined for one upload (`Device::upload_pack`): on a GPU one
+/// page-locked buffer brought into one device allocation; on the CPU backend the copies as
+/// they are. Either way bf16 parts may be held in the host link's lossless code
+/// (`crate::backend::wire`) and decoded at each upload.
+pub(crate) enum HostPack {
+    #[cfg(feature = "cpu-ref")]
+    Cpu(Vec<CpuPart>),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::PinnedPack),
+}
+
+/// A part of a CPU pack: the values, or a bf16 tensor's code.
+#[cfg(feature = "cpu-ref")]
+pub(crate) enum CpuPart {
+    Raw(CpuStorage),
+    Coded(crate::backend::wire::Coded),
+}
+
+#[cfg(feature = "cpu-ref")]
+impl CpuPart {
+    /// (bytes on the device, bytes on the link).
+    fn bytes(&self) -> (usize, usize) {
+        match self {
+            CpuPart::Raw(s) => {
+                let b = s.len() * s.dtype().size_in_bytes();
+                (b, b)
+            }
+            CpuPart::Coded(c) => (2 * c.layout.len, c.bytes.len()),
+        }
+    }
+}
+
+impl HostPack {
+    /// Bytes the parts take on the device.
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(v) => v.iter().map(|p| p.bytes().0).sum(),
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.bytes(),
+        }
+    }
+
+    /// How many parts it holds.
+    pub(crate) fn parts(&self) -> usize {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.parts(),
+        }
+    }
+
+    /// Each part's bytes on the device and on the host link, in order.
+    pub(crate) fn part_bytes(&self) -> Vec<(usize, usize)> {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(v) => v.iter().map(CpuPart::bytes).collect(),
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.part_bytes(),
+        }
+    }
+
+    /// What an upload stages before decoding its coded parts: (the whole pack's bytes on the
+    /// link when it has any, its largest raw prefix or coded part, the most pieces it may
+    /// take); zeros on the CPU backend, which decodes from host memory.
+    pub(crate) fn staging_bytes(&self) -> (usize, usize, usize) {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(_) => (0, 0, 0),
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.staging_bytes(),
+        }
+    }
+}
+
+/// Device memory that coded uploads land in before their decode (`Device::staging`).
+pub(crate) enum Staging {
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::Staging),
+}
+
+/// What the compute work must wait for before reading an uploaded storage.
+pub(crate) enum Ticket {
+    /// Nothing (the CPU backend copies synchronously).
+    #[cfg_attr(not(feature = "cpu-ref"), allow(dead_code))]
+    Ready,
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::Upload),
+}
+
+impl Ticket {
+    /// Once the copies have finished (None before, for copies that were not timed, or on the
+    /// CPU backend): their time on the link, from the first one's start to the last one's
+    /// end, and the decodes' time.
+    pub(crate) fn copy_ms(&self) -> Option<(f64, f64, f64)> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Ticket::Cuda(u) => u.copy_ms(),
+            _ => None,
+        }
+    }
+
+    /// Blocks the calling thread until the copies are done (at once on the CPU backend).
+    pub(crate) fn wait_host(&self) -> crate::Result<()> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Ticket::Cuda(u) => u.wait_host(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the copy can still report a duration (a timed GPU copy).
+    pub(crate) fn timed(&self) -> bool {
+        match self {
+            #[cfg(feature = "cuda")]
+            Ticket::Cuda(u) => u.timed(),
+            _ => false,
+        }
+    }
+}
+
+impl Storage {
+    /// The first `len` elements copied to host memory without waiting (on a GPU: on the copy
+    /// stream, into page-locked memory, into `reuse` when it has the same size), and what the
+    /// compute work must wait for before this storage may be dropped (`Device::wait`).
+    pub(crate) fn offload(
+        &self,
+        len: usize,
+        reuse: Option<HostCopy>,
+    ) -> Result<(HostCopy, Ticket)> {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            Storage::Cpu(s) => {
+                use crate::backend::BackendStorage;
+                let _ = reuse;
+                let l = Layout::contiguous(Shape::from(len));
+                Ok((HostCopy::Cpu(s.to_host(&l)?), Ticket::Ready))
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => {
+                let reuse = match reuse {
+                    Some(HostCopy::Cuda(p)) => Some(p),
+                    _ => None,
+                };
+                let (p, u) = s.dev.offload(s, len, reuse)?;
+                Ok((HostCopy::Cuda(p), Ticket::Cuda(u)))
+            }
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Storage::None(n) => match *n {},
+        }
+    }
+    /// The first `len` elements copied to host memory (synchronously).
+    pub(crate) fn stash(&self, len: usize) -> Result<HostCopy> {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            Storage::Cpu(s) => {
+                use crate::backend::BackendStorage;
+                let l = Layout::contiguous(Shape::from(len));
+                Ok(HostCopy::Cpu(s.to_host(&l)?))
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => Ok(HostCopy::Cuda(s.dev.stash(s, len)?)),
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Storage::None(n) => match *n {},
+        }
+    }
+}
+
+impl Device {
+    /// New storages on this device holding the values of host copies `Storage::offload` made,
+    /// and what to wait for before reading them (see `wait`; on a GPU the copies run on the
+    /// offload stream, after the copies out).
+    pub(crate) fn upload_offloaded(&self, hs: &[&HostCopy]) -> Result<(Vec<Storage>, Ticket)> {
+        let other = || crate::Error::DeviceMismatch {
+            op: "upload",
+            lhs: self.location(),
+            rhs: "a host copy made for another device".into(),
+        };
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            Device::Cpu => {
+                let storages = hs
+                    .iter()
+                    .map(|h| match h {
+                        HostCopy::Cpu(s) => Ok(Storage::Cpu(s.clone())),
+                        #[allow(unreachable_patterns)]
+                        _ => Err(other()),
+                    })
+                    .collect::<Result<_>>()?;
+                Ok((storages, Ticket::Ready))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                let pinned = hs
+                    .iter()
+                    .map(|h| match h {
+                        HostCopy::Cuda(p) => Ok(p),
+                        #[allow(unreachable_patterns)]
+                        _ => Err(other()),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let (storages, u) = d.upload_offloaded(&pinned)?;
+                Ok((
+                    storages.into_iter().map(Storage::Cuda).collect(),
+                    Ticket::Cuda(u),
+                ))
+            }
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Device::None(n) => match *n {},
+        }
+    }
+
+    /// The host copies `hs` joined, in order, for `upload_pack` (on a GPU: copied into one
+    /// new page-locked buffer; `hs` may be dropped after).
+    pub(crate) fn pack(&self, hs: &[&HostCopy], code: bool) -> Result<HostPack> {
+        let other = || crate::Error::DeviceMismatch {
+            op: "pack",
+            lhs: self.location(),
+            rhs: "a host copy made for another device".into(),
+        };
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            Device::Cpu => hs
+                .iter()
+                .map(|h| match h {
+                    HostCopy::Cpu(CpuStorage::BF16(v)) if code => {
+                        let bits: Vec<u16> = v.iter().map(|x| x.to_bits()).collect();
+                        Ok(match crate::backend::wire::encode(&bits) {
+                            Some(c) => CpuPart::Coded(c),
+                            None => CpuPart::Raw(CpuStorage::BF16(v.clone())),
+                        })
+                    }
+                    HostCopy::Cpu(s) => Ok(CpuPart::Raw(s.clone())),
+                    #[allow(unreachable_patterns)]
+                    _ => Err(other()),
+                })
+                .collect::<Result<_>>()
+                .map(HostPack::Cpu),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                let pinned = hs
+                    .iter()
+                    .map(|h| match h {
+                        HostCopy::Cuda(p) => Ok(p),
+                        #[allow(unreachable_patterns)]
+                        _ => Err(other()),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(HostPack::Cuda(d.pack(&pinned, code)?))
+            }
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Device::None(n) => match *n {},
+        }
+    }
+
+    /// New storages on this device with the values of the parts of `p`, in order, and what to
+    /// wait for before reading them (see `wait`). On a GPU they are cut from one allocation of
+    /// the pack's bytes filled by one copy per run of parts brought (coded packs: a few
+    /// pieces through the staging ring, decoded into place), which returns to the cache when
+    /// the last of them drops.
+    /// Parts whose entry in `skip` is true (`skip` empty: none) are not brought: `None` in
+    /// their place.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn upload_pack(
+        &self,
+        p: &HostPack,
+        staging: Option<&Staging>,
+        skip: &[bool],
+    ) -> Result<(Vec<Option<Storage>>, Ticket)> {
+        let parts = p.parts();
+        if !skip.is_empty() && skip.len() != parts {
+            return Err(crate::Error::Stream(format!(
+                "an upload of {parts} parts told to skip {} entries",
+                skip.len()
+            )));
+        }
+        let skipped = |k: usize| skip.get(k).copied().unwrap_or(false);
+        let other = || crate::Error::DeviceMismatch {
+            op: "upload",
+            lhs: self.location(),
+            rhs: "host copies packed for another device".into(),
+        };
+        match (self, p) {
+            #[cfg(feature = "cpu-ref")]
+            (Device::Cpu, HostPack::Cpu(v)) => {
+                let storages = v
+                    .iter()
+                    .enumerate()
+                    .map(|(k, p)| match p {
+                        _ if skipped(k) => Ok(None),
+                        CpuPart::Raw(s) => Ok(Some(Storage::Cpu(s.clone()))),
+                        CpuPart::Coded(c) => {
+                            let mut bits = vec![0u16; c.layout.len];
+                            crate::backend::wire::decode(&c.layout, &c.bytes, &mut bits)?;
+                            Ok(Some(Storage::Cpu(CpuStorage::BF16(
+                                bits.into_iter().map(half::bf16::from_bits).collect(),
+                            ))))
+                        }
+                    })
+                    .collect::<Result<_>>()?;
+                Ok((storages, Ticket::Ready))
+            }
+            #[cfg(feature = "cuda")]
+            (Device::Cuda(d), HostPack::Cuda(p)) => {
+                let staging = match staging {
+                    Some(Staging::Cuda(s)) => Some(s),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                };
+                let (storages, u) = d.upload_pack(p, staging, skip)?;
+                Ok((
+                    storages
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, s)| (!skipped(k)).then_some(Storage::Cuda(s)))
+                        .collect(),
+                    Ticket::Cuda(u),
+                ))
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(other()),
+        }
+    }
+
+    /// Device memory of `bytes` for coded uploads to stage in (`upload_pack`); `None` on the
+    /// CPU backend or for 0 bytes.
+    pub(crate) fn staging(
+        &self,
+        wire: usize,
+        part: usize,
+        pieces: usize,
+    ) -> Result<Option<Staging>> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) if wire > 0 => {
+                Ok(Some(Staging::Cuda(d.alloc_staging(wire, part, pieces)?)))
+            }
+            _ => {
+                // Only a GPU stages (the CPU backend alone reads none of them).
+                let _ = (wire, part, pieces);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Makes the device's compute work wait for an upload (on a GPU, without waiting on the
+    /// host).
+    pub(crate) fn wait(&self, t: &Ticket) -> Result<()> {
+        match (self, t) {
+            #[cfg(feature = "cuda")]
+            (Device::Cuda(d), Ticket::Cuda(u)) => d.wait(u),
+            _ => Ok(()),
+        }
+    }
+
+    /// The largest buffer the device can make now without going past its memory cap (a
+    /// GPU under a cap: the largest free range of the cap's arena); u64::MAX where nothing
+    /// limits it.
+    pub(crate) fn room(&self) -> u64 {
+        match self {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => d.memory().arena_room,
+            #[allow(unreachable_patterns)]
+            _ => u64::MAX,
+        }
+    }
+}

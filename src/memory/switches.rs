@@ -1,0 +1,217 @@
+//! The planner's switches: developer settings that turn one of its techniques off for every
+//! plan it weighs, to measure what the technique gains or to rule it out while hunting a
+//! fault. They are not config keys: a user's `[memory]` says how much memory a run may hold,
+//! and the planner decides how. The `train` and `sample` binaries read them from the
+//! environment variable [`Switches::VAR`] (`FLAME_PLANNER="wire_code=off,measure_machine=on"`).
+
+use super::Plan;
+use crate::{Error, Result};
+
+/// Which of the planner's techniques it may use. Every one is on by default but
+/// `measure_machine`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Switches {
+    /// Checkpointed blocks keep the outputs of Linears that see few rows
+    /// (`autograd::Keep::few_rows`), whose weights streamed blocks then leave out of the
+    /// backward's uploads.
+    pub keep_few_rows: bool,
+    /// Streamed bf16 weights cross the host link in its lossless code (`Plan::wire_code`).
+    pub wire_code: bool,
+    /// With the wire code, the blocks the backward leaves for the next forward cross uncoded
+    /// (`Plan::uncoded_carry`).
+    pub uncoded_carry: bool,
+    /// The forward fetches further ahead where memory allows (`Plan::deep_prefetch`).
+    pub deep_prefetch: bool,
+    /// Streamed blocks' Linears over the conditioning vector compute on the host
+    /// (`Plan::host_products`).
+    pub host_products: bool,
+    /// The time model plays this machine's host link and GPU, measured before loading
+    /// (`measure_machine`), instead of the H100 its constants come from.
+    pub measure_machine: bool,
+}
+
+impl Default for Switches {
+    fn default() -> Self {
+        Switches {
+            keep_few_rows: true,
+            wire_code: true,
+            uncoded_carry: true,
+            deep_prefetch: true,
+            host_products: true,
+            measure_machine: false,
+        }
+    }
+}
+
+impl Switches {
+    /// The environment variable the binaries read the switches from: comma-separated
+    /// `name=on|off` pairs, names as the fields'.
+    pub const VAR: &'static str = "FLAME_PLANNER";
+
+    /// The switches' names, as the fields'.
+    pub const NAMES: [&'static str; 6] = [
+        "keep_few_rows",
+        "wire_code",
+        "uncoded_carry",
+        "deep_prefetch",
+        "host_products",
+        "measure_machine",
+    ];
+
+    /// The switch of `name` (one of [`Switches::NAMES`]).
+    pub fn get(&self, name: &str) -> Option<bool> {
+        let mut s = *self;
+        s.get_mut(name).map(|b| *b)
+    }
+
+    /// The switch of `name` to set (one of [`Switches::NAMES`]).
+    pub fn get_mut(&mut self, name: &str) -> Option<&mut bool> {
+        Some(match name {
+            "keep_few_rows" => &mut self.keep_few_rows,
+            "wire_code" => &mut self.wire_code,
+            "uncoded_carry" => &mut self.uncoded_carry,
+            "deep_prefetch" => &mut self.deep_prefetch,
+            "host_products" => &mut self.host_products,
+            "measure_machine" => &mut self.measure_machine,
+            _ => return None,
+        })
+    }
+
+    /// The defaults with `text`'s pairs applied (`"wire_code=off, measure_machine=on"`; an
+    /// empty text changes nothing). An unknown name or a value other than on/off/true/false
+    /// is an error naming it.
+    pub fn parse(text: &str) -> Result<Self> {
+        Switches::default().with(text)
+    }
+
+    /// These switches with `text`'s pairs applied (as [`Switches::parse`] reads them).
+    pub fn with(self, text: &str) -> Result<Self> {
+        let mut s = self;
+        for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let bad = |why: String| Error::Stream(format!("{}: \"{pair}\": {why}", Self::VAR));
+            let (name, value) = pair
+                .split_once('=')
+                .ok_or_else(|| bad("expected name=on or name=off".into()))?;
+            let on = match value.trim() {
+                "on" | "true" => true,
+                "off" | "false" => false,
+                v => return Err(bad(format!("\"{v}\" is not on or off"))),
+            };
+            let name = name.trim();
+            *s.get_mut(name).ok_or_else(|| {
+                bad(format!(
+                    "no switch \"{name}\" (there are {})",
+                    Self::NAMES.join(", ")
+                ))
+            })? = on;
+        }
+        Ok(s)
+    }
+
+    /// These switches with the environment's pairs applied ([`Switches::VAR`]; unchanged
+    /// where it is unset).
+    pub fn with_env(self) -> Result<Self> {
+        match std::env::var(Self::VAR) {
+            Ok(v) => self.with(&v),
+            Err(std::env::VarError::NotPresent) => Ok(self),
+            Err(e) => Err(Error::Stream(format!("{}: {e}", Self::VAR))),
+        }
+    }
+
+    /// The switches that differ from the defaults, as [`Switches::parse`] reads them (empty
+    /// for the defaults).
+    pub fn show(&self) -> String {
+        let base = Switches::default();
+        Self::NAMES
+            .iter()
+            .filter_map(|n| {
+                let (a, b) = (self.get(n)?, base.get(n)?);
+                (a != b).then(|| format!("{n}={}", if a { "on" } else { "off" }))
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// `plan` as these switches allow it: `None` where it needs a technique switched off
+    /// that it cannot do without (the wire code, uncoded carried blocks); the deep prefetch,
+    /// host products and kept few-row outputs dropped where off.
+    pub fn allow(&self, plan: Plan) -> Option<Plan> {
+        if (plan.wire_code && !self.wire_code) || (plan.uncoded_carry && !self.uncoded_carry) {
+            return None;
+        }
+        Some(self.bind(plan))
+    }
+
+    /// `plan` with every technique switched off dropped (a plan given by hand: the wire
+    /// code and uncoded carried blocks turned off rather than refused).
+    pub fn bind(&self, plan: Plan) -> Plan {
+        Plan {
+            wire_code: plan.wire_code && self.wire_code,
+            uncoded_carry: plan.uncoded_carry && self.uncoded_carry,
+            deep_prefetch: plan.deep_prefetch && self.deep_prefetch,
+            host_products: plan.host_products && self.host_products,
+            keep: crate::autograd::Keep {
+                few_rows: plan.keep.few_rows && self.keep_few_rows,
+                ..plan.keep
+            },
+            ..plan
+        }
+    }
+
+    /// The candidates these switches allow ([`Switches::allow`]), in their order.
+    pub fn filter(&self, candidates: Vec<Plan>) -> Vec<Plan> {
+        candidates
+            .into_iter()
+            .filter_map(|p| self.allow(p))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn switches_read_pairs_and_refuse_what_they_do_not_know() {
+        let s = Switches::parse(" wire_code=off , measure_machine=on ").unwrap();
+        assert!(!s.wire_code && s.measure_machine && s.deep_prefetch);
+        assert_eq!(s.show(), "wire_code=off,measure_machine=on");
+        assert_eq!(Switches::parse(&s.show()).unwrap(), s);
+        assert_eq!(Switches::parse("").unwrap(), Switches::default());
+        assert_eq!(Switches::default().show(), "");
+        for bad in ["wire_code", "wire_code=maybe", "warp_drive=on"] {
+            let e = Switches::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(Switches::VAR) && e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn switched_off_techniques_leave_the_plans() {
+        let plan = Plan {
+            checkpointing: super::super::Checkpointing::All,
+            streamed: vec!["b0".into()],
+            prefetch: 2,
+            keep: crate::autograd::Keep {
+                attention: true,
+                down_projections: false,
+                few_rows: true,
+            },
+            offload_inputs: false,
+            wire_code: true,
+            uncoded_carry: true,
+            deep_prefetch: true,
+            host_products: true,
+            reach: vec![],
+            uncoded_first: 0,
+        };
+        let all = Switches::default();
+        assert_eq!(all.allow(plan.clone()), Some(plan.clone()));
+        let off = Switches::parse("uncoded_carry=off").unwrap();
+        assert_eq!(off.allow(plan.clone()), None);
+        let bound = off.bind(plan.clone());
+        assert!(!bound.uncoded_carry && bound.wire_code);
+        let few = Switches::parse("keep_few_rows=off,host_products=off").unwrap();
+        let p = few.allow(plan).unwrap();
+        assert!(!p.keep.few_rows && p.keep.attention && !p.host_products && p.deep_prefetch);
+    }
+}

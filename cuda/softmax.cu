@@ -147,3 +147,79 @@ SOFTMAX(f32, float)
 SOFTMAX(f64, double)
 SOFTMAX(bf16, __nv_bfloat16)
 SOFTMAX(f16, __half)
+
+// ---- softmax backward: dx = y (dy - sum(dy y)), one warp per row -------------------------
+template <typename T>
+__device__ __forceinline__ void softmax_bwd(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
+                                            size_t rows, size_t cols) {
+  typedef typename AccT<T>::type A;
+  const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31;
+  for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
+    const T* yr = y + r * cols;
+    const T* gr = dy + r * cols;
+    double dot = 0.0;
+    for_row2(yr, gr, cols, lane, [&](size_t, T a, T b) { dot += to_f64(a) * to_f64(b); });
+    const A d = (A)warp_sum(dot);
+    map_row2(yr, gr, dx + r * cols, cols, lane,
+             [&](size_t, T a, T b) { return from_acc<T>(to_acc(a) * (to_acc(b) - d)); });
+  }
+}
+
+// Rows of at most PACKS * 256 elements (cols % 8 == 0, 16-byte aligned; f32 and half types):
+// y and dy stay in registers, so each is read once; the dot product sums in float per lane.
+template <typename T, int PACKS>
+__device__ __forceinline__ void softmax_bwd_reg(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx,
+                                                size_t rows, size_t cols) {
+  const size_t warps = blockDim.x / 32, lane = threadIdx.x & 31, nv = cols / 8;
+  for (size_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += (size_t)gridDim.x * warps) {
+    const Pack8<T>* yr = reinterpret_cast<const Pack8<T>*>(y + r * cols);
+    const Pack8<T>* gr = reinterpret_cast<const Pack8<T>*>(dy + r * cols);
+    Pack8<T> yv[PACKS], gv[PACKS];
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k)
+      if (lane + 32 * k < nv) {
+        yv[k] = yr[lane + 32 * k];
+        gv[k] = gr[lane + 32 * k];
+      }
+    float dot = 0.f, yf[8], gf[8];
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k)
+      if (lane + 32 * k < nv) {
+        widen8(yv[k], yf);
+        widen8(gv[k], gf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dot += yf[e] * gf[e];
+      }
+    const float d = (float)warp_sum((double)dot);
+    Pack8<T>* out = reinterpret_cast<Pack8<T>*>(dx + r * cols);
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k)
+      if (lane + 32 * k < nv) {
+        Pack8<T> o;
+        widen8(yv[k], yf);
+        widen8(gv[k], gf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o.v[e] = from_acc<T>(yf[e] * (gf[e] - d));
+        out[lane + 32 * k] = o;
+      }
+  }
+}
+
+#define SOFTMAX_BWD_REG(SUF, T, P)                                                                             \
+  extern "C" __global__ void softmax_bwd_reg##P##_##SUF(const T* y, const T* dy, T* dx, size_t rows, size_t cols) { \
+    softmax_bwd_reg<T, P>(y, dy, dx, rows, cols);                                                               \
+  }
+#define SOFTMAX_BWD_REGS(SUF, T) SOFTMAX_BWD_REG(SUF, T, 4) SOFTMAX_BWD_REG(SUF, T, 12) SOFTMAX_BWD_REG(SUF, T, 16)
+// Must match the SoftmaxBackward launcher in src/backend/cuda/fused.rs (as the forward).
+SOFTMAX_BWD_REG(f32, float, 4)
+SOFTMAX_BWD_REGS(bf16, __nv_bfloat16)
+SOFTMAX_BWD_REGS(f16, __half)
+
+#define SOFTMAX_BWD(SUF, T)                                                                                 \
+  extern "C" __global__ void softmax_bwd_##SUF(const T* y, const T* dy, T* dx, size_t rows, size_t cols) {     \
+    softmax_bwd<T>(y, dy, dx, rows, cols);                                                                     \
+  }
+SOFTMAX_BWD(f32, float)
+SOFTMAX_BWD(f64, double)
+SOFTMAX_BWD(bf16, __nv_bfloat16)
+SOFTMAX_BWD(f16, __half)

@@ -537,6 +537,45 @@ impl Storage {
             Storage::None(n) => match *n {},
         })
     }
+    /// Fused kernel `k` over operands of one device (see `backend::Kernel`).
+    pub(crate) fn kernel(
+        k: &dyn crate::backend::Kernel,
+        args: &[(&Storage, &Layout)],
+    ) -> Result<Vec<Storage>> {
+        let Some((first, _)) = args.first() else {
+            return Err(crate::Error::invalid(
+                k.name(),
+                "no operands",
+                &Shape::from(()),
+            ));
+        };
+        Ok(match first {
+            #[cfg(feature = "cpu-ref")]
+            Storage::Cpu(_) => {
+                let a = args
+                    .iter()
+                    .map(|(s, l)| Ok((s.cpu(k.name())?, *l)))
+                    .collect::<Result<Vec<_>>>()?;
+                crate::backend::cpu::run_kernel(k, &a)?
+                    .into_iter()
+                    .map(Storage::Cpu)
+                    .collect()
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => {
+                let a = args
+                    .iter()
+                    .map(|(s, l)| Ok((s.cuda(k.name())?, *l)))
+                    .collect::<Result<Vec<_>>>()?;
+                crate::backend::cuda::run_kernel(k, &a)?
+                    .into_iter()
+                    .map(Storage::Cuda)
+                    .collect()
+            }
+            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
+            Storage::None(n) => match *n {},
+        })
+    }
     /// A multi-tensor Adam step over storages of one device (`BackendStorage::adam_multi`).
     pub(crate) fn adam_multi(
         h: &crate::backend::multi::AdamHyper,

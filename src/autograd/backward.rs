@@ -743,19 +743,26 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
         }
         // y = softmax(x): dx = y * (g - sum(g * y)) along the last dim, in one kernel.
         Op::Softmax(x) => vec![(x.clone(), out.softmax_backward(g)?)],
-        // y = x (1 + scale) + shift: dx = g (1 + scale), dshift = sum_L g, dscale = sum_L g x.
-        Op::Modulate { x, shift, scale } => {
-            let params = shift.requires_grad() || scale.requires_grad();
-            let (dx, dp) = x.modulate_backward(g, scale, params)?;
-            let mut v = vec![(x.clone(), dx)];
-            if let Some((dshift, dscale)) = dp {
-                v.push((shift.clone(), dshift.to_dtype(shift.dtype())?));
-                v.push((scale.clone(), dscale.to_dtype(scale.dtype())?));
+        Op::Fused {
+            kernel,
+            inputs,
+            kept,
+        } => {
+            let gs = kernel.vjp(inputs, kept, out, g)?;
+            if gs.len() != inputs.len() {
+                return Err(Error::Autograd(format!(
+                    "internal: {}'s backward gave {} gradients for {} inputs",
+                    kernel.name(),
+                    gs.len(),
+                    inputs.len()
+                )));
             }
-            v
+            inputs
+                .iter()
+                .zip(gs)
+                .filter_map(|(x, g)| g.map(|g| (x.clone(), g)))
+                .collect()
         }
-        // y = M x per pair with M orthogonal or not: dx = M^T g.
-        Op::Rope { x, rot, transpose } => vec![(x.clone(), g.rope_fused(rot, !transpose)?)],
         // GroupNorm: with g = dy w over a group, dx = rstd (g - mean(g) - xhat mean(g xhat));
         // dw = sum over N and positions of dy xhat, db of dy.
         Op::GroupNorm {

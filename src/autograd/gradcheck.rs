@@ -33,7 +33,7 @@ impl Default for GradcheckConfig {
 /// What a passing [`gradcheck`] compared.
 #[derive(Debug, Clone)]
 pub struct GradcheckReport {
-    /// The recorded ops of f's graph, by name (see `DIFFERENTIABLE_OPS`).
+    /// The recorded ops of f's graph, by name (see `differentiable_ops`).
     pub ops: BTreeSet<&'static str>,
     /// The largest |analytic - numeric| seen.
     pub max_abs_err: f64,

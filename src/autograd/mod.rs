@@ -7,6 +7,7 @@
 mod backward;
 mod checkpoint;
 mod custom;
+mod fused;
 pub mod gradcheck;
 
 pub use checkpoint::{
@@ -17,6 +18,8 @@ pub(crate) use checkpoint::{
     hooked_computes, hooked_product, kept_or, kept_or_replayed, note_forward_only, KeptKind,
 };
 pub use custom::{custom_op, CustomBackward};
+pub use fused::FusedKernel;
+pub(crate) use fused::{plain, recorded, run_kernel};
 
 use crate::backend::{BinaryOp, NormKind, ReduceOp, UnaryOp, Window2d};
 use crate::{Tensor, TensorId};
@@ -71,18 +74,6 @@ pub(crate) enum Op {
         rstd: Tensor,
         kind: NormKind,
     },
-    /// adaLN modulation of x (B, L, D) by shift and scale (B, D).
-    Modulate {
-        x: Tensor,
-        shift: Tensor,
-        scale: Tensor,
-    },
-    /// Pair rotation of x (B, H, L, D) by constant matrices (R, L, D/2, 2, 2).
-    Rope {
-        x: Tensor,
-        rot: Tensor,
-        transpose: bool,
-    },
     /// The fused GroupNorm of x (N, C, S) with its saved statistics (N, groups).
     GroupNorm {
         x: Tensor,
@@ -110,6 +101,13 @@ pub(crate) enum Op {
         inputs: Vec<Tensor>,
         node: std::sync::Arc<dyn CustomBackward>,
     },
+    /// A fused kernel with its own gradient (`FusedKernel`): its differentiable inputs and
+    /// the tensors it keeps for the backward.
+    Fused {
+        kernel: std::sync::Arc<dyn FusedKernel>,
+        inputs: Vec<Tensor>,
+        kept: Vec<Tensor>,
+    },
     /// Output `index` of `count` of a custom node (the node's storage-less tensor).
     Output {
         node: Tensor,
@@ -118,8 +116,9 @@ pub(crate) enum Op {
     },
 }
 
-/// Every kind of recorded op, by name; the CPU gradcheck suite must exercise each one.
-/// `to_device` is not listed: it needs two devices, and the GPU suite checks its gradient.
+/// Every kind of recorded op but the registered fused kernels, by name (see
+/// [`differentiable_ops`]). `to_device` is not listed: it needs two devices, and the GPU
+/// suite checks its gradient.
 pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "neg",
     "recip",
@@ -161,13 +160,19 @@ pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "gelu",
     "gelu_tanh",
     "silu",
-    "modulate",
-    "rope",
     "group_norm",
     "attention",
     "checkpoint",
     "custom_output",
 ];
+
+/// Every kind of recorded op, by name: [`DIFFERENTIABLE_OPS`] and the fused kernels
+/// registered in `tensor::kernels::KERNELS`. The CPU gradcheck suite must exercise each one.
+pub fn differentiable_ops() -> Vec<&'static str> {
+    let mut v = DIFFERENTIABLE_OPS.to_vec();
+    v.extend(crate::tensor::kernels::KERNELS.iter().map(|k| k.name()));
+    v
+}
 
 impl Op {
     pub(crate) fn kind(&self) -> &'static str {
@@ -192,11 +197,10 @@ impl Op {
             Op::Unfold2d(..) => "unfold2d",
             Op::Fold2d(..) => "fold2d",
             Op::Norm { .. } => "norm",
-            Op::Modulate { .. } => "modulate",
-            Op::Rope { .. } => "rope",
             Op::GroupNorm { .. } => "group_norm",
             Op::Attention { .. } => "attention",
             Op::Custom { node, .. } => node.name(),
+            Op::Fused { kernel, .. } => kernel.name(),
             Op::Output { .. } => "custom_output",
         }
     }
@@ -238,11 +242,9 @@ impl Op {
                 .into_iter()
                 .flatten()
                 .collect(),
-            Op::Modulate { x, shift, scale } => vec![x, shift, scale],
             Op::Addmm { c, a, b, bias } => {
                 [c, Some(a), Some(b), bias].into_iter().flatten().collect()
             }
-            Op::Rope { x, rot, .. } => vec![x, rot],
             Op::Attention {
                 q, k, v, keep, lse, ..
             } => [Some(q), Some(k), Some(v), keep, Some(lse)]
@@ -256,6 +258,7 @@ impl Op {
             Op::Where(m, t, f) => vec![m, t, f],
             Op::ScatterAdd(d, i, s, _) => vec![d, i, s],
             Op::Cat(xs, _) | Op::Custom { inputs: xs, .. } => xs,
+            Op::Fused { inputs, kept, .. } => inputs.into_iter().chain(kept).collect(),
             Op::Output { node, .. } => vec![node],
         }
     }
@@ -286,16 +289,16 @@ impl Op {
                 .into_iter()
                 .flatten()
                 .collect(),
-            Op::Modulate { x, shift, scale } => vec![x, shift, scale],
             Op::Addmm { c, a, b, bias } => [c.as_ref(), Some(a), Some(b), bias.as_ref()]
                 .into_iter()
                 .flatten()
                 .collect(),
-            Op::Rope { x, .. } => vec![x],
             Op::Attention { q, k, v, .. } => vec![q, k, v],
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
             Op::Where(_, t, f) => vec![t, f],
-            Op::Cat(xs, _) | Op::Custom { inputs: xs, .. } => xs.iter().collect(),
+            Op::Cat(xs, _) | Op::Custom { inputs: xs, .. } | Op::Fused { inputs: xs, .. } => {
+                xs.iter().collect()
+            }
             Op::ScatterAdd(d, _, s, _) => vec![d, s],
             Op::Output { node, .. } => vec![node],
         }
@@ -398,6 +401,7 @@ impl Op {
             Op::Binary(_, _, b) => *b == BinaryOp::Div,
             Op::Reduce(_, r, _) => *r != ReduceOp::Sum,
             Op::Softmax(_) | Op::Attention { .. } => true,
+            Op::Fused { kernel, .. } => kernel.reads_output(),
             _ => false,
         }
     }
@@ -477,20 +481,6 @@ impl Op {
                 rstd,
                 kind,
             },
-            // dx = g (1 + scale) reads scale; dscale = sum g x reads x; shift is never read.
-            Op::Modulate { x, shift, scale } => {
-                let params = shift.requires_grad() || scale.requires_grad();
-                Op::Modulate {
-                    x: keep_if(x, params),
-                    shift: e(shift),
-                    scale,
-                }
-            }
-            Op::Rope { x, rot, transpose } => Op::Rope {
-                x: e(x),
-                rot,
-                transpose,
-            },
             Op::GroupNorm {
                 x,
                 weight,
@@ -511,6 +501,23 @@ impl Op {
                 inputs: inputs.into_iter().map(e).collect(),
                 node,
             },
+            Op::Fused {
+                kernel,
+                inputs,
+                kept,
+            } => {
+                let needs: Vec<bool> = inputs.iter().map(Tensor::requires_grad).collect();
+                let reads = kernel.reads_inputs(&needs);
+                Op::Fused {
+                    inputs: inputs
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, t)| keep_if(t, reads.get(i).copied().unwrap_or(true)))
+                        .collect(),
+                    kernel,
+                    kept,
+                }
+            }
             op @ Op::Output { .. } => op,
         }
     }

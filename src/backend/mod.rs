@@ -209,11 +209,6 @@ pub enum FusedOp {
     /// [x, dy (rows, cols), mean, rstd (rows) stats] -> [dw, db (cols) stats]: the column
     /// sums of dy xhat and dy, xhat = (x - mean) rstd (mean 0 for Rms).
     NormParamGrads(NormKind),
-    /// [x (B, L, D), shift, scale (B, D)], one dtype -> [y = x (1 + scale) + shift]: adaLN.
-    Modulate,
-    /// [x, dy (B, L, D), scale (B, D)] -> [dx = dy (1 + scale), dshift = sum_L dy,
-    /// dscale = sum_L dy x (B, D)], all in x's dtype (the autograd needs no cast after it).
-    ModulateBackward,
     /// [x, dy (rows, cols), mean, rstd (rows) stats, weight? (cols)] -> [dx, dw, db (cols)],
     /// all in x's dtype: `norm_last_dim_backward`'s dx and `NormParamGrads`' sums in one
     /// pass over x and dy (the case of trainable norm parameters).
@@ -222,12 +217,6 @@ pub enum FusedOp {
         kind: NormKind,
         /// Whether a weight operand is passed (and `dw`, `db` are meaningful).
         weight: bool,
-    },
-    /// [x (B, H, L, D), rot (R, L, D/2, 2, 2) in stats, R = 1 or B] -> `[y]`: each pair
-    /// `(x[2i], x[2i+1])` times its 2x2 matrix (its transpose when `transpose`, the backward).
-    Rope {
-        /// Multiply by the transposed matrices (the backward pass).
-        transpose: bool,
     },
     /// [x (N, C, S), weight?, bias? (C) x's dtype] -> [y, mean, rstd (N, groups) stats]:
     /// statistics over each group of C / groups channels and all S positions.
@@ -289,10 +278,7 @@ impl FusedOp {
         match self {
             FusedOp::SoftmaxBackward => "softmax_backward",
             FusedOp::NormParamGrads(_) => "norm_param_grads",
-            FusedOp::Modulate => "modulate",
-            FusedOp::ModulateBackward => "modulate_backward",
             FusedOp::NormBackward { .. } => "norm_backward",
-            FusedOp::Rope { .. } => "rope",
             FusedOp::GroupNorm { .. } => "group_norm",
             FusedOp::GroupNormBackward { .. } => "group_norm_backward",
             FusedOp::Attention { .. } => "attention",
@@ -300,6 +286,32 @@ impl FusedOp {
             FusedOp::DequantFp8 { .. } => "dequant_fp8",
         }
     }
+}
+
+/// A fused kernel as one object, in the manner of candle's `CustomOp`: its operand check and
+/// one implementation per backend. The backends run the common part (each view inside its
+/// storage, one device, the check, dense operands on a GPU) and call the kernel's own
+/// implementation; `autograd::FusedKernel` adds its gradient and what it keeps for it. A
+/// kernel with its `Tensor` method, composite twin and gradient is one file of
+/// `tensor/kernels/`, registered in `tensor::kernels::KERNELS`.
+pub trait Kernel: Send + Sync {
+    /// The kernel's snake_case name (errors, the graph's op names, profiles).
+    fn name(&self) -> &'static str;
+
+    /// Checks the operands (count, dtypes, shapes), each as (dtype, view), and returns the
+    /// sizes the implementations read. Every backend calls it before its implementation.
+    fn check(&self, args: &[(DType, &Layout)]) -> Result<Vec<usize>>;
+
+    /// The reference implementation on host storages (the views checked, not necessarily
+    /// contiguous), the outputs fresh and contiguous. What the CUDA implementation is tested
+    /// against.
+    #[cfg(feature = "cpu-ref")]
+    fn cpu(&self, dims: &[usize], args: &[(&CpuStorage, &Layout)]) -> Result<Vec<CpuStorage>>;
+
+    /// The CUDA implementation: operands checked, on one device and contiguous from offset
+    /// 0 (dense copies where the views were not), the outputs fresh buffers.
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, dims: &[usize], args: &[&cuda::CudaStorage]) -> Result<Vec<cuda::CudaStorage>>;
 }
 
 /// The dtype of saved normalization statistics: f64 for f64 inputs, f32 otherwise.

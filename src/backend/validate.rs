@@ -109,9 +109,87 @@ fn dequant_fp8(name: &'static str, dtype: DType, args: &[(DType, &Layout)]) -> R
     Ok(vec![d[0], d[1] * super::fp8::CODES_PER_WORD])
 }
 
+/// The operands of a fused kernel as its check reads them (`backend::Kernel::check`): the
+/// count, the first's float dtype, each one's dtype and dims.
+pub(crate) struct Operands<'a> {
+    name: &'static str,
+    args: &'a [(DType, &'a Layout)],
+}
+
+impl<'a> Operands<'a> {
+    /// `count` operands, the first of a float dtype.
+    pub(crate) fn new(
+        name: &'static str,
+        args: &'a [(DType, &'a Layout)],
+        count: usize,
+    ) -> Result<Self> {
+        let Some(&(dt, x)) = args.first() else {
+            return Err(Error::invalid(name, "no operands", &crate::Shape::from(())));
+        };
+        if args.len() != count {
+            return Err(Error::invalid(
+                name,
+                format!("{} operands, expected {count}", args.len()),
+                x.shape(),
+            ));
+        }
+        if !dt.is_float() {
+            return Err(Error::UnsupportedDType {
+                op: name,
+                dtype: dt,
+            });
+        }
+        Ok(Operands { name, args })
+    }
+
+    /// The first operand's dtype.
+    pub(crate) fn dtype(&self) -> DType {
+        self.args[0].0
+    }
+
+    /// The first operand's dims, which must be `r` of them, none zero (`what` names them).
+    pub(crate) fn dims(&self, r: usize, what: &str) -> Result<&'a [usize]> {
+        let x = self.args[0].1;
+        let d = x.dims();
+        if d.len() != r || d.contains(&0) {
+            return Err(self.invalid(format!("needs a non-empty {what} tensor")));
+        }
+        Ok(d)
+    }
+
+    /// Operand `i` must have dtype `d` and dims `dims`.
+    pub(crate) fn expect(&self, i: usize, d: DType, dims: &[usize]) -> Result<()> {
+        let (adt, l) = self.args[i];
+        if adt != d {
+            return Err(Error::DTypeMismatch {
+                op: self.name,
+                lhs: d,
+                rhs: adt,
+            });
+        }
+        if l.dims() != dims {
+            return Err(Error::ShapeMismatch {
+                op: self.name,
+                lhs: crate::Shape::from(dims),
+                rhs: l.shape().clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Operand `i`'s dims.
+    pub(crate) fn dims_of(&self, i: usize) -> &'a [usize] {
+        self.args[i].1.dims()
+    }
+
+    /// An invalid-argument error on the first operand's shape.
+    pub(crate) fn invalid(&self, msg: impl Into<String>) -> Error {
+        Error::invalid(self.name, msg, self.args[0].1.shape())
+    }
+}
+
 /// Checks the operands of a fused op (count, dtypes, shapes) and returns its sizes:
-/// [rows, cols] for SoftmaxBackward and the norms' backwards, [B, L, D] for the modulations,
-/// [B, H, L, D, R] for Rope, [N, C, S, groups] for the group norms, [B, H, Lq, Lk, D] for
+/// [rows, cols] for SoftmaxBackward and the norms' backwards, [N, C, S, groups] for the group norms, [B, H, Lq, Lk, D] for
 /// attention.
 pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
     use super::FusedOp as F;
@@ -120,8 +198,6 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
         F::SoftmaxBackward => 2,
         F::NormParamGrads(_) => 4,
         F::NormBackward { weight, .. } => 4 + usize::from(weight),
-        F::Modulate | F::ModulateBackward => 3,
-        F::Rope { .. } => 2,
         F::GroupNorm { weight, bias, .. } => 1 + usize::from(weight) + usize::from(bias),
         F::GroupNormBackward { weight, .. } => 4 + usize::from(weight),
         F::Attention { mask, .. } => 3 + usize::from(mask),
@@ -200,27 +276,6 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
                 expect(4, dt, &[cols])?;
             }
             vec![rows, cols]
-        }
-        F::Modulate | F::ModulateBackward => {
-            rank(3, "(B, L, D)")?;
-            let bd = [d[0], d[2]];
-            if op == F::Modulate {
-                expect(1, dt, &bd)?;
-            } else {
-                expect(1, dt, d)?;
-            }
-            expect(2, dt, &bd)?;
-            d.to_vec()
-        }
-        F::Rope { .. } => {
-            rank(4, "(B, H, L, D)")?;
-            if d[3] % 2 != 0 {
-                return Err(Error::invalid(name, "needs an even head dim", x.shape()));
-            }
-            let r = args[1].1.dims().first().copied().unwrap_or(0);
-            let r = if r == d[0] { r } else { 1 };
-            expect(1, stats, &[r, d[2], d[3] / 2, 2, 2])?;
-            vec![d[0], d[1], d[2], d[3], r]
         }
         F::GroupNorm { groups, .. } | F::GroupNormBackward { groups, .. } => {
             rank(3, "(N, C, S)")?;

@@ -1,5 +1,5 @@
-//! Layers with fused kernels (`FusedOp`): adaLN modulation, RoPE and GroupNorm, plus the fused
-//! backward pieces of softmax and the norms. Each has a composite twin written from
+//! Layers with fused kernels of the `FusedOp` enum: GroupNorm, plus the fused backward pieces
+//! of softmax and the norms (adaLN modulation and RoPE are kernel files of `kernels/`). Each has a composite twin written from
 //! primitives, kept as its reference (tests compare the two on every backend).
 
 use super::Tensor;
@@ -84,147 +84,6 @@ impl Tensor {
         };
         let cols = self.dims().last().copied().unwrap_or(0);
         param_backward(op, self, dy, (mean, rstd), weight, cols)
-    }
-
-    /// adaLN modulation `x * (1 + scale) + shift` in one kernel (one rounding). x is (B, ..., D);
-    /// shift and scale broadcast against it as (B, 1, ..., D) with B or D possibly 1. Other
-    /// broadcasts, and non-float dtypes, go through `modulate_composite`.
-    pub fn modulate(&self, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
-        let r = self.rank();
-        if r < 2 || !self.dtype().is_float() {
-            return self.modulate_composite(shift, scale);
-        }
-        if r == 2 {
-            let (sh, sc) = (self.pad_rank(shift, 3)?, self.pad_rank(scale, 3)?);
-            return match (sh, sc) {
-                (Some(sh), Some(sc)) => self.unsqueeze(0)?.modulate(&sh, &sc)?.squeeze(0),
-                _ => self.modulate_composite(shift, scale),
-            };
-        }
-        let d = self.dims();
-        let (b, e) = (d[0], d[r - 1]);
-        let (Some(sh), Some(sc)) = (self.as_batch_rows(shift)?, self.as_batch_rows(scale)?) else {
-            return self.modulate_composite(shift, scale);
-        };
-        let x = self.reshape((b, self.elem_count() / (b * e).max(1), e))?;
-        let mut o = run(FusedOp::Modulate, &[&x, &sh, &sc])?;
-        let rec = record(&[&x, &sh, &sc], || Op::Modulate {
-            x: x.clone(),
-            shift: sh.clone(),
-            scale: sc.clone(),
-        });
-        let y = Tensor::from_storage(o.remove(0), x.shape().clone(), x.device().clone(), rec);
-        y.reshape(self.shape().clone())
-    }
-
-    /// `x * (1 + scale) + shift` from primitives: the reference of the fused kernel.
-    pub fn modulate_composite(&self, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
-        self.mul(&scale.add_scalar(1.0)?)?.add(shift)
-    }
-
-    /// `p` padded with leading 1s to `rank`, if it has at most that rank.
-    fn pad_rank(&self, p: &Tensor, rank: usize) -> Result<Option<Tensor>> {
-        if p.rank() > rank {
-            return Ok(None);
-        }
-        let mut dims = vec![1; rank - p.rank()];
-        dims.extend(p.dims());
-        p.reshape(dims).map(Some)
-    }
-
-    /// A modulation parameter as a (B, D) tensor of self's dtype, when it broadcasts against
-    /// self (B, ..., D) as (B or 1, 1, ..., D or 1).
-    fn as_batch_rows(&self, p: &Tensor) -> Result<Option<Tensor>> {
-        let r = self.rank();
-        let (b, e) = (self.dims()[0], self.dims()[r - 1]);
-        let Some(p) = self.pad_rank(p, r)? else {
-            return Ok(None);
-        };
-        let pd = p.dims();
-        let ok = pd[1..r - 1].iter().all(|&v| v == 1)
-            && (pd[0] == 1 || pd[0] == b)
-            && (pd[r - 1] == 1 || pd[r - 1] == e);
-        if !ok {
-            return Ok(None);
-        }
-        p.reshape((pd[0], pd[r - 1]))?
-            .broadcast_as((b, e))?
-            .to_dtype(self.dtype())
-            .map(Some)
-    }
-
-    /// Rotates pairs `(x[2i], x[2i+1])` of the last dim of x (B, H, L, D) by `freqs`
-    /// (B or 1, 1, L, D/2, 2, 2), BFL Flux's layout: (a, b) -> (f00 a + f01 b, f10 a + f11 b),
-    /// computed in f32 (f64 for f64) in one kernel. Trainable rotations go through the
-    /// composite, which differentiates them too.
-    pub fn apply_rope(&self, freqs: &Tensor) -> Result<Tensor> {
-        let d = self.dims();
-        let fd = freqs.dims();
-        let ok = d.len() == 4
-            && d[3] % 2 == 0
-            && fd.len() == 6
-            && (fd[0] == 1 || fd[0] == d[0])
-            && fd[1..] == [1, d[2], d[3] / 2, 2, 2];
-        if !ok {
-            return Err(Error::ShapeMismatch {
-                op: "apply_rope",
-                lhs: self.shape().clone(),
-                rhs: freqs.shape().clone(),
-            });
-        }
-        if !self.dtype().is_float() || freqs.requires_grad() {
-            return self.apply_rope_composite(freqs);
-        }
-        let rot = freqs.to_dtype(stats_dtype(self.dtype()))?.reshape(vec![
-            fd[0],
-            d[2],
-            d[3] / 2,
-            2,
-            2,
-        ])?;
-        self.rope_fused(&rot, false)
-    }
-
-    /// The rotation by rot (R, L, D/2, 2, 2), or by its transpose (the backward).
-    pub(crate) fn rope_fused(&self, rot: &Tensor, transpose: bool) -> Result<Tensor> {
-        let mut o = run(FusedOp::Rope { transpose }, &[self, rot])?;
-        let rec = record(&[self], || Op::Rope {
-            x: self.clone(),
-            rot: rot.clone(),
-            transpose,
-        });
-        Ok(Tensor::from_storage(
-            o.remove(0),
-            self.shape().clone(),
-            self.device().clone(),
-            rec,
-        ))
-    }
-
-    /// `apply_rope` from primitives (in f32): the reference of the fused kernel.
-    pub fn apply_rope_composite(&self, freqs: &Tensor) -> Result<Tensor> {
-        let d = self.dims().to_vec();
-        let pairs = self.to_dtype(stats_dtype(self.dtype()))?.reshape(vec![
-            d[0],
-            d[1],
-            d[2],
-            d[3] / 2,
-            1,
-            2,
-        ])?;
-        let f = freqs.to_dtype(pairs.dtype())?;
-        let (f0, f1) = (
-            f.narrow(5, 0, 1)?.squeeze(5)?,
-            f.narrow(5, 1, 1)?.squeeze(5)?,
-        );
-        let (a, b) = (
-            pairs.narrow(5, 0, 1)?.squeeze(5)?,
-            pairs.narrow(5, 1, 1)?.squeeze(5)?,
-        );
-        f0.mul(&a)?
-            .add(&f1.mul(&b)?)?
-            .reshape(d)?
-            .to_dtype(self.dtype())
     }
 
     /// The dims of an (N, C, ...) tensor whose channels split into `groups`.
@@ -334,30 +193,6 @@ impl Tensor {
             weight: weight.is_some(),
         };
         param_backward(op, self, dy, (mean, rstd), weight, self.dims()[1])
-    }
-
-    /// (dx, dshift, dscale) of the fused modulation, all in x's dtype.
-    pub(crate) fn modulate_backward(
-        &self,
-        dy: &Tensor,
-        scale: &Tensor,
-        params: bool,
-    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
-        let dy = dy.to_dtype(self.dtype())?;
-        if !params {
-            // dx = dy (1 + scale): the forward kernel with a zero shift.
-            let zero = scale.zeros_like()?;
-            let mut o = run(FusedOp::Modulate, &[&dy, &zero, scale])?;
-            return Ok((wrap(o.remove(0), self.shape().clone(), self), None));
-        }
-        let mut o = run(FusedOp::ModulateBackward, &[self, &dy, scale])?;
-        let bd = scale.shape().clone();
-        let dscale = wrap(o.remove(2), bd.clone(), self);
-        let dshift = wrap(o.remove(1), bd, self);
-        Ok((
-            wrap(o.remove(0), self.shape().clone(), self),
-            Some((dshift, dscale)),
-        ))
     }
 
     /// An FP8 E4M3 weight decoded into `dtype`: `self` holds the packed codes (rows, cols / 4)

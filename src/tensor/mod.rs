@@ -4,6 +4,7 @@
 mod attention;
 mod composite;
 mod fused;
+pub(crate) mod kernels;
 pub(crate) mod multi;
 mod ops;
 mod view;

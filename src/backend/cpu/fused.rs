@@ -38,6 +38,25 @@ fn view(s: &CpuStorage, l: &Layout) -> Vec<f64> {
     }
 }
 
+/// Runs kernel `k` (see `backend::Kernel`): the views checked, then its check, then its
+/// reference implementation.
+pub(crate) fn run_kernel(
+    k: &dyn crate::backend::Kernel,
+    args: &[(&CpuStorage, &Layout)],
+) -> Result<Vec<CpuStorage>> {
+    for (s, l) in args {
+        super::check_view(k.name(), s, l)?;
+    }
+    let metas: Vec<_> = args.iter().map(|(s, l)| (s.dtype(), *l)).collect();
+    let dims = k.check(&metas)?;
+    k.cpu(&dims, args)
+}
+
+/// The view `l` of `s` as contiguous f64 values (what a kernel's reference computes from).
+pub(crate) fn f64_view(s: &CpuStorage, l: &Layout) -> Vec<f64> {
+    view(s, l)
+}
+
 pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<CpuStorage>> {
     for (s, l) in args {
         super::check_view(op.name(), s, l)?;
@@ -84,36 +103,6 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
             }
             vec![from_f64_vec(dw, st), from_f64_vec(db, st)]
         }
-        FusedOp::Modulate => {
-            let (x, shift, scale) = (&v[0], &v[1], &v[2]);
-            let (l, d) = (dims[1], dims[2]);
-            let y = x
-                .iter()
-                .enumerate()
-                .map(|(i, x)| {
-                    let p = i / (l * d) * d + i % d;
-                    x * (1.0 + scale[p]) + shift[p]
-                })
-                .collect();
-            vec![from_f64_vec(y, dt)]
-        }
-        FusedOp::ModulateBackward => {
-            let (x, dy, scale) = (&v[0], &v[1], &v[2]);
-            let (b, l, d) = (dims[0], dims[1], dims[2]);
-            let mut dx = vec![0.0; x.len()];
-            let (mut dshift, mut dscale) = (vec![0.0; b * d], vec![0.0; b * d]);
-            for (i, dx) in dx.iter_mut().enumerate() {
-                let p = i / (l * d) * d + i % d;
-                *dx = dy[i] * (1.0 + scale[p]);
-                dshift[p] += dy[i];
-                dscale[p] += dy[i] * x[i];
-            }
-            vec![
-                from_f64_vec(dx, dt),
-                from_f64_vec(dshift, dt),
-                from_f64_vec(dscale, dt),
-            ]
-        }
         FusedOp::NormBackward { kind, weight } => {
             let (x, dy, mean, rstd) = (&v[0], &v[1], &v[2], &v[3]);
             let cols = dims[1];
@@ -145,25 +134,6 @@ pub(super) fn fused(op: FusedOp, args: &[(&CpuStorage, &Layout)]) -> Result<Vec<
                 from_f64_vec(dw, dt),
                 from_f64_vec(db, dt),
             ]
-        }
-        FusedOp::Rope { transpose } => {
-            let (x, rot) = (&v[0], &v[1]);
-            let (h, l, d, r) = (dims[1], dims[2], dims[3], dims[4]);
-            let mut y = vec![0.0; x.len()];
-            for (p, out) in y.chunks_mut(2).enumerate() {
-                // Pair p of (B, H, L, D/2): its matrix is rot[b % R][l][i].
-                let (i, pos, bi) = (p % (d / 2), p / (d / 2) % l, p / (d / 2 * l * h));
-                let m = &rot[(((bi % r) * l + pos) * (d / 2) + i) * 4..][..4];
-                let (a, b) = (x[2 * p], x[2 * p + 1]);
-                let (m01, m10) = if transpose {
-                    (m[2], m[1])
-                } else {
-                    (m[1], m[2])
-                };
-                out[0] = m[0] * a + m01 * b;
-                out[1] = m10 * a + m[3] * b;
-            }
-            vec![from_f64_vec(y, dt)]
         }
         FusedOp::GroupNorm {
             groups,

@@ -18,6 +18,7 @@ use crate::backend::{
     BackendDevice, BackendStorage, BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp,
 };
 use crate::{CpuStorage, DType, Error, Layout, Result, Shape, WithDType};
+pub(crate) use fused::{f64_view, run_kernel};
 use half::{bf16, f16};
 pub(crate) use num::{Activation, Elem, Real};
 
@@ -500,7 +501,7 @@ impl BackendStorage for CpuStorage {
     }
 }
 
-fn from_f64_vec(v: Vec<f64>, dtype: DType) -> CpuStorage {
+pub(crate) fn from_f64_vec(v: Vec<f64>, dtype: DType) -> CpuStorage {
     match dtype {
         DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
         DType::F64 => CpuStorage::F64(v),

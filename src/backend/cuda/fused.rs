@@ -1,5 +1,7 @@
-//! Launchers of the fused kernels of `FusedOp` (kernels in cuda/fused.cu; GroupNorm in
-//! group_norm.rs, attention in attention.rs). Operands are
+//! Launchers of the fused kernels of `FusedOp` (kernels in cuda/fused.cu, softmax's backward
+//! in cuda/softmax.cu; GroupNorm in group_norm.rs, attention in attention.rs) and the common
+//! part of every `backend::Kernel` (`run_kernel`; the kernels' own launchers are in their
+//! files of `tensor/kernels/`). Operands are
 //! checked by `validate::fused`, views are made dense, outputs are fresh buffers.
 //!
 //! Column sums (the weight/bias gradients of norms and modulation) are taken by the backward's
@@ -10,7 +12,6 @@
 //! backward with dw and db is one kernel instead (norm.rs `launch_bwd_bulk`: rows by bulk
 //! copies, the partials added after a grid-wide barrier, in a fixed order too).
 
-use super::layout::grid_for;
 use super::memory::DevBuf;
 use super::storage::{launch, CudaStorage, Elem};
 use crate::backend::{validate, BackendDevice, FusedOp, NormKind};
@@ -19,7 +20,7 @@ use cudarc::driver::DeviceRepr;
 use cudarc::driver::LaunchConfig;
 use half::{bf16, f16};
 
-fn cfg(x: usize, y: usize, z: usize) -> LaunchConfig {
+pub(crate) fn cfg(x: usize, y: usize, z: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (x as u32, y as u32, z as u32),
         block_dim: (256, 1, 1),
@@ -30,9 +31,9 @@ fn cfg(x: usize, y: usize, z: usize) -> LaunchConfig {
 /// The launch shape of the column sums by row blocks (cuda/rows.cuh) for rows of `cols`
 /// columns: P packs a lane, `lw` lanes a row, `threads` a block (several row groups when a
 /// row needs fewer than rows.cuh's COLSUM_THREADS), `step` rows a block takes at once.
-struct ColSum {
-    p: usize,
-    lw: usize,
+pub(crate) struct ColSum {
+    pub(crate) p: usize,
+    pub(crate) lw: usize,
     threads: usize,
     step: usize,
 }
@@ -40,7 +41,7 @@ struct ColSum {
 /// Rows of whole 16-byte packs of a non-f64 dtype, with at most `lanes` lanes a row (the
 /// instances in cuda/norm.cu and fused.cu: one pack a lane, four rows at a time, up to `lanes`
 /// packs; two packs and two rows up to twice that; `lanes` is their launch bound).
-fn colsum_shape(dtype: DType, cols: usize, lanes: usize) -> Option<ColSum> {
+pub(crate) fn colsum_shape(dtype: DType, cols: usize, lanes: usize) -> Option<ColSum> {
     const THREADS: usize = 256; // rows.cuh's COLSUM_THREADS
     if dtype == DType::F64 || cols % 8 != 0 || cols == 0 {
         return None;
@@ -69,7 +70,7 @@ fn colsum_shape(dtype: DType, cols: usize, lanes: usize) -> Option<ColSum> {
 }
 
 impl ColSum {
-    fn cfg(&self, blocks: usize, batches: usize) -> LaunchConfig {
+    pub(crate) fn cfg(&self, blocks: usize, batches: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (blocks as u32, batches as u32, 1),
             block_dim: (self.threads as u32, 1, 1),
@@ -81,7 +82,7 @@ impl ColSum {
     /// `kernel` keeps resident at once on the GPU, shared by `batches`, and at most two a
     /// multiprocessor: every block writes a partial row per sum, traffic the chunk's rows
     /// must outweigh.
-    fn chunks(
+    pub(crate) fn chunks(
         &self,
         dev: &super::CudaDevice,
         module: &'static str,
@@ -100,7 +101,7 @@ impl ColSum {
 
 /// Sums `parts` partial rows of two sums of `m` values each (part[(p * 2 + k) * m + i], f64
 /// from the sweeps, f32 from the row blocks) in double, in a fixed order, into O.
-fn sum_parts<PT: DeviceRepr, O: Elem>(
+pub(crate) fn sum_parts<PT: DeviceRepr, O: Elem>(
     dev: &super::CudaDevice,
     part: &DevBuf<PT>,
     parts: usize,
@@ -182,20 +183,54 @@ fn norm_param_sweep<T: Elem, O: Elem>(
     sum_parts::<f64, O>(dev, &part, parts, cols)
 }
 
-fn ptr(s: &CudaStorage) -> u64 {
+pub(crate) fn ptr(s: &CudaStorage) -> u64 {
     s.buf.raw_ptr(s.dev.stream())
 }
 
 /// (parts, chunk) for a sweep of `rows` rows by `blocks` blocks of columns: about eight
 /// blocks per multiprocessor, at least `min_chunk` rows a chunk (the f64 partials of a chunk
 /// cost as much traffic as a few rows of input).
-fn sweep(rows: usize, blocks: usize, sms: usize, min_chunk: usize) -> (usize, usize) {
+pub(crate) fn sweep(rows: usize, blocks: usize, sms: usize, min_chunk: usize) -> (usize, usize) {
     let parts = (8 * sms)
         .div_ceil(blocks.max(1))
         .min(rows.div_ceil(min_chunk))
         .clamp(1, 65535);
     let chunk = rows.div_ceil(parts).max(1);
     (rows.div_ceil(chunk).max(1), chunk)
+}
+
+/// Runs kernel `k` (see `backend::Kernel`): the views checked, its check, one device,
+/// dense operands, then its CUDA implementation.
+pub(crate) fn run_kernel(
+    k: &dyn crate::backend::Kernel,
+    args: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<CudaStorage>> {
+    let name = k.name();
+    for (s, l) in args {
+        s.check(name, l)?;
+    }
+    let metas: Vec<_> = args.iter().map(|(s, l)| (s.buf.dtype(), *l)).collect();
+    let dims = k.check(&metas)?;
+    let Some((first, _)) = args.first() else {
+        return Err(Error::invalid(name, "no operands", &crate::Shape::from(())));
+    };
+    if args.iter().any(|(s, _)| !first.dev.same_device(&s.dev)) {
+        return Err(Error::DeviceMismatch {
+            op: name,
+            lhs: first.dev.location(),
+            rhs: "another device".into(),
+        });
+    }
+    let dense = args
+        .iter()
+        .map(|(s, l)| s.dense(name, l))
+        .collect::<Result<Vec<_>>>()?;
+    let bufs: Vec<&CudaStorage> = dense
+        .iter()
+        .zip(args)
+        .map(|(d, (s, _))| d.as_ref().unwrap_or(s))
+        .collect();
+    k.cuda(&dims, &bufs)
 }
 
 pub(crate) fn fused(op: FusedOp, args: &[(&CudaStorage, &Layout)]) -> Result<Vec<CudaStorage>> {
@@ -255,9 +290,10 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 Some(p) => format!("softmax_bwd_reg{p}_{}", T::SFX),
                 None => format!("softmax_bwd_{}", T::SFX),
             };
+            // Beside the forward, in cuda/softmax.cu.
             launch!(
                 dev,
-                "fused",
+                "softmax",
                 kernel,
                 shape,
                 &p[0],
@@ -335,114 +371,6 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                 }
             };
             vec![out(T::wrap(dx)), out(T::wrap(dw)), out(T::wrap(db))]
-        }
-        FusedOp::Modulate => {
-            let (b, l, dd) = (d[0], d[1], d[2]);
-            let mut y = dev.alloc::<T>(b * l * dd)?;
-            launch!(
-                dev,
-                "fused",
-                format!("modulate_fwd_{}", T::SFX),
-                grid_for((b * l * dd).div_ceil(8), sms),
-                &p[0],
-                &p[1],
-                &p[2],
-                &mut *y.slice,
-                &b,
-                &l,
-                &dd
-            )?;
-            vec![out(T::wrap(y))]
-        }
-        FusedOp::ModulateBackward => {
-            let (b, l, dd) = (d[0], d[1], d[2]);
-            if b > 65535 {
-                return Err(Error::invalid(
-                    "modulate_backward",
-                    format!("a batch of {b} exceeds one launch (65535)"),
-                    &crate::Shape::from(d),
-                ));
-            }
-            let mut dx = dev.alloc::<T>(b * l * dd)?;
-            let (dshift, dscale) = match colsum_shape(T::DTYPE, dd, 512) {
-                Some(cs) => {
-                    let kernel = format!("modulate_bwd_rows_{}_{}", cs.p, T::SFX);
-                    let (parts, chunk) = cs.chunks(dev, "fused", &kernel, l, b)?;
-                    let part = dev.alloc::<f32>(parts * 2 * b * dd)?;
-                    let lw = cs.lw as i32;
-                    launch!(
-                        dev,
-                        "fused",
-                        kernel,
-                        cs.cfg(parts, b),
-                        &p[0],
-                        &p[1],
-                        &p[2],
-                        &mut *dx.slice,
-                        &*part.slice,
-                        &b,
-                        &l,
-                        &dd,
-                        &chunk,
-                        &lw
-                    )?;
-                    sum_parts::<f32, T>(dev, &part, parts, b * dd)?
-                }
-                // A thread per column walking a chunk of rows, f64 partials.
-                None => {
-                    let blocks = dd.div_ceil(256);
-                    let (parts, chunk) = sweep(l, blocks * b, sms, 8);
-                    let part = dev.alloc::<f64>(parts * 2 * b * dd)?;
-                    launch!(
-                        dev,
-                        "fused",
-                        format!("modulate_bwd_{}", T::SFX),
-                        cfg(blocks, parts, b),
-                        &p[0],
-                        &p[1],
-                        &p[2],
-                        &mut *dx.slice,
-                        &*part.slice,
-                        &b,
-                        &l,
-                        &dd,
-                        &chunk
-                    )?;
-                    sum_parts::<f64, T>(dev, &part, parts, b * dd)?
-                }
-            };
-            vec![out(T::wrap(dx)), out(T::wrap(dshift)), out(T::wrap(dscale))]
-        }
-        FusedOp::Rope { transpose } => {
-            let (b, h, l, hd, r) = (d[0], d[1], d[2], d[3], d[4]);
-            let (half, pairs) = (hd / 2, b * h * l * hd / 2);
-            let mut y = dev.alloc::<T>(2 * pairs)?;
-            let t = i32::from(transpose);
-            // Four pairs of four heads per thread (cuda/fused.cu's ROPE_HEADS) when they share
-            // a rotation row and fit 32-bit indices.
-            let vec = T::DTYPE != DType::F64 && half % 4 == 0 && pairs < (1 << 31);
-            let (kernel, work) = if vec {
-                let per_head = pairs / (4 * h.max(1));
-                (format!("rope_vec_{}", T::SFX), per_head * h.div_ceil(4))
-            } else {
-                (format!("rope_{}", T::SFX), pairs)
-            };
-            launch!(
-                dev,
-                "fused",
-                kernel,
-                grid_for(work, sms),
-                &p[0],
-                &p[1],
-                &mut *y.slice,
-                &h,
-                &l,
-                &half,
-                &r,
-                &pairs,
-                &t
-            )?;
-            vec![out(T::wrap(y))]
         }
         FusedOp::GroupNorm {
             groups,

@@ -29,6 +29,17 @@ pub use memory::MemoryReport;
 
 pub use storage::CudaStorage;
 
+pub(crate) use fused::run_kernel;
+
+/// What a fused kernel's CUDA implementation (`backend::Kernel::cuda`, in its file of
+/// `tensor/kernels/`) builds on: the launch macro, element types, launch shapes, the
+/// deterministic column sums the norms and modulation share, and a buffer's address.
+pub(crate) mod kit {
+    pub(crate) use super::fused::{cfg, colsum_shape, ptr, sum_parts, sweep};
+    pub(crate) use super::layout::grid_for;
+    pub(crate) use super::storage::{launch, Elem};
+}
+
 use crate::Error;
 
 /// How to get nvcc, for the error of a build without kernels.

@@ -763,26 +763,6 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
                 .filter_map(|(x, g)| g.map(|g| (x.clone(), g)))
                 .collect()
         }
-        // GroupNorm: with g = dy w over a group, dx = rstd (g - mean(g) - xhat mean(g xhat));
-        // dw = sum over N and positions of dy xhat, db of dy.
-        Op::GroupNorm {
-            x,
-            weight,
-            bias,
-            mean,
-            rstd,
-            groups,
-        } => {
-            let (dx, dw, db) = x.group_norm_backward(g, mean, rstd, weight.as_ref(), *groups)?;
-            let mut v = vec![(x.clone(), dx)];
-            if let Some(w) = weight {
-                v.push((w.clone(), dw.to_dtype(w.dtype())?));
-            }
-            if let Some(b) = bias {
-                v.push((b.clone(), db.to_dtype(b.dtype())?));
-            }
-            v
-        }
         // o = P v with P = softmax(scale q k^T): dv = P^T g, dS = P (g v^T - rowsum(g o)),
         // dq = scale dS k, dk = scale dS^T q; one fused pass recomputes P from lse.
         Op::Attention {

@@ -74,15 +74,6 @@ pub(crate) enum Op {
         rstd: Tensor,
         kind: NormKind,
     },
-    /// The fused GroupNorm of x (N, C, S) with its saved statistics (N, groups).
-    GroupNorm {
-        x: Tensor,
-        weight: Option<Tensor>,
-        bias: Option<Tensor>,
-        mean: Tensor,
-        rstd: Tensor,
-        groups: usize,
-    },
     /// Fused attention of q (B, H, Lq, D) over k, v (B, H, Lk, D), with the key visibility
     /// flags (B, Lk) and the saved log-sum-exp (B, H, Lq); the output is the op's output.
     Attention {
@@ -160,7 +151,6 @@ pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "gelu",
     "gelu_tanh",
     "silu",
-    "group_norm",
     "attention",
     "checkpoint",
     "custom_output",
@@ -197,7 +187,6 @@ impl Op {
             Op::Unfold2d(..) => "unfold2d",
             Op::Fold2d(..) => "fold2d",
             Op::Norm { .. } => "norm",
-            Op::GroupNorm { .. } => "group_norm",
             Op::Attention { .. } => "attention",
             Op::Custom { node, .. } => node.name(),
             Op::Fused { kernel, .. } => kernel.name(),
@@ -221,17 +210,6 @@ impl Op {
             | Op::Unfold2d(x, _)
             | Op::Fold2d(x, _) => vec![x],
             Op::Norm {
-                x,
-                weight,
-                bias,
-                mean,
-                rstd,
-                ..
-            } => [Some(x), weight, bias, Some(mean), Some(rstd)]
-                .into_iter()
-                .flatten()
-                .collect(),
-            Op::GroupNorm {
                 x,
                 weight,
                 bias,
@@ -281,9 +259,6 @@ impl Op {
             | Op::Unfold2d(x, _)
             | Op::Fold2d(x, _) => vec![x],
             Op::Norm {
-                x, weight, bias, ..
-            }
-            | Op::GroupNorm {
                 x, weight, bias, ..
             } => [Some(x), weight.as_ref(), bias.as_ref()]
                 .into_iter()
@@ -480,21 +455,6 @@ impl Op {
                 mean,
                 rstd,
                 kind,
-            },
-            Op::GroupNorm {
-                x,
-                weight,
-                bias,
-                mean,
-                rstd,
-                groups,
-            } => Op::GroupNorm {
-                x,
-                weight,
-                bias: bias.map(e),
-                mean,
-                rstd,
-                groups,
             },
             op @ Op::Attention { .. } => op,
             Op::Custom { inputs, node } => Op::Custom {

@@ -218,26 +218,6 @@ pub enum FusedOp {
         /// Whether a weight operand is passed (and `dw`, `db` are meaningful).
         weight: bool,
     },
-    /// [x (N, C, S), weight?, bias? (C) x's dtype] -> [y, mean, rstd (N, groups) stats]:
-    /// statistics over each group of C / groups channels and all S positions.
-    GroupNorm {
-        /// Number of channel groups (divides C).
-        groups: usize,
-        /// Added to the variance before the square root.
-        eps: f64,
-        /// Whether a per-channel weight operand is passed.
-        weight: bool,
-        /// Whether a per-channel bias operand is passed.
-        bias: bool,
-    },
-    /// [x, dy (N, C, S), mean, rstd (N, groups), weight? (C)] -> [dx, dw, db (C)], all in x's
-    /// dtype (the weight's): the autograd needs no cast kernels after it.
-    GroupNormBackward {
-        /// Number of channel groups, as in the forward.
-        groups: usize,
-        /// Whether a per-channel weight operand is passed.
-        weight: bool,
-    },
     /// [q (B, H, Lq, D), k, v (B, H, Lk, D), keep? (B, Lk) stats] -> [o (B, H, Lq, D),
     /// lse (B, H, Lq) stats]: o = softmax(scale q k^T) v row by row, never forming the
     /// Lq x Lk matrix. Key j is hidden from every query where `keep[b][j] == 0` (`mask`), and
@@ -279,8 +259,6 @@ impl FusedOp {
             FusedOp::SoftmaxBackward => "softmax_backward",
             FusedOp::NormParamGrads(_) => "norm_param_grads",
             FusedOp::NormBackward { .. } => "norm_backward",
-            FusedOp::GroupNorm { .. } => "group_norm",
-            FusedOp::GroupNormBackward { .. } => "group_norm_backward",
             FusedOp::Attention { .. } => "attention",
             FusedOp::AttentionBackward { .. } => "attention_backward",
             FusedOp::DequantFp8 { .. } => "dequant_fp8",

@@ -189,7 +189,7 @@ impl<'a> Operands<'a> {
 }
 
 /// Checks the operands of a fused op (count, dtypes, shapes) and returns its sizes:
-/// [rows, cols] for SoftmaxBackward and the norms' backwards, [N, C, S, groups] for the group norms, [B, H, Lq, Lk, D] for
+/// [rows, cols] for SoftmaxBackward and the norms' backwards, [B, H, Lq, Lk, D] for
 /// attention.
 pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
     use super::FusedOp as F;
@@ -198,8 +198,6 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
         F::SoftmaxBackward => 2,
         F::NormParamGrads(_) => 4,
         F::NormBackward { weight, .. } => 4 + usize::from(weight),
-        F::GroupNorm { weight, bias, .. } => 1 + usize::from(weight) + usize::from(bias),
-        F::GroupNormBackward { weight, .. } => 4 + usize::from(weight),
         F::Attention { mask, .. } => 3 + usize::from(mask),
         F::AttentionBackward { mask, .. } => 6 + usize::from(mask),
         F::DequantFp8 { .. } => 2,
@@ -276,28 +274,6 @@ pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec
                 expect(4, dt, &[cols])?;
             }
             vec![rows, cols]
-        }
-        F::GroupNorm { groups, .. } | F::GroupNormBackward { groups, .. } => {
-            rank(3, "(N, C, S)")?;
-            if groups == 0 || d[1] % groups != 0 {
-                return Err(Error::invalid(
-                    name,
-                    format!("{groups} groups do not divide the channels"),
-                    x.shape(),
-                ));
-            }
-            let params = if let F::GroupNormBackward { .. } = op {
-                expect(1, dt, d)?;
-                expect(2, stats, &[d[0], groups])?;
-                expect(3, stats, &[d[0], groups])?;
-                4
-            } else {
-                1
-            };
-            for i in params..args.len() {
-                expect(i, dt, &[d[1]])?;
-            }
-            vec![d[0], d[1], d[2], groups]
         }
         F::Attention { scale, mask, .. } | F::AttentionBackward { scale, mask, .. } => {
             rank(4, "(B, H, Lq, D)")?;

@@ -1,10 +1,9 @@
-//! Layers with fused kernels of the `FusedOp` enum: GroupNorm, plus the fused backward pieces
-//! of softmax and the norms (adaLN modulation and RoPE are kernel files of `kernels/`). Each has a composite twin written from
+//! The fused kernels of the `FusedOp` enum that are not yet kernel files of `kernels/`: the
+//! backward pieces of softmax and the norms, and the FP8 decode. Each has a composite twin written from
 //! primitives, kept as its reference (tests compare the two on every backend).
 
 use super::Tensor;
-use crate::autograd::{record, Op};
-use crate::backend::{stats_dtype, FusedOp, NormKind};
+use crate::backend::{FusedOp, NormKind};
 use crate::device::Storage;
 use crate::{Error, Result, Shape};
 
@@ -84,115 +83,6 @@ impl Tensor {
         };
         let cols = self.dims().last().copied().unwrap_or(0);
         param_backward(op, self, dy, (mean, rstd), weight, cols)
-    }
-
-    /// The dims of an (N, C, ...) tensor whose channels split into `groups`.
-    fn group_dims(&self, groups: usize) -> Result<Vec<usize>> {
-        let dims = self.dims().to_vec();
-        if dims.len() < 2 || groups == 0 || dims[1] % groups != 0 {
-            return Err(Error::invalid(
-                "group_norm",
-                format!("{groups} groups do not divide the channels of an (N, C, ...) tensor"),
-                self.shape(),
-            ));
-        }
-        Ok(dims)
-    }
-
-    /// GroupNorm of (N, C, ...): statistics over each of `groups` channel groups and all
-    /// trailing positions (in f64, saved in f32), per-channel weight and bias, in fused kernels.
-    pub fn group_norm(
-        &self,
-        groups: usize,
-        weight: Option<&Tensor>,
-        bias: Option<&Tensor>,
-        eps: f64,
-    ) -> Result<Tensor> {
-        let dims = self.group_dims(groups)?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "group_norm",
-                dtype: self.dtype(),
-            });
-        }
-        let (n, c) = (dims[0], dims[1]);
-        let param = |p: Option<&Tensor>| -> Result<Option<Tensor>> {
-            match p {
-                None => Ok(None),
-                Some(p) if p.dims() == [c] => Ok(Some(p.to_dtype(self.dtype())?)),
-                Some(p) => Err(Error::ShapeMismatch {
-                    op: "group_norm",
-                    lhs: self.shape().clone(),
-                    rhs: p.shape().clone(),
-                }),
-            }
-        };
-        let (weight, bias) = (param(weight)?, param(bias)?);
-        let x = self.reshape((n, c, self.elem_count() / (n * c).max(1)))?;
-        let op = FusedOp::GroupNorm {
-            groups,
-            eps,
-            weight: weight.is_some(),
-            bias: bias.is_some(),
-        };
-        let mut args = vec![&x];
-        args.extend(weight.iter().chain(bias.iter()));
-        let mut o = run(op, &args)?;
-        let mean = wrap(o.remove(1), (n, groups), self);
-        let rstd = wrap(o.remove(1), (n, groups), self);
-        let rec = record(&args, || Op::GroupNorm {
-            x: x.clone(),
-            weight: weight.clone(),
-            bias: bias.clone(),
-            mean,
-            rstd,
-            groups,
-        });
-        Tensor::from_storage(o.remove(0), x.shape().clone(), x.device().clone(), rec).reshape(dims)
-    }
-
-    /// GroupNorm from primitives (computed in f32): the reference of the fused kernels.
-    pub fn group_norm_composite(
-        &self,
-        groups: usize,
-        weight: Option<&Tensor>,
-        bias: Option<&Tensor>,
-        eps: f64,
-    ) -> Result<Tensor> {
-        let dims = self.group_dims(groups)?;
-        let x = self.to_dtype(stats_dtype(self.dtype()))?.reshape((
-            dims[0],
-            groups,
-            self.elem_count() / dims[0] / groups,
-        ))?;
-        let mu = x.mean_keepdim(&[-1])?;
-        let xc = x.sub(&mu)?;
-        let var = xc.sqr()?.mean_keepdim(&[-1])?;
-        let y = xc
-            .mul(&var.add_scalar(eps)?.powf(-0.5)?)?
-            .reshape(dims.clone())?;
-        // Per-channel parameters broadcast as (C, 1, 1, ...).
-        let mut pshape = vec![dims[1]];
-        pshape.extend(std::iter::repeat_n(1, dims.len() - 2));
-        let w = weight.map(|w| w.reshape(pshape.clone())).transpose()?;
-        let b = bias.map(|b| b.reshape(pshape.clone())).transpose()?;
-        self.affine_params(y, w.as_ref(), b.as_ref())
-    }
-
-    /// (dx, dw, db) of the fused GroupNorm, all in x's dtype (the weight's).
-    pub(crate) fn group_norm_backward(
-        &self,
-        dy: &Tensor,
-        mean: &Tensor,
-        rstd: &Tensor,
-        weight: Option<&Tensor>,
-        groups: usize,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let op = FusedOp::GroupNormBackward {
-            groups,
-            weight: weight.is_some(),
-        };
-        param_backward(op, self, dy, (mean, rstd), weight, self.dims()[1])
     }
 
     /// An FP8 E4M3 weight decoded into `dtype`: `self` holds the packed codes (rows, cols / 4)

@@ -1,5 +1,5 @@
 //! Launchers of the fused kernels of `FusedOp` (kernels in cuda/fused.cu, softmax's backward
-//! in cuda/softmax.cu; GroupNorm in group_norm.rs, attention in attention.rs) and the common
+//! in cuda/softmax.cu; attention in attention.rs) and the common
 //! part of every `backend::Kernel` (`run_kernel`; the kernels' own launchers are in their
 //! files of `tensor/kernels/`). Operands are
 //! checked by `validate::fused`, views are made dense, outputs are fresh buffers.
@@ -370,22 +370,6 @@ fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result
                     norm_param_sweep::<T, T>(dev, &p, (rows, cols), kind)?
                 }
             };
-            vec![out(T::wrap(dx)), out(T::wrap(dw)), out(T::wrap(db))]
-        }
-        FusedOp::GroupNorm {
-            groups,
-            eps,
-            weight,
-            bias,
-        } => {
-            let dims = (d[0], d[1], d[2]);
-            let (y, mean, rstd) =
-                super::group_norm::forward::<T, S>(x, &p, dims, groups, eps, (weight, bias))?;
-            vec![out(T::wrap(y)), out(S::wrap(mean)), out(S::wrap(rstd))]
-        }
-        FusedOp::GroupNormBackward { groups, weight } => {
-            let dims = (d[0], d[1], d[2]);
-            let (dx, dw, db) = super::group_norm::backward::<T>(x, &p, dims, groups, weight)?;
             vec![out(T::wrap(dx)), out(T::wrap(dw)), out(T::wrap(db))]
         }
         // `fused` hands these to cuda::attention before operands are made dense: the flash

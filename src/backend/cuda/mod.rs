@@ -8,7 +8,6 @@ mod device;
 mod dispatch;
 mod fp8;
 mod fused;
-mod group_norm;
 mod host;
 mod index;
 mod layout;
@@ -35,8 +34,11 @@ pub(crate) use fused::run_kernel;
 /// `tensor/kernels/`) builds on: the launch macro, element types, launch shapes, the
 /// deterministic column sums the norms and modulation share, and a buffer's address.
 pub(crate) mod kit {
+    pub(crate) use super::device::DONE_COUNTERS;
     pub(crate) use super::fused::{cfg, colsum_shape, ptr, sum_parts, sweep};
+    pub(crate) use super::hopper_module;
     pub(crate) use super::layout::grid_for;
+    pub(crate) use super::memory::DevBuf;
     pub(crate) use super::storage::{launch, Elem};
 }
 

@@ -4,6 +4,7 @@
 //! reference the tests hold both backends to. A new kernel is its file here, its CUDA source
 //! in `cuda/` (forward and backward in one .cu file), and one line in [`KERNELS`].
 
+mod group_norm;
 mod modulate;
 mod rope;
 
@@ -11,5 +12,13 @@ use crate::autograd::FusedKernel;
 
 /// Every fused kernel with a gradient, one instance each: their names join the ops the
 /// gradcheck suite must exercise (`autograd::differentiable_ops`).
-pub(crate) const KERNELS: &[&dyn FusedKernel] =
-    &[&modulate::Modulate, &rope::Rope { transpose: false }];
+pub(crate) const KERNELS: &[&dyn FusedKernel] = &[
+    &modulate::Modulate,
+    &rope::Rope { transpose: false },
+    &group_norm::GroupNorm {
+        groups: 1,
+        eps: 0.0,
+        weight: false,
+        bias: false,
+    },
+];

@@ -354,6 +354,8 @@ pub enum Setting {
     AdapterFactor,
     /// `AdapterConfig::targets`.
     AdapterTargets,
+    /// `AdapterConfig::tucker`.
+    AdapterTucker,
     /// The layout of the adapter file written (`Adapters::save_peft`, `save_kohya`, ...).
     AdapterLayout,
 }
@@ -371,6 +373,7 @@ impl Setting {
             Setting::AdapterRankDropout => "AdapterConfig::rank_dropout",
             Setting::AdapterFactor => "AdapterConfig::factor",
             Setting::AdapterTargets => "AdapterConfig::targets",
+            Setting::AdapterTucker => "AdapterConfig::tucker",
             Setting::AdapterLayout => "the adapter file's layout:",
         }
     }

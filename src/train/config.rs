@@ -281,6 +281,11 @@ section! {
         factor: i64 = -1,
         /// LoKr: make w1 low-rank too where the rank allows.
         decompose_both: bool = false,
+        /// LoRA on convolutions of a kernel larger than 1×1 (with conv_rank): LyCORIS's
+        /// Tucker form (its use_tucker: a 1×1 down, a rank x rank core of the layer's kernel,
+        /// a 1×1 up; kohya's lora_mid), fewer values than a full-kernel down for the same rank.
+        /// Written as "kohya" or "comfyui"; PEFT has no such layout.
+        tucker: bool = false,
         /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS), "peft" (diffusers,
         /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits) or "comfyui"
         /// (the kohya layout with DoRA's magnitudes written for ComfyUI, which divides them
@@ -821,12 +826,26 @@ impl TrainConfig {
             format!("{}: -1 (balanced) or a positive divisor", a.factor),
         );
         c.check(
-            !(a.format == AdapterFormat::Peft && kind.is_ok_and(|k| !k.peft)),
+            !(a.format == AdapterFormat::Peft && kind.as_ref().is_ok_and(|k| !k.peft)),
             "adapter.format",
             format!(
                 "\"peft\": PEFT has no layout for kind {:?}; use \"kohya\"",
                 a.kind
             ),
+        );
+        c.check(
+            !(a.tucker && kind.as_ref().is_ok_and(|k| !k.tucker)),
+            "adapter.tucker",
+            format!(
+                "true: applies to {}, not {:?}",
+                crate::nn::adapter::tucker_kinds(),
+                a.kind
+            ),
+        );
+        c.check(
+            !(a.tucker && a.format == AdapterFormat::Peft),
+            "adapter.tucker",
+            "true: PEFT has no Tucker form; use format = \"kohya\"".into(),
         );
         c.check(
             !a.targets.is_empty() && a.targets.iter().all(|t| !t.trim().is_empty()),
@@ -1055,6 +1074,7 @@ impl TrainConfig {
             Setting::AdapterRankDropout => "adapter.rank_dropout",
             Setting::AdapterFactor => "adapter.factor",
             Setting::AdapterTargets => "adapter.targets",
+            Setting::AdapterTucker => "adapter.tucker",
             Setting::AdapterLayout => "adapter.format",
         }
     }
@@ -1091,6 +1111,7 @@ impl TrainConfig {
             conv_alpha: a.conv_alpha,
             factor: a.factor,
             decompose_both: a.decompose_both,
+            tucker: a.tucker,
             // LoKr's split follows the library of the layout written: LyCORIS's for kohya
             // files, PEFT's for PEFT files.
             lokr_split: match a.format {

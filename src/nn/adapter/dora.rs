@@ -32,6 +32,7 @@ pub(super) const KIND: Kind = Kind {
     dropout: true,
     module_dropout: true,
     rank_dropout: true,
+    tucker: false,
     reads_weight: true,
     lycoris_algo: "locon",
     plain_kohya: false,
@@ -150,9 +151,11 @@ impl Dora {
         let norm = {
             let _g = crate::no_grad();
             let f32 = |t: &Tensor| t.detach().to_dtype(DType::F32);
-            let v = base
-                .weight(DType::F32)?
-                .add(&self.lora.delta_of(&f32(down)?, &f32(up)?)?)?;
+            let v = base.weight(DType::F32)?.add(&self.lora.delta_of(
+                &f32(down)?,
+                None,
+                &f32(up)?,
+            )?)?;
             row_norms(&v)?
         };
         m.div(&norm.to_dtype(m.dtype())?)
@@ -168,7 +171,7 @@ impl Dora {
         let w = base
             .weight(DType::F32)?
             .to_device(self.magnitude.device())?;
-        let v = w.add(&self.lora.delta_of(&self.lora.down, &self.lora.up)?)?;
+        let v = w.add(&self.lora.delta_of(&self.lora.down, None, &self.lora.up)?)?;
         comfyui_norms(&w)?.div(&row_norms(&v)?)
     }
 
@@ -245,14 +248,14 @@ impl Adapter for Dora {
         }
         let scale = self.scale(base, down, up, m)?;
         let scale = self.lora.shape.per_channel(&cast(&scale, &y)?)?;
-        self.lora.add_term(y, x, down, up)?.mul(&scale)
+        self.lora.add_term(y, x, (down, None, up))?.mul(&scale)
     }
 
     fn delta_weight(&self, base: &BaseLayer) -> Result<Tensor> {
         self.ensure_magnitude(base)?;
         let w = base.weight(DType::F32)?;
         let (out, cols) = (self.lora.shape.out_dim(), self.lora.shape.cols());
-        let lora = self.lora.delta_of(&self.lora.down, &self.lora.up)?;
+        let lora = self.lora.delta_of(&self.lora.down, None, &self.lora.up)?;
         rescale(
             &w.reshape((out, cols))?,
             &lora.reshape((out, cols))?,

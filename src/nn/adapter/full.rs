@@ -23,6 +23,7 @@ pub(super) const KIND: Kind = Kind {
     dropout: false,
     module_dropout: false,
     rank_dropout: false,
+    tucker: false,
     reads_weight: false,
     lycoris_algo: "full",
     plain_kohya: false,

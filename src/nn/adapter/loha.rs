@@ -23,6 +23,7 @@ pub(super) const KIND: Kind = Kind {
     dropout: false,
     module_dropout: true,
     rank_dropout: true,
+    tucker: false,
     reads_weight: false,
     lycoris_algo: "loha",
     plain_kohya: false,

@@ -5,8 +5,14 @@
 //! a 1×1 convolution (out, rank, 1, 1). A starts Kaiming-uniform, B at zero, so a fresh
 //! adapter leaves the model unchanged.
 //!
-//! Files: kohya `lora_down.weight` / `lora_up.weight` / `alpha`; PEFT `lora_A.weight` /
-//! `lora_B.weight` (same shapes), with s folded into B.
+//! With `AdapterConfig::tucker` a convolution of a kernel larger than 1×1 takes LyCORIS's
+//! Tucker form (`use_tucker`): A a 1×1 convolution (rank, cin, 1, 1), then a core M
+//! (rank, rank, kh, kw) with the layer's stride, padding and dilation, then B; ΔW is the core
+//! rebuilt with A and B (`tucker`). A and M start Kaiming-uniform, B at zero, as LyCORIS.
+//!
+//! Files: kohya `lora_down.weight` / `lora_up.weight` / `alpha` (and `lora_mid.weight`, the
+//! core); PEFT `lora_A.weight` / `lora_B.weight` (same shapes), with s folded into B. PEFT has
+//! no Tucker form.
 
 use super::io::{join_rows, part_rows, PeftFile, Reader};
 use super::merge::MergeLayer;
@@ -24,6 +30,7 @@ pub(super) const KIND: Kind = Kind {
     dropout: true,
     module_dropout: true,
     rank_dropout: true,
+    tucker: true,
     reads_weight: false,
     lycoris_algo: "locon",
     plain_kohya: true,
@@ -97,6 +104,9 @@ pub struct Lora {
     pub down: Tensor,
     /// B: (out, rank) or (out, rank, 1, 1), f32, trainable.
     pub up: Tensor,
+    /// The Tucker core (rank, rank, kh, kw) between a 1×1 A and B, f32, trainable
+    /// (`AdapterConfig::tucker`); `None`: A holds the kernel.
+    pub mid: Option<Tensor>,
     /// The term is scaled by alpha / rank.
     pub alpha: f64,
     dropout: Dropout,
@@ -126,10 +136,24 @@ impl Lora {
             });
         }
         let (down_dims, up_dims) = dims(shape, rank);
+        let (down, mid) = match tucker_kernel(shape, p.config.tucker) {
+            // LyCORIS's init: down and the core Kaiming-uniform over their own fan-in.
+            Some((cin, kh, kw)) => (
+                kaiming(&[rank, cin, 1, 1], cin, p.device, p.seed)?,
+                Some(kaiming(
+                    &[rank, rank, kh, kw],
+                    rank * kh * kw,
+                    p.device,
+                    p.seed.rotate_left(7),
+                )?),
+            ),
+            None => (kaiming(&down_dims, shape.cols(), p.device, p.seed)?, None),
+        };
         Ok(Lora {
             path: p.path.to_string(),
             shape,
-            down: kaiming(&down_dims, shape.cols(), p.device, p.seed)?,
+            down,
+            mid,
             up: zeros(&up_dims, p.device)?,
             alpha: p.alpha,
             dropout: Dropout::new(p.config.dropout, p.seed.rotate_left(17))?,
@@ -176,20 +200,25 @@ impl Lora {
         self.module.drops(self.train.load(Ordering::Relaxed))
     }
 
-    /// `y` plus the adapter's term s · B(A(dropout(x))) with `down`, `up` in place of its
-    /// own, in x's dtype; on a Linear the up-projection's GEMM adds into `y`'s buffer.
+    /// `y` plus the adapter's term s · B(M(A(dropout(x)))) with `down`, `mid`, `up` in place
+    /// of its own (M only in the Tucker form), in x's dtype; on a Linear the up-projection's GEMM adds into `y`'s buffer.
     pub(super) fn add_term(
         &self,
         y: Tensor,
         x: &Tensor,
-        down: &Tensor,
-        up: &Tensor,
+        (down, mid, up): (&Tensor, Option<&Tensor>, &Tensor),
     ) -> Result<Tensor> {
         let _p = crate::profile::scope("lora");
         let x = self
             .dropout
             .forward(x, self.train.load(Ordering::Relaxed))?;
-        let h = self.shape.apply(&x, &cast(down, &x)?)?;
+        let h = match mid {
+            Some(m) => {
+                let h = self.shape.apply_pointwise(&x, &cast(down, &x)?)?;
+                self.shape.apply(&h, &cast(m, &x)?)?
+            }
+            None => self.shape.apply(&x, &cast(down, &x)?)?,
+        };
         let h = self.rank_mask(h)?;
         // s folded into B (out x r) rather than applied to the product (rows x out): one
         // pass over the layer's output fewer, forward and backward.
@@ -201,9 +230,22 @@ impl Lora {
         self.shape.add_apply_pointwise(y, &h, &up)
     }
 
-    /// s · B A in f32 with the weight's shape.
-    pub(super) fn delta_of(&self, down: &Tensor, up: &Tensor) -> Result<Tensor> {
+    /// s · B A (the Tucker form: the core rebuilt with A and B) in f32 with the weight's
+    /// shape.
+    pub(super) fn delta_of(
+        &self,
+        down: &Tensor,
+        mid: Option<&Tensor>,
+        up: &Tensor,
+    ) -> Result<Tensor> {
         let r = self.rank();
+        if let Some(m) = mid {
+            let (out, cin) = (self.shape.out_dim(), self.shape.in_dim());
+            let up_t = up.reshape((out, r))?.t()?.contiguous()?;
+            return super::tucker(m, &up_t, &down.reshape((r, cin))?)?
+                .affine(self.scale(), 0.0)?
+                .reshape(self.shape.weight_dims());
+        }
         let a = down.reshape((r, self.shape.cols()))?;
         let b = up.reshape((self.shape.out_dim(), r))?;
         product(&a, &b, self.scale())?.reshape(self.shape.weight_dims())
@@ -213,6 +255,9 @@ impl Lora {
     pub(super) fn read_kohya(&self, file: &mut Reader) -> Result<()> {
         let down = file.take("lora_down.weight", self.down.dims())?;
         let up = file.take("lora_up.weight", self.up.dims())?;
+        if let Some(m) = &self.mid {
+            m.assign(&file.take("lora_mid.weight", m.dims())?)?;
+        }
         if let Some(a) = file.alpha()? {
             if (a - self.alpha).abs() > 1e-6 * self.alpha.abs().max(1.0) {
                 return Err(file.error(
@@ -227,6 +272,7 @@ impl Lora {
 
     /// A (shared by every part) and s·B split by the parts' rows, under PEFT names.
     pub(super) fn write_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
+        self.no_peft_tucker()?;
         let up = self.up.affine(self.scale(), 0.0)?;
         let mut v = vec![];
         for p in parts {
@@ -244,6 +290,7 @@ impl Lora {
         file: &mut PeftFile,
         file_scale: f64,
     ) -> Result<()> {
+        self.no_peft_tucker()?;
         let (dev, rank) = (self.down.device().clone(), self.rank());
         let mut down: Option<Tensor> = None;
         let mut ups = vec![];
@@ -283,6 +330,34 @@ impl Lora {
     }
 }
 
+impl Lora {
+    /// PEFT's LoRA has no Tucker form: an error naming the layout for an adapter in it.
+    fn no_peft_tucker(&self) -> Result<()> {
+        if self.mid.is_some() {
+            return Err(Error::Setting {
+                setting: Setting::AdapterLayout,
+                msg: format!(
+                    " PEFT's LoRA has no Tucker form (layer {}, AdapterConfig::tucker): \
+                     write the kohya layout",
+                    self.path
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// (cin, kh, kw) of a convolution that takes the Tucker form under `tucker`: a kernel larger
+/// than 1×1 (as LyCORIS's `use_tucker`).
+fn tucker_kernel(shape: LayerShape, tucker: bool) -> Option<(usize, usize, usize)> {
+    match shape {
+        LayerShape::Conv2d { cin, kernel, .. } if tucker && kernel != (1, 1) => {
+            Some((cin, kernel.0, kernel.1))
+        }
+        _ => None,
+    }
+}
+
 /// (A, B) shapes for `shape` at `rank`.
 fn dims(shape: LayerShape, rank: usize) -> (Vec<usize>, Vec<usize>) {
     match shape {
@@ -307,20 +382,28 @@ impl Adapter for Lora {
     }
 
     fn params(&self) -> Vec<(&'static str, Tensor)> {
-        vec![
-            ("lora_down.weight", self.down.clone()),
-            ("lora_up.weight", self.up.clone()),
-        ]
+        let mut v = vec![("lora_down.weight", self.down.clone())];
+        v.extend(self.mid.iter().map(|m| ("lora_mid.weight", m.clone())));
+        v.push(("lora_up.weight", self.up.clone()));
+        v
     }
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
-        let [down, up] = p else {
-            return Err(Error::Autograd("lora: expected 2 parameters".into()));
+        let (down, mid, up) = match (p, &self.mid) {
+            ([down, up], None) => (down, None, up),
+            ([down, mid, up], Some(_)) => (down, Some(mid), up),
+            _ => {
+                return Err(Error::Autograd(format!(
+                    "lora: {} parameters, expected {}",
+                    p.len(),
+                    2 + usize::from(self.mid.is_some())
+                )))
+            }
         };
         if self.dropped() {
             return Ok(y);
         }
-        self.add_term(y, x, down, up)
+        self.add_term(y, x, (down, mid, up))
     }
 
     fn adds_to_output(&self) -> bool {
@@ -328,18 +411,22 @@ impl Adapter for Lora {
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {
-        self.delta_of(&self.down, &self.up)
+        self.delta_of(&self.down, self.mid.as_ref(), &self.up)
     }
 
     fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(vec![
-            ("lora_down.weight".into(), self.down.clone()),
-            ("lora_up.weight".into(), self.up.clone()),
-            (
-                "alpha".into(),
-                super::alpha_tensor(self.alpha, self.down.device())?,
-            ),
-        ])
+        let mut v: Vec<(String, Tensor)> = vec![("lora_down.weight".into(), self.down.clone())];
+        v.extend(
+            self.mid
+                .iter()
+                .map(|m| ("lora_mid.weight".into(), m.clone())),
+        );
+        v.push(("lora_up.weight".into(), self.up.clone()));
+        v.push((
+            "alpha".into(),
+            super::alpha_tensor(self.alpha, self.down.device())?,
+        ));
+        Ok(v)
     }
 
     fn load_kohya(&self, file: &mut Reader) -> Result<()> {

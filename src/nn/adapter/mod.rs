@@ -314,6 +314,9 @@ pub struct Kind {
     pub module_dropout: bool,
     /// Whether the kind takes rank dropout (`AdapterConfig::rank_dropout`).
     pub rank_dropout: bool,
+    /// Whether the kind trains LyCORIS's Tucker form on convolutions
+    /// (`AdapterConfig::tucker`).
+    pub tucker: bool,
     /// Whether its adapters read the frozen weight in the forward (DoRA's norm): the weights
     /// they sit on are then not forward-only.
     pub reads_weight: bool,
@@ -461,6 +464,11 @@ pub fn rank_dropout_kinds() -> String {
     kinds_where(|k| k.rank_dropout)
 }
 
+/// The kinds that train the Tucker form, by name.
+pub fn tucker_kinds() -> String {
+    kinds_where(|k| k.tucker)
+}
+
 fn kinds_where(f: impl Fn(&Kind) -> bool) -> String {
     let v: Vec<&str> = KINDS.iter().filter(|k| f(k)).map(|k| k.name).collect();
     match v.split_last() {
@@ -537,6 +545,10 @@ pub struct AdapterConfig {
     /// LoKr: whose rule splits a side that `factor` divides (PEFT's or LyCORIS's; they
     /// order the pair differently). A file is read with the split it was written with.
     pub lokr_split: LokrSplit,
+    /// LoRA: convolutions of a kernel larger than 1×1 take LyCORIS's Tucker form
+    /// (`use_tucker`: a 1×1 down, a (rank, rank, kh, kw) core, a 1×1 up; kohya's
+    /// `lora_mid`). The PEFT layout has no such form.
+    pub tucker: bool,
 }
 
 impl LoraConfig {
@@ -569,6 +581,7 @@ impl From<LoraConfig> for AdapterConfig {
             factor: -1,
             decompose_both: false,
             lokr_split: LokrSplit::default(),
+            tucker: false,
         }
     }
 }
@@ -628,6 +641,16 @@ impl AdapterConfig {
         }
         if self.targets.is_empty() {
             return bad(Setting::AdapterTargets, "= []: no target patterns".into());
+        }
+        if self.tucker && !kind.tucker {
+            return bad(
+                Setting::AdapterTucker,
+                format!(
+                    "= true: it applies to {}, not {}",
+                    tucker_kinds(),
+                    kind.name
+                ),
+            );
         }
         Ok(())
     }

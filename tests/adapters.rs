@@ -639,11 +639,11 @@ fn conv_adapters_train_on_sdxl() {
         addition_time_embed_dim: 4,
         num_groups: 4,
     };
-    // "lora_tucker": LoRA in LyCORIS's Tucker form on the 3x3 convolutions.
-    for kind in ["lora", "lora_tucker", "dora", "lokr", "loha"] {
-        let tucker = kind == "lora_tucker";
+    // "_tucker": in LyCORIS's Tucker form on the 3x3 convolutions.
+    for kind in ["lora", "lora_tucker", "dora", "lokr", "loha", "loha_tucker"] {
+        let tucker = kind.ends_with("_tucker");
         let a = Adapters::new(AdapterConfig {
-            kind: if tucker { "lora" } else { kind }.into(),
+            kind: kind.trim_end_matches("_tucker").into(),
             rank: 2,
             alpha: 2.0,
             dropout: 0.0,
@@ -674,7 +674,7 @@ fn conv_adapters_train_on_sdxl() {
             .params()
             .unwrap()
             .iter()
-            .filter(|(n, _)| n.ends_with("lora_mid.weight"))
+            .filter(|(n, _)| n.ends_with("lora_mid.weight") || n.ends_with("hada_t1"))
             .count();
         assert_eq!(cores > 0, tucker, "{kind}: {cores} Tucker cores");
         let x = Tensor::randn((1, 4, 8, 8), DType::F32, &CPU, 1).unwrap();
@@ -1337,150 +1337,163 @@ fn rank_dropout_on_lokr_and_loha_keeps_or_zeroes_each_row_of_the_change() {
     }
 }
 
-/// LyCORIS's Tucker LoCon (`use_tucker`, kohya's `lora_mid`) trains in FLAME
-/// (`AdapterConfig::tucker`): the file LyCORIS 4.1.3 wrote (`locon_tucker`,
-/// `scripts/make_lycoris_fixtures.py`) loads into such adapters, whose changes are then
-/// LyCORIS's own (`get_diff_weight`) and whose 3x3 convolution computes its base plus that
-/// change; the 1x1 convolution and the Linear keep the plain form; the kohya file FLAME
-/// writes holds the core and loads back bit for bit; the f64 gradcheck passes through the
-/// three factors; the PEFT layout and the other kinds refuse it, naming the setting.
+/// LyCORIS's Tucker forms train in FLAME (`AdapterConfig::tucker`): LoCon's (`lora_mid`)
+/// and LoHa's (`hada_t1`, `hada_t2`). The files LyCORIS 4.1.3 wrote (`locon_tucker`,
+/// `loha_tucker`, `scripts/make_lycoris_fixtures.py`) load into such adapters, whose changes
+/// are then LyCORIS's own and whose 3x3 convolution computes its base plus that change; the
+/// 1x1 convolution and the Linear keep the plain form; the kohya file FLAME writes holds the
+/// cores and loads back bit for bit; the f64 gradcheck passes through every factor and core;
+/// the PEFT layout and the kinds without the form refuse it, naming the setting.
 #[test]
-fn lycoris_tucker_locon_loads_trains_and_writes() {
+fn lycoris_tucker_forms_load_train_and_write() {
     let lyco = dir().join("lycoris");
-    let want = load(&lyco.join("locon_tucker_delta.safetensors"));
-    let cfg = AdapterConfig {
-        kind: "lora".into(),
-        rank: 4,
-        alpha: 2.0,
-        conv_rank: 4,
-        conv_alpha: 2.0,
-        tucker: true,
-        targets: MODULES.iter().map(|m| m.to_string()).collect(),
-        ..config("lora")
-    };
-    let layers = |a: &Arc<Adapters>| {
-        let vb = VarBuilder::from_files(&[lyco.join("base.safetensors")], DType::F64, &CPU)
-            .unwrap()
-            .with_adapters(a.clone())
-            .unwrap();
-        let cfg = Conv2dConfig {
-            padding: 1,
-            ..Default::default()
-        };
-        (
-            Conv2d::new(&vb.pp("conv"), 16, 32, 3, cfg).unwrap(),
-            Conv2d::new(&vb.pp("pw"), 16, 32, 1, Conv2dConfig::default()).unwrap(),
-            Linear::new(&vb.pp("lin"), 12, 20, true).unwrap(),
-        )
-    };
-    let a = Adapters::new(cfg.clone()).unwrap();
-    let (conv, _pw, _lin) = layers(&a);
-    a.load_kohya(lyco.join("locon_tucker.safetensors")).unwrap();
     let base = load(&lyco.join("base.safetensors"));
-    let by_path = |a: &Arc<Adapters>, p: &str| -> Arc<dyn Adapter> {
-        a.layers()
-            .unwrap()
-            .into_iter()
-            .find(|l| l.path() == p)
-            .unwrap()
-    };
-    for name in MODULES {
-        let l = by_path(&a, name);
-        let names: Vec<&str> = l.params().iter().map(|(n, _)| *n).collect();
-        assert_eq!(
-            names.contains(&"lora_mid.weight"),
-            name == "conv",
-            "{name}: {names:?}"
-        );
-        let w = base[&format!("{name}.weight")].clone();
-        let weight = |dt| w.to_dtype(dt);
-        let delta = l.delta_weight(&BaseLayer::new(l.shape(), &weight)).unwrap();
-        let e = rel(
-            &delta.to_dtype(DType::F64).unwrap(),
-            &want[&format!("{name}.weight")],
-        );
-        assert!(e < 1e-6, "{name}: LyCORIS's change off by {e:e}");
-    }
-    // The adapted 3x3 convolution: conv(x, W + ΔW) + b.
-    let x = Tensor::randn((2, 16, 5, 7), DType::F64, &CPU, 3).unwrap();
-    let merged = base["conv.weight"].add(&want["conv.weight"]).unwrap();
-    let reference = flame::nn::conv2d(
-        &x,
-        &merged,
-        Some(&base["conv.bias"]),
-        (1, 1),
-        (1, 1),
-        (1, 1),
-        1,
-    )
-    .unwrap();
-    let e = rel(&conv.forward(&x).unwrap(), &reference);
-    assert!(e < 1e-6, "the Tucker LoCon's output off by {e:e}");
-
-    // Written as kohya with the core, and read back exactly.
     let d = temp("tucker");
-    let file = d.join("tucker.safetensors");
-    a.save_kohya(&file, DType::F32).unwrap();
-    let t = load(&file);
-    assert_eq!(
-        t[&format!("{}.lora_mid.weight", flame::nn::kohya_name("conv"))].dims(),
-        [4, 4, 3, 3]
-    );
-    assert_eq!(
-        t[&format!("{}.lora_down.weight", flame::nn::kohya_name("conv"))].dims(),
-        [4, 16, 1, 1]
-    );
-    let fresh = Adapters::new(cfg.clone()).unwrap();
-    let _fresh_layers = layers(&fresh);
-    fresh.load_kohya(&file).unwrap();
-    for ((n0, t0), (n1, t1)) in a.params().unwrap().iter().zip(fresh.params().unwrap()) {
-        assert_eq!(n0, &n1);
-        let t0 = t0.to_dtype(DType::F32).unwrap();
-        assert_eq!(rel(&t1, &t0), 0.0, "{n0}: kohya round trip");
+    for (case, kind, cores) in [
+        ("locon_tucker", "lora", &["lora_mid.weight"][..]),
+        ("loha_tucker", "loha", &["hada_t1", "hada_t2"][..]),
+    ] {
+        let want = load(&lyco.join(format!("{case}_delta.safetensors")));
+        let cfg = AdapterConfig {
+            kind: kind.into(),
+            rank: 4,
+            alpha: 2.0,
+            conv_rank: 4,
+            conv_alpha: 2.0,
+            tucker: true,
+            targets: MODULES.iter().map(|m| m.to_string()).collect(),
+            ..config("lora")
+        };
+        let layers = |a: &Arc<Adapters>| {
+            let vb = VarBuilder::from_files(&[lyco.join("base.safetensors")], DType::F64, &CPU)
+                .unwrap()
+                .with_adapters(a.clone())
+                .unwrap();
+            let cfg = Conv2dConfig {
+                padding: 1,
+                ..Default::default()
+            };
+            (
+                Conv2d::new(&vb.pp("conv"), 16, 32, 3, cfg).unwrap(),
+                Conv2d::new(&vb.pp("pw"), 16, 32, 1, Conv2dConfig::default()).unwrap(),
+                Linear::new(&vb.pp("lin"), 12, 20, true).unwrap(),
+            )
+        };
+        let a = Adapters::new(cfg.clone()).unwrap();
+        let (conv, _pw, _lin) = layers(&a);
+        a.load_kohya(lyco.join(format!("{case}.safetensors")))
+            .unwrap();
+        let by_path = |a: &Arc<Adapters>, p: &str| -> Arc<dyn Adapter> {
+            a.layers()
+                .unwrap()
+                .into_iter()
+                .find(|l| l.path() == p)
+                .unwrap()
+        };
+        for name in MODULES {
+            let l = by_path(&a, name);
+            let names: Vec<&str> = l.params().iter().map(|(n, _)| *n).collect();
+            for c in cores {
+                assert_eq!(
+                    names.contains(c),
+                    name == "conv",
+                    "{case} {name}: {names:?}"
+                );
+            }
+            let w = base[&format!("{name}.weight")].clone();
+            let weight = |dt| w.to_dtype(dt);
+            let delta = l.delta_weight(&BaseLayer::new(l.shape(), &weight)).unwrap();
+            let e = rel(
+                &delta.to_dtype(DType::F64).unwrap(),
+                &want[&format!("{name}.weight")],
+            );
+            assert!(e < 1e-6, "{case} {name}: LyCORIS's change off by {e:e}");
+        }
+        // The adapted 3x3 convolution: conv(x, W + ΔW) + b.
+        let x = Tensor::randn((2, 16, 5, 7), DType::F64, &CPU, 3).unwrap();
+        let merged = base["conv.weight"].add(&want["conv.weight"]).unwrap();
+        let reference = flame::nn::conv2d(
+            &x,
+            &merged,
+            Some(&base["conv.bias"]),
+            (1, 1),
+            (1, 1),
+            (1, 1),
+            1,
+        )
+        .unwrap();
+        let e = rel(&conv.forward(&x).unwrap(), &reference);
+        assert!(
+            e < 1e-6,
+            "{case}: the Tucker convolution's output off by {e:e}"
+        );
+
+        // Written as kohya with the cores, and read back exactly.
+        let file = d.join(format!("{case}.safetensors"));
+        a.save_kohya(&file, DType::F32).unwrap();
+        let t = load(&file);
+        for c in cores {
+            assert_eq!(
+                t[&format!("{}.{c}", flame::nn::kohya_name("conv"))].dims(),
+                [4, 4, 3, 3],
+                "{case} {c}"
+            );
+        }
+        let fresh = Adapters::new(cfg.clone()).unwrap();
+        let _fresh_layers = layers(&fresh);
+        fresh.load_kohya(&file).unwrap();
+        for ((n0, t0), (n1, t1)) in a.params().unwrap().iter().zip(fresh.params().unwrap()) {
+            assert_eq!(n0, &n1);
+            let t0 = t0.to_dtype(DType::F32).unwrap();
+            assert_eq!(rel(&t1, &t0), 0.0, "{case} {n0}: kohya round trip");
+        }
+
+        // The gradient through every factor and core.
+        let l = by_path(&a, "conv");
+        let w = base["conv.weight"].clone();
+        let params: Vec<Tensor> = l
+            .params()
+            .iter()
+            .enumerate()
+            .map(|(i, (_, t))| {
+                Tensor::randn(t.dims().to_vec(), DType::F64, &CPU, 40 + i as u64)
+                    .unwrap()
+                    .affine(0.3, 0.0)
+                    .unwrap()
+            })
+            .collect();
+        let weight = |dt| w.to_dtype(dt);
+        let f = |t: &[Tensor]| {
+            let base = BaseLayer::new(l.shape(), &weight);
+            let y = flame::nn::conv2d(&t[0], &w, None, (1, 1), (1, 1), (1, 1), 1)?;
+            l.forward_with(&base, &t[0], y, &t[1..])
+        };
+        let mut leaves = vec![x
+            .narrow(0, 0, 1)
+            .unwrap()
+            .narrow(2, 0, 3)
+            .unwrap()
+            .contiguous()
+            .unwrap()];
+        leaves.extend(params);
+        let r = gradcheck(f, &leaves, GradcheckConfig::default())
+            .unwrap_or_else(|e| panic!("{case}: {e}"));
+        assert!(r.checked > 0);
+
+        // PEFT has no Tucker form.
+        let e = a
+            .save_peft(d.join("peft.safetensors"), &identity(), "unet", DType::F32)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("Tucker") && e.contains("conv"), "{case}: {e}");
     }
-
-    // The gradient through down, core and up.
-    let l = by_path(&a, "conv");
-    let w = base["conv.weight"].clone();
-    let params: Vec<Tensor> = l
-        .params()
-        .iter()
-        .enumerate()
-        .map(|(i, (_, t))| {
-            Tensor::randn(t.dims().to_vec(), DType::F64, &CPU, 40 + i as u64)
-                .unwrap()
-                .affine(0.3, 0.0)
-                .unwrap()
-        })
-        .collect();
-    let weight = |dt| w.to_dtype(dt);
-    let f = |t: &[Tensor]| {
-        let base = BaseLayer::new(l.shape(), &weight);
-        let y = flame::nn::conv2d(&t[0], &w, None, (1, 1), (1, 1), (1, 1), 1)?;
-        l.forward_with(&base, &t[0], y, &t[1..])
-    };
-    let mut leaves = vec![x
-        .narrow(0, 0, 1)
-        .unwrap()
-        .narrow(2, 0, 3)
-        .unwrap()
-        .contiguous()
-        .unwrap()];
-    leaves.extend(params);
-    let r = gradcheck(f, &leaves, GradcheckConfig::default()).unwrap();
-    assert!(r.checked > 0);
-
-    // PEFT has no Tucker form; other kinds do not train it.
-    let e = a
-        .save_peft(d.join("peft.safetensors"), &identity(), "unet", DType::F32)
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("Tucker") && e.contains("conv"), "{e}");
-    for kind in ["dora", "lokr", "loha", "full"] {
+    // The kinds without the form refuse the setting.
+    for kind in ["dora", "lokr", "full"] {
         let e = Adapters::new(AdapterConfig {
             kind: kind.into(),
-            ..cfg.clone()
+            tucker: true,
+            ..config("lora")
         })
         .map(|_| ())
         .unwrap_err()

@@ -281,10 +281,11 @@ section! {
         factor: i64 = -1,
         /// LoKr: make w1 low-rank too where the rank allows.
         decompose_both: bool = false,
-        /// LoRA on convolutions of a kernel larger than 1×1 (with conv_rank): LyCORIS's
-        /// Tucker form (its use_tucker: a 1×1 down, a rank x rank core of the layer's kernel,
-        /// a 1×1 up; kohya's lora_mid), fewer values than a full-kernel down for the same rank.
-        /// Written as "kohya" or "comfyui"; PEFT has no such layout.
+        /// LoRA and LoHa on convolutions of a kernel larger than 1×1 (with conv_rank):
+        /// LyCORIS's Tucker form (its use_tucker: LoRA a 1×1 down, a rank x rank core of the
+        /// layer's kernel, a 1×1 up, kohya's lora_mid; LoHa a core a half, hada_t1 and
+        /// hada_t2), fewer values than a full kernel for the same rank. Written as "kohya" or
+        /// "comfyui"; PEFT has no such layout.
         tucker: bool = false,
         /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS), "peft" (diffusers,
         /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits) or "comfyui"

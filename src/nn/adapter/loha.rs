@@ -4,6 +4,10 @@
 //! s = alpha / r. w2_b starts at zero and the rest Kaiming-uniform (PEFT's initialisation), so
 //! a fresh adapter leaves the model unchanged. The forward adds x ⊛ ΔW to the frozen output.
 //!
+//! With `AdapterConfig::tucker` a convolution of a kernel larger than 1×1 takes LyCORIS's
+//! Tucker form: each half is a core t (r, r, kh, kw) rebuilt with w_a (r, out) and w_b
+//! (r, in) (`tucker`), the cores `hada_t1` / `hada_t2`; w2_b starts at zero there too.
+//!
 //! Files: kohya / LyCORIS and PEFT name the tensors alike (`hada_w1_a`, `hada_w1_b`,
 //! `hada_w2_a`, `hada_w2_b`); the kohya file has `alpha` (ComfyUI scales by alpha / r), the
 //! PEFT file carries s inside w1_a (meaning the same under alpha = r). A fused layer (one
@@ -23,7 +27,7 @@ pub(super) const KIND: Kind = Kind {
     dropout: false,
     module_dropout: true,
     rank_dropout: true,
-    tucker: false,
+    tucker: true,
     reads_weight: false,
     lycoris_algo: "loha",
     plain_kohya: false,
@@ -94,30 +98,53 @@ pub struct Loha {
     drops: super::WeightDropout,
     shape: LayerShape,
     alpha: f64,
-    /// w1_a, w1_b, w2_a, w2_b.
+    /// w1_a, w1_b, w2_a, w2_b (in the Tucker form (r, out), (r, in), (r, out), (r, in)).
     w: [Tensor; 4],
+    /// The Tucker form's cores t1, t2 (r, r, kh, kw) (`AdapterConfig::tucker`).
+    cores: Option<[Tensor; 2]>,
 }
 
 impl Loha {
     fn new(p: &Plan) -> Result<Self> {
         let (shape, r, dev, seed) = (p.shape, p.rank, p.device, p.seed);
         let (out, cols) = (shape.out_dim(), shape.cols());
+        let (w, cores) = match shape {
+            LayerShape::Conv2d { cin, kernel, .. } if p.config.tucker && kernel != (1, 1) => {
+                let (kh, kw) = kernel;
+                let core =
+                    |salt: u32| kaiming(&[r, r, kh, kw], r * kh * kw, dev, seed.rotate_left(salt));
+                (
+                    [
+                        kaiming(&[r, out], out, dev, seed)?,
+                        kaiming(&[r, cin], cin, dev, seed.rotate_left(7))?,
+                        kaiming(&[r, out], out, dev, seed.rotate_left(13))?,
+                        zeros(&[r, cin], dev)?,
+                    ],
+                    Some([core(19)?, core(23)?]),
+                )
+            }
+            _ => (
+                [
+                    kaiming(&[out, r], r, dev, seed)?,
+                    kaiming(&[r, cols], cols, dev, seed.rotate_left(7))?,
+                    kaiming(&[out, r], r, dev, seed.rotate_left(13))?,
+                    zeros(&[r, cols], dev)?,
+                ],
+                None,
+            ),
+        };
         Ok(Loha {
             path: p.path.to_string(),
             drops: super::WeightDropout::new(p)?,
             shape,
             alpha: p.alpha,
-            w: [
-                kaiming(&[out, r], r, dev, seed)?,
-                kaiming(&[r, cols], cols, dev, seed.rotate_left(7))?,
-                kaiming(&[out, r], r, dev, seed.rotate_left(13))?,
-                zeros(&[r, cols], dev)?,
-            ],
+            w,
+            cores,
         })
     }
 
     fn rank(&self) -> usize {
-        self.w[0].dims()[1]
+        self.w[1].dims()[0]
     }
 
     /// alpha / r.
@@ -125,23 +152,52 @@ impl Loha {
         self.alpha / self.rank() as f64
     }
 
-    /// s · (w1_a w1_b) ⊙ (w2_a w2_b) in f32, the weight's shape.
+    /// s · (w1_a w1_b) ⊙ (w2_a w2_b) (the Tucker form: each half its core rebuilt) in f32,
+    /// the weight's shape, from the parameters in `params` order.
     fn delta_of(&self, p: &[Tensor]) -> Result<Tensor> {
-        let [a1, b1, a2, b2] = p else {
-            return Err(Error::Autograd("loha: expected 4 parameters".into()));
+        let d = match p {
+            [a1, b1, a2, b2] if self.cores.is_none() => hadamard([a1, b1, a2, b2], self.scale())?,
+            [a1, b1, a2, b2, t1, t2] if self.cores.is_some() => super::tucker(t1, a1, b1)?
+                .mul(&super::tucker(t2, a2, b2)?)?
+                .affine(self.scale(), 0.0)?,
+            _ => {
+                return Err(Error::Autograd(format!(
+                    "loha: {} parameters, expected {}",
+                    p.len(),
+                    if self.cores.is_some() { 6 } else { 4 }
+                )))
+            }
         };
-        hadamard([a1, b1, a2, b2], self.scale())?.reshape(self.shape.weight_dims())
+        d.reshape(self.shape.weight_dims())
     }
 
-    /// Assigns tensors read in `NAMES` order, w1_a rescaled by `ratio`.
+    /// Assigns tensors read in `params` order, w1_a rescaled by `ratio`.
     fn assign(&self, read: Vec<Tensor>, ratio: f64) -> Result<()> {
-        for (i, (dst, src)) in self.w.iter().zip(read).enumerate() {
+        let dsts: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
+        for (i, (dst, src)) in dsts.iter().zip(read).enumerate() {
             let src = if i == 0 && ratio != 1.0 {
                 src.affine(ratio, 0.0)?
             } else {
                 src
             };
             dst.assign(&src)?;
+        }
+        Ok(())
+    }
+}
+
+impl Loha {
+    /// PEFT's LoHa has no Tucker form: an error naming the layout for an adapter in it.
+    fn no_peft_tucker(&self) -> Result<()> {
+        if self.cores.is_some() {
+            return Err(Error::Setting {
+                setting: crate::Setting::AdapterLayout,
+                msg: format!(
+                    " PEFT's LoHa has no Tucker form (layer {}, AdapterConfig::tucker): write \
+                     the kohya layout",
+                    self.path
+                ),
+            });
         }
         Ok(())
     }
@@ -161,7 +217,13 @@ impl Adapter for Loha {
     }
 
     fn params(&self) -> Vec<(&'static str, Tensor)> {
-        NAMES.into_iter().zip(self.w.iter().cloned()).collect()
+        let mut v: Vec<(&'static str, Tensor)> =
+            NAMES.into_iter().zip(self.w.iter().cloned()).collect();
+        if let Some([t1, t2]) = &self.cores {
+            v.push(("hada_t1", t1.clone()));
+            v.push(("hada_t2", t2.clone()));
+        }
+        v
     }
 
     fn adds_to_output(&self) -> bool {
@@ -177,7 +239,8 @@ impl Adapter for Loha {
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {
-        self.delta_of(&self.w)
+        let p: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
+        self.delta_of(&p)
     }
 
     fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {
@@ -205,6 +268,7 @@ impl Adapter for Loha {
     }
 
     fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
+        self.no_peft_tucker()?;
         let p = single_part("LoHa", &self.path, parts)?;
         self.params()
             .into_iter()
@@ -221,6 +285,7 @@ impl Adapter for Loha {
     }
 
     fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
+        self.no_peft_tucker()?;
         let part = single_part("LoHa", &self.path, parts)?;
         let read = self
             .params()

@@ -1337,29 +1337,34 @@ fn rank_dropout_on_lokr_and_loha_keeps_or_zeroes_each_row_of_the_change() {
     }
 }
 
-/// LyCORIS's Tucker forms train in FLAME (`AdapterConfig::tucker`): LoCon's (`lora_mid`)
-/// and LoHa's (`hada_t1`, `hada_t2`). The files LyCORIS 4.1.3 wrote (`locon_tucker`,
-/// `loha_tucker`, `scripts/make_lycoris_fixtures.py`) load into such adapters, whose changes
+/// LyCORIS's Tucker forms train in FLAME (`AdapterConfig::tucker`): LoCon's (`lora_mid`),
+/// LoHa's (`hada_t1`, `hada_t2`) and LoKr's (`lokr_t2`). The files LyCORIS 4.1.3 wrote
+/// (`locon_tucker`, `loha_tucker`, `lokr_tucker`, `scripts/make_lycoris_fixtures.py`) load into such adapters, whose changes
 /// are then LyCORIS's own and whose 3x3 convolution computes its base plus that change; the
 /// 1x1 convolution and the Linear keep the plain form; the kohya file FLAME writes holds the
 /// cores and loads back bit for bit; the f64 gradcheck passes through every factor and core;
-/// the PEFT layout and the kinds without the form refuse it, naming the setting.
+/// the PEFT layout (FLAME writes the form in the kohya layout only) and the kinds without the
+/// form refuse it, naming the setting.
 #[test]
 fn lycoris_tucker_forms_load_train_and_write() {
     let lyco = dir().join("lycoris");
     let base = load(&lyco.join("base.safetensors"));
     let d = temp("tucker");
-    for (case, kind, cores) in [
-        ("locon_tucker", "lora", &["lora_mid.weight"][..]),
-        ("loha_tucker", "loha", &["hada_t1", "hada_t2"][..]),
+    // (case, kind, the cores' names, rank, alpha), as the fixtures were made.
+    for (case, kind, cores, rank, alpha) in [
+        ("locon_tucker", "lora", &["lora_mid.weight"][..], 4, 2.0),
+        ("loha_tucker", "loha", &["hada_t1", "hada_t2"][..], 4, 2.0),
+        ("lokr_tucker", "lokr", &["lokr_t2"][..], 2, 1.0),
     ] {
         let want = load(&lyco.join(format!("{case}_delta.safetensors")));
         let cfg = AdapterConfig {
             kind: kind.into(),
-            rank: 4,
-            alpha: 2.0,
-            conv_rank: 4,
-            conv_alpha: 2.0,
+            rank,
+            alpha,
+            conv_rank: rank,
+            conv_alpha: alpha,
+            factor: 4,
+            lokr_split: flame::nn::LokrSplit::Lycoris,
             tucker: true,
             targets: MODULES.iter().map(|m| m.to_string()).collect(),
             ..config("lora")
@@ -1435,7 +1440,7 @@ fn lycoris_tucker_forms_load_train_and_write() {
         for c in cores {
             assert_eq!(
                 t[&format!("{}.{c}", flame::nn::kohya_name("conv"))].dims(),
-                [4, 4, 3, 3],
+                [rank, rank, 3, 3],
                 "{case} {c}"
             );
         }
@@ -1489,7 +1494,7 @@ fn lycoris_tucker_forms_load_train_and_write() {
         assert!(e.contains("Tucker") && e.contains("conv"), "{case}: {e}");
     }
     // The kinds without the form refuse the setting.
-    for kind in ["dora", "lokr", "full"] {
+    for kind in ["dora", "full"] {
         let e = Adapters::new(AdapterConfig {
             kind: kind.into(),
             tucker: true,

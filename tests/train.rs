@@ -155,6 +155,31 @@ fn the_tiny_example_learns() {
     std::fs::remove_dir_all(&d).ok();
 }
 
+/// `adapter.tucker` is checked with the config: the kinds without a Tucker form and the
+/// PEFT layout refuse it, naming the key.
+#[test]
+fn the_tucker_form_is_checked_with_the_config() {
+    let d = temp("tucker-config");
+    let good = std::fs::read_to_string(tiny(&d, 4, "tucker = true\n")).unwrap();
+    TrainConfig::from_toml(&good).unwrap();
+    for (from, to, want) in [
+        ("[adapter]\n", "[adapter]\nkind = \"dora\"\n", "applies to"),
+        (
+            "format = \"kohya\"",
+            "format = \"peft\"",
+            "kohya layout only",
+        ),
+    ] {
+        assert!(good.contains(from), "{from}");
+        let text = good.replace(from, to);
+        let e = TrainConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(
+            e.contains("adapter.tucker") && e.contains(want),
+            "{to}: {e}"
+        );
+    }
+}
+
 /// The `[memory]` keys that are now the planner's switches (`memory::Switches`) still read
 /// in an older config: into the switches, each with a note naming its line; a value other
 /// than a boolean, or an unknown key beside them, is refused.

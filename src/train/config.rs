@@ -281,11 +281,11 @@ section! {
         factor: i64 = -1,
         /// LoKr: make w1 low-rank too where the rank allows.
         decompose_both: bool = false,
-        /// LoRA and LoHa on convolutions of a kernel larger than 1×1 (with conv_rank):
+        /// LoRA, LoHa and LoKr on convolutions of a kernel larger than 1×1 (with conv_rank):
         /// LyCORIS's Tucker form (its use_tucker: LoRA a 1×1 down, a rank x rank core of the
         /// layer's kernel, a 1×1 up, kohya's lora_mid; LoHa a core a half, hada_t1 and
-        /// hada_t2), fewer values than a full kernel for the same rank. Written as "kohya" or
-        /// "comfyui"; PEFT has no such layout.
+        /// hada_t2; LoKr a core in its low-rank w2, lokr_t2), fewer values than a full kernel
+        /// for the same rank. Written as "kohya" or "comfyui" only.
         tucker: bool = false,
         /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS), "peft" (diffusers,
         /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits) or "comfyui"
@@ -846,7 +846,8 @@ impl TrainConfig {
         c.check(
             !(a.tucker && a.format == AdapterFormat::Peft),
             "adapter.tucker",
-            "true: PEFT has no Tucker form; use format = \"kohya\"".into(),
+            "true: the Tucker forms are written in the kohya layout only; use format = \"kohya\""
+                .into(),
         );
         c.check(
             !a.targets.is_empty() && a.targets.iter().all(|t| !t.trim().is_empty()),

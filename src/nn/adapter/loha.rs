@@ -193,8 +193,8 @@ impl Loha {
             return Err(Error::Setting {
                 setting: crate::Setting::AdapterLayout,
                 msg: format!(
-                    " PEFT's LoHa has no Tucker form (layer {}, AdapterConfig::tucker): write \
-                     the kohya layout",
+                    " LoHa's Tucker form (layer {}, AdapterConfig::tucker) is written in the \
+                     kohya layout only",
                     self.path
                 ),
             });

@@ -29,7 +29,7 @@ pub(super) const KIND: Kind = Kind {
     dropout: false,
     module_dropout: true,
     rank_dropout: true,
-    tucker: false,
+    tucker: true,
     reads_weight: false,
     lycoris_algo: "lokr",
     plain_kohya: false,
@@ -236,6 +236,9 @@ pub fn factorization(dim: usize, factor: i64) -> (usize, usize) {
 enum Factor {
     Full(Tensor),
     LowRank(Tensor, Tensor),
+    /// LyCORIS's Tucker w2 (`AdapterConfig::tucker`): a (r, out_k), b (r, in_n) and the core
+    /// t (r, r, kh, kw), rebuilt by `tucker`.
+    Tucker(Tensor, Tensor, Tensor),
 }
 
 impl Factor {
@@ -243,10 +246,11 @@ impl Factor {
         match self {
             Factor::Full(w) => vec![w.clone()],
             Factor::LowRank(a, b) => vec![a.clone(), b.clone()],
+            Factor::Tucker(a, b, t) => vec![a.clone(), b.clone(), t.clone()],
         }
     }
     fn low_rank(&self) -> bool {
-        matches!(self, Factor::LowRank(..))
+        matches!(self, Factor::LowRank(..) | Factor::Tucker(..))
     }
 }
 
@@ -288,7 +292,15 @@ impl Lokr {
             Factor::Full(zeros(&[out_l, in_m], dev)?)
         };
         let w2_cols = in_n * kh * kw;
-        let w2 = if (r as f64) < out_k.max(in_n) as f64 / 2.0 {
+        let low_rank_w2 = (r as f64) < out_k.max(in_n) as f64 / 2.0;
+        let w2 = if low_rank_w2 && p.config.tucker && shape.is_conv() && (kh, kw) != (1, 1) {
+            // LyCORIS's `use_tucker`, which applies where w2 is low-rank.
+            Factor::Tucker(
+                kaiming(&[r, out_k], out_k, dev, seed.rotate_left(7))?,
+                kaiming(&[r, in_n], in_n, dev, seed.rotate_left(13))?,
+                kaiming(&[r, r, kh, kw], r * kh * kw, dev, seed.rotate_left(19))?,
+            )
+        } else if low_rank_w2 {
             Factor::LowRank(
                 kaiming(&[out_k, r], r, dev, seed.rotate_left(7))?,
                 kaiming(&[r, w2_cols], w2_cols, dev, seed.rotate_left(13))?,
@@ -325,11 +337,12 @@ impl Lokr {
     fn names(&self) -> Vec<&'static str> {
         let mut v = match self.w1 {
             Factor::Full(_) => vec!["lokr_w1"],
-            Factor::LowRank(..) => vec!["lokr_w1_a", "lokr_w1_b"],
+            Factor::LowRank(..) | Factor::Tucker(..) => vec!["lokr_w1_a", "lokr_w1_b"],
         };
         v.extend(match self.w2 {
             Factor::Full(_) => vec!["lokr_w2"],
             Factor::LowRank(..) => vec!["lokr_w2_a", "lokr_w2_b"],
+            Factor::Tucker(..) => vec!["lokr_w2_a", "lokr_w2_b", "lokr_t2"],
         });
         v
     }
@@ -347,11 +360,12 @@ impl Lokr {
         let (kh, kw) = self.shape.kernel();
         let (w1, rest) = match self.w1 {
             Factor::Full(_) => (p[0].clone(), &p[1..]),
-            Factor::LowRank(..) => (p[0].matmul(&p[1])?, &p[2..]),
+            Factor::LowRank(..) | Factor::Tucker(..) => (p[0].matmul(&p[1])?, &p[2..]),
         };
         let w2 = match self.w2 {
             Factor::Full(_) => rest[0].clone(),
             Factor::LowRank(..) => rest[0].matmul(&rest[1])?,
+            Factor::Tucker(..) => super::tucker(&rest[2], &rest[0], &rest[1])?,
         };
         // ΔW[a·out_k + b, c·in_n + d, h, w] = w1[a, c] · w2[b, d, h, w]: w2's kernel joins
         // its columns.
@@ -426,6 +440,24 @@ impl Lokr {
     }
 }
 
+impl Lokr {
+    /// FLAME writes and reads LoKr's Tucker form in the kohya layout only: an error naming
+    /// the layout for an adapter in it.
+    fn no_peft_tucker(&self) -> Result<()> {
+        if let Factor::Tucker(..) = self.w2 {
+            return Err(Error::Setting {
+                setting: crate::Setting::AdapterLayout,
+                msg: format!(
+                    " LoKr's Tucker form (layer {}, AdapterConfig::tucker) is written in the \
+                     kohya layout only",
+                    self.path
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Adapter for Lokr {
     fn kind(&self) -> &'static str {
         "lokr"
@@ -495,6 +527,7 @@ impl Adapter for Lokr {
     }
 
     fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
+        self.no_peft_tucker()?;
         let p = single_part("LoKr", &self.path, parts)?;
         Ok(self
             .scaled()?
@@ -504,6 +537,7 @@ impl Adapter for Lokr {
     }
 
     fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
+        self.no_peft_tucker()?;
         let part = single_part("LoKr", &self.path, parts)?;
         if let Some(msg) = self.split_mismatch(|t| file.shape(&part.module, t)) {
             return Err(file.error(&part.module, "lokr_w1", msg));

@@ -545,10 +545,10 @@ pub struct AdapterConfig {
     /// LoKr: whose rule splits a side that `factor` divides (PEFT's or LyCORIS's; they
     /// order the pair differently). A file is read with the split it was written with.
     pub lokr_split: LokrSplit,
-    /// LoRA and LoHa: convolutions of a kernel larger than 1×1 take LyCORIS's Tucker form
-    /// (`use_tucker`: LoRA a 1×1 down, a (rank, rank, kh, kw) core, a 1×1 up, kohya's
-    /// `lora_mid`; LoHa a core a half, `hada_t1` / `hada_t2`). The PEFT layout has no such
-    /// form.
+    /// LoRA, LoHa and LoKr: convolutions of a kernel larger than 1×1 take LyCORIS's Tucker
+    /// form (`use_tucker`: LoRA a 1×1 down, a (rank, rank, kh, kw) core, a 1×1 up, kohya's
+    /// `lora_mid`; LoHa a core a half, `hada_t1` / `hada_t2`; LoKr a core in its low-rank
+    /// w2, `lokr_t2`). Written in the kohya layout only.
     pub tucker: bool,
 }
 

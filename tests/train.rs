@@ -156,12 +156,22 @@ fn the_tiny_example_learns() {
 }
 
 /// `adapter.tucker` is checked with the config: the kinds without a Tucker form and the
-/// PEFT layout refuse it, naming the key.
+/// PEFT layout refuse it, naming the key; it is one of the keys a resumed run must keep.
 #[test]
 fn the_tucker_form_is_checked_with_the_config() {
     let d = temp("tucker-config");
     let good = std::fs::read_to_string(tiny(&d, 4, "tucker = true\n")).unwrap();
-    TrainConfig::from_toml(&good).unwrap();
+    // A run resumes only with the form it was trained in (runs written before the key
+    // existed, without it, still resume).
+    let keys = |c: &TrainConfig| {
+        c.resume_keys()
+            .into_iter()
+            .any(|(k, _)| k == "adapter.tucker")
+    };
+    assert!(keys(&TrainConfig::from_toml(&good).unwrap()));
+    assert!(!keys(
+        &TrainConfig::from_toml(&good.replace("tucker = true\n", "")).unwrap()
+    ));
     for (from, to, want) in [
         ("[adapter]\n", "[adapter]\nkind = \"dora\"\n", "applies to"),
         (

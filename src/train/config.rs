@@ -1243,6 +1243,7 @@ impl TrainConfig {
                 a.decompose_both,
                 show(&a.decompose_both),
             ),
+            ("adapter.tucker", a.tucker, show(&a.tucker)),
         ];
         v.extend(extra.into_iter().filter(|e| e.1).map(|(k, _, s)| (k, s)));
         v

@@ -1437,6 +1437,16 @@ fn lycoris_tucker_forms_load_train_and_write() {
         let file = d.join(format!("{case}.safetensors"));
         a.save_kohya(&file, DType::F32).unwrap();
         let t = load(&file);
+        // Kohya's scripts rebuild the network from its recorded arguments.
+        let meta = flame::safetensors::SafeTensorsFile::open(&file)
+            .unwrap()
+            .metadata()
+            .clone();
+        assert!(
+            meta["ss_network_args"].contains("use_tucker"),
+            "{case}: {:?}",
+            meta.get("ss_network_args")
+        );
         for c in cores {
             assert_eq!(
                 t[&format!("{}.{c}", flame::nn::kohya_name("conv"))].dims(),

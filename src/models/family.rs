@@ -255,6 +255,17 @@ pub fn load_as<M: ModelSpec>(
             ),
         });
     }
+    // The streamed blocks in execution order, whatever order the plan lists them in (the
+    // planner's own lists are smallest first; `MemoryProfile::settle` orders them).
+    let plan = Plan {
+        streamed: prefixes
+            .iter()
+            .filter(|p| plan.streamed.contains(p))
+            .cloned()
+            .collect(),
+        ..plan.clone()
+    };
+    let plan = &plan;
     let streamer = BlockStreamer::for_plan(&opts.device, plan, M::CONDITIONED)?;
     if let Some(s) = &streamer {
         vb = vb.with_host_weights(s.clone())?;

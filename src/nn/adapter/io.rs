@@ -457,6 +457,9 @@ impl Adapters {
             args.push(("algo", kind.lycoris_algo.to_string()));
             args.push(("conv_dim", c.conv_rank.to_string()));
             args.push(("conv_alpha", c.conv_alpha.to_string()));
+            if c.tucker {
+                args.push(("use_tucker", "True".to_string()));
+            }
         }
         if c.module_dropout > 0.0 {
             args.push(("module_dropout", c.module_dropout.to_string()));

@@ -255,9 +255,10 @@ impl Lora {
     pub(super) fn read_kohya(&self, file: &mut Reader) -> Result<()> {
         let down = file.take("lora_down.weight", self.down.dims())?;
         let up = file.take("lora_up.weight", self.up.dims())?;
-        if let Some(m) = &self.mid {
-            m.assign(&file.take("lora_mid.weight", m.dims())?)?;
-        }
+        let mid = match &self.mid {
+            Some(m) => Some(file.take("lora_mid.weight", m.dims())?),
+            None => None,
+        };
         if let Some(a) = file.alpha()? {
             if (a - self.alpha).abs() > 1e-6 * self.alpha.abs().max(1.0) {
                 return Err(file.error(
@@ -265,6 +266,9 @@ impl Lora {
                     format!("alpha {a}, the adapters are configured with {}", self.alpha),
                 ));
             }
+        }
+        if let (Some(m), Some(read)) = (&self.mid, mid) {
+            m.assign(&read)?;
         }
         self.down.assign(&down)?;
         self.up.assign(&up)

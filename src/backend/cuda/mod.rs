@@ -39,7 +39,7 @@ pub(crate) mod kit {
     pub(crate) use super::hopper_module;
     pub(crate) use super::layout::grid_for;
     pub(crate) use super::memory::DevBuf;
-    pub(crate) use super::storage::{launch, Elem};
+    pub(crate) use super::storage::{by_dtype, launch, Elem};
 }
 
 use crate::Error;

@@ -255,7 +255,7 @@ impl Kernel for GroupNormBackward {
         dims: &[usize],
         args: &[&crate::backend::cuda::CudaStorage],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        use crate::backend::cuda::kit::{ptr, Elem};
+        use crate::backend::cuda::kit::{by_dtype, ptr, Elem};
         use crate::backend::cuda::CudaStorage;
         fn run<T: Elem>(
             k: &GroupNormBackward,
@@ -272,16 +272,10 @@ impl Kernel for GroupNormBackward {
                 x.wrap(T::wrap(db)),
             ])
         }
-        match args[0].buf.dtype() {
-            DType::F32 => run::<f32>(self, dims, args),
-            DType::F64 => run::<f64>(self, dims, args),
-            DType::BF16 => run::<half::bf16>(self, dims, args),
-            DType::F16 => run::<half::f16>(self, dims, args),
-            dtype => Err(Error::UnsupportedDType {
-                op: self.name(),
-                dtype,
-            }),
-        }
+        by_dtype!(args[0].buf.dtype(), run(self, dims, args), u32 => Err(Error::UnsupportedDType {
+            op: self.name(),
+            dtype: DType::U32,
+        }))
     }
 }
 

@@ -63,7 +63,7 @@ impl Kernel for Modulate {
         dims: &[usize],
         args: &[&crate::backend::cuda::CudaStorage],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        use crate::backend::cuda::kit::{grid_for, launch, ptr, Elem};
+        use crate::backend::cuda::kit::{by_dtype, grid_for, launch, ptr, Elem};
         use crate::backend::cuda::CudaStorage;
         use crate::Error;
         fn run<T: Elem>(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
@@ -86,16 +86,10 @@ impl Kernel for Modulate {
             )?;
             Ok(vec![x.wrap(T::wrap(y))])
         }
-        match args[0].buf.dtype() {
-            DType::F32 => run::<f32>(dims, args),
-            DType::F64 => run::<f64>(dims, args),
-            DType::BF16 => run::<half::bf16>(dims, args),
-            DType::F16 => run::<half::f16>(dims, args),
-            dtype => Err(Error::UnsupportedDType {
-                op: self.name(),
-                dtype,
-            }),
-        }
+        by_dtype!(args[0].buf.dtype(), run(dims, args), u32 => Err(Error::UnsupportedDType {
+            op: self.name(),
+            dtype: DType::U32,
+        }))
     }
 }
 
@@ -168,7 +162,9 @@ impl Kernel for ModulateBackward {
         dims: &[usize],
         args: &[&crate::backend::cuda::CudaStorage],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        use crate::backend::cuda::kit::{cfg, colsum_shape, launch, ptr, sum_parts, sweep, Elem};
+        use crate::backend::cuda::kit::{
+            by_dtype, cfg, colsum_shape, launch, ptr, sum_parts, sweep, Elem,
+        };
         use crate::backend::cuda::CudaStorage;
         use crate::Error;
         fn run<T: Elem>(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
@@ -236,16 +232,10 @@ impl Kernel for ModulateBackward {
                 x.wrap(T::wrap(dscale)),
             ])
         }
-        match args[0].buf.dtype() {
-            DType::F32 => run::<f32>(dims, args),
-            DType::F64 => run::<f64>(dims, args),
-            DType::BF16 => run::<half::bf16>(dims, args),
-            DType::F16 => run::<half::f16>(dims, args),
-            dtype => Err(Error::UnsupportedDType {
-                op: self.name(),
-                dtype,
-            }),
-        }
+        by_dtype!(args[0].buf.dtype(), run(dims, args), u32 => Err(Error::UnsupportedDType {
+            op: self.name(),
+            dtype: DType::U32,
+        }))
     }
 }
 

@@ -71,7 +71,7 @@ impl Kernel for Rope {
         dims: &[usize],
         args: &[&crate::backend::cuda::CudaStorage],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        use crate::backend::cuda::kit::{grid_for, launch, ptr, Elem};
+        use crate::backend::cuda::kit::{by_dtype, grid_for, launch, ptr, Elem};
         use crate::backend::cuda::CudaStorage;
         fn run<T: Elem>(d: &[usize], a: &[&CudaStorage], t: i32) -> Result<Vec<CudaStorage>> {
             let (x, dev) = (a[0], &a[0].dev);
@@ -106,16 +106,10 @@ impl Kernel for Rope {
             Ok(vec![x.wrap(T::wrap(y))])
         }
         let t = i32::from(self.transpose);
-        match args[0].buf.dtype() {
-            DType::F32 => run::<f32>(dims, args, t),
-            DType::F64 => run::<f64>(dims, args, t),
-            DType::BF16 => run::<half::bf16>(dims, args, t),
-            DType::F16 => run::<half::f16>(dims, args, t),
-            dtype => Err(Error::UnsupportedDType {
-                op: self.name(),
-                dtype,
-            }),
-        }
+        by_dtype!(args[0].buf.dtype(), run(dims, args, t), u32 => Err(Error::UnsupportedDType {
+            op: self.name(),
+            dtype: DType::U32,
+        }))
     }
 }
 

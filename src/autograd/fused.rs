@@ -51,9 +51,9 @@ pub(crate) fn run_kernel(k: &dyn Kernel, args: &[&Tensor]) -> Result<Vec<Storage
 }
 
 /// Output storage `s` of shape `shape` on `like`'s device, recording `k` over `inputs` (with
-/// `kept` for its backward) when an input needs a gradient.
-pub(crate) fn recorded(
-    k: &Arc<dyn FusedKernel>,
+/// `kept` for its backward) when an input needs a gradient (the kernel is boxed only then).
+pub(crate) fn recorded<K: FusedKernel + 'static>(
+    k: K,
     s: Storage,
     shape: impl Into<Shape>,
     inputs: &[&Tensor],
@@ -61,7 +61,7 @@ pub(crate) fn recorded(
 ) -> Tensor {
     let like = inputs[0];
     let rec = record(inputs, || Op::Fused {
-        kernel: k.clone(),
+        kernel: Arc::new(k),
         inputs: inputs.iter().map(|t| (*t).clone()).collect(),
         kept: kept.iter().map(|t| (*t).clone()).collect(),
     });

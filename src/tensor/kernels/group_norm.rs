@@ -9,7 +9,6 @@ use crate::backend::stats_dtype;
 use crate::backend::validate::Operands;
 use crate::backend::Kernel;
 use crate::{DType, Error, Layout, Result, Tensor};
-use std::sync::Arc;
 
 /// [x (N, C, S), weight?, bias? (C) in x's dtype] -> [y, mean, rstd (N, groups) in the
 /// statistics dtype].
@@ -334,8 +333,7 @@ impl Tensor {
         let mut o = run_kernel(&k, &args)?;
         let mean = plain(o.remove(1), (n, groups), self);
         let rstd = plain(o.remove(1), (n, groups), self);
-        let k: Arc<dyn FusedKernel> = Arc::new(k);
-        recorded(&k, o.remove(0), x.shape().clone(), &args, &[&mean, &rstd]).reshape(dims)
+        recorded(k, o.remove(0), x.shape().clone(), &args, &[&mean, &rstd]).reshape(dims)
     }
 
     /// GroupNorm from primitives (computed in f32): the reference of the fused kernels.

@@ -8,7 +8,6 @@ use crate::autograd::{plain, recorded, run_kernel, FusedKernel};
 use crate::backend::validate::Operands;
 use crate::backend::Kernel;
 use crate::{DType, Layout, Result, Tensor};
-use std::sync::Arc;
 
 /// [x (B, L, D), shift, scale (B, D)], one dtype -> [y (B, L, D)].
 pub(crate) struct Modulate;
@@ -262,8 +261,13 @@ impl Tensor {
         };
         let x = self.reshape((b, self.elem_count() / (b * e).max(1), e))?;
         let mut o = run_kernel(&Modulate, &[&x, &sh, &sc])?;
-        let k: Arc<dyn FusedKernel> = Arc::new(Modulate);
-        let y = recorded(&k, o.remove(0), x.shape().clone(), &[&x, &sh, &sc], &[]);
+        let y = recorded(
+            Modulate,
+            o.remove(0),
+            x.shape().clone(),
+            &[&x, &sh, &sc],
+            &[],
+        );
         y.reshape(self.shape().clone())
     }
 

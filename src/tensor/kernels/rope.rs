@@ -9,7 +9,6 @@ use crate::backend::stats_dtype;
 use crate::backend::validate::Operands;
 use crate::backend::Kernel;
 use crate::{DType, Error, Layout, Result, Tensor};
-use std::sync::Arc;
 
 /// [x (B, H, L, D), rot (R, L, D/2, 2, 2) in the statistics dtype, R = 1 or B] -> [y]: each
 /// pair times its matrix, or its transpose when `transpose` (the backward).
@@ -167,9 +166,8 @@ impl Tensor {
     fn rope_fused(&self, rot: &Tensor, transpose: bool) -> Result<Tensor> {
         let k = Rope { transpose };
         let mut o = run_kernel(&k, &[self, rot])?;
-        let k: Arc<dyn FusedKernel> = Arc::new(k);
         Ok(recorded(
-            &k,
+            k,
             o.remove(0),
             self.shape().clone(),
             &[self],

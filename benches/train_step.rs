@@ -159,7 +159,8 @@ fn run<M: ModelSpec>(
     let mut profile: MemoryProfile = profile_config::<M>(&cfg, &opts, &run_shape)?;
     // The planner's switches: `FLAME_PLANNER`, then the flags `--raw-wire` (streamed bf16
     // weights cross uncoded), `--no-uncoded-carry`, `--shallow` (no deep prefetch),
-    // `--no-host-products`, `--no-keep-few` and `--measure-machine`.
+    // `--no-host-products`, `--no-keep-few` and `--reference-machine` (the time model plays
+    // `Machine::REFERENCE`, not this machine measured).
     let mut switches = Switches::default().with_env()?;
     for (flag, name, on) in [
         ("--raw-wire", "wire_code", false),
@@ -167,7 +168,7 @@ fn run<M: ModelSpec>(
         ("--shallow", "deep_prefetch", false),
         ("--no-host-products", "host_products", false),
         ("--no-keep-few", "keep_few_rows", false),
-        ("--measure-machine", "measure_machine", true),
+        ("--reference-machine", "measure_machine", false),
     ] {
         if args.flag(flag) {
             if let Some(s) = switches.get_mut(name) {
@@ -180,8 +181,10 @@ fn run<M: ModelSpec>(
         if let Some(m) = flame::memory::measure_machine(&dev)? {
             if root {
                 println!(
-                    "machine: {} (bf16 GEMM {:.0} TFLOP/s)",
-                    m.machine, m.gemm_tflops
+                    "machine: {} ({}): {}",
+                    m.gpu,
+                    if m.cached { "cached" } else { "measured now" },
+                    m.machine
                 );
             }
             profile.machine = m.machine;
@@ -263,7 +266,7 @@ fn run<M: ModelSpec>(
     if root {
         let (step, resident) = (profile.step_ms(&plan), profile.resident_ms());
         println!(
-            "flame {name}: plan {plan}, predicted peak {predicted:.2} GiB, predicted step {:.2}x the resident one ({step:.1} ms by the H100 time model, resident {resident:.1})",
+            "flame {name}: plan {plan}, predicted peak {predicted:.2} GiB, predicted step {:.2}x the resident one ({step:.1} ms by the time model, resident {resident:.1})",
             step / resident
         );
     }

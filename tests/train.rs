@@ -201,13 +201,13 @@ fn older_memory_keys_are_read_into_the_planner_switches() {
     assert_eq!(plain.planner, Switches::default());
     assert!(plain.notes.is_empty());
     let old =
-        format!("{good}\n[memory]\nprefetch = 1\nwire_code = false\nmeasure_machine = true\n");
+        format!("{good}\n[memory]\nprefetch = 1\nwire_code = false\nmeasure_machine = false\n");
     let line = old.lines().position(|l| l == "wire_code = false").unwrap() + 1;
     let c = TrainConfig::from_toml(&old).unwrap();
     assert_eq!(c.memory.prefetch, 1);
     assert_eq!(
         c.planner,
-        Switches::parse("wire_code=off,measure_machine=on").unwrap()
+        Switches::parse("wire_code=off,measure_machine=off").unwrap()
     );
     assert_eq!(c.notes.len(), 2, "{:?}", c.notes);
     assert!(

@@ -194,6 +194,19 @@ impl Op {
         }
     }
 
+    /// Whether the op's forward launches work on a device: views (reshapes, permutes,
+    /// narrows, broadcasts) and a custom op's extra outputs do not.
+    fn launches(&self) -> bool {
+        !matches!(
+            self,
+            Op::Reshape(_)
+                | Op::Permute(..)
+                | Op::Narrow(..)
+                | Op::Broadcast(_)
+                | Op::Output { .. }
+        )
+    }
+
     /// Every tensor the op holds (inputs, indices, masks), consuming it.
     pub(crate) fn into_tensors(self) -> Vec<Tensor> {
         match self {
@@ -286,6 +299,16 @@ thread_local! {
     /// have: a checkpointed forward learns whether its outputs need a graph node.
     static PROBING: Cell<bool> = const { Cell::new(false) };
     static PROBE_HIT: Cell<bool> = const { Cell::new(false) };
+    /// Ops recorded on this thread, and views among them (`recorded_ops`).
+    static RECORDED: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+}
+
+/// How many ops this thread has recorded on the tape so far: (those that launch work, the
+/// views). The differences across a forward are the kernels it issues for the backward to
+/// answer (a launch or more each on a GPU) and the views it makes: the planner's time model
+/// charges the host for both (`BlockShape::ops`, `BlockShape::views`).
+pub fn recorded_ops() -> (u64, u64) {
+    RECORDED.with(|r| r.get())
 }
 
 /// Whether ops on this thread are recorded (false inside a `no_grad` guard).
@@ -352,7 +375,17 @@ pub(crate) fn record(inputs: &[&Tensor], op: impl FnOnce() -> Op) -> Option<Op> 
         PROBE_HIT.with(|h| h.set(true));
         return None;
     }
-    Some(op().slim())
+    let op = op().slim();
+    let launches = op.launches();
+    RECORDED.with(|r| {
+        let (ops, views) = r.get();
+        r.set(if launches {
+            (ops + 1, views)
+        } else {
+            (ops, views + 1)
+        })
+    });
+    Some(op)
 }
 
 /// `t` by value when `keep`, else its graph edge.

@@ -1,100 +1,437 @@
-//! Measuring the machine the planner's time model plays a step on (`Machine`): the host
-//! link's rate for a streamed block's upload, through the streamer's own path (a page-locked
-//! pack copied into one allocation), and the GPU's bf16 GEMM rate against the H100's the
-//! model was calibrated on.
+//! Measuring the machine the planner's time model plays a step on (`Machine`): the rates of
+//! the work a training step is made of, each timed through FLAME's own path: the host link
+//! (a page-locked pack copied into one allocation, as the streamer uploads a block), bf16
+//! GEMMs at a transformer Linear's shape, flash attention forward and backward at head
+//! widths 64 and 128, elementwise work over device memory, the host's cost to issue a
+//! recorded op and its backward, the decodes of coded and FP8 weights, and the host's
+//! products of weights it holds.
+//!
+//! A measurement is kept per GPU in the cache folder (`machine_cache_path`) and reused while
+//! the crate's version is the same, so runs on one machine plan alike; a run records the
+//! machine it planned with in its output folder, and a resumed run plans with that one.
 
 use crate::memory::Machine;
-use crate::{Device, Result};
-
-/// The bf16 GEMM rate of the H100 80GB the time model was calibrated on, TFLOP/s: cuBLAS at
-/// 8192³ through `Tensor::matmul` (BENCHMARKS.md: 805.6 at 4096³ and 796.9 at Flux's
-/// 4608 x 3072 @ 3072 x 12288; this probe's 8192³ GEMMs ran 782-792 on an H100).
-pub const H100_GEMM_TFLOPS: f64 = 790.0;
+use crate::{Device, Error, Result};
+use std::path::{Path, PathBuf};
 
 /// Bytes of the probe upload: a Flux single block's streamed weights are about 230 MiB.
 #[cfg(feature = "cuda")]
 const PROBE_BYTES: usize = 256 << 20;
 
-/// Uploads timed (the fastest counts).
+/// Repeats of each timed probe (the fastest counts: the first of a process ran its upload at
+/// 38.6 GiB/s where its steps' copies ran at 47.1 on an H100).
 #[cfg(feature = "cuda")]
-const UPLOADS: usize = 6;
+const REPEATS: usize = 6;
 
-/// The GEMM's side (three 128 MiB bf16 operands: 1.1 TFLOP a product).
-#[cfg(feature = "cuda")]
-const PROBE_SIDE: usize = 8192;
-
-/// What `measure_machine` measured, with the figures behind the `Machine`.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// What `measure_machine` measured: the machine, and where it came from.
+#[derive(Clone, Debug, PartialEq)]
 pub struct MachineProbe {
     /// The machine the time model will play.
     pub machine: Machine,
-    /// The bf16 GEMM rate measured, TFLOP/s.
-    pub gemm_tflops: f64,
+    /// The GPU's name as the driver gives it.
+    pub gpu: String,
+    /// Whether it was read from the cache (`machine_cache_path`) rather than timed now.
+    pub cached: bool,
 }
 
-/// Measures the host link and the GPU of `device` (a quarter of a second or less on a GPU:
-/// six 256 MiB uploads, the fastest counting, and six 8192³ bf16 GEMMs, the first a
-/// warm-up); `None` on
-/// the CPU backend, where nothing streams over a link. Needs about 640 MiB of device memory
-/// for the moment it runs (the planner calls it before any weight is read).
+/// The machine of `device`: read from the cache when a measurement of this GPU by this
+/// version of FLAME is there, else measured (a few seconds on a GPU, about 2 GiB of
+/// device memory for the moment it runs: the planner calls it before any weight is read)
+/// and written to the cache (a cache that cannot be written is skipped). `None` on the CPU
+/// backend, where nothing streams over a link.
 pub fn measure_machine(device: &Device) -> Result<Option<MachineProbe>> {
     match device {
         #[cfg(feature = "cuda")]
-        Device::Cuda(cuda) => measure_cuda(device, cuda).map(Some),
+        Device::Cuda(cuda) => {
+            let gpu = cuda.name()?;
+            let path = machine_cache_path(&gpu, cuda.ordinal());
+            if let Some(machine) = path.as_deref().and_then(|p| read_machine(p).ok().flatten()) {
+                return Ok(Some(MachineProbe {
+                    machine,
+                    gpu,
+                    cached: true,
+                }));
+            }
+            let machine = measure_cuda(device, cuda)?;
+            if let Some(p) = &path {
+                // A cache that cannot be written costs a measurement next time, nothing more.
+                let _ = write_machine(p, &machine);
+            }
+            Ok(Some(MachineProbe {
+                machine,
+                gpu,
+                cached: false,
+            }))
+        }
         #[allow(unreachable_patterns)]
         _ => Ok(None),
     }
 }
 
+/// Where the measurement of GPU `gpu` at index `ordinal` is cached:
+/// `$FLAME_CACHE_DIR`, else `$XDG_CACHE_HOME/flame`, else `$HOME/.cache/flame`, a file named
+/// after the GPU; `None` where none of these is set.
+pub fn machine_cache_path(gpu: &str, ordinal: usize) -> Option<PathBuf> {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let dir = var("FLAME_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("flame")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("flame")))?;
+    let name: String = gpu
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    Some(dir.join(format!("machine-{name}-{ordinal}.toml")))
+}
+
+/// The machine written at `path` by `write_machine`, `None` when there is no file or it was
+/// written by another version of FLAME (its kernels, and so its rates, may differ); an error
+/// for a file that is there but cannot be read as a machine.
+pub fn read_machine(path: &Path) -> Result<Option<Machine>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(Error::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let file: MachineFile = toml::from_str(&text).map_err(|e| Error::Config {
+        path: Some(path.to_path_buf()),
+        msg: format!("not a machine measurement: {e}"),
+    })?;
+    if file.version != env!("CARGO_PKG_VERSION") {
+        return Ok(None);
+    }
+    file.machine.check().map_err(|msg| Error::Config {
+        path: Some(path.to_path_buf()),
+        msg,
+    })?;
+    Ok(Some(file.machine))
+}
+
+/// Writes `machine` to `path` (its folder made if missing), through a temporary file renamed
+/// into place, so a reader never sees half a file.
+pub fn write_machine(path: &Path, machine: &Machine) -> Result<()> {
+    let io = |source: std::io::Error| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let text = toml::to_string(&MachineFile {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        machine: *machine,
+    })
+    .map_err(|e| Error::Config {
+        path: Some(path.to_path_buf()),
+        msg: format!("the machine could not be written: {e}"),
+    })?;
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, text).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct MachineFile {
+    version: String,
+    machine: Machine,
+}
+
 #[cfg(feature = "cuda")]
-fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Result<MachineProbe> {
+fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Result<Machine> {
     use crate::{DType, Tensor};
     use std::time::Instant;
     const GIB: f64 = (1u64 << 30) as f64;
+    let sync = || cuda.synchronize();
+    // The fastest of `REPEATS` runs of `f`, seconds, the device synchronised around each.
+    let fastest = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        f()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..REPEATS {
+            sync()?;
+            let t = Instant::now();
+            f()?;
+            sync()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(best.max(1e-9))
+    };
     let _g = crate::no_grad();
     // The link: one block's worth packed and uploaded as the streamer does.
-    let pack = {
+    let host = {
         let t = Tensor::zeros(PROBE_BYTES / 2, DType::BF16, device)?;
         let host = t.storage()?.stash(t.elem_count())?;
-        device.pack(&[&host], false)?
+        host
     };
-    // Each upload timed alone; the fastest counts: the first of a process ran at 38.6 GiB/s
-    // where its steps' copies ran at 47.1 (H100).
-    let upload = || -> Result<f64> {
-        cuda.synchronize()?;
-        let start = Instant::now();
-        let (storages, ticket) = device.upload_pack(&pack, None, &[])?;
-        device.wait(&ticket)?;
-        cuda.synchronize()?;
-        let secs = start.elapsed().as_secs_f64();
-        drop(storages);
-        Ok(PROBE_BYTES as f64 / GIB / secs)
-    };
-    let mut link = 0.0f64;
-    for _ in 0..UPLOADS {
-        link = link.max(upload()?);
-    }
+    let pack = device.pack(&[&host], false)?;
+    let link = PROBE_BYTES as f64
+        / GIB
+        / fastest(&mut || {
+            let (storages, ticket) = device.upload_pack(&pack, None, &[])?;
+            device.wait(&ticket)?;
+            drop(storages);
+            Ok(())
+        })?;
     drop(pack);
-    // The GPU: square bf16 GEMMs, the step's dominant work.
-    let a = Tensor::randn((PROBE_SIDE, PROBE_SIDE), DType::BF16, device, 1)?;
-    let b = Tensor::randn((PROBE_SIDE, PROBE_SIDE), DType::BF16, device, 2)?;
-    drop(a.matmul(&b)?);
-    cuda.synchronize()?;
-    const GEMMS: usize = 5;
-    let start = Instant::now();
-    for _ in 0..GEMMS {
-        drop(a.matmul(&b)?);
+    drop(host);
+    // GEMMs at a transformer block's Linears over 4096 tokens of a 3072-wide stream (Flux's:
+    // the attention's projections and the MLP's two), each as the forward runs it (x · Wᵀ)
+    // and as the input's gradient does (dy · W), after a warm-up long enough for the
+    // clocks a step's sustained load runs at.
+    let tokens = 4096usize;
+    let shapes = [
+        (3072usize, 9216usize),
+        (3072, 3072),
+        (3072, 12288),
+        (12288, 3072),
+    ];
+    let mut operands = vec![];
+    for (i, &(inp, out)) in shapes.iter().enumerate() {
+        let seed = 10 + 3 * i as u64;
+        operands.push((
+            Tensor::randn((tokens, inp), DType::BF16, device, seed)?,
+            Tensor::randn((out, inp), DType::BF16, device, seed + 1)?,
+            Tensor::randn((tokens, out), DType::BF16, device, seed + 2)?,
+        ));
     }
-    cuda.synchronize()?;
-    let flops = GEMMS as f64 * 2.0 * (PROBE_SIDE as f64).powi(3);
-    let tflops = flops / start.elapsed().as_secs_f64() / 1e12;
-    Ok(MachineProbe {
-        machine: Machine {
-            upload_gib_per_s: link,
-            compute_scale: H100_GEMM_TFLOPS / tflops.max(1e-6),
-        },
-        gemm_tflops: tflops,
-    })
+    let flops_once: f64 = shapes
+        .iter()
+        .map(|&(inp, out)| 2.0 * 2.0 * (tokens * inp * out) as f64)
+        .sum();
+    let block = || -> Result<()> {
+        for (x, w, dy) in &operands {
+            drop(x.matmul(&w.t()?)?);
+            drop(dy.matmul(w)?);
+        }
+        Ok(())
+    };
+    for _ in 0..20 {
+        block()?;
+    }
+    const BLOCKS: usize = 4;
+    let gemm = flops_once * BLOCKS as f64
+        / fastest(&mut || {
+            for _ in 0..BLOCKS {
+                block()?;
+            }
+            Ok(())
+        })?
+        / 1e12;
+    // Coded weights (normal values, as trained weights are) uploaded while the compute runs
+    // those GEMMs, as a streamed block's upload runs beside the step: the decodes' rate
+    // there (their events), and what they take from the GEMMs beside them.
+    let (wire_decode, decode_cost) = {
+        let t = Tensor::randn(PROBE_BYTES / 2, DType::BF16, device, 3)?.affine(0.02, 0.0)?;
+        let host = {
+            let s = t.storage()?;
+            s.stash(t.elem_count())?
+        };
+        drop(t);
+        let pack = device.pack(&[&host], true)?;
+        let (wire, part, pieces) = pack.staging_bytes();
+        let staging = device.staging(wire, part, pieces)?;
+        // Four uploads in a row beside enough GEMMs to outlast them, against the same GEMMs
+        // alone; the median of the runs (a millisecond's noise in the GEMMs would read as
+        // several a GiB on one upload's decodes).
+        const UPLOADS: usize = 4;
+        const BESIDE: usize = 24;
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let mut alone = vec![];
+        let (mut decode, mut with) = (vec![], vec![]);
+        for _ in 0..=REPEATS {
+            sync()?;
+            let t = Instant::now();
+            for _ in 0..BESIDE {
+                block()?;
+            }
+            sync()?;
+            alone.push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            block()?;
+            let mut uploads = vec![];
+            for _ in 0..UPLOADS {
+                uploads.push(device.upload_pack(&pack, staging.as_ref(), &[])?);
+            }
+            for _ in 1..BESIDE {
+                block()?;
+            }
+            for (_, ticket) in &uploads {
+                ticket.wait_host()?;
+            }
+            sync()?;
+            with.push(t.elapsed().as_secs_f64());
+            let ms: Option<f64> = uploads
+                .iter()
+                .map(|(_, ticket)| ticket.copy_ms().map(|c| c.2))
+                .sum();
+            if let Some(ms) = ms.filter(|&ms| ms > 0.0) {
+                decode.push(ms / 1e3);
+            }
+        }
+        let (alone, with) = (median(alone), median(with));
+        let coded = (UPLOADS * wire) as f64 / GIB;
+        if !decode.is_empty() && coded > 0.0 {
+            (
+                coded / median(decode),
+                ((with - alone) * 1e3 / coded).max(0.0),
+            )
+        } else {
+            // Nothing was coded (or timed): no decodes for the model to play.
+            (f64::INFINITY, 0.0)
+        }
+    };
+    drop(operands);
+    // Convolutions: a 3x3 one of 640 channels over 64 x 64 positions (SDXL's middle
+    // level), forward and the input's gradient, through FLAME's own path.
+    let conv = {
+        let x = Tensor::randn(
+            (1usize, 640usize, 64usize, 64usize),
+            DType::BF16,
+            device,
+            20,
+        )?
+        .requires_grad_()?;
+        let w = Tensor::randn(
+            (640usize, 640usize, 3usize, 3usize),
+            DType::BF16,
+            device,
+            21,
+        )?;
+        let flops = 2.0 * 2.0 * 64.0 * 64.0 * 640.0 * 640.0 * 9.0;
+        flops
+            / fastest(&mut || {
+                let _on = crate::autograd::enable_grad();
+                let y = crate::nn::conv2d(&x, &w, None, (1, 1), (1, 1), (1, 1), 1)?;
+                drop(y.sum_all()?.backward()?);
+                Ok(())
+            })?
+            / 1e12
+    };
+    // Elementwise work on operands of a block's activation size (28 MiB, Flux's 4608 x 3072
+    // in bf16), many in a row: each sum reads two and writes a third.
+    const SUMS: usize = 40;
+    let n = 4608 * 3072;
+    let x = Tensor::randn(n, DType::BF16, device, 4)?;
+    let y = Tensor::randn(n, DType::BF16, device, 5)?;
+    let memory = SUMS as f64 * 3.0 * (2 * n) as f64
+        / GIB
+        / fastest(&mut || {
+            for _ in 0..SUMS {
+                drop(x.add(&y)?);
+            }
+            Ok(())
+        })?;
+    drop((x, y));
+    // Attention at 4096 tokens over a 3072-wide stream (heads of 128) and a 2048-wide one
+    // (heads of 64): forward, then forward and backward (FLOPs 4·B·H·L²·D forward, 2.5x that
+    // backward, as FlashAttention counts them).
+    let attention = |heads: usize, d: usize| -> Result<(f64, f64)> {
+        let l = 4096usize;
+        let shape = (1usize, heads, l, d);
+        let q = Tensor::randn(shape, DType::BF16, device, 6)?;
+        let kk = Tensor::randn(shape, DType::BF16, device, 7)?;
+        let v = Tensor::randn(shape, DType::BF16, device, 8)?;
+        let flops = 4.0 * (heads * l * l * d) as f64;
+        let fwd = fastest(&mut || {
+            drop(crate::tensor::scaled_dot_product_attention(
+                &q, &kk, &v, None, false, None,
+            )?);
+            Ok(())
+        })?;
+        let (q, kk, v) = (
+            q.requires_grad_()?,
+            kk.requires_grad_()?,
+            v.requires_grad_()?,
+        );
+        let both = fastest(&mut || {
+            let _on = crate::autograd::enable_grad();
+            let o = crate::tensor::scaled_dot_product_attention(&q, &kk, &v, None, false, None)?;
+            drop(o.sum_all()?.backward()?);
+            Ok(())
+        })?;
+        // The backward's time: the pair's less the forward's (the sum's is negligible).
+        let bwd = (both - fwd).max(fwd * 1e-3);
+        Ok((flops / fwd / 1e12, 2.5 * flops / bwd / 1e12))
+    };
+    let (a64, b64) = attention(32, 64)?;
+    let (a128, b128) = attention(24, 128)?;
+    // FP8 codes decoded to bf16: a 3072 x 12288 weight (four codes a word).
+    let (rows, cols) = (12288usize, 3072usize);
+    let codes = Tensor::zeros(
+        (rows, cols / crate::backend::fp8::CODES_PER_WORD),
+        DType::U32,
+        device,
+    )?;
+    let scale = Tensor::ones(rows, DType::F32, device)?;
+    let fp8_decode = (rows * cols) as f64
+        / GIB
+        / fastest(&mut || {
+            drop(codes.dequant_fp8(&scale, DType::BF16)?);
+            Ok(())
+        })?;
+    drop((codes, scale));
+    // The host's cost of an op: chains of small recorded ops (their kernels take less than
+    // the host's issue), issued, then their backward; ops that launch work (a scale and a
+    // product), then views (a reshape and a transpose).
+    let chain = |views: bool| -> Result<(f64, f64)> {
+        const OPS: usize = 400;
+        let w = Tensor::ones((16usize, 16usize), DType::BF16, device)?.requires_grad_()?;
+        let mut best = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..=REPEATS {
+            let _on = crate::autograd::enable_grad();
+            sync()?;
+            let t = Instant::now();
+            let mut h = w.affine(1.0, 0.0)?;
+            for _ in 0..OPS / 2 {
+                h = if views {
+                    h.reshape(256usize)?.reshape((16usize, 16usize))?.t()?
+                } else {
+                    h.affine(1.0, 0.0)?.mul(&w)?
+                };
+            }
+            let issued = t.elapsed().as_secs_f64();
+            let loss = h.sum_all()?;
+            sync()?;
+            let t = Instant::now();
+            drop(loss.backward()?);
+            sync()?;
+            let back = t.elapsed().as_secs_f64();
+            best = (best.0.min(issued), best.1.min(back));
+        }
+        // A view pair is three views here (two reshapes and a transpose).
+        let per = if views { 1.5 * OPS as f64 } else { OPS as f64 };
+        Ok((best.0 * 1e6 / per, best.1 * 1e6 / per))
+    };
+    let (op_us, backward_op_us) = chain(false)?;
+    let (view_us, backward_view_us) = chain(true)?;
+    let machine = Machine {
+        upload_gib_per_s: link,
+        gemm_tflops: gemm,
+        conv_tflops: conv,
+        attention_tflops: [a64, a128],
+        attention_backward_tflops: [b64, b128],
+        memory_gib_per_s: memory,
+        op_us,
+        backward_op_us,
+        view_us,
+        backward_view_us,
+        wire_decode_gib_per_s: wire_decode,
+        wire_decode_cost_ms_per_gib: decode_cost,
+        fp8_decode_gib_per_s: fp8_decode,
+        host_product_gib_per_s: crate::memory::products::measure_rate(),
+    };
+    machine.check().map_err(Error::Stream)?;
+    Ok(machine)
 }
 
 #[cfg(test)]
@@ -105,5 +442,38 @@ mod tests {
     #[test]
     fn the_cpu_has_no_link_to_measure() {
         assert_eq!(measure_machine(&Device::Cpu).unwrap(), None);
+    }
+
+    #[test]
+    fn a_cached_machine_reads_back_and_another_version_is_not_taken() {
+        let dir = std::env::temp_dir().join(format!("flame-machine-{}", std::process::id()));
+        let path = dir.join("m.toml");
+        let m = Machine {
+            upload_gib_per_s: 12.5,
+            op_us: 7.25,
+            ..Machine::REFERENCE
+        };
+        write_machine(&path, &m).unwrap();
+        assert_eq!(read_machine(&path).unwrap(), Some(m));
+        // No temporary file is left beside it.
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        let other = std::fs::read_to_string(&path)
+            .unwrap()
+            .replace(env!("CARGO_PKG_VERSION"), "0.0.0-other");
+        std::fs::write(&path, other).unwrap();
+        assert_eq!(read_machine(&path).unwrap(), None);
+        std::fs::write(&path, "machine = 3").unwrap();
+        let err = read_machine(&path).unwrap_err().to_string();
+        assert!(err.contains("not a machine measurement"), "{err}");
+        assert_eq!(read_machine(&dir.join("none.toml")).unwrap(), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let p = machine_cache_path("NVIDIA H200 (x)", 1);
+        if let Some(p) = p {
+            assert!(
+                p.ends_with("machine-NVIDIA-H200--x--1.toml"),
+                "{}",
+                p.display()
+            );
+        }
     }
 }

@@ -36,7 +36,7 @@ mod streamer;
 mod switches;
 
 pub use budget::{split_budget, LATE_HEADROOM};
-pub use machine::{measure_machine, MachineProbe, H100_GEMM_TFLOPS};
+pub use machine::{machine_cache_path, measure_machine, read_machine, write_machine, MachineProbe};
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{
     carry, cost_model, spread_evenly, BlockCost, BlockShape, Machine, MemoryProfile, NoPlan, Plan,

@@ -21,14 +21,14 @@
 //! backward uploads, uncoded or not: `Plan::uncoded_carry`), the forward fetching deeper while the
 //! memory its checkpoints will take is free (and the backward leaving those blocks for it:
 //! `MemoryProfile::reach`); the last streams every block with a prefetch of one. They are ordered by
-//! a time model (`MemoryProfile::step_ms`, calibrated on an H100) that plays the step's
-//! compute and its uploads on two clocks: recompute costs each checkpointed block its share
-//! of the work less what it keeps, and a block whose upload has not arrived waits for it. On
-//! the H100 the host link (47 GiB/s) uploads a Flux block in 2-4 times its forward, so once
-//! the compute stops hiding them, the copies set the step: Flux-dev's 381 ms resident step
-//! ran 483 ms within 24 GiB (every block checkpointed keeping attention and down-projections,
-//! 20 streamed) and 673 ms within 12 GiB (47 streamed, 29.2 GiB uploaded a step). A budget
-//! under the last plan's peak cannot be met: `plan` says the minimum.
+//! a time model (`MemoryProfile::step_ms`, `cost_model`) built from each block's work (its
+//! FLOPs, attention, memory traffic and ops, from the model's own shapes) and the machine's
+//! measured rates (`Machine`), which plays the step's compute and its uploads on two clocks:
+//! recompute costs each checkpointed block its forward less what it keeps, and a block whose
+//! upload has not arrived waits for it. On an H100 or H200 the host link (47-51 GiB/s)
+//! uploads a Flux block in 2-4 times its forward, so once the compute stops hiding them, the
+//! copies set the step. A budget under the last plan's peak cannot be met: `plan` says the
+//! minimum.
 
 use crate::autograd::Keep;
 use crate::memory::Checkpointing;
@@ -58,9 +58,33 @@ pub struct BlockCost {
     /// Bytes of its down-projections' weights (as stored), whose share of the block's work
     /// (and of its FP8 decodes) the re-run skips when their outputs are kept.
     pub down_weight_bytes: u64,
-    /// Its share of the step's work in relative units (positions times weight bytes: a
-    /// Linear's or a convolution's FLOPs are positions times weights), for the time model.
-    pub compute: f64,
+    /// FLOPs of its forward's products with its weights (Linears and convolutions: twice
+    /// the positions each weight multiplies times its values), for the time model.
+    pub gemm_flops: f64,
+    /// Of those, the down-projections' (`down_weight_bytes`), which a re-run skips when their
+    /// outputs are kept.
+    pub down_flops: f64,
+    /// FLOPs of its convolutions' forward (weights of four dimensions), apart from
+    /// `gemm_flops`: they run at the machine's convolution rate.
+    pub conv_flops: f64,
+    /// FLOPs of its attention calls' forward (4 · queries · keys · width a call).
+    pub attention_flops: f64,
+    /// The width of its attention heads (the flash kernels' rate depends on it).
+    pub head_dim: usize,
+    /// Ops its forward records on the tape that launch work (`BlockShape::ops`): the host
+    /// issues each, and each one's backward.
+    pub ops: f64,
+    /// Views its forward records (`BlockShape::views`).
+    pub views: f64,
+    /// Its weight tensors (an upload decodes its coded ones a launch each).
+    pub tensors: usize,
+    /// Device memory its adapters' forward reads and writes beside the base's: each adapted
+    /// layer reads its input again and adds into its output (the adapters' own products are
+    /// a few columns wide: their time is their memory's).
+    pub adapter_forward_bytes: u64,
+    /// The same for their backward: the input read again for the adapter's gradients, the
+    /// output's gradient read, and the input's gradient added into.
+    pub adapter_backward_bytes: u64,
     /// Bytes of FP8 codes among its weights, decoded to the compute dtype at each use (the
     /// forward, a checkpoint's re-run, the backward); 0 for bf16 weights.
     pub decode_bytes: u64,
@@ -87,39 +111,153 @@ pub struct MemoryProfile {
     pub optimizer_bytes: u64,
     /// The sample, the loss and transient buffers.
     pub fixed_bytes: u64,
-    /// The machine the time model plays a step on (`Machine::H100` unless measured:
+    /// The machine the time model plays a step on (`Machine::REFERENCE` unless measured:
     /// `memory::measure_machine`).
     pub machine: Machine,
 }
 
-/// The machine the time model plays a plan's step on: its host link and its GPU's speed,
-/// against the H100 the model's constants come from (`cost_model`). The planner's choice
-/// turns on how the link compares with the compute: a slower link (PCIe 3 or 4 on a desktop
-/// card) makes uploads dearer and the wire code worth its decodes; a slower GPU makes them
-/// cheaper.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// The machine the time model plays a plan's step on: the rates of the work a step is made
+/// of, measured on it (`memory::measure_machine`). The planner's choice turns on how the link
+/// compares with the compute: a slower link (PCIe 3 or 4 on a desktop card) makes uploads
+/// dearer and the wire code worth its decodes; a slower GPU makes them cheaper; a slower
+/// host makes a step of many small kernels (SDXL's UNet) wait on the host's issue.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Machine {
     /// The host-to-device rate of a streamed block's upload, GiB/s.
     pub upload_gib_per_s: f64,
-    /// The GPU's time for a step's work over an H100's: the resident step, the re-runs,
-    /// FP8 and wire-code decodes scale with it (1.0 on an H100).
-    pub compute_scale: f64,
+    /// bf16 GEMMs at a transformer block's Linears, forward and input gradient, TFLOP/s.
+    pub gemm_tflops: f64,
+    /// bf16 convolutions (3x3, forward and input gradient), TFLOP/s.
+    pub conv_tflops: f64,
+    /// Flash attention's forward at head widths 64 and 128, TFLOP/s (4·B·H·Lq·Lk·D a call).
+    pub attention_tflops: [f64; 2],
+    /// Its backward at head widths 64 and 128, TFLOP/s (2.5x the forward's FLOPs).
+    pub attention_backward_tflops: [f64; 2],
+    /// Elementwise work over device memory, GiB/s read and written.
+    pub memory_gib_per_s: f64,
+    /// The host's time to issue one recorded op (checks, allocation, tape, launch), µs.
+    pub op_us: f64,
+    /// The host's time for one recorded op's backward (its VJP's kernels), µs.
+    pub backward_op_us: f64,
+    /// The host's time for one recorded view (a reshape, permute, narrow or broadcast), µs.
+    pub view_us: f64,
+    /// The host's time for one recorded view's backward, µs.
+    pub backward_view_us: f64,
+    /// Decoding weights that crossed the link coded, beside the compute's work, GiB of
+    /// coded bytes a second.
+    pub wire_decode_gib_per_s: f64,
+    /// What those decodes take from the compute beside them, ms a GiB coded.
+    pub wire_decode_cost_ms_per_gib: f64,
+    /// Decoding FP8 codes to bf16 before a matmul, GiB of codes a second.
+    pub fp8_decode_gib_per_s: f64,
+    /// The host's products of weights it holds (`Plan::host_products`), GiB of weights a
+    /// second.
+    pub host_product_gib_per_s: f64,
 }
 
 impl Machine {
-    /// The H100 80GB machine the time model was calibrated on.
-    pub const H100: Machine = Machine {
-        upload_gib_per_s: cost_model::UPLOAD_GIB_PER_S,
-        compute_scale: 1.0,
+    /// The machine a profile plays until one is measured: an NVIDIA H100 80GB SXM on its
+    /// 16-core host, from the measurements in BENCHMARKS.md (2026-11): the host link 47 GiB/s
+    /// (a streamed block's uploads, 46.2-48.7), cuBLAS at Flux's MLP shape 796.9 TFLOP/s,
+    /// FLAME's 3x3 convolution at SDXL's first level 302 TFLOP/s, the flash kernels 473 / 422
+    /// (D = 64, L 4096) and 580 / 490 (D = 128, Flux's shape) TFLOP/s forward / backward, a
+    /// device copy 2744 GB/s, the wire code's decodes 5.3 ms a GiB beside the compute and
+    /// 3.3 ms a GiB taken from it, FP8 decodes 1.6 ms a GiB, the host products 35 GiB/s; the
+    /// host's costs of an op (4.4 µs, 9.3 its backward) and of a view (2.4 µs, 1.1) from
+    /// `measure_machine` on an H200 machine of the same kind (16 cores, 2026-11-29).
+    pub const REFERENCE: Machine = Machine {
+        upload_gib_per_s: 47.0,
+        gemm_tflops: 796.9,
+        conv_tflops: 302.0,
+        attention_tflops: [473.0, 580.0],
+        attention_backward_tflops: [422.0, 490.0],
+        memory_gib_per_s: 2744e9 / (1u64 << 30) as f64,
+        op_us: 4.4,
+        backward_op_us: 9.3,
+        view_us: 2.4,
+        backward_view_us: 1.1,
+        wire_decode_gib_per_s: 1e3 / 5.3,
+        wire_decode_cost_ms_per_gib: 3.3,
+        fp8_decode_gib_per_s: 1e3 / 1.6,
+        host_product_gib_per_s: 35.0,
     };
+
+    /// Every rate positive (a decode may be infinitely fast: nothing to decode).
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let rates = [
+            ("the host link", self.upload_gib_per_s),
+            ("GEMMs", self.gemm_tflops),
+            ("convolutions", self.conv_tflops),
+            ("attention at D 64", self.attention_tflops[0]),
+            ("attention at D 128", self.attention_tflops[1]),
+            (
+                "attention's backward at D 64",
+                self.attention_backward_tflops[0],
+            ),
+            (
+                "attention's backward at D 128",
+                self.attention_backward_tflops[1],
+            ),
+            ("device memory", self.memory_gib_per_s),
+            ("coded weights' decodes", self.wire_decode_gib_per_s),
+            ("FP8 decodes", self.fp8_decode_gib_per_s),
+            ("host products", self.host_product_gib_per_s),
+        ];
+        for (what, r) in rates {
+            if r.is_nan() || r <= 0.0 {
+                return Err(format!("the machine's rate for {what} is {r}"));
+            }
+        }
+        for (what, us) in [
+            ("an op", self.op_us),
+            ("an op's backward", self.backward_op_us),
+            ("a view", self.view_us),
+            ("a view's backward", self.backward_view_us),
+            ("a GiB decoded", self.wire_decode_cost_ms_per_gib * 1e3),
+        ] {
+            if !(us.is_finite() && us >= 0.0) {
+                return Err(format!("the host's time for {what} is {us} µs"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention's (forward, backward) rate at head width `d`, TFLOP/s: the measured widths
+    /// 64 and 128, linear between them, the nearer one outside.
+    fn attention_rates(&self, d: usize) -> (f64, f64) {
+        let f = ((d as f64 - 64.0) / 64.0).clamp(0.0, 1.0);
+        let mix = |r: [f64; 2]| r[0] + (r[1] - r[0]) * f;
+        (
+            mix(self.attention_tflops),
+            mix(self.attention_backward_tflops),
+        )
+    }
 }
 
 impl std::fmt::Display for Machine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "host link {:.1} GiB/s, GPU {:.2}x an H100's time",
-            self.upload_gib_per_s, self.compute_scale
+            "host link {:.1} GiB/s, GEMM {:.0} and convolution {:.0} TFLOP/s, attention {:.0}/{:.0} (D 64) and \
+             {:.0}/{:.0} (D 128) TFLOP/s forward/backward, memory {:.0} GiB/s, {:.1}/{:.1} µs \
+             an op and its backward on the host and {:.1}/{:.1} a view, decodes {:.0} (coded, costing the compute \
+             {:.1} ms a GiB) and {:.0} (FP8) GiB/s, host products {:.1} GiB/s",
+            self.upload_gib_per_s,
+            self.gemm_tflops,
+            self.conv_tflops,
+            self.attention_tflops[0],
+            self.attention_backward_tflops[0],
+            self.attention_tflops[1],
+            self.attention_backward_tflops[1],
+            self.memory_gib_per_s,
+            self.op_us,
+            self.backward_op_us,
+            self.view_us,
+            self.backward_view_us,
+            self.wire_decode_gib_per_s,
+            self.wire_decode_cost_ms_per_gib,
+            self.fp8_decode_gib_per_s,
+            self.host_product_gib_per_s
         )
     }
 }
@@ -143,7 +281,7 @@ pub struct Plan {
     /// With `wire_code`, the first streamed blocks, those the backward leaves on the device
     /// for the next forward (`carry`), cross uncoded: only the backward uploads them, and
     /// its link has time to spare where the decodes beside its kernels would slow them
-    /// (`cost_model::WIRE_DECODE_COMPUTE_MS_PER_GIB`). Their device copies are the same.
+    /// (their decodes take the compute's time). Their device copies are the same.
     pub uncoded_carry: bool,
     /// The forward fetches as far ahead as the memory its checkpoints have not yet taken
     /// allows, and the backward leaves that many blocks on the device for the next forward
@@ -273,90 +411,38 @@ pub struct NoPlan {
     pub minimum: u64,
 }
 
-/// The time model's constants, from H100 80GB calls (Flux-dev LoRA at 1024², batch
-/// 1, rank 16 on every block Linear; resident step 383-389 ms). The model
-/// (`MemoryProfile::step_ms`) plays a step on two clocks, the compute stream's and the host
-/// link's: each block's forward, re-run and backward take its share of the work (the
-/// profile's `compute`) of the resident step; a streamed block's upload starts when its slot
-/// is free (the compute has reached the block `prefetch` uploads before it: the copy waits for
-/// the compute issued before it) and the link is idle, and the block waits for it. The
-/// checkpointing constants come from one call (every block checkpointed: 555.7 ms with
-/// nothing kept, 524.7 ms with attention kept, against 389.3 resident), the streaming ones
-/// from the planner's picks for 24, 16, 12 and 8 GiB in another (523.5-868.4 ms against
-/// 385.8), the FP8 decode from a third; tests/plan.rs holds the model to those rows. Uploads
-/// ran at 46.2-48.7 GiB/s (PyTorch's pinned copy on the same
-/// link: 51.5 GiB/s), so copies cost far more of a step than when the step took 760 ms: a
-/// faster GPU or a slower link makes streaming dearer, and the model's
-/// resident step is an H100's.
+/// The time model (`MemoryProfile::step_ms`) plays a step on two clocks, the compute
+/// stream's and the host link's, from each block's work and the machine's rates
+/// (`Machine`): a block's forward is its products with its weights at the GEMM rate, its
+/// attention at the flash kernels' rate for its head width, its elementwise work as passes
+/// over the activations it saves at the device memory's rate, and its FP8 decodes; or the
+/// host's time to issue its ops, when that is longer (a step of many small kernels waits on
+/// the host). Its backward is the input gradients' products (the base weights are frozen:
+/// no weight gradient), attention's backward, twice the forward's passes over memory, and
+/// the decodes again; a checkpointed block's re-run is its forward less what it keeps. A
+/// streamed block's upload starts when its slot is free (the compute has reached the block
+/// `prefetch` uploads before it) and the link is idle, and the block waits for it; coded
+/// uploads are decoded after their copy, the decodes taking the compute's time. Nothing in
+/// it is fitted to a model's steps: the constants below are counts of work.
 pub mod cost_model {
-    /// The resident step's length, estimated from the activations it saves: 12.3 ms a GiB
-    /// (Flux-dev's 31.6 GiB ran 389.3 ms; the same rate puts SD3.5-large's step at 210 ms and
-    /// SDXL's at 87 ms, measured 220 and 120-187 ms).
-    pub const STEP_MS_PER_SAVED_GIB: f64 = 12.3;
-    /// The re-run's share of the resident step for a block that keeps nothing (every block
-    /// checkpointed: 555.7 ms against 389.3: 0.428).
-    pub const FORWARD: f64 = 0.428;
-    /// The forward pass's share of the resident step (its compute; the backward takes the
-    /// rest): every block checkpointed keeping attention and down-projections, nothing
-    /// streamed, ran its forward in 154.5 ms (`--phases`; resident steps of that
-    /// machine 385-389 ms). The re-run costs more than the forward it repeats (`FORWARD`).
-    pub const FORWARD_PASS: f64 = 0.40;
-    /// The re-run's share of the resident step with attention's outputs kept (524.7 ms:
-    /// 0.348).
-    pub const RECOMPUTE_KEEP: f64 = 0.348;
-    /// The fraction of its down-projections' share of a block's forward (their weight bytes
-    /// over the block's) that keeping their outputs takes out of the block's re-run. By
-    /// FLOPs a Flux single block's `linear2` is a third of its forward and its weights a
-    /// third of the block's; a double block's two `fc2` are 27% of the FLOPs but 22% of the
-    /// weights (the modulation Linears weigh much and see one position). At 1.0 the model
-    /// puts every block checkpointed with the down-projections kept at 505.9 ms, measured
-    /// 506.1 (resident 381-383 ms), and with attention kept too at 474.9,
-    /// measured 480.4. An SDXL block's cross-attention keys and values also narrow (2048
-    /// context channels in) but see 77 tokens: there the model overrates the saving.
-    pub const DOWN_SAVED: f64 = 1.0;
-    /// Host-to-device upload rate of packed blocks, GiB/s (46.2-48.7 measured; 49.2-51.2 in a
-    /// later call).
-    pub const UPLOAD_GIB_PER_S: f64 = 47.0;
-    /// Exposed time per streamed block and pass, ms: the fetch, the waits and the release
-    /// around each run. Measured (`--phases`): the backward of 51 blocks streamed uncoded,
-    /// their uploads hidden, ran 327.8 ms against 321.5 with nothing streamed (an earlier build's
-    /// machine): 0.12 a block. (0.3, fitted with the upload rate to the streamed rows of
-    /// the builds before it, took what `FORWARD_PASS` and the decodes now count.)
-    pub const STREAM_MS_PER_BLOCK: f64 = 0.1;
-    /// Per GiB of block inputs moved to host memory and back per step, ms, beyond their
-    /// time on the link (which the model plays): the copies out and the events the compute
-    /// waits on.
-    pub const OFFLOAD_MS_PER_GIB: f64 = 20.0;
-    /// Decoding FP8 codes to bf16 before a matmul, ms per GiB of codes and use: the FP8
-    /// resident step ran 420.2 ms against bf16's 385.4 in the same call (two uses a step of
-    /// 11.0 GiB of codes; 452.2 ms before the decode's 16-byte kernel).
-    pub const DECODE_MS_PER_GIB: f64 = 1.6;
-    /// Decoding weights that crossed the link coded, ms per GiB of coded bytes, on the
-    /// decode stream (the highest priority) after each piece's copy: a block is ready this
-    /// long after its last byte crossed. Measured: the Huffman decoder at 129-135 ms
-    /// a step for 24.2-27.1 GiB coded (12, 16 and 8 GiB plans; events around each piece's
-    /// decodes, which run beside the compute's kernels).
-    pub const WIRE_DECODE_MS_PER_GIB: f64 = 5.3;
-    /// The same decodes' cost to the compute stream, ms per GiB coded: the SMs they take from
-    /// it, where the compute does not wait for the link anyway. Measured (`--phases`, one
-    /// call): Flux-dev within 12 GiB streaming 52 blocks coded ran its backward in 357.8 ms
-    /// with 9.12 GiB coded, 51 uncoded in 327.8 (3.3 ms a GiB); with the 11 carried blocks
-    /// uncoded, 346.0 with 5.7 GiB coded (3.2); the coded forward took 175.6 ms for 6.37 GiB
-    /// against 154.5 with nothing streamed. (1.0 was fitted beside a forward played at the
-    /// re-run's cost, `FORWARD`, which hid the decodes' cost in the backward.)
-    pub const WIRE_DECODE_COMPUTE_MS_PER_GIB: f64 = 3.3;
+    /// Passes over a block's saved activations in its forward: each is written by the op
+    /// that makes it and read by the op after.
+    pub const FORWARD_MEMORY_PASSES: f64 = 2.0;
+    /// Passes over them in its backward: each saved value is read, and its gradient written
+    /// and read, beside the gradients the ops sum.
+    pub const BACKWARD_MEMORY_PASSES: f64 = 4.0;
+    /// Attention's backward FLOPs over its forward's (FlashAttention's count: five products
+    /// of the size of the forward's two).
+    pub const ATTENTION_BACKWARD_FLOPS: f64 = 2.5;
+    /// Host ops a streamed block's upload (or an offloaded input's copy, each way) issues
+    /// besides a decode a coded tensor: the copy, its event and the compute's wait.
+    pub const STREAM_OPS: f64 = 3.0;
     /// Plans predicted within this fraction of the fastest fitting one's step count as
-    /// equally fast (the model's error on the measured steps reaches 2.1%): of those the
-    /// planner takes one with room (`ROOM_DIVISOR`) that leans least on the link, else the
-    /// smallest peak, which leaves the allocator the most room (FP8 at 6 GiB: the fastest
-    /// plan by 0.2%, predicted at 5.96 GiB, sent 7 requests a step past the cap's arena and
-    /// held 7.01 GiB on the driver).
+    /// equally fast: of those the planner takes one with room (`ROOM_DIVISOR`) that leans
+    /// least on the link, else the smallest peak, which leaves the allocator the most room
+    /// (FP8 at 6 GiB: the fastest plan by 0.2%, predicted at 5.96 GiB, sent 7 requests a step
+    /// past the cap's arena and held 7.01 GiB on the driver).
     pub const NEAR: f64 = 0.01;
-    /// The host's rate at the products of weights it holds (`Plan::host_products`), GiB of
-    /// weights a second: an f32 sum over each weight's values on a pool of one thread a core,
-    /// bound by the host's memory. Measured: 106-141 ms a step for Flux-dev's 5.2
-    /// GiB of modulations at 12 GiB (H100 machine, 16 cores: 37-49 GiB/s).
-    pub const HOST_PRODUCT_GIB_PER_S: f64 = 35.0;
 }
 
 /// The streamed blocks' device copies under a plan (`MemoryProfile::layout`).
@@ -385,24 +471,66 @@ impl MemoryProfile {
         }
     }
 
-    /// The resident step's predicted length, ms (`cost_model::STEP_MS_PER_SAVED_GIB`, and
-    /// two decodes of any FP8 codes).
+    /// The resident step's predicted length, ms: every block's forward and backward.
     pub fn resident_ms(&self) -> f64 {
-        self.compute_ms() + 2.0 * self.blocks.iter().map(|b| self.decode_ms(b)).sum::<f64>()
+        self.blocks
+            .iter()
+            .map(|b| self.forward_ms(b, Keep::NONE) + self.backward_ms(b))
+            .sum::<f64>()
+            .max(1e-9)
     }
 
-    /// The resident step's work without FP8 decodes, ms.
-    fn compute_ms(&self) -> f64 {
-        const GIB: f64 = (1u64 << 30) as f64;
-        let saved: u64 = self.blocks.iter().map(|b| b.saved_bytes).sum();
-        (cost_model::STEP_MS_PER_SAVED_GIB * self.machine.compute_scale * saved as f64 / GIB)
-            .max(1e-9)
+    /// Block `b`'s forward, ms, less what `kept` outputs spare a re-run: its GPU work or the
+    /// host's issue of its ops, the longer (see `cost_model`).
+    pub fn forward_ms(&self, b: &BlockCost, kept: Keep) -> f64 {
+        let m = &self.machine;
+        let (attention, _) = m.attention_rates(b.head_dim);
+        // The share of its weights (and their products and decodes) in down-projections
+        // whose outputs are kept.
+        let down = if kept.down_projections && b.weight_bytes > 0 {
+            b.down_weight_bytes as f64 / b.weight_bytes as f64
+        } else {
+            0.0
+        };
+        let gemm = if kept.down_projections {
+            b.gemm_flops - b.down_flops
+        } else {
+            b.gemm_flops
+        };
+        let gpu = gemm.max(0.0) / (m.gemm_tflops * 1e9)
+            + b.conv_flops / (m.conv_tflops * 1e9)
+            + if kept.attention {
+                0.0
+            } else {
+                b.attention_flops / (attention * 1e9)
+            }
+            + cost_model::FORWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
+            + self.memory_ms(b.adapter_forward_bytes)
+            + self.decode_ms(b) * (1.0 - down);
+        gpu.max((b.ops * m.op_us + b.views * m.view_us) / 1e3)
+    }
+
+    /// Block `b`'s backward, ms (see `cost_model`).
+    pub fn backward_ms(&self, b: &BlockCost) -> f64 {
+        let m = &self.machine;
+        let (_, attention) = m.attention_rates(b.head_dim);
+        let gpu = b.gemm_flops / (m.gemm_tflops * 1e9)
+            + b.conv_flops / (m.conv_tflops * 1e9)
+            + cost_model::ATTENTION_BACKWARD_FLOPS * b.attention_flops / (attention * 1e9)
+            + cost_model::BACKWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
+            + self.memory_ms(b.adapter_backward_bytes)
+            + self.decode_ms(b);
+        gpu.max((b.ops * m.backward_op_us + b.views * m.backward_view_us) / 1e3)
+    }
+
+    /// One pass over `bytes` of device memory, ms.
+    fn memory_ms(&self, bytes: u64) -> f64 {
+        bytes as f64 / (1u64 << 30) as f64 / self.machine.memory_gib_per_s * 1e3
     }
 
     /// One decode of block `b`'s FP8 codes, ms.
     fn decode_ms(&self, b: &BlockCost) -> f64 {
-        cost_model::DECODE_MS_PER_GIB * self.machine.compute_scale * b.decode_bytes as f64
-            / (1u64 << 30) as f64
+        b.decode_bytes as f64 / (1u64 << 30) as f64 / self.machine.fp8_decode_gib_per_s * 1e3
     }
 
     /// The predicted length of a step under `plan`, ms: the forward over the blocks in
@@ -421,32 +549,10 @@ impl MemoryProfile {
     pub fn step_ms(&self, plan: &Plan) -> f64 {
         use cost_model::*;
         const GIB: f64 = (1u64 << 30) as f64;
-        let step = self.compute_ms();
         let n = self.blocks.len();
-        let total: f64 = self
-            .blocks
-            .iter()
-            .map(|b| b.compute)
-            .sum::<f64>()
-            .max(1e-30);
-        let rate = if plan.keep.attention {
-            RECOMPUTE_KEEP
-        } else {
-            FORWARD
-        };
-        // The fraction of block i's work and decodes in down-projections the re-run skips.
-        let skipped = |i: usize| {
-            let b = &self.blocks[i];
-            if plan.keep.down_projections && b.weight_bytes > 0 {
-                b.down_weight_bytes as f64 / b.weight_bytes as f64
-            } else {
-                0.0
-            }
-        };
-        let (upload_rate, scale) = (
-            self.machine.upload_gib_per_s.max(1e-3),
-            self.machine.compute_scale,
-        );
+        let machine = &self.machine;
+        let upload_rate = machine.upload_gib_per_s.max(1e-3);
+        let wire_decode_ms = |coded: u64| coded as f64 / GIB / machine.wire_decode_gib_per_s * 1e3;
         let link_ms = |bytes: u64| bytes as f64 / GIB / upload_rate * 1e3;
         // A streamed block's bytes on the link, coded (`code`) or not, and of those coded:
         // the backward's uploads leave out what only the forward reads (`Keep::few_rows`).
@@ -482,7 +588,8 @@ impl MemoryProfile {
             .map(|i| Self::checkpointed(plan, i, is_streamed[i]))
             .collect();
         let offload = |i: usize| plan.offload_inputs && ck[i];
-        let share = |i: usize| self.blocks[i].compute / total * step;
+        // The host's issue of an offloaded input's copy, each way.
+        let offload_ms = STREAM_OPS * machine.op_us / 1e3;
         // The streamed blocks in execution order, and each block's place among them.
         let order: Vec<usize> = (0..n).filter(|&i| is_streamed[i]).collect();
         let mut place = vec![usize::MAX; n];
@@ -522,17 +629,19 @@ impl MemoryProfile {
                     if code {
                         *link = link.max(*gate) + link_ms(bytes);
                         *gate = t;
-                        let decode = WIRE_DECODE_MS_PER_GIB * scale * coded as f64 / GIB;
-                        ready[k] = Some(link.max(t) + decode);
-                        decodes += WIRE_DECODE_COMPUTE_MS_PER_GIB * scale * coded as f64 / GIB;
+                        ready[k] = Some(link.max(t) + wire_decode_ms(coded));
+                        decodes += machine.wire_decode_cost_ms_per_gib * coded as f64 / GIB;
                     } else {
                         *link = link.max(t) + link_ms(bytes);
                         ready[k] = Some(*link);
                     }
                 }
             }
-            // The decodes take the compute's time, but where it waits for the link anyway.
-            (t + decodes).max(ready[j].unwrap_or(t)) + STREAM_MS_PER_BLOCK
+            // The decodes take the compute's time, but where it waits for the link anyway;
+            // the host issues the upload's copy, its decodes and the waits.
+            let b = &self.blocks[order[j]];
+            let launches = STREAM_OPS + if coded_at(j) { b.tensors as f64 } else { 0.0 };
+            (t + decodes).max(ready[j].unwrap_or(t)) + launches * machine.op_us / 1e3
         };
         // One step from the forward's start: the forward's end and the step's. The host
         // computes the held weights' products in execution order from `lead` before the
@@ -550,11 +659,11 @@ impl MemoryProfile {
             for r in ready.iter_mut().take(carried) {
                 *r = Some(0.0);
             }
-            let mut overhead = 0.0;
             for i in 0..n {
                 if offload(i) {
-                    // The block's inputs are packed once the previous copy out is done.
-                    t = t.max(down);
+                    // The block's inputs are packed once the previous copy out is done; the
+                    // host issues the copy and its events.
+                    t = t.max(down) + offload_ms;
                 }
                 if is_streamed[i] {
                     let j = place[i];
@@ -569,14 +678,13 @@ impl MemoryProfile {
                     );
                     let held = Self::host_held(plan, &self.blocks[i]).0;
                     if held > 0 {
-                        host += held as f64 / GIB / HOST_PRODUCT_GIB_PER_S * 1e3;
+                        host += held as f64 / GIB / machine.host_product_gib_per_s * 1e3;
                         t = t.max(host);
                     }
                 }
-                t += FORWARD_PASS * share(i) + self.decode_ms(&self.blocks[i]);
+                t += self.forward_ms(&self.blocks[i], Keep::NONE);
                 if offload(i) {
                     down = down.max(t) + link_ms(self.blocks[i].input_bytes);
-                    overhead += OFFLOAD_MS_PER_GIB * 2.0 * self.blocks[i].input_bytes as f64 / GIB;
                 }
             }
             let forward = t;
@@ -614,16 +722,16 @@ impl MemoryProfile {
                     );
                 }
                 if let Some(r) = inputs[i] {
-                    t = t.max(r);
+                    t = t.max(r) + offload_ms;
                 }
-                let decode = self.decode_ms(&self.blocks[i]);
-                t += (1.0 - FORWARD_PASS) * share(i) + decode;
+                let b = &self.blocks[i];
+                t += self.backward_ms(b);
                 if ck[i] {
-                    let d = skipped(i);
-                    t += (rate - DOWN_SAVED * FORWARD * d) * share(i) + decode * (1.0 - d);
+                    // The re-run, less what the block kept.
+                    t += self.forward_ms(b, plan.keep);
                 }
             }
-            (forward, t + overhead)
+            (forward, t)
         };
         // A steady step: the backward before is as long as this one's.
         let (forward, step) = play(0.0);
@@ -1207,6 +1315,21 @@ pub struct BlockShape {
     pub layers: f64,
     /// Attention calls whose outputs `Keep { attention }` would keep.
     pub attention_calls: usize,
+    /// Of those, the calls whose keys are the context's tokens (`context_tokens`), not the
+    /// block's own (an SDXL transformer layer's cross-attention).
+    pub cross_calls: usize,
+    /// Tokens of the context that cross-attention and the `context_keys` weights see.
+    pub context_tokens: usize,
+    /// Key fragments of the block's weights that multiply the context's tokens, not the
+    /// block's positions (an SDXL layer's cross-attention keys and values).
+    pub context_keys: &'static [&'static str],
+    /// Ops the block's forward records on the tape that launch work, with an adapter on
+    /// each of its Linears (`autograd::recorded_ops`, counted on each family's blocks): the
+    /// host issues each, and each one's backward.
+    pub ops: usize,
+    /// Views among the ops it records (reshapes, permutes, narrows, broadcasts): no launch,
+    /// but the host's time.
+    pub views: usize,
     /// Attention heads (for the f32 log-sum-exp per head and token).
     pub heads: usize,
     /// Key fragments of the block's Linear weights whose input is the conditioning vector
@@ -1218,6 +1341,29 @@ pub struct BlockShape {
 }
 
 impl BlockShape {
+    /// The forward's attention FLOPs for `batch` samples (4 · queries · keys · width a call).
+    pub fn attention_flops(&self, batch: usize) -> f64 {
+        let own = self.attention_calls.saturating_sub(self.cross_calls) * self.tokens;
+        let cross = self.cross_calls * self.context_tokens;
+        4.0 * (batch * self.tokens * self.width) as f64 * (own + cross) as f64
+    }
+
+    /// The positions a weight of key `key` multiplies for `batch` samples: the context's
+    /// tokens for `context_keys`, else `weight_tokens`.
+    pub fn positions(&self, key: &str, batch: usize) -> usize {
+        batch
+            * if self.context_keys.iter().any(|c| key.contains(c)) {
+                self.context_tokens
+            } else {
+                self.weight_tokens
+            }
+    }
+
+    /// The width of its attention heads.
+    pub fn head_dim(&self) -> usize {
+        self.width / self.heads.max(1)
+    }
+
     /// (input, saved, attention) bytes for `batch` samples with `elem` bytes a value.
     pub fn bytes(&self, batch: usize, elem: usize) -> (u64, u64, u64) {
         let tw = (batch * self.tokens * self.width) as f64 * elem as f64;
@@ -1245,7 +1391,17 @@ mod tests {
                 attention_bytes: 5,
                 down_bytes: 4,
                 down_weight_bytes: if i < 2 { 100 } else { 25 },
-                compute: if i < 2 { 3.0 } else { 1.0 },
+                gemm_flops: if i < 2 { 3e12 } else { 1e12 },
+                // A third of the large blocks' weights, a quarter of the others'.
+                down_flops: if i < 2 { 1e12 } else { 0.25e12 },
+                conv_flops: 0.0,
+                attention_flops: 0.0,
+                head_dim: 128,
+                ops: 0.0,
+                views: 0.0,
+                tensors: 1,
+                adapter_forward_bytes: 0,
+                adapter_backward_bytes: 0,
                 decode_bytes: 0,
                 forward_only_bytes: 0,
                 forward_only_wire: 0,
@@ -1258,7 +1414,7 @@ mod tests {
             trainable_bytes: 20,
             optimizer_bytes: 40,
             fixed_bytes: 30,
-            machine: Machine::H100,
+            machine: Machine::REFERENCE,
         }
     }
 
@@ -1289,11 +1445,7 @@ mod tests {
             ..all.clone()
         };
         assert_eq!(p.peak(&both), p.peak(&all) + 24);
-        let skipped = cost_model::DOWN_SAVED
-            * cost_model::FORWARD
-            * p.resident_ms()
-            * (2.0 * 3.0 / 3.0 + 4.0 * 1.0 / 4.0)
-            / 10.0;
+        let skipped = (2.0 * 1e12 + 4.0 * 0.25e12) / (p.machine.gemm_tflops * 1e9);
         assert!((p.step_ms(&all) - p.step_ms(&both) - skipped).abs() < 1e-9);
         // Streaming the two large blocks with prefetch 2: both on the device at once.
         let streamed = Plan {
@@ -1391,7 +1543,16 @@ mod tests {
                     attention_bytes: 0,
                     down_bytes: 0,
                     down_weight_bytes: 0,
-                    compute: 1.0,
+                    gemm_flops: 4e12,
+                    down_flops: 0.0,
+                    conv_flops: 0.0,
+                    attention_flops: 0.0,
+                    head_dim: 128,
+                    ops: 0.0,
+                    views: 0.0,
+                    tensors: 1,
+                    adapter_forward_bytes: 0,
+                    adapter_backward_bytes: 0,
                     decode_bytes: 0,
                     forward_only_bytes: forward_only,
                     forward_only_wire: forward_only,
@@ -1402,7 +1563,7 @@ mod tests {
             trainable_bytes: 0,
             optimizer_bytes: 0,
             fixed_bytes: 0,
-            machine: Machine::H100,
+            machine: Machine::REFERENCE,
         };
         let plan = |host: bool| Plan {
             checkpointing: Checkpointing::All,
@@ -1544,7 +1705,8 @@ mod tests {
                 assert!(first != "b.0" && first != "b.1", "{budget}: {first}");
             }
         }
-        // The time model: recompute in proportion to the work, copies per GiB.
+        // The time model: every block checkpointed costs each block's re-run (its forward
+        // less what it keeps).
         let all = Plan {
             checkpointing: Checkpointing::All,
             keep: Keep {
@@ -1553,7 +1715,8 @@ mod tests {
             },
             ..Plan::default()
         };
-        assert!((p.cost(&all) - cost_model::RECOMPUTE_KEEP).abs() < 1e-12);
+        let reruns: f64 = p.blocks.iter().map(|b| p.forward_ms(b, all.keep)).sum();
+        assert!((p.cost(&all) - reruns / p.resident_ms()).abs() < 1e-12);
         // Below every plan: the minimum is every block streamed, prefetch 1, nothing kept.
         let err = p.plan(10).unwrap_err();
         let last = p.candidates().pop().unwrap();
@@ -1586,7 +1749,16 @@ mod tests {
                     attention_bytes: 0,
                     down_bytes: 0,
                     down_weight_bytes: 0,
-                    compute: 1.0,
+                    gemm_flops: 4e12,
+                    down_flops: 0.0,
+                    conv_flops: 0.0,
+                    attention_flops: 0.0,
+                    head_dim: 128,
+                    ops: 0.0,
+                    views: 0.0,
+                    tensors: 1,
+                    adapter_forward_bytes: 0,
+                    adapter_backward_bytes: 0,
                     decode_bytes: 0,
                     forward_only_bytes: 0,
                     forward_only_wire: 0,
@@ -1597,10 +1769,11 @@ mod tests {
             trainable_bytes: 0,
             optimizer_bytes: 0,
             fixed_bytes: 0,
-            machine: Machine::H100,
+            machine: Machine::REFERENCE,
         };
-        let share = STEP_MS_PER_SAVED_GIB; // each block's share of the resident step
-        assert!((p.resident_ms() - 4.0 * share).abs() < 1e-9);
+        let b0 = &p.blocks[0];
+        let (f, bk) = (p.forward_ms(b0, Keep::NONE), p.backward_ms(b0));
+        assert!((p.resident_ms() - 4.0 * (f + bk)).abs() < 1e-9);
         let all = Plan {
             checkpointing: Checkpointing::All,
             keep: Keep {
@@ -1609,17 +1782,17 @@ mod tests {
             },
             ..Plan::default()
         };
-        assert!((p.cost(&all) - RECOMPUTE_KEEP).abs() < 1e-12);
+        let r = p.forward_ms(b0, all.keep);
+        assert!((p.cost(&all) - r / (f + bk)).abs() < 1e-12);
         let streamed = Plan {
             streamed: (0..4).map(|i| format!("b.{i}")).collect(),
             prefetch: 1,
             ..all.clone()
         };
-        let (up, o) = (1e3 / UPLOAD_GIB_PER_S, STREAM_MS_PER_BLOCK);
-        let (f, b) = (
-            FORWARD_PASS * share,
-            (1.0 - FORWARD_PASS + RECOMPUTE_KEEP) * share,
-        );
+        let up = 1e3 / p.machine.upload_gib_per_s;
+        // Each streamed block's entry: the host issues its (uncoded) upload.
+        let o = STREAM_OPS * p.machine.op_us / 1e3;
+        let b = bk + r;
         // Forward: blocks 0 and 1 stay from the last backward; block 1's entry starts 2's
         // upload, block 2's entry 3's (after 2's, on the one link).
         let t0 = o + f;

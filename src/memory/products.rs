@@ -537,6 +537,31 @@ fn pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
+/// The host's rate at the products of weights it holds, GiB of bf16 weights a second: one
+/// row times a 3072 x 10240 weight (60 MiB, a Flux modulation's size) on the products' pool,
+/// the fastest of four (the first warms the pool and the pages).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn measure_rate() -> f64 {
+    let (out, inp) = (10240usize, 3072usize);
+    let w = vec![half::bf16::from_f32(0.5); out * inp];
+    let x = vec![1.0f32; inp];
+    let run = || {
+        by_output(&w, inp, &x, 1, |b| {
+            f32::from_bits((b.to_bits() as u32) << 16)
+        })
+    };
+    let mut best = f64::INFINITY;
+    for _ in 0..4 {
+        let t = std::time::Instant::now();
+        std::hint::black_box(match pool() {
+            Some(pool) => pool.install(run),
+            None => run(),
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (out * inp * 2) as f64 / (1u64 << 30) as f64 / best.max(1e-9)
+}
+
 /// `x (rows, in) @ w^T` as f32, (rows, out) row-major.
 fn products(w: &HostWeight, x: &[f32], rows: usize) -> Vec<f32> {
     match pool() {

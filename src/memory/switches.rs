@@ -2,7 +2,7 @@
 //! plan it weighs, to measure what the technique gains or to rule it out while hunting a
 //! fault. They are not config keys: a user's `[memory]` says how much memory a run may hold,
 //! and the planner decides how. The `train` and `sample` binaries read them from the
-//! environment variable [`Switches::VAR`] (`FLAME_PLANNER="wire_code=off,measure_machine=on"`).
+//! environment variable [`Switches::VAR`] (`FLAME_PLANNER="wire_code=off,measure_machine=off"`).
 
 use super::Plan;
 use crate::{Error, Result};
@@ -25,8 +25,8 @@ pub struct Switches {
     /// Streamed blocks' Linears over the conditioning vector compute on the host
     /// (`Plan::host_products`).
     pub host_products: bool,
-    /// The time model plays this machine's host link and GPU, measured before loading
-    /// (`measure_machine`), instead of the H100 its constants come from.
+    /// The time model plays this machine's rates, measured before loading or read from the
+    /// cache (`measure_machine`); off, it plays `Machine::REFERENCE`.
     pub measure_machine: bool,
 }
 
@@ -38,7 +38,7 @@ impl Default for Switches {
             uncoded_carry: true,
             deep_prefetch: true,
             host_products: true,
-            measure_machine: false,
+            measure_machine: true,
         }
     }
 }
@@ -173,9 +173,9 @@ mod tests {
 
     #[test]
     fn switches_read_pairs_and_refuse_what_they_do_not_know() {
-        let s = Switches::parse(" wire_code=off , measure_machine=on ").unwrap();
-        assert!(!s.wire_code && s.measure_machine && s.deep_prefetch);
-        assert_eq!(s.show(), "wire_code=off,measure_machine=on");
+        let s = Switches::parse(" wire_code=off , measure_machine=off ").unwrap();
+        assert!(!s.wire_code && !s.measure_machine && s.deep_prefetch);
+        assert_eq!(s.show(), "wire_code=off,measure_machine=off");
         assert_eq!(Switches::parse(&s.show()).unwrap(), s);
         assert_eq!(Switches::parse("").unwrap(), Switches::default());
         assert_eq!(Switches::default().show(), "");

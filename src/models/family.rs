@@ -387,7 +387,16 @@ pub fn profile_config<M: ModelSpec>(
                 down_weight_bytes: 0,
                 wire_bytes: 0,
                 coded_bytes: 0,
-                compute: 0.0,
+                gemm_flops: 0.0,
+                down_flops: 0.0,
+                conv_flops: 0.0,
+                attention_flops: sh.attention_flops(run.batch.max(1)),
+                head_dim: sh.head_dim(),
+                ops: sh.ops as f64,
+                views: sh.views as f64,
+                tensors: 0,
+                adapter_forward_bytes: 0,
+                adapter_backward_bytes: 0,
                 decode_bytes: 0,
                 forward_only_bytes: 0,
                 forward_only_wire: 0,
@@ -438,22 +447,56 @@ pub fn profile_config<M: ModelSpec>(
                 if fp8 {
                     b.decode_bytes += bytes(t);
                 }
+                b.tensors += 1;
+                // A weight of two or more dimensions multiplies its positions (a Linear's
+                // rows, a convolution's output positions): twice its values a position;
+                // the conditioning vector's Linears see a row a sample.
+                let flops = if t.rank() >= 2 {
+                    let values = if fp8 {
+                        t.elem_count() * crate::backend::fp8::CODES_PER_WORD
+                    } else {
+                        t.elem_count()
+                    };
+                    let rows = if sh.conditioned.iter().any(|c| key.contains(c)) {
+                        run.batch.max(1)
+                    } else {
+                        sh.positions(key, run.batch.max(1))
+                    };
+                    // An adapted layer's adapter reads its input (rows, in) and adds into its
+                    // output (rows, out); its backward reads the input and the output's
+                    // gradient and adds into the input's gradient.
+                    let layer = key.strip_suffix(".weight").unwrap_or(key);
+                    if probe_adapters
+                        .as_ref()
+                        .is_some_and(|a| a.config.matches(layer))
+                    {
+                        let out = t.dims()[0];
+                        let inp = values / out.max(1);
+                        let at = |n: usize| (rows * n * elem) as u64;
+                        b.adapter_forward_bytes += at(inp + 2 * out);
+                        b.adapter_backward_bytes += at(2 * inp + out);
+                    }
+                    2.0 * rows as f64 * values as f64
+                } else {
+                    0.0
+                };
+                if t.rank() == 4 {
+                    b.conv_flops += flops;
+                } else {
+                    b.gemm_flops += flops;
+                }
                 // A Linear's weight (out, in) narrower out than in: a down-projection, whose
                 // output (positions, out) `Keep { down_projections }` keeps.
                 if let (true, &[out, cols]) = (key.ends_with(".weight"), t.dims()) {
                     if width(cols) > out {
                         b.down_weight_bytes += bytes(t);
                         b.down_bytes += (run.batch.max(1) * sh.weight_tokens * out * elem) as u64;
+                        b.down_flops += flops;
                     }
                 }
             }
             None => other += bytes(t),
         }
-    }
-    // Work per block: the positions its weights see times its weight bytes (FLOPs of its
-    // Linears and convolutions).
-    for (b, sh) in blocks.iter_mut().zip(&shapes) {
-        b.compute = sh.weight_tokens as f64 * b.weight_bytes as f64;
     }
     let trainable_values: usize = match &probe_adapters {
         Some(a) => a.params()?.iter().map(|(_, t)| t.elem_count()).sum(),
@@ -469,7 +512,7 @@ pub fn profile_config<M: ModelSpec>(
         trainable_bytes: (trainable_values * 4) as u64,
         optimizer_bytes: (trainable_values as f64 * run.optimizer_bytes_per_value) as u64,
         fixed_bytes: fixed,
-        machine: crate::memory::Machine::H100,
+        machine: crate::memory::Machine::REFERENCE,
     })
 }
 

@@ -147,10 +147,8 @@ pub fn plan_denoising(
         },
     )?;
     let mut prof = prof;
-    if switches.measure_machine {
-        if let Some(m) = crate::memory::measure_machine(device)? {
-            prof.machine = m.machine;
-        }
+    if let (Some(m), _) = machine_for(device, switches.measure_machine) {
+        prof.machine = m;
     }
     let p =
         prof.plan_among(cap, switches.filter(prof.candidates()))
@@ -215,6 +213,20 @@ pub fn batch_fits(
 /// Picks (or takes from the config) the memory plan, caps the allocator at the budget, and
 /// refuses a budget no plan fits before any weight is loaded. `world`: the ranks of a
 /// data-parallel run (each plans for its own device, with the reducer's buffers).
+/// The machine the planner's time model plays on `device`: measured (or read from the cache,
+/// `memory::measure_machine`) when `measure` is on, else `None` (the reference machine). A
+/// measurement that fails (a GPU without room for the probe's buffers) leaves the reference
+/// machine too, with the reason: the plan is still sound, only its ranking less exact.
+fn machine_for(device: &Device, measure: bool) -> (Option<crate::memory::Machine>, Option<String>) {
+    if !measure {
+        return (None, None);
+    }
+    match crate::memory::measure_machine(device) {
+        Ok(m) => (m.map(|m| m.machine), None),
+        Err(e) => (None, Some(e.to_string())),
+    }
+}
+
 pub(crate) fn plan_memory(
     config: &TrainConfig,
     family: &Family,
@@ -290,12 +302,8 @@ pub(crate) fn plan_memory(
         },
         (None, Some(b)) => {
             let mut prof = profile(config, family, opts, sample, world)?;
-            // The time model plays this machine's link and GPU where the switch says so.
-            let machine = if config.planner.measure_machine {
-                crate::memory::measure_machine(device)?.map(|m| m.machine)
-            } else {
-                None
-            };
+            // The time model plays this machine's rates where the switch says so.
+            let (machine, unmeasured) = machine_for(device, config.planner.measure_machine);
             if let Some(m) = machine {
                 prof.machine = m;
             }
@@ -325,9 +333,13 @@ pub(crate) fn plan_memory(
                             p.plan,
                             gib(p.streamed_bytes),
                             p.slowdown,
-                            match machine {
-                                Some(m) => format!("this machine ({m})"),
-                                None => "an H100".into(),
+                            match (machine, unmeasured) {
+                                (Some(m), _) => format!("this machine ({m})"),
+                                (None, Some(why)) => format!(
+                                    "the reference machine (this one could not be measured: \
+                                     {why})"
+                                ),
+                                (None, None) => "the reference machine".into(),
                             }
                         ),
                         budget,

@@ -169,6 +169,14 @@ impl CudaDevice {
         })))
     }
 
+    /// The GPU's name as the driver gives it ("NVIDIA H100 80GB HBM3").
+    pub fn name(&self) -> Result<String> {
+        self.0
+            .ctx
+            .name()
+            .map_err(cuda_err("reading the GPU's name"))
+    }
+
     /// The GPU's index among the visible devices (the N of `cuda:N`).
     pub fn ordinal(&self) -> usize {
         self.0.ordinal

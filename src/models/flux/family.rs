@@ -76,6 +76,13 @@ static PIPELINE: PipelineSpec = PipelineSpec {
     schedule,
 };
 
+/// Ops that launch work and views a block's forward records with an adapter on each of its
+/// Linears (`BlockShape::ops`, `views`; `tests/plan.rs` counts them on a tiny model).
+impl Flux {
+    const DOUBLE_OPS: (usize, usize) = (59, 175);
+    const SINGLE_OPS: (usize, usize) = (23, 61);
+}
+
 impl ModelSpec for Flux {
     type Config = FluxConfig;
     const CONDITIONED: &'static [&'static str] = &["_mod.lin.weight", "modulation.lin.weight"];
@@ -122,13 +129,20 @@ impl ModelSpec for Flux {
             width: config.hidden_size,
             layers: 1.0,
             attention_calls: 1,
+            cross_calls: 0,
+            context_tokens: t,
+            context_keys: &[],
             heads: config.num_heads,
+            ops: Self::SINGLE_OPS.0,
+            views: Self::SINGLE_OPS.1,
             // The modulations (`img_mod`, `txt_mod`, a single block's `modulation`).
             conditioned: Self::CONDITIONED,
         };
         // A double block's image and text weights (equal halves) each see their own tokens.
         let double = BlockShape {
             weight_tokens: (img + t) / 2,
+            ops: Self::DOUBLE_OPS.0,
+            views: Self::DOUBLE_OPS.1,
             ..single
         };
         let mut v = vec![double; config.depth];

@@ -92,6 +92,17 @@ static PIPELINE: PipelineSpec = PipelineSpec {
     schedule,
 };
 
+/// Ops that launch work and views a joint block's forward records with an adapter on each
+/// of its Linears (`BlockShape::ops`, `views`; `tests/plan.rs` counts them on a tiny
+/// model): a block, and one with
+/// MMDiT-X's second attention, and the last block (whose context stream ends at its
+/// attention).
+impl Sd3 {
+    const JOINT_OPS: (usize, usize) = (57, 176);
+    const DUAL_OPS: (usize, usize) = (74, 224);
+    const LAST_OPS: (usize, usize) = (42, 128);
+}
+
 impl ModelSpec for Sd3 {
     type Config = Sd3Config;
     const CONDITIONED: &'static [&'static str] = &["adaLN_modulation.1.weight"];
@@ -131,6 +142,13 @@ impl ModelSpec for Sd3 {
         Ok((0..config.depth)
             .map(|i| {
                 let dual = config.dual_attention_layers.contains(&i);
+                let ops = if dual {
+                    Self::DUAL_OPS
+                } else if i + 1 == config.depth {
+                    Self::LAST_OPS
+                } else {
+                    Self::JOINT_OPS
+                };
                 BlockShape {
                     tokens: (h / p) * (w / p) + t,
                     // Image and text weights (about equal halves) see their own tokens.
@@ -138,7 +156,12 @@ impl ModelSpec for Sd3 {
                     width: config.hidden_size,
                     layers: if dual { 1.5 } else { 1.15 },
                     attention_calls: 1 + usize::from(dual),
+                    cross_calls: 0,
+                    context_tokens: t,
+                    context_keys: &[],
                     heads: config.num_heads,
+                    ops: ops.0,
+                    views: ops.1,
                     conditioned: Self::CONDITIONED,
                 }
             })

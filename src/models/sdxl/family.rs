@@ -83,6 +83,19 @@ static PIPELINE: PipelineSpec = PipelineSpec {
 /// SDXL's micro-conditioning numbers per sample: original size, crop offset, target size.
 const TIME_IDS: usize = 6;
 
+/// Ops that launch work and views a unit's forward records with an adapter on each of its
+/// Linears and convolutions (`BlockShape::ops`, `views`; `tests/plan.rs` counts them on a
+/// tiny model), and the weights that
+/// multiply the context's tokens.
+impl Unet {
+    const RES_OPS: (usize, usize) = (14, 21);
+    const SKIP_RES_OPS: (usize, usize) = (18, 25);
+    const LAYER_OPS: (usize, usize) = (45, 153);
+    const DOWN_OPS: (usize, usize) = (3, 4);
+    const UP_OPS: (usize, usize) = (4, 7);
+    const CONTEXT_KEYS: &'static [&'static str] = &["attn2.to_k.", "attn2.to_v."];
+}
+
 impl ModelSpec for Unet {
     type Config = SdxlConfig;
     const CONDITIONED: &'static [&'static str] = &["emb_layers.1.weight"];
@@ -120,33 +133,45 @@ impl ModelSpec for Unet {
     /// (12.07 GiB against 11.08 predicted without it, and a 4 GiB plan that ran
     /// out of memory).
     fn block_shapes(config: &SdxlConfig, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>> {
-        let ((h, w), _) = latent_and_context("sdxl", sample)?;
+        let ((h, w), t) = latent_and_context("sdxl", sample)?;
         // Calibration against the measured step (see above).
         const MEASURED: f64 = 1.2;
         let positions = |l: usize| (h >> l).max(1) * (w >> l).max(1);
-        let at = |l: usize, tokens: usize, layers: f64, attention_calls: usize| BlockShape {
-            tokens,
-            weight_tokens: tokens,
-            width: config.channels(l),
-            layers: layers * MEASURED,
-            attention_calls,
-            heads: config.num_heads[l],
-            // The ResNets' time-embedding projections.
-            conditioned: Self::CONDITIONED,
-        };
+        let at =
+            |l: usize, tokens: usize, layers: f64, attention_calls: usize, ops: (usize, usize)| {
+                BlockShape {
+                    tokens,
+                    weight_tokens: tokens,
+                    width: config.channels(l),
+                    layers: layers * MEASURED,
+                    attention_calls,
+                    // A transformer layer's second call attends to the context.
+                    cross_calls: attention_calls / 2,
+                    context_tokens: t,
+                    context_keys: Self::CONTEXT_KEYS,
+                    heads: config.num_heads[l],
+                    ops: ops.0,
+                    views: ops.1,
+                    // The ResNets' time-embedding projections.
+                    conditioned: Self::CONDITIONED,
+                }
+            };
         Ok(config
             .units()
             .iter()
             .map(|u| {
                 let (l, here) = (u.level, positions(u.level));
                 match u.kind {
-                    UnitKind::Res => at(l, here, 0.35, 0),
-                    UnitKind::SkipRes { up: false } => at(l, here, 0.85, 0),
+                    UnitKind::Res => at(l, here, 0.35, 0, Self::RES_OPS),
+                    UnitKind::SkipRes { up: false } => at(l, here, 0.85, 0, Self::SKIP_RES_OPS),
                     // The upsampler's 0.25 at four times the positions.
-                    UnitKind::SkipRes { up: true } => at(l, here, 1.85, 0),
-                    UnitKind::Layer => at(l, here, 1.0, 2),
-                    UnitKind::Down => at(l, here, 0.25, 0),
-                    UnitKind::Up => at(l, positions(l.saturating_sub(1)), 0.25, 0),
+                    UnitKind::SkipRes { up: true } => {
+                        let (a, b) = (Self::SKIP_RES_OPS, Self::UP_OPS);
+                        at(l, here, 1.85, 0, (a.0 + b.0, a.1 + b.1))
+                    }
+                    UnitKind::Layer => at(l, here, 1.0, 2, Self::LAYER_OPS),
+                    UnitKind::Down => at(l, here, 0.25, 0, Self::DOWN_OPS),
+                    UnitKind::Up => at(l, positions(l.saturating_sub(1)), 0.25, 0, Self::UP_OPS),
                 }
             })
             .collect())

@@ -1586,6 +1586,67 @@ mod tests {
         assert!(p.step_ms(&plan(true)) > p.step_ms(&plan(false)));
     }
 
+    /// A block's forward and backward worked by hand from its work and the machine's rates:
+    /// the GPU's time (GEMMs, convolutions, attention at its head width, memory passes) or the
+    /// host's issue of its ops and views, the longer; keeping attention takes its FLOPs out
+    /// of a re-run.
+    #[test]
+    fn a_block_takes_its_work_at_the_machines_rates_or_the_hosts_issue() {
+        let m = Machine {
+            gemm_tflops: 500.0,
+            conv_tflops: 250.0,
+            attention_tflops: [300.0, 600.0],
+            attention_backward_tflops: [200.0, 400.0],
+            memory_gib_per_s: 1000.0,
+            fp8_decode_gib_per_s: 500.0,
+            op_us: 10.0,
+            backward_op_us: 20.0,
+            view_us: 2.0,
+            backward_view_us: 1.0,
+            ..Machine::REFERENCE
+        };
+        const GIB: u64 = 1 << 30;
+        let mut p = profile();
+        p.machine = m;
+        let b = BlockCost {
+            gemm_flops: 1e12,
+            conv_flops: 5e11,
+            // At D 96: half way between the rates at 64 and 128.
+            attention_flops: 9e11,
+            head_dim: 96,
+            saved_bytes: GIB,
+            adapter_forward_bytes: GIB / 2,
+            adapter_backward_bytes: GIB,
+            ops: 10.0,
+            views: 10.0,
+            ..p.blocks[0].clone()
+        };
+        // 2 + 2 + 2 ms of products and attention (450 TFLOP/s), 2 + 0.5 ms over memory.
+        assert!((p.forward_ms(&b, Keep::NONE) - 8.5).abs() < 1e-9);
+        // 2 + 2 + 2.5 x 3 (300 TFLOP/s backward), 4 + 1 ms over memory.
+        assert!((p.backward_ms(&b) - 16.5).abs() < 1e-9);
+        let kept = Keep {
+            attention: true,
+            ..Keep::NONE
+        };
+        assert!((p.forward_ms(&b, kept) - 6.5).abs() < 1e-9);
+        // Many small kernels: the host's issue sets the time (10 000 ops, 20 000 views).
+        let small = BlockCost {
+            ops: 10_000.0,
+            views: 20_000.0,
+            ..b.clone()
+        };
+        assert!((p.forward_ms(&small, Keep::NONE) - (100.0 + 40.0)).abs() < 1e-9);
+        assert!((p.backward_ms(&small) - (200.0 + 20.0)).abs() < 1e-9);
+        // An FP8 block decodes its codes at each use: 0.5 GiB at 500 GiB/s.
+        let fp8 = BlockCost {
+            decode_bytes: GIB / 2,
+            ..b
+        };
+        assert!((p.forward_ms(&fp8, Keep::NONE) - 9.5).abs() < 1e-9);
+        assert!((p.backward_ms(&fp8) - 17.5).abs() < 1e-9);
+    }
+
     /// A prefetch past the last block (up to `usize::MAX`) fetches them all, as one of the
     /// blocks' count does: the same reach, carry, peak, time and bytes, no overflow.
     #[test]

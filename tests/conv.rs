@@ -5,16 +5,15 @@
 use flame::nn::{adaptive_avg_pool2d, avg_pool2d, conv2d, conv2d_banded, max_pool2d, COLUMN_BYTES};
 use flame::{DType, Device, Result, Tensor, Window2d};
 
+#[path = "common/tolerance.rs"]
+mod tolerance;
+
 const CPU: Device = Device::Cpu;
 
-/// The tolerance of one rounding of a sum of |terms| `mag` in `dt`.
+/// The tolerance of one rounding of a sum of |terms| `mag` in `dt`: the one tolerance
+/// table's against an f64 reference (`Against::F64`).
 fn tol(dt: DType) -> f64 {
-    match dt {
-        DType::F64 => 1e-12,
-        DType::F32 => 1e-5,
-        DType::BF16 => 1e-2,
-        _ => 2e-3,
-    }
+    tolerance::tolerance(tolerance::Against::F64, dt).1
 }
 
 /// Direct convolution: out[n][o][y][x] = b[o] + sum_{c, i, j} x[n][g*cin+c][y*s+i*d-p][x*s+j*d-p] w[o][c][i][j].

@@ -10,6 +10,8 @@ use flame::{CmpOp, DType, Device, Error, Result, Tensor};
 mod attention;
 #[path = "gpu_ops/fused.rs"]
 mod fused;
+#[path = "common/tolerance.rs"]
+mod tolerance;
 
 const CPU: Device = Device::Cpu;
 const FLOATS: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
@@ -25,17 +27,10 @@ fn gpu() -> Device {
     Device::cuda(0).expect("a CUDA GPU")
 }
 
-/// CUDA vs CPU tolerances (atol, rtol), one table. Both backends compute half types in f32 and
-/// round once; CUDA's math functions differ from libm by a few f32 ulps, so a half-type result
-/// near a rounding boundary may land one ulp apart: 2^-8 relative for bf16, 2^-11 for f16.
+/// CUDA against the CPU (atol, rtol), from the one tolerance table
+/// (`tolerance::Against::Cpu`).
 fn tol(dt: DType) -> (f64, f64) {
-    match dt {
-        DType::F64 => (1e-12, 1e-12),
-        DType::F32 => (1e-6, 2e-6),
-        DType::BF16 => (1e-6, 7.9e-3),
-        DType::F16 => (1e-6, 9.8e-4),
-        DType::U32 => (0.0, 0.0),
-    }
+    tolerance::tolerance(tolerance::Against::Cpu, dt)
 }
 
 /// |gpu - cpu| <= atol + rtol * max(|cpu|, mag) elementwise; NaN must match NaN.

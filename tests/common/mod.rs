@@ -1,4 +1,5 @@
-//! Helpers shared by the op test files: the tolerance table, builders, loop references.
+//! Helpers shared by the op test files: the tolerance table (`tolerance`), builders, loop
+//! references.
 #![allow(dead_code)]
 
 use flame::{DType, Device, Result, Shape, Tensor};
@@ -12,16 +13,12 @@ pub const CPU: Device = Device::Cpu;
 pub const FLOATS: [DType; 4] = [DType::F64, DType::F32, DType::BF16, DType::F16];
 pub const ALL: [DType; 5] = [DType::F64, DType::F32, DType::BF16, DType::F16, DType::U32];
 
-/// The one tolerance table: (atol, rtol). bf16/f16 are computed in f32 and rounded once, so
-/// their error is about half an ulp of the result (2^-9 for bf16, 2^-12 for f16).
+pub mod tolerance;
+
+/// (atol, rtol) against an f64 reference, from the one tolerance table
+/// (`tolerance::Against::F64`).
 pub fn tol(dt: DType) -> (f64, f64) {
-    match dt {
-        DType::F64 => (1e-12, 1e-12),
-        DType::F32 => (1e-6, 1e-5),
-        DType::BF16 => (1e-3, 1e-2),
-        DType::F16 => (1e-4, 2e-3),
-        DType::U32 => (0.0, 0.0),
-    }
+    tolerance::tolerance(tolerance::Against::F64, dt)
 }
 
 /// |got - want| <= atol + rtol * mag, where mag is |want| unless a larger magnitude (the sum of

@@ -3,20 +3,16 @@
 //! gradients of q, k and v, at lengths 1, 77, 333, 1024 and 4608, with and without a key
 //! padding mask and causality. Part of the gpu_ops executable.
 //!
-//! Tolerance: max |flash - reference| <= tol * max |reference|, per tensor. The kernels round
-//! P (forward) and P, dS (backward) to the input type before their tensor-core products, as
-//! FlashAttention does, and round each output once: relative errors of 2^-9 (bf16) or 2^-12
-//! (f16) per term, averaging out over the sums. Measured worst cases are printed; the bounds
-//! (bf16 1e-2, f16 2e-3) leave about 2x margin over them.
+//! Tolerance: max |flash - reference| <= tol * max |reference|, per tensor, from the one
+//! tolerance table (`tolerance::Against::Composite`: bf16 1e-2, f16 2e-3). Measured worst
+//! cases are printed.
 
+use super::tolerance::{tolerance, Against};
 use super::{bits, gpu, serial, CPU};
 use flame::{DType, Device, Grads, Tensor};
 
 fn tol(dt: DType) -> f64 {
-    match dt {
-        DType::BF16 => 1e-2,
-        _ => 2e-3,
-    }
+    tolerance(Against::Composite, dt).1
 }
 
 fn rel_err(a: &Tensor, r: &Tensor) -> f64 {

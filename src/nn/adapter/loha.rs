@@ -187,19 +187,9 @@ impl Loha {
 }
 
 impl Loha {
-    /// PEFT's LoHa has no Tucker form: an error naming the layout for an adapter in it.
+    /// FLAME writes LoHa's Tucker form in the kohya layout only (`kohya_only_tucker`).
     fn no_peft_tucker(&self) -> Result<()> {
-        if self.cores.is_some() {
-            return Err(Error::Setting {
-                setting: crate::Setting::AdapterLayout,
-                msg: format!(
-                    " LoHa's Tucker form (layer {}, AdapterConfig::tucker) is written in the \
-                     kohya layout only",
-                    self.path
-                ),
-            });
-        }
-        Ok(())
+        super::kohya_only_tucker(self.cores.is_some(), "LoHa", &self.path)
     }
 }
 

@@ -441,20 +441,10 @@ impl Lokr {
 }
 
 impl Lokr {
-    /// FLAME writes and reads LoKr's Tucker form in the kohya layout only: an error naming
-    /// the layout for an adapter in it.
+    /// FLAME writes and reads LoKr's Tucker form in the kohya layout only
+    /// (`kohya_only_tucker`).
     fn no_peft_tucker(&self) -> Result<()> {
-        if let Factor::Tucker(..) = self.w2 {
-            return Err(Error::Setting {
-                setting: crate::Setting::AdapterLayout,
-                msg: format!(
-                    " LoKr's Tucker form (layer {}, AdapterConfig::tucker) is written in the \
-                     kohya layout only",
-                    self.path
-                ),
-            });
-        }
-        Ok(())
+        super::kohya_only_tucker(matches!(self.w2, Factor::Tucker(..)), "LoKr", &self.path)
     }
 }
 

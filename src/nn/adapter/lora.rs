@@ -335,19 +335,9 @@ impl Lora {
 }
 
 impl Lora {
-    /// PEFT's LoRA has no Tucker form: an error naming the layout for an adapter in it.
+    /// PEFT's LoRA has no Tucker form (`kohya_only_tucker`).
     fn no_peft_tucker(&self) -> Result<()> {
-        if self.mid.is_some() {
-            return Err(Error::Setting {
-                setting: Setting::AdapterLayout,
-                msg: format!(
-                    " PEFT's LoRA has no Tucker form (layer {}, AdapterConfig::tucker): \
-                     write the kohya layout",
-                    self.path
-                ),
-            });
-        }
-        Ok(())
+        super::kohya_only_tucker(self.mid.is_some(), "LoRA", &self.path)
     }
 }
 

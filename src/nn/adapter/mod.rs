@@ -805,6 +805,22 @@ impl Adapters {
 
 /// U(-1/sqrt(fan_in), 1/sqrt(fan_in)) of `dims` in f32, trainable: PyTorch's
 /// `kaiming_uniform_(a=sqrt(5))`, how PEFT initialises its nonzero factors.
+/// The refusal of the PEFT layout for an adapter of kind `kind` at layer `path` in LyCORIS's
+/// Tucker form (`tucker`: `AdapterConfig::tucker`), which FLAME writes and reads in the kohya
+/// layout only.
+pub(crate) fn kohya_only_tucker(tucker: bool, kind: &str, path: &str) -> Result<()> {
+    if tucker {
+        return Err(Error::Setting {
+            setting: crate::Setting::AdapterLayout,
+            msg: format!(
+                " {kind}'s Tucker form (layer {path}, AdapterConfig::tucker) is written in the \
+                 kohya layout only"
+            ),
+        });
+    }
+    Ok(())
+}
+
 pub(crate) fn kaiming(dims: &[usize], fan_in: usize, device: &Device, seed: u64) -> Result<Tensor> {
     let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
     Tensor::rand_uniform(-bound, bound, dims.to_vec(), DType::F32, device, seed)?.requires_grad_()

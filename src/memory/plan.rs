@@ -34,8 +34,8 @@ use crate::autograd::Keep;
 use crate::memory::Checkpointing;
 use crate::{Error, Result};
 
-/// One block's sizes, for one batch.
-#[derive(Clone, Debug, PartialEq)]
+/// One block's sizes, for one batch (all zero by default).
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct BlockCost {
     /// The block's key prefix (`double_blocks.3`).
     pub prefix: String,
@@ -1394,18 +1394,9 @@ mod tests {
                 gemm_flops: if i < 2 { 3e12 } else { 1e12 },
                 // A third of the large blocks' weights, a quarter of the others'.
                 down_flops: if i < 2 { 1e12 } else { 0.25e12 },
-                conv_flops: 0.0,
-                attention_flops: 0.0,
                 head_dim: 128,
-                ops: 0.0,
-                views: 0.0,
                 tensors: 1,
-                adapter_forward_bytes: 0,
-                adapter_backward_bytes: 0,
-                decode_bytes: 0,
-                forward_only_bytes: 0,
-                forward_only_wire: 0,
-                forward_only_coded: 0,
+                ..BlockCost::default()
             })
             .collect();
         MemoryProfile {
@@ -1537,26 +1528,14 @@ mod tests {
                     prefix: format!("b.{i}"),
                     weight_bytes: 4 * GIB,
                     wire_bytes: 4 * GIB,
-                    coded_bytes: 0,
                     input_bytes: 10 << 20,
                     saved_bytes: GIB,
-                    attention_bytes: 0,
-                    down_bytes: 0,
-                    down_weight_bytes: 0,
                     gemm_flops: 4e12,
-                    down_flops: 0.0,
-                    conv_flops: 0.0,
-                    attention_flops: 0.0,
                     head_dim: 128,
-                    ops: 0.0,
-                    views: 0.0,
                     tensors: 1,
-                    adapter_forward_bytes: 0,
-                    adapter_backward_bytes: 0,
-                    decode_bytes: 0,
                     forward_only_bytes: forward_only,
                     forward_only_wire: forward_only,
-                    forward_only_coded: 0,
+                    ..BlockCost::default()
                 })
                 .collect(),
             other_weight_bytes: 0,
@@ -1804,26 +1783,11 @@ mod tests {
                     prefix: format!("b.{i}"),
                     weight_bytes: G,
                     wire_bytes: G,
-                    coded_bytes: 0,
-                    input_bytes: 0,
                     saved_bytes: G,
-                    attention_bytes: 0,
-                    down_bytes: 0,
-                    down_weight_bytes: 0,
                     gemm_flops: 4e12,
-                    down_flops: 0.0,
-                    conv_flops: 0.0,
-                    attention_flops: 0.0,
                     head_dim: 128,
-                    ops: 0.0,
-                    views: 0.0,
                     tensors: 1,
-                    adapter_forward_bytes: 0,
-                    adapter_backward_bytes: 0,
-                    decode_bytes: 0,
-                    forward_only_bytes: 0,
-                    forward_only_wire: 0,
-                    forward_only_coded: 0,
+                    ..BlockCost::default()
                 })
                 .collect(),
             other_weight_bytes: 0,

@@ -377,30 +377,17 @@ pub fn profile_config<M: ModelSpec>(
         .zip(&shapes)
         .map(|(p, sh)| {
             let (input_bytes, saved_bytes, attention_bytes) = sh.bytes(run.batch.max(1), elem);
+            // The weights' sizes and work are added below, key by key.
             BlockCost {
                 prefix: p.clone(),
-                weight_bytes: 0,
                 input_bytes,
                 saved_bytes,
                 attention_bytes,
-                down_bytes: 0,
-                down_weight_bytes: 0,
-                wire_bytes: 0,
-                coded_bytes: 0,
-                gemm_flops: 0.0,
-                down_flops: 0.0,
-                conv_flops: 0.0,
                 attention_flops: sh.attention_flops(run.batch.max(1)),
                 head_dim: sh.head_dim(),
                 ops: sh.ops as f64,
                 views: sh.views as f64,
-                tensors: 0,
-                adapter_forward_bytes: 0,
-                adapter_backward_bytes: 0,
-                decode_bytes: 0,
-                forward_only_bytes: 0,
-                forward_only_wire: 0,
-                forward_only_coded: 0,
+                ..BlockCost::default()
             }
         })
         .collect();

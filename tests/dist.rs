@@ -324,7 +324,7 @@ fn train(cfg: &TrainConfig, world: usize, opts: RunOptions, queued: bool) -> Vec
         let place = Placement {
             device: Some(Device::Cpu),
             group: Some(g),
-            interrupt: None,
+            ..Default::default()
         };
         Trainer::open_in(cfg.clone(), Prepare::Encode, place, &mut |_| {})?.run(&opts, &mut |_| {})
     })
@@ -704,7 +704,7 @@ fn an_nccl_group_of_one_gpu_is_the_identity_and_trains_the_same() {
     let place = Placement {
         device: Some(dev.clone()),
         group: Some(g),
-        interrupt: None,
+        ..Default::default()
     };
     Trainer::open_in(grouped.clone(), Prepare::Encode, place, &mut |_| {})
         .unwrap()

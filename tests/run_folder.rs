@@ -705,3 +705,43 @@ fn the_binaries_check_before_they_start() {
     }
     std::fs::remove_dir_all(&d).ok();
 }
+
+#[test]
+fn the_run_records_the_machine_it_planned_with() {
+    use flame::memory::Machine;
+    use flame::train::rundir::{Manifest, RunDir};
+    let out = temp("machine");
+    std::fs::create_dir_all(&out).unwrap();
+    let mut m = Manifest::new(vec![("train.steps", "3".into())]);
+    // A machine that decoded nothing has an infinite decode rate: it must read back too.
+    let machine = Machine {
+        upload_gib_per_s: 12.25,
+        wire_decode_gib_per_s: [f64::INFINITY, 300.0, 150.0],
+        ..Machine::REFERENCE
+    };
+    m.machine = Some(machine);
+    RunDir::new(&out).create(&m).unwrap();
+    assert_eq!(RunDir::new(&out).manifest().unwrap(), Some(m.clone()));
+    assert_eq!(flame::train::recorded_machine(&out).unwrap(), Some(machine));
+    // A run without one (no budget, a plan by hand) records none.
+    let bare = temp("machine-none");
+    std::fs::create_dir_all(&bare).unwrap();
+    m.machine = None;
+    RunDir::new(&bare).create(&m).unwrap();
+    assert_eq!(flame::train::recorded_machine(&bare).unwrap(), None);
+    let absent = temp("machine-absent");
+    assert_eq!(flame::train::recorded_machine(&absent).unwrap(), None);
+    // A machine that is not one is a damaged manifest, named.
+    let path = out.join("run.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let broken = text.replace("upload_gib_per_s = 12.25", "upload_gib_per_s = -1.0");
+    assert_ne!(text, broken);
+    std::fs::write(&path, broken).unwrap();
+    let err = flame::train::recorded_machine(&out)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("machine") && err.contains("run.json"), "{err}");
+    for d in [out, bare, absent] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}

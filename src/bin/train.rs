@@ -516,6 +516,7 @@ fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
         device: Some(device),
         group: Some(group.clone()),
         interrupt: None,
+        machine: None,
     };
     match run(args, path, &mut progress, place, Some(rank)) {
         Ok(code) => code,
@@ -592,8 +593,15 @@ fn run(
             source: std::io::Error::other(e.to_string()),
         })?;
     }
+    // A resumed run plans with the machine it recorded, so it chooses the plan it started
+    // with (a folder with no readable record plans with this machine).
+    let machine = match args.resume {
+        true => flame::train::recorded_machine(&out).ok().flatten(),
+        false => None,
+    };
     let place = Placement {
         interrupt: Some(flag.clone()),
+        machine,
         ..place
     };
     let mut trainer = Trainer::open_in(config, prepare, place, &mut |e| {

@@ -225,45 +225,48 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
         })?
         / 1e12;
     // Coded weights (normal values, as trained weights are) uploaded while the compute runs
-    // those GEMMs, as a streamed block's upload runs beside the step: the decodes' rate
-    // there (their events), and what they take from the GEMMs beside them.
-    let (wire_decode, decode_cost) = {
+    // a step's kinds of work, each alone: GEMMs, attention (forward and backward) and
+    // elementwise sums over a block's activation size. Beside each: the decodes' rate (their
+    // events) and what they take from the work.
+    let coded = {
         let t = Tensor::randn(PROBE_BYTES / 2, DType::BF16, device, 3)?.affine(0.02, 0.0)?;
         let host = {
             let s = t.storage()?;
             s.stash(t.elem_count())?
         };
         drop(t);
-        let pack = device.pack(&[&host], true)?;
-        let (wire, part, pieces) = pack.staging_bytes();
-        let staging = device.staging(wire, part, pieces)?;
-        // Four uploads in a row beside enough GEMMs to outlast them, against the same GEMMs
-        // alone; the median of the runs (a millisecond's noise in the GEMMs would read as
-        // several a GiB on one upload's decodes).
+        device.pack(&[&host], true)?
+    };
+    let (wire, part, pieces) = coded.staging_bytes();
+    let staging = device.staging(wire, part, pieces)?;
+    // Four uploads in a row beside enough of the work to outlast them (`units` of it, about
+    // 60 ms), against the same work alone; the median of the runs (a millisecond's noise in
+    // the work would read as several a GiB on one upload's decodes).
+    let decodes_beside = |units: usize, work: &dyn Fn() -> Result<()>| -> Result<(f64, f64)> {
         const UPLOADS: usize = 4;
-        const BESIDE: usize = 24;
         let median = |mut v: Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
+        work()?;
         let mut alone = vec![];
         let (mut decode, mut with) = (vec![], vec![]);
         for _ in 0..=REPEATS {
             sync()?;
             let t = Instant::now();
-            for _ in 0..BESIDE {
-                block()?;
+            for _ in 0..units {
+                work()?;
             }
             sync()?;
             alone.push(t.elapsed().as_secs_f64());
             let t = Instant::now();
-            block()?;
+            work()?;
             let mut uploads = vec![];
             for _ in 0..UPLOADS {
-                uploads.push(device.upload_pack(&pack, staging.as_ref(), &[])?);
+                uploads.push(device.upload_pack(&coded, staging.as_ref(), &[])?);
             }
-            for _ in 1..BESIDE {
-                block()?;
+            for _ in 1..units {
+                work()?;
             }
             for (_, ticket) in &uploads {
                 ticket.wait_host()?;
@@ -279,17 +282,46 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             }
         }
         let (alone, with) = (median(alone), median(with));
-        let coded = (UPLOADS * wire) as f64 / GIB;
-        if !decode.is_empty() && coded > 0.0 {
-            (
-                coded / median(decode),
-                ((with - alone) * 1e3 / coded).max(0.0),
-            )
+        let gib = (UPLOADS * wire) as f64 / GIB;
+        Ok(if !decode.is_empty() && gib > 0.0 {
+            (gib / median(decode), ((with - alone) * 1e3 / gib).max(0.0))
         } else {
             // Nothing was coded (or timed): no decodes for the model to play.
             (f64::INFINITY, 0.0)
-        }
+        })
     };
+    // About 2.5 ms of GEMMs a unit on an H100.
+    let beside_gemms = decodes_beside(24, &block)?;
+    // Flux's attention (24 heads of 128 over 4096 tokens), forward and backward: about
+    // 1.2 ms a unit.
+    let beside_attention = {
+        let shape = (1usize, 24usize, 4096usize, 128usize);
+        let q = Tensor::randn(shape, DType::BF16, device, 30)?.requires_grad_()?;
+        let kk = Tensor::randn(shape, DType::BF16, device, 31)?.requires_grad_()?;
+        let v = Tensor::randn(shape, DType::BF16, device, 32)?.requires_grad_()?;
+        decodes_beside(50, &|| {
+            let _on = crate::autograd::enable_grad();
+            let o = crate::tensor::scaled_dot_product_attention(&q, &kk, &v, None, false, None)?;
+            drop(o.sum_all()?.backward()?);
+            Ok(())
+        })?
+    };
+    // Sums over a block's activation size (Flux's 4608 x 3072 in bf16): about 1.2 ms of
+    // memory traffic a unit of 40.
+    let beside_memory = {
+        let n = 4608 * 3072;
+        let x = Tensor::randn(n, DType::BF16, device, 33)?;
+        let y = Tensor::randn(n, DType::BF16, device, 34)?;
+        decodes_beside(50, &|| {
+            for _ in 0..40 {
+                drop(x.add(&y)?);
+            }
+            Ok(())
+        })?
+    };
+    drop((staging, coded));
+    let wire_decode = [beside_gemms.0, beside_attention.0, beside_memory.0];
+    let decode_cost = [beside_gemms.1, beside_attention.1, beside_memory.1];
     drop(operands);
     // Convolutions: a 3x3 one of 640 channels over 64 x 64 positions (SDXL's middle
     // level), forward and the input's gradient, through FLAME's own path.

@@ -143,11 +143,13 @@ pub struct Machine {
     pub view_us: f64,
     /// The host's time for one recorded view's backward, µs.
     pub backward_view_us: f64,
-    /// Decoding weights that crossed the link coded, beside the compute's work, GiB of
-    /// coded bytes a second.
-    pub wire_decode_gib_per_s: f64,
-    /// What those decodes take from the compute beside them, ms a GiB coded.
-    pub wire_decode_cost_ms_per_gib: f64,
+    /// Decoding weights that crossed the link coded, beside each kind of the compute's
+    /// work (`Beside`: GEMMs, attention, elementwise), GiB of coded bytes a second: the
+    /// decodes share the GPU with the step's kernels, and how fast they run turns on what
+    /// those kernels need of it.
+    pub wire_decode_gib_per_s: [f64; 3],
+    /// What those decodes take from each kind of work beside them, ms a GiB coded.
+    pub wire_decode_cost_ms_per_gib: [f64; 3],
     /// Decoding FP8 codes to bf16 before a matmul, GiB of codes a second.
     pub fp8_decode_gib_per_s: f64,
     /// The host's products of weights it holds (`Plan::host_products`), GiB of weights a
@@ -162,7 +164,7 @@ impl Machine {
     /// FLAME's 3x3 convolution at SDXL's first level 302 TFLOP/s, the flash kernels 473 / 422
     /// (D = 64, L 4096) and 580 / 490 (D = 128, Flux's shape) TFLOP/s forward / backward, a
     /// device copy 2744 GB/s, the wire code's decodes 5.3 ms a GiB beside the compute and
-    /// 3.3 ms a GiB taken from it, FP8 decodes 1.6 ms a GiB, the host products 35 GiB/s; the
+    /// 3.3 ms a GiB taken from it (measured beside GEMMs, played beside every kind of work), FP8 decodes 1.6 ms a GiB, the host products 35 GiB/s; the
     /// host's costs of an op (4.4 µs, 9.3 its backward) and of a view (2.4 µs, 1.1) from
     /// `measure_machine` on an H200 machine of the same kind (16 cores, 2026-11-29).
     pub const REFERENCE: Machine = Machine {
@@ -176,8 +178,8 @@ impl Machine {
         backward_op_us: 9.3,
         view_us: 2.4,
         backward_view_us: 1.1,
-        wire_decode_gib_per_s: 1e3 / 5.3,
-        wire_decode_cost_ms_per_gib: 3.3,
+        wire_decode_gib_per_s: [1e3 / 5.3; 3],
+        wire_decode_cost_ms_per_gib: [3.3; 3],
         fp8_decode_gib_per_s: 1e3 / 1.6,
         host_product_gib_per_s: 35.0,
     };
@@ -199,7 +201,18 @@ impl Machine {
                 self.attention_backward_tflops[1],
             ),
             ("device memory", self.memory_gib_per_s),
-            ("coded weights' decodes", self.wire_decode_gib_per_s),
+            (
+                "coded weights' decodes beside GEMMs",
+                self.wire_decode_gib_per_s[0],
+            ),
+            (
+                "coded weights' decodes beside attention",
+                self.wire_decode_gib_per_s[1],
+            ),
+            (
+                "coded weights' decodes beside elementwise work",
+                self.wire_decode_gib_per_s[2],
+            ),
             ("FP8 decodes", self.fp8_decode_gib_per_s),
             ("host products", self.host_product_gib_per_s),
         ];
@@ -213,7 +226,18 @@ impl Machine {
             ("an op's backward", self.backward_op_us),
             ("a view", self.view_us),
             ("a view's backward", self.backward_view_us),
-            ("a GiB decoded", self.wire_decode_cost_ms_per_gib * 1e3),
+            (
+                "a GiB decoded beside GEMMs",
+                self.wire_decode_cost_ms_per_gib[0] * 1e3,
+            ),
+            (
+                "a GiB decoded beside attention",
+                self.wire_decode_cost_ms_per_gib[1] * 1e3,
+            ),
+            (
+                "a GiB decoded beside elementwise work",
+                self.wire_decode_cost_ms_per_gib[2] * 1e3,
+            ),
         ] {
             if !(us.is_finite() && us >= 0.0) {
                 return Err(format!("the host's time for {what} is {us} µs"));
@@ -240,8 +264,9 @@ impl std::fmt::Display for Machine {
             f,
             "host link {:.1} GiB/s, GEMM {:.0} and convolution {:.0} TFLOP/s, attention {:.0}/{:.0} (D 64) and \
              {:.0}/{:.0} (D 128) TFLOP/s forward/backward, memory {:.0} GiB/s, {:.1}/{:.1} µs \
-             an op and its backward on the host and {:.1}/{:.1} a view, decodes {:.0} (coded, costing the compute \
-             {:.1} ms a GiB) and {:.0} (FP8) GiB/s, host products {:.1} GiB/s",
+             an op and its backward on the host and {:.1}/{:.1} a view, coded decodes beside GEMMs, attention \
+             and elementwise work {:.0}/{:.0}/{:.0} GiB/s costing them {:.1}/{:.1}/{:.1} ms a GiB, FP8 \
+             decodes {:.0} GiB/s, host products {:.1} GiB/s",
             self.upload_gib_per_s,
             self.gemm_tflops,
             self.conv_tflops,
@@ -254,8 +279,12 @@ impl std::fmt::Display for Machine {
             self.backward_op_us,
             self.view_us,
             self.backward_view_us,
-            self.wire_decode_gib_per_s,
-            self.wire_decode_cost_ms_per_gib,
+            self.wire_decode_gib_per_s[0],
+            self.wire_decode_gib_per_s[1],
+            self.wire_decode_gib_per_s[2],
+            self.wire_decode_cost_ms_per_gib[0],
+            self.wire_decode_cost_ms_per_gib[1],
+            self.wire_decode_cost_ms_per_gib[2],
             self.fp8_decode_gib_per_s,
             self.host_product_gib_per_s
         )
@@ -523,6 +552,44 @@ impl MemoryProfile {
         gpu.max((b.ops * m.backward_op_us + b.views * m.backward_view_us) / 1e3)
     }
 
+    /// A coded upload's decode beside block `b`'s forward (or its `backward`): (ms a GiB
+    /// coded until the decode is done, ms a GiB it takes from the compute), the machine's
+    /// figures beside GEMMs (convolutions with them), attention and elementwise work
+    /// weighted by each one's share of the block's GPU time.
+    fn decode_beside(&self, b: &BlockCost, backward: bool) -> (f64, f64) {
+        use cost_model::*;
+        let m = &self.machine;
+        let (forward_rate, backward_rate) = m.attention_rates(b.head_dim);
+        let gemm = b.gemm_flops / (m.gemm_tflops * 1e9) + b.conv_flops / (m.conv_tflops * 1e9);
+        let (attention, memory) = if backward {
+            (
+                ATTENTION_BACKWARD_FLOPS * b.attention_flops / (backward_rate * 1e9),
+                BACKWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
+                    + self.memory_ms(b.adapter_backward_bytes),
+            )
+        } else {
+            (
+                b.attention_flops / (forward_rate * 1e9),
+                FORWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
+                    + self.memory_ms(b.adapter_forward_bytes),
+            )
+        };
+        let work = [gemm, attention, memory + self.decode_ms(b)];
+        let total: f64 = work.iter().sum();
+        let shares = if total > 0.0 {
+            work.map(|w| w / total)
+        } else {
+            [1.0, 0.0, 0.0]
+        };
+        let mut until = 0.0;
+        let mut cost = 0.0;
+        for (k, share) in shares.iter().enumerate() {
+            until += share * 1e3 / m.wire_decode_gib_per_s[k];
+            cost += share * m.wire_decode_cost_ms_per_gib[k];
+        }
+        (until, cost)
+    }
+
     /// One pass over `bytes` of device memory, ms.
     fn memory_ms(&self, bytes: u64) -> f64 {
         bytes as f64 / (1u64 << 30) as f64 / self.machine.memory_gib_per_s * 1e3
@@ -552,7 +619,12 @@ impl MemoryProfile {
         let n = self.blocks.len();
         let machine = &self.machine;
         let upload_rate = machine.upload_gib_per_s.max(1e-3);
-        let wire_decode_ms = |coded: u64| coded as f64 / GIB / machine.wire_decode_gib_per_s * 1e3;
+        // Each block's coded decodes beside its forward and its backward (`decode_beside`).
+        let beside: Vec<[(f64, f64); 2]> = self
+            .blocks
+            .iter()
+            .map(|b| [self.decode_beside(b, false), self.decode_beside(b, true)])
+            .collect();
         let link_ms = |bytes: u64| bytes as f64 / GIB / upload_rate * 1e3;
         // A streamed block's bytes on the link, coded (`code`) or not, and of those coded:
         // the backward's uploads leave out what only the forward reads (`Keep::few_rows`).
@@ -619,8 +691,10 @@ impl MemoryProfile {
                      j: usize,
                      backward: bool,
                      ks: &mut dyn Iterator<Item = usize>| {
-            // The decodes of the uploads issued here take the compute stream's time too.
+            // The decodes of the uploads issued here take the compute stream's time too;
+            // they run beside this block's work.
             let mut decodes = 0.0;
+            let (until, cost) = beside[order[j]][backward as usize];
             for k in ks {
                 if ready[k].is_none() {
                     let b = &self.blocks[order[k]];
@@ -629,8 +703,8 @@ impl MemoryProfile {
                     if code {
                         *link = link.max(*gate) + link_ms(bytes);
                         *gate = t;
-                        ready[k] = Some(link.max(t) + wire_decode_ms(coded));
-                        decodes += machine.wire_decode_cost_ms_per_gib * coded as f64 / GIB;
+                        ready[k] = Some(link.max(t) + until * coded as f64 / GIB);
+                        decodes += cost * coded as f64 / GIB;
                     } else {
                         *link = link.max(t) + link_ms(bytes);
                         ready[k] = Some(*link);

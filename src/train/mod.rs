@@ -18,6 +18,7 @@ pub use objectives::{
     TimestepSampling,
 };
 pub use planning::{MemoryChoice, PhasePlan};
+pub use rundir::recorded_machine;
 pub use trainer::{
     plan_folder, preflight, Event, FolderAction, Placement, Prepare, RunEnd, RunOptions,
     StepReport, Trainer,

@@ -34,6 +34,9 @@ pub struct MemoryChoice {
     /// The model's profile for the run's largest sample and the plan chosen from it, when
     /// the plan was worked out (the other phases' predictions start from them).
     pub sized: Option<(MemoryProfile, Plan)>,
+    /// The machine the time model played to choose the plan, when it chose one (the run
+    /// records it: a resume plans with it).
+    pub machine: Option<crate::memory::Machine>,
 }
 
 impl MemoryChoice {
@@ -133,6 +136,7 @@ pub fn plan_denoising(
         predicted_peak: None,
         hint: format!("set {key}"),
         sized: None,
+        machine: None,
     };
     let (Some(cap), true) = (cap, budget_gb > 0.0) else {
         return Ok(resident);
@@ -179,6 +183,7 @@ pub fn plan_denoising(
         outside,
         predicted_peak: Some(p.peak),
         hint: format!("lower the image size or raise {key}"),
+        machine: Some(prof.machine),
         sized: Some((prof, plan)),
     })
 }
@@ -227,6 +232,7 @@ fn machine_for(device: &Device, measure: bool) -> (Option<crate::memory::Machine
     }
 }
 
+/// `recorded`: the machine to play instead of this one's (a resumed run's).
 pub(crate) fn plan_memory(
     config: &TrainConfig,
     family: &Family,
@@ -234,6 +240,7 @@ pub(crate) fn plan_memory(
     device: &Device,
     sample: &[Vec<usize>],
     world: usize,
+    recorded: Option<crate::memory::Machine>,
 ) -> Result<MemoryChoice> {
     let mem = &config.memory;
     let manual = config.checkpointing();
@@ -289,6 +296,7 @@ pub(crate) fn plan_memory(
                 plan,
                 budget,
                 outside,
+                machine: None,
             }
         }
         (None, None) => MemoryChoice {
@@ -299,11 +307,16 @@ pub(crate) fn plan_memory(
             predicted_peak: None,
             hint: "set memory.budget_gb".into(),
             sized: None,
+            machine: None,
         },
         (None, Some(b)) => {
             let mut prof = profile(config, family, opts, sample, world)?;
-            // The time model plays this machine's rates where the switch says so.
-            let (machine, unmeasured) = machine_for(device, config.planner.measure_machine);
+            // The time model plays the machine a resumed run recorded, else this machine's
+            // rates where the switch says so.
+            let (machine, unmeasured) = match recorded {
+                Some(m) => (Some(m), None),
+                None => machine_for(device, config.planner.measure_machine),
+            };
             if let Some(m) = machine {
                 prof.machine = m;
             }
@@ -334,6 +347,9 @@ pub(crate) fn plan_memory(
                             gib(p.streamed_bytes),
                             p.slowdown,
                             match (machine, unmeasured) {
+                                (Some(m), _) if recorded.is_some() => {
+                                    format!("the machine the run recorded ({m})")
+                                }
                                 (Some(m), _) => format!("this machine ({m})"),
                                 (None, Some(why)) => format!(
                                     "the reference machine (this one could not be measured: \
@@ -347,6 +363,7 @@ pub(crate) fn plan_memory(
                         predicted_peak: Some(p.peak),
                         hint,
                         sized: Some((prof.clone(), plan.clone())),
+                        machine: Some(prof.machine),
                     }
                 }
                 Err(no) => {

@@ -152,7 +152,7 @@ impl Record {
 }
 
 /// What `run.json` records.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Manifest {
     /// A random id, also written into each of the run's checkpoints.
     pub run_id: String,
@@ -160,6 +160,10 @@ pub struct Manifest {
     pub keys: BTreeMap<String, String>,
     /// The files the run wrote outside its checkpoints, by path relative to the folder.
     pub files: BTreeMap<String, Record>,
+    /// The machine the planner's time model played when the run chose its memory plan
+    /// (`memory::measure_machine`): a resume plans with it, so it chooses the same plan.
+    /// `None` where no plan was chosen by the time model (no budget, a plan by hand).
+    pub machine: Option<crate::memory::Machine>,
 }
 
 impl Manifest {
@@ -173,6 +177,7 @@ impl Manifest {
             run_id: format!("{id:016x}"),
             keys: keys.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
             files: BTreeMap::new(),
+            machine: None,
         }
     }
 
@@ -217,8 +222,16 @@ impl Manifest {
                 (k, v)
             })
             .collect();
-        serde_json::json!({ "run_id": self.run_id, "config": self.keys, "files": files })
-            .to_string()
+        let mut v =
+            serde_json::json!({ "run_id": self.run_id, "config": self.keys, "files": files });
+        if let Some(m) = &self.machine {
+            // As TOML text, as the machine cache keeps it: JSON has no infinite rate (a
+            // machine that decoded nothing). Plain numbers always have a TOML form.
+            if let Ok(m) = toml::to_string(m) {
+                v["machine"] = m.into();
+            }
+        }
+        v.to_string()
     }
 
     fn from_json(path: &Path, text: &str) -> Result<Self> {
@@ -258,12 +271,30 @@ impl Manifest {
                 files.insert(name.clone(), rec);
             }
         }
+        let machine = match v.get("machine") {
+            None => None,
+            Some(m) => {
+                let text = m.as_str().ok_or_else(|| damaged("machine is not text"))?;
+                let m: crate::memory::Machine =
+                    toml::from_str(text).map_err(|e| damaged(&format!("machine: {e}")))?;
+                m.check().map_err(|e| damaged(&format!("machine: {e}")))?;
+                Some(m)
+            }
+        };
         Ok(Manifest {
             run_id: run_id.to_string(),
             keys,
             files,
+            machine,
         })
     }
+}
+
+/// The machine the run in `output_dir` recorded in its manifest (`Manifest::machine`), for a
+/// resume to plan with ([`crate::train::Placement::machine`]); `None` where there is no run
+/// there or it recorded none.
+pub fn recorded_machine(output_dir: &Path) -> Result<Option<crate::memory::Machine>> {
+    Ok(RunDir::new(output_dir).manifest()?.and_then(|m| m.machine))
 }
 
 /// What a checkpoint's `state.json` records.

@@ -270,7 +270,8 @@ impl Trainer {
                     )));
                     dir.clear(&survey)?;
                 }
-                let m = Manifest::new(self.resume_keys());
+                let mut m = Manifest::new(self.resume_keys());
+                m.machine = self.memory.machine;
                 dir.create(&m)?;
                 self.run_id = m.run_id;
                 self.step = 0;
@@ -282,6 +283,14 @@ impl Trainer {
                     path: dir.path.clone(),
                     msg: "the run manifest disappeared".into(),
                 })?;
+                if m.machine.is_some() && m.machine != self.memory.machine {
+                    on(Event::Note(
+                        "the run chose its memory plan with the machine it recorded in run.json, \
+                         this process with another (Placement::machine takes the recorded one, \
+                         as `train --resume` does): its plan may differ"
+                            .into(),
+                    ));
+                }
                 self.run_id = m.run_id;
                 for (path, why) in passed {
                     on(Event::Note(format!(

@@ -93,6 +93,10 @@ pub struct Placement {
     /// ([`crate::Error::Interrupted`]) and the run after the current step, with a checkpoint.
     /// `None`: a flag of the trainer's own ([`Trainer::interrupt_flag`]).
     pub interrupt: Option<Arc<AtomicBool>>,
+    /// The machine the planner's time model plays instead of measuring this one: a resumed
+    /// run's ([`crate::train::recorded_machine`]), so it chooses the plan the run started
+    /// with. `None`: this machine, measured or read from the cache.
+    pub machine: Option<crate::memory::Machine>,
 }
 
 /// The image pipeline's pieces sampling needs after the encoders are freed: the text cache

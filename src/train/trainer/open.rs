@@ -131,7 +131,15 @@ impl Trainer {
             warm_collectives(g.as_ref(), &device)?;
         }
         let largest = data.train.largest();
-        let memory = plan_memory(&config, family, &opts, &device, &largest, world)?;
+        let memory = plan_memory(
+            &config,
+            family,
+            &opts,
+            &device,
+            &largest,
+            world,
+            place.machine,
+        )?;
         let phases = phase_plans(
             &config,
             family,

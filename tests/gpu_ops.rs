@@ -8,8 +8,6 @@ use flame::{CmpOp, DType, Device, Error, Result, Tensor};
 
 #[path = "gpu_ops/attention.rs"]
 mod attention;
-#[path = "gpu_ops/fused.rs"]
-mod fused;
 #[path = "common/tolerance.rs"]
 mod tolerance;
 

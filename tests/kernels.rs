@@ -1,9 +1,30 @@
-//! The fused layer kernels (modulate, RoPE, GroupNorm, softmax backward) and the column
-//! reductions on CUDA: against the CPU reference for every float dtype, and against their
-//! composite twins on the GPU. Part of the gpu_ops executable (one binary for the GPU machine).
+//! The layer kernels (adaLN modulation, RoPE, GroupNorm, LayerNorm / RMSNorm and their
+//! backwards, softmax's backward), column reductions and a Linear's GEMM epilogues, on every
+//! device (`common::devices`): against the CPU reference for every float dtype (the CPU
+//! against itself in f64, a GPU against the CPU at the same dtype), against their composite
+//! twins on the same device, and bit for bit from run to run. Odd sizes, views and the shapes
+//! that pick each of the CUDA kernels' paths.
+#![cfg(feature = "cpu-ref")]
 
-use super::{close, close_mag, gpu, normal_pair, serial, CPU, FLOATS};
-use flame::{DType, Grads, Result, Tensor};
+mod common;
+
+use common::devices::{close_mag, normal_pair, on_every_device};
+use flame::{DType, Device, Grads, Result, Tensor};
+
+const FLOATS: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
+
+on_every_device!(
+    modulate_matches_the_reference,
+    rope_matches_the_reference,
+    group_norm_matches_the_reference,
+    group_norm_repeats_bit_for_bit,
+    norm_backward_with_params_repeats_bit_for_bit,
+    softmax_backward_matches_the_reference,
+    fused_layers_match_their_composites,
+    column_reductions_match_the_reference,
+    norms_read_strided_rows_where_they_lie,
+    linear_epilogues_match_the_reference,
+);
 
 /// Runs `f` on leaf copies of `inputs`, backpropagates `dy`, and returns the output followed by
 /// the gradient of every input.
@@ -28,46 +49,54 @@ fn fwd_bwd(
     out
 }
 
-/// Output and gradients of `f` on the GPU and on the CPU, from the same random inputs.
+/// Output and gradients of `f` on `dev` in `dt` and on the CPU reference (`oracle`), from the
+/// same random inputs.
 fn both(
+    dev: &Device,
     shapes: &[Vec<usize>],
     out_shape: &[usize],
     dt: DType,
     seed: u64,
     f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
 ) -> (Vec<Tensor>, Vec<Tensor>) {
-    let (mut c, mut g) = (vec![], vec![]);
+    let (mut r, mut d) = (vec![], vec![]);
     for (i, s) in shapes.iter().enumerate() {
-        let (ci, gi) = normal_pair(s, dt, seed + i as u64);
-        c.push(ci);
-        g.push(gi);
+        let (ri, di) = normal_pair(dev, s, dt, seed + i as u64);
+        r.push(ri);
+        d.push(di);
     }
-    let (cdy, gdy) = normal_pair(out_shape, dt, seed + 100);
-    let cr: Vec<&Tensor> = c.iter().collect();
-    let gr: Vec<&Tensor> = g.iter().collect();
-    (fwd_bwd(&gr, &gdy, f), fwd_bwd(&cr, &cdy, f))
+    let (rdy, ddy) = normal_pair(dev, out_shape, dt, seed + 100);
+    let rr: Vec<&Tensor> = r.iter().collect();
+    let dr: Vec<&Tensor> = d.iter().collect();
+    (fwd_bwd(&dr, &ddy, f), fwd_bwd(&rr, &rdy, f))
 }
 
 const NAMES: [&str; 5] = ["y", "d0", "d1", "d2", "d3"];
 
 /// Compares output and gradients; `mags[k]` is the magnitude scale of result k (sums of many
 /// terms carry an error proportional to the terms, not to the result).
-fn check(what: &str, gpu_out: &[Tensor], cpu_out: &[Tensor], dt: DType, mags: &[f64]) {
-    for (k, (g, c)) in gpu_out.iter().zip(cpu_out).enumerate() {
+fn check(what: &str, dev: &Device, got: &[Tensor], want: &[Tensor], dt: DType, mags: &[f64]) {
+    for (k, (g, w)) in got.iter().zip(want).enumerate() {
         close_mag(
             &format!("{what} {}", NAMES[k]),
+            dev,
             g,
-            c,
+            w,
             dt,
             mags.get(k).copied().unwrap_or(0.0),
         );
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn modulate_matches_the_cpu() {
-    let _one = serial();
+/// `t` in the dtype of x, on x's device (a constant both paths take).
+fn like(t: &Tensor, x: &Tensor) -> Tensor {
+    t.to_dtype(x.dtype())
+        .unwrap()
+        .to_device(x.device())
+        .unwrap()
+}
+
+fn modulate_matches_the_reference(dev: &Device) {
     for dt in FLOATS {
         // D % 8 == 0 up to 8192 takes the row blocks (4 and 8 lanes a row with several
         // row groups a block, a warp, 12 warps, two packs a lane); D = 13 and 8200 the sweep.
@@ -81,6 +110,7 @@ fn modulate_matches_the_cpu() {
             (2, 9, 8200),
         ] {
             let (go, co) = both(
+                dev,
                 &[vec![b, l, d], vec![b, 1, d], vec![b, 1, d]],
                 &[b, l, d],
                 dt,
@@ -90,18 +120,20 @@ fn modulate_matches_the_cpu() {
             let sum = (l as f64).sqrt() * 3.0;
             check(
                 &format!("modulate {b}x{l}x{d}"),
+                dev,
                 &go,
                 &co,
                 dt,
                 &[3.0, 3.0, sum, sum],
             );
             // Frozen shift and scale: dx through the forward kernel.
-            let (cs, gs) = normal_pair(&[b, 1, d], dt, 2010);
-            let (go, co) = both(&[vec![b, l, d]], &[b, l, d], dt, 2020, &|x| {
-                x[0].modulate(&x[0].narrow(1, 0, 1)?.detach(), &on(&cs, &gs, &x[0]))
+            let (cs, _) = normal_pair(dev, &[b, 1, d], dt, 2010);
+            let (go, co) = both(dev, &[vec![b, l, d]], &[b, l, d], dt, 2020, &|x| {
+                x[0].modulate(&x[0].narrow(1, 0, 1)?.detach(), &like(&cs, &x[0]))
             });
             check(
                 &format!("modulate frozen {b}x{l}x{d}"),
+                dev,
                 &go,
                 &co,
                 dt,
@@ -111,19 +143,7 @@ fn modulate_matches_the_cpu() {
     }
 }
 
-/// `c` or `g`, whichever lives on x's device.
-fn on(c: &Tensor, g: &Tensor, x: &Tensor) -> Tensor {
-    if x.device().is_cuda() {
-        g.clone()
-    } else {
-        c.clone()
-    }
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn rope_matches_the_cpu() {
-    let _one = serial();
+fn rope_matches_the_reference(dev: &Device) {
     for dt in FLOATS {
         // Head dims 64, 128 and 8: four pairs of up to four heads per thread (3 and 5 heads
         // leave a partial group); 6: the scalar kernel; per-batch and shared rotations.
@@ -133,24 +153,28 @@ fn rope_matches_the_cpu() {
             (2, 24, 33, 128, 1),
             (3, 5, 9, 8, 3),
         ] {
-            let pos = Tensor::rand_uniform(0.0, 64.0, (rb, l), DType::F32, &CPU, 2100).unwrap();
+            let pos =
+                Tensor::rand_uniform(0.0, 64.0, (rb, l), DType::F32, &Device::Cpu, 2100).unwrap();
             let cf = flame::nn::rope(&pos, d, 10_000.0)
                 .unwrap()
                 .unsqueeze(1)
                 .unwrap();
-            let gf = cf.to_device(&gpu()).unwrap();
-            let (go, co) = both(&[vec![b, h, l, d]], &[b, h, l, d], dt, 2110, &|x| {
-                x[0].apply_rope(&on(&cf, &gf, &x[0]))
+            let (go, co) = both(dev, &[vec![b, h, l, d]], &[b, h, l, d], dt, 2110, &|x| {
+                x[0].apply_rope(&cf.to_device(x[0].device())?)
             });
-            check(&format!("rope {b}x{h}x{l}x{d}"), &go, &co, dt, &[3.0, 3.0]);
+            check(
+                &format!("rope {b}x{h}x{l}x{d}"),
+                dev,
+                &go,
+                &co,
+                dt,
+                &[3.0, 3.0],
+            );
         }
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn group_norm_matches_the_cpu() {
-    let _one = serial();
+fn group_norm_matches_the_reference(dev: &Device) {
     for dt in FLOATS {
         for (shape, groups) in [
             (vec![2, 12, 7, 5], 4),
@@ -172,22 +196,29 @@ fn group_norm_matches_the_cpu() {
         ] {
             let c = shape[1];
             let n = shape[0] as f64 * (shape.iter().skip(2).product::<usize>() as f64);
-            let (go, co) = both(&[shape.clone(), vec![c], vec![c]], &shape, dt, 2200, &|x| {
-                x[0].group_norm(groups, Some(&x[1]), Some(&x[2]), 1e-5)
-            });
+            let (go, co) = both(
+                dev,
+                &[shape.clone(), vec![c], vec![c]],
+                &shape,
+                dt,
+                2200,
+                &|x| x[0].group_norm(groups, Some(&x[1]), Some(&x[2]), 1e-5),
+            );
             let sum = 3.0 * n.sqrt();
             check(
                 &format!("group_norm {shape:?}"),
+                dev,
                 &go,
                 &co,
                 dt,
                 &[3.0, 9.0, sum, sum],
             );
-            let (go, co) = both(std::slice::from_ref(&shape), &shape, dt, 2300, &|x| {
+            let (go, co) = both(dev, std::slice::from_ref(&shape), &shape, dt, 2300, &|x| {
                 x[0].group_norm(groups, None, None, 1e-5)
             });
             check(
                 &format!("group_norm plain {shape:?}"),
+                dev,
                 &go,
                 &co,
                 dt,
@@ -201,10 +232,7 @@ fn group_norm_matches_the_cpu() {
 /// (the staggered start's gate, the per-group counts that elect who writes dw and db) and add
 /// partial sums in a fixed order: the same inputs give the same bits, run after run, with a
 /// launch of another shape (other counters, another stagger) in between.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn group_norm_repeats_bit_for_bit() {
-    let _one = serial();
+fn group_norm_repeats_bit_for_bit(dev: &Device) {
     for dt in [DType::BF16, DType::F32] {
         // Staggered (64 clusters, all resident) and not (96 clusters, more than an H100 holds).
         for (shape, groups) in [(vec![2, 320, 32, 32], 32), (vec![2, 96, 8, 8], 48)] {
@@ -212,9 +240,9 @@ fn group_norm_repeats_bit_for_bit() {
             let ins: Vec<Tensor> = [shape.clone(), vec![c], vec![c]]
                 .iter()
                 .enumerate()
-                .map(|(i, s)| normal_pair(s, dt, 2500 + i as u64).1)
+                .map(|(i, s)| normal_pair(dev, s, dt, 2500 + i as u64).1)
                 .collect();
-            let dy = normal_pair(&shape, dt, 2600).1;
+            let dy = normal_pair(dev, &shape, dt, 2600).1;
             let run = || -> Vec<Vec<f64>> {
                 let refs: Vec<&Tensor> = ins.iter().collect();
                 fwd_bwd(&refs, &dy, &|x| {
@@ -226,8 +254,8 @@ fn group_norm_repeats_bit_for_bit() {
             };
             let first = run();
             let (o, od) = (
-                normal_pair(&[3, 132, 16, 16], dt, 2700).1,
-                normal_pair(&[3, 132, 16, 16], dt, 2701).1,
+                normal_pair(dev, &[3, 132, 16, 16], dt, 2700).1,
+                normal_pair(dev, &[3, 132, 16, 16], dt, 2701).1,
             );
             fwd_bwd(&[&o], &od, &|x| x[0].group_norm(22, None, None, 1e-5));
             let again = run();
@@ -248,10 +276,7 @@ fn group_norm_repeats_bit_for_bit() {
 /// their partial sums in a fixed order; elsewhere the row blocks and a sum kernel. The same
 /// inputs give the same bits, run after run, with a launch of another shape in between
 /// (other block and stage counts).
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn norm_backward_with_params_repeats_bit_for_bit() {
-    let _one = serial();
+fn norm_backward_with_params_repeats_bit_for_bit(dev: &Device) {
     for dt in [DType::BF16, DType::F32] {
         for (shape, rms) in [
             (vec![1200, 3072], false),
@@ -263,9 +288,9 @@ fn norm_backward_with_params_repeats_bit_for_bit() {
             let ins: Vec<Tensor> = std::iter::once(shape.clone())
                 .chain(std::iter::repeat_n(vec![cols], params))
                 .enumerate()
-                .map(|(i, s)| normal_pair(&s, dt, 2800 + i as u64).1)
+                .map(|(i, s)| normal_pair(dev, &s, dt, 2800 + i as u64).1)
                 .collect();
-            let dy = normal_pair(&shape, dt, 2900).1;
+            let dy = normal_pair(dev, &shape, dt, 2900).1;
             let run = || -> Vec<Vec<f64>> {
                 let refs: Vec<&Tensor> = ins.iter().collect();
                 fwd_bwd(&refs, &dy, &|x| {
@@ -281,10 +306,10 @@ fn norm_backward_with_params_repeats_bit_for_bit() {
             };
             let first = run();
             let (o, od) = (
-                normal_pair(&[77, 256], dt, 3000).1,
-                normal_pair(&[77, 256], dt, 3001).1,
+                normal_pair(dev, &[77, 256], dt, 3000).1,
+                normal_pair(dev, &[77, 256], dt, 3001).1,
             );
-            let ow = normal_pair(&[256], dt, 3002).1;
+            let ow = normal_pair(dev, &[256], dt, 3002).1;
             fwd_bwd(&[&o, &ow], &od, &|x| {
                 x[0].layer_norm(Some(&x[1]), None, 1e-5)
             });
@@ -301,10 +326,7 @@ fn norm_backward_with_params_repeats_bit_for_bit() {
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn softmax_backward_matches_the_cpu() {
-    let _one = serial();
+fn softmax_backward_matches_the_reference(dev: &Device) {
     for dt in FLOATS {
         // Streaming rows (7, 1000, 4608, 77 columns) and the register-resident ones: 4, 12
         // and 16 packs a lane, whole (1024, 3072, 4096) and partly filled (2056).
@@ -318,10 +340,17 @@ fn softmax_backward_matches_the_cpu() {
             vec![13, 2056],
             vec![5, 4096],
         ] {
-            let (go, co) = both(std::slice::from_ref(&shape), &shape, dt, 2400, &|x| {
+            let (go, co) = both(dev, std::slice::from_ref(&shape), &shape, dt, 2400, &|x| {
                 x[0].softmax(-1)
             });
-            check(&format!("softmax {shape:?}"), &go, &co, dt, &[0.0, 1.0]);
+            check(
+                &format!("softmax {shape:?}"),
+                dev,
+                &go,
+                &co,
+                dt,
+                &[0.0, 1.0],
+            );
         }
     }
 }
@@ -329,10 +358,7 @@ fn softmax_backward_matches_the_cpu() {
 /// On the GPU, each fused layer against its composite twin, output and every gradient. The
 /// composite rounds after each primitive in half types, so the bound is a few ulps of the
 /// operands' scale rather than the CPU-agreement table.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn fused_layers_match_their_composites_on_the_gpu() {
-    let _one = serial();
+fn fused_layers_match_their_composites(dev: &Device) {
     type F = fn(&[Tensor]) -> Result<Tensor>;
     /// (name, input shapes, output shape, fused, composite)
     type Pair = (&'static str, Vec<Vec<usize>>, Vec<usize>, F, F);
@@ -376,9 +402,9 @@ fn fused_layers_match_their_composites_on_the_gpu() {
         for (name, shapes, out, fused, composite) in &cases {
             let mut g = vec![];
             for (i, s) in shapes.iter().enumerate() {
-                g.push(normal_pair(s, dt, 2500 + i as u64).1);
+                g.push(normal_pair(dev, s, dt, 2500 + i as u64).1);
             }
-            let dy = normal_pair(out, dt, 2600).1;
+            let dy = normal_pair(dev, out, dt, 2600).1;
             let gr: Vec<&Tensor> = g.iter().collect();
             let (a, b) = (fwd_bwd(&gr, &dy, fused), fwd_bwd(&gr, &dy, composite));
             for (k, (x, y)) in a.iter().zip(&b).enumerate() {
@@ -398,7 +424,7 @@ fn fused_layers_match_their_composites_on_the_gpu() {
         }
     }
     // RoPE: rotations as constants on both paths.
-    let pos = Tensor::arange(0.0, 17.0, DType::F32, &gpu())
+    let pos = Tensor::arange(0.0, 17.0, DType::F32, dev)
         .unwrap()
         .reshape((1, 17))
         .unwrap();
@@ -407,22 +433,26 @@ fn fused_layers_match_their_composites_on_the_gpu() {
         .unsqueeze(1)
         .unwrap();
     for dt in [DType::F32, DType::BF16, DType::F16] {
-        let x = normal_pair(&[2, 3, 17, 64], dt, 2700).1;
-        let dy = normal_pair(&[2, 3, 17, 64], dt, 2701).1;
+        let x = normal_pair(dev, &[2, 3, 17, 64], dt, 2700).1;
+        let dy = normal_pair(dev, &[2, 3, 17, 64], dt, 2701).1;
         let a = fwd_bwd(&[&x], &dy, &|v| v[0].apply_rope(&f));
         let b = fwd_bwd(&[&x], &dy, &|v| v[0].apply_rope_composite(&f));
+        // Both compute in f32 and round once: identical up to FMA contraction.
+        let (atol, rtol) = common::tolerance::tolerance(common::tolerance::Against::Cpu, dt);
         for (p, q) in a.iter().zip(&b) {
-            // Both compute in f32 and round once: identical up to FMA contraction.
-            close_mag("rope vs composite", p, &q.to_device(&CPU).unwrap(), dt, 3.0);
+            let (pv, qv) = (p.to_vec_f64().unwrap(), q.to_vec_f64().unwrap());
+            for (i, (x, y)) in pv.iter().zip(&qv).enumerate() {
+                assert!(
+                    (x - y).abs() <= atol + rtol * y.abs().max(3.0),
+                    "rope vs composite [{dt} on {dev}] element {i}: {x} against {y}"
+                );
+            }
         }
     }
 }
 
 /// Sums, maxima and arg-maxima over leading dims take the thread-per-column path.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn column_reductions_match_the_cpu() {
-    let _one = serial();
+fn column_reductions_match_the_reference(dev: &Device) {
     for dt in FLOATS {
         for (shape, dims) in [
             (vec![5000, 37], vec![0]),
@@ -430,21 +460,25 @@ fn column_reductions_match_the_cpu() {
             (vec![129, 3, 1000], vec![0]),
             (vec![4608, 3072], vec![0]),
         ] {
-            let (c, g) = normal_pair(&shape, dt, 2800);
+            let (c, g) = normal_pair(dev, &shape, dt, 2800);
             let what = format!("over {dims:?} of {shape:?}");
             // Both sum in f64 and round once; only the order of the f64 additions differs.
-            close(
+            close_mag(
                 &format!("sum {what}"),
+                dev,
                 &g.sum(&dims).unwrap(),
                 &c.sum(&dims).unwrap(),
                 dt,
+                0.0,
             );
             if dims.len() == 1 {
-                close(
+                close_mag(
                     &format!("max {what}"),
+                    dev,
                     &g.max(0).unwrap(),
                     &c.max(0).unwrap(),
                     dt,
+                    0.0,
                 );
                 assert_eq!(
                     g.argmax(0).unwrap().to_vec_f64().unwrap(),
@@ -461,17 +495,14 @@ fn column_reductions_match_the_cpu() {
 /// CPU, and bit for bit against the same norm of a dense copy, forward and backward. E = 128
 /// and 64 take the register-resident kernels through the row map, E = 20 (no whole packs) and
 /// f64 the streaming ones, E = 12 in bf16 (rows off 16-byte boundaries) the copy.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn norms_read_strided_rows_where_they_lie() {
-    let _one = serial();
+fn norms_read_strided_rows_where_they_lie(dev: &Device) {
     let q = |x: &Tensor| x.narrow(2, 1, 1)?.squeeze(2)?.permute(&[0, 2, 1, 3]);
     for dt in FLOATS {
         for e in [128usize, 64, 20, 12] {
             let shape = vec![2, 37, 3, 4, e];
-            let (cx, gx) = normal_pair(&shape, dt, 4000 + e as u64);
-            let (cw, gw) = normal_pair(&[e], dt, 4100);
-            let (cdy, gdy) = normal_pair(&[2, 4, 37, e], dt, 4200);
+            let (cx, gx) = normal_pair(dev, &shape, dt, 4000 + e as u64);
+            let (cw, gw) = normal_pair(dev, &[e], dt, 4100);
+            let (cdy, gdy) = normal_pair(dev, &[2, 4, 37, e], dt, 4200);
             for rms in [true, false] {
                 let norm = |v: &Tensor, w: &Tensor| {
                     if rms {
@@ -486,7 +517,7 @@ fn norms_read_strided_rows_where_they_lie() {
                 );
                 let g = fwd_bwd(&[&gx], &gdy, &|x| norm(&q(&x[0])?, &gw));
                 let c = fwd_bwd(&[&cx], &cdy, &|x| norm(&q(&x[0])?, &cw));
-                check(&what, &g, &c, dt, &[3.0, 9.0]);
+                check(&what, dev, &g, &c, dt, &[3.0, 9.0]);
                 let d = fwd_bwd(&[&gx], &gdy, &|x| norm(&q(&x[0])?.contiguous()?, &gw));
                 for (k, (a, b)) in g.iter().zip(&d).enumerate() {
                     assert_eq!(
@@ -505,14 +536,12 @@ fn norms_read_strided_rows_where_they_lie() {
 /// cuBLAS and an add otherwise) with the weight transposed as Linear passes it, and
 /// `add_matmul` (a beta = 1 GEMM into a fresh product's buffer, as an adapter's term is
 /// added), outputs and gradients against the CPU at odd sizes.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn linear_epilogues_match_the_cpu() {
-    let _one = serial();
+fn linear_epilogues_match_the_reference(dev: &Device) {
     for dt in FLOATS {
         for (m, k, n) in [(37, 24, 40), (1, 8, 1), (129, 200, 72), (300, 3072, 17)] {
             let mag = |terms: usize| 3.0 * (terms as f64).sqrt();
             let (go, co) = both(
+                dev,
                 &[vec![m, k], vec![n, k], vec![n]],
                 &[m, n],
                 dt,
@@ -521,12 +550,14 @@ fn linear_epilogues_match_the_cpu() {
             );
             check(
                 &format!("matmul_bias {m}x{k}x{n}"),
+                dev,
                 &go,
                 &co,
                 dt,
                 &[mag(k), mag(n), mag(m), mag(m)],
             );
             let (go, co) = both(
+                dev,
                 &[vec![m, k], vec![n, k], vec![m, 4], vec![n, 4]],
                 &[m, n],
                 dt,
@@ -535,6 +566,7 @@ fn linear_epilogues_match_the_cpu() {
             );
             check(
                 &format!("add_matmul {m}x{k}x{n}"),
+                dev,
                 &go,
                 &co,
                 dt,

@@ -1,5 +1,5 @@
-// FP8 E4M3 weights (FusedOp::DequantFp8 in src/backend/mod.rs; format and the CPU reference in
-// src/backend/fp8.rs and src/backend/cpu/fused.rs).
+// FP8 E4M3 weights (the DequantFp8 kernel of src/tensor/kernels/dequant_fp8.rs, which holds
+// the CPU reference; the format in src/backend/fp8.rs).
 //
 //   codes  (rows, words) u32   four E4M3 codes a word, the first in the low byte
 //   scale  (rows)        f32   one scale per row (output channel)

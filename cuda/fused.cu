@@ -1,10 +1,12 @@
-// Fused kernels (src/tensor/kernels/ and `FusedOp` in src/backend/mod.rs), forward and backward
-// side by side (softmax's backward is in softmax.cu beside its forward).
-// Every operand is contiguous (the launcher copies views). Sums accumulate in double, as the
-// CPU reference does; y and dx are computed in the accumulation type and rounded once.
+// Fused kernels of src/tensor/kernels/ (modulate, RoPE), forward and backward side by side,
+// and the deterministic sums of partial rows that the column sums of several kernels share
+// (softmax's backward is in softmax.cu beside its forward, the norms' in norm.cu, GroupNorm's
+// in group_norm.cu). Every operand is contiguous (the launcher copies views). Sums accumulate
+// in double, as the CPU reference does; y and dx are computed in the accumulation type and
+// rounded once.
 //
-// Shape letters: rows x cols for last-dim rows (the norms' parameter gradients); (B, L, D) for modulation; (B, H, L, D) for
-// RoPE with R = 1 or B rotation sets. GroupNorm has its own file, group_norm.cu.
+// Shape letters: (B, L, D) for modulation; (B, H, L, D) for RoPE with R = 1 or B rotation
+// sets.
 #include "common.cuh"
 #include "rows.cuh"
 
@@ -12,26 +14,6 @@
 // Block (x: 256 columns, y: chunk p of rows, z: batch b); each thread sums its column over
 // its chunk and writes two partials, part[(p * 2 + j) * M + b * cols + c] with M = B * cols;
 // sum_partials2 adds the chunks in a fixed order (deterministic).
-
-// NormParamGrads: dw = sum_r dy xhat, db = sum_r dy over (rows, cols); mean unused for RMS.
-template <typename T, typename S>
-__device__ __forceinline__ void norm_param_grads(const T* __restrict__ x, const T* __restrict__ dy, const S* mean,
-                                                 const S* rstd, double* part, size_t rows, size_t cols,
-                                                 size_t chunk, int rms) {
-  const size_t c = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  const size_t p = blockIdx.y, r0 = p * chunk, r1 = min(rows, r0 + chunk);
-  double sw = 0.0, sb = 0.0;
-#pragma unroll 4
-  for (size_t r = r0; r < r1; ++r) {
-    const double g = to_f64(dy[r * cols + c]);
-    const double xh = (to_f64(x[r * cols + c]) - (rms ? 0.0 : (double)mean[r])) * (double)rstd[r];
-    sw += g * xh;
-    sb += g;
-  }
-  part[(p * 2) * cols + c] = sw;
-  part[(p * 2 + 1) * cols + c] = sb;
-}
 
 // ModulateBackward: dx = dy (1 + scale) written on the way; dshift = sum_l dy, dscale = sum_l dy x.
 template <typename T>
@@ -55,71 +37,6 @@ __device__ __forceinline__ void modulate_bwd(const T* __restrict__ x, const T* _
   const size_t M = B * D;
   part[(p * 2) * M + b * D + d] = ss;
   part[(p * 2 + 1) * M + b * D + d] = sc;
-}
-
-// The norm's sweep with eight columns a thread (cols % 8 == 0, 16-byte loads): a block is
-// 32 column packs (256 columns) by 8 row groups, whose sums meet in shared memory, so one
-// chunk writes one partial per column however many rows it has.
-#define SWEEP_GROUPS 8
-template <typename F>
-__device__ __forceinline__ void sweep_combine(double (&a)[8], double (&b)[8], F write) {
-  __shared__ double sh[2][SWEEP_GROUPS][32][8];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    sh[0][ty][tx][e] = a[e];
-    sh[1][ty][tx][e] = b[e];
-  }
-  __syncthreads();
-  if (ty == 0) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      double x = 0.0, y = 0.0;
-      for (int k = 0; k < SWEEP_GROUPS; ++k) {
-        x += sh[0][k][tx][e];
-        y += sh[1][k][tx][e];
-      }
-      write(e, x, y);
-    }
-  }
-}
-
-template <typename T, typename S>
-__device__ __forceinline__ void norm_param_grads_vec(const T* __restrict__ x, const T* __restrict__ dy,
-                                                     const S* mean, const S* rstd, double* part, size_t rows,
-                                                     size_t cols, size_t chunk, int rms) {
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const size_t c = (blockIdx.x * (size_t)32 + tx) * 8;
-  const size_t p = blockIdx.y, r0 = p * chunk, r1 = min(rows, r0 + chunk);
-  // Each thread's sums over its chunk / 8 rows (8 at Flux's 4608 rows) are float, as
-  // PyTorch's are: widening every element to double made this sweep conversion-bound. The
-  // groups and chunks meet in double.
-  float fw[8] = {}, fb[8] = {};
-  if (c < cols) {
-    for (size_t r = r0 + ty; r < r1; r += SWEEP_GROUPS) {
-      const Pack8<T> xv = *reinterpret_cast<const Pack8<T>*>(x + r * cols + c);
-      const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(dy + r * cols + c);
-      const float m = rms ? 0.f : (float)mean[r], s = (float)rstd[r];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float g = to_acc(gv.v[e]);
-        fw[e] += g * ((to_acc(xv.v[e]) - m) * s);
-        fb[e] += g;
-      }
-    }
-  }
-  double sw[8], sb[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    sw[e] = fw[e];
-    sb[e] = fb[e];
-  }
-  sweep_combine(sw, sb, [&](int e, double a, double b) {
-    if (c < cols) {
-      part[(p * 2) * cols + c + e] = a;
-      part[(p * 2 + 1) * cols + c + e] = b;
-    }
-  });
 }
 
 // ModulateBackward by row blocks (rows.cuh's column sums): block (blockIdx.x, b) owns a
@@ -185,7 +102,7 @@ __device__ __forceinline__ void modulate_bwd_rows(const T* __restrict__ x, const
   colsum_finish<P>(as, ax, part + blockIdx.x * 2 * M + b * D, part + (blockIdx.x * 2 + 1) * M + b * D, packs, lw);
 }
 
-// Must match `ModulateBackward`'s launcher in src/backend/cuda/fused.rs (as norm_bwd_params).
+// Must match `ModulateBackward`'s launcher in src/tensor/kernels/modulate.rs (as norm_bwd_params).
 #define MODULATE_BWD_ROWS(SUF, T)                                                                               \
   extern "C" __global__ void __launch_bounds__(512)                                                             \
       modulate_bwd_rows_1_##SUF(const T* x, const T* dy, const T* scale, T* dx, float* part, size_t B, size_t L, \
@@ -352,19 +269,9 @@ __device__ __forceinline__ void rope_vec(const T* __restrict__ x, const float* _
 
 
 #define FUSED_T(SUF, T, S_)                                                                                   \
-  extern "C" __global__ void norm_param_grads_##SUF(const T* x, const T* dy, const S_* mean, const S_* rstd,   \
-                                                    double* part, size_t rows, size_t cols, size_t chunk,      \
-                                                    int rms) {                                                 \
-    norm_param_grads<T, S_>(x, dy, mean, rstd, part, rows, cols, chunk, rms);                                  \
-  }                                                                                                            \
   extern "C" __global__ void modulate_bwd_##SUF(const T* x, const T* dy, const T* scale, T* dx, double* part,  \
                                                 size_t B, size_t L, size_t D, size_t chunk) {                  \
     modulate_bwd<T>(x, dy, scale, dx, part, B, L, D, chunk);                                                   \
-  }                                                                                                            \
-  extern "C" __global__ void norm_param_grads_vec_##SUF(const T* x, const T* dy, const S_* mean,                \
-                                                        const S_* rstd, double* part, size_t rows, size_t cols,   \
-                                                        size_t chunk, int rms) {                                  \
-    norm_param_grads_vec<T, S_>(x, dy, mean, rstd, part, rows, cols, chunk, rms);                                 \
   }                                                                                                            \
   extern "C" __global__ void modulate_fwd_##SUF(const T* x, const T* shift, const T* scale, T* y, size_t B,    \
                                                 size_t L, size_t D) {                                          \

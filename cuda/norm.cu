@@ -442,7 +442,97 @@ __device__ __forceinline__ void norm_bwd_params(const T* __restrict__ in, const 
   colsum_finish<P>(aw, ab, part + blockIdx.x * 2 * cols, part + (blockIdx.x * 2 + 1) * cols, packs, lw);
 }
 
-// Must match `NormBackward`'s launcher in src/backend/cuda/fused.rs: one pack a lane for rows
+// ---- the parameter gradients alone, by column sweeps --------------------------------------
+// Block (x: 256 columns, y: chunk p of rows); each thread sums its column over its chunk and
+// writes two partials, part[(p * 2 + j) * cols + c]; fused.cu's sum_partials2 adds the chunks
+// in a fixed order (deterministic).
+
+// NormParamGrads: dw = sum_r dy xhat, db = sum_r dy over (rows, cols); mean unused for RMS.
+template <typename T, typename S>
+__device__ __forceinline__ void norm_param_grads(const T* __restrict__ x, const T* __restrict__ dy, const S* mean,
+                                                 const S* rstd, double* part, size_t rows, size_t cols,
+                                                 size_t chunk, int rms) {
+  const size_t c = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  const size_t p = blockIdx.y, r0 = p * chunk, r1 = min(rows, r0 + chunk);
+  double sw = 0.0, sb = 0.0;
+#pragma unroll 4
+  for (size_t r = r0; r < r1; ++r) {
+    const double g = to_f64(dy[r * cols + c]);
+    const double xh = (to_f64(x[r * cols + c]) - (rms ? 0.0 : (double)mean[r])) * (double)rstd[r];
+    sw += g * xh;
+    sb += g;
+  }
+  part[(p * 2) * cols + c] = sw;
+  part[(p * 2 + 1) * cols + c] = sb;
+}
+
+// The norm's sweep with eight columns a thread (cols % 8 == 0, 16-byte loads): a block is
+// 32 column packs (256 columns) by 8 row groups, whose sums meet in shared memory, so one
+// chunk writes one partial per column however many rows it has.
+#define SWEEP_GROUPS 8
+template <typename F>
+__device__ __forceinline__ void sweep_combine(double (&a)[8], double (&b)[8], F write) {
+  __shared__ double sh[2][SWEEP_GROUPS][32][8];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    sh[0][ty][tx][e] = a[e];
+    sh[1][ty][tx][e] = b[e];
+  }
+  __syncthreads();
+  if (ty == 0) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      double x = 0.0, y = 0.0;
+      for (int k = 0; k < SWEEP_GROUPS; ++k) {
+        x += sh[0][k][tx][e];
+        y += sh[1][k][tx][e];
+      }
+      write(e, x, y);
+    }
+  }
+}
+
+template <typename T, typename S>
+__device__ __forceinline__ void norm_param_grads_vec(const T* __restrict__ x, const T* __restrict__ dy,
+                                                     const S* mean, const S* rstd, double* part, size_t rows,
+                                                     size_t cols, size_t chunk, int rms) {
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const size_t c = (blockIdx.x * (size_t)32 + tx) * 8;
+  const size_t p = blockIdx.y, r0 = p * chunk, r1 = min(rows, r0 + chunk);
+  // Each thread's sums over its chunk / 8 rows (8 at Flux's 4608 rows) are float, as
+  // PyTorch's are: widening every element to double made this sweep conversion-bound. The
+  // groups and chunks meet in double.
+  float fw[8] = {}, fb[8] = {};
+  if (c < cols) {
+    for (size_t r = r0 + ty; r < r1; r += SWEEP_GROUPS) {
+      const Pack8<T> xv = *reinterpret_cast<const Pack8<T>*>(x + r * cols + c);
+      const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(dy + r * cols + c);
+      const float m = rms ? 0.f : (float)mean[r], s = (float)rstd[r];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float g = to_acc(gv.v[e]);
+        fw[e] += g * ((to_acc(xv.v[e]) - m) * s);
+        fb[e] += g;
+      }
+    }
+  }
+  double sw[8], sb[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    sw[e] = fw[e];
+    sb[e] = fb[e];
+  }
+  sweep_combine(sw, sb, [&](int e, double a, double b) {
+    if (c < cols) {
+      part[(p * 2) * cols + c + e] = a;
+      part[(p * 2 + 1) * cols + c + e] = b;
+    }
+  });
+}
+
+// Must match `NormBackward`'s launcher in src/tensor/kernels/norm.rs: one pack a lane for rows
 // up to 3072 columns, two up to 6144 and for half-type rows of 2049-3072 (at most 384 threads a
 // block: 168 registers a thread, which two steps of rows in flight need; bounds that force more
 // blocks a multiprocessor spill and measured 1.4-2.4x slower at 3072 columns).
@@ -509,3 +599,19 @@ NORM(f32, float, float)
 NORM(f64, double, double)
 NORM(bf16, __nv_bfloat16, float)
 NORM(f16, __half, float)
+
+#define NORM_PARAM_GRADS(SUF, T, S_)                                                                          \
+  extern "C" __global__ void norm_param_grads_##SUF(const T* x, const T* dy, const S_* mean, const S_* rstd,   \
+                                                    double* part, size_t rows, size_t cols, size_t chunk,      \
+                                                    int rms) {                                                 \
+    norm_param_grads<T, S_>(x, dy, mean, rstd, part, rows, cols, chunk, rms);                                  \
+  }                                                                                                            \
+  extern "C" __global__ void norm_param_grads_vec_##SUF(const T* x, const T* dy, const S_* mean,                \
+                                                        const S_* rstd, double* part, size_t rows, size_t cols,   \
+                                                        size_t chunk, int rms) {                                  \
+    norm_param_grads_vec<T, S_>(x, dy, mean, rstd, part, rows, cols, chunk, rms);                                 \
+  }
+NORM_PARAM_GRADS(f32, float, float)
+NORM_PARAM_GRADS(f64, double, double)
+NORM_PARAM_GRADS(bf16, __nv_bfloat16, float)
+NORM_PARAM_GRADS(f16, __half, float)

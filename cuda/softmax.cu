@@ -210,7 +210,7 @@ __device__ __forceinline__ void softmax_bwd_reg(const T* __restrict__ y, const T
     softmax_bwd_reg<T, P>(y, dy, dx, rows, cols);                                                               \
   }
 #define SOFTMAX_BWD_REGS(SUF, T) SOFTMAX_BWD_REG(SUF, T, 4) SOFTMAX_BWD_REG(SUF, T, 12) SOFTMAX_BWD_REG(SUF, T, 16)
-// Must match the SoftmaxBackward launcher in src/backend/cuda/fused.rs (as the forward).
+// Must match the SoftmaxBackward launcher in src/tensor/kernels/softmax.rs (as the forward).
 SOFTMAX_BWD_REG(f32, float, 4)
 SOFTMAX_BWD_REGS(bf16, __nv_bfloat16)
 SOFTMAX_BWD_REGS(f16, __half)

@@ -4,7 +4,8 @@
 // change can be timed in seconds without rebuilding the crate:
 //   bash scripts/kernel_bench.sh        (compiles with the machine's nvcc for sm_90, runs)
 // The launch shapes follow the launchers in src/backend/cuda (norm.rs, storage.rs' softmax,
-// fused.rs, conv.rs); keep them in step when a launcher changes. Inputs are random, never zero.
+// fused.rs, conv.rs) and src/tensor/kernels (norm.rs, softmax.rs, modulate.rs, group_norm.rs);
+// keep them in step when a launcher changes. Inputs are random, never zero.
 #include <algorithm>
 #include <cstdio>
 #include <functional>
@@ -186,7 +187,7 @@ int main() {
   report("layer_norm bwd affine", 3 * B, time_ms([&] { norm_bwd_reg_12_32_bf16<<<ln, 128, 4 * C>>>(x, dy, w, mean, rstd, dx, R, C, 0); }));
   {  // With dw and db (full fine-tuning): the partial rows of the two sums, before sum_partials2f.
     // Register-resident rows with per-lane-group sums in shared memory (norm.rs launch_bwd_sums,
-    // which fused.rs no longer picks at 3072 columns in half types):
+    // which tensor/kernels/norm.rs no longer picks at 3072 columns in half types):
     const size_t sm_bytes = 2 * C * 2 + 4 * 2 * (2 * 12 * 32) * 16;
     CK(cudaFuncSetAttribute(norm_bwd_sums_12_32_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm_bytes));
     int res = 0;
@@ -228,7 +229,7 @@ int main() {
              res, parts_ms(g));
     }
     // Hopper: rows brought in by bulk copies, the partial rows added after a grid-wide barrier
-    // in the same kernel (norm_bulk.cu; fused.rs picks it on compute capability 9).
+    // in the same kernel (norm_bulk.cu; tensor/kernels/norm.rs picks it on compute capability 9).
     bulk_rows(R, C, 3 * B, "layer_norm bwd dw db, bulk", x, dy, w, mean, rstd, dx, part, dwp, dbp, zero, 0);
     CK(cudaFree(dwp));
     CK(cudaFree(dbp));
@@ -276,7 +277,7 @@ int main() {
   report("softmax fwd", 2 * B, time_ms([&] { softmax_reg12_bf16<<<sm, 128>>>(x, y, R, C); }));
   report("softmax bwd", 3 * B, time_ms([&] { softmax_bwd_reg12_bf16<<<sm, 128>>>(y, dy, dx, R, C); }));
 
-  // GroupNorm, SDXL's 2 x 320 x 128 x 128 in 32 groups: statistics, then apply (fused.rs).
+  // GroupNorm, SDXL's 2 x 320 x 128 x 128 in 32 groups: statistics, then apply (tensor/kernels/group_norm.rs).
   {
     const size_t n = 2, c = 320, s = 128 * 128, planes = n * c, cpg = 10;
     const double GB = planes * s * 2.0;

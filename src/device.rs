@@ -497,46 +497,6 @@ impl Storage {
             Storage::None(n) => match *n {},
         }
     }
-    /// A fused kernel over operands of one device (see `FusedOp`).
-    pub(crate) fn fused(
-        op: crate::backend::FusedOp,
-        args: &[(&Storage, &Layout)],
-    ) -> Result<Vec<Storage>> {
-        use crate::backend::BackendStorage;
-        let Some((first, _)) = args.first() else {
-            return Err(crate::Error::invalid(
-                op.name(),
-                "no operands",
-                &Shape::from(()),
-            ));
-        };
-        Ok(match first {
-            #[cfg(feature = "cpu-ref")]
-            Storage::Cpu(_) => {
-                let a = args
-                    .iter()
-                    .map(|(s, l)| Ok((s.cpu(op.name())?, *l)))
-                    .collect::<Result<Vec<_>>>()?;
-                CpuStorage::fused(op, &a)?
-                    .into_iter()
-                    .map(Storage::Cpu)
-                    .collect()
-            }
-            #[cfg(feature = "cuda")]
-            Storage::Cuda(_) => {
-                let a = args
-                    .iter()
-                    .map(|(s, l)| Ok((s.cuda(op.name())?, *l)))
-                    .collect::<Result<Vec<_>>>()?;
-                crate::backend::cuda::CudaStorage::fused(op, &a)?
-                    .into_iter()
-                    .map(Storage::Cuda)
-                    .collect()
-            }
-            #[cfg(not(any(feature = "cpu-ref", feature = "cuda")))]
-            Storage::None(n) => match *n {},
-        })
-    }
     /// Fused kernel `k` over operands of one device (see `backend::Kernel`).
     pub(crate) fn kernel(
         k: &dyn crate::backend::Kernel,

@@ -763,21 +763,6 @@ fn vjp(op: &Op, out: &Tensor, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
                 .filter_map(|(x, g)| g.map(|g| (x.clone(), g)))
                 .collect()
         }
-        // o = P v with P = softmax(scale q k^T): dv = P^T g, dS = P (g v^T - rowsum(g o)),
-        // dq = scale dS k, dk = scale dS^T q; one fused pass recomputes P from lse.
-        Op::Attention {
-            q,
-            k,
-            v,
-            keep,
-            lse,
-            causal,
-            scale,
-        } => {
-            let (dq, dk, dv) =
-                q.attention_backward(k, v, out, g, lse, keep.as_ref(), *causal, *scale)?;
-            vec![(q.clone(), dq), (k.clone(), dk), (v.clone(), dv)]
-        }
     })
 }
 

@@ -60,12 +60,23 @@ pub(crate) fn recorded<K: FusedKernel + 'static>(
     kept: &[&Tensor],
 ) -> Tensor {
     let like = inputs[0];
-    let rec = record(inputs, || Op::Fused {
+    let rec = record_kernel(k, inputs, kept);
+    Tensor::from_storage(s, shape.into(), like.device().clone(), rec)
+}
+
+/// The record of `k` over `inputs` (with `kept` for its backward), `None` unless an input
+/// needs a gradient (the kernel is boxed only then): for an output that is not a fresh
+/// storage of the kernel (attention's, which a checkpoint may have kept from its forward).
+pub(crate) fn record_kernel<K: FusedKernel + 'static>(
+    k: K,
+    inputs: &[&Tensor],
+    kept: &[&Tensor],
+) -> Option<Op> {
+    record(inputs, || Op::Fused {
         kernel: Arc::new(k),
         inputs: inputs.iter().map(|t| (*t).clone()).collect(),
         kept: kept.iter().map(|t| (*t).clone()).collect(),
-    });
-    Tensor::from_storage(s, shape.into(), like.device().clone(), rec)
+    })
 }
 
 /// Output storage `s` of shape `shape` on `like`'s device, not recorded (a backward's

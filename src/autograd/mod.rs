@@ -19,7 +19,7 @@ pub(crate) use checkpoint::{
 };
 pub use custom::{custom_op, CustomBackward};
 pub use fused::FusedKernel;
-pub(crate) use fused::{plain, recorded, run_kernel};
+pub(crate) use fused::{plain, record_kernel, recorded, run_kernel};
 
 use crate::backend::{BinaryOp, NormKind, ReduceOp, UnaryOp, Window2d};
 use crate::{Tensor, TensorId};
@@ -73,17 +73,6 @@ pub(crate) enum Op {
         mean: Tensor,
         rstd: Tensor,
         kind: NormKind,
-    },
-    /// Fused attention of q (B, H, Lq, D) over k, v (B, H, Lk, D), with the key visibility
-    /// flags (B, Lk) and the saved log-sum-exp (B, H, Lq); the output is the op's output.
-    Attention {
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        keep: Option<Tensor>,
-        lse: Tensor,
-        causal: bool,
-        scale: f64,
     },
     /// A node with its own backward (`CustomBackward`: checkpointed blocks, ...) over any
     /// number of inputs and outputs. Its tensor has no storage; each output records `Output`.
@@ -151,7 +140,6 @@ pub const DIFFERENTIABLE_OPS: &[&str] = &[
     "gelu",
     "gelu_tanh",
     "silu",
-    "attention",
     "checkpoint",
     "custom_output",
 ];
@@ -187,7 +175,6 @@ impl Op {
             Op::Unfold2d(..) => "unfold2d",
             Op::Fold2d(..) => "fold2d",
             Op::Norm { .. } => "norm",
-            Op::Attention { .. } => "attention",
             Op::Custom { node, .. } => node.name(),
             Op::Fused { kernel, .. } => kernel.name(),
             Op::Output { .. } => "custom_output",
@@ -236,12 +223,6 @@ impl Op {
             Op::Addmm { c, a, b, bias } => {
                 [c, Some(a), Some(b), bias].into_iter().flatten().collect()
             }
-            Op::Attention {
-                q, k, v, keep, lse, ..
-            } => [Some(q), Some(k), Some(v), keep, Some(lse)]
-                .into_iter()
-                .flatten()
-                .collect(),
             Op::Binary(a, b, _)
             | Op::Matmul(a, b)
             | Op::IndexSelect(a, b, _)
@@ -281,7 +262,6 @@ impl Op {
                 .into_iter()
                 .flatten()
                 .collect(),
-            Op::Attention { q, k, v, .. } => vec![q, k, v],
             Op::Binary(a, b, _) | Op::Matmul(a, b) => vec![a, b],
             Op::Where(_, t, f) => vec![t, f],
             Op::Cat(xs, _) | Op::Custom { inputs: xs, .. } | Op::Fused { inputs: xs, .. } => {
@@ -408,7 +388,7 @@ impl Op {
             ),
             Op::Binary(_, _, b) => *b == BinaryOp::Div,
             Op::Reduce(_, r, _) => *r != ReduceOp::Sum,
-            Op::Softmax(_) | Op::Attention { .. } => true,
+            Op::Softmax(_) => true,
             Op::Fused { kernel, .. } => kernel.reads_output(),
             _ => false,
         }
@@ -489,7 +469,6 @@ impl Op {
                 rstd,
                 kind,
             },
-            op @ Op::Attention { .. } => op,
             Op::Custom { inputs, node } => Op::Custom {
                 inputs: inputs.into_iter().map(e).collect(),
                 node,

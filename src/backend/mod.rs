@@ -199,79 +199,13 @@ pub enum NormKind {
     Rms,
 }
 
-/// Fused kernels past the primitives, each with a composite twin in `Tensor` that is its
-/// reference. Operands may be any views; outputs are contiguous. "stats" below is
-/// `stats_dtype(x)`: sums of gradients come back in it, as the norms' statistics do.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum FusedOp {
-    /// [y, dy] (rows, cols) -> [dx = y (dy - sum(dy y))] per last-dim row.
-    SoftmaxBackward,
-    /// [x, dy (rows, cols), mean, rstd (rows) stats] -> [dw, db (cols) stats]: the column
-    /// sums of dy xhat and dy, xhat = (x - mean) rstd (mean 0 for Rms).
-    NormParamGrads(NormKind),
-    /// [x, dy (rows, cols), mean, rstd (rows) stats, weight? (cols)] -> [dx, dw, db (cols)],
-    /// all in x's dtype: `norm_last_dim_backward`'s dx and `NormParamGrads`' sums in one
-    /// pass over x and dy (the case of trainable norm parameters).
-    NormBackward {
-        /// The normalization whose backward this is.
-        kind: NormKind,
-        /// Whether a weight operand is passed (and `dw`, `db` are meaningful).
-        weight: bool,
-    },
-    /// [q (B, H, Lq, D), k, v (B, H, Lk, D), keep? (B, Lk) stats] -> [o (B, H, Lq, D),
-    /// lse (B, H, Lq) stats]: o = softmax(scale q k^T) v row by row, never forming the
-    /// Lq x Lk matrix. Key j is hidden from every query where `keep[b][j] == 0` (`mask`), and
-    /// from queries i < j when `causal` (top-left aligned, as PyTorch's `is_causal`).
-    /// lse = log sum_j exp(scale q.k_j) over the visible keys; a row that sees no key gives
-    /// o = 0 and lse = +inf (so the backward's exp(s - lse) is 0 there).
-    Attention {
-        /// Hide key j from queries i < j.
-        causal: bool,
-        /// Factor on the logits `q k^T` (usually `1 / sqrt(D)`).
-        scale: f64,
-        /// Whether a `keep` (B, Lk) key-padding mask operand is passed.
-        mask: bool,
-    },
-    /// [q, k, v, o, do, lse, keep?] -> [dq, dk, dv]: with P = exp(scale q k^T - lse)
-    /// recomputed, dv = P^T do, dS = P (do v^T - rowsum(do o)), dq = scale dS k,
-    /// dk = scale dS^T q.
-    AttentionBackward {
-        /// As in the forward.
-        causal: bool,
-        /// As in the forward.
-        scale: f64,
-        /// As in the forward.
-        mask: bool,
-    },
-    /// [codes (rows, cols / 4) u32, scale (rows) f32] -> [w (rows, cols) in `dtype`]: an
-    /// FP8 E4M3 weight decoded (`fp8`: four codes a word, one f32 scale a row),
-    /// `w = decode(code) * scale` in f32, rounded once to `dtype`.
-    DequantFp8 {
-        /// The float dtype of the output.
-        dtype: DType,
-    },
-}
-
-impl FusedOp {
-    /// The kernel's snake_case name (e.g. `"attention_backward"`), used in errors.
-    pub fn name(&self) -> &'static str {
-        match self {
-            FusedOp::SoftmaxBackward => "softmax_backward",
-            FusedOp::NormParamGrads(_) => "norm_param_grads",
-            FusedOp::NormBackward { .. } => "norm_backward",
-            FusedOp::Attention { .. } => "attention",
-            FusedOp::AttentionBackward { .. } => "attention_backward",
-            FusedOp::DequantFp8 { .. } => "dequant_fp8",
-        }
-    }
-}
-
 /// A fused kernel as one object, in the manner of candle's `CustomOp`: its operand check and
 /// one implementation per backend. The backends run the common part (each view inside its
 /// storage, one device, the check, dense operands on a GPU) and call the kernel's own
 /// implementation; `autograd::FusedKernel` adds its gradient and what it keeps for it. A
-/// kernel with its `Tensor` method, composite twin and gradient is one file of
-/// `tensor/kernels/`, registered in `tensor::kernels::KERNELS`.
+/// kernel family with its `Tensor` methods, composite twin and gradient is one file of
+/// `tensor/kernels/`; a kernel with a gradient is registered in `tensor::kernels::KERNELS`.
+/// Operands may be any views; outputs are contiguous.
 pub trait Kernel: Send + Sync {
     /// The kernel's snake_case name (errors, the graph's op names, profiles).
     fn name(&self) -> &'static str;
@@ -290,6 +224,28 @@ pub trait Kernel: Send + Sync {
     /// 0 (dense copies where the views were not), the outputs fresh buffers.
     #[cfg(feature = "cuda")]
     fn cuda(&self, dims: &[usize], args: &[&cuda::CudaStorage]) -> Result<Vec<cuda::CudaStorage>>;
+
+    /// What the CUDA backend calls with the checked operands on one device, as views of any
+    /// strides. The default makes each view dense (a copy where it is not) and calls
+    /// [`Kernel::cuda`]; a kernel that reads strided views in place overrides it (flash
+    /// attention reads q, k and v of a permuted projection where they lie).
+    #[cfg(feature = "cuda")]
+    fn cuda_views(
+        &self,
+        dims: &[usize],
+        args: &[(&cuda::CudaStorage, &Layout)],
+    ) -> Result<Vec<cuda::CudaStorage>> {
+        let dense = args
+            .iter()
+            .map(|(s, l)| s.dense(self.name(), l))
+            .collect::<Result<Vec<_>>>()?;
+        let bufs: Vec<&cuda::CudaStorage> = dense
+            .iter()
+            .zip(args)
+            .map(|(d, (s, _))| d.as_ref().unwrap_or(s))
+            .collect();
+        self.cuda(dims, &bufs)
+    }
 }
 
 /// The dtype of saved normalization statistics: f64 for f64 inputs, f32 otherwise.
@@ -456,9 +412,6 @@ pub trait BackendStorage: Sized + Send + Sync {
     /// the accumulation type and the sum in f64. Fused (one read, one write); the composite
     /// `Tensor::softmax_composite` is its reference.
     fn softmax_last_dim(&self, l: &Layout) -> Result<Self>;
-    /// The fused kernel `op` on `args` (storage and view each; see `FusedOp` for the operands
-    /// of each). Checked by `validate::fused` in every backend.
-    fn fused(op: FusedOp, args: &[(&Self, &Layout)]) -> Result<Vec<Self>>;
     /// One Adam step of every item, in place (one kernel launch on CUDA): the parameters, of
     /// one dtype (f32, bf16 or f16), and their moments, all f32 or all 8-bit, as
     /// `multi::AdamHyper::apply` and `quant8` describe; `maps` is the (2, 256) f32 table of

@@ -83,32 +83,6 @@ pub(crate) fn reduction(op: ReduceOp, l: &Layout, dims: &[usize], dtype: DType) 
     Ok(())
 }
 
-/// [codes (rows, words) u32, scale (rows) f32] -> [rows, cols = 4 words].
-fn dequant_fp8(name: &'static str, dtype: DType, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
-    let (codes, scale) = (args[0], args[1]);
-    if !dtype.is_float() {
-        return Err(Error::UnsupportedDType { op: name, dtype });
-    }
-    for (have, want) in [(codes.0, DType::U32), (scale.0, DType::F32)] {
-        if have != want {
-            return Err(Error::DTypeMismatch {
-                op: name,
-                lhs: want,
-                rhs: have,
-            });
-        }
-    }
-    let d = codes.1.dims();
-    if d.len() != 2 || scale.1.dims() != [d[0]] {
-        return Err(Error::ShapeMismatch {
-            op: name,
-            lhs: codes.1.shape().clone(),
-            rhs: scale.1.shape().clone(),
-        });
-    }
-    Ok(vec![d[0], d[1] * super::fp8::CODES_PER_WORD])
-}
-
 /// The operands of a fused kernel as its check reads them (`backend::Kernel::check`): the
 /// count, the first's float dtype, each one's dtype and dims.
 pub(crate) struct Operands<'a> {
@@ -157,6 +131,16 @@ impl<'a> Operands<'a> {
         Ok(d)
     }
 
+    /// (rows, cols) of the first operand as rows of its last dim, which must not be empty
+    /// (rows may be 0).
+    pub(crate) fn rows(&self) -> Result<(usize, usize)> {
+        let d = self.args[0].1.dims();
+        match d.last() {
+            Some(&cols) if cols > 0 => Ok((d.iter().product::<usize>() / cols, cols)),
+            _ => Err(self.invalid("needs a non-empty last dim")),
+        }
+    }
+
     /// Operand `i` must have dtype `d` and dims `dims`.
     pub(crate) fn expect(&self, i: usize, d: DType, dims: &[usize]) -> Result<()> {
         let (adt, l) = self.args[i];
@@ -186,136 +170,6 @@ impl<'a> Operands<'a> {
     pub(crate) fn invalid(&self, msg: impl Into<String>) -> Error {
         Error::invalid(self.name, msg, self.args[0].1.shape())
     }
-}
-
-/// Checks the operands of a fused op (count, dtypes, shapes) and returns its sizes:
-/// [rows, cols] for SoftmaxBackward and the norms' backwards, [B, H, Lq, Lk, D] for
-/// attention.
-pub(crate) fn fused(op: super::FusedOp, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
-    use super::FusedOp as F;
-    let name = op.name();
-    let want = match op {
-        F::SoftmaxBackward => 2,
-        F::NormParamGrads(_) => 4,
-        F::NormBackward { weight, .. } => 4 + usize::from(weight),
-        F::Attention { mask, .. } => 3 + usize::from(mask),
-        F::AttentionBackward { mask, .. } => 6 + usize::from(mask),
-        F::DequantFp8 { .. } => 2,
-    };
-    let Some(&(dt, x)) = args.first() else {
-        return Err(Error::invalid(name, "no operands", &crate::Shape::from(())));
-    };
-    if args.len() != want {
-        return Err(Error::invalid(
-            name,
-            format!("{} operands, expected {want}", args.len()),
-            x.shape(),
-        ));
-    }
-    if let F::DequantFp8 { dtype } = op {
-        return dequant_fp8(name, dtype, args);
-    }
-    if !dt.is_float() {
-        return Err(Error::UnsupportedDType {
-            op: name,
-            dtype: dt,
-        });
-    }
-    let stats = super::stats_dtype(dt);
-    // Operand i must have dtype `d` and dims `dims`.
-    let expect = |i: usize, d: DType, dims: &[usize]| -> Result<()> {
-        let (adt, l) = args[i];
-        if adt != d {
-            return Err(Error::DTypeMismatch {
-                op: name,
-                lhs: d,
-                rhs: adt,
-            });
-        }
-        if l.dims() != dims {
-            return Err(Error::ShapeMismatch {
-                op: name,
-                lhs: crate::Shape::from(dims),
-                rhs: l.shape().clone(),
-            });
-        }
-        Ok(())
-    };
-    let d = x.dims();
-    let rank = |r: usize, what: &str| -> Result<()> {
-        if d.len() != r || d.contains(&0) {
-            return Err(Error::invalid(
-                name,
-                format!("needs a non-empty {what} tensor"),
-                x.shape(),
-            ));
-        }
-        Ok(())
-    };
-    Ok(match op {
-        F::SoftmaxBackward | F::NormParamGrads(_) | F::NormBackward { .. } => {
-            let cols = match d.last() {
-                Some(&c) if c > 0 => c,
-                _ => {
-                    return Err(Error::invalid(
-                        name,
-                        "needs a non-empty last dim",
-                        x.shape(),
-                    ))
-                }
-            };
-            let rows = x.elem_count() / cols;
-            expect(1, dt, d)?;
-            if args.len() >= 4 {
-                expect(2, stats, &d[..d.len() - 1])?;
-                expect(3, stats, &d[..d.len() - 1])?;
-            }
-            if args.len() == 5 {
-                expect(4, dt, &[cols])?;
-            }
-            vec![rows, cols]
-        }
-        F::Attention { scale, mask, .. } | F::AttentionBackward { scale, mask, .. } => {
-            rank(4, "(B, H, Lq, D)")?;
-            if !scale.is_finite() {
-                return Err(Error::invalid(
-                    name,
-                    format!("scale {scale} is not finite"),
-                    x.shape(),
-                ));
-            }
-            let kd = args[1].1.dims();
-            let lk = if kd.len() == 4 { kd[2] } else { 0 };
-            if lk == 0 {
-                return Err(Error::invalid(
-                    name,
-                    format!("needs keys (B, H, Lk, D) with Lk > 0, got {:?}", kd),
-                    x.shape(),
-                ));
-            }
-            let kv = [d[0], d[1], lk, d[3]];
-            expect(1, dt, &kv)?;
-            expect(2, dt, &kv)?;
-            let mut next = 3;
-            if let F::AttentionBackward { .. } = op {
-                expect(3, dt, d)?;
-                expect(4, dt, d)?;
-                expect(5, stats, &d[..3])?;
-                next = 6;
-            }
-            if mask {
-                expect(next, stats, &[d[0], lk])?;
-            }
-            vec![d[0], d[1], d[2], lk, d[3]]
-        }
-        F::DequantFp8 { .. } => {
-            return Err(Error::invalid(
-                name,
-                "internal: reached the float operand checks",
-                x.shape(),
-            ))
-        }
-    })
 }
 
 /// A multi-tensor Adam step (`BackendStorage::adam_multi`): every parameter f32, bf16 or f16

@@ -1,15 +1,13 @@
 //! The Tensor: shared storage, a strided layout, and (when it takes part in autograd) the op
 //! that made it. Cloning is an Arc bump; views share storage and change only the layout.
 
-mod attention;
 mod composite;
-mod fused;
 pub(crate) mod kernels;
 pub(crate) mod multi;
 mod ops;
 mod view;
 
-pub use attention::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
+pub use kernels::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
 pub use multi::sum_sq_multi;
 
 use crate::autograd::{self, Op};

@@ -1,4 +1,4 @@
-//! Gradcheck cases of attention: the fused op (`FusedOp::Attention`, whose CPU backward is the
+//! Gradcheck cases of attention: the fused kernel (`attention_fused`, whose CPU backward is the
 //! reference of the flash kernels') and its composite twin, with masks, causality, Lq != Lk
 //! and views. Part of the gradcheck executable.
 

@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 /// What every pass needs to know about one call.
-pub(super) struct Attn<'a> {
+pub(crate) struct Attn<'a> {
     pub h: usize,
     pub lq: usize,
     pub lk: usize,

@@ -18,9 +18,11 @@ use crate::backend::{
     BackendDevice, BackendStorage, BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp,
 };
 use crate::{CpuStorage, DType, Error, Layout, Result, Shape, WithDType};
+pub(crate) use attention::Attn;
 pub(crate) use fused::{f64_view, run_kernel};
 use half::{bf16, f16};
 pub(crate) use num::{Activation, Elem, Real};
+pub(crate) use strided::contiguous;
 
 /// The host as a backend device; its storage is [`CpuStorage`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -473,10 +475,6 @@ impl BackendStorage for CpuStorage {
     fn softmax_last_dim(&self, l: &Layout) -> Result<Self> {
         check_view("softmax", self, l)?;
         float_dispatch!(self, "softmax", v => softmax_rows(v, l))
-    }
-
-    fn fused(op: crate::backend::FusedOp, args: &[(&Self, &Layout)]) -> Result<Vec<Self>> {
-        fused::fused(op, args)
     }
 
     fn adam_multi(

@@ -1,5 +1,6 @@
-//! Launchers of the flash-attention kernels (cuda/attention.cu) behind `FusedOp::Attention`
-//! and `FusedOp::AttentionBackward`: bf16/f16, head dims 64 and 128.
+//! Launchers of the flash-attention kernels (cuda/attention.cu, cuda/attention_wgmma.cu) behind
+//! the `Attention` and `AttentionBackward` kernels of `tensor/kernels/attention.rs`: bf16/f16,
+//! head dims 64 and 128 (and 512 forward only).
 //!
 //! q, k, v, o and do are passed as views (strides over batch, head and row) when their rows
 //! are unit-stride and 16-byte aligned, so attention on a permuted qkv projection reads it in
@@ -9,7 +10,6 @@
 use super::device::CudaDevice;
 use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
-use crate::backend::FusedOp;
 use crate::{DType, Error, Layout, Result, Shape};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 use half::{bf16, f16};
@@ -397,13 +397,18 @@ fn dense_view(ptr: u64, h: usize, l: usize, d: usize) -> View {
     }
 }
 
-/// Runs `op` on checked operands with dims [B, H, Lq, Lk, D] (`validate::fused`).
-pub(crate) fn run(
-    op: FusedOp,
+/// Runs the forward (`backward` false: [q, k, v, keep?] -> [o, lse]) or the backward
+/// ([q, k, v, o, do, lse, keep?] -> [dq, dk, dv]) of kernel `name` on operands checked by its
+/// `check`, with dims [B, H, Lq, Lk, D], `keep` passed when `mask`.
+pub(crate) fn flash(
+    name: &'static str,
+    backward: bool,
+    causal: bool,
+    scale: f64,
+    mask: bool,
     dims: &[usize],
     args: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<CudaStorage>> {
-    let name = op.name();
     let (b, h, lq, lk, d) = (dims[0], dims[1], dims[2], dims[3], dims[4]);
     let x = args[0].0;
     let shape = || Shape::from(&[b, h, lq, d][..]);
@@ -413,7 +418,7 @@ pub(crate) fn run(
             dtype: x.buf.dtype(),
         });
     }
-    let fwd = matches!(op, FusedOp::Attention { .. });
+    let fwd = !backward;
     if !(matches!(d, 64 | 128) || (fwd && d == WIDE_D)) {
         return Err(Error::invalid(
             name,
@@ -434,19 +439,6 @@ pub(crate) fn run(
             &shape(),
         ));
     }
-    let (causal, scale, mask) = match op {
-        FusedOp::Attention {
-            causal,
-            scale,
-            mask,
-        }
-        | FusedOp::AttentionBackward {
-            causal,
-            scale,
-            mask,
-        } => (causal, scale, mask),
-        _ => return Err(Error::Cuda(format!("{name} is not attention"))),
-    };
     let mut copies = vec![];
     let mut p = Params {
         b: b as i32,

@@ -192,10 +192,6 @@ impl BackendStorage for CudaStorage {
         Ok(self.wrap(buf))
     }
 
-    fn fused(op: crate::backend::FusedOp, args: &[(&Self, &Layout)]) -> Result<Vec<Self>> {
-        super::fused::fused(op, args)
-    }
-
     fn adam_multi(
         h: &crate::backend::multi::AdamHyper,
         items: &mut [crate::backend::multi::AdamItem<'_, Self>],

@@ -1,7 +1,8 @@
-//! Launcher of `FusedOp::DequantFp8` (kernels in cuda/fp8.cu): a thread per 16 codes with
-//! 16-byte loads and stores where rows are whole groups of 16 and the buffers aligned, else a
-//! thread per packed word of four E4M3 codes; grid-stride loops. Operands were checked by `validate::fused` (dtypes,
-//! shapes) and made dense by `fused`; the output is a fresh buffer.
+//! Launcher of the FP8 decode (`tensor/kernels/dequant_fp8.rs`; kernels in cuda/fp8.cu): a
+//! thread per 16 codes with 16-byte loads and stores where rows are whole groups of 16 and the
+//! buffers aligned, else a thread per packed word of four E4M3 codes; grid-stride loops.
+//! Operands were checked by the kernel's `check` (dtypes, shapes) and made dense by
+//! `run_kernel`; the output is a fresh buffer.
 
 use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
@@ -10,7 +11,7 @@ use half::{bf16, f16};
 
 /// [codes (rows, words) u32, scale (rows) f32] (dense; `d` = [rows, cols]) -> [w (rows,
 /// cols) in `dtype`].
-pub(super) fn dequant(dtype: DType, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+pub(crate) fn dequant(dtype: DType, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
     match dtype {
         DType::F32 => run::<f32>(d, a),
         DType::F64 => run::<f64>(d, a),

@@ -1,24 +1,19 @@
-//! Launchers of the fused kernels of `FusedOp` (kernels in cuda/fused.cu, softmax's backward
-//! in cuda/softmax.cu; attention in attention.rs) and the common
-//! part of every `backend::Kernel` (`run_kernel`; the kernels' own launchers are in their
-//! files of `tensor/kernels/`). Operands are
-//! checked by `validate::fused`, views are made dense, outputs are fresh buffers.
+//! The common part of every fused kernel on CUDA (`run_kernel`: the views checked, the
+//! kernel's check, one device, then its implementation, `backend::Kernel::cuda_views`), and
+//! the launch helpers the kernels' own launchers in `tensor/kernels/` share (through
+//! `kit`): launch shapes, and the deterministic column sums of the norms and modulation.
 //!
-//! Column sums (the weight/bias gradients of norms and modulation) are taken by the backward's
-//! row kernel when it computes dx too (rows of whole packs up to 8192 columns: cuda/rows.cuh's
-//! row blocks, each writing f32 partial rows), or else swept: a thread per column walks a
-//! chunk of rows, chunks spread over grid.y so the GPU fills, writing f64 partials. A second
-//! kernel adds the partials in a fixed order (deterministic, no atomics). On Hopper the norms'
-//! backward with dw and db is one kernel instead (norm.rs `launch_bwd_bulk`: rows by bulk
-//! copies, the partials added after a grid-wide barrier, in a fixed order too).
+//! Column sums come as partial rows, f32 from a backward's row blocks (cuda/rows.cuh) or f64
+//! from the column sweeps (a thread per column walking a chunk of rows, chunks spread over
+//! grid.y so the GPU fills); `sum_parts` adds the partials in a fixed order (cuda/fused.cu's
+//! `sum_partials2*`: deterministic, no atomics).
 
 use super::memory::DevBuf;
 use super::storage::{launch, CudaStorage, Elem};
-use crate::backend::{validate, BackendDevice, FusedOp, NormKind};
+use crate::backend::BackendDevice;
 use crate::{DType, Error, Layout, Result};
 use cudarc::driver::DeviceRepr;
 use cudarc::driver::LaunchConfig;
-use half::{bf16, f16};
 
 pub(crate) fn cfg(x: usize, y: usize, z: usize) -> LaunchConfig {
     LaunchConfig {
@@ -148,41 +143,6 @@ pub(crate) fn sum_parts<PT: DeviceRepr, O: Elem>(
     Ok((o0, o1))
 }
 
-/// dw, db of a last-dim norm by a column sweep over x and dy (p: x, dy, mean, rstd).
-fn norm_param_sweep<T: Elem, O: Elem>(
-    dev: &super::CudaDevice,
-    p: &[u64],
-    (rows, cols): (usize, usize),
-    kind: NormKind,
-) -> Result<(DevBuf<O>, DevBuf<O>)> {
-    // Eight columns a thread when rows are whole 16-byte packs.
-    let vec = cols % 8 == 0 && T::DTYPE != DType::F64;
-    let (blocks, min_chunk, kernel) = if vec {
-        (cols.div_ceil(8 * 32), 64, "norm_param_grads_vec")
-    } else {
-        (cols.div_ceil(256), 8, "norm_param_grads")
-    };
-    let (parts, chunk) = sweep(rows, blocks, dev.sm_count().max(1), min_chunk);
-    let part = dev.alloc::<f64>(parts * 2 * cols)?;
-    let rms = i32::from(kind == NormKind::Rms);
-    launch!(
-        dev,
-        "fused",
-        format!("{kernel}_{}", T::SFX),
-        cfg(blocks, parts, 1),
-        &p[0],
-        &p[1],
-        &p[2],
-        &p[3],
-        &*part.slice,
-        &rows,
-        &cols,
-        &chunk,
-        &rms
-    )?;
-    sum_parts::<f64, O>(dev, &part, parts, cols)
-}
-
 pub(crate) fn ptr(s: &CudaStorage) -> u64 {
     s.buf.raw_ptr(s.dev.stream())
 }
@@ -199,8 +159,8 @@ pub(crate) fn sweep(rows: usize, blocks: usize, sms: usize, min_chunk: usize) ->
     (rows.div_ceil(chunk).max(1), chunk)
 }
 
-/// Runs kernel `k` (see `backend::Kernel`): the views checked, its check, one device,
-/// dense operands, then its CUDA implementation.
+/// Runs kernel `k` (see `backend::Kernel`): the views checked, its check, one device, then
+/// its CUDA implementation (on dense copies of the views unless it reads them in place).
 pub(crate) fn run_kernel(
     k: &dyn crate::backend::Kernel,
     args: &[(&CudaStorage, &Layout)],
@@ -221,166 +181,5 @@ pub(crate) fn run_kernel(
             rhs: "another device".into(),
         });
     }
-    let dense = args
-        .iter()
-        .map(|(s, l)| s.dense(name, l))
-        .collect::<Result<Vec<_>>>()?;
-    let bufs: Vec<&CudaStorage> = dense
-        .iter()
-        .zip(args)
-        .map(|(d, (s, _))| d.as_ref().unwrap_or(s))
-        .collect();
-    k.cuda(&dims, &bufs)
-}
-
-pub(crate) fn fused(op: FusedOp, args: &[(&CudaStorage, &Layout)]) -> Result<Vec<CudaStorage>> {
-    let name = op.name();
-    for (s, l) in args {
-        s.check(name, l)?;
-    }
-    let metas: Vec<_> = args.iter().map(|(s, l)| (s.buf.dtype(), *l)).collect();
-    let dims = validate::fused(op, &metas)?;
-    let first = args[0].0;
-    if args.iter().any(|(s, _)| !first.dev.same_device(&s.dev)) {
-        return Err(Error::DeviceMismatch {
-            op: name,
-            lhs: first.dev.location(),
-            rhs: "another device".into(),
-        });
-    }
-    if let FusedOp::Attention { .. } | FusedOp::AttentionBackward { .. } = op {
-        return super::attention::run(op, &dims, args);
-    }
-    let dense = args
-        .iter()
-        .map(|(s, l)| s.dense(name, l))
-        .collect::<Result<Vec<_>>>()?;
-    let bufs: Vec<&CudaStorage> = dense
-        .iter()
-        .zip(args)
-        .map(|(d, (s, _))| d.as_ref().unwrap_or(s))
-        .collect();
-    if let FusedOp::DequantFp8 { dtype } = op {
-        return super::fp8::dequant(dtype, &dims, &bufs);
-    }
-    match first.buf.dtype() {
-        DType::F32 => run::<f32, f32>(op, &dims, &bufs),
-        DType::F64 => run::<f64, f64>(op, &dims, &bufs),
-        DType::BF16 => run::<bf16, f32>(op, &dims, &bufs),
-        DType::F16 => run::<f16, f32>(op, &dims, &bufs),
-        DType::U32 => Err(Error::UnsupportedDType {
-            op: name,
-            dtype: DType::U32,
-        }),
-    }
-}
-
-fn run<T: Elem, S: Elem>(op: FusedOp, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
-    let x = a[0];
-    let dev = &x.dev;
-    let sms = dev.sm_count().max(1);
-    let out = |b| x.wrap(b);
-    let p: Vec<u64> = a.iter().map(|s| ptr(s)).collect();
-    Ok(match op {
-        FusedOp::SoftmaxBackward => {
-            let (rows, cols) = (d[0], d[1]);
-            let mut dx = dev.alloc::<T>(rows * cols)?;
-            let (packs, shape) = super::storage::softmax_kernel(T::DTYPE, rows, cols, sms);
-            let kernel = match packs {
-                Some(p) => format!("softmax_bwd_reg{p}_{}", T::SFX),
-                None => format!("softmax_bwd_{}", T::SFX),
-            };
-            // Beside the forward, in cuda/softmax.cu.
-            launch!(
-                dev,
-                "softmax",
-                kernel,
-                shape,
-                &p[0],
-                &p[1],
-                &mut *dx.slice,
-                &rows,
-                &cols
-            )?;
-            vec![out(T::wrap(dx))]
-        }
-        FusedOp::NormParamGrads(kind) => {
-            let (dw, db) = norm_param_sweep::<T, S>(dev, &p, (d[0], d[1]), kind)?;
-            vec![out(S::wrap(dw)), out(S::wrap(db))]
-        }
-        FusedOp::NormBackward { kind, weight } => {
-            let (rows, cols) = (d[0], d[1]);
-            let w = if weight { p[4] } else { 0 };
-            if let Some((dx, dw, db)) =
-                super::norm::launch_bwd_bulk::<T>(dev, &p, w, (rows, cols), kind)?
-            {
-                return Ok(vec![out(T::wrap(dx)), out(T::wrap(dw)), out(T::wrap(db))]);
-            }
-            let mut dx = dev.alloc::<T>(rows * cols)?;
-            // Before Hopper, half-type rows of 2049-3072 columns take the row blocks with two packs a lane:
-            // kernel_bench on an H100 at 4608 x 3072 bf16, 43.3 us against 48.7-49.0 us for
-            // the register-resident rows with their sums in shared memory (two blocks a
-            // multiprocessor either way), and 52.9 us with one pack a lane (one block).
-            let two_packs = T::DTYPE != DType::F32 && (2049..=3072).contains(&cols);
-            let sums = if two_packs {
-                None
-            } else {
-                super::norm::launch_bwd_sums::<T>(dev, &p, w, &mut dx, (rows, cols), kind)?
-            };
-            let lanes = if two_packs { 192 } else { 384 };
-            let (dw, db) = match (sums, colsum_shape(T::DTYPE, cols, lanes)) {
-                (Some((part, blocks)), _) => sum_parts::<f32, T>(dev, &part, blocks, cols)?,
-                (None, Some(cs)) => {
-                    let kernel = format!("norm_bwd_params_{}_{}", cs.p, T::SFX);
-                    let (blocks, chunk) = cs.chunks(dev, "norm", &kernel, rows, 1)?;
-                    let part = dev.alloc::<f32>(blocks * 2 * cols)?;
-                    let (lw, rms) = (cs.lw as i32, i32::from(kind == NormKind::Rms));
-                    launch!(
-                        dev,
-                        "norm",
-                        kernel,
-                        cs.cfg(blocks, 1),
-                        &p[0],
-                        &p[1],
-                        &w,
-                        &p[2],
-                        &p[3],
-                        &mut *dx.slice,
-                        &*part.slice,
-                        &rows,
-                        &cols,
-                        &chunk,
-                        &lw,
-                        &rms
-                    )?;
-                    sum_parts::<f32, T>(dev, &part, blocks, cols)?
-                }
-                // Other rows (f64, columns not in whole packs, past 6144): the row kernel
-                // for dx, then the column sweep.
-                (None, None) => {
-                    super::norm::launch_bwd::<T>(
-                        dev,
-                        &p,
-                        w,
-                        &mut dx,
-                        (rows, cols),
-                        kind,
-                        super::norm::RowMap::dense(cols),
-                    )?;
-                    norm_param_sweep::<T, T>(dev, &p, (rows, cols), kind)?
-                }
-            };
-            vec![out(T::wrap(dx)), out(T::wrap(dw)), out(T::wrap(db))]
-        }
-        // `fused` hands these to cuda::attention before operands are made dense: the flash
-        // kernels read strided views.
-        FusedOp::Attention { .. }
-        | FusedOp::AttentionBackward { .. }
-        | FusedOp::DequantFp8 { .. } => {
-            return Err(Error::Cuda(format!(
-                "{} reached the dense launcher",
-                op.name()
-            )))
-        }
-    })
+    k.cuda_views(&dims, args)
 }

@@ -32,14 +32,23 @@ pub(crate) use fused::run_kernel;
 
 /// What a fused kernel's CUDA implementation (`backend::Kernel::cuda`, in its file of
 /// `tensor/kernels/`) builds on: the launch macro, element types, launch shapes, the
-/// deterministic column sums the norms and modulation share, and a buffer's address.
+/// deterministic column sums the norms and modulation share, a buffer's address; and the
+/// launchers that stay backend helpers: flash attention (`flash`, attention.rs), the FP8
+/// decode (`dequant_fp8`, fp8.rs), the norms' row kernels (norm.rs) and softmax's launch
+/// shape.
 pub(crate) mod kit {
+    pub(crate) use super::attention::flash;
     pub(crate) use super::device::DONE_COUNTERS;
+    pub(crate) use super::fp8::dequant as dequant_fp8;
     pub(crate) use super::fused::{cfg, colsum_shape, ptr, sum_parts, sweep};
     pub(crate) use super::hopper_module;
     pub(crate) use super::layout::grid_for;
     pub(crate) use super::memory::DevBuf;
-    pub(crate) use super::storage::{by_dtype, launch, Elem};
+    pub(crate) use super::norm::{
+        launch_bwd as norm_bwd, launch_bwd_bulk as norm_bwd_bulk, launch_bwd_sums as norm_bwd_sums,
+        RowMap,
+    };
+    pub(crate) use super::storage::{by_dtype, launch, softmax_kernel, Elem};
 }
 
 use crate::Error;

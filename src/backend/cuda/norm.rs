@@ -347,7 +347,7 @@ pub(crate) fn launch_bwd_sums<T: Elem>(
     };
     // As `pick`: 128 threads, `lanes` a row. After the staged weight, each group of lanes'
     // two sums per column: 2 * packs * lanes float4s each (72 KiB a block at 2048 columns,
-    // 108 KiB at 3072, which fused.rs sends to the row blocks instead; 8 KiB at 128).
+    // 108 KiB at 3072, which tensor/kernels/norm.rs sends to the row blocks instead; 8 KiB at 128).
     const THREADS: usize = 128;
     let groups = THREADS / lanes;
     let smem = 2 * cols * T::DTYPE.size_in_bytes() + groups * 2 * (2 * packs * lanes) * 16;
@@ -414,7 +414,7 @@ const BULK_STAGE_BYTES_PER_SM: usize = 96 << 10;
 /// column sums are added after a grid-wide barrier, so the kernel is launched cooperatively
 /// (all its blocks resident). Returns (dx, dw, db), or None where it does not apply (before
 /// compute capability 9, f64, rows not in whole 16-byte packs or past 6144 columns), for the
-/// row blocks of fused.rs to take.
+/// row blocks of tensor/kernels/norm.rs to take.
 pub(crate) fn launch_bwd_bulk<T: Elem>(
     dev: &super::CudaDevice,
     p: &[u64],

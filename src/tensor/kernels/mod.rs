@@ -1,17 +1,34 @@
-//! Fused kernels, one file each: the kernel's operand check, its CPU reference and CUDA
-//! launcher (`backend::Kernel`), its gradient and what it keeps for it
-//! (`autograd::FusedKernel`), the `Tensor` method that calls it and its composite twin, the
-//! reference the tests hold both backends to. A new kernel is its file here, its CUDA source
-//! in `cuda/` (forward and backward in one .cu file), and one line in [`KERNELS`].
+//! Fused kernels, one file a kernel family: each kernel's operand check, its CPU reference and
+//! CUDA launcher (`backend::Kernel`), for a kernel with a gradient that gradient and what it
+//! keeps for it (`autograd::FusedKernel`), the `Tensor` methods that call them and the
+//! composite twin, the reference the tests hold both backends to. A new kernel is its file
+//! here, its CUDA source in `cuda/` (forward and backward in one .cu file), and, when it has a
+//! gradient, one line in [`KERNELS`].
+//!
+//! - `attention.rs`: scaled dot-product attention (flash attention on CUDA) and its backward;
+//! - `dequant_fp8.rs`: the FP8 E4M3 weight decode (no gradient);
+//! - `group_norm.rs`: GroupNorm and its backward;
+//! - `modulate.rs`: adaLN modulation and its backward;
+//! - `norm.rs`: the LayerNorm / RMSNorm backwards with parameter gradients (their forward is a
+//!   backend primitive);
+//! - `rope.rs`: Flux's rotary position embedding, its backward the transposed rotation;
+//! - `softmax.rs`: softmax's backward (its forward is a backend primitive).
 
+mod attention;
+mod dequant_fp8;
 mod group_norm;
 mod modulate;
+mod norm;
 mod rope;
+mod softmax;
+
+pub use attention::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
 
 use crate::autograd::FusedKernel;
 
 /// Every fused kernel with a gradient, one instance each: their names join the ops the
-/// gradcheck suite must exercise (`autograd::differentiable_ops`).
+/// gradcheck suite must exercise (`autograd::differentiable_ops`). Backward-only kernels
+/// (softmax's, the norms', attention's) and the FP8 decode have none and are not listed.
 pub(crate) const KERNELS: &[&dyn FusedKernel] = &[
     &modulate::Modulate,
     &rope::Rope { transpose: false },
@@ -20,5 +37,10 @@ pub(crate) const KERNELS: &[&dyn FusedKernel] = &[
         eps: 0.0,
         weight: false,
         bias: false,
+    },
+    &attention::Attention {
+        causal: false,
+        scale: 1.0,
+        mask: false,
     },
 ];

@@ -7,7 +7,7 @@
 //! [`oracle`]: on the CPU, to the CPU backend in f64 (`Against::F64`), so the CPU's own
 //! rounding is what is checked; on a GPU, to the CPU backend at the same dtype
 //! (`Against::Cpu`), so a kernel is held to the reference the CPU suite holds to f64.
-#![allow(dead_code)]
+#![allow(dead_code, unused_macros, unused_imports)]
 
 use super::tolerance::{tolerance, Against};
 use flame::{DType, Device, Tensor};

@@ -837,6 +837,7 @@ fn the_time_model_plays_the_machine_it_is_given() {
     let slow_link = MemoryProfile {
         machine: Machine {
             upload_gib_per_s: 12.0,
+            coded_upload_gib_per_s: 12.0,
             ..Machine::REFERENCE
         },
         ..bf.clone()

@@ -242,7 +242,9 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
     // Four uploads in a row beside enough of the work to outlast them (`units` of it, about
     // 60 ms), against the same work alone; the median of the runs (a millisecond's noise in
     // the work would read as several a GiB on one upload's decodes).
-    let decodes_beside = |units: usize, work: &dyn Fn() -> Result<()>| -> Result<(f64, f64)> {
+    // Returns the decodes' rate, what they take from the work (ms a GiB), and the coded
+    // uploads' rate on the link (their copies' own time).
+    let decodes_beside = |units: usize, work: &dyn Fn() -> Result<()>| -> Result<(f64, f64, f64)> {
         const UPLOADS: usize = 4;
         let median = |mut v: Vec<f64>| {
             v.sort_by(f64::total_cmp);
@@ -250,7 +252,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
         };
         work()?;
         let mut alone = vec![];
-        let (mut decode, mut with) = (vec![], vec![]);
+        let (mut decode, mut with, mut copies) = (vec![], vec![], vec![]);
         for _ in 0..=REPEATS {
             sync()?;
             let t = Instant::now();
@@ -273,21 +275,29 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             }
             sync()?;
             with.push(t.elapsed().as_secs_f64());
-            let ms: Option<f64> = uploads
-                .iter()
-                .map(|(_, ticket)| ticket.copy_ms().map(|c| c.2))
-                .sum();
-            if let Some(ms) = ms.filter(|&ms| ms > 0.0) {
-                decode.push(ms / 1e3);
+            let times: Option<Vec<(f64, f64, f64)>> =
+                uploads.iter().map(|(_, ticket)| ticket.copy_ms()).collect();
+            if let Some(times) = times {
+                let link: f64 = times.iter().map(|c| c.0).sum();
+                let ms: f64 = times.iter().map(|c| c.2).sum();
+                if ms > 0.0 && link > 0.0 {
+                    decode.push(ms / 1e3);
+                    copies.push(link / 1e3);
+                }
             }
         }
         let (alone, with) = (median(alone), median(with));
         let gib = (UPLOADS * wire) as f64 / GIB;
         Ok(if !decode.is_empty() && gib > 0.0 {
-            (gib / median(decode), ((with - alone) * 1e3 / gib).max(0.0))
+            (
+                gib / median(decode),
+                ((with - alone) * 1e3 / gib).max(0.0),
+                gib / median(copies),
+            )
         } else {
-            // Nothing was coded (or timed): no decodes for the model to play.
-            (f64::INFINITY, 0.0)
+            // Nothing was coded (or timed): no decodes for the model to play, and coded
+            // uploads cross as plain ones.
+            (f64::INFINITY, 0.0, link)
         })
     };
     // About 2.5 ms of GEMMs a unit on an H100.
@@ -322,6 +332,12 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
     drop((staging, coded));
     let wire_decode = [beside_gemms.0, beside_attention.0, beside_memory.0];
     let decode_cost = [beside_gemms.1, beside_attention.1, beside_memory.1];
+    // The coded uploads' rate on the link, the median of the three probes.
+    let coded_link = {
+        let mut v = [beside_gemms.2, beside_attention.2, beside_memory.2];
+        v.sort_by(f64::total_cmp);
+        v[1]
+    };
     drop(operands);
     // Convolutions: a 3x3 one of 640 channels over 64 x 64 positions (SDXL's middle
     // level), forward and the input's gradient, through FLAME's own path.
@@ -448,6 +464,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
     let (view_us, backward_view_us) = chain(true)?;
     let machine = Machine {
         upload_gib_per_s: link,
+        coded_upload_gib_per_s: coded_link,
         gemm_tflops: gemm,
         conv_tflops: conv,
         attention_tflops: [a64, a128],

@@ -125,6 +125,9 @@ pub struct MemoryProfile {
 pub struct Machine {
     /// The host-to-device rate of a streamed block's upload, GiB/s.
     pub upload_gib_per_s: f64,
+    /// The same for a coded upload (the wire code), which crosses into the staging ring in
+    /// pieces beside the decodes, GiB of coded bytes a second.
+    pub coded_upload_gib_per_s: f64,
     /// bf16 GEMMs at a transformer block's Linears, forward and input gradient, TFLOP/s.
     pub gemm_tflops: f64,
     /// bf16 convolutions (3x3, forward and input gradient), TFLOP/s.
@@ -160,7 +163,7 @@ pub struct Machine {
 impl Machine {
     /// The machine a profile plays until one is measured: an NVIDIA H100 80GB SXM on its
     /// 16-core host, from the measurements in BENCHMARKS.md (2026-11): the host link 47 GiB/s
-    /// (a streamed block's uploads, 46.2-48.7), cuBLAS at Flux's MLP shape 796.9 TFLOP/s,
+    /// (a streamed block's uploads, 46.2-48.7, coded or not), cuBLAS at Flux's MLP shape 796.9 TFLOP/s,
     /// FLAME's 3x3 convolution at SDXL's first level 302 TFLOP/s, the flash kernels 473 / 422
     /// (D = 64, L 4096) and 580 / 490 (D = 128, Flux's shape) TFLOP/s forward / backward, a
     /// device copy 2744 GB/s, the wire code's decodes 5.3 ms a GiB beside the compute and
@@ -169,6 +172,7 @@ impl Machine {
     /// `measure_machine` on an H200 machine of the same kind (16 cores, 2026-11-29).
     pub const REFERENCE: Machine = Machine {
         upload_gib_per_s: 47.0,
+        coded_upload_gib_per_s: 47.0,
         gemm_tflops: 796.9,
         conv_tflops: 302.0,
         attention_tflops: [473.0, 580.0],
@@ -188,6 +192,7 @@ impl Machine {
     pub fn check(&self) -> std::result::Result<(), String> {
         let rates = [
             ("the host link", self.upload_gib_per_s),
+            ("the host link, coded", self.coded_upload_gib_per_s),
             ("GEMMs", self.gemm_tflops),
             ("convolutions", self.conv_tflops),
             ("attention at D 64", self.attention_tflops[0]),
@@ -262,12 +267,13 @@ impl std::fmt::Display for Machine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "host link {:.1} GiB/s, GEMM {:.0} and convolution {:.0} TFLOP/s, attention {:.0}/{:.0} (D 64) and \
+            "host link {:.1} GiB/s ({:.1} coded), GEMM {:.0} and convolution {:.0} TFLOP/s, attention {:.0}/{:.0} (D 64) and \
              {:.0}/{:.0} (D 128) TFLOP/s forward/backward, memory {:.0} GiB/s, {:.1}/{:.1} µs \
              an op and its backward on the host and {:.1}/{:.1} a view, coded decodes beside GEMMs, attention \
              and elementwise work {:.0}/{:.0}/{:.0} GiB/s costing them {:.1}/{:.1}/{:.1} ms a GiB, FP8 \
              decodes {:.0} GiB/s, host products {:.1} GiB/s",
             self.upload_gib_per_s,
+            self.coded_upload_gib_per_s,
             self.gemm_tflops,
             self.conv_tflops,
             self.attention_tflops[0],
@@ -626,6 +632,8 @@ impl MemoryProfile {
             .map(|b| [self.decode_beside(b, false), self.decode_beside(b, true)])
             .collect();
         let link_ms = |bytes: u64| bytes as f64 / GIB / upload_rate * 1e3;
+        let coded_rate = machine.coded_upload_gib_per_s.max(1e-3);
+        let coded_link_ms = |bytes: u64| bytes as f64 / GIB / coded_rate * 1e3;
         // A streamed block's bytes on the link, coded (`code`) or not, and of those coded:
         // the backward's uploads leave out what only the forward reads (`Keep::few_rows`).
         // Weights held on the host for their products never cross.
@@ -701,7 +709,7 @@ impl MemoryProfile {
                     let code = coded_at(k);
                     let (bytes, coded) = upload_bytes(b, leaves_out(backward, k), code);
                     if code {
-                        *link = link.max(*gate) + link_ms(bytes);
+                        *link = link.max(*gate) + coded_link_ms(bytes);
                         *gate = t;
                         ready[k] = Some(link.max(t) + until * coded as f64 / GIB);
                         decodes += cost * coded as f64 / GIB;

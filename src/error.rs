@@ -356,6 +356,8 @@ pub enum Setting {
     AdapterTargets,
     /// `AdapterConfig::tucker`.
     AdapterTucker,
+    /// `AdapterConfig::weight_decompose`.
+    AdapterWeightDecompose,
     /// The layout of the adapter file written (`Adapters::save_peft`, `save_kohya`, ...).
     AdapterLayout,
 }
@@ -374,6 +376,7 @@ impl Setting {
             Setting::AdapterFactor => "AdapterConfig::factor",
             Setting::AdapterTargets => "AdapterConfig::targets",
             Setting::AdapterTucker => "AdapterConfig::tucker",
+            Setting::AdapterWeightDecompose => "AdapterConfig::weight_decompose",
             Setting::AdapterLayout => "the adapter file's layout:",
         }
     }

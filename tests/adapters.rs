@@ -79,6 +79,7 @@ fn config(kind: &str) -> AdapterConfig {
         // The fixtures were made by PEFT.
         lokr_split: flame::nn::LokrSplit::Peft,
         tucker: false,
+        weight_decompose: false,
     }
 }
 
@@ -657,6 +658,7 @@ fn conv_adapters_train_on_sdxl() {
             decompose_both: false,
             lokr_split: Default::default(),
             tucker,
+            weight_decompose: false,
         })
         .unwrap();
         let vb = VarBuilder::random(5, 0.2, DType::F32, &CPU)

@@ -190,6 +190,43 @@ fn the_tucker_form_is_checked_with_the_config() {
     }
 }
 
+/// `adapter.weight_decompose` is checked with the config: it reaches the adapters' config,
+/// the kinds without it (LoRA, pointed to "dora") and the PEFT layout refuse it, naming the
+/// key; it is one of the keys a resumed run must keep.
+#[test]
+fn the_weight_decomposition_is_checked_with_the_config() {
+    let d = temp("decompose-config");
+    let good =
+        std::fs::read_to_string(tiny(&d, 4, "kind = \"lokr\"\nweight_decompose = true\n")).unwrap();
+    let keys = |c: &TrainConfig| {
+        c.resume_keys()
+            .into_iter()
+            .any(|(k, _)| k == "adapter.weight_decompose")
+    };
+    let cfg = TrainConfig::from_toml(&good).unwrap();
+    assert!(keys(&cfg));
+    assert!(cfg.adapter_config().weight_decompose);
+    let without = TrainConfig::from_toml(&good.replace("weight_decompose = true\n", "")).unwrap();
+    assert!(!keys(&without) && !without.adapter_config().weight_decompose);
+    for (from, to, want) in [
+        ("kind = \"lokr\"", "kind = \"lora\"", "is kind = \"dora\""),
+        (
+            "format = \"kohya\"",
+            "format = \"peft\"",
+            "kohya layout only",
+        ),
+    ] {
+        assert!(good.contains(from), "{from}");
+        let text = good.replace(from, to);
+        let e = TrainConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(
+            e.contains("adapter.weight_decompose") && e.contains(want),
+            "{to}: {e}"
+        );
+    }
+    std::fs::remove_dir_all(&d).ok();
+}
+
 /// The `[memory]` keys that are now the planner's switches (`memory::Switches`) still read
 /// in an older config: into the switches, each with a note naming its line; a value other
 /// than a boolean, or an unknown key beside them, is refused.
@@ -1082,17 +1119,29 @@ fn f16_with_dynamic_loss_scaling_skips_overflows_and_resumes_exactly() {
 }
 
 /// Every adapter kind trains on the tiny model from the config switch and writes its own
-/// tensors; a run stopped after step 5 resumes from its checkpoint at 4 to the same losses
-/// and the same adapter file, bit for bit.
+/// tensors (LoKr and LoHa with LyCORIS's weight decomposition too, their magnitudes beside
+/// their factors); a run stopped after step 5 resumes from its checkpoint at 4 to the same
+/// losses and the same adapter file, bit for bit.
 #[test]
 fn every_adapter_kind_trains_and_resumes_exactly() {
-    for (kind, tensor) in [
-        ("dora", "dora_scale"),
-        ("lokr", "lokr_w1"),
-        ("loha", "hada_w1_a"),
-        ("full", "diff"),
+    for (kind, more, tensors) in [
+        ("dora", "", &["dora_scale"][..]),
+        ("lokr", "", &["lokr_w1"][..]),
+        ("loha", "", &["hada_w1_a"][..]),
+        ("full", "", &["diff"][..]),
+        (
+            "lokr",
+            "weight_decompose = true\n",
+            &["lokr_w1", "dora_scale"][..],
+        ),
+        (
+            "loha",
+            "weight_decompose = true\n",
+            &["hada_w1_a", "dora_scale"][..],
+        ),
     ] {
-        let extra = format!("kind = \"{kind}\"\n");
+        let extra = format!("kind = \"{kind}\"\n{more}");
+        let kind = &format!("{kind}{}", if more.is_empty() { "" } else { "-decomposed" });
         let a = temp(&format!("kind-{kind}"));
         let cfg = TrainConfig::from_file(tiny(&a, 6, &extra)).unwrap();
         run_with(&cfg, fresh()).unwrap();
@@ -1111,11 +1160,13 @@ fn every_adapter_kind_trains_and_resumes_exactly() {
             .unwrap()
         };
         let fa = load(&cfg);
-        assert!(
-            fa.keys().any(|k| k.ends_with(tensor)),
-            "{kind}: {:?}",
-            fa.keys()
-        );
+        for tensor in tensors {
+            assert!(
+                fa.keys().any(|k| k.ends_with(tensor)),
+                "{kind}: {tensor} not in {:?}",
+                fa.keys()
+            );
+        }
 
         let b = temp(&format!("kind-{kind}-resumed"));
         let cfg_b = TrainConfig::from_file(tiny(&b, 6, &extra)).unwrap();

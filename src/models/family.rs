@@ -366,9 +366,9 @@ pub fn profile_config<M: ModelSpec>(
     let in_block = |key: &str| prefixes.iter().any(|p| crate::memory::under(key, p));
     // The conditioned weights are forward-only (`Keep::few_rows`) unless the conditioning
     // vector needs a gradient (an adapter outside the blocks, on the embedders it comes
-    // from) or the adapters read the frozen weights (DoRA).
+    // from) or the adapters read the frozen weights (DoRA, LyCORIS's weight decomposition).
     let forward_only = match &probe_adapters {
-        Some(a) => !a.kind()?.reads_weight && a.params()?.iter().all(|(k, _)| in_block(k)),
+        Some(a) => !a.reads_weight()? && a.params()?.iter().all(|(k, _)| in_block(k)),
         None => true,
     };
     let elem = opts.dtype.size_in_bytes();

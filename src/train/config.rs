@@ -287,11 +287,19 @@ section! {
         /// hada_t2; LoKr a core in its low-rank w2, lokr_t2), fewer values than a full kernel
         /// for the same rank. Written as "kohya" or "comfyui" only.
         tucker: bool = false,
+        /// LoKr and LoHa: LyCORIS's weight decomposition (its modules' weight_decompose,
+        /// dora_wd in its kohya network args; DoRA on LoKr / LoHa): the layer's weight becomes
+        /// m · (W + ΔW) / (‖W + ΔW‖ + ε), ΔW the kind's change, the norm over each output
+        /// channel (LyCORIS's wd_on_out) and not detached, m a learned magnitude per output
+        /// channel from ‖W‖ (written as dora_scale). For LoRA use kind = "dora" (PEFT's DoRA).
+        /// Written as "kohya" or "comfyui" only.
+        weight_decompose: bool = false,
         /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS), "peft" (diffusers,
-        /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits) or "comfyui"
-        /// (the kohya layout with DoRA's magnitudes written for ComfyUI, which divides them
-        /// by the norm of the frozen weight, not of the adapted one; the other kinds' tensors
-        /// as "kohya" writes them, in a file FLAME reads back as "comfyui").
+        /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits or with
+        /// weight_decompose) or "comfyui" (the kohya layout with the magnitudes of DoRA and of
+        /// weight_decompose written for ComfyUI, which divides them by the norm of the frozen
+        /// weight, not of the adapted one; the other tensors as "kohya" writes them, in a file
+        /// FLAME reads back as "comfyui").
         format: AdapterFormat = AdapterFormat::Kohya,
     }
 }
@@ -844,6 +852,23 @@ impl TrainConfig {
             ),
         );
         c.check(
+            !(a.weight_decompose && kind.as_ref().is_ok_and(|k| !k.weight_decompose)),
+            "adapter.weight_decompose",
+            format!(
+                "true: applies to {}, not {:?}; a LoRA with a learned magnitude per output \
+                 channel is kind = \"dora\"",
+                crate::nn::adapter::weight_decompose_kinds(),
+                a.kind
+            ),
+        );
+        c.check(
+            !(a.weight_decompose && a.format == AdapterFormat::Peft),
+            "adapter.weight_decompose",
+            "true: PEFT's LoKr and LoHa have no weight decomposition, so it is written in the \
+             kohya layout only; use format = \"kohya\" or \"comfyui\""
+                .into(),
+        );
+        c.check(
             !(a.tucker && a.format == AdapterFormat::Peft),
             "adapter.tucker",
             "true: the Tucker forms are written in the kohya layout only; use format = \"kohya\""
@@ -1077,6 +1102,7 @@ impl TrainConfig {
             Setting::AdapterFactor => "adapter.factor",
             Setting::AdapterTargets => "adapter.targets",
             Setting::AdapterTucker => "adapter.tucker",
+            Setting::AdapterWeightDecompose => "adapter.weight_decompose",
             Setting::AdapterLayout => "adapter.format",
         }
     }
@@ -1114,6 +1140,7 @@ impl TrainConfig {
             factor: a.factor,
             decompose_both: a.decompose_both,
             tucker: a.tucker,
+            weight_decompose: a.weight_decompose,
             // LoKr's split follows the library of the layout written: LyCORIS's for kohya
             // files, PEFT's for PEFT files.
             lokr_split: match a.format {
@@ -1244,6 +1271,11 @@ impl TrainConfig {
                 show(&a.decompose_both),
             ),
             ("adapter.tucker", a.tucker, show(&a.tucker)),
+            (
+                "adapter.weight_decompose",
+                a.weight_decompose,
+                show(&a.weight_decompose),
+            ),
         ];
         v.extend(extra.into_iter().filter(|e| e.1).map(|(k, _, s)| (k, s)));
         v

@@ -14,13 +14,18 @@
 //! Linear, (1, out, 1, 1) for a convolution). ComfyUI reads the kohya form against the
 //! frozen weight's norm: the "comfyui" layout writes m (‖W‖ + ε) / ‖W + ΔW‖ for it
 //! (`Adapter::to_comfyui`).
+//!
+//! LyCORIS's weight decomposition of LoKr and LoHa (`AdapterConfig::weight_decompose`,
+//! `Decomposed`) lives here too: one wrapper around any kind that gives its weight change
+//! (`Kind::weight_decompose`, `Adapter::change_with`), with LyCORIS's semantics where they
+//! differ from PEFT's: the norm is not detached and has ε added.
 
 use super::io::{join_rows, part_rows, PeftFile, Reader};
 use super::lora::Lora;
 use super::merge::MergeLayer;
-use super::{cast, Adapter, BaseLayer, Kind, LayerShape, PeftPart};
+use super::{cast, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
 use crate::nn::dropout::BatchPart;
-use crate::{DType, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Setting, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -34,39 +39,74 @@ pub(super) const KIND: Kind = Kind {
     rank_dropout: true,
     tucker: false,
     reads_weight: true,
+    weight_decompose: false,
     lycoris_algo: "locon",
     plain_kohya: false,
     merge,
     make: |p| {
-        let lora = Lora::new(p)?;
-        let magnitude = super::zeros(&[p.shape.out_dim()], p.device)?;
         Ok(Arc::new(Dora {
-            lora,
-            magnitude,
-            ready: AtomicBool::new(false),
+            lora: Lora::new(p)?,
+            magnitude: Magnitude::new(p.shape.out_dim(), p.device)?,
         }))
     },
 };
 
-/// W' - W of a DoRA, W' = m (W + ΔW) / ‖W + ΔW‖, from `w` and the LoRA's change `lora`
-/// (out, cols): the norm per output row (`per_row`, `m` (out, 1)), or per input column for a
-/// Linear's `m` (1, cols) (the form LyCORIS writes without `wd_on_out`).
-pub(super) fn rescale(w: &Tensor, lora: &Tensor, m: &Tensor, per_row: bool) -> Result<Tensor> {
-    let v = w.add(lora)?;
+/// What a decomposition divides by: PEFT's ‖W + ΔW‖ (the kind "dora"), or LyCORIS's
+/// ‖W + ΔW‖ + ε (LoKr and LoHa with `AdapterConfig::weight_decompose`), ε the machine
+/// epsilon of the dtype it computes in (LyCORIS 4.1.3, lycoris/functional/general.py
+/// `_weight_decompose`: `+ torch.finfo(weight.dtype).eps`, the weight cast to `dora_scale`'s
+/// dtype).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Norm {
+    /// ‖W + ΔW‖.
+    Peft,
+    /// ‖W + ΔW‖ + ε.
+    Lycoris,
+}
+
+impl Norm {
+    /// What is added to the norm computed in `dtype` (torch.finfo's eps of each).
+    fn eps(self, dtype: DType) -> f64 {
+        match (self, dtype) {
+            (Norm::Peft, _) => 0.0,
+            (Norm::Lycoris, DType::F64) => f64::EPSILON,
+            (Norm::Lycoris, DType::BF16) => 2f64.powi(-7),
+            (Norm::Lycoris, DType::F16) => 2f64.powi(-10),
+            (Norm::Lycoris, _) => f32::EPSILON as f64,
+        }
+    }
+}
+
+/// W' - W of a decomposition, W' = m (W + ΔW) / (‖W + ΔW‖ + `eps`), from `w` and a change
+/// `change` (out, cols): the norm per output row (`per_row`, `m` (out, 1)), or per input
+/// column for a Linear's `m` (1, cols) (the form LyCORIS writes without `wd_on_out`).
+pub(super) fn rescale(
+    w: &Tensor,
+    change: &Tensor,
+    m: &Tensor,
+    per_row: bool,
+    eps: f64,
+) -> Result<Tensor> {
+    let v = w.add(change)?;
     let axis = if per_row { 1 } else { 0 };
-    v.mul(&m.div(&v.sqr()?.sum_keepdim(&[axis])?.sqrt()?)?)?
-        .sub(w)
+    let norm = v.sqr()?.sum_keepdim(&[axis])?.sqrt()?;
+    let norm = if eps > 0.0 {
+        norm.affine(1.0, eps)?
+    } else {
+        norm
+    };
+    v.mul(&m.div(&norm)?)?.sub(w)
 }
 
 /// The change a file's DoRA of one layer stands for, as the matrix (out, cols): a LoRA's
-/// tensors (`lora::merge`) and its magnitudes (`decompose`); `None` without a LoRA's tensors
-/// (LyCORIS's LoKr and LoHa with magnitudes are theirs).
+/// tensors (`lora::merge`) and its magnitudes (`decompose`, PEFT's norm); `None` without a
+/// LoRA's tensors (LyCORIS's LoKr and LoHa with magnitudes are theirs).
 pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
     if !MAGNITUDES.iter().any(|t| l.has(t)) {
         return Ok(None);
     }
     match super::lora::merge(l)? {
-        Some(lora) => decompose(l, lora).map(Some),
+        Some(lora) => decompose(l, lora, Norm::Peft).map(Some),
         None => Ok(None),
     }
 }
@@ -77,9 +117,9 @@ const MAGNITUDES: [&str; 2] = ["dora_scale", "lora_magnitude_vector"];
 /// W' - W for a layer whose file holds magnitudes beside a change `change` (out, cols) of any
 /// kind (LyCORIS decomposes LoRA, LoKr and LoHa alike, `weight_decompose`): kohya's
 /// `dora_scale` ((out, 1[, 1, 1]) per output row, or a Linear's (1, in) per input column) or
-/// PEFT's `lora_magnitude_vector` ((out), or (1, out, 1, 1) for a convolution); `change`
-/// itself without them.
-pub(super) fn decompose(l: &MergeLayer, change: Tensor) -> Result<Tensor> {
+/// PEFT's `lora_magnitude_vector` ((out), or (1, out, 1, 1) for a convolution), divided by
+/// the kind's `norm` (in f32, where the merge computes); `change` itself without them.
+pub(super) fn decompose(l: &MergeLayer, change: Tensor, norm: Norm) -> Result<Tensor> {
     let Some(name) = MAGNITUDES.into_iter().find(|t| l.has(t)) else {
         return Ok(change);
     };
@@ -104,7 +144,69 @@ pub(super) fn decompose(l: &MergeLayer, change: Tensor) -> Result<Tensor> {
         let norm = comfyui_norms(&w)?.reshape((out, 1))?;
         return w.add(&change)?.mul(&m.div(&norm)?)?.sub(&w);
     }
-    rescale(&l.weight()?, &change, &m, per_row)
+    rescale(&l.weight()?, &change, &m, per_row, norm.eps(DType::F32))
+}
+
+/// A learned magnitude per output channel (DoRA's m, LyCORIS's `dora_scale`): (out), f32,
+/// trainable; ‖W‖ of each output row at the layer's first use (a streamed weight is only on
+/// the device then), unless a file set it before.
+#[derive(Debug)]
+struct Magnitude {
+    m: Tensor,
+    /// Whether m holds values (‖W‖ at first use, or a file's).
+    ready: AtomicBool,
+}
+
+impl Magnitude {
+    fn new(out: usize, device: &Device) -> Result<Self> {
+        Ok(Magnitude {
+            m: super::zeros(&[out], device)?,
+            ready: AtomicBool::new(false),
+        })
+    }
+
+    /// m = ‖W‖ unless it holds values already.
+    fn ensure(&self, base: &BaseLayer) -> Result<()> {
+        if self.ready.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _g = crate::no_grad();
+        self.m.assign(&row_norms(&base.weight(DType::F32)?)?)?;
+        self.ready.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// m from a file's values (any shape of `out` values).
+    fn set(&self, m: &Tensor) -> Result<()> {
+        self.m.assign(&m.flatten_all()?)?;
+        self.ready.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// An error unless m holds values, for the adapter of layer `path`.
+    fn check(&self, path: &str) -> Result<()> {
+        if self.ready.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "the magnitude (dora_scale) of layer {path} has no values yet (it is set \
+                     from the weight at the layer's first use, or read from a file)"
+                ),
+            })
+        }
+    }
+}
+
+/// m's shape in the kohya / LyCORIS layout, `dora_scale` per output channel (LyCORIS's
+/// `wd_on_out`: (out, 1) for a Linear, (out, 1, 1, 1) for a convolution).
+fn kohya_shape(shape: LayerShape) -> Vec<usize> {
+    let out = shape.out_dim();
+    match shape {
+        LayerShape::Linear { .. } => vec![out, 1],
+        LayerShape::Conv2d { .. } => vec![out, 1, 1, 1],
+    }
 }
 
 /// One layer's DoRA: a LoRA and the magnitude vector.
@@ -112,9 +214,7 @@ pub(super) fn decompose(l: &MergeLayer, change: Tensor) -> Result<Tensor> {
 pub struct Dora {
     lora: Lora,
     /// m: (out), f32, trainable.
-    magnitude: Tensor,
-    /// Whether m holds values (‖W‖ at first use, or a file's).
-    ready: AtomicBool,
+    magnitude: Magnitude,
 }
 
 /// The norm of each output channel's row of `w` (out, ...) in f32: (out).
@@ -134,18 +234,6 @@ fn comfyui_norms(w: &Tensor) -> Result<Tensor> {
 }
 
 impl Dora {
-    /// m = ‖W‖ unless it holds values already.
-    fn ensure_magnitude(&self, base: &BaseLayer) -> Result<()> {
-        if self.ready.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        let _g = crate::no_grad();
-        self.magnitude
-            .assign(&row_norms(&base.weight(DType::F32)?)?)?;
-        self.ready.store(true, Ordering::Release);
-        Ok(())
-    }
-
     /// m / ‖W + s B A‖ (out), the norm detached.
     fn scale(&self, base: &BaseLayer, down: &Tensor, up: &Tensor, m: &Tensor) -> Result<Tensor> {
         let norm = {
@@ -170,24 +258,13 @@ impl Dora {
         let _g = crate::no_grad();
         let w = base
             .weight(DType::F32)?
-            .to_device(self.magnitude.device())?;
+            .to_device(self.magnitude.m.device())?;
         let v = w.add(&self.lora.delta_of(&self.lora.down, None, &self.lora.up)?)?;
         comfyui_norms(&w)?.div(&row_norms(&v)?)
     }
 
     fn magnitude_ready(&self) -> Result<()> {
-        if self.ready.load(Ordering::Acquire) {
-            Ok(())
-        } else {
-            Err(Error::Config {
-                path: None,
-                msg: format!(
-                    "the DoRA magnitude of layer {} has no values yet (it is set from the \
-                     weight at the layer's first use, or read from a file)",
-                    self.lora.path
-                ),
-            })
-        }
+        self.magnitude.check(&self.lora.path)
     }
 
     /// m shaped as PEFT stores it.
@@ -200,11 +277,7 @@ impl Dora {
 
     /// m shaped as LyCORIS stores `dora_scale`.
     fn kohya_shape(&self) -> Vec<usize> {
-        let out = self.lora.shape.out_dim();
-        match self.lora.shape {
-            LayerShape::Linear { .. } => vec![out, 1],
-            LayerShape::Conv2d { .. } => vec![out, 1, 1, 1],
-        }
+        kohya_shape(self.lora.shape)
     }
 }
 
@@ -223,12 +296,12 @@ impl Adapter for Dora {
 
     fn params(&self) -> Vec<(&'static str, Tensor)> {
         let mut p = self.lora.params();
-        p.push(("dora_scale", self.magnitude.clone()));
+        p.push(("dora_scale", self.magnitude.m.clone()));
         p
     }
 
     fn forward(&self, base: &BaseLayer, x: &Tensor, y: Tensor) -> Result<Tensor> {
-        self.ensure_magnitude(base)?;
+        self.magnitude.ensure(base)?;
         let params: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
         self.forward_with(base, x, y, &params)
     }
@@ -252,15 +325,16 @@ impl Adapter for Dora {
     }
 
     fn delta_weight(&self, base: &BaseLayer) -> Result<Tensor> {
-        self.ensure_magnitude(base)?;
+        self.magnitude.ensure(base)?;
         let w = base.weight(DType::F32)?;
         let (out, cols) = (self.lora.shape.out_dim(), self.lora.shape.cols());
         let lora = self.lora.delta_of(&self.lora.down, None, &self.lora.up)?;
         rescale(
             &w.reshape((out, cols))?,
             &lora.reshape((out, cols))?,
-            &self.magnitude.reshape((out, 1))?,
+            &self.magnitude.m.reshape((out, 1))?,
             true,
+            Norm::Peft.eps(DType::F32),
         )?
         .reshape(w.dims())
     }
@@ -270,7 +344,7 @@ impl Adapter for Dora {
         let mut v = self.lora.to_kohya()?;
         v.push((
             "dora_scale".into(),
-            self.magnitude.reshape(self.kohya_shape())?,
+            self.magnitude.m.reshape(self.kohya_shape())?,
         ));
         Ok(v)
     }
@@ -278,9 +352,7 @@ impl Adapter for Dora {
     fn load_kohya(&self, file: &mut Reader) -> Result<()> {
         self.lora.read_kohya(file)?;
         let m = file.take("dora_scale", &self.kohya_shape())?;
-        self.magnitude.assign(&m.flatten_all()?)?;
-        self.ready.store(true, Ordering::Release);
-        Ok(())
+        self.magnitude.set(&m)
     }
 
     /// The kohya tensors with `dora_scale` = m (‖W‖ + ε) / ‖W + ΔW‖, which ComfyUI's
@@ -288,7 +360,7 @@ impl Adapter for Dora {
     fn to_comfyui(&self, base: &BaseLayer) -> Result<Vec<(String, Tensor)>> {
         self.magnitude_ready()?;
         let mut v = self.lora.to_kohya()?;
-        let m = self.magnitude.mul(&self.comfyui_ratio(base)?)?;
+        let m = self.magnitude.m.mul(&self.comfyui_ratio(base)?)?;
         v.push(("dora_scale".into(), m.reshape(self.kohya_shape())?));
         Ok(v)
     }
@@ -296,15 +368,15 @@ impl Adapter for Dora {
     fn load_comfyui(&self, file: &mut Reader, base: &BaseLayer) -> Result<()> {
         self.load_kohya(file)?;
         let _g = crate::no_grad();
-        let m = self.magnitude.div(&self.comfyui_ratio(base)?)?;
-        self.magnitude.assign(&m)
+        let m = self.magnitude.m.div(&self.comfyui_ratio(base)?)?;
+        self.magnitude.m.assign(&m)
     }
 
     fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
         self.magnitude_ready()?;
         let mut v = self.lora.write_peft(parts)?;
         for p in parts {
-            let m = part_rows(&self.magnitude, p)?.reshape(self.peft_shape(p.rows))?;
+            let m = part_rows(&self.magnitude.m, p)?.reshape(self.peft_shape(p.rows))?;
             v.push((format!("{}.lora_magnitude_vector", p.module), m));
         }
         Ok(v)
@@ -318,7 +390,7 @@ impl Adapter for Dora {
 
     fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
         self.lora.read_peft(parts, file, file_scale)?;
-        let dev = self.magnitude.device().clone();
+        let dev = self.magnitude.m.device().clone();
         let ms = parts
             .iter()
             .map(|p| {
@@ -331,12 +403,197 @@ impl Adapter for Dora {
                 .flatten_all()
             })
             .collect::<Result<Vec<_>>>()?;
-        self.magnitude.assign(&join_rows(parts, ms)?)?;
-        self.ready.store(true, Ordering::Release);
-        Ok(())
+        self.magnitude.set(&join_rows(parts, ms)?)
     }
 
     fn set_batch(&self, step: u64, micro: u64, part: BatchPart) {
         self.lora.set_batch(step, micro, part);
+    }
+}
+
+/// LyCORIS's weight decomposition of a kind's change (`AdapterConfig::weight_decompose`, the
+/// kinds with `Kind::weight_decompose`: LoKr, LoHa), as LyCORIS 4.1.3 computes it with
+/// `weight_decompose=True, wd_on_out=True` (lycoris/modules/lokr.py `_rebuild_forward`,
+/// loha.py `forward`, both through `apply_weight_decompose` and
+/// lycoris/functional/general.py `_weight_decompose`): with ΔW the kind's change (its
+/// dropout drawn, `Adapter::change_with`),
+///
+/// W' = m · (W + ΔW) / (‖W + ΔW‖ + ε),
+///
+/// the norm over each output channel's row, ε the machine epsilon of m's dtype (`Norm`), and
+/// the layer computes y + x ⊛ (W' - W). The norm is not detached: LyCORIS differentiates
+/// through it (its eager `_weight_decompose` and the backward of its fused kernel,
+/// lycoris/kernels/autograd/dora.py, alike), so m and every factor get the gradient through
+/// the norm too, where the kind "dora" follows PEFT and detaches it. m starts at ‖W‖ of each
+/// row (LyCORIS's initial `dora_scale`, without ε), so a fresh adapter's change is
+/// W (‖W‖ / (‖W‖ + ε) - 1), float32's epsilon relative to W: nothing at the weights'
+/// precision.
+///
+/// Files: the kind's kohya tensors and `dora_scale` (out, 1) for a Linear, (out, 1, 1, 1) for
+/// a convolution, as LyCORIS writes and reads them; for ComfyUI's reading (which divides by
+/// ‖W‖ + ε32, the frozen weight's norm) the "comfyui" layout writes
+/// m (‖W‖ + ε32) / (‖W + ΔW‖ + ε). No PEFT layout: PEFT's LoKr and LoHa have no magnitudes.
+#[derive(Debug)]
+pub struct Decomposed {
+    inner: Arc<dyn Adapter>,
+    /// m: (out), f32, trainable.
+    magnitude: Magnitude,
+}
+
+/// `inner`, a fresh adapter of a kind with `Kind::weight_decompose` planned by `p`, with
+/// LyCORIS's weight decomposition.
+pub(super) fn decomposed(p: &Plan, inner: Arc<dyn Adapter>) -> Result<Arc<dyn Adapter>> {
+    Ok(Arc::new(Decomposed {
+        magnitude: Magnitude::new(p.shape.out_dim(), p.device)?,
+        inner,
+    }))
+}
+
+impl Decomposed {
+    /// W' - W (the weight's shape, m's dtype) from the kind's change `dw` (the weight's
+    /// shape) and m (out).
+    fn change(&self, base: &BaseLayer, dw: &Tensor, m: &Tensor) -> Result<Tensor> {
+        let shape = self.inner.shape();
+        let (out, cols) = (shape.out_dim(), shape.cols());
+        let w = base
+            .weight(m.dtype())?
+            .to_device(m.device())?
+            .reshape((out, cols))?;
+        let dw = dw.to_dtype(m.dtype())?.reshape((out, cols))?;
+        let eps = Norm::Lycoris.eps(m.dtype());
+        rescale(&w, &dw, &m.reshape((out, 1))?, true, eps)?.reshape(shape.weight_dims())
+    }
+
+    /// (‖W‖ + ε32) / (‖W + ΔW‖ + ε) (out): what ComfyUI's magnitudes are to these. ComfyUI
+    /// (0.3.64, comfy/weight_adapter/base.py `weight_decompose`, which its LoKr and LoHa
+    /// call with a file's `dora_scale`) divides by the frozen weight's norm plus float32's
+    /// epsilon.
+    fn comfyui_ratio(&self, base: &BaseLayer) -> Result<Tensor> {
+        let _g = crate::no_grad();
+        let dev = self.magnitude.m.device();
+        let w = base.weight(DType::F32)?.to_device(dev)?;
+        let dw = self.inner.delta_weight(base)?.to_device(dev)?;
+        let eps = Norm::Lycoris.eps(DType::F32);
+        comfyui_norms(&w)?.div(&row_norms(&w.add(&dw)?)?.affine(1.0, eps)?)
+    }
+
+    /// The refusal of the PEFT layout, which has no weight decomposition of these kinds.
+    fn no_peft(&self) -> Error {
+        Error::Setting {
+            setting: Setting::AdapterLayout,
+            msg: format!(
+                "the {} adapter of layer {} has LyCORIS's weight decomposition \
+                 (AdapterConfig::weight_decompose), which the diffusers / PEFT layout cannot \
+                 hold (PEFT's LoKr and LoHa have no magnitudes): write the kohya layout \
+                 (format \"kohya\" or \"comfyui\"), or train without weight_decompose",
+                self.inner.kind(),
+                self.inner.path()
+            ),
+        }
+    }
+}
+
+impl Adapter for Decomposed {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn path(&self) -> &str {
+        self.inner.path()
+    }
+
+    fn shape(&self) -> LayerShape {
+        self.inner.shape()
+    }
+
+    /// The kind's tensors, then `dora_scale`.
+    fn params(&self) -> Vec<(&'static str, Tensor)> {
+        let mut p = self.inner.params();
+        p.push(("dora_scale", self.magnitude.m.clone()));
+        p
+    }
+
+    fn adds_to_output(&self) -> bool {
+        true
+    }
+
+    fn forward(&self, base: &BaseLayer, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        self.magnitude.ensure(base)?;
+        let params: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
+        self.forward_with(base, x, y, &params)
+    }
+
+    fn forward_with(
+        &self,
+        base: &BaseLayer,
+        x: &Tensor,
+        y: Tensor,
+        p: &[Tensor],
+    ) -> Result<Tensor> {
+        let Some((m, inner)) = p.split_last() else {
+            return Err(Error::Autograd(format!(
+                "{}: no parameters for its weight decomposition",
+                self.inner.kind()
+            )));
+        };
+        let Some(dw) = self.inner.change_with(inner)? else {
+            return Ok(y);
+        };
+        let change = self.change(base, &dw, m)?;
+        self.shape().add_apply(y, x, &cast(&change, x)?)
+    }
+
+    fn delta_weight(&self, base: &BaseLayer) -> Result<Tensor> {
+        self.magnitude.ensure(base)?;
+        let dw = self.inner.delta_weight(base)?;
+        self.change(base, &dw, &self.magnitude.m)
+    }
+
+    fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {
+        self.magnitude.check(self.path())?;
+        let mut v = self.inner.to_kohya()?;
+        let m = self.magnitude.m.reshape(kohya_shape(self.shape()))?;
+        v.push(("dora_scale".into(), m));
+        Ok(v)
+    }
+
+    fn load_kohya(&self, file: &mut Reader) -> Result<()> {
+        self.inner.load_kohya(file)?;
+        self.magnitude
+            .set(&file.take("dora_scale", &kohya_shape(self.shape()))?)
+    }
+
+    /// The kind's tensors for ComfyUI and `dora_scale` = m (‖W‖ + ε32) / (‖W + ΔW‖ + ε),
+    /// which ComfyUI's reading (`comfyui_ratio`) turns into this layer's W'.
+    fn to_comfyui(&self, base: &BaseLayer) -> Result<Vec<(String, Tensor)>> {
+        self.magnitude.check(self.path())?;
+        let mut v = self.inner.to_comfyui(base)?;
+        let m = self.magnitude.m.mul(&self.comfyui_ratio(base)?)?;
+        v.push(("dora_scale".into(), m.reshape(kohya_shape(self.shape()))?));
+        Ok(v)
+    }
+
+    fn load_comfyui(&self, file: &mut Reader, base: &BaseLayer) -> Result<()> {
+        self.inner.load_comfyui(file, base)?;
+        let read = file.take("dora_scale", &kohya_shape(self.shape()))?;
+        let _g = crate::no_grad();
+        self.magnitude
+            .set(&read.flatten_all()?.div(&self.comfyui_ratio(base)?)?)
+    }
+
+    fn to_peft(&self, _: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
+        Err(self.no_peft())
+    }
+
+    fn check_peft(&self, _: &[PeftPart]) -> Result<()> {
+        Err(self.no_peft())
+    }
+
+    fn load_peft(&self, _: &[PeftPart], _: &mut PeftFile, _: f64) -> Result<()> {
+        Err(self.no_peft())
+    }
+
+    fn set_batch(&self, step: u64, micro: u64, part: BatchPart) {
+        self.inner.set_batch(step, micro, part);
     }
 }

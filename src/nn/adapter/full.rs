@@ -25,6 +25,7 @@ pub(super) const KIND: Kind = Kind {
     rank_dropout: false,
     tucker: false,
     reads_weight: false,
+    weight_decompose: false,
     lycoris_algo: "full",
     plain_kohya: false,
     merge,

@@ -460,6 +460,11 @@ impl Adapters {
             if c.tucker {
                 args.push(("use_tucker", "True".to_string()));
             }
+            if c.weight_decompose {
+                // LyCORIS's kohya wrapper (lycoris/kohya.py `create_network`) reads the
+                // decomposition from `dora_wd`, its axis from `wd_on_output` (default True).
+                args.push(("dora_wd", "True".to_string()));
+            }
         }
         if c.module_dropout > 0.0 {
             args.push(("module_dropout", c.module_dropout.to_string()));
@@ -594,7 +599,9 @@ impl Adapters {
     }
 
     /// Checks that every planned adapter has a PEFT form under `map` (before training, so a
-    /// run does not fail at its first save).
+    /// run does not fail at its first save): a fused layer's parts, and LyCORIS's weight
+    /// decomposition (`AdapterConfig::weight_decompose`), which has none, are asked of the
+    /// adapter (`Adapter::check_peft`).
     pub fn check_peft(&self, map: &KeyMap) -> Result<()> {
         let _g = crate::no_grad();
         for l in self.layers()? {
@@ -608,7 +615,7 @@ impl Adapters {
                     ),
                 });
             }
-            if parts.len() > 1 || parts.iter().any(|p| p.swapped) {
+            if parts.len() > 1 || parts.iter().any(|p| p.swapped) || self.config.weight_decompose {
                 l.check_peft(&parts)?;
             }
         }

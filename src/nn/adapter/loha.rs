@@ -12,6 +12,10 @@
 //! `hada_w2_a`, `hada_w2_b`); the kohya file has `alpha` (ComfyUI scales by alpha / r), the
 //! PEFT file carries s inside w1_a (meaning the same under alpha = r). A fused layer (one
 //! that diffusers splits into modules) is refused in the PEFT layout.
+//!
+//! With `AdapterConfig::weight_decompose` the change is LyCORIS's weight decomposition of
+//! the Hadamard product (dora.rs, `Decomposed`: a learned magnitude per output channel,
+//! `dora_scale`), in the kohya layout only.
 
 use super::io::{single_part, PeftFile, Reader};
 use super::merge::MergeLayer;
@@ -29,6 +33,7 @@ pub(super) const KIND: Kind = Kind {
     rank_dropout: true,
     tucker: true,
     reads_weight: false,
+    weight_decompose: true,
     lycoris_algo: "loha",
     plain_kohya: false,
     make: |p| Ok(Arc::new(Loha::new(p)?)),
@@ -70,7 +75,7 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
             ));
         }
         let s = l.scale(b1.dims()[0])?;
-        return super::dora::decompose(l, d.affine(s, 0.0)?).map(Some);
+        return super::dora::decompose(l, d.affine(s, 0.0)?, super::dora::Norm::Lycoris).map(Some);
     }
     let b1 = l.matrix(NAMES[1], l.need(NAMES[1], "LoHa")?)?;
     let a2 = l.need(NAMES[2], "LoHa")?;
@@ -85,7 +90,8 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
         return Err(l.bad(NAMES[0], &a1, &format!("factors of ({out}, {cols})")));
     }
     let s = l.scale(r)?;
-    super::dora::decompose(l, hadamard([&a1, &b1, &a2, &b2], s)?).map(Some)
+    let change = hadamard([&a1, &b1, &a2, &b2], s)?;
+    super::dora::decompose(l, change, super::dora::Norm::Lycoris).map(Some)
 }
 
 const NAMES: [&str; 4] = ["hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"];
@@ -221,16 +227,24 @@ impl Adapter for Loha {
     }
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
-        if self.drops.skips() {
-            return Ok(y);
+        match self.change_with(p)? {
+            Some(dw) => self.shape.add_apply(y, x, &cast(&dw, x)?),
+            None => Ok(y),
         }
-        let dw = cast(&self.drops.rows(self.delta_of(p)?)?, x)?;
-        self.shape.add_apply(y, x, &dw)
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {
         let p: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
         self.delta_of(&p)
+    }
+
+    /// The Hadamard change with this forward's rank dropout, `None` where module dropout
+    /// skips it.
+    fn change_with(&self, p: &[Tensor]) -> Result<Option<Tensor>> {
+        if self.drops.skips() {
+            return Ok(None);
+        }
+        self.drops.rows(self.delta_of(p)?).map(Some)
     }
 
     fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {

@@ -14,6 +14,10 @@
 //! kohya file carries s inside w1 (and the alpha they then ignore, which LyCORIS needs to
 //! load the file). PEFT files carry s inside w1 (or w1_a) too, meaning the
 //! same under alpha = r. A fused layer has no PEFT form (w1 ⊗ w2 does not split by rows).
+//!
+//! With `AdapterConfig::weight_decompose` the change is LyCORIS's weight decomposition of
+//! s · w1 ⊗ w2 (dora.rs, `Decomposed`: a learned magnitude per output channel, `dora_scale`),
+//! in the kohya layout only.
 
 use super::io::{single_part, PeftFile, Reader};
 use super::merge::MergeLayer;
@@ -31,6 +35,7 @@ pub(super) const KIND: Kind = Kind {
     rank_dropout: true,
     tucker: true,
     reads_weight: false,
+    weight_decompose: true,
     lycoris_algo: "lokr",
     plain_kohya: false,
     make: |p| Ok(Arc::new(Lokr::new(p)?)),
@@ -106,7 +111,7 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
         (Some(_), None) => 1.0,
         (None, _) => l.default_scale(),
     };
-    super::dora::decompose(l, kron(&w1, &w2, s)?).map(Some)
+    super::dora::decompose(l, kron(&w1, &w2, s)?, super::dora::Norm::Lycoris).map(Some)
 }
 
 /// How a LoKr splits a layer's sides when `factor` divides them: the two libraries differ
@@ -470,16 +475,23 @@ impl Adapter for Lokr {
     }
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
-        self.check(p)?;
-        if self.drops.skips() {
-            return Ok(y);
+        match self.change_with(p)? {
+            Some(dw) => self.shape.add_apply(y, x, &cast(&dw, x)?),
+            None => Ok(y),
         }
-        let dw = cast(&self.drops.rows(self.delta_of(p)?)?, x)?;
-        self.shape.add_apply(y, x, &dw)
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {
         self.delta_of(&self.own())
+    }
+
+    /// s · w1 ⊗ w2 with this forward's rank dropout, `None` where module dropout skips it.
+    fn change_with(&self, p: &[Tensor]) -> Result<Option<Tensor>> {
+        self.check(p)?;
+        if self.drops.skips() {
+            return Ok(None);
+        }
+        self.drops.rows(self.delta_of(p)?).map(Some)
     }
 
     fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {

@@ -32,6 +32,7 @@ pub(super) const KIND: Kind = Kind {
     rank_dropout: true,
     tucker: true,
     reads_weight: false,
+    weight_decompose: false,
     lycoris_algo: "locon",
     plain_kohya: true,
     make: |p| Ok(Arc::new(Lora::new(p)?)),

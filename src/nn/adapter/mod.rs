@@ -14,6 +14,13 @@
 //! - `loha`: a Hadamard product of two low-rank products (LyCORIS);
 //! - `full`: the layer's weight itself trained (as a change to it).
 //!
+//! LoKr and LoHa also train with LyCORIS's weight decomposition
+//! ([`AdapterConfig::weight_decompose`], DoRA's learned magnitude per output channel on their
+//! change, LyCORIS's `weight_decompose` / `dora_wd`): a kind opts in through
+//! [`Kind::weight_decompose`] by giving its weight change ([`Adapter::change_with`]), and the
+//! set wraps each of its adapters in the one wrapper that rescales that change (dora.rs,
+//! `Decomposed`), which adds the magnitude `dora_scale` to its parameters and files.
+//!
 //! Parameters are f32 whatever the model's dtype (the optimizer updates f32 values; the
 //! forward casts to the activations' dtype).
 
@@ -240,6 +247,25 @@ pub trait Adapter: Send + Sync + std::fmt::Debug {
     /// merged, `W + delta` computes what the adapted layer does.
     fn delta_weight(&self, base: &BaseLayer) -> Result<Tensor>;
 
+    /// The change to the frozen weight this forward makes, from `params` (as in
+    /// `forward_with`), in the weight's shape and the parameters' dtype, with this forward's
+    /// dropout drawn: `None` where module dropout skips the adapter. What LyCORIS's weight
+    /// decomposition rescales ([`AdapterConfig::weight_decompose`]); the kinds that opt into
+    /// it ([`Kind::weight_decompose`]: LoKr, LoHa, whose forward adds `x ⊛ ΔW`) give it, the
+    /// others refuse.
+    fn change_with(&self, _params: &[Tensor]) -> Result<Option<Tensor>> {
+        Err(Error::Setting {
+            setting: Setting::AdapterWeightDecompose,
+            msg: format!(
+                "= true: the {} adapter of layer {} does not build its weight change; it \
+                 applies to {}",
+                self.kind(),
+                self.path(),
+                weight_decompose_kinds()
+            ),
+        })
+    }
+
     /// The tensors of the kohya / LyCORIS file (names after `<layer name>.`), `alpha`
     /// included, as ComfyUI reads them.
     fn to_kohya(&self) -> Result<Vec<(String, Tensor)>>;
@@ -318,8 +344,14 @@ pub struct Kind {
     /// (`AdapterConfig::tucker`).
     pub tucker: bool,
     /// Whether its adapters read the frozen weight in the forward (DoRA's norm): the weights
-    /// they sit on are then not forward-only.
+    /// they sit on are then not forward-only (with `AdapterConfig::weight_decompose` the
+    /// adapters of any kind do: [`Adapters::reads_weight`]).
     pub reads_weight: bool,
+    /// Whether the kind trains with LyCORIS's weight decomposition
+    /// ([`AdapterConfig::weight_decompose`]): its adapters give their weight change
+    /// ([`Adapter::change_with`]), which one shared wrapper rescales by a learned magnitude
+    /// per output channel.
+    pub weight_decompose: bool,
     /// The algorithm's name in LyCORIS's kohya network args (`ss_network_args`).
     pub lycoris_algo: &'static str,
     /// Whether kohya's own `networks.lora` writes the kind where no convolution is adapted
@@ -469,6 +501,11 @@ pub fn tucker_kinds() -> String {
     kinds_where(|k| k.tucker)
 }
 
+/// The kinds that train with LyCORIS's weight decomposition, by name.
+pub fn weight_decompose_kinds() -> String {
+    kinds_where(|k| k.weight_decompose)
+}
+
 fn kinds_where(f: impl Fn(&Kind) -> bool) -> String {
     let v: Vec<&str> = KINDS.iter().filter(|k| f(k)).map(|k| k.name).collect();
     match v.split_last() {
@@ -550,6 +587,14 @@ pub struct AdapterConfig {
     /// `lora_mid`; LoHa a core a half, `hada_t1` / `hada_t2`; LoKr a core in its low-rank
     /// w2, `lokr_t2`). Written in the kohya layout only.
     pub tucker: bool,
+    /// LoKr and LoHa: LyCORIS's weight decomposition (`weight_decompose` in its modules,
+    /// `dora_wd` in its kohya network args; DoRA on LoKr / LoHa): the layer's weight becomes
+    /// W' = m · (W + ΔW) / (‖W + ΔW‖ + ε), ΔW the kind's change, the norm over each output
+    /// channel's row (LyCORIS's `wd_on_out`), not detached, ε the epsilon of m's dtype, and m
+    /// a learned magnitude per output channel (`dora_scale`) that starts at ‖W‖. Written in
+    /// the kohya layout only (PEFT's LoKr and LoHa have none). For a LoRA with magnitudes use
+    /// the kind "dora" (PEFT's DoRA).
+    pub weight_decompose: bool,
 }
 
 impl LoraConfig {
@@ -583,13 +628,15 @@ impl From<LoraConfig> for AdapterConfig {
             decompose_both: false,
             lokr_split: LokrSplit::default(),
             tucker: false,
+            weight_decompose: false,
         }
     }
 }
 
 impl AdapterConfig {
     /// Checks the kind, rank > 0 (where it is used), dropout in `[0, 1)` (and only for LoRA
-    /// and DoRA), alphas finite and positive, the LoKr factor, and some target.
+    /// and DoRA), alphas finite and positive, the LoKr factor, some target, and the Tucker
+    /// form and the weight decomposition only for the kinds that have them.
     pub fn validate(&self) -> Result<()> {
         let bad = |setting: Setting, msg: String| Err(Error::Setting { setting, msg });
         let kind = kind(&self.kind)?;
@@ -653,6 +700,17 @@ impl AdapterConfig {
                 ),
             );
         }
+        if self.weight_decompose && !kind.weight_decompose {
+            return bad(
+                Setting::AdapterWeightDecompose,
+                format!(
+                    "= true: it applies to {}, not {}; a LoRA with a learned magnitude per \
+                     output channel is the kind \"dora\"",
+                    weight_decompose_kinds(),
+                    kind.name
+                ),
+            );
+        }
         Ok(())
     }
 
@@ -700,6 +758,12 @@ impl Adapters {
         kind(&self.config.kind)
     }
 
+    /// Whether the adapters read the frozen weights in their forward (DoRA's norms, LyCORIS's
+    /// weight decomposition): the weights they sit on are then not forward-only.
+    pub fn reads_weight(&self) -> Result<bool> {
+        Ok(self.kind()?.reads_weight || self.config.weight_decompose)
+    }
+
     /// The adapter of the layer at `path`, made on first request when the path matches a
     /// target (convolutions only with `conv_rank` > 0, or for "full"); `None` for layers not
     /// targeted.
@@ -737,7 +801,7 @@ impl Adapters {
             }
             return Ok(Some(l.clone()));
         }
-        let l = (kind.make)(&Plan {
+        let plan = Plan {
             path,
             shape,
             bias,
@@ -747,7 +811,11 @@ impl Adapters {
             device,
             seed: self.config.seed ^ key_hash(path),
             train: self.train.clone(),
-        })?;
+        };
+        let mut l = (kind.make)(&plan)?;
+        if self.config.weight_decompose {
+            l = dora::decomposed(&plan, l)?;
+        }
         layers.insert(path.to_string(), l.clone());
         Ok(Some(l))
     }
@@ -803,8 +871,6 @@ impl Adapters {
     }
 }
 
-/// U(-1/sqrt(fan_in), 1/sqrt(fan_in)) of `dims` in f32, trainable: PyTorch's
-/// `kaiming_uniform_(a=sqrt(5))`, how PEFT initialises its nonzero factors.
 /// The refusal of the PEFT layout for an adapter of kind `kind` at layer `path` in LyCORIS's
 /// Tucker form (`tucker`: `AdapterConfig::tucker`), which FLAME writes and reads in the kohya
 /// layout only.
@@ -821,6 +887,8 @@ pub(crate) fn kohya_only_tucker(tucker: bool, kind: &str, path: &str) -> Result<
     Ok(())
 }
 
+/// U(-1/sqrt(fan_in), 1/sqrt(fan_in)) of `dims` in f32, trainable: PyTorch's
+/// `kaiming_uniform_(a=sqrt(5))`, how PEFT initialises its nonzero factors.
 pub(crate) fn kaiming(dims: &[usize], fan_in: usize, device: &Device, seed: u64) -> Result<Tensor> {
     let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
     Tensor::rand_uniform(-bound, bound, dims.to_vec(), DType::F32, device, seed)?.requires_grad_()

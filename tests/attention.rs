@@ -1,8 +1,14 @@
 //! Attention on the CPU: the fused op against its composite twin (outputs and every gradient),
 //! masks and causality, the dispatching `scaled_dot_product_attention`, and bad input. The
 //! numbers to match come from the composite (matmul, softmax, matmul), itself gradchecked in
-//! f64 (tests/gradcheck/attention.rs).
+//! f64 (tests/gradcheck/attention.rs). The CUDA flash kernels against the same composite are
+//! in attention/flash.rs (they need a GPU).
 #![cfg(feature = "cpu-ref")]
+
+mod common;
+#[cfg(feature = "cuda")]
+#[path = "attention/flash.rs"]
+mod flash;
 
 use flame::nn::scaled_dot_product_attention;
 use flame::{DType, Device, Error, Grads, Result, Tensor};

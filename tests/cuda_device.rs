@@ -1,13 +1,24 @@
 //! The CUDA device: creation fails cleanly where CUDA is absent; on a GPU machine (run with
-//! --include-ignored) memory accounting and its hard limit work as documented.
+//! --include-ignored) memory accounting and its hard limit, the memory pool's cache and its
+//! arena under a cap, tensors past 2 GiB, gradients across devices and the TF32 switch work as
+//! documented.
 #![cfg(feature = "cuda")]
 
+#[cfg(feature = "cpu-ref")]
+mod common;
+
+#[cfg(feature = "cpu-ref")]
+use common::devices::{close_mag, normal_pair};
 use flame::cuda::{driver_available, kernel_modules, kernels_compiled, CudaDevice};
 use flame::{DType, Device, Error, Tensor};
 use std::sync::Mutex;
 
 /// The device's byte counters are shared: tests that read them run one at a time.
 static GPU: Mutex<()> = Mutex::new(());
+
+fn gpu() -> Device {
+    Device::cuda(0).expect("a CUDA GPU")
+}
 
 #[test]
 fn device_creation_reports_what_is_missing() {
@@ -146,4 +157,272 @@ fn memory_accounting_and_hard_limit() {
     // A request larger than the GPU is an error too, not an abort.
     let huge = Tensor::zeros(1usize << 40, DType::F32, &dev).unwrap_err();
     assert!(matches!(huge, Error::OutOfMemory { .. }), "{huge}");
+}
+
+#[cfg(feature = "cpu-ref")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gradients_flow_across_devices() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let x = Tensor::randn(37, DType::F32, &Device::Cpu, 9)
+        .unwrap()
+        .requires_grad_()
+        .unwrap();
+    let y = x
+        .to_device(&gpu())
+        .unwrap()
+        .exp()
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let g = y.backward().unwrap();
+    let gx = g.get(&x).expect("grad on the cpu leaf");
+    assert!(!gx.device().is_cuda());
+    let want = x.exp().unwrap().to_vec::<f32>().unwrap();
+    for (a, b) in gx.to_vec::<f32>().unwrap().iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "{a} vs {b}");
+    }
+}
+
+#[cfg(feature = "cpu-ref")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tensors_over_2_gib() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    // 600M f32 = 2.4 GB: offsets past 2^31 bytes and 2^29 elements. rand is counter-based, so
+    // both backends generate the same numbers without copying 2.4 GB.
+    let n = 600_000_000usize;
+    let dev = gpu();
+    let g = Tensor::rand(n, DType::F32, &dev, 3)
+        .unwrap()
+        .affine(2.0, -1.0)
+        .unwrap();
+    let c = Tensor::rand(n, DType::F32, &Device::Cpu, 3)
+        .unwrap()
+        .affine(2.0, -1.0)
+        .unwrap();
+    let tail = n - 1_000;
+    close_mag(
+        "tail of a 2.4 GB tensor",
+        &dev,
+        &g.narrow(0, tail, 1_000).unwrap(),
+        &c.narrow(0, tail, 1_000).unwrap(),
+        DType::F32,
+        0.0,
+    );
+    let (sg, sc) = (g.sum_all().unwrap(), c.sum_all().unwrap());
+    close_mag("sum of 600M", &dev, &sg, &sc, DType::F32, 1.0);
+    let mg = g.max_all().unwrap().to_scalar_f64().unwrap();
+    assert_eq!(mg, c.max_all().unwrap().to_scalar_f64().unwrap());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn training_steps_reuse_pool_memory() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    use flame::optim::{AdamConfig, AdamW, Optimizer};
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    let w = Tensor::randn((256, 256), DType::F32, &dev, 1)
+        .unwrap()
+        .requires_grad_()
+        .unwrap();
+    let x = Tensor::randn((64, 256), DType::F32, &dev, 2).unwrap();
+    let mut opt = AdamW::new(vec![("w".into(), w.clone())], AdamConfig::default()).unwrap();
+    let mut reserved = vec![];
+    for _ in 0..6 {
+        let loss = x
+            .matmul(&w)
+            .unwrap()
+            .gelu()
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        opt.step(&grads).unwrap();
+        cuda.synchronize().unwrap();
+        reserved.push((cuda.pool_reserved_bytes().unwrap(), cuda.memory().in_use));
+    }
+    // After the first steps warm the pool, the driver is asked for nothing more.
+    assert_eq!(
+        reserved[2], reserved[5],
+        "pool (reserved, in use) per step: {reserved:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn freed_buffers_are_cached_and_handed_out_again() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    // 1000 x 1000 f32: 4,000,000 bytes, counted as 4,000,256 (a multiple of 512).
+    let rounded = 4_000_256u64;
+    let a = Tensor::ones((1000, 1000), DType::F32, &dev).unwrap();
+    cuda.synchronize().unwrap();
+    let held = cuda.memory();
+    drop(a);
+    let freed = cuda.memory();
+    assert_eq!(held.in_use - freed.in_use, rounded, "in use falls on drop");
+    assert_eq!(freed.cached - held.cached, rounded, "the buffer is cached");
+    let reserved = cuda.pool_reserved_bytes().unwrap();
+
+    // The same size comes from the cache: no new driver memory, the cache shrinks back.
+    let b = Tensor::full(2.5, (1000, 1000), DType::F32, &dev).unwrap();
+    let again = cuda.memory();
+    assert_eq!(again.cached, held.cached, "taken from the cache");
+    assert_eq!(again.in_use, held.in_use);
+    assert_eq!(again.allocations, freed.allocations + 1);
+    assert_eq!(cuda.pool_reserved_bytes().unwrap(), reserved);
+    // The reused memory holds what the new tensor wrote, not the old ones.
+    let v = b.to_vec::<f32>().unwrap();
+    assert!(v.iter().all(|&x| x == 2.5), "reused buffer rewritten");
+    drop(b);
+
+    // A near size (within the 512-byte rounding) shares the list; emptying returns it all.
+    let c = Tensor::zeros(999_990, DType::F32, &dev).unwrap();
+    assert_eq!(cuda.memory().cached, held.cached, "near size reused");
+    drop(c);
+    cuda.empty_cache();
+    assert_eq!(
+        cuda.memory().cached,
+        0,
+        "empty_cache returns every cached buffer"
+    );
+    assert_eq!(
+        Tensor::ones(5, DType::BF16, &dev)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
+        vec![1.0; 5],
+        "the device works after emptying"
+    );
+}
+
+/// Under a cap, buffers are cut from one arena of the cap's size (made at the first request):
+/// small ones from the bottom by best fit (below the large ones first), large ones (32 MiB
+/// and up) from the top, freed neighbours merged; a request no free range holds although the cap does goes to the driver,
+/// counted as an overflow.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn under_a_cap_buffers_come_from_one_arena_small_below_large_above() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    cuda.synchronize().unwrap();
+    cuda.empty_cache();
+    let mib = |n: usize| Tensor::full(n as f64, n << 18, DType::F32, &dev); // n MiB
+    let before = cuda.memory();
+    cuda.set_memory_limit(Some(before.in_use + (160 << 20)));
+    // Small 16 MiB buffers from the bottom: [0, 16) [16, 32) [32, 48); a large 64 MiB one
+    // from the top: [96, 160). Free: [48, 96).
+    let (a, b, c) = (mib(16).unwrap(), mib(16).unwrap(), mib(16).unwrap());
+    let big = mib(64).unwrap();
+    drop(b);
+    // Free: [16, 32) and [48, 96). 40 MiB (large) fits only the upper range, from its top.
+    let d = mib(40).unwrap();
+    // Free: [16, 32) and [48, 56). A small 8 MiB buffer takes the smallest range that holds
+    // it, [48, 56), leaving [16, 32) whole for 16.
+    let e = mib(8).unwrap();
+    let f = mib(16).unwrap();
+    assert_eq!(cuda.memory().overflows, before.overflows);
+    // Nothing is free now; freeing a and c leaves two 16 MiB pieces: 24 MiB fits the cap but
+    // no piece, so the driver serves it, counted.
+    drop(a);
+    drop(c);
+    let g = mib(24).unwrap();
+    assert_eq!(cuda.memory().overflows, before.overflows + 1);
+    assert_eq!(
+        cuda.memory().in_use,
+        before.in_use + ((64 + 40 + 8 + 16 + 24) << 20)
+    );
+    // Freed neighbours merge: with g gone and f freed, [0, 48) is whole again.
+    drop(g);
+    drop(f);
+    let h = mib(48).unwrap();
+    assert_eq!(cuda.memory().overflows, before.overflows + 1);
+    for (t, v) in [(&big, 64.0), (&d, 40.0), (&e, 8.0), (&h, 48.0)] {
+        assert!(t.to_vec::<f32>().unwrap().iter().all(|&x| x == v));
+    }
+    drop((big, d, e, h));
+    // A range a large buffer frees among large ones (a streamed block's, which the next one
+    // takes) stays whole: small buffers take the smallest range below every live large one
+    // first. Large [120, 160) and [56, 120), small [0, 8); free [8, 56).
+    let l1 = mib(40).unwrap();
+    let l2 = mib(64).unwrap();
+    let a = mib(8).unwrap();
+    // Freed: [120, 160), smaller than [8, 56) but above the large [56, 120). 16 MiB goes
+    // below, [8, 24), so two large ones fit after it: [120, 160) and [24, 56).
+    drop(l1);
+    let b = mib(16).unwrap();
+    let l3 = mib(40).unwrap();
+    let l4 = mib(32).unwrap();
+    assert_eq!(cuda.memory().overflows, before.overflows + 1);
+    cuda.set_memory_limit(None);
+    for (t, v) in [(&l2, 64.0), (&a, 8.0), (&b, 16.0), (&l3, 40.0), (&l4, 32.0)] {
+        assert!(t.to_vec::<f32>().unwrap().iter().all(|&x| x == v));
+    }
+}
+
+#[cfg(feature = "cpu-ref")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tf32_matmul_is_opt_in() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    let (ca, ga) = normal_pair(&dev, &[256, 512], DType::F32, 700);
+    let (cb, gb) = normal_pair(&dev, &[512, 256], DType::F32, 701);
+    let want = ca
+        .to_dtype(DType::F64)
+        .unwrap()
+        .matmul(&cb.to_dtype(DType::F64).unwrap())
+        .unwrap();
+    let err = |t: &Tensor| {
+        let d = t
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .sub(&want)
+            .unwrap();
+        d.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar_f64()
+            .unwrap()
+            .sqrt()
+            / want
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar_f64()
+                .unwrap()
+                .sqrt()
+    };
+    let exact = err(&ga.matmul(&gb).unwrap());
+    cuda.set_allow_tf32(true).unwrap();
+    let tf32 = err(&ga.matmul(&gb).unwrap());
+    cuda.set_allow_tf32(false).unwrap();
+    let again = err(&ga.matmul(&gb).unwrap());
+    // f32: ~1e-7 relative; TF32 (10-bit mantissa inputs): ~1e-4 to 1e-3.
+    assert!(
+        exact < 1e-6 && again < 1e-6,
+        "f32 error {exact}, after switching back {again}"
+    );
+    assert!(tf32 > 1e-5 && tf32 < 3e-3, "tf32 error {tf32}");
 }

@@ -1269,7 +1269,7 @@ fn every_case_backward_on_cuda_matches_the_cpu() {
         let (cpu, _) = grads_on(&case, &CPU).expect("the CPU pass");
         match grads_on(&case, &gpu) {
             Err(Error::DeviceMismatch { .. }) => skipped.push(case.name.clone()),
-            // The flash kernels take bf16/f16 only; tests/gpu_ops/attention.rs checks them
+            // The flash kernels take bf16/f16 only; tests/attention/flash.rs checks them
             // against the composite reference.
             Err(Error::UnsupportedDType {
                 op: "attention", ..

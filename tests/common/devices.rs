@@ -57,6 +57,7 @@ pub fn close_mag(what: &str, dev: &Device, got: &Tensor, want: &Tensor, dt: DTyp
 }
 
 /// The tests `$name::cpu` and `$name::cuda` for each body `fn $name(dev: &Device)`.
+#[allow(unused_macros)]
 macro_rules! on_every_device {
     ($($name:ident),* $(,)?) => {$(
         mod $name {
@@ -75,4 +76,5 @@ macro_rules! on_every_device {
         }
     )*};
 }
+#[allow(unused_imports)]
 pub(crate) use on_every_device;

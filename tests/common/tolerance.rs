@@ -1,6 +1,7 @@
 //! The one tolerance table of the test suites: for each kind of comparison and dtype, the
 //! bound that follows from how the compared results are rounded. Shared by the CPU suites
-//! (`common::tol`, conv, pipeline) and the GPU suites (gpu_ops and its attention file).
+//! (`common::tol`, conv, pipeline), the suites on every device (`devices::oracle`: kernels,
+//! primitives) and the flash attention tests (attention/flash.rs).
 #![allow(dead_code)]
 
 use flame::DType;

@@ -1,18 +1,34 @@
 //! Flash attention on CUDA (bf16, f16; head dims 64 and 128) against the composite reference
 //! (matmul, softmax, matmul) computed in f32 on the same rounded inputs: the output and the
 //! gradients of q, k and v, at lengths 1, 77, 333, 1024 and 4608, with and without a key
-//! padding mask and causality. Part of the gpu_ops executable.
+//! padding mask and causality; strided and broadcast inputs, the Hopper kernels' layouts, the
+//! memory they take, wide heads and the deterministic mode. The CPU has only the composite:
+//! these need a GPU (ignored elsewhere). Part of the attention suite (tests/attention.rs).
 //!
 //! Tolerance: max |flash - reference| <= tol * max |reference|, per tensor, from the one
 //! tolerance table (`tolerance::Against::Composite`: bf16 1e-2, f16 2e-3). Measured worst
 //! cases are printed.
 
-use super::tolerance::{tolerance, Against};
-use super::{bits, gpu, serial, CPU};
+use super::CPU;
+use crate::common::devices::serial;
+use crate::common::tolerance::{tolerance, Against};
 use flame::{DType, Device, Grads, Tensor};
 
 fn tol(dt: DType) -> f64 {
     tolerance(Against::Composite, dt).1
+}
+
+fn gpu() -> Device {
+    Device::cuda(0).expect("a CUDA GPU")
+}
+
+/// The values of `t` as f64 bit patterns, for comparisons bit for bit.
+fn bits(t: &Tensor) -> Vec<u64> {
+    t.to_vec_f64()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
 }
 
 fn rel_err(a: &Tensor, r: &Tensor) -> f64 {

@@ -170,7 +170,7 @@ type Views = BTreeMap<String, (Geometry, bool)>;
 pub struct LatentCache {
     dir: PathBuf,
     encoder: String,
-    /// Image path -> its stamp (content hash), from files.json and this session's hashing.
+    /// Image path -> its stamp (content hash), from files.json and this process's hashing.
     files: BTreeMap<PathBuf, FileStamp>,
 }
 

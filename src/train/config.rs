@@ -1240,7 +1240,8 @@ impl TrainConfig {
 
     /// The values a resumed run must share with the run that wrote its checkpoints, by key:
     /// everything that changes what a step computes or what saved state means. Paths, the
-    /// device, checkpoint cadence, logging and the memory plan may change between sessions.
+    /// device, checkpoint cadence, logging and the memory plan may change between a run and
+    /// its resume.
     pub fn resume_keys(&self) -> Vec<(&'static str, String)> {
         let mut v = self.resume_keys_base();
         // The adapter kind and its LyCORIS settings, where they differ from a plain LoRA's

@@ -515,11 +515,24 @@ impl MemoryProfile {
             .max(1e-9)
     }
 
-    /// Block `b`'s forward, ms, less what `kept` outputs spare a re-run: its GPU work or the
-    /// host's issue of its ops, the longer (see `cost_model`).
-    pub fn forward_ms(&self, b: &BlockCost, kept: Keep) -> f64 {
+    /// Block `b`'s GPU work in its forward (less what `kept` outputs spare a re-run) or its
+    /// `backward`, ms, by the kind of work (see `cost_model`): [GEMMs and convolutions,
+    /// attention, elementwise traffic with the FP8 decodes]. A coded upload's decodes run
+    /// beside this mix (`decode_beside`).
+    fn work_ms(&self, b: &BlockCost, backward: bool, kept: Keep) -> [f64; 3] {
+        use cost_model::*;
         let m = &self.machine;
-        let (attention, _) = m.attention_rates(b.head_dim);
+        let (forward_rate, backward_rate) = m.attention_rates(b.head_dim);
+        let convolutions = b.conv_flops / (m.conv_tflops * 1e9);
+        if backward {
+            return [
+                b.gemm_flops / (m.gemm_tflops * 1e9) + convolutions,
+                ATTENTION_BACKWARD_FLOPS * b.attention_flops / (backward_rate * 1e9),
+                BACKWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
+                    + self.memory_ms(b.adapter_backward_bytes)
+                    + self.decode_ms(b),
+            ];
+        }
         // The share of its weights (and their products and decodes) in down-projections
         // whose outputs are kept.
         let down = if kept.down_projections && b.weight_bytes > 0 {
@@ -532,55 +545,41 @@ impl MemoryProfile {
         } else {
             b.gemm_flops
         };
-        let gpu = gemm.max(0.0) / (m.gemm_tflops * 1e9)
-            + b.conv_flops / (m.conv_tflops * 1e9)
-            + if kept.attention {
+        [
+            gemm.max(0.0) / (m.gemm_tflops * 1e9) + convolutions,
+            if kept.attention {
                 0.0
             } else {
-                b.attention_flops / (attention * 1e9)
-            }
-            + cost_model::FORWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
-            + self.memory_ms(b.adapter_forward_bytes)
-            + self.decode_ms(b) * (1.0 - down);
+                b.attention_flops / (forward_rate * 1e9)
+            },
+            FORWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
+                + self.memory_ms(b.adapter_forward_bytes)
+                + self.decode_ms(b) * (1.0 - down),
+        ]
+    }
+
+    /// Block `b`'s forward, ms, less what `kept` outputs spare a re-run: its GPU work or the
+    /// host's issue of its ops, the longer (see `cost_model`).
+    pub fn forward_ms(&self, b: &BlockCost, kept: Keep) -> f64 {
+        let m = &self.machine;
+        let gpu: f64 = self.work_ms(b, false, kept).iter().sum();
         gpu.max((b.ops * m.op_us + b.views * m.view_us) / 1e3)
     }
 
     /// Block `b`'s backward, ms (see `cost_model`).
     pub fn backward_ms(&self, b: &BlockCost) -> f64 {
         let m = &self.machine;
-        let (_, attention) = m.attention_rates(b.head_dim);
-        let gpu = b.gemm_flops / (m.gemm_tflops * 1e9)
-            + b.conv_flops / (m.conv_tflops * 1e9)
-            + cost_model::ATTENTION_BACKWARD_FLOPS * b.attention_flops / (attention * 1e9)
-            + cost_model::BACKWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
-            + self.memory_ms(b.adapter_backward_bytes)
-            + self.decode_ms(b);
+        let gpu: f64 = self.work_ms(b, true, Keep::NONE).iter().sum();
         gpu.max((b.ops * m.backward_op_us + b.views * m.backward_view_us) / 1e3)
     }
 
     /// A coded upload's decode beside block `b`'s forward (or its `backward`): (ms a GiB
     /// coded until the decode is done, ms a GiB it takes from the compute), the machine's
     /// figures beside GEMMs (convolutions with them), attention and elementwise work
-    /// weighted by each one's share of the block's GPU time.
+    /// weighted by each one's share of the block's GPU time in that pass (`work_ms`).
     fn decode_beside(&self, b: &BlockCost, backward: bool) -> (f64, f64) {
-        use cost_model::*;
         let m = &self.machine;
-        let (forward_rate, backward_rate) = m.attention_rates(b.head_dim);
-        let gemm = b.gemm_flops / (m.gemm_tflops * 1e9) + b.conv_flops / (m.conv_tflops * 1e9);
-        let (attention, memory) = if backward {
-            (
-                ATTENTION_BACKWARD_FLOPS * b.attention_flops / (backward_rate * 1e9),
-                BACKWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
-                    + self.memory_ms(b.adapter_backward_bytes),
-            )
-        } else {
-            (
-                b.attention_flops / (forward_rate * 1e9),
-                FORWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
-                    + self.memory_ms(b.adapter_forward_bytes),
-            )
-        };
-        let work = [gemm, attention, memory + self.decode_ms(b)];
+        let work = self.work_ms(b, backward, Keep::NONE);
         let total: f64 = work.iter().sum();
         let shares = if total > 0.0 {
             work.map(|w| w / total)

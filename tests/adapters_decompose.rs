@@ -44,15 +44,9 @@ fn temp(name: &str) -> PathBuf {
     d
 }
 
-/// max |a - b| / max(max |b|, 1e-30), over equal element counts.
+/// `common::rel_err` over the elements (a magnitude (out, 1) against norms (out)).
 fn rel(a: &Tensor, b: &Tensor) -> f64 {
-    let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
-    assert_eq!(a.len(), b.len());
-    let m = b.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-30);
-    a.iter()
-        .zip(&b)
-        .fold(0.0f64, |d, (x, y)| d.max((x - y).abs()))
-        / m
+    common::rel_err(&a.flatten_all().unwrap(), &b.flatten_all().unwrap())
 }
 
 /// The bound of an f32 result against its f64 reference (the suites' one table), as the

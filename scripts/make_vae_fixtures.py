@@ -14,10 +14,20 @@ Writes tests/fixtures/vae/:
                         channel's conv_out bias is raised by 50 so the [-30, 20] clamp bites
   flux_like_ae.safetensors
                         the same in the LDM layout without a prefix (as BFL's ae.safetensors)
+  flux2_like/           a diffusers `AutoencoderKLFlux2` (FLUX.2's): block_out_channels (8, 8),
+                        8 latent channels, quant convs, 2x2 patches, random batch-norm
+                        running statistics (the latents' normalization)
+  flux2_like_ae.safetensors
+                        the same in the LDM layout without a prefix, `bn.*` kept (as FLUX.2's
+                        ae.safetensors)
   outputs.safetensors   inputs and diffusers' outputs (computed in f64, stored in f32):
                         <model>.x<H>x<W> images, .mean / .logvar (the encoder's posterior,
                         logvar clamped), .decoded (the decoder on the reference mean), and for
-                        sdxl_like on 48x40 the tiled encode / decode with 16-pixel tiles
+                        sdxl_like on 48x40 the tiled encode / decode with 16-pixel tiles;
+                        for flux2_like also .latents (the posterior's mode patched and
+                        normalized as `Flux2KleinPipeline._encode_vae_image` does) and
+                        .from_latents (the pipeline's decode of those: denormalized,
+                        unpatched, decoded)
 
 The LDM renaming is the inverse of diffusers' own conversion
 (`diffusers.loaders.single_file_utils.convert_ldm_vae_checkpoint`): resnets `block.M` with
@@ -35,7 +45,8 @@ import shutil
 import diffusers
 import numpy as np
 import torch
-from diffusers import AutoencoderKL
+from diffusers import AutoencoderKL, AutoencoderKLFlux2
+from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 from safetensors.numpy import save_file
 
@@ -148,6 +159,55 @@ def make(name, seed, channels, latent, quant, scale, shift, images, tiled=None):
     return ldm, out
 
 
+def make_flux2(name, seed, images):
+    cfg = dict(in_channels=3, out_channels=3, block_out_channels=(8, 8), layers_per_block=1,
+               down_block_types=("DownEncoderBlock2D",) * 2,
+               up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4,
+               latent_channels=8, sample_size=32)
+    vae = randomize(AutoencoderKLFlux2(**cfg), seed)
+    g = torch.Generator().manual_seed(seed + 50)
+    with torch.no_grad():
+        n = vae.bn.running_mean.numel()
+        vae.bn.running_mean.copy_((0.3 * torch.randn(n, generator=g, dtype=torch.float64))
+                                  .float().double())
+        vae.bn.running_var.copy_((0.5 + torch.rand(n, generator=g, dtype=torch.float64))
+                                 .float().double())
+    folder = os.path.join(OUT, name)
+    os.makedirs(folder)
+    vae.save_config(folder)
+    sd = vae.state_dict()
+    save_file(f32(sd), os.path.join(folder, "diffusion_pytorch_model.safetensors"),
+              metadata={"format": "pt"})
+    ldm = ldm_keys(sd, 2)
+    back = convert_ldm_vae_checkpoint({f"first_stage_model.{k}": v for k, v in ldm.items()},
+                                      vae.config)
+    kept = [k for k in sd if not k.startswith("bn.")]
+    assert sorted(back) == sorted(kept), set(back) ^ set(kept)
+    for k in kept:
+        assert torch.equal(back[k], sd[k]), k
+    eps = vae.config.batch_norm_eps
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + eps)
+    out = {}
+    g = torch.Generator().manual_seed(seed + 100)
+    for shape in images:
+        x = (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1).float().double()
+        tag = f"{name}.x{shape[2]}x{shape[3]}"
+        with torch.no_grad():
+            post = vae.encode(x).latent_dist
+            out[tag] = x
+            out[f"{tag}.mean"] = post.mean
+            out[f"{tag}.logvar"] = post.logvar
+            out[f"{tag}.decoded"] = vae.decode(post.mean.float().double()).sample
+            # Flux2KleinPipeline._encode_vae_image (argmax: the posterior's mode).
+            lat = (Flux2KleinPipeline._patchify_latents(post.mode()) - mean) / std
+            out[f"{tag}.latents"] = lat
+            # Flux2KleinPipeline.__call__'s decode of the final latents.
+            z = Flux2KleinPipeline._unpatchify_latents(lat.float().double() * std + mean)
+            out[f"{tag}.from_latents"] = vae.decode(z).sample
+    return ldm, out
+
+
 if __name__ == "__main__":
     print("diffusers", diffusers.__version__, "torch", torch.__version__)
     if os.path.isdir(OUT):
@@ -163,6 +223,10 @@ if __name__ == "__main__":
     # FLUX.1-dev's vae/config.json: scaling_factor 0.3611, shift_factor 0.1159.
     ldm, io = make("flux_like", 2, (8, 8), 16, False, 0.3611, 0.1159, [(1, 3, 48, 40)])
     save_file(f32(ldm), os.path.join(OUT, "flux_like_ae.safetensors"))
+    arrays.update(io)
+    # FLUX.2's AutoencoderKLFlux2: batch-norm statistics over 2x2-patched latents.
+    ldm, io = make_flux2("flux2_like", 3, [(2, 3, 32, 24)])
+    save_file(f32(ldm), os.path.join(OUT, "flux2_like_ae.safetensors"))
     arrays.update(io)
     save_file(f32(arrays), os.path.join(OUT, "outputs.safetensors"))
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(OUT) for f in fs)

@@ -4,14 +4,18 @@
 //! with 16 and none), each saved as a diffusers `vae/` folder and in the LDM layout (under
 //! `first_stage_model.` as SDXL's single file; bare as BFL's ae.safetensors), with what
 //! diffusers computed in f64 (stored in f32): the posterior's mean and clamped logvar, the
-//! decoder's image from that mean, and tiled encode / decode with 16-pixel tiles.
+//! decoder's image from that mean, and tiled encode / decode with 16-pixel tiles. Beside
+//! them a tiny `AutoencoderKLFlux2` (FLUX.2's: 8 latent channels with quant convs, random
+//! batch-norm statistics) in both layouts, with the latents its pipeline makes (patched 2x2
+//! and normalized) and the pipeline's decode of them.
 //!
 //! Tolerance: max |flame - diffusers| / max |diffusers| per tensor, 1e-4 in f32 on the CPU.
 #![cfg(feature = "cpu-ref")]
 
 mod common;
 
-use flame::encoders::{AutoencoderKl, VaeConfig, VaeKind, VaeTiling};
+use flame::encoders::{AutoencoderKl, PatchNorm, VaeConfig, VaeKind, VaeTiling};
+use flame::nn::VarBuilder;
 use flame::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -136,6 +140,88 @@ fn flux_like_both_layouts_match_diffusers() {
     assert_eq!(vb.unused_keys().unwrap(), Vec::<String>::new());
     assert_eq!(ldm.config.scaling, VaeKind::Sd3.scaling(), "kind overrides");
     parity("flux_like", &ldm, &CPU);
+}
+
+/// FLUX.2's autoencoder from its diffusers folder (`AutoencoderKLFlux2` by config.json's
+/// class) and from a bare LDM file with its `bn.*` statistics (config inferred but for the
+/// norm groups): the posterior and decoder as the others, and the latents the pipeline
+/// trains on, patched 2x2 into 32 channels and normalized, there and back.
+#[test]
+fn flux2_like_latents_match_the_pipeline() {
+    let io = outputs();
+    let tag = "flux2_like.x32x24";
+    let folder = fixture("flux2_like");
+    let (vae, vb) = AutoencoderKl::load(&folder, None, None, DType::F32, &CPU, None).unwrap();
+    // The batch norm's step counter is the one tensor a frozen autoencoder never reads.
+    assert_eq!(vb.unused_keys().unwrap(), vec!["bn.num_batches_tracked"]);
+    assert_eq!(vae.config.patch_norm, Some(PatchNorm::FLUX2));
+    assert_eq!(vae.config.scaling, VaeKind::Flux2.scaling());
+    assert_eq!(
+        (
+            vae.config.diffusion_channels(),
+            vae.config.diffusion_downscale()
+        ),
+        (32, 4)
+    );
+    parity("flux2_like", &vae, &CPU);
+    let x = &io[tag];
+    let latents = vae.encode_latents(x).unwrap();
+    assert_eq!(latents.dims(), &[2, 32, 8, 6]);
+    check("latents", &latents, &io[&format!("{tag}.latents")], F32_TOL);
+    let want = &io[&format!("{tag}.latents")];
+    check(
+        "decode_latents",
+        &vae.decode_latents(want).unwrap(),
+        &io[&format!("{tag}.from_latents")],
+        F32_TOL,
+    );
+    // Normalizing and back is the identity on the encoder's latents.
+    let mean = &io[&format!("{tag}.mean")];
+    let back = vae
+        .unscale_latents(&vae.scale_latents(mean).unwrap())
+        .unwrap();
+    check("round trip", &back, mean, 1e-6);
+    // A latent of odd height cannot be patched; diffusion latents of the wrong width are
+    // refused by name.
+    let e = vae
+        .scale_latents(&mean.narrow(2, 0, 7).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("multiples of the patch 2"), "{e}");
+    let e = vae.unscale_latents(mean).unwrap_err().to_string();
+    assert!(e.contains("unscale_latents") && e.contains("32"), "{e}");
+
+    // FLUX.2's own single file: LDM names, the statistics under bn.; only the norm groups
+    // (widths of 8 are no multiple of 32) come from a config.
+    let file = fixture("flux2_like_ae.safetensors");
+    let cfg = folder_config("flux2_like");
+    let (ldm, vb) = AutoencoderKl::load(&file, None, None, DType::F32, &CPU, Some(cfg)).unwrap();
+    assert_eq!(vb.unused_keys().unwrap(), vec!["bn.num_batches_tracked"]);
+    check(
+        "ldm latents",
+        &ldm.encode_latents(x).unwrap(),
+        &io[&format!("{tag}.latents")],
+        F32_TOL,
+    );
+    // The shape inference finds the patch from the statistics' count.
+    let vb = VarBuilder::from_files(&[&file], DType::F32, &CPU)
+        .unwrap()
+        .with_key_map(flame::encoders::vae_key_map(
+            flame::encoders::VaeLayout::Ldm,
+            "",
+            2,
+        ))
+        .unwrap();
+    let e = VaeConfig::from_shapes(&vb, None).unwrap_err().to_string();
+    assert!(e.contains("[8, 8]"), "groups: {e}");
+
+    // A config.json giving the decoder other widths is refused by name.
+    let mut j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap())
+            .unwrap();
+    j["decoder_block_out_channels"] = serde_json::json!([8, 16]);
+    let e = VaeConfig::from_json(&j, None).unwrap_err().to_string();
+    assert!(e.contains("decoder_block_out_channels"), "{e}");
 }
 
 /// Shape inference on the shapes of a (32, 64)-wide VAE with 2 ResNets per level (zeros
@@ -310,6 +396,16 @@ fn presets() {
     assert_eq!(x.block_out_channels, vec![128, 256, 512, 512]);
     let s = VaeKind::Sd3.scaling();
     assert_eq!((s.scale, s.shift), (1.5305, 0.0609));
+    let f2 = VaeConfig::for_kind(VaeKind::Flux2);
+    assert_eq!(
+        (
+            f2.latent_channels,
+            f2.use_quant_conv,
+            f2.diffusion_channels()
+        ),
+        (32, true, 128)
+    );
+    assert_eq!(f2.diffusion_downscale(), 16);
 }
 
 /// The same parity on the GPU in f32 (composite attention at head width 16).
@@ -324,4 +420,15 @@ fn vae_matches_diffusers_on_cuda() {
     let (vae, _) =
         AutoencoderKl::load(fixture("flux_like"), None, None, DType::F32, &dev, None).unwrap();
     parity("flux_like", &vae, &dev);
+    let (vae, _) =
+        AutoencoderKl::load(fixture("flux2_like"), None, None, DType::F32, &dev, None).unwrap();
+    parity("flux2_like", &vae, &dev);
+    let io = outputs();
+    let x = io["flux2_like.x32x24"].to_device(&dev).unwrap();
+    check(
+        "latents on cuda",
+        &vae.encode_latents(&x).unwrap(),
+        &io["flux2_like.x32x24.latents"],
+        F32_TOL,
+    );
 }

@@ -52,7 +52,8 @@ pub use tokenizer::{
     T5_LEN_SCHNELL_SD35,
 };
 pub use vae::{
-    vae_key_map, AutoencoderKl, LatentDist, LatentScaling, VaeConfig, VaeKind, VaeLayout, VaeTiling,
+    vae_key_map, AutoencoderKl, LatentDist, LatentScaling, PatchNorm, VaeConfig, VaeKind,
+    VaeLayout, VaeTiling,
 };
 
 use crate::{Error, Result};

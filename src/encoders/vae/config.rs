@@ -32,6 +32,10 @@ pub enum VaeKind {
     /// (`black-forest-labs/FLUX.1-dev` vae/config.json, and BFL's `flux/util.py`
     /// `AutoEncoderParams(scale_factor=0.3611, shift_factor=0.1159)`).
     Flux,
+    /// FLUX.2 (dev and [klein]): 32 latent channels with quant convs, patched 2x2 into 128
+    /// channels normalized by the autoencoder's own batch-norm statistics ([`PatchNorm`];
+    /// diffusers `AutoencoderKLFlux2`), no scale or shift.
+    Flux2,
 }
 
 impl VaeKind {
@@ -41,9 +45,41 @@ impl VaeKind {
             VaeKind::Sdxl => (0.13025, 0.0),
             VaeKind::Sd3 => (1.5305, 0.0609),
             VaeKind::Flux => (0.3611, 0.1159),
+            VaeKind::Flux2 => (1.0, 0.0),
         };
         LatentScaling { scale, shift }
     }
+
+    /// The family's normalization of patched latents, if it has one.
+    pub fn patch_norm(self) -> Option<PatchNorm> {
+        match self {
+            VaeKind::Flux2 => Some(PatchNorm::FLUX2),
+            _ => None,
+        }
+    }
+}
+
+/// Latents patched and normalized per channel (FLUX.2): the encoder's latents (B, C, h, w)
+/// become (B, C * patch², h / patch, w / patch), channel `c * patch² + dy * patch + dx`
+/// holding pixel (dy, dx) of each patch (diffusers `Flux2Pipeline._patchify_latents`), then
+/// `(x - mean) / sqrt(var + eps)` with the running statistics of the autoencoder's
+/// non-affine batch norm over the patched channels (its `bn.running_mean` and
+/// `bn.running_var`; `Flux2Pipeline._encode_vae_image`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PatchNorm {
+    /// The patch side (2).
+    pub patch: usize,
+    /// diffusers' `batch_norm_eps`.
+    pub eps: f64,
+}
+
+impl PatchNorm {
+    /// FLUX.2's: 2x2 patches, eps 1e-4 (diffusers `AutoencoderKLFlux2.__init__` defaults
+    /// `patch_size=(2, 2)`, `batch_norm_eps=1e-4`).
+    pub const FLUX2: PatchNorm = PatchNorm {
+        patch: 2,
+        eps: 1e-4,
+    };
 }
 
 /// How the checkpoint names its tensors.
@@ -83,24 +119,45 @@ pub struct VaeConfig {
     pub mid_block_add_attention: bool,
     /// The latent scaling of the family.
     pub scaling: LatentScaling,
+    /// FLUX.2's patching and normalization of latents (diffusers `AutoencoderKLFlux2`;
+    /// its statistics are weights of the checkpoint), `None` for the others.
+    pub patch_norm: Option<PatchNorm>,
 }
 
 impl VaeConfig {
     /// The full-size autoencoder of a family, as its pipeline's vae/config.json gives it.
+    /// FLUX.2's: 32 latent channels with quant convs (diffusers `AutoencoderKLFlux2.__init__`
+    /// defaults `latent_channels=32`, `use_quant_conv=True`, `use_post_quant_conv=True`).
     pub fn for_kind(kind: VaeKind) -> Self {
-        let quant = kind == VaeKind::Sdxl;
+        let quant = matches!(kind, VaeKind::Sdxl | VaeKind::Flux2);
         VaeConfig {
             in_channels: 3,
             out_channels: 3,
             block_out_channels: vec![128, 256, 512, 512],
             layers_per_block: 2,
-            latent_channels: if quant { 4 } else { 16 },
+            latent_channels: match kind {
+                VaeKind::Sdxl => 4,
+                VaeKind::Sd3 | VaeKind::Flux => 16,
+                VaeKind::Flux2 => 32,
+            },
             norm_num_groups: 32,
             use_quant_conv: quant,
             use_post_quant_conv: quant,
             mid_block_add_attention: true,
             scaling: kind.scaling(),
+            patch_norm: kind.patch_norm(),
         }
+    }
+
+    /// Channels of the latents the diffusion model sees: the encoder's, times patch² where
+    /// they are patched.
+    pub fn diffusion_channels(&self) -> usize {
+        self.latent_channels * self.patch_norm.map_or(1, |p| p.patch * p.patch)
+    }
+
+    /// The image is this many times the diffusion latents' height and width.
+    pub fn diffusion_downscale(&self) -> usize {
+        self.downscale() * self.patch_norm.map_or(1, |p| p.patch)
     }
 
     /// The image is this many times the latent's height and width: 2^(levels - 1).
@@ -108,8 +165,9 @@ impl VaeConfig {
         1 << self.block_out_channels.len().saturating_sub(1)
     }
 
-    /// From a diffusers `vae/config.json` (`AutoencoderKL`); absent fields take its
-    /// defaults (`scaling_factor` 0.18215, no shift). Block types other than
+    /// From a diffusers `vae/config.json` (`AutoencoderKL`, or `AutoencoderKLFlux2` by its
+    /// `_class_name`: patched latents, no scaling); absent fields take the class's defaults
+    /// (`AutoencoderKL`: `scaling_factor` 0.18215, no shift). Block types other than
     /// `DownEncoderBlock2D` / `UpDecoderBlock2D`, activations other than SiLU, and per-channel
     /// `latents_mean` / `latents_std` normalization are refused.
     pub fn from_json(v: &Value, path: Option<&Path>) -> Result<Self> {
@@ -146,6 +204,21 @@ impl VaeConfig {
                 }
             }
         }
+        // AutoencoderKLFlux2 may give the decoder other widths; none of the released
+        // autoencoders does, and this model builds both sides from one list.
+        if let Some(d) = v.get("decoder_block_out_channels").filter(|d| !d.is_null()) {
+            let same = d.as_array().is_some_and(|a| {
+                a.len() == block_out_channels.len()
+                    && a.iter()
+                        .zip(&block_out_channels)
+                        .all(|(x, &c)| x.as_u64() == Some(c as u64))
+            });
+            if !same {
+                return Err(err(format!(
+                    "\"decoder_block_out_channels\" = {d} differs from the encoder's: not supported"
+                )));
+            }
+        }
         match v.get("act_fn").and_then(Value::as_str) {
             None | Some("silu") | Some("swish") => {}
             Some(other) => return Err(err(format!("act_fn \"{other}\" is not silu"))),
@@ -157,19 +230,49 @@ impl VaeConfig {
                 )));
             }
         }
+        let flux2 = v.get("_class_name").and_then(Value::as_str) == Some("AutoencoderKLFlux2");
+        let patch_norm = if flux2 {
+            let patch = match v.get("patch_size") {
+                None | Some(Value::Null) => PatchNorm::FLUX2.patch,
+                Some(Value::Array(a))
+                    if a.len() == 2 && a[0] == a[1] && a[0].as_u64().is_some_and(|p| p > 0) =>
+                {
+                    a[0].as_u64().unwrap_or(2) as usize
+                }
+                Some(x) => {
+                    return Err(err(format!(
+                        "\"patch_size\" = {x} is not a square patch [p, p]"
+                    )))
+                }
+            };
+            Some(PatchNorm {
+                patch,
+                eps: float("batch_norm_eps", PatchNorm::FLUX2.eps)?,
+            })
+        } else {
+            None
+        };
+        // AutoencoderKLFlux2's defaults (its `__init__`): 2 ResNets a level, 32 latent
+        // channels; its latents are normalized by the batch norm, not scaled.
+        let (layers, latent) = if flux2 { (2, 32) } else { (1, 4) };
+        let scaling = match flux2 {
+            true => VaeKind::Flux2.scaling(),
+            false => LatentScaling {
+                scale: float("scaling_factor", 0.18215)?,
+                shift: float("shift_factor", 0.0)?,
+            },
+        };
         let cfg = VaeConfig {
             in_channels: int("in_channels", 3)?,
             out_channels: int("out_channels", 3)?,
-            layers_per_block: int("layers_per_block", 1)?,
-            latent_channels: int("latent_channels", 4)?,
+            layers_per_block: int("layers_per_block", layers)?,
+            latent_channels: int("latent_channels", latent)?,
             norm_num_groups: int("norm_num_groups", 32)?,
             use_quant_conv: flag("use_quant_conv"),
             use_post_quant_conv: flag("use_post_quant_conv"),
             mid_block_add_attention: flag("mid_block_add_attention"),
-            scaling: LatentScaling {
-                scale: float("scaling_factor", 0.18215)?,
-                shift: float("shift_factor", 0.0)?,
-            },
+            scaling,
+            patch_norm,
             block_out_channels,
         };
         cfg.validate().map_err(err)?;
@@ -208,6 +311,30 @@ impl VaeConfig {
             .count();
         let latent_channels = shape("decoder.conv_in.weight")?[1];
         let use_quant_conv = vb.pp("quant_conv").contains("weight");
+        // FLUX.2's batch-norm statistics over the patched channels: patch² = their count
+        // over the latent channels.
+        let patch_norm = match vb.shape_of("bn.running_mean") {
+            None => None,
+            Some(s) => {
+                let n = s.iter().product::<usize>();
+                let p = (1..=8)
+                    .find(|p| p * p * latent_channels == n)
+                    .ok_or_else(|| Error::Param {
+                        key: vb.key("bn.running_mean"),
+                        file: None,
+                        msg: format!(
+                            "{n} statistics are no square patch of {latent_channels} latent \
+                             channels"
+                        ),
+                    })?;
+                Some(PatchNorm {
+                    patch: p,
+                    eps: kind
+                        .and_then(VaeKind::patch_norm)
+                        .map_or(PatchNorm::FLUX2.eps, |k| k.eps),
+                })
+            }
+        };
         let groups = 32;
         if block_out_channels.iter().any(|c| c % groups != 0) {
             return Err(Error::Config {
@@ -220,6 +347,7 @@ impl VaeConfig {
         }
         let scaling = match (kind, latent_channels, use_quant_conv) {
             (Some(k), _, _) => k.scaling(),
+            _ if patch_norm.is_some() => VaeKind::Flux2.scaling(),
             (None, 4, true) => VaeKind::Sdxl.scaling(),
             (None, 16, false) => {
                 return Err(Error::Config {
@@ -253,6 +381,7 @@ impl VaeConfig {
                 .pp("encoder.mid_block.attentions.0.to_q")
                 .contains("weight"),
             scaling,
+            patch_norm,
             block_out_channels,
         };
         cfg.validate()
@@ -275,6 +404,14 @@ impl VaeConfig {
         }
         if self.in_channels == 0 || self.out_channels == 0 || self.latent_channels == 0 {
             return Err("VAE: image and latent channels must be positive".into());
+        }
+        if let Some(p) = self.patch_norm {
+            if p.patch == 0 || !(p.eps.is_finite() && p.eps >= 0.0) {
+                return Err(format!(
+                    "VAE: patch {} and batch_norm_eps {} must be positive",
+                    p.patch, p.eps
+                ));
+            }
         }
         if !(self.scaling.scale.is_finite() && self.scaling.scale > 0.0) {
             return Err(format!(
@@ -306,7 +443,7 @@ pub fn vae_key_map(layout: VaeLayout, prefix: &str, levels: usize) -> KeyMap {
 fn ldm_key(key: &str, levels: usize) -> Option<String> {
     let (side, rest) = key.split_once('.')?;
     match side {
-        "quant_conv" | "post_quant_conv" => return Some(key.to_string()),
+        "quant_conv" | "post_quant_conv" | "bn" => return Some(key.to_string()),
         "encoder" | "decoder" => {}
         _ => return None,
     }

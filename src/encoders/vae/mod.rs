@@ -1,7 +1,9 @@
-//! The KL autoencoder (diffusers `AutoencoderKL`) of SDXL, SD3 / SD3.5 and Flux: images in
+//! The KL autoencoder (diffusers `AutoencoderKL`, and `AutoencoderKLFlux2`) of SDXL, SD3 /
+//! SD3.5, Flux and FLUX.2: images in
 //! [-1, 1] to latents and back. [`AutoencoderKl::encode`] gives the posterior (mean and
 //! clamped log-variance), [`AutoencoderKl::encode_latents`] the scaled latents the diffusion
-//! model trains on, [`AutoencoderKl::decode_latents`] the image from them. Large images can
+//! model trains on (FLUX.2's patched 2x2 and normalized by the autoencoder's batch-norm
+//! statistics, [`PatchNorm`]), [`AutoencoderKl::decode_latents`] the image from them. Large images can
 //! be encoded and decoded in overlapping tiles blended as diffusers' `tiled_encode` /
 //! `tiled_decode` do ([`VaeTiling`]).
 //!
@@ -27,7 +29,7 @@
 mod blocks;
 mod config;
 
-pub use config::{vae_key_map, LatentScaling, VaeConfig, VaeKind, VaeLayout};
+pub use config::{vae_key_map, LatentScaling, PatchNorm, VaeConfig, VaeKind, VaeLayout};
 
 use super::{ck_err, detect_prefix, prefixes_with, read_json};
 use crate::nn::{Conv2d, Conv2dConfig, VarBuilder};
@@ -107,6 +109,9 @@ pub struct AutoencoderKl {
     decoder: Decoder,
     quant_conv: Option<Conv2d>,
     post_quant_conv: Option<Conv2d>,
+    /// FLUX.2's batch-norm statistics of the patched latents: the mean and
+    /// `sqrt(var + eps)`, (1, C * patch², 1, 1) f32.
+    patch_stats: Option<(Tensor, Tensor)>,
 }
 
 /// The weight file of a VAE and its parsed config.json, if it has one.
@@ -155,6 +160,18 @@ impl AutoencoderKl {
             post_quant_conv: match cfg.use_post_quant_conv {
                 true => Some(one_by_one("post_quant_conv", cfg.latent_channels)?),
                 false => None,
+            },
+            patch_stats: match cfg.patch_norm {
+                Some(p) => {
+                    let c = cfg.diffusion_channels();
+                    let bn = vb.pp("bn");
+                    let stat = |name: &str| -> Result<Tensor> {
+                        bn.get(c, name)?.to_dtype(DType::F32)?.reshape((1, c, 1, 1))
+                    };
+                    let std = stat("running_var")?.affine(1.0, p.eps)?.sqrt()?;
+                    Some((stat("running_mean")?, std))
+                }
+                None => None,
             },
             config: cfg.clone(),
             tiling: None,
@@ -331,14 +348,33 @@ impl AutoencoderKl {
         })
     }
 
-    /// Encoder latents -> diffusion latents: `(z - shift) * scale`.
+    /// Encoder latents -> diffusion latents: `(z - shift) * scale`; FLUX.2's are patched
+    /// and normalized instead ([`PatchNorm`]): (B, C, h, w) -> (B, C * p², h / p, w / p).
     pub fn scale_latents(&self, z: &Tensor) -> Result<Tensor> {
+        if let (Some(p), Some((mean, std))) = (self.config.patch_norm, &self.patch_stats) {
+            self.check(
+                "AutoencoderKl::scale_latents",
+                z,
+                self.config.latent_channels,
+            )?;
+            let x = patchify(z, p.patch)?;
+            let dt = x.dtype();
+            return x.sub(&mean.to_dtype(dt)?)?.div(&std.to_dtype(dt)?);
+        }
         let LatentScaling { scale, shift } = self.config.scaling;
         z.affine(scale, -shift * scale)
     }
 
-    /// Diffusion latents -> encoder latents: `latents / scale + shift`.
+    /// Diffusion latents -> encoder latents: `latents / scale + shift`; FLUX.2's are
+    /// denormalized and unpatched.
     pub fn unscale_latents(&self, latents: &Tensor) -> Result<Tensor> {
+        if let (Some(p), Some((mean, std))) = (self.config.patch_norm, &self.patch_stats) {
+            let c = self.config.diffusion_channels();
+            self.check("AutoencoderKl::unscale_latents", latents, c)?;
+            let dt = latents.dtype();
+            let x = latents.mul(&std.to_dtype(dt)?)?.add(&mean.to_dtype(dt)?)?;
+            return unpatchify(&x, p.patch);
+        }
         let LatentScaling { scale, shift } = self.config.scaling;
         latents.affine(1.0 / scale, shift)
     }
@@ -421,6 +457,38 @@ impl AutoencoderKl {
         }
         Tensor::cat(&out_rows.iter().collect::<Vec<_>>(), 2)
     }
+}
+
+/// (B, C, h, w) -> (B, C * p², h / p, w / p), channel `c * p² + dy * p + dx` holding pixel
+/// (dy, dx) of each patch (diffusers `Flux2Pipeline._patchify_latents`).
+fn patchify(z: &Tensor, p: usize) -> Result<Tensor> {
+    let &[b, c, h, w] = z.dims() else {
+        return Err(Error::invalid("patchify", "needs (B, C, H, W)", z.shape()));
+    };
+    if h % p != 0 || w % p != 0 {
+        return Err(Error::invalid(
+            "patchify",
+            format!("latent height and width must be multiples of the patch {p}"),
+            z.shape(),
+        ));
+    }
+    z.reshape(vec![b, c, h / p, p, w / p, p])?
+        .permute(&[0, 1, 3, 5, 2, 4])?
+        .reshape((b, c * p * p, h / p, w / p))
+}
+
+/// The inverse of [`patchify`] (diffusers `Flux2Pipeline._unpatchify_latents`).
+fn unpatchify(x: &Tensor, p: usize) -> Result<Tensor> {
+    let &[b, c, h, w] = x.dims() else {
+        return Err(Error::invalid(
+            "unpatchify",
+            "needs (B, C, H, W)",
+            x.shape(),
+        ));
+    };
+    x.reshape(vec![b, c / (p * p), p, p, h, w])?
+        .permute(&[0, 1, 4, 2, 5, 3])?
+        .reshape((b, c / (p * p), h * p, w * p))
 }
 
 /// b with its first `extent` rows (dim 2) or columns (dim 3) replaced by a linear blend from

@@ -19,11 +19,19 @@ wrapped (no tensor left out). Checked with lycoris-lora 4.1.3 and torch 2.15.0 o
 float64:
     pip install --target /tmp/pysite2 torch numpy
     pip install --target /tmp/pysite --no-deps lycoris-lora==4.1.3
+A case may come with `<case>.json`, LyCORIS's module settings for it (`algo`, `dim`, `alpha`,
+`factor`, `decompose_both`, `use_tucker`, `weight_decompose`). Only for the forms LyCORIS's own
+loader cannot read, even from files LyCORIS itself wrote (LoKr's Tucker form: 4.1.3's
+`LokrModule.make_module_from_state_dict` takes the rank from `lokr_w2_a.size(1)`, which in
+that form is the output side), LyCORIS's module of that algorithm is then built on each
+layer with those settings and FLAME's tensors loaded into it strictly (every key, every
+shape).
 Exits 1 when a case is off by more than 1e-6 (relative to the change; FLAME's adapter tensors
 are float32) or fails to load.
 """
 
 import copy
+import json
 import os
 import sys
 
@@ -32,6 +40,30 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from lycoris import create_lycoris_from_weights
+from lycoris.modules.locon import LoConModule
+from lycoris.modules.loha import LohaModule
+from lycoris.modules.lokr import LokrModule
+
+MODULES = {"locon": LoConModule, "loha": LohaModule, "lokr": LokrModule}
+
+
+class Built:
+    """LyCORIS's modules built by hand, one a layer (what `net.loras` lists)."""
+
+    def __init__(self, model, sd, settings):
+        kw = dict(settings)
+        cls, dim, alpha = MODULES[kw.pop("algo")], kw.pop("dim"), kw.pop("alpha")
+        self.loras = []
+        for name in ("lin", "conv", "pw"):
+            lora = cls(f"lycoris_{name}", getattr(model, name), 1.0, dim, alpha, **kw)
+            own = {k.split(".", 1)[1]: v for k, v in sd.items()
+                   if k.startswith(f"lycoris_{name}.")}
+            lora.load_state_dict(own, strict=True)
+            self.loras.append(lora)
+
+    def apply_to(self):
+        for lora in self.loras:
+            lora.apply_to()
 
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -69,8 +101,14 @@ def main():
         delta = load_file(os.path.join(folder, f"{case}_delta.safetensors"))
         model = copy.deepcopy(layers)
         plain = {m: getattr(model, m)(x).detach() for m, x in inputs.items()}
+        settings = os.path.join(folder, f"{case}.json")
         try:
-            net, _ = create_lycoris_from_weights(1.0, None, model, weights_sd=sd)
+            if os.path.exists(settings):
+                with open(settings) as f:
+                    net = Built(model, sd, json.load(f))
+                print(f"{case}: LyCORIS's modules built with {settings}, FLAME's tensors in")
+            else:
+                net, _ = create_lycoris_from_weights(1.0, None, model, weights_sd=sd)
             net.apply_to()
         except Exception as e:  # noqa: BLE001 - any failure to load is the finding
             print(f"{case}: LyCORIS could not load it: {e!r}")

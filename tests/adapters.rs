@@ -1198,7 +1198,9 @@ fn rank_dropout_keeps_each_rank_component_of_a_row_or_drops_it_in_training_only(
 /// FLAME's kohya files read by LyCORIS itself (`scripts/check_lycoris_load.py`, LyCORIS
 /// 4.1.3): every kind on the fixture's Linear, 3x3 and 1x1 convolutions (LoKr with a
 /// low-rank and with two full factors, DoRA with its magnitude a row, full with the biases'
-/// changes), LyCORIS wraps every layer and adds what FLAME's adapter adds, in float64. Needs Python with torch and
+/// changes), LoRA, LoKr and LoHa in their Tucker forms, LoKr and LoHa with LyCORIS's weight
+/// decomposition (`dora_scale`), LyCORIS wraps every layer and adds what FLAME's adapter adds,
+/// in float64. Needs Python with torch and
 /// lycoris-lora: `FLAME_LYCORIS_PYTHONPATH=/tmp/pysite2:/tmp/pysite cargo test --features
 /// cpu-ref --test adapters -- --ignored lycoris`.
 #[test]
@@ -1206,14 +1208,48 @@ fn rank_dropout_keeps_each_rank_component_of_a_row_or_drops_it_in_training_only(
 fn flame_kohya_files_load_into_lycoris() {
     let d = temp("lycoris-load");
     let base = load(&dir().join("base.safetensors"));
-    for case in ["lora", "dora", "lokr", "lokr_full", "loha", "full"] {
-        let cfg = match case {
+    let cases = [
+        "lora",
+        "dora",
+        "lokr",
+        "lokr_full",
+        "loha",
+        "full",
+        "lora_tucker",
+        "lokr_tucker",
+        "loha_tucker",
+        "lokr_wd",
+        "loha_wd",
+        "loha_tucker_wd",
+    ];
+    for case in cases {
+        // `<kind>[_tucker][_wd]`: the Tucker forms on the 3x3 convolution, LyCORIS's weight
+        // decomposition.
+        let kind = case
+            .split("_tucker")
+            .next()
+            .unwrap()
+            .trim_end_matches("_wd");
+        let cfg = match kind {
             "full" => AdapterConfig {
                 kind: "full".into(),
                 ..config("lora")
             },
             c => config(c),
         };
+        let cfg = AdapterConfig {
+            tucker: case.contains("_tucker"),
+            weight_decompose: case.ends_with("_wd"),
+            ..cfg
+        };
+        let settings = serde_json::json!({
+            "algo": "lokr",
+            "dim": cfg.rank,
+            "alpha": cfg.alpha,
+            "factor": cfg.factor,
+            "decompose_both": cfg.decompose_both,
+            "use_tucker": true,
+        });
         let a = Adapters::new(AdapterConfig {
             lokr_split: flame::nn::LokrSplit::Lycoris,
             ..cfg
@@ -1232,6 +1268,12 @@ fn flame_kohya_files_load_into_lycoris() {
         perturb(&a, 31);
         a.save_kohya(d.join(format!("{case}.safetensors")), DType::F64)
             .unwrap();
+        // LyCORIS 4.1.3's loader misreads LoKr's Tucker form, its own files too (the rank
+        // from `lokr_w2_a.size(1)`, the output side there): the script builds LyCORIS's
+        // modules with these settings and loads FLAME's tensors into them strictly.
+        if case == "lokr_tucker" {
+            std::fs::write(d.join(format!("{case}.json")), settings.to_string()).unwrap();
+        }
         // The weights' changes, and the biases' where the kind trains them (full).
         let mut deltas: Vec<(String, Tensor)> = vec![];
         for l in a.layers().unwrap() {

@@ -859,6 +859,7 @@ fn the_time_model_plays_the_machine_it_is_given() {
 fn the_declared_ops_are_the_ones_the_blocks_record() {
     use flame::autograd::recorded_ops;
     use flame::models::flux::{self, Flux, FluxConfig};
+    use flame::models::flux2::{self, Flux2, Flux2Config};
     use flame::models::sd3::{Sd3, Sd3Config};
     use flame::models::sdxl::{SdxlConfig, Unet};
     use flame::models::ModelSpec;
@@ -1034,4 +1035,44 @@ fn the_declared_ops_are_the_ones_the_blocks_record() {
         vec![vec![4, 6, 6], vec![3, 12], vec![4], vec![6]],
         counted,
     );
+    let f2 = Flux2Config {
+        in_channels: 8,
+        out_channels: 8,
+        context_in_dim: 12,
+        hidden_size: 32,
+        num_heads: 2,
+        mlp_ratio: 3.0,
+        depth: 2,
+        depth_single_blocks: 3,
+        axes_dim: vec![4, 4, 4, 4],
+        theta: 2000.0,
+        time_channels: 16,
+        eps: 1e-6,
+        guidance_embed: false,
+    };
+    let a = lora(&f2.block_prefixes());
+    let m = Flux2::new(
+        &VarBuilder::random(3, 0.3, DType::F32, &cpu)
+            .with_adapters(a.clone())
+            .unwrap(),
+        &f2,
+    )
+    .unwrap();
+    let (ii, ti) = (
+        flux2::image_ids(2, 3, &cpu).unwrap(),
+        flux2::text_ids(4, &cpu).unwrap(),
+    );
+    let t = Tensor::full(0.4, 1, DType::F32, &cpu).unwrap();
+    let counted = count(&|| {
+        m.forward(
+            &randn(&[1, 6, 8], 1),
+            &ii,
+            &randn(&[1, 4, 12], 2),
+            &ti,
+            &t,
+            None,
+        )
+        .unwrap();
+    });
+    check::<Flux2>("flux2", &f2, a, vec![vec![8, 2, 3], vec![4, 12]], counted);
 }

@@ -1,5 +1,6 @@
 //! The diffusion models, named by their original checkpoints' keys: Flux (BFL), SD3.5
-//! (Stability's MMDiT) and the SDXL UNet (LDM). Each loads from the single file users
+//! (Stability's MMDiT) and the SDXL UNet (LDM); the FLUX.2 transformer (BFL) is built, its
+//! family not yet registered (its pipeline is not in FLAME). Each loads from the single file users
 //! download or from a diffusers folder, whose keys a per-model map turns into the original
 //! ones (fused q/k/v projections are concatenated at load time).
 
@@ -10,6 +11,7 @@ pub mod checkpoint;
 pub(crate) mod common;
 pub mod family;
 pub mod flux;
+pub mod flux2;
 pub mod pipeline;
 pub mod sd3;
 pub mod sdxl;

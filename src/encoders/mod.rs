@@ -1,7 +1,9 @@
 //! Text encoders and their tokenizers: captions to the embeddings the diffusion models are
-//! conditioned on. [`ClipTokenizer`] and [`T5Tokenizer`] turn text into fixed-length ids;
-//! [`ClipTextModel`] (OpenAI's CLIP-L, OpenCLIP's bigG) and [`T5Encoder`] (T5 v1.1 XXL) turn
-//! ids into hidden states. [`AutoencoderKl`] (the `vae` module) turns images into the latents
+//! conditioned on. [`ClipTokenizer`], [`T5Tokenizer`] and [`Qwen3Tokenizer`] turn text into
+//! fixed-length ids; [`ClipTextModel`] (OpenAI's CLIP-L, OpenCLIP's bigG), [`T5Encoder`] (T5
+//! v1.1 XXL) and [`Qwen3Encoder`] (Qwen3-4B / 8B, FLUX.2 [klein]'s and Z-Image's) turn ids
+//! into hidden states; [`Qwen3Conditioning`] holds how those two pipelines prompt Qwen3 and
+//! combine its states. [`AutoencoderKl`] (the `vae` module) turns images into the latents
 //! the models train on and back.
 //!
 //! Weights load from a transformers / diffusers folder (`text_encoder/`, `text_encoder_2/`,
@@ -30,7 +32,9 @@
 //! Which outputs the pipelines use: SD 1.x CLIP-L's `last_hidden`; SDXL both CLIPs'
 //! `penultimate` (concatenated) and bigG's `projected`; SD3.5 both CLIPs' `penultimate` and
 //! both `projected` (concatenated, 768 + 1280) plus T5; Flux CLIP-L's `pooled` and T5's
-//! hidden state. The CLIP-L inside SD3 / SD3.5 single files has no `text_projection`
+//! hidden state; FLUX.2 [klein] Qwen3's hidden states 9, 18, 27 side by side
+//! ([`QWEN3_FLUX2_KLEIN`]), Z-Image its `hidden_states[-2]` at each caption's tokens
+//! ([`QWEN3_Z_IMAGE`]). The CLIP-L inside SD3 / SD3.5 single files has no `text_projection`
 //! (`projected` is `None`): SD3's reference code and diffusers' single-file loader project it
 //! by the identity, so its `pooled` stands in.
 //!
@@ -38,6 +42,8 @@
 //! scripts/make_keylists.py) through each loader's `load_from` without their weights.
 
 mod clip;
+mod qwen3;
+mod qwen3_cond;
 mod t5;
 mod tokenizer;
 mod vae;
@@ -46,10 +52,15 @@ pub use clip::{
     clip_key_map, ClipAct, ClipConfig, ClipLayout, ClipOutput, ClipTextModel, SD3_CLIP_G,
     SD3_CLIP_L, SDXL_CLIP_G, SDXL_CLIP_L,
 };
+pub use qwen3::{Qwen3Config, Qwen3Encoder, Qwen3Options};
+pub use qwen3_cond::{
+    chat_prompt, Qwen3Combine, Qwen3Conditioning, Qwen3Context, Qwen3Output, QWEN3_FLUX2_KLEIN,
+    QWEN3_Z_IMAGE,
+};
 pub use t5::{relative_bucket, T5Config, T5Encoder, SD3_T5};
 pub use tokenizer::{
-    ClipTokenizer, T5Tokenizer, Tokens, CLIP_BOS, CLIP_EOS, CLIP_MAX_LEN, T5_LEN_FLUX_DEV,
-    T5_LEN_SCHNELL_SD35,
+    ClipTokenizer, Qwen3Tokenizer, T5Tokenizer, Tokens, CLIP_BOS, CLIP_EOS, CLIP_MAX_LEN,
+    T5_LEN_FLUX_DEV, T5_LEN_SCHNELL_SD35,
 };
 pub use vae::{
     vae_key_map, AutoencoderKl, LatentDist, LatentScaling, PatchNorm, VaeConfig, VaeKind,

@@ -275,12 +275,18 @@ fn clip_bpe(vocab: &Path, merges: &Path) -> Result<Tokenizer> {
 struct FolderConfig {
     pad: Option<String>,
     added: Vec<AddedToken>,
+    /// `padding_side` ("right" or "left"; transformers' default "right").
+    padding_side: Option<String>,
+    /// `truncation_side` ("right" or "left"; transformers' default "right").
+    truncation_side: Option<String>,
 }
 
 fn folder_config(dir: &Path) -> Result<FolderConfig> {
     let mut cfg = FolderConfig {
         pad: None,
         added: vec![],
+        padding_side: None,
+        truncation_side: None,
     };
     for name in ["special_tokens_map.json", "tokenizer_config.json"] {
         let path = dir.join(name);
@@ -303,6 +309,12 @@ fn folder_config(dir: &Path) -> Result<FolderConfig> {
         if cfg.pad.is_none() {
             cfg.pad = v.get("pad_token").and_then(content);
         }
+        let side = |k: &str| v.get(k).and_then(|s| s.as_str()).map(str::to_string);
+        cfg.padding_side = cfg.padding_side.take().or_else(|| side("padding_side"));
+        cfg.truncation_side = cfg
+            .truncation_side
+            .take()
+            .or_else(|| side("truncation_side"));
         let flag = |t: &serde_json::Value, k: &str, default: bool| {
             t.get(k).and_then(|b| b.as_bool()).unwrap_or(default)
         };
@@ -381,5 +393,128 @@ impl T5Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Tokens> {
         let ids = raw_ids(&self.tok, text, &self.path)?;
         Ok(frame(&[], &ids, self.eos, self.pad, self.max_len))
+    }
+}
+
+/// Qwen's byte-level BPE (Qwen2 / Qwen3's `tokenizer.json`, transformers'
+/// `Qwen2Tokenizer`): the text's tokens with the special tokens (`<|im_start|>`,
+/// `<|im_end|>`, `<think>`, ...) matched as whole tokens, no BOS or EOS added, cut to
+/// `max_len` and padded after the text with `pad_token` (`<|endoftext|>`): what transformers
+/// returns for `tokenizer(text, padding="max_length", truncation=True, max_length=max_len)`,
+/// as FLUX.2 [klein]'s and Z-Image's pipelines call it on their chat prompts.
+#[derive(Clone, Debug)]
+pub struct Qwen3Tokenizer {
+    tok: Tokenizer,
+    pad: u32,
+    max_len: usize,
+    /// `truncation_side` "left": the first tokens are cut, not the last.
+    cut_left: bool,
+    path: PathBuf,
+}
+
+impl Qwen3Tokenizer {
+    /// From a tokenizer folder (a pipeline's `tokenizer/`, or a Qwen3 model folder) holding
+    /// `tokenizer.json` and optionally `tokenizer_config.json`, or from a `tokenizer.json`
+    /// file. The folder's config gives the pad token (default `<|endoftext|>`, transformers
+    /// `Qwen2Tokenizer.__init__`), the truncation side and the padding side; padding on the
+    /// left is refused (the released tokenizers pad on the right, transformers' default, and
+    /// the encoder's positions assume it). Added tokens the config lists that the
+    /// tokenizer.json lacks are added as transformers registers them.
+    pub fn from_dir(path: impl AsRef<Path>, max_len: usize) -> Result<Self> {
+        let path = path.as_ref();
+        let (json, dir) = if path.is_dir() {
+            (path.join("tokenizer.json"), Some(path))
+        } else {
+            (path.to_path_buf(), path.parent())
+        };
+        if !json.is_file() {
+            return Err(tok_err(
+                path,
+                "no tokenizer.json: give the tokenizer folder of a FLUX.2 [klein] or Z-Image \
+                 pipeline (tokenizer/) or of a Qwen3 model, or its tokenizer.json (single-file \
+                 checkpoints hold no vocabulary; vocab.json + merges.txt alone are not read)",
+            ));
+        }
+        let cfg = match dir {
+            Some(d) => folder_config(d)?,
+            None => FolderConfig {
+                pad: None,
+                added: vec![],
+                padding_side: None,
+                truncation_side: None,
+            },
+        };
+        let config_file = dir.map_or_else(|| json.clone(), |d| d.join("tokenizer_config.json"));
+        let side = |s: &Option<String>, key: &str| match s.as_deref() {
+            None | Some("right") => Ok(false),
+            Some("left") => Ok(true),
+            Some(other) => Err(tok_err(
+                &config_file,
+                format!("{key} \"{other}\" is neither \"right\" nor \"left\""),
+            )),
+        };
+        if side(&cfg.padding_side, "padding_side")? {
+            return Err(tok_err(
+                &config_file,
+                "padding_side \"left\": Qwen3's conditioning pads on the right (the \
+                 pipelines' released tokenizers do); remove the setting",
+            ));
+        }
+        let cut_left = side(&cfg.truncation_side, "truncation_side")?;
+        let mut tok = from_json(&json)?;
+        let have: Vec<String> = tok
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|t| t.content)
+            .collect();
+        let mut added = cfg.added.clone();
+        added.retain(|t| !have.contains(&t.content));
+        tok.add_special_tokens(&added);
+        let pad = id_of(&tok, cfg.pad.as_deref().unwrap_or("<|endoftext|>"), &json)?;
+        if max_len < 1 {
+            return Err(tok_err(&json, "max_len 0 leaves no room for a token"));
+        }
+        Ok(Qwen3Tokenizer {
+            tok,
+            pad,
+            max_len,
+            cut_left,
+            path: json,
+        })
+    }
+
+    /// The padding id (`<|endoftext|>`, 151643 in Qwen's vocabulary).
+    pub fn pad_id(&self) -> u32 {
+        self.pad
+    }
+
+    /// Tokens per text.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// The id of `token` in the vocabulary, if it has one.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tok.token_to_id(token)
+    }
+
+    /// `max_len` ids: the text's tokens (special tokens written in it read as such), cut to
+    /// `max_len` on the truncation side, then padding; the mask is 1 over the text's tokens.
+    /// The text is taken as it is (the pipelines' chat prompts are built by `chat_prompt`).
+    pub fn encode(&self, text: &str) -> Result<Tokens> {
+        let mut ids = raw_ids(&self.tok, text, &self.path)?;
+        if ids.len() > self.max_len {
+            match self.cut_left {
+                true => {
+                    ids.drain(..ids.len() - self.max_len);
+                }
+                false => ids.truncate(self.max_len),
+            }
+        }
+        let n = ids.len();
+        ids.resize(self.max_len, self.pad);
+        let mut mask = vec![1; n];
+        mask.resize(self.max_len, 0);
+        Ok(Tokens { ids, mask })
     }
 }

@@ -6,7 +6,8 @@
 
 use super::family::Family;
 use crate::encoders::{
-    AutoencoderKl, ClipTextModel, ClipTokenizer, T5Encoder, T5Tokenizer, Tokens,
+    AutoencoderKl, ClipTextModel, ClipTokenizer, Qwen3Conditioning, Qwen3Encoder, Qwen3Options,
+    Qwen3Tokenizer, T5Encoder, T5Tokenizer, Tokens,
 };
 use crate::{no_grad, DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
@@ -236,11 +237,13 @@ pub fn file_identity(path: &Path) -> String {
 enum Tokenizer {
     Clip(ClipTokenizer),
     T5(T5Tokenizer),
+    Qwen3(Qwen3Tokenizer, &'static Qwen3Conditioning),
 }
 
 enum Encoder {
     Clip(ClipTextModel),
     T5(T5Encoder),
+    Qwen3(Qwen3Encoder, &'static Qwen3Conditioning),
 }
 
 /// The most T5 tokens a caption may take: the length T5 was trained to and diffusers' Flux
@@ -335,6 +338,30 @@ impl TextConditioner {
                         ),
                     )
                 }
+                TextEncoderKind::Qwen3(cond) => {
+                    // Qwen3 is not run in f16 (the loader refuses it): bf16, as released.
+                    let dt = if dtype == DType::F16 {
+                        DType::BF16
+                    } else {
+                        dtype
+                    };
+                    let opts = Qwen3Options {
+                        prefix: w.prefix.map(str::to_string),
+                        ..cond.options()
+                    };
+                    (
+                        Tokenizer::Qwen3(
+                            Qwen3Tokenizer::from_dir(tok, len).map_err(|e| wrap(key, slot, e))?,
+                            cond,
+                        ),
+                        Encoder::Qwen3(
+                            Qwen3Encoder::load(&w.path, dt, device, &opts)
+                                .map_err(|e| wrap(key, slot, e))?
+                                .0,
+                            cond,
+                        ),
+                    )
+                }
             };
             encoders.push(pair);
         }
@@ -385,12 +412,16 @@ impl TextConditioner {
                 .map(|c| match tok {
                     Tokenizer::Clip(t) => t.encode(c),
                     Tokenizer::T5(t) => t.encode(c),
+                    Tokenizer::Qwen3(t, cond) => cond.tokens(t, c),
                 })
                 .collect::<Result<_>>()?;
-            let (ids, _mask) = Tokens::batch(&tokens, &self.device)?;
+            let (ids, mask) = Tokens::batch(&tokens, &self.device)?;
+            // CLIP and T5 run without a mask (diffusers' pipelines pass none); Qwen3 with the
+            // tokenizer's, as FLUX.2 [klein]'s and Z-Image's pipelines do.
             outs.push(match enc {
                 Encoder::Clip(m) => TextOutput::Clip(m.forward(&ids, None)?),
                 Encoder::T5(m) => TextOutput::T5(m.forward(&ids, None)?),
+                Encoder::Qwen3(m, cond) => TextOutput::Qwen3(cond.encode(m, &ids, &mask)?),
             });
         }
         (self.family.pipeline.combine)(&outs)?

@@ -4,7 +4,7 @@
 //! what it names.
 
 use crate::diffusion::{Prediction, Schedule};
-use crate::encoders::{ClipOutput, VaeKind};
+use crate::encoders::{ClipOutput, Qwen3Conditioning, Qwen3Output, VaeKind};
 use crate::{Error, Result, Tensor};
 
 /// The architecture of a text encoder.
@@ -14,6 +14,11 @@ pub enum TextEncoderKind {
     Clip,
     /// The T5 v1.1 encoder.
     T5,
+    /// Qwen3 as a conditioning encoder (FLUX.2 [klein], Z-Image), used as the conditioning
+    /// says: its chat prompt, the hidden states taken (only the layers they need are loaded)
+    /// and how the family combines them (`crate::encoders::QWEN3_FLUX2_KLEIN`,
+    /// `QWEN3_Z_IMAGE`). The slot's `max_len` should be the conditioning's.
+    Qwen3(&'static Qwen3Conditioning),
 }
 
 /// One text encoder of a family's conditioning.
@@ -29,7 +34,7 @@ pub struct EncoderSlot {
     pub tokenizer: &'static str,
     /// Its key prefix inside the family's all-in-one single file, if such files hold it.
     pub single_file_prefix: Option<&'static str>,
-    /// Tokens per caption (CLIP 77; T5 256 or 512).
+    /// Tokens per caption (CLIP 77; T5 256 or 512; Qwen3 512).
     pub max_len: usize,
     /// Tokens per caption when the model has no guidance input (FLUX.1 schnell: 256).
     pub max_len_unguided: usize,
@@ -54,6 +59,9 @@ pub enum TextOutput {
     Clip(ClipOutput),
     /// T5's last hidden state (B, L, D).
     T5(Tensor),
+    /// Qwen3's hidden states the slot's conditioning takes, with the captions' padding mask
+    /// (`Qwen3Conditioning::combine` makes the transformer's input of them).
+    Qwen3(Qwen3Output),
 }
 
 /// A pipeline's error: a config error without a file.
@@ -66,7 +74,9 @@ impl TextOutput {
     pub fn clip(&self, slot: &str) -> Result<&ClipOutput> {
         match self {
             TextOutput::Clip(c) => Ok(c),
-            TextOutput::T5(_) => Err(pipeline_err(format!("{slot}: expected a CLIP output"))),
+            TextOutput::T5(_) | TextOutput::Qwen3(_) => {
+                Err(pipeline_err(format!("{slot}: expected a CLIP output")))
+            }
         }
     }
 
@@ -74,7 +84,19 @@ impl TextOutput {
     pub fn t5(&self, slot: &str) -> Result<&Tensor> {
         match self {
             TextOutput::T5(t) => Ok(t),
-            TextOutput::Clip(_) => Err(pipeline_err(format!("{slot}: expected a T5 output"))),
+            TextOutput::Clip(_) | TextOutput::Qwen3(_) => {
+                Err(pipeline_err(format!("{slot}: expected a T5 output")))
+            }
+        }
+    }
+
+    /// The Qwen3 hidden states and mask, or an error naming `slot`.
+    pub fn qwen3(&self, slot: &str) -> Result<&Qwen3Output> {
+        match self {
+            TextOutput::Qwen3(q) => Ok(q),
+            TextOutput::Clip(_) | TextOutput::T5(_) => {
+                Err(pipeline_err(format!("{slot}: expected a Qwen3 output")))
+            }
         }
     }
 }

@@ -557,14 +557,19 @@ fn flux2_schedule_matches_the_pipeline() {
     }
 }
 
-/// The family's entry: its block names are the config's, its pipeline refuses text outputs
-/// it cannot combine (no text encoder is wired), and it is not registered.
+/// The family's entry: registered under "flux2", its pipeline Qwen3 (the klein prompt) and
+/// FLUX.2's autoencoder, a missing text output named; its block shapes are the config's.
 #[test]
 fn flux2_family_entry() {
     let f = Flux2::entry();
     assert_eq!((f.name, f.subfolder), ("flux2", "transformer"));
-    assert!(flame::models::family("flux2").is_err());
-    assert!((f.pipeline.combine)(&[]).is_err());
+    assert!(std::ptr::eq(flame::models::family("flux2").unwrap(), f));
+    let p = f.pipeline;
+    assert_eq!(p.text.len(), 1);
+    assert_eq!((p.text[0].name, p.text[0].max_len), ("qwen3", 512));
+    assert_eq!(p.vae, flame::encoders::VaeKind::Flux2);
+    let e = (p.combine)(&[]).unwrap_err().to_string();
+    assert!(e.contains("0 encoder outputs"), "{e}");
     let cfg = Flux2Config::klein_4b();
     let shapes = Flux2::block_shapes(&cfg, &[vec![128, 64, 64], vec![512, 7680]]).unwrap();
     assert_eq!(shapes.len(), 25);

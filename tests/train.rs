@@ -487,7 +487,7 @@ fn every_checkable_value_is_refused_with_its_key_and_line() {
             vec!["train.keep_last".into()],
         ),
         (
-            good.replace("arch = \"flux\"", "arch = \"flux2\""),
+            good.replace("arch = \"flux\"", "arch = \"flux9\""),
             vec!["model.arch".into(), "flux, sd3, sdxl".into()],
         ),
         (

@@ -429,7 +429,7 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         }
         v
     };
-    let f = 1usize << vae.config.block_out_channels.len().saturating_sub(1);
+    let f = vae.config.diffusion_downscale();
     if a.width % f != 0 || a.height % f != 0 {
         return Err(bad(format!(
             "--width {} --height {}: multiples of the autoencoder's factor {f}",

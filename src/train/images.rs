@@ -534,14 +534,16 @@ pub fn prepare(
 
     // Latents: the autoencoder, loaded once for the training and validation images.
     let mut vae = vae(config, family, &vae_at, dtype, &device)?;
-    let factor = 1usize << vae.config.block_out_channels.len().saturating_sub(1);
+    // The diffusion latents' downscale and channels (FLUX.2's are 2x2 patches of the
+    // autoencoder's).
+    let factor = vae.config.diffusion_downscale();
     let vae_width = vae
         .config
         .block_out_channels
         .first()
         .copied()
         .unwrap_or(VAE_FIRST_WIDTH);
-    let channels = vae.config.latent_channels;
+    let channels = vae.config.diffusion_channels();
     if let Some(Size::Exactly(c)) = inputs[0].dims.first() {
         if *c != channels {
             return Err(cfg_err(format!(

@@ -2,25 +2,27 @@
 //! autoencoder's latents as normalized 2x2 patches, the text encoder's hidden states) and
 //! Flux2KleinPipeline's sampler.
 //!
-//! The family is not in `models::FAMILIES` yet: its text encoder (Qwen3) is not in FLAME's
-//! pipelines, so its `PIPELINE` holds the sampler and the autoencoder and refuses to combine
-//! text encoder outputs.
+//! Its pipeline (Flux2KleinPipeline's): Qwen3 (Qwen3-4B for klein 4B, Qwen3-8B for 9B) with
+//! its hidden states 9, 18 and 27 side by side as the `context`, FLUX.2's autoencoder
+//! (AutoencoderKLFlux2: 32 channels, its 2x2 patches normalized by its BatchNorm statistics)
+//! and the Klein sampler.
 
 use super::{diffusers_map, image_ids, pack_latents, text_ids, unpack_latents, Flux2, Flux2Config};
 use crate::diffusion::schedulers::{FlowMatchConfig, FlowMatchEuler};
 use crate::diffusion::Schedule;
-use crate::encoders::VaeKind;
+use crate::encoders::{Qwen3Context, VaeKind, QWEN3_FLUX2_KLEIN};
 use crate::memory::{BlockExec, BlockShape};
 use crate::models::checkpoint::{Checkpoint, LDM_PREFIX};
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
-use crate::models::pipeline::{PipelineSpec, SampleSetup, TextOutput};
+use crate::models::pipeline::{
+    output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
+};
 use crate::nn::{KeyMap, VarBuilder};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Tensor};
 
-/// The family entry of FLUX.2 (BFL's FLUX.2 [klein] 4B / 9B and fine-tunes); not registered
-/// in `models::FAMILIES` (module docs).
+/// The family entry of FLUX.2 (BFL's FLUX.2 [klein] 4B / 9B and fine-tunes).
 pub static FAMILY: Family = Family::of::<Flux2>(
     "flux2",
     "transformer",
@@ -28,25 +30,40 @@ pub static FAMILY: Family = Family::of::<Flux2>(
     &PIPELINE,
 );
 
-/// Until the family's text encoder is in the pipelines: no text encoder slots, and `combine`
-/// says what the model takes instead. The autoencoder is FLUX.2's (AutoencoderKLFlux2: 32
-/// channels, its 2x2 patches normalized by its BatchNorm statistics).
+/// Qwen3 in the pipeline's `text_encoder` / `tokenizer` folders, its chat prompt without
+/// thinking and 512 tokens (diffusers `Flux2KleinPipeline.encode_prompt`,
+/// `QWEN3_FLUX2_KLEIN`).
+static TEXT: [EncoderSlot; 1] = [EncoderSlot {
+    name: "qwen3",
+    kind: TextEncoderKind::Qwen3(&QWEN3_FLUX2_KLEIN),
+    folder: "text_encoder",
+    tokenizer: "tokenizer",
+    single_file_prefix: None,
+    max_len: QWEN3_FLUX2_KLEIN.max_len,
+    max_len_unguided: QWEN3_FLUX2_KLEIN.max_len,
+}];
+
+/// FLUX.2's pipeline: Qwen3, its autoencoder, the Klein sampler.
 static PIPELINE: PipelineSpec = PipelineSpec {
-    text: &[],
+    text: &TEXT,
     combine,
     vae: VaeKind::Flux2,
     vae_single_file_prefix: None,
     schedule: pipeline_schedule,
 };
 
-fn combine(_: &[TextOutput]) -> Result<Vec<(String, Tensor)>> {
-    Err(Error::Config {
-        path: None,
-        msg: "flux2: FLUX.2's text encoder (Qwen3, three hidden layers stacked) is not part \
-              of FLAME's pipelines yet; give the model the text hidden states as its \
-              `context` input (T, context_in_dim)"
-            .into(),
-    })
+/// The `context`: Qwen3's hidden states 9, 18 and 27 side by side at every position, the
+/// padding's too (the transformer takes no text mask).
+fn combine(outs: &[TextOutput]) -> Result<Vec<(String, Tensor)>> {
+    match QWEN3_FLUX2_KLEIN.combine(output(outs, 0)?.qwen3("qwen3")?)? {
+        Qwen3Context::Padded(t) => Ok(vec![("context".into(), t)]),
+        Qwen3Context::PerCaption(_) => Err(Error::Config {
+            path: None,
+            msg: "flux2: the text conditioning gave per-caption states, the model takes \
+                  every position"
+                .into(),
+        }),
+    }
 }
 
 fn pipeline_schedule(s: &SampleSetup) -> Result<Box<dyn Schedule>> {

@@ -64,11 +64,14 @@ fn comfy_file(name: &str) -> TempFile {
     f
 }
 
-/// The forward of the fixture's inputs (img and txt made trainable) on the model at `path`,
-/// its config from the checkpoint (config.json, or the single file's shapes).
-fn run(name: &str, path: &Path) -> (Tensor, Vec<(String, Tensor)>, VarBuilder) {
-    let io = io(name);
-    let (model, vb) = Flux2::load(path, DType::F32, &CPU, None).unwrap();
+/// The forward of the fixture's inputs (img and txt made trainable) on the model at `path`
+/// on `dev`, its config from the checkpoint (config.json, or the single file's shapes).
+fn run(name: &str, path: &Path, dev: &Device) -> (Tensor, Vec<(String, Tensor)>, VarBuilder) {
+    let io: BTreeMap<String, Tensor> = io(name)
+        .into_iter()
+        .map(|(k, t)| (k, t.to_device(dev).unwrap()))
+        .collect();
+    let (model, vb) = Flux2::load(path, DType::F32, dev, None).unwrap();
     assert_eq!(model.config, json_config(name), "{path:?}");
     vb.set_trainable(|_| true).unwrap();
     let img = io["img"].detach().requires_grad_().unwrap();
@@ -86,17 +89,23 @@ fn run(name: &str, path: &Path) -> (Tensor, Vec<(String, Tensor)>, VarBuilder) {
     (out, vec![("img".into(), img), ("txt".into(), txt)], vb)
 }
 
-/// Output, input gradients and every parameter gradient against the fixture.
+/// Output, input gradients and every parameter gradient against the fixture, on the CPU.
 fn parity(name: &str, path: &Path) {
+    parity_on(name, path, &CPU)
+}
+
+/// [`parity`] on `dev`.
+fn parity_on(name: &str, path: &Path, dev: &Device) {
     let io = io(name);
-    let (out, inputs, vb) = run(name, path);
+    let (out, inputs, vb) = run(name, path, dev);
+    let loss_weight = io["loss_weight"].to_device(dev).unwrap();
     let what = format!("{name} {}", path.display());
     let mut worst = [
         check_rel(&format!("{what} output"), &out, &io["output"], TOL),
         0.0,
         0.0,
     ];
-    let grads = out.mul(&io["loss_weight"]).unwrap().sum_all().unwrap();
+    let grads = out.mul(&loss_weight).unwrap().sum_all().unwrap();
     let grads = grads.backward().unwrap();
     for (n, t) in &inputs {
         let e = rel_err(grads.get(t).unwrap(), &io[&format!("grad.{n}")]);
@@ -135,6 +144,18 @@ fn flux2_matches_diffusers_f32_cpu_every_layout() {
     }
     let comfy = comfy_file(KLEIN);
     parity(KLEIN, comfy.path());
+}
+
+/// The same parity on the GPU in f32, both layouts.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn flux2_matches_diffusers_f32_cuda() {
+    let dev = Device::cuda(0).unwrap();
+    for name in [KLEIN, GUIDED] {
+        parity_on(name, &fixture(name), &dev);
+        parity_on(name, &fixture(name).join("single_file.safetensors"), &dev);
+    }
 }
 
 #[test]

@@ -199,6 +199,38 @@ fn hidden_states_match_transformers() {
     assert!(e.contains("hidden state 5") && e.contains("0..=4"), "{e}");
 }
 
+/// The hidden states on the GPU in f32 (masked attention through the composite: head width
+/// 16) and in bf16.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hidden_states_match_transformers_on_cuda() {
+    let dev = Device::cuda(0).unwrap();
+    let io = outputs();
+    let (ids, mask) = (
+        io["ids"].to_device(&dev).unwrap(),
+        io["mask"].to_device(&dev).unwrap(),
+    );
+    for dt in [DType::F32, DType::BF16] {
+        let (enc, _) =
+            Qwen3Encoder::load(fixture("text_encoder"), dt, &dev, &Qwen3Options::default())
+                .unwrap();
+        let hs = enc.hidden_states(&ids, Some(&mask), &[0, 4]).unwrap();
+        check_rel(
+            &format!("cuda {dt:?} hidden 0"),
+            &hs[0],
+            &io["hidden.0"],
+            tol(dt),
+        );
+        check_rel(
+            &format!("cuda {dt:?} hidden 4"),
+            &hs[1],
+            &io["hidden.4"],
+            tol(dt),
+        );
+    }
+}
+
 /// FLUX.2 [klein]'s conditioning: the chat prompts without thinking through the tokenizer
 /// give the pipeline's ids, and hidden states 1, 2, 3 side by side on features give what
 /// `Flux2KleinPipeline.encode_prompt` returns, padding positions included.

@@ -140,7 +140,9 @@ fn zimage_predict_is_the_negated_output_at_one_minus_t() {
     assert!(e <= TOL, "longer padding: {e:e}");
     // A mask that is not ones then zeros is refused.
     let holes = Tensor::from_vec(
-        (0..74).map(|i| f32::from(u8::from(i % 2 == 0))).collect::<Vec<_>>(),
+        (0..74)
+            .map(|i| f32::from(u8::from(i % 2 == 0)))
+            .collect::<Vec<_>>(),
         (2, 37),
         &CPU,
     )
@@ -210,10 +212,15 @@ fn zimage_config_from_json_and_shapes() {
     };
     assert_eq!(c, want);
     // The tiny single file's head dim 16 has no known RoPE split: a config error, not a guess.
-    let e = ZImage::load(fixture().join("single_file.safetensors"), DType::F32, &CPU, None)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = ZImage::load(
+        fixture().join("single_file.safetensors"),
+        DType::F32,
+        &CPU,
+        None,
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(e.contains("RoPE axes"), "{e}");
     // Omni's SigLIP branch and grouped key/value heads are refused by name.
     let mut j = json(&fixture().join("transformer/config.json"));
@@ -308,18 +315,35 @@ fn zimage_lora_on_every_block_linear() {
     let mut ups = 0;
     for (k, p) in &params {
         if k.contains("lora_B") || k.contains("lora_up") || k.ends_with(".up") {
-            let g = grads.get(p).unwrap_or_else(|| panic!("no gradient for {k}"));
-            let m = g.to_vec_f64().unwrap().iter().fold(0f64, |m, v| m.max(v.abs()));
+            let g = grads
+                .get(p)
+                .unwrap_or_else(|| panic!("no gradient for {k}"));
+            let m = g
+                .to_vec_f64()
+                .unwrap()
+                .iter()
+                .fold(0f64, |m, v| m.max(v.abs()));
             assert!(m > 0.0, "{k}: zero gradient");
             ups += 1;
         }
     }
-    assert_eq!(ups, a.layers().unwrap().len(), "{:?}", params.iter().map(|p| &p.0).collect::<Vec<_>>());
+    assert_eq!(
+        ups,
+        a.layers().unwrap().len(),
+        "{:?}",
+        params.iter().map(|p| &p.0).collect::<Vec<_>>()
+    );
     let dir = std::env::temp_dir().join(format!("flame-zimage-lora-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    a.save_peft(dir.join("peft.safetensors"), &l.key_map, "transformer", DType::F32)
+    a.save_peft(
+        dir.join("peft.safetensors"),
+        &l.key_map,
+        "transformer",
+        DType::F32,
+    )
+    .unwrap();
+    a.save_kohya(dir.join("kohya.safetensors"), DType::F32)
         .unwrap();
-    a.save_kohya(dir.join("kohya.safetensors"), DType::F32).unwrap();
     let names = |f: &str| -> Vec<String> {
         flame::safetensors::load(dir.join(f), &CPU)
             .unwrap()
@@ -352,7 +376,7 @@ fn zimage_lora_on_every_block_linear() {
 #[test]
 fn zimage_declared_ops_are_the_ones_the_blocks_record() {
     let cfg = ZImageConfig {
-        n_layers: 1,
+        n_layers: 4,
         ..config()
     };
     let a = block_lora(&cfg);
@@ -362,7 +386,8 @@ fn zimage_declared_ops_are_the_ones_the_blocks_record() {
     let modulated = ZImageBlock::new(&vb.pp("layers").pp(0), &cfg, true).unwrap();
     let plain = ZImageBlock::new(&vb.pp("context_refiner").pp(0), &cfg, false).unwrap();
     let randn = |s: Vec<usize>, seed| Tensor::randn(s, DType::F32, &CPU, seed).unwrap();
-    let x = randn(vec![1, 32, cfg.dim], 1);
+    // Past the first adapted block every block's input needs a gradient.
+    let x = randn(vec![1, 32, cfg.dim], 1).requires_grad_().unwrap();
     let c = randn(vec![1, cfg.adaln_dim()], 2);
     let pe = flame::nn::EmbedNd {
         theta: 256.0,
@@ -394,19 +419,44 @@ fn zimage_declared_ops_are_the_ones_the_blocks_record() {
     let ops: f64 = prof.blocks.iter().map(|b| b.ops).sum();
     let views: f64 = prof.blocks.iter().map(|b| b.views).sum();
     let n = cfg.n_refiner_layers as u64;
-    let seen = (
+    let blocks = (
         (n + cfg.n_layers as u64) * m.0 + n * p.0,
         (n + cfg.n_layers as u64) * m.1 + n * p.1,
     );
-    for (what, declared, seen) in [("ops", ops, seen.0), ("views", views, seen.1)] {
+    // The whole model's forward on a sample of the profile's shapes, as tests/plan.rs
+    // counts the registered families.
+    let fresh = VarBuilder::random(3, 0.3, DType::F32, &CPU)
+        .with_adapters(block_lora(&cfg))
+        .unwrap();
+    let model = ZImage::new(&fresh, &cfg).unwrap();
+    let whole = count(&|| {
+        model
+            .forward(
+                &randn(vec![1, 4, 8, 8], 3),
+                &Tensor::full(0.4, 1, DType::F32, &CPU).unwrap(),
+                &randn(vec![1, 20, 24], 4),
+                &Tensor::ones((1, 20), DType::F32, &CPU).unwrap(),
+            )
+            .unwrap();
+    });
+    println!("blocks record {blocks:?}, the whole forward {whole:?}");
+    for (what, declared, seen) in [
+        ("ops", ops, blocks.0),
+        ("views", views, blocks.1),
+        ("ops of the whole forward", ops, whole.0),
+        ("views of the whole forward", views, whole.1),
+    ] {
         let err = declared / seen as f64 - 1.0;
-        assert!(err.abs() < 0.10, "{what}: {declared} declared, {seen} recorded");
+        assert!(
+            err.abs() < 0.10,
+            "{what}: {declared} declared, {seen} recorded"
+        );
     }
     // Every block holds its weights; the shapes see padded tokens (16 -> 32, 20 -> 32).
     assert!(prof.blocks.iter().all(|b| b.weight_bytes > 0));
     let shapes = ZImage::block_shapes(&cfg, &run.sample).unwrap();
     assert_eq!(
         shapes.iter().map(|s| s.tokens).collect::<Vec<_>>(),
-        vec![32, 32, 64]
+        vec![32, 32, 64, 64, 64, 64]
     );
 }

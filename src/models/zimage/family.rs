@@ -51,8 +51,8 @@ static PIPELINE: PipelineSpec = PipelineSpec {
 /// Linears (`BlockShape::ops`, `views`; tests/zimage.rs counts them on a tiny model):
 /// a modulated block (noise refiner, main layers) and a context-refiner block.
 impl ZImage {
-    const MODULATED_OPS: (usize, usize) = (59, 175);
-    const PLAIN_OPS: (usize, usize) = (23, 61);
+    const MODULATED_OPS: (usize, usize) = (42, 100);
+    const PLAIN_OPS: (usize, usize) = (32, 84);
 }
 
 impl ModelSpec for ZImage {

@@ -170,7 +170,14 @@ impl ZImageBlock {
             ffn_norm1: norm("ffn_norm1")?,
             ffn_norm2: norm("ffn_norm2")?,
             modulation: modulated
-                .then(|| Linear::new(&vb.pp("adaLN_modulation").pp("0"), cfg.adaln_dim(), 4 * d, true))
+                .then(|| {
+                    Linear::new(
+                        &vb.pp("adaLN_modulation").pp("0"),
+                        cfg.adaln_dim(),
+                        4 * d,
+                        true,
+                    )
+                })
                 .transpose()?,
         })
     }
@@ -205,11 +212,9 @@ impl ZImageBlock {
             Some(m) => m[i].tanh()?.mul(&h),
             None => Ok(h),
         };
-        let a = self.attention.forward(
-            &scaled(self.attention_norm1.forward(x)?, 0)?,
-            pe,
-            mask,
-        )?;
+        let a = self
+            .attention
+            .forward(&scaled(self.attention_norm1.forward(x)?, 0)?, pe, mask)?;
         let x = x.add(&gated(self.attention_norm2.forward(&a)?, 1)?)?;
         let f = self
             .feed_forward
@@ -501,12 +506,11 @@ impl ZImage {
             let blk = block.clone();
             let mut inputs = vec![txt, pe_cap.clone()];
             inputs.extend(masks.as_ref().map(|m| m.0.clone()));
-            let out = self.exec.run(
-                &format!("context_refiner.{i}"),
-                n + i,
-                &inputs,
-                move |xs| Ok(vec![blk.forward(&xs[0], None, &xs[1], xs.get(2))?]),
-            )?;
+            let out =
+                self.exec
+                    .run(&format!("context_refiner.{i}"), n + i, &inputs, move |xs| {
+                        Ok(vec![blk.forward(&xs[0], None, &xs[1], xs.get(2))?])
+                    })?;
             [txt] = outputs::<1>(out, "zimage context refiner block")?;
         }
 
@@ -518,7 +522,12 @@ impl ZImage {
             let out = self
                 .exec
                 .run(&format!("layers.{i}"), 2 * n + i, &inputs, move |xs| {
-                    Ok(vec![blk.forward(&xs[0], Some(&xs[1]), &xs[2], xs.get(3))?])
+                    Ok(vec![blk.forward(
+                        &xs[0],
+                        Some(&xs[1]),
+                        &xs[2],
+                        xs.get(3),
+                    )?])
                 })?;
             [u] = outputs::<1>(out, "zimage layer")?;
         }

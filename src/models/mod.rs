@@ -16,6 +16,7 @@ pub mod pipeline;
 pub mod sd3;
 pub mod sdxl;
 pub mod spec;
+pub mod zimage;
 
 pub use checkpoint::{Checkpoint, Format, CONFIG_METADATA};
 pub use family::{

@@ -1,0 +1,213 @@
+//! Z-Image as a model family: config reading, construction, the planner's block shapes and
+//! the training inputs (latents patched 2x2 inside the model, the text encoder's hidden
+//! states right-padded with a mask). The entry is not in `models::FAMILIES` yet: its
+//! pipeline has no text encoder slot until the Qwen3 encoder is there, so its text
+//! conditioning and its sampler answer with an error saying so.
+
+use super::{diffusers_map, ZImage, ZImageConfig, SEQ_MULTI_OF};
+use crate::diffusion::Schedule;
+use crate::encoders::VaeKind;
+use crate::memory::{BlockExec, BlockShape};
+use crate::models::common::{conds, latent_and_context};
+use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
+use crate::models::pipeline::{PipelineSpec, SampleSetup, TextOutput};
+use crate::nn::{KeyMap, VarBuilder};
+use crate::{Error, Result, Tensor};
+
+/// The family entry of the Z-Image transformer (Z-Image 6B, base and Turbo).
+pub static FAMILY: Family = Family::of::<ZImage>(
+    "zimage",
+    "transformer",
+    "Z-Image (original single file or diffusers ZImageTransformer2DModel)",
+    &PIPELINE,
+);
+
+fn unwired(what: &str) -> Error {
+    Error::Config {
+        path: None,
+        msg: format!("zimage: the pipeline's {what} is not available yet (no Qwen3 slot)"),
+    }
+}
+
+fn combine(_: &[TextOutput]) -> Result<Vec<(String, Tensor)>> {
+    Err(unwired("text conditioning"))
+}
+
+fn schedule(_: &SampleSetup) -> Result<Box<dyn Schedule>> {
+    Err(unwired("sampler"))
+}
+
+/// The 16-channel autoencoder of FLUX.1 (`ZImagePipeline` decodes with
+/// `latents / scaling_factor + shift_factor` from the VAE's config.json).
+static PIPELINE: PipelineSpec = PipelineSpec {
+    text: &[],
+    combine,
+    vae: VaeKind::Flux,
+    vae_single_file_prefix: None,
+    schedule,
+};
+
+/// Ops that launch work and views a block's forward records with an adapter on each of its
+/// Linears (`BlockShape::ops`, `views`; tests/zimage.rs counts them on a tiny model):
+/// a modulated block (noise refiner, main layers) and a context-refiner block.
+impl ZImage {
+    const MODULATED_OPS: (usize, usize) = (42, 100);
+    const PLAIN_OPS: (usize, usize) = (32, 84);
+}
+
+impl ModelSpec for ZImage {
+    type Config = ZImageConfig;
+    const CONDITIONED: &'static [&'static str] = &["adaLN_modulation.0.weight"];
+
+    fn entry() -> &'static Family {
+        &FAMILY
+    }
+    fn config_from_diffusers(json: &serde_json::Value) -> Result<ZImageConfig> {
+        ZImageConfig::from_diffusers(json)
+    }
+    fn config_from_single_file(vb: &VarBuilder) -> Result<ZImageConfig> {
+        ZImageConfig::from_single_file(vb)
+    }
+    fn reference_config() -> ZImageConfig {
+        ZImageConfig::z_image_6b()
+    }
+    fn validate(config: &ZImageConfig) -> Result<()> {
+        config.validate()
+    }
+    fn diffusers_map(config: &ZImageConfig) -> KeyMap {
+        diffusers_map(config)
+    }
+    fn block_prefixes_of(config: &ZImageConfig) -> Vec<String> {
+        config.block_prefixes()
+    }
+    fn build(vb: &VarBuilder, config: &ZImageConfig) -> Result<ZImage> {
+        ZImage::new(vb, config)
+    }
+    /// The noise refiner sees the padded image tokens, the context refiner the padded
+    /// caption slots, the main layers both, one self-attention each.
+    fn block_shapes(config: &ZImageConfig, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>> {
+        let ((h, w), t) = latent_and_context("zimage", sample)?;
+        let p = config.patch_size;
+        let img = ((h / p) * (w / p)).div_ceil(SEQ_MULTI_OF) * SEQ_MULTI_OF;
+        let txt = t.div_ceil(SEQ_MULTI_OF) * SEQ_MULTI_OF;
+        let noise = BlockShape {
+            tokens: img,
+            weight_tokens: img,
+            width: config.dim,
+            layers: 1.0,
+            attention_calls: 1,
+            cross_calls: 0,
+            context_tokens: txt,
+            context_keys: &[],
+            heads: config.n_heads,
+            ops: Self::MODULATED_OPS.0,
+            views: Self::MODULATED_OPS.1,
+            conditioned: Self::CONDITIONED,
+        };
+        let context = BlockShape {
+            tokens: txt,
+            weight_tokens: txt,
+            ops: Self::PLAIN_OPS.0,
+            views: Self::PLAIN_OPS.1,
+            conditioned: &[],
+            ..noise
+        };
+        let main = BlockShape {
+            tokens: img + txt,
+            weight_tokens: img + txt,
+            ..noise
+        };
+        let n = config.n_refiner_layers;
+        let mut v = vec![noise; n];
+        v.extend(vec![context; n]);
+        v.extend(vec![main; config.n_layers]);
+        Ok(v)
+    }
+}
+
+impl ZImage {
+    /// The model's timesteps for FLAME's flow-matching t (noise at 1): `1 - t`.
+    fn model_t(t: &Tensor) -> Result<Tensor> {
+        t.affine(-1.0, 1.0)
+    }
+}
+
+impl DiffusionModel for ZImage {
+    fn family(&self) -> &'static Family {
+        &FAMILY
+    }
+
+    /// latents (C, H, W) with H, W multiples of the patch, context (T, cap_feat_dim) the
+    /// text encoder's hidden states right-padded to T, context_mask (T) 1 for the caption's
+    /// tokens then 0.
+    fn inputs(&self) -> Vec<Input> {
+        let c = &self.config;
+        vec![
+            Input::new(
+                "latents",
+                vec![
+                    Size::Exactly(c.in_channels),
+                    Size::MultipleOf(c.patch_size),
+                    Size::MultipleOf(c.patch_size),
+                ],
+            ),
+            Input::new(
+                "context",
+                vec![Size::MultipleOf(1), Size::Exactly(c.cap_feat_dim)],
+            ),
+            Input::new("context_mask", vec![Size::MultipleOf(1)]),
+        ]
+    }
+
+    /// The context and its mask have one length, and every position lies inside the
+    /// model's RoPE tables (`axes_lens`).
+    fn check_shapes(&self, shapes: &[Vec<usize>]) -> std::result::Result<(), String> {
+        let c = &self.config;
+        let (Some(l), Some(t), Some(m)) = (shapes.first(), shapes.get(1), shapes.get(2)) else {
+            return Err("zimage takes latents, context and context_mask".into());
+        };
+        if l.len() != 3 || t.is_empty() || m.first() != t.first() {
+            return Err(format!(
+                "zimage: context {t:?} and context_mask {m:?} must have one length"
+            ));
+        }
+        let frame = t[0].div_ceil(SEQ_MULTI_OF) * SEQ_MULTI_OF + 1;
+        let grid = (l[1] / c.patch_size, l[2] / c.patch_size);
+        if frame >= c.axes_lens[0] || grid.0 >= c.axes_lens[1] || grid.1 >= c.axes_lens[2] {
+            return Err(format!(
+                "zimage: {} caption tokens and a {}x{} patch grid exceed the positions the \
+                 model knows (axes_lens {:?})",
+                t[0], grid.0, grid.1, c.axes_lens
+            ));
+        }
+        Ok(())
+    }
+
+    fn objective(&self) -> Objective {
+        Objective::FlowMatching
+    }
+
+    /// The velocity ε - x0 at FLAME's t: the model runs at `1 - t` and its output, which
+    /// points from the noise to the data, is negated (`ZImagePipeline.__call__`:
+    /// `timestep = (1000 - t) / 1000`, `noise_pred = -noise_pred`).
+    fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], _guidance: f64) -> Result<Tensor> {
+        let [ctx, mask] = conds("zimage", cond, [3, 2])?;
+        self.forward(xt, &Self::model_t(t)?, ctx, mask)?.neg()
+    }
+
+    fn prepare(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], _guidance: f64) -> Result<()> {
+        conds("zimage", cond, [3, 2])?;
+        self.exec.prepare_products(|| {
+            let _g = crate::no_grad();
+            self.conditioning(xt.dtype(), &Self::model_t(t)?)
+        })
+    }
+
+    fn set_exec(&mut self, exec: BlockExec) {
+        self.exec = exec;
+    }
+
+    fn exec(&self) -> &BlockExec {
+        &self.exec
+    }
+}

@@ -6,11 +6,14 @@ memory. Models (the shapes of benches/train_step.rs):
   flux  Flux-dev, 4096 image + 512 text tokens, LoRA on transformer_blocks/single_transformer_blocks
   sd35  SD3.5-large, 4096 image + 333 text tokens, LoRA on transformer_blocks
   sdxl  the SDXL UNet, 128x128 latents, 77 text tokens, LoRA on down/mid/up blocks
+  klein4b, klein9b  FLUX.2 [klein] 4B / 9B (Flux2Transformer2DModel without guidance), 4096
+        image + 512 text tokens, LoRA on transformer_blocks/single_transformer_blocks
 Modes: eager, eager with diffusers' gradient checkpointing, and compile (torch.compile applied
 to each transformer block / UNet block, after the LoRA injection; its first steps compile,
 so it warms up over two steps before timing). Needs diffusers and peft and
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (diffusers' Flux backward fails without it
-on the GPU machine). Usage: python3 torch_train_step.py [--model flux|sd35|sdxl] [eager] [checkpoint] [compile]"""
+on the GPU machine). Usage: python3 torch_train_step.py [--model flux|sd35|sdxl|klein4b|klein9b] [eager]
+[checkpoint] [compile]"""
 import sys
 
 import torch
@@ -43,6 +46,34 @@ def flux():
         xt = (1 - t) * x0 + t * noise
         out = m(hidden_states=xt, encoder_hidden_states=txt, pooled_projections=y,
                 timestep=t, img_ids=img_ids, txt_ids=txt_ids, guidance=g).sample
+        return torch.nn.functional.mse_loss(out.float(), (noise - x0).float())
+
+    return m, ("transformer_blocks.",), loss
+
+
+def klein(layers, single, heads, context):
+    from diffusers import Flux2Transformer2DModel
+
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    # The FLUX.2 [klein] sizes of FLAME's `Flux2Config::klein_4b` / `klein_9b`.
+    m = build(Flux2Transformer2DModel, patch_size=1, in_channels=128, num_layers=layers,
+              num_single_layers=single, attention_head_dim=128, num_attention_heads=heads,
+              joint_attention_dim=context, guidance_embeds=False, axes_dims_rope=(32, 32, 32, 32))
+    x0 = torch.randn(1, 4096, 128, **bf)
+    txt = torch.randn(1, 512, context, **bf)
+    ids = torch.zeros(64, 64, 4)
+    ids[..., 1] = torch.arange(64)[:, None]
+    ids[..., 2] = torch.arange(64)[None, :]
+    img_ids = ids.reshape(1, 4096, 4).cuda()
+    txt_ids = torch.zeros(1, 512, 4, device="cuda")
+    txt_ids[..., 3] = torch.arange(512, device="cuda")
+
+    def loss():
+        noise = torch.randn_like(x0)
+        t = torch.sigmoid(torch.randn(1, device="cuda")).to(torch.bfloat16)
+        xt = (1 - t) * x0 + t * noise
+        out = m(hidden_states=xt, encoder_hidden_states=txt, timestep=t, img_ids=img_ids,
+                txt_ids=txt_ids).sample
         return torch.nn.functional.mse_loss(out.float(), (noise - x0).float())
 
     return m, ("transformer_blocks.",), loss
@@ -112,7 +143,11 @@ def main():
         name = args[i + 1]
         del args[i:i + 2]
     modes = args or ["eager", "checkpoint"]
-    m, prefixes, loss = {"flux": flux, "sd35": sd35, "sdxl": sdxl}[name]()
+    m, prefixes, loss = {
+        "flux": flux, "sd35": sd35, "sdxl": sdxl,
+        "klein4b": lambda: klein(5, 20, 24, 7680),
+        "klein9b": lambda: klein(8, 24, 32, 12288),
+    }[name]()
     targets = [n for n, mod in m.named_modules()
                if isinstance(mod, torch.nn.Linear) and any(p in n for p in prefixes)]
     m = inject_adapter_in_model(LoraConfig(r=16, lora_alpha=16, target_modules=targets), m)
@@ -131,7 +166,8 @@ def main():
         opt.zero_grad(set_to_none=True)
 
     gib = 1 << 30
-    label = {"flux": "flux-dev", "sd35": "sd3.5-large", "sdxl": "sdxl"}[name]
+    label = {"flux": "flux-dev", "sd35": "sd3.5-large", "sdxl": "sdxl",
+             "klein4b": "flux2-klein-4b", "klein9b": "flux2-klein-9b"}[name]
     # Compile last: it replaces the blocks' forward for good.
     modes = sorted(modes, key=lambda x: x == "compile")
     for mode in modes:

@@ -1,8 +1,8 @@
 //! One full-size LoRA training step at 1024² (batch 1, bf16 or FP8 random base weights,
 //! rank-16 LoRA on every Linear of the blocks, f32 adapters): forward, backward and the
 //! optimizer update, timed after a warm-up, with peak GPU memory. `--model flux` (Flux-dev:
-//! 4096 image + 512 text tokens; the default), `sd35` (SD3.5-large: 4096 + 333) or `sdxl`
-//! (128² latents, 77 text tokens).
+//! 4096 image + 512 text tokens; the default), `sd35` (SD3.5-large: 4096 + 333), `sdxl`
+//! (128² latents, 77 text tokens), `klein4b` or `klein9b` (FLUX.2 [klein]: 4096 + 512).
 //!
 //! The memory plan: `--budget GB` lets the planner choose (its plan and predicted peak are
 //! printed; the allocator is capped at the budget), or by hand `--checkpoint
@@ -41,6 +41,7 @@ use flame::memory::{
     spread_evenly, BlockExec, BlockStreamer, Checkpointing, MemoryProfile, Plan, Switches,
 };
 use flame::models::flux::{Flux, FluxConfig};
+use flame::models::flux2::{Flux2, Flux2Config};
 use flame::models::sd3::{Sd3, Sd3Config};
 use flame::models::sdxl::{SdxlConfig, Unet};
 use flame::models::{profile_config, LoadOptions, ModelSpec, Objective, RunShape};
@@ -92,8 +93,24 @@ fn main() -> Result<()> {
             &["input_blocks.*", "middle_block.*", "output_blocks.*"],
             vec![vec![4, 128, 128], vec![77, 2048], vec![1280], vec![6]],
         ),
+        // FLUX.2 [klein]: 1024² is 64x64 patched latents of 128 channels; Qwen3's three
+        // hidden states side by side over 512 tokens.
+        Some("klein4b") => run::<Flux2>(
+            &args,
+            "flux2-klein-4b",
+            Flux2Config::klein_4b(),
+            &["double_blocks.*", "single_blocks.*"],
+            vec![vec![128, 64, 64], vec![512, 7680]],
+        ),
+        Some("klein9b") => run::<Flux2>(
+            &args,
+            "flux2-klein-9b",
+            Flux2Config::klein_9b(),
+            &["double_blocks.*", "single_blocks.*"],
+            vec![vec![128, 64, 64], vec![512, 12288]],
+        ),
         Some(m) => {
-            eprintln!("--model flux|sd35|sdxl, got {m}");
+            eprintln!("--model flux|sd35|sdxl|klein4b|klein9b, got {m}");
             std::process::exit(2)
         }
     }

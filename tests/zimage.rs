@@ -460,3 +460,67 @@ fn zimage_declared_ops_are_the_ones_the_blocks_record() {
         vec![32, 32, 64, 64, 64, 64]
     );
 }
+
+/// The family's entry: registered under "zimage", its pipeline Qwen3 with Z-Image's prompt,
+/// the Qwen3 hidden state and its mask handed over as `context` / `context_mask`, and the
+/// sampler's sigmas as `ZImagePipeline` sets them (diffusers 0.42.1,
+/// `FlowMatchEulerDiscreteScheduler(shift=3.0)` over `get_default_z_image_sigmas`).
+#[test]
+fn zimage_family_pipeline() {
+    use flame::encoders::Qwen3Output;
+    use flame::models::{SampleSetup, TextOutput};
+    let f = flame::models::family("zimage").unwrap();
+    let p = f.pipeline;
+    assert_eq!((p.text[0].name, p.text[0].max_len), ("qwen3", 512));
+    let hidden = Tensor::randn((2, 6, 4), DType::F32, &Device::Cpu, 3).unwrap();
+    let mask = Tensor::from_vec(
+        vec![1u32, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 0],
+        (2, 6),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let out = TextOutput::Qwen3(Qwen3Output {
+        hidden: vec![hidden.clone()],
+        mask,
+    });
+    let named = (p.combine)(&[out]).unwrap();
+    assert_eq!(named[0].0, "context");
+    assert_eq!(
+        named[0].1.to_vec::<f32>().unwrap(),
+        hidden.to_vec::<f32>().unwrap()
+    );
+    assert_eq!(named[1].0, "context_mask");
+    assert_eq!(
+        named[1].1.to_vec::<f32>().unwrap(),
+        vec![1.0f32, 1., 1., 0., 0., 0., 1., 1., 1., 1., 1., 0.]
+    );
+    assert!((p.combine)(&[]).is_err());
+    let want: [&[f64]; 2] = [
+        &[1.0, 0.9, 0.75, 0.5, 0.0],
+        &[
+            1.0, 0.96, 0.9130436, 0.8571428, 0.7894737, 0.7058824, 0.6, 0.4615385, 0.2727273, 0.0,
+        ],
+    ];
+    for (steps, want) in [4usize, 9].into_iter().zip(want) {
+        let setup = SampleSetup {
+            steps,
+            guided: false,
+            latent_hw: (128, 128),
+            prediction: flame::diffusion::Prediction::Epsilon,
+        };
+        let sched = (p.schedule)(&setup).unwrap();
+        let got = sched.timesteps();
+        assert_eq!(got.len(), steps);
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (f64::from(*a) / 1000.0 - b).abs() < 1e-6,
+                "{steps} steps: {got:?}"
+            );
+            let t = sched.model_time(i).unwrap();
+            assert!(
+                (f64::from(t) - b).abs() < 1e-6,
+                "{steps} steps, model time {i}: {t}"
+            );
+        }
+    }
+}

@@ -30,7 +30,13 @@ pub use pipeline::{
 
 /// Every registered family. A new model is a folder under `src/models` implementing
 /// [`ModelSpec`] and [`DiffusionModel`], and one line here.
-pub static FAMILIES: &[&Family] = &[&flux::FAMILY, &sd3::FAMILY, &sdxl::FAMILY, &flux2::FAMILY];
+pub static FAMILIES: &[&Family] = &[
+    &flux::FAMILY,
+    &sd3::FAMILY,
+    &sdxl::FAMILY,
+    &flux2::FAMILY,
+    &zimage::FAMILY,
+];
 
 /// The family named `name`, or an error listing the known ones.
 pub fn family(name: &str) -> Result<&'static Family> {

@@ -1,16 +1,19 @@
 //! Z-Image as a model family: config reading, construction, the planner's block shapes and
 //! the training inputs (latents patched 2x2 inside the model, the text encoder's hidden
-//! states right-padded with a mask). The entry is not in `models::FAMILIES` yet: its
-//! pipeline has no text encoder slot until the Qwen3 encoder is there, so its text
-//! conditioning and its sampler answer with an error saying so.
+//! states right-padded with a mask) and its pipeline: Qwen3's `hidden_states[-2]` of the
+//! chat prompt with thinking (`ZImagePipeline._encode_prompt`), FLUX.1's 16-channel
+//! autoencoder, and flow-matching Euler with shift 3.
 
 use super::{diffusers_map, ZImage, ZImageConfig, SEQ_MULTI_OF};
+use crate::diffusion::schedulers::{FlowMatchConfig, FlowMatchEuler};
 use crate::diffusion::Schedule;
-use crate::encoders::VaeKind;
+use crate::encoders::{VaeKind, QWEN3_Z_IMAGE};
 use crate::memory::{BlockExec, BlockShape};
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
-use crate::models::pipeline::{PipelineSpec, SampleSetup, TextOutput};
+use crate::models::pipeline::{
+    output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
+};
 use crate::nn::{KeyMap, VarBuilder};
 use crate::{Error, Result, Tensor};
 
@@ -22,25 +25,59 @@ pub static FAMILY: Family = Family::of::<ZImage>(
     &PIPELINE,
 );
 
-fn unwired(what: &str) -> Error {
-    Error::Config {
-        path: None,
-        msg: format!("zimage: the pipeline's {what} is not available yet (no Qwen3 slot)"),
-    }
+/// Qwen3 in the pipeline's `text_encoder` / `tokenizer` folders, its chat prompt with
+/// thinking, 512 tokens (`ZImagePipeline.encode_prompt`'s `max_sequence_length`;
+/// `QWEN3_Z_IMAGE`).
+static TEXT: [EncoderSlot; 1] = [EncoderSlot {
+    name: "qwen3",
+    kind: TextEncoderKind::Qwen3(&QWEN3_Z_IMAGE),
+    folder: "text_encoder",
+    tokenizer: "tokenizer",
+    single_file_prefix: None,
+    max_len: QWEN3_Z_IMAGE.max_len,
+    max_len_unguided: QWEN3_Z_IMAGE.max_len,
+}];
+
+/// The `context`: Qwen3's `hidden_states[-2]` at every one of the 512 positions, and the
+/// `context_mask` (1 over the caption's tokens, 0 over the padding). The pipeline hands
+/// the transformer each caption's tokens only; the model lays a padded caption out so that
+/// its output is the same (module docs of `zimage::model`).
+fn combine(outs: &[TextOutput]) -> Result<Vec<(String, Tensor)>> {
+    let out = output(outs, 0)?.qwen3("qwen3")?;
+    let [hidden] = out.hidden.as_slice() else {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "zimage: Qwen3 gave {} hidden states, the conditioning takes one",
+                out.hidden.len()
+            ),
+        });
+    };
+    let mask = out.mask.to_dtype(hidden.dtype())?;
+    Ok(vec![
+        ("context".into(), hidden.clone()),
+        ("context_mask".into(), mask),
+    ])
 }
 
-fn combine(_: &[TextOutput]) -> Result<Vec<(String, Tensor)>> {
-    Err(unwired("text conditioning"))
-}
-
-fn schedule(_: &SampleSetup) -> Result<Box<dyn Schedule>> {
-    Err(unwired("sampler"))
+/// `ZImagePipeline`'s sampler: sigmas `linspace(1, 1/steps, steps)`
+/// (`get_default_z_image_sigmas`) through `FlowMatchEulerDiscreteScheduler` with shift 3 and
+/// no dynamic shifting (Z-Image-Turbo's scheduler/scheduler_config.json: `"shift": 3.0,
+/// "use_dynamic_shifting": false`).
+fn schedule(s: &SampleSetup) -> Result<Box<dyn Schedule>> {
+    let config = FlowMatchConfig {
+        shift: 3.0,
+        use_dynamic_shifting: false,
+        ..FlowMatchConfig::flux_dev()
+    };
+    let tokens = (s.latent_hw.0 / 2) * (s.latent_hw.1 / 2);
+    Ok(Box::new(FlowMatchEuler::flux(&config, s.steps, tokens)?))
 }
 
 /// The 16-channel autoencoder of FLUX.1 (`ZImagePipeline` decodes with
 /// `latents / scaling_factor + shift_factor` from the VAE's config.json).
 static PIPELINE: PipelineSpec = PipelineSpec {
-    text: &[],
+    text: &TEXT,
     combine,
     vae: VaeKind::Flux,
     vae_single_file_prefix: None,

@@ -5,7 +5,7 @@
 //! whose outputs transformers computed in f64 (stored in f32) in outputs.safetensors.
 //!
 //! Tolerance: max |flame - transformers| / max |transformers| per tensor, 1e-4 in f32 on the
-//! CPU (the bound). Token ids must be equal.
+//! CPU (the required bound). Token ids must be equal.
 #![cfg(feature = "cpu-ref")]
 
 mod common;

@@ -6,7 +6,7 @@
 //! (inputs, `output`, `loss_weight`, `grad.<input>`), `grads.safetensors` (d loss / d param by
 //! original key). The loss is sum(output * loss_weight).
 //!
-//! Tolerance: max |flame - diffusers| / max |diffusers| per tensor, 1e-4 in f32 (the issue's
+//! Tolerance: max |flame - diffusers| / max |diffusers| per tensor, 1e-4 in f32 (the required
 //! bound), [`BF16_TOL`] in bf16. CUDA runs are ignored without a GPU; run them with
 //! --include-ignored there.
 #![cfg(feature = "cpu-ref")]
@@ -33,7 +33,7 @@ pub struct Tol {
     pub params: f64,
 }
 
-/// f32: the 1e-4 for everything (measured: a few 1e-6 at worst).
+/// f32: the required 1e-4 for everything (measured: a few 1e-6 at worst).
 pub const F32_TOL: Tol = Tol {
     output: 1e-4,
     inputs: 1e-4,

@@ -8,7 +8,7 @@
 //! - [`TABLE_TOL`] for timesteps, sigmas and ᾱ: diffusers' float32 arithmetic is reproduced, so
 //!   they agree to an ulp or two (torch's float32 pow(x, 0.5) is not always correctly rounded);
 //! - [`STEP_TOL`] for one scheduler step from given model outputs;
-//! - [`TRAJECTORY_TOL`] (the bound) for the latents after every step of a pipeline run.
+//! - [`TRAJECTORY_TOL`] (the required bound) for the latents after every step of a pipeline run.
 //!   Measured worst: flux_dev 4.1e-6 (the same loop run by diffusers in f64 is 4.1e-6 from
 //!   its own f32 run: the reference's rounding, mostly its f32 timestep and guidance
 //!   embeddings of t x 1000), flux_schnell 3.3e-7, sd35 4.4e-7, sdxl_euler 8.9e-7,

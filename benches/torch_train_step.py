@@ -8,11 +8,13 @@ memory. Models (the shapes of benches/train_step.rs):
   sdxl  the SDXL UNet, 128x128 latents, 77 text tokens, LoRA on down/mid/up blocks
   klein4b, klein9b  FLUX.2 [klein] 4B / 9B (Flux2Transformer2DModel without guidance), 4096
         image + 512 text tokens, LoRA on transformer_blocks/single_transformer_blocks
+  zimage  Z-Image 6B (ZImageTransformer2DModel's defaults), 128x128 latents, 512 caption
+        tokens, LoRA on noise_refiner/context_refiner/layers
 Modes: eager, eager with diffusers' gradient checkpointing, and compile (torch.compile applied
 to each transformer block / UNet block, after the LoRA injection; its first steps compile,
 so it warms up over two steps before timing). Needs diffusers and peft and
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (diffusers' Flux backward fails without it
-on the GPU machine). Usage: python3 torch_train_step.py [--model flux|sd35|sdxl|klein4b|klein9b] [eager]
+on the GPU machine). Usage: python3 torch_train_step.py [--model flux|sd35|sdxl|klein4b|klein9b|zimage] [eager]
 [checkpoint] [compile]"""
 import sys
 
@@ -77,6 +79,24 @@ def klein(layers, single, heads, context):
         return torch.nn.functional.mse_loss(out.float(), (noise - x0).float())
 
     return m, ("transformer_blocks.",), loss
+
+
+def zimage():
+    from diffusers import ZImageTransformer2DModel
+
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    m = build(ZImageTransformer2DModel)
+    x0 = torch.randn(16, 1, 128, 128, **bf)
+    cap = torch.randn(512, 2560, **bf)
+
+    def loss():
+        noise = torch.randn_like(x0)
+        t = torch.sigmoid(torch.randn(1, device="cuda")).to(torch.bfloat16)
+        xt = (1 - t) * x0 + t * noise
+        out = m([xt], 1 - t, [cap]).sample[0]
+        return torch.nn.functional.mse_loss(out.float(), (x0 - noise).float())
+
+    return m, ("layers.", "noise_refiner.", "context_refiner."), loss
 
 
 def sd35():
@@ -147,6 +167,7 @@ def main():
         "flux": flux, "sd35": sd35, "sdxl": sdxl,
         "klein4b": lambda: klein(5, 20, 24, 7680),
         "klein9b": lambda: klein(8, 24, 32, 12288),
+        "zimage": zimage,
     }[name]()
     targets = [n for n, mod in m.named_modules()
                if isinstance(mod, torch.nn.Linear) and any(p in n for p in prefixes)]
@@ -167,7 +188,8 @@ def main():
 
     gib = 1 << 30
     label = {"flux": "flux-dev", "sd35": "sd3.5-large", "sdxl": "sdxl",
-             "klein4b": "flux2-klein-4b", "klein9b": "flux2-klein-9b"}[name]
+             "klein4b": "flux2-klein-4b", "klein9b": "flux2-klein-9b",
+             "zimage": "zimage-6b"}[name]
     # Compile last: it replaces the blocks' forward for good.
     modes = sorted(modes, key=lambda x: x == "compile")
     for mode in modes:

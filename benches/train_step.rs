@@ -2,7 +2,8 @@
 //! rank-16 LoRA on every Linear of the blocks, f32 adapters): forward, backward and the
 //! optimizer update, timed after a warm-up, with peak GPU memory. `--model flux` (Flux-dev:
 //! 4096 image + 512 text tokens; the default), `sd35` (SD3.5-large: 4096 + 333), `sdxl`
-//! (128² latents, 77 text tokens), `klein4b` or `klein9b` (FLUX.2 [klein]: 4096 + 512).
+//! (128² latents, 77 text tokens), `klein4b` or `klein9b` (FLUX.2 [klein]: 4096 + 512) or
+//! `zimage` (Z-Image 6B: 4096 + 512).
 //!
 //! The memory plan: `--budget GB` lets the planner choose (its plan and predicted peak are
 //! printed; the allocator is capped at the budget), or by hand `--checkpoint
@@ -44,6 +45,7 @@ use flame::models::flux::{Flux, FluxConfig};
 use flame::models::flux2::{Flux2, Flux2Config};
 use flame::models::sd3::{Sd3, Sd3Config};
 use flame::models::sdxl::{SdxlConfig, Unet};
+use flame::models::zimage::{ZImage, ZImageConfig};
 use flame::models::{profile_config, LoadOptions, ModelSpec, Objective, RunShape};
 use flame::nn::{Adapters, LoraConfig, VarBuilder};
 use flame::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
@@ -109,8 +111,17 @@ fn main() -> Result<()> {
             &["double_blocks.*", "single_blocks.*"],
             vec![vec![128, 64, 64], vec![512, 12288]],
         ),
+        // Z-Image 6B: 128² latents of 16 channels, 512 caption tokens of Qwen3-4B's 2560
+        // (every one valid: the mask is made of ones below).
+        Some("zimage") => run::<ZImage>(
+            &args,
+            "zimage-6b",
+            ZImageConfig::z_image_6b(),
+            &["noise_refiner.*", "context_refiner.*", "layers.*"],
+            vec![vec![16, 128, 128], vec![512, 2560], vec![512]],
+        ),
         Some(m) => {
-            eprintln!("--model flux|sd35|sdxl|klein4b|klein9b, got {m}");
+            eprintln!("--model flux|sd35|sdxl|klein4b|klein9b|zimage, got {m}");
             std::process::exit(2)
         }
     }
@@ -347,6 +358,10 @@ fn run<M: ModelSpec>(
         .iter()
         .enumerate()
         .map(|(i, s)| {
+            // A caption mask (Z-Image's `context_mask`): every token valid.
+            if M::entry().name == "zimage" && i == 1 {
+                return mine(Tensor::ones(with_batch(s), DType::BF16, &dev)?);
+            }
             mine(Tensor::randn(
                 with_batch(s),
                 DType::BF16,

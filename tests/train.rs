@@ -438,6 +438,7 @@ fn the_templates_parse() {
         ("flux.toml", "flux"),
         ("sd35.toml", "sd3"),
         ("sdxl.toml", "sdxl"),
+        ("klein.toml", "flux2"),
     ] {
         let c = TrainConfig::from_file(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(c.model.arch, arch, "{name}");

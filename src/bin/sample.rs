@@ -29,7 +29,7 @@ use std::sync::Arc;
 #[derive(FromArgs)]
 #[argh(help_triggers("-h", "--help"))]
 struct Args {
-    /// the model family: flux, sd3 or sdxl (required)
+    /// the model family: flux, sd3, sdxl or flux2 (required)
     #[argh(option)]
     arch: Option<String>,
     /// the model: a single .safetensors file, a diffusers model folder or a pipeline folder
@@ -45,13 +45,14 @@ struct Args {
     /// a prompt; repeat for several images
     #[argh(option)]
     prompt: Vec<String>,
-    /// the negative prompt (classifier-free guidance: SD3.5, SDXL)
+    /// the negative prompt (classifier-free guidance: SD3.5, SDXL, FLUX.2 [klein] base)
     #[argh(option, default = "String::new()")]
     negative: String,
     /// denoising steps (default 28)
     #[argh(option, default = "28")]
     steps: usize,
-    /// guidance: Flux dev's distilled input, or the classifier-free scale (default 3.5)
+    /// guidance: Flux dev's distilled input, or the classifier-free scale (default 3.5; a
+    /// step-distilled pipeline, model_index.json's is_distilled, takes none)
     #[argh(option, default = "3.5")]
     guidance: f64,
     /// width in pixels, a multiple of 16 (default 1024)
@@ -99,7 +100,7 @@ struct Args {
     vae_tile: usize,
     /// start from these latents instead of the seed's noise: a .safetensors file whose
     /// `latents` tensor is (N, C, H/f, W/f), one per prompt (Flux: also diffusers' packed
-    /// (N, tokens, 4C))
+    /// (N, tokens, 4C); FLUX.2: also its packed (N, tokens, C))
     #[argh(option)]
     latents: Option<PathBuf>,
     /// hold the process to this many GiB of the GPU as the driver counts them: the
@@ -256,6 +257,11 @@ fn read_latents(
         (4, _) => t,
         // diffusers' Flux pipeline takes its latents packed in 2x2 patches.
         (3, "flux") => flame::models::flux::unpack_latents(&t, hw.0 / 2, hw.1 / 2)?,
+        // FLUX.2's latents are its patches already; its pipeline packs them one token a
+        // position (Flux2KleinPipeline._pack_latents).
+        (3, "flux2") if t.dims()[1] == hw.0 * hw.1 => {
+            flame::models::flux2::unpack_latents(&t, hw.0, hw.1)?
+        }
         _ => {
             return Err(Error::SafeTensors {
                 path: path.to_path_buf(),
@@ -466,9 +472,22 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         opts.memory = choice.plan;
     }
     let model = family.load(model_path, &opts)?.model;
+    // A step-distilled pipeline (FLUX.2 [klein]) takes no classifier-free guidance, as
+    // diffusers ignores its scale there.
+    let guidance = if !guided && a.guidance > 1.0 && models::step_distilled(model_path)? {
+        eprintln!(
+            "note: {} is step-distilled (model_index.json): no classifier-free guidance, \
+             --guidance {} ignored",
+            model_path.display(),
+            a.guidance
+        );
+        1.0
+    } else {
+        a.guidance
+    };
     let req = Request {
         steps: a.steps,
-        guidance: a.guidance,
+        guidance,
         latent_hw: (a.height / f, a.width / f),
         seed: a.seed,
         prediction,

@@ -125,6 +125,13 @@ pub trait DiffusionModel: Send + Sync {
     fn guidance_input(&self) -> bool {
         false
     }
+    /// The image tokens the transformer sees for latents of height `h` and width `w`, as
+    /// Flux's resolution-dependent timestep shift counts them: 2x2 patches of the latents by
+    /// default (Flux, SD3); a model whose latents are the patches already (FLUX.2) counts
+    /// each position.
+    fn image_tokens(&self, h: usize, w: usize) -> usize {
+        (h / 2) * (w / 2)
+    }
     /// Sets how its blocks run (the loader applies `LoadOptions::memory` through it; the
     /// block names are `ModelSpec::block_prefixes_of` of the config).
     fn set_exec(&mut self, exec: BlockExec);

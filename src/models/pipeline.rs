@@ -197,6 +197,36 @@ impl Sources {
     }
 }
 
+/// Whether the diffusers pipeline `model` belongs to (the path itself or its parent, as
+/// [`Sources::locate`] finds a pipeline) is step-distilled: `model_index.json`'s
+/// `is_distilled` (diffusers 0.42.1 `Flux2KleinPipeline.__init__`; its
+/// `do_classifier_free_guidance` is false for such a pipeline whatever the scale, as for the
+/// released FLUX.2 [klein] 4B / 9B). False where no pipeline folder or no field says so.
+pub fn step_distilled(model: &Path) -> Result<bool> {
+    if !model.is_dir() {
+        return Ok(false);
+    }
+    let Some(path) = [Some(model), model.parent()]
+        .into_iter()
+        .flatten()
+        .map(|r| r.join("model_index.json"))
+        .find(|p| p.is_file())
+    else {
+        return Ok(false);
+    };
+    let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+        path: Some(path.clone()),
+        msg: format!("model_index.json: {e}"),
+    })?;
+    Ok(v.get("is_distilled")
+        .and_then(serde_json::Value::as_bool)
+        .unwrap_or(false))
+}
+
 /// A string that changes when the file or folder at `path` does (its path, and each weight
 /// file's size and modification time): part of the caches' keys.
 pub fn file_identity(path: &Path) -> String {

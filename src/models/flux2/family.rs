@@ -274,6 +274,11 @@ impl DiffusionModel for Flux2 {
         self.config.guidance_embed
     }
 
+    /// The latents are the autoencoder's 2x2 patches already: one token a position.
+    fn image_tokens(&self, h: usize, w: usize) -> usize {
+        h * w
+    }
+
     fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
     }

@@ -113,7 +113,14 @@ impl Trainer {
                 .collect::<Result<Vec<_>>>()?;
             let req = crate::sample::Request {
                 steps: sc.steps,
-                guidance: sc.guidance,
+                // A step-distilled pipeline (FLUX.2 [klein]) takes no classifier-free
+                // guidance (diffusers ignores its scale there).
+                guidance: match !self.model.guidance_input()
+                    && crate::models::step_distilled(&self.config.model.path)?
+                {
+                    true => sc.guidance.min(1.0),
+                    false => sc.guidance,
+                },
                 latent_hw: (h / parts.factor, w / parts.factor),
                 seed: sc.seed,
                 prediction: self.prediction(),

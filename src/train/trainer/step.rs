@@ -45,8 +45,8 @@ impl Trainer {
         let b = batch.global;
         let t = match self.model.objective() {
             Objective::FlowMatching => {
-                // Flux's resolution-dependent shift counts 2x2 latent patches as tokens.
-                let tokens = dims[2] * dims[3] / 4;
+                // Flux's resolution-dependent shift counts the transformer's image tokens.
+                let tokens = self.model.image_tokens(dims[2], dims[3]);
                 self.config
                     .sampling()
                     .sample(b, tokens, seed ^ 0x7133, &self.device)?

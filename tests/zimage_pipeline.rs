@@ -265,3 +265,271 @@ fn turbo_trajectory_matches_diffusers() {
 fn cfg_trajectory_matches_diffusers() {
     println!("worst {:.2e}", trajectory("cfg"));
 }
+
+/// examples/zimage.toml parses and passes every check that needs no files.
+#[test]
+fn the_template_parses() {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/zimage.toml");
+    let c = flame::train::TrainConfig::from_file(&p).unwrap();
+    assert_eq!(c.model.arch, "zimage");
+    assert!(c.model.path.is_absolute() && c.train.steps > 0);
+    assert_eq!((c.sample.steps, c.sample.guidance), (50, 6.0));
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("flame-zpipe-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Eight pictures of three aspect ratios (64x64, 64x48, 48x64: three buckets at
+/// resolution 64, step 16), a rectangle of a colour on another, with captions saying so.
+fn pictures(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let colours = [
+        ("red", [220u8, 30, 30]),
+        ("green", [30, 200, 60]),
+        ("blue", [40, 60, 220]),
+        ("yellow", [230, 220, 40]),
+    ];
+    for i in 0..8 {
+        let (w, h) = [(64u32, 64u32), (64, 48), (48, 64)][i % 3];
+        let (name, fg) = colours[i % 4];
+        let (_, bg) = colours[(i + 1) % 4];
+        let img = image::RgbImage::from_fn(w, h, |x, y| {
+            let inside = x > w / 4 && x < 3 * w / 4 && y > h / 5 + i as u32 && y < 4 * h / 5;
+            image::Rgb(if inside { fg } else { bg })
+        });
+        img.save(dir.join(format!("picture-{i}.png"))).unwrap();
+        std::fs::write(
+            dir.join(format!("picture-{i}.txt")),
+            format!("a {name} rectangle, picture {i}"),
+        )
+        .unwrap();
+    }
+}
+
+/// A run's config in `dir` on the tiny pipeline: LoRA on the refiners' and main layers'
+/// attention and feed-forward Linears, three buckets, a validation split, samples and
+/// checkpoints every 3 steps, in `format`.
+fn run_config(dir: &std::path::Path, steps: usize, format: &str) -> PathBuf {
+    pictures(&dir.join("images"));
+    let text = format!(
+        r#"[model]
+arch = "zimage"
+path = "{model}"
+dtype = "f32"
+
+[adapter]
+rank = 4
+alpha = 4.0
+targets = ["*.attention.qkv", "*.attention.out", "*.feed_forward.w*"]
+format = "{format}"
+
+[optimizer]
+lr = 1e-2
+
+[schedule]
+kind = "constant"
+
+[train]
+steps = {steps}
+batch_size = 2
+seed = 3
+save_every = 3
+keep_last = 2
+validate_every = 3
+output_dir = "{out}"
+device = "cpu"
+timesteps = "shift"
+timestep_shift = 3.0
+
+[data]
+resolution = 64
+bucket_step = 16
+flip = true
+validation_split = 0.25
+
+[[data.dirs]]
+path = "{images}"
+
+[sample]
+every = 3
+prompts = ["a red rectangle"]
+negative_prompt = "blurry"
+steps = 3
+guidance = 2.0
+size = [48, 64]
+seed = 5
+"#,
+        model = pipeline().display(),
+        out = dir.join("out").display(),
+        images = dir.join("images").display(),
+    );
+    let p = dir.join("train.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[cfg(feature = "cli")]
+fn train_bin(config: &std::path::Path, fault: Option<&str>, args: &[&str]) -> std::process::Output {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_train"));
+    c.arg(config).args(args);
+    match fault {
+        Some(f) => c.env("FLAME_FAULT", f),
+        None => c.env_remove("FLAME_FAULT"),
+    };
+    c.output().unwrap()
+}
+
+#[cfg(feature = "cli")]
+fn said(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// The tensor names of a safetensors file.
+fn names(p: &std::path::Path) -> Vec<String> {
+    let f = flame::safetensors::SafeTensorsFile::open(p).unwrap();
+    let mut v: Vec<String> = f.names().map(str::to_string).collect();
+    v.sort();
+    v
+}
+
+/// The `train` binary from images on the tiny pipeline: caching, buckets, validation,
+/// samples and checkpoints; a run killed at step 5 resumes from checkpoint-3 to the same
+/// log and the same LoRA bytes; a PEFT run writes diffusers' names. Then the `sample`
+/// binary: from diffusers' starting latents it makes diffusers' image (within 1 of 255 a
+/// channel), and with the kohya LoRA and with the PEFT LoRA the same image, unlike the
+/// image without.
+#[cfg(feature = "cli")]
+#[test]
+fn the_binaries_train_and_sample_a_lora() {
+    // Uninterrupted, kohya layout.
+    let a = temp("train-a");
+    let cfg_a = run_config(&a, 6, "kohya");
+    let o = train_bin(&cfg_a, None, &[]);
+    assert!(o.status.success(), "{}", said(&o));
+    let out_a = a.join("out");
+    let log = std::fs::read_to_string(out_a.join("loss.jsonl")).unwrap();
+    let losses = log.lines().filter(|l| l.contains("\"loss\"")).count();
+    let vals: Vec<&str> = log.lines().filter(|l| l.contains("val_loss")).collect();
+    assert_eq!((losses, vals.len()), (6, 2), "{log}");
+    for step in [3, 6] {
+        let png = out_a.join(format!("samples/step-{step:07}-0.png"));
+        let img = image::open(&png).unwrap();
+        assert_eq!((img.width(), img.height()), (48, 64), "{}", png.display());
+    }
+    assert!(image::open(out_a.join("loss.png")).is_ok());
+    assert!(out_a.join("checkpoint-0000006").is_dir() && out_a.join("checkpoint-0000003").is_dir());
+    let kohya = out_a.join("lora.safetensors");
+    let kn = names(&kohya);
+    assert!(
+        kn.iter()
+            .any(|n| n.starts_with("lora_unet_layers_1_attention_qkv.lora_down")),
+        "{kn:?}"
+    );
+    assert!(kn
+        .iter()
+        .any(|n| n.starts_with("lora_unet_noise_refiner_0_feed_forward_w2")));
+
+    // Killed at the start of step 5, resumed from checkpoint-3.
+    let b = temp("train-b");
+    let cfg_b = run_config(&b, 6, "kohya");
+    let o = train_bin(&cfg_b, Some("kill:step@5"), &[]);
+    assert!(!o.status.success());
+    assert!(!b.join("out/lora.safetensors").exists());
+    let o = train_bin(&cfg_b, None, &["--resume"]);
+    assert!(o.status.success(), "{}", said(&o));
+    let log_b = std::fs::read_to_string(b.join("out/loss.jsonl")).unwrap();
+    assert_eq!(log_b, log, "resumed log");
+    assert_eq!(
+        std::fs::read(b.join("out/lora.safetensors")).unwrap(),
+        std::fs::read(&kohya).unwrap(),
+        "resumed LoRA"
+    );
+
+    // The same run in PEFT layout: diffusers' module names, to_q / to_k / to_v apart.
+    let c = temp("train-c");
+    let cfg_c = run_config(&c, 6, "peft");
+    let o = train_bin(&cfg_c, None, &[]);
+    assert!(o.status.success(), "{}", said(&o));
+    let peft = c.join("out/lora.safetensors");
+    let pn = names(&peft);
+    for want in [
+        "transformer.layers.1.attention.to_q.lora_A.weight",
+        "transformer.layers.1.attention.to_out.0.lora_B.weight",
+        "transformer.context_refiner.0.feed_forward.w1.lora_A.weight",
+    ] {
+        assert!(pn.iter().any(|n| n == want), "{want} not in {pn:?}");
+    }
+
+    // The sample binary: diffusers' CFG case from its own starting latents.
+    let io = outputs();
+    let cfg_case = case("cfg");
+    let lat = a.join("latents.safetensors");
+    flame::safetensors::save([("latents", &io["cfg.latents"])], &lat).unwrap();
+    let sample = |out: &str, extra: &[&str]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sample"));
+        cmd.args(["--arch", "zimage", "--device", "cpu", "--dtype", "f32"])
+            .arg("--model")
+            .arg(pipeline())
+            .args([
+                "--prompt",
+                &cfg_case.prompt,
+                "--negative",
+                &cfg_case.negative,
+            ])
+            .args(["--steps", &cfg_case.steps.to_string()])
+            .args(["--guidance", &(cfg_case.guidance + 1.0).to_string()])
+            .args(["--width", &cfg_case.size.1.to_string()])
+            .args(["--height", &cfg_case.size.0.to_string()])
+            .arg("--latents")
+            .arg(&lat)
+            .arg("--out")
+            .arg(a.join(out))
+            .args(extra);
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{}", said(&o));
+        let png = a.join(out).join("0-0.png");
+        image::open(&png).unwrap().to_rgb8()
+    };
+    let plain = sample("plain", &[]);
+    let want = io["cfg.image"].to_vec_f64().unwrap(); // (1, 3, H, W)
+    let (h, w) = (cfg_case.size.0, cfg_case.size.1);
+    let mut worst = 0f64;
+    for (i, px) in plain.pixels().enumerate() {
+        let (y, x) = (i / w, i % w);
+        for ch in 0..3 {
+            let d = (f64::from(px[ch]) / 255.0 - want[ch * h * w + y * w + x]).abs();
+            worst = worst.max(d);
+        }
+    }
+    println!(
+        "sample binary vs diffusers' image: {:.2} of 255",
+        worst * 255.0
+    );
+    assert!(worst * 255.0 <= 1.0, "{}", worst * 255.0);
+
+    let with_kohya = sample("kohya", &["--lora", kohya.to_str().unwrap()]);
+    let with_peft = sample("peft", &["--lora", peft.to_str().unwrap()]);
+    let diff = |p: &image::RgbImage, q: &image::RgbImage| {
+        p.as_raw()
+            .iter()
+            .zip(q.as_raw())
+            .map(|(a, b)| (i32::from(*a) - i32::from(*b)).abs())
+            .max()
+            .unwrap()
+    };
+    let (same, changed) = (diff(&with_kohya, &with_peft), diff(&with_kohya, &plain));
+    println!("kohya vs PEFT LoRA: {same} of 255; LoRA vs none: {changed} of 255");
+    assert!(same <= 1, "{same}");
+    assert!(changed >= 2, "{changed}");
+    for d in [a, b, c] {
+        std::fs::remove_dir_all(d).ok();
+    }
+}

@@ -228,7 +228,14 @@ fn trajectory(name: &'static str) -> f64 {
         prediction: flame::train::Prediction::Epsilon,
         batched_guidance: true,
     };
-    let out = generate_from(&*model, &[cond], Some(neg), &req, &[noise.clone()]).unwrap();
+    let out = generate_from(
+        &*model,
+        &[cond],
+        Some(neg),
+        &req,
+        std::slice::from_ref(noise),
+    )
+    .unwrap();
     let final_ = &io[&format!("{name}.final")];
     worst = worst.max(check_rel(
         &format!("{name}: generate_from"),
@@ -276,6 +283,7 @@ fn the_template_parses() {
     assert_eq!((c.sample.steps, c.sample.guidance), (50, 6.0));
 }
 
+#[cfg(feature = "cli")]
 fn temp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("flame-zpipe-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -285,6 +293,7 @@ fn temp(name: &str) -> PathBuf {
 
 /// Eight pictures of three aspect ratios (64x64, 64x48, 48x64: three buckets at
 /// resolution 64, step 16), a rectangle of a colour on another, with captions saying so.
+#[cfg(feature = "cli")]
 fn pictures(dir: &std::path::Path) {
     std::fs::create_dir_all(dir).unwrap();
     let colours = [
@@ -313,6 +322,7 @@ fn pictures(dir: &std::path::Path) {
 /// A run's config in `dir` on the tiny pipeline: LoRA on the refiners' and main layers'
 /// attention and feed-forward Linears, three buckets, a validation split, samples and
 /// checkpoints every 3 steps, in `format`.
+#[cfg(feature = "cli")]
 fn run_config(dir: &std::path::Path, steps: usize, format: &str) -> PathBuf {
     pictures(&dir.join("images"));
     let text = format!(
@@ -393,6 +403,7 @@ fn said(o: &std::process::Output) -> String {
 }
 
 /// The tensor names of a safetensors file.
+#[cfg(feature = "cli")]
 fn names(p: &std::path::Path) -> Vec<String> {
     let f = flame::safetensors::SafeTensorsFile::open(p).unwrap();
     let mut v: Vec<String> = f.names().map(str::to_string).collect();

@@ -416,7 +416,7 @@ fn names(p: &std::path::Path) -> Vec<String> {
 /// log and the same LoRA bytes; a PEFT run writes diffusers' names. Then the `sample`
 /// binary: from diffusers' starting latents it makes diffusers' image (within 1 of 255 a
 /// channel), and with the kohya LoRA and with the PEFT LoRA the same image, unlike the
-/// image without.
+/// image without; without --steps and --guidance it takes Z-Image's 50 and 6.
 #[cfg(feature = "cli")]
 #[test]
 fn the_binaries_train_and_sample_a_lora() {
@@ -540,6 +540,39 @@ fn the_binaries_train_and_sample_a_lora() {
     println!("kohya vs PEFT LoRA: {same} of 255; LoRA vs none: {changed} of 255");
     assert!(same <= 1, "{same}");
     assert!(changed >= 2, "{changed}");
+
+    // Z-Image's defaults: ZImagePipeline's 50 steps and guidance_scale 5 (FLAME's 6).
+    let defaults = |out: &str, extra: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_sample"))
+            .args(["--arch", "zimage", "--device", "cpu", "--dtype", "f32"])
+            .arg("--model")
+            .arg(pipeline())
+            .args([
+                "--prompt",
+                "a red rectangle",
+                "--width",
+                "32",
+                "--height",
+                "32",
+            ])
+            .arg("--out")
+            .arg(a.join(out))
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", said(&o));
+        let png = image::open(a.join(out).join("0-0.png")).unwrap().to_rgb8();
+        (String::from_utf8_lossy(&o.stderr).into_owned(), png)
+    };
+    let (log, by_default) = defaults("default", &[]);
+    assert!(
+        log.contains("step 50/50") && !log.contains("step 51"),
+        "{log}"
+    );
+    let (_, explicit) = defaults("explicit", &["--steps", "50", "--guidance", "6"]);
+    let (_, other) = defaults("other", &["--steps", "50", "--guidance", "3.5"]);
+    assert_eq!(diff(&by_default, &explicit), 0);
+    assert!(diff(&by_default, &other) > 0);
     for d in [a, b, c] {
         std::fs::remove_dir_all(d).ok();
     }

@@ -29,7 +29,7 @@ use std::sync::Arc;
 #[derive(FromArgs)]
 #[argh(help_triggers("-h", "--help"))]
 struct Args {
-    /// the model family: flux, sd3, sdxl or flux2 (required)
+    /// the model family: flux, sd3, sdxl, flux2 or zimage (required)
     #[argh(option)]
     arch: Option<String>,
     /// the model: a single .safetensors file, a diffusers model folder or a pipeline folder

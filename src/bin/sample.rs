@@ -29,7 +29,7 @@ use std::sync::Arc;
 #[derive(FromArgs)]
 #[argh(help_triggers("-h", "--help"))]
 struct Args {
-    /// the model family: flux, sd3, sdxl or flux2 (required)
+    /// the model family: flux, sd3, sdxl, flux2 or zimage (required)
     #[argh(option)]
     arch: Option<String>,
     /// the model: a single .safetensors file, a diffusers model folder or a pipeline folder
@@ -45,16 +45,18 @@ struct Args {
     /// a prompt; repeat for several images
     #[argh(option)]
     prompt: Vec<String>,
-    /// the negative prompt (classifier-free guidance: SD3.5, SDXL, FLUX.2 [klein] base)
+    /// the negative prompt (classifier-free guidance: SD3.5, SDXL, FLUX.2 [klein] base,
+    /// Z-Image)
     #[argh(option, default = "String::new()")]
     negative: String,
-    /// denoising steps (default 28)
-    #[argh(option, default = "28")]
-    steps: usize,
-    /// guidance: Flux dev's distilled input, or the classifier-free scale (default 3.5; a
+    /// denoising steps (default 28; Z-Image 50)
+    #[argh(option)]
+    steps: Option<usize>,
+    /// guidance: Flux dev's distilled input, or the classifier-free scale s of
+    /// neg + s (pos - neg), none at 1 (default 3.5; Z-Image 6, diffusers' 5 + 1; a
     /// step-distilled pipeline, model_index.json's is_distilled, takes none)
-    #[argh(option, default = "3.5")]
-    guidance: f64,
+    #[argh(option)]
+    guidance: Option<f64>,
     /// width in pixels, a multiple of 16 (default 1024)
     #[argh(option, default = "1024")]
     width: usize,
@@ -147,15 +149,38 @@ fn main() -> ExitCode {
     }
 }
 
+impl Args {
+    /// `--steps`, or the family's default: diffusers' pipeline default for Z-Image
+    /// (`ZImagePipeline.__call__`: `num_inference_steps=50`), else 28.
+    fn steps(&self) -> usize {
+        let default = match self.arch.as_deref() {
+            Some("zimage") => 50,
+            _ => 28,
+        };
+        self.steps.unwrap_or(default)
+    }
+
+    /// `--guidance`, or the family's default: for Z-Image diffusers' `guidance_scale=5.0`
+    /// (`ZImagePipeline.__call__`), which computes pos + 5 (pos - neg): FLAME's scale 6;
+    /// else 3.5.
+    fn guidance(&self) -> f64 {
+        let default = match self.arch.as_deref() {
+            Some("zimage") => 6.0,
+            _ => 3.5,
+        };
+        self.guidance.unwrap_or(default)
+    }
+}
+
 /// The flags' values that are wrong whatever the files say (a usage error).
 fn check_flags(a: &Args) -> Result<(), String> {
     let max_t5 = flame::models::pipeline::T5_MAX_TOKENS;
     let problems = [
         (a.prompt.is_empty(), "no --prompt given".to_string()),
-        (a.steps == 0, "--steps 0: at least 1".into()),
+        (a.steps() == 0, "--steps 0: at least 1".into()),
         (
-            !(a.guidance.is_finite() && a.guidance >= 0.0),
-            format!("--guidance {}: finite and >= 0", a.guidance),
+            !(a.guidance().is_finite() && a.guidance() >= 0.0),
+            format!("--guidance {}: finite and >= 0", a.guidance()),
         ),
         (
             a.width == 0 || a.height == 0 || a.width % 16 != 0 || a.height % 16 != 0,
@@ -324,11 +349,11 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
             a.t5_tokens
         )));
     }
-    if a.steps == 0 {
+    if a.steps() == 0 {
         return Err(bad("--steps 0: at least 1".into()));
     }
-    if !(a.guidance.is_finite() && a.guidance >= 0.0) {
-        return Err(bad(format!("--guidance {}: finite and >= 0", a.guidance)));
+    if !(a.guidance().is_finite() && a.guidance() >= 0.0) {
+        return Err(bad(format!("--guidance {}: finite and >= 0", a.guidance())));
     }
     if a.width == 0 || a.height == 0 || a.width % 16 != 0 || a.height % 16 != 0 {
         return Err(bad(format!(
@@ -474,19 +499,19 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
     let model = family.load(model_path, &opts)?.model;
     // A step-distilled pipeline (FLUX.2 [klein]) takes no classifier-free guidance, as
     // diffusers ignores its scale there.
-    let guidance = if !guided && a.guidance > 1.0 && models::step_distilled(model_path)? {
+    let guidance = if !guided && a.guidance() > 1.0 && models::step_distilled(model_path)? {
         eprintln!(
             "note: {} is step-distilled (model_index.json): no classifier-free guidance, \
              --guidance {} ignored",
             model_path.display(),
-            a.guidance
+            a.guidance()
         );
         1.0
     } else {
-        a.guidance
+        a.guidance()
     };
     let req = Request {
-        steps: a.steps,
+        steps: a.steps(),
         guidance,
         latent_hw: (a.height / f, a.width / f),
         seed: a.seed,
@@ -532,7 +557,7 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
             .any(|v| !v.is_finite())
         {
             return Err(Error::NonFinite {
-                step: a.steps,
+                step: a.steps(),
                 what: format!("the denoised latents of prompt {i} hold a NaN or an infinity"),
                 files: [a.lora.as_ref(), a.latents.as_ref()]
                     .into_iter()

@@ -197,27 +197,41 @@ impl DiffusionModel for ZImage {
     }
 
     /// The context and its mask have one length, and every position lies inside the
-    /// model's RoPE tables (`axes_lens`).
+    /// model's RoPE tables (`axes_lens`). Given the latents alone (the trainer checks every
+    /// bucket so, before any caption is encoded), only the patch grid is checked.
     fn check_shapes(&self, shapes: &[Vec<usize>]) -> std::result::Result<(), String> {
         let c = &self.config;
-        let (Some(l), Some(t), Some(m)) = (shapes.first(), shapes.get(1), shapes.get(2)) else {
-            return Err("zimage takes latents, context and context_mask".into());
+        let Some(l) = shapes.first().filter(|l| l.len() == 3) else {
+            return Err(format!(
+                "zimage: latents {:?} must be (C, H, W)",
+                shapes.first()
+            ));
         };
-        if l.len() != 3 || t.is_empty() || m.first() != t.first() {
-            return Err(format!(
-                "zimage: context {t:?} and context_mask {m:?} must have one length"
-            ));
-        }
-        let frame = t[0].div_ceil(SEQ_MULTI_OF) * SEQ_MULTI_OF + 1;
         let grid = (l[1] / c.patch_size, l[2] / c.patch_size);
-        if frame >= c.axes_lens[0] || grid.0 >= c.axes_lens[1] || grid.1 >= c.axes_lens[2] {
+        if grid.0 >= c.axes_lens[1] || grid.1 >= c.axes_lens[2] {
             return Err(format!(
-                "zimage: {} caption tokens and a {}x{} patch grid exceed the positions the \
-                 model knows (axes_lens {:?})",
-                t[0], grid.0, grid.1, c.axes_lens
+                "zimage: a {}x{} patch grid exceeds the positions the model knows (axes_lens \
+                 {:?})",
+                grid.0, grid.1, c.axes_lens
             ));
         }
-        Ok(())
+        match (shapes.get(1), shapes.get(2)) {
+            (None, None) => Ok(()),
+            (Some(t), Some(m)) if !t.is_empty() && m.first() == t.first() => {
+                let frame = t[0].div_ceil(SEQ_MULTI_OF) * SEQ_MULTI_OF + 1;
+                if frame >= c.axes_lens[0] {
+                    return Err(format!(
+                        "zimage: {} caption tokens exceed the positions the model knows \
+                         (axes_lens {:?})",
+                        t[0], c.axes_lens
+                    ));
+                }
+                Ok(())
+            }
+            (t, m) => Err(format!(
+                "zimage: context {t:?} and context_mask {m:?} must have one length"
+            )),
+        }
     }
 
     fn objective(&self) -> Objective {

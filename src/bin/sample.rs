@@ -45,7 +45,7 @@ struct Args {
     /// a prompt; repeat for several images
     #[argh(option)]
     prompt: Vec<String>,
-    /// the negative prompt (classifier-free guidance: SD3.5, SDXL, FLUX.2 [klein] base,
+    /// the negative prompt (classifier-free guidance: SD3.5, SDXL, FLUX.2 klein base,
     /// Z-Image)
     #[argh(option, default = "String::new()")]
     negative: String,

@@ -1,7 +1,7 @@
 //! Text encoders and their tokenizers: captions to the embeddings the diffusion models are
 //! conditioned on. [`ClipTokenizer`], [`T5Tokenizer`] and [`Qwen3Tokenizer`] turn text into
 //! fixed-length ids; [`ClipTextModel`] (OpenAI's CLIP-L, OpenCLIP's bigG), [`T5Encoder`] (T5
-//! v1.1 XXL) and [`Qwen3Encoder`] (Qwen3-4B / 8B, FLUX.2 [klein]'s and Z-Image's) turn ids
+//! v1.1 XXL) and [`Qwen3Encoder`] (Qwen3-4B / 8B, FLUX.2 \[klein\]'s and Z-Image's) turn ids
 //! into hidden states; [`Qwen3Conditioning`] holds how those two pipelines prompt Qwen3 and
 //! combine its states. [`AutoencoderKl`] (the `vae` module) turns images into the latents
 //! the models train on and back.
@@ -32,7 +32,7 @@
 //! Which outputs the pipelines use: SD 1.x CLIP-L's `last_hidden`; SDXL both CLIPs'
 //! `penultimate` (concatenated) and bigG's `projected`; SD3.5 both CLIPs' `penultimate` and
 //! both `projected` (concatenated, 768 + 1280) plus T5; Flux CLIP-L's `pooled` and T5's
-//! hidden state; FLUX.2 [klein] Qwen3's hidden states 9, 18, 27 side by side
+//! hidden state; FLUX.2 \[klein\] Qwen3's hidden states 9, 18, 27 side by side
 //! ([`QWEN3_FLUX2_KLEIN`]), Z-Image its `hidden_states[-2]` at each caption's tokens
 //! ([`QWEN3_Z_IMAGE`]). The CLIP-L inside SD3 / SD3.5 single files has no `text_projection`
 //! (`projected` is `None`): SD3's reference code and diffusers' single-file loader project it

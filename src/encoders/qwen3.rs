@@ -1,5 +1,5 @@
 //! Qwen3 (transformers' `Qwen3Model`, the body of `Qwen3ForCausalLM`) as the text encoder of
-//! FLUX.2 [klein] and Z-Image: a token embedding, then per layer RMSNorm -> grouped-query
+//! FLUX.2 \[klein\] and Z-Image: a token embedding, then per layer RMSNorm -> grouped-query
 //! self-attention (each head's q and k RMS-normalized, rotated by RoPE; causal, padding keys
 //! hidden) -> residual, RMSNorm -> SwiGLU MLP -> residual, and a final RMSNorm that only the
 //! last hidden state goes through. The pipelines condition on intermediate hidden states
@@ -57,7 +57,7 @@ const QWEN3_EPS: f64 = 1e-6;
 
 impl Qwen3Config {
     /// Qwen3-4B (Qwen/Qwen3-4B config.json): the text encoder of Z-Image and of FLUX.2
-    /// [klein] 4B.
+    /// \[klein\] 4B.
     pub fn qwen3_4b() -> Self {
         Qwen3Config {
             vocab_size: 151936,
@@ -73,7 +73,7 @@ impl Qwen3Config {
         }
     }
 
-    /// Qwen3-8B (Qwen/Qwen3-8B config.json): the text encoder of FLUX.2 [klein] 9B.
+    /// Qwen3-8B (Qwen/Qwen3-8B config.json): the text encoder of FLUX.2 \[klein\] 9B.
     pub fn qwen3_8b() -> Self {
         Qwen3Config {
             hidden_size: 4096,
@@ -255,7 +255,7 @@ pub struct Qwen3Options {
     pub config: Option<Qwen3Config>,
     /// The hidden states the encoder will be asked for (`hidden_states` indices, negative
     /// from the end): when not empty, only the layers they need are built and read (FLUX.2
-    /// [klein]'s 9, 18, 27 need 27 of Qwen3-4B's 36 layers, Z-Image's -2 35 of them) and
+    /// \[klein\]'s 9, 18, 27 need 27 of Qwen3-4B's 36 layers, Z-Image's -2 35 of them) and
     /// the final norm only when the last state is among them. Empty: the whole model.
     pub hidden_states: Vec<isize>,
     /// Linear weights stored as FP8 E4M3 with per-row scales (`VarBuilder::with_fp8`),

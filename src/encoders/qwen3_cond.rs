@@ -73,7 +73,7 @@ pub struct Qwen3Conditioning {
     pub combine: Qwen3Combine,
 }
 
-/// FLUX.2 [klein] (diffusers 0.42.1 pipelines/flux2/pipeline_flux2_klein.py,
+/// FLUX.2 \[klein\] (diffusers 0.42.1 pipelines/flux2/pipeline_flux2_klein.py,
 /// `Flux2KleinPipeline._get_qwen3_prompt_embeds` and `encode_prompt`): the chat prompt with
 /// `enable_thinking=False`, 512 tokens (`max_sequence_length`), `hidden_states` 9, 18 and 27
 /// (`text_encoder_out_layers` default `(9, 18, 27)`) concatenated on features: (B, 512, 3 D),
@@ -112,7 +112,7 @@ pub struct Qwen3Output {
 /// What the transformer receives.
 #[derive(Clone, Debug)]
 pub enum Qwen3Context {
-    /// (B, L, k D): every position (FLUX.2 [klein]).
+    /// (B, L, k D): every position (FLUX.2 \[klein\]).
     Padded(Tensor),
     /// One (L_i, k D) per caption, its tokens only (Z-Image).
     PerCaption(Vec<Tensor>),

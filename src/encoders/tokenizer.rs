@@ -401,7 +401,7 @@ impl T5Tokenizer {
 /// `<|im_end|>`, `<think>`, ...) matched as whole tokens, no BOS or EOS added, cut to
 /// `max_len` and padded after the text with `pad_token` (`<|endoftext|>`): what transformers
 /// returns for `tokenizer(text, padding="max_length", truncation=True, max_length=max_len)`,
-/// as FLUX.2 [klein]'s and Z-Image's pipelines call it on their chat prompts.
+/// as FLUX.2 \[klein\]'s and Z-Image's pipelines call it on their chat prompts.
 #[derive(Clone, Debug)]
 pub struct Qwen3Tokenizer {
     tok: Tokenizer,

@@ -201,7 +201,7 @@ impl Sources {
 /// [`Sources::locate`] finds a pipeline) is step-distilled: `model_index.json`'s
 /// `is_distilled` (diffusers 0.42.1 `Flux2KleinPipeline.__init__`; its
 /// `do_classifier_free_guidance` is false for such a pipeline whatever the scale, as for the
-/// released FLUX.2 [klein] 4B / 9B). False where no pipeline folder or no field says so.
+/// released FLUX.2 \[klein\] 4B / 9B). False where no pipeline folder or no field says so.
 pub fn step_distilled(model: &Path) -> Result<bool> {
     if !model.is_dir() {
         return Ok(false);

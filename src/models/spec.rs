@@ -14,7 +14,7 @@ pub enum TextEncoderKind {
     Clip,
     /// The T5 v1.1 encoder.
     T5,
-    /// Qwen3 as a conditioning encoder (FLUX.2 [klein], Z-Image), used as the conditioning
+    /// Qwen3 as a conditioning encoder (FLUX.2 \[klein\], Z-Image), used as the conditioning
     /// says: its chat prompt, the hidden states taken (only the layers they need are loaded)
     /// and how the family combines them (`crate::encoders::QWEN3_FLUX2_KLEIN`,
     /// `QWEN3_Z_IMAGE`). The slot's `max_len` should be the conditioning's.

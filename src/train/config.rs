@@ -228,7 +228,7 @@ pub enum AdapterFormat {
 section! {
     /// `[model]`: the base model.
     ModelSection / RawModel = "model" {
-        /// The model family: "flux", "sd3", "sdxl", "flux2" (FLUX.2 [klein]) or "zimage" (Z-Image; `flame::models::FAMILIES`).
+        /// The model family: "flux", "sd3", "sdxl", "flux2" (FLUX.2 klein) or "zimage" (Z-Image; `flame::models::FAMILIES`).
         arch: String,
         /// The weights: a single .safetensors file, a diffusers model folder or a pipeline
         /// folder.

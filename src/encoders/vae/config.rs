@@ -32,7 +32,7 @@ pub enum VaeKind {
     /// (`black-forest-labs/FLUX.1-dev` vae/config.json, and BFL's `flux/util.py`
     /// `AutoEncoderParams(scale_factor=0.3611, shift_factor=0.1159)`).
     Flux,
-    /// FLUX.2 (dev and [klein]): 32 latent channels with quant convs, patched 2x2 into 128
+    /// FLUX.2 (dev and \[klein\]): 32 latent channels with quant convs, patched 2x2 into 128
     /// channels normalized by the autoencoder's own batch-norm statistics ([`PatchNorm`];
     /// diffusers `AutoencoderKLFlux2`), no scale or shift.
     Flux2,

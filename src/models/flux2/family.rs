@@ -22,7 +22,7 @@ use crate::nn::{KeyMap, VarBuilder};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Tensor};
 
-/// The family entry of FLUX.2 (BFL's FLUX.2 [klein] 4B / 9B and fine-tunes).
+/// The family entry of FLUX.2 (BFL's FLUX.2 \[klein\] 4B / 9B and fine-tunes).
 pub static FAMILY: Family = Family::of::<Flux2>(
     "flux2",
     "transformer",
@@ -269,7 +269,7 @@ impl DiffusionModel for Flux2 {
         unpack_latents(&out, h, w)
     }
 
-    /// Models with a guidance embedding (FLUX.2 [dev]); Klein has none.
+    /// Models with a guidance embedding (FLUX.2 \[dev\]); Klein has none.
     fn guidance_input(&self) -> bool {
         self.config.guidance_embed
     }

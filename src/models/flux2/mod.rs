@@ -1,4 +1,4 @@
-//! The FLUX.2 transformer (as FLUX.2 [klein] 4B / 9B use it), named by BFL's checkpoint keys
+//! The FLUX.2 transformer (as FLUX.2 \[klein\] 4B / 9B use it), named by BFL's checkpoint keys
 //! (`flux-2-klein-4b.safetensors`; ComfyUI's repackaged files hold the same keys under
 //! `model.diffusion_model.`). Shape letters: B batch, C packed latent channels, L image tokens,
 //! T text tokens, D hidden size, H heads, E head dim, M MLP width.
@@ -70,12 +70,12 @@ pub struct Flux2Config {
     pub time_channels: usize,
     /// Norm epsilon (1e-6).
     pub eps: f64,
-    /// A guidance embedding (FLUX.2 [dev]); Klein has none.
+    /// A guidance embedding (FLUX.2 \[dev\]); Klein has none.
     pub guidance_embed: bool,
 }
 
 impl Flux2Config {
-    /// FLUX.2 [klein] 4B: BFL `flux2/src/flux2/model.py` `Klein4BParams` (context_in_dim
+    /// FLUX.2 \[klein\] 4B: BFL `flux2/src/flux2/model.py` `Klein4BParams` (context_in_dim
     /// 7680 = 3 x Qwen3-4B's 2560, hidden 3072, 24 heads, 5 double and 20 single blocks,
     /// axes [32, 32, 32, 32], theta 2000, MLP ratio 3, no guidance embedding); the same sizes
     /// as `black-forest-labs/FLUX.2-klein-4B` `transformer/config.json` as public ports
@@ -100,7 +100,7 @@ impl Flux2Config {
         }
     }
 
-    /// FLUX.2 [klein] 9B: BFL `flux2/src/flux2/model.py` `Klein9BParams` (context_in_dim
+    /// FLUX.2 \[klein\] 9B: BFL `flux2/src/flux2/model.py` `Klein9BParams` (context_in_dim
     /// 12288 = 3 x Qwen3-8B's 4096, hidden 4096, 32 heads, 8 double and 24 single blocks,
     /// the rest as 4B); `black-forest-labs/FLUX.2-klein-9B`'s config.json as reproduced:
     /// `num_layers` 8, `num_single_layers` 24, `num_attention_heads` 32,

@@ -272,7 +272,7 @@ pub struct Flux2 {
     pub txt_in: Linear,
     /// Timestep embedding: `time_channels` sinusoidal channels -> D.
     pub time_in: TimeEmbedder,
-    /// Guidance embedding (FLUX.2 [dev]; Klein has none).
+    /// Guidance embedding (FLUX.2 \[dev\]; Klein has none).
     pub guidance_in: Option<TimeEmbedder>,
     /// `lin`: D -> 6 D, every double block's image-stream (shift, scale, gate) x 2.
     pub double_stream_modulation_img: Linear,

@@ -1,7 +1,8 @@
-//! Pieces the transformer models share: head splitting and merging, and the adaLN final
-//! layer that Flux and SD3 both have under `final_layer`.
+//! Pieces the transformer models share: head splitting and merging, the adaLN final layer
+//! that Flux and SD3 both have under `final_layer`, and BFL's embedder MLP, QK norm and
+//! rotary attention that FLUX.1 and FLUX.2 share.
 
-use crate::nn::{Linear, VarBuilder};
+use crate::nn::{scaled_dot_product_attention, Linear, RmsNorm, VarBuilder};
 use crate::{Error, Result, Tensor};
 
 /// LayerNorm epsilon of the DiT blocks and final layers (BFL Flux and Stability's MMDiT:
@@ -32,6 +33,60 @@ impl FinalLayer {
         let x = x.layer_norm(None, None, EPS)?.modulate(&m[0], &m[1])?;
         self.linear.forward(&x)
     }
+}
+
+/// `in_layer` -> SiLU -> `out_layer` (BFL `MLPEmbedder`: FLUX.1's with biases, FLUX.2's
+/// without, `disable_bias=True`).
+#[derive(Clone, Debug)]
+pub struct MlpEmbedder {
+    /// `in_dim -> hidden`.
+    pub in_layer: Linear,
+    /// `hidden -> hidden`.
+    pub out_layer: Linear,
+}
+
+impl MlpEmbedder {
+    /// The two layers under `vb` (`in_layer`, `out_layer`), with biases or not.
+    pub fn new(vb: &VarBuilder, in_dim: usize, hidden: usize, bias: bool) -> Result<Self> {
+        Ok(MlpEmbedder {
+            in_layer: Linear::new(&vb.pp("in_layer"), in_dim, hidden, bias)?,
+            out_layer: Linear::new(&vb.pp("out_layer"), hidden, hidden, bias)?,
+        })
+    }
+
+    /// x (B, in_dim) -> (B, hidden).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.out_layer.forward(&self.in_layer.forward(x)?.silu()?)
+    }
+}
+
+/// RMSNorm of queries and keys over the head dim (BFL `QKNorm`: keys `norm.query_norm.scale`,
+/// `norm.key_norm.scale`).
+#[derive(Clone, Debug)]
+pub(crate) struct QkNorm {
+    query_norm: RmsNorm,
+    key_norm: RmsNorm,
+}
+
+impl QkNorm {
+    pub(crate) fn new(vb: &VarBuilder, head_dim: usize, eps: f64) -> Result<Self> {
+        Ok(QkNorm {
+            query_norm: RmsNorm::with_key(&vb.pp("query_norm"), head_dim, eps, "scale")?,
+            key_norm: RmsNorm::with_key(&vb.pp("key_norm"), head_dim, eps, "scale")?,
+        })
+    }
+
+    /// (B, N, 3 D) fused projections -> q, k, v each (B, H, N, E); q and k RMS-normed.
+    pub(crate) fn qkv(&self, qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        let (q, k, v) = split_qkv(qkv, heads)?;
+        Ok((self.query_norm.forward(&q)?, self.key_norm.forward(&k)?, v))
+    }
+}
+
+/// RoPE on q and k, attention, heads merged: (B, H, N, E) x3 -> (B, N, D) (BFL `attention`).
+pub(crate) fn rope_attention(q: &Tensor, k: &Tensor, v: &Tensor, pe: &Tensor) -> Result<Tensor> {
+    let (q, k) = (q.apply_rope(pe)?, k.apply_rope(pe)?);
+    merge_heads(&scaled_dot_product_attention(&q, &k, v, None, false, None)?)
 }
 
 /// A block's outputs (from `BlockExec::run`) as an array of their expected number.

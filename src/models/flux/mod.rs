@@ -8,9 +8,10 @@ mod family;
 mod keys;
 mod model;
 
+pub use crate::models::common::MlpEmbedder;
 pub use family::FAMILY;
 pub use keys::diffusers_map;
-pub use model::{DoubleStreamBlock, Flux, MlpEmbedder, SingleStreamBlock};
+pub use model::{DoubleStreamBlock, Flux, SingleStreamBlock};
 
 use super::checkpoint::{cfg_opt, cfg_usize, cfg_usize_list};
 use super::family::{load_as, LoadOptions};

@@ -3,69 +3,16 @@
 
 use super::FluxConfig;
 use crate::memory::BlockExec;
-use crate::models::common::{merge_heads, outputs, split_qkv, FinalLayer, EPS};
-use crate::nn::{
-    scaled_dot_product_attention, timestep_embedding, EmbedNd, Linear, Modulation, RmsNorm,
-    VarBuilder,
+use crate::models::common::{
+    outputs, rope_attention as attention, FinalLayer, MlpEmbedder, QkNorm, EPS,
 };
+use crate::nn::{timestep_embedding, EmbedNd, Linear, Modulation, VarBuilder};
 use crate::{DType, Error, Result, Tensor};
 
 /// Timestep and guidance embeddings: 256 sinusoidal channels (BFL `timestep_embedding`,
 /// `time_factor` 1000, cos first).
 const TIME_DIM: usize = 256;
 const TIME_FACTOR: f64 = 1000.0;
-
-/// `in_layer` -> SiLU -> `out_layer` (BFL `MLPEmbedder`).
-#[derive(Clone, Debug)]
-pub struct MlpEmbedder {
-    /// `in_dim -> hidden`, with bias.
-    pub in_layer: Linear,
-    /// `hidden -> hidden`, with bias.
-    pub out_layer: Linear,
-}
-
-impl MlpEmbedder {
-    /// The two layers under `vb` (`in_layer`, `out_layer`).
-    pub fn new(vb: &VarBuilder, in_dim: usize, hidden: usize) -> Result<Self> {
-        Ok(MlpEmbedder {
-            in_layer: Linear::new(&vb.pp("in_layer"), in_dim, hidden, true)?,
-            out_layer: Linear::new(&vb.pp("out_layer"), hidden, hidden, true)?,
-        })
-    }
-
-    /// x (B, in_dim) -> (B, hidden).
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.out_layer.forward(&self.in_layer.forward(x)?.silu()?)
-    }
-}
-
-/// RMSNorm of queries and keys over the head dim (keys `norm.query_norm.scale`, ...).
-#[derive(Clone, Debug)]
-struct QkNorm {
-    query_norm: RmsNorm,
-    key_norm: RmsNorm,
-}
-
-impl QkNorm {
-    fn new(vb: &VarBuilder, head_dim: usize) -> Result<Self> {
-        Ok(QkNorm {
-            query_norm: RmsNorm::with_key(&vb.pp("query_norm"), head_dim, EPS, "scale")?,
-            key_norm: RmsNorm::with_key(&vb.pp("key_norm"), head_dim, EPS, "scale")?,
-        })
-    }
-}
-
-/// (B, N, 3 D) fused projections -> q, k, v each (B, H, N, E); q and k RMS-normed.
-fn qkv_normed(qkv: &Tensor, heads: usize, norm: &QkNorm) -> Result<(Tensor, Tensor, Tensor)> {
-    let (q, k, v) = split_qkv(qkv, heads)?;
-    Ok((norm.query_norm.forward(&q)?, norm.key_norm.forward(&k)?, v))
-}
-
-/// RoPE on q and k, attention, heads merged: (B, H, N, E) x3 -> (B, N, D) (BFL `attention`).
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, pe: &Tensor) -> Result<Tensor> {
-    let (q, k) = (q.apply_rope(pe)?, k.apply_rope(pe)?);
-    merge_heads(&scaled_dot_product_attention(&q, &k, v, None, false, None)?)
-}
 
 /// One stream of a double block: `{img,txt}_mod`, `_norm1/2` (no affine), `_attn.{qkv,norm,
 /// proj}`, `_mlp.{0,2}` with tanh GELU.
@@ -87,7 +34,7 @@ impl Stream {
         Ok(Stream {
             modulation: Modulation::new(&vb.pp(format!("{p}_mod")), d, true)?,
             qkv: Linear::new(&attn.pp("qkv"), d, 3 * d, cfg.qkv_bias)?,
-            norm: QkNorm::new(&attn.pp("norm"), cfg.head_dim())?,
+            norm: QkNorm::new(&attn.pp("norm"), cfg.head_dim(), EPS)?,
             proj: Linear::new(&attn.pp("proj"), d, d, true)?,
             mlp0: Linear::new(&mlp.pp("0"), d, m, true)?,
             mlp2: Linear::new(&mlp.pp("2"), m, d, true)?,
@@ -126,15 +73,13 @@ impl DoubleStreamBlock {
         let im = self.img.modulation.forward_activated(vec_act)?;
         let tm = self.txt.modulation.forward_activated(vec_act)?;
         let norm = |x: &Tensor| x.layer_norm(None, None, EPS);
-        let (iq, ik, iv) = qkv_normed(
+        let (iq, ik, iv) = self.img.norm.qkv(
             &self.img.qkv.forward(&im[0].modulate(&norm(img)?)?)?,
             self.heads,
-            &self.img.norm,
         )?;
-        let (tq, tk, tv) = qkv_normed(
+        let (tq, tk, tv) = self.txt.norm.qkv(
             &self.txt.qkv.forward(&tm[0].modulate(&norm(txt)?)?)?,
             self.heads,
-            &self.txt.norm,
         )?;
         let q = Tensor::cat(&[&tq, &iq], 2)?;
         let k = Tensor::cat(&[&tk, &ik], 2)?;
@@ -177,7 +122,7 @@ impl SingleStreamBlock {
             modulation: Modulation::new(&vb.pp("modulation"), d, false)?,
             linear1: Linear::new(&vb.pp("linear1"), d, 3 * d + m, true)?,
             linear2: Linear::new(&vb.pp("linear2"), d + m, d, true)?,
-            norm: QkNorm::new(&vb.pp("norm"), cfg.head_dim())?,
+            norm: QkNorm::new(&vb.pp("norm"), cfg.head_dim(), EPS)?,
             hidden: d,
             heads: cfg.num_heads,
         })
@@ -192,7 +137,7 @@ impl SingleStreamBlock {
         let width = h.dims()[2];
         let qkv = h.narrow(2, 0, 3 * self.hidden)?;
         let mlp = h.narrow(2, 3 * self.hidden, width - 3 * self.hidden)?;
-        let (q, k, v) = qkv_normed(&qkv, self.heads, &self.norm)?;
+        let (q, k, v) = self.norm.qkv(&qkv, self.heads)?;
         let attn = attention(&q, &k, &v, pe)?;
         let out = self
             .linear2
@@ -236,10 +181,10 @@ impl Flux {
         Ok(Flux {
             config: cfg.clone(),
             img_in: Linear::new(&vb.pp("img_in"), cfg.in_channels, d, true)?,
-            time_in: MlpEmbedder::new(&vb.pp("time_in"), TIME_DIM, d)?,
-            vector_in: MlpEmbedder::new(&vb.pp("vector_in"), cfg.vec_in_dim, d)?,
+            time_in: MlpEmbedder::new(&vb.pp("time_in"), TIME_DIM, d, true)?,
+            vector_in: MlpEmbedder::new(&vb.pp("vector_in"), cfg.vec_in_dim, d, true)?,
             guidance_in: if cfg.guidance_embed {
-                Some(MlpEmbedder::new(&vb.pp("guidance_in"), TIME_DIM, d)?)
+                Some(MlpEmbedder::new(&vb.pp("guidance_in"), TIME_DIM, d, true)?)
             } else {
                 None
             },

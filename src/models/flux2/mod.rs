@@ -19,7 +19,7 @@ mod model;
 
 pub use family::{empirical_mu, schedule, FAMILY};
 pub use keys::diffusers_map;
-pub use model::{DoubleStreamBlock, FinalLayer, Flux2, SingleStreamBlock, TimeEmbedder};
+pub use model::{DoubleStreamBlock, FinalLayer, Flux2, SingleStreamBlock};
 
 use super::checkpoint::{cfg_opt, cfg_usize, cfg_usize_list};
 use super::family::{load_as, LoadOptions};

@@ -3,11 +3,8 @@
 
 use super::Flux2Config;
 use crate::memory::BlockExec;
-use crate::models::common::{merge_heads, outputs, split_qkv};
-use crate::nn::{
-    scaled_dot_product_attention, timestep_embedding, EmbedNd, Linear, ModulationOut, RmsNorm,
-    VarBuilder,
-};
+use crate::models::common::{outputs, rope_attention as attention, MlpEmbedder, QkNorm};
+use crate::nn::{timestep_embedding, EmbedNd, Linear, ModulationOut, VarBuilder};
 use crate::{DType, Error, Result, Tensor};
 
 /// Timesteps (and guidance) in [0, 1] are scaled by 1000 before their sinusoidal embedding
@@ -18,60 +15,6 @@ const TIME_FACTOR: f64 = 1000.0;
 /// The sinusoidal embedding's max period (diffusers `Timesteps` through
 /// `get_timestep_embedding`'s default; BFL `timestep_embedding(max_period=10000)`).
 const MAX_PERIOD: f64 = 10_000.0;
-
-/// `in_layer` -> SiLU -> `out_layer`, no biases (BFL `MLPEmbedder(disable_bias=True)`;
-/// diffusers `TimestepEmbedding(sample_proj_bias=False)`).
-#[derive(Clone, Debug)]
-pub struct TimeEmbedder {
-    /// `channels -> D`.
-    pub in_layer: Linear,
-    /// `D -> D`.
-    pub out_layer: Linear,
-}
-
-impl TimeEmbedder {
-    /// The two layers under `vb` (`in_layer`, `out_layer`).
-    pub fn new(vb: &VarBuilder, channels: usize, hidden: usize) -> Result<Self> {
-        Ok(TimeEmbedder {
-            in_layer: Linear::new(&vb.pp("in_layer"), channels, hidden, false)?,
-            out_layer: Linear::new(&vb.pp("out_layer"), hidden, hidden, false)?,
-        })
-    }
-
-    /// x (B, channels) -> (B, D).
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.out_layer.forward(&self.in_layer.forward(x)?.silu()?)
-    }
-}
-
-/// RMSNorm of queries and keys over the head dim (keys `norm.query_norm.scale`, ...).
-#[derive(Clone, Debug)]
-struct QkNorm {
-    query_norm: RmsNorm,
-    key_norm: RmsNorm,
-}
-
-impl QkNorm {
-    fn new(vb: &VarBuilder, cfg: &Flux2Config) -> Result<Self> {
-        let e = cfg.head_dim();
-        Ok(QkNorm {
-            query_norm: RmsNorm::with_key(&vb.pp("query_norm"), e, cfg.eps, "scale")?,
-            key_norm: RmsNorm::with_key(&vb.pp("key_norm"), e, cfg.eps, "scale")?,
-        })
-    }
-
-    /// (B, N, 3 D) fused projections -> q, k, v each (B, H, N, E); q and k RMS-normed.
-    fn qkv(&self, qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
-        let (q, k, v) = split_qkv(qkv, heads)?;
-        Ok((self.query_norm.forward(&q)?, self.key_norm.forward(&k)?, v))
-    }
-}
-
-/// RoPE on q and k, attention, heads merged: (B, H, N, E) x3 -> (B, N, D).
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, pe: &Tensor) -> Result<Tensor> {
-    let (q, k) = (q.apply_rope(pe)?, k.apply_rope(pe)?);
-    merge_heads(&scaled_dot_product_attention(&q, &k, v, None, false, None)?)
-}
 
 /// SwiGLU over the last dim: (..., 2 M) -> (..., M), `silu(first half) * second half`
 /// (diffusers `Flux2SwiGLU`, BFL `SiLUActivation`).
@@ -113,7 +56,7 @@ impl Stream {
         let mlp = vb.pp(format!("{p}_mlp"));
         Ok(Stream {
             qkv: Linear::new(&attn.pp("qkv"), d, 3 * d, false)?,
-            norm: QkNorm::new(&attn.pp("norm"), cfg)?,
+            norm: QkNorm::new(&attn.pp("norm"), cfg.head_dim(), cfg.eps)?,
             proj: Linear::new(&attn.pp("proj"), d, d, false)?,
             mlp0: Linear::new(&mlp.pp("0"), d, 2 * m, false)?,
             mlp2: Linear::new(&mlp.pp("2"), m, d, false)?,
@@ -207,7 +150,7 @@ impl SingleStreamBlock {
         Ok(SingleStreamBlock {
             linear1: Linear::new(&vb.pp("linear1"), d, 3 * d + 2 * m, false)?,
             linear2: Linear::new(&vb.pp("linear2"), d + m, d, false)?,
-            norm: QkNorm::new(&vb.pp("norm"), cfg)?,
+            norm: QkNorm::new(&vb.pp("norm"), cfg.head_dim(), cfg.eps)?,
             hidden: d,
             heads: cfg.num_heads,
             eps: cfg.eps,
@@ -271,9 +214,9 @@ pub struct Flux2 {
     /// Text hidden states `context_in_dim -> D`.
     pub txt_in: Linear,
     /// Timestep embedding: `time_channels` sinusoidal channels -> D.
-    pub time_in: TimeEmbedder,
+    pub time_in: MlpEmbedder,
     /// Guidance embedding (FLUX.2 \[dev\]; Klein has none).
-    pub guidance_in: Option<TimeEmbedder>,
+    pub guidance_in: Option<MlpEmbedder>,
     /// `lin`: D -> 6 D, every double block's image-stream (shift, scale, gate) x 2.
     pub double_stream_modulation_img: Linear,
     /// `lin`: D -> 6 D, every double block's text stream.
@@ -304,12 +247,13 @@ impl Flux2 {
             config: cfg.clone(),
             img_in: Linear::new(&vb.pp("img_in"), cfg.in_channels, d, false)?,
             txt_in: Linear::new(&vb.pp("txt_in"), cfg.context_in_dim, d, false)?,
-            time_in: TimeEmbedder::new(&vb.pp("time_in"), cfg.time_channels, d)?,
+            time_in: MlpEmbedder::new(&vb.pp("time_in"), cfg.time_channels, d, false)?,
             guidance_in: if cfg.guidance_embed {
-                Some(TimeEmbedder::new(
+                Some(MlpEmbedder::new(
                     &vb.pp("guidance_in"),
                     cfg.time_channels,
                     d,
+                    false,
                 )?)
             } else {
                 None

@@ -281,23 +281,29 @@ pub fn denoise(
         DType::F32,
         dev,
     )?)?;
+    // The batched guidance's conditioning, [cond; uncond] along the batch, made once: the
+    // same tensors go to every step (a model may key work it derives from them on them).
+    let both_cond = match cfg {
+        Some(c) if c.batched => Some(doubled(cond, &c.uncond)?),
+        _ => None,
+    };
     for i in 0..steps {
         let input = schedule.scale_model_input(&x, i)?.to_dtype(dtype)?;
         let t = Tensor::full(schedule.model_time(i)? as f64, b, DType::F32, dev)?;
-        let (pred, un) = match cfg {
-            Some(c) if c.batched => {
+        let (pred, un) = match (cfg, &both_cond) {
+            (Some(_), Some(both_cond)) => {
                 // [cond; uncond] rows through the model at once, then split.
                 let both = model
                     .predict(
                         &Tensor::cat(&[&input, &input], 0)?,
                         &Tensor::cat(&[&t, &t], 0)?,
-                        &doubled(cond, &c.uncond)?,
+                        both_cond,
                         distilled,
                     )?
                     .to_dtype(DType::F32)?;
                 (both.narrow(0, 0, b)?, Some(both.narrow(0, b, b)?))
             }
-            Some(c) => (
+            (Some(c), None) => (
                 model
                     .predict(&input, &t, cond, distilled)?
                     .to_dtype(DType::F32)?,
@@ -307,7 +313,7 @@ pub fn denoise(
                         .to_dtype(DType::F32)?,
                 ),
             ),
-            None => (
+            (None, _) => (
                 model
                     .predict(&input, &t, cond, distilled)?
                     .to_dtype(DType::F32)?,

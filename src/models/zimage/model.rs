@@ -23,7 +23,8 @@ use crate::models::common::{merge_heads, outputs, split_qkv};
 use crate::nn::{
     scaled_dot_product_attention, timestep_embedding, EmbedNd, Linear, RmsNorm, VarBuilder,
 };
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor, TensorId};
+use std::sync::{Arc, Mutex};
 
 /// Epsilon of the attention's QK RMSNorms: diffusers builds them with `Attention(...,
 /// qk_norm="rms_norm", eps=1e-5)` whatever `norm_eps` is (`ZImageTransformerBlock`).
@@ -238,12 +239,11 @@ struct Layout {
 }
 
 impl Layout {
-    /// From the caption mask (B, T) (1s then 0s per row) and the patch grid.
-    fn new(mask: &Tensor, grid: (usize, usize), cfg: &ZImageConfig) -> Result<Self> {
-        let d = mask.dims();
-        let (b, t) = (d[0], d[1]);
+    /// The caption tokens of each row of the mask (B, T): 1s (at least one) then 0s.
+    fn lengths(mask: &Tensor) -> Result<Vec<usize>> {
+        let t = mask.dims()[1];
         let v = mask.to_vec_f64()?;
-        let mut n = Vec::with_capacity(b);
+        let mut n = Vec::with_capacity(mask.dims()[0]);
         for row in v.chunks(t.max(1)) {
             let k = row.iter().take_while(|&&x| x != 0.0).count();
             if k == 0 || row[k..].iter().any(|&x| x != 0.0) {
@@ -255,6 +255,12 @@ impl Layout {
             }
             n.push(k);
         }
+        Ok(n)
+    }
+
+    /// From the caption lengths `n` of a mask (B, T) and the patch grid.
+    fn new(n: Vec<usize>, mask: &Tensor, grid: (usize, usize), cfg: &ZImageConfig) -> Result<Self> {
+        let t = mask.dims()[1];
         let np: Vec<usize> = n.iter().map(|&k| ceil_to(k, SEQ_MULTI_OF)).collect();
         let tp = ceil_to(t, SEQ_MULTI_OF);
         let l = grid.0 * grid.1;
@@ -374,6 +380,11 @@ pub struct ZImage {
     /// `final_layer.linear`: D -> p p C.
     pub final_linear: Linear,
     rope: EmbedNd,
+    /// The last caption mask read back from the device (its identity) and its rows'
+    /// lengths. Every denoising step of a sample hands the model the same mask, and reading
+    /// it again would wait for all the work queued before it. A mask is never written in
+    /// place.
+    lengths: Arc<Mutex<Option<(TensorId, Vec<usize>)>>>,
     /// How the blocks run: resident, checkpointed or streamed
     /// (`ZImageConfig::block_prefixes` names them).
     pub exec: BlockExec,
@@ -410,8 +421,22 @@ impl ZImage {
                 theta: cfg.rope_theta,
                 axes_dim: cfg.axes_dims.clone(),
             },
+            lengths: Arc::default(),
             exec: BlockExec::default(),
         })
+    }
+
+    /// The caption lengths of `mask` (B, T), read from the device once per mask.
+    fn caption_lengths(&self, mask: &Tensor) -> Result<Vec<usize>> {
+        let mut memo = self.lengths.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((id, n)) = memo.as_ref() {
+            if *id == mask.id() {
+                return Ok(n.clone());
+            }
+        }
+        let n = Layout::lengths(mask)?;
+        *memo = Some((mask.id(), n.clone()));
+        Ok(n)
     }
 
     /// The adaLN input c (B, A) in `dtype` for the model's timesteps `t` (B,): the MLP over
@@ -460,7 +485,7 @@ impl ZImage {
         }
         let (dtype, dev, p) = (latents.dtype(), latents.device(), cfg.patch_size);
         let grid = (ld[2] / p, ld[3] / p);
-        let lay = Layout::new(cap_mask, grid, cfg)?;
+        let lay = Layout::new(self.caption_lengths(cap_mask)?, cap_mask, grid, cfg)?;
         let (b, d) = (ld[0], cfg.dim);
         let c = self.conditioning(dtype, t)?;
         let (img_ids, cap_ids) = lay.ids(dev)?;

@@ -82,19 +82,15 @@ fn vae() -> AutoencoderKl {
 }
 
 fn conditioner() -> TextConditioner {
+    conditioner_with(&TextOptions::default())
+}
+
+fn conditioner_with(opts: &TextOptions) -> TextConditioner {
     // The pipeline folder's text_encoder/, tokenizer/ and vae/, found from its transformer/.
     let (located, _) = Sources::default()
         .locate(family(), &pipeline().join("transformer"), KEYS)
         .unwrap();
-    TextConditioner::load(
-        family(),
-        &located,
-        &TextOptions::default(),
-        DType::F32,
-        &CPU,
-        "encoders",
-    )
-    .unwrap()
+    TextConditioner::load(family(), &located, opts, DType::F32, &CPU, "encoders").unwrap()
 }
 
 /// Captions to the `context` through the family's pipeline, as `encode_prompt` gives it.
@@ -114,6 +110,18 @@ fn text_conditioning_matches_encode_prompt() {
     let tol = common::tolerance::tolerance(common::tolerance::Against::Network, DType::F32).1;
     let e = check("context", &got[0].1, &io["encode.context"], tol);
     println!("klein context: worst {e:.2e}");
+    // Qwen3's layers streamed from host memory (`encoders.stream_qwen3`): the same values.
+    let streamed = conditioner_with(&TextOptions {
+        stream_qwen3: true,
+        ..TextOptions::default()
+    })
+    .encode(&caps)
+    .unwrap();
+    assert_eq!(
+        streamed[0].1.to_vec_f64().unwrap(),
+        got[0].1.to_vec_f64().unwrap(),
+        "streamed Qwen3"
+    );
     // The model takes exactly this width.
     let m = model();
     let w = got[0].1.dims()[2];
@@ -315,6 +323,10 @@ validation_split = 0.2
 
 [[data.dirs]]
 path = "{images}"
+
+# Qwen3's layers streamed from host memory while the captions are encoded.
+[encoders]
+stream_qwen3 = "on"
 
 [sample]
 every = 2

@@ -97,6 +97,9 @@ struct Args {
     /// stream T5's blocks from host memory while encoding (T5-XXL in about 1.5 GiB)
     #[argh(switch)]
     stream_t5: bool,
+    /// stream Qwen3's layers from host memory while encoding (Qwen3-4B in about 1.4 GiB)
+    #[argh(switch)]
+    stream_qwen3: bool,
     /// encode and decode in tiles of this many pixels (0, the default: whole images)
     #[argh(option, default = "0")]
     vae_tile: usize,
@@ -416,8 +419,10 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         let opts = TextOptions {
             guided,
             t5_tokens: a.t5_tokens,
-            // Under a budget T5 streams its blocks (the same embeddings in less memory).
+            // Under a budget T5 and Qwen3 stream their blocks (the same embeddings in
+            // less memory).
             stream_t5: a.stream_t5 || a.budget > 0.0,
+            stream_qwen3: a.stream_qwen3 || a.budget > 0.0,
         };
         let cond = TextConditioner::load(
             family,

@@ -161,7 +161,7 @@ pub enum LossScale {
     Off,
 }
 
-/// A switch whose default the run works out (`encoders.stream_t5`).
+/// A switch whose default the run works out (`encoders.stream_t5`, `encoders.stream_qwen3`).
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Toggle {
@@ -422,6 +422,11 @@ section! {
         /// "auto" (on when memory.budget_gb is set and T5's weights take more than half of it;
         /// T5-XXL then encodes in about 1.5 GiB instead of 9).
         stream_t5: Toggle = Toggle::Auto,
+        /// Stream Qwen3's layers from host memory while encoding captions (FLUX.2 klein,
+        /// Z-Image): "on", "off", or "auto" (on when memory.budget_gb is set and Qwen3's
+        /// weights take more than half of it; Qwen3-4B then encodes in about 1.4 GiB instead
+        /// of 8).
+        stream_qwen3: Toggle = Toggle::Auto,
         /// Encode and decode in tiles of this many pixels (0: whole images, except that sample
         /// images decode in 512-pixel tiles under a memory.budget_gb); less memory, slightly
         /// different latents near tile borders.

@@ -279,11 +279,11 @@ fn encode_tile(
 
 /// Bytes the text encoders hold while captions are encoded, about: their weight files
 /// (at most: a file stored in f32 is encoded in bf16 on a GPU), T5 an eighth of its
-/// weights when streamed (its embedding and the blocks in flight). With whether T5
-/// streams.
+/// weights when streamed (its embedding and the blocks in flight), Qwen3 a quarter (its
+/// embedding, a tenth of Qwen3-4B, and three layers). With whether one of them streams.
 pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Result<(u64, bool)> {
     let (text_at, _) = locate(config, family)?;
-    let streamed = stream_t5(config, family, &text_at);
+    let opts = text_options(config, family, &text_at, false);
     let bytes = family
         .pipeline
         .text
@@ -291,13 +291,14 @@ pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Resul
         .zip(&text_at)
         .map(|(slot, (l, _))| {
             let b = weight_bytes(&l.path);
-            match streamed && slot.kind == TextEncoderKind::T5 {
-                true => b / 8,
-                false => b,
+            match slot.kind {
+                TextEncoderKind::T5 if opts.stream_t5 => b / 8,
+                TextEncoderKind::Qwen3(_) if opts.stream_qwen3 => b / 4,
+                _ => b,
             }
         })
         .sum();
-    Ok((bytes, streamed))
+    Ok((bytes, opts.stream_t5 || opts.stream_qwen3))
 }
 
 /// Bytes of the weight files at `path` (a file, or the .safetensors files of a folder).
@@ -313,15 +314,22 @@ fn weight_bytes(path: &Path) -> u64 {
     }
 }
 
-/// Whether T5 streams while encoding (`encoders.stream_t5`): "auto" streams when a memory
-/// budget is set and T5's weight files take more than half of it (a T5 inside an all-in-one
-/// file counts the whole file: streaming is then the safe side).
-pub fn stream_t5(config: &TrainConfig, family: &Family, text_at: &[(Located, PathBuf)]) -> bool {
-    match config.encoders.stream_t5 {
+/// How the captions' encoders are set up (`guided`: the model takes a guidance input).
+/// T5 and Qwen3 stream while encoding as `encoders.stream_t5` and `encoders.stream_qwen3`
+/// say: "auto" streams when a memory budget is set and the encoder's weight files take more
+/// than half of it (one inside an all-in-one file counts the whole file: streaming is then
+/// the safe side).
+pub fn text_options(
+    config: &TrainConfig,
+    family: &Family,
+    text_at: &[(Located, PathBuf)],
+    guided: bool,
+) -> TextOptions {
+    let budget = config.memory.budget_gb * (1u64 << 30) as f64;
+    let streams = |toggle: Toggle, qwen3: bool| match toggle {
         Toggle::On => true,
         Toggle::Off => false,
         Toggle::Auto => {
-            let budget = config.memory.budget_gb * (1u64 << 30) as f64;
             budget > 0.0
                 && family
                     .pipeline
@@ -329,10 +337,20 @@ pub fn stream_t5(config: &TrainConfig, family: &Family, text_at: &[(Located, Pat
                     .iter()
                     .zip(text_at)
                     .any(|(slot, (w, _))| {
-                        slot.kind == TextEncoderKind::T5
-                            && weight_bytes(&w.path) as f64 > budget / 2.0
+                        let kind = match slot.kind {
+                            TextEncoderKind::T5 => !qwen3,
+                            TextEncoderKind::Qwen3(_) => qwen3,
+                            TextEncoderKind::Clip => false,
+                        };
+                        kind && weight_bytes(&w.path) as f64 > budget / 2.0
                     })
         }
+    };
+    TextOptions {
+        guided,
+        t5_tokens: config.encoders.t5_tokens,
+        stream_t5: streams(config.encoders.stream_t5, false),
+        stream_qwen3: streams(config.encoders.stream_qwen3, true),
     }
 }
 
@@ -642,14 +660,13 @@ pub fn prepare(
     }
     captions.extend(config.sample.prompts.iter().cloned());
     captions.push(config.sample.negative_prompt.clone());
-    let text_opts = TextOptions {
-        guided,
-        t5_tokens: config.encoders.t5_tokens,
-        stream_t5: stream_t5(config, family, &text_at),
-    };
+    let text_opts = text_options(config, family, &text_at, guided);
     let text_id = TextConditioner::identity_of(family, &text_at, &text_opts, dtype);
     if text_opts.stream_t5 && encode {
         on("T5 streams its blocks from host memory while the captions are encoded".into());
+    }
+    if text_opts.stream_qwen3 && encode {
+        on("Qwen3 streams its layers from host memory while the captions are encoded".into());
     }
     let text = TextCache::open(&cache, &text_id)?;
     let empty = text.entry_path("");

@@ -533,7 +533,7 @@ pub(crate) fn phase_plans(
                     tiling_words(tile),
                     gib(encode),
                     if streamed {
-                        "T5 streamed from host memory, "
+                        "the large encoder streamed from host memory, "
                     } else {
                         ""
                     },

@@ -349,6 +349,9 @@ impl Layout {
     }
 }
 
+/// A caption mask's identity and its rows' lengths.
+type MaskLengths = (TensorId, Vec<usize>);
+
 /// The Z-Image transformer (diffusers `ZImageTransformer2DModel`, text-to-image).
 #[derive(Clone, Debug)]
 pub struct ZImage {
@@ -384,7 +387,7 @@ pub struct ZImage {
     /// lengths. Every denoising step of a sample hands the model the same mask, and reading
     /// it again would wait for all the work queued before it. A mask is never written in
     /// place.
-    lengths: Arc<Mutex<Option<(TensorId, Vec<usize>)>>>,
+    lengths: Arc<Mutex<Option<MaskLengths>>>,
     /// How the blocks run: resident, checkpointed or streamed
     /// (`ZImageConfig::block_prefixes` names them).
     pub exec: BlockExec,

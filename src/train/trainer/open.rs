@@ -353,7 +353,10 @@ fn note_phases_past_the_budget(
             p.plan,
             match p.phase {
                 "sample images" => "a smaller sample.size or encoders.vae_tile lowers it",
-                "caching" => "encoders.vae_tile = 512 and encoders.stream_t5 = \"on\" lower it",
+                "caching" => {
+                    "encoders.vae_tile = 512 and encoders.stream_t5 (or stream_qwen3) = \"on\" \
+                     lower it"
+                }
                 _ => "a larger budget or a smaller batch lowers it",
             }
         )));

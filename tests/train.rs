@@ -739,7 +739,7 @@ fn non_finite_steps_stop_or_skip_and_never_reach_a_saved_adapter() {
     let d = temp("nan");
     // A learning rate that blows the adapter up after the first step.
     let mut cfg = TrainConfig::from_file(tiny(&d, 8, "")).unwrap();
-    cfg.optimizer.lr = 1e30;
+    cfg.optimizer.lr = Some(1e30);
     cfg.schedule.warmup_steps = 0;
     cfg.train.save_every = 1;
     let e = run_with(&cfg, fresh()).unwrap_err().to_string();

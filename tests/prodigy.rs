@@ -174,8 +174,11 @@ fn f32s(t: &Tensor) -> Vec<f32> {
 fn fifty_steps_match_prodigyopt() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/optim");
     for case in ["default", "warmup", "coupled"] {
-        let fx = flame::safetensors::load(dir.join(format!("prodigy_{case}.safetensors")), &Device::Cpu)
-            .unwrap();
+        let fx = flame::safetensors::load(
+            dir.join(format!("prodigy_{case}.safetensors")),
+            &Device::Cpu,
+        )
+        .unwrap();
         let names = ["p_a", "p_b", "p_zero"];
         let params: Vec<(String, Tensor)> = names
             .iter()
@@ -203,7 +206,10 @@ fn fifty_steps_match_prodigyopt() {
                     .zip(&noise[k * m..(k + 1) * m])
                     .map(|((&x, &t), &e)| (x - t) + e)
                     .collect();
-                g.insert(p, Tensor::from_vec(v, p.dims().to_vec(), &Device::Cpu).unwrap());
+                g.insert(
+                    p,
+                    Tensor::from_vec(v, p.dims().to_vec(), &Device::Cpu).unwrap(),
+                );
             }
             opt.step(&g).unwrap();
             let d = opt.estimate().unwrap().d;
@@ -269,7 +275,11 @@ fn a_saved_state_resumes_bit_for_bit() {
         let pb = copies(&pa);
         let mut b = Prodigy::new(pb.clone(), ProdigyConfig::default()).unwrap();
         b.load_state(f.path()).unwrap();
-        assert_eq!(b.config(), &c, "config {ci}: hyperparameters come from the file");
+        assert_eq!(
+            b.config(),
+            &c,
+            "config {ci}: hyperparameters come from the file"
+        );
         for k in 3..7 {
             a.set_learning_rate(0.5);
             b.set_learning_rate(0.5);
@@ -341,7 +351,10 @@ fn lr_zero_and_zero_gradients_leave_parameters_and_d() {
     o.set_learning_rate(1.0);
     let mut zero = Grads::new();
     for (_, t) in &p {
-        zero.insert(t, Tensor::zeros(t.shape().clone(), t.dtype(), t.device()).unwrap());
+        zero.insert(
+            t,
+            Tensor::zeros(t.shape().clone(), t.dtype(), t.device()).unwrap(),
+        );
     }
     o.step(&zero).unwrap();
     let after: Vec<Vec<u64>> = p.iter().map(|(_, t)| bits(t)).collect();
@@ -429,7 +442,10 @@ fn bad_configs_and_parameters_are_refused() {
         assert!(msg.contains(what), "{what}: {msg}");
     }
     let f64p = param_on(vec![1.0; 3], &[3], DType::F64, &Device::Cpu);
-    let (_, msg) = opt_err(Prodigy::new(vec![("w".into(), f64p)], ProdigyConfig::default()));
+    let (_, msg) = opt_err(Prodigy::new(
+        vec![("w".into(), f64p)],
+        ProdigyConfig::default(),
+    ));
     assert!(msg.contains("'w'") && msg.contains("f64"), "{msg}");
     let mut o = Prodigy::new(copies(&p), ProdigyConfig::default()).unwrap();
     o.set_learning_rate(-1.0);

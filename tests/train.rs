@@ -1460,12 +1460,10 @@ fn prodigy_from_the_config_resumes_exactly() {
 #[test]
 fn prodigy_keys_are_checked_with_the_config() {
     let d = temp("prodigy-config");
-    let good = std::fs::read_to_string(tiny(&d, 4, ""))
-        .unwrap()
-        .replace(
-            "[optimizer]\nlr = 3e-3",
-            "[optimizer]\nkind = \"prodigy\"\nsafeguard_warmup = true\nd_coef = 0.5",
-        );
+    let good = std::fs::read_to_string(tiny(&d, 4, "")).unwrap().replace(
+        "[optimizer]\nlr = 3e-3",
+        "[optimizer]\nkind = \"prodigy\"\nsafeguard_warmup = true\nd_coef = 0.5",
+    );
     let c = TrainConfig::from_toml(&good).unwrap();
     assert_eq!(c.optimizer.lr(), 1.0);
     assert!(c

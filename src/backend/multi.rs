@@ -391,7 +391,16 @@ impl ProdigyPass1 {
     /// Pass 1 of one value: (p, g, p0, m, v, s) -> (g', m', v', s') and the value's term of
     /// the dot product; `m` is ignored without a first moment.
     #[allow(clippy::too_many_arguments)]
-    pub fn apply(&self, has_m: bool, p: f32, g: f32, p0: f32, m: f32, v: f32, s: f32) -> (f32, f32, f32, f32, f64) {
+    pub fn apply(
+        &self,
+        has_m: bool,
+        p: f32,
+        g: f32,
+        p0: f32,
+        m: f32,
+        v: f32,
+        s: f32,
+    ) -> (f32, f32, f32, f32, f64) {
         let g = self.grad(p, g);
         let dot = g as f64 * (p0 as f64 - p as f64);
         let m = if has_m {

@@ -367,7 +367,10 @@ impl Prodigy {
         let v = self.scalars.to_vec_f64()?;
         let mut st = [0.0; PRODIGY_SCALARS];
         if v.len() != PRODIGY_SCALARS {
-            return Err(opt_err(NAME, "internal: the scalar state has the wrong size"));
+            return Err(opt_err(
+                NAME,
+                "internal: the scalar state has the wrong size",
+            ));
         }
         st.copy_from_slice(&v);
         Ok(st)

@@ -266,7 +266,11 @@ pub(crate) fn prodigy_multi(
     let mut written = HashSet::new();
     written.insert(scalars.storage_arc()?.as_ref() as *const _);
     if !scalars.is_contiguous() || scalars.layout().offset() != 0 {
-        return Err(Error::invalid(OP, "the scalar state must be dense", scalars.shape()));
+        return Err(Error::invalid(
+            OP,
+            "the scalar state must be dense",
+            scalars.shape(),
+        ));
     }
     for (k, s) in slots.iter().enumerate() {
         let bad = |msg: String| Err(Error::invalid(OP, format!("slot {k}: {msg}"), s.p.shape()));
@@ -321,7 +325,10 @@ pub(crate) fn prodigy_multi(
         }
     }
     let mut scalar_guard = scalars.storage_arc()?.write().map_err(|_| lock_err())?;
-    let reads: Vec<(RwLockReadGuard<'_, Storage>, Option<RwLockReadGuard<'_, Storage>>)> = slots
+    let reads: Vec<(
+        RwLockReadGuard<'_, Storage>,
+        Option<RwLockReadGuard<'_, Storage>>,
+    )> = slots
         .iter()
         .map(|s| Ok((s.g.storage()?, s.p0.map(|q| q.storage()).transpose()?)))
         .collect::<Result<_>>()?;

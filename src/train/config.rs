@@ -17,8 +17,8 @@ use crate::data::config::RawData;
 pub use crate::device::DeviceChoice;
 use crate::memory::{Checkpointing, Switches};
 use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
-use crate::optim::{AdamConfig, AdamW8bitConfig, OptimizerConfig, ProdigyConfig};
 pub use crate::optim::OptimizerKind;
+use crate::optim::{AdamConfig, AdamW8bitConfig, OptimizerConfig, ProdigyConfig};
 use crate::{Error, Result, Setting};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -367,8 +367,16 @@ impl OptimizerSection {
             ("optimizer.d0", p, self.d0.is_some()),
             ("optimizer.growth_rate", p, self.growth_rate.is_some()),
             ("optimizer.decouple", p, self.decouple.is_some()),
-            ("optimizer.use_bias_correction", p, self.use_bias_correction.is_some()),
-            ("optimizer.safeguard_warmup", p, self.safeguard_warmup.is_some()),
+            (
+                "optimizer.use_bias_correction",
+                p,
+                self.use_bias_correction.is_some(),
+            ),
+            (
+                "optimizer.safeguard_warmup",
+                p,
+                self.safeguard_warmup.is_some(),
+            ),
         ]
     }
 

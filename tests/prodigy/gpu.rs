@@ -58,7 +58,11 @@ fn cuda_steps_match_the_cpu_bit_for_bit() {
             oc.step(&grads_at(&pc, k)).unwrap();
             og.step(&grads_at(&pg, k)).unwrap();
         }
-        assert_eq!(snapshot(&oc, &pc), snapshot(&og, &pg), "config {ci}, 5 steps");
+        assert_eq!(
+            snapshot(&oc, &pc),
+            snapshot(&og, &pg),
+            "config {ci}, 5 steps"
+        );
         // A GPU state file resumes on the CPU, still in step.
         let f = TempFile::new("prodigy-gpu");
         og.save_state(f.path()).unwrap();
@@ -69,6 +73,10 @@ fn cuda_steps_match_the_cpu_bit_for_bit() {
             oc2.step_scaled(&grads_at(&pc2, k), 0.5).unwrap();
             og.step_scaled(&grads_at(&pg, k), 0.5).unwrap();
         }
-        assert_eq!(snapshot(&oc2, &pc2), snapshot(&og, &pg), "config {ci}, resumed");
+        assert_eq!(
+            snapshot(&oc2, &pc2),
+            snapshot(&og, &pg),
+            "config {ci}, resumed"
+        );
     }
 }

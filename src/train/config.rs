@@ -326,7 +326,7 @@ section! {
         /// adds d * eps.
         eps: f64 = 1e-8,
         /// Prodigy only: the decay of the step-size estimate's running sums, in [0, 1)
-        /// (prodigyopt's beta3). Default: sqrt(betas[1]).
+        /// (prodigyopt's beta3). Default: the square root of beta2 (the second of betas).
         beta3: Option<f64> = None,
         /// Prodigy only: the multiplier of the estimate d, > 0 (prodigyopt's d_coef; default
         /// 1.0; 0.5 to 2 are the usual tuning).

@@ -96,6 +96,18 @@ fn main() -> Result<()> {
             "flame adamw_step_bf16 (composite, f32 state) {:.3} ms",
             secs * 1e3
         );
+        drop(o32);
+        // Prodigy: pass 1 reads p, g, p0, m, v, s and writes m, v, s; pass 2 reads p, m, v
+        // and writes p (the reduction between them is one block over 2 x 16 Ki sums).
+        let mut op = flame::optim::Prodigy::new(
+            vec![("p".into(), p.clone())],
+            flame::optim::ProdigyConfig::default(),
+        )?;
+        report(
+            "prodigy_step_bf16",
+            n * ((2 + 2 + 4 * 4 + 3 * 4) + (2 + 4 + 4 + 2)),
+            time(cuda, || op.step(&grads))?,
+        );
     }
 
     for (m, k, nn) in [(4096, 4096, 4096), (4608, 3072, 12288)] {

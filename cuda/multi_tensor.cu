@@ -8,6 +8,8 @@
 //   Adam8      (K) p, g (N) T; m/v codes (blocks, 64) u32,     one chunk per quantization
 //                  m/v absmax (blocks) f32; maps (2, 256) f32  block of 256 values
 //   SumSq      (K) x (N) T -> partial (chunks) f64             chunks of SUMSQ_CHUNK values
+//   Prodigy    (K) p, g (N) T; m, v, s, p0 (N) f32;            chunks of PRODIGY_CHUNK values
+//                  scalars (PRODIGY_SCALARS) f64; partial (2 x all chunks) f64
 //
 // The Adam arithmetic matches AdamHyper::apply on the CPU operation for operation: every
 // multiply, add, divide and square root is an _rn intrinsic, so nvcc cannot contract a
@@ -217,3 +219,216 @@ extern "C" __global__ void __launch_bounds__(MT_THREADS)
     sum_sq_f64(const SumSqEntry* table, unsigned k, double* partial) {
   sum_sq<double>(table, k, partial);
 }
+
+// ----- Prodigy (ProdigyHyper in src/backend/multi.rs) -------------------------------------
+// A step is three launches with no host round-trip: pass 1 updates m, v and s and writes
+// each chunk's f64 sums of g * (p0 - p) and |s|; prodigy_reduce (one block) adds them and
+// updates the scalar state (d, d_max, the numerator, k, ...) in device memory; pass 2 reads
+// the new d and the step's dlr from there and updates the parameters. Sums go in the order
+// the CPU reference takes (src/backend/cpu/prodigy.rs): each thread's strided values in
+// turn, then the threads' sums in thread order; every operation is an _rn intrinsic.
+
+#define PRODIGY_CHUNK 4096
+// Slots of the scalar state (backend::multi::prodigy_slot).
+#define PS_D 0
+#define PS_D_MAX 1
+#define PS_D_NUMERATOR 2
+#define PS_D_DENOM 3
+#define PS_D_HAT 4
+#define PS_K 5
+#define PS_BETA1_POW 6
+#define PS_BETA2_POW 7
+#define PS_DLR 8
+#define PS_APPLY 9
+// Flags.
+#define PF_DECOUPLE 1u
+#define PF_BIAS_CORRECTION 2u
+#define PF_SAFEGUARD 4u
+#define PF_FIRST_MOMENT 8u
+
+// Must match the table written by src/backend/cuda/prodigy.rs (u64 words). m is 0 without
+// a first moment, p0 is 0 for a parameter that starts at zero; first counts chunks within
+// the launch, pfirst within the step (the index of the chunk's partial sums).
+struct ProdigyEntry {
+  unsigned long long p, g, m, v, s, p0, n, first, pfirst;
+};
+
+struct ProdigyH {
+  double lr, beta1, beta2, beta3, eps, wd, d0, d_coef, growth;
+  float grad_scale;
+  unsigned flags;
+};
+
+struct ProdigyP1 {
+  double dlr;
+  float gs, l2, b1, b2, b3, am, av, as;
+};
+
+// ProdigyHyper::pass1.
+__device__ __forceinline__ ProdigyP1 prodigy_pass1_scalars(const double* st, const ProdigyH& h) {
+  const double d = st[PS_D];
+  double bc = 1.0;
+  if (h.flags & PF_BIAS_CORRECTION)
+    bc = __ddiv_rn(__dsqrt_rn(__dsub_rn(1.0, __dmul_rn(st[PS_BETA2_POW], h.beta2))),
+                   __dsub_rn(1.0, __dmul_rn(st[PS_BETA1_POW], h.beta1)));
+  ProdigyP1 c;
+  c.dlr = __dmul_rn(__dmul_rn(d, h.lr), bc);
+  const double dd0 = __ddiv_rn(d, h.d0);
+  c.gs = h.grad_scale;
+  c.l2 = (h.flags & PF_DECOUPLE) ? 0.f : __double2float_rn(h.wd);
+  c.b1 = __double2float_rn(h.beta1);
+  c.b2 = __double2float_rn(h.beta2);
+  c.b3 = __double2float_rn(h.beta3);
+  c.am = __double2float_rn(__dmul_rn(d, __dsub_rn(1.0, h.beta1)));
+  c.av = __double2float_rn(__dmul_rn(__dmul_rn(d, d), __dsub_rn(1.0, h.beta2)));
+  c.as = __double2float_rn(__dmul_rn(dd0, (h.flags & PF_SAFEGUARD) ? d : c.dlr));
+  return c;
+}
+
+// ProdigyPass1::grad.
+__device__ __forceinline__ float prodigy_grad(float p, float g, float gs, float l2) {
+  g = __fmul_rn(g, gs);
+  if (l2 != 0.f) g = __fadd_rn(g, __fmul_rn(l2, p));
+  return g;
+}
+
+// The threads' sums of `a` and `b` added in thread order by thread 0 (red: 2 x MT_THREADS).
+__device__ __forceinline__ void ordered_sum2(double& a, double& b, double* red) {
+  red[threadIdx.x] = a;
+  red[MT_THREADS + threadIdx.x] = b;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < MT_THREADS; ++w) {
+      a = __dadd_rn(a, red[w]);
+      b = __dadd_rn(b, red[MT_THREADS + w]);
+    }
+  }
+}
+
+// ProdigyPass1::apply over one chunk; the chunk's two sums to partial[2 * (pfirst + chunk)].
+template <typename T>
+__device__ __forceinline__ void prodigy_pass1(const ProdigyEntry* table, unsigned k, const double* st,
+                                              double* partial, ProdigyH h) {
+  __shared__ double red[2 * MT_THREADS];
+  const ProdigyEntry e = table[find_entry(table, k, blockIdx.x)];
+  const ProdigyP1 c = prodigy_pass1_scalars(st, h);
+  const bool has_m = h.flags & PF_FIRST_MOMENT;
+  const T* p = (const T*)e.p;
+  const T* g = (const T*)e.g;
+  float* m = (float*)e.m;
+  float* v = (float*)e.v;
+  float* s = (float*)e.s;
+  const float* p0 = (const float*)e.p0;
+  const size_t chunk = blockIdx.x - e.first;
+  const size_t start = chunk * PRODIGY_CHUNK;
+  const size_t end = min(start + PRODIGY_CHUNK, (size_t)e.n);
+  double dot = 0.0, ab = 0.0;
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS) {
+    const float pv = to_acc(p[i]);
+    const float gv = prodigy_grad(pv, to_acc(g[i]), c.gs, c.l2);
+    const float p0v = p0 ? p0[i] : 0.f;
+    dot = __dadd_rn(dot, __dmul_rn((double)gv, __dsub_rn((double)p0v, (double)pv)));
+    if (has_m) m[i] = __fadd_rn(__fmul_rn(m[i], c.b1), __fmul_rn(c.am, gv));
+    v[i] = __fadd_rn(__fmul_rn(v[i], c.b2), __fmul_rn(__fmul_rn(c.av, gv), gv));
+    const float sv = __fadd_rn(__fmul_rn(s[i], c.b3), __fmul_rn(c.as, gv));
+    s[i] = sv;
+    ab = __dadd_rn(ab, (double)fabsf(sv));
+  }
+  ordered_sum2(dot, ab, red);
+  if (threadIdx.x == 0) {
+    partial[2 * (e.pfirst + chunk)] = dot;
+    partial[2 * (e.pfirst + chunk) + 1] = ab;
+  }
+}
+
+// Python's max(a, b) and min(a, b) (b only when strictly larger / smaller).
+__device__ __forceinline__ double py_max(double a, double b) { return b > a ? b : a; }
+__device__ __forceinline__ double py_min(double a, double b) { return b < a ? b : a; }
+
+// ProdigyHyper::reduce, after adding the chunks' sums; one block of MT_THREADS.
+extern "C" __global__ void __launch_bounds__(MT_THREADS)
+    prodigy_reduce(const double* partial, unsigned long long chunks, double* st, double lr, double beta1,
+                   double beta2, double beta3, double eps, double wd, double d0, double d_coef, double growth,
+                   float grad_scale, unsigned flags) {
+  __shared__ double red[2 * MT_THREADS];
+  const ProdigyH h{lr, beta1, beta2, beta3, eps, wd, d0, d_coef, growth, grad_scale, flags};
+  double dot = 0.0, ab = 0.0;
+  for (unsigned long long i = threadIdx.x; i < chunks; i += MT_THREADS) {
+    dot = __dadd_rn(dot, partial[2 * i]);
+    ab = __dadd_rn(ab, partial[2 * i + 1]);
+  }
+  ordered_sum2(dot, ab, red);
+  if (threadIdx.x != 0) return;
+  const double dlr = prodigy_pass1_scalars(st, h).dlr;
+  const double d = st[PS_D];
+  const double numerator =
+      __dadd_rn(__dmul_rn(h.beta3, st[PS_D_NUMERATOR]), __dmul_rn(__dmul_rn(__ddiv_rn(d, h.d0), dlr), dot));
+  st[PS_DLR] = dlr;
+  if (ab == 0.0) {
+    st[PS_APPLY] = 0.0;
+    return;
+  }
+  const double d_hat = __ddiv_rn(__dmul_rn(h.d_coef, numerator), ab);
+  double d_new = d;
+  if (d == h.d0) d_new = py_max(d, d_hat);
+  const double d_max = py_max(st[PS_D_MAX], d_hat);
+  d_new = py_min(d_max, __dmul_rn(d_new, h.growth));
+  st[PS_D_NUMERATOR] = numerator;
+  st[PS_D_DENOM] = ab;
+  st[PS_D_HAT] = d_hat;
+  st[PS_D] = d_new;
+  st[PS_D_MAX] = d_max;
+  st[PS_K] = __dadd_rn(st[PS_K], 1.0);
+  st[PS_BETA1_POW] = __dmul_rn(st[PS_BETA1_POW], h.beta1);
+  st[PS_BETA2_POW] = __dmul_rn(st[PS_BETA2_POW], h.beta2);
+  st[PS_APPLY] = 1.0;
+}
+
+// ProdigyHyper::pass2 and ProdigyPass2::apply over one chunk; nothing when the step does not
+// apply.
+template <typename T>
+__device__ __forceinline__ void prodigy_pass2(const ProdigyEntry* table, unsigned k, const double* st,
+                                              ProdigyH h) {
+  if (st[PS_APPLY] == 0.0) return;
+  const ProdigyEntry e = table[find_entry(table, k, blockIdx.x)];
+  const bool has_m = h.flags & PF_FIRST_MOMENT;
+  const double d = st[PS_D], dlr = st[PS_DLR];
+  const float eps_d = __double2float_rn(__dmul_rn(d, h.eps));
+  const float decay = (h.flags & PF_DECOUPLE) ? __double2float_rn(__dmul_rn(-h.wd, dlr)) : 0.f;
+  const float step = has_m ? __double2float_rn(-dlr) : __double2float_rn(__dmul_rn(-dlr, d));
+  const float gs = h.grad_scale;
+  const float l2 = (h.flags & PF_DECOUPLE) ? 0.f : __double2float_rn(h.wd);
+  T* p = (T*)e.p;
+  const T* g = (const T*)e.g;
+  const float* m = (const float*)e.m;
+  const float* v = (const float*)e.v;
+  const size_t start = (size_t)(blockIdx.x - e.first) * PRODIGY_CHUNK;
+  const size_t end = min(start + PRODIGY_CHUNK, (size_t)e.n);
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS) {
+    float pv = to_acc(p[i]);
+    const float num = has_m ? m[i] : prodigy_grad(pv, to_acc(g[i]), gs, l2);
+    const float denom = __fadd_rn(__fsqrt_rn(v[i]), eps_d);
+    if (decay != 0.f) pv = __fadd_rn(pv, __fmul_rn(decay, pv));
+    pv = __fadd_rn(pv, __fmul_rn(step, __fdiv_rn(num, denom)));
+    p[i] = from_acc<T>(pv);
+  }
+}
+
+#define PRODIGY(SUF, T)                                                                                        \
+  extern "C" __global__ void __launch_bounds__(MT_THREADS)                                                     \
+      prodigy_pass1_##SUF(const ProdigyEntry* table, unsigned k, const double* st, double* partial, double lr, \
+                          double beta1, double beta2, double beta3, double eps, double wd, double d0,          \
+                          double d_coef, double growth, float grad_scale, unsigned flags) {                    \
+    prodigy_pass1<T>(table, k, st, partial,                                                                    \
+                     ProdigyH{lr, beta1, beta2, beta3, eps, wd, d0, d_coef, growth, grad_scale, flags});       \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(MT_THREADS)                                                     \
+      prodigy_pass2_##SUF(const ProdigyEntry* table, unsigned k, const double* st, double lr, double beta1,    \
+                          double beta2, double beta3, double eps, double wd, double d0, double d_coef,         \
+                          double growth, float grad_scale, unsigned flags) {                                   \
+    prodigy_pass2<T>(table, k, st, ProdigyH{lr, beta1, beta2, beta3, eps, wd, d0, d_coef, growth, grad_scale,  \
+                                            flags});                                                           \
+  }
+PRODIGY(f32, float)
+PRODIGY(bf16, __nv_bfloat16)
+PRODIGY(f16, __half)

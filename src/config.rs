@@ -36,6 +36,8 @@ pub(crate) fn toml_type(rust: &str) -> &'static str {
         "PathBuf" => "path",
         "Option<PathBuf>" => "path (optional)",
         "Option<String>" => "string (optional)",
+        "Option<f64>" => "float (optional)",
+        "Option<bool>" => "bool (optional)",
         "Vec<String>" => "list of strings",
         "Vec<PathBuf>" => "list of paths",
         "Vec<DirEntry>" => "tables [[...]] of path, repeats",

@@ -574,6 +574,44 @@ impl Storage {
             &Shape::from(()),
         ))
     }
+    /// A multi-tensor Prodigy step over storages of one device
+    /// (`BackendStorage::prodigy_multi`).
+    pub(crate) fn prodigy_multi(
+        h: &crate::backend::multi::ProdigyHyper,
+        items: &mut [crate::backend::multi::ProdigyItem<'_, Storage>],
+        scalars: &mut Storage,
+    ) -> Result<()> {
+        use crate::backend::BackendStorage;
+        const OP: &str = "prodigy_multi";
+        #[cfg(feature = "cpu-ref")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cpu(_) = &*scalars {
+            let mut a = items
+                .iter_mut()
+                .map(|it| it.map(|s| s.cpu_mut(OP), |s| s.cpu(OP)))
+                .collect::<Result<Vec<_>>>()?;
+            return CpuStorage::prodigy_multi(h, &mut a, scalars.cpu_mut(OP)?);
+        }
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cuda(_) = &*scalars {
+            let mut a = items
+                .iter_mut()
+                .map(|it| it.map(|s| s.cuda_mut(OP), |s| s.cuda(OP)))
+                .collect::<Result<Vec<_>>>()?;
+            return crate::backend::cuda::CudaStorage::prodigy_multi(
+                h,
+                &mut a,
+                scalars.cuda_mut(OP)?,
+            );
+        }
+        let _ = (h, items, OP);
+        Err(crate::Error::invalid(
+            OP,
+            "internal: storage of no backend",
+            &Shape::from(()),
+        ))
+    }
     /// The sum of squares of many views on one device (`BackendStorage::sum_sq_multi`).
     pub(crate) fn sum_sq_multi(
         items: &[crate::backend::multi::MultiRef<'_, Storage>],

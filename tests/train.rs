@@ -739,7 +739,7 @@ fn non_finite_steps_stop_or_skip_and_never_reach_a_saved_adapter() {
     let d = temp("nan");
     // A learning rate that blows the adapter up after the first step.
     let mut cfg = TrainConfig::from_file(tiny(&d, 8, "")).unwrap();
-    cfg.optimizer.lr = 1e30;
+    cfg.optimizer.lr = Some(1e30);
     cfg.schedule.warmup_steps = 0;
     cfg.train.save_every = 1;
     let e = run_with(&cfg, fresh()).unwrap_err().to_string();
@@ -1413,6 +1413,85 @@ fn dora_in_the_peft_layout_splits_fused_layers() {
     for part in ["to_q", "to_k", "to_v"] {
         let k = format!("transformer.transformer_blocks.0.attn.{part}.lora_magnitude_vector");
         assert!(f.contains_key(&k), "{k} not in {:?}", f.keys());
+    }
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// `optimizer.kind = "prodigy"` trains through the trainer and resumes exactly: the global
+/// estimate d rides in the checkpoints' optimizer state. lr defaults to 1.0 for Prodigy.
+#[test]
+fn prodigy_from_the_config_resumes_exactly() {
+    let set = |cfg: &mut TrainConfig| {
+        cfg.optimizer.kind = OptimizerKind::Prodigy;
+        cfg.optimizer.lr = None;
+        // The tiny example warms up: Prodigy then needs safeguard_warmup.
+        cfg.optimizer.safeguard_warmup = Some(true);
+    };
+    let a = temp("prodigy-full");
+    let mut cfg = TrainConfig::from_file(tiny(&a, 8, "")).unwrap();
+    set(&mut cfg);
+    assert_eq!(cfg.optimizer.lr(), 1.0);
+    run_with(&cfg, fresh()).unwrap();
+    let full = losses(&cfg.train.output_dir);
+    assert_eq!(full.len(), 8);
+    let b = temp("prodigy-resumed");
+    let mut cfg_b = TrainConfig::from_file(tiny(&b, 8, "")).unwrap();
+    set(&mut cfg_b);
+    let stop = RunOptions {
+        stop_at: Some(6),
+        ..Default::default()
+    };
+    assert_eq!(run_with(&cfg_b, stop).unwrap().0, RunEnd::Stopped(6));
+    run_with(&cfg_b, resume()).unwrap();
+    assert_eq!(losses(&cfg_b.train.output_dir), full);
+    let (_, dir) = checkpoints(&cfg_b.train.output_dir).unwrap().pop().unwrap();
+    let f = flame::safetensors::SafeTensorsFile::open(dir.join("optimizer.safetensors")).unwrap();
+    let m = f.metadata();
+    assert_eq!(m.get("optimizer").map(String::as_str), Some("prodigy"));
+    let d: f64 = m.get("d").unwrap().parse().unwrap();
+    assert!(d > 1e-6, "d grew from d0: {d}");
+    std::fs::remove_dir_all(&a).ok();
+    std::fs::remove_dir_all(&b).ok();
+}
+
+/// Prodigy's keys are checked with the config, naming the key: they belong to kind =
+/// "prodigy", their values are checked, a warm-up needs safeguard_warmup, and a set key is one
+/// a resumed run must keep.
+#[test]
+fn prodigy_keys_are_checked_with_the_config() {
+    let d = temp("prodigy-config");
+    let good = std::fs::read_to_string(tiny(&d, 4, "")).unwrap().replace(
+        "[optimizer]\nlr = 3e-3",
+        "[optimizer]\nkind = \"prodigy\"\nsafeguard_warmup = true\nd_coef = 0.5",
+    );
+    let c = TrainConfig::from_toml(&good).unwrap();
+    assert_eq!(c.optimizer.lr(), 1.0);
+    assert!(c
+        .resume_keys()
+        .iter()
+        .any(|(k, v)| *k == "optimizer.d_coef" && v.contains("0.5")));
+    for (from, to, key, want) in [
+        (
+            "kind = \"prodigy\"",
+            "kind = \"adamw\"",
+            "optimizer.d_coef",
+            "kind = \"prodigy\" only",
+        ),
+        ("d_coef = 0.5", "d_coef = -1.0", "optimizer.d_coef", "> 0"),
+        ("d_coef = 0.5", "beta3 = 1.5", "optimizer.beta3", "[0, 1)"),
+        ("d_coef = 0.5", "d0 = 0.0", "optimizer.d0", "> 0"),
+        (
+            "safeguard_warmup = true",
+            "safeguard_warmup = false",
+            "optimizer.safeguard_warmup",
+            "warmup_steps",
+        ),
+    ] {
+        assert!(good.contains(from), "{from}");
+        let e = TrainConfig::from_toml(&good.replace(from, to))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key) && e.contains(want), "{to}: {e}");
     }
     std::fs::remove_dir_all(&d).ok();
 }

@@ -425,6 +425,16 @@ pub trait BackendStorage: Sized + Send + Sync {
     /// The sum of the squares of every value of every item, accumulated in f64 (in an order
     /// fixed by the sizes alone, so the same inputs give the same bits).
     fn sum_sq_multi(items: &[multi::MultiRef<'_, Self>]) -> Result<f64>;
+    /// One Prodigy step of every item, in place, as `multi::ProdigyHyper` describes: the
+    /// first pass over every item, the global reduction into the f64 `scalars`
+    /// (`multi::prodigy_slot`), the second pass; on CUDA three launches and no host
+    /// synchronization. Parameters of f32, bf16 and f16 may mix. Checked by
+    /// `validate::prodigy_multi` before anything is written.
+    fn prodigy_multi(
+        h: &multi::ProdigyHyper,
+        items: &mut [multi::ProdigyItem<'_, Self>],
+        scalars: &mut Self,
+    ) -> Result<()>;
     /// A contiguous copy of the view `l` on this device, in one pass.
     fn copy_contiguous(&self, l: &Layout) -> Result<Self>;
     /// Contiguous host copy of the view `l`.

@@ -154,3 +154,337 @@ impl<'a, S> AdamItem<'a, S> {
         })
     }
 }
+
+// ----- Prodigy ----------------------------------------------------------------------------
+
+/// The slots of Prodigy's device-resident scalar state (`prodigy_multi`'s `scalars`, an f64
+/// tensor of [`PRODIGY_SCALARS`] values): the d estimate and its history, the global step
+/// count and the powers of the betas for the bias correction, and two slots one step writes
+/// for its second pass. Kept on the device so that the global reduction needs no host
+/// round-trip: a step is three launches and no synchronization.
+pub mod prodigy_slot {
+    /// The current estimate d (starts at d0).
+    pub const D: usize = 0;
+    /// The largest estimate so far (starts at d0).
+    pub const D_MAX: usize = 1;
+    /// The running numerator, sum over steps of beta3^j * (d/d0) * dlr * <g, p0 - p>.
+    pub const D_NUMERATOR: usize = 2;
+    /// The last step's denominator, the sum of |s| over every value.
+    pub const D_DENOM: usize = 3;
+    /// The last step's raw estimate d_coef * numerator / denominator.
+    pub const D_HAT: usize = 4;
+    /// Steps applied (prodigyopt's `k`), as an exact integer in f64.
+    pub const K: usize = 5;
+    /// beta1^k, for the bias correction.
+    pub const BETA1_POW: usize = 6;
+    /// beta2^k.
+    pub const BETA2_POW: usize = 7;
+    /// The step's dlr = d * lr * bias_correction (with d before the update), for pass 2.
+    pub const DLR: usize = 8;
+    /// 1 when the step's update applies, 0 when its denominator was 0 (prodigyopt returns
+    /// before updating the parameters, d or k then).
+    pub const APPLY: usize = 9;
+}
+
+/// Values in Prodigy's scalar state.
+pub const PRODIGY_SCALARS: usize = 10;
+
+/// Values per chunk of Prodigy's passes (the kernels' PRODIGY_CHUNK), and threads per
+/// chunk: each of the `PRODIGY_THREADS` sums its strided values of a chunk in f64, then
+/// the thread sums are added in thread order. The CPU adds in this same order, so the
+/// partial sums, d and every parameter agree bit for bit across backends.
+pub const PRODIGY_CHUNK: usize = 4096;
+/// See [`PRODIGY_CHUNK`].
+pub const PRODIGY_THREADS: usize = 256;
+
+/// The hyperparameters of a Prodigy step (Mishchenko & Defazio 2024, "Prodigy: An
+/// Expeditiously Adaptive Parameter-Free Learner", Algorithm 4 in prodigyopt 1.1.2's form).
+/// One step over every parameter with a gradient, the values of one parameter being
+/// `p`, `g`, `m` (exp_avg), `v` (exp_avg_sq), `s` and `p0` (the parameter's first value):
+///
+/// ```text
+/// bc  = use_bias_correction ? sqrt(1 - beta2^(k+1)) / (1 - beta1^(k+1)) : 1     (f64)
+/// dlr = d * lr * bc                                                              (f64)
+/// pass 1, per value, in f32:
+///   g = g * grad_scale;  g = g + weight_decay * p        (the latter when !decouple)
+///   dot += g * (p0 - p)                                  (f64)
+///   m = m * beta1 + (d * (1 - beta1)) * g                (when beta1 > 0)
+///   v = v * beta2 + ((d * d * (1 - beta2)) * g) * g
+///   s = s * beta3 + ((d / d0) * (safeguard_warmup ? d : dlr)) * g
+///   abs += |s|                                           (f64)
+/// reduce, in f64:
+///   numerator = beta3 * numerator + (d / d0) * dlr * dot
+///   abs == 0: stop here (no update of p, d or k)
+///   d_hat = d_coef * numerator / abs
+///   d == d0: d = max(d, d_hat);  d_max = max(d_max, d_hat);  d = min(d_max, d * growth_rate)
+///   k = k + 1
+/// pass 2, per value, in f32, with the new d and the step's dlr:
+///   p = p + (-weight_decay * dlr) * p                    (when decouple)
+///   p = p + (beta1 > 0 ? -dlr : -dlr * d) * ((beta1 > 0 ? m : g) / (sqrt(v) + d * eps))
+/// ```
+///
+/// Every f64 scalar is rounded once to f32 where it meets the values; no fused
+/// multiply-add on either backend.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProdigyHyper {
+    /// The learning-rate multiplier (prodigyopt's lr), > 0.
+    pub lr: f64,
+    /// First-moment decay (0: no first moment).
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// The decay of s and of the numerator.
+    pub beta3: f64,
+    /// Added to sqrt(v), times d.
+    pub eps: f64,
+    /// Weight decay (decoupled or an L2 penalty).
+    pub weight_decay: f64,
+    /// AdamW-style decoupled decay rather than L2 added to the gradient.
+    pub decouple: bool,
+    /// Adam's bias correction folded into dlr.
+    pub use_bias_correction: bool,
+    /// s grows by d instead of dlr (steadier under a learning-rate warm-up).
+    pub safeguard_warmup: bool,
+    /// The first estimate of d.
+    pub d0: f64,
+    /// The multiplier of the raw estimate.
+    pub d_coef: f64,
+    /// The most d may grow in one step (a factor; infinity: unbounded).
+    pub growth_rate: f64,
+    /// Every gradient is multiplied by this first.
+    pub grad_scale: f32,
+}
+
+/// The f32 scalars of a step's first pass, from the hyperparameters and the scalar state.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProdigyPass1 {
+    /// The step's dlr, in f64 (goes into the numerator and pass 2).
+    pub dlr: f64,
+    /// `grad_scale`.
+    pub grad_scale: f32,
+    /// The L2 penalty (0 when decoupled).
+    pub l2: f32,
+    /// beta1, beta2 and beta3.
+    pub beta1: f32,
+    /// See `beta1`.
+    pub beta2: f32,
+    /// See `beta1`.
+    pub beta3: f32,
+    /// d * (1 - beta1).
+    pub a_m: f32,
+    /// d * d * (1 - beta2).
+    pub a_v: f32,
+    /// (d / d0) * (safeguard_warmup ? d : dlr).
+    pub a_s: f32,
+}
+
+/// The f32 scalars of a step's second pass.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProdigyPass2 {
+    /// d * eps (the new d).
+    pub eps_d: f32,
+    /// -weight_decay * dlr (0 when not decoupled).
+    pub decay: f32,
+    /// -dlr, or -dlr * d without a first moment.
+    pub step: f32,
+}
+
+/// Python's `max(a, b)`: `b` only when `b > a` (so a NaN `b` leaves `a`).
+fn py_max(a: f64, b: f64) -> f64 {
+    if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+/// Python's `min(a, b)`: `b` only when `b < a`.
+fn py_min(a: f64, b: f64) -> f64 {
+    if b < a {
+        b
+    } else {
+        a
+    }
+}
+
+impl ProdigyHyper {
+    /// Pass 1's scalars from the state `st` (the CPU's; `prodigy_pass1_scalars` in
+    /// cuda/multi_tensor.cu is its twin).
+    pub fn pass1(&self, st: &[f64; PRODIGY_SCALARS]) -> ProdigyPass1 {
+        use prodigy_slot as s;
+        let d = st[s::D];
+        let bc = if self.use_bias_correction {
+            (1.0 - st[s::BETA2_POW] * self.beta2).sqrt() / (1.0 - st[s::BETA1_POW] * self.beta1)
+        } else {
+            1.0
+        };
+        let dlr = d * self.lr * bc;
+        let dd0 = d / self.d0;
+        ProdigyPass1 {
+            dlr,
+            grad_scale: self.grad_scale,
+            l2: if self.decouple {
+                0.0
+            } else {
+                self.weight_decay as f32
+            },
+            beta1: self.beta1 as f32,
+            beta2: self.beta2 as f32,
+            beta3: self.beta3 as f32,
+            a_m: (d * (1.0 - self.beta1)) as f32,
+            a_v: (d * d * (1.0 - self.beta2)) as f32,
+            a_s: (dd0 * if self.safeguard_warmup { d } else { dlr }) as f32,
+        }
+    }
+
+    /// The reduction: the state after a step whose first pass summed `dot` and `abs`
+    /// (`prodigy_reduce` in cuda/multi_tensor.cu is its twin).
+    pub fn reduce(&self, st: &mut [f64; PRODIGY_SCALARS], dot: f64, abs: f64) {
+        use prodigy_slot as s;
+        let dlr = self.pass1(st).dlr;
+        let d = st[s::D];
+        let numerator = self.beta3 * st[s::D_NUMERATOR] + d / self.d0 * dlr * dot;
+        st[s::DLR] = dlr;
+        if abs == 0.0 {
+            st[s::APPLY] = 0.0;
+            return;
+        }
+        let d_hat = self.d_coef * numerator / abs;
+        let mut d_new = d;
+        if d == self.d0 {
+            d_new = py_max(d, d_hat);
+        }
+        let d_max = py_max(st[s::D_MAX], d_hat);
+        d_new = py_min(d_max, d_new * self.growth_rate);
+        st[s::D_NUMERATOR] = numerator;
+        st[s::D_DENOM] = abs;
+        st[s::D_HAT] = d_hat;
+        st[s::D] = d_new;
+        st[s::D_MAX] = d_max;
+        st[s::K] += 1.0;
+        st[s::BETA1_POW] *= self.beta1;
+        st[s::BETA2_POW] *= self.beta2;
+        st[s::APPLY] = 1.0;
+    }
+
+    /// Pass 2's scalars from the state after the reduction.
+    pub fn pass2(&self, st: &[f64; PRODIGY_SCALARS]) -> ProdigyPass2 {
+        use prodigy_slot as s;
+        let (d, dlr) = (st[s::D], st[s::DLR]);
+        ProdigyPass2 {
+            eps_d: (d * self.eps) as f32,
+            decay: if self.decouple {
+                (-self.weight_decay * dlr) as f32
+            } else {
+                0.0
+            },
+            step: if self.beta1 > 0.0 {
+                (-dlr) as f32
+            } else {
+                (-dlr * d) as f32
+            },
+        }
+    }
+}
+
+impl ProdigyPass1 {
+    /// Pass 1 of one value: (p, g, p0, m, v, s) -> (g', m', v', s') and the value's term of
+    /// the dot product; `m` is ignored without a first moment.
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply(
+        &self,
+        has_m: bool,
+        p: f32,
+        g: f32,
+        p0: f32,
+        m: f32,
+        v: f32,
+        s: f32,
+    ) -> (f32, f32, f32, f32, f64) {
+        let g = self.grad(p, g);
+        let dot = g as f64 * (p0 as f64 - p as f64);
+        let m = if has_m {
+            m * self.beta1 + self.a_m * g
+        } else {
+            m
+        };
+        let v = v * self.beta2 + self.a_v * g * g;
+        let s = s * self.beta3 + self.a_s * g;
+        (g, m, v, s, dot)
+    }
+
+    /// The gradient as the step sees it: scaled, plus the L2 penalty.
+    pub fn grad(&self, p: f32, g: f32) -> f32 {
+        let g = g * self.grad_scale;
+        if self.l2 != 0.0 {
+            g + self.l2 * p
+        } else {
+            g
+        }
+    }
+}
+
+impl ProdigyPass2 {
+    /// Pass 2 of one value: the new parameter from p, the numerator `num` (m, or the
+    /// gradient without a first moment) and v.
+    pub fn apply(&self, p: f32, num: f32, v: f32) -> f32 {
+        let denom = v.sqrt() + self.eps_d;
+        let p = if self.decay != 0.0 {
+            p + self.decay * p
+        } else {
+            p
+        };
+        p + self.step * (num / denom)
+    }
+}
+
+/// One parameter of a Prodigy step: `n` contiguous values of `p` from `p_offset` (f32, bf16
+/// or f16), its gradient (same dtype, from `g_offset`) and its f32 state, dense from 0.
+pub struct ProdigyItem<'a, S> {
+    /// The parameter's buffer, written in place.
+    pub p: &'a mut S,
+    /// Where the parameter starts in `p`.
+    pub p_offset: usize,
+    /// Values of the parameter.
+    pub n: usize,
+    /// The gradient's buffer.
+    pub g: &'a S,
+    /// Where the gradient starts in `g`.
+    pub g_offset: usize,
+    /// The first moment (absent when beta1 = 0).
+    pub m: Option<&'a mut S>,
+    /// The second moment.
+    pub v: &'a mut S,
+    /// The running sum s of the d estimate's denominator.
+    pub s: &'a mut S,
+    /// The parameter's first value (absent: all zeros, as prodigyopt keeps a zero scalar for
+    /// a parameter that starts at zero).
+    pub p0: Option<&'a S>,
+}
+
+impl<'a, S> ProdigyItem<'a, S> {
+    /// The same item over other views of its buffers.
+    pub(crate) fn map<'b, T>(
+        &'b mut self,
+        fm: impl Fn(&'b mut S) -> crate::Result<&'b mut T>,
+        fr: impl Fn(&'b S) -> crate::Result<&'b T>,
+    ) -> crate::Result<ProdigyItem<'b, T>> {
+        Ok(ProdigyItem {
+            p: fm(self.p)?,
+            p_offset: self.p_offset,
+            n: self.n,
+            g: fr(self.g)?,
+            g_offset: self.g_offset,
+            m: match &mut self.m {
+                Some(m) => Some(fm(m)?),
+                None => None,
+            },
+            v: fm(self.v)?,
+            s: fm(self.s)?,
+            p0: match self.p0 {
+                Some(p0) => Some(fr(p0)?),
+                None => None,
+            },
+        })
+    }
+}

@@ -293,3 +293,71 @@ pub(crate) fn sum_sq_multi<S>(
     }
     Ok(())
 }
+
+/// A multi-tensor Prodigy step (`BackendStorage::prodigy_multi`): every parameter f32, bf16
+/// or f16, each gradient of its parameter's dtype, f32 state of the parameter's size (a first
+/// moment on every item or on none), an f64 scalar state of `PRODIGY_SCALARS` values, each
+/// view inside its buffer. `info` gives a buffer's dtype and length.
+pub(crate) fn prodigy_multi<S>(
+    items: &[super::multi::ProdigyItem<'_, S>],
+    scalars: &S,
+    info: impl Fn(&S) -> (DType, usize),
+) -> Result<()> {
+    const OP: &str = "prodigy_multi";
+    let fits = |s: &S, want: Option<DType>, offset: usize, len: usize, what: &str, k: usize| {
+        let (dt, have) = info(s);
+        let dtype_ok = match want {
+            Some(w) => dt == w,
+            None => matches!(dt, DType::F32 | DType::BF16 | DType::F16),
+        };
+        if !dtype_ok {
+            return Err(Error::invalid(
+                OP,
+                format!("item {k}: {what} is {dt:?}, expected {want:?} (None: f32, bf16 or f16)"),
+                &crate::Shape::from(len),
+            ));
+        }
+        if offset.checked_add(len).is_none_or(|end| end > have) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "item {k}: {what} of {len} values from offset {offset} exceeds its buffer \
+                     of {have}"
+                ),
+                &crate::Shape::from(len),
+            ));
+        }
+        Ok(())
+    };
+    fits(
+        scalars,
+        Some(DType::F64),
+        0,
+        super::multi::PRODIGY_SCALARS,
+        "the scalar state",
+        0,
+    )?;
+    let has_m = items.first().is_some_and(|i| i.m.is_some());
+    for (k, it) in items.iter().enumerate() {
+        fits(it.p, None, it.p_offset, it.n, "the parameter", k)?;
+        let dtype = info(it.p).0;
+        fits(it.g, Some(dtype), it.g_offset, it.n, "the gradient", k)?;
+        match (&it.m, has_m) {
+            (Some(m), true) => fits(m, Some(DType::F32), 0, it.n, "the first moment", k)?,
+            (None, false) => {}
+            _ => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("item {k}: a first moment on some items only"),
+                    &crate::Shape::from(it.n),
+                ))
+            }
+        }
+        fits(it.v, Some(DType::F32), 0, it.n, "the second moment", k)?;
+        fits(it.s, Some(DType::F32), 0, it.n, "s", k)?;
+        if let Some(p0) = it.p0 {
+            fits(p0, Some(DType::F32), 0, it.n, "p0", k)?;
+        }
+    }
+    Ok(())
+}

@@ -1,7 +1,8 @@
 //! Optimizers over named parameters: [`Sgd`], [`Adam`] and [`AdamW`], with the semantics of
 //! PyTorch's `torch.optim.SGD`, `torch.optim.Adam` and `torch.optim.AdamW`
-//! (<https://pytorch.org/docs/stable/optim.html>), and [`AdamW8bit`], AdamW with block-wise
-//! 8-bit moments as bitsandbytes' `AdamW8bit`.
+//! (<https://pytorch.org/docs/stable/optim.html>), [`AdamW8bit`], AdamW with block-wise
+//! 8-bit moments as bitsandbytes' `AdamW8bit`, and [`Prodigy`], Adam with a D-adapted step
+//! size as the `prodigyopt` package's `Prodigy`.
 //!
 //! Conventions shared by every optimizer here:
 //! - Parameters are given as `(name, tensor)` pairs. Names are unique; each tensor is a float
@@ -22,14 +23,18 @@
 //! - [`AdamW8bit`] departs from two of these on purpose: its moments are 8-bit codes (U32
 //!   tensors of packed codes plus F32 block maxima, saved as `<param>.exp_avg_codes`,
 //!   `<param>.exp_avg_absmax`, ...), and it takes f32, bf16 and f16 parameters only.
+//! - [`Prodigy`] takes f32, bf16 and f16 parameters on one device only (its step size is one
+//!   estimate over all of them) and keeps that global state in the file's metadata.
 
 mod adam;
 mod adam8bit;
+mod prodigy;
 mod sgd;
 
 pub use crate::backend::quant8;
 pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
 pub use adam8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, QuantizedState};
+pub use prodigy::{Prodigy, ProdigyConfig, ProdigyEstimate, ProdigyState};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::safetensors::SafeTensorsFile;
@@ -37,7 +42,7 @@ use crate::{DType, Error, Grads, Result, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-/// The optimizers a training run picks by name (`optimizer.kind`: "adamw" or "adamw8bit").
+/// The optimizers a training run picks by name (`optimizer.kind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerKind {
@@ -45,34 +50,51 @@ pub enum OptimizerKind {
     AdamW,
     /// [`AdamW8bit`]: block-wise 8-bit moments.
     AdamW8bit,
+    /// [`Prodigy`]: f32 moments, s and the first value p0.
+    Prodigy,
 }
 
 impl OptimizerKind {
     /// Bytes of state per parameter value: AdamW's two f32 moments; AdamW8bit's two 8-bit
     /// codes and each block's f32 maximum per moment (parameters under 4096 values keep f32
-    /// moments, a negligible share of a model's adapters).
+    /// moments, a negligible share of a model's adapters); Prodigy's two f32 moments, s and
+    /// p0 (less where beta1 = 0 or a parameter starts at zero, as LoRA's up matrices do).
     pub fn state_bytes_per_value(self) -> f64 {
         match self {
             OptimizerKind::AdamW => 8.0,
             OptimizerKind::AdamW8bit => 2.0 + 8.0 / quant8::BLOCK as f64,
+            OptimizerKind::Prodigy => 16.0,
+        }
+    }
+}
+
+/// An optimizer of some kind with its hyperparameters, as a training run builds it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OptimizerConfig {
+    /// [`AdamW`].
+    AdamW(AdamConfig),
+    /// [`AdamW8bit`].
+    AdamW8bit(AdamW8bitConfig),
+    /// [`Prodigy`].
+    Prodigy(ProdigyConfig),
+}
+
+impl OptimizerConfig {
+    /// The kind.
+    pub fn kind(&self) -> OptimizerKind {
+        match self {
+            OptimizerConfig::AdamW(_) => OptimizerKind::AdamW,
+            OptimizerConfig::AdamW8bit(_) => OptimizerKind::AdamW8bit,
+            OptimizerConfig::Prodigy(_) => OptimizerKind::Prodigy,
         }
     }
 
-    /// The optimizer of this kind over `params` with `adam`'s hyperparameters.
-    pub fn build(
-        self,
-        params: Vec<(String, Tensor)>,
-        adam: AdamConfig,
-    ) -> Result<Box<dyn Optimizer>> {
+    /// The optimizer over `params`.
+    pub fn build(self, params: Vec<(String, Tensor)>) -> Result<Box<dyn Optimizer>> {
         Ok(match self {
-            OptimizerKind::AdamW => Box::new(AdamW::new(params, adam)?),
-            OptimizerKind::AdamW8bit => Box::new(AdamW8bit::new(
-                params,
-                AdamW8bitConfig {
-                    adam,
-                    ..Default::default()
-                },
-            )?),
+            OptimizerConfig::AdamW(c) => Box::new(AdamW::new(params, c)?),
+            OptimizerConfig::AdamW8bit(c) => Box::new(AdamW8bit::new(params, c)?),
+            OptimizerConfig::Prodigy(c) => Box::new(Prodigy::new(params, c)?),
         })
     }
 }

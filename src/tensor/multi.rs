@@ -226,3 +226,138 @@ pub fn sum_sq_multi(tensors: &[&Tensor]) -> Result<f64> {
     }
     Ok(total)
 }
+
+/// One parameter of [`prodigy_multi`]: contiguous f32, bf16 or f16, with its gradient (same
+/// shape and dtype, contiguous) and its dense f32 state tensors.
+pub(crate) struct ProdigySlot<'a> {
+    /// The parameter, written in place.
+    pub p: &'a Tensor,
+    /// Its gradient.
+    pub g: &'a Tensor,
+    /// First moment (absent when beta1 = 0).
+    pub m: Option<&'a Tensor>,
+    /// Second moment.
+    pub v: &'a Tensor,
+    /// The running s.
+    pub s: &'a Tensor,
+    /// The parameter's first value (absent: zeros).
+    pub p0: Option<&'a Tensor>,
+}
+
+impl ProdigySlot<'_> {
+    fn written(&self) -> Vec<&Tensor> {
+        let mut v = vec![self.p];
+        v.extend(self.m);
+        v.extend([self.v, self.s]);
+        v
+    }
+}
+
+/// One Prodigy step of every slot, in place, with the global d estimate in `scalars` (an f64
+/// tensor of `PRODIGY_SCALARS` values on the slots' device): one backend call, three launches
+/// on CUDA and no host synchronization. Everything is checked before anything is written.
+pub(crate) fn prodigy_multi(
+    h: &crate::backend::multi::ProdigyHyper,
+    scalars: &Tensor,
+    slots: &[ProdigySlot<'_>],
+) -> Result<()> {
+    use crate::backend::multi::ProdigyItem;
+    const OP: &str = "prodigy_multi";
+    let mut written = HashSet::new();
+    written.insert(scalars.storage_arc()?.as_ref() as *const _);
+    if !scalars.is_contiguous() || scalars.layout().offset() != 0 {
+        return Err(Error::invalid(
+            OP,
+            "the scalar state must be dense",
+            scalars.shape(),
+        ));
+    }
+    for (k, s) in slots.iter().enumerate() {
+        let bad = |msg: String| Err(Error::invalid(OP, format!("slot {k}: {msg}"), s.p.shape()));
+        if s.p.shape() != s.g.shape() || s.p.dtype() != s.g.dtype() {
+            return bad(format!(
+                "gradient {:?} {} for a parameter {:?} {}",
+                s.g.dtype(),
+                s.g.shape(),
+                s.p.dtype(),
+                s.p.shape()
+            ));
+        }
+        if !s.p.is_contiguous() || !s.g.is_contiguous() {
+            return bad("the parameter and its gradient must be contiguous".into());
+        }
+        if s.p.0.grad_fn.is_some() && crate::autograd::grad_enabled() {
+            return Err(Error::Autograd(
+                "an optimizer step into a tensor recorded on the tape would corrupt its \
+                 gradients"
+                    .into(),
+            ));
+        }
+        for t in s.written().into_iter().chain([s.g]).chain(s.p0) {
+            if t.device() != scalars.device() {
+                return Err(Error::DeviceMismatch {
+                    op: OP,
+                    lhs: scalars.device().location(),
+                    rhs: t.device().location(),
+                });
+            }
+        }
+        for t in s.written() {
+            if !written.insert(t.storage_arc()?.as_ref() as *const _) {
+                return bad("a parameter or state tensor shares storage with another".into());
+            }
+        }
+        for t in s.written().into_iter().skip(1).chain(s.p0) {
+            if !t.is_contiguous() || t.layout().offset() != 0 {
+                return bad("state tensors must be dense".into());
+            }
+        }
+    }
+    for s in slots {
+        for t in std::iter::once(s.g).chain(s.p0) {
+            if written.contains(&(t.storage_arc()?.as_ref() as *const _)) {
+                return Err(Error::invalid(
+                    OP,
+                    "a gradient or p0 shares storage with a written tensor",
+                    s.g.shape(),
+                ));
+            }
+        }
+    }
+    let mut scalar_guard = scalars.storage_arc()?.write().map_err(|_| lock_err())?;
+    let reads: Vec<(
+        RwLockReadGuard<'_, Storage>,
+        Option<RwLockReadGuard<'_, Storage>>,
+    )> = slots
+        .iter()
+        .map(|s| Ok((s.g.storage()?, s.p0.map(|q| q.storage()).transpose()?)))
+        .collect::<Result<_>>()?;
+    let mut writes: Vec<RwLockWriteGuard<'_, Storage>> = vec![];
+    for s in slots {
+        for t in s.written() {
+            writes.push(t.storage_arc()?.write().map_err(|_| lock_err())?);
+        }
+    }
+    let internal = || Error::invalid(OP, "internal: lock count", &crate::Shape::from(()));
+    let mut w = writes.iter_mut();
+    let mut items = Vec::with_capacity(slots.len());
+    for (s, (g, p0)) in slots.iter().zip(&reads) {
+        let p = &mut **w.next().ok_or_else(internal)?;
+        let m = match s.m {
+            Some(_) => Some(&mut **w.next().ok_or_else(internal)?),
+            None => None,
+        };
+        items.push(ProdigyItem {
+            p,
+            p_offset: s.p.layout().offset(),
+            n: s.p.elem_count(),
+            g: &**g,
+            g_offset: s.g.layout().offset(),
+            m,
+            v: &mut **w.next().ok_or_else(internal)?,
+            s: &mut **w.next().ok_or_else(internal)?,
+            p0: p0.as_deref(),
+        });
+    }
+    Storage::prodigy_multi(h, &mut items, &mut scalar_guard)
+}

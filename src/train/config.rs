@@ -18,6 +18,7 @@ pub use crate::device::DeviceChoice;
 use crate::memory::{Checkpointing, Switches};
 use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
 pub use crate::optim::OptimizerKind;
+use crate::optim::{AdamConfig, AdamW8bitConfig, OptimizerConfig, ProdigyConfig};
 use crate::{Error, Result, Setting};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -305,19 +306,113 @@ section! {
 }
 
 section! {
-    /// `[optimizer]`: AdamW.
+    /// `[optimizer]`: AdamW, AdamW8bit or Prodigy.
     OptimizerSection / RawOptimizer = "optimizer" {
-        /// "adamw" (f32 moments, 8 bytes a parameter) or "adamw8bit" (both moments
-        /// block-wise 8-bit, about 2 bytes a parameter; parameters under 4096 values keep f32).
+        /// "adamw" (f32 moments, 8 bytes a parameter), "adamw8bit" (both moments
+        /// block-wise 8-bit, about 2 bytes a parameter; parameters under 4096 values keep f32)
+        /// or "prodigy" (the prodigyopt package's Prodigy, kohya's optimizer_type "Prodigy":
+        /// Adam whose step size d is estimated from the run, 16 bytes a parameter; lr then
+        /// multiplies d and is normally 1.0).
         kind: OptimizerKind = OptimizerKind::AdamW,
-        /// The peak learning rate, > 0.
-        lr: f64 = 1e-4,
-        /// Adam's beta1 and beta2, each in [0, 1).
+        /// The peak learning rate, > 0. Default: 1e-4, or 1.0 for "prodigy".
+        lr: Option<f64> = None,
+        /// Adam's beta1 and beta2, each in [0, 1) (Prodigy's too; beta1 = 0 keeps no first
+        /// moment).
         betas: [f64; 2] = [0.9, 0.999],
-        /// Decoupled weight decay, >= 0.
+        /// Weight decay, >= 0: decoupled (AdamW's) for every kind unless prodigy's decouple =
+        /// false makes it an L2 penalty on the gradient.
         weight_decay: f64 = 0.01,
-        /// Adam's epsilon, > 0 (0 divides zero by zero where a gradient is zero).
+        /// Adam's epsilon, > 0 (0 divides zero by zero where a gradient is zero). Prodigy
+        /// adds d * eps.
         eps: f64 = 1e-8,
+        /// Prodigy only: the decay of the step-size estimate's running sums, in [0, 1)
+        /// (prodigyopt's beta3). Default: the square root of beta2 (the second of betas).
+        beta3: Option<f64> = None,
+        /// Prodigy only: the multiplier of the estimate d, > 0 (prodigyopt's d_coef; default
+        /// 1.0; 0.5 to 2 are the usual tuning).
+        d_coef: Option<f64> = None,
+        /// Prodigy only: the first estimate of d, > 0 (prodigyopt's d0; default 1e-6).
+        d0: Option<f64> = None,
+        /// Prodigy only: the most d may grow in one step, a factor > 0 (prodigyopt's
+        /// growth_rate; default inf, unbounded; 1.02 gives a kind of warm-up).
+        growth_rate: Option<f64> = None,
+        /// Prodigy only: AdamW-style decoupled weight decay (default true) rather than an L2
+        /// penalty added to the gradient (prodigyopt's decouple).
+        decouple: Option<bool> = None,
+        /// Prodigy only: Adam's bias correction in the step size (prodigyopt's
+        /// use_bias_correction; default false).
+        use_bias_correction: Option<bool> = None,
+        /// Prodigy only: leave lr out of the estimate's denominator (prodigyopt's
+        /// safeguard_warmup; default false). Required with schedule.warmup_steps > 0.
+        safeguard_warmup: Option<bool> = None,
+    }
+}
+
+impl OptimizerSection {
+    /// The peak learning rate: `lr`, or the kind's default (1e-4; Prodigy's 1.0, prodigyopt's
+    /// default, a multiplier of the estimated step size).
+    pub fn lr(&self) -> f64 {
+        self.lr.unwrap_or(match self.kind {
+            OptimizerKind::Prodigy => 1.0,
+            OptimizerKind::AdamW | OptimizerKind::AdamW8bit => 1e-4,
+        })
+    }
+
+    /// The keys only one kind reads, with whether each is set: (key, kind, set).
+    fn kind_keys(&self) -> [(&'static str, OptimizerKind, bool); 7] {
+        let p = OptimizerKind::Prodigy;
+        [
+            ("optimizer.beta3", p, self.beta3.is_some()),
+            ("optimizer.d_coef", p, self.d_coef.is_some()),
+            ("optimizer.d0", p, self.d0.is_some()),
+            ("optimizer.growth_rate", p, self.growth_rate.is_some()),
+            ("optimizer.decouple", p, self.decouple.is_some()),
+            (
+                "optimizer.use_bias_correction",
+                p,
+                self.use_bias_correction.is_some(),
+            ),
+            (
+                "optimizer.safeguard_warmup",
+                p,
+                self.safeguard_warmup.is_some(),
+            ),
+        ]
+    }
+
+    /// The optimizer this section describes.
+    pub fn optimizer_config(&self) -> OptimizerConfig {
+        let adam = AdamConfig {
+            lr: self.lr(),
+            beta1: self.betas[0],
+            beta2: self.betas[1],
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+        };
+        match self.kind {
+            OptimizerKind::AdamW => OptimizerConfig::AdamW(adam),
+            OptimizerKind::AdamW8bit => OptimizerConfig::AdamW8bit(AdamW8bitConfig {
+                adam,
+                ..Default::default()
+            }),
+            OptimizerKind::Prodigy => {
+                let d = ProdigyConfig::default();
+                OptimizerConfig::Prodigy(ProdigyConfig {
+                    lr: self.lr(),
+                    beta1: self.betas[0],
+                    beta2: self.betas[1],
+                    beta3: self.beta3,
+                    eps: self.eps,
+                    weight_decay: self.weight_decay,
+                    decouple: self.decouple.unwrap_or(d.decouple),
+                    use_bias_correction: self.use_bias_correction.unwrap_or(d.use_bias_correction),
+                    safeguard_warmup: self.safeguard_warmup.unwrap_or(d.safeguard_warmup),
+                    d0: self.d0.unwrap_or(d.d0),
+                    d_coef: self.d_coef.unwrap_or(d.d_coef),
+                    growth_rate: self.growth_rate.unwrap_or(d.growth_rate),
+                })
+            }
+        }
     }
 }
 
@@ -884,7 +979,51 @@ impl TrainConfig {
             "adapter.targets",
             format!("{:?}: must be non-empty patterns", a.targets),
         );
-        c.positive_f("optimizer.lr", o.lr);
+        c.positive_f("optimizer.lr", o.lr());
+        for (key, kind, set) in o.kind_keys() {
+            c.check(
+                !set || o.kind == kind,
+                key,
+                format!(
+                    "is read by kind = {} only, and kind = {}",
+                    show(&kind),
+                    show(&o.kind)
+                ),
+            );
+        }
+        if let Some(b) = o.beta3 {
+            c.check(
+                (0.0..1.0).contains(&b),
+                "optimizer.beta3",
+                format!("{b}: must be in [0, 1)"),
+            );
+        }
+        if let Some(x) = o.d_coef {
+            c.positive_f("optimizer.d_coef", x);
+        }
+        if let Some(x) = o.d0 {
+            c.positive_f("optimizer.d0", x);
+        }
+        if let Some(x) = o.growth_rate {
+            c.check(
+                x > 0.0,
+                "optimizer.growth_rate",
+                format!("{x}: must be > 0 (inf: unbounded)"),
+            );
+        }
+        c.check(
+            !(o.kind == OptimizerKind::Prodigy
+                && s.warmup_steps > 0
+                && o.safeguard_warmup != Some(true)),
+            "optimizer.safeguard_warmup",
+            format!(
+                "must be true with kind = \"prodigy\" and schedule.warmup_steps = {}: Prodigy's \
+                 estimate divides by a sum that grows with lr, so the small rates of a warm-up \
+                 inflate d unless safeguard_warmup leaves lr out of it (prodigyopt's advice); \
+                 or set schedule.warmup_steps = 0 (Prodigy adapts its own step size)",
+                s.warmup_steps
+            ),
+        );
         c.check(
             o.betas.iter().all(|b| (0.0..1.0).contains(b)),
             "optimizer.betas",
@@ -1191,7 +1330,7 @@ impl TrainConfig {
     /// The learning rate at `step` (0-based): linear warm-up, then constant or cosine to 0.
     pub fn lr_at(&self, step: usize) -> f64 {
         let (lr, w, n) = (
-            self.optimizer.lr,
+            self.optimizer.lr(),
             self.schedule.warmup_steps,
             self.train.steps,
         );
@@ -1284,6 +1423,22 @@ impl TrainConfig {
             ),
         ];
         v.extend(extra.into_iter().filter(|e| e.1).map(|(k, _, s)| (k, s)));
+        // The keys of one optimizer kind, where set.
+        let o = &self.optimizer;
+        let kind_values = [
+            show(&o.beta3),
+            show(&o.d_coef),
+            show(&o.d0),
+            show(&o.growth_rate),
+            show(&o.decouple),
+            show(&o.use_bias_correction),
+            show(&o.safeguard_warmup),
+        ];
+        for ((key, _, set), value) in o.kind_keys().into_iter().zip(kind_values) {
+            if set {
+                v.push((key, value));
+            }
+        }
         v
     }
 
@@ -1306,7 +1461,7 @@ impl TrainConfig {
             ("adapter.targets", show(&a.targets)),
             ("adapter.format", show(&a.format)),
             ("optimizer.kind", show(&o.kind)),
-            ("optimizer.lr", show(&o.lr)),
+            ("optimizer.lr", show(&o.lr())),
             ("optimizer.betas", show(&o.betas)),
             ("optimizer.weight_decay", show(&o.weight_decay)),
             ("optimizer.eps", show(&o.eps)),

@@ -9,6 +9,7 @@ mod matmul;
 mod multi;
 mod norm;
 mod num;
+mod prodigy;
 pub mod random;
 mod reduce;
 mod strided;
@@ -487,6 +488,14 @@ impl BackendStorage for CpuStorage {
 
     fn sum_sq_multi(items: &[crate::backend::multi::MultiRef<'_, Self>]) -> Result<f64> {
         multi::sum_sq(items)
+    }
+
+    fn prodigy_multi(
+        h: &crate::backend::multi::ProdigyHyper,
+        items: &mut [crate::backend::multi::ProdigyItem<'_, Self>],
+        scalars: &mut Self,
+    ) -> Result<()> {
+        prodigy::prodigy(h, items, scalars)
     }
 
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {

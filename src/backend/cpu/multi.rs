@@ -16,7 +16,7 @@ const OP: &str = "adam_multi";
 const CHUNK: usize = 4096;
 
 /// A parameter element: read as f32, written back rounded once from f32.
-trait Param: Copy + Send + Sync {
+pub(super) trait Param: Copy + Send + Sync {
     fn get(self) -> f32;
     fn put(x: f32) -> Self;
 }

@@ -204,6 +204,14 @@ impl BackendStorage for CudaStorage {
         super::multi::sum_sq(items)
     }
 
+    fn prodigy_multi(
+        h: &crate::backend::multi::ProdigyHyper,
+        items: &mut [crate::backend::multi::ProdigyItem<'_, Self>],
+        scalars: &mut Self,
+    ) -> Result<()> {
+        super::prodigy::prodigy(h, items, scalars)
+    }
+
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
         self.contiguous(l)
     }

@@ -15,6 +15,7 @@ mod matmul;
 mod memory;
 mod multi;
 mod norm;
+mod prodigy;
 mod reduce;
 mod storage;
 

@@ -15,9 +15,9 @@ use cudarc::driver::LaunchConfig;
 /// kernels' ADAM_CHUNK and SUMSQ_CHUNK).
 const CHUNK: usize = 4096;
 /// Threads per block (MT_THREADS).
-const THREADS: u32 = 256;
+pub(super) const THREADS: u32 = 256;
 
-fn sfx(dtype: DType) -> Result<&'static str> {
+pub(super) fn sfx(dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
         DType::F32 => "f32",
         DType::BF16 => "bf16",
@@ -33,7 +33,7 @@ fn sfx(dtype: DType) -> Result<&'static str> {
 }
 
 /// The device address of element `offset` of `s`.
-fn addr(s: &CudaStorage, offset: usize) -> u64 {
+pub(super) fn addr(s: &CudaStorage, offset: usize) -> u64 {
     s.buf.raw_ptr(s.dev.stream()) + (offset * s.buf.dtype().size_in_bytes()) as u64
 }
 
@@ -43,7 +43,7 @@ fn pair(a: f32, b: f32) -> u64 {
 }
 
 /// The first of `bufs`, after checking that all are on its device.
-fn check_devices<'a>(
+pub(super) fn check_devices<'a>(
     op: &'static str,
     mut bufs: impl Iterator<Item = &'a CudaStorage>,
 ) -> Result<Option<&'a CudaStorage>> {
@@ -62,7 +62,7 @@ fn check_devices<'a>(
     Ok(Some(first))
 }
 
-fn grid(op: &'static str, chunks: u64) -> Result<LaunchConfig> {
+pub(super) fn grid(op: &'static str, chunks: u64) -> Result<LaunchConfig> {
     if chunks > (1 << 31) - 1 {
         return Err(Error::invalid(
             op,
@@ -78,7 +78,7 @@ fn grid(op: &'static str, chunks: u64) -> Result<LaunchConfig> {
 }
 
 /// A device copy of a launch's table.
-fn upload(s: &CudaStorage, table: &[u64]) -> Result<super::memory::DevBuf<u64>> {
+pub(super) fn upload(s: &CudaStorage, table: &[u64]) -> Result<super::memory::DevBuf<u64>> {
     let mut t = s.dev.alloc::<u64>(table.len())?;
     s.dev
         .stream()

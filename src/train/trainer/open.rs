@@ -2,7 +2,6 @@ use super::{Event, PhasePeaks, PipelineParts, Placement, Prepare, Trainer};
 use crate::dist::{GradReducer, ProcessGroup, BUCKET_BYTES};
 use crate::models::{DiffusionModel, Family, LoadOptions};
 use crate::nn::{Adapters, KeyMap};
-use crate::optim::AdamConfig;
 use crate::train::config::{AdapterFormat, ModelDType, TrainConfig};
 use crate::train::data::{check_batch_size, Dataset, Samples};
 use crate::train::images::{self, ImageSamples};
@@ -155,17 +154,10 @@ impl Trainer {
         opts.memory = memory.plan.clone();
         let loaded = family.load(&config.model.path, &opts)?;
         check_adapters(&config, &adapters, &loaded.key_map)?;
-        let o = &config.optimizer;
-        let adam = AdamConfig {
-            lr: o.lr,
-            beta1: o.betas[0],
-            beta2: o.betas[1],
-            eps: o.eps,
-            weight_decay: o.weight_decay,
-        };
-        let opt = o
-            .kind
-            .build(adapters.params()?, adam)
+        let opt = config
+            .optimizer
+            .optimizer_config()
+            .build(adapters.params()?)
             .map_err(|e| Error::Config {
                 path: None,
                 msg: format!("[optimizer]: {e}"),

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Optimizer fixtures: 50 steps of the reference packages' optimizers (tests/optim_parity.rs).
+
+Usage:  python scripts/make_optimizer_fixtures.py [OUT_DIR]      (default OUT_DIR: tests/fixtures/optim)
+
+Needs torch, safetensors, numpy and prodigyopt (1.1.2); no network. Runs on the CPU in float32,
+one thread. Random values: numpy's PCG64 (`numpy.random.default_rng(SEED + k)`), standard
+normals rounded to float32; deterministic (two runs write the same bytes).
+
+Files written, one per case, float32 unless said:
+
+  prodigy_<case>.safetensors
+    init.<p>         the parameters before the first step: p_a (3, 5) and p_b (7,) random,
+                     p_zero (4, 3) zeros (a LoRA up matrix: prodigyopt keeps no p0 copy)
+    target.<p>       a point the gradients pull towards (k = 200 + i)
+    noise.<p>        (50, *shape) 0.3 times normals (k = 100 + i), rounded to float32: the
+                     gradient of step k is (p - target) + noise[k], each operation in float32
+    lr               (50,) float64, the lr set before step k (a linear warm-up in `warmup`)
+    final.<p>        the parameters after 50 steps
+    d                (50,) float64, the group's d after step k
+    metadata: the case's hyperparameters, as Prodigy(...) was called (json).
+
+Cases:
+  default   Prodigy(lr=1.0): prodigyopt's defaults
+  warmup    weight_decay=0.1 (decoupled), use_bias_correction, safeguard_warmup, d_coef=2,
+            growth_rate=1.5, lr warming up linearly over 10 steps
+  coupled   decouple=False, weight_decay=0.05, betas=(0, 0.99) (no first moment), beta3=0.9,
+            d0=1e-5
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from prodigyopt import Prodigy
+
+SEED = 20261129
+STEPS = 50
+SHAPES = {"p_a": (3, 5), "p_b": (7,), "p_zero": (4, 3)}
+
+CASES = {
+    "default": dict(lr=1.0),
+    "warmup": dict(
+        lr=1.0,
+        weight_decay=0.1,
+        use_bias_correction=True,
+        safeguard_warmup=True,
+        d_coef=2.0,
+        growth_rate=1.5,
+    ),
+    "coupled": dict(
+        lr=1.0, decouple=False, weight_decay=0.05, betas=(0.0, 0.99), beta3=0.9, d0=1e-5
+    ),
+}
+
+
+def normals(k, shape):
+    rng = np.random.default_rng(SEED + k)
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+
+
+def run(name, kwargs, out):
+    params = {}
+    for i, (p, shape) in enumerate(SHAPES.items()):
+        t = torch.zeros(shape) if p == "p_zero" else normals(i, shape)
+        params[p] = torch.nn.Parameter(t)
+    tensors = {f"init.{p}": t.detach().clone() for p, t in params.items()}
+    # The gradient of a quadratic pull towards a target plus noise, so that the parameters
+    # travel, d grows as in training and the run stays bounded:
+    # grad = (p - target) + noise[k], in float32.
+    targets = {p: normals(200 + i, SHAPES[p]) for i, p in enumerate(SHAPES)}
+    noise = {
+        p: (0.3 * normals(100 + i, (STEPS, *SHAPES[p]))).to(torch.float32)
+        for i, p in enumerate(SHAPES)
+    }
+    opt = Prodigy(list(params.values()), **kwargs)
+    lrs, ds = [], []
+    for k in range(STEPS):
+        lr = kwargs["lr"] * min(1.0, (k + 1) / 10) if name == "warmup" else kwargs["lr"]
+        for g in opt.param_groups:
+            g["lr"] = lr
+        lrs.append(lr)
+        for p, t in params.items():
+            t.grad = (t.detach() - targets[p]) + noise[p][k]
+        opt.step()
+        ds.append(opt.param_groups[0]["d"])
+    for p in SHAPES:
+        tensors[f"target.{p}"] = targets[p]
+        tensors[f"noise.{p}"] = noise[p]
+        tensors[f"final.{p}"] = params[p].detach().clone()
+    tensors["lr"] = torch.tensor(lrs, dtype=torch.float64)
+    tensors["d"] = torch.tensor(ds, dtype=torch.float64)
+    meta = {"format": "pt", "kwargs": json.dumps(kwargs)}
+    path = out / f"prodigy_{name}.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    path.chmod(0o644)
+
+
+def main():
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "tests/fixtures/optim"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, kwargs in CASES.items():
+        run(name, kwargs, out)
+    print(f"wrote {len(CASES)} files to {out}")
+
+
+if __name__ == "__main__":
+    main()

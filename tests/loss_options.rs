@@ -19,7 +19,8 @@ use std::path::PathBuf;
 const CPU: Device = Device::Cpu;
 
 fn reference() -> Value {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lossdata/reference.json");
+    let p =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lossdata/reference.json");
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
@@ -107,13 +108,31 @@ fn losses_masks_and_the_reduction_equal_kohyas() {
         };
         let el = elementwise(kind, &pred, &target, Some(&c)).unwrap();
         let what = format!("{kind:?}");
-        close(&what, &el.to_vec_f64().unwrap(), &floats(&case["elementwise"]), 1e-6, 1e-5);
+        close(
+            &what,
+            &el.to_vec_f64().unwrap(),
+            &floats(&case["elementwise"]),
+            1e-6,
+            1e-5,
+        );
         let masked = reduce(&el, Some(&mask), Some(&weights)).unwrap();
         let want = case["reduced"].as_f64().unwrap();
-        close(&what, &[masked.to_scalar_f64().unwrap()], &[want], 1e-7, 1e-5);
+        close(
+            &what,
+            &[masked.to_scalar_f64().unwrap()],
+            &[want],
+            1e-7,
+            1e-5,
+        );
         let plain = reduce(&el, None, Some(&weights)).unwrap();
         let want = case["reduced_unmasked"].as_f64().unwrap();
-        close(&what, &[plain.to_scalar_f64().unwrap()], &[want], 1e-7, 1e-5);
+        close(
+            &what,
+            &[plain.to_scalar_f64().unwrap()],
+            &[want],
+            1e-7,
+            1e-5,
+        );
     }
     // A zero mask: zero loss and zero gradient.
     let p = Tensor::from_vec(f32s(&l["pred"]), d.clone(), &CPU)
@@ -125,7 +144,13 @@ fn losses_masks_and_the_reduction_equal_kohyas() {
     let loss = reduce(&el, Some(&zero), None).unwrap();
     assert_eq!(loss.to_scalar_f64().unwrap(), 0.0);
     let g = loss.backward().unwrap();
-    assert!(g.get(&p).unwrap().to_vec_f64().unwrap().iter().all(|&x| x == 0.0));
+    assert!(g
+        .get(&p)
+        .unwrap()
+        .to_vec_f64()
+        .unwrap()
+        .iter()
+        .all(|&x| x == 0.0));
     // Huber without its threshold, and a mask of the wrong grid, are errors.
     assert!(elementwise(LossType::Huber, &pred, &target, None).is_err());
     let wrong = Tensor::zeros((b, 1, h + 1, w), DType::F32, &CPU).unwrap();
@@ -164,9 +189,17 @@ fn pyramid_noise_equals_kohyas() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|l| (l[0].as_u64().unwrap() as usize, l[1].as_u64().unwrap() as usize))
+        .map(|l| {
+            (
+                l[0].as_u64().unwrap() as usize,
+                l[1].as_u64().unwrap() as usize,
+            )
+        })
         .collect();
-    assert_eq!(levels, want, "the levels stop after the first with a side of 1");
+    assert_eq!(
+        levels, want,
+        "the levels stop after the first with a side of 1"
+    );
     let draws: Vec<Vec<f32>> = p["draws"].as_array().unwrap().iter().map(f32s).collect();
     let out = pyramid_noise(
         &f32s(&p["noise"]),
@@ -196,13 +229,24 @@ fn timestep_ranges_follow_kohyas_randint_and_map_flow_matching() {
     assert!((r.flow(1.0) - 0.3).abs() < 1e-15);
     // Ddpm draws inside the range, from the uniform draws of its own sampler.
     let ddpm = Ddpm::scaled_linear();
-    let t = ddpm.sample_timesteps_in(64, r, 9, &CPU).unwrap().to_vec_f64().unwrap();
-    let u = Tensor::rand(64, DType::F32, &CPU, 9).unwrap().to_vec_f64().unwrap();
+    let t = ddpm
+        .sample_timesteps_in(64, r, 9, &CPU)
+        .unwrap()
+        .to_vec_f64()
+        .unwrap();
+    let u = Tensor::rand(64, DType::F32, &CPU, 9)
+        .unwrap()
+        .to_vec_f64()
+        .unwrap();
     for (t, u) in t.iter().zip(&u) {
         assert_eq!(*t as usize, r.ddpm(*u));
         assert!((200.0..300.0).contains(t));
     }
-    let full = ddpm.sample_timesteps(64, 9, &CPU).unwrap().to_vec_f64().unwrap();
+    let full = ddpm
+        .sample_timesteps(64, 9, &CPU)
+        .unwrap()
+        .to_vec_f64()
+        .unwrap();
     let same = ddpm
         .sample_timesteps_in(64, TimestepRange::FULL, 9, &CPU)
         .unwrap()
@@ -252,10 +296,18 @@ fn masks_follow_their_image_through_resize_crop_and_flip() {
     let geo = Geometry::new(64, 32, bucket, CropMode::Center, 0, 0);
     assert_eq!((geo.left, geo.top), (16, 0));
     let at = |flip: bool| {
-        mask_tensor(&image, MaskSource::File, &geo, Resample::Lanczos3, flip, 8, &CPU)
-            .unwrap()
-            .to_vec_f64()
-            .unwrap()
+        mask_tensor(
+            &image,
+            MaskSource::File,
+            &geo,
+            Resample::Lanczos3,
+            flip,
+            8,
+            &CPU,
+        )
+        .unwrap()
+        .to_vec_f64()
+        .unwrap()
     };
     // Crop columns 16..48 in cells of 8: 16..24, 24..32 black; 32..40 black; 40..48 white.
     let row = [0.0, 0.0, 0.0, 1.0];
@@ -266,19 +318,45 @@ fn masks_follow_their_image_through_resize_crop_and_flip() {
     // No mask file: ones. An image without alpha under alpha_mask: ones.
     std::fs::remove_file(mask_file(&image)).unwrap();
     assert_eq!(at(false), vec![1.0; 16]);
-    let alpha = mask_tensor(&image, MaskSource::Alpha, &geo, Resample::Lanczos3, false, 8, &CPU)
-        .unwrap();
+    let alpha = mask_tensor(
+        &image,
+        MaskSource::Alpha,
+        &geo,
+        Resample::Lanczos3,
+        false,
+        8,
+        &CPU,
+    )
+    .unwrap();
     assert_eq!(alpha.to_vec_f64().unwrap(), vec![1.0; 16]);
     // The alpha channel: half transparent everywhere.
     let rgba = image::RgbaImage::from_pixel(64, 32, image::Rgba([9, 9, 9, 0]));
     rgba.save(&image).unwrap();
-    let alpha = mask_tensor(&image, MaskSource::Alpha, &geo, Resample::Lanczos3, false, 8, &CPU)
-        .unwrap();
+    let alpha = mask_tensor(
+        &image,
+        MaskSource::Alpha,
+        &geo,
+        Resample::Lanczos3,
+        false,
+        8,
+        &CPU,
+    )
+    .unwrap();
     assert_eq!(alpha.to_vec_f64().unwrap(), vec![0.0; 16]);
     // A mask of another size than its image is refused, naming the mask.
-    image::GrayImage::new(10, 10).save(mask_file(&image)).unwrap();
-    let e = mask_tensor(&image, MaskSource::File, &geo, Resample::Lanczos3, false, 8, &CPU)
-        .unwrap_err();
+    image::GrayImage::new(10, 10)
+        .save(mask_file(&image))
+        .unwrap();
+    let e = mask_tensor(
+        &image,
+        MaskSource::File,
+        &geo,
+        Resample::Lanczos3,
+        false,
+        8,
+        &CPU,
+    )
+    .unwrap_err();
     assert!(e.contains("a-masklabel.png") && e.contains("10x10"), "{e}");
     std::fs::remove_dir_all(&d).ok();
 }

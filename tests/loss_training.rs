@@ -37,7 +37,10 @@ fn config(dir: &Path, steps: usize, batch: usize, train: &str, data: &str) -> Tr
         .replace("device = \"auto\"", "device = \"cpu\"")
         .replace("warmup_steps = 10", "warmup_steps = 1")
         .replace("[train]\n", &format!("[train]\n{train}\n"))
-        .replace("[data]\n", &format!("[data]\ncache_dir = \"tiny/cache\"\n{data}\n"));
+        .replace(
+            "[data]\n",
+            &format!("[data]\ncache_dir = \"tiny/cache\"\n{data}\n"),
+        );
     let text = text
         .lines()
         .map(|l| match l.starts_with("prompts = ") {
@@ -129,7 +132,11 @@ fn masks_weight_the_loss_and_key_the_cache() {
     let d = temp("masks");
     let plain = steps(&output(config(&d, 3, 4, "", ""), &d, "plain"));
     // Alpha masks of pictures without alpha are ones: the same run, bit for bit.
-    let alpha = steps(&output(config(&d, 3, 4, "", "alpha_mask = true"), &d, "alpha"));
+    let alpha = steps(&output(
+        config(&d, 3, 4, "", "alpha_mask = true"),
+        &d,
+        "alpha",
+    ));
     let losses = |r: &[StepReport]| r.iter().map(|s| s.loss).collect::<Vec<_>>();
     assert_eq!(losses(&alpha), losses(&plain));
 
@@ -143,12 +150,20 @@ fn masks_weight_the_loss_and_key_the_cache() {
     }
     // White masks: the unmasked loss (a resized white mask is 1 within rounding).
     masks(&d, 255);
-    let white = steps(&output(config(&d, 3, 4, "", "masked_loss = true"), &d, "white"));
+    let white = steps(&output(
+        config(&d, 3, 4, "", "masked_loss = true"),
+        &d,
+        "white",
+    ));
     let (a, b) = (white[0].loss, plain[0].loss);
     assert!((a - b).abs() <= 1e-5 * b.abs(), "white {a}, unmasked {b}");
 
     // The cache is keyed by the mask: one changed mask file recomputes its entries only.
-    let (_, notes) = open(&output(config(&d, 3, 4, "", "masked_loss = true"), &d, "again"));
+    let (_, notes) = open(&output(
+        config(&d, 3, 4, "", "masked_loss = true"),
+        &d,
+        "again",
+    ));
     let (reused, encoded) = cached(&notes);
     assert_eq!(encoded, 0, "{notes:?}");
     let first = flame::data::mask::mask_file(&images(&d)[0]);
@@ -156,7 +171,11 @@ fn masks_weight_the_loss_and_key_the_cache() {
     image::GrayImage::from_pixel(w, h, image::Luma([128]))
         .save(&first)
         .unwrap();
-    let (_, notes) = open(&output(config(&d, 3, 4, "", "masked_loss = true"), &d, "again"));
+    let (_, notes) = open(&output(
+        config(&d, 3, 4, "", "masked_loss = true"),
+        &d,
+        "again",
+    ));
     let (r2, e2) = cached(&notes);
     assert!(e2 > 0 && r2 > 0 && r2 + e2 == reused, "{notes:?}");
     std::fs::remove_dir_all(&d).ok();
@@ -172,7 +191,11 @@ fn regularisation_images_are_matched_and_weighted() {
     for p in images(&d).iter().take(3) {
         let name = p.file_name().unwrap();
         std::fs::copy(p, reg.join(name)).unwrap();
-        std::fs::copy(p.with_extension("txt"), reg.join(name).with_extension("txt")).unwrap();
+        std::fs::copy(
+            p.with_extension("txt"),
+            reg.join(name).with_extension("txt"),
+        )
+        .unwrap();
     }
     let with = |w: f64, out: &str| {
         let data = format!("prior_loss_weight = {w}\n[[data.reg_dirs]]\npath = \"reg\"\n");
@@ -182,7 +205,13 @@ fn regularisation_images_are_matched_and_weighted() {
     let (t, notes) = open(&cfg);
     // kohya's rule: the reg samples an epoch match the training samples (12 images x 2).
     let ds = |t: &Trainer| t.data().describe();
-    assert!(notes.iter().any(|n| n.starts_with("3 of 3 regularisation images used, 24 regularisation samples")), "{notes:?} {}", ds(&t));
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with("3 of 3 regularisation images used, 24 regularisation samples")),
+        "{notes:?} {}",
+        ds(&t)
+    );
     // Which steps draw a regularisation image (batch size 1).
     let reg_step: Vec<bool> = (0..8)
         .map(|m| {
@@ -194,7 +223,10 @@ fn regularisation_images_are_matched_and_weighted() {
         })
         .collect();
     drop(t);
-    assert!(reg_step.iter().any(|&r| r) && reg_step.iter().any(|&r| !r), "{reg_step:?}");
+    assert!(
+        reg_step.iter().any(|&r| r) && reg_step.iter().any(|&r| !r),
+        "{reg_step:?}"
+    );
     let zero = steps(&cfg);
     for (s, &r) in zero.iter().zip(&reg_step) {
         match r {
@@ -205,9 +237,17 @@ fn regularisation_images_are_matched_and_weighted() {
     // The first step's loss scales with the weight when it is a reg sample.
     let one = steps(&with(1.0, "one"));
     let three = steps(&with(3.0, "three"));
-    let want = if reg_step[0] { 3.0 * one[0].loss } else { one[0].loss };
+    let want = if reg_step[0] {
+        3.0 * one[0].loss
+    } else {
+        one[0].loss
+    };
     // (3x in f32, against 3x in f64: one rounding apart.)
-    assert!((three[0].loss - want).abs() <= 1e-6 * want.abs(), "{} {want}", three[0].loss);
+    assert!(
+        (three[0].loss - want).abs() <= 1e-6 * want.abs(),
+        "{} {want}",
+        three[0].loss
+    );
     std::fs::remove_dir_all(&d).ok();
 }
 
@@ -227,11 +267,16 @@ fn noise_and_loss_options_train_and_change_the_loss() {
         let r = steps(&output(config(&d, 2, 4, o, ""), &d, &format!("o{i}")));
         assert_eq!(r.len(), 2, "{o}");
         assert!(r.iter().all(|s| s.loss.is_finite() && s.loss > 0.0), "{o}");
-        assert_ne!(r[0].loss, plain[0].loss, "{o} changes the first step's loss");
+        assert_ne!(
+            r[0].loss, plain[0].loss,
+            "{o} changes the first step's loss"
+        );
     }
     // The SNR Huber schedule (kohya's default) needs a DDPM model: refused, naming the key.
     let cfg = output(config(&d, 2, 4, "loss_type = \"huber\"", ""), &d, "snr");
-    let e = Trainer::open(cfg, Prepare::Encode, &mut |_| {}).err().unwrap();
+    let e = Trainer::open(cfg, Prepare::Encode, &mut |_| {})
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("train.huber_schedule"), "{e}");
     std::fs::remove_dir_all(&d).ok();
 }
@@ -249,18 +294,26 @@ fn a_run_with_every_option_resumes_exactly() {
         for (i, p) in images(d).iter().enumerate().take(2) {
             let name = p.file_name().unwrap();
             std::fs::copy(p, reg.join(name)).unwrap();
-            std::fs::copy(p.with_extension("txt"), reg.join(name).with_extension("txt")).unwrap();
+            std::fs::copy(
+                p.with_extension("txt"),
+                reg.join(name).with_extension("txt"),
+            )
+            .unwrap();
             // One reg image and some pictures with a half-grey mask.
             let (w, h) = image::image_dimensions(p).unwrap();
             let grey = image::GrayImage::from_pixel(w, h, image::Luma([100 + 50 * i as u8]));
             grey.save(flame::data::mask::mask_file(p)).unwrap();
-            grey.save(flame::data::mask::mask_file(&reg.join(name))).unwrap();
+            grey.save(flame::data::mask::mask_file(&reg.join(name)))
+                .unwrap();
         }
         config(d, 6, 2, train, data)
     };
     let a = temp("full");
     let cfg = setup(&a);
-    open(&cfg).0.run(&RunOptions::default(), &mut |_| {}).unwrap();
+    open(&cfg)
+        .0
+        .run(&RunOptions::default(), &mut |_| {})
+        .unwrap();
     let out = &cfg.train.output_dir;
     let full = read_log(&out.join("loss.jsonl")).unwrap();
     assert_eq!(full.len(), 6);

@@ -41,7 +41,10 @@ pub fn is_mask_file(path: &Path) -> bool {
 
 /// The mask of `image` as grey levels in [0, 1] (all channels equal), or `None` where the
 /// image has none (no mask file; no alpha channel). Errors say why a mask cannot be read.
-fn decode(image: &Path, source: MaskSource) -> std::result::Result<Option<image::Rgb32FImage>, String> {
+fn decode(
+    image: &Path,
+    source: MaskSource,
+) -> std::result::Result<Option<image::Rgb32FImage>, String> {
     let (path, what) = match source {
         MaskSource::File => {
             let m = mask_file(image);
@@ -60,11 +63,9 @@ fn decode(image: &Path, source: MaskSource) -> std::result::Result<Option<image:
         .map_err(|e| format!("cannot decode the {what} {}: {e}", path.display()))?;
     let grey: Vec<f32> = match source {
         MaskSource::File => img.to_luma32f().into_raw(),
-        MaskSource::Alpha if img.color().has_alpha() => img
-            .to_rgba32f()
-            .pixels()
-            .map(|p| p.0[3])
-            .collect(),
+        MaskSource::Alpha if img.color().has_alpha() => {
+            img.to_rgba32f().pixels().map(|p| p.0[3]).collect()
+        }
         MaskSource::Alpha => return Ok(None),
     };
     let rgb: Vec<f32> = grey.iter().flat_map(|&g| [g, g, g]).collect();

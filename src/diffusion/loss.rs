@@ -212,7 +212,12 @@ pub fn noise_offset(
 
 /// torch's bilinear `Upsample(size=(h, w))` (align_corners = False) of `src` (planes of
 /// `sh` x `sw`) to `h` x `w`.
-fn upsample_bilinear(src: &[f32], planes: usize, (sh, sw): (usize, usize), (h, w): (usize, usize)) -> Vec<f32> {
+fn upsample_bilinear(
+    src: &[f32],
+    planes: usize,
+    (sh, sw): (usize, usize),
+    (h, w): (usize, usize),
+) -> Vec<f32> {
     // The source coordinate of output index i: (i + 0.5) · in / out - 0.5, clamped at 0;
     // the two neighbours and the weight of the second.
     let axis = |out: usize, inp: usize| -> Vec<(usize, usize, f64)> {
@@ -271,7 +276,8 @@ pub fn pyramid_noise(
     draws: &[Vec<f32>],
 ) -> Result<Vec<f32>> {
     let [b, c, h, w] = dims;
-    let bad = |msg: String| Error::invalid("pyramid_noise", msg, &crate::Shape::from(dims.to_vec()));
+    let bad =
+        |msg: String| Error::invalid("pyramid_noise", msg, &crate::Shape::from(dims.to_vec()));
     if noise.len() != b * c * h * w || levels.len() != draws.len() || h == 0 || w == 0 {
         return Err(bad(format!(
             "{} values, {} levels, {} draws",
@@ -283,10 +289,7 @@ pub fn pyramid_noise(
     let mut acc: Vec<f64> = noise.iter().map(|&v| v as f64).collect();
     for (i, (&(hn, wn), d)) in levels.iter().zip(draws).enumerate() {
         if d.len() != b * c * hn * wn {
-            return Err(bad(format!(
-                "level {i}: {} draws for {hn}x{wn}",
-                d.len()
-            )));
+            return Err(bad(format!("level {i}: {} draws for {hn}x{wn}", d.len())));
         }
         let up = upsample_bilinear(d, b * c, (hn, wn), (h, w));
         let k = discount.powi(i as i32);

@@ -10,12 +10,12 @@
 //! check has passed.
 
 use super::objectives::{Prediction, TimestepSampling};
-pub use crate::diffusion::loss::{HuberSchedule, LossType};
 use crate::config::{in_list, problem_lines, section, show};
 pub use crate::config::{line_of, KeyDoc, Problem, Section};
 pub use crate::data::config::DataSection;
 use crate::data::config::RawData;
 pub use crate::device::DeviceChoice;
+pub use crate::diffusion::loss::{HuberSchedule, LossType};
 use crate::memory::{Checkpointing, Switches};
 use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
 pub use crate::optim::OptimizerKind;
@@ -750,6 +750,7 @@ impl TrainConfig {
             let d = &mut c.data;
             let mut paths: Vec<&mut PathBuf> = vec![&mut c.model.path, &mut c.train.output_dir];
             paths.extend(d.dirs.iter_mut().map(|e| &mut e.path));
+            paths.extend(d.reg_dirs.iter_mut().map(|e| &mut e.path));
             paths.extend(
                 [
                     &mut c.model.config,
@@ -1366,7 +1367,11 @@ impl TrainConfig {
             ("train.huber_schedule", huber, show(&t.huber_schedule)),
             ("train.huber_c", huber, show(&t.huber_c)),
             ("train.huber_scale", huber, show(&t.huber_scale)),
-            ("train.noise_offset", t.noise_offset != 0.0, show(&t.noise_offset)),
+            (
+                "train.noise_offset",
+                t.noise_offset != 0.0,
+                show(&t.noise_offset),
+            ),
             (
                 "train.adaptive_noise_scale",
                 t.adaptive_noise_scale != 0.0,
@@ -1382,8 +1387,16 @@ impl TrainConfig {
                 t.multires_noise_iterations != 0,
                 show(&t.multires_noise_discount),
             ),
-            ("train.min_timestep", t.min_timestep != 0, show(&t.min_timestep)),
-            ("train.max_timestep", t.max_timestep != 1000, show(&t.max_timestep)),
+            (
+                "train.min_timestep",
+                t.min_timestep != 0,
+                show(&t.min_timestep),
+            ),
+            (
+                "train.max_timestep",
+                t.max_timestep != 1000,
+                show(&t.max_timestep),
+            ),
             ("data.masked_loss", d.masked_loss, show(&d.masked_loss)),
             ("data.alpha_mask", d.alpha_mask, show(&d.alpha_mask)),
             (
@@ -1397,7 +1410,12 @@ impl TrainConfig {
                 show(&d.prior_loss_weight),
             ),
         ];
-        v.extend(loss_keys.into_iter().filter(|e| e.1).map(|(k, _, s)| (k, s)));
+        v.extend(
+            loss_keys
+                .into_iter()
+                .filter(|e| e.1)
+                .map(|(k, _, s)| (k, s)),
+        );
         v.extend(extra.into_iter().filter(|e| e.1).map(|(k, _, s)| (k, s)));
         v
     }

@@ -491,10 +491,7 @@ pub fn scan(
         on(format!(
             "{used} of {given} regularisation images used, {} regularisation samples an epoch \
              (data.reg_dirs, repeats matched to the training images as kohya's)",
-            ds.samples
-                .iter()
-                .filter(|s| ds.items[s.item].reg)
-                .count()
+            ds.samples.iter().filter(|s| ds.items[s.item].reg).count()
         ));
     }
     for bad in ds.skipped.iter().chain(val.iter().flat_map(|v| &v.skipped)) {

@@ -1,10 +1,10 @@
 use super::{StepReport, Trainer};
+use crate::diffusion::loss::{self, HuberSchedule, LossType, TimestepRange};
 use crate::models::Objective;
 use crate::nn::{BatchPart, GOLDEN};
 use crate::train::config::OnNonFinite;
-use crate::train::data::{Batch, Part};
-use crate::diffusion::loss::{self, HuberSchedule, LossType, TimestepRange};
 use crate::train::config::TrainConfig;
+use crate::train::data::{Batch, Part};
 use crate::train::objectives::{flow_matching, Prediction};
 use crate::{sum_sq_multi, DType, Error, Grads, Result, Tensor};
 use std::sync::atomic::Ordering;
@@ -86,8 +86,8 @@ impl Trainer {
         let (b, mut dims) = (batch.global, x0.dims().to_vec());
         let (start, len) = (batch.rows.start, batch.rows.len());
         dims[0] = b;
-        let noise = Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?
-            .narrow(0, start, len)?;
+        let noise =
+            Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?.narrow(0, start, len)?;
         let noise = self.shape_noise(noise, batch, seed)?.to_dtype(self.dtype)?;
         let t = self.timesteps(batch, seed)?;
         self.loss_at(&batch.inputs, &t, &noise, LossWeights::of(batch))
@@ -138,7 +138,10 @@ impl Trainer {
                 .iter()
                 .enumerate()
                 .map(|(i, &(hn, wn))| {
-                    draw(vec![b, c, hn, wn], seed ^ (i as u64 + 1).wrapping_mul(GOLDEN) ^ 0x9A11D)
+                    draw(
+                        vec![b, c, hn, wn],
+                        seed ^ (i as u64 + 1).wrapping_mul(GOLDEN) ^ 0x9A11D,
+                    )
                 })
                 .collect::<Result<Vec<_>>>()?;
             v = loss::pyramid_noise(&v, dims, t.multires_noise_discount, &levels, &draws)?;

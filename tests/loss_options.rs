@@ -360,3 +360,64 @@ fn masks_follow_their_image_through_resize_crop_and_flip() {
     assert!(e.contains("a-masklabel.png") && e.contains("10x10"), "{e}");
     std::fs::remove_dir_all(&d).ok();
 }
+
+#[test]
+fn bad_option_values_are_refused_naming_their_key() {
+    let example = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny.toml");
+    let good = std::fs::read_to_string(example).unwrap();
+    let d = temp("config");
+    let train = |keys: &str| good.replace("[train]\n", &format!("[train]\n{keys}\n"));
+    let data = |keys: &str| good.replace("[data]\n", &format!("[data]\n{keys}\n"));
+    let cases = [
+        (train("huber_c = 0.0"), "train.huber_c"),
+        (train("huber_c = 1.5"), "train.huber_c"),
+        (train("huber_scale = 0.0"), "train.huber_scale"),
+        (train("loss_type = \"l1\""), "train.loss_type"),
+        (train("huber_schedule = \"cosine\""), "train.huber_schedule"),
+        (train("noise_offset = -0.1"), "train.noise_offset"),
+        (
+            train("adaptive_noise_scale = 0.05"),
+            "train.adaptive_noise_scale",
+        ),
+        (
+            train("multires_noise_discount = 0.0"),
+            "train.multires_noise_discount",
+        ),
+        (
+            train("multires_noise_iterations = 100"),
+            "train.multires_noise_iterations",
+        ),
+        (train("min_timestep = 1000"), "train.min_timestep"),
+        (train("max_timestep = 1001"), "train.max_timestep"),
+        (
+            train("min_timestep = 500\nmax_timestep = 400"),
+            "train.max_timestep",
+        ),
+        (data("prior_loss_weight = -1.0"), "data.prior_loss_weight"),
+        (
+            data("masked_loss = true\nalpha_mask = true"),
+            "data.alpha_mask",
+        ),
+        (
+            format!("{}\n[[data.reg_dirs]]\npath = \"reg\"\nrepeats = 0\n", good),
+            "data.reg_dirs",
+        ),
+    ];
+    for (text, key) in cases {
+        let p = d.join("bad.toml");
+        std::fs::write(&p, &text).unwrap();
+        let e = flame::train::TrainConfig::from_file(&p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key), "{key} not in: {e}");
+    }
+    // Good values pass.
+    let fine = train(
+        "loss_type = \"smooth_l1\"\nhuber_schedule = \"exponential\"\nnoise_offset = 0.1\n\
+         adaptive_noise_scale = -0.2\nmultires_noise_iterations = 6\nmin_timestep = 10\n\
+         max_timestep = 10",
+    );
+    std::fs::write(d.join("good.toml"), fine).unwrap();
+    flame::train::TrainConfig::from_file(d.join("good.toml")).unwrap();
+    std::fs::remove_dir_all(&d).ok();
+}

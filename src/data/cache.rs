@@ -4,7 +4,9 @@
 //!
 //! An entry's file name is the SHA-256 of everything that decides its content:
 //! - latents (`<dir>/latents/`): the image file's SHA-256, the resize filter, the resized
-//!   size, the crop offset and size, the flip, and the encoder's identity string;
+//!   size, the crop offset and size, the flip, and the encoder's identity string; with
+//!   loss masks ([`LatentCache::with_masks`]), also the mask's source, the latent factor
+//!   and the mask file's SHA-256 (or that there is none), the mask stored as `loss_mask`;
 //! - text (`<dir>/text/`): the caption and the encoder's identity string.
 //!
 //! So a changed image, caption, resolution, crop or encoder misses only the entries it
@@ -19,6 +21,7 @@
 //! [`FillReport::repaired`]). Reading a batch opens only that batch's files.
 
 use super::bucket::{self, Geometry};
+use super::mask::{self, MaskSource};
 use super::source::{BadFile, OnBadFile};
 use super::{data_err, io_err, write_atomic, Dataset};
 use crate::safetensors::{save_with_metadata, SafeTensorsFile};
@@ -172,7 +175,12 @@ pub struct LatentCache {
     encoder: String,
     /// Image path -> its stamp (content hash), from files.json and this process's hashing.
     files: BTreeMap<PathBuf, FileStamp>,
+    /// Loss masks stored with the latents: their source and the latent grid's factor.
+    masks: Option<(MaskSource, usize)>,
 }
+
+/// The name a loss mask (1, h, w) is stored under in a latent entry.
+pub const LOSS_MASK: &str = "loss_mask";
 
 impl LatentCache {
     /// The cache in `dir` for the encoder named `encoder` (any string that changes whenever
@@ -199,7 +207,34 @@ impl LatentCache {
             dir,
             encoder: encoder.to_string(),
             files,
+            masks: None,
         })
+    }
+
+    /// Stores each sample's loss mask from `source` with its latents, on the latent grid
+    /// of the autoencoder's `factor` ([`mask::mask_tensor`]), as [`LOSS_MASK`]; the entries
+    /// are keyed by the mask too.
+    pub fn with_masks(mut self, source: MaskSource, factor: usize) -> Self {
+        self.masks = Some((source, factor));
+        self
+    }
+
+    /// The mask's part of an entry's key: its source, the factor and, for mask files, the
+    /// file's hash as stored (`None` when the file exists but was not hashed yet); `""`
+    /// without masks.
+    fn mask_id(&self, image: &Path) -> Option<String> {
+        match self.masks {
+            None => Some(String::new()),
+            Some((MaskSource::Alpha, f)) => Some(format!("mask alpha, factor {f}")),
+            Some((MaskSource::File, f)) => {
+                let m = mask::mask_file(image);
+                match self.files.get(&m) {
+                    Some(s) => Some(format!("mask file {}, factor {f}", s.sha256)),
+                    None if !m.exists() => Some(format!("mask none, factor {f}")),
+                    None => None,
+                }
+            }
+        }
     }
 
     /// The image's content hash: the stored one when size and mtime match, else read now.
@@ -222,10 +257,15 @@ impl LatentCache {
         Ok(sha256)
     }
 
-    fn key(&self, ds: &Dataset, sha: &str, g: &Geometry, flip: bool) -> String {
+    fn key(&self, ds: &Dataset, sha: &str, mask: &str, g: &Geometry, flip: bool) -> String {
+        // Without masks the key is as before masks existed, so old caches stay valid.
+        let sha = match mask.is_empty() {
+            true => sha.to_string(),
+            false => format!("{sha}\n{mask}"),
+        };
         sha_hex(&[
             "flame-latent-v1",
-            sha,
+            &sha,
             ds.options.resample.name(),
             &format!("resized {}x{}", g.resized_width, g.resized_height),
             &format!(
@@ -290,13 +330,26 @@ impl LatentCache {
                     continue;
                 }
             };
+            if let Some((MaskSource::File, _)) = self.masks {
+                let m = mask::mask_file(&item.path);
+                if m.exists() {
+                    if let Err(e) = self.content_hash(&m) {
+                        plan.push((i, Err(format!("cannot read the mask {}: {e}", m.display()))));
+                        continue;
+                    }
+                }
+            }
             if i % world != rank {
                 continue;
             }
+            let mask_id = self.mask_id(&item.path).unwrap_or_default();
             let mut entries = BTreeMap::new();
             for s in ds.samples.iter().filter(|s| s.item == i) {
                 for &f in flips {
-                    entries.insert(self.key(ds, &sha, &s.geometry, f), (s.geometry, f));
+                    entries.insert(
+                        self.key(ds, &sha, &mask_id, &s.geometry, f),
+                        (s.geometry, f),
+                    );
                 }
             }
             plan.push((i, Ok(entries)));
@@ -354,10 +407,30 @@ impl LatentCache {
                             break;
                         }
                     };
+                    let loss_mask = match self.masks {
+                        None => None,
+                        Some((src, factor)) => match mask::mask_tensor(
+                            &item.path,
+                            src,
+                            &geo,
+                            ds.options.resample,
+                            flip,
+                            factor,
+                            device,
+                        ) {
+                            Ok(m) => Some(m),
+                            Err(why) => {
+                                bad.push((i, why));
+                                break;
+                            }
+                        },
+                    };
                     let repaired = path.exists();
                     let source = item.path.display().to_string();
-                    let written = encode(&x)
-                        .and_then(|enc| write_entry(&path, &key, &source, &self.encoder, &enc));
+                    let written = encode(&x).and_then(|mut enc| {
+                        enc.extend(loss_mask.map(|m| (LOSS_MASK.to_string(), m)));
+                        write_entry(&path, &key, &source, &self.encoder, &enc)
+                    });
                     if let Err(e) = written {
                         // The hashes computed so far spare the next fill rereading the images.
                         let _ = self.save_index();
@@ -409,7 +482,13 @@ impl LatentCache {
             .get(&item.path)
             .map(|s| s.sha256.clone())
             .ok_or_else(|| data_err(&item.path, "not in the latent cache: fill it first"))?;
-        Ok(self.entry(&self.key(ds, &sha, &s.geometry, ds.flip(i, epoch)?)))
+        let mask = self.mask_id(&item.path).ok_or_else(|| {
+            data_err(
+                &mask::mask_file(&item.path),
+                "this mask is not in the latent cache: fill it first",
+            )
+        })?;
+        Ok(self.entry(&self.key(ds, &sha, &mask, &s.geometry, ds.flip(i, epoch)?)))
     }
 
     /// The cached tensors of the samples `batch` in `epoch`, read from disk now: one

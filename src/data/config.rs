@@ -99,6 +99,30 @@ section! {
         validation_split: f64 = 0.0,
         /// A folder of images with captions for the validation loss, instead of a split.
         validation_dir: Option<PathBuf> = None,
+        /// Masked loss from a mask file beside each image (kohya's masked_loss, with
+        /// OneTrainer's naming): `<name>-masklabel.png` beside `<name>.png` (or .jpg, ...),
+        /// read as grey levels (0 black: no loss, 1 white: full loss); an image without one
+        /// trains unmasked. Files named `*-masklabel.*` are never training images. The mask
+        /// is resized, cropped and mirrored with its image, averaged over each latent cell
+        /// (the autoencoder's factor, as kohya's area interpolation) and cached with the
+        /// latents (a changed mask recomputes its entries); each element's loss is
+        /// multiplied by it and averaged over all elements (kohya's: not divided by the
+        /// mask's sum).
+        masked_loss: bool = false,
+        /// Masked loss from each image's alpha channel instead (kohya's alpha_mask: 0 no
+        /// loss, 1 full loss; an image without alpha trains unmasked).
+        alpha_mask: bool = false,
+        /// Regularisation (prior-preservation) images, `[[data.reg_dirs]]` tables as in
+        /// data.dirs (kohya's reg_data_dir, `<repeats>_<name>` subfolders included): cached
+        /// and bucketed with the training images and mixed into their batches. As kohya's
+        /// DreamBoothDataset, their repeats are raised to match the training images with
+        /// repeats N: each reg image (in scan order) joins with its repeats until they add
+        /// up to N, and when all have joined and the sum is still under N, one more repeat
+        /// each in turn until it reaches N; reg images past that point are left out.
+        reg_dirs: Vec<DirEntry> = Vec::<DirEntry>::new(),
+        /// The loss of a regularisation sample is multiplied by this, >= 0 (kohya's and
+        /// diffusers' prior_loss_weight).
+        prior_loss_weight: f64 = 1.0,
     }
 }
 
@@ -144,6 +168,7 @@ impl DataConfig {
                 .dirs
                 .iter_mut()
                 .map(|d| &mut d.path)
+                .chain(c.reg_dirs.iter_mut().map(|d| &mut d.path))
                 .chain(c.manifest.as_mut())
                 .chain(c.cache_dir.as_mut())
                 .chain(c.dir.as_mut())
@@ -213,6 +238,40 @@ impl DataConfig {
                 ),
             );
         }
+        for (i, d) in self.reg_dirs.iter().enumerate() {
+            check(
+                d.repeats >= 1,
+                "data.reg_dirs",
+                format!(
+                    "entry {} ({}): repeats = 0, must be >= 1",
+                    i + 1,
+                    d.path.display()
+                ),
+            );
+        }
+        check(
+            self.prior_loss_weight.is_finite() && self.prior_loss_weight >= 0.0,
+            "data.prior_loss_weight",
+            format!("{}: must be finite and >= 0", self.prior_loss_weight),
+        );
+        check(
+            !(self.masked_loss && self.alpha_mask),
+            "data.alpha_mask",
+            "both data.masked_loss (mask files) and data.alpha_mask (alpha channels) are \
+             set: use one"
+                .into(),
+        );
+        check(
+            self.dir.is_none() || !(self.masked_loss || self.alpha_mask),
+            "data.masked_loss",
+            "masks need images (data.dirs or data.manifest), not data.dir".into(),
+        );
+        check(
+            self.dir.is_none() || self.reg_dirs.is_empty(),
+            "data.reg_dirs",
+            "regularisation images need image data (data.dirs or data.manifest), not data.dir"
+                .into(),
+        );
         check(
             self.manifest_repeats >= 1,
             "data.manifest_repeats",

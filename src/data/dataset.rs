@@ -222,6 +222,36 @@ impl Dataset {
         Ok((self, Some(val)))
     }
 
+    /// Adds regularisation images (`data.reg_dirs`, scanned as `reg`): each marked
+    /// [`Item::reg`], named `reg:<name>` (so its draws differ from a training image's of
+    /// the same name), with its repeats set by [`reg_repeats`] against the training samples
+    /// there are now; those given 0 repeats are left out. Returns how many were used.
+    pub fn add_regularisation(&mut self, reg: source::Scan) -> Result<usize> {
+        let train: usize = self.items.iter().map(|it| it.repeats).sum();
+        let given: Vec<usize> = reg.items.iter().map(|it| it.repeats).collect();
+        let repeats = reg_repeats(train, &given);
+        let mut used = 0;
+        for (mut it, r) in reg.items.into_iter().zip(repeats) {
+            if r == 0 {
+                continue;
+            }
+            it.repeats = r;
+            it.reg = true;
+            it.name = format!("reg:{}", it.name);
+            self.items.push(it);
+            used += 1;
+        }
+        self.skipped.extend(reg.skipped);
+        self.notes.extend(reg.notes);
+        self.place()?;
+        Ok(used)
+    }
+
+    /// Whether any sample is a regularisation image's.
+    pub fn has_reg(&self) -> bool {
+        self.items.iter().any(|it| it.reg)
+    }
+
     /// The number of samples (items times their repeats).
     pub fn len(&self) -> usize {
         self.samples.len()
@@ -313,6 +343,38 @@ impl Dataset {
     pub fn sampler(&self, batch_size: usize, drop_incomplete: bool) -> Result<BatchSampler> {
         BatchSampler::new(self, batch_size, drop_incomplete)
     }
+}
+
+/// The repeats of regularisation images given `given` repeats each (in scan order)
+/// against `train` training samples (images times repeats), as kohya's DreamBoothDataset
+/// sets them (library/train_util.py, `while n < num_train_images`): a first pass takes each
+/// image with its repeats, adding them up, and stops once the sum reaches `train`; while
+/// the sum is still under `train` after a whole pass, further passes add one repeat to each
+/// image in turn, stopping when it does. Images the first pass did not reach get 0 (left
+/// out); with `train` = 0, or no reg images, none is used.
+pub fn reg_repeats(train: usize, given: &[usize]) -> Vec<usize> {
+    let mut out = vec![0; given.len()];
+    if given.is_empty() || given.iter().all(|&r| r == 0) {
+        return out;
+    }
+    let mut n = 0;
+    let mut first = true;
+    while n < train {
+        for (o, &r) in out.iter_mut().zip(given) {
+            if first {
+                *o = r;
+                n += r;
+            } else {
+                *o += 1;
+                n += 1;
+            }
+            if n >= train {
+                break;
+            }
+        }
+        first = false;
+    }
+    out
 }
 
 /// Batches drawn from one bucket at a time. An epoch's batches are a function of

@@ -16,6 +16,8 @@
 //!   time, as a function of (seed, epoch) alone, so a resumed run repeats them.
 //! - [`cache`]: latents and text embeddings on disk, keyed by content hashes, filled by a
 //!   caller's encoder and read back batch by batch.
+//! - [`mask`]: loss masks from `<name>-masklabel.png` files or alpha channels, on the
+//!   latent grid, cached with the latents.
 //! - [`png`]: images and the loss plot (axis titles, tick labels and a legend in a built-in
 //!   5x7 pixel font) written as PNG files, atomically.
 //! - [`config`]: the `[data]` table of the train config.
@@ -30,14 +32,16 @@ pub mod cache;
 pub mod caption;
 pub mod config;
 mod dataset;
+pub mod mask;
 pub mod png;
 pub mod source;
 
 pub use bucket::{buckets, Bucket, BucketConfig, CropMode, Geometry, Resample};
-pub use cache::{FillReport, LatentCache, Progress, TextCache};
+pub use cache::{FillReport, LatentCache, Progress, TextCache, LOSS_MASK};
 pub use caption::CaptionOptions;
 pub use config::{DataConfig, DirEntry};
-pub use dataset::{BatchSampler, Dataset, DatasetOptions, Sample};
+pub use dataset::{reg_repeats, BatchSampler, Dataset, DatasetOptions, Sample};
+pub use mask::MaskSource;
 pub use png::{plot_loss, save_png};
 pub use source::{scan, scan_for, BadFile, Item, OnBadFile, Scan, Source};
 

@@ -99,6 +99,9 @@ pub struct Item {
     pub height: usize,
     /// Times it appears in an epoch.
     pub repeats: usize,
+    /// A regularisation (prior-preservation) image (`data.reg_dirs`): its loss is weighted
+    /// by `data.prior_loss_weight`.
+    pub reg: bool,
 }
 
 /// A file that could not be used, and why.
@@ -189,6 +192,7 @@ impl Scan {
             width,
             height,
             repeats,
+            reg: false,
         });
         Ok(())
     }
@@ -331,10 +335,12 @@ fn read_caption(path: &Path) -> std::result::Result<(String, Option<String>), St
     }
 }
 
+/// An image file that is not a mask (`*-masklabel.*`, [`super::mask::is_mask_file`]).
 fn is_image(path: &Path) -> bool {
     path.extension()
         .and_then(|e| e.to_str())
         .is_some_and(|e| IMAGE_EXTENSIONS.contains(&e.to_ascii_lowercase().as_str()))
+        && !super::mask::is_mask_file(path)
 }
 
 /// The repeats a subfolder named `<repeats>_<name>` (kohya's convention) gives its images:

@@ -1,8 +1,10 @@
 //! The diffusion core, below the models, sampling, data and training: the training
 //! objectives and their noise processes ([`objectives`]: flow matching, DDPM, what a model
-//! predicts, timestep sampling) and diffusers' schedulers ([`schedulers`]) with the
+//! predicts, timestep sampling), the loss and noise options ([`loss`]: kohya's Huber,
+//! masks, noise offset, pyramid noise, timestep ranges) and diffusers' schedulers ([`schedulers`]) with the
 //! [`Schedule`] trait the denoising loop steps through.
 
+pub mod loss;
 pub mod objectives;
 pub mod schedulers;
 

@@ -6,6 +6,7 @@
 //! DDPM (Ho et al. 2020) with Stable Diffusion's scaled-linear betas; ε- or v-prediction
 //! (Salimans & Ho 2022); min-SNR-γ loss weights (Hang et al. 2023).
 
+use super::loss::TimestepRange;
 use crate::{DType, Device, Error, Result, Tensor};
 
 /// How flow-matching timesteps t ∈ (0, 1) are drawn.
@@ -188,6 +189,33 @@ impl Ddpm {
             .iter()
             .map(|u| ((u * n as f64) as usize).min(n - 1) as f32)
             .collect();
+        Tensor::from_vec(t, b, device)
+    }
+
+    /// `b` integer timesteps uniform over `range` (kohya's `min_timestep` /
+    /// `max_timestep`, [`TimestepRange::ddpm`]) as f32 (B,), from the uniform draws
+    /// [`Ddpm::sample_timesteps`] makes. An error when the range leaves the schedule.
+    pub fn sample_timesteps_in(
+        &self,
+        b: usize,
+        range: TimestepRange,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Tensor> {
+        if range.max > self.steps() || range.min >= self.steps() {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "train.min_timestep = {} / train.max_timestep = {}: the schedule has {} \
+                     timesteps",
+                    range.min,
+                    range.max,
+                    self.steps()
+                ),
+            });
+        }
+        let u = Tensor::rand(b, DType::F32, device, seed)?.to_vec_f64()?;
+        let t: Vec<f32> = u.iter().map(|&u| range.ddpm(u) as f32).collect();
         Tensor::from_vec(t, b, device)
     }
 

@@ -15,6 +15,7 @@ pub use crate::config::{line_of, KeyDoc, Problem, Section};
 pub use crate::data::config::DataSection;
 use crate::data::config::RawData;
 pub use crate::device::DeviceChoice;
+pub use crate::diffusion::loss::{HuberSchedule, LossType};
 use crate::memory::{Checkpointing, Switches};
 use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
 pub use crate::optim::OptimizerKind;
@@ -463,6 +464,41 @@ section! {
         timestep_shift: f64 = 3.0,
         /// DDPM models: min-SNR-gamma loss weighting (0: off).
         min_snr_gamma: f64 = 0.0,
+        /// The per-element loss (kohya's loss_type): "l2" (squared error), "huber"
+        /// (pseudo-Huber 2c(sqrt(d² + c²) - c)) or "smooth_l1" (2(sqrt(d² + c²) - c)), d the
+        /// prediction's error, c the threshold of train.huber_schedule.
+        loss_type: LossType = LossType::L2,
+        /// Huber and smooth L1: how c follows the timestep (kohya's huber_schedule):
+        /// "constant" (huber_c · huber_scale), "exponential" (exp(-αt) · huber_scale,
+        /// α = -ln(huber_c) / 1000, t on 0..1000; flow matching's t · 1000) or "snr"
+        /// ((1 - huber_c) / (1 + σ)² + huber_c, σ = sqrt((1 - ᾱ) / ᾱ); DDPM models only).
+        huber_schedule: HuberSchedule = HuberSchedule::Snr,
+        /// Huber and smooth L1: kohya's huber_c, in (0, 1].
+        huber_c: f64 = 0.1,
+        /// Huber and smooth L1: kohya's huber_scale, > 0 (unused by "snr").
+        huber_scale: f64 = 1.0,
+        /// Noise offset (kohya's noise_offset, crosslabs' offset noise): each (sample,
+        /// channel) of the noise gets noise_offset times a unit normal added; 0: off
+        /// (around 0.1 when on).
+        noise_offset: f64 = 0.0,
+        /// With noise_offset: kohya's adaptive_noise_scale a, the offset of a channel
+        /// becoming max(0, noise_offset + a · |mean of that channel's latents|); 0: off.
+        adaptive_noise_scale: f64 = 0.0,
+        /// Multi-resolution (pyramid) noise (kohya's multires_noise_iterations): levels of
+        /// normals at 1/r^i of the latent size (r drawn in [2, 4) per level, seeded),
+        /// upsampled bilinearly, added times discount^i, the sum divided by its standard
+        /// deviation (over the process's micro-batch, as kohya's); 0: off (6 to 10 when on).
+        multires_noise_iterations: usize = 0_usize,
+        /// Pyramid noise: kohya's multires_noise_discount, in (0, 1].
+        multires_noise_discount: f64 = 0.3,
+        /// The smallest timestep trained on, 0..999 (kohya's min_timestep). DDPM models draw
+        /// integer timesteps uniformly from min_timestep..max_timestep (max excluded, as
+        /// kohya's randint; equal ends give that timestep); flow matching draws t as
+        /// train.timesteps says and maps it into [min_timestep / 1000, max_timestep / 1000]
+        /// (t' = min/1000 + (max - min)/1000 · t).
+        min_timestep: usize = 0_usize,
+        /// The largest timestep, 1..=1000, >= min_timestep (kohya's max_timestep).
+        max_timestep: usize = 1000_usize,
         /// A non-finite loss or gradient norm: "stop" the run (naming the step, the batch's
         /// files and the tensor) or "skip" the step (the optimizer does not step).
         on_nonfinite: OnNonFinite = OnNonFinite::Stop,
@@ -814,6 +850,7 @@ impl TrainConfig {
             let d = &mut c.data;
             let mut paths: Vec<&mut PathBuf> = vec![&mut c.model.path, &mut c.train.output_dir];
             paths.extend(d.dirs.iter_mut().map(|e| &mut e.path));
+            paths.extend(d.reg_dirs.iter_mut().map(|e| &mut e.path));
             paths.extend(
                 [
                     &mut c.model.config,
@@ -1065,6 +1102,45 @@ impl TrainConfig {
         c.non_negative_f("train.max_grad_norm", t.max_grad_norm);
         c.non_negative_f("train.min_snr_gamma", t.min_snr_gamma);
         c.check(
+            t.huber_c > 0.0 && t.huber_c <= 1.0,
+            "train.huber_c",
+            format!("{}: must be in (0, 1]", t.huber_c),
+        );
+        c.positive_f("train.huber_scale", t.huber_scale);
+        c.non_negative_f("train.noise_offset", t.noise_offset);
+        c.check(
+            t.adaptive_noise_scale.is_finite()
+                && (t.adaptive_noise_scale == 0.0 || t.noise_offset > 0.0),
+            "train.adaptive_noise_scale",
+            format!(
+                "{}: must be finite, and needs train.noise_offset > 0 (it scales the offset)",
+                t.adaptive_noise_scale
+            ),
+        );
+        c.check(
+            t.multires_noise_discount > 0.0 && t.multires_noise_discount <= 1.0,
+            "train.multires_noise_discount",
+            format!("{}: must be in (0, 1]", t.multires_noise_discount),
+        );
+        c.check(
+            t.multires_noise_iterations <= 64,
+            "train.multires_noise_iterations",
+            format!("{}: at most 64", t.multires_noise_iterations),
+        );
+        c.check(
+            t.min_timestep < 1000,
+            "train.min_timestep",
+            format!("{}: must be in 0..999", t.min_timestep),
+        );
+        c.check(
+            (1..=1000).contains(&t.max_timestep) && t.max_timestep >= t.min_timestep,
+            "train.max_timestep",
+            format!(
+                "{}: must be in 1..=1000 and at least train.min_timestep ({})",
+                t.max_timestep, t.min_timestep
+            ),
+        );
+        c.check(
             t.keep_last > 0,
             "train.keep_last",
             "0: at least the latest checkpoint is kept".into(),
@@ -1201,6 +1277,9 @@ impl TrainConfig {
         }
         for (i, e) in d.dirs.iter().enumerate() {
             wanted.push((format!("data.dirs[{i}].path"), &e.path, Want::Dir, true));
+        }
+        for (i, e) in d.reg_dirs.iter().enumerate() {
+            wanted.push((format!("data.reg_dirs[{i}].path"), &e.path, Want::Dir, true));
         }
         for (i, p) in self.encoders.text.iter().enumerate() {
             wanted.push((format!("encoders.text[{i}]"), p, Want::Any, true));
@@ -1422,6 +1501,65 @@ impl TrainConfig {
                 show(&a.weight_decompose),
             ),
         ];
+        // The loss, noise and data options (keys of runs written before them stay out
+        // at their defaults, so those runs resume).
+        let t = &self.train;
+        let d = &self.data;
+        let huber = t.loss_type != LossType::L2;
+        let loss_keys = [
+            ("train.loss_type", huber, show(&t.loss_type)),
+            ("train.huber_schedule", huber, show(&t.huber_schedule)),
+            ("train.huber_c", huber, show(&t.huber_c)),
+            ("train.huber_scale", huber, show(&t.huber_scale)),
+            (
+                "train.noise_offset",
+                t.noise_offset != 0.0,
+                show(&t.noise_offset),
+            ),
+            (
+                "train.adaptive_noise_scale",
+                t.adaptive_noise_scale != 0.0,
+                show(&t.adaptive_noise_scale),
+            ),
+            (
+                "train.multires_noise_iterations",
+                t.multires_noise_iterations != 0,
+                show(&t.multires_noise_iterations),
+            ),
+            (
+                "train.multires_noise_discount",
+                t.multires_noise_iterations != 0,
+                show(&t.multires_noise_discount),
+            ),
+            (
+                "train.min_timestep",
+                t.min_timestep != 0,
+                show(&t.min_timestep),
+            ),
+            (
+                "train.max_timestep",
+                t.max_timestep != 1000,
+                show(&t.max_timestep),
+            ),
+            ("data.masked_loss", d.masked_loss, show(&d.masked_loss)),
+            ("data.alpha_mask", d.alpha_mask, show(&d.alpha_mask)),
+            (
+                "data.reg_dirs",
+                !d.reg_dirs.is_empty(),
+                show(&d.reg_dirs.iter().map(|e| e.repeats).collect::<Vec<_>>()),
+            ),
+            (
+                "data.prior_loss_weight",
+                !d.reg_dirs.is_empty(),
+                show(&d.prior_loss_weight),
+            ),
+        ];
+        v.extend(
+            loss_keys
+                .into_iter()
+                .filter(|e| e.1)
+                .map(|(k, _, s)| (k, s)),
+        );
         v.extend(extra.into_iter().filter(|e| e.1).map(|(k, _, s)| (k, s)));
         // The keys of one optimizer kind, where set.
         let o = &self.optimizer;

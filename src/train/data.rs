@@ -156,6 +156,12 @@ pub struct Batch {
     pub rows: std::ops::Range<usize>,
     /// The samples in the global batch (every process's part together).
     pub global: usize,
+    /// Each row's loss mask on the latent grid (B, 1, H, W), with `data.masked_loss` or
+    /// `data.alpha_mask`.
+    pub loss_mask: Option<Tensor>,
+    /// Each row's loss weight (B,) f32 where a row is a regularisation image's
+    /// (`data.prior_loss_weight`; 1 for the others).
+    pub loss_weight: Option<Tensor>,
 }
 
 /// Which part of every global batch a process takes in data-parallel training: the rows
@@ -232,6 +238,8 @@ impl Samples for Dataset {
                 .collect(),
             rows,
             global: all.len(),
+            loss_mask: None,
+            loss_weight: None,
         })
     }
     fn describe(&self) -> String {

@@ -29,6 +29,8 @@ pub struct ImageSamples {
     text: TextCache,
     names: Vec<&'static str>,
     largest: Vec<Vec<usize>>,
+    /// The loss weight of regularisation samples (`data.prior_loss_weight`).
+    prior_loss_weight: f64,
 }
 
 /// What [`prepare`] made: the training samples, the held-out ones, and what the user should
@@ -489,6 +491,27 @@ pub fn scan(
         }
         None => ds.split(d.validation_split)?,
     };
+    // Regularisation images join the training set after the split (never held out), their
+    // repeats matched to the training samples as kohya's.
+    let mut ds = ds;
+    if !d.reg_dirs.is_empty() {
+        let reg: Vec<data::Source> = d
+            .reg_dirs
+            .iter()
+            .map(|e| data::Source::Folder {
+                dir: e.path.clone(),
+                repeats: e.repeats,
+            })
+            .collect();
+        let found = data::scan_for(&reg, opts.on_bad_file, &opts.buckets)?;
+        let given = found.items.len();
+        let used = ds.add_regularisation(found)?;
+        on(format!(
+            "{used} of {given} regularisation images used, {} regularisation samples an epoch \
+             (data.reg_dirs, repeats matched to the training images as kohya's)",
+            ds.samples.iter().filter(|s| ds.items[s.item].reg).count()
+        ));
+    }
     for bad in ds.skipped.iter().chain(val.iter().flat_map(|v| &v.skipped)) {
         on(format!("skipped {bad}"));
     }
@@ -600,6 +623,9 @@ pub fn prepare(
     let mut caches = vec![];
     for (ds, what) in sets.iter_mut() {
         let mut lc = LatentCache::open(&cache, &vae_id)?;
+        if let Some(src) = mask_source(config) {
+            lc = lc.with_masks(src, factor);
+        }
         if encode {
             let mut enc = |x: &Tensor| -> Result<data::cache::Encoded> {
                 interrupted(stop, what)?;
@@ -729,6 +755,7 @@ pub fn prepare(
             text: text.clone(),
             names: names.clone(),
             largest,
+            prior_loss_weight: config.data.prior_loss_weight,
         });
     }
     let mut it = samples.into_iter();
@@ -743,6 +770,15 @@ pub fn prepare(
         vae: vae_at,
         text,
     })
+}
+
+/// Where the loss masks come from (`data.masked_loss`, `data.alpha_mask`), if anywhere.
+pub fn mask_source(config: &TrainConfig) -> Option<data::MaskSource> {
+    match (config.data.alpha_mask, config.data.masked_loss) {
+        (true, _) => Some(data::MaskSource::Alpha),
+        (false, true) => Some(data::MaskSource::File),
+        (false, false) => None,
+    }
 }
 
 /// The names and shapes of the tensors in the cache entry at `path`.
@@ -816,11 +852,32 @@ impl ImageSamples {
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
+        let loss_mask = latents
+            .iter()
+            .find(|(n, _)| n == data::LOSS_MASK)
+            .map(|(_, m)| m.clone());
+        let loss_weight = match self.ds.has_reg() {
+            true => {
+                let w = idx
+                    .iter()
+                    .map(|&i| {
+                        Ok(match self.ds.item(i)?.reg {
+                            true => self.prior_loss_weight as f32,
+                            false => 1.0,
+                        })
+                    })
+                    .collect::<Result<Vec<f32>>>()?;
+                Some(Tensor::from_vec(w, idx.len(), device)?)
+            }
+            false => None,
+        };
         Ok(Batch {
             inputs: out,
             files,
             rows: 0..idx.len(),
             global: idx.len(),
+            loss_mask,
+            loss_weight,
         })
     }
 }
@@ -851,6 +908,8 @@ impl Samples for ImageSamples {
                 files: vec![],
                 rows,
                 global: all.len(),
+                loss_mask: None,
+                loss_weight: None,
             });
         }
         let mut b = self.inputs(idx, epoch, false, dtype, device)?;

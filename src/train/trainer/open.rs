@@ -153,6 +153,7 @@ impl Trainer {
         note_phases_past_the_budget(&memory, &phases, on);
         opts.memory = memory.plan.clone();
         let loaded = family.load(&config.model.path, &opts)?;
+        super::step::check_loss_options(&config, &loaded.model.objective())?;
         check_adapters(&config, &adapters, &loaded.key_map)?;
         let opt = config
             .optimizer

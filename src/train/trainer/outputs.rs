@@ -52,8 +52,20 @@ impl Trainer {
                         .iter()
                         .map(|x| Tensor::cat(&vec![x; n], 0))
                         .collect::<Result<Vec<_>>>()?;
-                    let loss =
-                        self.loss_at(&rep, &t.narrow(0, start, n)?, &noise.narrow(0, start, n)?)?;
+                    let mask = match &batch.loss_mask {
+                        Some(m) => Some(Tensor::cat(&vec![m; n], 0)?),
+                        None => None,
+                    };
+                    let weights = super::step::LossWeights {
+                        mask: mask.as_ref(),
+                        weight: None,
+                    };
+                    let loss = self.loss_at(
+                        &rep,
+                        &t.narrow(0, start, n)?,
+                        &noise.narrow(0, start, n)?,
+                        weights,
+                    )?;
                     sum += loss.to_scalar_f64()? * n as f64;
                 }
                 total += sum / k as f64;

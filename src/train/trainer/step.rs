@@ -1,11 +1,66 @@
 use super::{StepReport, Trainer};
+use crate::diffusion::loss::{self, HuberSchedule, LossType, TimestepRange};
 use crate::models::Objective;
 use crate::nn::{BatchPart, GOLDEN};
 use crate::train::config::OnNonFinite;
+use crate::train::config::TrainConfig;
 use crate::train::data::{Batch, Part};
-use crate::train::objectives::{flow_matching, weighted_mse, Prediction};
+use crate::train::objectives::{flow_matching, Prediction};
 use crate::{sum_sq_multi, DType, Error, Grads, Result, Tensor};
 use std::sync::atomic::Ordering;
+
+/// What weighs a batch's loss besides the prediction: each row's mask on the latent grid
+/// (B, 1, H, W) and loss weight (B,).
+#[derive(Clone, Copy, Default)]
+pub(super) struct LossWeights<'a> {
+    pub(super) mask: Option<&'a Tensor>,
+    pub(super) weight: Option<&'a Tensor>,
+}
+
+impl<'a> LossWeights<'a> {
+    fn of(batch: &'a Batch) -> Self {
+        LossWeights {
+            mask: batch.loss_mask.as_ref(),
+            weight: batch.loss_weight.as_ref(),
+        }
+    }
+}
+
+fn config_err(msg: String) -> Error {
+    Error::Config { path: None, msg }
+}
+
+/// The loss options the model's objective cannot take, named by key: the Huber "snr"
+/// schedule needs a DDPM schedule's ᾱ; a DDPM timestep range within its schedule.
+pub(super) fn check_loss_options(config: &TrainConfig, objective: &Objective) -> Result<()> {
+    let t = &config.train;
+    match objective {
+        Objective::FlowMatching
+            if t.loss_type != LossType::L2 && t.huber_schedule == HuberSchedule::Snr =>
+        {
+            Err(config_err(format!(
+                "train.huber_schedule = \"snr\" with train.loss_type = {:?}: the SNR schedule \
+                 needs a DDPM model's ᾱ, and {} trains by flow matching; use \"constant\" or \
+                 \"exponential\"",
+                t.loss_type, config.model.arch
+            )))
+        }
+        Objective::Ddpm(d) if t.max_timestep > d.steps() => Err(config_err(format!(
+            "train.max_timestep = {}: the model's schedule has {} timesteps",
+            t.max_timestep,
+            d.steps()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The timestep range of `config` (`train.min_timestep`, `train.max_timestep`).
+fn range(config: &TrainConfig) -> TimestepRange {
+    TimestepRange {
+        min: config.train.min_timestep,
+        max: config.train.max_timestep,
+    }
+}
 
 /// The name of the first tensor holding a NaN or an infinity: one host copy when all are
 /// finite, one per tensor only to find the culprit.
@@ -31,11 +86,67 @@ impl Trainer {
         let (b, mut dims) = (batch.global, x0.dims().to_vec());
         let (start, len) = (batch.rows.start, batch.rows.len());
         dims[0] = b;
-        let noise = Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?
-            .narrow(0, start, len)?
-            .to_dtype(self.dtype)?;
+        let noise =
+            Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?.narrow(0, start, len)?;
+        let noise = self.shape_noise(noise, batch, seed)?.to_dtype(self.dtype)?;
         let t = self.timesteps(batch, seed)?;
-        self.loss_at(&batch.inputs, &t, &noise)
+        self.loss_at(&batch.inputs, &t, &noise, LossWeights::of(batch))
+    }
+
+    /// kohya's noise options on this process's rows of the noise (B, C, H, W), f32:
+    /// `train.noise_offset` (with `adaptive_noise_scale`), then pyramid noise
+    /// (`multires_noise_iterations`), its standard deviation over these rows. Every draw is
+    /// made for the global batch and its rows taken, from `seed`. The noise as it was
+    /// without them.
+    fn shape_noise(&self, noise: Tensor, batch: &Batch, seed: u64) -> Result<Tensor> {
+        let t = &self.config.train;
+        if t.noise_offset == 0.0 && t.multires_noise_iterations == 0 {
+            return Ok(noise);
+        }
+        let d = noise.dims().to_vec();
+        let [rows, c, h, w] = d[..] else {
+            return Err(config_err(format!(
+                "train.noise_offset / train.multires_noise_iterations need latents (B, C, H, \
+                 W); these are {d:?}"
+            )));
+        };
+        let (b, start) = (batch.global, batch.rows.start);
+        let dims = [rows, c, h, w];
+        let mut v = noise.to_vec::<f32>()?;
+        let draw = |mut shape: Vec<usize>, s: u64| -> Result<Vec<f32>> {
+            shape[0] = b;
+            Tensor::randn(shape, DType::F32, &self.device, s)?
+                .narrow(0, start, rows)?
+                .to_vec::<f32>()
+        };
+        if t.noise_offset > 0.0 {
+            let latents = batch.inputs[0].to_dtype(DType::F32)?.to_vec::<f32>()?;
+            let offsets = draw(vec![b, c], seed ^ 0x0FF5_E700)?;
+            let adaptive = (t.adaptive_noise_scale != 0.0).then_some(t.adaptive_noise_scale);
+            loss::noise_offset(&mut v, &latents, dims, t.noise_offset, adaptive, &offsets)?;
+        }
+        if t.multires_noise_iterations > 0 {
+            // kohya's r = 2 + 2 u per level, u uniform: here seeded by the micro-batch.
+            let r: Vec<f64> = (0..t.multires_noise_iterations)
+                .map(|i| {
+                    let u = crate::data::unit(crate::data::draw(seed, &[i as u64, 0x9A11D]));
+                    2.0 + 2.0 * u
+                })
+                .collect();
+            let levels = loss::pyramid_levels(h, w, &r);
+            let draws = levels
+                .iter()
+                .enumerate()
+                .map(|(i, &(hn, wn))| {
+                    draw(
+                        vec![b, c, hn, wn],
+                        seed ^ (i as u64 + 1).wrapping_mul(GOLDEN) ^ 0x9A11D,
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            v = loss::pyramid_noise(&v, dims, t.multires_noise_discount, &levels, &draws)?;
+        }
+        Tensor::from_vec(v, d, &self.device)
     }
 
     /// The timesteps of this process's rows of `batch`, drawn from `seed` for the whole global
@@ -43,13 +154,29 @@ impl Trainer {
     pub(super) fn timesteps(&self, batch: &Batch, seed: u64) -> Result<Tensor> {
         let dims = batch.inputs[0].dims();
         let b = batch.global;
+        let range = range(&self.config);
         let t = match self.model.objective() {
             Objective::FlowMatching => {
                 // Flux's resolution-dependent shift counts the transformer's image tokens.
                 let tokens = self.model.image_tokens(dims[2], dims[3]);
-                self.config
+                let t = self
+                    .config
                     .sampling()
-                    .sample(b, tokens, seed ^ 0x7133, &self.device)?
+                    .sample(b, tokens, seed ^ 0x7133, &self.device)?;
+                match range == TimestepRange::FULL {
+                    true => t,
+                    false => {
+                        let v: Vec<f32> = t
+                            .to_vec_f64()?
+                            .iter()
+                            .map(|&t| range.flow(t).clamp(1e-5, 1.0 - 1e-5) as f32)
+                            .collect();
+                        Tensor::from_vec(v, b, &self.device)?
+                    }
+                }
+            }
+            Objective::Ddpm(ddpm) if range != TimestepRange::FULL => {
+                ddpm.sample_timesteps_in(b, range, seed ^ 0x7133, &self.device)?
             }
             Objective::Ddpm(ddpm) => ddpm.sample_timesteps(b, seed ^ 0x7133, &self.device)?,
         };
@@ -99,30 +226,70 @@ impl Trainer {
         self.config.model.prediction
     }
 
-    /// The loss of one batch of clean latents at timesteps `t` (B) with `noise`.
-    pub(super) fn loss_at(&self, batch: &[Tensor], t: &Tensor, noise: &Tensor) -> Result<Tensor> {
+    /// The loss of one batch of clean latents at timesteps `t` (B) with `noise`: the
+    /// per-element loss of `train.loss_type`, masked and weighted by `weights` and
+    /// min-SNR-γ, reduced as kohya's ([`loss::reduce`]).
+    pub(super) fn loss_at(
+        &self,
+        batch: &[Tensor],
+        t: &Tensor,
+        noise: &Tensor,
+        weights: LossWeights<'_>,
+    ) -> Result<Tensor> {
         let x0 = &batch[0];
         let cond = &batch[1..];
         let guidance = self.config.model.guidance;
-        match self.model.objective() {
+        let tc = &self.config.train;
+        let objective = self.model.objective();
+        let (pred, target, snr) = match &objective {
             Objective::FlowMatching => {
                 let (xt, target) = flow_matching(x0, noise, t)?;
                 let pred = self.model.predict(&xt, t, cond, guidance)?;
-                weighted_mse(&pred, &target, None)
+                (pred, target, None)
             }
             Objective::Ddpm(ddpm) => {
                 let kind = self.prediction();
                 let (xt, target) = ddpm.noisy_and_target(x0, noise, t, kind)?;
                 let pred = self.model.predict(&xt, t, cond, guidance)?;
-                let gamma = self.config.train.min_snr_gamma;
-                let w = if gamma > 0.0 {
-                    Some(ddpm.min_snr_weights(t, gamma, kind)?)
-                } else {
-                    None
+                let gamma = tc.min_snr_gamma;
+                let w = match gamma > 0.0 {
+                    true => Some(ddpm.min_snr_weights(t, gamma, kind)?),
+                    false => None,
                 };
-                weighted_mse(&pred, &target, w.as_ref())
+                (pred, target, w)
             }
-        }
+        };
+        // Huber's threshold per sample, from the timesteps on 0..1000 (kohya's).
+        let c = match tc.loss_type {
+            LossType::L2 => None,
+            _ => {
+                let (steps, ab) = match &objective {
+                    Objective::FlowMatching => (
+                        t.to_vec_f64()?
+                            .iter()
+                            .map(|t| t * loss::TRAIN_TIMESTEPS)
+                            .collect(),
+                        None,
+                    ),
+                    Objective::Ddpm(d) => (t.to_vec_f64()?, Some(&d.alphas_cumprod[..])),
+                };
+                let c = loss::huber_threshold(
+                    tc.huber_schedule,
+                    tc.huber_c,
+                    tc.huber_scale,
+                    &steps,
+                    ab,
+                )?;
+                let c: Vec<f32> = c.iter().map(|&c| c as f32).collect();
+                Some(Tensor::from_vec(c, t.elem_count(), &self.device)?)
+            }
+        };
+        let per = loss::elementwise(tc.loss_type, &pred, &target, c.as_ref())?;
+        let w = match (snr, weights.weight) {
+            (Some(a), Some(b)) => Some(a.mul(&b.to_dtype(DType::F32)?)?),
+            (a, b) => a.or_else(|| b.cloned()),
+        };
+        loss::reduce(&per, weights.mask, w.as_ref())
     }
 
     /// One optimizer step (with its accumulated micro-batches). A non-finite loss or

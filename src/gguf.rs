@@ -228,7 +228,12 @@ impl<'a> Cursor<'a> {
 fn parse(
     b: &[u8],
 ) -> std::result::Result<
-    (u32, u64, BTreeMap<String, Value>, BTreeMap<String, TensorInfo>),
+    (
+        u32,
+        u64,
+        BTreeMap<String, Value>,
+        BTreeMap<String, TensorInfo>,
+    ),
     (Option<String>, String),
 > {
     let file = |m: String| (None, m);
@@ -284,9 +289,7 @@ fn parse(
     };
     let mut raw = vec![];
     for i in 0..n_tensors {
-        let name = c
-            .string(&format!("the name of tensor {i}"))
-            .map_err(file)?;
+        let name = c.string(&format!("the name of tensor {i}")).map_err(file)?;
         let t = |m: String| (Some(name.clone()), m);
         let n_dims = c.u32("its dim count").map_err(t)?;
         if n_dims == 0 || n_dims > MAX_DIMS {

@@ -89,7 +89,11 @@ fn reads_the_header_metadata_and_tensor_table_gguf_py_wrote() {
     assert_eq!(names, values.names().collect::<Vec<_>>());
     for name in names {
         let info = f.info(name).unwrap();
-        assert_eq!(info.shape, values.info(name).unwrap().shape, "{name}: shape");
+        assert_eq!(
+            info.shape,
+            values.info(name).unwrap().shape,
+            "{name}: shape"
+        );
         assert_eq!(info.start as u64 % f.alignment(), 0, "{name}: aligned");
         if name.contains('.') {
             assert_eq!(info.ty, type_of(name), "{name}: type");
@@ -150,7 +154,12 @@ fn dequantizes_every_type_as_gguf_py() {
                 .map(|&v| half::bf16::from_f32(f32::from_bits(v)).to_f32())
                 .collect();
             assert_eq!(
-                b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec::<f32>().unwrap(),
+                b.to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap(),
                 wb,
                 "{name}: bf16"
             );
@@ -159,17 +168,27 @@ fn dequantizes_every_type_as_gguf_py() {
         let l = f.load_as(name, &CPU, DType::F32).unwrap();
         assert_eq!(l.dims(), info.shape.as_slice());
     }
-    assert_eq!(seen.len(), GgmlType::ALL.len(), "every type covered: {seen:?}");
+    assert_eq!(
+        seen.len(),
+        GgmlType::ALL.len(),
+        "every type covered: {seen:?}"
+    );
 }
 
 #[test]
 fn the_kernel_refuses_operands_that_do_not_fit() {
     let words = Tensor::from_vec(vec![0u32; 8], 8, &CPU).unwrap();
     // 34 bytes a Q8_0 block: one block needs 9 words.
-    assert!(words.dequant_ggml(GgmlType::Q8_0, 1, 32, DType::F32).is_err());
+    assert!(words
+        .dequant_ggml(GgmlType::Q8_0, 1, 32, DType::F32)
+        .is_err());
     // Rows not whole blocks.
-    assert!(words.dequant_ggml(GgmlType::Q4_0, 1, 16, DType::F32).is_err());
-    assert!(words.dequant_ggml(GgmlType::Q4_0, 1, 32, DType::U32).is_err());
+    assert!(words
+        .dequant_ggml(GgmlType::Q4_0, 1, 16, DType::F32)
+        .is_err());
+    assert!(words
+        .dequant_ggml(GgmlType::Q4_0, 1, 32, DType::U32)
+        .is_err());
     let f = Tensor::zeros(8, DType::F32, &CPU).unwrap();
     assert!(f.dequant_ggml(GgmlType::Q4_0, 1, 32, DType::F32).is_err());
     let two = Tensor::from_vec(vec![0u32; 10], (2, 5), &CPU).unwrap();
@@ -229,10 +248,23 @@ fn corrupt_files_are_errors_naming_the_file_and_the_tensor() {
         b[4] = 2;
         b
     };
-    assert_eq!(GgufFile::open(&Temp::new("v2", &v2).0).unwrap().version(), 2);
+    assert_eq!(
+        GgufFile::open(&Temp::new("v2", &v2).0).unwrap().version(),
+        2
+    );
 
     // Truncated everywhere: in the header, the key/values, the table, the data.
-    for cut in [0, 3, 7, 15, 23, 30, 50, table_start(&good) + 5, good.len() - 1] {
+    for cut in [
+        0,
+        3,
+        7,
+        15,
+        23,
+        30,
+        50,
+        table_start(&good) + 5,
+        good.len() - 1,
+    ] {
         let msg = open_err("cut", &good[..cut]);
         assert!(
             msg.contains("truncated") || msg.contains("out of bounds") || msg.contains("corrupt"),
@@ -267,14 +299,23 @@ fn corrupt_files_are_errors_naming_the_file_and_the_tensor() {
     let mut bad = good.clone();
     bad[type_at..type_at + 4].copy_from_slice(&16u32.to_le_bytes());
     let msg = open_err("iq2", &bad);
-    assert!(msg.contains("layer.weight") && msg.contains("IQ2_XXS"), "{msg}");
+    assert!(
+        msg.contains("layer.weight") && msg.contains("IQ2_XXS"),
+        "{msg}"
+    );
     bad[type_at..type_at + 4].copy_from_slice(&77u32.to_le_bytes());
     let msg = open_err("type", &bad);
-    assert!(msg.contains("layer.weight") && msg.contains("unknown ggml type 77"), "{msg}");
+    assert!(
+        msg.contains("layer.weight") && msg.contains("unknown ggml type 77"),
+        "{msg}"
+    );
     let mut bad = good.clone();
     bad[offset_at..offset_at + 8].copy_from_slice(&(1u64 << 20).to_le_bytes());
     let msg = open_err("bounds", &bad);
-    assert!(msg.contains("layer.weight") && msg.contains("out of bounds"), "{msg}");
+    assert!(
+        msg.contains("layer.weight") && msg.contains("out of bounds"),
+        "{msg}"
+    );
     let mut bad = good.clone();
     bad[offset_at..offset_at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(open_err("overflow", &bad).contains("layer.weight"));
@@ -299,7 +340,10 @@ fn corrupt_files_are_errors_naming_the_file_and_the_tensor() {
     assert!(open_err("alignment", &odd).contains("power of two"));
     // A missing tensor names itself.
     let e = f.dequantize("nope").unwrap_err().to_string();
-    assert!(e.contains("nope") && e.contains(&t.0.display().to_string()), "{e}");
+    assert!(
+        e.contains("nope") && e.contains(&t.0.display().to_string()),
+        "{e}"
+    );
 
     // Any byte of the header changed to any value: an error or a file, never a panic.
     let header = (offset_at + 8).min(good.len());

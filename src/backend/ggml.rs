@@ -285,7 +285,11 @@ fn q4_1(b: &[u8], y: &mut [f32]) {
 
 /// The 5-bit code `j` of a Q5 block whose high bits are `qh` and low nibbles `qs`.
 fn q5_code(qh: u32, qs: &[u8], j: usize) -> u8 {
-    let lo = if j < 16 { qs[j] & 0x0F } else { qs[j - 16] >> 4 };
+    let lo = if j < 16 {
+        qs[j] & 0x0F
+    } else {
+        qs[j - 16] >> 4
+    };
     lo | ((((qh >> j) & 1) as u8) << 4)
 }
 
@@ -351,7 +355,10 @@ fn k_scale_min(sc: &[u8], g: usize) -> (u8, u8) {
         (sc[g] & 0x3F, sc[g + 4] & 0x3F)
     } else {
         let (d, m, md) = (sc[g - 4], sc[g], sc[g + 4]);
-        ((md & 0x0F) | ((d >> 2) & 0x30), (md >> 4) | ((m >> 2) & 0x30))
+        (
+            (md & 0x0F) | ((d >> 2) & 0x30),
+            (md >> 4) | ((m >> 2) & 0x30),
+        )
     }
 }
 

@@ -36,8 +36,10 @@ pub fn gguf_bytes(
     tensors: &[Entry],
     alignment: usize,
 ) -> Vec<u8> {
-    let mut kvs: Vec<(String, (u32, Vec<u8>))> =
-        kvs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+    let mut kvs: Vec<(String, (u32, Vec<u8>))> = kvs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
     if alignment != 32 {
         kvs.push(("general.alignment".into(), kv_u32(alignment as u32)));
     }

@@ -105,9 +105,8 @@ impl Kernel for DequantGgml {
         };
         let bytes = ggml::word_bytes(&contiguous(words, args[0].1));
         let mut out = vec![0f32; dims[0] * dims[1]];
-        ggml::dequantize(self.ty, &bytes, &mut out).map_err(|m| {
-            Error::invalid("dequant_ggml", m, &Shape::from((dims[0], dims[1])))
-        })?;
+        ggml::dequantize(self.ty, &bytes, &mut out)
+            .map_err(|m| Error::invalid("dequant_ggml", m, &Shape::from((dims[0], dims[1]))))?;
         Ok(vec![match self.dtype {
             DType::F32 => CpuStorage::F32(out),
             DType::F64 => CpuStorage::F64(out.into_iter().map(f64::from).collect()),

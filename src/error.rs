@@ -126,6 +126,17 @@ pub enum Error {
         /// What is wrong.
         msg: String,
     },
+    #[error("GGUF file {path}{}: {msg}", tensor.as_ref().map(|t| format!(", tensor '{t}'")).unwrap_or_default())]
+    /// A GGUF file is malformed (truncated, corrupt, a tensor out of bounds), or a tensor in it
+    /// is missing or of a type FLAME does not read.
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// The tensor involved, if the error is about one.
+        tensor: Option<String>,
+        /// What is wrong.
+        msg: String,
+    },
     #[error("parameter '{key}'{}: {msg}", file.as_ref().map(|f| format!(" in {}", f.display())).unwrap_or_default())]
     /// A parameter cannot be provided: missing from the weights, of the wrong shape, present in
     /// two weight files, or asked of a misused `VarBuilder`.

@@ -65,6 +65,7 @@ mod dtype;
 pub mod encoders;
 mod error;
 mod fault;
+pub mod gguf;
 pub mod memory;
 pub mod models;
 pub mod nn;

@@ -145,11 +145,11 @@ fn fp8_linear_equals_a_dense_linear_on_the_decoded_weight() {
     let w = lcg(out * inp, 2, 0.5);
     let b = lcg(out, 3, 0.1);
     let q = linear(&w, &b, out, inp, true, &CPU);
-    assert!(q.fp8_scale.is_some());
+    assert!(matches!(q.packing, Some(flame::nn::Packing::Fp8 { .. })));
     assert_eq!(q.weight.dtype(), DType::U32);
     assert_eq!(q.dims(), (inp, out));
     let dense = linear(&decoded_by_hand(&w, out, inp), &b, out, inp, false, &CPU);
-    assert!(dense.fp8_scale.is_none());
+    assert!(dense.packing.is_none());
     let run = |l: &Linear| {
         let x = Tensor::from_vec(lcg(rows * 2 * inp, 4, 1.0), (rows, 2, inp), &CPU)
             .unwrap()
@@ -175,7 +175,7 @@ fn fp8_linear_equals_a_dense_linear_on_the_decoded_weight() {
     assert_eq!(dbq, dbd, "LoRA B gradient");
     // An in-width that is not a multiple of 4 stays dense.
     let odd = linear(&lcg(3 * 6, 6, 1.0), &[0.0; 3], 3, 6, true, &CPU);
-    assert!(odd.fp8_scale.is_none() && odd.weight.dtype() == DType::F32);
+    assert!(odd.packing.is_none() && odd.weight.dtype() == DType::F32);
 }
 
 /// A safetensors file written by hand: `entries` of (name, dtype, shape, bytes).
@@ -233,12 +233,7 @@ fn f8_e4m3_files_load_decoded_with_and_without_a_scale() {
         .with_fp8(true)
         .unwrap();
     let l = Linear::new(&vb8.pp("b"), 4, 2, false).unwrap();
-    let w = l
-        .weight
-        .dequant_fp8(l.fp8_scale.as_ref().unwrap(), DType::F32)
-        .unwrap()
-        .to_vec::<f32>()
-        .unwrap();
+    let w = l.dense_weight(DType::F32).unwrap().to_vec::<f32>().unwrap();
     for (g, want) in w.iter().zip(&halved) {
         assert!((g - want).abs() <= want.abs() / 16.0, "{g} vs {want}");
     }

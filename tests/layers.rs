@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[&[&str]] = &[
     &["dtype", "shape", "error", "progress", "fault", "config"],
     &["backend", "device"],
-    &["tensor", "autograd", "safetensors"],
+    &["tensor", "autograd", "safetensors", "gguf"],
     &["optim", "nn", "memory", "dist", "diffusion"],
     &["encoders", "models", "sample", "data"],
     &["train"],

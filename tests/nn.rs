@@ -91,7 +91,7 @@ fn lin(w: &Tensor, b: Option<&Tensor>) -> Linear {
         weight,
         bias,
         adapter: None,
-        fp8_scale: None,
+        packing: None,
     }
 }
 

@@ -7,6 +7,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod fp8;
+pub mod ggml;
 pub mod multi;
 pub mod profile;
 pub mod quant8;

@@ -365,7 +365,7 @@ impl ClipTextModel {
                     ClipLayout::OpenClip => proj.get((d, s[1]), "weight")?.t()?.contiguous()?,
                 };
                 Some(Linear {
-                    fp8_scale: None,
+                    packing: None,
                     weight,
                     bias: None,
                     adapter: None,

@@ -3,12 +3,14 @@
 //! `model.diffusion_model.`), or a diffusers folder (`config.json` beside
 //! `diffusion_pytorch_model.safetensors`, or shards listed by
 //! `diffusion_pytorch_model.safetensors.index.json`), given directly or as a pipeline folder
-//! holding it under `transformer/` or `unet/`.
+//! holding it under `transformer/` or `unet/`; or a single `.gguf` file (city96's quantized
+//! models: the single file's key names, its quantized Linear weights kept packed).
 
+use crate::backend::ggml::GgmlType;
 use crate::nn::{KeyMap, KeySource, VarBuilder};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -24,8 +26,9 @@ pub enum Format {
     Diffusers,
 }
 
-/// The metadata key of a single `.safetensors` file that holds its model's diffusers
-/// `config.json` (as text), for files whose shapes do not pin the config down.
+/// The metadata key of a single `.safetensors` (or `.gguf`, as a string value) file that
+/// holds its model's diffusers `config.json` (as text), for files whose shapes do not pin the
+/// config down.
 pub const CONFIG_METADATA: &str = "config";
 
 /// A located checkpoint: its files and, for diffusers folders, the parsed config.json.
@@ -63,6 +66,39 @@ impl Checkpoint {
     /// pipeline folder with the model under `subfolder` (`transformer` or `unet`).
     pub fn open(path: impl AsRef<Path>, subfolder: &str) -> Result<Checkpoint> {
         let path = path.as_ref();
+        if path.is_file() && crate::gguf::is_gguf(path) {
+            let file = crate::gguf::GgufFile::open(path)?;
+            let prefix = if file.names().any(|n| n.starts_with(LDM_PREFIX)) {
+                LDM_PREFIX.to_string()
+            } else {
+                String::new()
+            };
+            // A string under the same metadata key as a .safetensors file's config.
+            let config = match file.metadata().get(CONFIG_METADATA) {
+                Some(v) => {
+                    let text = v.as_str().ok_or_else(|| {
+                        ck_err(
+                            path,
+                            format!("metadata \"{CONFIG_METADATA}\" is not a string"),
+                        )
+                    })?;
+                    Some(serde_json::from_str(text).map_err(|e| {
+                        ck_err(
+                            path,
+                            format!("metadata \"{CONFIG_METADATA}\": invalid JSON: {e}"),
+                        )
+                    })?)
+                }
+                None => None,
+            };
+            return Ok(Checkpoint {
+                format: Format::SingleFile,
+                path: path.to_path_buf(),
+                files: vec![path.to_path_buf()],
+                config,
+                prefix,
+            });
+        }
         if path.is_file() {
             let file = SafeTensorsFile::open(path)?;
             let prefix = if file.names().any(|n| n.starts_with(LDM_PREFIX)) {
@@ -169,6 +205,28 @@ impl Checkpoint {
                 }))
             }
         }
+    }
+
+    /// The GGML types of a GGUF single file's quantized tensors, by model key (the file's
+    /// keys after the prefix); `None` for other checkpoints. A shapes-only build sizes those
+    /// Linear weights packed from them (`VarBuilder::with_ggml_types`).
+    pub fn ggml_types(&self) -> Result<Option<Arc<HashMap<String, GgmlType>>>> {
+        let [file] = self.files.as_slice() else {
+            return Ok(None);
+        };
+        if self.format != Format::SingleFile || !crate::gguf::is_gguf(file) {
+            return Ok(None);
+        }
+        let f = crate::gguf::GgufFile::open(file)?;
+        let types = f
+            .names()
+            .filter_map(|n| {
+                let ty = f.info(n)?.ty;
+                let key = n.strip_prefix(self.prefix.as_str())?;
+                ty.is_quantized().then(|| (key.to_string(), ty))
+            })
+            .collect();
+        Ok(Some(Arc::new(types)))
     }
 
     /// An error about this checkpoint.

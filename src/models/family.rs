@@ -333,8 +333,8 @@ pub fn profile_as<M: ModelSpec>(
     opts: &LoadOptions,
     run: &RunShape,
 ) -> Result<MemoryProfile> {
-    let (_, config) = resolve::<M>(path, opts, None)?;
-    profile_config::<M>(&config, opts, run)
+    let (ckpt, config) = resolve::<M>(path, opts, None)?;
+    profile_with::<M>(&config, opts, run, ckpt.ggml_types()?)
 }
 
 /// [`profile_as`] for a config in hand (no checkpoint: a model of that config with its
@@ -344,8 +344,22 @@ pub fn profile_config<M: ModelSpec>(
     opts: &LoadOptions,
     run: &RunShape,
 ) -> Result<MemoryProfile> {
+    profile_with::<M>(config, opts, run, None)
+}
+
+/// [`profile_config`] with the GGML types of a GGUF checkpoint's quantized tensors by model
+/// key (`Checkpoint::ggml_types`): those Linear weights are counted packed.
+fn profile_with<M: ModelSpec>(
+    config: &M::Config,
+    opts: &LoadOptions,
+    run: &RunShape,
+    ggml_types: Option<Arc<std::collections::HashMap<String, crate::backend::ggml::GgmlType>>>,
+) -> Result<MemoryProfile> {
     let config = config.clone();
     let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?;
+    if let Some(types) = ggml_types {
+        vb = vb.with_ggml_types(types)?;
+    }
     let probe_adapters = match &opts.adapters {
         Some(a) => {
             let fresh = Adapters::new(a.config.clone())?;
@@ -419,38 +433,32 @@ pub fn profile_config<M: ModelSpec>(
                     };
                 b.wire_bytes += wire;
                 b.coded_bytes += coded;
-                // FP8 codes are the u32 tensors (four codes a word).
-                let fp8 = t.dtype() == DType::U32;
-                // A Linear over the conditioning vector that sees few rows (`Keep::few_rows`).
-                let width = |cols: usize| {
-                    if fp8 {
-                        cols * crate::backend::fp8::CODES_PER_WORD
-                    } else {
-                        cols
-                    }
+                // A packed weight (FP8 codes, GGML blocks) holds words standing for a
+                // (out, in) weight, decoded at each use.
+                let packed = vb.packed_dims(key)?;
+                let dims = match packed {
+                    Some((out, inp)) => vec![out, inp],
+                    None => t.dims().to_vec(),
                 };
-                if let (true, &[_, cols]) = (forward_only, t.dims()) {
+                // A Linear over the conditioning vector that sees few rows (`Keep::few_rows`).
+                if let (true, &[_, cols]) = (forward_only, dims.as_slice()) {
                     if sh.conditioned.iter().any(|c| key.contains(c))
-                        && run.batch.max(1) * crate::autograd::FEW_ROWS <= width(cols)
+                        && run.batch.max(1) * crate::autograd::FEW_ROWS <= cols
                     {
                         b.forward_only_bytes += bytes(t);
                         b.forward_only_wire += wire;
                         b.forward_only_coded += coded;
                     }
                 }
-                if fp8 {
+                if packed.is_some() {
                     b.decode_bytes += bytes(t);
                 }
                 b.tensors += 1;
                 // A weight of two or more dimensions multiplies its positions (a Linear's
                 // rows, a convolution's output positions): twice its values a position;
                 // the conditioning vector's Linears see a row a sample.
-                let flops = if t.rank() >= 2 {
-                    let values = if fp8 {
-                        t.elem_count() * crate::backend::fp8::CODES_PER_WORD
-                    } else {
-                        t.elem_count()
-                    };
+                let flops = if dims.len() >= 2 {
+                    let values: usize = dims.iter().product();
                     let rows = if sh.conditioned.iter().any(|c| key.contains(c)) {
                         run.batch.max(1)
                     } else {
@@ -464,7 +472,7 @@ pub fn profile_config<M: ModelSpec>(
                         .as_ref()
                         .is_some_and(|a| a.config.matches(layer))
                     {
-                        let out = t.dims()[0];
+                        let out = dims[0];
                         let inp = values / out.max(1);
                         let at = |n: usize| (rows * n * elem) as u64;
                         b.adapter_forward_bytes += at(inp + 2 * out);
@@ -474,15 +482,15 @@ pub fn profile_config<M: ModelSpec>(
                 } else {
                     0.0
                 };
-                if t.rank() == 4 {
+                if dims.len() == 4 {
                     b.conv_flops += flops;
                 } else {
                     b.gemm_flops += flops;
                 }
                 // A Linear's weight (out, in) narrower out than in: a down-projection, whose
                 // output (positions, out) `Keep { down_projections }` keeps.
-                if let (true, &[out, cols]) = (key.ends_with(".weight"), t.dims()) {
-                    if width(cols) > out {
+                if let (true, &[out, cols]) = (key.ends_with(".weight"), dims.as_slice()) {
+                    if cols > out {
                         b.down_weight_bytes += bytes(t);
                         b.down_bytes += (run.batch.max(1) * sh.weight_tokens * out * elem) as u64;
                         b.down_flops += flops;

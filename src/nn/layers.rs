@@ -2,7 +2,7 @@
 //! H x W spatial. Weights keep the checkpoint's layout (Linear: (out, in)).
 
 use super::adapter::{Adapter, BaseLayer, LayerShape};
-use super::VarBuilder;
+use super::{Packing, VarBuilder};
 use crate::autograd::{
     hooked_computes, hooked_product, kept_or_replayed, note_forward_only, KeptKind, FEW_ROWS,
 };
@@ -11,27 +11,28 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 /// `y = x W^T + b` over the last dim; `weight` (out, in), `bias` (out); with an adapter
-/// (`crate::nn::adapter`) when the builder planned one for this path. With an FP8 base (`VarBuilder::with_fp8`)
-/// `weight` holds the E4M3 codes (out, in / 4) u32 and `fp8_scale` the per-row scales: each
-/// call decodes the weight into a transient buffer of the activation's dtype, and the
-/// backward decodes it again instead of keeping the decoded copy (`Fp8Matmul`).
+/// (`crate::nn::adapter`) when the builder planned one for this path. With a packed base
+/// (`crate::nn::Packing`: FP8 codes from `VarBuilder::with_fp8`, GGML blocks from a GGUF
+/// file) `weight` holds the packed words and `packing` says how to decode them: each call
+/// decodes the weight into a transient buffer of the activation's dtype, and the backward
+/// decodes it again instead of keeping the decoded copy (`PackedMatmul`).
 #[derive(Clone, Debug)]
 pub struct Linear {
-    /// (out, in), or the FP8 codes (out, in / 4) when `fp8_scale` is set.
+    /// (out, in), or the packed words when `packing` is set.
     pub weight: Tensor,
     /// (out), if the layer has one.
     pub bias: Option<Tensor>,
     /// The adapter (LoRA, DoRA, ...), if one was planned for this path.
     pub adapter: Option<Arc<dyn Adapter>>,
-    /// The per-output-channel f32 scales (out) of an FP8 `weight`.
-    pub fp8_scale: Option<Tensor>,
+    /// How a packed `weight` decodes (`None`: a dense weight).
+    pub packing: Option<Packing>,
 }
 
 impl Linear {
     /// `weight` (out_dim, in_dim) and, when `bias`, `bias` (out_dim) from `vb`, plus the
     /// adapter the builder plans for this path, if any.
     pub fn new(vb: &VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
-        let (weight, fp8_scale) = vb.get_linear_weight(out_dim, in_dim, "weight")?;
+        let (weight, packing) = vb.get_linear_weight(out_dim, in_dim, "weight")?;
         let has_bias = bias;
         let bias = if bias {
             Some(vb.get(out_dim, "bias")?)
@@ -42,25 +43,28 @@ impl Linear {
             weight,
             bias,
             adapter: vb.adapter(LayerShape::Linear { in_dim, out_dim }, has_bias)?,
-            fp8_scale,
+            packing,
         })
     }
 
     /// (in, out) widths.
     pub fn dims(&self) -> (usize, usize) {
-        let d = self.weight.dims();
-        let packed = if self.fp8_scale.is_some() {
-            crate::backend::fp8::CODES_PER_WORD
-        } else {
-            1
-        };
-        (d[1] * packed, d[0])
+        match &self.packing {
+            Some(p) => {
+                let (out, inp) = p.dims(&self.weight);
+                (inp, out)
+            }
+            None => {
+                let d = self.weight.dims();
+                (d[1], d[0])
+            }
+        }
     }
 
-    /// The weight (out, in) in `dtype`, an FP8 weight decoded.
+    /// The weight (out, in) in `dtype`, a packed weight decoded.
     pub fn dense_weight(&self, dtype: crate::DType) -> Result<Tensor> {
-        match &self.fp8_scale {
-            Some(scale) => self.weight.dequant_fp8(scale, dtype),
+        match &self.packing {
+            Some(p) => p.decode(&self.weight, dtype),
             None => self.weight.to_dtype(dtype),
         }
     }
@@ -97,11 +101,11 @@ impl Linear {
         // A streamed weight held in host memory for its products (the Linears over the
         // conditioning vector, `BlockStreamer::set_host_products`): the product comes from
         // the host (or a re-run's log), the bias is added after.
-        let host = self.fp8_scale.is_none() && hooked_computes(&self.weight, &x)?;
+        let host = self.packing.is_none() && hooked_computes(&self.weight, &x)?;
         let early_bias =
-            early_bias.filter(|b| !host && self.fp8_scale.is_none() && b.dtype() == x.dtype());
-        let (y, unread) = match &self.fp8_scale {
-            Some(scale) => fp8_matmul(&x, &self.weight, scale, keep)?,
+            early_bias.filter(|b| !host && self.packing.is_none() && b.dtype() == x.dtype());
+        let (y, unread) = match &self.packing {
+            Some(p) => packed_matmul(&x, &self.weight, p, out_dim, keep)?,
             None if host => (host_matmul(&x, &self.weight, keep)?, false),
             None => x.linear_product(&self.weight.t()?, early_bias, keep)?,
         };
@@ -123,7 +127,8 @@ impl Linear {
         // (nothing of it needs a gradient), whose adapter read no weight: only the forward
         // read the weight (and its FP8 scales; a bias added after the GEMM is read again).
         if unread && !read.get() {
-            note_forward_only(std::iter::once(&self.weight).chain(&self.fp8_scale));
+            let side = self.packing.as_ref().and_then(Packing::side_tensors);
+            note_forward_only(std::iter::once(&self.weight).chain(side));
         }
         let y = match (&self.bias, bias_done) {
             (Some(b), false) => y.add(b)?,
@@ -170,46 +175,47 @@ fn one_output(y: Vec<Tensor>, x: &Tensor, out: usize, what: &str) -> Result<Tens
     }
 }
 
-/// x (rows, in) @ decode(codes, scale)^T: the weight decoded into x's dtype for the GEMM and
+/// x (rows, in) @ decode(packed)^T: the weight decoded into x's dtype for the GEMM and
 /// dropped after it. The backward (dx = dy W) decodes it again, so the tape keeps only the
-/// codes (a frozen weight gets no gradient). With `keep`, a checkpoint may keep the output
-/// (see `Tensor::linear_product`); its re-run then neither decodes nor multiplies. Also
-/// returns whether the weight went unread (as `linear_product`).
-fn fp8_matmul(
+/// packed words (a frozen weight gets no gradient). With `keep`, a checkpoint may keep the
+/// output (see `Tensor::linear_product`); its re-run then neither decodes nor multiplies.
+/// Also returns whether the weight went unread (as `linear_product`).
+fn packed_matmul(
     x: &Tensor,
-    codes: &Tensor,
-    scale: &Tensor,
+    packed: &Tensor,
+    packing: &Packing,
+    out_dim: usize,
     keep: &[KeptKind],
 ) -> Result<(Tensor, bool)> {
     let compute = || -> Result<Vec<Tensor>> {
         let _g = crate::no_grad();
-        let w = codes.dequant_fp8(scale, x.dtype())?;
+        let w = packing.decode(packed, x.dtype())?;
         Ok(vec![x.matmul(&w.t()?)?])
     };
     let (y, replayed) = kept_or_replayed(keep, compute)?;
-    let y = one_output(y, x, scale.elem_count(), "FP8 linear output")?;
-    let node = Arc::new(Fp8Matmul {
-        codes: codes.clone(),
-        scale: scale.clone(),
+    let y = one_output(y, x, out_dim, "packed linear output")?;
+    let node = Arc::new(PackedMatmul {
+        packed: packed.clone(),
+        packing: packing.clone(),
     });
     let mut out =
         crate::autograd::custom_op(std::slice::from_ref(x), vec![y], node, x.requires_grad())?;
     let y = out
         .pop()
-        .ok_or_else(|| Error::Autograd("fp8 matmul: no output".into()))?;
-    // From the log, and no backward recorded: the codes and scales were not read.
+        .ok_or_else(|| Error::Autograd("packed matmul: no output".into()))?;
+    // From the log, and no backward recorded: the packed words were not read.
     Ok((y, replayed && !x.requires_grad()))
 }
 
-/// The backward of `fp8_matmul`: dx = dy decode(W).
-struct Fp8Matmul {
-    codes: Tensor,
-    scale: Tensor,
+/// The backward of `packed_matmul`: dx = dy decode(W).
+struct PackedMatmul {
+    packed: Tensor,
+    packing: Packing,
 }
 
-impl crate::autograd::CustomBackward for Fp8Matmul {
+impl crate::autograd::CustomBackward for PackedMatmul {
     fn name(&self) -> &'static str {
-        "fp8_matmul"
+        "packed_matmul"
     }
 
     fn backward(
@@ -220,7 +226,7 @@ impl crate::autograd::CustomBackward for Fp8Matmul {
         let Some(Some(dy)) = out_grads.first() else {
             return Ok(vec![None]);
         };
-        let w = self.codes.dequant_fp8(&self.scale, dy.dtype())?;
+        let w = self.packing.decode(&self.packed, dy.dtype())?;
         Ok(vec![Some(dy.matmul(&w)?)])
     }
 }

@@ -11,6 +11,7 @@ mod heads;
 mod keys;
 mod layers;
 mod lora_merge;
+mod packed;
 mod params;
 mod seed;
 
@@ -33,6 +34,7 @@ pub use layers::{
     upsample_nearest2d, Activation, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
 pub use lora_merge::LoraMerge;
+pub use packed::Packing;
 pub use params::{HostWeights, VarBuilder};
 pub use seed::permutation;
 pub(crate) use seed::{key_hash, mix64, GOLDEN};

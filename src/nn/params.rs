@@ -7,7 +7,10 @@
 //! and listed for optimizers and saving.
 
 use super::adapter::{Adapter, Adapters, LayerShape};
+use super::packed::{words_for, Packing};
 use super::seed::key_hash;
+use crate::backend::ggml::GgmlType;
+use crate::gguf::GgufFile;
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Shape, Tensor};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -22,6 +25,9 @@ enum Source {
         /// key -> index into `files`
         index: HashMap<String, usize>,
     },
+    /// One GGUF file: quantized Linear weights stay packed (`get_linear_weight`), every other
+    /// tensor is dequantized to the builder's dtype as it loads.
+    Gguf(GgufFile),
     Tensors(HashMap<String, Tensor>),
     /// Keys and shapes without values (`from_shapes`): loading checks them as a file's header,
     /// and hands out zero-stride views of one zero.
@@ -56,6 +62,11 @@ struct Shared {
     host: Option<Arc<dyn HostWeights>>,
     /// Linear weights load as FP8 E4M3 codes with per-row scales (`get_linear_weight`).
     fp8: bool,
+    /// The GGML types of a GGUF checkpoint's quantized tensors by model key, for a
+    /// shapes-only build that sizes them packed (`with_ggml_types`).
+    ggml_types: Option<Arc<HashMap<String, GgmlType>>>,
+    /// The (out, in) of every packed Linear weight handed out, by full key.
+    packed: Mutex<BTreeMap<String, (usize, usize)>>,
     /// A LoRA file merged into the weights as they load.
     merge: Option<Arc<super::LoraMerge>>,
     /// Every tensor is a zero-stride view of one zero (`shapes_only`): a build that only
@@ -84,6 +95,7 @@ impl std::fmt::Debug for VarBuilder {
                 .map(|f| f.path().display().to_string())
                 .collect::<Vec<_>>()
                 .join(", "),
+            Source::Gguf(f) => f.path().display().to_string(),
             Source::Tensors(t) => format!("{} tensors", t.len()),
             Source::Shapes(s) => format!("{} shapes without values", s.len()),
             Source::Random { seed, std } => format!("random N(0, {std}^2), seed {seed}"),
@@ -104,9 +116,23 @@ impl std::fmt::Debug for VarBuilder {
 }
 
 impl VarBuilder {
-    /// Parameters from one or more safetensors files (e.g. the shards of a checkpoint). A key
-    /// found in two files is an error.
+    /// Parameters from one or more safetensors files (e.g. the shards of a checkpoint), or
+    /// from one GGUF file (`.gguf`: its quantized Linear weights stay packed,
+    /// `get_linear_weight`). A key found in two files is an error.
     pub fn from_files<P: AsRef<Path>>(paths: &[P], dtype: DType, device: &Device) -> Result<Self> {
+        if let [p] = paths {
+            if crate::gguf::is_gguf(p.as_ref()) {
+                let f = GgufFile::open(p)?;
+                return Ok(Self::new(Source::Gguf(f), dtype, device));
+            }
+        }
+        if let Some(p) = paths.iter().find(|p| crate::gguf::is_gguf(p.as_ref())) {
+            return Err(Error::Param {
+                key: String::new(),
+                file: Some(p.as_ref().to_path_buf()),
+                msg: "a GGUF file is read alone, not beside other weight files".into(),
+            });
+        }
         let mut files = vec![];
         let mut index = HashMap::new();
         for (i, p) in paths.iter().enumerate() {
@@ -174,6 +200,8 @@ impl VarBuilder {
                 adapters: None,
                 host: None,
                 fp8: false,
+                ggml_types: None,
+                packed: Mutex::new(BTreeMap::new()),
                 merge: None,
                 shapes_only: false,
                 dtype,
@@ -227,6 +255,31 @@ impl VarBuilder {
     /// Whether Linear weights load as FP8 (`with_fp8`).
     pub fn fp8(&self) -> bool {
         self.shared.fp8
+    }
+
+    /// The same builder told the GGML types of a GGUF checkpoint's quantized tensors, by
+    /// model key (`models::Checkpoint::ggml_types`): a shapes-only build then hands out their
+    /// Linear weights packed, at their packed size, as a load from the file would. Set
+    /// before the builder is shared.
+    pub fn with_ggml_types(self, types: Arc<HashMap<String, GgmlType>>) -> Result<Self> {
+        self.with_shared("the GGML types", |shared| {
+            Ok(Shared {
+                ggml_types: Some(types),
+                ..shared
+            })
+        })
+    }
+
+    /// The (out, in) a packed Linear weight handed out under `key` stands for (its tensor
+    /// holds the packed words); `None` for a dense tensor.
+    pub fn packed_dims(&self, key: &str) -> Result<Option<(usize, usize)>> {
+        Ok(self
+            .shared
+            .packed
+            .lock()
+            .map_err(|_| Error::Poisoned("parameter table"))?
+            .get(key)
+            .copied())
     }
 
     /// The same source with the LoRA file `merge` merged into the weights it adapts as they
@@ -327,6 +380,7 @@ impl VarBuilder {
                 let first = *src.keys().first()?;
                 index.get(first).map(|&i| files[i].path().to_path_buf())
             }
+            Source::Gguf(f) => Some(f.path().to_path_buf()),
             Source::Tensors(_) | Source::Shapes(_) | Source::Random { .. } => None,
         }
     }
@@ -334,6 +388,7 @@ impl VarBuilder {
     fn source_has(&self, key: &str) -> bool {
         match &self.shared.source {
             Source::Files { index, .. } => index.contains_key(key),
+            Source::Gguf(f) => f.info(key).is_some(),
             Source::Tensors(t) => t.contains_key(key),
             Source::Shapes(s) => s.contains_key(key),
             Source::Random { .. } => false,
@@ -357,6 +412,7 @@ impl VarBuilder {
                 .get(key)
                 .and_then(|&i| files[i].info(key))
                 .map(|i| i.shape.clone()),
+            Source::Gguf(f) => f.info(key).map(|i| i.shape.clone()),
             Source::Tensors(t) => t.get(key).map(|t| t.dims().to_vec()),
             Source::Shapes(s) => s.get(key).cloned(),
             Source::Random { .. } => None,
@@ -367,6 +423,7 @@ impl VarBuilder {
     pub fn source_keys(&self) -> Vec<String> {
         let mut keys: Vec<String> = match &self.shared.source {
             Source::Files { index, .. } => index.keys().cloned().collect(),
+            Source::Gguf(f) => f.names().map(str::to_string).collect(),
             Source::Tensors(t) => t.keys().cloned().collect(),
             Source::Shapes(s) => s.keys().cloned().collect(),
             Source::Random { .. } => vec![],
@@ -397,21 +454,27 @@ impl VarBuilder {
         Ok(t)
     }
 
-    /// The weight `name` of a Linear layer, (out, in): as `get` gives it, or, when the builder
-    /// stores FP8 (`with_fp8`) and `in_dim` is a multiple of 4, its FP8 E4M3 codes (out,
-    /// in / 4) u32 and per-row scales (out) f32 (`backend::fp8`), quantized here on the host.
-    /// The scales are kept under the key `<name>.fp8_scale`.
+    /// The weight `name` of a Linear layer, (out, in): as `get` gives it, or packed
+    /// (`nn::Packing`, decoded at each use): a quantized tensor of a GGUF file as its blocks
+    /// (`ggml_type_of`), else, when the builder stores FP8 (`with_fp8`) and `in_dim` is a
+    /// multiple of 4, its FP8 E4M3 codes (out, in / 4) u32 and per-row scales (out) f32
+    /// (`backend::fp8`), quantized here on the host. FP8 scales are kept under the key
+    /// `<name>.fp8_scale`. Every packed weight's (out, in) is recorded (`packed_dims`).
     pub fn get_linear_weight(
         &self,
         out_dim: usize,
         in_dim: usize,
         name: &str,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    ) -> Result<(Tensor, Option<Packing>)> {
         use crate::backend::fp8;
+        let key = self.key(name);
+        if let Some(ty) = self.ggml_type_of(&key, out_dim, in_dim) {
+            return self.get_ggml_weight(&key, ty, out_dim, in_dim);
+        }
         if !self.shared.fp8 || in_dim % fp8::CODES_PER_WORD != 0 {
             return Ok((self.get((out_dim, in_dim), name)?, None));
         }
-        let key = self.key(name);
+        self.note_packed(&key, (out_dim, in_dim))?;
         let scale_key = format!("{key}.fp8_scale");
         let (codes_shape, scale_shape) = (
             Shape::from((out_dim, in_dim / fp8::CODES_PER_WORD)),
@@ -421,7 +484,9 @@ impl VarBuilder {
         if let (Some(c), Some(sc)) = (loaded.get(&key), loaded.get(&scale_key)) {
             return Ok((
                 self.same_shape(&key, c, &codes_shape)?,
-                Some(self.same_shape(&scale_key, sc, &scale_shape)?),
+                Some(Packing::Fp8 {
+                    scale: self.same_shape(&scale_key, sc, &scale_shape)?,
+                }),
             ));
         }
         if self.shared.shapes_only {
@@ -431,7 +496,7 @@ impl VarBuilder {
             );
             loaded.insert(key, c.clone());
             loaded.insert(scale_key, sc.clone());
-            return Ok((c, Some(sc)));
+            return Ok((c, Some(Packing::Fp8 { scale: sc })));
         }
         let w = self.assemble(&key, &Shape::from((out_dim, in_dim)))?;
         // The weight crosses to the host in its own dtype (half the bytes of f32 for bf16).
@@ -454,7 +519,85 @@ impl VarBuilder {
         let scales = self.place(&scale_key, scales)?;
         loaded.insert(key, codes.clone());
         loaded.insert(scale_key, scales.clone());
-        Ok((codes, Some(scales)))
+        Ok((codes, Some(Packing::Fp8 { scale: scales })))
+    }
+
+    /// The GGML type in which the Linear weight of model key `key`, (out, in), stays packed:
+    /// a quantized tensor of a GGUF source read under one key, of that shape, with rows of
+    /// whole blocks, and no LoRA file merged into the weights (a merge needs them dense); in
+    /// a shapes-only build, the type `with_ggml_types` gave for the key.
+    fn ggml_type_of(&self, key: &str, out_dim: usize, in_dim: usize) -> Option<GgmlType> {
+        if self.shared.merge.is_some() {
+            return None;
+        }
+        let ty = match (&self.shared.source, &self.shared.ggml_types) {
+            (_, Some(types)) if self.shared.shapes_only => *types.get(key)?,
+            (Source::Gguf(f), _) => {
+                let KeySource::Key(k) = self.source_of(key)? else {
+                    return None;
+                };
+                let info = f.info(&k)?;
+                if info.shape != [out_dim, in_dim] {
+                    return None;
+                }
+                info.ty
+            }
+            _ => return None,
+        };
+        (ty.is_quantized() && in_dim % ty.block_values() == 0).then_some(ty)
+    }
+
+    /// A Linear weight kept as its GGUF blocks (`ggml_type_of` chose `ty`): the blocks packed
+    /// into (words) u32, placed like any weight (a streamed block's in host memory).
+    fn get_ggml_weight(
+        &self,
+        key: &str,
+        ty: GgmlType,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<(Tensor, Option<Packing>)> {
+        let packing = Packing::Ggml {
+            ty,
+            dims: (out_dim, in_dim),
+        };
+        let bytes = ty
+            .bytes_of(out_dim * in_dim)
+            .ok_or_else(|| self.err(key, format!("({out_dim}, {in_dim}) overflows")))?;
+        let shape = Shape::from(words_for(bytes));
+        self.note_packed(key, (out_dim, in_dim))?;
+        let mut loaded = self.loaded()?;
+        if let Some(t) = loaded.get(key) {
+            return Ok((self.same_shape(key, t, &shape)?, Some(packing)));
+        }
+        let t = match &self.shared.source {
+            _ if self.shared.shapes_only => placeholder(DType::U32, &shape, &self.shared.device)?,
+            Source::Gguf(f) => {
+                let src = match self.source_of(key) {
+                    Some(KeySource::Key(k)) => k,
+                    _ => return Err(self.err(key, "has no single source key".into())),
+                };
+                let (_, words) = f.packed_words(&src)?;
+                self.shared
+                    .used
+                    .lock()
+                    .map_err(|_| Error::Poisoned("parameter table"))?
+                    .insert(src);
+                let t = Tensor::from_vec(words, shape, &self.shared.device)?;
+                self.place(key, t)?
+            }
+            _ => return Err(self.err(key, "is not read from a GGUF file".into())),
+        };
+        loaded.insert(key.to_string(), t.clone());
+        Ok((t, Some(packing)))
+    }
+
+    fn note_packed(&self, key: &str, dims: (usize, usize)) -> Result<()> {
+        self.shared
+            .packed
+            .lock()
+            .map_err(|_| Error::Poisoned("parameter table"))?
+            .insert(key.to_string(), dims);
+        Ok(())
     }
 
     fn loaded(&self) -> Result<std::sync::MutexGuard<'_, BTreeMap<String, Tensor>>> {
@@ -612,6 +755,7 @@ impl VarBuilder {
                 .map(|f| f.path().display().to_string())
                 .collect::<Vec<_>>()
                 .join(", "),
+            Source::Gguf(f) => f.path().display().to_string(),
             Source::Tensors(_) => "the tensors given".into(),
             Source::Shapes(_) => "the shapes given".into(),
             Source::Random { .. } => "a random source".into(),
@@ -679,6 +823,7 @@ impl VarBuilder {
                     _ => Ok(t),
                 }
             }
+            Source::Gguf(f) => f.load_as(key, device, dtype),
             Source::Shapes(s) => {
                 let shape = s.get(key).ok_or_else(|| self.missing(key, key))?;
                 placeholder(dtype, &Shape::from(shape.clone()), device)

@@ -232,7 +232,9 @@ section! {
     ModelSection / RawModel = "model" {
         /// The model family: "flux", "sd3", "sdxl", "flux2" (FLUX.2 klein) or "zimage" (Z-Image; `flame::models::FAMILIES`).
         arch: String,
-        /// The weights: a single .safetensors file, a diffusers model folder or a pipeline
+        /// The weights: a single .safetensors file, a single .gguf file (city96's quantized
+        /// Flux: Q4_0 to Q8_0 and Q2_K to Q6_K Linear weights stay packed and are decoded per
+        /// matmul, everything else loads in `dtype`), a diffusers model folder or a pipeline
         /// folder.
         path: PathBuf,
         /// The dtype of the frozen weights on the device: "bf16", "f16" (for GPUs without

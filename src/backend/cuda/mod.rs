@@ -8,6 +8,7 @@ mod device;
 mod dispatch;
 mod fp8;
 mod fused;
+mod ggml;
 mod host;
 mod index;
 mod layout;
@@ -35,13 +36,14 @@ pub(crate) use fused::run_kernel;
 /// `tensor/kernels/`) builds on: the launch macro, element types, launch shapes, the
 /// deterministic column sums the norms and modulation share, a buffer's address; and the
 /// launchers that stay backend helpers: flash attention (`flash`, attention.rs), the FP8
-/// decode (`dequant_fp8`, fp8.rs), the norms' row kernels (norm.rs) and softmax's launch
+/// decode (`dequant_fp8`, fp8.rs), the GGML decode (`dequant_ggml`, ggml.rs), the norms' row kernels (norm.rs) and softmax's launch
 /// shape.
 pub(crate) mod kit {
     pub(crate) use super::attention::flash;
     pub(crate) use super::device::DONE_COUNTERS;
     pub(crate) use super::fp8::dequant as dequant_fp8;
     pub(crate) use super::fused::{cfg, colsum_shape, ptr, sum_parts, sweep};
+    pub(crate) use super::ggml::dequant as dequant_ggml;
     pub(crate) use super::hopper_module;
     pub(crate) use super::layout::grid_for;
     pub(crate) use super::memory::DevBuf;

@@ -70,7 +70,7 @@ fn projection(vb: &VarBuilder, c: usize) -> Result<Linear> {
         weight: vb.get((c, c, 1, 1), "weight")?.reshape((c, c))?,
         bias: Some(vb.get(c, "bias")?),
         adapter: None,
-        fp8_scale: None,
+        packing: None,
     })
 }
 

@@ -7,6 +7,7 @@
 //!
 //! - `attention.rs`: scaled dot-product attention (flash attention on CUDA) and its backward;
 //! - `dequant_fp8.rs`: the FP8 E4M3 weight decode (no gradient);
+//! - `dequant_ggml.rs`: the GGML block-quantized weight decode of GGUF files (no gradient);
 //! - `group_norm.rs`: GroupNorm and its backward;
 //! - `modulate.rs`: adaLN modulation and its backward;
 //! - `norm.rs`: the LayerNorm / RMSNorm backwards with parameter gradients (their forward is a
@@ -16,6 +17,7 @@
 
 mod attention;
 mod dequant_fp8;
+mod dequant_ggml;
 mod group_norm;
 mod modulate;
 mod norm;
@@ -28,7 +30,7 @@ use crate::autograd::FusedKernel;
 
 /// Every fused kernel with a gradient, one instance each: their names join the ops the
 /// gradcheck suite must exercise (`autograd::differentiable_ops`). Backward-only kernels
-/// (softmax's, the norms', attention's) and the FP8 decode have none and are not listed.
+/// (softmax's, the norms', attention's) and the FP8 and GGML decodes have none and are not listed.
 pub(crate) const KERNELS: &[&dyn FusedKernel] = &[
     &modulate::Modulate,
     &rope::Rope { transpose: false },

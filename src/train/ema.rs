@@ -204,8 +204,11 @@ impl Ema {
     pub fn swap_in(&self, params: &[(String, Tensor)]) -> Result<Vec<Tensor>> {
         self.check(params)?;
         let _g = crate::no_grad();
+        let Some(device) = params.first().map(|(_, t)| t.device().clone()) else {
+            return Ok(vec![]);
+        };
         let mut kept = Vec::with_capacity(params.len());
-        for ((_, p), s) in params.iter().zip(self.tensors(&params_device(params))?) {
+        for ((_, p), s) in params.iter().zip(self.tensors(&device)?) {
             kept.push(p.affine(1.0, 0.0)?);
             p.assign(&s.to_dtype(p.dtype())?)?;
         }
@@ -274,11 +277,4 @@ impl Ema {
         self.steps = steps;
         Ok(())
     }
-}
-
-/// The device of the first weight (the CPU for none).
-fn params_device(params: &[(String, Tensor)]) -> Device {
-    params
-        .first()
-        .map_or(Device::Cpu, |(_, t)| t.device().clone())
 }

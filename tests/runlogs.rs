@@ -145,7 +145,7 @@ fn decode_event(data: &[u8]) -> Ev {
         "wall_time"
     );
     e.file_version = bytes(&fs, 3).map(|b| String::from_utf8(b).unwrap());
-    if let Some(s) = bytes(&fs, 6) {
+    if let Some(s) = bytes(&fs, 7) {
         e.restart = matches!(get(&fields(&s), 1), Some(Field::Varint(1)));
     }
     if let Some(summary) = bytes(&fs, 5) {

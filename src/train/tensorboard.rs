@@ -10,7 +10,7 @@
 //!
 //! ```text
 //! Event      { double wall_time = 1; int64 step = 2; string file_version = 3;
-//!              Summary summary = 5; SessionLog session_log = 6; }
+//!              Summary summary = 5; SessionLog session_log = 7; }
 //! SessionLog { SessionStatus status = 1; }            // START = 1
 //! Summary    { repeated Value value = 1; }             // summary.proto
 //! Value      { string tag = 1; float simple_value = 2; Image image = 4; }
@@ -240,7 +240,7 @@ impl EventWriter {
         self.write(&event(wall_time(), step as i64, |e| {
             let mut s = Proto::new();
             s.int(1, 1); // SessionLog.START
-            e.bytes(6, &s.0);
+            e.bytes(7, &s.0);
         }))
     }
 

@@ -195,7 +195,7 @@ fn crc32c_and_record_framing() {
     let c = crc32c(b"abc");
     assert_eq!(
         masked_crc32c(b"abc"),
-        ((c >> 15) | (c << 17)).wrapping_add(0xA282_EAD8)
+        c.rotate_right(15).wrapping_add(0xA282_EAD8)
     );
     let r = tensorboard::record(b"hello");
     assert_eq!(r.len(), 8 + 4 + 5 + 4);

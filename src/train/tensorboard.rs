@@ -64,7 +64,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
 /// TFRecord's masked CRC: the CRC rotated right by 15 bits plus 0xa282ead8.
 pub fn masked_crc32c(data: &[u8]) -> u32 {
     let c = crc32c(data);
-    ((c >> 15) | (c << 17)).wrapping_add(0xA282_EAD8)
+    c.rotate_right(15).wrapping_add(0xA282_EAD8)
 }
 
 /// One TFRecord: length, its masked CRC, the data, the data's masked CRC.

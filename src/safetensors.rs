@@ -349,6 +349,21 @@ impl safetensors::View for HostView {
     }
 }
 
+impl safetensors::View for &HostView {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self.data.as_bytes())
+    }
+    fn data_len(&self) -> usize {
+        self.data.as_bytes().len()
+    }
+}
+
 /// Saves named tensors. The file appears under `path` only once fully written.
 pub fn save<'a>(
     tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
@@ -363,7 +378,44 @@ pub fn save_with_metadata<'a>(
     metadata: &BTreeMap<String, String>,
     path: impl AsRef<Path>,
 ) -> Result<()> {
-    let path = path.as_ref();
+    save_views(tensors, metadata, false, path.as_ref())
+}
+
+/// Saves named tensors with `__metadata__` strings and the two hashes kohya's sd-scripts
+/// records for sd-webui-additional-networks (`train_util.precalculate_safetensors_hashes`):
+/// `sshs_model_hash`, the SHA-256 (hex) of the tensor bytes after the header, and
+/// `sshs_legacy_hash`, the first 8 hex digits of the SHA-256 of bytes 0x100000..0x110000 of
+/// the file the tensors make with only the metadata's `ss_*` keys (empty bytes, hence
+/// `e3b0c442`, for a file shorter than 1 MiB).
+pub fn save_with_hashes<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+    metadata: &BTreeMap<String, String>,
+    path: impl AsRef<Path>,
+) -> Result<()> {
+    save_views(tensors, metadata, true, path.as_ref())
+}
+
+/// The sd-webui-additional-networks hashes of a serialized file (see [`save_with_hashes`]).
+pub fn addnet_hashes(bytes: &[u8]) -> (String, String) {
+    use sha2::{Digest, Sha256};
+    let hex = |d: &[u8]| d.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let n = bytes.get(..8).map_or(0, |b| {
+        u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize
+    });
+    let data = bytes.get(8 + n..).unwrap_or(&[]);
+    let model = hex(&Sha256::digest(data));
+    let lo = 0x10_0000.min(bytes.len());
+    let hi = 0x11_0000.min(bytes.len());
+    let legacy = hex(&Sha256::digest(&bytes[lo..hi]))[..8].to_string();
+    (model, legacy)
+}
+
+fn save_views<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+    metadata: &BTreeMap<String, String>,
+    hashes: bool,
+    path: &Path,
+) -> Result<()> {
     let err = |tensor: Option<&str>, msg: String| Error::SafeTensors {
         path: path.to_path_buf(),
         tensor: tensor.map(str::to_string),
@@ -382,6 +434,20 @@ pub fn save_with_metadata<'a>(
         if views.insert(name.to_string(), view).is_some() {
             return Err(err(Some(name), "name given twice".into()));
         }
+    }
+    let mut metadata = metadata.clone();
+    if hashes {
+        // The file the tensors make with the `ss_*` keys alone, as sd-scripts hashes it.
+        let ss: HashMap<String, String> = metadata
+            .iter()
+            .filter(|(k, _)| k.starts_with("ss_"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let bytes = safetensors::serialize(&views, (!ss.is_empty()).then_some(ss))
+            .map_err(|e| err(None, format!("serializing failed: {e}")))?;
+        let (model, legacy) = addnet_hashes(&bytes);
+        metadata.insert("sshs_model_hash".into(), model);
+        metadata.insert("sshs_legacy_hash".into(), legacy);
     }
     let meta: Option<HashMap<String, String>> = (!metadata.is_empty()).then(|| {
         metadata

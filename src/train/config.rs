@@ -151,6 +151,26 @@ pub enum OnNonFinite {
     Skip,
 }
 
+/// How much a saved adapter's metadata says of the run (`train.metadata`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum MetadataLevel {
+    /// Everything kohya records, the dataset's folders, tag counts and output name included.
+    Full,
+    /// Without what could identify the training data (`train::metadata::IDENTIFYING_KEYS`).
+    Minimal,
+}
+
+/// Where the EMA of the adapter's weights is kept (`ema.device`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum EmaDevice {
+    /// On the training device (the GPU), updated there with tensor ops.
+    Gpu,
+    /// In host memory, updated on the CPU.
+    Cpu,
+}
+
 /// Dynamic loss scaling (`train.loss_scale`).
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -519,6 +539,16 @@ section! {
         loss_scale_growth_interval: usize = 2000_usize,
         /// Without a terminal: print a progress line every this many steps (0: never).
         log_every: usize = 10_usize,
+        /// Write TensorBoard event files to `tensorboard/` in the output folder: the loss,
+        /// learning rate and gradient norm of every step, the validation loss and the
+        /// sample images (kohya: --logging_dir / --log_with tensorboard; diffusers' scripts:
+        /// --report_to tensorboard, their default).
+        tensorboard: bool = true,
+        /// What saved adapters' metadata says of the run: "full" (what kohya's sd-scripts
+        /// records, with the dataset's folders, caption tag counts and output name) or
+        /// "minimal" (without those and the base model's file name: nothing that could
+        /// identify the data; kohya: --no_metadata leaves out everything).
+        metadata: MetadataLevel = MetadataLevel::Full,
         /// Compute the validation loss every this many steps (0: at each checkpoint and at the
         /// end), when data.validation_split or data.validation_dir is set.
         validate_every: usize = 0_usize,
@@ -528,6 +558,38 @@ section! {
         /// 459 ms a step against 418, 0.45 GiB more at the peak, which the memory planner
         /// does not count). Also FLAME_DETERMINISTIC=1.
         deterministic: bool = false,
+    }
+}
+
+section! {
+    /// `[ema]`: an exponential moving average of the adapter's weights, updated after each
+    /// optimizer step with diffusers' `EMAModel` decay (`training_utils.py`), saved beside
+    /// the adapter as `lora_ema.safetensors` and in checkpoints.
+    EmaSection / RawEma = "ema" {
+        /// Keep the average (diffusers' scripts: --use_ema).
+        enabled: bool = false,
+        /// The largest decay, in [0, 1] (EMAModel's decay; --ema_decay).
+        decay: f64 = 0.9999,
+        /// The smallest decay, in [0, decay] (EMAModel's min_decay).
+        min_decay: f64 = 0.0,
+        /// Optimizer steps before the average moves: it copies the weights until then
+        /// (EMAModel's update_after_step).
+        update_after_step: usize = 0_usize,
+        /// The decay 1 - (1 + n / inv_gamma)^-power instead of (1 + n) / (10 + n), n the
+        /// steps past update_after_step less one (EMAModel's use_ema_warmup).
+        warmup: bool = false,
+        /// With warmup: the warm-up's inverse multiplicative factor, > 0 (EMAModel's
+        /// inv_gamma).
+        inv_gamma: f64 = 1.0,
+        /// With warmup: its exponent, > 0 (EMAModel's power; 2/3 suits runs of about a
+        /// million steps, 3/4 about a hundred thousand).
+        power: f64 = 0.6666666666666666,
+        /// Where the average is kept: "gpu" (the training device: counted in the memory
+        /// plan) or "cpu" (host memory, updated on the CPU; diffusers' scripts: --offload_ema).
+        device: EmaDevice = EmaDevice::Gpu,
+        /// The validation loss and sample images with the averaged weights instead of the
+        /// trained ones (swapped in for them and back out exactly).
+        for_outputs: bool = false,
     }
 }
 
@@ -644,6 +706,8 @@ pub struct TrainConfig {
     pub sample: SampleSection,
     /// `[memory]`.
     pub memory: MemorySection,
+    /// `[ema]`.
+    pub ema: EmaSection,
     /// The planner's switches (developer settings, not config keys: the binaries read them
     /// from `FLAME_PLANNER`, see [`Switches`]); a config written when some of them were
     /// `[memory]` keys sets them through those keys.
@@ -680,6 +744,8 @@ struct RawConfig {
     sample: RawSample,
     #[serde(default)]
     memory: RawMemory,
+    #[serde(default)]
+    ema: RawEma,
 }
 
 /// The raw sections of `text`, with the planner's switches its retired `[memory]` keys set
@@ -791,6 +857,7 @@ impl TrainConfig {
             raw.encoders.missing(),
             raw.sample.missing(),
             raw.memory.missing(),
+            raw.ema.missing(),
         ]
         .concat();
         if missing.len() > 1 {
@@ -814,6 +881,7 @@ impl TrainConfig {
                 raw.encoders.finish(p)?,
                 raw.sample.finish(p)?,
                 raw.memory.finish(p)?,
+                raw.ema.finish(p)?,
             );
             let (
                 Some(model),
@@ -825,6 +893,7 @@ impl TrainConfig {
                 Some(encoders),
                 Some(sample),
                 Some(memory),
+                Some(ema),
             ) = sections
             else {
                 return Ok(None);
@@ -839,6 +908,7 @@ impl TrainConfig {
                 encoders,
                 sample,
                 memory,
+                ema,
                 planner,
                 notes,
             }))
@@ -1170,6 +1240,24 @@ impl TrainConfig {
             "0: at least 1".into(),
         );
         c.check(mem.prefetch > 0, "memory.prefetch", "0: at least 1".into());
+        let ema = &self.ema;
+        c.check(
+            (0.0..=1.0).contains(&ema.decay),
+            "ema.decay",
+            format!("{}: must be in [0, 1]", ema.decay),
+        );
+        c.check(
+            ema.min_decay >= 0.0 && ema.min_decay <= ema.decay,
+            "ema.min_decay",
+            format!("{}: must be in [0, ema.decay]", ema.min_decay),
+        );
+        c.positive_f("ema.inv_gamma", ema.inv_gamma);
+        c.positive_f("ema.power", ema.power);
+        c.check(
+            !ema.for_outputs || ema.enabled,
+            "ema.for_outputs",
+            "true: needs ema.enabled = true".into(),
+        );
         let e = &self.encoders;
         let sm = &self.sample;
         c.positive_n("sample.steps", sm.steps);
@@ -1439,6 +1527,7 @@ impl TrainConfig {
             EncodersSection::reference(),
             SampleSection::reference(),
             MemorySection::reference(),
+            EmaSection::reference(),
         ]
         .concat()
     }
@@ -1578,6 +1667,19 @@ impl TrainConfig {
             if set {
                 v.push((key, value));
             }
+        }
+        // The average and its decay, where one is kept (so a run without resumes as before).
+        let e = &self.ema;
+        if e.enabled {
+            v.extend([
+                ("ema.enabled", show(&e.enabled)),
+                ("ema.decay", show(&e.decay)),
+                ("ema.min_decay", show(&e.min_decay)),
+                ("ema.update_after_step", show(&e.update_after_step)),
+                ("ema.warmup", show(&e.warmup)),
+                ("ema.inv_gamma", show(&e.inv_gamma)),
+                ("ema.power", show(&e.power)),
+            ]);
         }
         v
     }

@@ -5,11 +5,14 @@
 pub mod config;
 pub mod data;
 pub mod demo;
+pub mod ema;
 pub mod images;
+pub mod metadata;
 pub mod planning;
 pub use crate::diffusion::objectives;
 pub mod rundir;
 pub mod scaler;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use config::TrainConfig;

@@ -85,6 +85,15 @@ fn optimizer_bytes(kind: OptimizerKind, world: usize) -> f64 {
     buckets + kind.state_bytes_per_value()
 }
 
+/// Bytes per trainable value of the moving average of the weights (`[ema]`): its f32 copy
+/// where it is kept on the training device, none in host memory or without one.
+fn ema_bytes(config: &TrainConfig) -> f64 {
+    match (config.ema.enabled, config.ema.device) {
+        (true, crate::train::config::EmaDevice::Gpu) => 4.0,
+        _ => 0.0,
+    }
+}
+
 /// The profile of this run's model (reads the checkpoint's header only).
 fn profile(
     config: &TrainConfig,
@@ -99,7 +108,8 @@ fn profile(
         &RunShape {
             sample: sample.to_vec(),
             batch: config.train.batch_size,
-            optimizer_bytes_per_value: optimizer_bytes(config.optimizer.kind, world),
+            optimizer_bytes_per_value: optimizer_bytes(config.optimizer.kind, world)
+                + ema_bytes(config),
         },
     )
 }
@@ -591,7 +601,8 @@ pub(crate) fn phase_plans(
                     &RunShape {
                         sample: shape,
                         batch,
-                        optimizer_bytes_per_value: optimizer_bytes(config.optimizer.kind, world),
+                        optimizer_bytes_per_value: optimizer_bytes(config.optimizer.kind, world)
+                            + ema_bytes(config),
                     },
                 )?
                 .peak(&plan);

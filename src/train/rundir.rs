@@ -29,6 +29,9 @@ pub const FINAL: &str = "lora.safetensors";
 pub const SAMPLES: &str = "samples";
 /// The loss plot's file name.
 pub const PLOT: &str = "loss.png";
+/// The final adapter's moving average (`[ema]`), in the final adapter's layout.
+pub const FINAL_EMA: &str = "lora_ema.safetensors";
+pub use super::tensorboard::TENSORBOARD;
 /// The prefix of checkpoint folders (`checkpoint-0000100`).
 pub const CHECKPOINT_PREFIX: &str = "checkpoint-";
 
@@ -494,7 +497,7 @@ impl RunDir {
                 if manifest.is_some() {
                     sv.owned.push(n);
                 }
-            } else if n == LOG || n == FINAL || n == PLOT {
+            } else if n == LOG || n == FINAL || n == PLOT || n == FINAL_EMA {
                 match ours(&n) {
                     true => sv.owned.push(n),
                     false => sv.foreign.push(n),
@@ -513,6 +516,22 @@ impl RunDir {
             } else if is_temp_name(&n, is_dir) {
                 // A write of a run killed before its rename: the run's own hidden names.
                 sv.owned.push(n);
+            } else if n == TENSORBOARD && is_dir {
+                let dir = self.path.join(TENSORBOARD);
+                let mut files: Vec<String> = std::fs::read_dir(&dir)
+                    .map_err(io(&dir))?
+                    .filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|f| super::tensorboard::is_event_file_name(f))
+                    .collect();
+                files.sort();
+                for f in files {
+                    let rel = format!("{TENSORBOARD}/{f}");
+                    match ours(&rel) {
+                        true => sv.owned.push(rel),
+                        false => sv.foreign.push(rel),
+                    }
+                }
             } else if n == SAMPLES && is_dir {
                 let dir = self.path.join(SAMPLES);
                 let mut files: Vec<String> = std::fs::read_dir(&dir)
@@ -557,9 +576,11 @@ impl RunDir {
                 remove_file(&p)?;
             }
         }
-        let samples = self.path.join(SAMPLES);
-        if samples.is_dir() {
-            let _ = std::fs::remove_dir(&samples);
+        for sub in [SAMPLES, TENSORBOARD] {
+            let dir = self.path.join(sub);
+            if dir.is_dir() {
+                let _ = std::fs::remove_dir(&dir);
+            }
         }
         sync_dir(&self.path);
         Ok(())
@@ -669,8 +690,9 @@ pub struct Survey {
     pub manifest: Option<Manifest>,
     /// Names (relative to the folder) the manifest's run provably wrote: deletable.
     pub owned: Vec<String>,
-    /// Names at which a run writes files (`loss.jsonl`, `lora.safetensors`, `loss.png`,
-    /// `samples/step-*.png`) that no record proves the recorded run wrote, and files
+    /// Names at which a run writes files (`loss.jsonl`, `lora.safetensors`,
+    /// `lora_ema.safetensors`, `loss.png`, `samples/step-*.png`,
+    /// `tensorboard/events.out.tfevents.*`) that no record proves the recorded run wrote, and files
     /// someone added to the run's checkpoint folders.
     pub foreign: Vec<String>,
     /// Every checkpoint folder: step, path and the run its `state.json` names (`None`:
@@ -679,12 +701,16 @@ pub struct Survey {
 }
 
 /// The files a checkpoint folder holds (besides `state.json`'s list).
-const CHECKPOINT_FILES: [&str; 4] = [
+const CHECKPOINT_FILES: [&str; 5] = [
     "adapter.safetensors",
     "optimizer.safetensors",
     "state.json",
     LOG,
+    EMA_STATE,
 ];
+
+/// The moving average's state in a checkpoint (`[ema]`).
+pub const EMA_STATE: &str = "ema.safetensors";
 
 /// The step of a `checkpoint-<step>` name.
 fn checkpoint_step(name: &str) -> Option<usize> {
@@ -722,7 +748,7 @@ pub fn is_temp_name(name: &str, is_dir: bool) -> bool {
             .strip_prefix(".tmp-checkpoint-")
             .is_some_and(|d| d.len() == 7 && d.bytes().all(|b| b.is_ascii_digit()));
     }
-    [MANIFEST, LOG, FINAL, PLOT].iter().any(|f| {
+    [MANIFEST, LOG, FINAL, PLOT, FINAL_EMA].iter().any(|f| {
         name.strip_prefix(&format!(".{f}.tmp-"))
             .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
     })

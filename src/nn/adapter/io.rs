@@ -11,7 +11,7 @@
 
 use super::{Adapters, BaseLayer, PeftPart};
 use crate::nn::keys::{KeyMap, KeySource};
-use crate::safetensors::{save_with_metadata, SafeTensorsFile};
+use crate::safetensors::{save_with_hashes, save_with_metadata, SafeTensorsFile};
 use crate::{DType, Device, Error, Result, Setting, Tensor};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -393,52 +393,38 @@ impl Adapters {
     /// records the network module (`networks.lora`, or `lycoris.kohya` with the algorithm),
     /// rank, alpha and targets, as kohya and LyCORIS write them.
     pub fn save_kohya(&self, path: impl AsRef<Path>, dtype: DType) -> Result<()> {
-        self.save_kohya_layout(path.as_ref(), dtype, None)
+        self.save_kohya_layout(path.as_ref(), dtype, None, None)
     }
 
-    /// Writes every adapter in the kohya layout so that ComfyUI computes the changes FLAME's
-    /// adapters make: the kohya file, except that the kinds ComfyUI reads differently from
-    /// their definition write their tensors for ComfyUI's reading (`Adapter::to_comfyui`:
-    /// DoRA's magnitudes, which ComfyUI divides by the norm of the frozen weight).
-    /// `weight(path)` gives the frozen weight of the layer at `path` (any device, any float
-    /// dtype). The file records `flame_layout = "comfyui"`; `load_comfyui` and the `sample`
-    /// binary's merge read it back (DoRA's magnitudes to float32's rounding, through the same
-    /// weights). ComfyUI computes the trained layer where its weight is the one given here
-    /// and the file is the first change applied to it (not over an FP8 copy of the weight,
-    /// nor stacked after another adapter on the same layer).
-    pub fn save_comfyui(
+    /// [`Adapters::save_kohya`] with `extra` metadata beside the adapters' own (which win
+    /// where a key is in both) and kohya's `sshs_*` hashes of the file
+    /// (`crate::safetensors::save_with_hashes`): how a training run saves.
+    pub fn save_kohya_with(
+        &self,
+        path: impl AsRef<Path>,
+        dtype: DType,
+        extra: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        self.save_kohya_layout(path.as_ref(), dtype, None, Some(extra))
+    }
+
+    /// [`Adapters::save_comfyui`] with `extra` metadata and hashes, as
+    /// [`Adapters::save_kohya_with`].
+    pub fn save_comfyui_with(
         &self,
         path: impl AsRef<Path>,
         dtype: DType,
         weight: &WeightOf<'_>,
+        extra: &BTreeMap<String, String>,
     ) -> Result<()> {
-        self.save_kohya_layout(path.as_ref(), dtype, Some(weight))
+        self.save_kohya_layout(path.as_ref(), dtype, Some(weight), Some(extra))
     }
 
-    /// The kohya layout, each adapter's tensors for ComfyUI's reading given the weights, or
-    /// as kohya and LyCORIS read them.
-    fn save_kohya_layout(
-        &self,
-        path: &Path,
-        dtype: DType,
-        weight: Option<&WeightOf<'_>>,
-    ) -> Result<()> {
-        let _g = crate::no_grad();
-        let mut tensors: Vec<(String, Tensor)> = vec![];
-        for l in self.layers()? {
-            let name = kohya_name(l.path());
-            let layer = match weight {
-                Some(w) => {
-                    let get = |dt: DType| w(l.path())?.to_dtype(dt);
-                    l.to_comfyui(&BaseLayer::new(l.shape(), &get))?
-                }
-                None => l.to_kohya()?,
-            };
-            for (t, v) in layer {
-                let v = if t == "alpha" { v } else { v.to_dtype(dtype)? };
-                tensors.push((format!("{name}.{t}"), v));
-            }
-        }
+    /// The metadata kohya and LyCORIS record of the network: `ss_network_module`
+    /// (`networks.lora`, or `lycoris.kohya` with the algorithm in the args),
+    /// `ss_network_dim`, `ss_network_alpha`, `ss_network_args` (strings by name, as kohya's
+    /// scripts record them), and FLAME's kind and targets.
+    pub fn network_metadata(&self) -> Result<BTreeMap<String, String>> {
         let c = &self.config;
         let mut meta = BTreeMap::from([
             ("ss_network_dim".to_string(), c.rank.to_string()),
@@ -447,7 +433,6 @@ impl Adapters {
             ("flame_targets".to_string(), c.targets.join(",")),
         ]);
         let kind = super::kind(&c.kind)?;
-        // The network args as kohya's scripts record them: strings by name.
         let mut args = vec![];
         if kind.plain_kohya && c.conv_rank == 0 {
             meta.insert("ss_network_module".into(), "networks.lora".into());
@@ -479,10 +464,63 @@ impl Adapters {
                 .collect();
             meta.insert("ss_network_args".into(), format!("{{{}}}", body.join(", ")));
         }
+        Ok(meta)
+    }
+
+    /// Writes every adapter in the kohya layout so that ComfyUI computes the changes FLAME's
+    /// adapters make: the kohya file, except that the kinds ComfyUI reads differently from
+    /// their definition write their tensors for ComfyUI's reading (`Adapter::to_comfyui`:
+    /// DoRA's magnitudes, which ComfyUI divides by the norm of the frozen weight).
+    /// `weight(path)` gives the frozen weight of the layer at `path` (any device, any float
+    /// dtype). The file records `flame_layout = "comfyui"`; `load_comfyui` and the `sample`
+    /// binary's merge read it back (DoRA's magnitudes to float32's rounding, through the same
+    /// weights). ComfyUI computes the trained layer where its weight is the one given here
+    /// and the file is the first change applied to it (not over an FP8 copy of the weight,
+    /// nor stacked after another adapter on the same layer).
+    pub fn save_comfyui(
+        &self,
+        path: impl AsRef<Path>,
+        dtype: DType,
+        weight: &WeightOf<'_>,
+    ) -> Result<()> {
+        self.save_kohya_layout(path.as_ref(), dtype, Some(weight), None)
+    }
+
+    /// The kohya layout, each adapter's tensors for ComfyUI's reading given the weights, or
+    /// as kohya and LyCORIS read them.
+    fn save_kohya_layout(
+        &self,
+        path: &Path,
+        dtype: DType,
+        weight: Option<&WeightOf<'_>>,
+        extra: Option<&BTreeMap<String, String>>,
+    ) -> Result<()> {
+        let _g = crate::no_grad();
+        let mut tensors: Vec<(String, Tensor)> = vec![];
+        for l in self.layers()? {
+            let name = kohya_name(l.path());
+            let layer = match weight {
+                Some(w) => {
+                    let get = |dt: DType| w(l.path())?.to_dtype(dt);
+                    l.to_comfyui(&BaseLayer::new(l.shape(), &get))?
+                }
+                None => l.to_kohya()?,
+            };
+            for (t, v) in layer {
+                let v = if t == "alpha" { v } else { v.to_dtype(dtype)? };
+                tensors.push((format!("{name}.{t}"), v));
+            }
+        }
+        let mut meta = extra.cloned().unwrap_or_default();
+        meta.extend(self.network_metadata()?);
         if weight.is_some() {
             meta.insert(LAYOUT_KEY.into(), COMFYUI_LAYOUT.into());
         }
-        save_with_metadata(tensors.iter().map(|(k, t)| (k.as_str(), t)), &meta, path)
+        let named = tensors.iter().map(|(k, t)| (k.as_str(), t));
+        match extra {
+            Some(_) => save_with_hashes(named, &meta, path),
+            None => save_with_metadata(named, &meta, path),
+        }
     }
 
     /// Reads a kohya / LyCORIS-layout file into the planned adapters (built with the model).
@@ -582,6 +620,31 @@ impl Adapters {
         prefix: &str,
         dtype: DType,
     ) -> Result<()> {
+        self.save_peft_layout(path.as_ref(), map, prefix, dtype, None)
+    }
+
+    /// [`Adapters::save_peft`] with `extra` metadata, the network's keys as kohya records
+    /// them ([`Adapters::network_metadata`]) and kohya's `sshs_*` hashes; the layout's own
+    /// keys (`format`, ...) win where a key is in both.
+    pub fn save_peft_with(
+        &self,
+        path: impl AsRef<Path>,
+        map: &KeyMap,
+        prefix: &str,
+        dtype: DType,
+        extra: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        self.save_peft_layout(path.as_ref(), map, prefix, dtype, Some(extra))
+    }
+
+    fn save_peft_layout(
+        &self,
+        path: &Path,
+        map: &KeyMap,
+        prefix: &str,
+        dtype: DType,
+        extra: Option<&BTreeMap<String, String>>,
+    ) -> Result<()> {
         let _g = crate::no_grad();
         let mut tensors: Vec<(String, Tensor)> = vec![];
         for l in self.layers()? {
@@ -595,7 +658,19 @@ impl Adapters {
             ("flame_kind".to_string(), self.config.kind.clone()),
             ("flame_rank".to_string(), self.config.rank.to_string()),
         ]);
-        save_with_metadata(tensors.iter().map(|(k, t)| (k.as_str(), t)), &meta, path)
+        let named = tensors.iter().map(|(k, t)| (k.as_str(), t));
+        match extra {
+            // The training metadata, the network's as kohya records it (the values it was
+            // trained with: the file's tensors have the scale folded in), then this
+            // layout's own keys.
+            Some(extra) => {
+                let mut all = extra.clone();
+                all.extend(self.network_metadata()?);
+                all.extend(meta);
+                save_with_hashes(named, &all, path)
+            }
+            None => save_with_metadata(named, &meta, path),
+        }
     }
 
     /// Checks that every planned adapter has a PEFT form under `map` (before training, so a

@@ -1,7 +1,11 @@
 use super::step::first_nonfinite;
 use super::Trainer;
 use crate::train::config::{AdapterFormat, TrainConfig};
-use crate::train::rundir::{read_log, write_atomic, CheckpointState, FINAL, LOG};
+use crate::train::ema::Ema;
+use crate::train::rundir::{
+    read_log, write_atomic, CheckpointState, EMA_STATE, FINAL, FINAL_EMA, LOG,
+};
+use crate::train::tensorboard::wall_time;
 use crate::{models, DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
 
@@ -27,17 +31,40 @@ impl Trainer {
                 why: format!("refusing to write {}", path.display()),
             });
         }
+        let meta = self.file_metadata();
         match format {
-            AdapterFormat::Kohya => self.adapters.save_kohya(path, DType::F32),
+            AdapterFormat::Kohya => self.adapters.save_kohya_with(path, DType::F32, &meta),
             AdapterFormat::Peft => {
                 let prefix = self.model.family().subfolder;
-                self.adapters.save_peft(path, &self.map, prefix, DType::F32)
+                self.adapters
+                    .save_peft_with(path, &self.map, prefix, DType::F32, &meta)
             }
             AdapterFormat::Comfyui => {
                 self.adapters
-                    .save_comfyui(path, DType::F32, &self.base_weights()?)
+                    .save_comfyui_with(path, DType::F32, &self.base_weights()?, &meta)
             }
         }
+    }
+
+    /// The training metadata of an adapter file saved now (`train::metadata`).
+    fn file_metadata(&self) -> std::collections::BTreeMap<String, String> {
+        let t = &self.config.train;
+        let per_step = t.batch_size * t.grad_accum * self.part().world;
+        self.meta
+            .at(self.step, per_step, self.data.len(), wall_time())
+    }
+
+    /// Writes the moving average's weights as an adapter file in `format` (the adapter's
+    /// layout and metadata): swapped into the adapter, saved, and swapped back out exactly.
+    pub(super) fn save_ema_adapter(&self, path: &Path, format: AdapterFormat) -> Result<()> {
+        let Some(ema) = &self.ema else {
+            return Ok(());
+        };
+        let params = self.adapters.params()?;
+        let kept = ema.swap_in(&params)?;
+        let saved = self.save_adapter(path, format);
+        Ema::swap_out(&params, &kept)?;
+        saved
     }
 
     pub(super) fn load_adapter(&self, path: &Path, format: AdapterFormat) -> Result<()> {
@@ -92,6 +119,11 @@ impl Trainer {
             .save_checkpoint(self.step, state, keep, |tmp| {
                 self.save_adapter(&tmp.join("adapter.safetensors"), self.checkpoint_format())?;
                 self.opt.save_state(&tmp.join("optimizer.safetensors"))?;
+                let mut names = vec!["adapter.safetensors", "optimizer.safetensors", LOG];
+                if let Some(ema) = &self.ema {
+                    ema.save(&tmp.join(EMA_STATE), &self.device)?;
+                    names.push(EMA_STATE);
+                }
                 // The loss log up to this step: a resume restores it from here when the
                 // folder's log lost lines.
                 let log = self.run_dir().path.join(LOG);
@@ -101,10 +133,14 @@ impl Trainer {
                     .map(|(_, l)| l + "\n")
                     .collect();
                 write_atomic(&tmp.join(LOG), text.as_bytes())?;
-                Ok(vec!["adapter.safetensors", "optimizer.safetensors", LOG])
+                Ok(names)
             })
             .and_then(|p| {
-                self.run_dir().record(LOG, None, true)?;
+                let dir = self.run_dir();
+                dir.record(LOG, None, true)?;
+                if let Some(rel) = self.events_file() {
+                    dir.record(&rel, None, true)?;
+                }
                 Ok(p)
             })
     }
@@ -129,6 +165,19 @@ impl Trainer {
         }
         self.load_adapter(&dir.join("adapter.safetensors"), self.checkpoint_format())?;
         self.opt.load_state(&dir.join("optimizer.safetensors"))?;
+        if let Some(ema) = &mut self.ema {
+            let path = dir.join(EMA_STATE);
+            if !path.is_file() {
+                return Err(Error::Checkpoint {
+                    path: dir.to_path_buf(),
+                    msg: format!(
+                        "holds no {EMA_STATE}: it was saved without ema.enabled; resume with \
+                         the config it was saved with"
+                    ),
+                });
+            }
+            ema.load(&path, &self.device)?;
+        }
         self.step = st.step;
         self.skipped_in_row = st.skipped_in_row;
         // A run that scales resumes at the saved scale (a checkpoint without one, from a
@@ -158,6 +207,10 @@ impl Trainer {
     /// Writes the final adapter of the current step and records it as this run's.
     pub(super) fn save_final(&self) -> Result<()> {
         let dir = self.run_dir();
+        if self.ema.is_some() {
+            self.save_ema_adapter(&dir.path.join(FINAL_EMA), self.config.adapter.format)?;
+            dir.record(FINAL_EMA, Some(self.step), false)?;
+        }
         self.save_adapter(&dir.path.join(FINAL), self.config.adapter.format)?;
         dir.record(FINAL, Some(self.step), false)
     }

@@ -17,10 +17,13 @@
 
 use super::config::TrainConfig;
 use super::data::{Batch, Part, Samples};
+use super::ema::Ema;
 use super::images::ImageSamples;
+use super::metadata::RunMetadata;
 use super::planning::{MemoryChoice, PhasePlan};
 use super::rundir::RunDir;
 use super::scaler::LossScaler;
+use super::tensorboard::EventWriter;
 use crate::dist::{GradReducer, ProcessGroup};
 use crate::models::DiffusionModel;
 use crate::nn::{Adapters, KeyMap};
@@ -79,6 +82,13 @@ pub struct Trainer {
     peaks: PhasePeaks,
     /// Each phase's plan and predicted peak, worked out at open.
     phases: Vec<PhasePlan>,
+    /// The moving average of the adapter's weights (`[ema]`), if kept.
+    ema: Option<Ema>,
+    /// What saved adapters' metadata says of the run.
+    meta: RunMetadata,
+    /// The TensorBoard event file being written (rank 0 with `train.tensorboard`, once the
+    /// run has its folder).
+    events: std::sync::Mutex<Option<EventWriter>>,
 }
 
 /// Where [`Trainer::open_in`] trains: the device (default: `train.device`'s) and, for

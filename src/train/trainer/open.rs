@@ -4,11 +4,33 @@ use crate::models::{DiffusionModel, Family, LoadOptions};
 use crate::nn::{Adapters, KeyMap};
 use crate::train::config::{AdapterFormat, ModelDType, TrainConfig};
 use crate::train::data::{check_batch_size, Dataset, Samples};
+use crate::train::ema::{Ema, EmaSchedule};
 use crate::train::images::{self, ImageSamples};
+use crate::train::metadata::{count_blocks, identity, DatasetFacts, ModelIdentity, RunMetadata};
 use crate::train::planning::{phase_plans, plan_memory, MemoryChoice, PhasePlan};
+use crate::train::tensorboard::wall_time;
 use crate::{models, DType, Device, Error, Result, Tensor};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+
+/// The model's identity for adapter metadata, from its family, whether it takes a guidance
+/// input, and its checkpoint's tensor names (read from the header only: the block count
+/// and SD3.5 medium's second attention tell the variants apart).
+fn model_identity(config: &TrainConfig, family: &Family, guidance: bool) -> Result<ModelIdentity> {
+    let ckpt = models::Checkpoint::open(&config.model.path, family.subfolder)?;
+    let mut names = vec![];
+    for f in &ckpt.files {
+        let file = crate::safetensors::SafeTensorsFile::open(f)?;
+        names.extend(file.names().map(str::to_string));
+    }
+    let blocks = count_blocks(
+        names.iter().map(String::as_str),
+        &["double_blocks.", "joint_blocks.", "transformer_blocks."],
+    );
+    let attn2 = names.iter().any(|n| n.contains(".attn2."));
+    let v = config.model.prediction == crate::train::Prediction::V;
+    Ok(identity(family.name, guidance, blocks, attn2, v))
+}
 
 /// The adapters made on a model's layers (`map`: its key map) can train and be saved as
 /// `config` says: some layer matched, and a PEFT file can name every one.
@@ -172,7 +194,20 @@ impl Trainer {
             }
             None => None,
         };
+        let ema = match config.ema.enabled {
+            true => Some(Ema::new(
+                &adapters.params()?,
+                EmaSchedule::of(&config.ema),
+                config.ema.device,
+            )?),
+            false => None,
+        };
+        let identity = model_identity(&config, family, loaded.model.guidance_input())?;
+        let meta = RunMetadata::new(&config, &identity, &data.facts, wall_time());
         Ok(Trainer {
+            ema,
+            meta,
+            events: Default::default(),
             config,
             memory,
             model: loaded.model,
@@ -261,6 +296,8 @@ struct Data {
     vae_shape: Option<(usize, usize)>,
     /// Whether the model takes a guidance input.
     guided: bool,
+    /// The training data as adapter metadata counts it.
+    facts: DatasetFacts,
 }
 
 impl Data {
@@ -283,6 +320,7 @@ impl Data {
             let data = Dataset::open(dir, &inputs, &|s| probe.check_shapes(s))?;
             check_batch_size(config, world, data.len(), "pre-encoded samples")?;
             return Ok(Data {
+                facts: DatasetFacts::encoded(dir, data.len()),
                 train: Box::new(data),
                 validation: None,
                 pipeline: None,
@@ -312,6 +350,7 @@ impl Data {
                 msg: format!("[data]: {msg}"),
             })?;
         Ok(Data {
+            facts: DatasetFacts::of_items(&run.train.ds.items),
             vae_shape: Some((run.vae_factor, run.vae_width)),
             pipeline: Some(PipelineParts {
                 text: run.text,

@@ -2,7 +2,9 @@ use super::folder::decide;
 use super::outputs::sample_name;
 use super::{Event, FolderAction, RunEnd, RunOptions, Trainer};
 use crate::train::config::TrainConfig;
-use crate::train::rundir::{read_log, CheckpointState, FINAL, LOG};
+use crate::train::ema::Ema;
+use crate::train::rundir::{read_log, CheckpointState, FINAL, LOG, TENSORBOARD};
+use crate::train::tensorboard::EventWriter;
 use crate::{Error, Result, Tensor};
 use std::io::Write;
 use std::sync::atomic::Ordering;
@@ -101,6 +103,9 @@ impl Trainer {
                     })?,
             ),
         };
+        if root && self.config.train.tensorboard {
+            self.open_events()?;
+        }
         let fin = dir.path.join(FINAL);
         if root && self.step > 0 {
             // A resume: the final adapter of a finished run is the one of its last step, and
@@ -139,6 +144,16 @@ impl Trainer {
                 }
                 r => r?,
             };
+            if r.skipped.is_none() {
+                if let Some(ema) = &mut self.ema {
+                    ema.update(&self.adapters.params()?)?;
+                }
+            }
+            self.log_events(|ev| {
+                ev.scalar(r.step, "train/loss", r.loss)?;
+                ev.scalar(r.step, "train/lr", r.lr)?;
+                ev.scalar(r.step, "train/grad_norm", r.grad_norm)
+            })?;
             let mut line = serde_json::json!({
                 "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm
             });
@@ -229,11 +244,12 @@ impl Trainer {
                 return Ok(());
             }
             self.peaks.start(&self.device, "validation");
-            let loss = self.validation_loss();
+            let loss = self.with_output_weights(|t| t.validation_loss());
             self.peaks.end(&self.device, "validation");
             let (Some(loss), Some(log)) = (loss?, log.as_mut()) else {
                 return Ok(());
             };
+            self.log_events(|ev| ev.scalar(step, "validation/loss", loss))?;
             let line = serde_json::json!({"step": step, "val_loss": loss});
             writeln!(log, "{line}")
                 .and_then(|()| log.flush())
@@ -247,9 +263,19 @@ impl Trainer {
         let sampled = validated.as_ref().ok().map(|_| -> Result<()> {
             if due.samples {
                 self.peaks.start(&self.device, "sample images");
-                let written = self.sample_images();
+                let written = self.with_output_weights(|t| t.sample_images());
                 self.peaks.end(&self.device, "sample images");
                 let written = written?;
+                self.log_events(|ev| {
+                    for (i, path) in written.iter().enumerate() {
+                        let png = std::fs::read(path).map_err(|source| Error::Io {
+                            path: path.clone(),
+                            source,
+                        })?;
+                        ev.png(step, &format!("samples/{i}"), &png)?;
+                    }
+                    Ok(())
+                })?;
                 if !written.is_empty() {
                     on(Event::Samples(written));
                 }
@@ -314,6 +340,61 @@ impl Trainer {
                  training again"
             ),
         })
+    }
+
+    /// Starts this process's TensorBoard event file in `tensorboard/` and records it as the
+    /// run's; a resumed run marks a restart at its next step, so TensorBoard drops what
+    /// earlier files logged from there on.
+    fn open_events(&mut self) -> Result<()> {
+        let dir = self.run_dir();
+        let mut ev = EventWriter::create(&dir.path.join(TENSORBOARD))?;
+        if self.step > 0 {
+            ev.restart(self.step + 1)?;
+        }
+        *self
+            .events
+            .lock()
+            .map_err(|_| Error::Poisoned("event file"))? = Some(ev);
+        match self.events_file() {
+            Some(rel) => dir.record(&rel, None, true),
+            None => Ok(()),
+        }
+    }
+
+    /// The event file's path relative to the output folder, if one is open.
+    pub(super) fn events_file(&self) -> Option<String> {
+        let dir = self.run_dir();
+        let guard = self.events.lock().ok()?;
+        let path = &guard.as_ref()?.path;
+        let rel = path.strip_prefix(&dir.path).unwrap_or(path);
+        Some(rel.to_string_lossy().into_owned())
+    }
+
+    /// Writes to the event file with `f`, if one is open.
+    pub(super) fn log_events(&self, f: impl FnOnce(&mut EventWriter) -> Result<()>) -> Result<()> {
+        let mut guard = self
+            .events
+            .lock()
+            .map_err(|_| Error::Poisoned("event file"))?;
+        match guard.as_mut() {
+            Some(ev) => f(ev),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `f` with the weights the validation loss and sample images use: the moving
+    /// average's with `ema.for_outputs` (swapped in, and back out exactly after), else the
+    /// trained ones.
+    fn with_output_weights<T>(&self, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
+        let ema = match (&self.ema, self.config.ema.for_outputs) {
+            (Some(ema), true) => ema,
+            _ => return f(self),
+        };
+        let params = self.adapters.params()?;
+        let kept = ema.swap_in(&params)?;
+        let r = f(self);
+        Ema::swap_out(&params, &kept)?;
+        r
     }
 
     /// Whether the loss log has a validation line for `step`.

@@ -9,7 +9,8 @@ use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
 use crate::dist::ProcessGroup;
 use crate::encoders::{AutoencoderKl, VaeTiling};
 use crate::models::pipeline::{
-    file_identity, load_vae, Located, Sources, TextConditioner, TextEncoderKind, TextOptions,
+    file_identity, load_vae, tokenizer_lines, Located, Sources, TextConditioner, TextEncoderKind,
+    TextOptions, TokenizerSource,
 };
 use crate::models::{Family, Input, Size};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -152,7 +153,10 @@ pub fn encoder_dtype(config: &TrainConfig, device: &Device) -> DType {
 }
 
 /// The pipeline pieces of `config`'s model (`[encoders]`, else next to `model.path`).
-pub fn locate(config: &TrainConfig, family: &Family) -> Result<(Vec<(Located, PathBuf)>, Located)> {
+pub fn locate(
+    config: &TrainConfig,
+    family: &Family,
+) -> Result<(Vec<(Located, TokenizerSource)>, Located)> {
     let e = &config.encoders;
     Sources {
         text: e.text.clone(),
@@ -316,7 +320,11 @@ fn weight_bytes(path: &Path) -> u64 {
 /// Whether T5 streams while encoding (`encoders.stream_t5`): "auto" streams when a memory
 /// budget is set and T5's weight files take more than half of it (a T5 inside an all-in-one
 /// file counts the whole file: streaming is then the safe side).
-pub fn stream_t5(config: &TrainConfig, family: &Family, text_at: &[(Located, PathBuf)]) -> bool {
+pub fn stream_t5(
+    config: &TrainConfig,
+    family: &Family,
+    text_at: &[(Located, TokenizerSource)],
+) -> bool {
     match config.encoders.stream_t5 {
         Toggle::On => true,
         Toggle::Off => false,
@@ -654,6 +662,9 @@ pub fn prepare(
     let text = TextCache::open(&cache, &text_id)?;
     let empty = text.entry_path("");
     let text_shapes: Vec<(String, Vec<usize>)> = if encode || !empty.is_file() {
+        for line in tokenizer_lines(family, &text_at) {
+            on(line);
+        }
         let cond = TextConditioner::load(family, &text_at, &text_opts, dtype, &device, "encoders")?;
         let mut enc = |c: &str| -> Result<data::cache::Encoded> {
             interrupted(stop, "captions")?;

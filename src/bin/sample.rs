@@ -7,6 +7,10 @@
 //!        --prompt "a photo of a cat" --steps 28 --guidance 3.5 --out samples
 //! ```
 //!
+//! The tokenizers are the pipeline folder's when the model sits in one, the `--tokenizer`
+//! folders when given, else the CLIP, T5 and Qwen3 vocabularies built into FLAME (the log
+//! names each encoder's).
+//!
 //! The text encoders run first and are freed, then the model (with the LoRA merged into its
 //! weights as they load) denoises every prompt and is freed, then the autoencoder decodes.
 //! Image i is `<out>/<i>-<seed + i>.png`, written atomically. `--latents` starts from given

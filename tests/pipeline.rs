@@ -213,7 +213,9 @@ fn locate_names_the_key_and_the_slots() {
     assert!(e.contains("encoders.text"), "{e}");
     assert!(e.contains("no clip_l text encoder next to"), "{e}");
     assert!(e.contains("(clip_l, t5) in that order"), "{e}");
-    // Encoders given, tokenizers not: encoders.tokenizers with the pipeline's folders.
+    // Encoders given, tokenizers not: the built-in tokenizers (feature `vocab`), so the next
+    // missing piece is the VAE; without them, encoders.tokenizers with the pipeline's
+    // folders and the feature to build with.
     let e = locate_err(
         "flux",
         Sources {
@@ -222,11 +224,16 @@ fn locate_names_the_key_and_the_slots() {
         },
         &single,
     );
-    assert!(e.contains("encoders.tokenizers"), "{e}");
-    assert!(
-        e.contains("tokenizer/ for clip_l, tokenizer_2/ for t5"),
-        "{e}"
-    );
+    if cfg!(feature = "vocab") {
+        assert!(e.contains("encoders.vae"), "{e}");
+    } else {
+        assert!(e.contains("encoders.tokenizers"), "{e}");
+        assert!(
+            e.contains("tokenizer/ for clip_l, tokenizer_2/ for t5"),
+            "{e}"
+        );
+        assert!(e.contains("`vocab` feature"), "{e}");
+    }
     // Tokenizers given, no VAE: encoders.vae.
     let toks = vec![
         root().join("encoders/clip_tokenizer"),

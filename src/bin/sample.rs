@@ -3,10 +3,13 @@
 //!
 //! ```text
 //! sample --arch flux --model flux1-dev.safetensors --text-encoder clip_l.safetensors \
-//!        --text-encoder t5xxl_fp16.safetensors --tokenizer FLUX.1-dev/tokenizer \
-//!        --tokenizer FLUX.1-dev/tokenizer_2 --vae ae.safetensors --lora out/lora.safetensors \
+//!        --text-encoder t5xxl_fp16.safetensors --vae ae.safetensors --lora out/lora.safetensors \
 //!        --prompt "a photo of a cat" --steps 28 --guidance 3.5 --out samples
 //! ```
+//!
+//! The tokenizers are the pipeline folder's when the model sits in one, the `--tokenizer`
+//! folders when given, else the CLIP, T5 and Qwen3 vocabularies built into FLAME (the log
+//! names each encoder's).
 //!
 //! The text encoders run first and are freed, then the model (with the LoRA merged into its
 //! weights as they load) denoises every prompt and is freed, then the autoencoder decodes.
@@ -15,7 +18,9 @@
 
 use argh::FromArgs;
 use flame::cli::{failure, parse_args, usage};
-use flame::models::pipeline::{conditioning, load_vae, Sources, TextConditioner, TextOptions};
+use flame::models::pipeline::{
+    conditioning, load_vae, tokenizer_lines, Sources, TextConditioner, TextOptions,
+};
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
 use flame::sample::{generate_watched, seeded_noise, Request, StepInfo};
@@ -79,7 +84,8 @@ struct Args {
     /// t5; sdxl: clip_l, clip_g); repeat. Default: next to the model
     #[argh(option)]
     text_encoder: Vec<PathBuf>,
-    /// tokenizer folders in the same order; repeat. Default: next to the model
+    /// tokenizer folders in the same order; repeat. Default: next to the model, else the
+    /// tokenizers built into FLAME
     #[argh(option)]
     tokenizer: Vec<PathBuf>,
     /// the autoencoder's weights. Default: next to the model
@@ -424,6 +430,9 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
             stream_t5: a.stream_t5 || a.budget > 0.0,
             stream_qwen3: a.stream_qwen3 || a.budget > 0.0,
         };
+        for line in tokenizer_lines(family, &text_at) {
+            eprintln!("{line}");
+        }
         let cond = TextConditioner::load(
             family,
             &text_at,

@@ -44,9 +44,11 @@
 mod clip;
 mod qwen3;
 mod qwen3_cond;
+mod spiece;
 mod t5;
 mod tokenizer;
 mod vae;
+mod vocab;
 
 pub use clip::{
     clip_key_map, ClipAct, ClipConfig, ClipLayout, ClipOutput, ClipTextModel, SD3_CLIP_G,
@@ -66,6 +68,8 @@ pub use vae::{
     vae_key_map, AutoencoderKl, LatentDist, LatentScaling, PatchNorm, VaeConfig, VaeKind,
     VaeLayout, VaeTiling,
 };
+pub use vocab::BuiltinTokenizer;
+pub(crate) use vocab::NOT_BUILT as NO_BUILTIN_VOCAB;
 
 use crate::{Error, Result};
 use serde_json::Value;

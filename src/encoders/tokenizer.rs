@@ -3,15 +3,17 @@
 //! transformers' `CLIPTokenizerFast` and `T5TokenizerFast` return with
 //! `padding="max_length", truncation=True`.
 //!
-//! No vocabulary ships with FLAME: single-file checkpoints hold none, so the tokenizer files
-//! come from a diffusers pipeline folder (`tokenizer/`, `tokenizer_2/`, `tokenizer_3/`) or a
-//! transformers model folder. CLIP's vocab.json and merges.txt (OpenAI, MIT) could be
-//! embedded, but they are 1.5 MB, every pipeline folder carries them, and they could not be
-//! fetched where this was written to pin their bytes; T5's vocabulary (Apache-2.0) is larger.
+//! The tokenizer files come from a diffusers pipeline folder (`tokenizer/`, `tokenizer_2/`,
+//! `tokenizer_3/`) or a transformers model folder; single-file checkpoints hold none, so
+//! FLAME also carries the released vocabularies (feature `vocab`, [`BuiltinTokenizer`]):
+//! each tokenizer's `builtin` constructor builds the same tokenizer from them. T5's is also
+//! read from a bare `spiece.model` (module `spiece`).
 
+use super::spiece::t5_from_spiece;
+use super::vocab::{BuiltinTokenizer, VocabFile};
 use crate::{Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
-use tokenizers::models::bpe::BPE;
+use tokenizers::models::bpe::{Merges, Vocab, BPE};
 use tokenizers::normalizers::replace::ReplacePattern;
 use tokenizers::normalizers::{Lowercase, Replace, Sequence as NormSeq, NFC};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -109,7 +111,20 @@ fn id_of(tok: &Tokenizer, token: &str, path: &Path) -> Result<u32> {
 
 /// A tokenizer.json with its own truncation and padding turned off (we frame ourselves).
 fn from_json(path: &Path) -> Result<Tokenizer> {
-    let mut tok = Tokenizer::from_file(path).map_err(|e| tok_err(path, e.to_string()))?;
+    from_json_bytes(&read(path)?, path)
+}
+
+/// The bytes of the file at `path`.
+fn read(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// [`from_json`] from the file's bytes; `path` names it in errors.
+fn from_json_bytes(bytes: &[u8], path: &Path) -> Result<Tokenizer> {
+    let mut tok = Tokenizer::from_bytes(bytes).map_err(|e| tok_err(path, e.to_string()))?;
     tok.with_truncation(None)
         .map_err(|e| tok_err(path, e.to_string()))?;
     tok.with_padding(None);
@@ -150,10 +165,12 @@ impl ClipTokenizer {
         let json = dir.join("tokenizer.json");
         let (vocab, merges) = (dir.join("vocab.json"), dir.join("merges.txt"));
         let cfg = folder_config(dir)?;
-        let (mut tok, path) = if json.is_file() {
+        let (tok, path) = if json.is_file() {
             (from_json(&json)?, json)
         } else if vocab.is_file() && merges.is_file() {
-            (clip_bpe(&vocab, &merges)?, dir.to_path_buf())
+            let (v, m) = BPE::read_file(path_str(&vocab)?, path_str(&merges)?)
+                .map_err(|e| tok_err(dir, e.to_string()))?;
+            (clip_bpe(v, m, dir)?, dir.to_path_buf())
         } else {
             return Err(tok_err(
                 dir,
@@ -161,6 +178,52 @@ impl ClipTokenizer {
                  files, as in a diffusers pipeline's tokenizer/ folder)",
             ));
         };
+        Self::configured(tok, &cfg, pad, max_len, path)
+    }
+
+    /// The CLIP tokenizer shipped with FLAME: OpenAI's vocabulary, configured as the
+    /// pipelines' CLIP-L `tokenizer/` ([`BuiltinTokenizer::ClipL`], padding with
+    /// `<|endoftext|>`) or bigG `tokenizer_2/` ([`BuiltinTokenizer::ClipG`], padding with
+    /// `"!"`); what [`from_dir`](Self::from_dir) builds from those folders. An error for
+    /// another kind, or in a build without the feature `vocab`.
+    pub fn builtin(which: BuiltinTokenizer, max_len: usize) -> Result<Self> {
+        let config = match which {
+            BuiltinTokenizer::ClipL => VocabFile::ClipLConfig,
+            BuiltinTokenizer::ClipG => VocabFile::ClipGConfig,
+            other => {
+                return Err(tok_err(
+                    &VocabFile::ClipVocab.path(),
+                    format!("{} is not a CLIP tokenizer", other.describe()),
+                ))
+            }
+        };
+        let path = VocabFile::ClipVocab.path();
+        let vocab: Vocab = serde_json::from_slice::<std::collections::HashMap<String, u32>>(
+            &VocabFile::ClipVocab.read()?,
+        )
+        .map_err(|e| tok_err(&path, format!("invalid JSON: {e}")))?
+        .into_iter()
+        .collect();
+        let merges = parse_merges(
+            &VocabFile::ClipMerges.read()?,
+            &VocabFile::ClipMerges.path(),
+        )?;
+        let mut cfg = FolderConfig::default();
+        cfg.merge(
+            &json_value(&config.read()?, &config.path())?,
+            &config.path(),
+        )?;
+        Self::configured(clip_bpe(vocab, merges, &path)?, &cfg, None, max_len, path)
+    }
+
+    /// `tok` with the special tokens and padding of `cfg` (a tokenizer folder's config).
+    fn configured(
+        mut tok: Tokenizer,
+        cfg: &FolderConfig,
+        pad: Option<u32>,
+        max_len: usize,
+        path: PathBuf,
+    ) -> Result<Self> {
         // As transformers registers them: BOS, EOS, the pad token and every token of
         // added_tokens_decoder are split from the text before BPE (so SDXL's tokenizer_2 reads
         // a "!" in a caption as its pad token, id 0). Tokens a tokenizer.json already has
@@ -234,15 +297,39 @@ impl ClipTokenizer {
     }
 }
 
-/// CLIP's pipeline from `vocab.json` and `merges.txt`.
-fn clip_bpe(vocab: &Path, merges: &Path) -> Result<Tokenizer> {
-    let err = |e: tokenizers::Error| tok_err(vocab, e.to_string());
-    let path_str = |p: &Path| {
-        p.to_str()
-            .map(str::to_string)
-            .ok_or_else(|| tok_err(p, "the path is not valid UTF-8"))
-    };
-    let bpe = BPE::from_file(&path_str(vocab)?, &path_str(merges)?)
+/// `p` as a string, for the `tokenizers` functions that take one.
+fn path_str(p: &Path) -> Result<&str> {
+    p.to_str()
+        .ok_or_else(|| tok_err(p, "the path is not valid UTF-8"))
+}
+
+/// The merges of a `merges.txt` (a `#version` line, then one `left right` pair a line), as
+/// `tokenizers`' `BPE::read_file` reads them.
+fn parse_merges(bytes: &[u8], path: &Path) -> Result<Merges> {
+    let text = std::str::from_utf8(bytes).map_err(|_| tok_err(path, "not UTF-8"))?;
+    let mut merges = vec![];
+    for (i, line) in text.lines().enumerate() {
+        if line.starts_with("#version") || line.is_empty() {
+            continue;
+        }
+        match line.split_once(' ') {
+            Some((a, b)) if !b.contains(' ') => merges.push((a.to_string(), b.to_string())),
+            _ => return Err(tok_err(path, format!("line {}: not a merge pair", i + 1))),
+        }
+    }
+    Ok(merges)
+}
+
+/// The JSON value of a config file's bytes.
+fn json_value(bytes: &[u8], path: &Path) -> Result<serde_json::Value> {
+    serde_json::from_slice(bytes).map_err(|e| tok_err(path, format!("invalid JSON: {e}")))
+}
+
+/// CLIP's pipeline around the BPE of `vocab` and `merges`; `path` names them in errors.
+fn clip_bpe(vocab: Vocab, merges: Merges, path: &Path) -> Result<Tokenizer> {
+    let err = |e: tokenizers::Error| tok_err(path, e.to_string());
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
         .unk_token("<|endoftext|>".into())
         .end_of_word_suffix("</w>".into())
         .continuing_subword_prefix(String::new())
@@ -272,6 +359,7 @@ fn clip_bpe(vocab: &Path, merges: &Path) -> Result<Tokenizer> {
 /// What a transformers tokenizer folder's `special_tokens_map.json` and
 /// `tokenizer_config.json` say: the `pad_token` (a string or `{"content": ...}`, the former
 /// file first) and the tokens of `added_tokens_decoder`.
+#[derive(Default)]
 struct FolderConfig {
     pad: Option<String>,
     added: Vec<AddedToken>,
@@ -282,23 +370,19 @@ struct FolderConfig {
 }
 
 fn folder_config(dir: &Path) -> Result<FolderConfig> {
-    let mut cfg = FolderConfig {
-        pad: None,
-        added: vec![],
-        padding_side: None,
-        truncation_side: None,
-    };
+    let mut cfg = FolderConfig::default();
     for name in ["special_tokens_map.json", "tokenizer_config.json"] {
         let path = dir.join(name);
-        if !path.is_file() {
-            continue;
+        if path.is_file() {
+            cfg.merge(&json_value(&read(&path)?, &path)?, &path)?;
         }
-        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| tok_err(&path, format!("invalid JSON: {e}")))?;
+    }
+    Ok(cfg)
+}
+
+impl FolderConfig {
+    /// Takes what the config file `v` (at `path`) says that earlier files did not.
+    fn merge(&mut self, v: &serde_json::Value, path: &Path) -> Result<()> {
         let content = |t: &serde_json::Value| match t {
             serde_json::Value::String(s) => Some(s.clone()),
             t => t
@@ -306,12 +390,12 @@ fn folder_config(dir: &Path) -> Result<FolderConfig> {
                 .and_then(|c| c.as_str())
                 .map(str::to_string),
         };
-        if cfg.pad.is_none() {
-            cfg.pad = v.get("pad_token").and_then(content);
+        if self.pad.is_none() {
+            self.pad = v.get("pad_token").and_then(content);
         }
         let side = |k: &str| v.get(k).and_then(|s| s.as_str()).map(str::to_string);
-        cfg.padding_side = cfg.padding_side.take().or_else(|| side("padding_side"));
-        cfg.truncation_side = cfg
+        self.padding_side = self.padding_side.take().or_else(|| side("padding_side"));
+        self.truncation_side = self
             .truncation_side
             .take()
             .or_else(|| side("truncation_side"));
@@ -321,9 +405,9 @@ fn folder_config(dir: &Path) -> Result<FolderConfig> {
         if let Some(added) = v.get("added_tokens_decoder").and_then(|a| a.as_object()) {
             for t in added.values() {
                 let Some(c) = content(t) else {
-                    return Err(tok_err(&path, format!("added token {t} has no content")));
+                    return Err(tok_err(path, format!("added token {t} has no content")));
                 };
-                cfg.added.push(
+                self.added.push(
                     AddedToken::from(c, flag(t, "special", false))
                         .normalized(flag(t, "normalized", true))
                         .lstrip(flag(t, "lstrip", false))
@@ -332,8 +416,8 @@ fn folder_config(dir: &Path) -> Result<FolderConfig> {
                 );
             }
         }
+        Ok(())
     }
-    Ok(cfg)
 }
 
 /// T5's unigram tokenizer (Flux's `tokenizer_2/`, SD3's `tokenizer_3/`): the text's pieces,
@@ -348,32 +432,50 @@ pub struct T5Tokenizer {
 }
 
 impl T5Tokenizer {
-    /// From a `tokenizer.json` file or a folder holding one. Only `spiece.model` is not
-    /// enough: FLAME reads no SentencePiece protobuf (the diffusers pipelines ship both).
+    /// From a `tokenizer.json` or `spiece.model` file, or a folder holding one (its
+    /// tokenizer.json first). A bare `spiece.model` is converted as transformers converts it
+    /// (module `spiece`).
     pub fn from_file(path: impl AsRef<Path>, max_len: usize) -> Result<Self> {
         let mut path = path.as_ref().to_path_buf();
         if path.is_dir() {
             let json = path.join("tokenizer.json");
-            if !json.is_file() {
-                let hint = if path.join("spiece.model").is_file() {
-                    "only spiece.model: convert it once with transformers \
-                     (T5TokenizerFast.from_pretrained(dir).save_pretrained(dir))"
-                } else {
-                    "no tokenizer.json (T5's is in a diffusers pipeline's tokenizer_2/ for \
-                     Flux or tokenizer_3/ for SD3)"
-                };
-                return Err(tok_err(&path, hint));
-            }
-            path = json;
+            let spm = path.join("spiece.model");
+            path = match (json.is_file(), spm.is_file()) {
+                (true, _) => json,
+                (false, true) => spm,
+                (false, false) => {
+                    return Err(tok_err(
+                        &path,
+                        "neither tokenizer.json nor spiece.model (T5's are in a diffusers \
+                         pipeline's tokenizer_2/ for Flux or tokenizer_3/ for SD3)",
+                    ))
+                }
+            };
         }
         if !path.is_file() {
             return Err(tok_err(
                 &path,
-                "no such file; give T5's tokenizer.json (a diffusers pipeline's tokenizer_2/ \
-                 for Flux, tokenizer_3/ for SD3): single-file checkpoints hold no vocabulary",
+                "no such file; give T5's tokenizer.json or spiece.model (a diffusers \
+                 pipeline's tokenizer_2/ for Flux, tokenizer_3/ for SD3): single-file \
+                 checkpoints hold no vocabulary",
             ));
         }
-        let tok = from_json(&path)?;
+        let tok = match path.extension().is_some_and(|e| e == "model") {
+            true => t5_from_spiece(&read(&path)?, &path)?,
+            false => from_json(&path)?,
+        };
+        Self::new(tok, max_len, path)
+    }
+
+    /// The T5 tokenizer shipped with FLAME (T5 v1.1's vocabulary, FLUX.1-dev's
+    /// `tokenizer_2/tokenizer.json`); an error in a build without the feature `vocab`.
+    pub fn builtin(max_len: usize) -> Result<Self> {
+        let path = VocabFile::T5Json.path();
+        let tok = from_json_bytes(&VocabFile::T5Json.read()?, &path)?;
+        Self::new(tok, max_len, path)
+    }
+
+    fn new(tok: Tokenizer, max_len: usize, path: PathBuf) -> Result<Self> {
         let eos = id_of(&tok, "</s>", &path)?;
         let pad = id_of(&tok, "<pad>", &path)?;
         if max_len < 1 {
@@ -437,31 +539,51 @@ impl Qwen3Tokenizer {
         }
         let cfg = match dir {
             Some(d) => folder_config(d)?,
-            None => FolderConfig {
-                pad: None,
-                added: vec![],
-                padding_side: None,
-                truncation_side: None,
-            },
+            None => FolderConfig::default(),
         };
         let config_file = dir.map_or_else(|| json.clone(), |d| d.join("tokenizer_config.json"));
+        Self::configured(from_json(&json)?, &cfg, &config_file, max_len, json)
+    }
+
+    /// The Qwen3 tokenizer shipped with FLAME: Qwen3's `tokenizer.json` and
+    /// `tokenizer_config.json` (as in FLUX.2 \[klein\]'s and Z-Image's `tokenizer/`), what
+    /// [`from_dir`](Self::from_dir) builds from them; an error in a build without the
+    /// feature `vocab`.
+    pub fn builtin(max_len: usize) -> Result<Self> {
+        let (json, config) = (VocabFile::Qwen3Json, VocabFile::Qwen3Config);
+        let tok = from_json_bytes(&json.read()?, &json.path())?;
+        let mut cfg = FolderConfig::default();
+        cfg.merge(
+            &json_value(&config.read()?, &config.path())?,
+            &config.path(),
+        )?;
+        Self::configured(tok, &cfg, &config.path(), max_len, json.path())
+    }
+
+    /// `tok` (read from `json`) as the config `cfg` (from `config_file`) sets it up.
+    fn configured(
+        mut tok: Tokenizer,
+        cfg: &FolderConfig,
+        config_file: &Path,
+        max_len: usize,
+        json: PathBuf,
+    ) -> Result<Self> {
         let side = |s: &Option<String>, key: &str| match s.as_deref() {
             None | Some("right") => Ok(false),
             Some("left") => Ok(true),
             Some(other) => Err(tok_err(
-                &config_file,
+                config_file,
                 format!("{key} \"{other}\" is neither \"right\" nor \"left\""),
             )),
         };
         if side(&cfg.padding_side, "padding_side")? {
             return Err(tok_err(
-                &config_file,
+                config_file,
                 "padding_side \"left\": Qwen3's conditioning pads on the right (the \
                  pipelines' released tokenizers do); remove the setting",
             ));
         }
         let cut_left = side(&cfg.truncation_side, "truncation_side")?;
-        let mut tok = from_json(&json)?;
         let have: Vec<String> = tok
             .get_added_tokens_decoder()
             .into_values()

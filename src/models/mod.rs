@@ -24,8 +24,8 @@ pub use family::{
     ModelSpec, Objective, RunShape, Size,
 };
 pub use pipeline::{
-    load_vae, step_distilled, EncoderSlot, Located, PipelineSpec, SampleSetup, Sources,
-    TextConditioner, TextEncoderKind, TextOptions, TextOutput,
+    load_vae, step_distilled, tokenizer_lines, EncoderSlot, Located, PipelineSpec, SampleSetup,
+    Sources, TextConditioner, TextEncoderKind, TextOptions, TextOutput, TokenizerSource,
 };
 
 /// Every registered family. A new model is a folder under `src/models` implementing

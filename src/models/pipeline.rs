@@ -6,8 +6,8 @@
 
 use super::family::Family;
 use crate::encoders::{
-    AutoencoderKl, ClipTextModel, ClipTokenizer, Qwen3Conditioning, Qwen3Encoder, Qwen3Options,
-    Qwen3Tokenizer, T5Encoder, T5Tokenizer, Tokens,
+    AutoencoderKl, BuiltinTokenizer, ClipTextModel, ClipTokenizer, Qwen3Conditioning, Qwen3Encoder,
+    Qwen3Options, Qwen3Tokenizer, T5Encoder, T5Tokenizer, Tokens, NO_BUILTIN_VOCAB,
 };
 use crate::{no_grad, DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
@@ -57,6 +57,37 @@ fn names_in(file: &Path) -> Option<Vec<String>> {
         .map(|f| f.names().map(str::to_string).collect())
 }
 
+/// Where a text encoder's tokenizer comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TokenizerSource {
+    /// A tokenizer folder or file (a pipeline's `tokenizer*/`, a T5 `tokenizer.json` or
+    /// `spiece.model`).
+    Path(PathBuf),
+    /// The tokenizer shipped with FLAME (feature `vocab`), when none was given or found.
+    Builtin(BuiltinTokenizer),
+}
+
+impl std::fmt::Display for TokenizerSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TokenizerSource::Path(p) => write!(f, "{}", p.display()),
+            TokenizerSource::Builtin(b) => f.write_str(b.describe()),
+        }
+    }
+}
+
+/// One line per text encoder of `family` saying which tokenizer it uses: what the train and
+/// sample binaries log.
+pub fn tokenizer_lines(family: &Family, located: &[(Located, TokenizerSource)]) -> Vec<String> {
+    family
+        .pipeline
+        .text
+        .iter()
+        .zip(located)
+        .map(|(slot, (_, tok))| format!("{} tokenizer: {tok}", slot.name))
+        .collect()
+}
+
 /// One located piece: the path and, when it is the family's all-in-one single file, the
 /// prefix to read it under.
 #[derive(Clone, Debug, PartialEq)]
@@ -71,14 +102,16 @@ impl Sources {
     /// The pipeline's pieces for `family` with its model at `model`: the given paths (a
     /// path equal to `model` is read under the family's single-file prefix), else the
     /// pipeline folder's `text_encoder*/`, `tokenizer*/` and `vae/`, else (weights only) the
-    /// model's own single file when the family's single files hold them. An error names the
-    /// config key to set (`key_text`, `key_tok`, `key_vae`) when nothing is found.
+    /// model's own single file when the family's single files hold them, and (tokenizers
+    /// only) the slot's tokenizer shipped with FLAME when built with the feature `vocab`. An
+    /// error names the config key to set (`key_text`, `key_tok`, `key_vae`) when nothing is
+    /// found.
     pub fn locate(
         &self,
         family: &Family,
         model: &Path,
         keys: [&str; 3],
-    ) -> Result<(Vec<(Located, PathBuf)>, Located)> {
+    ) -> Result<(Vec<(Located, TokenizerSource)>, Located)> {
         let spec = family.pipeline;
         let [key_text, key_tok, key_vae] = keys;
         let n = spec.text.len();
@@ -149,13 +182,14 @@ impl Sources {
                 },
             };
             let tok = match self.tokenizers.get(i) {
-                Some(p) => p.clone(),
+                Some(p) => TokenizerSource::Path(p.clone()),
                 None => match pipeline_root(model, slot.tokenizer) {
-                    Some(root) => root.join(slot.tokenizer),
+                    Some(root) => TokenizerSource::Path(root.join(slot.tokenizer)),
+                    None if BuiltinTokenizer::AVAILABLE => TokenizerSource::Builtin(slot.builtin),
                     None => {
                         return Err(pipeline_err(format!(
                             "{key_tok}: no {} tokenizer next to {}; give the tokenizer \
-                             folders of a diffusers pipeline ({}), in that order",
+                             folders of a diffusers pipeline ({}), in that order ({NO_BUILTIN_VOCAB})",
                             slot.name,
                             model.display(),
                             spec.text
@@ -314,7 +348,7 @@ impl TextConditioner {
     /// slot.
     pub fn load(
         family: &'static Family,
-        located: &[(Located, PathBuf)],
+        located: &[(Located, TokenizerSource)],
         opts: &TextOptions,
         dtype: DType,
         device: &Device,
@@ -337,10 +371,23 @@ impl TextConditioner {
         let mut encoders = vec![];
         for (slot, (w, tok)) in family.pipeline.text.iter().zip(located) {
             let len = slot.len(opts.guided, opts.t5_tokens);
+            if let TokenizerSource::Builtin(b) = tok {
+                if !slot.builtin_fits(*b) {
+                    return Err(wrap(
+                        key,
+                        slot,
+                        pipeline_err(format!("{} is not a tokenizer for it", b.describe())),
+                    ));
+                }
+            }
             let pair = match slot.kind {
                 TextEncoderKind::Clip => (
                     Tokenizer::Clip(
-                        ClipTokenizer::from_dir(tok, len, None).map_err(|e| wrap(key, slot, e))?,
+                        match tok {
+                            TokenizerSource::Path(p) => ClipTokenizer::from_dir(p, len, None),
+                            TokenizerSource::Builtin(b) => ClipTokenizer::builtin(*b, len),
+                        }
+                        .map_err(|e| wrap(key, slot, e))?,
                     ),
                     Encoder::Clip(
                         ClipTextModel::load(&w.path, w.prefix, dtype, device, None)
@@ -357,7 +404,11 @@ impl TextConditioner {
                     };
                     (
                         Tokenizer::T5(
-                            T5Tokenizer::from_file(tok, len).map_err(|e| wrap(key, slot, e))?,
+                            match tok {
+                                TokenizerSource::Path(p) => T5Tokenizer::from_file(p, len),
+                                TokenizerSource::Builtin(_) => T5Tokenizer::builtin(len),
+                            }
+                            .map_err(|e| wrap(key, slot, e))?,
                         ),
                         Encoder::T5(
                             match opts.stream_t5 {
@@ -385,7 +436,11 @@ impl TextConditioner {
                     };
                     (
                         Tokenizer::Qwen3(
-                            Qwen3Tokenizer::from_dir(tok, len).map_err(|e| wrap(key, slot, e))?,
+                            match tok {
+                                TokenizerSource::Path(p) => Qwen3Tokenizer::from_dir(p, len),
+                                TokenizerSource::Builtin(_) => Qwen3Tokenizer::builtin(len),
+                            }
+                            .map_err(|e| wrap(key, slot, e))?,
                             cond,
                         ),
                         Encoder::Qwen3(
@@ -411,7 +466,7 @@ impl TextConditioner {
     /// loading them.
     pub fn identity_of(
         family: &Family,
-        located: &[(Located, PathBuf)],
+        located: &[(Located, TokenizerSource)],
         opts: &TextOptions,
         dtype: DType,
     ) -> String {
@@ -422,7 +477,11 @@ impl TextConditioner {
                 slot.name,
                 file_identity(&w.path),
                 w.prefix,
-                file_identity(tok),
+                match tok {
+                    TokenizerSource::Path(p) => file_identity(p),
+                    TokenizerSource::Builtin(b) =>
+                        format!("{} (FLAME {})", b.describe(), env!("CARGO_PKG_VERSION")),
+                },
                 slot.len(opts.guided, opts.t5_tokens)
             ));
         }

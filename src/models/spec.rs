@@ -4,7 +4,7 @@
 //! what it names.
 
 use crate::diffusion::{Prediction, Schedule};
-use crate::encoders::{ClipOutput, Qwen3Conditioning, Qwen3Output, VaeKind};
+use crate::encoders::{BuiltinTokenizer, ClipOutput, Qwen3Conditioning, Qwen3Output, VaeKind};
 use crate::{Error, Result, Tensor};
 
 /// The architecture of a text encoder.
@@ -32,6 +32,9 @@ pub struct EncoderSlot {
     pub folder: &'static str,
     /// Its tokenizer's folder in a diffusers pipeline (`tokenizer`, `tokenizer_2`, ...).
     pub tokenizer: &'static str,
+    /// The tokenizer shipped with FLAME that stands for that folder when none is given or
+    /// found (feature `vocab`): the same vocabulary and configuration.
+    pub builtin: BuiltinTokenizer,
     /// Its key prefix inside the family's all-in-one single file, if such files hold it.
     pub single_file_prefix: Option<&'static str>,
     /// Tokens per caption (CLIP 77; T5 256 or 512; Qwen3 512).
@@ -41,6 +44,18 @@ pub struct EncoderSlot {
 }
 
 impl EncoderSlot {
+    /// Whether the built-in tokenizer `b` is one for this slot's architecture.
+    pub fn builtin_fits(&self, b: BuiltinTokenizer) -> bool {
+        matches!(
+            (self.kind, b),
+            (
+                TextEncoderKind::Clip,
+                BuiltinTokenizer::ClipL | BuiltinTokenizer::ClipG
+            ) | (TextEncoderKind::T5, BuiltinTokenizer::T5)
+                | (TextEncoderKind::Qwen3(_), BuiltinTokenizer::Qwen3)
+        )
+    }
+
     /// Tokens per caption for a model with (`guided`) or without a guidance input; a T5
     /// slot takes `t5_tokens` instead when it is not 0.
     pub fn len(&self, guided: bool, t5_tokens: usize) -> usize {

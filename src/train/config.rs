@@ -602,8 +602,9 @@ section! {
         /// folder's text_encoder*/ when model.path is one, else the model's single file when
         /// it holds them (SDXL, SD3.5 all-in-one files).
         text: Vec<PathBuf> = Vec::<PathBuf>::new(),
-        /// The tokenizers' folders (or T5 tokenizer.json files), in the same order. Default:
-        /// the pipeline folder's tokenizer*/.
+        /// The tokenizers' folders (or T5 tokenizer.json / spiece.model files), in the same
+        /// order. Default: the pipeline folder's tokenizer*/, else the tokenizers built into
+        /// FLAME (feature `vocab`).
         tokenizers: Vec<PathBuf> = Vec::<PathBuf>::new(),
         /// The autoencoder's weights (BFL ae.safetensors, a diffusers vae/ folder, or the
         /// model's single file). Default: the pipeline's vae/, or the model's single file.

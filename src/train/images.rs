@@ -9,7 +9,8 @@ use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
 use crate::dist::ProcessGroup;
 use crate::encoders::{AutoencoderKl, VaeTiling};
 use crate::models::pipeline::{
-    file_identity, load_vae, Located, Sources, TextConditioner, TextEncoderKind, TextOptions,
+    file_identity, load_vae, tokenizer_lines, Located, Sources, TextConditioner, TextEncoderKind,
+    TextOptions, TokenizerSource,
 };
 use crate::models::{Family, Input, Size};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -154,7 +155,10 @@ pub fn encoder_dtype(config: &TrainConfig, device: &Device) -> DType {
 }
 
 /// The pipeline pieces of `config`'s model (`[encoders]`, else next to `model.path`).
-pub fn locate(config: &TrainConfig, family: &Family) -> Result<(Vec<(Located, PathBuf)>, Located)> {
+pub fn locate(
+    config: &TrainConfig,
+    family: &Family,
+) -> Result<(Vec<(Located, TokenizerSource)>, Located)> {
     let e = &config.encoders;
     Sources {
         text: e.text.clone(),
@@ -324,7 +328,7 @@ fn weight_bytes(path: &Path) -> u64 {
 pub fn text_options(
     config: &TrainConfig,
     family: &Family,
-    text_at: &[(Located, PathBuf)],
+    text_at: &[(Located, TokenizerSource)],
     guided: bool,
 ) -> TextOptions {
     let budget = config.memory.budget_gb * (1u64 << 30) as f64;
@@ -697,6 +701,9 @@ pub fn prepare(
     let text = TextCache::open(&cache, &text_id)?;
     let empty = text.entry_path("");
     let text_shapes: Vec<(String, Vec<usize>)> = if encode || !empty.is_file() {
+        for line in tokenizer_lines(family, &text_at) {
+            on(line);
+        }
         let cond = TextConditioner::load(family, &text_at, &text_opts, dtype, &device, "encoders")?;
         let mut enc = |c: &str| -> Result<data::cache::Encoded> {
             interrupted(stop, "captions")?;

@@ -4,7 +4,9 @@
 use super::{diffusers_map, image_ids, pack_latents, text_ids, unpack_latents, Flux, FluxConfig};
 use crate::diffusion::schedulers::{FlowMatchConfig, FlowMatchEuler};
 use crate::diffusion::Schedule;
-use crate::encoders::{VaeKind, CLIP_MAX_LEN, T5_LEN_FLUX_DEV, T5_LEN_SCHNELL_SD35};
+use crate::encoders::{
+    BuiltinTokenizer, VaeKind, CLIP_MAX_LEN, T5_LEN_FLUX_DEV, T5_LEN_SCHNELL_SD35,
+};
 use crate::memory::{BlockExec, BlockShape};
 use crate::models::checkpoint::Checkpoint;
 use crate::models::common::{conds, latent_and_context};
@@ -32,6 +34,7 @@ static TEXT: [EncoderSlot; 2] = [
         kind: TextEncoderKind::Clip,
         folder: "text_encoder",
         tokenizer: "tokenizer",
+        builtin: BuiltinTokenizer::ClipL,
         single_file_prefix: None,
         max_len: CLIP_MAX_LEN,
         max_len_unguided: CLIP_MAX_LEN,
@@ -41,6 +44,7 @@ static TEXT: [EncoderSlot; 2] = [
         kind: TextEncoderKind::T5,
         folder: "text_encoder_2",
         tokenizer: "tokenizer_2",
+        builtin: BuiltinTokenizer::T5,
         single_file_prefix: None,
         max_len: T5_LEN_FLUX_DEV,
         max_len_unguided: T5_LEN_SCHNELL_SD35,

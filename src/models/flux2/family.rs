@@ -10,7 +10,7 @@
 use super::{diffusers_map, image_ids, pack_latents, text_ids, unpack_latents, Flux2, Flux2Config};
 use crate::diffusion::schedulers::{FlowMatchConfig, FlowMatchEuler};
 use crate::diffusion::Schedule;
-use crate::encoders::{Qwen3Context, VaeKind, QWEN3_FLUX2_KLEIN};
+use crate::encoders::{BuiltinTokenizer, Qwen3Context, VaeKind, QWEN3_FLUX2_KLEIN};
 use crate::memory::{BlockExec, BlockShape};
 use crate::models::checkpoint::{Checkpoint, LDM_PREFIX};
 use crate::models::common::{conds, latent_and_context};
@@ -38,6 +38,7 @@ static TEXT: [EncoderSlot; 1] = [EncoderSlot {
     kind: TextEncoderKind::Qwen3(&QWEN3_FLUX2_KLEIN),
     folder: "text_encoder",
     tokenizer: "tokenizer",
+    builtin: BuiltinTokenizer::Qwen3,
     single_file_prefix: None,
     max_len: QWEN3_FLUX2_KLEIN.max_len,
     max_len_unguided: QWEN3_FLUX2_KLEIN.max_len,

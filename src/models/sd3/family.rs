@@ -3,7 +3,9 @@
 use super::{diffusers_map, Sd3, Sd3Config};
 use crate::diffusion::schedulers::{FlowMatchConfig, FlowMatchEuler};
 use crate::diffusion::Schedule;
-use crate::encoders::{VaeKind, CLIP_MAX_LEN, SD3_CLIP_G, SD3_CLIP_L, SD3_T5, T5_LEN_SCHNELL_SD35};
+use crate::encoders::{
+    BuiltinTokenizer, VaeKind, CLIP_MAX_LEN, SD3_CLIP_G, SD3_CLIP_L, SD3_T5, T5_LEN_SCHNELL_SD35,
+};
 use crate::memory::{BlockExec, BlockShape};
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
@@ -30,6 +32,7 @@ static TEXT: [EncoderSlot; 3] = [
         kind: TextEncoderKind::Clip,
         folder: "text_encoder",
         tokenizer: "tokenizer",
+        builtin: BuiltinTokenizer::ClipL,
         single_file_prefix: Some(SD3_CLIP_L),
         max_len: CLIP_MAX_LEN,
         max_len_unguided: CLIP_MAX_LEN,
@@ -39,6 +42,7 @@ static TEXT: [EncoderSlot; 3] = [
         kind: TextEncoderKind::Clip,
         folder: "text_encoder_2",
         tokenizer: "tokenizer_2",
+        builtin: BuiltinTokenizer::ClipG,
         single_file_prefix: Some(SD3_CLIP_G),
         max_len: CLIP_MAX_LEN,
         max_len_unguided: CLIP_MAX_LEN,
@@ -48,6 +52,7 @@ static TEXT: [EncoderSlot; 3] = [
         kind: TextEncoderKind::T5,
         folder: "text_encoder_3",
         tokenizer: "tokenizer_3",
+        builtin: BuiltinTokenizer::T5,
         single_file_prefix: Some(SD3_T5),
         max_len: T5_LEN_SCHNELL_SD35,
         max_len_unguided: T5_LEN_SCHNELL_SD35,

@@ -4,7 +4,7 @@ use super::{diffusers_map, sdxl_vector, SdxlConfig, Unet, UnitKind};
 use crate::diffusion::schedulers::EulerDiscrete;
 use crate::diffusion::Ddpm;
 use crate::diffusion::Schedule;
-use crate::encoders::{VaeKind, CLIP_MAX_LEN, SDXL_CLIP_G, SDXL_CLIP_L};
+use crate::encoders::{BuiltinTokenizer, VaeKind, CLIP_MAX_LEN, SDXL_CLIP_G, SDXL_CLIP_L};
 use crate::memory::{BlockExec, BlockShape};
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
@@ -30,6 +30,7 @@ static TEXT: [EncoderSlot; 2] = [
         kind: TextEncoderKind::Clip,
         folder: "text_encoder",
         tokenizer: "tokenizer",
+        builtin: BuiltinTokenizer::ClipL,
         single_file_prefix: Some(SDXL_CLIP_L),
         max_len: CLIP_MAX_LEN,
         max_len_unguided: CLIP_MAX_LEN,
@@ -39,6 +40,7 @@ static TEXT: [EncoderSlot; 2] = [
         kind: TextEncoderKind::Clip,
         folder: "text_encoder_2",
         tokenizer: "tokenizer_2",
+        builtin: BuiltinTokenizer::ClipG,
         single_file_prefix: Some(SDXL_CLIP_G),
         max_len: CLIP_MAX_LEN,
         max_len_unguided: CLIP_MAX_LEN,

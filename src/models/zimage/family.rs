@@ -7,7 +7,7 @@
 use super::{diffusers_map, ZImage, ZImageConfig, SEQ_MULTI_OF};
 use crate::diffusion::schedulers::{FlowMatchConfig, FlowMatchEuler};
 use crate::diffusion::Schedule;
-use crate::encoders::{VaeKind, QWEN3_Z_IMAGE};
+use crate::encoders::{BuiltinTokenizer, VaeKind, QWEN3_Z_IMAGE};
 use crate::memory::{BlockExec, BlockShape};
 use crate::models::common::{conds, latent_and_context};
 use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective, Size};
@@ -33,6 +33,7 @@ static TEXT: [EncoderSlot; 1] = [EncoderSlot {
     kind: TextEncoderKind::Qwen3(&QWEN3_Z_IMAGE),
     folder: "text_encoder",
     tokenizer: "tokenizer",
+    builtin: BuiltinTokenizer::Qwen3,
     single_file_prefix: None,
     max_len: QWEN3_Z_IMAGE.max_len,
     max_len_unguided: QWEN3_Z_IMAGE.max_len,

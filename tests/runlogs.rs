@@ -403,6 +403,7 @@ fn tag_frequency_counts_as_kohya_does() {
         width: 8,
         height: 8,
         repeats,
+        reg: false,
     };
     let f = DatasetFacts::of_items(&[
         item("10_cat", "Cat, sitting , ,cat", 10),

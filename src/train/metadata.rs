@@ -30,6 +30,8 @@ pub const IDENTIFYING_KEYS: [&str; 4] = [
 pub struct DatasetFacts {
     /// Images times their repeats (kohya's `num_train_images`).
     pub images: usize,
+    /// Regularisation images times their repeats (kohya's `num_reg_images`).
+    pub reg_images: usize,
     /// Per folder (its name, kohya's `os.path.basename(image_dir)`): repeats and images.
     pub dirs: BTreeMap<String, (usize, usize)>,
     /// Per folder: each caption tag and the number of captions holding it.
@@ -49,7 +51,10 @@ impl DatasetFacts {
                 .and_then(|p| p.file_name())
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            f.images += it.repeats;
+            match it.reg {
+                true => f.reg_images += it.repeats,
+                false => f.images += it.repeats,
+            }
             let e = f.dirs.entry(dir.clone()).or_insert((it.repeats, 0));
             e.1 += 1;
             let counts = f.tags.entry(dir).or_default();
@@ -66,6 +71,7 @@ impl DatasetFacts {
             .unwrap_or_default();
         DatasetFacts {
             images: n,
+            reg_images: 0,
             dirs: BTreeMap::from([(name, (1, n))]),
             tags: BTreeMap::new(),
         }
@@ -214,6 +220,7 @@ fn optimizer_name(config: &TrainConfig) -> String {
     let class = match kind.as_str() {
         "adamw" => "torch.optim.adamw.AdamW".to_string(),
         "adamw8bit" => "bitsandbytes.optim.adamw.AdamW8bit".to_string(),
+        "prodigy" => "prodigyopt.prodigy.Prodigy".to_string(),
         _ => kind,
     };
     format!(
@@ -267,7 +274,7 @@ impl RunMetadata {
         let mut keys: BTreeMap<String, String> = [
             ("ss_training_started_at", started_at.to_string()),
             ("ss_base_model_version", identity.base_version.clone()),
-            ("ss_learning_rate", config.optimizer.lr.to_string()),
+            ("ss_learning_rate", config.optimizer.lr().to_string()),
             ("ss_optimizer", optimizer_name(config)),
             (
                 "ss_lr_scheduler",
@@ -293,6 +300,7 @@ impl RunMetadata {
             ("ss_seed", t.seed.to_string()),
             ("ss_resolution", format!("({res}, {res})")),
             ("ss_num_train_images", facts.images.to_string()),
+            ("ss_num_reg_images", facts.reg_images.to_string()),
             ("ss_dataset_dirs", json(dirs.into())),
             ("ss_tag_frequency", json(serde_json::json!(facts.tags))),
             ("ss_output_name", output_name),

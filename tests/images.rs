@@ -149,7 +149,7 @@ fn an_interrupted_image_run_resumes_exactly() {
         .unwrap();
     let out = &cfg.train.output_dir;
     let full = read_log(&out.join("loss.jsonl")).unwrap();
-    let lora = std::fs::read(out.join("lora.safetensors")).unwrap();
+    let lora = flame::train::metadata::content(&out.join("lora.safetensors")).unwrap();
 
     let b = temp("resumed");
     let cfg = config(&b, 10, 5);
@@ -171,7 +171,10 @@ fn an_interrupted_image_run_resumes_exactly() {
         .unwrap();
     let out = &cfg.train.output_dir;
     assert_eq!(read_log(&out.join("loss.jsonl")).unwrap(), full);
-    assert_eq!(std::fs::read(out.join("lora.safetensors")).unwrap(), lora);
+    assert_eq!(
+        flame::train::metadata::content(&out.join("lora.safetensors")).unwrap(),
+        lora
+    );
     std::fs::remove_dir_all(&a).ok();
     std::fs::remove_dir_all(&b).ok();
 }

@@ -317,7 +317,7 @@ fn a_run_with_every_option_resumes_exactly() {
     let out = &cfg.train.output_dir;
     let full = read_log(&out.join("loss.jsonl")).unwrap();
     assert_eq!(full.len(), 6);
-    let lora = std::fs::read(out.join("lora.safetensors")).unwrap();
+    let lora = flame::train::metadata::content(&out.join("lora.safetensors")).unwrap();
 
     let b = temp("resumed");
     let cfg = setup(&b);
@@ -333,7 +333,10 @@ fn a_run_with_every_option_resumes_exactly() {
     open(&cfg).0.run(&resume, &mut |_| {}).unwrap();
     let out = &cfg.train.output_dir;
     assert_eq!(read_log(&out.join("loss.jsonl")).unwrap(), full);
-    assert_eq!(std::fs::read(out.join("lora.safetensors")).unwrap(), lora);
+    assert_eq!(
+        flame::train::metadata::content(&out.join("lora.safetensors")).unwrap(),
+        lora
+    );
     // The options are resume keys: a resume with another weight is refused, naming it.
     let mut other = cfg.clone();
     other.data.prior_loss_weight = 0.25;

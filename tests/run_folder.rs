@@ -193,10 +193,11 @@ fn a_stale_final_adapter_is_replaced() {
     let b = temp("stale-b");
     let (pa, pb) = (tiny(&a, 12), tiny(&b, 8));
     assert!(train_bin(&[pa.as_os_str()], None).status.success());
-    let want = std::fs::read(a.join("tiny/out-encoded/lora.safetensors")).unwrap();
+    let want =
+        flame::train::metadata::content(&a.join("tiny/out-encoded/lora.safetensors")).unwrap();
     assert!(train_bin(&[pb.as_os_str()], None).status.success());
     let out = b.join("tiny/out-encoded");
-    let eight = std::fs::read(out.join("lora.safetensors")).unwrap();
+    let eight = flame::train::metadata::content(&out.join("lora.safetensors")).unwrap();
     assert_ne!(eight, want);
     // Extend to 12 steps; killed as the final adapter is written.
     let text = std::fs::read_to_string(&pb)
@@ -210,10 +211,16 @@ fn a_stale_final_adapter_is_replaced() {
     );
     assert!(!o.status.success());
     assert!(out.join("checkpoint-0000012").is_dir());
-    assert_eq!(std::fs::read(out.join("lora.safetensors")).unwrap(), eight);
+    assert_eq!(
+        flame::train::metadata::content(&out.join("lora.safetensors")).unwrap(),
+        eight
+    );
     let o = train_bin(&[pb.as_os_str(), resume], None);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(std::fs::read(out.join("lora.safetensors")).unwrap(), want);
+    assert_eq!(
+        flame::train::metadata::content(&out.join("lora.safetensors")).unwrap(),
+        want
+    );
     assert_eq!(log(&out), log(&a.join("tiny/out-encoded")));
     std::fs::remove_dir_all(&a).ok();
     std::fs::remove_dir_all(&b).ok();

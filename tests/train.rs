@@ -919,7 +919,8 @@ fn the_binary_survives_kills_and_full_disks_at_every_write() {
     let full = temp("fault-full");
     assert!(train_bin(&full, steps, None, &[]).status.success());
     let want = losses(&full.join("tiny/out-encoded"));
-    let lora = std::fs::read(full.join("tiny/out-encoded/lora.safetensors")).unwrap();
+    let lora =
+        flame::train::metadata::content(&full.join("tiny/out-encoded/lora.safetensors")).unwrap();
     let points = [
         "write:run.json",
         "write:loss.jsonl",
@@ -959,7 +960,7 @@ fn the_binary_survives_kills_and_full_disks_at_every_write() {
             assert!(o.status.success(), "{fault}: resume failed: {err}");
             assert_eq!(losses(&out), want, "{fault}");
             assert_eq!(
-                std::fs::read(out.join("lora.safetensors")).unwrap(),
+                flame::train::metadata::content(&out.join("lora.safetensors")).unwrap(),
                 lora,
                 "{fault}"
             );
@@ -980,7 +981,10 @@ fn the_binary_survives_kills_and_full_disks_at_every_write() {
     assert!(err.contains("--overwrite"), "{err}");
     let o = train_bin(&d, steps, None, &["--resume"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(std::fs::read(out.join("lora.safetensors")).unwrap(), lora);
+    assert_eq!(
+        flame::train::metadata::content(&out.join("lora.safetensors")).unwrap(),
+        lora
+    );
     assert!(train_bin(&d, steps, None, &["--overwrite"])
         .status
         .success());
@@ -1319,7 +1323,7 @@ fn a_failed_announcement_leaves_the_run_as_it_was() {
         let out = d.join("tiny/out-encoded");
         (
             losses(&out),
-            std::fs::read(out.join("lora.safetensors")).unwrap(),
+            flame::train::metadata::content(&out.join("lora.safetensors")).unwrap(),
         )
     };
     let (want, lora) = run("announce-whole", None);

@@ -373,6 +373,33 @@ impl RunMetadata {
     }
 }
 
+/// What two runs of one config write alike in an adapter file: its metadata less
+/// [`TIME_KEYS`] (and a `modelspec.title` made from the start time), with the SHA-256 of its
+/// tensor bytes as `"tensors.sha256"`. A resumed run's adapter equals an uninterrupted run's
+/// in this, not byte for byte (their times differ).
+pub fn content(path: &std::path::Path) -> crate::Result<BTreeMap<String, String>> {
+    let mut m = crate::safetensors::SafeTensorsFile::open(path)?
+        .metadata()
+        .clone();
+    for k in TIME_KEYS {
+        m.remove(k);
+    }
+    if m.get("modelspec.title")
+        .is_some_and(|t| t.starts_with("LoRA@"))
+    {
+        m.remove("modelspec.title");
+    }
+    let bytes = std::fs::read(path).map_err(|e| crate::Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    m.insert(
+        "tensors.sha256".into(),
+        crate::safetensors::addnet_hashes(&bytes).0,
+    );
+    Ok(m)
+}
+
 /// The keys of a file's metadata that change between two runs of one config (the times;
 /// with [`MetadataLevel::Minimal`], `modelspec.title` too, made from the start time): what
 /// a comparison of two runs' files leaves out.

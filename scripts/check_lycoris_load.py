@@ -20,10 +20,13 @@ float64:
     pip install --target /tmp/pysite2 torch numpy
     pip install --target /tmp/pysite --no-deps lycoris-lora==4.1.3
 A case may come with `<case>.json`, LyCORIS's module settings for it (`algo`, `dim`, `alpha`,
-`factor`, `decompose_both`, `use_tucker`, `weight_decompose`). Only for the forms LyCORIS's own
-loader cannot read, even from files LyCORIS itself wrote (LoKr's Tucker form: 4.1.3's
+`factor`, `decompose_both`, `use_tucker`, `weight_decompose`, `wd_on_out`). Only for the forms
+LyCORIS's own loader cannot read, even from files LyCORIS itself wrote (LoKr's Tucker form: 4.1.3's
 `LokrModule.make_module_from_state_dict` takes the rank from `lokr_w2_a.size(1)`, which in
-that form is the output side), LyCORIS's module of that algorithm is then built on each
+that form is the output side; LoKr's and LoHa's magnitudes per input channel, `wd_on_out=False`:
+its `make_module_from_state_dict` builds the module with `wd_on_out=True` and copies the file's
+`dora_scale` (1, in[, 1, 1]) into one of (out, 1[, 1, 1])), LyCORIS's module of that algorithm
+is then built on each
 layer with those settings and FLAME's tensors loaded into it strictly (every key, every
 shape).
 Exits 1 when a case is off by more than 1e-6 (relative to the change; FLAME's adapter tensors

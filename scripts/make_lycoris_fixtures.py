@@ -30,6 +30,9 @@ UNet), one per case:
   full           FullModule: diff and diff_b (the bias's change)
   loha_dora      LohaModule(lora_dim=4, alpha=2, weight_decompose=True): dora_scale a row
   lokr_dora      LokrModule(lora_dim=2, alpha=1, factor=4, weight_decompose=True)
+  loha_dora_in   loha_dora with wd_on_out=False: dora_scale per input channel, (1, in) for
+                 lin, (1, cin, 1, 1) for the convolutions
+  lokr_dora_in   lokr_dora with wd_on_out=False
 Every other case adapts every layer above. Beside them, base.safetensors (`<layer>.weight`, `<layer>.bias`) and, for each case,
 <case>_delta.safetensors: `<layer>.weight` = the change LyCORIS's forward adds, ΔW: for LoCon
 `get_diff_weight(multiplier=1)`; for LoHa and LoKr `get_weight(shape) * scalar`, what their
@@ -97,6 +100,16 @@ CASES = [
         LokrModule,
         dict(lora_dim=2, alpha=1, factor=4, weight_decompose=True),
     ),
+    (
+        "loha_dora_in",
+        LohaModule,
+        dict(lora_dim=4, alpha=2, weight_decompose=True, wd_on_out=False),
+    ),
+    (
+        "lokr_dora_in",
+        LokrModule,
+        dict(lora_dim=2, alpha=1, factor=4, weight_decompose=True, wd_on_out=False),
+    ),
 ]
 
 
@@ -131,7 +144,7 @@ def main():
                 elif case == "dora_columns":
                     merged = mod.get_merged_weight(multiplier=1)[0]
                     deltas[f"{name}.weight"] = (merged - org.weight).detach().contiguous()
-                elif case in ("loha_dora", "lokr_dora"):
+                elif case in ("loha_dora", "lokr_dora", "loha_dora_in", "lokr_dora_in"):
                     # What the module's forward makes the weight: its change (get_weight x
                     # scalar, as below) decomposed with the magnitudes a row.
                     change = mod.get_weight(mod.shape) * mod.scalar

@@ -80,6 +80,7 @@ fn config(kind: &str) -> AdapterConfig {
         lokr_split: flame::nn::LokrSplit::Peft,
         tucker: false,
         weight_decompose: false,
+        wd_on_out: true,
     }
 }
 
@@ -659,6 +660,7 @@ fn conv_adapters_train_on_sdxl() {
             lokr_split: Default::default(),
             tucker,
             weight_decompose: false,
+            wd_on_out: true,
         })
         .unwrap();
         let vb = VarBuilder::random(5, 0.2, DType::F32, &CPU)
@@ -1010,8 +1012,8 @@ fn peft_made_pattern_and_rslora_files_compute_what_peft_merged() {
 
 /// Files LyCORIS 4.1.3 wrote (`scripts/make_lycoris_fixtures.py`): its Tucker forms
 /// (`lora_mid`, `hada_t1`/`hada_t2`, `lokr_t2` on a 3x3 convolution), DoRA's per-column
-/// `dora_scale` on a Linear, LoHa and LoKr with DoRA's magnitudes a row (its
-/// `weight_decompose` on them), and full fine-tuning's `diff` with `diff_b`, merged as the weights
+/// `dora_scale` on a Linear, LoHa and LoKr with DoRA's magnitudes a row and per input channel
+/// (its `weight_decompose` on them, `wd_on_out` True and False), and full fine-tuning's `diff` with `diff_b`, merged as the weights
 /// load, give every weight and bias LyCORIS's own change (`get_diff_weight`, or the merged
 /// weight for DoRA), every tensor of each file taken.
 #[test]
@@ -1026,6 +1028,8 @@ fn lycoris_tucker_dora_and_bias_files_merge_as_lycoris_computes_them() {
         "full",
         "loha_dora",
         "lokr_dora",
+        "loha_dora_in",
+        "lokr_dora_in",
     ] {
         let merge = Arc::new(
             flame::nn::LoraMerge::open(lyco.join(format!("{case}.safetensors")), 1.0, "unet")
@@ -1199,7 +1203,8 @@ fn rank_dropout_keeps_each_rank_component_of_a_row_or_drops_it_in_training_only(
 /// 4.1.3): every kind on the fixture's Linear, 3x3 and 1x1 convolutions (LoKr with a
 /// low-rank and with two full factors, DoRA with its magnitude a row, full with the biases'
 /// changes), LoRA, LoKr and LoHa in their Tucker forms, LoKr and LoHa with LyCORIS's weight
-/// decomposition (`dora_scale`), LyCORIS wraps every layer and adds what FLAME's adapter adds,
+/// decomposition (`dora_scale`, per output channel and per input channel), LyCORIS wraps
+/// every layer and adds what FLAME's adapter adds,
 /// in float64. Needs Python with torch and
 /// lycoris-lora: `FLAME_LYCORIS_PYTHONPATH=/tmp/pysite2:/tmp/pysite cargo test --features
 /// cpu-ref --test adapters -- --ignored lycoris`.
@@ -1221,15 +1226,20 @@ fn flame_kohya_files_load_into_lycoris() {
         "lokr_wd",
         "loha_wd",
         "loha_tucker_wd",
+        "lokr_wd_in",
+        "loha_wd_in",
+        "loha_tucker_wd_in",
     ];
     for case in cases {
-        // `<kind>[_tucker][_wd]`: the Tucker forms on the 3x3 convolution, LyCORIS's weight
-        // decomposition.
+        // `<kind>[_tucker][_wd[_in]]`: the Tucker forms on the 3x3 convolution, LyCORIS's
+        // weight decomposition, its magnitudes per input channel (`wd_on_out = false`).
         let kind = case
             .split("_tucker")
             .next()
             .unwrap()
+            .trim_end_matches("_in")
             .trim_end_matches("_wd");
+        let on_out = !case.ends_with("_in");
         let cfg = match kind {
             "full" => AdapterConfig {
                 kind: "full".into(),
@@ -1239,7 +1249,8 @@ fn flame_kohya_files_load_into_lycoris() {
         };
         let cfg = AdapterConfig {
             tucker: case.contains("_tucker"),
-            weight_decompose: case.ends_with("_wd"),
+            weight_decompose: case.contains("_wd"),
+            wd_on_out: on_out,
             ..cfg
         };
         let settings = serde_json::json!({
@@ -1250,6 +1261,18 @@ fn flame_kohya_files_load_into_lycoris() {
             "decompose_both": cfg.decompose_both,
             "use_tucker": true,
         });
+        let mut in_settings = serde_json::json!({
+            "algo": kind,
+            "dim": cfg.rank,
+            "alpha": cfg.alpha,
+            "use_tucker": case.contains("_tucker"),
+            "weight_decompose": true,
+            "wd_on_out": false,
+        });
+        if kind == "lokr" {
+            in_settings["factor"] = cfg.factor.into();
+            in_settings["decompose_both"] = cfg.decompose_both.into();
+        }
         let a = Adapters::new(AdapterConfig {
             lokr_split: flame::nn::LokrSplit::Lycoris,
             ..cfg
@@ -1273,6 +1296,11 @@ fn flame_kohya_files_load_into_lycoris() {
         // modules with these settings and loads FLAME's tensors into them strictly.
         if case == "lokr_tucker" {
             std::fs::write(d.join(format!("{case}.json")), settings.to_string()).unwrap();
+        }
+        // Nor can it read magnitudes per input channel, its own neither: it builds the module
+        // with `wd_on_out=True` and copies `dora_scale` (1, in) into (out, 1).
+        if !on_out {
+            std::fs::write(d.join(format!("{case}.json")), in_settings.to_string()).unwrap();
         }
         // The weights' changes, and the biases' where the kind trains them (full).
         let mut deltas: Vec<(String, Tensor)> = vec![];

@@ -75,6 +75,7 @@ fn config(kind: &str) -> AdapterConfig {
         lokr_split: LokrSplit::Lycoris,
         tucker: false,
         weight_decompose: true,
+        wd_on_out: true,
     }
 }
 
@@ -163,16 +164,27 @@ fn delta(a: &Adapters, base: &HashMap<String, Tensor>, path: &str) -> Tensor {
 }
 
 /// LyCORIS's own files of LoHa and LoKr with `weight_decompose=True` load into decomposed
-/// adapters as trainable parameters (the magnitude `dora_scale` among them, read as written):
+/// adapters as trainable parameters (the magnitude `dora_scale` among them, read as written),
+/// with the magnitudes per output channel and per input channel (`wd_on_out=False`):
 /// the change they stand for is the one LyCORIS's forward made (`<case>_delta`), each layer
 /// computes its base layer on W + that change, and a loss reaches every tensor.
 #[test]
 fn lycoris_decomposed_files_load_as_trainable_adapters() {
     let base = load(&lyco().join("base.safetensors"));
-    for (case, kind) in [("loha_dora", "loha"), ("lokr_dora", "lokr")] {
+    // (case, kind, LyCORIS's wd_on_out)
+    for (case, kind, on_out) in [
+        ("loha_dora", "loha", true),
+        ("lokr_dora", "lokr", true),
+        ("loha_dora_in", "loha", false),
+        ("lokr_dora_in", "lokr", false),
+    ] {
         let file = load(&lyco().join(format!("{case}.safetensors")));
         let want = load(&lyco().join(format!("{case}_delta.safetensors")));
-        let a = Adapters::new(config(kind)).unwrap();
+        let a = Adapters::new(AdapterConfig {
+            wd_on_out: on_out,
+            ..config(kind)
+        })
+        .unwrap();
         let m = layers(&a, DType::F64);
         a.load_kohya(lyco().join(format!("{case}.safetensors")))
             .unwrap();
@@ -232,20 +244,24 @@ fn lycoris_decomposed_files_load_as_trainable_adapters() {
 }
 
 /// f64 gradcheck of the decomposed forward (`Adapter::forward_with`) over the input, every
-/// factor (Tucker cores included) and the magnitude, on a Linear and a 3x3 convolution:
-/// LyCORIS differentiates through the norm, so a detached norm fails it.
+/// factor (Tucker cores included) and the magnitude, on a Linear and a 3x3 convolution, the
+/// magnitudes per output channel and per input channel: LyCORIS differentiates through the
+/// norm, so a detached norm fails it.
 #[test]
 fn decomposed_lokr_and_loha_pass_an_f64_gradcheck() {
     let base = load(&lyco().join("base.safetensors"));
-    // (kind, Tucker form on the 3x3 convolution, layers)
-    for (kind, tucker, names) in [
-        ("lokr", false, &["lin", "conv"][..]),
-        ("loha", false, &["lin", "conv"][..]),
-        ("lokr", true, &["conv"][..]),
-        ("loha", true, &["conv"][..]),
+    // (kind, Tucker form on the 3x3 convolution, magnitudes per output channel, layers)
+    for (kind, tucker, on_out, names) in [
+        ("lokr", false, true, &["lin", "conv"][..]),
+        ("loha", false, true, &["lin", "conv"][..]),
+        ("lokr", true, true, &["conv"][..]),
+        ("loha", true, true, &["conv"][..]),
+        ("lokr", false, false, &["lin", "conv"][..]),
+        ("loha", true, false, &["conv"][..]),
     ] {
         let mut c = config(kind);
         c.tucker = tucker;
+        c.wd_on_out = on_out;
         if kind == "loha" {
             // Fewer values to check; rank 2 is as good a decomposition as rank 4.
             (c.rank, c.conv_rank) = (2, 2);
@@ -292,8 +308,9 @@ fn decomposed_lokr_and_loha_pass_an_f64_gradcheck() {
             };
             let mut leaves = vec![x];
             leaves.extend(params);
-            let r = gradcheck(f, &leaves, GradcheckConfig::default())
-                .unwrap_or_else(|e| panic!("{kind} (Tucker {tucker}) {name}: {e}"));
+            let r = gradcheck(f, &leaves, GradcheckConfig::default()).unwrap_or_else(|e| {
+                panic!("{kind} (Tucker {tucker}, on out {on_out}) {name}: {e}")
+            });
             assert!(r.checked > 0);
         }
     }
@@ -301,21 +318,25 @@ fn decomposed_lokr_and_loha_pass_an_f64_gradcheck() {
 
 /// A fresh decomposed adapter (the factor that starts at zero, the magnitude at ‖W‖ of each
 /// output row) leaves every layer as it was: its change is W (‖W‖ / (‖W‖ + ε) - 1), ε
-/// float32's epsilon, below the f32 bound; the magnitude it took is the rows' norm.
+/// float32's epsilon, below the f32 bound; the magnitude it took is the rows' norm (the input
+/// channels' columns' with `wd_on_out = false`).
 #[test]
 fn a_fresh_decomposed_adapter_leaves_the_layers_unchanged() {
     let base = load(&lyco().join("base.safetensors"));
     let plain_layers = Layers::of(
         &VarBuilder::from_files(&[lyco().join("base.safetensors")], DType::F32, &CPU).unwrap(),
     );
-    for (kind, tucker) in [
-        ("lokr", false),
-        ("loha", false),
-        ("lokr", true),
-        ("loha", true),
+    for (kind, tucker, on_out) in [
+        ("lokr", false, true),
+        ("loha", false, true),
+        ("lokr", true, true),
+        ("loha", true, true),
+        ("lokr", false, false),
+        ("loha", true, false),
     ] {
         let mut c = config(kind);
         c.tucker = tucker;
+        c.wd_on_out = on_out;
         let a = Adapters::new(c).unwrap();
         let m = layers(&a, DType::F32);
         for name in LAYERS {
@@ -329,8 +350,14 @@ fn a_fresh_decomposed_adapter_leaves_the_layers_unchanged() {
             let l = by_path(&a, name);
             let mag = l.params().last().unwrap().1.clone();
             let w = &base[&format!("{name}.weight")];
-            let rows = w.dims()[0];
-            let norms = w
+            // Of each output row, or of each input channel's column (W transposed).
+            let w_by = if on_out {
+                w.clone()
+            } else {
+                w.transpose(0, 1).unwrap().contiguous().unwrap()
+            };
+            let rows = w_by.dims()[0];
+            let norms = w_by
                 .reshape((rows, w.elem_count() / rows))
                 .unwrap()
                 .sqr()
@@ -472,18 +499,26 @@ fn rank_dropout_drops_rows_of_the_change_before_the_decomposition() {
 /// A few gradient steps on a decomposed LoKr and LoHa (every factor and the magnitude
 /// moving), then: `delta_weight` (what the `sample` binary merges) is the change the forward
 /// makes, the base layer on W + delta computing the trained layer; the kohya file records
-/// `dora_wd` and holds `dora_scale` (out, 1) or (out, 1, 1, 1), reads back bit for bit, and
+/// `dora_wd` and holds `dora_scale` (out, 1) or (out, 1, 1, 1) (with `wd_on_out = false`:
+/// `wd_on_output` False, (1, in) or (1, cin, 1, 1)), reads back bit for bit, and
 /// merged as the weights load (`LoraMerge`) gives the trained layers; so does the "comfyui"
 /// file, whose magnitudes are written for ComfyUI's norm of the frozen weight and read back
-/// through it. A plain adapter refuses the file's magnitudes, and a decomposed one a file
+/// through it (refused for magnitudes per input channel). A plain adapter refuses the file's magnitudes, and a decomposed one a file
 /// without them, naming the tensor.
 #[test]
 fn trained_decomposed_adapters_round_trip_and_merge_to_their_forward_s_change() {
     let base = load(&lyco().join("base.safetensors"));
     let d = temp("trained");
-    for (kind, tucker) in [("lokr", false), ("loha", false), ("lokr", true)] {
+    for (kind, tucker, on_out) in [
+        ("lokr", false, true),
+        ("loha", false, true),
+        ("lokr", true, true),
+        ("lokr", false, false),
+        ("loha", true, false),
+    ] {
         let mut c = config(kind);
         c.tucker = tucker;
+        c.wd_on_out = on_out;
         let a = Adapters::new(c.clone()).unwrap();
         let m = layers(&a, DType::F32);
         let xs: Vec<(&str, Tensor)> = LAYERS
@@ -539,14 +574,23 @@ fn trained_decomposed_adapters_round_trip_and_merge_to_their_forward_s_change() 
         }
 
         // The kohya file: the kind's tensors and dora_scale, the network args, exact reload.
-        let file = d.join(format!("{kind}-{tucker}.safetensors"));
+        let file = d.join(format!("{kind}-{tucker}-{on_out}.safetensors"));
         a.save_kohya(&file, DType::F32).unwrap();
         let t = load(&file);
-        for (n, dims) in [
-            ("lin", vec![20, 1]),
-            ("conv", vec![32, 1, 1, 1]),
-            ("pw", vec![32, 1, 1, 1]),
-        ] {
+        let shapes = if on_out {
+            [
+                ("lin", vec![20, 1]),
+                ("conv", vec![32, 1, 1, 1]),
+                ("pw", vec![32, 1, 1, 1]),
+            ]
+        } else {
+            [
+                ("lin", vec![1, 12]),
+                ("conv", vec![1, 16, 1, 1]),
+                ("pw", vec![1, 16, 1, 1]),
+            ]
+        };
+        for (n, dims) in shapes {
             let key = format!("{}.dora_scale", flame::nn::kohya_name(n));
             assert_eq!(t[&key].dims(), dims.as_slice(), "{kind} {key}");
         }
@@ -557,9 +601,16 @@ fn trained_decomposed_adapters_round_trip_and_merge_to_their_forward_s_change() 
         let args = &meta["ss_network_args"];
         assert!(
             args.contains("\"dora_wd\": \"True\"")
-                && args.contains(&format!("\"algo\": \"{kind}\"")),
+                && args.contains(&format!("\"algo\": \"{kind}\""))
+                && args.contains("wd_on_output") != on_out,
             "{kind}: {args}"
         );
+        if !on_out {
+            assert!(
+                args.contains("\"wd_on_output\": \"False\""),
+                "{kind}: {args}"
+            );
+        }
         let fresh = Adapters::new(c.clone()).unwrap();
         let fm = layers(&fresh, DType::F32);
         fresh.load_kohya(&file).unwrap();
@@ -598,33 +649,43 @@ fn trained_decomposed_adapters_round_trip_and_merge_to_their_forward_s_change() 
 
         // The "comfyui" file: merged, and read back through the same weights.
         let weight_of = |p: &str| Ok::<Tensor, Error>(base[&format!("{p}.weight")].clone());
-        let cfile = d.join(format!("{kind}-{tucker}-comfyui.safetensors"));
-        a.save_comfyui(&cfile, DType::F32, &weight_of).unwrap();
-        let (ml, merge) = merged_layers(&cfile);
-        for ((n, x), y) in xs.iter().zip(&trained) {
-            let e = rel(&ml.forward(n, x), y);
-            assert!(e < 1e-5, "{kind} {n}: the merged comfyui file off by {e:e}");
-        }
-        merge.check_all_used().unwrap();
-        let back = Adapters::new(c.clone()).unwrap();
-        let _bm = layers(&back, DType::F32);
-        back.load_comfyui(&cfile, &weight_of).unwrap();
-        for ((n0, t0), (_, t1)) in a.params().unwrap().iter().zip(back.params().unwrap()) {
-            let e = rel(&t1, t0);
-            assert!(e < 1e-6, "{kind} {n0}: comfyui round trip off by {e:e}");
+        let cfile = d.join(format!("{kind}-{tucker}-{on_out}-comfyui.safetensors"));
+        if !on_out {
+            // Its rescaling for ComfyUI is of magnitudes per output row.
+            let e = a
+                .save_comfyui(&cfile, DType::F32, &weight_of)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("wd_on_out") && e.contains("kohya"), "{e}");
+        } else {
+            a.save_comfyui(&cfile, DType::F32, &weight_of).unwrap();
+            let (ml, merge) = merged_layers(&cfile);
+            for ((n, x), y) in xs.iter().zip(&trained) {
+                let e = rel(&ml.forward(n, x), y);
+                assert!(e < 1e-5, "{kind} {n}: the merged comfyui file off by {e:e}");
+            }
+            merge.check_all_used().unwrap();
+            let back = Adapters::new(c.clone()).unwrap();
+            let _bm = layers(&back, DType::F32);
+            back.load_comfyui(&cfile, &weight_of).unwrap();
+            for ((n0, t0), (_, t1)) in a.params().unwrap().iter().zip(back.params().unwrap()) {
+                let e = rel(&t1, t0);
+                assert!(e < 1e-6, "{kind} {n0}: comfyui round trip off by {e:e}");
+            }
         }
 
         // Without the decomposition the magnitudes are left over; with it, a plain file
         // lacks them.
         let plain_cfg = AdapterConfig {
             weight_decompose: false,
+            wd_on_out: true,
             ..c.clone()
         };
         let p = Adapters::new(plain_cfg.clone()).unwrap();
         let _pm = layers(&p, DType::F32);
         let e = p.load_kohya(&file).unwrap_err().to_string();
         assert!(e.contains("dora_scale") && e.contains("no planned"), "{e}");
-        let plain_file = d.join(format!("{kind}-{tucker}-plain.safetensors"));
+        let plain_file = d.join(format!("{kind}-{tucker}-{on_out}-plain.safetensors"));
         perturb(&p, 80);
         p.save_kohya(&plain_file, DType::F32).unwrap();
         let e = fresh.load_kohya(&plain_file).unwrap_err().to_string();

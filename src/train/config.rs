@@ -318,6 +318,12 @@ section! {
         /// channel from ‖W‖ (written as dora_scale). For LoRA use kind = "dora" (PEFT's DoRA).
         /// Written as "kohya" or "comfyui" only.
         weight_decompose: bool = false,
+        /// With weight_decompose: the magnitudes' axis, LyCORIS's wd_on_out (wd_on_output in
+        /// its kohya network args; true by default, as LyCORIS's): true one magnitude per
+        /// output channel, the norm over each output row; false one per input channel, the
+        /// norm over each input channel's column (dora_scale (1, in), or (1, cin, 1, 1) for a
+        /// convolution). false is written as "kohya" only.
+        wd_on_out: bool = true,
         /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS), "peft" (diffusers,
         /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits or with
         /// weight_decompose) or "comfyui" (the kohya layout with the magnitudes of DoRA and of
@@ -1072,6 +1078,20 @@ impl TrainConfig {
             ),
         );
         c.check(
+            a.wd_on_out || a.weight_decompose,
+            "adapter.wd_on_out",
+            "false: the magnitudes' axis applies to the weight decomposition only; set \
+             weight_decompose = true too"
+                .into(),
+        );
+        c.check(
+            a.wd_on_out || a.format != AdapterFormat::Comfyui,
+            "adapter.wd_on_out",
+            "false: the \"comfyui\" layout rescales magnitudes per output channel for \
+             ComfyUI's reading, not per input channel; use format = \"kohya\""
+                .into(),
+        );
+        c.check(
             !(a.weight_decompose && a.format == AdapterFormat::Peft),
             "adapter.weight_decompose",
             "true: PEFT's LoKr and LoHa have no weight decomposition, so it is written in the \
@@ -1455,6 +1475,7 @@ impl TrainConfig {
             decompose_both: a.decompose_both,
             tucker: a.tucker,
             weight_decompose: a.weight_decompose,
+            wd_on_out: a.wd_on_out,
             // LoKr's split follows the library of the layout written: LyCORIS's for kohya
             // files, PEFT's for PEFT files.
             lokr_split: match a.format {
@@ -1592,6 +1613,7 @@ impl TrainConfig {
                 a.weight_decompose,
                 show(&a.weight_decompose),
             ),
+            ("adapter.wd_on_out", !a.wd_on_out, show(&a.wd_on_out)),
         ];
         // The loss, noise and data options (keys of runs written before them stay out
         // at their defaults, so those runs resume).

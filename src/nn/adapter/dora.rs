@@ -98,6 +98,33 @@ pub(super) fn rescale(
     v.mul(&m.div(&norm)?)?.sub(w)
 }
 
+/// W' - W of a decomposition, W' = m (W + ΔW) / (‖W + ΔW‖ + `eps`), from `w` and a change
+/// `change` (out, in, taps): the norm per output row (m (out) values), or, `per_in`, per input
+/// channel over every output and tap (m (in) values; LyCORIS's `wd_on_out=False`, its
+/// `_weight_decompose` in lycoris/functional/general.py). Result (out, in, taps).
+pub(super) fn rescale_channels(
+    w: &Tensor,
+    change: &Tensor,
+    m: &Tensor,
+    per_in: bool,
+    eps: f64,
+) -> Result<Tensor> {
+    let (out, cin) = (w.dims()[0], w.dims()[1]);
+    let v = w.add(change)?;
+    let (over, m) = if per_in {
+        ([0, 2], m.reshape((1, cin, 1))?)
+    } else {
+        ([1, 2], m.reshape((out, 1, 1))?)
+    };
+    let norm = v.sqr()?.sum_keepdim(&over)?.sqrt()?;
+    let norm = if eps > 0.0 {
+        norm.affine(1.0, eps)?
+    } else {
+        norm
+    };
+    v.mul(&m.div(&norm)?)?.sub(w)
+}
+
 /// The change a file's DoRA of one layer stands for, as the matrix (out, cols): a LoRA's
 /// tensors (`lora::merge`) and its magnitudes (`decompose`, PEFT's norm); `None` without a
 /// LoRA's tensors (LyCORIS's LoKr and LoHa with magnitudes are theirs).
@@ -131,6 +158,21 @@ pub(super) fn decompose(l: &MergeLayer, change: Tensor, norm: Norm) -> Result<Te
         m.reshape((out, 1))?
     } else if name == "dora_scale" && m.dims() == [1, cols] && l.dims().len() == 2 {
         m
+    } else if let (true, &[_, cin, _, _]) = (name == "dora_scale", l.dims()) {
+        // A convolution's magnitudes per input channel (1, cin, 1, 1) (LyCORIS's
+        // `wd_on_out=False`): the norm of each input channel over the outputs and taps.
+        if m.dims() != [1, cin, 1, 1] {
+            return Err(l.bad(
+                name,
+                &m,
+                &format!("{out} magnitudes (out, 1, 1, 1) or {cin} (1, {cin}, 1, 1)"),
+            ));
+        }
+        let taps = cols / cin.max(1);
+        let w = l.weight()?.reshape((out, cin, taps))?;
+        let change = change.reshape((out, cin, taps))?;
+        let eps = norm.eps(DType::F32);
+        return rescale_channels(&w, &change, &m, true, eps)?.reshape((out, cols));
     } else {
         return Err(l.bad(
             name,
@@ -153,6 +195,9 @@ pub(super) fn decompose(l: &MergeLayer, change: Tensor, norm: Norm) -> Result<Te
 #[derive(Debug)]
 struct Magnitude {
     m: Tensor,
+    /// Whether m holds one value per input channel (LyCORIS's `wd_on_out=False`), not per
+    /// output channel.
+    per_in: bool,
     /// Whether m holds values (‖W‖ at first use, or a file's).
     ready: AtomicBool,
 }
@@ -161,17 +206,34 @@ impl Magnitude {
     fn new(out: usize, device: &Device) -> Result<Self> {
         Ok(Magnitude {
             m: super::zeros(&[out], device)?,
+            per_in: false,
             ready: AtomicBool::new(false),
         })
     }
 
-    /// m = ‖W‖ unless it holds values already.
+    /// m of one value per input channel of a layer of `cin` input channels, the norm of each
+    /// input channel's column at first use.
+    fn per_input(cin: usize, device: &Device) -> Result<Self> {
+        Ok(Magnitude {
+            per_in: true,
+            ..Magnitude::new(cin, device)?
+        })
+    }
+
+    /// m = ‖W‖ (of each output row, or of each input channel's column) unless it holds values
+    /// already.
     fn ensure(&self, base: &BaseLayer) -> Result<()> {
         if self.ready.load(Ordering::Acquire) {
             return Ok(());
         }
         let _g = crate::no_grad();
-        self.m.assign(&row_norms(&base.weight(DType::F32)?)?)?;
+        let w = base.weight(DType::F32)?;
+        let norms = if self.per_in {
+            column_norms(&w)?
+        } else {
+            row_norms(&w)?
+        };
+        self.m.assign(&norms)?;
         self.ready.store(true, Ordering::Release);
         Ok(())
     }
@@ -224,6 +286,28 @@ fn row_norms(w: &Tensor) -> Result<Tensor> {
         .reshape((out, w.elem_count() / out.max(1)))?
         .sqr()?
         .sum(&[1])?
+        .sqrt()
+}
+
+/// The norm of each input channel's column of `w` (out, in, ...) in f32, over every output
+/// and kernel tap (LyCORIS 4.1.3's initial `dora_scale` with `wd_on_out=False`,
+/// lycoris/modules/lokr.py and loha.py `__init__`): (in).
+fn column_norms(w: &Tensor) -> Result<Tensor> {
+    let (out, cin) = match w.dims() {
+        [out, cin, ..] => (*out, *cin),
+        d => {
+            return Err(Error::InvalidArgument {
+                op: "column_norms",
+                msg: format!("a weight of at least two dims, got {d:?}"),
+                shape: w.shape().clone(),
+            })
+        }
+    };
+    let taps = w.elem_count() / (out * cin).max(1);
+    w.to_dtype(DType::F32)?
+        .reshape((out, cin, taps))?
+        .sqr()?
+        .sum(&[0, 2])?
         .sqrt()
 }
 
@@ -413,55 +497,94 @@ impl Adapter for Dora {
 
 /// LyCORIS's weight decomposition of a kind's change (`AdapterConfig::weight_decompose`, the
 /// kinds with `Kind::weight_decompose`: LoKr, LoHa), as LyCORIS 4.1.3 computes it with
-/// `weight_decompose=True, wd_on_out=True` (lycoris/modules/lokr.py `_rebuild_forward`,
+/// `weight_decompose=True` (lycoris/modules/lokr.py `_rebuild_forward`,
 /// loha.py `forward`, both through `apply_weight_decompose` and
 /// lycoris/functional/general.py `_weight_decompose`): with ΔW the kind's change (its
 /// dropout drawn, `Adapter::change_with`),
 ///
 /// W' = m · (W + ΔW) / (‖W + ΔW‖ + ε),
 ///
-/// the norm over each output channel's row, ε the machine epsilon of m's dtype (`Norm`), and
-/// the layer computes y + x ⊛ (W' - W). The norm is not detached: LyCORIS differentiates
+/// the norm over each output channel's row (`wd_on_out=True`, LyCORIS's default,
+/// `AdapterConfig::wd_on_out`) or over each input channel's column, every output and kernel
+/// tap of it (`wd_on_out=False`: `_weight_decompose` transposes W to (in, out, ...) and takes
+/// the norm of each of its rows), ε the machine epsilon of m's dtype (`Norm`), and the layer
+/// computes y + x ⊛ (W' - W). The norm is not detached: LyCORIS differentiates
 /// through it (its eager `_weight_decompose` and the backward of its fused kernel,
 /// lycoris/kernels/autograd/dora.py, alike), so m and every factor get the gradient through
 /// the norm too, where the kind "dora" follows PEFT and detaches it. m starts at ‖W‖ of each
-/// row (LyCORIS's initial `dora_scale`, without ε), so a fresh adapter's change is
+/// row or column (LyCORIS's initial `dora_scale`, without ε), so a fresh adapter's change is
 /// W (‖W‖ / (‖W‖ + ε) - 1), float32's epsilon relative to W: nothing at the weights'
 /// precision.
 ///
 /// Files: the kind's kohya tensors and `dora_scale` (out, 1) for a Linear, (out, 1, 1, 1) for
-/// a convolution, as LyCORIS writes and reads them; for ComfyUI's reading (which divides by
-/// ‖W‖ + ε32, the frozen weight's norm) the "comfyui" layout writes
-/// m (‖W‖ + ε32) / (‖W + ΔW‖ + ε). No PEFT layout: PEFT's LoKr and LoHa have no magnitudes.
+/// a convolution, or per input channel (1, in) and (1, cin, 1, 1), as LyCORIS writes and
+/// reads them (the shape tells the axis); for ComfyUI's reading of per-row magnitudes (which
+/// divides by ‖W‖ + ε32, the frozen weight's norm) the "comfyui" layout writes
+/// m (‖W‖ + ε32) / (‖W + ΔW‖ + ε), and refuses per-input-channel ones. No PEFT layout:
+/// PEFT's LoKr and LoHa have no magnitudes.
 #[derive(Debug)]
 pub struct Decomposed {
     inner: Arc<dyn Adapter>,
-    /// m: (out), f32, trainable.
+    /// m: (out), or (in) without `wd_on_out`; f32, trainable.
     magnitude: Magnitude,
 }
 
 /// `inner`, a fresh adapter of a kind with `Kind::weight_decompose` planned by `p`, with
 /// LyCORIS's weight decomposition.
 pub(super) fn decomposed(p: &Plan, inner: Arc<dyn Adapter>) -> Result<Arc<dyn Adapter>> {
-    Ok(Arc::new(Decomposed {
-        magnitude: Magnitude::new(p.shape.out_dim(), p.device)?,
-        inner,
-    }))
+    let magnitude = if p.config.wd_on_out {
+        Magnitude::new(p.shape.out_dim(), p.device)?
+    } else {
+        Magnitude::per_input(p.shape.in_dim(), p.device)?
+    };
+    Ok(Arc::new(Decomposed { magnitude, inner }))
 }
 
 impl Decomposed {
     /// W' - W (the weight's shape, m's dtype) from the kind's change `dw` (the weight's
-    /// shape) and m (out).
+    /// shape) and m (out), or (in) per input channel.
     fn change(&self, base: &BaseLayer, dw: &Tensor, m: &Tensor) -> Result<Tensor> {
         let shape = self.inner.shape();
-        let (out, cols) = (shape.out_dim(), shape.cols());
+        let (out, cin) = (shape.out_dim(), shape.in_dim());
+        let taps = shape.cols() / cin.max(1);
         let w = base
             .weight(m.dtype())?
             .to_device(m.device())?
-            .reshape((out, cols))?;
-        let dw = dw.to_dtype(m.dtype())?.reshape((out, cols))?;
+            .reshape((out, cin, taps))?;
+        let dw = dw.to_dtype(m.dtype())?.reshape((out, cin, taps))?;
         let eps = Norm::Lycoris.eps(m.dtype());
-        rescale(&w, &dw, &m.reshape((out, 1))?, true, eps)?.reshape(shape.weight_dims())
+        rescale_channels(&w, &dw, m, self.magnitude.per_in, eps)?.reshape(shape.weight_dims())
+    }
+
+    /// `dora_scale`'s shape in the kohya / LyCORIS layout: per output channel (`kohya_shape`),
+    /// or per input channel (1, in) for a Linear, (1, cin, 1, 1) for a convolution
+    /// (LyCORIS 4.1.3's `wd_on_out=False`: the norms of W transposed, transposed back).
+    fn dora_shape(&self) -> Vec<usize> {
+        let shape = self.shape();
+        match (self.magnitude.per_in, shape) {
+            (false, _) => kohya_shape(shape),
+            (true, LayerShape::Linear { in_dim, .. }) => vec![1, in_dim],
+            (true, LayerShape::Conv2d { cin, .. }) => vec![1, cin, 1, 1],
+        }
+    }
+
+    /// The refusal of the "comfyui" layout for magnitudes per input channel: its rescaling
+    /// (`comfyui_ratio`) is of per-row magnitudes.
+    fn comfyui_per_row(&self) -> Result<()> {
+        if !self.magnitude.per_in {
+            return Ok(());
+        }
+        Err(Error::Setting {
+            setting: Setting::AdapterLayout,
+            msg: format!(
+                "the {} adapter of layer {} has magnitudes per input channel (wd_on_out = \
+                 false), which the \"comfyui\" layout, written for ComfyUI's division by the \
+                 frozen weight's norm of each output row, does not rescale: write the kohya \
+                 layout (format \"kohya\")",
+                self.inner.kind(),
+                self.inner.path()
+            ),
+        })
     }
 
     /// (‖W‖ + ε32) / (‖W + ΔW‖ + ε) (out): what ComfyUI's magnitudes are to these. ComfyUI
@@ -552,7 +675,7 @@ impl Adapter for Decomposed {
     fn to_kohya(&self) -> Result<Vec<(String, Tensor)>> {
         self.magnitude.check(self.path())?;
         let mut v = self.inner.to_kohya()?;
-        let m = self.magnitude.m.reshape(kohya_shape(self.shape()))?;
+        let m = self.magnitude.m.reshape(self.dora_shape())?;
         v.push(("dora_scale".into(), m));
         Ok(v)
     }
@@ -560,13 +683,14 @@ impl Adapter for Decomposed {
     fn load_kohya(&self, file: &mut Reader) -> Result<()> {
         self.inner.load_kohya(file)?;
         self.magnitude
-            .set(&file.take("dora_scale", &kohya_shape(self.shape()))?)
+            .set(&file.take("dora_scale", &self.dora_shape())?)
     }
 
     /// The kind's tensors for ComfyUI and `dora_scale` = m (‖W‖ + ε32) / (‖W + ΔW‖ + ε),
     /// which ComfyUI's reading (`comfyui_ratio`) turns into this layer's W'.
     fn to_comfyui(&self, base: &BaseLayer) -> Result<Vec<(String, Tensor)>> {
         self.magnitude.check(self.path())?;
+        self.comfyui_per_row()?;
         let mut v = self.inner.to_comfyui(base)?;
         let m = self.magnitude.m.mul(&self.comfyui_ratio(base)?)?;
         v.push(("dora_scale".into(), m.reshape(kohya_shape(self.shape()))?));
@@ -574,6 +698,7 @@ impl Adapter for Decomposed {
     }
 
     fn load_comfyui(&self, file: &mut Reader, base: &BaseLayer) -> Result<()> {
+        self.comfyui_per_row()?;
         self.inner.load_comfyui(file, base)?;
         let read = file.take("dora_scale", &kohya_shape(self.shape()))?;
         let _g = crate::no_grad();

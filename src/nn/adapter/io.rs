@@ -449,6 +449,9 @@ impl Adapters {
                 // LyCORIS's kohya wrapper (lycoris/kohya.py `create_network`) reads the
                 // decomposition from `dora_wd`, its axis from `wd_on_output` (default True).
                 args.push(("dora_wd", "True".to_string()));
+                if !c.wd_on_out {
+                    args.push(("wd_on_output", "False".to_string()));
+                }
             }
         }
         if c.module_dropout > 0.0 {

@@ -595,6 +595,12 @@ pub struct AdapterConfig {
     /// the kohya layout only (PEFT's LoKr and LoHa have none). For a LoRA with magnitudes use
     /// the kind "dora" (PEFT's DoRA).
     pub weight_decompose: bool,
+    /// With [`AdapterConfig::weight_decompose`]: the axis of the magnitudes, LyCORIS's
+    /// `wd_on_out` (default true, as LyCORIS's): true one per output channel, the norm over
+    /// each output row; false one per input channel (LyCORIS 4.1.3's `wd_on_out=False`), the
+    /// norm over each input channel's column (of every output and kernel tap), `dora_scale`
+    /// (1, in) for a Linear and (1, cin, 1, 1) for a convolution.
+    pub wd_on_out: bool,
 }
 
 impl LoraConfig {
@@ -629,6 +635,7 @@ impl From<LoraConfig> for AdapterConfig {
             lokr_split: LokrSplit::default(),
             tucker: false,
             weight_decompose: false,
+            wd_on_out: true,
         }
     }
 }
@@ -698,6 +705,14 @@ impl AdapterConfig {
                     tucker_kinds(),
                     kind.name
                 ),
+            );
+        }
+        if !self.wd_on_out && !self.weight_decompose {
+            return bad(
+                Setting::AdapterWeightDecompose,
+                "= false with wd_on_out = false: the magnitudes' axis (wd_on_out) applies \
+                 only to the weight decomposition"
+                    .to_string(),
             );
         }
         if self.weight_decompose && !kind.weight_decompose {

@@ -58,6 +58,7 @@ fn build_embeds_every_kernel_module_when_nvcc_is_present() {
                 "fill",
                 "fp8",
                 "fused",
+                "ggml",
                 "group_norm",
                 "index",
                 "multi_tensor",

@@ -20,8 +20,14 @@ fn model_identity(config: &TrainConfig, family: &Family, guidance: bool) -> Resu
     let ckpt = models::Checkpoint::open(&config.model.path, family.subfolder)?;
     let mut names = vec![];
     for f in &ckpt.files {
-        let file = crate::safetensors::SafeTensorsFile::open(f)?;
-        names.extend(file.names().map(str::to_string));
+        match crate::gguf::is_gguf(f) {
+            true => names.extend(crate::gguf::GgufFile::open(f)?.names().map(str::to_string)),
+            false => names.extend(
+                crate::safetensors::SafeTensorsFile::open(f)?
+                    .names()
+                    .map(str::to_string),
+            ),
+        }
     }
     let blocks = count_blocks(
         names.iter().map(String::as_str),

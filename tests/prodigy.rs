@@ -5,9 +5,10 @@
 #![cfg(feature = "cpu-ref")]
 
 mod common;
+use common::optim::{bits, copies, opt_err};
 use common::TempFile;
 use flame::optim::{Optimizer, Prodigy, ProdigyConfig};
-use flame::{DType, Device, Error, Grads, Result, Tensor};
+use flame::{DType, Device, Grads, Tensor};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -62,34 +63,6 @@ fn grads_at(params: &[(String, Tensor)], k: u64) -> Grads {
         g.insert(p, t);
     }
     g
-}
-
-/// Independent copies of the parameters (new storage, same values and device).
-fn copies(params: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
-    params
-        .iter()
-        .map(|(n, t)| {
-            let c = Tensor::from_host(t.to_host().unwrap(), t.dims().to_vec(), t.device()).unwrap();
-            c.set_requires_grad(true).unwrap();
-            (n.clone(), c)
-        })
-        .collect()
-}
-
-fn bits(t: &Tensor) -> Vec<u64> {
-    t.to_vec_f64()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
-}
-
-/// The optimizer and message of an `Error::Optimizer`.
-fn opt_err<T: std::fmt::Debug>(r: Result<T>) -> (&'static str, String) {
-    match r {
-        Err(Error::Optimizer { optimizer, msg }) => (optimizer, msg),
-        other => panic!("expected Error::Optimizer, got {other:?}"),
-    }
 }
 
 /// Parameters of odd sizes and mixed dtypes, one starting at zero (a LoRA up matrix).

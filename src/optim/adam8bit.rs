@@ -230,28 +230,7 @@ impl AdamW8bit {
             return Err(opt_err(NAME, "no parameters to optimize"));
         }
         let params = ParamSet::new(NAME, params)?;
-        for (name, p) in &params.params {
-            if !p.is_contiguous() {
-                return Err(opt_err(
-                    NAME,
-                    format!(
-                        "parameter '{name}' is a strided view (shape {}); the fused step \
-                         updates contiguous parameters",
-                        p.shape()
-                    ),
-                ));
-            }
-            if !matches!(p.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-                return Err(opt_err(
-                    NAME,
-                    format!(
-                        "parameter '{name}': dtype {} is not supported (f32, bf16 or f16: the \
-                         update is computed in f32)",
-                        p.dtype()
-                    ),
-                ));
-            }
-        }
+        params.check_fused()?;
         let maps = maps_for(&params, config.min_8bit_size)?;
         let state = vec![None; params.len()];
         Ok(AdamW8bit {

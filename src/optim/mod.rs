@@ -186,6 +186,34 @@ struct ParamSet {
 }
 
 impl ParamSet {
+    /// What a fused multi-tensor step takes beyond [`ParamSet::new`]: contiguous parameters
+    /// of f32, bf16 or f16 (the update is computed in f32).
+    fn check_fused(&self) -> Result<()> {
+        for (name, p) in &self.params {
+            if !p.is_contiguous() {
+                return Err(opt_err(
+                    self.optimizer,
+                    format!(
+                        "parameter '{name}' is a strided view (shape {}); the fused step \
+                         updates contiguous parameters",
+                        p.shape()
+                    ),
+                ));
+            }
+            if !matches!(p.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+                return Err(opt_err(
+                    self.optimizer,
+                    format!(
+                        "parameter '{name}': dtype {} is not supported (f32, bf16 or f16: the \
+                         update is computed in f32)",
+                        p.dtype()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the parameters: unique non-empty names, no tensor given twice, each a float leaf
     /// that requires grad and can be written in place (not a broadcast view).
     fn new(optimizer: &'static str, params: Vec<(String, Tensor)>) -> Result<Self> {

@@ -289,27 +289,8 @@ impl Prodigy {
         config.validate()?;
         let params = ParamSet::new(NAME, params)?;
         let device = params.params[0].1.device().clone();
+        params.check_fused()?;
         for (name, p) in &params.params {
-            if !p.is_contiguous() {
-                return Err(opt_err(
-                    NAME,
-                    format!(
-                        "parameter '{name}' is a strided view (shape {}); the fused step \
-                         updates contiguous parameters",
-                        p.shape()
-                    ),
-                ));
-            }
-            if !matches!(p.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-                return Err(opt_err(
-                    NAME,
-                    format!(
-                        "parameter '{name}': dtype {} is not supported (f32, bf16 or f16: the \
-                         update is computed in f32)",
-                        p.dtype()
-                    ),
-                ));
-            }
             if p.device() != &device {
                 return Err(opt_err(
                     NAME,

@@ -15,6 +15,7 @@ pub const ALL: [DType; 5] = [DType::F64, DType::F32, DType::BF16, DType::F16, DT
 
 pub mod devices;
 pub mod gguf;
+pub mod optim;
 pub mod tolerance;
 
 /// (atol, rtol) against an f64 reference, from the one tolerance table

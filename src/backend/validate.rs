@@ -191,26 +191,8 @@ pub(crate) fn adam_multi<S>(
         return Err(Error::UnsupportedDType { op: OP, dtype });
     }
     let quantized = matches!(first.moments, M::Quantized { .. });
-    let fits = |s: &S, want_dtype: DType, offset: usize, len: usize, what: &str, k: usize| {
-        let (dt, have) = info(s);
-        if dt != want_dtype {
-            return Err(Error::invalid(
-                OP,
-                format!("item {k}: {what} is {dt:?}, expected {want_dtype:?}"),
-                &crate::Shape::from(len),
-            ));
-        }
-        if offset.checked_add(len).is_none_or(|end| end > have) {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "item {k}: {what} of {len} values from offset {offset} exceeds its buffer \
-                     of {have}"
-                ),
-                &crate::Shape::from(len),
-            ));
-        }
-        Ok(())
+    let fits = |s: &S, want: DType, offset: usize, len: usize, what: &str, k: usize| {
+        item_fits(OP, info(s), Some(want), offset, len, what, k)
     };
     for (k, it) in items.iter().enumerate() {
         fits(it.p, dtype, it.p_offset, it.n, "the parameter", k)?;
@@ -267,6 +249,42 @@ pub(crate) fn adam_multi<S>(
     Ok(())
 }
 
+/// Item `k`'s `what` in a buffer of `(dtype, length)`: of dtype `want` (`None`: f32, bf16 or
+/// f16), and `len` values from `offset` inside the buffer.
+fn item_fits(
+    op: &'static str,
+    (dt, have): (DType, usize),
+    want: Option<DType>,
+    offset: usize,
+    len: usize,
+    what: &str,
+    k: usize,
+) -> Result<()> {
+    let dtype_ok = match want {
+        Some(w) => dt == w,
+        None => matches!(dt, DType::F32 | DType::BF16 | DType::F16),
+    };
+    if !dtype_ok {
+        let expected = want.map_or("f32, bf16 or f16".to_string(), |w| format!("{w:?}"));
+        return Err(Error::invalid(
+            op,
+            format!("item {k}: {what} is {dt:?}, expected {expected}"),
+            &crate::Shape::from(len),
+        ));
+    }
+    if offset.checked_add(len).is_none_or(|end| end > have) {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "item {k}: {what} of {len} values from offset {offset} exceeds its buffer of \
+                 {have}"
+            ),
+            &crate::Shape::from(len),
+        ));
+    }
+    Ok(())
+}
+
 /// A multi-tensor sum of squares: float buffers, each view inside its buffer.
 pub(crate) fn sum_sq_multi<S>(
     items: &[super::multi::MultiRef<'_, S>],
@@ -305,29 +323,7 @@ pub(crate) fn prodigy_multi<S>(
 ) -> Result<()> {
     const OP: &str = "prodigy_multi";
     let fits = |s: &S, want: Option<DType>, offset: usize, len: usize, what: &str, k: usize| {
-        let (dt, have) = info(s);
-        let dtype_ok = match want {
-            Some(w) => dt == w,
-            None => matches!(dt, DType::F32 | DType::BF16 | DType::F16),
-        };
-        if !dtype_ok {
-            return Err(Error::invalid(
-                OP,
-                format!("item {k}: {what} is {dt:?}, expected {want:?} (None: f32, bf16 or f16)"),
-                &crate::Shape::from(len),
-            ));
-        }
-        if offset.checked_add(len).is_none_or(|end| end > have) {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "item {k}: {what} of {len} values from offset {offset} exceeds its buffer \
-                     of {have}"
-                ),
-                &crate::Shape::from(len),
-            ));
-        }
-        Ok(())
+        item_fits(OP, info(s), want, offset, len, what, k)
     };
     fits(
         scalars,

@@ -25,6 +25,24 @@ use half::{bf16, f16};
 pub(crate) use num::{Activation, Elem, Real};
 pub(crate) use strided::contiguous;
 
+/// Values computed in f32, each rounded once to `dtype` (as a kernel's `__float2bfloat16_rn`
+/// does; not through f64, whose conversion to the half types in `half` decides ties from the
+/// high 32 bits only). `op` names the caller in the error for U32.
+pub(crate) fn f32_values_as(
+    values: Vec<f32>,
+    dtype: DType,
+    op: &'static str,
+) -> Result<CpuStorage> {
+    use rayon::prelude::*;
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(values),
+        DType::F64 => CpuStorage::F64(values.into_iter().map(f64::from).collect()),
+        DType::BF16 => CpuStorage::BF16(values.into_par_iter().map(bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(values.into_par_iter().map(f16::from_f32).collect()),
+        DType::U32 => return Err(Error::UnsupportedDType { op, dtype }),
+    })
+}
+
 /// The host as a backend device; its storage is [`CpuStorage`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CpuDevice;

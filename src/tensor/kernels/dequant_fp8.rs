@@ -95,23 +95,12 @@ impl Kernel for DequantFp8 {
                     *v = table[usize::from(code)] * s;
                 }
             });
-        // Rounded once from the f32 product (as the kernel's __float2bfloat16_rn does); not
-        // through f64, whose conversion to the half types in `half` decides ties from the high
-        // 32 bits only.
-        Ok(vec![match self.dtype {
-            DType::F32 => CpuStorage::F32(out),
-            DType::F64 => CpuStorage::F64(out.into_iter().map(f64::from).collect()),
-            DType::BF16 => {
-                CpuStorage::BF16(out.into_par_iter().map(half::bf16::from_f32).collect())
-            }
-            DType::F16 => CpuStorage::F16(out.into_par_iter().map(half::f16::from_f32).collect()),
-            DType::U32 => {
-                return Err(Error::UnsupportedDType {
-                    op: "dequant_fp8",
-                    dtype: self.dtype,
-                })
-            }
-        }])
+        // Rounded once from the f32 product, as the kernel does.
+        Ok(vec![crate::backend::cpu::f32_values_as(
+            out,
+            self.dtype,
+            "dequant_fp8",
+        )?])
     }
 
     #[cfg(feature = "cuda")]

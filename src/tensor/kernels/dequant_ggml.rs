@@ -96,7 +96,6 @@ impl Kernel for DequantGgml {
         use crate::backend::cpu::contiguous;
         use crate::backend::ggml;
         use crate::CpuStorage;
-        use rayon::prelude::*;
         let CpuStorage::U32(words) = args[0].0 else {
             return Err(Error::UnsupportedDType {
                 op: "dequant_ggml",
@@ -107,20 +106,11 @@ impl Kernel for DequantGgml {
         let mut out = vec![0f32; dims[0] * dims[1]];
         ggml::dequantize(self.ty, &bytes, &mut out)
             .map_err(|m| Error::invalid("dequant_ggml", m, &Shape::from((dims[0], dims[1]))))?;
-        Ok(vec![match self.dtype {
-            DType::F32 => CpuStorage::F32(out),
-            DType::F64 => CpuStorage::F64(out.into_iter().map(f64::from).collect()),
-            DType::BF16 => {
-                CpuStorage::BF16(out.into_par_iter().map(half::bf16::from_f32).collect())
-            }
-            DType::F16 => CpuStorage::F16(out.into_par_iter().map(half::f16::from_f32).collect()),
-            DType::U32 => {
-                return Err(Error::UnsupportedDType {
-                    op: "dequant_ggml",
-                    dtype: self.dtype,
-                })
-            }
-        }])
+        Ok(vec![crate::backend::cpu::f32_values_as(
+            out,
+            self.dtype,
+            "dequant_ggml",
+        )?])
     }
 
     #[cfg(feature = "cuda")]

@@ -1668,13 +1668,26 @@ impl TrainConfig {
                 show(&d.prior_loss_weight),
             ),
         ];
+        // The average and its decay, where one is kept (so a run without resumes as before).
+        let e = &self.ema;
+        let ema_keys = [
+            ("ema.enabled", show(&e.enabled)),
+            ("ema.decay", show(&e.decay)),
+            ("ema.min_decay", show(&e.min_decay)),
+            ("ema.update_after_step", show(&e.update_after_step)),
+            ("ema.warmup", show(&e.warmup)),
+            ("ema.inv_gamma", show(&e.inv_gamma)),
+            ("ema.power", show(&e.power)),
+        ]
+        .map(|(k, s)| (k, e.enabled, s));
         v.extend(
-            loss_keys
+            extra
                 .into_iter()
+                .chain(loss_keys)
+                .chain(ema_keys)
                 .filter(|e| e.1)
                 .map(|(k, _, s)| (k, s)),
         );
-        v.extend(extra.into_iter().filter(|e| e.1).map(|(k, _, s)| (k, s)));
         // The keys of one optimizer kind, where set.
         let o = &self.optimizer;
         let kind_values = [
@@ -1690,19 +1703,6 @@ impl TrainConfig {
             if set {
                 v.push((key, value));
             }
-        }
-        // The average and its decay, where one is kept (so a run without resumes as before).
-        let e = &self.ema;
-        if e.enabled {
-            v.extend([
-                ("ema.enabled", show(&e.enabled)),
-                ("ema.decay", show(&e.decay)),
-                ("ema.min_decay", show(&e.min_decay)),
-                ("ema.update_after_step", show(&e.update_after_step)),
-                ("ema.warmup", show(&e.warmup)),
-                ("ema.inv_gamma", show(&e.inv_gamma)),
-                ("ema.power", show(&e.power)),
-            ]);
         }
         v
     }

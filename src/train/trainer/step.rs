@@ -165,13 +165,10 @@ impl Trainer {
                     .sample(b, tokens, seed ^ 0x7133, &self.device)?;
                 match range == TimestepRange::FULL {
                     true => t,
+                    // The range's affine map on the device (no copy to the host).
                     false => {
-                        let v: Vec<f32> = t
-                            .to_vec_f64()?
-                            .iter()
-                            .map(|&t| range.flow(t).clamp(1e-5, 1.0 - 1e-5) as f32)
-                            .collect();
-                        Tensor::from_vec(v, b, &self.device)?
+                        let (lo, hi) = (range.flow(0.0), range.flow(1.0));
+                        t.affine(hi - lo, lo)?.clamp(1e-5, 1.0 - 1e-5)?
                     }
                 }
             }
@@ -263,7 +260,11 @@ impl Trainer {
         let c = match tc.loss_type {
             LossType::L2 => None,
             _ => {
+                // The constant schedule reads no timestep: none is copied to the host.
                 let (steps, ab) = match &objective {
+                    _ if tc.huber_schedule == HuberSchedule::Constant => {
+                        (vec![0.0; t.elem_count()], None)
+                    }
                     Objective::FlowMatching => (
                         t.to_vec_f64()?
                             .iter()

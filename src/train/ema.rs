@@ -70,12 +70,13 @@ impl EmaSchedule {
     }
 }
 
-/// Where the shadow weights are.
+/// Where the shadow weights are: every weight's values one after another (in the order of
+/// `names`), so that an update is a few operations over one buffer, not a few per weight.
 enum Shadow {
-    /// f32 tensors on the training device.
-    Device(Vec<Tensor>),
+    /// An f32 vector on the training device.
+    Device(Tensor),
     /// f32 values in host memory.
-    Host(Vec<Vec<f32>>),
+    Host(Vec<f32>),
 }
 
 /// The moving average of a set of named weights.
@@ -88,9 +89,20 @@ pub struct Ema {
     steps: u64,
 }
 
-fn f32_copy(t: &Tensor) -> Result<Tensor> {
-    // `affine(1, 0)` makes new storage with the same values (x * 1 + 0 is exact).
-    t.to_dtype(DType::F32)?.affine(1.0, 0.0)
+/// The weights' values in f32, one after another (a view of the weight itself where there is
+/// one f32 weight: `cat` of one tensor is that tensor).
+fn flat(params: &[(String, Tensor)]) -> Result<Tensor> {
+    if params.is_empty() {
+        return Err(Error::Config {
+            path: None,
+            msg: "an EMA needs at least one weight".into(),
+        });
+    }
+    let parts = params
+        .iter()
+        .map(|(_, t)| t.reshape(t.elem_count())?.to_dtype(DType::F32))
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts.iter().collect::<Vec<_>>(), 0)
 }
 
 impl Ema {
@@ -104,18 +116,10 @@ impl Ema {
         let names = params.iter().map(|(n, _)| n.clone()).collect();
         let shapes = params.iter().map(|(_, t)| t.dims().to_vec()).collect();
         let shadow = match place {
-            EmaDevice::Gpu => Shadow::Device(
-                params
-                    .iter()
-                    .map(|(_, t)| f32_copy(t))
-                    .collect::<Result<_>>()?,
-            ),
-            EmaDevice::Cpu => Shadow::Host(
-                params
-                    .iter()
-                    .map(|(_, t)| t.to_dtype(DType::F32)?.to_vec::<f32>())
-                    .collect::<Result<_>>()?,
-            ),
+            // New storage: the shadow must not be the weights' own.
+            // `affine(1, 0)` copies them exactly (x * 1 + 0 is exact).
+            EmaDevice::Gpu => Shadow::Device(flat(params)?.affine(1.0, 0.0)?),
+            EmaDevice::Cpu => Shadow::Host(flat(params)?.to_vec::<f32>()?),
         };
         Ok(Ema {
             schedule,
@@ -167,20 +171,13 @@ impl Ema {
         self.steps += 1;
         let d = self.schedule.decay_at(self.steps);
         let k = 1.0 - d;
+        let p = flat(params)?;
         match &mut self.shadow {
-            Shadow::Device(v) => {
-                for (s, (_, p)) in v.iter_mut().zip(params) {
-                    let p = p.to_dtype(DType::F32)?;
-                    *s = s.sub(&s.sub(&p)?.mul_scalar(k)?)?;
-                }
-            }
-            Shadow::Host(v) => {
+            Shadow::Device(s) => *s = s.sub(&s.sub(&p)?.mul_scalar(k)?)?,
+            Shadow::Host(s) => {
                 let k = k as f32;
-                for (s, (_, p)) in v.iter_mut().zip(params) {
-                    let p = p.to_dtype(DType::F32)?.to_vec::<f32>()?;
-                    for (s, p) in s.iter_mut().zip(p) {
-                        *s -= k * (*s - p);
-                    }
+                for (s, p) in s.iter_mut().zip(p.to_vec::<f32>()?) {
+                    *s -= k * (*s - p);
                 }
             }
         }
@@ -189,14 +186,20 @@ impl Ema {
 
     /// The shadow weights as f32 tensors on `device`.
     pub fn tensors(&self, device: &Device) -> Result<Vec<Tensor>> {
-        match &self.shadow {
-            Shadow::Device(v) => v.iter().map(|t| t.to_device(device)).collect(),
-            Shadow::Host(v) => v
-                .iter()
-                .zip(&self.shapes)
-                .map(|(s, shape)| Tensor::from_slice(s, shape.clone(), device))
-                .collect(),
+        let mut start = 0;
+        let mut out = Vec::with_capacity(self.shapes.len());
+        for shape in &self.shapes {
+            let n = shape.iter().product::<usize>();
+            out.push(match &self.shadow {
+                Shadow::Device(v) => v
+                    .narrow(0, start, n)?
+                    .reshape(shape.clone())?
+                    .to_device(device)?,
+                Shadow::Host(v) => Tensor::from_slice(&v[start..start + n], shape.clone(), device)?,
+            });
+            start += n;
         }
+        Ok(out)
     }
 
     /// Puts the shadow weights into `params` (in their dtype) and returns what they held,
@@ -263,16 +266,12 @@ impl Ema {
                     t.dims()
                 )));
             }
-            loaded.push(t);
+            loaded.push((n.clone(), t));
         }
+        let loaded = flat(&loaded)?;
         self.shadow = match &self.shadow {
             Shadow::Device(_) => Shadow::Device(loaded),
-            Shadow::Host(_) => Shadow::Host(
-                loaded
-                    .iter()
-                    .map(|t| t.to_vec::<f32>())
-                    .collect::<Result<_>>()?,
-            ),
+            Shadow::Host(_) => Shadow::Host(loaded.to_vec::<f32>()?),
         };
         self.steps = steps;
         Ok(())

@@ -93,3 +93,152 @@ DEQUANT_FP8(f16, __half)
 DEQUANT_FP8_X16(f32, float)
 DEQUANT_FP8_X16(bf16, __nv_bfloat16)
 DEQUANT_FP8_X16(f16, __half)
+
+// ---------------------------------------------------------------------------------------------
+// 8-bit products (src/tensor/kernels/fp8_products.rs holds the CPU reference of each).
+//
+// quant_rows_fp8: x (rows, cols) T, optional col_scale (cols) f32 -> codes (rows, cols / 4) u32,
+// scale (rows) f32. Per row: v = x * col_scale (f32, rounded once), s = absmax(v) / 448 (1 for an
+// all-zero or non-finite maximum), code = e4m3(v / s), ties to even, saturating. A block a row.
+// The encode follows src/backend/fp8.rs's `encode` bit for bit.
+__device__ __forceinline__ uint32_t e4m3_encode(float x) {
+  if (isnan(x)) return 0x7Fu;
+  const uint32_t sign = signbit(x) ? 0x80u : 0u;
+  const float a = fabsf(x);
+  if (a >= 448.0f) return sign | 0x7Eu;
+  const uint32_t bits = __float_as_uint(a);
+  const int exp = (int)(bits >> 23) - 127;
+  if (exp < -6) return sign | (uint32_t)rintf(a * 512.0f);
+  const uint32_t man = bits & 0x7FFFFFu;
+  uint32_t code = ((uint32_t)(exp + 7) << 3) | (man >> 20);
+  const uint32_t rest = man & 0xFFFFFu;
+  if (rest > 0x80000u || (rest == 0x80000u && (code & 1u))) code += 1u;
+  return sign | min(code, 0x7Eu);
+}
+
+template <typename T, bool COLS>
+__device__ __forceinline__ float scaled_in(const T* xr, const float* cs, size_t c) {
+  const float v = to_acc(xr[c]);
+  return COLS ? __fmul_rn(v, cs[c]) : v;
+}
+
+template <typename T, bool COLS>
+__device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint32_t* codes, float* scale,
+                                               size_t cols) {
+  __shared__ float red[32];
+  const size_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  float m = 0.0f;
+  for (size_t c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, fabsf(scaled_in<T, COLS>(xr, cs, c)));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < warps ? red[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if (lane == 0) red[0] = m;
+  }
+  __syncthreads();
+  m = red[0];
+  const float s = (m > 0.0f && isfinite(m)) ? __fdiv_rn(m, 448.0f) : 1.0f;
+  if (threadIdx.x == 0) scale[row] = s;
+  const size_t words = cols / 4;
+  uint32_t* cr = codes + row * words;
+  for (size_t w = threadIdx.x; w < words; w += blockDim.x) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) word |= e4m3_encode(__fdiv_rn(scaled_in<T, COLS>(xr, cs, 4 * w + j), s)) << (8 * j);
+    cr[w] = word;
+  }
+}
+
+#define QUANT_ROWS_FP8(SUF, T)                                                                               \
+  extern "C" __global__ void quant_rows_fp8_##SUF(const T* x, uint32_t* codes, float* scale, size_t cols) {  \
+    quant_rows_fp8<T, false>(x, nullptr, codes, scale, cols);                                                \
+  }                                                                                                          \
+  extern "C" __global__ void quant_rows_fp8_cols_##SUF(const T* x, const float* cs, uint32_t* codes,         \
+                                                       float* scale, size_t cols) {                          \
+    quant_rows_fp8<T, true>(x, cs, codes, scale, cols);                                                      \
+  }
+QUANT_ROWS_FP8(f32, float)
+QUANT_ROWS_FP8(bf16, __nv_bfloat16)
+QUANT_ROWS_FP8(f16, __half)
+
+// transpose_fp8: codes (rows, cols / 4) u32 -> (cols, rows / 4) u32, the byte matrix transposed
+// (rows % 4 == 0 and cols % 4 == 0; the launcher checks). A block moves a 64 x 64 byte tile
+// through shared memory: 256 threads load 64 rows of 16 words and store 64 rows of 16 words.
+extern "C" __global__ void transpose_fp8(const uint32_t* in, uint32_t* out, size_t rows, size_t cols) {
+  __shared__ uint8_t tile[64][65];
+  const size_t r0 = (size_t)blockIdx.y * 64, c0 = (size_t)blockIdx.x * 64;
+  const size_t in_words = cols / 4, out_words = rows / 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int idx = threadIdx.x + 256 * i, lr = idx / 16, lw = idx % 16;
+    const size_t r = r0 + lr, cw = c0 / 4 + lw;
+    if (r < rows && cw < in_words) {
+      const uint32_t w = in[r * in_words + cw];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) tile[lr][4 * lw + j] = (uint8_t)(w >> (8 * j));
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int idx = threadIdx.x + 256 * i, lc = idx / 16, lw = idx % 16;
+    const size_t c = c0 + lc, rw = r0 / 4 + lw;
+    if (c < cols && rw < out_words) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w |= (uint32_t)tile[4 * lw + j][lc] << (8 * j);
+      out[c * out_words + rw] = w;
+    }
+  }
+}
+
+// scale_outer: acc (m, n) f32 -> y (m, n) T = acc * a (m) * b (n), in f32 and rounded once: an
+// 8-bit product whose GEMM ran without its own scales (scalar-scaled cuBLASLt), scaled after.
+template <typename T>
+__device__ __forceinline__ void scale_outer(const float* acc, const float* a, const float* b, T* y, size_t n,
+                                            size_t total) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = i / n, c = i % n;
+    y[i] = from_acc<T>(__fmul_rn(__fmul_rn(acc[i], a[r]), b[c]));
+  }
+}
+#define SCALE_OUTER(SUF, T)                                                                                  \
+  extern "C" __global__ void scale_outer_##SUF(const float* acc, const float* a, const float* b, T* y,       \
+                                               size_t n, size_t total) {                                     \
+    scale_outer<T>(acc, a, b, y, n, total);                                                                  \
+  }
+SCALE_OUTER(f32, float)
+SCALE_OUTER(bf16, __nv_bfloat16)
+SCALE_OUTER(f16, __half)
+
+// fp8_product_naive: y (m, n) T = sa[i] * sb[j] * sum_k decode(a[i, k]) * decode(b[j, k]), a thread
+// an output: the product for shapes and GPUs that cuBLASLt's FP8 GEMM does not take (tests, odd
+// widths). words = k / 4.
+template <typename T>
+__device__ __forceinline__ void fp8_product_naive(const uint32_t* a, const float* sa, const uint32_t* b,
+                                                  const float* sb, T* y, size_t m, size_t n, size_t words) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < m * n; i += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = i / n, c = i % n;
+    float acc = 0.0f;
+    for (size_t w = 0; w < words; ++w) {
+      const uint32_t wa = a[r * words + w], wb = b[c * words + w];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc = fmaf(e4m3_decode((wa >> (8 * j)) & 0xFFu), e4m3_decode((wb >> (8 * j)) & 0xFFu), acc);
+    }
+    y[i] = from_acc<T>(__fmul_rn(__fmul_rn(acc, sa[r]), sb[c]));
+  }
+}
+#define FP8_PRODUCT_NAIVE(SUF, T)                                                                            \
+  extern "C" __global__ void fp8_product_naive_##SUF(const uint32_t* a, const float* sa, const uint32_t* b,  \
+                                                     const float* sb, T* y, size_t m, size_t n, size_t words) { \
+    fp8_product_naive<T>(a, sa, b, sb, y, m, n, words);                                                      \
+  }
+FP8_PRODUCT_NAIVE(f32, float)
+FP8_PRODUCT_NAIVE(bf16, __nv_bfloat16)
+FP8_PRODUCT_NAIVE(f16, __half)

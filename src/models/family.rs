@@ -157,6 +157,9 @@ pub struct LoadOptions {
     /// Store the Linear weights as FP8 E4M3 with per-row scales (`VarBuilder::with_fp8`);
     /// the rest stays in `dtype`, the compute dtype.
     pub fp8: bool,
+    /// The Linears' products in 8 bits (`VarBuilder::with_fp8_products`): their weights load
+    /// as FP8 whatever `fp8` says.
+    pub fp8_products: bool,
     /// A LoRA file merged into the weights as they load (sampling with a trained LoRA);
     /// every tensor of it must find its layer.
     pub merge: Option<Arc<LoraMerge>>,
@@ -172,6 +175,7 @@ impl LoadOptions {
             config: None,
             memory: Plan::default(),
             fp8: false,
+            fp8_products: false,
             merge: None,
         }
     }
@@ -243,7 +247,8 @@ pub fn load_as<M: ModelSpec>(
     let key_map = M::diffusers_map(&config);
     let mut vb = ckpt
         .var_builder(opts.dtype, &opts.device, key_map.clone())?
-        .with_fp8(opts.fp8)?;
+        .with_fp8(opts.fp8)?
+        .with_fp8_products(opts.fp8_products)?;
     if let Some(a) = &opts.adapters {
         vb = vb.with_adapters(a.clone())?;
     }
@@ -356,7 +361,8 @@ fn profile_with<M: ModelSpec>(
     ggml_types: Option<Arc<std::collections::HashMap<String, crate::backend::ggml::GgmlType>>>,
 ) -> Result<MemoryProfile> {
     let config = config.clone();
-    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?;
+    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?
+        .with_fp8_products(opts.fp8_products)?;
     if let Some(types) = ggml_types {
         vb = vb.with_ggml_types(types)?;
     }
@@ -531,7 +537,8 @@ fn probe_boxed<M: ModelSpec>(
     opts: &LoadOptions,
 ) -> Result<Loaded<dyn DiffusionModel>> {
     let (_, config) = resolve::<M>(path, opts, None)?;
-    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?;
+    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?
+        .with_fp8_products(opts.fp8_products)?;
     if let Some(a) = &opts.adapters {
         vb = vb.with_adapters(a.clone())?;
     }

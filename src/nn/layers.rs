@@ -187,8 +187,19 @@ fn packed_matmul(
     out_dim: usize,
     keep: &[KeptKind],
 ) -> Result<(Tensor, bool)> {
+    let eight = fp8_products(packing, packed, x);
     let compute = || -> Result<Vec<Tensor>> {
         let _g = crate::no_grad();
+        if let Some(scale) = eight {
+            let (qx, sx) = x.quant_rows_fp8(None)?;
+            return Ok(vec![crate::fp8_product(
+                &qx,
+                &sx,
+                packed,
+                scale,
+                x.dtype(),
+            )?]);
+        }
         let w = packing.decode(packed, x.dtype())?;
         Ok(vec![x.matmul(&w.t()?)?])
     };
@@ -205,6 +216,27 @@ fn packed_matmul(
         .ok_or_else(|| Error::Autograd("packed matmul: no output".into()))?;
     // From the log, and no backward recorded: the packed words were not read.
     Ok((y, replayed && !x.requires_grad()))
+}
+
+/// The per-row scales of an FP8 weight whose products run in 8 bits (`Packing::Fp8` with
+/// `products`), where the activations `x` (rows, width) allow it: a float dtype the
+/// quantization reads (f32, bf16, f16), and a weight (out, in) whose widths FP8 tensor cores
+/// take in both directions (multiples of 16). Otherwise None: the weight is decoded for the
+/// product.
+fn fp8_products<'a>(packing: &'a Packing, packed: &Tensor, x: &Tensor) -> Option<&'a Tensor> {
+    let Packing::Fp8 {
+        scale,
+        products: true,
+    } = packing
+    else {
+        return None;
+    };
+    let (out_dim, in_dim) = packing.dims(packed);
+    let float = matches!(
+        x.dtype(),
+        crate::DType::F32 | crate::DType::BF16 | crate::DType::F16
+    );
+    (float && x.rank() == 2 && out_dim % 16 == 0 && in_dim % 16 == 0).then_some(scale)
 }
 
 /// The backward of `packed_matmul`: dx = dy decode(W).
@@ -226,6 +258,21 @@ impl crate::autograd::CustomBackward for PackedMatmul {
         let Some(Some(dy)) = out_grads.first() else {
             return Ok(vec![None]);
         };
+        if let Some(scale) = fp8_products(&self.packing, &self.packed, dy) {
+            // dx = dy diag(s) Q: the weight's row scales fold into dy's columns before dy
+            // is quantized a row at a time; the product runs over the codes transposed.
+            let (qg, sg) = dy.quant_rows_fp8(Some(scale))?;
+            let qt = self.packed.transpose_fp8()?;
+            let in_dim = qt.dims()[0];
+            let ones = Tensor::ones(in_dim, crate::DType::F32, dy.device())?;
+            return Ok(vec![Some(crate::fp8_product(
+                &qg,
+                &sg,
+                &qt,
+                &ones,
+                dy.dtype(),
+            )?)]);
+        }
         let w = self.packing.decode(&self.packed, dy.dtype())?;
         Ok(vec![Some(dy.matmul(&w)?)])
     }

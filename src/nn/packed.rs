@@ -6,7 +6,9 @@
 //! host memory and streamed as any other weight, and counted at their packed size.
 //!
 //! - FP8 E4M3 (`backend::fp8`, `model.dtype = "fp8"`): codes (out, in / 4) u32, four a word,
-//!   and per-row f32 scales (out), quantized from a float checkpoint at load.
+//!   and per-row f32 scales (out), quantized from a float checkpoint at load. With 8-bit
+//!   products (`model.compute = "fp8"`) the weight is never decoded: the activations are
+//!   quantized a token at a time and the GEMM runs on FP8 tensor cores.
 //! - GGML blocks (`backend::ggml`, a `.gguf` checkpoint): the file's blocks as stored,
 //!   packed little end first into (words) u32; rows of whole blocks, in row order.
 
@@ -20,6 +22,10 @@ pub enum Packing {
     Fp8 {
         /// The per-output-channel scales (out).
         scale: Tensor,
+        /// Whether the Linear's products run in 8 bits (`model.compute = "fp8"`, see
+        /// `layers.rs`'s `fp8_matmul`) instead of decoding the weight for a GEMM in the
+        /// activations' dtype.
+        products: bool,
     },
     /// GGML blocks of one type, (words) u32.
     Ggml {
@@ -34,7 +40,7 @@ impl Packing {
     /// The weight (out, in) that `packed` (the words) stands for, decoded into `dtype`.
     pub fn decode(&self, packed: &Tensor, dtype: DType) -> Result<Tensor> {
         match self {
-            Packing::Fp8 { scale } => packed.dequant_fp8(scale, dtype),
+            Packing::Fp8 { scale, .. } => packed.dequant_fp8(scale, dtype),
             Packing::Ggml { ty, dims } => packed.dequant_ggml(*ty, dims.0, dims.1, dtype),
         }
     }
@@ -56,7 +62,7 @@ impl Packing {
     /// The tensors decoding reads besides the words (the FP8 scales).
     pub fn side_tensors(&self) -> Option<&Tensor> {
         match self {
-            Packing::Fp8 { scale } => Some(scale),
+            Packing::Fp8 { scale, .. } => Some(scale),
             Packing::Ggml { .. } => None,
         }
     }

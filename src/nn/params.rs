@@ -62,6 +62,8 @@ struct Shared {
     host: Option<Arc<dyn HostWeights>>,
     /// Linear weights load as FP8 E4M3 codes with per-row scales (`get_linear_weight`).
     fp8: bool,
+    /// The Linears' products run in 8 bits (`with_fp8_products`; their weights load as FP8).
+    fp8_products: bool,
     /// The GGML types of a GGUF checkpoint's quantized tensors by model key, for a
     /// shapes-only build that sizes them packed (`with_ggml_types`).
     ggml_types: Option<Arc<HashMap<String, GgmlType>>>,
@@ -200,6 +202,7 @@ impl VarBuilder {
                 adapters: None,
                 host: None,
                 fp8: false,
+                fp8_products: false,
                 ggml_types: None,
                 packed: Mutex::new(BTreeMap::new()),
                 merge: None,
@@ -250,6 +253,19 @@ impl VarBuilder {
     /// shared.
     pub fn with_fp8(self, fp8: bool) -> Result<Self> {
         self.with_shared("fp8 weights", |shared| Ok(Shared { fp8, ..shared }))
+    }
+
+    /// The same source with the Linears' products in 8 bits when `on` (`model.compute =
+    /// "fp8"`): their weights load as FP8 as `with_fp8` stores them, and each product
+    /// quantizes its activations instead of decoding the weight (`nn::Packing::Fp8`'s
+    /// `products`). Set before the builder is shared.
+    pub fn with_fp8_products(self, on: bool) -> Result<Self> {
+        self.with_shared("8-bit products", |shared| {
+            Ok(Shared {
+                fp8_products: on,
+                ..shared
+            })
+        })
     }
 
     /// Whether Linear weights load as FP8 (`with_fp8`).
@@ -471,7 +487,8 @@ impl VarBuilder {
         if let Some(ty) = self.ggml_type_of(&key, out_dim, in_dim) {
             return self.get_ggml_weight(&key, ty, out_dim, in_dim);
         }
-        if !self.shared.fp8 || in_dim % fp8::CODES_PER_WORD != 0 {
+        let stored8 = self.shared.fp8 || self.shared.fp8_products;
+        if !stored8 || in_dim % fp8::CODES_PER_WORD != 0 {
             return Ok((self.get((out_dim, in_dim), name)?, None));
         }
         self.note_packed(&key, (out_dim, in_dim))?;
@@ -486,6 +503,7 @@ impl VarBuilder {
                 self.same_shape(&key, c, &codes_shape)?,
                 Some(Packing::Fp8 {
                     scale: self.same_shape(&scale_key, sc, &scale_shape)?,
+                    products: self.shared.fp8_products,
                 }),
             ));
         }
@@ -496,7 +514,14 @@ impl VarBuilder {
             );
             loaded.insert(key, c.clone());
             loaded.insert(scale_key, sc.clone());
-            return Ok((c, Some(Packing::Fp8 { scale: sc })));
+            let products = self.shared.fp8_products;
+            return Ok((
+                c,
+                Some(Packing::Fp8 {
+                    scale: sc,
+                    products,
+                }),
+            ));
         }
         let w = self.assemble(&key, &Shape::from((out_dim, in_dim)))?;
         // The weight crosses to the host in its own dtype (half the bytes of f32 for bf16).
@@ -519,7 +544,13 @@ impl VarBuilder {
         let scales = self.place(&scale_key, scales)?;
         loaded.insert(key, codes.clone());
         loaded.insert(scale_key, scales.clone());
-        Ok((codes, Some(Packing::Fp8 { scale: scales })))
+        Ok((
+            codes,
+            Some(Packing::Fp8 {
+                scale: scales,
+                products: self.shared.fp8_products,
+            }),
+        ))
     }
 
     /// The GGML type in which the Linear weight of model key `key`, (out, in), stays packed:

@@ -116,6 +116,16 @@ impl ModelDType {
     }
 }
 
+/// What the frozen Linears compute in (`model.compute`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelCompute {
+    /// The weights' dtype (bf16 for FP8 weights, decoded at each use).
+    Bf16,
+    /// 8-bit products: FP8 E4M3 weights and activations on FP8 tensor cores.
+    Fp8,
+}
+
 /// The learning-rate schedule after the warm-up (`schedule.kind`).
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -261,6 +271,12 @@ section! {
         /// bf16; with dynamic loss scaling), "f32", or "fp8" (Linear weights in E4M3 with
         /// per-channel scales, computed in bf16).
         dtype: ModelDType = ModelDType::Bf16,
+        /// What the frozen Linears compute in: "bf16" (the weights' dtype; FP8 weights are
+        /// decoded for each product) or "fp8" (8-bit products on FP8 tensor cores, Hopper and
+        /// Ada: the weights stored as with dtype "fp8", the activations and, in the backward,
+        /// the output gradients quantized to E4M3 a token at a time; adapters and everything
+        /// trained stay in bf16 / f32).
+        compute: ModelCompute = ModelCompute::Bf16,
         /// A diffusers config.json for a single file whose shapes do not pin its config down.
         config: Option<PathBuf> = None,
         /// The guidance input of guidance-distilled models (Flux dev) during training.

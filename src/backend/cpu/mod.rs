@@ -21,6 +21,7 @@ use crate::backend::{
 use crate::{CpuStorage, DType, Error, Layout, Result, Shape, WithDType};
 pub(crate) use attention::Attn;
 pub(crate) use fused::{f64_view, run_kernel};
+pub(crate) use matmul::matmul;
 use half::{bf16, f16};
 pub(crate) use num::{Activation, Elem, Real};
 pub(crate) use strided::contiguous;

@@ -78,3 +78,130 @@ fn run<T: Elem>(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
     }
     Ok(vec![codes.wrap(T::wrap(w))])
 }
+
+/// [x (rows, cols) f32/bf16/f16, optional col (cols) f32] (dense; `d` = [rows, cols]) ->
+/// [codes (rows, cols / 4) u32, scale (rows) f32]: a block of 256 threads a row
+/// (`quant_rows_fp8[_cols]_*` of cuda/fp8.cu).
+pub(crate) fn quant_rows(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+    const OP: &str = "quant_rows_fp8";
+    let &[rows, cols] = d else {
+        return Err(Error::Cuda(format!("{OP}: {} sizes, expected 2", d.len())));
+    };
+    let Some(x) = a.first() else {
+        return Err(Error::Cuda(format!("{OP}: no operands")));
+    };
+    let col = a.get(1);
+    if x.buf.len() < rows * cols || col.is_some_and(|c| c.buf.len() < cols) {
+        return Err(Error::invalid(
+            OP,
+            "operands smaller than their shapes".to_string(),
+            &Shape::from((rows, cols)),
+        ));
+    }
+    let dev = &x.dev;
+    let mut codes = dev.alloc::<u32>(rows * cols / crate::backend::fp8::CODES_PER_WORD)?;
+    let mut scale = dev.alloc::<f32>(rows)?;
+    if rows > 0 {
+        let sfx = match x.buf.dtype() {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            dtype => return Err(Error::UnsupportedDType { op: OP, dtype }),
+        };
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if rows > u32::MAX as usize {
+            return Err(Error::invalid(
+                OP,
+                "more rows than one launch's grid".to_string(),
+                &Shape::from((rows, cols)),
+            ));
+        }
+        let xp = x.buf.raw_ptr(dev.stream());
+        match col {
+            Some(c) => {
+                let cp = c.buf.raw_ptr(dev.stream());
+                launch!(
+                    dev,
+                    "fp8",
+                    format!("quant_rows_fp8_cols_{sfx}"),
+                    cfg,
+                    &xp,
+                    &cp,
+                    &mut *codes.slice,
+                    &mut *scale.slice,
+                    &cols
+                )?;
+            }
+            None => {
+                launch!(
+                    dev,
+                    "fp8",
+                    format!("quant_rows_fp8_{sfx}"),
+                    cfg,
+                    &xp,
+                    &mut *codes.slice,
+                    &mut *scale.slice,
+                    &cols
+                )?;
+            }
+        }
+    }
+    Ok(vec![
+        x.wrap(u32::wrap(codes)),
+        x.wrap(f32::wrap(scale)),
+    ])
+}
+
+/// [codes (rows, cols / 4) u32] (dense; `d` = [rows, cols]) -> [codes (cols, rows / 4)]: a
+/// block a 64 x 64 byte tile (`transpose_fp8` of cuda/fp8.cu).
+pub(crate) fn transpose(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+    const OP: &str = "transpose_fp8";
+    let (&[rows, cols], &[codes]) = (d, a) else {
+        return Err(Error::Cuda(format!(
+            "{OP}: {} sizes and {} operands, expected 2 and 1",
+            d.len(),
+            a.len()
+        )));
+    };
+    let words = rows * cols / crate::backend::fp8::CODES_PER_WORD;
+    if codes.buf.len() < words {
+        return Err(Error::invalid(
+            OP,
+            format!("{} words, expected {words}", codes.buf.len()),
+            &Shape::from((rows, cols)),
+        ));
+    }
+    let dev = &codes.dev;
+    let mut out = dev.alloc::<u32>(words)?;
+    if words > 0 {
+        let (gx, gy) = (cols.div_ceil(64), rows.div_ceil(64));
+        if gx > u32::MAX as usize || gy > 65_535 {
+            return Err(Error::invalid(
+                OP,
+                "a matrix larger than one launch's grid".to_string(),
+                &Shape::from((rows, cols)),
+            ));
+        }
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (gx as u32, gy as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let src = codes.buf.raw_ptr(dev.stream());
+        launch!(
+            dev,
+            "fp8",
+            "transpose_fp8",
+            cfg,
+            &src,
+            &mut *out.slice,
+            &rows,
+            &cols
+        )?;
+    }
+    Ok(vec![codes.wrap(u32::wrap(out))])
+}

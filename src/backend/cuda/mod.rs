@@ -7,6 +7,7 @@ mod conv;
 mod device;
 mod dispatch;
 mod fp8;
+mod fp8_gemm;
 mod fused;
 mod ggml;
 mod host;
@@ -36,12 +37,15 @@ pub(crate) use fused::run_kernel;
 /// `tensor/kernels/`) builds on: the launch macro, element types, launch shapes, the
 /// deterministic column sums the norms and modulation share, a buffer's address; and the
 /// launchers that stay backend helpers: flash attention (`flash`, attention.rs), the FP8
-/// decode (`dequant_fp8`, fp8.rs), the GGML decode (`dequant_ggml`, ggml.rs), the norms' row kernels (norm.rs) and softmax's launch
+/// decode and the 8-bit products' quantization and transpose (fp8.rs) and GEMM (fp8_gemm.rs), the GGML decode (`dequant_ggml`, ggml.rs), the norms' row kernels (norm.rs) and softmax's launch
 /// shape.
 pub(crate) mod kit {
     pub(crate) use super::attention::flash;
     pub(crate) use super::device::DONE_COUNTERS;
     pub(crate) use super::fp8::dequant as dequant_fp8;
+    pub(crate) use super::fp8::quant_rows as quant_rows_fp8;
+    pub(crate) use super::fp8::transpose as transpose_fp8;
+    pub(crate) use super::fp8_gemm::product as fp8_product;
     pub(crate) use super::fused::{cfg, colsum_shape, ptr, sum_parts, sweep};
     pub(crate) use super::ggml::dequant as dequant_ggml;
     pub(crate) use super::hopper_module;

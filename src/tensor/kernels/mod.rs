@@ -8,6 +8,8 @@
 //! - `attention.rs`: scaled dot-product attention (flash attention on CUDA) and its backward;
 //! - `dequant_fp8.rs`: the FP8 E4M3 weight decode (no gradient);
 //! - `dequant_ggml.rs`: the GGML block-quantized weight decode of GGUF files (no gradient);
+//! - `fp8_products.rs`: 8-bit products: activations quantized a row at a time, FP8 codes
+//!   transposed, and the scaled FP8 GEMM (no gradient; a Linear's backward calls them);
 //! - `group_norm.rs`: GroupNorm and its backward;
 //! - `modulate.rs`: adaLN modulation and its backward;
 //! - `norm.rs`: the LayerNorm / RMSNorm backwards with parameter gradients (their forward is a
@@ -18,6 +20,7 @@
 mod attention;
 mod dequant_fp8;
 mod dequant_ggml;
+mod fp8_products;
 mod group_norm;
 mod modulate;
 mod norm;
@@ -25,6 +28,7 @@ mod rope;
 mod softmax;
 
 pub use attention::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
+pub use fp8_products::fp8_product;
 
 use crate::autograd::FusedKernel;
 

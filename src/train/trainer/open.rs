@@ -2,7 +2,7 @@ use super::{Event, PhasePeaks, PipelineParts, Placement, Prepare, Trainer};
 use crate::dist::{GradReducer, ProcessGroup, BUCKET_BYTES};
 use crate::models::{DiffusionModel, Family, LoadOptions};
 use crate::nn::{Adapters, KeyMap};
-use crate::train::config::{AdapterFormat, ModelDType, TrainConfig};
+use crate::train::config::{AdapterFormat, ModelCompute, ModelDType, TrainConfig};
 use crate::train::data::{check_batch_size, Dataset, Samples};
 use crate::train::ema::{Ema, EmaSchedule};
 use crate::train::images::{self, ImageSamples};
@@ -256,15 +256,53 @@ fn load_options(config: &TrainConfig, device: &Device) -> Result<LoadOptions> {
         }
         None => None,
     };
+    if m.compute == ModelCompute::Fp8 {
+        check_fp8_products(config, device)?;
+    }
     Ok(LoadOptions {
         dtype: m.dtype.compute_dtype(),
         device: device.clone(),
         adapters: None,
         config: json,
         fp8: m.dtype == ModelDType::Fp8,
+        fp8_products: m.compute == ModelCompute::Fp8,
         memory: crate::memory::Plan::default(),
         merge: None,
     })
+}
+
+/// `model.compute = "fp8"` needs a base whose Linears load as FP8 (not a GGUF file's packed
+/// blocks) and, on a GPU, FP8 tensor cores (compute capability 8.9: Ada, Hopper and later).
+fn check_fp8_products(config: &TrainConfig, device: &Device) -> Result<()> {
+    let path = &config.model.path;
+    if path.is_file() && crate::gguf::is_gguf(path) {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "model.compute = \"fp8\" needs float or FP8 weights, and {} is a GGUF file \
+                 (its blocks are decoded for each product); use compute = \"bf16\"",
+                path.display()
+            ),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let cc = (d.compute_capability_major(), d.compute_capability_minor());
+        if cc < (8, 9) {
+            return Err(Error::Config {
+                path: None,
+                msg: format!(
+                    "model.compute = \"fp8\" needs FP8 tensor cores (compute capability 8.9 \
+                     or later: Ada, Hopper); cuda:{} is {}.{}; use compute = \"bf16\"",
+                    d.ordinal(),
+                    cc.0,
+                    cc.1
+                ),
+            });
+        }
+    }
+    let _ = device;
+    Ok(())
 }
 
 /// The model's inputs and shape checks, and the adapters on its layers, from one build

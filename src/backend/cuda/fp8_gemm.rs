@@ -1,0 +1,365 @@
+//! The scaled FP8 product of `tensor/kernels/fp8_products.rs` (`Fp8Product`) on CUDA:
+//! `y[i, j] = sa[i] * sb[j] * sum_k a[i, k] * b[j, k]` over E4M3 codes packed four a word.
+//!
+//! One cuBLASLt GEMM on FP8 tensor cores (Hopper and Ada). In cuBLASLt's column-major terms
+//! the product is `y^T (n, m) = op(B) A` with B = b (k x n, transposed: the "TN" layout FP8
+//! GEMMs require, both operands contiguous along k) and A = a (k x m). The scales ride in the
+//! GEMM as two outer vectors (`CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`: one f32 per row of
+//! the output and one per column, cuBLAS 12.9+). Where the library offers no algorithm with
+//! those scales, the GEMM runs unscaled into f32 and `scale_outer` applies them; where it
+//! offers none at all (another GPU, or widths that break its alignment rules: k a multiple of
+//! 16, n of 8), a plain kernel (`fp8_product_naive`) computes the product. Which form a shape
+//! takes is settled once per device and shape and cached with the algorithm.
+
+use super::layout::grid_for;
+use super::storage::{launch, CudaStorage, Elem};
+use super::CudaDevice as Dev;
+use crate::{DType, Error, Result, Shape};
+use cudarc::cublaslt::{result as lt, sys, MatmulShared};
+use cudarc::driver::DevicePtr;
+use half::{bf16, f16};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Mutex, OnceLock};
+
+const OP: &str = "fp8_product";
+/// cuBLASLt's workspace for one GEMM (NVIDIA's advice for Hopper: 32 MiB).
+const WORKSPACE: usize = 32 << 20;
+
+/// How a shape's product runs on a device.
+#[derive(Clone, Copy, Debug)]
+enum Form {
+    /// One GEMM with both scale vectors.
+    Scaled(sys::cublasLtMatmulAlgo_t),
+    /// An unscaled GEMM into f32, then `scale_outer`.
+    ThenScale(sys::cublasLtMatmulAlgo_t),
+    /// `fp8_product_naive`.
+    Naive,
+}
+
+/// (device ordinal, m, n, k, output dtype) -> the form found for it.
+type Forms = HashMap<(usize, usize, usize, usize, DType), Form>;
+
+fn forms() -> &'static Mutex<Forms> {
+    static FORMS: OnceLock<Mutex<Forms>> = OnceLock::new();
+    FORMS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// [a (m, k/4) u32, sa (m) f32, b (n, k/4) u32, sb (n) f32] (dense; `d` = [m, n, k]) -> [y (m,
+/// n) in `dtype`].
+pub(crate) fn product(dtype: DType, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+    match dtype {
+        DType::F32 => run::<f32>(d, a),
+        DType::BF16 => run::<bf16>(d, a),
+        DType::F16 => run::<f16>(d, a),
+        _ => Err(Error::UnsupportedDType { op: OP, dtype }),
+    }
+}
+
+fn run<T: Elem>(d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+    let (&[m, n, k], &[a, sa, b, sb]) = (d, args) else {
+        return Err(Error::Cuda(format!(
+            "{OP}: {} sizes and {} operands, expected 3 and 4",
+            d.len(),
+            args.len()
+        )));
+    };
+    let words = k / crate::backend::fp8::CODES_PER_WORD;
+    if a.buf.len() < m * words || b.buf.len() < n * words || sa.buf.len() < m || sb.buf.len() < n
+    {
+        return Err(Error::invalid(
+            OP,
+            "operands smaller than their shapes".to_string(),
+            &Shape::from((m, n)),
+        ));
+    }
+    let dev = &a.dev;
+    if m * n == 0 || k == 0 {
+        let y = dev.alloc_zeroed::<T>(m * n, "fp8 product")?;
+        return Ok(vec![a.wrap(T::wrap(y))]);
+    }
+    let key = (dev.ordinal(), m, n, k, T::DTYPE);
+    let known = forms()
+        .lock()
+        .map_err(|_| Error::Cuda(format!("{OP}: the form cache was poisoned")))?
+        .get(&key)
+        .copied();
+    let form = match known {
+        Some(f) => f,
+        None => {
+            let f = find_form::<T>(dev, m, n, k, [a, sa, b, sb])?;
+            if let Ok(mut map) = forms().lock() {
+                map.insert(key, f);
+            }
+            f
+        }
+    };
+    let y = match form {
+        Form::Scaled(algo) => {
+            let y = dev.alloc::<T>(m * n)?;
+            let out = y.slice.device_ptr(dev.stream()).0;
+            gemm(dev, m, n, k, T::DTYPE, [a, sa, b, sb], out, true, &algo)?;
+            y
+        }
+        Form::ThenScale(algo) => {
+            let acc = dev.alloc::<f32>(m * n)?;
+            let acc_ptr = acc.slice.device_ptr(dev.stream()).0;
+            gemm(dev, m, n, k, DType::F32, [a, sa, b, sb], acc_ptr, false, &algo)?;
+            let mut y = dev.alloc::<T>(m * n)?;
+            let (pa, pb) = (sa.buf.raw_ptr(dev.stream()), sb.buf.raw_ptr(dev.stream()));
+            let total = m * n;
+            launch!(
+                dev,
+                "fp8",
+                format!("scale_outer_{}", T::SFX),
+                grid_for(total, dev.sm_count()),
+                &*acc.slice,
+                &pa,
+                &pb,
+                &mut *y.slice,
+                &n,
+                &total
+            )?;
+            y
+        }
+        Form::Naive => {
+            let mut y = dev.alloc::<T>(m * n)?;
+            let p = |s: &CudaStorage| s.buf.raw_ptr(dev.stream());
+            let (pa, psa, pb, psb) = (p(a), p(sa), p(b), p(sb));
+            launch!(
+                dev,
+                "fp8",
+                format!("fp8_product_naive_{}", T::SFX),
+                grid_for(m * n, dev.sm_count()),
+                &pa,
+                &psa,
+                &pb,
+                &psb,
+                &mut *y.slice,
+                &m,
+                &n,
+                &words
+            )?;
+            y
+        }
+    };
+    Ok(vec![a.wrap(T::wrap(y))])
+}
+
+/// The form a shape takes on `dev`: cuBLASLt's FP8 GEMM with its scale vectors where it has
+/// an algorithm for them, else unscaled into f32, else the plain kernel.
+fn find_form<T: Elem>(
+    dev: &Dev,
+    m: usize,
+    n: usize,
+    k: usize,
+    ops: [&CudaStorage; 4],
+) -> Result<Form> {
+    let aligned = ops
+        .iter()
+        .all(|s| s.buf.raw_ptr(dev.stream()) % 16 == 0);
+    // FP8 tensor cores: Ada (8.9) and Hopper (9.x) on; k a multiple of 16 (16-byte rows of
+    // codes), the output's rows 16-byte aligned.
+    let cc = (dev.compute_capability_major(), dev.compute_capability_minor());
+    let fits = cc >= (8, 9)
+        && aligned
+        && k % 16 == 0
+        && (n * T::DTYPE.size_in_bytes()) % 16 == 0
+        && n % 4 == 0;
+    if !fits {
+        return Ok(Form::Naive);
+    }
+    if let Some(algo) = heuristic(dev, m, n, k, T::DTYPE, true)? {
+        return Ok(Form::Scaled(algo));
+    }
+    if let Some(algo) = heuristic(dev, m, n, k, DType::F32, false)? {
+        return Ok(Form::ThenScale(algo));
+    }
+    Ok(Form::Naive)
+}
+
+/// cuBLASLt's data type of an output dtype.
+fn data_type(dtype: DType) -> Result<sys::cudaDataType> {
+    Ok(match dtype {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+        dtype => return Err(Error::UnsupportedDType { op: OP, dtype }),
+    })
+}
+
+fn lt_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Cuda(format!("{OP}: cuBLASLt {what}: {e:?}"))
+}
+
+/// A matmul descriptor and the three layouts of one product, destroyed on drop.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created by `Plan::new` and is destroyed once, here.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.d);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+impl Plan {
+    /// y^T (n, m) = op(b)^T-layout (k x n, transposed) times a (k x m), output `out`; with
+    /// `scales` the operands' scale vectors are outer vectors (their pointers set by
+    /// [`Plan::set_scales`]).
+    fn new(m: usize, n: usize, k: usize, out: DType, scales: bool) -> Result<Plan> {
+        use sys::cublasLtMatmulDescAttributes_t as Attr;
+        let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(|e| lt_err("descriptor", e))?;
+        let layout = |ty, rows: usize, cols: usize, ld: usize| {
+            lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
+                .map_err(|e| lt_err("layout", e))
+        };
+        // The plan owns each handle as soon as it exists, so an error below frees them.
+        let mut plan = Plan {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            d: std::ptr::null_mut(),
+        };
+        plan.a = layout(e4m3, k, n, k)?;
+        plan.b = layout(e4m3, k, m, k)?;
+        plan.d = layout(data_type(out)?, n, m, n)?;
+        let trans_a = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
+        let trans_b = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
+        // SAFETY: the descriptor is live; each value is the attribute's documented type.
+        unsafe {
+            set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &trans_a)?;
+            set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSB, &trans_b)?;
+            if scales {
+                let mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+                set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode)?;
+                set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode)?;
+            }
+        }
+        Ok(plan)
+    }
+
+    /// The scale vectors: cuBLASLt's A is `b` (its scales `sb`, one per output column of y),
+    /// its B is `a` (`sa`).
+    fn set_scales(&self, sa: u64, sb: u64) -> Result<()> {
+        use sys::cublasLtMatmulDescAttributes_t as Attr;
+        let (pa, pb) = (sb as *const c_void, sa as *const c_void);
+        // SAFETY: the descriptor is live; the values are device pointers to f32 vectors of n
+        // and m elements that outlive the GEMM (the caller's operands).
+        unsafe {
+            set(self.desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa)?;
+            set(self.desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb)?;
+        }
+        Ok(())
+    }
+}
+
+/// Sets one descriptor attribute to `v`.
+///
+/// # Safety
+/// `desc` is live and `T` is the attribute's type.
+unsafe fn set<T>(desc: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDescAttributes_t, v: &T) -> Result<()> {
+    lt::set_matmul_desc_attribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>())
+        .map_err(|e| lt_err("descriptor attribute", e))
+}
+
+/// cuBLASLt's fastest algorithm for the product, or None where it has none.
+fn heuristic(
+    dev: &Dev,
+    m: usize,
+    n: usize,
+    k: usize,
+    out: DType,
+    scales: bool,
+) -> Result<Option<sys::cublasLtMatmulAlgo_t>> {
+    let plan = Plan::new(m, n, k, out, scales)?;
+    let handle = *dev.blas_lt()?.handle();
+    let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
+    let ws = WORKSPACE as u64;
+    // SAFETY: `pref` is live until destroyed below; the value is the attribute's u64.
+    let found = unsafe {
+        let r = lt::set_matmul_pref_attribute(
+            pref,
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &ws as *const u64 as *const c_void,
+            std::mem::size_of::<u64>(),
+        )
+        .and_then(|()| {
+            lt::get_matmul_algo_heuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref)
+        });
+        let _ = lt::destroy_matmul_pref(pref);
+        r
+    };
+    match found {
+        Ok(h) => Ok(Some(h.algo)),
+        Err(e) if format!("{e:?}").contains("NOT_SUPPORTED") => Ok(None),
+        Err(e) => Err(lt_err("heuristic", e)),
+    }
+}
+
+/// One GEMM into `out` (m x n of `out_dtype`, row-major), with the scale vectors when
+/// `scales`.
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    dev: &Dev,
+    m: usize,
+    n: usize,
+    k: usize,
+    out_dtype: DType,
+    [a, sa, b, sb]: [&CudaStorage; 4],
+    out: u64,
+    scales: bool,
+    algo: &sys::cublasLtMatmulAlgo_t,
+) -> Result<()> {
+    let plan = Plan::new(m, n, k, out_dtype, scales)?;
+    let stream = dev.stream();
+    if scales {
+        plan.set_scales(sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream))?;
+    }
+    let handle = *dev.blas_lt()?.handle();
+    let ws = dev.alloc::<u8>(WORKSPACE)?;
+    let ws_ptr = ws.slice.device_ptr(stream).0;
+    let (pa, pb) = (a.buf.raw_ptr(stream), b.buf.raw_ptr(stream));
+    let (alpha, beta) = (1f32, 0f32);
+    let span = crate::backend::profile::Span::start(stream);
+    // SAFETY: the plan's layouts describe the operands' extents (checked by the caller: b
+    // holds n rows of k codes, a m rows, out m x n elements of `out_dtype`); C is D with beta
+    // 0; the workspace holds WORKSPACE bytes; everything is queued on FLAME's one stream.
+    let r = unsafe {
+        lt::matmul(
+            handle,
+            plan.desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            pb as *const c_void,
+            plan.a,
+            pa as *const c_void,
+            plan.b,
+            out as *const c_void,
+            plan.d,
+            out as *mut c_void,
+            plan.d,
+            algo,
+            ws_ptr as *mut c_void,
+            WORKSPACE,
+            stream.cu_stream() as *mut _,
+        )
+    };
+    span.stop(stream, "gemm", "cublaslt_fp8_gemm");
+    drop(ws);
+    r.map_err(|e| lt_err(&format!("FP8 GEMM ({m}, {n}, {k})"), e))
+}

@@ -1,0 +1,370 @@
+//! 8-bit products (`model.compute = "fp8"`): the row quantization of activations against the
+//! format's own quantizer, the code transpose, the scaled FP8 product against its definition
+//! in f64, a Linear with 8-bit products against the same layer decoding its weight (output,
+//! input gradient and LoRA gradients within stated bounds), its backward against the
+//! 8-bit formula computed by hand, and (ignored unless on a GPU) every CUDA kernel against
+//! the CPU: the quantization and transpose bit for bit, the product within f32 summation
+//! order, at odd sizes (the plain kernel) and tensor-core sizes (cuBLASLt).
+#![cfg(feature = "cpu-ref")]
+
+use flame::backend::fp8;
+use flame::nn::{Adapters, Linear, LoraConfig, VarBuilder};
+use flame::{fp8_product, DType, Device, Tensor};
+use std::collections::HashMap;
+
+const CPU: Device = Device::Cpu;
+
+/// Deterministic values in [-amp, amp) (64-bit LCG, Knuth's constants).
+fn lcg(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
+        })
+        .collect()
+}
+
+fn f32s(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap()
+}
+
+fn u32s(t: &Tensor) -> Vec<u32> {
+    t.to_vec::<u32>().unwrap()
+}
+
+/// Decoded codes (rows, cols) times their row scales, in f64.
+fn decoded(codes: &[u32], scales: &[f32], rows: usize, cols: usize) -> Vec<f64> {
+    (0..rows * cols)
+        .map(|i| {
+            let c = fp8::unpack(codes[i / 4], i % 4);
+            f64::from(fp8::decode(c)) * f64::from(scales[i / cols])
+        })
+        .collect()
+}
+
+#[test]
+fn row_quantization_is_the_formats_quantizer() {
+    let (rows, cols) = (7, 20);
+    let x = lcg(rows * cols, 1, 3.0);
+    let col = lcg(cols, 2, 1.0);
+    let xt = Tensor::from_vec(x.clone(), (rows, cols), &CPU).unwrap();
+    let (c, s) = xt.quant_rows_fp8(None).unwrap();
+    let (want_c, want_s) = fp8::quantize_rows(&x, rows, cols).unwrap();
+    assert_eq!(u32s(&c), want_c);
+    assert_eq!(f32s(&s), want_s);
+    // A column factor is applied (an f32 product) before the rows are quantized.
+    let colt = Tensor::from_vec(col.clone(), cols, &CPU).unwrap();
+    let (c, s) = xt.quant_rows_fp8(Some(&colt)).unwrap();
+    let scaled: Vec<f32> = x.iter().enumerate().map(|(i, v)| v * col[i % cols]).collect();
+    let (want_c, want_s) = fp8::quantize_rows(&scaled, rows, cols).unwrap();
+    assert_eq!(u32s(&c), want_c);
+    assert_eq!(f32s(&s), want_s);
+    // bf16 input: the same as its f32 values; a zero row keeps scale 1.
+    let mut z = x.clone();
+    z[..cols].iter_mut().for_each(|v| *v = 0.0);
+    let zt = Tensor::from_vec(z.clone(), (rows, cols), &CPU)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let (c, s) = zt.quant_rows_fp8(None).unwrap();
+    let back = f32s(&zt);
+    let (want_c, want_s) = fp8::quantize_rows(&back, rows, cols).unwrap();
+    assert_eq!(u32s(&c), want_c);
+    assert_eq!(f32s(&s), want_s);
+    assert_eq!(f32s(&s)[0], 1.0);
+    // Bad operands are errors.
+    let odd = Tensor::zeros((2, 6), DType::F32, &CPU).unwrap();
+    assert!(odd.quant_rows_fp8(None).is_err(), "width not a multiple of 4");
+    let wrong = Tensor::zeros(cols + 4, DType::F32, &CPU).unwrap();
+    assert!(xt.quant_rows_fp8(Some(&wrong)).is_err(), "column factor length");
+    let f64x = xt.to_dtype(DType::F64).unwrap();
+    assert!(f64x.quant_rows_fp8(None).is_err(), "f64 activations");
+}
+
+#[test]
+fn transpose_moves_every_code() {
+    let (rows, cols) = (12, 8);
+    let x = lcg(rows * cols, 3, 1.0);
+    let (c, s) = fp8::quantize_rows(&x, rows, cols).unwrap();
+    let ct = Tensor::from_vec(c.clone(), (rows, cols / 4), &CPU).unwrap();
+    let t = ct.transpose_fp8().unwrap();
+    assert_eq!(t.dims(), [cols, rows / 4]);
+    let tw = u32s(&t);
+    for r in 0..rows {
+        for k in 0..cols {
+            let a = fp8::unpack(c[r * cols / 4 + k / 4], k % 4);
+            let b = fp8::unpack(tw[k * rows / 4 + r / 4], r % 4);
+            assert_eq!(a, b, "({r}, {k})");
+        }
+    }
+    assert_eq!(u32s(&t.transpose_fp8().unwrap()), c, "twice is the identity");
+    let _ = s;
+    let bad = Tensor::zeros((6, 2), DType::U32, &CPU).unwrap();
+    assert!(bad.transpose_fp8().is_err(), "rows not a multiple of 4");
+}
+
+#[test]
+fn product_is_its_definition() {
+    let (m, n, k) = (5, 9, 24);
+    let a = lcg(m * k, 4, 2.0);
+    let b = lcg(n * k, 5, 0.5);
+    let (ac, asc) = fp8::quantize_rows(&a, m, k).unwrap();
+    let (bc, bsc) = fp8::quantize_rows(&b, n, k).unwrap();
+    let (ad, bd) = (decoded(&ac, &asc, m, k), decoded(&bc, &bsc, n, k));
+    let t = |v: Vec<u32>, r: usize| Tensor::from_vec(v, (r, k / 4), &CPU).unwrap();
+    let s = |v: Vec<f32>| Tensor::from_vec(v.clone(), v.len(), &CPU).unwrap();
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let y = fp8_product(
+            &t(ac.clone(), m),
+            &s(asc.clone()),
+            &t(bc.clone(), n),
+            &s(bsc.clone()),
+            dt,
+        )
+        .unwrap();
+        assert_eq!(y.dims(), [m, n]);
+        assert_eq!(y.dtype(), dt);
+        let got = f32s(&y);
+        // f32 accumulation, then one rounding to the output dtype.
+        let tol = match dt {
+            DType::F32 => 1e-5,
+            DType::BF16 => 8e-3,
+            _ => 1e-3,
+        };
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k).map(|q| ad[i * k + q] * bd[j * k + q]).sum();
+                let g = f64::from(got[i * n + j]);
+                let scale: f64 = (0..k).map(|q| (ad[i * k + q] * bd[j * k + q]).abs()).sum();
+                assert!((g - want).abs() <= tol * scale.max(1e-6), "{dt} ({i}, {j}): {g} vs {want}");
+            }
+        }
+    }
+    let z = Tensor::zeros((2, 3), DType::U32, &CPU).unwrap();
+    let one = Tensor::ones(2, DType::F32, &CPU).unwrap();
+    let other = Tensor::zeros((2, 4), DType::U32, &CPU).unwrap();
+    assert!(fp8_product(&z, &one, &other, &one, DType::F32).is_err(), "k differs");
+    assert!(fp8_product(&z, &one, &z, &one, DType::F64).is_err(), "f64 output");
+}
+
+/// A Linear built from `w` (out, in) + bias with a rank-2 LoRA, its weight FP8 and its
+/// products in 8 bits or not.
+fn linear(w: &[f32], b: &[f32], out: usize, inp: usize, products: bool, dev: &Device) -> Linear {
+    let mut t = HashMap::new();
+    t.insert(
+        "l.weight".to_string(),
+        Tensor::from_vec(w.to_vec(), (out, inp), &CPU).unwrap(),
+    );
+    t.insert(
+        "l.bias".to_string(),
+        Tensor::from_vec(b.to_vec(), out, &CPU).unwrap(),
+    );
+    let adapters = Adapters::new(LoraConfig {
+        rank: 2,
+        alpha: 2.0,
+        dropout: 0.0,
+        targets: vec!["l".into()],
+        seed: 3,
+    })
+    .unwrap();
+    let vb = VarBuilder::from_tensors(t, DType::F32, dev)
+        .with_fp8(true)
+        .unwrap()
+        .with_fp8_products(products)
+        .unwrap()
+        .with_adapters(adapters)
+        .unwrap();
+    Linear::new(&vb.pp("l"), inp, out, true).unwrap()
+}
+
+struct Run {
+    y: Vec<f32>,
+    dx: Vec<f32>,
+    da: Vec<f32>,
+    db: Vec<f32>,
+}
+
+fn run(l: &Linear, x: &[f32], r: &[f32], rows: usize, dev: &Device) -> Run {
+    let (inp, out) = l.dims();
+    let xt = Tensor::from_vec(x.to_vec(), (rows, inp), dev)
+        .unwrap()
+        .requires_grad_()
+        .unwrap();
+    let y = l.forward(&xt).unwrap();
+    let rt = Tensor::from_vec(r.to_vec(), (rows, out), dev).unwrap();
+    let grads = y.mul(&rt).unwrap().sum_all().unwrap().backward().unwrap();
+    let p = l.adapter.as_ref().unwrap().params();
+    Run {
+        y: f32s(&y),
+        dx: f32s(grads.get(&xt).unwrap()),
+        da: f32s(grads.get(&p[0].1).unwrap()),
+        db: f32s(grads.get(&p[1].1).unwrap()),
+    }
+}
+
+/// The largest difference relative to the largest magnitude of `want`.
+fn rel(got: &[f32], want: &[f32]) -> f32 {
+    let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .fold(0f32, |m, (g, w)| m.max((g - w).abs()))
+        / max.max(1e-12)
+}
+
+#[test]
+fn linear_with_8_bit_products_stays_near_the_decoded_layer() {
+    let (out, inp, rows) = (32, 48, 6);
+    let w = lcg(out * inp, 6, 0.3);
+    let b = lcg(out, 7, 0.1);
+    let x = lcg(rows * inp, 8, 1.0);
+    let r = lcg(rows * out, 9, 1.0);
+    let q = linear(&w, &b, out, inp, true, &CPU);
+    assert!(matches!(
+        q.packing,
+        Some(flame::nn::Packing::Fp8 { products: true, .. })
+    ));
+    let d = linear(&w, &b, out, inp, false, &CPU);
+    let (a, bb) = (run(&q, &x, &r, rows, &CPU), run(&d, &x, &r, rows, &CPU));
+    // E4M3 keeps 3 mantissa bits: each quantized operand is within 2^-4 relative of its value,
+    // and a sum of products of errors this size stays within a few percent of the largest
+    // output.
+    for (what, e) in [
+        ("y", rel(&a.y, &bb.y)),
+        ("dx", rel(&a.dx, &bb.dx)),
+        ("lora A grad", rel(&a.da, &bb.da)),
+        ("lora B grad", rel(&a.db, &bb.db)),
+    ] {
+        assert!(e < 0.06, "{what}: relative error {e}");
+    }
+    // The base product itself changed: the activations were quantized too.
+    assert!(rel(&a.y, &bb.y) > 0.0 && rel(&a.dx, &bb.dx) > 0.0);
+    // Widths FP8 tensor cores do not take (not multiples of 16) decode instead, exactly.
+    let (o2, i2) = (12, 20);
+    let w2 = lcg(o2 * i2, 10, 0.3);
+    let b2 = lcg(o2, 11, 0.1);
+    let x2 = lcg(rows * i2, 12, 1.0);
+    let r2 = lcg(rows * o2, 13, 1.0);
+    let q2 = run(&linear(&w2, &b2, o2, i2, true, &CPU), &x2, &r2, rows, &CPU);
+    let d2 = run(&linear(&w2, &b2, o2, i2, false, &CPU), &x2, &r2, rows, &CPU);
+    assert_eq!(q2.y, d2.y);
+    assert_eq!(q2.dx, d2.dx);
+}
+
+#[test]
+fn backward_is_the_8_bit_formula() {
+    // dx = quant_rows(dy * s_w) @ Q_w, computed here from the format's pieces alone.
+    let (out, inp, rows) = (16, 32, 5);
+    let w = lcg(out * inp, 14, 0.4);
+    let x = lcg(rows * inp, 15, 1.0);
+    let r = lcg(rows * out, 16, 1.0);
+    let l = linear(&w, &[0.0; 16], out, inp, true, &CPU);
+    let got = run(&l, &x, &r, rows, &CPU);
+    let (wc, ws) = fp8::quantize_rows(&w, out, inp).unwrap();
+    let g: Vec<f32> = r.iter().enumerate().map(|(i, v)| v * ws[i % out]).collect();
+    let (gc, gs) = fp8::quantize_rows(&g, rows, out).unwrap();
+    let gd = decoded(&gc, &gs, rows, out);
+    let wd = decoded(&wc, &vec![1.0; out], out, inp);
+    // The LoRA's own input gradient (B is zero at the start) adds nothing.
+    for i in 0..rows {
+        for k in 0..inp {
+            let want: f64 = (0..out).map(|n| gd[i * out + n] * wd[n * inp + k]).sum();
+            let g = f64::from(got.dx[i * inp + k]);
+            assert!((g - want).abs() <= 1e-5 * want.abs().max(1.0), "({i}, {k}): {g} vs {want}");
+        }
+    }
+    // And the forward: y = quant_rows(x) @ Q_w^T scaled (+ bias 0, LoRA 0 at the start).
+    let (xc, xs) = fp8::quantize_rows(&x, rows, inp).unwrap();
+    let xd = decoded(&xc, &xs, rows, inp);
+    let wsd = decoded(&wc, &ws, out, inp);
+    for i in 0..rows {
+        for n in 0..out {
+            let want: f64 = (0..inp).map(|k| xd[i * inp + k] * wsd[n * inp + k]).sum();
+            let g = f64::from(got.y[i * out + n]);
+            assert!((g - want).abs() <= 1e-5 * want.abs().max(1.0), "y ({i}, {n}): {g} vs {want}");
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+
+    fn cuda() -> Option<Device> {
+        match Device::cuda(0) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                eprintln!("skipped: no GPU ({e})");
+                None
+            }
+        }
+    }
+
+    /// Quantization and transpose equal the CPU's bits; the product equals the CPU's within
+    /// f32 summation order (then one rounding), at odd sizes (the plain kernel), at sizes the
+    /// tensor cores take (cuBLASLt with its scale vectors) and at Flux's widths.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_8_bit_products_equal_cpu() {
+        let Some(dev) = cuda() else { return };
+        for (m, n, k) in [
+            (1, 4, 4),
+            (7, 12, 20),
+            (33, 40, 48),
+            (64, 64, 64),
+            (77, 128, 96),
+            (300, 3072, 3072),
+            (257, 64, 3072),
+        ] {
+            let a = lcg(m * k, m as u64, 3.0);
+            let b = lcg(n * k, n as u64 + 1, 0.2);
+            let col = lcg(k, 5, 1.0);
+            let mut outs = vec![];
+            for d in [CPU, dev.clone()] {
+                let at = Tensor::from_vec(a.clone(), (m, k), &d).unwrap();
+                let bt = Tensor::from_vec(b.clone(), (n, k), &d).unwrap();
+                let ct = Tensor::from_vec(col.clone(), k, &d).unwrap();
+                let mut quant = vec![];
+                for dt in [DType::F32, DType::BF16, DType::F16] {
+                    let (qc, qs) = at.to_dtype(dt).unwrap().quant_rows_fp8(None).unwrap();
+                    let (cc, cs) = at.to_dtype(dt).unwrap().quant_rows_fp8(Some(&ct)).unwrap();
+                    quant.push((u32s(&qc), f32s(&qs), u32s(&cc), f32s(&cs)));
+                }
+                let (ac, asc) = at.quant_rows_fp8(None).unwrap();
+                let (bc, bsc) = bt.quant_rows_fp8(None).unwrap();
+                let tr = if m % 4 == 0 { Some(u32s(&ac.transpose_fp8().unwrap())) } else { None };
+                let mut prods = vec![];
+                for dt in [DType::F32, DType::BF16, DType::F16] {
+                    prods.push(f32s(&fp8_product(&ac, &asc, &bc, &bsc, dt).unwrap()));
+                }
+                outs.push((quant, tr, prods));
+            }
+            let (cpu, gpu) = (&outs[0], &outs[1]);
+            assert_eq!(cpu.0, gpu.0, "({m}, {k}) quantization");
+            assert_eq!(cpu.1, gpu.1, "({m}, {k}) transpose");
+            for (i, tol) in [1e-5f32, 8e-3, 1e-3].into_iter().enumerate() {
+                let e = rel(&gpu.2[i], &cpu.2[i]);
+                assert!(e <= tol, "({m}, {n}, {k}) product {i}: relative {e}");
+            }
+        }
+    }
+
+    /// A Linear with 8-bit products on CUDA (bf16 activations) against the CPU's.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_linear_with_8_bit_products_matches_cpu() {
+        let Some(dev) = cuda() else { return };
+        let (out, inp, rows) = (96, 128, 40);
+        let w = lcg(out * inp, 17, 0.3);
+        let b = lcg(out, 18, 0.1);
+        let x = lcg(rows * inp, 19, 1.0);
+        let r = lcg(rows * out, 20, 1.0);
+        let c = run(&linear(&w, &b, out, inp, true, &CPU), &x, &r, rows, &CPU);
+        let g = run(&linear(&w, &b, out, inp, true, &dev), &x, &r, rows, &dev);
+        for (what, e) in [("y", rel(&g.y, &c.y)), ("dx", rel(&g.dx, &c.dx)), ("lora A", rel(&g.da, &c.da))] {
+            assert!(e < 1e-4, "{what}: relative {e}");
+        }
+    }
+}

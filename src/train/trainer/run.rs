@@ -84,7 +84,6 @@ impl Trainer {
                 }
             }
             let params: Vec<Tensor> = self
-                .adapters
                 .params()?
                 .into_iter()
                 .map(|(_, t)| t)
@@ -144,9 +143,10 @@ impl Trainer {
                 }
                 r => r?,
             };
-            if r.skipped.is_none() {
+            if r.skipped.is_none() && self.ema.is_some() {
+                let params = self.params()?;
                 if let Some(ema) = &mut self.ema {
-                    ema.update(&self.adapters.params()?)?;
+                    ema.update(&params)?;
                 }
             }
             self.log_events(|ev| {
@@ -390,7 +390,7 @@ impl Trainer {
             (Some(ema), true) => ema,
             _ => return f(self),
         };
-        let params = self.adapters.params()?;
+        let params = self.params()?;
         let kept = ema.swap_in(&params)?;
         let r = f(self);
         Ema::swap_out(&params, &kept)?;

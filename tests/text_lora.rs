@@ -128,7 +128,11 @@ fn parity(name: &str, model: &ClipTextModel) {
 #[test]
 fn clip_lora_matches_peft() {
     let (l, al, g, ag) = adapted();
-    assert_eq!(al.layers().unwrap().len(), 12, "6 Linears in each of 2 layers");
+    assert_eq!(
+        al.layers().unwrap().len(),
+        12,
+        "6 Linears in each of 2 layers"
+    );
     assert!(al
         .layers()
         .unwrap()
@@ -258,7 +262,9 @@ fn flux_clip_lora_trains_and_resumes_exactly() {
         .find(|n| n.starts_with("text encoders:"))
         .unwrap_or_else(|| panic!("{notes:?}"));
     assert!(
-        said.contains("clip_l trained") && said.contains("t5 cached") && said.contains("[\"pooled\"]"),
+        said.contains("clip_l trained")
+            && said.contains("t5 cached")
+            && said.contains("[\"pooled\"]"),
         "{said}"
     );
     let lists = t.param_lists().unwrap();
@@ -267,7 +273,13 @@ fn flux_clip_lora_trains_and_resumes_exactly() {
         ["model", "text_encoders"]
     );
     let before = host(&lists[1].1);
-    assert!(before[0].0.starts_with("lora_te1.text_model.encoder.layers."), "{}", before[0].0);
+    assert!(
+        before[0]
+            .0
+            .starts_with("lora_te1.text_model.encoder.layers."),
+        "{}",
+        before[0].0
+    );
     t.run(&RunOptions::default(), &mut |_| {}).unwrap();
     let after = host(&t.param_lists().unwrap()[1].1);
     let moved = before
@@ -275,14 +287,20 @@ fn flux_clip_lora_trains_and_resumes_exactly() {
         .zip(&after)
         .filter(|((_, x), (_, y))| x != y)
         .count();
-    assert_eq!(moved, before.len(), "every tensor of CLIP-L's adapters trains");
+    assert_eq!(
+        moved,
+        before.len(),
+        "every tensor of CLIP-L's adapters trains"
+    );
     let out = &cfg.train.output_dir;
     let file = flame::safetensors::SafeTensorsFile::open(out.join("lora.safetensors")).unwrap();
     let names: Vec<&str> = file.names().collect();
     assert!(names.iter().any(|n| n.starts_with("lora_unet_")));
     assert!(names.contains(&"lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight"));
     assert_eq!(
-        file.metadata().get("ss_network_train_unet_only").map(String::as_str),
+        file.metadata()
+            .get("ss_network_train_unet_only")
+            .map(String::as_str),
         Some("False")
     );
     let full = read_log(&out.join("loss.jsonl")).unwrap();
@@ -317,7 +335,10 @@ fn flux_clip_lora_trains_and_resumes_exactly() {
 fn flux_clip_lora_in_the_peft_layout() {
     let d = temp("peft");
     let cfg = flux_config(&d, 2, 1, "peft");
-    open(&cfg).0.run(&RunOptions::default(), &mut |_| {}).unwrap();
+    open(&cfg)
+        .0
+        .run(&RunOptions::default(), &mut |_| {})
+        .unwrap();
     let out = &cfg.train.output_dir;
     let file = flame::safetensors::SafeTensorsFile::open(out.join("lora.safetensors")).unwrap();
     let names: Vec<&str> = file.names().collect();
@@ -332,7 +353,12 @@ fn flux_clip_lora_in_the_peft_layout() {
         std::fs::read_dir(out)
             .unwrap()
             .map(|e| e.unwrap().path())
-            .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("checkpoint-"))
+            .find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("checkpoint-")
+            })
             .unwrap()
     };
     t.load_checkpoint(&ckpt).unwrap();
@@ -348,7 +374,10 @@ fn text_encoder_settings_are_checked() {
     let mut c = cfg.clone();
     c.optimizer.text_encoder_lr = Some(1e-5);
     let e = c.validate().unwrap_err().to_string();
-    assert!(e.contains("optimizer.text_encoder_lr") && e.contains("not supported yet"), "{e}");
+    assert!(
+        e.contains("optimizer.text_encoder_lr") && e.contains("not supported yet"),
+        "{e}"
+    );
     let mut c = cfg.clone();
     c.optimizer.text_encoder_lr = Some(c.optimizer.lr());
     c.validate().unwrap();
@@ -390,6 +419,10 @@ fn diffusers_loads_the_text_encoder_lora() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     println!("{text}");
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -518,9 +518,11 @@ impl TextConditioner {
                         .map_err(|e| wrap(key, slot, e))?,
                     ),
                     Encoder::Clip(
-                        ClipTextModel::load_adapted(&w.path, w.prefix, dtype, device, None, adapters)
-                            .map_err(|e| wrap(key, slot, e))?
-                            .0,
+                        ClipTextModel::load_adapted(
+                            &w.path, w.prefix, dtype, device, None, adapters,
+                        )
+                        .map_err(|e| wrap(key, slot, e))?
+                        .0,
                     ),
                 ),
                 TextEncoderKind::T5 => {

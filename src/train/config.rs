@@ -1824,7 +1824,10 @@ impl TrainConfig {
         // Trained text encoders, where there are any (a run without resumes as before).
         if !a.text_encoders.is_empty() {
             v.push(("adapter.text_encoders", show(&a.text_encoders)));
-            v.push(("adapter.text_encoder_targets", show(&a.text_encoder_targets)));
+            v.push((
+                "adapter.text_encoder_targets",
+                show(&a.text_encoder_targets),
+            ));
         }
         // A cosine schedule runs to zero at the last step: its length is part of every lr.
         if s.kind == ScheduleKind::Cosine {

@@ -5,6 +5,7 @@
 
 use super::config::{DeviceChoice, ModelDType, Toggle, TrainConfig};
 use super::data::{Batch, Part, Samples};
+use super::text::TextTraining;
 use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
 use crate::dist::ProcessGroup;
 use crate::encoders::{AutoencoderKl, VaeTiling};
@@ -13,7 +14,6 @@ use crate::models::pipeline::{
     TextOptions, TokenizerSource,
 };
 use crate::models::{Family, Input, Size};
-use super::text::TextTraining;
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -917,17 +917,14 @@ pub fn load_peft_sets(sets: &[FileSet<'_>], path: impl AsRef<Path>) -> Result<()
     };
     for s in sets {
         file.prefix = s.peft.to_string();
-        s.adapters.load_peft_into(&mut file, s.map, scales.as_ref())?;
+        s.adapters
+            .load_peft_into(&mut file, s.map, scales.as_ref())?;
     }
     left_over(path, &file.unused, sets.iter().map(|s| s.peft).collect())
 }
 
 /// An error naming a tensor of the file at `path` no set took.
-fn left_over(
-    path: &Path,
-    unused: &BTreeSet<String>,
-    names: Vec<&str>,
-) -> Result<()> {
+fn left_over(path: &Path, unused: &BTreeSet<String>, names: Vec<&str>) -> Result<()> {
     match unused.iter().next() {
         None => Ok(()),
         Some(k) => Err(err(

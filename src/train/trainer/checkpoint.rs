@@ -1,12 +1,12 @@
 use super::step::first_nonfinite;
 use super::Trainer;
+use crate::nn::adapter::{
+    load_kohya_sets, load_peft_sets, save_kohya_sets, save_peft_sets, FileSet, KOHYA_MODEL,
+};
 use crate::train::config::{AdapterFormat, TrainConfig};
 use crate::train::ema::Ema;
 use crate::train::rundir::{
     read_log, write_atomic, CheckpointState, EMA_STATE, FINAL, FINAL_EMA, LOG,
-};
-use crate::nn::adapter::{
-    load_kohya_sets, load_peft_sets, save_kohya_sets, save_peft_sets, FileSet, KOHYA_MODEL,
 };
 use crate::train::tensorboard::wall_time;
 use crate::train::text::TextTraining;

@@ -83,11 +83,7 @@ impl Trainer {
                     self.restore(&path, &st)?;
                 }
             }
-            let params: Vec<Tensor> = self
-                .params()?
-                .into_iter()
-                .map(|(_, t)| t)
-                .collect();
+            let params: Vec<Tensor> = self.params()?.into_iter().map(|(_, t)| t).collect();
             g.broadcast(&params.iter().collect::<Vec<_>>())?;
         }
         let mut log = match root {

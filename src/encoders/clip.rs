@@ -9,7 +9,7 @@
 //! E head width, P projection width.
 
 use super::{detect_prefix, open_files, prefixes_with};
-use crate::nn::{merge_heads, split_qkv};
+use crate::nn::{merge_heads, split_qkv, Adapters, LayerShape};
 use crate::nn::{
     scaled_dot_product_attention, Embedding, KeyMap, KeySource, LayerNorm, Linear, VarBuilder,
 };
@@ -267,11 +267,68 @@ fn open_clip_key(key: &str) -> Option<String> {
     Some(format!("transformer.resblocks.{n}.{m}.{leaf}"))
 }
 
+/// The attention's input projections.
+#[derive(Clone, Debug)]
+enum Qkv {
+    /// One (3D, D) projection: the frozen encoder.
+    Fused(Linear),
+    /// `q_proj`, `k_proj` and `v_proj` apart, rows of the fused weight: an encoder with
+    /// adapters planned, each projection asking for its own under transformers' name (as
+    /// PEFT and kohya adapt CLIP).
+    Split([Linear; 3]),
+}
+
+impl Qkv {
+    /// `attn` the layer's `self_attn` builder, `d` the width.
+    fn new(attn: &VarBuilder, d: usize) -> Result<Self> {
+        let fused = attn.pp("qkv");
+        if attn.adapters().is_none() {
+            return Ok(Qkv::Fused(Linear::new(&fused, d, 3 * d, true)?));
+        }
+        let (w, packing) = fused.get_linear_weight(3 * d, d, "weight")?;
+        let w = match packing {
+            Some(p) => p.decode(&w, attn.dtype())?,
+            None => w,
+        };
+        let b = fused.get(3 * d, "bias")?;
+        let part = |i: usize, name: &str| -> Result<Linear> {
+            Ok(Linear {
+                weight: w.narrow(0, i * d, d)?.contiguous()?,
+                bias: Some(b.narrow(0, i * d, d)?.contiguous()?),
+                adapter: attn.pp(name).adapter(
+                    LayerShape::Linear {
+                        in_dim: d,
+                        out_dim: d,
+                    },
+                    true,
+                )?,
+                packing: None,
+            })
+        };
+        Ok(Qkv::Split([
+            part(0, "q_proj")?,
+            part(1, "k_proj")?,
+            part(2, "v_proj")?,
+        ]))
+    }
+
+    /// x (B, L, D) -> (B, L, 3D).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Qkv::Fused(l) => l.forward(x),
+            Qkv::Split([q, k, v]) => {
+                let (q, k, v) = (q.forward(x)?, k.forward(x)?, v.forward(x)?);
+                Tensor::cat(&[&q, &k, &v], 2)
+            }
+        }
+    }
+}
+
 /// One pre-LN layer: `x + attn(ln1 x)`, then `x + mlp(ln2 x)`.
 #[derive(Clone, Debug)]
 struct ClipLayer {
     ln1: LayerNorm,
-    qkv: Linear,
+    qkv: Qkv,
     out: Linear,
     ln2: LayerNorm,
     fc1: Linear,
@@ -286,7 +343,7 @@ impl ClipLayer {
         let attn = vb.pp("self_attn");
         Ok(ClipLayer {
             ln1: LayerNorm::new(&vb.pp("layer_norm1"), d, eps, true)?,
-            qkv: Linear::new(&attn.pp("qkv"), d, 3 * d, true)?,
+            qkv: Qkv::new(&attn, d)?,
             out: Linear::new(&attn.pp("out_proj"), d, d, true)?,
             ln2: LayerNorm::new(&vb.pp("layer_norm2"), d, eps, true)?,
             fc1: Linear::new(&vb.pp("mlp").pp("fc1"), d, cfg.intermediate_size, true)?,
@@ -397,8 +454,26 @@ impl ClipTextModel {
         device: &Device,
         config: Option<ClipConfig>,
     ) -> Result<(Self, VarBuilder)> {
+        Self::load_adapted(path, prefix, dtype, device, config, None)
+    }
+
+    /// [`load`](Self::load) with `adapters` planned on its Linears (key paths in
+    /// transformers' names: `text_model.encoder.layers.N.self_attn.q_proj`, `...mlp.fc1`),
+    /// the attention's q, k and v projections then apart.
+    pub fn load_adapted(
+        path: impl AsRef<Path>,
+        prefix: Option<&str>,
+        dtype: DType,
+        device: &Device,
+        config: Option<ClipConfig>,
+        adapters: Option<Arc<Adapters>>,
+    ) -> Result<(Self, VarBuilder)> {
         let (raw, config) =
             open_files(path.as_ref(), dtype, device, config, ClipConfig::from_json)?;
+        let raw = match adapters {
+            Some(a) => raw.with_adapters(a)?,
+            None => raw,
+        };
         Self::load_from(raw, path.as_ref(), prefix, config)
     }
 

@@ -24,8 +24,9 @@ pub use family::{
     ModelSpec, Objective, RunShape, Size,
 };
 pub use pipeline::{
-    load_vae, step_distilled, tokenizer_lines, EncoderSlot, Located, PipelineSpec, SampleSetup,
-    Sources, TextConditioner, TextEncoderKind, TextOptions, TextOutput, TokenizerSource,
+    input_sources, load_vae, stand_in, step_distilled, tokenizer_lines, EncoderSlot, Located,
+    PipelineSpec, SampleSetup, SlotUse, Sources, TextConditioner, TextEncoderKind, TextOptions,
+    TextOutput, TokenizerSource,
 };
 
 /// Every registered family. A new model is a folder under `src/models` implementing

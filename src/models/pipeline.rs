@@ -9,8 +9,10 @@ use crate::encoders::{
     AutoencoderKl, BuiltinTokenizer, ClipTextModel, ClipTokenizer, Qwen3Conditioning, Qwen3Encoder,
     Qwen3Options, Qwen3Tokenizer, T5Encoder, T5Tokenizer, Tokens, NO_BUILTIN_VOCAB,
 };
+use crate::nn::Adapters;
 use crate::{no_grad, DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::spec::pipeline_err;
 pub use super::spec::{EncoderSlot, Named, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput};
@@ -329,11 +331,99 @@ pub struct TextOptions {
     pub stream_qwen3: bool,
 }
 
+/// How [`TextConditioner::load_slots`] takes one of a family's text encoders.
+#[derive(Clone, Debug)]
+pub enum SlotUse {
+    /// Not loaded: its outputs stand in as zeros ([`stand_in`]), for conditioning whose
+    /// inputs from it are not used.
+    Skip,
+    /// Loaded, frozen.
+    Frozen,
+    /// Loaded with these adapters planned on its Linears (CLIP only).
+    Adapted(Arc<Adapters>),
+}
+
+/// A small output of `slot`'s architecture, zeros on `device` (batch 1, one token, widths
+/// that every family's combination accepts): what stands in for an encoder that is not
+/// loaded, and what [`input_sources`] traces.
+pub fn stand_in(slot: &EncoderSlot, device: &Device) -> Result<TextOutput> {
+    let z = |dims: &[usize]| Tensor::zeros(dims.to_vec(), DType::F32, device);
+    Ok(match slot.kind {
+        TextEncoderKind::Clip => TextOutput::Clip(crate::encoders::ClipOutput {
+            last_hidden: z(&[1, 1, 1])?,
+            penultimate: z(&[1, 1, 1])?,
+            pooled: z(&[1, 1])?,
+            projected: Some(z(&[1, 1])?),
+        }),
+        // Wider than the CLIPs' stand-ins side by side (SD3 pads them to T5's width).
+        TextEncoderKind::T5 => TextOutput::T5(z(&[1, 1, 4])?),
+        TextEncoderKind::Qwen3(_) => {
+            return Err(pipeline_err(format!(
+                "{}: a Qwen3 encoder has no stand-in; it must be loaded",
+                slot.name
+            )))
+        }
+    })
+}
+
+/// Which encoders each of `family`'s text inputs is made from: (input name, the slots'
+/// indices), traced through the family's combination of stand-in outputs ([`stand_in`]),
+/// one slot's marked as needing gradients at a time. Families of a Qwen3 encoder (one slot,
+/// not traced) give every input from slot 0.
+pub fn input_sources(family: &Family, device: &Device) -> Result<Vec<(String, Vec<usize>)>> {
+    let slots = family.pipeline.text;
+    if slots
+        .iter()
+        .any(|s| matches!(s.kind, TextEncoderKind::Qwen3(_)))
+    {
+        return Ok(vec![]);
+    }
+    let mut sources: Vec<(String, Vec<usize>)> = vec![];
+    for traced in 0..slots.len() {
+        let outs = slots
+            .iter()
+            .enumerate()
+            .map(|(i, slot)| {
+                let out = stand_in(slot, device)?;
+                if i != traced {
+                    return Ok(out);
+                }
+                let mark = |t: Tensor| t.requires_grad_();
+                Ok(match out {
+                    TextOutput::Clip(c) => TextOutput::Clip(crate::encoders::ClipOutput {
+                        last_hidden: mark(c.last_hidden)?,
+                        penultimate: mark(c.penultimate)?,
+                        pooled: mark(c.pooled)?,
+                        projected: c.projected.map(mark).transpose()?,
+                    }),
+                    TextOutput::T5(t) => TextOutput::T5(mark(t)?),
+                    q @ TextOutput::Qwen3(_) => q,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (name, t) in (family.pipeline.combine)(&outs)? {
+            let entry = match sources.iter_mut().find(|(n, _)| *n == name) {
+                Some(e) => e,
+                None => {
+                    sources.push((name.clone(), vec![]));
+                    let last = sources.len() - 1;
+                    &mut sources[last]
+                }
+            };
+            if t.requires_grad() {
+                entry.1.push(traced);
+            }
+        }
+    }
+    Ok(sources)
+}
+
 /// A family's text encoders with their tokenizers, loaded: captions to the model's text
 /// inputs.
 pub struct TextConditioner {
     family: &'static Family,
-    encoders: Vec<(Tokenizer, Encoder)>,
+    /// Per slot: its tokenizer and encoder, `None` where not loaded ([`SlotUse::Skip`]).
+    encoders: Vec<Option<(Tokenizer, Encoder)>>,
     device: Device,
     identity: String,
 }
@@ -354,6 +444,28 @@ impl TextConditioner {
         device: &Device,
         key: &str,
     ) -> Result<Self> {
+        Self::load_slots(family, located, opts, dtype, device, key, &[])
+    }
+
+    /// [`load`](Self::load) with each slot taken as `uses` says (one per slot; empty: every
+    /// slot [`SlotUse::Frozen`]).
+    pub fn load_slots(
+        family: &'static Family,
+        located: &[(Located, TokenizerSource)],
+        opts: &TextOptions,
+        dtype: DType,
+        device: &Device,
+        key: &str,
+        uses: &[SlotUse],
+    ) -> Result<Self> {
+        if !uses.is_empty() && uses.len() != family.pipeline.text.len() {
+            return Err(pipeline_err(format!(
+                "{key}: {} encoder uses given, {} takes {}",
+                uses.len(),
+                family.name,
+                family.pipeline.text.len()
+            )));
+        }
         if located.len() != family.pipeline.text.len() {
             return Err(pipeline_err(format!(
                 "{key}: {} text encoders located, {} takes {}",
@@ -369,7 +481,23 @@ impl TextConditioner {
             )));
         }
         let mut encoders = vec![];
-        for (slot, (w, tok)) in family.pipeline.text.iter().zip(located) {
+        for (i, (slot, (w, tok))) in family.pipeline.text.iter().zip(located).enumerate() {
+            let adapters = match uses.get(i) {
+                Some(SlotUse::Skip) => {
+                    encoders.push(None);
+                    continue;
+                }
+                Some(SlotUse::Adapted(a)) if slot.kind != TextEncoderKind::Clip => {
+                    let _ = a;
+                    return Err(wrap(
+                        key,
+                        slot,
+                        pipeline_err("adapters train on CLIP encoders only".into()),
+                    ));
+                }
+                Some(SlotUse::Adapted(a)) => Some(a.clone()),
+                Some(SlotUse::Frozen) | None => None,
+            };
             let len = slot.len(opts.guided, opts.t5_tokens);
             if let TokenizerSource::Builtin(b) = tok {
                 if !slot.builtin_fits(*b) {
@@ -390,9 +518,11 @@ impl TextConditioner {
                         .map_err(|e| wrap(key, slot, e))?,
                     ),
                     Encoder::Clip(
-                        ClipTextModel::load(&w.path, w.prefix, dtype, device, None)
-                            .map_err(|e| wrap(key, slot, e))?
-                            .0,
+                        ClipTextModel::load_adapted(
+                            &w.path, w.prefix, dtype, device, None, adapters,
+                        )
+                        .map_err(|e| wrap(key, slot, e))?
+                        .0,
                     ),
                 ),
                 TextEncoderKind::T5 => {
@@ -452,7 +582,7 @@ impl TextConditioner {
                     )
                 }
             };
-            encoders.push(pair);
+            encoders.push(Some(pair));
         }
         Ok(TextConditioner {
             family,
@@ -498,8 +628,19 @@ impl TextConditioner {
     /// device the encoders run on; no gradients are recorded.
     pub fn encode(&self, captions: &[&str]) -> Result<Named> {
         let _g = no_grad();
+        self.encode_tracked(captions)
+    }
+
+    /// [`encode`](Self::encode) recording gradients where they flow (through adapters on
+    /// the encoders, when not under `no_grad`); encoders not loaded give zeros
+    /// ([`stand_in`]) to the inputs made from them.
+    pub fn encode_tracked(&self, captions: &[&str]) -> Result<Named> {
         let mut outs = vec![];
-        for (tok, enc) in &self.encoders {
+        for (slot, pair) in self.family.pipeline.text.iter().zip(&self.encoders) {
+            let Some((tok, enc)) = pair else {
+                outs.push(stand_in(slot, &self.device)?);
+                continue;
+            };
             let tokens: Vec<Tokens> = captions
                 .iter()
                 .map(|c| match tok {

@@ -28,7 +28,12 @@ pub struct EncoderSlot {
     pub name: &'static str,
     /// Its architecture.
     pub kind: TextEncoderKind,
-    /// Its folder in a diffusers pipeline (`text_encoder`, `text_encoder_2`, ...).
+    /// The prefix of its adapters' names in kohya's layout: sd-scripts' `lora_te1` (CLIP-L)
+    /// and `lora_te2` (bigG) for SDXL and SD3 (networks/lora.py, lora_sd3.py), `lora_te3` for
+    /// T5 (lora_flux.py, lora_sd3.py), `lora_te` for a family's only encoder (networks/lora.py).
+    pub kohya: &'static str,
+    /// Its folder in a diffusers pipeline (`text_encoder`, `text_encoder_2`, ...): also its
+    /// adapters' prefix in the PEFT layout, as diffusers' `load_lora_weights` reads them.
     pub folder: &'static str,
     /// Its tokenizer's folder in a diffusers pipeline (`tokenizer`, `tokenizer_2`, ...).
     pub tokenizer: &'static str,

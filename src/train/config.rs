@@ -347,8 +347,36 @@ section! {
         /// weight, not of the adapted one; the other tensors as "kohya" writes them, in a file
         /// FLAME reads back as "comfyui").
         format: AdapterFormat = AdapterFormat::Kohya,
+        /// The text encoders trained with the model, by their slot names: "clip_l" (SDXL,
+        /// SD3.5, Flux) and "clip_g" (SDXL, SD3.5) (kohya: training them is the default
+        /// without --network_train_unet_only; diffusers' scripts: --train_text_encoder). Each
+        /// gets adapters of this kind, rank and alpha on the layers text_encoder_targets
+        /// matches, saved beside the model's (kohya's lora_te1_ / lora_te2_ names, diffusers'
+        /// text_encoder. / text_encoder_2. prefixes); their captions are then encoded every
+        /// step instead of cached. T5 and Qwen3 are not trained yet.
+        text_encoders: Vec<String> = Vec::<String>::new(),
+        /// Layer path patterns in the text encoders, in transformers' names
+        /// ("*.self_attn.q_proj"); [] for kohya's (TEXT_ENCODER_TARGET_REPLACE_MODULE: the
+        /// Linears of CLIPAttention and CLIPMLP, q_proj, k_proj, v_proj, out_proj, fc1, fc2;
+        /// diffusers' train_dreambooth_lora_sdxl takes the attention's four).
+        text_encoder_targets: Vec<String> = Vec::<String>::new(),
     }
 }
+
+/// kohya's text-encoder targets (sd-scripts networks/lora.py
+/// `TEXT_ENCODER_TARGET_REPLACE_MODULE = ["CLIPAttention", "CLIPSdpaAttention", "CLIPMLP"]`):
+/// every Linear of CLIP's attention and MLP, in transformers' names.
+pub const TEXT_ENCODER_TARGETS: [&str; 6] = [
+    "*.self_attn.q_proj",
+    "*.self_attn.k_proj",
+    "*.self_attn.v_proj",
+    "*.self_attn.out_proj",
+    "*.mlp.fc1",
+    "*.mlp.fc2",
+];
+
+/// The text encoders whose adapters train (`adapter.text_encoders`): CLIPs.
+pub const TRAINABLE_TEXT_ENCODERS: [&str; 2] = ["clip_l", "clip_g"];
 
 section! {
     /// `[optimizer]`: AdamW, AdamW8bit or Prodigy.
@@ -390,6 +418,10 @@ section! {
         /// Prodigy only: leave lr out of the estimate's denominator (prodigyopt's
         /// safeguard_warmup; default false). Required with schedule.warmup_steps > 0.
         safeguard_warmup: Option<bool> = None,
+        /// The peak learning rate of the text encoders' adapters (adapter.text_encoders;
+        /// kohya's text_encoder_lr). Default: lr. A rate other than lr is not supported yet
+        /// and is refused.
+        text_encoder_lr: Option<f64> = None,
     }
 }
 
@@ -1126,6 +1158,39 @@ impl TrainConfig {
             format!("{:?}: must be non-empty patterns", a.targets),
         );
         c.positive_f("optimizer.lr", o.lr());
+        for name in &a.text_encoders {
+            c.check(
+                TRAINABLE_TEXT_ENCODERS.contains(&name.as_str()),
+                "adapter.text_encoders",
+                format!(
+                    "{name:?}: the text encoders that train are {TRAINABLE_TEXT_ENCODERS:?} \
+                     (T5 and Qwen3 not yet)"
+                ),
+            );
+        }
+        c.check(
+            a.text_encoder_targets.iter().all(|t| !t.trim().is_empty()),
+            "adapter.text_encoder_targets",
+            format!("{:?}: must be non-empty patterns", a.text_encoder_targets),
+        );
+        c.check(
+            a.text_encoders.is_empty() || a.format != AdapterFormat::Comfyui,
+            "adapter.text_encoders",
+            "trained with format = \"comfyui\": that layout is written for the diffusion \
+             model only; use \"kohya\" (ComfyUI reads the text encoders' lora_te* names from it)"
+                .into(),
+        );
+        if let Some(x) = o.text_encoder_lr {
+            c.check(
+                x == o.lr(),
+                "optimizer.text_encoder_lr",
+                format!(
+                    "{x}: a rate for the text encoders other than optimizer.lr ({}) is not \
+                     supported yet; leave it out (they train at lr)",
+                    o.lr()
+                ),
+            );
+        }
         for (key, kind, set) in o.kind_keys() {
             c.check(
                 !set || o.kind == kind,
@@ -1501,6 +1566,19 @@ impl TrainConfig {
         }
     }
 
+    /// The adapter config of the text encoders' adapters (`adapter.text_encoders`): the
+    /// model's, on `adapter.text_encoder_targets` (kohya's when empty).
+    pub fn text_adapter_config(&self) -> AdapterConfig {
+        let a = &self.adapter;
+        AdapterConfig {
+            targets: match a.text_encoder_targets.is_empty() {
+                true => TEXT_ENCODER_TARGETS.iter().map(|t| t.to_string()).collect(),
+                false => a.text_encoder_targets.clone(),
+            },
+            ..self.adapter_config()
+        }
+    }
+
     /// The LoRA hyperparameters of the adapter config (kind and LyCORIS settings aside).
     pub fn lora(&self) -> LoraConfig {
         LoraConfig {
@@ -1759,6 +1837,14 @@ impl TrainConfig {
             ("train.min_snr_gamma", show(&t.min_snr_gamma)),
             ("train.loss_scale", show(&t.loss_scale)),
         ];
+        // Trained text encoders, where there are any (a run without resumes as before).
+        if !a.text_encoders.is_empty() {
+            v.push(("adapter.text_encoders", show(&a.text_encoders)));
+            v.push((
+                "adapter.text_encoder_targets",
+                show(&a.text_encoder_targets),
+            ));
+        }
         // A cosine schedule runs to zero at the last step: its length is part of every lr.
         if s.kind == ScheduleKind::Cosine {
             v.push(("train.steps", show(&t.steps)));

@@ -5,6 +5,7 @@
 
 use super::config::{DeviceChoice, ModelDType, Toggle, TrainConfig};
 use super::data::{Batch, Part, Samples};
+use super::text::TextTraining;
 use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
 use crate::dist::ProcessGroup;
 use crate::encoders::{AutoencoderKl, VaeTiling};
@@ -15,6 +16,7 @@ use crate::models::pipeline::{
 use crate::models::{Family, Input, Size};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub use crate::models::pipeline::TIME_IDS;
 
@@ -32,6 +34,9 @@ pub struct ImageSamples {
     largest: Vec<Vec<usize>>,
     /// The loss weight of regularisation samples (`data.prior_loss_weight`).
     prior_loss_weight: f64,
+    /// The trained text encoders, whose inputs are encoded from the captions every step
+    /// instead of read from the cache.
+    live: Option<Arc<TextTraining>>,
 }
 
 /// What [`prepare`] made: the training samples, the held-out ones, and what the user should
@@ -763,6 +768,7 @@ pub fn prepare(
             names: names.clone(),
             largest,
             prior_loss_weight: config.data.prior_loss_weight,
+            live: None,
         });
     }
     let mut it = samples.into_iter();
@@ -805,6 +811,12 @@ fn read_shapes(path: &Path) -> Result<Vec<(String, Vec<usize>)>> {
 }
 
 impl ImageSamples {
+    /// Encodes the inputs of `live`'s trained text encoders from the captions at every
+    /// batch (the rest still from the cache).
+    pub fn set_live(&mut self, live: Option<Arc<TextTraining>>) {
+        self.live = live;
+    }
+
     /// The inputs of the samples `idx` in `epoch`, in the model's order; `raw_captions`
     /// takes each image's caption as written (validation) instead of the epoch's (dropout,
     /// shuffled tags).
@@ -827,6 +839,10 @@ impl ImageSamples {
             })
             .collect::<Result<Vec<_>>>()?;
         let text = self.text.load_batch(&captions, device, dtype)?;
+        let text = match &self.live {
+            Some(l) => l.replace(text, &captions, dtype, device)?,
+            None => text,
+        };
         let mut out = vec![];
         for name in &self.names {
             out.push(match *name {

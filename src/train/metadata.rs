@@ -275,6 +275,26 @@ impl RunMetadata {
             ("ss_training_started_at", started_at.to_string()),
             ("ss_base_model_version", identity.base_version.clone()),
             ("ss_learning_rate", config.optimizer.lr().to_string()),
+            // kohya's train_network.py: the U-Net's and the text encoders' rates, and
+            // whether only the diffusion model trains (--network_train_unet_only).
+            ("ss_unet_lr", config.optimizer.lr().to_string()),
+            (
+                "ss_text_encoder_lr",
+                config
+                    .optimizer
+                    .text_encoder_lr
+                    .unwrap_or(config.optimizer.lr())
+                    .to_string(),
+            ),
+            (
+                "ss_network_train_unet_only",
+                match config.adapter.text_encoders.is_empty() {
+                    true => "True",
+                    false => "False",
+                }
+                .to_string(),
+            ),
+            ("ss_network_train_text_encoder_only", "False".to_string()),
             ("ss_optimizer", optimizer_name(config)),
             (
                 "ss_lr_scheduler",

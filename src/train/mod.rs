@@ -13,6 +13,7 @@ pub use crate::diffusion::objectives;
 pub mod rundir;
 pub mod scaler;
 pub mod tensorboard;
+pub mod text;
 pub mod trainer;
 
 pub use config::TrainConfig;

@@ -32,6 +32,7 @@ static TEXT: [EncoderSlot; 2] = [
     EncoderSlot {
         name: "clip_l",
         kind: TextEncoderKind::Clip,
+        kohya: "lora_te1",
         folder: "text_encoder",
         tokenizer: "tokenizer",
         builtin: BuiltinTokenizer::ClipL,
@@ -42,6 +43,7 @@ static TEXT: [EncoderSlot; 2] = [
     EncoderSlot {
         name: "t5",
         kind: TextEncoderKind::T5,
+        kohya: "lora_te3",
         folder: "text_encoder_2",
         tokenizer: "tokenizer_2",
         builtin: BuiltinTokenizer::T5,

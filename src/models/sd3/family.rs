@@ -30,6 +30,7 @@ static TEXT: [EncoderSlot; 3] = [
     EncoderSlot {
         name: "clip_l",
         kind: TextEncoderKind::Clip,
+        kohya: "lora_te1",
         folder: "text_encoder",
         tokenizer: "tokenizer",
         builtin: BuiltinTokenizer::ClipL,
@@ -40,6 +41,7 @@ static TEXT: [EncoderSlot; 3] = [
     EncoderSlot {
         name: "clip_g",
         kind: TextEncoderKind::Clip,
+        kohya: "lora_te2",
         folder: "text_encoder_2",
         tokenizer: "tokenizer_2",
         builtin: BuiltinTokenizer::ClipG,
@@ -50,6 +52,7 @@ static TEXT: [EncoderSlot; 3] = [
     EncoderSlot {
         name: "t5",
         kind: TextEncoderKind::T5,
+        kohya: "lora_te3",
         folder: "text_encoder_3",
         tokenizer: "tokenizer_3",
         builtin: BuiltinTokenizer::T5,

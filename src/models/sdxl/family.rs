@@ -28,6 +28,7 @@ static TEXT: [EncoderSlot; 2] = [
     EncoderSlot {
         name: "clip_l",
         kind: TextEncoderKind::Clip,
+        kohya: "lora_te1",
         folder: "text_encoder",
         tokenizer: "tokenizer",
         builtin: BuiltinTokenizer::ClipL,
@@ -38,6 +39,7 @@ static TEXT: [EncoderSlot; 2] = [
     EncoderSlot {
         name: "clip_g",
         kind: TextEncoderKind::Clip,
+        kohya: "lora_te2",
         folder: "text_encoder_2",
         tokenizer: "tokenizer_2",
         builtin: BuiltinTokenizer::ClipG,

@@ -26,9 +26,32 @@ pub const COMFYUI_LAYOUT: &str = "comfyui";
 /// The frozen weight of the layer at a path (any device, any float dtype).
 pub type WeightOf<'a> = dyn Fn(&str) -> Result<Tensor> + 'a;
 
-/// kohya's name of the adapter on the layer at `path`.
+/// kohya's prefix of the diffusion model's adapters (`lora_unet`, for every family).
+pub const KOHYA_MODEL: &str = "lora_unet";
+
+/// kohya's name of the adapter on the diffusion model's layer at `path`.
 pub fn kohya_name(path: &str) -> String {
-    format!("lora_unet_{}", path.replace('.', "_"))
+    kohya_name_in(KOHYA_MODEL, path)
+}
+
+/// kohya's name of the adapter on the layer at `path` of the network whose names start with
+/// `prefix` (`lora_unet`, or a text encoder's `lora_te1`, `lora_te2`, ...).
+pub fn kohya_name_in(prefix: &str, path: &str) -> String {
+    format!("{prefix}_{}", path.replace('.', "_"))
+}
+
+/// One set of adapters among those a file holds: the diffusion model's or a text encoder's,
+/// with the names it takes in each layout.
+#[derive(Clone)]
+pub struct FileSet<'a> {
+    /// The adapters.
+    pub adapters: &'a Adapters,
+    /// Its kohya prefix ([`KOHYA_MODEL`], `lora_te1`, ...).
+    pub kohya: &'a str,
+    /// Its module prefix in the PEFT layout (`unet`, `transformer`, `text_encoder`, ...).
+    pub peft: &'a str,
+    /// Its layers' key paths to the diffusers / transformers modules of the PEFT layout.
+    pub map: &'a KeyMap,
 }
 
 fn err(path: &Path, tensor: Option<&str>, msg: impl Into<String>) -> Error {
@@ -498,10 +521,31 @@ impl Adapters {
         weight: Option<&WeightOf<'_>>,
         extra: Option<&BTreeMap<String, String>>,
     ) -> Result<()> {
+        let tensors = self.kohya_tensors(KOHYA_MODEL, dtype, weight)?;
+        let mut meta = extra.cloned().unwrap_or_default();
+        meta.extend(self.network_metadata()?);
+        if weight.is_some() {
+            meta.insert(LAYOUT_KEY.into(), COMFYUI_LAYOUT.into());
+        }
+        let named = tensors.iter().map(|(k, t)| (k.as_str(), t));
+        match extra {
+            Some(_) => save_with_hashes(named, &meta, path),
+            None => save_with_metadata(named, &meta, path),
+        }
+    }
+
+    /// Every adapter's tensors in the kohya layout under `prefix` (for ComfyUI's reading
+    /// given the weights), the kind's tensors in `dtype`, alpha in f32.
+    fn kohya_tensors(
+        &self,
+        prefix: &str,
+        dtype: DType,
+        weight: Option<&WeightOf<'_>>,
+    ) -> Result<Vec<(String, Tensor)>> {
         let _g = crate::no_grad();
         let mut tensors: Vec<(String, Tensor)> = vec![];
         for l in self.layers()? {
-            let name = kohya_name(l.path());
+            let name = kohya_name_in(prefix, l.path());
             let layer = match weight {
                 Some(w) => {
                     let get = |dt: DType| w(l.path())?.to_dtype(dt);
@@ -514,16 +558,7 @@ impl Adapters {
                 tensors.push((format!("{name}.{t}"), v));
             }
         }
-        let mut meta = extra.cloned().unwrap_or_default();
-        meta.extend(self.network_metadata()?);
-        if weight.is_some() {
-            meta.insert(LAYOUT_KEY.into(), COMFYUI_LAYOUT.into());
-        }
-        let named = tensors.iter().map(|(k, t)| (k.as_str(), t));
-        match extra {
-            Some(_) => save_with_hashes(named, &meta, path),
-            None => save_with_metadata(named, &meta, path),
-        }
+        Ok(tensors)
     }
 
     /// Reads a kohya / LyCORIS-layout file into the planned adapters (built with the model).
@@ -572,27 +607,7 @@ impl Adapters {
             }
         }
         let mut unused: BTreeSet<String> = file.names().map(str::to_string).collect();
-        let _g = crate::no_grad();
-        for l in self.layers()? {
-            let Some(device) = l.params().first().map(|(_, t)| t.device().clone()) else {
-                continue;
-            };
-            let mut reader = Reader {
-                file: &file,
-                path,
-                name: kohya_name(l.path()),
-                layer: l.path(),
-                device: &device,
-                unused: &mut unused,
-            };
-            match weight {
-                Some(w) => {
-                    let get = |dt: DType| w(l.path())?.to_dtype(dt);
-                    l.load_comfyui(&mut reader, &BaseLayer::new(l.shape(), &get))?
-                }
-                None => l.load_kohya(&mut reader)?,
-            }
-        }
+        self.load_kohya_into(&file, path, KOHYA_MODEL, weight, &mut unused)?;
         if let Some(k) = unused.iter().next() {
             return Err(err(
                 path,
@@ -605,6 +620,40 @@ impl Adapters {
                     self.config.targets
                 ),
             ));
+        }
+        Ok(())
+    }
+
+    /// Reads this set's adapters, named under `prefix`, from a kohya-layout `file`; what
+    /// they take is crossed off `unused`.
+    fn load_kohya_into(
+        &self,
+        file: &SafeTensorsFile,
+        path: &Path,
+        prefix: &str,
+        weight: Option<&WeightOf>,
+        unused: &mut BTreeSet<String>,
+    ) -> Result<()> {
+        let _g = crate::no_grad();
+        for l in self.layers()? {
+            let Some(device) = l.params().first().map(|(_, t)| t.device().clone()) else {
+                continue;
+            };
+            let mut reader = Reader {
+                file,
+                path,
+                name: kohya_name_in(prefix, l.path()),
+                layer: l.path(),
+                device: &device,
+                unused,
+            };
+            match weight {
+                Some(w) => {
+                    let get = |dt: DType| w(l.path())?.to_dtype(dt);
+                    l.load_comfyui(&mut reader, &BaseLayer::new(l.shape(), &get))?
+                }
+                None => l.load_kohya(&mut reader)?,
+            }
         }
         Ok(())
     }
@@ -648,14 +697,7 @@ impl Adapters {
         dtype: DType,
         extra: Option<&BTreeMap<String, String>>,
     ) -> Result<()> {
-        let _g = crate::no_grad();
-        let mut tensors: Vec<(String, Tensor)> = vec![];
-        for l in self.layers()? {
-            let parts = peft_parts(map, l.path(), l.shape().out_dim())?;
-            for (name, t) in l.to_peft(&parts)? {
-                tensors.push((format!("{prefix}.{name}"), t.to_dtype(dtype)?));
-            }
-        }
+        let tensors = self.peft_tensors(map, prefix, dtype)?;
         let meta = BTreeMap::from([
             ("format".to_string(), "pt".to_string()),
             ("flame_kind".to_string(), self.config.kind.clone()),
@@ -674,6 +716,25 @@ impl Adapters {
             }
             None => save_with_metadata(named, &meta, path),
         }
+    }
+
+    /// Every adapter's tensors in the PEFT layout, `<prefix>.<module>.<PEFT name>`, in
+    /// `dtype`.
+    fn peft_tensors(
+        &self,
+        map: &KeyMap,
+        prefix: &str,
+        dtype: DType,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let _g = crate::no_grad();
+        let mut tensors: Vec<(String, Tensor)> = vec![];
+        for l in self.layers()? {
+            let parts = peft_parts(map, l.path(), l.shape().out_dim())?;
+            for (name, t) in l.to_peft(&parts)? {
+                tensors.push((format!("{prefix}.{name}"), t.to_dtype(dtype)?));
+            }
+        }
+        Ok(tensors)
     }
 
     /// Checks that every planned adapter has a PEFT form under `map` (before training, so a
@@ -716,6 +777,31 @@ impl Adapters {
             prefix: prefix.to_string(),
             unused,
         };
+        self.load_peft_into(&mut file, map, scales.as_ref())?;
+        if let Some(k) = file.unused.iter().next() {
+            return Err(err(
+                path,
+                Some(k),
+                format!(
+                    "no planned adapter takes it ({} such tensors; the adapters are {})",
+                    file.unused.len(),
+                    self.config.kind
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads this set's adapters from a PEFT-layout `file` (under its prefix), scaled as
+    /// `scales` says (1 without them).
+    fn load_peft_into(
+        &self,
+        file: &mut PeftFile,
+        map: &KeyMap,
+        scales: Option<&PeftScales>,
+    ) -> Result<()> {
+        let path = file.path.clone();
+        let path = path.as_path();
         let _g = crate::no_grad();
         for l in self.layers()? {
             let parts = peft_parts(map, l.path(), l.shape().out_dim())?;
@@ -743,19 +829,113 @@ impl Adapters {
                     ),
                 ));
             }
-            l.load_peft(&parts, &mut file, file_scale)?;
-        }
-        if let Some(k) = file.unused.iter().next() {
-            return Err(err(
-                path,
-                Some(k),
-                format!(
-                    "no planned adapter takes it ({} such tensors; the adapters are {})",
-                    file.unused.len(),
-                    self.config.kind
-                ),
-            ));
+            l.load_peft(&parts, file, file_scale)?;
         }
         Ok(())
+    }
+}
+
+/// Writes several sets of adapters into one kohya-layout file (the diffusion model's
+/// `lora_unet_*` beside the text encoders' `lora_te1_*`, ...), atomically, with the first
+/// set's network metadata over `extra` and kohya's `sshs_*` hashes.
+pub fn save_kohya_sets(
+    sets: &[FileSet<'_>],
+    path: impl AsRef<Path>,
+    dtype: DType,
+    extra: &BTreeMap<String, String>,
+) -> Result<()> {
+    let mut tensors = vec![];
+    for s in sets {
+        tensors.extend(s.adapters.kohya_tensors(s.kohya, dtype, None)?);
+    }
+    let mut meta = extra.clone();
+    if let Some(first) = sets.first() {
+        meta.extend(first.adapters.network_metadata()?);
+    }
+    let named = tensors.iter().map(|(k, t)| (k.as_str(), t));
+    save_with_hashes(named, &meta, path.as_ref())
+}
+
+/// Reads a kohya-layout file into several sets (as [`save_kohya_sets`] writes them): every
+/// planned adapter must be in it, and it may hold nothing else.
+pub fn load_kohya_sets(sets: &[FileSet<'_>], path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    let file = SafeTensorsFile::open(path)?;
+    if let Some(layout) = file.metadata().get(LAYOUT_KEY) {
+        return Err(err(
+            path,
+            None,
+            format!("written in the {layout:?} layout: read it as {layout:?}"),
+        ));
+    }
+    let mut unused: BTreeSet<String> = file.names().map(str::to_string).collect();
+    for s in sets {
+        s.adapters
+            .load_kohya_into(&file, path, s.kohya, None, &mut unused)?;
+    }
+    left_over(path, &unused, sets.iter().map(|s| s.kohya).collect())
+}
+
+/// Writes several sets of adapters into one diffusers / PEFT-layout file, each under its
+/// prefix (`unet.*` beside `text_encoder.*`, `text_encoder_2.*`, as diffusers'
+/// `load_lora_weights` reads them), with `extra` metadata, the first set's network
+/// metadata and kohya's `sshs_*` hashes.
+pub fn save_peft_sets(
+    sets: &[FileSet<'_>],
+    path: impl AsRef<Path>,
+    dtype: DType,
+    extra: &BTreeMap<String, String>,
+) -> Result<()> {
+    let mut tensors = vec![];
+    for s in sets {
+        tensors.extend(s.adapters.peft_tensors(s.map, s.peft, dtype)?);
+    }
+    let mut meta = extra.clone();
+    if let Some(first) = sets.first() {
+        let c = &first.adapters.config;
+        meta.extend(first.adapters.network_metadata()?);
+        meta.insert("format".into(), "pt".into());
+        meta.insert("flame_kind".into(), c.kind.clone());
+        meta.insert("flame_rank".into(), c.rank.to_string());
+    }
+    let named = tensors.iter().map(|(k, t)| (k.as_str(), t));
+    save_with_hashes(named, &meta, path.as_ref())
+}
+
+/// Reads a PEFT-layout file into several sets (as [`save_peft_sets`] writes them), scaled
+/// as the `adapter_config.json` beside it says (1 without one).
+pub fn load_peft_sets(sets: &[FileSet<'_>], path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    let scales = PeftScales::beside(path)?;
+    let file = SafeTensorsFile::open(path)?;
+    let unused: BTreeSet<String> = file.names().map(str::to_string).collect();
+    let mut file = PeftFile {
+        file,
+        path: path.to_path_buf(),
+        prefix: String::new(),
+        unused,
+    };
+    for s in sets {
+        file.prefix = s.peft.to_string();
+        s.adapters
+            .load_peft_into(&mut file, s.map, scales.as_ref())?;
+    }
+    left_over(path, &file.unused, sets.iter().map(|s| s.peft).collect())
+}
+
+/// An error naming a tensor of the file at `path` no set took.
+fn left_over(path: &Path, unused: &BTreeSet<String>, names: Vec<&str>) -> Result<()> {
+    match unused.iter().next() {
+        None => Ok(()),
+        Some(k) => Err(err(
+            path,
+            Some(k),
+            format!(
+                "no planned adapter takes it ({} such tensors; the file's adapters are under \
+                 {})",
+                unused.len(),
+                names.join(", ")
+            ),
+        )),
     }
 }

@@ -33,7 +33,10 @@ mod lora;
 mod merge;
 
 pub(crate) use io::PeftScales;
-pub use io::{kohya_name, PeftFile};
+pub use io::{
+    kohya_name, kohya_name_in, load_kohya_sets, load_peft_sets, save_kohya_sets, save_peft_sets,
+    FileSet, PeftFile, KOHYA_MODEL,
+};
 pub use lokr::{factorization, LokrSplit};
 pub use lora::Lora;
 pub use merge::MergeLayer;

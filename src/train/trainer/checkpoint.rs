@@ -1,11 +1,15 @@
 use super::step::first_nonfinite;
 use super::Trainer;
+use crate::nn::adapter::{
+    load_kohya_sets, load_peft_sets, save_kohya_sets, save_peft_sets, FileSet, KOHYA_MODEL,
+};
 use crate::train::config::{AdapterFormat, TrainConfig};
 use crate::train::ema::Ema;
 use crate::train::rundir::{
     read_log, write_atomic, CheckpointState, EMA_STATE, FINAL, FINAL_EMA, LOG,
 };
 use crate::train::tensorboard::wall_time;
+use crate::train::text::TextTraining;
 use crate::{models, DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
 
@@ -21,7 +25,7 @@ impl Trainer {
 
     /// Writes the adapter in `format`, refusing one with a non-finite value.
     pub(super) fn save_adapter(&self, path: &Path, format: AdapterFormat) -> Result<()> {
-        let params = self.adapters.params()?;
+        let params = self.params()?;
         let named: Vec<(&str, &Tensor)> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
         if let Some(name) = first_nonfinite(&named)? {
             return Err(Error::NonFinite {
@@ -32,6 +36,15 @@ impl Trainer {
             });
         }
         let meta = self.file_metadata();
+        if let Some(text) = &self.text {
+            let sets = self.file_sets(text, format)?;
+            return match format {
+                AdapterFormat::Peft => save_peft_sets(&sets, path, DType::F32, &meta),
+                AdapterFormat::Kohya | AdapterFormat::Comfyui => {
+                    save_kohya_sets(&sets, path, DType::F32, &meta)
+                }
+            };
+        }
         match format {
             AdapterFormat::Kohya => self.adapters.save_kohya_with(path, DType::F32, &meta),
             AdapterFormat::Peft => {
@@ -44,6 +57,31 @@ impl Trainer {
                     .save_comfyui_with(path, DType::F32, &self.base_weights()?, &meta)
             }
         }
+    }
+
+    /// The model's adapters and the text encoders' as the sets of one file in `format`
+    /// (the "comfyui" layout is refused with trained text encoders by the config check).
+    fn file_sets<'a>(
+        &'a self,
+        text: &'a TextTraining,
+        format: AdapterFormat,
+    ) -> Result<Vec<FileSet<'a>>> {
+        if format == AdapterFormat::Comfyui {
+            return Err(Error::Config {
+                path: None,
+                msg: "adapter.format = \"comfyui\" holds the diffusion model's adapters only; \
+                      with adapter.text_encoders use \"kohya\""
+                    .into(),
+            });
+        }
+        let mut sets = vec![FileSet {
+            adapters: self.adapters.as_ref(),
+            kohya: KOHYA_MODEL,
+            peft: self.model.family().subfolder,
+            map: &self.map,
+        }];
+        sets.extend(text.file_sets());
+        Ok(sets)
     }
 
     /// The training metadata of an adapter file saved now (`train::metadata`).
@@ -60,7 +98,7 @@ impl Trainer {
         let Some(ema) = &self.ema else {
             return Ok(());
         };
-        let params = self.adapters.params()?;
+        let params = self.params()?;
         let kept = ema.swap_in(&params)?;
         let saved = self.save_adapter(path, format);
         Ema::swap_out(&params, &kept)?;
@@ -68,6 +106,13 @@ impl Trainer {
     }
 
     pub(super) fn load_adapter(&self, path: &Path, format: AdapterFormat) -> Result<()> {
+        if let Some(text) = &self.text {
+            let sets = self.file_sets(text, format)?;
+            return match format {
+                AdapterFormat::Peft => load_peft_sets(&sets, path),
+                AdapterFormat::Kohya | AdapterFormat::Comfyui => load_kohya_sets(&sets, path),
+            };
+        }
         match format {
             AdapterFormat::Kohya => self.adapters.load_kohya(path),
             AdapterFormat::Peft => {

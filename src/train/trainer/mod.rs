@@ -24,11 +24,12 @@ use super::planning::{MemoryChoice, PhasePlan};
 use super::rundir::RunDir;
 use super::scaler::LossScaler;
 use super::tensorboard::EventWriter;
+use super::text::TextTraining;
 use crate::dist::{GradReducer, ProcessGroup};
 use crate::models::DiffusionModel;
 use crate::nn::{Adapters, KeyMap};
 use crate::optim::Optimizer;
-use crate::{DType, Device, Result};
+use crate::{DType, Device, Result, Tensor};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -51,6 +52,8 @@ pub struct Trainer {
     map: KeyMap,
     /// The adapters being trained.
     pub adapters: Arc<Adapters>,
+    /// The text encoders trained with the model (`adapter.text_encoders`), if any.
+    text: Option<Arc<TextTraining>>,
     data: Box<dyn Samples>,
     /// Held-out images for the validation loss.
     validation: Option<ImageSamples>,
@@ -237,6 +240,38 @@ impl PhasePeaks {
 }
 
 impl Trainer {
+    /// Every trainable tensor by name as named lists: "model" (the diffusion model's
+    /// adapters, `<layer path>.<tensor>`) and, with `adapter.text_encoders`, "text_encoders"
+    /// (`<kohya prefix>.<layer path>.<tensor>`, `lora_te1.text_model...`): the lists a
+    /// parameter group each.
+    pub fn param_lists(&self) -> Result<Vec<(&'static str, Vec<(String, Tensor)>)>> {
+        param_lists(&self.adapters, self.text.as_deref())
+    }
+
+    /// Every trainable tensor by name, the model's then the text encoders'.
+    pub fn params(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self
+            .param_lists()?
+            .into_iter()
+            .flat_map(|(_, v)| v)
+            .collect())
+    }
+
+    /// The trained text encoders, if any.
+    pub fn text_training(&self) -> Option<&TextTraining> {
+        self.text.as_deref()
+    }
+
+    /// Dropout on (training) or off, for every adapter; returns whether it was on.
+    fn set_train(&self, on: bool) -> bool {
+        let was = self.adapters.training();
+        self.adapters.set_train(on);
+        if let Some(t) = &self.text {
+            t.set_train(on);
+        }
+        was
+    }
+
     /// The process group of data-parallel training, if any.
     pub fn group(&self) -> Option<&Arc<dyn ProcessGroup>> {
         self.dist.as_ref().map(|(g, _)| g)
@@ -310,6 +345,18 @@ impl Trainer {
     pub fn phase_peaks(&self) -> Vec<(&'static str, u64)> {
         self.peaks.all()
     }
+}
+
+/// The trainable tensors of `adapters` and `text` as named lists ([`Trainer::param_lists`]).
+fn param_lists(
+    adapters: &Adapters,
+    text: Option<&TextTraining>,
+) -> Result<Vec<(&'static str, Vec<(String, Tensor)>)>> {
+    let mut v = vec![("model", adapters.params()?)];
+    if let Some(t) = text {
+        v.push(("text_encoders", t.params()?));
+    }
+    Ok(v)
 }
 
 /// " | GPU x GiB" in use on a CUDA device, "" on the CPU.

@@ -9,6 +9,7 @@ use crate::train::images::{self, ImageSamples};
 use crate::train::metadata::{count_blocks, identity, DatasetFacts, ModelIdentity, RunMetadata};
 use crate::train::planning::{phase_plans, plan_memory, MemoryChoice, PhasePlan};
 use crate::train::tensorboard::wall_time;
+use crate::train::text::TextTraining;
 use crate::{models, DType, Device, Error, Result, Tensor};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -183,10 +184,15 @@ impl Trainer {
         let loaded = family.load(&config.model.path, &opts)?;
         super::step::check_loss_options(&config, &loaded.model.objective())?;
         check_adapters(&config, &adapters, &loaded.key_map)?;
+        let text = data.text.clone();
+        let all: Vec<(String, Tensor)> = super::param_lists(&adapters, text.as_deref())?
+            .into_iter()
+            .flat_map(|(_, v)| v)
+            .collect();
         let opt = config
             .optimizer
             .optimizer_config()
-            .build(adapters.params()?)
+            .build(all.clone())
             .map_err(|e| Error::Config {
                 path: None,
                 msg: format!("[optimizer]: {e}"),
@@ -194,7 +200,7 @@ impl Trainer {
         let scaler = config.loss_scaler();
         let dist = match group {
             Some(g) => {
-                let params = adapters.params()?.into_iter().map(|(_, t)| t).collect();
+                let params = all.iter().map(|(_, t)| t.clone()).collect();
                 let r = GradReducer::new(g.clone(), params, BUCKET_BYTES);
                 Some((g, r))
             }
@@ -202,7 +208,7 @@ impl Trainer {
         };
         let ema = match config.ema.enabled {
             true => Some(Ema::new(
-                &adapters.params()?,
+                &all,
                 EmaSchedule::of(&config.ema),
                 config.ema.device,
             )?),
@@ -219,6 +225,7 @@ impl Trainer {
             model: loaded.model,
             map: loaded.key_map,
             adapters,
+            text,
             data: data.train,
             validation: data.validation,
             pipeline: data.pipeline,
@@ -334,6 +341,8 @@ fn probe(
 /// caches filled (unless a dry run) and what sampling needs of the pipeline.
 struct Data {
     train: Box<dyn Samples>,
+    /// The trained text encoders (`adapter.text_encoders`), if any.
+    text: Option<Arc<TextTraining>>,
     validation: Option<ImageSamples>,
     pipeline: Option<PipelineParts>,
     /// The autoencoder's downscale factor and its image width, for the phases' plans.
@@ -361,11 +370,20 @@ impl Data {
         let guided = probe.guidance_input();
         let inputs = probe.inputs();
         if let Some(dir) = &config.data.dir {
+            if !config.adapter.text_encoders.is_empty() {
+                return Err(Error::Config {
+                    path: None,
+                    msg: "adapter.text_encoders: pre-encoded samples (data.dir) hold no \
+                          captions to encode; train the text encoders from images"
+                        .into(),
+                });
+            }
             let data = Dataset::open(dir, &inputs, &|s| probe.check_shapes(s))?;
             check_batch_size(config, world, data.len(), "pre-encoded samples")?;
             return Ok(Data {
                 facts: DatasetFacts::encoded(dir, data.len()),
                 train: Box::new(data),
+                text: None,
                 validation: None,
                 pipeline: None,
                 vae_shape: None,
@@ -393,16 +411,36 @@ impl Data {
                 path: None,
                 msg: format!("[data]: {msg}"),
             })?;
+        let text = match config.adapter.text_encoders.is_empty() {
+            true => None,
+            false => {
+                let (text_at, _) = images::locate(config, family)?;
+                let opts = images::text_options(config, family, &text_at, guided);
+                let dtype = images::encoder_dtype(config, device);
+                let t = TextTraining::open(config, family, &text_at, &opts, dtype, device)?;
+                if let Some(t) = &t {
+                    on(Event::Note(t.summary.clone()));
+                }
+                t
+            }
+        };
+        let mut train = run.train;
+        train.set_live(text.clone());
+        let mut validation = run.validation;
+        if let Some(v) = &mut validation {
+            v.set_live(text.clone());
+        }
         Ok(Data {
-            facts: DatasetFacts::of_items(&run.train.ds.items),
+            text,
+            facts: DatasetFacts::of_items(&train.ds.items),
             vae_shape: Some((run.vae_factor, run.vae_width)),
             pipeline: Some(PipelineParts {
                 text: run.text,
                 vae: run.vae,
                 factor: run.vae_factor,
             }),
-            train: Box::new(run.train),
-            validation: run.validation,
+            train: Box::new(train),
+            validation,
             guided,
         })
     }

@@ -20,8 +20,7 @@ impl Trainer {
             return Ok(None);
         };
         let _g = crate::no_grad();
-        let was = self.adapters.training();
-        self.adapters.set_train(false);
+        let was = self.set_train(false);
         let result = (|| {
             let k = VALIDATION_POINTS;
             let mid = |j: usize| (j as f64 + 0.5) / k as f64;
@@ -72,7 +71,7 @@ impl Trainer {
             }
             Ok(total / v.ds.len().max(1) as f64)
         })();
-        self.adapters.set_train(was);
+        self.set_train(was);
         result.map(Some)
     }
 
@@ -95,8 +94,7 @@ impl Trainer {
             });
         };
         let _g = crate::no_grad();
-        let was = self.adapters.training();
-        self.adapters.set_train(false);
+        let was = self.set_train(false);
         let result = (|| {
             let family = self.model.family();
             let res = self.config.data.resolution;
@@ -106,10 +104,13 @@ impl Trainer {
             };
             let inputs = self.model.inputs();
             let text = |prompt: &str| -> Result<Vec<Tensor>> {
-                let cached =
-                    parts
-                        .text
-                        .load_batch(&[prompt.to_string()], &self.device, self.dtype)?;
+                let prompts = [prompt.to_string()];
+                let cached = parts.text.load_batch(&prompts, &self.device, self.dtype)?;
+                // Trained text encoders encode the prompt with their adapters.
+                let cached = match &self.text {
+                    Some(t) => t.replace(cached, &prompts, self.dtype, &self.device)?,
+                    None => cached,
+                };
                 crate::models::pipeline::conditioning(
                     &inputs,
                     &cached,
@@ -168,7 +169,7 @@ impl Trainer {
             }
             Ok(written)
         })();
-        self.adapters.set_train(was);
+        self.set_train(was);
         result
     }
 

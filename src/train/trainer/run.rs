@@ -83,12 +83,7 @@ impl Trainer {
                     self.restore(&path, &st)?;
                 }
             }
-            let params: Vec<Tensor> = self
-                .adapters
-                .params()?
-                .into_iter()
-                .map(|(_, t)| t)
-                .collect();
+            let params: Vec<Tensor> = self.params()?.into_iter().map(|(_, t)| t).collect();
             g.broadcast(&params.iter().collect::<Vec<_>>())?;
         }
         let mut log = match root {
@@ -144,9 +139,10 @@ impl Trainer {
                 }
                 r => r?,
             };
-            if r.skipped.is_none() {
+            if r.skipped.is_none() && self.ema.is_some() {
+                let params = self.params()?;
                 if let Some(ema) = &mut self.ema {
-                    ema.update(&self.adapters.params()?)?;
+                    ema.update(&params)?;
                 }
             }
             self.log_events(|ev| {
@@ -390,7 +386,7 @@ impl Trainer {
             (Some(ema), true) => ema,
             _ => return f(self),
         };
-        let params = self.adapters.params()?;
+        let params = self.params()?;
         let kept = ema.swap_in(&params)?;
         let r = f(self);
         Ema::swap_out(&params, &kept)?;

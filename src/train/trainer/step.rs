@@ -406,6 +406,9 @@ impl Trainer {
             };
             self.adapters
                 .set_batch(self.step as u64, micro as u64, rows)?;
+            if let Some(t) = &self.text {
+                t.set_batch(self.step as u64, micro as u64, rows)?;
+            }
             let s = self.micro_seed(m);
             // Each rank's mean over its rows, weighted by its share of the global batch:
             // the ranks' sum is the global batch's mean.
@@ -496,7 +499,7 @@ impl Trainer {
         if acc.bad.is_some() {
             return Ok((f64::NAN, false));
         }
-        let params = self.adapters.params()?;
+        let params = self.params()?;
         let with_grads: Vec<(&str, &Tensor)> = params
             .iter()
             .filter_map(|(n, p)| Some((n.as_str(), acc.grads.get(p)?)))

@@ -58,7 +58,11 @@ fn row_quantization_is_the_formats_quantizer() {
     // A column factor is applied (an f32 product) before the rows are quantized.
     let colt = Tensor::from_vec(col.clone(), cols, &CPU).unwrap();
     let (c, s) = xt.quant_rows_fp8(Some(&colt)).unwrap();
-    let scaled: Vec<f32> = x.iter().enumerate().map(|(i, v)| v * col[i % cols]).collect();
+    let scaled: Vec<f32> = x
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * col[i % cols])
+        .collect();
     let (want_c, want_s) = fp8::quantize_rows(&scaled, rows, cols).unwrap();
     assert_eq!(u32s(&c), want_c);
     assert_eq!(f32s(&s), want_s);
@@ -77,9 +81,15 @@ fn row_quantization_is_the_formats_quantizer() {
     assert_eq!(f32s(&s)[0], 1.0);
     // Bad operands are errors.
     let odd = Tensor::zeros((2, 6), DType::F32, &CPU).unwrap();
-    assert!(odd.quant_rows_fp8(None).is_err(), "width not a multiple of 4");
+    assert!(
+        odd.quant_rows_fp8(None).is_err(),
+        "width not a multiple of 4"
+    );
     let wrong = Tensor::zeros(cols + 4, DType::F32, &CPU).unwrap();
-    assert!(xt.quant_rows_fp8(Some(&wrong)).is_err(), "column factor length");
+    assert!(
+        xt.quant_rows_fp8(Some(&wrong)).is_err(),
+        "column factor length"
+    );
     let f64x = xt.to_dtype(DType::F64).unwrap();
     assert!(f64x.quant_rows_fp8(None).is_err(), "f64 activations");
 }
@@ -100,7 +110,11 @@ fn transpose_moves_every_code() {
             assert_eq!(a, b, "({r}, {k})");
         }
     }
-    assert_eq!(u32s(&t.transpose_fp8().unwrap()), c, "twice is the identity");
+    assert_eq!(
+        u32s(&t.transpose_fp8().unwrap()),
+        c,
+        "twice is the identity"
+    );
     let _ = s;
     let bad = Tensor::zeros((6, 2), DType::U32, &CPU).unwrap();
     assert!(bad.transpose_fp8().is_err(), "rows not a multiple of 4");
@@ -139,15 +153,24 @@ fn product_is_its_definition() {
                 let want: f64 = (0..k).map(|q| ad[i * k + q] * bd[j * k + q]).sum();
                 let g = f64::from(got[i * n + j]);
                 let scale: f64 = (0..k).map(|q| (ad[i * k + q] * bd[j * k + q]).abs()).sum();
-                assert!((g - want).abs() <= tol * scale.max(1e-6), "{dt} ({i}, {j}): {g} vs {want}");
+                assert!(
+                    (g - want).abs() <= tol * scale.max(1e-6),
+                    "{dt} ({i}, {j}): {g} vs {want}"
+                );
             }
         }
     }
     let z = Tensor::zeros((2, 3), DType::U32, &CPU).unwrap();
     let one = Tensor::ones(2, DType::F32, &CPU).unwrap();
     let other = Tensor::zeros((2, 4), DType::U32, &CPU).unwrap();
-    assert!(fp8_product(&z, &one, &other, &one, DType::F32).is_err(), "k differs");
-    assert!(fp8_product(&z, &one, &z, &one, DType::F64).is_err(), "f64 output");
+    assert!(
+        fp8_product(&z, &one, &other, &one, DType::F32).is_err(),
+        "k differs"
+    );
+    assert!(
+        fp8_product(&z, &one, &z, &one, DType::F64).is_err(),
+        "f64 output"
+    );
 }
 
 /// A Linear built from `w` (out, in) + bias with a rank-2 LoRA, its weight FP8 and its
@@ -272,7 +295,10 @@ fn backward_is_the_8_bit_formula() {
         for k in 0..inp {
             let want: f64 = (0..out).map(|n| gd[i * out + n] * wd[n * inp + k]).sum();
             let g = f64::from(got.dx[i * inp + k]);
-            assert!((g - want).abs() <= 1e-5 * want.abs().max(1.0), "({i}, {k}): {g} vs {want}");
+            assert!(
+                (g - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "({i}, {k}): {g} vs {want}"
+            );
         }
     }
     // And the forward: y = quant_rows(x) @ Q_w^T scaled (+ bias 0, LoRA 0 at the start).
@@ -283,7 +309,10 @@ fn backward_is_the_8_bit_formula() {
         for n in 0..out {
             let want: f64 = (0..inp).map(|k| xd[i * inp + k] * wsd[n * inp + k]).sum();
             let g = f64::from(got.y[i * out + n]);
-            assert!((g - want).abs() <= 1e-5 * want.abs().max(1.0), "y ({i}, {n}): {g} vs {want}");
+            assert!(
+                (g - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "y ({i}, {n}): {g} vs {want}"
+            );
         }
     }
 }
@@ -334,7 +363,11 @@ mod gpu {
                 }
                 let (ac, asc) = at.quant_rows_fp8(None).unwrap();
                 let (bc, bsc) = bt.quant_rows_fp8(None).unwrap();
-                let tr = if m % 4 == 0 { Some(u32s(&ac.transpose_fp8().unwrap())) } else { None };
+                let tr = if m % 4 == 0 {
+                    Some(u32s(&ac.transpose_fp8().unwrap()))
+                } else {
+                    None
+                };
                 let mut prods = vec![];
                 for dt in [DType::F32, DType::BF16, DType::F16] {
                     prods.push(f32s(&fp8_product(&ac, &asc, &bc, &bsc, dt).unwrap()));
@@ -363,7 +396,11 @@ mod gpu {
         let r = lcg(rows * out, 20, 1.0);
         let c = run(&linear(&w, &b, out, inp, true, &CPU), &x, &r, rows, &CPU);
         let g = run(&linear(&w, &b, out, inp, true, &dev), &x, &r, rows, &dev);
-        for (what, e) in [("y", rel(&g.y, &c.y)), ("dx", rel(&g.dx, &c.dx)), ("lora A", rel(&g.da, &c.da))] {
+        for (what, e) in [
+            ("y", rel(&g.y, &c.y)),
+            ("dx", rel(&g.dx, &c.dx)),
+            ("lora A", rel(&g.da, &c.da)),
+        ] {
             assert!(e < 1e-4, "{what}: relative {e}");
         }
     }

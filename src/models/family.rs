@@ -361,7 +361,8 @@ fn profile_with<M: ModelSpec>(
     ggml_types: Option<Arc<std::collections::HashMap<String, crate::backend::ggml::GgmlType>>>,
 ) -> Result<MemoryProfile> {
     let config = config.clone();
-    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?
+    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
+        .with_fp8(opts.fp8)?
         .with_fp8_products(opts.fp8_products)?;
     if let Some(types) = ggml_types {
         vb = vb.with_ggml_types(types)?;
@@ -537,7 +538,8 @@ fn probe_boxed<M: ModelSpec>(
     opts: &LoadOptions,
 ) -> Result<Loaded<dyn DiffusionModel>> {
     let (_, config) = resolve::<M>(path, opts, None)?;
-    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?
+    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
+        .with_fp8(opts.fp8)?
         .with_fp8_products(opts.fp8_products)?;
     if let Some(a) = &opts.adapters {
         vb = vb.with_adapters(a.clone())?;

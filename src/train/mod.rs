@@ -24,6 +24,6 @@ pub use objectives::{
 pub use planning::{MemoryChoice, PhasePlan};
 pub use rundir::recorded_machine;
 pub use trainer::{
-    plan_folder, preflight, Event, FolderAction, Placement, Prepare, RunEnd, RunOptions,
+    plan_folder, preflight, Event, FolderAction, ParamList, Placement, Prepare, RunEnd, RunOptions,
     StepReport, Trainer,
 };

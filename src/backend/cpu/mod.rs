@@ -21,8 +21,8 @@ use crate::backend::{
 use crate::{CpuStorage, DType, Error, Layout, Result, Shape, WithDType};
 pub(crate) use attention::Attn;
 pub(crate) use fused::{f64_view, run_kernel};
-pub(crate) use matmul::matmul;
 use half::{bf16, f16};
+pub(crate) use matmul::matmul;
 pub(crate) use num::{Activation, Elem, Real};
 pub(crate) use strided::contiguous;
 

@@ -150,10 +150,7 @@ pub(crate) fn quant_rows(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStor
             }
         }
     }
-    Ok(vec![
-        x.wrap(u32::wrap(codes)),
-        x.wrap(f32::wrap(scale)),
-    ])
+    Ok(vec![x.wrap(u32::wrap(codes)), x.wrap(f32::wrap(scale))])
 }
 
 /// [codes (rows, cols / 4) u32] (dense; `d` = [rows, cols]) -> [codes (cols, rows / 4)]: a

@@ -65,8 +65,7 @@ fn run<T: Elem>(d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> 
         )));
     };
     let words = k / crate::backend::fp8::CODES_PER_WORD;
-    if a.buf.len() < m * words || b.buf.len() < n * words || sa.buf.len() < m || sb.buf.len() < n
-    {
+    if a.buf.len() < m * words || b.buf.len() < n * words || sa.buf.len() < m || sb.buf.len() < n {
         return Err(Error::invalid(
             OP,
             "operands smaller than their shapes".to_string(),
@@ -104,7 +103,17 @@ fn run<T: Elem>(d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> 
         Form::ThenScale(algo) => {
             let acc = dev.alloc::<f32>(m * n)?;
             let acc_ptr = acc.slice.device_ptr(dev.stream()).0;
-            gemm(dev, m, n, k, DType::F32, [a, sa, b, sb], acc_ptr, false, &algo)?;
+            gemm(
+                dev,
+                m,
+                n,
+                k,
+                DType::F32,
+                [a, sa, b, sb],
+                acc_ptr,
+                false,
+                &algo,
+            )?;
             let mut y = dev.alloc::<T>(m * n)?;
             let (pa, pb) = (sa.buf.raw_ptr(dev.stream()), sb.buf.raw_ptr(dev.stream()));
             let total = m * n;
@@ -155,12 +164,13 @@ fn find_form<T: Elem>(
     k: usize,
     ops: [&CudaStorage; 4],
 ) -> Result<Form> {
-    let aligned = ops
-        .iter()
-        .all(|s| s.buf.raw_ptr(dev.stream()) % 16 == 0);
+    let aligned = ops.iter().all(|s| s.buf.raw_ptr(dev.stream()) % 16 == 0);
     // FP8 tensor cores: Ada (8.9) and Hopper (9.x) on; k a multiple of 16 (16-byte rows of
     // codes), the output's rows 16-byte aligned.
-    let cc = (dev.compute_capability_major(), dev.compute_capability_minor());
+    let cc = (
+        dev.compute_capability_major(),
+        dev.compute_capability_minor(),
+    );
     let fits = cc >= (8, 9)
         && aligned
         && k % 16 == 0
@@ -245,7 +255,8 @@ impl Plan {
             set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &trans_a)?;
             set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_TRANSB, &trans_b)?;
             if scales {
-                let mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+                let mode =
+                    sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
                 set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode)?;
                 set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode)?;
             }
@@ -272,9 +283,18 @@ impl Plan {
 ///
 /// # Safety
 /// `desc` is live and `T` is the attribute's type.
-unsafe fn set<T>(desc: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDescAttributes_t, v: &T) -> Result<()> {
-    lt::set_matmul_desc_attribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>())
-        .map_err(|e| lt_err("descriptor attribute", e))
+unsafe fn set<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> Result<()> {
+    lt::set_matmul_desc_attribute(
+        desc,
+        attr,
+        v as *const T as *const c_void,
+        std::mem::size_of::<T>(),
+    )
+    .map_err(|e| lt_err("descriptor attribute", e))
 }
 
 /// cuBLASLt's fastest algorithm for the product, or None where it has none.

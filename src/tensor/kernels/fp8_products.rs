@@ -32,7 +32,10 @@ fn operands<'a>(
     want: &[DType],
 ) -> Result<&'a [(DType, &'a Layout)]> {
     if args.len() != want.len() {
-        let shape = args.first().map(|a| a.1.shape().clone()).unwrap_or_default();
+        let shape = args
+            .first()
+            .map(|a| a.1.shape().clone())
+            .unwrap_or_default();
         return Err(Error::invalid(
             name,
             format!("{} operands, expected {}", args.len(), want.len()),
@@ -377,7 +380,13 @@ impl Tensor {
 /// `y[i, j] = sa[i] * sb[j] * sum_k decode(a[i, k]) * decode(b[j, k])` in `dtype` (f32, bf16
 /// or f16): `a` (m, k / 4) and `b` (n, k / 4) FP8 codes with their per-row scales `sa` (m) and
 /// `sb` (n). Not recorded.
-pub fn fp8_product(a: &Tensor, sa: &Tensor, b: &Tensor, sb: &Tensor, dtype: DType) -> Result<Tensor> {
+pub fn fp8_product(
+    a: &Tensor,
+    sa: &Tensor,
+    b: &Tensor,
+    sb: &Tensor,
+    dtype: DType,
+) -> Result<Tensor> {
     let mut o = run_kernel(&Fp8Product { dtype }, &[a, sa, b, sb])?;
     let (m, n) = (a.dims()[0], b.dims()[0]);
     let y = o

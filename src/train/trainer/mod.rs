@@ -239,12 +239,16 @@ impl PhasePeaks {
     }
 }
 
+/// A named list of trainable tensors (`Trainer::param_lists`): the list's name and its
+/// `(name, tensor)` pairs.
+pub type ParamList = (&'static str, Vec<(String, Tensor)>);
+
 impl Trainer {
     /// Every trainable tensor by name as named lists: "model" (the diffusion model's
     /// adapters, `<layer path>.<tensor>`) and, with `adapter.text_encoders`, "text_encoders"
     /// (`<kohya prefix>.<layer path>.<tensor>`, `lora_te1.text_model...`): the lists a
     /// parameter group each.
-    pub fn param_lists(&self) -> Result<Vec<(&'static str, Vec<(String, Tensor)>)>> {
+    pub fn param_lists(&self) -> Result<Vec<ParamList>> {
         param_lists(&self.adapters, self.text.as_deref())
     }
 
@@ -348,10 +352,7 @@ impl Trainer {
 }
 
 /// The trainable tensors of `adapters` and `text` as named lists ([`Trainer::param_lists`]).
-fn param_lists(
-    adapters: &Adapters,
-    text: Option<&TextTraining>,
-) -> Result<Vec<(&'static str, Vec<(String, Tensor)>)>> {
+fn param_lists(adapters: &Adapters, text: Option<&TextTraining>) -> Result<Vec<ParamList>> {
     let mut v = vec![("model", adapters.params()?)];
     if let Some(t) = text {
         v.push(("text_encoders", t.params()?));

@@ -1353,6 +1353,38 @@ impl TrainConfig {
         })
     }
 
+    /// The config with its model's pieces found from `model.path` (`models::discover`): a
+    /// ComfyUI `models/` folder or another folder of loose files gives the diffusion model's
+    /// file as `model.path` and, where `[encoders]` does not name them, the text encoders
+    /// and the autoencoder found by their keys; a Hugging Face cache folder gives its
+    /// snapshot. A single file or a diffusers folder stays as it is. With the log's lines
+    /// saying what was picked for each role.
+    pub fn discovered(&self) -> Result<(TrainConfig, Vec<String>)> {
+        let keys = crate::models::discover::Keys {
+            model: "model.path",
+            arch: "model.arch",
+            text: "encoders.text",
+            vae: "encoders.vae",
+        };
+        let e = &self.encoders;
+        let d = crate::models::discover(
+            &self.model.path,
+            Some(&self.model.arch),
+            !e.text.is_empty(),
+            e.vae.is_some(),
+            keys,
+        )?;
+        let mut c = self.clone();
+        c.model.path = d.model;
+        if c.encoders.text.is_empty() {
+            c.encoders.text = d.text;
+        }
+        if c.encoders.vae.is_none() {
+            c.encoders.vae = d.vae;
+        }
+        Ok((c, d.lines))
+    }
+
     /// Every path the config reads from exists, as the kind of thing its key takes (a file
     /// or a folder), and the output and cache folders are folders where they exist: one
     /// error naming each key that is not so.

@@ -425,15 +425,14 @@ impl ClipTextModel {
         device: &Device,
         config: Option<ClipConfig>,
     ) -> Result<(Self, VarBuilder)> {
-        let (raw, config) =
-            open_files(
-                path.as_ref(),
-                prefix.is_some(),
-                dtype,
-                device,
-                config,
-                ClipConfig::from_json,
-            )?;
+        let (raw, config) = open_files(
+            path.as_ref(),
+            prefix.is_some(),
+            dtype,
+            device,
+            config,
+            ClipConfig::from_json,
+        )?;
         Self::load_from(raw, path.as_ref(), prefix, config)
     }
 

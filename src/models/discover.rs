@@ -215,15 +215,21 @@ fn diffusers_family(dir: &Path) -> Result<Option<(&'static Family, String)>> {
     let model_dir = dir.join("config.json").is_file()
         && std::fs::read_dir(dir)
             .map(|rd| {
-                rd.filter_map(|e| e.ok())
-                    .any(|e| e.file_name().to_string_lossy().starts_with("diffusion_pytorch_model"))
+                rd.filter_map(|e| e.ok()).any(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with("diffusion_pytorch_model")
+                })
             })
             .unwrap_or(false);
     if !pipeline && !model_dir {
         return Ok(None);
     }
     for f in super::FAMILIES {
-        for cfg in [dir.join(f.subfolder).join("config.json"), dir.join("config.json")] {
+        for cfg in [
+            dir.join(f.subfolder).join("config.json"),
+            dir.join("config.json"),
+        ] {
             if class_name(&cfg)?.as_deref() == Some(f.diffusers_class) {
                 return Ok(Some((f, f.diffusers_class.to_string())));
             }
@@ -441,9 +447,8 @@ fn from_folder(
     ));
     let spec = family.pipeline;
     let inside = model.encoders();
-    let in_model = |prefix: Option<&str>| {
-        prefix.is_some_and(|p| inside.iter().any(|r| r.prefix() == p))
-    };
+    let in_model =
+        |prefix: Option<&str>| prefix.is_some_and(|p| inside.iter().any(|r| r.prefix() == p));
     // Lone encoders: files other than the model's, holding one at the top level.
     let lone: Vec<(&Header, Recognised)> = headers
         .iter()
@@ -524,7 +529,12 @@ fn from_folder(
                         keys.model,
                         root.display(),
                         slot.name,
-                        show(&many.iter().map(|(h, _)| h.path.as_path()).collect::<Vec<_>>()),
+                        show(
+                            &many
+                                .iter()
+                                .map(|(h, _)| h.path.as_path())
+                                .collect::<Vec<_>>()
+                        ),
                         keys.text,
                         spec.text.len(),
                         spec.text
@@ -553,11 +563,7 @@ fn from_folder(
                 .collect();
             match found.as_slice() {
                 [h] => {
-                    lines.push(format!(
-                        "autoencoder: {} ({})",
-                        h.path.display(),
-                        h.format
-                    ));
+                    lines.push(format!("autoencoder: {} ({})", h.path.display(), h.format));
                     vae = Some(h.path.clone());
                 }
                 [] => missing.push(format!("the autoencoder ({})", keys.vae)),

@@ -89,7 +89,12 @@ impl Flux {
 
 impl ModelSpec for Flux {
     type Config = FluxConfig;
-    const SIGNATURE: &'static [&'static str] = &["img_in.weight", "txt_in.weight", "time_in.in_layer.weight", "double_blocks.0.img_mod.lin.weight"];
+    const SIGNATURE: &'static [&'static str] = &[
+        "img_in.weight",
+        "txt_in.weight",
+        "time_in.in_layer.weight",
+        "double_blocks.0.img_mod.lin.weight",
+    ];
     const DIFFUSERS_CLASS: &'static str = "FluxTransformer2DModel";
     const CONDITIONED: &'static [&'static str] = &["_mod.lin.weight", "modulation.lin.weight"];
 

@@ -15,6 +15,12 @@ use std::path::{Path, PathBuf};
 /// Largest header accepted (the reference implementation's limit).
 const MAX_HEADER: u64 = 100_000_000;
 
+/// The metadata key of a single `.safetensors` (or `.gguf`, as a string value) file that
+/// holds its model's `config.json` (as text), for files whose shapes do not pin the config
+/// down: a diffusion model's diffusers config, or a lone text encoder's or autoencoder's
+/// transformers / diffusers config.
+pub const CONFIG_METADATA: &str = "config";
+
 /// One tensor's entry in the header.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {

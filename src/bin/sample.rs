@@ -37,7 +37,9 @@ struct Args {
     /// the model family: flux, sd3, sdxl, flux2 or zimage (required)
     #[argh(option)]
     arch: Option<String>,
-    /// the model: a single .safetensors file, a diffusers model folder or a pipeline folder
+    /// the model: a single .safetensors or .gguf file, a diffusers model folder or a
+    /// pipeline folder, a Hugging Face cache folder or snapshot, or a ComfyUI `models/`
+    /// folder (the diffusion model, text encoders and autoencoder found by their keys)
     /// (required)
     #[argh(option)]
     model: Option<PathBuf>,
@@ -376,6 +378,29 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         other => return Err(bad(format!("--prediction {other}: epsilon or v"))),
     };
     let family = models::family(arch)?;
+    // A ComfyUI or other folder of loose files: the diffusion model, text encoders and
+    // autoencoder found by their keys; a Hugging Face cache folder: its snapshot.
+    let found = models::discover(
+        model_path,
+        Some(arch),
+        !a.text_encoder.is_empty(),
+        a.vae.is_some(),
+        models::discover::Keys {
+            model: "--model",
+            arch: "--arch",
+            text: "--text-encoder",
+            vae: "--vae",
+        },
+    )?;
+    for line in &found.lines {
+        eprintln!("{line}");
+    }
+    let model_path = found.model.as_path();
+    let text_encoders = match a.text_encoder.is_empty() {
+        true => found.text.clone(),
+        false => a.text_encoder.clone(),
+    };
+    let vae_at = a.vae.clone().or(found.vae.clone());
     let device = flame::Device::by_name(&a.device)?;
     let (dtype, fp8) = match a.dtype.as_str() {
         "bf16" => (DType::BF16, false),
@@ -401,9 +426,9 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
     let (inputs, guided) = (probe.inputs(), probe.guidance_input());
     drop(probe);
     let (text_at, vae_at) = Sources {
-        text: a.text_encoder.clone(),
+        text: text_encoders,
         tokenizers: a.tokenizer.clone(),
-        vae: a.vae.clone(),
+        vae: vae_at,
     }
     .locate(
         family,

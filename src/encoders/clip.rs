@@ -399,6 +399,34 @@ pub struct ClipTextModel {
     projection: Option<Linear>,
 }
 
+/// Every CLIP text encoder among `keys` (a file's keys as stored): its prefix and layout.
+pub(crate) fn clip_candidates(keys: &[String]) -> Vec<(String, ClipLayout)> {
+    prefixes_with(keys, "embeddings.token_embedding.weight")
+        .into_iter()
+        .map(|p| match p.strip_suffix("text_model.") {
+            Some(outer) => (outer.to_string(), ClipLayout::Transformers),
+            None => (p, ClipLayout::TransformersBare),
+        })
+        .chain(
+            prefixes_with(keys, "positional_embedding")
+                .into_iter()
+                .filter(|p| keys.contains(&format!("{p}token_embedding.weight")))
+                .map(|p| (p, ClipLayout::OpenClip)),
+        )
+        .collect()
+}
+
+impl ClipLayout {
+    /// The token embedding's key under the encoder's prefix: a (vocab, width) matrix.
+    pub fn token_embedding(self) -> &'static str {
+        match self {
+            ClipLayout::Transformers => "text_model.embeddings.token_embedding.weight",
+            ClipLayout::TransformersBare => "embeddings.token_embedding.weight",
+            ClipLayout::OpenClip => "token_embedding.weight",
+        }
+    }
+}
+
 impl ClipTextModel {
     /// The model from `vb` at its root, read through [`clip_key_map`] for `layout` (which
     /// says how `text_projection` is stored). The projection is loaded when the source has it.
@@ -468,8 +496,14 @@ impl ClipTextModel {
         config: Option<ClipConfig>,
         adapters: Option<Arc<Adapters>>,
     ) -> Result<(Self, VarBuilder)> {
-        let (raw, config) =
-            open_files(path.as_ref(), dtype, device, config, ClipConfig::from_json)?;
+        let (raw, config) = open_files(
+            path.as_ref(),
+            prefix.is_some(),
+            dtype,
+            device,
+            config,
+            ClipConfig::from_json,
+        )?;
         let raw = match adapters {
             Some(a) => raw.with_adapters(a)?,
             None => raw,
@@ -489,25 +523,9 @@ impl ClipTextModel {
         config: Option<ClipConfig>,
     ) -> Result<(Self, VarBuilder)> {
         let keys = raw.source_keys();
-        let candidates = prefixes_with(&keys, "embeddings.token_embedding.weight")
-            .into_iter()
-            .map(|p| match p.strip_suffix("text_model.") {
-                Some(outer) => (outer.to_string(), ClipLayout::Transformers),
-                None => (p, ClipLayout::TransformersBare),
-            })
-            .chain(
-                prefixes_with(&keys, "positional_embedding")
-                    .into_iter()
-                    .filter(|p| keys.contains(&format!("{p}token_embedding.weight")))
-                    .map(|p| (p, ClipLayout::OpenClip)),
-            )
-            .collect::<Vec<_>>();
+        let candidates = clip_candidates(&keys);
         let (prefix, layout) = detect_prefix(origin, "CLIP text encoder", candidates, prefix)?;
-        let tok_key = match layout {
-            ClipLayout::Transformers => "text_model.embeddings.token_embedding.weight",
-            ClipLayout::TransformersBare => "embeddings.token_embedding.weight",
-            ClipLayout::OpenClip => "token_embedding.weight",
-        };
+        let tok_key = layout.token_embedding();
         let d = raw
             .shape_of(&format!("{prefix}{tok_key}"))
             .and_then(|s| s.get(1).copied())

@@ -130,14 +130,37 @@ fn read_json(path: &Path) -> Result<Value> {
     serde_json::from_str(&text).map_err(|e| ck_err(path, format!("invalid JSON: {e}")))
 }
 
-/// A single `.safetensors` file, or a folder with `config.json` and `model.safetensors`
-/// (or the shards its `model.safetensors.index.json` lists).
-fn locate(path: &Path) -> Result<Located> {
+/// The config a lone model's single `.safetensors` file carries in its metadata
+/// ([`crate::safetensors::CONFIG_METADATA`]), if any.
+fn file_config(path: &Path) -> Result<Option<Value>> {
+    let file = crate::safetensors::SafeTensorsFile::open(path)?;
+    match file.metadata().get(crate::safetensors::CONFIG_METADATA) {
+        Some(text) => serde_json::from_str(text).map(Some).map_err(|e| {
+            ck_err(
+                path,
+                format!(
+                    "metadata \"{}\": invalid JSON: {e}",
+                    crate::safetensors::CONFIG_METADATA
+                ),
+            )
+        }),
+        None => Ok(None),
+    }
+}
+
+/// A single `.safetensors` file (its metadata's config read unless `prefixed`: a file of
+/// several models describes none of them by it), or a folder with `config.json` and
+/// `model.safetensors` (or the shards its `model.safetensors.index.json` lists).
+fn locate(path: &Path, prefixed: bool) -> Result<Located> {
     if path.is_file() {
+        let config = match prefixed {
+            true => None,
+            false => file_config(path)?,
+        };
         return Ok(Located {
             files: vec![path.to_path_buf()],
-            config: None,
-            config_path: None,
+            config_path: config.as_ref().map(|_| path.to_path_buf()),
+            config,
         });
     }
     if !path.is_dir() {
@@ -190,10 +213,12 @@ fn locate(path: &Path) -> Result<Located> {
 }
 
 /// The builder over the weight files at `path` (through [`locate`]) in `dtype` on `device`,
-/// and the config: `config` when given, else the folder's config.json read by `parse`, else
-/// none (the loader infers it from the shapes).
+/// and the config: `config` when given, else the folder's config.json (or, unless
+/// `prefixed`, a single file's metadata config) read by `parse`, else none (the loader
+/// infers it from the shapes).
 fn open_files<C>(
     path: &Path,
+    prefixed: bool,
     dtype: crate::DType,
     device: &crate::Device,
     config: Option<C>,
@@ -203,7 +228,7 @@ fn open_files<C>(
         files,
         config: json,
         config_path,
-    } = locate(path)?;
+    } = locate(path, prefixed)?;
     let raw = crate::nn::VarBuilder::from_files(&files, dtype, device)?;
     let config = match (config, json) {
         (Some(c), _) => Some(c),
@@ -259,4 +284,93 @@ fn detect_prefix<T>(
             format!("holds no {what} (none of its keys match one)"),
         )
     })
+}
+
+/// An encoder found among a file's keys ([`recognise`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Recognised {
+    /// A CLIP text encoder of this width (CLIP-L 768, bigG 1280).
+    Clip {
+        /// Its key prefix.
+        prefix: String,
+        /// Its hidden width.
+        width: usize,
+    },
+    /// A T5 encoder.
+    T5 {
+        /// Its key prefix.
+        prefix: String,
+    },
+    /// A Qwen3 model.
+    Qwen3 {
+        /// Its key prefix.
+        prefix: String,
+    },
+    /// A KL autoencoder.
+    Vae {
+        /// Its key prefix.
+        prefix: String,
+    },
+}
+
+impl Recognised {
+    /// Its key prefix inside the file.
+    pub fn prefix(&self) -> &str {
+        match self {
+            Recognised::Clip { prefix, .. }
+            | Recognised::T5 { prefix }
+            | Recognised::Qwen3 { prefix }
+            | Recognised::Vae { prefix } => prefix,
+        }
+    }
+}
+
+impl std::fmt::Display for Recognised {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let at = |p: &str| match p {
+            "" => String::new(),
+            p => format!(" under '{p}'"),
+        };
+        match self {
+            Recognised::Clip { prefix, width } => {
+                write!(f, "a CLIP text encoder of width {width}{}", at(prefix))
+            }
+            Recognised::T5 { prefix } => write!(f, "a T5 encoder{}", at(prefix)),
+            Recognised::Qwen3 { prefix } => write!(f, "a Qwen3 text encoder{}", at(prefix)),
+            Recognised::Vae { prefix } => write!(f, "an autoencoder{}", at(prefix)),
+        }
+    }
+}
+
+/// Every encoder the loaders of this module would find among `keys` (a file's keys as
+/// stored), by the same keys they look for; `shape` gives a key's shape (a CLIP's width is
+/// its token embedding's).
+pub fn recognise(keys: &[String], shape: &dyn Fn(&str) -> Option<Vec<usize>>) -> Vec<Recognised> {
+    let mut keys = keys.to_vec();
+    keys.sort();
+    let mut out: Vec<Recognised> = clip::clip_candidates(&keys)
+        .into_iter()
+        .map(|(prefix, layout)| Recognised::Clip {
+            width: shape(&format!("{prefix}{}", layout.token_embedding()))
+                .and_then(|s| s.get(1).copied())
+                .unwrap_or(0),
+            prefix,
+        })
+        .collect();
+    out.extend(
+        t5::t5_candidates(&keys)
+            .into_iter()
+            .map(|prefix| Recognised::T5 { prefix }),
+    );
+    out.extend(
+        qwen3::qwen3_candidates(&keys)
+            .into_iter()
+            .map(|prefix| Recognised::Qwen3 { prefix }),
+    );
+    out.extend(
+        vae::vae_candidates(&keys)
+            .into_iter()
+            .map(|(prefix, _)| Recognised::Vae { prefix }),
+    );
+    out
 }

@@ -393,6 +393,15 @@ pub struct Qwen3Encoder {
     exec: BlockExec,
 }
 
+/// The prefix of every Qwen3 model among `keys` (a file's keys as stored):
+/// `embed_tokens.weight` beside layer 0's `q_norm`, which Llama and Qwen2 lack.
+pub(crate) fn qwen3_candidates(keys: &[String]) -> Vec<String> {
+    prefixes_with(keys, "embed_tokens.weight")
+        .into_iter()
+        .filter(|p| keys.contains(&format!("{p}layers.0.self_attn.q_norm.weight")))
+        .collect()
+}
+
 impl Qwen3Encoder {
     /// The encoder from `vb` at its root (`embed_tokens.weight`, `layers.N...`,
     /// `norm.weight`) with its first `depth` layers (at most `num_hidden_layers`), and the
@@ -452,6 +461,7 @@ impl Qwen3Encoder {
         let path = path.as_ref();
         let (raw, config) = open_files(
             path,
+            opts.prefix.is_some(),
             dtype,
             device,
             opts.config.clone(),
@@ -481,9 +491,8 @@ impl Qwen3Encoder {
         opts: &Qwen3Options,
     ) -> Result<(Self, VarBuilder)> {
         let keys = raw.source_keys();
-        let candidates = prefixes_with(&keys, "embed_tokens.weight")
+        let candidates = qwen3_candidates(&keys)
             .into_iter()
-            .filter(|p| keys.contains(&format!("{p}layers.0.self_attn.q_norm.weight")))
             .map(|p| (p, ()))
             .collect();
         let (prefix, ()) = detect_prefix(

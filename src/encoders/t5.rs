@@ -242,6 +242,11 @@ pub struct T5Encoder {
     exec: BlockExec,
 }
 
+/// The prefix of every T5 encoder among `keys` (a file's keys as stored).
+pub(crate) fn t5_candidates(keys: &[String]) -> Vec<String> {
+    prefixes_with(keys, "encoder.final_layer_norm.weight")
+}
+
 impl T5Encoder {
     /// The encoder from `vb` at its root (`shared.weight`, `encoder.block.N...`). f16 is
     /// refused: T5's activations overflow it (use bf16 or f32; f16 files load into either).
@@ -293,7 +298,14 @@ impl T5Encoder {
         config: Option<T5Config>,
         prefetch: usize,
     ) -> Result<(Self, VarBuilder)> {
-        let (raw, config) = open_files(path.as_ref(), dtype, device, config, T5Config::from_json)?;
+        let (raw, config) = open_files(
+            path.as_ref(),
+            prefix.is_some(),
+            dtype,
+            device,
+            config,
+            T5Config::from_json,
+        )?;
         Self::build(raw, path.as_ref(), prefix, config, Some(prefetch.max(1)))
     }
 
@@ -309,7 +321,14 @@ impl T5Encoder {
         device: &Device,
         config: Option<T5Config>,
     ) -> Result<(Self, VarBuilder)> {
-        let (raw, config) = open_files(path.as_ref(), dtype, device, config, T5Config::from_json)?;
+        let (raw, config) = open_files(
+            path.as_ref(),
+            prefix.is_some(),
+            dtype,
+            device,
+            config,
+            T5Config::from_json,
+        )?;
         Self::load_from(raw, path.as_ref(), prefix, config)
     }
 
@@ -336,10 +355,7 @@ impl T5Encoder {
         prefetch: Option<usize>,
     ) -> Result<(Self, VarBuilder)> {
         let keys = raw.source_keys();
-        let candidates = prefixes_with(&keys, "encoder.final_layer_norm.weight")
-            .into_iter()
-            .map(|p| (p, ()))
-            .collect();
+        let candidates = t5_candidates(&keys).into_iter().map(|p| (p, ())).collect();
         let (prefix, ()) = detect_prefix(origin, "T5 encoder", candidates, prefix)?;
         let shared = if keys.contains(&format!("{prefix}shared.weight")) {
             format!("{prefix}shared.weight")

@@ -26,10 +26,7 @@ pub enum Format {
     Diffusers,
 }
 
-/// The metadata key of a single `.safetensors` (or `.gguf`, as a string value) file that
-/// holds its model's diffusers `config.json` (as text), for files whose shapes do not pin the
-/// config down.
-pub const CONFIG_METADATA: &str = "config";
+pub use crate::safetensors::CONFIG_METADATA;
 
 /// A located checkpoint: its files and, for diffusers folders, the parsed config.json.
 #[derive(Clone, Debug)]

@@ -195,6 +195,12 @@ pub trait ModelSpec: DiffusionModel + Sized + 'static {
     /// Key endings of the blocks' Linear weights whose input is the conditioning vector
     /// (`BlockShape::conditioned`; none by default).
     const CONDITIONED: &'static [&'static str] = &[];
+    /// Keys every single file of the family holds (after its prefix, bare or
+    /// [`LDM_PREFIX`](super::checkpoint::LDM_PREFIX)): how a file is recognised as this family's
+    /// model among others in a folder (`models::discover`).
+    const SIGNATURE: &'static [&'static str];
+    /// The `_class_name` of the model's diffusers `config.json`.
+    const DIFFUSERS_CLASS: &'static str;
     /// The family's registry entry.
     fn entry() -> &'static Family;
     /// From a diffusers `config.json`.
@@ -571,6 +577,10 @@ pub struct Family {
     pub about: &'static str,
     /// Its text encoders, autoencoder and sampler.
     pub pipeline: &'static PipelineSpec,
+    /// Keys its single files hold ([`ModelSpec::SIGNATURE`]).
+    pub signature: &'static [&'static str],
+    /// Its diffusers model class ([`ModelSpec::DIFFUSERS_CLASS`]).
+    pub diffusers_class: &'static str,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
     profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
     probe: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
@@ -589,6 +599,8 @@ impl Family {
             subfolder,
             about,
             pipeline,
+            signature: M::SIGNATURE,
+            diffusers_class: M::DIFFUSERS_CLASS,
             load: load_boxed::<M>,
             profile: profile_boxed::<M>,
             probe: probe_boxed::<M>,

@@ -9,6 +9,7 @@ use std::path::Path;
 
 pub mod checkpoint;
 pub(crate) mod common;
+pub mod discover;
 pub mod family;
 pub mod flux;
 pub mod flux2;
@@ -19,6 +20,7 @@ pub mod spec;
 pub mod zimage;
 
 pub use checkpoint::{Checkpoint, Format, CONFIG_METADATA};
+pub use discover::{discover, Discovery};
 pub use family::{
     load_as, profile_as, profile_config, DiffusionModel, Family, Input, LoadOptions, Loaded,
     ModelSpec, Objective, RunShape, Size,

@@ -265,7 +265,11 @@ section! {
         /// The weights: a single .safetensors file, a single .gguf file (city96's quantized
         /// Flux: Q4_0 to Q8_0 and Q2_K to Q6_K Linear weights stay packed and are decoded per
         /// matmul, everything else loads in `dtype`), a diffusers model folder or a pipeline
-        /// folder.
+        /// folder, a Hugging Face cache folder (`models--org--name`: the snapshot refs/main
+        /// names) or snapshot, or a ComfyUI `models/` folder or any folder of loose files, in
+        /// which the diffusion model of `arch`, the text encoders and the autoencoder are found
+        /// by their keys (the log says what was picked; two candidates for one role are refused,
+        /// naming them: set this key to the model's file, or `encoders.text` / `encoders.vae`).
         path: PathBuf,
         /// The dtype of the frozen weights on the device: "bf16", "f16" (for GPUs without
         /// bf16; with dynamic loss scaling), "f32", or "fp8" (Linear weights in E4M3 with
@@ -653,15 +657,17 @@ section! {
     EncodersSection / RawEncoders = "encoders" {
         /// The text encoders' weights (files or folders), in the family's order: flux
         /// clip_l, t5; sd3 clip_l, clip_g, t5; sdxl clip_l, clip_g. Default: the pipeline
-        /// folder's text_encoder*/ when model.path is one, else the model's single file when
-        /// it holds them (SDXL, SD3.5 all-in-one files).
+        /// folder's text_encoder*/ when model.path is one, the files found by their keys when
+        /// it is a folder of loose files, else the model's single file when it holds them
+        /// (SDXL, SD3.5 all-in-one files).
         text: Vec<PathBuf> = Vec::<PathBuf>::new(),
         /// The tokenizers' folders (or T5 tokenizer.json / spiece.model files), in the same
         /// order. Default: the pipeline folder's tokenizer*/, else the tokenizers built into
         /// FLAME (feature `vocab`).
         tokenizers: Vec<PathBuf> = Vec::<PathBuf>::new(),
         /// The autoencoder's weights (BFL ae.safetensors, a diffusers vae/ folder, or the
-        /// model's single file). Default: the pipeline's vae/, or the model's single file.
+        /// model's single file). Default: the pipeline's vae/, the file found by its keys in a
+        /// folder of loose files, or the model's single file.
         vae: Option<PathBuf> = None,
         /// Where the encoders run: "auto" (the training device), "cuda" or "cpu".
         device: DeviceChoice = DeviceChoice::Auto,
@@ -1432,6 +1438,38 @@ impl TrainConfig {
             path: None,
             msg: all.join("; "),
         })
+    }
+
+    /// The config with its model's pieces found from `model.path` (`models::discover`): a
+    /// ComfyUI `models/` folder or another folder of loose files gives the diffusion model's
+    /// file as `model.path` and, where `[encoders]` does not name them, the text encoders
+    /// and the autoencoder found by their keys; a Hugging Face cache folder gives its
+    /// snapshot. A single file or a diffusers folder stays as it is. With the log's lines
+    /// saying what was picked for each role.
+    pub fn discovered(&self) -> Result<(TrainConfig, Vec<String>)> {
+        let keys = crate::models::discover::Keys {
+            model: "model.path",
+            arch: "model.arch",
+            text: "encoders.text",
+            vae: "encoders.vae",
+        };
+        let e = &self.encoders;
+        let d = crate::models::discover(
+            &self.model.path,
+            Some(&self.model.arch),
+            !e.text.is_empty(),
+            e.vae.is_some(),
+            keys,
+        )?;
+        let mut c = self.clone();
+        c.model.path = d.model;
+        if c.encoders.text.is_empty() {
+            c.encoders.text = d.text;
+        }
+        if c.encoders.vae.is_none() {
+            c.encoders.vae = d.vae;
+        }
+        Ok((c, d.lines))
     }
 
     /// Every path the config reads from exists, as the kind of thing its key takes (a file

@@ -115,9 +115,13 @@ pub struct AutoencoderKl {
 }
 
 /// The weight file of a VAE and its parsed config.json, if it has one.
-fn locate(path: &Path) -> Result<(PathBuf, Option<(serde_json::Value, PathBuf)>)> {
+fn locate(path: &Path, prefixed: bool) -> Result<(PathBuf, Option<(serde_json::Value, PathBuf)>)> {
     if path.is_file() {
-        return Ok((path.to_path_buf(), None));
+        let config = match prefixed {
+            true => None,
+            false => super::file_config(path)?,
+        };
+        return Ok((path.to_path_buf(), config.map(|c| (c, path.to_path_buf()))));
     }
     if !path.is_dir() {
         return Err(ck_err(path, "no such file or folder"));
@@ -142,6 +146,24 @@ fn locate(path: &Path) -> Result<(PathBuf, Option<(serde_json::Value, PathBuf)>)
         "holds no diffusion_pytorch_model.safetensors (a pipeline's vae/ folder, or give a \
          .safetensors file)",
     ))
+}
+
+/// Every autoencoder among `keys` (a file's keys as stored, sorted): its prefix and layout.
+pub(crate) fn vae_candidates(keys: &[String]) -> Vec<(String, VaeLayout)> {
+    prefixes_with(keys, "encoder.conv_in.weight")
+        .into_iter()
+        .filter_map(|p| {
+            let has = |k: &str| keys.binary_search(&format!("{p}{k}")).is_ok();
+            let layout = if has("encoder.down_blocks.0.resnets.0.conv1.weight") {
+                VaeLayout::Diffusers
+            } else if has("encoder.down.0.block.0.conv1.weight") {
+                VaeLayout::Ldm
+            } else {
+                return None;
+            };
+            Some((p, layout))
+        })
+        .collect()
 }
 
 impl AutoencoderKl {
@@ -192,7 +214,7 @@ impl AutoencoderKl {
         config: Option<VaeConfig>,
     ) -> Result<(Self, VarBuilder)> {
         let path = path.as_ref();
-        let (file, json) = locate(path)?;
+        let (file, json) = locate(path, prefix.is_some())?;
         let raw = VarBuilder::from_files(&[&file], dtype, device)?;
         let config = match (config, json) {
             (Some(c), _) => Some(c),
@@ -216,20 +238,7 @@ impl AutoencoderKl {
         config: Option<VaeConfig>,
     ) -> Result<(Self, VarBuilder)> {
         let keys = raw.source_keys();
-        let candidates = prefixes_with(&keys, "encoder.conv_in.weight")
-            .into_iter()
-            .filter_map(|p| {
-                let has = |k: &str| keys.binary_search(&format!("{p}{k}")).is_ok();
-                let layout = if has("encoder.down_blocks.0.resnets.0.conv1.weight") {
-                    VaeLayout::Diffusers
-                } else if has("encoder.down.0.block.0.conv1.weight") {
-                    VaeLayout::Ldm
-                } else {
-                    return None;
-                };
-                Some((p, layout))
-            })
-            .collect::<Vec<_>>();
+        let candidates = vae_candidates(&keys);
         let (prefix, layout) = detect_prefix(origin, "VAE", candidates, prefix)?;
         let level = |i: usize| match layout {
             VaeLayout::Diffusers => {

@@ -91,6 +91,13 @@ impl Flux {
 
 impl ModelSpec for Flux {
     type Config = FluxConfig;
+    const SIGNATURE: &'static [&'static str] = &[
+        "img_in.weight",
+        "txt_in.weight",
+        "time_in.in_layer.weight",
+        "double_blocks.0.img_mod.lin.weight",
+    ];
+    const DIFFUSERS_CLASS: &'static str = "FluxTransformer2DModel";
     const CONDITIONED: &'static [&'static str] = &["_mod.lin.weight", "modulation.lin.weight"];
 
     fn entry() -> &'static Family {

@@ -119,6 +119,13 @@ impl Flux2 {
 
 impl ModelSpec for Flux2 {
     type Config = Flux2Config;
+    const SIGNATURE: &'static [&'static str] = &[
+        "img_in.weight",
+        "txt_in.weight",
+        "double_stream_modulation_img.lin.weight",
+        "single_stream_modulation.lin.weight",
+    ];
+    const DIFFUSERS_CLASS: &'static str = "Flux2Transformer2DModel";
 
     fn entry() -> &'static Family {
         &FAMILY

@@ -113,6 +113,12 @@ impl Sd3 {
 
 impl ModelSpec for Sd3 {
     type Config = Sd3Config;
+    const SIGNATURE: &'static [&'static str] = &[
+        "x_embedder.proj.weight",
+        "context_embedder.weight",
+        "joint_blocks.0.x_block.attn.qkv.weight",
+    ];
+    const DIFFUSERS_CLASS: &'static str = "SD3Transformer2DModel";
     const CONDITIONED: &'static [&'static str] = &["adaLN_modulation.1.weight"];
 
     fn entry() -> &'static Family {

@@ -102,6 +102,12 @@ impl Unet {
 
 impl ModelSpec for Unet {
     type Config = SdxlConfig;
+    const SIGNATURE: &'static [&'static str] = &[
+        "input_blocks.0.0.weight",
+        "label_emb.0.0.weight",
+        "time_embed.0.weight",
+    ];
+    const DIFFUSERS_CLASS: &'static str = "UNet2DConditionModel";
     const CONDITIONED: &'static [&'static str] = &["emb_layers.1.weight"];
 
     fn entry() -> &'static Family {

@@ -96,6 +96,9 @@ impl ZImage {
 
 impl ModelSpec for ZImage {
     type Config = ZImageConfig;
+    const SIGNATURE: &'static [&'static str] =
+        &["x_pad_token", "cap_pad_token", "x_embedder.weight"];
+    const DIFFUSERS_CLASS: &'static str = "ZImageTransformer2DModel";
     const CONDITIONED: &'static [&'static str] = &["adaLN_modulation.0.weight"];
 
     fn entry() -> &'static Family {

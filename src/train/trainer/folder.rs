@@ -44,6 +44,7 @@ pub fn plan_folder(config: &TrainConfig, world: usize, opts: &RunOptions) -> Res
 pub fn preflight(config: &TrainConfig, world: usize, opts: &RunOptions) -> Result<()> {
     config.validate()?;
     config.check_paths()?;
+    config.discovered()?;
     plan_folder(config, world, opts)?;
     if config.data.dir.is_none() {
         images::scan(config, world, &mut |_| {})?;

@@ -124,6 +124,10 @@ impl Trainer {
     ) -> Result<Trainer> {
         config.validate()?;
         config.check_paths()?;
+        let (config, found) = config.discovered()?;
+        for line in found {
+            on(Event::Note(line));
+        }
         #[cfg(feature = "cuda")]
         if config.train.deterministic {
             crate::cuda::set_deterministic(true);

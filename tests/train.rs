@@ -1559,7 +1559,6 @@ fn schedule_free_kinds_save_x_and_resume_exactly() {
             let f = flame::safetensors::SafeTensorsFile::open(&p).unwrap();
             let mut v: Vec<(String, Vec<u64>)> = f
                 .names()
-                .iter()
                 .map(|n| {
                     let t = f.load(n, &flame::Device::Cpu).unwrap();
                     let bits = t

@@ -432,3 +432,230 @@ __device__ __forceinline__ void prodigy_pass2(const ProdigyEntry* table, unsigne
 PRODIGY(f32, float)
 PRODIGY(bf16, __nv_bfloat16)
 PRODIGY(f16, __half)
+
+// ----- Schedule-free (src/backend/multi_sf.rs; launcher src/backend/cuda/schedulefree.rs) --
+// Shape letters as above; S = ceil(N / PSF_SLICE) sliced values.
+//   SfLerp     (K) p (N) T; z (N) f32                           chunks of ADAM_CHUNK values
+//   SfAdamW    (K) p, g (N) T; v, z (N) f32                     chunks of ADAM_CHUNK values
+//   ProdigySf  (K) p, g (N) T; v, z (N) f32; s, p0 (S) bf16;   chunks of PRODIGY_CHUNK values
+//                  scalars (PSF_SCALARS) f64; partial (2 x all chunks) f64; ifirst (K + 1) u64
+// The pass writes each chunk's f64 sums of g * (p0 - z) and |s| over its sliced values;
+// prodigy_sf_reduce (one block) adds each parameter's chunks in order, rounds its terms as the
+// package's f32 / bf16 sums do, adds the parameters' terms in thread order and updates the
+// scalar state for the next step.
+
+#define PSF_SLICE 11
+#define PSF_D 0
+#define PSF_D_NUMERATOR 1
+#define PSF_D_DENOM 2
+#define PSF_WEIGHT_SUM 3
+#define PSF_K 4
+#define PSF_D_LIMITER 1u
+
+// Must match the table written by src/backend/cuda/schedulefree.rs (u64 words); unused
+// addresses are 0 (g and v for a lerp, s and p0 outside Prodigy, p0 for a parameter that
+// started at zero).
+struct SfEntry {
+  unsigned long long p, g, v, z, s, p0, n, first, pfirst;
+};
+
+struct SfAdam {
+  float grad_scale, beta2, omb2, bias2, eps, wd, ckp1, y_step, lr;
+};
+
+// multi_sf::lerp.
+__device__ __forceinline__ float sf_lerp(float a, float b, float w) {
+  return fabsf(w) < 0.5f ? __fadd_rn(a, __fmul_rn(w, __fsub_rn(b, a)))
+                         : __fsub_rn(b, __fmul_rn(__fsub_rn(b, a), __fsub_rn(1.f, w)));
+}
+
+template <typename T>
+__device__ __forceinline__ void sf_lerp_chunk(const SfEntry* table, unsigned k, float w) {
+  const SfEntry e = table[find_entry(table, k, blockIdx.x)];
+  T* p = (T*)e.p;
+  const float* z = (const float*)e.z;
+  const size_t start = (size_t)(blockIdx.x - e.first) * ADAM_CHUNK;
+  const size_t end = min(start + ADAM_CHUNK, (size_t)e.n);
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS) p[i] = from_acc<T>(sf_lerp(to_acc(p[i]), z[i], w));
+}
+
+// SfAdamScalars::apply.
+template <typename T>
+__device__ __forceinline__ void sf_adamw_chunk(const SfEntry* table, unsigned k, SfAdam c) {
+  const SfEntry e = table[find_entry(table, k, blockIdx.x)];
+  T* p = (T*)e.p;
+  const T* g = (const T*)e.g;
+  float* v = (float*)e.v;
+  float* z = (float*)e.z;
+  const size_t start = (size_t)(blockIdx.x - e.first) * ADAM_CHUNK;
+  const size_t end = min(start + ADAM_CHUNK, (size_t)e.n);
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS) {
+    const float gv = __fmul_rn(to_acc(g[i]), c.grad_scale);
+    const float vv = __fadd_rn(__fmul_rn(v[i], c.beta2), __fmul_rn(__fmul_rn(c.omb2, gv), gv));
+    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vv, c.bias2)), c.eps);
+    float y = to_acc(p[i]);
+    float gn = __fdiv_rn(gv, denom);
+    if (c.wd != 0.f) gn = __fadd_rn(gn, __fmul_rn(c.wd, y));
+    const float zv = z[i];
+    y = sf_lerp(y, zv, c.ckp1);
+    y = __fadd_rn(y, __fmul_rn(c.y_step, gn));
+    z[i] = __fsub_rn(zv, __fmul_rn(c.lr, gn));
+    v[i] = vv;
+    p[i] = from_acc<T>(y);
+  }
+}
+
+struct ProdigySfH {
+  double lr, beta1, beta2, beta3, eps, wd, d0, d_coef, sf_c;
+  float grad_scale;
+  unsigned flags;
+};
+
+struct ProdigySfPassC {
+  float gs, b2, b3, av, d, eps_d, d_update, wd, ckp1, dlr, y_step;
+};
+
+__device__ __forceinline__ double psf_min(double a, double b) { return b < a ? b : a; }
+__device__ __forceinline__ double psf_max(double a, double b) { return b > a ? b : a; }
+
+// ProdigySfHyper::averaging: the step's weight_sum' and ckp1.
+__device__ __forceinline__ void psf_averaging(const double* st, const ProdigySfH& h, double& weight_sum, double& ckp1) {
+  const double dlr = __dmul_rn(st[PSF_D], h.lr);
+  const double weight = __dmul_rn(dlr, dlr);
+  weight_sum = __dadd_rn(st[PSF_WEIGHT_SUM], weight);
+  ckp1 = weight_sum != 0.0 ? __ddiv_rn(weight, weight_sum) : 0.0;
+  if (h.sf_c > 0.0) ckp1 = psf_min(1.0, __dmul_rn(__dmul_rn(ckp1, __dsub_rn(1.0, h.beta1)), h.sf_c));
+}
+
+// ProdigySfHyper::pass.
+__device__ __forceinline__ ProdigySfPassC psf_scalars(const double* st, const ProdigySfH& h) {
+  const double d = st[PSF_D];
+  const double dlr = __dmul_rn(d, h.lr);
+  double ws, ckp1;
+  psf_averaging(st, h, ws, ckp1);
+  const double xy_step = __dsub_rn(1.0, __dmul_rn(h.beta1, __dsub_rn(1.0, ckp1)));
+  ProdigySfPassC c;
+  c.gs = h.grad_scale;
+  c.b2 = __double2float_rn(h.beta2);
+  c.b3 = __double2float_rn(h.beta3);
+  c.av = __double2float_rn(__dmul_rn(__dsub_rn(1.0, h.beta2), __dmul_rn(d, d)));
+  c.d = __double2float_rn(d);
+  c.eps_d = __double2float_rn(__dmul_rn(d, h.eps));
+  c.d_update = __double2float_rn(__ddiv_rn(__dmul_rn(d, d), __dsqrt_rn(h.d0)));
+  c.wd = __double2float_rn(h.wd);
+  c.ckp1 = __double2float_rn(ckp1);
+  c.dlr = __double2float_rn(dlr);
+  c.y_step = __double2float_rn(__dmul_rn(dlr, xy_step));
+  return c;
+}
+
+// ProdigySfPass::stats and ::apply over one chunk; the chunk's sums to
+// partial[2 * (pfirst + chunk)].
+template <typename T>
+__device__ __forceinline__ void prodigy_sf_chunk(const SfEntry* table, unsigned k, const double* st, double* partial,
+                                                 ProdigySfH h) {
+  __shared__ double red[2 * MT_THREADS];
+  const SfEntry e = table[find_entry(table, k, blockIdx.x)];
+  const ProdigySfPassC c = psf_scalars(st, h);
+  T* p = (T*)e.p;
+  const T* g = (const T*)e.g;
+  float* v = (float*)e.v;
+  float* z = (float*)e.z;
+  __nv_bfloat16* s = (__nv_bfloat16*)e.s;
+  const __nv_bfloat16* p0 = (const __nv_bfloat16*)e.p0;
+  const size_t chunk = blockIdx.x - e.first;
+  const size_t start = chunk * PRODIGY_CHUNK;
+  const size_t end = min(start + PRODIGY_CHUNK, (size_t)e.n);
+  double dot = 0.0, ab = 0.0;
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS) {
+    const float gv = __fmul_rn(to_acc(g[i]), c.gs);
+    const float zv = z[i];
+    if (i % PSF_SLICE == 0) {
+      const size_t q = i / PSF_SLICE;
+      const float p0v = p0 ? __bfloat162float(p0[q]) : 0.f;
+      const float x0 = __fsub_rn(p0v, zv);
+      const float s1 = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__bfloat162float(s[q]), c.b3)));
+      const __nv_bfloat16 s2 = __float2bfloat16_rn(__fadd_rn(s1, __fmul_rn(c.d_update, gv)));
+      s[q] = s2;
+      dot = __dadd_rn(dot, __dmul_rn((double)gv, (double)x0));
+      ab = __dadd_rn(ab, (double)fabsf(__bfloat162float(s2)));
+    }
+    const float vv = __fadd_rn(__fmul_rn(v[i], c.b2), __fmul_rn(__fmul_rn(c.av, gv), gv));
+    float u = __fdiv_rn(__fmul_rn(gv, c.d), __fadd_rn(__fsqrt_rn(vv), c.eps_d));
+    float y = to_acc(p[i]);
+    if (c.wd != 0.f) u = __fadd_rn(u, __fmul_rn(c.wd, y));
+    y = sf_lerp(y, zv, c.ckp1);
+    z[i] = __fsub_rn(zv, __fmul_rn(c.dlr, u));
+    y = __fsub_rn(y, __fmul_rn(c.y_step, u));
+    v[i] = vv;
+    p[i] = from_acc<T>(y);
+  }
+  ordered_sum2(dot, ab, red);
+  if (threadIdx.x == 0) {
+    partial[2 * (e.pfirst + chunk)] = dot;
+    partial[2 * (e.pfirst + chunk) + 1] = ab;
+  }
+}
+
+// ProdigySfPass::item_terms per parameter, summed in thread order, then
+// ProdigySfHyper::reduce; one block of MT_THREADS. ifirst[i] is parameter i's first chunk.
+extern "C" __global__ void __launch_bounds__(MT_THREADS)
+    prodigy_sf_reduce(const double* partial, const unsigned long long* ifirst, unsigned long long items, double* st,
+                      double lr, double beta1, double beta2, double beta3, double eps, double wd, double d0,
+                      double d_coef, double sf_c, float grad_scale, unsigned flags) {
+  __shared__ double red[2 * MT_THREADS];
+  const ProdigySfH h{lr, beta1, beta2, beta3, eps, wd, d0, d_coef, sf_c, grad_scale, flags};
+  const ProdigySfPassC c = psf_scalars(st, h);
+  double num = 0.0, den = 0.0;
+  for (unsigned long long i = threadIdx.x; i < items; i += MT_THREADS) {
+    double dot = 0.0, ab = 0.0;
+    for (unsigned long long j = ifirst[i]; j < ifirst[i + 1]; ++j) {
+      dot = __dadd_rn(dot, partial[2 * j]);
+      ab = __dadd_rn(ab, partial[2 * j + 1]);
+    }
+    num = __dadd_rn(num, (double)__fmul_rn(c.d_update, __double2float_rn(dot)));
+    den = __dadd_rn(den, (double)__bfloat162float(__float2bfloat16_rn(__double2float_rn(ab))));
+  }
+  ordered_sum2(num, den, red);
+  if (threadIdx.x != 0) return;
+  double weight_sum, ckp1;
+  psf_averaging(st, h, weight_sum, ckp1);
+  const double d = st[PSF_D];
+  num = (double)__double2float_rn(num);
+  den = (double)__double2float_rn(den);
+  double d_numerator = __dmul_rn(st[PSF_D_NUMERATOR], h.beta3);
+  if (d > h.d0 || num > 0.0) d_numerator = __dadd_rn(d_numerator, num);
+  double d_new = d;
+  if (den > 0.0) {
+    double d_hat = __ddiv_rn(d_numerator, den);
+    // 2^0.25 (multi_sf::TWO_POW_QUARTER).
+    if (h.flags & PSF_D_LIMITER) d_hat = psf_min(__dmul_rn(d, 1.189207115002721), d_hat);
+    d_new = psf_max(d, __dmul_rn(d_hat, h.d_coef));
+  }
+  st[PSF_D] = d_new;
+  st[PSF_D_NUMERATOR] = d_numerator;
+  st[PSF_D_DENOM] = den;
+  st[PSF_WEIGHT_SUM] = weight_sum;
+  st[PSF_K] = __dadd_rn(st[PSF_K], 1.0);
+}
+
+#define SCHEDULEFREE(SUF, T)                                                                                      \
+  extern "C" __global__ void __launch_bounds__(MT_THREADS) sf_lerp_##SUF(const SfEntry* table, unsigned k,        \
+                                                                         float w) {                               \
+    sf_lerp_chunk<T>(table, k, w);                                                                                \
+  }                                                                                                               \
+  extern "C" __global__ void __launch_bounds__(MT_THREADS)                                                        \
+      sf_adamw_##SUF(const SfEntry* table, unsigned k, float grad_scale, float beta2, float omb2, float bias2,     \
+                     float eps, float wd, float ckp1, float y_step, float lr) {                                   \
+    sf_adamw_chunk<T>(table, k, SfAdam{grad_scale, beta2, omb2, bias2, eps, wd, ckp1, y_step, lr});              \
+  }                                                                                                               \
+  extern "C" __global__ void __launch_bounds__(MT_THREADS)                                                        \
+      prodigy_sf_pass_##SUF(const SfEntry* table, unsigned k, const double* st, double* partial, double lr,       \
+                            double beta1, double beta2, double beta3, double eps, double wd, double d0,           \
+                            double d_coef, double sf_c, float grad_scale, unsigned flags) {                       \
+    prodigy_sf_chunk<T>(table, k, st, partial,                                                                    \
+                        ProdigySfH{lr, beta1, beta2, beta3, eps, wd, d0, d_coef, sf_c, grad_scale, flags});       \
+  }
+SCHEDULEFREE(f32, float)
+SCHEDULEFREE(bf16, __nv_bfloat16)
+SCHEDULEFREE(f16, __half)

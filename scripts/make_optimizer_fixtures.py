@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Optimizer fixtures: 50 steps of the reference packages' optimizers (tests/optim_parity.rs).
+"""Optimizer fixtures: 50 steps of the reference packages' optimizers (tests/prodigy.rs,
+tests/schedulefree.rs).
 
 Usage:  python scripts/make_optimizer_fixtures.py [OUT_DIR]      (default OUT_DIR: tests/fixtures/optim)
 
-Needs torch, safetensors, numpy and prodigyopt (1.1.2); no network. Runs on the CPU in float32,
+Needs torch, safetensors, numpy, prodigyopt (1.1.2), schedulefree (1.4.1) and
+prodigy-plus-schedule-free (2.0.1); no network. Runs on the CPU in float32,
 one thread. Random values: numpy's PCG64 (`numpy.random.default_rng(SEED + k)`), standard
 normals rounded to float32; deterministic (two runs write the same bytes).
 
@@ -20,12 +22,27 @@ Files written, one per case, float32 unless said:
     d                (50,) float64, the group's d after step k
     metadata: the case's hyperparameters, as Prodigy(...) was called (json).
 
+  sf_<case>.safetensors (schedule-free)
+    as above with a fourth parameter p_c (6, 9) random (k = 3); the gradient is taken at the
+    parameters (y) after opt.train(); no lr key (a constant rate)
+    final.<p>        y after 50 steps
+    final_x.<p>      x after 50 steps (opt.eval())
+    d                (50,) float64, the group's d after step k (prodigy cases only)
+
 Cases:
   default   Prodigy(lr=1.0): prodigyopt's defaults
   warmup    weight_decay=0.1 (decoupled), use_bias_correction, safeguard_warmup, d_coef=2,
             growth_rate=1.5, lr warming up linearly over 10 steps
   coupled   decouple=False, weight_decay=0.05, betas=(0, 0.99) (no first moment), beta3=0.9,
             d0=1e-5
+Schedule-free cases:
+  sf_adamw_default    AdamWScheduleFree(lr=0.0025): schedulefree's defaults
+  sf_adamw_warmup     lr=0.01, betas=(0.95, 0.99), eps=1e-6, weight_decay=0.05,
+                      warmup_steps=10, r=0.5, weight_lr_power=1.0
+  sf_prodigy_default  ProdigyPlusScheduleFree(lr=1.0, factored=False, use_stableadamw=False,
+                      stochastic_rounding=False): the core update, other options default
+  sf_prodigy_decay    as sf_prodigy_default with weight_decay=0.1, d_limiter=False,
+                      schedulefree_c=10, betas=(0.95, 0.999), beta3=0.98, d_coef=2, d0=1e-5
 """
 
 import json
@@ -37,6 +54,8 @@ import torch
 from safetensors.torch import save_file
 
 from prodigyopt import Prodigy
+from prodigyplus import ProdigyPlusScheduleFree
+from schedulefree import AdamWScheduleFree
 
 SEED = 20261129
 STEPS = 50
@@ -100,13 +119,84 @@ def run(name, kwargs, out):
     path.chmod(0o644)
 
 
+SF_SHAPES = {**SHAPES, "p_c": (6, 9)}
+PRODIGY_SF_CORE = dict(factored=False, use_stableadamw=False, stochastic_rounding=False)
+SF_CASES = {
+    "sf_adamw_default": (AdamWScheduleFree, dict(lr=0.0025)),
+    "sf_adamw_warmup": (
+        AdamWScheduleFree,
+        dict(
+            lr=0.01,
+            betas=(0.95, 0.99),
+            eps=1e-6,
+            weight_decay=0.05,
+            warmup_steps=10,
+            r=0.5,
+            weight_lr_power=1.0,
+        ),
+    ),
+    "sf_prodigy_default": (ProdigyPlusScheduleFree, dict(lr=1.0, **PRODIGY_SF_CORE)),
+    "sf_prodigy_decay": (
+        ProdigyPlusScheduleFree,
+        dict(
+            lr=1.0,
+            weight_decay=0.1,
+            d_limiter=False,
+            schedulefree_c=10.0,
+            betas=(0.95, 0.999),
+            beta3=0.98,
+            d_coef=2.0,
+            d0=1e-5,
+            **PRODIGY_SF_CORE,
+        ),
+    ),
+}
+
+
+def run_sf(name, cls, kwargs, out):
+    params = {}
+    for i, (p, shape) in enumerate(SF_SHAPES.items()):
+        t = torch.zeros(shape) if p == "p_zero" else normals(i, shape)
+        params[p] = torch.nn.Parameter(t)
+    tensors = {f"init.{p}": t.detach().clone() for p, t in params.items()}
+    targets = {p: normals(200 + i, SF_SHAPES[p]) for i, p in enumerate(SF_SHAPES)}
+    noise = {
+        p: (0.3 * normals(100 + i, (STEPS, *SF_SHAPES[p]))).to(torch.float32)
+        for i, p in enumerate(SF_SHAPES)
+    }
+    opt = cls(list(params.values()), **kwargs)
+    opt.train()
+    ds = []
+    for k in range(STEPS):
+        for p, t in params.items():
+            t.grad = (t.detach() - targets[p]) + noise[p][k]
+        opt.step()
+        if "d" in opt.param_groups[0]:
+            ds.append(opt.param_groups[0]["d"])
+    for p in SF_SHAPES:
+        tensors[f"target.{p}"] = targets[p]
+        tensors[f"noise.{p}"] = noise[p]
+        tensors[f"final.{p}"] = params[p].detach().clone()
+    opt.eval()
+    for p in SF_SHAPES:
+        tensors[f"final_x.{p}"] = params[p].detach().clone()
+    if ds:
+        tensors["d"] = torch.tensor(ds, dtype=torch.float64)
+    meta = {"format": "pt", "kwargs": json.dumps(kwargs)}
+    path = out / f"{name}.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    path.chmod(0o644)
+
+
 def main():
     torch.set_num_threads(1)
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "tests/fixtures/optim"
     out.mkdir(parents=True, exist_ok=True)
     for name, kwargs in CASES.items():
         run(name, kwargs, out)
-    print(f"wrote {len(CASES)} files to {out}")
+    for name, (cls, kwargs) in SF_CASES.items():
+        run_sf(name, cls, kwargs, out)
+    print(f"wrote {len(CASES) + len(SF_CASES)} files to {out}")
 
 
 if __name__ == "__main__":

@@ -612,6 +612,51 @@ impl Storage {
             &Shape::from(()),
         ))
     }
+    /// A multi-tensor schedule-free call over storages of one device
+    /// (`BackendStorage::schedulefree_multi`).
+    pub(crate) fn schedulefree_multi(
+        op: &crate::backend::multi_sf::SfOp,
+        items: &mut [crate::backend::multi_sf::SfItem<'_, Storage>],
+        scalars: Option<&mut Storage>,
+    ) -> Result<()> {
+        use crate::backend::BackendStorage;
+        const OP: &str = "schedulefree_multi";
+        let Some(first) = items.first() else {
+            return Ok(());
+        };
+        #[cfg(feature = "cpu-ref")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cpu(_) = &*first.p {
+            let mut a = items
+                .iter_mut()
+                .map(|it| it.map(|s| s.cpu_mut(OP), |s| s.cpu(OP)))
+                .collect::<Result<Vec<_>>>()?;
+            let st = match scalars {
+                Some(s) => Some(s.cpu_mut(OP)?),
+                None => None,
+            };
+            return CpuStorage::schedulefree_multi(op, &mut a, st);
+        }
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cuda(_) = &*first.p {
+            let mut a = items
+                .iter_mut()
+                .map(|it| it.map(|s| s.cuda_mut(OP), |s| s.cuda(OP)))
+                .collect::<Result<Vec<_>>>()?;
+            let st = match scalars {
+                Some(s) => Some(s.cuda_mut(OP)?),
+                None => None,
+            };
+            return crate::backend::cuda::CudaStorage::schedulefree_multi(op, &mut a, st);
+        }
+        let _ = (op, scalars, first, OP);
+        Err(crate::Error::invalid(
+            OP,
+            "internal: storage of no backend",
+            &Shape::from(()),
+        ))
+    }
     /// The sum of squares of many views on one device (`BackendStorage::sum_sq_multi`).
     pub(crate) fn sum_sq_multi(
         items: &[crate::backend::multi::MultiRef<'_, Storage>],

@@ -1522,3 +1522,76 @@ fn prodigy_keys_are_checked_with_the_config() {
     }
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// The schedule-free kinds through the trainer: a run stopped after its checkpoint at step 4
+/// and resumed equals the uninterrupted one (losses and the final adapter bit for bit), and
+/// the adapters saved are x (the optimizer state beside them says it was saved in eval
+/// mode, and the final adapter equals the last checkpoint's).
+#[test]
+fn schedule_free_kinds_save_x_and_resume_exactly() {
+    for (kind, name) in [
+        (OptimizerKind::AdamWScheduleFree, "adamw_schedulefree"),
+        (OptimizerKind::ProdigyScheduleFree, "prodigy_schedulefree"),
+    ] {
+        let config = |dir: &Path| {
+            let mut cfg = TrainConfig::from_file(tiny(dir, 8, "")).unwrap();
+            cfg.optimizer.kind = kind;
+            cfg.optimizer.lr = None;
+            cfg.schedule.kind = ScheduleKind::Constant;
+            cfg.schedule.warmup_steps = 0;
+            cfg.validate().unwrap();
+            cfg
+        };
+        let a = temp(&format!("{name}-full"));
+        let cfg = config(&a);
+        run_with(&cfg, fresh()).unwrap();
+        let full = losses(&cfg.train.output_dir);
+        let b = temp(&format!("{name}-resumed"));
+        let cfg_b = config(&b);
+        let stop = RunOptions {
+            stop_at: Some(6),
+            ..Default::default()
+        };
+        assert_eq!(run_with(&cfg_b, stop).unwrap().0, RunEnd::Stopped(6));
+        run_with(&cfg_b, resume()).unwrap();
+        assert_eq!(losses(&cfg_b.train.output_dir), full, "{name}: losses");
+        let tensors = |p: PathBuf| {
+            let f = flame::safetensors::SafeTensorsFile::open(&p).unwrap();
+            let mut v: Vec<(String, Vec<u64>)> = f
+                .names()
+                .map(|n| {
+                    let t = f.load(n, &flame::Device::Cpu).unwrap();
+                    let bits = t
+                        .to_vec_f64()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect();
+                    (n.to_string(), bits)
+                })
+                .collect();
+            v.sort();
+            v
+        };
+        let lora = |c: &TrainConfig| tensors(c.train.output_dir.join("lora.safetensors"));
+        assert_eq!(lora(&cfg), lora(&cfg_b), "{name}: the final adapters");
+        let (step, dir) = checkpoints(&cfg_b.train.output_dir).unwrap().pop().unwrap();
+        assert_eq!(step, 8);
+        let f =
+            flame::safetensors::SafeTensorsFile::open(dir.join("optimizer.safetensors")).unwrap();
+        assert_eq!(
+            f.metadata().get("optimizer").map(String::as_str),
+            Some(name)
+        );
+        assert_eq!(
+            f.metadata().get("train_mode").map(String::as_str),
+            Some("false"),
+            "{name}: saved at x"
+        );
+        assert_eq!(
+            tensors(dir.join("adapter.safetensors")),
+            tensors(cfg_b.train.output_dir.join("lora.safetensors")),
+            "{name}: the final adapter is the last checkpoint's x"
+        );
+    }
+}

@@ -9,6 +9,7 @@ pub mod cuda;
 pub mod fp8;
 pub mod ggml;
 pub mod multi;
+pub mod multi_sf;
 pub mod profile;
 pub mod quant8;
 #[cfg_attr(not(any(feature = "cpu-ref", feature = "cuda")), allow(dead_code))]
@@ -435,6 +436,16 @@ pub trait BackendStorage: Sized + Send + Sync {
         h: &multi::ProdigyHyper,
         items: &mut [multi::ProdigyItem<'_, Self>],
         scalars: &mut Self,
+    ) -> Result<()>;
+    /// One schedule-free call over every item, in place, as `multi_sf` describes: the move
+    /// between y and x, an AdamW step, or a Prodigy step with its reduction into the f64
+    /// `scalars` (`multi_sf::prodigy_sf_slot`; on CUDA two launches and no host
+    /// synchronization). Parameters of f32, bf16 and f16 may mix. Checked by
+    /// `validate::schedulefree_multi` before anything is written.
+    fn schedulefree_multi(
+        op: &multi_sf::SfOp,
+        items: &mut [multi_sf::SfItem<'_, Self>],
+        scalars: Option<&mut Self>,
     ) -> Result<()>;
     /// A contiguous copy of the view `l` on this device, in one pass.
     fn copy_contiguous(&self, l: &Layout) -> Result<Self>;

@@ -357,3 +357,68 @@ pub(crate) fn prodigy_multi<S>(
     }
     Ok(())
 }
+
+/// A multi-tensor schedule-free call (`BackendStorage::schedulefree_multi`): every parameter
+/// f32, bf16 or f16 within its buffer; a gradient of its dtype, f32 v and z of its size
+/// where `op` needs them; bf16 s and p0 of `prodigy_sf_sliced(n)` values and the f64 scalar
+/// state for Prodigy.
+pub(crate) fn schedulefree_multi<S>(
+    op: &super::multi_sf::SfOp,
+    items: &[super::multi_sf::SfItem<'_, S>],
+    scalars: Option<&S>,
+    info: impl Fn(&S) -> (DType, usize),
+) -> Result<()> {
+    use super::multi_sf::{prodigy_sf_sliced, SfOp, PRODIGY_SF_SCALARS};
+    const OP: &str = "schedulefree_multi";
+    let fits = |s: &S, want: Option<DType>, offset: usize, len: usize, what: &str, k: usize| {
+        item_fits(OP, info(s), want, offset, len, what, k)
+    };
+    let missing = |k: usize, what: &str, n: usize| {
+        Err(Error::invalid(
+            OP,
+            format!("item {k}: {what} is missing or not expected for {op:?}"),
+            &crate::Shape::from(n),
+        ))
+    };
+    let (stepping, prodigy) = match op {
+        SfOp::Lerp(_) => (false, false),
+        SfOp::AdamW(_) => (true, false),
+        SfOp::Prodigy(_) => (true, true),
+    };
+    match (scalars, prodigy) {
+        (Some(st), true) => fits(
+            st,
+            Some(DType::F64),
+            0,
+            PRODIGY_SF_SCALARS,
+            "the scalar state",
+            0,
+        )?,
+        (None, false) => {}
+        _ => return missing(0, "the scalar state", 0),
+    }
+    for (k, it) in items.iter().enumerate() {
+        fits(it.p, None, it.p_offset, it.n, "the parameter", k)?;
+        let dtype = info(it.p).0;
+        fits(it.z, Some(DType::F32), 0, it.n, "z", k)?;
+        match (it.g, &it.v, stepping) {
+            (Some(g), Some(v), true) => {
+                fits(g, Some(dtype), it.g_offset, it.n, "the gradient", k)?;
+                fits(v, Some(DType::F32), 0, it.n, "the second moment", k)?;
+            }
+            (None, None, false) => {}
+            _ => return missing(k, "the gradient or second moment", it.n),
+        }
+        match (&it.s, prodigy) {
+            (Some(s), true) => fits(s, Some(DType::BF16), 0, prodigy_sf_sliced(it.n), "s", k)?,
+            (None, false) => {}
+            _ => return missing(k, "s", it.n),
+        }
+        match (it.p0, prodigy) {
+            (Some(p0), true) => fits(p0, Some(DType::BF16), 0, prodigy_sf_sliced(it.n), "p0", k)?,
+            (Some(_), false) => return missing(k, "p0", it.n),
+            _ => {}
+        }
+    }
+    Ok(())
+}

@@ -2,7 +2,10 @@
 //! PyTorch's `torch.optim.SGD`, `torch.optim.Adam` and `torch.optim.AdamW`
 //! (<https://pytorch.org/docs/stable/optim.html>), [`AdamW8bit`], AdamW with block-wise
 //! 8-bit moments as bitsandbytes' `AdamW8bit`, and [`Prodigy`], Adam with a D-adapted step
-//! size as the `prodigyopt` package's `Prodigy`.
+//! size as the `prodigyopt` package's `Prodigy`, and the schedule-free
+//! [`AdamWScheduleFree`] and [`ProdigyScheduleFree`] (the `schedulefree` and
+//! `prodigy-plus-schedule-free` packages'), whose parameters move between the point the
+//! gradient is taken at and the point to evaluate ([`Optimizer::eval_mode`]).
 //!
 //! Conventions shared by every optimizer here:
 //! - Parameters are given as `(name, tensor)` pairs. Names are unique; each tensor is a float
@@ -29,12 +32,17 @@
 mod adam;
 mod adam8bit;
 mod prodigy;
+mod schedulefree;
 mod sgd;
 
 pub use crate::backend::quant8;
 pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
 pub use adam8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, QuantizedState};
 pub use prodigy::{Prodigy, ProdigyConfig, ProdigyEstimate, ProdigyState};
+pub use schedulefree::{
+    AdamWScheduleFree, AdamWScheduleFreeConfig, AdamWScheduleFreeGlobal, ProdigyScheduleFree,
+    ProdigyScheduleFreeConfig, ProdigyScheduleFreeEstimate, ScheduleFreeState,
+};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::safetensors::SafeTensorsFile;
@@ -52,19 +60,41 @@ pub enum OptimizerKind {
     AdamW8bit,
     /// [`Prodigy`]: f32 moments, s and the first value p0.
     Prodigy,
+    /// [`AdamWScheduleFree`]: f32 v and z.
+    #[serde(rename = "adamw_schedulefree")]
+    AdamWScheduleFree,
+    /// [`ProdigyScheduleFree`]: f32 v and z, bf16 s and p0 of every 11th value.
+    #[serde(rename = "prodigy_schedulefree")]
+    ProdigyScheduleFree,
 }
 
 impl OptimizerKind {
     /// Bytes of state per parameter value: AdamW's two f32 moments; AdamW8bit's two 8-bit
     /// codes and each block's f32 maximum per moment (parameters under 4096 values keep f32
     /// moments, a negligible share of a model's adapters); Prodigy's two f32 moments, s and
-    /// p0 (less where beta1 = 0 or a parameter starts at zero, as LoRA's up matrices do).
+    /// p0 (less where beta1 = 0 or a parameter starts at zero, as LoRA's up matrices do);
+    /// the schedule-free kinds' f32 v and z, and schedule-free Prodigy's bf16 s and p0 of
+    /// every 11th value.
     pub fn state_bytes_per_value(self) -> f64 {
         match self {
             OptimizerKind::AdamW => 8.0,
             OptimizerKind::AdamW8bit => 2.0 + 8.0 / quant8::BLOCK as f64,
             OptimizerKind::Prodigy => 16.0,
+            OptimizerKind::AdamWScheduleFree => 8.0,
+            OptimizerKind::ProdigyScheduleFree => {
+                8.0 + 4.0 / crate::backend::multi_sf::PRODIGY_SF_SLICE as f64
+            }
         }
+    }
+
+    /// Whether the kind is schedule-free: its parameters hold the point the gradient is
+    /// taken at, and [`Optimizer::eval_mode`] moves them to the weights to evaluate and
+    /// save.
+    pub fn is_schedule_free(self) -> bool {
+        matches!(
+            self,
+            OptimizerKind::AdamWScheduleFree | OptimizerKind::ProdigyScheduleFree
+        )
     }
 }
 
@@ -77,6 +107,10 @@ pub enum OptimizerConfig {
     AdamW8bit(AdamW8bitConfig),
     /// [`Prodigy`].
     Prodigy(ProdigyConfig),
+    /// [`AdamWScheduleFree`].
+    AdamWScheduleFree(AdamWScheduleFreeConfig),
+    /// [`ProdigyScheduleFree`].
+    ProdigyScheduleFree(ProdigyScheduleFreeConfig),
 }
 
 impl OptimizerConfig {
@@ -86,6 +120,8 @@ impl OptimizerConfig {
             OptimizerConfig::AdamW(_) => OptimizerKind::AdamW,
             OptimizerConfig::AdamW8bit(_) => OptimizerKind::AdamW8bit,
             OptimizerConfig::Prodigy(_) => OptimizerKind::Prodigy,
+            OptimizerConfig::AdamWScheduleFree(_) => OptimizerKind::AdamWScheduleFree,
+            OptimizerConfig::ProdigyScheduleFree(_) => OptimizerKind::ProdigyScheduleFree,
         }
     }
 
@@ -95,6 +131,10 @@ impl OptimizerConfig {
             OptimizerConfig::AdamW(c) => Box::new(AdamW::new(params, c)?),
             OptimizerConfig::AdamW8bit(c) => Box::new(AdamW8bit::new(params, c)?),
             OptimizerConfig::Prodigy(c) => Box::new(Prodigy::new(params, c)?),
+            OptimizerConfig::AdamWScheduleFree(c) => Box::new(AdamWScheduleFree::new(params, c)?),
+            OptimizerConfig::ProdigyScheduleFree(c) => {
+                Box::new(ProdigyScheduleFree::new(params, c)?)
+            }
         })
     }
 }
@@ -119,6 +159,20 @@ pub trait Optimizer {
     /// Sets the learning rate for the following steps (for schedules). The value is checked
     /// by the next `step`: a negative or non-finite rate makes it fail.
     fn set_learning_rate(&mut self, lr: f64);
+
+    /// Moves the parameters to the weights to evaluate and save (schedule-free's x, the
+    /// packages' `optimizer.eval()`); nothing when they are there already, and nothing for
+    /// an optimizer whose parameters are those weights.
+    fn eval_mode(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Moves the parameters back to the point the next step takes its gradient at
+    /// (schedule-free's y, `optimizer.train()`); nothing when they are there already, and
+    /// nothing for other optimizers. A schedule-free step in eval mode is an error.
+    fn train_mode(&mut self) -> Result<()> {
+        Ok(())
+    }
 
     /// Writes the optimizer's kind, hyperparameters and per-parameter state to a safetensors
     /// file at `path` (atomically: the file appears only once fully written).

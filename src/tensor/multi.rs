@@ -361,3 +361,169 @@ pub(crate) fn prodigy_multi(
     }
     Storage::prodigy_multi(h, &mut items, &mut scalar_guard)
 }
+
+/// One parameter of [`schedulefree_multi`]: contiguous f32, bf16 or f16, its gradient (same
+/// shape and dtype, contiguous; absent for a lerp) and its dense state tensors (f32 v and z
+/// of its shape, Prodigy's bf16 s and p0 of `multi_sf::prodigy_sf_sliced` values).
+pub(crate) struct SfSlot<'a> {
+    /// The parameter, written in place.
+    pub p: &'a Tensor,
+    /// Its gradient.
+    pub g: Option<&'a Tensor>,
+    /// Second moment.
+    pub v: Option<&'a Tensor>,
+    /// The base sequence z.
+    pub z: &'a Tensor,
+    /// Prodigy's s.
+    pub s: Option<&'a Tensor>,
+    /// Prodigy's p0 (absent: zeros).
+    pub p0: Option<&'a Tensor>,
+}
+
+impl SfSlot<'_> {
+    fn written(&self) -> Vec<&Tensor> {
+        let mut v = vec![self.p, self.z];
+        v.extend(self.v);
+        v.extend(self.s);
+        v
+    }
+}
+
+/// One schedule-free call (`backend::multi_sf::SfOp`) over every slot, in place, with
+/// Prodigy's scalar state in `scalars` (an f64 tensor of `PRODIGY_SF_SCALARS` values on the
+/// slots' device): one backend call, one launch per parameter dtype on CUDA (and one more
+/// for Prodigy's reduction), no host synchronization. Everything is checked before anything
+/// is written.
+pub(crate) fn schedulefree_multi(
+    op: &crate::backend::multi_sf::SfOp,
+    scalars: Option<&Tensor>,
+    slots: &[SfSlot<'_>],
+) -> Result<()> {
+    use crate::backend::multi_sf::SfItem;
+    const OP: &str = "schedulefree_multi";
+    let mut written = HashSet::new();
+    if let Some(st) = scalars {
+        written.insert(st.storage_arc()?.as_ref() as *const _);
+        if !st.is_contiguous() || st.layout().offset() != 0 {
+            return Err(Error::invalid(
+                OP,
+                "the scalar state must be dense",
+                st.shape(),
+            ));
+        }
+    }
+    let device = slots.first().map(|s| s.p.device().clone());
+    for (k, s) in slots.iter().enumerate() {
+        let bad = |msg: String| Err(Error::invalid(OP, format!("slot {k}: {msg}"), s.p.shape()));
+        if let Some(g) = s.g {
+            if s.p.shape() != g.shape() || s.p.dtype() != g.dtype() {
+                return bad(format!(
+                    "gradient {:?} {} for a parameter {:?} {}",
+                    g.dtype(),
+                    g.shape(),
+                    s.p.dtype(),
+                    s.p.shape()
+                ));
+            }
+            if !g.is_contiguous() {
+                return bad("the gradient must be contiguous".into());
+            }
+        }
+        if !s.p.is_contiguous() {
+            return bad("the parameter must be contiguous".into());
+        }
+        if s.p.0.grad_fn.is_some() && crate::autograd::grad_enabled() {
+            return Err(Error::Autograd(
+                "an optimizer step into a tensor recorded on the tape would corrupt its \
+                 gradients"
+                    .into(),
+            ));
+        }
+        let all = s
+            .written()
+            .into_iter()
+            .chain(s.g)
+            .chain(s.p0)
+            .chain(scalars);
+        for t in all {
+            if Some(t.device()) != device.as_ref() {
+                return Err(Error::DeviceMismatch {
+                    op: OP,
+                    lhs: s.p.device().location(),
+                    rhs: t.device().location(),
+                });
+            }
+        }
+        for t in s.written() {
+            if !written.insert(t.storage_arc()?.as_ref() as *const _) {
+                return bad("a parameter or state tensor shares storage with another".into());
+            }
+        }
+        for t in s.written().into_iter().skip(1).chain(s.p0) {
+            if !t.is_contiguous() || t.layout().offset() != 0 {
+                return bad("state tensors must be dense".into());
+            }
+        }
+    }
+    for s in slots {
+        for t in s.g.into_iter().chain(s.p0) {
+            if written.contains(&(t.storage_arc()?.as_ref() as *const _)) {
+                return Err(Error::invalid(
+                    OP,
+                    "a gradient or p0 shares storage with a written tensor",
+                    t.shape(),
+                ));
+            }
+        }
+    }
+    let mut scalar_guard = match scalars {
+        Some(st) => Some(st.storage_arc()?.write().map_err(|_| lock_err())?),
+        None => None,
+    };
+    type Reads<'g> = (
+        Option<RwLockReadGuard<'g, Storage>>,
+        Option<RwLockReadGuard<'g, Storage>>,
+    );
+    let reads: Vec<Reads<'_>> = slots
+        .iter()
+        .map(|s| {
+            Ok((
+                s.g.map(|g| g.storage()).transpose()?,
+                s.p0.map(|q| q.storage()).transpose()?,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let mut writes: Vec<RwLockWriteGuard<'_, Storage>> = vec![];
+    for s in slots {
+        for t in s.written() {
+            writes.push(t.storage_arc()?.write().map_err(|_| lock_err())?);
+        }
+    }
+    let internal = || Error::invalid(OP, "internal: lock count", &crate::Shape::from(()));
+    let mut w = writes.iter_mut();
+    let mut items = Vec::with_capacity(slots.len());
+    for (s, (g, p0)) in slots.iter().zip(&reads) {
+        let p = &mut **w.next().ok_or_else(internal)?;
+        let z = &mut **w.next().ok_or_else(internal)?;
+        let v = match s.v {
+            Some(_) => Some(&mut **w.next().ok_or_else(internal)?),
+            None => None,
+        };
+        let st = match s.s {
+            Some(_) => Some(&mut **w.next().ok_or_else(internal)?),
+            None => None,
+        };
+        items.push(SfItem {
+            p,
+            p_offset: s.p.layout().offset(),
+            n: s.p.elem_count(),
+            g: g.as_deref(),
+            g_offset: s.g.map_or(0, |g| g.layout().offset()),
+            v,
+            z,
+            s: st,
+            p0: p0.as_deref(),
+        });
+    }
+    Storage::schedulefree_multi(op, &mut items, scalar_guard.as_deref_mut())
+}

@@ -19,7 +19,10 @@ pub use crate::diffusion::loss::{HuberSchedule, LossType};
 use crate::memory::{Checkpointing, Switches};
 use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
 pub use crate::optim::OptimizerKind;
-use crate::optim::{AdamConfig, AdamW8bitConfig, OptimizerConfig, ProdigyConfig};
+use crate::optim::{
+    AdamConfig, AdamW8bitConfig, AdamWScheduleFreeConfig, OptimizerConfig, ProdigyConfig,
+    ProdigyScheduleFreeConfig,
+};
 use crate::{Error, Result, Setting};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -386,12 +389,20 @@ section! {
     /// `[optimizer]`: AdamW, AdamW8bit or Prodigy.
     OptimizerSection / RawOptimizer = "optimizer" {
         /// "adamw" (f32 moments, 8 bytes a parameter), "adamw8bit" (both moments
-        /// block-wise 8-bit, about 2 bytes a parameter; parameters under 4096 values keep f32)
-        /// or "prodigy" (the prodigyopt package's Prodigy, kohya's optimizer_type "Prodigy":
+        /// block-wise 8-bit, about 2 bytes a parameter; parameters under 4096 values keep f32),
+        /// "prodigy" (the prodigyopt package's Prodigy, kohya's optimizer_type "Prodigy":
         /// Adam whose step size d is estimated from the run, 16 bytes a parameter; lr then
-        /// multiplies d and is normally 1.0).
+        /// multiplies d and is normally 1.0), "adamw_schedulefree" (the schedulefree
+        /// package's AdamWScheduleFree, kohya's "AdamWScheduleFree": no schedule, validation,
+        /// samples and saved adapters use the averaged weights x; 8 bytes a parameter) or
+        /// "prodigy_schedulefree" (the prodigy-plus-schedule-free package's
+        /// ProdigyPlusScheduleFree with factored = false, use_stableadamw = false and
+        /// stochastic_rounding = false, kohya's "prodigyplus.ProdigyPlusScheduleFree"; about
+        /// 8.4 bytes a parameter). The schedule-free kinds take schedule.kind = "constant" and
+        /// schedule.warmup_steps = 0.
         kind: OptimizerKind = OptimizerKind::AdamW,
-        /// The peak learning rate, > 0. Default: 1e-4, or 1.0 for "prodigy".
+        /// The peak learning rate, > 0. Default: 1e-4, or 1.0 for "prodigy" and
+        /// "prodigy_schedulefree".
         lr: Option<f64> = None,
         /// Adam's beta1 and beta2, each in [0, 1) (Prodigy's too; beta1 = 0 keeps no first
         /// moment).
@@ -402,13 +413,15 @@ section! {
         /// Adam's epsilon, > 0 (0 divides zero by zero where a gradient is zero). Prodigy
         /// adds d * eps.
         eps: f64 = 1e-8,
-        /// Prodigy only: the decay of the step-size estimate's running sums, in [0, 1)
-        /// (prodigyopt's beta3). Default: the square root of beta2 (the second of betas).
+        /// Prodigy (and prodigy_schedulefree) only: the decay of the step-size estimate's
+        /// running sums, in [0, 1) (prodigyopt's and ProdigyPlusScheduleFree's beta3). Default:
+        /// the square root of beta2 (the second of betas).
         beta3: Option<f64> = None,
-        /// Prodigy only: the multiplier of the estimate d, > 0 (prodigyopt's d_coef; default
-        /// 1.0; 0.5 to 2 are the usual tuning).
+        /// Prodigy (and prodigy_schedulefree) only: the multiplier of the estimate d, > 0
+        /// (prodigyopt's d_coef; default 1.0; 0.5 to 2 are the usual tuning).
         d_coef: Option<f64> = None,
-        /// Prodigy only: the first estimate of d, > 0 (prodigyopt's d0; default 1e-6).
+        /// Prodigy (and prodigy_schedulefree) only: the first estimate of d, > 0
+        /// (prodigyopt's d0; default 1e-6).
         d0: Option<f64> = None,
         /// Prodigy only: the most d may grow in one step, a factor > 0 (prodigyopt's
         /// growth_rate; default inf, unbounded; 1.02 gives a kind of warm-up).
@@ -426,6 +439,21 @@ section! {
         /// kohya's text_encoder_lr). Default: lr. A rate other than lr is not supported yet
         /// and is refused.
         text_encoder_lr: Option<f64> = None,
+        /// adamw_schedulefree only: steps of the optimizer's own linear warm-up of lr
+        /// (schedulefree's warmup_steps; default 0), at most train.steps.
+        warmup_steps: Option<usize> = None,
+        /// adamw_schedulefree only: the average's polynomial weighting power, >= 0
+        /// (schedulefree's r; default 0).
+        r: Option<f64> = None,
+        /// adamw_schedulefree only: the average weights steps by lr_max to this power, >= 0
+        /// (schedulefree's weight_lr_power; default 2).
+        weight_lr_power: Option<f64> = None,
+        /// prodigy_schedulefree only: limit the growth of the raw estimate to 2^0.25 a step
+        /// (ProdigyPlusScheduleFree's d_limiter; default true).
+        d_limiter: Option<bool> = None,
+        /// prodigy_schedulefree only: Refined SF-Adam's averaging strength, >= 0 (0: the
+        /// original schedule-free average; ProdigyPlusScheduleFree's schedulefree_c; default 0).
+        schedulefree_c: Option<f64> = None,
     }
 }
 
@@ -434,29 +462,49 @@ impl OptimizerSection {
     /// default, a multiplier of the estimated step size).
     pub fn lr(&self) -> f64 {
         self.lr.unwrap_or(match self.kind {
-            OptimizerKind::Prodigy => 1.0,
-            OptimizerKind::AdamW | OptimizerKind::AdamW8bit => 1e-4,
+            OptimizerKind::Prodigy | OptimizerKind::ProdigyScheduleFree => 1.0,
+            OptimizerKind::AdamW | OptimizerKind::AdamW8bit | OptimizerKind::AdamWScheduleFree => {
+                1e-4
+            }
         })
     }
 
-    /// The keys only one kind reads, with whether each is set: (key, kind, set).
-    fn kind_keys(&self) -> [(&'static str, OptimizerKind, bool); 7] {
-        let p = OptimizerKind::Prodigy;
+    /// The keys only some kinds read, with whether each is set: (key, kinds, set).
+    fn kind_keys(&self) -> [(&'static str, &'static [OptimizerKind], bool); 12] {
+        use OptimizerKind::{AdamWScheduleFree as Asf, Prodigy as P, ProdigyScheduleFree as Psf};
+        const BOTH: &[OptimizerKind] = &[P, Psf];
         [
-            ("optimizer.beta3", p, self.beta3.is_some()),
-            ("optimizer.d_coef", p, self.d_coef.is_some()),
-            ("optimizer.d0", p, self.d0.is_some()),
-            ("optimizer.growth_rate", p, self.growth_rate.is_some()),
-            ("optimizer.decouple", p, self.decouple.is_some()),
+            ("optimizer.beta3", BOTH, self.beta3.is_some()),
+            ("optimizer.d_coef", BOTH, self.d_coef.is_some()),
+            ("optimizer.d0", BOTH, self.d0.is_some()),
+            ("optimizer.growth_rate", &[P], self.growth_rate.is_some()),
+            ("optimizer.decouple", &[P], self.decouple.is_some()),
             (
                 "optimizer.use_bias_correction",
-                p,
+                &[P],
                 self.use_bias_correction.is_some(),
             ),
             (
                 "optimizer.safeguard_warmup",
-                p,
+                &[P],
                 self.safeguard_warmup.is_some(),
+            ),
+            (
+                "optimizer.warmup_steps",
+                &[Asf],
+                self.warmup_steps.is_some(),
+            ),
+            ("optimizer.r", &[Asf], self.r.is_some()),
+            (
+                "optimizer.weight_lr_power",
+                &[Asf],
+                self.weight_lr_power.is_some(),
+            ),
+            ("optimizer.d_limiter", &[Psf], self.d_limiter.is_some()),
+            (
+                "optimizer.schedulefree_c",
+                &[Psf],
+                self.schedulefree_c.is_some(),
             ),
         ]
     }
@@ -491,6 +539,34 @@ impl OptimizerSection {
                     d0: self.d0.unwrap_or(d.d0),
                     d_coef: self.d_coef.unwrap_or(d.d_coef),
                     growth_rate: self.growth_rate.unwrap_or(d.growth_rate),
+                })
+            }
+            OptimizerKind::AdamWScheduleFree => {
+                let d = AdamWScheduleFreeConfig::default();
+                OptimizerConfig::AdamWScheduleFree(AdamWScheduleFreeConfig {
+                    lr: self.lr(),
+                    beta1: self.betas[0],
+                    beta2: self.betas[1],
+                    eps: self.eps,
+                    weight_decay: self.weight_decay,
+                    warmup_steps: self.warmup_steps.map_or(d.warmup_steps, |w| w as u64),
+                    r: self.r.unwrap_or(d.r),
+                    weight_lr_power: self.weight_lr_power.unwrap_or(d.weight_lr_power),
+                })
+            }
+            OptimizerKind::ProdigyScheduleFree => {
+                let d = ProdigyScheduleFreeConfig::default();
+                OptimizerConfig::ProdigyScheduleFree(ProdigyScheduleFreeConfig {
+                    lr: self.lr(),
+                    beta1: self.betas[0],
+                    beta2: self.betas[1],
+                    beta3: self.beta3,
+                    eps: self.eps,
+                    weight_decay: self.weight_decay,
+                    d0: self.d0.unwrap_or(d.d0),
+                    d_coef: self.d_coef.unwrap_or(d.d_coef),
+                    d_limiter: self.d_limiter.unwrap_or(d.d_limiter),
+                    schedulefree_c: self.schedulefree_c.unwrap_or(d.schedulefree_c),
                 })
             }
         }
@@ -1197,16 +1273,62 @@ impl TrainConfig {
                 ),
             );
         }
-        for (key, kind, set) in o.kind_keys() {
+        for (key, kinds, set) in o.kind_keys() {
             c.check(
-                !set || o.kind == kind,
+                !set || kinds.contains(&o.kind),
                 key,
                 format!(
                     "is read by kind = {} only, and kind = {}",
-                    show(&kind),
+                    kinds.iter().map(show).collect::<Vec<_>>().join(" or "),
                     show(&o.kind)
                 ),
             );
+        }
+        if o.kind.is_schedule_free() {
+            c.check(
+                s.kind == ScheduleKind::Constant && s.warmup_steps == 0,
+                "schedule.kind",
+                format!(
+                    "{} with schedule.warmup_steps = {}: kind = {} is schedule-free, it runs at \
+                     a constant rate (the schedulefree and prodigy-plus-schedule-free packages' \
+                     advice: its average replaces the schedule); use schedule.kind = \
+                     \"constant\" and schedule.warmup_steps = 0{}",
+                    show(&s.kind),
+                    s.warmup_steps,
+                    show(&o.kind),
+                    match o.kind {
+                        OptimizerKind::AdamWScheduleFree => {
+                            ", and optimizer.warmup_steps for a warm-up"
+                        }
+                        _ => " (Prodigy adapts its own step size)",
+                    }
+                ),
+            );
+            c.check(
+                o.betas[0] > 0.0,
+                "optimizer.betas",
+                format!(
+                    "{:?}: a schedule-free kind needs beta1 > 0 (its evaluation point divides \
+                     by it)",
+                    o.betas
+                ),
+            );
+        }
+        if let Some(w) = o.warmup_steps {
+            c.check(
+                w <= t.steps,
+                "optimizer.warmup_steps",
+                format!("{w}: longer than the run (train.steps = {})", t.steps),
+            );
+        }
+        for (key, v) in [
+            ("optimizer.r", o.r),
+            ("optimizer.weight_lr_power", o.weight_lr_power),
+            ("optimizer.schedulefree_c", o.schedulefree_c),
+        ] {
+            if let Some(x) = v {
+                c.non_negative_f(key, x);
+            }
         }
         if let Some(b) = o.beta3 {
             c.check(
@@ -1830,6 +1952,11 @@ impl TrainConfig {
             show(&o.decouple),
             show(&o.use_bias_correction),
             show(&o.safeguard_warmup),
+            show(&o.warmup_steps),
+            show(&o.r),
+            show(&o.weight_lr_power),
+            show(&o.d_limiter),
+            show(&o.schedulefree_c),
         ];
         for ((key, _, set), value) in o.kind_keys().into_iter().zip(kind_values) {
             if set {

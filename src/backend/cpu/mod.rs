@@ -12,6 +12,7 @@ mod num;
 mod prodigy;
 pub mod random;
 mod reduce;
+mod schedulefree;
 mod strided;
 
 use crate::backend::validate;
@@ -515,6 +516,14 @@ impl BackendStorage for CpuStorage {
         scalars: &mut Self,
     ) -> Result<()> {
         prodigy::prodigy(h, items, scalars)
+    }
+
+    fn schedulefree_multi(
+        op: &crate::backend::multi_sf::SfOp,
+        items: &mut [crate::backend::multi_sf::SfItem<'_, Self>],
+        scalars: Option<&mut Self>,
+    ) -> Result<()> {
+        schedulefree::schedulefree(op, items, scalars)
     }
 
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {

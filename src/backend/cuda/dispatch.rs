@@ -212,6 +212,14 @@ impl BackendStorage for CudaStorage {
         super::prodigy::prodigy(h, items, scalars)
     }
 
+    fn schedulefree_multi(
+        op: &crate::backend::multi_sf::SfOp,
+        items: &mut [crate::backend::multi_sf::SfItem<'_, Self>],
+        scalars: Option<&mut Self>,
+    ) -> Result<()> {
+        super::schedulefree::schedulefree(op, items, scalars)
+    }
+
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
         self.contiguous(l)
     }

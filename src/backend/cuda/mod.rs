@@ -19,6 +19,7 @@ mod multi;
 mod norm;
 mod prodigy;
 mod reduce;
+mod schedulefree;
 mod storage;
 
 pub(crate) mod ptx {

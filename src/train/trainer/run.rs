@@ -104,7 +104,10 @@ impl Trainer {
         let fin = dir.path.join(FINAL);
         if root && self.step > 0 {
             // A resume: the final adapter of a finished run is the one of its last step, and
-            // the phases due at the step it resumes from are done if they are missing.
+            // the phases due at the step it resumes from are done if they are missing (with
+            // the weights to evaluate: a checkpoint holds them and its optimizer state says
+            // so; a schedule-free optimizer keeps them there until the next step).
+            self.opt.eval_mode()?;
             if self.step == n && !self.final_is_current()? {
                 self.save_final()?;
             }
@@ -133,6 +136,7 @@ impl Trainer {
                 // Stopped inside a step: the steps done so far are saved.
                 Err(Error::Interrupted(why)) if self.step > 0 => {
                     on(Event::Note(format!("interrupted {why}")));
+                    self.opt.eval_mode()?;
                     let p = self.save_checkpoint()?;
                     on(Event::Saved(p.clone()));
                     return Ok(RunEnd::Interrupted(self.step, p));
@@ -171,6 +175,14 @@ impl Trainer {
                 None => self.interrupt.load(Ordering::Relaxed),
             };
             let save = interrupted || self.step == n || (every > 0 && self.step % every == 0);
+            // Checkpoints, the final adapter, the validation loss and the samples use the
+            // weights to evaluate (a schedule-free optimizer's x; the trained weights for
+            // the others): moved there once on every rank, so that the ranks' parameters
+            // stay equal, and back by the next step (`train_step`).
+            let due = self.due_at(self.step, save);
+            if save || due.validation || due.samples {
+                self.opt.eval_mode()?;
+            }
             if save {
                 let p = match root {
                     true => {
@@ -191,7 +203,6 @@ impl Trainer {
                 }
             }
             if root {
-                let due = self.due_at(self.step, save);
                 self.phases(due, save, log.as_mut(), on)?;
             }
         }

@@ -312,6 +312,9 @@ impl Trainer {
     /// agreement (`agree`), the gradient norm (`gradient_norm`), then the update, or a step
     /// skipped as the loss scale or `train.on_nonfinite` says (`skip_or_stop`).
     pub(super) fn step_inner(&mut self) -> Result<StepReport> {
+        // The gradient is taken at the training point (a schedule-free optimizer's y, where
+        // outputs moved the parameters to x).
+        self.opt.train_mode()?;
         let lr = self.config.lr_at(self.step);
         self.opt.set_learning_rate(lr);
         // Dynamic loss scaling: the backward runs on loss * scale, the step divides by it.

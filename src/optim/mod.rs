@@ -28,12 +28,14 @@
 
 mod adam;
 mod adam8bit;
+mod lion;
 mod prodigy;
 mod sgd;
 
 pub use crate::backend::quant8;
 pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
 pub use adam8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, QuantizedState};
+pub use lion::{Lion, Lion8bit, Lion8bitConfig, LionConfig, LionState};
 pub use prodigy::{Prodigy, ProdigyConfig, ProdigyEstimate, ProdigyState};
 pub use sgd::{Sgd, SgdConfig};
 
@@ -52,6 +54,10 @@ pub enum OptimizerKind {
     AdamW8bit,
     /// [`Prodigy`]: f32 moments, s and the first value p0.
     Prodigy,
+    /// [`Lion`]: an f32 momentum.
+    Lion,
+    /// [`Lion8bit`]: a block-wise 8-bit momentum.
+    Lion8bit,
 }
 
 impl OptimizerKind {
@@ -64,6 +70,8 @@ impl OptimizerKind {
             OptimizerKind::AdamW => 8.0,
             OptimizerKind::AdamW8bit => 2.0 + 8.0 / quant8::BLOCK as f64,
             OptimizerKind::Prodigy => 16.0,
+            OptimizerKind::Lion => 4.0,
+            OptimizerKind::Lion8bit => 1.0 + 4.0 / quant8::BLOCK as f64,
         }
     }
 }
@@ -77,6 +85,10 @@ pub enum OptimizerConfig {
     AdamW8bit(AdamW8bitConfig),
     /// [`Prodigy`].
     Prodigy(ProdigyConfig),
+    /// [`Lion`].
+    Lion(LionConfig),
+    /// [`Lion8bit`].
+    Lion8bit(Lion8bitConfig),
 }
 
 impl OptimizerConfig {
@@ -86,6 +98,8 @@ impl OptimizerConfig {
             OptimizerConfig::AdamW(_) => OptimizerKind::AdamW,
             OptimizerConfig::AdamW8bit(_) => OptimizerKind::AdamW8bit,
             OptimizerConfig::Prodigy(_) => OptimizerKind::Prodigy,
+            OptimizerConfig::Lion(_) => OptimizerKind::Lion,
+            OptimizerConfig::Lion8bit(_) => OptimizerKind::Lion8bit,
         }
     }
 
@@ -95,6 +109,8 @@ impl OptimizerConfig {
             OptimizerConfig::AdamW(c) => Box::new(AdamW::new(params, c)?),
             OptimizerConfig::AdamW8bit(c) => Box::new(AdamW8bit::new(params, c)?),
             OptimizerConfig::Prodigy(c) => Box::new(Prodigy::new(params, c)?),
+            OptimizerConfig::Lion(c) => Box::new(Lion::new(params, c)?),
+            OptimizerConfig::Lion8bit(c) => Box::new(Lion8bit::new(params, c)?),
         })
     }
 }

@@ -212,6 +212,14 @@ impl BackendStorage for CudaStorage {
         super::prodigy::prodigy(h, items, scalars)
     }
 
+    fn lion_multi(
+        h: &crate::backend::lion::LionHyper,
+        items: &mut [crate::backend::lion::LionItem<'_, Self>],
+        map: Option<&Self>,
+    ) -> Result<()> {
+        super::lion::lion(h, items, map)
+    }
+
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
         self.contiguous(l)
     }

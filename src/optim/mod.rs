@@ -1,8 +1,9 @@
 //! Optimizers over named parameters: [`Sgd`], [`Adam`] and [`AdamW`], with the semantics of
 //! PyTorch's `torch.optim.SGD`, `torch.optim.Adam` and `torch.optim.AdamW`
 //! (<https://pytorch.org/docs/stable/optim.html>), [`AdamW8bit`], AdamW with block-wise
-//! 8-bit moments as bitsandbytes' `AdamW8bit`, and [`Prodigy`], Adam with a D-adapted step
-//! size as the `prodigyopt` package's `Prodigy`.
+//! 8-bit moments as bitsandbytes' `AdamW8bit`, [`Prodigy`], Adam with a D-adapted step
+//! size as the `prodigyopt` package's `Prodigy`, and [`Lion`] and [`Lion8bit`], the sign
+//! update of lion-pytorch's `Lion` with an f32 or block-wise 8-bit momentum.
 //!
 //! Conventions shared by every optimizer here:
 //! - Parameters are given as `(name, tensor)` pairs. Names are unique; each tensor is a float
@@ -25,6 +26,8 @@
 //!   `<param>.exp_avg_absmax`, ...), and it takes f32, bf16 and f16 parameters only.
 //! - [`Prodigy`] takes f32, bf16 and f16 parameters on one device only (its step size is one
 //!   estimate over all of them) and keeps that global state in the file's metadata.
+//! - [`Lion`] and [`Lion8bit`] take contiguous f32, bf16 and f16 parameters (one fused step
+//!   per device and dtype); Lion8bit's momenta are 8-bit codes as AdamW8bit's moments are.
 
 mod adam;
 mod adam8bit;
@@ -64,7 +67,8 @@ impl OptimizerKind {
     /// Bytes of state per parameter value: AdamW's two f32 moments; AdamW8bit's two 8-bit
     /// codes and each block's f32 maximum per moment (parameters under 4096 values keep f32
     /// moments, a negligible share of a model's adapters); Prodigy's two f32 moments, s and
-    /// p0 (less where beta1 = 0 or a parameter starts at zero, as LoRA's up matrices do).
+    /// p0 (less where beta1 = 0 or a parameter starts at zero, as LoRA's up matrices do);
+    /// Lion's f32 momentum; Lion8bit's one code and its block's share of an f32 maximum.
     pub fn state_bytes_per_value(self) -> f64 {
         match self {
             OptimizerKind::AdamW => 8.0,

@@ -340,8 +340,8 @@ section! {
     /// `[optimizer]`: AdamW, AdamW8bit, Prodigy, Lion or Lion8bit.
     OptimizerSection / RawOptimizer = "optimizer" {
         /// "adamw" (f32 moments, 8 bytes a parameter), "adamw8bit" (both moments
-        /// block-wise 8-bit, about 2 bytes a parameter; parameters under 4096 values keep f32)
-        /// or "prodigy" (the prodigyopt package's Prodigy, kohya's optimizer_type "Prodigy":
+        /// block-wise 8-bit, about 2 bytes a parameter; parameters under 4096 values keep f32),
+        /// "prodigy" (the prodigyopt package's Prodigy, kohya's optimizer_type "Prodigy":
         /// Adam whose step size d is estimated from the run, 16 bytes a parameter; lr then
         /// multiplies d and is normally 1.0), "lion" (lion-pytorch's Lion, kohya's
         /// optimizer_type "Lion": the sign of a momentum step, 4 bytes a parameter; an lr 3-10

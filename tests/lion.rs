@@ -85,7 +85,8 @@ fn f32s(t: &Tensor) -> Vec<f32> {
     t.to_vec_f64().unwrap().iter().map(|&x| x as f32).collect()
 }
 
-/// The parameters' bits and each momentum (the 8-bit ones dequantized).
+/// The parameters' bits and each momentum (the 8-bit ones dequantized), for the CUDA tests.
+#[cfg(feature = "cuda")]
 fn snapshot(opt: &dyn Fn(&str) -> Option<Vec<f32>>, params: &[(String, Tensor)]) -> Vec<Vec<u64>> {
     let mut v: Vec<Vec<u64>> = params.iter().map(|(_, p)| bits(p)).collect();
     for (n, _) in params {

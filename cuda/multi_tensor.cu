@@ -659,3 +659,101 @@ extern "C" __global__ void __launch_bounds__(MT_THREADS)
 SCHEDULEFREE(f32, float)
 SCHEDULEFREE(bf16, __nv_bfloat16)
 SCHEDULEFREE(f16, __half)
+// ----- Lion (LionHyper in src/backend/lion.rs) ---------------------------------------------
+// Shape letters as above:
+//   LionFull  (K) p, g (N) T; m (N) f32;                       chunks of ADAM_CHUNK values
+//   Lion8     (K) p, g (N) T; codes (blocks, 64) u32,          one chunk per quantization
+//                 absmax (blocks) f32; map (256) f32 signed    block of 256 values
+// Every operation is an _rn intrinsic, as LionHyper::apply on the CPU.
+
+// Must match the tables written by src/backend/cuda/lion.rs (u64 words).
+struct LionFullEntry {
+  unsigned long long p, g, m, n, first;
+};
+struct Lion8Entry {
+  unsigned long long p, g, mc, ma, n, first;
+};
+
+struct LionH {
+  float beta1, beta2, omb1, omb2, decay, neg_lr, grad_scale;
+};
+
+// torch.sign: -1, 0 or 1; NaN stays NaN.
+__device__ __forceinline__ float sign_of(float x) { return x > 0.f ? 1.f : (x < 0.f ? -1.f : x); }
+
+// LionHyper::apply.
+__device__ __forceinline__ void lion_value(float& p, float g, float& m, const LionH& h) {
+  g = __fmul_rn(g, h.grad_scale);
+  p = __fmul_rn(p, h.decay);
+  const float c = __fadd_rn(__fmul_rn(h.beta1, m), __fmul_rn(h.omb1, g));
+  p = __fadd_rn(p, __fmul_rn(h.neg_lr, sign_of(c)));
+  m = __fadd_rn(__fmul_rn(h.beta2, m), __fmul_rn(h.omb2, g));
+}
+
+template <typename T>
+__device__ __forceinline__ void lion_full(const LionFullEntry* table, unsigned k, LionH h) {
+  const LionFullEntry e = table[find_entry(table, k, blockIdx.x)];
+  T* p = (T*)e.p;
+  const T* g = (const T*)e.g;
+  float* m = (float*)e.m;
+  const size_t start = (size_t)(blockIdx.x - e.first) * ADAM_CHUNK;
+  const size_t end = min(start + ADAM_CHUNK, (size_t)e.n);
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS) {
+    float pv = to_acc(p[i]), mv = m[i];
+    lion_value(pv, to_acc(g[i]), mv, h);
+    p[i] = from_acc<T>(pv);
+    m[i] = mv;
+  }
+}
+
+// One quantization block per thread block, one value per thread, in place as adam_8bit.
+template <typename T>
+__device__ __forceinline__ void lion_8bit(const Lion8Entry* table, unsigned k, const float* __restrict__ map,
+                                          LionH h) {
+  __shared__ float smap[256];
+  __shared__ float red[2 * MT_WARPS];
+  __shared__ uint8_t codes[MT_THREADS];
+  const Lion8Entry e = table[find_entry(table, k, blockIdx.x)];
+  T* p = (T*)e.p;
+  const T* g = (const T*)e.g;
+  uint32_t* mc = (uint32_t*)e.mc;
+  float* ma = (float*)e.ma;
+  const unsigned t = threadIdx.x;
+  const size_t b = blockIdx.x - e.first, i = b * MT_THREADS + t;
+  smap[t] = map[t];
+  __syncthreads();
+  const bool valid = i < e.n;
+  float pv = 0.f, mv = 0.f;
+  if (valid) {
+    const unsigned cm = (mc[b * 64 + t / 4] >> (8 * (t % 4))) & 0xffu;
+    mv = __fmul_rn(smap[cm], ma[b]);
+    pv = to_acc(p[i]);
+    lion_value(pv, to_acc(g[i]), mv, h);
+  }
+  float am = valid ? fabsf(mv) : 0.f, unused = 0.f;
+  block_max2(am, unused, red);
+  const float xm = valid && am > 0.f ? __fdiv_rn(mv, am) : 0.f;
+  codes[t] = (uint8_t)nearest_code(smap, xm);
+  __syncthreads();
+  if (t < 64) {
+    const uint8_t* c = codes + 4 * t;
+    mc[b * 64 + t] = (uint32_t)c[0] | ((uint32_t)c[1] << 8) | ((uint32_t)c[2] << 16) | ((uint32_t)c[3] << 24);
+  }
+  if (t == 0) ma[b] = am;
+  if (valid) p[i] = from_acc<T>(pv);
+}
+
+#define LION(SUF, T)                                                                                            \
+  extern "C" __global__ void __launch_bounds__(MT_THREADS)                                                      \
+      lion_full_##SUF(const LionFullEntry* table, unsigned k, float beta1, float beta2, float omb1, float omb2, \
+                      float decay, float neg_lr, float grad_scale) {                                            \
+    lion_full<T>(table, k, LionH{beta1, beta2, omb1, omb2, decay, neg_lr, grad_scale});                         \
+  }                                                                                                             \
+  extern "C" __global__ void __launch_bounds__(MT_THREADS)                                                      \
+      lion_8bit_##SUF(const Lion8Entry* table, unsigned k, const float* map, float beta1, float beta2,          \
+                      float omb1, float omb2, float decay, float neg_lr, float grad_scale) {                    \
+    lion_8bit<T>(table, k, map, LionH{beta1, beta2, omb1, omb2, decay, neg_lr, grad_scale});                    \
+  }
+LION(f32, float)
+LION(bf16, __nv_bfloat16)
+LION(f16, __half)

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Optimizer fixtures: 50 steps of the reference packages' optimizers (tests/prodigy.rs,
-tests/schedulefree.rs).
+tests/schedulefree.rs, tests/lion.rs).
 
 Usage:  python scripts/make_optimizer_fixtures.py [OUT_DIR]      (default OUT_DIR: tests/fixtures/optim)
 
 Needs torch, safetensors, numpy, prodigyopt (1.1.2), schedulefree (1.4.1) and
-prodigy-plus-schedule-free (2.0.1); no network. Runs on the CPU in float32,
+prodigy-plus-schedule-free (2.0.1),
+lion-pytorch (0.2) and bitsandbytes (0.50, its CPU path); no network. Runs on the CPU in float32,
 one thread. Random values: numpy's PCG64 (`numpy.random.default_rng(SEED + k)`), standard
 normals rounded to float32; deterministic (two runs write the same bytes).
 
@@ -15,7 +16,7 @@ Files written, one per case, float32 unless said:
     init.<p>         the parameters before the first step: p_a (3, 5) and p_b (7,) random,
                      p_zero (4, 3) zeros (a LoRA up matrix: prodigyopt keeps no p0 copy)
     target.<p>       a point the gradients pull towards (k = 200 + i)
-    noise.<p>        (50, *shape) 0.3 times normals (k = 100 + i), rounded to float32: the
+    noise.<p>        (50, *shape) 0.3 times normals (lion8bit: (5, *shape), step k takes k % 5) (k = 100 + i), rounded to float32: the
                      gradient of step k is (p - target) + noise[k], each operation in float32
     lr               (50,) float64, the lr set before step k (a linear warm-up in `warmup`)
     final.<p>        the parameters after 50 steps
@@ -30,6 +31,12 @@ Files written, one per case, float32 unless said:
     d                (50,) float64, the group's d after step k (prodigy cases only)
 
 Cases:
+  lion_<case>.safetensors, lion8bit_<case>.safetensors
+    the same tensors for their parameters, without d; lion8bit's parameters are p_big
+    (80, 64), 5120 values, so 8-bit (at least bitsandbytes' min_8bit_size, 4096), and p_a,
+    f32 state.
+
+Prodigy cases:
   default   Prodigy(lr=1.0): prodigyopt's defaults
   warmup    weight_decay=0.1 (decoupled), use_bias_correction, safeguard_warmup, d_coef=2,
             growth_rate=1.5, lr warming up linearly over 10 steps
@@ -75,6 +82,14 @@ CASES = {
         lr=1.0, decouple=False, weight_decay=0.05, betas=(0.0, 0.99), beta3=0.9, d0=1e-5
     ),
 }
+
+# lion_pytorch.Lion and bitsandbytes.optim.Lion8bit (same keywords); lr follows `schedule`.
+LION_CASES = {
+    "default": dict(lr=1e-3),
+    "decay": dict(lr=3e-4, betas=(0.95, 0.98), weight_decay=0.1),
+}
+LION_SHAPES = {"p_a": (3, 5), "p_b": (7,)}
+LION8_SHAPES = {"p_big": (80, 64), "p_a": (3, 5)}
 
 
 def normals(k, shape):
@@ -185,6 +200,34 @@ def run_sf(name, cls, kwargs, out):
     meta = {"format": "pt", "kwargs": json.dumps(kwargs)}
     path = out / f"{name}.safetensors"
     save_file(tensors, str(path), metadata=meta)
+def lion_run(prefix, make, shapes, name, kwargs, out, period=STEPS):
+    """50 steps of `make(params, **kwargs)` on the quadratic pull plus noise (step k takes
+    noise[k % period]: lion8bit's files keep 5 draws, to stay small); the "decay" case takes
+    a cosine schedule of lr over the 50 steps."""
+    params = {p: torch.nn.Parameter(normals(i, shape)) for i, (p, shape) in enumerate(shapes.items())}
+    tensors = {f"init.{p}": t.detach().clone() for p, t in params.items()}
+    targets = {p: normals(200 + i, shapes[p]) for i, p in enumerate(shapes)}
+    noise = {p: (0.3 * normals(100 + i, (period, *shapes[p]))).to(torch.float32) for i, p in enumerate(shapes)}
+    opt = make(list(params.values()), **kwargs)
+    lrs = []
+    for k in range(STEPS):
+        lr = kwargs["lr"]
+        if name == "decay":
+            lr = kwargs["lr"] * 0.5 * (1.0 + np.cos(np.pi * k / STEPS))
+        for g in opt.param_groups:
+            g["lr"] = float(lr)
+        lrs.append(float(lr))
+        for p, t in params.items():
+            t.grad = (t.detach() - targets[p]) + noise[p][k % period]
+        opt.step()
+    for p in shapes:
+        tensors[f"target.{p}"] = targets[p]
+        tensors[f"noise.{p}"] = noise[p]
+        tensors[f"final.{p}"] = params[p].detach().clone()
+    tensors["lr"] = torch.tensor(lrs, dtype=torch.float64)
+    kw = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+    path = out / f"{prefix}_{name}.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt", "kwargs": json.dumps(kw)})
     path.chmod(0o644)
 
 
@@ -196,7 +239,13 @@ def main():
         run(name, kwargs, out)
     for name, (cls, kwargs) in SF_CASES.items():
         run_sf(name, cls, kwargs, out)
-    print(f"wrote {len(CASES) + len(SF_CASES)} files to {out}")
+    from lion_pytorch import Lion
+    import bitsandbytes as bnb
+
+    for name, kwargs in LION_CASES.items():
+        lion_run("lion", Lion, LION_SHAPES, name, kwargs, out)
+        lion_run("lion8bit", bnb.optim.Lion8bit, LION8_SHAPES, name, kwargs, out, period=5)
+    print(f"wrote {len(CASES) + len(SF_CASES) + 2 * len(LION_CASES)} files to {out}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ pub(crate) fn toml_type(rust: &str) -> &'static str {
         "Vec<DirEntry>" => "tables [[...]] of path, repeats",
         "[usize;2]" => "[integer, integer]",
         "[f64;2]" => "[float, float]",
+        "Option<[f64;2]>" => "[float, float] (optional)",
         "Gpus" => "list of integers, or \"all\"",
         _ => "string",
     }

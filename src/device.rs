@@ -574,6 +574,44 @@ impl Storage {
             &Shape::from(()),
         ))
     }
+    /// A multi-tensor Lion step over storages of one device (`BackendStorage::lion_multi`).
+    pub(crate) fn lion_multi(
+        h: &crate::backend::lion::LionHyper,
+        items: &mut [crate::backend::lion::LionItem<'_, Storage>],
+        map: Option<&Storage>,
+    ) -> Result<()> {
+        use crate::backend::BackendStorage;
+        const OP: &str = "lion_multi";
+        let Some(first) = items.first() else {
+            return Ok(());
+        };
+        #[cfg(feature = "cpu-ref")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cpu(_) = &*first.p {
+            let mut a = items
+                .iter_mut()
+                .map(|it| it.map(|s| s.cpu_mut(OP), |s| s.cpu(OP)))
+                .collect::<Result<Vec<_>>>()?;
+            let map = map.map(|m| m.cpu(OP)).transpose()?;
+            return CpuStorage::lion_multi(h, &mut a, map);
+        }
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cuda(_) = &*first.p {
+            let mut a = items
+                .iter_mut()
+                .map(|it| it.map(|s| s.cuda_mut(OP), |s| s.cuda(OP)))
+                .collect::<Result<Vec<_>>>()?;
+            let map = map.map(|m| m.cuda(OP)).transpose()?;
+            return crate::backend::cuda::CudaStorage::lion_multi(h, &mut a, map);
+        }
+        let _ = (h, map, OP);
+        Err(crate::Error::invalid(
+            OP,
+            "internal: storage of no backend",
+            &Shape::from(()),
+        ))
+    }
     /// A multi-tensor Prodigy step over storages of one device
     /// (`BackendStorage::prodigy_multi`).
     pub(crate) fn prodigy_multi(

@@ -507,7 +507,7 @@ fn every_checkable_value_is_refused_with_its_key_and_line() {
             vec!["memory.budget_gb".into(), ">= 0".into()],
         ),
         (
-            good.replace("lr = 3e-3", "kind = \"lion\"\nlr = 3e-3"),
+            good.replace("lr = 3e-3", "kind = \"lamb\"\nlr = 3e-3"),
             vec!["optimizer.kind".into(), "adamw8bit".into()],
         ),
     ];
@@ -1479,6 +1479,48 @@ fn prodigy_from_the_config_resumes_exactly() {
     assert!(d > 1e-6, "d grew from d0: {d}");
     std::fs::remove_dir_all(&a).ok();
     std::fs::remove_dir_all(&b).ok();
+}
+
+/// `optimizer.kind = "lion"` and `"lion8bit"` train through the trainer and resume exactly;
+/// betas default to Lion's [0.9, 0.99]. (The tiny adapters are all under Lion8bit's
+/// 4096-value threshold, so its momenta stay f32: the quantized path is tests/lion.rs's.)
+#[test]
+fn lion_from_the_config_resumes_exactly() {
+    for (kind, name) in [
+        (OptimizerKind::Lion, "lion"),
+        (OptimizerKind::Lion8bit, "lion8bit"),
+    ] {
+        let set = |cfg: &mut TrainConfig| {
+            cfg.optimizer.kind = kind;
+            cfg.optimizer.lr = Some(3e-4);
+            cfg.optimizer.betas = None;
+        };
+        let a = temp(&format!("{name}-full"));
+        let mut cfg = TrainConfig::from_file(tiny(&a, 8, "")).unwrap();
+        set(&mut cfg);
+        assert_eq!(cfg.optimizer.betas(), [0.9, 0.99]);
+        run_with(&cfg, fresh()).unwrap();
+        let full = losses(&cfg.train.output_dir);
+        assert_eq!(full.len(), 8);
+        let b = temp(&format!("{name}-resumed"));
+        let mut cfg_b = TrainConfig::from_file(tiny(&b, 8, "")).unwrap();
+        set(&mut cfg_b);
+        let stop = RunOptions {
+            stop_at: Some(6),
+            ..Default::default()
+        };
+        assert_eq!(run_with(&cfg_b, stop).unwrap().0, RunEnd::Stopped(6));
+        run_with(&cfg_b, resume()).unwrap();
+        assert_eq!(losses(&cfg_b.train.output_dir), full, "{name}");
+        let (_, dir) = checkpoints(&cfg_b.train.output_dir).unwrap().pop().unwrap();
+        let f =
+            flame::safetensors::SafeTensorsFile::open(dir.join("optimizer.safetensors")).unwrap();
+        let m = f.metadata();
+        assert_eq!(m.get("optimizer").map(String::as_str), Some(name));
+        assert_eq!(m.get("beta2").map(String::as_str), Some("0.99"));
+        std::fs::remove_dir_all(&a).ok();
+        std::fs::remove_dir_all(&b).ok();
+    }
 }
 
 /// Prodigy's keys are checked with the config, naming the key: they belong to kind =

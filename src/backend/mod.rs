@@ -8,6 +8,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod fp8;
 pub mod ggml;
+pub mod lion;
 pub mod multi;
 pub mod multi_sf;
 pub mod profile;
@@ -446,6 +447,15 @@ pub trait BackendStorage: Sized + Send + Sync {
         op: &multi_sf::SfOp,
         items: &mut [multi_sf::SfItem<'_, Self>],
         scalars: Option<&mut Self>,
+    /// One Lion step of every item, in place (one kernel launch on CUDA): the parameters, of
+    /// one dtype (f32, bf16 or f16), and their momenta, all f32 or all 8-bit, as
+    /// `lion::LionHyper::apply` and `quant8` describe; `map` is the (256) f32 signed
+    /// `quant8::dynamic_map` for 8-bit momenta. Checked by `validate::lion_multi` before
+    /// anything is written.
+    fn lion_multi(
+        h: &lion::LionHyper,
+        items: &mut [lion::LionItem<'_, Self>],
+        map: Option<&Self>,
     ) -> Result<()>;
     /// A contiguous copy of the view `l` on this device, in one pass.
     fn copy_contiguous(&self, l: &Layout) -> Result<Self>;

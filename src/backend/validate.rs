@@ -418,6 +418,57 @@ pub(crate) fn schedulefree_multi<S>(
             (Some(p0), true) => fits(p0, Some(DType::BF16), 0, prodigy_sf_sliced(it.n), "p0", k)?,
             (Some(_), false) => return missing(k, "p0", it.n),
             _ => {}
+/// A multi-tensor Lion step (`BackendStorage::lion_multi`): every parameter f32, bf16 or f16
+/// and of one dtype, each gradient of its parameter's dtype, every item with the same kind of
+/// momentum, each view inside its buffer, and the maps with 8-bit momenta.
+pub(crate) fn lion_multi<S>(
+    items: &[super::lion::LionItem<'_, S>],
+    maps: Option<&S>,
+    info: impl Fn(&S) -> (DType, usize),
+) -> Result<()> {
+    use super::lion::LionMoment as M;
+    const OP: &str = "lion_multi";
+    let Some(first) = items.first() else {
+        return Ok(());
+    };
+    let dtype = info(first.p).0;
+    if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(Error::UnsupportedDType { op: OP, dtype });
+    }
+    let quantized = matches!(first.m, M::Quantized { .. });
+    let fits = |s: &S, want: DType, offset: usize, len: usize, what: &str, k: usize| {
+        item_fits(OP, info(s), Some(want), offset, len, what, k)
+    };
+    for (k, it) in items.iter().enumerate() {
+        fits(it.p, dtype, it.p_offset, it.n, "the parameter", k)?;
+        fits(it.g, dtype, it.g_offset, it.n, "the gradient", k)?;
+        let nb = super::quant8::blocks(it.n);
+        match (&it.m, quantized) {
+            (M::Full(m), false) => fits(m, DType::F32, 0, it.n, "the momentum", k)?,
+            (M::Quantized { codes, absmax }, true) => {
+                let words = nb * super::quant8::WORDS_PER_BLOCK;
+                fits(codes, DType::U32, 0, words, "the momentum's codes", k)?;
+                fits(absmax, DType::F32, 0, nb, "the momentum's maxima", k)?;
+            }
+            _ => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("item {k}: f32 and 8-bit momenta in one call"),
+                    &crate::Shape::from(it.n),
+                ))
+            }
+        }
+    }
+    if quantized {
+        match maps {
+            Some(q) => fits(q, DType::F32, 0, 256, "the signed map", 0)?,
+            None => {
+                return Err(Error::invalid(
+                    OP,
+                    "8-bit momenta without the (256) signed map",
+                    &crate::Shape::from(()),
+                ))
+            }
         }
     }
     Ok(())

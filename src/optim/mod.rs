@@ -1,9 +1,10 @@
 //! Optimizers over named parameters: [`Sgd`], [`Adam`] and [`AdamW`], with the semantics of
 //! PyTorch's `torch.optim.SGD`, `torch.optim.Adam` and `torch.optim.AdamW`
 //! (<https://pytorch.org/docs/stable/optim.html>), [`AdamW8bit`], AdamW with block-wise
-//! 8-bit moments as bitsandbytes' `AdamW8bit`, and [`Prodigy`], Adam with a D-adapted step
-//! size as the `prodigyopt` package's `Prodigy`, and the schedule-free
-//! [`AdamWScheduleFree`] and [`ProdigyScheduleFree`] (the `schedulefree` and
+//! 8-bit moments as bitsandbytes' `AdamW8bit`, [`Prodigy`], Adam with a D-adapted step
+//! size as the `prodigyopt` package's `Prodigy`, [`Lion`] and [`Lion8bit`], the sign
+//! update of lion-pytorch's `Lion` with an f32 or block-wise 8-bit momentum, and the
+//! schedule-free [`AdamWScheduleFree`] and [`ProdigyScheduleFree`] (the `schedulefree` and
 //! `prodigy-plus-schedule-free` packages'), whose parameters move between the point the
 //! gradient is taken at and the point to evaluate ([`Optimizer::eval_mode`]).
 //!
@@ -28,9 +29,12 @@
 //!   `<param>.exp_avg_absmax`, ...), and it takes f32, bf16 and f16 parameters only.
 //! - [`Prodigy`] takes f32, bf16 and f16 parameters on one device only (its step size is one
 //!   estimate over all of them) and keeps that global state in the file's metadata.
+//! - [`Lion`] and [`Lion8bit`] take contiguous f32, bf16 and f16 parameters (one fused step
+//!   per device and dtype); Lion8bit's momenta are 8-bit codes as AdamW8bit's moments are.
 
 mod adam;
 mod adam8bit;
+mod lion;
 mod prodigy;
 mod schedulefree;
 mod sgd;
@@ -38,6 +42,7 @@ mod sgd;
 pub use crate::backend::quant8;
 pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
 pub use adam8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, QuantizedState};
+pub use lion::{Lion, Lion8bit, Lion8bitConfig, LionConfig, LionState};
 pub use prodigy::{Prodigy, ProdigyConfig, ProdigyEstimate, ProdigyState};
 pub use schedulefree::{
     AdamWScheduleFree, AdamWScheduleFreeConfig, AdamWScheduleFreeGlobal, ProdigyScheduleFree,
@@ -66,6 +71,10 @@ pub enum OptimizerKind {
     /// [`ProdigyScheduleFree`]: f32 v and z, bf16 s and p0 of every 11th value.
     #[serde(rename = "prodigy_schedulefree")]
     ProdigyScheduleFree,
+    /// [`Lion`]: an f32 momentum.
+    Lion,
+    /// [`Lion8bit`]: a block-wise 8-bit momentum.
+    Lion8bit,
 }
 
 impl OptimizerKind {
@@ -74,7 +83,8 @@ impl OptimizerKind {
     /// moments, a negligible share of a model's adapters); Prodigy's two f32 moments, s and
     /// p0 (less where beta1 = 0 or a parameter starts at zero, as LoRA's up matrices do);
     /// the schedule-free kinds' f32 v and z, and schedule-free Prodigy's bf16 s and p0 of
-    /// every 11th value.
+    /// every 11th value;
+    /// Lion's f32 momentum; Lion8bit's one code and its block's share of an f32 maximum.
     pub fn state_bytes_per_value(self) -> f64 {
         match self {
             OptimizerKind::AdamW => 8.0,
@@ -84,6 +94,8 @@ impl OptimizerKind {
             OptimizerKind::ProdigyScheduleFree => {
                 8.0 + 4.0 / crate::backend::multi_sf::PRODIGY_SF_SLICE as f64
             }
+            OptimizerKind::Lion => 4.0,
+            OptimizerKind::Lion8bit => 1.0 + 4.0 / quant8::BLOCK as f64,
         }
     }
 
@@ -111,6 +123,10 @@ pub enum OptimizerConfig {
     AdamWScheduleFree(AdamWScheduleFreeConfig),
     /// [`ProdigyScheduleFree`].
     ProdigyScheduleFree(ProdigyScheduleFreeConfig),
+    /// [`Lion`].
+    Lion(LionConfig),
+    /// [`Lion8bit`].
+    Lion8bit(Lion8bitConfig),
 }
 
 impl OptimizerConfig {
@@ -122,6 +138,8 @@ impl OptimizerConfig {
             OptimizerConfig::Prodigy(_) => OptimizerKind::Prodigy,
             OptimizerConfig::AdamWScheduleFree(_) => OptimizerKind::AdamWScheduleFree,
             OptimizerConfig::ProdigyScheduleFree(_) => OptimizerKind::ProdigyScheduleFree,
+            OptimizerConfig::Lion(_) => OptimizerKind::Lion,
+            OptimizerConfig::Lion8bit(_) => OptimizerKind::Lion8bit,
         }
     }
 
@@ -135,6 +153,8 @@ impl OptimizerConfig {
             OptimizerConfig::ProdigyScheduleFree(c) => {
                 Box::new(ProdigyScheduleFree::new(params, c)?)
             }
+            OptimizerConfig::Lion(c) => Box::new(Lion::new(params, c)?),
+            OptimizerConfig::Lion8bit(c) => Box::new(Lion8bit::new(params, c)?),
         })
     }
 }

@@ -527,3 +527,157 @@ pub(crate) fn schedulefree_multi(
     }
     Storage::schedulefree_multi(op, &mut items, scalar_guard.as_deref_mut())
 }
+
+/// The momentum of one parameter of [`lion_multi`] (dense tensors the optimizer owns).
+pub(crate) enum LionMomentum<'a> {
+    /// f32 of the parameter's shape.
+    Full(&'a Tensor),
+    /// Block-wise 8-bit (`quant8`): (blocks, 64) u32 codes and (blocks) f32 maxima.
+    Quantized {
+        /// The packed codes.
+        codes: &'a Tensor,
+        /// The block maxima.
+        absmax: &'a Tensor,
+    },
+}
+
+/// One parameter of [`lion_multi`].
+pub(crate) struct LionSlot<'a> {
+    /// The parameter (contiguous), written in place.
+    pub p: &'a Tensor,
+    /// Its gradient: the parameter's shape and dtype, contiguous.
+    pub g: &'a Tensor,
+    /// Its momentum.
+    pub m: LionMomentum<'a>,
+}
+
+impl LionSlot<'_> {
+    fn written(&self) -> Vec<&Tensor> {
+        match self.m {
+            LionMomentum::Full(m) => vec![self.p, m],
+            LionMomentum::Quantized { codes, absmax } => vec![self.p, codes, absmax],
+        }
+    }
+}
+
+/// One Lion step of every slot, in place: one backend call (one launch on CUDA) per group of
+/// slots with the same device, parameter dtype and kind of momentum. Everything is checked
+/// before anything is written. `maps` is the (256) f32 signed `quant8` map on each device that
+/// has 8-bit momenta.
+pub(crate) fn lion_multi(
+    h: &crate::backend::lion::LionHyper,
+    maps: &[&Tensor],
+    slots: &[LionSlot<'_>],
+) -> Result<()> {
+    use crate::backend::lion::{LionItem, LionMoment};
+    const OP: &str = "lion_multi";
+    let mut written = HashSet::new();
+    for (k, s) in slots.iter().enumerate() {
+        let bad = |msg: String| Err(Error::invalid(OP, format!("slot {k}: {msg}"), s.p.shape()));
+        if s.p.shape() != s.g.shape() || s.p.dtype() != s.g.dtype() {
+            return bad(format!(
+                "gradient {:?} {} for a parameter {:?} {}",
+                s.g.dtype(),
+                s.g.shape(),
+                s.p.dtype(),
+                s.p.shape()
+            ));
+        }
+        if !s.p.is_contiguous() || !s.g.is_contiguous() {
+            return bad("the parameter and its gradient must be contiguous".into());
+        }
+        if s.p.0.grad_fn.is_some() && crate::autograd::grad_enabled() {
+            return Err(Error::Autograd(
+                "an optimizer step into a tensor recorded on the tape would corrupt its \
+                 gradients"
+                    .into(),
+            ));
+        }
+        for t in s.written().into_iter().chain([s.g]) {
+            if t.device() != s.p.device() {
+                return Err(Error::DeviceMismatch {
+                    op: OP,
+                    lhs: s.p.device().location(),
+                    rhs: t.device().location(),
+                });
+            }
+        }
+        for t in s.written() {
+            if !written.insert(t.storage_arc()?.as_ref() as *const _) {
+                return bad("a parameter or momentum shares storage with another".into());
+            }
+        }
+        for t in s.written().into_iter().skip(1) {
+            if !t.is_contiguous() || t.layout().offset() != 0 {
+                return bad("momenta must be dense tensors".into());
+            }
+        }
+    }
+    for s in slots {
+        if written.contains(&(s.g.storage_arc()?.as_ref() as *const _)) {
+            return Err(Error::invalid(
+                OP,
+                "a gradient shares storage with a parameter or momentum",
+                s.g.shape(),
+            ));
+        }
+    }
+    // Groups, in first-seen order.
+    let mut groups: Vec<(String, DType, bool, Vec<&LionSlot<'_>>)> = vec![];
+    for s in slots {
+        let q = matches!(s.m, LionMomentum::Quantized { .. });
+        let (loc, dt) = (s.p.device().location(), s.p.dtype());
+        match groups
+            .iter_mut()
+            .find(|g| g.0 == loc && g.1 == dt && g.2 == q)
+        {
+            Some(g) => g.3.push(s),
+            None => groups.push((loc, dt, q, vec![s])),
+        }
+    }
+    for (loc, _, quantized, group) in groups {
+        let map = match quantized {
+            true => Some(
+                *maps
+                    .iter()
+                    .find(|m| m.device().location() == loc)
+                    .ok_or_else(|| {
+                        Error::invalid(OP, format!("no map on {loc}"), group[0].p.shape())
+                    })?,
+            ),
+            false => None,
+        };
+        let map_guard = map.map(|m| m.storage()).transpose()?;
+        let reads: Vec<RwLockReadGuard<'_, Storage>> =
+            group.iter().map(|s| s.g.storage()).collect::<Result<_>>()?;
+        let mut writes: Vec<RwLockWriteGuard<'_, Storage>> = vec![];
+        for s in &group {
+            for t in s.written() {
+                writes.push(t.storage_arc()?.write().map_err(|_| lock_err())?);
+            }
+        }
+        let internal = || Error::invalid(OP, "internal: lock count", &crate::Shape::from(()));
+        let mut w = writes.iter_mut();
+        let mut items = Vec::with_capacity(group.len());
+        for (s, g) in group.iter().zip(&reads) {
+            let p = &mut **w.next().ok_or_else(internal)?;
+            let m = match s.m {
+                LionMomentum::Full(_) => LionMoment::Full(&mut **w.next().ok_or_else(internal)?),
+                LionMomentum::Quantized { .. } => LionMoment::Quantized {
+                    codes: &mut **w.next().ok_or_else(internal)?,
+                    absmax: &mut **w.next().ok_or_else(internal)?,
+                },
+            };
+            items.push(LionItem {
+                p,
+                p_offset: s.p.layout().offset(),
+                n: s.p.elem_count(),
+                g: &**g,
+                g_offset: s.g.layout().offset(),
+                m,
+            });
+        }
+        Storage::lion_multi(h, &mut items, map_guard.as_deref())?;
+    }
+    Ok(())
+}

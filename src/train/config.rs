@@ -20,8 +20,8 @@ use crate::memory::{Checkpointing, Switches};
 use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
 pub use crate::optim::OptimizerKind;
 use crate::optim::{
-    AdamConfig, AdamW8bitConfig, AdamWScheduleFreeConfig, OptimizerConfig, ProdigyConfig,
-    ProdigyScheduleFreeConfig,
+    AdamConfig, AdamW8bitConfig, AdamWScheduleFreeConfig, Lion8bitConfig, LionConfig,
+    OptimizerConfig, ProdigyConfig, ProdigyScheduleFreeConfig,
 };
 use crate::{Error, Result, Setting};
 use serde::{Deserialize, Serialize};
@@ -386,13 +386,17 @@ pub const TEXT_ENCODER_TARGETS: [&str; 6] = [
 pub const TRAINABLE_TEXT_ENCODERS: [&str; 2] = ["clip_l", "clip_g"];
 
 section! {
-    /// `[optimizer]`: AdamW, AdamW8bit or Prodigy.
+    /// `[optimizer]`: AdamW, AdamW8bit, Prodigy, Lion or Lion8bit.
     OptimizerSection / RawOptimizer = "optimizer" {
         /// "adamw" (f32 moments, 8 bytes a parameter), "adamw8bit" (both moments
         /// block-wise 8-bit, about 2 bytes a parameter; parameters under 4096 values keep f32),
         /// "prodigy" (the prodigyopt package's Prodigy, kohya's optimizer_type "Prodigy":
         /// Adam whose step size d is estimated from the run, 16 bytes a parameter; lr then
-        /// multiplies d and is normally 1.0), "adamw_schedulefree" (the schedulefree
+        /// multiplies d and is normally 1.0), "lion" (lion-pytorch's Lion, kohya's
+        /// optimizer_type "Lion": the sign of a momentum step, 4 bytes a parameter; an lr 3-10
+        /// times smaller than AdamW's), "lion8bit" (bitsandbytes' Lion8bit, kohya's
+        /// "Lion8bit": the momentum block-wise 8-bit, about 1 byte a parameter),
+        /// "adamw_schedulefree" (the schedulefree
         /// package's AdamWScheduleFree, kohya's "AdamWScheduleFree": no schedule, validation,
         /// samples and saved adapters use the averaged weights x; 8 bytes a parameter) or
         /// "prodigy_schedulefree" (the prodigy-plus-schedule-free package's
@@ -405,8 +409,10 @@ section! {
         /// "prodigy_schedulefree".
         lr: Option<f64> = None,
         /// Adam's beta1 and beta2, each in [0, 1) (Prodigy's too; beta1 = 0 keeps no first
-        /// moment).
-        betas: [f64; 2] = [0.9, 0.999],
+        /// moment); Lion's beta1 (the interpolation whose sign is the update) and beta2 (the
+        /// momentum's decay). Default: [0.9, 0.999], or [0.9, 0.99] for "lion" and "lion8bit"
+        /// (lion-pytorch's and bitsandbytes').
+        betas: Option<[f64; 2]> = None,
         /// Weight decay, >= 0: decoupled (AdamW's) for every kind unless prodigy's decouple =
         /// false makes it an L2 penalty on the gradient.
         weight_decay: f64 = 0.01,
@@ -463,8 +469,24 @@ impl OptimizerSection {
     pub fn lr(&self) -> f64 {
         self.lr.unwrap_or(match self.kind {
             OptimizerKind::Prodigy | OptimizerKind::ProdigyScheduleFree => 1.0,
-            OptimizerKind::AdamW | OptimizerKind::AdamW8bit | OptimizerKind::AdamWScheduleFree => {
-                1e-4
+            OptimizerKind::AdamW
+            | OptimizerKind::AdamW8bit
+            | OptimizerKind::AdamWScheduleFree
+            | OptimizerKind::Lion
+            | OptimizerKind::Lion8bit => 1e-4,
+        })
+    }
+
+    /// beta1 and beta2: `betas`, or the kind's default ([0.9, 0.999]; Lion's [0.9, 0.99]).
+    pub fn betas(&self) -> [f64; 2] {
+        self.betas.unwrap_or(match self.kind {
+            OptimizerKind::Lion | OptimizerKind::Lion8bit => [0.9, 0.99],
+            OptimizerKind::AdamW
+            | OptimizerKind::AdamW8bit
+            | OptimizerKind::Prodigy
+            | OptimizerKind::AdamWScheduleFree
+            | OptimizerKind::ProdigyScheduleFree => {
+                [0.9, 0.999]
             }
         })
     }
@@ -513,9 +535,15 @@ impl OptimizerSection {
     pub fn optimizer_config(&self) -> OptimizerConfig {
         let adam = AdamConfig {
             lr: self.lr(),
-            beta1: self.betas[0],
-            beta2: self.betas[1],
+            beta1: self.betas()[0],
+            beta2: self.betas()[1],
             eps: self.eps,
+            weight_decay: self.weight_decay,
+        };
+        let lion = LionConfig {
+            lr: self.lr(),
+            beta1: self.betas()[0],
+            beta2: self.betas()[1],
             weight_decay: self.weight_decay,
         };
         match self.kind {
@@ -528,8 +556,8 @@ impl OptimizerSection {
                 let d = ProdigyConfig::default();
                 OptimizerConfig::Prodigy(ProdigyConfig {
                     lr: self.lr(),
-                    beta1: self.betas[0],
-                    beta2: self.betas[1],
+                    beta1: self.betas()[0],
+                    beta2: self.betas()[1],
                     beta3: self.beta3,
                     eps: self.eps,
                     weight_decay: self.weight_decay,
@@ -545,8 +573,8 @@ impl OptimizerSection {
                 let d = AdamWScheduleFreeConfig::default();
                 OptimizerConfig::AdamWScheduleFree(AdamWScheduleFreeConfig {
                     lr: self.lr(),
-                    beta1: self.betas[0],
-                    beta2: self.betas[1],
+                    beta1: self.betas()[0],
+                    beta2: self.betas()[1],
                     eps: self.eps,
                     weight_decay: self.weight_decay,
                     warmup_steps: self.warmup_steps.map_or(d.warmup_steps, |w| w as u64),
@@ -558,8 +586,8 @@ impl OptimizerSection {
                 let d = ProdigyScheduleFreeConfig::default();
                 OptimizerConfig::ProdigyScheduleFree(ProdigyScheduleFreeConfig {
                     lr: self.lr(),
-                    beta1: self.betas[0],
-                    beta2: self.betas[1],
+                    beta1: self.betas()[0],
+                    beta2: self.betas()[1],
                     beta3: self.beta3,
                     eps: self.eps,
                     weight_decay: self.weight_decay,
@@ -569,6 +597,11 @@ impl OptimizerSection {
                     schedulefree_c: self.schedulefree_c.unwrap_or(d.schedulefree_c),
                 })
             }
+            OptimizerKind::Lion => OptimizerConfig::Lion(lion),
+            OptimizerKind::Lion8bit => OptimizerConfig::Lion8bit(Lion8bitConfig {
+                lion,
+                ..Default::default()
+            }),
         }
     }
 }
@@ -1364,9 +1397,9 @@ impl TrainConfig {
             ),
         );
         c.check(
-            o.betas.iter().all(|b| (0.0..1.0).contains(b)),
+            o.betas().iter().all(|b| (0.0..1.0).contains(b)),
             "optimizer.betas",
-            format!("{:?}: each must be in [0, 1)", o.betas),
+            format!("{:?}: each must be in [0, 1)", o.betas()),
         );
         c.non_negative_f("optimizer.weight_decay", o.weight_decay);
         c.check(
@@ -1986,7 +2019,7 @@ impl TrainConfig {
             ("adapter.format", show(&a.format)),
             ("optimizer.kind", show(&o.kind)),
             ("optimizer.lr", show(&o.lr())),
-            ("optimizer.betas", show(&o.betas)),
+            ("optimizer.betas", show(&o.betas())),
             ("optimizer.weight_decay", show(&o.weight_decay)),
             ("optimizer.eps", show(&o.eps)),
             ("schedule.kind", show(&s.kind)),

@@ -221,11 +221,16 @@ fn optimizer_name(config: &TrainConfig) -> String {
         "adamw" => "torch.optim.adamw.AdamW".to_string(),
         "adamw8bit" => "bitsandbytes.optim.adamw.AdamW8bit".to_string(),
         "prodigy" => "prodigyopt.prodigy.Prodigy".to_string(),
+        "lion" => "lion_pytorch.lion_pytorch.Lion".to_string(),
+        "lion8bit" => "bitsandbytes.optim.lion.Lion8bit".to_string(),
         _ => kind,
     };
     format!(
         "{class}(weight_decay={},betas=({}, {}),eps={})",
-        o.weight_decay, o.betas[0], o.betas[1], o.eps
+        o.weight_decay,
+        o.betas()[0],
+        o.betas()[1],
+        o.eps
     )
 }
 

@@ -5,6 +5,7 @@ mod attention;
 mod conv;
 mod fused;
 mod index;
+mod lion;
 mod matmul;
 mod multi;
 mod norm;
@@ -524,6 +525,12 @@ impl BackendStorage for CpuStorage {
         scalars: Option<&mut Self>,
     ) -> Result<()> {
         schedulefree::schedulefree(op, items, scalars)
+    fn lion_multi(
+        h: &crate::backend::lion::LionHyper,
+        items: &mut [crate::backend::lion::LionItem<'_, Self>],
+        map: Option<&Self>,
+    ) -> Result<()> {
+        lion::lion(h, items, map)
     }
 
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {

@@ -13,6 +13,7 @@ mod ggml;
 mod host;
 mod index;
 mod layout;
+mod lion;
 mod matmul;
 mod memory;
 mod multi;

@@ -241,6 +241,9 @@ pub fn load_as<M: ModelSpec>(
     let family = M::entry();
     let (ckpt, config) = resolve::<M>(path.as_ref(), opts, config)?;
     let key_map = M::diffusers_map(&config);
+    if let Some(a) = &opts.adapters {
+        a.use_key_map(key_map.clone())?;
+    }
     let mut vb = ckpt
         .var_builder(opts.dtype, &opts.device, key_map.clone())?
         .with_fp8(opts.fp8)?;
@@ -533,6 +536,7 @@ fn probe_boxed<M: ModelSpec>(
     let (_, config) = resolve::<M>(path, opts, None)?;
     let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device).with_fp8(opts.fp8)?;
     if let Some(a) = &opts.adapters {
+        a.use_key_map(M::diffusers_map(&config))?;
         vb = vb.with_adapters(a.clone())?;
     }
     Ok(Loaded {

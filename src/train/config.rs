@@ -315,8 +315,9 @@ section! {
         /// LoKr and LoHa: a layer diffusers splits into projections (Flux's linear1 and qkv,
         /// SD3's qkv) trains one adapter per projection, each over the projection's rows, as
         /// PEFT builds them on diffusers' separate Linears: the "peft" file holds one set of
-        /// tensors per diffusers module, the "kohya" file names them lycoris_<diffusers
-        /// module> (which ComfyUI maps to the projection's rows). Not with weight_decompose.
+        /// tensors per diffusers module, the "kohya" file names them "lycoris_" and the
+        /// diffusers module's path, dots as underscores (which ComfyUI maps to the
+        /// projection's rows). Not with weight_decompose.
         per_projection: bool = false,
         /// LoKr and LoHa: LyCORIS's weight decomposition (its modules' weight_decompose,
         /// dora_wd in its kohya network args; DoRA on LoKr / LoHa): the layer's weight becomes

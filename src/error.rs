@@ -367,6 +367,8 @@ pub enum Setting {
     AdapterTargets,
     /// `AdapterConfig::tucker`.
     AdapterTucker,
+    /// `AdapterConfig::per_projection`.
+    AdapterPerProjection,
     /// `AdapterConfig::weight_decompose`.
     AdapterWeightDecompose,
     /// The layout of the adapter file written (`Adapters::save_peft`, `save_kohya`, ...).
@@ -387,6 +389,7 @@ impl Setting {
             Setting::AdapterFactor => "AdapterConfig::factor",
             Setting::AdapterTargets => "AdapterConfig::targets",
             Setting::AdapterTucker => "AdapterConfig::tucker",
+            Setting::AdapterPerProjection => "AdapterConfig::per_projection",
             Setting::AdapterWeightDecompose => "AdapterConfig::weight_decompose",
             Setting::AdapterLayout => "the adapter file's layout:",
         }

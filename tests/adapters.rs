@@ -18,6 +18,8 @@ use std::sync::Arc;
 const CPU: Device = Device::Cpu;
 const MODULES: [&str; 3] = ["lin", "conv", "pw"];
 const KINDS: [&str; 5] = ["lora", "dora", "lokr", "lokr_full", "loha"];
+/// PEFT's Tucker forms (`use_effective_conv2d`): the 3x3 convolution's LoKr w2 and LoHa halves.
+const TUCKER_KINDS: [&str; 2] = ["lokr_tucker", "loha_tucker"];
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/adapters")
@@ -60,7 +62,8 @@ fn config(kind: &str) -> AdapterConfig {
         .unwrap();
     let kind = match (kind, c["use_dora"].as_bool()) {
         ("lora", Some(true)) | ("dora", _) => "dora",
-        ("lokr_full", _) => "lokr",
+        ("lokr_full", _) | ("lokr_tucker", _) => "lokr",
+        ("loha_tucker", _) => "loha",
         (k, _) => k,
     };
     AdapterConfig {
@@ -78,9 +81,10 @@ fn config(kind: &str) -> AdapterConfig {
         decompose_both: c["decompose_both"].as_bool().unwrap_or(false),
         // The fixtures were made by PEFT.
         lokr_split: flame::nn::LokrSplit::Peft,
-        tucker: false,
+        tucker: c["use_effective_conv2d"].as_bool().unwrap_or(false),
         weight_decompose: false,
         wd_on_out: true,
+        per_projection: false,
     }
 }
 
@@ -177,7 +181,7 @@ fn inputs() -> HashMap<String, Tensor> {
 #[test]
 fn every_kind_matches_peft_outputs_weight_changes_and_gradients() {
     let inp = inputs();
-    for kind in KINDS {
+    for kind in KINDS.into_iter().chain(TUCKER_KINDS) {
         let io = load(&dir().join(kind).join("io.safetensors"));
         let (a, m) = from_peft(kind);
         let mut loss: Option<Tensor> = None;
@@ -507,7 +511,7 @@ fn kohya_files_mean_what_comfyui_reads_and_load_back() {
 #[test]
 fn peft_files_round_trip_and_wrong_files_are_named() {
     let d = temp("peft");
-    for kind in KINDS {
+    for kind in KINDS.into_iter().chain(TUCKER_KINDS) {
         let (a, _m) = from_peft(kind);
         let file = d.join(format!("{kind}.safetensors"));
         a.save_peft(&file, &identity(), "transformer", DType::F32)
@@ -661,6 +665,7 @@ fn conv_adapters_train_on_sdxl() {
             tucker,
             weight_decompose: false,
             wd_on_out: true,
+            per_projection: false,
         })
         .unwrap();
         let vb = VarBuilder::random(5, 0.2, DType::F32, &CPU)
@@ -803,7 +808,7 @@ fn merging_flame_s_peft_files_of_each_kind_gives_the_adapted_layer() {
     use flame::nn::LoraMerge;
     let inp = inputs();
     let d = temp("merge_peft");
-    for kind in ["lora", "dora", "lokr", "lokr_full", "loha"] {
+    for kind in KINDS.into_iter().chain(TUCKER_KINDS) {
         let mut c = config(kind);
         c.targets = vec!["lin".into(), "conv".into(), "pw".into()];
         let a = Adapters::new(c).unwrap();
@@ -1251,6 +1256,7 @@ fn flame_kohya_files_load_into_lycoris() {
             tucker: case.contains("_tucker"),
             weight_decompose: case.contains("_wd"),
             wd_on_out: on_out,
+            per_projection: false,
             ..cfg
         };
         let settings = serde_json::json!({
@@ -1567,13 +1573,14 @@ fn lycoris_tucker_forms_load_train_and_write() {
             .unwrap_or_else(|e| panic!("{case}: {e}"));
         assert!(r.checked > 0);
 
-        // PEFT has no Tucker form.
-        let e = a
-            .save_peft(d.join("peft.safetensors"), &identity(), "unet", DType::F32)
-            .map(|_| ())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("Tucker") && e.contains("conv"), "{case}: {e}");
+        // PEFT has no Tucker form of LoRA; LoKr's and LoHa's are its use_effective_conv2d.
+        let peft = a.save_peft(d.join("peft.safetensors"), &identity(), "unet", DType::F32);
+        if kind == "lora" {
+            let e = peft.map(|_| ()).unwrap_err().to_string();
+            assert!(e.contains("Tucker") && e.contains("conv"), "{case}: {e}");
+        } else {
+            peft.unwrap_or_else(|e| panic!("{case}: {e}"));
+        }
     }
     // The kinds without the form refuse the setting.
     for kind in ["dora", "full"] {
@@ -1587,4 +1594,147 @@ fn lycoris_tucker_forms_load_train_and_write() {
         .to_string();
         assert!(e.contains("AdapterConfig::tucker"), "{kind}: {e}");
     }
+}
+
+/// The `adapter_config.json` FLAME writes beside a PEFT file says what PEFT must build: the
+/// kind, alpha = r (the tensors carry the scale), the convolutions' own rank through
+/// `rank_pattern` / `alpha_pattern`, the modules, and PEFT's Tucker form
+/// (`use_effective_conv2d`); a file whose config says another form than the adapters' is an
+/// error naming `AdapterConfig::tucker`.
+#[test]
+fn peft_configs_say_the_form_and_a_file_of_the_other_form_is_named() {
+    let d = temp("peft-config");
+    for kind in TUCKER_KINDS {
+        let (a, _m) = from_peft(kind);
+        let c = a.peft_config(&identity()).unwrap();
+        let want: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir().join(kind).join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(c["peft_type"], want["peft_type"], "{kind}");
+        assert_eq!(c["use_effective_conv2d"], true, "{kind}");
+        assert_eq!(c["r"], want["r"], "{kind}");
+        assert_eq!(
+            c["alpha"], want["r"],
+            "{kind}: alpha = r, the scale folded in"
+        );
+        let mut targets: Vec<&str> = c["target_modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap())
+            .collect();
+        targets.sort();
+        assert_eq!(targets, ["conv", "lin", "pw"], "{kind}");
+        if kind == "lokr_tucker" {
+            assert_eq!(c["decompose_factor"], want["decompose_factor"]);
+        }
+        // The same file read by adapters without the Tucker form: named, not a shape error.
+        let sub = d.join(kind);
+        std::fs::create_dir_all(&sub).unwrap();
+        a.save_peft(
+            sub.join("adapter_model.safetensors"),
+            &identity(),
+            "base_model.model",
+            DType::F32,
+        )
+        .unwrap();
+        a.save_peft_config(sub.join("adapter_config.json"), &identity())
+            .unwrap();
+        let mut plain = config(kind);
+        plain.tucker = false;
+        let p = Adapters::new(plain).unwrap();
+        let _m = model(&p, DType::F32);
+        let e = p
+            .load_peft(
+                sub.join("adapter_model.safetensors"),
+                &identity(),
+                "base_model.model",
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("AdapterConfig::tucker") && e.contains("use_effective_conv2d = true"),
+            "{kind}: {e}"
+        );
+        // Read back with its config: the values come back.
+        let fresh = Adapters::new(a.config.clone()).unwrap();
+        let _m2 = model(&fresh, DType::F32);
+        fresh
+            .load_peft(
+                sub.join("adapter_model.safetensors"),
+                &identity(),
+                "base_model.model",
+            )
+            .unwrap();
+        for ((n, t0), (_, t1)) in a.params().unwrap().iter().zip(fresh.params().unwrap()) {
+            assert!(rel(&t1, t0) < 1e-6, "{kind} {n}");
+        }
+    }
+    // A conv_rank other than rank: PEFT's patterns give the convolutions theirs.
+    let mut c = config("loha");
+    c.conv_rank = 2;
+    c.conv_alpha = 3.0;
+    let a = Adapters::new(c).unwrap();
+    let _m = model(&a, DType::F32);
+    let pc = a.peft_config(&identity()).unwrap();
+    for m in ["conv", "pw"] {
+        assert_eq!(pc["rank_pattern"][m], 2, "{pc}");
+        assert_eq!(pc["alpha_pattern"][m], 2, "{pc}");
+    }
+    assert!(pc["rank_pattern"].get("lin").is_none(), "{pc}");
+}
+
+/// FLAME's PEFT files load into peft 0.21.2 (`set_peft_model_state_dict` with no missing or
+/// unexpected key, and `PeftModel.from_pretrained`, with the `adapter_config.json` FLAME
+/// writes) and peft computes FLAME's outputs, every kind and PEFT's Tucker forms
+/// (`use_effective_conv2d`), by `scripts/check_peft_adapters.py`. Needs Python with torch
+/// and peft: `FLAME_PYTHON=/work/pyenv/bin/python cargo test --features cpu-ref --test
+/// adapters -- --ignored into_peft`.
+#[test]
+#[ignore = "needs Python with torch and peft (FLAME_PYTHON)"]
+fn flame_peft_files_load_into_peft() {
+    let d = temp("peft-load");
+    let inp = inputs();
+    for kind in KINDS.into_iter().chain(TUCKER_KINDS) {
+        let (a, m) = from_peft(kind);
+        perturb(&a, 1300);
+        let sub = d.join(kind);
+        std::fs::create_dir_all(&sub).unwrap();
+        a.save_peft(
+            sub.join("adapter_model.safetensors"),
+            &identity(),
+            "base_model.model",
+            DType::F32,
+        )
+        .unwrap();
+        a.save_peft_config(sub.join("adapter_config.json"), &identity())
+            .unwrap();
+        let ys: Vec<(String, Tensor)> = MODULES
+            .iter()
+            .map(|n| (format!("y.{n}"), m.forward(n, &inp[&format!("x.{n}")])))
+            .collect();
+        flame::safetensors::save(
+            ys.iter().map(|(k, t)| (k.as_str(), t)),
+            sub.join("flame.safetensors"),
+        )
+        .unwrap();
+    }
+    let python = std::env::var("FLAME_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_peft_adapters.py");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .arg("tiny")
+        .arg(&d)
+        .arg(dir())
+        .output()
+        .expect("python3");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(out.status.success(), "peft:\n{text}");
+    std::fs::remove_dir_all(&d).ok();
 }

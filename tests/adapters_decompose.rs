@@ -76,6 +76,7 @@ fn config(kind: &str) -> AdapterConfig {
         tucker: false,
         weight_decompose: true,
         wd_on_out: true,
+        per_projection: false,
     }
 }
 
@@ -182,6 +183,7 @@ fn lycoris_decomposed_files_load_as_trainable_adapters() {
         let want = load(&lyco().join(format!("{case}_delta.safetensors")));
         let a = Adapters::new(AdapterConfig {
             wd_on_out: on_out,
+            per_projection: false,
             ..config(kind)
         })
         .unwrap();
@@ -679,6 +681,7 @@ fn trained_decomposed_adapters_round_trip_and_merge_to_their_forward_s_change() 
         let plain_cfg = AdapterConfig {
             weight_decompose: false,
             wd_on_out: true,
+            per_projection: false,
             ..c.clone()
         };
         let p = Adapters::new(plain_cfg.clone()).unwrap();

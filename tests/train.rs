@@ -188,6 +188,14 @@ fn the_tucker_form_is_checked_with_the_config() {
             "{to}: {e}"
         );
     }
+    // LoKr's and LoHa's Tucker forms are PEFT's use_effective_conv2d: "peft" takes them.
+    for kind in ["lokr", "loha"] {
+        let text = good
+            .replace("[adapter]\n", &format!("[adapter]\nkind = \"{kind}\"\n"))
+            .replace("format = \"kohya\"", "format = \"peft\"");
+        let c = TrainConfig::from_toml(&text).unwrap();
+        assert!(c.adapter_config().tucker, "{kind}");
+    }
 }
 
 /// `adapter.weight_decompose` is checked with the config: it reaches the adapters' config,

@@ -251,6 +251,9 @@ pub fn load_as<M: ModelSpec>(
     let family = M::entry();
     let (ckpt, config) = resolve::<M>(path.as_ref(), opts, config)?;
     let key_map = M::diffusers_map(&config);
+    if let Some(a) = &opts.adapters {
+        a.use_key_map(key_map.clone())?;
+    }
     let mut vb = ckpt
         .var_builder(opts.dtype, &opts.device, key_map.clone())?
         .with_fp8(opts.fp8)?
@@ -548,6 +551,7 @@ fn probe_boxed<M: ModelSpec>(
         .with_fp8(opts.fp8)?
         .with_fp8_products(opts.fp8_products)?;
     if let Some(a) = &opts.adapters {
+        a.use_key_map(M::diffusers_map(&config))?;
         vb = vb.with_adapters(a.clone())?;
     }
     Ok(Loaded {

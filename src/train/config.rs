@@ -332,8 +332,16 @@ section! {
         /// LyCORIS's Tucker form (its use_tucker: LoRA a 1×1 down, a rank x rank core of the
         /// layer's kernel, a 1×1 up, kohya's lora_mid; LoHa a core a half, hada_t1 and
         /// hada_t2; LoKr a core in its low-rank w2, lokr_t2), fewer values than a full kernel
-        /// for the same rank. Written as "kohya" or "comfyui" only.
+        /// for the same rank. LoHa's and LoKr's are PEFT's use_effective_conv2d and are written in
+        /// every layout; LoRA's as "kohya" or "comfyui" only.
         tucker: bool = false,
+        /// LoKr and LoHa: a layer diffusers splits into projections (Flux's linear1 and qkv,
+        /// SD3's qkv) trains one adapter per projection, each over the projection's rows, as
+        /// PEFT builds them on diffusers' separate Linears: the "peft" file holds one set of
+        /// tensors per diffusers module, the "kohya" file names them "lycoris_" and the
+        /// diffusers module's path, dots as underscores (which ComfyUI maps to the
+        /// projection's rows). Not with weight_decompose.
+        per_projection: bool = false,
         /// LoKr and LoHa: LyCORIS's weight decomposition (its modules' weight_decompose,
         /// dora_wd in its kohya network args; DoRA on LoKr / LoHa): the layer's weight becomes
         /// m · (W + ΔW) / (‖W + ΔW‖ + ε), ΔW the kind's change, the norm over each output
@@ -348,8 +356,8 @@ section! {
         /// convolution). false is written as "kohya" only.
         wd_on_out: bool = true,
         /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS), "peft" (diffusers,
-        /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits or with
-        /// weight_decompose) or "comfyui" (the kohya layout with the magnitudes of DoRA and of
+        /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits unless
+        /// per_projection, or with weight_decompose) or "comfyui" (the kohya layout with the magnitudes of DoRA and of
         /// weight_decompose written for ComfyUI, which divides them by the norm of the frozen
         /// weight, not of the adapted one; the other tensors as "kohya" writes them, in a file
         /// FLAME reads back as "comfyui").
@@ -1255,6 +1263,23 @@ impl TrainConfig {
                 .into(),
         );
         c.check(
+            !(a.per_projection && kind.as_ref().is_ok_and(|k| !k.per_projection)),
+            "adapter.per_projection",
+            format!(
+                "true: applies to {}, not {:?} (whose \"peft\" files split a fused layer by \
+                 rows already)",
+                crate::nn::adapter::per_projection_kinds(),
+                a.kind
+            ),
+        );
+        c.check(
+            !(a.per_projection && a.weight_decompose),
+            "adapter.per_projection",
+            "true with weight_decompose = true: the weight decomposition's magnitudes and norms \
+             are the fused layer's; leave one of them out"
+                .into(),
+        );
+        c.check(
             !(a.weight_decompose && a.format == AdapterFormat::Peft),
             "adapter.weight_decompose",
             "true: PEFT's LoKr and LoHa have no weight decomposition, so it is written in the \
@@ -1262,10 +1287,16 @@ impl TrainConfig {
                 .into(),
         );
         c.check(
-            !(a.tucker && a.format == AdapterFormat::Peft),
+            !(a.tucker
+                && a.format == AdapterFormat::Peft
+                && kind.as_ref().is_ok_and(|k| !k.peft_tucker)),
             "adapter.tucker",
-            "true: the Tucker forms are written in the kohya layout only; use format = \"kohya\""
-                .into(),
+            format!(
+                "true: PEFT has no Tucker form of {:?} (it has LoKr's and LoHa's, its \
+                 use_effective_conv2d), so it is written in the kohya layout only; use format = \
+                 \"kohya\"",
+                a.kind
+            ),
         );
         c.check(
             !a.targets.is_empty() && a.targets.iter().all(|t| !t.trim().is_empty()),
@@ -1710,6 +1741,7 @@ impl TrainConfig {
             Setting::AdapterFactor => "adapter.factor",
             Setting::AdapterTargets => "adapter.targets",
             Setting::AdapterTucker => "adapter.tucker",
+            Setting::AdapterPerProjection => "adapter.per_projection",
             Setting::AdapterWeightDecompose => "adapter.weight_decompose",
             Setting::AdapterLayout => "adapter.format",
         }
@@ -1748,6 +1780,7 @@ impl TrainConfig {
             factor: a.factor,
             decompose_both: a.decompose_both,
             tucker: a.tucker,
+            per_projection: a.per_projection,
             weight_decompose: a.weight_decompose,
             wd_on_out: a.wd_on_out,
             // LoKr's split follows the library of the layout written: LyCORIS's for kohya
@@ -1895,6 +1928,11 @@ impl TrainConfig {
                 show(&a.decompose_both),
             ),
             ("adapter.tucker", a.tucker, show(&a.tucker)),
+            (
+                "adapter.per_projection",
+                a.per_projection,
+                show(&a.per_projection),
+            ),
             (
                 "adapter.weight_decompose",
                 a.weight_decompose,

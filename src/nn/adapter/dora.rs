@@ -38,6 +38,8 @@ pub(super) const KIND: Kind = Kind {
     module_dropout: true,
     rank_dropout: true,
     tucker: false,
+    peft_tucker: false,
+    per_projection: false,
     reads_weight: true,
     weight_decompose: false,
     lycoris_algo: "locon",

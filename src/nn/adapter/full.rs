@@ -24,6 +24,8 @@ pub(super) const KIND: Kind = Kind {
     module_dropout: false,
     rank_dropout: false,
     tucker: false,
+    peft_tucker: false,
+    per_projection: false,
     reads_weight: false,
     weight_decompose: false,
     lycoris_algo: "full",

@@ -278,8 +278,9 @@ pub(crate) fn single_part<'p>(
             msg: format!(
                 "a {kind} adapter on layer {layer} cannot be written in the diffusers / PEFT \
                  layout: diffusers splits that layer into {} modules ({}), and a {kind} \
-                 factorisation does not split by rows; write the kohya layout or leave the \
-                 layer out of the targets",
+                 factorisation does not split by rows; train one adapter per projection \
+                 (adapter.per_projection = true, AdapterConfig::per_projection), write the \
+                 kohya layout or leave the layer out of the targets",
                 parts.len(),
                 parts
                     .iter()
@@ -306,6 +307,8 @@ pub(crate) struct PeftScales {
     rank_pattern: Vec<(regex::Regex, f64)>,
     alpha_pattern: Vec<(regex::Regex, f64)>,
     rslora: bool,
+    /// LoKr's and LoHa's `use_effective_conv2d` (their Tucker form), where the file says.
+    effective_conv2d: Option<bool>,
 }
 
 /// A JSON object's entries in the file's order (serde_json's maps sort their keys).
@@ -346,6 +349,7 @@ struct PeftConfigFile {
     alpha_pattern: Ordered,
     #[serde(default)]
     use_rslora: bool,
+    use_effective_conv2d: Option<bool>,
 }
 
 impl PeftScales {
@@ -389,6 +393,7 @@ impl PeftScales {
             rank_pattern: patterns("rank_pattern", c.rank_pattern)?,
             alpha_pattern: patterns("alpha_pattern", c.alpha_pattern)?,
             rslora: c.use_rslora,
+            effective_conv2d: c.use_effective_conv2d,
         }))
     }
 
@@ -544,8 +549,7 @@ impl Adapters {
     ) -> Result<Vec<(String, Tensor)>> {
         let _g = crate::no_grad();
         let mut tensors: Vec<(String, Tensor)> = vec![];
-        for l in self.layers()? {
-            let name = kohya_name_in(prefix, l.path());
+        for (name, l) in self.kohya_adapters(prefix)? {
             let layer = match weight {
                 Some(w) => {
                     let get = |dt: DType| w(l.path())?.to_dtype(dt);
@@ -559,6 +563,23 @@ impl Adapters {
             }
         }
         Ok(tensors)
+    }
+
+    /// Every adapter by its name in the kohya layout under `prefix`: `kohya_name_in(prefix,
+    /// path)`, or each member of
+    /// one adapted per projection under its own (`Adapter::kohya_members`).
+    fn kohya_adapters(
+        &self,
+        prefix: &str,
+    ) -> Result<Vec<(String, std::sync::Arc<dyn super::Adapter>)>> {
+        let mut v = vec![];
+        for l in self.layers()? {
+            match l.kohya_members() {
+                Some(members) => v.extend(members),
+                None => v.push((kohya_name_in(prefix, l.path()), l)),
+            }
+        }
+        Ok(v)
     }
 
     /// Reads a kohya / LyCORIS-layout file into the planned adapters (built with the model).
@@ -635,14 +656,14 @@ impl Adapters {
         unused: &mut BTreeSet<String>,
     ) -> Result<()> {
         let _g = crate::no_grad();
-        for l in self.layers()? {
+        for (name, l) in self.kohya_adapters(prefix)? {
             let Some(device) = l.params().first().map(|(_, t)| t.device().clone()) else {
                 continue;
             };
             let mut reader = Reader {
                 file,
                 path,
-                name: kohya_name_in(prefix, l.path()),
+                name,
                 layer: l.path(),
                 device: &device,
                 unused,
@@ -761,6 +782,132 @@ impl Adapters {
         Ok(())
     }
 
+    /// PEFT's `adapter_config.json` for the file [`Adapters::save_peft`] writes under `map`:
+    /// the kind's PEFT type, r and alpha (alpha = r: the file's tensors carry the scale),
+    /// `rank_pattern` / `alpha_pattern` giving the convolutions their own rank (`conv_rank`),
+    /// every diffusers module adapted as `target_modules`, and the kind's settings (LoKr's
+    /// `decompose_both` and `decompose_factor`, LoKr's and LoHa's `use_effective_conv2d`,
+    /// DoRA's `use_dora`). PEFT's `PeftModel.from_pretrained` builds from it the adapters
+    /// whose tensors the file holds (peft 0.21's config classes and fields).
+    pub fn peft_config(&self, map: &KeyMap) -> Result<serde_json::Value> {
+        use serde_json::{json, Map, Value};
+        let c = &self.config;
+        let kind = self.kind()?;
+        let layout = |msg: String| Error::Setting {
+            setting: Setting::AdapterLayout,
+            msg,
+        };
+        if !kind.peft {
+            return Err(layout(format!(
+                "the {:?} kind has no diffusers / PEFT layout",
+                c.kind
+            )));
+        }
+        let mut targets = BTreeSet::new();
+        let (mut ranks, mut alphas) = (Map::new(), Map::new());
+        for l in self.layers()? {
+            let shape = l.shape();
+            let rank = if shape.is_conv() { c.conv_rank } else { c.rank };
+            if c.kind == "lokr" && c.lokr_split != super::LokrSplit::Peft {
+                let peft = super::LokrSplit::Peft;
+                for dim in [shape.out_dim(), shape.in_dim()] {
+                    if peft.split(dim, c.factor) != c.lokr_split.split(dim, c.factor) {
+                        return Err(layout(format!(
+                            "layer {}: PEFT splits {dim} by factor {} as {:?}, these LoKr \
+                             adapters as {:?}; build them with AdapterConfig::lokr_split = Peft",
+                            l.path(),
+                            c.factor,
+                            peft.split(dim, c.factor),
+                            c.lokr_split.split(dim, c.factor)
+                        )));
+                    }
+                }
+            }
+            for p in peft_parts(map, l.path(), shape.out_dim())? {
+                if rank != c.rank {
+                    // PEFT's patterns are regular expressions matched at a name's end.
+                    let key = regex::escape(&p.module);
+                    ranks.insert(key.clone(), json!(rank));
+                    alphas.insert(key, json!(rank));
+                }
+                targets.insert(p.module);
+            }
+        }
+        let mut v = Map::new();
+        let (peft_type, alpha_key) = match c.kind.as_str() {
+            "lokr" => ("LOKR", "alpha"),
+            "loha" => ("LOHA", "alpha"),
+            _ => ("LORA", "lora_alpha"),
+        };
+        v.insert("peft_type".into(), json!(peft_type));
+        v.insert("r".into(), json!(c.rank));
+        v.insert(alpha_key.into(), json!(c.rank));
+        v.insert("rank_pattern".into(), Value::Object(ranks));
+        v.insert("alpha_pattern".into(), Value::Object(alphas));
+        v.insert("target_modules".into(), json!(targets));
+        match c.kind.as_str() {
+            "lokr" | "loha" => {
+                v.insert("use_effective_conv2d".into(), json!(c.tucker));
+                v.insert("rank_dropout".into(), json!(c.rank_dropout));
+                v.insert("module_dropout".into(), json!(c.module_dropout));
+                if c.kind == "lokr" {
+                    v.insert("decompose_both".into(), json!(c.decompose_both));
+                    v.insert("decompose_factor".into(), json!(c.factor));
+                }
+            }
+            k => {
+                v.insert("use_dora".into(), json!(k == "dora"));
+                v.insert("lora_dropout".into(), json!(c.dropout));
+            }
+        }
+        Ok(Value::Object(v))
+    }
+
+    /// Writes [`Adapters::peft_config`] to `path` (PEFT's `adapter_config.json`, beside the
+    /// file `save_peft` writes as `adapter_model.safetensors`), atomically.
+    pub fn save_peft_config(&self, path: impl AsRef<Path>, map: &KeyMap) -> Result<()> {
+        let path = path.as_ref();
+        let text =
+            serde_json::to_string_pretty(&self.peft_config(map)?).map_err(|e| Error::Config {
+                path: Some(path.to_path_buf()),
+                msg: format!("cannot write the PEFT config: {e}"),
+            })?;
+        let tmp = path.with_extension("json.tmp");
+        let io = |p: &Path| {
+            let p = p.to_path_buf();
+            move |source| Error::Io { path: p, source }
+        };
+        std::fs::write(&tmp, text.as_bytes()).map_err(io(&tmp))?;
+        std::fs::rename(&tmp, path).map_err(io(path))
+    }
+
+    /// Where the file's `adapter_config.json` says `use_effective_conv2d` = `effective` (PEFT's
+    /// Tucker form of LoKr and LoHa) and these adapters differ on a convolution it concerns
+    /// (a kernel larger than 1×1): an error naming `AdapterConfig::tucker`.
+    fn check_effective_conv2d(&self, path: &Path, effective: bool) -> Result<()> {
+        if !self.kind()?.peft_tucker || effective == self.config.tucker {
+            return Ok(());
+        }
+        let concerned = self.layers()?.into_iter().find(|l| {
+            let s = l.shape();
+            s.is_conv() && s.kernel() != (1, 1)
+        });
+        match concerned {
+            None => Ok(()),
+            Some(l) => Err(Error::Setting {
+                setting: Setting::AdapterTucker,
+                msg: format!(
+                    "= {}: the file {} was written with use_effective_conv2d = {effective} \
+                     (PEFT's Tucker form), which concerns convolution {}; build the adapters \
+                     with AdapterConfig::tucker = {effective}",
+                    self.config.tucker,
+                    path.display(),
+                    l.path()
+                ),
+            }),
+        }
+    }
+
     /// Reads a diffusers / PEFT-layout file into the planned adapters. PEFT scales a file's
     /// adapters by alpha / r from the `adapter_config.json` beside it, per module where its
     /// `rank_pattern` / `alpha_pattern` say so, alpha / √r with `use_rslora` (`PeftScales`;
@@ -803,6 +950,9 @@ impl Adapters {
         let path = file.path.clone();
         let path = path.as_path();
         let _g = crate::no_grad();
+        if let Some(e) = scales.as_ref().and_then(|s| s.effective_conv2d) {
+            self.check_effective_conv2d(path, e)?;
+        }
         for l in self.layers()? {
             let parts = peft_parts(map, l.path(), l.shape().out_dim())?;
             // One scale a layer: its parts' (PEFT may give the parts of a split layer

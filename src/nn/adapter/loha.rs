@@ -9,7 +9,9 @@
 //! (r, in) (`tucker`), the cores `hada_t1` / `hada_t2`; w2_b starts at zero there too.
 //!
 //! Files: kohya / LyCORIS and PEFT name the tensors alike (`hada_w1_a`, `hada_w1_b`,
-//! `hada_w2_a`, `hada_w2_b`); the kohya file has `alpha` (ComfyUI scales by alpha / r), the
+//! `hada_w2_a`, `hada_w2_b`, and the Tucker form's `hada_t1`, `hada_t2`, which is PEFT's
+//! `use_effective_conv2d`: the same shapes and the same rebuild, peft 0.21's
+//! `make_weight_cp` einsum "i j k l, j r, i p -> p r k l" of t, w_b, w_a); the kohya file has `alpha` (ComfyUI scales by alpha / r), the
 //! PEFT file carries s inside w1_a (meaning the same under alpha = r). A fused layer (one
 //! that diffusers splits into modules) is refused in the PEFT layout.
 //!
@@ -32,6 +34,8 @@ pub(super) const KIND: Kind = Kind {
     module_dropout: true,
     rank_dropout: true,
     tucker: true,
+    peft_tucker: true,
+    per_projection: true,
     reads_weight: false,
     weight_decompose: true,
     lycoris_algo: "loha",
@@ -192,13 +196,6 @@ impl Loha {
     }
 }
 
-impl Loha {
-    /// FLAME writes LoHa's Tucker form in the kohya layout only (`kohya_only_tucker`).
-    fn no_peft_tucker(&self) -> Result<()> {
-        super::kohya_only_tucker(self.cores.is_some(), "LoHa", &self.path)
-    }
-}
-
 impl Adapter for Loha {
     fn kind(&self) -> &'static str {
         "loha"
@@ -272,7 +269,6 @@ impl Adapter for Loha {
     }
 
     fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
-        self.no_peft_tucker()?;
         let p = single_part("LoHa", &self.path, parts)?;
         self.params()
             .into_iter()
@@ -289,7 +285,6 @@ impl Adapter for Loha {
     }
 
     fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
-        self.no_peft_tucker()?;
         let part = single_part("LoHa", &self.path, parts)?;
         let read = self
             .params()

@@ -9,7 +9,9 @@
 //! fresh adapter leaves the model unchanged. The forward adds x ⊛ ΔW to the frozen output.
 //!
 //! Files: kohya / LyCORIS and PEFT name the tensors alike (`lokr_w1`, `lokr_w1_a`,
-//! `lokr_w1_b`, `lokr_w2`, `lokr_w2_a`, `lokr_w2_b`). ComfyUI scales a LoKr by alpha / r when
+//! `lokr_w1_b`, `lokr_w2`, `lokr_w2_a`, `lokr_w2_b`, and the Tucker form's `lokr_t2`, which is
+//! PEFT's `use_effective_conv2d`: t2 (r, r, kh, kw), w2_a (r, out_k), w2_b (r, in_n), rebuilt
+//! as peft 0.21's `make_weight_cp`, "i j k l, i p, j r -> p r k l"). ComfyUI scales a LoKr by alpha / r when
 //! a factor is low-rank and by 1 when both are full (LyCORIS too), so with both full the
 //! kohya file carries s inside w1 (and the alpha they then ignore, which LyCORIS needs to
 //! load the file). PEFT files carry s inside w1 (or w1_a) too, meaning the
@@ -34,6 +36,8 @@ pub(super) const KIND: Kind = Kind {
     module_dropout: true,
     rank_dropout: true,
     tucker: true,
+    peft_tucker: true,
+    per_projection: true,
     reads_weight: false,
     weight_decompose: true,
     lycoris_algo: "lokr",
@@ -445,14 +449,6 @@ impl Lokr {
     }
 }
 
-impl Lokr {
-    /// FLAME writes and reads LoKr's Tucker form in the kohya layout only
-    /// (`kohya_only_tucker`).
-    fn no_peft_tucker(&self) -> Result<()> {
-        super::kohya_only_tucker(matches!(self.w2, Factor::Tucker(..)), "LoKr", &self.path)
-    }
-}
-
 impl Adapter for Lokr {
     fn kind(&self) -> &'static str {
         "lokr"
@@ -529,7 +525,6 @@ impl Adapter for Lokr {
     }
 
     fn to_peft(&self, parts: &[PeftPart]) -> Result<Vec<(String, Tensor)>> {
-        self.no_peft_tucker()?;
         let p = single_part("LoKr", &self.path, parts)?;
         Ok(self
             .scaled()?
@@ -539,7 +534,6 @@ impl Adapter for Lokr {
     }
 
     fn load_peft(&self, parts: &[PeftPart], file: &mut PeftFile, file_scale: f64) -> Result<()> {
-        self.no_peft_tucker()?;
         let part = single_part("LoKr", &self.path, parts)?;
         if let Some(msg) = self.split_mismatch(|t| file.shape(&part.module, t)) {
             return Err(file.error(&part.module, "lokr_w1", msg));

@@ -31,6 +31,8 @@ pub(super) const KIND: Kind = Kind {
     module_dropout: true,
     rank_dropout: true,
     tucker: true,
+    peft_tucker: false,
+    per_projection: false,
     reads_weight: false,
     weight_decompose: false,
     lycoris_algo: "locon",

@@ -31,6 +31,7 @@ mod loha;
 mod lokr;
 mod lora;
 mod merge;
+mod split;
 
 pub(crate) use io::PeftScales;
 pub use io::{
@@ -222,6 +223,22 @@ pub trait Adapter: Send + Sync + std::fmt::Debug {
     /// `<layer name>.`), in a fixed order.
     fn params(&self) -> Vec<(&'static str, Tensor)>;
 
+    /// The trainable tensors under their names in the set, `<path>.<name>` (what an optimizer
+    /// and a checkpoint key them by), in `params` order.
+    fn named_params(&self) -> Vec<(String, Tensor)> {
+        self.params()
+            .into_iter()
+            .map(|(n, t)| (format!("{}.{n}", self.path()), t))
+            .collect()
+    }
+
+    /// The adapters this one is made of, each under its own name in the kohya layout (one
+    /// per diffusers projection of a fused layer, `AdapterConfig::per_projection`), or `None`:
+    /// this adapter is one, under `kohya_name(path)`.
+    fn kohya_members(&self) -> Option<Vec<(String, Arc<dyn Adapter>)>> {
+        None
+    }
+
     /// The adapted output from the layer's input `x` and its frozen output `y` (without
     /// bias), computed with `params` in place of the adapter's own (same order and shapes as
     /// `params()`): what gradchecks and the forward share.
@@ -346,6 +363,13 @@ pub struct Kind {
     /// Whether the kind trains LyCORIS's Tucker form on convolutions
     /// (`AdapterConfig::tucker`).
     pub tucker: bool,
+    /// Whether the kind trains one adapter per diffusers projection of a fused layer
+    /// (`AdapterConfig::per_projection`): LoKr and LoHa, whose factorisations do not split
+    /// by rows (LoRA's and DoRA's do: their PEFT files split B and the magnitude).
+    pub per_projection: bool,
+    /// Whether PEFT has the kind's Tucker form (its `use_effective_conv2d`: LoKr's and
+    /// LoHa's), so that it is written in the PEFT layout too.
+    pub peft_tucker: bool,
     /// Whether its adapters read the frozen weight in the forward (DoRA's norm): the weights
     /// they sit on are then not forward-only (with `AdapterConfig::weight_decompose` the
     /// adapters of any kind do: [`Adapters::reads_weight`]).
@@ -499,6 +523,11 @@ pub fn rank_dropout_kinds() -> String {
     kinds_where(|k| k.rank_dropout)
 }
 
+/// The kinds that train one adapter per projection of a fused layer, by name.
+pub fn per_projection_kinds() -> String {
+    kinds_where(|k| k.per_projection)
+}
+
 /// The kinds that train the Tucker form, by name.
 pub fn tucker_kinds() -> String {
     kinds_where(|k| k.tucker)
@@ -585,10 +614,20 @@ pub struct AdapterConfig {
     /// LoKr: whose rule splits a side that `factor` divides (PEFT's or LyCORIS's; they
     /// order the pair differently). A file is read with the split it was written with.
     pub lokr_split: LokrSplit,
+    /// LoKr and LoHa: a fused layer (one diffusers splits into projections: Flux's `linear1`
+    /// and `qkv`, SD3's `qkv`) trains one adapter per projection, each the kind's
+    /// factorisation of the projection's rows, as PEFT builds them on diffusers' separate
+    /// Linears (split.rs); the layers get their projections from the key map given to
+    /// [`Adapters::use_key_map`]. Files name each projection: its diffusers module in the
+    /// PEFT layout, LyCORIS's `lycoris_<module>` in the kohya layout (which ComfyUI maps to
+    /// the projection's rows). Not with `weight_decompose`.
+    pub per_projection: bool,
     /// LoRA, LoHa and LoKr: convolutions of a kernel larger than 1×1 take LyCORIS's Tucker
     /// form (`use_tucker`: LoRA a 1×1 down, a (rank, rank, kh, kw) core, a 1×1 up, kohya's
     /// `lora_mid`; LoHa a core a half, `hada_t1` / `hada_t2`; LoKr a core in its low-rank
-    /// w2, `lokr_t2`). Written in the kohya layout only.
+    /// w2, `lokr_t2`). LoHa's and LoKr's are PEFT's `use_effective_conv2d` too (the same
+    /// tensors, names and shapes) and are written in both layouts; LoRA's in the kohya layout
+    /// only (PEFT's LoRA has none).
     pub tucker: bool,
     /// LoKr and LoHa: LyCORIS's weight decomposition (`weight_decompose` in its modules,
     /// `dora_wd` in its kohya network args; DoRA on LoKr / LoHa): the layer's weight becomes
@@ -639,6 +678,7 @@ impl From<LoraConfig> for AdapterConfig {
             tucker: false,
             weight_decompose: false,
             wd_on_out: true,
+            per_projection: false,
         }
     }
 }
@@ -710,6 +750,27 @@ impl AdapterConfig {
                 ),
             );
         }
+        if self.per_projection && !kind.per_projection {
+            return bad(
+                Setting::AdapterPerProjection,
+                format!(
+                    "= true: it applies to {}, not {} (whose diffusers / PEFT files split a \
+                     fused layer by rows already)",
+                    per_projection_kinds(),
+                    kind.name
+                ),
+            );
+        }
+        if self.per_projection && self.weight_decompose {
+            return bad(
+                Setting::AdapterPerProjection,
+                "= true with weight_decompose = true: the magnitudes and norms of LyCORIS's \
+                 weight decomposition are the fused layer's, which projections of their own \
+                 do not have (PEFT's LoKr and LoHa have no weight decomposition either); \
+                 leave one of them out"
+                    .to_string(),
+            );
+        }
         if !self.wd_on_out && !self.weight_decompose {
             return bad(
                 Setting::AdapterWeightDecompose,
@@ -756,6 +817,19 @@ pub struct Adapters {
     pub config: AdapterConfig,
     layers: Mutex<BTreeMap<String, Arc<dyn Adapter>>>,
     train: Arc<AtomicBool>,
+    /// The model's diffusers key map, which gives fused layers their projections
+    /// (`AdapterConfig::per_projection`).
+    projections: Mutex<Option<Projections>>,
+}
+
+/// A model's diffusers key map, held by the set.
+#[derive(Clone)]
+struct Projections(crate::nn::keys::KeyMap);
+
+impl std::fmt::Debug for Projections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Projections(<key map>)")
+    }
 }
 
 impl Adapters {
@@ -768,7 +842,49 @@ impl Adapters {
             config,
             layers: Mutex::new(BTreeMap::new()),
             train: Arc::new(AtomicBool::new(true)),
+            projections: Mutex::new(None),
         }))
+    }
+
+    /// Gives the set the model's diffusers key map (model key -> diffusers keys), before the
+    /// model's layers are built: with `AdapterConfig::per_projection` a fused layer's adapter
+    /// is one per projection the map gives it. The model loader sets it.
+    pub fn use_key_map(&self, map: crate::nn::keys::KeyMap) -> Result<()> {
+        *self
+            .projections
+            .lock()
+            .map_err(|_| Error::Poisoned("adapters"))? = Some(Projections(map));
+        Ok(())
+    }
+
+    /// The projections of the layer at `path` with `out` rows where it is fused (or its
+    /// halves swapped) and adapted per projection; `None` otherwise.
+    fn projections_of(&self, path: &str, shape: LayerShape) -> Result<Option<Vec<PeftPart>>> {
+        if !self.config.per_projection || shape.is_conv() {
+            return Ok(None);
+        }
+        let map = self
+            .projections
+            .lock()
+            .map_err(|_| Error::Poisoned("adapters"))?
+            .clone();
+        let Some(Projections(map)) = map else {
+            return Err(Error::Setting {
+                setting: Setting::AdapterPerProjection,
+                msg: format!(
+                    "= true: layer {path} was built before the set had the model's key map \
+                     (Adapters::use_key_map)"
+                ),
+            });
+        };
+        if map(&format!("{path}.weight")).is_none() {
+            return Ok(None);
+        }
+        let parts = io::peft_parts(&map, path, shape.out_dim())?;
+        Ok(match parts.as_slice() {
+            [p] if !p.swapped => None,
+            _ => Some(parts),
+        })
     }
 
     /// The config's kind.
@@ -830,7 +946,10 @@ impl Adapters {
             seed: self.config.seed ^ key_hash(path),
             train: self.train.clone(),
         };
-        let mut l = (kind.make)(&plan)?;
+        let mut l = match self.projections_of(path, shape)? {
+            Some(parts) => Arc::new(split::PerProjection::new(&plan, parts, kind.make)?),
+            None => (kind.make)(&plan)?,
+        };
         if self.config.weight_decompose {
             l = dora::decomposed(&plan, l)?;
         }
@@ -853,12 +972,7 @@ impl Adapters {
         Ok(self
             .layers()?
             .iter()
-            .flat_map(|l| {
-                l.params()
-                    .into_iter()
-                    .map(|(n, t)| (format!("{}.{n}", l.path()), t))
-                    .collect::<Vec<_>>()
-            })
+            .flat_map(|l| l.named_params())
             .collect())
     }
 
@@ -890,8 +1004,8 @@ impl Adapters {
 }
 
 /// The refusal of the PEFT layout for an adapter of kind `kind` at layer `path` in LyCORIS's
-/// Tucker form (`tucker`: `AdapterConfig::tucker`), which FLAME writes and reads in the kohya
-/// layout only.
+/// Tucker form (`tucker`: `AdapterConfig::tucker`), for the kinds PEFT has no Tucker form of
+/// (`Kind::peft_tucker`: LoRA), which FLAME writes and reads in the kohya layout only.
 pub(crate) fn kohya_only_tucker(tucker: bool, kind: &str, path: &str) -> Result<()> {
     if tucker {
         return Err(Error::Setting {

@@ -371,6 +371,8 @@ pub enum Setting {
     AdapterWeightDecompose,
     /// The layout of the adapter file written (`Adapters::save_peft`, `save_kohya`, ...).
     AdapterLayout,
+    /// The per-block settings (`Adapters::with_blocks`).
+    AdapterBlocks,
 }
 
 impl Setting {
@@ -387,6 +389,7 @@ impl Setting {
             Setting::AdapterFactor => "AdapterConfig::factor",
             Setting::AdapterTargets => "AdapterConfig::targets",
             Setting::AdapterTucker => "AdapterConfig::tucker",
+            Setting::AdapterBlocks => "Adapters::with_blocks",
             Setting::AdapterWeightDecompose => "AdapterConfig::weight_decompose",
             Setting::AdapterLayout => "the adapter file's layout:",
         }

@@ -17,7 +17,7 @@ use crate::data::config::RawData;
 pub use crate::device::DeviceChoice;
 pub use crate::diffusion::loss::{HuberSchedule, LossType};
 use crate::memory::{Checkpointing, Switches};
-use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
+use crate::nn::{AdapterBlock, AdapterConfig, LokrSplit, LoraConfig};
 pub use crate::optim::OptimizerKind;
 use crate::optim::{AdamConfig, AdamW8bitConfig, OptimizerConfig, ProdigyConfig};
 use crate::{Error, Result, Setting};
@@ -331,6 +331,19 @@ section! {
         /// weight, not of the adapted one; the other tensors as "kohya" writes them, in a file
         /// FLAME reads back as "comfyui").
         format: AdapterFormat = AdapterFormat::Kohya,
+        /// LoRA+ (Hayou et al. 2024; kohya's network_args loraplus_lr_ratio, or
+        /// loraplus_unet_lr_ratio for the model alone): the factor that starts at zero trains at
+        /// this times the learning rate (LoRA and DoRA lora_up, as kohya; LoHa hada_w2_b;
+        /// LoKr lokr_w1 or lokr_w1_a; magnitudes and Tucker cores at the base rate; not for
+        /// "full"), in a parameter group of its own. 1: off (the paper suggests 16).
+        loraplus_lr_ratio: f64 = 1.0,
+        /// Per-block settings, `[[adapter.blocks]]` tables of `pattern` (a layer path pattern,
+        /// as in targets; the first table whose pattern matches a layer wins) and optionally
+        /// `lr` (the peak learning rate of its adapters, scaled by the schedule as optimizer.lr
+        /// is; kohya's block_lr_weight times the lr), `rank` (its Linear layers' rank; 0: no
+        /// adapter there; kohya's block_dims) and `alpha` (their alpha; kohya's block_alphas).
+        /// The run's log says how many layers each pattern matched.
+        blocks: Vec<AdapterBlock> = Vec::<AdapterBlock>::new(),
     }
 }
 
@@ -492,7 +505,8 @@ section! {
         timestep_shift: f64 = 3.0,
         /// DDPM models: min-SNR-gamma loss weighting (0: off).
         min_snr_gamma: f64 = 0.0,
-        /// The per-element loss (kohya's loss_type): "l2" (squared error), "huber"
+        /// The per-element loss (kohya's loss_type): "l2" (squared error), "l1" (absolute
+        /// error), "huber"
         /// (pseudo-Huber 2c(sqrt(d² + c²) - c)) or "smooth_l1" (2(sqrt(d² + c²) - c)), d the
         /// prediction's error, c the threshold of train.huber_schedule.
         loss_type: LossType = LossType::L2,
@@ -512,6 +526,19 @@ section! {
         /// With noise_offset: kohya's adaptive_noise_scale a, the offset of a channel
         /// becoming max(0, noise_offset + a · |mean of that channel's latents|); 0: off.
         adaptive_noise_scale: f64 = 0.0,
+        /// With noise_offset: kohya's noise_offset_random_strength, the offset of each
+        /// micro-batch drawn uniformly from [0, noise_offset) (one draw per micro-batch,
+        /// seeded) instead of noise_offset.
+        noise_offset_random_strength: bool = false,
+        /// Input perturbation noise (kohya's ip_noise_gamma, Ning et al. 2023): the model's
+        /// input is noised with noise + ip_noise_gamma · ξ (ξ a second unit normal, seeded)
+        /// while the target is made from the noise alone; 0: off (0.1 when on, as the
+        /// paper's).
+        ip_noise_gamma: f64 = 0.0,
+        /// With ip_noise_gamma: kohya's ip_noise_gamma_random_strength, the strength of each
+        /// micro-batch drawn uniformly from [0, ip_noise_gamma) (one draw per micro-batch,
+        /// seeded).
+        ip_noise_gamma_random_strength: bool = false,
         /// Multi-resolution (pyramid) noise (kohya's multires_noise_iterations): levels of
         /// normals at 1/r^i of the latent size (r drawn in [2, 4) per level, seeded),
         /// upsampled bilinearly, added times discount^i, the sum divided by its standard
@@ -1109,6 +1136,30 @@ impl TrainConfig {
             "adapter.targets",
             format!("{:?}: must be non-empty patterns", a.targets),
         );
+        c.positive_f("adapter.loraplus_lr_ratio", a.loraplus_lr_ratio);
+        c.check(
+            a.loraplus_lr_ratio == 1.0
+                || crate::nn::adapter::kind(&a.kind).map_or(true, |k| !k.loraplus_up.is_empty()),
+            "adapter.loraplus_lr_ratio",
+            format!(
+                "{}: the {:?} kind has no zero-initialized factor to train faster",
+                a.loraplus_lr_ratio, a.kind
+            ),
+        );
+        for (i, b) in a.blocks.iter().enumerate() {
+            let ok = !b.pattern.trim().is_empty()
+                && b.lr.map_or(true, |l| l.is_finite() && l >= 0.0)
+                && b.alpha.map_or(true, |x| x.is_finite() && x > 0.0);
+            c.check(
+                ok,
+                "adapter.blocks",
+                format!(
+                    "entry {} {}: needs a non-empty pattern, lr >= 0 and alpha > 0",
+                    i + 1,
+                    show(b)
+                ),
+            );
+        }
         c.positive_f("optimizer.lr", o.lr());
         for (key, kind, set) in o.kind_keys() {
             c.check(
@@ -1209,6 +1260,17 @@ impl TrainConfig {
                 "{}: must be finite, and needs train.noise_offset > 0 (it scales the offset)",
                 t.adaptive_noise_scale
             ),
+        );
+        c.check(
+            !t.noise_offset_random_strength || t.noise_offset > 0.0,
+            "train.noise_offset_random_strength",
+            "true: needs train.noise_offset > 0 (its strength is drawn up to it)".into(),
+        );
+        c.non_negative_f("train.ip_noise_gamma", t.ip_noise_gamma);
+        c.check(
+            !t.ip_noise_gamma_random_strength || t.ip_noise_gamma > 0.0,
+            "train.ip_noise_gamma_random_strength",
+            "true: needs train.ip_noise_gamma > 0 (its strength is drawn up to it)".into(),
         );
         c.check(
             t.multires_noise_discount > 0.0 && t.multires_noise_discount <= 1.0,
@@ -1438,6 +1500,7 @@ impl TrainConfig {
             Setting::AdapterTucker => "adapter.tucker",
             Setting::AdapterWeightDecompose => "adapter.weight_decompose",
             Setting::AdapterLayout => "adapter.format",
+            Setting::AdapterBlocks => "adapter.blocks",
         }
     }
 
@@ -1483,6 +1546,12 @@ impl TrainConfig {
                 AdapterFormat::Peft => LokrSplit::Peft,
             },
         }
+    }
+
+    /// An empty adapter set of the adapter config with its per-block settings
+    /// (`adapter.blocks`).
+    pub fn adapters(&self) -> Result<std::sync::Arc<crate::nn::Adapters>> {
+        crate::nn::Adapters::with_blocks(self.adapter_config(), self.adapter.blocks.clone())
     }
 
     /// The LoRA hyperparameters of the adapter config (kind and LyCORIS settings aside).
@@ -1614,14 +1683,24 @@ impl TrainConfig {
                 show(&a.weight_decompose),
             ),
             ("adapter.wd_on_out", !a.wd_on_out, show(&a.wd_on_out)),
+            (
+                "adapter.loraplus_lr_ratio",
+                a.loraplus_lr_ratio != 1.0,
+                show(&a.loraplus_lr_ratio),
+            ),
+            ("adapter.blocks", !a.blocks.is_empty(), show(&a.blocks)),
         ];
         // The loss, noise and data options (keys of runs written before them stay out
         // at their defaults, so those runs resume).
         let t = &self.train;
         let d = &self.data;
-        let huber = t.loss_type != LossType::L2;
+        let huber = t.loss_type.thresholded();
         let loss_keys = [
-            ("train.loss_type", huber, show(&t.loss_type)),
+            (
+                "train.loss_type",
+                t.loss_type != LossType::L2,
+                show(&t.loss_type),
+            ),
             ("train.huber_schedule", huber, show(&t.huber_schedule)),
             ("train.huber_c", huber, show(&t.huber_c)),
             ("train.huber_scale", huber, show(&t.huber_scale)),
@@ -1634,6 +1713,21 @@ impl TrainConfig {
                 "train.adaptive_noise_scale",
                 t.adaptive_noise_scale != 0.0,
                 show(&t.adaptive_noise_scale),
+            ),
+            (
+                "train.noise_offset_random_strength",
+                t.noise_offset_random_strength,
+                show(&t.noise_offset_random_strength),
+            ),
+            (
+                "train.ip_noise_gamma",
+                t.ip_noise_gamma != 0.0,
+                show(&t.ip_noise_gamma),
+            ),
+            (
+                "train.ip_noise_gamma_random_strength",
+                t.ip_noise_gamma_random_strength,
+                show(&t.ip_noise_gamma_random_strength),
             ),
             (
                 "train.multires_noise_iterations",

@@ -2,6 +2,7 @@ use super::{Event, PhasePeaks, PipelineParts, Placement, Prepare, Trainer};
 use crate::dist::{GradReducer, ProcessGroup, BUCKET_BYTES};
 use crate::models::{DiffusionModel, Family, LoadOptions};
 use crate::nn::{Adapters, KeyMap};
+use crate::optim::build_groups;
 use crate::train::config::{AdapterFormat, ModelDType, TrainConfig};
 use crate::train::data::{check_batch_size, Dataset, Samples};
 use crate::train::ema::{Ema, EmaSchedule};
@@ -150,7 +151,7 @@ impl Trainer {
             on,
         )?;
         drop(probe);
-        let adapters = Adapters::new(config.adapter_config())?;
+        let adapters = config.adapters()?;
         opts.adapters = Some(adapters.clone());
         // NCCL sets up its connections and buffers at the first collective: one of a
         // bucket's size, now, puts them in the memory measured outside FLAME's allocator.
@@ -183,14 +184,16 @@ impl Trainer {
         let loaded = family.load(&config.model.path, &opts)?;
         super::step::check_loss_options(&config, &loaded.model.objective())?;
         check_adapters(&config, &adapters, &loaded.key_map)?;
-        let opt = config
-            .optimizer
-            .optimizer_config()
-            .build(adapters.params()?)
-            .map_err(|e| Error::Config {
+        for line in crate::train::groups::block_report(&config, &adapters)? {
+            on(Event::Note(line));
+        }
+        let groups = crate::train::groups::param_groups(&config, &adapters)?;
+        let opt = build_groups(config.optimizer.optimizer_config(), groups).map_err(|e| {
+            Error::Config {
                 path: None,
                 msg: format!("[optimizer]: {e}"),
-            })?;
+            }
+        })?;
         let scaler = config.loss_scaler();
         let dist = match group {
             Some(g) => {
@@ -278,7 +281,7 @@ fn probe(
     opts: &LoadOptions,
     device: &Device,
 ) -> Result<Box<dyn DiffusionModel>> {
-    let trial = Adapters::new(config.adapter_config())?;
+    let trial = config.adapters()?;
     let built = family.probe(
         &config.model.path,
         &LoadOptions {

@@ -12,8 +12,8 @@ use flame::diffusion::loss::{
     elementwise, huber_threshold, noise_offset, perturbed_noise, pyramid_levels, pyramid_noise,
     reduce, strength, HuberSchedule, LossType, TimestepRange,
 };
-use flame::train::{flow_matching, Prediction};
 use flame::train::Ddpm;
+use flame::train::{flow_matching, Prediction};
 use flame::{DType, Device, Tensor};
 use serde_json::Value;
 use std::path::PathBuf;
@@ -374,11 +374,33 @@ fn bad_option_values_are_refused_naming_their_key() {
     let d = temp("config");
     let train = |keys: &str| good.replace("[train]\n", &format!("[train]\n{keys}\n"));
     let data = |keys: &str| good.replace("[data]\n", &format!("[data]\n{keys}\n"));
+    let adapter = |keys: &str| good.replace("[adapter]\n", &format!("[adapter]\n{keys}\n"));
     let cases = [
         (train("huber_c = 0.0"), "train.huber_c"),
         (train("huber_c = 1.5"), "train.huber_c"),
         (train("huber_scale = 0.0"), "train.huber_scale"),
-        (train("loss_type = \"l1\""), "train.loss_type"),
+        (train("loss_type = \"l3\""), "train.loss_type"),
+        (
+            train("noise_offset_random_strength = true"),
+            "train.noise_offset_random_strength",
+        ),
+        (train("ip_noise_gamma = -0.1"), "train.ip_noise_gamma"),
+        (
+            train("ip_noise_gamma_random_strength = true"),
+            "train.ip_noise_gamma_random_strength",
+        ),
+        (
+            adapter("loraplus_lr_ratio = 0.0"),
+            "adapter.loraplus_lr_ratio",
+        ),
+        (
+            adapter("kind = \"full\"\nloraplus_lr_ratio = 16.0"),
+            "adapter.loraplus_lr_ratio",
+        ),
+        (
+            format!("{good}\n[[adapter.blocks]]\npattern = \"x.*\"\nalpha = 0.0\n"),
+            "adapter.blocks",
+        ),
         (train("huber_schedule = \"cosine\""), "train.huber_schedule"),
         (train("noise_offset = -0.1"), "train.noise_offset"),
         (
@@ -421,7 +443,8 @@ fn bad_option_values_are_refused_naming_their_key() {
     let fine = train(
         "loss_type = \"smooth_l1\"\nhuber_schedule = \"exponential\"\nnoise_offset = 0.1\n\
          adaptive_noise_scale = -0.2\nmultires_noise_iterations = 6\nmin_timestep = 10\n\
-         max_timestep = 10",
+         max_timestep = 10\nnoise_offset_random_strength = true\nip_noise_gamma = 0.1\n\
+         ip_noise_gamma_random_strength = true",
     );
     std::fs::write(d.join("good.toml"), fine).unwrap();
     flame::train::TrainConfig::from_file(d.join("good.toml")).unwrap();
@@ -439,7 +462,11 @@ fn input_perturbation_noises_the_input_and_not_the_target() {
     let v = |t: &Tensor| t.to_vec_f64().unwrap();
     for case in ip["cases"].as_array().unwrap() {
         let u = case["random_u"].as_f64();
-        let gamma = strength(case["gamma"].as_f64().unwrap(), u.is_some(), u.unwrap_or(0.0));
+        let gamma = strength(
+            case["gamma"].as_f64().unwrap(),
+            u.is_some(),
+            u.unwrap_or(0.0),
+        );
         let input = perturbed_noise(&noise, &xi, gamma).unwrap();
         let what = format!("{case}");
         // Flow matching: x_t from the perturbed noise, the target from the noise.
@@ -447,7 +474,13 @@ fn input_perturbation_noises_the_input_and_not_the_target() {
         let xt = flow_matching(&x0, &input, &s).unwrap().0;
         let target = flow_matching(&x0, &noise, &s).unwrap().1;
         close(&what, &v(&xt), &floats(&case["flow_input"]), 1e-6, 1e-6);
-        close(&what, &v(&target), &floats(&case["flow_target"]), 1e-12, 1e-12);
+        close(
+            &what,
+            &v(&target),
+            &floats(&case["flow_target"]),
+            1e-12,
+            1e-12,
+        );
         // DDPM: add_noise of the perturbed noise; ε and v targets from the noise.
         let ts: Vec<f32> = f32s(&case["ddpm_timesteps"]);
         let ts = Tensor::from_vec(ts, d[0], &CPU).unwrap();

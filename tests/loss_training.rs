@@ -404,7 +404,10 @@ fn loraplus_scales_the_up_matrices_first_update_by_its_ratio() {
             ups += 1;
             assert!(a.iter().any(|&x| x != 0.0), "{name} moved");
             for (x, y) in a.iter().zip(b) {
-                assert!((y - 8.0 * x).abs() <= 1e-5 * (8.0 * x).abs() + 1e-12, "{name}: {y} vs 8 x {x}");
+                assert!(
+                    (y - 8.0 * x).abs() <= 1e-5 * (8.0 * x).abs() + 1e-12,
+                    "{name}: {y} vs 8 x {x}"
+                );
             }
         } else {
             // A's gradient is zero while B is: only the decay moves it, alike.
@@ -448,11 +451,20 @@ fn blocks_set_ranks_and_rates_and_are_reported() {
     let before = adapter_values(&t);
     t.run(&RunOptions::default(), &mut |_| {}).unwrap();
     let after = adapter_values(&t);
-    let report: Vec<&String> = notes.iter().filter(|n| n.starts_with("adapter.blocks")).collect();
+    let report: Vec<&String> = notes
+        .iter()
+        .filter(|n| n.starts_with("adapter.blocks"))
+        .collect();
     assert_eq!(report.len(), 3, "{notes:?}");
-    assert!(report[0].contains("matched 4 targeted layers (lr 0, rank 2, alpha 1)"), "{report:?}");
+    assert!(
+        report[0].contains("matched 4 targeted layers (lr 0, rank 2, alpha 1)"),
+        "{report:?}"
+    );
     assert!(report[1].contains("rank 0, left without"), "{report:?}");
-    assert!(report[2].contains("matched no targeted layer"), "{report:?}");
+    assert!(
+        report[2].contains("matched no targeted layer"),
+        "{report:?}"
+    );
     for ((name, a), (_, b)) in before.iter().zip(&after) {
         assert!(!name.starts_with("single_blocks."), "{name} has no adapter");
         if name.starts_with("double_blocks.0.") {
@@ -463,7 +475,10 @@ fn blocks_set_ranks_and_rates_and_are_reported() {
             assert_eq!(a, b, "{name} trains at rate 0");
         }
     }
-    assert!(before.iter().zip(&after).any(|((n, a), (_, b))| !n.starts_with("double_blocks.0.") && a != b));
+    assert!(before
+        .iter()
+        .zip(&after)
+        .any(|((n, a), (_, b))| !n.starts_with("double_blocks.0.") && a != b));
     // Files with two ranks are written with each module's alpha and read back.
     let out = cfg.train.output_dir.join("lora.safetensors");
     let file = flame::safetensors::SafeTensorsFile::open(&out).unwrap();
@@ -475,12 +490,18 @@ fn blocks_set_ranks_and_rates_and_are_reported() {
     assert_eq!(file.info(&down).unwrap().shape[0], 2);
     let other = file
         .names()
-        .find(|n| n.starts_with("lora_unet_double_blocks_1_") && n.ends_with("lora_down.weight"))
+        .find(|n| n.starts_with("lora_unet_final_layer") && n.ends_with("lora_down.weight"))
         .unwrap()
         .to_string();
     assert_eq!(file.info(&other).unwrap().shape[0], 8);
     let alpha = down.replace("lora_down.weight", "alpha");
-    assert_eq!(file.load(&alpha, &Device::Cpu).unwrap().to_vec_f64().unwrap(), [1.0]);
+    assert_eq!(
+        file.load(&alpha, &Device::Cpu)
+            .unwrap()
+            .to_vec_f64()
+            .unwrap(),
+        [1.0]
+    );
     t.adapters().load_kohya(&out).unwrap();
     std::fs::remove_dir_all(&d).ok();
 }

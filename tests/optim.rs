@@ -867,7 +867,9 @@ fn grouped_state_resumes_exactly_in_one_file() {
         assert_eq!(st.metadata()["groups"], "2");
         assert_eq!(st.metadata()["group.1.name"], "up");
         assert_eq!(st.metadata()["group.1.lr_scale"], "4");
-        assert!(st.names().all(|n| n.starts_with("group.0.w.") || n.starts_with("group.1.layer.b.")));
+        assert!(st
+            .names()
+            .all(|n| n.starts_with("group.0.w.") || n.starts_with("group.1.layer.b.")));
         assert!(st.contains("group.1.layer.b.exp_avg_sq"), "{config:?}");
 
         let resumed = Problem::copies(&params);
@@ -923,9 +925,15 @@ fn one_group_is_the_plain_optimizer_and_its_file() {
     let (fa, fb) = (TempFile::new("plain"), TempFile::new("one"));
     plain.save_state(fa.path()).unwrap();
     grouped.save_state(fb.path()).unwrap();
-    assert_eq!(std::fs::read(fa.path()).unwrap(), std::fs::read(fb.path()).unwrap());
+    assert_eq!(
+        std::fs::read(fa.path()).unwrap(),
+        std::fs::read(fb.path()).unwrap()
+    );
     // A lone group at another rate writes the same layout (its optimizer's own file).
-    let scaled = ParamGroup { lr_scale: 2.0, ..one };
+    let scaled = ParamGroup {
+        lr_scale: 2.0,
+        ..one
+    };
     let mut g = build_groups(config, vec![scaled]).unwrap();
     let fc = TempFile::new("scaled");
     g.step(&problem.grads(&b)).unwrap();

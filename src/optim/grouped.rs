@@ -94,7 +94,7 @@ impl Grouped {
             return Err(opt_err(NAME, "no parameter groups"));
         }
         let mut names = HashMap::new();
-        let mut owner: HashMap<usize, String> = HashMap::new();
+        let mut owner = HashMap::new();
         for g in &groups {
             if g.name.is_empty() || names.insert(g.name.clone(), ()).is_some() {
                 return Err(opt_err(

@@ -40,7 +40,11 @@ pub fn param_groups(config: &TrainConfig, adapters: &Adapters) -> Result<Vec<Par
                     groups.push((
                         key,
                         ParamGroup {
-                            name: if up { format!("{group}.loraplus") } else { group },
+                            name: if up {
+                                format!("{group}.loraplus")
+                            } else {
+                                group
+                            },
                             lr_scale: lr / base,
                             weight_decay: None,
                             params: vec![(name, t)],
@@ -59,7 +63,11 @@ pub fn param_groups(config: &TrainConfig, adapters: &Adapters) -> Result<Vec<Par
 pub fn block_report(config: &TrainConfig, adapters: &Adapters) -> Result<Vec<String>> {
     let blocks = adapters.blocks();
     let mut counts = vec![0usize; blocks.len()];
-    let paths = adapters.layers()?.iter().map(|l| l.path().to_string()).collect::<Vec<_>>();
+    let paths = adapters
+        .layers()?
+        .iter()
+        .map(|l| l.path().to_string())
+        .collect::<Vec<_>>();
     for p in paths.iter().chain(&adapters.left_out()?) {
         if let Some(c) = adapters.block_of(p).and_then(|i| counts.get_mut(i)) {
             *c += 1;

@@ -1148,8 +1148,8 @@ impl TrainConfig {
         );
         for (i, b) in a.blocks.iter().enumerate() {
             let ok = !b.pattern.trim().is_empty()
-                && b.lr.map_or(true, |l| l.is_finite() && l >= 0.0)
-                && b.alpha.map_or(true, |x| x.is_finite() && x > 0.0);
+                && b.lr.is_none_or(|l| l.is_finite() && l >= 0.0)
+                && b.alpha.is_none_or(|x| x.is_finite() && x > 0.0);
             c.check(
                 ok,
                 "adapter.blocks",

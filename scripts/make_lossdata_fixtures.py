@@ -2,7 +2,10 @@
 with PyTorch from the formulas of kohya's sd-scripts (commit 48d368fa):
 library/train_util.py `get_huber_threshold_if_needed`, `conditional_loss`;
 library/custom_train_functions.py `apply_noise_offset`, `pyramid_noise_like`,
-`apply_masked_loss`; and train_network.py's reduction (loss * mask, mean over (C, H, W),
+`apply_masked_loss`; train_util.py's `get_noise_noisy_latents_and_timesteps` (the random
+strengths of noise_offset and ip_noise_gamma, input perturbation through the scheduler's
+`add_noise`) and flux_train_utils.py's `get_noisy_model_input_and_timesteps` (input
+perturbation for flow matching); and train_network.py's reduction (loss * mask, mean over (C, H, W),
 times the loss weights, mean). The random draws kohya makes inside those functions
 (torch.randn, random.random) are inputs here, so FLAME's functions can be fed the same.
 
@@ -41,6 +44,8 @@ def conditional_loss(pred, target, loss_type, huber_c):
     # kohya conditional_loss with reduction="none".
     if loss_type == "l2":
         return (pred - target) ** 2
+    if loss_type == "l1":
+        return torch.abs(pred - target)
     c = huber_c.view(-1, *([1] * (pred.ndim - 1)))
     if loss_type == "huber":
         return 2 * c * (torch.sqrt((pred - target) ** 2 + c**2) - c)
@@ -76,7 +81,7 @@ def main():
     c = torch.tensor([0.1, 0.7], dtype=torch.float64)
     weights = torch.tensor([1.0, 0.25], dtype=torch.float64)
     cases = []
-    for loss_type in ["l2", "huber", "smooth_l1"]:
+    for loss_type in ["l2", "l1", "huber", "smooth_l1"]:
         el = conditional_loss(pred, target, loss_type, c)
         masked = el * mask
         per = masked.mean([1, 2, 3]) * weights
@@ -98,6 +103,15 @@ def main():
             latent_mean = torch.abs(latents.mean(dim=(2, 3), keepdim=True))
             o = torch.clamp(offset + adaptive * latent_mean, 0.0, None)
         offs.append({"offset": offset, "adaptive": adaptive, "out": flat(noise + o * draws)})
+    # noise_offset_random_strength: torch.rand(1) * noise_offset (the draw u given here), then
+    # apply_noise_offset with that offset.
+    for offset, adaptive, u in [(0.1, None, 0.37), (0.1, 0.05, 0.81)]:
+        o = u * offset
+        if adaptive is not None:
+            latent_mean = torch.abs(latents.mean(dim=(2, 3), keepdim=True))
+            o = torch.clamp(o + adaptive * latent_mean, 0.0, None)
+        offs.append({"offset": offset, "adaptive": adaptive, "random_u": u,
+                     "out": flat(noise + o * draws)})
     ref["noise_offset"] = {"dims": [b, ch, h, w], "latents": flat(latents), "noise": flat(noise),
                            "draws": flat(draws), "cases": offs}
 
@@ -121,6 +135,33 @@ def main():
     out = acc / acc.std()
     ref["pyramid"] = {"dims": list(dims), "noise": flat(noise), "r": rs, "discount": discount,
                       "levels": levels, "draws": level_draws, "out": flat(out)}
+
+    # Input perturbation (ip_noise_gamma, with the random strength's draw u given): the
+    # model's input from noise + gamma * xi, the target from the noise alone. DDPM through
+    # the scheduler's add_noise / get_velocity; flow matching as flux_train_utils.py.
+    dims = (2, 3, 2, 3)
+    latents = torch.randn(*dims, dtype=torch.float64)
+    noise = torch.randn(*dims, dtype=torch.float64)
+    xi = torch.randn(*dims, dtype=torch.float64)
+    ip = {"dims": list(dims), "latents": flat(latents), "noise": flat(noise), "xi": flat(xi),
+          "cases": []}
+    ddpm_steps = torch.tensor([17, 640])
+    sigmas = torch.tensor([0.3, 0.85], dtype=torch.float64)
+    for gamma, u in [(0.1, None), (0.2, 0.6)]:
+        g = gamma if u is None else u * gamma
+        perturbed = noise + g * xi
+        s4 = sigmas.view(-1, 1, 1, 1)
+        ip["cases"].append({
+            "gamma": gamma, "random_u": u,
+            "ddpm_timesteps": [int(t) for t in ddpm_steps],
+            "ddpm_input": flat(sched.add_noise(latents, perturbed, ddpm_steps)),
+            "ddpm_target_eps": flat(noise),
+            "ddpm_target_v": flat(sched.get_velocity(latents, noise, ddpm_steps)),
+            "flow_sigmas": flat(sigmas),
+            "flow_input": flat((1.0 - s4) * latents + s4 * perturbed),
+            "flow_target": flat(noise - latents),
+        })
+    ref["ip_noise"] = ip
 
     with open(os.path.join(OUT, "reference.json"), "w") as fh:
         json.dump(ref, fh, indent=None, separators=(",", ":"))

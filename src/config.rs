@@ -41,6 +41,7 @@ pub(crate) fn toml_type(rust: &str) -> &'static str {
         "Vec<String>" => "list of strings",
         "Vec<PathBuf>" => "list of paths",
         "Vec<DirEntry>" => "tables [[...]] of path, repeats",
+        "Vec<AdapterBlock>" => "tables [[...]] of pattern, lr, rank, alpha",
         "[usize;2]" => "[integer, integer]",
         "[f64;2]" => "[float, float]",
         "Option<[f64;2]>" => "[float, float] (optional)",

@@ -373,6 +373,8 @@ pub enum Setting {
     AdapterWeightDecompose,
     /// The layout of the adapter file written (`Adapters::save_peft`, `save_kohya`, ...).
     AdapterLayout,
+    /// The per-block settings (`Adapters::with_blocks`).
+    AdapterBlocks,
 }
 
 impl Setting {
@@ -390,6 +392,7 @@ impl Setting {
             Setting::AdapterTargets => "AdapterConfig::targets",
             Setting::AdapterTucker => "AdapterConfig::tucker",
             Setting::AdapterPerProjection => "AdapterConfig::per_projection",
+            Setting::AdapterBlocks => "Adapters::with_blocks",
             Setting::AdapterWeightDecompose => "AdapterConfig::weight_decompose",
             Setting::AdapterLayout => "the adapter file's layout:",
         }

@@ -1,5 +1,6 @@
 //! The loss and noise options (kohya sd-scripts' Huber schedules and losses, masked loss
-//! and its reduction, noise offset, pyramid noise, timestep ranges, the regularisation
+//! and its reduction, L1, noise offset and its random strength, pyramid noise, input
+//! perturbation, timestep ranges, the regularisation
 //! repeats) against tests/fixtures/lossdata/reference.json, made by
 //! scripts/make_lossdata_fixtures.py with PyTorch from kohya's formulas (float64), and the
 //! masks against pictures written here.
@@ -8,10 +9,11 @@
 use flame::data::mask::{area_pool, mask_file, mask_tensor, MaskSource};
 use flame::data::{reg_repeats, Bucket, CropMode, Geometry, Resample};
 use flame::diffusion::loss::{
-    elementwise, huber_threshold, noise_offset, pyramid_levels, pyramid_noise, reduce,
-    HuberSchedule, LossType, TimestepRange,
+    elementwise, huber_threshold, noise_offset, perturbed_noise, pyramid_levels, pyramid_noise,
+    reduce, strength, HuberSchedule, LossType, TimestepRange,
 };
 use flame::train::Ddpm;
+use flame::train::{flow_matching, Prediction};
 use flame::{DType, Device, Tensor};
 use serde_json::Value;
 use std::path::PathBuf;
@@ -103,6 +105,7 @@ fn losses_masks_and_the_reduction_equal_kohyas() {
     for case in l["cases"].as_array().unwrap() {
         let kind = match case["loss_type"].as_str().unwrap() {
             "l2" => LossType::L2,
+            "l1" => LossType::L1,
             "huber" => LossType::Huber,
             _ => LossType::SmoothL1,
         };
@@ -165,11 +168,14 @@ fn noise_offset_and_its_adaptive_scale_equal_kohyas() {
     let dims = [d[0], d[1], d[2], d[3]];
     for case in n["cases"].as_array().unwrap() {
         let mut noise = f32s(&n["noise"]);
+        // noise_offset_random_strength: the offset is u times noise_offset.
+        let offset = case["offset"].as_f64().unwrap();
+        let u = case["random_u"].as_f64();
         noise_offset(
             &mut noise,
             &f32s(&n["latents"]),
             dims,
-            case["offset"].as_f64().unwrap(),
+            strength(offset, u.is_some(), u.unwrap_or(0.0)),
             case["adaptive"].as_f64(),
             &f32s(&n["draws"]),
         )
@@ -368,11 +374,33 @@ fn bad_option_values_are_refused_naming_their_key() {
     let d = temp("config");
     let train = |keys: &str| good.replace("[train]\n", &format!("[train]\n{keys}\n"));
     let data = |keys: &str| good.replace("[data]\n", &format!("[data]\n{keys}\n"));
+    let adapter = |keys: &str| good.replace("[adapter]\n", &format!("[adapter]\n{keys}\n"));
     let cases = [
         (train("huber_c = 0.0"), "train.huber_c"),
         (train("huber_c = 1.5"), "train.huber_c"),
         (train("huber_scale = 0.0"), "train.huber_scale"),
-        (train("loss_type = \"l1\""), "train.loss_type"),
+        (train("loss_type = \"l3\""), "train.loss_type"),
+        (
+            train("noise_offset_random_strength = true"),
+            "train.noise_offset_random_strength",
+        ),
+        (train("ip_noise_gamma = -0.1"), "train.ip_noise_gamma"),
+        (
+            train("ip_noise_gamma_random_strength = true"),
+            "train.ip_noise_gamma_random_strength",
+        ),
+        (
+            adapter("loraplus_lr_ratio = 0.0"),
+            "adapter.loraplus_lr_ratio",
+        ),
+        (
+            adapter("kind = \"full\"\nloraplus_lr_ratio = 16.0"),
+            "adapter.loraplus_lr_ratio",
+        ),
+        (
+            format!("{good}\n[[adapter.blocks]]\npattern = \"x.*\"\nalpha = 0.0\n"),
+            "adapter.blocks",
+        ),
         (train("huber_schedule = \"cosine\""), "train.huber_schedule"),
         (train("noise_offset = -0.1"), "train.noise_offset"),
         (
@@ -415,9 +443,58 @@ fn bad_option_values_are_refused_naming_their_key() {
     let fine = train(
         "loss_type = \"smooth_l1\"\nhuber_schedule = \"exponential\"\nnoise_offset = 0.1\n\
          adaptive_noise_scale = -0.2\nmultires_noise_iterations = 6\nmin_timestep = 10\n\
-         max_timestep = 10",
+         max_timestep = 10\nnoise_offset_random_strength = true\nip_noise_gamma = 0.1\n\
+         ip_noise_gamma_random_strength = true",
     );
     std::fs::write(d.join("good.toml"), fine).unwrap();
     flame::train::TrainConfig::from_file(d.join("good.toml")).unwrap();
     std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn input_perturbation_noises_the_input_and_not_the_target() {
+    let r = reference();
+    let ip = &r["ip_noise"];
+    let d = dims(&ip["dims"]);
+    let t = |k: &str| Tensor::from_vec(floats(&ip[k]), d.clone(), &CPU).unwrap();
+    let (x0, noise, xi) = (t("latents"), t("noise"), t("xi"));
+    let ddpm = Ddpm::scaled_linear();
+    let v = |t: &Tensor| t.to_vec_f64().unwrap();
+    for case in ip["cases"].as_array().unwrap() {
+        let u = case["random_u"].as_f64();
+        let gamma = strength(
+            case["gamma"].as_f64().unwrap(),
+            u.is_some(),
+            u.unwrap_or(0.0),
+        );
+        let input = perturbed_noise(&noise, &xi, gamma).unwrap();
+        let what = format!("{case}");
+        // Flow matching: x_t from the perturbed noise, the target from the noise.
+        let s = Tensor::from_vec(floats(&case["flow_sigmas"]), d[0], &CPU).unwrap();
+        let xt = flow_matching(&x0, &input, &s).unwrap().0;
+        let target = flow_matching(&x0, &noise, &s).unwrap().1;
+        close(&what, &v(&xt), &floats(&case["flow_input"]), 1e-6, 1e-6);
+        close(
+            &what,
+            &v(&target),
+            &floats(&case["flow_target"]),
+            1e-12,
+            1e-12,
+        );
+        // DDPM: add_noise of the perturbed noise; ε and v targets from the noise.
+        let ts: Vec<f32> = f32s(&case["ddpm_timesteps"]);
+        let ts = Tensor::from_vec(ts, d[0], &CPU).unwrap();
+        for (pred, key) in [
+            (Prediction::Epsilon, "ddpm_target_eps"),
+            (Prediction::V, "ddpm_target_v"),
+        ] {
+            let xt = ddpm.noisy_and_target(&x0, &input, &ts, pred).unwrap().0;
+            let target = ddpm.noisy_and_target(&x0, &noise, &ts, pred).unwrap().1;
+            close(&what, &v(&xt), &floats(&case["ddpm_input"]), 1e-6, 1e-6);
+            close(&what, &v(&target), &floats(&case[key]), 1e-6, 1e-6);
+        }
+    }
+    // Without its random strength the strength is the value; with it, u times it.
+    assert_eq!(strength(0.1, false, 0.3), 0.1);
+    assert_eq!(strength(0.5, true, 0.25), 0.125);
 }

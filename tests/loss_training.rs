@@ -4,9 +4,13 @@
 //! regularisation images are matched to the training samples, and their loss is weighted by
 //! `prior_loss_weight` (0: zero loss and gradient from them, 3: three times the loss);
 //! noise offset, pyramid noise, Huber and smooth L1 and timestep ranges each train and
-//! change the loss; a run with every option on resumes exactly.
+//! change the loss, as do L1, input perturbation and the random strengths; a run with every
+//! option on (LoRA+ and a block's rate and rank among them) resumes exactly; LoRA+ scales the
+//! first AdamW update of the up matrices by its ratio and leaves the files' layout alone, and
+//! a block's rank and rate reach its layers.
 #![cfg(feature = "cpu-ref")]
 
+use flame::nn::AdapterBlock;
 use flame::train::data::Part;
 use flame::train::rundir::read_log;
 use flame::train::{Event, Prepare, RunOptions, StepReport, TrainConfig, Trainer};
@@ -262,6 +266,10 @@ fn noise_and_loss_options_train_and_change_the_loss() {
         "loss_type = \"huber\"\nhuber_schedule = \"exponential\"\nhuber_c = 0.2",
         "loss_type = \"smooth_l1\"\nhuber_schedule = \"constant\"\nhuber_scale = 2.0",
         "min_timestep = 100\nmax_timestep = 600",
+        "loss_type = \"l1\"",
+        "noise_offset = 0.1\nnoise_offset_random_strength = true",
+        "ip_noise_gamma = 0.1",
+        "ip_noise_gamma = 0.1\nip_noise_gamma_random_strength = true",
     ];
     for (i, o) in options.iter().enumerate() {
         let r = steps(&output(config(&d, 2, 4, o, ""), &d, &format!("o{i}")));
@@ -285,7 +293,8 @@ fn noise_and_loss_options_train_and_change_the_loss() {
 fn a_run_with_every_option_resumes_exactly() {
     let train = "noise_offset = 0.1\nadaptive_noise_scale = 0.05\nmultires_noise_iterations = 3\n\
                  loss_type = \"huber\"\nhuber_schedule = \"exponential\"\nmin_timestep = 50\n\
-                 max_timestep = 900";
+                 max_timestep = 900\nnoise_offset_random_strength = true\nip_noise_gamma = 0.1\n\
+                 ip_noise_gamma_random_strength = true";
     let data = "masked_loss = true\nprior_loss_weight = 0.5\n[[data.reg_dirs]]\npath = \"reg\"\n";
     let setup = |d: &Path| {
         let reg = d.join("reg");
@@ -306,7 +315,16 @@ fn a_run_with_every_option_resumes_exactly() {
             grey.save(flame::data::mask::mask_file(&reg.join(name)))
                 .unwrap();
         }
-        config(d, 6, 2, train, data)
+        // LoRA+ and a block of its own rate and rank: an optimizer of four parameter groups.
+        let mut c = config(d, 6, 2, train, data);
+        c.adapter.loraplus_lr_ratio = 4.0;
+        c.adapter.blocks = vec![AdapterBlock {
+            pattern: "double_blocks.0.*".into(),
+            lr: Some(1e-3),
+            rank: Some(4),
+            alpha: Some(2.0),
+        }];
+        c
     };
     let a = temp("full");
     let cfg = setup(&a);
@@ -346,4 +364,144 @@ fn a_run_with_every_option_resumes_exactly() {
     assert!(e.to_string().contains("data.prior_loss_weight"), "{e}");
     std::fs::remove_dir_all(&a).ok();
     std::fs::remove_dir_all(&b).ok();
+}
+
+/// The adapters' tensors of a trainer, by name, as f64.
+fn adapter_values(t: &Trainer) -> Vec<(String, Vec<f64>)> {
+    t.adapters()
+        .params()
+        .unwrap()
+        .into_iter()
+        .map(|(n, p)| (n, p.to_vec_f64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn loraplus_scales_the_up_matrices_first_update_by_its_ratio() {
+    let d = temp("loraplus");
+    let run = |ratio: f64, out: &str| {
+        let mut cfg = output(config(&d, 1, 4, "", ""), &d, out);
+        cfg.adapter.loraplus_lr_ratio = ratio;
+        let (mut t, _) = open(&cfg);
+        t.run(&RunOptions::default(), &mut |_| {}).unwrap();
+        let file = flame::safetensors::SafeTensorsFile::open(
+            cfg.train.output_dir.join("lora.safetensors"),
+        )
+        .unwrap();
+        let layout: Vec<(String, Vec<usize>)> = file
+            .names()
+            .map(|n| (n.to_string(), file.info(n).unwrap().shape.clone()))
+            .collect();
+        (adapter_values(&t), layout)
+    };
+    let (one, layout_one) = run(1.0, "r1");
+    let (eight, layout_eight) = run(8.0, "r8");
+    let mut ups = 0;
+    for ((name, a), (_, b)) in one.iter().zip(&eight) {
+        if name.ends_with("lora_up.weight") {
+            // B starts at zero; Adam's first step moves it by lr · g / (|g| + eps): eight
+            // times as far at eight times the rate.
+            ups += 1;
+            assert!(a.iter().any(|&x| x != 0.0), "{name} moved");
+            for (x, y) in a.iter().zip(b) {
+                assert!(
+                    (y - 8.0 * x).abs() <= 1e-5 * (8.0 * x).abs() + 1e-12,
+                    "{name}: {y} vs 8 x {x}"
+                );
+            }
+        } else {
+            // A's gradient is zero while B is: only the decay moves it, alike.
+            assert_eq!(a, b, "{name}");
+        }
+    }
+    assert!(ups > 0);
+    let mut l1 = layout_one;
+    let mut l8 = layout_eight;
+    l1.sort();
+    l8.sort();
+    assert_eq!(l1, l8, "the same tensors and shapes in the file");
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn blocks_set_ranks_and_rates_and_are_reported() {
+    let d = temp("blocks");
+    let mut cfg = output(config(&d, 1, 4, "", ""), &d, "blocks");
+    cfg.adapter.blocks = vec![
+        AdapterBlock {
+            pattern: "double_blocks.0.*".into(),
+            lr: Some(0.0),
+            rank: Some(2),
+            alpha: Some(1.0),
+        },
+        AdapterBlock {
+            pattern: "single_blocks.*".into(),
+            lr: None,
+            rank: Some(0),
+            alpha: None,
+        },
+        AdapterBlock {
+            pattern: "nothing.*".into(),
+            lr: None,
+            rank: Some(3),
+            alpha: None,
+        },
+    ];
+    let (mut t, notes) = open(&cfg);
+    let before = adapter_values(&t);
+    t.run(&RunOptions::default(), &mut |_| {}).unwrap();
+    let after = adapter_values(&t);
+    let report: Vec<&String> = notes
+        .iter()
+        .filter(|n| n.starts_with("adapter.blocks"))
+        .collect();
+    assert_eq!(report.len(), 3, "{notes:?}");
+    assert!(
+        report[0].contains("matched 4 targeted layers (lr 0, rank 2, alpha 1)"),
+        "{report:?}"
+    );
+    assert!(report[1].contains("rank 0, left without"), "{report:?}");
+    assert!(
+        report[2].contains("matched no targeted layer"),
+        "{report:?}"
+    );
+    for ((name, a), (_, b)) in before.iter().zip(&after) {
+        assert!(!name.starts_with("single_blocks."), "{name} has no adapter");
+        if name.starts_with("double_blocks.0.") {
+            // Rank 2, at rate 0: unchanged (the decay is lr · weight_decay = 0).
+            if name.ends_with("lora_down.weight") {
+                assert_eq!(a.len() % 2, 0);
+            }
+            assert_eq!(a, b, "{name} trains at rate 0");
+        }
+    }
+    assert!(before
+        .iter()
+        .zip(&after)
+        .any(|((n, a), (_, b))| !n.starts_with("double_blocks.0.") && a != b));
+    // Files with two ranks are written with each module's alpha and read back.
+    let out = cfg.train.output_dir.join("lora.safetensors");
+    let file = flame::safetensors::SafeTensorsFile::open(&out).unwrap();
+    let down = file
+        .names()
+        .find(|n| n.starts_with("lora_unet_double_blocks_0_") && n.ends_with("lora_down.weight"))
+        .unwrap()
+        .to_string();
+    assert_eq!(file.info(&down).unwrap().shape[0], 2);
+    let other = file
+        .names()
+        .find(|n| n.starts_with("lora_unet_final_layer") && n.ends_with("lora_down.weight"))
+        .unwrap()
+        .to_string();
+    assert_eq!(file.info(&other).unwrap().shape[0], 8);
+    let alpha = down.replace("lora_down.weight", "alpha");
+    assert_eq!(
+        file.load(&alpha, &Device::Cpu)
+            .unwrap()
+            .to_vec_f64()
+            .unwrap(),
+        [1.0]
+    );
+    t.adapters().load_kohya(&out).unwrap();
+    std::fs::remove_dir_all(&d).ok();
 }

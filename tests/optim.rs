@@ -773,3 +773,189 @@ fn optimizers_refuse_an_empty_parameter_list() {
     let (_, msg) = opt_err(Sgd::new(vec![], sgd_cfg(0.1, 0.0, 0.0, 0.0, false)));
     assert!(msg.contains("no parameters"), "{msg}");
 }
+
+// ----- parameter groups --------------------------------------------------------------------
+
+use flame::optim::{build_groups, OptimizerConfig, ParamGroup, ProdigyConfig};
+
+/// `params` split into groups: w at the run's rate, layer.b at `scale` times it with no
+/// weight decay.
+fn two_groups(params: &[(String, Tensor)], scale: f64) -> Vec<ParamGroup> {
+    vec![
+        ParamGroup {
+            name: "default".into(),
+            lr_scale: 1.0,
+            weight_decay: None,
+            params: params[..1].to_vec(),
+        },
+        ParamGroup {
+            name: "up".into(),
+            lr_scale: scale,
+            weight_decay: Some(0.0),
+            params: params[1..].to_vec(),
+        },
+    ]
+}
+
+#[test]
+fn groups_step_as_one_optimizer_per_group_at_its_rate() {
+    // PyTorch's param groups: each group its lr (here the run's times its multiplier, so a
+    // schedule moves them together) and weight decay; the same as separate optimizers.
+    let problem = Problem::new();
+    let config = OptimizerConfig::AdamW(adam_cfg(0.2, 0.1));
+    let params = problem.params(DType::F32);
+    // (Multipliers of powers of two: the products are exact.)
+    let mut grouped = build_groups(config, two_groups(&params, 4.0)).unwrap();
+    let split = problem.params(DType::F32);
+    let mut w = AdamW::new(split[..1].to_vec(), adam_cfg(0.2, 0.1)).unwrap();
+    let mut b = AdamW::new(split[1..].to_vec(), adam_cfg(0.8, 0.0)).unwrap();
+    for step in 0..6 {
+        if step == 2 {
+            grouped.set_learning_rate(0.05);
+            w.set_learning_rate(0.05);
+            b.set_learning_rate(0.2);
+        }
+        grouped.step(&problem.grads(&params)).unwrap();
+        let g = problem.grads(&split);
+        w.step(&g).unwrap();
+        b.step(&g).unwrap();
+    }
+    assert_eq!(grouped.learning_rate(), 0.05);
+    assert_eq!(bits(&params), bits(&split));
+    // The multiplier changes the update: the check has teeth.
+    let other = problem.params(DType::F32);
+    let mut one = build_groups(config, two_groups(&other, 1.0)).unwrap();
+    one.step(&problem.grads(&other)).unwrap();
+    let once = problem.params(DType::F32);
+    let mut g3 = build_groups(config, two_groups(&once, 4.0)).unwrap();
+    g3.step(&problem.grads(&once)).unwrap();
+    assert_ne!(bits(&other), bits(&once));
+}
+
+#[test]
+fn grouped_state_resumes_exactly_in_one_file() {
+    let problem = Problem::new();
+    let configs = [
+        OptimizerConfig::AdamW(adam_cfg(0.2, 0.1)),
+        OptimizerConfig::Prodigy(ProdigyConfig {
+            weight_decay: 0.01,
+            ..Default::default()
+        }),
+    ];
+    for config in configs {
+        let run = |opt: &mut dyn Optimizer, ps: &[(String, Tensor)], r: Range<usize>| {
+            for step in r {
+                opt.set_learning_rate(if step < 2 { 1.0 } else { 0.5 } * config.lr());
+                opt.step(&problem.grads(ps)).unwrap();
+            }
+        };
+        let params = problem.params(DType::F32);
+        run(
+            &mut *build_groups(config, two_groups(&params, 4.0)).unwrap(),
+            &params,
+            0..8,
+        );
+        let want = bits(&params);
+
+        let params = problem.params(DType::F32);
+        let mut opt = build_groups(config, two_groups(&params, 4.0)).unwrap();
+        run(&mut *opt, &params, 0..4);
+        let file = TempFile::new("groups");
+        opt.save_state(file.path()).unwrap();
+        let st = flame::safetensors::SafeTensorsFile::open(file.path()).unwrap();
+        assert_eq!(st.metadata()["optimizer"], "groups");
+        assert_eq!(st.metadata()["groups"], "2");
+        assert_eq!(st.metadata()["group.1.name"], "up");
+        assert_eq!(st.metadata()["group.1.lr_scale"], "4");
+        assert!(st
+            .names()
+            .all(|n| n.starts_with("group.0.w.") || n.starts_with("group.1.layer.b.")));
+        assert!(st.contains("group.1.layer.b.exp_avg_sq"), "{config:?}");
+
+        let resumed = Problem::copies(&params);
+        let mut opt = build_groups(config, two_groups(&resumed, 4.0)).unwrap();
+        opt.load_state(file.path()).unwrap();
+        run(&mut *opt, &resumed, 4..8);
+        assert_eq!(bits(&resumed), want, "{config:?}");
+
+        // Without the state the run ends elsewhere.
+        let fresh = Problem::copies(&params);
+        run(
+            &mut *build_groups(config, two_groups(&fresh, 4.0)).unwrap(),
+            &fresh,
+            4..8,
+        );
+        assert_ne!(bits(&fresh), want, "{config:?}");
+
+        // Groups of other names, or one optimizer, do not read the file.
+        let mut renamed = two_groups(&Problem::copies(&params), 4.0);
+        renamed[1].name = "b".into();
+        let e = build_groups(config, renamed)
+            .unwrap()
+            .load_state(file.path())
+            .unwrap_err();
+        assert!(e.to_string().contains("\"b\""), "{e}");
+        let e = config
+            .build(Problem::copies(&params))
+            .unwrap()
+            .load_state(file.path())
+            .unwrap_err();
+        assert!(e.to_string().contains("groups"), "{e}");
+    }
+}
+
+#[test]
+fn one_group_is_the_plain_optimizer_and_its_file() {
+    let problem = Problem::new();
+    let config = OptimizerConfig::AdamW(adam_cfg(0.2, 0.1));
+    let a = problem.params(DType::F32);
+    let b = problem.params(DType::F32);
+    let mut plain = config.build(a.clone()).unwrap();
+    let one = ParamGroup {
+        name: "default".into(),
+        lr_scale: 1.0,
+        weight_decay: None,
+        params: b.clone(),
+    };
+    let mut grouped = build_groups(config, vec![one.clone()]).unwrap();
+    for _ in 0..3 {
+        plain.step(&problem.grads(&a)).unwrap();
+        grouped.step(&problem.grads(&b)).unwrap();
+    }
+    let (fa, fb) = (TempFile::new("plain"), TempFile::new("one"));
+    plain.save_state(fa.path()).unwrap();
+    grouped.save_state(fb.path()).unwrap();
+    assert_eq!(
+        std::fs::read(fa.path()).unwrap(),
+        std::fs::read(fb.path()).unwrap()
+    );
+    // A lone group at another rate writes the same layout (its optimizer's own file).
+    let scaled = ParamGroup {
+        lr_scale: 2.0,
+        ..one
+    };
+    let mut g = build_groups(config, vec![scaled]).unwrap();
+    let fc = TempFile::new("scaled");
+    g.step(&problem.grads(&b)).unwrap();
+    g.save_state(fc.path()).unwrap();
+    let st = flame::safetensors::SafeTensorsFile::open(fc.path()).unwrap();
+    assert_eq!(st.metadata()["optimizer"], "adamw");
+    assert_eq!(st.metadata()["lr"], "0.4");
+    // A parameter in two groups is refused.
+    let twice = vec![
+        ParamGroup {
+            name: "a".into(),
+            lr_scale: 1.0,
+            weight_decay: None,
+            params: b.clone(),
+        },
+        ParamGroup {
+            name: "b".into(),
+            lr_scale: 2.0,
+            weight_decay: None,
+            params: b[..1].to_vec(),
+        },
+    ];
+    let e = build_groups(config, twice).err().unwrap();
+    assert!(e.to_string().contains("in groups"), "{e}");
+}

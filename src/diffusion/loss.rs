@@ -1,8 +1,10 @@
 //! The per-element loss and the noise options every family shares, as kohya's sd-scripts
 //! names and computes them (library/train_util.py and library/custom_train_functions.py,
-//! commit 48d368fa): `loss_type` l2 | huber | smooth_l1 with `huber_schedule`, `huber_c`
-//! and `huber_scale`; masked loss; `noise_offset` with `adaptive_noise_scale`;
-//! multi-resolution (pyramid) noise; `min_timestep` / `max_timestep`.
+//! commit 48d368fa): `loss_type` l2 | l1 | huber | smooth_l1 with `huber_schedule`, `huber_c`
+//! and `huber_scale`; masked loss; `noise_offset` with `adaptive_noise_scale` and
+//! `noise_offset_random_strength`; multi-resolution (pyramid) noise; input perturbation
+//! noise (`ip_noise_gamma`, with `ip_noise_gamma_random_strength`);
+//! `min_timestep` / `max_timestep`.
 //! Shape letters: B batch, C channels, H and W the latent grid.
 //!
 //! The reduction is kohya's (train_network.py): the per-element loss, times the mask
@@ -20,10 +22,19 @@ use serde::{Deserialize, Serialize};
 pub enum LossType {
     /// (pred - target)².
     L2,
+    /// |pred - target| (kohya's "l1", torch's `l1_loss`).
+    L1,
     /// Pseudo-Huber: 2c (sqrt((pred - target)² + c²) - c).
     Huber,
     /// 2 (sqrt((pred - target)² + c²) - c).
     SmoothL1,
+}
+
+impl LossType {
+    /// Whether the loss reads the Huber threshold c (Huber and smooth L1).
+    pub fn thresholded(self) -> bool {
+        matches!(self, LossType::Huber | LossType::SmoothL1)
+    }
 }
 
 /// How the Huber threshold c follows the timestep (kohya's `huber_schedule`).
@@ -104,6 +115,10 @@ pub fn elementwise(
     let d = pred
         .to_dtype(DType::F32)?
         .sub(&target.to_dtype(DType::F32)?)?;
+    if kind == LossType::L1 {
+        // torch's l1_loss: |d|, whose gradient at 0 is sign(0) = 0.
+        return d.abs();
+    }
     let sq = d.sqr()?;
     let c = match (kind, c) {
         (LossType::L2, _) => return Ok(sq),
@@ -208,6 +223,27 @@ pub fn noise_offset(
         }
     }
     Ok(())
+}
+
+/// The strength of a noise option drawn at random (kohya's `noise_offset_random_strength`
+/// and `ip_noise_gamma_random_strength`: `torch.rand(1) * value`, one draw per batch): `u`
+/// (uniform in [0, 1)) times `value` when `random`, else `value`.
+pub fn strength(value: f64, random: bool, u: f64) -> f64 {
+    match random {
+        true => u * value,
+        false => value,
+    }
+}
+
+/// The noise a model's input is made with under input perturbation (kohya's
+/// `ip_noise_gamma`, Ning et al. 2023, "Input Perturbation Reduces Exposure Bias in
+/// Diffusion Models"): `noise` + `gamma` · `xi`, `xi` unit normals of its shape, in f32 and
+/// back in `noise`'s dtype. The target stays the one `noise` gives.
+pub fn perturbed_noise(noise: &Tensor, xi: &Tensor, gamma: f64) -> Result<Tensor> {
+    noise
+        .to_dtype(DType::F32)?
+        .add(&xi.to_dtype(DType::F32)?.affine(gamma, 0.0)?)?
+        .to_dtype(noise.dtype())
 }
 
 /// torch's bilinear `Upsample(size=(h, w))` (align_corners = False) of `src` (planes of

@@ -17,8 +17,8 @@ mod seed;
 
 pub use crate::tensor::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
 pub use adapter::{
-    kohya_name, Adapter, AdapterConfig, Adapters, BaseLayer, LayerShape, LokrSplit, Lora,
-    LoraConfig,
+    kohya_name, Adapter, AdapterBlock, AdapterConfig, Adapters, BaseLayer, LayerShape, LokrSplit,
+    Lora, LoraConfig,
 };
 pub use conv::{Conv2d, Conv2dConfig};
 pub use dropout::{BatchPart, Dropout};

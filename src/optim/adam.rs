@@ -18,13 +18,12 @@
 
 use super::{
     check_at_least, check_beta, check_grad_scale, check_lr, compute_dtype, metadata_for, opt_err,
-    save_state_file, update_err, LoadedState, Optimizer, ParamSet,
+    state_into, update_err, LoadedState, Optimizer, ParamSet, StateMap, StateSource,
 };
 use crate::backend::multi::{AdamBias, AdamHyper};
 use crate::tensor::multi::{adam_multi, AdamSlot, Moments};
 use crate::{DType, Grads, Result, Tensor};
 use std::marker::PhantomData;
-use std::path::Path;
 
 const EXP_AVG: &str = "exp_avg";
 const EXP_AVG_SQ: &str = "exp_avg_sq";
@@ -367,7 +366,7 @@ impl<V: AdamVariant> Optimizer for AdamOptimizer<V> {
         self.config.lr = lr;
     }
 
-    fn save_state(&self, path: &Path) -> Result<()> {
+    fn save_state_to(&self, out: &mut StateMap) -> Result<()> {
         let mut tensors = Vec::new();
         let mut metadata = metadata_for(V::KIND, &self.config.to_metadata());
         for (i, ((name, _), s)) in self.params.params.iter().zip(&self.state).enumerate() {
@@ -377,18 +376,19 @@ impl<V: AdamVariant> Optimizer for AdamOptimizer<V> {
                 metadata.insert(format!("step.{name}"), s.step.to_string());
             }
         }
-        save_state_file(&self.params, tensors, &metadata, path)
+        state_into(&self.params, tensors, &metadata, out);
+        Ok(())
     }
 
-    fn load_state(&mut self, path: &Path) -> Result<()> {
+    fn load_state_from(&mut self, src: &StateSource<'_>) -> Result<()> {
         let _guard = crate::no_grad();
-        let mut loaded = LoadedState::read(
+        let mut loaded = LoadedState::read_from(
             &self.params,
             V::KIND,
             &[EXP_AVG, EXP_AVG_SQ],
             HYPER_KEYS,
             true,
-            path,
+            src,
         )?;
         let config = AdamConfig::from_metadata(V::NAME, &loaded)?;
         let mut state = Vec::with_capacity(self.params.len());

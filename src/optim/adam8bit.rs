@@ -40,13 +40,12 @@
 
 use super::adam::{bias, hyper, HYPER_KEYS};
 use super::{
-    check_grad_scale, check_lr, metadata_for, opt_err, save_state_file, update_err, AdamConfig,
-    AdamState, LoadedState, Optimizer, ParamSet,
+    check_grad_scale, check_lr, metadata_for, opt_err, state_into, update_err, AdamConfig,
+    AdamState, LoadedState, Optimizer, ParamSet, StateMap, StateSource,
 };
 use crate::backend::quant8::{self, BLOCK, WORDS_PER_BLOCK};
 use crate::tensor::multi::{adam_multi, AdamSlot, Moments};
 use crate::{DType, Device, Grads, Result, Tensor};
-use std::path::Path;
 
 const NAME: &str = "AdamW8bit";
 const KIND: &str = "adamw8bit";
@@ -371,7 +370,7 @@ impl Optimizer for AdamW8bit {
         self.config.adam.lr = lr;
     }
 
-    fn save_state(&self, path: &Path) -> Result<()> {
+    fn save_state_to(&self, out: &mut StateMap) -> Result<()> {
         let mut hyper = self.config.adam.to_metadata();
         hyper.push((BLOCK_SIZE_KEY, BLOCK.to_string()));
         hyper.push((MIN_8BIT_KEY, self.config.min_8bit_size.to_string()));
@@ -397,12 +396,13 @@ impl Optimizer for AdamW8bit {
             }
             metadata.insert(format!("step.{name}"), s.step().to_string());
         }
-        save_state_file(&self.params, tensors, &metadata, path)
+        state_into(&self.params, tensors, &metadata, out);
+        Ok(())
     }
 
-    fn load_state(&mut self, path: &Path) -> Result<()> {
+    fn load_state_from(&mut self, src: &StateSource<'_>) -> Result<()> {
         let _guard = crate::no_grad();
-        let (config, state) = read_state(&self.params, self.config, path)?;
+        let (config, state) = read_state(&self.params, self.config, src)?;
         let maps = maps_for(&self.params, config.min_8bit_size)?;
         self.config = config;
         self.state = state;
@@ -416,7 +416,7 @@ impl Optimizer for AdamW8bit {
 fn read_state(
     params: &ParamSet,
     current: AdamW8bitConfig,
-    path: &Path,
+    src: &StateSource<'_>,
 ) -> Result<(AdamW8bitConfig, Vec<Option<AdamW8bitState>>)> {
     let mut keys = HYPER_KEYS.to_vec();
     keys.extend([BLOCK_SIZE_KEY, MIN_8BIT_KEY]);
@@ -430,8 +430,9 @@ fn read_state(
             _ => None,
         }
     };
-    let mut loaded = LoadedState::read_with(params, KIND, &SUFFIXES, &keys, true, &exact, path)?;
-    let bad = |msg: String| opt_err(NAME, format!("state file {}: {msg}", path.display()));
+    let mut loaded =
+        LoadedState::read_with_from(params, KIND, &SUFFIXES, &keys, true, &exact, src)?;
+    let bad = |msg: String| opt_err(NAME, format!("state file {}: {msg}", src.shown()));
     let block: usize = loaded.parse(NAME, BLOCK_SIZE_KEY)?;
     if block != BLOCK {
         return Err(bad(format!(

@@ -35,6 +35,7 @@
 mod adam;
 mod adam8bit;
 mod lion;
+mod grouped;
 mod prodigy;
 mod schedulefree;
 mod sgd;
@@ -43,6 +44,7 @@ pub use crate::backend::quant8;
 pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
 pub use adam8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, QuantizedState};
 pub use lion::{Lion, Lion8bit, Lion8bitConfig, LionConfig, LionState};
+pub use grouped::{build_groups, Grouped, ParamGroup};
 pub use prodigy::{Prodigy, ProdigyConfig, ProdigyEstimate, ProdigyState};
 pub use schedulefree::{
     AdamWScheduleFree, AdamWScheduleFreeConfig, AdamWScheduleFreeGlobal, ProdigyScheduleFree,
@@ -143,6 +145,35 @@ impl OptimizerConfig {
         }
     }
 
+    /// The (peak) learning rate.
+    pub fn lr(&self) -> f64 {
+        match self {
+            OptimizerConfig::AdamW(c) => c.lr,
+            OptimizerConfig::AdamW8bit(c) => c.adam.lr,
+            OptimizerConfig::Prodigy(c) => c.lr,
+        }
+    }
+
+    /// The same optimizer with learning rate `lr`.
+    pub fn with_lr(mut self, lr: f64) -> Self {
+        match &mut self {
+            OptimizerConfig::AdamW(c) => c.lr = lr,
+            OptimizerConfig::AdamW8bit(c) => c.adam.lr = lr,
+            OptimizerConfig::Prodigy(c) => c.lr = lr,
+        }
+        self
+    }
+
+    /// The same optimizer with weight decay `wd`.
+    pub fn with_weight_decay(mut self, wd: f64) -> Self {
+        match &mut self {
+            OptimizerConfig::AdamW(c) => c.weight_decay = wd,
+            OptimizerConfig::AdamW8bit(c) => c.adam.weight_decay = wd,
+            OptimizerConfig::Prodigy(c) => c.weight_decay = wd,
+        }
+        self
+    }
+
     /// The optimizer over `params`.
     pub fn build(self, params: Vec<(String, Tensor)>) -> Result<Box<dyn Optimizer>> {
         Ok(match self {
@@ -195,14 +226,172 @@ pub trait Optimizer {
     }
 
     /// Writes the optimizer's kind, hyperparameters and per-parameter state to a safetensors
-    /// file at `path` (atomically: the file appears only once fully written).
-    fn save_state(&self, path: &Path) -> Result<()>;
+    /// file at `path` (atomically: the file appears only once fully written). By default
+    /// the state of [`Optimizer::save_state_to`] in a file of its own.
+    fn save_state(&self, path: &Path) -> Result<()> {
+        let mut out = StateMap::default();
+        self.save_state_to(&mut out)?;
+        out.save(path)
+    }
 
     /// Replaces the state (and hyperparameters) with those saved by `save_state` of an
     /// optimizer of the same kind. Every state tensor in the file must belong to one of this
     /// optimizer's parameters and have its shape; on any error nothing is changed.
-    /// Parameters absent from the file start with fresh state.
-    fn load_state(&mut self, path: &Path) -> Result<()>;
+    /// Parameters absent from the file start with fresh state. By default
+    /// [`Optimizer::load_state_from`] over the whole file.
+    fn load_state(&mut self, path: &Path) -> Result<()> {
+        let file = SafeTensorsFile::open(path)?;
+        self.load_state_from(&StateSource::whole(&file))
+    }
+
+    /// Adds what `save_state` writes (tensors and metadata, under their own names) to `out`:
+    /// how several optimizers share one file ([`Grouped`], one optimizer per parameter
+    /// group). An optimizer that keeps its state otherwise refuses, and then cannot be one
+    /// of several groups.
+    fn save_state_to(&self, _out: &mut StateMap) -> Result<()> {
+        Err(opt_err(
+            "optimizer",
+            "this optimizer writes its state to a file of its own only, so it cannot be one \
+             of several parameter groups",
+        ))
+    }
+
+    /// Reads what `save_state_to` wrote from `src` (a whole file, or one group's part of
+    /// it), with `load_state`'s checks.
+    fn load_state_from(&mut self, _src: &StateSource<'_>) -> Result<()> {
+        Err(opt_err(
+            "optimizer",
+            "this optimizer reads its state from a file of its own only, so it cannot be one \
+             of several parameter groups",
+        ))
+    }
+}
+
+/// An optimizer's state being written: tensors by name and `__metadata__` entries, saved as
+/// one safetensors file ([`StateMap::save`]); several optimizers' states go into one map
+/// under prefixes ([`StateMap::absorb`]).
+#[derive(Default)]
+pub struct StateMap {
+    tensors: Vec<(String, Tensor)>,
+    metadata: BTreeMap<String, String>,
+}
+
+impl StateMap {
+    /// Adds a tensor.
+    pub fn tensor(&mut self, name: String, t: Tensor) {
+        self.tensors.push((name, t));
+    }
+
+    /// Sets a metadata entry.
+    pub fn meta(&mut self, key: String, value: String) {
+        self.metadata.insert(key, value);
+    }
+
+    /// Every tensor and metadata entry of `other`, each name and key prefixed by `prefix`.
+    pub fn absorb(&mut self, prefix: &str, other: StateMap) {
+        for (n, t) in other.tensors {
+            self.tensors.push((format!("{prefix}{n}"), t));
+        }
+        for (k, v) in other.metadata {
+            self.metadata.insert(format!("{prefix}{k}"), v);
+        }
+    }
+
+    /// Writes the map to a safetensors file at `path`, atomically.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        crate::safetensors::save_with_metadata(
+            self.tensors.iter().map(|(n, t)| (n.as_str(), t)),
+            &self.metadata,
+            path,
+        )
+    }
+}
+
+/// A saved state being read: a safetensors file, or the part of it under a prefix (one
+/// parameter group's of a [`Grouped`] file), with names and metadata keys seen without
+/// the prefix.
+pub struct StateSource<'a> {
+    file: &'a SafeTensorsFile,
+    prefix: String,
+    metadata: BTreeMap<String, String>,
+    names: Vec<String>,
+    shown: String,
+}
+
+impl<'a> StateSource<'a> {
+    /// The whole of `file`.
+    pub fn whole(file: &'a SafeTensorsFile) -> Self {
+        Self::under(file, "")
+    }
+
+    /// The tensors and metadata of `file` whose names start with `prefix`, without it.
+    pub fn under(file: &'a SafeTensorsFile, prefix: &str) -> Self {
+        Self::under_except(file, prefix, &[])
+    }
+
+    /// [`StateSource::under`] without the metadata keys `skip` (after the prefix).
+    pub fn under_except(file: &'a SafeTensorsFile, prefix: &str, skip: &[&str]) -> Self {
+        let strip = |k: &str| k.strip_prefix(prefix).map(str::to_string);
+        let metadata = file
+            .metadata()
+            .iter()
+            .filter_map(|(k, v)| Some((strip(k)?, v.clone())))
+            .filter(|(k, _)| !skip.contains(&k.as_str()))
+            .collect();
+        let names = file.names().filter_map(strip).collect();
+        let shown = match prefix {
+            "" => file.path().display().to_string(),
+            p => format!("{} (entries {p}*)", file.path().display()),
+        };
+        StateSource {
+            file,
+            prefix: prefix.to_string(),
+            metadata,
+            names,
+            shown,
+        }
+    }
+
+    /// The metadata entries, keys without the prefix.
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
+    }
+
+    /// The tensors' names, without the prefix.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.names.iter().map(String::as_str)
+    }
+
+    /// A tensor's header entry.
+    pub fn info(&self, name: &str) -> Option<&crate::safetensors::TensorInfo> {
+        self.file.info(&format!("{}{name}", self.prefix))
+    }
+
+    /// A tensor as stored, on `device`.
+    pub fn load(&self, name: &str, device: &crate::Device) -> Result<Tensor> {
+        self.file.load(&format!("{}{name}", self.prefix), device)
+    }
+
+    /// A tensor in `dtype` on `device`.
+    pub fn load_as(&self, name: &str, device: &crate::Device, dtype: DType) -> Result<Tensor> {
+        self.file
+            .load_as(&format!("{}{name}", self.prefix), device, dtype)
+    }
+
+    /// The file and part, for messages.
+    pub fn shown(&self) -> &str {
+        &self.shown
+    }
+
+    /// The file read.
+    pub fn file(&self) -> &'a SafeTensorsFile {
+        self.file
+    }
+
+    /// The prefix of this part's names ("" for a whole file).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
 }
 
 /// The error every optimizer returns.
@@ -406,26 +595,34 @@ type StateTensors = Vec<HashMap<&'static str, Tensor>>;
 
 /// Writes `tensors` (`(param index, suffix, tensor)`) and `metadata` (which must hold the
 /// `"optimizer"` kind) to a safetensors file.
+#[allow(dead_code)]
 fn save_state_file(
     params: &ParamSet,
     tensors: Vec<(usize, &'static str, &Tensor)>,
     metadata: &BTreeMap<String, String>,
     path: &Path,
 ) -> Result<()> {
-    let named: Vec<(String, &Tensor)> = tensors
-        .into_iter()
-        .filter_map(|(i, suffix, t)| {
-            params
-                .params
-                .get(i)
-                .map(|(name, _)| (format!("{name}.{suffix}"), t))
-        })
-        .collect();
-    crate::safetensors::save_with_metadata(
-        named.iter().map(|(n, t)| (n.as_str(), *t)),
-        metadata,
-        path,
-    )
+    let mut out = StateMap::default();
+    state_into(params, tensors, metadata, &mut out);
+    out.save(path)
+}
+
+/// Adds `tensors` (`(param index, suffix, tensor)`, saved as `<param>.<suffix>`) and
+/// `metadata` (which must hold the `"optimizer"` kind) to `out`.
+fn state_into(
+    params: &ParamSet,
+    tensors: Vec<(usize, &'static str, &Tensor)>,
+    metadata: &BTreeMap<String, String>,
+    out: &mut StateMap,
+) {
+    for (i, suffix, t) in tensors {
+        if let Some((name, _)) = params.params.get(i) {
+            out.tensor(format!("{name}.{suffix}"), t.clone());
+        }
+    }
+    for (k, v) in metadata {
+        out.meta(k.clone(), v.clone());
+    }
 }
 
 /// For a state tensor (suffix, parameter): the exact dtype and shape it must have, or `None`
@@ -445,6 +642,7 @@ impl LoadedState {
     /// `<param>.<suffix>` for a known parameter and one of `suffixes`, of a float dtype and
     /// the parameter's shape; every metadata key is `"optimizer"`, one of `keys`, or (when
     /// `step_keys`) `"step.<param>"` for a known parameter.
+    #[allow(dead_code)]
     fn read(
         params: &ParamSet,
         kind: &str,
@@ -454,6 +652,18 @@ impl LoadedState {
         path: &Path,
     ) -> Result<Self> {
         Self::read_with(params, kind, suffixes, keys, step_keys, &|_, _| None, path)
+    }
+
+    /// `read` from a source (a file or one group's part of one).
+    fn read_from(
+        params: &ParamSet,
+        kind: &str,
+        suffixes: &[&'static str],
+        keys: &[&str],
+        step_keys: bool,
+        src: &StateSource<'_>,
+    ) -> Result<Self> {
+        Self::read_with_from(params, kind, suffixes, keys, step_keys, &|_, _| None, src)
     }
 
     /// `read`, where `exact(suffix, param)` may instead require a tensor of exactly this dtype
@@ -468,10 +678,25 @@ impl LoadedState {
         exact: &ExactState,
         path: &Path,
     ) -> Result<Self> {
-        let optimizer = params.optimizer;
-        let shown = path.display().to_string();
-        let bad = |msg: String| opt_err(optimizer, format!("state file {shown}: {msg}"));
         let file = SafeTensorsFile::open(path)?;
+        let src = StateSource::whole(&file);
+        Self::read_with_from(params, kind, suffixes, keys, step_keys, exact, &src)
+    }
+
+    /// `read_with` from a source (a file or one group's part of one).
+    #[allow(clippy::too_many_arguments)]
+    fn read_with_from(
+        params: &ParamSet,
+        kind: &str,
+        suffixes: &[&'static str],
+        keys: &[&str],
+        step_keys: bool,
+        exact: &ExactState,
+        file: &StateSource<'_>,
+    ) -> Result<Self> {
+        let optimizer = params.optimizer;
+        let shown = file.shown().to_string();
+        let bad = |msg: String| opt_err(optimizer, format!("state file {shown}: {msg}"));
         let metadata = file.metadata().clone();
         match metadata.get("optimizer") {
             Some(k) if k == kind => {}

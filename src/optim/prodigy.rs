@@ -33,12 +33,11 @@
 
 use super::{
     check_at_least, check_beta, check_grad_scale, check_lr, fresh_copy, metadata_for, opt_err,
-    save_state_file, update_err, LoadedState, Optimizer, ParamSet,
+    state_into, update_err, LoadedState, Optimizer, ParamSet, StateMap, StateSource,
 };
 use crate::backend::multi::{prodigy_slot as slot, ProdigyHyper, PRODIGY_SCALARS};
 use crate::tensor::multi::{prodigy_multi, ProdigySlot};
 use crate::{sum_sq_multi, DType, Device, Grads, Result, Tensor};
-use std::path::Path;
 
 const NAME: &str = "Prodigy";
 const KIND: &str = "prodigy";
@@ -440,7 +439,7 @@ impl Optimizer for Prodigy {
         self.config.lr = lr;
     }
 
-    fn save_state(&self, path: &Path) -> Result<()> {
+    fn save_state_to(&self, out: &mut StateMap) -> Result<()> {
         let mut hyper = self.config.to_metadata();
         let st = self.read_scalars()?;
         for (key, i) in SCALAR_KEYS {
@@ -461,17 +460,18 @@ impl Optimizer for Prodigy {
                 metadata.insert(format!("step.{name}"), s.step.to_string());
             }
         }
-        save_state_file(&self.params, tensors, &metadata, path)
+        state_into(&self.params, tensors, &metadata, out);
+        Ok(())
     }
 
-    fn load_state(&mut self, path: &Path) -> Result<()> {
+    fn load_state_from(&mut self, src: &StateSource<'_>) -> Result<()> {
         let _guard = crate::no_grad();
         let keys: Vec<&str> = HYPER_KEYS
             .iter()
             .copied()
             .chain(SCALAR_KEYS.iter().map(|k| k.0))
             .collect();
-        let mut loaded = LoadedState::read(&self.params, KIND, &SUFFIXES, &keys, true, path)?;
+        let mut loaded = LoadedState::read_from(&self.params, KIND, &SUFFIXES, &keys, true, src)?;
         let config = ProdigyConfig::from_metadata(&loaded)?;
         let mut st = config.initial_scalars();
         for (key, i) in SCALAR_KEYS {

@@ -17,10 +17,9 @@
 
 use super::{
     check_at_least, check_grad_scale, check_lr, compute_dtype, fresh_copy, metadata_for, opt_err,
-    save_state_file, update_err, LoadedState, Optimizer, ParamSet,
+    state_into, update_err, LoadedState, Optimizer, ParamSet, StateMap, StateSource,
 };
 use crate::{Grads, Result, Tensor};
-use std::path::Path;
 
 const NAME: &str = "SGD";
 const KIND: &str = "sgd";
@@ -223,7 +222,7 @@ impl Optimizer for Sgd {
         self.config.lr = lr;
     }
 
-    fn save_state(&self, path: &Path) -> Result<()> {
+    fn save_state_to(&self, out: &mut StateMap) -> Result<()> {
         let tensors = self
             .buffers
             .iter()
@@ -231,12 +230,14 @@ impl Optimizer for Sgd {
             .filter_map(|(i, b)| b.as_ref().map(|b| (i, BUFFER, b)))
             .collect();
         let metadata = metadata_for(KIND, &self.config.to_metadata());
-        save_state_file(&self.params, tensors, &metadata, path)
+        state_into(&self.params, tensors, &metadata, out);
+        Ok(())
     }
 
-    fn load_state(&mut self, path: &Path) -> Result<()> {
+    fn load_state_from(&mut self, src: &StateSource<'_>) -> Result<()> {
         let _guard = crate::no_grad();
-        let mut state = LoadedState::read(&self.params, KIND, &[BUFFER], HYPER_KEYS, false, path)?;
+        let mut state =
+            LoadedState::read_from(&self.params, KIND, &[BUFFER], HYPER_KEYS, false, src)?;
         let config = SgdConfig::from_metadata(&state)?;
         let buffers = state.tensors.iter_mut().map(|t| t.remove(BUFFER)).collect();
         self.config = config;

@@ -17,7 +17,7 @@ use crate::data::config::RawData;
 pub use crate::device::DeviceChoice;
 pub use crate::diffusion::loss::{HuberSchedule, LossType};
 use crate::memory::{Checkpointing, Switches};
-use crate::nn::{AdapterConfig, LokrSplit, LoraConfig};
+use crate::nn::{AdapterBlock, AdapterConfig, LokrSplit, LoraConfig};
 pub use crate::optim::OptimizerKind;
 use crate::optim::{
     AdamConfig, AdamW8bitConfig, AdamWScheduleFreeConfig, Lion8bitConfig, LionConfig,
@@ -375,6 +375,19 @@ section! {
         /// Linears of CLIPAttention and CLIPMLP, q_proj, k_proj, v_proj, out_proj, fc1, fc2;
         /// diffusers' train_dreambooth_lora_sdxl takes the attention's four).
         text_encoder_targets: Vec<String> = Vec::<String>::new(),
+        /// LoRA+ (Hayou et al. 2024; kohya's network_args loraplus_lr_ratio, or
+        /// loraplus_unet_lr_ratio for the model alone): the factor that starts at zero trains at
+        /// this times the learning rate (LoRA and DoRA lora_up, as kohya; LoHa hada_w2_b;
+        /// LoKr lokr_w1 or lokr_w1_a; magnitudes and Tucker cores at the base rate; not for
+        /// "full"), in a parameter group of its own. 1: off (the paper suggests 16).
+        loraplus_lr_ratio: f64 = 1.0,
+        /// Per-block settings, `[[adapter.blocks]]` tables of `pattern` (a layer path pattern,
+        /// as in targets; the first table whose pattern matches a layer wins) and optionally
+        /// `lr` (the peak learning rate of its adapters, scaled by the schedule as optimizer.lr
+        /// is; kohya's block_lr_weight times the lr), `rank` (its Linear layers' rank; 0: no
+        /// adapter there; kohya's block_dims) and `alpha` (their alpha; kohya's block_alphas).
+        /// The run's log says how many layers each pattern matched.
+        blocks: Vec<AdapterBlock> = Vec::<AdapterBlock>::new(),
     }
 }
 
@@ -450,8 +463,8 @@ section! {
         /// safeguard_warmup; default false). Required with schedule.warmup_steps > 0.
         safeguard_warmup: Option<bool> = None,
         /// The peak learning rate of the text encoders' adapters (adapter.text_encoders;
-        /// kohya's text_encoder_lr). Default: lr. A rate other than lr is not supported yet
-        /// and is refused.
+        /// kohya's text_encoder_lr), in a parameter group of its own where it differs from lr
+        /// (the schedule scales it as lr). Default: lr.
         text_encoder_lr: Option<f64> = None,
         /// adamw_schedulefree only: steps of the optimizer's own linear warm-up of lr
         /// (schedulefree's warmup_steps; default 0), at most train.steps.
@@ -661,7 +674,8 @@ section! {
         timestep_shift: f64 = 3.0,
         /// DDPM models: min-SNR-gamma loss weighting (0: off).
         min_snr_gamma: f64 = 0.0,
-        /// The per-element loss (kohya's loss_type): "l2" (squared error), "huber"
+        /// The per-element loss (kohya's loss_type): "l2" (squared error), "l1" (absolute
+        /// error), "huber"
         /// (pseudo-Huber 2c(sqrt(d² + c²) - c)) or "smooth_l1" (2(sqrt(d² + c²) - c)), d the
         /// prediction's error, c the threshold of train.huber_schedule.
         loss_type: LossType = LossType::L2,
@@ -681,6 +695,19 @@ section! {
         /// With noise_offset: kohya's adaptive_noise_scale a, the offset of a channel
         /// becoming max(0, noise_offset + a · |mean of that channel's latents|); 0: off.
         adaptive_noise_scale: f64 = 0.0,
+        /// With noise_offset: kohya's noise_offset_random_strength, the offset of each
+        /// micro-batch drawn uniformly from [0, noise_offset) (one draw per micro-batch,
+        /// seeded) instead of noise_offset.
+        noise_offset_random_strength: bool = false,
+        /// Input perturbation noise (kohya's ip_noise_gamma, Ning et al. 2023): the model's
+        /// input is noised with noise + ip_noise_gamma · ξ (ξ a second unit normal, seeded)
+        /// while the target is made from the noise alone; 0: off (0.1 when on, as the
+        /// paper's).
+        ip_noise_gamma: f64 = 0.0,
+        /// With ip_noise_gamma: kohya's ip_noise_gamma_random_strength, the strength of each
+        /// micro-batch drawn uniformly from [0, ip_noise_gamma) (one draw per micro-batch,
+        /// seeded).
+        ip_noise_gamma_random_strength: bool = false,
         /// Multi-resolution (pyramid) noise (kohya's multires_noise_iterations): levels of
         /// normals at 1/r^i of the latent size (r drawn in [2, 4) per level, seeded),
         /// upsampled bilinearly, added times discount^i, the sum divided by its standard
@@ -1303,6 +1330,30 @@ impl TrainConfig {
             "adapter.targets",
             format!("{:?}: must be non-empty patterns", a.targets),
         );
+        c.positive_f("adapter.loraplus_lr_ratio", a.loraplus_lr_ratio);
+        c.check(
+            a.loraplus_lr_ratio == 1.0
+                || crate::nn::adapter::kind(&a.kind).map_or(true, |k| !k.loraplus_up.is_empty()),
+            "adapter.loraplus_lr_ratio",
+            format!(
+                "{}: the {:?} kind has no zero-initialized factor to train faster",
+                a.loraplus_lr_ratio, a.kind
+            ),
+        );
+        for (i, b) in a.blocks.iter().enumerate() {
+            let ok = !b.pattern.trim().is_empty()
+                && b.lr.is_none_or(|l| l.is_finite() && l >= 0.0)
+                && b.alpha.is_none_or(|x| x.is_finite() && x > 0.0);
+            c.check(
+                ok,
+                "adapter.blocks",
+                format!(
+                    "entry {} {}: needs a non-empty pattern, lr >= 0 and alpha > 0",
+                    i + 1,
+                    show(b)
+                ),
+            );
+        }
         c.positive_f("optimizer.lr", o.lr());
         for name in &a.text_encoders {
             c.check(
@@ -1328,13 +1379,9 @@ impl TrainConfig {
         );
         if let Some(x) = o.text_encoder_lr {
             c.check(
-                x == o.lr(),
+                x.is_finite() && x >= 0.0,
                 "optimizer.text_encoder_lr",
-                format!(
-                    "{x}: a rate for the text encoders other than optimizer.lr ({}) is not \
-                     supported yet; leave it out (they train at lr)",
-                    o.lr()
-                ),
+                format!("{x}: must be finite and >= 0"),
             );
         }
         for (key, kinds, set) in o.kind_keys() {
@@ -1482,6 +1529,17 @@ impl TrainConfig {
                 "{}: must be finite, and needs train.noise_offset > 0 (it scales the offset)",
                 t.adaptive_noise_scale
             ),
+        );
+        c.check(
+            !t.noise_offset_random_strength || t.noise_offset > 0.0,
+            "train.noise_offset_random_strength",
+            "true: needs train.noise_offset > 0 (its strength is drawn up to it)".into(),
+        );
+        c.non_negative_f("train.ip_noise_gamma", t.ip_noise_gamma);
+        c.check(
+            !t.ip_noise_gamma_random_strength || t.ip_noise_gamma > 0.0,
+            "train.ip_noise_gamma_random_strength",
+            "true: needs train.ip_noise_gamma > 0 (its strength is drawn up to it)".into(),
         );
         c.check(
             t.multires_noise_discount > 0.0 && t.multires_noise_discount <= 1.0,
@@ -1744,6 +1802,7 @@ impl TrainConfig {
             Setting::AdapterPerProjection => "adapter.per_projection",
             Setting::AdapterWeightDecompose => "adapter.weight_decompose",
             Setting::AdapterLayout => "adapter.format",
+            Setting::AdapterBlocks => "adapter.blocks",
         }
     }
 
@@ -1803,6 +1862,12 @@ impl TrainConfig {
             },
             ..self.adapter_config()
         }
+    }
+
+    /// An empty adapter set of the adapter config with its per-block settings
+    /// (`adapter.blocks`).
+    pub fn adapters(&self) -> Result<std::sync::Arc<crate::nn::Adapters>> {
+        crate::nn::Adapters::with_blocks(self.adapter_config(), self.adapter.blocks.clone())
     }
 
     /// The LoRA hyperparameters of the adapter config (kind and LyCORIS settings aside).
@@ -1939,14 +2004,24 @@ impl TrainConfig {
                 show(&a.weight_decompose),
             ),
             ("adapter.wd_on_out", !a.wd_on_out, show(&a.wd_on_out)),
+            (
+                "adapter.loraplus_lr_ratio",
+                a.loraplus_lr_ratio != 1.0,
+                show(&a.loraplus_lr_ratio),
+            ),
+            ("adapter.blocks", !a.blocks.is_empty(), show(&a.blocks)),
         ];
         // The loss, noise and data options (keys of runs written before them stay out
         // at their defaults, so those runs resume).
         let t = &self.train;
         let d = &self.data;
-        let huber = t.loss_type != LossType::L2;
+        let huber = t.loss_type.thresholded();
         let loss_keys = [
-            ("train.loss_type", huber, show(&t.loss_type)),
+            (
+                "train.loss_type",
+                t.loss_type != LossType::L2,
+                show(&t.loss_type),
+            ),
             ("train.huber_schedule", huber, show(&t.huber_schedule)),
             ("train.huber_c", huber, show(&t.huber_c)),
             ("train.huber_scale", huber, show(&t.huber_scale)),
@@ -1959,6 +2034,21 @@ impl TrainConfig {
                 "train.adaptive_noise_scale",
                 t.adaptive_noise_scale != 0.0,
                 show(&t.adaptive_noise_scale),
+            ),
+            (
+                "train.noise_offset_random_strength",
+                t.noise_offset_random_strength,
+                show(&t.noise_offset_random_strength),
+            ),
+            (
+                "train.ip_noise_gamma",
+                t.ip_noise_gamma != 0.0,
+                show(&t.ip_noise_gamma),
+            ),
+            (
+                "train.ip_noise_gamma_random_strength",
+                t.ip_noise_gamma_random_strength,
+                show(&t.ip_noise_gamma_random_strength),
             ),
             (
                 "train.multires_noise_iterations",

@@ -6,6 +6,7 @@ pub mod config;
 pub mod data;
 pub mod demo;
 pub mod ema;
+pub mod groups;
 pub mod images;
 pub mod metadata;
 pub mod planning;

@@ -384,6 +384,13 @@ pub struct Kind {
     /// Whether kohya's own `networks.lora` writes the kind where no convolution is adapted
     /// (the file's `ss_network_module`; else LyCORIS's `lycoris.kohya`).
     pub plain_kohya: bool,
+    /// The tensors LoRA+ (Hayou et al. 2024) trains at the higher rate
+    /// (`loraplus_lr_ratio`): the factor that starts at zero, LoRA's B. kohya's
+    /// `networks.lora` takes every parameter whose name holds `lora_up` (LoRA and DoRA here:
+    /// DoRA's magnitude stays at the base rate); for LoHa the zero factor `hada_w2_b`, for
+    /// LoKr `lokr_w1` (or `lokr_w1_a` when w1 is low-rank); Tucker cores at the base rate;
+    /// none for full fine-tuning.
+    pub loraplus_up: &'static [&'static str],
     /// A fresh adapter for one layer.
     pub make: fn(&Plan) -> Result<Arc<dyn Adapter>>,
     /// The change a file's tensors of this kind for one layer stand for, at strength 1 (the
@@ -801,6 +808,27 @@ impl AdapterConfig {
     }
 }
 
+/// Settings of the adapters on the layers a pattern matches (kohya's `block_dims`,
+/// `block_alphas` and `block_lr_weight`, ai-toolkit's per-layer network settings), in the
+/// pattern language of [`AdapterConfig::targets`], matched against a layer's key path; of
+/// several blocks the first that matches wins.
+#[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdapterBlock {
+    /// The layers' key path pattern (`*` matches any run of characters).
+    pub pattern: String,
+    /// The peak learning rate of the matched layers' adapters (instead of the optimizer's;
+    /// a schedule scales it alike). Read by the trainer, not by the adapters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+    /// The rank of the matched Linear layers' adapters (0: no adapter on any matched layer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<usize>,
+    /// The alpha of the matched Linear layers' adapters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alpha: Option<f64>,
+}
+
 /// `*` matches any run of bytes; everything else matches itself.
 fn glob(p: &[u8], s: &[u8]) -> bool {
     match p.split_first() {
@@ -815,6 +843,10 @@ fn glob(p: &[u8], s: &[u8]) -> bool {
 pub struct Adapters {
     /// The (validated) config every adapter is made from.
     pub config: AdapterConfig,
+    /// Per-block ranks and alphas ([`Adapters::with_blocks`]).
+    blocks: Vec<AdapterBlock>,
+    /// Targeted layers a block of rank 0 left without an adapter.
+    left_out: Mutex<std::collections::BTreeSet<String>>,
     layers: Mutex<BTreeMap<String, Arc<dyn Adapter>>>,
     train: Arc<AtomicBool>,
     /// The model's diffusers key map, which gives fused layers their projections
@@ -836,10 +868,46 @@ impl Adapters {
     /// An empty set for `config` (validated first; a `LoraConfig` is a LoRA config), in
     /// training mode.
     pub fn new(config: impl Into<AdapterConfig>) -> Result<Arc<Self>> {
+        Self::with_blocks(config, vec![])
+    }
+
+    /// An empty set for `config` whose layers matching a block's pattern take that block's
+    /// rank and alpha (the first block that matches; [`AdapterBlock`]). A block's rank 0
+    /// leaves the layers it matches without an adapter; its rank and alpha are those of the
+    /// Linear layers (convolutions keep `conv_rank` and `conv_alpha`).
+    pub fn with_blocks(
+        config: impl Into<AdapterConfig>,
+        blocks: Vec<AdapterBlock>,
+    ) -> Result<Arc<Self>> {
         let config = config.into();
         config.validate()?;
+        let kind = kind(&config.kind)?;
+        for (i, b) in blocks.iter().enumerate() {
+            let bad = |msg: String| Error::Setting {
+                setting: Setting::AdapterBlocks,
+                msg: format!("entry {} (pattern {:?}): {msg}", i + 1, b.pattern),
+            };
+            if b.pattern.trim().is_empty() {
+                return Err(bad("an empty pattern".into()));
+            }
+            if let Some(a) = b.alpha.filter(|a| !(a.is_finite() && *a > 0.0)) {
+                return Err(bad(format!("alpha = {a}: must be positive")));
+            }
+            if let Some(lr) = b.lr.filter(|l| !(l.is_finite() && *l >= 0.0)) {
+                return Err(bad(format!("lr = {lr}: must be finite and >= 0")));
+            }
+            if !kind.ranked && b.rank.is_some_and(|r| r > 0) {
+                return Err(bad(format!(
+                    "rank = {}: the {:?} kind has no rank (0 leaves the layers out)",
+                    b.rank.unwrap_or(0),
+                    kind.name
+                )));
+            }
+        }
         Ok(Arc::new(Adapters {
             config,
+            blocks,
+            left_out: Mutex::new(Default::default()),
             layers: Mutex::new(BTreeMap::new()),
             train: Arc::new(AtomicBool::new(true)),
             projections: Mutex::new(None),
@@ -885,6 +953,25 @@ impl Adapters {
             [p] if !p.swapped => None,
             _ => Some(parts),
         })
+    /// The per-block settings, in order.
+    pub fn blocks(&self) -> &[AdapterBlock] {
+        &self.blocks
+    }
+
+    /// The targeted layers a block of rank 0 left without an adapter, sorted.
+    pub fn left_out(&self) -> Result<Vec<String>> {
+        let l = self
+            .left_out
+            .lock()
+            .map_err(|_| Error::Poisoned("adapters"))?;
+        Ok(l.iter().cloned().collect())
+    }
+
+    /// The index of the first block whose pattern matches the layer at `path`.
+    pub fn block_of(&self, path: &str) -> Option<usize> {
+        self.blocks
+            .iter()
+            .position(|b| glob(b.pattern.as_bytes(), path.as_bytes()))
     }
 
     /// The config's kind.
@@ -912,8 +999,19 @@ impl Adapters {
             return Ok(None);
         }
         let kind = self.kind()?;
+        let block = self.block_of(path).and_then(|i| self.blocks.get(i));
+        if block.is_some_and(|b| b.rank == Some(0)) {
+            self.left_out
+                .lock()
+                .map_err(|_| Error::Poisoned("adapters"))?
+                .insert(path.to_string());
+            return Ok(None);
+        }
         let (rank, alpha) = match shape {
-            LayerShape::Linear { .. } => (self.config.rank, self.config.alpha),
+            LayerShape::Linear { .. } => (
+                block.and_then(|b| b.rank).unwrap_or(self.config.rank),
+                block.and_then(|b| b.alpha).unwrap_or(self.config.alpha),
+            ),
             LayerShape::Conv2d { .. } if kind.ranked && self.config.conv_rank == 0 => {
                 return Ok(None)
             }

@@ -308,6 +308,11 @@ impl Trainer {
         &self.device
     }
 
+    /// The adapters it trains.
+    pub fn adapters(&self) -> &Arc<crate::nn::Adapters> {
+        &self.adapters
+    }
+
     /// The loaded model.
     pub fn model(&self) -> &dyn DiffusionModel {
         self.model.as_ref()

@@ -2,6 +2,7 @@ use super::{Event, PhasePeaks, PipelineParts, Placement, Prepare, Trainer};
 use crate::dist::{GradReducer, ProcessGroup, BUCKET_BYTES};
 use crate::models::{DiffusionModel, Family, LoadOptions};
 use crate::nn::{Adapters, KeyMap};
+use crate::optim::build_groups;
 use crate::train::config::{AdapterFormat, ModelCompute, ModelDType, TrainConfig};
 use crate::train::data::{check_batch_size, Dataset, Samples};
 use crate::train::ema::{Ema, EmaSchedule};
@@ -155,7 +156,7 @@ impl Trainer {
             on,
         )?;
         drop(probe);
-        let adapters = Adapters::new(config.adapter_config())?;
+        let adapters = config.adapters()?;
         opts.adapters = Some(adapters.clone());
         // NCCL sets up its connections and buffers at the first collective: one of a
         // bucket's size, now, puts them in the memory measured outside FLAME's allocator.
@@ -188,19 +189,39 @@ impl Trainer {
         let loaded = family.load(&config.model.path, &opts)?;
         super::step::check_loss_options(&config, &loaded.model.objective())?;
         check_adapters(&config, &adapters, &loaded.key_map)?;
+        for line in crate::train::groups::block_report(&config, &adapters)? {
+            on(Event::Note(line));
+        }
         let text = data.text.clone();
-        let all: Vec<(String, Tensor)> = super::param_lists(&adapters, text.as_deref())?
+        let mut groups = crate::train::groups::param_groups(&config, &adapters)?;
+        let lists = super::param_lists(&adapters, text.as_deref())?;
+        let all: Vec<(String, Tensor)> = lists.iter().flat_map(|(_, v)| v.clone()).collect();
+        // The text encoders' adapters: a group of their own at optimizer.text_encoder_lr, or
+        // the default group's parameters where they train at lr.
+        let text_params: Vec<(String, Tensor)> = lists
             .into_iter()
+            .filter(|(name, _)| *name == "text_encoders")
             .flat_map(|(_, v)| v)
             .collect();
-        let opt = config
-            .optimizer
-            .optimizer_config()
-            .build(all.clone())
-            .map_err(|e| Error::Config {
+        if !text_params.is_empty() {
+            let base = config.optimizer.lr();
+            let te_lr = config.optimizer.text_encoder_lr.unwrap_or(base);
+            match groups.iter_mut().find(|g| g.name == "default") {
+                Some(g) if te_lr == base => g.params.extend(text_params),
+                _ => groups.push(crate::optim::ParamGroup {
+                    name: "text_encoders".into(),
+                    lr_scale: te_lr / base,
+                    weight_decay: None,
+                    params: text_params,
+                }),
+            }
+        }
+        let opt = build_groups(config.optimizer.optimizer_config(), groups).map_err(|e| {
+            Error::Config {
                 path: None,
                 msg: format!("[optimizer]: {e}"),
-            })?;
+            }
+        })?;
         let scaler = config.loss_scaler();
         let dist = match group {
             Some(g) => {
@@ -327,7 +348,7 @@ fn probe(
     opts: &LoadOptions,
     device: &Device,
 ) -> Result<Box<dyn DiffusionModel>> {
-    let trial = Adapters::new(config.adapter_config())?;
+    let trial = config.adapters()?;
     let built = family.probe(
         &config.model.path,
         &LoadOptions {

@@ -36,7 +36,7 @@ pub(super) fn check_loss_options(config: &TrainConfig, objective: &Objective) ->
     let t = &config.train;
     match objective {
         Objective::FlowMatching
-            if t.loss_type != LossType::L2 && t.huber_schedule == HuberSchedule::Snr =>
+            if t.loss_type.thresholded() && t.huber_schedule == HuberSchedule::Snr =>
         {
             Err(config_err(format!(
                 "train.huber_schedule = \"snr\" with train.loss_type = {:?}: the SNR schedule \
@@ -90,7 +90,36 @@ impl Trainer {
             Tensor::randn(dims.clone(), DType::F32, &self.device, seed)?.narrow(0, start, len)?;
         let noise = self.shape_noise(noise, batch, seed)?.to_dtype(self.dtype)?;
         let t = self.timesteps(batch, seed)?;
-        self.loss_at(&batch.inputs, &t, &noise, LossWeights::of(batch))
+        let input = self.perturbed(&noise, batch, seed)?;
+        self.loss_with(
+            &batch.inputs,
+            &t,
+            &noise,
+            input.as_ref(),
+            LossWeights::of(batch),
+        )
+    }
+
+    /// Input perturbation (kohya's `ip_noise_gamma`, Ning et al. 2023): the noise the model's
+    /// input is made with, noise + γ · ξ, ξ unit normals drawn for the global batch from
+    /// `seed` (its rows taken) and γ `train.ip_noise_gamma`, or with
+    /// `ip_noise_gamma_random_strength` γ times a uniform draw of the micro-batch; `None`
+    /// when off. Computed on the device.
+    fn perturbed(&self, noise: &Tensor, batch: &Batch, seed: u64) -> Result<Option<Tensor>> {
+        let t = &self.config.train;
+        if t.ip_noise_gamma == 0.0 {
+            return Ok(None);
+        }
+        let u = crate::data::unit(crate::data::draw(seed, &[0x1B_0153, 1]));
+        let gamma = loss::strength(t.ip_noise_gamma, t.ip_noise_gamma_random_strength, u);
+        let mut dims = noise.dims().to_vec();
+        dims[0] = batch.global;
+        let xi = Tensor::randn(dims, DType::F32, &self.device, seed ^ 0x1B_0153_0000)?.narrow(
+            0,
+            batch.rows.start,
+            batch.rows.len(),
+        )?;
+        loss::perturbed_noise(noise, &xi, gamma).map(Some)
     }
 
     /// kohya's noise options on this process's rows of the noise (B, C, H, W), f32:
@@ -123,7 +152,11 @@ impl Trainer {
             let latents = batch.inputs[0].to_dtype(DType::F32)?.to_vec::<f32>()?;
             let offsets = draw(vec![b, c], seed ^ 0x0FF5_E700)?;
             let adaptive = (t.adaptive_noise_scale != 0.0).then_some(t.adaptive_noise_scale);
-            loss::noise_offset(&mut v, &latents, dims, t.noise_offset, adaptive, &offsets)?;
+            // kohya's noise_offset_random_strength: torch.rand(1) * noise_offset, here one
+            // seeded draw per micro-batch.
+            let u = crate::data::unit(crate::data::draw(seed, &[0x0FF5_E700, 1]));
+            let offset = loss::strength(t.noise_offset, t.noise_offset_random_strength, u);
+            loss::noise_offset(&mut v, &latents, dims, offset, adaptive, &offsets)?;
         }
         if t.multires_noise_iterations > 0 {
             // kohya's r = 2 + 2 u per level, u uniform: here seeded by the micro-batch.
@@ -233,6 +266,19 @@ impl Trainer {
         noise: &Tensor,
         weights: LossWeights<'_>,
     ) -> Result<Tensor> {
+        self.loss_with(batch, t, noise, None, weights)
+    }
+
+    /// [`Trainer::loss_at`] with the model's input noised with `input` instead of `noise`
+    /// where given (input perturbation); the target is made from `noise`.
+    pub(super) fn loss_with(
+        &self,
+        batch: &[Tensor],
+        t: &Tensor,
+        noise: &Tensor,
+        input: Option<&Tensor>,
+        weights: LossWeights<'_>,
+    ) -> Result<Tensor> {
         let x0 = &batch[0];
         let cond = &batch[1..];
         let guidance = self.config.model.guidance;
@@ -240,13 +286,19 @@ impl Trainer {
         let objective = self.model.objective();
         let (pred, target, snr) = match &objective {
             Objective::FlowMatching => {
-                let (xt, target) = flow_matching(x0, noise, t)?;
+                let (mut xt, target) = flow_matching(x0, noise, t)?;
+                if let Some(n) = input {
+                    xt = flow_matching(x0, n, t)?.0;
+                }
                 let pred = self.model.predict(&xt, t, cond, guidance)?;
                 (pred, target, None)
             }
             Objective::Ddpm(ddpm) => {
                 let kind = self.prediction();
-                let (xt, target) = ddpm.noisy_and_target(x0, noise, t, kind)?;
+                let (mut xt, target) = ddpm.noisy_and_target(x0, noise, t, kind)?;
+                if let Some(n) = input {
+                    xt = ddpm.noisy_and_target(x0, n, t, kind)?.0;
+                }
                 let pred = self.model.predict(&xt, t, cond, guidance)?;
                 let gamma = tc.min_snr_gamma;
                 let w = match gamma > 0.0 {
@@ -258,8 +310,8 @@ impl Trainer {
         };
         // Huber's threshold per sample, from the timesteps on 0..1000 (kohya's).
         let c = match tc.loss_type {
-            LossType::L2 => None,
-            _ => {
+            LossType::L2 | LossType::L1 => None,
+            LossType::Huber | LossType::SmoothL1 => {
                 // The constant schedule reads no timestep: none is copied to the host.
                 let (steps, ab) = match &objective {
                     _ if tc.huber_schedule == HuberSchedule::Constant => {

@@ -659,6 +659,7 @@ extern "C" __global__ void __launch_bounds__(MT_THREADS)
 SCHEDULEFREE(f32, float)
 SCHEDULEFREE(bf16, __nv_bfloat16)
 SCHEDULEFREE(f16, __half)
+
 // ----- Lion (LionHyper in src/backend/lion.rs) ---------------------------------------------
 // Shape letters as above:
 //   LionFull  (K) p, g (N) T; m (N) f32;                       chunks of ADAM_CHUNK values

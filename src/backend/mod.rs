@@ -447,6 +447,7 @@ pub trait BackendStorage: Sized + Send + Sync {
         op: &multi_sf::SfOp,
         items: &mut [multi_sf::SfItem<'_, Self>],
         scalars: Option<&mut Self>,
+    ) -> Result<()>;
     /// One Lion step of every item, in place (one kernel launch on CUDA): the parameters, of
     /// one dtype (f32, bf16 or f16), and their momenta, all f32 or all 8-bit, as
     /// `lion::LionHyper::apply` and `quant8` describe; `map` is the (256) f32 signed

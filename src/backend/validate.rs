@@ -418,6 +418,11 @@ pub(crate) fn schedulefree_multi<S>(
             (Some(p0), true) => fits(p0, Some(DType::BF16), 0, prodigy_sf_sliced(it.n), "p0", k)?,
             (Some(_), false) => return missing(k, "p0", it.n),
             _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// A multi-tensor Lion step (`BackendStorage::lion_multi`): every parameter f32, bf16 or f16
 /// and of one dtype, each gradient of its parameter's dtype, every item with the same kind of
 /// momentum, each view inside its buffer, and the maps with 8-bit momenta.

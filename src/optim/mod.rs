@@ -34,8 +34,8 @@
 
 mod adam;
 mod adam8bit;
-mod lion;
 mod grouped;
+mod lion;
 mod prodigy;
 mod schedulefree;
 mod sgd;
@@ -43,8 +43,8 @@ mod sgd;
 pub use crate::backend::quant8;
 pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
 pub use adam8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, QuantizedState};
-pub use lion::{Lion, Lion8bit, Lion8bitConfig, LionConfig, LionState};
 pub use grouped::{build_groups, Grouped, ParamGroup};
+pub use lion::{Lion, Lion8bit, Lion8bitConfig, LionConfig, LionState};
 pub use prodigy::{Prodigy, ProdigyConfig, ProdigyEstimate, ProdigyState};
 pub use schedulefree::{
     AdamWScheduleFree, AdamWScheduleFreeConfig, AdamWScheduleFreeGlobal, ProdigyScheduleFree,
@@ -151,6 +151,10 @@ impl OptimizerConfig {
             OptimizerConfig::AdamW(c) => c.lr,
             OptimizerConfig::AdamW8bit(c) => c.adam.lr,
             OptimizerConfig::Prodigy(c) => c.lr,
+            OptimizerConfig::AdamWScheduleFree(c) => c.lr,
+            OptimizerConfig::ProdigyScheduleFree(c) => c.lr,
+            OptimizerConfig::Lion(c) => c.lr,
+            OptimizerConfig::Lion8bit(c) => c.lion.lr,
         }
     }
 
@@ -160,6 +164,10 @@ impl OptimizerConfig {
             OptimizerConfig::AdamW(c) => c.lr = lr,
             OptimizerConfig::AdamW8bit(c) => c.adam.lr = lr,
             OptimizerConfig::Prodigy(c) => c.lr = lr,
+            OptimizerConfig::AdamWScheduleFree(c) => c.lr = lr,
+            OptimizerConfig::ProdigyScheduleFree(c) => c.lr = lr,
+            OptimizerConfig::Lion(c) => c.lr = lr,
+            OptimizerConfig::Lion8bit(c) => c.lion.lr = lr,
         }
         self
     }
@@ -170,6 +178,10 @@ impl OptimizerConfig {
             OptimizerConfig::AdamW(c) => c.weight_decay = wd,
             OptimizerConfig::AdamW8bit(c) => c.adam.weight_decay = wd,
             OptimizerConfig::Prodigy(c) => c.weight_decay = wd,
+            OptimizerConfig::AdamWScheduleFree(c) => c.weight_decay = wd,
+            OptimizerConfig::ProdigyScheduleFree(c) => c.weight_decay = wd,
+            OptimizerConfig::Lion(c) => c.weight_decay = wd,
+            OptimizerConfig::Lion8bit(c) => c.lion.weight_decay = wd,
         }
         self
     }

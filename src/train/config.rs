@@ -506,9 +506,7 @@ impl OptimizerSection {
             | OptimizerKind::AdamW8bit
             | OptimizerKind::Prodigy
             | OptimizerKind::AdamWScheduleFree
-            | OptimizerKind::ProdigyScheduleFree => {
-                [0.9, 0.999]
-            }
+            | OptimizerKind::ProdigyScheduleFree => [0.9, 0.999],
         })
     }
 
@@ -1416,12 +1414,12 @@ impl TrainConfig {
                 ),
             );
             c.check(
-                o.betas[0] > 0.0,
+                o.betas()[0] > 0.0,
                 "optimizer.betas",
                 format!(
                     "{:?}: a schedule-free kind needs beta1 > 0 (its evaluation point divides \
                      by it)",
-                    o.betas
+                    o.betas()
                 ),
             );
         }

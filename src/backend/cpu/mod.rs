@@ -525,6 +525,8 @@ impl BackendStorage for CpuStorage {
         scalars: Option<&mut Self>,
     ) -> Result<()> {
         schedulefree::schedulefree(op, items, scalars)
+    }
+
     fn lion_multi(
         h: &crate::backend::lion::LionHyper,
         items: &mut [crate::backend::lion::LionItem<'_, Self>],

@@ -218,6 +218,8 @@ impl BackendStorage for CudaStorage {
         scalars: Option<&mut Self>,
     ) -> Result<()> {
         super::schedulefree::schedulefree(op, items, scalars)
+    }
+
     fn lion_multi(
         h: &crate::backend::lion::LionHyper,
         items: &mut [crate::backend::lion::LionItem<'_, Self>],

@@ -179,10 +179,12 @@ fn find_form<T: Elem>(
     if !fits {
         return Ok(Form::Naive);
     }
-    if let Some(algo) = heuristic(dev, m, n, k, T::DTYPE, true)? {
+    let stream = dev.stream();
+    let scales = (ops[1].buf.raw_ptr(stream), ops[3].buf.raw_ptr(stream));
+    if let Some(algo) = heuristic(dev, m, n, k, T::DTYPE, Some(scales)) {
         return Ok(Form::Scaled(algo));
     }
-    if let Some(algo) = heuristic(dev, m, n, k, DType::F32, false)? {
+    if let Some(algo) = heuristic(dev, m, n, k, DType::F32, None) {
         return Ok(Form::ThenScale(algo));
     }
     Ok(Form::Naive)
@@ -297,16 +299,33 @@ unsafe fn set<T>(
     .map_err(|e| lt_err("descriptor attribute", e))
 }
 
-/// cuBLASLt's fastest algorithm for the product, or None where it has none.
+/// cuBLASLt's fastest algorithm for the product (with the scale vectors at `scales`, (sa,
+/// sb), when given), or None where it has none: the library answers an unsupported
+/// combination with NOT_SUPPORTED or, for some scale modes, INVALID_VALUE, and either means
+/// the next form.
 fn heuristic(
     dev: &Dev,
     m: usize,
     n: usize,
     k: usize,
     out: DType,
-    scales: bool,
-) -> Result<Option<sys::cublasLtMatmulAlgo_t>> {
-    let plan = Plan::new(m, n, k, out, scales)?;
+    scales: Option<(u64, u64)>,
+) -> Option<sys::cublasLtMatmulAlgo_t> {
+    heuristic_or_err(dev, m, n, k, out, scales).ok()
+}
+
+fn heuristic_or_err(
+    dev: &Dev,
+    m: usize,
+    n: usize,
+    k: usize,
+    out: DType,
+    scales: Option<(u64, u64)>,
+) -> Result<sys::cublasLtMatmulAlgo_t> {
+    let plan = Plan::new(m, n, k, out, scales.is_some())?;
+    if let Some((sa, sb)) = scales {
+        plan.set_scales(sa, sb)?;
+    }
     let handle = *dev.blas_lt()?.handle();
     let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
     let ws = WORKSPACE as u64;
@@ -324,11 +343,7 @@ fn heuristic(
         let _ = lt::destroy_matmul_pref(pref);
         r
     };
-    match found {
-        Ok(h) => Ok(Some(h.algo)),
-        Err(e) if format!("{e:?}").contains("NOT_SUPPORTED") => Ok(None),
-        Err(e) => Err(lt_err("heuristic", e)),
-    }
+    found.map(|h| h.algo).map_err(|e| lt_err("heuristic", e))
 }
 
 /// One GEMM into `out` (m x n of `out_dtype`, row-major), with the scale vectors when

@@ -953,6 +953,8 @@ impl Adapters {
             [p] if !p.swapped => None,
             _ => Some(parts),
         })
+    }
+
     /// The per-block settings, in order.
     pub fn blocks(&self) -> &[AdapterBlock] {
         &self.blocks

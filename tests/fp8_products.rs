@@ -332,7 +332,7 @@ mod gpu {
     }
 
     /// Quantization and transpose equal the CPU's bits; the product equals the CPU's within
-    /// f32 summation order (then one rounding), at odd sizes (the plain kernel), at sizes the
+    /// the tensor cores' summation (bounds below), at odd sizes (the plain kernel), at sizes the
     /// tensor cores take (cuBLASLt with its scale vectors) and at Flux's widths.
     #[test]
     #[ignore = "needs a GPU"]
@@ -377,8 +377,13 @@ mod gpu {
             let (cpu, gpu) = (&outs[0], &outs[1]);
             assert_eq!(cpu.0, gpu.0, "({m}, {k}) quantization");
             assert_eq!(cpu.1, gpu.1, "({m}, {k}) transpose");
-            for (i, tol) in [1e-5f32, 8e-3, 1e-3].into_iter().enumerate() {
+            // FP8 tensor cores sum in less than f32's precision between cuBLASLt's promotions
+            // to f32 (DeepSeek-V3 technical report, 2024, section 3.3.2: about 14 bits on
+            // Hopper), so the f32 output is held to 5e-3 of the largest value, not f32
+            // rounding; the half outputs add their own rounding.
+            for (i, tol) in [5e-3f32, 1e-2, 5e-3].into_iter().enumerate() {
                 let e = rel(&gpu.2[i], &cpu.2[i]);
+                println!("({m}, {n}, {k}) product {i}: relative {e:.2e}");
                 assert!(e <= tol, "({m}, {n}, {k}) product {i}: relative {e}");
             }
         }
@@ -401,7 +406,9 @@ mod gpu {
             ("dx", rel(&g.dx, &c.dx)),
             ("lora A", rel(&g.da, &c.da)),
         ] {
-            assert!(e < 1e-4, "{what}: relative {e}");
+            println!("{what}: relative {e:.2e}");
+            // The products' tensor-core sums (see above), through bf16 activations.
+            assert!(e < 1e-2, "{what}: relative {e}");
         }
     }
 }

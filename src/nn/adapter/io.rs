@@ -808,19 +808,14 @@ impl Adapters {
         for l in self.layers()? {
             let shape = l.shape();
             let rank = if shape.is_conv() { c.conv_rank } else { c.rank };
-            if c.kind == "lokr" && c.lokr_split != super::LokrSplit::Peft {
-                let peft = super::LokrSplit::Peft;
-                for dim in [shape.out_dim(), shape.in_dim()] {
-                    if peft.split(dim, c.factor) != c.lokr_split.split(dim, c.factor) {
-                        return Err(layout(format!(
-                            "layer {}: PEFT splits {dim} by factor {} as {:?}, these LoKr \
-                             adapters as {:?}; build them with AdapterConfig::lokr_split = Peft",
-                            l.path(),
-                            c.factor,
-                            peft.split(dim, c.factor),
-                            c.lokr_split.split(dim, c.factor)
-                        )));
-                    }
+            for dim in [shape.out_dim(), shape.in_dim()] {
+                if let Some((peft, own)) = c.peft_split_differs(dim) {
+                    return Err(layout(format!(
+                        "layer {}: PEFT splits {dim} by factor {} as {peft:?}, these LoKr \
+                         adapters as {own:?}; build them with AdapterConfig::lokr_split = Peft",
+                        l.path(),
+                        c.factor,
+                    )));
                 }
             }
             for p in peft_parts(map, l.path(), shape.out_dim())? {

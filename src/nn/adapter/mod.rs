@@ -691,6 +691,22 @@ impl From<LoraConfig> for AdapterConfig {
 }
 
 impl AdapterConfig {
+    /// For LoKr adapters not built with PEFT's split: PEFT's split of `dim` and this
+    /// config's, where they differ (the PEFT layout cannot hold such adapters).
+    pub(crate) fn peft_split_differs(
+        &self,
+        dim: usize,
+    ) -> Option<((usize, usize), (usize, usize))> {
+        if self.kind != "lokr" || self.lokr_split == LokrSplit::Peft {
+            return None;
+        }
+        let (peft, own) = (
+            LokrSplit::Peft.split(dim, self.factor),
+            self.lokr_split.split(dim, self.factor),
+        );
+        (peft != own).then_some((peft, own))
+    }
+
     /// Checks the kind, rank > 0 (where it is used), dropout in `[0, 1)` (and only for LoRA
     /// and DoRA), alphas finite and positive, the LoKr factor, some target, and the Tucker
     /// form and the weight decomposition only for the kinds that have them.

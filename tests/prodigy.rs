@@ -5,7 +5,7 @@
 #![cfg(feature = "cpu-ref")]
 
 mod common;
-use common::optim::{bits, copies, opt_err};
+use common::optim::{bits, copies, f32s, grads_at, opt_err, param_on, Lcg};
 use common::TempFile;
 use flame::optim::{Optimizer, Prodigy, ProdigyConfig};
 use flame::{DType, Device, Grads, Tensor};
@@ -16,54 +16,6 @@ use std::path::Path;
 mod gpu;
 
 // ----- helpers ---------------------------------------------------------------------------
-
-/// Deterministic pseudo-random numbers (64-bit LCG, Knuth's constants), uniform in [-1, 1).
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
-
-/// A trainable parameter of `dtype` on `dev` from f32 values.
-fn param_on(v: Vec<f32>, dims: &[usize], dtype: DType, dev: &Device) -> Tensor {
-    let t = Tensor::from_vec(v, dims.to_vec(), &Device::Cpu)
-        .unwrap()
-        .to_dtype(dtype)
-        .unwrap();
-    let t = Tensor::from_host(t.to_host().unwrap(), dims.to_vec(), dev).unwrap();
-    t.set_requires_grad(true).unwrap();
-    t
-}
-
-/// Gradients of step `k`: a pull towards 0.5 plus pseudo-random noise, in each parameter's
-/// dtype and device.
-fn grads_at(params: &[(String, Tensor)], k: u64) -> Grads {
-    let mut g = Grads::new();
-    for (i, (_, p)) in params.iter().enumerate() {
-        let mut r = Lcg(k * 1000 + i as u64 + 1);
-        let pv = p.to_vec_f64().unwrap();
-        let v: Vec<f32> = pv
-            .iter()
-            .map(|&x| (x as f32 - 0.5) + 0.3 * r.next())
-            .collect();
-        let t = Tensor::from_vec(v, p.dims().to_vec(), &Device::Cpu)
-            .unwrap()
-            .to_dtype(p.dtype())
-            .unwrap();
-        let t = Tensor::from_host(t.to_host().unwrap(), p.dims().to_vec(), p.device()).unwrap();
-        g.insert(p, t);
-    }
-    g
-}
 
 /// Parameters of odd sizes and mixed dtypes, one starting at zero (a LoRA up matrix).
 fn mixed_params(dev: &Device) -> Vec<(String, Tensor)> {
@@ -132,10 +84,6 @@ fn case_config(case: &str) -> ProdigyConfig {
         },
         other => panic!("no case {other}"),
     }
-}
-
-fn f32s(t: &Tensor) -> Vec<f32> {
-    t.to_vec_f64().unwrap().iter().map(|&x| x as f32).collect()
 }
 
 /// 50 steps against prodigyopt 1.1.2: the gradient of step k is (p - target) + noise[k] in

@@ -21,7 +21,7 @@
 //! in FP8 E4M3, `--fp8-compute` also computes their products in 8 bits (`model.compute =
 //! "fp8"`), `--adam8bit` uses 8-bit AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
-//! streamed. `--host-probe` issues one more step with about a second of GEMMs queued between
+//! streamed. `--steps N` times N steps after the warm-up (3 unless given). `--host-probe` issues one more step with about a second of GEMMs queued between
 //! its forward and backward, and prints when the host had issued the backward and the update:
 //! the host's own cost where nothing in them waits for the GPU. `--phases` times one more
 //! step with the device synchronised after its forward and after its backward. Each step
@@ -171,6 +171,9 @@ fn run<M: ModelSpec>(
         targets: targets.iter().map(|t| t.to_string()).collect(),
         seed: 0,
     };
+    let timed: usize = args.value("--steps").map_or(3, |n| {
+        n.parse().ok().filter(|&n| n > 0).expect("--steps N, N > 0")
+    });
     let (fp8, adam8bit) = (args.flag("--fp8"), args.flag("--adam8bit"));
     // `--fp8-compute`: 8-bit products (`model.compute = "fp8"`); the weights are FP8 too.
     let fp8_products = args.flag("--fp8-compute");
@@ -494,14 +497,14 @@ fn run<M: ModelSpec>(
             peak
         })
     };
-    let ms = common::time(cuda, 0, 3, &mut || {
+    let ms = common::time(cuda, 0, timed, &mut || {
         losses.push(step()?);
         Ok(())
     })? * 1e3;
     let stream_after = streamer.as_ref().map(|s| s.report()).transpose()?;
     sampling.store(false, Ordering::Relaxed);
     let driver_peak = sampler.join().unwrap_or(0);
-    let per_step = |n: u64| n as f64 / 3.0;
+    let per_step = |n: u64| n as f64 / timed as f64;
     let (evictions, flushes, overflows) = (
         per_step(cuda.memory().evictions - evictions),
         per_step(cuda.memory().flushes - flushes),
@@ -625,20 +628,20 @@ fn run<M: ModelSpec>(
                 let share = r.timed_uploads as f64 / r.uploads as f64;
                 println!(
                     "link: {:.1} ms/step copying at {:.1} GiB/s, {:.1} ms/step from uploads' first copies to their last, decodes {:.1} ms/step ({} of {} uploads timed; the backward leaves up to {} blocks for the forward; {:.2} GiB/step of forward-only weights left out of the backward's uploads)",
-                    r.copy_us as f64 / 1e3 / share / 3.0,
+                    r.copy_us as f64 / 1e3 / share / timed as f64,
                     gib(r.uploaded_bytes) * share / (r.copy_us as f64 / 1e6),
-                    r.span_us as f64 / 1e3 / share / 3.0,
-                    r.decode_us as f64 / 1e3 / share / 3.0,
+                    r.span_us as f64 / 1e3 / share / timed as f64,
+                    r.decode_us as f64 / 1e3 / share / timed as f64,
                     r.timed_uploads,
                     r.uploads,
                     s.carried()?,
-                    gib(r.left_out_bytes) / 3.0
+                    gib(r.left_out_bytes) / timed as f64
                 );
             }
             let (h, b) = (a.host, b.host);
             if h.products > b.products {
                 // Per timed step (the warm-up's left out).
-                let per = |a: u64, b: u64| (a - b) as f64 / 3.0;
+                let per = |a: u64, b: u64| (a - b) as f64 / timed as f64;
                 println!(
                     "host products (the timed steps): {:.1} a step, {} inputs ({} of them announced ahead and taken); {:.1} ms/step computing, the model's thread waited {:.1} ms/step for them and spent {:.1} ms/step bringing inputs, {:.1} sending products",
                     per(h.products, b.products),
@@ -652,8 +655,8 @@ fn run<M: ModelSpec>(
             }
             (
                 gib(r.host_bytes),
-                gib(r.uploaded_bytes) / 3.0,
-                gib(r.decoded_bytes) / 3.0,
+                gib(r.uploaded_bytes) / timed as f64,
+                gib(r.decoded_bytes) / timed as f64,
             )
         }
         _ => (0.0, 0.0, 0.0),

@@ -73,12 +73,17 @@ fn init_plan_train(d: &Path, model: &Path, images: &Path, arch: &str) -> (String
         .collect();
     for k in keys_of(&text) {
         // `[[data.dirs]]` entries' keys are the table's own.
-        let k = k.replace("data.dirs.path", "data.dirs").replace("data.dirs.repeats", "data.dirs");
+        let k = k
+            .replace("data.dirs.path", "data.dirs")
+            .replace("data.dirs.repeats", "data.dirs");
         assert!(known.contains(&k), "{k} is no config key:\n{text}");
     }
     assert!(text.contains(&format!("arch = \"{arch}\"")), "{text}");
     assert!(text.contains("# memory: "), "no memory plan:\n{text}");
-    assert!(text.contains("prompts = [\"a "), "no prompts from the captions:\n{text}");
+    assert!(
+        text.contains("prompts = [\"a "),
+        "no prompts from the captions:\n{text}"
+    );
     // No GPU here: the budget key is left commented.
     assert!(text.contains("# budget_gb"), "{text}");
     let config = TrainConfig::from_file(&cfg).unwrap();
@@ -118,8 +123,17 @@ fn a_comfyui_folder_gets_a_config_that_trains_and_samples_without_arch() {
     // `sample` finds the family itself, with the trained LoRA merged.
     let s_out = d.join("samples");
     let o = Command::new(env!("CARGO_BIN_EXE_sample"))
-        .args(["--device", "cpu", "--dtype", "f32", "--width", "32", "--height", "32"])
-        .args(["--steps", "2", "--t5-tokens", "16", "--prompt", "a red circle"])
+        .args([
+            "--device", "cpu", "--dtype", "f32", "--width", "32", "--height", "32",
+        ])
+        .args([
+            "--steps",
+            "2",
+            "--t5-tokens",
+            "16",
+            "--prompt",
+            "a red circle",
+        ])
         .arg("--model")
         .arg(&m)
         .arg("--lora")
@@ -130,7 +144,11 @@ fn a_comfyui_folder_gets_a_config_that_trains_and_samples_without_arch() {
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(s_out.join("0-0.png").is_file());
-    assert!(stderr(&o).contains("diffusion model (flux)"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("diffusion model (flux)"),
+        "{}",
+        stderr(&o)
+    );
     std::fs::remove_dir_all(&d).ok();
 }
 
@@ -140,7 +158,10 @@ fn a_gguf_flux_gets_a_config_that_trains() {
     let m = comfy(&d);
     gguf_flux(&m);
     let (text, _) = init_plan_train(&d, &m, &d.join("tiny/images"), "flux");
-    assert!(text.contains("flux1-tiny-F32.gguf") && text.contains("GGUF"), "{text}");
+    assert!(
+        text.contains("flux1-tiny-F32.gguf") && text.contains("GGUF"),
+        "{text}"
+    );
     std::fs::remove_dir_all(&d).ok();
 }
 
@@ -209,8 +230,17 @@ fn sample_names_the_families_a_folder_holds_and_takes_arch_as_override() {
     .unwrap();
     let sample = |extra: &[&str], out: &Path| {
         Command::new(env!("CARGO_BIN_EXE_sample"))
-            .args(["--device", "cpu", "--dtype", "f32", "--width", "32", "--height", "32"])
-            .args(["--steps", "1", "--t5-tokens", "16", "--prompt", "a red circle"])
+            .args([
+                "--device", "cpu", "--dtype", "f32", "--width", "32", "--height", "32",
+            ])
+            .args([
+                "--steps",
+                "1",
+                "--t5-tokens",
+                "16",
+                "--prompt",
+                "a red circle",
+            ])
             .args(extra)
             .arg("--model")
             .arg(&m)
@@ -222,7 +252,12 @@ fn sample_names_the_families_a_folder_holds_and_takes_arch_as_override() {
     let o = sample(&[], &d.join("a"));
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let e = stderr(&o);
-    for want in ["flux1-tiny.safetensors", "z-image-tiny.safetensors", "(flux, zimage)", "--arch"] {
+    for want in [
+        "flux1-tiny.safetensors",
+        "z-image-tiny.safetensors",
+        "(flux, zimage)",
+        "--arch",
+    ] {
         assert!(e.contains(want), "{want}: {e}");
     }
     let o = sample(&["--arch", "flux"], &d.join("b"));
@@ -235,7 +270,10 @@ fn sample_names_the_families_a_folder_holds_and_takes_arch_as_override() {
 #[test]
 fn the_recipes_are_the_templates() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    assert_eq!(flame::train::init::RECIPES.len(), flame::models::FAMILIES.len());
+    assert_eq!(
+        flame::train::init::RECIPES.len(),
+        flame::models::FAMILIES.len()
+    );
     for r in flame::train::init::RECIPES {
         flame::models::family(r.arch).unwrap();
         let text = std::fs::read_to_string(root.join("examples").join(r.template)).unwrap();
@@ -256,8 +294,14 @@ fn the_recipes_are_the_templates() {
         );
         let snr = t["train"].get("min_snr_gamma").and_then(|v| v.as_float());
         assert_eq!(snr.unwrap_or(0.0), r.min_snr_gamma, "{}", r.template);
-        assert_eq!(t["sample"]["steps"].as_integer(), Some(r.sample_steps as i64));
+        assert_eq!(
+            t["sample"]["steps"].as_integer(),
+            Some(r.sample_steps as i64)
+        );
         assert_eq!(t["sample"]["guidance"].as_float(), Some(r.sample_guidance));
-        assert_eq!(t["data"]["resolution"].as_integer(), Some(r.resolution as i64));
+        assert_eq!(
+            t["data"]["resolution"].as_integer(),
+            Some(r.resolution as i64)
+        );
     }
 }

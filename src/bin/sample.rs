@@ -385,7 +385,10 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         return Err(bad("--steps 0: at least 1".into()));
     }
     if !(a.guidance(arch).is_finite() && a.guidance(arch) >= 0.0) {
-        return Err(bad(format!("--guidance {}: finite and >= 0", a.guidance(arch))));
+        return Err(bad(format!(
+            "--guidance {}: finite and >= 0",
+            a.guidance(arch)
+        )));
     }
     if a.width == 0 || a.height == 0 || a.width % 16 != 0 || a.height % 16 != 0 {
         return Err(bad(format!(

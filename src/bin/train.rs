@@ -78,7 +78,8 @@ struct InitArgs {
     /// the folder of images (png, jpg, webp), each with a .txt caption beside it (required)
     #[argh(option)]
     images: Option<std::path::PathBuf>,
-    /// GiB of GPU memory the run may hold (default: the GPU's free memory; none on the CPU)
+    /// gibibytes of GPU memory the run may hold (default: the GPU's free memory; none on
+    /// the CPU)
     #[argh(option)]
     budget: Option<f64>,
     /// optimizer steps (default 2000)

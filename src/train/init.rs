@@ -282,9 +282,11 @@ fn render(c: &Choices, plan: &[String]) -> Result<String> {
     let r = c.recipe;
     let mut s = String::new();
     let w = &mut s;
-    let out_name = c.opts.out.file_name().map_or("train.toml".into(), |f| {
-        f.to_string_lossy().into_owned()
-    });
+    let out_name = c
+        .opts
+        .out
+        .file_name()
+        .map_or("train.toml".into(), |f| f.to_string_lossy().into_owned());
     let _ = writeln!(
         w,
         "# Written by `train init` (FLAME {}) from --model {} and --images {}.\n\
@@ -398,18 +400,10 @@ fn render(c: &Choices, plan: &[String]) -> Result<String> {
         "output_dir = {}  # the run folder: checkpoints, samples, loss plot, lora.safetensors",
         q(&c.output_dir.to_string_lossy())
     );
-    let _ = writeln!(
-        w,
-        "device = \"auto\"  # the GPU if one opens, else the CPU"
-    );
+    let _ = writeln!(w, "device = \"auto\"  # the GPU if one opens, else the CPU");
     match r.timesteps {
         Some(t) => {
-            let _ = writeln!(
-                w,
-                "timesteps = {}  # as examples/{}",
-                q(t),
-                r.template
-            );
+            let _ = writeln!(w, "timesteps = {}  # as examples/{}", q(t), r.template);
         }
         None => {
             let _ = writeln!(
@@ -444,7 +438,10 @@ fn render(c: &Choices, plan: &[String]) -> Result<String> {
                  most images)",
                 r.resolution
             ),
-            false => format!("the family's resolution (images of {}+ pixels)", r.resolution),
+            false => format!(
+                "the family's resolution (images of {}+ pixels)",
+                r.resolution
+            ),
         }
     );
     let _ = writeln!(w, "bucket_step = {}", c.bucket.step);
@@ -647,7 +644,7 @@ pub fn init(opts: &InitOptions, on: &mut dyn FnMut(String)) -> Result<Written> {
         source,
     })?;
     let base = out_abs.parent().unwrap_or(Path::new(".")).to_path_buf();
-    let mut choices = Choices {
+    let choices = Choices {
         opts,
         family,
         recipe,
@@ -713,17 +710,4 @@ pub fn init(opts: &InitOptions, on: &mut dyn FnMut(String)) -> Result<Written> {
         text,
         lines,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn resolution_follows_the_images_up_to_the_family() {
-        assert_eq!(resolution(2000, 1024), (1024, 64));
-        assert_eq!(resolution(700, 1024), (640, 64));
-        assert_eq!(resolution(78, 1024), (64, 16));
-        assert_eq!(resolution(10, 1024), (16, 16));
-    }
 }

@@ -26,6 +26,6 @@ pub use objectives::{
 pub use planning::{MemoryChoice, PhasePlan};
 pub use rundir::recorded_machine;
 pub use trainer::{
-    plan_folder, plan_run, preflight, Event, FolderAction, ParamList, Placement, Prepare, RunEnd, RunOptions,
-    StepReport, Trainer,
+    plan_folder, plan_run, preflight, Event, FolderAction, ParamList, Placement, Prepare, RunEnd,
+    RunOptions, StepReport, Trainer,
 };

@@ -24,7 +24,7 @@ use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Train a LoRA (or LoKr, LoHa, DoRA) on Flux, SD3.5, SDXL, FLUX.2 [klein] or Z-Image from a
+/// Train a LoRA (or LoKr, LoHa, DoRA) on Flux, SD3.5, SDXL, FLUX.2 klein or Z-Image from a
 /// folder of images with captions (or pre-encoded samples), as a TOML config says. `train init
 /// --model PATH --images DIR` writes such a config (see train init --help).
 #[derive(FromArgs)]

@@ -1,6 +1,6 @@
 //! `train init`: a commented config a user can run as it is, from a model path and a folder
 //! of images. The model's family and files are found as a run finds them
-//! ([`crate::models::discover`]), the tokenizers as a run locates them, the resolution and
+//! ([`crate::models::discover()`]), the tokenizers as a run locates them, the resolution and
 //! buckets from the images' sizes by the trainer's own bucketing ([`crate::data::buckets`]),
 //! the budget from the GPU's free memory (or the one given), and the memory plan by the
 //! planner `train --plan` runs ([`crate::train::plan_run`]). Every key written is a config

@@ -383,6 +383,7 @@ fn check_fp8_products(config: &TrainConfig, device: &Device) -> Result<()> {
         });
     }
     #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)] // the only variant in builds without cpu-ref
     if let Device::Cuda(d) = device {
         let cc = (d.compute_capability_major(), d.compute_capability_minor());
         if cc < (8, 9) {

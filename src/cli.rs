@@ -19,7 +19,13 @@ pub fn parse_args<A: argh::FromArgs>() -> Result<A, ExitCode> {
         .and_then(|a| std::path::Path::new(a).file_name())
         .map_or("flame".into(), |n| n.to_string_lossy().into_owned());
     let rest: Vec<&str> = all.iter().skip(1).map(String::as_str).collect();
-    match A::from_args(&[&name], &rest) {
+    parse_from(&name, &rest)
+}
+
+/// The arguments `rest` of the command `name` (a binary, or a binary and its subcommand:
+/// "train init"), as [`parse_args`].
+pub fn parse_from<A: argh::FromArgs>(name: &str, rest: &[&str]) -> Result<A, ExitCode> {
+    match A::from_args(&[name], rest) {
         Ok(a) => Ok(a),
         Err(argh::EarlyExit { output, status }) => match status {
             Ok(()) => {

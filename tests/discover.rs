@@ -9,16 +9,11 @@
 
 use flame::models::discover::Keys;
 use flame::train::{Event, RunOptions, TrainConfig, Trainer};
-use flame::{DType, Device, Tensor};
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-const CPU: Device = Device::Cpu;
-
-/// The released vocabularies' sizes (CLIP's BPE: 49408 ids; T5 v1.1: 32128 embedding rows),
-/// so the built-in tokenizers' ids fit the tiny encoders.
-const CLIP_VOCAB: usize = 49408;
-const T5_VOCAB: usize = 32128;
+#[path = "common/layouts.rs"]
+mod layouts;
+use layouts::{comfy, gguf_flux, hub, temp};
 
 const KEYS: Keys = Keys {
     model: "model.path",
@@ -26,87 +21,6 @@ const KEYS: Keys = Keys {
     text: "encoders.text",
     vae: "encoders.vae",
 };
-
-fn temp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("flame-discover-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// The tiny demo's pieces (`train --make-tiny` of examples/flux-tiny.toml) under `dir/tiny`.
-fn demo(dir: &Path) {
-    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny.toml");
-    let p = dir.join("demo.toml");
-    std::fs::copy(example, &p).unwrap();
-    flame::train::demo::make_tiny(&TrainConfig::from_file(&p).unwrap()).unwrap();
-}
-
-/// The transformers / diffusers folder `src` as one single file at `dst`, its config.json
-/// in the file's metadata; `vocab`: the embedding `key` widened to that many rows (random,
-/// seeded) and the config's `vocab_size` set to it.
-fn single_file(src: &Path, weights: &str, dst: &Path, vocab: Option<(&[&str], usize)>) {
-    let mut t = flame::safetensors::load(src.join(weights), &CPU).unwrap();
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    if let Some((keys, rows)) = vocab {
-        for (i, key) in keys.iter().enumerate() {
-            let Some(old) = t.get(*key) else { continue };
-            let width = old.dims()[1];
-            let v = Tensor::randn_normal(0.0, 0.3, (rows, width), DType::F32, &CPU, i as u64 + 5)
-                .unwrap();
-            t.insert(key.to_string(), v);
-        }
-        cfg["vocab_size"] = rows.into();
-    }
-    let meta = BTreeMap::from([("config".to_string(), cfg.to_string())]);
-    std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
-    flame::safetensors::save_with_metadata(t.iter().map(|(k, v)| (k.as_str(), v)), &meta, dst)
-        .unwrap();
-}
-
-/// A ComfyUI-style `models/` folder from the tiny demo under `dir`.
-fn comfy(dir: &Path) -> PathBuf {
-    demo(dir);
-    let tiny = dir.join("tiny");
-    let m = dir.join("models");
-    std::fs::create_dir_all(m.join("diffusion_models")).unwrap();
-    std::fs::copy(
-        tiny.join("flux-tiny.safetensors"),
-        m.join("diffusion_models/flux1-tiny.safetensors"),
-    )
-    .unwrap();
-    single_file(
-        &tiny.join("text_encoder"),
-        "model.safetensors",
-        &m.join("text_encoders/clip_l.safetensors"),
-        Some((
-            &["text_model.embeddings.token_embedding.weight"],
-            CLIP_VOCAB,
-        )),
-    );
-    single_file(
-        &tiny.join("text_encoder_2"),
-        "model.safetensors",
-        &m.join("text_encoders/t5xxl_fp16.safetensors"),
-        Some((&["shared.weight", "encoder.embed_tokens.weight"], T5_VOCAB)),
-    );
-    single_file(
-        &tiny.join("vae"),
-        "diffusion_pytorch_model.safetensors",
-        &m.join("vae/ae.safetensors"),
-        None,
-    );
-    // Files of no role are passed over.
-    std::fs::create_dir_all(m.join("loras")).unwrap();
-    let lora = Tensor::zeros((2, 2), DType::F32, &CPU).unwrap();
-    flame::safetensors::save(
-        [("lora_unet_x.lora_down.weight", &lora)],
-        m.join("loras/style.safetensors"),
-    )
-    .unwrap();
-    m
-}
 
 /// A two-step run on `model` (and `images`) with no other model path given.
 fn config(dir: &Path, arch: &str, model: &Path, images: &Path) -> PathBuf {
@@ -175,7 +89,7 @@ fn train(p: &Path) -> Vec<String> {
 
 #[test]
 fn a_comfyui_folder_is_found_by_keys_and_trains() {
-    let d = temp("comfy");
+    let d = temp("discover-comfy");
     let m = comfy(&d);
     let found = flame::models::discover(&m, None, false, false, KEYS).unwrap();
     assert_eq!(found.family.name, "flux");
@@ -210,7 +124,7 @@ fn a_comfyui_folder_is_found_by_keys_and_trains() {
 
 #[test]
 fn two_diffusion_models_are_refused_naming_both() {
-    let d = temp("ambiguous");
+    let d = temp("discover-ambiguous");
     let m = comfy(&d);
     std::fs::create_dir_all(m.join("unet")).unwrap();
     std::fs::copy(
@@ -229,7 +143,7 @@ fn two_diffusion_models_are_refused_naming_both() {
 
 #[test]
 fn a_folder_without_an_autoencoder_is_refused_naming_the_role() {
-    let d = temp("novae");
+    let d = temp("discover-novae");
     let m = comfy(&d);
     std::fs::remove_dir_all(m.join("vae")).unwrap();
     let e = flame::models::discover(&m, Some("flux"), false, false, KEYS)
@@ -247,43 +161,9 @@ fn a_folder_without_an_autoencoder_is_refused_naming_the_role() {
 
 #[test]
 fn a_gguf_flux_in_comfyuis_unet_folder_trains() {
-    let d = temp("gguf");
+    let d = temp("discover-gguf");
     let m = comfy(&d);
-    // The GGUF stand-in of tests/gguf_flux.rs, written the same way: every tensor in F32
-    // with the tiny model's config in the metadata.
-    let src = m.join("diffusion_models/flux1-tiny.safetensors");
-    let f = flame::safetensors::SafeTensorsFile::open(&src).unwrap();
-    let cfg = f.metadata()["config"].clone();
-    let entries: Vec<common_gguf::Entry> = f
-        .names()
-        .map(|n| {
-            let t = f.load_as(n, &CPU, DType::F32).unwrap();
-            common_gguf::Entry {
-                name: n.to_string(),
-                shape: t.dims().to_vec(),
-                ty: flame::backend::ggml::GgmlType::F32,
-                bytes: t
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec::<f32>()
-                    .unwrap()
-                    .iter()
-                    .flat_map(|x| x.to_le_bytes())
-                    .collect(),
-            }
-        })
-        .collect();
-    let kvs = [
-        ("general.architecture", common_gguf::kv_str("flux")),
-        ("config", common_gguf::kv_str(&cfg)),
-    ];
-    std::fs::create_dir_all(m.join("unet")).unwrap();
-    std::fs::write(
-        m.join("unet/flux1-tiny-F32.gguf"),
-        common_gguf::gguf_bytes(3, &kvs, &entries, 32),
-    )
-    .unwrap();
-    std::fs::remove_file(&src).unwrap();
+    gguf_flux(&m);
     let found = flame::models::discover(&m, Some("flux"), false, false, KEYS).unwrap();
     assert_eq!(found.model, m.join("unet/flux1-tiny-F32.gguf"));
     assert!(found.lines[0].contains("GGUF"), "{:?}", found.lines);
@@ -291,28 +171,10 @@ fn a_gguf_flux_in_comfyuis_unet_folder_trains() {
     std::fs::remove_dir_all(&d).ok();
 }
 
-/// Copies the folder `src` to `dst`.
-fn copy_dir(src: &Path, dst: &Path) {
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        let to = dst.join(e.file_name());
-        if e.path().is_dir() {
-            copy_dir(&e.path(), &to);
-        } else {
-            std::fs::copy(e.path(), to).unwrap();
-        }
-    }
-}
-
 #[test]
 fn a_hugging_face_cache_folder_trains_from_its_snapshot() {
-    let d = temp("hub");
-    let hub = d.join("hub/models--x--y");
-    let pipeline = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/klein/pipeline");
-    copy_dir(&pipeline, &hub.join("snapshots/abc"));
-    std::fs::create_dir_all(hub.join("refs")).unwrap();
-    std::fs::write(hub.join("refs/main"), "abc").unwrap();
+    let d = temp("discover-hub");
+    let hub = hub(&d);
     let found = flame::models::discover(&hub, None, false, false, KEYS).unwrap();
     assert_eq!(found.family.name, "flux2");
     assert_eq!(found.model, hub.join("snapshots/abc"));
@@ -332,6 +194,3 @@ fn a_hugging_face_cache_folder_trains_from_its_snapshot() {
     );
     std::fs::remove_dir_all(&d).ok();
 }
-
-#[path = "common/gguf.rs"]
-mod common_gguf;

@@ -2,10 +2,13 @@
 //! FLAME trained, or a kohya / diffusers / PEFT file made elsewhere).
 //!
 //! ```text
-//! sample --arch flux --model flux1-dev.safetensors --text-encoder clip_l.safetensors \
+//! sample --model flux1-dev.safetensors --text-encoder clip_l.safetensors \
 //!        --text-encoder t5xxl_fp16.safetensors --vae ae.safetensors --lora out/lora.safetensors \
 //!        --prompt "a photo of a cat" --steps 28 --guidance 3.5 --out samples
 //! ```
+//!
+//! The family is found from the model's keys (or its diffusers config) as `train` finds it;
+//! `--arch` chooses where the path holds models of several families.
 //!
 //! The tokenizers are the pipeline folder's when the model sits in one, the `--tokenizer`
 //! folders when given, else the CLIP, T5 and Qwen3 vocabularies built into FLAME (the log
@@ -34,7 +37,8 @@ use std::sync::Arc;
 #[derive(FromArgs)]
 #[argh(help_triggers("-h", "--help"))]
 struct Args {
-    /// the model family: flux, sd3, sdxl, flux2 or zimage (required)
+    /// the model family: flux, sd3, sdxl, flux2 or zimage (default: the one found by the
+    /// model's keys; needed where the model path holds several)
     #[argh(option)]
     arch: Option<String>,
     /// the model: a single .safetensors or .gguf file, a diffusers model folder or a
@@ -139,13 +143,13 @@ fn main() -> ExitCode {
         println!("sample (flame) {}", env!("CARGO_PKG_VERSION"));
         return ExitCode::SUCCESS;
     }
-    let (Some(arch), Some(model)) = (&args.arch, &args.model) else {
-        return usage("sample", "--arch and --model are required");
+    let Some(model) = &args.model else {
+        return usage("sample", "--model is required");
     };
     if let Err(msg) = check_flags(&args) {
         return usage("sample", &msg);
     }
-    match run(&args, arch, model) {
+    match run(&args, model) {
         Ok(paths) => {
             for p in paths {
                 println!("{}", p.display());
@@ -163,9 +167,9 @@ fn main() -> ExitCode {
 impl Args {
     /// `--steps`, or the family's default: diffusers' pipeline default for Z-Image
     /// (`ZImagePipeline.__call__`: `num_inference_steps=50`), else 28.
-    fn steps(&self) -> usize {
-        let default = match self.arch.as_deref() {
-            Some("zimage") => 50,
+    fn steps(&self, arch: &str) -> usize {
+        let default = match arch {
+            "zimage" => 50,
             _ => 28,
         };
         self.steps.unwrap_or(default)
@@ -174,9 +178,9 @@ impl Args {
     /// `--guidance`, or the family's default: for Z-Image diffusers' `guidance_scale=5.0`
     /// (`ZImagePipeline.__call__`), which computes pos + 5 (pos - neg): FLAME's scale 6;
     /// else 3.5.
-    fn guidance(&self) -> f64 {
-        let default = match self.arch.as_deref() {
-            Some("zimage") => 6.0,
+    fn guidance(&self, arch: &str) -> f64 {
+        let default = match arch {
+            "zimage" => 6.0,
             _ => 3.5,
         };
         self.guidance.unwrap_or(default)
@@ -188,10 +192,10 @@ fn check_flags(a: &Args) -> Result<(), String> {
     let max_t5 = flame::models::pipeline::T5_MAX_TOKENS;
     let problems = [
         (a.prompt.is_empty(), "no --prompt given".to_string()),
-        (a.steps() == 0, "--steps 0: at least 1".into()),
+        (a.steps == Some(0), "--steps 0: at least 1".into()),
         (
-            !(a.guidance().is_finite() && a.guidance() >= 0.0),
-            format!("--guidance {}: finite and >= 0", a.guidance()),
+            a.guidance.is_some_and(|g| !(g.is_finite() && g >= 0.0)),
+            format!("--guidance {}: finite and >= 0", a.guidance.unwrap_or(0.0)),
         ),
         (
             a.width == 0 || a.height == 0 || a.width % 16 != 0 || a.height % 16 != 0,
@@ -351,8 +355,25 @@ fn check_files(a: &Args, model: &std::path::Path) -> flame::Result<()> {
     outputs(a).map(|_| ())
 }
 
-fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
+fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     check_files(a, model_path)?;
+    // A ComfyUI or other folder of loose files: the diffusion model, text encoders and
+    // autoencoder found by their keys; a Hugging Face cache folder: its snapshot. The family
+    // is `--arch`'s, else the one found.
+    let found = models::discover(
+        model_path,
+        a.arch.as_deref(),
+        !a.text_encoder.is_empty(),
+        a.vae.is_some(),
+        models::discover::Keys {
+            model: "--model",
+            arch: "--arch",
+            text: "--text-encoder",
+            vae: "--vae",
+        },
+    )?;
+    let family = found.family;
+    let arch = family.name;
     let max_t5 = flame::models::pipeline::T5_MAX_TOKENS;
     if a.t5_tokens > max_t5 {
         return Err(bad(format!(
@@ -360,11 +381,14 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
             a.t5_tokens
         )));
     }
-    if a.steps() == 0 {
+    if a.steps(arch) == 0 {
         return Err(bad("--steps 0: at least 1".into()));
     }
-    if !(a.guidance().is_finite() && a.guidance() >= 0.0) {
-        return Err(bad(format!("--guidance {}: finite and >= 0", a.guidance())));
+    if !(a.guidance(arch).is_finite() && a.guidance(arch) >= 0.0) {
+        return Err(bad(format!(
+            "--guidance {}: finite and >= 0",
+            a.guidance(arch)
+        )));
     }
     if a.width == 0 || a.height == 0 || a.width % 16 != 0 || a.height % 16 != 0 {
         return Err(bad(format!(
@@ -377,21 +401,6 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
         "v" => Prediction::V,
         other => return Err(bad(format!("--prediction {other}: epsilon or v"))),
     };
-    let family = models::family(arch)?;
-    // A ComfyUI or other folder of loose files: the diffusion model, text encoders and
-    // autoencoder found by their keys; a Hugging Face cache folder: its snapshot.
-    let found = models::discover(
-        model_path,
-        Some(arch),
-        !a.text_encoder.is_empty(),
-        a.vae.is_some(),
-        models::discover::Keys {
-            model: "--model",
-            arch: "--arch",
-            text: "--text-encoder",
-            vae: "--vae",
-        },
-    )?;
     for line in &found.lines {
         eprintln!("{line}");
     }
@@ -538,19 +547,19 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
     let model = family.load(model_path, &opts)?.model;
     // A step-distilled pipeline (FLUX.2 [klein]) takes no classifier-free guidance, as
     // diffusers ignores its scale there.
-    let guidance = if !guided && a.guidance() > 1.0 && models::step_distilled(model_path)? {
+    let guidance = if !guided && a.guidance(arch) > 1.0 && models::step_distilled(model_path)? {
         eprintln!(
             "note: {} is step-distilled (model_index.json): no classifier-free guidance, \
              --guidance {} ignored",
             model_path.display(),
-            a.guidance()
+            a.guidance(arch)
         );
         1.0
     } else {
-        a.guidance()
+        a.guidance(arch)
     };
     let req = Request {
-        steps: a.steps(),
+        steps: a.steps(arch),
         guidance,
         latent_hw: (a.height / f, a.width / f),
         seed: a.seed,
@@ -596,7 +605,7 @@ fn run(a: &Args, arch: &str, model_path: &std::path::Path) -> flame::Result<Vec<
             .any(|v| !v.is_finite())
         {
             return Err(Error::NonFinite {
-                step: a.steps(),
+                step: a.steps(arch),
                 what: format!("the denoised latents of prompt {i} hold a NaN or an infinity"),
                 files: [a.lora.as_ref(), a.latents.as_ref()]
                     .into_iter()

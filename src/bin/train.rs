@@ -3,6 +3,9 @@
 //! output folder; `--overwrite` replaces it; `--plan` checks everything and says what would
 //! happen, writing nothing; `--make-tiny` makes the tiny demo's stand-in files.
 //!
+//! `train init --model PATH --images DIR` writes a commented config for that model and those
+//! images (`flame::train::init`), which `train --plan` checks and `train` runs as it is.
+//!
 //! Exit status: 0 when the run did what was asked, 1 when it failed, 2 for a usage error
 //! (an unknown flag, no config), 130 when stopped by a signal.
 //!
@@ -21,8 +24,9 @@ use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Train a LoRA (or LoKr, LoHa, DoRA) on Flux, SD3.5 or SDXL from a folder of images with
-/// captions (or pre-encoded samples), as a TOML config says.
+/// Train a LoRA (or LoKr, LoHa, DoRA) on Flux, SD3.5, SDXL, FLUX.2 klein or Z-Image from a
+/// folder of images with captions (or pre-encoded samples), as a TOML config says. `train init
+/// --model PATH --images DIR` writes such a config (see train init --help).
 #[derive(FromArgs)]
 #[argh(help_triggers("-h", "--help"))]
 struct Args {
@@ -59,7 +63,75 @@ struct Args {
     version: bool,
 }
 
-use flame::cli::{failure, parse_args, INTERRUPTED, USAGE};
+use flame::cli::{failure, parse_args, parse_from, INTERRUPTED, USAGE};
+
+/// Write a commented config for a model and a folder of images: the model's family and
+/// files found by their keys, the buckets from the images' sizes, the budget from the GPU's
+/// free memory and the memory plan it implies, sample prompts from the captions.
+#[derive(FromArgs)]
+#[argh(help_triggers("-h", "--help"))]
+struct InitArgs {
+    /// the model: a single .safetensors or .gguf file, a diffusers folder, a Hugging Face
+    /// cache folder or snapshot, or a ComfyUI `models/` folder (required)
+    #[argh(option)]
+    model: Option<std::path::PathBuf>,
+    /// the folder of images (png, jpg, webp), each with a .txt caption beside it (required)
+    #[argh(option)]
+    images: Option<std::path::PathBuf>,
+    /// gibibytes of GPU memory the run may hold (default: the GPU's free memory; none on
+    /// the CPU)
+    #[argh(option)]
+    budget: Option<f64>,
+    /// optimizer steps (default 2000)
+    #[argh(option)]
+    steps: Option<usize>,
+    /// the family, where the model path holds several: flux, sd3, sdxl, flux2 or zimage
+    #[argh(option)]
+    arch: Option<String>,
+    /// the config file to write (default train.toml)
+    #[argh(option, default = "std::path::PathBuf::from(\"train.toml\")")]
+    out: std::path::PathBuf,
+    /// replace the file at --out if there is one
+    #[argh(switch)]
+    force: bool,
+}
+
+/// `train init ...`: writes the config, says what it found and how to go on.
+fn init(rest: &[&str]) -> ExitCode {
+    let args: InitArgs = match parse_from("train init", rest) {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
+    let (Some(model), Some(images)) = (args.model, args.images) else {
+        return flame::cli::usage("train init", "--model and --images are required");
+    };
+    let opts = flame::train::init::InitOptions {
+        model,
+        arch: args.arch,
+        images,
+        budget_gb: args.budget,
+        steps: args.steps,
+        out: args.out,
+        force: args.force,
+    };
+    match flame::train::init::init(&opts, &mut |n| eprintln!("{n}")) {
+        Ok(w) => {
+            for line in &w.lines {
+                eprintln!("{line}");
+            }
+            eprintln!(
+                "wrote {}: check it with `train --plan {0}`, run it with `train {0}`",
+                w.path.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let (code, msg) = failure(&e);
+            eprintln!("{msg}");
+            code
+        }
+    }
+}
 
 /// Progress on stderr: a bar redrawn in place on a terminal, else a line every
 /// `train.log_every` steps. Knows whether the cursor is mid-line, so every other message
@@ -121,6 +193,11 @@ impl Progress {
 }
 
 fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    if argv.first().map(String::as_str) == Some("init") {
+        let rest: Vec<&str> = argv[1..].iter().map(String::as_str).collect();
+        return init(&rest);
+    }
     let args: Args = match parse_args() {
         Ok(a) => a,
         Err(code) => return code,

@@ -305,13 +305,23 @@ pub fn discover(
                     .collect();
                 match found.as_slice() {
                     [f] => *f,
-                    _ => {
+                    [] => {
                         return Err(err(format!(
                             "{} = {}: its keys are those of no model family FLAME trains \
                              ({}); set {}",
                             keys.model,
                             root.display(),
                             h.format,
+                            keys.arch
+                        )))
+                    }
+                    many => {
+                        return Err(err(format!(
+                            "{} = {}: its keys are those of several model families ({}); set \
+                             {} to one of them",
+                            keys.model,
+                            root.display(),
+                            many.iter().map(|f| f.name).collect::<Vec<_>>().join(", "),
                             keys.arch
                         )))
                     }

@@ -8,6 +8,7 @@ pub mod demo;
 pub mod ema;
 pub mod groups;
 pub mod images;
+pub mod init;
 pub mod metadata;
 pub mod planning;
 pub use crate::diffusion::objectives;
@@ -25,6 +26,6 @@ pub use objectives::{
 pub use planning::{MemoryChoice, PhasePlan};
 pub use rundir::recorded_machine;
 pub use trainer::{
-    plan_folder, preflight, Event, FolderAction, ParamList, Placement, Prepare, RunEnd, RunOptions,
-    StepReport, Trainer,
+    plan_folder, plan_run, preflight, Event, FolderAction, ParamList, Placement, Prepare, RunEnd,
+    RunOptions, StepReport, Trainer,
 };

@@ -43,6 +43,7 @@ mod step;
 
 use folder::resume_keys_of;
 pub use folder::{plan_folder, preflight};
+pub use open::plan_run;
 
 /// A loaded model with its adapters, data and optimizer, ready to step.
 pub struct Trainer {

@@ -123,68 +123,19 @@ impl Trainer {
         place: Placement,
         on: &mut dyn FnMut(Event),
     ) -> Result<Trainer> {
-        config.validate()?;
-        config.check_paths()?;
-        let (config, found) = config.discovered()?;
-        for line in found {
-            on(Event::Note(line));
-        }
-        #[cfg(feature = "cuda")]
-        if config.train.deterministic {
-            crate::cuda::set_deterministic(true);
-        }
-        let device = match place.device {
-            Some(d) => d,
-            None => Device::chosen(config.train.device)?,
-        };
-        let group = place.group;
-        let interrupt = place.interrupt.unwrap_or_default();
-        let world = group.as_ref().map_or(1, |g| g.world());
-        let family = models::family(&config.model.arch)?;
-        let mut opts = load_options(&config, &device)?;
-        let peaks = PhasePeaks::default();
-        let probe = probe(&config, family, &opts, &device)?;
-        let data = Data::prepare(
-            &config,
+        let Planned {
+            config,
+            device,
+            group,
+            interrupt,
             family,
-            probe.as_ref(),
-            prepare,
-            &device,
-            group.as_deref(),
-            &interrupt,
-            &peaks,
-            on,
-        )?;
-        drop(probe);
-        let adapters = config.adapters()?;
-        opts.adapters = Some(adapters.clone());
-        // NCCL sets up its connections and buffers at the first collective: one of a
-        // bucket's size, now, puts them in the memory measured outside FLAME's allocator.
-        if let Some(g) = &group {
-            warm_collectives(g.as_ref(), &device)?;
-        }
-        let largest = data.train.largest();
-        let memory = plan_memory(
-            &config,
-            family,
-            &opts,
-            &device,
-            &largest,
-            world,
-            place.machine,
-        )?;
-        let phases = phase_plans(
-            &config,
-            family,
-            &opts,
-            &memory,
-            &largest,
-            data.vae_shape,
-            data.guided,
-            &device,
-            world,
-        )?;
-        note_phases_past_the_budget(&memory, &phases, on);
+            mut opts,
+            peaks,
+            data,
+            adapters,
+            memory,
+            phases,
+        } = planned(config, prepare, place, on)?;
         opts.memory = memory.plan.clone();
         let loaded = family.load(&config.model.path, &opts)?;
         super::step::check_loss_options(&config, &loaded.model.objective())?;
@@ -271,6 +222,120 @@ impl Trainer {
     }
 }
 
+/// What a run works out before any weight of its model is read: the config with its model's
+/// pieces found, the device, the data (its caches filled unless a dry run), the adapters,
+/// the memory plan and each phase's plan.
+struct Planned {
+    config: TrainConfig,
+    device: Device,
+    group: Option<Arc<dyn ProcessGroup>>,
+    interrupt: Arc<AtomicBool>,
+    family: &'static Family,
+    opts: LoadOptions,
+    peaks: PhasePeaks,
+    data: Data,
+    adapters: Arc<Adapters>,
+    memory: MemoryChoice,
+    phases: Vec<PhasePlan>,
+}
+
+fn planned(
+    config: TrainConfig,
+    prepare: Prepare,
+    place: Placement,
+    on: &mut dyn FnMut(Event),
+) -> Result<Planned> {
+    config.validate()?;
+    config.check_paths()?;
+    let (config, found) = config.discovered()?;
+    for line in found {
+        on(Event::Note(line));
+    }
+    #[cfg(feature = "cuda")]
+    if config.train.deterministic {
+        crate::cuda::set_deterministic(true);
+    }
+    let device = match place.device {
+        Some(d) => d,
+        None => Device::chosen(config.train.device)?,
+    };
+    let group = place.group;
+    let interrupt = place.interrupt.unwrap_or_default();
+    let world = group.as_ref().map_or(1, |g| g.world());
+    let family = models::family(&config.model.arch)?;
+    let mut opts = load_options(&config, &device)?;
+    let peaks = PhasePeaks::default();
+    let probe = probe(&config, family, &opts, &device)?;
+    let data = Data::prepare(
+        &config,
+        family,
+        probe.as_ref(),
+        prepare,
+        &device,
+        group.as_deref(),
+        &interrupt,
+        &peaks,
+        on,
+    )?;
+    drop(probe);
+    let adapters = config.adapters()?;
+    opts.adapters = Some(adapters.clone());
+    // NCCL sets up its connections and buffers at the first collective: one of a
+    // bucket's size, now, puts them in the memory measured outside FLAME's allocator.
+    if let Some(g) = &group {
+        warm_collectives(g.as_ref(), &device)?;
+    }
+    let largest = data.train.largest();
+    let memory = plan_memory(
+        &config,
+        family,
+        &opts,
+        &device,
+        &largest,
+        world,
+        place.machine,
+    )?;
+    let phases = phase_plans(
+        &config,
+        family,
+        &opts,
+        &memory,
+        &largest,
+        data.vae_shape,
+        data.guided,
+        &device,
+        world,
+    )?;
+    note_phases_past_the_budget(&memory, &phases, on);
+    Ok(Planned {
+        config,
+        device,
+        group,
+        interrupt,
+        family,
+        opts,
+        peaks,
+        data,
+        adapters,
+        memory,
+        phases,
+    })
+}
+
+/// What a run of `config` would do with memory, worked out as `train --plan` does (the
+/// data scanned and every picture decoded, the encoders run on the empty caption for the
+/// shapes, the same planner) but without reading the model's weights: the memory plan, each
+/// phase's plan and the training data in words. Writes nothing. Errors name the config's
+/// keys.
+pub fn plan_run(
+    config: TrainConfig,
+    place: Placement,
+    on: &mut dyn FnMut(Event),
+) -> Result<(MemoryChoice, Vec<PhasePlan>, String)> {
+    let p = planned(config, Prepare::DryRun, place, on).map_err(TrainConfig::named)?;
+    Ok((p.memory, p.phases, p.data.train.describe()))
+}
+
 /// The load options of `config`'s model on `device`, without adapters, under the default
 /// memory plan: the dtype, FP8, and the diffusers config.json given for a single file.
 fn load_options(config: &TrainConfig, device: &Device) -> Result<LoadOptions> {
@@ -318,6 +383,7 @@ fn check_fp8_products(config: &TrainConfig, device: &Device) -> Result<()> {
         });
     }
     #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)] // the only variant in builds without cpu-ref
     if let Device::Cuda(d) = device {
         let cc = (d.compute_capability_major(), d.compute_capability_minor());
         if cc < (8, 9) {

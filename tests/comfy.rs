@@ -10,7 +10,10 @@
 //! of W + ΔW; `adapter.format = "comfyui"` writes the magnitudes so that ComfyUI computes
 //! what FLAME trained. The PEFT layout of Flux and SD3.5 maps as well. The keys of the
 //! released Flux-dev, SD3.5-large and SDXL base are checked against the maps ComfyUI builds
-//! for them at full size.
+//! for them at full size. FLUX.2 [klein] and Z-Image are read through the maps a recent
+//! ComfyUI builds for their tiny models (`scripts/make_comfy_keymaps_flux2_zimage.py`), in
+//! both layouts, and per-projection LoKr and LoHa (`lycoris_` names, PEFT modules) on the
+//! projections' rows of fused weights.
 #![cfg(feature = "cpu-ref")]
 
 use flame::models::{self, LoadOptions, ModelSpec};

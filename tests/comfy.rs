@@ -473,7 +473,7 @@ fn kohya_file_loads_in_comfyui(family: &str, map: &str, kind: &str, per_projecti
     }
     assert_eq!(
         split > 0,
-        per_projection && layers.len() > 0 && family != "sdxl",
+        per_projection && !layers.is_empty() && family != "sdxl",
         "{family} {kind}: {split} keys on a projection's rows"
     );
     let _ = std::fs::remove_dir_all(&d);

@@ -218,6 +218,40 @@ fn lokr_and_loha_per_projection_write_and_read_both_layouts() {
         merge.check_all_used().unwrap();
         let e = rel(&run(&merged), &y);
         assert!(e < 1e-5, "{kind}: merged PEFT file off by {e:e}");
+        // The merge (what `sample --lora` does) reads the kohya file's `lycoris_<module>`
+        // names per diffusers part: each fused layer's change is the live adapter's ΔW
+        // (`Adapter::delta_weight`), and the merged model the adapted one.
+        let merge = Arc::new(flame::nn::LoraMerge::open(&kohya, 1.0, "transformer").unwrap());
+        merge.set_diffusers_map(map()).unwrap();
+        let vb = ck.var_builder(DType::F32, &CPU, map()).unwrap();
+        Flux::new(&vb, &flux_config()).unwrap();
+        let weights: HashMap<String, Tensor> = vb.params().unwrap().into_iter().collect();
+        for layer in a.layers().unwrap() {
+            let key = format!("{}.weight", layer.path());
+            let w = weights[&key].clone();
+            let live = {
+                let w = w.clone();
+                let get = move |dt: DType| w.to_dtype(dt);
+                layer
+                    .delta_weight(&BaseLayer::new(layer.shape(), &get))
+                    .unwrap()
+            };
+            let merged = merge.delta_for(&key, &w).unwrap().unwrap();
+            let e = rel(
+                &merged.to_dtype(DType::F64).unwrap(),
+                &live.to_dtype(DType::F64).unwrap(),
+            );
+            assert!(e < 1e-5, "{kind} {key}: merged kohya change off by {e:e}");
+        }
+        let vb = ck
+            .var_builder(DType::F64, &CPU, map())
+            .unwrap()
+            .with_merge(merge.clone())
+            .unwrap();
+        let merged = Flux::new(&vb, &flux_config()).unwrap();
+        merge.check_all_used().unwrap();
+        let e = rel(&run(&merged), &y);
+        assert!(e < 1e-5, "{kind}: merged kohya file off by {e:e}");
     }
     std::fs::remove_dir_all(&d).ok();
 }

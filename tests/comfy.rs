@@ -10,7 +10,10 @@
 //! of W + ΔW; `adapter.format = "comfyui"` writes the magnitudes so that ComfyUI computes
 //! what FLAME trained. The PEFT layout of Flux and SD3.5 maps as well. The keys of the
 //! released Flux-dev, SD3.5-large and SDXL base are checked against the maps ComfyUI builds
-//! for them at full size.
+//! for them at full size. FLUX.2 [klein] and Z-Image are read through the maps a recent
+//! ComfyUI builds for their tiny models (`scripts/make_comfy_keymaps_flux2_zimage.py`), in
+//! both layouts, and per-projection LoKr and LoHa (`lycoris_` names, PEFT modules) on the
+//! projections' rows of fused weights.
 #![cfg(feature = "cpu-ref")]
 
 use flame::models::{self, LoadOptions, ModelSpec};
@@ -102,13 +105,39 @@ fn comfy_suffixes() -> BTreeSet<String> {
 /// and convolution of its blocks, every adapter tensor random (DoRA's magnitudes set from the
 /// weights first): (the model's weights by key, the adapters, the diffusers key map).
 fn tiny(family: &str, kind: &str) -> (HashMap<String, Tensor>, Arc<Adapters>, flame::nn::KeyMap) {
-    let (dir, targets): (&str, &[&str]) = match family {
-        "flux" => ("flux", &["double_blocks.*", "single_blocks.*"]),
-        "sd3" => ("sd35_large", &["joint_blocks.*"]),
-        _ => (
-            "sdxl",
+    tiny_with(family, kind, false)
+}
+
+/// [`tiny`], with LoKr and LoHa one adapter per diffusers projection of a fused layer
+/// (`per_projection`) when asked.
+fn tiny_with(
+    family: &str,
+    kind: &str,
+    per_projection: bool,
+) -> (HashMap<String, Tensor>, Arc<Adapters>, flame::nn::KeyMap) {
+    let sub = models::family(family).unwrap().subfolder;
+    let (folder, targets): (PathBuf, &[&str]) = match family {
+        "flux" => (
+            fixtures().join("models/flux").join(sub),
+            &["double_blocks.*", "single_blocks.*"],
+        ),
+        "sd3" => (
+            fixtures().join("models/sd35_large").join(sub),
+            &["joint_blocks.*"],
+        ),
+        "sdxl" => (
+            fixtures().join("models/sdxl").join(sub),
             &["input_blocks.*", "middle_block.*", "output_blocks.*"],
         ),
+        "flux2" => (
+            fixtures().join("flux2/flux2").join(sub),
+            &["double_blocks.*", "single_blocks.*"],
+        ),
+        "zimage" => (
+            fixtures().join("zimage").join(sub),
+            &["noise_refiner.*", "context_refiner.*", "layers.*"],
+        ),
+        _ => panic!("no tiny {family}"),
     };
     let mut config = AdapterConfig::from(LoraConfig {
         rank: 4,
@@ -120,9 +149,12 @@ fn tiny(family: &str, kind: &str) -> (HashMap<String, Tensor>, Arc<Adapters>, fl
     config.kind = kind.into();
     config.conv_rank = 2;
     config.conv_alpha = 1.5;
+    config.per_projection = per_projection;
+    if per_projection {
+        // PEFT's factor split, so that the PEFT layout can be written.
+        config.lokr_split = flame::nn::LokrSplit::Peft;
+    }
     let adapters = Adapters::new(config).unwrap();
-    let sub = models::family(family).unwrap().subfolder;
-    let folder = fixtures().join("models").join(dir).join(sub);
     let json = serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap())
         .unwrap();
     let mut opts = LoadOptions::new(DType::F32, &CPU).with_adapters(adapters.clone());
@@ -336,64 +368,162 @@ fn group(file: &Path, map: &KeyMap, kohya: bool) -> BTreeMap<String, BTreeMap<St
     groups
 }
 
+/// The rows of the layer one of a file's keys changes (the whole layer, or its rows that
+/// ComfyUI's key map gives the key), in the tiny model's rows: ComfyUI's unit for SD3's
+/// slices is 64 x depth, not the tiny width, so a slice's place scales with the part's rows.
+fn rows_of(place: Place, part: usize) -> usize {
+    match place {
+        Place::Rows(s, size) => s * part / size,
+        _ => 0,
+    }
+}
+
+/// The rows of the change the tensors `t` of one key stand for.
+fn out_rows(t: &BTreeMap<String, Tensor>) -> usize {
+    let rows = |n: &str| t.get(n).map(|v| v.dims()[0]);
+    if let Some(r) = rows("diff")
+        .or(rows("lora_up.weight"))
+        .or(rows("hada_w1_a"))
+    {
+        return r;
+    }
+    let w1 = rows("lokr_w1").or(rows("lokr_w1_a")).unwrap();
+    let w2 = rows("lokr_w2").or(rows("lokr_w2_a")).unwrap();
+    w1 * w2
+}
+
+/// `kind`'s kohya file of the tiny `family` (LoKr and LoHa one adapter per diffusers
+/// projection when `per_projection`): each key one ComfyUI's map `map` gives a weight of an
+/// adapted layer (the whole of it, or a projection's rows), each tensor one it reads, every
+/// row of every adapted layer covered once, and the change ComfyUI computes on those rows
+/// the adapter's.
+fn kohya_file_loads_in_comfyui(family: &str, map: &str, kind: &str, per_projection: bool) {
+    let suffixes = comfy_suffixes();
+    let map = key_map(map);
+    let (weights, adapters, _) = tiny_with(family, kind, per_projection);
+    let d = temp(&format!("{family}-{kind}-{per_projection}"));
+    let file = d.join("kohya.safetensors");
+    adapters.save_kohya(&file, DType::F32).unwrap();
+    let groups = group(&file, &map, true);
+    let layers = adapters.layers().unwrap();
+    let mut covered: HashMap<String, usize> = HashMap::new();
+    let mut split = 0;
+    for (key, tensors) in &groups {
+        let (target, place) = map
+            .get(key)
+            .unwrap_or_else(|| panic!("{family} {kind}: ComfyUI maps no {key}"));
+        let path = target.trim_end_matches(".weight");
+        assert!(
+            layers.iter().any(|l| l.path() == path),
+            "{family} {kind}: {key} -> {target}, not adapted"
+        );
+        if *place == Place::Whole {
+            assert_eq!(key, &kohya_name(path), "{family} {kind}");
+        } else {
+            assert!(
+                matches!(place, Place::Rows(..)),
+                "{family} {kind} {key}: {place:?}"
+            );
+            split += 1;
+        }
+        for name in tensors.keys() {
+            assert!(
+                suffixes.contains(&format!(".{name}")),
+                "{family} {kind}: ComfyUI does not read {key}.{name}"
+            );
+        }
+        // A bias change goes to the layer's bias, which ComfyUI patches only where the model
+        // has one.
+        let bias = format!("{path}.bias");
+        if let Some(b) = tensors.get("diff_b") {
+            assert!(weights.contains_key(&bias), "{key}: no {bias} for diff_b");
+            assert_eq!(b.dims(), weights[&bias].dims(), "{key}.diff_b");
+        }
+        if kind == "full" {
+            assert_eq!(
+                tensors.contains_key("diff_b"),
+                weights.contains_key(&bias),
+                "{key}"
+            );
+        }
+        let w = &weights[target];
+        let (rows, cols, wv) = mat(w);
+        let part = out_rows(tensors);
+        let start = rows_of(*place, part);
+        assert!(
+            start + part <= rows,
+            "{family} {kind} {key}: rows {start}+{part} of {rows}"
+        );
+        let comfy = comfy_delta(tensors, &wv[start * cols..(start + part) * cols], part);
+        let flame = mat(&flame_delta(&adapters, path, w)).2;
+        let e = rel_diff(&comfy, &flame[start * cols..(start + part) * cols]);
+        assert!(
+            e < 1e-5,
+            "{family} {kind} {key}: ComfyUI's change off by {e}"
+        );
+        *covered.entry(path.to_string()).or_default() += part;
+    }
+    for layer in &layers {
+        assert_eq!(
+            covered.get(layer.path()).copied(),
+            Some(layer.shape().out_dim()),
+            "{family} {kind}: {} not covered once",
+            layer.path()
+        );
+    }
+    assert_eq!(
+        split > 0,
+        per_projection && !layers.is_empty() && family != "sdxl",
+        "{family} {kind}: {split} keys on a projection's rows"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// Every kind's kohya file, on every adapted layer of the tiny Flux, SD3.5 and SDXL: each key
 /// one ComfyUI maps to the layer's weight, each tensor one it reads, and the change it
 /// computes the adapter's (DoRA: see `dora_needs_the_comfyui_layout`).
 #[test]
 fn kohya_files_load_in_comfyui_as_trained() {
-    let suffixes = comfy_suffixes();
     for (family, map) in [
         ("flux", "flux_tiny"),
         ("sd3", "sd35_tiny"),
         ("sdxl", "sdxl_tiny"),
     ] {
-        let map = key_map(map);
         for kind in ["lora", "lokr", "loha", "full"] {
-            let (weights, adapters, _) = tiny(family, kind);
-            let d = temp(&format!("{family}-{kind}"));
-            let file = d.join("kohya.safetensors");
-            adapters.save_kohya(&file, DType::F32).unwrap();
-            let groups = group(&file, &map, true);
-            let layers = adapters.layers().unwrap();
-            assert_eq!(groups.len(), layers.len(), "{family} {kind}");
-            for layer in &layers {
-                let key = kohya_name(layer.path());
-                let tensors = groups
-                    .get(&key)
-                    .unwrap_or_else(|| panic!("{family} {kind}: {key} not in the file"));
-                let (target, slice) = map
-                    .get(&key)
-                    .unwrap_or_else(|| panic!("{family} {kind}: ComfyUI maps no {key}"));
-                assert_eq!(target, &format!("{}.weight", layer.path()), "{key}");
-                assert_eq!(*slice, Place::Whole, "{key}");
-                for name in tensors.keys() {
-                    assert!(
-                        suffixes.contains(&format!(".{name}")),
-                        "{family} {kind}: ComfyUI does not read {key}.{name}"
-                    );
-                }
-                // A bias change goes to the layer's bias, which ComfyUI patches only where
-                // the model has one.
-                if let Some(b) = tensors.get("diff_b") {
-                    let bias = format!("{}.bias", layer.path());
-                    assert!(weights.contains_key(&bias), "{key}: no {bias} for diff_b");
-                    assert_eq!(b.dims(), weights[&bias].dims(), "{key}.diff_b");
-                }
-                if kind == "full" {
-                    let has_bias = weights.contains_key(&format!("{}.bias", layer.path()));
-                    assert_eq!(tensors.contains_key("diff_b"), has_bias, "{key}");
-                }
-                let w = &weights[target];
-                let (rows, _, wv) = mat(w);
-                let comfy = comfy_delta(tensors, &wv, rows);
-                let flame = mat(&flame_delta(&adapters, layer.path(), w)).2;
-                let e = rel_diff(&comfy, &flame);
-                assert!(
-                    e < 1e-5,
-                    "{family} {kind} {key}: ComfyUI's change off by {e}"
-                );
-            }
-            let _ = std::fs::remove_dir_all(&d);
+            kohya_file_loads_in_comfyui(family, map, kind, false);
+        }
+    }
+}
+
+/// FLUX.2 [klein] and Z-Image: every kind's kohya file, on every Linear of the blocks, read
+/// through the key maps a recent ComfyUI builds for them (`flux2_tiny.json`,
+/// `zimage_tiny.json`: `scripts/make_comfy_keymaps_flux2_zimage.py`). Each layer's kohya name
+/// is `lora_unet_` and its checkpoint key, which ComfyUI maps for every weight of the model;
+/// the change it computes is the adapter's.
+#[test]
+fn flux2_and_zimage_kohya_files_load_in_comfyui_as_trained() {
+    for (family, map) in [("flux2", "flux2_tiny"), ("zimage", "zimage_tiny")] {
+        for kind in ["lora", "lokr", "loha", "full"] {
+            kohya_file_loads_in_comfyui(family, map, kind, false);
+        }
+    }
+}
+
+/// LoKr and LoHa one adapter per diffusers projection (`adapter.per_projection`): the kohya
+/// file names each projection `lycoris_<diffusers module>`, which ComfyUI's Flux, FLUX.2 and
+/// Z-Image maps give the projection's rows of the fused weight (Flux's and FLUX.2's
+/// double-block qkv, Flux's single-block linear1, Z-Image's qkv; FLUX.2's single-block linear1
+/// is one diffusers module, `to_qkv_mlp_proj`, and keeps one adapter); the change ComfyUI
+/// computes on each projection's rows is the adapter's there.
+#[test]
+fn per_projection_kohya_files_load_in_comfyui_as_trained() {
+    for (family, map) in [
+        ("flux", "flux_tiny"),
+        ("flux2", "flux2_tiny"),
+        ("zimage", "zimage_tiny"),
+    ] {
+        for kind in ["lokr", "loha"] {
+            kohya_file_loads_in_comfyui(family, map, kind, true);
         }
     }
 }
@@ -408,6 +538,8 @@ fn dora_needs_the_comfyui_layout() {
         ("flux", "flux_tiny"),
         ("sd3", "sd35_tiny"),
         ("sdxl", "sdxl_tiny"),
+        ("flux2", "flux2_tiny"),
+        ("zimage", "zimage_tiny"),
     ] {
         let map = key_map(map);
         let (weights, adapters, _) = tiny(family, "dora");
@@ -460,15 +592,31 @@ fn dora_needs_the_comfyui_layout() {
     }
 }
 
-/// The PEFT layout of Flux and SD3.5 (diffusers' module names under `transformer.`, a fused
-/// layer's parts under their own names): every key one ComfyUI maps, to the part's rows of
-/// the fused weight, and the change it computes the adapter's on those rows.
+/// The PEFT layout (diffusers' module names under `transformer.`, a fused layer's parts
+/// under their own names) of Flux, SD3.5, FLUX.2 [klein] and Z-Image: LoRA, and LoKr and LoHa
+/// one adapter per projection (`adapter.per_projection`, the PEFT layout of these kinds on a
+/// fused layer): every key one ComfyUI maps, to the part's rows of the fused weight, each
+/// tensor one it reads, and the change it computes the adapter's on those rows. The PEFT
+/// file has no `alpha`: its tensors carry the scale, and ComfyUI then scales by 1.
 #[test]
-fn peft_files_of_flux_and_sd35_load_in_comfyui_as_trained() {
-    for (family, map) in [("flux", "flux_tiny"), ("sd3", "sd35_tiny")] {
+fn peft_files_load_in_comfyui_as_trained() {
+    let suffixes = comfy_suffixes();
+    let cases = [
+        ("flux", "flux_tiny", "lora", false),
+        ("sd3", "sd35_tiny", "lora", false),
+        ("flux2", "flux2_tiny", "lora", false),
+        ("zimage", "zimage_tiny", "lora", false),
+        ("flux", "flux_tiny", "lokr", true),
+        ("flux2", "flux2_tiny", "lokr", true),
+        ("zimage", "zimage_tiny", "lokr", true),
+        ("flux", "flux_tiny", "loha", true),
+        ("flux2", "flux2_tiny", "loha", true),
+        ("zimage", "zimage_tiny", "loha", true),
+    ];
+    for (family, map, kind, per_projection) in cases {
         let map = key_map(map);
-        let (weights, adapters, keys) = tiny(family, "lora");
-        let d = temp(&format!("{family}-peft"));
+        let (weights, adapters, keys) = tiny_with(family, kind, per_projection);
+        let d = temp(&format!("{family}-{kind}-peft"));
         let file = d.join("peft.safetensors");
         adapters
             .save_peft(&file, &keys, "transformer", DType::F32)
@@ -479,21 +627,21 @@ fn peft_files_of_flux_and_sd35_load_in_comfyui_as_trained() {
         for (key, tensors) in &groups {
             let (target, slice) = &map[key];
             let path = target.trim_end_matches(".weight");
-            let names: BTreeSet<&str> = tensors.keys().map(String::as_str).collect();
-            assert_eq!(
-                names,
-                BTreeSet::from(["lora_A.weight", "lora_B.weight"]),
-                "{family} {key}"
-            );
+            for name in tensors.keys() {
+                // PEFT's LoRA names are ComfyUI's (".lora_B.weight" and ".lora_A.weight").
+                assert!(
+                    suffixes.contains(&format!(".{name}"))
+                        || ["lora_A.weight", "lora_B.weight"].contains(&name.as_str()),
+                    "{family} {kind}: ComfyUI does not read {key}.{name}"
+                );
+            }
             let w = &weights[target];
             let (rows, cols, wv) = mat(w);
-            let part = tensors["lora_B.weight"].dims()[0];
-            // ComfyUI's unit for SD3's slices is 64 x depth, not the tiny width: the slice's
-            // place scales with the part's rows.
-            let start = match *slice {
-                Place::Rows(s, size) => s * part / size,
-                _ => 0,
+            let part = match tensors.get("lora_B.weight") {
+                Some(b) => b.dims()[0],
+                None => out_rows(tensors),
             };
+            let start = rows_of(*slice, part);
             let mut comfy = comfy_delta(tensors, &wv[start * cols..(start + part) * cols], part);
             if *slice == Place::Swapped {
                 let half = comfy.len() / 2;
@@ -501,7 +649,10 @@ fn peft_files_of_flux_and_sd35_load_in_comfyui_as_trained() {
             }
             let flame = mat(&flame_delta(&adapters, path, w)).2;
             let e = rel_diff(&comfy, &flame[start * cols..(start + part) * cols]);
-            assert!(e < 1e-5, "{family} {key}: ComfyUI's change off by {e}");
+            assert!(
+                e < 1e-5,
+                "{family} {kind} {key}: ComfyUI's change off by {e}"
+            );
             *covered.entry(path.to_string()).or_default() += part;
             assert!(covered[path] <= rows);
         }
@@ -510,7 +661,7 @@ fn peft_files_of_flux_and_sd35_load_in_comfyui_as_trained() {
             assert_eq!(
                 covered.get(layer.path()).copied(),
                 Some(rows),
-                "{family}: {} not whole in the PEFT file",
+                "{family} {kind}: {} not whole in the PEFT file",
                 layer.path()
             );
         }

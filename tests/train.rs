@@ -10,6 +10,7 @@ use flame::train::config::{
 };
 use flame::train::rundir::{checkpoints, read_log};
 use flame::train::{Event, RunEnd, RunOptions, TrainConfig, Trainer};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 /// Runs `cfg` with `opts`, collecting the notes.
@@ -1450,6 +1451,69 @@ fn dora_in_the_peft_layout_splits_fused_layers() {
         assert!(f.contains_key(&k), "{k} not in {:?}", f.keys());
     }
     std::fs::remove_dir_all(&d).ok();
+}
+
+/// `adapter.format = "peft"`: beside the final adapter and each checkpoint's, PEFT's
+/// `adapter_config.json` with the keys `PeftModel.from_pretrained` reads (peft 0.21's
+/// `LoraConfig` / `LoKrConfig` / `LoHaConfig` fields): the type, r and its alpha (= r: the
+/// file's tensors carry the scale), the diffusers modules of the file's tensors as
+/// `target_modules` (Flux's fused qkv and linear1 as their diffusers parts), the rank and
+/// alpha patterns, and the kind's own fields (`use_dora`, `lora_dropout`). A run stopped at a
+/// checkpoint resumes from it with the config beside it.
+#[test]
+fn the_peft_layout_writes_its_adapter_config() {
+    for kind in ["lora", "dora"] {
+        let d = temp(&format!("peft-config-{kind}"));
+        let extra = format!("kind = \"{kind}\"\n");
+        let toml = tiny(&d, 8, &extra);
+        let text = std::fs::read_to_string(&toml)
+            .unwrap()
+            .replace("format = \"kohya\"", "format = \"peft\"");
+        std::fs::write(&toml, text).unwrap();
+        let cfg = TrainConfig::from_file(&toml).unwrap();
+        let stop = RunOptions {
+            stop_at: Some(4),
+            ..Default::default()
+        };
+        assert_eq!(run_with(&cfg, stop).unwrap().0, RunEnd::Stopped(4));
+        let (_, ckpt) = checkpoints(&cfg.train.output_dir).unwrap().pop().unwrap();
+        assert!(ckpt.join("adapter_config.json").is_file(), "{ckpt:?}");
+        run_with(&cfg, resume()).unwrap();
+        let out = &cfg.train.output_dir;
+        let read = |p: &Path| -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+        };
+        let c = read(&out.join("adapter_config.json"));
+        assert_eq!(c["peft_type"], "LORA", "{kind}: {c}");
+        let r = cfg.adapter.rank as u64;
+        assert_eq!(c["r"].as_u64(), Some(r), "{kind}: {c}");
+        assert_eq!(c["lora_alpha"].as_u64(), Some(r), "{kind}: {c}");
+        assert!(
+            c["rank_pattern"].is_object() && c["alpha_pattern"].is_object(),
+            "{c}"
+        );
+        // Every module of the file is a target, and every target a module of the file.
+        let f = flame::safetensors::SafeTensorsFile::open(out.join("lora.safetensors")).unwrap();
+        let leaf = ".lora_A.weight";
+        let modules: BTreeSet<String> = f
+            .names()
+            .filter_map(|n| n.strip_suffix(leaf))
+            .map(|n| n.trim_start_matches("transformer.").to_string())
+            .collect();
+        let targets: BTreeSet<String> = c["target_modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect();
+        assert!(!modules.is_empty());
+        assert_eq!(targets, modules, "{kind}");
+        assert_eq!(c["use_dora"], kind == "dora", "{c}");
+        assert!(c["lora_dropout"].is_number(), "{c}");
+        // The checkpoint's config is the final one's (the same adapters).
+        assert_eq!(read(&ckpt.join("adapter_config.json")), c);
+        std::fs::remove_dir_all(&d).ok();
+    }
 }
 
 /// `optimizer.kind = "prodigy"` trains through the trainer and resumes exactly: the global

@@ -18,6 +18,11 @@
 //!   scale of the module from the `adapter_config.json` beside the file (its `rank_pattern`,
 //!   `alpha_pattern` and `use_rslora` too), else 1 (diffusers' alpha = r).
 //!
+//! - LyCORIS's names of the diffusers parts of a fused layer (what FLAME's kohya files hold
+//!   with `adapter.per_projection`, and SimpleTuner's): `lycoris_<diffusers module, dots as
+//!   underscores>.<tensor>`, each part's change on its rows as in the diffusers layout, scaled
+//!   as the kohya names are.
+//!
 //! Convolutions in each: a factor's kernel joins its columns, the change made as the matrix
 //! (out, in · kh · kw) and shaped as the weight.
 //!
@@ -28,7 +33,7 @@
 //! adapter form FLAME does not merge (LyCORIS's other algorithms), is an error naming a
 //! tensor left over.
 
-use super::adapter::{kohya_name, MergeLayer, PeftScales, KINDS};
+use super::adapter::{kohya_name, lycoris_name, MergeLayer, PeftScales, KINDS};
 use super::keys::{KeyMap, KeySource};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Error, Result, Tensor};
@@ -131,7 +136,8 @@ impl LoraMerge {
     /// (`Kind::merge`), or a bias (`<layer>.bias`) the file changes (`Kind::merge_bias`: full
     /// fine-tuning's `diff_b`). The file's names are tried in turn: kohya's (`lora_unet_…`),
     /// PEFT names on the original keys (with or without `diffusion_model.`), then, for
-    /// weights, the diffusers layout, one set of tensors per diffusers part of the layer,
+    /// weights, one set of tensors per diffusers part of the layer under LyCORIS's name of the
+    /// part (`lycoris_…`) or in the diffusers layout,
     /// read through the map of [`set_diffusers_map`](Self::set_diffusers_map) (without one,
     /// model keys are taken as diffusers keys). A part the file leaves out is left unchanged.
     pub fn delta_for(&self, key: &str, w: &Tensor) -> Result<Option<Tensor>> {
@@ -181,10 +187,17 @@ impl LoraMerge {
             let part = w.narrow(0, start, rows)?;
             let part = if swapped { swap(part)? } else { part };
             start += rows;
+            // LyCORIS's name of the part (its alpha in the file, as kohya's), then the
+            // diffusers layout's.
+            let names = std::iter::once((lycoris_name(&module), 1.0)).chain(
+                self.prefixes.iter().map(|p| {
+                    let name = format!("{p}.{module}");
+                    let scale = self.peft_scale(&name);
+                    (name, scale)
+                }),
+            );
             let mut found = None;
-            for p in &self.prefixes {
-                let name = format!("{p}.{module}");
-                let scale = self.peft_scale(&name);
+            for (name, scale) in names {
                 if let Some(d) = self.by_kind(name, &part, scale, false)? {
                     found = Some(d);
                     break;

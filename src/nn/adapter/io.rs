@@ -26,6 +26,10 @@ pub const COMFYUI_LAYOUT: &str = "comfyui";
 /// The frozen weight of the layer at a path (any device, any float dtype).
 pub type WeightOf<'a> = dyn Fn(&str) -> Result<Tensor> + 'a;
 
+/// The name of PEFT's config of a PEFT-layout file, in the file's folder
+/// (`PeftModel.from_pretrained` reads `adapter_config.json` beside `adapter_model.safetensors`).
+pub const PEFT_CONFIG: &str = "adapter_config.json";
+
 /// kohya's prefix of the diffusion model's adapters (`lora_unet`, for every family).
 pub const KOHYA_MODEL: &str = "lora_unet";
 
@@ -355,7 +359,7 @@ struct PeftConfigFile {
 impl PeftScales {
     /// The scales of the PEFT file at `path` (`None`: no `adapter_config.json` beside it).
     pub(crate) fn beside(path: &Path) -> Result<Option<PeftScales>> {
-        let Some(cfg) = path.parent().map(|d| d.join("adapter_config.json")) else {
+        let Some(cfg) = path.parent().map(|d| d.join(PEFT_CONFIG)) else {
             return Ok(None);
         };
         if !cfg.is_file() {

@@ -36,11 +36,12 @@ mod split;
 pub(crate) use io::PeftScales;
 pub use io::{
     kohya_name, kohya_name_in, load_kohya_sets, load_peft_sets, save_kohya_sets, save_peft_sets,
-    FileSet, PeftFile, KOHYA_MODEL,
+    FileSet, PeftFile, KOHYA_MODEL, PEFT_CONFIG,
 };
 pub use lokr::{factorization, LokrSplit};
 pub use lora::Lora;
 pub use merge::MergeLayer;
+pub(crate) use split::lycoris_name;
 
 use super::dropout::BatchPart;
 use super::seed::key_hash;

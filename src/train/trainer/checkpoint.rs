@@ -2,6 +2,7 @@ use super::step::first_nonfinite;
 use super::Trainer;
 use crate::nn::adapter::{
     load_kohya_sets, load_peft_sets, save_kohya_sets, save_peft_sets, FileSet, KOHYA_MODEL,
+    PEFT_CONFIG,
 };
 use crate::train::config::{AdapterFormat, TrainConfig};
 use crate::train::ema::Ema;
@@ -23,8 +24,20 @@ impl Trainer {
         }
     }
 
-    /// Writes the adapter in `format`, refusing one with a non-finite value.
+    /// Writes the adapter in `format`, refusing one with a non-finite value; in the PEFT
+    /// layout, PEFT's `adapter_config.json` of the diffusion model's adapters beside it
+    /// (`Adapters::peft_config`; each file written whole or not at all).
     pub(super) fn save_adapter(&self, path: &Path, format: AdapterFormat) -> Result<()> {
+        self.save_adapter_file(path, format)?;
+        if format == AdapterFormat::Peft {
+            self.adapters
+                .save_peft_config(path.with_file_name(PEFT_CONFIG), &self.map)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the adapter file alone in `format`, refusing one with a non-finite value.
+    fn save_adapter_file(&self, path: &Path, format: AdapterFormat) -> Result<()> {
         let params = self.params()?;
         let named: Vec<(&str, &Tensor)> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
         if let Some(name) = first_nonfinite(&named)? {
@@ -165,6 +178,9 @@ impl Trainer {
                 self.save_adapter(&tmp.join("adapter.safetensors"), self.checkpoint_format())?;
                 self.opt.save_state(&tmp.join("optimizer.safetensors"))?;
                 let mut names = vec!["adapter.safetensors", "optimizer.safetensors", LOG];
+                if self.checkpoint_format() == AdapterFormat::Peft {
+                    names.push(PEFT_CONFIG);
+                }
                 if let Some(ema) = &self.ema {
                     ema.save(&tmp.join(EMA_STATE), &self.device)?;
                     names.push(EMA_STATE);
@@ -257,6 +273,9 @@ impl Trainer {
             dir.record(FINAL_EMA, Some(self.step), false)?;
         }
         self.save_adapter(&dir.path.join(FINAL), self.config.adapter.format)?;
+        if self.config.adapter.format == AdapterFormat::Peft {
+            dir.record(PEFT_CONFIG, Some(self.step), false)?;
+        }
         dir.record(FINAL, Some(self.step), false)
     }
 }

@@ -1516,6 +1516,46 @@ fn the_peft_layout_writes_its_adapter_config() {
     }
 }
 
+/// LoKr with `adapter.per_projection` trains through the trainer (its memory plan builds the
+/// model's layers with the model's key map too), stops and resumes exactly, in the kohya and
+/// the PEFT layouts; the PEFT run writes LoKr's `adapter_config.json`.
+#[test]
+fn per_projection_lokr_trains_and_resumes_exactly() {
+    for format in ["kohya", "peft"] {
+        let make = |name: &str| {
+            let d = temp(&format!("per-projection-{format}-{name}"));
+            let toml = tiny(&d, 8, "kind = \"lokr\"\nper_projection = true\n");
+            let text = std::fs::read_to_string(&toml)
+                .unwrap()
+                .replace("format = \"kohya\"", &format!("format = \"{format}\""));
+            std::fs::write(&toml, text).unwrap();
+            (d, TrainConfig::from_file(&toml).unwrap())
+        };
+        let (a, full) = make("full");
+        run_with(&full, fresh()).unwrap();
+        let (b, parted) = make("resumed");
+        let stop = RunOptions {
+            stop_at: Some(4),
+            ..Default::default()
+        };
+        assert_eq!(run_with(&parted, stop).unwrap().0, RunEnd::Stopped(4));
+        run_with(&parted, resume()).unwrap();
+        let expected = losses(&full.train.output_dir);
+        assert_eq!(expected.len(), 8, "{format}");
+        assert_eq!(losses(&parted.train.output_dir), expected, "{format}");
+        if format == "peft" {
+            let c: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(parted.train.output_dir.join("adapter_config.json"))
+                    .unwrap(),
+            )
+            .unwrap();
+            assert_eq!(c["peft_type"], "LOKR", "{c}");
+        }
+        std::fs::remove_dir_all(&a).ok();
+        std::fs::remove_dir_all(&b).ok();
+    }
+}
+
 /// `optimizer.kind = "prodigy"` trains through the trainer and resumes exactly: the global
 /// estimate d rides in the checkpoints' optimizer state. lr defaults to 1.0 for Prodigy.
 #[test]

@@ -379,6 +379,9 @@ fn profile_with<M: ModelSpec>(
     let probe_adapters = match &opts.adapters {
         Some(a) => {
             let fresh = Adapters::new(a.config.clone())?;
+            // Per-projection adapters need the map before the layers are built, as the
+            // loader gives it.
+            fresh.use_key_map(M::diffusers_map(&config))?;
             vb = vb.with_adapters(fresh.clone())?;
             Some(fresh)
         }

@@ -25,10 +25,12 @@ pub fn param_groups(config: &TrainConfig, adapters: &Adapters) -> Result<Vec<Par
             .block_of(l.path())
             .filter(|&i| blocks.get(i).is_some_and(|b| b.lr.is_some()));
         let block_lr = block.and_then(|i| blocks.get(i)).and_then(|b| b.lr);
-        for (n, t) in l.params() {
+        // The names in the set (a fused layer adapted per projection names each projection's
+        // tensors apart), beside the tensor names the kind's LoRA+ rule reads.
+        let short = l.params().into_iter().map(|(n, _)| n);
+        for (n, (name, t)) in short.zip(l.named_params()) {
             let up = ratio != 1.0 && kind.loraplus_up.contains(&n);
             let key = (block, up);
-            let name = format!("{}.{n}", l.path());
             match groups.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, g)) => g.params.push((name, t)),
                 None => {

@@ -258,25 +258,12 @@ pub trait Optimizer {
 
     /// Adds what `save_state` writes (tensors and metadata, under their own names) to `out`:
     /// how several optimizers share one file ([`Grouped`], one optimizer per parameter
-    /// group). An optimizer that keeps its state otherwise refuses, and then cannot be one
-    /// of several groups.
-    fn save_state_to(&self, _out: &mut StateMap) -> Result<()> {
-        Err(opt_err(
-            "optimizer",
-            "this optimizer writes its state to a file of its own only, so it cannot be one \
-             of several parameter groups",
-        ))
-    }
+    /// group).
+    fn save_state_to(&self, out: &mut StateMap) -> Result<()>;
 
     /// Reads what `save_state_to` wrote from `src` (a whole file, or one group's part of
     /// it), with `load_state`'s checks.
-    fn load_state_from(&mut self, _src: &StateSource<'_>) -> Result<()> {
-        Err(opt_err(
-            "optimizer",
-            "this optimizer reads its state from a file of its own only, so it cannot be one \
-             of several parameter groups",
-        ))
-    }
+    fn load_state_from(&mut self, src: &StateSource<'_>) -> Result<()>;
 }
 
 /// An optimizer's state being written: tensors by name and `__metadata__` entries, saved as
@@ -605,20 +592,6 @@ fn update_err(optimizer: &'static str, name: &str, e: Error) -> Error {
 /// Per-parameter state tensors, each saved as `<param>.<suffix>`.
 type StateTensors = Vec<HashMap<&'static str, Tensor>>;
 
-/// Writes `tensors` (`(param index, suffix, tensor)`) and `metadata` (which must hold the
-/// `"optimizer"` kind) to a safetensors file.
-#[allow(dead_code)]
-fn save_state_file(
-    params: &ParamSet,
-    tensors: Vec<(usize, &'static str, &Tensor)>,
-    metadata: &BTreeMap<String, String>,
-    path: &Path,
-) -> Result<()> {
-    let mut out = StateMap::default();
-    state_into(params, tensors, metadata, &mut out);
-    out.save(path)
-}
-
 /// Adds `tensors` (`(param index, suffix, tensor)`, saved as `<param>.<suffix>`) and
 /// `metadata` (which must hold the `"optimizer"` kind) to `out`.
 fn state_into(
@@ -638,7 +611,7 @@ fn state_into(
 }
 
 /// For a state tensor (suffix, parameter): the exact dtype and shape it must have, or `None`
-/// for a float tensor of the parameter's shape (see `LoadedState::read_with`).
+/// for a float tensor of the parameter's shape (see `LoadedState::read_with_from`).
 type ExactState = dyn Fn(&str, &Tensor) -> Option<(DType, Vec<usize>)>;
 
 /// A state file read and checked against an optimizer's parameters.
@@ -650,23 +623,11 @@ struct LoadedState {
 }
 
 impl LoadedState {
-    /// Opens `path` and checks it: `"optimizer"` equals `kind`; every tensor is
-    /// `<param>.<suffix>` for a known parameter and one of `suffixes`, of a float dtype and
-    /// the parameter's shape; every metadata key is `"optimizer"`, one of `keys`, or (when
-    /// `step_keys`) `"step.<param>"` for a known parameter.
-    #[allow(dead_code)]
-    fn read(
-        params: &ParamSet,
-        kind: &str,
-        suffixes: &[&'static str],
-        keys: &[&str],
-        step_keys: bool,
-        path: &Path,
-    ) -> Result<Self> {
-        Self::read_with(params, kind, suffixes, keys, step_keys, &|_, _| None, path)
-    }
-
-    /// `read` from a source (a file or one group's part of one).
+    /// Reads `src` (a file or one group's part of one) and checks it: `"optimizer"` equals
+    /// `kind`; every tensor is `<param>.<suffix>` for a known parameter and one of
+    /// `suffixes`, of a float dtype and the parameter's shape; every metadata key is
+    /// `"optimizer"`, one of `keys`, or (when `step_keys`) `"step.<param>"` for a known
+    /// parameter.
     fn read_from(
         params: &ParamSet,
         kind: &str,
@@ -678,24 +639,9 @@ impl LoadedState {
         Self::read_with_from(params, kind, suffixes, keys, step_keys, &|_, _| None, src)
     }
 
-    /// `read`, where `exact(suffix, param)` may instead require a tensor of exactly this dtype
-    /// and shape (loaded as it is): `None` keeps `read`'s rule (a float tensor of the
-    /// parameter's shape, loaded in its compute dtype).
-    fn read_with(
-        params: &ParamSet,
-        kind: &str,
-        suffixes: &[&'static str],
-        keys: &[&str],
-        step_keys: bool,
-        exact: &ExactState,
-        path: &Path,
-    ) -> Result<Self> {
-        let file = SafeTensorsFile::open(path)?;
-        let src = StateSource::whole(&file);
-        Self::read_with_from(params, kind, suffixes, keys, step_keys, exact, &src)
-    }
-
-    /// `read_with` from a source (a file or one group's part of one).
+    /// `read_from`, where `exact(suffix, param)` may instead require a tensor of exactly this
+    /// dtype and shape (loaded as it is): `None` keeps `read_from`'s rule (a float tensor of
+    /// the parameter's shape, loaded in its compute dtype).
     #[allow(clippy::too_many_arguments)]
     fn read_with_from(
         params: &ParamSet,

@@ -1547,6 +1547,95 @@ fn lion_from_the_config_resumes_exactly() {
     }
 }
 
+/// `optimizer.kind = "adafactor"` in kohya's settings (a given lr on the example's warm-up
+/// and schedule) trains through the trainer and resumes exactly; its keys are checked with
+/// the config, naming the key: lr or a schedule with relative steps, warmup_init without
+/// them, and keys of another kind.
+#[test]
+fn adafactor_from_the_config_resumes_exactly() {
+    let kohya = "kind = \"adafactor\"\nlr = 1e-3\nscale_parameter = false\n\
+                 relative_step = false\nwarmup_init = false\nbeta1 = 0.9";
+    let config = |dir: &Path| {
+        let text = std::fs::read_to_string(tiny(dir, 8, ""))
+            .unwrap()
+            .replace("[optimizer]\nlr = 3e-3", &format!("[optimizer]\n{kohya}"));
+        let p = dir.join("train.toml");
+        std::fs::write(&p, text).unwrap();
+        TrainConfig::from_file(&p).unwrap()
+    };
+    let a = temp("adafactor-full");
+    let cfg = config(&a);
+    assert_eq!(cfg.optimizer.kind, OptimizerKind::Adafactor);
+    run_with(&cfg, fresh()).unwrap();
+    let full = losses(&cfg.train.output_dir);
+    assert_eq!(full.len(), 8);
+    let b = temp("adafactor-resumed");
+    let cfg_b = config(&b);
+    let stop = RunOptions {
+        stop_at: Some(6),
+        ..Default::default()
+    };
+    assert_eq!(run_with(&cfg_b, stop).unwrap().0, RunEnd::Stopped(6));
+    run_with(&cfg_b, resume()).unwrap();
+    assert_eq!(losses(&cfg_b.train.output_dir), full);
+    let (_, dir) = checkpoints(&cfg_b.train.output_dir).unwrap().pop().unwrap();
+    let f = flame::safetensors::SafeTensorsFile::open(dir.join("optimizer.safetensors")).unwrap();
+    let m = f.metadata();
+    assert_eq!(m.get("optimizer").map(String::as_str), Some("adafactor"));
+    assert_eq!(m.get("relative_step").map(String::as_str), Some("false"));
+    assert!(f.names().any(|n| n.ends_with(".exp_avg_sq_row")));
+
+    let good = std::fs::read_to_string(a.join("train.toml")).unwrap();
+    for (from, to, key, want) in [
+        // transformers refuses lr with relative_step=True.
+        (
+            "relative_step = false",
+            "relative_step = true",
+            "optimizer.lr",
+            "relative_step",
+        ),
+        (
+            "lr = 1e-3\nscale_parameter = false\nrelative_step = false",
+            "scale_parameter = false",
+            "schedule.kind",
+            "constant",
+        ),
+        (
+            "warmup_init = false",
+            "warmup_init = true",
+            "optimizer.warmup_init",
+            "relative_step",
+        ),
+        ("beta1 = 0.9", "beta1 = 1.5", "optimizer.beta1", "[0, 1)"),
+        (
+            "beta1 = 0.9",
+            "decay_rate = 0.5",
+            "optimizer.decay_rate",
+            "<= 0",
+        ),
+        (
+            "beta1 = 0.9",
+            "clip_threshold = 0.0",
+            "optimizer.clip_threshold",
+            "> 0",
+        ),
+        (
+            "kind = \"adafactor\"",
+            "kind = \"adamw\"",
+            "optimizer.beta1",
+            "only",
+        ),
+    ] {
+        assert!(good.contains(from), "{from}");
+        let e = TrainConfig::from_toml(&good.replace(from, to))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key) && e.contains(want), "{to}: {e}");
+    }
+    std::fs::remove_dir_all(&a).ok();
+    std::fs::remove_dir_all(&b).ok();
+}
+
 /// Prodigy's keys are checked with the config, naming the key: they belong to kind =
 /// "prodigy", their values are checked, a warm-up needs safeguard_warmup, and a set key is one
 /// a resumed run must keep.
@@ -1597,8 +1686,18 @@ fn prodigy_keys_are_checked_with_the_config() {
 #[test]
 fn schedule_free_kinds_save_x_and_resume_exactly() {
     for (kind, name, extra, prefix) in [
-        (OptimizerKind::AdamWScheduleFree, "adamw_schedulefree", "", ""),
-        (OptimizerKind::ProdigyScheduleFree, "prodigy_schedulefree", "", ""),
+        (
+            OptimizerKind::AdamWScheduleFree,
+            "adamw_schedulefree",
+            "",
+            "",
+        ),
+        (
+            OptimizerKind::ProdigyScheduleFree,
+            "prodigy_schedulefree",
+            "",
+            "",
+        ),
         (
             OptimizerKind::AdamWScheduleFree,
             "adamw_schedulefree-loraplus",
@@ -1664,7 +1763,8 @@ fn schedule_free_kinds_save_x_and_resume_exactly() {
             assert_eq!(m.get("optimizer").map(String::as_str), Some("groups"));
             for i in 0..2 {
                 assert_eq!(
-                    m.get(&format!("{prefix}{i}.train_mode")).map(String::as_str),
+                    m.get(&format!("{prefix}{i}.train_mode"))
+                        .map(String::as_str),
                     Some("false"),
                     "{name}: group {i} saved at x"
                 );

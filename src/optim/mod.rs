@@ -6,7 +6,8 @@
 //! update of lion-pytorch's `Lion` with an f32 or block-wise 8-bit momentum, and the
 //! schedule-free [`AdamWScheduleFree`] and [`ProdigyScheduleFree`] (the `schedulefree` and
 //! `prodigy-plus-schedule-free` packages'), whose parameters move between the point the
-//! gradient is taken at and the point to evaluate ([`Optimizer::eval_mode`]).
+//! gradient is taken at and the point to evaluate ([`Optimizer::eval_mode`]), and
+//! [`Adafactor`], transformers' `Adafactor` (factored second moments, relative steps).
 //!
 //! Conventions shared by every optimizer here:
 //! - Parameters are given as `(name, tensor)` pairs. Names are unique; each tensor is a float
@@ -32,6 +33,7 @@
 //! - [`Lion`] and [`Lion8bit`] take contiguous f32, bf16 and f16 parameters (one fused step
 //!   per device and dtype); Lion8bit's momenta are 8-bit codes as AdamW8bit's moments are.
 
+mod adafactor;
 mod adam;
 mod adam8bit;
 mod grouped;
@@ -41,6 +43,7 @@ mod schedulefree;
 mod sgd;
 
 pub use crate::backend::quant8;
+pub use adafactor::{Adafactor, AdafactorConfig, AdafactorState};
 pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
 pub use adam8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, QuantizedState};
 pub use grouped::{build_groups, Grouped, ParamGroup};
@@ -77,6 +80,8 @@ pub enum OptimizerKind {
     Lion,
     /// [`Lion8bit`]: a block-wise 8-bit momentum.
     Lion8bit,
+    /// [`Adafactor`]: factored f32 second moments, an f32 first moment with beta1.
+    Adafactor,
 }
 
 impl OptimizerKind {
@@ -86,7 +91,9 @@ impl OptimizerKind {
     /// p0 (less where beta1 = 0 or a parameter starts at zero, as LoRA's up matrices do);
     /// the schedule-free kinds' f32 v and z, and schedule-free Prodigy's bf16 s and p0 of
     /// every 11th value;
-    /// Lion's f32 momentum; Lion8bit's one code and its block's share of an f32 maximum.
+    /// Lion's f32 momentum; Lion8bit's one code and its block's share of an f32 maximum;
+    /// Adafactor's at most: an f32 first moment (with beta1) and, for its factored second
+    /// moments, the row and column means (4/rows + 4/cols bytes a value; 4 for a vector).
     pub fn state_bytes_per_value(self) -> f64 {
         match self {
             OptimizerKind::AdamW => 8.0,
@@ -98,6 +105,7 @@ impl OptimizerKind {
             }
             OptimizerKind::Lion => 4.0,
             OptimizerKind::Lion8bit => 1.0 + 4.0 / quant8::BLOCK as f64,
+            OptimizerKind::Adafactor => 8.0,
         }
     }
 
@@ -129,6 +137,8 @@ pub enum OptimizerConfig {
     Lion(LionConfig),
     /// [`Lion8bit`].
     Lion8bit(Lion8bitConfig),
+    /// [`Adafactor`].
+    Adafactor(AdafactorConfig),
 }
 
 impl OptimizerConfig {
@@ -142,6 +152,7 @@ impl OptimizerConfig {
             OptimizerConfig::ProdigyScheduleFree(_) => OptimizerKind::ProdigyScheduleFree,
             OptimizerConfig::Lion(_) => OptimizerKind::Lion,
             OptimizerConfig::Lion8bit(_) => OptimizerKind::Lion8bit,
+            OptimizerConfig::Adafactor(_) => OptimizerKind::Adafactor,
         }
     }
 
@@ -155,6 +166,7 @@ impl OptimizerConfig {
             OptimizerConfig::ProdigyScheduleFree(c) => c.lr,
             OptimizerConfig::Lion(c) => c.lr,
             OptimizerConfig::Lion8bit(c) => c.lion.lr,
+            OptimizerConfig::Adafactor(c) => c.lr,
         }
     }
 
@@ -168,6 +180,7 @@ impl OptimizerConfig {
             OptimizerConfig::ProdigyScheduleFree(c) => c.lr = lr,
             OptimizerConfig::Lion(c) => c.lr = lr,
             OptimizerConfig::Lion8bit(c) => c.lion.lr = lr,
+            OptimizerConfig::Adafactor(c) => c.lr = lr,
         }
         self
     }
@@ -182,6 +195,7 @@ impl OptimizerConfig {
             OptimizerConfig::ProdigyScheduleFree(c) => c.weight_decay = wd,
             OptimizerConfig::Lion(c) => c.weight_decay = wd,
             OptimizerConfig::Lion8bit(c) => c.lion.weight_decay = wd,
+            OptimizerConfig::Adafactor(c) => c.weight_decay = wd,
         }
         self
     }
@@ -198,6 +212,7 @@ impl OptimizerConfig {
             }
             OptimizerConfig::Lion(c) => Box::new(Lion::new(params, c)?),
             OptimizerConfig::Lion8bit(c) => Box::new(Lion8bit::new(params, c)?),
+            OptimizerConfig::Adafactor(c) => Box::new(Adafactor::new(params, c)?),
         })
     }
 }

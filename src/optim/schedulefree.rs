@@ -256,15 +256,8 @@ impl Core {
             S | P0 => Some((DType::BF16, vec![prodigy_sf_sliced(p.elem_count())])),
             _ => None,
         };
-        let mut loaded = LoadedState::read_with_from(
-            &self.params,
-            kind,
-            suffixes,
-            &keys,
-            true,
-            &exact,
-            src,
-        )?;
+        let mut loaded =
+            LoadedState::read_with_from(&self.params, kind, suffixes, &keys, true, &exact, src)?;
         let train_mode: bool = loaded.parse(name, "train_mode")?;
         let mut state = Vec::with_capacity(self.params.len());
         let per_param = std::mem::take(&mut loaded.tensors);

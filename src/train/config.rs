@@ -420,7 +420,7 @@ section! {
         /// "Lion8bit": the momentum block-wise 8-bit, about 1 byte a parameter),
         /// "adamw_schedulefree" (the schedulefree
         /// package's AdamWScheduleFree, kohya's "AdamWScheduleFree": no schedule, validation,
-        /// samples and saved adapters use the averaged weights x; 8 bytes a parameter) or
+        /// samples and saved adapters use the averaged weights x; 8 bytes a parameter),
         /// "prodigy_schedulefree" (the prodigy-plus-schedule-free package's
         /// ProdigyPlusScheduleFree with factored = false, use_stableadamw = false and
         /// stochastic_rounding = false, kohya's "prodigyplus.ProdigyPlusScheduleFree"; about

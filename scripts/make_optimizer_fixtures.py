@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Optimizer fixtures: 50 steps of the reference packages' optimizers (tests/prodigy.rs,
-tests/schedulefree.rs, tests/lion.rs).
+tests/schedulefree.rs, tests/lion.rs), 30 of transformers' Adafactor (tests/adafactor.rs).
 
 Usage:  python scripts/make_optimizer_fixtures.py [OUT_DIR]      (default OUT_DIR: tests/fixtures/optim)
 
 Needs torch, safetensors, numpy, prodigyopt (1.1.2), schedulefree (1.4.1) and
 prodigy-plus-schedule-free (2.0.1),
-lion-pytorch (0.2) and bitsandbytes (0.50, its CPU path); no network. Runs on the CPU in float32,
+lion-pytorch (0.2), bitsandbytes (0.50, its CPU path) and transformers (5.x, its
+optimization.Adafactor); no network. Runs on the CPU in float32,
 one thread. Random values: numpy's PCG64 (`numpy.random.default_rng(SEED + k)`), standard
 normals rounded to float32; deterministic (two runs write the same bytes).
 
@@ -36,12 +37,24 @@ Cases:
     (80, 64), 5120 values, so 8-bit (at least bitsandbytes' min_8bit_size, 4096), and p_a,
     f32 state.
 
+  adafactor_<case>.safetensors
+    init, target, noise ((30, *shape)) and final of p_b (7,), p_a (3, 5), p_zero (4, 3)
+    zeros and p_conv (2, 3, 4, 5); lr (30,) float64 the lr set before step k (0 where lr is
+    None: relative steps); traj.<p> (30, *shape), the parameters after each step.
+
 Prodigy cases:
   default   Prodigy(lr=1.0): prodigyopt's defaults
   warmup    weight_decay=0.1 (decoupled), use_bias_correction, safeguard_warmup, d_coef=2,
             growth_rate=1.5, lr warming up linearly over 10 steps
   coupled   decouple=False, weight_decay=0.05, betas=(0, 0.99) (no first moment), beta3=0.9,
             d0=1e-5
+Adafactor cases (transformers.optimization.Adafactor):
+  adafactor_kohya     lr=1e-3 on a cosine schedule, scale_parameter=False,
+                      relative_step=False, warmup_init=False (kohya's usual settings)
+  adafactor_default   lr=None: relative steps, parameter scale, the defaults
+  adafactor_momentum  as kohya with beta1=0.9, weight_decay=0.01
+  adafactor_warmup    lr=None, warmup_init=True, beta1=0.9, weight_decay=0.01,
+                      clip_threshold=0.5, decay_rate=-0.7
 Schedule-free cases:
   sf_adamw_default    AdamWScheduleFree(lr=0.0025): schedulefree's defaults
   sf_adamw_warmup     lr=0.01, betas=(0.95, 0.99), eps=1e-6, weight_decay=0.05,
@@ -231,6 +244,60 @@ def lion_run(prefix, make, shapes, name, kwargs, out, period=STEPS):
     path.chmod(0o644)
 
 
+ADAFACTOR_STEPS = 30
+ADAFACTOR_SHAPES = {"p_b": (7,), "p_a": (3, 5), "p_zero": (4, 3), "p_conv": (2, 3, 4, 5)}
+KOHYA = dict(lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False)
+ADAFACTOR_CASES = {
+    "kohya": KOHYA,
+    "default": dict(lr=None),
+    "momentum": dict(KOHYA, beta1=0.9, weight_decay=0.01),
+    "warmup": dict(
+        lr=None, warmup_init=True, beta1=0.9, weight_decay=0.01, clip_threshold=0.5, decay_rate=-0.7
+    ),
+}
+
+
+def adafactor_run(name, kwargs, out):
+    """30 steps of transformers' Adafactor on the quadratic pull plus noise; a given lr
+    follows a cosine schedule over the steps."""
+    from transformers.optimization import Adafactor
+
+    shapes = ADAFACTOR_SHAPES
+    params = {}
+    for i, (p, shape) in enumerate(shapes.items()):
+        t = torch.zeros(shape) if p == "p_zero" else normals(300 + i, shape)
+        params[p] = torch.nn.Parameter(t)
+    tensors = {f"init.{p}": t.detach().clone() for p, t in params.items()}
+    targets = {p: normals(400 + i, shapes[p]) for i, p in enumerate(shapes)}
+    noise = {
+        p: (0.3 * normals(500 + i, (ADAFACTOR_STEPS, *shapes[p]))).to(torch.float32)
+        for i, p in enumerate(shapes)
+    }
+    opt = Adafactor(list(params.values()), **kwargs)
+    lrs, traj = [], {p: [] for p in shapes}
+    for k in range(ADAFACTOR_STEPS):
+        lr = kwargs["lr"]
+        if lr is not None:
+            lr = float(lr * 0.5 * (1.0 + np.cos(np.pi * k / ADAFACTOR_STEPS)))
+            for g in opt.param_groups:
+                g["lr"] = lr
+        lrs.append(0.0 if lr is None else lr)
+        for p, t in params.items():
+            t.grad = (t.detach() - targets[p]) + noise[p][k]
+        opt.step()
+        for p, t in params.items():
+            traj[p].append(t.detach().clone())
+    for p in shapes:
+        tensors[f"target.{p}"] = targets[p]
+        tensors[f"noise.{p}"] = noise[p]
+        tensors[f"final.{p}"] = params[p].detach().clone()
+        tensors[f"traj.{p}"] = torch.stack(traj[p])
+    tensors["lr"] = torch.tensor(lrs, dtype=torch.float64)
+    path = out / f"adafactor_{name}.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt", "kwargs": json.dumps(kwargs)})
+    path.chmod(0o644)
+
+
 def main():
     torch.set_num_threads(1)
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "tests/fixtures/optim"
@@ -245,7 +312,10 @@ def main():
     for name, kwargs in LION_CASES.items():
         lion_run("lion", Lion, LION_SHAPES, name, kwargs, out)
         lion_run("lion8bit", bnb.optim.Lion8bit, LION8_SHAPES, name, kwargs, out, period=5)
-    print(f"wrote {len(CASES) + len(SF_CASES) + 2 * len(LION_CASES)} files to {out}")
+    for name, kwargs in ADAFACTOR_CASES.items():
+        adafactor_run(name, kwargs, out)
+    n = len(CASES) + len(SF_CASES) + 2 * len(LION_CASES) + len(ADAFACTOR_CASES)
+    print(f"wrote {n} files to {out}")
 
 
 if __name__ == "__main__":

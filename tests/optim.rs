@@ -776,7 +776,10 @@ fn optimizers_refuse_an_empty_parameter_list() {
 
 // ----- parameter groups --------------------------------------------------------------------
 
-use flame::optim::{build_groups, OptimizerConfig, ParamGroup, ProdigyConfig};
+use flame::optim::{
+    build_groups, AdamWScheduleFreeConfig, Lion8bitConfig, LionConfig, OptimizerConfig,
+    OptimizerKind, ParamGroup, ProdigyConfig, ProdigyScheduleFreeConfig,
+};
 
 /// `params` split into groups: w at the run's rate, layer.b at `scale` times it with no
 /// weight decay.
@@ -797,52 +800,101 @@ fn two_groups(params: &[(String, Tensor)], scale: f64) -> Vec<ParamGroup> {
     ]
 }
 
-#[test]
-fn groups_step_as_one_optimizer_per_group_at_its_rate() {
-    // PyTorch's param groups: each group its lr (here the run's times its multiplier, so a
-    // schedule moves them together) and weight decay; the same as separate optimizers.
-    let problem = Problem::new();
-    let config = OptimizerConfig::AdamW(adam_cfg(0.2, 0.1));
-    let params = problem.params(DType::F32);
-    // (Multipliers of powers of two: the products are exact.)
-    let mut grouped = build_groups(config, two_groups(&params, 4.0)).unwrap();
-    let split = problem.params(DType::F32);
-    let mut w = AdamW::new(split[..1].to_vec(), adam_cfg(0.2, 0.1)).unwrap();
-    let mut b = AdamW::new(split[1..].to_vec(), adam_cfg(0.8, 0.0)).unwrap();
-    for step in 0..6 {
-        if step == 2 {
-            grouped.set_learning_rate(0.05);
-            w.set_learning_rate(0.05);
-            b.set_learning_rate(0.2);
-        }
-        grouped.step(&problem.grads(&params)).unwrap();
-        let g = problem.grads(&split);
-        w.step(&g).unwrap();
-        b.step(&g).unwrap();
-    }
-    assert_eq!(grouped.learning_rate(), 0.05);
-    assert_eq!(bits(&params), bits(&split));
-    // The multiplier changes the update: the check has teeth.
-    let other = problem.params(DType::F32);
-    let mut one = build_groups(config, two_groups(&other, 1.0)).unwrap();
-    one.step(&problem.grads(&other)).unwrap();
-    let once = problem.params(DType::F32);
-    let mut g3 = build_groups(config, two_groups(&once, 4.0)).unwrap();
-    g3.step(&problem.grads(&once)).unwrap();
-    assert_ne!(bits(&other), bits(&once));
-}
-
-#[test]
-fn grouped_state_resumes_exactly_in_one_file() {
-    let problem = Problem::new();
-    let configs = [
+/// The kinds the group tests run: AdamW, Prodigy, Lion, Lion8bit (parameters of 4 values or
+/// more on 8-bit momenta: w, not b) and the schedule-free kinds.
+fn group_kinds() -> Vec<OptimizerConfig> {
+    let lion = LionConfig {
+        lr: 0.2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    vec![
         OptimizerConfig::AdamW(adam_cfg(0.2, 0.1)),
         OptimizerConfig::Prodigy(ProdigyConfig {
             weight_decay: 0.01,
             ..Default::default()
         }),
-    ];
-    for config in configs {
+        OptimizerConfig::Lion(lion),
+        OptimizerConfig::Lion8bit(Lion8bitConfig {
+            lion,
+            min_8bit_size: 4,
+        }),
+        OptimizerConfig::AdamWScheduleFree(AdamWScheduleFreeConfig {
+            lr: 0.2,
+            weight_decay: 0.1,
+            ..Default::default()
+        }),
+        OptimizerConfig::ProdigyScheduleFree(ProdigyScheduleFreeConfig {
+            weight_decay: 0.01,
+            ..Default::default()
+        }),
+    ]
+}
+
+#[test]
+fn groups_step_as_one_optimizer_per_group_at_its_rate() {
+    // PyTorch's param groups: each group its lr (here the run's times its multiplier, so a
+    // schedule moves them together) and weight decay; the same as separate optimizers.
+    // (Multipliers of powers of two: the products are exact.)
+    let problem = Problem::new();
+    for config in [
+        OptimizerConfig::AdamW(adam_cfg(0.2, 0.1)),
+        group_kinds()[2],
+        group_kinds()[4],
+    ] {
+        let base = config.lr();
+        let params = problem.params(DType::F32);
+        let mut grouped = build_groups(config, two_groups(&params, 4.0)).unwrap();
+        let split = problem.params(DType::F32);
+        let mut w = config.build(split[..1].to_vec()).unwrap();
+        let mut b = config
+            .with_lr(base * 4.0)
+            .with_weight_decay(0.0)
+            .build(split[1..].to_vec())
+            .unwrap();
+        for step in 0..6 {
+            if step == 2 {
+                grouped.set_learning_rate(base / 4.0);
+                w.set_learning_rate(base / 4.0);
+                b.set_learning_rate(base);
+            }
+            grouped.step(&problem.grads(&params)).unwrap();
+            let g = problem.grads(&split);
+            w.step(&g).unwrap();
+            b.step(&g).unwrap();
+        }
+        assert_eq!(grouped.learning_rate(), base / 4.0);
+        assert_eq!(bits(&params), bits(&split), "{config:?}");
+        // Eval and train mode reach every group (schedule-free: the parameters move to x
+        // and back).
+        let before = bits(&params);
+        grouped.eval_mode().unwrap();
+        w.eval_mode().unwrap();
+        b.eval_mode().unwrap();
+        assert_eq!(bits(&params), bits(&split), "{config:?}: eval mode");
+        if config.kind().is_schedule_free() {
+            assert_ne!(bits(&params)[0], before[0], "{config:?}: w moved to x");
+            assert_ne!(bits(&params)[1], before[1], "{config:?}: b moved to x");
+        }
+        grouped.train_mode().unwrap();
+        w.train_mode().unwrap();
+        b.train_mode().unwrap();
+        assert_eq!(bits(&params), bits(&split), "{config:?}: train mode");
+        // The multiplier changes the update: the check has teeth.
+        let other = problem.params(DType::F32);
+        let mut one = build_groups(config, two_groups(&other, 1.0)).unwrap();
+        one.step(&problem.grads(&other)).unwrap();
+        let once = problem.params(DType::F32);
+        let mut g3 = build_groups(config, two_groups(&once, 4.0)).unwrap();
+        g3.step(&problem.grads(&once)).unwrap();
+        assert_ne!(bits(&other), bits(&once), "{config:?}");
+    }
+}
+
+#[test]
+fn grouped_state_resumes_exactly_in_one_file() {
+    let problem = Problem::new();
+    for config in group_kinds() {
         let run = |opt: &mut dyn Optimizer, ps: &[(String, Tensor)], r: Range<usize>| {
             for step in r {
                 opt.set_learning_rate(if step < 2 { 1.0 } else { 0.5 } * config.lr());
@@ -870,7 +922,14 @@ fn grouped_state_resumes_exactly_in_one_file() {
         assert!(st
             .names()
             .all(|n| n.starts_with("group.0.w.") || n.starts_with("group.1.layer.b.")));
-        assert!(st.contains("group.1.layer.b.exp_avg_sq"), "{config:?}");
+        let b_state = match config.kind() {
+            OptimizerKind::Lion | OptimizerKind::Lion8bit => "group.1.layer.b.exp_avg",
+            _ => "group.1.layer.b.exp_avg_sq",
+        };
+        assert!(st.contains(b_state), "{config:?}");
+        if config.kind() == OptimizerKind::Lion8bit {
+            assert!(st.contains("group.0.w.exp_avg_codes"), "{config:?}");
+        }
 
         let resumed = Problem::copies(&params);
         let mut opt = build_groups(config, two_groups(&resumed, 4.0)).unwrap();

@@ -1596,11 +1596,18 @@ fn prodigy_from_the_config_resumes_exactly() {
 /// `optimizer.kind = "lion"` and `"lion8bit"` train through the trainer and resume exactly;
 /// betas default to Lion's [0.9, 0.99]. (The tiny adapters are all under Lion8bit's
 /// 4096-value threshold, so its momenta stay f32: the quantized path is tests/lion.rs's.)
+/// With LoRA+ the optimizer is one Lion per parameter group, their states in one file.
 #[test]
 fn lion_from_the_config_resumes_exactly() {
-    for (kind, name) in [
-        (OptimizerKind::Lion, "lion"),
-        (OptimizerKind::Lion8bit, "lion8bit"),
+    for (kind, name, extra, prefix) in [
+        (OptimizerKind::Lion, "lion", "", ""),
+        (OptimizerKind::Lion8bit, "lion8bit", "", ""),
+        (
+            OptimizerKind::Lion,
+            "lion-loraplus",
+            "loraplus_lr_ratio = 4.0\n",
+            "group.1.",
+        ),
     ] {
         let set = |cfg: &mut TrainConfig| {
             cfg.optimizer.kind = kind;
@@ -1608,14 +1615,14 @@ fn lion_from_the_config_resumes_exactly() {
             cfg.optimizer.betas = None;
         };
         let a = temp(&format!("{name}-full"));
-        let mut cfg = TrainConfig::from_file(tiny(&a, 8, "")).unwrap();
+        let mut cfg = TrainConfig::from_file(tiny(&a, 8, extra)).unwrap();
         set(&mut cfg);
         assert_eq!(cfg.optimizer.betas(), [0.9, 0.99]);
         run_with(&cfg, fresh()).unwrap();
         let full = losses(&cfg.train.output_dir);
         assert_eq!(full.len(), 8);
         let b = temp(&format!("{name}-resumed"));
-        let mut cfg_b = TrainConfig::from_file(tiny(&b, 8, "")).unwrap();
+        let mut cfg_b = TrainConfig::from_file(tiny(&b, 8, extra)).unwrap();
         set(&mut cfg_b);
         let stop = RunOptions {
             stop_at: Some(6),
@@ -1628,11 +1635,109 @@ fn lion_from_the_config_resumes_exactly() {
         let f =
             flame::safetensors::SafeTensorsFile::open(dir.join("optimizer.safetensors")).unwrap();
         let m = f.metadata();
-        assert_eq!(m.get("optimizer").map(String::as_str), Some(name));
-        assert_eq!(m.get("beta2").map(String::as_str), Some("0.99"));
+        let kind_name = match prefix {
+            "" => name,
+            _ => "groups",
+        };
+        assert_eq!(m.get("optimizer").map(String::as_str), Some(kind_name));
+        let beta2 = format!("{prefix}beta2");
+        assert_eq!(m.get(&beta2).map(String::as_str), Some("0.99"));
+        if !prefix.is_empty() {
+            assert_eq!(m.get("group.1.lr_scale").map(String::as_str), Some("4"));
+            assert_eq!(m.get("group.1.optimizer").map(String::as_str), Some("lion"));
+        }
         std::fs::remove_dir_all(&a).ok();
         std::fs::remove_dir_all(&b).ok();
     }
+}
+
+/// `optimizer.kind = "adafactor"` in kohya's settings (a given lr on the example's warm-up
+/// and schedule) trains through the trainer and resumes exactly; its keys are checked with
+/// the config, naming the key: lr or a schedule with relative steps, warmup_init without
+/// them, and keys of another kind.
+#[test]
+fn adafactor_from_the_config_resumes_exactly() {
+    let kohya = "kind = \"adafactor\"\nlr = 1e-3\nscale_parameter = false\n\
+                 relative_step = false\nwarmup_init = false\nbeta1 = 0.9";
+    let config = |dir: &Path| {
+        let text = std::fs::read_to_string(tiny(dir, 8, ""))
+            .unwrap()
+            .replace("[optimizer]\nlr = 3e-3", &format!("[optimizer]\n{kohya}"));
+        let p = dir.join("train.toml");
+        std::fs::write(&p, text).unwrap();
+        TrainConfig::from_file(&p).unwrap()
+    };
+    let a = temp("adafactor-full");
+    let cfg = config(&a);
+    assert_eq!(cfg.optimizer.kind, OptimizerKind::Adafactor);
+    run_with(&cfg, fresh()).unwrap();
+    let full = losses(&cfg.train.output_dir);
+    assert_eq!(full.len(), 8);
+    let b = temp("adafactor-resumed");
+    let cfg_b = config(&b);
+    let stop = RunOptions {
+        stop_at: Some(6),
+        ..Default::default()
+    };
+    assert_eq!(run_with(&cfg_b, stop).unwrap().0, RunEnd::Stopped(6));
+    run_with(&cfg_b, resume()).unwrap();
+    assert_eq!(losses(&cfg_b.train.output_dir), full);
+    let (_, dir) = checkpoints(&cfg_b.train.output_dir).unwrap().pop().unwrap();
+    let f = flame::safetensors::SafeTensorsFile::open(dir.join("optimizer.safetensors")).unwrap();
+    let m = f.metadata();
+    assert_eq!(m.get("optimizer").map(String::as_str), Some("adafactor"));
+    assert_eq!(m.get("relative_step").map(String::as_str), Some("false"));
+    assert!(f.names().any(|n| n.ends_with(".exp_avg_sq_row")));
+
+    let good = std::fs::read_to_string(a.join("train.toml")).unwrap();
+    for (from, to, key, want) in [
+        // transformers refuses lr with relative_step=True.
+        (
+            "relative_step = false",
+            "relative_step = true",
+            "optimizer.lr",
+            "relative_step",
+        ),
+        (
+            "lr = 1e-3\nscale_parameter = false\nrelative_step = false",
+            "scale_parameter = false",
+            "schedule.kind",
+            "constant",
+        ),
+        (
+            "warmup_init = false",
+            "warmup_init = true",
+            "optimizer.warmup_init",
+            "relative_step",
+        ),
+        ("beta1 = 0.9", "beta1 = 1.5", "optimizer.beta1", "[0, 1)"),
+        (
+            "beta1 = 0.9",
+            "decay_rate = 0.5",
+            "optimizer.decay_rate",
+            "<= 0",
+        ),
+        (
+            "beta1 = 0.9",
+            "clip_threshold = 0.0",
+            "optimizer.clip_threshold",
+            "> 0",
+        ),
+        (
+            "kind = \"adafactor\"",
+            "kind = \"adamw\"",
+            "optimizer.beta1",
+            "only",
+        ),
+    ] {
+        assert!(good.contains(from), "{from}");
+        let e = TrainConfig::from_toml(&good.replace(from, to))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key) && e.contains(want), "{to}: {e}");
+    }
+    std::fs::remove_dir_all(&a).ok();
+    std::fs::remove_dir_all(&b).ok();
 }
 
 /// Prodigy's keys are checked with the config, naming the key: they belong to kind =
@@ -1680,15 +1785,32 @@ fn prodigy_keys_are_checked_with_the_config() {
 /// The schedule-free kinds through the trainer: a run stopped after its checkpoint at step 4
 /// and resumed equals the uninterrupted one (losses and the final adapter bit for bit), and
 /// the adapters saved are x (the optimizer state beside them says it was saved in eval
-/// mode, and the final adapter equals the last checkpoint's).
+/// mode, and the final adapter equals the last checkpoint's). With LoRA+, every parameter
+/// group's optimizer moves to x and back.
 #[test]
 fn schedule_free_kinds_save_x_and_resume_exactly() {
-    for (kind, name) in [
-        (OptimizerKind::AdamWScheduleFree, "adamw_schedulefree"),
-        (OptimizerKind::ProdigyScheduleFree, "prodigy_schedulefree"),
+    for (kind, name, extra, prefix) in [
+        (
+            OptimizerKind::AdamWScheduleFree,
+            "adamw_schedulefree",
+            "",
+            "",
+        ),
+        (
+            OptimizerKind::ProdigyScheduleFree,
+            "prodigy_schedulefree",
+            "",
+            "",
+        ),
+        (
+            OptimizerKind::AdamWScheduleFree,
+            "adamw_schedulefree-loraplus",
+            "loraplus_lr_ratio = 4.0\n",
+            "group.",
+        ),
     ] {
         let config = |dir: &Path| {
-            let mut cfg = TrainConfig::from_file(tiny(dir, 8, "")).unwrap();
+            let mut cfg = TrainConfig::from_file(tiny(dir, 8, extra)).unwrap();
             cfg.optimizer.kind = kind;
             cfg.optimizer.lr = None;
             cfg.schedule.kind = ScheduleKind::Constant;
@@ -1733,15 +1855,25 @@ fn schedule_free_kinds_save_x_and_resume_exactly() {
         assert_eq!(step, 8);
         let f =
             flame::safetensors::SafeTensorsFile::open(dir.join("optimizer.safetensors")).unwrap();
-        assert_eq!(
-            f.metadata().get("optimizer").map(String::as_str),
-            Some(name)
-        );
-        assert_eq!(
-            f.metadata().get("train_mode").map(String::as_str),
-            Some("false"),
-            "{name}: saved at x"
-        );
+        let m = f.metadata();
+        if prefix.is_empty() {
+            assert_eq!(m.get("optimizer").map(String::as_str), Some(name));
+            assert_eq!(
+                m.get("train_mode").map(String::as_str),
+                Some("false"),
+                "{name}: saved at x"
+            );
+        } else {
+            assert_eq!(m.get("optimizer").map(String::as_str), Some("groups"));
+            for i in 0..2 {
+                assert_eq!(
+                    m.get(&format!("{prefix}{i}.train_mode"))
+                        .map(String::as_str),
+                    Some("false"),
+                    "{name}: group {i} saved at x"
+                );
+            }
+        }
         assert_eq!(
             tensors(dir.join("adapter.safetensors")),
             tensors(cfg_b.train.output_dir.join("lora.safetensors")),

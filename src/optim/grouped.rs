@@ -121,7 +121,6 @@ impl Grouped {
             }
         }
         let base = config.lr();
-        let several = groups.len() > 1;
         let mut built = Vec::with_capacity(groups.len());
         for g in groups {
             let mut c = config.with_lr(base * g.lr_scale);
@@ -131,11 +130,6 @@ impl Grouped {
             let opt = c
                 .build(g.params)
                 .map_err(|e| opt_err(NAME, format!("group {:?}: {e}", g.name)))?;
-            if several {
-                // Several groups share one state file: each optimizer must write into it.
-                opt.save_state_to(&mut StateMap::default())
-                    .map_err(|e| opt_err(NAME, format!("group {:?}: {e}", g.name)))?;
-            }
             built.push(Group {
                 name: g.name,
                 lr_scale: g.lr_scale,
@@ -178,6 +172,20 @@ impl Optimizer for Grouped {
         for g in &mut self.groups {
             g.opt.set_learning_rate(lr * g.lr_scale);
         }
+    }
+
+    fn eval_mode(&mut self) -> Result<()> {
+        for g in &mut self.groups {
+            g.opt.eval_mode()?;
+        }
+        Ok(())
+    }
+
+    fn train_mode(&mut self) -> Result<()> {
+        for g in &mut self.groups {
+            g.opt.train_mode()?;
+        }
+        Ok(())
     }
 
     fn save_state_to(&self, out: &mut StateMap) -> Result<()> {

@@ -27,14 +27,13 @@
 //! (Lion8bit:) `block_size` and `min_8bit_size`, and `step.<param>`.
 
 use super::{
-    check_at_least, check_grad_scale, check_lr, metadata_for, opt_err, save_state_file, update_err,
-    LoadedState, Optimizer, ParamSet,
+    check_at_least, check_grad_scale, check_lr, metadata_for, opt_err, state_into, update_err,
+    LoadedState, Optimizer, ParamSet, StateMap, StateSource,
 };
 use crate::backend::lion::LionHyper;
 use crate::backend::quant8::{self, BLOCK, WORDS_PER_BLOCK};
 use crate::tensor::multi::{lion_multi, LionMomentum, LionSlot};
 use crate::{DType, Device, Grads, Result, Tensor};
-use std::path::Path;
 
 const EXP_AVG: &str = "exp_avg";
 const EXP_AVG_CODES: &str = "exp_avg_codes";
@@ -325,7 +324,7 @@ impl LionCore {
         Ok(())
     }
 
-    fn save_state(&self, path: &Path) -> Result<()> {
+    fn save_state_to(&self, out: &mut StateMap) -> Result<()> {
         let mut hyper = self.config.to_metadata();
         if let Some(m) = self.min_8bit_size {
             hyper.push((BLOCK_SIZE_KEY, BLOCK.to_string()));
@@ -344,10 +343,11 @@ impl LionCore {
             }
             metadata.insert(format!("step.{name}"), s.step().to_string());
         }
-        save_state_file(&self.params, tensors, &metadata, path)
+        state_into(&self.params, tensors, &metadata, out);
+        Ok(())
     }
 
-    fn load_state(&mut self, path: &Path) -> Result<()> {
+    fn load_state_from(&mut self, src: &StateSource<'_>) -> Result<()> {
         let _guard = crate::no_grad();
         let name = self.name;
         let mut keys = HYPER_KEYS.to_vec();
@@ -362,14 +362,14 @@ impl LionCore {
                 _ => None,
             }
         };
-        let mut loaded = LoadedState::read_with(
+        let mut loaded = LoadedState::read_with_from(
             &self.params,
             self.kind,
             &SUFFIXES,
             &keys,
             true,
             &exact,
-            path,
+            src,
         )?;
         let config = LionConfig::from_metadata(name, &loaded)?;
         let min_8bit_size = match self.min_8bit_size {
@@ -547,11 +547,11 @@ macro_rules! lion_optimizer {
             fn set_learning_rate(&mut self, lr: f64) {
                 self.0.config.lr = lr;
             }
-            fn save_state(&self, path: &Path) -> Result<()> {
-                self.0.save_state(path)
+            fn save_state_to(&self, out: &mut StateMap) -> Result<()> {
+                self.0.save_state_to(out)
             }
-            fn load_state(&mut self, path: &Path) -> Result<()> {
-                self.0.load_state(path)
+            fn load_state_from(&mut self, src: &StateSource<'_>) -> Result<()> {
+                self.0.load_state_from(src)
             }
         }
     };

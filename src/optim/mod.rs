@@ -6,7 +6,8 @@
 //! update of lion-pytorch's `Lion` with an f32 or block-wise 8-bit momentum, and the
 //! schedule-free [`AdamWScheduleFree`] and [`ProdigyScheduleFree`] (the `schedulefree` and
 //! `prodigy-plus-schedule-free` packages'), whose parameters move between the point the
-//! gradient is taken at and the point to evaluate ([`Optimizer::eval_mode`]).
+//! gradient is taken at and the point to evaluate ([`Optimizer::eval_mode`]), and
+//! [`Adafactor`], transformers' `Adafactor` (factored second moments, relative steps).
 //!
 //! Conventions shared by every optimizer here:
 //! - Parameters are given as `(name, tensor)` pairs. Names are unique; each tensor is a float
@@ -32,6 +33,7 @@
 //! - [`Lion`] and [`Lion8bit`] take contiguous f32, bf16 and f16 parameters (one fused step
 //!   per device and dtype); Lion8bit's momenta are 8-bit codes as AdamW8bit's moments are.
 
+mod adafactor;
 mod adam;
 mod adam8bit;
 mod grouped;
@@ -41,6 +43,7 @@ mod schedulefree;
 mod sgd;
 
 pub use crate::backend::quant8;
+pub use adafactor::{Adafactor, AdafactorConfig, AdafactorState};
 pub use adam::{Adam, AdamConfig, AdamOptimizer, AdamState, AdamVariant, AdamW, Decoupled, L2};
 pub use adam8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, QuantizedState};
 pub use grouped::{build_groups, Grouped, ParamGroup};
@@ -77,6 +80,8 @@ pub enum OptimizerKind {
     Lion,
     /// [`Lion8bit`]: a block-wise 8-bit momentum.
     Lion8bit,
+    /// [`Adafactor`]: factored f32 second moments, an f32 first moment with beta1.
+    Adafactor,
 }
 
 impl OptimizerKind {
@@ -86,7 +91,9 @@ impl OptimizerKind {
     /// p0 (less where beta1 = 0 or a parameter starts at zero, as LoRA's up matrices do);
     /// the schedule-free kinds' f32 v and z, and schedule-free Prodigy's bf16 s and p0 of
     /// every 11th value;
-    /// Lion's f32 momentum; Lion8bit's one code and its block's share of an f32 maximum.
+    /// Lion's f32 momentum; Lion8bit's one code and its block's share of an f32 maximum;
+    /// Adafactor's at most: an f32 first moment (with beta1) and, for its factored second
+    /// moments, the row and column means (4/rows + 4/cols bytes a value; 4 for a vector).
     pub fn state_bytes_per_value(self) -> f64 {
         match self {
             OptimizerKind::AdamW => 8.0,
@@ -98,6 +105,7 @@ impl OptimizerKind {
             }
             OptimizerKind::Lion => 4.0,
             OptimizerKind::Lion8bit => 1.0 + 4.0 / quant8::BLOCK as f64,
+            OptimizerKind::Adafactor => 8.0,
         }
     }
 
@@ -129,6 +137,8 @@ pub enum OptimizerConfig {
     Lion(LionConfig),
     /// [`Lion8bit`].
     Lion8bit(Lion8bitConfig),
+    /// [`Adafactor`].
+    Adafactor(AdafactorConfig),
 }
 
 impl OptimizerConfig {
@@ -142,6 +152,7 @@ impl OptimizerConfig {
             OptimizerConfig::ProdigyScheduleFree(_) => OptimizerKind::ProdigyScheduleFree,
             OptimizerConfig::Lion(_) => OptimizerKind::Lion,
             OptimizerConfig::Lion8bit(_) => OptimizerKind::Lion8bit,
+            OptimizerConfig::Adafactor(_) => OptimizerKind::Adafactor,
         }
     }
 
@@ -155,6 +166,7 @@ impl OptimizerConfig {
             OptimizerConfig::ProdigyScheduleFree(c) => c.lr,
             OptimizerConfig::Lion(c) => c.lr,
             OptimizerConfig::Lion8bit(c) => c.lion.lr,
+            OptimizerConfig::Adafactor(c) => c.lr,
         }
     }
 
@@ -168,6 +180,7 @@ impl OptimizerConfig {
             OptimizerConfig::ProdigyScheduleFree(c) => c.lr = lr,
             OptimizerConfig::Lion(c) => c.lr = lr,
             OptimizerConfig::Lion8bit(c) => c.lion.lr = lr,
+            OptimizerConfig::Adafactor(c) => c.lr = lr,
         }
         self
     }
@@ -182,6 +195,7 @@ impl OptimizerConfig {
             OptimizerConfig::ProdigyScheduleFree(c) => c.weight_decay = wd,
             OptimizerConfig::Lion(c) => c.weight_decay = wd,
             OptimizerConfig::Lion8bit(c) => c.lion.weight_decay = wd,
+            OptimizerConfig::Adafactor(c) => c.weight_decay = wd,
         }
         self
     }
@@ -198,6 +212,7 @@ impl OptimizerConfig {
             }
             OptimizerConfig::Lion(c) => Box::new(Lion::new(params, c)?),
             OptimizerConfig::Lion8bit(c) => Box::new(Lion8bit::new(params, c)?),
+            OptimizerConfig::Adafactor(c) => Box::new(Adafactor::new(params, c)?),
         })
     }
 }
@@ -258,25 +273,12 @@ pub trait Optimizer {
 
     /// Adds what `save_state` writes (tensors and metadata, under their own names) to `out`:
     /// how several optimizers share one file ([`Grouped`], one optimizer per parameter
-    /// group). An optimizer that keeps its state otherwise refuses, and then cannot be one
-    /// of several groups.
-    fn save_state_to(&self, _out: &mut StateMap) -> Result<()> {
-        Err(opt_err(
-            "optimizer",
-            "this optimizer writes its state to a file of its own only, so it cannot be one \
-             of several parameter groups",
-        ))
-    }
+    /// group).
+    fn save_state_to(&self, out: &mut StateMap) -> Result<()>;
 
     /// Reads what `save_state_to` wrote from `src` (a whole file, or one group's part of
     /// it), with `load_state`'s checks.
-    fn load_state_from(&mut self, _src: &StateSource<'_>) -> Result<()> {
-        Err(opt_err(
-            "optimizer",
-            "this optimizer reads its state from a file of its own only, so it cannot be one \
-             of several parameter groups",
-        ))
-    }
+    fn load_state_from(&mut self, src: &StateSource<'_>) -> Result<()>;
 }
 
 /// An optimizer's state being written: tensors by name and `__metadata__` entries, saved as
@@ -605,20 +607,6 @@ fn update_err(optimizer: &'static str, name: &str, e: Error) -> Error {
 /// Per-parameter state tensors, each saved as `<param>.<suffix>`.
 type StateTensors = Vec<HashMap<&'static str, Tensor>>;
 
-/// Writes `tensors` (`(param index, suffix, tensor)`) and `metadata` (which must hold the
-/// `"optimizer"` kind) to a safetensors file.
-#[allow(dead_code)]
-fn save_state_file(
-    params: &ParamSet,
-    tensors: Vec<(usize, &'static str, &Tensor)>,
-    metadata: &BTreeMap<String, String>,
-    path: &Path,
-) -> Result<()> {
-    let mut out = StateMap::default();
-    state_into(params, tensors, metadata, &mut out);
-    out.save(path)
-}
-
 /// Adds `tensors` (`(param index, suffix, tensor)`, saved as `<param>.<suffix>`) and
 /// `metadata` (which must hold the `"optimizer"` kind) to `out`.
 fn state_into(
@@ -638,7 +626,7 @@ fn state_into(
 }
 
 /// For a state tensor (suffix, parameter): the exact dtype and shape it must have, or `None`
-/// for a float tensor of the parameter's shape (see `LoadedState::read_with`).
+/// for a float tensor of the parameter's shape (see `LoadedState::read_with_from`).
 type ExactState = dyn Fn(&str, &Tensor) -> Option<(DType, Vec<usize>)>;
 
 /// A state file read and checked against an optimizer's parameters.
@@ -650,23 +638,11 @@ struct LoadedState {
 }
 
 impl LoadedState {
-    /// Opens `path` and checks it: `"optimizer"` equals `kind`; every tensor is
-    /// `<param>.<suffix>` for a known parameter and one of `suffixes`, of a float dtype and
-    /// the parameter's shape; every metadata key is `"optimizer"`, one of `keys`, or (when
-    /// `step_keys`) `"step.<param>"` for a known parameter.
-    #[allow(dead_code)]
-    fn read(
-        params: &ParamSet,
-        kind: &str,
-        suffixes: &[&'static str],
-        keys: &[&str],
-        step_keys: bool,
-        path: &Path,
-    ) -> Result<Self> {
-        Self::read_with(params, kind, suffixes, keys, step_keys, &|_, _| None, path)
-    }
-
-    /// `read` from a source (a file or one group's part of one).
+    /// Reads `src` (a file or one group's part of one) and checks it: `"optimizer"` equals
+    /// `kind`; every tensor is `<param>.<suffix>` for a known parameter and one of
+    /// `suffixes`, of a float dtype and the parameter's shape; every metadata key is
+    /// `"optimizer"`, one of `keys`, or (when `step_keys`) `"step.<param>"` for a known
+    /// parameter.
     fn read_from(
         params: &ParamSet,
         kind: &str,
@@ -678,24 +654,9 @@ impl LoadedState {
         Self::read_with_from(params, kind, suffixes, keys, step_keys, &|_, _| None, src)
     }
 
-    /// `read`, where `exact(suffix, param)` may instead require a tensor of exactly this dtype
-    /// and shape (loaded as it is): `None` keeps `read`'s rule (a float tensor of the
-    /// parameter's shape, loaded in its compute dtype).
-    fn read_with(
-        params: &ParamSet,
-        kind: &str,
-        suffixes: &[&'static str],
-        keys: &[&str],
-        step_keys: bool,
-        exact: &ExactState,
-        path: &Path,
-    ) -> Result<Self> {
-        let file = SafeTensorsFile::open(path)?;
-        let src = StateSource::whole(&file);
-        Self::read_with_from(params, kind, suffixes, keys, step_keys, exact, &src)
-    }
-
-    /// `read_with` from a source (a file or one group's part of one).
+    /// `read_from`, where `exact(suffix, param)` may instead require a tensor of exactly this
+    /// dtype and shape (loaded as it is): `None` keeps `read_from`'s rule (a float tensor of
+    /// the parameter's shape, loaded in its compute dtype).
     #[allow(clippy::too_many_arguments)]
     fn read_with_from(
         params: &ParamSet,

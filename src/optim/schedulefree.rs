@@ -42,8 +42,8 @@
 //! shortest round-trip decimals, so a reloaded optimizer continues bit for bit.
 
 use super::{
-    check_at_least, check_beta, check_grad_scale, check_lr, metadata_for, opt_err, save_state_file,
-    update_err, LoadedState, Optimizer, ParamSet,
+    check_at_least, check_beta, check_grad_scale, check_lr, metadata_for, opt_err, state_into,
+    update_err, LoadedState, Optimizer, ParamSet, StateMap, StateSource,
 };
 use crate::backend::multi_sf::{
     prodigy_sf_sliced, prodigy_sf_slot as slot, ProdigySfHyper, SfAdamScalars, SfOp,
@@ -51,7 +51,6 @@ use crate::backend::multi_sf::{
 };
 use crate::tensor::multi::{schedulefree_multi, SfSlot};
 use crate::{sum_sq_multi, DType, Device, Grads, Result, Tensor};
-use std::path::Path;
 
 const EXP_AVG_SQ: &str = "exp_avg_sq";
 const Z: &str = "z";
@@ -214,7 +213,7 @@ impl Core {
         Ok(())
     }
 
-    fn save(&self, kind: &str, mut hyper: Vec<(&str, String)>, path: &Path) -> Result<()> {
+    fn save(&self, kind: &str, mut hyper: Vec<(&str, String)>, out: &mut StateMap) -> Result<()> {
         let mode = self.train_mode.to_string();
         hyper.push(("train_mode", mode));
         let mut metadata = metadata_for(kind, &hyper);
@@ -232,7 +231,8 @@ impl Core {
                 metadata.insert(format!("step.{name}"), s.step.to_string());
             }
         }
-        save_state_file(&self.params, tensors, &metadata, path)
+        state_into(&self.params, tensors, &metadata, out);
+        Ok(())
     }
 
     /// Reads a state file: the loaded metadata and each parameter's state, checked (s and
@@ -242,7 +242,7 @@ impl Core {
         kind: &str,
         keys: &[&str],
         prodigy: bool,
-        path: &Path,
+        src: &StateSource<'_>,
     ) -> Result<(LoadedState, Vec<Option<ScheduleFreeState>>, bool)> {
         let name = self.name;
         let suffixes: &[&'static str] = if prodigy {
@@ -257,7 +257,7 @@ impl Core {
             _ => None,
         };
         let mut loaded =
-            LoadedState::read_with(&self.params, kind, suffixes, &keys, true, &exact, path)?;
+            LoadedState::read_with_from(&self.params, kind, suffixes, &keys, true, &exact, src)?;
         let train_mode: bool = loaded.parse(name, "train_mode")?;
         let mut state = Vec::with_capacity(self.params.len());
         let per_param = std::mem::take(&mut loaded.tensors);
@@ -557,17 +557,17 @@ impl Optimizer for AdamWScheduleFree {
         self.core.set_mode(true, self.config.beta1)
     }
 
-    fn save_state(&self, path: &Path) -> Result<()> {
+    fn save_state_to(&self, out: &mut StateMap) -> Result<()> {
         let mut hyper = self.config.to_metadata();
         hyper.push(("k", self.global.k.to_string()));
         hyper.push(("lr_max", self.global.lr_max.to_string()));
         hyper.push(("weight_sum", self.global.weight_sum.to_string()));
-        self.core.save(ADAMW_KIND, hyper, path)
+        self.core.save(ADAMW_KIND, hyper, out)
     }
 
-    fn load_state(&mut self, path: &Path) -> Result<()> {
+    fn load_state_from(&mut self, src: &StateSource<'_>) -> Result<()> {
         let _guard = crate::no_grad();
-        let (loaded, state, train_mode) = self.core.load(ADAMW_KIND, &ADAMW_KEYS, false, path)?;
+        let (loaded, state, train_mode) = self.core.load(ADAMW_KIND, &ADAMW_KEYS, false, src)?;
         let config = AdamWScheduleFreeConfig::from_metadata(&loaded)?;
         let global = AdamWScheduleFreeGlobal {
             k: loaded.parse(ADAMW_NAME, "k")?,
@@ -876,23 +876,23 @@ impl Optimizer for ProdigyScheduleFree {
         self.core.set_mode(true, self.config.beta1)
     }
 
-    fn save_state(&self, path: &Path) -> Result<()> {
+    fn save_state_to(&self, out: &mut StateMap) -> Result<()> {
         let mut hyper = self.config.to_metadata();
         let st = self.read_scalars()?;
         for (key, i) in PRODIGY_SCALAR_KEYS {
             hyper.push((key, st[i].to_string()));
         }
-        self.core.save(PRODIGY_KIND, hyper, path)
+        self.core.save(PRODIGY_KIND, hyper, out)
     }
 
-    fn load_state(&mut self, path: &Path) -> Result<()> {
+    fn load_state_from(&mut self, src: &StateSource<'_>) -> Result<()> {
         let _guard = crate::no_grad();
         let keys: Vec<&str> = PRODIGY_KEYS
             .iter()
             .copied()
             .chain(PRODIGY_SCALAR_KEYS.iter().map(|k| k.0))
             .collect();
-        let (loaded, state, train_mode) = self.core.load(PRODIGY_KIND, &keys, true, path)?;
+        let (loaded, state, train_mode) = self.core.load(PRODIGY_KIND, &keys, true, src)?;
         let config = ProdigyScheduleFreeConfig::from_metadata(&loaded)?;
         let mut st = initial_scalars(config.d0);
         for (key, i) in PRODIGY_SCALAR_KEYS {

@@ -20,8 +20,8 @@ use crate::memory::{Checkpointing, Switches};
 use crate::nn::{AdapterBlock, AdapterConfig, LokrSplit, LoraConfig};
 pub use crate::optim::OptimizerKind;
 use crate::optim::{
-    AdamConfig, AdamW8bitConfig, AdamWScheduleFreeConfig, Lion8bitConfig, LionConfig,
-    OptimizerConfig, ProdigyConfig, ProdigyScheduleFreeConfig,
+    AdafactorConfig, AdamConfig, AdamW8bitConfig, AdamWScheduleFreeConfig, Lion8bitConfig,
+    LionConfig, OptimizerConfig, ProdigyConfig, ProdigyScheduleFreeConfig,
 };
 use crate::{Error, Result, Setting};
 use serde::{Deserialize, Serialize};
@@ -407,7 +407,8 @@ pub const TEXT_ENCODER_TARGETS: [&str; 6] = [
 pub const TRAINABLE_TEXT_ENCODERS: [&str; 2] = ["clip_l", "clip_g"];
 
 section! {
-    /// `[optimizer]`: AdamW, AdamW8bit, Prodigy, Lion or Lion8bit.
+    /// `[optimizer]`: AdamW, AdamW8bit, Prodigy, Lion, Lion8bit, the schedule-free kinds or
+    /// Adafactor.
     OptimizerSection / RawOptimizer = "optimizer" {
         /// "adamw" (f32 moments, 8 bytes a parameter), "adamw8bit" (both moments
         /// block-wise 8-bit, about 2 bytes a parameter; parameters under 4096 values keep f32),
@@ -419,15 +420,20 @@ section! {
         /// "Lion8bit": the momentum block-wise 8-bit, about 1 byte a parameter),
         /// "adamw_schedulefree" (the schedulefree
         /// package's AdamWScheduleFree, kohya's "AdamWScheduleFree": no schedule, validation,
-        /// samples and saved adapters use the averaged weights x; 8 bytes a parameter) or
+        /// samples and saved adapters use the averaged weights x; 8 bytes a parameter),
         /// "prodigy_schedulefree" (the prodigy-plus-schedule-free package's
         /// ProdigyPlusScheduleFree with factored = false, use_stableadamw = false and
         /// stochastic_rounding = false, kohya's "prodigyplus.ProdigyPlusScheduleFree"; about
-        /// 8.4 bytes a parameter). The schedule-free kinds take schedule.kind = "constant" and
+        /// 8.4 bytes a parameter) or "adafactor" (transformers' Adafactor, kohya's
+        /// optimizer_type "Adafactor": factored second moments, about 0 to 8 bytes a
+        /// parameter; relative steps by default, or kohya's scale_parameter = false,
+        /// relative_step = false, warmup_init = false with a given lr). The schedule-free
+        /// kinds, and adafactor with relative_step, take schedule.kind = "constant" and
         /// schedule.warmup_steps = 0.
         kind: OptimizerKind = OptimizerKind::AdamW,
         /// The peak learning rate, > 0. Default: 1e-4, or 1.0 for "prodigy" and
-        /// "prodigy_schedulefree".
+        /// "prodigy_schedulefree". Not given for "adafactor" with relative_step (its own
+        /// step size; transformers refuses lr there).
         lr: Option<f64> = None,
         /// Adam's beta1 and beta2, each in [0, 1) (Prodigy's too; beta1 = 0 keeps no first
         /// moment); Lion's beta1 (the interpolation whose sign is the update) and beta2 (the
@@ -481,6 +487,27 @@ section! {
         /// prodigy_schedulefree only: Refined SF-Adam's averaging strength, >= 0 (0: the
         /// original schedule-free average; ProdigyPlusScheduleFree's schedulefree_c; default 0).
         schedulefree_c: Option<f64> = None,
+        /// adafactor only: the step is min(1e-2, 1/sqrt(t)) (scaled by the parameter's RMS
+        /// with scale_parameter) instead of lr (transformers' relative_step; default true).
+        relative_step: Option<bool> = None,
+        /// adafactor only: multiply the step by max(eps2, the parameter's RMS)
+        /// (transformers' scale_parameter; default true).
+        scale_parameter: Option<bool> = None,
+        /// adafactor only: with relative_step, a relative step of min(1e-6 t, 1/sqrt(t))
+        /// (transformers' warmup_init; default false).
+        warmup_init: Option<bool> = None,
+        /// adafactor only: the update's RMS is clipped to this, > 0 (transformers'
+        /// clip_threshold; default 1.0).
+        clip_threshold: Option<f64> = None,
+        /// adafactor only: the second moments decay by 1 - t^decay_rate, <= 0
+        /// (transformers' decay_rate; default -0.8).
+        decay_rate: Option<f64> = None,
+        /// adafactor only: the first moment's decay, in [0, 1) (transformers' beta1;
+        /// default none: no first moment).
+        beta1: Option<f64> = None,
+        /// adafactor only: [eps1, eps2], the term added to the squared gradient and the
+        /// least parameter scale, each >= 0 (transformers' eps; default [1e-30, 1e-3]).
+        adafactor_eps: Option<[f64; 2]> = None,
     }
 }
 
@@ -490,11 +517,14 @@ impl OptimizerSection {
     pub fn lr(&self) -> f64 {
         self.lr.unwrap_or(match self.kind {
             OptimizerKind::Prodigy | OptimizerKind::ProdigyScheduleFree => 1.0,
+            // The multiplier of Adafactor's relative step (1: transformers' own).
+            OptimizerKind::Adafactor if self.adafactor().relative_step => 1.0,
             OptimizerKind::AdamW
             | OptimizerKind::AdamW8bit
             | OptimizerKind::AdamWScheduleFree
             | OptimizerKind::Lion
-            | OptimizerKind::Lion8bit => 1e-4,
+            | OptimizerKind::Lion8bit
+            | OptimizerKind::Adafactor => 1e-4,
         })
     }
 
@@ -506,13 +536,16 @@ impl OptimizerSection {
             | OptimizerKind::AdamW8bit
             | OptimizerKind::Prodigy
             | OptimizerKind::AdamWScheduleFree
-            | OptimizerKind::ProdigyScheduleFree => [0.9, 0.999],
+            | OptimizerKind::ProdigyScheduleFree
+            | OptimizerKind::Adafactor => [0.9, 0.999],
         })
     }
 
     /// The keys only some kinds read, with whether each is set: (key, kinds, set).
-    fn kind_keys(&self) -> [(&'static str, &'static [OptimizerKind], bool); 12] {
-        use OptimizerKind::{AdamWScheduleFree as Asf, Prodigy as P, ProdigyScheduleFree as Psf};
+    fn kind_keys(&self) -> [(&'static str, &'static [OptimizerKind], bool); 19] {
+        use OptimizerKind::{
+            Adafactor as Af, AdamWScheduleFree as Asf, Prodigy as P, ProdigyScheduleFree as Psf,
+        };
         const BOTH: &[OptimizerKind] = &[P, Psf];
         [
             ("optimizer.beta3", BOTH, self.beta3.is_some()),
@@ -547,7 +580,49 @@ impl OptimizerSection {
                 &[Psf],
                 self.schedulefree_c.is_some(),
             ),
+            (
+                "optimizer.relative_step",
+                &[Af],
+                self.relative_step.is_some(),
+            ),
+            (
+                "optimizer.scale_parameter",
+                &[Af],
+                self.scale_parameter.is_some(),
+            ),
+            ("optimizer.warmup_init", &[Af], self.warmup_init.is_some()),
+            (
+                "optimizer.clip_threshold",
+                &[Af],
+                self.clip_threshold.is_some(),
+            ),
+            ("optimizer.decay_rate", &[Af], self.decay_rate.is_some()),
+            ("optimizer.beta1", &[Af], self.beta1.is_some()),
+            (
+                "optimizer.adafactor_eps",
+                &[Af],
+                self.adafactor_eps.is_some(),
+            ),
         ]
+    }
+
+    /// Adafactor's settings from the section: its keys where set, transformers' defaults
+    /// elsewhere; `lr` as [`OptimizerSection::lr`] gives it.
+    fn adafactor(&self) -> AdafactorConfig {
+        let d = AdafactorConfig::default();
+        let [eps1, eps2] = self.adafactor_eps.unwrap_or([d.eps1, d.eps2]);
+        AdafactorConfig {
+            lr: self.lr.unwrap_or(d.lr),
+            eps1,
+            eps2,
+            clip_threshold: self.clip_threshold.unwrap_or(d.clip_threshold),
+            decay_rate: self.decay_rate.unwrap_or(d.decay_rate),
+            beta1: self.beta1,
+            weight_decay: self.weight_decay,
+            scale_parameter: self.scale_parameter.unwrap_or(d.scale_parameter),
+            relative_step: self.relative_step.unwrap_or(d.relative_step),
+            warmup_init: self.warmup_init.unwrap_or(d.warmup_init),
+        }
     }
 
     /// The optimizer this section describes.
@@ -616,6 +691,10 @@ impl OptimizerSection {
                     schedulefree_c: self.schedulefree_c.unwrap_or(d.schedulefree_c),
                 })
             }
+            OptimizerKind::Adafactor => OptimizerConfig::Adafactor(AdafactorConfig {
+                lr: self.lr(),
+                ..self.adafactor()
+            }),
             OptimizerKind::Lion => OptimizerConfig::Lion(lion),
             OptimizerKind::Lion8bit => OptimizerConfig::Lion8bit(Lion8bitConfig {
                 lion,
@@ -1423,6 +1502,66 @@ impl TrainConfig {
                 ),
             );
         }
+        if o.kind == OptimizerKind::Adafactor {
+            let af = o.adafactor();
+            if af.relative_step {
+                c.check(
+                    o.lr.is_none(),
+                    "optimizer.lr",
+                    "is given with kind = \"adafactor\" and relative_step = true: Adafactor then \
+                     sets its own step size (transformers refuses lr with relative_step=True); \
+                     leave lr out, or set relative_step = false (kohya's usual \
+                     scale_parameter = false, relative_step = false, warmup_init = false)"
+                        .into(),
+                );
+                c.check(
+                    s.kind == ScheduleKind::Constant && s.warmup_steps == 0,
+                    "schedule.kind",
+                    format!(
+                        "{} with schedule.warmup_steps = {}: kind = \"adafactor\" with \
+                         relative_step = true sets its own step size at every step; use \
+                         schedule.kind = \"constant\" and schedule.warmup_steps = 0, or \
+                         relative_step = false",
+                        show(&s.kind),
+                        s.warmup_steps
+                    ),
+                );
+            }
+            c.check(
+                !af.warmup_init || af.relative_step,
+                "optimizer.warmup_init",
+                "true requires relative_step = true (transformers: `warmup_init=True` \
+                 requires `relative_step=True`)"
+                    .into(),
+            );
+            c.check(
+                af.clip_threshold.is_finite() && af.clip_threshold > 0.0,
+                "optimizer.clip_threshold",
+                format!("{}: must be finite and > 0", af.clip_threshold),
+            );
+            c.check(
+                af.decay_rate.is_finite() && af.decay_rate <= 0.0,
+                "optimizer.decay_rate",
+                format!(
+                    "{}: must be finite and <= 0 (the second moments decay by 1 - t^decay_rate)",
+                    af.decay_rate
+                ),
+            );
+            if let Some(b) = af.beta1 {
+                c.check(
+                    (0.0..1.0).contains(&b),
+                    "optimizer.beta1",
+                    format!("{b}: must be in [0, 1)"),
+                );
+            }
+            c.check(
+                [af.eps1, af.eps2]
+                    .iter()
+                    .all(|e| e.is_finite() && *e >= 0.0),
+                "optimizer.adafactor_eps",
+                format!("{:?}: each must be finite and >= 0", [af.eps1, af.eps2]),
+            );
+        }
         if let Some(w) = o.warmup_steps {
             c.check(
                 w <= t.steps,
@@ -2116,6 +2255,13 @@ impl TrainConfig {
             show(&o.weight_lr_power),
             show(&o.d_limiter),
             show(&o.schedulefree_c),
+            show(&o.relative_step),
+            show(&o.scale_parameter),
+            show(&o.warmup_init),
+            show(&o.clip_threshold),
+            show(&o.decay_rate),
+            show(&o.beta1),
+            show(&o.adafactor_eps),
         ];
         for ((key, _, set), value) in o.kind_keys().into_iter().zip(kind_values) {
             if set {

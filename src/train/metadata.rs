@@ -223,6 +223,21 @@ fn optimizer_name(config: &TrainConfig) -> String {
         "prodigy" => "prodigyopt.prodigy.Prodigy".to_string(),
         "lion" => "lion_pytorch.lion_pytorch.Lion".to_string(),
         "lion8bit" => "bitsandbytes.optim.lion.Lion8bit".to_string(),
+        "adafactor" => {
+            let a = match config.optimizer.optimizer_config() {
+                crate::optim::OptimizerConfig::Adafactor(a) => a,
+                _ => crate::optim::AdafactorConfig::default(),
+            };
+            let py = |b: bool| if b { "True" } else { "False" };
+            return format!(
+                "transformers.optimization.Adafactor(weight_decay={},scale_parameter={},\
+                 relative_step={},warmup_init={})",
+                a.weight_decay,
+                py(a.scale_parameter),
+                py(a.relative_step),
+                py(a.warmup_init)
+            );
+        }
         _ => kind,
     };
     format!(

@@ -502,6 +502,10 @@ fn blocks_set_ranks_and_rates_and_are_reported() {
             .unwrap(),
         [1.0]
     );
+    // The per-block settings ride in the file's metadata as written.
+    let recorded: Vec<AdapterBlock> =
+        serde_json::from_str(&file.metadata()["flame_blocks"]).unwrap();
+    assert_eq!(recorded, cfg.adapter.blocks);
     t.adapters().load_kohya(&out).unwrap();
     std::fs::remove_dir_all(&d).ok();
 }

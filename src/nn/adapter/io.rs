@@ -492,6 +492,17 @@ impl Adapters {
         if c.rank_dropout > 0.0 {
             args.push(("rank_dropout", c.rank_dropout.to_string()));
         }
+        if !self.blocks.is_empty() {
+            // The per-block settings as written (`[[adapter.blocks]]`): kohya's `block_dims` /
+            // `block_alphas` count the SD U-Net's 25 blocks by position and have no pattern
+            // form, so they are FLAME's own key; readers take each layer's rank from its
+            // tensors' shapes and its alpha from its own `.alpha`.
+            let blocks = serde_json::to_string(&self.blocks).map_err(|e| Error::Config {
+                path: None,
+                msg: format!("adapter.blocks: {e}"),
+            })?;
+            meta.insert("flame_blocks".into(), blocks);
+        }
         if !args.is_empty() {
             let body: Vec<String> = args
                 .iter()

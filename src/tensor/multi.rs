@@ -253,6 +253,70 @@ impl ProdigySlot<'_> {
     }
 }
 
+/// The storages written so far by a fused step (`check_slot`).
+type Written = HashSet<*const std::sync::RwLock<Storage>>;
+
+/// The checks a fused optimizer step makes of slot `k` before anything is written: its
+/// gradient `g` (where it has one) matches `written[0]`, the parameter, in shape and dtype and
+/// both are contiguous; the parameter is not recorded on the tape; every tensor it writes or
+/// reads is on `device`; nothing it writes shares storage with anything written before
+/// (`seen`, which it joins); its state (`written` after the parameter) and `dense` reads are
+/// dense tensors.
+fn check_slot(
+    op: &'static str,
+    k: usize,
+    written: &[&Tensor],
+    g: Option<&Tensor>,
+    dense: Option<&Tensor>,
+    device: &crate::Device,
+    seen: &mut Written,
+) -> Result<()> {
+    let Some(&p) = written.first() else {
+        return Ok(());
+    };
+    let bad = |msg: String| Err(Error::invalid(op, format!("slot {k}: {msg}"), p.shape()));
+    if let Some(g) = g {
+        if p.shape() != g.shape() || p.dtype() != g.dtype() {
+            return bad(format!(
+                "gradient {:?} {} for a parameter {:?} {}",
+                g.dtype(),
+                g.shape(),
+                p.dtype(),
+                p.shape()
+            ));
+        }
+    }
+    if !p.is_contiguous() || g.is_some_and(|g| !g.is_contiguous()) {
+        return bad("the parameter and its gradient must be contiguous".into());
+    }
+    if p.0.grad_fn.is_some() && crate::autograd::grad_enabled() {
+        return Err(Error::Autograd(
+            "an optimizer step into a tensor recorded on the tape would corrupt its gradients"
+                .into(),
+        ));
+    }
+    for t in written.iter().copied().chain(g).chain(dense) {
+        if t.device() != device {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: device.location(),
+                rhs: t.device().location(),
+            });
+        }
+    }
+    for t in written {
+        if !seen.insert(t.storage_arc()?.as_ref() as *const _) {
+            return bad("a parameter or state tensor shares storage with another".into());
+        }
+    }
+    for t in written.iter().skip(1).copied().chain(dense) {
+        if !t.is_contiguous() || t.layout().offset() != 0 {
+            return bad("state tensors must be dense".into());
+        }
+    }
+    Ok(())
+}
+
 /// One Prodigy step of every slot, in place, with the global d estimate in `scalars` (an f64
 /// tensor of `PRODIGY_SCALARS` values on the slots' device): one backend call, three launches
 /// on CUDA and no host synchronization. Everything is checked before anything is written.
@@ -273,45 +337,8 @@ pub(crate) fn prodigy_multi(
         ));
     }
     for (k, s) in slots.iter().enumerate() {
-        let bad = |msg: String| Err(Error::invalid(OP, format!("slot {k}: {msg}"), s.p.shape()));
-        if s.p.shape() != s.g.shape() || s.p.dtype() != s.g.dtype() {
-            return bad(format!(
-                "gradient {:?} {} for a parameter {:?} {}",
-                s.g.dtype(),
-                s.g.shape(),
-                s.p.dtype(),
-                s.p.shape()
-            ));
-        }
-        if !s.p.is_contiguous() || !s.g.is_contiguous() {
-            return bad("the parameter and its gradient must be contiguous".into());
-        }
-        if s.p.0.grad_fn.is_some() && crate::autograd::grad_enabled() {
-            return Err(Error::Autograd(
-                "an optimizer step into a tensor recorded on the tape would corrupt its \
-                 gradients"
-                    .into(),
-            ));
-        }
-        for t in s.written().into_iter().chain([s.g]).chain(s.p0) {
-            if t.device() != scalars.device() {
-                return Err(Error::DeviceMismatch {
-                    op: OP,
-                    lhs: scalars.device().location(),
-                    rhs: t.device().location(),
-                });
-            }
-        }
-        for t in s.written() {
-            if !written.insert(t.storage_arc()?.as_ref() as *const _) {
-                return bad("a parameter or state tensor shares storage with another".into());
-            }
-        }
-        for t in s.written().into_iter().skip(1).chain(s.p0) {
-            if !t.is_contiguous() || t.layout().offset() != 0 {
-                return bad("state tensors must be dense".into());
-            }
-        }
+        let device = scalars.device();
+        check_slot(OP, k, &s.written(), Some(s.g), s.p0, device, &mut written)?;
     }
     for s in slots {
         for t in std::iter::once(s.g).chain(s.p0) {
@@ -412,58 +439,18 @@ pub(crate) fn schedulefree_multi(
             ));
         }
     }
-    let device = slots.first().map(|s| s.p.device().clone());
+    if let (Some(first), Some(st)) = (slots.first(), scalars) {
+        if st.device() != first.p.device() {
+            return Err(Error::DeviceMismatch {
+                op: OP,
+                lhs: first.p.device().location(),
+                rhs: st.device().location(),
+            });
+        }
+    }
     for (k, s) in slots.iter().enumerate() {
-        let bad = |msg: String| Err(Error::invalid(OP, format!("slot {k}: {msg}"), s.p.shape()));
-        if let Some(g) = s.g {
-            if s.p.shape() != g.shape() || s.p.dtype() != g.dtype() {
-                return bad(format!(
-                    "gradient {:?} {} for a parameter {:?} {}",
-                    g.dtype(),
-                    g.shape(),
-                    s.p.dtype(),
-                    s.p.shape()
-                ));
-            }
-            if !g.is_contiguous() {
-                return bad("the gradient must be contiguous".into());
-            }
-        }
-        if !s.p.is_contiguous() {
-            return bad("the parameter must be contiguous".into());
-        }
-        if s.p.0.grad_fn.is_some() && crate::autograd::grad_enabled() {
-            return Err(Error::Autograd(
-                "an optimizer step into a tensor recorded on the tape would corrupt its \
-                 gradients"
-                    .into(),
-            ));
-        }
-        let all = s
-            .written()
-            .into_iter()
-            .chain(s.g)
-            .chain(s.p0)
-            .chain(scalars);
-        for t in all {
-            if Some(t.device()) != device.as_ref() {
-                return Err(Error::DeviceMismatch {
-                    op: OP,
-                    lhs: s.p.device().location(),
-                    rhs: t.device().location(),
-                });
-            }
-        }
-        for t in s.written() {
-            if !written.insert(t.storage_arc()?.as_ref() as *const _) {
-                return bad("a parameter or state tensor shares storage with another".into());
-            }
-        }
-        for t in s.written().into_iter().skip(1).chain(s.p0) {
-            if !t.is_contiguous() || t.layout().offset() != 0 {
-                return bad("state tensors must be dense".into());
-            }
-        }
+        let device = slots[0].p.device();
+        check_slot(OP, k, &s.written(), s.g, s.p0, device, &mut written)?;
     }
     for s in slots {
         for t in s.g.into_iter().chain(s.p0) {
@@ -573,45 +560,15 @@ pub(crate) fn lion_multi(
     const OP: &str = "lion_multi";
     let mut written = HashSet::new();
     for (k, s) in slots.iter().enumerate() {
-        let bad = |msg: String| Err(Error::invalid(OP, format!("slot {k}: {msg}"), s.p.shape()));
-        if s.p.shape() != s.g.shape() || s.p.dtype() != s.g.dtype() {
-            return bad(format!(
-                "gradient {:?} {} for a parameter {:?} {}",
-                s.g.dtype(),
-                s.g.shape(),
-                s.p.dtype(),
-                s.p.shape()
-            ));
-        }
-        if !s.p.is_contiguous() || !s.g.is_contiguous() {
-            return bad("the parameter and its gradient must be contiguous".into());
-        }
-        if s.p.0.grad_fn.is_some() && crate::autograd::grad_enabled() {
-            return Err(Error::Autograd(
-                "an optimizer step into a tensor recorded on the tape would corrupt its \
-                 gradients"
-                    .into(),
-            ));
-        }
-        for t in s.written().into_iter().chain([s.g]) {
-            if t.device() != s.p.device() {
-                return Err(Error::DeviceMismatch {
-                    op: OP,
-                    lhs: s.p.device().location(),
-                    rhs: t.device().location(),
-                });
-            }
-        }
-        for t in s.written() {
-            if !written.insert(t.storage_arc()?.as_ref() as *const _) {
-                return bad("a parameter or momentum shares storage with another".into());
-            }
-        }
-        for t in s.written().into_iter().skip(1) {
-            if !t.is_contiguous() || t.layout().offset() != 0 {
-                return bad("momenta must be dense tensors".into());
-            }
-        }
+        check_slot(
+            OP,
+            k,
+            &s.written(),
+            Some(s.g),
+            None,
+            s.p.device(),
+            &mut written,
+        )?;
     }
     for s in slots {
         if written.contains(&(s.g.storage_arc()?.as_ref() as *const _)) {

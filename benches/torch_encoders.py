@@ -8,9 +8,11 @@ on the GPU, eager with the default SDPA backend: T5-XXL on 512 tokens, CLIP-L an
 the VAE's encode of a 1024^2 image and decode of its latents; warm-up 2, 5 timed, peak memory
 per model (weights included). With --family sd3 or sdxl instead, DIR becomes a random full-size
 SD3.5-large or SDXL pipeline (its text encoders, autoencoder, transformer or UNet and the
-fixture tokenizers) for the whole-run memory rows, and nothing is timed. Usage:
+fixture tokenizers) for the whole-run memory rows, and nothing is timed; with --family klein4b,
+klein9b or zimage, a random full-size FLUX.2 [klein] 4B / 9B or Z-Image pipeline (transformer,
+autoencoder, Qwen3; FLAME's built-in tokenizer vocabulary serves). Usage:
     python3 torch_encoders.py --make DIR [--transformer] [--time]
-    python3 torch_encoders.py --make DIR --family sd3|sdxl"""
+    python3 torch_encoders.py --make DIR --family sd3|sdxl|klein4b|klein9b|zimage"""
 import os
 import shutil
 import sys
@@ -135,8 +137,126 @@ def sdxl_unet():
         norm_num_groups=32))
 
 
+def qwen3(hidden, intermediate, layers=36, heads=32, kv_heads=8, head_dim=128,
+          vocab=151936):
+    """A random Qwen3 text encoder as transformers saves `Qwen3ForCausalLM` (Qwen/Qwen3-4B and
+    Qwen3-8B config.json: 36 layers, 32 heads over 8 key/value heads of 128, RoPE base 1e6,
+    the 4B's embeddings tied), written key by key so that no transformers release with Qwen3
+    is needed: (config, {name: tensor}) in bf16 on the GPU."""
+    torch.manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    w = lambda *s: torch.empty(*s, **bf).normal_(0, 0.02)
+    ones = lambda n: torch.ones(n, **bf)
+    t = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+                  p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+                  p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+                  p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+                  p + "self_attn.q_norm.weight": ones(head_dim),
+                  p + "self_attn.k_norm.weight": ones(head_dim),
+                  p + "mlp.gate_proj.weight": w(intermediate, hidden),
+                  p + "mlp.up_proj.weight": w(intermediate, hidden),
+                  p + "mlp.down_proj.weight": w(hidden, intermediate),
+                  p + "input_layernorm.weight": ones(hidden),
+                  p + "post_attention_layernorm.weight": ones(hidden)})
+    tied = hidden == 2560
+    if not tied:
+        t["lm_head.weight"] = w(vocab, hidden)
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
+           "hidden_size": hidden, "intermediate_size": intermediate,
+           "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_act": "silu",
+           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False,
+           "max_position_embeddings": 40960, "tie_word_embeddings": tied,
+           "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645}
+    return cfg, t
+
+
+def flux2_vae():
+    from diffusers import AutoencoderKLFlux2
+    # AutoencoderKLFlux2's defaults are the released FLUX.2 autoencoder's configuration.
+    return build(lambda: AutoencoderKLFlux2())
+
+
+def klein_transformer(layers, single, heads, context):
+    from diffusers import Flux2Transformer2DModel
+    # FLUX.2 [klein] 4B / 9B (BFL's Klein4BParams / Klein9BParams, FLAME's
+    # `Flux2Config::klein_4b` / `klein_9b`): no guidance embedding.
+    return build(lambda: Flux2Transformer2DModel(
+        patch_size=1, in_channels=128, num_layers=layers, num_single_layers=single,
+        attention_head_dim=128, num_attention_heads=heads, joint_attention_dim=context,
+        guidance_embeds=False, axes_dims_rope=(32, 32, 32, 32)))
+
+
+def zimage_transformer():
+    from diffusers import ZImageTransformer2DModel
+    # ZImageTransformer2DModel's defaults are Z-Image 6B's configuration.
+    return build(lambda: ZImageTransformer2DModel())
+
+
+def make_qwen_pipeline(out, family):
+    """A random full-size FLUX.2 [klein] 4B / 9B or Z-Image pipeline folder at `out`: the
+    transformer, the autoencoder and Qwen3 as diffusers saves them, the scheduler of the
+    released pipelines, no tokenizer folder (FLAME's built-in Qwen3 vocabulary serves)."""
+    import json
+    from safetensors.torch import save_file
+    sizes = {"klein4b": (5, 20, 24, 7680, 2560, 9728), "klein9b": (8, 24, 32, 12288, 4096, 12288)}
+    if family == "zimage":
+        parts = [("transformer", zimage_transformer), ("vae", vae)]
+        hidden, inter, pipeline = 2560, 9728, "ZImagePipeline"
+        vae_class, transformer_class = "AutoencoderKL", "ZImageTransformer2DModel"
+    else:
+        layers, single, heads, context, hidden, inter = sizes[family]
+        parts = [("transformer", lambda: klein_transformer(layers, single, heads, context)),
+                 ("vae", flux2_vae)]
+        pipeline = "Flux2KleinPipeline"
+        vae_class, transformer_class = "AutoencoderKLFlux2", "Flux2Transformer2DModel"
+    for folder, make in parts:
+        t = time.perf_counter()
+        m = make()
+        m.save_pretrained(os.path.join(out, folder), safe_serialization=True,
+                          max_shard_size="50GB")
+        print(f"made {folder} in {time.perf_counter() - t:.1f} s", flush=True)
+        del m
+        torch.cuda.empty_cache()
+    t = time.perf_counter()
+    cfg, tensors = qwen3(hidden, inter)
+    te = os.path.join(out, "text_encoder")
+    os.makedirs(te, exist_ok=True)
+    with open(os.path.join(te, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(te, "model.safetensors"), metadata={"format": "pt"})
+    print(f"made text_encoder in {time.perf_counter() - t:.1f} s", flush=True)
+    del tensors
+    torch.cuda.empty_cache()
+    # The released pipelines' scheduler_config.json: FLUX.2 shifts by the image's tokens,
+    # Z-Image by a fixed 3.
+    sched = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256,
+             "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+             "num_train_timesteps": 1000, "shift": 3.0, "time_shift_type": "exponential",
+             "use_dynamic_shifting": family != "zimage"}
+    os.makedirs(os.path.join(out, "scheduler"), exist_ok=True)
+    with open(os.path.join(out, "scheduler", "scheduler_config.json"), "w") as f:
+        json.dump(sched, f, indent=2)
+    index = {"_class_name": pipeline, "_diffusers_version": "0.42.1",
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+             "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+             "tokenizer": ["transformers", "Qwen2Tokenizer"],
+             "transformer": ["diffusers", transformer_class], "vae": ["diffusers", vae_class]}
+    if family != "zimage":
+        index["is_distilled"] = False
+    with open(os.path.join(out, "model_index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+
+
 def make_family(out, family):
-    """A random full-size SD3.5-large or SDXL pipeline folder at `out`."""
+    """A random full-size SD3.5-large, SDXL, FLUX.2 [klein] or Z-Image pipeline folder at
+    `out`."""
+    if family in ("klein4b", "klein9b", "zimage"):
+        return make_qwen_pipeline(out, family)
     parts = {
         "sd3": [("clip_l", lambda: clip_l(projection=True), "text_encoder"),
                 ("clip_g", clip_g, "text_encoder_2"), ("t5xxl", t5xxl, "text_encoder_3"),

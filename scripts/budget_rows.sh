@@ -8,8 +8,9 @@
 # device's used memory less what the holder took, printed beside the budget with the exit
 # status, the files written and each phase's lines.
 # MODEL_DTYPE (default bf16) and OPTIMIZER (default adamw) set model.dtype and optimizer.kind;
-# ARCH (flux, the default; sd3 or sdxl, pipelines made by `torch_encoders.py --make DIR
-# --family sd3|sdxl`) picks the family, its adapter targets and its guidance.
+# ARCH (flux, the default; sd3, sdxl, flux2 (FLUX.2 [klein]) or zimage, pipelines made by
+# `torch_encoders.py --make DIR --family sd3|sdxl|klein4b|klein9b|zimage`) picks the family,
+# its adapter targets and its guidance.
 #   [SAMPLE_EXE=.../sample] bash scripts/budget_rows.sh PIPELINE_DIR WORK_DIR TRAIN_EXE BUDGET_GB [EXTRA_TOML]
 # With SAMPLE_EXE, the `sample` binary then makes a 1024² image with the trained LoRA under
 # the same budget, the holder still in place, and its peak is printed too.
@@ -33,7 +34,11 @@ case "$arch" in
        guidance=4.5 ;;
   sdxl) targets='"*transformer_blocks.*.attn1.to_*", "*transformer_blocks.*.attn2.to_*", "*transformer_blocks.*.ff.net.*"'
         guidance=5.0 ;;
-  *) echo "ARCH=$arch: flux, sd3 or sdxl" >&2; exit 2 ;;
+  flux2) targets='"double_blocks.*_attn.qkv", "double_blocks.*_attn.proj", "double_blocks.*_mlp.*", "single_blocks.*.linear*"'
+         guidance=4.0 ;;
+  zimage) targets='"layers.*.attention.qkv", "layers.*.attention.out", "layers.*.feed_forward.w*"'
+          guidance=6.0 ;;
+  *) echo "ARCH=$arch: flux, sd3, sdxl, flux2 or zimage" >&2; exit 2 ;;
 esac
 python3 "$(dirname "$0")/circle_images.py" "$work/images"
 cat > "$work/run.toml" <<TOML

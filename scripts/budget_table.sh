@@ -16,7 +16,9 @@
 #                                                     it: the budget less the 1.02 GiB outside
 #                                                     its allocator (`--headroom`)
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
-# Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4.
+# Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4, and the newer
+# families at their smallest bf16 budgets: klein4b-6 klein9b-8 zimage-6 (FAMILIES="klein4b
+# klein9b zimage" for `make`; they are not in "all").
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -33,7 +35,7 @@ ALL="flux24 flux12 flux8 flux6 sd3-16 sd3-8 sdxl8 sdxl4"
 # One row on GPU $1: ROW PIPES WORK.
 row() {
   local g=$1 name=$2 pipes=$3 work=$4
-  local arch budget dtype=bf16 opt=adamw
+  local arch budget dtype=bf16 opt=adamw pipe=
   case $name in
     flux24) arch=flux budget=24 ;;
     flux12) arch=flux budget=12 ;;
@@ -43,10 +45,13 @@ row() {
     sd3-8) arch=sd3 budget=8 ;;
     sdxl8) arch=sdxl budget=8 ;;
     sdxl4) arch=sdxl budget=4 ;;
-    *) echo "row $name: one of $ALL" >&2; return 2 ;;
+    klein4b-6) arch=flux2 pipe=klein4b budget=6 ;;
+    klein9b-8) arch=flux2 pipe=klein9b budget=8 ;;
+    zimage-6) arch=zimage budget=6 ;;
+    *) echo "row $name: one of $ALL klein4b-6 klein9b-8 zimage-6" >&2; return 2 ;;
   esac
   GPUS=$g ARCH=$arch MODEL_DTYPE=$dtype OPTIMIZER=$opt SAMPLE_EXE=$root/.gpu/sample \
-    bash "$here/budget_rows.sh" "$pipes/$arch" "$work/$name" "$root/.gpu/train" "$budget" \
+    bash "$here/budget_rows.sh" "$pipes/${pipe:-$arch}" "$work/$name" "$root/.gpu/train" "$budget" \
     > "$work/$name.log" 2>&1
   echo "== row $name on GPU $g: exit $?"
   grep -E "^== |memory:|peaks" "$work/$name.log" | head -n 12

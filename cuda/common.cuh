@@ -88,6 +88,10 @@ template <> __device__ __forceinline__ uint32_t from_f64<uint32_t>(double x) {
 }
 
 // Eight elements, 16-byte aligned: one to four 128-bit loads.
+// The logistic sigmoid as (1 + tanh(x / 2)) / 2: no overflow for any x (elementwise SiLU and
+// its backward, the fused SwiGLU).
+template <class A> __device__ __forceinline__ A sigmoid_t(A x) { return A(0.5) * (A(1) + tanh(x * A(0.5))); }
+
 template <typename T> struct alignas(16) Pack8 { T v[8]; };
 
 __device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }

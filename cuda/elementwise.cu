@@ -26,7 +26,6 @@ struct UPowf { template <class A> __device__ A operator()(A x, A e, A) const { r
 #define GELU_K 0.7978845608028654
 #define GELU_C 0.044715
 template <class A> __device__ __forceinline__ A phi_cdf(A x) { return A(0.5) * (A(1) + erf(x * A(0.7071067811865476))); }
-template <class A> __device__ __forceinline__ A sigmoid_t(A x) { return A(0.5) * (A(1) + tanh(x * A(0.5))); }
 struct UGelu { template <class A> __device__ A operator()(A x, A, A) const { return x * phi_cdf(x); } };
 struct UGeluTanh {
   template <class A> __device__ A operator()(A x, A, A) const {

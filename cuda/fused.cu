@@ -1,7 +1,8 @@
-// Fused kernels of src/tensor/kernels/ (modulate, RoPE), forward and backward side by side,
+// Fused kernels of src/tensor/kernels/ (modulate, RoPE, SwiGLU), forward and backward side by side,
 // and the deterministic sums of partial rows that the column sums of several kernels share
 // (softmax's backward is in softmax.cu beside its forward, the norms' in norm.cu, GroupNorm's
-// in group_norm.cu). Every operand is contiguous (the launcher copies views). Sums accumulate
+// in group_norm.cu). Every operand is contiguous (the launcher copies views), but SwiGLU's input,
+// read in place as rows of pitch ld (a narrow of a wider projection). Sums accumulate
 // in double, as the CPU reference does; y and dx are computed in the accumulation type and
 // rounded once.
 //
@@ -268,6 +269,68 @@ __device__ __forceinline__ void rope_vec(const T* __restrict__ x, const float* _
 }
 
 
+// ---- SwiGLU: x = [a | u] (rows of pitch ld, 2 M used) -> y = silu(a) u (R, M) --------------
+// The backward writes da = g u silu'(a) and du = g silu(a) side by side, (R, 2 M) dense:
+// silu'(a) = s (1 + a (1 - s)), s = sigmoid(a). Eight columns a thread with 16-byte packs where
+// M, ld and the pointers allow.
+template <typename T, typename I>
+__device__ __forceinline__ void swiglu_fwd(const T* __restrict__ x, T* __restrict__ y, I R, I M, I ld) {
+  typedef typename AccT<T>::type A;
+  if (M % 8 == 0 && ld % 8 == 0 && aligned16(x) && aligned16(y)) {
+    const I m8 = M / 8;
+    GRID_STRIDE(v, (size_t)(R * m8)) {
+      const I r = (I)v / m8, c = (I)v % m8 * 8;
+      const Pack8<T> a = *reinterpret_cast<const Pack8<T>*>(x + r * ld + c);
+      const Pack8<T> u = *reinterpret_cast<const Pack8<T>*>(x + r * ld + M + c);
+      Pack8<T> o;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const A av = to_acc(a.v[k]);
+        o.v[k] = from_acc<T>(av * sigmoid_t(av) * to_acc(u.v[k]));
+      }
+      *reinterpret_cast<Pack8<T>*>(y + r * M + c) = o;
+    }
+    return;
+  }
+  GRID_STRIDE(j, (size_t)(R * M)) {
+    const I r = (I)j / M, c = (I)j % M;
+    const A av = to_acc(x[r * ld + c]);
+    y[(I)j] = from_acc<T>(av * sigmoid_t(av) * to_acc(x[r * ld + M + c]));
+  }
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void swiglu_bwd(const T* __restrict__ x, const T* __restrict__ g, T* __restrict__ dx,
+                                           I R, I M, I ld) {
+  typedef typename AccT<T>::type A;
+  if (M % 8 == 0 && ld % 8 == 0 && aligned16(x) && aligned16(g) && aligned16(dx)) {
+    const I m8 = M / 8;
+    GRID_STRIDE(v, (size_t)(R * m8)) {
+      const I r = (I)v / m8, c = (I)v % m8 * 8;
+      const Pack8<T> a = *reinterpret_cast<const Pack8<T>*>(x + r * ld + c);
+      const Pack8<T> u = *reinterpret_cast<const Pack8<T>*>(x + r * ld + M + c);
+      const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(g + r * M + c);
+      Pack8<T> da, du;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const A av = to_acc(a.v[k]), gk = to_acc(gv.v[k]), s = sigmoid_t(av);
+        da.v[k] = from_acc<T>(gk * to_acc(u.v[k]) * (s * (A(1) + av * (A(1) - s))));
+        du.v[k] = from_acc<T>(gk * av * s);
+      }
+      *reinterpret_cast<Pack8<T>*>(dx + r * 2 * M + c) = da;
+      *reinterpret_cast<Pack8<T>*>(dx + r * 2 * M + M + c) = du;
+    }
+    return;
+  }
+  GRID_STRIDE(j, (size_t)(R * M)) {
+    const I r = (I)j / M, c = (I)j % M;
+    const A av = to_acc(x[r * ld + c]), gk = to_acc(g[(I)j]), s = sigmoid_t(av);
+    dx[r * 2 * M + c] = from_acc<T>(gk * to_acc(x[r * ld + M + c]) * (s * (A(1) + av * (A(1) - s))));
+    dx[r * 2 * M + M + c] = from_acc<T>(gk * av * s);
+  }
+}
+
+
 #define FUSED_T(SUF, T, S_)                                                                                   \
   extern "C" __global__ void modulate_bwd_##SUF(const T* x, const T* dy, const T* scale, T* dx, double* part,  \
                                                 size_t B, size_t L, size_t D, size_t chunk) {                  \
@@ -287,6 +350,18 @@ __device__ __forceinline__ void rope_vec(const T* __restrict__ x, const float* _
                             (uint32_t)pairs, transpose);                                                       \
     else                                                                                                       \
       rope<T, S_, size_t>(x, rot, y, H, L, half, Rb, pairs, transpose);                                        \
+  }                                                                                                            \
+  extern "C" __global__ void swiglu_fwd_##SUF(const T* x, T* y, size_t R, size_t M, size_t ld) {               \
+    if (R * ld < 0xffffffffull && R * 2 * M < 0xffffffffull)                                                   \
+      swiglu_fwd<T, uint32_t>(x, y, (uint32_t)R, (uint32_t)M, (uint32_t)ld);                                   \
+    else                                                                                                       \
+      swiglu_fwd<T, size_t>(x, y, R, M, ld);                                                                   \
+  }                                                                                                            \
+  extern "C" __global__ void swiglu_bwd_##SUF(const T* x, const T* g, T* dx, size_t R, size_t M, size_t ld) {  \
+    if (R * ld < 0xffffffffull && R * 2 * M < 0xffffffffull)                                                   \
+      swiglu_bwd<T, uint32_t>(x, g, dx, (uint32_t)R, (uint32_t)M, (uint32_t)ld);                               \
+    else                                                                                                       \
+      swiglu_bwd<T, size_t>(x, g, dx, R, M, ld);                                                               \
   }
 FUSED_T(f32, float, float)
 FUSED_T(f64, double, double)

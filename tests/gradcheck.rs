@@ -718,6 +718,22 @@ fn composite_cases() -> Vec<Case> {
             move |x| x[0].modulate(&sh, &sc)
         })
         .expect(&["modulate"]),
+        Case::new("swiglu (B, L, 2 M)", vec![g.n([2, 3, 10])], |x| {
+            x[0].swiglu()
+        })
+        .expect(&["swiglu"]),
+        Case::new(
+            "swiglu of a projection's narrow (rows of pitch 13)",
+            vec![g.n([2, 3, 13])],
+            |x| x[0].narrow(2, 5, 8)?.swiglu(),
+        )
+        .expect(&["swiglu"]),
+        Case::new(
+            "swiglu (2 M) of a transposed view",
+            vec![g.n([6, 4])],
+            |x| x[0].t()?.swiglu(),
+        )
+        .expect(&["swiglu"]),
         Case::new(
             "modulate per-token (composite)",
             vec![g.n([2, 3, 5]), g.n([2, 3, 5]), g.n([2, 1, 5])],

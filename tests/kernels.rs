@@ -15,6 +15,7 @@ const FLOATS: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
 
 on_every_device!(
     modulate_matches_the_reference,
+    swiglu_matches_the_reference,
     rope_matches_the_reference,
     group_norm_matches_the_reference,
     group_norm_repeats_bit_for_bit,
@@ -94,6 +95,34 @@ fn like(t: &Tensor, x: &Tensor) -> Tensor {
         .unwrap()
         .to_device(x.device())
         .unwrap()
+}
+
+/// SwiGLU on dense rows (M % 8 == 0 takes the packed path, odd M the scalar one) and on the
+/// MLP half of a wider projection read in place (rows of pitch 3 D + 2 M, as FLUX.2's single
+/// blocks give it), against the CPU reference, output and gradient.
+fn swiglu_matches_the_reference(dev: &Device) {
+    for dt in FLOATS {
+        for (rows, m, pad) in [
+            (37, 24, 0),
+            (5, 13, 0),
+            (300, 3072, 0),
+            (7, 40, 24),
+            (9, 21, 5),
+        ] {
+            let w = 2 * m + pad;
+            let (go, co) = both(dev, &[vec![rows, w]], &[rows, m], dt, 2100, &|x| {
+                x[0].narrow(1, pad, 2 * m)?.swiglu()
+            });
+            check(
+                &format!("swiglu {rows}x{m} of {w}"),
+                dev,
+                &go,
+                &co,
+                dt,
+                &[3.0, 3.0],
+            );
+        }
+    }
 }
 
 fn modulate_matches_the_reference(dev: &Device) {
@@ -362,7 +391,14 @@ fn fused_layers_match_their_composites(dev: &Device) {
     type F = fn(&[Tensor]) -> Result<Tensor>;
     /// (name, input shapes, output shape, fused, composite)
     type Pair = (&'static str, Vec<Vec<usize>>, Vec<usize>, F, F);
-    let cases: [Pair; 4] = [
+    let cases: [Pair; 5] = [
+        (
+            "swiglu",
+            vec![vec![3, 37, 48]],
+            vec![3, 37, 24],
+            |x| x[0].swiglu(),
+            |x| x[0].swiglu_composite(),
+        ),
         (
             "modulate",
             vec![vec![2, 37, 24], vec![2, 1, 24], vec![2, 1, 24]],

@@ -16,14 +16,6 @@ const TIME_FACTOR: f64 = 1000.0;
 /// `get_timestep_embedding`'s default; BFL `timestep_embedding(max_period=10000)`).
 const MAX_PERIOD: f64 = 10_000.0;
 
-/// SwiGLU over the last dim: (..., 2 M) -> (..., M), `silu(first half) * second half`
-/// (diffusers `Flux2SwiGLU`, BFL `SiLUActivation`).
-fn swiglu(x: &Tensor) -> Result<Tensor> {
-    let last = x.rank() - 1;
-    let m = x.dims()[last] / 2;
-    x.narrow(last, 0, m)?.silu()?.mul(&x.narrow(last, m, m)?)
-}
-
 /// One shared modulation's output (B, 3 k D) as its k (shift, scale, gate) triples, each
 /// (B, 1, D) (diffusers `Flux2Modulation.split`, BFL `Modulation.forward`).
 fn triples(m: &Tensor, k: usize) -> Result<Vec<ModulationOut>> {
@@ -67,7 +59,9 @@ impl Stream {
     fn finish(&self, x: &Tensor, a: &Tensor, m: &[ModulationOut], eps: f64) -> Result<Tensor> {
         let x = x.add(&m[0].gate.mul(&self.proj.forward(a)?)?)?;
         let h = m[1].modulate(&x.layer_norm(None, None, eps)?)?;
-        let h = self.mlp2.forward(&swiglu(&self.mlp0.forward(&h)?)?)?;
+        // SwiGLU: silu(first half) * second half (diffusers `Flux2SwiGLU`, BFL
+        // `SiLUActivation`), one fused kernel each way.
+        let h = self.mlp2.forward(&self.mlp0.forward(&h)?.swiglu()?)?;
         x.add(&m[1].gate.mul(&h)?)
     }
 }
@@ -170,7 +164,7 @@ impl SingleStreamBlock {
         let attn = attention(&q, &k, &v, pe)?;
         let out = self
             .linear2
-            .forward(&Tensor::cat(&[&attn, &swiglu(&mlp)?], 2)?)?;
+            .forward(&Tensor::cat(&[&attn, &mlp.swiglu()?], 2)?)?;
         x.add(&m[0].gate.mul(&out)?)
     }
 }

@@ -15,7 +15,8 @@
 //! - `norm.rs`: the LayerNorm / RMSNorm backwards with parameter gradients (their forward is a
 //!   backend primitive);
 //! - `rope.rs`: Flux's rotary position embedding, its backward the transposed rotation;
-//! - `softmax.rs`: softmax's backward (its forward is a backend primitive).
+//! - `softmax.rs`: softmax's backward (its forward is a backend primitive);
+//! - `swiglu.rs`: SwiGLU over a projection's two halves and its backward.
 
 mod attention;
 mod dequant_fp8;
@@ -26,6 +27,7 @@ mod modulate;
 mod norm;
 mod rope;
 mod softmax;
+mod swiglu;
 
 pub use attention::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
 pub use fp8_products::fp8_product;
@@ -37,6 +39,7 @@ use crate::autograd::FusedKernel;
 /// (softmax's, the norms', attention's) and the FP8 and GGML decodes have none and are not listed.
 pub(crate) const KERNELS: &[&dyn FusedKernel] = &[
     &modulate::Modulate,
+    &swiglu::SwiGlu,
     &rope::Rope { transpose: false },
     &group_norm::GroupNorm {
         groups: 1,

@@ -931,6 +931,14 @@ section! {
         guidance: f64 = 3.5,
         /// [width, height] in pixels, multiples of 16 ([0, 0]: data.resolution square).
         size: [usize; 2] = [0_usize, 0_usize],
+        /// Classifier-free guidance's renormalization (diffusers' ZImagePipeline
+        /// cfg_normalization): a guided prediction whose norm is above this times the
+        /// conditional prediction's is scaled down to it; 0: off (diffusers' True is 1), >= 0.
+        cfg_normalization: f64 = 0.0,
+        /// Classifier-free guidance's truncation (diffusers' ZImagePipeline cfg_truncation):
+        /// steps whose normalized time (1000 - timestep) / 1000 is above this run unguided;
+        /// 1: every step guided, >= 0.
+        cfg_truncation: f64 = 1.0,
     }
 }
 
@@ -1772,6 +1780,8 @@ impl TrainConfig {
             "sample.guidance",
             format!("{}: must be finite and >= 0", sm.guidance),
         );
+        c.non_negative_f("sample.cfg_normalization", sm.cfg_normalization);
+        c.non_negative_f("sample.cfg_truncation", sm.cfg_truncation);
         c.check(
             sm.size.iter().all(|&x| x % 16 == 0) && (sm.size[0] == 0) == (sm.size[1] == 0),
             "sample.size",

@@ -593,6 +593,30 @@ fn the_binaries_train_and_sample_a_lora() {
         assert!(pn.iter().any(|n| n == want), "{want} not in {pn:?}");
     }
 
+    // The same run in musubi-tuner's layout: kohya's names of diffusers' modules, the
+    // final file only (checkpoints keep the kohya layout, which resumes exactly).
+    let e = temp("train-e");
+    let cfg_e = run_config(&e, 6, "musubi");
+    let o = train_bin(&cfg_e, None, &[]);
+    assert!(o.status.success(), "{}", said(&o));
+    let musubi = e.join("out/lora.safetensors");
+    let mn = names(&musubi);
+    for want in [
+        "lora_unet_layers_1_attention_to_q.lora_down.weight",
+        "lora_unet_layers_1_attention_to_v.alpha",
+        "lora_unet_layers_1_attention_to_out_0.lora_up.weight",
+        "lora_unet_context_refiner_0_feed_forward_w1.lora_down.weight",
+    ] {
+        assert!(mn.iter().any(|n| n == want), "{want} not in {mn:?}");
+    }
+    assert!(!mn.iter().any(|n| n.contains("attention_qkv")), "{mn:?}");
+    let ck = names(&e.join("out/checkpoint-0000006/adapter.safetensors"));
+    assert!(
+        ck.iter()
+            .any(|n| n == "lora_unet_layers_1_attention_qkv.lora_down.weight"),
+        "{ck:?}"
+    );
+
     // The sample binary: diffusers' CFG case from its own starting latents.
     let io = outputs();
     let cfg_case = case("cfg");
@@ -669,6 +693,7 @@ fn the_binaries_train_and_sample_a_lora() {
 
     let with_kohya = sample("kohya", &["--lora", kohya.to_str().unwrap()]);
     let with_peft = sample("peft", &["--lora", peft.to_str().unwrap()]);
+    let with_musubi = sample("musubi", &["--lora", musubi.to_str().unwrap()]);
     let diff = |p: &image::RgbImage, q: &image::RgbImage| {
         p.as_raw()
             .iter()
@@ -678,8 +703,13 @@ fn the_binaries_train_and_sample_a_lora() {
             .unwrap()
     };
     let (same, changed) = (diff(&with_kohya, &with_peft), diff(&with_kohya, &plain));
-    println!("kohya vs PEFT LoRA: {same} of 255; LoRA vs none: {changed} of 255");
+    let same_musubi = diff(&with_kohya, &with_musubi);
+    println!(
+        "kohya vs PEFT LoRA: {same} of 255; kohya vs musubi: {same_musubi} of 255; LoRA vs \
+         none: {changed} of 255"
+    );
     assert!(same <= 1, "{same}");
+    assert!(same_musubi <= 1, "{same_musubi}");
     assert!(changed >= 2, "{changed}");
 
     // Z-Image's defaults: ZImagePipeline's 50 steps and guidance_scale 5 (FLAME's 6).
@@ -714,7 +744,7 @@ fn the_binaries_train_and_sample_a_lora() {
     let (_, other) = defaults("other", &["--steps", "50", "--guidance", "3.5"]);
     assert_eq!(diff(&by_default, &explicit), 0);
     assert!(diff(&by_default, &other) > 0);
-    for d in [a, b, c] {
+    for d in [a, b, c, e] {
         std::fs::remove_dir_all(d).ok();
     }
 }

@@ -18,6 +18,7 @@ use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective,
 use crate::models::pipeline::{
     output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
 };
+use crate::nn::adapter::{ModuleNames, ToolNames};
 use crate::nn::{KeyMap, VarBuilder};
 use crate::{DType, Device, Error, Result, Tensor};
 
@@ -125,6 +126,13 @@ impl ModelSpec for Flux2 {
         "single_stream_modulation.lin.weight",
     ];
     const DIFFUSERS_CLASS: &'static str = "Flux2Transformer2DModel";
+    /// ai-toolkit's FLUX.2 is its port of BFL's model (ostris/ai-toolkit
+    /// `extensions_built_in/diffusion_models/flux2/src/model.py`), musubi-tuner's too
+    /// (kohya-ss/musubi-tuner `src/musubi_tuner/flux_2/flux2_models.py`): BFL's names.
+    const TOOL_NAMES: ToolNames = ToolNames {
+        ai_toolkit: Some(ModuleNames::Original),
+        musubi: Some(ModuleNames::Original),
+    };
 
     fn entry() -> &'static Family {
         &FAMILY

@@ -1,5 +1,6 @@
-//! `sample`: images from a Flux, SD3.5 or SDXL model, optionally with a LoRA merged in (one
-//! FLAME trained, or a kohya / diffusers / PEFT file made elsewhere).
+//! `sample`: images from a Flux, SD3.5, SDXL, FLUX.2 klein or Z-Image model, optionally with
+//! a LoRA merged in (one FLAME trained, or a kohya / diffusers / PEFT / ai-toolkit /
+//! musubi-tuner file made elsewhere).
 //!
 //! ```text
 //! sample --model flux1-dev.safetensors --text-encoder clip_l.safetensors \
@@ -33,7 +34,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-/// Images from a Flux, SD3.5 or SDXL model, optionally with a LoRA merged in.
+/// Images from a Flux, SD3.5, SDXL, FLUX.2 klein or Z-Image model, optionally with a LoRA
+/// merged in.
 #[derive(FromArgs)]
 #[argh(help_triggers("-h", "--help"))]
 struct Args {
@@ -47,7 +49,8 @@ struct Args {
     /// (required)
     #[argh(option)]
     model: Option<PathBuf>,
-    /// a LoRA file to merge (kohya, diffusers / PEFT, or FLAME's own)
+    /// a LoRA file to merge (kohya, diffusers / PEFT, ai-toolkit, musubi-tuner, or FLAME's
+    /// own)
     #[argh(option)]
     lora: Option<PathBuf>,
     /// the LoRA's strength (default 1)

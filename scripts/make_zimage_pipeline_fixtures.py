@@ -20,7 +20,16 @@ what diffusers computes with it.
                          `<case>.image` (1, 3, H, W) in [0, 1] (`output_type="pt"`).
     cases.json           the captions, and per case its prompt, negative prompt, guidance
                          scale (diffusers' form: pos + g (pos - neg), CFG when g > 0),
-                         steps, height, width and the scheduler's sigmas.
+                         steps, height, width, the scheduler's sigmas, and
+                         `ZImagePipeline.__call__`'s cfg_normalization (as a number: its
+                         True is 1.0, as the pipeline's float() reads it) and
+                         cfg_truncation (its defaults, False and 1.0, where a case leaves
+                         them out).
+
+The cases "cfg_norm", "cfg_trunc" and "cfg_both" are "cfg" (the same prompts, scale,
+steps, size and starting latents) with the pipeline's cfg_normalization and / or
+cfg_truncation on (pipelines/z_image/pipeline_z_image.py at diffusers 0.42.1): the script
+prints how far each ends from "cfg", so a case that changes nothing shows.
 
 Everything in float32 on the CPU with torch's deterministic defaults: the pipeline as
 released runs so (the scheduler steps in float32 whatever the model's dtype).
@@ -94,6 +103,12 @@ CASES = {
     # The base model's way: CFG with a negative prompt.
     "cfg": dict(prompt=CAPTIONS[2], negative="blurry", guidance=2.5, steps=4, height=48, width=64),
 }
+# Z-Image's two guidance options on the "cfg" case. Its 4 steps have normalized times
+# (1000 - t) / 1000 of 0, 0.1, 0.25 and 0.5 (sigmas 1, 0.9, 0.75, 0.5 after shift 3), so a
+# truncation of 0.2 leaves the last two steps unguided and 0.3 the last one.
+CASES["cfg_norm"] = dict(CASES["cfg"], cfg_normalization=True)
+CASES["cfg_trunc"] = dict(CASES["cfg"], cfg_truncation=0.2)
+CASES["cfg_both"] = dict(CASES["cfg"], cfg_normalization=1.2, cfg_truncation=0.3)
 
 
 def randomize(module, seed, scale=0.7):
@@ -160,6 +175,8 @@ def main():
         common = dict(
             prompt=c["prompt"], negative_prompt=c["negative"], guidance_scale=c["guidance"],
             num_inference_steps=c["steps"], height=c["height"], width=c["width"],
+            cfg_normalization=c.get("cfg_normalization", False),
+            cfg_truncation=c.get("cfg_truncation", 1.0),
         )
         with torch.no_grad():
             final = pipe(**common, latents=latents.clone(), output_type="latent",
@@ -170,7 +187,12 @@ def main():
         out[f"{name}.final"] = final
         out[f"{name}.image"] = image
         sigmas = pipe.scheduler.sigmas.tolist()
-        cases[name] = dict(c, sigmas=sigmas)
+        cases[name] = dict(c, sigmas=sigmas,
+                           cfg_normalization=float(c.get("cfg_normalization", False)),
+                           cfg_truncation=float(c.get("cfg_truncation", 1.0)))
+        if name != "cfg" and name.startswith("cfg"):
+            apart = (final - out["cfg.final"]).abs().max().item()
+            print(f"{name}: final latents {apart:.3e} from cfg's")
 
     save_file({k: v.detach().to(torch.float32).contiguous() for k, v in out.items()},
               os.path.join(OUT, "outputs.safetensors"))

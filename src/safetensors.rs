@@ -203,6 +203,17 @@ impl SafeTensorsFile {
             .ok_or_else(|| self.err(name, "byte count is not a multiple of the element size"))
     }
 
+    /// The bytes of tensor `name` as the file stores them, whatever its dtype (FP8 codes, a
+    /// `U8` tensor of ComfyUI's quantization records).
+    pub fn bytes(&self, name: &str) -> Result<&[u8]> {
+        let info = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| self.err(name, "no such tensor in the file"))?;
+        let (b, e) = info.data_offsets;
+        Ok(&self.mmap[self.data_start + b..self.data_start + e])
+    }
+
     /// Reads one tensor and converts it to `dtype`.
     pub fn load_as(&self, name: &str, device: &Device, dtype: DType) -> Result<Tensor> {
         let _g = crate::no_grad();

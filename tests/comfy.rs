@@ -751,3 +751,134 @@ fn the_released_models_keys_are_ones_comfyui_maps() {
         let _ = std::fs::remove_dir_all(&d);
     }
 }
+
+/// The files of ai-toolkit's and musubi-tuner's layouts FLAME writes for FLUX.2 [klein] and
+/// Z-Image (`adapter.format = "ai-toolkit"` / `"musubi"`, LoRA on every Linear of the blocks),
+/// read through the key maps a recent ComfyUI builds for them: every key of ai-toolkit's
+/// (`diffusion_model.` and BFL's or diffusers' modules) and of musubi-tuner's FLUX.2 file (the
+/// kohya layout) is one ComfyUI maps, a Z-Image q, k or v to its rows of the fused qkv, each
+/// tensor one it reads, and the change it computes the adapter's. musubi-tuner's Z-Image
+/// names (`lora_unet_` and diffusers' attention modules, `..._attention_to_q`,
+/// `..._attention_to_out_0`) are not in ComfyUI's map: exactly those keys are left over, the
+/// attention's four Linears of each block (musubi-tuner ships
+/// `networks/convert_z_image_lora_to_comfy.py` for them); its feed-forward keys map. The
+/// same holds for every key of the files the tools write (tests/fixtures/tool_loras).
+#[test]
+fn the_tools_layouts_in_comfyui() {
+    use flame::nn::adapter::Tool;
+    let suffixes = comfy_suffixes();
+    for (family, map_name, tool) in [
+        ("flux2", "flux2_tiny", Tool::AiToolkit),
+        ("flux2", "flux2_tiny", Tool::Musubi),
+        ("zimage", "zimage_tiny", Tool::AiToolkit),
+        ("zimage", "zimage_tiny", Tool::Musubi),
+    ] {
+        let what = format!("{family} {}", tool.name());
+        let map = key_map(map_name);
+        let (weights, adapters, keys) = tiny(family, "lora");
+        let names = models::family(family).unwrap().tool_names.of(tool).unwrap();
+        let d = temp(&format!("{family}-{}", tool.name()));
+        let file = d.join("tool.safetensors");
+        adapters
+            .save_tool(tool, names, &keys, &file, DType::F32, None)
+            .unwrap();
+        let kohya = tool == Tool::Musubi;
+        let groups = group(&file, &map, kohya);
+        let mut covered: HashMap<String, usize> = HashMap::new();
+        let mut unmapped: BTreeSet<String> = BTreeSet::new();
+        for (key, tensors) in &groups {
+            let Some((target, place)) = map.get(key) else {
+                unmapped.insert(key.clone());
+                continue;
+            };
+            let path = target.trim_end_matches(".weight");
+            for name in tensors.keys() {
+                assert!(
+                    suffixes.contains(&format!(".{name}"))
+                        || ["lora_A.weight", "lora_B.weight"].contains(&name.as_str()),
+                    "{what}: ComfyUI does not read {key}.{name}"
+                );
+            }
+            let w = &weights[target];
+            let (rows, cols, wv) = mat(w);
+            let part = match tensors.get("lora_B.weight") {
+                Some(b) => b.dims()[0],
+                None => out_rows(tensors),
+            };
+            let start = rows_of(*place, part);
+            assert!(start + part <= rows, "{what} {key}");
+            let comfy = comfy_delta(tensors, &wv[start * cols..(start + part) * cols], part);
+            let flame = mat(&flame_delta(&adapters, path, w)).2;
+            let e = rel_diff(&comfy, &flame[start * cols..(start + part) * cols]);
+            assert!(e < 1e-5, "{what} {key}: ComfyUI's change off by {e}");
+            *covered.entry(path.to_string()).or_default() += part;
+        }
+        let attention = |l: &str| l.contains(".attention.");
+        for layer in adapters.layers().unwrap() {
+            let left = family == "zimage" && kohya && attention(layer.path());
+            let want = (!left).then_some(layer.shape().out_dim());
+            assert_eq!(
+                covered.get(layer.path()).copied(),
+                want,
+                "{what}: {} as ComfyUI reads it",
+                layer.path()
+            );
+        }
+        if family == "zimage" && kohya {
+            let expected: BTreeSet<String> = adapters
+                .layers()
+                .unwrap()
+                .iter()
+                .filter(|l| attention(l.path()))
+                .flat_map(|l| {
+                    let block = l.path().trim_end_matches(".attention.qkv");
+                    let block = block.trim_end_matches(".attention.out");
+                    let tail: &[&str] = match l.path().ends_with(".qkv") {
+                        true => &["to_q", "to_k", "to_v"],
+                        false => &["to_out_0"],
+                    };
+                    tail.iter()
+                        .map(|t| kohya_name(&format!("{block}.attention.{t}")))
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            assert_eq!(unmapped, expected, "{what}: keys ComfyUI does not map");
+            println!(
+                "{what}: ComfyUI maps {} keys, not the {} attention keys",
+                groups.len() - unmapped.len(),
+                unmapped.len()
+            );
+        } else {
+            assert!(
+                unmapped.is_empty(),
+                "{what}: ComfyUI maps none of {unmapped:?}"
+            );
+            println!("{what}: ComfyUI maps all {} keys", groups.len());
+        }
+        // The files the tools write (scripts/make_tool_lora_fixtures.py, their default
+        // targets): the same keys map, or are left over.
+        let fixture = fixtures().join(format!(
+            "tool_loras/{family}_{}.safetensors",
+            tool.name().replace('-', "_")
+        ));
+        let f = flame::safetensors::SafeTensorsFile::open(&fixture).unwrap();
+        let mut seen = 0;
+        for t in f.names() {
+            let key = match kohya {
+                true => t.split_once('.').unwrap().0,
+                false => t
+                    .trim_end_matches(".lora_A.weight")
+                    .trim_end_matches(".lora_B.weight"),
+            };
+            let left = family == "zimage" && kohya && key.contains("_attention_");
+            assert_eq!(
+                map.contains_key(key),
+                !left,
+                "{what}: {t} of the tool's file in ComfyUI's map"
+            );
+            seen += 1;
+        }
+        assert!(seen > 0, "{what}: {}", fixture.display());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

@@ -337,7 +337,8 @@ fn flux2_reports_missing_and_misshapen_keys() {
     let f = save(&flux1, "flux2-not");
     let e = Flux2::load(f.path(), DType::F32, &CPU, None).unwrap_err();
     assert_eq!(key_of(e).0, "single_stream_modulation.lin.weight");
-    // BFL's FP8 scales are refused by name rather than loaded unscaled.
+    // A weight scale beside a weight that is not FP8 is refused by name rather than
+    // ignored (FP8 files load: tests/flux2_fp8.rs).
     let mut fp8 = src;
     fp8.insert(
         "double_blocks.0.img_attn.qkv.weight_scale".into(),
@@ -346,7 +347,8 @@ fn flux2_reports_missing_and_misshapen_keys() {
     let f = save(&fp8, "flux2-fp8");
     let e = Flux2::load(f.path(), DType::F32, &CPU, cfg).unwrap_err();
     assert!(
-        matches!(&e, Error::Checkpoint { msg, .. } if msg.contains("double_blocks.0.img_attn.qkv.weight_scale")),
+        matches!(&e, Error::Param { key, msg, .. } if key == "double_blocks.0.img_attn.qkv.weight"
+            && msg.contains("double_blocks.0.img_attn.qkv.weight_scale")),
         "{e}"
     );
 }

@@ -262,6 +262,7 @@ fn generate_from_captions_matches_the_pipeline() {
         seed: 0,
         prediction: flame::train::Prediction::Epsilon,
         batched_guidance: true,
+        cfg_options: Default::default(),
     };
     let noise: Vec<Tensor> = (0..2).map(|i| noise.narrow(0, i, 1).unwrap()).collect();
     let got = generate_from(&*m, &conds, Some(uncond), &req, &noise).unwrap();

@@ -7,7 +7,8 @@
 //!
 //! Guidance: diffusers' Z-Image computes pos + g (pos - neg) and guides when g > 0; FLAME's
 //! sampler computes neg + s (pos - neg) and guides when s > 1, the same prediction at
-//! s = g + 1 (docs/SAMPLING.md).
+//! s = g + 1 (docs/SAMPLING.md). The pipeline's `cfg_normalization` and `cfg_truncation`
+//! are FLAME's [`CfgOptions`], checked on the "cfg" case with each on and with both.
 //!
 //! Tolerance: max |flame - diffusers| / max |diffusers|, [`TOL`].
 #![cfg(feature = "cpu-ref")]
@@ -19,7 +20,7 @@ use flame::models::pipeline::{conditioning, load_vae};
 use flame::models::{
     self, family, LoadOptions, SampleSetup, Sources, TextConditioner, TextOptions,
 };
-use flame::sample::{denoise, generate_from, Guidance, Request, StepInfo};
+use flame::sample::{denoise, generate_from, CfgOptions, Guidance, Request, StepInfo};
 use flame::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -28,7 +29,7 @@ const CPU: Device = Device::Cpu;
 
 /// f32 against diffusers' f32 (both round differently: the same network, other summation
 /// orders). Measured on the CPU: text 5.4e-7, trajectories 2.1e-6 (turbo) and 1.5e-6
-/// (CFG), images 8.9e-7.
+/// (CFG; with cfg_normalization 1.3e-6, cfg_truncation 8.3e-7, both 9.1e-7), images 8.9e-7.
 const TOL: f64 = 1e-5;
 
 fn dir() -> PathBuf {
@@ -107,6 +108,8 @@ struct Case {
     steps: usize,
     size: (usize, usize),
     sigmas: Vec<f64>,
+    /// `cfg_normalization` and `cfg_truncation` as the pipeline got them.
+    options: CfgOptions,
 }
 
 fn case(name: &'static str) -> Case {
@@ -125,6 +128,10 @@ fn case(name: &'static str) -> Case {
             .iter()
             .map(|v| v.as_f64().unwrap())
             .collect(),
+        options: CfgOptions {
+            normalization: c["cfg_normalization"].as_f64().unwrap(),
+            truncation: c["cfg_truncation"].as_f64().unwrap(),
+        },
     }
 }
 
@@ -186,7 +193,9 @@ fn trajectory(name: &'static str) -> f64 {
     let mut worst = 0f64;
     for batched in [false, true] {
         let guidance = if c.guidance > 0.0 {
-            Guidance::cfg(neg.clone(), scale).batched(batched)
+            Guidance::cfg(neg.clone(), scale)
+                .batched(batched)
+                .with_options(c.options)
         } else {
             Guidance::none()
         };
@@ -227,6 +236,7 @@ fn trajectory(name: &'static str) -> f64 {
         seed: 0,
         prediction: flame::train::Prediction::Epsilon,
         batched_guidance: true,
+        cfg_options: c.options,
     };
     let out = generate_from(
         &*model,
@@ -273,6 +283,85 @@ fn cfg_trajectory_matches_diffusers() {
     println!("worst {:.2e}", trajectory("cfg"));
 }
 
+/// `cfg_normalization = True` (FLAME's 1): every guided prediction scaled back to the norm
+/// of its conditional one where it is larger.
+#[test]
+fn cfg_normalization_matches_diffusers() {
+    println!("worst {:.2e}", trajectory("cfg_norm"));
+    options_change_the_result("cfg_norm");
+}
+
+/// `cfg_truncation = 0.2`: the last two of the 4 steps (normalized times 0.25 and 0.5) run
+/// the conditional prediction alone.
+#[test]
+fn cfg_truncation_matches_diffusers() {
+    println!("worst {:.2e}", trajectory("cfg_trunc"));
+    options_change_the_result("cfg_trunc");
+}
+
+/// Both at once: `cfg_normalization = 1.2`, `cfg_truncation = 0.3`.
+#[test]
+fn cfg_normalization_and_truncation_match_diffusers() {
+    println!("worst {:.2e}", trajectory("cfg_both"));
+    options_change_the_result("cfg_both");
+}
+
+/// The case's options move diffusers' result away from the plain "cfg" case's (the same
+/// inputs): a FLAME that ignored them would fail the trajectory checks.
+fn options_change_the_result(name: &str) {
+    let io = outputs();
+    let apart = io[&format!("{name}.final")]
+        .sub(&io["cfg.final"])
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_vec_f64()
+        .unwrap()[0];
+    println!("{name}: {apart:.3e} from cfg's final latents");
+    assert!(apart > 1e-2, "{name}: {apart}");
+}
+
+/// Out-of-range options are refused before the model runs, naming them.
+#[test]
+fn bad_cfg_options_are_refused() {
+    let c = case("cfg");
+    let model = models::load("zimage", pipeline(), &LoadOptions::new(DType::F32, &CPU))
+        .unwrap()
+        .model;
+    let fam = family("zimage").unwrap();
+    let schedule = (fam.pipeline.schedule)(&SampleSetup {
+        steps: 1,
+        latent_hw: (c.size.0 / 8, c.size.1 / 8),
+        guided: false,
+        prediction: flame::train::Prediction::Epsilon,
+    })
+    .unwrap();
+    let (cond, neg) = conds(&c, &*model);
+    let noise = &outputs()["cfg.latents"];
+    for (options, name) in [
+        (
+            CfgOptions {
+                normalization: -1.0,
+                truncation: 1.0,
+            },
+            "cfg_normalization",
+        ),
+        (
+            CfgOptions {
+                normalization: 0.0,
+                truncation: f64::NAN,
+            },
+            "cfg_truncation",
+        ),
+    ] {
+        let g = Guidance::cfg(neg.clone(), 3.5).with_options(options);
+        let e = denoise(&*model, &*schedule, noise, &cond, &g, None).unwrap_err();
+        assert!(e.to_string().contains(name), "{e}");
+    }
+}
+
 /// examples/zimage.toml parses and passes every check that needs no files.
 #[test]
 fn the_template_parses() {
@@ -281,6 +370,29 @@ fn the_template_parses() {
     assert_eq!(c.model.arch, "zimage");
     assert!(c.model.path.is_absolute() && c.train.steps > 0);
     assert_eq!((c.sample.steps, c.sample.guidance), (50, 6.0));
+    assert_eq!(
+        (c.sample.cfg_normalization, c.sample.cfg_truncation),
+        (0.0, 1.0)
+    );
+    // Out-of-range guidance options are refused by name.
+    let text = std::fs::read_to_string(&p).unwrap();
+    let text = text.replacen(
+        "[sample]",
+        "[sample]\ncfg_normalization = -1.0\ncfg_truncation = -0.5",
+        1,
+    );
+    assert_ne!(
+        text,
+        std::fs::read_to_string(&p).unwrap(),
+        "the template has a [sample]"
+    );
+    let e = flame::train::TrainConfig::from_toml(&text)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("sample.cfg_normalization") && e.contains("sample.cfg_truncation"),
+        "{e}"
+    );
 }
 
 #[cfg(feature = "cli")]
@@ -372,6 +484,8 @@ steps = 3
 guidance = 2.0
 size = [48, 64]
 seed = 5
+cfg_normalization = 1.0
+cfg_truncation = 0.5
 "#,
         model = pipeline().display(),
         out = dir.join("out").display(),
@@ -479,6 +593,30 @@ fn the_binaries_train_and_sample_a_lora() {
         assert!(pn.iter().any(|n| n == want), "{want} not in {pn:?}");
     }
 
+    // The same run in musubi-tuner's layout: kohya's names of diffusers' modules, the
+    // final file only (checkpoints keep the kohya layout, which resumes exactly).
+    let e = temp("train-e");
+    let cfg_e = run_config(&e, 6, "musubi");
+    let o = train_bin(&cfg_e, None, &[]);
+    assert!(o.status.success(), "{}", said(&o));
+    let musubi = e.join("out/lora.safetensors");
+    let mn = names(&musubi);
+    for want in [
+        "lora_unet_layers_1_attention_to_q.lora_down.weight",
+        "lora_unet_layers_1_attention_to_v.alpha",
+        "lora_unet_layers_1_attention_to_out_0.lora_up.weight",
+        "lora_unet_context_refiner_0_feed_forward_w1.lora_down.weight",
+    ] {
+        assert!(mn.iter().any(|n| n == want), "{want} not in {mn:?}");
+    }
+    assert!(!mn.iter().any(|n| n.contains("attention_qkv")), "{mn:?}");
+    let ck = names(&e.join("out/checkpoint-0000006/adapter.safetensors"));
+    assert!(
+        ck.iter()
+            .any(|n| n == "lora_unet_layers_1_attention_qkv.lora_down.weight"),
+        "{ck:?}"
+    );
+
     // The sample binary: diffusers' CFG case from its own starting latents.
     let io = outputs();
     let cfg_case = case("cfg");
@@ -525,9 +663,37 @@ fn the_binaries_train_and_sample_a_lora() {
         worst * 255.0
     );
     assert!(worst * 255.0 <= 1.0, "{}", worst * 255.0);
+    // The same with both of Z-Image's guidance options, against the "cfg_both" case (the
+    // same prompts and starting latents).
+    let both = case("cfg_both");
+    let opts = sample(
+        "options",
+        &[
+            "--cfg-normalization",
+            &both.options.normalization.to_string(),
+            "--cfg-truncation",
+            &both.options.truncation.to_string(),
+        ],
+    );
+    let want = io["cfg_both.image"].to_vec_f64().unwrap();
+    let mut worst = 0f64;
+    for (i, px) in opts.pixels().enumerate() {
+        let (y, x) = (i / w, i % w);
+        for ch in 0..3 {
+            let d = (f64::from(px[ch]) / 255.0 - want[ch * h * w + y * w + x]).abs();
+            worst = worst.max(d);
+        }
+    }
+    println!(
+        "sample binary with --cfg-normalization / --cfg-truncation vs diffusers' image: {:.2} \
+         of 255",
+        worst * 255.0
+    );
+    assert!(worst * 255.0 <= 1.0, "{}", worst * 255.0);
 
     let with_kohya = sample("kohya", &["--lora", kohya.to_str().unwrap()]);
     let with_peft = sample("peft", &["--lora", peft.to_str().unwrap()]);
+    let with_musubi = sample("musubi", &["--lora", musubi.to_str().unwrap()]);
     let diff = |p: &image::RgbImage, q: &image::RgbImage| {
         p.as_raw()
             .iter()
@@ -537,8 +703,13 @@ fn the_binaries_train_and_sample_a_lora() {
             .unwrap()
     };
     let (same, changed) = (diff(&with_kohya, &with_peft), diff(&with_kohya, &plain));
-    println!("kohya vs PEFT LoRA: {same} of 255; LoRA vs none: {changed} of 255");
+    let same_musubi = diff(&with_kohya, &with_musubi);
+    println!(
+        "kohya vs PEFT LoRA: {same} of 255; kohya vs musubi: {same_musubi} of 255; LoRA vs \
+         none: {changed} of 255"
+    );
     assert!(same <= 1, "{same}");
+    assert!(same_musubi <= 1, "{same_musubi}");
     assert!(changed >= 2, "{changed}");
 
     // Z-Image's defaults: ZImagePipeline's 50 steps and guidance_scale 5 (FLAME's 6).
@@ -573,7 +744,7 @@ fn the_binaries_train_and_sample_a_lora() {
     let (_, other) = defaults("other", &["--steps", "50", "--guidance", "3.5"]);
     assert_eq!(diff(&by_default, &explicit), 0);
     assert!(diff(&by_default, &other) > 0);
-    for d in [a, b, c] {
+    for d in [a, b, c, e] {
         std::fs::remove_dir_all(d).ok();
     }
 }

@@ -1,5 +1,6 @@
-//! `sample`: images from a Flux, SD3.5 or SDXL model, optionally with a LoRA merged in (one
-//! FLAME trained, or a kohya / diffusers / PEFT file made elsewhere).
+//! `sample`: images from a Flux, SD3.5, SDXL, FLUX.2 klein or Z-Image model, optionally with
+//! a LoRA merged in (one FLAME trained, or a kohya / diffusers / PEFT / ai-toolkit /
+//! musubi-tuner file made elsewhere).
 //!
 //! ```text
 //! sample --model flux1-dev.safetensors --text-encoder clip_l.safetensors \
@@ -26,14 +27,15 @@ use flame::models::pipeline::{
 };
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
-use flame::sample::{generate_watched, seeded_noise, Request, StepInfo};
+use flame::sample::{generate_watched, seeded_noise, CfgOptions, Request, StepInfo};
 use flame::train::Prediction;
 use flame::{DType, Error};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-/// Images from a Flux, SD3.5 or SDXL model, optionally with a LoRA merged in.
+/// Images from a Flux, SD3.5, SDXL, FLUX.2 klein or Z-Image model, optionally with a LoRA
+/// merged in.
 #[derive(FromArgs)]
 #[argh(help_triggers("-h", "--help"))]
 struct Args {
@@ -47,7 +49,8 @@ struct Args {
     /// (required)
     #[argh(option)]
     model: Option<PathBuf>,
-    /// a LoRA file to merge (kohya, diffusers / PEFT, or FLAME's own)
+    /// a LoRA file to merge (kohya, diffusers / PEFT, ai-toolkit, musubi-tuner, or FLAME's
+    /// own)
     #[argh(option)]
     lora: Option<PathBuf>,
     /// the LoRA's strength (default 1)
@@ -68,6 +71,16 @@ struct Args {
     /// step-distilled pipeline, model_index.json's is_distilled, takes none)
     #[argh(option)]
     guidance: Option<f64>,
+    /// classifier-free guidance's renormalization (diffusers' ZImagePipeline
+    /// cfg_normalization): a guided prediction whose norm is above this times the
+    /// conditional prediction's is scaled down to it (default 0: off; diffusers' True is 1)
+    #[argh(option, default = "0.0")]
+    cfg_normalization: f64,
+    /// classifier-free guidance's truncation (diffusers' ZImagePipeline cfg_truncation):
+    /// steps whose normalized time (1000 - timestep) / 1000 is above this run unguided
+    /// (default 1: every step guided)
+    #[argh(option, default = "1.0")]
+    cfg_truncation: f64,
     /// width in pixels, a multiple of 16 (default 1024)
     #[argh(option, default = "1024")]
     width: usize,
@@ -196,6 +209,17 @@ fn check_flags(a: &Args) -> Result<(), String> {
         (
             a.guidance.is_some_and(|g| !(g.is_finite() && g >= 0.0)),
             format!("--guidance {}: finite and >= 0", a.guidance.unwrap_or(0.0)),
+        ),
+        (
+            !(a.cfg_normalization.is_finite() && a.cfg_normalization >= 0.0),
+            format!(
+                "--cfg-normalization {}: finite and >= 0",
+                a.cfg_normalization
+            ),
+        ),
+        (
+            !(a.cfg_truncation.is_finite() && a.cfg_truncation >= 0.0),
+            format!("--cfg-truncation {}: finite and >= 0", a.cfg_truncation),
         ),
         (
             a.width == 0 || a.height == 0 || a.width % 16 != 0 || a.height % 16 != 0,
@@ -565,6 +589,10 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         seed: a.seed,
         prediction,
         batched_guidance: batched,
+        cfg_options: CfgOptions {
+            normalization: a.cfg_normalization,
+            truncation: a.cfg_truncation,
+        },
     };
     let paths = outputs(a)?;
     let noise = match &a.latents {

@@ -14,6 +14,7 @@ use super::checkpoint::{Checkpoint, Format};
 use super::spec::PipelineSpec;
 use crate::diffusion::Ddpm;
 use crate::memory::{BlockCost, BlockExec, BlockShape, BlockStreamer, MemoryProfile, Plan};
+use crate::nn::adapter::ToolNames;
 use crate::nn::{Adapters, KeyMap, LoraMerge, VarBuilder};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::Path;
@@ -201,6 +202,9 @@ pub trait ModelSpec: DiffusionModel + Sized + 'static {
     const SIGNATURE: &'static [&'static str];
     /// The `_class_name` of the model's diffusers `config.json`.
     const DIFFUSERS_CLASS: &'static str;
+    /// The module names other trainers' LoRA files give the model's layers (ai-toolkit's,
+    /// musubi-tuner's: `adapter.format`); none by default.
+    const TOOL_NAMES: ToolNames = ToolNames::NONE;
     /// The family's registry entry.
     fn entry() -> &'static Family;
     /// From a diffusers `config.json`.
@@ -588,6 +592,8 @@ pub struct Family {
     pub signature: &'static [&'static str],
     /// Its diffusers model class ([`ModelSpec::DIFFUSERS_CLASS`]).
     pub diffusers_class: &'static str,
+    /// The module names of other trainers' LoRA files ([`ModelSpec::TOOL_NAMES`]).
+    pub tool_names: ToolNames,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
     profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
     probe: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
@@ -608,6 +614,7 @@ impl Family {
             pipeline,
             signature: M::SIGNATURE,
             diffusers_class: M::DIFFUSERS_CLASS,
+            tool_names: M::TOOL_NAMES,
             load: load_boxed::<M>,
             profile: profile_boxed::<M>,
             probe: probe_boxed::<M>,

@@ -21,7 +21,12 @@
 //! - LyCORIS's names of the diffusers parts of a fused layer (what FLAME's kohya files hold
 //!   with `adapter.per_projection`, and SimpleTuner's): `lycoris_<diffusers module, dots as
 //!   underscores>.<tensor>`, each part's change on its rows as in the diffusers layout, scaled
-//!   as the kohya names are.
+//!   as the kohya names are; and kohya's names of the diffusers parts (musubi-tuner's Z-Image
+//!   files: `lora_unet_layers_0_attention_to_q`, `..._to_out_0`), likewise.
+//! - ai-toolkit's: PEFT names under `diffusion_model.` and diffusers' modules (its Z-Image
+//!   files, `diffusion_model.layers.0.attention.to_q.lora_A.weight`), as the diffusers layout
+//!   with that prefix; its FLUX.2 files use BFL's names under `diffusion_model.`, the PEFT
+//!   names on the original keys above.
 //!
 //! Convolutions in each: a factor's kernel joins its columns, the change made as the matrix
 //! (out, in · kh · kw) and shaped as the weight.
@@ -47,7 +52,8 @@ pub struct LoraMerge {
     file: SafeTensorsFile,
     /// The strength multiplying every update.
     pub strength: f64,
-    /// Key prefixes of the diffusers layout (`transformer`, `unet`).
+    /// Key prefixes of the diffusers layout (`transformer`, `unet`; ai-toolkit's
+    /// `diffusion_model`).
     prefixes: Vec<String>,
     /// The model's diffusers key map (model key -> diffusers keys), set by the loader.
     diffusers: Mutex<Option<KeyMap>>,
@@ -87,7 +93,11 @@ impl LoraMerge {
             path,
             file,
             strength,
-            prefixes: vec![diffusers_prefix.to_string()],
+            // The family's pipeline folder, and ai-toolkit's prefix of diffusers' modules.
+            prefixes: vec![
+                diffusers_prefix.to_string(),
+                super::adapter::AI_TOOLKIT_PREFIX.to_string(),
+            ],
             diffusers: Mutex::new(None),
             used: Mutex::new(BTreeSet::new()),
             peft,
@@ -136,8 +146,9 @@ impl LoraMerge {
     /// (`Kind::merge`), or a bias (`<layer>.bias`) the file changes (`Kind::merge_bias`: full
     /// fine-tuning's `diff_b`). The file's names are tried in turn: kohya's (`lora_unet_…`),
     /// PEFT names on the original keys (with or without `diffusion_model.`), then, for
-    /// weights, one set of tensors per diffusers part of the layer under LyCORIS's name of the
-    /// part (`lycoris_…`) or in the diffusers layout,
+    /// weights, one set of tensors per diffusers part of the layer under LyCORIS's or kohya's
+    /// name of the part (`lycoris_…`, `lora_unet_…`) or in the diffusers layout (under the
+    /// family's prefix or ai-toolkit's `diffusion_model`),
     /// read through the map of [`set_diffusers_map`](Self::set_diffusers_map) (without one,
     /// model keys are taken as diffusers keys). A part the file leaves out is left unchanged.
     pub fn delta_for(&self, key: &str, w: &Tensor) -> Result<Option<Tensor>> {
@@ -187,15 +198,15 @@ impl LoraMerge {
             let part = w.narrow(0, start, rows)?;
             let part = if swapped { swap(part)? } else { part };
             start += rows;
-            // LyCORIS's name of the part (its alpha in the file, as kohya's), then the
+            // LyCORIS's and kohya's names of the part (their alpha in the file), then the
             // diffusers layout's.
-            let names = std::iter::once((lycoris_name(&module), 1.0)).chain(
-                self.prefixes.iter().map(|p| {
+            let names = [(lycoris_name(&module), 1.0), (kohya_name(&module), 1.0)]
+                .into_iter()
+                .chain(self.prefixes.iter().map(|p| {
                     let name = format!("{p}.{module}");
                     let scale = self.peft_scale(&name);
                     (name, scale)
-                }),
-            );
+                }));
             let mut found = None;
             for (name, scale) in names {
                 if let Some(d) = self.by_kind(name, &part, scale, false)? {

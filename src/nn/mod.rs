@@ -13,6 +13,7 @@ mod layers;
 mod lora_merge;
 mod packed;
 mod params;
+mod scaled_fp8;
 mod seed;
 
 pub use crate::tensor::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};

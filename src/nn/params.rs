@@ -474,8 +474,10 @@ impl VarBuilder {
     /// (`nn::Packing`, decoded at each use): a quantized tensor of a GGUF file as its blocks
     /// (`ggml_type_of`), else, when the builder stores FP8 (`with_fp8`) and `in_dim` is a
     /// multiple of 4, its FP8 E4M3 codes (out, in / 4) u32 and per-row scales (out) f32
-    /// (`backend::fp8`), quantized here on the host. FP8 scales are kept under the key
-    /// `<name>.fp8_scale`. Every packed weight's (out, in) is recorded (`packed_dims`).
+    /// (`backend::fp8`), quantized here on the host, or the file's own codes and scales where
+    /// it holds the weight in FP8 with a scale for the tensor or a row (`nn::scaled_fp8`). FP8
+    /// scales are kept under the key `<name>.fp8_scale`. Every packed weight's (out, in) is
+    /// recorded (`packed_dims`).
     pub fn get_linear_weight(
         &self,
         out_dim: usize,
@@ -520,6 +522,20 @@ impl VarBuilder {
                 Some(Packing::Fp8 {
                     scale: sc,
                     products,
+                }),
+            ));
+        }
+        if let Some((codes, scales)) = self.stored_fp8(&key, out_dim, in_dim)? {
+            let dev = &self.shared.device;
+            let codes = self.place(&key, Tensor::from_vec(codes, codes_shape, dev)?)?;
+            let scales = self.place(&scale_key, Tensor::from_vec(scales, scale_shape, dev)?)?;
+            loaded.insert(key, codes.clone());
+            loaded.insert(scale_key, scales.clone());
+            return Ok((
+                codes,
+                Some(Packing::Fp8 {
+                    scale: scales,
+                    products: self.shared.fp8_products,
                 }),
             ));
         }
@@ -820,38 +836,14 @@ impl VarBuilder {
         match &self.shared.source {
             Source::Files { files, index } => {
                 let i = *index.get(key).ok_or_else(|| self.missing(key, key))?;
-                let t = files[i].load_as(key, device, dtype)?;
-                // FP8 checkpoints made by ComfyUI ("scaled fp8") keep a per-tensor scale
-                // beside each F8_E4M3 weight: `<layer>.scale_weight`, w = code * scale.
-                let fp8 = files[i].info(key).is_some_and(|t| t.dtype == "F8_E4M3");
-                let scale_key = key
-                    .strip_suffix("weight")
-                    .map(|stem| format!("{stem}scale_weight"));
-                match (fp8, scale_key) {
-                    (true, Some(sk)) if index.contains_key(&sk) => {
-                        let j = index[&sk];
-                        let scale = files[j].load_as(&sk, device, DType::F32)?;
-                        if scale.elem_count() != 1 {
-                            return Err(self.err(
-                                key,
-                                format!(
-                                    "its fp8 scale '{sk}' has shape {}, expected one value",
-                                    scale.shape()
-                                ),
-                            ));
-                        }
-                        let v = scale.flatten_all()?.to_vec::<f32>()?[0];
-                        self.shared
-                            .used
-                            .lock()
-                            .map_err(|_| Error::Poisoned("parameter table"))?
-                            .insert(sk);
-                        let _g = crate::no_grad();
-                        t.to_dtype(DType::F32)?
-                            .affine(f64::from(v), 0.0)?
-                            .to_dtype(dtype)
+                // FP8 weights with their scales (`nn::scaled_fp8`: BFL's and ComfyUI's
+                // conventions) decode to the values they stand for.
+                match super::scaled_fp8::scaled_fp8(files, index, key)? {
+                    Some(w) => {
+                        self.mark_used(&w.beside)?;
+                        w.dense(files, device, dtype)
                     }
-                    _ => Ok(t),
+                    None => files[i].load_as(key, device, dtype),
                 }
             }
             Source::Gguf(f) => f.load_as(key, device, dtype),
@@ -866,6 +858,48 @@ impl VarBuilder {
                 Ok(t.to_dtype(dtype)?.to_device(device)?.detach())
             }
         }
+    }
+
+    /// Counts `keys` of the source as read.
+    fn mark_used(&self, keys: &[String]) -> Result<()> {
+        self.shared
+            .used
+            .lock()
+            .map_err(|_| Error::Poisoned("parameter table"))?
+            .extend(keys.iter().cloned());
+        Ok(())
+    }
+
+    /// A Linear weight of a file that holds it as FP8 codes with a scale for the tensor or
+    /// for each row (`nn::scaled_fp8`), as FLAME's FP8 storage: the file's codes and scales,
+    /// read as they are (no second rounding). `None` where the weight is read otherwise: a
+    /// tensor of another dtype, one assembled from several (a diffusers split), or with a
+    /// LoRA to merge into it.
+    fn stored_fp8(
+        &self,
+        key: &str,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<Option<(Vec<u32>, Vec<f32>)>> {
+        let Source::Files { files, index } = &self.shared.source else {
+            return Ok(None);
+        };
+        if self.shared.merge.is_some() {
+            return Ok(None);
+        }
+        let Some(KeySource::Key(k)) = self.source_of(key) else {
+            return Ok(None);
+        };
+        if self.raw_shape(&k).as_deref() != Some(&[out_dim, in_dim][..]) {
+            return Ok(None);
+        }
+        let Some(w) = super::scaled_fp8::scaled_fp8(files, index, &k)? else {
+            return Ok(None);
+        };
+        let stored = w.codes(files, out_dim, in_dim)?;
+        self.mark_used(&w.beside)?;
+        self.mark_used(&[k])?;
+        Ok(Some(stored))
     }
 
     /// Every key of the source that no layer read, sorted.

@@ -38,6 +38,48 @@ pub struct Cfg {
     /// The conditional and unconditional predictions as one batch of twice the rows
     /// (diffusers' way: one pass, twice the activations), else one after the other.
     pub batched: bool,
+    /// Z-Image's renormalization and truncation of the guided prediction.
+    pub options: CfgOptions,
+}
+
+/// The two options diffusers' `ZImagePipeline.__call__` (diffusers 0.42.1,
+/// `pipelines/z_image/pipeline_z_image.py`) gives classifier-free guidance, for any family
+/// that guides so. The defaults change nothing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CfgOptions {
+    /// `cfg_normalization`: where the guided prediction of a sample has a larger L2 norm (over
+    /// all its values) than this times the norm of its conditional prediction, it is scaled
+    /// down to that norm. 0: off (diffusers' `False`; its `True` is 1), >= 0.
+    pub normalization: f64,
+    /// `cfg_truncation`: a step whose normalized time (1000 - timestep) / 1000 (diffusers'
+    /// `t_norm`: 0 at the first step of a flow-matching schedule, rising toward 1) is above
+    /// this runs the conditional prediction alone, unguided. 1 (the default) or more: every
+    /// step guided, >= 0.
+    pub truncation: f64,
+}
+
+impl Default for CfgOptions {
+    fn default() -> Self {
+        CfgOptions {
+            normalization: 0.0,
+            truncation: 1.0,
+        }
+    }
+}
+
+impl CfgOptions {
+    /// Whether step `timestep` (diffusers' timestep, in [0, 1000]) runs unguided:
+    /// `(1000 - t) / 1000 > truncation`, computed in f32 as the pipeline's
+    /// `((1000 - timesteps.float()) / 1000)` (only where `truncation <= 1`, as there).
+    pub fn truncates(&self, timestep: f32) -> bool {
+        let t_norm = (1000f32 - timestep) / 1000f32;
+        self.truncation <= 1.0 && f64::from(t_norm) > self.truncation
+    }
+
+    fn check(&self) -> Result<()> {
+        check_scale("cfg_normalization", self.normalization)?;
+        check_scale("cfg_truncation", self.truncation)
+    }
 }
 
 /// How a sample is guided.
@@ -71,9 +113,19 @@ impl Guidance {
                 uncond,
                 scale,
                 batched: false,
+                options: CfgOptions::default(),
             }),
             distilled: None,
         }
+    }
+
+    /// The same guidance with Z-Image's renormalization and truncation ([`CfgOptions`]); no
+    /// effect without classifier-free guidance.
+    pub fn with_options(mut self, options: CfgOptions) -> Self {
+        if let Some(c) = self.cfg.as_mut() {
+            c.options = options;
+        }
+        self
     }
 
     /// The same guidance with classifier-free guidance's two predictions batched (`on`) or
@@ -175,13 +227,14 @@ fn check_scale(what: &str, v: f64) -> Result<()> {
 /// latents, cast to the conditioning's dtype (the first tensor of `cond`, the model's
 /// compute dtype); the prediction is guided with classifier-free guidance when
 /// `guidance.cfg` has a scale above 1 (a second `predict` on the unconditional conditioning,
-/// then uncond + scale (cond - uncond) in f32); `schedule.step` makes the next latents in f32.
-/// Nothing is recorded for autograd.
+/// then uncond + scale (cond - uncond) in f32, renormalized and left out at late steps as
+/// its [`CfgOptions`] say); `schedule.step` makes the next latents in f32. Nothing is
+/// recorded for autograd.
 ///
 /// Errors, before the model runs: an empty schedule, a schedule of another noise process
 /// than the model's objective, noise or conditioning whose shapes the model does not take
 /// (named), an unconditional conditioning unlike the conditional one, a negative or
-/// non-finite scale, a distilled guidance scale for a model without a guidance input or
+/// non-finite scale or guidance option, a distilled guidance scale for a model without a guidance input or
 /// none for one with it.
 pub fn denoise(
     model: &dyn DiffusionModel,
@@ -226,6 +279,7 @@ pub fn denoise(
     let cfg = match &guidance.cfg {
         Some(c) => {
             check_scale("the classifier-free guidance scale", c.scale)?;
+            c.options.check()?;
             check_cond(model, "uncond", &c.uncond, noise.shape())?;
             if let Some((u, t)) = c
                 .uncond
@@ -290,6 +344,8 @@ pub fn denoise(
     for i in 0..steps {
         let input = schedule.scale_model_input(&x, i)?.to_dtype(dtype)?;
         let t = Tensor::full(schedule.model_time(i)? as f64, b, DType::F32, dev)?;
+        // Z-Image's truncation: late steps run the conditional prediction alone.
+        let cfg = cfg.filter(|c| !c.options.truncates(schedule.timesteps()[i]));
         let (pred, un) = match (cfg, &both_cond) {
             (Some(_), Some(both_cond)) => {
                 // [cond; uncond] rows through the model at once, then split.
@@ -323,7 +379,11 @@ pub fn denoise(
         let pred = match (cfg, un) {
             (Some(c), Some(un)) => {
                 let scale = Tensor::full(c.scale, Shape::from(()), DType::F32, dev)?;
-                un.add(&pred.sub(&un)?.mul(&scale)?)?
+                let guided = un.add(&pred.sub(&un)?.mul(&scale)?)?;
+                match c.options.normalization > 0.0 {
+                    true => renormalized(&guided, &pred, c.options.normalization)?,
+                    false => guided,
+                }
             }
             _ => pred,
         };
@@ -345,6 +405,40 @@ pub fn denoise(
         }
     }
     Ok(x)
+}
+
+/// Z-Image's `cfg_normalization` of a guided prediction `guided` (B, ...) f32 against the
+/// conditional prediction `pos`: each sample whose norm is above `ratio` times `pos`'s is
+/// scaled to that norm (`ZImagePipeline.__call__`: `torch.linalg.vector_norm` of each
+/// sample's prediction, `pred * (max_new_norm / new_pos_norm)`), in f32.
+fn renormalized(guided: &Tensor, pos: &Tensor, ratio: f64) -> Result<Tensor> {
+    let b = guided.dims()[0];
+    let norms = |t: &Tensor| -> Result<Vec<f32>> {
+        t.reshape((b, t.elem_count() / b.max(1)))?
+            .sqr()?
+            .sum(&[1usize])?
+            .sqrt()?
+            .to_vec::<f32>()
+    };
+    let (new, ori) = (norms(guided)?, norms(pos)?);
+    let factors: Vec<f32> = new
+        .iter()
+        .zip(&ori)
+        .map(|(&n, &o)| {
+            let max = o * ratio as f32;
+            if n > max {
+                max / n
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    if factors.iter().all(|&f| f == 1.0) {
+        return Ok(guided.clone());
+    }
+    let mut dims = vec![1; guided.rank()];
+    dims[0] = b;
+    guided.mul(&Tensor::from_vec(factors, dims, guided.device())?)
 }
 
 /// Each conditioning tensor with its unconditional one after it along the batch.
@@ -373,6 +467,9 @@ pub struct Request {
     /// Classifier-free guidance's two predictions as one batch ([`Cfg::batched`]): faster,
     /// twice the activations.
     pub batched_guidance: bool,
+    /// Z-Image's renormalization and truncation of classifier-free guidance
+    /// ([`CfgOptions`]; the default changes nothing).
+    pub cfg_options: CfgOptions,
 }
 
 /// Latents (1, C, h, w) for each conditioning of `conds` (the model's inputs after the
@@ -463,9 +560,9 @@ pub fn generate_watched(
     })?;
     let guidance = match (guided, uncond) {
         (true, _) => Guidance::distilled(req.guidance),
-        (false, Some(u)) if req.guidance > 1.0 => {
-            Guidance::cfg(u, req.guidance).batched(req.batched_guidance)
-        }
+        (false, Some(u)) if req.guidance > 1.0 => Guidance::cfg(u, req.guidance)
+            .batched(req.batched_guidance)
+            .with_options(req.cfg_options),
         _ => Guidance::none(),
     };
     let want = model.inputs();

@@ -258,6 +258,24 @@ pub enum AdapterFormat {
     /// The kohya layout written for ComfyUI's reading (`Adapters::save_comfyui`): the same
     /// file but for DoRA, whose magnitudes ComfyUI divides by the norm of the frozen weight.
     Comfyui,
+    /// ai-toolkit's LoRA files (FLUX.2 klein, Z-Image): `diffusion_model.*.lora_A/lora_B`
+    /// over the module names it trains (`nn::adapter::Tool::AiToolkit`).
+    #[serde(rename = "ai-toolkit")]
+    AiToolkit,
+    /// musubi-tuner's LoRA files (FLUX.2 klein: the kohya layout; Z-Image: kohya's names of
+    /// diffusers' modules; `nn::adapter::Tool::Musubi`).
+    Musubi,
+}
+
+impl AdapterFormat {
+    /// The other trainer whose files this layout is, if it is one.
+    pub fn tool(self) -> Option<crate::nn::adapter::Tool> {
+        match self {
+            AdapterFormat::AiToolkit => Some(crate::nn::adapter::Tool::AiToolkit),
+            AdapterFormat::Musubi => Some(crate::nn::adapter::Tool::Musubi),
+            AdapterFormat::Kohya | AdapterFormat::Peft | AdapterFormat::Comfyui => None,
+        }
+    }
 }
 
 section! {
@@ -357,10 +375,15 @@ section! {
         wd_on_out: bool = true,
         /// The saved file's layout: "kohya" (ComfyUI, kohya, LyCORIS), "peft" (diffusers,
         /// PEFT; not for "full", nor for LoKr/LoHa on layers diffusers splits unless
-        /// per_projection, or with weight_decompose) or "comfyui" (the kohya layout with the magnitudes of DoRA and of
+        /// per_projection, or with weight_decompose), "comfyui" (the kohya layout with the magnitudes of DoRA and of
         /// weight_decompose written for ComfyUI, which divides them by the norm of the frozen
         /// weight, not of the adapted one; the other tensors as "kohya" writes them, in a file
-        /// FLAME reads back as "comfyui").
+        /// FLAME reads back as "comfyui"), or, for kind "lora" on flux2 and zimage, the files
+        /// of two other trainers: "ai-toolkit" (ostris' ai-toolkit: PEFT's lora_A / lora_B
+        /// under diffusion_model. and its module names, BFL's for FLUX.2, diffusers' for
+        /// Z-Image) or "musubi" (kohya's musubi-tuner: for FLUX.2 the kohya layout itself, for
+        /// Z-Image kohya's names of diffusers' modules, lora_unet_layers_0_attention_to_q).
+        /// Checkpoints keep the kohya layout.
         format: AdapterFormat = AdapterFormat::Kohya,
         /// The text encoders trained with the model, by their slot names: "clip_l" (SDXL,
         /// SD3.5, Flux) and "clip_g" (SDXL, SD3.5) (kohya: training them is the default
@@ -931,6 +954,14 @@ section! {
         guidance: f64 = 3.5,
         /// [width, height] in pixels, multiples of 16 ([0, 0]: data.resolution square).
         size: [usize; 2] = [0_usize, 0_usize],
+        /// Classifier-free guidance's renormalization (diffusers' ZImagePipeline
+        /// cfg_normalization): a guided prediction whose norm is above this times the
+        /// conditional prediction's is scaled down to it; 0: off (diffusers' True is 1), >= 0.
+        cfg_normalization: f64 = 0.0,
+        /// Classifier-free guidance's truncation (diffusers' ZImagePipeline cfg_truncation):
+        /// steps whose normalized time (1000 - timestep) / 1000 is above this run unguided;
+        /// 1: every step guided, >= 0.
+        cfg_truncation: f64 = 1.0,
     }
 }
 
@@ -1333,6 +1364,33 @@ impl TrainConfig {
                 a.kind
             ),
         );
+        if let Some(tool) = a.format.tool() {
+            c.check(
+                a.kind == "lora",
+                "adapter.format",
+                format!(
+                    "\"{}\": written for kind \"lora\", not {:?}; use \"kohya\" or \"peft\"",
+                    tool.name(),
+                    a.kind
+                ),
+            );
+            let family = crate::models::family(&m.arch).ok();
+            c.check(
+                family.is_none_or(|f| f.tool_names.of(tool).is_some()),
+                "adapter.format",
+                format!(
+                    "\"{}\": written for {} models, not {:?}; use \"kohya\" or \"peft\"",
+                    tool.name(),
+                    crate::models::FAMILIES
+                        .iter()
+                        .filter(|f| f.tool_names.of(tool).is_some())
+                        .map(|f| f.name)
+                        .collect::<Vec<_>>()
+                        .join(" and "),
+                    m.arch
+                ),
+            );
+        }
         c.check(
             !(a.tucker && kind.as_ref().is_ok_and(|k| !k.tucker)),
             "adapter.tucker",
@@ -1772,6 +1830,8 @@ impl TrainConfig {
             "sample.guidance",
             format!("{}: must be finite and >= 0", sm.guidance),
         );
+        c.non_negative_f("sample.cfg_normalization", sm.cfg_normalization);
+        c.non_negative_f("sample.cfg_truncation", sm.cfg_truncation);
         c.check(
             sm.size.iter().all(|&x| x % 16 == 0) && (sm.size[0] == 0) == (sm.size[1] == 0),
             "sample.size",
@@ -1982,7 +2042,10 @@ impl TrainConfig {
             // LoKr's split follows the library of the layout written: LyCORIS's for kohya
             // files, PEFT's for PEFT files.
             lokr_split: match a.format {
-                AdapterFormat::Kohya | AdapterFormat::Comfyui => LokrSplit::Lycoris,
+                AdapterFormat::Kohya
+                | AdapterFormat::Comfyui
+                | AdapterFormat::AiToolkit
+                | AdapterFormat::Musubi => LokrSplit::Lycoris,
                 AdapterFormat::Peft => LokrSplit::Peft,
             },
         }

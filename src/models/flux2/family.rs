@@ -18,8 +18,8 @@ use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective,
 use crate::models::pipeline::{
     output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
 };
+use crate::nn::adapter::{ModuleNames, ToolNames};
 use crate::nn::{KeyMap, VarBuilder};
-use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Device, Error, Result, Tensor};
 
 /// The family entry of FLUX.2 (BFL's FLUX.2 \[klein\] 4B / 9B and fine-tunes).
@@ -126,6 +126,13 @@ impl ModelSpec for Flux2 {
         "single_stream_modulation.lin.weight",
     ];
     const DIFFUSERS_CLASS: &'static str = "Flux2Transformer2DModel";
+    /// ai-toolkit's FLUX.2 is its port of BFL's model (ostris/ai-toolkit
+    /// `extensions_built_in/diffusion_models/flux2/src/model.py`), musubi-tuner's too
+    /// (kohya-ss/musubi-tuner `src/musubi_tuner/flux_2/flux2_models.py`): BFL's names.
+    const TOOL_NAMES: ToolNames = ToolNames {
+        ai_toolkit: Some(ModuleNames::Original),
+        musubi: Some(ModuleNames::Original),
+    };
 
     fn entry() -> &'static Family {
         &FAMILY
@@ -148,28 +155,14 @@ impl ModelSpec for Flux2 {
     fn block_prefixes_of(config: &Flux2Config) -> Vec<String> {
         config.block_prefixes()
     }
-    /// BFL's keys, bare or under ComfyUI's `model.diffusion_model.`; FP8 files whose weights
-    /// need BFL's per-tensor `weight_scale` / `input_scale` are refused (only ComfyUI's
-    /// `scale_weight` is applied on load), so they never load with unscaled weights.
+    /// BFL's keys, bare or under ComfyUI's `model.diffusion_model.`. FP8 files (BFL's
+    /// `weight_scale` / `input_scale`, ComfyUI's `scale_weight` / `scaled_fp8`) load through
+    /// `nn::scaled_fp8`, their weights scaled.
     fn check_single_file(ckpt: &Checkpoint) -> Result<()> {
         if !ckpt.prefix.is_empty() && ckpt.prefix != LDM_PREFIX {
             return Err(ckpt.error(format!(
                 "a FLUX.2 single file has BFL keys, bare or under \"{LDM_PREFIX}\""
             )));
-        }
-        for f in &ckpt.files {
-            let file = SafeTensorsFile::open(f)?;
-            let scaled = file
-                .names()
-                .find(|n| n.ends_with(".weight_scale") || n.ends_with(".input_scale"))
-                .map(str::to_string);
-            if let Some(k) = scaled {
-                return Err(ckpt.error(format!(
-                    "tensor \"{k}\": FP8 weights with BFL's per-tensor weight_scale / \
-                     input_scale are not read yet (ComfyUI's scale_weight is); use the bf16 \
-                     file, or load it with LoadOptions::fp8 from bf16 weights"
-                )));
-            }
         }
         Ok(())
     }

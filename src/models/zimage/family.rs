@@ -14,6 +14,7 @@ use crate::models::family::{DiffusionModel, Family, Input, ModelSpec, Objective,
 use crate::models::pipeline::{
     output, EncoderSlot, PipelineSpec, SampleSetup, TextEncoderKind, TextOutput,
 };
+use crate::nn::adapter::{ModuleNames, ToolNames};
 use crate::nn::{KeyMap, VarBuilder};
 use crate::{Error, Result, Tensor};
 
@@ -99,6 +100,14 @@ impl ModelSpec for ZImage {
     const SIGNATURE: &'static [&'static str] =
         &["x_pad_token", "cap_pad_token", "x_embedder.weight"];
     const DIFFUSERS_CLASS: &'static str = "ZImageTransformer2DModel";
+    /// ai-toolkit trains diffusers' `ZImageTransformer2DModel` (ostris/ai-toolkit
+    /// `toolkit/models/v2/z_image.py`), musubi-tuner its own model with diffusers' attention
+    /// names (kohya-ss/musubi-tuner `src/musubi_tuner/zimage/zimage_model.py`,
+    /// `ZImageAttention`: `to_q`, `to_k`, `to_v`, `to_out.0`): diffusers' names.
+    const TOOL_NAMES: ToolNames = ToolNames {
+        ai_toolkit: Some(ModuleNames::Diffusers),
+        musubi: Some(ModuleNames::Diffusers),
+    };
     const CONDITIONED: &'static [&'static str] = &["adaLN_modulation.0.weight"];
 
     fn entry() -> &'static Family {

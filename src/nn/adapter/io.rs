@@ -58,7 +58,7 @@ pub struct FileSet<'a> {
     pub map: &'a KeyMap,
 }
 
-fn err(path: &Path, tensor: Option<&str>, msg: impl Into<String>) -> Error {
+pub(super) fn err(path: &Path, tensor: Option<&str>, msg: impl Into<String>) -> Error {
     Error::SafeTensors {
         path: path.to_path_buf(),
         tensor: tensor.map(str::to_string),
@@ -141,10 +141,23 @@ impl Reader<'_> {
 /// A diffusers / PEFT-layout file being read into the adapters: its tensors by
 /// `<prefix>.<module>.<PEFT name>`, what each adapter takes crossed off.
 pub struct PeftFile {
-    file: SafeTensorsFile,
-    path: std::path::PathBuf,
-    prefix: String,
-    unused: BTreeSet<String>,
+    pub(super) file: SafeTensorsFile,
+    pub(super) path: std::path::PathBuf,
+    pub(super) prefix: String,
+    pub(super) unused: BTreeSet<String>,
+    /// The file names a module's tensors as PEFT does, or as kohya does (musubi-tuner's
+    /// files: `tools.rs`).
+    pub(super) naming: Naming,
+}
+
+/// How a file of one adapter per diffusers module names its tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Naming {
+    /// `<prefix>.<module>.lora_A.weight`.
+    Peft,
+    /// `lora_unet_<module, dots as underscores>.lora_down.weight` (PEFT's `lora_A` is kohya's
+    /// `lora_down`, `lora_B` its `lora_up`).
+    Kohya,
 }
 
 impl PeftFile {
@@ -161,6 +174,14 @@ impl PeftFile {
     }
 
     fn key(&self, module: &str, t: &str) -> String {
+        if self.naming == Naming::Kohya {
+            let t = match t {
+                "lora_A.weight" => "lora_down.weight",
+                "lora_B.weight" => "lora_up.weight",
+                other => other,
+            };
+            return format!("{}.{t}", kohya_name(module));
+        }
         if self.prefix.is_empty() {
             format!("{module}.{t}")
         } else {
@@ -534,7 +555,7 @@ impl Adapters {
 
     /// The kohya layout, each adapter's tensors for ComfyUI's reading given the weights, or
     /// as kohya and LyCORIS read them.
-    fn save_kohya_layout(
+    pub(super) fn save_kohya_layout(
         &self,
         path: &Path,
         dtype: DType,
@@ -612,7 +633,7 @@ impl Adapters {
         self.load_kohya_layout(path.as_ref(), Some(weight))
     }
 
-    fn load_kohya_layout(&self, path: &Path, weight: Option<&WeightOf>) -> Result<()> {
+    pub(super) fn load_kohya_layout(&self, path: &Path, weight: Option<&WeightOf>) -> Result<()> {
         let file = SafeTensorsFile::open(path)?;
         let layout = file.metadata().get(LAYOUT_KEY).map(String::as_str);
         match (weight.is_some(), layout) {
@@ -725,7 +746,7 @@ impl Adapters {
         self.save_peft_layout(path.as_ref(), map, prefix, dtype, Some(extra))
     }
 
-    fn save_peft_layout(
+    pub(super) fn save_peft_layout(
         &self,
         path: &Path,
         map: &KeyMap,
@@ -756,7 +777,7 @@ impl Adapters {
 
     /// Every adapter's tensors in the PEFT layout, `<prefix>.<module>.<PEFT name>`, in
     /// `dtype`.
-    fn peft_tensors(
+    pub(super) fn peft_tensors(
         &self,
         map: &KeyMap,
         prefix: &str,
@@ -933,6 +954,7 @@ impl Adapters {
             path: path.to_path_buf(),
             prefix: prefix.to_string(),
             unused,
+            naming: Naming::Peft,
         };
         self.load_peft_into(&mut file, map, scales.as_ref())?;
         if let Some(k) = file.unused.iter().next() {
@@ -1074,6 +1096,7 @@ pub fn load_peft_sets(sets: &[FileSet<'_>], path: impl AsRef<Path>) -> Result<()
         path: path.to_path_buf(),
         prefix: String::new(),
         unused,
+        naming: Naming::Peft,
     };
     for s in sets {
         file.prefix = s.peft.to_string();
@@ -1084,7 +1107,7 @@ pub fn load_peft_sets(sets: &[FileSet<'_>], path: impl AsRef<Path>) -> Result<()
 }
 
 /// An error naming a tensor of the file at `path` no set took.
-fn left_over(path: &Path, unused: &BTreeSet<String>, names: Vec<&str>) -> Result<()> {
+pub(super) fn left_over(path: &Path, unused: &BTreeSet<String>, names: Vec<&str>) -> Result<()> {
     match unused.iter().next() {
         None => Ok(()),
         Some(k) => Err(err(

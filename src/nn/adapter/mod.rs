@@ -32,6 +32,7 @@ mod lokr;
 mod lora;
 mod merge;
 mod split;
+mod tools;
 
 pub(crate) use io::PeftScales;
 pub use io::{
@@ -42,6 +43,7 @@ pub use lokr::{factorization, LokrSplit};
 pub use lora::Lora;
 pub use merge::MergeLayer;
 pub(crate) use split::lycoris_name;
+pub use tools::{ModuleNames, Tool, ToolNames, AI_TOOLKIT_PREFIX};
 
 use super::dropout::BatchPart;
 use super::seed::key_hash;

@@ -1,8 +1,8 @@
 use super::step::first_nonfinite;
 use super::Trainer;
 use crate::nn::adapter::{
-    load_kohya_sets, load_peft_sets, save_kohya_sets, save_peft_sets, FileSet, KOHYA_MODEL,
-    PEFT_CONFIG,
+    load_kohya_sets, load_peft_sets, save_kohya_sets, save_peft_sets, FileSet, ModuleNames, Tool,
+    KOHYA_MODEL, PEFT_CONFIG,
 };
 use crate::train::config::{AdapterFormat, TrainConfig};
 use crate::train::ema::Ema;
@@ -16,12 +16,35 @@ use std::path::{Path, PathBuf};
 
 impl Trainer {
     /// The layout of the adapter in checkpoints: the configured one, but "kohya" for
-    /// "comfyui", whose DoRA magnitudes would not read back bit for bit (a resume is exact).
+    /// "comfyui", whose DoRA magnitudes would not read back bit for bit, and for another
+    /// trainer's layout, whose scale folded into a tensor would not either (a resume is
+    /// exact).
     pub(super) fn checkpoint_format(&self) -> AdapterFormat {
         match self.config.adapter.format {
-            AdapterFormat::Comfyui => AdapterFormat::Kohya,
+            AdapterFormat::Comfyui | AdapterFormat::AiToolkit | AdapterFormat::Musubi => {
+                AdapterFormat::Kohya
+            }
             f => f,
         }
+    }
+
+    /// The module names `tool`'s files give this model's layers.
+    fn tool_names(&self, tool: Tool) -> Result<ModuleNames> {
+        let family = self.model.family();
+        family.tool_names.of(tool).ok_or_else(|| Error::Config {
+            path: None,
+            msg: format!(
+                "adapter.format = \"{}\": written for {}; not for {}",
+                tool.name(),
+                models::FAMILIES
+                    .iter()
+                    .filter(|f| f.tool_names.of(tool).is_some())
+                    .map(|f| f.name)
+                    .collect::<Vec<_>>()
+                    .join(" and "),
+                family.name
+            ),
+        })
     }
 
     /// Writes the adapter in `format`, refusing one with a non-finite value; in the PEFT
@@ -53,10 +76,14 @@ impl Trainer {
             let sets = self.file_sets(text, format)?;
             return match format {
                 AdapterFormat::Peft => save_peft_sets(&sets, path, DType::F32, &meta),
-                AdapterFormat::Kohya | AdapterFormat::Comfyui => {
-                    save_kohya_sets(&sets, path, DType::F32, &meta)
-                }
+                _ => save_kohya_sets(&sets, path, DType::F32, &meta),
             };
+        }
+        if let Some(tool) = format.tool() {
+            let names = self.tool_names(tool)?;
+            return self
+                .adapters
+                .save_tool(tool, names, &self.map, path, DType::F32, Some(&meta));
         }
         match format {
             AdapterFormat::Kohya => self.adapters.save_kohya_with(path, DType::F32, &meta),
@@ -69,6 +96,10 @@ impl Trainer {
                 self.adapters
                     .save_comfyui_with(path, DType::F32, &self.base_weights()?, &meta)
             }
+            AdapterFormat::AiToolkit | AdapterFormat::Musubi => Err(Error::Config {
+                path: None,
+                msg: format!("adapter.format = {format:?}: another trainer's layout"),
+            }),
         }
     }
 
@@ -79,12 +110,13 @@ impl Trainer {
         text: &'a TextTraining,
         format: AdapterFormat,
     ) -> Result<Vec<FileSet<'a>>> {
-        if format == AdapterFormat::Comfyui {
+        if format == AdapterFormat::Comfyui || format.tool().is_some() {
             return Err(Error::Config {
                 path: None,
-                msg: "adapter.format = \"comfyui\" holds the diffusion model's adapters only; \
-                      with adapter.text_encoders use \"kohya\""
-                    .into(),
+                msg: format!(
+                    "adapter.format = {format:?} holds the diffusion model's adapters only; \
+                     with adapter.text_encoders use \"kohya\""
+                ),
             });
         }
         let mut sets = vec![FileSet {
@@ -123,8 +155,12 @@ impl Trainer {
             let sets = self.file_sets(text, format)?;
             return match format {
                 AdapterFormat::Peft => load_peft_sets(&sets, path),
-                AdapterFormat::Kohya | AdapterFormat::Comfyui => load_kohya_sets(&sets, path),
+                _ => load_kohya_sets(&sets, path),
             };
+        }
+        if let Some(tool) = format.tool() {
+            let names = self.tool_names(tool)?;
+            return self.adapters.load_tool(tool, names, &self.map, path);
         }
         match format {
             AdapterFormat::Kohya => self.adapters.load_kohya(path),
@@ -133,6 +169,10 @@ impl Trainer {
                 self.adapters.load_peft(path, &self.map, prefix)
             }
             AdapterFormat::Comfyui => self.adapters.load_comfyui(path, &self.base_weights()?),
+            AdapterFormat::AiToolkit | AdapterFormat::Musubi => Err(Error::Config {
+                path: None,
+                msg: format!("adapter.format = {format:?}: another trainer's layout"),
+            }),
         }
     }
 

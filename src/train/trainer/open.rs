@@ -60,6 +60,13 @@ pub(super) fn check_adapters(
     if config.adapter.format == AdapterFormat::Peft {
         adapters.check_peft(map)?;
     }
+    // Another trainer's layout: every layer has a module of its names (the config check
+    // has refused a family without them).
+    if let Some(tool) = config.adapter.format.tool() {
+        if let Some(names) = models::family(&config.model.arch)?.tool_names.of(tool) {
+            adapters.check_peft(&names.map(map))?;
+        }
+    }
     Ok(())
 }
 

@@ -138,6 +138,10 @@ impl Trainer {
                 seed: sc.seed,
                 prediction: self.prediction(),
                 batched_guidance: crate::train::planning::guidance_batched(&self.config),
+                cfg_options: crate::sample::CfgOptions {
+                    normalization: sc.cfg_normalization,
+                    truncation: sc.cfg_truncation,
+                },
             };
             let uncond = Some(text(&sc.negative_prompt)?);
             let latents =

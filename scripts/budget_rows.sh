@@ -16,6 +16,9 @@
 # the same budget, the holder still in place, and its peak is printed too.
 # EXTRA_TOML is appended to the config (e.g. 'model.dtype = "fp8"' lines go under [model]:
 # pass a whole section, "[optimizer]\nkind = \"adamw8bit\"").
+# EDIT=1 (ARCH=flux2 only) makes it an edit dataset: each picture has a reference image of
+# the same name (`circle_images.py OUT REFS`) and an instruction caption; the samples and the
+# `sample` run are conditioned on a reference.
 # GPUS (default 0) lists the GPUs: with several (GPUS=0,1) the run is data-parallel over
 # them (`train --gpus`), every one held to the budget by its own holder, and each GPU's
 # driver-side peak is printed.
@@ -40,7 +43,17 @@ case "$arch" in
           guidance=6.0 ;;
   *) echo "ARCH=$arch: flux, sd3, sdxl, flux2 or zimage" >&2; exit 2 ;;
 esac
-python3 "$(dirname "$0")/circle_images.py" "$work/images"
+refs=""
+refs_line=""
+prompt='"a red circle on a white background"'
+sample_refs=()
+if [ "${EDIT:-0}" = 1 ]; then
+  refs="$work/refs"
+  prompt="{ prompt = \"make the circle red\", references = [\"$refs/img-0.png\"] }"
+  sample_refs=(--reference "$refs/img-0.png")
+  refs_line="references = [\"$refs\"]"
+fi
+python3 "$(dirname "$0")/circle_images.py" "$work/images" $refs
 cat > "$work/run.toml" <<TOML
 [model]
 arch = "$arch"
@@ -76,10 +89,11 @@ validation_split = 0.2
 
 [[data.dirs]]
 path = "$work/images"
+$refs_line
 
 [sample]
 every = 10
-prompts = ["a red circle on a white background"]
+prompts = [$prompt]
 steps = 20
 guidance = $guidance
 seed = 3
@@ -147,7 +161,8 @@ if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
   smi=$!
   set +e
   CUDA_VISIBLE_DEVICES=${gpu_list[0]} "$SAMPLE_EXE" --arch "$arch" --model "$pipe" --lora "$work/out/lora.safetensors" \
-    --prompt "a red circle on a white background" --steps 20 --guidance "$guidance" \
+    --prompt "$([ -n "$refs" ] && echo "make the circle red" || echo "a red circle on a white background")" \
+    "${sample_refs[@]}" --steps 20 --guidance "$guidance" \
     --width 1024 --height 1024 --budget "$budget" --out "$work/sample" > "$work/sample.log" 2>&1
   src=$?
   set -e

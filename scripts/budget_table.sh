@@ -17,8 +17,10 @@
 #                                                     its allocator (`--headroom`)
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
 # Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4, and the newer
-# families at their smallest bf16 budgets: klein4b-6 klein9b-8 zimage-6 (FAMILIES="klein4b
-# klein9b zimage" for `make`; they are not in "all").
+# families at their smallest bf16 budgets: klein4b-6 klein9b-8 zimage-6, and in FP8:
+# klein4b-4fp8 zimage-4fp8 klein9b-6fp8, and an edit dataset (reference images,
+# instructions) on Klein 4B within 6 GiB: klein4b-edit-6 (FAMILIES="klein4b klein9b zimage"
+# for `make`; they are not in "all").
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -35,7 +37,7 @@ ALL="flux24 flux12 flux8 flux6 sd3-16 sd3-8 sdxl8 sdxl4"
 # One row on GPU $1: ROW PIPES WORK.
 row() {
   local g=$1 name=$2 pipes=$3 work=$4
-  local arch budget dtype=bf16 opt=adamw pipe=
+  local arch budget dtype=bf16 opt=adamw pipe= edit=0
   case $name in
     flux24) arch=flux budget=24 ;;
     flux12) arch=flux budget=12 ;;
@@ -48,9 +50,13 @@ row() {
     klein4b-6) arch=flux2 pipe=klein4b budget=6 ;;
     klein9b-8) arch=flux2 pipe=klein9b budget=8 ;;
     zimage-6) arch=zimage budget=6 ;;
-    *) echo "row $name: one of $ALL klein4b-6 klein9b-8 zimage-6" >&2; return 2 ;;
+    klein4b-edit-6) arch=flux2 pipe=klein4b budget=6 edit=1 ;;
+    klein4b-4fp8) arch=flux2 pipe=klein4b budget=4 dtype=fp8 ;;
+    klein9b-6fp8) arch=flux2 pipe=klein9b budget=6 dtype=fp8 ;;
+    zimage-4fp8) arch=zimage budget=4 dtype=fp8 ;;
+    *) echo "row $name: one of $ALL klein4b-6 klein9b-8 zimage-6 klein4b-edit-6 klein4b-4fp8 klein9b-6fp8 zimage-4fp8" >&2; return 2 ;;
   esac
-  GPUS=$g ARCH=$arch MODEL_DTYPE=$dtype OPTIMIZER=$opt SAMPLE_EXE=$root/.gpu/sample \
+  EDIT=$edit GPUS=$g ARCH=$arch MODEL_DTYPE=$dtype OPTIMIZER=$opt SAMPLE_EXE=$root/.gpu/sample \
     bash "$here/budget_rows.sh" "$pipes/${pipe:-$arch}" "$work/$name" "$root/.gpu/train" "$budget" \
     > "$work/$name.log" 2>&1
   echo "== row $name on GPU $g: exit $?"

@@ -110,6 +110,30 @@ pub trait DiffusionModel: Send + Sync {
     /// order (each (B, ...)) and the guidance scale of guidance-distilled models (others
     /// ignore it). Returns (B, C, H, W).
     fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], guidance: f64) -> Result<Tensor>;
+    /// [`predict`](Self::predict) conditioned on reference images as well (FLUX.2 \[klein\]'s
+    /// editing): `refs` are their latents, each (B, C, h_i, w_i) in the latent space of `xt`,
+    /// any count and sizes. With none this is `predict`; a model of a family that takes no
+    /// references ([`Family::references`]) refuses any.
+    fn predict_with_references(
+        &self,
+        xt: &Tensor,
+        t: &Tensor,
+        cond: &[Tensor],
+        refs: &[Tensor],
+        guidance: f64,
+    ) -> Result<Tensor> {
+        if refs.is_empty() {
+            return self.predict(xt, t, cond, guidance);
+        }
+        Err(Error::Config {
+            path: None,
+            msg: format!(
+                "{} takes no reference images ({} given; FLUX.2 [klein] does)",
+                self.family().name,
+                refs.len()
+            ),
+        })
+    }
     /// Announces the inputs of a coming `predict` (`xt` may be any latents of its shape and
     /// dtype: the conditioning depends on `t`, `cond` and `guidance` only). A model whose
     /// streamed blocks compute their conditioning products on the host
@@ -201,6 +225,9 @@ pub trait ModelSpec: DiffusionModel + Sized + 'static {
     const SIGNATURE: &'static [&'static str];
     /// The `_class_name` of the model's diffusers `config.json`.
     const DIFFUSERS_CLASS: &'static str;
+    /// Whether its models condition on reference images
+    /// ([`DiffusionModel::predict_with_references`]).
+    const REFERENCES: bool = false;
     /// The family's registry entry.
     fn entry() -> &'static Family;
     /// From a diffusers `config.json`.
@@ -588,6 +615,9 @@ pub struct Family {
     pub signature: &'static [&'static str],
     /// Its diffusers model class ([`ModelSpec::DIFFUSERS_CLASS`]).
     pub diffusers_class: &'static str,
+    /// Whether its models condition on reference images ([`ModelSpec::REFERENCES`]: edit
+    /// training and sampling).
+    pub references: bool,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
     profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
     probe: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
@@ -608,6 +638,7 @@ impl Family {
             pipeline,
             signature: M::SIGNATURE,
             diffusers_class: M::DIFFUSERS_CLASS,
+            references: M::REFERENCES,
             load: load_boxed::<M>,
             profile: profile_boxed::<M>,
             probe: probe_boxed::<M>,

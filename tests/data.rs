@@ -67,6 +67,7 @@ fn options(dir: &Path, resolution: usize, step: usize) -> DatasetOptions {
         sources: vec![Source::Folder {
             dir: dir.to_path_buf(),
             repeats: 1,
+            references: vec![],
         }],
         buckets: BucketConfig {
             resolution,
@@ -79,6 +80,7 @@ fn options(dir: &Path, resolution: usize, step: usize) -> DatasetOptions {
         captions: CaptionOptions::default(),
         on_bad_file: OnBadFile::Stop,
         seed: 7,
+        references: Default::default(),
     }
 }
 
@@ -437,10 +439,12 @@ fn repeats_and_manifest() {
         Source::Folder {
             dir: a.clone(),
             repeats: 3,
+            references: vec![],
         },
         Source::Folder {
             dir: b.clone(),
             repeats: 1,
+            references: vec![],
         },
     ];
     o.crop = CropMode::Random;
@@ -756,7 +760,8 @@ fn config_defaults_and_problems() {
         o.sources,
         [Source::Folder {
             dir: "imgs".into(),
-            repeats: 1
+            repeats: 1,
+            references: vec![],
         }]
     );
 

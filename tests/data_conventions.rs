@@ -61,6 +61,7 @@ fn options(dir: &Path, repeats: usize, resolution: usize) -> DatasetOptions {
         sources: vec![Source::Folder {
             dir: dir.to_path_buf(),
             repeats,
+            references: vec![],
         }],
         buckets: BucketConfig {
             resolution,
@@ -73,6 +74,7 @@ fn options(dir: &Path, repeats: usize, resolution: usize) -> DatasetOptions {
         captions: CaptionOptions::default(),
         on_bad_file: OnBadFile::Stop,
         seed: 3,
+        references: Default::default(),
     }
 }
 
@@ -425,6 +427,7 @@ fn tiny_and_strip_images_are_bad_files() {
         &[Source::Folder {
             dir: d.to_path_buf(),
             repeats: 1,
+            references: vec![],
         }],
         OnBadFile::Stop,
     )

@@ -404,6 +404,7 @@ fn tag_frequency_counts_as_kohya_does() {
         height: 8,
         repeats,
         reg: false,
+        references: vec![],
     };
     let f = DatasetFacts::of_items(&[
         item("10_cat", "Cat, sitting , ,cat", 10),

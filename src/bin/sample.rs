@@ -18,7 +18,10 @@
 //! The text encoders run first and are freed, then the model (with the LoRA merged into its
 //! weights as they load) denoises every prompt and is freed, then the autoencoder decodes.
 //! Image i is `<out>/<i>-<seed + i>.png`, written atomically. `--latents` starts from given
-//! noise instead of the seed's. Exit status: 0 done, 1 failed, 2 usage error.
+//! noise instead of the seed's. `--reference` (FLUX.2 \[klein\]) conditions every image on
+//! reference pictures, sized and encoded as diffusers' Flux2KleinPipeline does its `image`
+//! (`flame::data::reference`); the image is then the first reference's size unless
+//! `--width` / `--height` say. Exit status: 0 done, 1 failed, 2 usage error.
 
 use argh::FromArgs;
 use flame::cli::{failure, parse_args, usage};
@@ -27,7 +30,7 @@ use flame::models::pipeline::{
 };
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
-use flame::sample::{generate_watched, seeded_noise, CfgOptions, Request, StepInfo};
+use flame::sample::{generate_referenced, seeded_noise, CfgOptions, Request, StepInfo};
 use flame::train::Prediction;
 use flame::{DType, Error};
 use std::path::PathBuf;
@@ -81,12 +84,19 @@ struct Args {
     /// (default 1: every step guided)
     #[argh(option, default = "1.0")]
     cfg_truncation: f64,
-    /// width in pixels, a multiple of 16 (default 1024)
-    #[argh(option, default = "1024")]
-    width: usize,
-    /// height in pixels, a multiple of 16 (default 1024)
-    #[argh(option, default = "1024")]
-    height: usize,
+    /// width in pixels, a multiple of 16 (default 1024, or with --reference the first
+    /// reference's as the pipeline sizes it)
+    #[argh(option)]
+    width: Option<usize>,
+    /// height in pixels, a multiple of 16 (default 1024, or with --reference the first
+    /// reference's as the pipeline sizes it)
+    #[argh(option)]
+    height: Option<usize>,
+    /// a reference image every image is conditioned on (FLUX.2 klein's editing; repeat for
+    /// several, in order): resized to at most 1024x1024 pixels of area, its sides floored
+    /// to multiples of 16 and centre-cropped, as diffusers' Flux2KleinPipeline does
+    #[argh(option)]
+    reference: Vec<PathBuf>,
     /// the noise seed of the first image; image i uses seed + i (default 0)
     #[argh(option, default = "0")]
     seed: u64,
@@ -177,7 +187,18 @@ fn main() -> ExitCode {
     }
 }
 
+/// The image size when neither `--width` nor `--height` nor a reference says.
+const DEFAULT_SIDE: usize = 1024;
+
 impl Args {
+    /// (height, width) as given, each side `DEFAULT_SIDE` where not.
+    fn size(&self) -> (usize, usize) {
+        (
+            self.height.unwrap_or(DEFAULT_SIDE),
+            self.width.unwrap_or(DEFAULT_SIDE),
+        )
+    }
+
     /// `--steps`, or the family's default: diffusers' pipeline default for Z-Image
     /// (`ZImagePipeline.__call__`: `num_inference_steps=50`), else 28.
     fn steps(&self, arch: &str) -> usize {
@@ -222,10 +243,14 @@ fn check_flags(a: &Args) -> Result<(), String> {
             format!("--cfg-truncation {}: finite and >= 0", a.cfg_truncation),
         ),
         (
-            a.width == 0 || a.height == 0 || a.width % 16 != 0 || a.height % 16 != 0,
+            [a.width, a.height]
+                .into_iter()
+                .flatten()
+                .any(|s| s == 0 || s % 16 != 0),
             format!(
                 "--width {} --height {}: positive multiples of 16",
-                a.width, a.height
+                a.size().1,
+                a.size().0
             ),
         ),
         (
@@ -368,6 +393,7 @@ fn check_files(a: &Args, model: &std::path::Path) -> flame::Result<()> {
             .map(|p| ("--text-encoder", p.as_path())),
     );
     named.extend(a.tokenizer.iter().map(|p| ("--tokenizer", p.as_path())));
+    named.extend(a.reference.iter().map(|p| ("--reference", p.as_path())));
     let missing: Vec<String> = named
         .iter()
         .filter(|(_, p)| !p.exists())
@@ -379,8 +405,23 @@ fn check_files(a: &Args, model: &std::path::Path) -> flame::Result<()> {
     outputs(a).map(|_| ())
 }
 
+/// `--reference` for a family whose models take none, refused naming the flag.
+fn check_references(a: &Args, family: &models::Family) -> flame::Result<()> {
+    if !a.reference.is_empty() && !family.references {
+        return Err(bad(format!(
+            "--reference: {} takes no reference images (FLUX.2 [klein], flux2, does)",
+            family.name
+        )));
+    }
+    Ok(())
+}
+
 fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     check_files(a, model_path)?;
+    // Before anything is looked for, where --arch names the family.
+    if let Some(f) = a.arch.as_deref().and_then(|n| models::family(n).ok()) {
+        check_references(a, f)?;
+    }
     // A ComfyUI or other folder of loose files: the diffusion model, text encoders and
     // autoencoder found by their keys; a Hugging Face cache folder: its snapshot. The family
     // is `--arch`'s, else the one found.
@@ -398,6 +439,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     )?;
     let family = found.family;
     let arch = family.name;
+    check_references(a, family)?;
     let max_t5 = flame::models::pipeline::T5_MAX_TOKENS;
     if a.t5_tokens > max_t5 {
         return Err(bad(format!(
@@ -414,10 +456,10 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             a.guidance(arch)
         )));
     }
-    if a.width == 0 || a.height == 0 || a.width % 16 != 0 || a.height % 16 != 0 {
+    let (height, width) = a.size();
+    if width == 0 || height == 0 || width % 16 != 0 || height % 16 != 0 {
         return Err(bad(format!(
-            "--width {} --height {}: positive multiples of 16",
-            a.width, a.height
+            "--width {width} --height {height}: positive multiples of 16"
         )));
     }
     let prediction = match a.prediction.as_str() {
@@ -478,7 +520,8 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     if !(a.budget.is_finite() && a.budget >= 0.0) {
         return Err(bad(format!("--budget {}: a number of GiB >= 0", a.budget)));
     }
-    let size = (a.height, a.width);
+    // (FLUX.2's conditioning does not read the size: with references it may change below.)
+    let size = (height, width);
     let (conds, uncond) = {
         let opts = TextOptions {
             guided,
@@ -533,10 +576,35 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         v
     };
     let f = vae.config.diffusion_downscale();
-    if a.width % f != 0 || a.height % f != 0 {
+    // The references, sized as the pipeline sizes them and encoded before the model loads;
+    // the image takes the first one's size where --width / --height do not say
+    // (Flux2KleinPipeline.__call__: `height = height or image_height`).
+    let ref_opts = flame::data::ReferenceOptions {
+        max_pixels: flame::data::reference::PIPELINE_MAX_PIXELS,
+        multiple: f,
+    };
+    let refs = {
+        let _g = flame::no_grad();
+        a.reference
+            .iter()
+            .map(|p| {
+                let x = flame::data::reference::load(p, &ref_opts, false, &device)
+                    .map_err(|e| flag("--reference", p, e))?;
+                vae.encode_latents(&x.unsqueeze(0)?.to_dtype(dtype)?)?
+                    .to_dtype(dtype)
+            })
+            .collect::<flame::Result<Vec<_>>>()?
+    };
+    let (height, width) = match refs.first() {
+        Some(r) => (
+            a.height.unwrap_or(r.dims()[2] * f),
+            a.width.unwrap_or(r.dims()[3] * f),
+        ),
+        None => (height, width),
+    };
+    if width % f != 0 || height % f != 0 {
         return Err(bad(format!(
-            "--width {} --height {}: multiples of the autoencoder's factor {f}",
-            a.width, a.height
+            "--width {width} --height {height}: multiples of the autoencoder's factor {f}"
         )));
     }
     let mut batched = true;
@@ -550,8 +618,10 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
                 )))
             }
         };
-        let mut shapes = vec![vec![channels, a.height / f, a.width / f]];
+        let mut shapes = vec![vec![channels, height / f, width / f]];
         shapes.extend(conds[0].iter().map(|t| t.dims()[1..].to_vec()));
+        // The references' tokens join the image's in every block.
+        shapes.extend(refs.iter().map(|r| r.dims()[1..].to_vec()));
         let choice = flame::train::planning::plan_denoising(
             family,
             model_path,
@@ -585,7 +655,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     let req = Request {
         steps: a.steps(arch),
         guidance,
-        latent_hw: (a.height / f, a.width / f),
+        latent_hw: (height / f, width / f),
         seed: a.seed,
         prediction,
         batched_guidance: batched,
@@ -617,9 +687,14 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         );
         Ok(())
     };
-    let latents = generate_watched(
+    let refs = match refs.is_empty() {
+        true => vec![],
+        false => vec![refs; count],
+    };
+    let latents = generate_referenced(
         model.as_ref(),
         &conds,
+        &refs,
         Some(uncond),
         &req,
         &noise,

@@ -7,6 +7,10 @@
 //!   size, the crop offset and size, the flip, and the encoder's identity string; with
 //!   loss masks ([`LatentCache::with_masks`]), also the mask's source, the latent factor
 //!   and the mask file's SHA-256 (or that there is none), the mask stored as `loss_mask`;
+//!   an image's reference images (edit training) are entries of their own, keyed the same
+//!   way by the reference file's SHA-256 and its resize, crop and flip
+//!   ([`super::reference`]), so a changed reference or reference size recomputes only its
+//!   entries, and a picture several images share is encoded once;
 //! - text (`<dir>/text/`): the caption and the encoder's identity string.
 //!
 //! So a changed image, caption, resolution, crop or encoder misses only the entries it
@@ -20,7 +24,7 @@
 //! computed, and a truncated or otherwise unreadable one is computed again (counted in
 //! [`FillReport::repaired`]). Reading a batch opens only that batch's files.
 
-use super::bucket::{self, Geometry};
+use super::bucket::{self, Geometry, Resample};
 use super::mask::{self, MaskSource};
 use super::source::{BadFile, OnBadFile};
 use super::{data_err, io_err, write_atomic, Dataset};
@@ -165,8 +169,9 @@ fn stamp_of(path: &Path) -> std::io::Result<(u64, u128)> {
     Ok((m.len(), mtime))
 }
 
-/// An image's distinct cache entries: key -> (geometry, flip).
-type Views = BTreeMap<String, (Geometry, bool)>;
+/// An image's distinct cache entries: key -> (which picture: `None` the image, `Some(j)` its
+/// reference j; geometry, flip).
+type Views = BTreeMap<String, (Option<usize>, Geometry, bool)>;
 
 /// Latents on disk, per (image, bucket, crop, flip) and encoder (module doc).
 #[derive(Debug)]
@@ -263,10 +268,16 @@ impl LatentCache {
             true => sha.to_string(),
             false => format!("{sha}\n{mask}"),
         };
+        self.view_key(&sha, ds.options.resample, g, flip)
+    }
+
+    /// The key of a picture of content hash `sha` resized with `resample` and cropped by
+    /// `g`, mirrored when `flip`.
+    fn view_key(&self, sha: &str, resample: Resample, g: &Geometry, flip: bool) -> String {
         sha_hex(&[
             "flame-latent-v1",
-            &sha,
-            ds.options.resample.name(),
+            sha,
+            resample.name(),
             &format!("resized {}x{}", g.resized_width, g.resized_height),
             &format!(
                 "crop {}x{} at left {} top {}",
@@ -339,6 +350,22 @@ impl LatentCache {
                     }
                 }
             }
+            // The references' hashes and sizes (edit training).
+            let mut refs = vec![];
+            for (j, r) in item.references.iter().enumerate() {
+                let sha = self
+                    .content_hash(&r.path)
+                    .map_err(|e| format!("cannot read its reference {}: {e}", r.path.display()));
+                refs.push(sha.and_then(|sha| {
+                    ds.reference_geometry(i, j)
+                        .map(|g| (sha, g))
+                        .map_err(|e| e.to_string())
+                }));
+            }
+            if let Some(Err(why)) = refs.iter().find(|r| r.is_err()) {
+                plan.push((i, Err(why.clone())));
+                continue;
+            }
             if i % world != rank {
                 continue;
             }
@@ -348,7 +375,16 @@ impl LatentCache {
                 for &f in flips {
                     entries.insert(
                         self.key(ds, &sha, &mask_id, &s.geometry, f),
-                        (s.geometry, f),
+                        (None, s.geometry, f),
+                    );
+                }
+            }
+            for (j, r) in refs.into_iter().enumerate() {
+                let Ok((sha, g)) = r else { continue };
+                for &f in flips {
+                    entries.insert(
+                        self.view_key(&sha, super::reference::RESAMPLE, &g, f),
+                        (Some(j), g, f),
                     );
                 }
             }
@@ -376,40 +412,45 @@ impl LatentCache {
                     continue;
                 }
             };
-            let mut image = None;
-            for (key, (geo, flip)) in entries {
+            // Each picture (the image, its references) decoded once, when first needed.
+            let mut pictures: BTreeMap<Option<usize>, image::Rgb32FImage> = BTreeMap::new();
+            for (key, (which, geo, flip)) in entries {
                 let path = self.entry(&key);
                 if entry_ok(&path, &key) {
                     report.reused += 1;
                     p.reused += 1;
                 } else {
-                    if image.is_none() {
-                        match bucket::decode(&item.path) {
-                            Ok(img) => image = Some(img),
+                    let (src, resample, named) = match which {
+                        None => (item.path.clone(), ds.options.resample, String::new()),
+                        Some(j) => {
+                            let r = &item.references[j];
+                            let named = format!("its reference {}: ", r.path.display());
+                            (r.path.clone(), super::reference::RESAMPLE, named)
+                        }
+                    };
+                    if let std::collections::btree_map::Entry::Vacant(e) = pictures.entry(which) {
+                        match bucket::decode(&src) {
+                            Ok(img) => {
+                                e.insert(img);
+                            }
                             Err(why) => {
-                                bad.push((i, why));
+                                bad.push((i, format!("{named}{why}")));
                                 break;
                             }
                         }
                     }
-                    let Some(img) = image.as_ref() else { break };
-                    let x = match bucket::to_tensor(
-                        img,
-                        &geo,
-                        ds.options.resample,
-                        flip,
-                        &item.path,
-                        device,
-                    ) {
+                    let Some(img) = pictures.get(&which) else {
+                        break;
+                    };
+                    let x = match bucket::to_tensor(img, &geo, resample, flip, &src, device) {
                         Ok(x) => x,
                         Err(e) => {
-                            bad.push((i, e.to_string()));
+                            bad.push((i, format!("{named}{e}")));
                             break;
                         }
                     };
-                    let loss_mask = match self.masks {
-                        None => None,
-                        Some((src, factor)) => match mask::mask_tensor(
+                    let loss_mask = match (self.masks, which) {
+                        (Some((src, factor)), None) => match mask::mask_tensor(
                             &item.path,
                             src,
                             &geo,
@@ -424,9 +465,10 @@ impl LatentCache {
                                 break;
                             }
                         },
+                        _ => None,
                     };
                     let repaired = path.exists();
-                    let source = item.path.display().to_string();
+                    let source = src.display().to_string();
                     let written = encode(&x).and_then(|mut enc| {
                         enc.extend(loss_mask.map(|m| (LOSS_MASK.to_string(), m)));
                         write_entry(&path, &key, &source, &self.encoder, &enc)
@@ -489,6 +531,128 @@ impl LatentCache {
             )
         })?;
         Ok(self.entry(&self.key(ds, &sha, &mask, &s.geometry, ds.flip(i, epoch)?)))
+    }
+
+    /// The entry files of sample `i`'s reference images in `epoch` (mirrored with the
+    /// sample), in order; none without references. An error when a reference was not hashed
+    /// by a [`LatentCache::fill`] of this cache.
+    pub fn reference_paths(&self, ds: &Dataset, i: usize, epoch: u64) -> Result<Vec<PathBuf>> {
+        let s = ds.sample(i)?;
+        let item = ds.item(i)?;
+        let flip = ds.flip(i, epoch)?;
+        item.references
+            .iter()
+            .enumerate()
+            .map(|(j, r)| {
+                let sha = self
+                    .files
+                    .get(&r.path)
+                    .map(|s| s.sha256.clone())
+                    .ok_or_else(|| {
+                        data_err(
+                            &r.path,
+                            "this reference is not in the latent cache: fill it first",
+                        )
+                    })?;
+                let g = ds.reference_geometry(s.item, j)?;
+                Ok(self.entry(&self.view_key(&sha, super::reference::RESAMPLE, &g, flip)))
+            })
+            .collect()
+    }
+
+    /// The cached reference images of the samples `batch` in `epoch`, read from disk now:
+    /// per reference (in order), its tensors stacked as [`LatentCache::load_batch`] stacks
+    /// them. Every sample of `batch` must have references of the same count and sizes
+    /// ([`super::BatchSampler`] batches so); none without references.
+    pub fn load_references(
+        &self,
+        ds: &Dataset,
+        batch: &[usize],
+        epoch: u64,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Vec<Vec<(String, Tensor)>>> {
+        let per: Vec<Vec<PathBuf>> = batch
+            .iter()
+            .map(|&i| self.reference_paths(ds, i, epoch))
+            .collect::<Result<_>>()?;
+        let n = per.first().map_or(0, Vec::len);
+        if let Some((k, p)) = per.iter().enumerate().find(|(_, p)| p.len() != n) {
+            return Err(data_err(
+                &ds.item(batch[k])?.path,
+                format!(
+                    "{} reference images, the batch's first image {n}: a batch's images must \
+                     have the same number",
+                    p.len()
+                ),
+            ));
+        }
+        (0..n)
+            .map(|j| {
+                let paths: Vec<PathBuf> = per.iter().map(|p| p[j].clone()).collect();
+                load_stacked(&paths, device, dtype)
+            })
+            .collect()
+    }
+
+    /// Encodes the reference pictures of `pictures` (files with their ways into the model,
+    /// [`super::reference::geometry`]; e.g. the sample prompts' references) not yet on disk,
+    /// unmirrored, as [`LatentCache::fill`] encodes a dataset's references. Errors name the
+    /// file.
+    pub fn fill_pictures(
+        &mut self,
+        pictures: &[(PathBuf, Geometry)],
+        device: &Device,
+        encode: &mut dyn FnMut(&Tensor) -> Result<Encoded>,
+    ) -> Result<FillReport> {
+        let latents = self.dir.join("latents");
+        std::fs::create_dir_all(&latents).map_err(io_err(&latents))?;
+        let mut report = FillReport {
+            total: pictures.len(),
+            ..FillReport::default()
+        };
+        for (src, geo) in pictures {
+            let sha = self.content_hash(src).map_err(io_err(src))?;
+            let key = self.view_key(&sha, super::reference::RESAMPLE, geo, false);
+            let path = self.entry(&key);
+            if entry_ok(&path, &key) {
+                report.reused += 1;
+                continue;
+            }
+            let img = bucket::decode(src).map_err(|why| data_err(src, why))?;
+            let x = bucket::to_tensor(&img, geo, super::reference::RESAMPLE, false, src, device)?;
+            let repaired = path.exists();
+            let written = encode(&x).and_then(|enc| {
+                write_entry(&path, &key, &src.display().to_string(), &self.encoder, &enc)
+            });
+            if let Err(e) = written {
+                let _ = self.save_index();
+                return Err(e);
+            }
+            report.computed += 1;
+            report.repaired += repaired as usize;
+        }
+        self.save_index()?;
+        Ok(report)
+    }
+
+    /// The cached tensors of the picture `src` made as `geo` says (unmirrored), as
+    /// [`LatentCache::fill_pictures`] stored them, each with a batch of one, in `dtype` on
+    /// `device`. An error when it was not filled.
+    pub fn load_picture(
+        &self,
+        src: &Path,
+        geo: &Geometry,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let sha = self
+            .files
+            .get(src)
+            .map(|s| s.sha256.clone())
+            .ok_or_else(|| data_err(src, "not in the latent cache: fill it first"))?;
+        let key = self.view_key(&sha, super::reference::RESAMPLE, geo, false);
+        load_stacked(&[self.entry(&key)], device, dtype)
     }
 
     /// The cached tensors of the samples `batch` in `epoch`, read from disk now: one

@@ -19,10 +19,21 @@
 //! A `data.dirs` folder laid out for kohya's sd-scripts, with its images in subfolders
 //! named `<repeats>_<name>` (`images/10_mychar/`, `images/3_style/`), is read as it is:
 //! each such subfolder's images appear its number times the entry's `repeats` an epoch.
+//!
+//! Edit training (FLUX.2 \[klein\]): a `data.dirs` entry's `references` names folders of
+//! reference images, each holding an image of the same name for every target (ai-toolkit's
+//! `control_path`, one folder per reference):
+//!
+//! ```toml
+//! [[data.dirs]]
+//! path = "edits/target"             # the edited pictures, with the instruction as caption
+//! references = ["edits/control"]    # edits/control/<same name>.* is each one's reference
+//! ```
 
 use super::bucket::{BucketConfig, CropMode, Resample};
 use super::caption::CaptionOptions;
 use super::dataset::DatasetOptions;
+use super::reference::ReferenceOptions;
 use super::source::{OnBadFile, Source};
 use crate::config::{problem_lines, section, Problem};
 use crate::{Error, Result};
@@ -42,6 +53,11 @@ pub struct DirEntry {
     /// `<repeats>_<name>` subfolder's number for that subfolder's images).
     #[serde(default = "one")]
     pub repeats: usize,
+    /// Folders of reference images (edit training, FLUX.2 \[klein\]; ai-toolkit's
+    /// `control_path`): reference i of each image is the image of the same name (any of
+    /// png, jpg, jpeg, webp) in folder i. Empty: none.
+    #[serde(default)]
+    pub references: Vec<PathBuf>,
 }
 
 fn one() -> usize {
@@ -59,12 +75,18 @@ section! {
         /// Image folders, each a `[[data.dirs]]` table with `path` (images: png, jpg, jpeg,
         /// webp, with a .txt caption beside each; subfolders named `<repeats>_<name>`,
         /// kohya's layout, are read too, their images repeated that number times `repeats`;
-        /// other subfolders are not searched) and `repeats` (times each image appears in an
-        /// epoch, default 1). Captions in UTF-8 (a byte-order mark is dropped) or UTF-16
+        /// other subfolders are not searched), `repeats` (times each image appears in an
+        /// epoch, default 1) and `references` (edit training, FLUX.2 klein only: folders of
+        /// reference images, ai-toolkit's control_path; reference i of an image is the image
+        /// of the same name, any extension, in folder i; a missing one is a bad file naming
+        /// both; default []). Captions in UTF-8 (a byte-order mark is dropped) or UTF-16
         /// with its mark; other bytes are read as Windows-1252, with a note.
         dirs: Vec<DirEntry> = Vec::<DirEntry>::new(),
         /// A JSONL manifest of `{"file": ..., "caption": ...}` lines instead of `dirs`
-        /// (`file` relative to the manifest).
+        /// (`file` relative to the manifest; musubi-tuner's `image_path` is read as `file`).
+        /// Edit training (FLUX.2 klein only): a line lists its reference images as
+        /// `"references": [...]`, or musubi-tuner's `"control_path"` (a path or a list) or
+        /// `"control_path_0"`, `"control_path_1"`, ..., relative to the manifest.
         manifest: Option<PathBuf> = None,
         /// Repeats of every manifest image, >= 1.
         manifest_repeats: usize = 1_usize,
@@ -99,6 +121,16 @@ section! {
         validation_split: f64 = 0.0,
         /// A folder of images with captions for the validation loss, instead of a split.
         validation_dir: Option<PathBuf> = None,
+        /// Edit training: the reference folders of validation_dir's images, as a data.dirs
+        /// entry's references (held-out images of a split keep their own references).
+        validation_references: Vec<PathBuf> = Vec::<PathBuf>::new(),
+        /// Edit training: reference images of more than R² pixels are scaled down to that
+        /// area before their sides are floored to multiples of 16 and centre-cropped, as
+        /// diffusers' Flux2KleinPipeline sizes its `image` (its R is 1024, the default;
+        /// musubi-tuner's control_resolution). References of fewer pixels keep their size;
+        /// each reference needs both sides of at least 64 pixels and an aspect ratio of at
+        /// most 8:1 (the pipeline's check).
+        reference_resolution: usize = 1024_usize,
         /// Masked loss from a mask file beside each image (kohya's masked_loss, with
         /// OneTrainer's naming): `<name>-masklabel.png` beside `<name>.png` (or .jpg, ...),
         /// read as grey levels (0 black: no loss, 1 white: full loss); an image without one
@@ -167,8 +199,9 @@ impl DataConfig {
             let paths = c
                 .dirs
                 .iter_mut()
-                .map(|d| &mut d.path)
-                .chain(c.reg_dirs.iter_mut().map(|d| &mut d.path))
+                .chain(c.reg_dirs.iter_mut())
+                .flat_map(|d| std::iter::once(&mut d.path).chain(d.references.iter_mut()))
+                .chain(c.validation_references.iter_mut())
                 .chain(c.manifest.as_mut())
                 .chain(c.cache_dir.as_mut())
                 .chain(c.dir.as_mut())
@@ -249,6 +282,26 @@ impl DataConfig {
                 ),
             );
         }
+        check(
+            self.validation_references.is_empty() || self.validation_dir.is_some(),
+            "data.validation_references",
+            "reference folders for data.validation_dir, which is not given (held-out images \
+             of data.validation_split keep their own references)"
+                .into(),
+        );
+        check(
+            self.reference_resolution >= 64,
+            "data.reference_resolution",
+            format!(
+                "{}: must be at least 64 (references need sides of 64 pixels)",
+                self.reference_resolution
+            ),
+        );
+        check(
+            self.dir.is_none() || !self.dirs.iter().any(|d| !d.references.is_empty()),
+            "data.dirs",
+            "reference images need image data, not data.dir".into(),
+        );
         check(
             self.prior_loss_weight.is_finite() && self.prior_loss_weight >= 0.0,
             "data.prior_loss_weight",
@@ -335,6 +388,21 @@ impl DataConfig {
         }
     }
 
+    /// Whether reference images (edit training) are named in the config: a `data.dirs` or
+    /// `data.reg_dirs` entry's `references`, or `data.validation_references` (a manifest's
+    /// lines are read at the scan). The key that names them, if any.
+    pub fn reference_key(&self) -> Option<&'static str> {
+        if self.dirs.iter().any(|d| !d.references.is_empty()) {
+            Some("data.dirs")
+        } else if self.reg_dirs.iter().any(|d| !d.references.is_empty()) {
+            Some("data.reg_dirs")
+        } else if !self.validation_references.is_empty() {
+            Some("data.validation_references")
+        } else {
+            None
+        }
+    }
+
     /// Whether the samples are images (`dirs` or `manifest`), not pre-encoded (`dir`).
     pub fn images(&self) -> bool {
         self.dir.is_none()
@@ -360,6 +428,7 @@ impl DataConfig {
                 .map(|d| Source::Folder {
                     dir: d.path.clone(),
                     repeats: d.repeats,
+                    references: d.references.clone(),
                 })
                 .collect(),
         };
@@ -380,6 +449,12 @@ impl DataConfig {
             },
             on_bad_file: self.on_bad_file,
             seed,
+            references: ReferenceOptions {
+                max_pixels: self
+                    .reference_resolution
+                    .saturating_mul(self.reference_resolution),
+                ..ReferenceOptions::default()
+            },
         })
     }
 }

@@ -2,6 +2,7 @@
 
 use super::bucket::{self, Bucket, BucketConfig, CropMode, Geometry, Resample};
 use super::caption::CaptionOptions;
+use super::reference::{self, ReferenceOptions};
 use super::source::{self, BadFile, Item, OnBadFile, Source};
 use super::{data_err, draw, purpose, unit};
 use crate::nn::key_hash;
@@ -28,6 +29,8 @@ pub struct DatasetOptions {
     pub on_bad_file: OnBadFile,
     /// The seed of every draw.
     pub seed: u64,
+    /// How reference images (edit training, [`Item::references`]) are sized.
+    pub references: ReferenceOptions,
 }
 
 /// One sample: an image's `repeat`-th appearance in an epoch.
@@ -284,6 +287,45 @@ impl Dataset {
         })
     }
 
+    /// Whether any image has reference images (edit training).
+    pub fn has_references(&self) -> bool {
+        self.items.iter().any(|it| !it.references.is_empty())
+    }
+
+    /// The way of reference `j` of item `item` into the model ([`reference::geometry`] with
+    /// `options.references`). Errors name the image and the reference.
+    pub fn reference_geometry(&self, item: usize, j: usize) -> Result<super::Geometry> {
+        let it = self
+            .items
+            .get(item)
+            .ok_or_else(|| data_err(std::path::Path::new("."), format!("item {item} missing")))?;
+        let r = it.references.get(j).ok_or_else(|| {
+            data_err(
+                &it.path,
+                format!("no reference {j} ({} references)", it.references.len()),
+            )
+        })?;
+        reference::geometry(r.width, r.height, &self.options.references).map_err(|why| {
+            data_err(
+                &it.path,
+                format!("its reference {}: {why}", r.path.display()),
+            )
+        })
+    }
+
+    /// The sizes (width, height) in pixels of item `item`'s references as the model sees
+    /// them, in order; pictures that cannot be references are left out (the scan and the
+    /// cache fill report them).
+    pub fn reference_sizes(&self, item: usize) -> Vec<(usize, usize)> {
+        let Some(it) = self.items.get(item) else {
+            return vec![];
+        };
+        (0..it.references.len())
+            .filter_map(|j| self.reference_geometry(item, j).ok())
+            .map(|g| (g.bucket.width, g.bucket.height))
+            .collect()
+    }
+
     /// Whether sample `i` is mirrored in `epoch`.
     pub fn flip(&self, i: usize, epoch: u64) -> Result<bool> {
         let s = self.sample(i)?;
@@ -306,15 +348,23 @@ impl Dataset {
         Ok(self.sample(i)?.geometry.time_ids(self.flip(i, epoch)?))
     }
 
-    /// Decodes every item's pixels (in parallel) and returns the ones that fail, in item
-    /// order, as [`BadFile`]s: what a cache fill would meet, found without encoding (a
-    /// truncated file passes the scan, which reads headers only).
+    /// Decodes every item's pixels and its references' (in parallel) and returns the items
+    /// that fail, in item order, as [`BadFile`]s: what a cache fill would meet, found
+    /// without encoding (a truncated file passes the scan, which reads headers only).
     pub fn check_pixels(&self) -> Vec<BadFile> {
         use rayon::prelude::*;
         self.items
             .par_iter()
             .filter_map(|it| {
-                bucket::decode(&it.path).err().map(|reason| BadFile {
+                let image = bucket::decode(&it.path).err();
+                let reason = image.or_else(|| {
+                    it.references.iter().find_map(|r| {
+                        bucket::decode(&r.path)
+                            .err()
+                            .map(|why| format!("its reference {}: {why}", r.path.display()))
+                    })
+                })?;
+                Some(BadFile {
                     path: it.path.clone(),
                     reason,
                 })
@@ -381,10 +431,17 @@ pub fn reg_repeats(train: usize, given: &[usize]) -> Vec<usize> {
 /// (seed, epoch) alone: each bucket's samples in a seeded order, cut into batches, and the
 /// batches of all buckets in a seeded order; every epoch has the same number of batches, so
 /// a global batch position maps to (epoch, batch) and a resumed run repeats its data.
+///
+/// With reference images (edit training) a bucket's samples are grouped further by the
+/// sizes of their references (count and each one's size, as the model sees them), so that
+/// every batch stacks: a group is the target's bucket and one such list (musubi-tuner's
+/// buckets of target and control resolution).
 #[derive(Clone, Debug)]
 pub struct BatchSampler {
     /// (bucket, its sample indices ascending), buckets in the dataset's order.
     groups: Vec<(Bucket, Vec<usize>)>,
+    /// Each group's reference sizes (empty lists without references).
+    reference_sizes: Vec<Vec<(usize, usize)>>,
     batch_size: usize,
     drop_incomplete: bool,
     seed: u64,
@@ -402,19 +459,37 @@ impl BatchSampler {
                 &shape,
             ));
         }
-        let groups: Vec<(Bucket, Vec<usize>)> = ds
-            .buckets
-            .iter()
-            .map(|&b| {
-                let idx = (0..ds.samples.len())
-                    .filter(|&i| ds.samples[i].geometry.bucket == b)
+        // The reference sizes of each item, once (none without references).
+        let sizes: Vec<Vec<(usize, usize)>> =
+            (0..ds.items.len()).map(|i| ds.reference_sizes(i)).collect();
+        let mut groups: Vec<(Bucket, Vec<usize>)> = vec![];
+        let mut reference_sizes = vec![];
+        for &b in &ds.buckets {
+            let idx: Vec<usize> = (0..ds.samples.len())
+                .filter(|&i| ds.samples[i].geometry.bucket == b)
+                .collect();
+            // Within a bucket, one group per list of reference sizes, in order of first
+            // appearance (a single group without references).
+            let mut lists: Vec<&Vec<(usize, usize)>> = vec![];
+            for &i in &idx {
+                let l = &sizes[ds.samples[i].item];
+                if !lists.contains(&l) {
+                    lists.push(l);
+                }
+            }
+            for l in lists {
+                let these: Vec<usize> = idx
+                    .iter()
+                    .copied()
+                    .filter(|&i| &sizes[ds.samples[i].item] == l)
                     .collect();
-                (b, idx)
-            })
-            .filter(|(_, v): &(Bucket, Vec<usize>)| !v.is_empty())
-            .collect();
+                groups.push((b, these));
+                reference_sizes.push(l.clone());
+            }
+        }
         let s = BatchSampler {
             groups,
+            reference_sizes,
             batch_size,
             drop_incomplete,
             seed: ds.options.seed,
@@ -429,9 +504,16 @@ impl BatchSampler {
         Ok(s)
     }
 
-    /// The buckets in use with their sample counts.
+    /// The buckets in use with their sample counts (a bucket once per list of reference
+    /// sizes, [`BatchSampler::reference_sizes`]).
     pub fn bucket_sizes(&self) -> Vec<(Bucket, usize)> {
         self.groups.iter().map(|(b, v)| (*b, v.len())).collect()
+    }
+
+    /// The reference sizes (width, height) of each group, in the order of
+    /// [`BatchSampler::bucket_sizes`] (empty lists without references).
+    pub fn reference_sizes(&self) -> &[Vec<(usize, usize)>] {
+        &self.reference_sizes
     }
 
     /// Batches in every epoch.
@@ -448,16 +530,18 @@ impl BatchSampler {
     /// The batches of `epoch`, in order: sample indices, all of one bucket per batch.
     pub fn epoch(&self, epoch: u64) -> Vec<Vec<usize>> {
         let mut batches = vec![];
-        for (b, idx) in &self.groups {
-            let bucket_seed = draw(
-                self.seed,
-                &[
-                    epoch,
-                    purpose("bucket-order"),
-                    b.width as u64,
-                    b.height as u64,
-                ],
-            );
+        for ((b, idx), refs) in self.groups.iter().zip(&self.reference_sizes) {
+            let mut parts = vec![
+                epoch,
+                purpose("bucket-order"),
+                b.width as u64,
+                b.height as u64,
+            ];
+            // Groups of one bucket apart by their references (none: the draw as before).
+            for &(w, h) in refs {
+                parts.extend([w as u64, h as u64]);
+            }
+            let bucket_seed = draw(self.seed, &parts);
             let order: Vec<usize> = permutation(idx.len(), bucket_seed)
                 .into_iter()
                 .map(|k| idx[k])

@@ -18,6 +18,8 @@
 //!   caller's encoder and read back batch by batch.
 //! - [`mask`]: loss masks from `<name>-masklabel.png` files or alpha channels, on the
 //!   latent grid, cached with the latents.
+//! - [`reference`](mod@reference): reference images of edit training (FLUX.2 \[klein\]), sized as
+//!   diffusers' Flux2KleinPipeline sizes them, cached as latents of their own.
 //! - [`png`]: images and the loss plot (axis titles, tick labels and a legend in a built-in
 //!   5x7 pixel font) written as PNG files, atomically.
 //! - [`config`]: the `[data]` table of the train config.
@@ -34,6 +36,7 @@ pub mod config;
 mod dataset;
 pub mod mask;
 pub mod png;
+pub mod reference;
 pub mod source;
 
 pub use bucket::{buckets, Bucket, BucketConfig, CropMode, Geometry, Resample};
@@ -43,7 +46,8 @@ pub use config::{DataConfig, DirEntry};
 pub use dataset::{reg_repeats, BatchSampler, Dataset, DatasetOptions, Sample};
 pub use mask::MaskSource;
 pub use png::{plot_loss, save_png};
-pub use source::{scan, scan_for, BadFile, Item, OnBadFile, Scan, Source};
+pub use reference::ReferenceOptions;
+pub use source::{scan, scan_for, BadFile, Item, OnBadFile, Reference, Scan, Source};
 
 use crate::nn::{key_hash, mix64, GOLDEN};
 use crate::Error;

@@ -3,6 +3,22 @@
 //! `{"file": "...", "caption": "..."}` object a line (`file` relative to the manifest's
 //! folder). Every source has a `repeats` count: its images appear that many times an epoch.
 //!
+//! Edit training (FLUX.2 \[klein\]) gives each image the reference images it was made from
+//! ([`Item::references`], sized as [`super::reference`] says):
+//! - a folder source names reference folders (ai-toolkit's `control_path`, one folder or a
+//!   list): reference i of an image is the image of the same name in folder i, whatever its
+//!   extension (`edits/cat.png` takes `control/cat.jpg`; a `<repeats>_<name>` subfolder's
+//!   image `10_x/cat.png` takes `control/10_x/cat.*`), the first of png, jpg, jpeg, webp
+//!   (lower case, then upper);
+//! - a manifest line lists them: `"references": ["a.png", "b.png"]` (FLAME's), or
+//!   musubi-tuner's `"control_path": "a.png"` (a string or a list) or numbered
+//!   `"control_path_0"`, `"control_path_1"`, ...; its target may be named `"image_path"`
+//!   (musubi-tuner's) instead of `"file"`. Paths are relative to the manifest's folder.
+//!
+//! A reference that is missing, unreadable or unfit ([`super::reference::unfit`]) makes its
+//! image a [`BadFile`] naming the image and the reference; a reference folder that does not
+//! exist is an error.
+//!
 //! A folder's subfolders are searched only when named `<repeats>_<name>` (a number >= 1, an
 //! underscore, any name: `10_mychar`, `3_style`), the layout kohya's sd-scripts read: each
 //! such subfolder is scanned as a folder of its own whose images appear (that number × the
@@ -60,9 +76,13 @@ pub enum Source {
         /// Times each image appears in an epoch (at least 1); a `<repeats>_<name>`
         /// subfolder's images appear this times its number.
         repeats: usize,
+        /// Reference folders (edit training; module docs): each image's reference i is its
+        /// namesake in folder i. Empty: no references.
+        references: Vec<PathBuf>,
     },
     /// A JSONL file of `{"file": ..., "caption": ...}` lines (blank lines ignored); `file`
-    /// relative to the manifest's folder; in line order.
+    /// relative to the manifest's folder; in line order. A line may list reference images
+    /// (module docs).
     Manifest {
         /// The manifest file.
         path: PathBuf,
@@ -102,6 +122,19 @@ pub struct Item {
     /// A regularisation (prior-preservation) image (`data.reg_dirs`): its loss is weighted
     /// by `data.prior_loss_weight`.
     pub reg: bool,
+    /// The reference images it was made from, in order (edit training; module docs).
+    pub references: Vec<Reference>,
+}
+
+/// A reference image of an [`Item`]: a picture its target was made from (edit training).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reference {
+    /// The picture file.
+    pub path: PathBuf,
+    /// Width in pixels, from the file's header.
+    pub width: usize,
+    /// Height in pixels, from the file's header.
+    pub height: usize,
 }
 
 /// A file that could not be used, and why.
@@ -154,8 +187,10 @@ impl Scan {
         }
     }
 
-    /// Adds the image at `path` with its caption (or why it has none), or reports it; with
-    /// `limits`, an image [`unfit`] for them is reported too.
+    /// Adds the image at `path` with its caption (or why it has none) and its reference
+    /// images (or why one is missing or cannot be one), or reports it; with `limits`, an
+    /// image [`unfit`] for them is reported too.
+    #[allow(clippy::too_many_arguments)]
     fn add(
         &mut self,
         on_bad: OnBadFile,
@@ -164,6 +199,7 @@ impl Scan {
         name: String,
         caption: std::result::Result<String, String>,
         repeats: usize,
+        references: std::result::Result<Vec<PathBuf>, String>,
     ) -> Result<()> {
         if path.to_str().is_none() {
             return self.bad(
@@ -185,6 +221,14 @@ impl Scan {
         if let Some(why) = limits.and_then(|cfg| unfit(width, height, cfg)) {
             return self.bad(on_bad, path, why);
         }
+        let references = match references.and_then(|refs| {
+            refs.into_iter()
+                .map(|r| reference(&r))
+                .collect::<std::result::Result<Vec<_>, String>>()
+        }) {
+            Ok(r) => r,
+            Err(why) => return self.bad(on_bad, path, why),
+        };
         self.items.push(Item {
             path: path.to_path_buf(),
             name,
@@ -193,9 +237,61 @@ impl Scan {
             height,
             repeats,
             reg: false,
+            references,
         });
         Ok(())
     }
+}
+
+/// The reference at `path` with its size, or why it cannot be one: a path that is not
+/// UTF-8, a header that cannot be read, a picture the pipeline refuses
+/// ([`super::reference::unfit`]).
+fn reference(path: &Path) -> std::result::Result<Reference, String> {
+    if path.to_str().is_none() {
+        return Err(format!(
+            "its reference {} has a path that is not valid UTF-8 (the caches key images by \
+             path)",
+            path.display()
+        ));
+    }
+    let (width, height) =
+        image_size(path).map_err(|why| format!("its reference {}: {why}", path.display()))?;
+    if let Some(why) = super::reference::unfit(width, height) {
+        return Err(format!("its reference {}: {why}", path.display()));
+    }
+    Ok(Reference {
+        path: path.to_path_buf(),
+        width,
+        height,
+    })
+}
+
+/// The references of the image named `name` in a folder source (its name in the source:
+/// `cat.png`, `10_x/cat.png`): in each reference folder, the first of `<stem>.png`, `.jpg`,
+/// `.jpeg`, `.webp` (lower case, then upper) that exists; `Err` names the first folder
+/// without one.
+fn folder_references(name: &str, folders: &[PathBuf]) -> std::result::Result<Vec<PathBuf>, String> {
+    let stem = Path::new(name).with_extension("");
+    let stem = stem.to_string_lossy();
+    folders
+        .iter()
+        .map(|dir| {
+            IMAGE_EXTENSIONS
+                .iter()
+                .map(|e| e.to_string())
+                .chain(IMAGE_EXTENSIONS.iter().map(|e| e.to_ascii_uppercase()))
+                .map(|e| dir.join(format!("{stem}.{e}")))
+                .find(|p| p.is_file())
+                .ok_or_else(|| {
+                    format!(
+                        "its reference {} is missing (no {stem}.png, .jpg, .jpeg or .webp in \
+                         the reference folder {})",
+                        dir.join(format!("{stem}.*")).display(),
+                        dir.display()
+                    )
+                })
+        })
+        .collect()
 }
 
 /// An image's (width, height) from its header; `Err` says why it cannot be read.
@@ -382,9 +478,19 @@ fn scan_folder(
     scan: &mut Scan,
     dir: &Path,
     repeats: usize,
+    references: &[PathBuf],
     on_bad: OnBadFile,
     limits: Option<&BucketConfig>,
 ) -> Result<()> {
+    if let Some(r) = references.iter().find(|r| !r.is_dir()) {
+        return Err(data_err(
+            r,
+            format!(
+                "the reference folder of {} is not a folder (or does not exist)",
+                dir.display()
+            ),
+        ));
+    }
     let before = scan.items.len();
     let all = entries(dir)?;
     let mut images: Vec<(PathBuf, String, usize)> = all
@@ -444,7 +550,8 @@ fn scan_folder(
             Err(why) => (Err(why), None),
         };
         let used = scan.items.len();
-        scan.add(on_bad, limits, &image, name, caption, times)?;
+        let refs = folder_references(&name, references);
+        scan.add(on_bad, limits, &image, name, caption, times, refs)?;
         // Only images that are used: a skipped one is reported as such.
         if scan.items.len() > used {
             scan.notes.extend(note);
@@ -525,9 +632,13 @@ fn scan_sources(
     let mut scan = Scan::default();
     for source in sources {
         match source {
-            Source::Folder { dir, repeats } => {
+            Source::Folder {
+                dir,
+                repeats,
+                references,
+            } => {
                 check_repeats(dir, *repeats)?;
-                scan_folder(&mut scan, dir, *repeats, on_bad, limits)?;
+                scan_folder(&mut scan, dir, *repeats, references, on_bad, limits)?;
             }
             Source::Manifest { path, repeats } => {
                 check_repeats(path, *repeats)?;
@@ -550,13 +661,23 @@ fn scan_sources(
                     if line.trim().is_empty() {
                         continue;
                     }
-                    let (file, caption) = manifest_line(line)
+                    let line = manifest_line(line)
                         .map_err(|msg| data_err(path, format!("line {}: {msg}", i + 1)))?;
-                    let image = base.join(&file);
-                    let caption = caption.ok_or_else(|| {
+                    let image = base.join(&line.file);
+                    let caption = line.caption.ok_or_else(|| {
                         format!("no caption (manifest {} line {})", path.display(), i + 1)
                     });
-                    scan.add(on_bad, limits, &image, file, caption, *repeats)?;
+                    let refs: Vec<PathBuf> = line.references.iter().map(|r| base.join(r)).collect();
+                    let refs = match refs.iter().find(|r| !r.is_file()) {
+                        Some(r) => Err(format!(
+                            "its reference {} is missing (manifest {} line {})",
+                            r.display(),
+                            path.display(),
+                            i + 1
+                        )),
+                        None => Ok(refs),
+                    };
+                    scan.add(on_bad, limits, &image, line.file, caption, *repeats, refs)?;
                 }
             }
         }
@@ -577,29 +698,105 @@ fn check_repeats(path: &Path, repeats: usize) -> Result<()> {
     Ok(())
 }
 
-/// `file` and `caption` (absent or null: `None`) of a manifest line.
-fn manifest_line(line: &str) -> std::result::Result<(String, Option<String>), String> {
+/// One manifest line: its image, caption (absent or null: `None`) and reference images as
+/// written.
+struct ManifestLine {
+    file: String,
+    caption: Option<String>,
+    references: Vec<String>,
+}
+
+/// A manifest line's fields (module docs): the image as `"file"` or musubi-tuner's
+/// `"image_path"`, `"caption"`, and the references as `"references"` (a list), or
+/// musubi-tuner's `"control_path"` (a string or a list) or `"control_path_<n>"` (in the
+/// order of n); one of those forms a line.
+fn manifest_line(line: &str) -> std::result::Result<ManifestLine, String> {
     let v: serde_json::Value =
         serde_json::from_str(line).map_err(|e| format!("not a JSON object: {e}"))?;
     let obj = v
         .as_object()
         .ok_or_else(|| "not a JSON object".to_string())?;
+    let numbered = |k: &str| {
+        k.strip_prefix("control_path_")
+            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|n| n.parse::<usize>().ok())
+    };
     for k in obj.keys() {
-        if k != "file" && k != "caption" {
+        let known = matches!(
+            k.as_str(),
+            "file" | "image_path" | "caption" | "references" | "control_path"
+        ) || numbered(k).is_some();
+        if !known {
             return Err(format!(
-                "unknown key \"{k}\" (expected \"file\" and \"caption\")"
+                "unknown key \"{k}\" (expected \"file\" or \"image_path\", \"caption\", and \
+                 for reference images \"references\", \"control_path\" or \
+                 \"control_path_<n>\")"
             ));
         }
     }
-    let file = obj
-        .get("file")
-        .and_then(|f| f.as_str())
-        .filter(|f| !f.is_empty())
-        .ok_or_else(|| "\"file\" must be a non-empty string".to_string())?;
+    let file = match (obj.get("file"), obj.get("image_path")) {
+        (Some(_), Some(_)) => {
+            return Err("both \"file\" and \"image_path\" are given: use one".into());
+        }
+        (Some(f), None) | (None, Some(f)) => f,
+        (None, None) => return Err("no \"file\" (or \"image_path\")".into()),
+    };
+    let file = file.as_str().filter(|f| !f.is_empty()).ok_or_else(|| {
+        "the image (\"file\" or \"image_path\") must be a non-empty string".to_string()
+    })?;
     let caption = match obj.get("caption") {
         None | Some(serde_json::Value::Null) => None,
         Some(serde_json::Value::String(c)) => Some(c.clone()),
         Some(other) => return Err(format!("\"caption\" must be a string, not {other}")),
     };
-    Ok((file.to_string(), caption))
+    let path_of = |key: &str, v: &serde_json::Value| -> std::result::Result<String, String> {
+        v.as_str()
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .ok_or_else(|| format!("\"{key}\" must hold non-empty strings (paths), not {v}"))
+    };
+    let list = |key: &str, v: &serde_json::Value| -> std::result::Result<Vec<String>, String> {
+        match v {
+            serde_json::Value::Array(a) => a.iter().map(|x| path_of(key, x)).collect(),
+            other => Ok(vec![path_of(key, other)?]),
+        }
+    };
+    let mut numbered_refs: Vec<(usize, &serde_json::Value)> = obj
+        .iter()
+        .filter_map(|(k, v)| numbered(k).map(|n| (n, v)))
+        .collect();
+    numbered_refs.sort_by_key(|(n, _)| *n);
+    let forms = [
+        obj.contains_key("references"),
+        obj.contains_key("control_path"),
+        !numbered_refs.is_empty(),
+    ];
+    if forms.iter().filter(|&&f| f).count() > 1 {
+        return Err(
+            "reference images given in two forms (\"references\", \"control_path\", \
+             \"control_path_<n>\"): use one"
+                .into(),
+        );
+    }
+    let references = match (obj.get("references"), obj.get("control_path")) {
+        (Some(serde_json::Value::Array(a)), _) => a
+            .iter()
+            .map(|x| path_of("references", x))
+            .collect::<std::result::Result<_, _>>()?,
+        (Some(other), _) => {
+            return Err(format!(
+                "\"references\" must be a list of paths, not {other}"
+            ))
+        }
+        (None, Some(c)) => list("control_path", c)?,
+        (None, None) => numbered_refs
+            .iter()
+            .map(|(n, v)| path_of(&format!("control_path_{n}"), v))
+            .collect::<std::result::Result<_, _>>()?,
+    };
+    Ok(ManifestLine {
+        file: file.to_string(),
+        caption,
+        references,
+    })
 }

@@ -111,6 +111,30 @@ pub trait DiffusionModel: Send + Sync {
     /// order (each (B, ...)) and the guidance scale of guidance-distilled models (others
     /// ignore it). Returns (B, C, H, W).
     fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], guidance: f64) -> Result<Tensor>;
+    /// [`predict`](Self::predict) conditioned on reference images as well (FLUX.2 \[klein\]'s
+    /// editing): `refs` are their latents, each (B, C, h_i, w_i) in the latent space of `xt`,
+    /// any count and sizes. With none this is `predict`; a model of a family that takes no
+    /// references ([`Family::references`]) refuses any.
+    fn predict_with_references(
+        &self,
+        xt: &Tensor,
+        t: &Tensor,
+        cond: &[Tensor],
+        refs: &[Tensor],
+        guidance: f64,
+    ) -> Result<Tensor> {
+        if refs.is_empty() {
+            return self.predict(xt, t, cond, guidance);
+        }
+        Err(Error::Config {
+            path: None,
+            msg: format!(
+                "{} takes no reference images ({} given; FLUX.2 [klein] does)",
+                self.family().name,
+                refs.len()
+            ),
+        })
+    }
     /// Announces the inputs of a coming `predict` (`xt` may be any latents of its shape and
     /// dtype: the conditioning depends on `t`, `cond` and `guidance` only). A model whose
     /// streamed blocks compute their conditioning products on the host
@@ -205,6 +229,9 @@ pub trait ModelSpec: DiffusionModel + Sized + 'static {
     /// The module names other trainers' LoRA files give the model's layers (ai-toolkit's,
     /// musubi-tuner's: `adapter.format`); none by default.
     const TOOL_NAMES: ToolNames = ToolNames::NONE;
+    /// Whether its models condition on reference images
+    /// ([`DiffusionModel::predict_with_references`]).
+    const REFERENCES: bool = false;
     /// The family's registry entry.
     fn entry() -> &'static Family;
     /// From a diffusers `config.json`.
@@ -594,6 +621,9 @@ pub struct Family {
     pub diffusers_class: &'static str,
     /// The module names of other trainers' LoRA files ([`ModelSpec::TOOL_NAMES`]).
     pub tool_names: ToolNames,
+    /// Whether its models condition on reference images ([`ModelSpec::REFERENCES`]: edit
+    /// training and sampling).
+    pub references: bool,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
     profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
     probe: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
@@ -615,6 +645,7 @@ impl Family {
             signature: M::SIGNATURE,
             diffusers_class: M::DIFFUSERS_CLASS,
             tool_names: M::TOOL_NAMES,
+            references: M::REFERENCES,
             load: load_boxed::<M>,
             profile: profile_boxed::<M>,
             probe: probe_boxed::<M>,

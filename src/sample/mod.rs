@@ -242,6 +242,23 @@ pub fn denoise(
     noise: &Tensor,
     cond: &[Tensor],
     guidance: &Guidance,
+    on_step: Option<OnStep<'_>>,
+) -> Result<Tensor> {
+    denoise_with(model, schedule, noise, cond, &[], guidance, on_step)
+}
+
+/// [`denoise`] conditioned on reference images too (FLUX.2 \[klein\]'s editing): `refs` are
+/// their latents, each (B, C, h_i, w_i) with the noise's batch, given to every prediction
+/// ([`DiffusionModel::predict_with_references`]), the unconditional one of classifier-free
+/// guidance included, as diffusers' `Flux2KleinPipeline` gives its `image_latents` to both.
+/// Refused, before the model runs, for a family that takes no references.
+pub fn denoise_with(
+    model: &dyn DiffusionModel,
+    schedule: &dyn Schedule,
+    noise: &Tensor,
+    cond: &[Tensor],
+    refs: &[Tensor],
+    guidance: &Guidance,
     mut on_step: Option<OnStep<'_>>,
 ) -> Result<Tensor> {
     let steps = schedule.timesteps().len();
@@ -276,6 +293,28 @@ pub fn denoise(
         ));
     }
     check_cond(model, "cond", cond, noise.shape())?;
+    if !refs.is_empty() && !model.family().references {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "denoise: {} reference image(s) given, and {} takes none (FLUX.2 [klein] does)",
+                refs.len(),
+                model.family().name
+            ),
+        });
+    }
+    if let Some(r) = refs
+        .iter()
+        .find(|r| r.rank() != 4 || r.dims()[0] != noise.dims()[0])
+    {
+        return Err(invalid(
+            format!(
+                "a reference's latents must be (B, C, h, w) with the noise's batch {}",
+                noise.dims()[0]
+            ),
+            r.shape(),
+        ));
+    }
     let cfg = match &guidance.cfg {
         Some(c) => {
             check_scale("the classifier-free guidance scale", c.scale)?;
@@ -335,11 +374,16 @@ pub fn denoise(
         DType::F32,
         dev,
     )?)?;
+    let refs = refs
+        .iter()
+        .map(|r| r.to_dtype(dtype))
+        .collect::<Result<Vec<_>>>()?;
     // The batched guidance's conditioning, [cond; uncond] along the batch, made once: the
     // same tensors go to every step (a model may key work it derives from them on them).
-    let both_cond = match cfg {
-        Some(c) if c.batched => Some(doubled(cond, &c.uncond)?),
-        _ => None,
+    // The references are the same for both halves.
+    let (both_cond, both_refs) = match cfg {
+        Some(c) if c.batched => (Some(doubled(cond, &c.uncond)?), doubled(&refs, &refs)?),
+        _ => (None, vec![]),
     };
     for i in 0..steps {
         let input = schedule.scale_model_input(&x, i)?.to_dtype(dtype)?;
@@ -350,10 +394,11 @@ pub fn denoise(
             (Some(_), Some(both_cond)) => {
                 // [cond; uncond] rows through the model at once, then split.
                 let both = model
-                    .predict(
+                    .predict_with_references(
                         &Tensor::cat(&[&input, &input], 0)?,
                         &Tensor::cat(&[&t, &t], 0)?,
                         both_cond,
+                        &both_refs,
                         distilled,
                     )?
                     .to_dtype(DType::F32)?;
@@ -361,17 +406,17 @@ pub fn denoise(
             }
             (Some(c), None) => (
                 model
-                    .predict(&input, &t, cond, distilled)?
+                    .predict_with_references(&input, &t, cond, &refs, distilled)?
                     .to_dtype(DType::F32)?,
                 Some(
                     model
-                        .predict(&input, &t, &c.uncond, distilled)?
+                        .predict_with_references(&input, &t, &c.uncond, &refs, distilled)?
                         .to_dtype(DType::F32)?,
                 ),
             ),
             (None, _) => (
                 model
-                    .predict(&input, &t, cond, distilled)?
+                    .predict_with_references(&input, &t, cond, &refs, distilled)?
                     .to_dtype(DType::F32)?,
                 None,
             ),
@@ -541,6 +586,31 @@ pub fn generate_watched(
     noise: &[Tensor],
     on_step: &mut dyn FnMut(usize, &StepInfo<'_>) -> Result<()>,
 ) -> Result<Vec<Tensor>> {
+    generate_referenced(model, conds, &[], uncond, req, noise, on_step)
+}
+
+/// [`generate_watched`] with reference images: `refs[i]` are image i's references' latents,
+/// each (1, C, h, w) ([`denoise_with`]); `refs` empty: none for any image, else one list per
+/// conditioning (an empty list: that image has none).
+pub fn generate_referenced(
+    model: &dyn DiffusionModel,
+    conds: &[Vec<Tensor>],
+    refs: &[Vec<Tensor>],
+    uncond: Option<Vec<Tensor>>,
+    req: &Request,
+    noise: &[Tensor],
+    on_step: &mut dyn FnMut(usize, &StepInfo<'_>) -> Result<()>,
+) -> Result<Vec<Tensor>> {
+    if !refs.is_empty() && refs.len() != conds.len() {
+        return Err(Error::Config {
+            path: None,
+            msg: format!(
+                "{} lists of reference images for {} prompts: give one per prompt",
+                refs.len(),
+                conds.len()
+            ),
+        });
+    }
     if noise.len() != conds.len() {
         return Err(Error::Config {
             path: None,
@@ -596,11 +666,12 @@ pub fn generate_watched(
                 crate::progress::tick();
                 on_step(i, s)
             };
-            denoise(
+            denoise_with(
                 model,
                 schedule.as_ref(),
                 &z,
                 cond,
+                refs.get(i).map_or(&[][..], Vec::as_slice),
                 &guidance,
                 Some(&mut each),
             )

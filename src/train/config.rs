@@ -934,6 +934,52 @@ section! {
     }
 }
 
+/// One `[sample]` prompt: its text, or a table of its text and its reference images (edit
+/// sampling).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SamplePrompt {
+    /// The prompt alone.
+    Text(String),
+    /// `{ prompt = "...", references = [...] }`.
+    Table(PromptTable),
+}
+
+/// A `[sample]` prompt with reference images.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromptTable {
+    /// The prompt.
+    pub prompt: String,
+    /// Its reference images, in order (relative to the config file).
+    #[serde(default)]
+    pub references: Vec<PathBuf>,
+}
+
+impl SamplePrompt {
+    /// The prompt's text.
+    pub fn text(&self) -> &str {
+        match self {
+            SamplePrompt::Text(t) => t,
+            SamplePrompt::Table(t) => &t.prompt,
+        }
+    }
+
+    /// Its reference images (none for a plain prompt).
+    pub fn references(&self) -> &[PathBuf] {
+        match self {
+            SamplePrompt::Text(_) => &[],
+            SamplePrompt::Table(t) => &t.references,
+        }
+    }
+}
+
+impl From<&str> for SamplePrompt {
+    fn from(t: &str) -> Self {
+        SamplePrompt::Text(t.to_string())
+    }
+}
+
 section! {
     /// `[sample]`: images made with the model being trained, written to `samples/` in the
     /// output folder, the same prompts and seeds each time.
@@ -941,8 +987,11 @@ section! {
         /// Sample every this many steps (0: only at the end of the run); nothing without
         /// prompts.
         every: usize = 0_usize,
-        /// The prompts, one image each.
-        prompts: Vec<String> = Vec::<String>::new(),
+        /// The prompts, one image each: strings, or tables `{ prompt = "...", references =
+        /// ["a.png", ...] }` whose reference images (edit sampling, FLUX.2 klein only) the
+        /// image is conditioned on, sized as data.reference_resolution says and encoded with
+        /// the training data.
+        prompts: Vec<SamplePrompt> = Vec::<SamplePrompt>::new(),
         /// The negative prompt of classifier-free guidance (SD3, SDXL).
         negative_prompt: String = "",
         /// The initial noise of prompt i is drawn from seed + i.
@@ -1234,8 +1283,16 @@ impl TrainConfig {
         if let Some(base) = path.and_then(Path::parent) {
             let d = &mut c.data;
             let mut paths: Vec<&mut PathBuf> = vec![&mut c.model.path, &mut c.train.output_dir];
-            paths.extend(d.dirs.iter_mut().map(|e| &mut e.path));
-            paths.extend(d.reg_dirs.iter_mut().map(|e| &mut e.path));
+            for e in d.dirs.iter_mut().chain(d.reg_dirs.iter_mut()) {
+                paths.push(&mut e.path);
+                paths.extend(e.references.iter_mut());
+            }
+            paths.extend(d.validation_references.iter_mut());
+            for p in c.sample.prompts.iter_mut() {
+                if let SamplePrompt::Table(t) = p {
+                    paths.extend(t.references.iter_mut());
+                }
+            }
             paths.extend(
                 [
                     &mut c.model.config,
@@ -1817,6 +1874,28 @@ impl TrainConfig {
                 e.t5_tokens
             ),
         );
+        // Reference images (edit training and sampling) for a family whose models take them.
+        let references = crate::models::family(&self.model.arch).is_ok_and(|f| f.references);
+        if !references {
+            let named = self.data.reference_key().or_else(|| {
+                sm.prompts
+                    .iter()
+                    .any(|p| !p.references().is_empty())
+                    .then_some("sample.prompts")
+            });
+            if let Some(key) = named {
+                c.check(
+                    false,
+                    key,
+                    format!(
+                        "reference images (edit training) for model.arch = {:?}, whose models \
+                         take none: only \"flux2\" (FLUX.2 [klein]) is conditioned on reference \
+                         images",
+                        self.model.arch
+                    ),
+                );
+            }
+        }
         c.check(
             sm.prompts.is_empty() || self.data.dir.is_none(),
             "sample.prompts",
@@ -1951,6 +2030,40 @@ impl TrainConfig {
         }
         for (i, e) in d.reg_dirs.iter().enumerate() {
             wanted.push((format!("data.reg_dirs[{i}].path"), &e.path, Want::Dir, true));
+        }
+        for (key, list) in d
+            .dirs
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (format!("data.dirs[{i}].references"), &e.references))
+            .chain(
+                d.reg_dirs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, e)| (format!("data.reg_dirs[{i}].references"), &e.references)),
+            )
+        {
+            for (j, p) in list.iter().enumerate() {
+                wanted.push((format!("{key}[{j}]"), p, Want::Dir, true));
+            }
+        }
+        for (j, p) in d.validation_references.iter().enumerate() {
+            wanted.push((
+                format!("data.validation_references[{j}]"),
+                p,
+                Want::Dir,
+                true,
+            ));
+        }
+        for (i, sp) in self.sample.prompts.iter().enumerate() {
+            for (j, p) in sp.references().iter().enumerate() {
+                wanted.push((
+                    format!("sample.prompts[{i}].references[{j}]"),
+                    p,
+                    Want::File,
+                    true,
+                ));
+            }
         }
         for (i, p) in self.encoders.text.iter().enumerate() {
             wanted.push((format!("encoders.text[{i}]"), p, Want::Any, true));
@@ -2281,6 +2394,12 @@ impl TrainConfig {
                 "data.prior_loss_weight",
                 !d.reg_dirs.is_empty(),
                 show(&d.prior_loss_weight),
+            ),
+            // The references' size decides what a step of an edit run sees.
+            (
+                "data.reference_resolution",
+                d.reference_resolution != 1024,
+                show(&d.reference_resolution),
             ),
         ];
         // The average and its decay, where one is kept (so a run without resumes as before).

@@ -162,6 +162,10 @@ pub struct Batch {
     /// Each row's loss weight (B,) f32 where a row is a regularisation image's
     /// (`data.prior_loss_weight`; 1 for the others).
     pub loss_weight: Option<Tensor>,
+    /// The rows' reference images (edit training): each reference's latents (B, C, h, w),
+    /// in order, as [`crate::models::DiffusionModel::predict_with_references`] takes them;
+    /// empty without references.
+    pub references: Vec<Tensor>,
 }
 
 /// Which part of every global batch a process takes in data-parallel training: the rows
@@ -189,7 +193,8 @@ pub trait Samples: Send + Sync {
         self.len() == 0
     }
     /// The per-sample shapes, in the model's input order, of the largest samples a batch
-    /// can hold: what the memory plan is made for.
+    /// can hold, then those of their reference images' latents (edit training): what the
+    /// memory plan is made for.
     fn largest(&self) -> Vec<Vec<usize>>;
     /// `part` of micro-batch number `micro` of the run (from 0, across epochs) of `batch`
     /// samples (all processes together), in `dtype` on `device`: a function of (`seed`,
@@ -240,6 +245,7 @@ impl Samples for Dataset {
             global: all.len(),
             loss_mask: None,
             loss_weight: None,
+            references: vec![],
         })
     }
     fn describe(&self) -> String {

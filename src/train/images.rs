@@ -54,6 +54,11 @@ pub struct ImageRun {
     pub vae: Located,
     /// The text cache holding the sample prompts' embeddings.
     pub text: TextCache,
+    /// The sample prompts' reference images (edit sampling): per prompt, each file with its
+    /// way into the model, encoded into `pictures`.
+    pub sample_references: Vec<Vec<(PathBuf, data::Geometry)>>,
+    /// The latent cache holding the sample prompts' reference images.
+    pub pictures: LatentCache,
 }
 
 fn cfg_err(msg: String) -> Error {
@@ -495,6 +500,7 @@ pub fn scan(
             o.sources = vec![data::Source::Folder {
                 dir: dir.clone(),
                 repeats: 1,
+                references: d.validation_references.clone(),
             }];
             (ds, Some(data::Dataset::open(o)?))
         }
@@ -510,6 +516,7 @@ pub fn scan(
             .map(|e| data::Source::Folder {
                 dir: e.path.clone(),
                 repeats: e.repeats,
+                references: e.references.clone(),
             })
             .collect();
         let found = data::scan_for(&reg, opts.on_bad_file, &opts.buckets)?;
@@ -569,7 +576,7 @@ pub fn prepare(
 ) -> Result<ImageRun> {
     let group = group.filter(|g| g.world() > 1);
     let t = &config.train;
-    let (ds, val) = scan(config, world, on)?;
+    let (mut ds, mut val) = scan(config, world, on)?;
     let names: Vec<&'static str> = inputs.iter().map(|i| i.name).collect();
     if names.first() != Some(&LATENTS) {
         return Err(cfg_err(format!(
@@ -594,6 +601,24 @@ pub fn prepare(
         .copied()
         .unwrap_or(VAE_FIRST_WIDTH);
     let channels = vae.config.diffusion_channels();
+    // References are floored to the autoencoder's factor with its patches, as the pipeline's
+    // `vae_scale_factor * 2`.
+    let mut sets_refs = vec![&mut ds];
+    if let Some(v) = val.as_mut() {
+        sets_refs.push(v);
+    }
+    for set in sets_refs {
+        set.options.references.multiple = factor;
+        if set.has_references() && !family.references {
+            return Err(cfg_err(format!(
+                "data.manifest: its lines list reference images (edit training), and {} \
+                 takes none: only \"flux2\" (FLUX.2 [klein]) is conditioned on reference \
+                 images",
+                family.name
+            )));
+        }
+    }
+    let sample_references = sample_references(config, family, factor)?;
     if let Some(Size::Exactly(c)) = inputs[0].dims.first() {
         if *c != channels {
             return Err(cfg_err(format!(
@@ -615,7 +640,24 @@ pub fn prepare(
         &shapes,
         model_shapes,
     )?;
-    let largest = shapes.iter().map(|b| b.width * b.height).max().unwrap_or(0);
+    // The largest picture the autoencoder encodes: a bucket, or a reference (edit training).
+    let reference_pixels = [Some(&ds), val.as_ref()]
+        .into_iter()
+        .flatten()
+        .flat_map(|set| (0..set.items.len()).flat_map(move |i| set.reference_sizes(i)))
+        .chain(
+            sample_references
+                .iter()
+                .flatten()
+                .map(|(_, g)| (g.bucket.width, g.bucket.height)),
+        )
+        .map(|(w, h)| w * h);
+    let largest = shapes
+        .iter()
+        .map(|b| b.width * b.height)
+        .chain(reference_pixels)
+        .max()
+        .unwrap_or(0);
     let tile = encode_tile(config, &device, &vae, dtype, largest, &mut *on)?;
     if tile > 0 {
         vae.tiling = Some(VaeTiling::new(tile));
@@ -683,6 +725,30 @@ pub fn prepare(
         }
         caches.push(lc);
     }
+    // The sample prompts' reference images, into the same cache.
+    let mut pictures = LatentCache::open(&cache, &vae_id)?;
+    if encode && sample_references.iter().any(|r| !r.is_empty()) {
+        let all: Vec<(PathBuf, data::Geometry)> =
+            sample_references.iter().flatten().cloned().collect();
+        let mut enc = |x: &Tensor| -> Result<data::cache::Encoded> {
+            interrupted(stop, "the sample prompts' reference images")?;
+            let z = vae.encode_latents(&x.unsqueeze(0)?.to_dtype(dtype)?)?;
+            Ok(vec![(
+                LATENTS.to_string(),
+                z.squeeze(0)?.to_dtype(DType::F32)?,
+            )])
+        };
+        let report = pictures
+            .fill_pictures(&all, &device, &mut enc)
+            .map_err(|e| Error::Context {
+                what: "sample.prompts: encoding their reference images".into(),
+                error: Box::new(e),
+            })?;
+        on(format!(
+            "caching the sample prompts' reference images: {} ({} reused, {} encoded)",
+            report.total, report.reused, report.computed
+        ));
+    }
     drop(vae);
 
     // Text: every caption the run's epochs will draw, the held-out captions, the empty
@@ -693,7 +759,7 @@ pub fn prepare(
     if let Some((v, _)) = sets.get(1) {
         captions.extend(v.items.iter().map(|it| it.caption.clone()));
     }
-    captions.extend(config.sample.prompts.iter().cloned());
+    captions.extend(config.sample.prompts.iter().map(|p| p.text().to_string()));
     captions.push(config.sample.negative_prompt.clone());
     let text_opts = text_options(config, family, &text_at, guided);
     let text_id = TextConditioner::identity_of(family, &text_at, &text_opts, dtype);
@@ -735,12 +801,14 @@ pub fn prepare(
     let mut samples = vec![];
     for ((ds, _), latents) in sets.into_iter().zip(caches) {
         let sampler = ds.sampler((t.batch_size * world).min(ds.len()), false)?;
-        let (bw, bh) = sampler
+        // The group of the most pixels, its references' counted (edit training).
+        let ((bw, bh), refs) = sampler
             .bucket_sizes()
             .iter()
-            .map(|(b, _)| (b.width, b.height))
-            .max_by_key(|(w, h)| w * h)
-            .unwrap_or((factor, factor));
+            .zip(sampler.reference_sizes())
+            .map(|((b, _), r)| ((b.width, b.height), r.clone()))
+            .max_by_key(|((w, h), r)| w * h + r.iter().map(|(rw, rh)| rw * rh).sum::<usize>())
+            .unwrap_or(((factor, factor), vec![]));
         let mut largest = vec![];
         for name in &names {
             largest.push(match *name {
@@ -760,6 +828,10 @@ pub fn prepare(
                     })?,
             });
         }
+        largest.extend(
+            refs.iter()
+                .map(|&(rw, rh)| vec![channels, rh / factor, rw / factor]),
+        );
         samples.push(ImageSamples {
             ds,
             sampler,
@@ -782,7 +854,55 @@ pub fn prepare(
         vae_width,
         vae: vae_at,
         text,
+        sample_references,
+        pictures,
     })
+}
+
+/// The `[sample]` prompts' reference images (edit sampling), each with its way into the model
+/// ([`data::reference::geometry`] at `data.reference_resolution`, floored to multiples of
+/// `factor`), per prompt. Errors name `sample.prompts` and the file.
+pub fn sample_references(
+    config: &TrainConfig,
+    family: &Family,
+    factor: usize,
+) -> Result<Vec<Vec<(PathBuf, data::Geometry)>>> {
+    let opts = data::ReferenceOptions {
+        max_pixels: config
+            .data
+            .reference_resolution
+            .saturating_mul(config.data.reference_resolution),
+        multiple: factor,
+    };
+    config
+        .sample
+        .prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            if !p.references().is_empty() && !family.references {
+                return Err(cfg_err(format!(
+                    "sample.prompts[{i}]: reference images for {}, which takes none (FLUX.2 \
+                     [klein] does)",
+                    family.name
+                )));
+            }
+            p.references()
+                .iter()
+                .map(|r| {
+                    let bad = |why: String| {
+                        cfg_err(format!(
+                            "sample.prompts[{i}]: reference {}: {why}",
+                            r.display()
+                        ))
+                    };
+                    let (w, h) = data::source::image_size(r).map_err(bad)?;
+                    let g = data::reference::geometry(w, h, &opts).map_err(bad)?;
+                    Ok((r.clone(), g))
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// Where the loss masks come from (`data.masked_loss`, `data.alpha_mask`), if anywhere.
@@ -879,6 +999,18 @@ impl ImageSamples {
             .iter()
             .find(|(n, _)| n == data::LOSS_MASK)
             .map(|(_, m)| m.clone());
+        let references = self
+            .latents
+            .load_references(&self.ds, idx, epoch, device, dtype)?
+            .into_iter()
+            .map(|named| {
+                named
+                    .into_iter()
+                    .find(|(n, _)| n == LATENTS)
+                    .map(|(_, t)| t)
+                    .ok_or_else(|| cfg_err("a reference's cache entry holds no latents".into()))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let loss_weight = match self.ds.has_reg() {
             true => {
                 let w = idx
@@ -901,6 +1033,7 @@ impl ImageSamples {
             global: idx.len(),
             loss_mask,
             loss_weight,
+            references,
         })
     }
 }
@@ -933,6 +1066,7 @@ impl Samples for ImageSamples {
                 global: all.len(),
                 loss_mask: None,
                 loss_weight: None,
+                references: vec![],
             });
         }
         let mut b = self.inputs(idx, epoch, false, dtype, device)?;
@@ -945,7 +1079,14 @@ impl Samples for ImageSamples {
             .sampler
             .bucket_sizes()
             .iter()
-            .map(|(b, n)| format!("{b}: {n}"))
+            .zip(self.sampler.reference_sizes())
+            .map(|((b, n), refs)| match refs.is_empty() {
+                true => format!("{b}: {n}"),
+                false => {
+                    let r: Vec<String> = refs.iter().map(|(w, h)| format!("{w}x{h}")).collect();
+                    format!("{b} with references {}: {n}", r.join(" + "))
+                }
+            })
             .collect();
         format!(
             "{} images ({} samples an epoch) in buckets {}",

@@ -577,6 +577,7 @@ pub fn init(opts: &InitOptions, on: &mut dyn FnMut(String)) -> Result<Written> {
         &[Source::Folder {
             dir: opts.images.clone(),
             repeats: 1,
+            references: vec![],
         }],
         OnBadFile::Skip,
     )?;

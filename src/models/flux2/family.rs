@@ -7,7 +7,10 @@
 //! (AutoencoderKLFlux2: 32 channels, its 2x2 patches normalized by its BatchNorm statistics)
 //! and the Klein sampler.
 
-use super::{diffusers_map, image_ids, pack_latents, text_ids, unpack_latents, Flux2, Flux2Config};
+use super::{
+    diffusers_map, image_ids, pack_latents, reference_tokens, text_ids, unpack_latents, Flux2,
+    Flux2Config,
+};
 use crate::diffusion::schedulers::{FlowMatchConfig, FlowMatchEuler};
 use crate::diffusion::Schedule;
 use crate::encoders::{BuiltinTokenizer, Qwen3Context, VaeKind, QWEN3_FLUX2_KLEIN};
@@ -133,6 +136,8 @@ impl ModelSpec for Flux2 {
         ai_toolkit: Some(ModuleNames::Original),
         musubi: Some(ModuleNames::Original),
     };
+    /// FLUX.2 \[klein\] edits from reference images (`Flux2KleinPipeline`'s `image`).
+    const REFERENCES: bool = true;
 
     fn entry() -> &'static Family {
         &FAMILY
@@ -170,10 +175,18 @@ impl ModelSpec for Flux2 {
         Flux2::new(vb, config)
     }
     /// Every block (double and single) sees the packed image tokens (h w of the (C, h, w)
-    /// latents) and the text tokens at the hidden width, one attention call each.
+    /// latents), the reference images' tokens (the (C, h_i, w_i) shapes after the inputs, as
+    /// `DiffusionModel::predict_with_references` appends them) and the text tokens at the
+    /// hidden width, one attention call each.
     fn block_shapes(config: &Flux2Config, sample: &[Vec<usize>]) -> Result<Vec<BlockShape>> {
         let ((h, w), t) = latent_and_context("flux2", sample)?;
-        let img = h * w;
+        let references: usize = sample
+            .iter()
+            .skip(2)
+            .filter(|s| s.len() == 3)
+            .map(|s| s[1] * s[2])
+            .sum();
+        let img = h * w + references;
         let single = BlockShape {
             tokens: img + t,
             weight_tokens: img + t,
@@ -248,6 +261,19 @@ impl DiffusionModel for Flux2 {
     /// Packs `xt` into tokens, runs the transformer with image and text position ids (and,
     /// where the model has a guidance embedding, `guidance`); unpacks.
     fn predict(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], guidance: f64) -> Result<Tensor> {
+        self.predict_with_references(xt, t, cond, &[], guidance)
+    }
+
+    /// [`predict`](DiffusionModel::predict) with the reference latents `refs` appended as
+    /// tokens after the image's ([`reference_tokens`], [`Flux2::forward_with_references`]).
+    fn predict_with_references(
+        &self,
+        xt: &Tensor,
+        t: &Tensor,
+        cond: &[Tensor],
+        refs: &[Tensor],
+        guidance: f64,
+    ) -> Result<Tensor> {
         let [ctx] = conds("flux2", cond, [3])?;
         let d = xt.dims();
         if d.len() != 4 {
@@ -260,9 +286,18 @@ impl DiffusionModel for Flux2 {
         let (b, h, w) = (d[0], d[2], d[3]);
         let dev = xt.device();
         let g = self.guidance_tensor(guidance, b, dev)?;
-        let out = self.forward(
+        if let Some(r) = refs.iter().find(|r| r.rank() != 4 || r.dims()[0] != b) {
+            return Err(Error::ShapeMismatch {
+                op: "flux2: a reference's latents (B, C, h, w) vs xt",
+                lhs: r.shape().clone(),
+                rhs: xt.shape().clone(),
+            });
+        }
+        let refs = reference_tokens(refs)?;
+        let out = self.forward_with_references(
             &pack_latents(xt)?,
             &image_ids(h, w, dev)?,
+            refs.as_ref().map(|(r, ids)| (r, ids)),
             ctx,
             &text_ids(ctx.dims()[1], dev)?,
             t,

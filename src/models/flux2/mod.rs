@@ -389,6 +389,53 @@ pub fn image_ids(h: usize, w: usize, device: &Device) -> Result<Tensor> {
     Tensor::from_vec(ids, (h * w, AXES), device)
 }
 
+/// The time coordinate that sets reference images apart: reference i's tokens have
+/// t = scale + scale * i (diffusers 0.42.1 `Flux2KleinPipeline._prepare_image_ids`,
+/// `scale: int = 10`; the image being made has t = 0).
+pub const REFERENCE_TIME_SCALE: usize = 10;
+
+/// Position ids of reference latents of (h_i, w_i) token grids, in order: (sum h_i w_i, 4),
+/// reference i's (t, h, w, l) = (10 + 10 i, row, col, 0), row-major
+/// (`Flux2KleinPipeline._prepare_image_ids`: `cartesian_prod(t, arange(h), arange(w),
+/// arange(1))` per reference, concatenated).
+pub fn reference_ids(sizes: &[(usize, usize)], device: &Device) -> Result<Tensor> {
+    let mut ids: Vec<f32> = vec![];
+    for (i, &(h, w)) in sizes.iter().enumerate() {
+        let t = (REFERENCE_TIME_SCALE + REFERENCE_TIME_SCALE * i) as f32;
+        ids.extend((0..h * w).flat_map(|k| [t, (k / w) as f32, (k % w) as f32, 0.0]));
+    }
+    let n = ids.len() / AXES;
+    Tensor::from_vec(ids, (n, AXES), device)
+}
+
+/// Reference latents, each (B, C, h_i, w_i) (the autoencoder's normalized 2x2 patches, as the
+/// image's own latents), as the transformer takes them: every reference packed one token a
+/// position and concatenated in order, (B, sum h_i w_i, C), with their ids from
+/// [`reference_ids`] (`Flux2KleinPipeline.prepare_image_latents`: `_pack_latents` each,
+/// `torch.cat(packed_latents, dim=0)`). `None` for no references. References of one call
+/// share their batch and channels; their sizes are free.
+pub fn reference_tokens(refs: &[Tensor]) -> Result<Option<(Tensor, Tensor)>> {
+    let Some(first) = refs.first() else {
+        return Ok(None);
+    };
+    let mut sizes = vec![];
+    let mut packed = vec![];
+    for r in refs {
+        let d = r.dims();
+        if d.len() != 4 || d[0] != first.dims()[0] || d[1] != first.dims()[1] {
+            return Err(Error::ShapeMismatch {
+                op: "flux2 reference_tokens: references (B, C, h, w) of one batch and width",
+                lhs: r.shape().clone(),
+                rhs: first.shape().clone(),
+            });
+        }
+        sizes.push((d[2], d[3]));
+        packed.push(pack_latents(r)?);
+    }
+    let tokens = Tensor::cat(&packed.iter().collect::<Vec<_>>(), 1)?;
+    Ok(Some((tokens, reference_ids(&sizes, first.device())?)))
+}
+
 /// Position ids of T text tokens (T, 4): (0, 0, 0, token index), as
 /// `Flux2KleinPipeline._prepare_text_ids` makes them.
 pub fn text_ids(t: usize, device: &Device) -> Result<Tensor> {

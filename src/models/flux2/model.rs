@@ -307,6 +307,28 @@ impl Flux2 {
         timesteps: &Tensor,
         guidance: Option<&Tensor>,
     ) -> Result<Tensor> {
+        self.forward_with_references(img, img_ids, None, txt, txt_ids, timesteps, guidance)
+    }
+
+    /// [`Flux2::forward`] conditioned on reference tokens `refs` = (tokens (B, N, in), their
+    /// position ids (N, 4) or (B, N, 4)), e.g. from [`super::reference_tokens`]: appended
+    /// after the image tokens in the joint sequence, they pass through every block as image
+    /// tokens do (the image stream's weights, the same timestep), and the prediction is the
+    /// image tokens' alone, (B, L, out) (diffusers 0.42.1 `Flux2KleinPipeline.__call__`:
+    /// `torch.cat([latents, image_latents], dim=1)`, `torch.cat([latent_ids,
+    /// image_latent_ids], dim=1)`, `noise_pred[:, : latents.size(1)]`). Gradients reach the
+    /// reference tokens and every weight they pass through.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_with_references(
+        &self,
+        img: &Tensor,
+        img_ids: &Tensor,
+        refs: Option<(&Tensor, &Tensor)>,
+        txt: &Tensor,
+        txt_ids: &Tensor,
+        timesteps: &Tensor,
+        guidance: Option<&Tensor>,
+    ) -> Result<Tensor> {
         if img.rank() != 3 || txt.rank() != 3 || txt.dims()[0] != img.dims()[0] {
             return Err(Error::invalid(
                 "flux2",
@@ -317,6 +339,26 @@ impl Flux2 {
                 img.shape(),
             ));
         }
+        // The image tokens the prediction is made for; the references follow them.
+        let l_img = img.dims()[1];
+        let (img, img_ids) = match refs {
+            None => (img.clone(), img_ids.clone()),
+            Some((r, r_ids)) => {
+                let d = r.dims();
+                if d.len() != 3 || d[0] != img.dims()[0] || d[2] != img.dims()[2] {
+                    return Err(Error::ShapeMismatch {
+                        op: "flux2: reference tokens (B, N, in) vs the image tokens",
+                        lhs: r.shape().clone(),
+                        rhs: img.shape().clone(),
+                    });
+                }
+                (
+                    Tensor::cat(&[img, &r.to_dtype(img.dtype())?], 1)?,
+                    cat_ids(img.dims()[0], img_ids, r_ids)?,
+                )
+            }
+        };
+        let (img, img_ids) = (&img, &img_ids);
         let vec = self.conditioning(img.dtype(), timesteps, guidance)?;
         let pe = self
             .pe_embedder
@@ -354,9 +396,32 @@ impl Flux2 {
             )?;
             [x] = outputs::<1>(out, "flux2 single block")?;
         }
-        let img = x.narrow(1, t_len, img.dims()[1])?;
+        // The final layer works token by token: the image tokens alone.
+        let img = x.narrow(1, t_len, l_img)?;
         self.final_layer.forward(&img, &vec_act)
     }
+}
+
+/// Image ids `a` then reference ids `b` along the sequence, each (N, 4) or (B, N, 4), for a
+/// batch of `b_size`: (N_a + N_b, 4) when both are shared by the batch, else (B, N_a + N_b, 4).
+fn cat_ids(b_size: usize, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.rank() == 2 && b.rank() == 2 {
+        return Tensor::cat(&[a, b], 0);
+    }
+    let batched = |t: &Tensor| -> Result<Tensor> {
+        let d = t.dims().to_vec();
+        match d.len() {
+            2 => t.unsqueeze(0)?.broadcast_as(vec![b_size, d[0], d[1]]),
+            3 if d[0] == b_size => Ok(t.clone()),
+            3 if d[0] == 1 => t.broadcast_as(vec![b_size, d[1], d[2]]),
+            _ => Err(Error::invalid(
+                "flux2",
+                format!("position ids must be (N, 4) or ({b_size}, N, 4)"),
+                t.shape(),
+            )),
+        }
+    };
+    Tensor::cat(&[&batched(a)?, &batched(b)?], 1)
 }
 
 /// The joint sequence's position ids (B|1, T+L, 4): text first, then image, each given per

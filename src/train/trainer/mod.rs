@@ -119,6 +119,10 @@ struct PipelineParts {
     text: crate::data::TextCache,
     vae: crate::models::Located,
     factor: usize,
+    /// The sample prompts' reference images (per prompt: file, way into the model) and the
+    /// cache holding their latents.
+    references: Vec<Vec<(PathBuf, crate::data::Geometry)>>,
+    pictures: crate::data::LatentCache,
 }
 
 /// How [`Trainer::open`] prepares a run.

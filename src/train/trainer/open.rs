@@ -536,6 +536,8 @@ impl Data {
                 text: run.text,
                 vae: run.vae,
                 factor: run.vae_factor,
+                references: run.sample_references,
+                pictures: run.pictures,
             }),
             train: Box::new(train),
             validation,

@@ -51,6 +51,12 @@ impl Trainer {
                         .iter()
                         .map(|x| Tensor::cat(&vec![x; n], 0))
                         .collect::<Result<Vec<_>>>()?;
+                    // The image's references (edit training), with every timestep.
+                    let refs = batch
+                        .references
+                        .iter()
+                        .map(|x| Tensor::cat(&vec![x; n], 0))
+                        .collect::<Result<Vec<_>>>()?;
                     let mask = match &batch.loss_mask {
                         Some(m) => Some(Tensor::cat(&vec![m; n], 0)?),
                         None => None,
@@ -61,6 +67,7 @@ impl Trainer {
                     };
                     let loss = self.loss_at(
                         &rep,
+                        &refs,
                         &t.narrow(0, start, n)?,
                         &noise.narrow(0, start, n)?,
                         weights,
@@ -122,7 +129,29 @@ impl Trainer {
             let conds = sc
                 .prompts
                 .iter()
-                .map(|p| text(p))
+                .map(|p| text(p.text()))
+                .collect::<Result<Vec<_>>>()?;
+            // The prompts' reference images (edit sampling), from the latent cache.
+            let refs = parts
+                .references
+                .iter()
+                .map(|list| {
+                    list.iter()
+                        .map(|(path, geo)| {
+                            parts
+                                .pictures
+                                .load_picture(path, geo, &self.device, self.dtype)?
+                                .into_iter()
+                                .find(|(n, _)| n == "latents")
+                                .map(|(_, t)| t)
+                                .ok_or_else(|| Error::Config {
+                                    path: Some(path.clone()),
+                                    msg: "sample.prompts: its cached reference holds no latents"
+                                        .into(),
+                                })
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
                 .collect::<Result<Vec<_>>>()?;
             let req = crate::sample::Request {
                 steps: sc.steps,
@@ -144,8 +173,17 @@ impl Trainer {
                 },
             };
             let uncond = Some(text(&sc.negative_prompt)?);
-            let latents =
-                crate::sample::generate(self.model.as_ref(), &conds, uncond, &req, &self.device)?;
+            let noise =
+                crate::sample::seeded_noise(self.model.as_ref(), conds.len(), &req, &self.device)?;
+            let latents = crate::sample::generate_referenced(
+                self.model.as_ref(),
+                &conds,
+                &refs,
+                uncond,
+                &req,
+                &noise,
+                &mut |_, _| Ok(()),
+            )?;
             let mut vae = images::vae(&self.config, family, &parts.vae, self.dtype, &self.device)?;
             let tile = images::decode_tile(
                 self.config.encoders.vae_tile,

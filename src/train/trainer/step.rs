@@ -93,6 +93,7 @@ impl Trainer {
         let input = self.perturbed(&noise, batch, seed)?;
         self.loss_with(
             &batch.inputs,
+            &batch.references,
             &t,
             &noise,
             input.as_ref(),
@@ -256,17 +257,19 @@ impl Trainer {
         self.config.model.prediction
     }
 
-    /// The loss of one batch of clean latents at timesteps `t` (B) with `noise`: the
+    /// The loss of one batch of clean latents at timesteps `t` (B) with `noise`, conditioned
+    /// on the rows' reference images `refs` (edit training; each (B, C, h, w)): the
     /// per-element loss of `train.loss_type`, masked and weighted by `weights` and
     /// min-SNR-γ, reduced as kohya's ([`loss::reduce`]).
     pub(super) fn loss_at(
         &self,
         batch: &[Tensor],
+        refs: &[Tensor],
         t: &Tensor,
         noise: &Tensor,
         weights: LossWeights<'_>,
     ) -> Result<Tensor> {
-        self.loss_with(batch, t, noise, None, weights)
+        self.loss_with(batch, refs, t, noise, None, weights)
     }
 
     /// [`Trainer::loss_at`] with the model's input noised with `input` instead of `noise`
@@ -274,6 +277,7 @@ impl Trainer {
     pub(super) fn loss_with(
         &self,
         batch: &[Tensor],
+        refs: &[Tensor],
         t: &Tensor,
         noise: &Tensor,
         input: Option<&Tensor>,
@@ -290,7 +294,9 @@ impl Trainer {
                 if let Some(n) = input {
                     xt = flow_matching(x0, n, t)?.0;
                 }
-                let pred = self.model.predict(&xt, t, cond, guidance)?;
+                let pred = self
+                    .model
+                    .predict_with_references(&xt, t, cond, refs, guidance)?;
                 (pred, target, None)
             }
             Objective::Ddpm(ddpm) => {
@@ -299,7 +305,9 @@ impl Trainer {
                 if let Some(n) = input {
                     xt = ddpm.noisy_and_target(x0, n, t, kind)?.0;
                 }
-                let pred = self.model.predict(&xt, t, cond, guidance)?;
+                let pred = self
+                    .model
+                    .predict_with_references(&xt, t, cond, refs, guidance)?;
                 let gamma = tc.min_snr_gamma;
                 let w = match gamma > 0.0 {
                     true => Some(ddpm.min_snr_weights(t, gamma, kind)?),
@@ -506,10 +514,14 @@ impl Trainer {
             .iter()
             .map(|i| i.name.to_string())
             .collect();
+        let refs: Vec<String> = (0..batch.references.len())
+            .map(|i| format!("reference {i}"))
+            .collect();
         let named: Vec<(&str, &Tensor)> = names
             .iter()
             .map(String::as_str)
             .zip(batch.inputs.iter())
+            .chain(refs.iter().map(String::as_str).zip(batch.references.iter()))
             .collect();
         Ok(match first_nonfinite(&named)? {
             Some(input) => format!(

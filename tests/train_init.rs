@@ -214,7 +214,14 @@ fn a_random_city96_gguf_flux_gets_a_config_that_trains_and_samples() {
         .args([
             "--device", "cpu", "--dtype", "f32", "--width", "32", "--height", "32",
         ])
-        .args(["--steps", "1", "--t5-tokens", "16", "--prompt", "a red circle"])
+        .args([
+            "--steps",
+            "1",
+            "--t5-tokens",
+            "16",
+            "--prompt",
+            "a red circle",
+        ])
         .arg("--model")
         .arg(&m)
         .arg("--lora")

@@ -10,9 +10,12 @@ per model (weights included). With --family sd3 or sdxl instead, DIR becomes a r
 SD3.5-large or SDXL pipeline (its text encoders, autoencoder, transformer or UNet and the
 fixture tokenizers) for the whole-run memory rows, and nothing is timed; with --family klein4b,
 klein9b or zimage, a random full-size FLUX.2 [klein] 4B / 9B or Z-Image pipeline (transformer,
-autoencoder, Qwen3; FLAME's built-in tokenizer vocabulary serves). Usage:
+autoencoder, Qwen3; FLAME's built-in tokenizer vocabulary serves); with --family flux-gguf,
+DIR/flux-q8 and DIR/flux-q4k, ComfyUI `models/` folders with a random full-size FLUX.1-dev
+GGUF in Q8_0 / Q4_K (scripts/random_flux_gguf.py) beside CLIP-L, T5-XXL and the autoencoder
+as single files (FLAME's built-in vocabularies serve). Usage:
     python3 torch_encoders.py --make DIR [--transformer] [--time]
-    python3 torch_encoders.py --make DIR --family sd3|sdxl|klein4b|klein9b|zimage"""
+    python3 torch_encoders.py --make DIR --family sd3|sdxl|klein4b|klein9b|zimage|flux-gguf"""
 import os
 import shutil
 import sys
@@ -252,6 +255,56 @@ def make_qwen_pipeline(out, family):
         json.dump(index, f, indent=2)
 
 
+def save_single(model, path, config):
+    """`model`'s weights as one .safetensors file at `path`, its config (a JSON string) in the
+    file's metadata; tensors sharing storage (T5's tied embeddings) are written apart."""
+    from safetensors.torch import save_file
+    seen, tensors = set(), {}
+    for k, v in model.state_dict().items():
+        v = v.contiguous()
+        if v.data_ptr() in seen:
+            v = v.clone()
+        seen.add(v.data_ptr())
+        tensors[k] = v
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(tensors, path, metadata={"format": "pt", "config": config})
+
+
+def make_gguf_flux(out):
+    """Random full-size FLUX.1-dev GGUF models in two ComfyUI `models/` folders under `out`:
+    flux-q8/ (unet/flux1-dev-Q8_0.gguf) and flux-q4k/ (unet/flux1-dev-Q4_K_S.gguf), made by
+    scripts/random_flux_gguf.py in city96's layout, beside text_encoders/clip_l.safetensors,
+    text_encoders/t5xxl_bf16.safetensors and vae/ae.safetensors as single files (configs in
+    their metadata), written once in flux-q8/ and linked from flux-q4k/."""
+    import json
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import random_flux_gguf as rg
+    q8, q4k = os.path.join(out, "flux-q8"), os.path.join(out, "flux-q4k")
+    for name, make, rel in [("clip_l", clip_l, "text_encoders/clip_l.safetensors"),
+                            ("t5xxl", t5xxl, "text_encoders/t5xxl_bf16.safetensors"),
+                            ("vae", vae, "vae/ae.safetensors")]:
+        t = time.perf_counter()
+        m = make()
+        config = (json.dumps(dict(m.config)) if name == "vae" else m.config.to_json_string())
+        save_single(m, os.path.join(q8, rel), config)
+        print(f"made {name} in {time.perf_counter() - t:.1f} s", flush=True)
+        del m
+        torch.cuda.empty_cache()
+    os.makedirs(q4k, exist_ok=True)
+    for folder in ("text_encoders", "vae"):
+        link = os.path.join(q4k, folder)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join("..", "flux-q8", folder), link)
+    for folder, qtype, file in [(q8, rg.T.Q8_0, "flux1-dev-Q8_0.gguf"),
+                                (q4k, rg.T.Q4_K, "flux1-dev-Q4_K_S.gguf")]:
+        t = time.perf_counter()
+        path = os.path.join(folder, "unet", file)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        rg.write(path, qtype, rg.DEV, seed=0)
+        print(f"made {path}: {os.path.getsize(path) / 2**30:.2f} GiB in "
+              f"{time.perf_counter() - t:.1f} s", flush=True)
+
+
 def make_family(out, family):
     """A random full-size SD3.5-large, SDXL, FLUX.2 [klein] or Z-Image pipeline folder at
     `out`."""
@@ -295,6 +348,9 @@ def report(name, model, f):
 def main():
     args = sys.argv[1:]
     out = args[args.index("--make") + 1]
+    if "--family" in args and args[args.index("--family") + 1] == "flux-gguf":
+        make_gguf_flux(out)
+        return
     if "--family" in args and args[args.index("--family") + 1] != "flux":
         make_family(out, args[args.index("--family") + 1])
         return

@@ -7,6 +7,10 @@
 # device's memory is sampled every 200 ms through the run: the run's driver-side peak is the
 # device's used memory less what the holder took, printed beside the budget with the exit
 # status, the files written and each phase's lines.
+# PIPELINE_DIR may also be a ComfyUI `models/` folder, the pieces found by their keys: those of
+# `torch_encoders.py --make PIPES --family flux-gguf` (PIPES/flux-q8, PIPES/flux-q4k) hold a
+# GGUF Flux-dev, whose packed Linears stay packed and whose other tensors load in model.dtype
+# (bf16, the default, is the one to give it).
 # MODEL_DTYPE (default bf16) and OPTIMIZER (default adamw) set model.dtype and optimizer.kind;
 # ARCH (flux, the default; sd3, sdxl, flux2 (FLUX.2 [klein]) or zimage, pipelines made by
 # `torch_encoders.py --make DIR --family sd3|sdxl|klein4b|klein9b|zimage`) picks the family,

@@ -8,6 +8,11 @@
 # then, there, with carry [".gpu", ".whl"] (diffusers for the pipelines):
 #   [FAMILIES="sd3 ..."] bash scripts/budget_table.sh make PIPES   random full-size Flux-dev, SD3.5-large and
 #                                                     SDXL pipelines in PIPES/{flux,sd3,sdxl}
+#     (FAMILIES=flux-gguf: PIPES/flux-q8 and PIPES/flux-q4k, ComfyUI models/ folders with a
+#     random full-size FLUX.1-dev GGUF in Q8_0 (12.7 GB) / Q4_K (6.8 GB) in city96's layout,
+#     scripts/random_flux_gguf.py, beside CLIP-L, T5-XXL and the autoencoder as single files;
+#     it needs gguf-py: `python3 scripts/random_flux_gguf.py --wheel .whl` here puts it in
+#     .whl/, installed there with the other wheels or imported from .whl/ as it is)
 #   bash scripts/budget_table.sh rows PIPES WORK ROW...   the rows named (or "all"), ROW k on
 #                                                     GPU k mod the GPU count
 #   bash scripts/budget_table.sh steps               the step of each row's plan against the
@@ -20,7 +25,9 @@
 # families at their smallest bf16 budgets: klein4b-6 klein9b-8 zimage-6, and in FP8:
 # klein4b-4fp8 zimage-4fp8 klein9b-6fp8, and an edit dataset (reference images,
 # instructions) on Klein 4B within 6 GiB: klein4b-edit-6 (FAMILIES="klein4b klein9b zimage"
-# for `make`; they are not in "all").
+# for `make`; they are not in "all"); the GGUF Flux-dev models, their packed Linears decoded
+# per matmul, the rest in bf16: flux-q4k-6 (Q4_K within 6 GiB) and flux-q8-8 (Q8_0 within
+# 8 GiB) (FAMILIES=flux-gguf for `make`; not in "all").
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -54,7 +61,9 @@ row() {
     klein4b-4fp8) arch=flux2 pipe=klein4b budget=4 dtype=fp8 ;;
     klein9b-6fp8) arch=flux2 pipe=klein9b budget=6 dtype=fp8 ;;
     zimage-4fp8) arch=zimage budget=4 dtype=fp8 ;;
-    *) echo "row $name: one of $ALL klein4b-6 klein9b-8 zimage-6 klein4b-edit-6 klein4b-4fp8 klein9b-6fp8 zimage-4fp8" >&2; return 2 ;;
+    flux-q4k-6) arch=flux pipe=flux-q4k budget=6 ;;
+    flux-q8-8) arch=flux pipe=flux-q8 budget=8 ;;
+    *) echo "row $name: one of $ALL klein4b-6 klein9b-8 zimage-6 klein4b-edit-6 klein4b-4fp8 klein9b-6fp8 zimage-4fp8 flux-q4k-6 flux-q8-8" >&2; return 2 ;;
   esac
   EDIT=$edit GPUS=$g ARCH=$arch MODEL_DTYPE=$dtype OPTIMIZER=$opt SAMPLE_EXE=$root/.gpu/sample \
     bash "$here/budget_rows.sh" "$pipes/${pipe:-$arch}" "$work/$name" "$root/.gpu/train" "$budget" \
@@ -72,6 +81,10 @@ case ${1:-} in
       [ -d "$pipes/$f/vae" ] && { echo "$pipes/$f: there"; continue; }
       args=(--make "$pipes/$f" --family "$f")
       [ $f = flux ] && args=(--make "$pipes/$f" --transformer)
+      if [ $f = flux-gguf ]; then
+        [ -f "$pipes/flux-q4k/unet/flux1-dev-Q4_K_S.gguf" ] && { echo "$pipes/flux-q4k: there"; continue; }
+        args=(--make "$pipes" --family flux-gguf)
+      fi
       g=$(( ${#pids[@]} % ngpu ))
       (CUDA_VISIBLE_DEVICES=$g python3 benches/torch_encoders.py "${args[@]}" \
         > "$pipes/make-$f.log" 2>&1; echo "== made $f: exit $?"; tail -n 3 "$pipes/make-$f.log") &
@@ -114,5 +127,5 @@ case ${1:-} in
     echo "== Flux-dev 12 GiB on $n GPUs: exit $?"
     grep -E "^== |memory:|peaks|data-parallel" "$work/flux12-x$n.log" | head -n 16 ;;
   *)
-    sed -n 2,21p "$0"; exit 2 ;;
+    sed -n 2,30p "$0"; exit 2 ;;
 esac

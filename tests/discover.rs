@@ -3,8 +3,9 @@
 //! ComfyUI `models/` folder (the tiny Flux as a single file, lone CLIP-L and T5 files with
 //! the released vocabularies' sizes, so the built-in tokenizers fit, and a lone autoencoder
 //! file), the GGUF Flux in ComfyUI's `unet/`, and a Hugging Face cache folder holding the
-//! tiny FLUX.2 [klein] pipeline. A folder with two diffusion models, or without an
-//! autoencoder, is refused naming the files, the role and the key.
+//! tiny FLUX.2 [klein] pipeline. Of several autoencoders, the one that fits the family is
+//! picked. A folder with two diffusion models, two autoencoders that fit equally, or
+//! without an autoencoder, is refused naming the files, the role and the key.
 #![cfg(feature = "cpu-ref")]
 
 use flame::models::discover::Keys;
@@ -192,5 +193,133 @@ fn a_hugging_face_cache_folder_trains_from_its_snapshot() {
         e.contains("abc") && e.contains("def") && e.contains("refs/main"),
         "{e}"
     );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// The comfy folder's tiny Flux autoencoder `vae/ae.safetensors` (4 latent channels, no quant
+/// convs, the tiny model's 16 input channels being 2x2 patches of 4) copied to `vae/name`
+/// with `extra` tensors added, its decoder taking `latents` channels, and `scaling` as its
+/// config's `scaling_factor` when given.
+fn vae_like(
+    m: &Path,
+    name: &str,
+    extra: &[(&str, &[usize])],
+    latents: usize,
+    scaling: Option<f64>,
+) {
+    use flame::{DType, Device, Tensor};
+    let src = m.join("vae/ae.safetensors");
+    let f = flame::safetensors::SafeTensorsFile::open(&src).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&f.metadata()["config"]).unwrap();
+    let mut t = flame::safetensors::load(&src, &Device::Cpu).unwrap();
+    let conv = t["decoder.conv_in.weight"].dims().to_vec();
+    let z = |s: &[usize]| Tensor::zeros(s.to_vec(), DType::F32, &Device::Cpu).unwrap();
+    t.insert(
+        "decoder.conv_in.weight".into(),
+        z(&[conv[0], latents, conv[2], conv[3]]),
+    );
+    for (k, s) in extra {
+        t.insert(k.to_string(), z(s));
+    }
+    if let Some(s) = scaling {
+        cfg["scaling_factor"] = s.into();
+    }
+    let meta = std::collections::BTreeMap::from([("config".to_string(), cfg.to_string())]);
+    flame::safetensors::save_with_metadata(
+        t.iter().map(|(k, v)| (k.as_str(), v)),
+        &meta,
+        m.join("vae").join(name),
+    )
+    .unwrap();
+}
+
+/// A `vae/` folder of several autoencoders: FLUX.2's (with `bn.`), SDXL's (quant convs) and
+/// one of other latent channels are passed over for the Flux model, each named with why; an
+/// SD3.5-like one (the same structure, its config's scaling_factor SD3's 1.5305) fits less
+/// than Flux's own (0.3611); two that fit equally are refused, naming both and the key.
+#[test]
+fn the_autoencoder_that_fits_the_family_is_picked_among_several() {
+    let d = temp("discover-vaes");
+    let m = comfy(&d);
+    let ae = flame::safetensors::SafeTensorsFile::open(m.join("vae/ae.safetensors")).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(&ae.metadata()["config"]).unwrap();
+    assert_eq!(cfg["scaling_factor"].as_f64(), Some(0.3611), "{cfg}");
+    vae_like(
+        &m,
+        "flux2-vae.safetensors",
+        &[("bn.running_mean", &[16]), ("bn.running_var", &[16])],
+        4,
+        None,
+    );
+    vae_like(
+        &m,
+        "sdxl_vae.safetensors",
+        &[
+            ("quant_conv.weight", &[8, 8, 1, 1]),
+            ("post_quant_conv.weight", &[4, 4, 1, 1]),
+        ],
+        4,
+        None,
+    );
+    vae_like(&m, "wide.safetensors", &[], 8, None);
+    vae_like(&m, "sd3.5_vae.safetensors", &[], 4, Some(1.5305));
+    let found = flame::models::discover(&m, Some("flux"), false, false, KEYS).unwrap();
+    assert_eq!(found.vae, Some(m.join("vae/ae.safetensors")));
+    let all = found.lines.join("\n");
+    for want in [
+        "passed over",
+        "flux2-vae.safetensors: an autoencoder of 4 latent channels, FLUX.2's kind",
+        "sdxl_vae.safetensors: an autoencoder of 4 latent channels, with quant convs",
+        "wide.safetensors: an autoencoder of 8 latent channels",
+        "sd3.5_vae.safetensors",
+        "picked among the folder's autoencoders",
+        "scaling_factor 0.3611",
+    ] {
+        assert!(all.contains(want), "{want}:\n{all}");
+    }
+    // The run uses the one picked.
+    let notes = train(&config(&d, "flux", &m, &d.join("tiny/images")));
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("autoencoder: ") && n.contains("ae.safetensors (")),
+        "{notes:?}"
+    );
+    // A copy of Flux's fits as well as Flux's: refused, naming both.
+    std::fs::copy(
+        m.join("vae/ae.safetensors"),
+        m.join("vae/ae-copy.safetensors"),
+    )
+    .unwrap();
+    let e = flame::models::discover(&m, Some("flux"), false, false, KEYS)
+        .unwrap_err()
+        .to_string();
+    for want in [
+        "ae.safetensors (",
+        "ae-copy.safetensors (",
+        "fit the flux model equally",
+        "encoders.vae",
+    ] {
+        assert!(e.contains(want), "{want}: {e}");
+    }
+    // With only autoencoders that do not fit, the refusal says why each was passed over.
+    for f in [
+        "ae.safetensors",
+        "ae-copy.safetensors",
+        "sd3.5_vae.safetensors",
+    ] {
+        std::fs::remove_file(m.join("vae").join(f)).unwrap();
+    }
+    let e = flame::models::discover(&m, Some("flux"), false, false, KEYS)
+        .unwrap_err()
+        .to_string();
+    for want in [
+        "an autoencoder that fits",
+        "wide.safetensors",
+        "sdxl_vae.safetensors",
+        "encoders.vae",
+    ] {
+        assert!(e.contains(want), "{want}: {e}");
+    }
     std::fs::remove_dir_all(&d).ok();
 }

@@ -1,6 +1,7 @@
 //! `train init`: a config written from a model path and a folder of images alone, for the
 //! layouts of tests/common/layouts.rs (a ComfyUI `models/` folder, the same with a GGUF
-//! Flux, a Hugging Face cache folder), read back with every key a config key, checked by
+//! Flux, with the random city96-typed GGUF Flux of scripts/random_flux_gguf.py, a Hugging
+//! Face cache folder), read back with every key a config key, checked by
 //! `train --plan` and trained for two steps by `train` with no other path given. Refused,
 //! naming what: an image folder without images, a folder without a model, an existing
 //! config without --force. And the `sample` binary without `--arch`, the family found from
@@ -162,6 +163,76 @@ fn a_gguf_flux_gets_a_config_that_trains() {
         text.contains("flux1-tiny-F32.gguf") && text.contains("GGUF"),
         "{text}"
     );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// The random GGUF Flux of scripts/random_flux_gguf.py (the maker of the full-size Q8_0 /
+/// Q4_K files of the memory rows) at its `--tiny` widths, committed as
+/// tests/fixtures/gguf/flux-random-tiny-Q4_K_S.gguf: city96's types and no config in its
+/// metadata (the shapes give it, as for the released files). In a ComfyUI folder's `unet/`
+/// it is found, planned, trained for two steps, and `sample` takes it with the LoRA.
+#[test]
+fn a_random_city96_gguf_flux_gets_a_config_that_trains_and_samples() {
+    use flame::backend::ggml::GgmlType;
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gguf/flux-random-tiny-Q4_K_S.gguf");
+    let f = flame::gguf::GgufFile::open(&fixture).unwrap();
+    assert!(!f.metadata().contains_key("config"));
+    // city96's types (ComfyUI-GGUF tools/lcpp.patch): the input and output Linears of the
+    // embedders in F32, the rest of them in F16, the blocks' Linears packed, 1-D in F32.
+    for (name, ty) in [
+        ("img_in.weight", GgmlType::F32),
+        ("time_in.in_layer.weight", GgmlType::F32),
+        ("time_in.out_layer.weight", GgmlType::F16),
+        ("txt_in.weight", GgmlType::F16),
+        ("final_layer.linear.weight", GgmlType::F32),
+        ("final_layer.adaLN_modulation.1.weight", GgmlType::F16),
+        ("double_blocks.0.img_attn.qkv.weight", GgmlType::Q4_K),
+        ("double_blocks.0.txt_mlp.2.weight", GgmlType::Q4_K),
+        ("single_blocks.0.linear2.weight", GgmlType::Q4_K),
+        ("single_blocks.0.linear2.bias", GgmlType::F32),
+        ("single_blocks.0.norm.key_norm.scale", GgmlType::F32),
+    ] {
+        assert_eq!(f.info(name).map(|i| i.ty), Some(ty), "{name}");
+    }
+    // The random blocks' scales give weights of spread about 0.02.
+    let w = f.dequantize("double_blocks.0.img_attn.qkv.weight").unwrap();
+    let std = (w.iter().map(|x| x * x).sum::<f32>() / w.len() as f32).sqrt();
+    assert!((0.01..0.05).contains(&std), "{std}");
+    let d = temp("init-random-gguf");
+    let m = comfy(&d);
+    std::fs::remove_file(m.join("diffusion_models/flux1-tiny.safetensors")).unwrap();
+    std::fs::create_dir_all(m.join("unet")).unwrap();
+    std::fs::copy(&fixture, m.join("unet/flux1-tiny-Q4_K_S.gguf")).unwrap();
+    let (text, out) = init_plan_train(&d, &m, &d.join("tiny/images"), "flux");
+    assert!(
+        text.contains("flux1-tiny-Q4_K_S.gguf") && text.contains("Q4_K"),
+        "{text}"
+    );
+    let s_out = d.join("samples");
+    let o = Command::new(env!("CARGO_BIN_EXE_sample"))
+        .args([
+            "--device", "cpu", "--dtype", "f32", "--width", "32", "--height", "32",
+        ])
+        .args([
+            "--steps",
+            "1",
+            "--t5-tokens",
+            "16",
+            "--prompt",
+            "a red circle",
+        ])
+        .arg("--model")
+        .arg(&m)
+        .arg("--lora")
+        .arg(out.join("lora.safetensors"))
+        .arg("--out")
+        .arg(&s_out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(s_out.join("0-0.png").is_file());
+    assert!(stderr(&o).contains("GGUF"), "{}", stderr(&o));
     std::fs::remove_dir_all(&d).ok();
 }
 

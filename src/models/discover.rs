@@ -4,13 +4,17 @@
 //! the diffusion model, the text encoders and the autoencoder are found by their keys and
 //! shapes (each `.safetensors` / `.gguf` header read, no weight), never by file names: a
 //! family's model by [`Family::signature`], the encoders by the keys their loaders look for
-//! ([`crate::encoders::recognise`]). Two candidates for one role are refused, naming both
-//! and the config key that settles it; a role with none is refused, naming it.
+//! ([`crate::encoders::recognise`]). Of several autoencoders (a ComfyUI `vae/` folder holding
+//! FLUX.1's, FLUX.2's, SDXL's and SD3.5's), the one whose structure is the family's kind and
+//! whose latent channels are the model's input's is picked, then one whose config has the
+//! kind's `scaling_factor`; the log names it and each one passed over, with why. Two
+//! candidates for one role that fit equally are refused, naming both and the config key that
+//! settles it; a role with none is refused, naming it.
 
 use super::checkpoint::LDM_PREFIX;
 use super::family::Family;
 use super::spec::TextEncoderKind;
-use crate::encoders::{recognise, Recognised};
+use crate::encoders::{recognise, Recognised, VaeKind};
 use crate::{Error, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -46,12 +50,14 @@ pub struct Discovery {
     pub lines: Vec<String>,
 }
 
-/// A weight file's header: its keys with their shapes, and what its tensors are stored as.
+/// A weight file's header: its keys with their shapes, what its tensors are stored as, and
+/// the `scaling_factor` of the diffusers config in its metadata, if any.
 struct Header {
     path: PathBuf,
     shapes: BTreeMap<String, Vec<usize>>,
     format: String,
     gguf: bool,
+    scaling: Option<f64>,
 }
 
 impl Header {
@@ -59,6 +65,7 @@ impl Header {
         let mut counts: BTreeMap<String, usize> = BTreeMap::new();
         let mut shapes = BTreeMap::new();
         let gguf = crate::gguf::is_gguf(path);
+        let mut scaling = None;
         if gguf {
             let f = crate::gguf::GgufFile::open(path)?;
             for n in f.names() {
@@ -69,6 +76,11 @@ impl Header {
             }
         } else {
             let f = crate::safetensors::SafeTensorsFile::open(path)?;
+            scaling = f
+                .metadata()
+                .get(crate::safetensors::CONFIG_METADATA)
+                .and_then(|c| serde_json::from_str::<serde_json::Value>(c).ok())
+                .and_then(|c| c.get("scaling_factor").and_then(|v| v.as_f64()));
             for n in f.names() {
                 if let Some(i) = f.info(n) {
                     *counts.entry(i.dtype.clone()).or_default() += 1;
@@ -90,6 +102,7 @@ impl Header {
             shapes,
             format,
             gguf,
+            scaling,
         })
     }
 
@@ -111,6 +124,73 @@ impl Header {
     fn encoders(&self) -> Vec<Recognised> {
         let keys = self.keys();
         recognise(&keys, &|k| self.shapes.get(k).cloned())
+    }
+}
+
+/// Where a family's diffusion model takes its latents: the key whose shape at `dim`, over
+/// `div`, is the latent channels (Flux, FLUX.2 and Z-Image read 2x2 patches of them as one
+/// token: BFL's `img_in` of 64 = 16 x 4, FLUX.2's of 128 = 32 x 4, Z-Image's `x_embedder` of
+/// 64; SD3's patch embedding and SDXL's first conv take the channels as they are).
+fn latent_input(family: &str) -> Option<(&'static str, usize, usize)> {
+    match family {
+        "flux" | "flux2" => Some(("img_in.weight", 1, 4)),
+        "zimage" => Some(("x_embedder.weight", 1, 4)),
+        "sd3" => Some(("x_embedder.proj.weight", 1, 1)),
+        "sdxl" => Some(("input_blocks.0.0.weight", 1, 1)),
+        _ => None,
+    }
+}
+
+/// The latent channels the model in `h` takes, if its family's input key is there.
+fn model_latents(family: &Family, h: &Header) -> Option<usize> {
+    let (key, dim, div) = latent_input(family.name)?;
+    ["", LDM_PREFIX].iter().find_map(|p| {
+        let s = h.shapes.get(&format!("{p}{key}"))?;
+        s.get(dim).map(|c| c / div)
+    })
+}
+
+/// What an autoencoder file is, from its keys: its latent channels (the decoder's first
+/// conv's input), whether it has quant convs and FLUX.2's batch-norm statistics (`bn.`).
+struct VaeFacts {
+    latents: Option<usize>,
+    quant: bool,
+    bn: bool,
+}
+
+impl VaeFacts {
+    fn of(h: &Header, prefix: &str) -> VaeFacts {
+        let has = |k: &str| h.shapes.contains_key(&format!("{prefix}{k}"));
+        VaeFacts {
+            latents: h
+                .shapes
+                .get(&format!("{prefix}decoder.conv_in.weight"))
+                .and_then(|s| s.get(1).copied()),
+            quant: has("quant_conv.weight"),
+            bn: has("bn.running_mean"),
+        }
+    }
+
+    /// Whether its structure is that of `kind`'s autoencoder (encoders::VaeConfig: SDXL's
+    /// has quant convs, SD3's and Flux's none, FLUX.2's both and `bn.`).
+    fn fits(&self, kind: VaeKind) -> bool {
+        match kind {
+            VaeKind::Flux2 => self.bn,
+            VaeKind::Sdxl => self.quant && !self.bn,
+            VaeKind::Sd3 | VaeKind::Flux => !self.quant && !self.bn,
+        }
+    }
+
+    fn describe(&self) -> String {
+        let kind = match (self.bn, self.quant) {
+            (true, _) => "FLUX.2's kind, with bn.",
+            (false, true) => "with quant convs (SDXL's kind)",
+            (false, false) => "without quant convs (SD3's and Flux's kind)",
+        };
+        match self.latents {
+            Some(c) => format!("{c} latent channels, {kind}"),
+            None => format!("no decoder.conv_in, {kind}"),
+        }
     }
 }
 
@@ -379,6 +459,83 @@ pub fn discover(
     from_folder(&root, wanted, text_given, vae_given, keys, lines)
 }
 
+/// The autoencoders among `lone` that fit `family`'s model best, each with why it fits (one,
+/// or several that fit equally), and a line for each one passed over. An autoencoder fits
+/// when its structure is that of the family's kind ([`VaeFacts::fits`]); among those, the
+/// ones whose latent channels are the model's input's come first, then those whose config
+/// (in the file's metadata) has the kind's `scaling_factor`.
+fn pick_vae<'h>(
+    family: &Family,
+    model: &Header,
+    lone: &[(&'h Header, Recognised)],
+) -> (Vec<(&'h Header, String)>, Vec<String>) {
+    let kind = family.pipeline.vae;
+    let want = model_latents(family, model);
+    let scale = kind.scaling().scale;
+    let mut passed = vec![];
+    let mut fit: Vec<((bool, bool), &'h Header, String)> = vec![];
+    for (h, r) in lone {
+        let Recognised::Vae { prefix } = r else {
+            continue;
+        };
+        let facts = VaeFacts::of(h, prefix);
+        let what = facts.describe();
+        if !facts.fits(kind) {
+            passed.push(format!(
+                "passed over {}: an autoencoder of {what}, not the {} model's ({kind:?})",
+                h.path.display(),
+                family.name
+            ));
+            continue;
+        }
+        let latents_match = match (want, facts.latents) {
+            (Some(w), Some(c)) => w == c,
+            (None, _) => true,
+            (Some(_), None) => false,
+        };
+        let scale_match = h.scaling.is_some_and(|s| (s - scale).abs() < 1e-6);
+        let mut why = what;
+        if let (true, Some(w)) = (latents_match, want) {
+            why.push_str(&format!(", the model takes {w}"));
+        }
+        if scale_match {
+            why.push_str(&format!(", scaling_factor {scale} in its config"));
+        }
+        fit.push(((latents_match, scale_match), h, why));
+    }
+    let Some(best) = fit.iter().map(|f| f.0).max() else {
+        return (vec![], passed);
+    };
+    let mut pick = vec![];
+    for (score, h, why) in fit {
+        if score == best {
+            pick.push((h, why));
+        } else {
+            passed.push(format!(
+                "passed over {}: an autoencoder of {why}, which fits the {} model less",
+                h.path.display(),
+                family.name
+            ));
+        }
+    }
+    if !best.0 {
+        // None takes the model's latent channels: none fits.
+        for (h, why) in pick.drain(..) {
+            passed.push(format!(
+                "passed over {}: an autoencoder of {why}, but the {} model takes {} latent \
+                 channels",
+                h.path.display(),
+                family.name,
+                want.unwrap_or(0)
+            ));
+        }
+    }
+    if let ([(_, why)], false) = (pick.as_mut_slice(), passed.is_empty()) {
+        why.push_str("; picked among the folder's autoencoders");
+    }
+    (pick, passed)
+}
+
 /// [`discover`] in a folder of loose files (ComfyUI's `models/`, a download folder).
 fn from_folder(
     root: &Path,
@@ -566,23 +723,35 @@ fn from_folder(
             ));
             vae = Some(model.path.clone());
         } else {
-            let found: Vec<&Header> = lone
-                .iter()
-                .filter(|(_, r)| matches!(r, Recognised::Vae { .. }))
-                .map(|(h, _)| *h)
-                .collect();
-            match found.as_slice() {
-                [h] => {
-                    lines.push(format!("autoencoder: {} ({})", h.path.display(), h.format));
+            let (pick, passed) = pick_vae(family, model, &lone);
+            let why_none = passed.join("; ");
+            lines.extend(passed);
+            match pick.as_slice() {
+                [(h, why)] => {
+                    lines.push(format!(
+                        "autoencoder: {} ({why}; {})",
+                        h.path.display(),
+                        h.format
+                    ));
                     vae = Some(h.path.clone());
                 }
-                [] => missing.push(format!("the autoencoder ({})", keys.vae)),
+                [] if why_none.is_empty() => {
+                    missing.push(format!("the autoencoder ({})", keys.vae))
+                }
+                [] => missing.push(format!(
+                    "an autoencoder that fits ({}; {why_none})",
+                    keys.vae
+                )),
                 many => {
                     return Err(err(format!(
-                        "{} = {}: several candidates for the autoencoder: {}; set {}",
+                        "{} = {}: several autoencoders fit the {} model equally: {}; set {}",
                         keys.model,
                         root.display(),
-                        show(&many.iter().map(|h| h.path.as_path()).collect::<Vec<_>>()),
+                        family.name,
+                        many.iter()
+                            .map(|(h, why)| format!("{} ({why})", h.path.display()))
+                            .collect::<Vec<_>>()
+                            .join(", "),
                         keys.vae
                     )))
                 }

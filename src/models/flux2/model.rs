@@ -340,12 +340,12 @@ impl Flux2 {
             ));
         }
         // The image tokens the prediction is made for; the references follow them.
-        let l_img = img.dims()[1];
-        let (img, img_ids) = match refs {
-            None => (img.clone(), img_ids.clone()),
+        let (b, l_img) = (img.dims()[0], img.dims()[1]);
+        let (img, ids) = match refs {
+            None => (img.clone(), cat_ids(b, &[txt_ids, img_ids])?),
             Some((r, r_ids)) => {
                 let d = r.dims();
-                if d.len() != 3 || d[0] != img.dims()[0] || d[2] != img.dims()[2] {
+                if d.len() != 3 || d[0] != b || d[2] != img.dims()[2] {
                     return Err(Error::ShapeMismatch {
                         op: "flux2: reference tokens (B, N, in) vs the image tokens",
                         lhs: r.shape().clone(),
@@ -354,15 +354,13 @@ impl Flux2 {
                 }
                 (
                     Tensor::cat(&[img, &r.to_dtype(img.dtype())?], 1)?,
-                    cat_ids(img.dims()[0], img_ids, r_ids)?,
+                    cat_ids(b, &[txt_ids, img_ids, r_ids])?,
                 )
             }
         };
-        let (img, img_ids) = (&img, &img_ids);
+        let img = &img;
         let vec = self.conditioning(img.dtype(), timesteps, guidance)?;
-        let pe = self
-            .pe_embedder
-            .forward(&joint_ids(img, img_ids, txt_ids)?)?;
+        let pe = self.pe_embedder.forward(&ids)?;
         let mut img = self.img_in.forward(img)?;
         let mut txt = self.txt_in.forward(txt)?;
         // The shared modulations, once for every block.
@@ -402,55 +400,35 @@ impl Flux2 {
     }
 }
 
-/// Image ids `a` then reference ids `b` along the sequence, each (N, 4) or (B, N, 4), for a
-/// batch of `b_size`: (N_a + N_b, 4) when both are shared by the batch, else (B, N_a + N_b, 4).
-fn cat_ids(b_size: usize, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if a.rank() == 2 && b.rank() == 2 {
-        return Tensor::cat(&[a, b], 0);
+/// Position ids laid end to end along the joint sequence (text, image, references), each
+/// (N, 4) or (B|1, N, 4): (B|1, sum N, 4), broadcast over the batch of `b` where they differ.
+fn cat_ids(b: usize, parts: &[&Tensor]) -> Result<Tensor> {
+    let ids = parts
+        .iter()
+        .map(|&t| {
+            let t = if t.rank() == 2 {
+                t.unsqueeze(0)?
+            } else {
+                t.clone()
+            };
+            let d = t.dims();
+            if d.len() != 3 || d[2] != super::AXES || (d[0] != 1 && d[0] != b) {
+                return Err(Error::invalid(
+                    "flux2",
+                    format!("position ids must be (N, 4) or ({b}, N, 4)"),
+                    t.shape(),
+                ));
+            }
+            Ok(t)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let rows = ids[0].dims()[0];
+    if ids.iter().all(|t| t.dims()[0] == rows) {
+        return Tensor::cat(&ids.iter().collect::<Vec<_>>(), 1);
     }
-    let batched = |t: &Tensor| -> Result<Tensor> {
-        let d = t.dims().to_vec();
-        match d.len() {
-            2 => t.unsqueeze(0)?.broadcast_as(vec![b_size, d[0], d[1]]),
-            3 if d[0] == b_size => Ok(t.clone()),
-            3 if d[0] == 1 => t.broadcast_as(vec![b_size, d[1], d[2]]),
-            _ => Err(Error::invalid(
-                "flux2",
-                format!("position ids must be (N, 4) or ({b_size}, N, 4)"),
-                t.shape(),
-            )),
-        }
-    };
-    Tensor::cat(&[&batched(a)?, &batched(b)?], 1)
-}
-
-/// The joint sequence's position ids (B|1, T+L, 4): text first, then image, each given per
-/// sample or once for the batch.
-fn joint_ids(img: &Tensor, img_ids: &Tensor, txt_ids: &Tensor) -> Result<Tensor> {
-    let ids = |t: &Tensor| {
-        if t.rank() == 2 {
-            t.unsqueeze(0)
-        } else {
-            Ok(t.clone())
-        }
-    };
-    let (img_ids, txt_ids) = (ids(img_ids)?, ids(txt_ids)?);
-    for t in [&img_ids, &txt_ids] {
-        if t.rank() != 3 || t.dims()[2] != super::AXES {
-            return Err(Error::invalid(
-                "flux2",
-                "position ids must be (N, 4) or (B, N, 4)",
-                t.shape(),
-            ));
-        }
-    }
-    if img_ids.dims()[0] == txt_ids.dims()[0] {
-        return Tensor::cat(&[&txt_ids, &img_ids], 1);
-    }
-    let b = img.dims()[0];
-    let expand = |t: &Tensor| {
-        let d = t.dims();
-        t.broadcast_as(vec![b, d[1], d[2]])
-    };
-    Tensor::cat(&[&expand(&txt_ids)?, &expand(&img_ids)?], 1)
+    let wide = ids
+        .iter()
+        .map(|t| t.broadcast_as(vec![b, t.dims()[1], t.dims()[2]]))
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&wide.iter().collect::<Vec<_>>(), 1)
 }

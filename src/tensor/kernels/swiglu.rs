@@ -63,6 +63,78 @@ fn rows_view(
     Ok((p, d[1]))
 }
 
+/// The operands of either kernel as dense views: x (R, 2 M), and for the backward g (R, M).
+#[cfg(feature = "cuda")]
+fn dense_views<'a>(
+    dims: &[usize],
+    args: &[&'a crate::backend::cuda::CudaStorage],
+) -> Vec<(&'a crate::backend::cuda::CudaStorage, Layout)> {
+    let widths = [2 * dims[1], dims[1]];
+    args.iter()
+        .zip(widths)
+        .map(|(&s, w)| (s, Layout::contiguous(crate::Shape::from(&[dims[0], w][..]))))
+        .collect()
+}
+
+/// Either kernel on CUDA, by its `name`: `swiglu_fwd` over [x] -> [y (R, M)], or
+/// `swiglu_bwd` over [x, g] -> [dx (R, 2 M)]; x read in place (`rows_view`).
+#[cfg(feature = "cuda")]
+fn swiglu_cuda(
+    name: &'static str,
+    dims: &[usize],
+    args: &[(&crate::backend::cuda::CudaStorage, &Layout)],
+) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
+    use crate::backend::cuda::kit::{by_dtype, grid_for, launch, ptr, Elem};
+    use crate::backend::cuda::CudaStorage;
+    use crate::Error;
+    fn run<T: Elem>(
+        name: &'static str,
+        d: &[usize],
+        a: &[(&CudaStorage, &Layout)],
+    ) -> Result<Vec<CudaStorage>> {
+        let (x, dev) = (a[0].0, &a[0].0.dev);
+        let (r, m) = (d[0], d[1]);
+        let mut copy = None;
+        let (px, ld) = rows_view(name, x, a[0].1, &mut copy)?;
+        let grid = grid_for((r * m).div_ceil(8), dev.sm_count().max(1));
+        let Some((g, lg)) = a.get(1) else {
+            let mut y = dev.alloc::<T>(r * m)?;
+            launch!(
+                dev,
+                "fused",
+                format!("swiglu_fwd_{}", T::SFX),
+                grid,
+                &px,
+                &mut *y.slice,
+                &r,
+                &m,
+                &ld
+            )?;
+            return Ok(vec![x.wrap(T::wrap(y))]);
+        };
+        let dense = g.dense(name, lg)?;
+        let pg = ptr(dense.as_ref().unwrap_or(g));
+        let mut dx = dev.alloc::<T>(r * 2 * m)?;
+        launch!(
+            dev,
+            "fused",
+            format!("swiglu_bwd_{}", T::SFX),
+            grid,
+            &px,
+            &pg,
+            &mut *dx.slice,
+            &r,
+            &m,
+            &ld
+        )?;
+        Ok(vec![x.wrap(T::wrap(dx))])
+    }
+    by_dtype!(args[0].0.buf.dtype(), run(name, dims, args), u32 => Err(Error::UnsupportedDType {
+        op: name,
+        dtype: DType::U32,
+    }))
+}
+
 impl Kernel for SwiGlu {
     fn name(&self) -> &'static str {
         "swiglu"
@@ -95,9 +167,9 @@ impl Kernel for SwiGlu {
         dims: &[usize],
         args: &[&crate::backend::cuda::CudaStorage],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        let d = [dims[0], 2 * dims[1]];
-        let l = Layout::contiguous(crate::Shape::from(&d[..]));
-        self.cuda_views(dims, &[(args[0], &l)])
+        let views = dense_views(dims, args);
+        let views: Vec<_> = views.iter().map(|(s, l)| (*s, l)).collect();
+        swiglu_cuda(self.name(), dims, &views)
     }
 
     #[cfg(feature = "cuda")]
@@ -106,37 +178,7 @@ impl Kernel for SwiGlu {
         dims: &[usize],
         args: &[(&crate::backend::cuda::CudaStorage, &Layout)],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        use crate::backend::cuda::kit::{by_dtype, grid_for, launch, Elem};
-        use crate::backend::cuda::CudaStorage;
-        use crate::Error;
-        fn run<T: Elem>(
-            name: &'static str,
-            d: &[usize],
-            a: &[(&CudaStorage, &Layout)],
-        ) -> Result<Vec<CudaStorage>> {
-            let (x, dev) = (a[0].0, &a[0].0.dev);
-            let (r, m) = (d[0], d[1]);
-            let mut copy = None;
-            let (px, ld) = rows_view(name, x, a[0].1, &mut copy)?;
-            let mut y = dev.alloc::<T>(r * m)?;
-            launch!(
-                dev,
-                "fused",
-                format!("swiglu_fwd_{}", T::SFX),
-                grid_for((r * m).div_ceil(8), dev.sm_count().max(1)),
-                &px,
-                &mut *y.slice,
-                &r,
-                &m,
-                &ld
-            )?;
-            Ok(vec![x.wrap(T::wrap(y))])
-        }
-        let name = self.name();
-        by_dtype!(args[0].0.buf.dtype(), run(name, dims, args), u32 => Err(Error::UnsupportedDType {
-            op: name,
-            dtype: DType::U32,
-        }))
+        swiglu_cuda(self.name(), dims, args)
     }
 }
 
@@ -202,9 +244,9 @@ impl Kernel for SwiGluBackward {
         dims: &[usize],
         args: &[&crate::backend::cuda::CudaStorage],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        let lx = Layout::contiguous(crate::Shape::from(&[dims[0], 2 * dims[1]][..]));
-        let lg = Layout::contiguous(crate::Shape::from(&[dims[0], dims[1]][..]));
-        self.cuda_views(dims, &[(args[0], &lx), (args[1], &lg)])
+        let views = dense_views(dims, args);
+        let views: Vec<_> = views.iter().map(|(s, l)| (*s, l)).collect();
+        swiglu_cuda(self.name(), dims, &views)
     }
 
     #[cfg(feature = "cuda")]
@@ -213,40 +255,7 @@ impl Kernel for SwiGluBackward {
         dims: &[usize],
         args: &[(&crate::backend::cuda::CudaStorage, &Layout)],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        use crate::backend::cuda::kit::{by_dtype, grid_for, launch, ptr, Elem};
-        use crate::backend::cuda::CudaStorage;
-        use crate::Error;
-        fn run<T: Elem>(
-            name: &'static str,
-            d: &[usize],
-            a: &[(&CudaStorage, &Layout)],
-        ) -> Result<Vec<CudaStorage>> {
-            let (x, dev) = (a[0].0, &a[0].0.dev);
-            let (r, m) = (d[0], d[1]);
-            let mut copy = None;
-            let (px, ld) = rows_view(name, x, a[0].1, &mut copy)?;
-            let g = a[1].0.dense(name, a[1].1)?;
-            let pg = ptr(g.as_ref().unwrap_or(a[1].0));
-            let mut dx = dev.alloc::<T>(r * 2 * m)?;
-            launch!(
-                dev,
-                "fused",
-                format!("swiglu_bwd_{}", T::SFX),
-                grid_for((r * m).div_ceil(8), dev.sm_count().max(1)),
-                &px,
-                &pg,
-                &mut *dx.slice,
-                &r,
-                &m,
-                &ld
-            )?;
-            Ok(vec![x.wrap(T::wrap(dx))])
-        }
-        let name = self.name();
-        by_dtype!(args[0].0.buf.dtype(), run(name, dims, args), u32 => Err(Error::UnsupportedDType {
-            op: name,
-            dtype: DType::U32,
-        }))
+        swiglu_cuda(self.name(), dims, args)
     }
 }
 

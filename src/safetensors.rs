@@ -340,6 +340,32 @@ fn parse_header(buf: &[u8], path: &Path) -> Result<Header> {
     Ok((8 + n, tensors, metadata))
 }
 
+/// Whether the weights at `path` hold FP8 E4M3 tensors (ComfyUI's and BFL's FP8 files): a
+/// .safetensors file, or a folder whose .safetensors files are read (a transformers folder's
+/// shards). Errors name a file whose header cannot be read.
+pub fn holds_fp8(path: impl AsRef<Path>) -> Result<bool> {
+    let path = path.as_ref();
+    let files: Vec<PathBuf> = if path.is_dir() {
+        std::fs::read_dir(path)
+            .map_err(|source| Error::Io {
+                path: path.to_path_buf(),
+                source,
+            })?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect()
+    } else {
+        vec![path.to_path_buf()]
+    };
+    for f in files {
+        let file = SafeTensorsFile::open(&f)?;
+        if file.tensors.values().any(|t| t.dtype == "F8_E4M3") {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// Opens `path` and loads every tensor.
 pub fn load(path: impl AsRef<Path>, device: &Device) -> Result<BTreeMap<String, Tensor>> {
     SafeTensorsFile::open(path)?.load_all(device)

@@ -122,6 +122,38 @@ fn text_conditioning_matches_encode_prompt() {
         got[0].1.to_vec_f64().unwrap(),
         "streamed Qwen3"
     );
+    // Qwen3's Linears in FP8 (`encoders.fp8_qwen3`), streamed or not alike. The tiny
+    // encoder is 28 random layers of width 16 whose 9th, 18th and 27th outputs make the
+    // context: FP8's rounding (3 mantissa bits, per-row scales; 6.1e-2 at layer 3 in
+    // tests/qwen3.rs) compounds through them to 0.16 of the context's norm.
+    let fp8 = TextOptions {
+        fp8_qwen3: true,
+        ..TextOptions::default()
+    };
+    let ctx8 = conditioner_with(&fp8).encode(&caps).unwrap();
+    let (g, w) = (
+        ctx8[0].1.to_vec_f64().unwrap(),
+        io["encode.context"].to_vec_f64().unwrap(),
+    );
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let diff: Vec<f64> = g.iter().zip(&w).map(|(a, b)| a - b).collect();
+    let e8 = norm(&diff) / norm(&w);
+    assert!(
+        e8 > 0.0 && e8 <= 0.25,
+        "FP8 Qwen3: context off by {e8:e} of its norm"
+    );
+    let ctx8s = conditioner_with(&TextOptions {
+        stream_qwen3: true,
+        ..fp8
+    })
+    .encode(&caps)
+    .unwrap();
+    assert_eq!(
+        ctx8s[0].1.to_vec_f64().unwrap(),
+        ctx8[0].1.to_vec_f64().unwrap(),
+        "streamed FP8 Qwen3"
+    );
+    println!("klein context with FP8 Qwen3: {e8:.2e} of its norm");
     // The model takes exactly this width.
     let m = model();
     let w = got[0].1.dims()[2];

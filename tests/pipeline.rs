@@ -100,6 +100,7 @@ fn conditioner(case: &Case, dtype: DType, device: &Device) -> TextConditioner {
         t5_tokens: case.t5_tokens,
         stream_t5: false,
         stream_qwen3: false,
+        fp8_qwen3: false,
     };
     TextConditioner::load(fam, &located, &opts, dtype, device, "encoders").unwrap()
 }

@@ -315,3 +315,35 @@ fn saves_are_byte_identical_and_readable_by_others() {
     assert_eq!(mode, usual, "mode {mode:o}, the umask gives {usual:o}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `holds_fp8` reads headers only: a file with an F8_E4M3 tensor, a folder with such a shard,
+/// neither in bf16-only files; a corrupt header is an error naming the file.
+#[test]
+fn holds_fp8_reads_the_headers() {
+    let dir = TempDir::new("fp8");
+    let fp8 = dir.file("qwen_3_4b_fp8_scaled.safetensors");
+    raw_file(
+        &fp8,
+        r#"{"w":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]},"w_scale":{"dtype":"F32","shape":[],"data_offsets":[4,8]}}"#,
+        &[0x38, 0x40, 0xb8, 0x00, 0, 0, 128, 63],
+    );
+    assert!(flame::safetensors::holds_fp8(&fp8).unwrap());
+    let shards = dir.file("folder");
+    std::fs::create_dir_all(&shards).unwrap();
+    let bf16 = Tensor::from_vec(vec![1f32, 2.0], 2, &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    save(
+        [("a", &bf16)],
+        shards.join("model-00001-of-00002.safetensors"),
+    )
+    .unwrap();
+    assert!(!flame::safetensors::holds_fp8(&shards).unwrap());
+    std::fs::copy(&fp8, shards.join("model-00002-of-00002.safetensors")).unwrap();
+    assert!(flame::safetensors::holds_fp8(&shards).unwrap());
+    let bad = dir.file("bad.safetensors");
+    raw_file(&bad, "{not json", &[]);
+    let e = flame::safetensors::holds_fp8(&bad).unwrap_err();
+    assert!(e.to_string().contains("bad.safetensors"), "{e}");
+}

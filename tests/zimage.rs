@@ -55,17 +55,23 @@ fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
 /// so both layouts take the config.json's config), runs the fixture's inputs and checks
 /// output, input gradients and every parameter gradient. Returns the worst errors.
 fn parity(path: &Path) -> [f64; 3] {
+    parity_on(path, &CPU)
+}
+
+/// [`parity`] with the model and inputs on `dev`.
+fn parity_on(path: &Path, dev: &Device) -> [f64; 3] {
     let io = io();
-    let (model, vb) = ZImage::load(path, DType::F32, &CPU, Some(config())).unwrap();
+    let on = |k: &str| io[k].to_device(dev).unwrap();
+    let (model, vb) = ZImage::load(path, DType::F32, dev, Some(config())).unwrap();
     vb.set_trainable(|_| true).unwrap();
-    let lat = io["latents"].detach().requires_grad_().unwrap();
-    let cap = io["cap_feats"].detach().requires_grad_().unwrap();
+    let lat = on("latents").detach().requires_grad_().unwrap();
+    let cap = on("cap_feats").detach().requires_grad_().unwrap();
     let out = model
-        .forward(&lat, &io["timesteps"], &cap, &io["cap_mask"])
+        .forward(&lat, &on("timesteps"), &cap, &on("cap_mask"))
         .unwrap();
     let e_out = rel_err(&out, &io["output"]);
     assert!(e_out <= TOL, "{path:?}: output error {e_out:e}");
-    let loss = out.mul(&io["loss_weight"]).unwrap().sum_all().unwrap();
+    let loss = out.mul(&on("loss_weight")).unwrap().sum_all().unwrap();
     let grads = loss.backward().unwrap();
     let mut e_in = 0f64;
     for (name, t) in [("latents", &lat), ("cap_feats", &cap)] {
@@ -109,6 +115,16 @@ fn zimage_matches_diffusers_f32_cpu_both_layouts() {
     flame::safetensors::save(prefixed.iter().map(|(k, v)| (k.as_str(), v)), &file).unwrap();
     parity(&file);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The same parity on the GPU in f32, both layouts.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn zimage_matches_diffusers_f32_cuda_both_layouts() {
+    let dev = Device::cuda(0).unwrap();
+    parity_on(&fixture(), &dev);
+    parity_on(&fixture().join("single_file.safetensors"), &dev);
 }
 
 /// `predict` is the pipeline's use of the model: run at 1 - t, output negated.

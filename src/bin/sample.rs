@@ -26,7 +26,8 @@
 use argh::FromArgs;
 use flame::cli::{failure, parse_args, usage};
 use flame::models::pipeline::{
-    conditioning, load_vae, tokenizer_lines, Sources, TextConditioner, TextOptions,
+    conditioning, load_vae, qwen3_file_is_fp8, tokenizer_lines, Sources, TextConditioner,
+    TextOptions,
 };
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
@@ -530,6 +531,9 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             // less memory).
             stream_t5: a.stream_t5 || a.budget > 0.0,
             stream_qwen3: a.stream_qwen3 || a.budget > 0.0,
+            // FP8 weights (`--dtype fp8`) take Qwen3's Linears to FP8 too, and an FP8 file's
+            // codes stay as they are.
+            fp8_qwen3: fp8 || qwen3_file_is_fp8(family, &text_at),
         };
         for line in tokenizer_lines(family, &text_at) {
             eprintln!("{line}");

@@ -329,6 +329,24 @@ pub struct TextOptions {
     /// Qwen3's layers stream from host memory ([`Qwen3Options::stream`]), two ahead: its
     /// embedding and three layers on the device (about 1.4 GiB for Qwen3-4B instead of 8).
     pub stream_qwen3: bool,
+    /// Qwen3's Linear weights held as FP8 E4M3 with per-row scales ([`Qwen3Options::fp8`]):
+    /// half the memory and streamed bytes; an FP8 file's codes are kept as they are.
+    pub fp8_qwen3: bool,
+}
+
+/// Whether the family's Qwen3 encoder, where `located` puts it, stores FP8 weights (ComfyUI's
+/// fp8 files), whose codes [`TextOptions::fp8_qwen3`] then keeps as they are. A header that
+/// cannot be read counts as not FP8: loading the encoder names the problem.
+pub fn qwen3_file_is_fp8(family: &Family, located: &[(Located, TokenizerSource)]) -> bool {
+    family
+        .pipeline
+        .text
+        .iter()
+        .zip(located)
+        .any(|(slot, (w, _))| {
+            matches!(slot.kind, TextEncoderKind::Qwen3(_))
+                && crate::safetensors::holds_fp8(&w.path).unwrap_or(false)
+        })
 }
 
 /// How [`TextConditioner::load_slots`] takes one of a family's text encoders.
@@ -562,6 +580,7 @@ impl TextConditioner {
                     let opts = Qwen3Options {
                         prefix: w.prefix.map(str::to_string),
                         stream: opts.stream_qwen3.then_some(2),
+                        fp8: opts.fp8_qwen3,
                         ..cond.options()
                     };
                     (
@@ -614,6 +633,9 @@ impl TextConditioner {
                 },
                 slot.len(opts.guided, opts.t5_tokens)
             ));
+            if opts.fp8_qwen3 && matches!(slot.kind, TextEncoderKind::Qwen3(_)) {
+                id.push(format!("{}: Linears in FP8", slot.name));
+            }
         }
         id.join("\n")
     }

@@ -927,6 +927,11 @@ section! {
         /// weights take more than half of it; Qwen3-4B then encodes in about 1.4 GiB instead
         /// of 8).
         stream_qwen3: Toggle = Toggle::Auto,
+        /// Hold Qwen3's Linear weights as FP8 E4M3 with a scale per row, decoded per matmul
+        /// (FLUX.2 klein, Z-Image; ComfyUI's fp8 text encoders): "on", "off", or "auto" (on
+        /// when model.dtype is "fp8" or Qwen3's file stores FP8 weights, whose codes are then
+        /// kept as they are; half of bf16's memory and streamed bytes).
+        fp8_qwen3: Toggle = Toggle::Auto,
         /// Encode and decode in tiles of this many pixels (0: whole images, except that sample
         /// images decode in 512-pixel tiles under a memory.budget_gb); less memory, slightly
         /// different latents near tile borders.

@@ -10,8 +10,8 @@ use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
 use crate::dist::ProcessGroup;
 use crate::encoders::{AutoencoderKl, VaeTiling};
 use crate::models::pipeline::{
-    file_identity, load_vae, tokenizer_lines, Located, Sources, TextConditioner, TextEncoderKind,
-    TextOptions, TokenizerSource,
+    file_identity, load_vae, qwen3_file_is_fp8, tokenizer_lines, Located, Sources, TextConditioner,
+    TextEncoderKind, TextOptions, TokenizerSource,
 };
 use crate::models::{Family, Input, Size};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -296,7 +296,9 @@ fn encode_tile(
 /// Bytes the text encoders hold while captions are encoded, about: their weight files
 /// (at most: a file stored in f32 is encoded in bf16 on a GPU), T5 an eighth of its
 /// weights when streamed (its embedding and the blocks in flight), Qwen3 a quarter (its
-/// embedding, a tenth of Qwen3-4B, and three layers). With whether one of them streams.
+/// embedding, a tenth of Qwen3-4B, and three layers), and, resident with its Linears made
+/// FP8 from a 16-bit file, 11/20 of them (the embedding kept, the Linears halved). With
+/// whether one of them streams.
 pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Result<(u64, bool)> {
     let (text_at, _) = locate(config, family)?;
     let opts = text_options(config, family, &text_at, false);
@@ -310,6 +312,12 @@ pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Resul
             match slot.kind {
                 TextEncoderKind::T5 if opts.stream_t5 => b / 8,
                 TextEncoderKind::Qwen3(_) if opts.stream_qwen3 => b / 4,
+                TextEncoderKind::Qwen3(_)
+                    if opts.fp8_qwen3
+                        && !crate::safetensors::holds_fp8(&l.path).unwrap_or(true) =>
+                {
+                    b * 11 / 20
+                }
                 _ => b,
             }
         })
@@ -334,7 +342,8 @@ fn weight_bytes(path: &Path) -> u64 {
 /// T5 and Qwen3 stream while encoding as `encoders.stream_t5` and `encoders.stream_qwen3`
 /// say: "auto" streams when a memory budget is set and the encoder's weight files take more
 /// than half of it (one inside an all-in-one file counts the whole file: streaming is then
-/// the safe side).
+/// the safe side). Qwen3's Linears are FP8 as `encoders.fp8_qwen3` says: "auto" when the
+/// model's weights are FP8 or Qwen3's file is ([`qwen3_file_is_fp8`]).
 pub fn text_options(
     config: &TrainConfig,
     family: &Family,
@@ -367,6 +376,13 @@ pub fn text_options(
         t5_tokens: config.encoders.t5_tokens,
         stream_t5: streams(config.encoders.stream_t5, false),
         stream_qwen3: streams(config.encoders.stream_qwen3, true),
+        fp8_qwen3: match config.encoders.fp8_qwen3 {
+            Toggle::On => true,
+            Toggle::Off => false,
+            Toggle::Auto => {
+                config.model.dtype == ModelDType::Fp8 || qwen3_file_is_fp8(family, text_at)
+            }
+        },
     }
 }
 
@@ -768,6 +784,14 @@ pub fn prepare(
     }
     if text_opts.stream_qwen3 && encode {
         on("Qwen3 streams its layers from host memory while the captions are encoded".into());
+    }
+    let qwen3 = family
+        .pipeline
+        .text
+        .iter()
+        .any(|s| matches!(s.kind, TextEncoderKind::Qwen3(_)));
+    if qwen3 && text_opts.fp8_qwen3 && encode {
+        on("Qwen3's Linear weights are held in FP8 (encoders.fp8_qwen3)".into());
     }
     let text = TextCache::open(&cache, &text_id)?;
     let empty = text.entry_path("");

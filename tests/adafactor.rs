@@ -317,7 +317,8 @@ fn bad_state_files_and_settings_are_refused() {
 }
 
 /// Parameters of odd sizes: 1-D (257 values, one), factored 37x53 (f32 and bf16), 1x1, a
-/// 4-D one of two (3, 5) matrices per leading index, an f16 matrix of several chunks.
+/// 4-D one of two (3, 5) matrices per leading index; an f16 matrix and a bf16 vector of
+/// several chunks (4096 values a chunk).
 fn odd_params(dev: &Device) -> Vec<(String, Tensor)> {
     let mut r = Lcg(23);
     [
@@ -328,6 +329,7 @@ fn odd_params(dev: &Device) -> Vec<(String, Tensor)> {
         ("s1x1", vec![1, 1], DType::F32),
         ("conv", vec![2, 2, 3, 5], DType::BF16),
         ("f70x130", vec![70, 130], DType::F16),
+        ("b4097", vec![4097], DType::BF16),
     ]
     .into_iter()
     .map(|(n, dims, dt)| {

@@ -1,6 +1,7 @@
 //! GPU kernel throughput beside the device's measured copy ceiling (run on the GPU machine):
 //!   bandwidth ops at 256 MiB per input: achieved GB/s and % of device-to-device copy GB/s;
-//!   bf16 matmuls: TFLOP/s; an AdamW8bit step against AdamW's. benches/torch_kernels.py times PyTorch on the same shapes.
+//!   bf16 matmuls: TFLOP/s; an AdamW8bit step against AdamW's; Prodigy's, Adafactor's (fused
+//!   and composite) and the moving average of the weights (fused and composite). benches/torch_kernels.py times PyTorch on the same shapes.
 //! Timed with the stream synchronised around `ITERS` launches after a warm-up.
 
 mod common;
@@ -108,6 +109,49 @@ fn main() -> Result<()> {
             n * ((2 + 2 + 4 * 4 + 3 * 4) + (2 + 4 + 4 + 2)),
             time(cuda, || op.step(&grads))?,
         );
+        drop(op);
+        // Adafactor, factored (8192, 8192): the line sums read g twice, the update's sums
+        // read g and p, the update reads g and p and writes p (R and C are 1/8192 of that).
+        let pm = a
+            .reshape((8192, n / 8192))?
+            .to_dtype(DType::BF16)?
+            .requires_grad_()?;
+        let mut gm = flame::Grads::new();
+        gm.insert(&pm, bh.reshape((8192, n / 8192))?.contiguous()?);
+        let mut oa = flame::optim::Adafactor::new(
+            vec![("p".into(), pm.clone())],
+            flame::optim::AdafactorConfig::default(),
+        )?;
+        report(
+            "adafactor_step_bf16",
+            n * (2 * 2 + 2 * 2 + 3 * 2),
+            time(cuda, || oa.step(&gm))?,
+        );
+        let secs = time(cuda, || oa.step_composite(&gm, 1.0))?;
+        println!("flame adafactor_step_bf16 (composite) {:.3} ms", secs * 1e3);
+        drop(oa);
+        // The moving average of the weights: reads the f32 shadow and the bf16 weights,
+        // writes the shadow.
+        let ws = vec![("p".to_string(), pm.clone())];
+        let mut ema = flame::train::ema::Ema::new(
+            &ws,
+            flame::train::ema::EmaSchedule {
+                decay: 0.9999,
+                min_decay: 0.0,
+                update_after_step: 0,
+                warmup: false,
+                inv_gamma: 1.0,
+                power: 2.0 / 3.0,
+            },
+            flame::train::config::EmaDevice::Gpu,
+        )?;
+        report(
+            "ema_update_bf16",
+            n * (4 + 2 + 4),
+            time(cuda, || ema.update(&ws))?,
+        );
+        let secs = time(cuda, || ema.update_composite(&ws))?;
+        println!("flame ema_update_bf16 (composite) {:.3} ms", secs * 1e3);
     }
 
     for (m, k, nn) in [(4096, 4096, 4096), (4608, 3072, 12288)] {

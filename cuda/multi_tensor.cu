@@ -758,3 +758,229 @@ __device__ __forceinline__ void lion_8bit(const Lion8Entry* table, unsigned k, c
 LION(f32, float)
 LION(bf16, __nv_bfloat16)
 LION(f16, __half)
+
+// ----- Adafactor (src/backend/adafactor.rs; launcher src/backend/cuda/adafactor.rs) --------
+// Shape letters as above; a factored parameter is B matrices of (ROWS, COLS).
+//   AfEntry  (K) p, g (N) T; m (N) f32 or 0; a: R (B, ROWS) or V (N) f32; c: C (B, COLS)
+//                f32 or 0 (full); rmean (all B) f32; partial (2 x all chunks) f64;
+//                scal (2 K) f32
+// A step is five launches over every parameter, with no host round-trip:
+//   af_lines    one warp per line (each row and each column of each matrix): the line's sum
+//               of u = g^2 + eps1 into R or C;
+//   af_rmean    one warp per matrix: the mean of its R;
+//   af_update   one block per chunk of AF_CHUNK values: the full V, and the chunk's sums of
+//               x^2 and p^2 (x the unscaled update);
+//   af_scalars  one thread per parameter: its chunks' sums in order, lr_t and the clipping
+//               into (k, decay);
+//   af_apply    one block per chunk: x again (the same operations give the same bits), m and p.
+// Lines are summed in 32 strided lane sums added in lane order, chunks in MT_THREADS thread
+// sums added in thread order, as AdafactorHyper's CPU reference (src/backend/cpu/adafactor.rs)
+// does; every operation is an _rn intrinsic, so CPU and GPU agree bit for bit.
+
+#define AF_CHUNK 4096
+#define AF_SCALE_PARAMETER 1u
+#define AF_FIRST_MOMENT 2u
+
+// Must match the table written by src/backend/cuda/adafactor.rs (u64 words). dtype: 0 f32,
+// 1 bf16, 2 f16. first_line, first_batch and first_chunk count lines, matrices and chunks
+// before the entry (each entry's own count may be 0).
+struct AfEntry {
+  unsigned long long p, g, m, a, c, n, rows, cols, dtype, first_line, first_batch, first_chunk;
+  double rel;
+  float beta2t, omb2t;
+};
+
+__device__ __forceinline__ float af_load(unsigned long long base, unsigned long long dtype, size_t i) {
+  if (dtype == 1) return __bfloat162float(((const __nv_bfloat16*)base)[i]);
+  if (dtype == 2) return __half2float(((const __half*)base)[i]);
+  return ((const float*)base)[i];
+}
+
+__device__ __forceinline__ void af_store(unsigned long long base, unsigned long long dtype, size_t i, float x) {
+  if (dtype == 1) ((__nv_bfloat16*)base)[i] = __float2bfloat16_rn(x);
+  else if (dtype == 2) ((__half*)base)[i] = __float2half_rn(x);
+  else ((float*)base)[i] = x;
+}
+
+// The last entry whose `field` is <= idx.
+__device__ __forceinline__ unsigned af_find(const AfEntry* table, unsigned k, unsigned long long idx,
+                                            unsigned long long AfEntry::*field) {
+  unsigned lo = 0, hi = k;
+  while (hi - lo > 1) {
+    const unsigned mid = (lo + hi) / 2;
+    if (table[mid].*field <= idx) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// The warp's lane sums added in lane order; the result in lane 0.
+__device__ __forceinline__ double af_lane_order(double s) {
+  double total = s;
+  for (int l = 1; l < 32; ++l) {
+    const double o = __shfl_sync(0xffffffffu, s, l);
+    total = __dadd_rn(total, o);
+  }
+  return total;
+}
+
+// AdafactorHyper::grad_u.
+__device__ __forceinline__ float af_grad(float g, float gs) { return __fmul_rn(g, gs); }
+__device__ __forceinline__ float af_u(float g, float eps1) { return __fadd_rn(__fmul_rn(g, g), eps1); }
+// adafactor::decayed.
+__device__ __forceinline__ float af_decayed(float b, float omb, float prev, float x) {
+  return __fadd_rn(__fmul_rn(b, prev), __fmul_rn(omb, x));
+}
+// adafactor::factored_x and full_x.
+__device__ __forceinline__ float af_factored_x(float g, float r, float rmean, float c) {
+  const float rf = __fdiv_rn(1.f, __fsqrt_rn(__fdiv_rn(r, rmean)));
+  const float cf = __fdiv_rn(1.f, __fsqrt_rn(c));
+  return __fmul_rn(__fmul_rn(rf, cf), g);
+}
+__device__ __forceinline__ float af_full_x(float g, float v) { return __fmul_rn(__fdiv_rn(1.f, __fsqrt_rn(v)), g); }
+
+extern "C" __global__ void __launch_bounds__(MT_THREADS)
+    af_lines(const AfEntry* table, unsigned k, unsigned long long lines, float eps1, float gs) {
+  const unsigned long long w = (unsigned long long)blockIdx.x * MT_WARPS + threadIdx.x / 32;
+  const unsigned lane = threadIdx.x % 32;
+  if (w >= lines) return;  // the whole warp
+  const AfEntry e = table[af_find(table, k, w, &AfEntry::first_line)];
+  const unsigned long long local = w - e.first_line, mat = e.rows * e.cols, rowlines = (e.n / mat) * e.rows;
+  unsigned long long base, stride, len;
+  float* out;
+  if (local < rowlines) {
+    base = (local / e.rows) * mat + (local % e.rows) * e.cols;
+    stride = 1;
+    len = e.cols;
+    out = (float*)e.a + local;
+  } else {
+    const unsigned long long l = local - rowlines;
+    base = (l / e.cols) * mat + l % e.cols;
+    stride = e.cols;
+    len = e.rows;
+    out = (float*)e.c + l;
+  }
+  double s = 0.0;
+  for (unsigned long long q = lane; q < len; q += 32)
+    s = __dadd_rn(s, (double)af_u(af_grad(af_load(e.g, e.dtype, base + q * stride), gs), eps1));
+  const double total = af_lane_order(s);
+  if (lane == 0) {
+    const float mean = __double2float_rn(__ddiv_rn(total, (double)len));
+    *out = af_decayed(e.beta2t, e.omb2t, *out, mean);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(MT_THREADS)
+    af_rmean(const AfEntry* table, unsigned k, unsigned long long batches, float* rmean) {
+  const unsigned long long w = (unsigned long long)blockIdx.x * MT_WARPS + threadIdx.x / 32;
+  const unsigned lane = threadIdx.x % 32;
+  if (w >= batches) return;
+  const AfEntry e = table[af_find(table, k, w, &AfEntry::first_batch)];
+  const float* r = (const float*)e.a + (w - e.first_batch) * e.rows;
+  double s = 0.0;
+  for (unsigned long long q = lane; q < e.rows; q += 32) s = __dadd_rn(s, (double)r[q]);
+  const double total = af_lane_order(s);
+  if (lane == 0) rmean[w] = __double2float_rn(__ddiv_rn(total, (double)e.rows));
+}
+
+// x of value i of entry e (its V already updated).
+__device__ __forceinline__ float af_x(const AfEntry& e, const float* rmean, size_t i, float gv) {
+  if (e.c == 0) return af_full_x(gv, ((const float*)e.a)[i]);
+  const unsigned long long mat = e.rows * e.cols, b = i / mat, rem = i % mat;
+  return af_factored_x(gv, ((const float*)e.a)[b * e.rows + rem / e.cols], rmean[e.first_batch + b],
+                       ((const float*)e.c)[b * e.cols + rem % e.cols]);
+}
+
+extern "C" __global__ void __launch_bounds__(MT_THREADS)
+    af_update(const AfEntry* table, unsigned k, const float* rmean, double* partial, float eps1, float gs,
+              unsigned flags) {
+  __shared__ double red[2 * MT_THREADS];
+  const AfEntry e = table[af_find(table, k, blockIdx.x, &AfEntry::first_chunk)];
+  const size_t start = (size_t)(blockIdx.x - e.first_chunk) * AF_CHUNK;
+  const size_t end = min(start + AF_CHUNK, (size_t)e.n);
+  double sx = 0.0, sp = 0.0;
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS) {
+    const float gv = af_grad(af_load(e.g, e.dtype, i), gs);
+    if (e.c == 0) {
+      float* v = (float*)e.a;
+      v[i] = af_decayed(e.beta2t, e.omb2t, v[i], af_u(gv, eps1));
+    }
+    const double xv = (double)af_x(e, rmean, i, gv);
+    sx = __dadd_rn(sx, __dmul_rn(xv, xv));
+    if (flags & AF_SCALE_PARAMETER) {
+      const double pv = (double)af_load(e.p, e.dtype, i);
+      sp = __dadd_rn(sp, __dmul_rn(pv, pv));
+    }
+  }
+  ordered_sum2(sp, sx, red);
+  if (threadIdx.x == 0) {
+    partial[2 * blockIdx.x] = sp;
+    partial[2 * blockIdx.x + 1] = sx;
+  }
+}
+
+// AdafactorHyper::scalars per entry, from its chunks' sums added in chunk order.
+extern "C" __global__ void __launch_bounds__(MT_THREADS)
+    af_scalars(const AfEntry* table, unsigned k, const double* partial, float* scal, double eps2, double clip_threshold,
+               double wd, unsigned flags) {
+  const unsigned t = blockIdx.x * MT_THREADS + threadIdx.x;
+  if (t >= k) return;
+  const AfEntry e = table[t];
+  const unsigned long long chunks = (e.n + AF_CHUNK - 1) / AF_CHUNK;
+  double sp = 0.0, sx = 0.0;
+  for (unsigned long long j = 0; j < chunks; ++j) {
+    sp = __dadd_rn(sp, partial[2 * (e.first_chunk + j)]);
+    sx = __dadd_rn(sx, partial[2 * (e.first_chunk + j) + 1]);
+  }
+  const double n = (double)e.n;
+  double lr_t = e.rel;
+  if (flags & AF_SCALE_PARAMETER) {
+    const double rms = __dsqrt_rn(__ddiv_rn(sp, n));
+    lr_t = __dmul_rn(lr_t, rms > eps2 ? rms : eps2);
+  }
+  const double r = __ddiv_rn(__dsqrt_rn(__ddiv_rn(sx, n)), clip_threshold);
+  const double clip = r > 1.0 ? r : 1.0;
+  scal[2 * t] = __double2float_rn(__ddiv_rn(lr_t, clip));
+  scal[2 * t + 1] = __double2float_rn(__dmul_rn(-wd, lr_t));
+}
+
+// AdafactorHyper::apply over one chunk.
+extern "C" __global__ void __launch_bounds__(MT_THREADS)
+    af_apply(const AfEntry* table, unsigned k, const float* rmean, const float* scal, float gs, float beta1,
+             float omb1, unsigned flags) {
+  const unsigned slot = af_find(table, k, blockIdx.x, &AfEntry::first_chunk);
+  const AfEntry e = table[slot];
+  const float kk = scal[2 * slot], decay = scal[2 * slot + 1];
+  float* m = (float*)e.m;
+  const size_t start = (size_t)(blockIdx.x - e.first_chunk) * AF_CHUNK;
+  const size_t end = min(start + AF_CHUNK, (size_t)e.n);
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS) {
+    const float gv = af_grad(af_load(e.g, e.dtype, i), gs);
+    float x = __fmul_rn(af_x(e, rmean, i, gv), kk);
+    if (flags & AF_FIRST_MOMENT) {
+      const float mv = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(omb1, x));
+      m[i] = mv;
+      x = mv;
+    }
+    float pv = af_load(e.p, e.dtype, i);
+    if (decay != 0.f) pv = __fadd_rn(pv, __fmul_rn(decay, pv));
+    af_store(e.p, e.dtype, i, __fsub_rn(pv, x));
+  }
+}
+
+// ----- EMA of weights (backend::multi::ema_value; launcher src/backend/cuda/adafactor.rs) --
+//   EmaEntry  (K) p (N) T; shadow (all N) f32                  chunks of ADAM_CHUNK values
+struct EmaEntry {
+  unsigned long long p, n, dtype, offset, first;
+};
+
+extern "C" __global__ void __launch_bounds__(MT_THREADS)
+    ema_update(const EmaEntry* table, unsigned k, float* shadow, float kk) {
+  const EmaEntry e = table[find_entry(table, k, blockIdx.x)];
+  const size_t start = (size_t)(blockIdx.x - e.first) * ADAM_CHUNK;
+  const size_t end = min(start + ADAM_CHUNK, (size_t)e.n);
+  float* s = shadow + e.offset;
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS) {
+    const float sv = s[i];
+    s[i] = __fsub_rn(sv, __fmul_rn(kk, __fsub_rn(sv, af_load(e.p, e.dtype, i))));
+  }
+}

@@ -695,6 +695,88 @@ impl Storage {
             &Shape::from(()),
         ))
     }
+    /// A multi-tensor Adafactor step over storages of one device
+    /// (`BackendStorage::adafactor_multi`).
+    pub(crate) fn adafactor_multi(
+        h: &crate::backend::adafactor::AdafactorHyper,
+        items: &mut [crate::backend::adafactor::AdafactorItem<'_, Storage>],
+    ) -> Result<()> {
+        use crate::backend::BackendStorage;
+        const OP: &str = "adafactor_multi";
+        let Some(first) = items.first() else {
+            return Ok(());
+        };
+        #[cfg(feature = "cpu-ref")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cpu(_) = &*first.p {
+            let mut a = items
+                .iter_mut()
+                .map(|it| it.map(|s| s.cpu_mut(OP), |s| s.cpu(OP)))
+                .collect::<Result<Vec<_>>>()?;
+            return CpuStorage::adafactor_multi(h, &mut a);
+        }
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cuda(_) = &*first.p {
+            let mut a = items
+                .iter_mut()
+                .map(|it| it.map(|s| s.cuda_mut(OP), |s| s.cuda(OP)))
+                .collect::<Result<Vec<_>>>()?;
+            return crate::backend::cuda::CudaStorage::adafactor_multi(h, &mut a);
+        }
+        let _ = (h, first, OP);
+        Err(crate::Error::invalid(
+            OP,
+            "internal: storage of no backend",
+            &Shape::from(()),
+        ))
+    }
+    /// A multi-tensor EMA update into `shadow` (`BackendStorage::ema_multi`).
+    pub(crate) fn ema_multi(
+        k: f32,
+        shadow: &mut Storage,
+        items: &[crate::backend::multi::MultiRef<'_, Storage>],
+    ) -> Result<()> {
+        use crate::backend::multi::MultiRef;
+        use crate::backend::BackendStorage;
+        const OP: &str = "ema_multi";
+        #[cfg(feature = "cpu-ref")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cpu(_) = &*shadow {
+            let a = items
+                .iter()
+                .map(|it| {
+                    Ok(MultiRef {
+                        s: it.s.cpu(OP)?,
+                        offset: it.offset,
+                        n: it.n,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return CpuStorage::ema_multi(k, shadow.cpu_mut(OP)?, &a);
+        }
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cuda(_) = &*shadow {
+            let a = items
+                .iter()
+                .map(|it| {
+                    Ok(MultiRef {
+                        s: it.s.cuda(OP)?,
+                        offset: it.offset,
+                        n: it.n,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return crate::backend::cuda::CudaStorage::ema_multi(k, shadow.cuda_mut(OP)?, &a);
+        }
+        let _ = (k, items);
+        Err(crate::Error::invalid(
+            OP,
+            "internal: storage of no backend",
+            &Shape::from(()),
+        ))
+    }
     /// The sum of squares of many views on one device (`BackendStorage::sum_sq_multi`).
     pub(crate) fn sum_sq_multi(
         items: &[crate::backend::multi::MultiRef<'_, Storage>],

@@ -4,7 +4,9 @@
 //! with beta1 and weight decay, each step's parameters within 1e-5 of the package's relative
 //! to the tensor's scale (fixtures: scripts/make_optimizer_fixtures.py); state saved and
 //! loaded resumes bit for bit, alone and in parameter groups; bad state files and settings
-//! are refused.
+//! are refused. The fused step against its composite twin (`Adafactor::step_composite`) on
+//! odd sizes, f32, bf16 and f16, every option combination, within f32 rounding; and (ignored
+//! unless on a GPU) CUDA against the CPU reference, bit for bit.
 #![cfg(feature = "cpu-ref")]
 
 mod common;
@@ -14,6 +16,9 @@ use flame::optim::{build_groups, Adafactor, AdafactorConfig, Optimizer, Optimize
 use flame::safetensors::SafeTensorsFile;
 use flame::{DType, Device, Grads, Tensor};
 use std::path::Path;
+
+#[path = "adafactor/gpu.rs"]
+mod gpu;
 
 const STEPS: usize = 30;
 const PARAMS: [&str; 4] = ["p_b", "p_a", "p_zero", "p_conv"];
@@ -309,4 +314,186 @@ fn bad_state_files_and_settings_are_refused() {
         assert_eq!(name, "Adafactor");
         assert!(msg.contains(want), "{msg}");
     }
+}
+
+/// Parameters of odd sizes: 1-D (257 values, one), factored 37x53 (f32 and bf16), 1x1, a
+/// 4-D one of two (3, 5) matrices per leading index; an f16 matrix and a bf16 vector of
+/// several chunks (4096 values a chunk).
+fn odd_params(dev: &Device) -> Vec<(String, Tensor)> {
+    let mut r = Lcg(23);
+    [
+        ("v257", vec![257], DType::F32),
+        ("one", vec![1], DType::F32),
+        ("m37x53", vec![37, 53], DType::F32),
+        ("h37x53", vec![37, 53], DType::BF16),
+        ("s1x1", vec![1, 1], DType::F32),
+        ("conv", vec![2, 2, 3, 5], DType::BF16),
+        ("f70x130", vec![70, 130], DType::F16),
+        ("b4097", vec![4097], DType::BF16),
+    ]
+    .into_iter()
+    .map(|(n, dims, dt)| {
+        let len = dims.iter().product();
+        (n.to_string(), param_on(r.vec(len), &dims, dt, dev))
+    })
+    .collect()
+}
+
+/// The option combinations: the existing tests' (kohya, the default, beta1 with weight decay,
+/// the warm-up) and the rest of scale_parameter x relative_step x beta1 x weight decay.
+fn option_cases() -> Vec<AdafactorConfig> {
+    let mut v = vec![
+        case_config("kohya"),
+        case_config("default"),
+        case_config("momentum"),
+        case_config("warmup"),
+    ];
+    for scale_parameter in [false, true] {
+        for relative_step in [false, true] {
+            for beta1 in [None, Some(0.8)] {
+                for weight_decay in [0.0, 0.05] {
+                    v.push(AdafactorConfig {
+                        lr: if relative_step { 0.7 } else { 3e-3 },
+                        scale_parameter,
+                        relative_step,
+                        beta1,
+                        weight_decay,
+                        clip_threshold: 0.9,
+                        ..Default::default()
+                    });
+                }
+            }
+        }
+    }
+    v
+}
+
+/// The same gradients for two copies of the parameters, made from `from`'s values (so a
+/// difference between the copies does not feed back into their gradients).
+fn twin_grads(
+    from: &[(String, Tensor)],
+    a: &[(String, Tensor)],
+    b: &[(String, Tensor)],
+    k: u64,
+) -> (Grads, Grads) {
+    let src = grads_at(from, k);
+    let (mut ga, mut gb) = (Grads::new(), Grads::new());
+    for (((_, f), (_, pa)), (_, pb)) in from.iter().zip(a).zip(b) {
+        let g = src.get(f).unwrap();
+        let on = |p: &Tensor| {
+            Tensor::from_host(g.to_host().unwrap(), p.dims().to_vec(), p.device()).unwrap()
+        };
+        ga.insert(pa, on(pa));
+        gb.insert(pb, on(pb));
+    }
+    (ga, gb)
+}
+
+/// The state tensors of one parameter, in a fixed order (absent ones empty).
+fn state_of(opt: &Adafactor, name: &str) -> Vec<Vec<f64>> {
+    let st = opt.state(name).unwrap();
+    [
+        &st.exp_avg,
+        &st.exp_avg_sq_row,
+        &st.exp_avg_sq_col,
+        &st.exp_avg_sq,
+    ]
+    .iter()
+    .map(|t| t.as_ref().map_or(vec![], |t| t.to_vec_f64().unwrap()))
+    .collect()
+}
+
+/// |a - b| <= tol * max(|b|, the RMS of `want`), elementwise.
+fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: sizes");
+    let n = want.len().max(1) as f64;
+    let scale = (want.iter().map(|x| x * x).sum::<f64>() / n)
+        .sqrt()
+        .max(1e-30);
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        let err = (a - b).abs() / b.abs().max(scale);
+        assert!(err <= tol, "{what}[{i}]: {a} vs {b} (relative {err:e})");
+    }
+}
+
+/// Six steps (a grad scale on some) of the fused step and of the composite on copies: every
+/// parameter within a few f32 roundings of the composite's (one ulp of bf16 and f16 where
+/// a rounding falls the other way), every state within f32 rounding, and the step moved the
+/// f32 parameters.
+#[test]
+fn the_fused_step_equals_the_composite() {
+    for c in option_cases() {
+        let reference = odd_params(&Device::Cpu);
+        let fused = copies(&reference);
+        let mut oc = Adafactor::new(reference.clone(), c).unwrap();
+        let mut of = Adafactor::new(fused.clone(), c).unwrap();
+        for k in 0..6u64 {
+            let scale = if k % 2 == 1 { 0.5 } else { 1.0 };
+            let (gc, gf) = twin_grads(&reference, &reference, &fused, k);
+            oc.step_composite(&gc, scale).unwrap();
+            of.step_scaled(&gf, scale).unwrap();
+            for ((name, pc), (_, pf)) in reference.iter().zip(&fused) {
+                let tol = match pc.dtype() {
+                    DType::F32 => 2e-6,
+                    DType::BF16 => 2f64.powi(-7),
+                    _ => 2f64.powi(-10),
+                };
+                let what = format!("{c:?} step {k} {name}");
+                assert_close(
+                    &what,
+                    &pf.to_vec_f64().unwrap(),
+                    &pc.to_vec_f64().unwrap(),
+                    tol,
+                );
+                for (s, (a, b)) in state_of(&of, name)
+                    .iter()
+                    .zip(state_of(&oc, name))
+                    .enumerate()
+                {
+                    assert_close(&format!("{what} state {s}"), a, &b, 2e-5);
+                }
+            }
+        }
+        // Every f32 parameter moved (warmup_init's first steps are below bf16's resolution).
+        let start = odd_params(&Device::Cpu);
+        for ((name, p), (_, s)) in fused.iter().zip(&start) {
+            if p.dtype() == DType::F32 {
+                assert!(bits(p) != bits(s), "{c:?}: {name} did not move");
+            }
+        }
+    }
+}
+
+/// An f64 parameter (which the fused kernels do not take) goes through the composite update
+/// in f64, in the same step as the fused ones: its result is the composite's to the bit.
+#[test]
+fn f64_parameters_take_the_composite_update() {
+    let v: Vec<f32> = (0..24).map(|i| i as f32 * 0.1 - 1.0).collect();
+    let a = vec![
+        (
+            "d".to_string(),
+            param_on(v.clone(), &[4, 6], DType::F64, &Device::Cpu),
+        ),
+        (
+            "f".to_string(),
+            param_on(v, &[24], DType::F32, &Device::Cpu),
+        ),
+    ];
+    let b = copies(&a);
+    let c = AdafactorConfig::default();
+    let mut oa = Adafactor::new(a.clone(), c).unwrap();
+    let mut ob = Adafactor::new(b.clone(), c).unwrap();
+    for k in 0..3 {
+        let (ga, gb) = twin_grads(&a, &a, &b, k);
+        oa.step(&ga).unwrap();
+        ob.step_composite(&gb, 1.0).unwrap();
+    }
+    assert_eq!(bits(&a[0].1), bits(&b[0].1));
+    assert_eq!(oa.state("d").unwrap().step, 3);
+    assert_close(
+        "f",
+        &a[1].1.to_vec_f64().unwrap(),
+        &b[1].1.to_vec_f64().unwrap(),
+        2e-6,
+    );
 }

@@ -2,6 +2,7 @@
 //! nothing of autograd. Every backend implements the small primitive set below; composite ops
 //! (softmax, norms, activations, losses) are written once above it, in `tensor::composite`.
 
+pub mod adafactor;
 #[cfg(feature = "cpu-ref")]
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -458,6 +459,19 @@ pub trait BackendStorage: Sized + Send + Sync {
         items: &mut [lion::LionItem<'_, Self>],
         map: Option<&Self>,
     ) -> Result<()>;
+    /// One Adafactor step of every item, in place, as `adafactor` describes: the factored
+    /// moments' line sums, the row moments' means, the update's sums, each parameter's
+    /// scalars and the update (on CUDA five launches and no host synchronization).
+    /// Parameters of f32, bf16 and f16 may mix. Checked by `validate::adafactor_multi`
+    /// before anything is written.
+    fn adafactor_multi(
+        h: &adafactor::AdafactorHyper,
+        items: &mut [adafactor::AdafactorItem<'_, Self>],
+    ) -> Result<()>;
+    /// The moving average `s = s - k (s - p)` (`multi::ema_value`) of every item into the
+    /// f32 `shadow`, where the items lie one after another from its start (one launch on
+    /// CUDA). Items of f32, bf16 and f16 may mix. Checked by `validate::ema_multi`.
+    fn ema_multi(k: f32, shadow: &mut Self, items: &[multi::MultiRef<'_, Self>]) -> Result<()>;
     /// A contiguous copy of the view `l` on this device, in one pass.
     fn copy_contiguous(&self, l: &Layout) -> Result<Self>;
     /// Contiguous host copy of the view `l`.

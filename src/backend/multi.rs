@@ -488,3 +488,12 @@ impl<'a, S> ProdigyItem<'a, S> {
         })
     }
 }
+
+// ----- EMA of weights ---------------------------------------------------------------------
+
+/// An exponential moving average's update of one value in f32, as diffusers' `EMAModel`
+/// writes it (`s_param.sub_(one_minus_decay * (s_param - param))`, training_utils.py 0.42):
+/// `s - k * (s - p)` with `k = 1 - decay`. `ema_update` in cuda/multi_tensor.cu is its twin.
+pub fn ema_value(k: f32, s: f32, p: f32) -> f32 {
+    s - k * (s - p)
+}

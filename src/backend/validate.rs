@@ -478,3 +478,87 @@ pub(crate) fn lion_multi<S>(
     }
     Ok(())
 }
+
+/// A multi-tensor Adafactor step (`BackendStorage::adafactor_multi`): every parameter f32,
+/// bf16 or f16 within its buffer, each gradient of its parameter's dtype, a first moment of
+/// its size on every item when `has_m` and on none otherwise, factored moments of (B, rows)
+/// and (B, cols) values for B = n / (rows * cols) whole matrices, or a full one of n values,
+/// all f32 from offset 0.
+pub(crate) fn adafactor_multi<S>(
+    items: &[super::adafactor::AdafactorItem<'_, S>],
+    has_m: bool,
+    info: impl Fn(&S) -> (DType, usize),
+) -> Result<()> {
+    use super::adafactor::AdafactorMoment as M;
+    const OP: &str = "adafactor_multi";
+    let fits = |s: &S, want: Option<DType>, offset: usize, len: usize, what: &str, k: usize| {
+        item_fits(OP, info(s), want, offset, len, what, k)
+    };
+    for (k, it) in items.iter().enumerate() {
+        fits(it.p, None, it.p_offset, it.n, "the parameter", k)?;
+        let dtype = info(it.p).0;
+        fits(it.g, Some(dtype), it.g_offset, it.n, "the gradient", k)?;
+        match (&it.m, has_m) {
+            (Some(m), true) => fits(m, Some(DType::F32), 0, it.n, "the first moment", k)?,
+            (None, false) => {}
+            _ => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("item {k}: a first moment where beta1 is unset, or none where set"),
+                    &crate::Shape::from(it.n),
+                ))
+            }
+        }
+        match &it.v {
+            M::Factored {
+                row,
+                col,
+                rows,
+                cols,
+            } => {
+                let mat = rows.checked_mul(*cols).unwrap_or(0);
+                if mat == 0 || it.n % mat != 0 {
+                    return Err(Error::invalid(
+                        OP,
+                        format!(
+                            "item {k}: {} values are not whole ({rows}, {cols}) matrices",
+                            it.n
+                        ),
+                        &crate::Shape::from(it.n),
+                    ));
+                }
+                let b = it.n / mat;
+                fits(row, Some(DType::F32), 0, b * rows, "the row moments", k)?;
+                fits(col, Some(DType::F32), 0, b * cols, "the column moments", k)?;
+            }
+            M::Full(v) => fits(v, Some(DType::F32), 0, it.n, "the second moment", k)?,
+        }
+    }
+    Ok(())
+}
+
+/// A multi-tensor EMA update (`BackendStorage::ema_multi`): an f32 shadow holding every
+/// item's values one after another, each item f32, bf16 or f16 within its buffer.
+pub(crate) fn ema_multi<S>(
+    shadow: &S,
+    items: &[super::multi::MultiRef<'_, S>],
+    info: impl Fn(&S) -> (DType, usize),
+) -> Result<()> {
+    const OP: &str = "ema_multi";
+    let mut total = 0usize;
+    for (k, it) in items.iter().enumerate() {
+        item_fits(OP, info(it.s), None, it.offset, it.n, "the weight", k)?;
+        total = total.checked_add(it.n).ok_or_else(|| {
+            Error::invalid(OP, "the weights' sizes overflow", &crate::Shape::from(()))
+        })?;
+    }
+    item_fits(
+        OP,
+        info(shadow),
+        Some(DType::F32),
+        0,
+        total,
+        "the shadow",
+        0,
+    )
+}

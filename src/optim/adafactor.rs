@@ -24,10 +24,13 @@
 //! step (1.0, the default, is transformers'; transformers refuses an `lr` there), so a
 //! parameter group's learning-rate multiplier scales its step as it does for other kinds.
 //!
-//! The step is composed of tensor ops, the same on every backend; `max(eps2, rms(p))` and
-//! the clipping are device maxima, so a step reads nothing back to the host. The update is
-//! computed in f32 for f32, bf16 and f16 parameters (f64 for f64), as transformers computes
-//! half parameters in f32.
+//! The step is one fused multi-tensor call per device (`tensor::multi::adafactor_multi`,
+//! `backend::adafactor` gives it operation by operation): on CUDA five launches over every
+//! parameter, whatever their number, with `max(eps2, rms(p))` and the clipping worked out on
+//! the device, so a step reads nothing back to the host. The update is computed in f32 for
+//! f32, bf16 and f16 parameters, as transformers computes half parameters in f32. The same
+//! step composed of tensor ops ([`Adafactor::step_composite`]) is its reference, and takes
+//! the parameters the fused step does not (f64 ones, computed in f64, and strided views).
 //!
 //! State files: `<param>.exp_avg_sq_row` (the parameter's dims but the last) and
 //! `<param>.exp_avg_sq_col` (its dims but the second to last) for factored parameters,
@@ -41,7 +44,9 @@ use super::{
     check_at_least, check_beta, check_grad_scale, check_lr, compute_dtype, metadata_for, opt_err,
     state_into, update_err, LoadedState, Optimizer, ParamSet, StateMap, StateSource,
 };
-use crate::{Grads, Result, Tensor};
+use crate::backend::adafactor::{AdafactorHyper, AdafactorStep};
+use crate::tensor::multi::{adafactor_multi, AdafactorMoments, AdafactorSlot};
+use crate::{DType, Device, Grads, Result, Tensor};
 
 const NAME: &str = "Adafactor";
 const KIND: &str = "adafactor";
@@ -196,6 +201,35 @@ impl AdafactorConfig {
         Ok(c)
     }
 
+    /// The fused step's shared scalars.
+    fn hyper(&self, grad_scale: f64) -> AdafactorHyper {
+        AdafactorHyper {
+            eps1: self.eps1 as f32,
+            eps2: self.eps2,
+            clip_threshold: self.clip_threshold,
+            beta1: self.beta1.map(|b| b as f32),
+            one_minus_beta1: self.beta1.map_or(0.0, |b| (1.0 - b) as f32),
+            weight_decay: self.weight_decay,
+            scale_parameter: self.scale_parameter,
+            grad_scale: grad_scale as f32,
+        }
+    }
+
+    /// The fused step's scalars of a parameter's step `t`.
+    fn step_scalars(&self, t: u64) -> AdafactorStep {
+        let beta2t = self.beta2t(t);
+        AdafactorStep {
+            rel: self.relative(t),
+            beta2t: beta2t as f32,
+            one_minus_beta2t: (1.0 - beta2t) as f32,
+        }
+    }
+
+    /// The second moments' decay at step `t`: 1 - t^decay_rate.
+    fn beta2t(&self, t: u64) -> f64 {
+        1.0 - (t as f64).powf(self.decay_rate)
+    }
+
     /// The step size before the parameter scale at step `t` (transformers' `rel_step_sz`).
     fn relative(&self, t: u64) -> f64 {
         let t = t as f64;
@@ -328,7 +362,7 @@ impl Adafactor {
             }
             false => StepSize::Host(c.relative(t)),
         };
-        let beta2t = 1.0 - (t as f64).powf(c.decay_rate);
+        let beta2t = c.beta2t(t);
         let u = g.sqr()?.add_scalar(c.eps1)?;
         let rank = p.rank();
         let (mut update, row, col, full) = if rank >= 2 {
@@ -383,8 +417,11 @@ impl Adafactor {
     }
 }
 
-impl Optimizer for Adafactor {
-    fn step_scaled(&mut self, grads: &Grads, grad_scale: f64) -> Result<()> {
+impl Adafactor {
+    /// The step composed of tensor ops, parameter by parameter: the reference of the fused
+    /// step ([`Optimizer::step_scaled`]), which it equals within f32 rounding; it keeps the
+    /// same state, so the two may alternate.
+    pub fn step_composite(&mut self, grads: &Grads, grad_scale: f64) -> Result<()> {
         check_lr(NAME, self.config.lr)?;
         check_grad_scale(NAME, grad_scale)?;
         let _guard = crate::no_grad();
@@ -398,6 +435,117 @@ impl Optimizer for Adafactor {
             if let Some(slot) = self.state.get_mut(i) {
                 *slot = Some(st);
             }
+        }
+        Ok(())
+    }
+
+    /// Whether the fused step updates `p`: contiguous f32, bf16 or f16.
+    fn fused(p: &Tensor) -> bool {
+        p.is_contiguous() && matches!(p.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    }
+
+    /// A parameter's state before its first fused step: zero moments (the composite starts
+    /// from none; `beta * 0 + (1 - beta) * x` is the same value).
+    fn fresh(&self, p: &Tensor) -> Result<AdafactorState> {
+        let z = |dims: Vec<usize>| Tensor::zeros(dims, DType::F32, p.device());
+        let d = p.dims();
+        let without = |k: usize| {
+            let mut v = d.to_vec();
+            v.remove(d.len() - k);
+            v
+        };
+        let factored = p.rank() >= 2;
+        Ok(AdafactorState {
+            step: 0,
+            exp_avg: match self.config.beta1 {
+                Some(_) => Some(z(d.to_vec())?),
+                None => None,
+            },
+            exp_avg_sq_row: if factored { Some(z(without(1))?) } else { None },
+            exp_avg_sq_col: if factored { Some(z(without(2))?) } else { None },
+            exp_avg_sq: if factored { None } else { Some(z(d.to_vec())?) },
+        })
+    }
+}
+
+impl Optimizer for Adafactor {
+    /// One fused call per device over every parameter with a gradient (see the module
+    /// docs); parameters it does not take go through [`Adafactor::step_composite`]'s update.
+    fn step_scaled(&mut self, grads: &Grads, grad_scale: f64) -> Result<()> {
+        check_lr(NAME, self.config.lr)?;
+        check_grad_scale(NAME, grad_scale)?;
+        let _guard = crate::no_grad();
+        let gs = self.params.gradients(grads)?;
+        // Each fused parameter with a gradient: its gradient in its dtype, contiguous, and
+        // its state (fresh before its first step).
+        let mut taken: Vec<(usize, Tensor, AdafactorState)> = vec![];
+        let mut composite: Vec<(usize, AdafactorState)> = vec![];
+        for (i, ((name, p), g)) in self.params.params.iter().zip(&gs).enumerate() {
+            let Some(g) = g else { continue };
+            let prev = self.state.get(i).and_then(Option::as_ref);
+            if !Self::fused(p) {
+                let st = self
+                    .update(p, g, grad_scale, prev)
+                    .map_err(|e| update_err(NAME, name, e))?;
+                composite.push((i, st));
+                continue;
+            }
+            let prep = || -> Result<_> {
+                let g = g.to_dtype(p.dtype())?.contiguous()?;
+                let st = match prev {
+                    Some(s) => s.clone(),
+                    None => self.fresh(p)?,
+                };
+                Ok((g, st))
+            };
+            let (g, st) = prep().map_err(|e| update_err(NAME, name, e))?;
+            taken.push((i, g, st));
+        }
+        let hyper = self.config.hyper(grad_scale);
+        let mut devices: Vec<Device> = vec![];
+        for (i, _, _) in &taken {
+            let d = self.params.params[*i].1.device();
+            if !devices.contains(d) {
+                devices.push(d.clone());
+            }
+        }
+        for dev in devices {
+            let mut slots = vec![];
+            for (i, g, st) in &taken {
+                let p = &self.params.params[*i].1;
+                if p.device() != &dev {
+                    continue;
+                }
+                let v = match (&st.exp_avg_sq_row, &st.exp_avg_sq_col, &st.exp_avg_sq) {
+                    (Some(row), Some(col), None) => AdafactorMoments::Factored { row, col },
+                    (None, None, Some(v)) => AdafactorMoments::Full(v),
+                    _ => {
+                        return Err(opt_err(
+                            NAME,
+                            format!(
+                                "internal: parameter '{}' holds neither factored nor full \
+                                 second moments",
+                                self.params.params[*i].0
+                            ),
+                        ))
+                    }
+                };
+                slots.push(AdafactorSlot {
+                    p,
+                    g,
+                    m: st.exp_avg.as_ref(),
+                    v,
+                    step: self.config.step_scalars(st.step.saturating_add(1)),
+                });
+            }
+            adafactor_multi(&hyper, &slots).map_err(|e| opt_err(NAME, e.to_string()))?;
+        }
+        for (i, _, mut st) in taken {
+            st.step = st.step.saturating_add(1);
+            self.state[i] = Some(st);
+        }
+        for (i, st) in composite {
+            self.state[i] = Some(st);
         }
         Ok(())
     }

@@ -638,3 +638,197 @@ pub(crate) fn lion_multi(
     }
     Ok(())
 }
+
+/// The second moments of one parameter of [`adafactor_multi`] (dense f32 tensors the
+/// optimizer owns).
+pub(crate) enum AdafactorMoments<'a> {
+    /// A parameter of two or more dims: the row means (its dims but the last) and the column
+    /// means (its dims but the second to last).
+    Factored {
+        /// Row means.
+        row: &'a Tensor,
+        /// Column means.
+        col: &'a Tensor,
+    },
+    /// The full second moment, of the parameter's shape.
+    Full(&'a Tensor),
+}
+
+/// One parameter of [`adafactor_multi`]: contiguous f32, bf16 or f16, its gradient (same
+/// shape and dtype, contiguous), its dense f32 state and its step's scalars.
+pub(crate) struct AdafactorSlot<'a> {
+    /// The parameter, written in place.
+    pub p: &'a Tensor,
+    /// Its gradient.
+    pub g: &'a Tensor,
+    /// The first moment (with beta1).
+    pub m: Option<&'a Tensor>,
+    /// The second moments.
+    pub v: AdafactorMoments<'a>,
+    /// The step's scalars.
+    pub step: crate::backend::adafactor::AdafactorStep,
+}
+
+impl AdafactorSlot<'_> {
+    fn written(&self) -> Vec<&Tensor> {
+        let mut v = vec![self.p];
+        v.extend(self.m);
+        match self.v {
+            AdafactorMoments::Factored { row, col } => v.extend([row, col]),
+            AdafactorMoments::Full(f) => v.push(f),
+        }
+        v
+    }
+}
+
+/// One Adafactor step of every slot, in place (`backend::adafactor`): one backend call, five
+/// launches on CUDA whatever the number of slots, no host synchronization. Every slot is on
+/// one device; parameter dtypes may mix. Everything is checked before anything is written.
+pub(crate) fn adafactor_multi(
+    h: &crate::backend::adafactor::AdafactorHyper,
+    slots: &[AdafactorSlot<'_>],
+) -> Result<()> {
+    use crate::backend::adafactor::{AdafactorItem, AdafactorMoment};
+    const OP: &str = "adafactor_multi";
+    let Some(first) = slots.first() else {
+        return Ok(());
+    };
+    let device = first.p.device().clone();
+    let mut written = HashSet::new();
+    for (k, s) in slots.iter().enumerate() {
+        check_slot(OP, k, &s.written(), Some(s.g), None, &device, &mut written)?;
+        if matches!(s.v, AdafactorMoments::Factored { .. }) && s.p.rank() < 2 {
+            return Err(Error::invalid(
+                OP,
+                format!("slot {k}: factored moments for a parameter of fewer than 2 dims"),
+                s.p.shape(),
+            ));
+        }
+    }
+    for s in slots {
+        if written.contains(&(s.g.storage_arc()?.as_ref() as *const _)) {
+            return Err(Error::invalid(
+                OP,
+                "a gradient shares storage with a parameter or state tensor",
+                s.g.shape(),
+            ));
+        }
+    }
+    let reads: Vec<RwLockReadGuard<'_, Storage>> =
+        slots.iter().map(|s| s.g.storage()).collect::<Result<_>>()?;
+    let mut writes: Vec<RwLockWriteGuard<'_, Storage>> = vec![];
+    for s in slots {
+        for t in s.written() {
+            writes.push(t.storage_arc()?.write().map_err(|_| lock_err())?);
+        }
+    }
+    let internal = || Error::invalid(OP, "internal: lock count", &crate::Shape::from(()));
+    let mut w = writes.iter_mut();
+    let mut items = Vec::with_capacity(slots.len());
+    for (s, g) in slots.iter().zip(&reads) {
+        let p = &mut **w.next().ok_or_else(internal)?;
+        let m = match s.m {
+            Some(_) => Some(&mut **w.next().ok_or_else(internal)?),
+            None => None,
+        };
+        let v = match s.v {
+            AdafactorMoments::Factored { .. } => {
+                let d = s.p.dims();
+                AdafactorMoment::Factored {
+                    row: &mut **w.next().ok_or_else(internal)?,
+                    col: &mut **w.next().ok_or_else(internal)?,
+                    rows: d[d.len() - 2],
+                    cols: d[d.len() - 1],
+                }
+            }
+            AdafactorMoments::Full(_) => {
+                AdafactorMoment::Full(&mut **w.next().ok_or_else(internal)?)
+            }
+        };
+        items.push(AdafactorItem {
+            p,
+            p_offset: s.p.layout().offset(),
+            n: s.p.elem_count(),
+            g: &**g,
+            g_offset: s.g.layout().offset(),
+            m,
+            v,
+            step: s.step,
+        });
+    }
+    Storage::adafactor_multi(h, &mut items)
+}
+
+/// The moving average `s = s - k (s - p)` (`backend::multi::ema_value`) of every weight of
+/// `params` into `shadow`, a dense f32 vector holding their values one after another: one
+/// backend call, one launch on CUDA. The weights are contiguous, f32, bf16 or f16, on the
+/// shadow's device.
+pub(crate) fn ema_multi(k: f32, shadow: &Tensor, params: &[&Tensor]) -> Result<()> {
+    const OP: &str = "ema_multi";
+    if shadow.dtype() != DType::F32
+        || shadow.rank() != 1
+        || !shadow.is_contiguous()
+        || shadow.layout().offset() != 0
+    {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "the shadow is {:?}; expected a dense f32 vector",
+                shadow.dtype()
+            ),
+            shadow.shape(),
+        ));
+    }
+    let total: usize = params.iter().map(|p| p.elem_count()).sum();
+    if total != shadow.elem_count() {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "the weights hold {total} values, the shadow {}",
+                shadow.elem_count()
+            ),
+            shadow.shape(),
+        ));
+    }
+    let sp = shadow.storage_arc()?.as_ref() as *const _;
+    for (k, p) in params.iter().enumerate() {
+        if p.device() != shadow.device() {
+            return Err(Error::DeviceMismatch {
+                op: OP,
+                lhs: shadow.device().location(),
+                rhs: p.device().location(),
+            });
+        }
+        if !p.is_contiguous() || !matches!(p.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "weight {k}: {:?}, contiguous f32, bf16 or f16 expected",
+                    p.dtype()
+                ),
+                p.shape(),
+            ));
+        }
+        if std::ptr::eq(p.storage_arc()?.as_ref(), sp) {
+            return Err(Error::invalid(
+                OP,
+                format!("weight {k} shares storage with the shadow"),
+                p.shape(),
+            ));
+        }
+    }
+    let reads: Vec<RwLockReadGuard<'_, Storage>> =
+        params.iter().map(|p| p.storage()).collect::<Result<_>>()?;
+    let items: Vec<MultiRef<'_, Storage>> = params
+        .iter()
+        .zip(&reads)
+        .map(|(p, g)| MultiRef {
+            s: &**g,
+            offset: p.layout().offset(),
+            n: p.elem_count(),
+        })
+        .collect();
+    let arc = shadow.storage_arc()?;
+    let mut sw = arc.write().map_err(|_| lock_err())?;
+    Storage::ema_multi(k, &mut sw, &items)
+}

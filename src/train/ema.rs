@@ -12,8 +12,8 @@
 //! ```
 //!
 //! The shadow starts as a copy of the weights, so with d = 0 the first steps copy them.
-//! It is kept in f32 on the training device (updated with tensor ops) or in host memory
-//! (updated on the CPU), and saved as named f32 tensors with its step count, so a resume
+//! It is kept in f32 on the training device (updated by one fused multi-tensor launch) or in
+//! host memory (updated on the CPU), and saved as named f32 tensors with its step count, so a resume
 //! continues it bit for bit.
 
 use super::config::{EmaDevice, EmaSection};
@@ -164,24 +164,55 @@ impl Ema {
     }
 
     /// One EMAModel `step` after an optimizer step: the step count, then each shadow weight
-    /// `s -= (1 - d) * (s - p)` at the step's decay.
+    /// `s -= (1 - d) * (s - p)` at the step's decay. A shadow on the device takes one fused
+    /// multi-tensor launch over every weight (`backend::multi::ema_value`, in f32, with the
+    /// decay worked out here: it depends on the step count alone), where the weights are
+    /// contiguous f32, bf16 or f16 on its device; [`Ema::update_composite`] otherwise.
     pub fn update(&mut self, params: &[(String, Tensor)]) -> Result<()> {
         self.check(params)?;
+        let fused = match &self.shadow {
+            Shadow::Device(s) => params.iter().all(|(_, t)| {
+                t.device() == s.device()
+                    && t.is_contiguous()
+                    && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+            }),
+            Shadow::Host(_) => false,
+        };
+        if !fused {
+            return self.update_composite(params);
+        }
         let _g = crate::no_grad();
-        self.steps += 1;
-        let d = self.schedule.decay_at(self.steps);
-        let k = 1.0 - d;
+        let k = self.advance();
+        if let Shadow::Device(s) = &self.shadow {
+            let ts: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
+            crate::tensor::multi::ema_multi(k as f32, s, &ts)?;
+        }
+        Ok(())
+    }
+
+    /// [`Ema::update`] composed of tensor ops (a shadow on the device) or a loop over host
+    /// memory: the fused update's reference.
+    pub fn update_composite(&mut self, params: &[(String, Tensor)]) -> Result<()> {
+        self.check(params)?;
+        let _g = crate::no_grad();
+        let k = self.advance();
         let p = flat(params)?;
         match &mut self.shadow {
             Shadow::Device(s) => *s = s.sub(&s.sub(&p)?.mul_scalar(k)?)?,
             Shadow::Host(s) => {
                 let k = k as f32;
                 for (s, p) in s.iter_mut().zip(p.to_vec::<f32>()?) {
-                    *s -= k * (*s - p);
+                    *s = crate::backend::multi::ema_value(k, *s, p);
                 }
             }
         }
         Ok(())
+    }
+
+    /// Counts an update and returns its `1 - d`.
+    fn advance(&mut self) -> f64 {
+        self.steps += 1;
+        1.0 - self.schedule.decay_at(self.steps)
     }
 
     /// The shadow weights as f32 tensors on `device`.

@@ -1,6 +1,7 @@
 //! The CPU reference backend: correct for every dtype (bf16/f16 computed in f32, sums
 //! accumulated in f64), multithreaded with rayon, matmul through the `gemm` crate.
 
+mod adafactor;
 mod attention;
 mod conv;
 mod fused;
@@ -533,6 +534,21 @@ impl BackendStorage for CpuStorage {
         map: Option<&Self>,
     ) -> Result<()> {
         lion::lion(h, items, map)
+    }
+
+    fn adafactor_multi(
+        h: &crate::backend::adafactor::AdafactorHyper,
+        items: &mut [crate::backend::adafactor::AdafactorItem<'_, Self>],
+    ) -> Result<()> {
+        adafactor::adafactor(h, items)
+    }
+
+    fn ema_multi(
+        k: f32,
+        shadow: &mut Self,
+        items: &[crate::backend::multi::MultiRef<'_, Self>],
+    ) -> Result<()> {
+        adafactor::ema(k, shadow, items)
     }
 
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {

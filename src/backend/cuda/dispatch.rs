@@ -228,6 +228,21 @@ impl BackendStorage for CudaStorage {
         super::lion::lion(h, items, map)
     }
 
+    fn adafactor_multi(
+        h: &crate::backend::adafactor::AdafactorHyper,
+        items: &mut [crate::backend::adafactor::AdafactorItem<'_, Self>],
+    ) -> Result<()> {
+        super::adafactor::adafactor(h, items)
+    }
+
+    fn ema_multi(
+        k: f32,
+        shadow: &mut Self,
+        items: &[crate::backend::multi::MultiRef<'_, Self>],
+    ) -> Result<()> {
+        super::adafactor::ema(k, shadow, items)
+    }
+
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
         self.contiguous(l)
     }

@@ -2,6 +2,7 @@
 //! on a machine without a driver `CudaDevice::new` returns an error instead of panicking.
 //! Kernels come from the PTX that build.rs embeds (one module per `cuda/*.cu`).
 
+mod adafactor;
 mod attention;
 mod conv;
 mod device;

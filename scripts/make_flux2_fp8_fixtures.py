@@ -34,6 +34,16 @@ in bfloat16, as released FP8 files keep them. The files, under tests/fixtures/fl
                              the model those files stand for, in float32 with BFL's bare
                              keys: code.float() * scale (per tensor, per row), every other
                              tensor the bfloat16 value
+  diffusers_tensor.safetensors
+                             the tiny model's diffusers transformer
+                             (tests/fixtures/flux2/flux2/transformer) as one file with
+                             diffusers' bare names, its blocks' Linear weights FP8 with a
+                             `weight_scale` and `input_scale` each, split q/k/v: the layout of
+                             BFL's FP8 FLUX.2 [klein] files (black-forest-labs/FLUX.2-klein-4b-fp8
+                             names `transformer_blocks.N.attn.to_q` ..., as reported in
+                             sgl-project/sglang#38514)
+  diffusers_dequantized/     its model as a diffusers folder in float32 (config.json beside
+                             diffusion_pytorch_model.safetensors): code.float() * scale
   bad.safetensors            refusals, one layer each: `blockwise.weight` FP8 with a scale of
                              shape (rows, cols / 8); `int8.weight` FP8 whose comfy_quant says
                              {"format": "int8_tensorwise"}; `twice.weight` FP8 with both
@@ -54,6 +64,7 @@ from safetensors.torch import load_file, save_file
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures")
 SRC = os.path.join(ROOT, "flux2", "flux2", "single_file.safetensors")
+DIFFUSERS = os.path.join(ROOT, "flux2", "flux2", "transformer")
 OUT = os.path.join(ROOT, "flux2_fp8")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -132,6 +143,32 @@ def main():
         save_file({k: v.contiguous() for k, v in tensors.items()},
                   os.path.join(OUT, f"dequantized_{name}.safetensors"), metadata={"format": "pt"})
 
+    # BFL's FP8 FLUX.2 [klein] layout: diffusers' names, split q/k/v, per-tensor scales.
+    dsrc = load_file(os.path.join(DIFFUSERS, "diffusion_pytorch_model.safetensors"))
+    dfile, dref = {}, {}
+    for key in sorted(dsrc):
+        w = dsrc[key]
+        if key.startswith(("transformer_blocks.", "single_transformer_blocks.")) \
+                and key.endswith(".weight") and w.ndim == 2:
+            layer = key[: -len(".weight")]
+            codes, scale = quantize(w, per_row=False)
+            dfile.update({key: codes, f"{layer}.weight_scale": scale,
+                          f"{layer}.input_scale": torch.tensor(0.01, dtype=torch.float32)})
+            dref[key] = dequantize(codes, scale)
+        else:
+            dfile[key] = w.to(torch.bfloat16)
+            dref[key] = w.to(torch.bfloat16).float()
+    save_file({k: v.clone().contiguous() for k, v in dfile.items()},
+              os.path.join(OUT, "diffusers_tensor.safetensors"), metadata={"format": "pt"})
+    dout = os.path.join(OUT, "diffusers_dequantized")
+    os.makedirs(dout, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in dref.items()},
+              os.path.join(dout, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(DIFFUSERS, "config.json")) as f:
+        config = f.read()
+    with open(os.path.join(dout, "config.json"), "w") as f:
+        f.write(config)
+
     # Refusals, and a weight without a scale.
     g = torch.Generator().manual_seed(3)
     w = torch.randn(8, 16, generator=g)
@@ -149,7 +186,7 @@ def main():
     }
     save_file({k: v.clone().contiguous() for k, v in bad.items()},
               os.path.join(OUT, "bad.safetensors"), metadata={"format": "pt"})
-    total = sum(os.path.getsize(os.path.join(OUT, n)) for n in os.listdir(OUT))
+    total = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(OUT) for n in ns)
     fp8_layers = len(layers)
     err = max((refs["tensor"][k] - src[k]).abs().max().item() / src[k].abs().max().item()
               for k in refs["tensor"] if k in src and quantized(k, src[k]))

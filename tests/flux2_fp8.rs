@@ -133,6 +133,50 @@ fn fp8_files_load_as_their_dequantized_weights() {
     }
 }
 
+/// BFL's FP8 FLUX.2 [klein] layout: one file with diffusers' bare names, q/k/v split, a scale
+/// a tensor. It reads as a diffusers checkpoint (the config from its shapes): every weight is
+/// the dequantized folder's bit for bit (q, k and v each decoded with its own scale, then
+/// joined), and so is the output; with FP8 storage the output stays within FP8's rounding.
+#[test]
+fn an_fp8_file_with_diffusers_names_loads_as_its_dequantized_folder() {
+    let io = io();
+    let path = dir().join("diffusers_tensor.safetensors");
+    let (model, vb) = Flux2::load(&path, DType::F32, &CPU, None).unwrap();
+    let (deq, dvb) =
+        Flux2::load(dir().join("diffusers_dequantized"), DType::F32, &CPU, None).unwrap();
+    assert_eq!(
+        model.config, deq.config,
+        "the config from the file's shapes"
+    );
+    let got: BTreeMap<String, Tensor> = vb.params().unwrap().into_iter().collect();
+    let want: BTreeMap<String, Tensor> = dvb.params().unwrap().into_iter().collect();
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (k, t) in &got {
+        assert_eq!(bits(t), bits(&want[k]), "{k}");
+    }
+    let unused = vb.unused_keys().unwrap();
+    assert!(
+        unused.iter().all(|k| k.ends_with(".input_scale")),
+        "unused {unused:?}"
+    );
+    let out = forward(&model, &io);
+    assert_eq!(bits(&out), bits(&forward(&deq, &io)), "output");
+    let rounding = rel_err(&out, &io["output"]);
+    assert!(rounding <= FP8_ROUNDING && rounding > 1e-4, "{rounding}");
+    // Kept as FP8 weights (`model.dtype = "fp8"`; q, k and v joined, then quantized a row at
+    // a time: their own scales do not survive the join).
+    let mut opts = LoadOptions::new(DType::F32, &CPU);
+    opts.fp8 = true;
+    let stored = load_as::<Flux2>(&path, &opts, None).unwrap();
+    let out8 = forward(&stored.model, &io);
+    let e = rel_err(&out8, &io["output"]);
+    println!("diffusers-named FP8 file: f32 {rounding:.2e}, FP8 storage {e:.2e}");
+    assert!(e <= FP8_STORED, "{e}");
+}
+
 /// Stored as FLAME's FP8 weights (`model.dtype = "fp8"`), the file's codes and scales are
 /// kept as they are: every FP8 block Linear decodes to PyTorch's dequantization bit for bit
 /// (no second rounding), every other Linear is FLAME's own quantization of its bf16 value (as

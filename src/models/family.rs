@@ -334,6 +334,41 @@ pub fn load_as<M: ModelSpec>(
     })
 }
 
+/// Opens the checkpoint of `M` at `path`: a single .safetensors file whose bare keys are the
+/// diffusers model's (BFL's FP8 FLUX.2 [klein] files name their tensors so, and so does a
+/// diffusers model's own file given alone) reads as a diffusers checkpoint, through the key
+/// map; any other single file must pass the family's check.
+fn open_as<M: ModelSpec>(path: &Path) -> Result<Checkpoint> {
+    let mut ckpt = Checkpoint::open(path, M::entry().subfolder)?;
+    if ckpt.format == Format::SingleFile {
+        if diffusers_named::<M>(&ckpt)? {
+            ckpt.format = Format::Diffusers;
+        } else {
+            M::check_single_file(&ckpt)?;
+        }
+    }
+    Ok(ckpt)
+}
+
+/// Whether a single .safetensors file holds `M`'s model under diffusers' names: bare keys,
+/// none of [`ModelSpec::SIGNATURE`], and every key the diffusers map reads for them.
+fn diffusers_named<M: ModelSpec>(ckpt: &Checkpoint) -> Result<bool> {
+    let [file] = ckpt.files.as_slice() else {
+        return Ok(false);
+    };
+    if !ckpt.prefix.is_empty() || crate::gguf::is_gguf(file) {
+        return Ok(false);
+    }
+    let f = crate::safetensors::SafeTensorsFile::open(file)?;
+    if M::SIGNATURE.iter().any(|k| f.contains(k)) {
+        return Ok(false);
+    }
+    let map = M::diffusers_map(&M::reference_config());
+    Ok(M::SIGNATURE
+        .iter()
+        .all(|k| map(k).is_some_and(|src| src.keys().iter().all(|s| f.contains(s)))))
+}
+
 /// Opens the checkpoint at `path` and works out its config (given, `opts.config`, the
 /// checkpoint's config.json, or its shapes), validated.
 fn resolve<M: ModelSpec>(
@@ -341,10 +376,7 @@ fn resolve<M: ModelSpec>(
     opts: &LoadOptions,
     config: Option<M::Config>,
 ) -> Result<(Checkpoint, M::Config)> {
-    let ckpt = Checkpoint::open(path, M::entry().subfolder)?;
-    if ckpt.format == Format::SingleFile {
-        M::check_single_file(&ckpt)?;
-    }
+    let ckpt = open_as::<M>(path)?;
     let config = match (config, &opts.config, &ckpt.config) {
         (Some(c), _, _) => c,
         (None, Some(json), _) | (None, None, Some(json)) => M::config_from_diffusers(json)?,
@@ -625,6 +657,7 @@ pub struct Family {
     /// training and sampling).
     pub references: bool,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
+    open: fn(&Path) -> Result<Checkpoint>,
     profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
     probe: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
 }
@@ -647,9 +680,16 @@ impl Family {
             tool_names: M::TOOL_NAMES,
             references: M::REFERENCES,
             load: load_boxed::<M>,
+            open: open_as::<M>,
             profile: profile_boxed::<M>,
             probe: probe_boxed::<M>,
         }
+    }
+
+    /// The checkpoint of this family's model at `path`, as its loader reads it (a single file
+    /// with the diffusers model's names reads through the key map).
+    pub fn open_checkpoint(&self, path: &Path) -> Result<Checkpoint> {
+        (self.open)(path)
     }
 
     /// The model at `path` built without its weights (every parameter a zero-stride view),

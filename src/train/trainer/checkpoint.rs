@@ -183,7 +183,7 @@ impl Trainer {
     pub(super) fn base_weights(&self) -> Result<impl Fn(&str) -> Result<Tensor> + '_> {
         let m = &self.config.model;
         let device = Device::cpu_backend().unwrap_or_else(|_| self.device.clone());
-        let ckpt = models::Checkpoint::open(&m.path, self.model.family().subfolder)?;
+        let ckpt = self.model.family().open_checkpoint(&m.path)?;
         Ok(move |path: &str| {
             let vb = ckpt.var_builder(DType::F32, &device, self.map.clone())?;
             let name = format!("{path}.weight");

@@ -19,7 +19,7 @@ use std::sync::Arc;
 /// input, and its checkpoint's tensor names (read from the header only: the block count
 /// and SD3.5 medium's second attention tell the variants apart).
 fn model_identity(config: &TrainConfig, family: &Family, guidance: bool) -> Result<ModelIdentity> {
-    let ckpt = models::Checkpoint::open(&config.model.path, family.subfolder)?;
+    let ckpt = family.open_checkpoint(&config.model.path)?;
     let mut names = vec![];
     for f in &ckpt.files {
         match crate::gguf::is_gguf(f) {

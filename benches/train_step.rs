@@ -196,8 +196,7 @@ fn run<M: ModelSpec>(
     // The planner's switches: `FLAME_PLANNER`, then the flags `--raw-wire` (streamed bf16
     // weights cross uncoded), `--no-uncoded-carry`, `--shallow` (no deep prefetch),
     // `--no-host-products`, `--no-keep-few` and `--reference-machine` (the time model plays
-    // `Machine::REFERENCE`, not this machine measured), `--no-fences` (uploads wait for all
-    // compute enqueued, not for their memory's last use).
+    // `Machine::REFERENCE`, not this machine measured).
     let mut switches = Switches::default().with_env()?;
     for (flag, name, on) in [
         ("--raw-wire", "wire_code", false),
@@ -206,7 +205,6 @@ fn run<M: ModelSpec>(
         ("--no-host-products", "host_products", false),
         ("--no-keep-few", "keep_few_rows", false),
         ("--reference-machine", "measure_machine", false),
-        ("--no-fences", "upload_fences", false),
     ] {
         if args.flag(flag) {
             if let Some(s) = switches.get_mut(name) {
@@ -232,7 +230,6 @@ fn run<M: ModelSpec>(
         Some(gb) => {
             let b = (gb.parse::<f64>().expect("--budget GB") * GIB) as u64;
             cuda.set_memory_limit(Some(b));
-            cuda.set_upload_fences(switches.upload_fences);
             // `--headroom GB`: plan for the budget less this, cap at the budget.
             let headroom = args.value("--headroom").map_or(0, |h| {
                 (h.parse::<f64>().expect("--headroom GB") * GIB) as u64

@@ -28,10 +28,6 @@ pub struct Switches {
     /// The time model plays this machine's rates, measured before loading or read from the
     /// cache (`measure_machine`); off, it plays `Machine::REFERENCE`.
     pub measure_machine: bool,
-    /// Uploads into a streamed block's buffer wait only for the compute that last used its
-    /// memory (the cap's arena records a fence at each free of a large buffer), not for all
-    /// compute enqueued when they are issued (`CudaDevice::set_upload_fences`).
-    pub upload_fences: bool,
 }
 
 impl Default for Switches {
@@ -43,7 +39,6 @@ impl Default for Switches {
             deep_prefetch: true,
             host_products: true,
             measure_machine: true,
-            upload_fences: true,
         }
     }
 }
@@ -54,14 +49,13 @@ impl Switches {
     pub const VAR: &'static str = "FLAME_PLANNER";
 
     /// The switches' names, as the fields'.
-    pub const NAMES: [&'static str; 7] = [
+    pub const NAMES: [&'static str; 6] = [
         "keep_few_rows",
         "wire_code",
         "uncoded_carry",
         "deep_prefetch",
         "host_products",
         "measure_machine",
-        "upload_fences",
     ];
 
     /// The switch of `name` (one of [`Switches::NAMES`]).
@@ -79,7 +73,6 @@ impl Switches {
             "deep_prefetch" => &mut self.deep_prefetch,
             "host_products" => &mut self.host_products,
             "measure_machine" => &mut self.measure_machine,
-            "upload_fences" => &mut self.upload_fences,
             _ => return None,
         })
     }

@@ -1088,14 +1088,7 @@ pub struct TrainConfig {
 
 /// `[memory]` keys of older configs that are now the planner's switches ([`Switches`]): read
 /// into them, with a note.
-const RETIRED_MEMORY_KEYS: [&str; 6] = [
-    "keep_few_rows",
-    "wire_code",
-    "uncoded_carry",
-    "deep_prefetch",
-    "host_products",
-    "measure_machine",
-];
+const RETIRED_MEMORY_KEYS: [&str; 6] = Switches::NAMES;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -180,7 +180,6 @@ pub fn plan_denoising(
     #[allow(irrefutable_let_patterns)]
     if let Device::Cuda(c) = device {
         c.set_memory_limit(Some(cap));
-        c.set_upload_fences(switches.upload_fences);
     }
     let plan = prof.settle(&p.plan)?;
     Ok(MemoryChoice {
@@ -261,7 +260,6 @@ pub(crate) fn plan_memory(
     if let (Device::Cuda(c), Some(b)) = (device, budget) {
         if mem.budget_gb > 0.0 {
             c.set_memory_limit(Some(b));
-            c.set_upload_fences(config.planner.upload_fences);
         }
     }
     let choice = match (manual, budget) {

@@ -298,14 +298,6 @@ impl CudaDevice {
         self.0.mem.reset_peak();
     }
 
-    /// Whether uploads of streamed blocks into memory of the cap's arena wait only for the
-    /// compute that last used it (fences recorded at the frees of large buffers; on by
-    /// default), or for all compute enqueued before them (off: to measure what the fences
-    /// gain).
-    pub fn set_upload_fences(&self, on: bool) {
-        self.0.mem.set_fencing(on);
-    }
-
     /// A hard cap on the bytes FLAME holds on this device (None: no cap).
     pub fn set_memory_limit(&self, bytes: Option<u64>) {
         self.0.mem.set_limit(bytes);

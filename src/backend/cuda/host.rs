@@ -20,7 +20,7 @@
 //!   stream instead; uploads from it run on that stream too, so they follow the write, and
 //!   the host never reads it.
 
-use super::memory::{Fence, Packed};
+use super::memory::Packed;
 use super::storage::{Buf, CudaStorage};
 use super::{cuda_err, CudaDevice};
 use crate::{DType, Error, Result};
@@ -529,7 +529,8 @@ impl CudaDevice {
         let host = host_ptr(&p.host)?;
         let event = match ring {
             None => {
-                self.after_last_use(copy, &packed, "ordering the copy stream after compute")?;
+                copy.join(self.stream())
+                    .map_err(cuda_err("ordering the copy stream after compute"))?;
                 let start = copy
                     .record_event(TIMED)
                     .map_err(cuda_err("recording the copy's start"))?;
@@ -651,17 +652,6 @@ impl CudaDevice {
         queued
     }
 
-    /// Orders `stream` after the compute stream's last use of `packed`'s memory: nothing for
-    /// memory never used, the fence of its free, else everything enqueued on the compute
-    /// stream (`memory::Fence`).
-    fn after_last_use(&self, stream: &Arc<CudaStream>, packed: &Packed, what: &str) -> Result<()> {
-        match packed.fence() {
-            Fence::Unused => Ok(()),
-            Fence::After(e) => stream.wait(e).map_err(cuda_err(what)),
-            Fence::All => stream.join(self.stream()).map_err(cuda_err(what)),
-        }
-    }
-
     /// Queues `upload_staged`'s pieces: on the copy stream into the ring, on the decode stream
     /// into `packed`.
     #[allow(clippy::too_many_arguments)]
@@ -676,7 +666,9 @@ impl CudaDevice {
         decode: &Arc<CudaStream>,
     ) -> Result<Upload> {
         let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
-        self.after_last_use(decode, packed, "ordering the decode stream after compute")?;
+        decode
+            .join(self.stream())
+            .map_err(cuda_err("ordering the decode stream after compute"))?;
         let host = host_ptr(&p.host)?;
         let mut ring = staging
             .ring

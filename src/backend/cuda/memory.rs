@@ -26,18 +26,10 @@
 //! taken from the driver before the arena goes back to it when freed. Where the arena cannot
 //! be made, the cache evicts instead: the smallest cached buffer that holds the request, then
 //! the least recently freed, and the pool is trimmed past the cap + `POOL_SLACK`.
-//!
-//! Work on the copy and decode streams (uploads of streamed blocks) into a new buffer must
-//! wait until the compute stream is done with its memory. In the arena, every free range
-//! carries the count of the last free that made it (its tick), and each free of a large buffer
-//! (a streamed block's: `ARENA_LARGE`) records an event on the compute stream with its tick
-//! (a fence): a large buffer cut from a range of tick t is free for other streams once the
-//! first fence of tick >= t has passed, an event recorded after its last use was enqueued
-//! (`Packed::fence`). An upload then waits for that, not for every kernel enqueued so far.
 
 use crate::{Error, Result};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DeviceRepr};
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -56,22 +48,6 @@ const ARENA_GRAIN: u64 = 2 << 20;
 /// Requests of at least this many bytes are cut from the arena's top, smaller ones from its
 /// bottom.
 const ARENA_LARGE: u64 = 32 << 20;
-
-/// The fences a pool keeps, newest last: enough for the frees of a step's streamed blocks to
-/// reach back past the buffers in flight.
-const FENCES: usize = 256;
-
-/// What work on another stream must wait for before writing a new buffer
-/// ([`Packed::fence`]).
-#[derive(Clone)]
-pub(crate) enum Fence {
-    /// Nothing: the memory was never used since the arena was made.
-    Unused,
-    /// This event on the compute stream, recorded after the memory's last use was enqueued.
-    After(Arc<cudarc::driver::CudaEvent>),
-    /// Everything enqueued on the compute stream so far (no fence covers the memory).
-    All,
-}
 
 /// A snapshot of a device's memory accounting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,11 +99,6 @@ pub(crate) struct Pool {
     overflows: AtomicU64,
     /// The cap's arena, made at the first request under a cap.
     arena: Mutex<Option<Arena>>,
-    /// Events on the compute stream recorded after frees of large arena buffers, with the
-    /// tick of the free, oldest first (see the module's note).
-    fences: Mutex<VecDeque<(u64, Arc<cudarc::driver::CudaEvent>)>>,
-    /// Whether frees record fences (off: every upload waits for all compute enqueued).
-    fencing: AtomicBool,
     has_arena: AtomicBool,
     /// Whether making the arena was tried (a failure falls back to the cache's eviction).
     arena_tried: AtomicBool,
@@ -162,14 +133,11 @@ enum Home {
 struct Arena {
     base: sys::CUdeviceptr,
     size: u64,
-    /// Free ranges by offset (-> length, and the tick of the last free merged into the
-    /// range: 0 for memory never used) and by (length, offset).
-    by_offset: BTreeMap<u64, (u64, u64)>,
+    /// Free ranges by offset (-> length) and by (length, offset).
+    by_offset: BTreeMap<u64, u64>,
     by_length: BTreeSet<(u64, u64)>,
     /// Offsets of the live large buffers.
     large: BTreeSet<u64>,
-    /// Counts frees.
-    ticks: u64,
 }
 
 impl Arena {
@@ -177,10 +145,9 @@ impl Arena {
         Arena {
             base,
             size,
-            by_offset: BTreeMap::from([(0, (size, 0))]),
+            by_offset: BTreeMap::from([(0, size)]),
             by_length: BTreeSet::from([(size, 0)]),
             large: BTreeSet::new(),
-            ticks: 0,
         }
     }
 
@@ -189,9 +156,8 @@ impl Arena {
     /// anywhere), a large one from the end of the highest free range that holds it, so large
     /// and small buffers grow from opposite ends and small ones do not split the room large
     /// ones need: a range a large buffer left among large ones (a streamed block's, whose
-    /// successor takes its place) stays whole for the next large one. With the tick of the
-    /// range it was cut from.
-    fn take(&mut self, bytes: u64) -> Option<(u64, u64)> {
+    /// successor takes its place) stays whole for the next large one.
+    fn take(&mut self, bytes: u64) -> Option<u64> {
         let (len, off) = if bytes < ARENA_LARGE {
             let low = self.large.first().copied().unwrap_or(self.size);
             let mut fits = self.by_length.range((bytes, 0)..);
@@ -203,38 +169,36 @@ impl Arena {
             self.by_offset
                 .iter()
                 .rev()
-                .find(|(_, &(len, _))| len >= bytes)
-                .map(|(&off, &(len, _))| (len, off))?
+                .find(|(_, &len)| len >= bytes)
+                .map(|(&off, &len)| (len, off))?
         };
         self.by_length.remove(&(len, off));
-        let (_, tick) = self.by_offset.remove(&off)?;
+        self.by_offset.remove(&off);
         let (rest, at) = if bytes < ARENA_LARGE {
             ((off + bytes, len - bytes), off)
         } else {
             ((off, len - bytes), off + len - bytes)
         };
         if rest.1 > 0 {
-            self.by_offset.insert(rest.0, (rest.1, tick));
+            self.by_offset.insert(rest.0, rest.1);
             self.by_length.insert((rest.1, rest.0));
         }
         if bytes >= ARENA_LARGE {
             self.large.insert(at);
         }
-        Some((at, tick))
+        Some(at)
     }
 
-    /// Frees `bytes` at `off`, merged with the free ranges on either side; returns the free's
-    /// tick, which the merged range takes (the newest of its parts').
-    fn give(&mut self, mut off: u64, mut bytes: u64) -> u64 {
-        self.ticks += 1;
+    /// Frees `bytes` at `off`, merged with the free ranges on either side.
+    fn give(&mut self, mut off: u64, mut bytes: u64) {
         if bytes >= ARENA_LARGE {
             self.large.remove(&off);
         }
-        if let Some((next, _)) = self.by_offset.remove(&(off + bytes)) {
+        if let Some(next) = self.by_offset.remove(&(off + bytes)) {
             self.by_length.remove(&(next, off + bytes));
             bytes += next;
         }
-        if let Some((&prev, &(len, _))) = self.by_offset.range(..off).next_back() {
+        if let Some((&prev, &len)) = self.by_offset.range(..off).next_back() {
             if prev + len == off {
                 self.by_offset.remove(&prev);
                 self.by_length.remove(&(len, prev));
@@ -242,9 +206,8 @@ impl Arena {
                 bytes += len;
             }
         }
-        self.by_offset.insert(off, (bytes, self.ticks));
+        self.by_offset.insert(off, bytes);
         self.by_length.insert((bytes, off));
-        self.ticks
     }
 
     /// The largest free range.
@@ -261,15 +224,9 @@ pub(crate) struct Packed {
     buf: DevBuf<u8>,
     base: sys::CUdeviceptr,
     stream: Arc<CudaStream>,
-    fence: Fence,
 }
 
 impl Packed {
-    /// What work on another stream waits for before writing into the buffer.
-    pub(crate) fn fence(&self) -> &Fence {
-        &self.fence
-    }
-
     /// The device address of the first byte.
     pub(crate) fn base(&self) -> sys::CUdeviceptr {
         self.base
@@ -336,12 +293,10 @@ impl<T> Drop for DevBuf<T> {
                 pool,
             } => {
                 pool.in_use.fetch_sub(*bytes, Ordering::Relaxed);
-                let tick = match pool.arena.lock() {
-                    Ok(mut a) => a.as_mut().map(|a| a.give(*offset, *bytes)),
-                    Err(_) => None,
-                };
-                if let Some(tick) = tick.filter(|_| *bytes >= ARENA_LARGE) {
-                    pool.fence(tick);
+                if let Ok(mut a) = pool.arena.lock() {
+                    if let Some(a) = a.as_mut() {
+                        a.give(*offset, *bytes);
+                    }
                 }
                 return;
             }
@@ -383,8 +338,6 @@ impl Pool {
             flushes: AtomicU64::new(0),
             overflows: AtomicU64::new(0),
             arena: Mutex::new(None),
-            fences: Mutex::new(VecDeque::new()),
-            fencing: AtomicBool::new(true),
             has_arena: AtomicBool::new(false),
             arena_tried: AtomicBool::new(false),
         }
@@ -414,71 +367,18 @@ impl Pool {
         }
     }
 
-    /// `bytes` from the arena, if there is one: its address, offset and the tick of the range
-    /// it was cut from, or None when no free range holds them (with the largest free range).
-    #[allow(clippy::type_complexity)]
-    fn arena_take(
-        &self,
-        bytes: u64,
-    ) -> Option<std::result::Result<(sys::CUdeviceptr, u64, u64), u64>> {
+    /// `bytes` from the arena, if there is one: its offset, or None when no free range holds
+    /// them (with the largest free range).
+    fn arena_take(&self, bytes: u64) -> Option<std::result::Result<(sys::CUdeviceptr, u64), u64>> {
         if !self.has_arena.load(Ordering::Relaxed) {
             return None;
         }
         let mut a = self.arena.lock().ok()?;
         let a = a.as_mut()?;
         Some(match a.take(bytes) {
-            Some((off, tick)) => Ok((a.base + off, off, tick)),
+            Some(off) => Ok((a.base + off, off)),
             None => Err(a.largest()),
         })
-    }
-
-    /// Records a fence after the free of tick `tick` (a large arena buffer's), when fencing.
-    /// A fence that cannot be recorded is left out: uploads then wait for all compute.
-    fn fence(&self, tick: u64) {
-        if !self.fencing.load(Ordering::Relaxed) {
-            return;
-        }
-        let Ok(event) = self
-            .stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-        else {
-            return;
-        };
-        if let Ok(mut f) = self.fences.lock() {
-            f.push_back((tick, Arc::new(event)));
-            while f.len() > FENCES {
-                f.pop_front();
-            }
-        }
-    }
-
-    /// The fence of memory whose range had tick `tick`: none for memory never used, the first
-    /// fence of tick >= `tick`, else all compute enqueued.
-    fn fence_of(&self, tick: u64) -> Fence {
-        if tick == 0 {
-            return Fence::Unused;
-        }
-        if !self.fencing.load(Ordering::Relaxed) {
-            return Fence::All;
-        }
-        let Ok(f) = self.fences.lock() else {
-            return Fence::All;
-        };
-        let i = f.partition_point(|(t, _)| *t < tick);
-        f.get(i)
-            .map_or(Fence::All, |(_, e)| Fence::After(e.clone()))
-    }
-
-    /// Whether frees of large arena buffers record fences, so that uploads into their memory
-    /// wait only for its last use (on by default; off, every upload waits for all compute
-    /// enqueued before it). Fences already recorded are dropped when turned off.
-    pub(crate) fn set_fencing(&self, on: bool) {
-        self.fencing.store(on, Ordering::Relaxed);
-        if !on {
-            if let Ok(mut f) = self.fences.lock() {
-                f.clear();
-            }
-        }
     }
 
     pub(crate) fn report(&self) -> MemoryReport {
@@ -523,16 +423,6 @@ impl Pool {
         len: usize,
         total: impl Fn() -> u64,
     ) -> Result<DevBuf<T>> {
-        Ok(self.alloc_ticked(len, total)?.0)
-    }
-
-    /// [`alloc`](Self::alloc), with the tick of the arena range the buffer was cut from (None
-    /// for a buffer from the cache or the driver).
-    fn alloc_ticked<T: DeviceRepr>(
-        self: &Arc<Self>,
-        len: usize,
-        total: impl Fn() -> u64,
-    ) -> Result<(DevBuf<T>, Option<u64>)> {
         let want = (len.max(1) * std::mem::size_of::<T>()) as u64;
         let bytes = want.div_ceil(ROUND) * ROUND;
         let limit = self.limit.load(Ordering::Relaxed);
@@ -553,23 +443,20 @@ impl Pool {
             self.make_arena(limit, in_use);
         }
         match self.arena_take(bytes) {
-            Some(Ok((ptr, offset, tick))) => {
+            Some(Ok((ptr, offset))) => {
                 self.peak.fetch_max(in_use + bytes, Ordering::Relaxed);
                 self.allocations.fetch_add(1, Ordering::Relaxed);
                 // SAFETY: `bytes` >= len * size_of::<T>() bytes at `ptr` are inside the arena
                 // and owned by this buffer alone until it drops (and leaks the slice).
                 let slice = unsafe { self.stream.upgrade_device_ptr::<T>(ptr, len.max(1)) };
-                return Ok((
-                    DevBuf {
-                        slice: ManuallyDrop::new(slice),
-                        home: Home::Arena {
-                            offset,
-                            bytes,
-                            pool: self.clone(),
-                        },
+                return Ok(DevBuf {
+                    slice: ManuallyDrop::new(slice),
+                    home: Home::Arena {
+                        offset,
+                        bytes,
+                        pool: self.clone(),
                     },
-                    Some(tick),
-                ));
+                });
             }
             // No free range holds it although the cap does (the arena is cut into pieces):
             // the driver serves it, counted, and it goes back to the driver when freed.
@@ -630,16 +517,13 @@ impl Pool {
         }
         self.peak.fetch_max(in_use + bytes, Ordering::Relaxed);
         self.allocations.fetch_add(1, Ordering::Relaxed);
-        Ok((
-            DevBuf {
-                slice: ManuallyDrop::new(slice),
-                home: Home::Pool {
-                    bytes,
-                    pool: self.clone(),
-                },
+        Ok(DevBuf {
+            slice: ManuallyDrop::new(slice),
+            home: Home::Pool {
+                bytes,
+                pool: self.clone(),
             },
-            None,
-        ))
+        })
     }
 
     /// A buffer of `bytes` bytes to be cut into parts (`Packed::part`).
@@ -648,14 +532,13 @@ impl Pool {
         bytes: usize,
         total: impl Fn() -> u64,
     ) -> Result<Arc<Packed>> {
-        let (buf, tick) = self.alloc_ticked::<u8>(bytes, total)?;
+        let buf = self.alloc::<u8>(bytes, total)?;
         use cudarc::driver::DevicePtr;
         let base = buf.slice.device_ptr(&self.stream).0;
         Ok(Arc::new(Packed {
             buf,
             base,
             stream: self.stream.clone(),
-            fence: tick.map_or(Fence::All, |t| self.fence_of(t)),
         }))
     }
 
@@ -835,34 +718,4 @@ pub(super) fn set_release_threshold(ordinal: usize, bytes: u64) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{Arena, ARENA_LARGE};
-
-    /// A range's tick is the newest free merged into it; memory never used has tick 0; a cut
-    /// keeps the range's tick for the rest.
-    #[test]
-    fn arena_ranges_carry_the_tick_of_their_last_free() {
-        let large = ARENA_LARGE;
-        let mut a = Arena::new(0, 4 * large);
-        // Two large buffers from the top, never used before: tick 0.
-        let (l1, t1) = a.take(large).unwrap();
-        let (l2, t2) = a.take(large).unwrap();
-        assert_eq!((l1, l2, t1, t2), (3 * large, 2 * large, 0, 0));
-        // A small one from the bottom, freed: tick 1 on the merged bottom range.
-        let (s, _) = a.take(1024).unwrap();
-        assert_eq!(s, 0);
-        assert_eq!(a.give(s, 1024), 1);
-        // l1 freed (tick 2): the next large buffer takes its range, with its tick.
-        assert_eq!(a.give(l1, large), 2);
-        assert_eq!(a.take(large).unwrap(), (3 * large, 2));
-        // l2 freed beside the bottom range (tick 3): they merge, the newest tick wins, and a
-        // large buffer cut from the merged range's top carries it.
-        assert_eq!(a.give(l2, large), 3);
-        assert_eq!(a.take(large).unwrap(), (2 * large, 3));
-        // The rest of the range kept the tick.
-        assert_eq!(a.take(large).unwrap(), (large, 3));
-    }
 }

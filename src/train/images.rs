@@ -305,16 +305,21 @@ pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Resul
         .text
         .iter()
         .zip(&text_at)
-        .map(|(slot, (l, _))| {
-            let b = weight_bytes(&l.path);
-            match slot.kind {
-                TextEncoderKind::T5 if opts.stream_t5 => b / 8,
-                TextEncoderKind::Qwen3(_) if opts.stream_qwen3 => b / 4,
-                _ => b,
-            }
-        })
+        .map(|(slot, (l, _))| encoder_device_bytes(slot.kind, &l.path, &opts))
         .sum();
     Ok((bytes, opts.stream_t5 || opts.stream_qwen3))
+}
+
+/// Bytes an encoder of `kind` whose weights are at `path` holds on the device, about: its
+/// weight files, an eighth of them for T5 streamed, a quarter for Qwen3 streamed (as
+/// [`text_encoder_bytes`] says).
+pub(crate) fn encoder_device_bytes(kind: TextEncoderKind, path: &Path, opts: &TextOptions) -> u64 {
+    let b = weight_bytes(path);
+    match kind {
+        TextEncoderKind::T5 if opts.stream_t5 => b / 8,
+        TextEncoderKind::Qwen3(_) if opts.stream_qwen3 => b / 4,
+        _ => b,
+    }
 }
 
 /// Bytes of the weight files at `path` (a file, or the .safetensors files of a folder).

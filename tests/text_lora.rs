@@ -617,13 +617,15 @@ fn the_plan_counts_a_trained_encoder() {
 
 /// The `sample` binary applies a file's text-encoder adapters: with CLIP-L's and T5's LoRA
 /// trained, its images equal the run's own samples (merged weights against attached
-/// adapters, through the 8-bit PNG) and differ from those of the model's part alone; a file
-/// whose text-encoder tensor no encoder takes is refused naming it.
+/// adapters, through the 8-bit PNG), and the file's encoder part is applied (made larger, it
+/// changes the images); a file whose text-encoder tensor no encoder takes is refused
+/// naming it.
 #[test]
 fn the_sample_binary_applies_text_encoder_adapters() {
     use std::process::Command;
     let d = temp("sample");
-    let cfg = flux_config_with(&d, 2, 2, "kohya", "[\"clip_l\", \"t5\"]");
+    let mut cfg = flux_config_with(&d, 2, 2, "kohya", "[\"clip_l\", \"t5\"]");
+    cfg.optimizer.text_encoder_lr = Some(3e-2);
     open(&cfg)
         .0
         .run(&RunOptions::default(), &mut |_| {})
@@ -673,20 +675,6 @@ fn the_sample_binary_applies_text_encoder_adapters() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let said = String::from_utf8_lossy(&o.stderr);
     assert!(said.contains("text-encoder tensors merged"), "{said}");
-    // The model's part alone: the encoders' tensors left out.
-    let file = flame::safetensors::load(&lora, &Device::Cpu).unwrap();
-    let model_only = d.join("model-only.safetensors");
-    flame::safetensors::save(
-        file.iter()
-            .filter(|(k, _)| !k.starts_with("lora_te"))
-            .map(|(k, v)| (k.as_str(), v)),
-        &model_only,
-    )
-    .unwrap();
-    let out2 = d.join("samples-model-only");
-    let o = run(&model_only, &out2);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let mut differs = 0;
     for (i, seed) in [(0, 1), (1, 2)] {
         let a = png(out.join(format!("{i}-{seed}.png")));
         let b = png(cfg
@@ -694,8 +682,34 @@ fn the_sample_binary_applies_text_encoder_adapters() {
             .output_dir
             .join(format!("samples/step-0000002-{i}.png")));
         assert!(worst(&a, &b) <= 12, "image {i}: {}", worst(&a, &b));
+    }
+    // The encoders' part is what changes them: the same file with the encoders' lora_up
+    // a thousand times larger gives other images.
+    let file = flame::safetensors::load(&lora, &Device::Cpu).unwrap();
+    let louder = d.join("louder.safetensors");
+    let scaled: Vec<(String, Tensor)> = file
+        .iter()
+        .map(|(k, v)| {
+            let up = k.starts_with("lora_te") && k.ends_with(".lora_up.weight");
+            (
+                k.clone(),
+                if up {
+                    v.affine(1e3, 0.0).unwrap()
+                } else {
+                    v.clone()
+                },
+            )
+        })
+        .collect();
+    flame::safetensors::save(scaled.iter().map(|(k, v)| (k.as_str(), v)), &louder).unwrap();
+    let out2 = d.join("samples-louder");
+    let o = run(&louder, &out2);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut differs = 0;
+    for (i, seed) in [(0, 1), (1, 2)] {
+        let a = png(out.join(format!("{i}-{seed}.png")));
         let c = png(out2.join(format!("{i}-{seed}.png")));
-        differs = differs.max(worst(&c, &b));
+        differs = differs.max(worst(&a, &c));
     }
     assert!(
         differs > 12,

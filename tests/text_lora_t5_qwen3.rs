@@ -143,7 +143,7 @@ fn check_grads(
     let mut n = 0;
     for l in a.layers().unwrap() {
         for (name, t) in l.params() {
-            let key = format!("{what}.grad.{prefix}.{}.{}", l.path(), peft_name(&name));
+            let key = format!("{what}.grad.{prefix}.{}.{}", l.path(), peft_name(name));
             let want = io.get(&key).unwrap_or_else(|| panic!("no {key}"));
             check(&key, grads.get(&t).unwrap(), want, tol);
             n += 1;

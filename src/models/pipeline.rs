@@ -345,6 +345,31 @@ pub fn peft_map(slot: &EncoderSlot) -> KeyMap {
     }
 }
 
+/// Bytes of the weight files at `path` (a file, or the .safetensors files of a folder).
+pub fn weight_bytes(path: &Path) -> u64 {
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    match std::fs::read_dir(path) {
+        Ok(rd) => rd
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .map(|p| size(&p))
+            .sum(),
+        Err(_) => size(path),
+    }
+}
+
+/// Bytes an encoder of `kind` whose weights are at `path` holds on the device, about: its
+/// weight files, an eighth of them for T5 streamed, a quarter for Qwen3 streamed (what the
+/// trainer plans the caching phase and the steps by).
+pub fn encoder_device_bytes(kind: TextEncoderKind, path: &Path, opts: &TextOptions) -> u64 {
+    let b = weight_bytes(path);
+    match kind {
+        TextEncoderKind::T5 if opts.stream_t5 => b / 8,
+        TextEncoderKind::Qwen3(_) if opts.stream_qwen3 => b / 4,
+        _ => b,
+    }
+}
+
 /// The sizes of a loaded text encoder ([`TextConditioner::dims`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EncoderDims {

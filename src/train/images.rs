@@ -10,8 +10,8 @@ use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
 use crate::dist::ProcessGroup;
 use crate::encoders::{AutoencoderKl, VaeTiling};
 use crate::models::pipeline::{
-    file_identity, load_vae, tokenizer_lines, Located, Sources, TextConditioner, TextEncoderKind,
-    TextOptions, TokenizerSource,
+    encoder_device_bytes, file_identity, load_vae, tokenizer_lines, weight_bytes, Located, Sources,
+    TextConditioner, TextEncoderKind, TextOptions, TokenizerSource,
 };
 use crate::models::{Family, Input, Size};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -308,31 +308,6 @@ pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Resul
         .map(|(slot, (l, _))| encoder_device_bytes(slot.kind, &l.path, &opts))
         .sum();
     Ok((bytes, opts.stream_t5 || opts.stream_qwen3))
-}
-
-/// Bytes an encoder of `kind` whose weights are at `path` holds on the device, about: its
-/// weight files, an eighth of them for T5 streamed, a quarter for Qwen3 streamed (as
-/// [`text_encoder_bytes`] says).
-pub(crate) fn encoder_device_bytes(kind: TextEncoderKind, path: &Path, opts: &TextOptions) -> u64 {
-    let b = weight_bytes(path);
-    match kind {
-        TextEncoderKind::T5 if opts.stream_t5 => b / 8,
-        TextEncoderKind::Qwen3(_) if opts.stream_qwen3 => b / 4,
-        _ => b,
-    }
-}
-
-/// Bytes of the weight files at `path` (a file, or the .safetensors files of a folder).
-fn weight_bytes(path: &Path) -> u64 {
-    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-    match std::fs::read_dir(path) {
-        Ok(rd) => rd
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .map(|p| size(&p))
-            .sum(),
-        Err(_) => size(path),
-    }
 }
 
 /// How the captions' encoders are set up (`guided`: the model takes a guidance input).

@@ -273,6 +273,7 @@ fn machine_for(device: &Device, measure: bool) -> (Option<crate::memory::Machine
 }
 
 /// `recorded`: the machine to play instead of this one's (a resumed run's).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_memory(
     config: &TrainConfig,
     family: &Family,

@@ -9,8 +9,8 @@
 use super::config::TrainConfig;
 use crate::memory::MemoryProfile;
 use crate::models::pipeline::{
-    input_sources, peft_map, EncoderDims, Located, Named, SlotUse, TextConditioner, TextOptions,
-    TokenizerSource,
+    encoder_device_bytes, input_sources, peft_map, EncoderDims, Located, Named, SlotUse,
+    TextConditioner, TextOptions, TokenizerSource,
 };
 use crate::models::{EncoderSlot, Family, TextEncoderKind};
 use crate::nn::adapter::FileSet;
@@ -203,7 +203,7 @@ impl TextTraining {
             };
             running.push(Running {
                 name: slot.name,
-                weight_bytes: super::images::encoder_device_bytes(slot.kind, path, opts),
+                weight_bytes: encoder_device_bytes(slot.kind, path, opts),
                 trained: match (trained[i], cond.dims(i)) {
                     (true, Some(d)) => Some((d, slot.len(opts.guided, opts.t5_tokens), streamed)),
                     _ => None,

@@ -552,7 +552,25 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
                 .collect::<flame::Result<Vec<_>>>()?,
             None => vec![],
         };
-        let uses: Vec<SlotUse> = merges.iter().cloned().map(SlotUse::Merged).collect();
+        // An encoder the file has no tensor for loads as it would without it (a merge
+        // keeps its weights dense: FP8 codes are decoded).
+        let uses: Vec<SlotUse> = family
+            .pipeline
+            .text
+            .iter()
+            .zip(&merges)
+            .map(|(slot, m)| {
+                let (kohya, peft) = (format!("{}_", slot.kohya), format!("{}.", slot.folder));
+                match m
+                    .text_encoder_tensors()
+                    .iter()
+                    .any(|n| n.starts_with(&kohya) || n.starts_with(&peft))
+                {
+                    true => SlotUse::Merged(m.clone()),
+                    false => SlotUse::Frozen,
+                }
+            })
+            .collect();
         let cond = TextConditioner::load_slots(
             family,
             &text_at,

@@ -424,7 +424,7 @@ fn lora_files_merge_into_the_weights_as_the_adapters_compute() {
         LoraMerge::open(&f, 1.0, "transformer")
             .unwrap()
             .text_encoder_tensors(),
-        1
+        ["lora_te1_text_model_x.lora_down.weight"]
     );
     // A misshapen one names the tensor and the shape the layer needs.
     let mut t = flame::safetensors::load(&kohya, &Device::Cpu).unwrap();

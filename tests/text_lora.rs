@@ -209,6 +209,17 @@ fn temp(name: &str) -> PathBuf {
 /// the model: `steps` steps, checkpoints, validation and samples every `every`, on the CPU,
 /// the adapter written in `format`.
 fn flux_config(dir: &std::path::Path, steps: usize, every: usize, format: &str) -> TrainConfig {
+    flux_config_with(dir, steps, every, format, "[\"clip_l\"]")
+}
+
+/// [`flux_config`] with the encoders `encoders` (a TOML list) trained.
+fn flux_config_with(
+    dir: &std::path::Path,
+    steps: usize,
+    every: usize,
+    format: &str,
+    encoders: &str,
+) -> TrainConfig {
     let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/flux-tiny.toml");
     let text = std::fs::read_to_string(example)
         .unwrap()
@@ -220,7 +231,7 @@ fn flux_config(dir: &std::path::Path, steps: usize, every: usize, format: &str) 
         .replace("warmup_steps = 10", "warmup_steps = 2")
         .replace(
             "format = \"kohya\"",
-            &format!("format = \"{format}\"\ntext_encoders = [\"clip_l\"]"),
+            &format!("format = \"{format}\"\ntext_encoders = {encoders}"),
         );
     let p = dir.join("train.toml");
     std::fs::write(&p, text).unwrap();
@@ -365,8 +376,8 @@ fn flux_clip_lora_in_the_peft_layout() {
     std::fs::remove_dir_all(&d).ok();
 }
 
-/// What is refused, naming the key: a negative text-encoder rate, an encoder that
-/// does not train (T5), one the family lacks.
+/// What is refused, naming the key: a negative text-encoder rate, a name that is no
+/// encoder's, one the family lacks, another trainer's layout.
 #[test]
 fn text_encoder_settings_are_checked() {
     let d = temp("bad");
@@ -379,9 +390,23 @@ fn text_encoder_settings_are_checked() {
     c.optimizer.text_encoder_lr = Some(1e-5);
     c.validate().unwrap();
     let mut c = cfg.clone();
+    c.adapter.text_encoders = vec!["bert".into()];
+    let e = c.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("adapter.text_encoders") && e.contains("bert"),
+        "{e}"
+    );
+    let mut c = cfg.clone();
     c.adapter.text_encoders = vec!["t5".into()];
+    c.validate().unwrap();
+    let mut c = cfg.clone();
+    c.adapter.format = flame::train::config::AdapterFormat::Musubi;
     let e = c.validate().unwrap_err().to_string();
     assert!(e.contains("adapter.text_encoders"), "{e}");
+    let mut c = cfg.clone();
+    c.adapter.text_encoders = vec!["qwen3".into()];
+    let e = Trainer::new(c).err().unwrap().to_string();
+    assert!(e.contains("qwen3") && e.contains("clip_l, t5"), "{e}");
     let mut c = cfg.clone();
     c.adapter.text_encoders = vec!["clip_g".into()];
     let e = Trainer::new(c).err().unwrap().to_string();
@@ -422,4 +447,288 @@ fn diffusers_loads_the_text_encoder_lora() {
         String::from_utf8_lossy(&out.stderr)
     );
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Flux with T5's LoRA trained beside the model's: T5's `context` encoded every step, CLIP-L's
+/// `pooled` read from the cache; every tensor of T5's adapters moves, on kohya's T5 Linears
+/// (q, k, v, o, wi_0, wi_1, wo); the kohya file holds `lora_te3_*` (sd-scripts' T5 prefix);
+/// a run stopped at step 4 and resumed ends with the same log and file as one run straight
+/// through.
+#[test]
+fn flux_t5_lora_trains_and_resumes_exactly() {
+    let a = temp("t5-full");
+    let cfg = flux_config_with(&a, 6, 3, "kohya", "[\"t5\"]");
+    let (mut t, notes) = open(&cfg);
+    let said = notes
+        .iter()
+        .find(|n| n.starts_with("text encoders:"))
+        .unwrap_or_else(|| panic!("{notes:?}"));
+    assert!(
+        said.contains("t5 trained (14 adapters)")
+            && said.contains("clip_l cached")
+            && said.contains("[\"context\"]"),
+        "{said}"
+    );
+    let lists = t.param_lists().unwrap();
+    let before = host(&lists[1].1);
+    assert!(
+        before
+            .iter()
+            .all(|(n, _)| n.starts_with("lora_te3.encoder.block.")),
+        "{}",
+        before[0].0
+    );
+    t.run(&RunOptions::default(), &mut |_| {}).unwrap();
+    let after = host(&t.param_lists().unwrap()[1].1);
+    let moved = before
+        .iter()
+        .zip(&after)
+        .filter(|((_, x), (_, y))| x != y)
+        .count();
+    assert_eq!(moved, before.len(), "every tensor of T5's adapters trains");
+    let out = &cfg.train.output_dir;
+    let file = flame::safetensors::SafeTensorsFile::open(out.join("lora.safetensors")).unwrap();
+    let names: Vec<&str> = file.names().collect();
+    assert!(names.iter().any(|n| n.starts_with("lora_unet_")));
+    for k in [
+        "lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_up.weight",
+        "lora_te3_encoder_block_1_layer_1_DenseReluDense_wi_1.lora_down.weight",
+        "lora_te3_encoder_block_1_layer_1_DenseReluDense_wo.alpha",
+    ] {
+        assert!(names.contains(&k), "{k} not in {names:?}");
+    }
+    let full = read_log(&out.join("loss.jsonl")).unwrap();
+    let lora = flame::train::metadata::content(&out.join("lora.safetensors")).unwrap();
+    drop(t);
+
+    let b = temp("t5-resumed");
+    let cfg = flux_config_with(&b, 6, 3, "kohya", "[\"t5\"]");
+    let stop = RunOptions {
+        stop_at: Some(4),
+        ..Default::default()
+    };
+    open(&cfg).0.run(&stop, &mut |_| {}).unwrap();
+    let resume = RunOptions {
+        resume: true,
+        ..Default::default()
+    };
+    open(&cfg).0.run(&resume, &mut |_| {}).unwrap();
+    let out = &cfg.train.output_dir;
+    assert_eq!(read_log(&out.join("loss.jsonl")).unwrap(), full);
+    assert_eq!(
+        flame::train::metadata::content(&out.join("lora.safetensors")).unwrap(),
+        lora
+    );
+    std::fs::remove_dir_all(&a).ok();
+    std::fs::remove_dir_all(&b).ok();
+}
+
+/// T5's adapters in the PEFT layout: under `text_encoder_2.` (Flux's T5 folder) in
+/// transformers' module names, and a checkpoint in that layout reads back into a fresh run
+/// with the trained values.
+#[test]
+fn flux_t5_lora_in_the_peft_layout_round_trips() {
+    let d = temp("t5-peft");
+    let cfg = flux_config_with(&d, 2, 2, "peft", "[\"t5\"]");
+    let mut t = open(&cfg).0;
+    t.run(&RunOptions::default(), &mut |_| {}).unwrap();
+    let trained = host(&t.param_lists().unwrap()[1].1);
+    drop(t);
+    let out = &cfg.train.output_dir;
+    let file = flame::safetensors::SafeTensorsFile::open(out.join("lora.safetensors")).unwrap();
+    let names: Vec<&str> = file.names().collect();
+    assert!(names.iter().any(|n| n.starts_with("transformer.")));
+    assert!(
+        names.contains(&"text_encoder_2.encoder.block.0.layer.1.DenseReluDense.wi_0.lora_A.weight"),
+        "{names:?}"
+    );
+    let mut t = open(&cfg).0;
+    assert_ne!(host(&t.param_lists().unwrap()[1].1), trained);
+    t.load_checkpoint(&out.join("checkpoint-0000002")).unwrap();
+    assert_eq!(host(&t.param_lists().unwrap()[1].1), trained);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// The memory plan counts a trained encoder: with T5 trained the step's predicted peak grows
+/// by exactly what the plan says T5 holds, and that is T5's own bytes: its weight file, its
+/// adapters' values (and gradients, as much again), AdamW's two f32 moments a value, and
+/// the activations its backward keeps (`kept_values` of its sizes, batch and tokens).
+#[test]
+fn the_plan_counts_a_trained_encoder() {
+    let d = temp("plan");
+    let step_peak = |t: &Trainer| {
+        t.phase_plans()
+            .iter()
+            .find(|p| p.phase == "training steps")
+            .and_then(|p| p.peak)
+            .unwrap()
+    };
+    let mut cfg = flux_config_with(&d, 2, 2, "kohya", "[]");
+    cfg.adapter.text_encoders = vec![];
+    let (t, _) = open(&cfg);
+    assert!(t.memory.text.is_none());
+    let base = step_peak(&t);
+    drop(t);
+    cfg.adapter.text_encoders = vec!["t5".into()];
+    let (t, _) = open(&cfg);
+    let with = step_peak(&t);
+    let text = t.memory.text.clone().unwrap();
+    assert_eq!(with - base, text.total());
+    assert!(
+        t.memory.describe().contains("trained text encoders"),
+        "{}",
+        t.memory.describe()
+    );
+    // T5's weight file on the device (not streamed on the CPU without a budget).
+    let folder = d.join("tiny/text_encoder_2");
+    let file_bytes: u64 = std::fs::read_dir(&folder)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum();
+    assert_eq!(text.weights, file_bytes);
+    assert_eq!(text.encoders, vec![("t5", file_bytes)]);
+    // The adapters, f32, and AdamW's state (8 bytes a value).
+    let values: usize = t.param_lists().unwrap()[1]
+        .1
+        .iter()
+        .map(|(_, x)| x.elem_count())
+        .sum();
+    assert_eq!(text.trainable, (values * 4) as u64);
+    assert_eq!(text.optimizer, (values * 8) as u64);
+    // The tiny T5 as its config says, 32 tokens a caption, the batch, f32.
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap())
+            .unwrap();
+    let n = |k: &str| c[k].as_u64().unwrap() as usize;
+    let dims = flame::models::pipeline::EncoderDims {
+        width: n("d_model"),
+        attention: n("num_heads") * n("d_kv"),
+        mlp: n("d_ff"),
+        layers: n("num_layers"),
+        heads: n("num_heads"),
+        gated: true,
+    };
+    let kept = flame::train::text::kept_values(&dims, 32, false);
+    assert_eq!(text.activations, (kept * cfg.train.batch_size * 4) as u64);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// The `sample` binary applies a file's text-encoder adapters: with CLIP-L's and T5's LoRA
+/// trained, its images equal the run's own samples (merged weights against attached
+/// adapters, through the 8-bit PNG), and the file's encoder part is applied (made larger, it
+/// changes the images); a file whose text-encoder tensor no encoder takes is refused
+/// naming it.
+#[test]
+fn the_sample_binary_applies_text_encoder_adapters() {
+    use std::process::Command;
+    let d = temp("sample");
+    let mut cfg = flux_config_with(&d, 2, 2, "kohya", "[\"clip_l\", \"t5\"]");
+    cfg.optimizer.text_encoder_lr = Some(3e-2);
+    open(&cfg)
+        .0
+        .run(&RunOptions::default(), &mut |_| {})
+        .unwrap();
+    let t = d.join("tiny");
+    let json = d.join("flux-tiny.json");
+    std::fs::write(
+        &json,
+        flame::train::demo::flux_tiny_diffusers_config().to_string(),
+    )
+    .unwrap();
+    let run = |lora: &std::path::Path, out: &std::path::Path| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_sample"));
+        c.args(["--arch", "flux", "--device", "cpu", "--dtype", "f32"])
+            .arg("--model")
+            .arg(t.join("flux-tiny.safetensors"))
+            .arg("--config")
+            .arg(&json);
+        for (flag, p) in [
+            ("--text-encoder", "text_encoder"),
+            ("--text-encoder", "text_encoder_2"),
+            ("--tokenizer", "tokenizer"),
+            ("--tokenizer", "tokenizer_2"),
+            ("--vae", "vae"),
+        ] {
+            c.arg(flag).arg(t.join(p));
+        }
+        c.args(["--t5-tokens", "32", "--width", "64", "--height", "64"])
+            .args(["--steps", "8", "--guidance", "3.5", "--seed", "1"])
+            .args([
+                "--prompt",
+                "a large red circle on a white background",
+                "--prompt",
+                "a small blue square on a black background",
+            ])
+            .arg("--lora")
+            .arg(lora)
+            .arg("--out")
+            .arg(out);
+        c.output().unwrap()
+    };
+    let png = |p: std::path::PathBuf| image::open(&p).unwrap().to_rgb8().into_raw();
+    let worst = |a: &[u8], b: &[u8]| a.iter().zip(b).map(|(x, y)| x.abs_diff(*y)).max().unwrap();
+    let lora = cfg.train.output_dir.join("lora.safetensors");
+    let out = d.join("samples");
+    let o = run(&lora, &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(said.contains("text-encoder tensors merged"), "{said}");
+    for (i, seed) in [(0, 1), (1, 2)] {
+        let a = png(out.join(format!("{i}-{seed}.png")));
+        let b = png(cfg
+            .train
+            .output_dir
+            .join(format!("samples/step-0000002-{i}.png")));
+        assert!(worst(&a, &b) <= 12, "image {i}: {}", worst(&a, &b));
+    }
+    // The encoders' part is what changes them: the same file with the encoders' lora_up
+    // a thousand times larger gives other images.
+    let file = flame::safetensors::load(&lora, &Device::Cpu).unwrap();
+    let louder = d.join("louder.safetensors");
+    let scaled: Vec<(String, Tensor)> = file
+        .iter()
+        .map(|(k, v)| {
+            let up = k.starts_with("lora_te") && k.ends_with(".lora_up.weight");
+            (
+                k.clone(),
+                if up {
+                    v.affine(1e3, 0.0).unwrap()
+                } else {
+                    v.clone()
+                },
+            )
+        })
+        .collect();
+    flame::safetensors::save(scaled.iter().map(|(k, v)| (k.as_str(), v)), &louder).unwrap();
+    let out2 = d.join("samples-louder");
+    let o = run(&louder, &out2);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut differs = 0;
+    for (i, seed) in [(0, 1), (1, 2)] {
+        let a = png(out.join(format!("{i}-{seed}.png")));
+        let c = png(out2.join(format!("{i}-{seed}.png")));
+        differs = differs.max(worst(&a, &c));
+    }
+    assert!(
+        differs > 12,
+        "the encoders' adapters change nothing ({differs})"
+    );
+    // A text-encoder tensor no encoder of Flux takes (a third CLIP's), named.
+    let stray = "lora_te2_text_model_encoder_layers_0_mlp_fc1.lora_down.weight";
+    let bad = d.join("stray.safetensors");
+    let x = Tensor::zeros((4, 16), DType::F32, &Device::Cpu).unwrap();
+    flame::safetensors::save(
+        file.iter()
+            .map(|(k, v)| (k.as_str(), v))
+            .chain([(stray, &x)]),
+        &bad,
+    )
+    .unwrap();
+    let o = run(&bad, &d.join("samples-bad"));
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains(stray), "{e}");
+    std::fs::remove_dir_all(&d).ok();
 }

@@ -748,3 +748,51 @@ fn the_binaries_train_and_sample_a_lora() {
         std::fs::remove_dir_all(d).ok();
     }
 }
+
+/// Z-Image with Qwen3's LoRA trained beside the model's (`adapter.text_encoders =
+/// ["qwen3"]`): both sets move and the PEFT file holds Qwen3's under `text_encoder.model.`.
+#[cfg(feature = "cli")]
+#[test]
+fn zimage_trains_qwen3_adapters() {
+    use flame::train::{Prepare, RunOptions, TrainConfig, Trainer};
+    let d = temp("qwen3");
+    let p = run_config(&d, 2, "peft");
+    let text = std::fs::read_to_string(&p).unwrap().replace(
+        "format = \"peft\"",
+        "format = \"peft\"\ntext_encoders = [\"qwen3\"]",
+    );
+    std::fs::write(&p, &text[..text.find("[sample]").unwrap()]).unwrap();
+    let cfg = TrainConfig::from_file(&p).unwrap();
+    let mut t = Trainer::open(cfg, Prepare::Encode, &mut |_| {}).unwrap();
+    let before: Vec<Vec<f64>> = t.param_lists().unwrap()[1]
+        .1
+        .iter()
+        .map(|(_, x)| x.to_vec_f64().unwrap())
+        .collect();
+    assert!(!before.is_empty());
+    t.run(&RunOptions::default(), &mut |_| {}).unwrap();
+    let after: Vec<Vec<f64>> = t.param_lists().unwrap()[1]
+        .1
+        .iter()
+        .map(|(_, x)| x.to_vec_f64().unwrap())
+        .collect();
+    let moved = before.iter().zip(&after).filter(|(x, y)| x != y).count();
+    assert_eq!(
+        moved,
+        before.len(),
+        "every tensor of Qwen3's adapters trains"
+    );
+    let names: Vec<String> =
+        flame::safetensors::SafeTensorsFile::open(d.join("out/lora.safetensors"))
+            .unwrap()
+            .names()
+            .map(str::to_string)
+            .collect();
+    assert!(
+        names
+            .iter()
+            .any(|n| n == "text_encoder.model.layers.0.self_attn.q_proj.lora_A.weight"),
+        "{names:?}"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}

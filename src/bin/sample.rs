@@ -15,8 +15,12 @@
 //! folders when given, else the CLIP, T5 and Qwen3 vocabularies built into FLAME (the log
 //! names each encoder's).
 //!
-//! The text encoders run first and are freed, then the model (with the LoRA merged into its
-//! weights as they load) denoises every prompt and is freed, then the autoencoder decodes.
+//! The text encoders run first (with the LoRA's text-encoder tensors merged into their
+//! weights: kohya's `lora_te1_` / `lora_te2_` / `lora_te3_` / `lora_te_model_` names or the
+//! PEFT layout's `text_encoder.` / `text_encoder_2.` / `text_encoder_3.`; a tensor of that
+//! kind no encoder takes is an error naming it) and are freed, then the model (with the
+//! LoRA merged into its weights as they load) denoises every prompt and is freed, then the
+//! autoencoder decodes.
 //! Image i is `<out>/<i>-<seed + i>.png`, written atomically. `--latents` starts from given
 //! noise instead of the seed's. `--reference` (FLUX.2 \[klein\]) conditions every image on
 //! reference pictures, sized and encoded as diffusers' Flux2KleinPipeline does its `image`
@@ -26,8 +30,8 @@
 use argh::FromArgs;
 use flame::cli::{failure, parse_args, usage};
 use flame::models::pipeline::{
-    conditioning, load_vae, qwen3_file_is_fp8, tokenizer_lines, Sources, TextConditioner,
-    TextOptions,
+    conditioning, load_vae, qwen3_file_is_fp8, tokenizer_lines, SlotUse, Sources,
+    TextConditioner, TextOptions,
 };
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
@@ -538,14 +542,84 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         for line in tokenizer_lines(family, &text_at) {
             eprintln!("{line}");
         }
-        let cond = TextConditioner::load(
+        // The LoRA's text-encoder tensors, merged into each encoder under its names.
+        let merges = match &a.lora {
+            Some(l) => family
+                .pipeline
+                .text
+                .iter()
+                .map(|slot| {
+                    LoraMerge::for_text_encoder(l, a.lora_strength, slot.kohya, slot.folder)
+                        .map(Arc::new)
+                        .map_err(|e| flag("--lora", l, e))
+                })
+                .collect::<flame::Result<Vec<_>>>()?,
+            None => vec![],
+        };
+        // An encoder the file has no tensor for loads as it would without it (a merge
+        // keeps its weights dense: FP8 codes are decoded).
+        let uses: Vec<SlotUse> = family
+            .pipeline
+            .text
+            .iter()
+            .zip(&merges)
+            .map(|(slot, m)| {
+                let (kohya, peft) = (format!("{}_", slot.kohya), format!("{}.", slot.folder));
+                match m
+                    .text_encoder_tensors()
+                    .iter()
+                    .any(|n| n.starts_with(&kohya) || n.starts_with(&peft))
+                {
+                    true => SlotUse::Merged(m.clone()),
+                    false => SlotUse::Frozen,
+                }
+            })
+            .collect();
+        let cond = TextConditioner::load_slots(
             family,
             &text_at,
             &opts,
             enc_dtype,
             &device,
             "--text-encoder",
+            &uses,
         )?;
+        if let (Some(l), Some(first)) = (&a.lora, merges.first()) {
+            let mut used = std::collections::BTreeSet::new();
+            for m in &merges {
+                used.extend(m.used()?);
+            }
+            let names = first.text_encoder_tensors();
+            if let Some(k) = names.iter().find(|k| !used.contains(*k)) {
+                return Err(flag(
+                    "--lora",
+                    l,
+                    Error::SafeTensors {
+                        path: l.clone(),
+                        tensor: Some(k.clone()),
+                        msg: format!(
+                            "a text-encoder tensor no encoder of {} takes (its encoders' names: \
+                             {})",
+                            family.name,
+                            family
+                                .pipeline
+                                .text
+                                .iter()
+                                .map(|s| format!("{}: {}_*, {}.*", s.name, s.kohya, s.folder))
+                                .collect::<Vec<_>>()
+                                .join("; ")
+                        ),
+                    },
+                ));
+            }
+            if !names.is_empty() {
+                eprintln!(
+                    "{}: {} text-encoder tensors merged into the text encoders",
+                    l.display(),
+                    names.len()
+                );
+            }
+        }
         let encode = |p: &str| -> flame::Result<Vec<flame::Tensor>> {
             conditioning(&inputs, &cond.encode(&[p])?, size, dtype, &device)
         };
@@ -561,14 +635,6 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     if let Some(l) = &a.lora {
         let m = LoraMerge::open(l, a.lora_strength, family.subfolder)
             .map_err(|e| flag("--lora", l, e))?;
-        if m.text_encoder_tensors() > 0 {
-            eprintln!(
-                "note: {} holds {} text-encoder tensors; they are not merged (the diffusion \
-                 model's are)",
-                l.display(),
-                m.text_encoder_tensors()
-            );
-        }
         opts.merge = Some(Arc::new(m));
     }
     let vae = {

@@ -8,7 +8,7 @@
 //! from OpenCLIP's `attn.in_proj_weight`. Shape letters: B batch, L tokens, D width, H heads,
 //! E head width, P projection width.
 
-use super::{detect_prefix, open_files, prefixes_with};
+use super::{detect_prefix, open_files, prefixes_with, EncoderPatch};
 use crate::nn::{merge_heads, split_qkv, Adapters, LayerShape};
 use crate::nn::{
     scaled_dot_product_attention, Embedding, KeyMap, KeySource, LayerNorm, Linear, VarBuilder,
@@ -496,6 +496,24 @@ impl ClipTextModel {
         config: Option<ClipConfig>,
         adapters: Option<Arc<Adapters>>,
     ) -> Result<(Self, VarBuilder)> {
+        let patch = EncoderPatch {
+            adapters,
+            merge: None,
+        };
+        Self::load_patched(path, prefix, dtype, device, config, patch)
+    }
+
+    /// [`load`](Self::load) with `patch` on its Linears: adapters planned (as
+    /// [`load_adapted`](Self::load_adapted)), and or an adapter file merged into the weights,
+    /// read in transformers' names (q, k and v apart: `self_attn.q_proj`, ...).
+    pub fn load_patched(
+        path: impl AsRef<Path>,
+        prefix: Option<&str>,
+        dtype: DType,
+        device: &Device,
+        config: Option<ClipConfig>,
+        patch: EncoderPatch,
+    ) -> Result<(Self, VarBuilder)> {
         let (raw, config) = open_files(
             path.as_ref(),
             prefix.is_some(),
@@ -504,10 +522,7 @@ impl ClipTextModel {
             config,
             ClipConfig::from_json,
         )?;
-        let raw = match adapters {
-            Some(a) => raw.with_adapters(a)?,
-            None => raw,
-        };
+        let raw = patch.apply(raw)?;
         Self::load_from(raw, path.as_ref(), prefix, config)
     }
 
@@ -534,6 +549,10 @@ impl ClipTextModel {
                 file: Some(origin.to_path_buf()),
                 msg: "is not a (vocab, width) matrix".into(),
             })?;
+        // A merged file names the layers in transformers' words, q, k and v apart.
+        if let Some(m) = raw.merge() {
+            m.set_diffusers_map(clip_key_map(ClipLayout::Transformers, "", d))?;
+        }
         let vb = raw.with_key_map(clip_key_map(layout, &prefix, d))?;
         let cfg = match config {
             Some(c) => c,

@@ -212,6 +212,39 @@ fn locate(path: &Path, prefixed: bool) -> Result<Located> {
     })
 }
 
+/// What goes onto an encoder's Linears as it loads: adapters planned on them (training), an
+/// adapter file merged into their weights (sampling), or both.
+#[derive(Clone, Debug, Default)]
+pub struct EncoderPatch {
+    /// Adapters planned on the Linears whose key paths their targets match.
+    pub adapters: Option<std::sync::Arc<crate::nn::Adapters>>,
+    /// An adapter file merged into the weights as they load
+    /// (`crate::nn::LoraMerge::for_text_encoder`).
+    pub merge: Option<std::sync::Arc<crate::nn::LoraMerge>>,
+}
+
+impl EncoderPatch {
+    /// Adapters alone.
+    pub fn adapters(a: std::sync::Arc<crate::nn::Adapters>) -> Self {
+        EncoderPatch {
+            adapters: Some(a),
+            merge: None,
+        }
+    }
+
+    /// `raw` (a builder over a checkpoint's keys, not yet shared) with the patch set on it.
+    pub(crate) fn apply(&self, raw: crate::nn::VarBuilder) -> Result<crate::nn::VarBuilder> {
+        let raw = match &self.adapters {
+            Some(a) => raw.with_adapters(a.clone())?,
+            None => raw,
+        };
+        match &self.merge {
+            Some(m) => raw.with_merge(m.clone()),
+            None => Ok(raw),
+        }
+    }
+}
+
 /// The builder over the weight files at `path` (through [`locate`]) in `dtype` on `device`,
 /// and the config: `config` when given, else the folder's config.json (or, unless
 /// `prefixed`, a single file's metadata config) read by `parse`, else none (the loader

@@ -14,7 +14,7 @@
 //! read. Shape letters: B batch, L tokens, D hidden, H query heads, G key/value heads,
 //! E head width, F MLP width.
 
-use super::{detect_prefix, open_files, prefixes_with};
+use super::{detect_prefix, open_files, prefixes_with, EncoderPatch};
 use crate::memory::{BlockExec, BlockStreamer};
 use crate::nn::{merge_heads, rope, scaled_dot_product_attention};
 use crate::nn::{Embedding, KeySource, Linear, RmsNorm, VarBuilder};
@@ -265,6 +265,12 @@ pub struct Qwen3Options {
     /// ahead of the one running on the copy stream, as T5's blocks do
     /// (`T5Encoder::load_streamed`); `None` keeps them on the device.
     pub stream: Option<usize>,
+    /// What goes onto the Linears of the layers built: adapters planned on them (key paths
+    /// `layers.N.self_attn.q_proj`, `layers.N.mlp.down_proj`, ...: transformers' module names
+    /// under the decoder, whose `model.` they leave out), an adapter file merged into their
+    /// weights. Adapters stay on the device when the layers stream; gradients reach them
+    /// through the streamed layers' recomputation.
+    pub patch: EncoderPatch,
 }
 
 /// One decoder layer (transformers `Qwen3DecoderLayer`).
@@ -490,6 +496,7 @@ impl Qwen3Encoder {
         origin: &Path,
         opts: &Qwen3Options,
     ) -> Result<(Self, VarBuilder)> {
+        let raw = opts.patch.apply(raw)?;
         let keys = raw.source_keys();
         let candidates = qwen3_candidates(&keys)
             .into_iter()

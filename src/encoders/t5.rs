@@ -4,7 +4,7 @@
 //! RMSNorm. Keys are transformers' (`encoder.block.N.layer.0.SelfAttention.q.weight`).
 //! Shape letters: B batch, L tokens, D `d_model`, H heads, K `d_kv` (head width), F `d_ff`.
 
-use super::{detect_prefix, open_files, prefixes_with};
+use super::{detect_prefix, open_files, prefixes_with, EncoderPatch};
 use crate::memory::{BlockExec, BlockStreamer};
 use crate::nn::merge_heads;
 use crate::nn::{Embedding, KeySource, Linear, RmsNorm, VarBuilder};
@@ -298,6 +298,32 @@ impl T5Encoder {
         config: Option<T5Config>,
         prefetch: usize,
     ) -> Result<(Self, VarBuilder)> {
+        Self::load_adapted(
+            path,
+            prefix,
+            dtype,
+            device,
+            config,
+            Some(prefetch.max(1)),
+            EncoderPatch::default(),
+        )
+    }
+
+    /// [`load`](Self::load) (or, with `stream`, [`load_streamed`](Self::load_streamed) that
+    /// many blocks ahead) with `patch` on its Linears: adapters planned on them, key paths in
+    /// transformers' names (`encoder.block.N.layer.0.SelfAttention.q`,
+    /// `...layer.1.DenseReluDense.wi_0`), and or an adapter file merged into their weights.
+    /// Streamed, the adapters stay on the device while the base weights stream; the blocks
+    /// recompute in the backward, so gradients reach the adapters as they do resident.
+    pub fn load_adapted(
+        path: impl AsRef<Path>,
+        prefix: Option<&str>,
+        dtype: DType,
+        device: &Device,
+        config: Option<T5Config>,
+        stream: Option<usize>,
+        patch: EncoderPatch,
+    ) -> Result<(Self, VarBuilder)> {
         let (raw, config) = open_files(
             path.as_ref(),
             prefix.is_some(),
@@ -306,7 +332,8 @@ impl T5Encoder {
             config,
             T5Config::from_json,
         )?;
-        Self::build(raw, path.as_ref(), prefix, config, Some(prefetch.max(1)))
+        let raw = patch.apply(raw)?;
+        Self::build(raw, path.as_ref(), prefix, config, stream.map(|p| p.max(1)))
     }
 
     /// Loads the encoder from `path`: a transformers / diffusers folder (`text_encoder_2/`
@@ -321,15 +348,15 @@ impl T5Encoder {
         device: &Device,
         config: Option<T5Config>,
     ) -> Result<(Self, VarBuilder)> {
-        let (raw, config) = open_files(
-            path.as_ref(),
-            prefix.is_some(),
+        Self::load_adapted(
+            path,
+            prefix,
             dtype,
             device,
             config,
-            T5Config::from_json,
-        )?;
-        Self::load_from(raw, path.as_ref(), prefix, config)
+            None,
+            EncoderPatch::default(),
+        )
     }
 
     /// What [`load`](Self::load) does once the files are open: `raw` is a builder over the

@@ -6,10 +6,10 @@
 
 use super::family::Family;
 use crate::encoders::{
-    AutoencoderKl, BuiltinTokenizer, ClipTextModel, ClipTokenizer, Qwen3Conditioning, Qwen3Encoder,
-    Qwen3Options, Qwen3Tokenizer, T5Encoder, T5Tokenizer, Tokens, NO_BUILTIN_VOCAB,
+    AutoencoderKl, BuiltinTokenizer, ClipTextModel, ClipTokenizer, EncoderPatch, Qwen3Conditioning,
+    Qwen3Encoder, Qwen3Options, Qwen3Tokenizer, T5Encoder, T5Tokenizer, Tokens, NO_BUILTIN_VOCAB,
 };
-use crate::nn::Adapters;
+use crate::nn::{Adapters, KeyMap, KeySource, LoraMerge};
 use crate::{no_grad, DType, Device, Error, Result, Tensor};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -349,6 +349,68 @@ pub fn qwen3_file_is_fp8(family: &Family, located: &[(Located, TokenizerSource)]
         })
 }
 
+/// The map of the key paths of `slot`'s adapters to the module names of the PEFT layout
+/// (transformers' names, as `PeftModel` and diffusers' `load_lora_into_text_encoder` name
+/// them): CLIP's and T5's paths are those names; Qwen3's leave out the `model.` of
+/// `Qwen3ForCausalLM`, the class FLUX.2 \[klein\]'s and Z-Image's pipelines hold as
+/// `text_encoder` (diffusers `Flux2KleinPipeline`; transformers `Qwen3ForCausalLM.model`).
+pub fn peft_map(slot: &EncoderSlot) -> KeyMap {
+    match slot.kind {
+        TextEncoderKind::Qwen3(_) => Arc::new(|k: &str| Some(KeySource::Key(format!("model.{k}")))),
+        TextEncoderKind::Clip | TextEncoderKind::T5 => {
+            Arc::new(|k: &str| Some(KeySource::Key(k.to_string())))
+        }
+    }
+}
+
+/// Bytes of the weight files at `path` (a file, or the .safetensors files of a folder).
+pub fn weight_bytes(path: &Path) -> u64 {
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    match std::fs::read_dir(path) {
+        Ok(rd) => rd
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .map(|p| size(&p))
+            .sum(),
+        Err(_) => size(path),
+    }
+}
+
+/// Bytes an encoder of `kind` whose weights are at `path` holds on the device, about: its
+/// weight files, an eighth of them for T5 streamed, a quarter for Qwen3 streamed, and for
+/// Qwen3 resident with its Linears made FP8 from a 16-bit file 11/20 of them (the embedding
+/// kept, the Linears halved): what the trainer plans the caching phase and the steps by.
+pub fn encoder_device_bytes(kind: TextEncoderKind, path: &Path, opts: &TextOptions) -> u64 {
+    let b = weight_bytes(path);
+    match kind {
+        TextEncoderKind::T5 if opts.stream_t5 => b / 8,
+        TextEncoderKind::Qwen3(_) if opts.stream_qwen3 => b / 4,
+        TextEncoderKind::Qwen3(_)
+            if opts.fp8_qwen3 && !crate::safetensors::holds_fp8(path).unwrap_or(true) =>
+        {
+            b * 11 / 20
+        }
+        _ => b,
+    }
+}
+
+/// The sizes of a loaded text encoder ([`TextConditioner::dims`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EncoderDims {
+    /// The residual stream's width.
+    pub width: usize,
+    /// The attention's inner width (heads times head width).
+    pub attention: usize,
+    /// The MLP's hidden width.
+    pub mlp: usize,
+    /// The layers run.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Whether the MLP is gated (two input projections: T5's wi_0 / wi_1, Qwen3's gate / up).
+    pub gated: bool,
+}
+
 /// How [`TextConditioner::load_slots`] takes one of a family's text encoders.
 #[derive(Clone, Debug)]
 pub enum SlotUse {
@@ -357,8 +419,13 @@ pub enum SlotUse {
     Skip,
     /// Loaded, frozen.
     Frozen,
-    /// Loaded with these adapters planned on its Linears (CLIP only).
+    /// Loaded with these adapters planned on its Linears (streamed or not, as
+    /// [`TextOptions`] says: a streamed encoder's adapters stay on the device).
     Adapted(Arc<Adapters>),
+    /// Loaded frozen with this adapter file merged into its weights
+    /// ([`LoraMerge::for_text_encoder`] under the slot's names; the PEFT layout read through
+    /// [`peft_map`]).
+    Merged(Arc<LoraMerge>),
 }
 
 /// A small output of `slot`'s architecture, zeros on `device` (batch 1, one token, widths
@@ -500,21 +567,20 @@ impl TextConditioner {
         }
         let mut encoders = vec![];
         for (i, (slot, (w, tok))) in family.pipeline.text.iter().zip(located).enumerate() {
-            let adapters = match uses.get(i) {
+            let patch = match uses.get(i) {
                 Some(SlotUse::Skip) => {
                     encoders.push(None);
                     continue;
                 }
-                Some(SlotUse::Adapted(a)) if slot.kind != TextEncoderKind::Clip => {
-                    let _ = a;
-                    return Err(wrap(
-                        key,
-                        slot,
-                        pipeline_err("adapters train on CLIP encoders only".into()),
-                    ));
+                Some(SlotUse::Adapted(a)) => EncoderPatch::adapters(a.clone()),
+                Some(SlotUse::Merged(m)) => {
+                    m.set_diffusers_map(peft_map(slot))?;
+                    EncoderPatch {
+                        adapters: None,
+                        merge: Some(m.clone()),
+                    }
                 }
-                Some(SlotUse::Adapted(a)) => Some(a.clone()),
-                Some(SlotUse::Frozen) | None => None,
+                Some(SlotUse::Frozen) | None => EncoderPatch::default(),
             };
             let len = slot.len(opts.guided, opts.t5_tokens);
             if let TokenizerSource::Builtin(b) = tok {
@@ -536,11 +602,9 @@ impl TextConditioner {
                         .map_err(|e| wrap(key, slot, e))?,
                     ),
                     Encoder::Clip(
-                        ClipTextModel::load_adapted(
-                            &w.path, w.prefix, dtype, device, None, adapters,
-                        )
-                        .map_err(|e| wrap(key, slot, e))?
-                        .0,
+                        ClipTextModel::load_patched(&w.path, w.prefix, dtype, device, None, patch)
+                            .map_err(|e| wrap(key, slot, e))?
+                            .0,
                     ),
                 ),
                 TextEncoderKind::T5 => {
@@ -559,12 +623,15 @@ impl TextConditioner {
                             .map_err(|e| wrap(key, slot, e))?,
                         ),
                         Encoder::T5(
-                            match opts.stream_t5 {
-                                true => {
-                                    T5Encoder::load_streamed(&w.path, w.prefix, dt, device, None, 2)
-                                }
-                                false => T5Encoder::load(&w.path, w.prefix, dt, device, None),
-                            }
+                            T5Encoder::load_adapted(
+                                &w.path,
+                                w.prefix,
+                                dt,
+                                device,
+                                None,
+                                opts.stream_t5.then_some(2),
+                                patch,
+                            )
                             .map_err(|e| wrap(key, slot, e))?
                             .0,
                         ),
@@ -581,6 +648,7 @@ impl TextConditioner {
                         prefix: w.prefix.map(str::to_string),
                         stream: opts.stream_qwen3.then_some(2),
                         fp8: opts.fp8_qwen3,
+                        patch,
                         ..cond.options()
                     };
                     (
@@ -644,6 +712,47 @@ impl TextConditioner {
     /// lengths): the text cache's encoder name.
     pub fn identity(&self) -> &str {
         &self.identity
+    }
+
+    /// The sizes of slot `i`'s encoder where it is loaded: what the memory planner counts
+    /// a trained encoder's activations by.
+    pub fn dims(&self, i: usize) -> Option<EncoderDims> {
+        let (_, enc) = self.encoders.get(i)?.as_ref()?;
+        Some(match enc {
+            Encoder::Clip(m) => {
+                let c = &m.config;
+                EncoderDims {
+                    width: c.hidden_size,
+                    attention: c.hidden_size,
+                    mlp: c.intermediate_size,
+                    layers: c.num_hidden_layers,
+                    heads: c.num_attention_heads,
+                    gated: false,
+                }
+            }
+            Encoder::T5(m) => {
+                let c = &m.config;
+                EncoderDims {
+                    width: c.d_model,
+                    attention: c.num_heads * c.d_kv,
+                    mlp: c.d_ff,
+                    layers: c.num_layers,
+                    heads: c.num_heads,
+                    gated: true,
+                }
+            }
+            Encoder::Qwen3(m, _) => {
+                let c = &m.config;
+                EncoderDims {
+                    width: c.hidden_size,
+                    attention: c.num_attention_heads * c.head_dim,
+                    mlp: c.intermediate_size,
+                    layers: m.depth(),
+                    heads: c.num_attention_heads,
+                    gated: true,
+                }
+            }
+        })
     }
 
     /// The model's text inputs for `captions`, by input name, each (B, ...) in f32 on the

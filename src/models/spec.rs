@@ -30,7 +30,11 @@ pub struct EncoderSlot {
     pub kind: TextEncoderKind,
     /// The prefix of its adapters' names in kohya's layout: sd-scripts' `lora_te1` (CLIP-L)
     /// and `lora_te2` (bigG) for SDXL and SD3 (networks/lora.py, lora_sd3.py), `lora_te3` for
-    /// T5 (lora_flux.py, lora_sd3.py), `lora_te` for a family's only encoder (networks/lora.py).
+    /// T5 (lora_flux.py, lora_sd3.py: `LORA_PREFIX_TEXT_ENCODER_T5 = "lora_te3"`); for Qwen3,
+    /// the only encoder of its families, `lora_te_model`: networks/lora.py's `lora_te` of a
+    /// lone encoder before the `model.` of transformers' `Qwen3ForCausalLM` module names,
+    /// which FLAME's layer paths (`layers.N...`) leave out (no trainer writes Qwen3 adapters
+    /// to copy a name from; the PEFT layout is the one to exchange).
     pub kohya: &'static str,
     /// Its folder in a diffusers pipeline (`text_encoder`, `text_encoder_2`, ...): also its
     /// adapters' prefix in the PEFT layout, as diffusers' `load_lora_weights` reads them.

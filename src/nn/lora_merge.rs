@@ -38,7 +38,7 @@
 //! adapter form FLAME does not merge (LyCORIS's other algorithms), is an error naming a
 //! tensor left over.
 
-use super::adapter::{kohya_name, lycoris_name, MergeLayer, PeftScales, KINDS};
+use super::adapter::{kohya_name_in, lycoris_name, MergeLayer, PeftScales, KINDS, KOHYA_MODEL};
 use super::keys::{KeyMap, KeySource};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Error, Result, Tensor};
@@ -60,6 +60,19 @@ pub struct LoraMerge {
     used: Mutex<BTreeSet<String>>,
     /// PEFT's scales from the `adapter_config.json` beside the file, if there is one.
     peft: Option<PeftScales>,
+    /// The kohya prefix of the network merged (`lora_unet`, or a text encoder's `lora_te1`,
+    /// ...).
+    kohya: String,
+    /// Whether it merges into a text encoder: only the kohya names under its prefix and the
+    /// PEFT layout under its folder are read (not the diffusion model's other names).
+    text: bool,
+}
+
+/// Whether a tensor name of an adapter file belongs to a text encoder: kohya's `lora_te*`
+/// (`lora_te1_`, `lora_te3_`, `lora_te_`), the PEFT layout's `text_encoder*` (`text_encoder.`,
+/// `text_encoder_2.`, ...), which the diffusion model's merge leaves to the encoders'.
+pub fn is_text_encoder_name(name: &str) -> bool {
+    name.starts_with("lora_te") || name.starts_with("text_encoder")
 }
 
 impl std::fmt::Debug for LoraMerge {
@@ -101,7 +114,41 @@ impl LoraMerge {
             diffusers: Mutex::new(None),
             used: Mutex::new(BTreeSet::new()),
             peft,
+            kohya: KOHYA_MODEL.to_string(),
+            text: false,
         })
+    }
+
+    /// Opens the adapter file at `path` to merge at `strength` into a text encoder whose
+    /// adapters are named `kohya` in kohya's layout (`lora_te1`, `lora_te3`, ...) and sit
+    /// under `peft` in the PEFT layout (`text_encoder`, `text_encoder_2`, ...); the map of
+    /// [`set_diffusers_map`](Self::set_diffusers_map) then gives the encoder's module names
+    /// in that layout.
+    pub fn for_text_encoder(
+        path: impl AsRef<Path>,
+        strength: f64,
+        kohya: &str,
+        peft: &str,
+    ) -> Result<Self> {
+        let mut m = Self::open(path, strength, peft)?;
+        m.prefixes = vec![peft.to_string()];
+        m.kohya = kohya.to_string();
+        m.text = true;
+        Ok(m)
+    }
+
+    /// The file this merges.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file's tensors merged so far.
+    pub fn used(&self) -> Result<BTreeSet<String>> {
+        Ok(self
+            .used
+            .lock()
+            .map_err(|_| Error::Poisoned("LoRA merge"))?
+            .clone())
     }
 
     /// Sets the model's diffusers key map (model key -> diffusers keys), which the diffusers
@@ -163,14 +210,16 @@ impl LoraMerge {
                 .reshape(dims.clone())
                 .map(Some)
         };
-        let whole = [
-            (kohya_name(path), 1.0),
-            (
-                format!("diffusion_model.{path}"),
-                self.peft_scale(&format!("diffusion_model.{path}")),
-            ),
-            (path.to_string(), self.peft_scale(path)),
-        ];
+        let mut whole = vec![(kohya_name_in(&self.kohya, path), 1.0)];
+        if !self.text {
+            whole.extend([
+                (
+                    format!("diffusion_model.{path}"),
+                    self.peft_scale(&format!("diffusion_model.{path}")),
+                ),
+                (path.to_string(), self.peft_scale(path)),
+            ]);
+        }
         for (name, scale) in whole {
             if let Some(d) = self.by_kind(name, w, scale, bias)? {
                 return finish(d);
@@ -200,8 +249,10 @@ impl LoraMerge {
             start += rows;
             // LyCORIS's and kohya's names of the part (their alpha in the file), then the
             // diffusers layout's.
-            let names = [(lycoris_name(&module), 1.0), (kohya_name(&module), 1.0)]
+            let lycoris = (!self.text).then(|| (lycoris_name(&module), 1.0));
+            let names = lycoris
                 .into_iter()
+                .chain([(kohya_name_in(&self.kohya, &module), 1.0)])
                 .chain(self.prefixes.iter().map(|p| {
                     let name = format!("{p}.{module}");
                     let scale = self.peft_scale(&name);
@@ -250,18 +301,21 @@ impl LoraMerge {
         })
     }
 
-    /// The file's text-encoder tensors (kohya's `lora_te*`), which are not merged: FLAME
-    /// merges into the diffusion model only.
-    pub fn text_encoder_tensors(&self) -> usize {
+    /// The file's text-encoder tensors ([`is_text_encoder_name`]), which the diffusion
+    /// model's merge leaves to the encoders' ([`for_text_encoder`](Self::for_text_encoder)).
+    pub fn text_encoder_tensors(&self) -> Vec<String> {
         self.file
             .names()
-            .filter(|n| n.starts_with("lora_te"))
-            .count()
+            .filter(|n| is_text_encoder_name(n))
+            .map(str::to_string)
+            .collect()
     }
 
     /// An error naming a tensor of the file no layer took (another model's file, or an
     /// adapter kind FLAME does not merge); `Ok` when every tensor but the text encoders'
-    /// ([`text_encoder_tensors`](Self::text_encoder_tensors)) was merged.
+    /// ([`text_encoder_tensors`](Self::text_encoder_tensors)) was merged. A text encoder's
+    /// merge leaves the tensors of the other encoders and of the model alike: the caller
+    /// checks the union of the merges' [`used`](Self::used) sets.
     pub fn check_all_used(&self) -> Result<()> {
         let used = self
             .used
@@ -270,7 +324,7 @@ impl LoraMerge {
         let left: Vec<&str> = self
             .file
             .names()
-            .filter(|n| !used.contains(*n) && !n.starts_with("lora_te"))
+            .filter(|n| !used.contains(*n) && !is_text_encoder_name(n))
             .collect();
         match left.first() {
             None => Ok(()),

@@ -34,7 +34,7 @@ pub use keys::{KeyMap, KeySource};
 pub use layers::{
     upsample_nearest2d, Activation, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
-pub use lora_merge::LoraMerge;
+pub use lora_merge::{is_text_encoder_name, LoraMerge};
 pub use packed::Packing;
 pub use params::{HostWeights, VarBuilder};
 pub use seed::permutation;

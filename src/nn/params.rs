@@ -340,6 +340,11 @@ impl VarBuilder {
         })
     }
 
+    /// The adapter file merged into the weights this builder loads, if any.
+    pub fn merge(&self) -> Option<&Arc<super::LoraMerge>> {
+        self.shared.merge.as_ref()
+    }
+
     /// The adapters planned on this builder.
     pub fn adapters(&self) -> Option<&Arc<Adapters>> {
         self.shared.adapters.as_ref()

@@ -17,6 +17,7 @@ use crate::data::config::RawData;
 pub use crate::device::DeviceChoice;
 pub use crate::diffusion::loss::{HuberSchedule, LossType};
 use crate::memory::{Checkpointing, Switches};
+use crate::models::TextEncoderKind;
 use crate::nn::{AdapterBlock, AdapterConfig, LokrSplit, LoraConfig};
 pub use crate::optim::OptimizerKind;
 use crate::optim::{
@@ -386,17 +387,22 @@ section! {
         /// Checkpoints keep the kohya layout.
         format: AdapterFormat = AdapterFormat::Kohya,
         /// The text encoders trained with the model, by their slot names: "clip_l" (SDXL,
-        /// SD3.5, Flux) and "clip_g" (SDXL, SD3.5) (kohya: training them is the default
-        /// without --network_train_unet_only; diffusers' scripts: --train_text_encoder). Each
-        /// gets adapters of this kind, rank and alpha on the layers text_encoder_targets
-        /// matches, saved beside the model's (kohya's lora_te1_ / lora_te2_ names, diffusers'
-        /// text_encoder. / text_encoder_2. prefixes); their captions are then encoded every
-        /// step instead of cached. T5 and Qwen3 are not trained yet.
+        /// SD3.5, Flux), "clip_g" (SDXL, SD3.5), "t5" (Flux, SD3.5) and "qwen3" (flux2,
+        /// zimage) (kohya: training the CLIPs is the default without
+        /// --network_train_unet_only, T5 with train_t5xxl; diffusers' scripts:
+        /// --train_text_encoder). Each gets adapters of this kind, rank and alpha on the layers
+        /// text_encoder_targets matches, saved beside the model's (kohya's lora_te1_ /
+        /// lora_te2_ / lora_te3_ names, lora_te_model_ for Qwen3; diffusers' text_encoder. /
+        /// text_encoder_2. / text_encoder_3. prefixes); their captions are then encoded every
+        /// step instead of cached.
         text_encoders: Vec<String> = Vec::<String>::new(),
         /// Layer path patterns in the text encoders, in transformers' names
-        /// ("*.self_attn.q_proj"); [] for kohya's (TEXT_ENCODER_TARGET_REPLACE_MODULE: the
-        /// Linears of CLIPAttention and CLIPMLP, q_proj, k_proj, v_proj, out_proj, fc1, fc2;
-        /// diffusers' train_dreambooth_lora_sdxl takes the attention's four).
+        /// ("*.self_attn.q_proj"; Qwen3's without the model. prefix, "layers.0.mlp.up_proj");
+        /// [] for each encoder's default: kohya's for CLIP and T5
+        /// (TEXT_ENCODER_TARGET_REPLACE_MODULE: the Linears of CLIPAttention and CLIPMLP,
+        /// q_proj, k_proj, v_proj, out_proj, fc1, fc2; of T5Attention and
+        /// T5DenseGatedActDense, q, k, v, o, wi_0, wi_1, wo), and for Qwen3 every Linear of its
+        /// attention and MLP (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).
         text_encoder_targets: Vec<String> = Vec::<String>::new(),
         /// LoRA+ (Hayou et al. 2024; kohya's network_args loraplus_lr_ratio, or
         /// loraplus_unet_lr_ratio for the model alone): the factor that starts at zero trains at
@@ -426,8 +432,33 @@ pub const TEXT_ENCODER_TARGETS: [&str; 6] = [
     "*.mlp.fc2",
 ];
 
-/// The text encoders whose adapters train (`adapter.text_encoders`): CLIPs.
-pub const TRAINABLE_TEXT_ENCODERS: [&str; 2] = ["clip_l", "clip_g"];
+/// kohya's T5 targets (sd-scripts networks/lora_flux.py and lora_sd3.py
+/// `TEXT_ENCODER_TARGET_REPLACE_MODULE`: "T5Attention", "T5DenseGatedActDense"): the
+/// Linears of T5's attention and gated MLP, in transformers' names.
+pub const T5_TARGETS: [&str; 7] = [
+    "*.SelfAttention.q",
+    "*.SelfAttention.k",
+    "*.SelfAttention.v",
+    "*.SelfAttention.o",
+    "*.DenseReluDense.wi_0",
+    "*.DenseReluDense.wi_1",
+    "*.DenseReluDense.wo",
+];
+
+/// Qwen3's targets: every Linear of transformers' `Qwen3Attention` and `Qwen3MLP` (no trainer
+/// of FLUX.2 \[klein\] or Z-Image adapts Qwen3 to copy a default from).
+pub const QWEN3_TARGETS: [&str; 7] = [
+    "*.self_attn.q_proj",
+    "*.self_attn.k_proj",
+    "*.self_attn.v_proj",
+    "*.self_attn.o_proj",
+    "*.mlp.gate_proj",
+    "*.mlp.up_proj",
+    "*.mlp.down_proj",
+];
+
+/// The text encoders whose adapters train (`adapter.text_encoders`), by slot name.
+pub const TRAINABLE_TEXT_ENCODERS: [&str; 4] = ["clip_l", "clip_g", "t5", "qwen3"];
 
 section! {
     /// `[optimizer]`: AdamW, AdamW8bit, Prodigy, Lion, Lion8bit, the schedule-free kinds or
@@ -1556,10 +1587,7 @@ impl TrainConfig {
             c.check(
                 TRAINABLE_TEXT_ENCODERS.contains(&name.as_str()),
                 "adapter.text_encoders",
-                format!(
-                    "{name:?}: the text encoders that train are {TRAINABLE_TEXT_ENCODERS:?} \
-                     (T5 and Qwen3 not yet)"
-                ),
+                format!("{name:?}: the text encoders that train are {TRAINABLE_TEXT_ENCODERS:?}"),
             );
         }
         c.check(
@@ -1573,6 +1601,15 @@ impl TrainConfig {
             "trained with format = \"comfyui\": that layout is written for the diffusion \
              model only; use \"kohya\" (ComfyUI reads the text encoders' lora_te* names from it)"
                 .into(),
+        );
+        c.check(
+            a.text_encoders.is_empty() || a.format.tool().is_none(),
+            "adapter.text_encoders",
+            format!(
+                "trained with format = {:?}: that trainer's files hold the diffusion model's \
+                 adapters only; use \"peft\" or \"kohya\"",
+                a.format
+            ),
         );
         if let Some(x) = o.text_encoder_lr {
             c.check(
@@ -2169,13 +2206,20 @@ impl TrainConfig {
         }
     }
 
-    /// The adapter config of the text encoders' adapters (`adapter.text_encoders`): the
-    /// model's, on `adapter.text_encoder_targets` (kohya's when empty).
-    pub fn text_adapter_config(&self) -> AdapterConfig {
+    /// The adapter config of the adapters of a text encoder of `kind`
+    /// (`adapter.text_encoders`): the model's, on `adapter.text_encoder_targets` (the
+    /// encoder's default when empty: [`TEXT_ENCODER_TARGETS`], [`T5_TARGETS`],
+    /// [`QWEN3_TARGETS`]).
+    pub fn text_adapter_config(&self, kind: TextEncoderKind) -> AdapterConfig {
         let a = &self.adapter;
+        let default: &[&str] = match kind {
+            TextEncoderKind::Clip => &TEXT_ENCODER_TARGETS,
+            TextEncoderKind::T5 => &T5_TARGETS,
+            TextEncoderKind::Qwen3(_) => &QWEN3_TARGETS,
+        };
         AdapterConfig {
             targets: match a.text_encoder_targets.is_empty() {
-                true => TEXT_ENCODER_TARGETS.iter().map(|t| t.to_string()).collect(),
+                true => default.iter().map(|t| t.to_string()).collect(),
                 false => a.text_encoder_targets.clone(),
             },
             ..self.adapter_config()

@@ -10,8 +10,9 @@ use crate::data::{self, BatchSampler, LatentCache, Progress, TextCache};
 use crate::dist::ProcessGroup;
 use crate::encoders::{AutoencoderKl, VaeTiling};
 use crate::models::pipeline::{
-    file_identity, load_vae, qwen3_file_is_fp8, tokenizer_lines, Located, Sources, TextConditioner,
-    TextEncoderKind, TextOptions, TokenizerSource,
+    encoder_device_bytes, file_identity, load_vae, qwen3_file_is_fp8, tokenizer_lines,
+    weight_bytes, Located, Sources, TextConditioner, TextEncoderKind, TextOptions,
+    TokenizerSource,
 };
 use crate::models::{Family, Input, Size};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -297,8 +298,8 @@ fn encode_tile(
 /// (at most: a file stored in f32 is encoded in bf16 on a GPU), T5 an eighth of its
 /// weights when streamed (its embedding and the blocks in flight), Qwen3 a quarter (its
 /// embedding, a tenth of Qwen3-4B, and three layers), and, resident with its Linears made
-/// FP8 from a 16-bit file, 11/20 of them (the embedding kept, the Linears halved). With
-/// whether one of them streams.
+/// FP8 from a 16-bit file, 11/20 of them (`encoder_device_bytes`). With whether one of them
+/// streams.
 pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Result<(u64, bool)> {
     let (text_at, _) = locate(config, family)?;
     let opts = text_options(config, family, &text_at, false);
@@ -307,35 +308,9 @@ pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Resul
         .text
         .iter()
         .zip(&text_at)
-        .map(|(slot, (l, _))| {
-            let b = weight_bytes(&l.path);
-            match slot.kind {
-                TextEncoderKind::T5 if opts.stream_t5 => b / 8,
-                TextEncoderKind::Qwen3(_) if opts.stream_qwen3 => b / 4,
-                TextEncoderKind::Qwen3(_)
-                    if opts.fp8_qwen3
-                        && !crate::safetensors::holds_fp8(&l.path).unwrap_or(true) =>
-                {
-                    b * 11 / 20
-                }
-                _ => b,
-            }
-        })
+        .map(|(slot, (l, _))| encoder_device_bytes(slot.kind, &l.path, &opts))
         .sum();
     Ok((bytes, opts.stream_t5 || opts.stream_qwen3))
-}
-
-/// Bytes of the weight files at `path` (a file, or the .safetensors files of a folder).
-fn weight_bytes(path: &Path) -> u64 {
-    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-    match std::fs::read_dir(path) {
-        Ok(rd) => rd
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .map(|p| size(&p))
-            .sum(),
-        Err(_) => size(path),
-    }
 }
 
 /// How the captions' encoders are set up (`guided`: the model takes a guidance input).

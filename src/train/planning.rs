@@ -3,6 +3,7 @@
 //! error carries.
 
 use super::config::{OptimizerKind, TrainConfig};
+use super::text::TextStepBytes;
 pub use crate::memory::{split_budget, LATE_HEADROOM};
 use crate::memory::{spread_evenly, MemoryProfile, Plan, Switches};
 use crate::models::{Family, LoadOptions, RunShape};
@@ -37,6 +38,9 @@ pub struct MemoryChoice {
     /// The machine the time model played to choose the plan, when it chose one (the run
     /// records it: a resume plans with it).
     pub machine: Option<crate::memory::Machine>,
+    /// What the trained text encoders hold in a step (`adapter.text_encoders`), counted in
+    /// the profile and the predicted peak.
+    pub text: Option<TextStepBytes>,
 }
 
 impl MemoryChoice {
@@ -45,6 +49,9 @@ impl MemoryChoice {
         let mut s = format!("memory: {}", self.summary);
         if let Some(p) = self.predicted_peak {
             s += &format!(", predicted peak {:.2} GiB", gib(p));
+        }
+        if let Some(t) = &self.text {
+            s += &format!(", {}", t.describe());
         }
         match (self.budget, self.outside) {
             (Some(b), Some(o)) => {
@@ -94,8 +101,30 @@ fn ema_bytes(config: &TrainConfig) -> f64 {
     }
 }
 
-/// The profile of this run's model (reads the checkpoint's header only).
+/// The bytes per trainable value of the optimizer's state and the moving average.
+pub(crate) fn state_bytes_per_value(config: &TrainConfig, world: usize) -> f64 {
+    optimizer_bytes(config.optimizer.kind, world) + ema_bytes(config)
+}
+
+/// The profile of this run's model (reads the checkpoint's header only), with what the
+/// trained text encoders hold in a step (`text`) counted beside it.
 fn profile(
+    config: &TrainConfig,
+    family: &Family,
+    opts: &LoadOptions,
+    sample: &[Vec<usize>],
+    world: usize,
+    text: Option<&TextStepBytes>,
+) -> Result<MemoryProfile> {
+    let mut prof = profile_model(config, family, opts, sample, world)?;
+    if let Some(t) = text {
+        t.add_to(&mut prof);
+    }
+    Ok(prof)
+}
+
+/// The model's profile alone.
+fn profile_model(
     config: &TrainConfig,
     family: &Family,
     opts: &LoadOptions,
@@ -108,8 +137,7 @@ fn profile(
         &RunShape {
             sample: sample.to_vec(),
             batch: config.train.batch_size,
-            optimizer_bytes_per_value: optimizer_bytes(config.optimizer.kind, world)
-                + ema_bytes(config),
+            optimizer_bytes_per_value: state_bytes_per_value(config, world),
         },
     )
 }
@@ -147,6 +175,7 @@ pub fn plan_denoising(
         hint: format!("set {key}"),
         sized: None,
         machine: None,
+        text: None,
     };
     let (Some(cap), true) = (cap, budget_gb > 0.0) else {
         return Ok(resident);
@@ -194,6 +223,7 @@ pub fn plan_denoising(
         predicted_peak: Some(p.peak),
         hint: format!("lower the image size or raise {key}"),
         machine: Some(prof.machine),
+        text: None,
         sized: Some((prof, plan)),
     })
 }
@@ -243,6 +273,7 @@ fn machine_for(device: &Device, measure: bool) -> (Option<crate::memory::Machine
 }
 
 /// `recorded`: the machine to play instead of this one's (a resumed run's).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_memory(
     config: &TrainConfig,
     family: &Family,
@@ -251,6 +282,7 @@ pub(crate) fn plan_memory(
     sample: &[Vec<usize>],
     world: usize,
     recorded: Option<crate::memory::Machine>,
+    text: Option<&TextStepBytes>,
 ) -> Result<MemoryChoice> {
     let mem = &config.memory;
     let manual = config.checkpointing();
@@ -264,7 +296,7 @@ pub(crate) fn plan_memory(
     }
     let choice = match (manual, budget) {
         (Some(checkpointing), _) => {
-            let prof = profile(config, family, opts, sample, world)?;
+            let prof = profile(config, family, opts, sample, world, text)?;
             let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
             if mem.stream_blocks > prefixes.len() {
                 return Err(Error::Config {
@@ -307,6 +339,7 @@ pub(crate) fn plan_memory(
                 budget,
                 outside,
                 machine: None,
+                text: text.cloned(),
             }
         }
         (None, None) => MemoryChoice {
@@ -318,9 +351,10 @@ pub(crate) fn plan_memory(
             hint: "set memory.budget_gb".into(),
             sized: None,
             machine: None,
+            text: text.cloned(),
         },
         (None, Some(b)) => {
-            let mut prof = profile(config, family, opts, sample, world)?;
+            let mut prof = profile(config, family, opts, sample, world, text)?;
             // The time model plays the machine a resumed run recorded, else this machine's
             // rates where the switch says so.
             let (machine, unmeasured) = match recorded {
@@ -345,7 +379,7 @@ pub(crate) fn plan_memory(
                             gib(peak),
                             (gib(with_margin(peak) + outside.unwrap_or(0)) * 10.0).ceil() / 10.0
                         ),
-                        None => fp8_hint(config, family, opts, sample, p.peak, world)?,
+                        None => fp8_hint(config, family, opts, sample, p.peak, world, text)?,
                     };
                     let plan = prof.settle(&p.plan)?;
                     MemoryChoice {
@@ -374,6 +408,7 @@ pub(crate) fn plan_memory(
                         hint,
                         sized: Some((prof.clone(), plan.clone())),
                         machine: Some(prof.machine),
+                        text: text.cloned(),
                     }
                 }
                 Err(no) => {
@@ -387,7 +422,7 @@ pub(crate) fn plan_memory(
                             gib(no.budget + outside.unwrap_or(0)),
                             gib(no.minimum + outside.unwrap_or(0)),
                             gib(outside.unwrap_or(0)),
-                            fp8_hint(config, family, opts, sample, no.minimum, world)?
+                            fp8_hint(config, family, opts, sample, no.minimum, world, text)?
                         ),
                     })
                 }
@@ -412,6 +447,7 @@ fn fp8_hint(
     sample: &[Vec<usize>],
     minimum: u64,
     world: usize,
+    text: Option<&TextStepBytes>,
 ) -> Result<String> {
     let advice = "Lower train.batch_size or the resolution, or raise the budget.";
     if opts.fp8 {
@@ -419,7 +455,7 @@ fn fp8_hint(
     }
     let mut o = opts.clone();
     o.fp8 = true;
-    let prof = profile(config, family, &o, sample, world)?;
+    let prof = profile(config, family, &o, sample, world, text)?;
     Ok(match prof.candidates().iter().map(|c| prof.peak(c)).min() {
         // Only where it helps: a model whose weights are not what fills the device gains
         // nothing from FP8.
@@ -518,7 +554,7 @@ pub(crate) fn phase_plans(
     let (prof, plan) = match &choice.sized {
         Some((p, plan)) => (p.clone(), plan.clone()),
         None => (
-            profile(config, family, opts, largest, world)?,
+            profile(config, family, opts, largest, world, choice.text.as_ref())?,
             Plan::default(),
         ),
     };
@@ -601,8 +637,7 @@ pub(crate) fn phase_plans(
                     &RunShape {
                         sample: shape,
                         batch,
-                        optimizer_bytes_per_value: optimizer_bytes(config.optimizer.kind, world)
-                            + ema_bytes(config),
+                        optimizer_bytes_per_value: state_bytes_per_value(config, world),
                     },
                 )?
                 .peak(&plan);

@@ -6,27 +6,109 @@
 //! an input (SDXL's bigG beside a trained CLIP-L in `context`) runs every step too, without
 //! adapters.
 
-use super::config::{Toggle, TrainConfig};
+use super::config::TrainConfig;
+use crate::memory::MemoryProfile;
 use crate::models::pipeline::{
-    input_sources, Located, Named, SlotUse, TextConditioner, TextOptions, TokenizerSource,
+    encoder_device_bytes, input_sources, peft_map, EncoderDims, Located, Named, SlotUse,
+    TextConditioner, TextOptions, TokenizerSource,
 };
 use crate::models::{EncoderSlot, Family, TextEncoderKind};
 use crate::nn::adapter::FileSet;
-use crate::nn::{Adapters, BatchPart, KeyMap, KeySource};
+use crate::nn::{Adapters, BatchPart, KeyMap};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::sync::Arc;
 
 /// The trained text encoders of a run and the conditioner that runs them.
 pub struct TextTraining {
-    /// Each trained encoder's slot and adapters, in the family's slot order.
-    pub sets: Vec<(&'static EncoderSlot, Arc<Adapters>)>,
+    /// Each trained encoder's slot, adapters and the map of their key paths to the PEFT
+    /// layout's module names ([`peft_map`]), in the family's slot order.
+    pub sets: Vec<(&'static EncoderSlot, Arc<Adapters>, KeyMap)>,
     cond: TextConditioner,
     /// The model's text inputs encoded every step (the others come from the cache).
     pub live: Vec<String>,
     /// What is encoded every step and what is cached, for the log.
     pub summary: String,
-    /// The encoders' own key paths are their PEFT module names (transformers' names).
-    identity: KeyMap,
+    /// The encoders run every step, for the memory plan ([`TextTraining::step_bytes`]).
+    running: Vec<Running>,
+}
+
+/// An encoder run every step: its device bytes and, when trained, its sizes, tokens per
+/// caption and whether it streams.
+struct Running {
+    name: &'static str,
+    weight_bytes: u64,
+    trained: Option<(EncoderDims, usize, bool)>,
+}
+
+/// What the trained text encoders hold on the device during a training step, in bytes: the
+/// memory plan counts each beside the diffusion model's ([`TextStepBytes::add_to`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TextStepBytes {
+    /// The weights of every encoder run every step (trained, or frozen beside a trained
+    /// one), about: their files, the share on the device where one streams.
+    pub weights: u64,
+    /// The adapters' values (their gradients take as much again).
+    pub trainable: u64,
+    /// The optimizer's state of the adapters (and the moving average's where it is on the
+    /// device).
+    pub optimizer: u64,
+    /// The activations the trained encoders keep for their backward, about.
+    pub activations: u64,
+    /// Per encoder: (slot name, weight bytes), for the plan's words.
+    pub encoders: Vec<(&'static str, u64)>,
+}
+
+impl TextStepBytes {
+    /// Everything at once: the weights, the adapters and their gradients, the optimizer's
+    /// state and the activations.
+    pub fn total(&self) -> u64 {
+        self.weights + 2 * self.trainable + self.optimizer + self.activations
+    }
+
+    /// `prof` with these bytes added where a step holds them: the weights beside the
+    /// model's always-resident ones, the adapters beside its trainable values (the profile
+    /// counts their gradients), the optimizer's state beside its, the activations with
+    /// the step's fixed bytes.
+    pub fn add_to(&self, prof: &mut MemoryProfile) {
+        prof.other_weight_bytes += self.weights;
+        prof.trainable_bytes += self.trainable;
+        prof.optimizer_bytes += self.optimizer;
+        prof.fixed_bytes += self.activations;
+    }
+
+    /// The bytes in words, for the plan.
+    pub fn describe(&self) -> String {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        format!(
+            "trained text encoders {:.3} GiB in the step ({}; adapters {:.3} GiB and their \
+             gradients as much, optimizer state {:.3} GiB, activations kept for the backward \
+             {:.3} GiB)",
+            gib(self.total()),
+            self.encoders
+                .iter()
+                .map(|(n, b)| format!("{n} weights {:.3} GiB", gib(*b)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            gib(self.trainable),
+            gib(self.optimizer),
+            gib(self.activations)
+        )
+    }
+}
+
+/// Values an encoder of `d` keeps for its backward for one caption of `tokens` tokens with
+/// adapters on its Linears, about: per layer and token the norms' inputs and outputs and the
+/// residual (6 widths), q, k, v and the attention's output (4 inner widths), the MLP's
+/// input projections, activation and product (4 hidden widths gated, 2 plain), and per head
+/// the scores and their softmax (2 L). Streamed (its layers checkpointed), each layer's input
+/// and one layer's worth recomputed at a time.
+pub fn kept_values(d: &EncoderDims, tokens: usize, streamed: bool) -> usize {
+    let mlp = if d.gated { 4 } else { 2 } * d.mlp;
+    let layer = tokens * (6 * d.width + 4 * d.attention + mlp) + 2 * d.heads * tokens * tokens;
+    match streamed {
+        true => d.layers * tokens * d.width + layer,
+        false => d.layers * layer,
+    }
 }
 
 fn cfg_err(msg: String) -> Error {
@@ -60,14 +142,10 @@ impl TextTraining {
                     slot_names()
                 ))
             })?;
-            if slots[i].kind != TextEncoderKind::Clip {
-                return Err(cfg_err(format!(
-                    "adapter.text_encoders: {n:?} is not a CLIP; only CLIP encoders train"
-                )));
-            }
             trained[i] = true;
         }
-        // The inputs made from a trained encoder, and every encoder they are made from.
+        // The inputs made from a trained encoder, and every encoder they are made from (a
+        // Qwen3 family's one encoder makes all its inputs: found once it is loaded).
         let sources = input_sources(family, device)?;
         let live: Vec<(String, Vec<usize>)> = sources
             .into_iter()
@@ -79,26 +157,19 @@ impl TextTraining {
                 runs[i] = true;
             }
         }
-        for (i, slot) in slots.iter().enumerate() {
-            if runs[i] && slot.kind == TextEncoderKind::T5 && opts.stream_t5 {
-                return Err(cfg_err(format!(
-                    "encoders.stream_t5: T5 runs every step with adapter.text_encoders = \
-                     {names:?} (its output joins theirs in the model's inputs) and does not \
-                     stream while training; set encoders.stream_t5 = \"off\"{}",
-                    match config.encoders.stream_t5 {
-                        Toggle::Auto => " (\"auto\" chose to stream it under memory.budget_gb)",
-                        _ => "",
-                    }
-                )));
-            }
+        let qwen3 = slots
+            .iter()
+            .any(|s| matches!(s.kind, TextEncoderKind::Qwen3(_)));
+        if qwen3 {
+            runs = trained.clone();
         }
         let mut sets = vec![];
         let mut uses = vec![];
         for (i, slot) in slots.iter().enumerate() {
             uses.push(match (trained[i], runs[i]) {
                 (true, _) => {
-                    let a = Adapters::new(config.text_adapter_config())?;
-                    sets.push((slot, a.clone()));
+                    let a = Adapters::new(config.text_adapter_config(slot.kind))?;
+                    sets.push((slot, a.clone(), peft_map(slot)));
                     SlotUse::Adapted(a)
                 }
                 (false, true) => SlotUse::Frozen,
@@ -107,7 +178,7 @@ impl TextTraining {
         }
         let cond =
             TextConditioner::load_slots(family, text_at, opts, dtype, device, "encoders", &uses)?;
-        for (slot, a) in &sets {
+        for (slot, a, _) in &sets {
             if a.layers()?.is_empty() {
                 return Err(cfg_err(format!(
                     "adapter.text_encoder_targets: {:?} match no layer of {}",
@@ -115,13 +186,40 @@ impl TextTraining {
                 )));
             }
         }
-        let live_names: Vec<String> = live.iter().map(|(n, _)| n.clone()).collect();
+        let mut running = vec![];
+        for (i, slot) in slots.iter().enumerate() {
+            if !runs[i] {
+                continue;
+            }
+            let path = &text_at
+                .get(i)
+                .ok_or_else(|| cfg_err(format!("{}: not located", slot.name)))?
+                .0
+                .path;
+            let streamed = match slot.kind {
+                TextEncoderKind::T5 => opts.stream_t5,
+                TextEncoderKind::Qwen3(_) => opts.stream_qwen3,
+                TextEncoderKind::Clip => false,
+            };
+            running.push(Running {
+                name: slot.name,
+                weight_bytes: encoder_device_bytes(slot.kind, path, opts),
+                trained: match (trained[i], cond.dims(i)) {
+                    (true, Some(d)) => Some((d, slot.len(opts.guided, opts.t5_tokens), streamed)),
+                    _ => None,
+                },
+            });
+        }
+        let live_names: Vec<String> = match qwen3 {
+            true => cond.encode(&[""])?.into_iter().map(|(n, _)| n).collect(),
+            false => live.iter().map(|(n, _)| n.clone()).collect(),
+        };
         let mut said = vec![];
         for (i, s) in slots.iter().enumerate() {
             said.push(match (trained[i], runs[i]) {
                 (true, _) => {
-                    let n = match sets.iter().find(|(t, _)| t.name == s.name) {
-                        Some((_, a)) => a.layers()?.len(),
+                    let n = match sets.iter().find(|(t, _, _)| t.name == s.name) {
+                        Some((_, a, _)) => a.layers()?.len(),
                         None => 0,
                     };
                     format!("{} trained ({n} adapters)", s.name)
@@ -141,7 +239,7 @@ impl TextTraining {
             cond,
             live: live_names,
             summary,
-            identity: Arc::new(|k: &str| Some(KeySource::Key(k.to_string()))),
+            running,
         })))
     }
 
@@ -149,7 +247,7 @@ impl TextTraining {
     /// (`lora_te1.text_model.encoder.layers.0.self_attn.q_proj.lora_down.weight`).
     pub fn params(&self) -> Result<Vec<(String, Tensor)>> {
         let mut v = vec![];
-        for (slot, a) in &self.sets {
+        for (slot, a, _) in &self.sets {
             v.extend(
                 a.params()?
                     .into_iter()
@@ -159,16 +257,48 @@ impl TextTraining {
         Ok(v)
     }
 
+    /// What the trained encoders hold on the device in a step of `batch` captions, with
+    /// `state_per_value` bytes of optimizer state per adapter value
+    /// ([`TextStepBytes`]), activations in `dtype`.
+    pub fn step_bytes(
+        &self,
+        batch: usize,
+        state_per_value: f64,
+        dtype: DType,
+    ) -> Result<TextStepBytes> {
+        let mut values = 0usize;
+        let mut trainable = 0u64;
+        for (_, t) in self.params()? {
+            values += t.elem_count();
+            trainable += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        }
+        let mut out = TextStepBytes {
+            trainable,
+            optimizer: (values as f64 * state_per_value) as u64,
+            ..TextStepBytes::default()
+        };
+        for r in &self.running {
+            out.weights += r.weight_bytes;
+            out.encoders.push((r.name, r.weight_bytes));
+            if let Some((d, tokens, streamed)) = &r.trained {
+                out.activations += (kept_values(d, *tokens, *streamed)
+                    * batch.max(1)
+                    * dtype.size_in_bytes()) as u64;
+            }
+        }
+        Ok(out)
+    }
+
     /// Dropout on (training) or off, for every trained encoder.
     pub fn set_train(&self, on: bool) {
-        for (_, a) in &self.sets {
+        for (_, a, _) in &self.sets {
             a.set_train(on);
         }
     }
 
     /// Puts every trained encoder's dropout at micro-batch `micro` of step `step`.
     pub fn set_batch(&self, step: u64, micro: u64, part: BatchPart) -> Result<()> {
-        for (_, a) in &self.sets {
+        for (_, a, _) in &self.sets {
             a.set_batch(step, micro, part)?;
         }
         Ok(())
@@ -209,11 +339,11 @@ impl TextTraining {
     pub fn file_sets(&self) -> Vec<FileSet<'_>> {
         self.sets
             .iter()
-            .map(|(slot, a)| FileSet {
+            .map(|(slot, a, map)| FileSet {
                 adapters: a.as_ref(),
                 kohya: slot.kohya,
                 peft: slot.folder,
-                map: &self.identity,
+                map,
             })
             .collect()
     }

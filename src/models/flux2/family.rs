@@ -39,7 +39,7 @@ pub static FAMILY: Family = Family::of::<Flux2>(
 static TEXT: [EncoderSlot; 1] = [EncoderSlot {
     name: "qwen3",
     kind: TextEncoderKind::Qwen3(&QWEN3_FLUX2_KLEIN),
-    kohya: "lora_te",
+    kohya: "lora_te_model",
     folder: "text_encoder",
     tokenizer: "tokenizer",
     builtin: BuiltinTokenizer::Qwen3,

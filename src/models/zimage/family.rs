@@ -32,7 +32,7 @@ pub static FAMILY: Family = Family::of::<ZImage>(
 static TEXT: [EncoderSlot; 1] = [EncoderSlot {
     name: "qwen3",
     kind: TextEncoderKind::Qwen3(&QWEN3_Z_IMAGE),
-    kohya: "lora_te",
+    kohya: "lora_te_model",
     folder: "text_encoder",
     tokenizer: "tokenizer",
     builtin: BuiltinTokenizer::Qwen3,

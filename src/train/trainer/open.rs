@@ -8,7 +8,9 @@ use crate::train::data::{check_batch_size, Dataset, Samples};
 use crate::train::ema::{Ema, EmaSchedule};
 use crate::train::images::{self, ImageSamples};
 use crate::train::metadata::{count_blocks, identity, DatasetFacts, ModelIdentity, RunMetadata};
-use crate::train::planning::{phase_plans, plan_memory, MemoryChoice, PhasePlan};
+use crate::train::planning::{
+    phase_plans, plan_memory, state_bytes_per_value, MemoryChoice, PhasePlan,
+};
 use crate::train::tensorboard::wall_time;
 use crate::train::text::TextTraining;
 use crate::{models, DType, Device, Error, Result, Tensor};
@@ -293,6 +295,16 @@ fn planned(
         warm_collectives(g.as_ref(), &device)?;
     }
     let largest = data.train.largest();
+    // The trained text encoders' weights, adapters, optimizer state and activations are
+    // device memory in every step: the plan counts them.
+    let text = match &data.text {
+        Some(t) => Some(t.step_bytes(
+            config.train.batch_size,
+            state_bytes_per_value(&config, world),
+            images::encoder_dtype(&config, &device),
+        )?),
+        None => None,
+    };
     let memory = plan_memory(
         &config,
         family,
@@ -301,6 +313,7 @@ fn planned(
         &largest,
         world,
         place.machine,
+        text.as_ref(),
     )?;
     let phases = phase_plans(
         &config,

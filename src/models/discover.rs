@@ -552,20 +552,12 @@ fn from_folder(
             Err(e) => lines.push(format!("passed over {}: {e}", f.display())),
         }
     }
-    // The diffusion model: a file holding a family's signature (GGUF files for Flux only,
-    // the one family whose loader reads them).
+    // The diffusion model: a file holding a family's signature (a `.safetensors` or `.gguf`
+    // single file).
     let mut models: Vec<(&'static Family, &Header)> = vec![];
     for h in &headers {
         for f in super::FAMILIES.iter().copied() {
             if !h.holds_model(f) || wanted.is_some_and(|w| w.name != f.name) {
-                continue;
-            }
-            if h.gguf && f.name != "flux" {
-                lines.push(format!(
-                    "passed over {}: a GGUF {} model (GGUF is read for flux only)",
-                    h.path.display(),
-                    f.name
-                ));
                 continue;
             }
             models.push((f, h));

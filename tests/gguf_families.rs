@@ -19,7 +19,9 @@ use std::path::{Path, PathBuf};
 const CPU: Device = Device::Cpu;
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gguf")
+        .join(name)
 }
 
 fn temp(name: &str) -> PathBuf {
@@ -128,7 +130,9 @@ fn loss_and_grads(model: &Model, seed: u64) -> (f32, Vec<(String, Vec<f32>)>) {
     let gs = params
         .iter()
         .map(|(k, p)| {
-            let g = grads.get(p).unwrap_or_else(|| panic!("no gradient for {k}"));
+            let g = grads
+                .get(p)
+                .unwrap_or_else(|| panic!("no gradient for {k}"));
             (k.clone(), g.flatten_all().unwrap().to_vec::<f32>().unwrap())
         })
         .collect();
@@ -242,10 +246,7 @@ fn parity(arch: &str, file: &str) -> usize {
 #[test]
 fn a_gguf_flux2_klein_equals_its_dequantized_weights() {
     let f = GgufFile::open(fixture("flux2-tiny-Q8_0.gguf")).unwrap();
-    assert_eq!(
-        f.metadata()["general.architecture"].as_str(),
-        Some("flux")
-    );
+    assert_eq!(f.metadata()["general.architecture"].as_str(), Some("flux"));
     // The converter's types: the embedders kept, the blocks' and modulations' Linears packed.
     for (name, ty) in [
         ("img_in.weight", GgmlType::F32),
@@ -253,7 +254,10 @@ fn a_gguf_flux2_klein_equals_its_dequantized_weights() {
         ("double_blocks.0.img_attn.qkv.weight", GgmlType::Q8_0),
         ("double_stream_modulation_img.lin.weight", GgmlType::Q8_0),
         ("single_blocks.1.linear2.weight", GgmlType::Q8_0),
-        ("double_blocks.0.img_attn.norm.query_norm.scale", GgmlType::F32),
+        (
+            "double_blocks.0.img_attn.norm.query_norm.scale",
+            GgmlType::F32,
+        ),
     ] {
         assert_eq!(f.info(name).map(|i| i.ty), Some(ty), "{name}");
     }
@@ -289,7 +293,10 @@ fn a_gguf_sd35_medium_equals_its_dequantized_weights() {
     for (name, ty) in [
         ("joint_blocks.0.x_block.attn.qkv.weight", GgmlType::Q5_0),
         ("joint_blocks.0.x_block.attn2.qkv.weight", GgmlType::Q5_0),
-        ("joint_blocks.1.context_block.adaLN_modulation.1.weight", GgmlType::Q5_0),
+        (
+            "joint_blocks.1.context_block.adaLN_modulation.1.weight",
+            GgmlType::Q5_0,
+        ),
         ("context_embedder.weight", GgmlType::F16),
         ("final_layer.linear.weight", GgmlType::F16),
     ] {
@@ -345,7 +352,13 @@ fn an_original_shape_that_does_not_fit_is_refused_naming_the_tensor() {
     let p = d.join("bad.gguf");
     std::fs::write(&p, gguf_bytes(3, &kvs, &[entry], 32)).unwrap();
     let e = GgufFile::open(&p).unwrap_err().to_string();
-    assert!(e.contains("'w'") || e.contains("w:") || e.contains(" w "), "{e}");
-    assert!(e.contains(&key) && e.contains("[3, 100]") && e.contains("512"), "{e}");
+    assert!(
+        e.contains("'w'") || e.contains("w:") || e.contains(" w "),
+        "{e}"
+    );
+    assert!(
+        e.contains(&key) && e.contains("[3, 100]") && e.contains("512"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&d).ok();
 }

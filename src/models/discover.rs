@@ -608,14 +608,19 @@ fn from_folder(
     let inside = model.encoders();
     let in_model =
         |prefix: Option<&str>| prefix.is_some_and(|p| inside.iter().any(|r| r.prefix() == p));
-    // Lone encoders: files other than the model's, holding one at the top level.
+    // Lone encoders: files other than the model's, holding one at the top level (a Qwen3
+    // under `model.` too: transformers' causal-LM layout, as ComfyUI's qwen_3_4b.safetensors
+    // and the diffusers pipelines' text_encoder/ hold it).
     let lone: Vec<(&Header, Recognised)> = headers
         .iter()
         .filter(|h| !std::ptr::eq(*h, model) && !h.gguf)
         .flat_map(|h| {
             h.encoders()
                 .into_iter()
-                .filter(|r| r.prefix().is_empty())
+                .filter(|r| match r {
+                    Recognised::Qwen3 { prefix } => prefix.is_empty() || prefix == "model.",
+                    _ => r.prefix().is_empty(),
+                })
                 .map(move |r| (h, r))
         })
         .collect();

@@ -763,7 +763,11 @@ impl VarBuilder {
             .contiguous()?
             .detach()
         };
-        let t = if squeezed { t.reshape(shape.clone())? } else { t };
+        let t = if squeezed {
+            t.reshape(shape.clone())?
+        } else {
+            t
+        };
         // Linear weights and convolutions' (out, in, kh, kw), and biases (full fine-tuning's
         // `diff_b`).
         let delta = match &self.shared.merge {

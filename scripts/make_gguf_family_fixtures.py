@@ -78,10 +78,11 @@ FFN_DOWN_TYPE = {T.Q4_0: T.Q4_1, T.Q5_0: T.Q5_1}
 
 # The tiny SD3.5 medium: hidden 32 (2 heads of 16), context 32 (t5's d_model), pooled 32
 # (clip_l_proj's 12 + clip_g's 20), a dual-attention first block, 16 latent channels (those of
-# tests/fixtures/vae/flux_like_ae.safetensors, an autoencoder of SD3's kind).
+# tests/fixtures/vae/flux_like_ae.safetensors, an autoencoder of SD3's kind), positions for 32x32
+# patches (the buckets of 64-pixel pictures).
 SD3_CONFIG = dict(sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16,
                   num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
-                  pooled_projection_dim=32, out_channels=16, pos_embed_max_size=8,
+                  pooled_projection_dim=32, out_channels=16, pos_embed_max_size=32,
                   qk_norm="rms_norm", dual_attention_layers=(0,))
 
 

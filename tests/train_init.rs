@@ -10,7 +10,7 @@
 
 #[path = "common/layouts.rs"]
 mod layouts;
-use layouts::{comfy, gguf_flux, hub, qwen_family_folder, sd35_folder, sdxl_folder, temp};
+use layouts::{comfy, gguf_flux, hub, qwen_family_folder, sd35_folder, temp};
 
 use flame::train::TrainConfig;
 use std::path::{Path, PathBuf};
@@ -462,7 +462,7 @@ fn a_gguf_z_image_in_a_comfyui_folder_trains_and_samples() {
 #[test]
 fn a_gguf_sd35_in_a_comfyui_folder_trains_and_samples() {
     let d = temp("init-gguf-sd35");
-    let m = sd35_folder(&d, false, true);
+    let m = sd35_folder(&d, true);
     folder_trains_and_samples(
         &d,
         &m,
@@ -479,31 +479,12 @@ fn a_gguf_sd35_in_a_comfyui_folder_trains_and_samples() {
     std::fs::remove_dir_all(&d).ok();
 }
 
-#[test]
-fn a_gguf_sdxl_in_a_comfyui_folder_trains_and_samples() {
-    let d = temp("init-gguf-sdxl");
-    let m = sdxl_folder(&d, true);
-    folder_trains_and_samples(
-        &d,
-        &m,
-        "sdxl",
-        &[
-            "sd_xl_base-Q8_0.gguf",
-            "Q8_0",
-            "clip_l.safetensors",
-            "clip_g.safetensors",
-            "sdxl_vae.safetensors",
-        ],
-    );
-    std::fs::remove_dir_all(&d).ok();
-}
-
 /// Stability's SD3.5 all-in-one in `checkpoints/` (MMDiT and autoencoder, no text encoders)
 /// beside ComfyUI's lone `text_encoders/` files: the encoders come from those.
 #[test]
 fn an_sd35_checkpoint_without_encoders_takes_the_lone_ones_and_trains() {
     let d = temp("init-sd35-aio");
-    let m = sd35_folder(&d, false, false);
+    let m = sd35_folder(&d, false);
     folder_trains_and_samples(
         &d,
         &m,
@@ -514,35 +495,6 @@ fn an_sd35_checkpoint_without_encoders_takes_the_lone_ones_and_trains() {
             "clip_g.safetensors",
             "t5xxl_fp16.safetensors",
         ],
-    );
-    std::fs::remove_dir_all(&d).ok();
-}
-
-/// The all-in-one holding the text encoders too: they are read from it, the lone files
-/// beside it passed over.
-#[test]
-fn an_sd35_checkpoint_with_encoders_inside_trains_from_its_own() {
-    let d = temp("init-sd35-aio-te");
-    let m = sd35_folder(&d, true, false);
-    folder_trains_and_samples(
-        &d,
-        &m,
-        "sd3",
-        &["sd3.5_medium.safetensors", "in the model's file"],
-    );
-    std::fs::remove_dir_all(&d).ok();
-}
-
-/// Stability's SDXL all-in-one (UNet, both CLIPs, autoencoder) alone in `checkpoints/`.
-#[test]
-fn an_sdxl_checkpoint_trains_and_samples() {
-    let d = temp("init-sdxl-aio");
-    let m = sdxl_folder(&d, false);
-    folder_trains_and_samples(
-        &d,
-        &m,
-        "sdxl",
-        &["sd_xl_base_1.0.safetensors", "in the model's file"],
     );
     std::fs::remove_dir_all(&d).ok();
 }

@@ -220,43 +220,37 @@ pub fn write_file(tensors: &[(String, Tensor)], dst: &Path, config_of: Option<&P
 }
 
 /// The token embedding of a transformers CLIP text model.
-const CLIP_EMBEDDING: &str = "text_model.embeddings.token_embedding.weight";
+pub const CLIP_EMBEDDING: &str = "text_model.embeddings.token_embedding.weight";
 /// The token embeddings of a transformers T5 encoder.
 const T5_EMBEDDINGS: [&str; 2] = ["shared.weight", "encoder.embed_tokens.weight"];
 
 /// The tiny SD3.5 medium of tests/fixtures/gguf (scripts/make_gguf_family_fixtures.py) as
 /// the pieces of a ComfyUI `models/` folder under `dir`: `checkpoints/sd3.5_medium.safetensors`,
-/// Stability's all-in-one (the MMDiT under `model.diffusion_model.`, the autoencoder under
-/// `first_stage_model.`, and with `encoders_inside` the three text encoders under
-/// `text_encoders.*.transformer.`), or with `gguf` the GGUF in `unet/` and the autoencoder in
-/// `vae/`; and `text_encoders/clip_l.safetensors`, `clip_g.safetensors`,
+/// Stability's all-in-one without text encoders (the MMDiT under `model.diffusion_model.`, the
+/// autoencoder under `first_stage_model.`), or with `gguf` the GGUF in `unet/` and the
+/// autoencoder in `vae/`; and `text_encoders/clip_l.safetensors`, `clip_g.safetensors`,
 /// `t5xxl_fp16.safetensors` (tests/fixtures/pipeline's encoders, whose widths the model's
 /// context and pooled inputs are, with the released vocabularies' rows). Returns the folder.
-pub fn sd35_folder(dir: &Path, encoders_inside: bool, gguf: bool) -> PathBuf {
+pub fn sd35_folder(dir: &Path, gguf: bool) -> PathBuf {
     let m = dir.join("models");
     let model = fixture("gguf/sd35_medium-tiny-Q5_0.gguf");
-    let vae = fixture("vae/flux_like_ae.safetensors");
-    let clip_l = tensors_of(
-        &fixture("pipeline/clip_l_proj/model.safetensors"),
-        "",
-        &[CLIP_EMBEDDING],
-        CLIP_VOCAB,
+    for (src, dst) in [
+        ("pipeline/clip_l_proj", "clip_l"),
+        ("pipeline/clip_g", "clip_g"),
+    ] {
+        single_file(
+            &fixture(src),
+            "model.safetensors",
+            &m.join(format!("text_encoders/{dst}.safetensors")),
+            Some((&[CLIP_EMBEDDING], CLIP_VOCAB)),
+        );
+    }
+    single_file(
+        &fixture("pipeline/t5"),
+        "model.safetensors",
+        &m.join("text_encoders/t5xxl_fp16.safetensors"),
+        Some((&T5_EMBEDDINGS, T5_VOCAB)),
     );
-    let clip_g = tensors_of(
-        &fixture("pipeline/clip_g/model.safetensors"),
-        "",
-        &[CLIP_EMBEDDING],
-        CLIP_VOCAB,
-    );
-    let t5 = tensors_of(
-        &fixture("pipeline/t5/model.safetensors"),
-        "",
-        &T5_EMBEDDINGS,
-        T5_VOCAB,
-    );
-    write_file(&clip_l, &m.join("text_encoders/clip_l.safetensors"), None);
-    write_file(&clip_g, &m.join("text_encoders/clip_g.safetensors"), None);
-    write_file(&t5, &m.join("text_encoders/t5xxl_fp16.safetensors"), None);
     if gguf {
         std::fs::create_dir_all(m.join("unet")).unwrap();
         std::fs::copy(&model, m.join("unet/sd3.5_medium-Q5_0.gguf")).unwrap();
@@ -269,17 +263,10 @@ pub fn sd35_folder(dir: &Path, encoders_inside: bool, gguf: bool) -> PathBuf {
         return m;
     }
     let mut all = tensors_of(&model, flame::models::checkpoint::LDM_PREFIX, &[], 0);
-    all.extend(tensors_of(&vae, "first_stage_model.", &[], 0));
-    if encoders_inside {
-        let under = |t: &[(String, Tensor)], p: &str| {
-            t.iter()
-                .map(|(k, v)| (format!("{p}{k}"), v.clone()))
-                .collect::<Vec<_>>()
-        };
-        all.extend(under(&clip_l, flame::encoders::SD3_CLIP_L));
-        all.extend(under(&clip_g, flame::encoders::SD3_CLIP_G));
-        all.extend(under(&t5, flame::encoders::SD3_T5));
-    }
+    all.extend(wide_vae(
+        &fixture("vae/flux_like_ae.safetensors"),
+        "first_stage_model.",
+    ));
     write_file(
         &all,
         &m.join("checkpoints/sd3.5_medium.safetensors"),
@@ -386,3 +373,37 @@ pub fn qwen_family_folder(dir: &Path, arch: &str) -> PathBuf {
 
 /// Qwen's vocabulary (Qwen3's embedding rows).
 pub const QWEN3_VOCAB: usize = 151936;
+
+/// The autoencoder of `src` (BFL's layout, widths of 8, 16 latent channels, SD3's kind) at
+/// widths of 32, random, each key under `prefix`: an all-in-one file holds no autoencoder
+/// config, and a width that is no multiple of 32 leaves its norm groups unknown. The latent
+/// side keeps its size (the decoder's first convolution's input, the encoder's last output).
+pub fn wide_vae(src: &Path, prefix: &str) -> Vec<(String, Tensor)> {
+    let f = flame::safetensors::SafeTensorsFile::open(src).unwrap();
+    f.names()
+        .enumerate()
+        .map(|(i, n)| {
+            let shape = f.info(n).unwrap().shape.clone();
+            let keep = |d: usize| {
+                (n.starts_with("decoder.conv_in.") && d == 1)
+                    || (n.starts_with("encoder.conv_out.") && d == 0)
+            };
+            let wide: Vec<usize> = shape
+                .iter()
+                .enumerate()
+                .map(|(d, &w)| if w == 8 && !keep(d) { 32 } else { w })
+                .collect();
+            let t = if wide.len() == 1 {
+                let v = if n.contains("norm") && n.ends_with(".weight") {
+                    1.0
+                } else {
+                    0.0
+                };
+                Tensor::full(v, wide, DType::F32, &CPU).unwrap()
+            } else {
+                Tensor::randn_normal(0.0, 0.05, wide, DType::F32, &CPU, i as u64 + 11).unwrap()
+            };
+            (format!("{prefix}{n}"), t)
+        })
+        .collect()
+}

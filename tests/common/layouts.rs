@@ -275,62 +275,6 @@ pub fn sd35_folder(dir: &Path, gguf: bool) -> PathBuf {
     m
 }
 
-/// The tiny SDXL of tests/fixtures/gguf as the pieces of a ComfyUI `models/` folder under
-/// `dir`: `checkpoints/sd_xl_base_1.0.safetensors`, Stability's all-in-one (the UNet under
-/// `model.diffusion_model.`, both CLIPs under `conditioner.embedders.*` as
-/// tests/fixtures/encoders/sdxl_te.safetensors holds them, the autoencoder under
-/// `first_stage_model.`), or with `gguf` the GGUF in `unet/`, lone `text_encoders/clip_l` and
-/// `clip_g` files and the autoencoder in `vae/`. The CLIPs have the released vocabulary's
-/// rows. Returns the folder.
-pub fn sdxl_folder(dir: &Path, gguf: bool) -> PathBuf {
-    let m = dir.join("models");
-    let model = fixture("gguf/sdxl-tiny-Q8_0.gguf");
-    if gguf {
-        std::fs::create_dir_all(m.join("unet")).unwrap();
-        std::fs::copy(&model, m.join("unet/sd_xl_base-Q8_0.gguf")).unwrap();
-        for (name, file) in [
-            ("clip_l", "clip_l.safetensors"),
-            ("clip_g", "clip_g.safetensors"),
-        ] {
-            let t = tensors_of(
-                &fixture(&format!("encoders/{name}/model.safetensors")),
-                "",
-                &[CLIP_EMBEDDING],
-                CLIP_VOCAB,
-            );
-            write_file(&t, &m.join("text_encoders").join(file), None);
-        }
-        let vae = tensors_of(&fixture("vae/sdxl_like_ldm.safetensors"), "", &[], 0)
-            .into_iter()
-            .map(|(k, v)| (k.replace("first_stage_model.", ""), v))
-            .collect::<Vec<_>>();
-        write_file(&vae, &m.join("vae/sdxl_vae.safetensors"), None);
-        return m;
-    }
-    let mut all = tensors_of(&model, flame::models::checkpoint::LDM_PREFIX, &[], 0);
-    all.extend(tensors_of(
-        &fixture("encoders/sdxl_te.safetensors"),
-        "",
-        &[
-            "conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight",
-            "conditioner.embedders.1.model.token_embedding.weight",
-        ],
-        CLIP_VOCAB,
-    ));
-    all.extend(tensors_of(
-        &fixture("vae/sdxl_like_ldm.safetensors"),
-        "",
-        &[],
-        0,
-    ));
-    write_file(
-        &all,
-        &m.join("checkpoints/sd_xl_base_1.0.safetensors"),
-        Some(&model),
-    );
-    m
-}
-
 /// The tiny FLUX.2 [klein] (`flux2`) or Z-Image (`zimage`) of tests/fixtures/gguf in a ComfyUI
 /// `models/` folder under `dir`: the GGUF in `unet/`, the pipeline's Qwen3 in
 /// `text_encoders/` (with Qwen's vocabulary's rows, so the built-in tokenizer's ids fit) and

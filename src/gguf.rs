@@ -93,7 +93,8 @@ impl Value {
 pub struct TensorInfo {
     /// Its type.
     pub ty: GgmlType,
-    /// Dimensions, outermost first (the file's dims reversed).
+    /// Dimensions, outermost first: the file's dims reversed, or the shape the converter
+    /// recorded before reshaping the tensor ([`ORIG_SHAPE_PREFIX`]).
     pub shape: Vec<usize>,
     /// Byte offset of its data from the start of the file.
     pub start: usize,
@@ -362,7 +363,55 @@ fn parse(
             }
         }
     }
+    original_shapes(&metadata, &mut tensors)?;
     Ok((version, alignment, metadata, tensors))
+}
+
+/// The prefix of the metadata key under which city96's converter records a tensor's shape
+/// before it reshaped it to rows of 256 values (ComfyUI-GGUF tools/convert.py, `shape_fix`,
+/// at commit 795e45156ece99afbc3efef911e63fcb46e6a20d: SD1.x / SDXL tensors of 2+ dims, at
+/// least 512 values, a whole number of 256s and a last dim that is not), an INT32 array read
+/// back by its loader.py `get_orig_shape`.
+pub const ORIG_SHAPE_PREFIX: &str = "comfy.gguf.orig_shape.";
+
+/// Gives each tensor with a recorded original shape ([`ORIG_SHAPE_PREFIX`]) that shape: its
+/// values are the same in the same order (the reshape moves none), so it reads as the tensor
+/// it was.
+fn original_shapes(
+    metadata: &BTreeMap<String, Value>,
+    tensors: &mut BTreeMap<String, TensorInfo>,
+) -> std::result::Result<(), (Option<String>, String)> {
+    for (key, v) in metadata.range(ORIG_SHAPE_PREFIX.to_string()..) {
+        let Some(name) = key.strip_prefix(ORIG_SHAPE_PREFIX) else {
+            break;
+        };
+        let t = |m: String| (Some(name.to_string()), m);
+        let info = tensors
+            .get_mut(name)
+            .ok_or_else(|| t(format!("metadata '{key}' names no tensor of the file")))?;
+        let dims = match v {
+            Value::Array(a) if !a.is_empty() && a.len() <= MAX_DIMS as usize => a
+                .iter()
+                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                .collect::<Option<Vec<usize>>>(),
+            _ => None,
+        }
+        .ok_or_else(|| {
+            t(format!(
+                "metadata '{key}' = {v:?} is not a shape (1 to {MAX_DIMS} non-negative integers)"
+            ))
+        })?;
+        let values = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if values != Some(info.elem_count()) {
+            return Err(t(format!(
+                "metadata '{key}' gives shape {dims:?}, but the tensor holds {} values ({:?})",
+                info.elem_count(),
+                info.shape
+            )));
+        }
+        info.shape = dims;
+    }
+    Ok(())
 }
 
 impl GgufFile {

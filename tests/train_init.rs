@@ -10,7 +10,7 @@
 
 #[path = "common/layouts.rs"]
 mod layouts;
-use layouts::{comfy, gguf_flux, hub, temp};
+use layouts::{comfy, gguf_flux, hub, qwen_family_folder, sd35_folder, temp};
 
 use flame::train::TrainConfig;
 use std::path::{Path, PathBuf};
@@ -375,4 +375,126 @@ fn the_recipes_are_the_templates() {
             Some(r.resolution as i64)
         );
     }
+}
+
+/// `sample` of the model folder `m` with the LoRA `lora` (one step at 32x32 in f32 on the
+/// CPU); returns its log.
+fn sample_with(m: &Path, lora: &Path, out: &Path) -> String {
+    let o = Command::new(env!("CARGO_BIN_EXE_sample"))
+        .args([
+            "--device", "cpu", "--dtype", "f32", "--width", "32", "--height", "32",
+        ])
+        .args([
+            "--steps",
+            "1",
+            "--t5-tokens",
+            "16",
+            "--prompt",
+            "a red circle",
+        ])
+        .arg("--model")
+        .arg(m)
+        .arg("--lora")
+        .arg(lora)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.join("0-0.png").is_file());
+    stderr(&o)
+}
+
+/// A ComfyUI folder of `arch` under `d` (built by `make`) goes through `train init` (only its
+/// path given) → `train --plan` → `train` → `sample --lora`; the config and the logs name
+/// each file picked (`want`).
+fn folder_trains_and_samples(d: &Path, m: &Path, arch: &str, want: &[&str]) {
+    let images = d.join("images");
+    flame::train::demo::make_tiny_images(&images).unwrap();
+    let (text, out) = init_plan_train(d, m, &images, arch);
+    for w in want {
+        assert!(text.contains(w), "{w}:\n{text}");
+    }
+    let log = sample_with(m, &out.join("lora.safetensors"), &d.join("samples"));
+    assert!(log.contains(&format!("diffusion model ({arch})")), "{log}");
+    for w in want {
+        assert!(log.contains(w), "{w}:\n{log}");
+    }
+}
+
+#[test]
+fn a_gguf_flux2_klein_in_a_comfyui_folder_trains_and_samples() {
+    let d = temp("init-gguf-flux2");
+    let m = qwen_family_folder(&d, "flux2");
+    folder_trains_and_samples(
+        &d,
+        &m,
+        "flux2",
+        &[
+            "flux2-tiny-Q8_0.gguf",
+            "GGUF",
+            "Q8_0",
+            "qwen_3.safetensors",
+            "flux2_vae.safetensors",
+        ],
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_gguf_z_image_in_a_comfyui_folder_trains_and_samples() {
+    let d = temp("init-gguf-zimage");
+    let m = qwen_family_folder(&d, "zimage");
+    folder_trains_and_samples(
+        &d,
+        &m,
+        "zimage",
+        &[
+            "zimage-tiny-Q4_0.gguf",
+            "Q4_0",
+            "qwen_3.safetensors",
+            "zimage_vae.safetensors",
+        ],
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn a_gguf_sd35_in_a_comfyui_folder_trains_and_samples() {
+    let d = temp("init-gguf-sd35");
+    let m = sd35_folder(&d, true);
+    folder_trains_and_samples(
+        &d,
+        &m,
+        "sd3",
+        &[
+            "sd3.5_medium-Q5_0.gguf",
+            "Q5_0",
+            "clip_l.safetensors",
+            "clip_g.safetensors",
+            "t5xxl_fp16.safetensors",
+            "sd35_vae.safetensors",
+        ],
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// Stability's SD3.5 all-in-one in `checkpoints/` (MMDiT and autoencoder, no text encoders)
+/// beside ComfyUI's lone `text_encoders/` files: the encoders come from those.
+#[test]
+fn an_sd35_checkpoint_without_encoders_takes_the_lone_ones_and_trains() {
+    let d = temp("init-sd35-aio");
+    let m = sd35_folder(&d, false);
+    folder_trains_and_samples(
+        &d,
+        &m,
+        "sd3",
+        &[
+            "sd3.5_medium.safetensors",
+            "clip_l.safetensors",
+            "clip_g.safetensors",
+            "t5xxl_fp16.safetensors",
+        ],
+    );
+    std::fs::remove_dir_all(&d).ok();
 }

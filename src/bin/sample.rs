@@ -30,8 +30,8 @@
 use argh::FromArgs;
 use flame::cli::{failure, parse_args, usage};
 use flame::models::pipeline::{
-    conditioning, load_vae, qwen3_file_is_fp8, tokenizer_lines, SlotUse, Sources,
-    TextConditioner, TextOptions,
+    conditioning, load_vae, qwen3_file_is_fp8, tokenizer_lines, SlotUse, Sources, TextConditioner,
+    TextOptions,
 };
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;

@@ -4,7 +4,9 @@
 //! `diffusion_pytorch_model.safetensors`, or shards listed by
 //! `diffusion_pytorch_model.safetensors.index.json`), given directly or as a pipeline folder
 //! holding it under `transformer/` or `unet/`; or a single `.gguf` file (city96's quantized
-//! models: the single file's key names, its quantized Linear weights kept packed).
+//! models of every family: the single file's key names, bare or under `model.diffusion_model.`,
+//! its quantized Linear weights kept packed; `crate::gguf` reads SDXL's reshaped tensors in
+//! their recorded shapes).
 
 use crate::backend::ggml::GgmlType;
 use crate::nn::{KeyMap, KeySource, VarBuilder};

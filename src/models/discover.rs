@@ -552,20 +552,12 @@ fn from_folder(
             Err(e) => lines.push(format!("passed over {}: {e}", f.display())),
         }
     }
-    // The diffusion model: a file holding a family's signature (GGUF files for Flux only,
-    // the one family whose loader reads them).
+    // The diffusion model: a file holding a family's signature (a `.safetensors` or `.gguf`
+    // single file).
     let mut models: Vec<(&'static Family, &Header)> = vec![];
     for h in &headers {
         for f in super::FAMILIES.iter().copied() {
             if !h.holds_model(f) || wanted.is_some_and(|w| w.name != f.name) {
-                continue;
-            }
-            if h.gguf && f.name != "flux" {
-                lines.push(format!(
-                    "passed over {}: a GGUF {} model (GGUF is read for flux only)",
-                    h.path.display(),
-                    f.name
-                ));
                 continue;
             }
             models.push((f, h));
@@ -616,14 +608,19 @@ fn from_folder(
     let inside = model.encoders();
     let in_model =
         |prefix: Option<&str>| prefix.is_some_and(|p| inside.iter().any(|r| r.prefix() == p));
-    // Lone encoders: files other than the model's, holding one at the top level.
+    // Lone encoders: files other than the model's, holding one at the top level (a Qwen3
+    // under `model.` too: transformers' causal-LM layout, as ComfyUI's qwen_3_4b.safetensors
+    // and the diffusers pipelines' text_encoder/ hold it).
     let lone: Vec<(&Header, Recognised)> = headers
         .iter()
         .filter(|h| !std::ptr::eq(*h, model) && !h.gguf)
         .flat_map(|h| {
             h.encoders()
                 .into_iter()
-                .filter(|r| r.prefix().is_empty())
+                .filter(|r| match r {
+                    Recognised::Qwen3 { prefix } => prefix.is_empty() || prefix == "model.",
+                    _ => r.prefix().is_empty(),
+                })
                 .map(move |r| (h, r))
         })
         .collect();

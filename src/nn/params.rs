@@ -717,7 +717,14 @@ impl VarBuilder {
                 }
             }
         }
-        if found.as_slice() != shape.dims() {
+        // ggml writes a tensor without its outermost size-1 dims (its `ne` ends there):
+        // quantized GGUF files hold Z-Image's (1, dim) pad tokens as (dim); the values are
+        // the same, reshaped below.
+        let squeezed = matches!(self.shared.source, Source::Gguf(_))
+            && matches!(src, KeySource::Key(_))
+            && found.as_slice() != shape.dims()
+            && drop_leading_ones(&found) == drop_leading_ones(shape.dims());
+        if found.as_slice() != shape.dims() && !squeezed {
             let from = match &src {
                 KeySource::Key(k) if *k == key => String::new(),
                 _ => format!(" (from {:?})", src.keys()),
@@ -760,6 +767,11 @@ impl VarBuilder {
             }
             .contiguous()?
             .detach()
+        };
+        let t = if squeezed {
+            t.reshape(shape.clone())?
+        } else {
+            t
         };
         // Linear weights and convolutions' (out, in, kh, kw), and biases (full fine-tuning's
         // `diff_b`).
@@ -958,4 +970,10 @@ impl VarBuilder {
 /// memory).
 fn placeholder(dtype: DType, shape: &Shape, device: &Device) -> Result<Tensor> {
     Tensor::zeros((), dtype, device)?.broadcast_as(shape.clone())
+}
+
+/// `dims` without its outermost size-1 dims.
+fn drop_leading_ones(dims: &[usize]) -> &[usize] {
+    let n = dims.iter().take_while(|&&d| d == 1).count();
+    &dims[n..]
 }

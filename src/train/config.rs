@@ -285,8 +285,9 @@ section! {
         /// The model family: "flux", "sd3", "sdxl", "flux2" (FLUX.2 klein) or "zimage" (Z-Image; `flame::models::FAMILIES`).
         arch: String,
         /// The weights: a single .safetensors file, a single .gguf file (city96's quantized
-        /// Flux: Q4_0 to Q8_0 and Q2_K to Q6_K Linear weights stay packed and are decoded per
-        /// matmul, everything else loads in `dtype`), a diffusers model folder or a pipeline
+        /// Flux, FLUX.2 klein, Z-Image, SD3.5 or SDXL: Q4_0 to Q8_0 and Q2_K to Q6_K Linear
+        /// weights stay packed and are decoded per matmul, everything else loads in `dtype`),
+        /// a diffusers model folder or a pipeline
         /// folder, a Hugging Face cache folder (`models--org--name`: the snapshot refs/main
         /// names) or snapshot, or a ComfyUI `models/` folder or any folder of loose files, in
         /// which the diffusion model of `arch`, the text encoders and the autoencoder are found

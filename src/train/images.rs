@@ -11,8 +11,7 @@ use crate::dist::ProcessGroup;
 use crate::encoders::{AutoencoderKl, VaeTiling};
 use crate::models::pipeline::{
     encoder_device_bytes, file_identity, load_vae, qwen3_file_is_fp8, tokenizer_lines,
-    weight_bytes, Located, Sources, TextConditioner, TextEncoderKind, TextOptions,
-    TokenizerSource,
+    weight_bytes, Located, Sources, TextConditioner, TextEncoderKind, TextOptions, TokenizerSource,
 };
 use crate::models::{Family, Input, Size};
 use crate::{DType, Device, Error, Result, Tensor};

@@ -123,6 +123,34 @@ fn a_comfyui_folder_is_found_by_keys_and_trains() {
     std::fs::remove_dir_all(&d).ok();
 }
 
+/// A single file with the diffusers model's names (BFL's FP8 FLUX.2 [klein] layout: split
+/// q/k/v, a scale each) is found in a folder as that family's model, with or without the
+/// family named, and loads as it (tests/flux2_fp8.rs checks its values).
+#[test]
+fn a_diffusers_named_single_file_is_found_in_a_folder() {
+    let d = temp("discover-diffusers-named");
+    let m = d.join("models");
+    std::fs::create_dir_all(m.join("diffusion_models")).unwrap();
+    let file = m.join("diffusion_models/flux-2-klein-tiny-fp8.safetensors");
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/flux2_fp8/diffusers_tensor.safetensors"),
+        &file,
+    )
+    .unwrap();
+    for arch in [Some("flux2"), None] {
+        let found = flame::models::discover(&m, arch, true, true, KEYS).unwrap();
+        assert_eq!(found.family.name, "flux2");
+        assert_eq!(found.model, file);
+    }
+    let ckpt = flame::models::family("flux2")
+        .unwrap()
+        .open_checkpoint(&file)
+        .unwrap();
+    assert_eq!(ckpt.format, flame::models::Format::Diffusers);
+    std::fs::remove_dir_all(&d).ok();
+}
+
 #[test]
 fn two_diffusion_models_are_refused_naming_both() {
     let d = temp("discover-ambiguous");

@@ -3,7 +3,9 @@
 //! diffusers pipeline folder, or a single file. In a folder that is not a diffusers pipeline,
 //! the diffusion model, the text encoders and the autoencoder are found by their keys and
 //! shapes (each `.safetensors` / `.gguf` header read, no weight), never by file names: a
-//! family's model by [`Family::signature`], the encoders by the keys their loaders look for
+//! family's model by [`Family::holds_model`] (its signature, or the diffusers model's names
+//! in one file, as BFL's FP8 FLUX.2 \[klein\] files have them), the encoders by the keys their
+//! loaders look for
 //! ([`crate::encoders::recognise`]). Of several autoencoders (a ComfyUI `vae/` folder holding
 //! FLUX.1's, FLUX.2's, SDXL's and SD3.5's), the one whose structure is the family's kind and
 //! whose latent channels are the model's input's is picked, then one whose config has the
@@ -110,14 +112,10 @@ impl Header {
         self.shapes.keys().cloned().collect()
     }
 
-    /// Whether the file holds `family`'s model, bare or under [`LDM_PREFIX`].
+    /// Whether the file holds `family`'s model, bare or under [`LDM_PREFIX`], or under the
+    /// diffusers model's names ([`Family::holds_model`]).
     fn holds_model(&self, family: &Family) -> bool {
-        ["", LDM_PREFIX].iter().any(|p| {
-            family
-                .signature
-                .iter()
-                .all(|k| self.shapes.contains_key(&format!("{p}{k}")))
-        })
+        family.holds_model(&|k| self.shapes.contains_key(k))
     }
 
     /// The encoders the file holds.

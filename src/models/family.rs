@@ -360,13 +360,24 @@ fn diffusers_named<M: ModelSpec>(ckpt: &Checkpoint) -> Result<bool> {
         return Ok(false);
     }
     let f = crate::safetensors::SafeTensorsFile::open(file)?;
-    if M::SIGNATURE.iter().any(|k| f.contains(k)) {
-        return Ok(false);
-    }
+    Ok(!M::SIGNATURE.iter().any(|k| f.contains(k)) && diffusers_signature::<M>(&|k| f.contains(k)))
+}
+
+/// Whether keys `has` holds every key the diffusers map of `M` reads for its signature.
+fn diffusers_signature<M: ModelSpec>(has: &dyn Fn(&str) -> bool) -> bool {
     let map = M::diffusers_map(&M::reference_config());
-    Ok(M::SIGNATURE
+    M::SIGNATURE
         .iter()
-        .all(|k| map(k).is_some_and(|src| src.keys().iter().all(|s| f.contains(s)))))
+        .all(|k| map(k).is_some_and(|src| src.keys().iter().all(|s| has(s))))
+}
+
+/// Whether a file whose keys `has` answers holds `M`'s model: its signature bare or under
+/// [`LDM_PREFIX`](super::checkpoint::LDM_PREFIX), or under the diffusers model's bare names.
+fn holds_as<M: ModelSpec>(has: &dyn Fn(&str) -> bool) -> bool {
+    ["", super::checkpoint::LDM_PREFIX]
+        .iter()
+        .any(|p| M::SIGNATURE.iter().all(|k| has(&format!("{p}{k}"))))
+        || diffusers_signature::<M>(has)
 }
 
 /// Opens the checkpoint at `path` and works out its config (given, `opts.config`, the
@@ -658,6 +669,7 @@ pub struct Family {
     pub references: bool,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
     open: fn(&Path) -> Result<Checkpoint>,
+    holds: fn(&dyn Fn(&str) -> bool) -> bool,
     profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
     probe: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
 }
@@ -681,9 +693,17 @@ impl Family {
             references: M::REFERENCES,
             load: load_boxed::<M>,
             open: open_as::<M>,
+            holds: holds_as::<M>,
             profile: profile_boxed::<M>,
             probe: probe_boxed::<M>,
         }
+    }
+
+    /// Whether a file whose keys `has` answers holds this family's model: its signature
+    /// bare or under ComfyUI's prefix, or under the diffusers model's bare names (as
+    /// [`open_checkpoint`](Self::open_checkpoint) reads such a file).
+    pub fn holds_model(&self, has: &dyn Fn(&str) -> bool) -> bool {
+        (self.holds)(has)
     }
 
     /// The checkpoint of this family's model at `path`, as its loader reads it (a single file

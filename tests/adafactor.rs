@@ -6,7 +6,7 @@
 //! loaded resumes bit for bit, alone and in parameter groups; bad state files and settings
 //! are refused. The fused step against its composite twin (`Adafactor::step_composite`) on
 //! odd sizes, f32, bf16 and f16, every option combination, within f32 rounding; and (ignored
-//! unless on a GPU) CUDA against the CPU reference, within f32 rounding.
+//! unless on a GPU) CUDA against the CPU reference, its parameters bit for bit.
 #![cfg(feature = "cpu-ref")]
 
 mod common;

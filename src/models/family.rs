@@ -363,8 +363,11 @@ fn diffusers_named<M: ModelSpec>(ckpt: &Checkpoint) -> Result<bool> {
     Ok(!M::SIGNATURE.iter().any(|k| f.contains(k)) && diffusers_signature::<M>(&|k| f.contains(k)))
 }
 
+/// Whether a file holds a key (by name).
+type HasKey = dyn Fn(&str) -> bool;
+
 /// Whether keys `has` holds every key the diffusers map of `M` reads for its signature.
-fn diffusers_signature<M: ModelSpec>(has: &dyn Fn(&str) -> bool) -> bool {
+fn diffusers_signature<M: ModelSpec>(has: &HasKey) -> bool {
     let map = M::diffusers_map(&M::reference_config());
     M::SIGNATURE
         .iter()
@@ -373,7 +376,7 @@ fn diffusers_signature<M: ModelSpec>(has: &dyn Fn(&str) -> bool) -> bool {
 
 /// Whether a file whose keys `has` answers holds `M`'s model: its signature bare or under
 /// [`LDM_PREFIX`](super::checkpoint::LDM_PREFIX), or under the diffusers model's bare names.
-fn holds_as<M: ModelSpec>(has: &dyn Fn(&str) -> bool) -> bool {
+fn holds_as<M: ModelSpec>(has: &HasKey) -> bool {
     ["", super::checkpoint::LDM_PREFIX]
         .iter()
         .any(|p| M::SIGNATURE.iter().all(|k| has(&format!("{p}{k}"))))
@@ -669,7 +672,7 @@ pub struct Family {
     pub references: bool,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
     open: fn(&Path) -> Result<Checkpoint>,
-    holds: fn(&dyn Fn(&str) -> bool) -> bool,
+    holds: fn(&HasKey) -> bool,
     profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
     probe: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
 }

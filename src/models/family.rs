@@ -364,10 +364,10 @@ fn diffusers_named<M: ModelSpec>(ckpt: &Checkpoint) -> Result<bool> {
 }
 
 /// Whether a file holds a key (by name).
-type HasKey = dyn Fn(&str) -> bool;
+type HasKey<'a> = dyn Fn(&str) -> bool + 'a;
 
 /// Whether keys `has` holds every key the diffusers map of `M` reads for its signature.
-fn diffusers_signature<M: ModelSpec>(has: &HasKey) -> bool {
+fn diffusers_signature<M: ModelSpec>(has: &HasKey<'_>) -> bool {
     let map = M::diffusers_map(&M::reference_config());
     M::SIGNATURE
         .iter()
@@ -376,7 +376,7 @@ fn diffusers_signature<M: ModelSpec>(has: &HasKey) -> bool {
 
 /// Whether a file whose keys `has` answers holds `M`'s model: its signature bare or under
 /// [`LDM_PREFIX`](super::checkpoint::LDM_PREFIX), or under the diffusers model's bare names.
-fn holds_as<M: ModelSpec>(has: &HasKey) -> bool {
+fn holds_as<M: ModelSpec>(has: &HasKey<'_>) -> bool {
     ["", super::checkpoint::LDM_PREFIX]
         .iter()
         .any(|p| M::SIGNATURE.iter().all(|k| has(&format!("{p}{k}"))))
@@ -672,7 +672,7 @@ pub struct Family {
     pub references: bool,
     load: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
     open: fn(&Path) -> Result<Checkpoint>,
-    holds: fn(&HasKey) -> bool,
+    holds: fn(&HasKey<'_>) -> bool,
     profile: fn(&Path, &LoadOptions, &RunShape) -> Result<MemoryProfile>,
     probe: fn(&Path, &LoadOptions) -> Result<Loaded<dyn DiffusionModel>>,
 }

@@ -15,7 +15,7 @@
 //!
 //! The candidates: no, every n-th (n = 4, 3, 2) or every block checkpointed, with 0 to all
 //! blocks streamed from host memory (the smallest blocks first: they free the most memory for
-//! their copies; streamed blocks are always checkpointed) with a prefetch of 3, 2 or 1, what
+//! their copies; streamed blocks are always checkpointed) with a prefetch of 5 down to 1, what
 //! checkpointed blocks keep (attention, the down-projections, both or neither), block inputs
 //! offloaded or not, streamed weights coded or not (the carried blocks, which only the
 //! backward uploads, uncoded or not: `Plan::uncoded_carry`), the forward fetching deeper while the
@@ -1175,13 +1175,13 @@ impl MemoryProfile {
                             continue;
                         }
                         // A prefetch of one holds a streamed block less on the device and
-                        // hides less of the copies; three holds one more and hides more (the
-                        // time model weighs both). Three ran 4 ms faster than two for Flux-dev
-                        // within 12 GiB (580.6 against 585.5 ms, H100) and 8-12 ms faster for
-                        // SD3.5-large within 8 GiB (295.4 against 303.7 and 307.4, H200); the
-                        // model puts them within `NEAR`, where the planner's room rule takes
-                        // the one that leans least on the link.
-                        for prefetch in [3, 2, 1] {
+                        // hides less of the copies; a deeper one holds more and hides more
+                        // (the time model weighs both). Three ran 4 ms faster than two for
+                        // Flux-dev within 12 GiB (580.6 against 585.5 ms, H100) and 8-12 ms
+                        // faster for SD3.5-large within 8 GiB (295.4 against 303.7 and 307.4,
+                        // H200); five ran 292.1 ms there against three's 306.4 in one call
+                        // (H200), the time model's order too (245.6 against 250.6 ms).
+                        for prefetch in [5, 4, 3, 2, 1] {
                             // Nothing streamed: the prefetch means nothing (one plan, at 2).
                             if k == 0 && prefetch != 2 {
                                 continue;

@@ -731,33 +731,39 @@ fn near_plans_with_room_lean_least_on_the_link() {
         let budget = (gb * GIB) as u64;
         let room = budget - budget / ROOM_DIVISOR;
         let chosen = profile.plan(budget).unwrap();
-        let least = near(profile, budget)
-            .into_iter()
-            .filter(|&(peak, _)| peak <= room)
-            .map(|(_, link)| link)
-            .min()
-            .unwrap_or_else(|| panic!("{gb} GiB: a near plan with room"));
-        assert!(chosen.peak <= room, "{gb} GiB: {}", chosen.plan);
-        assert_eq!(chosen.streamed_bytes, least, "{gb} GiB: {}", chosen.plan);
         println!(
-            "{gb} GiB: {} -> {:.2} GiB peak, {:.2} GiB over the link a step",
+            "{gb} GiB: {} -> {:.2} GiB peak, {:.2} GiB over the link a step, {:.1} ms",
             chosen.plan,
             chosen.peak as f64 / GIB,
-            chosen.streamed_bytes as f64 / GIB
+            chosen.streamed_bytes as f64 / GIB,
+            profile.step_ms(&chosen.plan)
         );
+        let near = near(profile, budget);
+        let least = near
+            .iter()
+            .filter(|&&(peak, _)| peak <= room)
+            .map(|&(_, link)| link)
+            .min();
+        match least {
+            Some(least) => {
+                assert!(chosen.peak <= room, "{gb} GiB: {}", chosen.plan);
+                assert_eq!(chosen.streamed_bytes, least, "{gb} GiB: {}", chosen.plan);
+            }
+            // No near plan has room: the smallest peak of them.
+            None => {
+                let smallest = near.iter().map(|n| n.0).min().unwrap();
+                assert_eq!(chosen.peak, smallest, "{gb} GiB: {}", chosen.plan);
+            }
+        }
     }
     // SD3.5-large within 16 GiB: half the link of the smallest near peak (10.2 GiB).
     let chosen = sd3.plan((14.98 * GIB) as u64).unwrap();
     assert!(chosen.streamed_bytes < (6.0 * GIB) as u64);
-    // Within 8 GiB it fetches three ahead: the same 36 blocks streamed ran 295.4 ms at a
-    // prefetch of three against 303.7 and 307.4 at two (H200, one call).
+    // Within 8 GiB it fetches deeper than two: 36 blocks streamed ran 295.4 ms at a
+    // prefetch of three against 303.7 and 307.4 at two, and 38 at five 292.1 ms against
+    // 306.4 at three (H200, one call each).
     let chosen = sd3.plan((6.98 * GIB) as u64).unwrap();
-    assert_eq!(
-        (chosen.plan.prefetch, chosen.plan.streamed.len()),
-        (3, 36),
-        "{}",
-        chosen.plan
-    );
+    assert!(chosen.plan.prefetch >= 3, "{}", chosen.plan);
     // Where no near plan has room, the smallest peak of the near ones: SD3.5-large's
     // smallest fitting budgets.
     let mut seen = false;

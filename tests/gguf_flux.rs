@@ -368,3 +368,20 @@ fn a_lora_trains_over_a_gguf_base_through_the_trainer() {
     assert!(!lora.is_empty());
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// 8-bit products need float or FP8 weights: a GGUF base is refused by name (the `train`
+/// binary's `model.compute = "fp8"` and `sample --compute fp8` both ask this), a
+/// safetensors one is taken on the CPU.
+#[test]
+fn eight_bit_products_refuse_a_gguf_base() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let gguf = root.join("gguf/flux-random-tiny-Q4_K_S.gguf");
+    let why = flame::models::fp8_products_refusal(&gguf, &Device::Cpu).expect("refused");
+    assert!(
+        why.contains("GGUF") && why.contains("flux-random-tiny"),
+        "{why}"
+    );
+    let st = root.join("flux2_fp8/diffusers_tensor.safetensors");
+    assert!(st.is_file());
+    assert_eq!(flame::models::fp8_products_refusal(&st, &Device::Cpu), None);
+}

@@ -111,6 +111,11 @@ struct Args {
     /// the weights' dtype: bf16 (default), f16, f32 or fp8
     #[argh(option, default = "String::from(\"bf16\")")]
     dtype: String,
+    /// what the frozen Linears compute in: bf16 (default: the weights' dtype) or fp8 (8-bit
+    /// products on FP8 tensor cores, the weights held in FP8 E4M3 with per-row scales, as
+    /// the `train` binary's `model.compute = "fp8"`)
+    #[argh(option, default = "String::from(\"bf16\")")]
+    compute: String,
     /// auto (default), cuda or cpu
     #[argh(option, default = "String::from(\"auto\")")]
     device: String,
@@ -265,6 +270,10 @@ fn check_flags(a: &Args) -> Result<(), String> {
         (
             !matches!(a.dtype.as_str(), "bf16" | "f16" | "f32" | "fp8"),
             format!("--dtype {}: bf16, f16, f32 or fp8", a.dtype),
+        ),
+        (
+            !matches!(a.compute.as_str(), "bf16" | "fp8"),
+            format!("--compute {}: bf16 or fp8", a.compute),
         ),
         (
             !matches!(a.device.as_str(), "auto" | "cuda" | "cpu"),
@@ -491,6 +500,12 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     };
     let mut opts = LoadOptions::new(dtype, &device);
     opts.fp8 = fp8;
+    if a.compute == "fp8" {
+        if let Some(why) = models::fp8_products_refusal(model_path, &device) {
+            return Err(bad(format!("--compute fp8 {why}; use --compute bf16")));
+        }
+        opts.fp8_products = true;
+    }
     if let Some(p) = &a.config {
         let text = std::fs::read_to_string(p).map_err(|source| Error::Io {
             path: p.clone(),

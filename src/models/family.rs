@@ -190,6 +190,36 @@ pub struct LoadOptions {
     pub merge: Option<Arc<LoraMerge>>,
 }
 
+/// Why 8-bit products (`LoadOptions::fp8_products`) cannot run for the model at `path` on
+/// `device`, or `None` when they can: they need float or FP8 weights (a GGUF file's packed
+/// blocks are decoded for each product) and, on a GPU, FP8 tensor cores (compute capability
+/// 8.9 or later: Ada, Hopper). The CPU reference computes them on any machine.
+pub fn fp8_products_refusal(path: &Path, device: &Device) -> Option<String> {
+    if path.is_file() && crate::gguf::is_gguf(path) {
+        return Some(format!(
+            "needs float or FP8 weights, and {} is a GGUF file (its blocks are decoded for \
+             each product)",
+            path.display()
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)] // the only variant in builds without cpu-ref
+    if let Device::Cuda(d) = device {
+        let cc = (d.compute_capability_major(), d.compute_capability_minor());
+        if cc < (8, 9) {
+            return Some(format!(
+                "needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); \
+                 cuda:{} is {}.{}",
+                d.ordinal(),
+                cc.0,
+                cc.1
+            ));
+        }
+    }
+    let _ = device;
+    None
+}
+
 impl LoadOptions {
     /// Weights in `dtype` on `device`, no adapters, every block resident.
     pub fn new(dtype: DType, device: &Device) -> Self {

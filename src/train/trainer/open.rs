@@ -388,39 +388,16 @@ fn load_options(config: &TrainConfig, device: &Device) -> Result<LoadOptions> {
     })
 }
 
-/// `model.compute = "fp8"` needs a base whose Linears load as FP8 (not a GGUF file's packed
-/// blocks) and, on a GPU, FP8 tensor cores (compute capability 8.9: Ada, Hopper and later).
+/// `model.compute = "fp8"` where the base and the device can run 8-bit products
+/// (`models::fp8_products_refusal`).
 fn check_fp8_products(config: &TrainConfig, device: &Device) -> Result<()> {
-    let path = &config.model.path;
-    if path.is_file() && crate::gguf::is_gguf(path) {
-        return Err(Error::Config {
+    match crate::models::fp8_products_refusal(&config.model.path, device) {
+        Some(why) => Err(Error::Config {
             path: None,
-            msg: format!(
-                "model.compute = \"fp8\" needs float or FP8 weights, and {} is a GGUF file \
-                 (its blocks are decoded for each product); use compute = \"bf16\"",
-                path.display()
-            ),
-        });
+            msg: format!("model.compute = \"fp8\" {why}; use compute = \"bf16\""),
+        }),
+        None => Ok(()),
     }
-    #[cfg(feature = "cuda")]
-    #[allow(irrefutable_let_patterns)] // the only variant in builds without cpu-ref
-    if let Device::Cuda(d) = device {
-        let cc = (d.compute_capability_major(), d.compute_capability_minor());
-        if cc < (8, 9) {
-            return Err(Error::Config {
-                path: None,
-                msg: format!(
-                    "model.compute = \"fp8\" needs FP8 tensor cores (compute capability 8.9 \
-                     or later: Ada, Hopper); cuda:{} is {}.{}; use compute = \"bf16\"",
-                    d.ordinal(),
-                    cc.0,
-                    cc.1
-                ),
-            });
-        }
-    }
-    let _ = device;
-    Ok(())
 }
 
 /// The model's inputs and shape checks, and the adapters on its layers, from one build

@@ -301,15 +301,15 @@ __device__ __forceinline__ void swiglu_fwd(const T* __restrict__ x, T* __restric
 
 template <typename T, typename I>
 __device__ __forceinline__ void swiglu_bwd(const T* __restrict__ x, const T* __restrict__ g, T* __restrict__ dx,
-                                           I R, I M, I ld) {
+                                           I R, I M, I ld, I ldg) {
   typedef typename AccT<T>::type A;
-  if (M % 8 == 0 && ld % 8 == 0 && aligned16(x) && aligned16(g) && aligned16(dx)) {
+  if (M % 8 == 0 && ld % 8 == 0 && ldg % 8 == 0 && aligned16(x) && aligned16(g) && aligned16(dx)) {
     const I m8 = M / 8;
     GRID_STRIDE(v, (size_t)(R * m8)) {
       const I r = (I)v / m8, c = (I)v % m8 * 8;
       const Pack8<T> a = *reinterpret_cast<const Pack8<T>*>(x + r * ld + c);
       const Pack8<T> u = *reinterpret_cast<const Pack8<T>*>(x + r * ld + M + c);
-      const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(g + r * M + c);
+      const Pack8<T> gv = *reinterpret_cast<const Pack8<T>*>(g + r * ldg + c);
       Pack8<T> da, du;
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -324,7 +324,7 @@ __device__ __forceinline__ void swiglu_bwd(const T* __restrict__ x, const T* __r
   }
   GRID_STRIDE(j, (size_t)(R * M)) {
     const I r = (I)j / M, c = (I)j % M;
-    const A av = to_acc(x[r * ld + c]), gk = to_acc(g[(I)j]), s = sigmoid_t(av);
+    const A av = to_acc(x[r * ld + c]), gk = to_acc(g[r * ldg + c]), s = sigmoid_t(av);
     dx[r * 2 * M + c] = from_acc<T>(gk * to_acc(x[r * ld + M + c]) * (s * (A(1) + av * (A(1) - s))));
     dx[r * 2 * M + M + c] = from_acc<T>(gk * av * s);
   }
@@ -357,11 +357,12 @@ __device__ __forceinline__ void swiglu_bwd(const T* __restrict__ x, const T* __r
     else                                                                                                       \
       swiglu_fwd<T, size_t>(x, y, R, M, ld);                                                                   \
   }                                                                                                            \
-  extern "C" __global__ void swiglu_bwd_##SUF(const T* x, const T* g, T* dx, size_t R, size_t M, size_t ld) {  \
-    if (R * ld < 0xffffffffull && R * 2 * M < 0xffffffffull)                                                   \
-      swiglu_bwd<T, uint32_t>(x, g, dx, (uint32_t)R, (uint32_t)M, (uint32_t)ld);                               \
+  extern "C" __global__ void swiglu_bwd_##SUF(const T* x, const T* g, T* dx, size_t R, size_t M, size_t ld,   \
+                                              size_t ldg) {                                                    \
+    if (R * ld < 0xffffffffull && R * 2 * M < 0xffffffffull && R * ldg < 0xffffffffull)                        \
+      swiglu_bwd<T, uint32_t>(x, g, dx, (uint32_t)R, (uint32_t)M, (uint32_t)ld, (uint32_t)ldg);                \
     else                                                                                                       \
-      swiglu_bwd<T, size_t>(x, g, dx, R, M, ld);                                                               \
+      swiglu_bwd<T, size_t>(x, g, dx, R, M, ld, ldg);                                                          \
   }
 FUSED_T(f32, float, float)
 FUSED_T(f64, double, double)

@@ -99,19 +99,27 @@ fn like(t: &Tensor, x: &Tensor) -> Tensor {
 
 /// SwiGLU on dense rows (M % 8 == 0 takes the packed path, odd M the scalar one) and on the
 /// MLP half of a wider projection read in place (rows of pitch 3 D + 2 M, as FLUX.2's single
-/// blocks give it), against the CPU reference, output and gradient.
+/// blocks give it), its output joined to another (as `linear2`'s input is) so that the
+/// backward reads its gradient as rows of a wider pitch too, against the CPU reference,
+/// output and gradient.
 fn swiglu_matches_the_reference(dev: &Device) {
     for dt in FLOATS {
-        for (rows, m, pad) in [
-            (37, 24, 0),
-            (5, 13, 0),
-            (300, 3072, 0),
-            (7, 40, 24),
-            (9, 21, 5),
+        for (rows, m, pad, joined) in [
+            (37, 24, 0, 0),
+            (5, 13, 0, 0),
+            (300, 3072, 0, 0),
+            (7, 40, 24, 0),
+            (9, 21, 5, 0),
+            (11, 40, 24, 16),
+            (6, 21, 5, 3),
         ] {
             let w = 2 * m + pad;
-            let (go, co) = both(dev, &[vec![rows, w]], &[rows, m], dt, 2100, &|x| {
-                x[0].narrow(1, pad, 2 * m)?.swiglu()
+            let (go, co) = both(dev, &[vec![rows, w]], &[rows, m + joined], dt, 2100, &|x| {
+                let y = x[0].narrow(1, pad, 2 * m)?.swiglu()?;
+                match joined {
+                    0 => Ok(y),
+                    j => Tensor::cat(&[&x[0].narrow(1, 0, j)?, &y], 1),
+                }
             });
             check(
                 &format!("swiglu {rows}x{m} of {w}"),

@@ -3,7 +3,8 @@
 //! writes both halves' gradients side by side as x's: `da = g u silu'(a)`, `du = g silu(a)`,
 //! `silu'(a) = s (1 + a (1 - s))`, `s = sigmoid(a)`. The kernels are cuda/fused.cu's
 //! `swiglu_fwd` and `swiglu_bwd`; they read x in place as rows of any pitch (the MLP half of a
-//! fused projection, a narrow of it). `Tensor::swiglu_composite` is the reference of both
+//! fused projection, a narrow of it), and the backward its g likewise (the MLP's slice of the
+//! gradient of the product's input). `Tensor::swiglu_composite` is the reference of both
 //! backends.
 //!
 //! Beside the composite (a SiLU, a product, and in the backward two products, SiLU's
@@ -41,7 +42,7 @@ fn sigmoid(a: f64) -> f64 {
     0.5 * (1.0 + (0.5 * a).tanh())
 }
 
-/// x's pointer and row pitch when its rows are unit-stride (read in place), else a dense copy
+/// An operand's pointer and row pitch when its rows are unit-stride (read in place), else a dense copy
 /// (kept in `copy`) and 2 M.
 #[cfg(feature = "cuda")]
 fn rows_view(
@@ -77,14 +78,14 @@ fn dense_views<'a>(
 }
 
 /// Either kernel on CUDA, by its `name`: `swiglu_fwd` over [x] -> [y (R, M)], or
-/// `swiglu_bwd` over [x, g] -> [dx (R, 2 M)]; x read in place (`rows_view`).
+/// `swiglu_bwd` over [x, g] -> [dx (R, 2 M)]; x and g read in place (`rows_view`).
 #[cfg(feature = "cuda")]
 fn swiglu_cuda(
     name: &'static str,
     dims: &[usize],
     args: &[(&crate::backend::cuda::CudaStorage, &Layout)],
 ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-    use crate::backend::cuda::kit::{by_dtype, grid_for, launch, ptr, Elem};
+    use crate::backend::cuda::kit::{by_dtype, grid_for, launch, Elem};
     use crate::backend::cuda::CudaStorage;
     use crate::Error;
     fn run<T: Elem>(
@@ -112,8 +113,10 @@ fn swiglu_cuda(
             )?;
             return Ok(vec![x.wrap(T::wrap(y))]);
         };
-        let dense = g.dense(name, lg)?;
-        let pg = ptr(dense.as_ref().unwrap_or(g));
+        // g read in place too: the MLP's slice of `linear2`'s input gradient in FLUX.2's
+        // single blocks.
+        let mut gcopy = None;
+        let (pg, ldg) = rows_view(name, g, lg, &mut gcopy)?;
         let mut dx = dev.alloc::<T>(r * 2 * m)?;
         launch!(
             dev,
@@ -125,7 +128,8 @@ fn swiglu_cuda(
             &mut *dx.slice,
             &r,
             &m,
-            &ld
+            &ld,
+            &ldg
         )?;
         Ok(vec![x.wrap(T::wrap(dx))])
     }

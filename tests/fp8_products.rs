@@ -359,6 +359,135 @@ fn backward_is_the_8_bit_formula() {
     }
 }
 
+/// The weights' keeper of a streamed block, as far as the loader sees it: it takes every key
+/// (here keeping the tensor as its own handle).
+struct TakesEvery(Device);
+
+impl flame::nn::HostWeights for TakesEvery {
+    fn device(&self) -> &Device {
+        &self.0
+    }
+    fn place(&self, _key: &str, t: &Tensor) -> flame::Result<Option<Tensor>> {
+        Ok(Some(t.clone()))
+    }
+}
+
+/// A bias-free Linear (out, in) with FP8 weights and 8-bit products, its weight resident or
+/// taken by a host keeper (streamed).
+fn bare_linear(w: &[f32], out: usize, inp: usize, streamed: bool, dev: &Device) -> Linear {
+    let mut t = HashMap::new();
+    t.insert(
+        "l.weight".to_string(),
+        Tensor::from_vec(w.to_vec(), (out, inp), &CPU).unwrap(),
+    );
+    let mut vb = VarBuilder::from_tensors(t, DType::F32, dev)
+        .with_fp8_products(true)
+        .unwrap();
+    if streamed {
+        vb = vb
+            .with_host_weights(std::sync::Arc::new(TakesEvery(dev.clone())))
+            .unwrap();
+    }
+    Linear::new(&vb.pp("l"), inp, out, false).unwrap()
+}
+
+/// dx of `l` at x for the output weights r (one backward).
+fn dx_of(l: &Linear, x: &[f32], r: &[f32], rows: usize, dev: &Device) -> Vec<f32> {
+    let (inp, out) = l.dims();
+    let xt = Tensor::from_vec(x.to_vec(), (rows, inp), dev)
+        .unwrap()
+        .requires_grad_()
+        .unwrap();
+    let y = l.forward(&xt).unwrap();
+    let rt = Tensor::from_vec(r.to_vec(), (rows, out), dev).unwrap();
+    let grads = y.mul(&rt).unwrap().sum_all().unwrap().backward().unwrap();
+    f32s(grads.get(&xt).unwrap())
+}
+
+fn kept(l: &Linear) -> &flame::nn::Fp8Kept {
+    match &l.packing {
+        Some(flame::nn::Packing::Fp8 { kept, .. }) => kept,
+        other => panic!("not an FP8 packing: {other:?}"),
+    }
+}
+
+/// A resident weight's backward keeps its transposed codes from the first call (the codes'
+/// own transpose, the same tensor at the next call) and gives the same dx every time; a
+/// streamed weight keeps none and gives the same dx as the resident one.
+fn check_kept_transpose(dev: &Device) {
+    let (out, inp, rows) = (48, 32, 7);
+    let w = lcg(out * inp, 22, 0.5);
+    let x = lcg(rows * inp, 23, 1.0);
+    let r = lcg(rows * out, 24, 1.0);
+    let res = bare_linear(&w, out, inp, false, dev);
+    assert!(kept(&res).keeps_transpose());
+    assert!(
+        kept(&res).kept_transpose().is_none(),
+        "made at the first backward"
+    );
+    let first = dx_of(&res, &x, &r, rows, dev);
+    let t = kept(&res).kept_transpose().expect("kept").clone();
+    assert_eq!(t.dims(), [inp, out / 4]);
+    assert_eq!(u32s(&t), u32s(&res.weight.transpose_fp8().unwrap()));
+    let second = dx_of(&res, &x, &r, rows, dev);
+    assert_eq!(first, second, "two backwards through one weight");
+    assert_eq!(kept(&res).kept_transpose().map(Tensor::id), Some(t.id()));
+    // A clone of the layer shares what is kept.
+    let clone = res.clone();
+    assert_eq!(kept(&clone).kept_transpose().map(Tensor::id), Some(t.id()));
+
+    let st = bare_linear(&w, out, inp, true, dev);
+    assert!(!kept(&st).keeps_transpose());
+    let streamed = dx_of(&st, &x, &r, rows, dev);
+    assert!(
+        kept(&st).kept_transpose().is_none(),
+        "nothing kept for a streamed weight"
+    );
+    assert_eq!(streamed, first);
+}
+
+#[test]
+fn resident_weights_keep_their_transposed_codes() {
+    check_kept_transpose(&CPU);
+}
+
+/// The planner counts the kept transposes: with 8-bit products every Flux-dev block keeps as
+/// many bytes as its FP8 codes (all its Linears' widths are multiples of 16), and nothing
+/// with FP8 weights decoded for bf16 products.
+#[test]
+fn planner_counts_kept_transposes() {
+    use flame::models::flux::{Flux, FluxConfig};
+    use flame::models::{profile_config, LoadOptions, RunShape};
+    let run = RunShape {
+        sample: vec![vec![16, 128, 128], vec![512, 4096], vec![768]],
+        batch: 1,
+        optimizer_bytes_per_value: 8.0,
+    };
+    let profile = |products: bool| {
+        let mut opts = LoadOptions::new(DType::BF16, &CPU);
+        opts.fp8 = true;
+        opts.fp8_products = products;
+        profile_config::<Flux>(&FluxConfig::dev(), &opts, &run).unwrap()
+    };
+    let (decoded, eight) = (profile(false), profile(true));
+    assert!(decoded.blocks.iter().all(|b| b.kept_bytes == 0));
+    for b in &eight.blocks {
+        assert!(b.decode_bytes > 0);
+        assert_eq!(b.kept_bytes, b.decode_bytes, "{}", b.prefix);
+    }
+    let resident = flame::memory::Plan::default();
+    let kept: u64 = eight.blocks.iter().map(|b| b.kept_bytes).sum();
+    let outside = eight.other_weight_bytes - decoded.other_weight_bytes;
+    assert!(
+        outside > 0,
+        "the Linears outside the blocks keep theirs too"
+    );
+    assert_eq!(
+        eight.peak(&resident),
+        decoded.peak(&resident) + kept + outside
+    );
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
@@ -492,6 +621,15 @@ mod gpu {
                 assert_eq!(outs[0].2, outs[1].2, "({rows}, {cols}) {dt} codes, columns");
             }
         }
+    }
+
+    /// The kept transposed codes on CUDA (`transpose_fp8`'s own, the same dx at each
+    /// backward, nothing kept for a streamed weight).
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_resident_weights_keep_their_transposed_codes() {
+        let Some(dev) = cuda() else { return };
+        check_kept_transpose(&dev);
     }
 
     /// A Linear with 8-bit products on CUDA (bf16 activations) against the CPU's.

@@ -117,6 +117,28 @@ __device__ __forceinline__ uint32_t e4m3_encode(float x) {
   return sign | min(code, 0x7Eu);
 }
 
+// Four values to four codes, the first in the low byte: e4m3_encode's codes. Built for
+// compute_90 (build.rs's `fp8_sm90` module, which launchers pick on Hopper), two hardware
+// conversions (cvt.rn.satfinite.e4m3x2.f32: round to nearest even, saturating to +-448, sign
+// kept through zero) with NaN set to e4m3_encode's 0x7F; tests/fp8_products.rs holds them to
+// the CPU's encode over every code's value, the midpoints between codes and their neighbours.
+__device__ __forceinline__ uint32_t e4m3_encode4(float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 890
+  uint16_t lo, hi;
+  // The second source goes to the low byte.
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+  uint32_t w = (uint32_t)lo | ((uint32_t)hi << 16);
+  if (isnan(a)) w = (w & 0xFFFFFF00u) | 0x7Fu;
+  if (isnan(b)) w = (w & 0xFFFF00FFu) | 0x7F00u;
+  if (isnan(c)) w = (w & 0xFF00FFFFu) | 0x7F0000u;
+  if (isnan(d)) w = (w & 0x00FFFFFFu) | 0x7F000000u;
+  return w;
+#else
+  return e4m3_encode(a) | (e4m3_encode(b) << 8) | (e4m3_encode(c) << 16) | (e4m3_encode(d) << 24);
+#endif
+}
+
 // Layout of the work: a row is read in chunks of N elements (N a multiple of 4: a chunk encodes
 // into N / 4 whole code words), with one 16- or 8-byte load a chunk (VEC) or N scalar loads.
 // G threads share a row (blockDim.x = G), R rows a block (blockDim.y = R); thread t of a row
@@ -191,10 +213,8 @@ __device__ __forceinline__ void encode_chunk(const QuantChunk<T, N>& c, const fl
   uint32_t words[N / 4];
 #pragma unroll
   for (int q = 0; q < N / 4; ++q) {
-    uint32_t w = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) w |= e4m3_encode(__fmul_rn(v[4 * q + j], r)) << (8 * j);
-    words[q] = w;
+    words[q] = e4m3_encode4(__fmul_rn(v[4 * q], r), __fmul_rn(v[4 * q + 1], r), __fmul_rn(v[4 * q + 2], r),
+                            __fmul_rn(v[4 * q + 3], r));
   }
   if constexpr (VEC && N == 8) {
     *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);

@@ -623,6 +623,68 @@ mod gpu {
         }
     }
 
+    /// The encode at every code's value, the midpoints between neighbouring codes (ties to
+    /// even) and the f32 values either side of them, subnormal codes, values below the
+    /// smallest code, zeros of both signs, both signs of everything, NaN and infinities: rows
+    /// whose largest magnitude is 448 (an infinity's row: scale 1 too), so each code is
+    /// `fp8::encode(v)` itself, on the CPU and bit for bit on CUDA (on Hopper the hardware's
+    /// conversion).
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_encode_equals_cpu_at_every_code_and_midpoint() {
+        let Some(dev) = cuda() else { return };
+        let next = |v: f32, up: bool| {
+            let b = v.to_bits();
+            f32::from_bits(if up { b + 1 } else { b - 1 })
+        };
+        let mut vals = vec![
+            0.0f32,
+            1e-30,
+            1e-40,
+            2f32.powi(-10),
+            3.0 * 2f32.powi(-11),
+            448.0,
+        ];
+        for c in 0..0x7Eu8 {
+            let (lo, hi) = (fp8::decode(c), fp8::decode(c + 1));
+            let mid = (lo + hi) / 2.0;
+            vals.extend([lo, mid, next(mid, true), next(mid, false)]);
+        }
+        let mut all: Vec<f32> = vals.iter().flat_map(|&v| [v, -v]).collect();
+        all.push(f32::NAN);
+        let cols = 256;
+        let per_row = cols - 1;
+        let rows = all.len().div_ceil(per_row) + 1;
+        let mut x = vec![0.0f32; rows * cols];
+        for (r, chunk) in all.chunks(per_row).enumerate() {
+            x[r * cols] = 448.0;
+            x[r * cols + 1..r * cols + 1 + chunk.len()].copy_from_slice(chunk);
+        }
+        // The last row: infinities saturate, its scale is 1 (a non-finite maximum).
+        let last = (rows - 1) * cols;
+        x[last..last + 4].copy_from_slice(&[f32::INFINITY, f32::NEG_INFINITY, 1.0, -3.5]);
+        let mut outs = vec![];
+        for d in [CPU, dev.clone()] {
+            let xt = Tensor::from_vec(x.clone(), (rows, cols), &d).unwrap();
+            let (c, s) = xt.quant_rows_fp8(None).unwrap();
+            outs.push((u32s(&c), f32s(&s)));
+        }
+        let (cpu, gpu) = (&outs[0], &outs[1]);
+        assert!(cpu.1.iter().all(|&s| s == 1.0), "scale 1 in every row");
+        for (i, &v) in x.iter().enumerate() {
+            let code = fp8::unpack(cpu.0[i / 4], i % 4);
+            assert_eq!(code, fp8::encode(v), "CPU, value {v:e}");
+            let g = fp8::unpack(gpu.0[i / 4], i % 4);
+            assert_eq!(
+                g,
+                code,
+                "value {v:e} ({:#010x}): CUDA {g:#x}, CPU {code:#x}",
+                v.to_bits()
+            );
+        }
+        assert_eq!(cpu.1, gpu.1);
+    }
+
     /// The kept transposed codes on CUDA (`transpose_fp8`'s own, the same dx at each
     /// backward, nothing kept for a streamed weight).
     #[test]

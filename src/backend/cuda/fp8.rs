@@ -101,7 +101,8 @@ fn quant_block(chunks: usize) -> (u32, u32) {
 /// [codes (rows, cols / 4) u32, scale (rows) f32] (`quant_rows_fp8*` of cuda/fp8.cu). A row
 /// is read in 16-byte chunks where its width and the operands' alignment allow, else 8-byte
 /// chunks of four 2-byte values, else element by element; each thread keeps its first chunks
-/// in registers, so a row of up to 4 x 1024 chunks is read from memory once.
+/// in registers, so a row of up to 4 x 1024 chunks is read from memory once. On Hopper the
+/// kernels of the compute_90 build (`fp8_sm90`) encode with the hardware's conversion.
 pub(crate) fn quant_rows(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
     const OP: &str = "quant_rows_fp8";
     let &[rows, cols] = d else {
@@ -161,11 +162,13 @@ pub(crate) fn quant_rows(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStor
             block_dim: (g, r, 1),
             shared_mem_bytes: 0,
         };
+        // Hopper gets the compute_90 build, which encodes with the hardware's conversion.
+        let module = super::hopper_module(dev, "fp8").unwrap_or("fp8");
         match cp {
             Some(cp) => {
                 launch!(
                     dev,
-                    "fp8",
+                    module,
                     format!("quant_rows_fp8_{form}{sfx}_cols"),
                     cfg,
                     &xp,
@@ -179,7 +182,7 @@ pub(crate) fn quant_rows(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStor
             None => {
                 launch!(
                     dev,
-                    "fp8",
+                    module,
                     format!("quant_rows_fp8_{form}{sfx}"),
                     cfg,
                     &xp,

@@ -571,7 +571,7 @@ mod gpu {
     /// The row quantization equals the CPU's bits at every form of the kernel: 16-byte chunks
     /// (f32, halves of widths a multiple of 8), 8-byte chunks (halves of widths 4 mod 8),
     /// several rows a block with a partial last block (narrow rows, odd row counts), a row a
-    /// block, and rows wider than the registers hold (read twice: above 4096 chunks), with
+    /// block, and rows wider than the registers hold (read twice: above 2048 chunks), with
     /// and without a column factor; an all-zero row and values past E4M3's range too.
     #[test]
     #[ignore = "needs a GPU"]

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel files compiled a second time for compute_90 (see below).
-const HOPPER_VARIANTS: &[&str] = &["attention", "group_norm", "norm_bulk"];
+const HOPPER_VARIANTS: &[&str] = &["attention", "fp8", "group_norm", "norm_bulk"];
 
 /// Kernel files compiled for compute_90a only (wgmma), whatever $FLAME_CUDA_ARCH says: their
 /// launchers use them on compute capability 9.0 and fall back to other kernels elsewhere.

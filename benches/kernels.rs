@@ -1,7 +1,9 @@
 //! GPU kernel throughput beside the device's measured copy ceiling (run on the GPU machine):
 //!   bandwidth ops at 256 MiB per input: achieved GB/s and % of device-to-device copy GB/s;
 //!   bf16 matmuls: TFLOP/s; an AdamW8bit step against AdamW's; Prodigy's, Adafactor's (fused
-//!   and composite) and the moving average of the weights (fused and composite). benches/torch_kernels.py times PyTorch on the same shapes.
+//!   and composite) and the moving average of the weights (fused and composite); the pieces
+//!   of 8-bit products (row quantization, code transpose: GB/s; the FP8 GEMM: TFLOP/s).
+//!   benches/torch_kernels.py times PyTorch on the same shapes.
 //! Timed with the stream synchronised around `ITERS` launches after a warm-up.
 
 mod common;
@@ -161,6 +163,42 @@ fn main() -> Result<()> {
         let tf = 2.0 * (m * k * nn) as f64 / secs / 1e12;
         println!(
             "flame matmul_bf16_{m}x{k}x{nn:<8} {tf:8.1} TFLOP/s ({:.3} ms)",
+            secs * 1e3
+        );
+    }
+    // The pieces of a Linear with 8-bit products at Flux's shapes (4608 tokens): the row
+    // quantization of a bf16 input (reads 2 bytes a value, writes 1), with a column factor
+    // (the backward's folded dy), the code transpose of a (12288, 3072) weight (reads and
+    // writes 1 byte a value), and the scaled FP8 GEMM of (4608, 3072) by (3072, 3072)^T.
+    for (rows, cols) in [(4608, 3072), (4608, 12288), (4608, 21504)] {
+        let x = Tensor::randn((rows, cols), DType::BF16, &dev, 5)?;
+        let col = Tensor::randn(cols, DType::F32, &dev, 6)?.abs()?;
+        report(
+            &format!("quant_rows_fp8_{rows}x{cols}"),
+            rows * cols * 3,
+            time(cuda, || x.quant_rows_fp8(None))?,
+        );
+        report(
+            &format!("quant_rows_fp8_cols_{rows}x{cols}"),
+            rows * cols * 3,
+            time(cuda, || x.quant_rows_fp8(Some(&col)))?,
+        );
+    }
+    {
+        let w = Tensor::randn((12288, 3072), DType::BF16, &dev, 7)?;
+        let (qw, _) = w.quant_rows_fp8(None)?;
+        report(
+            "transpose_fp8_12288x3072",
+            2 * 12288 * 3072,
+            time(cuda, || qw.transpose_fp8())?,
+        );
+        let x = Tensor::randn((4608, 3072), DType::BF16, &dev, 8)?;
+        let w = Tensor::randn((3072, 3072), DType::BF16, &dev, 9)?;
+        let ((qx, sx), (qw, sw)) = (x.quant_rows_fp8(None)?, w.quant_rows_fp8(None)?);
+        let secs = time(cuda, || flame::fp8_product(&qx, &sx, &qw, &sw, DType::BF16))?;
+        let tf = 2.0 * (4608.0 * 3072.0 * 3072.0) / secs / 1e12;
+        println!(
+            "flame fp8_product_4608x3072x3072 {tf:8.1} TFLOP/s ({:.3} ms)",
             secs * 1e3
         );
     }

@@ -99,8 +99,9 @@ DEQUANT_FP8_X16(f16, __half)
 //
 // quant_rows_fp8: x (rows, cols) T, optional col_scale (cols) f32 -> codes (rows, cols / 4) u32,
 // scale (rows) f32. Per row: v = x * col_scale (f32, rounded once), s = absmax(v) / 448 (1 for an
-// all-zero or non-finite maximum), code = e4m3(v / s), ties to even, saturating. A block a row.
-// The encode follows src/backend/fp8.rs's `encode` bit for bit.
+// all-zero or non-finite maximum), r = 1 / s (f32, rounded once), code = e4m3(v * r) (the product
+// rounded once, then to E4M3 with ties to even, saturating). The encode follows
+// src/backend/fp8.rs's `encode` bit for bit.
 __device__ __forceinline__ uint32_t e4m3_encode(float x) {
   if (isnan(x)) return 0x7Fu;
   const uint32_t sign = signbit(x) ? 0x80u : 0u;
@@ -116,56 +117,197 @@ __device__ __forceinline__ uint32_t e4m3_encode(float x) {
   return sign | min(code, 0x7Eu);
 }
 
-template <typename T, bool COLS>
-__device__ __forceinline__ float scaled_in(const T* xr, const float* cs, size_t c) {
-  const float v = to_acc(xr[c]);
-  return COLS ? __fmul_rn(v, cs[c]) : v;
+// Four values to four codes, the first in the low byte: e4m3_encode's codes. Built for
+// compute_90 (build.rs's `fp8_sm90` module, which launchers pick on Hopper), two hardware
+// conversions (cvt.rn.satfinite.e4m3x2.f32: round to nearest even, saturating to +-448, sign
+// kept through zero) with NaN set to e4m3_encode's 0x7F; tests/fp8_products.rs holds them to
+// the CPU's encode over every code's value, the midpoints between codes and their neighbours.
+__device__ __forceinline__ uint32_t e4m3_encode4(float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 890
+  uint16_t lo, hi;
+  // The second source goes to the low byte.
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+  uint32_t w = (uint32_t)lo | ((uint32_t)hi << 16);
+  if (isnan(a)) w = (w & 0xFFFFFF00u) | 0x7Fu;
+  if (isnan(b)) w = (w & 0xFFFF00FFu) | 0x7F00u;
+  if (isnan(c)) w = (w & 0xFF00FFFFu) | 0x7F0000u;
+  if (isnan(d)) w = (w & 0x00FFFFFFu) | 0x7F000000u;
+  return w;
+#else
+  return e4m3_encode(a) | (e4m3_encode(b) << 8) | (e4m3_encode(c) << 16) | (e4m3_encode(d) << 24);
+#endif
 }
 
-template <typename T, bool COLS>
-__device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint32_t* codes, float* scale,
+// Layout of the work: a row is read in chunks of N elements (N a multiple of 4: a chunk encodes
+// into N / 4 whole code words), with one 16- or 8-byte load a chunk (VEC) or N scalar loads.
+// G threads share a row (blockDim.x = G), R rows a block (blockDim.y = R); thread t of a row
+// takes chunks t, t + G, t + 2G, ... Its first K chunks stay in registers between the absmax
+// pass and the encode pass, so a row of at most K * G chunks is read from global memory once;
+// chunks past those (rows wider than the launcher's largest block holds) are read again in the
+// encode pass. G is a power of two up to 32 (R rows share a warp, the absmax reduced by
+// shuffles within G lanes) or a multiple of 32 with R = 1 (reduced through shared memory).
+// Every thread of a warp takes part in the shuffles, also those of a row past the last.
+template <typename T, int N>
+struct alignas(N * sizeof(T) >= 16 ? 16 : N * sizeof(T)) QuantChunk {
+  T v[N];
+};
+
+template <int BYTES> struct QuantVec;
+template <> struct QuantVec<8> { typedef uint2 type; };
+template <> struct QuantVec<16> { typedef uint4 type; };
+
+template <typename T, int N, bool VEC>
+__device__ __forceinline__ void load_quant_chunk(const T* p, QuantChunk<T, N>& c) {
+  if constexpr (VEC) {
+    static_assert(N * sizeof(T) == 8 || N * sizeof(T) == 16, "one 8- or 16-byte load a chunk");
+    typedef typename QuantVec<N * sizeof(T)>::type V;
+    *reinterpret_cast<V*>(c.v) = *reinterpret_cast<const V*>(p);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) c.v[j] = p[j];
+  }
+}
+
+// The chunk's N values as f32, each multiplied by its column's factor when COLS (cs: the
+// chunk's N factors; 16-byte aligned when VEC).
+template <typename T, int N, bool COLS, bool VEC>
+__device__ __forceinline__ void quant_values(const QuantChunk<T, N>& c, const float* cs, float (&v)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = to_acc(c.v[j]);
+  if constexpr (COLS) {
+    float f[N];
+    if constexpr (VEC) {
+#pragma unroll
+      for (int q = 0; q < N / 4; ++q) {
+        const float4 g = reinterpret_cast<const float4*>(cs)[q];
+        f[4 * q] = g.x;
+        f[4 * q + 1] = g.y;
+        f[4 * q + 2] = g.z;
+        f[4 * q + 3] = g.w;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < N; ++j) f[j] = cs[j];
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = __fmul_rn(v[j], f[j]);
+  }
+}
+
+template <typename T, int N, bool COLS, bool VEC>
+__device__ __forceinline__ float chunk_absmax(const QuantChunk<T, N>& c, const float* cs, float m) {
+  float v[N];
+  quant_values<T, N, COLS, VEC>(c, cs, v);
+#pragma unroll
+  for (int j = 0; j < N; ++j) m = fmaxf(m, fabsf(v[j]));
+  return m;
+}
+
+// The chunk's N codes, e4m3(v * r), stored as N / 4 words at `out` (8-byte aligned when VEC and
+// N == 8).
+template <typename T, int N, bool COLS, bool VEC>
+__device__ __forceinline__ void encode_chunk(const QuantChunk<T, N>& c, const float* cs, float r, uint32_t* out) {
+  float v[N];
+  quant_values<T, N, COLS, VEC>(c, cs, v);
+  uint32_t words[N / 4];
+#pragma unroll
+  for (int q = 0; q < N / 4; ++q) {
+    words[q] = e4m3_encode4(__fmul_rn(v[4 * q], r), __fmul_rn(v[4 * q + 1], r), __fmul_rn(v[4 * q + 2], r),
+                            __fmul_rn(v[4 * q + 3], r));
+  }
+  if constexpr (VEC && N == 8) {
+    *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
+  } else {
+#pragma unroll
+    for (int q = 0; q < N / 4; ++q) out[q] = words[q];
+  }
+}
+
+// Chunks a thread keeps in registers between the two passes.
+#define QUANT_HELD 4
+
+template <typename T, int N, bool COLS, bool VEC>
+__device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint32_t* codes, float* scale, size_t rows,
                                                size_t cols) {
   __shared__ float red[32];
-  const size_t row = blockIdx.x;
+  const unsigned g = blockDim.x, t = threadIdx.x;
+  const size_t row = (size_t)blockIdx.x * blockDim.y + threadIdx.y;
+  const bool live = row < rows;
+  const size_t chunks = live ? cols / N : 0;
   const T* xr = x + row * cols;
+  QuantChunk<T, N> held[QUANT_HELD];
   float m = 0.0f;
-  for (size_t c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, fabsf(scaled_in<T, COLS>(xr, cs, c)));
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < warps ? red[lane] : 0.0f;
+  for (int k = 0; k < QUANT_HELD; ++k) {
+    const size_t c = t + (size_t)k * g;
+    if (c < chunks) {
+      load_quant_chunk<T, N, VEC>(xr + c * N, held[k]);
+      m = chunk_absmax<T, N, COLS, VEC>(held[k], cs + c * N, m);
+    }
+  }
+  for (size_t c = t + (size_t)QUANT_HELD * g; c < chunks; c += g) {
+    QuantChunk<T, N> q;
+    load_quant_chunk<T, N, VEC>(xr + c * N, q);
+    m = chunk_absmax<T, N, COLS, VEC>(q, cs + c * N, m);
+  }
+  if (g <= 32) {
+    // A row's G lanes are an aligned group of its warp: xor offsets below G stay inside it.
+    for (unsigned o = g >> 1; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  } else {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if (lane == 0) red[0] = m;
-  }
-  __syncthreads();
-  m = red[0];
-  const float s = (m > 0.0f && isfinite(m)) ? __fdiv_rn(m, 448.0f) : 1.0f;
-  if (threadIdx.x == 0) scale[row] = s;
-  const size_t words = cols / 4;
-  uint32_t* cr = codes + row * words;
-  for (size_t w = threadIdx.x; w < words; w += blockDim.x) {
-    uint32_t word = 0;
+    const unsigned lane = t & 31, warp = t >> 5, warps = (g + 31) >> 5;
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+      m = lane < warps ? red[lane] : 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) word |= e4m3_encode(__fdiv_rn(scaled_in<T, COLS>(xr, cs, 4 * w + j), s)) << (8 * j);
-    cr[w] = word;
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+      if (lane == 0) red[0] = m;
+    }
+    __syncthreads();
+    m = red[0];
+  }
+  if (!live) return;
+  const float s = (m > 0.0f && isfinite(m)) ? __fdiv_rn(m, 448.0f) : 1.0f;
+  const float r = __frcp_rn(s);
+  if (t == 0) scale[row] = s;
+  uint32_t* cr = codes + row * (cols / 4);
+#pragma unroll
+  for (int k = 0; k < QUANT_HELD; ++k) {
+    const size_t c = t + (size_t)k * g;
+    if (c < chunks) encode_chunk<T, N, COLS, VEC>(held[k], cs + c * N, r, cr + c * (N / 4));
+  }
+  for (size_t c = t + (size_t)QUANT_HELD * g; c < chunks; c += g) {
+    QuantChunk<T, N> q;
+    load_quant_chunk<T, N, VEC>(xr + c * N, q);
+    encode_chunk<T, N, COLS, VEC>(q, cs + c * N, r, cr + c * (N / 4));
   }
 }
 
-#define QUANT_ROWS_FP8(SUF, T)                                                                               \
-  extern "C" __global__ void quant_rows_fp8_##SUF(const T* x, uint32_t* codes, float* scale, size_t cols) {  \
-    quant_rows_fp8<T, false>(x, nullptr, codes, scale, cols);                                                \
+// Three forms a dtype, by how a row is read (the launcher picks one):
+//   quant_rows_fp8_v16_*: 16-byte chunks (cols * sizeof(T) a multiple of 16, x and col_scale
+//                         16-byte aligned);
+//   quant_rows_fp8_v8_*:  8-byte chunks of four bf16/f16 (x 8-byte aligned, col_scale 16-byte);
+//   quant_rows_fp8_*:     chunks of four read one element at a time (any alignment).
+// Each has a `_cols` twin that multiplies by col_scale first.
+#define QUANT_ROWS_FP8_FORM(NAME, T, N, VEC)                                                                 \
+  extern "C" __global__ void NAME(const T* x, uint32_t* codes, float* scale, size_t rows, size_t cols) {    \
+    quant_rows_fp8<T, N, false, VEC>(x, nullptr, codes, scale, rows, cols);                                  \
   }                                                                                                          \
-  extern "C" __global__ void quant_rows_fp8_cols_##SUF(const T* x, const float* cs, uint32_t* codes,         \
-                                                       float* scale, size_t cols) {                          \
-    quant_rows_fp8<T, true>(x, cs, codes, scale, cols);                                                      \
+  extern "C" __global__ void NAME##_cols(const T* x, const float* cs, uint32_t* codes, float* scale,        \
+                                         size_t rows, size_t cols) {                                         \
+    quant_rows_fp8<T, N, true, VEC>(x, cs, codes, scale, rows, cols);                                        \
   }
-QUANT_ROWS_FP8(f32, float)
-QUANT_ROWS_FP8(bf16, __nv_bfloat16)
-QUANT_ROWS_FP8(f16, __half)
+QUANT_ROWS_FP8_FORM(quant_rows_fp8_f32, float, 4, false)
+QUANT_ROWS_FP8_FORM(quant_rows_fp8_bf16, __nv_bfloat16, 4, false)
+QUANT_ROWS_FP8_FORM(quant_rows_fp8_f16, __half, 4, false)
+QUANT_ROWS_FP8_FORM(quant_rows_fp8_v16_f32, float, 4, true)
+QUANT_ROWS_FP8_FORM(quant_rows_fp8_v16_bf16, __nv_bfloat16, 8, true)
+QUANT_ROWS_FP8_FORM(quant_rows_fp8_v16_f16, __half, 8, true)
+QUANT_ROWS_FP8_FORM(quant_rows_fp8_v8_bf16, __nv_bfloat16, 4, true)
+QUANT_ROWS_FP8_FORM(quant_rows_fp8_v8_f16, __half, 4, true)
 
 // transpose_fp8: codes (rows, cols / 4) u32 -> (cols, rows / 4) u32, the byte matrix transposed
 // (rows % 4 == 0 and cols % 4 == 0; the launcher checks). A block moves a 64 x 64 byte tile

@@ -1,5 +1,5 @@
-//! 8-bit products (`model.compute = "fp8"`): the row quantization of activations against the
-//! format's own quantizer, the code transpose, the scaled FP8 product against its definition
+//! 8-bit products (`model.compute = "fp8"`): the row quantization of activations against its
+//! definition (and within a code of the loader's quantizer), the code transpose, the scaled FP8 product against its definition
 //! in f64, a Linear with 8-bit products against the same layer decoding its weight (output,
 //! input gradient and LoRA gradients within stated bounds), its backward against the
 //! 8-bit formula computed by hand, and (ignored unless on a GPU) every CUDA kernel against
@@ -45,14 +45,31 @@ fn decoded(codes: &[u32], scales: &[f32], rows: usize, cols: usize) -> Vec<f64> 
         .collect()
 }
 
+/// The activations' row quantization by its definition (`Tensor::quant_rows_fp8`): `s =
+/// absmax / 448` (`fp8::row_scale`), `r = 1 / s` once a row, `code = e4m3(v * r)`.
+fn quant_rows_ref(x: &[f32], rows: usize, cols: usize) -> (Vec<u32>, Vec<f32>) {
+    let mut codes = vec![];
+    let mut scales = vec![];
+    for row in x.chunks(cols).take(rows) {
+        let s = fp8::row_scale(row.iter().fold(0f32, |m, v| m.max(v.abs())));
+        let r = 1.0 / s;
+        codes.extend(
+            row.chunks(4)
+                .map(|w| fp8::pack(w.iter().map(|v| fp8::encode(v * r)))),
+        );
+        scales.push(s);
+    }
+    (codes, scales)
+}
+
 #[test]
-fn row_quantization_is_the_formats_quantizer() {
+fn row_quantization_is_its_definition() {
     let (rows, cols) = (7, 20);
     let x = lcg(rows * cols, 1, 3.0);
     let col = lcg(cols, 2, 1.0);
     let xt = Tensor::from_vec(x.clone(), (rows, cols), &CPU).unwrap();
     let (c, s) = xt.quant_rows_fp8(None).unwrap();
-    let (want_c, want_s) = fp8::quantize_rows(&x, rows, cols).unwrap();
+    let (want_c, want_s) = quant_rows_ref(&x, rows, cols);
     assert_eq!(u32s(&c), want_c);
     assert_eq!(f32s(&s), want_s);
     // A column factor is applied (an f32 product) before the rows are quantized.
@@ -63,7 +80,7 @@ fn row_quantization_is_the_formats_quantizer() {
         .enumerate()
         .map(|(i, v)| v * col[i % cols])
         .collect();
-    let (want_c, want_s) = fp8::quantize_rows(&scaled, rows, cols).unwrap();
+    let (want_c, want_s) = quant_rows_ref(&scaled, rows, cols);
     assert_eq!(u32s(&c), want_c);
     assert_eq!(f32s(&s), want_s);
     // bf16 input: the same as its f32 values; a zero row keeps scale 1.
@@ -75,10 +92,35 @@ fn row_quantization_is_the_formats_quantizer() {
         .unwrap();
     let (c, s) = zt.quant_rows_fp8(None).unwrap();
     let back = f32s(&zt);
-    let (want_c, want_s) = fp8::quantize_rows(&back, rows, cols).unwrap();
+    let (want_c, want_s) = quant_rows_ref(&back, rows, cols);
     assert_eq!(u32s(&c), want_c);
     assert_eq!(f32s(&s), want_s);
     assert_eq!(f32s(&s)[0], 1.0);
+    // Against the loader's quantizer (`e4m3(v / s)`): the same scales, and codes equal or
+    // one step apart (v * r and v / s differ by at most an f32 rounding), most of them equal.
+    let many = lcg(64 * 256, 21, 5.0);
+    let mt = Tensor::from_vec(many.clone(), (64, 256), &CPU).unwrap();
+    let (c, s) = mt.quant_rows_fp8(None).unwrap();
+    let (div_c, div_s) = fp8::quantize_rows(&many, 64, 256).unwrap();
+    assert_eq!(f32s(&s), div_s);
+    let (got, want) = (u32s(&c), div_c);
+    let mut same = 0;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        for j in 0..4 {
+            let (a, b) = (fp8::unpack(*g, j), fp8::unpack(*w, j));
+            assert!(
+                a == b || (a & 0x80 == b & 0x80 && (a & 0x7F).abs_diff(b & 0x7F) == 1),
+                "code {}: {a:#x} vs {b:#x}",
+                4 * i + j
+            );
+            same += usize::from(a == b);
+        }
+    }
+    assert!(
+        same * 100 >= 99 * many.len(),
+        "{same} of {} equal",
+        many.len()
+    );
     // Bad operands are errors.
     let odd = Tensor::zeros((2, 6), DType::F32, &CPU).unwrap();
     assert!(
@@ -287,7 +329,7 @@ fn backward_is_the_8_bit_formula() {
     let got = run(&l, &x, &r, rows, &CPU);
     let (wc, ws) = fp8::quantize_rows(&w, out, inp).unwrap();
     let g: Vec<f32> = r.iter().enumerate().map(|(i, v)| v * ws[i % out]).collect();
-    let (gc, gs) = fp8::quantize_rows(&g, rows, out).unwrap();
+    let (gc, gs) = quant_rows_ref(&g, rows, out);
     let gd = decoded(&gc, &gs, rows, out);
     let wd = decoded(&wc, &vec![1.0; out], out, inp);
     // The LoRA's own input gradient (B is zero at the start) adds nothing.
@@ -302,7 +344,7 @@ fn backward_is_the_8_bit_formula() {
         }
     }
     // And the forward: y = quant_rows(x) @ Q_w^T scaled (+ bias 0, LoRA 0 at the start).
-    let (xc, xs) = fp8::quantize_rows(&x, rows, inp).unwrap();
+    let (xc, xs) = quant_rows_ref(&x, rows, inp);
     let xd = decoded(&xc, &xs, rows, inp);
     let wsd = decoded(&wc, &ws, out, inp);
     for i in 0..rows {
@@ -315,6 +357,135 @@ fn backward_is_the_8_bit_formula() {
             );
         }
     }
+}
+
+/// The weights' keeper of a streamed block, as far as the loader sees it: it takes every key
+/// (here keeping the tensor as its own handle).
+struct TakesEvery(Device);
+
+impl flame::nn::HostWeights for TakesEvery {
+    fn device(&self) -> &Device {
+        &self.0
+    }
+    fn place(&self, _key: &str, t: &Tensor) -> flame::Result<Option<Tensor>> {
+        Ok(Some(t.clone()))
+    }
+}
+
+/// A bias-free Linear (out, in) with FP8 weights and 8-bit products, its weight resident or
+/// taken by a host keeper (streamed).
+fn bare_linear(w: &[f32], out: usize, inp: usize, streamed: bool, dev: &Device) -> Linear {
+    let mut t = HashMap::new();
+    t.insert(
+        "l.weight".to_string(),
+        Tensor::from_vec(w.to_vec(), (out, inp), &CPU).unwrap(),
+    );
+    let mut vb = VarBuilder::from_tensors(t, DType::F32, dev)
+        .with_fp8_products(true)
+        .unwrap();
+    if streamed {
+        vb = vb
+            .with_host_weights(std::sync::Arc::new(TakesEvery(dev.clone())))
+            .unwrap();
+    }
+    Linear::new(&vb.pp("l"), inp, out, false).unwrap()
+}
+
+/// dx of `l` at x for the output weights r (one backward).
+fn dx_of(l: &Linear, x: &[f32], r: &[f32], rows: usize, dev: &Device) -> Vec<f32> {
+    let (inp, out) = l.dims();
+    let xt = Tensor::from_vec(x.to_vec(), (rows, inp), dev)
+        .unwrap()
+        .requires_grad_()
+        .unwrap();
+    let y = l.forward(&xt).unwrap();
+    let rt = Tensor::from_vec(r.to_vec(), (rows, out), dev).unwrap();
+    let grads = y.mul(&rt).unwrap().sum_all().unwrap().backward().unwrap();
+    f32s(grads.get(&xt).unwrap())
+}
+
+fn kept(l: &Linear) -> &flame::nn::Fp8Kept {
+    match &l.packing {
+        Some(flame::nn::Packing::Fp8 { kept, .. }) => kept,
+        other => panic!("not an FP8 packing: {other:?}"),
+    }
+}
+
+/// A resident weight's backward keeps its transposed codes from the first call (the codes'
+/// own transpose, the same tensor at the next call) and gives the same dx every time; a
+/// streamed weight keeps none and gives the same dx as the resident one.
+fn check_kept_transpose(dev: &Device) {
+    let (out, inp, rows) = (48, 32, 7);
+    let w = lcg(out * inp, 22, 0.5);
+    let x = lcg(rows * inp, 23, 1.0);
+    let r = lcg(rows * out, 24, 1.0);
+    let res = bare_linear(&w, out, inp, false, dev);
+    assert!(kept(&res).keeps_transpose());
+    assert!(
+        kept(&res).kept_transpose().is_none(),
+        "made at the first backward"
+    );
+    let first = dx_of(&res, &x, &r, rows, dev);
+    let t = kept(&res).kept_transpose().expect("kept").clone();
+    assert_eq!(t.dims(), [inp, out / 4]);
+    assert_eq!(u32s(&t), u32s(&res.weight.transpose_fp8().unwrap()));
+    let second = dx_of(&res, &x, &r, rows, dev);
+    assert_eq!(first, second, "two backwards through one weight");
+    assert_eq!(kept(&res).kept_transpose().map(Tensor::id), Some(t.id()));
+    // A clone of the layer shares what is kept.
+    let clone = res.clone();
+    assert_eq!(kept(&clone).kept_transpose().map(Tensor::id), Some(t.id()));
+
+    let st = bare_linear(&w, out, inp, true, dev);
+    assert!(!kept(&st).keeps_transpose());
+    let streamed = dx_of(&st, &x, &r, rows, dev);
+    assert!(
+        kept(&st).kept_transpose().is_none(),
+        "nothing kept for a streamed weight"
+    );
+    assert_eq!(streamed, first);
+}
+
+#[test]
+fn resident_weights_keep_their_transposed_codes() {
+    check_kept_transpose(&CPU);
+}
+
+/// The planner counts the kept transposes: with 8-bit products every Flux-dev block keeps as
+/// many bytes as its FP8 codes (all its Linears' widths are multiples of 16), and nothing
+/// with FP8 weights decoded for bf16 products.
+#[test]
+fn planner_counts_kept_transposes() {
+    use flame::models::flux::{Flux, FluxConfig};
+    use flame::models::{profile_config, LoadOptions, RunShape};
+    let run = RunShape {
+        sample: vec![vec![16, 128, 128], vec![512, 4096], vec![768]],
+        batch: 1,
+        optimizer_bytes_per_value: 8.0,
+    };
+    let profile = |products: bool| {
+        let mut opts = LoadOptions::new(DType::BF16, &CPU);
+        opts.fp8 = true;
+        opts.fp8_products = products;
+        profile_config::<Flux>(&FluxConfig::dev(), &opts, &run).unwrap()
+    };
+    let (decoded, eight) = (profile(false), profile(true));
+    assert!(decoded.blocks.iter().all(|b| b.kept_bytes == 0));
+    for b in &eight.blocks {
+        assert!(b.decode_bytes > 0);
+        assert_eq!(b.kept_bytes, b.decode_bytes, "{}", b.prefix);
+    }
+    let resident = flame::memory::Plan::default();
+    let kept: u64 = eight.blocks.iter().map(|b| b.kept_bytes).sum();
+    let outside = eight.other_weight_bytes - decoded.other_weight_bytes;
+    assert!(
+        outside > 0,
+        "the Linears outside the blocks keep theirs too"
+    );
+    assert_eq!(
+        eight.peak(&resident),
+        decoded.peak(&resident) + kept + outside
+    );
 }
 
 #[cfg(feature = "cuda")]
@@ -395,6 +566,132 @@ mod gpu {
                 assert!(e <= tol, "({m}, {n}, {k}) product {i}: relative {e}");
             }
         }
+    }
+
+    /// The row quantization equals the CPU's bits at every form of the kernel: 16-byte chunks
+    /// (f32, halves of widths a multiple of 8), 8-byte chunks (halves of widths 4 mod 8),
+    /// several rows a block with a partial last block (narrow rows, odd row counts), a row a
+    /// block, and rows wider than the registers hold (read twice: above 2048 chunks), with
+    /// and without a column factor; an all-zero row and values past E4M3's range too.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_row_quantization_equals_cpu_at_every_form() {
+        let Some(dev) = cuda() else { return };
+        for (rows, cols) in [
+            (1, 4),
+            (3, 12),
+            (77, 4),
+            (5, 36),
+            (300, 64),
+            (33, 20),
+            (9, 1000),
+            (17, 2052),
+            (7, 3072),
+            (3, 12_292),
+            (3, 33_004),
+            (2, 40_000),
+        ] {
+            let mut x = lcg(rows * cols, (rows * cols) as u64, 3.0);
+            x[..cols].iter_mut().for_each(|v| *v = 0.0);
+            if rows > 1 {
+                // Past 448 after scaling by the column factor.
+                x[cols] = 5e4;
+            }
+            let col = lcg(cols, 7, 2.0);
+            for dt in [DType::F32, DType::BF16, DType::F16] {
+                let mut outs = vec![];
+                for d in [CPU, dev.clone()] {
+                    let xt = Tensor::from_vec(x.clone(), (rows, cols), &CPU)
+                        .unwrap()
+                        .to_dtype(dt)
+                        .unwrap()
+                        .to_device(&d)
+                        .unwrap();
+                    let ct = Tensor::from_vec(col.clone(), cols, &d).unwrap();
+                    let (qc, qs) = xt.quant_rows_fp8(None).unwrap();
+                    let (cc, cs) = xt.quant_rows_fp8(Some(&ct)).unwrap();
+                    outs.push((u32s(&qc), f32s(&qs), u32s(&cc), f32s(&cs)));
+                }
+                assert_eq!(outs[0].1, outs[1].1, "({rows}, {cols}) {dt} scales");
+                assert_eq!(outs[0].0, outs[1].0, "({rows}, {cols}) {dt} codes");
+                assert_eq!(
+                    outs[0].3, outs[1].3,
+                    "({rows}, {cols}) {dt} scales, columns"
+                );
+                assert_eq!(outs[0].2, outs[1].2, "({rows}, {cols}) {dt} codes, columns");
+            }
+        }
+    }
+
+    /// The encode at every code's value, the midpoints between neighbouring codes (ties to
+    /// even) and the f32 values either side of them, subnormal codes, values below the
+    /// smallest code, zeros of both signs, both signs of everything, NaN and infinities: rows
+    /// whose largest magnitude is 448 (an infinity's row: scale 1 too), so each code is
+    /// `fp8::encode(v)` itself, on the CPU and bit for bit on CUDA (on Hopper the hardware's
+    /// conversion).
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_encode_equals_cpu_at_every_code_and_midpoint() {
+        let Some(dev) = cuda() else { return };
+        let next = |v: f32, up: bool| {
+            let b = v.to_bits();
+            f32::from_bits(if up { b + 1 } else { b - 1 })
+        };
+        let mut vals = vec![
+            0.0f32,
+            1e-30,
+            1e-40,
+            2f32.powi(-10),
+            3.0 * 2f32.powi(-11),
+            448.0,
+        ];
+        for c in 0..0x7Eu8 {
+            let (lo, hi) = (fp8::decode(c), fp8::decode(c + 1));
+            let mid = (lo + hi) / 2.0;
+            vals.extend([lo, mid, next(mid, true), next(mid, false)]);
+        }
+        let mut all: Vec<f32> = vals.iter().flat_map(|&v| [v, -v]).collect();
+        all.push(f32::NAN);
+        let cols = 256;
+        let per_row = cols - 1;
+        let rows = all.len().div_ceil(per_row) + 1;
+        let mut x = vec![0.0f32; rows * cols];
+        for (r, chunk) in all.chunks(per_row).enumerate() {
+            x[r * cols] = 448.0;
+            x[r * cols + 1..r * cols + 1 + chunk.len()].copy_from_slice(chunk);
+        }
+        // The last row: infinities saturate, its scale is 1 (a non-finite maximum).
+        let last = (rows - 1) * cols;
+        x[last..last + 4].copy_from_slice(&[f32::INFINITY, f32::NEG_INFINITY, 1.0, -3.5]);
+        let mut outs = vec![];
+        for d in [CPU, dev.clone()] {
+            let xt = Tensor::from_vec(x.clone(), (rows, cols), &d).unwrap();
+            let (c, s) = xt.quant_rows_fp8(None).unwrap();
+            outs.push((u32s(&c), f32s(&s)));
+        }
+        let (cpu, gpu) = (&outs[0], &outs[1]);
+        assert!(cpu.1.iter().all(|&s| s == 1.0), "scale 1 in every row");
+        for (i, &v) in x.iter().enumerate() {
+            let code = fp8::unpack(cpu.0[i / 4], i % 4);
+            assert_eq!(code, fp8::encode(v), "CPU, value {v:e}");
+            let g = fp8::unpack(gpu.0[i / 4], i % 4);
+            assert_eq!(
+                g,
+                code,
+                "value {v:e} ({:#010x}): CUDA {g:#x}, CPU {code:#x}",
+                v.to_bits()
+            );
+        }
+        assert_eq!(cpu.1, gpu.1);
+    }
+
+    /// The kept transposed codes on CUDA (`transpose_fp8`'s own, the same dx at each
+    /// backward, nothing kept for a streamed weight).
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_resident_weights_keep_their_transposed_codes() {
+        let Some(dev) = cuda() else { return };
+        check_kept_transpose(&dev);
     }
 
     /// A Linear with 8-bit products on CUDA (bf16 activations) against the CPU's.

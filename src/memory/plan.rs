@@ -96,6 +96,9 @@ pub struct BlockCost {
     pub forward_only_wire: u64,
     /// Of `forward_only_wire`, the coded bytes.
     pub forward_only_coded: u64,
+    /// Bytes its FP8 weights' backward keeps beside them while the block stays on the
+    /// device (their transposed codes with 8-bit products, `nn::Fp8Kept`); none streamed.
+    pub kept_bytes: u64,
 }
 
 /// The sizes the planner works from.
@@ -1042,7 +1045,7 @@ impl MemoryProfile {
         for (i, b) in self.blocks.iter().enumerate() {
             let streamed = plan.streamed.iter().any(|p| p == &b.prefix);
             if !streamed {
-                weights += b.weight_bytes;
+                weights += b.weight_bytes + b.kept_bytes;
             }
             if Self::checkpointed(plan, i, streamed) {
                 if plan.offload_inputs {
@@ -1532,6 +1535,24 @@ mod tests {
             fixed_bytes: 30,
             machine: Machine::REFERENCE,
         }
+    }
+
+    #[test]
+    fn kept_transposes_count_only_for_resident_blocks() {
+        let mut p = profile();
+        let streamed = Plan {
+            streamed: vec!["b.0".into(), "b.1".into()],
+            prefetch: 2,
+            ..Plan::default()
+        };
+        let (before, before_streamed) = (p.peak(&Plan::default()), p.peak(&streamed));
+        // Each block's FP8 codes transposed beside them: as many bytes again (b.0, b.1: 300).
+        for b in &mut p.blocks {
+            b.kept_bytes = b.weight_bytes;
+        }
+        assert_eq!(p.peak(&Plan::default()), before + 300 + 300 + 4 * 100);
+        // The streamed blocks keep none.
+        assert_eq!(p.peak(&streamed), before_streamed + 4 * 100);
     }
 
     #[test]

@@ -480,9 +480,23 @@ fn profile_with<M: ModelSpec>(
     let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
         .with_fp8(opts.fp8)?
         .with_fp8_products(opts.fp8_products)?;
+    let ggml_keys = ggml_types.clone();
     if let Some(types) = ggml_types {
         vb = vb.with_ggml_types(types)?;
     }
+    // The FP8 weights whose backward keeps their transposed codes while they stay on the
+    // device (`nn::Fp8Kept`): 8-bit products on, widths the FP8 products take (multiples of
+    // 16, `nn::layers`); the transpose has the codes' bytes.
+    let kept_bytes = |key: &str, t: &Tensor, packed: Option<(usize, usize)>| -> u64 {
+        let fp8 =
+            t.dtype() == DType::U32 && !ggml_keys.as_ref().is_some_and(|m| m.contains_key(key));
+        match packed {
+            Some((out, inp)) if opts.fp8_products && fp8 && out % 16 == 0 && inp % 16 == 0 => {
+                (t.elem_count() * t.dtype().size_in_bytes()) as u64
+            }
+            _ => 0,
+        }
+    };
     let probe_adapters = match &opts.adapters {
         Some(a) => {
             let fresh = Adapters::new(a.config.clone())?;
@@ -579,6 +593,7 @@ fn profile_with<M: ModelSpec>(
                 if packed.is_some() {
                     b.decode_bytes += bytes(t);
                 }
+                b.kept_bytes += kept_bytes(key, t, packed);
                 b.tensors += 1;
                 // A weight of two or more dimensions multiplies its positions (a Linear's
                 // rows, a convolution's output positions): twice its values a position;
@@ -623,7 +638,7 @@ fn profile_with<M: ModelSpec>(
                     }
                 }
             }
-            None => other += bytes(t),
+            None => other += bytes(t) + kept_bytes(key, t, vb.packed_dims(key)?),
         }
     }
     let trainable_values: usize = match &probe_adapters {

@@ -190,7 +190,7 @@ fn packed_matmul(
     let eight = fp8_products(packing, packed, x);
     let compute = || -> Result<Vec<Tensor>> {
         let _g = crate::no_grad();
-        if let Some(scale) = eight {
+        if let Some((scale, _)) = eight {
             let (qx, sx) = x.quant_rows_fp8(None)?;
             return Ok(vec![crate::fp8_product(
                 &qx,
@@ -223,10 +223,15 @@ fn packed_matmul(
 /// quantization reads (f32, bf16, f16), and a weight (out, in) whose widths FP8 tensor cores
 /// take in both directions (multiples of 16). Otherwise None: the weight is decoded for the
 /// product.
-fn fp8_products<'a>(packing: &'a Packing, packed: &Tensor, x: &Tensor) -> Option<&'a Tensor> {
+fn fp8_products<'a>(
+    packing: &'a Packing,
+    packed: &Tensor,
+    x: &Tensor,
+) -> Option<(&'a Tensor, &'a super::Fp8Kept)> {
     let Packing::Fp8 {
         scale,
         products: true,
+        kept,
     } = packing
     else {
         return None;
@@ -236,7 +241,7 @@ fn fp8_products<'a>(packing: &'a Packing, packed: &Tensor, x: &Tensor) -> Option
         x.dtype(),
         crate::DType::F32 | crate::DType::BF16 | crate::DType::F16
     );
-    (float && x.rank() == 2 && out_dim % 16 == 0 && in_dim % 16 == 0).then_some(scale)
+    (float && x.rank() == 2 && out_dim % 16 == 0 && in_dim % 16 == 0).then_some((scale, kept))
 }
 
 /// The backward of `packed_matmul`: dx = dy decode(W).
@@ -258,13 +263,15 @@ impl crate::autograd::CustomBackward for PackedMatmul {
         let Some(Some(dy)) = out_grads.first() else {
             return Ok(vec![None]);
         };
-        if let Some(scale) = fp8_products(&self.packing, &self.packed, dy) {
+        if let Some((scale, kept)) = fp8_products(&self.packing, &self.packed, dy) {
             // dx = dy diag(s) Q: the weight's row scales fold into dy's columns before dy
-            // is quantized a row at a time; the product runs over the codes transposed.
+            // is quantized a row at a time; the product runs over the codes transposed
+            // (kept from the first backward where the weight stays on the device) with a
+            // column scale of ones (made once).
             let (qg, sg) = dy.quant_rows_fp8(Some(scale))?;
-            let qt = self.packed.transpose_fp8()?;
+            let qt = kept.transposed(&self.packed)?;
             let in_dim = qt.dims()[0];
-            let ones = Tensor::ones(in_dim, crate::DType::F32, dy.device())?;
+            let ones = kept.ones(in_dim, dy.device())?;
             return Ok(vec![Some(crate::fp8_product(
                 &qg,
                 &sg,

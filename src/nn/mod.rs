@@ -35,7 +35,7 @@ pub use layers::{
     upsample_nearest2d, Activation, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
 pub use lora_merge::{is_text_encoder_name, LoraMerge};
-pub use packed::Packing;
+pub use packed::{Fp8Kept, Packing};
 pub use params::{HostWeights, VarBuilder};
 pub use seed::permutation;
 pub(crate) use seed::{key_hash, mix64, GOLDEN};

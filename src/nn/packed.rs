@@ -13,7 +13,8 @@
 //!   packed little end first into (words) u32; rows of whole blocks, in row order.
 
 use crate::backend::ggml::GgmlType;
-use crate::{DType, Result, Tensor};
+use crate::{DType, Device, Result, Tensor};
+use std::sync::{Arc, OnceLock};
 
 /// How a packed weight is stored, and what decoding it needs besides its words.
 #[derive(Clone, Debug)]
@@ -23,9 +24,12 @@ pub enum Packing {
         /// The per-output-channel scales (out).
         scale: Tensor,
         /// Whether the Linear's products run in 8 bits (`model.compute = "fp8"`, see
-        /// `layers.rs`'s `fp8_matmul`) instead of decoding the weight for a GEMM in the
+        /// `layers.rs`'s `packed_matmul`) instead of decoding the weight for a GEMM in the
         /// activations' dtype.
         products: bool,
+        /// What the 8-bit backward keeps of the weight between calls (its transposed codes
+        /// where the weight stays on the device); shared by the clones of this packing.
+        kept: Fp8Kept,
     },
     /// GGML blocks of one type, (words) u32.
     Ggml {
@@ -72,6 +76,91 @@ impl Packing {
         match self {
             Packing::Fp8 { .. } => "fp8",
             Packing::Ggml { ty, .. } => ty.name(),
+        }
+    }
+}
+
+/// What the backward of an FP8 weight with 8-bit products (dx = dy W) keeps between calls,
+/// the weight being frozen:
+///
+/// - its transposed codes (in, out / 4) u32 (`Tensor::transpose_fp8`), made at the first
+///   backward and kept as long as the weight, but only for a weight that stays on the device
+///   ([`Fp8Kept::resident`]): a streamed weight's buffer leaves the device with its block
+///   (`memory::BlockStreamer`), and a kept transpose would hold as many bytes again there,
+///   so its backward transposes the codes each time ([`Fp8Kept::streamed`]);
+/// - the all-ones column scale (in) f32 of that transposed product (the weight's row scales
+///   are folded into dy), made once for any weight: 4 bytes a column.
+///
+/// A resident weight's kept transpose doubles its device bytes once it has run a backward;
+/// the memory planner counts it (`BlockCost::kept_bytes`, `models::family`).
+#[derive(Clone, Debug, Default)]
+pub struct Fp8Kept(Arc<KeptParts>);
+
+#[derive(Debug, Default)]
+struct KeptParts {
+    /// Whether the transposed codes are kept (a resident weight).
+    keep_transpose: bool,
+    transposed: OnceLock<Tensor>,
+    ones: OnceLock<Tensor>,
+}
+
+impl Fp8Kept {
+    /// For a weight that stays on the device: its transposed codes are kept.
+    pub fn resident() -> Self {
+        Fp8Kept(Arc::new(KeptParts {
+            keep_transpose: true,
+            ..KeptParts::default()
+        }))
+    }
+
+    /// For a weight whose buffer may leave the device (a streamed block's): its transposed
+    /// codes are made at each backward and dropped after it.
+    pub fn streamed() -> Self {
+        Fp8Kept::default()
+    }
+
+    /// Whether the transposed codes are kept.
+    pub fn keeps_transpose(&self) -> bool {
+        self.0.keep_transpose
+    }
+
+    /// The codes (in, out / 4) of `packed` (out, in / 4) transposed: the kept ones, made now
+    /// on the first call, where they are kept, else made for this call. `packed` must be the
+    /// weight this was made for.
+    pub fn transposed(&self, packed: &Tensor) -> Result<Tensor> {
+        if !self.0.keep_transpose {
+            return packed.transpose_fp8();
+        }
+        if let Some(t) = self.0.transposed.get() {
+            return Ok(t.clone());
+        }
+        let t = packed.transpose_fp8()?;
+        // Two threads may both make it: the values are the same, the first is kept.
+        Ok(self.0.transposed.get_or_init(|| t).clone())
+    }
+
+    /// The kept transposed codes, if made.
+    pub fn kept_transpose(&self) -> Option<&Tensor> {
+        self.0.transposed.get()
+    }
+
+    /// `n` ones (f32) on `device`, made on the first call; an error if a call asks for
+    /// another length or device than the first.
+    pub fn ones(&self, n: usize, device: &Device) -> Result<Tensor> {
+        if self.0.ones.get().is_none() {
+            let t = Tensor::ones(n, DType::F32, device)?;
+            let _ = self.0.ones.set(t);
+        }
+        match self.0.ones.get() {
+            Some(t) if t.dims() == [n] && t.device() == device => Ok(t.clone()),
+            Some(t) => Err(crate::Error::ShapeMismatch {
+                op: "fp8 backward ones",
+                lhs: t.shape().clone(),
+                rhs: crate::Shape::from(n),
+            }),
+            None => Err(crate::Error::Autograd(
+                "fp8 backward: the column scale was not made".into(),
+            )),
         }
     }
 }

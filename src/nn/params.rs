@@ -69,6 +69,9 @@ struct Shared {
     ggml_types: Option<Arc<HashMap<String, GgmlType>>>,
     /// The (out, in) of every packed Linear weight handed out, by full key.
     packed: Mutex<BTreeMap<String, (usize, usize)>>,
+    /// What the 8-bit backward keeps of each FP8 weight (`Packing::Fp8`'s `kept`), by full
+    /// key: the Linears built on one key share it.
+    fp8_kept: Mutex<BTreeMap<String, super::Fp8Kept>>,
     /// A LoRA file merged into the weights as they load.
     merge: Option<Arc<super::LoraMerge>>,
     /// Every tensor is a zero-stride view of one zero (`shapes_only`): a build that only
@@ -205,6 +208,7 @@ impl VarBuilder {
                 fp8_products: false,
                 ggml_types: None,
                 packed: Mutex::new(BTreeMap::new()),
+                fp8_kept: Mutex::new(BTreeMap::new()),
                 merge: None,
                 shapes_only: false,
                 dtype,
@@ -511,6 +515,7 @@ impl VarBuilder {
                 Some(Packing::Fp8 {
                     scale: self.same_shape(&scale_key, sc, &scale_shape)?,
                     products: self.shared.fp8_products,
+                    kept: self.fp8_kept(&key, None)?,
                 }),
             ));
         }
@@ -527,13 +532,16 @@ impl VarBuilder {
                 Some(Packing::Fp8 {
                     scale: sc,
                     products,
+                    kept: super::Fp8Kept::streamed(),
                 }),
             ));
         }
         if let Some((codes, scales)) = self.stored_fp8(&key, out_dim, in_dim)? {
             let dev = &self.shared.device;
-            let codes = self.place(&key, Tensor::from_vec(codes, codes_shape, dev)?)?;
+            let (codes, resident) =
+                self.place_resident(&key, Tensor::from_vec(codes, codes_shape, dev)?)?;
             let scales = self.place(&scale_key, Tensor::from_vec(scales, scale_shape, dev)?)?;
+            let kept = self.fp8_kept(&key, Some(resident))?;
             loaded.insert(key, codes.clone());
             loaded.insert(scale_key, scales.clone());
             return Ok((
@@ -541,6 +549,7 @@ impl VarBuilder {
                 Some(Packing::Fp8 {
                     scale: scales,
                     products: self.shared.fp8_products,
+                    kept,
                 }),
             ));
         }
@@ -561,8 +570,9 @@ impl VarBuilder {
         let dev = &self.shared.device;
         let codes = Tensor::from_vec(codes, codes_shape, dev)?;
         let scales = Tensor::from_vec(scales, scale_shape, dev)?;
-        let codes = self.place(&key, codes)?;
+        let (codes, resident) = self.place_resident(&key, codes)?;
         let scales = self.place(&scale_key, scales)?;
+        let kept = self.fp8_kept(&key, Some(resident))?;
         loaded.insert(key, codes.clone());
         loaded.insert(scale_key, scales.clone());
         Ok((
@@ -570,6 +580,7 @@ impl VarBuilder {
             Some(Packing::Fp8 {
                 scale: scales,
                 products: self.shared.fp8_products,
+                kept,
             }),
         ))
     }
@@ -641,6 +652,36 @@ impl VarBuilder {
         };
         loaded.insert(key.to_string(), t.clone());
         Ok((t, Some(packing)))
+    }
+
+    /// What the 8-bit backward keeps of FP8 weight `key`: the one made for the key before,
+    /// else a new one, which keeps the transposed codes when `resident` says the weight stays
+    /// on the device and the products run in 8 bits (`None`: not known, nothing kept).
+    fn fp8_kept(&self, key: &str, resident: Option<bool>) -> Result<super::Fp8Kept> {
+        let mut map = self
+            .shared
+            .fp8_kept
+            .lock()
+            .map_err(|_| Error::Poisoned("parameter table"))?;
+        Ok(map
+            .entry(key.to_string())
+            .or_insert_with(|| match resident {
+                Some(true) if self.shared.fp8_products => super::Fp8Kept::resident(),
+                _ => super::Fp8Kept::streamed(),
+            })
+            .clone())
+    }
+
+    /// `t` placed as `place` does, and whether it stays on the device (no host keeper, such
+    /// as a block streamer, took it).
+    fn place_resident(&self, key: &str, t: Tensor) -> Result<(Tensor, bool)> {
+        match &self.shared.host {
+            Some(host) => match host.place(key, &t)? {
+                Some(handle) => Ok((handle, false)),
+                None => Ok((t, true)),
+            },
+            None => Ok((t, true)),
+        }
     }
 
     fn note_packed(&self, key: &str, dims: (usize, usize)) -> Result<()> {

@@ -54,6 +54,9 @@ struct Inner {
     /// The stream of collectives over NCCL (`dist`), made on first use: gradient buckets
     /// are summed there while the backward goes on.
     comm: OnceLock<Arc<CudaStream>>,
+    /// cuBLASLt's workspace for the FP8 GEMMs (`fp8_gemm.rs`), from the pool on first use
+    /// and kept: the GEMMs are queued on the one stream, so they use it in turn.
+    fp8_workspace: OnceLock<DevBuf<u8>>,
 }
 
 /// How many completion counters `CudaDevice::done_counters` holds (16 KiB).
@@ -166,6 +169,7 @@ impl CudaDevice {
             decode: OnceLock::new(),
             offload: OnceLock::new(),
             comm: OnceLock::new(),
+            fp8_workspace: OnceLock::new(),
         })))
     }
 
@@ -328,6 +332,25 @@ impl CudaDevice {
 
     /// The address of the device's `DONE_COUNTERS` zeroed completion counters (see
     /// `Inner::done`).
+    /// The device address of the FP8 GEMMs' workspace of `bytes` bytes, allocated on the
+    /// first call and kept; an error if a later call asks for more than the first.
+    pub(crate) fn fp8_workspace(&self, bytes: usize) -> Result<u64> {
+        use cudarc::driver::DevicePtr;
+        if self.0.fp8_workspace.get().is_none() {
+            let ws = self.alloc::<u8>(bytes)?;
+            // A racing thread may have set it first; its buffer serves as well.
+            let _ = self.0.fp8_workspace.set(ws);
+        }
+        match self.0.fp8_workspace.get() {
+            Some(ws) if ws.slice.len() >= bytes => Ok(ws.slice.device_ptr(&self.0.stream).0),
+            Some(ws) => Err(Error::Cuda(format!(
+                "the FP8 GEMM workspace holds {} bytes, {bytes} asked for",
+                ws.slice.len()
+            ))),
+            None => Err(Error::Cuda("the FP8 GEMM workspace was not made".into())),
+        }
+    }
+
     pub(crate) fn done_counters(&self) -> Result<u64> {
         use cudarc::driver::DevicePtr;
         if self.0.done.get().is_none() {

@@ -9,7 +9,10 @@
 //! those scales, the GEMM runs unscaled into f32 and `scale_outer` applies them; where it
 //! offers none at all (another GPU, or widths that break its alignment rules: k a multiple of
 //! 16, n of 8), a plain kernel (`fp8_product_naive`) computes the product. Which form a shape
-//! takes is settled once per device and shape and cached with the algorithm.
+//! takes is settled once per device and shape and cached with the algorithm. The matmul
+//! descriptor and layouts of each (device, shape, output dtype, scaled or not) are made once
+//! and kept (only the scale vectors' pointers change between calls), and the 32 MiB
+//! workspace is the device's one (`CudaDevice::fp8_workspace`), not an allocation a call.
 
 use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
@@ -20,7 +23,7 @@ use cudarc::driver::DevicePtr;
 use half::{bf16, f16};
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 const OP: &str = "fp8_product";
 /// cuBLASLt's workspace for one GEMM (NVIDIA's advice for Hopper: 32 MiB).
@@ -43,6 +46,35 @@ type Forms = HashMap<(usize, usize, usize, usize, DType), Form>;
 fn forms() -> &'static Mutex<Forms> {
     static FORMS: OnceLock<Mutex<Forms>> = OnceLock::new();
     FORMS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// (device ordinal, m, n, k, output dtype, with scale vectors) -> its descriptor and layouts.
+type Plans = HashMap<(usize, usize, usize, usize, DType, bool), Arc<Mutex<Plan>>>;
+
+fn plans() -> &'static Mutex<Plans> {
+    static PLANS: OnceLock<Mutex<Plans>> = OnceLock::new();
+    PLANS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The kept plan of a product, made on its first call.
+fn plan_for(
+    ordinal: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    out: DType,
+    scales: bool,
+) -> Result<Arc<Mutex<Plan>>> {
+    let key = (ordinal, m, n, k, out, scales);
+    let mut map = plans()
+        .lock()
+        .map_err(|_| Error::Cuda(format!("{OP}: the plan cache was poisoned")))?;
+    if let Some(p) = map.get(&key) {
+        return Ok(p.clone());
+    }
+    let p = Arc::new(Mutex::new(Plan::new(m, n, k, out, scales)?));
+    map.insert(key, p.clone());
+    Ok(p)
 }
 
 /// [a (m, k/4) u32, sa (m) f32, b (n, k/4) u32, sb (n) f32] (dense; `d` = [m, n, k]) -> [y (m,
@@ -212,6 +244,12 @@ struct Plan {
     d: sys::cublasLtMatrixLayout_t,
 }
 
+// SAFETY: the handles are host objects of cuBLASLt, tied to no thread; a kept plan is used
+// by one thread at a time (behind its Mutex), and cuBLASLt reads a descriptor's attributes
+// when `cublasLtMatmul` is called, so changing its scale pointers after a call returns does
+// not touch GEMMs already queued.
+unsafe impl Send for Plan {}
+
 impl Drop for Plan {
     fn drop(&mut self) {
         // SAFETY: each handle was created by `Plan::new` and is destroyed once, here.
@@ -360,20 +398,23 @@ fn gemm(
     scales: bool,
     algo: &sys::cublasLtMatmulAlgo_t,
 ) -> Result<()> {
-    let plan = Plan::new(m, n, k, out_dtype, scales)?;
+    let kept = plan_for(dev.ordinal(), m, n, k, out_dtype, scales)?;
+    let plan = kept
+        .lock()
+        .map_err(|_| Error::Cuda(format!("{OP}: a kept plan was poisoned")))?;
     let stream = dev.stream();
     if scales {
         plan.set_scales(sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream))?;
     }
     let handle = *dev.blas_lt()?.handle();
-    let ws = dev.alloc::<u8>(WORKSPACE)?;
-    let ws_ptr = ws.slice.device_ptr(stream).0;
+    let ws_ptr = dev.fp8_workspace(WORKSPACE)?;
     let (pa, pb) = (a.buf.raw_ptr(stream), b.buf.raw_ptr(stream));
     let (alpha, beta) = (1f32, 0f32);
     let span = crate::backend::profile::Span::start(stream);
     // SAFETY: the plan's layouts describe the operands' extents (checked by the caller: b
     // holds n rows of k codes, a m rows, out m x n elements of `out_dtype`); C is D with beta
-    // 0; the workspace holds WORKSPACE bytes; everything is queued on FLAME's one stream.
+    // 0; the workspace holds WORKSPACE bytes and is the device's, which lives as long as the
+    // device; everything is queued on FLAME's one stream, so GEMMs use it in turn.
     let r = unsafe {
         lt::matmul(
             handle,
@@ -395,6 +436,6 @@ fn gemm(
         )
     };
     span.stop(stream, "gemm", "cublaslt_fp8_gemm");
-    drop(ws);
+    drop(plan);
     r.map_err(|e| lt_err(&format!("FP8 GEMM ({m}, {n}, {k})"), e))
 }

@@ -4,7 +4,12 @@
 //!
 //! - [`Tensor::quant_rows_fp8`]: activations quantized a row (a token) at a time, with an
 //!   optional f32 factor per column applied first (the backward folds the weight's per-row
-//!   scales into dy this way): `v = x * col`, `s = absmax(v) / 448`, `code = e4m3(v / s)`.
+//!   scales into dy this way): `v = x * col`, `s = absmax(v) / 448`, `r = 1 / s`,
+//!   `code = e4m3(v * r)`, each f32 operation rounded once. The reciprocal is taken once a
+//!   row (a multiplication an element, not a division); a code can differ from
+//!   `e4m3(v / s)` (the loader's weight quantization, `backend::fp8::quantize_rows`) where
+//!   `v * r` and `v / s` round to neighbouring f32 values on either side of an E4M3
+//!   midpoint.
 //! - [`Tensor::transpose_fp8`]: the codes of (rows, cols) as those of (cols, rows), for the
 //!   backward's product over the weight's other axis.
 //! - [`fp8_product`]: `y[m, n] = sa[m] * sb[n] * sum_k a[m, k] * b[n, k]` over two code
@@ -12,8 +17,9 @@
 //!   cuBLASLt FP8 GEMM with a scale vector per operand (`backend::cuda::fp8_gemm`); the CPU
 //!   decodes the codes exactly into f32 and multiplies them in f32.
 //!
-//! The CPU quantization is bit for bit the kernels' (cuda/fp8.cu: the same f32 products and
-//! divisions, the same rounding to E4M3); the product differs by the order of f32 additions.
+//! The CPU quantization is bit for bit the kernels' (cuda/fp8.cu: the same f32 products,
+//! division and reciprocal, the same rounding to E4M3); the product differs by the order of
+//! f32 additions.
 //! None of these records a gradient: the Linear's own backward calls them.
 
 use crate::autograd::{plain, run_kernel};
@@ -158,9 +164,12 @@ impl Kernel for QuantRowsFp8 {
                 };
                 let absmax = (0..cols).fold(0f32, |m, i| m.max(v(i).abs()));
                 *s = fp8::row_scale(absmax);
+                // One reciprocal a row, rounded once (cuda/fp8.cu: `__frcp_rn`), then a
+                // product an element (`__fmul_rn`).
+                let r = 1.0 / *s;
                 for (w, word) in c.iter_mut().enumerate() {
                     let base = w * CODES_PER_WORD;
-                    *word = fp8::pack((0..CODES_PER_WORD).map(|j| fp8::encode(v(base + j) / *s)));
+                    *word = fp8::pack((0..CODES_PER_WORD).map(|j| fp8::encode(v(base + j) * r)));
                 }
             });
         Ok(vec![CpuStorage::U32(codes), CpuStorage::F32(scales)])
@@ -344,7 +353,9 @@ impl Kernel for Fp8Product {
 impl Tensor {
     /// This (rows, cols) float matrix (f32, bf16 or f16; cols a multiple of 4) quantized a row
     /// at a time into FP8 E4M3: (codes (rows, cols / 4) u32, scales (rows) f32), after
-    /// multiplying each column by `col` (cols) f32 when given. Not recorded.
+    /// multiplying each column by `col` (cols) f32 when given. In f32, each operation rounded
+    /// once: `v = x * col`, `s = absmax(v) / 448` (1 for a zero or non-finite maximum),
+    /// `code = e4m3(v * (1 / s))`. Not recorded.
     pub fn quant_rows_fp8(&self, col: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
         let kernel = QuantRowsFp8 {
             cols: col.is_some(),

@@ -8,8 +8,7 @@
 //! The memory plan: `--budget GB` lets the planner choose (its plan and predicted peak are
 //! printed; the allocator is capped at the budget), or by hand `--checkpoint
 //! none|all|every:N`, `--stream N` (N blocks spread evenly over the model), `--prefetch K`
-//! (with the planner too: every streaming plan then fetches K ahead), `--ring N` (the
-//! staging ring of coded uploads holds N of them, with the planner too),
+//! (with the planner too: every streaming plan then fetches K ahead),
 //! `--keep-attention`, `--keep-down` (the down-projections' outputs), `--no-keep-few` (the
 //! outputs of Linears that see few rows are recomputed, and their weights not left out of the
 //! backward's uploads; with the planner too), `--raw-wire` (streamed
@@ -248,11 +247,6 @@ fn run<M: ModelSpec>(
                         Some(k) if !p.streamed.is_empty() => k.parse().expect("--prefetch K"),
                         _ => p.prefetch,
                     },
-                    // `--ring N`: the staging ring holds N coded uploads in every plan.
-                    staging_uploads: match args.value("--ring") {
-                        Some(n) => n.parse().expect("--ring N"),
-                        None => p.staging_uploads,
-                    },
                     ..p
                 })
                 .collect();
@@ -300,7 +294,6 @@ fn run<M: ModelSpec>(
                 uncoded_carry: args.flag("--uncoded-carry"),
                 deep_prefetch: true,
                 host_products: true,
-                staging_uploads: num("--ring", 1),
                 ..Plan::default()
             })
         }

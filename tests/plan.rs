@@ -78,7 +78,6 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
         host_products: false,
         reach: vec![],
         uncoded_first: 0,
-        staging_uploads: 1,
     }
 }
 
@@ -599,7 +598,6 @@ fn forward_only_weights_leave_the_backward_uploads() {
         host_products: false,
         reach: vec![],
         uncoded_first: 0,
-        staging_uploads: 1,
     };
     for code in [false, true] {
         let (with, without) = (
@@ -648,7 +646,6 @@ fn host_products_take_the_modulations_off_the_link() {
         host_products: host,
         reach: vec![],
         uncoded_first: 0,
-        staging_uploads: 1,
     };
     let (on, off) = (with(true), with(false));
     // The copies leave the held weights out: the backward's start holds the last blocks'

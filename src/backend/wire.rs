@@ -315,18 +315,16 @@ pub fn decode(layout: &Layout, bytes: &[u8], out: &mut [u16]) -> Result<()> {
     Ok(())
 }
 
-/// The bytes of the staging ring for `uploads` (at least one) uploads of at most `wire`
-/// bytes on the link, each in at most `pieces` pieces, none of whose raw prefix or coded
-/// parts takes more than `part`: the largest uploads, the end of the ring a piece (`wire / 8`
-/// bytes or a part) may skip when it wraps, each piece's alignment, and a part more, so that
-/// no upload's pieces wrap onto its own (whose decodes wait for the compute). With more than
-/// one, a copy runs that many uploads ahead of the decodes waiting for their blocks' memory.
-pub(crate) fn staging_ring_bytes(wire: usize, part: usize, pieces: usize, uploads: usize) -> usize {
+/// The bytes of the staging ring for uploads of at most `wire` bytes on the link in at most
+/// `pieces` pieces, none of whose raw prefix or coded parts takes more than `part`: the
+/// largest upload, the end of the ring a piece (`wire / 8` bytes or a part) may skip when it
+/// wraps, each piece's alignment, and a part more, so that no upload's pieces wrap onto its
+/// own (whose decodes wait for the compute).
+pub(crate) fn staging_ring_bytes(wire: usize, part: usize, pieces: usize) -> usize {
     if wire == 0 {
         return 0;
     }
-    let uploads = uploads.max(1);
-    wire * uploads + staging_piece(wire).max(part) + part + 256 * (pieces * uploads + 1)
+    wire + staging_piece(wire).max(part) + part + 256 * (pieces + 1)
 }
 
 /// The bytes a staged piece gathers coded parts up to, for uploads of at most `wire` bytes on

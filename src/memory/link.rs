@@ -365,24 +365,22 @@ impl Device {
         }
     }
 
-    /// Device memory for coded uploads to stage in (`upload_pack`): `uploads` of at most
-    /// `wire` bytes in at most `pieces` pieces of at most `part` (`staging_ring_bytes`);
-    /// `None` on the CPU backend or for 0 bytes.
+    /// Device memory of `bytes` for coded uploads to stage in (`upload_pack`); `None` on the
+    /// CPU backend or for 0 bytes.
     pub(crate) fn staging(
         &self,
         wire: usize,
         part: usize,
         pieces: usize,
-        uploads: usize,
     ) -> Result<Option<Staging>> {
         match self {
             #[cfg(feature = "cuda")]
-            Device::Cuda(d) if wire > 0 => Ok(Some(Staging::Cuda(
-                d.alloc_staging(wire, part, pieces, uploads)?,
-            ))),
+            Device::Cuda(d) if wire > 0 => {
+                Ok(Some(Staging::Cuda(d.alloc_staging(wire, part, pieces)?)))
+            }
             _ => {
                 // Only a GPU stages (the CPU backend alone reads none of them).
-                let _ = (wire, part, pieces, uploads);
+                let _ = (wire, part, pieces);
                 Ok(None)
             }
         }

@@ -238,7 +238,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
         device.pack(&[&host], true)?
     };
     let (wire, part, pieces) = coded.staging_bytes();
-    let staging = device.staging(wire, part, pieces, 1)?;
+    let staging = device.staging(wire, part, pieces)?;
     // Four uploads in a row beside enough of the work to outlast them (`units` of it, about
     // 60 ms), against the same work alone; the median of the runs (a millisecond's noise in
     // the work would read as several a GiB on one upload's decodes).

@@ -301,7 +301,7 @@ impl std::fmt::Display for Machine {
 }
 
 /// A plan: how blocks run (the planner's choice, or the user's).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
     /// Which blocks are checkpointed (streamed blocks always are).
     pub checkpointing: Checkpointing,
@@ -332,11 +332,6 @@ pub struct Plan {
     /// those weights (`BlockCost::forward_only_bytes`, where they are floating-point) never
     /// cross the link nor take device memory.
     pub host_products: bool,
-    /// With `wire_code`, how many of the largest coded uploads the staging ring holds (0 or 1:
-    /// one): the link copies that many uploads ahead of the decodes, which wait for the
-    /// compute to free their blocks' memory (`BlockStreamer::set_staging_uploads`). Each one
-    /// more takes the largest upload's bytes on the link of device memory.
-    pub staging_uploads: usize,
     /// Worked out by [`MemoryProfile::settle`] from the fields above: how far the forward
     /// fetches ahead of each streamed block, by its place among them (`deep_prefetch`,
     /// `BlockStreamer::set_reach`); empty: `prefetch` ahead.
@@ -345,27 +340,6 @@ pub struct Plan {
     /// uncoded though the wire code is on (`uncoded_carry`,
     /// `BlockStreamer::set_uncoded_first`).
     pub uncoded_first: usize,
-}
-
-impl Default for Plan {
-    /// Every block resident, nothing checkpointed or kept; for streaming, a prefetch of zero
-    /// (a plan that streams sets its own), uncoded, a staging ring of one upload.
-    fn default() -> Self {
-        Plan {
-            checkpointing: Checkpointing::default(),
-            streamed: vec![],
-            prefetch: 0,
-            keep: Keep::default(),
-            offload_inputs: false,
-            wire_code: false,
-            uncoded_carry: false,
-            deep_prefetch: false,
-            host_products: false,
-            staging_uploads: 1,
-            reach: vec![],
-            uncoded_first: 0,
-        }
-    }
 }
 
 impl Plan {
@@ -420,9 +394,6 @@ impl std::fmt::Display for Plan {
             )?;
             if self.wire_code && self.uncoded_carry {
                 write!(f, ", the carried blocks uncoded")?;
-            }
-            if self.wire_code && self.staging_uploads > 1 {
-                write!(f, ", staging {} uploads", self.staging_uploads)?;
             }
             if self.host_products {
                 write!(f, ", conditioning products on the host")?;
@@ -713,21 +684,19 @@ impl MemoryProfile {
         let carried = carry(&reach, ahead.max(1));
         // Whether streamed place `k` crosses coded (`Plan::uncoded_carry`).
         let coded_at = |k: usize| Self::coded_place(plan, k, carried);
-        // Coded uploads the staging ring holds at once.
-        let ring = plan.staging_uploads.max(1);
         // Uploads streamed blocks `ks` not on the device or coming, then returns when block
         // `j`'s upload is done and the compute may start it. Uncoded, an upload runs once the
         // compute has reached `t` (its slot is free) and the link is free. Coded, it crosses
         // into the staging ring once the link is free and the ring has room (the upload
-        // `ring` before it has been decoded: its slot was free at its issue, kept in
-        // `gate`), and is decoded into its slot once the compute has reached `t`.
+        // issued before it has been decoded: its slot was free at `gate`), and is decoded
+        // into its slot once the compute has reached `t`.
         // The backward's uploads leave out the forward-only weights, but for the blocks it
         // leaves on the device for the next forward (`BlockStreamer`).
         let leaves_out =
             |backward: bool, k: usize| backward && plan.keep.few_rows && k > ahead && k >= carried;
         let enter = |ready: &mut [Option<f64>],
                      link: &mut f64,
-                     gate: &mut std::collections::VecDeque<f64>,
+                     gate: &mut f64,
                      t: f64,
                      j: usize,
                      backward: bool,
@@ -742,14 +711,8 @@ impl MemoryProfile {
                     let code = coded_at(k);
                     let (bytes, coded) = upload_bytes(b, leaves_out(backward, k), code);
                     if code {
-                        // The ring has room once the upload `staging_uploads` before this
-                        // one may be decoded (its slot free at its issue).
-                        let room = match gate.len() >= ring {
-                            true => gate.pop_front().unwrap_or(0.0),
-                            false => 0.0,
-                        };
-                        *link = link.max(room) + coded_link_ms(bytes);
-                        gate.push_back(t);
+                        *link = link.max(*gate) + coded_link_ms(bytes);
+                        *gate = t;
                         ready[k] = Some(link.max(t) + until * coded as f64 / GIB);
                         decodes += cost * coded as f64 / GIB;
                     } else {
@@ -774,7 +737,7 @@ impl MemoryProfile {
             let (mut t, mut link, mut down) = (0.0f64, 0.0f64, 0.0f64);
             let mut host = -lead;
             // When the ring last had room (coded uploads).
-            let mut gate = std::collections::VecDeque::with_capacity(ring + 1);
+            let mut gate = 0.0f64;
             // The backward left the first `carried` streamed blocks on the device.
             let mut ready: Vec<Option<f64>> = vec![None; m];
             for r in ready.iter_mut().take(carried) {
@@ -1079,12 +1042,7 @@ impl MemoryProfile {
                 .map(|(_, b)| b.wire_bytes)
                 .max()
                 .unwrap_or(0);
-            crate::backend::wire::staging_ring_bytes(
-                wire as usize,
-                wire as usize / 5,
-                32,
-                plan.staging_uploads,
-            ) as u64
+            crate::backend::wire::staging_ring_bytes(wire as usize, wire as usize / 5, 32) as u64
         } else {
             0
         };
@@ -1268,7 +1226,6 @@ impl MemoryProfile {
                                         host_products,
                                         reach: vec![],
                                         uncoded_first: 0,
-                                        staging_uploads: 1,
                                     });
                                 }
                             }
@@ -1298,7 +1255,6 @@ impl MemoryProfile {
             host_products: held,
             reach: vec![],
             uncoded_first: 0,
-            staging_uploads: 1,
         });
         v
     }
@@ -1774,42 +1730,6 @@ mod tests {
 
     /// A prefetch past the last block (up to `usize::MAX`) fetches them all, as one of the
     /// blocks' count does: the same reach, carry, peak, time and bytes, no overflow.
-    /// A deeper staging ring costs the largest coded upload's bytes on the link for each
-    /// upload more, and never lengthens the step: a coded copy waits for the ring to free the
-    /// upload `staging_uploads` before it, which comes no later than the one before.
-    #[test]
-    fn a_deeper_staging_ring_takes_an_upload_more_each() {
-        const G: u64 = 1 << 30;
-        let mut p = profile();
-        for (i, b) in p.blocks.iter_mut().enumerate() {
-            b.weight_bytes = G;
-            b.wire_bytes = G * 7 / 10;
-            b.coded_bytes = G * 7 / 10;
-            // Alternating slow and fast blocks: the link is ahead of the compute in some
-            // places and behind it in others.
-            b.gemm_flops = if i % 2 == 0 { 40e12 } else { 1e12 };
-        }
-        let plan = |ring: usize| Plan {
-            checkpointing: Checkpointing::All,
-            streamed: (0..6).map(|i| format!("b.{i}")).collect(),
-            prefetch: 1,
-            wire_code: true,
-            staging_uploads: ring,
-            ..Plan::default()
-        };
-        let wire = (G * 7 / 10) as usize;
-        let ring = |n| crate::backend::wire::staging_ring_bytes(wire, wire / 5, 32, n) as u64;
-        // Each upload more: its bytes and its pieces' alignment.
-        assert_eq!(ring(2) - ring(1), wire as u64 + 256 * 32);
-        assert_eq!(p.peak(&plan(0)), p.peak(&plan(1)));
-        assert_eq!(p.peak(&plan(2)), p.peak(&plan(1)) + ring(2) - ring(1));
-        assert_eq!(p.peak(&plan(3)), p.peak(&plan(1)) + ring(3) - ring(1));
-        let steps: Vec<f64> = (1..=4).map(|r| p.step_ms(&plan(r))).collect();
-        assert!(steps.windows(2).all(|w| w[1] <= w[0] + 1e-9), "{steps:?}");
-        assert!(plan(2).to_string().contains("staging 2 uploads"));
-        assert!(!plan(1).to_string().contains("staging"));
-    }
-
     #[test]
     fn a_prefetch_past_the_blocks_fetches_them_all() {
         let p = profile();

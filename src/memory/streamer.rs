@@ -110,8 +110,6 @@ struct State {
     code: bool,
     /// The first blocks that cross uncoded whatever `code` says (`set_uncoded_first`).
     uncoded_first: usize,
-    /// The largest coded uploads the staging ring holds at once (`set_staging_uploads`).
-    staging_uploads: usize,
     /// Where coded uploads land before their decode (the largest pack's coded bytes), made
     /// with the packs.
     staging: Option<Staging>,
@@ -213,7 +211,6 @@ impl BlockStreamer {
                 sealed: false,
                 code: true,
                 uncoded_first: 0,
-                staging_uploads: 1,
                 staging: None,
                 reach,
                 carry,
@@ -239,7 +236,6 @@ impl BlockStreamer {
         let s = BlockStreamer::new(device, plan.streamed.clone(), plan.prefetch.max(1));
         s.set_wire_code(plan.wire_code)?;
         s.set_uncoded_first(plan.uncoded_first)?;
-        s.set_staging_uploads(plan.staging_uploads)?;
         if plan.host_products {
             s.set_host_products(conditioned.iter().map(|c| c.to_string()).collect())?;
         }
@@ -275,14 +271,6 @@ impl BlockStreamer {
     /// `Plan::uncoded_carry`). Set before the first fetch.
     pub fn set_uncoded_first(&self, n: usize) -> Result<()> {
         self.unsealed("the uncoded blocks are")?.uncoded_first = n;
-        Ok(())
-    }
-
-    /// Makes the staging ring hold `n` (at least one) of the largest coded uploads, so that
-    /// the link copies that many uploads ahead of the decodes that wait for their blocks'
-    /// memory (the planner's `Plan::staging_uploads`). Set before the first fetch.
-    pub fn set_staging_uploads(&self, n: usize) -> Result<()> {
-        self.unsealed("the staging ring is")?.staging_uploads = n.max(1);
         Ok(())
     }
 
@@ -666,9 +654,7 @@ impl BlockStreamer {
             .fold((0, 0, 0), |(w, p, n), (bw, bp, bn)| {
                 (w.max(bw), p.max(bp), n.max(bn))
             });
-        st.staging = self
-            .device
-            .staging(wire, part, pieces, st.staging_uploads)?;
+        st.staging = self.device.staging(wire, part, pieces)?;
         st.sealed = true;
         Ok(())
     }

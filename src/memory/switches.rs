@@ -203,7 +203,6 @@ mod tests {
             host_products: true,
             reach: vec![],
             uncoded_first: 0,
-            staging_uploads: 1,
         };
         let all = Switches::default();
         assert_eq!(all.allow(plan.clone()), Some(plan.clone()));

@@ -325,7 +325,6 @@ pub(crate) fn plan_memory(
                 host_products: true,
                 reach: vec![],
                 uncoded_first: 0,
-                staging_uploads: 1,
             };
             // The planner's switches bind a plan given by hand too.
             let plan = prof.settle(&config.planner.bind(as_plan))?;

@@ -814,18 +814,12 @@ impl CudaDevice {
     /// A staging ring for packed uploads of at most `wire` bytes on the link, in at most
     /// `pieces` pieces, whose raw prefix or coded parts take at most `part` each, to land in
     /// before their decode (`upload_pack`): pieces of up to `wire / 8` bytes or one part, and
-    /// room for `uploads` of the largest beside one piece (`staging_ring_bytes`). The copy stream
+    /// room for the largest upload beside one piece (`staging_ring_bytes`). The copy stream
     /// waits here for the compute stream's work so far: the ring's memory may be a buffer
     /// the compute has just freed.
-    pub(crate) fn alloc_staging(
-        &self,
-        wire: usize,
-        part: usize,
-        pieces: usize,
-        uploads: usize,
-    ) -> Result<Staging> {
-        let bytes = crate::backend::wire::staging_ring_bytes(wire, part, pieces, uploads);
-        let buf = self.alloc_packed(bytes.max(1))?;
+    pub(crate) fn alloc_staging(&self, wire: usize, part: usize, pieces: usize) -> Result<Staging> {
+        let buf =
+            self.alloc_packed(crate::backend::wire::staging_ring_bytes(wire, part, pieces).max(1))?;
         let (copy, decode) = (self.copy_stream()?.clone(), self.decode_stream()?.clone());
         copy.join(self.stream())
             .map_err(cuda_err("ordering the copy stream after compute"))?;

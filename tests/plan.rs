@@ -1082,3 +1082,58 @@ fn the_declared_ops_are_the_ones_the_blocks_record() {
     });
     check::<Flux2>("flux2", &f2, a, vec![vec![8, 2, 3], vec![4, 12]], counted);
 }
+
+/// 8-bit products (`model.compute = "fp8"`): Flux-dev's block Linears are FP8 codes the time
+/// model neither decodes nor holds on the host for products, and their GEMMs play at the
+/// machine's 8-bit rate (the bf16 one while it is unmeasured).
+#[test]
+fn eight_bit_products_play_at_their_own_rate() {
+    use flame::memory::Machine;
+    let adapters = Adapters::new(LoraConfig {
+        rank: 16,
+        alpha: 16.0,
+        dropout: 0.0,
+        targets: vec!["double_blocks.*".into(), "single_blocks.*".into()],
+        seed: 0,
+    })
+    .unwrap();
+    let mut opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(adapters);
+    opts.fp8_products = true;
+    let run = RunShape {
+        sample: vec![vec![16, 128, 128], vec![512, 4096], vec![768]],
+        batch: 1,
+        optimizer_bytes_per_value: 8.0,
+    };
+    let eight = profile_config::<Flux>(&FluxConfig::dev(), &opts, &run).unwrap();
+    let decoded = flux_dev(true, false);
+    for (e, d) in eight.blocks.iter().zip(&decoded.blocks) {
+        // The same codes: decoded at each use in one, multiplied as they are in the other.
+        assert_eq!(e.decode_bytes, 0, "{}", e.prefix);
+        assert_eq!(e.product_bytes, d.decode_bytes, "{}", e.prefix);
+        assert!(e.product_flops > 0.0 && e.product_flops <= e.gemm_flops);
+        assert_eq!(e.gemm_flops, d.gemm_flops);
+        // Their transposed codes stay beside them while the block is resident.
+        assert_eq!(e.kept_bytes, e.product_bytes, "{}", e.prefix);
+    }
+    // Unmeasured, the products run at the bf16 GEMMs' rate without the decodes.
+    assert_eq!(eight.machine.fp8_product_tflops, 0.0);
+    assert!(eight.resident_ms() < decoded.resident_ms());
+    let r = Machine::REFERENCE;
+    let fast = MemoryProfile {
+        machine: Machine {
+            fp8_product_tflops: 2.0 * r.gemm_tflops,
+            ..r
+        },
+        ..eight.clone()
+    };
+    // Twice the rate: each block's forward saves half its 8-bit GEMMs' time.
+    let b = &eight.blocks[0];
+    let saved = eight.forward_ms(b, Keep::NONE) - fast.forward_ms(b, Keep::NONE);
+    let half = b.product_flops / (r.gemm_tflops * 1e9) / 2.0;
+    assert!(
+        (saved - half).abs() < 1e-9 * half.max(1.0),
+        "{saved} against {half}"
+    );
+    // FP8 codes are never held on the host for their products.
+    assert!(eight.candidates().iter().all(|c| !c.host_products));
+}

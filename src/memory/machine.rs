@@ -87,8 +87,18 @@ pub fn machine_cache_path(gpu: &str, ordinal: usize) -> Option<PathBuf> {
     Some(dir.join(format!("machine-{name}-{ordinal}.toml")))
 }
 
+/// The rates a machine file holds, beside the crate's version: a file of another set (one
+/// written before the 8-bit products' rate was measured) is measured again.
+const RATES: u32 = 2;
+
+/// The version a machine file is written with and read back at.
+fn file_version() -> String {
+    format!("{}+rates{RATES}", env!("CARGO_PKG_VERSION"))
+}
+
 /// The machine written at `path` by `write_machine`, `None` when there is no file or it was
-/// written by another version of FLAME (its kernels, and so its rates, may differ); an error
+/// written by another version of FLAME or another set of rates (its kernels, and so its
+/// rates, may differ); an error
 /// for a file that is there but cannot be read as a machine.
 pub fn read_machine(path: &Path) -> Result<Option<Machine>> {
     let text = match std::fs::read_to_string(path) {
@@ -105,7 +115,7 @@ pub fn read_machine(path: &Path) -> Result<Option<Machine>> {
         path: Some(path.to_path_buf()),
         msg: format!("not a machine measurement: {e}"),
     })?;
-    if file.version != env!("CARGO_PKG_VERSION") {
+    if file.version != file_version() {
         return Ok(None);
     }
     file.machine.check().map_err(|msg| Error::Config {
@@ -126,7 +136,7 @@ pub fn write_machine(path: &Path, machine: &Machine) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(io)?;
     }
     let text = toml::to_string(&MachineFile {
-        version: env!("CARGO_PKG_VERSION").to_string(),
+        version: file_version(),
         machine: *machine,
     })
     .map_err(|e| Error::Config {
@@ -224,6 +234,52 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             Ok(())
         })?
         / 1e12;
+    // The same Linears' 8-bit products as `model.compute = "fp8"` runs them, on FP8 tensor
+    // cores (compute capability 8.9 and later): each weight quantized once (at load) with
+    // its transposed codes kept; each product quantizes its input a token at a time, the
+    // backward's its output gradient with the weight's row scales folded in. A failure
+    // leaves the rate unmeasured (0: the bf16 GEMMs' rate is played), not the machine.
+    let fp8_product = {
+        let cc = (
+            cuda.compute_capability_major(),
+            cuda.compute_capability_minor(),
+        );
+        let measure = || -> Result<f64> {
+            let weights = operands
+                .iter()
+                .map(|(_, w, _)| {
+                    let (q, s) = w.quant_rows_fp8(None)?;
+                    let t = q.transpose_fp8()?;
+                    let ones = Tensor::ones(w.dims()[1], DType::F32, device)?;
+                    Ok((q, s, t, ones))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let products = || -> Result<()> {
+                for ((x, _, dy), (q, s, t, ones)) in operands.iter().zip(&weights) {
+                    let (qx, sx) = x.quant_rows_fp8(None)?;
+                    drop(crate::fp8_product(&qx, &sx, q, s, DType::BF16)?);
+                    let (qg, sg) = dy.quant_rows_fp8(Some(s))?;
+                    drop(crate::fp8_product(&qg, &sg, t, ones, DType::BF16)?);
+                }
+                Ok(())
+            };
+            for _ in 0..5 {
+                products()?;
+            }
+            let secs = fastest(&mut || {
+                for _ in 0..BLOCKS {
+                    products()?;
+                }
+                Ok(())
+            })?;
+            Ok(flops_once * BLOCKS as f64 / secs / 1e12)
+        };
+        if cc >= (8, 9) {
+            measure().unwrap_or(0.0)
+        } else {
+            0.0
+        }
+    };
     // Coded weights (normal values, as trained weights are) uploaded while the compute runs
     // a step's kinds of work, each alone: GEMMs, attention (forward and backward) and
     // elementwise sums over a block's activation size. Beside each: the decodes' rate (their
@@ -477,6 +533,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
         wire_decode_gib_per_s: wire_decode,
         wire_decode_cost_ms_per_gib: decode_cost,
         fp8_decode_gib_per_s: fp8_decode,
+        fp8_product_tflops: fp8_product,
         host_product_gib_per_s: crate::memory::products::measure_rate(),
     };
     machine.check().map_err(Error::Stream)?;

@@ -88,6 +88,12 @@ pub struct BlockCost {
     /// Bytes of FP8 codes among its weights, decoded to the compute dtype at each use (the
     /// forward, a checkpoint's re-run, the backward); 0 for bf16 weights.
     pub decode_bytes: u64,
+    /// Bytes of FP8 codes among its weights multiplied in 8 bits, never decoded
+    /// (`model.compute = "fp8"`): like `decode_bytes`, weights held as codes.
+    pub product_bytes: u64,
+    /// Of `gemm_flops`, those of the Linears computing in 8 bits (`product_bytes`'s), at
+    /// the machine's 8-bit product rate.
+    pub product_flops: f64,
     /// Bytes of its weights that only the forward reads under `Keep::few_rows` (Linears over
     /// the conditioning vector, `BlockShape::conditioned`), as stored: the backward's uploads
     /// leave them out, and with `Plan::host_products` both passes'.
@@ -158,6 +164,14 @@ pub struct Machine {
     pub wire_decode_cost_ms_per_gib: [f64; 3],
     /// Decoding FP8 codes to bf16 before a matmul, GiB of codes a second.
     pub fp8_decode_gib_per_s: f64,
+    /// A frozen Linear's 8-bit product as it runs (`model.compute = "fp8"`: its input
+    /// quantized a token at a time, one FP8 GEMM; in the backward the output gradient
+    /// quantized and multiplied by the kept transposed codes) at a transformer block's
+    /// Linears, forward and input gradient, TFLOP/s of the product. 0: not measured (a GPU
+    /// without FP8 tensor cores, or a record from before it was), the bf16 GEMMs' rate
+    /// played instead.
+    #[serde(default)]
+    pub fp8_product_tflops: f64,
     /// The host's products of weights it holds (`Plan::host_products`), GiB of weights a
     /// second.
     pub host_product_gib_per_s: f64,
@@ -188,6 +202,7 @@ impl Machine {
         wire_decode_gib_per_s: [1e3 / 5.3; 3],
         wire_decode_cost_ms_per_gib: [3.3; 3],
         fp8_decode_gib_per_s: 1e3 / 1.6,
+        fp8_product_tflops: 0.0,
         host_product_gib_per_s: 35.0,
     };
 
@@ -229,6 +244,12 @@ impl Machine {
                 return Err(format!("the machine's rate for {what} is {r}"));
             }
         }
+        if self.fp8_product_tflops.is_nan() || self.fp8_product_tflops < 0.0 {
+            return Err(format!(
+                "the machine's rate for 8-bit products is {}",
+                self.fp8_product_tflops
+            ));
+        }
         for (what, us) in [
             ("an op", self.op_us),
             ("an op's backward", self.backward_op_us),
@@ -254,6 +275,15 @@ impl Machine {
         Ok(())
     }
 
+    /// The rate the 8-bit products play at, TFLOP/s: the measured one, or the bf16 GEMMs'.
+    fn product_rate(&self) -> f64 {
+        if self.fp8_product_tflops > 0.0 {
+            self.fp8_product_tflops
+        } else {
+            self.gemm_tflops
+        }
+    }
+
     /// Attention's (forward, backward) rate at head width `d`, TFLOP/s: the measured widths
     /// 64 and 128, linear between them, the nearer one outside.
     fn attention_rates(&self, d: usize) -> (f64, f64) {
@@ -274,7 +304,7 @@ impl std::fmt::Display for Machine {
              {:.0}/{:.0} (D 128) TFLOP/s forward/backward, memory {:.0} GiB/s, {:.1}/{:.1} µs \
              an op and its backward on the host and {:.1}/{:.1} a view, coded decodes beside GEMMs, attention \
              and elementwise work {:.0}/{:.0}/{:.0} GiB/s costing them {:.1}/{:.1}/{:.1} ms a GiB, FP8 \
-             decodes {:.0} GiB/s, host products {:.1} GiB/s",
+             decodes {:.0} GiB/s, 8-bit products {:.0} TFLOP/s, host products {:.1} GiB/s",
             self.upload_gib_per_s,
             self.coded_upload_gib_per_s,
             self.gemm_tflops,
@@ -295,6 +325,7 @@ impl std::fmt::Display for Machine {
             self.wire_decode_cost_ms_per_gib[1],
             self.wire_decode_cost_ms_per_gib[2],
             self.fp8_decode_gib_per_s,
+            self.fp8_product_tflops,
             self.host_product_gib_per_s
         )
     }
@@ -498,7 +529,7 @@ impl MemoryProfile {
     /// FP8 codes (the host products take floating-point weights). Their products are
     /// computed from the start of the backward before each forward (`DiffusionModel::prepare`).
     fn host_held(plan: &Plan, b: &BlockCost) -> (u64, u64, u64) {
-        if plan.host_products && b.decode_bytes == 0 {
+        if plan.host_products && b.decode_bytes == 0 && b.product_bytes == 0 {
             (
                 b.forward_only_bytes,
                 b.forward_only_wire,
@@ -527,9 +558,19 @@ impl MemoryProfile {
         let m = &self.machine;
         let (forward_rate, backward_rate) = m.attention_rates(b.head_dim);
         let convolutions = b.conv_flops / (m.conv_tflops * 1e9);
+        // GEMM FLOPs at the bf16 rate and at the 8-bit products' (the products' share of
+        // what runs).
+        let gemms = |flops: f64| {
+            let eight = if b.gemm_flops > 0.0 {
+                b.product_flops * flops / b.gemm_flops
+            } else {
+                0.0
+            };
+            (flops - eight).max(0.0) / (m.gemm_tflops * 1e9) + eight / (m.product_rate() * 1e9)
+        };
         if backward {
             return [
-                b.gemm_flops / (m.gemm_tflops * 1e9) + convolutions,
+                gemms(b.gemm_flops) + convolutions,
                 ATTENTION_BACKWARD_FLOPS * b.attention_flops / (backward_rate * 1e9),
                 BACKWARD_MEMORY_PASSES * self.memory_ms(b.saved_bytes)
                     + self.memory_ms(b.adapter_backward_bytes)
@@ -549,7 +590,7 @@ impl MemoryProfile {
             b.gemm_flops
         };
         [
-            gemm.max(0.0) / (m.gemm_tflops * 1e9) + convolutions,
+            gemms(gemm.max(0.0)) + convolutions,
             if kept.attention {
                 0.0
             } else {
@@ -1159,7 +1200,7 @@ impl MemoryProfile {
         let held = self
             .blocks
             .iter()
-            .any(|b| b.forward_only_bytes > 0 && b.decode_bytes == 0);
+            .any(|b| b.forward_only_bytes > 0 && b.decode_bytes == 0 && b.product_bytes == 0);
         let n = self.blocks.len();
         let mut v = vec![];
         for checkpointing in [

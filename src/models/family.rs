@@ -484,17 +484,18 @@ fn profile_with<M: ModelSpec>(
     if let Some(types) = ggml_types {
         vb = vb.with_ggml_types(types)?;
     }
-    // The FP8 weights whose backward keeps their transposed codes while they stay on the
-    // device (`nn::Fp8Kept`): 8-bit products on, widths the FP8 products take (multiples of
-    // 16, `nn::layers`); the transpose has the codes' bytes.
-    let kept_bytes = |key: &str, t: &Tensor, packed: Option<(usize, usize)>| -> u64 {
+    // The FP8 weights multiplied in 8 bits (`nn::layers`): 8-bit products on, widths the FP8
+    // products take (multiples of 16). Their backward keeps their transposed codes while
+    // they stay on the device (`nn::Fp8Kept`), the codes' bytes again.
+    let eight_bit = |key: &str, t: &Tensor, packed: Option<(usize, usize)>| -> bool {
         let fp8 =
             t.dtype() == DType::U32 && !ggml_keys.as_ref().is_some_and(|m| m.contains_key(key));
-        match packed {
-            Some((out, inp)) if opts.fp8_products && fp8 && out % 16 == 0 && inp % 16 == 0 => {
-                (t.elem_count() * t.dtype().size_in_bytes()) as u64
-            }
-            _ => 0,
+        matches!(packed, Some((out, inp)) if opts.fp8_products && fp8 && out % 16 == 0 && inp % 16 == 0)
+    };
+    let kept_bytes = |key: &str, t: &Tensor, packed: Option<(usize, usize)>| -> u64 {
+        match eight_bit(key, t, packed) {
+            true => (t.elem_count() * t.dtype().size_in_bytes()) as u64,
+            false => 0,
         }
     };
     let probe_adapters = match &opts.adapters {
@@ -590,8 +591,11 @@ fn profile_with<M: ModelSpec>(
                         b.forward_only_coded += coded;
                     }
                 }
-                if packed.is_some() {
-                    b.decode_bytes += bytes(t);
+                let eight = eight_bit(key, t, packed);
+                match (packed.is_some(), eight) {
+                    (true, true) => b.product_bytes += bytes(t),
+                    (true, false) => b.decode_bytes += bytes(t),
+                    _ => {}
                 }
                 b.kept_bytes += kept_bytes(key, t, packed);
                 b.tensors += 1;
@@ -627,6 +631,9 @@ fn profile_with<M: ModelSpec>(
                     b.conv_flops += flops;
                 } else {
                     b.gemm_flops += flops;
+                    if eight {
+                        b.product_flops += flops;
+                    }
                 }
                 // A Linear's weight (out, in) narrower out than in: a down-projection, whose
                 // output (positions, out) `Keep { down_projections }` keeps.

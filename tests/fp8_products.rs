@@ -472,8 +472,9 @@ fn planner_counts_kept_transposes() {
     let (decoded, eight) = (profile(false), profile(true));
     assert!(decoded.blocks.iter().all(|b| b.kept_bytes == 0));
     for b in &eight.blocks {
-        assert!(b.decode_bytes > 0);
-        assert_eq!(b.kept_bytes, b.decode_bytes, "{}", b.prefix);
+        // The codes multiplied in 8 bits, never decoded, and kept transposed beside them.
+        assert!(b.product_bytes > 0 && b.decode_bytes == 0, "{}", b.prefix);
+        assert_eq!(b.kept_bytes, b.product_bytes, "{}", b.prefix);
     }
     let resident = flame::memory::Plan::default();
     let kept: u64 = eight.blocks.iter().map(|b| b.kept_bytes).sum();

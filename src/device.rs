@@ -737,7 +737,6 @@ impl Storage {
         shadow: &mut Storage,
         items: &[crate::backend::multi::MultiRef<'_, Storage>],
     ) -> Result<()> {
-        use crate::backend::multi::MultiRef;
         use crate::backend::BackendStorage;
         const OP: &str = "ema_multi";
         #[cfg(feature = "cpu-ref")]
@@ -745,13 +744,7 @@ impl Storage {
         if let Storage::Cpu(_) = &*shadow {
             let a = items
                 .iter()
-                .map(|it| {
-                    Ok(MultiRef {
-                        s: it.s.cpu(OP)?,
-                        offset: it.offset,
-                        n: it.n,
-                    })
-                })
+                .map(|it| it.map(|s| s.cpu(OP)))
                 .collect::<Result<Vec<_>>>()?;
             return CpuStorage::ema_multi(k, shadow.cpu_mut(OP)?, &a);
         }
@@ -760,13 +753,7 @@ impl Storage {
         if let Storage::Cuda(_) = &*shadow {
             let a = items
                 .iter()
-                .map(|it| {
-                    Ok(MultiRef {
-                        s: it.s.cuda(OP)?,
-                        offset: it.offset,
-                        n: it.n,
-                    })
-                })
+                .map(|it| it.map(|s| s.cuda(OP)))
                 .collect::<Result<Vec<_>>>()?;
             return crate::backend::cuda::CudaStorage::ema_multi(k, shadow.cuda_mut(OP)?, &a);
         }
@@ -781,7 +768,6 @@ impl Storage {
     pub(crate) fn sum_sq_multi(
         items: &[crate::backend::multi::MultiRef<'_, Storage>],
     ) -> Result<f64> {
-        use crate::backend::multi::MultiRef;
         use crate::backend::BackendStorage;
         const OP: &str = "sum_sq_multi";
         let Some(first) = items.first() else {
@@ -792,13 +778,7 @@ impl Storage {
         if let Storage::Cpu(_) = first.s {
             let a = items
                 .iter()
-                .map(|it| {
-                    Ok(MultiRef {
-                        s: it.s.cpu(OP)?,
-                        offset: it.offset,
-                        n: it.n,
-                    })
-                })
+                .map(|it| it.map(|s| s.cpu(OP)))
                 .collect::<Result<Vec<_>>>()?;
             return CpuStorage::sum_sq_multi(&a);
         }
@@ -807,13 +787,7 @@ impl Storage {
         if let Storage::Cuda(_) = first.s {
             let a = items
                 .iter()
-                .map(|it| {
-                    Ok(MultiRef {
-                        s: it.s.cuda(OP)?,
-                        offset: it.offset,
-                        n: it.n,
-                    })
-                })
+                .map(|it| it.map(|s| s.cuda(OP)))
                 .collect::<Result<Vec<_>>>()?;
             return crate::backend::cuda::CudaStorage::sum_sq_multi(&a);
         }

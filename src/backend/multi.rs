@@ -119,6 +119,20 @@ pub struct MultiRef<'a, S> {
     pub n: usize,
 }
 
+impl<'a, S> MultiRef<'a, S> {
+    /// The same view over another view of its buffer (the storage enum's backend storage).
+    pub(crate) fn map<T>(
+        &self,
+        f: impl Fn(&'a S) -> crate::Result<&'a T>,
+    ) -> crate::Result<MultiRef<'a, T>> {
+        Ok(MultiRef {
+            s: f(self.s)?,
+            offset: self.offset,
+            n: self.n,
+        })
+    }
+}
+
 impl<'a, S> AdamItem<'a, S> {
     /// The same item over other views of its buffers (the storage enum's backend storage).
     pub(crate) fn map<'b, T>(

@@ -194,6 +194,22 @@ fn run_group(h: &AdamHyper, maps: Option<&Tensor>, slots: &[&AdamSlot<'_>]) -> R
     Storage::adam_multi(h, &mut items, map_guard.as_deref())
 }
 
+/// Contiguous tensors' values as views of their storages, read through `guards` (one a
+/// tensor, in order: the caller holds them while the views are used).
+fn views<'a, 'g>(
+    tensors: impl Iterator<Item = &'a Tensor>,
+    guards: &'g [RwLockReadGuard<'_, Storage>],
+) -> Vec<MultiRef<'g, Storage>> {
+    tensors
+        .zip(guards)
+        .map(|(t, g)| MultiRef {
+            s: &**g,
+            offset: t.layout().offset(),
+            n: t.elem_count(),
+        })
+        .collect()
+}
+
 /// The sum of the squares of every value of `tensors`, in f64: one launch per device and
 /// dtype on CUDA (a strided view is first copied dense). Deterministic: the same tensors give
 /// the same bits. A NaN or an infinity anywhere makes the sum non-finite.
@@ -213,16 +229,7 @@ pub fn sum_sq_multi(tensors: &[&Tensor]) -> Result<f64> {
         let on: Vec<&Tensor> = dense.iter().filter(|t| t.device() == &dev).collect();
         let guards: Vec<RwLockReadGuard<'_, Storage>> =
             on.iter().map(|t| t.storage()).collect::<Result<_>>()?;
-        let items: Vec<MultiRef<'_, Storage>> = on
-            .iter()
-            .zip(&guards)
-            .map(|(t, g)| MultiRef {
-                s: &**g,
-                offset: t.layout().offset(),
-                n: t.elem_count(),
-            })
-            .collect();
-        total += Storage::sum_sq_multi(&items)?;
+        total += Storage::sum_sq_multi(&views(on.iter().copied(), &guards))?;
     }
     Ok(total)
 }
@@ -819,15 +826,7 @@ pub(crate) fn ema_multi(k: f32, shadow: &Tensor, params: &[&Tensor]) -> Result<(
     }
     let reads: Vec<RwLockReadGuard<'_, Storage>> =
         params.iter().map(|p| p.storage()).collect::<Result<_>>()?;
-    let items: Vec<MultiRef<'_, Storage>> = params
-        .iter()
-        .zip(&reads)
-        .map(|(p, g)| MultiRef {
-            s: &**g,
-            offset: p.layout().offset(),
-            n: p.elem_count(),
-        })
-        .collect();
+    let items = views(params.iter().copied(), &reads);
     let arc = shadow.storage_arc()?;
     let mut sw = arc.write().map_err(|_| lock_err())?;
     Storage::ema_multi(k, &mut sw, &items)

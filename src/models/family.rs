@@ -485,12 +485,12 @@ fn profile_with<M: ModelSpec>(
         vb = vb.with_ggml_types(types)?;
     }
     // The FP8 weights multiplied in 8 bits (`nn::layers`): 8-bit products on, widths the FP8
-    // products take (multiples of 16). Their backward keeps their transposed codes while
+    // products take (`eight_bit_widths`). Their backward keeps their transposed codes while
     // they stay on the device (`nn::Fp8Kept`), the codes' bytes again.
     let eight_bit = |key: &str, t: &Tensor, packed: Option<(usize, usize)>| -> bool {
         let fp8 =
             t.dtype() == DType::U32 && !ggml_keys.as_ref().is_some_and(|m| m.contains_key(key));
-        matches!(packed, Some((out, inp)) if opts.fp8_products && fp8 && out % 16 == 0 && inp % 16 == 0)
+        matches!(packed, Some((out, inp)) if opts.fp8_products && fp8 && crate::nn::eight_bit_widths(out, inp))
     };
     let kept_bytes = |key: &str, t: &Tensor, packed: Option<(usize, usize)>| -> u64 {
         match eight_bit(key, t, packed) {

@@ -31,6 +31,7 @@ pub use functional::{
 };
 pub use heads::{merge_heads, split_qkv};
 pub use keys::{KeyMap, KeySource};
+pub(crate) use layers::eight_bit_widths;
 pub use layers::{
     upsample_nearest2d, Activation, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };

@@ -476,6 +476,12 @@ fn run<M: ModelSpec>(
     // The streamer's counters after the warm-up, to report the timed steps alone (the
     // warm-up's forward finds no block carried over; `--phases` and the probes run more).
     let stream_before = streamer.as_ref().map(|s| s.report()).transpose()?;
+    // `--link-trace FILE`: each timed upload of the timed steps, written as CSV, and the
+    // copy rate by kind of upload printed.
+    let link_trace = args.value("--link-trace");
+    if let (Some(s), Some(_)) = (&streamer, &link_trace) {
+        s.trace_uploads(true)?;
+    }
     cuda.reset_peak_memory();
     let mut losses = vec![first];
     let (evictions, flushes, overflows) = (
@@ -502,6 +508,48 @@ fn run<M: ModelSpec>(
         Ok(())
     })? * 1e3;
     let stream_after = streamer.as_ref().map(|s| s.report()).transpose()?;
+    if let (Some(s), Some(path)) = (&streamer, &link_trace) {
+        let records = s.take_trace()?;
+        let carried = s.carried()?;
+        let mut csv = String::from("block,whole,coded,wire_bytes,copy_ms,span_ms,decode_ms\n");
+        for r in &records {
+            csv.push_str(&format!(
+                "{},{},{},{},{:.4},{:.4},{:.4}\n",
+                r.block, r.whole, r.coded, r.wire_bytes, r.copy_ms, r.span_ms, r.decode_ms
+            ));
+        }
+        std::fs::write(path, csv).map_err(|source| flame::Error::Io {
+            path: path.into(),
+            source,
+        })?;
+        type Pick = fn(&flame::memory::UploadRecord, usize) -> bool;
+        let kinds: [(&str, Pick); 5] = [
+            ("carried, coded", |r, c| r.block < c && r.coded),
+            ("carried, uncoded", |r, c| r.block < c && !r.coded),
+            ("others, whole, coded", |r, c| {
+                r.block >= c && r.whole && r.coded
+            }),
+            ("others, part, coded", |r, c| {
+                r.block >= c && !r.whole && r.coded
+            }),
+            ("others, uncoded", |r, c| r.block >= c && !r.coded),
+        ];
+        for (label, pick) in kinds {
+            let v: Vec<_> = records.iter().filter(|r| pick(r, carried)).collect();
+            let bytes: u64 = v.iter().map(|r| r.wire_bytes).sum();
+            let (copy, span, decode) = v.iter().fold((0.0, 0.0, 0.0), |a, r| {
+                (a.0 + r.copy_ms, a.1 + r.span_ms, a.2 + r.decode_ms)
+            });
+            if !v.is_empty() {
+                println!(
+                    "link trace, {label}: {} uploads, {:.2} GiB, copies {copy:.1} ms ({:.1} GiB/s), spans {span:.1} ms, decodes {decode:.1} ms",
+                    v.len(),
+                    bytes as f64 / GIB,
+                    bytes as f64 / GIB / (copy / 1e3).max(1e-9)
+                );
+            }
+        }
+    }
     sampling.store(false, Ordering::Relaxed);
     let driver_peak = sampler.join().unwrap_or(0);
     let per_step = |n: u64| n as f64 / timed as f64;

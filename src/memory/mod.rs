@@ -44,7 +44,7 @@ pub use plan::{
 };
 
 pub use products::ProductReport;
-pub use streamer::{BlockStreamer, StreamReport};
+pub use streamer::{BlockStreamer, StreamReport, UploadRecord};
 pub use switches::Switches;
 
 use crate::autograd::{checkpoint_opts, CheckpointHooks, CheckpointOptions, Keep, SavedHooks};

@@ -47,6 +47,27 @@ pub struct StreamReport {
     pub host: ProductReport,
 }
 
+/// One timed upload (`BlockStreamer::trace_uploads`): which block, what it brought, and what
+/// its copies and decodes took on the device.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UploadRecord {
+    /// The block's place in the streamer's order.
+    pub block: usize,
+    /// Whether the upload brought every weight (a forward's, or a backward's that leaves
+    /// nothing out), or only those a re-run reads.
+    pub whole: bool,
+    /// Whether any of its parts crossed coded (through the staging ring).
+    pub coded: bool,
+    /// Bytes on the link.
+    pub wire_bytes: u64,
+    /// Milliseconds in its copies.
+    pub copy_ms: f64,
+    /// Milliseconds from its first copy's start to its last copy's end.
+    pub span_ms: f64,
+    /// Milliseconds in its decodes (and the staged copies of its raw parts).
+    pub decode_ms: f64,
+}
+
 struct Param {
     /// The model's handle; its buffer is swapped in and out.
     tensor: Tensor,
@@ -72,7 +93,7 @@ enum Need {
 enum Residency {
     Released,
     /// Copies started, not yet waited for by the compute work.
-    InFlight(Ticket),
+    InFlight(Ticket, UploadRecord),
     Resident,
 }
 
@@ -103,7 +124,9 @@ struct State {
     report: StreamReport,
     /// Tickets of uploads the compute work has waited for, until their copies' durations can
     /// be read.
-    timing: Vec<Ticket>,
+    timing: Vec<(Ticket, UploadRecord)>,
+    /// The timed uploads' records, when traced (`BlockStreamer::trace_uploads`).
+    trace: Option<Vec<UploadRecord>>,
     /// Whether the blocks' packs are made (`seal`, at the first fetch).
     sealed: bool,
     /// Whether bf16 weights cross the link coded (`set_wire_code`).
@@ -127,13 +150,21 @@ struct State {
 impl State {
     /// Adds the durations of the finished copies in `timing` to the report.
     fn collect_timings(&mut self) {
-        let report = &mut self.report;
-        self.timing.retain(|t| match t.copy_ms() {
+        let (report, trace) = (&mut self.report, &mut self.trace);
+        self.timing.retain(|(t, r)| match t.copy_ms() {
             Some((ms, span, decode)) => {
                 report.copy_us += (ms * 1e3).round() as u64;
                 report.span_us += (span * 1e3).round() as u64;
                 report.decode_us += (decode * 1e3).round() as u64;
                 report.timed_uploads += 1;
+                if let Some(v) = trace {
+                    v.push(UploadRecord {
+                        copy_ms: ms,
+                        span_ms: span,
+                        decode_ms: decode,
+                        ..*r
+                    });
+                }
                 false
             }
             None => true,
@@ -208,6 +239,7 @@ impl BlockStreamer {
                 blocks,
                 report: StreamReport::default(),
                 timing: vec![],
+                trace: None,
                 sealed: false,
                 code: true,
                 uncoded_first: 0,
@@ -323,6 +355,22 @@ impl BlockStreamer {
     /// forward (fewer while the device lacks the room `set_reach` asks for).
     pub fn carried(&self) -> Result<usize> {
         Ok(self.lock()?.carry)
+    }
+
+    /// Keeps a record of each timed upload from now on (`take_trace`), or stops.
+    pub fn trace_uploads(&self, on: bool) -> Result<()> {
+        let mut st = self.lock()?;
+        st.collect_timings();
+        st.trace = on.then(Vec::new);
+        Ok(())
+    }
+
+    /// The timed uploads' records since the last call (or since `trace_uploads`), in the
+    /// order their copies were waited for.
+    pub fn take_trace(&self) -> Result<Vec<UploadRecord>> {
+        let mut st = self.lock()?;
+        st.collect_timings();
+        Ok(st.trace.as_mut().map(std::mem::take).unwrap_or_default())
     }
 
     /// The counters so far, with `blocks` the number of streamed blocks.
@@ -553,7 +601,19 @@ impl BlockStreamer {
                 p.placeholder = Some(p.tensor.swap_storage(storage)?);
             }
         }
-        b.residency = Residency::InFlight(ticket);
+        let coded = wire < bytes;
+        b.residency = Residency::InFlight(
+            ticket,
+            UploadRecord {
+                block: i,
+                whole: !left_out,
+                coded,
+                wire_bytes: wire,
+                copy_ms: 0.0,
+                span_ms: 0.0,
+                decode_ms: 0.0,
+            },
+        );
         b.partial_for = match need {
             Need::Rerun(d) if left_out => Some(d),
             _ => None,
@@ -664,13 +724,13 @@ impl BlockStreamer {
         let Some(b) = st.blocks.get_mut(i) else {
             return Ok(());
         };
-        if let Residency::InFlight(ticket) = &b.residency {
+        if let Residency::InFlight(ticket, _) = &b.residency {
             self.device.wait(ticket)?;
-            if let Residency::InFlight(ticket) =
+            if let Residency::InFlight(ticket, record) =
                 std::mem::replace(&mut b.residency, Residency::Resident)
             {
                 if ticket.timed() {
-                    st.timing.push(ticket);
+                    st.timing.push((ticket, record));
                 }
             }
         }

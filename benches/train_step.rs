@@ -27,7 +27,9 @@
 //! step with the device synchronised after its forward and after its backward. Each step
 //! announces the next one's inputs between its forward and its backward
 //! (`DiffusionModel::prepare`: host products computed during the backward); `--no-prepare`
-//! leaves them to each forward.
+//! leaves them to each forward. Each step reads bf16 compute copies of the adapters' f32
+//! weights made in one launch at its start, their gradients folded back in one
+//! (`ComputeCopies`); `--per-use-casts` casts each weight at each use instead.
 //!
 //! Data-parallel: started with torchrun's variables (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`,
 //! `MASTER_ADDR`, `MASTER_PORT`; one process per GPU), each rank takes its part of a global
@@ -48,6 +50,7 @@ use flame::models::sd3::{Sd3, Sd3Config};
 use flame::models::sdxl::{SdxlConfig, Unet};
 use flame::models::zimage::{ZImage, ZImageConfig};
 use flame::models::{profile_config, LoadOptions, ModelSpec, Objective, RunShape};
+use flame::nn::adapter::ComputeCopies;
 use flame::nn::{Adapters, LoraConfig, VarBuilder};
 use flame::optim::{AdamConfig, AdamW, AdamW8bit, AdamW8bitConfig, Optimizer};
 use flame::train::{flow_matching, weighted_mse, TimestepSampling};
@@ -437,10 +440,21 @@ fn run<M: ModelSpec>(
         }
         Ok((out, target))
     };
+    // The adapters' bf16 compute copies, made once a step after the optimizer's update
+    // (`--per-use-casts`: each use casts its f32 weight instead, as before the copies).
+    let per_use = args.flag("--per-use-casts");
+    let copies = || -> Result<Option<Arc<ComputeCopies>>> {
+        match per_use {
+            true => Ok(None),
+            false => adapters.compute_copies(DType::BF16).map(Some),
+        }
+    };
     let mut step = || -> Result<f64> {
         steps_run.set(steps_run.get() + 1);
         let mut m = [0.0; 3];
         let issued = std::time::Instant::now();
+        let copies = copies()?;
+        let entered = copies.as_ref().map(|c| c.enter());
         let (out, target) = forward()?;
         m[0] = issued.elapsed().as_secs_f64();
         if let Some(a) = &probe {
@@ -457,6 +471,10 @@ fn run<M: ModelSpec>(
             r.arm()?;
         }
         loss.backward_into(&mut grads)?;
+        if let Some(c) = &copies {
+            c.fold(&mut grads)?;
+        }
+        drop(entered);
         m[1] = issued.elapsed().as_secs_f64();
         if let Some(r) = &reducer {
             grads.set_hook(None);
@@ -622,12 +640,18 @@ fn run<M: ModelSpec>(
         let t0 = t.elapsed().as_secs_f64();
         // The forward from its inputs' draw (a short wait for the device) on, with the inputs
         // the step before announced (as a timed step's).
+        let copies = copies()?;
+        let entered = copies.as_ref().map(|c| c.enter());
         let (out, target) = forward()?;
         let loss = weighted_mse(&out, &target, None)?.affine(share, 0.0)?;
         cuda.synchronize()?;
         let t1 = t.elapsed().as_secs_f64();
         let mid = streamer.as_ref().map(|s| s.report()).transpose()?;
-        let grads = loss.backward()?;
+        let mut grads = loss.backward()?;
+        if let Some(c) = &copies {
+            c.fold(&mut grads)?;
+        }
+        drop(entered);
         cuda.synchronize()?;
         let t2 = t.elapsed().as_secs_f64();
         opt.step(&grads)?;

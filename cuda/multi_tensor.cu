@@ -984,3 +984,44 @@ extern "C" __global__ void __launch_bounds__(MT_THREADS)
     s[i] = __fsub_rn(sv, __fmul_rn(kk, __fsub_rn(sv, af_load(e.p, e.dtype, i))));
   }
 }
+
+// ----- Grouped compute-dtype copies and their gradients' fold into f32 ---------------------
+// (backend::multi::copy_value / fold_value; launchers src/backend/cuda/multi.rs)
+//   CopyEntry (K) src (N) T; dst (N) out dtype                     chunks of ADAM_CHUNK values
+//   FoldEntry (K) g (N) T; prev (N) f32 or 0; dst (N) f32           chunks of ADAM_CHUNK values
+// The factor travels as its f32 bits in the low half of a word.
+struct CopyEntry {
+  unsigned long long src, n, dtype, dst, first, scale;
+};
+struct FoldEntry {
+  unsigned long long g, n, dtype, prev, dst, first, scale;
+};
+
+// copy_value: p, or p * s + 0 rounded in f32 as the per-use affine.
+__device__ __forceinline__ float copy_value(float s, float p) {
+  return s == 1.f ? p : __fadd_rn(__fmul_rn(p, s), 0.f);
+}
+
+extern "C" __global__ void __launch_bounds__(MT_THREADS)
+    grouped_copy(const CopyEntry* table, unsigned k, unsigned long long out_dtype) {
+  const CopyEntry e = table[find_entry(table, k, blockIdx.x)];
+  const float s = __uint_as_float((unsigned)e.scale);
+  const size_t start = (size_t)(blockIdx.x - e.first) * ADAM_CHUNK;
+  const size_t end = min(start + ADAM_CHUNK, (size_t)e.n);
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS)
+    af_store(e.dst, out_dtype, i, copy_value(s, af_load(e.src, e.dtype, i)));
+}
+
+extern "C" __global__ void __launch_bounds__(MT_THREADS)
+    grouped_fold(const FoldEntry* table, unsigned k) {
+  const FoldEntry e = table[find_entry(table, k, blockIdx.x)];
+  const float s = __uint_as_float((unsigned)e.scale);
+  const float* prev = (const float*)e.prev;
+  float* dst = (float*)e.dst;
+  const size_t start = (size_t)(blockIdx.x - e.first) * ADAM_CHUNK;
+  const size_t end = min(start + ADAM_CHUNK, (size_t)e.n);
+  for (size_t i = start + threadIdx.x; i < end; i += MT_THREADS) {
+    const float c = copy_value(s, af_load(e.g, e.dtype, i));
+    dst[i] = prev ? __fadd_rn(prev[i], c) : c;
+  }
+}

@@ -764,6 +764,98 @@ impl Storage {
             &Shape::from(()),
         ))
     }
+    /// A grouped copy into a compute dtype (`BackendStorage::cast_multi`).
+    pub(crate) fn cast_multi(
+        out: &mut Storage,
+        items: &[crate::backend::multi::CastItem<'_, Storage>],
+    ) -> Result<()> {
+        use crate::backend::multi::CastItem;
+        use crate::backend::BackendStorage;
+        const OP: &str = "cast_multi";
+        #[cfg(feature = "cpu-ref")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cpu(_) = &*out {
+            let a = items
+                .iter()
+                .map(|it| {
+                    Ok(CastItem {
+                        src: it.src.map(|s| s.cpu(OP))?,
+                        scale: it.scale,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return CpuStorage::cast_multi(out.cpu_mut(OP)?, &a);
+        }
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cuda(_) = &*out {
+            let a = items
+                .iter()
+                .map(|it| {
+                    Ok(CastItem {
+                        src: it.src.map(|s| s.cuda(OP))?,
+                        scale: it.scale,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return crate::backend::cuda::CudaStorage::cast_multi(out.cuda_mut(OP)?, &a);
+        }
+        let _ = items;
+        Err(crate::Error::invalid(
+            OP,
+            "internal: storage of no backend",
+            &Shape::from(()),
+        ))
+    }
+    /// A grouped fold of gradients into f32 (`BackendStorage::fold_multi`).
+    pub(crate) fn fold_multi(
+        out: &mut Storage,
+        items: &[crate::backend::multi::FoldItem<'_, Storage>],
+    ) -> Result<()> {
+        use crate::backend::multi::FoldItem;
+        use crate::backend::BackendStorage;
+        const OP: &str = "fold_multi";
+        #[cfg(feature = "cpu-ref")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cpu(_) = &*out {
+            let a = items
+                .iter()
+                .map(|it| {
+                    Ok(FoldItem {
+                        g: it.g.map(|s| s.cpu(OP))?,
+                        prev: it.prev.as_ref().map(|p| p.map(|s| s.cpu(OP))).transpose()?,
+                        scale: it.scale,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return CpuStorage::fold_multi(out.cpu_mut(OP)?, &a);
+        }
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let Storage::Cuda(_) = &*out {
+            let a = items
+                .iter()
+                .map(|it| {
+                    Ok(FoldItem {
+                        g: it.g.map(|s| s.cuda(OP))?,
+                        prev: it
+                            .prev
+                            .as_ref()
+                            .map(|p| p.map(|s| s.cuda(OP)))
+                            .transpose()?,
+                        scale: it.scale,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return crate::backend::cuda::CudaStorage::fold_multi(out.cuda_mut(OP)?, &a);
+        }
+        let _ = items;
+        Err(crate::Error::invalid(
+            OP,
+            "internal: storage of no backend",
+            &Shape::from(()),
+        ))
+    }
     /// The sum of squares of many views on one device (`BackendStorage::sum_sq_multi`).
     pub(crate) fn sum_sq_multi(
         items: &[crate::backend::multi::MultiRef<'_, Storage>],

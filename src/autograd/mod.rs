@@ -548,6 +548,20 @@ impl Grads {
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
+    /// Sets leaf `id`'s gradient to `g`, a sum its caller formed of every contribution so
+    /// far (a grouped fold of compute copies' gradients), and tells the hook as
+    /// `accumulate` does.
+    pub(crate) fn set_summed(&mut self, id: TensorId, g: Tensor) -> crate::Result<()> {
+        if let Some(h) = &self.hook {
+            h.ready(id, &g)?;
+        }
+        self.map.insert(id, g);
+        Ok(())
+    }
+    /// Takes the gradient of the tensor with id `id` out, if there is one.
+    pub(crate) fn remove_id(&mut self, id: TensorId) -> Option<Tensor> {
+        self.map.remove(&id)
+    }
     pub(crate) fn accumulate(&mut self, id: TensorId, g: Tensor) -> crate::Result<()> {
         let _guard = no_grad();
         let sum = match self.map.remove(&id) {

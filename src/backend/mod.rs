@@ -472,6 +472,15 @@ pub trait BackendStorage: Sized + Send + Sync {
     /// f32 `shadow`, where the items lie one after another from its start (one launch on
     /// CUDA). Items of f32, bf16 and f16 may mix. Checked by `validate::ema_multi`.
     fn ema_multi(k: f32, shadow: &mut Self, items: &[multi::MultiRef<'_, Self>]) -> Result<()>;
+    /// The compute-dtype copies of every item into `out` (f32, bf16 or f16), where they lie
+    /// one after another from its start: `multi::copy_value` of each value, rounded once to
+    /// `out`'s dtype (one launch on CUDA). Items of f32, bf16 and f16 may mix. Checked by
+    /// `validate::cast_multi`.
+    fn cast_multi(out: &mut Self, items: &[multi::CastItem<'_, Self>]) -> Result<()>;
+    /// The f32 gradients of every item into `out` (f32), one after another from its start:
+    /// `multi::fold_value` of each value (one launch on CUDA). Gradients of f32, bf16 and f16
+    /// may mix. Checked by `validate::fold_multi`.
+    fn fold_multi(out: &mut Self, items: &[multi::FoldItem<'_, Self>]) -> Result<()>;
     /// A contiguous copy of the view `l` on this device, in one pass.
     fn copy_contiguous(&self, l: &Layout) -> Result<Self>;
     /// Contiguous host copy of the view `l`.

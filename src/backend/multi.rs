@@ -511,3 +511,50 @@ impl<'a, S> ProdigyItem<'a, S> {
 pub fn ema_value(k: f32, s: f32, p: f32) -> f32 {
     s - k * (s - p)
 }
+
+/// One weight of a grouped copy into a compute dtype (`BackendStorage::cast_multi`): its
+/// values and the factor they are scaled by first ([`copy_value`]).
+pub struct CastItem<'a, S> {
+    /// The weight's values (f32, bf16 or f16).
+    pub src: MultiRef<'a, S>,
+    /// The factor (1: the values as they are).
+    pub scale: f32,
+}
+
+/// One gradient of a grouped fold into f32 (`BackendStorage::fold_multi`): the gradient of
+/// a copy [`CastItem`] made, the f32 gradient it adds to (none: it starts one), and the
+/// copy's factor ([`fold_value`]).
+pub struct FoldItem<'a, S> {
+    /// The copy's gradient (f32, bf16 or f16).
+    pub g: MultiRef<'a, S>,
+    /// The weight's gradient so far (f32, `g.n` values), if any.
+    pub prev: Option<MultiRef<'a, S>>,
+    /// The copy's factor.
+    pub scale: f32,
+}
+
+/// The value a grouped copy holds for a weight's value `p` with factor `scale`, in f32
+/// before its rounding to the copy's dtype: `p`, or `p * scale + 0` (the `affine` a
+/// per-use `w.affine(scale, 0).to_dtype(..)` computes, rounded in f32 the same way, so the
+/// copy is the per-use cast's value bit for bit). `grouped_copy` in cuda/multi_tensor.cu is
+/// its twin.
+pub fn copy_value(scale: f32, p: f32) -> f32 {
+    if scale == 1.0 {
+        p
+    } else {
+        p * scale + 0.0
+    }
+}
+
+/// A weight's f32 gradient after a copy's gradient `g` (its value in f32) is folded into
+/// it: `prev + copy_value(scale, g)`, or `copy_value(scale, g)` where there was none. The
+/// per-use path's VJPs compute the same: the cast's gives `g` in f32 (exact), the affine's
+/// `g * scale + 0`, and the gradient sum adds it to `prev`. d/dw (s w) = s. `grouped_fold` in
+/// cuda/multi_tensor.cu is its twin.
+pub fn fold_value(scale: f32, prev: Option<f32>, g: f32) -> f32 {
+    let c = copy_value(scale, g);
+    match prev {
+        Some(p) => p + c,
+        None => c,
+    }
+}

@@ -562,3 +562,99 @@ pub(crate) fn ema_multi<S>(
         0,
     )
 }
+
+/// A grouped copy into a compute dtype (`BackendStorage::cast_multi`): `out` of f32, bf16
+/// or f16 holding every item's values one after another, each item f32, bf16 or f16.
+pub(crate) fn cast_multi<S>(
+    out: &S,
+    items: &[super::multi::CastItem<'_, S>],
+    info: impl Fn(&S) -> (DType, usize),
+) -> Result<()> {
+    const OP: &str = "cast_multi";
+    let mut total = 0usize;
+    for (k, it) in items.iter().enumerate() {
+        item_fits(
+            OP,
+            info(it.src.s),
+            None,
+            it.src.offset,
+            it.src.n,
+            "the weight",
+            k,
+        )?;
+        if !it.scale.is_finite() {
+            return Err(Error::invalid(
+                OP,
+                format!("item {k}: the factor {} is not finite", it.scale),
+                &crate::Shape::from(it.src.n),
+            ));
+        }
+        total = total.checked_add(it.src.n).ok_or_else(|| {
+            Error::invalid(OP, "the weights' sizes overflow", &crate::Shape::from(()))
+        })?;
+    }
+    item_fits(OP, info(out), None, 0, total, "the copies", 0)
+}
+
+/// A grouped fold of gradients into f32 (`BackendStorage::fold_multi`): `out` f32 holding
+/// every item's values one after another, each gradient f32, bf16 or f16, each earlier
+/// gradient f32 of the same size.
+pub(crate) fn fold_multi<S>(
+    out: &S,
+    items: &[super::multi::FoldItem<'_, S>],
+    info: impl Fn(&S) -> (DType, usize),
+) -> Result<()> {
+    const OP: &str = "fold_multi";
+    let mut total = 0usize;
+    for (k, it) in items.iter().enumerate() {
+        item_fits(
+            OP,
+            info(it.g.s),
+            None,
+            it.g.offset,
+            it.g.n,
+            "the gradient",
+            k,
+        )?;
+        if let Some(p) = &it.prev {
+            if p.n != it.g.n {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "item {k}: an earlier gradient of {} values for {}",
+                        p.n, it.g.n
+                    ),
+                    &crate::Shape::from(it.g.n),
+                ));
+            }
+            item_fits(
+                OP,
+                info(p.s),
+                Some(DType::F32),
+                p.offset,
+                p.n,
+                "the earlier gradient",
+                k,
+            )?;
+        }
+        if !it.scale.is_finite() {
+            return Err(Error::invalid(
+                OP,
+                format!("item {k}: the factor {} is not finite", it.scale),
+                &crate::Shape::from(it.g.n),
+            ));
+        }
+        total = total.checked_add(it.g.n).ok_or_else(|| {
+            Error::invalid(OP, "the gradients' sizes overflow", &crate::Shape::from(()))
+        })?;
+    }
+    item_fits(
+        OP,
+        info(out),
+        Some(DType::F32),
+        0,
+        total,
+        "the folded gradients",
+        0,
+    )
+}

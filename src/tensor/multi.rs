@@ -831,3 +831,112 @@ pub(crate) fn ema_multi(k: f32, shadow: &Tensor, params: &[&Tensor]) -> Result<(
     let mut sw = arc.write().map_err(|_| lock_err())?;
     Storage::ema_multi(k, &mut sw, &items)
 }
+
+/// The device every tensor of `ts` is on (the first's), or an error naming `op`.
+fn one_device<'a>(
+    op: &'static str,
+    ts: impl Iterator<Item = &'a Tensor>,
+) -> Result<Option<crate::Device>> {
+    let mut dev: Option<crate::Device> = None;
+    for t in ts {
+        match &dev {
+            None => dev = Some(t.device().clone()),
+            Some(d) if d != t.device() => {
+                return Err(Error::DeviceMismatch {
+                    op,
+                    lhs: d.location(),
+                    rhs: t.device().location(),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(dev)
+}
+
+/// The copies of `weights` (each with the factor it is scaled by first) in `dtype`, one
+/// after another in one dense vector (`backend::multi::copy_value`, each value rounded once
+/// to `dtype`): one backend call, one launch on CUDA. The weights are f32, bf16 or f16, on
+/// one device (strided ones are first copied dense); not recorded. `None` for no weights.
+pub(crate) fn cast_multi(weights: &[(&Tensor, f32)], dtype: DType) -> Result<Option<Tensor>> {
+    use crate::backend::multi::CastItem;
+    const OP: &str = "cast_multi";
+    let Some(dev) = one_device(OP, weights.iter().map(|(t, _)| *t))? else {
+        return Ok(None);
+    };
+    let dense: Vec<Tensor> = weights
+        .iter()
+        .map(|(t, _)| t.contiguous())
+        .collect::<Result<_>>()?;
+    let total: usize = dense.iter().map(Tensor::elem_count).sum();
+    // Every value of the output is written: no fill first.
+    let mut out = dev.uninit(&crate::Shape::from(total), dtype)?;
+    {
+        let guards: Vec<RwLockReadGuard<'_, Storage>> =
+            dense.iter().map(|t| t.storage()).collect::<Result<_>>()?;
+        let items: Vec<CastItem<'_, Storage>> = views(dense.iter(), &guards)
+            .into_iter()
+            .zip(weights)
+            .map(|(src, (_, scale))| CastItem { src, scale: *scale })
+            .collect();
+        Storage::cast_multi(&mut out, &items)?;
+    }
+    Ok(Some(Tensor::from_storage(out, total.into(), dev, None)))
+}
+
+/// One gradient of [`fold_multi`].
+pub(crate) struct FoldSlot<'a> {
+    /// The gradient of a copy (f32, bf16 or f16).
+    pub g: &'a Tensor,
+    /// The weight's f32 gradient so far (the same number of values), if any.
+    pub prev: Option<&'a Tensor>,
+    /// The copy's factor.
+    pub scale: f32,
+}
+
+/// The f32 gradients `prev + copy_value(scale, g)` of every slot (`backend::multi::
+/// fold_value`), one after another in one dense f32 vector: one backend call, one launch on
+/// CUDA. Everything on one device; not recorded. `None` for no slots.
+pub(crate) fn fold_multi(slots: &[FoldSlot<'_>]) -> Result<Option<Tensor>> {
+    use crate::backend::multi::FoldItem;
+    const OP: &str = "fold_multi";
+    let all = slots
+        .iter()
+        .flat_map(|s| std::iter::once(s.g).chain(s.prev));
+    let Some(dev) = one_device(OP, all)? else {
+        return Ok(None);
+    };
+    let gs: Vec<Tensor> = slots
+        .iter()
+        .map(|s| s.g.contiguous())
+        .collect::<Result<_>>()?;
+    let prevs: Vec<Tensor> = slots
+        .iter()
+        .filter_map(|s| s.prev.map(Tensor::contiguous))
+        .collect::<Result<_>>()?;
+    let total: usize = gs.iter().map(Tensor::elem_count).sum();
+    let mut out = dev.uninit(&crate::Shape::from(total), DType::F32)?;
+    {
+        let g_guards: Vec<RwLockReadGuard<'_, Storage>> =
+            gs.iter().map(|t| t.storage()).collect::<Result<_>>()?;
+        let p_guards: Vec<RwLockReadGuard<'_, Storage>> =
+            prevs.iter().map(|t| t.storage()).collect::<Result<_>>()?;
+        let mut p_views = views(prevs.iter(), &p_guards).into_iter();
+        let mut items = Vec::with_capacity(slots.len());
+        for (g, s) in views(gs.iter(), &g_guards).into_iter().zip(slots) {
+            let prev = match s.prev {
+                Some(_) => Some(p_views.next().ok_or_else(|| {
+                    Error::invalid(OP, "internal: earlier gradient count", s.g.shape())
+                })?),
+                None => None,
+            };
+            items.push(FoldItem {
+                g,
+                prev,
+                scale: s.scale,
+            });
+        }
+        Storage::fold_multi(&mut out, &items)?;
+    }
+    Ok(Some(Tensor::from_storage(out, total.into(), dev, None)))
+}

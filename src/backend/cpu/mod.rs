@@ -551,6 +551,20 @@ impl BackendStorage for CpuStorage {
         adafactor::ema(k, shadow, items)
     }
 
+    fn cast_multi(
+        out: &mut Self,
+        items: &[crate::backend::multi::CastItem<'_, Self>],
+    ) -> Result<()> {
+        multi::cast(out, items)
+    }
+
+    fn fold_multi(
+        out: &mut Self,
+        items: &[crate::backend::multi::FoldItem<'_, Self>],
+    ) -> Result<()> {
+        multi::fold(out, items)
+    }
+
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
         self.to_host(l)
     }

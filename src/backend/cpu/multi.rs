@@ -4,7 +4,10 @@
 //! `quant8`'s dequantization and quantization. Sums of squares are taken in f64 per chunk of
 //! 4096 values and the chunks added in order.
 
-use crate::backend::multi::{AdamBias, AdamHyper, AdamItem, AdamMoments, MultiRef};
+use crate::backend::multi::{
+    copy_value, fold_value, AdamBias, AdamHyper, AdamItem, AdamMoments, CastItem, FoldItem,
+    MultiRef,
+};
 use crate::backend::quant8::{self, BLOCK, WORDS_PER_BLOCK};
 use crate::backend::validate;
 use crate::{CpuStorage, DType, Error, Result, WithDType};
@@ -247,4 +250,82 @@ pub(super) fn sum_sq(items: &[MultiRef<'_, CpuStorage>]) -> Result<f64> {
         };
     }
     Ok(total)
+}
+
+/// The values of a float view as f32, one pass each (exact from bf16 and f16).
+fn f32_values(r: &MultiRef<'_, CpuStorage>, op: &'static str) -> Result<Vec<f32>> {
+    let (o, n) = (r.offset, r.n);
+    Ok(match r.s {
+        CpuStorage::F32(v) => v[o..o + n].to_vec(),
+        CpuStorage::BF16(v) => v[o..o + n].par_iter().map(|x| x.get()).collect(),
+        CpuStorage::F16(v) => v[o..o + n].par_iter().map(|x| x.get()).collect(),
+        _ => {
+            return Err(Error::invalid(
+                op,
+                "internal: a view of another dtype after validation",
+                &crate::Shape::from(n),
+            ))
+        }
+    })
+}
+
+/// `values` rounded once into `out[start..]`.
+fn put_values(out: &mut CpuStorage, start: usize, values: &[f32], op: &'static str) -> Result<()> {
+    fn put<T: Param>(dst: &mut [T], values: &[f32]) {
+        dst.par_iter_mut()
+            .zip(values.par_iter())
+            .for_each(|(d, v)| *d = T::put(*v));
+    }
+    let end = start + values.len();
+    match out {
+        CpuStorage::F32(d) => d[start..end].copy_from_slice(values),
+        CpuStorage::BF16(d) => put(&mut d[start..end], values),
+        CpuStorage::F16(d) => put(&mut d[start..end], values),
+        _ => {
+            return Err(Error::invalid(
+                op,
+                "internal: an output of another dtype after validation",
+                &crate::Shape::from(values.len()),
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// `BackendStorage::cast_multi` on the CPU.
+pub(super) fn cast(out: &mut CpuStorage, items: &[CastItem<'_, CpuStorage>]) -> Result<()> {
+    const OP: &str = "cast_multi";
+    validate::cast_multi(out, items, |s| (s.dtype(), s.len()))?;
+    let mut start = 0;
+    for it in items {
+        let mut v = f32_values(&it.src, OP)?;
+        v.par_iter_mut().for_each(|x| *x = copy_value(it.scale, *x));
+        put_values(out, start, &v, OP)?;
+        start += it.src.n;
+    }
+    Ok(())
+}
+
+/// `BackendStorage::fold_multi` on the CPU.
+pub(super) fn fold(out: &mut CpuStorage, items: &[FoldItem<'_, CpuStorage>]) -> Result<()> {
+    const OP: &str = "fold_multi";
+    validate::fold_multi(out, items, |s| (s.dtype(), s.len()))?;
+    let mut start = 0;
+    for it in items {
+        let mut v = f32_values(&it.g, OP)?;
+        match &it.prev {
+            Some(p) => {
+                let p = f32_values(p, OP)?;
+                v.par_iter_mut()
+                    .zip(p.par_iter())
+                    .for_each(|(x, p)| *x = fold_value(it.scale, Some(*p), *x));
+            }
+            None => v
+                .par_iter_mut()
+                .for_each(|x| *x = fold_value(it.scale, None, *x)),
+        }
+        put_values(out, start, &v, OP)?;
+        start += it.g.n;
+    }
+    Ok(())
 }

@@ -18,7 +18,7 @@ const EMA_CHUNK: usize = 4096;
 const WARPS: u64 = THREADS as u64 / 32;
 
 /// The kernels' dtype code of a parameter.
-fn code(op: &'static str, dtype: DType) -> Result<u64> {
+pub(super) fn code(op: &'static str, dtype: DType) -> Result<u64> {
     match dtype {
         DType::F32 => Ok(0),
         DType::BF16 => Ok(1),

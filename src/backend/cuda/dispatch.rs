@@ -243,6 +243,20 @@ impl BackendStorage for CudaStorage {
         super::adafactor::ema(k, shadow, items)
     }
 
+    fn cast_multi(
+        out: &mut Self,
+        items: &[crate::backend::multi::CastItem<'_, Self>],
+    ) -> Result<()> {
+        super::multi::cast(out, items)
+    }
+
+    fn fold_multi(
+        out: &mut Self,
+        items: &[crate::backend::multi::FoldItem<'_, Self>],
+    ) -> Result<()> {
+        super::multi::fold(out, items)
+    }
+
     fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
         self.contiguous(l)
     }

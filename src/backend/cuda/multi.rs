@@ -250,3 +250,101 @@ pub(super) fn sum_sq(items: &[MultiRef<'_, CudaStorage>]) -> Result<f64> {
     }
     Ok(total)
 }
+
+/// Values per thread block of the grouped copies and folds (the kernels' ADAM_CHUNK).
+const COPY_CHUNK: usize = CHUNK;
+
+/// `BackendStorage::cast_multi` on CUDA: one launch over a table of (source, values, its
+/// dtype code, destination, first chunk, factor bits) per item.
+pub(super) fn cast(
+    out: &mut CudaStorage,
+    items: &[crate::backend::multi::CastItem<'_, CudaStorage>],
+) -> Result<()> {
+    const OP: &str = "cast_multi";
+    validate::cast_multi(out, items, |s| (s.buf.dtype(), s.buf.len()))?;
+    check_devices(
+        OP,
+        std::iter::once(&*out).chain(items.iter().map(|i| i.src.s)),
+    )?;
+    let out_code = super::adafactor::code(OP, out.buf.dtype())?;
+    let mut table: Vec<u64> = vec![];
+    let (mut chunks, mut k, mut offset) = (0u64, 0u32, 0usize);
+    for it in items {
+        let n = it.src.n;
+        if n > 0 {
+            table.extend([
+                addr(it.src.s, it.src.offset),
+                n as u64,
+                super::adafactor::code(OP, it.src.s.buf.dtype())?,
+                addr(out, offset),
+                chunks,
+                u64::from(it.scale.to_bits()),
+            ]);
+            chunks += n.div_ceil(COPY_CHUNK) as u64;
+            k += 1;
+        }
+        offset += n;
+    }
+    if k == 0 {
+        return Ok(());
+    }
+    let t = upload(out, &table)?;
+    let dev = out.dev.clone();
+    launch!(
+        dev,
+        "multi_tensor",
+        "grouped_copy",
+        grid(OP, chunks)?,
+        &*t.slice,
+        &k,
+        &out_code
+    )
+}
+
+/// `BackendStorage::fold_multi` on CUDA: one launch over a table of (gradient, values, its
+/// dtype code, earlier gradient or 0, destination, first chunk, factor bits) per item.
+pub(super) fn fold(
+    out: &mut CudaStorage,
+    items: &[crate::backend::multi::FoldItem<'_, CudaStorage>],
+) -> Result<()> {
+    const OP: &str = "fold_multi";
+    validate::fold_multi(out, items, |s| (s.buf.dtype(), s.buf.len()))?;
+    check_devices(
+        OP,
+        std::iter::once(&*out)
+            .chain(items.iter().map(|i| i.g.s))
+            .chain(items.iter().filter_map(|i| i.prev.as_ref().map(|p| p.s))),
+    )?;
+    let mut table: Vec<u64> = vec![];
+    let (mut chunks, mut k, mut offset) = (0u64, 0u32, 0usize);
+    for it in items {
+        let n = it.g.n;
+        if n > 0 {
+            table.extend([
+                addr(it.g.s, it.g.offset),
+                n as u64,
+                super::adafactor::code(OP, it.g.s.buf.dtype())?,
+                it.prev.as_ref().map_or(0, |p| addr(p.s, p.offset)),
+                addr(out, offset),
+                chunks,
+                u64::from(it.scale.to_bits()),
+            ]);
+            chunks += n.div_ceil(COPY_CHUNK) as u64;
+            k += 1;
+        }
+        offset += n;
+    }
+    if k == 0 {
+        return Ok(());
+    }
+    let t = upload(out, &table)?;
+    let dev = out.dev.clone();
+    launch!(
+        dev,
+        "multi_tensor",
+        "grouped_fold",
+        grid(OP, chunks)?,
+        &*t.slice,
+        &k
+    )
+}

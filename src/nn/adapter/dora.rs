@@ -387,6 +387,11 @@ impl Adapter for Dora {
         p
     }
 
+    /// The LoRA term's (the magnitude enters in f32, through the rescaling).
+    fn cast_params(&self) -> Vec<(Tensor, f64)> {
+        self.lora.casts()
+    }
+
     fn forward(&self, base: &BaseLayer, x: &Tensor, y: Tensor) -> Result<Tensor> {
         self.magnitude.ensure(base)?;
         let params: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
@@ -637,6 +642,10 @@ impl Adapter for Decomposed {
         let mut p = self.inner.params();
         p.push(("dora_scale", self.magnitude.m.clone()));
         p
+    }
+
+    fn cast_params(&self) -> Vec<(Tensor, f64)> {
+        self.inner.cast_params()
     }
 
     fn adds_to_output(&self) -> bool {

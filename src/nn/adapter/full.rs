@@ -120,6 +120,10 @@ impl Adapter for Full {
         true
     }
 
+    fn cast_params(&self) -> Vec<(Tensor, f64)> {
+        self.params().into_iter().map(|(_, t)| (t, 1.0)).collect()
+    }
+
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
         let (diff, diff_b) = match p {
             [diff] => (diff, None),

@@ -16,7 +16,9 @@
 
 use super::io::{join_rows, part_rows, PeftFile, Reader};
 use super::merge::MergeLayer;
-use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
+use super::{
+    cast, cast_scaled, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan,
+};
 use crate::nn::dropout::{BatchPart, Dropout};
 use crate::{Error, Result, Setting, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -226,11 +228,7 @@ impl Lora {
         let h = self.rank_mask(h)?;
         // s folded into B (out x r) rather than applied to the product (rows x out): one
         // pass over the layer's output fewer, forward and backward.
-        let s = self.scale();
-        let up = match s == 1.0 {
-            true => cast(up, &x)?,
-            false => cast(&up.affine(s, 0.0)?, &x)?,
-        };
+        let up = cast_scaled(up, self.scale(), &x)?;
         self.shape.add_apply_pointwise(y, &h, &up)
     }
 
@@ -253,6 +251,14 @@ impl Lora {
         let a = down.reshape((r, self.shape.cols()))?;
         let b = up.reshape((self.shape.out_dim(), r))?;
         product(&a, &b, self.scale())?.reshape(self.shape.weight_dims())
+    }
+
+    /// What `add_term` casts: A, the core, and B with s folded in.
+    pub(super) fn casts(&self) -> Vec<(Tensor, f64)> {
+        let mut v = vec![(self.down.clone(), 1.0)];
+        v.extend(self.mid.iter().map(|m| (m.clone(), 1.0)));
+        v.push((self.up.clone(), self.scale()));
+        v
     }
 
     /// Reads A and B in the kohya layout and checks alpha against the config.
@@ -384,6 +390,10 @@ impl Adapter for Lora {
         v.extend(self.mid.iter().map(|m| ("lora_mid.weight", m.clone())));
         v.push(("lora_up.weight", self.up.clone()));
         v
+    }
+
+    fn cast_params(&self) -> Vec<(Tensor, f64)> {
+        self.casts()
     }
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {

@@ -24,6 +24,7 @@
 //! Parameters are f32 whatever the model's dtype (the optimizer updates f32 values; the
 //! forward casts to the activations' dtype).
 
+mod copies;
 mod dora;
 mod full;
 mod io;
@@ -34,6 +35,7 @@ mod merge;
 mod split;
 mod tools;
 
+pub use copies::{ComputeCopies, CopiesGuard};
 pub(crate) use io::PeftScales;
 pub use io::{
     kohya_name, kohya_name_in, load_kohya_sets, load_peft_sets, save_kohya_sets, save_peft_sets,
@@ -233,6 +235,14 @@ pub trait Adapter: Send + Sync + std::fmt::Debug {
             .into_iter()
             .map(|(n, t)| (format!("{}.{n}", self.path()), t))
             .collect()
+    }
+
+    /// The trainable tensors the forward casts to the activations' dtype, each with the
+    /// factor it scales it by first (`cast_scaled`): what a step's compute copies hold
+    /// (`Adapters::compute_copies`). None by default: a kind that casts only values it
+    /// computes (its weight change) reads no copies.
+    fn cast_params(&self) -> Vec<(Tensor, f64)> {
+        vec![]
     }
 
     /// The adapters this one is made of, each under its own name in the kohya layout (one
@@ -1095,6 +1105,23 @@ impl Adapters {
             .collect())
     }
 
+    /// The compute copies (in `dtype`) of every adapter's weights its forward casts
+    /// ([`Adapter::cast_params`]), made by one grouped launch: a training step makes them
+    /// after the previous optimizer step and enters them around each micro-batch's forward
+    /// and backward, then folds their gradients (see `ComputeCopies`).
+    pub fn compute_copies(&self, dtype: DType) -> Result<Arc<ComputeCopies>> {
+        ComputeCopies::new(self.cast_params()?, dtype)
+    }
+
+    /// Every adapter's [`Adapter::cast_params`], in layer order.
+    pub fn cast_params(&self) -> Result<Vec<(Tensor, f64)>> {
+        Ok(self
+            .layers()?
+            .iter()
+            .flat_map(|l| l.cast_params())
+            .collect())
+    }
+
     /// Puts every adapter's dropout at the start of training step `step` (its masks are then
     /// a function of the seed, the step and the call order within the step, so a resumed run
     /// repeats them).
@@ -1150,9 +1177,22 @@ pub(crate) fn zeros(dims: &[usize], device: &Device) -> Result<Tensor> {
     Tensor::zeros(dims.to_vec(), DType::F32, device)?.requires_grad_()
 }
 
-/// `t` in the dtype of `like`.
+/// `t` in the dtype of `like`: the step's compute copy where one is entered
+/// (`ComputeCopies`), else cast here.
 pub(crate) fn cast(t: &Tensor, like: &Tensor) -> Result<Tensor> {
-    t.to_dtype(like.dtype())
+    cast_scaled(t, 1.0, like)
+}
+
+/// `scale · t` in the dtype of `like`: the step's compute copy of `t` with factor `scale`
+/// where one is entered (`ComputeCopies`), else `t` scaled (in its dtype) and cast here.
+pub(crate) fn cast_scaled(t: &Tensor, scale: f64, like: &Tensor) -> Result<Tensor> {
+    if let Some(c) = copies::copy_of(t, scale, like.dtype()) {
+        return Ok(c);
+    }
+    match scale == 1.0 {
+        true => t.to_dtype(like.dtype()),
+        false => t.affine(scale, 0.0)?.to_dtype(like.dtype()),
+    }
 }
 
 /// The alpha written beside a kind's tensors: 0-dim f32.

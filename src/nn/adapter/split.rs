@@ -195,6 +195,10 @@ impl Adapter for PerProjection {
         self.subs.iter().flat_map(|s| s.params()).collect()
     }
 
+    fn cast_params(&self) -> Vec<(Tensor, f64)> {
+        self.subs.iter().flat_map(|s| s.cast_params()).collect()
+    }
+
     fn named_params(&self) -> Vec<(String, Tensor)> {
         self.subs
             .iter()

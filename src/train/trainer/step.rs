@@ -1,6 +1,7 @@
 use super::{StepReport, Trainer};
 use crate::diffusion::loss::{self, HuberSchedule, LossType, TimestepRange};
 use crate::models::Objective;
+use crate::nn::adapter::ComputeCopies;
 use crate::nn::{BatchPart, GOLDEN};
 use crate::train::config::OnNonFinite;
 use crate::train::config::TrainConfig;
@@ -8,6 +9,7 @@ use crate::train::data::{Batch, Part};
 use crate::train::objectives::{flow_matching, Prediction};
 use crate::{sum_sq_multi, DType, Error, Grads, Result, Tensor};
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// What weighs a batch's loss besides the prediction: each row's mask on the latent grid
 /// (B, 1, H, W) and loss weight (B,).
@@ -436,6 +438,10 @@ impl Trainer {
         if let Some(r) = &reducer {
             out.grads.set_hook(Some(r.clone()));
         }
+        // The adapters' compute copies, from the masters as the last optimizer step left
+        // them: one grouped launch, read by every micro-batch's forward (and checkpointed
+        // re-runs), their gradients folded into the f32 masters' after each backward.
+        let copies = self.compute_copies()?;
         // Host-held conditioning products are computed ahead, during the backward before.
         let announce = self.memory.plan.host_products && !self.memory.plan.streamed.is_empty();
         for micro in 0..acc {
@@ -473,6 +479,7 @@ impl Trainer {
                 t.set_batch(self.step as u64, micro as u64, rows)?;
             }
             let s = self.micro_seed(m);
+            let _copies = copies.enter();
             // Each rank's mean over its rows, weighted by its share of the global batch:
             // the ranks' sum is the global batch's mean.
             let w = batch.rows.len() as f64 / batch.global.max(1) as f64 / acc as f64;
@@ -500,9 +507,26 @@ impl Trainer {
             } else {
                 loss.affine(scale, 0.0)?.backward_into(&mut out.grads)?;
             }
+            copies.fold(&mut out.grads)?;
         }
         out.grads.set_hook(None);
         Ok(out)
+    }
+
+    /// The compute copies (in the model's dtype) of the weights the adapters' forwards cast:
+    /// the model's and the trained text encoders' in one set (an encoder computing in
+    /// another dtype casts its own, as without copies).
+    fn compute_copies(&self) -> Result<Arc<ComputeCopies>> {
+        let mut weights: Vec<(Tensor, f64)> = vec![];
+        let sets = std::iter::once(&self.adapters).chain(
+            self.text
+                .iter()
+                .flat_map(|t| t.sets.iter().map(|(_, a, _)| a)),
+        );
+        for a in sets {
+            weights.extend(a.cast_params()?);
+        }
+        ComputeCopies::new(weights, self.dtype)
     }
 
     /// Why micro-batch `micro`'s loss is `value`: an input that was not finite before the

@@ -118,7 +118,8 @@ pub struct MemoryProfile {
     pub trainable_bytes: u64,
     /// Bytes of the optimizer state.
     pub optimizer_bytes: u64,
-    /// The sample, the loss and transient buffers.
+    /// The sample, the loss, transient buffers and the step's compute copies of the
+    /// adapters' weights (their gradients take the place of the f32 ones until the fold).
     pub fixed_bytes: u64,
     /// The machine the time model plays a step on (`Machine::REFERENCE` unless measured:
     /// `memory::measure_machine`).

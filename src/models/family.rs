@@ -654,8 +654,16 @@ fn profile_with<M: ModelSpec>(
     };
     // The sample (latents, noise, target, prediction) and the loss, in f32, plus 256 MiB
     // for transient buffers (a decoded FP8 weight, cuBLAS workspace, matmul outputs).
+    // A step's compute copies of the weights the adapters' forwards cast
+    // (`nn::adapter::ComputeCopies`), in the model's dtype, live through the step.
+    let copy_values: usize = match &probe_adapters {
+        Some(a) => a.cast_params()?.iter().map(|(t, _)| t.elem_count()).sum(),
+        None => 0,
+    };
     let sample_values: usize = run.sample.iter().map(|s| s.iter().product::<usize>()).sum();
-    let fixed = (4 * sample_values * run.batch.max(1) * 4) as u64 + (256 << 20);
+    let fixed = (4 * sample_values * run.batch.max(1) * 4) as u64
+        + (256 << 20)
+        + (copy_values * opts.dtype.size_in_bytes()) as u64;
     Ok(MemoryProfile {
         blocks,
         other_weight_bytes: other,

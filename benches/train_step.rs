@@ -442,7 +442,9 @@ fn run<M: ModelSpec>(
     };
     // The adapters' bf16 compute copies, made once a step after the optimizer's update
     // (`--per-use-casts`: each use casts its f32 weight instead, as before the copies).
-    let per_use = args.flag("--per-use-casts");
+    // Not where ranks sum gradients while the backward runs (the trainer's rule: the fold
+    // would hand the buckets every gradient only after the whole backward).
+    let per_use = args.flag("--per-use-casts") || reducer.as_ref().is_some_and(|r| r.overlaps());
     let copies = || -> Result<Option<Arc<ComputeCopies>>> {
         match per_use {
             true => Ok(None),

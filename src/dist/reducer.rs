@@ -118,6 +118,12 @@ impl GradReducer {
             .map_err(|_| Error::Poisoned("gradient reducer"))
     }
 
+    /// Whether buckets are summed while the backward runs (an asynchronous group), so each
+    /// gradient is wanted as soon as its backward makes it.
+    pub fn overlaps(&self) -> bool {
+        self.group.asynchronous()
+    }
+
     /// Makes the hook act from now until [`GradReducer::finish`]: call it before the last
     /// micro-batch's backward of a step.
     pub fn arm(&self) -> Result<()> {

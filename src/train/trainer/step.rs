@@ -440,8 +440,14 @@ impl Trainer {
         }
         // The adapters' compute copies, from the masters as the last optimizer step left
         // them: one grouped launch, read by every micro-batch's forward (and checkpointed
-        // re-runs), their gradients folded into the f32 masters' after each backward.
-        let copies = self.compute_copies()?;
+        // re-runs), their gradients folded into the f32 masters' after each backward. Not
+        // where ranks sum gradients while the backward runs: the fold makes the masters'
+        // gradients only after the whole backward, the per-use casts' VJPs as each layer's
+        // backward ends, which the buckets' sums overlap.
+        let copies = match &reducer {
+            Some(r) if r.overlaps() => ComputeCopies::new(vec![], self.dtype)?,
+            _ => self.compute_copies()?,
+        };
         // Host-held conditioning products are computed ahead, during the backward before.
         let announce = self.memory.plan.host_products && !self.memory.plan.streamed.is_empty();
         for micro in 0..acc {

@@ -4,28 +4,18 @@
 //! host synchronization; and of the moving average of weights (one launch). Operands were
 //! checked by `validate::adafactor_multi` / `validate::ema_multi`.
 
-use super::multi::{addr, check_devices, grid, upload, THREADS};
+use super::multi::{addr, check_devices, code, grid, upload, THREADS};
 use super::storage::{launch, CudaStorage};
 use crate::backend::adafactor::{AdafactorHyper, AdafactorItem, AdafactorMoment, AF_CHUNK};
 use crate::backend::multi::MultiRef;
 use crate::backend::validate;
-use crate::{DType, Error, Result};
+use crate::{Error, Result};
 
 const OP: &str = "adafactor_multi";
 /// Values per chunk of the EMA update (the kernels' ADAM_CHUNK).
 const EMA_CHUNK: usize = 4096;
 /// Warps per block of the line kernels (MT_WARPS).
 const WARPS: u64 = THREADS as u64 / 32;
-
-/// The kernels' dtype code of a parameter.
-pub(super) fn code(op: &'static str, dtype: DType) -> Result<u64> {
-    match dtype {
-        DType::F32 => Ok(0),
-        DType::BF16 => Ok(1),
-        DType::F16 => Ok(2),
-        _ => Err(Error::UnsupportedDType { op, dtype }),
-    }
-}
 
 /// Two f32 in one u64 word, the first at the lower address.
 fn pair(a: f32, b: f32) -> u64 {

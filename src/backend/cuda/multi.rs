@@ -62,6 +62,16 @@ pub(super) fn check_devices<'a>(
     Ok(Some(first))
 }
 
+/// The grouped kernels' dtype code of a tensor.
+pub(super) fn code(op: &'static str, dtype: DType) -> Result<u64> {
+    match dtype {
+        DType::F32 => Ok(0),
+        DType::BF16 => Ok(1),
+        DType::F16 => Ok(2),
+        _ => Err(Error::UnsupportedDType { op, dtype }),
+    }
+}
+
 pub(super) fn grid(op: &'static str, chunks: u64) -> Result<LaunchConfig> {
     if chunks > (1 << 31) - 1 {
         return Err(Error::invalid(
@@ -266,7 +276,7 @@ pub(super) fn cast(
         OP,
         std::iter::once(&*out).chain(items.iter().map(|i| i.src.s)),
     )?;
-    let out_code = super::adafactor::code(OP, out.buf.dtype())?;
+    let out_code = code(OP, out.buf.dtype())?;
     let mut table: Vec<u64> = vec![];
     let (mut chunks, mut k, mut offset) = (0u64, 0u32, 0usize);
     for it in items {
@@ -275,7 +285,7 @@ pub(super) fn cast(
             table.extend([
                 addr(it.src.s, it.src.offset),
                 n as u64,
-                super::adafactor::code(OP, it.src.s.buf.dtype())?,
+                code(OP, it.src.s.buf.dtype())?,
                 addr(out, offset),
                 chunks,
                 u64::from(it.scale.to_bits()),
@@ -323,7 +333,7 @@ pub(super) fn fold(
             table.extend([
                 addr(it.g.s, it.g.offset),
                 n as u64,
-                super::adafactor::code(OP, it.g.s.buf.dtype())?,
+                code(OP, it.g.s.buf.dtype())?,
                 it.prev.as_ref().map_or(0, |p| addr(p.s, p.offset)),
                 addr(out, offset),
                 chunks,

@@ -857,6 +857,71 @@ fn the_time_model_plays_the_machine_it_is_given() {
     );
 }
 
+/// A copy out beside the uploads (an offloaded block input's) shares the host link where its
+/// two directions were measured to share it (`Machine::duplex_gib_per_s`): the plans that
+/// offload pay for it, the others do not move; a link whose directions run at full rate at
+/// once (or that was not measured) plays as before.
+#[test]
+fn copies_out_share_the_link_where_the_machine_shares_it() {
+    use flame::memory::Machine;
+    let r = Machine::REFERENCE;
+    let alone = 1.0 / r.upload_gib_per_s * 1e3;
+    // Not measured, or full duplex: the copy's own time, nothing taken.
+    assert_eq!(r.copy_out_ms(1.0, 1e3), (alone, 0.0));
+    let full = Machine {
+        duplex_gib_per_s: 2.0 * r.upload_gib_per_s,
+        ..r
+    };
+    let (own, taken) = full.copy_out_ms(1.0, 1e3);
+    assert!(
+        (own - alone).abs() < 1e-9 && taken.abs() < 1e-9,
+        "{own} {taken}"
+    );
+    // Shared: beside the uploads each direction runs at half the rate; the uploads lose as
+    // long as the copy runs beside them, at half their rate.
+    let shared = Machine {
+        duplex_gib_per_s: r.upload_gib_per_s,
+        ..r
+    };
+    let (own, taken) = shared.copy_out_ms(1.0, 1e3);
+    assert!((own - 2.0 * alone).abs() < 1e-9, "{own}");
+    assert!((taken - alone).abs() < 1e-9, "{taken}");
+    // The link idle: the copy runs alone.
+    assert_eq!(shared.copy_out_ms(1.0, 0.0), (alone, 0.0));
+    // Half of the copy beside the uploads.
+    let (own, taken) = shared.copy_out_ms(1.0, alone);
+    assert!((own - 1.5 * alone).abs() < 1e-9 && (taken - alone / 2.0).abs() < 1e-9);
+
+    let bf = flux_dev(false, false);
+    let order = bf.stream_order();
+    let streamed = Plan {
+        wire_code: true,
+        deep_prefetch: true,
+        ..plan(Checkpointing::All, order.clone(), 2, true)
+    };
+    let offloaded = Plan {
+        offload_inputs: true,
+        ..streamed.clone()
+    };
+    let with = |m: Machine| MemoryProfile {
+        machine: m,
+        ..bf.clone()
+    };
+    let (ref_, full_, shared_) = (with(r), with(full), with(shared));
+    assert_eq!(ref_.step_ms(&streamed), shared_.step_ms(&streamed));
+    assert_eq!(ref_.step_ms(&offloaded), full_.step_ms(&offloaded));
+    let (before, after) = (ref_.step_ms(&offloaded), shared_.step_ms(&offloaded));
+    // Flux-dev's block inputs, about 1.5 GiB a step out, while the forward's uploads keep the
+    // link busy: the uploads lose up to the copies' time at the link's own rate.
+    let out: u64 = bf.blocks.iter().map(|b| b.input_bytes).sum();
+    let most = out as f64 / GIB / r.upload_gib_per_s * 1e3;
+    assert!(
+        after > before && after - before <= most + 1e-6,
+        "{before:.1} -> {after:.1} ms (at most {most:.1} more)"
+    );
+    println!("offloaded inputs on a shared link: {before:.1} -> {after:.1} ms");
+}
+
 /// The ops and views each family declares a block records (`BlockShape::ops`, `views`: the
 /// host's share of the time model) against the tape of a tiny model's forward, LoRA on every
 /// block layer: their sums within 10% of the counts (the rest is the embedders' and the final

@@ -88,8 +88,9 @@ pub fn machine_cache_path(gpu: &str, ordinal: usize) -> Option<PathBuf> {
 }
 
 /// The rates a machine file holds, beside the crate's version: a file of another set (one
-/// written before the 8-bit products' rate was measured) is measured again.
-const RATES: u32 = 2;
+/// written before the 8-bit products' rate, or the link's two directions at once, were
+/// measured) is measured again.
+const RATES: u32 = 3;
 
 /// The version a machine file is written with and read back at.
 fn file_version() -> String {
@@ -189,6 +190,25 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             drop(storages);
             Ok(())
         })?;
+    // Both ways at once: the same upload beside a copy of as many bytes out, as an offloaded
+    // block input's leaves while the next blocks' weights come in; both directions' bytes
+    // over the time of the pair.
+    let duplex = {
+        let out = Tensor::zeros(PROBE_BYTES / 2, DType::BF16, device)?;
+        let mut reuse = None;
+        2.0 * PROBE_BYTES as f64
+            / GIB
+            / fastest(&mut || {
+                let (copy, sent) = out.storage()?.offload(out.elem_count(), reuse.take())?;
+                let (storages, ticket) = device.upload_pack(&pack, None, &[])?;
+                device.wait(&ticket)?;
+                device.wait(&sent)?;
+                sync()?;
+                drop(storages);
+                reuse = Some(copy);
+                Ok(())
+            })?
+    };
     drop(pack);
     drop(host);
     // GEMMs at a transformer block's Linears over 4096 tokens of a 3072-wide stream (Flux's:
@@ -521,6 +541,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
     let machine = Machine {
         upload_gib_per_s: link,
         coded_upload_gib_per_s: coded_link,
+        duplex_gib_per_s: duplex,
         gemm_tflops: gemm,
         conv_tflops: conv,
         attention_tflops: [a64, a128],

@@ -138,6 +138,13 @@ pub struct Machine {
     /// The same for a coded upload (the wire code), which crosses into the staging ring in
     /// pieces beside the decodes, GiB of coded bytes a second.
     pub coded_upload_gib_per_s: f64,
+    /// The host link's two directions at once: a block's upload beside a copy of as many
+    /// bytes out (an offloaded block input's), GiB/s of both together. Where it is less than
+    /// twice `upload_gib_per_s` the directions share the host's side of the link, and a copy
+    /// out slows the uploads beside it. 0: not measured, each direction played at its own
+    /// full rate.
+    #[serde(default)]
+    pub duplex_gib_per_s: f64,
     /// bf16 GEMMs at a transformer block's Linears, forward and input gradient, TFLOP/s.
     pub gemm_tflops: f64,
     /// bf16 convolutions (3x3, forward and input gradient), TFLOP/s.
@@ -191,6 +198,7 @@ impl Machine {
     pub const REFERENCE: Machine = Machine {
         upload_gib_per_s: 47.0,
         coded_upload_gib_per_s: 47.0,
+        duplex_gib_per_s: 0.0,
         gemm_tflops: 796.9,
         conv_tflops: 302.0,
         attention_tflops: [473.0, 580.0],
@@ -245,6 +253,12 @@ impl Machine {
                 return Err(format!("the machine's rate for {what} is {r}"));
             }
         }
+        if self.duplex_gib_per_s.is_nan() || self.duplex_gib_per_s < 0.0 {
+            return Err(format!(
+                "the machine's rate for the link both ways is {}",
+                self.duplex_gib_per_s
+            ));
+        }
         if self.fp8_product_tflops.is_nan() || self.fp8_product_tflops < 0.0 {
             return Err(format!(
                 "the machine's rate for 8-bit products is {}",
@@ -276,6 +290,25 @@ impl Machine {
         Ok(())
     }
 
+    /// A copy out of `gib` GiB that starts while the uploads keep the link busy for
+    /// `busy_ms` more: its own time and the time it takes from those uploads, ms. Beside
+    /// uploads each direction runs at half of `duplex_gib_per_s` (where that is less than an
+    /// upload's own rate, the uploads lose the difference for as long as both run); alone,
+    /// or on a machine whose two directions were not measured, at the upload's rate.
+    pub fn copy_out_ms(&self, gib: f64, busy_ms: f64) -> (f64, f64) {
+        let r = self.upload_gib_per_s.max(1e-3);
+        let alone = gib / r * 1e3;
+        if self.duplex_gib_per_s <= 0.0 || busy_ms <= 0.0 {
+            return (alone, 0.0);
+        }
+        let half = (self.duplex_gib_per_s / 2.0).min(r);
+        let beside = gib / half * 1e3;
+        // The part of the copy that runs beside the uploads.
+        let both = beside.min(busy_ms);
+        let own = both + (1.0 - both / beside) * alone;
+        (own, both * (1.0 - half / r))
+    }
+
     /// The rate the 8-bit products play at, TFLOP/s: the measured one, or the bf16 GEMMs'.
     fn product_rate(&self) -> f64 {
         if self.fp8_product_tflops > 0.0 {
@@ -301,13 +334,14 @@ impl std::fmt::Display for Machine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "host link {:.1} GiB/s ({:.1} coded), GEMM {:.0} and convolution {:.0} TFLOP/s, attention {:.0}/{:.0} (D 64) and \
+            "host link {:.1} GiB/s ({:.1} coded, {:.1} both ways at once), GEMM {:.0} and convolution {:.0} TFLOP/s, attention {:.0}/{:.0} (D 64) and \
              {:.0}/{:.0} (D 128) TFLOP/s forward/backward, memory {:.0} GiB/s, {:.1}/{:.1} µs \
              an op and its backward on the host and {:.1}/{:.1} a view, coded decodes beside GEMMs, attention \
              and elementwise work {:.0}/{:.0}/{:.0} GiB/s costing them {:.1}/{:.1}/{:.1} ms a GiB, FP8 \
              decodes {:.0} GiB/s, 8-bit products {:.0} TFLOP/s, host products {:.1} GiB/s",
             self.upload_gib_per_s,
             self.coded_upload_gib_per_s,
+            self.duplex_gib_per_s,
             self.gemm_tflops,
             self.conv_tflops,
             self.attention_tflops[0],
@@ -810,7 +844,13 @@ impl MemoryProfile {
                 }
                 t += self.forward_ms(&self.blocks[i], Keep::NONE);
                 if offload(i) {
-                    down = down.max(t) + link_ms(self.blocks[i].input_bytes);
+                    // The copy out shares the link with the uploads still running
+                    // (`Machine::copy_out_ms`).
+                    let start = down.max(t);
+                    let gib = self.blocks[i].input_bytes as f64 / GIB;
+                    let (own, taken) = machine.copy_out_ms(gib, link - start);
+                    down = start + own;
+                    link += taken;
                 }
             }
             let forward = t;

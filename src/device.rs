@@ -769,7 +769,6 @@ impl Storage {
         out: &mut Storage,
         items: &[crate::backend::multi::CastItem<'_, Storage>],
     ) -> Result<()> {
-        use crate::backend::multi::CastItem;
         use crate::backend::BackendStorage;
         const OP: &str = "cast_multi";
         #[cfg(feature = "cpu-ref")]
@@ -777,12 +776,7 @@ impl Storage {
         if let Storage::Cpu(_) = &*out {
             let a = items
                 .iter()
-                .map(|it| {
-                    Ok(CastItem {
-                        src: it.src.map(|s| s.cpu(OP))?,
-                        scale: it.scale,
-                    })
-                })
+                .map(|it| it.map(|s| s.cpu(OP)))
                 .collect::<Result<Vec<_>>>()?;
             return CpuStorage::cast_multi(out.cpu_mut(OP)?, &a);
         }
@@ -791,12 +785,7 @@ impl Storage {
         if let Storage::Cuda(_) = &*out {
             let a = items
                 .iter()
-                .map(|it| {
-                    Ok(CastItem {
-                        src: it.src.map(|s| s.cuda(OP))?,
-                        scale: it.scale,
-                    })
-                })
+                .map(|it| it.map(|s| s.cuda(OP)))
                 .collect::<Result<Vec<_>>>()?;
             return crate::backend::cuda::CudaStorage::cast_multi(out.cuda_mut(OP)?, &a);
         }
@@ -812,7 +801,6 @@ impl Storage {
         out: &mut Storage,
         items: &[crate::backend::multi::FoldItem<'_, Storage>],
     ) -> Result<()> {
-        use crate::backend::multi::FoldItem;
         use crate::backend::BackendStorage;
         const OP: &str = "fold_multi";
         #[cfg(feature = "cpu-ref")]
@@ -820,13 +808,7 @@ impl Storage {
         if let Storage::Cpu(_) = &*out {
             let a = items
                 .iter()
-                .map(|it| {
-                    Ok(FoldItem {
-                        g: it.g.map(|s| s.cpu(OP))?,
-                        prev: it.prev.as_ref().map(|p| p.map(|s| s.cpu(OP))).transpose()?,
-                        scale: it.scale,
-                    })
-                })
+                .map(|it| it.map(|s| s.cpu(OP)))
                 .collect::<Result<Vec<_>>>()?;
             return CpuStorage::fold_multi(out.cpu_mut(OP)?, &a);
         }
@@ -835,17 +817,7 @@ impl Storage {
         if let Storage::Cuda(_) = &*out {
             let a = items
                 .iter()
-                .map(|it| {
-                    Ok(FoldItem {
-                        g: it.g.map(|s| s.cuda(OP))?,
-                        prev: it
-                            .prev
-                            .as_ref()
-                            .map(|p| p.map(|s| s.cuda(OP)))
-                            .transpose()?,
-                        scale: it.scale,
-                    })
-                })
+                .map(|it| it.map(|s| s.cuda(OP)))
                 .collect::<Result<Vec<_>>>()?;
             return crate::backend::cuda::CudaStorage::fold_multi(out.cuda_mut(OP)?, &a);
         }

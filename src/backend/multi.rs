@@ -521,6 +521,19 @@ pub struct CastItem<'a, S> {
     pub scale: f32,
 }
 
+impl<'a, S> CastItem<'a, S> {
+    /// The same item over another view of its buffer (the storage enum's backend storage).
+    pub(crate) fn map<T>(
+        &self,
+        f: impl Fn(&'a S) -> crate::Result<&'a T>,
+    ) -> crate::Result<CastItem<'a, T>> {
+        Ok(CastItem {
+            src: self.src.map(f)?,
+            scale: self.scale,
+        })
+    }
+}
+
 /// One gradient of a grouped fold into f32 (`BackendStorage::fold_multi`): the gradient of
 /// a copy [`CastItem`] made, the f32 gradient it adds to (none: it starts one), and the
 /// copy's factor ([`fold_value`]).
@@ -531,6 +544,20 @@ pub struct FoldItem<'a, S> {
     pub prev: Option<MultiRef<'a, S>>,
     /// The copy's factor.
     pub scale: f32,
+}
+
+impl<'a, S> FoldItem<'a, S> {
+    /// The same item over other views of its buffers (the storage enum's backend storage).
+    pub(crate) fn map<T>(
+        &self,
+        f: impl Fn(&'a S) -> crate::Result<&'a T>,
+    ) -> crate::Result<FoldItem<'a, T>> {
+        Ok(FoldItem {
+            g: self.g.map(&f)?,
+            prev: self.prev.as_ref().map(|p| p.map(&f)).transpose()?,
+            scale: self.scale,
+        })
+    }
 }
 
 /// The value a grouped copy holds for a weight's value `p` with factor `scale`, in f32

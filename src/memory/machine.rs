@@ -203,7 +203,6 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
                 let (storages, ticket) = device.upload_pack(&pack, None, &[])?;
                 device.wait(&ticket)?;
                 device.wait(&sent)?;
-                sync()?;
                 drop(storages);
                 reuse = Some(copy);
                 Ok(())

@@ -15,6 +15,11 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// Flux-dev at 1024² (4096 image + 512 text tokens), batch 1, LoRA rank 16 on every block
 /// Linear, as benches/train_step.rs runs it.
 fn flux_dev(fp8: bool, adam8bit: bool) -> MemoryProfile {
+    flux_dev_with(fp8, adam8bit, false)
+}
+
+/// The same, its FP8 Linears computing in 8 bits where `products` (`model.compute = "fp8"`).
+fn flux_dev_with(fp8: bool, adam8bit: bool, products: bool) -> MemoryProfile {
     let adapters = Adapters::new(LoraConfig {
         rank: 16,
         alpha: 16.0,
@@ -25,6 +30,7 @@ fn flux_dev(fp8: bool, adam8bit: bool) -> MemoryProfile {
     .unwrap();
     let mut opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(adapters);
     opts.fp8 = fp8;
+    opts.fp8_products = products;
     let run = RunShape {
         sample: vec![vec![16, 128, 128], vec![512, 4096], vec![768]],
         batch: 1,
@@ -1154,22 +1160,7 @@ fn the_declared_ops_are_the_ones_the_blocks_record() {
 #[test]
 fn eight_bit_products_play_at_their_own_rate() {
     use flame::memory::Machine;
-    let adapters = Adapters::new(LoraConfig {
-        rank: 16,
-        alpha: 16.0,
-        dropout: 0.0,
-        targets: vec!["double_blocks.*".into(), "single_blocks.*".into()],
-        seed: 0,
-    })
-    .unwrap();
-    let mut opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(adapters);
-    opts.fp8_products = true;
-    let run = RunShape {
-        sample: vec![vec![16, 128, 128], vec![512, 4096], vec![768]],
-        batch: 1,
-        optimizer_bytes_per_value: 8.0,
-    };
-    let eight = profile_config::<Flux>(&FluxConfig::dev(), &opts, &run).unwrap();
+    let eight = flux_dev_with(false, false, true);
     let decoded = flux_dev(true, false);
     for (e, d) in eight.blocks.iter().zip(&decoded.blocks) {
         // The same codes: decoded at each use in one, multiplied as they are in the other.

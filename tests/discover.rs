@@ -351,3 +351,87 @@ fn the_autoencoder_that_fits_the_family_is_picked_among_several() {
     }
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// A diffusers model's own weight file opens as its folder (its config.json, every shard);
+/// the same file alone, with no config beside it, reads through the diffusers key map:
+/// SD3's, whose `context_embedder.weight` is named alike in both layouts. Both build.
+#[test]
+fn a_diffusers_model_file_opens_as_its_folder_or_alone() {
+    use flame::models::{Format, LoadOptions};
+    let sd3 = flame::models::family("sd3").unwrap();
+    let folder = layouts::fixture("models/sd35_large/transformer");
+    let file = folder.join("diffusion_pytorch_model.safetensors");
+    let ck = sd3.open_checkpoint(&file).unwrap();
+    assert_eq!(ck.format, Format::Diffusers);
+    assert!(ck.config.is_some());
+    assert_eq!(ck.files, vec![file.clone()]);
+    assert_eq!(ck.path, file);
+    let d = temp("discover-diffusers-file");
+    let alone = d.join("sd35-large-tiny.safetensors");
+    std::fs::copy(&file, &alone).unwrap();
+    let ck = sd3.open_checkpoint(&alone).unwrap();
+    assert_eq!(ck.format, Format::Diffusers);
+    assert!(ck.config.is_none());
+    let opts = LoadOptions::new(flame::DType::F32, &flame::Device::Cpu);
+    let (a, b) = (
+        sd3.probe(&file, &opts).unwrap(),
+        sd3.probe(&alone, &opts).unwrap(),
+    );
+    let names = |l: &flame::models::Loaded<dyn flame::models::DiffusionModel>| {
+        let mut v: Vec<(String, Vec<usize>)> =
+            l.vb.params()
+                .unwrap()
+                .iter()
+                .map(|(k, t)| (k.clone(), t.dims().to_vec()))
+                .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&a), names(&b));
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// A pipeline's component folders without its model_index.json: of two CLIPs for Flux's one
+/// CLIP slot, the one in the slot's diffusers folder (`text_encoder/`); without the folder
+/// names, both are named in the refusal.
+#[test]
+fn a_pipelines_components_are_found_by_their_folders() {
+    let d = temp("discover-components");
+    layouts::demo(&d);
+    let tiny = d.join("tiny");
+    let p = d.join("pipe");
+    for f in ["text_encoder", "text_encoder_2", "vae"] {
+        layouts::copy_dir(&tiny.join(f), &p.join(f));
+    }
+    layouts::copy_dir(
+        &layouts::fixture("encoders/clip_g"),
+        &p.join("text_encoder_g"),
+    );
+    std::fs::create_dir_all(p.join("transformer")).unwrap();
+    std::fs::copy(
+        tiny.join("flux-tiny.safetensors"),
+        p.join("transformer/flux-tiny.safetensors"),
+    )
+    .unwrap();
+    let found = flame::models::discover(&p, Some("flux"), false, false, KEYS).unwrap();
+    assert_eq!(
+        found.text,
+        vec![
+            p.join("text_encoder/model.safetensors"),
+            p.join("text_encoder_2/model.safetensors")
+        ]
+    );
+    let all = found.lines.join("\n");
+    assert!(all.contains("in text_encoder/"), "{all}");
+    std::fs::rename(p.join("text_encoder"), p.join("clip_a")).unwrap();
+    let e = flame::models::discover(&p, Some("flux"), false, false, KEYS)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("several candidates for the clip_l text encoder")
+            && e.contains("clip_a")
+            && e.contains("text_encoder_g"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}

@@ -62,7 +62,9 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
 
 impl Checkpoint {
     /// Locates the weights at `path`: a `.safetensors` file, a diffusers model folder, or a
-    /// pipeline folder with the model under `subfolder` (`transformer` or `unet`).
+    /// pipeline folder with the model under `subfolder` (`transformer` or `unet`). A
+    /// diffusers model's own `diffusion_pytorch_model*.safetensors` beside its config.json
+    /// opens as its folder (that config, every shard).
     pub fn open(path: impl AsRef<Path>, subfolder: &str) -> Result<Checkpoint> {
         let path = path.as_ref();
         if path.is_file() && crate::gguf::is_gguf(path) {
@@ -97,6 +99,19 @@ impl Checkpoint {
                 config,
                 prefix,
             });
+        }
+        // A diffusers model's own weight file (or one of its shards) beside the model's
+        // config.json: the model folder it belongs to, with that config and every shard.
+        let model_folder = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .filter(|n| n.starts_with("diffusion_pytorch_model") && n.ends_with(".safetensors"))
+            .and(path.parent())
+            .filter(|dir| dir.join("config.json").is_file());
+        if let (true, Some(dir)) = (path.is_file(), model_folder) {
+            let mut ckpt = Checkpoint::open(dir, subfolder)?;
+            ckpt.path = path.to_path_buf();
+            return Ok(ckpt);
         }
         if path.is_file() {
             let file = SafeTensorsFile::open(path)?;

@@ -128,24 +128,34 @@ impl Header {
 /// Where a family's diffusion model takes its latents: the key whose shape at `dim`, over
 /// `div`, is the latent channels (Flux, FLUX.2 and Z-Image read 2x2 patches of them as one
 /// token: BFL's `img_in` of 64 = 16 x 4, FLUX.2's of 128 = 32 x 4, Z-Image's `x_embedder` of
-/// 64; SD3's patch embedding and SDXL's first conv take the channels as they are).
-fn latent_input(family: &str) -> Option<(&'static str, usize, usize)> {
+/// 64; SD3's patch embedding and SDXL's first conv take the channels as they are), under the
+/// original names and the diffusers model's.
+fn latent_input(family: &str) -> &'static [(&'static str, usize, usize)] {
     match family {
-        "flux" | "flux2" => Some(("img_in.weight", 1, 4)),
-        "zimage" => Some(("x_embedder.weight", 1, 4)),
-        "sd3" => Some(("x_embedder.proj.weight", 1, 1)),
-        "sdxl" => Some(("input_blocks.0.0.weight", 1, 1)),
-        _ => None,
+        "flux" | "flux2" => &[("img_in.weight", 1, 4), ("x_embedder.weight", 1, 4)],
+        "zimage" => &[
+            ("x_embedder.weight", 1, 4),
+            ("all_x_embedder.2-1.weight", 1, 4),
+        ],
+        "sd3" => &[
+            ("x_embedder.proj.weight", 1, 1),
+            ("pos_embed.proj.weight", 1, 1),
+        ],
+        "sdxl" => &[("input_blocks.0.0.weight", 1, 1), ("conv_in.weight", 1, 1)],
+        _ => &[],
     }
 }
 
 /// The latent channels the model in `h` takes, if its family's input key is there.
 fn model_latents(family: &Family, h: &Header) -> Option<usize> {
-    let (key, dim, div) = latent_input(family.name)?;
-    ["", LDM_PREFIX].iter().find_map(|p| {
-        let s = h.shapes.get(&format!("{p}{key}"))?;
-        s.get(dim).map(|c| c / div)
-    })
+    latent_input(family.name)
+        .iter()
+        .find_map(|(key, dim, div)| {
+            ["", LDM_PREFIX].iter().find_map(|p| {
+                let s = h.shapes.get(&format!("{p}{key}"))?;
+                s.get(*dim).map(|c| c / div)
+            })
+        })
 }
 
 /// What an autoencoder file is, from its keys: its latent channels (the decoder's first
@@ -672,6 +682,19 @@ fn from_folder(
                     .filter(|(_, r)| matches!(r, Recognised::Qwen3 { .. }))
                     .map(|(h, r)| (*h, r.to_string()))
                     .collect(),
+            };
+            // Of several, the one in the slot's diffusers folder (`text_encoder/` for the
+            // first CLIP) when exactly one is: a pipeline's components without its
+            // model_index.json.
+            let slot_folder = root.join(slot.folder);
+            let in_folder: Vec<(&Header, String)> = pick
+                .iter()
+                .filter(|(h, _)| h.path.starts_with(&slot_folder))
+                .map(|(h, what)| (*h, format!("{what}, in {}/", slot.folder)))
+                .collect();
+            let pick = match (pick.len(), in_folder.len()) {
+                (2.., 1) => in_folder,
+                _ => pick,
             };
             match pick.as_slice() {
                 [(h, what)] => {

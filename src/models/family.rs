@@ -381,7 +381,8 @@ fn open_as<M: ModelSpec>(path: &Path) -> Result<Checkpoint> {
 }
 
 /// Whether a single .safetensors file holds `M`'s model under diffusers' names: bare keys,
-/// none of [`ModelSpec::SIGNATURE`], and every key the diffusers map reads for them.
+/// not all of [`ModelSpec::SIGNATURE`] (some of its keys are named alike in both layouts:
+/// SD3's `context_embedder.weight`), and every key the diffusers map reads for them.
 fn diffusers_named<M: ModelSpec>(ckpt: &Checkpoint) -> Result<bool> {
     let [file] = ckpt.files.as_slice() else {
         return Ok(false);
@@ -390,7 +391,7 @@ fn diffusers_named<M: ModelSpec>(ckpt: &Checkpoint) -> Result<bool> {
         return Ok(false);
     }
     let f = crate::safetensors::SafeTensorsFile::open(file)?;
-    Ok(!M::SIGNATURE.iter().any(|k| f.contains(k)) && diffusers_signature::<M>(&|k| f.contains(k)))
+    Ok(!M::SIGNATURE.iter().all(|k| f.contains(k)) && diffusers_signature::<M>(&|k| f.contains(k)))
 }
 
 /// Whether a file holds a key (by name).

@@ -291,8 +291,12 @@ section! {
         /// folder, a Hugging Face cache folder (`models--org--name`: the snapshot refs/main
         /// names) or snapshot, or a ComfyUI `models/` folder or any folder of loose files, in
         /// which the diffusion model of `arch`, the text encoders and the autoencoder are found
-        /// by their keys (the log says what was picked; two candidates for one role are refused,
-        /// naming them: set this key to the model's file, or `encoders.text` / `encoders.vae`).
+        /// by their keys (the log says what was picked; of two candidates for one text encoder
+        /// role, the one in that role's diffusers folder, `text_encoder/`, `text_encoder_2/`...,
+        /// is taken; otherwise two candidates for one role are refused, naming them: set this
+        /// key to the model's file, or `encoders.text` / `encoders.vae`). A diffusers model's
+        /// own `diffusion_pytorch_model.safetensors`, given or found, opens as its folder
+        /// (config.json, every shard).
         path: PathBuf,
         /// The dtype of the frozen weights on the device: "bf16", "f16" (for GPUs without
         /// bf16; with dynamic loss scaling), "f32", or "fp8" (Linear weights in E4M3 with

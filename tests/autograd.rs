@@ -96,3 +96,67 @@ fn frozen_activation_side_of_a_matmul_still_trains_the_weight() -> Result<()> {
     }
     Ok(())
 }
+
+/// The gradients of heads split off a fused projection (q, k, v permuted to (B, H, N, E)
+/// beside an MLP part of the same projection, as Flux's and FLUX.2's single blocks split
+/// `linear1`'s output) land in the projection's gradient where each head's values came from,
+/// the MLP's part beside them and zeros where no part was read; with one head's gradient
+/// reaching the projection twice (read again past the split), the sum is the fold's.
+#[test]
+fn heads_split_off_a_fused_projection_lay_their_gradients_in_place() -> Result<()> {
+    let (b, n, heads, e, m) = (2, 5, 3, 4, 6);
+    let d = heads * e;
+    let width = 3 * d + m + 2; // the last 2 columns are never read
+    let x = randn(&[b, n, width], 11).requires_grad_()?;
+    let c: Vec<Tensor> = (0..3).map(|i| randn(&[b, heads, n, e], 12 + i)).collect();
+    let cm = randn(&[b, n, m], 15);
+    let run = |again: bool| -> Result<Vec<f64>> {
+        let h = x.affine(2.0, 0.0)?;
+        let (q, k, v) = flame::nn::split_qkv(&h.narrow(2, 0, 3 * d)?, heads)?;
+        let mlp = h.narrow(2, 3 * d, m)?;
+        let mut loss = q
+            .mul(&c[0])?
+            .sum_all()?
+            .add(&k.mul(&c[1])?.sum_all()?)?
+            .add(&v.mul(&c[2])?.sum_all()?)?
+            .add(&mlp.mul(&cm)?.sum_all()?)?;
+        if again {
+            loss = loss.add(&h.narrow(2, d, d)?.sqr()?.sum_all()?)?;
+        }
+        let g = loss.backward()?;
+        g.get(&x).unwrap().to_vec_f64()
+    };
+    let (cv, cmv, hv): (Vec<Vec<f64>>, Vec<f64>, Vec<f64>) = (
+        c.iter().map(|t| t.to_vec_f64().unwrap()).collect(),
+        cm.to_vec_f64()?,
+        x.affine(2.0, 0.0)?.to_vec_f64()?,
+    );
+    for again in [false, true] {
+        let got = run(again)?;
+        for bi in 0..b {
+            for ni in 0..n {
+                for col in 0..width {
+                    let at = (bi * n + ni) * width + col;
+                    let want = if col < 3 * d {
+                        let (part, hh, ee) = (col / d, (col % d) / e, col % e);
+                        let mut w = cv[part][((bi * heads + hh) * n + ni) * e + ee];
+                        if again && part == 1 {
+                            w += 2.0 * hv[at];
+                        }
+                        2.0 * w
+                    } else if col < 3 * d + m {
+                        2.0 * cmv[(bi * n + ni) * m + col - 3 * d]
+                    } else {
+                        0.0
+                    };
+                    assert!(
+                        (got[at] - want).abs() < 1e-12,
+                        "again {again} [{bi},{ni},{col}]: {} vs {want}",
+                        got[at]
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}

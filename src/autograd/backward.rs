@@ -220,6 +220,7 @@ pub(crate) fn backward_from(
                     Part::Slice {
                         dim: *dim,
                         start: *start,
+                        len: g.dims()[*dim],
                         grad: g,
                     },
                 )]
@@ -249,12 +250,16 @@ pub(crate) fn backward_from(
 }
 
 /// One gradient contribution to a tensor: of its whole shape, (from a narrow) of the slice
-/// `start..start + len` of dim `dim`, zero elsewhere, or a product not yet formed.
+/// `start..start + len` of dim `dim`, zero elsewhere, or a product not yet formed. A slice's
+/// `grad` has the slice's shape, or that shape with `dim` split into several dims where a
+/// reshape merged them and the gradient could not be viewed merged (heads split off a fused
+/// projection: it is laid into the sum from that shape, one strided copy).
 enum Part {
     Full(Tensor),
     Slice {
         dim: usize,
         start: usize,
+        len: usize,
         grad: Tensor,
     },
     /// `a @ b` with a (B, M, K), b (K, N) and K small beside N (`deferred_product`).
@@ -270,7 +275,12 @@ impl Part {
     fn full(self, dims: &[usize]) -> Result<Tensor> {
         match self {
             Part::Full(g) => Ok(g),
-            Part::Slice { dim, start, grad } => pad_along(&[(start, grad)], dim, dims),
+            Part::Slice {
+                dim,
+                start,
+                len,
+                grad,
+            } => Tensor::lay_along(dims, dim, &[(start, len, &grad)]),
             Part::Product { a, b } => {
                 let n = b.dims()[0];
                 a.reshape((a.elem_count() / n.max(1), n))?
@@ -313,10 +323,17 @@ fn pass_through(op: &Op, parts: &[Part], td: &[usize]) -> Result<Option<(Tensor,
         (Op::Narrow(x, nd, ns), _) if slices() == Some(*nd) => {
             let mut shifted = vec![];
             for p in parts {
-                if let Part::Slice { dim, start, grad } = p {
+                if let Part::Slice {
+                    dim,
+                    start,
+                    len,
+                    grad,
+                } = p
+                {
                     shifted.push(Part::Slice {
                         dim: *dim,
                         start: start + ns,
+                        len: *len,
                         grad: grad.clone(),
                     });
                 }
@@ -342,21 +359,35 @@ fn pass_through(op: &Op, parts: &[Part], td: &[usize]) -> Result<Option<(Tensor,
             let inner: usize = td[d + 1..=e].iter().product();
             let mut moved = vec![];
             for p in parts {
-                let Part::Slice { start, grad, .. } = p else {
+                let Part::Slice {
+                    start, len, grad, ..
+                } = p
+                else {
                     return Ok(None);
                 };
-                let mut gd = xd.to_vec();
-                gd[d] = grad.dims()[d] * inner;
-                // Only as a view: a slice that must be copied to change shape (the permuted
-                // gradient of a head split) is laid into the sum at this shape instead, one
-                // copy either way (Flux's q / k / v: 228 more copies a step, +4.7 ms).
-                if grad.layout().reshape(&gd.clone().into()).is_none() {
+                // A slice of this tensor's shape (not one split further already).
+                let mut own = td.to_vec();
+                own[d] = *len;
+                if grad.dims() != own.as_slice() {
                     return Ok(None);
                 }
+                let mut gd = xd.to_vec();
+                gd[d] = len * inner;
+                // Viewed merged where it can be; a slice that would have to be copied to
+                // change shape (the permuted gradient of a head split) passes on as it is,
+                // its dim split, and is laid into the sum from that shape: one strided copy
+                // into the fused projection's gradient rather than one into this tensor's
+                // and a second into the projection's (Flux's and FLUX.2's single blocks:
+                // q, k, v, then the MLP's part beside them).
+                let grad = match grad.layout().reshape(&gd.clone().into()) {
+                    Some(_) => grad.reshape(gd)?,
+                    None => grad.clone(),
+                };
                 moved.push(Part::Slice {
                     dim: d,
                     start: start * inner,
-                    grad: grad.reshape(gd)?,
+                    len: len * inner,
+                    grad,
                 });
             }
             Some((x.clone(), moved))
@@ -432,34 +463,6 @@ fn deferred_product(g: &Tensor, b: &Tensor) -> Result<Option<Part>> {
     }))
 }
 
-/// `slices` (start, gradient) along `dim`, disjoint and sorted, laid into one tensor of
-/// `dims` with zeros in the gaps: one concatenation, zeros only where no slice is.
-fn pad_along(slices: &[(usize, Tensor)], dim: usize, dims: &[usize]) -> Result<Tensor> {
-    let size = dims[dim];
-    let (dtype, device) = (slices[0].1.dtype(), slices[0].1.device().clone());
-    let zeros = |n: usize| {
-        let mut d = dims.to_vec();
-        d[dim] = n;
-        Tensor::zeros(d, dtype, &device)
-    };
-    let mut parts = vec![];
-    let mut at = 0;
-    for (start, g) in slices {
-        if *start > at {
-            parts.push(zeros(start - at)?);
-        }
-        at = start + g.dims()[dim];
-        parts.push(g.clone());
-    }
-    if at < size {
-        parts.push(zeros(size - at)?);
-    }
-    if parts.len() == 1 {
-        return Ok(parts.remove(0));
-    }
-    Tensor::cat(&parts.iter().collect::<Vec<_>>(), dim)
-}
-
 /// The sum of a tensor's gradient contributions (`dims` its shape), folded from the last
 /// to arrive: g1 + (g2 + (... + gn)). Contributions arrive in reverse execution order of
 /// the ops that used the tensor, so the ones a checkpointed block makes (which its node
@@ -468,17 +471,23 @@ fn pad_along(slices: &[(usize, Tensor)], dim: usize, dims: &[usize]) -> Result<T
 ///
 /// When every contribution is a slice of one dim (the tensor was only narrowed: a fused
 /// projection split into q, k, v, a modulation into its chunks) and no two overlap, they
-/// are laid side by side in one concatenation instead: each element then holds exactly the
-/// one slice's value (or 0) that the fold would have added to zeros.
+/// are laid side by side in one new tensor instead (`Tensor::lay_along`: each slice copied
+/// into place once, from its own shape): each element then holds exactly the one slice's
+/// value (or 0) that the fold would have added to zeros.
 fn sum_contributions(parts: Vec<Part>, dims: &[usize]) -> Result<Tensor> {
     if parts.len() > 1 || matches!(parts.first(), Some(Part::Slice { .. })) {
         let mut slices = vec![];
         let mut dim0 = None;
         for p in &parts {
             match p {
-                Part::Slice { dim, start, grad } if dim0.is_none_or(|d| d == *dim) => {
+                Part::Slice {
+                    dim,
+                    start,
+                    len,
+                    grad,
+                } if dim0.is_none_or(|d| d == *dim) => {
                     dim0 = Some(*dim);
-                    slices.push((*start, grad.clone()));
+                    slices.push((*start, *len, grad));
                 }
                 _ => {
                     slices.clear();
@@ -487,12 +496,16 @@ fn sum_contributions(parts: Vec<Part>, dims: &[usize]) -> Result<Tensor> {
             }
         }
         if let (Some(dim), false) = (dim0, slices.is_empty()) {
-            slices.sort_by_key(|(s, _)| *s);
-            let disjoint = slices
-                .windows(2)
-                .all(|w| w[0].0 + w[0].1.dims()[dim] <= w[1].0);
+            slices.sort_by_key(|(s, _, _)| *s);
+            let disjoint = slices.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
             if disjoint {
-                return pad_along(&slices, dim, dims);
+                // A lone slice covering the whole dim in its own shape is the sum itself.
+                if let [(0, len, g)] = slices.as_slice() {
+                    if *len == dims[dim] && g.dims() == dims {
+                        return Ok((*g).clone());
+                    }
+                }
+                return Tensor::lay_along(dims, dim, &slices);
             }
         }
     }

@@ -248,6 +248,61 @@ impl Tensor {
         ))
     }
 
+    /// A new tensor of `dims` holding `pieces` (start, length, piece) along `dim`, zeros
+    /// where no piece is: piece k fills `start..start + length` of `dim`, given in its own
+    /// shape, which is that region's or the region's with `dim` split into several (the
+    /// gradient of a head split: (B, N, 1, H, E) for a region of H E along the last dim of a
+    /// (B, N, 3 H E) projection). Each piece is copied once, strided, into place. Pieces must
+    /// be disjoint; not recorded (the backward's sums).
+    pub(crate) fn lay_along(
+        dims: &[usize],
+        dim: usize,
+        pieces: &[(usize, usize, &Tensor)],
+    ) -> Result<Tensor> {
+        let Some((_, _, first)) = pieces.first() else {
+            return Err(Error::invalid(
+                "lay_along",
+                "no pieces",
+                &Shape::new(dims.to_vec()),
+            ));
+        };
+        let (dtype, device) = (first.dtype(), first.device().clone());
+        let shape = Shape::new(dims.to_vec());
+        let out_l = Layout::contiguous(dims.to_vec());
+        let covered: usize = pieces.iter().map(|p| p.1).sum();
+        let mut dst = if covered == dims.get(dim).copied().unwrap_or(0) {
+            device.uninit(&shape, dtype)?
+        } else {
+            device.full(&shape, dtype, 0.0)?
+        };
+        for (start, len, t) in pieces {
+            if t.dtype() != dtype {
+                return Err(Error::DTypeMismatch {
+                    op: "lay_along",
+                    lhs: dtype,
+                    rhs: t.dtype(),
+                });
+            }
+            if t.elem_count() != out_l.shape().elem_count() / dims[dim].max(1) * len {
+                return Err(Error::ShapeMismatch {
+                    op: "lay_along",
+                    lhs: shape.clone(),
+                    rhs: t.shape().clone(),
+                });
+            }
+            let region = out_l.narrow(dim, *start, *len)?;
+            let at = region
+                .reshape(t.shape())
+                .ok_or_else(|| Error::ShapeMismatch {
+                    op: "lay_along",
+                    lhs: region.shape().clone(),
+                    rhs: t.shape().clone(),
+                })?;
+            t.storage()?.copy_strided(t.layout(), &mut dst, &at)?;
+        }
+        Ok(Tensor::from_storage(dst, shape, device, None))
+    }
+
     /// Joins tensors of one shape along a new dim.
     pub fn stack(tensors: &[&Tensor], dim: impl Dim) -> Result<Tensor> {
         let first = match tensors.first() {

@@ -94,7 +94,7 @@ macro_rules! with_dtype {
 }
 with_dtype!(f32, F32, |x: f32| x as f64, |v: f64| v as f32);
 with_dtype!(f64, F64, |x: f64| x, |v: f64| v);
-with_dtype!(bf16, BF16, |x: bf16| x.to_f64(), bf16::from_f64);
+with_dtype!(bf16, BF16, |x: bf16| x.to_f64(), bf16_nearest);
 with_dtype!(f16, F16, |x: f16| x.to_f64(), f16::from_f64);
 // Saturating: negative values become 0, values past u32::MAX become u32::MAX.
 with_dtype!(u32, U32, |x: u32| x as f64, |v: f64| v as u32);
@@ -207,4 +207,22 @@ macro_rules! map_cpu_storage {
             $crate::CpuStorage::U32($v) => $crate::CpuStorage::U32($body),
         }
     };
+}
+
+/// The bf16 nearest to `v`, ties to even, as CUDA's `__float2bfloat16_rn` and PyTorch round.
+/// `half::bf16::from_f64` loses the bits below its rounding bit: an f32 just above a tie
+/// (0x66ee8004) came out rounded down. Here `v` goes to f32 rounded to odd (toward zero, the
+/// last bit set where any was lost), which keeps what the second rounding needs, then to bf16
+/// from the f32, which rounds correctly.
+pub fn bf16_nearest(v: f64) -> bf16 {
+    let f = v as f32;
+    if !f.is_finite() || f64::from(f) == v {
+        return bf16::from_f32(f);
+    }
+    // `f` is `v` rounded to nearest; toward zero is `f` or the f32 before it.
+    let mut bits = f.to_bits();
+    if f64::from(f).abs() > v.abs() {
+        bits -= 1;
+    }
+    bf16::from_f32(f32::from_bits(bits | 1))
 }

@@ -51,6 +51,19 @@ pub const BF16_TOL: Tol = Tol {
     params: 0.25,
 };
 
+/// SDXL's UNet in bf16: its parameter gradients end the longest chain of roundings of the
+/// fixtures (620 of them, through GroupNorms over few channels), where the worst of them is
+/// noise: three ways to round the CPU's f64 results to bf16 that differ only in rare ties
+/// (to nearest, ties to even, as CUDA and PyTorch round; the same from the f64's upper 32
+/// bits only, as `half` 2.7's conversion does; that with its ties away from zero) put it at
+/// 0.290, 0.147 and 0.143, and the parameters past 0.05 at 241, 124 and 210. The output and
+/// input gradients hold the common bounds.
+pub const SDXL_BF16_TOL: Tol = Tol {
+    output: 5e-2,
+    inputs: 5e-2,
+    params: 0.4,
+};
+
 /// Conditioning a training loop holds in f32 whatever the model's dtype (diffusers does the
 /// same): in bf16 the timestep 901 would round to 900 and Flux's t x 1000 would move by ~1.
 const F32_INPUTS: [&str; 5] = ["timesteps", "guidance", "time_ids", "img_ids", "txt_ids"];
@@ -112,7 +125,8 @@ pub fn model_path(name: &str, format: Format) -> PathBuf {
 }
 
 /// Runs `run` and checks output, input gradients and every parameter gradient against the
-/// fixture. Returns the worst relative error of each kind (output, inputs, params).
+/// fixture within [`F32_TOL`] or [`BF16_TOL`]. Returns the worst relative error of each kind
+/// (output, inputs, params).
 pub fn parity(
     name: &str,
     format: Format,
@@ -125,6 +139,18 @@ pub fn parity(
     } else {
         BF16_TOL
     };
+    parity_within(name, format, device, dtype, tol, run)
+}
+
+/// [`parity`] within the bounds `tol`.
+pub fn parity_within(
+    name: &str,
+    format: Format,
+    device: &Device,
+    dtype: DType,
+    tol: Tol,
+    run: impl Fn(&Path, &BTreeMap<String, Tensor>) -> Result<Run>,
+) -> [f64; 3] {
     let io = load_io(name, device, dtype);
     let r = run(&model_path(name, format), &io).unwrap();
     let mut worst = [0f64; 3];

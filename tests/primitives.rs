@@ -338,7 +338,7 @@ fn round_to(x: f64, to: DType) -> f64 {
     match to {
         DType::F64 => x,
         DType::F32 => x as f32 as f64,
-        DType::BF16 => half::bf16::from_f64(x).to_f64(),
+        DType::BF16 => flame::bf16_nearest(x).to_f64(),
         DType::F16 => half::f16::from_f64(x).to_f64(),
         DType::U32 => x as u32 as f64,
     }
@@ -1012,5 +1012,65 @@ fn fused_activation_backward_matches_the_reference(dev: &Device) {
                 );
             }
         }
+    }
+}
+
+/// Casts to bf16 round to nearest, ties to even, whatever lies past the rounding bit: f32
+/// values just above and below a tie (where `half::bf16::from_f64` rounded 0x66ee8004 down),
+/// exact ties of both parities, and f64 values between two f32s, on the CPU against the
+/// correctly rounded f32 conversion and the nearer of the two bf16 neighbours.
+#[test]
+fn casts_to_bf16_round_to_nearest_past_the_rounding_bit() {
+    let mut bits32: Vec<u32> = vec![
+        0x66ee_8004,
+        0x8210_8005,
+        0x6378_8006,
+        0x0896_8002,
+        0x3f80_8000,
+        0x3f81_8000,
+        0x3f80_8001,
+        0x3f80_7fff,
+        0x7f7f_ffff,
+        0x0000_8001,
+    ];
+    let mut x: u32 = 12345;
+    for i in 0..20_000u32 {
+        x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        let low = [0x8000, 0x8001, 0x8004, 0x7fff, x & 0xffff][(i % 5) as usize];
+        bits32.push(((x & 0x7fff_0000) | low) ^ (x & 0x8000_0000));
+    }
+    let vals: Vec<f32> = bits32
+        .iter()
+        .map(|&b| f32::from_bits(b))
+        .filter(|v| v.is_finite())
+        .collect();
+    let t = Tensor::from_vec(vals.clone(), vals.len(), &CPU).unwrap();
+    let got = t.to_dtype(DType::BF16).unwrap().to_vec_f64().unwrap();
+    for (v, g) in vals.iter().zip(&got) {
+        let want = half::bf16::from_f32(*v).to_f64();
+        assert!(
+            want.to_bits() == g.to_bits() || (want.is_nan() && g.is_nan()),
+            "{:08x}: {g} against {want}",
+            v.to_bits()
+        );
+    }
+    // f64 values a fraction of an f32 step past f32 values: not ties once the f64 bits count.
+    let wide: Vec<f64> = vals
+        .iter()
+        .filter(|v| v.abs() > 1e-30 && v.abs() < 1e30)
+        .map(|&v| f64::from(v) * (1.0 + 1e-9))
+        .collect();
+    let t = Tensor::from_vec(wide.clone(), wide.len(), &CPU).unwrap();
+    let got = t.to_dtype(DType::BF16).unwrap().to_vec_f64().unwrap();
+    for (v, g) in wide.iter().zip(&got) {
+        // The bf16 values around v, from v's f32 truncated to bf16 and the next one out.
+        let trunc = f32::from_bits((*v as f32).to_bits() & 0xffff_0000);
+        let lo = f64::from(trunc);
+        let step = f64::from(f32::from_bits(trunc.to_bits() + 0x1_0000)) - lo;
+        let hi = lo + step;
+        let (dlo, dhi) = ((v - lo).abs(), (hi - v).abs());
+        let want = if dlo < dhi { lo } else { hi };
+        assert!(dlo != dhi, "{v} is a tie");
+        assert_eq!(*g, want, "{v}: {g} against {want}");
     }
 }

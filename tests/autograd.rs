@@ -97,42 +97,60 @@ fn frozen_activation_side_of_a_matmul_still_trains_the_weight() -> Result<()> {
     Ok(())
 }
 
-/// The gradients of heads split off a fused projection (q, k, v permuted to (B, H, N, E)
-/// beside an MLP part of the same projection, as Flux's and FLUX.2's single blocks split
-/// `linear1`'s output) land in the projection's gradient where each head's values came from,
-/// the MLP's part beside them and zeros where no part was read; with one head's gradient
-/// reaching the projection twice (read again past the split), the sum is the fold's.
+/// Sizes of the head-split case: batch, tokens, heads, head dim, MLP width, and the
+/// projection's width (2 columns past the MLP's are never read).
+const SPLIT: (usize, usize, usize, usize, usize) = (2, 5, 3, 4, 6);
+
+fn split_width() -> usize {
+    let (_, _, heads, e, m) = SPLIT;
+    3 * heads * e + m + 2
+}
+
+/// The gradient of `x` (B, N, width) through heads split off a fused projection h = 2 x (q, k,
+/// v permuted to (B, H, N, E), as Flux's and FLUX.2's single blocks split `linear1`'s output)
+/// beside an MLP part of h, each multiplied by a constant and summed; with `again`, k's
+/// columns of h are read a second time (squared) past the split. Inputs are drawn in f64 on
+/// the CPU and cast to `dtype` on `dev`.
+fn head_split_grad(dev: &Device, dtype: DType, again: bool) -> Result<Vec<f64>> {
+    let (b, n, heads, e, m) = SPLIT;
+    let d = heads * e;
+    let on = |t: Tensor| t.to_dtype(dtype)?.to_device(dev);
+    let x = on(randn(&[b, n, split_width()], 11))?.requires_grad_()?;
+    let c = (0..3)
+        .map(|i| on(randn(&[b, heads, n, e], 12 + i)))
+        .collect::<Result<Vec<_>>>()?;
+    let cm = on(randn(&[b, n, m], 15))?;
+    let h = x.affine(2.0, 0.0)?;
+    let (q, k, v) = flame::nn::split_qkv(&h.narrow(2, 0, 3 * d)?, heads)?;
+    let mlp = h.narrow(2, 3 * d, m)?;
+    let mut loss = q
+        .mul(&c[0])?
+        .sum_all()?
+        .add(&k.mul(&c[1])?.sum_all()?)?
+        .add(&v.mul(&c[2])?.sum_all()?)?
+        .add(&mlp.mul(&cm)?.sum_all()?)?;
+    if again {
+        loss = loss.add(&h.narrow(2, d, d)?.sqr()?.sum_all()?)?;
+    }
+    let g = loss.backward()?;
+    g.get(&x).unwrap().to_vec_f64()
+}
+
+/// The gradients of heads split off a fused projection land in the projection's gradient
+/// where each head's values came from, the MLP's part beside them and zeros where no part was
+/// read; with one head's gradient reaching the projection twice (read again past the split),
+/// the sum is the fold's.
 #[test]
 fn heads_split_off_a_fused_projection_lay_their_gradients_in_place() -> Result<()> {
-    let (b, n, heads, e, m) = (2, 5, 3, 4, 6);
-    let d = heads * e;
-    let width = 3 * d + m + 2; // the last 2 columns are never read
-    let x = randn(&[b, n, width], 11).requires_grad_()?;
-    let c: Vec<Tensor> = (0..3).map(|i| randn(&[b, heads, n, e], 12 + i)).collect();
-    let cm = randn(&[b, n, m], 15);
-    let run = |again: bool| -> Result<Vec<f64>> {
-        let h = x.affine(2.0, 0.0)?;
-        let (q, k, v) = flame::nn::split_qkv(&h.narrow(2, 0, 3 * d)?, heads)?;
-        let mlp = h.narrow(2, 3 * d, m)?;
-        let mut loss = q
-            .mul(&c[0])?
-            .sum_all()?
-            .add(&k.mul(&c[1])?.sum_all()?)?
-            .add(&v.mul(&c[2])?.sum_all()?)?
-            .add(&mlp.mul(&cm)?.sum_all()?)?;
-        if again {
-            loss = loss.add(&h.narrow(2, d, d)?.sqr()?.sum_all()?)?;
-        }
-        let g = loss.backward()?;
-        g.get(&x).unwrap().to_vec_f64()
-    };
-    let (cv, cmv, hv): (Vec<Vec<f64>>, Vec<f64>, Vec<f64>) = (
-        c.iter().map(|t| t.to_vec_f64().unwrap()).collect(),
-        cm.to_vec_f64()?,
-        x.affine(2.0, 0.0)?.to_vec_f64()?,
-    );
+    let (b, n, heads, e, m) = SPLIT;
+    let (d, width) = (heads * e, split_width());
+    let cv: Vec<Vec<f64>> = (0..3)
+        .map(|i| randn(&[b, heads, n, e], 12 + i).to_vec_f64().unwrap())
+        .collect();
+    let cmv = randn(&[b, n, m], 15).to_vec_f64()?;
+    let hv = randn(&[b, n, width], 11).affine(2.0, 0.0)?.to_vec_f64()?;
     for again in [false, true] {
-        let got = run(again)?;
+        let got = head_split_grad(&CPU, DType::F64, again)?;
         for bi in 0..b {
             for ni in 0..n {
                 for col in 0..width {
@@ -156,6 +174,25 @@ fn heads_split_off_a_fused_projection_lay_their_gradients_in_place() -> Result<(
                     );
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// The same on CUDA, bit for bit the CPU's in f32 and bf16 (every value is a copy, a product
+/// by a power of two or one rounded sum of two).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn heads_split_off_a_fused_projection_lay_their_gradients_in_place_on_cuda() -> Result<()> {
+    let gpu = Device::cuda(0)?;
+    for dtype in [DType::F32, DType::BF16] {
+        for again in [false, true] {
+            assert_eq!(
+                head_split_grad(&gpu, dtype, again)?,
+                head_split_grad(&CPU, dtype, again)?,
+                "{dtype} again {again}"
+            );
         }
     }
     Ok(())

@@ -33,6 +33,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 cd "$root"
 [ -x .gpu/train ] || { (cd .gpu && xz -dc bins.tar.xz | tar xf -); }
+# Wheels carried in .whl/ (diffusers for `make`) import as they are, without installing.
+for w in "$root"/.whl/*.whl; do [ -f "$w" ] && export PYTHONPATH="$w${PYTHONPATH:+:$PYTHONPATH}"; done
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 if ! ls /usr/lib/x86_64-linux-gnu/libnccl.so >/dev/null 2>&1; then
   mkdir -p /tmp/nccl && ln -sf /usr/lib/x86_64-linux-gnu/libnccl.so.2 /tmp/nccl/libnccl.so

@@ -499,12 +499,6 @@ fn sum_contributions(parts: Vec<Part>, dims: &[usize]) -> Result<Tensor> {
             slices.sort_by_key(|(s, _, _)| *s);
             let disjoint = slices.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
             if disjoint {
-                // A lone slice covering the whole dim in its own shape is the sum itself.
-                if let [(0, len, g)] = slices.as_slice() {
-                    if *len == dims[dim] && g.dims() == dims {
-                        return Ok((*g).clone());
-                    }
-                }
                 return Tensor::lay_along(dims, dim, &slices);
             }
         }

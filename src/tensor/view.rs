@@ -6,6 +6,54 @@ use crate::autograd::{record, Op};
 use crate::shape::Dim;
 use crate::{Error, Layout, Result, Shape};
 
+/// The storage of [`Tensor::lay_along`] (and of `cat`, whose pieces cover the tensor, each
+/// in its region's shape): zeros first only where the pieces leave a gap.
+fn lay_storage(
+    dims: &[usize],
+    dim: usize,
+    pieces: &[(usize, usize, &Tensor)],
+) -> Result<crate::device::Storage> {
+    let shape = Shape::new(dims.to_vec());
+    let Some((_, _, first)) = pieces.first() else {
+        return Err(Error::invalid("lay_along", "no pieces", &shape));
+    };
+    let (dtype, device) = (first.dtype(), first.device());
+    let out_l = Layout::contiguous(dims.to_vec());
+    let covered: usize = pieces.iter().map(|p| p.1).sum();
+    let mut dst = if covered == dims.get(dim).copied().unwrap_or(0) {
+        device.uninit(&shape, dtype)?
+    } else {
+        device.full(&shape, dtype, 0.0)?
+    };
+    for (start, len, t) in pieces {
+        if t.dtype() != dtype {
+            return Err(Error::DTypeMismatch {
+                op: "lay_along",
+                lhs: dtype,
+                rhs: t.dtype(),
+            });
+        }
+        let mismatch = |lhs: &Shape| Error::ShapeMismatch {
+            op: "lay_along",
+            lhs: lhs.clone(),
+            rhs: t.shape().clone(),
+        };
+        if t.elem_count() != shape.elem_count() / dims[dim].max(1) * len {
+            return Err(mismatch(&shape));
+        }
+        let region = out_l.narrow(dim, *start, *len)?;
+        let at = if region.dims() == t.dims() {
+            region
+        } else {
+            region
+                .reshape(t.shape())
+                .ok_or_else(|| mismatch(region.shape()))?
+        };
+        t.storage()?.copy_strided(t.layout(), &mut dst, &at)?;
+    }
+    Ok(dst)
+}
+
 impl Tensor {
     /// A view with another shape of the same element count. Free when the strides allow it
     /// (always for contiguous data); otherwise the data is copied first.
@@ -227,16 +275,13 @@ impl Tensor {
         }
         let mut dims = first.dims().to_vec();
         dims[d] = total;
-        let out_l = Layout::contiguous(dims.clone());
-        // The parts cover the output: nothing to zero first.
-        let mut dst = first.device().uninit(out_l.shape(), first.dtype())?;
+        let mut pieces = Vec::with_capacity(tensors.len());
         let mut start = 0;
         for t in tensors {
-            let n = t.dims()[d];
-            t.storage()?
-                .copy_strided(t.layout(), &mut dst, &out_l.narrow(d, start, n)?)?;
-            start += n;
+            pieces.push((start, t.dims()[d], *t));
+            start += t.dims()[d];
         }
+        let dst = lay_storage(&dims, d, &pieces)?;
         let op = record(tensors, || {
             Op::Cat(tensors.iter().map(|t| (*t).clone()).collect(), d)
         });
@@ -248,59 +293,31 @@ impl Tensor {
         ))
     }
 
-    /// A new tensor of `dims` holding `pieces` (start, length, piece) along `dim`, zeros
-    /// where no piece is: piece k fills `start..start + length` of `dim`, given in its own
-    /// shape, which is that region's or the region's with `dim` split into several (the
-    /// gradient of a head split: (B, N, 1, H, E) for a region of H E along the last dim of a
-    /// (B, N, 3 H E) projection). Each piece is copied once, strided, into place. Pieces must
+    /// A tensor of `dims` holding `pieces` (start, length, piece) along `dim`, zeros where no
+    /// piece is: piece k fills `start..start + length` of `dim`, given in its own shape,
+    /// which is that region's or the region's with `dim` split into several (the gradient of
+    /// a head split: (B, N, 1, H, E) for a region of H E along the last dim of a (B, N, 3 H
+    /// E) projection). Each piece is copied once, strided, into place (`cat`'s copies); a
+    /// lone piece that is the whole tensor in its own shape is returned as it is. Pieces must
     /// be disjoint; not recorded (the backward's sums).
     pub(crate) fn lay_along(
         dims: &[usize],
         dim: usize,
         pieces: &[(usize, usize, &Tensor)],
     ) -> Result<Tensor> {
-        let Some((_, _, first)) = pieces.first() else {
-            return Err(Error::invalid(
-                "lay_along",
-                "no pieces",
-                &Shape::new(dims.to_vec()),
-            ));
-        };
-        let (dtype, device) = (first.dtype(), first.device().clone());
-        let shape = Shape::new(dims.to_vec());
-        let out_l = Layout::contiguous(dims.to_vec());
-        let covered: usize = pieces.iter().map(|p| p.1).sum();
-        let mut dst = if covered == dims.get(dim).copied().unwrap_or(0) {
-            device.uninit(&shape, dtype)?
-        } else {
-            device.full(&shape, dtype, 0.0)?
-        };
-        for (start, len, t) in pieces {
-            if t.dtype() != dtype {
-                return Err(Error::DTypeMismatch {
-                    op: "lay_along",
-                    lhs: dtype,
-                    rhs: t.dtype(),
-                });
+        if let [(0, _, t)] = pieces {
+            if t.dims() == dims {
+                return Ok((*t).clone());
             }
-            if t.elem_count() != out_l.shape().elem_count() / dims[dim].max(1) * len {
-                return Err(Error::ShapeMismatch {
-                    op: "lay_along",
-                    lhs: shape.clone(),
-                    rhs: t.shape().clone(),
-                });
-            }
-            let region = out_l.narrow(dim, *start, *len)?;
-            let at = region
-                .reshape(t.shape())
-                .ok_or_else(|| Error::ShapeMismatch {
-                    op: "lay_along",
-                    lhs: region.shape().clone(),
-                    rhs: t.shape().clone(),
-                })?;
-            t.storage()?.copy_strided(t.layout(), &mut dst, &at)?;
         }
-        Ok(Tensor::from_storage(dst, shape, device, None))
+        let dst = lay_storage(dims, dim, pieces)?;
+        let device = pieces[0].2.device().clone();
+        Ok(Tensor::from_storage(
+            dst,
+            Shape::new(dims.to_vec()),
+            device,
+            None,
+        ))
     }
 
     /// Joins tensors of one shape along a new dim.

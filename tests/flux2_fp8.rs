@@ -16,7 +16,7 @@
 mod common;
 
 use common::rel_err;
-use flame::models::flux2::Flux2;
+use flame::models::flux2::{Flux2, Flux2Config};
 use flame::models::{load_as, LoadOptions};
 use flame::nn::VarBuilder;
 use flame::{DType, Device, Error, Tensor};
@@ -133,8 +133,9 @@ fn fp8_files_load_as_their_dequantized_weights() {
     }
 }
 
-/// BFL's FP8 FLUX.2 [klein] layout: one file with diffusers' bare names, q/k/v split, a scale
-/// a tensor. It reads as a diffusers checkpoint (the config from its shapes): every weight is
+/// An FP8 FLUX.2 file with diffusers' bare names, q/k/v split, a scale a tensor (BFL's own
+/// FP8 files keep BFL's names: the test below). It reads as a diffusers checkpoint (the config
+/// from its shapes): every weight is
 /// the dequantized folder's bit for bit (q, k and v each decoded with its own scale, then
 /// joined), and so is the output; with FP8 storage the output stays within FP8's rounding.
 #[test]
@@ -282,4 +283,60 @@ fn unreadable_fp8_weights_are_refused_by_name() {
     let vb = VarBuilder::from_files(&[f.path().to_path_buf()], DType::F32, &CPU).unwrap();
     let e = vb.get((4, 8), "x.weight").unwrap_err().to_string();
     assert!(e.contains("x.weight_scale") && e.contains("F32"), "{e}");
+}
+
+/// BFL's released FP8 FLUX.2 [klein] 4B file (`black-forest-labs/FLUX.2-klein-4b-fp8`) as its
+/// header lists it: block 0 of each stack and every key outside the blocks, each with its shape
+/// and storage dtype (tests/fixtures/flux2_fp8/bfl_klein4b_released.json, transcribed from the
+/// capture in invoke-ai/InvokeAI `tests/backend/model_manager/load/state_dicts/
+/// flux2_klein_4b_scaled_fp8_keys.py`). BFL's names, fused qkv, F8_E4M3 block Linears each with
+/// an F32 scalar `weight_scale` and `input_scale`, everything else bf16. The `bfl_tensor`
+/// fixture that the tests above load has the same keys with the same dtypes and ranks, and the
+/// released shapes (blocks 1.. laid out as block 0) give `Flux2Config::klein_4b`.
+#[test]
+fn bfls_released_klein_fp8_file_has_the_fixtures_layout_and_gives_klein_4b() {
+    let text = std::fs::read_to_string(dir().join("bfl_klein4b_released.json")).unwrap();
+    let released: Vec<(String, Vec<usize>, String)> = serde_json::from_str(&text).unwrap();
+    let in_block = |k: &str| k.starts_with("double_blocks.") || k.starts_with("single_blocks.");
+    let first = |k: &str| k.starts_with("double_blocks.0.") || k.starts_with("single_blocks.0.");
+
+    // The fixture's keys of block 0 and outside the blocks, with dtype and rank.
+    let file = std::fs::read(dir().join("bfl_tensor.safetensors")).unwrap();
+    let header = safetensors::SafeTensors::read_metadata(&file).unwrap().1;
+    let mut ours: Vec<(String, String, usize)> = header
+        .tensors()
+        .into_iter()
+        .filter(|(k, _)| !in_block(k) || first(k))
+        .map(|(k, info)| (k, format!("{:?}", info.dtype), info.shape.len()))
+        .collect();
+    ours.sort();
+    let mut theirs: Vec<(String, String, usize)> = released
+        .iter()
+        .map(|(k, s, d)| (k.clone(), d.clone(), s.len()))
+        .collect();
+    theirs.sort();
+    assert_eq!(ours, theirs);
+
+    // The whole file's shapes: each stack's blocks as its block 0.
+    let config = Flux2Config::klein_4b();
+    let mut shapes: Vec<(String, Vec<usize>)> = Vec::new();
+    for (k, s, _) in &released {
+        let blocks = [
+            ("double_blocks.0.", config.depth, "double_blocks"),
+            (
+                "single_blocks.0.",
+                config.depth_single_blocks,
+                "single_blocks",
+            ),
+        ];
+        match blocks.iter().find(|(p, _, _)| k.starts_with(p)) {
+            Some((p, n, stack)) => {
+                let leaf = &k[p.len()..];
+                shapes.extend((0..*n).map(|i| (format!("{stack}.{i}.{leaf}"), s.clone())));
+            }
+            None => shapes.push((k.clone(), s.clone())),
+        }
+    }
+    let vb = VarBuilder::from_shapes(shapes, DType::BF16, &CPU);
+    assert_eq!(Flux2Config::from_single_file(&vb).unwrap(), config);
 }

@@ -17,7 +17,9 @@
 # its adapter targets and its guidance.
 #   [SAMPLE_EXE=.../sample] bash scripts/budget_rows.sh PIPELINE_DIR WORK_DIR TRAIN_EXE BUDGET_GB [EXTRA_TOML]
 # With SAMPLE_EXE, the `sample` binary then makes a 1024² image with the trained LoRA under
-# the same budget, the holder still in place, and its peak is printed too.
+# the same budget, the holder still in place, and its peak and time are printed too (after
+# the training's summary, so a time limit that cuts the sample run leaves that); the script
+# exits non-zero if either run failed.
 # EXTRA_TOML is appended to the config (e.g. 'model.dtype = "fp8"' lines go under [model]:
 # pass a whole section, "[optimizer]\nkind = \"adamw8bit\"").
 # EDIT=1 (ARCH=flux2 only) makes it an edit dataset: each picture has a reference image of
@@ -156,14 +158,23 @@ wait "$smi" 2>/dev/null || true
 peaks=$(awk -F', ' 'NR == FNR {b[$1] = $2; next} {if ($2 > p[$1]) p[$1] = $2}
   END {for (g in p) printf "GPU %s %.2f GiB; ", g, (p[g] - b[g]) / 1024}' "$work/base.log" "$work/smi.log")
 peak=$(awk -F', ' -v g="${gpu_list[0]}" '$1 == g {print $2}' "$work/smi.log" | sort -n | tail -n 1)
+# The training's summary before the sample run, which a time limit may cut.
+echo "== driver-side peaks: $peaks"
+awk -v b="$budget" -v rc="$rc" -v s="$start" -v e="$end" -v base="$base" -v peak="$peak" 'BEGIN {
+  printf "== budget %s GiB: exit %d in %.1f s; device used before the run %d MiB (the holder), " \
+    "peak %d MiB: the run'"'"'s driver-side peak %.2f GiB\n", b, rc, e - s, base, peak, (peak - base) / 1024 }'
+grep -E "memory:|validation loss|samples:|done:|error|step 20/20|checkpoint|caching|data-parallel|peaks" "$work/train.log" | head -n 40
+ls -la "$work/out" "$work/out/samples" 2>/dev/null | grep -E "lora|step-|loss" || true
 # With SAMPLE_EXE set: the `sample` binary on the trained LoRA under the same budget, the
 # holder still in place.
 speak=""
+src=0
 if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
     -i "${gpu_list[0]}" > "$work/smi-sample.log" &
   smi=$!
   set +e
+  sstart=$(date +%s)
   CUDA_VISIBLE_DEVICES=${gpu_list[0]} "$SAMPLE_EXE" --arch "$arch" --model "$pipe" --lora "$work/out/lora.safetensors" \
     --prompt "$([ -n "$refs" ] && echo "make the circle red" || echo "a red circle on a white background")" \
     "${sample_refs[@]}" --steps 20 --guidance "$guidance" \
@@ -173,15 +184,11 @@ if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
   kill "$smi" 2>/dev/null || true
   wait "$smi" 2>/dev/null || true
   speak=$(sort -n "$work/smi-sample.log" | tail -n 1)
-  echo "== sample --budget ${budget}: exit ${src}; driver-side peak $(( (speak - base) )) MiB"
+  echo "== sample --budget ${budget}: exit ${src} in $(( $(date +%s) - sstart )) s; driver-side peak $(( (speak - base) )) MiB"
   tail -n 5 "$work/sample.log"
 fi
 kill "${holders[@]}" 2>/dev/null || true
 wait "${holders[@]}" 2>/dev/null || true
-echo "== driver-side peaks: $peaks"
-awk -v b="$budget" -v rc="$rc" -v s="$start" -v e="$end" -v base="$base" -v peak="$peak" 'BEGIN {
-  printf "== budget %s GiB: exit %d in %.1f s; device used before the run %d MiB (the holder), " \
-    "peak %d MiB: the run'"'"'s driver-side peak %.2f GiB\n", b, rc, e - s, base, peak, (peak - base) / 1024 }'
-grep -E "memory:|validation loss|samples:|done:|error|step 20/20|checkpoint|caching|data-parallel|peaks" "$work/train.log" | head -n 40
-ls -la "$work/out" "$work/out/samples" 2>/dev/null | grep -E "lora|step-|loss" || true
+# The row fails if training or the sample run failed.
+[ "$rc" = 0 ] && rc=$src
 exit "$rc"

@@ -1881,3 +1881,28 @@ fn schedule_free_kinds_save_x_and_resume_exactly() {
         );
     }
 }
+
+/// The trainers' own layouts (`adapter.format = "ai-toolkit"` / `"musubi"`) hold plain LoRAs:
+/// the other kinds are refused with the config, naming the key and the kinds they hold.
+#[test]
+fn the_tools_layouts_refuse_the_kinds_they_do_not_hold() {
+    let d = temp("tool-kinds");
+    let good = std::fs::read_to_string(tiny(&d, 4, "")).unwrap();
+    for format in ["ai-toolkit", "musubi"] {
+        for kind in ["dora", "lokr", "loha", "full"] {
+            let text = good
+                .replace("[adapter]\n", &format!("[adapter]\nkind = \"{kind}\"\n"))
+                .replace("format = \"kohya\"", &format!("format = \"{format}\""));
+            let e = TrainConfig::from_toml(&text).unwrap_err().to_string();
+            assert!(
+                e.contains("adapter.format") && e.contains("written for lora, not"),
+                "{format} {kind}: {e}"
+            );
+        }
+        let lora = good.replace("format = \"kohya\"", &format!("format = \"{format}\""));
+        if let Err(e) = TrainConfig::from_toml(&lora) {
+            assert!(!e.to_string().contains("written for lora, not"), "{e}");
+        }
+    }
+    std::fs::remove_dir_all(&d).ok();
+}

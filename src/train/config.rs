@@ -1464,11 +1464,12 @@ impl TrainConfig {
         );
         if let Some(tool) = a.format.tool() {
             c.check(
-                a.kind == "lora",
+                kind.as_ref().map_or(true, |k| k.tool_layouts),
                 "adapter.format",
                 format!(
-                    "\"{}\": written for kind \"lora\", not {:?}; use \"kohya\" or \"peft\"",
+                    "\"{}\": written for {}, not {:?}; use \"kohya\" or \"peft\"",
                     tool.name(),
+                    crate::nn::adapter::tool_layout_kinds(),
                     a.kind
                 ),
             );

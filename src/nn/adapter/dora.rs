@@ -44,6 +44,7 @@ pub(super) const KIND: Kind = Kind {
     weight_decompose: false,
     lycoris_algo: "locon",
     plain_kohya: false,
+    tool_layouts: false,
     loraplus_up: &["lora_up.weight"],
     merge,
     make: |p| {

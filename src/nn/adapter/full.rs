@@ -30,6 +30,7 @@ pub(super) const KIND: Kind = Kind {
     weight_decompose: false,
     lycoris_algo: "full",
     plain_kohya: false,
+    tool_layouts: false,
     loraplus_up: &[],
     merge,
     merge_bias,

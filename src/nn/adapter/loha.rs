@@ -40,6 +40,7 @@ pub(super) const KIND: Kind = Kind {
     weight_decompose: true,
     lycoris_algo: "loha",
     plain_kohya: false,
+    tool_layouts: false,
     loraplus_up: &["hada_w2_b"],
     make: |p| Ok(Arc::new(Loha::new(p)?)),
     merge,

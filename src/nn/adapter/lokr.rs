@@ -42,6 +42,7 @@ pub(super) const KIND: Kind = Kind {
     weight_decompose: true,
     lycoris_algo: "lokr",
     plain_kohya: false,
+    tool_layouts: false,
     loraplus_up: &["lokr_w1", "lokr_w1_a"],
     make: |p| Ok(Arc::new(Lokr::new(p)?)),
     merge,

@@ -39,6 +39,7 @@ pub(super) const KIND: Kind = Kind {
     weight_decompose: false,
     lycoris_algo: "locon",
     plain_kohya: true,
+    tool_layouts: true,
     loraplus_up: &["lora_up.weight"],
     make: |p| Ok(Arc::new(Lora::new(p)?)),
     merge,

@@ -397,6 +397,9 @@ pub struct Kind {
     /// Whether kohya's own `networks.lora` writes the kind where no convolution is adapted
     /// (the file's `ss_network_module`; else LyCORIS's `lycoris.kohya`).
     pub plain_kohya: bool,
+    /// Whether the trainers' own layouts (`AdapterFormat::tool`: ai-toolkit's, musubi-tuner's)
+    /// hold the kind: they write plain LoRAs only.
+    pub tool_layouts: bool,
     /// The tensors LoRA+ (Hayou et al. 2024) trains at the higher rate
     /// (`loraplus_lr_ratio`): the factor that starts at zero, LoRA's B. kohya's
     /// `networks.lora` takes every parameter whose name holds `lora_up` (LoRA and DoRA here:
@@ -556,6 +559,11 @@ pub fn tucker_kinds() -> String {
 /// The kinds that train with LyCORIS's weight decomposition, by name.
 pub fn weight_decompose_kinds() -> String {
     kinds_where(|k| k.weight_decompose)
+}
+
+/// The kinds the trainers' own layouts hold, by name.
+pub fn tool_layout_kinds() -> String {
+    kinds_where(|k| k.tool_layouts)
 }
 
 fn kinds_where(f: impl Fn(&Kind) -> bool) -> String {

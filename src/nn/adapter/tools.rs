@@ -163,16 +163,17 @@ impl Adapters {
         }
     }
 
-    /// These files hold LoRAs (module docs).
+    /// These files hold LoRAs (module docs): the kinds `Kind::tool_layouts` names.
     fn lora_only(&self, tool: Tool) -> Result<()> {
-        if self.config.kind == "lora" {
+        if self.kind()?.tool_layouts {
             return Ok(());
         }
         Err(Error::Setting {
             setting: Setting::AdapterLayout,
             msg: format!(
-                " \"{}\" is written for kind \"lora\", not {:?}: write \"kohya\" or \"peft\"",
+                " \"{}\" is written for {}, not {:?}: write \"kohya\" or \"peft\"",
                 tool.name(),
+                super::tool_layout_kinds(),
                 self.config.kind
             ),
         })

@@ -37,6 +37,11 @@
 //! over NCCL in buckets during the backward, and rank 0 prints the global loss and the step
 //! time; `--allreduce-mib M` first times NCCL sums of M MiB (bus bandwidth, as nccl-tests
 //! counts it).
+//!
+//! `--alternate "ARGS" [--rounds N]` runs the step N times (2 unless given) in one process
+//! as the other arguments say and then with ARGS added (say `--alternate "--prefetch 3"`),
+//! the model and its streamer built afresh each time: a plan's effect apart from the
+//! process's.
 
 mod common;
 
@@ -77,23 +82,50 @@ impl Args {
 
 fn main() -> Result<()> {
     let args = Args(std::env::args().skip(1).collect());
+    // `--alternate "ARGS"`: `--rounds N` rounds (2 unless given) in this one process, each
+    // running the step as the other arguments say and then with ARGS added, the model, its
+    // streamer and their host copies built afresh for each: what a plan does to the step,
+    // apart from what a process's state does.
+    let Some(extra) = args.value("--alternate") else {
+        return run_model(&args);
+    };
+    let rounds: usize = args
+        .value("--rounds")
+        .map_or(2, |n| n.parse().expect("--rounds N"));
+    let mut with = args.0.clone();
+    with.extend(extra.split_whitespace().map(String::from));
+    let variants = [
+        ("as given", args),
+        ("with the alternate arguments", Args(with)),
+    ];
+    for round in 0..rounds {
+        for (what, a) in &variants {
+            println!("== round {round}, {what}");
+            run_model(a)?;
+        }
+    }
+    Ok(())
+}
+
+/// One run of the step for the model `--model` names.
+fn run_model(args: &Args) -> Result<()> {
     match args.value("--model").as_deref() {
         None | Some("flux") => run::<Flux>(
-            &args,
+            args,
             "flux-dev",
             FluxConfig::dev(),
             &["double_blocks.*", "single_blocks.*"],
             vec![vec![16, 128, 128], vec![512, 4096], vec![768]],
         ),
         Some("sd35") => run::<Sd3>(
-            &args,
+            args,
             "sd3.5-large",
             Sd3Config::large(),
             &["joint_blocks.*"],
             vec![vec![16, 128, 128], vec![333, 4096], vec![2048]],
         ),
         Some("sdxl") => run::<Unet>(
-            &args,
+            args,
             "sdxl",
             SdxlConfig::base(),
             &["input_blocks.*", "middle_block.*", "output_blocks.*"],
@@ -102,14 +134,14 @@ fn main() -> Result<()> {
         // FLUX.2 [klein]: 1024² is 64x64 patched latents of 128 channels; Qwen3's three
         // hidden states side by side over 512 tokens.
         Some("klein4b") => run::<Flux2>(
-            &args,
+            args,
             "flux2-klein-4b",
             Flux2Config::klein_4b(),
             &["double_blocks.*", "single_blocks.*"],
             vec![vec![128, 64, 64], vec![512, 7680]],
         ),
         Some("klein9b") => run::<Flux2>(
-            &args,
+            args,
             "flux2-klein-9b",
             Flux2Config::klein_9b(),
             &["double_blocks.*", "single_blocks.*"],
@@ -118,7 +150,7 @@ fn main() -> Result<()> {
         // Z-Image 6B: 128² latents of 16 channels, 512 caption tokens of Qwen3-4B's 2560
         // (every one valid: the mask is made of ones below).
         Some("zimage") => run::<ZImage>(
-            &args,
+            args,
             "zimage-6b",
             ZImageConfig::z_image_6b(),
             &["noise_refiner.*", "context_refiner.*", "layers.*"],
@@ -143,6 +175,13 @@ fn run<M: ModelSpec>(
     let Device::Cuda(cuda) = &dev else {
         return Ok(());
     };
+    // With `--alternate`, each run starts from the driver's memory as a fresh process does:
+    // nothing cached, no cap until its plan sets one (`FLAME_GPU_MEMORY_LIMIT` does not
+    // hold there).
+    if args.value("--alternate").is_some() {
+        cuda.release_cached()?;
+        cuda.set_memory_limit(None);
+    }
     let group = match &launch {
         Some(l) => Some(l.join(&dev)?),
         None => None,

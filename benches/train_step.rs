@@ -41,7 +41,7 @@
 //! `--alternate "ARGS" [--rounds N]` runs the step N times (2 unless given) in one process
 //! as the other arguments say and then with ARGS added (say `--alternate "--prefetch 3"`),
 //! the model and its streamer built afresh each time: a plan's effect apart from the
-//! process's.
+//! process's (one GPU, not data-parallel).
 
 mod common;
 
@@ -89,6 +89,10 @@ fn main() -> Result<()> {
     let Some(extra) = args.value("--alternate") else {
         return run_model(&args);
     };
+    if std::env::var_os("WORLD_SIZE").is_some() {
+        eprintln!("--alternate runs one process on one GPU, not under torchrun");
+        std::process::exit(2);
+    }
     let rounds: usize = args
         .value("--rounds")
         .map_or(2, |n| n.parse().expect("--rounds N"));

@@ -106,9 +106,10 @@ impl Checkpoint {
             .file_name()
             .and_then(|n| n.to_str())
             .filter(|n| n.starts_with("diffusion_pytorch_model") && n.ends_with(".safetensors"))
+            .filter(|_| path.is_file())
             .and(path.parent())
             .filter(|dir| dir.join("config.json").is_file());
-        if let (true, Some(dir)) = (path.is_file(), model_folder) {
+        if let Some(dir) = model_folder {
             let mut ckpt = Checkpoint::open(dir, subfolder)?;
             ckpt.path = path.to_path_buf();
             return Ok(ckpt);

@@ -82,10 +82,7 @@ impl Args {
 
 fn main() -> Result<()> {
     let args = Args(std::env::args().skip(1).collect());
-    // `--alternate "ARGS"`: `--rounds N` rounds (2 unless given) in this one process, each
-    // running the step as the other arguments say and then with ARGS added, the model, its
-    // streamer and their host copies built afresh for each: what a plan does to the step,
-    // apart from what a process's state does.
+    // `--alternate "ARGS" [--rounds N]`: see the module's doc.
     let Some(extra) = args.value("--alternate") else {
         return run_model(&args);
     };

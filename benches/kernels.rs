@@ -2,7 +2,9 @@
 //!   bandwidth ops at 256 MiB per input: achieved GB/s and % of device-to-device copy GB/s;
 //!   bf16 matmuls: TFLOP/s; an AdamW8bit step against AdamW's; Prodigy's, Adafactor's (fused
 //!   and composite) and the moving average of the weights (fused and composite); the pieces
-//!   of 8-bit products (row quantization, code transpose: GB/s; the FP8 GEMM: TFLOP/s).
+//!   of 8-bit products (row quantization, code transpose: GB/s; the FP8 GEMM: TFLOP/s); the
+//!   host's cost of a small Linear with a bias (bf16, no gradient): `CALLS` issued one after
+//!   another, µs a call, where its kernel is shorter than the host's issue.
 //!   benches/torch_kernels.py times PyTorch on the same shapes.
 //! Timed with the stream synchronised around `ITERS` launches after a warm-up.
 
@@ -12,6 +14,8 @@ use flame::{DType, Device, Result, Tensor};
 
 const MIB: usize = 1 << 20;
 const ITERS: usize = 20;
+/// Calls of the small Linear whose issue is timed (the host's cost a call).
+const CALLS: usize = 4000;
 
 fn time<R>(dev: &flame::cuda::CudaDevice, f: impl FnMut() -> Result<R>) -> Result<f64> {
     common::time(dev, 3, ITERS, f)
@@ -200,6 +204,25 @@ fn main() -> Result<()> {
         println!(
             "flame fp8_product_4608x3072x3072 {tf:8.1} TFLOP/s ({:.3} ms)",
             secs * 1e3
+        );
+    }
+    {
+        let x = Tensor::randn((16usize, 64usize), DType::BF16, &dev, 10)?;
+        let w = Tensor::randn((64usize, 64usize), DType::BF16, &dev, 11)?;
+        let b = Tensor::randn(64usize, DType::BF16, &dev, 12)?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            cuda.synchronize()?;
+            let t = std::time::Instant::now();
+            for _ in 0..CALLS {
+                drop(x.matmul_bias(&w.t()?, &b)?);
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        cuda.synchronize()?;
+        println!(
+            "flame linear_bias_bf16_16x64x64 host {:8.2} us a call",
+            best * 1e6 / CALLS as f64
         );
     }
     let mem = cuda.memory();

@@ -1,5 +1,7 @@
 """PyTorch on the shapes of benches/kernels.rs, timed the same way (synchronise around 20
 launches after a warm-up), run in the same call on the GPU machine as the reference."""
+import time
+
 import torch
 
 from torch_timing import timed
@@ -34,6 +36,20 @@ def main():
         w = torch.randn(k, nn, device=dev, dtype=torch.bfloat16)
         secs = timed(lambda: torch.matmul(x, w))
         print(f"torch matmul_bf16_{m}x{k}x{nn:<8} {2 * m * k * nn / secs / 1e12:8.1f} TFLOP/s ({secs * 1e3:.3f} ms)")
+    # The host's cost of a small Linear with a bias (bf16, no gradient), as benches/kernels.rs.
+    x = torch.randn(16, 64, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(64, 64, device=dev, dtype=torch.bfloat16)
+    bias = torch.randn(64, device=dev, dtype=torch.bfloat16)
+    calls, best = 4000, float("inf")
+    with torch.no_grad():
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(calls):
+                torch.nn.functional.linear(x, w, bias)
+            best = min(best, time.perf_counter() - t)
+    torch.cuda.synchronize()
+    print(f"torch linear_bias_bf16_16x64x64 host {best * 1e6 / calls:8.2f} us a call")
 
 
 if __name__ == "__main__":

@@ -577,29 +577,41 @@ fn norms_read_strided_rows_where_they_lie(dev: &Device) {
 }
 
 /// A linear layer's GEMM epilogues: `matmul_bias` (cuBLASLt's bias epilogue for bf16 / f16,
-/// cuBLAS and an add otherwise) with the weight transposed as Linear passes it, and
-/// `add_matmul` (a beta = 1 GEMM into a fresh product's buffer, as an adapter's term is
-/// added), outputs and gradients against the CPU at odd sizes.
+/// its GEMM kept per shape, cuBLAS and an add otherwise) with the weight transposed as Linear
+/// passes it, each shape twice with other operands (the kept GEMM's second call) and once
+/// with the activations a view one row into a larger tensor (an address off cuBLASLt's
+/// preferred alignment), and `add_matmul` (a beta = 1 GEMM into a fresh product's buffer, as
+/// an adapter's term is added), outputs and gradients against the CPU at odd sizes.
 fn linear_epilogues_match_the_reference(dev: &Device) {
     for dt in FLOATS {
         for (m, k, n) in [(37, 24, 40), (1, 8, 1), (129, 200, 72), (300, 3072, 17)] {
             let mag = |terms: usize| 3.0 * (terms as f64).sqrt();
-            let (go, co) = both(
-                dev,
-                &[vec![m, k], vec![n, k], vec![n]],
-                &[m, n],
-                dt,
-                4300,
-                &|x| x[0].matmul_bias(&x[1].t()?, &x[2]),
-            );
-            check(
-                &format!("matmul_bias {m}x{k}x{n}"),
-                dev,
-                &go,
-                &co,
-                dt,
-                &[mag(k), mag(n), mag(m), mag(m)],
-            );
+            for (seed, offset) in [(4300, false), (4350, false), (4370, true)] {
+                let rows = if offset { m + 1 } else { m };
+                let (go, co) = both(
+                    dev,
+                    &[vec![rows, k], vec![n, k], vec![n]],
+                    &[m, n],
+                    dt,
+                    seed,
+                    &|x| {
+                        let a = if offset {
+                            x[0].narrow(0, 1, m)?
+                        } else {
+                            x[0].clone()
+                        };
+                        a.matmul_bias(&x[1].t()?, &x[2])
+                    },
+                );
+                check(
+                    &format!("matmul_bias {m}x{k}x{n} (seed {seed}, offset {offset})"),
+                    dev,
+                    &go,
+                    &co,
+                    dt,
+                    &[mag(k), mag(n), mag(m), mag(m)],
+                );
+            }
             let (go, co) = both(
                 dev,
                 &[vec![m, k], vec![n, k], vec![m, 4], vec![n, 4]],

@@ -28,7 +28,7 @@ struct Inner {
     blas: CudaBlas,
     /// cuBLASLt, for GEMMs with a bias epilogue; made on first use (its 32 MiB workspace on
     /// Hopper comes from the driver, outside FLAME's pool).
-    blas_lt: OnceLock<cudarc::cublaslt::CudaBlasLT>,
+    lt: OnceLock<super::lt::Lt>,
     sm_count: usize,
     /// The compute capability's major version (9 for Hopper).
     cc_major: u32,
@@ -54,9 +54,6 @@ struct Inner {
     /// The stream of collectives over NCCL (`dist`), made on first use: gradient buckets
     /// are summed there while the backward goes on.
     comm: OnceLock<Arc<CudaStream>>,
-    /// cuBLASLt's workspace for the FP8 GEMMs (`fp8_gemm.rs`), from the pool on first use
-    /// and kept: the GEMMs are queued on the one stream, so they use it in turn.
-    fp8_workspace: OnceLock<DevBuf<u8>>,
 }
 
 /// How many completion counters `CudaDevice::done_counters` holds (16 KiB).
@@ -155,7 +152,7 @@ impl CudaDevice {
             context_bytes,
             stream,
             blas,
-            blas_lt: OnceLock::new(),
+            lt: OnceLock::new(),
             sm_count,
             cc_major,
             cc_minor,
@@ -169,7 +166,6 @@ impl CudaDevice {
             decode: OnceLock::new(),
             offload: OnceLock::new(),
             comm: OnceLock::new(),
-            fp8_workspace: OnceLock::new(),
         })))
     }
 
@@ -196,13 +192,14 @@ impl CudaDevice {
     }
 
     /// The cuBLASLt handle on this device's stream, made on first use.
-    pub(crate) fn blas_lt(&self) -> Result<&cudarc::cublaslt::CudaBlasLT> {
-        if let Some(lt) = self.0.blas_lt.get() {
+    /// cuBLASLt's handle and workspace (`lt.rs`), made on first use.
+    pub(crate) fn lt(&self) -> Result<&super::lt::Lt> {
+        if let Some(lt) = self.0.lt.get() {
             return Ok(lt);
         }
-        let lt = cudarc::cublaslt::CudaBlasLT::new(self.0.stream.clone())
-            .map_err(|e| Error::Cuda(format!("creating cuBLASLt: {e:?}")))?;
-        Ok(self.0.blas_lt.get_or_init(|| lt))
+        let lt = super::lt::Lt::new(&self.0.stream, self.compute_capability_major())?;
+        // A racing thread may have set it first; its handle serves as well.
+        Ok(self.0.lt.get_or_init(|| lt))
     }
 
     pub(crate) fn sm_count(&self) -> usize {
@@ -332,25 +329,6 @@ impl CudaDevice {
 
     /// The address of the device's `DONE_COUNTERS` zeroed completion counters (see
     /// `Inner::done`).
-    /// The device address of the FP8 GEMMs' workspace of `bytes` bytes, allocated on the
-    /// first call and kept; an error if a later call asks for more than the first.
-    pub(crate) fn fp8_workspace(&self, bytes: usize) -> Result<u64> {
-        use cudarc::driver::DevicePtr;
-        if self.0.fp8_workspace.get().is_none() {
-            let ws = self.alloc::<u8>(bytes)?;
-            // A racing thread may have set it first; its buffer serves as well.
-            let _ = self.0.fp8_workspace.set(ws);
-        }
-        match self.0.fp8_workspace.get() {
-            Some(ws) if ws.slice.len() >= bytes => Ok(ws.slice.device_ptr(&self.0.stream).0),
-            Some(ws) => Err(Error::Cuda(format!(
-                "the FP8 GEMM workspace holds {} bytes, {bytes} asked for",
-                ws.slice.len()
-            ))),
-            None => Err(Error::Cuda("the FP8 GEMM workspace was not made".into())),
-        }
-    }
-
     pub(crate) fn done_counters(&self) -> Result<u64> {
         use cudarc::driver::DevicePtr;
         if self.0.done.get().is_none() {

@@ -11,14 +11,14 @@
 //! 16, n of 8), a plain kernel (`fp8_product_naive`) computes the product. Which form a shape
 //! takes is settled once per device and shape and cached with the algorithm. The matmul
 //! descriptor and layouts of each (device, shape, output dtype, scaled or not) are made once
-//! and kept (only the scale vectors' pointers change between calls), and the 32 MiB
-//! workspace is the device's one (`CudaDevice::fp8_workspace`), not an allocation a call.
+//! and kept (only the scale vectors' pointers change between calls); the handle and the
+//! workspace are the device's (`lt.rs`).
 
 use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
 use super::CudaDevice as Dev;
 use crate::{DType, Error, Result, Shape};
-use cudarc::cublaslt::{result as lt, sys, MatmulShared};
+use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::DevicePtr;
 use half::{bf16, f16};
 use std::collections::HashMap;
@@ -26,8 +26,6 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
 const OP: &str = "fp8_product";
-/// cuBLASLt's workspace for one GEMM (NVIDIA's advice for Hopper: 32 MiB).
-const WORKSPACE: usize = 32 << 20;
 
 /// How a shape's product runs on a device.
 #[derive(Clone, Copy, Debug)]
@@ -222,18 +220,12 @@ fn find_form<T: Elem>(
     Ok(Form::Naive)
 }
 
-/// cuBLASLt's data type of an output dtype.
 fn data_type(dtype: DType) -> Result<sys::cudaDataType> {
-    Ok(match dtype {
-        DType::F32 => sys::cudaDataType::CUDA_R_32F,
-        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
-        DType::F16 => sys::cudaDataType::CUDA_R_16F,
-        dtype => return Err(Error::UnsupportedDType { op: OP, dtype }),
-    })
+    super::lt::data_type(OP, dtype)
 }
 
 fn lt_err(what: &str, e: impl std::fmt::Debug) -> Error {
-    Error::Cuda(format!("{OP}: cuBLASLt {what}: {e:?}"))
+    super::lt::lt_err(OP, what, e)
 }
 
 /// A matmul descriptor and the three layouts of one product, destroyed on drop.
@@ -328,13 +320,7 @@ unsafe fn set<T>(
     attr: sys::cublasLtMatmulDescAttributes_t,
     v: &T,
 ) -> Result<()> {
-    lt::set_matmul_desc_attribute(
-        desc,
-        attr,
-        v as *const T as *const c_void,
-        std::mem::size_of::<T>(),
-    )
-    .map_err(|e| lt_err("descriptor attribute", e))
+    super::lt::set_desc(OP, desc, attr, v)
 }
 
 /// cuBLASLt's fastest algorithm for the product (with the scale vectors at `scales`, (sa,
@@ -364,24 +350,15 @@ fn heuristic_or_err(
     if let Some((sa, sb)) = scales {
         plan.set_scales(sa, sb)?;
     }
-    let handle = *dev.blas_lt()?.handle();
-    let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
-    let ws = WORKSPACE as u64;
-    // SAFETY: `pref` is live until destroyed below; the value is the attribute's u64.
-    let found = unsafe {
-        let r = lt::set_matmul_pref_attribute(
-            pref,
-            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            &ws as *const u64 as *const c_void,
-            std::mem::size_of::<u64>(),
-        )
-        .and_then(|()| {
-            lt::get_matmul_algo_heuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref)
-        });
-        let _ = lt::destroy_matmul_pref(pref);
-        r
-    };
-    found.map(|h| h.algo).map_err(|e| lt_err("heuristic", e))
+    let lt = dev.lt()?;
+    super::lt::fastest(
+        OP,
+        lt.handle(),
+        plan.desc,
+        [plan.a, plan.b, plan.d],
+        lt.workspace().1,
+    )?
+    .ok_or_else(|| lt_err("heuristic", "no algorithm"))
 }
 
 /// One GEMM into `out` (m x n of `out_dtype`, row-major), with the scale vectors when
@@ -406,14 +383,14 @@ fn gemm(
     if scales {
         plan.set_scales(sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream))?;
     }
-    let handle = *dev.blas_lt()?.handle();
-    let ws_ptr = dev.fp8_workspace(WORKSPACE)?;
+    let lt = dev.lt()?;
+    let (handle, (ws_ptr, ws_bytes)) = (lt.handle(), lt.workspace());
     let (pa, pb) = (a.buf.raw_ptr(stream), b.buf.raw_ptr(stream));
     let (alpha, beta) = (1f32, 0f32);
     let span = crate::backend::profile::Span::start(stream);
     // SAFETY: the plan's layouts describe the operands' extents (checked by the caller: b
     // holds n rows of k codes, a m rows, out m x n elements of `out_dtype`); C is D with beta
-    // 0; the workspace holds WORKSPACE bytes and is the device's, which lives as long as the
+    // 0; the workspace holds ws_bytes bytes and is the device's, which lives as long as the
     // device; everything is queued on FLAME's one stream, so GEMMs use it in turn.
     let r = unsafe {
         lt::matmul(
@@ -431,7 +408,7 @@ fn gemm(
             plan.d,
             algo,
             ws_ptr as *mut c_void,
-            WORKSPACE,
+            ws_bytes,
             stream.cu_stream() as *mut _,
         )
     };

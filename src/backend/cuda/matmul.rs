@@ -145,8 +145,9 @@ where
 }
 
 /// `a @ b + bias` by cuBLASLt with its bias epilogue, for bf16 / f16 (f32 stays on cuBLAS,
-/// whose f32 GEMMs are exact unless TF32 is allowed; cudarc's cuBLASLt f32 path is TF32).
-/// None where it does not apply: the caller takes the matmul and an add.
+/// whose f32 GEMMs are exact unless TF32 is allowed), the GEMM's descriptor and algorithm
+/// kept per shape (`lt.rs`). None where it does not apply: the caller takes the matmul and an
+/// add.
 fn gemm_bias_lt<T: Elem>(
     a: &CudaStorage,
     al: &Layout,
@@ -155,11 +156,7 @@ fn gemm_bias_lt<T: Elem>(
     d: MatmulDims,
     bias: &CudaStorage,
     biasl: &Layout,
-) -> Result<Option<CudaStorage>>
-where
-    cudarc::cublaslt::CudaBlasLT: cudarc::cublaslt::Matmul<T>,
-{
-    use cudarc::cublaslt::{Matmul, MatmulConfig};
+) -> Result<Option<CudaStorage>> {
     const OP: &str = "matmul_bias";
     a.check(OP, al)?;
     b.check(OP, bl)?;
@@ -174,41 +171,47 @@ where
     let (ab, bb, biasb) = (a.typed::<T>(OP)?, b.typed::<T>(OP)?, bias.typed::<T>(OP)?);
     let (transa, lda) = trans_of(bm);
     let (transb, ldb) = trans_of(am);
-    let batched = d.b > 1;
-    let cfg = MatmulConfig {
+    // Column-major: C^T (n, m) = op(b)^T op(a)^T, cuBLASLt's A being b and its B a.
+    let g = super::lt::BiasGemm {
         transa: transa == Trans::CUBLAS_OP_T,
         transb: transb == Trans::CUBLAS_OP_T,
-        transc: false,
         m: d.n as u64,
         n: d.m as u64,
         k: d.k as u64,
-        alpha: 1.0,
         lda: lda as i64,
         ldb: ldb as i64,
-        beta: 0.0,
         ldc: d.n as i64,
-        stride_a: batched.then(|| bl.strides()[0] as i64),
-        stride_b: batched.then(|| al.strides()[0] as i64),
-        stride_c: batched.then(|| (d.m * d.n) as i64),
-        stride_bias: batched.then_some(0),
-        batch_size: batched.then_some(d.b as i32),
+        batch: (d.b > 1).then(|| {
+            (
+                d.b as i32,
+                bl.strides()[0] as i64,
+                al.strides()[0] as i64,
+                (d.m * d.n) as i64,
+            )
+        }),
     };
     let dev = &a.dev;
-    let lt = dev.blas_lt()?;
-    let mut out = dev.alloc::<T>(d.b * d.m * d.n)?;
-    let av = ab.slice.slice(al.offset()..);
-    let bv = bb.slice.slice(bl.offset()..);
-    let biasv = biasb.slice.slice(biasl.offset()..);
-    // SAFETY: as `gemm_into`; the bias view holds N unit-stride elements (checked above).
-    let span = crate::backend::profile::Span::start(dev.stream());
-    let r = unsafe { lt.matmul(cfg, &bv, &av, &mut *out.slice, Some(&biasv), None) };
-    span.stop(dev.stream(), "gemm", "cublaslt_gemm_bias");
-    match r {
-        Ok(()) => Ok(Some(a.wrap(T::wrap(out)))),
-        // No algorithm for this shape / alignment: the caller falls back.
-        Err(e) if format!("{e:?}").contains("NOT_SUPPORTED") => Ok(None),
-        Err(e) => Err(Error::Cuda(format!("cuBLASLt gemm + bias {d:?}: {e:?}"))),
-    }
+    let lt = dev.lt()?;
+    let out = dev.alloc::<T>(d.b * d.m * d.n)?;
+    let stream = dev.stream();
+    let at = |s: &super::memory::DevBuf<T>, offset: usize| {
+        use cudarc::driver::DevicePtr;
+        s.slice.device_ptr(stream).0 + (offset * std::mem::size_of::<T>()) as u64
+    };
+    let ptrs = [
+        at(bb, bl.offset()),
+        at(ab, al.offset()),
+        at(&out, 0),
+        at(biasb, biasl.offset()),
+    ];
+    let span = crate::backend::profile::Span::start(stream);
+    // SAFETY: check() proved both views lie inside their buffers; the leading dimensions and
+    // batch strides are the views' own strides, so cuBLASLt reads only those elements; `out`
+    // holds B*M*N elements; the bias view holds N unit-stride elements (checked above); all
+    // are queued on the device's stream, which `lt` belongs to.
+    let queued = unsafe { super::lt::gemm_bias(lt, stream, dev.ordinal(), T::DTYPE, g, ptrs) }?;
+    span.stop(stream, "gemm", "cublaslt_gemm_bias");
+    Ok(queued.then(|| a.wrap(T::wrap(out))))
 }
 
 fn check_pair(

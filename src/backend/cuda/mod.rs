@@ -15,6 +15,7 @@ mod host;
 mod index;
 mod layout;
 mod lion;
+mod lt;
 mod matmul;
 mod memory;
 mod multi;

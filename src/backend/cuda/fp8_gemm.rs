@@ -356,7 +356,7 @@ fn heuristic_or_err(
         lt.handle(),
         plan.desc,
         [plan.a, plan.b, plan.d],
-        lt.workspace().1,
+        lt.workspace_bytes(),
     )?
     .ok_or_else(|| lt_err("heuristic", "no algorithm"))
 }
@@ -384,32 +384,18 @@ fn gemm(
         plan.set_scales(sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream))?;
     }
     let lt = dev.lt()?;
-    let (handle, (ws_ptr, ws_bytes)) = (lt.handle(), lt.workspace());
     let (pa, pb) = (a.buf.raw_ptr(stream), b.buf.raw_ptr(stream));
-    let (alpha, beta) = (1f32, 0f32);
     let span = crate::backend::profile::Span::start(stream);
     // SAFETY: the plan's layouts describe the operands' extents (checked by the caller: b
-    // holds n rows of k codes, a m rows, out m x n elements of `out_dtype`); C is D with beta
-    // 0; the workspace holds ws_bytes bytes and is the device's, which lives as long as the
-    // device; everything is queued on FLAME's one stream, so GEMMs use it in turn.
+    // holds n rows of k codes, a m rows, out m x n elements of `out_dtype`); everything is
+    // queued on FLAME's one stream.
     let r = unsafe {
-        lt::matmul(
-            handle,
+        lt.matmul(
             plan.desc,
-            &alpha as *const f32 as *const c_void,
-            &beta as *const f32 as *const c_void,
-            pb as *const c_void,
-            plan.a,
-            pa as *const c_void,
-            plan.b,
-            out as *const c_void,
-            plan.d,
-            out as *mut c_void,
-            plan.d,
+            [plan.a, plan.b, plan.d],
+            [pb, pa, out],
             algo,
-            ws_ptr as *mut c_void,
-            ws_bytes,
-            stream.cu_stream() as *mut _,
+            stream,
         )
     };
     span.stop(stream, "gemm", "cublaslt_fp8_gemm");

@@ -60,10 +60,46 @@ impl Lt {
         self.handle
     }
 
-    /// The workspace's device address and size in bytes.
-    pub(crate) fn workspace(&self) -> (u64, usize) {
-        let stream = self.workspace.stream();
-        (self.workspace.device_ptr(stream).0, self.workspace.len())
+    /// The workspace's size in bytes.
+    pub(crate) fn workspace_bytes(&self) -> usize {
+        self.workspace.len()
+    }
+
+    /// Queues `D = op(A) op(B)` (alpha 1, beta 0, C being D) on `stream` with `desc`, the
+    /// layouts of A, B and D, their device addresses, `algo` and the workspace.
+    ///
+    /// # Safety
+    /// `desc` and the layouts are live and describe the operands at the addresses, which hold
+    /// them and outlive the GEMM; `stream` is this device's compute stream (GEMMs take the
+    /// workspace in turn).
+    pub(crate) unsafe fn matmul(
+        &self,
+        desc: sys::cublasLtMatmulDesc_t,
+        [la, lb, ld]: [sys::cublasLtMatrixLayout_t; 3],
+        [a, b, d]: [u64; 3],
+        algo: &sys::cublasLtMatmulAlgo_t,
+        stream: &CudaStream,
+    ) -> std::result::Result<(), cudarc::cublaslt::result::CublasError> {
+        let ws = self.workspace.device_ptr(self.workspace.stream()).0;
+        let (alpha, beta) = (1f32, 0f32);
+        lt::matmul(
+            self.handle,
+            desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            a as *const c_void,
+            la,
+            b as *const c_void,
+            lb,
+            d as *const c_void,
+            ld,
+            d as *mut c_void,
+            ld,
+            algo,
+            ws as *mut c_void,
+            self.workspace.len(),
+            stream.cu_stream() as *mut _,
+        )
     }
 }
 
@@ -288,7 +324,7 @@ impl Kept {
             lt.handle(),
             kept.desc,
             [kept.a, kept.b, kept.c],
-            lt.workspace().1,
+            lt.workspace_bytes(),
         )?;
         Ok(kept)
     }
@@ -346,25 +382,12 @@ pub(crate) unsafe fn gemm_bias(
         sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
         &bias,
     )?;
-    let (ws, ws_bytes) = lt.workspace();
-    let (alpha, beta) = (1f32, 0f32);
-    let r = lt::matmul(
-        lt.handle(),
+    let r = lt.matmul(
         kept.desc,
-        &alpha as *const f32 as *const c_void,
-        &beta as *const f32 as *const c_void,
-        a as *const c_void,
-        kept.a,
-        b as *const c_void,
-        kept.b,
-        c as *const c_void,
-        kept.c,
-        c as *mut c_void,
-        kept.c,
+        [kept.a, kept.b, kept.c],
+        [a, b, c],
         &algo,
-        ws as *mut c_void,
-        ws_bytes,
-        stream.cu_stream() as *mut _,
+        stream,
     );
     match r {
         Ok(()) => Ok(true),

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The two-GPU proof of data-parallel training, on a machine with two GPUs of one host.
-# Build here:
-#   ../shared/gpu/bundle --test dist --bench train_step --bin train --features cuda
-#   cd .gpu && rm -f sample && tar cf - test-* bench-* train | xz -T2 -3 > bins.tar.xz && rm test-* bench-* train
-# then run `bash scripts/dist_gpu_proof.sh [PHASE ...]` there with carry [".gpu"]; the phases
-# (default: all, in this order) fit two calls of the device tool's 10 minutes:
+# Build the CUDA executables elsewhere (`cargo test --no-run` / `cargo build --release` with
+# `--features cuda` for the dist test, the train_step bench and the train binary), pack them
+# into .gpu/bins.tar.xz (test-*, bench-*, train), and run `bash scripts/dist_gpu_proof.sh
+# [PHASE ...]` on the GPU machine; the phases (default: all, in this order) fit two runs of
+# 10 minutes each:
 #   suites  every other staged test-* executable (GPU 0 and GPU 1 in parallel)
 #   nccl    NCCL's bus bandwidth through PyTorch (benches/torch_allreduce.py)
 #   dist    tests/dist.rs with the ignored GPU tests (two GPUs over NCCL, resume, a killed rank)

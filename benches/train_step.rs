@@ -41,7 +41,8 @@
 //! `--alternate "ARGS" [--rounds N]` runs the step N times (2 unless given) in one process
 //! as the other arguments say and then with ARGS added (say `--alternate "--prefetch 3"`),
 //! the model and its streamer built afresh each time: a plan's effect apart from the
-//! process's (one GPU, not data-parallel).
+//! process's (one GPU, not data-parallel). It ends with both runs' times and their ratio,
+//! round by round and of the means.
 
 mod common;
 
@@ -84,7 +85,7 @@ fn main() -> Result<()> {
     let args = Args(std::env::args().skip(1).collect());
     // `--alternate "ARGS" [--rounds N]`: see the module's doc.
     let Some(extra) = args.value("--alternate") else {
-        return run_model(&args);
+        return run_model(&args).map(drop);
     };
     if std::env::var_os("WORLD_SIZE").is_some() {
         eprintln!("--alternate runs one process on one GPU, not under torchrun");
@@ -99,17 +100,39 @@ fn main() -> Result<()> {
         ("as given", args),
         ("with the alternate arguments", Args(with)),
     ];
+    let mut times: [Vec<f64>; 2] = [vec![], vec![]];
     for round in 0..rounds {
-        for (what, a) in &variants {
+        for (i, (what, a)) in variants.iter().enumerate() {
             println!("== round {round}, {what}");
-            run_model(a)?;
+            times[i].extend(run_model(a)?);
         }
     }
+    let list = |t: &[f64]| {
+        t.iter()
+            .map(|ms| format!("{ms:.1}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let ratios: Vec<String> = times[0]
+        .iter()
+        .zip(&times[1])
+        .map(|(a, b)| format!("{:.2}x", b / a))
+        .collect();
+    let mean = |t: &[f64]| t.iter().sum::<f64>() / t.len().max(1) as f64;
+    println!(
+        "== alternation: as given {} ms; with \"{extra}\" {} ms; the second over the first {} \
+         a round, {:.2}x of the means",
+        list(&times[0]),
+        list(&times[1]),
+        ratios.join(", "),
+        mean(&times[1]) / mean(&times[0]),
+    );
     Ok(())
 }
 
-/// One run of the step for the model `--model` names.
-fn run_model(args: &Args) -> Result<()> {
+/// One run of the step for the model `--model` names: its time a step in ms, None where it
+/// did not run (no plan fits, or not the printing rank).
+fn run_model(args: &Args) -> Result<Option<f64>> {
     match args.value("--model").as_deref() {
         None | Some("flux") => run::<Flux>(
             args,
@@ -170,11 +193,11 @@ fn run<M: ModelSpec>(
     cfg: M::Config,
     targets: &[&str],
     sample: Vec<Vec<usize>>,
-) -> Result<()> {
+) -> Result<Option<f64>> {
     let launch = flame::dist::Launch::from_env()?;
     let dev = Device::cuda(launch.as_ref().map_or(Ok(0), |l| l.gpu())?)?;
     let Device::Cuda(cuda) = &dev else {
-        return Ok(());
+        return Ok(None);
     };
     // With `--alternate`, each run starts from the driver's memory as a fresh process does:
     // nothing cached, no cap until its plan sets one (`FLAME_GPU_MEMORY_LIMIT` does not
@@ -300,7 +323,7 @@ fn run<M: ModelSpec>(
                         "flame {name}: no plan fits {gb} GiB (minimum {:.2} GiB)",
                         e.minimum as f64 / GIB
                     );
-                    return Ok(());
+                    return Ok(None);
                 }
             }
         }
@@ -619,7 +642,7 @@ fn run<M: ModelSpec>(
         per_step(cuda.memory().overflows - overflows),
     );
     if !root {
-        return Ok(());
+        return Ok(None);
     }
     println!("losses: {losses:?}");
     if let Some(a) = &probe {
@@ -809,7 +832,7 @@ fn run<M: ModelSpec>(
         gib(driver_peak),
         peak_rss_gib(),
     );
-    Ok(())
+    Ok(Some(ms))
 }
 
 /// The process's peak resident set (VmHWM) in GiB, 0 where /proc is not there.

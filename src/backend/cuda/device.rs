@@ -26,8 +26,8 @@ struct Inner {
     context_bytes: u64,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    /// cuBLASLt, for GEMMs with a bias epilogue; made on first use (its 32 MiB workspace on
-    /// Hopper comes from the driver, outside FLAME's pool).
+    /// cuBLASLt's handle and workspace, for the GEMMs with a bias epilogue and the FP8
+    /// GEMMs; made on first use (the workspace comes from the driver, outside FLAME's pool).
     lt: OnceLock<super::lt::Lt>,
     sm_count: usize,
     /// The compute capability's major version (9 for Hopper).
@@ -191,7 +191,6 @@ impl CudaDevice {
         &self.0.blas
     }
 
-    /// The cuBLASLt handle on this device's stream, made on first use.
     /// cuBLASLt's handle and workspace (`lt.rs`), made on first use.
     pub(crate) fn lt(&self) -> Result<&super::lt::Lt> {
         if let Some(lt) = self.0.lt.get() {

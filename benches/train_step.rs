@@ -331,9 +331,13 @@ fn run<M: ModelSpec>(
             let checkpointing = match args.value("--checkpoint").as_deref() {
                 None | Some("none") => Checkpointing::Off,
                 Some("all") => Checkpointing::All,
-                Some(s) => match s.strip_prefix("every:").and_then(|n| n.parse().ok()) {
-                    Some(n) => Checkpointing::Every(n),
-                    None => panic!("--checkpoint none|all|every:N, got {s}"),
+                Some(s) => match (
+                    s.strip_prefix("every:").and_then(|n| n.parse().ok()),
+                    s.strip_prefix("all-but:").and_then(|n| n.parse().ok()),
+                ) {
+                    (Some(n), _) => Checkpointing::Every(n),
+                    (_, Some(n)) => Checkpointing::AllBut(n),
+                    _ => panic!("--checkpoint none|all|every:N|all-but:N, got {s}"),
                 },
             };
             let prefixes: Vec<String> = profile.blocks.iter().map(|b| b.prefix.clone()).collect();

@@ -294,6 +294,12 @@ fn check_model_on<M>(
             both,
         ),
         (
+            "every block but the first two checkpointed, down-projections kept",
+            vec![],
+            Checkpointing::AllBut(2),
+            down,
+        ),
+        (
             "alternate blocks streamed",
             (0..n).step_by(2).collect(),
             Checkpointing::Off,

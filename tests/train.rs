@@ -512,6 +512,13 @@ fn every_checkable_value_is_refused_with_its_key_and_line() {
             vec!["memory.checkpointing".into()],
         ),
         (
+            good.replace(
+                "[train]\n",
+                "[memory]\ncheckpointing = \"all-but:x\"\n[train]\n",
+            ),
+            vec!["memory.checkpointing".into(), "all-but:N".into()],
+        ),
+        (
             good.replace("[train]\n", "[memory]\nbudget_gb = -2.0\n[train]\n"),
             vec!["memory.budget_gb".into(), ">= 0".into()],
         ),
@@ -528,6 +535,20 @@ fn every_checkable_value_is_refused_with_its_key_and_line() {
             assert!(e.contains(w.as_str()), "{w:?} not in: {e}");
         }
     }
+    // Checkpointing as given, every block but the first three.
+    let p = d.join("all-but.toml");
+    std::fs::write(
+        &p,
+        good.replace(
+            "[train]\n",
+            "[memory]\ncheckpointing = \"all-but:3\"\n[train]\n",
+        ),
+    )
+    .unwrap();
+    assert_eq!(
+        TrainConfig::from_file(&p).unwrap().checkpointing(),
+        Some(flame::memory::Checkpointing::AllBut(3))
+    );
     // Several problems are reported together.
     std::fs::write(
         d.join("bad.toml"),

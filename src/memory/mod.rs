@@ -67,6 +67,23 @@ pub enum Checkpointing {
     All,
     /// Every n-th block in execution order (0, n, 2n, ...).
     Every(usize),
+    /// Every block but the first n in execution order, which keep their activations: the
+    /// room between `Every(2)` and `All`, where a budget holds the activations of some
+    /// blocks but not of half of them.
+    AllBut(usize),
+}
+
+impl Checkpointing {
+    /// Whether the `index`-th block in execution order is checkpointed (streamed blocks are,
+    /// whatever this says).
+    pub fn covers(self, index: usize) -> bool {
+        match self {
+            Checkpointing::Off => false,
+            Checkpointing::All => true,
+            Checkpointing::Every(n) => n > 0 && index % n == 0,
+            Checkpointing::AllBut(n) => index >= n,
+        }
+    }
 }
 
 /// How a model runs its blocks (see the module docs). Cheap to clone; the default runs every
@@ -143,12 +160,7 @@ impl BlockExec {
             };
             return checkpoint_opts(inputs, Arc::new(f), opts);
         }
-        let checkpointed = match self.checkpointing {
-            Checkpointing::Off => false,
-            Checkpointing::All => true,
-            Checkpointing::Every(n) => n > 0 && index % n == 0,
-        };
-        if checkpointed {
+        if self.checkpointing.covers(index) {
             let opts = CheckpointOptions {
                 hooks: None,
                 keep: self.keep,

@@ -210,7 +210,7 @@ pub enum Toggle {
 }
 
 /// `memory.checkpointing`: the planner's choice, or checkpointing as given ("auto", "off",
-/// "all" or "every:N").
+/// "all", "every:N" or "all-but:N", every block but the first N).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum CheckpointSetting {
@@ -227,12 +227,20 @@ impl TryFrom<String> for CheckpointSetting {
             "auto" => Ok(CheckpointSetting::Auto),
             "off" => Ok(CheckpointSetting::Fixed(Checkpointing::Off)),
             "all" => Ok(CheckpointSetting::Fixed(Checkpointing::All)),
-            _ => c
-                .strip_prefix("every:")
-                .and_then(|n| n.trim().parse::<usize>().ok())
-                .filter(|&n| n > 0)
-                .map(|n| CheckpointSetting::Fixed(Checkpointing::Every(n)))
-                .ok_or_else(|| "expected auto, off, all or every:N with N >= 1".to_string()),
+            _ => {
+                let n = |prefix: &str| {
+                    c.strip_prefix(prefix)
+                        .and_then(|n| n.trim().parse::<usize>().ok())
+                        .filter(|&n| n > 0)
+                };
+                n("every:")
+                    .map(Checkpointing::Every)
+                    .or_else(|| n("all-but:").map(Checkpointing::AllBut))
+                    .map(CheckpointSetting::Fixed)
+                    .ok_or_else(|| {
+                        "expected auto, off, all, every:N or all-but:N with N >= 1".to_string()
+                    })
+            }
         }
     }
 }
@@ -244,6 +252,7 @@ impl From<CheckpointSetting> for String {
             CheckpointSetting::Fixed(Checkpointing::Off) => "off".into(),
             CheckpointSetting::Fixed(Checkpointing::All) => "all".into(),
             CheckpointSetting::Fixed(Checkpointing::Every(n)) => format!("every:{n}"),
+            CheckpointSetting::Fixed(Checkpointing::AllBut(n)) => format!("all-but:{n}"),
         }
     }
 }
@@ -1063,9 +1072,9 @@ section! {
         /// the planner picks the fastest plan predicted to fit.
         budget_gb: f64 = 0.0,
         /// Gradient checkpointing of blocks: "auto" (the planner chooses checkpointing,
-        /// streamed blocks and what checkpointed blocks keep for memory.budget_gb), "off", "all" or
-        /// "every:N" (every N-th block; then stream_blocks, keep_attention and
-        /// keep_down_projections apply as given).
+        /// streamed blocks and what checkpointed blocks keep for memory.budget_gb), "off", "all",
+        /// "every:N" (every N-th block) or "all-but:N" (every block but the first N); then
+        /// stream_blocks, keep_attention and keep_down_projections apply as given.
         checkpointing: CheckpointSetting = CheckpointSetting::Auto,
         /// Blocks whose frozen weights stay in host memory and are streamed to the GPU when
         /// used (spread over the model; implies their checkpointing).

@@ -81,6 +81,16 @@ case ${1:-} in
     pids=()
     for f in ${FAMILIES:-flux sd3 sdxl}; do
       [ -d "$pipes/$f/vae" ] && { echo "$pipes/$f: there"; continue; }
+      # A pipeline's size on disk (GB, as made; the makes run at once, so each takes its
+      # share of what is free): a disk too small fails the make halfway and leaves a
+      # folder the train binary refuses, so say so before starting.
+      case $f in flux) need=34 ;; sd3) need=27 ;; sdxl) need=7 ;; *) need=0 ;; esac
+      [ -n "${free:-}" ] || free=$(df --output=avail -B1G "$pipes" | tail -n 1 | tr -d ' ')
+      if [ "$need" -gt "$free" ]; then
+        echo "== make $f: needs about $need GB, $free GB left under $pipes; remove another family's folder first" >&2
+        continue
+      fi
+      free=$((free - need))
       args=(--make "$pipes/$f" --family "$f")
       [ $f = flux ] && args=(--make "$pipes/$f" --transformer)
       if [ $f = flux-gguf ]; then

@@ -14,14 +14,15 @@
 #define WIRE_MAX_LEN 10
 #define WIRE_TABLE (1 << WIRE_MAX_LEN)
 
-extern "C" __global__ void wire_decode_bf16(const uint8_t* __restrict__ sm, const uint16_t* __restrict__ table,
-                                            const uint32_t* __restrict__ chunks,
-                                            const uint32_t* __restrict__ bits, uint16_t* __restrict__ out,
-                                            unsigned long long len, int vec_out) {
+// One coded tensor's run `t` (a thread's share: see the header).
+__device__ __forceinline__ void wire_decode_run(const uint8_t* __restrict__ sm, const uint16_t* __restrict__ table,
+                                                const uint32_t* __restrict__ chunks,
+                                                const uint32_t* __restrict__ bits, uint16_t* __restrict__ out,
+                                                unsigned long long len, int vec_out, unsigned long long t) {
+
   // The table is read through the read-only cache (2 KiB, hot after the first lookups), not
   // staged in shared memory: a block that needs none fits beside a GEMM's on an SM, so the
   // decode (on a high-priority stream) runs while the compute does.
-  const unsigned long long t = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
   const unsigned long long c = t / 32;
   const uint32_t lane = (uint32_t)(t & 31);
   const unsigned long long base = c * 32 * 4 * WIRE_STEPS;
@@ -66,8 +67,46 @@ extern "C" __global__ void wire_decode_bf16(const uint8_t* __restrict__ sm, cons
     } else {
       for (int j = 0; j < n; ++j) out[at + j] = (uint16_t)(v[j >> 1] >> (16 * (j & 1)));
     }
+  }}
+
+// Up to WIRE_BATCH coded tensors decoded in one launch (a staged piece's coded parts): part i
+// takes blocks first_block[i] .. first_block[i + 1] - 1, a thread a run as above. Must match
+// `WireParts` in src/backend/cuda/host.rs.
+#define WIRE_BATCH 32
+struct WireParts {
+  unsigned long long sm[WIRE_BATCH];
+  unsigned long long table[WIRE_BATCH];
+  unsigned long long chunks[WIRE_BATCH];
+  unsigned long long bits[WIRE_BATCH];
+  unsigned long long out[WIRE_BATCH];
+  unsigned long long len[WIRE_BATCH];
+  unsigned int first_block[WIRE_BATCH + 1];
+  unsigned int count;
+};
+
+extern "C" __global__ void wire_decode_bf16(const WireParts p) {
+  // The block's part, its fields read with constant indices (a dynamic index into a kernel
+  // parameter would copy the whole struct to local memory).
+  unsigned long long sm = 0, table = 0, chunks = 0, bits = 0, out = 0, len = 0;
+  unsigned int first = 0;
+#pragma unroll
+  for (int i = 0; i < WIRE_BATCH; ++i) {
+    if (i < (int)p.count && blockIdx.x >= p.first_block[i]) {
+      sm = p.sm[i];
+      table = p.table[i];
+      chunks = p.chunks[i];
+      bits = p.bits[i];
+      out = p.out[i];
+      len = p.len[i];
+      first = p.first_block[i];
+    }
   }
+  const unsigned long long t = (blockIdx.x - first) * (unsigned long long)blockDim.x + threadIdx.x;
+  wire_decode_run(reinterpret_cast<const uint8_t*>(sm), reinterpret_cast<const uint16_t*>(table),
+                  reinterpret_cast<const uint32_t*>(chunks), reinterpret_cast<const uint32_t*>(bits),
+                  reinterpret_cast<uint16_t*>(out), len, (int)(out % 16 == 0), t);
 }
+
 
 // Copies `n` bytes from `src` to `dst` (both 16-byte aligned): a staged upload's raw parts
 // into place on the decode stream. A kernel, not a device-to-device memcpy, so the copy runs

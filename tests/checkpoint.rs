@@ -611,7 +611,7 @@ fn bf16_bits(t: &Tensor) -> Vec<u16> {
 }
 
 /// bf16 weights of a streamed block (odd sizes, zeros, subnormals, infinities, NaNs and wide
-/// exponents among normal values) stream through the link's lossless code and come back bit
+/// exponents among normal values; many small tensors after a large one) stream through the link's lossless code and come back bit
 /// for bit on `dev`; with the code off they cross as they are. Returns (uploaded, decoded)
 /// bytes of one fetch with the code on.
 fn wire_round_trip(dev: &Device) -> (u64, u64) {
@@ -637,6 +637,10 @@ fn wire_round_trip(dev: &Device) -> (u64, u64) {
             })
             .collect(),
     );
+    // A large tensor, then forty small coded ones: the small ones share a staged piece (an
+    // eighth of the block's bytes on the link), more of them than one decode launch takes.
+    values.push(bf16_patterns(4_000_037, 0.05, 99));
+    values.extend((0..40).map(|k| bf16_patterns(8_191, 0.01 * (k + 1) as f32, 200 + k as u64)));
     let mut report = (0, 0);
     for code in [true, false] {
         let s = BlockStreamer::new(dev, vec!["blk".into()], 1);

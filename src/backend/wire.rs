@@ -40,6 +40,8 @@ pub const CHUNK: usize = 32 * RUN;
 pub const STEP: usize = 4;
 /// The longest code, bits: the decode table has `1 << MAX_LEN` entries (2 KiB).
 pub const MAX_LEN: u32 = 10;
+/// Coded tensors the device decodes in one launch (`WIRE_BATCH` in cuda/wire.cu).
+pub const DECODE_BATCH: usize = 32;
 /// Spare zero words after the streams.
 const SPARE: usize = 64;
 /// Entries of the decode table.

@@ -77,7 +77,8 @@ pub struct BlockCost {
     pub ops: f64,
     /// Views its forward records (`BlockShape::views`).
     pub views: f64,
-    /// Its weight tensors (an upload decodes its coded ones a launch each).
+    /// Its weight tensors (an upload decodes its coded ones up to `wire::DECODE_BATCH` a
+    /// launch).
     pub tensors: usize,
     /// Device memory its adapters' forward reads and writes beside the base's: each adapted
     /// layer reads its input again and adds into its output (the adapters' own products are
@@ -757,6 +758,18 @@ impl MemoryProfile {
             place[i] = j;
         }
         let m = order.len();
+        // Decode launches a coded upload issues: one a staged piece (an eighth of the largest
+        // streamed block's bytes on the link, `wire::staging_piece`, or one tensor), and more
+        // where its coded tensors outnumber the pieces `DECODE_BATCH` times.
+        let largest_wire = order
+            .iter()
+            .map(|&i| self.blocks[i].wire_bytes)
+            .max()
+            .unwrap_or(0);
+        let decode_launches = |b: &BlockCost| -> f64 {
+            let pieces = (8 * b.coded_bytes).div_ceil(largest_wire.max(1)).max(1);
+            pieces.max(b.tensors.div_ceil(crate::backend::wire::DECODE_BATCH) as u64) as f64
+        };
         let ahead = plan.prefetch;
         let reach = self.reach(plan);
         let carried = carry(&reach, ahead.max(1));
@@ -802,7 +815,7 @@ impl MemoryProfile {
             // The decodes take the compute's time, but where it waits for the link anyway;
             // the host issues the upload's copy, its decodes and the waits.
             let b = &self.blocks[order[j]];
-            let launches = STREAM_OPS + if coded_at(j) { b.tensors as f64 } else { 0.0 };
+            let launches = STREAM_OPS + if coded_at(j) { decode_launches(b) } else { 0.0 };
             (t + decodes).max(ready[j].unwrap_or(t)) + launches * machine.op_us / 1e3
         };
         // One step from the forward's start: the forward's end and the step's. The host

@@ -27,6 +27,41 @@ use crate::{DType, Error, Result};
 use cudarc::driver::{result, CudaEvent, CudaStream, PinnedHostSlice};
 use std::sync::Arc;
 
+/// Coded tensors a decode launch takes (`WIRE_BATCH` in cuda/wire.cu).
+const WIRE_BATCH: usize = crate::backend::wire::DECODE_BATCH;
+
+/// The parts of one decode launch, by value (`WireParts` in cuda/wire.cu, field for field):
+/// each part's sections, output and length, and the first block of each (the last entry
+/// the launch's block count).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct WireParts {
+    sm: [u64; WIRE_BATCH],
+    table: [u64; WIRE_BATCH],
+    chunks: [u64; WIRE_BATCH],
+    bits: [u64; WIRE_BATCH],
+    out: [u64; WIRE_BATCH],
+    len: [u64; WIRE_BATCH],
+    first_block: [u32; WIRE_BATCH + 1],
+    count: u32,
+}
+
+// SAFETY: plain integers in C layout, the kernel parameter's.
+unsafe impl cudarc::driver::DeviceRepr for WireParts {}
+
+impl WireParts {
+    const EMPTY: WireParts = WireParts {
+        sm: [0; WIRE_BATCH],
+        table: [0; WIRE_BATCH],
+        chunks: [0; WIRE_BATCH],
+        bits: [0; WIRE_BATCH],
+        out: [0; WIRE_BATCH],
+        len: [0; WIRE_BATCH],
+        first_block: [0; WIRE_BATCH + 1],
+        count: 0,
+    };
+}
+
 /// A device buffer's bytes in page-locked host memory.
 pub struct PinnedBuf {
     host: PinnedHostSlice<u8>,
@@ -714,10 +749,17 @@ impl CudaDevice {
             if piece.raw {
                 self.copy_staged(decode, dst, packed.base() + piece.from as u64, piece.len)?;
             }
-            for &(part_at, c) in &coded[piece.parts.clone()] {
-                let src = dst + (p.coded_at + c.wire - piece.from) as u64;
-                self.decode_wire(decode, src, c, packed.base() + part_at as u64)?;
-            }
+            let parts: Vec<(u64, &crate::backend::wire::Layout, u64)> = coded[piece.parts.clone()]
+                .iter()
+                .map(|&(part_at, c)| {
+                    (
+                        dst + (p.coded_at + c.wire - piece.from) as u64,
+                        &c.layout,
+                        packed.base() + part_at as u64,
+                    )
+                })
+                .collect();
+            self.decode_wire(decode, &parts)?;
             let after = Arc::new(
                 decode
                     .record_event(TIMED)
@@ -764,51 +806,53 @@ impl CudaDevice {
             .map_err(|e| Error::Cuda(format!("launching wire_copy_bytes: {e:?}")))
     }
 
-    /// Decodes the coded bf16 part at device address `src` into `dst`, on `stream`
-    /// (cuda/wire.cu: a thread per run of values).
+    /// Decodes coded bf16 parts, each `(src, layout, dst)`: the coded bytes at device
+    /// address `src` into `dst`, on `stream` (cuda/wire.cu: a thread per run of values), up
+    /// to `WIRE_BATCH` parts a launch (a launch each cost the host as much as a part's decode
+    /// of an SDXL unit's small tensors).
     fn decode_wire(
         &self,
         stream: &Arc<CudaStream>,
-        src: u64,
-        c: &CodedPart,
-        dst: u64,
+        parts: &[(u64, &crate::backend::wire::Layout, u64)],
     ) -> Result<()> {
         use cudarc::driver::{LaunchConfig, PushKernelArg};
-        let l = &c.layout;
-        let threads = u32::try_from(l.runs())
-            .map_err(|_| Error::Stream(format!("a coded tensor of {} values", l.len)))?;
-        if threads == 0 {
-            return Ok(());
-        }
         let f = self.function("wire", "wire_decode_bf16")?;
-        let (sm, table, chunks, bits) = (
-            src + l.sm as u64,
-            src + l.table as u64,
-            src + l.chunks as u64,
-            src + l.bits as u64,
-        );
-        let len = l.len as u64;
-        let vec_out = i32::from(dst % 16 == 0);
-        let mut b = stream.launch_builder(&f);
-        b.arg(&sm);
-        b.arg(&table);
-        b.arg(&chunks);
-        b.arg(&bits);
-        b.arg(&dst);
-        b.arg(&len);
-        b.arg(&vec_out);
-        let cfg = LaunchConfig {
-            grid_dim: (threads.div_ceil(256), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the kernel takes exactly these arguments; the coded bytes lie in the staging
-        // buffer (sections 16-byte aligned at a 256-byte aligned start, two spare rows of
-        // words after the streams) and the output holds `len` bf16 values at `dst`, inside the pack's
-        // allocation.
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| Error::Cuda(format!("launching wire_decode_bf16: {e:?}")))
+        let mut parts = parts.iter().filter(|(_, l, _)| l.runs() > 0).peekable();
+        while parts.peek().is_some() {
+            let mut p = WireParts::EMPTY;
+            let mut blocks: u32 = 0;
+            for (i, &(src, l, dst)) in parts.by_ref().take(WIRE_BATCH).enumerate() {
+                let runs = u32::try_from(l.runs())
+                    .map_err(|_| Error::Stream(format!("a coded tensor of {} values", l.len)))?;
+                p.sm[i] = src + l.sm as u64;
+                p.table[i] = src + l.table as u64;
+                p.chunks[i] = src + l.chunks as u64;
+                p.bits[i] = src + l.bits as u64;
+                p.out[i] = dst;
+                p.len[i] = l.len as u64;
+                p.first_block[i] = blocks;
+                blocks = blocks
+                    .checked_add(runs.div_ceil(256))
+                    .ok_or_else(|| Error::Stream("a decode launch past 2^32 blocks".into()))?;
+                p.count = i as u32 + 1;
+            }
+            p.first_block[p.count as usize] = blocks;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&p);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the kernel takes one `WireParts` by value (the same layout as
+            // cuda/wire.cu's); each part's coded bytes lie in the staging buffer (sections
+            // 16-byte aligned at a 256-byte aligned start, two spare rows of words after the
+            // streams) and its output holds `len` bf16 values at `out`, inside the pack's
+            // allocation.
+            unsafe { b.launch(cfg) }
+                .map_err(|e| Error::Cuda(format!("launching wire_decode_bf16: {e:?}")))?;
+        }
+        Ok(())
     }
 
     /// A staging ring for packed uploads of at most `wire` bytes on the link, in at most

@@ -19,7 +19,6 @@ __device__ __forceinline__ void wire_decode_run(const uint8_t* __restrict__ sm, 
                                                 const uint32_t* __restrict__ chunks,
                                                 const uint32_t* __restrict__ bits, uint16_t* __restrict__ out,
                                                 unsigned long long len, int vec_out, unsigned long long t) {
-
   // The table is read through the read-only cache (2 KiB, hot after the first lookups), not
   // staged in shared memory: a block that needs none fits beside a GEMM's on an SM, so the
   // decode (on a high-priority stream) runs while the compute does.
@@ -67,7 +66,8 @@ __device__ __forceinline__ void wire_decode_run(const uint8_t* __restrict__ sm, 
     } else {
       for (int j = 0; j < n; ++j) out[at + j] = (uint16_t)(v[j >> 1] >> (16 * (j & 1)));
     }
-  }}
+  }
+}
 
 // Up to WIRE_BATCH coded tensors decoded in one launch (a staged piece's coded parts): part i
 // takes blocks first_block[i] .. first_block[i + 1] - 1, a thread a run as above. Must match
@@ -106,7 +106,6 @@ extern "C" __global__ void wire_decode_bf16(const WireParts p) {
                   reinterpret_cast<const uint32_t*>(chunks), reinterpret_cast<const uint32_t*>(bits),
                   reinterpret_cast<uint16_t*>(out), len, (int)(out % 16 == 0), t);
 }
-
 
 // Copies `n` bytes from `src` to `dst` (both 16-byte aligned): a staged upload's raw parts
 // into place on the decode stream. A kernel, not a device-to-device memcpy, so the copy runs

@@ -14,9 +14,9 @@
 //! - a fixed margin (the sample, the loss, transient buffers).
 //!
 //! The candidates: no, every n-th (n = 4, 3, 2) or every block checkpointed, with 0 to all
-//! blocks streamed (and, with nothing streamed, every block but the first j, j in sixteenths of
-//! the blocks) from host memory (the smallest blocks first: they free the most memory for
-//! their copies; streamed blocks are always checkpointed) with a prefetch of 5 down to 1, what
+//! blocks streamed from host memory (the smallest blocks first: they free the most memory for
+//! their copies; streamed blocks are always checkpointed), and with nothing streamed every
+//! block but the first j (j in sixteenths of the blocks); with a prefetch of 5 down to 1, what
 //! checkpointed blocks keep (attention, the down-projections, both or neither), block inputs
 //! offloaded or not, streamed weights coded or not (the carried blocks, which only the
 //! backward uploads, uncoded or not: `Plan::uncoded_carry`), the forward fetching deeper while the
@@ -1256,7 +1256,7 @@ impl MemoryProfile {
         let mut v = vec![];
         // Every block but the first j, j a sixteenth of the blocks, two ... fifteen, with
         // nothing streamed: where the weights fit and the activations of some blocks do, but
-        // not those of every other block (FP8 weights within 24 GiB). Beside streamed blocks
+        // not those of every other block (Z-Image 6B within 32 GiB). Beside streamed blocks
         // such plans mix, which the model under-predicts (`plan_among`); `Every(n)` covers
         // those.
         let all_but: Vec<usize> = {

@@ -808,8 +808,8 @@ impl CudaDevice {
 
     /// Decodes coded bf16 parts, each `(src, layout, dst)`: the coded bytes at device
     /// address `src` into `dst`, on `stream` (cuda/wire.cu: a thread per run of values), up
-    /// to `WIRE_BATCH` parts a launch (a launch each cost the host as much as a part's decode
-    /// of an SDXL unit's small tensors).
+    /// to `WIRE_BATCH` parts a launch (an SDXL unit streams about 18 tensors, each its own
+    /// launch before).
     fn decode_wire(
         &self,
         stream: &Arc<CudaStream>,

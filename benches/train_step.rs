@@ -330,15 +330,9 @@ fn run<M: ModelSpec>(
         None => {
             let checkpointing = match args.value("--checkpoint").as_deref() {
                 None | Some("none") => Checkpointing::Off,
-                Some("all") => Checkpointing::All,
-                Some(s) => match (
-                    s.strip_prefix("every:").and_then(|n| n.parse().ok()),
-                    s.strip_prefix("all-but:").and_then(|n| n.parse().ok()),
-                ) {
-                    (Some(n), _) => Checkpointing::Every(n),
-                    (_, Some(n)) => Checkpointing::AllBut(n),
-                    _ => panic!("--checkpoint none|all|every:N|all-but:N, got {s}"),
-                },
+                Some(s) => s
+                    .parse()
+                    .unwrap_or_else(|e| panic!("--checkpoint none or {e}, got {s}")),
             };
             let prefixes: Vec<String> = profile.blocks.iter().map(|b| b.prefix.clone()).collect();
             // `--stream-smallest`: the planner's order (smallest blocks first) instead of

@@ -86,6 +86,38 @@ impl Checkpointing {
     }
 }
 
+/// The written form: "off", "all", "every:N" or "all-but:N" (N >= 1), as configs and the
+/// bench take it.
+impl std::str::FromStr for Checkpointing {
+    type Err = String;
+    fn from_str(c: &str) -> std::result::Result<Self, String> {
+        let n = |prefix: &str| {
+            c.strip_prefix(prefix)
+                .and_then(|n| n.trim().parse::<usize>().ok())
+                .filter(|&n| n > 0)
+        };
+        match c {
+            "off" => Ok(Checkpointing::Off),
+            "all" => Ok(Checkpointing::All),
+            _ => n("every:")
+                .map(Checkpointing::Every)
+                .or_else(|| n("all-but:").map(Checkpointing::AllBut))
+                .ok_or_else(|| "off, all, every:N or all-but:N with N >= 1".to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for Checkpointing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Checkpointing::Off => write!(f, "off"),
+            Checkpointing::All => write!(f, "all"),
+            Checkpointing::Every(n) => write!(f, "every:{n}"),
+            Checkpointing::AllBut(n) => write!(f, "all-but:{n}"),
+        }
+    }
+}
+
 /// How a model runs its blocks (see the module docs). Cheap to clone; the default runs every
 /// block resident.
 #[derive(Clone, Debug, Default)]

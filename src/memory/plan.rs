@@ -1275,11 +1275,13 @@ impl MemoryProfile {
         .into_iter()
         .chain(all_but.into_iter().map(Checkpointing::AllBut));
         for checkpointing in checkpointings {
-            let partial = matches!(checkpointing, Checkpointing::AllBut(_));
-            for k in 0..=n {
-                if partial && k > 0 {
-                    break;
-                }
+            // Partial checkpointing only with nothing streamed (above).
+            let most_streamed = if matches!(checkpointing, Checkpointing::AllBut(_)) {
+                0
+            } else {
+                n
+            };
+            for k in 0..=most_streamed {
                 let nothing_checkpointed = k == 0 && checkpointing == Checkpointing::Off;
                 for (ki, keep) in KEEPS.into_iter().enumerate() {
                     for offload_inputs in [false, true] {

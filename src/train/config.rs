@@ -225,22 +225,10 @@ impl TryFrom<String> for CheckpointSetting {
     fn try_from(c: String) -> std::result::Result<Self, String> {
         match c.as_str() {
             "auto" => Ok(CheckpointSetting::Auto),
-            "off" => Ok(CheckpointSetting::Fixed(Checkpointing::Off)),
-            "all" => Ok(CheckpointSetting::Fixed(Checkpointing::All)),
-            _ => {
-                let n = |prefix: &str| {
-                    c.strip_prefix(prefix)
-                        .and_then(|n| n.trim().parse::<usize>().ok())
-                        .filter(|&n| n > 0)
-                };
-                n("every:")
-                    .map(Checkpointing::Every)
-                    .or_else(|| n("all-but:").map(Checkpointing::AllBut))
-                    .map(CheckpointSetting::Fixed)
-                    .ok_or_else(|| {
-                        "expected auto, off, all, every:N or all-but:N with N >= 1".to_string()
-                    })
-            }
+            _ => c
+                .parse()
+                .map(CheckpointSetting::Fixed)
+                .map_err(|e| format!("expected auto, {e}")),
         }
     }
 }
@@ -249,10 +237,7 @@ impl From<CheckpointSetting> for String {
     fn from(c: CheckpointSetting) -> String {
         match c {
             CheckpointSetting::Auto => "auto".into(),
-            CheckpointSetting::Fixed(Checkpointing::Off) => "off".into(),
-            CheckpointSetting::Fixed(Checkpointing::All) => "all".into(),
-            CheckpointSetting::Fixed(Checkpointing::Every(n)) => format!("every:{n}"),
-            CheckpointSetting::Fixed(Checkpointing::AllBut(n)) => format!("all-but:{n}"),
+            CheckpointSetting::Fixed(c) => c.to_string(),
         }
     }
 }

@@ -749,17 +749,14 @@ impl CudaDevice {
             if piece.raw {
                 self.copy_staged(decode, dst, packed.base() + piece.from as u64, piece.len)?;
             }
-            let parts: Vec<(u64, &crate::backend::wire::Layout, u64)> = coded[piece.parts.clone()]
-                .iter()
-                .map(|&(part_at, c)| {
-                    (
-                        dst + (p.coded_at + c.wire - piece.from) as u64,
-                        &c.layout,
-                        packed.base() + part_at as u64,
-                    )
-                })
-                .collect();
-            self.decode_wire(decode, &parts)?;
+            let parts = coded[piece.parts.clone()].iter().map(|&(part_at, c)| {
+                (
+                    dst + (p.coded_at + c.wire - piece.from) as u64,
+                    &c.layout,
+                    packed.base() + part_at as u64,
+                )
+            });
+            self.decode_wire(decode, parts)?;
             let after = Arc::new(
                 decode
                     .record_event(TIMED)
@@ -810,18 +807,21 @@ impl CudaDevice {
     /// address `src` into `dst`, on `stream` (cuda/wire.cu: a thread per run of values), up
     /// to `WIRE_BATCH` parts a launch (an SDXL unit streams about 18 tensors, each its own
     /// launch before).
-    fn decode_wire(
+    fn decode_wire<'a>(
         &self,
         stream: &Arc<CudaStream>,
-        parts: &[(u64, &crate::backend::wire::Layout, u64)],
+        parts: impl Iterator<Item = (u64, &'a crate::backend::wire::Layout, u64)>,
     ) -> Result<()> {
         use cudarc::driver::{LaunchConfig, PushKernelArg};
+        let mut parts = parts.filter(|(_, l, _)| l.runs() > 0).peekable();
+        if parts.peek().is_none() {
+            return Ok(());
+        }
         let f = self.function("wire", "wire_decode_bf16")?;
-        let mut parts = parts.iter().filter(|(_, l, _)| l.runs() > 0).peekable();
         while parts.peek().is_some() {
             let mut p = WireParts::EMPTY;
             let mut blocks: u32 = 0;
-            for (i, &(src, l, dst)) in parts.by_ref().take(WIRE_BATCH).enumerate() {
+            for (i, (src, l, dst)) in parts.by_ref().take(WIRE_BATCH).enumerate() {
                 let runs = u32::try_from(l.runs())
                     .map_err(|_| Error::Stream(format!("a coded tensor of {} values", l.len)))?;
                 p.sm[i] = src + l.sm as u64;

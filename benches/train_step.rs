@@ -19,7 +19,8 @@
 //! the host, with the planner too); `--headroom GB` plans
 //! for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
 //! in FP8 E4M3, `--fp8-compute` also computes their products in 8 bits (`model.compute =
-//! "fp8"`), `--adam8bit` uses 8-bit AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
+//! "fp8"`), `--int8-compute` in int8 (`model.compute = "int8"`, the weights as int8 codes),
+//! `--adam8bit` uses 8-bit AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
 //! streamed. `--steps N` times N steps after the warm-up (3 unless given). `--host-probe` issues one more step with about a second of GEMMs queued between
 //! its forward and backward, and prints when the host had issued the backward and the update:
@@ -241,9 +242,16 @@ fn run<M: ModelSpec>(
         n.parse().ok().filter(|&n| n > 0).expect("--steps N, N > 0")
     });
     let (fp8, adam8bit) = (args.flag("--fp8"), args.flag("--adam8bit"));
-    // `--fp8-compute`: 8-bit products (`model.compute = "fp8"`); the weights are FP8 too.
-    let fp8_products = args.flag("--fp8-compute");
-    let fp8 = fp8 || fp8_products;
+    // `--fp8-compute` / `--int8-compute`: 8-bit products (`model.compute = "fp8"` / "int8");
+    // the weights are held as the code's values.
+    let products = if args.flag("--int8-compute") {
+        Some(flame::backend::fp8::Code8::Int8)
+    } else if args.flag("--fp8-compute") {
+        Some(flame::backend::fp8::Code8::E4m3)
+    } else {
+        None
+    };
+    let fp8 = fp8 || products.is_some();
     let num = |name: &str, default: usize| {
         args.value(name)
             .map_or(default, |s| s.parse().expect("a number"))
@@ -251,7 +259,7 @@ fn run<M: ModelSpec>(
     // The profile, for the planner and for the predicted peak of a hand-made plan.
     let mut opts = LoadOptions::new(DType::BF16, &dev).with_adapters(Adapters::new(lora.clone())?);
     opts.fp8 = fp8;
-    opts.fp8_products = fp8_products;
+    opts.products = products;
     let run_shape = RunShape {
         sample: sample.clone(),
         // This rank's samples: the planner sizes the activations for them.
@@ -373,7 +381,7 @@ fn run<M: ModelSpec>(
     let adapters = Adapters::new(lora)?;
     let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev)
         .with_fp8(fp8)?
-        .with_fp8_products(fp8_products)?
+        .with_products(products)?
         .with_adapters(adapters.clone())?;
     let plan = profile.settle(&plan)?;
     let streamer = BlockStreamer::for_plan(&dev, &plan, M::CONDITIONED)?;
@@ -817,9 +825,10 @@ fn run<M: ModelSpec>(
     println!(
         "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}, batch {batch} on {world} GPU(s), {:.3} samples/s): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB, peak while stepping {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step ({decoded_per_step:.2} GiB of weights) | cache evictions {evictions:.1}/step, pool trims {flushes:.1}/step, beyond the arena {overflows:.1}/step",
         n_params as f64 / 1e6,
-        match (fp8, fp8_products) {
-            (_, true) => "fp8 with 8-bit products",
-            (true, false) => "fp8",
+        match (fp8, products) {
+            (_, Some(flame::backend::fp8::Code8::E4m3)) => "fp8 with 8-bit products",
+            (_, Some(flame::backend::fp8::Code8::Int8)) => "int8 with 8-bit products",
+            (true, None) => "fp8",
             _ => "bf16",
         },
         if adam8bit { "AdamW8bit" } else { "AdamW" },

@@ -1,4 +1,4 @@
-// FP8 E4M3 weights (the DequantFp8 kernel of src/tensor/kernels/dequant_fp8.rs, which holds
+// FP8 E4M3 and int8 weights (the DequantFp8 kernel of src/tensor/kernels/dequant_fp8.rs, which holds
 // the CPU reference; the format in src/backend/fp8.rs).
 //
 //   codes  (rows, words) u32   four E4M3 codes a word, the first in the low byte
@@ -10,6 +10,7 @@
 // rules (OCP OFP8: bias 7, subnormals 0.mmm * 2^-6, S.1111.111 is NaN), so the f32 product is
 // the CPU's bit for bit.
 #include "common.cuh"
+#include <type_traits>
 
 __device__ __forceinline__ float e4m3_decode(uint32_t c) {
   const uint32_t sign = (c & 0x80u) << 24;
@@ -24,30 +25,36 @@ __device__ __forceinline__ float e4m3_decode(uint32_t c) {
   return __int_as_float(sign | ((e + 120u) << 23) | (m << 20));
 }
 
-// The j-th code of a word decoded and multiplied by its row's scale, in f32 (rounded once).
-__device__ __forceinline__ float scaled_code(uint32_t word, int j, float s) {
-  return __fmul_rn(e4m3_decode((word >> (8 * j)) & 0xFFu), s);
+// Int8 codes (src/backend/int8.rs): the byte as a two's-complement integer, exact in f32.
+__device__ __forceinline__ float i8_decode(uint32_t c) { return (float)(int)(int8_t)(uint8_t)c; }
+
+// The codes' formats (src/backend/fp8.rs's Code8): 0 FP8 E4M3, 1 int8.
+#define CODE_E4M3 0
+#define CODE_INT8 1
+
+template <int C>
+__device__ __forceinline__ float decode8(uint32_t c) {
+  if constexpr (C == CODE_INT8) return i8_decode(c);
+  else return e4m3_decode(c);
 }
 
-template <typename T>
+// The j-th code of a word decoded and multiplied by its row's scale, in f32 (rounded once).
+template <int C = CODE_E4M3>
+__device__ __forceinline__ float scaled_code(uint32_t word, int j, float s) {
+  return __fmul_rn(decode8<C>((word >> (8 * j)) & 0xFFu), s);
+}
+
+template <typename T, int C>
 __device__ __forceinline__ void dequant_fp8(const uint32_t* codes, const float* scale, T* w, size_t words_per_row,
                                             size_t words) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x) {
     const uint32_t word = codes[i];
     const float s = scale[i / words_per_row];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) w[4 * i + j] = from_acc<T>(scaled_code(word, j, s));
-  }
-}
-
-template <>
-__device__ __forceinline__ void dequant_fp8<double>(const uint32_t* codes, const float* scale, double* w,
-                                                    size_t words_per_row, size_t words) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x) {
-    const uint32_t word = codes[i];
-    const float s = scale[i / words_per_row];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) w[4 * i + j] = (double)scaled_code(word, j, s);
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (std::is_same<T, double>::value) w[4 * i + j] = (double)scaled_code<C>(word, j, s);
+      else w[4 * i + j] = from_acc<T>(scaled_code<C>(word, j, s));
+    }
   }
 }
 
@@ -55,7 +62,7 @@ __device__ __forceinline__ void dequant_fp8<double>(const uint32_t* codes, const
 // a thread per group, one 16-byte load, 16 values out in 16-byte stores. The values are those
 // of dequant_fp8 bit for bit (the same decode and product). The row of a group comes from a
 // 32-bit division while the groups fit 32 bits.
-template <typename T>
+template <typename T, int C>
 __device__ __forceinline__ void dequant_fp8_x16(const uint4* codes, const float* scale, T* w, size_t groups_per_row,
                                                 size_t groups) {
   static_assert((16 * sizeof(T)) % 16 == 0, "whole 16-byte stores");
@@ -67,7 +74,7 @@ __device__ __forceinline__ void dequant_fp8_x16(const uint4* codes, const float*
     const uint32_t words[4] = {q.x, q.y, q.z, q.w};
     alignas(16) T out[16];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) out[j] = from_acc<T>(scaled_code(words[j / 4], j % 4, s));
+    for (int j = 0; j < 16; ++j) out[j] = from_acc<T>(scaled_code<C>(words[j / 4], j % 4, s));
     uint4* dst = reinterpret_cast<uint4*>(w + 16 * g);
     const uint4* src = reinterpret_cast<const uint4*>(out);
 #pragma unroll
@@ -75,24 +82,32 @@ __device__ __forceinline__ void dequant_fp8_x16(const uint4* codes, const float*
   }
 }
 
-#define DEQUANT_FP8(SUF, T)                                                                                  \
-  extern "C" __global__ void dequant_fp8_##SUF(const uint32_t* codes, const float* scale, T* w,              \
-                                               size_t words_per_row, size_t words) {                         \
-    dequant_fp8<T>(codes, scale, w, words_per_row, words);                                                   \
+// dequant_fp8_* decode E4M3 codes, dequant_i8_* int8 codes (the same packing and product).
+#define DEQUANT_FP8(NAME, C, SUF, T)                                                                         \
+  extern "C" __global__ void NAME##_##SUF(const uint32_t* codes, const float* scale, T* w,                  \
+                                          size_t words_per_row, size_t words) {                              \
+    dequant_fp8<T, C>(codes, scale, w, words_per_row, words);                                                \
   }
-DEQUANT_FP8(f32, float)
-DEQUANT_FP8(f64, double)
-DEQUANT_FP8(bf16, __nv_bfloat16)
-DEQUANT_FP8(f16, __half)
+DEQUANT_FP8(dequant_fp8, CODE_E4M3, f32, float)
+DEQUANT_FP8(dequant_fp8, CODE_E4M3, f64, double)
+DEQUANT_FP8(dequant_fp8, CODE_E4M3, bf16, __nv_bfloat16)
+DEQUANT_FP8(dequant_fp8, CODE_E4M3, f16, __half)
+DEQUANT_FP8(dequant_i8, CODE_INT8, f32, float)
+DEQUANT_FP8(dequant_i8, CODE_INT8, f64, double)
+DEQUANT_FP8(dequant_i8, CODE_INT8, bf16, __nv_bfloat16)
+DEQUANT_FP8(dequant_i8, CODE_INT8, f16, __half)
 
-#define DEQUANT_FP8_X16(SUF, T)                                                                              \
-  extern "C" __global__ void dequant_fp8_x16_##SUF(const uint4* codes, const float* scale, T* w,             \
-                                                   size_t groups_per_row, size_t groups) {                   \
-    dequant_fp8_x16<T>(codes, scale, w, groups_per_row, groups);                                             \
+#define DEQUANT_FP8_X16(NAME, C, SUF, T)                                                                     \
+  extern "C" __global__ void NAME##_x16_##SUF(const uint4* codes, const float* scale, T* w,                 \
+                                              size_t groups_per_row, size_t groups) {                        \
+    dequant_fp8_x16<T, C>(codes, scale, w, groups_per_row, groups);                                          \
   }
-DEQUANT_FP8_X16(f32, float)
-DEQUANT_FP8_X16(bf16, __nv_bfloat16)
-DEQUANT_FP8_X16(f16, __half)
+DEQUANT_FP8_X16(dequant_fp8, CODE_E4M3, f32, float)
+DEQUANT_FP8_X16(dequant_fp8, CODE_E4M3, bf16, __nv_bfloat16)
+DEQUANT_FP8_X16(dequant_fp8, CODE_E4M3, f16, __half)
+DEQUANT_FP8_X16(dequant_i8, CODE_INT8, f32, float)
+DEQUANT_FP8_X16(dequant_i8, CODE_INT8, bf16, __nv_bfloat16)
+DEQUANT_FP8_X16(dequant_i8, CODE_INT8, f16, __half)
 
 // ---------------------------------------------------------------------------------------------
 // 8-bit products (src/tensor/kernels/fp8_products.rs holds the CPU reference of each).
@@ -137,6 +152,42 @@ __device__ __forceinline__ uint32_t e4m3_encode4(float a, float b, float c, floa
 #else
   return e4m3_encode(a) | (e4m3_encode(b) << 8) | (e4m3_encode(c) << 16) | (e4m3_encode(d) << 24);
 #endif
+}
+
+// Int8 (src/backend/int8.rs's `encode`): round to nearest even (cvt.rni), clamp to +-127, NaN to 0.
+__device__ __forceinline__ uint32_t i8_encode(float x) {
+  if (isnan(x)) return 0u;
+  const int q = max(-127, min(127, __float2int_rn(x)));
+  return (uint32_t)(uint8_t)(int8_t)q;
+}
+
+template <int C>
+__device__ __forceinline__ uint32_t encode4(float a, float b, float c, float d) {
+  if constexpr (C == CODE_INT8) {
+    return i8_encode(a) | (i8_encode(b) << 8) | (i8_encode(c) << 16) | (i8_encode(d) << 24);
+  } else {
+    return e4m3_encode4(a, b, c, d);
+  }
+}
+
+// One step of a row's absmax: E4M3's fmaxf drops NaN values (they keep their own NaN code);
+// int8's keeps a NaN (src/backend/int8.rs's `absmax_step`), which gives the row a NaN scale.
+template <int C>
+__device__ __forceinline__ float absmax_step(float m, float v) {
+  if constexpr (C == CODE_INT8) return (isnan(m) || isnan(v)) ? __int_as_float(0x7FC00000) : fmaxf(m, v);
+  else return fmaxf(m, v);
+}
+
+// The row's scale from its absmax: E4M3 absmax / 448 (1 for zero or non-finite); int8 absmax /
+// 127 (1 for zero, NaN for non-finite).
+template <int C>
+__device__ __forceinline__ float row_scale8(float m) {
+  if constexpr (C == CODE_INT8) {
+    if (m == 0.0f) return 1.0f;
+    return isfinite(m) ? __fdiv_rn(m, 127.0f) : __int_as_float(0x7FC00000);
+  } else {
+    return (m > 0.0f && isfinite(m)) ? __fdiv_rn(m, 448.0f) : 1.0f;
+  }
 }
 
 // Layout of the work: a row is read in chunks of N elements (N a multiple of 4: a chunk encodes
@@ -195,25 +246,25 @@ __device__ __forceinline__ void quant_values(const QuantChunk<T, N>& c, const fl
   }
 }
 
-template <typename T, int N, bool COLS, bool VEC>
+template <typename T, int N, bool COLS, bool VEC, int C>
 __device__ __forceinline__ float chunk_absmax(const QuantChunk<T, N>& c, const float* cs, float m) {
   float v[N];
   quant_values<T, N, COLS, VEC>(c, cs, v);
 #pragma unroll
-  for (int j = 0; j < N; ++j) m = fmaxf(m, fabsf(v[j]));
+  for (int j = 0; j < N; ++j) m = absmax_step<C>(m, fabsf(v[j]));
   return m;
 }
 
 // The chunk's N codes, e4m3(v * r), stored as N / 4 words at `out` (8-byte aligned when VEC and
 // N == 8).
-template <typename T, int N, bool COLS, bool VEC>
+template <typename T, int N, bool COLS, bool VEC, int C>
 __device__ __forceinline__ void encode_chunk(const QuantChunk<T, N>& c, const float* cs, float r, uint32_t* out) {
   float v[N];
   quant_values<T, N, COLS, VEC>(c, cs, v);
   uint32_t words[N / 4];
 #pragma unroll
   for (int q = 0; q < N / 4; ++q) {
-    words[q] = e4m3_encode4(__fmul_rn(v[4 * q], r), __fmul_rn(v[4 * q + 1], r), __fmul_rn(v[4 * q + 2], r),
+    words[q] = encode4<C>(__fmul_rn(v[4 * q], r), __fmul_rn(v[4 * q + 1], r), __fmul_rn(v[4 * q + 2], r),
                             __fmul_rn(v[4 * q + 3], r));
   }
   if constexpr (VEC && N == 8) {
@@ -227,7 +278,7 @@ __device__ __forceinline__ void encode_chunk(const QuantChunk<T, N>& c, const fl
 // Chunks a thread keeps in registers between the two passes.
 #define QUANT_HELD 4
 
-template <typename T, int N, bool COLS, bool VEC>
+template <typename T, int N, bool COLS, bool VEC, int C>
 __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint32_t* codes, float* scale, size_t rows,
                                                size_t cols) {
   __shared__ float red[32];
@@ -243,46 +294,46 @@ __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint
     const size_t c = t + (size_t)k * g;
     if (c < chunks) {
       load_quant_chunk<T, N, VEC>(xr + c * N, held[k]);
-      m = chunk_absmax<T, N, COLS, VEC>(held[k], cs + c * N, m);
+      m = chunk_absmax<T, N, COLS, VEC, C>(held[k], cs + c * N, m);
     }
   }
   for (size_t c = t + (size_t)QUANT_HELD * g; c < chunks; c += g) {
     QuantChunk<T, N> q;
     load_quant_chunk<T, N, VEC>(xr + c * N, q);
-    m = chunk_absmax<T, N, COLS, VEC>(q, cs + c * N, m);
+    m = chunk_absmax<T, N, COLS, VEC, C>(q, cs + c * N, m);
   }
   if (g <= 32) {
     // A row's G lanes are an aligned group of its warp: xor offsets below G stay inside it.
-    for (unsigned o = g >> 1; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    for (unsigned o = g >> 1; o > 0; o >>= 1) m = absmax_step<C>(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
   } else {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    for (int o = 16; o > 0; o >>= 1) m = absmax_step<C>(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
     const unsigned lane = t & 31, warp = t >> 5, warps = (g + 31) >> 5;
     if (lane == 0) red[warp] = m;
     __syncthreads();
     if (warp == 0) {
       m = lane < warps ? red[lane] : 0.0f;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+      for (int o = 16; o > 0; o >>= 1) m = absmax_step<C>(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
       if (lane == 0) red[0] = m;
     }
     __syncthreads();
     m = red[0];
   }
   if (!live) return;
-  const float s = (m > 0.0f && isfinite(m)) ? __fdiv_rn(m, 448.0f) : 1.0f;
+  const float s = row_scale8<C>(m);
   const float r = __frcp_rn(s);
   if (t == 0) scale[row] = s;
   uint32_t* cr = codes + row * (cols / 4);
 #pragma unroll
   for (int k = 0; k < QUANT_HELD; ++k) {
     const size_t c = t + (size_t)k * g;
-    if (c < chunks) encode_chunk<T, N, COLS, VEC>(held[k], cs + c * N, r, cr + c * (N / 4));
+    if (c < chunks) encode_chunk<T, N, COLS, VEC, C>(held[k], cs + c * N, r, cr + c * (N / 4));
   }
   for (size_t c = t + (size_t)QUANT_HELD * g; c < chunks; c += g) {
     QuantChunk<T, N> q;
     load_quant_chunk<T, N, VEC>(xr + c * N, q);
-    encode_chunk<T, N, COLS, VEC>(q, cs + c * N, r, cr + c * (N / 4));
+    encode_chunk<T, N, COLS, VEC, C>(q, cs + c * N, r, cr + c * (N / 4));
   }
 }
 
@@ -292,22 +343,26 @@ __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint
 //   quant_rows_fp8_v8_*:  8-byte chunks of four bf16/f16 (x 8-byte aligned, col_scale 16-byte);
 //   quant_rows_fp8_*:     chunks of four read one element at a time (any alignment).
 // Each has a `_cols` twin that multiplies by col_scale first.
-#define QUANT_ROWS_FP8_FORM(NAME, T, N, VEC)                                                                 \
+// The int8 twins, quant_rows_i8*, have the same forms.
+#define QUANT_ROWS_FP8_FORM(NAME, T, N, VEC, C)                                                              \
   extern "C" __global__ void NAME(const T* x, uint32_t* codes, float* scale, size_t rows, size_t cols) {    \
-    quant_rows_fp8<T, N, false, VEC>(x, nullptr, codes, scale, rows, cols);                                  \
+    quant_rows_fp8<T, N, false, VEC, C>(x, nullptr, codes, scale, rows, cols);                               \
   }                                                                                                          \
   extern "C" __global__ void NAME##_cols(const T* x, const float* cs, uint32_t* codes, float* scale,        \
                                          size_t rows, size_t cols) {                                         \
-    quant_rows_fp8<T, N, true, VEC>(x, cs, codes, scale, rows, cols);                                        \
+    quant_rows_fp8<T, N, true, VEC, C>(x, cs, codes, scale, rows, cols);                                     \
   }
-QUANT_ROWS_FP8_FORM(quant_rows_fp8_f32, float, 4, false)
-QUANT_ROWS_FP8_FORM(quant_rows_fp8_bf16, __nv_bfloat16, 4, false)
-QUANT_ROWS_FP8_FORM(quant_rows_fp8_f16, __half, 4, false)
-QUANT_ROWS_FP8_FORM(quant_rows_fp8_v16_f32, float, 4, true)
-QUANT_ROWS_FP8_FORM(quant_rows_fp8_v16_bf16, __nv_bfloat16, 8, true)
-QUANT_ROWS_FP8_FORM(quant_rows_fp8_v16_f16, __half, 8, true)
-QUANT_ROWS_FP8_FORM(quant_rows_fp8_v8_bf16, __nv_bfloat16, 4, true)
-QUANT_ROWS_FP8_FORM(quant_rows_fp8_v8_f16, __half, 4, true)
+#define QUANT_ROWS_FORMS(P, C)                                                                               \
+  QUANT_ROWS_FP8_FORM(P##_f32, float, 4, false, C)                                                           \
+  QUANT_ROWS_FP8_FORM(P##_bf16, __nv_bfloat16, 4, false, C)                                                  \
+  QUANT_ROWS_FP8_FORM(P##_f16, __half, 4, false, C)                                                          \
+  QUANT_ROWS_FP8_FORM(P##_v16_f32, float, 4, true, C)                                                        \
+  QUANT_ROWS_FP8_FORM(P##_v16_bf16, __nv_bfloat16, 8, true, C)                                               \
+  QUANT_ROWS_FP8_FORM(P##_v16_f16, __half, 8, true, C)                                                       \
+  QUANT_ROWS_FP8_FORM(P##_v8_bf16, __nv_bfloat16, 4, true, C)                                                \
+  QUANT_ROWS_FP8_FORM(P##_v8_f16, __half, 4, true, C)
+QUANT_ROWS_FORMS(quant_rows_fp8, CODE_E4M3)
+QUANT_ROWS_FORMS(quant_rows_i8, CODE_INT8)
 
 // transpose_fp8: codes (rows, cols / 4) u32 -> (cols, rows / 4) u32, the byte matrix transposed
 // (rows % 4 == 0 and cols % 4 == 0; the launcher checks). A block moves a 64 x 64 byte tile
@@ -342,45 +397,62 @@ extern "C" __global__ void transpose_fp8(const uint32_t* in, uint32_t* out, size
 
 // scale_outer: acc (m, n) f32 -> y (m, n) T = acc * a (m) * b (n), in f32 and rounded once: an
 // 8-bit product whose GEMM ran without its own scales (scalar-scaled cuBLASLt), scaled after.
-template <typename T>
-__device__ __forceinline__ void scale_outer(const float* acc, const float* a, const float* b, T* y, size_t n,
+// scale_outer_i32_*: the same from an int8 GEMM's exact i32 sums (converted to f32, rounded once).
+__device__ __forceinline__ float acc_f32(float v) { return v; }
+__device__ __forceinline__ float acc_f32(int v) { return __int2float_rn(v); }
+
+template <typename A, typename T>
+__device__ __forceinline__ void scale_outer(const A* acc, const float* a, const float* b, T* y, size_t n,
                                             size_t total) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
     const size_t r = i / n, c = i % n;
-    y[i] = from_acc<T>(__fmul_rn(__fmul_rn(acc[i], a[r]), b[c]));
+    y[i] = from_acc<T>(__fmul_rn(__fmul_rn(acc_f32(acc[i]), a[r]), b[c]));
   }
 }
-#define SCALE_OUTER(SUF, T)                                                                                  \
-  extern "C" __global__ void scale_outer_##SUF(const float* acc, const float* a, const float* b, T* y,       \
-                                               size_t n, size_t total) {                                     \
-    scale_outer<T>(acc, a, b, y, n, total);                                                                  \
+#define SCALE_OUTER(NAME, A, SUF, T)                                                                         \
+  extern "C" __global__ void NAME##_##SUF(const A* acc, const float* a, const float* b, T* y, size_t n,     \
+                                          size_t total) {                                                    \
+    scale_outer<A, T>(acc, a, b, y, n, total);                                                               \
   }
-SCALE_OUTER(f32, float)
-SCALE_OUTER(bf16, __nv_bfloat16)
-SCALE_OUTER(f16, __half)
+SCALE_OUTER(scale_outer, float, f32, float)
+SCALE_OUTER(scale_outer, float, bf16, __nv_bfloat16)
+SCALE_OUTER(scale_outer, float, f16, __half)
+SCALE_OUTER(scale_outer_i32, int, f32, float)
+SCALE_OUTER(scale_outer_i32, int, bf16, __nv_bfloat16)
+SCALE_OUTER(scale_outer_i32, int, f16, __half)
 
 // fp8_product_naive: y (m, n) T = sa[i] * sb[j] * sum_k decode(a[i, k]) * decode(b[j, k]), a thread
 // an output: the product for shapes and GPUs that cuBLASLt's FP8 GEMM does not take (tests, odd
 // widths). words = k / 4.
-template <typename T>
+// i8_product_naive_*: the same over int8 codes, the sum exact in i32 (as the int8 GEMM's).
+template <typename T, int C>
 __device__ __forceinline__ void fp8_product_naive(const uint32_t* a, const float* sa, const uint32_t* b,
                                                   const float* sb, T* y, size_t m, size_t n, size_t words) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < m * n; i += (size_t)gridDim.x * blockDim.x) {
     const size_t r = i / n, c = i % n;
     float acc = 0.0f;
+    int iacc = 0;
     for (size_t w = 0; w < words; ++w) {
       const uint32_t wa = a[r * words + w], wb = b[c * words + w];
+      if constexpr (C == CODE_INT8) {
+        iacc = __dp4a((int)wa, (int)wb, iacc);
+      } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) acc = fmaf(e4m3_decode((wa >> (8 * j)) & 0xFFu), e4m3_decode((wb >> (8 * j)) & 0xFFu), acc);
+        for (int j = 0; j < 4; ++j) acc = fmaf(e4m3_decode((wa >> (8 * j)) & 0xFFu), e4m3_decode((wb >> (8 * j)) & 0xFFu), acc);
+      }
     }
+    if constexpr (C == CODE_INT8) acc = __int2float_rn(iacc);
     y[i] = from_acc<T>(__fmul_rn(__fmul_rn(acc, sa[r]), sb[c]));
   }
 }
-#define FP8_PRODUCT_NAIVE(SUF, T)                                                                            \
-  extern "C" __global__ void fp8_product_naive_##SUF(const uint32_t* a, const float* sa, const uint32_t* b,  \
-                                                     const float* sb, T* y, size_t m, size_t n, size_t words) { \
-    fp8_product_naive<T>(a, sa, b, sb, y, m, n, words);                                                      \
+#define FP8_PRODUCT_NAIVE(NAME, C, SUF, T)                                                                   \
+  extern "C" __global__ void NAME##_##SUF(const uint32_t* a, const float* sa, const uint32_t* b,            \
+                                          const float* sb, T* y, size_t m, size_t n, size_t words) {         \
+    fp8_product_naive<T, C>(a, sa, b, sb, y, m, n, words);                                                   \
   }
-FP8_PRODUCT_NAIVE(f32, float)
-FP8_PRODUCT_NAIVE(bf16, __nv_bfloat16)
-FP8_PRODUCT_NAIVE(f16, __half)
+FP8_PRODUCT_NAIVE(fp8_product_naive, CODE_E4M3, f32, float)
+FP8_PRODUCT_NAIVE(fp8_product_naive, CODE_E4M3, bf16, __nv_bfloat16)
+FP8_PRODUCT_NAIVE(fp8_product_naive, CODE_E4M3, f16, __half)
+FP8_PRODUCT_NAIVE(i8_product_naive, CODE_INT8, f32, float)
+FP8_PRODUCT_NAIVE(i8_product_naive, CODE_INT8, bf16, __nv_bfloat16)
+FP8_PRODUCT_NAIVE(i8_product_naive, CODE_INT8, f16, __half)

@@ -466,7 +466,7 @@ fn planner_counts_kept_transposes() {
     let profile = |products: bool| {
         let mut opts = LoadOptions::new(DType::BF16, &CPU);
         opts.fp8 = true;
-        opts.fp8_products = products;
+        opts.products = products.then_some(flame::backend::fp8::Code8::E4m3);
         profile_config::<Flux>(&FluxConfig::dev(), &opts, &run).unwrap()
     };
     let (decoded, eight) = (profile(false), profile(true));

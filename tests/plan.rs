@@ -30,7 +30,7 @@ fn flux_dev_with(fp8: bool, adam8bit: bool, products: bool) -> MemoryProfile {
     .unwrap();
     let mut opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(adapters);
     opts.fp8 = fp8;
-    opts.fp8_products = products;
+    opts.products = products.then_some(flame::backend::fp8::Code8::E4m3);
     let run = RunShape {
         sample: vec![vec![16, 128, 128], vec![512, 4096], vec![768]],
         batch: 1,

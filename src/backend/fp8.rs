@@ -12,12 +12,79 @@
 //! all-zero row). FLAME has no u8 dtype, so the codes are packed four to a u32, little end
 //! first: code `c` of a row is bits `8 (c % 4)` of word `c / 4` of that row, which needs
 //! `cols % 4 == 0` (layers of other widths stay in the compute dtype).
+//!
+//! The same packing holds int8 codes (`backend::int8`, `model.compute = "int8"`): [`Code8`]
+//! names which of the two a packed weight's bytes are.
 
 /// The largest finite E4M3 value (OCP OFP8 spec, E4M3 max normal 1.75 * 2^8).
 pub const E4M3_MAX: f32 = 448.0;
 
 /// Codes per packed u32 word.
 pub const CODES_PER_WORD: usize = 4;
+
+/// Which 8-bit code a packed weight's bytes (and its products' activations) are: four a u32
+/// word, one f32 scale a row, `value = decode(code) * scale` either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Code8 {
+    /// FP8 E4M3 (this module): tensor-core products on Ada and Hopper.
+    #[default]
+    E4m3,
+    /// Symmetric int8 (`backend::int8`): tensor-core products from Turing on.
+    Int8,
+}
+
+impl Code8 {
+    /// Its name in messages and configs ("fp8", "int8").
+    pub fn name(self) -> &'static str {
+        match self {
+            Code8::E4m3 => "fp8",
+            Code8::Int8 => "int8",
+        }
+    }
+
+    /// The value of `code` (before the row's scale).
+    pub fn decode(self, code: u8) -> f32 {
+        match self {
+            Code8::E4m3 => decode(code),
+            Code8::Int8 => super::int8::decode(code),
+        }
+    }
+
+    /// The code nearest to `x` (already divided by the row's scale).
+    pub fn encode(self, x: f32) -> u8 {
+        match self {
+            Code8::E4m3 => encode(x),
+            Code8::Int8 => super::int8::encode(x),
+        }
+    }
+
+    /// The scale of a row whose largest magnitude is `absmax`.
+    pub fn row_scale(self, absmax: f32) -> f32 {
+        match self {
+            Code8::E4m3 => row_scale(absmax),
+            Code8::Int8 => super::int8::row_scale(absmax),
+        }
+    }
+
+    /// The largest magnitude of a row, as the quantization takes it: E4M3's ignores NaN
+    /// values (they keep their own NaN code), int8's is NaN when one is (int8 has no NaN
+    /// code: the row's NaN scale carries it into the product).
+    pub fn absmax(self, values: impl Iterator<Item = f32>) -> f32 {
+        match self {
+            Code8::E4m3 => values.fold(0f32, |m, v| m.max(v.abs())),
+            Code8::Int8 => values.fold(0f32, super::int8::absmax_step),
+        }
+    }
+
+    /// The smallest compute capability whose tensor cores multiply these codes: 8.9 (Ada,
+    /// Hopper) for E4M3, 7.5 (Turing on) for int8.
+    pub fn min_compute_capability(self) -> (u32, u32) {
+        match self {
+            Code8::E4m3 => (8, 9),
+            Code8::Int8 => (7, 5),
+        }
+    }
+}
 
 /// The value of an E4M3 code (NaN for 0x7F and 0xFF).
 pub fn decode(code: u8) -> f32 {
@@ -86,10 +153,22 @@ pub fn quantize_rows(
     rows: usize,
     cols: usize,
 ) -> std::result::Result<(Vec<u32>, Vec<f32>), String> {
+    quantize_rows_as(Code8::E4m3, w, rows, cols)
+}
+
+/// [`quantize_rows`] into `code`: `scale = code.row_scale(absmax(row))`, each value's code
+/// `code.encode(v / scale)`.
+pub fn quantize_rows_as(
+    code: Code8,
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+) -> std::result::Result<(Vec<u32>, Vec<f32>), String> {
     use rayon::prelude::*;
     if cols % CODES_PER_WORD != 0 || w.len() != rows * cols {
         return Err(format!(
-            "fp8 needs (rows, cols) with cols a multiple of 4, got {} values as ({rows}, {cols})",
+            "{} needs (rows, cols) with cols a multiple of 4, got {} values as ({rows}, {cols})",
+            code.name(),
             w.len()
         ));
     }
@@ -109,10 +188,9 @@ pub fn quantize_rows(
         .zip(scales.par_iter_mut())
         .zip(w.par_chunks(cols.max(1)))
         .for_each(|((c, s), row)| {
-            let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-            *s = row_scale(absmax);
+            *s = code.row_scale(code.absmax(row.iter().copied()));
             for (word, vals) in c.iter_mut().zip(row.chunks(CODES_PER_WORD)) {
-                *word = pack(vals.iter().map(|v| encode(v / *s)));
+                *word = pack(vals.iter().map(|v| code.encode(v / *s)));
             }
         });
     Ok((codes, scales))

@@ -9,6 +9,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod fp8;
 pub mod ggml;
+pub mod int8;
 pub mod lion;
 pub mod multi;
 pub mod multi_sf;

@@ -111,9 +111,10 @@ struct Args {
     /// the weights' dtype: bf16 (default), f16, f32 or fp8
     #[argh(option, default = "String::from(\"bf16\")")]
     dtype: String,
-    /// what the frozen Linears compute in: bf16 (default: the weights' dtype) or fp8 (8-bit
-    /// products on FP8 tensor cores, the weights held in FP8 E4M3 with per-row scales, as
-    /// the `train` binary's `model.compute = "fp8"`)
+    /// what the frozen Linears compute in: bf16 (default: the weights' dtype), fp8 (8-bit
+    /// products on FP8 tensor cores, the weights held in FP8 E4M3 with per-row scales) or
+    /// int8 (the same on integer tensor cores, the weights held as int8 codes), as the
+    /// `train` binary's `model.compute`
     #[argh(option, default = "String::from(\"bf16\")")]
     compute: String,
     /// auto (default), cuda or cpu
@@ -272,8 +273,8 @@ fn check_flags(a: &Args) -> Result<(), String> {
             format!("--dtype {}: bf16, f16, f32 or fp8", a.dtype),
         ),
         (
-            !matches!(a.compute.as_str(), "bf16" | "fp8"),
-            format!("--compute {}: bf16 or fp8", a.compute),
+            !matches!(a.compute.as_str(), "bf16" | "fp8" | "int8"),
+            format!("--compute {}: bf16, fp8 or int8", a.compute),
         ),
         (
             !matches!(a.device.as_str(), "auto" | "cuda" | "cpu"),
@@ -500,11 +501,19 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     };
     let mut opts = LoadOptions::new(dtype, &device);
     opts.fp8 = fp8;
-    if a.compute == "fp8" {
-        if let Some(why) = models::fp8_products_refusal(model_path, &device) {
-            return Err(bad(format!("--compute fp8 {why}; use --compute bf16")));
+    let code = match a.compute.as_str() {
+        "fp8" => Some(flame::backend::fp8::Code8::E4m3),
+        "int8" => Some(flame::backend::fp8::Code8::Int8),
+        _ => None,
+    };
+    if let Some(code) = code {
+        if let Some(why) = models::products_refusal(code, model_path, &device) {
+            return Err(bad(format!(
+                "--compute {} {why}; use --compute bf16",
+                code.name()
+            )));
         }
-        opts.fp8_products = true;
+        opts.products = Some(code);
     }
     if let Some(p) = &a.config {
         let text = std::fs::read_to_string(p).map_err(|source| Error::Io {

@@ -88,9 +88,9 @@ pub fn machine_cache_path(gpu: &str, ordinal: usize) -> Option<PathBuf> {
 }
 
 /// The rates a machine file holds, beside the crate's version: a file of another set (one
-/// written before the 8-bit products' rate, or the link's two directions at once, were
-/// measured) is measured again.
-const RATES: u32 = 3;
+/// written before the 8-bit products' rates, FP8's or int8's, or the link's two directions at
+/// once, were measured) is measured again.
+const RATES: u32 = 4;
 
 /// The version a machine file is written with and read back at.
 fn file_version() -> String {
@@ -253,12 +253,13 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             Ok(())
         })?
         / 1e12;
-    // The same Linears' 8-bit products as `model.compute = "fp8"` runs them, on FP8 tensor
-    // cores (compute capability 8.9 and later): each weight quantized once (at load) with
+    // The same Linears' 8-bit products as `model.compute = "fp8"` and "int8" run them, on FP8
+    // tensor cores (compute capability 8.9 and later) and int8 ones (7.5 and later), each
+    // code measured apart: each weight quantized once (at load) with
     // its transposed codes kept; each product quantizes its input a token at a time, the
     // backward's its output gradient with the weight's row scales folded in. A failure
     // leaves the rate unmeasured (0: the bf16 GEMMs' rate is played), not the machine.
-    let fp8_product = {
+    let product = |code: crate::backend::fp8::Code8| {
         let cc = (
             cuda.compute_capability_major(),
             cuda.compute_capability_minor(),
@@ -267,7 +268,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             let weights = operands
                 .iter()
                 .map(|(_, w, _)| {
-                    let (q, s) = w.quant_rows_fp8(None)?;
+                    let (q, s) = w.quant_rows8(code, None)?;
                     let t = q.transpose_fp8()?;
                     let ones = Tensor::ones(w.dims()[1], DType::F32, device)?;
                     Ok((q, s, t, ones))
@@ -275,10 +276,10 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
                 .collect::<Result<Vec<_>>>()?;
             let products = || -> Result<()> {
                 for ((x, _, dy), (q, s, t, ones)) in operands.iter().zip(&weights) {
-                    let (qx, sx) = x.quant_rows_fp8(None)?;
-                    drop(crate::fp8_product(&qx, &sx, q, s, DType::BF16)?);
-                    let (qg, sg) = dy.quant_rows_fp8(Some(s))?;
-                    drop(crate::fp8_product(&qg, &sg, t, ones, DType::BF16)?);
+                    let (qx, sx) = x.quant_rows8(code, None)?;
+                    drop(crate::product8(code, &qx, &sx, q, s, DType::BF16)?);
+                    let (qg, sg) = dy.quant_rows8(code, Some(s))?;
+                    drop(crate::product8(code, &qg, &sg, t, ones, DType::BF16)?);
                 }
                 Ok(())
             };
@@ -293,12 +294,14 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             })?;
             Ok(flops_once * BLOCKS as f64 / secs / 1e12)
         };
-        if cc >= (8, 9) {
+        if cc >= code.min_compute_capability() {
             measure().unwrap_or(0.0)
         } else {
             0.0
         }
     };
+    let fp8_product = product(crate::backend::fp8::Code8::E4m3);
+    let int8_product = product(crate::backend::fp8::Code8::Int8);
     // Coded weights (normal values, as trained weights are) uploaded while the compute runs
     // a step's kinds of work, each alone: GEMMs, attention (forward and backward) and
     // elementwise sums over a block's activation size. Beside each: the decodes' rate (their
@@ -554,6 +557,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
         wire_decode_cost_ms_per_gib: decode_cost,
         fp8_decode_gib_per_s: fp8_decode,
         fp8_product_tflops: fp8_product,
+        int8_product_tflops: int8_product,
         host_product_gib_per_s: crate::memory::products::measure_rate(),
     };
     machine.check().map_err(Error::Stream)?;

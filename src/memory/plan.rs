@@ -126,6 +126,9 @@ pub struct MemoryProfile {
     /// The machine the time model plays a step on (`Machine::REFERENCE` unless measured:
     /// `memory::measure_machine`).
     pub machine: Machine,
+    /// The code of the blocks' 8-bit products (`BlockCost::product_flops`), whose measured
+    /// rate the time model plays them at.
+    pub product_code: crate::backend::fp8::Code8,
 }
 
 /// The machine the time model plays a plan's step on: the rates of the work a step is made
@@ -182,6 +185,11 @@ pub struct Machine {
     /// played instead.
     #[serde(default)]
     pub fp8_product_tflops: f64,
+    /// The same with int8 codes (`model.compute = "int8"`: i32 sums, then the scales in a
+    /// pass over the output), TFLOP/s. 0: not measured (a GPU without int8 tensor cores, or a
+    /// record from before it was), the bf16 GEMMs' rate played instead.
+    #[serde(default)]
+    pub int8_product_tflops: f64,
     /// The host's products of weights it holds (`Plan::host_products`), GiB of weights a
     /// second.
     pub host_product_gib_per_s: f64,
@@ -214,6 +222,7 @@ impl Machine {
         wire_decode_cost_ms_per_gib: [3.3; 3],
         fp8_decode_gib_per_s: 1e3 / 1.6,
         fp8_product_tflops: 0.0,
+        int8_product_tflops: 0.0,
         host_product_gib_per_s: 35.0,
     };
 
@@ -261,11 +270,13 @@ impl Machine {
                 self.duplex_gib_per_s
             ));
         }
-        if self.fp8_product_tflops.is_nan() || self.fp8_product_tflops < 0.0 {
-            return Err(format!(
-                "the machine's rate for 8-bit products is {}",
-                self.fp8_product_tflops
-            ));
+        for (what, r) in [
+            ("FP8", self.fp8_product_tflops),
+            ("int8", self.int8_product_tflops),
+        ] {
+            if r.is_nan() || r < 0.0 {
+                return Err(format!("the machine's rate for {what} products is {r}"));
+            }
         }
         for (what, us) in [
             ("an op", self.op_us),
@@ -311,10 +322,15 @@ impl Machine {
         (own, both * (1.0 - half / r))
     }
 
-    /// The rate the 8-bit products play at, TFLOP/s: the measured one, or the bf16 GEMMs'.
-    fn product_rate(&self) -> f64 {
-        if self.fp8_product_tflops > 0.0 {
-            self.fp8_product_tflops
+    /// The rate 8-bit products in `code` play at, TFLOP/s: the measured one, or the bf16
+    /// GEMMs'.
+    fn product_rate(&self, code: crate::backend::fp8::Code8) -> f64 {
+        let measured = match code {
+            crate::backend::fp8::Code8::E4m3 => self.fp8_product_tflops,
+            crate::backend::fp8::Code8::Int8 => self.int8_product_tflops,
+        };
+        if measured > 0.0 {
+            measured
         } else {
             self.gemm_tflops
         }
@@ -340,7 +356,7 @@ impl std::fmt::Display for Machine {
              {:.0}/{:.0} (D 128) TFLOP/s forward/backward, memory {:.0} GiB/s, {:.1}/{:.1} µs \
              an op and its backward on the host and {:.1}/{:.1} a view, coded decodes beside GEMMs, attention \
              and elementwise work {:.0}/{:.0}/{:.0} GiB/s costing them {:.1}/{:.1}/{:.1} ms a GiB, FP8 \
-             decodes {:.0} GiB/s, 8-bit products {:.0} TFLOP/s, host products {:.1} GiB/s",
+             decodes {:.0} GiB/s, 8-bit products {:.0} (FP8) and {:.0} (int8) TFLOP/s, host products {:.1} GiB/s",
             self.upload_gib_per_s,
             self.coded_upload_gib_per_s,
             self.duplex_gib_per_s,
@@ -363,6 +379,7 @@ impl std::fmt::Display for Machine {
             self.wire_decode_cost_ms_per_gib[2],
             self.fp8_decode_gib_per_s,
             self.fp8_product_tflops,
+            self.int8_product_tflops,
             self.host_product_gib_per_s
         )
     }
@@ -604,7 +621,8 @@ impl MemoryProfile {
             } else {
                 0.0
             };
-            (flops - eight).max(0.0) / (m.gemm_tflops * 1e9) + eight / (m.product_rate() * 1e9)
+            (flops - eight).max(0.0) / (m.gemm_tflops * 1e9)
+                + eight / (m.product_rate(self.product_code) * 1e9)
         };
         if backward {
             return [
@@ -1602,6 +1620,7 @@ mod tests {
             optimizer_bytes: 40,
             fixed_bytes: 30,
             machine: Machine::REFERENCE,
+            product_code: Default::default(),
         }
     }
 
@@ -1757,6 +1776,7 @@ mod tests {
             optimizer_bytes: 0,
             fixed_bytes: 0,
             machine: Machine::REFERENCE,
+            product_code: Default::default(),
         };
         let plan = |host: bool| Plan {
             checkpointing: Checkpointing::All,
@@ -2058,6 +2078,7 @@ mod tests {
             optimizer_bytes: 0,
             fixed_bytes: 0,
             machine: Machine::REFERENCE,
+            product_code: Default::default(),
         };
         let b0 = &p.blocks[0];
         let (f, bk) = (p.forward_ms(b0, Keep::NONE), p.backward_ms(b0));

@@ -182,19 +182,30 @@ pub struct LoadOptions {
     /// Store the Linear weights as FP8 E4M3 with per-row scales (`VarBuilder::with_fp8`);
     /// the rest stays in `dtype`, the compute dtype.
     pub fp8: bool,
-    /// The Linears' products in 8 bits (`VarBuilder::with_fp8_products`): their weights load
-    /// as FP8 whatever `fp8` says.
-    pub fp8_products: bool,
+    /// The Linears' products in 8 bits, in this code (`VarBuilder::with_products`: FP8 E4M3
+    /// or int8): their weights load as its codes whatever `fp8` says. `None`: in `dtype`.
+    pub products: Option<crate::backend::fp8::Code8>,
     /// A LoRA file merged into the weights as they load (sampling with a trained LoRA);
     /// every tensor of it must find its layer.
     pub merge: Option<Arc<LoraMerge>>,
 }
 
-/// Why 8-bit products (`LoadOptions::fp8_products`) cannot run for the model at `path` on
-/// `device`, or `None` when they can: they need float or FP8 weights (a GGUF file's packed
-/// blocks are decoded for each product) and, on a GPU, FP8 tensor cores (compute capability
-/// 8.9 or later: Ada, Hopper). The CPU reference computes them on any machine.
+/// Why FP8 products cannot run for the model at `path` on `device` ([`products_refusal`] for
+/// E4M3), or `None` when they can.
 pub fn fp8_products_refusal(path: &Path, device: &Device) -> Option<String> {
+    products_refusal(crate::backend::fp8::Code8::E4m3, path, device)
+}
+
+/// Why 8-bit products in `code` (`LoadOptions::products`) cannot run for the model at `path`
+/// on `device`, or `None` when they can: they need float or FP8 weights (a GGUF file's packed
+/// blocks are decoded for each product) and, on a GPU, tensor cores for the code (FP8:
+/// compute capability 8.9 or later, Ada and Hopper; int8: 7.5 or later, Turing on). The CPU
+/// reference computes them on any machine.
+pub fn products_refusal(
+    code: crate::backend::fp8::Code8,
+    path: &Path,
+    device: &Device,
+) -> Option<String> {
     if path.is_file() && crate::gguf::is_gguf(path) {
         return Some(format!(
             "needs float or FP8 weights, and {} is a GGUF file (its blocks are decoded for \
@@ -206,10 +217,16 @@ pub fn fp8_products_refusal(path: &Path, device: &Device) -> Option<String> {
     #[allow(irrefutable_let_patterns)] // the only variant in builds without cpu-ref
     if let Device::Cuda(d) = device {
         let cc = (d.compute_capability_major(), d.compute_capability_minor());
-        if cc < (8, 9) {
+        let need = code.min_compute_capability();
+        if cc < need {
+            let which = match code {
+                crate::backend::fp8::Code8::E4m3 => "FP8 tensor cores (Ada, Hopper)",
+                crate::backend::fp8::Code8::Int8 => "int8 tensor cores (Turing on)",
+            };
             return Some(format!(
-                "needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); \
-                 cuda:{} is {}.{}",
+                "needs {which}: compute capability {}.{} or later; cuda:{} is {}.{}",
+                need.0,
+                need.1,
                 d.ordinal(),
                 cc.0,
                 cc.1
@@ -230,7 +247,7 @@ impl LoadOptions {
             config: None,
             memory: Plan::default(),
             fp8: false,
-            fp8_products: false,
+            products: None,
             merge: None,
         }
     }
@@ -318,7 +335,7 @@ pub fn load_as<M: ModelSpec>(
     let mut vb = ckpt
         .var_builder(opts.dtype, &opts.device, key_map.clone())?
         .with_fp8(opts.fp8)?
-        .with_fp8_products(opts.fp8_products)?;
+        .with_products(opts.products)?;
     if let Some(a) = &opts.adapters {
         vb = vb.with_adapters(a.clone())?;
     }
@@ -480,7 +497,7 @@ fn profile_with<M: ModelSpec>(
     let config = config.clone();
     let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
         .with_fp8(opts.fp8)?
-        .with_fp8_products(opts.fp8_products)?;
+        .with_products(opts.products)?;
     let ggml_keys = ggml_types.clone();
     if let Some(types) = ggml_types {
         vb = vb.with_ggml_types(types)?;
@@ -491,7 +508,7 @@ fn profile_with<M: ModelSpec>(
     let eight_bit = |key: &str, t: &Tensor, packed: Option<(usize, usize)>| -> bool {
         let fp8 =
             t.dtype() == DType::U32 && !ggml_keys.as_ref().is_some_and(|m| m.contains_key(key));
-        matches!(packed, Some((out, inp)) if opts.fp8_products && fp8 && crate::nn::eight_bit_widths(out, inp))
+        matches!(packed, Some((out, inp)) if opts.products.is_some() && fp8 && crate::nn::eight_bit_widths(out, inp))
     };
     let kept_bytes = |key: &str, t: &Tensor, packed: Option<(usize, usize)>| -> u64 {
         match eight_bit(key, t, packed) {
@@ -672,6 +689,7 @@ fn profile_with<M: ModelSpec>(
         optimizer_bytes: (trainable_values as f64 * run.optimizer_bytes_per_value) as u64,
         fixed_bytes: fixed,
         machine: crate::memory::Machine::REFERENCE,
+        product_code: opts.products.unwrap_or_default(),
     })
 }
 
@@ -690,7 +708,7 @@ fn probe_boxed<M: ModelSpec>(
     let (_, config) = resolve::<M>(path, opts, None)?;
     let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
         .with_fp8(opts.fp8)?
-        .with_fp8_products(opts.fp8_products)?;
+        .with_products(opts.products)?;
     if let Some(a) = &opts.adapters {
         a.use_key_map(M::diffusers_map(&config))?;
         vb = vb.with_adapters(a.clone())?;

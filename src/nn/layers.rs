@@ -190,9 +190,10 @@ fn packed_matmul(
     let eight = fp8_products(packing, packed, x);
     let compute = || -> Result<Vec<Tensor>> {
         let _g = crate::no_grad();
-        if let Some((scale, _)) = eight {
-            let (qx, sx) = x.quant_rows_fp8(None)?;
-            return Ok(vec![crate::fp8_product(
+        if let Some((scale, _, code)) = eight {
+            let (qx, sx) = x.quant_rows8(code, None)?;
+            return Ok(vec![crate::product8(
+                code,
                 &qx,
                 &sx,
                 packed,
@@ -218,18 +219,19 @@ fn packed_matmul(
     Ok((y, replayed && !x.requires_grad()))
 }
 
-/// The per-row scales of an FP8 weight whose products run in 8 bits (`Packing::Fp8` with
-/// `products`), where the activations `x` (rows, width) allow it: a float dtype the
-/// quantization reads (f32, bf16, f16), and a weight (out, in) whose widths FP8 tensor cores
-/// take in both directions (multiples of 16). Otherwise None: the weight is decoded for the
-/// product.
+/// The per-row scales of an 8-bit weight whose products run in 8 bits (`Packing::Fp8` with
+/// `products`), what its backward keeps and its codes' format, where the activations `x`
+/// (rows, width) allow it: a float dtype the quantization reads (f32, bf16, f16), and a
+/// weight (out, in) whose widths the tensor cores take in both directions (multiples of 16).
+/// Otherwise None: the weight is decoded for the product.
 fn fp8_products<'a>(
     packing: &'a Packing,
     packed: &Tensor,
     x: &Tensor,
-) -> Option<(&'a Tensor, &'a super::Fp8Kept)> {
+) -> Option<(&'a Tensor, &'a super::Fp8Kept, crate::backend::fp8::Code8)> {
     let Packing::Fp8 {
         scale,
+        code,
         products: true,
         kept,
     } = packing
@@ -241,11 +243,12 @@ fn fp8_products<'a>(
         x.dtype(),
         crate::DType::F32 | crate::DType::BF16 | crate::DType::F16
     );
-    (float && x.rank() == 2 && eight_bit_widths(out_dim, in_dim)).then_some((scale, kept))
+    (float && x.rank() == 2 && eight_bit_widths(out_dim, in_dim)).then_some((scale, kept, *code))
 }
 
-/// Whether an (out, in) FP8 weight's widths let its products run in 8 bits: FP8 tensor cores
-/// take multiples of 16 in both directions (the forward's and the backward's products).
+/// Whether an (out, in) 8-bit weight's widths let its products run in 8 bits: FP8 and int8
+/// tensor cores take multiples of 16 in both directions (the forward's and the backward's
+/// products).
 pub(crate) fn eight_bit_widths(out: usize, inp: usize) -> bool {
     out % 16 == 0 && inp % 16 == 0
 }
@@ -269,16 +272,17 @@ impl crate::autograd::CustomBackward for PackedMatmul {
         let Some(Some(dy)) = out_grads.first() else {
             return Ok(vec![None]);
         };
-        if let Some((scale, kept)) = fp8_products(&self.packing, &self.packed, dy) {
+        if let Some((scale, kept, code)) = fp8_products(&self.packing, &self.packed, dy) {
             // dx = dy diag(s) Q: the weight's row scales fold into dy's columns before dy
             // is quantized a row at a time; the product runs over the codes transposed
             // (kept from the first backward where the weight stays on the device) with a
             // column scale of ones (made once).
-            let (qg, sg) = dy.quant_rows_fp8(Some(scale))?;
+            let (qg, sg) = dy.quant_rows8(code, Some(scale))?;
             let qt = kept.transposed(&self.packed)?;
             let in_dim = qt.dims()[0];
             let ones = kept.ones(in_dim, dy.device())?;
-            return Ok(vec![Some(crate::fp8_product(
+            return Ok(vec![Some(crate::product8(
+                code,
                 &qg,
                 &sg,
                 &qt,

@@ -9,6 +9,8 @@
 //!   and per-row f32 scales (out), quantized from a float checkpoint at load. With 8-bit
 //!   products (`model.compute = "fp8"`) the weight is never decoded: the activations are
 //!   quantized a token at a time and the GEMM runs on FP8 tensor cores.
+//! - int8 (`backend::int8`, `model.compute = "int8"`): the same packing and scales, codes
+//!   symmetric integers, the products on integer tensor cores (`Packing::Fp8`'s `code`).
 //! - GGML blocks (`backend::ggml`, a `.gguf` checkpoint): the file's blocks as stored,
 //!   packed little end first into (words) u32; rows of whole blocks, in row order.
 
@@ -19,11 +21,13 @@ use std::sync::{Arc, OnceLock};
 /// How a packed weight is stored, and what decoding it needs besides its words.
 #[derive(Clone, Debug)]
 pub enum Packing {
-    /// FP8 E4M3 codes (out, in / 4) u32 with one f32 scale a row.
+    /// 8-bit codes (out, in / 4) u32 with one f32 scale a row: FP8 E4M3, or int8 (`code`).
     Fp8 {
         /// The per-output-channel scales (out).
         scale: Tensor,
-        /// Whether the Linear's products run in 8 bits (`model.compute = "fp8"`, see
+        /// The codes' format.
+        code: crate::backend::fp8::Code8,
+        /// Whether the Linear's products run in 8 bits (`model.compute = "fp8"` or "int8", see
         /// `layers.rs`'s `packed_matmul`) instead of decoding the weight for a GEMM in the
         /// activations' dtype.
         products: bool,
@@ -44,7 +48,7 @@ impl Packing {
     /// The weight (out, in) that `packed` (the words) stands for, decoded into `dtype`.
     pub fn decode(&self, packed: &Tensor, dtype: DType) -> Result<Tensor> {
         match self {
-            Packing::Fp8 { scale, .. } => packed.dequant_fp8(scale, dtype),
+            Packing::Fp8 { scale, code, .. } => packed.dequant8(*code, scale, dtype),
             Packing::Ggml { ty, dims } => packed.dequant_ggml(*ty, dims.0, dims.1, dtype),
         }
     }
@@ -74,7 +78,7 @@ impl Packing {
     /// Its name in messages (`fp8`, `Q4_K`).
     pub fn name(&self) -> &'static str {
         match self {
-            Packing::Fp8 { .. } => "fp8",
+            Packing::Fp8 { code, .. } => code.name(),
             Packing::Ggml { ty, .. } => ty.name(),
         }
     }

@@ -62,8 +62,9 @@ struct Shared {
     host: Option<Arc<dyn HostWeights>>,
     /// Linear weights load as FP8 E4M3 codes with per-row scales (`get_linear_weight`).
     fp8: bool,
-    /// The Linears' products run in 8 bits (`with_fp8_products`; their weights load as FP8).
-    fp8_products: bool,
+    /// The Linears' products run in 8 bits, in this code (`with_products`; their weights load
+    /// as its codes).
+    products: Option<crate::backend::fp8::Code8>,
     /// The GGML types of a GGUF checkpoint's quantized tensors by model key, for a
     /// shapes-only build that sizes them packed (`with_ggml_types`).
     ggml_types: Option<Arc<HashMap<String, GgmlType>>>,
@@ -205,7 +206,7 @@ impl VarBuilder {
                 adapters: None,
                 host: None,
                 fp8: false,
-                fp8_products: false,
+                products: None,
                 ggml_types: None,
                 packed: Mutex::new(BTreeMap::new()),
                 fp8_kept: Mutex::new(BTreeMap::new()),
@@ -264,9 +265,18 @@ impl VarBuilder {
     /// quantizes its activations instead of decoding the weight (`nn::Packing::Fp8`'s
     /// `products`). Set before the builder is shared.
     pub fn with_fp8_products(self, on: bool) -> Result<Self> {
+        self.with_products(on.then_some(crate::backend::fp8::Code8::E4m3))
+    }
+
+    /// The same source with the Linears' products in 8 bits in `code` (`model.compute =
+    /// "fp8"` or "int8"; `None`: in the weights' dtype): their weights load as that code's
+    /// values (int8 codes replace FP8 storage, and an FP8 file's weights are decoded and
+    /// quantized to int8 again), and each product quantizes its activations instead of
+    /// decoding the weight. Set before the builder is shared.
+    pub fn with_products(self, code: Option<crate::backend::fp8::Code8>) -> Result<Self> {
         self.with_shared("8-bit products", |shared| {
             Ok(Shared {
-                fp8_products: on,
+                products: code,
                 ..shared
             })
         })
@@ -498,7 +508,9 @@ impl VarBuilder {
         if let Some(ty) = self.ggml_type_of(&key, out_dim, in_dim) {
             return self.get_ggml_weight(&key, ty, out_dim, in_dim);
         }
-        let stored8 = self.shared.fp8 || self.shared.fp8_products;
+        let stored8 = self.shared.fp8 || self.shared.products.is_some();
+        let products = self.shared.products.is_some();
+        let code = self.shared.products.unwrap_or_default();
         if !stored8 || in_dim % fp8::CODES_PER_WORD != 0 {
             return Ok((self.get((out_dim, in_dim), name)?, None));
         }
@@ -514,7 +526,8 @@ impl VarBuilder {
                 self.same_shape(&key, c, &codes_shape)?,
                 Some(Packing::Fp8 {
                     scale: self.same_shape(&scale_key, sc, &scale_shape)?,
-                    products: self.shared.fp8_products,
+                    code,
+                    products,
                     kept: self.fp8_kept(&key, None)?,
                 }),
             ));
@@ -526,17 +539,27 @@ impl VarBuilder {
             );
             loaded.insert(key, c.clone());
             loaded.insert(scale_key, sc.clone());
-            let products = self.shared.fp8_products;
             return Ok((
                 c,
                 Some(Packing::Fp8 {
                     scale: sc,
+                    code,
                     products,
                     kept: super::Fp8Kept::streamed(),
                 }),
             ));
         }
         if let Some((codes, scales)) = self.stored_fp8(&key, out_dim, in_dim)? {
+            // The file's own FP8 values, as they are for FP8; for int8 decoded and quantized
+            // again (a second rounding).
+            let (codes, scales) = match code {
+                crate::backend::fp8::Code8::E4m3 => (codes, scales),
+                crate::backend::fp8::Code8::Int8 => {
+                    let values = fp8_values(&codes, &scales, in_dim);
+                    fp8::quantize_rows_as(code, &values, out_dim, in_dim)
+                        .map_err(|msg| self.err(&key, format!("int8 quantization: {msg}")))?
+                }
+            };
             let dev = &self.shared.device;
             let (codes, resident) =
                 self.place_resident(&key, Tensor::from_vec(codes, codes_shape, dev)?)?;
@@ -548,7 +571,8 @@ impl VarBuilder {
                 codes,
                 Some(Packing::Fp8 {
                     scale: scales,
-                    products: self.shared.fp8_products,
+                    code,
+                    products,
                     kept,
                 }),
             ));
@@ -565,8 +589,8 @@ impl VarBuilder {
             }
         };
         drop(w);
-        let (codes, scales) = fp8::quantize_rows(&host, out_dim, in_dim)
-            .map_err(|msg| self.err(&key, format!("fp8 quantization: {msg}")))?;
+        let (codes, scales) = fp8::quantize_rows_as(code, &host, out_dim, in_dim)
+            .map_err(|msg| self.err(&key, format!("{} quantization: {msg}", code.name())))?;
         let dev = &self.shared.device;
         let codes = Tensor::from_vec(codes, codes_shape, dev)?;
         let scales = Tensor::from_vec(scales, scale_shape, dev)?;
@@ -579,7 +603,8 @@ impl VarBuilder {
             codes,
             Some(Packing::Fp8 {
                 scale: scales,
-                products: self.shared.fp8_products,
+                code,
+                products,
                 kept,
             }),
         ))
@@ -666,7 +691,7 @@ impl VarBuilder {
         Ok(map
             .entry(key.to_string())
             .or_insert_with(|| match resident {
-                Some(true) if self.shared.fp8_products => super::Fp8Kept::resident(),
+                Some(true) if self.shared.products.is_some() => super::Fp8Kept::resident(),
                 _ => super::Fp8Kept::streamed(),
             })
             .clone())
@@ -1017,4 +1042,19 @@ fn placeholder(dtype: DType, shape: &Shape, device: &Device) -> Result<Tensor> {
 fn drop_leading_ones(dims: &[usize]) -> &[usize] {
     let n = dims.iter().take_while(|&&d| d == 1).count();
     &dims[n..]
+}
+
+/// The values of FP8 codes (rows, cols / 4) with their row scales, row after row: each code's
+/// value times its row's scale, in f32.
+fn fp8_values(codes: &[u32], scales: &[f32], cols: usize) -> Vec<f32> {
+    use crate::backend::fp8::{decode, unpack, CODES_PER_WORD};
+    let words = cols / CODES_PER_WORD;
+    codes
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &w)| {
+            let s = scales[i / words.max(1)];
+            (0..CODES_PER_WORD).map(move |j| decode(unpack(w, j)) * s)
+        })
+        .collect()
 }

@@ -128,6 +128,19 @@ pub enum ModelCompute {
     Bf16,
     /// 8-bit products: FP8 E4M3 weights and activations on FP8 tensor cores.
     Fp8,
+    /// 8-bit products: symmetric int8 weights and activations on integer tensor cores.
+    Int8,
+}
+
+impl ModelCompute {
+    /// The code the frozen Linears' products run in, `None` for the weights' dtype.
+    pub fn code(self) -> Option<crate::backend::fp8::Code8> {
+        match self {
+            ModelCompute::Bf16 => None,
+            ModelCompute::Fp8 => Some(crate::backend::fp8::Code8::E4m3),
+            ModelCompute::Int8 => Some(crate::backend::fp8::Code8::Int8),
+        }
+    }
 }
 
 /// The learning-rate schedule after the warm-up (`schedule.kind`).
@@ -297,10 +310,13 @@ section! {
         /// per-channel scales, computed in bf16).
         dtype: ModelDType = ModelDType::Bf16,
         /// What the frozen Linears compute in: "bf16" (the weights' dtype; FP8 weights are
-        /// decoded for each product) or "fp8" (8-bit products on FP8 tensor cores, Hopper and
+        /// decoded for each product), "fp8" (8-bit products on FP8 tensor cores, Hopper and
         /// Ada: the weights stored as with dtype "fp8", the activations and, in the backward,
-        /// the output gradients quantized to E4M3 a token at a time; adapters and everything
-        /// trained stay in bf16 / f32).
+        /// the output gradients quantized to E4M3 a token at a time) or "int8" (the same on
+        /// integer tensor cores, Turing, Ampere and later: the weights stored as int8 codes
+        /// with a scale an output channel, quantized at load, FP8 files' weights quantized
+        /// again; activations and output gradients quantized to int8 a token at a time);
+        /// adapters and everything trained stay in bf16 / f32.
         compute: ModelCompute = ModelCompute::Bf16,
         /// A diffusers config.json for a single file whose shapes do not pin its config down.
         config: Option<PathBuf> = None,

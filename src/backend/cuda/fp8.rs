@@ -6,17 +6,23 @@
 
 use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
+use crate::backend::fp8::Code8;
 use crate::{DType, Error, Result, Shape};
 use half::{bf16, f16};
 
 /// [codes (rows, words) u32, scale (rows) f32] (dense; `d` = [rows, cols]) -> [w (rows,
 /// cols) in `dtype`].
-pub(crate) fn dequant(dtype: DType, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+pub(crate) fn dequant(
+    code: Code8,
+    dtype: DType,
+    d: &[usize],
+    a: &[&CudaStorage],
+) -> Result<Vec<CudaStorage>> {
     match dtype {
-        DType::F32 => run::<f32>(d, a),
-        DType::F64 => run::<f64>(d, a),
-        DType::BF16 => run::<bf16>(d, a),
-        DType::F16 => run::<f16>(d, a),
+        DType::F32 => run::<f32>(code, d, a),
+        DType::F64 => run::<f64>(code, d, a),
+        DType::BF16 => run::<bf16>(code, d, a),
+        DType::F16 => run::<f16>(code, d, a),
         DType::U32 => Err(Error::UnsupportedDType {
             op: "dequant_fp8",
             dtype,
@@ -24,7 +30,16 @@ pub(crate) fn dequant(dtype: DType, d: &[usize], a: &[&CudaStorage]) -> Result<V
     }
 }
 
-fn run<T: Elem>(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+/// The kernels' name stem for `code` (`dequant_fp8*` / `dequant_i8*`, `quant_rows_fp8*` /
+/// `quant_rows_i8*`).
+fn stem(code: Code8) -> &'static str {
+    match code {
+        Code8::E4m3 => "fp8",
+        Code8::Int8 => "i8",
+    }
+}
+
+fn run<T: Elem>(code: Code8, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
     const OP: &str = "dequant_fp8";
     let (&[rows, cols], &[codes, scale]) = (d, a) else {
         return Err(Error::Cuda(format!(
@@ -59,15 +74,15 @@ fn run<T: Elem>(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
             w.slice.device_ptr(dev.stream()).0
         };
         let x16 = T::DTYPE != DType::F64 && cols % 16 == 0 && c % 16 == 0 && out % 16 == 0;
-        let (kernel, per_row, items) = if x16 {
-            ("dequant_fp8_x16", cols / 16, rows * cols / 16)
+        let (form, per_row, items) = if x16 {
+            ("_x16", cols / 16, rows * cols / 16)
         } else {
-            ("dequant_fp8", words_per_row, words)
+            ("", words_per_row, words)
         };
         launch!(
             dev,
             "fp8",
-            format!("{kernel}_{}", T::SFX),
+            format!("dequant_{}{form}_{}", stem(code), T::SFX),
             grid_for(items, dev.sm_count()),
             &c,
             &s,
@@ -108,7 +123,7 @@ fn quant_block(chunks: usize) -> (u32, u32) {
 /// chunks of four 2-byte values, else element by element; each thread keeps its first chunks
 /// in registers, so a row of up to 4 x 512 chunks is read from memory once. On Hopper the
 /// kernels of the compute_90 build (`fp8_sm90`) encode with the hardware's conversion.
-pub(crate) fn quant_rows(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+pub(crate) fn quant_rows(code: Code8, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
     const OP: &str = "quant_rows_fp8";
     let &[rows, cols] = d else {
         return Err(Error::Cuda(format!("{OP}: {} sizes, expected 2", d.len())));
@@ -174,7 +189,7 @@ pub(crate) fn quant_rows(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStor
                 launch!(
                     dev,
                     module,
-                    format!("quant_rows_fp8_{form}{sfx}_cols"),
+                    format!("quant_rows_{}_{form}{sfx}_cols", stem(code)),
                     cfg,
                     &xp,
                     &cp,
@@ -188,7 +203,7 @@ pub(crate) fn quant_rows(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStor
                 launch!(
                     dev,
                     module,
-                    format!("quant_rows_fp8_{form}{sfx}"),
+                    format!("quant_rows_{}_{form}{sfx}", stem(code)),
                     cfg,
                     &xp,
                     &mut *codes.slice,

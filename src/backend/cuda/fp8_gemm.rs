@@ -13,10 +13,16 @@
 //! descriptor and layouts of each (device, shape, output dtype, scaled or not) are made once
 //! and kept (only the scale vectors' pointers change between calls); the handle and the
 //! workspace are the device's (`lt.rs`).
+//!
+//! Int8 codes (`backend::int8`) take the same layout on integer tensor cores (Turing on): one
+//! cuBLASLt GEMM with i32 sums (`CUBLAS_COMPUTE_32I`, exact), then `scale_outer_i32` applies
+//! both scale vectors as it rounds to the output dtype (cuBLASLt has no outer-vector scales
+//! for int8); `i8_product_naive` where cuBLASLt has no algorithm.
 
 use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
 use super::CudaDevice as Dev;
+use crate::backend::fp8::Code8;
 use crate::{DType, Error, Result, Shape};
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::DevicePtr;
@@ -38,16 +44,17 @@ enum Form {
     Naive,
 }
 
-/// (device ordinal, m, n, k, output dtype) -> the form found for it.
-type Forms = HashMap<(usize, usize, usize, usize, DType), Form>;
+/// (device ordinal, code, m, n, k, output dtype) -> the form found for it.
+type Forms = HashMap<(usize, Code8, usize, usize, usize, DType), Form>;
 
 fn forms() -> &'static Mutex<Forms> {
     static FORMS: OnceLock<Mutex<Forms>> = OnceLock::new();
     FORMS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// (device ordinal, m, n, k, output dtype, with scale vectors) -> its descriptor and layouts.
-type Plans = HashMap<(usize, usize, usize, usize, DType, bool), Arc<Mutex<Plan>>>;
+/// (device ordinal, code, m, n, k, output dtype, with scale vectors) -> its descriptor and
+/// layouts (an int8 plan's output is always i32).
+type Plans = HashMap<(usize, Code8, usize, usize, usize, DType, bool), Arc<Mutex<Plan>>>;
 
 fn plans() -> &'static Mutex<Plans> {
     static PLANS: OnceLock<Mutex<Plans>> = OnceLock::new();
@@ -57,36 +64,40 @@ fn plans() -> &'static Mutex<Plans> {
 /// The kept plan of a product, made on its first call.
 fn plan_for(
     ordinal: usize,
-    m: usize,
-    n: usize,
-    k: usize,
+    code: Code8,
+    [m, n, k]: [usize; 3],
     out: DType,
     scales: bool,
 ) -> Result<Arc<Mutex<Plan>>> {
-    let key = (ordinal, m, n, k, out, scales);
+    let key = (ordinal, code, m, n, k, out, scales);
     let mut map = plans()
         .lock()
         .map_err(|_| Error::Cuda(format!("{OP}: the plan cache was poisoned")))?;
     if let Some(p) = map.get(&key) {
         return Ok(p.clone());
     }
-    let p = Arc::new(Mutex::new(Plan::new(m, n, k, out, scales)?));
+    let p = Arc::new(Mutex::new(Plan::new(code, [m, n, k], out, scales)?));
     map.insert(key, p.clone());
     Ok(p)
 }
 
 /// [a (m, k/4) u32, sa (m) f32, b (n, k/4) u32, sb (n) f32] (dense; `d` = [m, n, k]) -> [y (m,
 /// n) in `dtype`].
-pub(crate) fn product(dtype: DType, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+pub(crate) fn product(
+    code: Code8,
+    dtype: DType,
+    d: &[usize],
+    a: &[&CudaStorage],
+) -> Result<Vec<CudaStorage>> {
     match dtype {
-        DType::F32 => run::<f32>(d, a),
-        DType::BF16 => run::<bf16>(d, a),
-        DType::F16 => run::<f16>(d, a),
+        DType::F32 => run::<f32>(code, d, a),
+        DType::BF16 => run::<bf16>(code, d, a),
+        DType::F16 => run::<f16>(code, d, a),
         _ => Err(Error::UnsupportedDType { op: OP, dtype }),
     }
 }
 
-fn run<T: Elem>(d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
     let (&[m, n, k], &[a, sa, b, sb]) = (d, args) else {
         return Err(Error::Cuda(format!(
             "{OP}: {} sizes and {} operands, expected 3 and 4",
@@ -107,7 +118,7 @@ fn run<T: Elem>(d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> 
         let y = dev.alloc_zeroed::<T>(m * n, "fp8 product")?;
         return Ok(vec![a.wrap(T::wrap(y))]);
     }
-    let key = (dev.ordinal(), m, n, k, T::DTYPE);
+    let key = (dev.ordinal(), code, m, n, k, T::DTYPE);
     let known = forms()
         .lock()
         .map_err(|_| Error::Cuda(format!("{OP}: the form cache was poisoned")))?
@@ -116,7 +127,7 @@ fn run<T: Elem>(d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> 
     let form = match known {
         Some(f) => f,
         None => {
-            let f = find_form::<T>(dev, m, n, k, [a, sa, b, sb])?;
+            let f = find_form::<T>(dev, code, [m, n, k], [a, sa, b, sb])?;
             if let Ok(mut map) = forms().lock() {
                 map.insert(key, f);
             }
@@ -127,17 +138,26 @@ fn run<T: Elem>(d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> 
         Form::Scaled(algo) => {
             let y = dev.alloc::<T>(m * n)?;
             let out = y.slice.device_ptr(dev.stream()).0;
-            gemm(dev, m, n, k, T::DTYPE, [a, sa, b, sb], out, true, &algo)?;
+            gemm(
+                dev,
+                code,
+                [m, n, k],
+                T::DTYPE,
+                [a, sa, b, sb],
+                out,
+                true,
+                &algo,
+            )?;
             y
         }
         Form::ThenScale(algo) => {
+            // f32 sums for E4M3, i32 for int8 (as many bytes: the i32 buffer is held as u32).
             let acc = dev.alloc::<f32>(m * n)?;
             let acc_ptr = acc.slice.device_ptr(dev.stream()).0;
             gemm(
                 dev,
-                m,
-                n,
-                k,
+                code,
+                [m, n, k],
                 DType::F32,
                 [a, sa, b, sb],
                 acc_ptr,
@@ -147,10 +167,14 @@ fn run<T: Elem>(d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> 
             let mut y = dev.alloc::<T>(m * n)?;
             let (pa, pb) = (sa.buf.raw_ptr(dev.stream()), sb.buf.raw_ptr(dev.stream()));
             let total = m * n;
+            let kernel = match code {
+                Code8::E4m3 => "scale_outer",
+                Code8::Int8 => "scale_outer_i32",
+            };
             launch!(
                 dev,
                 "fp8",
-                format!("scale_outer_{}", T::SFX),
+                format!("{kernel}_{}", T::SFX),
                 grid_for(total, dev.sm_count()),
                 &*acc.slice,
                 &pa,
@@ -165,10 +189,14 @@ fn run<T: Elem>(d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> 
             let mut y = dev.alloc::<T>(m * n)?;
             let p = |s: &CudaStorage| s.buf.raw_ptr(dev.stream());
             let (pa, psa, pb, psb) = (p(a), p(sa), p(b), p(sb));
+            let kernel = match code {
+                Code8::E4m3 => "fp8_product_naive",
+                Code8::Int8 => "i8_product_naive",
+            };
             launch!(
                 dev,
                 "fp8",
-                format!("fp8_product_naive_{}", T::SFX),
+                format!("{kernel}_{}", T::SFX),
                 grid_for(m * n, dev.sm_count()),
                 &pa,
                 &psa,
@@ -186,22 +214,23 @@ fn run<T: Elem>(d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> 
 }
 
 /// The form a shape takes on `dev`: cuBLASLt's FP8 GEMM with its scale vectors where it has
-/// an algorithm for them, else unscaled into f32, else the plain kernel.
+/// an algorithm for them, else unscaled into f32 (int8: always into i32), else the plain
+/// kernel.
 fn find_form<T: Elem>(
     dev: &Dev,
-    m: usize,
-    n: usize,
-    k: usize,
+    code: Code8,
+    [m, n, k]: [usize; 3],
     ops: [&CudaStorage; 4],
 ) -> Result<Form> {
     let aligned = ops.iter().all(|s| s.buf.raw_ptr(dev.stream()) % 16 == 0);
-    // FP8 tensor cores: Ada (8.9) and Hopper (9.x) on; k a multiple of 16 (16-byte rows of
-    // codes), the output's rows 16-byte aligned.
+    // Tensor cores for the code (FP8: Ada 8.9 and Hopper on; int8: Turing 7.5 on); k a
+    // multiple of 16 (16-byte rows of codes), the output's rows 16-byte aligned (the f32 or
+    // i32 sums' rows too).
     let cc = (
         dev.compute_capability_major(),
         dev.compute_capability_minor(),
     );
-    let fits = cc >= (8, 9)
+    let fits = cc >= code.min_compute_capability()
         && aligned
         && k % 16 == 0
         && (n * T::DTYPE.size_in_bytes()) % 16 == 0
@@ -211,10 +240,12 @@ fn find_form<T: Elem>(
     }
     let stream = dev.stream();
     let scales = (ops[1].buf.raw_ptr(stream), ops[3].buf.raw_ptr(stream));
-    if let Some(algo) = heuristic(dev, m, n, k, T::DTYPE, Some(scales)) {
-        return Ok(Form::Scaled(algo));
+    if code == Code8::E4m3 {
+        if let Some(algo) = heuristic(dev, code, [m, n, k], T::DTYPE, Some(scales)) {
+            return Ok(Form::Scaled(algo));
+        }
     }
-    if let Some(algo) = heuristic(dev, m, n, k, DType::F32, None) {
+    if let Some(algo) = heuristic(dev, code, [m, n, k], DType::F32, None) {
         return Ok(Form::ThenScale(algo));
     }
     Ok(Form::Naive)
@@ -257,15 +288,25 @@ impl Drop for Plan {
 impl Plan {
     /// y^T (n, m) = op(b)^T-layout (k x n, transposed) times a (k x m), output `out`; with
     /// `scales` the operands' scale vectors are outer vectors (their pointers set by
-    /// [`Plan::set_scales`]).
-    fn new(m: usize, n: usize, k: usize, out: DType, scales: bool) -> Result<Plan> {
+    /// [`Plan::set_scales`]). Int8 codes sum in i32 into an i32 output (`out` unread), with
+    /// i32 alpha and beta (`Lt::matmul_i32`).
+    fn new(code: Code8, [m, n, k]: [usize; 3], out: DType, scales: bool) -> Result<Plan> {
         use sys::cublasLtMatmulDescAttributes_t as Attr;
-        let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
-        let desc = lt::create_matmul_desc(
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cudaDataType::CUDA_R_32F,
-        )
-        .map_err(|e| lt_err("descriptor", e))?;
+        let (operand, compute, scale, out) = match code {
+            Code8::E4m3 => (
+                sys::cudaDataType::CUDA_R_8F_E4M3,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cudaDataType::CUDA_R_32F,
+                data_type(out)?,
+            ),
+            Code8::Int8 => (
+                sys::cudaDataType::CUDA_R_8I,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32I,
+                sys::cudaDataType::CUDA_R_32I,
+                sys::cudaDataType::CUDA_R_32I,
+            ),
+        };
+        let desc = lt::create_matmul_desc(compute, scale).map_err(|e| lt_err("descriptor", e))?;
         let layout = |ty, rows: usize, cols: usize, ld: usize| {
             lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
                 .map_err(|e| lt_err("layout", e))
@@ -277,9 +318,9 @@ impl Plan {
             b: std::ptr::null_mut(),
             d: std::ptr::null_mut(),
         };
-        plan.a = layout(e4m3, k, n, k)?;
-        plan.b = layout(e4m3, k, m, k)?;
-        plan.d = layout(data_type(out)?, n, m, n)?;
+        plan.a = layout(operand, k, n, k)?;
+        plan.b = layout(operand, k, m, k)?;
+        plan.d = layout(out, n, m, n)?;
         let trans_a = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
         let trans_b = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
         // SAFETY: the descriptor is live; each value is the attribute's documented type.
@@ -329,24 +370,22 @@ unsafe fn set<T>(
 /// the next form.
 fn heuristic(
     dev: &Dev,
-    m: usize,
-    n: usize,
-    k: usize,
+    code: Code8,
+    mnk: [usize; 3],
     out: DType,
     scales: Option<(u64, u64)>,
 ) -> Option<sys::cublasLtMatmulAlgo_t> {
-    heuristic_or_err(dev, m, n, k, out, scales).ok()
+    heuristic_or_err(dev, code, mnk, out, scales).ok()
 }
 
 fn heuristic_or_err(
     dev: &Dev,
-    m: usize,
-    n: usize,
-    k: usize,
+    code: Code8,
+    mnk: [usize; 3],
     out: DType,
     scales: Option<(u64, u64)>,
 ) -> Result<sys::cublasLtMatmulAlgo_t> {
-    let plan = Plan::new(m, n, k, out, scales.is_some())?;
+    let plan = Plan::new(code, mnk, out, scales.is_some())?;
     if let Some((sa, sb)) = scales {
         plan.set_scales(sa, sb)?;
     }
@@ -366,16 +405,15 @@ fn heuristic_or_err(
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     dev: &Dev,
-    m: usize,
-    n: usize,
-    k: usize,
+    code: Code8,
+    [m, n, k]: [usize; 3],
     out_dtype: DType,
     [a, sa, b, sb]: [&CudaStorage; 4],
     out: u64,
     scales: bool,
     algo: &sys::cublasLtMatmulAlgo_t,
 ) -> Result<()> {
-    let kept = plan_for(dev.ordinal(), m, n, k, out_dtype, scales)?;
+    let kept = plan_for(dev.ordinal(), code, [m, n, k], out_dtype, scales)?;
     let plan = kept
         .lock()
         .map_err(|_| Error::Cuda(format!("{OP}: a kept plan was poisoned")))?;
@@ -390,15 +428,17 @@ fn gemm(
     // holds n rows of k codes, a m rows, out m x n elements of `out_dtype`); everything is
     // queued on FLAME's one stream.
     let r = unsafe {
-        lt.matmul(
-            plan.desc,
-            [plan.a, plan.b, plan.d],
-            [pb, pa, out],
-            algo,
-            stream,
-        )
+        let (layouts, ptrs) = ([plan.a, plan.b, plan.d], [pb, pa, out]);
+        match code {
+            Code8::E4m3 => lt.matmul(plan.desc, layouts, ptrs, algo, stream),
+            Code8::Int8 => lt.matmul_i32(plan.desc, layouts, ptrs, algo, stream),
+        }
     };
-    span.stop(stream, "gemm", "cublaslt_fp8_gemm");
+    let (name, what) = match code {
+        Code8::E4m3 => ("cublaslt_fp8_gemm", "FP8"),
+        Code8::Int8 => ("cublaslt_i8_gemm", "int8"),
+    };
+    span.stop(stream, "gemm", name);
     drop(plan);
-    r.map_err(|e| lt_err(&format!("FP8 GEMM ({m}, {n}, {k})"), e))
+    r.map_err(|e| lt_err(&format!("{what} GEMM ({m}, {n}, {k})"), e))
 }

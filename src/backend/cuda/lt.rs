@@ -80,13 +80,64 @@ impl Lt {
         algo: &sys::cublasLtMatmulAlgo_t,
         stream: &CudaStream,
     ) -> std::result::Result<(), cudarc::cublaslt::result::CublasError> {
-        let ws = self.workspace.device_ptr(self.workspace.stream()).0;
         let (alpha, beta) = (1f32, 0f32);
+        self.matmul_scaled(
+            desc,
+            [la, lb, ld],
+            [a, b, d],
+            algo,
+            stream,
+            [
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+            ],
+        )
+    }
+
+    /// [`Lt::matmul`] for a descriptor whose scale type is i32 (integer GEMMs): alpha 1 and
+    /// beta 0 as i32.
+    ///
+    /// # Safety
+    /// As [`Lt::matmul`].
+    pub(crate) unsafe fn matmul_i32(
+        &self,
+        desc: sys::cublasLtMatmulDesc_t,
+        layouts: [sys::cublasLtMatrixLayout_t; 3],
+        ptrs: [u64; 3],
+        algo: &sys::cublasLtMatmulAlgo_t,
+        stream: &CudaStream,
+    ) -> std::result::Result<(), cudarc::cublaslt::result::CublasError> {
+        let (alpha, beta) = (1i32, 0i32);
+        self.matmul_scaled(
+            desc,
+            layouts,
+            ptrs,
+            algo,
+            stream,
+            [
+                &alpha as *const i32 as *const c_void,
+                &beta as *const i32 as *const c_void,
+            ],
+        )
+    }
+
+    /// The GEMM with alpha and beta at `scalars` (host pointers of the descriptor's scale
+    /// type).
+    unsafe fn matmul_scaled(
+        &self,
+        desc: sys::cublasLtMatmulDesc_t,
+        [la, lb, ld]: [sys::cublasLtMatrixLayout_t; 3],
+        [a, b, d]: [u64; 3],
+        algo: &sys::cublasLtMatmulAlgo_t,
+        stream: &CudaStream,
+        [alpha, beta]: [*const c_void; 2],
+    ) -> std::result::Result<(), cudarc::cublaslt::result::CublasError> {
+        let ws = self.workspace.device_ptr(self.workspace.stream()).0;
         lt::matmul(
             self.handle,
             desc,
-            &alpha as *const f32 as *const c_void,
-            &beta as *const f32 as *const c_void,
+            alpha,
+            beta,
             a as *const c_void,
             la,
             b as *const c_void,

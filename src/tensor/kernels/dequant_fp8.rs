@@ -3,10 +3,11 @@
 //! On CUDA cuda/fp8.cu's `dequant_fp8_x16_*` (a thread per 16 codes, 16-byte loads and stores)
 //! or `dequant_fp8_*` (a thread per word), launched by `backend::cuda::kit::dequant_fp8`. No
 //! gradient: FP8 weights are frozen. The CPU reference computes the same f32 product, so both
-//! backends give the same bits.
+//! backends give the same bits. Int8 codes (`backend::int8`, the same packing) decode through
+//! the same kernel's int8 forms (`dequant_i8*`).
 
 use crate::autograd::{plain, run_kernel};
-use crate::backend::fp8::CODES_PER_WORD;
+use crate::backend::fp8::{Code8, CODES_PER_WORD};
 use crate::backend::Kernel;
 use crate::{DType, Error, Layout, Result, Tensor};
 
@@ -14,6 +15,8 @@ use crate::{DType, Error, Layout, Result, Tensor};
 pub(crate) struct DequantFp8 {
     /// The float dtype of the output.
     pub(crate) dtype: DType,
+    /// The codes' format.
+    pub(crate) code: Code8,
 }
 
 impl Kernel for DequantFp8 {
@@ -82,7 +85,7 @@ impl Kernel for DequantFp8 {
         };
         let codes = contiguous(codes, args[0].1);
         let scale: Vec<f64> = f64_view(args[1].0, args[1].1);
-        let table: Vec<f32> = (0..=255u8).map(fp8::decode).collect();
+        let table: Vec<f32> = (0..=255u8).map(|c| self.code.decode(c)).collect();
         let words = cols / CODES_PER_WORD;
         let mut out = vec![0f32; rows * cols];
         out.par_chunks_mut(cols.max(1))
@@ -109,7 +112,7 @@ impl Kernel for DequantFp8 {
         dims: &[usize],
         args: &[&crate::backend::cuda::CudaStorage],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        crate::backend::cuda::kit::dequant_fp8(self.dtype, dims, args)
+        crate::backend::cuda::kit::dequant_fp8(self.code, self.dtype, dims, args)
     }
 }
 
@@ -118,7 +121,12 @@ impl Tensor {
     /// u32 and `scale` one f32 per row (`backend::fp8` describes the format). Returns a
     /// fresh (rows, cols) tensor, not recorded (fp8 weights are frozen).
     pub fn dequant_fp8(&self, scale: &Tensor, dtype: DType) -> Result<Tensor> {
-        let mut o = run_kernel(&DequantFp8 { dtype }, &[self, scale])?;
+        self.dequant8(Code8::E4m3, scale, dtype)
+    }
+
+    /// [`Tensor::dequant_fp8`] for codes in `code` (FP8 E4M3 or int8).
+    pub fn dequant8(&self, code: Code8, scale: &Tensor, dtype: DType) -> Result<Tensor> {
+        let mut o = run_kernel(&DequantFp8 { dtype, code }, &[self, scale])?;
         let rows = self.dims().first().copied().unwrap_or(0);
         let cols = self.dims().get(1).copied().unwrap_or(0) * CODES_PER_WORD;
         let w = o

@@ -21,9 +21,14 @@
 //! division and reciprocal, the same rounding to E4M3); the product differs by the order of
 //! f32 additions.
 //! None of these records a gradient: the Linear's own backward calls them.
+//!
+//! Each takes the codes' format (`backend::fp8::Code8`): int8 (`backend::int8`) runs the same
+//! pieces with `s = absmax(v) / 127` and `code = round(v * r)` clamped to +-127, and the
+//! product on integer tensor cores, exact in i32 before the scales
+//! (`backend::cuda::fp8_gemm`).
 
 use crate::autograd::{plain, run_kernel};
-use crate::backend::fp8::CODES_PER_WORD;
+use crate::backend::fp8::{Code8, CODES_PER_WORD};
 use crate::backend::Kernel;
 use crate::{DType, Error, Layout, Result, Shape, Tensor};
 
@@ -83,6 +88,8 @@ fn vector_of(name: &'static str, l: &Layout, len: usize, like: &Layout) -> Resul
 pub(crate) struct QuantRowsFp8 {
     /// Whether a per-column factor is the second operand.
     pub(crate) cols: bool,
+    /// The codes' format.
+    pub(crate) code: Code8,
 }
 
 impl Kernel for QuantRowsFp8 {
@@ -138,7 +145,7 @@ impl Kernel for QuantRowsFp8 {
         use crate::backend::fp8;
         use crate::CpuStorage;
         use rayon::prelude::*;
-        let (rows, cols) = (dims[0], dims[1]);
+        let (rows, cols, code) = (dims[0], dims[1], self.code);
         // Every value of f32, bf16 and f16 is exact in f64 and back in f32.
         let x: Vec<f32> = f64_view(args[0].0, args[0].1)
             .into_iter()
@@ -162,14 +169,13 @@ impl Kernel for QuantRowsFp8 {
                     Some(col) => row[i] * col[i],
                     None => row[i],
                 };
-                let absmax = (0..cols).fold(0f32, |m, i| m.max(v(i).abs()));
-                *s = fp8::row_scale(absmax);
+                *s = code.row_scale(code.absmax((0..cols).map(v)));
                 // One reciprocal a row, rounded once (cuda/fp8.cu: `__frcp_rn`), then a
                 // product an element (`__fmul_rn`).
                 let r = 1.0 / *s;
                 for (w, word) in c.iter_mut().enumerate() {
                     let base = w * CODES_PER_WORD;
-                    *word = fp8::pack((0..CODES_PER_WORD).map(|j| fp8::encode(v(base + j) * r)));
+                    *word = fp8::pack((0..CODES_PER_WORD).map(|j| code.encode(v(base + j) * r)));
                 }
             });
         Ok(vec![CpuStorage::U32(codes), CpuStorage::F32(scales)])
@@ -181,7 +187,7 @@ impl Kernel for QuantRowsFp8 {
         dims: &[usize],
         args: &[&crate::backend::cuda::CudaStorage],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        crate::backend::cuda::kit::quant_rows_fp8(dims, args)
+        crate::backend::cuda::kit::quant_rows_fp8(self.code, dims, args)
     }
 }
 
@@ -249,6 +255,8 @@ impl Kernel for TransposeFp8 {
 pub(crate) struct Fp8Product {
     /// The output's float dtype (not f64).
     pub(crate) dtype: DType,
+    /// The codes' format (both operands').
+    pub(crate) code: Code8,
 }
 
 impl Kernel for Fp8Product {
@@ -291,12 +299,12 @@ impl Kernel for Fp8Product {
         args: &[(&crate::CpuStorage, &Layout)],
     ) -> Result<Vec<crate::CpuStorage>> {
         use crate::backend::cpu::{contiguous, f64_view};
-        use crate::backend::fp8::{decode, unpack};
+        use crate::backend::fp8::unpack;
         use crate::backend::MatmulDims;
         use crate::CpuStorage;
         use rayon::prelude::*;
         let (m, n, k) = (dims[0], dims[1], dims[2]);
-        let table: Vec<f32> = (0..=255u8).map(decode).collect();
+        let table: Vec<f32> = (0..=255u8).map(|c| self.code.decode(c)).collect();
         let values = |s: &CpuStorage, l: &Layout| -> Result<Vec<f32>> {
             let CpuStorage::U32(w) = s else {
                 return Err(Error::UnsupportedDType {
@@ -346,7 +354,7 @@ impl Kernel for Fp8Product {
         dims: &[usize],
         args: &[&crate::backend::cuda::CudaStorage],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
-        crate::backend::cuda::kit::fp8_product(self.dtype, dims, args)
+        crate::backend::cuda::kit::fp8_product(self.code, self.dtype, dims, args)
     }
 }
 
@@ -357,8 +365,16 @@ impl Tensor {
     /// once: `v = x * col`, `s = absmax(v) / 448` (1 for a zero or non-finite maximum),
     /// `code = e4m3(v * (1 / s))`. Not recorded.
     pub fn quant_rows_fp8(&self, col: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        self.quant_rows8(Code8::E4m3, col)
+    }
+
+    /// [`Tensor::quant_rows_fp8`] into `code`: for int8, `s = absmax(v) / 127` (1 for a zero
+    /// row, NaN for a row holding a NaN or an infinity) and `code = round(v * (1 / s))`, ties
+    /// to even, clamped to +-127 (`backend::int8`). Not recorded.
+    pub fn quant_rows8(&self, code: Code8, col: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
         let kernel = QuantRowsFp8 {
             cols: col.is_some(),
+            code,
         };
         let args: Vec<&Tensor> = std::iter::once(self).chain(col).collect();
         let mut o = run_kernel(&kernel, &args)?;
@@ -398,7 +414,20 @@ pub fn fp8_product(
     sb: &Tensor,
     dtype: DType,
 ) -> Result<Tensor> {
-    let mut o = run_kernel(&Fp8Product { dtype }, &[a, sa, b, sb])?;
+    product8(Code8::E4m3, a, sa, b, sb, dtype)
+}
+
+/// [`fp8_product`] over codes in `code` (FP8 E4M3 or int8): for int8 the sum is exact in
+/// i32 on the GPU (f32 on the CPU reference), then scaled. Not recorded.
+pub fn product8(
+    code: Code8,
+    a: &Tensor,
+    sa: &Tensor,
+    b: &Tensor,
+    sb: &Tensor,
+    dtype: DType,
+) -> Result<Tensor> {
+    let mut o = run_kernel(&Fp8Product { dtype, code }, &[a, sa, b, sb])?;
     let (m, n) = (a.dims()[0], b.dims()[0]);
     let y = o
         .pop()

@@ -30,7 +30,7 @@ mod softmax;
 mod swiglu;
 
 pub use attention::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
-pub use fp8_products::fp8_product;
+pub use fp8_products::{fp8_product, product8};
 
 use crate::autograd::FusedKernel;
 

@@ -3,7 +3,7 @@ use crate::dist::{GradReducer, ProcessGroup, BUCKET_BYTES};
 use crate::models::{DiffusionModel, Family, LoadOptions};
 use crate::nn::{Adapters, KeyMap};
 use crate::optim::build_groups;
-use crate::train::config::{AdapterFormat, ModelCompute, ModelDType, TrainConfig};
+use crate::train::config::{AdapterFormat, ModelDType, TrainConfig};
 use crate::train::data::{check_batch_size, Dataset, Samples};
 use crate::train::ema::{Ema, EmaSchedule};
 use crate::train::images::{self, ImageSamples};
@@ -373,8 +373,8 @@ fn load_options(config: &TrainConfig, device: &Device) -> Result<LoadOptions> {
         }
         None => None,
     };
-    if m.compute == ModelCompute::Fp8 {
-        check_fp8_products(config, device)?;
+    if let Some(code) = m.compute.code() {
+        check_products(config, code, device)?;
     }
     Ok(LoadOptions {
         dtype: m.dtype.compute_dtype(),
@@ -382,19 +382,26 @@ fn load_options(config: &TrainConfig, device: &Device) -> Result<LoadOptions> {
         adapters: None,
         config: json,
         fp8: m.dtype == ModelDType::Fp8,
-        fp8_products: m.compute == ModelCompute::Fp8,
+        products: m.compute.code(),
         memory: crate::memory::Plan::default(),
         merge: None,
     })
 }
 
-/// `model.compute = "fp8"` where the base and the device can run 8-bit products
-/// (`models::fp8_products_refusal`).
-fn check_fp8_products(config: &TrainConfig, device: &Device) -> Result<()> {
-    match crate::models::fp8_products_refusal(&config.model.path, device) {
+/// `model.compute = "fp8"` or "int8" where the base and the device can run those products
+/// (`models::products_refusal`).
+fn check_products(
+    config: &TrainConfig,
+    code: crate::backend::fp8::Code8,
+    device: &Device,
+) -> Result<()> {
+    match crate::models::products_refusal(code, &config.model.path, device) {
         Some(why) => Err(Error::Config {
             path: None,
-            msg: format!("model.compute = \"fp8\" {why}; use compute = \"bf16\""),
+            msg: format!(
+                "model.compute = \"{}\" {why}; use compute = \"bf16\"",
+                code.name()
+            ),
         }),
         None => Ok(()),
     }

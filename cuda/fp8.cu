@@ -395,24 +395,32 @@ extern "C" __global__ void transpose_fp8(const uint32_t* in, uint32_t* out, size
   }
 }
 
-// scale_outer: acc (m, n) f32 -> y (m, n) T = acc * a (m) * b (n), in f32 and rounded once: an
-// 8-bit product whose GEMM ran without its own scales (scalar-scaled cuBLASLt), scaled after.
+// scale_outer: acc (m, n) f32 -> y (m, n) T = acc * a (m) * b (n) [+ bias (n) T], in f32 and
+// rounded once: an 8-bit product whose GEMM ran without its own scales (scalar-scaled cuBLASLt),
+// scaled after, with the Linear's frozen bias where one is given (null: none).
 // scale_outer_i32_*: the same from an int8 GEMM's exact i32 sums (converted to f32, rounded once).
 __device__ __forceinline__ float acc_f32(float v) { return v; }
 __device__ __forceinline__ float acc_f32(int v) { return __int2float_rn(v); }
 
 template <typename A, typename T>
-__device__ __forceinline__ void scale_outer(const A* acc, const float* a, const float* b, T* y, size_t n,
-                                            size_t total) {
+__device__ __forceinline__ T scaled_out(A acc, float a, float b, const T* bias, size_t c) {
+  float v = __fmul_rn(__fmul_rn(acc_f32(acc), a), b);
+  if (bias != nullptr) v = __fadd_rn(v, to_acc(bias[c]));
+  return from_acc<T>(v);
+}
+
+template <typename A, typename T>
+__device__ __forceinline__ void scale_outer(const A* acc, const float* a, const float* b, const T* bias, T* y,
+                                            size_t n, size_t total) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
     const size_t r = i / n, c = i % n;
-    y[i] = from_acc<T>(__fmul_rn(__fmul_rn(acc_f32(acc[i]), a[r]), b[c]));
+    y[i] = scaled_out<A, T>(acc[i], a[r], b[c], bias, c);
   }
 }
 #define SCALE_OUTER(NAME, A, SUF, T)                                                                         \
-  extern "C" __global__ void NAME##_##SUF(const A* acc, const float* a, const float* b, T* y, size_t n,     \
-                                          size_t total) {                                                    \
-    scale_outer<A, T>(acc, a, b, y, n, total);                                                               \
+  extern "C" __global__ void NAME##_##SUF(const A* acc, const float* a, const float* b, const T* bias, T* y, \
+                                          size_t n, size_t total) {                                          \
+    scale_outer<A, T>(acc, a, b, bias, y, n, total);                                                         \
   }
 SCALE_OUTER(scale_outer, float, f32, float)
 SCALE_OUTER(scale_outer, float, bf16, __nv_bfloat16)
@@ -421,13 +429,54 @@ SCALE_OUTER(scale_outer_i32, int, f32, float)
 SCALE_OUTER(scale_outer_i32, int, bf16, __nv_bfloat16)
 SCALE_OUTER(scale_outer_i32, int, f16, __half)
 
+// scale_outer_v4*: the same values four columns a thread (n % 4 == 0, acc 16-byte aligned, y and
+// bias aligned to four of their elements; the launcher checks): one 16-byte load of the sums,
+// one store of four outputs, no division; blockIdx.x over column groups, rows from blockIdx.y
+// in a grid-stride loop.
+template <typename T> struct Out4;
+template <> struct Out4<float> { typedef float4 type; };
+template <> struct Out4<__nv_bfloat16> { typedef uint2 type; };
+template <> struct Out4<__half> { typedef uint2 type; };
+
+template <typename A, typename T>
+__device__ __forceinline__ void scale_outer_v4(const A* acc, const float* a, const float* b, const T* bias, T* y,
+                                               size_t m, size_t n) {
+  const size_t c = 4 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+  if (c >= n) return;
+  const float4 sb = *reinterpret_cast<const float4*>(b + c);
+  for (size_t r = blockIdx.y; r < m; r += gridDim.y) {
+    const float sa = a[r];
+    alignas(16) A in[4];
+    *reinterpret_cast<uint4*>(in) = *reinterpret_cast<const uint4*>(acc + r * n + c);
+    alignas(16) T out[4];
+    out[0] = scaled_out<A, T>(in[0], sa, sb.x, bias, c);
+    out[1] = scaled_out<A, T>(in[1], sa, sb.y, bias, c + 1);
+    out[2] = scaled_out<A, T>(in[2], sa, sb.z, bias, c + 2);
+    out[3] = scaled_out<A, T>(in[3], sa, sb.w, bias, c + 3);
+    typedef typename Out4<T>::type V;
+    *reinterpret_cast<V*>(y + r * n + c) = *reinterpret_cast<const V*>(out);
+  }
+}
+#define SCALE_OUTER_V4(NAME, A, SUF, T)                                                                      \
+  extern "C" __global__ void NAME##_v4_##SUF(const A* acc, const float* a, const float* b, const T* bias,    \
+                                             T* y, size_t m, size_t n) {                                     \
+    scale_outer_v4<A, T>(acc, a, b, bias, y, m, n);                                                          \
+  }
+SCALE_OUTER_V4(scale_outer, float, f32, float)
+SCALE_OUTER_V4(scale_outer, float, bf16, __nv_bfloat16)
+SCALE_OUTER_V4(scale_outer, float, f16, __half)
+SCALE_OUTER_V4(scale_outer_i32, int, f32, float)
+SCALE_OUTER_V4(scale_outer_i32, int, bf16, __nv_bfloat16)
+SCALE_OUTER_V4(scale_outer_i32, int, f16, __half)
+
 // fp8_product_naive: y (m, n) T = sa[i] * sb[j] * sum_k decode(a[i, k]) * decode(b[j, k]), a thread
 // an output: the product for shapes and GPUs that cuBLASLt's FP8 GEMM does not take (tests, odd
 // widths). words = k / 4.
 // i8_product_naive_*: the same over int8 codes, the sum exact in i32 (as the int8 GEMM's).
 template <typename T, int C>
 __device__ __forceinline__ void fp8_product_naive(const uint32_t* a, const float* sa, const uint32_t* b,
-                                                  const float* sb, T* y, size_t m, size_t n, size_t words) {
+                                                  const float* sb, const T* bias, T* y, size_t m, size_t n,
+                                                  size_t words) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < m * n; i += (size_t)gridDim.x * blockDim.x) {
     const size_t r = i / n, c = i % n;
     float acc = 0.0f;
@@ -442,13 +491,14 @@ __device__ __forceinline__ void fp8_product_naive(const uint32_t* a, const float
       }
     }
     if constexpr (C == CODE_INT8) acc = __int2float_rn(iacc);
-    y[i] = from_acc<T>(__fmul_rn(__fmul_rn(acc, sa[r]), sb[c]));
+    y[i] = scaled_out<float, T>(acc, sa[r], sb[c], bias, c);
   }
 }
 #define FP8_PRODUCT_NAIVE(NAME, C, SUF, T)                                                                   \
   extern "C" __global__ void NAME##_##SUF(const uint32_t* a, const float* sa, const uint32_t* b,            \
-                                          const float* sb, T* y, size_t m, size_t n, size_t words) {         \
-    fp8_product_naive<T, C>(a, sa, b, sb, y, m, n, words);                                                   \
+                                          const float* sb, const T* bias, T* y, size_t m, size_t n,          \
+                                          size_t words) {                                                    \
+    fp8_product_naive<T, C>(a, sa, b, sb, bias, y, m, n, words);                                             \
   }
 FP8_PRODUCT_NAIVE(fp8_product_naive, CODE_E4M3, f32, float)
 FP8_PRODUCT_NAIVE(fp8_product_naive, CODE_E4M3, bf16, __nv_bfloat16)

@@ -1,10 +1,10 @@
-//! How far 8-bit products (`model.compute = "fp8"`) land from bf16 ones at Flux-dev's Linear
-//! shapes. For each frozen Linear of a block, the relative error (the Frobenius norm of the
-//! difference over that of the bf16 product) of the forward `y = x W^T` and of the backward's
-//! input gradient `dx = dy W`, computed as the Linear computes them: x and dy quantized to FP8
-//! E4M3 a token at a time (`Tensor::quant_rows_fp8`), W an output channel at a time, the
-//! weight's row scales folded into dy's columns in the backward, the codes multiplied with one
-//! rounding (`flame::fp8_product`). The bf16 product takes the same bf16 operands and sums in
+//! How far 8-bit products (`model.compute = "fp8"` and "int8") land from bf16 ones at
+//! Flux-dev's Linear shapes. For each frozen Linear of a block, the relative error (the
+//! Frobenius norm of the difference over that of the bf16 product) of the forward `y = x W^T`
+//! and of the backward's input gradient `dx = dy W`, computed as the Linear computes them: x
+//! and dy quantized to FP8 E4M3 or int8 a token at a time (`Tensor::quant_rows8`), W an
+//! output channel at a time, the weight's row scales folded into dy's columns in the
+//! backward, the codes multiplied with one rounding (`flame::product8`). The bf16 product takes the same bf16 operands and sums in
 //! f32 (a tensor core's bf16 GEMM); its own distance from the f32 product is printed beside it
 //! for scale.
 //!
@@ -18,10 +18,11 @@
 
 use anyhow::Context;
 use argh::FromArgs;
+use flame::backend::fp8::Code8;
 use flame::{DType, Device, Tensor};
 
 #[derive(FromArgs)]
-/// Relative error of FP8 products against bf16 ones at Flux-dev's Linear shapes.
+/// Relative error of FP8 and int8 products against bf16 ones at Flux-dev's Linear shapes.
 struct Args {
     /// tokens (rows of the activations)
     #[argh(option, default = "512")]
@@ -73,9 +74,10 @@ fn spread(
     x.mul(&s)
 }
 
-/// The forward's and the backward's relative errors of the 8-bit products against the bf16
-/// ones, and the bf16 ones' against f32, for a Linear `inp` -> `out` over `tokens` rows.
-fn layer(inp: usize, out: usize, a: &Args, dev: &Device, seed: u64) -> flame::Result<[f64; 4]> {
+/// The forward's and the backward's relative errors of the FP8 and the int8 products against
+/// the bf16 ones, and the bf16 ones' against f32, for a Linear `inp` -> `out` over `tokens`
+/// rows.
+fn layer(inp: usize, out: usize, a: &Args, dev: &Device, seed: u64) -> flame::Result<[f64; 6]> {
     let _g = flame::no_grad();
     let w = Tensor::randn_normal(
         0.0,
@@ -94,21 +96,20 @@ fn layer(inp: usize, out: usize, a: &Args, dev: &Device, seed: u64) -> flame::Re
     let y16 = xb.matmul(&wb.t()?)?;
     let dx32 = dy.matmul(&w)?;
     let dx16 = dyb.matmul(&wb)?;
-    // The 8-bit forward: x and W quantized a row at a time.
-    let (qx, sx) = xb.to_dtype(DType::BF16)?.quant_rows_fp8(None)?;
-    let (qw, sw) = wb.to_dtype(DType::BF16)?.quant_rows_fp8(None)?;
-    let y8 = flame::fp8_product(&qx, &sx, &qw, &sw, DType::F32)?;
-    // The 8-bit backward: W's row scales folded into dy's columns, dy quantized a row at a
-    // time, multiplied by the codes transposed.
-    let (qg, sg) = dyb.to_dtype(DType::BF16)?.quant_rows_fp8(Some(&sw))?;
     let ones = Tensor::ones(inp, DType::F32, dev)?;
-    let dx8 = flame::fp8_product(&qg, &sg, &qw.transpose_fp8()?, &ones, DType::F32)?;
-    Ok([
-        rel(&y8, &y16)?,
-        rel(&dx8, &dx16)?,
-        rel(&y16, &y32)?,
-        rel(&dx16, &dx32)?,
-    ])
+    let eight = |code: Code8| -> flame::Result<[f64; 2]> {
+        // The 8-bit forward: x and W quantized a row at a time.
+        let (qx, sx) = xb.to_dtype(DType::BF16)?.quant_rows8(code, None)?;
+        let (qw, sw) = wb.to_dtype(DType::BF16)?.quant_rows8(code, None)?;
+        let y8 = flame::product8(code, &qx, &sx, &qw, &sw, DType::F32)?;
+        // The 8-bit backward: W's row scales folded into dy's columns, dy quantized a row at
+        // a time, multiplied by the codes transposed.
+        let (qg, sg) = dyb.to_dtype(DType::BF16)?.quant_rows8(code, Some(&sw))?;
+        let dx8 = flame::product8(code, &qg, &sg, &qw.transpose_fp8()?, &ones, DType::F32)?;
+        Ok([rel(&y8, &y16)?, rel(&dx8, &dx16)?])
+    };
+    let (f, i) = (eight(Code8::E4m3)?, eight(Code8::Int8)?);
+    Ok([f[0], f[1], i[0], i[1], rel(&y16, &y32)?, rel(&dx16, &dx32)?])
 }
 
 fn main() -> anyhow::Result<()> {
@@ -124,18 +125,21 @@ fn main() -> anyhow::Result<()> {
         ("single linear2", 15360, 3072),
     ];
     println!(
-        "{} tokens, {} outlier channels, {}: relative error of the 8-bit product against the \
+        "{} tokens, {} outlier channels, {}: relative error of the 8-bit products against the \
          bf16 one (the bf16 one against f32 beside it)",
         a.tokens, a.outliers, a.device
     );
-    println!("layer | in | out | forward | backward (dx) | bf16 forward | bf16 backward");
-    println!("---|---|---|---|---|---|---");
+    println!(
+        "layer | in | out | FP8 forward | FP8 backward (dx) | int8 forward | int8 backward (dx) \
+         | bf16 forward | bf16 backward"
+    );
+    println!("---|---|---|---|---|---|---|---|---");
     for (i, (name, inp, out)) in shapes.into_iter().enumerate() {
         let e = layer(inp, out, &a, &dev, a.seed + 10 * i as u64)
             .with_context(|| format!("{name} ({inp} -> {out})"))?;
         println!(
-            "{name} | {inp} | {out} | {:.2e} | {:.2e} | {:.2e} | {:.2e}",
-            e[0], e[1], e[2], e[3]
+            "{name} | {inp} | {out} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e}",
+            e[0], e[1], e[2], e[3], e[4], e[5]
         );
     }
     Ok(())

@@ -88,6 +88,15 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
+/// Equal as bits, or both NaN (a NaN's payload is the arithmetic's, not the format's).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn same_values(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+}
+
 #[test]
 fn int8_row_quantization_is_its_definition() {
     let (rows, cols) = (7, 20);
@@ -196,6 +205,32 @@ fn int8_product_is_the_integer_sum_times_the_scales() {
         .map(|(i, &c)| c as f32 * asc[i / k])
         .collect();
     assert_eq!(f32s(&w), want);
+    // A bias is added to every row before the one rounding.
+    let bias: Vec<f32> = lcg(n, 6, 1.0);
+    let bt = Tensor::from_vec(bias.clone(), n, &CPU).unwrap();
+    let plain = f32s(
+        &product8(
+            I8,
+            &t(ac.clone(), m),
+            &s(asc.clone()),
+            &t(bc.clone(), n),
+            &s(bsc.clone()),
+            DType::F32,
+        )
+        .unwrap(),
+    );
+    let with = f32s(
+        &flame::product8_bias(
+            I8,
+            [&t(ac, m), &s(asc), &t(bc, n), &s(bsc)],
+            Some(&bt),
+            DType::F32,
+        )
+        .unwrap(),
+    );
+    for (i, (w, p)) in with.iter().zip(&plain).enumerate() {
+        assert_eq!(*w, p + bias[i % n], "element {i}");
+    }
 }
 
 /// A Linear built from `w` (out, in) + bias with a rank-2 LoRA, its weight stored as int8 codes
@@ -464,7 +499,7 @@ mod gpu {
                 assert_eq!(c.0, g.0, "({rows}, {cols}) {dt} codes");
                 assert!(same_bits(&c.3, &g.3), "({rows}, {cols}) {dt} scales, cols");
                 assert_eq!(c.2, g.2, "({rows}, {cols}) {dt} codes, columns");
-                assert!(same_bits(&c.4, &g.4), "({rows}, {cols}) {dt} decode");
+                assert!(same_values(&c.4, &g.4), "({rows}, {cols}) {dt} decode");
             }
         }
         for (m, n, k) in [
@@ -500,6 +535,53 @@ mod gpu {
                 let e = rel(&gpu.2[i], &cpu.2[i]);
                 println!("({m}, {n}, {k}) product {i}: relative {e:.2e}");
                 assert!(e <= tol, "({m}, {n}, {k}) product {i}: relative {e}");
+            }
+        }
+    }
+
+    /// A bias added in the product's pass, both codes, against the CPU: FP8 in cuBLASLt's
+    /// epilogue (a 16-byte aligned bias) or its scaling pass (a bias at an odd offset), int8 in
+    /// its scaling pass (four columns a thread, or one), the plain kernels at odd sizes.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_products_with_a_bias_equal_cpu() {
+        let Some(dev) = cuda() else { return };
+        for code in [Code8::E4m3, I8] {
+            for (m, n, k) in [(7, 12, 20), (33, 40, 48), (77, 128, 96), (300, 3072, 3072)] {
+                let a = lcg(m * k, m as u64, 3.0);
+                let b = lcg(n * k, n as u64 + 1, 0.2);
+                let bias = lcg(n + 1, 9, 1.0);
+                for dt in [DType::F32, DType::BF16] {
+                    let mut outs = vec![];
+                    for d in [CPU, dev.clone()] {
+                        let at = Tensor::from_vec(a.clone(), (m, k), &d).unwrap();
+                        let bt = Tensor::from_vec(b.clone(), (n, k), &d).unwrap();
+                        let whole = Tensor::from_vec(bias.clone(), n + 1, &d)
+                            .unwrap()
+                            .to_dtype(dt)
+                            .unwrap();
+                        let (ac, asc) = at.quant_rows8(code, None).unwrap();
+                        let (bc, bsc) = bt.quant_rows8(code, None).unwrap();
+                        let ops = [&ac, &asc, &bc, &bsc];
+                        let mut ys = vec![];
+                        for off in [0, 1] {
+                            let bv = whole.narrow(0, off, n).unwrap();
+                            let y = flame::product8_bias(code, ops, Some(&bv), dt).unwrap();
+                            ys.push(f32s(&y));
+                        }
+                        outs.push(ys);
+                    }
+                    for off in 0..2 {
+                        let e = rel(&outs[1][off], &outs[0][off]);
+                        println!("{code:?} ({m}, {n}, {k}) {dt} bias at {off}: relative {e:.2e}");
+                        let tol = match (code, dt) {
+                            (Code8::E4m3, _) => 1e-2,
+                            (_, DType::F32) => 1e-5,
+                            _ => 8e-3,
+                        };
+                        assert!(e <= tol, "{code:?} ({m}, {n}, {k}) {dt} {off}: {e}");
+                    }
+                }
             }
         }
     }

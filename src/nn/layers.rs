@@ -102,14 +102,23 @@ impl Linear {
         // conditioning vector, `BlockStreamer::set_host_products`): the product comes from
         // the host (or a re-run's log), the bias is added after.
         let host = self.packing.is_none() && hooked_computes(&self.weight, &x)?;
-        let early_bias =
-            early_bias.filter(|b| !host && self.packing.is_none() && b.dtype() == x.dtype());
-        let (y, unread) = match &self.packing {
-            Some(p) => packed_matmul(&x, &self.weight, p, out_dim, keep)?,
-            None if host => (host_matmul(&x, &self.weight, keep)?, false),
-            None => x.linear_product(&self.weight.t()?, early_bias, keep)?,
+        let early_bias = early_bias.filter(|b| !host && b.dtype() == x.dtype());
+        let (y, unread, bias_done) = match &self.packing {
+            // An 8-bit product adds a frozen bias where it scales its sums.
+            Some(p) => packed_matmul(
+                &x,
+                &self.weight,
+                p,
+                out_dim,
+                early_bias.filter(|b| !b.requires_grad()),
+                keep,
+            )?,
+            None if host => (host_matmul(&x, &self.weight, keep)?, false, false),
+            None => {
+                let (y, unread) = x.linear_product(&self.weight.t()?, early_bias, keep)?;
+                (y, unread, early_bias.is_some())
+            }
         };
-        let bias_done = early_bias.is_some();
         // Whether the adapter read the frozen weight (DoRA's norms do).
         let read = Cell::new(false);
         let y = match &self.adapter {
@@ -179,25 +188,27 @@ fn one_output(y: Vec<Tensor>, x: &Tensor, out: usize, what: &str) -> Result<Tens
 /// dropped after it. The backward (dx = dy W) decodes it again, so the tape keeps only the
 /// packed words (a frozen weight gets no gradient). With `keep`, a checkpoint may keep the
 /// output (see `Tensor::linear_product`); its re-run then neither decodes nor multiplies.
-/// Also returns whether the weight went unread (as `linear_product`).
+/// With 8-bit products, `bias` (frozen, in x's dtype) is added in the product's own pass.
+/// Also returns whether the weight went unread (as `linear_product`) and whether the bias
+/// was added.
 fn packed_matmul(
     x: &Tensor,
     packed: &Tensor,
     packing: &Packing,
     out_dim: usize,
+    bias: Option<&Tensor>,
     keep: &[KeptKind],
-) -> Result<(Tensor, bool)> {
+) -> Result<(Tensor, bool, bool)> {
     let eight = fp8_products(packing, packed, x);
+    let bias = bias.filter(|_| eight.is_some());
     let compute = || -> Result<Vec<Tensor>> {
         let _g = crate::no_grad();
         if let Some((scale, _, code)) = eight {
             let (qx, sx) = x.quant_rows8(code, None)?;
-            return Ok(vec![crate::product8(
+            return Ok(vec![crate::product8_bias(
                 code,
-                &qx,
-                &sx,
-                packed,
-                scale,
+                [&qx, &sx, packed, scale],
+                bias,
                 x.dtype(),
             )?]);
         }
@@ -216,7 +227,7 @@ fn packed_matmul(
         .pop()
         .ok_or_else(|| Error::Autograd("packed matmul: no output".into()))?;
     // From the log, and no backward recorded: the packed words were not read.
-    Ok((y, replayed && !x.requires_grad()))
+    Ok((y, replayed && !x.requires_grad(), bias.is_some()))
 }
 
 /// The per-row scales of an 8-bit weight whose products run in 8 bits (`Packing::Fp8` with

@@ -7,7 +7,9 @@ pub(crate) mod multi;
 mod ops;
 mod view;
 
-pub use kernels::{fp8_product, product8, scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
+pub use kernels::{
+    fp8_product, product8, product8_bias, scaled_dot_product_attention, CPU_COMPOSITE_SCORES,
+};
 pub use multi::sum_sq_multi;
 
 use crate::autograd::{self, Op};

@@ -44,17 +44,18 @@ enum Form {
     Naive,
 }
 
-/// (device ordinal, code, m, n, k, output dtype) -> the form found for it.
-type Forms = HashMap<(usize, Code8, usize, usize, usize, DType), Form>;
+/// (device ordinal, code, m, n, k, output dtype, with a bias (16-byte aligned or not)) -> the
+/// form found for it.
+type Forms = HashMap<(usize, Code8, usize, usize, usize, DType, Option<bool>), Form>;
 
 fn forms() -> &'static Mutex<Forms> {
     static FORMS: OnceLock<Mutex<Forms>> = OnceLock::new();
     FORMS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// (device ordinal, code, m, n, k, output dtype, with scale vectors) -> its descriptor and
-/// layouts (an int8 plan's output is always i32).
-type Plans = HashMap<(usize, Code8, usize, usize, usize, DType, bool), Arc<Mutex<Plan>>>;
+/// (device ordinal, code, m, n, k, output dtype, (with scale vectors, with a bias)) -> its
+/// descriptor and layouts (an int8 plan's output is always i32).
+type Plans = HashMap<(usize, Code8, usize, usize, usize, DType, (bool, bool)), Arc<Mutex<Plan>>>;
 
 fn plans() -> &'static Mutex<Plans> {
     static PLANS: OnceLock<Mutex<Plans>> = OnceLock::new();
@@ -67,22 +68,23 @@ fn plan_for(
     code: Code8,
     [m, n, k]: [usize; 3],
     out: DType,
-    scales: bool,
+    epilogue: (bool, bool),
 ) -> Result<Arc<Mutex<Plan>>> {
-    let key = (ordinal, code, m, n, k, out, scales);
+    let key = (ordinal, code, m, n, k, out, epilogue);
     let mut map = plans()
         .lock()
         .map_err(|_| Error::Cuda(format!("{OP}: the plan cache was poisoned")))?;
     if let Some(p) = map.get(&key) {
         return Ok(p.clone());
     }
-    let p = Arc::new(Mutex::new(Plan::new(code, [m, n, k], out, scales)?));
+    let p = Arc::new(Mutex::new(Plan::new(code, [m, n, k], out, epilogue)?));
     map.insert(key, p.clone());
     Ok(p)
 }
 
-/// [a (m, k/4) u32, sa (m) f32, b (n, k/4) u32, sb (n) f32] (dense; `d` = [m, n, k]) -> [y (m,
-/// n) in `dtype`].
+/// [a (m, k/4) u32, sa (m) f32, b (n, k/4) u32, sb (n) f32, optional bias (n) in `dtype`]
+/// (dense; `d` = [m, n, k]) -> [y (m, n) in `dtype`]. The scaled FP8 GEMM adds the bias in
+/// cuBLASLt's epilogue, the other forms where they apply the scales.
 pub(crate) fn product(
     code: Code8,
     dtype: DType,
@@ -98,13 +100,22 @@ pub(crate) fn product(
 }
 
 fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
-    let (&[m, n, k], &[a, sa, b, sb]) = (d, args) else {
+    let (&[m, n, k], [a, sa, b, sb, rest @ ..]) = (d, args) else {
         return Err(Error::Cuda(format!(
-            "{OP}: {} sizes and {} operands, expected 3 and 4",
+            "{OP}: {} sizes and {} operands, expected 3 and 4 or 5",
             d.len(),
             args.len()
         )));
     };
+    let (a, sa, b, sb) = (*a, *sa, *b, *sb);
+    let bias = rest.first().copied();
+    if rest.len() > 1 || bias.is_some_and(|t| t.buf.len() < n) {
+        return Err(Error::invalid(
+            OP,
+            "a bias of another length, or operands past the fifth".to_string(),
+            &Shape::from((m, n)),
+        ));
+    }
     let words = k / crate::backend::fp8::CODES_PER_WORD;
     if a.buf.len() < m * words || b.buf.len() < n * words || sa.buf.len() < m || sb.buf.len() < n {
         return Err(Error::invalid(
@@ -114,11 +125,18 @@ fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<C
         ));
     }
     let dev = &a.dev;
-    if m * n == 0 || k == 0 {
+    if m * n == 0 || (k == 0 && bias.is_none()) {
         let y = dev.alloc_zeroed::<T>(m * n, "fp8 product")?;
         return Ok(vec![a.wrap(T::wrap(y))]);
     }
-    let key = (dev.ordinal(), code, m, n, k, T::DTYPE);
+    if k == 0 {
+        // No products: zero sums, scaled, and the bias.
+        let acc = dev.alloc_zeroed::<f32>(m * n, "fp8 product")?;
+        let y = scale_outer::<T>(dev, code, &acc, [sa, sb], bias, [m, n])?;
+        return Ok(vec![a.wrap(T::wrap(y))]);
+    }
+    let aligned_bias = bias.map(|t| t.buf.raw_ptr(dev.stream()) % 16 == 0);
+    let key = (dev.ordinal(), code, m, n, k, T::DTYPE, aligned_bias);
     let known = forms()
         .lock()
         .map_err(|_| Error::Cuda(format!("{OP}: the form cache was poisoned")))?
@@ -127,7 +145,7 @@ fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<C
     let form = match known {
         Some(f) => f,
         None => {
-            let f = find_form::<T>(dev, code, [m, n, k], [a, sa, b, sb])?;
+            let f = find_form::<T>(dev, code, [m, n, k], [a, sa, b, sb], bias)?;
             if let Ok(mut map) = forms().lock() {
                 map.insert(key, f);
             }
@@ -138,20 +156,16 @@ fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<C
         Form::Scaled(algo) => {
             let y = dev.alloc::<T>(m * n)?;
             let out = y.slice.device_ptr(dev.stream()).0;
-            gemm(
-                dev,
-                code,
-                [m, n, k],
-                T::DTYPE,
-                [a, sa, b, sb],
-                out,
-                true,
-                &algo,
-            )?;
+            let stream = dev.stream();
+            let epilogue = Epilogue::Scaled {
+                scales: (sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream)),
+                bias: bias.map(|t| t.buf.raw_ptr(stream)),
+            };
+            gemm(dev, code, [m, n, k], T::DTYPE, [a, b], out, epilogue, &algo)?;
             y
         }
         Form::ThenScale(algo) => {
-            // f32 sums for E4M3, i32 for int8 (as many bytes: the i32 buffer is held as u32).
+            // f32 sums for E4M3, i32 for int8 (as many bytes: the i32 buffer is held as f32).
             let acc = dev.alloc::<f32>(m * n)?;
             let acc_ptr = acc.slice.device_ptr(dev.stream()).0;
             gemm(
@@ -159,36 +173,18 @@ fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<C
                 code,
                 [m, n, k],
                 DType::F32,
-                [a, sa, b, sb],
+                [a, b],
                 acc_ptr,
-                false,
+                Epilogue::None,
                 &algo,
             )?;
-            let mut y = dev.alloc::<T>(m * n)?;
-            let (pa, pb) = (sa.buf.raw_ptr(dev.stream()), sb.buf.raw_ptr(dev.stream()));
-            let total = m * n;
-            let kernel = match code {
-                Code8::E4m3 => "scale_outer",
-                Code8::Int8 => "scale_outer_i32",
-            };
-            launch!(
-                dev,
-                "fp8",
-                format!("{kernel}_{}", T::SFX),
-                grid_for(total, dev.sm_count()),
-                &*acc.slice,
-                &pa,
-                &pb,
-                &mut *y.slice,
-                &n,
-                &total
-            )?;
-            y
+            scale_outer::<T>(dev, code, &acc, [sa, sb], bias, [m, n])?
         }
         Form::Naive => {
             let mut y = dev.alloc::<T>(m * n)?;
             let p = |s: &CudaStorage| s.buf.raw_ptr(dev.stream());
             let (pa, psa, pb, psb) = (p(a), p(sa), p(b), p(sb));
+            let pbias = bias.map_or(0u64, p);
             let kernel = match code {
                 Code8::E4m3 => "fp8_product_naive",
                 Code8::Int8 => "i8_product_naive",
@@ -202,6 +198,7 @@ fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<C
                 &psa,
                 &pb,
                 &psb,
+                &pbias,
                 &mut *y.slice,
                 &m,
                 &n,
@@ -213,6 +210,92 @@ fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<C
     Ok(vec![a.wrap(T::wrap(y))])
 }
 
+/// y (m, n) = acc * sa (m) * sb (n) [+ bias (n)] in f32, rounded once to T: `acc` the GEMM's
+/// f32 sums for E4M3, its i32 sums (as many bytes, held as f32) for int8. Four columns a
+/// thread with one 16-byte load where the widths and buffers allow (`scale_outer*_v4`), else
+/// an element a thread.
+fn scale_outer<T: Elem>(
+    dev: &Dev,
+    code: Code8,
+    acc: &super::memory::DevBuf<f32>,
+    [sa, sb]: [&CudaStorage; 2],
+    bias: Option<&CudaStorage>,
+    [m, n]: [usize; 2],
+) -> Result<super::memory::DevBuf<T>> {
+    let mut y = dev.alloc::<T>(m * n)?;
+    let stream = dev.stream();
+    let (pa, pb) = (sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream));
+    let pbias = bias.map_or(0u64, |t| t.buf.raw_ptr(stream));
+    let pacc = acc.slice.device_ptr(stream).0;
+    let py = y.slice.device_ptr(stream).0;
+    let kernel = match code {
+        Code8::E4m3 => "scale_outer",
+        Code8::Int8 => "scale_outer_i32",
+    };
+    let four = (4 * T::DTYPE.size_in_bytes()) as u64;
+    let v4 = n % 4 == 0 && pacc % 16 == 0 && pb % 16 == 0 && py % four == 0 && pbias % four == 0;
+    if v4 {
+        const THREADS: u32 = 256;
+        let groups = (n / 4).div_ceil(THREADS as usize);
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (groups as u32, m.min(65_535) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            dev,
+            "fp8",
+            format!("{kernel}_v4_{}", T::SFX),
+            cfg,
+            &pacc,
+            &pa,
+            &pb,
+            &pbias,
+            &mut *y.slice,
+            &m,
+            &n
+        )?;
+    } else {
+        let total = m * n;
+        launch!(
+            dev,
+            "fp8",
+            format!("{kernel}_{}", T::SFX),
+            grid_for(total, dev.sm_count()),
+            &pacc,
+            &pa,
+            &pb,
+            &pbias,
+            &mut *y.slice,
+            &n,
+            &total
+        )?;
+    }
+    Ok(y)
+}
+
+/// What a product's GEMM does besides the sums: nothing (they go out unscaled), or the scale
+/// vectors (device pointers to sa and sb) and, where given, the bias (a device pointer to n
+/// values of the output's dtype) in cuBLASLt's epilogue.
+#[derive(Clone, Copy)]
+enum Epilogue {
+    None,
+    Scaled {
+        scales: (u64, u64),
+        bias: Option<u64>,
+    },
+}
+
+impl Epilogue {
+    /// (with scale vectors, with a bias): what a plan is made for.
+    fn key(self) -> (bool, bool) {
+        match self {
+            Epilogue::None => (false, false),
+            Epilogue::Scaled { bias, .. } => (true, bias.is_some()),
+        }
+    }
+}
+
 /// The form a shape takes on `dev`: cuBLASLt's FP8 GEMM with its scale vectors where it has
 /// an algorithm for them, else unscaled into f32 (int8: always into i32), else the plain
 /// kernel.
@@ -221,6 +304,7 @@ fn find_form<T: Elem>(
     code: Code8,
     [m, n, k]: [usize; 3],
     ops: [&CudaStorage; 4],
+    bias: Option<&CudaStorage>,
 ) -> Result<Form> {
     let aligned = ops.iter().all(|s| s.buf.raw_ptr(dev.stream()) % 16 == 0);
     // Tensor cores for the code (FP8: Ada 8.9 and Hopper on; int8: Turing 7.5 on); k a
@@ -239,13 +323,16 @@ fn find_form<T: Elem>(
         return Ok(Form::Naive);
     }
     let stream = dev.stream();
-    let scales = (ops[1].buf.raw_ptr(stream), ops[3].buf.raw_ptr(stream));
-    if code == Code8::E4m3 {
-        if let Some(algo) = heuristic(dev, code, [m, n, k], T::DTYPE, Some(scales)) {
+    let scaled = Epilogue::Scaled {
+        scales: (ops[1].buf.raw_ptr(stream), ops[3].buf.raw_ptr(stream)),
+        bias: bias.map(|t| t.buf.raw_ptr(stream)),
+    };
+    if code == Code8::E4m3 && bias.is_none_or(|t| t.buf.raw_ptr(stream) % 16 == 0) {
+        if let Some(algo) = heuristic(dev, code, [m, n, k], T::DTYPE, scaled) {
             return Ok(Form::Scaled(algo));
         }
     }
-    if let Some(algo) = heuristic(dev, code, [m, n, k], DType::F32, None) {
+    if let Some(algo) = heuristic(dev, code, [m, n, k], DType::F32, Epilogue::None) {
         return Ok(Form::ThenScale(algo));
     }
     Ok(Form::Naive)
@@ -290,7 +377,12 @@ impl Plan {
     /// `scales` the operands' scale vectors are outer vectors (their pointers set by
     /// [`Plan::set_scales`]). Int8 codes sum in i32 into an i32 output (`out` unread), with
     /// i32 alpha and beta (`Lt::matmul_i32`).
-    fn new(code: Code8, [m, n, k]: [usize; 3], out: DType, scales: bool) -> Result<Plan> {
+    fn new(
+        code: Code8,
+        [m, n, k]: [usize; 3],
+        out: DType,
+        (scales, bias): (bool, bool),
+    ) -> Result<Plan> {
         use sys::cublasLtMatmulDescAttributes_t as Attr;
         let (operand, compute, scale, out) = match code {
             Code8::E4m3 => (
@@ -333,8 +425,29 @@ impl Plan {
                 set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode)?;
                 set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode)?;
             }
+            if bias {
+                // A bias of the output's dtype, one value per row of cuBLASLt's D (n, m):
+                // per column of y.
+                let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+                set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+            }
         }
         Ok(plan)
+    }
+
+    /// The pointers of `epilogue` (the scale vectors, the bias).
+    fn set_epilogue(&self, epilogue: Epilogue) -> Result<()> {
+        use sys::cublasLtMatmulDescAttributes_t as Attr;
+        if let Epilogue::Scaled { scales, bias } = epilogue {
+            self.set_scales(scales.0, scales.1)?;
+            if let Some(bias) = bias {
+                let p = bias as *const c_void;
+                // SAFETY: the descriptor is live; the value is a device pointer to n values
+                // of the output's dtype that outlive the GEMM (the caller's operand).
+                unsafe { set(self.desc, Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p)? };
+            }
+        }
+        Ok(())
     }
 
     /// The scale vectors: cuBLASLt's A is `b` (its scales `sb`, one per output column of y),
@@ -364,8 +477,8 @@ unsafe fn set<T>(
     super::lt::set_desc(OP, desc, attr, v)
 }
 
-/// cuBLASLt's fastest algorithm for the product (with the scale vectors at `scales`, (sa,
-/// sb), when given), or None where it has none: the library answers an unsupported
+/// cuBLASLt's fastest algorithm for the product with `epilogue` (the scale vectors and a
+/// bias, with their pointers), or None where it has none: the library answers an unsupported
 /// combination with NOT_SUPPORTED or, for some scale modes, INVALID_VALUE, and either means
 /// the next form.
 fn heuristic(
@@ -373,9 +486,9 @@ fn heuristic(
     code: Code8,
     mnk: [usize; 3],
     out: DType,
-    scales: Option<(u64, u64)>,
+    epilogue: Epilogue,
 ) -> Option<sys::cublasLtMatmulAlgo_t> {
-    heuristic_or_err(dev, code, mnk, out, scales).ok()
+    heuristic_or_err(dev, code, mnk, out, epilogue).ok()
 }
 
 fn heuristic_or_err(
@@ -383,12 +496,10 @@ fn heuristic_or_err(
     code: Code8,
     mnk: [usize; 3],
     out: DType,
-    scales: Option<(u64, u64)>,
+    epilogue: Epilogue,
 ) -> Result<sys::cublasLtMatmulAlgo_t> {
-    let plan = Plan::new(code, mnk, out, scales.is_some())?;
-    if let Some((sa, sb)) = scales {
-        plan.set_scales(sa, sb)?;
-    }
+    let plan = Plan::new(code, mnk, out, epilogue.key())?;
+    plan.set_epilogue(epilogue)?;
     let lt = dev.lt()?;
     super::lt::fastest(
         OP,
@@ -400,27 +511,25 @@ fn heuristic_or_err(
     .ok_or_else(|| lt_err("heuristic", "no algorithm"))
 }
 
-/// One GEMM into `out` (m x n of `out_dtype`, row-major), with the scale vectors when
-/// `scales`.
+/// One GEMM of the codes `a` and `b` into `out` (m x n of `out_dtype`, row-major), with
+/// `epilogue`.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     dev: &Dev,
     code: Code8,
     [m, n, k]: [usize; 3],
     out_dtype: DType,
-    [a, sa, b, sb]: [&CudaStorage; 4],
+    [a, b]: [&CudaStorage; 2],
     out: u64,
-    scales: bool,
+    epilogue: Epilogue,
     algo: &sys::cublasLtMatmulAlgo_t,
 ) -> Result<()> {
-    let kept = plan_for(dev.ordinal(), code, [m, n, k], out_dtype, scales)?;
+    let kept = plan_for(dev.ordinal(), code, [m, n, k], out_dtype, epilogue.key())?;
     let plan = kept
         .lock()
         .map_err(|_| Error::Cuda(format!("{OP}: a kept plan was poisoned")))?;
     let stream = dev.stream();
-    if scales {
-        plan.set_scales(sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream))?;
-    }
+    plan.set_epilogue(epilogue)?;
     let lt = dev.lt()?;
     let (pa, pb) = (a.buf.raw_ptr(stream), b.buf.raw_ptr(stream));
     let span = crate::backend::profile::Span::start(stream);

@@ -251,12 +251,15 @@ impl Kernel for TransposeFp8 {
     }
 }
 
-/// [a (m, k / 4) u32, sa (m) f32, b (n, k / 4) u32, sb (n) f32] -> [y (m, n) in `dtype`].
+/// [a (m, k / 4) u32, sa (m) f32, b (n, k / 4) u32, sb (n) f32, optional bias (n) in `dtype`]
+/// -> [y (m, n) in `dtype`].
 pub(crate) struct Fp8Product {
     /// The output's float dtype (not f64).
     pub(crate) dtype: DType,
     /// The codes' format (both operands').
     pub(crate) code: Code8,
+    /// Whether a bias (n) is the fifth operand, added before the output's rounding.
+    pub(crate) bias: bool,
 }
 
 impl Kernel for Fp8Product {
@@ -266,11 +269,11 @@ impl Kernel for Fp8Product {
 
     /// Returns [m, n, k].
     fn check(&self, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
-        let args = operands(
-            PRODUCT,
-            args,
-            &[DType::U32, DType::F32, DType::U32, DType::F32],
-        )?;
+        let mut want = vec![DType::U32, DType::F32, DType::U32, DType::F32];
+        if self.bias {
+            want.push(self.dtype);
+        }
+        let args = operands(PRODUCT, args, &want)?;
         if !matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16) {
             return Err(Error::UnsupportedDType {
                 op: PRODUCT,
@@ -288,10 +291,14 @@ impl Kernel for Fp8Product {
         }
         vector_of(PRODUCT, args[1].1, m, a)?;
         vector_of(PRODUCT, args[3].1, n, b)?;
+        if self.bias {
+            vector_of(PRODUCT, args[4].1, n, b)?;
+        }
         Ok(vec![m, n, ka * CODES_PER_WORD])
     }
 
-    /// The codes decoded exactly into f32, one f32 GEMM, then `(acc * sa) * sb` rounded once.
+    /// The codes decoded exactly into f32, one f32 GEMM, then `(acc * sa) * sb (+ bias)` in
+    /// f32, rounded once.
     #[cfg(feature = "cpu-ref")]
     fn cpu(
         &self,
@@ -321,6 +328,7 @@ impl Kernel for Fp8Product {
         let (a, b) = (values(args[0].0, args[0].1)?, values(args[2].0, args[2].1)?);
         let sa: Vec<f64> = f64_view(args[1].0, args[1].1);
         let sb: Vec<f64> = f64_view(args[3].0, args[3].1);
+        let bias: Option<Vec<f64>> = self.bias.then(|| f64_view(args[4].0, args[4].1));
         // a (1, m, k) @ b^T (1, k, n), b^T as b's strides swapped.
         let acc = crate::backend::cpu::matmul(
             &CpuStorage::F32(a),
@@ -339,8 +347,11 @@ impl Kernel for Fp8Product {
         acc.par_chunks_mut(n.max(1))
             .zip(sa.par_iter())
             .for_each(|(row, &a)| {
-                for (v, &b) in row.iter_mut().zip(&sb) {
+                for (j, (v, &b)) in row.iter_mut().zip(&sb).enumerate() {
                     *v = *v * a as f32 * b as f32;
+                    if let Some(bias) = &bias {
+                        *v += bias[j] as f32;
+                    }
                 }
             });
         Ok(vec![crate::backend::cpu::f32_values_as(
@@ -417,6 +428,28 @@ pub fn fp8_product(
     product8(Code8::E4m3, a, sa, b, sb, dtype)
 }
 
+/// [`product8`] with `bias` (n, in `dtype`) added to every row before the output's rounding
+/// (the Linear's frozen bias, in the product's own pass). Not recorded.
+pub fn product8_bias(
+    code: Code8,
+    [a, sa, b, sb]: [&Tensor; 4],
+    bias: Option<&Tensor>,
+    dtype: DType,
+) -> Result<Tensor> {
+    let kernel = Fp8Product {
+        dtype,
+        code,
+        bias: bias.is_some(),
+    };
+    let args: Vec<&Tensor> = [a, sa, b, sb].into_iter().chain(bias).collect();
+    let mut o = run_kernel(&kernel, &args)?;
+    let (m, n) = (a.dims()[0], b.dims()[0]);
+    let y = o
+        .pop()
+        .ok_or_else(|| Error::invalid(PRODUCT, "no output".to_string(), a.shape()))?;
+    Ok(plain(y, (m, n), a))
+}
+
 /// [`fp8_product`] over codes in `code` (FP8 E4M3 or int8): for int8 the sum is exact in
 /// i32 on the GPU (f32 on the CPU reference), then scaled. Not recorded.
 pub fn product8(
@@ -427,10 +460,5 @@ pub fn product8(
     sb: &Tensor,
     dtype: DType,
 ) -> Result<Tensor> {
-    let mut o = run_kernel(&Fp8Product { dtype, code }, &[a, sa, b, sb])?;
-    let (m, n) = (a.dims()[0], b.dims()[0]);
-    let y = o
-        .pop()
-        .ok_or_else(|| Error::invalid(PRODUCT, "no output".to_string(), a.shape()))?;
-    Ok(plain(y, (m, n), a))
+    product8_bias(code, [a, sa, b, sb], None, dtype)
 }

@@ -30,7 +30,7 @@ mod softmax;
 mod swiglu;
 
 pub use attention::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
-pub use fp8_products::{fp8_product, product8};
+pub use fp8_products::{fp8_product, product8, product8_bias};
 
 use crate::autograd::FusedKernel;
 

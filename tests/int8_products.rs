@@ -539,9 +539,9 @@ mod gpu {
         }
     }
 
-    /// A bias added in the product's pass, both codes, against the CPU: FP8 in cuBLASLt's
-    /// epilogue (a 16-byte aligned bias) or its scaling pass (a bias at an odd offset), int8 in
-    /// its scaling pass (four columns a thread, or one), the plain kernels at odd sizes.
+    /// A bias added in the product's pass, both codes, against the CPU: where the unscaled
+    /// GEMM's sums are scaled (four columns a thread with an aligned bias, one with a bias at
+    /// an odd offset), the plain kernels at odd sizes.
     #[test]
     #[ignore = "needs a GPU"]
     fn cuda_products_with_a_bias_equal_cpu() {

@@ -104,13 +104,14 @@ impl Linear {
         let host = self.packing.is_none() && hooked_computes(&self.weight, &x)?;
         let early_bias = early_bias.filter(|b| !host && b.dtype() == x.dtype());
         let (y, unread, bias_done) = match &self.packing {
-            // An 8-bit product adds a frozen bias where it scales its sums.
+            // An int8 product adds a frozen bias where it scales its sums (the scaled FP8
+            // GEMM scales its own and leaves the bias to an add after).
             Some(p) => packed_matmul(
                 &x,
                 &self.weight,
                 p,
                 out_dim,
-                early_bias.filter(|b| !b.requires_grad()),
+                early_bias.filter(|b| !b.requires_grad() && p.fuses_bias()),
                 keep,
             )?,
             None if host => (host_matmul(&x, &self.weight, keep)?, false, false),

@@ -75,6 +75,19 @@ impl Packing {
         }
     }
 
+    /// Whether its 8-bit products add a frozen bias in their own pass (int8's scale the sums in
+    /// a pass of their own, which adds the bias too; the scaled FP8 GEMM does not).
+    pub fn fuses_bias(&self) -> bool {
+        matches!(
+            self,
+            Packing::Fp8 {
+                code: crate::backend::fp8::Code8::Int8,
+                products: true,
+                ..
+            }
+        )
+    }
+
     /// Its name in messages (`fp8`, `Q4_K`).
     pub fn name(&self) -> &'static str {
         match self {

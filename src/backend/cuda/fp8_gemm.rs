@@ -44,18 +44,17 @@ enum Form {
     Naive,
 }
 
-/// (device ordinal, code, m, n, k, output dtype, with a bias (16-byte aligned or not)) -> the
-/// form found for it.
-type Forms = HashMap<(usize, Code8, usize, usize, usize, DType, Option<bool>), Form>;
+/// (device ordinal, code, m, n, k, output dtype, with a bias) -> the form found for it.
+type Forms = HashMap<(usize, Code8, usize, usize, usize, DType, bool), Form>;
 
 fn forms() -> &'static Mutex<Forms> {
     static FORMS: OnceLock<Mutex<Forms>> = OnceLock::new();
     FORMS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// (device ordinal, code, m, n, k, output dtype, (with scale vectors, with a bias)) -> its
-/// descriptor and layouts (an int8 plan's output is always i32).
-type Plans = HashMap<(usize, Code8, usize, usize, usize, DType, (bool, bool)), Arc<Mutex<Plan>>>;
+/// (device ordinal, code, m, n, k, output dtype, with scale vectors) -> its descriptor and
+/// layouts (an int8 plan's output is always i32).
+type Plans = HashMap<(usize, Code8, usize, usize, usize, DType, bool), Arc<Mutex<Plan>>>;
 
 fn plans() -> &'static Mutex<Plans> {
     static PLANS: OnceLock<Mutex<Plans>> = OnceLock::new();
@@ -68,7 +67,7 @@ fn plan_for(
     code: Code8,
     [m, n, k]: [usize; 3],
     out: DType,
-    epilogue: (bool, bool),
+    epilogue: bool,
 ) -> Result<Arc<Mutex<Plan>>> {
     let key = (ordinal, code, m, n, k, out, epilogue);
     let mut map = plans()
@@ -83,8 +82,10 @@ fn plan_for(
 }
 
 /// [a (m, k/4) u32, sa (m) f32, b (n, k/4) u32, sb (n) f32, optional bias (n) in `dtype`]
-/// (dense; `d` = [m, n, k]) -> [y (m, n) in `dtype`]. The scaled FP8 GEMM adds the bias in
-/// cuBLASLt's epilogue, the other forms where they apply the scales.
+/// (dense; `d` = [m, n, k]) -> [y (m, n) in `dtype`]. The bias is added where the scales are
+/// applied (`scale_outer`, the plain kernels): with a bias the FP8 product takes the
+/// unscaled GEMM's form (cuBLASLt's bias epilogue beside the outer-vector scales gave wrong
+/// values on an H200, CUDA 13.0).
 pub(crate) fn product(
     code: Code8,
     dtype: DType,
@@ -135,8 +136,7 @@ fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<C
         let y = scale_outer::<T>(dev, code, &acc, [sa, sb], bias, [m, n])?;
         return Ok(vec![a.wrap(T::wrap(y))]);
     }
-    let aligned_bias = bias.map(|t| t.buf.raw_ptr(dev.stream()) % 16 == 0);
-    let key = (dev.ordinal(), code, m, n, k, T::DTYPE, aligned_bias);
+    let key = (dev.ordinal(), code, m, n, k, T::DTYPE, bias.is_some());
     let known = forms()
         .lock()
         .map_err(|_| Error::Cuda(format!("{OP}: the form cache was poisoned")))?
@@ -157,10 +157,7 @@ fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<C
             let y = dev.alloc::<T>(m * n)?;
             let out = y.slice.device_ptr(dev.stream()).0;
             let stream = dev.stream();
-            let epilogue = Epilogue::Scaled {
-                scales: (sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream)),
-                bias: bias.map(|t| t.buf.raw_ptr(stream)),
-            };
+            let epilogue = Epilogue::Scaled(sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream));
             gemm(dev, code, [m, n, k], T::DTYPE, [a, b], out, epilogue, &algo)?;
             y
         }
@@ -275,24 +272,17 @@ fn scale_outer<T: Elem>(
 }
 
 /// What a product's GEMM does besides the sums: nothing (they go out unscaled), or the scale
-/// vectors (device pointers to sa and sb) and, where given, the bias (a device pointer to n
-/// values of the output's dtype) in cuBLASLt's epilogue.
+/// vectors (device pointers to sa and sb).
 #[derive(Clone, Copy)]
 enum Epilogue {
     None,
-    Scaled {
-        scales: (u64, u64),
-        bias: Option<u64>,
-    },
+    Scaled(u64, u64),
 }
 
 impl Epilogue {
-    /// (with scale vectors, with a bias): what a plan is made for.
-    fn key(self) -> (bool, bool) {
-        match self {
-            Epilogue::None => (false, false),
-            Epilogue::Scaled { bias, .. } => (true, bias.is_some()),
-        }
+    /// Whether the plan takes scale vectors.
+    fn key(self) -> bool {
+        matches!(self, Epilogue::Scaled(..))
     }
 }
 
@@ -323,11 +313,8 @@ fn find_form<T: Elem>(
         return Ok(Form::Naive);
     }
     let stream = dev.stream();
-    let scaled = Epilogue::Scaled {
-        scales: (ops[1].buf.raw_ptr(stream), ops[3].buf.raw_ptr(stream)),
-        bias: bias.map(|t| t.buf.raw_ptr(stream)),
-    };
-    if code == Code8::E4m3 && bias.is_none_or(|t| t.buf.raw_ptr(stream) % 16 == 0) {
+    let scaled = Epilogue::Scaled(ops[1].buf.raw_ptr(stream), ops[3].buf.raw_ptr(stream));
+    if code == Code8::E4m3 && bias.is_none() {
         if let Some(algo) = heuristic(dev, code, [m, n, k], T::DTYPE, scaled) {
             return Ok(Form::Scaled(algo));
         }
@@ -377,12 +364,7 @@ impl Plan {
     /// `scales` the operands' scale vectors are outer vectors (their pointers set by
     /// [`Plan::set_scales`]). Int8 codes sum in i32 into an i32 output (`out` unread), with
     /// i32 alpha and beta (`Lt::matmul_i32`).
-    fn new(
-        code: Code8,
-        [m, n, k]: [usize; 3],
-        out: DType,
-        (scales, bias): (bool, bool),
-    ) -> Result<Plan> {
+    fn new(code: Code8, [m, n, k]: [usize; 3], out: DType, scales: bool) -> Result<Plan> {
         use sys::cublasLtMatmulDescAttributes_t as Attr;
         let (operand, compute, scale, out) = match code {
             Code8::E4m3 => (
@@ -425,27 +407,14 @@ impl Plan {
                 set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode)?;
                 set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode)?;
             }
-            if bias {
-                // A bias of the output's dtype, one value per row of cuBLASLt's D (n, m):
-                // per column of y.
-                let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-                set(plan.desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-            }
         }
         Ok(plan)
     }
 
-    /// The pointers of `epilogue` (the scale vectors, the bias).
+    /// The pointers of `epilogue` (the scale vectors).
     fn set_epilogue(&self, epilogue: Epilogue) -> Result<()> {
-        use sys::cublasLtMatmulDescAttributes_t as Attr;
-        if let Epilogue::Scaled { scales, bias } = epilogue {
-            self.set_scales(scales.0, scales.1)?;
-            if let Some(bias) = bias {
-                let p = bias as *const c_void;
-                // SAFETY: the descriptor is live; the value is a device pointer to n values
-                // of the output's dtype that outlive the GEMM (the caller's operand).
-                unsafe { set(self.desc, Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p)? };
-            }
+        if let Epilogue::Scaled(sa, sb) = epilogue {
+            self.set_scales(sa, sb)?;
         }
         Ok(())
     }
@@ -477,8 +446,8 @@ unsafe fn set<T>(
     super::lt::set_desc(OP, desc, attr, v)
 }
 
-/// cuBLASLt's fastest algorithm for the product with `epilogue` (the scale vectors and a
-/// bias, with their pointers), or None where it has none: the library answers an unsupported
+/// cuBLASLt's fastest algorithm for the product with `epilogue` (the scale vectors, with
+/// their pointers), or None where it has none: the library answers an unsupported
 /// combination with NOT_SUPPORTED or, for some scale modes, INVALID_VALUE, and either means
 /// the next form.
 fn heuristic(

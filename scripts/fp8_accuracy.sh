@@ -17,8 +17,8 @@ sed 's/^steps = 200/steps = 500/; s/^save_every = 50/save_every = 500/; s/^valid
 sed "s|output_dir = \"tiny/out\"|output_dir = \"tiny/out-$code\"|; s|^guidance = 1.0|guidance = 1.0\ncompute = \"$code\"|" \
   base.toml > "$code.toml"
 [ -d tiny ] || "$train" --make-tiny base.toml
-[ -f tiny/out/loss.jsonl ] || "$train" base.toml | grep "validation loss"
-"$train" "$code.toml" | grep "validation loss"
+[ -f tiny/out/loss.jsonl ] || "$train" base.toml 2>&1 | grep "validation loss"
+"$train" "$code.toml" 2>&1 | grep "validation loss"
 CODE=$code python3 - <<'PY'
 import json, os, statistics as st
 def losses(p):

@@ -384,4 +384,12 @@ fn eight_bit_products_refuse_a_gguf_base() {
     let st = root.join("flux2_fp8/diffusers_tensor.safetensors");
     assert!(st.is_file());
     assert_eq!(flame::models::fp8_products_refusal(&st, &Device::Cpu), None);
+    // Int8 products the same (`model.compute = "int8"`).
+    let int8 = flame::backend::fp8::Code8::Int8;
+    let why = flame::models::products_refusal(int8, &gguf, &Device::Cpu).expect("refused");
+    assert!(why.contains("GGUF"), "{why}");
+    assert_eq!(
+        flame::models::products_refusal(int8, &st, &Device::Cpu),
+        None
+    );
 }

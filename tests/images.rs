@@ -527,32 +527,34 @@ fn the_sample_binary_makes_images_with_a_lora() {
             .unwrap();
         assert!(worst <= 12, "image {i}: {worst}");
     }
-    // 8-bit products (`--compute fp8`): the same picture within the FP8 codes' rounding,
-    // which moves it (the CPU reference quantizes as the kernels do).
-    let fp8 = d.join("samples-fp8");
-    let o = run(&[
-        "--prompt",
-        "a large red circle on a white background",
-        "--lora",
-        lora.to_str().unwrap(),
-        "--compute",
-        "fp8",
-        "--out",
-        fp8.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let a = image::open(fp8.join("0-1.png")).unwrap().to_rgb8();
-    let b = image::open(out.join("0-1.png")).unwrap().to_rgb8();
-    let diffs: Vec<u8> = a
-        .as_raw()
-        .iter()
-        .zip(b.as_raw())
-        .map(|(x, y)| x.abs_diff(*y))
-        .collect();
-    let mean = diffs.iter().map(|&x| x as f64).sum::<f64>() / diffs.len() as f64;
-    let worst = diffs.iter().copied().max().unwrap();
-    println!("--compute fp8 against f32: mean {mean:.2}, worst {worst} of 255");
-    assert!(worst > 0 && mean < 4.0, "mean {mean}, worst {worst}");
+    // 8-bit products (`--compute fp8`, `--compute int8`): the same picture within the codes'
+    // rounding, which moves it (the CPU reference quantizes as the kernels do).
+    for code in ["fp8", "int8"] {
+        let eight = d.join(format!("samples-{code}"));
+        let o = run(&[
+            "--prompt",
+            "a large red circle on a white background",
+            "--lora",
+            lora.to_str().unwrap(),
+            "--compute",
+            code,
+            "--out",
+            eight.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let a = image::open(eight.join("0-1.png")).unwrap().to_rgb8();
+        let b = image::open(out.join("0-1.png")).unwrap().to_rgb8();
+        let diffs: Vec<u8> = a
+            .as_raw()
+            .iter()
+            .zip(b.as_raw())
+            .map(|(x, y)| x.abs_diff(*y))
+            .collect();
+        let mean = diffs.iter().map(|&x| x as f64).sum::<f64>() / diffs.len() as f64;
+        let worst = diffs.iter().copied().max().unwrap();
+        println!("--compute {code} against f32: mean {mean:.2}, worst {worst} of 255");
+        assert!(worst > 0 && mean < 4.0, "{code}: mean {mean}, worst {worst}");
+    }
     let o = run(&["--compute", "int4", "--prompt", "x"]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--compute int4"));

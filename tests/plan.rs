@@ -1192,4 +1192,22 @@ fn eight_bit_products_play_at_their_own_rate() {
     );
     // FP8 codes are never held on the host for their products.
     assert!(eight.candidates().iter().all(|c| !c.host_products));
+    // Int8 products: the same bytes and FLOPs, played at the int8 rate (the FP8 rate does
+    // not move them).
+    let int8 = MemoryProfile {
+        product_code: flame::backend::fp8::Code8::Int8,
+        ..fast.clone()
+    };
+    assert_eq!(int8.forward_ms(b, Keep::NONE), eight.forward_ms(b, Keep::NONE));
+    let int8_fast = MemoryProfile {
+        machine: Machine {
+            int8_product_tflops: 2.0 * r.gemm_tflops,
+            ..r
+        },
+        ..int8
+    };
+    assert_eq!(
+        int8_fast.forward_ms(b, Keep::NONE),
+        fast.forward_ms(b, Keep::NONE)
+    );
 }

@@ -19,7 +19,8 @@
 //! the host, with the planner too); `--headroom GB` plans
 //! for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
 //! in FP8 E4M3, `--fp8-compute` also computes their products in 8 bits (`model.compute =
-//! "fp8"`), `--int8-compute` in int8 (`model.compute = "int8"`, the weights as int8 codes),
+//! "fp8"`), `--int8-compute` in int8 (`model.compute = "int8"`, the weights as int8 codes;
+//! `--no-int8-rotation` without the rotation of their inner axis),
 //! `--adam8bit` uses 8-bit AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
 //! streamed. `--steps N` times N steps after the warm-up (3 unless given). `--host-probe` issues one more step with about a second of GEMMs queued between
@@ -252,6 +253,8 @@ fn run<M: ModelSpec>(
         None
     };
     let fp8 = fp8 || products.is_some();
+    // `--no-int8-rotation`: int8 products without the rotation of their inner axis.
+    let int8_rotation = !args.flag("--no-int8-rotation");
     let num = |name: &str, default: usize| {
         args.value(name)
             .map_or(default, |s| s.parse().expect("a number"))
@@ -260,6 +263,7 @@ fn run<M: ModelSpec>(
     let mut opts = LoadOptions::new(DType::BF16, &dev).with_adapters(Adapters::new(lora.clone())?);
     opts.fp8 = fp8;
     opts.products = products;
+    opts.int8_rotation = int8_rotation;
     let run_shape = RunShape {
         sample: sample.clone(),
         // This rank's samples: the planner sizes the activations for them.
@@ -382,6 +386,7 @@ fn run<M: ModelSpec>(
     let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev)
         .with_fp8(fp8)?
         .with_products(products)?
+        .with_int8_rotation(int8_rotation)?
         .with_adapters(adapters.clone())?;
     let plan = profile.settle(&plan)?;
     let streamer = BlockStreamer::for_plan(&dev, &plan, M::CONDITIONED)?;
@@ -827,6 +832,9 @@ fn run<M: ModelSpec>(
         n_params as f64 / 1e6,
         match (fp8, products) {
             (_, Some(flame::backend::fp8::Code8::E4m3)) => "fp8 with 8-bit products",
+            (_, Some(flame::backend::fp8::Code8::Int8)) if int8_rotation => {
+                "int8 with 8-bit products, rotated"
+            }
             (_, Some(flame::backend::fp8::Code8::Int8)) => "int8 with 8-bit products",
             (true, None) => "fp8",
             _ => "bf16",

@@ -364,6 +364,42 @@ __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint
 QUANT_ROWS_FORMS(quant_rows_fp8, CODE_E4M3)
 QUANT_ROWS_FORMS(quant_rows_i8, CODE_INT8)
 
+// hadamard_rows: x (rows, cols) T -> y (rows, cols) T, each block of B values of a row (B a power of
+// two up to 256 dividing cols; the launcher checks) rotated by the normalized Sylvester Hadamard
+// matrix: log2(B) butterfly stages (a, b) -> (a + b, a - b) at distances 1, 2, 4, ... in f32 shared
+// memory, then the scale 1 / sqrt(B) (f32, given), rounded once to T: src/backend/int8.rs's
+// `rotate_blocks` bit for bit (a stage's butterflies are independent). 128 threads a block, a block
+// of values at a time in a grid-stride loop.
+template <typename T>
+__device__ __forceinline__ void hadamard_rows(const T* x, T* y, size_t rows, size_t cols, unsigned B, float scale) {
+  __shared__ float v[256];
+  const size_t blocks = rows * (cols / B);
+  for (size_t g = blockIdx.x; g < blocks; g += gridDim.x) {
+    const size_t base = g * B;  // rows are contiguous: block g starts at value g * B
+    for (unsigned i = threadIdx.x; i < B; i += blockDim.x) v[i] = to_acc(x[base + i]);
+    __syncthreads();
+    for (unsigned h = 1; h < B; h <<= 1) {
+      for (unsigned p = threadIdx.x; p < B / 2; p += blockDim.x) {
+        const unsigned i = (p / h) * 2 * h + p % h, j = i + h;
+        const float a = v[i], b = v[j];
+        v[i] = __fadd_rn(a, b);
+        v[j] = __fsub_rn(a, b);
+      }
+      __syncthreads();
+    }
+    for (unsigned i = threadIdx.x; i < B; i += blockDim.x) y[base + i] = from_acc<T>(__fmul_rn(v[i], scale));
+    __syncthreads();
+  }
+}
+#define HADAMARD_ROWS(SUF, T)                                                                                \
+  extern "C" __global__ void hadamard_rows_##SUF(const T* x, T* y, size_t rows, size_t cols, unsigned B,    \
+                                                 float scale) {                                              \
+    hadamard_rows<T>(x, y, rows, cols, B, scale);                                                            \
+  }
+HADAMARD_ROWS(f32, float)
+HADAMARD_ROWS(bf16, __nv_bfloat16)
+HADAMARD_ROWS(f16, __half)
+
 // transpose_fp8: codes (rows, cols / 4) u32 -> (cols, rows / 4) u32, the byte matrix transposed
 // (rows % 4 == 0 and cols % 4 == 0; the launcher checks). A block moves a 64 x 64 byte tile
 // through shared memory: 256 threads load 64 rows of 16 words and store 64 rows of 16 words.

@@ -553,7 +553,10 @@ fn the_sample_binary_makes_images_with_a_lora() {
         let mean = diffs.iter().map(|&x| x as f64).sum::<f64>() / diffs.len() as f64;
         let worst = diffs.iter().copied().max().unwrap();
         println!("--compute {code} against f32: mean {mean:.2}, worst {worst} of 255");
-        assert!(worst > 0 && mean < 4.0, "{code}: mean {mean}, worst {worst}");
+        assert!(
+            worst > 0 && mean < 4.0,
+            "{code}: mean {mean}, worst {worst}"
+        );
     }
     let o = run(&["--compute", "int4", "--prompt", "x"]);
     assert!(!o.status.success());

@@ -234,8 +234,21 @@ fn int8_product_is_the_integer_sum_times_the_scales() {
 }
 
 /// A Linear built from `w` (out, in) + bias with a rank-2 LoRA, its weight stored as int8 codes
-/// with int8 products (`products`), or as FP8 decoded for each product (the reference).
+/// with int8 products (`products`, plain), or in f32 (the reference).
 fn linear(w: &[f32], b: &[f32], out: usize, inp: usize, products: bool, dev: &Device) -> Linear {
+    linear_rotated(w, b, out, inp, products, false, dev)
+}
+
+/// [`linear`] with the int8 products' rotation on or off.
+fn linear_rotated(
+    w: &[f32],
+    b: &[f32],
+    out: usize,
+    inp: usize,
+    products: bool,
+    rotation: bool,
+    dev: &Device,
+) -> Linear {
     let mut t = HashMap::new();
     t.insert(
         "l.weight".to_string(),
@@ -255,7 +268,10 @@ fn linear(w: &[f32], b: &[f32], out: usize, inp: usize, products: bool, dev: &De
     .unwrap();
     let vb = VarBuilder::from_tensors(t, DType::F32, dev);
     let vb = if products {
-        vb.with_products(Some(I8)).unwrap()
+        vb.with_products(Some(I8))
+            .unwrap()
+            .with_int8_rotation(rotation)
+            .unwrap()
     } else {
         vb
     };
@@ -377,6 +393,86 @@ fn int8_backward_is_the_8_bit_formula() {
                 (g - want).abs() <= 1e-5 * want.abs().max(1e-3),
                 "({i}, {j}): {g} vs {want}"
             );
+        }
+    }
+}
+
+#[test]
+fn the_rotation_is_its_definition_and_its_own_inverse() {
+    let (rows, cols) = (5, 96);
+    let x = lcg(rows * cols, 40, 2.0);
+    let xt = Tensor::from_vec(x.clone(), (rows, cols), &CPU).unwrap();
+    for block in [2, 16, 32] {
+        let mut want = x.clone();
+        int8::rotate_blocks(&mut want, block);
+        let got = xt.hadamard_rows(block).unwrap();
+        assert_eq!(f32s(&got), want, "block {block}");
+        let back = f32s(&got.hadamard_rows(block).unwrap());
+        assert!(rel(&back, &x) < 1e-6, "block {block}");
+    }
+    // bf16: the same f32 sums, rounded once.
+    let bt = xt.to_dtype(DType::BF16).unwrap();
+    let mut want = f32s(&bt);
+    int8::rotate_blocks(&mut want, 32);
+    let want = Tensor::from_vec(want, (rows, cols), &CPU)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    assert_eq!(f32s(&bt.hadamard_rows(32).unwrap()), f32s(&want));
+    assert!(
+        xt.hadamard_rows(64).is_err(),
+        "a block not dividing the row"
+    );
+    assert!(xt.hadamard_rows(12).is_err(), "not a power of two");
+    assert!(xt.hadamard_rows(512).is_err(), "past 256");
+}
+
+/// Activations whose first `outliers` channels are 50 times the others.
+fn with_outliers(rows: usize, inp: usize, outliers: usize, seed: u64) -> Vec<f32> {
+    let mut x = lcg(rows * inp, seed, 1.0);
+    for r in 0..rows {
+        for c in 0..outliers {
+            x[r * inp + c] *= 50.0;
+        }
+    }
+    x
+}
+
+#[test]
+fn the_rotation_spreads_massive_channels() {
+    let (out, inp, rows) = (64, 256, 16);
+    let w = lcg(out * inp, 41, 0.1);
+    let b = lcg(out, 42, 0.1);
+    let r = lcg(rows * out, 43, 1.0);
+    let f = linear(&w, &b, out, inp, false, &CPU);
+    let plain = linear_rotated(&w, &b, out, inp, true, false, &CPU);
+    let rotated = linear_rotated(&w, &b, out, inp, true, true, &CPU);
+    assert!(matches!(
+        rotated.packing,
+        Some(flame::nn::Packing::Fp8 { rotation: 256, .. })
+    ));
+    // The weight decodes back to itself (within its codes' rounding): W H H = W.
+    let dw = f32s(&rotated.dense_weight(DType::F32).unwrap());
+    assert!(rel(&dw, &w) < 0.04, "{}", rel(&dw, &w));
+    for outliers in [0, 4] {
+        let x = with_outliers(rows, inp, outliers, 44);
+        let want = run(&f, &x, &r, rows, &CPU);
+        let (p, q) = (
+            run(&plain, &x, &r, rows, &CPU),
+            run(&rotated, &x, &r, rows, &CPU),
+        );
+        let (ep, eq) = (rel(&p.y, &want.y), rel(&q.y, &want.y));
+        println!("{outliers} outlier channels: y plain {ep:.2e}, rotated {eq:.2e}");
+        // The backward's dy has no outliers; rotated or not, its error stays small.
+        for (what, e) in [
+            ("dx plain", rel(&p.dx, &want.dx)),
+            ("dx rotated", rel(&q.dx, &want.dx)),
+        ] {
+            assert!(e < 0.03, "{outliers}: {what} {e}");
+        }
+        assert!(eq < 0.03, "{outliers}: rotated y {eq}");
+        if outliers > 0 {
+            assert!(eq * 2.0 < ep, "{outliers}: rotated {eq} against plain {ep}");
         }
     }
 }
@@ -583,6 +679,57 @@ mod gpu {
                     }
                 }
             }
+        }
+    }
+
+    /// The rotation equals the CPU's bits, every dtype and block, odd row counts.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_rotation_equals_cpu() {
+        let Some(dev) = cuda() else { return };
+        for (rows, cols) in [(1, 16), (3, 96), (77, 256), (5, 3072), (9, 15360)] {
+            let x = lcg(rows * cols, cols as u64, 4.0);
+            for block in [2usize, 16, 64, 256] {
+                if cols % block != 0 {
+                    continue;
+                }
+                for dt in [DType::F32, DType::BF16, DType::F16] {
+                    let mut outs = vec![];
+                    for d in [CPU, dev.clone()] {
+                        let xt = Tensor::from_vec(x.clone(), (rows, cols), &CPU)
+                            .unwrap()
+                            .to_dtype(dt)
+                            .unwrap()
+                            .to_device(&d)
+                            .unwrap();
+                        outs.push(f32s(&xt.hadamard_rows(block).unwrap()));
+                    }
+                    assert_eq!(outs[0], outs[1], "({rows}, {cols}) block {block} {dt}");
+                }
+            }
+        }
+    }
+
+    /// A Linear with rotated int8 products on CUDA against the CPU's.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_linear_with_rotated_int8_products_matches_cpu() {
+        let Some(dev) = cuda() else { return };
+        let (out, inp, rows) = (96, 128, 40);
+        let w = lcg(out * inp, 17, 0.3);
+        let b = lcg(out, 18, 0.1);
+        let x = with_outliers(rows, inp, 3, 19);
+        let r = lcg(rows * out, 20, 1.0);
+        let mk = |d: &Device| linear_rotated(&w, &b, out, inp, true, true, d);
+        let c = run(&mk(&CPU), &x, &r, rows, &CPU);
+        let g = run(&mk(&dev), &x, &r, rows, &dev);
+        for (what, e) in [
+            ("y", rel(&g.y, &c.y)),
+            ("dx", rel(&g.dx, &c.dx)),
+            ("lora A", rel(&g.da, &c.da)),
+        ] {
+            println!("rotated {what}: relative {e:.2e}");
+            assert!(e < 1e-4, "rotated {what}: relative {e}");
         }
     }
 

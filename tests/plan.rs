@@ -1198,7 +1198,10 @@ fn eight_bit_products_play_at_their_own_rate() {
         product_code: flame::backend::fp8::Code8::Int8,
         ..fast.clone()
     };
-    assert_eq!(int8.forward_ms(b, Keep::NONE), eight.forward_ms(b, Keep::NONE));
+    assert_eq!(
+        int8.forward_ms(b, Keep::NONE),
+        eight.forward_ms(b, Keep::NONE)
+    );
     let int8_fast = MemoryProfile {
         machine: Machine {
             int8_product_tflops: 2.0 * r.gemm_tflops,

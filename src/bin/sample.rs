@@ -117,6 +117,10 @@ struct Args {
     /// `train` binary's `model.compute`
     #[argh(option, default = "String::from(\"bf16\")")]
     compute: String,
+    /// with --compute int8: rotate the products' inner axis (the outlier treatment, as the
+    /// `train` binary's `model.int8_rotation`; default true)
+    #[argh(option, default = "true")]
+    int8_rotation: bool,
     /// auto (default), cuda or cpu
     #[argh(option, default = "String::from(\"auto\")")]
     device: String,
@@ -514,6 +518,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             )));
         }
         opts.products = Some(code);
+        opts.int8_rotation = a.int8_rotation;
     }
     if let Some(p) = &a.config {
         let text = std::fs::read_to_string(p).map_err(|source| Error::Io {

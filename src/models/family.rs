@@ -185,6 +185,9 @@ pub struct LoadOptions {
     /// The Linears' products in 8 bits, in this code (`VarBuilder::with_products`: FP8 E4M3
     /// or int8): their weights load as its codes whatever `fp8` says. `None`: in `dtype`.
     pub products: Option<crate::backend::fp8::Code8>,
+    /// With int8 products, their inner axis rotated (`VarBuilder::with_int8_rotation`, the
+    /// outlier treatment); on by default.
+    pub int8_rotation: bool,
     /// A LoRA file merged into the weights as they load (sampling with a trained LoRA);
     /// every tensor of it must find its layer.
     pub merge: Option<Arc<LoraMerge>>,
@@ -248,6 +251,7 @@ impl LoadOptions {
             memory: Plan::default(),
             fp8: false,
             products: None,
+            int8_rotation: true,
             merge: None,
         }
     }
@@ -335,7 +339,8 @@ pub fn load_as<M: ModelSpec>(
     let mut vb = ckpt
         .var_builder(opts.dtype, &opts.device, key_map.clone())?
         .with_fp8(opts.fp8)?
-        .with_products(opts.products)?;
+        .with_products(opts.products)?
+        .with_int8_rotation(opts.int8_rotation)?;
     if let Some(a) = &opts.adapters {
         vb = vb.with_adapters(a.clone())?;
     }
@@ -497,7 +502,8 @@ fn profile_with<M: ModelSpec>(
     let config = config.clone();
     let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
         .with_fp8(opts.fp8)?
-        .with_products(opts.products)?;
+        .with_products(opts.products)?
+        .with_int8_rotation(opts.int8_rotation)?;
     let ggml_keys = ggml_types.clone();
     if let Some(types) = ggml_types {
         vb = vb.with_ggml_types(types)?;
@@ -708,7 +714,8 @@ fn probe_boxed<M: ModelSpec>(
     let (_, config) = resolve::<M>(path, opts, None)?;
     let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
         .with_fp8(opts.fp8)?
-        .with_products(opts.products)?;
+        .with_products(opts.products)?
+        .with_int8_rotation(opts.int8_rotation)?;
     if let Some(a) = &opts.adapters {
         a.use_key_map(M::diffusers_map(&config))?;
         vb = vb.with_adapters(a.clone())?;

@@ -204,8 +204,13 @@ fn packed_matmul(
     let bias = bias.filter(|_| eight.is_some());
     let compute = || -> Result<Vec<Tensor>> {
         let _g = crate::no_grad();
-        if let Some((scale, _, code)) = eight {
-            let (qx, sx) = x.quant_rows8(code, None)?;
+        if let Some((scale, _, code, rotation)) = eight {
+            // The input rotated as the weight's codes were (x H), where they were.
+            let rotated = match rotation {
+                0 => None,
+                b => Some(x.hadamard_rows(b)?),
+            };
+            let (qx, sx) = rotated.as_ref().unwrap_or(x).quant_rows8(code, None)?;
             return Ok(vec![crate::product8_bias(
                 code,
                 [&qx, &sx, packed, scale],
@@ -240,10 +245,16 @@ fn fp8_products<'a>(
     packing: &'a Packing,
     packed: &Tensor,
     x: &Tensor,
-) -> Option<(&'a Tensor, &'a super::Fp8Kept, crate::backend::fp8::Code8)> {
+) -> Option<(
+    &'a Tensor,
+    &'a super::Fp8Kept,
+    crate::backend::fp8::Code8,
+    usize,
+)> {
     let Packing::Fp8 {
         scale,
         code,
+        rotation,
         products: true,
         kept,
     } = packing
@@ -255,7 +266,8 @@ fn fp8_products<'a>(
         x.dtype(),
         crate::DType::F32 | crate::DType::BF16 | crate::DType::F16
     );
-    (float && x.rank() == 2 && eight_bit_widths(out_dim, in_dim)).then_some((scale, kept, *code))
+    (float && x.rank() == 2 && eight_bit_widths(out_dim, in_dim))
+        .then_some((scale, kept, *code, *rotation))
 }
 
 /// Whether an (out, in) 8-bit weight's widths let its products run in 8 bits: FP8 and int8
@@ -284,7 +296,7 @@ impl crate::autograd::CustomBackward for PackedMatmul {
         let Some(Some(dy)) = out_grads.first() else {
             return Ok(vec![None]);
         };
-        if let Some((scale, kept, code)) = fp8_products(&self.packing, &self.packed, dy) {
+        if let Some((scale, kept, code, rotation)) = fp8_products(&self.packing, &self.packed, dy) {
             // dx = dy diag(s) Q: the weight's row scales fold into dy's columns before dy
             // is quantized a row at a time; the product runs over the codes transposed
             // (kept from the first backward where the weight stays on the device) with a
@@ -293,14 +305,12 @@ impl crate::autograd::CustomBackward for PackedMatmul {
             let qt = kept.transposed(&self.packed)?;
             let in_dim = qt.dims()[0];
             let ones = kept.ones(in_dim, dy.device())?;
-            return Ok(vec![Some(crate::product8(
-                code,
-                &qg,
-                &sg,
-                &qt,
-                &ones,
-                dy.dtype(),
-            )?)]);
+            let dx = crate::product8(code, &qg, &sg, &qt, &ones, dy.dtype())?;
+            // dy (W H) is dx H: rotated back (the rotation is its own inverse).
+            return Ok(vec![Some(match rotation {
+                0 => dx,
+                b => dx.hadamard_rows(b)?,
+            })]);
         }
         let w = self.packing.decode(&self.packed, dy.dtype())?;
         Ok(vec![Some(dy.matmul(&w)?)])

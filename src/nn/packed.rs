@@ -27,6 +27,9 @@ pub enum Packing {
         scale: Tensor,
         /// The codes' format.
         code: crate::backend::fp8::Code8,
+        /// The block of the Hadamard rotation along the input axis (`backend::int8`: the
+        /// codes are those of W H, and each product rotates its input the same way), or 0.
+        rotation: usize,
         /// Whether the Linear's products run in 8 bits (`model.compute = "fp8"` or "int8", see
         /// `layers.rs`'s `packed_matmul`) instead of decoding the weight for a GEMM in the
         /// activations' dtype.
@@ -48,7 +51,19 @@ impl Packing {
     /// The weight (out, in) that `packed` (the words) stands for, decoded into `dtype`.
     pub fn decode(&self, packed: &Tensor, dtype: DType) -> Result<Tensor> {
         match self {
-            Packing::Fp8 { scale, code, .. } => packed.dequant8(*code, scale, dtype),
+            Packing::Fp8 {
+                scale,
+                code,
+                rotation,
+                ..
+            } => {
+                let w = packed.dequant8(*code, scale, dtype)?;
+                // W H H = W: the rotation is its own inverse.
+                match *rotation {
+                    0 => Ok(w),
+                    b => w.hadamard_rows(b),
+                }
+            }
             Packing::Ggml { ty, dims } => packed.dequant_ggml(*ty, dims.0, dims.1, dtype),
         }
     }

@@ -65,6 +65,8 @@ struct Shared {
     /// The Linears' products run in 8 bits, in this code (`with_products`; their weights load
     /// as its codes).
     products: Option<crate::backend::fp8::Code8>,
+    /// Int8 products rotate their inner axis (`with_int8_rotation`).
+    int8_rotation: bool,
     /// The GGML types of a GGUF checkpoint's quantized tensors by model key, for a
     /// shapes-only build that sizes them packed (`with_ggml_types`).
     ggml_types: Option<Arc<HashMap<String, GgmlType>>>,
@@ -207,6 +209,7 @@ impl VarBuilder {
                 host: None,
                 fp8: false,
                 products: None,
+                int8_rotation: false,
                 ggml_types: None,
                 packed: Mutex::new(BTreeMap::new()),
                 fp8_kept: Mutex::new(BTreeMap::new()),
@@ -266,6 +269,19 @@ impl VarBuilder {
     /// `products`). Set before the builder is shared.
     pub fn with_fp8_products(self, on: bool) -> Result<Self> {
         self.with_products(on.then_some(crate::backend::fp8::Code8::E4m3))
+    }
+
+    /// The same source with int8 products rotating their inner axis when `on` (the outlier
+    /// treatment, `backend::int8`: the weights of the Linears whose products run in int8
+    /// load as the codes of W H, H a block Hadamard matrix along the input axis, and each
+    /// product rotates its input alike). Set before the builder is shared.
+    pub fn with_int8_rotation(self, on: bool) -> Result<Self> {
+        self.with_shared("int8 rotation", |shared| {
+            Ok(Shared {
+                int8_rotation: on,
+                ..shared
+            })
+        })
     }
 
     /// The same source with the Linears' products in 8 bits in `code` (`model.compute =
@@ -511,6 +527,15 @@ impl VarBuilder {
         let stored8 = self.shared.fp8 || self.shared.products.is_some();
         let products = self.shared.products.is_some();
         let code = self.shared.products.unwrap_or_default();
+        // Int8 products' rotation, where the products run (widths the tensor cores take).
+        let rotation = match (code, products && self.shared.int8_rotation) {
+            (crate::backend::fp8::Code8::Int8, true)
+                if super::eight_bit_widths(out_dim, in_dim) =>
+            {
+                crate::backend::int8::rotation_block(in_dim).unwrap_or(0)
+            }
+            _ => 0,
+        };
         if !stored8 || in_dim % fp8::CODES_PER_WORD != 0 {
             return Ok((self.get((out_dim, in_dim), name)?, None));
         }
@@ -527,6 +552,7 @@ impl VarBuilder {
                 Some(Packing::Fp8 {
                     scale: self.same_shape(&scale_key, sc, &scale_shape)?,
                     code,
+                    rotation,
                     products,
                     kept: self.fp8_kept(&key, None)?,
                 }),
@@ -544,6 +570,7 @@ impl VarBuilder {
                 Some(Packing::Fp8 {
                     scale: sc,
                     code,
+                    rotation,
                     products,
                     kept: super::Fp8Kept::streamed(),
                 }),
@@ -555,7 +582,10 @@ impl VarBuilder {
             let (codes, scales) = match code {
                 crate::backend::fp8::Code8::E4m3 => (codes, scales),
                 crate::backend::fp8::Code8::Int8 => {
-                    let values = fp8_values(&codes, &scales, in_dim);
+                    let mut values = fp8_values(&codes, &scales, in_dim);
+                    if rotation > 0 {
+                        crate::backend::int8::rotate_blocks(&mut values, rotation);
+                    }
                     fp8::quantize_rows_as(code, &values, out_dim, in_dim)
                         .map_err(|msg| self.err(&key, format!("int8 quantization: {msg}")))?
                 }
@@ -572,6 +602,7 @@ impl VarBuilder {
                 Some(Packing::Fp8 {
                     scale: scales,
                     code,
+                    rotation,
                     products,
                     kept,
                 }),
@@ -589,6 +620,13 @@ impl VarBuilder {
             }
         };
         drop(w);
+        let mut host = host;
+        if rotation > 0 {
+            // W H, a row (an output channel) at a time.
+            use rayon::prelude::*;
+            host.par_chunks_mut(in_dim.max(1))
+                .for_each(|r| crate::backend::int8::rotate_blocks(r, rotation));
+        }
         let (codes, scales) = fp8::quantize_rows_as(code, &host, out_dim, in_dim)
             .map_err(|msg| self.err(&key, format!("{} quantization: {msg}", code.name())))?;
         let dev = &self.shared.device;
@@ -604,6 +642,7 @@ impl VarBuilder {
             Some(Packing::Fp8 {
                 scale: scales,
                 code,
+                rotation,
                 products,
                 kept,
             }),

@@ -318,6 +318,12 @@ section! {
         /// again; activations and output gradients quantized to int8 a token at a time);
         /// adapters and everything trained stay in bf16 / f32.
         compute: ModelCompute = ModelCompute::Bf16,
+        /// With compute "int8": rotate each product's inner axis by a block Hadamard matrix
+        /// (up to 256 values a block) before quantizing, the outlier treatment of QuaRot and
+        /// musubi-tuner's ConvRot: the weights rotated once at load, each Linear's input (and
+        /// its input gradient back) at a pass of its own; a token's few massive channels then
+        /// spread over the block instead of taking its int8 scale. false: plain int8.
+        int8_rotation: bool = true,
         /// A diffusers config.json for a single file whose shapes do not pin its config down.
         config: Option<PathBuf> = None,
         /// The guidance input of guidance-distilled models (Flux dev) during training.

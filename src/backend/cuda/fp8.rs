@@ -217,6 +217,76 @@ pub(crate) fn quant_rows(code: Code8, d: &[usize], a: &[&CudaStorage]) -> Result
     Ok(vec![x.wrap(u32::wrap(codes)), x.wrap(f32::wrap(scale))])
 }
 
+/// [x (rows, cols) f32/bf16/f16] (dense; `d` = [rows, cols]) -> [x with each block of `block`
+/// values of a row rotated by the normalized Hadamard matrix] (`hadamard_rows_*` of
+/// cuda/fp8.cu): 128 threads a CUDA block, one block of values at a time.
+pub(crate) fn hadamard_rows(
+    block: usize,
+    d: &[usize],
+    a: &[&CudaStorage],
+) -> Result<Vec<CudaStorage>> {
+    match a.first().map(|x| x.buf.dtype()) {
+        Some(DType::F32) => rotate::<f32>(block, d, a),
+        Some(DType::BF16) => rotate::<bf16>(block, d, a),
+        Some(DType::F16) => rotate::<f16>(block, d, a),
+        Some(dtype) => Err(Error::UnsupportedDType {
+            op: "hadamard_rows",
+            dtype,
+        }),
+        None => Err(Error::Cuda("hadamard_rows: no operand".into())),
+    }
+}
+
+fn rotate<T: Elem>(block: usize, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+    const OP: &str = "hadamard_rows";
+    let (&[rows, cols], &[x]) = (d, a) else {
+        return Err(Error::Cuda(format!(
+            "{OP}: {} sizes and {} operands, expected 2 and 1",
+            d.len(),
+            a.len()
+        )));
+    };
+    if block == 0 || block > 256 || !block.is_power_of_two() || cols % block != 0 {
+        return Err(Error::invalid(
+            OP,
+            format!("a block of {block} over rows of {cols}"),
+            &Shape::from((rows, cols)),
+        ));
+    }
+    if x.buf.len() < rows * cols {
+        return Err(Error::invalid(
+            OP,
+            "an operand smaller than its shape".to_string(),
+            &Shape::from((rows, cols)),
+        ));
+    }
+    let dev = &x.dev;
+    let mut y = dev.alloc::<T>(rows * cols)?;
+    let blocks = rows * (cols / block);
+    if blocks > 0 {
+        let xp = x.buf.raw_ptr(dev.stream());
+        let (b, scale) = (block as u32, crate::backend::int8::rotation_scale(block));
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (blocks.min(dev.sm_count() * 16) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            dev,
+            "fp8",
+            format!("hadamard_rows_{}", T::SFX),
+            cfg,
+            &xp,
+            &mut *y.slice,
+            &rows,
+            &cols,
+            &b,
+            &scale
+        )?;
+    }
+    Ok(vec![x.wrap(T::wrap(y))])
+}
+
 /// [codes (rows, cols / 4) u32] (dense; `d` = [rows, cols]) -> [codes (cols, rows / 4)]: a
 /// block a 64 x 64 byte tile (`transpose_fp8` of cuda/fp8.cu).
 pub(crate) fn transpose(d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {

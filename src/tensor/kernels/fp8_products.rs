@@ -33,6 +33,7 @@ use crate::backend::Kernel;
 use crate::{DType, Error, Layout, Result, Shape, Tensor};
 
 /// The name of each kernel in errors.
+const ROTATE: &str = "hadamard_rows";
 const QUANT: &str = "quant_rows_fp8";
 const TRANSPOSE: &str = "transpose_fp8";
 const PRODUCT: &str = "fp8_product";
@@ -188,6 +189,77 @@ impl Kernel for QuantRowsFp8 {
         args: &[&crate::backend::cuda::CudaStorage],
     ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
         crate::backend::cuda::kit::quant_rows_fp8(self.code, dims, args)
+    }
+}
+
+/// [x (rows, cols) f32/bf16/f16] -> [x rotated (rows, cols) in its dtype]: each block of
+/// `block` values of a row by the normalized Hadamard matrix (`backend::int8::rotate_blocks`).
+pub(crate) struct HadamardRows {
+    /// The block (a power of two from 2 to `int8::ROTATION_MAX`, dividing the row).
+    pub(crate) block: usize,
+}
+
+impl Kernel for HadamardRows {
+    fn name(&self) -> &'static str {
+        ROTATE
+    }
+
+    /// Returns [rows, cols].
+    fn check(&self, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
+        let Some(&(dtype, x)) = args.first() else {
+            return Err(Error::invalid(ROTATE, "no operands", &Shape::from(())));
+        };
+        if args.len() != 1 {
+            return Err(Error::invalid(ROTATE, "one operand", x.shape()));
+        }
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::UnsupportedDType { op: ROTATE, dtype });
+        }
+        let (rows, cols) = matrix(ROTATE, x)?;
+        let b = self.block;
+        if !b.is_power_of_two() || b < 2 || b > crate::backend::int8::ROTATION_MAX || cols % b != 0
+        {
+            return Err(Error::invalid(
+                ROTATE,
+                format!(
+                    "a block of {b} over rows of {cols}: a power of two up to 256 dividing them"
+                ),
+                x.shape(),
+            ));
+        }
+        Ok(vec![rows, cols])
+    }
+
+    #[cfg(feature = "cpu-ref")]
+    fn cpu(
+        &self,
+        _dims: &[usize],
+        args: &[(&crate::CpuStorage, &Layout)],
+    ) -> Result<Vec<crate::CpuStorage>> {
+        use crate::backend::cpu::f64_view;
+        use rayon::prelude::*;
+        // Every value of f32, bf16 and f16 is exact in f32.
+        let mut v: Vec<f32> = f64_view(args[0].0, args[0].1)
+            .into_iter()
+            .map(|v| v as f32)
+            .collect();
+        let b = self.block;
+        v.par_chunks_mut(b)
+            .for_each(|c| crate::backend::int8::rotate_blocks(c, b));
+        Ok(vec![crate::backend::cpu::f32_values_as(
+            v,
+            args[0].0.dtype(),
+            ROTATE,
+        )?])
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        dims: &[usize],
+        args: &[&crate::backend::cuda::CudaStorage],
+    ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
+        crate::backend::cuda::kit::hadamard_rows(self.block, dims, args)
     }
 }
 
@@ -397,6 +469,18 @@ impl Tensor {
             plain(codes, (rows, cols / CODES_PER_WORD), self),
             plain(scale, rows, self),
         ))
+    }
+
+    /// This (rows, cols) float matrix with each block of `block` values of a row rotated by
+    /// the normalized Hadamard matrix (`backend::int8::rotate_blocks`: `block` a power of two
+    /// up to 256 dividing cols; its own inverse), in f32, rounded once to its dtype. The
+    /// int8 products' outlier treatment. Not recorded.
+    pub fn hadamard_rows(&self, block: usize) -> Result<Tensor> {
+        let mut o = run_kernel(&HadamardRows { block }, &[self])?;
+        let y = o
+            .pop()
+            .ok_or_else(|| Error::invalid(ROTATE, "no output".to_string(), self.shape()))?;
+        Ok(plain(y, self.dims().to_vec(), self))
     }
 
     /// FP8 codes (rows, cols / 4) u32 of a (rows, cols) matrix (rows a multiple of 4) as the

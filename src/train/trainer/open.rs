@@ -382,6 +382,7 @@ fn load_options(config: &TrainConfig, device: &Device) -> Result<LoadOptions> {
         adapters: None,
         config: json,
         fp8: m.dtype == ModelDType::Fp8,
+        int8_rotation: m.int8_rotation,
         products: m.compute.code(),
         memory: crate::memory::Plan::default(),
         merge: None,

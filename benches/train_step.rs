@@ -20,7 +20,7 @@
 //! for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
 //! in FP8 E4M3, `--fp8-compute` also computes their products in 8 bits (`model.compute =
 //! "fp8"`), `--int8-compute` in int8 (`model.compute = "int8"`, the weights as int8 codes;
-//! `--no-int8-rotation` without the rotation of their inner axis),
+//! `--int8-rotation` with their inner axis rotated, the outlier treatment),
 //! `--adam8bit` uses 8-bit AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
 //! peak, the driver's view of the device memory in use, host peak RSS and the bytes
 //! streamed. `--steps N` times N steps after the warm-up (3 unless given). `--host-probe` issues one more step with about a second of GEMMs queued between
@@ -253,8 +253,8 @@ fn run<M: ModelSpec>(
         None
     };
     let fp8 = fp8 || products.is_some();
-    // `--no-int8-rotation`: int8 products without the rotation of their inner axis.
-    let int8_rotation = !args.flag("--no-int8-rotation");
+    // `--int8-rotation`: int8 products with their inner axis rotated.
+    let int8_rotation = args.flag("--int8-rotation");
     let num = |name: &str, default: usize| {
         args.value(name)
             .map_or(default, |s| s.parse().expect("a number"))

@@ -4,7 +4,8 @@
 //! and of the backward's input gradient `dx = dy W`, computed as the Linear computes them: x
 //! and dy quantized to FP8 E4M3 or int8 a token at a time (`Tensor::quant_rows8`), W an
 //! output channel at a time, the weight's row scales folded into dy's columns in the
-//! backward, the codes multiplied with one rounding (`flame::product8`). The bf16 product takes the same bf16 operands and sums in
+//! backward, the codes multiplied with one rounding (`flame::product8`); int8 also with its
+//! outlier treatment (the inner axis rotated by a block Hadamard matrix, `hadamard_rows`). The bf16 product takes the same bf16 operands and sums in
 //! f32 (a tensor core's bf16 GEMM); its own distance from the f32 product is printed beside it
 //! for scale.
 //!
@@ -77,7 +78,7 @@ fn spread(
 /// The forward's and the backward's relative errors of the FP8 and the int8 products against
 /// the bf16 ones, and the bf16 ones' against f32, for a Linear `inp` -> `out` over `tokens`
 /// rows.
-fn layer(inp: usize, out: usize, a: &Args, dev: &Device, seed: u64) -> flame::Result<[f64; 6]> {
+fn layer(inp: usize, out: usize, a: &Args, dev: &Device, seed: u64) -> flame::Result<[f64; 8]> {
     let _g = flame::no_grad();
     let w = Tensor::randn_normal(
         0.0,
@@ -97,19 +98,36 @@ fn layer(inp: usize, out: usize, a: &Args, dev: &Device, seed: u64) -> flame::Re
     let dx32 = dy.matmul(&w)?;
     let dx16 = dyb.matmul(&wb)?;
     let ones = Tensor::ones(inp, DType::F32, dev)?;
-    let eight = |code: Code8| -> flame::Result<[f64; 2]> {
+    // With `block`, the inner axis rotated first (int8's outlier treatment: x H and W H,
+    // dx rotated back).
+    let eight = |code: Code8, block: Option<usize>| -> flame::Result<[f64; 2]> {
+        let rot = |t: Tensor| match block {
+            Some(b) => t.hadamard_rows(b),
+            None => Ok(t),
+        };
         // The 8-bit forward: x and W quantized a row at a time.
-        let (qx, sx) = xb.to_dtype(DType::BF16)?.quant_rows8(code, None)?;
-        let (qw, sw) = wb.to_dtype(DType::BF16)?.quant_rows8(code, None)?;
+        let (qx, sx) = rot(xb.to_dtype(DType::BF16)?)?.quant_rows8(code, None)?;
+        let (qw, sw) = rot(wb.to_dtype(DType::BF16)?)?.quant_rows8(code, None)?;
         let y8 = flame::product8(code, &qx, &sx, &qw, &sw, DType::F32)?;
         // The 8-bit backward: W's row scales folded into dy's columns, dy quantized a row at
         // a time, multiplied by the codes transposed.
         let (qg, sg) = dyb.to_dtype(DType::BF16)?.quant_rows8(code, Some(&sw))?;
         let dx8 = flame::product8(code, &qg, &sg, &qw.transpose_fp8()?, &ones, DType::F32)?;
-        Ok([rel(&y8, &y16)?, rel(&dx8, &dx16)?])
+        Ok([rel(&y8, &y16)?, rel(&rot(dx8)?, &dx16)?])
     };
-    let (f, i) = (eight(Code8::E4m3)?, eight(Code8::Int8)?);
-    Ok([f[0], f[1], i[0], i[1], rel(&y16, &y32)?, rel(&dx16, &dx32)?])
+    let block = flame::backend::int8::rotation_block(inp);
+    let (f, i) = (eight(Code8::E4m3, None)?, eight(Code8::Int8, None)?);
+    let r = eight(Code8::Int8, block)?;
+    Ok([
+        f[0],
+        f[1],
+        i[0],
+        i[1],
+        r[0],
+        r[1],
+        rel(&y16, &y32)?,
+        rel(&dx16, &dx32)?,
+    ])
 }
 
 fn main() -> anyhow::Result<()> {
@@ -131,15 +149,16 @@ fn main() -> anyhow::Result<()> {
     );
     println!(
         "layer | in | out | FP8 forward | FP8 backward (dx) | int8 forward | int8 backward (dx) \
-         | bf16 forward | bf16 backward"
+         | int8 rotated forward | int8 rotated backward | bf16 forward | bf16 backward"
     );
-    println!("---|---|---|---|---|---|---|---|---");
+    println!("---|---|---|---|---|---|---|---|---|---|---");
     for (i, (name, inp, out)) in shapes.into_iter().enumerate() {
         let e = layer(inp, out, &a, &dev, a.seed + 10 * i as u64)
             .with_context(|| format!("{name} ({inp} -> {out})"))?;
         println!(
-            "{name} | {inp} | {out} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e}",
-            e[0], e[1], e[2], e[3], e[4], e[5]
+            "{name} | {inp} | {out} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} \
+             | {:.2e}",
+            e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]
         );
     }
     Ok(())

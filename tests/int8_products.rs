@@ -515,7 +515,7 @@ fn an_fp8_file_is_quantized_again_for_int8_products() {
     bytes.extend(&codes);
     bytes.extend(scale.to_le_bytes());
     std::fs::write(&path, bytes).unwrap();
-    let vb = VarBuilder::from_files(&[path.clone()], DType::F32, &CPU)
+    let vb = VarBuilder::from_files(std::slice::from_ref(&path), DType::F32, &CPU)
         .unwrap()
         .with_products(Some(I8))
         .unwrap();
@@ -667,8 +667,8 @@ mod gpu {
                         }
                         outs.push(ys);
                     }
-                    for off in 0..2 {
-                        let e = rel(&outs[1][off], &outs[0][off]);
+                    for (off, (g, c)) in outs[1].iter().zip(&outs[0]).enumerate() {
+                        let e = rel(g, c);
                         println!("{code:?} ({m}, {n}, {k}) {dt} bias at {off}: relative {e:.2e}");
                         let tol = match (code, dt) {
                             (Code8::E4m3, _) => 1e-2,

@@ -118,8 +118,8 @@ struct Args {
     #[argh(option, default = "String::from(\"bf16\")")]
     compute: String,
     /// with --compute int8: rotate the products' inner axis (the outlier treatment, as the
-    /// `train` binary's `model.int8_rotation`; default true)
-    #[argh(option, default = "true")]
+    /// `train` binary's `model.int8_rotation`)
+    #[argh(switch)]
     int8_rotation: bool,
     /// auto (default), cuda or cpu
     #[argh(option, default = "String::from(\"auto\")")]

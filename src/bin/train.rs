@@ -238,7 +238,7 @@ fn main() -> ExitCode {
     }
     let mut progress: Option<Progress> = None;
     let place = match placement(&args, &path) {
-        Ok(Start::Alone(place)) => place,
+        Ok(Start::Alone(place)) => *place,
         Ok(Start::Workers(n, gpus)) => return launch(&args, &path, n, gpus),
         Err(e) => {
             eprintln!("error: {e}");
@@ -300,7 +300,7 @@ fn read_config(path: &std::path::Path) -> flame::Result<TrainConfig> {
 /// How a run starts: in this process (on the one GPU `--gpus` names, or as the config
 /// says), or as `n` workers (on these GPUs, or on the CPU).
 enum Start {
-    Alone(Placement),
+    Alone(Box<Placement>),
     Workers(usize, Option<Vec<usize>>),
 }
 
@@ -321,7 +321,7 @@ fn placement(args: &Args, path: &std::path::Path) -> flame::Result<Start> {
             });
         }
         return Ok(match workers {
-            0 | 1 => Start::Alone(Placement::default()),
+            0 | 1 => Start::Alone(Box::default()),
             n => Start::Workers(n, None),
         });
     }
@@ -338,11 +338,11 @@ fn placement(args: &Args, path: &std::path::Path) -> flame::Result<Start> {
             msg: format!("--gpus / train.gpus: {msg}"),
         })?;
     Ok(match list.len() {
-        0 => Start::Alone(Placement::default()),
-        1 => Start::Alone(Placement {
+        0 => Start::Alone(Box::default()),
+        1 => Start::Alone(Box::new(Placement {
             device: Some(gpu(list[0])?),
             ..Default::default()
-        }),
+        })),
         n => Start::Workers(n, Some(list)),
     })
 }

@@ -186,7 +186,7 @@ pub struct LoadOptions {
     /// or int8): their weights load as its codes whatever `fp8` says. `None`: in `dtype`.
     pub products: Option<crate::backend::fp8::Code8>,
     /// With int8 products, their inner axis rotated (`VarBuilder::with_int8_rotation`, the
-    /// outlier treatment); on by default.
+    /// outlier treatment); off by default.
     pub int8_rotation: bool,
     /// A LoRA file merged into the weights as they load (sampling with a trained LoRA);
     /// every tensor of it must find its layer.
@@ -236,7 +236,7 @@ pub fn products_refusal(
             ));
         }
     }
-    let _ = device;
+    let _ = (device, code);
     None
 }
 
@@ -251,7 +251,7 @@ impl LoadOptions {
             memory: Plan::default(),
             fp8: false,
             products: None,
-            int8_rotation: true,
+            int8_rotation: false,
             merge: None,
         }
     }

@@ -322,8 +322,9 @@ section! {
         /// (up to 256 values a block) before quantizing, the outlier treatment of QuaRot and
         /// musubi-tuner's ConvRot: the weights rotated once at load, each Linear's input (and
         /// its input gradient back) at a pass of its own; a token's few massive channels then
-        /// spread over the block instead of taking its int8 scale. false: plain int8.
-        int8_rotation: bool = true,
+        /// spread over the block instead of taking its int8 scale. Off by default: its passes
+        /// cost more than int8 saves for now (docs/TRAINING.md).
+        int8_rotation: bool = false,
         /// A diffusers config.json for a single file whose shapes do not pin its config down.
         config: Option<PathBuf> = None,
         /// The guidance input of guidance-distilled models (Flux dev) during training.

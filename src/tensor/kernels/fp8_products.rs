@@ -217,8 +217,8 @@ impl Kernel for HadamardRows {
         }
         let (rows, cols) = matrix(ROTATE, x)?;
         let b = self.block;
-        if !b.is_power_of_two() || b < 2 || b > crate::backend::int8::ROTATION_MAX || cols % b != 0
-        {
+        let within = (2..=crate::backend::int8::ROTATION_MAX).contains(&b);
+        if !b.is_power_of_two() || !within || cols % b != 0 {
             return Err(Error::invalid(
                 ROTATE,
                 format!(

@@ -266,15 +266,8 @@ fn fp8_products<'a>(
         x.dtype(),
         crate::DType::F32 | crate::DType::BF16 | crate::DType::F16
     );
-    (float && x.rank() == 2 && eight_bit_widths(out_dim, in_dim))
+    (float && x.rank() == 2 && super::eight_bit_widths(out_dim, in_dim))
         .then_some((scale, kept, *code, *rotation))
-}
-
-/// Whether an (out, in) 8-bit weight's widths let its products run in 8 bits: FP8 and int8
-/// tensor cores take multiples of 16 in both directions (the forward's and the backward's
-/// products).
-pub(crate) fn eight_bit_widths(out: usize, inp: usize) -> bool {
-    out % 16 == 0 && inp % 16 == 0
 }
 
 /// The backward of `packed_matmul`: dx = dy decode(W).

@@ -31,11 +31,11 @@ pub use functional::{
 };
 pub use heads::{merge_heads, split_qkv};
 pub use keys::{KeyMap, KeySource};
-pub(crate) use layers::eight_bit_widths;
 pub use layers::{
     upsample_nearest2d, Activation, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,
 };
 pub use lora_merge::{is_text_encoder_name, LoraMerge};
+pub(crate) use packed::eight_bit_widths;
 pub use packed::{Fp8Kept, Packing};
 pub use params::{HostWeights, VarBuilder};
 pub use seed::permutation;

@@ -197,6 +197,13 @@ impl Fp8Kept {
     }
 }
 
+/// Whether an (out, in) 8-bit weight's widths let its products run in 8 bits: FP8 and int8
+/// tensor cores take multiples of 16 in both directions (the forward's and the backward's
+/// products).
+pub(crate) fn eight_bit_widths(out: usize, inp: usize) -> bool {
+    out % 16 == 0 && inp % 16 == 0
+}
+
 /// u32 words holding `bytes` bytes.
 pub(crate) fn words_for(bytes: usize) -> usize {
     bytes.div_ceil(4)

@@ -67,16 +67,16 @@ fn plan_for(
     code: Code8,
     [m, n, k]: [usize; 3],
     out: DType,
-    epilogue: bool,
+    scales: bool,
 ) -> Result<Arc<Mutex<Plan>>> {
-    let key = (ordinal, code, m, n, k, out, epilogue);
+    let key = (ordinal, code, m, n, k, out, scales);
     let mut map = plans()
         .lock()
         .map_err(|_| Error::Cuda(format!("{OP}: the plan cache was poisoned")))?;
     if let Some(p) = map.get(&key) {
         return Ok(p.clone());
     }
-    let p = Arc::new(Mutex::new(Plan::new(code, [m, n, k], out, epilogue)?));
+    let p = Arc::new(Mutex::new(Plan::new(code, [m, n, k], out, scales)?));
     map.insert(key, p.clone());
     Ok(p)
 }

@@ -548,6 +548,17 @@ mod gpu {
         }
     }
 
+    /// `x` in `dt` as the CPU converts it, on `d`: the two backends' own conversions are not
+    /// what the GPU tests compare.
+    fn made_on_cpu(x: &[f32], shape: (usize, usize), dt: DType, d: &Device) -> Tensor {
+        Tensor::from_vec(x.to_vec(), shape, &CPU)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap()
+            .to_device(d)
+            .unwrap()
+    }
+
     /// The row quantization and the decode equal the CPU's bits at every form of the kernels
     /// (16-byte and 8-byte chunks, element by element, narrow rows several a block, wide rows
     /// read twice), with and without a column factor, zero, NaN and infinite rows included;
@@ -578,12 +589,7 @@ mod gpu {
             for dt in [DType::F32, DType::BF16, DType::F16] {
                 let mut outs = vec![];
                 for d in [CPU, dev.clone()] {
-                    let xt = Tensor::from_vec(x.clone(), (rows, cols), &CPU)
-                        .unwrap()
-                        .to_dtype(dt)
-                        .unwrap()
-                        .to_device(&d)
-                        .unwrap();
+                    let xt = made_on_cpu(&x, (rows, cols), dt, &d);
                     let ct = Tensor::from_vec(col.clone(), cols, &d).unwrap();
                     let (qc, qs) = xt.quant_rows8(I8, None).unwrap();
                     let (cc, cs) = xt.quant_rows8(I8, Some(&ct)).unwrap();
@@ -696,12 +702,7 @@ mod gpu {
                 for dt in [DType::F32, DType::BF16, DType::F16] {
                     let mut outs = vec![];
                     for d in [CPU, dev.clone()] {
-                        let xt = Tensor::from_vec(x.clone(), (rows, cols), &CPU)
-                            .unwrap()
-                            .to_dtype(dt)
-                            .unwrap()
-                            .to_device(&d)
-                            .unwrap();
+                        let xt = made_on_cpu(&x, (rows, cols), dt, &d);
                         outs.push(f32s(&xt.hadamard_rows(block).unwrap()));
                     }
                     assert_eq!(outs[0], outs[1], "({rows}, {cols}) block {block} {dt}");

@@ -196,6 +196,27 @@ pub fn quantize_rows_as(
     Ok((codes, scales))
 }
 
+/// The values of packed codes (rows, cols / 4) with one scale a row, row after row:
+/// `code.decode(c) * scale[row]` in f32, each product rounded once (the inverse of
+/// [`quantize_rows_as`] up to its rounding; cuda/fp8.cu's decode computes the same bits).
+/// `scales` holds one value per row of `codes`.
+pub fn dequantize_rows_as(code: Code8, codes: &[u32], scales: &[f32], cols: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    let table: Vec<f32> = (0..=255u8).map(|c| code.decode(c)).collect();
+    let words = cols / CODES_PER_WORD;
+    let mut out = vec![0f32; scales.len() * cols];
+    out.par_chunks_mut(cols.max(1))
+        .zip(scales.par_iter())
+        .enumerate()
+        .for_each(|(r, (row, &s))| {
+            for (c, v) in row.iter_mut().enumerate() {
+                let word = codes[r * words + c / CODES_PER_WORD];
+                *v = table[usize::from(unpack(word, c % CODES_PER_WORD))] * s;
+            }
+        });
+    out
+}
+
 /// Four codes into one word, the first in the low byte.
 pub fn pack(codes: impl Iterator<Item = u8>) -> u32 {
     codes

@@ -582,7 +582,12 @@ impl VarBuilder {
             let (codes, scales) = match code {
                 crate::backend::fp8::Code8::E4m3 => (codes, scales),
                 crate::backend::fp8::Code8::Int8 => {
-                    let mut values = fp8_values(&codes, &scales, in_dim);
+                    let mut values = fp8::dequantize_rows_as(
+                        crate::backend::fp8::Code8::E4m3,
+                        &codes,
+                        &scales,
+                        in_dim,
+                    );
                     if rotation > 0 {
                         crate::backend::int8::rotate_blocks(&mut values, rotation);
                     }
@@ -1081,19 +1086,4 @@ fn placeholder(dtype: DType, shape: &Shape, device: &Device) -> Result<Tensor> {
 fn drop_leading_ones(dims: &[usize]) -> &[usize] {
     let n = dims.iter().take_while(|&&d| d == 1).count();
     &dims[n..]
-}
-
-/// The values of FP8 codes (rows, cols / 4) with their row scales, row after row: each code's
-/// value times its row's scale, in f32.
-fn fp8_values(codes: &[u32], scales: &[f32], cols: usize) -> Vec<f32> {
-    use crate::backend::fp8::{decode, unpack, CODES_PER_WORD};
-    let words = cols / CODES_PER_WORD;
-    codes
-        .iter()
-        .enumerate()
-        .flat_map(|(i, &w)| {
-            let s = scales[i / words.max(1)];
-            (0..CODES_PER_WORD).map(move |j| decode(unpack(w, j)) * s)
-        })
-        .collect()
 }

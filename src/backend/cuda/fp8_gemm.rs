@@ -157,8 +157,8 @@ fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<C
             let y = dev.alloc::<T>(m * n)?;
             let out = y.slice.device_ptr(dev.stream()).0;
             let stream = dev.stream();
-            let epilogue = Epilogue::Scaled(sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream));
-            gemm(dev, code, [m, n, k], T::DTYPE, [a, b], out, epilogue, &algo)?;
+            let scales = Some((sa.buf.raw_ptr(stream), sb.buf.raw_ptr(stream)));
+            gemm(dev, code, [m, n, k], T::DTYPE, [a, b], out, scales, &algo)?;
             y
         }
         Form::ThenScale(algo) => {
@@ -172,7 +172,7 @@ fn run<T: Elem>(code: Code8, d: &[usize], args: &[&CudaStorage]) -> Result<Vec<C
                 DType::F32,
                 [a, b],
                 acc_ptr,
-                Epilogue::None,
+                None,
                 &algo,
             )?;
             scale_outer::<T>(dev, code, &acc, [sa, sb], bias, [m, n])?
@@ -271,21 +271,6 @@ fn scale_outer<T: Elem>(
     Ok(y)
 }
 
-/// What a product's GEMM does besides the sums: nothing (they go out unscaled), or the scale
-/// vectors (device pointers to sa and sb).
-#[derive(Clone, Copy)]
-enum Epilogue {
-    None,
-    Scaled(u64, u64),
-}
-
-impl Epilogue {
-    /// Whether the plan takes scale vectors.
-    fn key(self) -> bool {
-        matches!(self, Epilogue::Scaled(..))
-    }
-}
-
 /// The form a shape takes on `dev`: cuBLASLt's FP8 GEMM with its scale vectors where it has
 /// an algorithm for them, else unscaled into f32 (int8: always into i32), else the plain
 /// kernel.
@@ -313,13 +298,13 @@ fn find_form<T: Elem>(
         return Ok(Form::Naive);
     }
     let stream = dev.stream();
-    let scaled = Epilogue::Scaled(ops[1].buf.raw_ptr(stream), ops[3].buf.raw_ptr(stream));
+    let scaled = Some((ops[1].buf.raw_ptr(stream), ops[3].buf.raw_ptr(stream)));
     if code == Code8::E4m3 && bias.is_none() {
         if let Some(algo) = heuristic(dev, code, [m, n, k], T::DTYPE, scaled) {
             return Ok(Form::Scaled(algo));
         }
     }
-    if let Some(algo) = heuristic(dev, code, [m, n, k], DType::F32, Epilogue::None) {
+    if let Some(algo) = heuristic(dev, code, [m, n, k], DType::F32, None) {
         return Ok(Form::ThenScale(algo));
     }
     Ok(Form::Naive)
@@ -411,14 +396,6 @@ impl Plan {
         Ok(plan)
     }
 
-    /// The pointers of `epilogue` (the scale vectors).
-    fn set_epilogue(&self, epilogue: Epilogue) -> Result<()> {
-        if let Epilogue::Scaled(sa, sb) = epilogue {
-            self.set_scales(sa, sb)?;
-        }
-        Ok(())
-    }
-
     /// The scale vectors: cuBLASLt's A is `b` (its scales `sb`, one per output column of y),
     /// its B is `a` (`sa`).
     fn set_scales(&self, sa: u64, sb: u64) -> Result<()> {
@@ -446,8 +423,8 @@ unsafe fn set<T>(
     super::lt::set_desc(OP, desc, attr, v)
 }
 
-/// cuBLASLt's fastest algorithm for the product with `epilogue` (the scale vectors, with
-/// their pointers), or None where it has none: the library answers an unsupported
+/// cuBLASLt's fastest algorithm for the product (with the scale vectors at `scales`, (sa,
+/// sb), when given), or None where it has none: the library answers an unsupported
 /// combination with NOT_SUPPORTED or, for some scale modes, INVALID_VALUE, and either means
 /// the next form.
 fn heuristic(
@@ -455,9 +432,9 @@ fn heuristic(
     code: Code8,
     mnk: [usize; 3],
     out: DType,
-    epilogue: Epilogue,
+    scales: Option<(u64, u64)>,
 ) -> Option<sys::cublasLtMatmulAlgo_t> {
-    heuristic_or_err(dev, code, mnk, out, epilogue).ok()
+    heuristic_or_err(dev, code, mnk, out, scales).ok()
 }
 
 fn heuristic_or_err(
@@ -465,10 +442,12 @@ fn heuristic_or_err(
     code: Code8,
     mnk: [usize; 3],
     out: DType,
-    epilogue: Epilogue,
+    scales: Option<(u64, u64)>,
 ) -> Result<sys::cublasLtMatmulAlgo_t> {
-    let plan = Plan::new(code, mnk, out, epilogue.key())?;
-    plan.set_epilogue(epilogue)?;
+    let plan = Plan::new(code, mnk, out, scales.is_some())?;
+    if let Some((sa, sb)) = scales {
+        plan.set_scales(sa, sb)?;
+    }
     let lt = dev.lt()?;
     super::lt::fastest(
         OP,
@@ -480,8 +459,8 @@ fn heuristic_or_err(
     .ok_or_else(|| lt_err("heuristic", "no algorithm"))
 }
 
-/// One GEMM of the codes `a` and `b` into `out` (m x n of `out_dtype`, row-major), with
-/// `epilogue`.
+/// One GEMM of the codes `a` and `b` into `out` (m x n of `out_dtype`, row-major), with the
+/// scale vectors at `scales` (sa, sb) when given.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     dev: &Dev,
@@ -490,15 +469,17 @@ fn gemm(
     out_dtype: DType,
     [a, b]: [&CudaStorage; 2],
     out: u64,
-    epilogue: Epilogue,
+    scales: Option<(u64, u64)>,
     algo: &sys::cublasLtMatmulAlgo_t,
 ) -> Result<()> {
-    let kept = plan_for(dev.ordinal(), code, [m, n, k], out_dtype, epilogue.key())?;
+    let kept = plan_for(dev.ordinal(), code, [m, n, k], out_dtype, scales.is_some())?;
     let plan = kept
         .lock()
         .map_err(|_| Error::Cuda(format!("{OP}: a kept plan was poisoned")))?;
     let stream = dev.stream();
-    plan.set_epilogue(epilogue)?;
+    if let Some((sa, sb)) = scales {
+        plan.set_scales(sa, sb)?;
+    }
     let lt = dev.lt()?;
     let (pa, pb) = (a.buf.raw_ptr(stream), b.buf.raw_ptr(stream));
     let span = crate::backend::profile::Span::start(stream);

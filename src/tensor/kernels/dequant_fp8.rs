@@ -73,10 +73,8 @@ impl Kernel for DequantFp8 {
         args: &[(&crate::CpuStorage, &Layout)],
     ) -> Result<Vec<crate::CpuStorage>> {
         use crate::backend::cpu::{contiguous, f64_view};
-        use crate::backend::fp8;
         use crate::CpuStorage;
-        use rayon::prelude::*;
-        let (rows, cols) = (dims[0], dims[1]);
+        let cols = dims[1];
         let CpuStorage::U32(codes) = args[0].0 else {
             return Err(Error::UnsupportedDType {
                 op: "dequant_fp8",
@@ -84,20 +82,12 @@ impl Kernel for DequantFp8 {
             });
         };
         let codes = contiguous(codes, args[0].1);
-        let scale: Vec<f64> = f64_view(args[1].0, args[1].1);
-        let table: Vec<f32> = (0..=255u8).map(|c| self.code.decode(c)).collect();
-        let words = cols / CODES_PER_WORD;
-        let mut out = vec![0f32; rows * cols];
-        out.par_chunks_mut(cols.max(1))
-            .enumerate()
-            .for_each(|(r, row)| {
-                let s = scale[r] as f32;
-                for (c, v) in row.iter_mut().enumerate() {
-                    let word = codes[r * words + c / CODES_PER_WORD];
-                    let code = fp8::unpack(word, c % CODES_PER_WORD);
-                    *v = table[usize::from(code)] * s;
-                }
-            });
+        // Every scale is an f32: exact through f64.
+        let scale: Vec<f32> = f64_view(args[1].0, args[1].1)
+            .into_iter()
+            .map(|s| s as f32)
+            .collect();
+        let out = crate::backend::fp8::dequantize_rows_as(self.code, &codes, &scale, cols);
         // Rounded once from the f32 product, as the kernel does.
         Ok(vec![crate::backend::cpu::f32_values_as(
             out,

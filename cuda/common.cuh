@@ -54,6 +54,18 @@ __device__ __forceinline__ size_t offset_of(const StridedLayout& l, size_t i) {
 template <typename T> struct AccT { typedef float type; };
 template <> struct AccT<double> { typedef double type; };
 
+// Producer formulas shared by the kernels that compute them (the elementwise and fused kernels,
+// and the quantizing kernels of fp8.cu that fuse them), so each compiles to the same roundings.
+// GELU's tanh form uses sqrt(2/pi) and 0.044715 (Hendrycks & Gimpel, 2016).
+#define GELU_K 0.7978845608028654
+#define GELU_C 0.044715
+template <class A> __device__ __forceinline__ A gelu_tanh_value(A x) {
+  const A u = A(GELU_K) * (x + A(GELU_C) * x * x * x);
+  return A(0.5) * x * (A(1) + tanh(u));
+}
+// adaLN modulation x (1 + scale) + shift.
+template <class A> __device__ __forceinline__ A modulate_value(A x, A scale, A shift) { return x * (A(1) + scale) + shift; }
+
 __device__ __forceinline__ float to_acc(float x) { return x; }
 __device__ __forceinline__ double to_acc(double x) { return x; }
 __device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }

@@ -20,19 +20,11 @@ struct USign { template <class A> __device__ A operator()(A x, A, A) const { ret
 struct UAffine { template <class A> __device__ A operator()(A x, A m, A a) const { return x * m + a; } };
 struct UPowf { template <class A> __device__ A operator()(A x, A e, A) const { return pow(x, e); } };
 
-// Fused activations and their derivatives, the formulas of src/backend/cpu/num.rs. GELU's tanh
-// form uses sqrt(2/pi) and 0.044715 (Hendrycks & Gimpel, 2016); sigmoid is (1 + tanh(x/2))/2,
-// which never overflows.
-#define GELU_K 0.7978845608028654
-#define GELU_C 0.044715
+// Fused activations and their derivatives, the formulas of src/backend/cpu/num.rs (GELU's tanh
+// form in common.cuh); sigmoid is (1 + tanh(x/2))/2, which never overflows.
 template <class A> __device__ __forceinline__ A phi_cdf(A x) { return A(0.5) * (A(1) + erf(x * A(0.7071067811865476))); }
 struct UGelu { template <class A> __device__ A operator()(A x, A, A) const { return x * phi_cdf(x); } };
-struct UGeluTanh {
-  template <class A> __device__ A operator()(A x, A, A) const {
-    const A u = A(GELU_K) * (x + A(GELU_C) * x * x * x);
-    return A(0.5) * x * (A(1) + tanh(u));
-  }
-};
+struct UGeluTanh { template <class A> __device__ A operator()(A x, A, A) const { return gelu_tanh_value(x); } };
 struct USilu { template <class A> __device__ A operator()(A x, A, A) const { return x * sigmoid_t(x); } };
 
 template <typename T, typename Op>

@@ -278,9 +278,54 @@ __device__ __forceinline__ void encode_chunk(const QuantChunk<T, N>& c, const fl
 // Chunks a thread keeps in registers between the two passes.
 #define QUANT_HELD 4
 
-template <typename T, int N, bool COLS, bool VEC, int C>
+// What a quantizing kernel computes from x before it quantizes (the fused producers of
+// src/tensor/kernels/produce8.rs): nothing, adaLN's modulation y = x (1 + scale) + shift (shift
+// and scale rows a batch of `per_batch` rows), or GELU's tanh form; with a producer the kernel
+// writes y (rounded to T, the values it quantizes) beside the codes, as the producer's own kernel
+// computes it (common.cuh).
+#define PRO_NONE 0
+#define PRO_MODULATE 1
+#define PRO_GELU_TANH 2
+template <typename T> struct Producer {
+  T* y;
+  const T* shift;
+  const T* scale;
+  size_t per_batch;
+};
+
+template <typename T, int N, bool VEC>
+__device__ __forceinline__ void store_quant_chunk(T* p, const QuantChunk<T, N>& c) {
+  if constexpr (VEC) {
+    typedef typename QuantVec<N * sizeof(T)>::type V;
+    *reinterpret_cast<V*>(p) = *reinterpret_cast<const V*>(c.v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) p[j] = c.v[j];
+  }
+}
+
+// Chunk c of x's row `row` (read into `q`) made into the producer's values, stored into y.
+template <typename T, int N, bool VEC, int PRO>
+__device__ __forceinline__ void produce_chunk(QuantChunk<T, N>& q, const Producer<T>& p, size_t row, size_t cols,
+                                              size_t c) {
+  typedef typename AccT<T>::type A;
+  if constexpr (PRO == PRO_MODULATE) {
+    const size_t o = (row / p.per_batch) * cols + c * N;
+    QuantChunk<T, N> sh, sc;
+    load_quant_chunk<T, N, VEC>(p.shift + o, sh);
+    load_quant_chunk<T, N, VEC>(p.scale + o, sc);
+#pragma unroll
+    for (int j = 0; j < N; ++j) q.v[j] = from_acc<T>(modulate_value<A>(to_acc(q.v[j]), to_acc(sc.v[j]), to_acc(sh.v[j])));
+  } else if constexpr (PRO == PRO_GELU_TANH) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) q.v[j] = from_acc<T>(gelu_tanh_value<A>(to_acc(q.v[j])));
+  }
+  if constexpr (PRO != PRO_NONE) store_quant_chunk<T, N, VEC>(p.y + row * cols + c * N, q);
+}
+
+template <typename T, int N, bool COLS, bool VEC, int C, int PRO = PRO_NONE>
 __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint32_t* codes, float* scale, size_t rows,
-                                               size_t cols) {
+                                               size_t cols, Producer<T> pro = Producer<T>{}) {
   __shared__ float red[32];
   const unsigned g = blockDim.x, t = threadIdx.x;
   const size_t row = (size_t)blockIdx.x * blockDim.y + threadIdx.y;
@@ -294,12 +339,14 @@ __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint
     const size_t c = t + (size_t)k * g;
     if (c < chunks) {
       load_quant_chunk<T, N, VEC>(xr + c * N, held[k]);
+      produce_chunk<T, N, VEC, PRO>(held[k], pro, row, cols, c);
       m = chunk_absmax<T, N, COLS, VEC, C>(held[k], cs + c * N, m);
     }
   }
   for (size_t c = t + (size_t)QUANT_HELD * g; c < chunks; c += g) {
     QuantChunk<T, N> q;
     load_quant_chunk<T, N, VEC>(xr + c * N, q);
+    produce_chunk<T, N, VEC, PRO>(q, pro, row, cols, c);
     m = chunk_absmax<T, N, COLS, VEC, C>(q, cs + c * N, m);
   }
   if (g <= 32) {
@@ -330,9 +377,12 @@ __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint
     const size_t c = t + (size_t)k * g;
     if (c < chunks) encode_chunk<T, N, COLS, VEC, C>(held[k], cs + c * N, r, cr + c * (N / 4));
   }
+  // Chunks past the held ones are read again: a producer's from its own output (this thread's
+  // stores).
+  const T* again = PRO == PRO_NONE ? xr : pro.y + row * cols;
   for (size_t c = t + (size_t)QUANT_HELD * g; c < chunks; c += g) {
     QuantChunk<T, N> q;
-    load_quant_chunk<T, N, VEC>(xr + c * N, q);
+    load_quant_chunk<T, N, VEC>(again + c * N, q);
     encode_chunk<T, N, COLS, VEC, C>(q, cs + c * N, r, cr + c * (N / 4));
   }
 }
@@ -363,6 +413,31 @@ __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint
   QUANT_ROWS_FP8_FORM(P##_v8_f16, __half, 4, true, C)
 QUANT_ROWS_FORMS(quant_rows_fp8, CODE_E4M3)
 QUANT_ROWS_FORMS(quant_rows_i8, CODE_INT8)
+
+// The fused producers, in the same forms: NAME##_mod (modulation) and NAME##_gelu (GELU's tanh
+// form) write y (rows, cols) and the codes and scales of y's rows.
+#define PRODUCE_ROWS_FORM(NAME, T, N, VEC, C)                                                                \
+  extern "C" __global__ void NAME##_mod(const T* x, const T* shift, const T* sc, size_t per_batch, T* y,     \
+                                        uint32_t* codes, float* scale, size_t rows, size_t cols) {           \
+    quant_rows_fp8<T, N, false, VEC, C, PRO_MODULATE>(x, nullptr, codes, scale, rows, cols,                  \
+                                                      Producer<T>{y, shift, sc, per_batch});                 \
+  }                                                                                                          \
+  extern "C" __global__ void NAME##_gelu(const T* x, T* y, uint32_t* codes, float* scale, size_t rows,      \
+                                         size_t cols) {                                                      \
+    quant_rows_fp8<T, N, false, VEC, C, PRO_GELU_TANH>(x, nullptr, codes, scale, rows, cols,                 \
+                                                       Producer<T>{y, nullptr, nullptr, 1});                 \
+  }
+#define PRODUCE_ROWS_FORMS(P, C)                                                                             \
+  PRODUCE_ROWS_FORM(P##_f32, float, 4, false, C)                                                             \
+  PRODUCE_ROWS_FORM(P##_bf16, __nv_bfloat16, 4, false, C)                                                    \
+  PRODUCE_ROWS_FORM(P##_f16, __half, 4, false, C)                                                            \
+  PRODUCE_ROWS_FORM(P##_v16_f32, float, 4, true, C)                                                          \
+  PRODUCE_ROWS_FORM(P##_v16_bf16, __nv_bfloat16, 8, true, C)                                                 \
+  PRODUCE_ROWS_FORM(P##_v16_f16, __half, 8, true, C)                                                         \
+  PRODUCE_ROWS_FORM(P##_v8_bf16, __nv_bfloat16, 4, true, C)                                                  \
+  PRODUCE_ROWS_FORM(P##_v8_f16, __half, 4, true, C)
+PRODUCE_ROWS_FORMS(quant_rows_fp8, CODE_E4M3)
+PRODUCE_ROWS_FORMS(quant_rows_i8, CODE_INT8)
 
 // hadamard_rows: x (rows, cols) T -> y (rows, cols) T, each block of B values of a row (B a power of
 // two up to 256 dividing cols; the launcher checks) rotated by the normalized Sylvester Hadamard

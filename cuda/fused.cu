@@ -197,14 +197,14 @@ __device__ __forceinline__ void modulate_fwd(const T* __restrict__ x, const T* s
       Pack8<T> o;
 #pragma unroll
       for (int k = 0; k < 8; ++k)
-        o.v[k] = from_acc<T>(to_acc(a.v[k]) * (A(1) + to_acc(scale[p + k])) + to_acc(shift[p + k]));
+        o.v[k] = from_acc<T>(modulate_value<A>(to_acc(a.v[k]), to_acc(scale[p + k]), to_acc(shift[p + k])));
       reinterpret_cast<Pack8<T>*>(y)[v] = o;
     }
     return;
   }
   GRID_STRIDE(j, (size_t)n) {
     const I i = (I)j, p = i / LD * D + i % D;
-    y[i] = from_acc<T>(to_acc(x[i]) * (A(1) + to_acc(scale[p])) + to_acc(shift[p]));
+    y[i] = from_acc<T>(modulate_value<A>(to_acc(x[i]), to_acc(scale[p]), to_acc(shift[p])));
   }
 }
 

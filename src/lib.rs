@@ -87,4 +87,4 @@ pub use device::{Device, DeviceChoice};
 pub use dtype::{bf16_nearest, CpuStorage, DType, WithDType};
 pub use error::{Error, Result, Setting};
 pub use shape::{Dim, Layout, Shape};
-pub use tensor::{fp8_product, product8, product8_bias, sum_sq_multi, Tensor, TensorId};
+pub use tensor::{fp8_product, product8, product8_bias, sum_sq_multi, Rows8, Tensor, TensorId};

@@ -33,6 +33,16 @@ pub enum Code8 {
     Int8,
 }
 
+/// What a quantizing pass computes from its input before it quantizes: the producers whose
+/// outputs feed 8-bit products, fused so the activations are not read a second time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Produce {
+    /// adaLN modulation `x (1 + scale) + shift`, shift and scale one row a batch.
+    Modulate,
+    /// GELU's tanh form.
+    GeluTanh,
+}
+
 impl Code8 {
     /// Its name in messages and configs ("fp8", "int8").
     pub fn name(self) -> &'static str {

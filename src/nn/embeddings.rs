@@ -121,6 +121,19 @@ pub fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
     x.modulate(shift, scale)
 }
 
+/// `lin.forward(modulate(x, shift, scale))`, where `lin`'s products run in 8 bits with the
+/// modulation quantizing its output's rows in its own pass (`Linear::input_code`,
+/// `Tensor::modulate_quant8`).
+pub fn modulate_into(x: &Tensor, shift: &Tensor, scale: &Tensor, lin: &Linear) -> Result<Tensor> {
+    match lin.input_code() {
+        Some(code) => {
+            let (y, rows) = x.modulate_quant8(shift, scale, code)?;
+            lin.forward_rows8(&y, Some(&rows))
+        }
+        None => lin.forward(&modulate(x, shift, scale)?),
+    }
+}
+
 /// Flux's `Modulation`: `lin(silu(vec))` split into (shift, scale, gate) triples, one triple
 /// for a single-stream block, two for a double-stream one. Keys: `lin.weight`, `lin.bias`.
 #[derive(Clone, Debug)]
@@ -178,5 +191,11 @@ impl ModulationOut {
     /// `x * (1 + scale) + shift`
     pub fn modulate(&self, x: &Tensor) -> Result<Tensor> {
         modulate(x, &self.shift, &self.scale)
+    }
+
+    /// `lin.forward(self.modulate(x))`, where `lin`'s products run in 8 bits with the
+    /// modulation quantizing its output's rows in its own pass (`Linear::input_code`).
+    pub fn modulate_into(&self, x: &Tensor, lin: &Linear) -> Result<Tensor> {
+        modulate_into(x, &self.shift, &self.scale, lin)
     }
 }

@@ -71,6 +71,44 @@ impl Linear {
 
     /// (..., in) -> (..., out): one 2D GEMM over all leading dims, W^T passed as a view.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_rows8(x, None)
+    }
+
+    /// `self.forward(h.gelu_tanh())`, GELU quantizing its output's rows for 8-bit products in
+    /// its own pass where this layer has them (`Linear::input_code`).
+    pub fn forward_gelu_tanh(&self, h: &Tensor) -> Result<Tensor> {
+        match self.input_code() {
+            Some(code) => {
+                let (y, rows) = h.gelu_tanh_quant8(code)?;
+                self.forward_rows8(&y, Some(&rows))
+            }
+            None => self.forward(&h.gelu_tanh()?),
+        }
+    }
+
+    /// The code this Linear's 8-bit products quantize their input rows into, where the
+    /// producer of the input may do it in its own pass (`Tensor::modulate_quant8`,
+    /// `Tensor::gelu_tanh_quant8`, then [`Linear::forward_rows8`]): a packed weight whose
+    /// products run in 8 bits unrotated, at widths the tensor cores take. Otherwise None.
+    pub fn input_code(&self) -> Option<crate::backend::fp8::Code8> {
+        match &self.packing {
+            Some(Packing::Fp8 {
+                code,
+                rotation: 0,
+                products: true,
+                ..
+            }) => {
+                let (in_dim, out_dim) = self.dims();
+                super::eight_bit_widths(out_dim, in_dim).then_some(*code)
+            }
+            _ => None,
+        }
+    }
+
+    /// [`Linear::forward`] with the rows of `x` (flattened to (rows, in)) already in 8-bit
+    /// codes, made by the op that produced `x`: an 8-bit product in the same code takes them
+    /// instead of quantizing `x` again; any other form of the layer ignores them.
+    pub fn forward_rows8(&self, x: &Tensor, rows8: Option<&crate::Rows8>) -> Result<Tensor> {
         let d = x.dims();
         let (in_dim, out_dim) = self.dims();
         if d.last() != Some(&in_dim) {
@@ -112,6 +150,7 @@ impl Linear {
                 p,
                 out_dim,
                 early_bias.filter(|b| !b.requires_grad() && p.fuses_bias()),
+                rows8,
                 keep,
             )?,
             None if host => (host_matmul(&x, &self.weight, keep)?, false, false),
@@ -189,7 +228,8 @@ fn one_output(y: Vec<Tensor>, x: &Tensor, out: usize, what: &str) -> Result<Tens
 /// dropped after it. The backward (dx = dy W) decodes it again, so the tape keeps only the
 /// packed words (a frozen weight gets no gradient). With `keep`, a checkpoint may keep the
 /// output (see `Tensor::linear_product`); its re-run then neither decodes nor multiplies.
-/// With 8-bit products, `bias` (frozen, in x's dtype) is added in the product's own pass.
+/// With 8-bit products, `bias` (frozen, in x's dtype) is added in the product's own pass, and
+/// `rows8`, x's rows in the product's code made by x's producer, stand for its quantization.
 /// Also returns whether the weight went unread (as `linear_product`) and whether the bias
 /// was added.
 fn packed_matmul(
@@ -198,6 +238,7 @@ fn packed_matmul(
     packing: &Packing,
     out_dim: usize,
     bias: Option<&Tensor>,
+    rows8: Option<&crate::Rows8>,
     keep: &[KeptKind],
 ) -> Result<(Tensor, bool, bool)> {
     let eight = fp8_products(packing, packed, x);
@@ -205,12 +246,18 @@ fn packed_matmul(
     let compute = || -> Result<Vec<Tensor>> {
         let _g = crate::no_grad();
         if let Some((scale, _, code, rotation)) = eight {
-            // The input rotated as the weight's codes were (x H), where they were.
-            let rotated = match rotation {
-                0 => None,
-                b => Some(x.hadamard_rows(b)?),
+            let (rows, cols) = (x.dims()[0], x.dims()[1]);
+            let (qx, sx) = match rows8.filter(|r| rotation == 0 && r.fits(code, rows, cols)) {
+                Some(r) => (r.codes.clone(), r.scales.clone()),
+                None => {
+                    // The input rotated as the weight's codes were (x H), where they were.
+                    let rotated = match rotation {
+                        0 => None,
+                        b => Some(x.hadamard_rows(b)?),
+                    };
+                    rotated.as_ref().unwrap_or(x).quant_rows8(code, None)?
+                }
             };
-            let (qx, sx) = rotated.as_ref().unwrap_or(x).quant_rows8(code, None)?;
             return Ok(vec![crate::product8_bias(
                 code,
                 [&qx, &sx, packed, scale],

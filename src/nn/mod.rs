@@ -24,7 +24,8 @@ pub use adapter::{
 pub use conv::{Conv2d, Conv2dConfig};
 pub use dropout::{BatchPart, Dropout};
 pub use embeddings::{
-    apply_rope, modulate, rope, timestep_embedding, EmbedNd, Modulation, ModulationOut,
+    apply_rope, modulate, modulate_into, rope, timestep_embedding, EmbedNd, Modulation,
+    ModulationOut,
 };
 pub use functional::{
     adaptive_avg_pool2d, avg_pool2d, conv2d, conv2d_banded, max_pool2d, pad2d, COLUMN_BYTES,

@@ -8,7 +8,7 @@ mod ops;
 mod view;
 
 pub use kernels::{
-    fp8_product, product8, product8_bias, scaled_dot_product_attention, CPU_COMPOSITE_SCORES,
+    fp8_product, product8, product8_bias, scaled_dot_product_attention, Rows8, CPU_COMPOSITE_SCORES,
 };
 pub use multi::sum_sq_multi;
 

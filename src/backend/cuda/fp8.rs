@@ -6,7 +6,7 @@
 
 use super::layout::grid_for;
 use super::storage::{launch, CudaStorage, Elem};
-use crate::backend::fp8::Code8;
+use crate::backend::fp8::{Code8, Produce};
 use crate::{DType, Error, Result, Shape};
 use half::{bf16, f16};
 
@@ -124,14 +124,58 @@ fn quant_block(chunks: usize) -> (u32, u32) {
 /// in registers, so a row of up to 4 x 512 chunks is read from memory once. On Hopper the
 /// kernels of the compute_90 build (`fp8_sm90`) encode with the hardware's conversion.
 pub(crate) fn quant_rows(code: Code8, d: &[usize], a: &[&CudaStorage]) -> Result<Vec<CudaStorage>> {
+    quant_rows_with(code, None, d, a)
+}
+
+/// [`quant_rows`] with a producer computed first (`quant_rows_*_mod`, `quant_rows_*_gelu`):
+/// for `Produce::Modulate` [x (rows, cols), shift, scale (batches, cols)] with `d` = [rows,
+/// cols, rows a batch], for `Produce::GeluTanh` [x (rows, cols)] with `d` = [rows, cols]; ->
+/// [y (rows, cols) in x's dtype, codes, scale]: the producer's output and its rows' codes.
+pub(crate) fn quant_rows_with(
+    code: Code8,
+    produce: Option<Produce>,
+    d: &[usize],
+    a: &[&CudaStorage],
+) -> Result<Vec<CudaStorage>> {
     const OP: &str = "quant_rows_fp8";
-    let &[rows, cols] = d else {
-        return Err(Error::Cuda(format!("{OP}: {} sizes, expected 2", d.len())));
+    let (rows, cols, per_batch) = match (produce, d) {
+        (Some(Produce::Modulate), &[rows, cols, per_batch]) => (rows, cols, per_batch),
+        (None | Some(Produce::GeluTanh), &[rows, cols]) => (rows, cols, 1),
+        _ => {
+            return Err(Error::Cuda(format!(
+                "{OP}: {} sizes for {produce:?}",
+                d.len()
+            )))
+        }
     };
     let Some(x) = a.first() else {
         return Err(Error::Cuda(format!("{OP}: no operands")));
     };
-    let col = a.get(1);
+    // The column factors (plain quantization), or the modulation's shift and scale.
+    let col = a.get(1).filter(|_| produce.is_none());
+    let modulation = match (produce, a) {
+        (Some(Produce::Modulate), &[_, shift, scale]) => {
+            let batches = rows.div_ceil(per_batch.max(1));
+            if per_batch == 0
+                || shift.buf.len() < batches * cols
+                || scale.buf.len() < batches * cols
+            {
+                return Err(Error::invalid(
+                    OP,
+                    format!("a modulation of {per_batch} rows a batch and operands too small"),
+                    &Shape::from((rows, cols)),
+                ));
+            }
+            Some((shift, scale))
+        }
+        (Some(Produce::Modulate), _) => {
+            return Err(Error::Cuda(format!(
+                "{OP}: {} operands for a modulation, expected 3",
+                a.len()
+            )))
+        }
+        _ => None,
+    };
     if cols % crate::backend::fp8::CODES_PER_WORD != 0 {
         return Err(Error::invalid(
             OP,
@@ -149,6 +193,10 @@ pub(crate) fn quant_rows(code: Code8, d: &[usize], a: &[&CudaStorage]) -> Result
     let dev = &x.dev;
     let mut codes = dev.alloc::<u32>(rows * cols / crate::backend::fp8::CODES_PER_WORD)?;
     let mut scale = dev.alloc::<f32>(rows)?;
+    let y = match produce {
+        Some(_) => Some(dev.alloc_like(x.buf.dtype(), rows * cols)?),
+        None => None,
+    };
     if rows > 0 {
         let sfx = match x.buf.dtype() {
             DType::F32 => "f32",
@@ -159,11 +207,18 @@ pub(crate) fn quant_rows(code: Code8, d: &[usize], a: &[&CudaStorage]) -> Result
         let elem = x.buf.dtype().size_in_bytes();
         let xp = x.buf.raw_ptr(dev.stream());
         let cp = col.map(|c| c.buf.raw_ptr(dev.stream()));
-        // The factors are read four at a time (16 bytes) by the vector forms.
+        let mp =
+            modulation.map(|(sh, sc)| (sh.buf.raw_ptr(dev.stream()), sc.buf.raw_ptr(dev.stream())));
+        let yp = y.as_ref().map(|y| y.buf.raw_ptr(dev.stream()));
+        // The factors are read four at a time (16 bytes) by the vector forms; the modulation's
+        // rows and the producer's output a chunk at a time, as x.
         let cs16 = cp.is_none_or(|p| p % 16 == 0);
-        let (form, per_chunk) = if (cols * elem) % 16 == 0 && xp % 16 == 0 && cs16 {
+        let aligned = |a: u64| {
+            mp.is_none_or(|(sh, sc)| sh % a == 0 && sc % a == 0) && yp.is_none_or(|p| p % a == 0)
+        };
+        let (form, per_chunk) = if (cols * elem) % 16 == 0 && xp % 16 == 0 && cs16 && aligned(16) {
             ("v16_", 16 / elem)
-        } else if elem == 2 && xp % 8 == 0 && cs16 {
+        } else if elem == 2 && xp % 8 == 0 && cs16 && aligned(8) {
             ("v8_", 4)
         } else {
             ("", 4)
@@ -184,6 +239,48 @@ pub(crate) fn quant_rows(code: Code8, d: &[usize], a: &[&CudaStorage]) -> Result
         };
         // Hopper gets the compute_90 build, which encodes with the hardware's conversion.
         let module = super::hopper_module(dev, "fp8").unwrap_or("fp8");
+        let name = format!("quant_rows_{}_{form}{sfx}", stem(code));
+        match (produce, mp, yp) {
+            (Some(Produce::Modulate), Some((shp, scp)), Some(yp)) => {
+                launch!(
+                    dev,
+                    module,
+                    format!("{name}_mod"),
+                    cfg,
+                    &xp,
+                    &shp,
+                    &scp,
+                    &per_batch,
+                    &yp,
+                    &mut *codes.slice,
+                    &mut *scale.slice,
+                    &rows,
+                    &cols
+                )?;
+                return finish(x, y, codes, scale);
+            }
+            (Some(Produce::GeluTanh), None, Some(yp)) => {
+                launch!(
+                    dev,
+                    module,
+                    format!("{name}_gelu"),
+                    cfg,
+                    &xp,
+                    &yp,
+                    &mut *codes.slice,
+                    &mut *scale.slice,
+                    &rows,
+                    &cols
+                )?;
+                return finish(x, y, codes, scale);
+            }
+            (Some(_), _, _) => {
+                return Err(Error::Cuda(format!(
+                    "{OP}: a producer without its operands"
+                )))
+            }
+            (None, _, _) => {}
+        }
         match cp {
             Some(cp) => {
                 launch!(
@@ -214,7 +311,20 @@ pub(crate) fn quant_rows(code: Code8, d: &[usize], a: &[&CudaStorage]) -> Result
             }
         }
     }
-    Ok(vec![x.wrap(u32::wrap(codes)), x.wrap(f32::wrap(scale))])
+    finish(x, y, codes, scale)
+}
+
+/// The outputs of a quantizing pass: the producer's output where there is one, the codes and
+/// the scales.
+fn finish(
+    x: &CudaStorage,
+    y: Option<CudaStorage>,
+    codes: super::memory::DevBuf<u32>,
+    scale: super::memory::DevBuf<f32>,
+) -> Result<Vec<CudaStorage>> {
+    Ok(y.into_iter()
+        .chain([x.wrap(u32::wrap(codes)), x.wrap(f32::wrap(scale))])
+        .collect())
 }
 
 /// [x (rows, cols) f32/bf16/f16] (dense; `d` = [rows, cols]) -> [x with each block of `block`

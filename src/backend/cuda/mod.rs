@@ -49,6 +49,7 @@ pub(crate) mod kit {
     pub(crate) use super::fp8::dequant as dequant_fp8;
     pub(crate) use super::fp8::hadamard_rows;
     pub(crate) use super::fp8::quant_rows as quant_rows_fp8;
+    pub(crate) use super::fp8::quant_rows_with as quant_rows_fp8_with;
     pub(crate) use super::fp8::transpose as transpose_fp8;
     pub(crate) use super::fp8_gemm::product as fp8_product;
     pub(crate) use super::fused::{cfg, colsum_shape, ptr, sum_parts, sweep};

@@ -74,11 +74,11 @@ impl DoubleStreamBlock {
         let tm = self.txt.modulation.forward_activated(vec_act)?;
         let norm = |x: &Tensor| x.layer_norm(None, None, EPS);
         let (iq, ik, iv) = self.img.norm.qkv(
-            &self.img.qkv.forward(&im[0].modulate(&norm(img)?)?)?,
+            &im[0].modulate_into(&norm(img)?, &self.img.qkv)?,
             self.heads,
         )?;
         let (tq, tk, tv) = self.txt.norm.qkv(
-            &self.txt.qkv.forward(&tm[0].modulate(&norm(txt)?)?)?,
+            &tm[0].modulate_into(&norm(txt)?, &self.txt.qkv)?,
             self.heads,
         )?;
         let q = Tensor::cat(&[&tq, &iq], 2)?;
@@ -92,8 +92,8 @@ impl DoubleStreamBlock {
         );
         let stream = |s: &Stream, x: &Tensor, a: &Tensor, m: &[crate::nn::ModulationOut]| {
             let x = x.add(&m[0].gate.mul(&s.proj.forward(a)?)?)?;
-            let h = s.mlp0.forward(&m[1].modulate(&norm(&x)?)?)?.gelu_tanh()?;
-            x.add(&m[1].gate.mul(&s.mlp2.forward(&h)?)?)
+            let h = m[1].modulate_into(&norm(&x)?, &s.mlp0)?;
+            x.add(&m[1].gate.mul(&s.mlp2.forward_gelu_tanh(&h)?)?)
         };
         Ok((
             stream(&self.img, img, &i_attn, &im)?,
@@ -132,8 +132,7 @@ impl SingleStreamBlock {
     /// [`DoubleStreamBlock::forward`] -> (B, T+L, D).
     pub fn forward(&self, x: &Tensor, vec_act: &Tensor, pe: &Tensor) -> Result<Tensor> {
         let m = self.modulation.forward_activated(vec_act)?;
-        let x_mod = m[0].modulate(&x.layer_norm(None, None, EPS)?)?;
-        let h = self.linear1.forward(&x_mod)?;
+        let h = m[0].modulate_into(&x.layer_norm(None, None, EPS)?, &self.linear1)?;
         let width = h.dims()[2];
         let qkv = h.narrow(2, 0, 3 * self.hidden)?;
         let mlp = h.narrow(2, 3 * self.hidden, width - 3 * self.hidden)?;

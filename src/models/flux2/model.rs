@@ -58,10 +58,10 @@ impl Stream {
     /// After attention: x + gate1 proj(a), then x + gate2 mlp(modulate2(norm(x))).
     fn finish(&self, x: &Tensor, a: &Tensor, m: &[ModulationOut], eps: f64) -> Result<Tensor> {
         let x = x.add(&m[0].gate.mul(&self.proj.forward(a)?)?)?;
-        let h = m[1].modulate(&x.layer_norm(None, None, eps)?)?;
+        let h = m[1].modulate_into(&x.layer_norm(None, None, eps)?, &self.mlp0)?;
         // SwiGLU: silu(first half) * second half (diffusers `Flux2SwiGLU`, BFL
         // `SiLUActivation`), one fused kernel each way.
-        let h = self.mlp2.forward(&self.mlp0.forward(&h)?.swiglu()?)?;
+        let h = self.mlp2.forward(&h.swiglu()?)?;
         x.add(&m[1].gate.mul(&h)?)
     }
 }
@@ -101,11 +101,11 @@ impl DoubleStreamBlock {
         let (im, tm) = (triples(mod_img, 2)?, triples(mod_txt, 2)?);
         let norm = |x: &Tensor| x.layer_norm(None, None, self.eps);
         let (iq, ik, iv) = self.img.norm.qkv(
-            &self.img.qkv.forward(&im[0].modulate(&norm(img)?)?)?,
+            &im[0].modulate_into(&norm(img)?, &self.img.qkv)?,
             self.heads,
         )?;
         let (tq, tk, tv) = self.txt.norm.qkv(
-            &self.txt.qkv.forward(&tm[0].modulate(&norm(txt)?)?)?,
+            &tm[0].modulate_into(&norm(txt)?, &self.txt.qkv)?,
             self.heads,
         )?;
         let q = Tensor::cat(&[&tq, &iq], 2)?;
@@ -155,8 +155,7 @@ impl SingleStreamBlock {
     /// [`DoubleStreamBlock::forward`] -> (B, T+L, D).
     pub fn forward(&self, x: &Tensor, m: &Tensor, pe: &Tensor) -> Result<Tensor> {
         let m = triples(m, 1)?;
-        let x_mod = m[0].modulate(&x.layer_norm(None, None, self.eps)?)?;
-        let h = self.linear1.forward(&x_mod)?;
+        let h = m[0].modulate_into(&x.layer_norm(None, None, self.eps)?, &self.linear1)?;
         let width = h.dims()[2];
         let qkv = h.narrow(2, 0, 3 * self.hidden)?;
         let mlp = h.narrow(2, 3 * self.hidden, width - 3 * self.hidden)?;

@@ -5,8 +5,8 @@ use super::Sd3Config;
 use crate::memory::BlockExec;
 use crate::models::common::{merge_heads, split_qkv, FinalLayer, EPS};
 use crate::nn::{
-    scaled_dot_product_attention, timestep_embedding, Conv2d, Conv2dConfig, Linear, RmsNorm,
-    VarBuilder,
+    modulate_into, scaled_dot_product_attention, timestep_embedding, Conv2d, Conv2dConfig, Linear,
+    RmsNorm, VarBuilder,
 };
 use crate::{DType, Error, Result, Tensor};
 
@@ -68,9 +68,9 @@ impl Attention {
         })
     }
 
-    /// x (B, N, D) -> q, k, v (B, H, N, E).
-    fn qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let (q, k, v) = split_qkv(&self.qkv.forward(x)?, self.heads)?;
+    /// modulate(x, shift, scale) (x (B, N, D)) -> q, k, v (B, H, N, E).
+    fn qkv(&self, x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (q, k, v) = split_qkv(&modulate_into(x, shift, scale, &self.qkv)?, self.heads)?;
         match &self.ln {
             Some((lq, lk)) => Ok((lq.forward(&q)?, lk.forward(&k)?, v)),
             None => Ok((q, k, v)),
@@ -105,8 +105,10 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.fc2.forward(&self.fc1.forward(x)?.gelu_tanh()?)
+    /// fc2(gelu_tanh(fc1(modulate(x, shift, scale)))).
+    fn forward_modulated(&self, x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+        self.fc2
+            .forward_gelu_tanh(&modulate_into(x, shift, scale, &self.fc1)?)
     }
 }
 
@@ -158,14 +160,14 @@ impl Stream {
     fn post(&self, x: &Tensor, xn: &Tensor, a: &Tensor, m: &[Tensor]) -> Result<Tensor> {
         let mut x = x.add(&m[2].mul(&self.attn.proj(a)?)?)?;
         if let Some(attn2) = &self.attn2 {
-            let (q, k, v) = attn2.qkv(&xn.modulate(&m[6], &m[7])?)?;
+            let (q, k, v) = attn2.qkv(xn, &m[6], &m[7])?;
             x = x.add(&m[8].mul(&attn2.proj(&sdpa(&q, &k, &v)?)?)?)?;
         }
         let Some(mlp) = &self.mlp else {
             return Ok(x);
         };
-        let h = x.layer_norm(None, None, EPS)?.modulate(&m[3], &m[4])?;
-        x.add(&m[5].mul(&mlp.forward(&h)?)?)
+        let h = mlp.forward_modulated(&x.layer_norm(None, None, EPS)?, &m[3], &m[4])?;
+        x.add(&m[5].mul(&h)?)
     }
 }
 
@@ -203,8 +205,8 @@ impl JointBlock {
         let cm = self.context_block.mods(c_act)?;
         let xn = x.layer_norm(None, None, EPS)?;
         let cn = context.layer_norm(None, None, EPS)?;
-        let (xq, xk, xv) = self.x_block.attn.qkv(&xn.modulate(&xm[0], &xm[1])?)?;
-        let (cq, ck, cv) = self.context_block.attn.qkv(&cn.modulate(&cm[0], &cm[1])?)?;
+        let (xq, xk, xv) = self.x_block.attn.qkv(&xn, &xm[0], &xm[1])?;
+        let (cq, ck, cv) = self.context_block.attn.qkv(&cn, &cm[0], &cm[1])?;
         let q = Tensor::cat(&[&cq, &xq], 2)?;
         let k = Tensor::cat(&[&ck, &xk], 2)?;
         let v = Tensor::cat(&[&cv, &xv], 2)?;

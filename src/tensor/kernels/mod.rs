@@ -12,6 +12,8 @@
 //!   transposed, and the scaled FP8 GEMM (no gradient; a Linear's backward calls them);
 //! - `group_norm.rs`: GroupNorm and its backward;
 //! - `modulate.rs`: adaLN modulation and its backward;
+//! - `produce8.rs`: modulation and GELU writing their output's rows in 8-bit codes too, for
+//!   the 8-bit products they feed (recorded as the producer; the codes are not);
 //! - `norm.rs`: the LayerNorm / RMSNorm backwards with parameter gradients (their forward is a
 //!   backend primitive);
 //! - `rope.rs`: Flux's rotary position embedding, its backward the transposed rotation;
@@ -25,12 +27,14 @@ mod fp8_products;
 mod group_norm;
 mod modulate;
 mod norm;
+mod produce8;
 mod rope;
 mod softmax;
 mod swiglu;
 
 pub use attention::{scaled_dot_product_attention, CPU_COMPOSITE_SCORES};
 pub use fp8_products::{fp8_product, product8, product8_bias};
+pub use produce8::Rows8;
 
 use crate::autograd::FusedKernel;
 

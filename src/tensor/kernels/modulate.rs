@@ -288,7 +288,7 @@ impl Tensor {
 
     /// A modulation parameter as a (B, D) tensor of self's dtype, when it broadcasts against
     /// self (B, ..., D) as (B or 1, 1, ..., D or 1).
-    fn as_batch_rows(&self, p: &Tensor) -> Result<Option<Tensor>> {
+    pub(super) fn as_batch_rows(&self, p: &Tensor) -> Result<Option<Tensor>> {
         let r = self.rank();
         let (b, e) = (self.dims()[0], self.dims()[r - 1]);
         let Some(p) = self.pad_rank(p, r)? else {

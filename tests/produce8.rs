@@ -1,0 +1,320 @@
+//! Producers that quantize their output for 8-bit products in their own pass
+//! (`Tensor::modulate_quant8`, `Tensor::gelu_tanh_quant8`): the output is the producer's,
+//! bit for bit, with the producer's gradients; the codes and scales are `quant_rows8`'s of
+//! that output, bit for bit; a Linear with 8-bit products fed this way gives what it gives
+//! when it quantizes its input itself (FP8 and int8, output and gradients). Ignored unless on
+//! a GPU: the CUDA kernels against the CUDA ops they fuse, at every form of the kernels
+//! (16-byte and 8-byte chunks, rows wider than a block holds in registers, odd row counts,
+//! batches of the modulation).
+#![cfg(feature = "cpu-ref")]
+
+use flame::backend::fp8::Code8;
+use flame::nn::{modulate_into, Adapters, Linear, LoraConfig, VarBuilder};
+use flame::{DType, Device, Tensor};
+use std::collections::HashMap;
+
+const CPU: Device = Device::Cpu;
+const CODES: [Code8; 2] = [Code8::E4m3, Code8::Int8];
+
+/// Deterministic values in [-amp, amp) (64-bit LCG, Knuth's constants).
+fn lcg(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
+        })
+        .collect()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+fn t(v: Vec<f32>, shape: &[usize], dt: DType, dev: &Device) -> Tensor {
+    Tensor::from_vec(v, shape.to_vec(), &CPU)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
+        .to_device(dev)
+        .unwrap()
+}
+
+/// The fused modulation against `modulate` then `quant_rows8` on `dev`: y, codes and scales
+/// bit for bit; on the CPU also the gradients of x, shift and scale.
+fn modulation_case(b: usize, l: usize, d: usize, dt: DType, dev: &Device, grads: bool) {
+    for code in CODES {
+        let x = t(lcg(b * l * d, 1 + d as u64, 3.0), &[b, l, d], dt, dev);
+        let shift = t(lcg(b * d, 2, 0.5), &[b, 1, d], dt, dev);
+        let scale = t(lcg(b * d, 3, 0.5), &[b, 1, d], dt, dev);
+        let (x, shift, scale) = if grads {
+            (
+                x.requires_grad_().unwrap(),
+                shift.requires_grad_().unwrap(),
+                scale.requires_grad_().unwrap(),
+            )
+        } else {
+            (x, shift, scale)
+        };
+        let (y, rows) = x.modulate_quant8(&shift, &scale, code).unwrap();
+        let want = x.modulate(&shift, &scale).unwrap();
+        assert_eq!(y.dims(), want.dims());
+        let what = format!("{code:?} {dt} ({b}, {l}, {d}) on {dev}");
+        assert_eq!(bits(&y), bits(&want), "modulation output, {what}");
+        let (codes, scales) = want
+            .reshape((b * l, d))
+            .unwrap()
+            .quant_rows8(code, None)
+            .unwrap();
+        assert_eq!(rows.code, code);
+        assert!(rows.fits(code, b * l, d), "{what}");
+        assert_eq!(
+            rows.codes.to_vec::<u32>().unwrap(),
+            codes.to_vec::<u32>().unwrap(),
+            "codes, {what}"
+        );
+        assert_eq!(bits(&rows.scales), bits(&scales), "scales, {what}");
+        if grads {
+            let r = t(lcg(b * l * d, 9, 1.0), &[b, l, d], dt, dev);
+            let g1 = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = want.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+            for (name, p) in [("x", &x), ("shift", &shift), ("scale", &scale)] {
+                assert_eq!(
+                    bits(g1.get(p).unwrap()),
+                    bits(g2.get(p).unwrap()),
+                    "gradient of {name}, {what}"
+                );
+            }
+        }
+    }
+}
+
+/// The fused GELU against `gelu_tanh` then `quant_rows8` on `dev`, as `modulation_case`.
+fn gelu_case(rows: usize, cols: usize, dt: DType, dev: &Device, grads: bool) {
+    for code in CODES {
+        let x = t(
+            lcg(rows * cols, 5 + cols as u64, 4.0),
+            &[1, rows, cols],
+            dt,
+            dev,
+        );
+        let x = if grads {
+            x.requires_grad_().unwrap()
+        } else {
+            x
+        };
+        let (y, r8) = x.gelu_tanh_quant8(code).unwrap();
+        let want = x.gelu_tanh().unwrap();
+        let what = format!("{code:?} {dt} ({rows}, {cols}) on {dev}");
+        assert_eq!(bits(&y), bits(&want), "GELU output, {what}");
+        let (codes, scales) = want
+            .reshape((rows, cols))
+            .unwrap()
+            .quant_rows8(code, None)
+            .unwrap();
+        assert!(r8.fits(code, rows, cols), "{what}");
+        assert_eq!(
+            r8.codes.to_vec::<u32>().unwrap(),
+            codes.to_vec::<u32>().unwrap(),
+            "codes, {what}"
+        );
+        assert_eq!(bits(&r8.scales), bits(&scales), "scales, {what}");
+        if grads {
+            let r = t(lcg(rows * cols, 8, 1.0), &[1, rows, cols], dt, dev);
+            let g1 = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = want.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+            assert_eq!(
+                bits(g1.get(&x).unwrap()),
+                bits(g2.get(&x).unwrap()),
+                "dx, {what}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_fused_modulation_is_modulate_then_quant_rows8() {
+    for dt in [DType::F32, DType::BF16] {
+        modulation_case(2, 5, 36, dt, &CPU, true);
+        modulation_case(1, 3, 8, dt, &CPU, true);
+    }
+}
+
+#[test]
+fn the_fused_gelu_is_gelu_then_quant_rows8() {
+    for dt in [DType::F32, DType::BF16] {
+        gelu_case(7, 44, dt, &CPU, true);
+    }
+}
+
+#[test]
+fn rows_the_codes_cannot_pack_are_refused() {
+    let x = Tensor::from_vec(lcg(2 * 3 * 18, 4, 1.0), (2, 3, 18), &CPU).unwrap();
+    let p = Tensor::zeros((2, 1, 18), DType::F32, &CPU).unwrap();
+    let err = x
+        .modulate_quant8(&p, &p, Code8::Int8)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("18 columns"), "{err}");
+    let err = x.gelu_tanh_quant8(Code8::E4m3).unwrap_err().to_string();
+    assert!(err.contains("18 columns"), "{err}");
+}
+
+/// A Linear (out, in) with a bias and a rank-2 LoRA, its products in `code` (or None: f32).
+fn linear(out: usize, inp: usize, code: Option<Code8>, rotation: bool, dev: &Device) -> Linear {
+    let mut w = HashMap::new();
+    w.insert(
+        "l.weight".to_string(),
+        Tensor::from_vec(lcg(out * inp, 11, 0.3), (out, inp), &CPU).unwrap(),
+    );
+    w.insert(
+        "l.bias".to_string(),
+        Tensor::from_vec(lcg(out, 12, 0.1), out, &CPU).unwrap(),
+    );
+    let adapters = Adapters::new(LoraConfig {
+        rank: 2,
+        alpha: 2.0,
+        dropout: 0.0,
+        targets: vec!["l".into()],
+        seed: 3,
+    })
+    .unwrap();
+    let vb = VarBuilder::from_tensors(w, DType::F32, dev);
+    let vb = match code {
+        Some(c) => vb
+            .with_products(Some(c))
+            .unwrap()
+            .with_int8_rotation(rotation)
+            .unwrap(),
+        None => vb,
+    };
+    Linear::new(&vb.with_adapters(adapters).unwrap().pp("l"), inp, out, true).unwrap()
+}
+
+#[test]
+fn only_unrotated_8_bit_products_take_a_producers_codes() {
+    assert_eq!(linear(48, 32, None, false, &CPU).input_code(), None);
+    for code in CODES {
+        assert_eq!(
+            linear(48, 32, Some(code), false, &CPU).input_code(),
+            Some(code)
+        );
+    }
+    assert_eq!(
+        linear(48, 32, Some(Code8::Int8), true, &CPU).input_code(),
+        None
+    );
+    // Widths the tensor cores do not take run decoded: nothing to quantize.
+    assert_eq!(
+        linear(48, 36, Some(Code8::Int8), false, &CPU).input_code(),
+        None
+    );
+}
+
+/// y, dx and the LoRA's gradients of `f` (a path from x (1, 6, 32) to a Linear's output).
+fn through(lin: &Linear, f: impl Fn(&Tensor) -> Tensor, dev: &Device) -> Vec<Vec<u32>> {
+    let x = t(lcg(6 * 32, 21, 2.0), &[1, 6, 32], DType::F32, dev)
+        .requires_grad_()
+        .unwrap();
+    let y = f(&x);
+    let r = t(lcg(6 * 48, 22, 1.0), &[1, 6, 48], DType::F32, dev);
+    let g = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut out = vec![bits(&y), bits(g.get(&x).unwrap())];
+    for (_, p) in lin.adapter.as_ref().unwrap().params() {
+        out.push(bits(g.get(&p).unwrap()));
+    }
+    out
+}
+
+fn linear_takes_the_codes(dev: &Device) {
+    for code in CODES {
+        let lin = linear(48, 32, Some(code), false, dev);
+        let shift = t(lcg(32, 23, 0.5), &[1, 1, 32], DType::F32, dev);
+        let scale = t(lcg(32, 24, 0.5), &[1, 1, 32], DType::F32, dev);
+        let fused = through(
+            &lin,
+            |x| modulate_into(x, &shift, &scale, &lin).unwrap(),
+            dev,
+        );
+        let plain = through(
+            &lin,
+            |x| lin.forward(&x.modulate(&shift, &scale).unwrap()).unwrap(),
+            dev,
+        );
+        assert_eq!(fused, plain, "modulation into a {code:?} Linear on {dev}");
+        // The codes given are the ones used: another input's codes give another output.
+        let x = t(lcg(6 * 32, 25, 2.0), &[6, 32], DType::F32, dev);
+        let (codes, scales) = x
+            .affine(-1.0, 0.0)
+            .unwrap()
+            .quant_rows8(code, None)
+            .unwrap();
+        let other = flame::Rows8 {
+            code,
+            codes,
+            scales,
+        };
+        let own = bits(&lin.forward(&x).unwrap());
+        assert_ne!(own, bits(&lin.forward_rows8(&x, Some(&other)).unwrap()));
+        let fused = through(&lin, |x| lin.forward_gelu_tanh(x).unwrap(), dev);
+        let plain = through(&lin, |x| lin.forward(&x.gelu_tanh().unwrap()).unwrap(), dev);
+        assert_eq!(fused, plain, "GELU into a {code:?} Linear on {dev}");
+    }
+}
+
+#[test]
+fn a_linear_fed_its_producers_codes_gives_what_it_gives_alone() {
+    linear_takes_the_codes(&CPU);
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+
+    fn cuda() -> Option<Device> {
+        match Device::cuda(0) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                eprintln!("skipped: no GPU ({e})");
+                None
+            }
+        }
+    }
+
+    /// The fused kernels against the CUDA ops they fuse, bit for bit: 16-byte chunks (bf16
+    /// rows of 3072, f32 rows of 20), 8-byte chunks (bf16 and f16 rows of 36), rows wider
+    /// than a block keeps in registers (bf16 rows of 16448: 2056 chunks of 8 against 4 x 512),
+    /// odd row counts, two batches of the modulation; gradients through the recorded ops.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_producers_equal_the_ops_they_fuse() {
+        let Some(dev) = cuda() else { return };
+        for (b, l, d, dt) in [
+            (1, 7, 3072, DType::BF16),
+            (2, 9, 36, DType::BF16),
+            (2, 5, 36, DType::F16),
+            (2, 3, 20, DType::F32),
+            (1, 3, 16448, DType::BF16),
+        ] {
+            modulation_case(b, l, d, dt, &dev, true);
+            gelu_case(b * l, d, dt, &dev, true);
+        }
+    }
+
+    /// A Linear with FP8 and int8 products on CUDA fed its producer's codes gives what it
+    /// gives quantizing its input itself.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_linear_fed_its_producers_codes_gives_what_it_gives_alone() {
+        let Some(dev) = cuda() else { return };
+        linear_takes_the_codes(&dev);
+    }
+}

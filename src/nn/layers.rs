@@ -91,18 +91,8 @@ impl Linear {
     /// `Tensor::gelu_tanh_quant8`, then [`Linear::forward_rows8`]): a packed weight whose
     /// products run in 8 bits unrotated, at widths the tensor cores take. Otherwise None.
     pub fn input_code(&self) -> Option<crate::backend::fp8::Code8> {
-        match &self.packing {
-            Some(Packing::Fp8 {
-                code,
-                rotation: 0,
-                products: true,
-                ..
-            }) => {
-                let (in_dim, out_dim) = self.dims();
-                super::eight_bit_widths(out_dim, in_dim).then_some(*code)
-            }
-            _ => None,
-        }
+        let (_, _, code, rotation) = eight_bit(self.packing.as_ref()?, &self.weight)?;
+        (rotation == 0).then_some(code)
     }
 
     /// [`Linear::forward`] with the rows of `x` (flattened to (rows, in)) already in 8-bit
@@ -283,21 +273,18 @@ fn packed_matmul(
     Ok((y, replayed && !x.requires_grad(), bias.is_some()))
 }
 
-/// The per-row scales of an 8-bit weight whose products run in 8 bits (`Packing::Fp8` with
-/// `products`), what its backward keeps and its codes' format, where the activations `x`
-/// (rows, width) allow it: a float dtype the quantization reads (f32, bf16, f16), and a
-/// weight (out, in) whose widths the tensor cores take in both directions (multiples of 16).
-/// Otherwise None: the weight is decoded for the product.
-fn fp8_products<'a>(
-    packing: &'a Packing,
-    packed: &Tensor,
-    x: &Tensor,
-) -> Option<(
+/// What an 8-bit product of a packed weight (`Packing::Fp8` with `products`) reads: the
+/// weight's per-row scales, what its backward keeps, its codes' format and its rotation,
+/// where the weight (out, in) has widths the tensor cores take in both directions (multiples
+/// of 16). Otherwise None: the weight is decoded for its products.
+type EightBit<'a> = (
     &'a Tensor,
     &'a super::Fp8Kept,
     crate::backend::fp8::Code8,
     usize,
-)> {
+);
+
+fn eight_bit<'a>(packing: &'a Packing, packed: &Tensor) -> Option<EightBit<'a>> {
     let Packing::Fp8 {
         scale,
         code,
@@ -309,12 +296,17 @@ fn fp8_products<'a>(
         return None;
     };
     let (out_dim, in_dim) = packing.dims(packed);
+    super::eight_bit_widths(out_dim, in_dim).then_some((scale, kept, *code, *rotation))
+}
+
+/// [`eight_bit`] where the activations `x` (rows, width) allow it too: a float dtype the
+/// quantization reads (f32, bf16, f16).
+fn fp8_products<'a>(packing: &'a Packing, packed: &Tensor, x: &Tensor) -> Option<EightBit<'a>> {
     let float = matches!(
         x.dtype(),
         crate::DType::F32 | crate::DType::BF16 | crate::DType::F16
     );
-    (float && x.rank() == 2 && super::eight_bit_widths(out_dim, in_dim))
-        .then_some((scale, kept, *code, *rotation))
+    eight_bit(packing, packed).filter(|_| float && x.rank() == 2)
 }
 
 /// The backward of `packed_matmul`: dx = dy decode(W).

@@ -28,6 +28,19 @@ pub struct Rows8 {
 }
 
 impl Rows8 {
+    /// The rows (over the last dim) of `y` quantized into `code` by their own pass
+    /// ([`Tensor::quant_rows8`]).
+    pub fn of(y: &Tensor, code: Code8) -> Result<Rows8> {
+        let cols = y.dims().last().copied().unwrap_or(0);
+        let rows = y.elem_count() / cols.max(1);
+        let (codes, scales) = y.reshape((rows, cols))?.quant_rows8(code, None)?;
+        Ok(Rows8 {
+            code,
+            codes,
+            scales,
+        })
+    }
+
     /// Whether these are the rows of a (rows, cols) matrix in `code`.
     pub fn fits(&self, code: Code8, rows: usize, cols: usize) -> bool {
         self.code == code
@@ -173,16 +186,8 @@ impl Tensor {
         };
         let Some((sh, sc)) = fused else {
             let y = self.modulate(shift, scale)?;
-            let rows = y.elem_count() / e.max(1);
-            let (codes, scales) = y.reshape((rows, e))?.quant_rows8(code, None)?;
-            return Ok((
-                y,
-                Rows8 {
-                    code,
-                    codes,
-                    scales,
-                },
-            ));
+            let rows = Rows8::of(&y, code)?;
+            return Ok((y, rows));
         };
         let b = self.dims()[0];
         let x = self.reshape((b, self.elem_count() / (b * e).max(1), e))?;
@@ -208,15 +213,8 @@ impl Tensor {
         let rows = self.elem_count() / e.max(1);
         if self.rank() == 0 || !fusable(self.dtype(), e) {
             let y = self.gelu_tanh()?;
-            let (codes, scales) = y.reshape((rows, e))?.quant_rows8(code, None)?;
-            return Ok((
-                y,
-                Rows8 {
-                    code,
-                    codes,
-                    scales,
-                },
-            ));
+            let r8 = Rows8::of(&y, code)?;
+            return Ok((y, r8));
         }
         let x = self.reshape((rows, e))?;
         let o = run_kernel(

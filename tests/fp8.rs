@@ -5,26 +5,13 @@
 #![cfg(feature = "cpu-ref")]
 
 mod common;
+use common::eight_bit::{lcg, lora_linear};
 use common::TempFile;
 use flame::backend::fp8;
-use flame::nn::{Adapters, Linear, LoraConfig, VarBuilder};
+use flame::nn::{Linear, VarBuilder};
 use flame::{DType, Device, Tensor};
-use std::collections::HashMap;
 
 const CPU: Device = Device::Cpu;
-
-/// Deterministic values in [-amp, amp) (64-bit LCG, Knuth's constants).
-fn lcg(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
-        })
-        .collect()
-}
 
 fn bits(t: &Tensor) -> Vec<u64> {
     t.to_dtype(DType::F64)
@@ -114,29 +101,7 @@ fn dequant_refuses_bad_operands() {
 /// A Linear built from `w` (out, in) + bias through a builder with or without FP8, with a
 /// LoRA of rank 2 on it.
 fn linear(w: &[f32], b: &[f32], out: usize, inp: usize, fp8: bool, dev: &Device) -> Linear {
-    let mut t = HashMap::new();
-    t.insert(
-        "l.weight".to_string(),
-        Tensor::from_vec(w.to_vec(), (out, inp), &CPU).unwrap(),
-    );
-    t.insert(
-        "l.bias".to_string(),
-        Tensor::from_vec(b.to_vec(), out, &CPU).unwrap(),
-    );
-    let adapters = Adapters::new(LoraConfig {
-        rank: 2,
-        alpha: 2.0,
-        dropout: 0.0,
-        targets: vec!["l".into()],
-        seed: 3,
-    })
-    .unwrap();
-    let vb = VarBuilder::from_tensors(t, DType::F32, dev)
-        .with_fp8(fp8)
-        .unwrap()
-        .with_adapters(adapters)
-        .unwrap();
-    Linear::new(&vb.pp("l"), inp, out, true).unwrap()
+    lora_linear(w, b, (out, inp), dev, |vb| vb.with_fp8(fp8))
 }
 
 #[test]
@@ -241,17 +206,8 @@ fn f8_e4m3_files_load_decoded_with_and_without_a_scale() {
 
 #[cfg(feature = "cuda")]
 mod gpu {
+    use super::common::eight_bit::cuda;
     use super::*;
-
-    fn cuda() -> Option<Device> {
-        match Device::cuda(0) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                eprintln!("skipped: no GPU ({e})");
-                None
-            }
-        }
-    }
 
     /// The CUDA kernels decode to the CPU's bits for every output dtype and odd sizes: rows
     /// of whole 16-code groups (the 16-byte kernel: 48, 4096, 3072 columns) and not (the word

@@ -7,25 +7,15 @@
 //! order, at odd sizes (the plain kernel) and tensor-core sizes (cuBLASLt).
 #![cfg(feature = "cpu-ref")]
 
+#[path = "common/eight_bit.rs"]
+mod eight_bit;
+use eight_bit::{lcg, lora_linear};
 use flame::backend::fp8;
-use flame::nn::{Adapters, Linear, LoraConfig, VarBuilder};
+use flame::nn::{Linear, VarBuilder};
 use flame::{fp8_product, DType, Device, Tensor};
 use std::collections::HashMap;
 
 const CPU: Device = Device::Cpu;
-
-/// Deterministic values in [-amp, amp) (64-bit LCG, Knuth's constants).
-fn lcg(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
-        })
-        .collect()
-}
 
 fn f32s(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap()
@@ -218,31 +208,9 @@ fn product_is_its_definition() {
 /// A Linear built from `w` (out, in) + bias with a rank-2 LoRA, its weight FP8 and its
 /// products in 8 bits or not.
 fn linear(w: &[f32], b: &[f32], out: usize, inp: usize, products: bool, dev: &Device) -> Linear {
-    let mut t = HashMap::new();
-    t.insert(
-        "l.weight".to_string(),
-        Tensor::from_vec(w.to_vec(), (out, inp), &CPU).unwrap(),
-    );
-    t.insert(
-        "l.bias".to_string(),
-        Tensor::from_vec(b.to_vec(), out, &CPU).unwrap(),
-    );
-    let adapters = Adapters::new(LoraConfig {
-        rank: 2,
-        alpha: 2.0,
-        dropout: 0.0,
-        targets: vec!["l".into()],
-        seed: 3,
+    lora_linear(w, b, (out, inp), dev, |vb| {
+        vb.with_fp8(true)?.with_fp8_products(products)
     })
-    .unwrap();
-    let vb = VarBuilder::from_tensors(t, DType::F32, dev)
-        .with_fp8(true)
-        .unwrap()
-        .with_fp8_products(products)
-        .unwrap()
-        .with_adapters(adapters)
-        .unwrap();
-    Linear::new(&vb.pp("l"), inp, out, true).unwrap()
 }
 
 struct Run {
@@ -491,17 +459,8 @@ fn planner_counts_kept_transposes() {
 
 #[cfg(feature = "cuda")]
 mod gpu {
+    use super::eight_bit::cuda;
     use super::*;
-
-    fn cuda() -> Option<Device> {
-        match Device::cuda(0) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                eprintln!("skipped: no GPU ({e})");
-                None
-            }
-        }
-    }
 
     /// Quantization and transpose equal the CPU's bits; the product equals the CPU's within
     /// the tensor cores' summation (bounds below), at odd sizes (the plain kernel), at sizes the

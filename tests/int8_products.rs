@@ -9,27 +9,16 @@
 //! in i32), at odd sizes (the plain kernel) and tensor-core sizes (cuBLASLt).
 #![cfg(feature = "cpu-ref")]
 
+#[path = "common/eight_bit.rs"]
+mod eight_bit;
+use eight_bit::{lcg, lora_linear};
 use flame::backend::fp8::{self, Code8};
 use flame::backend::int8;
-use flame::nn::{Adapters, Linear, LoraConfig, VarBuilder};
+use flame::nn::{Linear, VarBuilder};
 use flame::{product8, DType, Device, Tensor};
-use std::collections::HashMap;
 
 const CPU: Device = Device::Cpu;
 const I8: Code8 = Code8::Int8;
-
-/// Deterministic values in [-amp, amp) (64-bit LCG, Knuth's constants).
-fn lcg(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
-        })
-        .collect()
-}
 
 fn f32s(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap()
@@ -249,34 +238,10 @@ fn linear_rotated(
     rotation: bool,
     dev: &Device,
 ) -> Linear {
-    let mut t = HashMap::new();
-    t.insert(
-        "l.weight".to_string(),
-        Tensor::from_vec(w.to_vec(), (out, inp), &CPU).unwrap(),
-    );
-    t.insert(
-        "l.bias".to_string(),
-        Tensor::from_vec(b.to_vec(), out, &CPU).unwrap(),
-    );
-    let adapters = Adapters::new(LoraConfig {
-        rank: 2,
-        alpha: 2.0,
-        dropout: 0.0,
-        targets: vec!["l".into()],
-        seed: 3,
+    lora_linear(w, b, (out, inp), dev, |vb| match products {
+        true => vb.with_products(Some(I8))?.with_int8_rotation(rotation),
+        false => Ok(vb),
     })
-    .unwrap();
-    let vb = VarBuilder::from_tensors(t, DType::F32, dev);
-    let vb = if products {
-        vb.with_products(Some(I8))
-            .unwrap()
-            .with_int8_rotation(rotation)
-            .unwrap()
-    } else {
-        vb
-    };
-    let vb = vb.with_adapters(adapters).unwrap();
-    Linear::new(&vb.pp("l"), inp, out, true).unwrap()
 }
 
 struct Run {
@@ -536,17 +501,8 @@ fn an_fp8_file_is_quantized_again_for_int8_products() {
 
 #[cfg(feature = "cuda")]
 mod gpu {
+    use super::eight_bit::cuda;
     use super::*;
-
-    fn cuda() -> Option<Device> {
-        match Device::cuda(0) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                eprintln!("skipped: no GPU ({e})");
-                None
-            }
-        }
-    }
 
     /// `x` in `dt` as the CPU converts it, on `d`: the two backends' own conversions are not
     /// what the GPU tests compare.

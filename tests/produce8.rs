@@ -8,26 +8,15 @@
 //! batches of the modulation).
 #![cfg(feature = "cpu-ref")]
 
+#[path = "common/eight_bit.rs"]
+mod eight_bit;
+use eight_bit::{lcg, lora_linear};
 use flame::backend::fp8::Code8;
-use flame::nn::{modulate_into, Adapters, Linear, LoraConfig, VarBuilder};
+use flame::nn::{modulate_into, Linear};
 use flame::{DType, Device, Tensor};
-use std::collections::HashMap;
 
 const CPU: Device = Device::Cpu;
 const CODES: [Code8; 2] = [Code8::E4m3, Code8::Int8];
-
-/// Deterministic values in [-amp, amp) (64-bit LCG, Knuth's constants).
-fn lcg(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
-        })
-        .collect()
-}
 
 fn bits(t: &Tensor) -> Vec<u32> {
     t.to_dtype(DType::F32)
@@ -170,33 +159,11 @@ fn rows_the_codes_cannot_pack_are_refused() {
 
 /// A Linear (out, in) with a bias and a rank-2 LoRA, its products in `code` (or None: f32).
 fn linear(out: usize, inp: usize, code: Option<Code8>, rotation: bool, dev: &Device) -> Linear {
-    let mut w = HashMap::new();
-    w.insert(
-        "l.weight".to_string(),
-        Tensor::from_vec(lcg(out * inp, 11, 0.3), (out, inp), &CPU).unwrap(),
-    );
-    w.insert(
-        "l.bias".to_string(),
-        Tensor::from_vec(lcg(out, 12, 0.1), out, &CPU).unwrap(),
-    );
-    let adapters = Adapters::new(LoraConfig {
-        rank: 2,
-        alpha: 2.0,
-        dropout: 0.0,
-        targets: vec!["l".into()],
-        seed: 3,
+    let (w, b) = (lcg(out * inp, 11, 0.3), lcg(out, 12, 0.1));
+    lora_linear(&w, &b, (out, inp), dev, |vb| match code {
+        Some(c) => vb.with_products(Some(c))?.with_int8_rotation(rotation),
+        None => Ok(vb),
     })
-    .unwrap();
-    let vb = VarBuilder::from_tensors(w, DType::F32, dev);
-    let vb = match code {
-        Some(c) => vb
-            .with_products(Some(c))
-            .unwrap()
-            .with_int8_rotation(rotation)
-            .unwrap(),
-        None => vb,
-    };
-    Linear::new(&vb.with_adapters(adapters).unwrap().pp("l"), inp, out, true).unwrap()
 }
 
 #[test]
@@ -277,17 +244,8 @@ fn a_linear_fed_its_producers_codes_gives_what_it_gives_alone() {
 
 #[cfg(feature = "cuda")]
 mod gpu {
+    use super::eight_bit::cuda;
     use super::*;
-
-    fn cuda() -> Option<Device> {
-        match Device::cuda(0) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                eprintln!("skipped: no GPU ({e})");
-                None
-            }
-        }
-    }
 
     /// The fused kernels against the CUDA ops they fuse, bit for bit: 16-byte chunks (bf16
     /// rows of 3072, f32 rows of 20), 8-byte chunks (bf16 and f16 rows of 36), rows wider

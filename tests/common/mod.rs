@@ -14,6 +14,7 @@ pub const FLOATS: [DType; 4] = [DType::F64, DType::F32, DType::BF16, DType::F16]
 pub const ALL: [DType; 5] = [DType::F64, DType::F32, DType::BF16, DType::F16, DType::U32];
 
 pub mod devices;
+pub mod eight_bit;
 pub mod gguf;
 pub mod optim;
 pub mod tolerance;

@@ -273,7 +273,8 @@ fn run<M: ModelSpec>(
     let mut profile: MemoryProfile = profile_config::<M>(&cfg, &opts, &run_shape)?;
     // The planner's switches: `FLAME_PLANNER`, then the flags `--raw-wire` (streamed bf16
     // weights cross uncoded), `--no-uncoded-carry`, `--shallow` (no deep prefetch),
-    // `--no-host-products`, `--no-keep-few` and `--reference-machine` (the time model plays
+    // `--no-host-products`, `--no-keep-few`, `--keep-transposes` (resident blocks' 8-bit
+    // weights keep their transposed codes) and `--reference-machine` (the time model plays
     // `Machine::REFERENCE`, not this machine measured).
     let mut switches = Switches::default().with_env()?;
     for (flag, name, on) in [
@@ -282,6 +283,7 @@ fn run<M: ModelSpec>(
         ("--shallow", "deep_prefetch", false),
         ("--no-host-products", "host_products", false),
         ("--no-keep-few", "keep_few_rows", false),
+        ("--keep-transposes", "remake_transposes", false),
         ("--reference-machine", "measure_machine", false),
     ] {
         if args.flag(flag) {

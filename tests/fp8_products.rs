@@ -343,6 +343,17 @@ impl flame::nn::HostWeights for TakesEvery {
 /// A bias-free Linear (out, in) with FP8 weights and 8-bit products, its weight resident or
 /// taken by a host keeper (streamed).
 fn bare_linear(w: &[f32], out: usize, inp: usize, streamed: bool, dev: &Device) -> Linear {
+    bare_linear_keeping(w, (out, inp), streamed, true, dev)
+}
+
+/// `bare_linear` from a builder that keeps transposes or not (`with_kept_transposes`).
+fn bare_linear_keeping(
+    w: &[f32],
+    (out, inp): (usize, usize),
+    streamed: bool,
+    keeps: bool,
+    dev: &Device,
+) -> Linear {
     let mut t = HashMap::new();
     t.insert(
         "l.weight".to_string(),
@@ -350,6 +361,8 @@ fn bare_linear(w: &[f32], out: usize, inp: usize, streamed: bool, dev: &Device) 
     );
     let mut vb = VarBuilder::from_tensors(t, DType::F32, dev)
         .with_fp8_products(true)
+        .unwrap()
+        .with_kept_transposes(keeps)
         .unwrap();
     if streamed {
         vb = vb
@@ -381,7 +394,8 @@ fn kept(l: &Linear) -> &flame::nn::Fp8Kept {
 
 /// A resident weight's backward keeps its transposed codes from the first call (the codes'
 /// own transpose, the same tensor at the next call) and gives the same dx every time; a
-/// streamed weight keeps none and gives the same dx as the resident one.
+/// streamed weight, or a resident one whose plan remakes transposes, keeps none and gives the
+/// same dx as the resident one.
 fn check_kept_transpose(dev: &Device) {
     let (out, inp, rows) = (48, 32, 7);
     let w = lcg(out * inp, 22, 0.5);
@@ -412,6 +426,13 @@ fn check_kept_transpose(dev: &Device) {
         "nothing kept for a streamed weight"
     );
     assert_eq!(streamed, first);
+
+    // A resident weight from a builder told to remake its transposes
+    // (`Plan::remake_transposes`) keeps none either, and gives the same dx.
+    let remade = bare_linear_keeping(&w, (out, inp), false, false, dev);
+    assert!(!kept(&remade).keeps_transpose());
+    assert_eq!(dx_of(&remade, &x, &r, rows, dev), first);
+    assert!(kept(&remade).kept_transpose().is_none());
 }
 
 #[test]
@@ -446,9 +467,10 @@ fn planner_counts_kept_transposes() {
     }
     let resident = flame::memory::Plan::default();
     let kept: u64 = eight.blocks.iter().map(|b| b.kept_bytes).sum();
-    let outside = eight.other_weight_bytes - decoded.other_weight_bytes;
+    let outside = eight.other_kept_bytes;
+    assert_eq!(eight.other_weight_bytes, decoded.other_weight_bytes);
     assert!(
-        outside > 0,
+        outside > 0 && decoded.other_kept_bytes == 0,
         "the Linears outside the blocks keep theirs too"
     );
     assert_eq!(

@@ -82,6 +82,7 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
         uncoded_carry: false,
         deep_prefetch: false,
         host_products: false,
+        remake_transposes: false,
         reach: vec![],
         uncoded_first: 0,
     }
@@ -602,6 +603,7 @@ fn forward_only_weights_leave_the_backward_uploads() {
         uncoded_carry: false,
         deep_prefetch: false,
         host_products: false,
+        remake_transposes: false,
         reach: vec![],
         uncoded_first: 0,
     };
@@ -650,6 +652,7 @@ fn host_products_take_the_modulations_off_the_link() {
         uncoded_carry: false,
         deep_prefetch: true,
         host_products: host,
+        remake_transposes: false,
         reach: vec![],
         uncoded_first: 0,
     };
@@ -1213,4 +1216,73 @@ fn eight_bit_products_play_at_their_own_rate() {
         int8_fast.forward_ms(b, Keep::NONE),
         fast.forward_ms(b, Keep::NONE)
     );
+}
+
+/// With 8-bit products a resident block's weights keep their transposed codes for the
+/// backward, twice the codes' bytes: within 24 GiB Flux-dev's codes (about 11 GiB) fit once,
+/// not twice, so the planner remakes the transposes at each backward and streams fewer blocks
+/// than the plans that keep them.
+#[test]
+fn eight_bit_plans_remake_transposes_where_keeping_them_would_stream() {
+    use flame::memory::Switches;
+    let mut eight = flux_dev_with(false, false, true);
+    // A machine whose 8-bit products run at twice the bf16 rate (the H200's figure is near).
+    eight.machine.fp8_product_tflops = 2.0 * eight.machine.gemm_tflops;
+    let kept: u64 = eight.blocks.iter().map(|b| b.kept_bytes).sum();
+    assert!(kept as f64 > 10.0 * GIB, "{}", kept as f64 / GIB);
+    // Remaking: the kept bytes leave the peak; each backward pays a pass over the codes.
+    let resident = Plan::default();
+    let remade = Plan {
+        remake_transposes: true,
+        ..Plan::default()
+    };
+    assert_eq!(
+        eight.peak(&resident) - eight.peak(&remade),
+        kept + eight.other_kept_bytes
+    );
+    let extra = eight.step_ms(&remade) - eight.step_ms(&resident);
+    assert!(extra > 0.0 && extra < 0.05 * eight.resident_ms(), "{extra}");
+    // Streamed blocks transpose at each backward whatever the plan says: the flag changes
+    // neither their peak nor their time.
+    let order = eight.stream_order();
+    let all = |remake_transposes| Plan {
+        checkpointing: Checkpointing::All,
+        streamed: order.clone(),
+        prefetch: 2,
+        remake_transposes,
+        ..Plan::default()
+    };
+    assert_eq!(
+        eight.peak(&all(false)),
+        eight.peak(&all(true)) + eight.other_kept_bytes
+    );
+    assert!((eight.step_ms(&all(false)) - eight.step_ms(&all(true))).abs() < 1e-9);
+
+    let budget = (24.0 * GIB) as u64;
+    let pick = eight.plan(budget).unwrap();
+    assert!(pick.plan.remake_transposes, "{}", pick.plan);
+    assert!(pick
+        .plan
+        .to_string()
+        .contains("transposed at each backward"));
+    let keeping = Switches::parse("remake_transposes=off").unwrap();
+    let kept_pick = eight
+        .plan_among(budget, keeping.filter(eight.candidates()))
+        .unwrap();
+    assert!(!kept_pick.plan.remake_transposes);
+    assert!(
+        pick.plan.streamed.len() < kept_pick.plan.streamed.len(),
+        "{} against {}",
+        pick.plan,
+        kept_pick.plan
+    );
+    assert!(pick.slowdown < kept_pick.slowdown);
+    // Without 8-bit products there is nothing to remake: no candidate does.
+    assert!(flux_dev(true, false)
+        .candidates()
+        .iter()
+        .all(|c| !c.remake_transposes));
+    // Settling drops the flag where no weight keeps transposes.
+    let settled = flux_dev(true, false).settle(&remade).unwrap();
+    assert!(!settled.remake_transposes);
 }

@@ -116,6 +116,9 @@ pub struct MemoryProfile {
     pub blocks: Vec<BlockCost>,
     /// Bytes of the weights outside the blocks (embedders, final layer), always resident.
     pub other_weight_bytes: u64,
+    /// Bytes those weights' backward keeps beside them (`BlockCost::kept_bytes`) unless the
+    /// plan remakes the transposes (`Plan::remake_transposes`).
+    pub other_kept_bytes: u64,
     /// Bytes of the trainable parameters (f32 adapters); their gradients take as much again.
     pub trainable_bytes: u64,
     /// Bytes of the optimizer state.
@@ -417,6 +420,11 @@ pub struct Plan {
     /// those weights (`BlockCost::forward_only_bytes`, where they are floating-point) never
     /// cross the link nor take device memory.
     pub host_products: bool,
+    /// Resident blocks' 8-bit weights transpose their codes at each backward, as streamed
+    /// blocks' do, instead of keeping the transposed codes beside them (`nn::Fp8Kept`): the
+    /// codes' bytes less on the device (`BlockCost::kept_bytes`) for a pass over them in
+    /// each backward. Nothing without 8-bit products.
+    pub remake_transposes: bool,
     /// Worked out by [`MemoryProfile::settle`] from the fields above: how far the forward
     /// fetches ahead of each streamed block, by its place among them (`deep_prefetch`,
     /// `BlockStreamer::set_reach`); empty: `prefetch` ahead.
@@ -484,6 +492,9 @@ impl std::fmt::Display for Plan {
             if self.host_products {
                 write!(f, ", conditioning products on the host")?;
             }
+        }
+        if self.remake_transposes {
+            write!(f, ", 8-bit weights transposed at each backward")?;
         }
         Ok(())
     }
@@ -698,6 +709,13 @@ impl MemoryProfile {
     /// One pass over `bytes` of device memory, ms.
     fn memory_ms(&self, bytes: u64) -> f64 {
         bytes as f64 / (1u64 << 30) as f64 / self.machine.memory_gib_per_s * 1e3
+    }
+
+    /// The transposes of block `b`'s 8-bit weights' codes in a backward that does not find
+    /// them kept (a streamed block's, or a resident one's under `Plan::remake_transposes`),
+    /// ms: a pass reading and writing the codes.
+    fn transpose_ms(&self, b: &BlockCost) -> f64 {
+        self.memory_ms(2 * b.product_bytes)
     }
 
     /// One decode of block `b`'s FP8 codes, ms.
@@ -925,6 +943,9 @@ impl MemoryProfile {
                 }
                 let b = &self.blocks[i];
                 t += self.backward_ms(b);
+                if is_streamed[i] || plan.remake_transposes {
+                    t += self.transpose_ms(b);
+                }
                 if ck[i] {
                     // The re-run, less what the block kept.
                     t += self.forward_ms(b, plan.keep);
@@ -1113,12 +1134,13 @@ impl MemoryProfile {
 
     /// The predicted peak bytes of a step under `plan` (see the module docs).
     pub fn peak(&self, plan: &Plan) -> u64 {
-        let mut weights = self.other_weight_bytes;
+        let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };
+        let mut weights = self.other_weight_bytes + kept(self.other_kept_bytes);
         let (mut work, mut offloaded) = (0u64, 0u64);
         for (i, b) in self.blocks.iter().enumerate() {
             let streamed = plan.streamed.iter().any(|p| p == &b.prefix);
             if !streamed {
-                weights += b.weight_bytes + b.kept_bytes;
+                weights += b.weight_bytes + kept(b.kept_bytes);
             }
             if Self::checkpointed(plan, i, streamed) {
                 if plan.offload_inputs {
@@ -1220,6 +1242,8 @@ impl MemoryProfile {
             host_products: plan.host_products
                 && !plan.streamed.is_empty()
                 && self.blocks.iter().any(|b| b.forward_only_bytes > 0),
+            remake_transposes: plan.remake_transposes
+                && (self.other_kept_bytes > 0 || self.blocks.iter().any(|b| b.kept_bytes > 0)),
             reach: vec![],
             uncoded_first: 0,
             ..plan.clone()
@@ -1270,6 +1294,14 @@ impl MemoryProfile {
             .blocks
             .iter()
             .any(|b| b.forward_only_bytes > 0 && b.decode_bytes == 0 && b.product_bytes == 0);
+        // With 8-bit products, resident blocks keep their weights' transposed codes or remake
+        // them at each backward (`Plan::remake_transposes`).
+        let remakes: &[bool] =
+            if self.other_kept_bytes > 0 || self.blocks.iter().any(|b| b.kept_bytes > 0) {
+                &[false, true]
+            } else {
+                &[false]
+            };
         let n = self.blocks.len();
         let mut v = vec![];
         // Every block but the first j, j a sixteenth of the blocks, two ... fifteen, with
@@ -1336,7 +1368,10 @@ impl MemoryProfile {
                                 &[false]
                             };
                             for &(wire_code, uncoded_carry) in codings {
-                                for &host_products in hosts {
+                                for (&host_products, &remake_transposes) in hosts
+                                    .iter()
+                                    .flat_map(|h| remakes.iter().map(move |r| (h, r)))
+                                {
                                     v.push(Plan {
                                         checkpointing,
                                         streamed: order[..k].to_vec(),
@@ -1354,6 +1389,7 @@ impl MemoryProfile {
                                         wire_code,
                                         uncoded_carry,
                                         host_products,
+                                        remake_transposes,
                                         reach: vec![],
                                         uncoded_first: 0,
                                     });
@@ -1383,6 +1419,7 @@ impl MemoryProfile {
             uncoded_carry: false,
             deep_prefetch: true,
             host_products: held,
+            remake_transposes: remakes.len() > 1,
             reach: vec![],
             uncoded_first: 0,
         });
@@ -1616,6 +1653,7 @@ mod tests {
         MemoryProfile {
             blocks,
             other_weight_bytes: 50,
+            other_kept_bytes: 0,
             trainable_bytes: 20,
             optimizer_bytes: 40,
             fixed_bytes: 30,
@@ -1772,6 +1810,7 @@ mod tests {
                 })
                 .collect(),
             other_weight_bytes: 0,
+            other_kept_bytes: 0,
             trainable_bytes: 0,
             optimizer_bytes: 0,
             fixed_bytes: 0,
@@ -2074,6 +2113,7 @@ mod tests {
                 })
                 .collect(),
             other_weight_bytes: 0,
+            other_kept_bytes: 0,
             trainable_bytes: 0,
             optimizer_bytes: 0,
             fixed_bytes: 0,

@@ -25,6 +25,9 @@ pub struct Switches {
     /// Streamed blocks' Linears over the conditioning vector compute on the host
     /// (`Plan::host_products`).
     pub host_products: bool,
+    /// Resident blocks' 8-bit weights may transpose their codes at each backward instead of
+    /// keeping them transposed (`Plan::remake_transposes`).
+    pub remake_transposes: bool,
     /// The time model plays this machine's rates, measured before loading or read from the
     /// cache (`measure_machine`); off, it plays `Machine::REFERENCE`.
     pub measure_machine: bool,
@@ -38,6 +41,7 @@ impl Default for Switches {
             uncoded_carry: true,
             deep_prefetch: true,
             host_products: true,
+            remake_transposes: true,
             measure_machine: true,
         }
     }
@@ -49,12 +53,13 @@ impl Switches {
     pub const VAR: &'static str = "FLAME_PLANNER";
 
     /// The switches' names, as the fields'.
-    pub const NAMES: [&'static str; 6] = [
+    pub const NAMES: [&'static str; 7] = [
         "keep_few_rows",
         "wire_code",
         "uncoded_carry",
         "deep_prefetch",
         "host_products",
+        "remake_transposes",
         "measure_machine",
     ];
 
@@ -72,6 +77,7 @@ impl Switches {
             "uncoded_carry" => &mut self.uncoded_carry,
             "deep_prefetch" => &mut self.deep_prefetch,
             "host_products" => &mut self.host_products,
+            "remake_transposes" => &mut self.remake_transposes,
             "measure_machine" => &mut self.measure_machine,
             _ => return None,
         })
@@ -133,10 +139,14 @@ impl Switches {
     }
 
     /// `plan` as these switches allow it: `None` where it needs a technique switched off
-    /// that it cannot do without (the wire code, uncoded carried blocks); the deep prefetch,
-    /// host products and kept few-row outputs dropped where off.
+    /// that it cannot do without (the wire code, uncoded carried blocks, remade transposes:
+    /// the same plan keeping them holds more); the deep prefetch, host products and kept
+    /// few-row outputs dropped where off.
     pub fn allow(&self, plan: Plan) -> Option<Plan> {
-        if (plan.wire_code && !self.wire_code) || (plan.uncoded_carry && !self.uncoded_carry) {
+        if (plan.wire_code && !self.wire_code)
+            || (plan.uncoded_carry && !self.uncoded_carry)
+            || (plan.remake_transposes && !self.remake_transposes)
+        {
             return None;
         }
         Some(self.bind(plan))
@@ -150,6 +160,7 @@ impl Switches {
             uncoded_carry: plan.uncoded_carry && self.uncoded_carry,
             deep_prefetch: plan.deep_prefetch && self.deep_prefetch,
             host_products: plan.host_products && self.host_products,
+            remake_transposes: plan.remake_transposes && self.remake_transposes,
             keep: crate::autograd::Keep {
                 few_rows: plan.keep.few_rows && self.keep_few_rows,
                 ..plan.keep
@@ -201,6 +212,7 @@ mod tests {
             uncoded_carry: true,
             deep_prefetch: true,
             host_products: true,
+            remake_transposes: false,
             reach: vec![],
             uncoded_first: 0,
         };

@@ -340,7 +340,8 @@ pub fn load_as<M: ModelSpec>(
         .var_builder(opts.dtype, &opts.device, key_map.clone())?
         .with_fp8(opts.fp8)?
         .with_products(opts.products)?
-        .with_int8_rotation(opts.int8_rotation)?;
+        .with_int8_rotation(opts.int8_rotation)?
+        .with_kept_transposes(!opts.memory.remake_transposes)?;
     if let Some(a) = &opts.adapters {
         vb = vb.with_adapters(a.clone())?;
     }
@@ -577,7 +578,7 @@ fn profile_with<M: ModelSpec>(
             }
         })
         .collect();
-    let mut other = 0u64;
+    let (mut other, mut other_kept) = (0u64, 0u64);
     for (key, t) in &params {
         match blocks
             .iter_mut()
@@ -669,7 +670,10 @@ fn profile_with<M: ModelSpec>(
                     }
                 }
             }
-            None => other += bytes(t) + kept_bytes(key, t, vb.packed_dims(key)?),
+            None => {
+                other += bytes(t);
+                other_kept += kept_bytes(key, t, vb.packed_dims(key)?);
+            }
         }
     }
     let trainable_values: usize = match &probe_adapters {
@@ -691,6 +695,7 @@ fn profile_with<M: ModelSpec>(
     Ok(MemoryProfile {
         blocks,
         other_weight_bytes: other,
+        other_kept_bytes: other_kept,
         trainable_bytes: (trainable_values * 4) as u64,
         optimizer_bytes: (trainable_values as f64 * run.optimizer_bytes_per_value) as u64,
         fixed_bytes: fixed,

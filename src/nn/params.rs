@@ -67,6 +67,9 @@ struct Shared {
     products: Option<crate::backend::fp8::Code8>,
     /// Int8 products rotate their inner axis (`with_int8_rotation`).
     int8_rotation: bool,
+    /// Weights that stay on the device keep their transposed codes for the 8-bit backward
+    /// (`with_kept_transposes`).
+    kept_transposes: bool,
     /// The GGML types of a GGUF checkpoint's quantized tensors by model key, for a
     /// shapes-only build that sizes them packed (`with_ggml_types`).
     ggml_types: Option<Arc<HashMap<String, GgmlType>>>,
@@ -210,6 +213,7 @@ impl VarBuilder {
                 fp8: false,
                 products: None,
                 int8_rotation: false,
+                kept_transposes: true,
                 ggml_types: None,
                 packed: Mutex::new(BTreeMap::new()),
                 fp8_kept: Mutex::new(BTreeMap::new()),
@@ -293,6 +297,19 @@ impl VarBuilder {
         self.with_shared("8-bit products", |shared| {
             Ok(Shared {
                 products: code,
+                ..shared
+            })
+        })
+    }
+
+    /// The same builder with the 8-bit backward of weights that stay on the device keeping
+    /// their transposed codes (the default) or transposing them at each backward as a
+    /// streamed weight's does (`false`: `memory::Plan::remake_transposes`). Set before the
+    /// builder is shared.
+    pub fn with_kept_transposes(self, kept: bool) -> Result<Self> {
+        self.with_shared("the kept transposes", |shared| {
+            Ok(Shared {
+                kept_transposes: kept,
                 ..shared
             })
         })
@@ -725,7 +742,8 @@ impl VarBuilder {
 
     /// What the 8-bit backward keeps of FP8 weight `key`: the one made for the key before,
     /// else a new one, which keeps the transposed codes when `resident` says the weight stays
-    /// on the device and the products run in 8 bits (`None`: not known, nothing kept).
+    /// on the device, the products run in 8 bits and the builder keeps transposes
+    /// (`with_kept_transposes`; `None`: not known, nothing kept).
     fn fp8_kept(&self, key: &str, resident: Option<bool>) -> Result<super::Fp8Kept> {
         let mut map = self
             .shared
@@ -735,7 +753,9 @@ impl VarBuilder {
         Ok(map
             .entry(key.to_string())
             .or_insert_with(|| match resident {
-                Some(true) if self.shared.products.is_some() => super::Fp8Kept::resident(),
+                Some(true) if self.shared.products.is_some() && self.shared.kept_transposes => {
+                    super::Fp8Kept::resident()
+                }
                 _ => super::Fp8Kept::streamed(),
             })
             .clone())

@@ -1143,8 +1143,15 @@ pub struct TrainConfig {
 }
 
 /// `[memory]` keys of older configs that are now the planner's switches ([`Switches`]): read
-/// into them, with a note.
-const RETIRED_MEMORY_KEYS: [&str; 6] = Switches::NAMES;
+/// into them, with a note (the switches that were keys once; later ones never were).
+const RETIRED_MEMORY_KEYS: [&str; 6] = [
+    "keep_few_rows",
+    "wire_code",
+    "uncoded_carry",
+    "deep_prefetch",
+    "host_products",
+    "measure_machine",
+];
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

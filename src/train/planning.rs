@@ -323,6 +323,7 @@ pub(crate) fn plan_memory(
                 uncoded_carry: true,
                 deep_prefetch: true,
                 host_products: true,
+                remake_transposes: false,
                 reach: vec![],
                 uncoded_first: 0,
             };

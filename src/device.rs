@@ -353,14 +353,31 @@ impl Storage {
         rhs: &Storage,
         rl: &Layout,
         dims: MatmulDims,
+        bias: Option<(&Storage, &Layout)>,
         acc: &mut Storage,
     ) -> Result<()> {
         match (self, rhs, acc) {
             #[cfg(feature = "cpu-ref")]
-            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => a.matmul_acc(l, b, rl, dims, c),
+            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => {
+                #[allow(unreachable_patterns)]
+                let bias = match bias {
+                    Some((Storage::Cpu(s), bl)) => Some((s, bl)),
+                    None => None,
+                    #[cfg(feature = "cuda")]
+                    Some(_) => return Err(mismatch("matmul_acc")),
+                };
+                a.matmul_acc(l, b, rl, dims, bias, c)
+            }
             #[cfg(feature = "cuda")]
             (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) => {
-                a.matmul_acc(l, b, rl, dims, c)
+                #[allow(unreachable_patterns)]
+                let bias = match bias {
+                    Some((Storage::Cuda(s), bl)) => Some((s, bl)),
+                    None => None,
+                    #[cfg(feature = "cpu-ref")]
+                    Some(_) => return Err(mismatch("matmul_acc")),
+                };
+                a.matmul_acc(l, b, rl, dims, bias, c)
             }
             #[cfg(all(feature = "cpu-ref", feature = "cuda"))]
             _ => Err(mismatch("matmul_acc")),

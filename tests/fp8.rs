@@ -138,6 +138,19 @@ fn fp8_linear_equals_a_dense_linear_on_the_decoded_weight() {
     assert_eq!(dxq, dxd, "input gradient");
     assert_eq!(daq, dad, "LoRA A gradient");
     assert_eq!(dbq, dbd, "LoRA B gradient");
+    // The decoded product leaves the bias out; the LoRA's up-projection GEMM adds it (no add
+    // of its own), where the dense layer's base GEMM took it.
+    for l in [&q, &dense] {
+        let x = Tensor::from_vec(lcg(rows * inp, 7, 1.0), (rows, inp), &CPU)
+            .unwrap()
+            .requires_grad_()
+            .unwrap();
+        let ops = flame::autograd::gradcheck::graph_ops(&l.forward(&x).unwrap()).unwrap();
+        assert!(
+            ops.contains("matmul") && !ops.contains("add") && !ops.contains("broadcast"),
+            "{ops:?}"
+        );
+    }
     // An in-width that is not a multiple of 4 stays dense.
     let odd = linear(&lcg(3 * 6, 6, 1.0), &[0.0; 3], 3, 6, true, &CPU);
     assert!(odd.packing.is_none() && odd.weight.dtype() == DType::F32);

@@ -535,6 +535,26 @@ fn matmul_cases() -> Vec<Case> {
         .expect(&["matmul"])
         .forbid(&["add"]),
         Case::new(
+            "add_matmul_bias: the product and a bias into a fresh GEMM output",
+            vec![g.n([3, 4]), g.n([4, 5]), g.n([3, 2]), g.n([2, 5]), g.n([5])],
+            |x| {
+                x[0].matmul(&x[1])?
+                    .add_matmul_bias(&x[2], &x[3], Some(&x[4]))
+            },
+        )
+        .expect(&["matmul"])
+        .forbid(&["add", "broadcast"]),
+        Case::new(
+            "add_matmul_bias with leading dims, a transposed factor, a shared output",
+            vec![g.n([2, 3, 5]), g.n([2, 3, 4]), g.n([5, 4]), g.n([5])],
+            |x| {
+                let c = x[0].affine(2.0, 0.0)?;
+                c.clone()
+                    .add_matmul_bias(&x[1], &x[2].t()?, Some(&x[3]))?
+                    .mul(&c)
+            },
+        ),
+        Case::new(
             "add_matmul with leading dims and a transposed factor",
             vec![g.n([2, 3, 5]), g.n([2, 3, 4]), g.n([5, 4])],
             |x| x[0].affine(2.0, 0.0)?.add_matmul(&x[1], &x[2].t()?),

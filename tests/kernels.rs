@@ -581,7 +581,8 @@ fn norms_read_strided_rows_where_they_lie(dev: &Device) {
 /// passes it, each shape twice with other operands (the kept GEMM's second call) and once
 /// with the activations a view one row into a larger tensor (an address off cuBLASLt's
 /// preferred alignment), and `add_matmul` (a beta = 1 GEMM into a fresh product's buffer, as
-/// an adapter's term is added), outputs and gradients against the CPU at odd sizes.
+/// an adapter's term is added) with and without a bias in its epilogue, outputs and
+/// gradients against the CPU at odd sizes.
 fn linear_epilogues_match_the_reference(dev: &Device) {
     for dt in FLOATS {
         for (m, k, n) in [(37, 24, 40), (1, 8, 1), (129, 200, 72), (300, 3072, 17)] {
@@ -627,6 +628,27 @@ fn linear_epilogues_match_the_reference(dev: &Device) {
                 &co,
                 dt,
                 &[mag(k + 4), mag(n), mag(m), mag(n), mag(m)],
+            );
+            // The same with a bias in the accumulating GEMM's epilogue (a layer's bias the
+            // base product left out, added by its LoRA's up-projection).
+            let (go, co) = both(
+                dev,
+                &[vec![m, k], vec![n, k], vec![m, 4], vec![n, 4], vec![n]],
+                &[m, n],
+                dt,
+                4450,
+                &|x| {
+                    x[0].matmul(&x[1].t()?)?
+                        .add_matmul_bias(&x[2], &x[3].t()?, Some(&x[4]))
+                },
+            );
+            check(
+                &format!("add_matmul_bias {m}x{k}x{n}"),
+                dev,
+                &go,
+                &co,
+                dt,
+                &[mag(k + 5), mag(n), mag(m), mag(n), mag(m), mag(m)],
             );
         }
     }

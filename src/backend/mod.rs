@@ -364,18 +364,23 @@ pub trait BackendStorage: Sized + Send + Sync {
         let ol = Layout::contiguous(shape.clone());
         out.binary(&ol, bias, &bl.broadcast_as(&shape)?, BinaryOp::Add)
     }
-    /// `acc += self @ rhs` in place, `acc` holding the contiguous (B, M, N) values in the
-    /// operands' dtype: on CUDA one GEMM with beta = 1 (the sum rounded once, no separate
-    /// pass over `acc`). The default is the matmul, then an add.
+    /// `acc += self @ rhs [+ bias]` in place, `acc` holding the contiguous (B, M, N) values
+    /// in the operands' dtype, `bias` (N) broadcast over the rows: on CUDA one GEMM with
+    /// beta = 1 and the bias in its epilogue (the sum rounded once, no separate pass over
+    /// `acc`). The default is the matmul, then the adds.
     fn matmul_acc(
         &self,
         l: &Layout,
         rhs: &Self,
         rl: &Layout,
         dims: MatmulDims,
+        bias: Option<(&Self, &Layout)>,
         acc: &mut Self,
     ) -> Result<()> {
-        let p = self.matmul(l, rhs, rl, dims)?;
+        let p = match bias {
+            Some((b, bl)) => self.matmul_bias(l, rhs, rl, dims, b, bl)?,
+            None => self.matmul(l, rhs, rl, dims)?,
+        };
         let ol = Layout::contiguous(Shape::from(vec![dims.b, dims.m, dims.n]));
         *acc = acc.binary(&ol, &p, &ol, BinaryOp::Add)?;
         Ok(())

@@ -151,16 +151,25 @@ impl Linear {
         };
         // Whether the adapter read the frozen weight (DoRA's norms do).
         let read = Cell::new(false);
-        let y = match &self.adapter {
+        // A bias the base product left out goes into the adapter's last GEMM where the
+        // adapter only adds to the output (LoRA's up-projection accumulates into it).
+        let pending = self
+            .bias
+            .as_ref()
+            .filter(|b| !bias_done && b.dtype() == x.dtype());
+        let (y, bias_done) = match &self.adapter {
             Some(a) => {
                 let weight = |dtype| {
                     read.set(true);
                     self.dense_weight(dtype)
                 };
                 let base = BaseLayer::new(LayerShape::Linear { in_dim, out_dim }, &weight);
-                a.forward(&base, &x, y)?
+                match pending.filter(|_| a.adds_to_output()) {
+                    Some(b) => a.forward_biased(&base, &x, y, b)?,
+                    None => (a.forward(&base, &x, y)?, bias_done),
+                }
             }
-            None => y,
+            None => (y, bias_done),
         };
         // A re-run that took the base output from the log and recorded nothing of the GEMM
         // (nothing of it needs a gradient), whose adapter read no weight: only the forward

@@ -606,6 +606,13 @@ impl Tensor {
     /// into that buffer by one GEMM with beta = 1 on CUDA, with no separate pass for the add;
     /// otherwise into a copy of it.
     pub fn add_matmul(self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        self.add_matmul_bias(a, b, None)
+    }
+
+    /// `self + a @ b + bias` (`add_matmul` with `bias` (N) broadcast over the rows): on CUDA
+    /// the bias rides in the same GEMM's epilogue (bf16, f16), so a layer whose bias was
+    /// left out of its base product adds it with no pass of its own.
+    pub fn add_matmul_bias(self, a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let (lead, m, k, n) = linear_dims("add_matmul", a, b)?;
         same_device("add_matmul", &self, a)?;
         same_dtype("add_matmul", &self, a)?;
@@ -616,20 +623,38 @@ impl Tensor {
                 rhs: a.shape().clone(),
             });
         }
+        if let Some(bias) = bias {
+            same_device("add_matmul", a, bias)?;
+            same_dtype("add_matmul", a, bias)?;
+            if bias.dims() != [n] {
+                return Err(Error::ShapeMismatch {
+                    op: "add_matmul bias",
+                    lhs: bias.shape().clone(),
+                    rhs: b.shape().clone(),
+                });
+            }
+        }
         let (a3, b3) = (a.reshape((1, m, k))?, b.reshape((1, k, n))?);
         let c3 = self.reshape((1, m, n))?;
         drop(self);
-        let rec = record(&[&c3, &a3, &b3], || Op::Addmm {
+        let mut inputs = vec![&c3, &a3, &b3];
+        inputs.extend(bias);
+        let rec = record(&inputs, || Op::Addmm {
             c: Some(c3.clone()),
             a: a3.clone(),
             b: b3.clone(),
-            bias: None,
+            bias: bias.cloned(),
         });
         let dims = MatmulDims { b: 1, m, k, n };
         let device = c3.device().clone();
+        let bias_storage = bias.map(|t| t.storage()).transpose()?;
         let acc = |acc: &mut crate::device::Storage| {
+            let bias = bias_storage
+                .as_ref()
+                .zip(bias)
+                .map(|(s, t)| (&**s, t.layout()));
             with2(&a3, &b3, |x, y| {
-                x.matmul_acc(a3.layout(), y, b3.layout(), dims, acc)
+                x.matmul_acc(a3.layout(), y, b3.layout(), dims, bias, acc)
             })
         };
         let out = match c3.into_exclusive_storage() {

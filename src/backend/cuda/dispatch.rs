@@ -137,9 +137,10 @@ impl BackendStorage for CudaStorage {
         rhs: &Self,
         rl: &Layout,
         dims: MatmulDims,
+        bias: Option<(&Self, &Layout)>,
         acc: &mut Self,
     ) -> Result<()> {
-        super::matmul::matmul_acc(self, l, rhs, rl, dims, acc)
+        super::matmul::matmul_acc(self, l, rhs, rl, dims, bias, acc)
     }
 
     fn unfold2d(&self, l: &Layout, w: crate::backend::Window2d) -> Result<Self> {

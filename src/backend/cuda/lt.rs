@@ -80,7 +80,24 @@ impl Lt {
         algo: &sys::cublasLtMatmulAlgo_t,
         stream: &CudaStream,
     ) -> std::result::Result<(), cudarc::cublaslt::result::CublasError> {
-        let (alpha, beta) = (1f32, 0f32);
+        self.matmul_beta(desc, [la, lb, ld], [a, b, d], algo, stream, 0.0)
+    }
+
+    /// [`Lt::matmul`] with `d` also the GEMM's C scaled by `beta` (f32 scale type):
+    /// `d = op(a) op(b) + beta d` (beta = 1 accumulates into `d`).
+    ///
+    /// # Safety
+    /// As [`Lt::matmul`]; `d` holds the values C is read from.
+    pub(crate) unsafe fn matmul_beta(
+        &self,
+        desc: sys::cublasLtMatmulDesc_t,
+        [la, lb, ld]: [sys::cublasLtMatrixLayout_t; 3],
+        [a, b, d]: [u64; 3],
+        algo: &sys::cublasLtMatmulAlgo_t,
+        stream: &CudaStream,
+        beta: f32,
+    ) -> std::result::Result<(), cudarc::cublaslt::result::CublasError> {
+        let alpha = 1f32;
         self.matmul_scaled(
             desc,
             [la, lb, ld],
@@ -171,10 +188,10 @@ pub(crate) fn lt_err(op: &str, what: &str, e: impl std::fmt::Debug) -> Error {
 
 const OP: &str = "matmul_bias";
 
-/// One GEMM `C = op(A) op(B) + bias` in cuBLASLt's column-major terms: C (m, n) with leading
-/// dimension `ldc`, A (m, k) or (k, m) where `transa`, B (k, n) or (n, k) where `transb`, the
-/// bias a vector of m added to every column; batched over `batch` = (count, A's, B's and C's
-/// batch strides) with one bias for all.
+/// One GEMM `C = op(A) op(B) + bias` (`+ C` where `accumulate`) in cuBLASLt's column-major
+/// terms: C (m, n) with leading dimension `ldc`, A (m, k) or (k, m) where `transa`, B (k, n)
+/// or (n, k) where `transb`, the bias a vector of m added to every column; batched over
+/// `batch` = (count, A's, B's and C's batch strides) with one bias for all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct BiasGemm {
     pub transa: bool,
@@ -186,6 +203,7 @@ pub(crate) struct BiasGemm {
     pub ldb: i64,
     pub ldc: i64,
     pub batch: Option<(i32, i64, i64, i64)>,
+    pub accumulate: bool,
 }
 
 /// A kept GEMM: its descriptor, layouts and algorithm (None: cuBLASLt has none for it),
@@ -389,9 +407,10 @@ fn plans() -> &'static Mutex<Plans> {
     PLANS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// Queues `c = op(a) op(b) + bias` (`g`, elements of `dtype`: bf16 or f16, accumulated in f32)
-/// on `stream` from the device addresses `a`, `b`, `bias` into `c`; false where cuBLASLt has
-/// no algorithm for it (the shape, or the operands' alignment), nothing queued.
+/// Queues `c = op(a) op(b) + bias` (`c +=` where `g.accumulate`; `g`, elements of `dtype`:
+/// bf16 or f16, accumulated in f32) on `stream` from the device addresses `a`, `b`, `bias`
+/// into `c`; false where cuBLASLt has no algorithm for it (the shape, or the operands'
+/// alignment), nothing queued.
 ///
 /// # Safety
 /// The addresses hold the elements `g` describes (A, B and C with their leading dimensions and
@@ -433,12 +452,13 @@ pub(crate) unsafe fn gemm_bias(
         sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
         &bias,
     )?;
-    let r = lt.matmul(
+    let r = lt.matmul_beta(
         kept.desc,
         [kept.a, kept.b, kept.c],
         [a, b, c],
         &algo,
         stream,
+        if g.accumulate { 1.0 } else { 0.0 },
     );
     match r {
         Ok(()) => Ok(true),

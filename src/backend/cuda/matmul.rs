@@ -157,13 +157,42 @@ fn gemm_bias_lt<T: Elem>(
     bias: &CudaStorage,
     biasl: &Layout,
 ) -> Result<Option<CudaStorage>> {
+    let dev = &a.dev;
+    let mut out = dev.alloc::<T>(d.b * d.m * d.n)?;
+    let queued = gemm_bias_into::<T>(a, al, b, bl, d, bias, biasl, &mut out, false)?;
+    Ok(queued.then(|| a.wrap(T::wrap(out))))
+}
+
+/// `out = a @ b + bias` (`out +=` where `accumulate`) as one cuBLASLt GEMM with the bias in
+/// its epilogue, `out` holding the contiguous (B, M, N) values; false where cuBLASLt takes no
+/// such GEMM (the bias not a unit-stride (N) vector, no algorithm, the operands' alignment),
+/// nothing queued.
+#[allow(clippy::too_many_arguments)]
+fn gemm_bias_into<T: Elem>(
+    a: &CudaStorage,
+    al: &Layout,
+    b: &CudaStorage,
+    bl: &Layout,
+    d: MatmulDims,
+    bias: &CudaStorage,
+    biasl: &Layout,
+    out: &mut super::memory::DevBuf<T>,
+    accumulate: bool,
+) -> Result<bool> {
     const OP: &str = "matmul_bias";
     a.check(OP, al)?;
     b.check(OP, bl)?;
     bias.check(OP, biasl)?;
     let unit = biasl.dims() == [d.n] && (d.n == 1 || biasl.strides() == [1]);
     if !unit || d.k == 0 || d.b * d.m * d.n == 0 || bias.typed::<T>(OP).is_err() {
-        return Ok(None);
+        return Ok(false);
+    }
+    if out.slice.len() < d.b * d.m * d.n {
+        return Err(Error::invalid(
+            OP,
+            format!("an output of {} values", out.slice.len()),
+            al.shape(),
+        ));
     }
     let (ac, al, am) = operand(a, al)?;
     let (bc, bl, bm) = operand(b, bl)?;
@@ -189,10 +218,10 @@ fn gemm_bias_lt<T: Elem>(
                 (d.m * d.n) as i64,
             )
         }),
+        accumulate,
     };
     let dev = &a.dev;
     let lt = dev.lt()?;
-    let out = dev.alloc::<T>(d.b * d.m * d.n)?;
     let stream = dev.stream();
     let at = |s: &super::memory::DevBuf<T>, offset: usize| {
         use cudarc::driver::DevicePtr;
@@ -201,7 +230,7 @@ fn gemm_bias_lt<T: Elem>(
     let ptrs = [
         at(bb, bl.offset()),
         at(ab, al.offset()),
-        at(&out, 0),
+        at(out, 0),
         at(biasb, biasl.offset()),
     ];
     let span = crate::backend::profile::Span::start(stream);
@@ -211,7 +240,7 @@ fn gemm_bias_lt<T: Elem>(
     // are queued on the device's stream, which `lt` belongs to.
     let queued = unsafe { super::lt::gemm_bias(lt, stream, dev.ordinal(), T::DTYPE, g, ptrs) }?;
     span.stop(stream, "gemm", "cublaslt_gemm_bias");
-    Ok(queued.then(|| a.wrap(T::wrap(out))))
+    Ok(queued)
 }
 
 fn check_pair(
@@ -268,13 +297,16 @@ pub(crate) fn matmul_bias(
     out.binary(&ol, bias, &biasl.broadcast_as(&shape)?, BinaryOp::Add)
 }
 
-/// `acc += a @ b`: one GEMM with beta = 1 into `acc` (contiguous (B, M, N) values).
+/// `acc += a @ b [+ bias]`: one GEMM with beta = 1 into `acc` (contiguous (B, M, N) values),
+/// the bias (N) in cuBLASLt's epilogue where it takes the GEMM (bf16 and f16), else added
+/// after.
 pub(crate) fn matmul_acc(
     a: &CudaStorage,
     al: &Layout,
     b: &CudaStorage,
     bl: &Layout,
     d: MatmulDims,
+    bias: Option<(&CudaStorage, &Layout)>,
     acc: &mut CudaStorage,
 ) -> Result<()> {
     check_pair("matmul_acc", a, al, b, bl, d)?;
@@ -295,6 +327,29 @@ pub(crate) fn matmul_acc(
         ));
     }
     use super::storage::typed_mut;
+    if let Some((bias, biasl)) = bias {
+        bias.same_device("matmul_acc", a)?;
+        let fused = match a.buf.dtype() {
+            DType::BF16 => {
+                let out = typed_mut::<bf16>(&mut acc.buf, "matmul_acc")?;
+                gemm_bias_into::<bf16>(a, al, b, bl, d, bias, biasl, out, true)?
+            }
+            DType::F16 => {
+                let out = typed_mut::<f16>(&mut acc.buf, "matmul_acc")?;
+                gemm_bias_into::<f16>(a, al, b, bl, d, bias, biasl, out, true)?
+            }
+            _ => false,
+        };
+        if fused {
+            return Ok(());
+        }
+        // The product with its bias (`matmul_bias`), added into the accumulator.
+        use crate::backend::{BackendStorage, BinaryOp};
+        let p = matmul_bias(a, al, b, bl, d, bias, biasl)?;
+        let ol = Layout::contiguous(crate::Shape::from(vec![d.b, d.m, d.n]));
+        *acc = acc.binary(&ol, &p, &ol, BinaryOp::Add)?;
+        return Ok(());
+    }
     macro_rules! into {
         ($t:ty) => {
             gemm_into::<$t>(

@@ -23,7 +23,7 @@
 
 use super::io::{single_part, PeftFile, Reader};
 use super::merge::MergeLayer;
-use super::{cast, kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
+use super::{kaiming, zeros, Adapter, BaseLayer, Kind, LayerShape, PeftPart, Plan};
 use crate::{Error, Result, Tensor};
 use std::sync::Arc;
 
@@ -473,10 +473,19 @@ impl Adapter for Lokr {
     }
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
-        match self.change_with(p)? {
-            Some(dw) => self.shape.add_apply(y, x, &cast(&dw, x)?),
-            None => Ok(y),
-        }
+        Ok(self.shape.add_change(y, x, self.change_with(p)?, None)?.0)
+    }
+
+    fn forward_biased(
+        &self,
+        _: &BaseLayer,
+        x: &Tensor,
+        y: Tensor,
+        bias: &Tensor,
+    ) -> Result<(Tensor, bool)> {
+        let p: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
+        self.shape
+            .add_change(y, x, self.change_with(&p)?, Some(bias))
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {

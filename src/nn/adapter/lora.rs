@@ -213,7 +213,18 @@ impl Lora {
         &self,
         y: Tensor,
         x: &Tensor,
+        parts: (&Tensor, Option<&Tensor>, &Tensor),
+    ) -> Result<Tensor> {
+        self.add_term_bias(y, x, parts, None)
+    }
+
+    /// [`Lora::add_term`] plus the layer's `bias` (a Linear's) in the up-projection's GEMM.
+    fn add_term_bias(
+        &self,
+        y: Tensor,
+        x: &Tensor,
         (down, mid, up): (&Tensor, Option<&Tensor>, &Tensor),
+        bias: Option<&Tensor>,
     ) -> Result<Tensor> {
         let _p = crate::profile::scope("lora");
         let x = self
@@ -230,7 +241,7 @@ impl Lora {
         // s folded into B (out x r) rather than applied to the product (rows x out): one
         // pass over the layer's output fewer, forward and backward.
         let up = cast_scaled(up, self.scale(), &x)?;
-        self.shape.add_apply_pointwise(y, &h, &up)
+        self.shape.add_apply_pointwise_bias(y, &h, &up, bias)
     }
 
     /// s · B A (the Tucker form: the core rebuilt with A and B) in f32 with the weight's
@@ -417,6 +428,25 @@ impl Adapter for Lora {
 
     fn adds_to_output(&self) -> bool {
         true
+    }
+
+    fn forward_biased(
+        &self,
+        base: &BaseLayer,
+        x: &Tensor,
+        y: Tensor,
+        bias: &Tensor,
+    ) -> Result<(Tensor, bool)> {
+        // A convolution's output takes its bias by channel, not by a GEMM's epilogue.
+        if !matches!(self.shape, LayerShape::Linear { .. }) {
+            return Ok((self.forward(base, x, y)?, false));
+        }
+        // A dropped module adds nothing (drawn once, as `forward_with` draws it).
+        if self.dropped() {
+            return Ok((y, false));
+        }
+        let parts = (&self.down, self.mid.as_ref(), &self.up);
+        Ok((self.add_term_bias(y, x, parts, Some(bias))?, true))
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {

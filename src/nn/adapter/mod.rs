@@ -161,11 +161,51 @@ impl LayerShape {
         }
     }
 
+    /// `y + x ⊛ change` (the change cast to x's dtype), plus `bias` on a Linear in the same
+    /// GEMM (`Tensor::add_matmul_bias`): what the kinds whose forward adds a weight change
+    /// to the layer's output do (LoHa, LoKr, a split layer's stacked changes). Also whether
+    /// the bias went in: not for a convolution, nor where `change` is `None` (module dropout
+    /// skipped the adapter).
+    pub fn add_change(
+        &self,
+        y: Tensor,
+        x: &Tensor,
+        change: Option<Tensor>,
+        bias: Option<&Tensor>,
+    ) -> Result<(Tensor, bool)> {
+        let Some(dw) = change else {
+            return Ok((y, false));
+        };
+        let dw = cast(&dw, x)?;
+        match (self, bias) {
+            (LayerShape::Linear { .. }, Some(b)) => {
+                Ok((y.add_matmul_bias(x, &dw.t()?, Some(b))?, true))
+            }
+            _ => Ok((self.add_apply(y, x, &dw)?, false)),
+        }
+    }
+
     /// `y + x ⊛ w` for a 1×1 `w`, as [`LayerShape::add_apply`].
     pub fn add_apply_pointwise(&self, y: Tensor, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        match self {
-            LayerShape::Linear { .. } => y.add_matmul(x, &w.t()?),
-            LayerShape::Conv2d { .. } => y.add(&self.apply_pointwise(x, w)?),
+        self.add_apply_pointwise_bias(y, x, w, None)
+    }
+
+    /// [`LayerShape::add_apply_pointwise`] plus `bias` (out) on a Linear, in the same GEMM
+    /// (`Tensor::add_matmul_bias`); a convolution's bias is left to its layer (`None` here
+    /// is an error for a convolution given one).
+    pub fn add_apply_pointwise_bias(
+        &self,
+        y: Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        match (self, bias) {
+            (LayerShape::Linear { .. }, _) => y.add_matmul_bias(x, &w.t()?, bias),
+            (LayerShape::Conv2d { .. }, None) => y.add(&self.apply_pointwise(x, w)?),
+            (LayerShape::Conv2d { .. }, Some(_)) => Err(Error::Autograd(
+                "a convolution's adapter was given its layer's bias to add".into(),
+            )),
         }
     }
 
@@ -274,6 +314,21 @@ pub trait Adapter: Send + Sync + std::fmt::Debug {
     fn forward(&self, base: &BaseLayer, x: &Tensor, y: Tensor) -> Result<Tensor> {
         let params: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
         self.forward_with(base, x, y, &params)
+    }
+
+    /// [`Adapter::forward`] of a layer whose `bias` (out, in `x`'s dtype) is still to be
+    /// added (its base product left it out: an 8-bit or decoded FP8 product): a kind whose
+    /// output is `y` plus a product it accumulates into `y`'s buffer (LoRA's up-projection on
+    /// a Linear) adds the bias in that GEMM's epilogue and answers true, sparing the layer a
+    /// pass over its output; the others answer false and the layer adds it.
+    fn forward_biased(
+        &self,
+        base: &BaseLayer,
+        x: &Tensor,
+        y: Tensor,
+        _bias: &Tensor,
+    ) -> Result<(Tensor, bool)> {
+        Ok((self.forward(base, x, y)?, false))
     }
 
     /// The change to the frozen weight that the adapter stands for (f32, the weight's shape):

@@ -16,7 +16,7 @@
 //! fused layer's own kohya name (`lora_unet_single_blocks_0_linear1`) then names no tensor.
 
 use super::io::{swap_halves, PeftFile, Reader};
-use super::{cast, Adapter, BaseLayer, LayerShape, PeftPart, Plan};
+use super::{Adapter, BaseLayer, LayerShape, PeftPart, Plan};
 use crate::nn::dropout::BatchPart;
 use crate::{Error, Result, Tensor};
 use std::sync::Arc;
@@ -216,10 +216,19 @@ impl Adapter for PerProjection {
     }
 
     fn forward_with(&self, _: &BaseLayer, x: &Tensor, y: Tensor, p: &[Tensor]) -> Result<Tensor> {
-        match self.change_with(p)? {
-            Some(dw) => self.shape.add_apply(y, x, &cast(&dw, x)?),
-            None => Ok(y),
-        }
+        Ok(self.shape.add_change(y, x, self.change_with(p)?, None)?.0)
+    }
+
+    fn forward_biased(
+        &self,
+        _: &BaseLayer,
+        x: &Tensor,
+        y: Tensor,
+        bias: &Tensor,
+    ) -> Result<(Tensor, bool)> {
+        let p: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
+        self.shape
+            .add_change(y, x, self.change_with(&p)?, Some(bias))
     }
 
     fn delta_weight(&self, base: &BaseLayer) -> Result<Tensor> {

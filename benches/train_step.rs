@@ -389,6 +389,7 @@ fn run<M: ModelSpec>(
         .with_fp8(fp8)?
         .with_products(products)?
         .with_int8_rotation(int8_rotation)?
+        .with_kept_transposes(!plan.remake_transposes)?
         .with_adapters(adapters.clone())?;
     let plan = profile.settle(&plan)?;
     let streamer = BlockStreamer::for_plan(&dev, &plan, M::CONDITIONED)?;

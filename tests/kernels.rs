@@ -72,7 +72,7 @@ fn both(
     (fwd_bwd(&dr, &ddy, f), fwd_bwd(&rr, &rdy, f))
 }
 
-const NAMES: [&str; 5] = ["y", "d0", "d1", "d2", "d3"];
+const NAMES: [&str; 6] = ["y", "d0", "d1", "d2", "d3", "d4"];
 
 /// Compares output and gradients; `mags[k]` is the magnitude scale of result k (sums of many
 /// terms carry an error proportional to the terms, not to the result).

@@ -145,7 +145,12 @@ impl ModelSpec for ZImage {
             tokens: img,
             weight_tokens: img,
             width: config.dim,
-            layers: 1.0,
+            // Measured (NVIDIA H200, 2026-12-01, Z-Image 6B's resident LoRA step at 1024²,
+            // 4096 + 512 tokens): 41.41 GiB at the peak where Flux's 21 values a token-channel
+            // (`SAVED_PER_TOKEN_CHANNEL`) predicted 34.68, 22.15 of them activations: its
+            // blocks keep 1.30 times as much (a norm before and after attention and the MLP,
+            // the q/k norms, SwiGLU's three 2.67x-wide tensors).
+            layers: 1.3,
             attention_calls: 1,
             cross_calls: 0,
             context_tokens: txt,

@@ -252,7 +252,6 @@ fn run<M: ModelSpec>(
     } else {
         None
     };
-    let fp8 = fp8 || products.is_some();
     // `--int8-rotation`: int8 products with their inner axis rotated.
     let int8_rotation = args.flag("--int8-rotation");
     let num = |name: &str, default: usize| {
@@ -270,6 +269,11 @@ fn run<M: ModelSpec>(
         batch: rows.len().max(1),
         optimizer_bytes_per_value: if adam8bit { 2.0 + 8.0 / 256.0 } else { 8.0 },
     };
+    // 8-bit products where they pay at this run's rows, as `train` chooses them;
+    // `--every-linear-8bit`: on every Linear the tensor cores take.
+    if !args.flag("--every-linear-8bit") {
+        opts.run = Some(run_shape.clone());
+    }
     let mut profile: MemoryProfile = profile_config::<M>(&cfg, &opts, &run_shape)?;
     // The planner's switches: `FLAME_PLANNER`, then the flags `--raw-wire` (streamed bf16
     // weights cross uncoded), `--no-uncoded-carry`, `--shallow` (no deep prefetch),
@@ -391,6 +395,9 @@ fn run<M: ModelSpec>(
         .with_int8_rotation(int8_rotation)?
         .with_kept_transposes(!plan.remake_transposes)?
         .with_adapters(adapters.clone())?;
+    if let (Some(_), Some(run)) = (products, &opts.run) {
+        vb = vb.with_product_rows(flame::models::product_rows::<M>(&cfg, run)?)?;
+    }
     let plan = profile.settle(&plan)?;
     let streamer = BlockStreamer::for_plan(&dev, &plan, M::CONDITIONED)?;
     if let Some(s) = &streamer {

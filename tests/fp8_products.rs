@@ -699,3 +699,151 @@ mod gpu {
         }
     }
 }
+
+/// 8-bit products go where they pay at the run's rows (`VarBuilder::with_product_rows`,
+/// `nn::products_pay`): a Linear whose products are large enough, or that sees few rows
+/// (reading its weight more than computing), takes FP8 products; a small product over many
+/// rows loads as without them (in the model's dtype, or FP8 codes decoded at each use where
+/// the weights are stored in FP8); int8 needs larger products; a key the rows do not know
+/// keeps them.
+#[test]
+fn eight_bit_products_go_where_they_pay() {
+    use flame::backend::fp8::Code8;
+    use flame::nn::{products_pay, Packing, ProductRows};
+    let (out, inp) = (32, 64);
+    // 32 x 64 = 2048 multiply-adds a row: 12 G at about 5.9 M rows.
+    let rows: ProductRows = std::sync::Arc::new(|key: &str| match key {
+        "big.weight" => Some(10_000_000),
+        "small.weight" => Some(1_000),
+        "few.weight" => Some(4),
+        _ => None,
+    });
+    assert!(products_pay(
+        Some(&rows),
+        "big.weight",
+        Code8::E4m3,
+        (out, inp)
+    ));
+    assert!(!products_pay(
+        Some(&rows),
+        "big.weight",
+        Code8::Int8,
+        (out, inp)
+    ));
+    assert!(!products_pay(
+        Some(&rows),
+        "small.weight",
+        Code8::E4m3,
+        (out, inp)
+    ));
+    // 4 rows x 16 <= 64 inputs: few rows.
+    assert!(products_pay(
+        Some(&rows),
+        "few.weight",
+        Code8::Int8,
+        (out, inp)
+    ));
+    assert!(products_pay(
+        Some(&rows),
+        "other.weight",
+        Code8::E4m3,
+        (out, inp)
+    ));
+    assert!(products_pay(None, "small.weight", Code8::E4m3, (out, inp)));
+
+    let build = |code: Code8, fp8: bool| {
+        let mut t = HashMap::new();
+        for k in ["big", "small", "other"] {
+            t.insert(
+                format!("{k}.weight"),
+                Tensor::from_vec(lcg(out * inp, 31, 0.5), (out, inp), &CPU).unwrap(),
+            );
+        }
+        let vb = VarBuilder::from_tensors(t, DType::F32, &CPU)
+            .with_fp8(fp8)
+            .unwrap()
+            .with_products(Some(code))
+            .unwrap()
+            .with_product_rows(rows.clone())
+            .unwrap();
+        ["big", "small", "other"].map(|k| Linear::new(&vb.pp(k), inp, out, false).unwrap())
+    };
+    let products = |l: &Linear| matches!(l.packing, Some(Packing::Fp8 { products: true, .. }));
+    let [big, small, other] = build(Code8::E4m3, false);
+    assert!(products(&big) && products(&other));
+    assert!(small.packing.is_none() && small.weight.dtype() == DType::F32);
+    // FP8 storage: the others keep their codes, decoded at each use.
+    let [big, small, _] = build(Code8::E4m3, true);
+    assert!(products(&big));
+    assert!(matches!(
+        small.packing,
+        Some(Packing::Fp8 {
+            products: false,
+            code: Code8::E4m3,
+            ..
+        })
+    ));
+    // Int8 pays later: not the large one here.
+    let [big, _, other] = build(Code8::Int8, false);
+    assert!(big.packing.is_none() && products(&other));
+}
+
+/// The planner counts what the loader does: with the run's shapes, SDXL's Linears under
+/// 12 G multiply-adds a product over many rows (all but its GEGLU projections at 1024²) are
+/// sized in bf16, and with int8 products only those over few rows stay 8-bit (the time
+/// embedding's, cross-attention's keys and values over 77 tokens);
+/// Flux-dev's block Linears all keep their FP8 products.
+#[test]
+fn the_profile_sizes_products_where_they_pay() {
+    use flame::models::flux::{Flux, FluxConfig};
+    use flame::models::sdxl::{SdxlConfig, Unet};
+    use flame::models::{profile_config, LoadOptions, RunShape};
+    let profile = |sdxl: bool, code: Option<flame::backend::fp8::Code8>, with_run: bool| {
+        let run = if sdxl {
+            RunShape {
+                sample: vec![vec![4, 128, 128], vec![77, 2048], vec![1280], vec![6]],
+                batch: 1,
+                optimizer_bytes_per_value: 8.0,
+            }
+        } else {
+            RunShape {
+                sample: vec![vec![16, 128, 128], vec![512, 4096], vec![768]],
+                batch: 1,
+                optimizer_bytes_per_value: 8.0,
+            }
+        };
+        let mut opts = LoadOptions::new(DType::BF16, &CPU);
+        opts.products = code;
+        opts.run = with_run.then(|| run.clone());
+        if sdxl {
+            profile_config::<Unet>(&SdxlConfig::base(), &opts, &run).unwrap()
+        } else {
+            profile_config::<Flux>(&FluxConfig::dev(), &opts, &run).unwrap()
+        }
+    };
+    let sum = |p: &flame::memory::MemoryProfile| -> (u64, f64, u64) {
+        (
+            p.blocks.iter().map(|b| b.product_bytes).sum(),
+            p.blocks.iter().map(|b| b.product_flops).sum(),
+            p.blocks.iter().map(|b| b.weight_bytes).sum(),
+        )
+    };
+    let fp8 = Some(flame::backend::fp8::Code8::E4m3);
+    let int8 = Some(flame::backend::fp8::Code8::Int8);
+    let (all_bytes, all_flops, all_weights) = sum(&profile(true, fp8, false));
+    let (paying_bytes, paying_flops, paying_weights) = sum(&profile(true, fp8, true));
+    assert!(
+        paying_bytes > 0 && (paying_bytes as f64) < 0.7 * all_bytes as f64,
+        "{paying_bytes} of {all_bytes}"
+    );
+    assert!(paying_flops < all_flops);
+    // The Linears left in bf16 hold two bytes a weight, not one.
+    assert!(paying_weights > all_weights);
+    let (int8_bytes, int8_flops, _) = sum(&profile(true, int8, true));
+    assert!(int8_bytes > 0 && int8_bytes < paying_bytes, "{int8_bytes}");
+    assert!(int8_flops < paying_flops);
+    assert_eq!(
+        sum(&profile(false, fp8, true)),
+        sum(&profile(false, fp8, false))
+    );
+}

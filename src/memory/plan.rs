@@ -1610,6 +1610,16 @@ impl BlockShape {
             }
     }
 
+    /// The rows a Linear of weight key `key` multiplies for `batch` samples: a row a sample
+    /// for the Linears over the conditioning vector (`conditioned`), else its `positions`.
+    pub fn rows_of(&self, key: &str, batch: usize) -> usize {
+        if self.conditioned.iter().any(|c| key.contains(c)) {
+            batch
+        } else {
+            self.positions(key, batch)
+        }
+    }
+
     /// The width of its attention heads.
     pub fn head_dim(&self) -> usize {
         self.width / self.heads.max(1)

@@ -15,6 +15,7 @@ use super::spec::PipelineSpec;
 use crate::diffusion::Ddpm;
 use crate::memory::{BlockCost, BlockExec, BlockShape, BlockStreamer, MemoryProfile, Plan};
 use crate::nn::adapter::ToolNames;
+use crate::nn::ProductRows;
 use crate::nn::{Adapters, KeyMap, LoraMerge, VarBuilder};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::path::Path;
@@ -191,6 +192,11 @@ pub struct LoadOptions {
     /// A LoRA file merged into the weights as they load (sampling with a trained LoRA);
     /// every tensor of it must find its layer.
     pub merge: Option<Arc<LoraMerge>>,
+    /// The run's shapes (its largest sample and its batch): with `products`, only the block
+    /// Linears whose products pay in 8 bits at these rows take them ([`product_rows`],
+    /// `nn::products_pay`; a training run's largest bucket). `None`: every Linear whose
+    /// widths the tensor cores take.
+    pub run: Option<RunShape>,
 }
 
 /// Why FP8 products cannot run for the model at `path` on `device` ([`products_refusal`] for
@@ -253,6 +259,7 @@ impl LoadOptions {
             products: None,
             int8_rotation: false,
             merge: None,
+            run: None,
         }
     }
 
@@ -322,6 +329,34 @@ pub struct Loaded<M: ?Sized> {
     pub key_map: KeyMap,
 }
 
+/// The rows each block Linear of a model of `config` multiplies in a run of `run`'s shapes,
+/// by weight key (`BlockShape::rows_of` of the block holding it; `None` outside the blocks):
+/// what `nn::products_pay` decides 8-bit products by.
+pub fn product_rows<M: ModelSpec>(config: &M::Config, run: &RunShape) -> Result<ProductRows> {
+    let prefixes = M::block_prefixes_of(config);
+    let shapes = M::block_shapes(config, &run.sample)?;
+    let blocks: Vec<(String, BlockShape)> = prefixes.into_iter().zip(shapes).collect();
+    let batch = run.batch.max(1);
+    Ok(Arc::new(move |key: &str| {
+        blocks
+            .iter()
+            .find(|(p, _)| crate::memory::under(key, p))
+            .map(|(_, sh)| sh.rows_of(key, batch))
+    }))
+}
+
+/// `vb` told the rows of `opts.run` where `opts` asks for 8-bit products (`product_rows`).
+fn with_run_rows<M: ModelSpec>(
+    vb: VarBuilder,
+    config: &M::Config,
+    opts: &LoadOptions,
+) -> Result<VarBuilder> {
+    match (&opts.products, &opts.run) {
+        (Some(_), Some(run)) => vb.with_product_rows(product_rows::<M>(config, run)?),
+        _ => Ok(vb),
+    }
+}
+
 /// The one loader: locates the checkpoint at `path` (a single file, a diffusers folder or a
 /// pipeline folder), reads its config (or `config` / `opts.config`), builds the model with
 /// `opts.adapters` attached and `opts.memory` applied.
@@ -336,12 +371,13 @@ pub fn load_as<M: ModelSpec>(
     if let Some(a) = &opts.adapters {
         a.use_key_map(key_map.clone())?;
     }
-    let mut vb = ckpt
+    let vb = ckpt
         .var_builder(opts.dtype, &opts.device, key_map.clone())?
         .with_fp8(opts.fp8)?
         .with_products(opts.products)?
         .with_int8_rotation(opts.int8_rotation)?
         .with_kept_transposes(!opts.memory.remake_transposes)?;
+    let mut vb = with_run_rows::<M>(vb, &config, opts)?;
     if let Some(a) = &opts.adapters {
         vb = vb.with_adapters(a.clone())?;
     }
@@ -501,10 +537,17 @@ fn profile_with<M: ModelSpec>(
     ggml_types: Option<Arc<std::collections::HashMap<String, crate::backend::ggml::GgmlType>>>,
 ) -> Result<MemoryProfile> {
     let config = config.clone();
-    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
+    let vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
         .with_fp8(opts.fp8)?
         .with_products(opts.products)?
         .with_int8_rotation(opts.int8_rotation)?;
+    let mut vb = with_run_rows::<M>(vb, &config, opts)?;
+    // The loader's rule for where 8-bit products pay, from the load's run (not `run`: the
+    // model a profile sizes is the one loaded, whatever shapes the profile is for).
+    let rows_rule = match (&opts.products, &opts.run) {
+        (Some(_), Some(r)) => Some(product_rows::<M>(&config, r)?),
+        _ => None,
+    };
     let ggml_keys = ggml_types.clone();
     if let Some(types) = ggml_types {
         vb = vb.with_ggml_types(types)?;
@@ -515,7 +558,9 @@ fn profile_with<M: ModelSpec>(
     let eight_bit = |key: &str, t: &Tensor, packed: Option<(usize, usize)>| -> bool {
         let fp8 =
             t.dtype() == DType::U32 && !ggml_keys.as_ref().is_some_and(|m| m.contains_key(key));
-        matches!(packed, Some((out, inp)) if opts.products.is_some() && fp8 && crate::nn::eight_bit_widths(out, inp))
+        matches!((packed, opts.products), (Some((out, inp)), Some(code)) if fp8
+            && crate::nn::eight_bit_widths(out, inp)
+            && crate::nn::products_pay(rows_rule.as_ref(), key, code, (out, inp)))
     };
     let kept_bytes = |key: &str, t: &Tensor, packed: Option<(usize, usize)>| -> u64 {
         match eight_bit(key, t, packed) {
@@ -629,11 +674,7 @@ fn profile_with<M: ModelSpec>(
                 // the conditioning vector's Linears see a row a sample.
                 let flops = if dims.len() >= 2 {
                     let values: usize = dims.iter().product();
-                    let rows = if sh.conditioned.iter().any(|c| key.contains(c)) {
-                        run.batch.max(1)
-                    } else {
-                        sh.positions(key, run.batch.max(1))
-                    };
+                    let rows = sh.rows_of(key, run.batch.max(1));
                     // An adapted layer's adapter reads its input (rows, in) and adds into its
                     // output (rows, out); its backward reads the input and the output's
                     // gradient and adds into the input's gradient.
@@ -717,10 +758,11 @@ fn probe_boxed<M: ModelSpec>(
     opts: &LoadOptions,
 ) -> Result<Loaded<dyn DiffusionModel>> {
     let (_, config) = resolve::<M>(path, opts, None)?;
-    let mut vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
+    let vb = VarBuilder::shapes_only(opts.dtype, &opts.device)
         .with_fp8(opts.fp8)?
         .with_products(opts.products)?
         .with_int8_rotation(opts.int8_rotation)?;
+    let mut vb = with_run_rows::<M>(vb, &config, opts)?;
     if let Some(a) = &opts.adapters {
         a.use_key_map(M::diffusers_map(&config))?;
         vb = vb.with_adapters(a.clone())?;

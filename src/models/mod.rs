@@ -22,8 +22,8 @@ pub mod zimage;
 pub use checkpoint::{Checkpoint, Format, CONFIG_METADATA};
 pub use discover::{discover, Discovery};
 pub use family::{
-    fp8_products_refusal, load_as, products_refusal, profile_as, profile_config, DiffusionModel,
-    Family, Input, LoadOptions, Loaded, ModelSpec, Objective, RunShape, Size,
+    fp8_products_refusal, load_as, product_rows, products_refusal, profile_as, profile_config,
+    DiffusionModel, Family, Input, LoadOptions, Loaded, ModelSpec, Objective, RunShape, Size,
 };
 pub use pipeline::{
     input_sources, load_vae, stand_in, step_distilled, tokenizer_lines, EncoderSlot, Located,

@@ -37,7 +37,7 @@ pub use layers::{
 };
 pub use lora_merge::{is_text_encoder_name, LoraMerge};
 pub(crate) use packed::eight_bit_widths;
-pub use packed::{Fp8Kept, Packing};
+pub use packed::{products_pay, Fp8Kept, Packing, ProductRows};
 pub use params::{HostWeights, VarBuilder};
 pub use seed::permutation;
 pub(crate) use seed::{key_hash, mix64, GOLDEN};

@@ -204,6 +204,44 @@ pub(crate) fn eight_bit_widths(out: usize, inp: usize) -> bool {
     out % 16 == 0 && inp % 16 == 0
 }
 
+/// The rows a Linear's products see in a run, by the weight's model key (`None`: not known,
+/// a weight outside the blocks the run's shapes describe): what decides where 8-bit products
+/// pay (`products_pay`). Made by `models::product_rows` from the run's shapes.
+pub type ProductRows = std::sync::Arc<dyn Fn(&str) -> Option<usize> + Send + Sync>;
+
+/// Multiply-adds a product needs before its 8-bit form pays for its extra passes (the
+/// activations' quantization, the output's scaling), whatever its size: measured by
+/// `examples/product8_sizes.rs` on an NVIDIA H200 (2026-12-01), a frozen Linear's forward and
+/// input gradient against bf16: FP8 0.95x at 13.4 G and 26.2 G, 0.87x at 38.7 G; int8 0.97x
+/// at 38.7 G, slower below.
+fn min_eight_bit_macs(code: crate::backend::fp8::Code8) -> f64 {
+    match code {
+        crate::backend::fp8::Code8::E4m3 => 12e9,
+        crate::backend::fp8::Code8::Int8 => 35e9,
+    }
+}
+
+/// Whether the (out, in) Linear of model key `key` runs its products in `code`: where `rule`
+/// gives its rows, those whose products pay: large enough (at least `min_eight_bit_macs`), or
+/// over few rows (`autograd::FEW_ROWS`: a modulation's, which reads its weight more than it
+/// computes, and reads half the bytes in 8 bits); without a rule, or for a key it does not
+/// know, every one (the widths are checked apart, `eight_bit_widths`). One rule for the
+/// loader (`VarBuilder::with_product_rows`) and the planner's profile.
+pub fn products_pay(
+    rule: Option<&ProductRows>,
+    key: &str,
+    code: crate::backend::fp8::Code8,
+    (out, inp): (usize, usize),
+) -> bool {
+    match rule.and_then(|rows| rows(key)) {
+        None => true,
+        Some(r) => {
+            r * crate::autograd::FEW_ROWS <= inp
+                || r as f64 * out as f64 * inp as f64 >= min_eight_bit_macs(code)
+        }
+    }
+}
+
 /// u32 words holding `bytes` bytes.
 pub(crate) fn words_for(bytes: usize) -> usize {
     bytes.div_ceil(4)

@@ -70,6 +70,9 @@ struct Shared {
     /// Weights that stay on the device keep their transposed codes for the 8-bit backward
     /// (`with_kept_transposes`).
     kept_transposes: bool,
+    /// The rows each Linear's products see in the run: 8-bit products only where they pay
+    /// (`with_product_rows`).
+    product_rows: Option<super::ProductRows>,
     /// The GGML types of a GGUF checkpoint's quantized tensors by model key, for a
     /// shapes-only build that sizes them packed (`with_ggml_types`).
     ggml_types: Option<Arc<HashMap<String, GgmlType>>>,
@@ -214,6 +217,7 @@ impl VarBuilder {
                 products: None,
                 int8_rotation: false,
                 kept_transposes: true,
+                product_rows: None,
                 ggml_types: None,
                 packed: Mutex::new(BTreeMap::new()),
                 fp8_kept: Mutex::new(BTreeMap::new()),
@@ -310,6 +314,19 @@ impl VarBuilder {
         self.with_shared("the kept transposes", |shared| {
             Ok(Shared {
                 kept_transposes: kept,
+                ..shared
+            })
+        })
+    }
+
+    /// The same builder with 8-bit products (`with_products`) only on the Linears where
+    /// they pay at the rows `rows` gives (`nn::products_pay`); the others load as without
+    /// them (FP8 codes decoded at each use where `with_fp8`, else the model's dtype). Set
+    /// before the builder is shared.
+    pub fn with_product_rows(self, rows: super::ProductRows) -> Result<Self> {
+        self.with_shared("the products' rows", |shared| {
+            Ok(Shared {
+                product_rows: Some(rows),
                 ..shared
             })
         })
@@ -541,9 +558,18 @@ impl VarBuilder {
         if let Some(ty) = self.ggml_type_of(&key, out_dim, in_dim) {
             return self.get_ggml_weight(&key, ty, out_dim, in_dim);
         }
-        let stored8 = self.shared.fp8 || self.shared.products.is_some();
-        let products = self.shared.products.is_some();
-        let code = self.shared.products.unwrap_or_default();
+        // 8-bit products where they pay at the run's rows (`with_product_rows`).
+        let products = self.shared.products.filter(|&code| {
+            super::products_pay(
+                self.shared.product_rows.as_ref(),
+                &key,
+                code,
+                (out_dim, in_dim),
+            )
+        });
+        let stored8 = self.shared.fp8 || products.is_some();
+        let code = products.unwrap_or_default();
+        let products = products.is_some();
         // Int8 products' rotation, where the products run (widths the tensor cores take).
         let rotation = match (code, products && self.shared.int8_rotation) {
             (crate::backend::fp8::Code8::Int8, true)

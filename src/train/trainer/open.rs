@@ -295,6 +295,13 @@ fn planned(
         warm_collectives(g.as_ref(), &device)?;
     }
     let largest = data.train.largest();
+    // 8-bit products where they pay at the largest bucket's rows (`nn::products_pay`): the
+    // plan sizes, and the model loads, that choice.
+    opts.run = Some(crate::models::RunShape {
+        sample: largest.clone(),
+        batch: config.train.batch_size,
+        optimizer_bytes_per_value: state_bytes_per_value(&config, world),
+    });
     // The trained text encoders' weights, adapters, optimizer state and activations are
     // device memory in every step: the plan counts them.
     let text = match &data.text {
@@ -386,6 +393,7 @@ fn load_options(config: &TrainConfig, device: &Device) -> Result<LoadOptions> {
         products: m.compute.code(),
         memory: crate::memory::Plan::default(),
         merge: None,
+        run: None,
     })
 }
 

@@ -318,8 +318,10 @@ section! {
         /// again; activations and output gradients quantized to int8 a token at a time);
         /// adapters and everything trained stay in bf16 / f32. 8-bit products pay on large
         /// products (Flux, FLUX.2, Z-Image, SD3.5: 0.79x to 0.95x of the bf16 step on an
-        /// H200); SDXL's Linears are too small and its step runs slower (FP8 1.05x, int8
-        /// 1.29x).
+        /// H200), so a run puts in 8 bits only the Linears whose products pay at its largest
+        /// bucket's rows (at least 12 G multiply-adds a product for FP8, 35 G for int8, or
+        /// over few rows) and keeps the others in the model's dtype; most of SDXL's stay in
+        /// bf16.
         compute: ModelCompute = ModelCompute::Bf16,
         /// With compute "int8": rotate each product's inner axis by a block Hadamard matrix
         /// (up to 256 values a block) before quantizing, the outlier treatment of QuaRot and

@@ -524,15 +524,7 @@ impl Tensor {
     /// epilogue instead of a GEMM and a pass over the output.
     pub fn matmul_bias(&self, rhs: &Tensor, bias: &Tensor) -> Result<Tensor> {
         let (lead, m, k, n) = linear_dims("matmul_bias", self, rhs)?;
-        same_device("matmul_bias", self, bias)?;
-        same_dtype("matmul_bias", self, bias)?;
-        if bias.dims() != [n] {
-            return Err(Error::ShapeMismatch {
-                op: "matmul_bias",
-                lhs: rhs.shape().clone(),
-                rhs: bias.shape().clone(),
-            });
-        }
+        check_bias("matmul_bias", self, rhs, bias)?;
         let a3 = self.reshape((1, m, k))?;
         let b3 = rhs.reshape((1, k, n))?;
         let dims = MatmulDims { b: 1, m, k, n };
@@ -624,15 +616,7 @@ impl Tensor {
             });
         }
         if let Some(bias) = bias {
-            same_device("add_matmul", a, bias)?;
-            same_dtype("add_matmul", a, bias)?;
-            if bias.dims() != [n] {
-                return Err(Error::ShapeMismatch {
-                    op: "add_matmul bias",
-                    lhs: bias.shape().clone(),
-                    rhs: b.shape().clone(),
-                });
-            }
+            check_bias("add_matmul", a, b, bias)?;
         }
         let (a3, b3) = (a.reshape((1, m, k))?, b.reshape((1, k, n))?);
         let c3 = self.reshape((1, m, n))?;
@@ -690,6 +674,20 @@ impl Tensor {
         let shape = Layout::contiguous((dims.b, dims.m, dims.n)).shape().clone();
         Ok(Tensor::from_storage(s, shape, self.device().clone(), rec))
     }
+}
+
+/// A bias (N) for `a` (..., M, K) times `b` (K, N): on `a`'s device, in its dtype, N long.
+fn check_bias(op: &'static str, a: &Tensor, b: &Tensor, bias: &Tensor) -> Result<()> {
+    same_device(op, a, bias)?;
+    same_dtype(op, a, bias)?;
+    if bias.dims() != [b.dims()[1]] {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: b.shape().clone(),
+            rhs: bias.shape().clone(),
+        });
+    }
+    Ok(())
 }
 
 /// (leading dims, M, K, N) of `a` (..., M, K) times `b` (K, N), after the device, dtype and

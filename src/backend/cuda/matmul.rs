@@ -157,10 +157,20 @@ fn gemm_bias_lt<T: Elem>(
     bias: &CudaStorage,
     biasl: &Layout,
 ) -> Result<Option<CudaStorage>> {
+    if !epilogue_takes::<T>(d, bias, biasl) {
+        return Ok(None);
+    }
     let dev = &a.dev;
     let mut out = dev.alloc::<T>(d.b * d.m * d.n)?;
     let queued = gemm_bias_into::<T>(a, al, b, bl, d, bias, biasl, &mut out, false)?;
     Ok(queued.then(|| a.wrap(T::wrap(out))))
+}
+
+/// Whether cuBLASLt's bias epilogue may take a product of `d` with `bias`: a unit-stride (N)
+/// bias of the operands' type, a product with terms and outputs.
+fn epilogue_takes<T: Elem>(d: MatmulDims, bias: &CudaStorage, biasl: &Layout) -> bool {
+    let unit = biasl.dims() == [d.n] && (d.n == 1 || biasl.strides() == [1]);
+    unit && d.k > 0 && d.b * d.m * d.n > 0 && bias.typed::<T>("matmul_bias").is_ok()
 }
 
 /// `out = a @ b + bias` (`out +=` where `accumulate`) as one cuBLASLt GEMM with the bias in
@@ -183,8 +193,7 @@ fn gemm_bias_into<T: Elem>(
     a.check(OP, al)?;
     b.check(OP, bl)?;
     bias.check(OP, biasl)?;
-    let unit = biasl.dims() == [d.n] && (d.n == 1 || biasl.strides() == [1]);
-    if !unit || d.k == 0 || d.b * d.m * d.n == 0 || bias.typed::<T>(OP).is_err() {
+    if !epilogue_takes::<T>(d, bias, biasl) {
         return Ok(false);
     }
     if out.slice.len() < d.b * d.m * d.n {

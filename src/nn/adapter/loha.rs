@@ -229,16 +229,8 @@ impl Adapter for Loha {
         Ok(self.shape.add_change(y, x, self.change_with(p)?, None)?.0)
     }
 
-    fn forward_biased(
-        &self,
-        _: &BaseLayer,
-        x: &Tensor,
-        y: Tensor,
-        bias: &Tensor,
-    ) -> Result<(Tensor, bool)> {
-        let p: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
-        self.shape
-            .add_change(y, x, self.change_with(&p)?, Some(bias))
+    fn adds_change(&self) -> bool {
+        true
     }
 
     fn delta_weight(&self, _: &BaseLayer) -> Result<Tensor> {

@@ -326,9 +326,22 @@ pub trait Adapter: Send + Sync + std::fmt::Debug {
         base: &BaseLayer,
         x: &Tensor,
         y: Tensor,
-        _bias: &Tensor,
+        bias: &Tensor,
     ) -> Result<(Tensor, bool)> {
+        if self.adds_change() {
+            let p: Vec<Tensor> = self.params().into_iter().map(|(_, t)| t).collect();
+            return self
+                .shape()
+                .add_change(y, x, self.change_with(&p)?, Some(bias));
+        }
         Ok((self.forward(base, x, y)?, false))
+    }
+
+    /// Whether the forward is `y + x ⊛ change_with(params)` (LoHa, LoKr, a split layer's
+    /// stacked changes: `LayerShape::add_change`): `forward_biased` then adds the layer's
+    /// bias in that product's GEMM.
+    fn adds_change(&self) -> bool {
+        false
     }
 
     /// The change to the frozen weight that the adapter stands for (f32, the weight's shape):

@@ -395,9 +395,7 @@ fn run<M: ModelSpec>(
         .with_int8_rotation(int8_rotation)?
         .with_kept_transposes(!plan.remake_transposes)?
         .with_adapters(adapters.clone())?;
-    if let (Some(_), Some(run)) = (products, &opts.run) {
-        vb = vb.with_product_rows(flame::models::product_rows::<M>(&cfg, run)?)?;
-    }
+    vb = flame::models::with_run_rows::<M>(vb, &cfg, &opts)?;
     let plan = profile.settle(&plan)?;
     let streamer = BlockStreamer::for_plan(&dev, &plan, M::CONDITIONED)?;
     if let Some(s) = &streamer {

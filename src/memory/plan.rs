@@ -711,6 +711,12 @@ impl MemoryProfile {
         bytes as f64 / (1u64 << 30) as f64 / self.machine.memory_gib_per_s * 1e3
     }
 
+    /// Whether any weight keeps transposed codes where it stays on the device (8-bit
+    /// products): only then may a plan remake them (`Plan::remake_transposes`).
+    fn keeps_transposes(&self) -> bool {
+        self.other_kept_bytes > 0 || self.blocks.iter().any(|b| b.kept_bytes > 0)
+    }
+
     /// The transposes of block `b`'s 8-bit weights' codes in a backward that does not find
     /// them kept (a streamed block's, or a resident one's under `Plan::remake_transposes`),
     /// ms: a pass reading and writing the codes.
@@ -1242,8 +1248,7 @@ impl MemoryProfile {
             host_products: plan.host_products
                 && !plan.streamed.is_empty()
                 && self.blocks.iter().any(|b| b.forward_only_bytes > 0),
-            remake_transposes: plan.remake_transposes
-                && (self.other_kept_bytes > 0 || self.blocks.iter().any(|b| b.kept_bytes > 0)),
+            remake_transposes: plan.remake_transposes && self.keeps_transposes(),
             reach: vec![],
             uncoded_first: 0,
             ..plan.clone()
@@ -1296,12 +1301,11 @@ impl MemoryProfile {
             .any(|b| b.forward_only_bytes > 0 && b.decode_bytes == 0 && b.product_bytes == 0);
         // With 8-bit products, resident blocks keep their weights' transposed codes or remake
         // them at each backward (`Plan::remake_transposes`).
-        let remakes: &[bool] =
-            if self.other_kept_bytes > 0 || self.blocks.iter().any(|b| b.kept_bytes > 0) {
-                &[false, true]
-            } else {
-                &[false]
-            };
+        let remakes: &[bool] = if self.keeps_transposes() {
+            &[false, true]
+        } else {
+            &[false]
+        };
         let n = self.blocks.len();
         let mut v = vec![];
         // Every block but the first j, j a sixteenth of the blocks, two ... fifteen, with

@@ -332,7 +332,7 @@ pub struct Loaded<M: ?Sized> {
 /// The rows each block Linear of a model of `config` multiplies in a run of `run`'s shapes,
 /// by weight key (`BlockShape::rows_of` of the block holding it; `None` outside the blocks):
 /// what `nn::products_pay` decides 8-bit products by.
-pub fn product_rows<M: ModelSpec>(config: &M::Config, run: &RunShape) -> Result<ProductRows> {
+fn product_rows<M: ModelSpec>(config: &M::Config, run: &RunShape) -> Result<ProductRows> {
     let prefixes = M::block_prefixes_of(config);
     let shapes = M::block_shapes(config, &run.sample)?;
     let blocks: Vec<(String, BlockShape)> = prefixes.into_iter().zip(shapes).collect();
@@ -345,15 +345,25 @@ pub fn product_rows<M: ModelSpec>(config: &M::Config, run: &RunShape) -> Result<
     }))
 }
 
-/// `vb` told the rows of `opts.run` where `opts` asks for 8-bit products (`product_rows`).
-fn with_run_rows<M: ModelSpec>(
+/// The rows of `opts.run` where `opts` asks for 8-bit products (`product_rows`): the rule
+/// a model of `config` loads by.
+fn run_rows<M: ModelSpec>(config: &M::Config, opts: &LoadOptions) -> Result<Option<ProductRows>> {
+    match (&opts.products, &opts.run) {
+        (Some(_), Some(run)) => product_rows::<M>(config, run).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// `vb` told the rows of `opts.run` where `opts` asks for 8-bit products (`run_rows`), as
+/// every load of a model of `config` with `opts` is.
+pub fn with_run_rows<M: ModelSpec>(
     vb: VarBuilder,
     config: &M::Config,
     opts: &LoadOptions,
 ) -> Result<VarBuilder> {
-    match (&opts.products, &opts.run) {
-        (Some(_), Some(run)) => vb.with_product_rows(product_rows::<M>(config, run)?),
-        _ => Ok(vb),
+    match run_rows::<M>(config, opts)? {
+        Some(rows) => vb.with_product_rows(rows),
+        None => Ok(vb),
     }
 }
 
@@ -541,12 +551,12 @@ fn profile_with<M: ModelSpec>(
         .with_fp8(opts.fp8)?
         .with_products(opts.products)?
         .with_int8_rotation(opts.int8_rotation)?;
-    let mut vb = with_run_rows::<M>(vb, &config, opts)?;
     // The loader's rule for where 8-bit products pay, from the load's run (not `run`: the
     // model a profile sizes is the one loaded, whatever shapes the profile is for).
-    let rows_rule = match (&opts.products, &opts.run) {
-        (Some(_), Some(r)) => Some(product_rows::<M>(&config, r)?),
-        _ => None,
+    let rows_rule = run_rows::<M>(&config, opts)?;
+    let mut vb = match &rows_rule {
+        Some(rows) => vb.with_product_rows(rows.clone())?,
+        None => vb,
     };
     let ggml_keys = ggml_types.clone();
     if let Some(types) = ggml_types {

@@ -22,7 +22,7 @@ pub mod zimage;
 pub use checkpoint::{Checkpoint, Format, CONFIG_METADATA};
 pub use discover::{discover, Discovery};
 pub use family::{
-    fp8_products_refusal, load_as, product_rows, products_refusal, profile_as, profile_config,
+    fp8_products_refusal, load_as, products_refusal, profile_as, profile_config, with_run_rows,
     DiffusionModel, Family, Input, LoadOptions, Loaded, ModelSpec, Objective, RunShape, Size,
 };
 pub use pipeline::{

@@ -193,7 +193,7 @@ pub struct LoadOptions {
     /// every tensor of it must find its layer.
     pub merge: Option<Arc<LoraMerge>>,
     /// The run's shapes (its largest sample and its batch): with `products`, only the block
-    /// Linears whose products pay in 8 bits at these rows take them ([`product_rows`],
+    /// Linears whose products pay in 8 bits at these rows take them ([`with_run_rows`],
     /// `nn::products_pay`; a training run's largest bucket). `None`: every Linear whose
     /// widths the tensor cores take.
     pub run: Option<RunShape>,

@@ -3,11 +3,14 @@
 # base's products in bf16, FP8 and int8 (docs/TRAINING.md, "8-bit products: accuracy"), from
 # the eight generated pictures of scripts/circle_images.py at 512 pixels, validation every 100
 # steps. Usage, on a GPU machine, from the repository root:
-#   bash scripts/eight_bit_full.sh DIR TRAIN_EXE [STEPS] [CODES]
+#   [IMAGES=FOLDER] [TAG=NAME] bash scripts/eight_bit_full.sh DIR TRAIN_EXE [STEPS] [CODES]
 # DIR holds the pipeline (made by benches/torch_encoders.py --make DIR --transformer when it
-# has no transformer yet); CODES default "bf16 fp8 int8" (the first is the reference). A run
-# that finished before (its out-CODE/done) is not run again, so the runs can be spread over
-# several calls.
+# has no transformer yet); CODES default "bf16 fp8 int8" (the first is the reference).
+# IMAGES: a folder of pictures with .txt captions to train on instead of the generated ones
+# (photographs, for the comparison on real pictures); TAG names the runs' folders
+# (out-TAG-CODE, default out-CODE) so runs on other pictures sit beside them. A run that
+# finished before (its done file) is not run again, so the runs can be spread over several
+# calls.
 set -euo pipefail
 dir=$1
 exe=$2
@@ -15,10 +18,13 @@ steps=${3:-500}
 codes=${4:-bf16 fp8 int8}
 here=$(dirname "$0")
 [ -d "$dir/transformer" ] || python3 "$here/../benches/torch_encoders.py" --make "$dir" --transformer
-[ -d "$dir/images" ] || python3 "$here/circle_images.py" "$dir/images"
+images=${IMAGES:-$dir/images}
+[ -n "${IMAGES:-}" ] || [ -d "$images" ] || python3 "$here/circle_images.py" "$images"
+tag=${TAG:+$TAG-}
 for code in $codes; do
-  [ -f "$dir/out-$code/done" ] && continue
-  cat > "$dir/$code.toml" <<TOML
+  out="$dir/out-$tag$code"
+  [ -f "$out/done" ] && continue
+  cat > "$dir/$tag$code.toml" <<TOML
 [model]
 arch = "flux"
 path = "$dir"
@@ -38,7 +44,7 @@ lr = 1e-4
 steps = $steps
 batch_size = 1
 seed = 1
-output_dir = "$dir/out-$code"
+output_dir = "$out"
 device = "cuda"
 validate_every = 100
 save_every = $steps
@@ -49,18 +55,18 @@ resolution = 512
 validation_split = 0.25
 
 [[data.dirs]]
-path = "$dir/images"
+path = "$images"
 TOML
   start=$(date +%s)
-  "$exe" "$dir/$code.toml" --overwrite > "$dir/$code.log" 2>&1 && touch "$dir/out-$code/done"
-  grep -E "validation loss|error|Error" "$dir/$code.log" || true
+  "$exe" "$dir/$tag$code.toml" --overwrite > "$dir/$tag$code.log" 2>&1 && touch "$out/done"
+  grep -E "validation loss|error|Error" "$dir/$tag$code.log" || true
   echo "$code: $(( $(date +%s) - start )) s"
 done
-DIR=$dir CODES=$codes python3 - <<'PY'
+DIR=$dir CODES=$codes TAG=$tag python3 - <<'PY'
 import json, os, statistics as st
-d, codes = os.environ["DIR"], os.environ["CODES"].split()
+d, codes, tag = os.environ["DIR"], os.environ["CODES"].split(), os.environ["TAG"]
 def losses(c):
-    p = f"{d}/out-{c}/loss.jsonl"
+    p = f"{d}/out-{tag}{c}/loss.jsonl"
     return [(r["step"], r["loss"]) for r in map(json.loads, open(p)) if "loss" in r and "step" in r]
 ref = losses(codes[0])
 last = max(s for s, _ in ref)
@@ -74,4 +80,11 @@ for c in codes[1:]:
         if sa and sb:
             a, b = st.mean(sa), st.mean(sb)
             print(f"  steps {lo}-{lo + 99}: {a:.5f} {b:.5f} ({100 * (b - a) / a:+.2f}%)")
+def val(c):
+    p = f"{d}/out-{tag}{c}/loss.jsonl"
+    return {r["step"]: r["val_loss"] for r in map(json.loads, open(p)) if "val_loss" in r}
+vals = {c: val(c) for c in codes}
+for s in sorted(vals[codes[0]]):
+    row = " ".join(f"{c} {vals[c][s]:.5f}" for c in codes if s in vals[c])
+    print(f"validation loss at step {s}: {row}")
 PY

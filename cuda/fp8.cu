@@ -280,18 +280,42 @@ __device__ __forceinline__ void encode_chunk(const QuantChunk<T, N>& c, const fl
 
 // What a quantizing kernel computes from x before it quantizes (the fused producers of
 // src/tensor/kernels/produce8.rs): nothing, adaLN's modulation y = x (1 + scale) + shift (shift
-// and scale rows a batch of `per_batch` rows), or GELU's tanh form; with a producer the kernel
-// writes y (rounded to T, the values it quantizes) beside the codes, as the producer's own kernel
-// computes it (common.cuh).
+// and scale rows a batch of `per_batch` rows), GELU's tanh form, or the row [a, gelu_tanh(x)]
+// (Flux's single blocks: attention's output beside the MLP's activation; a's rows `split` values
+// at a pitch of `a_pitch`, x's rows cols - split values at a pitch of `x_pitch`, split a multiple
+// of the chunk); with a producer the kernel writes y (rounded to T, the values it quantizes)
+// beside the codes, as the producer's own kernel computes it (common.cuh).
 #define PRO_NONE 0
 #define PRO_MODULATE 1
 #define PRO_GELU_TANH 2
+#define PRO_CAT_GELU 3
 template <typename T> struct Producer {
   T* y;
   const T* shift;
   const T* scale;
   size_t per_batch;
+  const T* a;
+  size_t a_pitch;
+  size_t x_pitch;
+  size_t split;
 };
+
+// Chunk c of row `row` of the producer's source: x's row (xr) for every producer but the
+// concatenation, which reads its first `split` values from a.
+template <typename T, int N, bool VEC, int PRO>
+__device__ __forceinline__ void load_source(const T* xr, const Producer<T>& p, size_t row, size_t c,
+                                            QuantChunk<T, N>& q) {
+  if constexpr (PRO == PRO_CAT_GELU) {
+    const size_t i = c * N;
+    if (i < p.split) {
+      load_quant_chunk<T, N, VEC>(p.a + row * p.a_pitch + i, q);
+    } else {
+      load_quant_chunk<T, N, VEC>(xr + (i - p.split), q);
+    }
+  } else {
+    load_quant_chunk<T, N, VEC>(xr + c * N, q);
+  }
+}
 
 template <typename T, int N, bool VEC>
 __device__ __forceinline__ void store_quant_chunk(T* p, const QuantChunk<T, N>& c) {
@@ -319,6 +343,11 @@ __device__ __forceinline__ void produce_chunk(QuantChunk<T, N>& q, const Produce
   } else if constexpr (PRO == PRO_GELU_TANH) {
 #pragma unroll
     for (int j = 0; j < N; ++j) q.v[j] = from_acc<T>(gelu_tanh_value<A>(to_acc(q.v[j])));
+  } else if constexpr (PRO == PRO_CAT_GELU) {
+    if (c * N >= p.split) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) q.v[j] = from_acc<T>(gelu_tanh_value<A>(to_acc(q.v[j])));
+    }
   }
   if constexpr (PRO != PRO_NONE) store_quant_chunk<T, N, VEC>(p.y + row * cols + c * N, q);
 }
@@ -331,21 +360,21 @@ __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint
   const size_t row = (size_t)blockIdx.x * blockDim.y + threadIdx.y;
   const bool live = row < rows;
   const size_t chunks = live ? cols / N : 0;
-  const T* xr = x + row * cols;
+  const T* xr = x + row * (PRO == PRO_CAT_GELU ? pro.x_pitch : cols);
   QuantChunk<T, N> held[QUANT_HELD];
   float m = 0.0f;
 #pragma unroll
   for (int k = 0; k < QUANT_HELD; ++k) {
     const size_t c = t + (size_t)k * g;
     if (c < chunks) {
-      load_quant_chunk<T, N, VEC>(xr + c * N, held[k]);
+      load_source<T, N, VEC, PRO>(xr, pro, row, c, held[k]);
       produce_chunk<T, N, VEC, PRO>(held[k], pro, row, cols, c);
       m = chunk_absmax<T, N, COLS, VEC, C>(held[k], cs + c * N, m);
     }
   }
   for (size_t c = t + (size_t)QUANT_HELD * g; c < chunks; c += g) {
     QuantChunk<T, N> q;
-    load_quant_chunk<T, N, VEC>(xr + c * N, q);
+    load_source<T, N, VEC, PRO>(xr, pro, row, c, q);
     produce_chunk<T, N, VEC, PRO>(q, pro, row, cols, c);
     m = chunk_absmax<T, N, COLS, VEC, C>(q, cs + c * N, m);
   }
@@ -367,7 +396,8 @@ __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint
     __syncthreads();
     m = red[0];
   }
-  if (!live) return;
+  // A producer asked for its output alone (the concatenation without codes) stops here.
+  if (!live || codes == nullptr) return;
   const float s = row_scale8<C>(m);
   const float r = __frcp_rn(s);
   if (t == 0) scale[row] = s;
@@ -414,8 +444,9 @@ __device__ __forceinline__ void quant_rows_fp8(const T* x, const float* cs, uint
 QUANT_ROWS_FORMS(quant_rows_fp8, CODE_E4M3)
 QUANT_ROWS_FORMS(quant_rows_i8, CODE_INT8)
 
-// The fused producers, in the same forms: NAME##_mod (modulation) and NAME##_gelu (GELU's tanh
-// form) write y (rows, cols) and the codes and scales of y's rows.
+// The fused producers, in the same forms: NAME##_mod (modulation), NAME##_gelu (GELU's tanh
+// form) and NAME##_catgelu ([a, gelu_tanh(x)], codes null for y alone) write y (rows, cols) and
+// the codes and scales of y's rows.
 #define PRODUCE_ROWS_FORM(NAME, T, N, VEC, C)                                                                \
   extern "C" __global__ void NAME##_mod(const T* x, const T* shift, const T* sc, size_t per_batch, T* y,     \
                                         uint32_t* codes, float* scale, size_t rows, size_t cols) {           \
@@ -426,6 +457,13 @@ QUANT_ROWS_FORMS(quant_rows_i8, CODE_INT8)
                                          size_t cols) {                                                      \
     quant_rows_fp8<T, N, false, VEC, C, PRO_GELU_TANH>(x, nullptr, codes, scale, rows, cols,                 \
                                                        Producer<T>{y, nullptr, nullptr, 1});                 \
+  }                                                                                                          \
+  extern "C" __global__ void NAME##_catgelu(const T* a, size_t a_pitch, const T* x, size_t x_pitch,         \
+                                            size_t split, T* y, uint32_t* codes, float* scale, size_t rows, \
+                                            size_t cols) {                                                   \
+    quant_rows_fp8<T, N, false, VEC, C, PRO_CAT_GELU>(                                                       \
+        x, nullptr, codes, scale, rows, cols,                                                                \
+        Producer<T>{y, nullptr, nullptr, 1, a, a_pitch, x_pitch, split});                                    \
   }
 #define PRODUCE_ROWS_FORMS(P, C)                                                                             \
   PRODUCE_ROWS_FORM(P##_f32, float, 4, false, C)                                                             \

@@ -640,6 +640,13 @@ fn composite_cases() -> Vec<Case> {
         Case::new("gelu", vec![x35(&mut g)], |x| x[0].gelu()).expect(&["gelu"]),
         Case::new("gelu_tanh", vec![x35(&mut g)], |x| x[0].gelu_tanh()).expect(&["gelu_tanh"]),
         Case::new("gelu of t()", vec![x35(&mut g)], |x| x[0].t()?.gelu()),
+        Case::new(
+            "cat_gelu_tanh: a beside GELU of a slice of a wider tensor's rows",
+            vec![g.n([2, 3, 4]), g.n([2, 3, 16])],
+            |x| x[0].cat_gelu_tanh(&x[1].narrow(2, 4, 8)?),
+        )
+        .expect(&["cat_gelu_tanh"])
+        .forbid(&["cat", "gelu_tanh"]),
         Case::new("silu_composite", vec![x35(&mut g)], |x| {
             x[0].silu_composite()
         })

@@ -1,5 +1,6 @@
 //! Producers that quantize their output for 8-bit products in their own pass
-//! (`Tensor::modulate_quant8`, `Tensor::gelu_tanh_quant8`): the output is the producer's,
+//! (`Tensor::modulate_quant8`, `Tensor::gelu_tanh_quant8`, `Tensor::cat_gelu_tanh_quant8`,
+//! and the concatenation without codes, `Tensor::cat_gelu_tanh`): the output is the producer's,
 //! bit for bit, with the producer's gradients; the codes and scales are `quant_rows8`'s of
 //! that output, bit for bit; a Linear with 8-bit products fed this way gives what it gives
 //! when it quantizes its input itself (FP8 and int8, output and gradients). Ignored unless on
@@ -129,6 +130,107 @@ fn gelu_case(rows: usize, cols: usize, dt: DType, dev: &Device, grads: bool) {
     }
 }
 
+/// The fused [a, gelu_tanh(x)] against `cat` of `a` and `gelu_tanh` then `quant_rows8` on
+/// `dev`, with x a slice at column `at` of a wider tensor's rows (as Flux's single blocks cut
+/// it from `linear1`'s output): y, codes and scales bit for bit, without codes too; on request
+/// the gradients of a and of the wider tensor.
+#[allow(clippy::too_many_arguments)]
+fn cat_gelu_case(
+    rows: usize,
+    split: usize,
+    rest: usize,
+    at: usize,
+    dt: DType,
+    dev: &Device,
+    grads: bool,
+) {
+    let width = at + rest + 4;
+    let a = t(
+        lcg(rows * split, 31 + split as u64, 3.0),
+        &[1, rows, split],
+        dt,
+        dev,
+    );
+    let h = t(
+        lcg(rows * width, 32 + rest as u64, 4.0),
+        &[1, rows, width],
+        dt,
+        dev,
+    );
+    let (a, h) = if grads {
+        (a.requires_grad_().unwrap(), h.requires_grad_().unwrap())
+    } else {
+        (a, h)
+    };
+    // The slice and the two ops, made again for each backward (a backward frees its graph).
+    let slice = || h.narrow(2, at, rest).unwrap();
+    let x = slice();
+    let unfused = || Tensor::cat(&[&a, &slice().gelu_tanh().unwrap()], 2).unwrap();
+    let what = |c: &str| format!("{c} {dt} ({rows}, {split} + {rest} at {at}) on {dev}");
+    let plain = a.cat_gelu_tanh(&x).unwrap();
+    assert_eq!(plain.dims(), unfused().dims());
+    assert_eq!(
+        bits(&plain),
+        bits(&unfused()),
+        "output, {}",
+        what("no code")
+    );
+    let cols = split + rest;
+    for code in CODES {
+        let what = what(&format!("{code:?}"));
+        let want = unfused();
+        let (y, r8) = a.cat_gelu_tanh_quant8(&slice(), code).unwrap();
+        assert_eq!(bits(&y), bits(&want), "output, {what}");
+        let (codes, scales) = want
+            .reshape((rows, cols))
+            .unwrap()
+            .quant_rows8(code, None)
+            .unwrap();
+        assert!(r8.fits(code, rows, cols), "{what}");
+        assert_eq!(
+            r8.codes.to_vec::<u32>().unwrap(),
+            codes.to_vec::<u32>().unwrap(),
+            "codes, {what}"
+        );
+        assert_eq!(bits(&r8.scales), bits(&scales), "scales, {what}");
+        if grads {
+            let r = t(lcg(rows * cols, 33, 1.0), &[1, rows, cols], dt, dev);
+            let g1 = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = want.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+            for (name, p) in [("a", &a), ("h", &h)] {
+                assert_eq!(
+                    bits(g1.get(p).unwrap()),
+                    bits(g2.get(p).unwrap()),
+                    "gradient of {name}, {what}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_fused_concatenation_is_cat_of_gelu_then_quant_rows8() {
+    for dt in [DType::F32, DType::BF16] {
+        cat_gelu_case(5, 12, 20, 8, dt, &CPU, true);
+        cat_gelu_case(3, 8, 16, 0, dt, &CPU, false);
+    }
+    // Parts the kernel cannot take (a split not a multiple of 4) go through the two ops.
+    cat_gelu_case(4, 6, 10, 2, DType::F32, &CPU, true);
+    // The fused op is what the tape records, once.
+    let a = t(lcg(24, 1, 1.0), &[2, 3, 4], DType::F32, &CPU)
+        .requires_grad_()
+        .unwrap();
+    let x = t(lcg(48, 2, 1.0), &[2, 3, 8], DType::F32, &CPU);
+    let y = a.cat_gelu_tanh(&x).unwrap();
+    assert_eq!(y.dims(), [2, 3, 12]);
+    let ops = flame::autograd::gradcheck::graph_ops(&y).unwrap();
+    assert!(ops.contains("cat_gelu_tanh"), "{ops:?}");
+    assert!(
+        !ops.contains("cat") && !ops.contains("gelu_tanh"),
+        "{ops:?}"
+    );
+}
+
 #[test]
 fn the_fused_modulation_is_modulate_then_quant_rows8() {
     for dt in [DType::F32, DType::BF16] {
@@ -234,6 +336,34 @@ fn linear_takes_the_codes(dev: &Device) {
         let fused = through(&lin, |x| lin.forward_gelu_tanh(x).unwrap(), dev);
         let plain = through(&lin, |x| lin.forward(&x.gelu_tanh().unwrap()).unwrap(), dev);
         assert_eq!(fused, plain, "GELU into a {code:?} Linear on {dev}");
+        // [x's first 8 columns, GELU of the other 24] into the Linear, as Flux's single blocks.
+        let cat = |x: &Tensor| {
+            (
+                x.narrow(2, 0, 8).unwrap(),
+                x.narrow(2, 8, 24).unwrap().affine(2.0, 0.0).unwrap(),
+            )
+        };
+        let fused = through(
+            &lin,
+            |x| {
+                let (a, h) = cat(x);
+                lin.forward_cat_gelu_tanh(&a, &h).unwrap()
+            },
+            dev,
+        );
+        let plain = through(
+            &lin,
+            |x| {
+                let (a, h) = cat(x);
+                let y = Tensor::cat(&[&a, &h.gelu_tanh().unwrap()], 2).unwrap();
+                lin.forward(&y).unwrap()
+            },
+            dev,
+        );
+        assert_eq!(
+            fused, plain,
+            "the concatenation into a {code:?} Linear on {dev}"
+        );
     }
 }
 
@@ -264,6 +394,27 @@ mod gpu {
         ] {
             modulation_case(b, l, d, dt, &dev, true);
             gelu_case(b * l, d, dt, &dev, true);
+        }
+    }
+
+    /// The fused concatenation against `cat` of `gelu_tanh` and `quant_rows8` on CUDA, bit
+    /// for bit, with and without codes, gradients through the recorded op: Flux's widths
+    /// (3072 beside 12288 of a 21504-wide projection: 16-byte chunks, rows wider than a block
+    /// keeps in registers) at 7 rows, 8-byte chunks (bf16 and f16 slices at a column of 4),
+    /// element by element (f32 parts of 4 and 20 at a column of 2), f32 16-byte chunks, odd
+    /// row counts.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn cuda_concatenation_equals_the_ops_it_fuses() {
+        let Some(dev) = cuda() else { return };
+        for (rows, split, rest, at, dt) in [
+            (7, 3072, 12288, 9216, DType::BF16),
+            (9, 36, 44, 4, DType::BF16),
+            (5, 36, 44, 4, DType::F16),
+            (3, 4, 20, 2, DType::F32),
+            (11, 32, 64, 16, DType::F32),
+        ] {
+            cat_gelu_case(rows, split, rest, at, dt, &dev, true);
         }
     }
 

@@ -86,6 +86,19 @@ impl Linear {
         }
     }
 
+    /// `self.forward(&Tensor::cat(&[a, &h.gelu_tanh()?], last)?)` (Flux's single blocks'
+    /// `linear2`), the concatenation in one pass (`Tensor::cat_gelu_tanh`) that also
+    /// quantizes its rows for 8-bit products where this layer has them.
+    pub fn forward_cat_gelu_tanh(&self, a: &Tensor, h: &Tensor) -> Result<Tensor> {
+        match self.input_code() {
+            Some(code) => {
+                let (y, rows) = a.cat_gelu_tanh_quant8(h, code)?;
+                self.forward_rows8(&y, Some(&rows))
+            }
+            None => self.forward(&a.cat_gelu_tanh(h)?),
+        }
+    }
+
     /// The code this Linear's 8-bit products quantize their input rows into, where the
     /// producer of the input may do it in its own pass (`Tensor::modulate_quant8`,
     /// `Tensor::gelu_tanh_quant8`, then [`Linear::forward_rows8`]): a packed weight whose

@@ -314,6 +314,156 @@ pub(crate) fn quant_rows_with(
     finish(x, y, codes, scale)
 }
 
+/// A 2D view's rows in place: (pointer, pitch in elements) where its values are unit-stride
+/// within a row, else from a dense copy kept alive in `copies`.
+fn rows_view(
+    op: &'static str,
+    s: &CudaStorage,
+    l: &crate::Layout,
+    copies: &mut Vec<CudaStorage>,
+) -> Result<(u64, usize)> {
+    s.check(op, l)?;
+    let (d, st) = (l.dims(), l.strides());
+    if let ([rows, cols], [sr, sc]) = (d, st) {
+        if *sc == 1 || *cols <= 1 {
+            let pitch = if *rows <= 1 { *cols } else { *sr };
+            let elem = s.buf.dtype().size_in_bytes();
+            return Ok((
+                s.buf.raw_ptr(s.dev.stream()) + (l.offset() * elem) as u64,
+                pitch,
+            ));
+        }
+    }
+    let c = s.contiguous(l)?;
+    let p = c.buf.raw_ptr(c.dev.stream());
+    copies.push(c);
+    Ok((p, d.last().copied().unwrap_or(0)))
+}
+
+/// [a (rows, split), x (rows, cols - split)] (2D views, rows read in place at their pitch;
+/// `d` = [rows, cols, split], split a multiple of 4) -> [y = [a, gelu_tanh(x)] (rows, cols)]
+/// and, with a code, [codes, scale] of y's rows (`quant_rows_*_catgelu` of cuda/fp8.cu, in
+/// the forms `quant_rows_with` picks: 16-byte chunks where every row start and the split are
+/// 16-byte aligned, 8-byte chunks, else element by element).
+pub(crate) fn cat_gelu_rows(
+    code: Option<Code8>,
+    d: &[usize],
+    a: &[(&CudaStorage, &crate::Layout)],
+) -> Result<Vec<CudaStorage>> {
+    const OP: &str = "cat_gelu_tanh";
+    let (&[rows, cols, split], &[(sa, la), (sx, lx)]) = (d, a) else {
+        return Err(Error::Cuda(format!(
+            "{OP}: {} sizes and {} operands, expected 3 and 2",
+            d.len(),
+            a.len()
+        )));
+    };
+    let shape = || Shape::from((rows, cols));
+    if split > cols || split % crate::backend::fp8::CODES_PER_WORD != 0 || cols % 4 != 0 {
+        return Err(Error::invalid(
+            OP,
+            format!("a split at {split} of rows of {cols}: both multiples of 4"),
+            &shape(),
+        ));
+    }
+    sa.same_device(OP, sx)?;
+    let dtype = sx.buf.dtype();
+    if sa.buf.dtype() != dtype {
+        return Err(Error::DTypeMismatch {
+            op: OP,
+            lhs: sa.buf.dtype(),
+            rhs: dtype,
+        });
+    }
+    let sfx = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        dtype => return Err(Error::UnsupportedDType { op: OP, dtype }),
+    };
+    let dev = &sx.dev;
+    let y = dev.alloc_like(dtype, rows * cols)?;
+    let codes = match code {
+        Some(_) => Some((
+            dev.alloc::<u32>(rows * cols / crate::backend::fp8::CODES_PER_WORD)?,
+            dev.alloc::<f32>(rows)?,
+        )),
+        None => None,
+    };
+    if rows > 0 && cols > 0 {
+        let mut copies = vec![];
+        let (ap, a_pitch) = rows_view(OP, sa, la, &mut copies)?;
+        let (xp, x_pitch) = rows_view(OP, sx, lx, &mut copies)?;
+        let yp = y.buf.raw_ptr(dev.stream());
+        let elem = dtype.size_in_bytes();
+        // Every chunk of a row lies in a or in x: the split and each row's start on the
+        // chunk's bytes.
+        let fits = |b: usize| {
+            [ap, xp, yp].iter().all(|p| p % b as u64 == 0)
+                && [a_pitch, x_pitch, split, cols]
+                    .iter()
+                    .all(|n| (n * elem) % b == 0)
+        };
+        let (form, per_chunk) = if fits(16) {
+            ("v16_", 16 / elem)
+        } else if elem == 2 && fits(8) {
+            ("v8_", 4)
+        } else {
+            ("", 4)
+        };
+        let (g, r) = quant_block(cols / per_chunk);
+        let blocks = rows.div_ceil(r as usize);
+        if blocks > u32::MAX as usize {
+            return Err(Error::invalid(
+                OP,
+                "more rows than one launch's grid".to_string(),
+                &shape(),
+            ));
+        }
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (g, r, 1),
+            shared_mem_bytes: 0,
+        };
+        let module = super::hopper_module(dev, "fp8").unwrap_or("fp8");
+        let (cp, scp) = match &codes {
+            Some((c, s)) => {
+                use cudarc::driver::DevicePtr;
+                (
+                    c.slice.device_ptr(dev.stream()).0,
+                    s.slice.device_ptr(dev.stream()).0,
+                )
+            }
+            None => (0, 0),
+        };
+        launch!(
+            dev,
+            module,
+            format!(
+                "quant_rows_{}_{form}{sfx}_catgelu",
+                stem(code.unwrap_or(Code8::E4m3))
+            ),
+            cfg,
+            &ap,
+            &a_pitch,
+            &xp,
+            &x_pitch,
+            &split,
+            &yp,
+            &cp,
+            &scp,
+            &rows,
+            &cols
+        )?;
+        // The copies' buffers go back to the pool on this stream, after the launch.
+        drop(copies);
+    }
+    match codes {
+        Some((c, s)) => finish(sx, Some(y), c, s),
+        None => Ok(vec![y]),
+    }
+}
+
 /// The outputs of a quantizing pass: the producer's output where there is one, the codes and
 /// the scales.
 fn finish(

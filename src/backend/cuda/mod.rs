@@ -41,11 +41,12 @@ pub(crate) use fused::run_kernel;
 /// `tensor/kernels/`) builds on: the launch macro, element types, launch shapes, the
 /// deterministic column sums the norms and modulation share, a buffer's address; and the
 /// launchers that stay backend helpers: flash attention (`flash`, attention.rs), the FP8
-/// decode and the 8-bit products' quantization and transpose (fp8.rs) and GEMM (fp8_gemm.rs), the GGML decode (`dequant_ggml`, ggml.rs), the norms' row kernels (norm.rs) and softmax's launch
+/// decode, the 8-bit products' quantization (with the concatenation before Flux's `linear2`) and transpose (fp8.rs) and GEMM (fp8_gemm.rs), the GGML decode (`dequant_ggml`, ggml.rs), the norms' row kernels (norm.rs) and softmax's launch
 /// shape.
 pub(crate) mod kit {
     pub(crate) use super::attention::flash;
     pub(crate) use super::device::DONE_COUNTERS;
+    pub(crate) use super::fp8::cat_gelu_rows;
     pub(crate) use super::fp8::dequant as dequant_fp8;
     pub(crate) use super::fp8::hadamard_rows;
     pub(crate) use super::fp8::quant_rows as quant_rows_fp8;

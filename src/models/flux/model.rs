@@ -138,9 +138,7 @@ impl SingleStreamBlock {
         let mlp = h.narrow(2, 3 * self.hidden, width - 3 * self.hidden)?;
         let (q, k, v) = self.norm.qkv(&qkv, self.heads)?;
         let attn = attention(&q, &k, &v, pe)?;
-        let out = self
-            .linear2
-            .forward(&Tensor::cat(&[&attn, &mlp.gelu_tanh()?], 2)?)?;
+        let out = self.linear2.forward_cat_gelu_tanh(&attn, &mlp)?;
         x.add(&m[0].gate.mul(&out)?)
     }
 }

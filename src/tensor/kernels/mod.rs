@@ -12,8 +12,9 @@
 //!   transposed, and the scaled FP8 GEMM (no gradient; a Linear's backward calls them);
 //! - `group_norm.rs`: GroupNorm and its backward;
 //! - `modulate.rs`: adaLN modulation and its backward;
-//! - `produce8.rs`: modulation and GELU writing their output's rows in 8-bit codes too, for
-//!   the 8-bit products they feed (recorded as the producer; the codes are not);
+//! - `produce8.rs`: modulation, GELU and the concatenation [a, GELU(x)] writing their output's
+//!   rows in 8-bit codes too, for the 8-bit products they feed (recorded as the producer; the
+//!   codes are not), and the concatenation without codes (one pass for two);
 //! - `norm.rs`: the LayerNorm / RMSNorm backwards with parameter gradients (their forward is a
 //!   backend primitive);
 //! - `rope.rs`: Flux's rotary position embedding, its backward the transposed rotation;
@@ -43,6 +44,7 @@ use crate::autograd::FusedKernel;
 /// (softmax's, the norms', attention's) and the FP8 and GGML decodes have none and are not listed.
 pub(crate) const KERNELS: &[&dyn FusedKernel] = &[
     &modulate::Modulate,
+    &produce8::CatGeluTanh { code: None },
     &swiglu::SwiGlu,
     &rope::Rope { transpose: false },
     &group_norm::GroupNorm {

@@ -1,18 +1,20 @@
-//! Inputs of 8-bit products quantized by the ops that produce them. adaLN modulation and
-//! GELU's tanh form write their output and the codes and scales of its rows (those of
-//! `Tensor::quant_rows8`) in one pass (cuda/fp8.cu's `quant_rows_*_mod` / `quant_rows_*_gelu`),
-//! so a Linear whose products run in 8 bits (`Linear::input_code`) takes the codes without
-//! reading its input a second time. The output is recorded as the producer's own op (the
-//! `Modulate` kernel, GELU's unary) and its values are the producer kernel's, bit for bit (the
-//! formulas are shared, cuda/common.cuh); the CPU reference runs the producer's reference, then
-//! the quantization's.
+//! Inputs of 8-bit products quantized by the ops that produce them. adaLN modulation, GELU's
+//! tanh form and the concatenation [a, gelu_tanh(x)] before Flux's single blocks' `linear2`
+//! write their output and the codes and scales of its rows (those of `Tensor::quant_rows8`) in
+//! one pass (cuda/fp8.cu's `quant_rows_*_mod` / `_gelu` / `_catgelu`), so a Linear whose
+//! products run in 8 bits (`Linear::input_code`) takes the codes without reading its input a
+//! second time. The output is recorded as the producer's own op (the `Modulate` kernel, GELU's
+//! unary, [`CatGeluTanh`]) and its values are the producer kernel's, bit for bit (the formulas
+//! are shared, cuda/common.cuh); the CPU reference runs the producer's reference, then the
+//! quantization's. The concatenation also runs without codes (`Tensor::cat_gelu_tanh`): one
+//! pass where GELU and the concatenation took two.
 
 use super::modulate::Modulate;
-use crate::autograd::{plain, record, recorded, run_kernel, Op};
+use crate::autograd::{plain, record, recorded, run_kernel, FusedKernel, Op};
 use crate::backend::fp8::{Code8, Produce, CODES_PER_WORD};
 use crate::backend::validate::Operands;
 use crate::backend::Kernel;
-use crate::{DType, Error, Layout, Result, Shape, Tensor, UnaryOp};
+use crate::{BinaryOp, DType, Error, Layout, Result, Shape, Tensor, UnaryOp};
 
 const NAME: &str = "produce_rows8";
 
@@ -135,8 +137,128 @@ impl Kernel for ProduceRows8 {
     }
 }
 
+const CAT_GELU: &str = "cat_gelu_tanh";
+
+/// y = [a, gelu_tanh(x)] over the last dim, and with a code the codes and scales of y's rows:
+/// [a (rows, split), x (rows, cols - split)] -> [y (rows, cols)] or [y, codes, scales] (dims
+/// [rows, cols, split]; split and cols multiples of 4). Recorded (without a code) as y's op:
+/// the gradient of a is g's first `split` columns, x's GELU's backward of the rest.
+pub(crate) struct CatGeluTanh {
+    pub(crate) code: Option<Code8>,
+}
+
+impl Kernel for CatGeluTanh {
+    fn name(&self) -> &'static str {
+        CAT_GELU
+    }
+
+    fn check(&self, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
+        let o = Operands::new(CAT_GELU, args, 2)?;
+        let (rows, split) = o.rows()?;
+        let d = o.dims_of(1);
+        if d.len() != 2 || d[0] != rows {
+            return Err(o.invalid(format!("x {d:?}: (rows, cols) with a's {rows} rows")));
+        }
+        o.expect(1, o.dtype(), d)?;
+        let dtype = o.dtype();
+        let cols = split + d[1];
+        // f64 (without codes) for the CPU reference's gradient checks.
+        let float = fusable(dtype, cols) || (dtype == DType::F64 && self.code.is_none());
+        if !float || cols % CODES_PER_WORD != 0 || split % CODES_PER_WORD != 0 {
+            return Err(o.invalid(format!(
+                "{dtype} rows of {split} + {} values: f32, bf16 or f16 (f64 without codes), \
+                 both parts multiples of 4",
+                d[1]
+            )));
+        }
+        Ok(vec![rows, cols, split])
+    }
+
+    #[cfg(feature = "cpu-ref")]
+    fn cpu(
+        &self,
+        dims: &[usize],
+        args: &[(&crate::CpuStorage, &Layout)],
+    ) -> Result<Vec<crate::CpuStorage>> {
+        use super::fp8_products::QuantRowsFp8;
+        use crate::backend::{BackendDevice, BackendStorage};
+        let (rows, cols, split) = (dims[0], dims[1], dims[2]);
+        let ([(a, la), (x, lx)], dtype) = (args, args[0].0.dtype()) else {
+            return Err(Error::invalid(
+                CAT_GELU,
+                "two operands",
+                &Shape::from((rows, cols)),
+            ));
+        };
+        let whole = Layout::contiguous((rows, cols));
+        let mut y = crate::backend::cpu::CpuDevice.full(&Shape::from((rows, cols)), dtype, 0.0)?;
+        a.copy_strided(la, &mut y, &whole.narrow(1, 0, split)?)?;
+        let g = x.unary(lx, UnaryOp::GeluTanh)?;
+        let lg = Layout::contiguous((rows, cols - split));
+        g.copy_strided(&lg, &mut y, &whole.narrow(1, split, cols - split)?)?;
+        let mut out = vec![];
+        if let Some(code) = self.code {
+            let quant = QuantRowsFp8 { cols: false, code };
+            out = quant.cpu(&[rows, cols], &[(&y, &whole)])?;
+        }
+        out.insert(0, y);
+        Ok(out)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        dims: &[usize],
+        args: &[&crate::backend::cuda::CudaStorage],
+    ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
+        let (rows, cols, split) = (dims[0], dims[1], dims[2]);
+        let la = Layout::contiguous((rows, split));
+        let lx = Layout::contiguous((rows, cols - split));
+        let views: Vec<_> = args.iter().copied().zip([&la, &lx]).collect();
+        crate::backend::cuda::kit::cat_gelu_rows(self.code, dims, &views)
+    }
+
+    /// Reads a and x at their row pitches (x is a slice of a wider projection's rows).
+    #[cfg(feature = "cuda")]
+    fn cuda_views(
+        &self,
+        dims: &[usize],
+        args: &[(&crate::backend::cuda::CudaStorage, &Layout)],
+    ) -> Result<Vec<crate::backend::cuda::CudaStorage>> {
+        crate::backend::cuda::kit::cat_gelu_rows(self.code, dims, args)
+    }
+}
+
+impl FusedKernel for CatGeluTanh {
+    /// GELU's backward reads x; a's gradient is a slice of g.
+    fn reads_inputs(&self, needs_grad: &[bool]) -> Vec<bool> {
+        vec![false, needs_grad.get(1).copied().unwrap_or(true)]
+    }
+
+    fn vjp(
+        &self,
+        inputs: &[Tensor],
+        _kept: &[Tensor],
+        _out: &Tensor,
+        g: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let [a, x] = inputs else {
+            return Err(Error::Autograd(format!(
+                "internal: {CAT_GELU} recorded {} inputs, expected 2",
+                inputs.len()
+            )));
+        };
+        let last = g.rank().saturating_sub(1);
+        let split = a.dims().last().copied().unwrap_or(0);
+        let rest = x.dims().last().copied().unwrap_or(0);
+        let ga = g.narrow(last, 0, split)?;
+        let gx = x.binary(&g.narrow(last, split, rest)?, BinaryOp::GeluTanhBackward)?;
+        Ok(vec![Some(ga), Some(gx)])
+    }
+}
+
 /// The three outputs of a `ProduceRows8` run: y's storage and the rows' codes.
-fn split(
+fn split_outputs(
     mut o: Vec<crate::device::Storage>,
     rows: usize,
     cols: usize,
@@ -199,7 +321,7 @@ impl Tensor {
             &[&x, &sh, &sc],
         )?;
         let rows = x.elem_count() / e.max(1);
-        let (y, rows8) = split(o, rows, e, code, self)?;
+        let (y, rows8) = split_outputs(o, rows, e, code, self)?;
         let y = recorded(Modulate, y, x.shape().clone(), &[&x, &sh, &sc], &[]);
         Ok((y.reshape(self.shape().clone())?, rows8))
     }
@@ -224,9 +346,73 @@ impl Tensor {
             },
             &[&x],
         )?;
-        let (y, rows8) = split(o, rows, e, code, self)?;
+        let (y, rows8) = split_outputs(o, rows, e, code, self)?;
         let rec = record(&[self], || Op::Unary(self.clone(), UnaryOp::GeluTanh));
         let y = Tensor::from_storage(y, self.shape().clone(), self.device().clone(), rec);
+        Ok((y, rows8))
+    }
+
+    /// `Tensor::cat(&[self, &x.gelu_tanh()?], last)` in one pass (Flux's single blocks feed
+    /// `linear2` so): both of one dtype (f32, bf16 or f16) and their leading dims, their last
+    /// dims multiples of 4; otherwise the two ops one after the other, with the same values.
+    /// x may be a slice of a wider tensor's rows: it is read where it lies.
+    pub fn cat_gelu_tanh(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.cat_gelu(x, None)?.0)
+    }
+
+    /// [`Tensor::cat_gelu_tanh`] and its rows (over the last dim) quantized into `code` as
+    /// [`Tensor::quant_rows8`] would, in the same pass where the concatenation takes its fused
+    /// kernel. The output is recorded as the concatenation's; the codes are not.
+    pub fn cat_gelu_tanh_quant8(&self, x: &Tensor, code: Code8) -> Result<(Tensor, Rows8)> {
+        let (y, rows8) = self.cat_gelu(x, Some(code))?;
+        match rows8 {
+            Some(r) => Ok((y, r)),
+            None => Ok((y.clone(), Rows8::of(&y, code)?)),
+        }
+    }
+
+    fn cat_gelu(&self, x: &Tensor, code: Option<Code8>) -> Result<(Tensor, Option<Rows8>)> {
+        let (da, dx) = (self.dims(), x.dims());
+        let r = da.len();
+        let split = da.last().copied().unwrap_or(0);
+        let rest = dx.last().copied().unwrap_or(0);
+        let fused = r >= 1
+            && dx.len() == r
+            && da[..r - 1] == dx[..r - 1]
+            && self.dtype() == x.dtype()
+            && self.device() == x.device()
+            && split % CODES_PER_WORD == 0
+            && (fusable(self.dtype(), split + rest)
+                // The CPU reference's kernel takes f64 too (gradient checks).
+                || (self.dtype() == DType::F64
+                    && code.is_none()
+                    && !self.device().is_cuda()
+                    && (split + rest) % CODES_PER_WORD == 0));
+        if !fused {
+            let y = Tensor::cat(&[self, &x.gelu_tanh()?], r.saturating_sub(1))?;
+            let r8 = code.map(|c| Rows8::of(&y, c)).transpose()?;
+            return Ok((y, r8));
+        }
+        let rows: usize = da[..r - 1].iter().product();
+        let cols = split + rest;
+        let a2 = self.reshape((rows, split))?;
+        let x2 = x.reshape((rows, rest))?;
+        let mut o = run_kernel(&CatGeluTanh { code }, &[&a2, &x2])?;
+        let mut shape = da.to_vec();
+        shape[r - 1] = cols;
+        let (y, rows8) = match code {
+            Some(c) => {
+                let (y, r8) = split_outputs(o, rows, cols, c, self)?;
+                (y, Some(r8))
+            }
+            None => {
+                let y = o.pop().ok_or_else(|| {
+                    Error::invalid(CAT_GELU, "missing output", &Shape::from((rows, cols)))
+                })?;
+                (y, None)
+            }
+        };
+        let y = recorded(CatGeluTanh { code: None }, y, shape, &[self, x], &[]);
         Ok((y, rows8))
     }
 }

@@ -114,7 +114,8 @@ struct Args {
     /// what the frozen Linears compute in: bf16 (default: the weights' dtype), fp8 (8-bit
     /// products on FP8 tensor cores, the weights held in FP8 E4M3 with per-row scales) or
     /// int8 (the same on integer tensor cores, the weights held as int8 codes), as the
-    /// `train` binary's `model.compute`
+    /// `train` binary's `model.compute`: the Linears whose products pay at the image's size
+    /// (large products, or few rows), the others in the model's dtype
     #[argh(option, default = "String::from(\"bf16\")")]
     compute: String,
     /// with --compute int8: rotate the products' inner axis (the outlier treatment, as the
@@ -707,8 +708,11 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         )));
     }
     let mut batched = true;
-    if a.budget > 0.0 {
-        // One sample's inputs: the latents, then the conditioning as encoded.
+    // One sample's inputs: the latents, then the conditioning as encoded (the references'
+    // tokens join the image's in every block). The plan sizes them; with 8-bit products, the
+    // Linears whose products pay at their rows take them (`nn::products_pay`, as `train`
+    // decides at its largest bucket), the others compute in the model's dtype.
+    let shapes = if a.budget > 0.0 || opts.products.is_some() {
         let channels = match inputs.first().and_then(|i| i.dims.first()) {
             Some(models::Size::Exactly(c)) => *c,
             _ => {
@@ -719,8 +723,19 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         };
         let mut shapes = vec![vec![channels, height / f, width / f]];
         shapes.extend(conds[0].iter().map(|t| t.dims()[1..].to_vec()));
-        // The references' tokens join the image's in every block.
         shapes.extend(refs.iter().map(|r| r.dims()[1..].to_vec()));
+        shapes
+    } else {
+        vec![]
+    };
+    if opts.products.is_some() {
+        opts.run = Some(models::RunShape {
+            sample: shapes.clone(),
+            batch: 1,
+            optimizer_bytes_per_value: 0.0,
+        });
+    }
+    if a.budget > 0.0 {
         let choice = flame::train::planning::plan_denoising(
             family,
             model_path,

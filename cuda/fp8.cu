@@ -281,10 +281,13 @@ __device__ __forceinline__ void encode_chunk(const QuantChunk<T, N>& c, const fl
 // What a quantizing kernel computes from x before it quantizes (the fused producers of
 // src/tensor/kernels/produce8.rs): nothing, adaLN's modulation y = x (1 + scale) + shift (shift
 // and scale rows a batch of `per_batch` rows), GELU's tanh form, or the row [a, gelu_tanh(x)]
-// (Flux's single blocks: attention's output beside the MLP's activation; a's rows `split` values
-// at a pitch of `a_pitch`, x's rows cols - split values at a pitch of `x_pitch`, split a multiple
-// of the chunk); with a producer the kernel writes y (rounded to T, the values it quantizes)
-// beside the codes, as the producer's own kernel computes it (common.cuh).
+// (Flux's single blocks: attention's output beside the MLP's activation; with nothing of x,
+// attention's heads merged): row r = (b, l) of a is a_seq rows a batch (b = r / a_seq), its
+// `split` values heads of a_hd at strides a_sb, a_sl, a_sh (attention's (B, H, L, D) output
+// read as (B, L, H, D); a plain matrix is one head of `split` values at a pitch of a_sl); x's
+// rows cols - split values at a pitch of `x_pitch`; split and a_hd multiples of the chunk.
+// With a producer the kernel writes y (rounded to T, the values it quantizes) beside the
+// codes, as the producer's own kernel computes it (common.cuh).
 #define PRO_NONE 0
 #define PRO_MODULATE 1
 #define PRO_GELU_TANH 2
@@ -295,7 +298,7 @@ template <typename T> struct Producer {
   const T* scale;
   size_t per_batch;
   const T* a;
-  size_t a_pitch;
+  size_t a_sb, a_sl, a_sh, a_seq, a_hd;
   size_t x_pitch;
   size_t split;
 };
@@ -308,7 +311,8 @@ __device__ __forceinline__ void load_source(const T* xr, const Producer<T>& p, s
   if constexpr (PRO == PRO_CAT_GELU) {
     const size_t i = c * N;
     if (i < p.split) {
-      load_quant_chunk<T, N, VEC>(p.a + row * p.a_pitch + i, q);
+      const size_t b = row / p.a_seq, l = row - b * p.a_seq, h = i / p.a_hd, d = i - h * p.a_hd;
+      load_quant_chunk<T, N, VEC>(p.a + b * p.a_sb + l * p.a_sl + h * p.a_sh + d, q);
     } else {
       load_quant_chunk<T, N, VEC>(xr + (i - p.split), q);
     }
@@ -458,12 +462,12 @@ QUANT_ROWS_FORMS(quant_rows_i8, CODE_INT8)
     quant_rows_fp8<T, N, false, VEC, C, PRO_GELU_TANH>(x, nullptr, codes, scale, rows, cols,                 \
                                                        Producer<T>{y, nullptr, nullptr, 1});                 \
   }                                                                                                          \
-  extern "C" __global__ void NAME##_catgelu(const T* a, size_t a_pitch, const T* x, size_t x_pitch,         \
-                                            size_t split, T* y, uint32_t* codes, float* scale, size_t rows, \
-                                            size_t cols) {                                                   \
+  extern "C" __global__ void NAME##_catgelu(const T* a, size_t a_sb, size_t a_sl, size_t a_sh, size_t a_seq, \
+                                            size_t a_hd, const T* x, size_t x_pitch, size_t split, T* y,      \
+                                            uint32_t* codes, float* scale, size_t rows, size_t cols) {       \
     quant_rows_fp8<T, N, false, VEC, C, PRO_CAT_GELU>(                                                       \
         x, nullptr, codes, scale, rows, cols,                                                                \
-        Producer<T>{y, nullptr, nullptr, 1, a, a_pitch, x_pitch, split});                                    \
+        Producer<T>{y, nullptr, nullptr, 1, a, a_sb, a_sl, a_sh, a_seq, a_hd, x_pitch, split});              \
   }
 #define PRODUCE_ROWS_FORMS(P, C)                                                                             \
   PRODUCE_ROWS_FORM(P##_f32, float, 4, false, C)                                                             \

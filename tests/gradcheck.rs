@@ -647,6 +647,13 @@ fn composite_cases() -> Vec<Case> {
         )
         .expect(&["cat_gelu_tanh"])
         .forbid(&["cat", "gelu_tanh"]),
+        Case::new(
+            "cat_gelu_tanh: attention's heads merged as they are read, beside GELU",
+            vec![g.n([1, 2, 3, 4]), g.n([1, 3, 8])],
+            |x| x[0].transpose(1, 2)?.cat_gelu_tanh(&x[1]),
+        )
+        .expect(&["cat_gelu_tanh"])
+        .forbid(&["cat", "copy"]),
         Case::new("silu_composite", vec![x35(&mut g)], |x| {
             x[0].silu_composite()
         })

@@ -208,6 +208,86 @@ fn cat_gelu_case(
     }
 }
 
+/// Attention's heads o (1, h, l, d) merged by the fused kernels against `merge_heads` (then
+/// `cat` with GELU of x (1, l, m) where `m` > 0, and `quant_rows8`) on `dev`: outputs, codes
+/// and scales bit for bit; on request the gradients of o (and x).
+fn heads_case(h: usize, l: usize, d: usize, m: usize, dt: DType, dev: &Device, grads: bool) {
+    let o = t(lcg(h * l * d, 41 + d as u64, 3.0), &[1, h, l, d], dt, dev);
+    let x = t(lcg(l * m.max(1), 42, 4.0), &[1, l, m.max(1)], dt, dev);
+    let (o, x) = if grads {
+        (o.requires_grad_().unwrap(), x.requires_grad_().unwrap())
+    } else {
+        (o, x)
+    };
+    let merged = || flame::nn::merge_heads(&o).unwrap();
+    let want = || {
+        if m == 0 {
+            merged()
+        } else {
+            Tensor::cat(&[&merged(), &x.gelu_tanh().unwrap()], 2).unwrap()
+        }
+    };
+    let cols = h * d + m;
+    for code in CODES {
+        let what = format!("{code:?} {dt} ({h} heads of {d}, {l} rows, + {m}) on {dev}");
+        let (y, r8) = if m == 0 {
+            o.merge_heads_quant8(code).unwrap()
+        } else {
+            o.transpose(1, 2)
+                .unwrap()
+                .cat_gelu_tanh_quant8(&x, code)
+                .unwrap()
+        };
+        let w = want();
+        assert_eq!(y.dims(), w.dims(), "{what}");
+        assert_eq!(bits(&y), bits(&w), "output, {what}");
+        let (codes, scales) = w
+            .reshape((l, cols))
+            .unwrap()
+            .quant_rows8(code, None)
+            .unwrap();
+        assert!(r8.fits(code, l, cols), "{what}");
+        assert_eq!(
+            r8.codes.to_vec::<u32>().unwrap(),
+            codes.to_vec::<u32>().unwrap(),
+            "codes, {what}"
+        );
+        assert_eq!(bits(&r8.scales), bits(&scales), "scales, {what}");
+        if grads {
+            let r = t(lcg(l * cols, 43, 1.0), &[1, l, cols], dt, dev);
+            let g1 = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = w.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+            assert_eq!(
+                bits(g1.get(&o).unwrap()),
+                bits(g2.get(&o).unwrap()),
+                "do, {what}"
+            );
+            if m > 0 {
+                assert_eq!(
+                    bits(g1.get(&x).unwrap()),
+                    bits(g2.get(&x).unwrap()),
+                    "dx, {what}"
+                );
+            }
+        }
+    }
+    if m > 0 {
+        let plain = o.transpose(1, 2).unwrap().cat_gelu_tanh(&x).unwrap();
+        assert_eq!(bits(&plain), bits(&want()), "without codes, {dt} on {dev}");
+    }
+}
+
+#[test]
+fn attentions_heads_are_merged_as_they_are_read() {
+    for dt in [DType::F32, DType::BF16] {
+        heads_case(3, 5, 8, 12, dt, &CPU, true);
+        heads_case(2, 7, 4, 0, dt, &CPU, true);
+    }
+    // Heads of 6 values do not fit the kernel's chunks: the ops one after the other.
+    heads_case(2, 3, 6, 8, DType::F32, &CPU, true);
+    heads_case(2, 3, 6, 0, DType::F32, &CPU, false);
+}
+
 #[test]
 fn the_fused_concatenation_is_cat_of_gelu_then_quant_rows8() {
     for dt in [DType::F32, DType::BF16] {
@@ -415,6 +495,18 @@ mod gpu {
             (11, 32, 64, 16, DType::F32),
         ] {
             cat_gelu_case(rows, split, rest, at, dt, &dev, true);
+        }
+        // Attention's heads merged as they are read: Flux's 24 heads of 128 (beside 12288
+        // MLP values, and alone), heads of 64, 8-byte chunks (heads of 4 bf16), element by
+        // element (f32 heads of 4 beside 20).
+        for (h, l, d, m, dt) in [
+            (24, 7, 128, 12288, DType::BF16),
+            (24, 9, 128, 0, DType::BF16),
+            (3, 5, 64, 0, DType::F16),
+            (3, 5, 4, 12, DType::BF16),
+            (2, 3, 4, 20, DType::F32),
+        ] {
+            heads_case(h, l, d, m, dt, &dev, true);
         }
     }
 

@@ -85,8 +85,57 @@ impl QkNorm {
 
 /// RoPE on q and k, attention, heads merged: (B, H, N, E) x3 -> (B, N, D) (BFL `attention`).
 pub(crate) fn rope_attention(q: &Tensor, k: &Tensor, v: &Tensor, pe: &Tensor) -> Result<Tensor> {
+    merge_heads(&rope_attention_heads(q, k, v, pe)?)
+}
+
+/// [`rope_attention`] with the heads apart: (B, H, N, E) x3 -> o (B, H, N, E), for a consumer
+/// that merges them as it reads them (`Tensor::cat_gelu_tanh`, `Tensor::merge_heads_quant8`).
+pub(crate) fn rope_attention_heads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pe: &Tensor,
+) -> Result<Tensor> {
     let (q, k) = (q.apply_rope(pe)?, k.apply_rope(pe)?);
-    merge_heads(&scaled_dot_product_attention(&q, &k, v, None, false, None)?)
+    scaled_dot_product_attention(&q, &k, v, None, false, None)
+}
+
+/// Attention's output o (B, H, T + L, E) of a double-stream block (text tokens first) merged
+/// into (text (B, T, D), image (B, L, D)) rows for the streams' projections `txt` and `img`,
+/// each with its rows' 8-bit codes where both projections take codes of one kind: the merge
+/// quantizes as it writes (`Tensor::merge_heads_quant8`; batch 1, where each stream's rows
+/// are one range).
+pub(crate) fn stream_rows(
+    o: &Tensor,
+    t_len: usize,
+    txt: &Linear,
+    img: &Linear,
+) -> Result<[(Tensor, Option<crate::Rows8>); 2]> {
+    let d = o.dims();
+    let l_len = d.get(2).copied().unwrap_or(0).saturating_sub(t_len);
+    let code = match (txt.input_code(), img.input_code()) {
+        (Some(a), Some(b)) if a == b && d.first() == Some(&1) => Some(a),
+        _ => None,
+    };
+    let (attn, rows8) = match code {
+        Some(c) => {
+            let (y, r) = o.merge_heads_quant8(c)?;
+            (y, Some(r))
+        }
+        None => (merge_heads(o)?, None),
+    };
+    let part = |start: usize, len: usize| -> Result<(Tensor, Option<crate::Rows8>)> {
+        let rows = match &rows8 {
+            Some(r) => Some(crate::Rows8 {
+                code: r.code,
+                codes: r.codes.narrow(0, start, len)?,
+                scales: r.scales.narrow(0, start, len)?,
+            }),
+            None => None,
+        };
+        Ok((attn.narrow(1, start, len)?, rows))
+    };
+    Ok([part(0, t_len)?, part(t_len, l_len)?])
 }
 
 /// A block's outputs (from `BlockExec::run`) as an array of their expected number.

@@ -314,66 +314,119 @@ pub(crate) fn quant_rows_with(
     finish(x, y, codes, scale)
 }
 
-/// A 2D view's rows in place: (pointer, pitch in elements) where its values are unit-stride
-/// within a row, else from a dense copy kept alive in `copies`.
-fn rows_view(
+/// How `quant_rows_*_catgelu` reads a's values (`a_*` of cuda/fp8.cu's `Producer`): row r =
+/// (b, l) at `seq` rows a batch, its values heads of `hd` at strides `sb`, `sl`, `sh`.
+struct HeadsView {
+    ptr: u64,
+    sb: usize,
+    sl: usize,
+    sh: usize,
+    seq: usize,
+    hd: usize,
+}
+
+impl HeadsView {
+    /// Every address the kernel forms, in elements from `ptr`, on `b` bytes.
+    fn aligned(&self, elem: usize, b: usize) -> bool {
+        self.ptr % b as u64 == 0
+            && [self.sb, self.sl, self.sh, self.hd]
+                .iter()
+                .all(|n| (n * elem) % b == 0)
+    }
+}
+
+/// Operand a of the concatenation in place: a (rows, split) matrix whose rows are unit-stride,
+/// or (B, L, H, D) heads unit-stride within a head (attention's (B, H, L, D) output
+/// transposed); else a dense (rows, split) copy kept alive in `copies`.
+fn heads_view(
     op: &'static str,
     s: &CudaStorage,
     l: &crate::Layout,
+    rows: usize,
+    split: usize,
     copies: &mut Vec<CudaStorage>,
-) -> Result<(u64, usize)> {
+) -> Result<HeadsView> {
     s.check(op, l)?;
-    let (d, st) = (l.dims(), l.strides());
-    if let ([rows, cols], [sr, sc]) = (d, st) {
-        if *sc == 1 || *cols <= 1 {
-            let pitch = if *rows <= 1 { *cols } else { *sr };
-            let elem = s.buf.dtype().size_in_bytes();
-            return Ok((
-                s.buf.raw_ptr(s.dev.stream()) + (l.offset() * elem) as u64,
-                pitch,
-            ));
+    let elem = s.buf.dtype().size_in_bytes() as u64;
+    let at = s.buf.raw_ptr(s.dev.stream()) + l.offset() as u64 * elem;
+    match (l.dims(), l.strides()) {
+        (&[r, c], &[sr, sc]) if sc == 1 || c <= 1 => {
+            return Ok(HeadsView {
+                ptr: at,
+                sb: 0,
+                sl: if r <= 1 { c } else { sr },
+                sh: 0,
+                seq: r.max(1),
+                hd: c.max(1),
+            })
         }
+        (&[_, seq, _, hd], &[sb, sl, sh, 1]) => {
+            return Ok(HeadsView {
+                ptr: at,
+                sb,
+                sl,
+                sh,
+                seq: seq.max(1),
+                hd: hd.max(1),
+            })
+        }
+        _ => {}
     }
     let c = s.contiguous(l)?;
     let p = c.buf.raw_ptr(c.dev.stream());
     copies.push(c);
-    Ok((p, d.last().copied().unwrap_or(0)))
+    Ok(HeadsView {
+        ptr: p,
+        sb: 0,
+        sl: split,
+        sh: 0,
+        seq: rows.max(1),
+        hd: split.max(1),
+    })
 }
 
-/// [a (rows, split), x (rows, cols - split)] (2D views, rows read in place at their pitch;
-/// `d` = [rows, cols, split], split a multiple of 4) -> [y = [a, gelu_tanh(x)] (rows, cols)]
-/// and, with a code, [codes, scale] of y's rows (`quant_rows_*_catgelu` of cuda/fp8.cu, in
-/// the forms `quant_rows_with` picks: 16-byte chunks where every row start and the split are
-/// 16-byte aligned, 8-byte chunks, else element by element).
+/// [a, x] -> [y = [a, gelu_tanh(x)] (rows, cols)] and, with a code, [codes, scale] of y's
+/// rows (`quant_rows_*_catgelu` of cuda/fp8.cu; `d` = [rows, cols, split]): a (rows, split)
+/// or (B, L, H, D) heads (`heads_view`), x (rows, cols - split) read at its row pitch, or no
+/// x (cols = split: a's rows written densely, attention's heads merged). Split and head
+/// widths multiples of 4. In the forms `quant_rows_with` picks: 16-byte chunks where every
+/// address the kernel forms is 16-byte aligned, 8-byte chunks, else element by element.
 pub(crate) fn cat_gelu_rows(
     code: Option<Code8>,
     d: &[usize],
     a: &[(&CudaStorage, &crate::Layout)],
 ) -> Result<Vec<CudaStorage>> {
     const OP: &str = "cat_gelu_tanh";
-    let (&[rows, cols, split], &[(sa, la), (sx, lx)]) = (d, a) else {
+    let (&[rows, cols, split], Some(&(sa, la))) = (d, a.first()) else {
         return Err(Error::Cuda(format!(
-            "{OP}: {} sizes and {} operands, expected 3 and 2",
+            "{OP}: {} sizes and {} operands, expected 3 and 1 or 2",
             d.len(),
             a.len()
         )));
     };
+    let x = a.get(1).copied();
     let shape = || Shape::from((rows, cols));
-    if split > cols || split % crate::backend::fp8::CODES_PER_WORD != 0 || cols % 4 != 0 {
+    if split > cols
+        || split % crate::backend::fp8::CODES_PER_WORD != 0
+        || cols % 4 != 0
+        || (x.is_none() && split != cols)
+    {
         return Err(Error::invalid(
             OP,
             format!("a split at {split} of rows of {cols}: both multiples of 4"),
             &shape(),
         ));
     }
-    sa.same_device(OP, sx)?;
-    let dtype = sx.buf.dtype();
-    if sa.buf.dtype() != dtype {
-        return Err(Error::DTypeMismatch {
-            op: OP,
-            lhs: sa.buf.dtype(),
-            rhs: dtype,
-        });
+    let dtype = sa.buf.dtype();
+    if let Some((sx, _)) = x {
+        sa.same_device(OP, sx)?;
+        if sx.buf.dtype() != dtype {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                lhs: dtype,
+                rhs: sx.buf.dtype(),
+            });
+        }
     }
     let sfx = match dtype {
         DType::F32 => "f32",
@@ -381,7 +434,7 @@ pub(crate) fn cat_gelu_rows(
         DType::F16 => "f16",
         dtype => return Err(Error::UnsupportedDType { op: OP, dtype }),
     };
-    let dev = &sx.dev;
+    let dev = &sa.dev;
     let y = dev.alloc_like(dtype, rows * cols)?;
     let codes = match code {
         Some(_) => Some((
@@ -392,17 +445,23 @@ pub(crate) fn cat_gelu_rows(
     };
     if rows > 0 && cols > 0 {
         let mut copies = vec![];
-        let (ap, a_pitch) = rows_view(OP, sa, la, &mut copies)?;
-        let (xp, x_pitch) = rows_view(OP, sx, lx, &mut copies)?;
+        let av = heads_view(OP, sa, la, rows, split, &mut copies)?;
+        let (xp, x_pitch) = match x {
+            Some((sx, lx)) => {
+                let v = heads_view(OP, sx, lx, rows, cols - split, &mut copies)?;
+                (v.ptr, v.sl)
+            }
+            // Nothing of x is read: its rows are a's, at no pitch.
+            None => (av.ptr, 0),
+        };
         let yp = y.buf.raw_ptr(dev.stream());
         let elem = dtype.size_in_bytes();
-        // Every chunk of a row lies in a or in x: the split and each row's start on the
-        // chunk's bytes.
+        // Every chunk lies in one head of a or in x: the heads, the split and each row's start
+        // on the chunk's bytes.
         let fits = |b: usize| {
-            [ap, xp, yp].iter().all(|p| p % b as u64 == 0)
-                && [a_pitch, x_pitch, split, cols]
-                    .iter()
-                    .all(|n| (n * elem) % b == 0)
+            av.aligned(elem, b)
+                && [xp, yp].iter().all(|p| p % b as u64 == 0)
+                && [x_pitch, split, cols].iter().all(|n| (n * elem) % b == 0)
         };
         let (form, per_chunk) = if fits(16) {
             ("v16_", 16 / elem)
@@ -411,6 +470,13 @@ pub(crate) fn cat_gelu_rows(
         } else {
             ("", 4)
         };
+        if av.hd % per_chunk != 0 {
+            return Err(Error::invalid(
+                OP,
+                format!("heads of {} values: a multiple of 4", av.hd),
+                &shape(),
+            ));
+        }
         let (g, r) = quant_block(cols / per_chunk);
         let blocks = rows.div_ceil(r as usize);
         if blocks > u32::MAX as usize {
@@ -444,8 +510,12 @@ pub(crate) fn cat_gelu_rows(
                 stem(code.unwrap_or(Code8::E4m3))
             ),
             cfg,
-            &ap,
-            &a_pitch,
+            &av.ptr,
+            &av.sb,
+            &av.sl,
+            &av.sh,
+            &av.seq,
+            &av.hd,
             &xp,
             &x_pitch,
             &split,
@@ -459,7 +529,7 @@ pub(crate) fn cat_gelu_rows(
         drop(copies);
     }
     match codes {
-        Some((c, s)) => finish(sx, Some(y), c, s),
+        Some((c, s)) => finish(sa, Some(y), c, s),
         None => Ok(vec![y]),
     }
 }

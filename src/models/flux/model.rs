@@ -4,7 +4,7 @@
 use super::FluxConfig;
 use crate::memory::BlockExec;
 use crate::models::common::{
-    outputs, rope_attention as attention, FinalLayer, MlpEmbedder, QkNorm, EPS,
+    outputs, rope_attention_heads, stream_rows, FinalLayer, MlpEmbedder, QkNorm, EPS,
 };
 use crate::nn::{timestep_embedding, EmbedNd, Linear, Modulation, VarBuilder};
 use crate::{DType, Error, Result, Tensor};
@@ -84,14 +84,11 @@ impl DoubleStreamBlock {
         let q = Tensor::cat(&[&tq, &iq], 2)?;
         let k = Tensor::cat(&[&tk, &ik], 2)?;
         let v = Tensor::cat(&[&tv, &iv], 2)?;
-        let attn = attention(&q, &k, &v, pe)?;
-        let t_len = txt.dims()[1];
-        let (t_attn, i_attn) = (
-            attn.narrow(1, 0, t_len)?,
-            attn.narrow(1, t_len, img.dims()[1])?,
-        );
-        let stream = |s: &Stream, x: &Tensor, a: &Tensor, m: &[crate::nn::ModulationOut]| {
-            let x = x.add(&m[0].gate.mul(&s.proj.forward(a)?)?)?;
+        let o = rope_attention_heads(&q, &k, &v, pe)?;
+        let [t_attn, i_attn] = stream_rows(&o, txt.dims()[1], &self.txt.proj, &self.img.proj)?;
+        type Rows = (Tensor, Option<crate::Rows8>);
+        let stream = |s: &Stream, x: &Tensor, (a, r8): &Rows, m: &[crate::nn::ModulationOut]| {
+            let x = x.add(&m[0].gate.mul(&s.proj.forward_rows8(a, r8.as_ref())?)?)?;
             let h = m[1].modulate_into(&norm(&x)?, &s.mlp0)?;
             x.add(&m[1].gate.mul(&s.mlp2.forward_gelu_tanh(&h)?)?)
         };
@@ -137,8 +134,11 @@ impl SingleStreamBlock {
         let qkv = h.narrow(2, 0, 3 * self.hidden)?;
         let mlp = h.narrow(2, 3 * self.hidden, width - 3 * self.hidden)?;
         let (q, k, v) = self.norm.qkv(&qkv, self.heads)?;
-        let attn = attention(&q, &k, &v, pe)?;
-        let out = self.linear2.forward_cat_gelu_tanh(&attn, &mlp)?;
+        // Attention's heads merged as linear2's input is written (with GELU of the MLP part).
+        let o = rope_attention_heads(&q, &k, &v, pe)?;
+        let out = self
+            .linear2
+            .forward_cat_gelu_tanh(&o.transpose(1, 2)?, &mlp)?;
         x.add(&m[0].gate.mul(&out)?)
     }
 }

@@ -3,7 +3,9 @@
 
 use super::Flux2Config;
 use crate::memory::BlockExec;
-use crate::models::common::{outputs, rope_attention as attention, MlpEmbedder, QkNorm};
+use crate::models::common::{
+    outputs, rope_attention as attention, rope_attention_heads, stream_rows, MlpEmbedder, QkNorm,
+};
 use crate::nn::{timestep_embedding, EmbedNd, Linear, ModulationOut, VarBuilder};
 use crate::{DType, Error, Result, Tensor};
 
@@ -56,8 +58,18 @@ impl Stream {
     }
 
     /// After attention: x + gate1 proj(a), then x + gate2 mlp(modulate2(norm(x))).
-    fn finish(&self, x: &Tensor, a: &Tensor, m: &[ModulationOut], eps: f64) -> Result<Tensor> {
-        let x = x.add(&m[0].gate.mul(&self.proj.forward(a)?)?)?;
+    fn finish(
+        &self,
+        x: &Tensor,
+        (a, rows8): &(Tensor, Option<crate::Rows8>),
+        m: &[ModulationOut],
+        eps: f64,
+    ) -> Result<Tensor> {
+        let x = x.add(
+            &m[0]
+                .gate
+                .mul(&self.proj.forward_rows8(a, rows8.as_ref())?)?,
+        )?;
         let h = m[1].modulate_into(&x.layer_norm(None, None, eps)?, &self.mlp0)?;
         // SwiGLU: silu(first half) * second half (diffusers `Flux2SwiGLU`, BFL
         // `SiLUActivation`), one fused kernel each way.
@@ -111,12 +123,8 @@ impl DoubleStreamBlock {
         let q = Tensor::cat(&[&tq, &iq], 2)?;
         let k = Tensor::cat(&[&tk, &ik], 2)?;
         let v = Tensor::cat(&[&tv, &iv], 2)?;
-        let attn = attention(&q, &k, &v, pe)?;
-        let t_len = txt.dims()[1];
-        let (t_attn, i_attn) = (
-            attn.narrow(1, 0, t_len)?,
-            attn.narrow(1, t_len, img.dims()[1])?,
-        );
+        let o = rope_attention_heads(&q, &k, &v, pe)?;
+        let [t_attn, i_attn] = stream_rows(&o, txt.dims()[1], &self.txt.proj, &self.img.proj)?;
         Ok((
             self.img.finish(img, &i_attn, &im, self.eps)?,
             self.txt.finish(txt, &t_attn, &tm, self.eps)?,

@@ -139,12 +139,23 @@ impl Kernel for ProduceRows8 {
 
 const CAT_GELU: &str = "cat_gelu_tanh";
 
-/// y = [a, gelu_tanh(x)] over the last dim, and with a code the codes and scales of y's rows:
-/// [a (rows, split), x (rows, cols - split)] -> [y (rows, cols)] or [y, codes, scales] (dims
-/// [rows, cols, split]; split and cols multiples of 4). Recorded (without a code) as y's op:
-/// the gradient of a is g's first `split` columns, x's GELU's backward of the rest.
+/// y = [a, gelu_tanh(x)] over the last dim, or a's rows alone without x, and with a code the
+/// codes and scales of y's rows: [a, x] or [a] -> [y (rows, cols)] or [y, codes, scales]
+/// (dims [rows, cols, split]). a is (rows, split), or (B, L, H, D) heads with B L rows and
+/// split = H D (attention's output, its heads merged by this pass); x (rows, cols - split);
+/// split, D and cols multiples of 4. Recorded (without a code) as y's op: a's gradient is g's
+/// first `split` columns in a's shape, x's GELU's backward of the rest.
 pub(crate) struct CatGeluTanh {
     pub(crate) code: Option<Code8>,
+}
+
+/// (rows, split) of operand a of [`CatGeluTanh`], and its head width (split for a matrix).
+fn cat_rows(l: &Layout) -> Option<(usize, usize, usize)> {
+    match *l.dims() {
+        [r, c] => Some((r, c, c)),
+        [b, s, h, d] => Some((b * s, h * d, d)),
+        _ => None,
+    }
 }
 
 impl Kernel for CatGeluTanh {
@@ -153,23 +164,44 @@ impl Kernel for CatGeluTanh {
     }
 
     fn check(&self, args: &[(DType, &Layout)]) -> Result<Vec<usize>> {
-        let o = Operands::new(CAT_GELU, args, 2)?;
-        let (rows, split) = o.rows()?;
-        let d = o.dims_of(1);
-        if d.len() != 2 || d[0] != rows {
-            return Err(o.invalid(format!("x {d:?}: (rows, cols) with a's {rows} rows")));
-        }
-        o.expect(1, o.dtype(), d)?;
-        let dtype = o.dtype();
-        let cols = split + d[1];
+        let bad = |msg: String, l: &Layout| Error::invalid(CAT_GELU, msg, l.shape());
+        let Some(&(dtype, la)) = args.first().filter(|_| args.len() <= 2) else {
+            return Err(Error::invalid(
+                CAT_GELU,
+                format!("{} operands, expected a and x, or a", args.len()),
+                &Shape::from(args.len()),
+            ));
+        };
+        let Some((rows, split, hd)) = cat_rows(la) else {
+            return Err(bad("a: (rows, split) or (B, L, H, D)".into(), la));
+        };
+        let rest = match args.get(1) {
+            Some(&(dx, lx)) => {
+                if dx != dtype {
+                    return Err(Error::DTypeMismatch {
+                        op: CAT_GELU,
+                        lhs: dtype,
+                        rhs: dx,
+                    });
+                }
+                match lx.dims() {
+                    &[r, c] if r == rows => c,
+                    _ => return Err(bad(format!("x: (rows, cols) with a's {rows} rows"), lx)),
+                }
+            }
+            None => 0,
+        };
+        let cols = split + rest;
         // f64 (without codes) for the CPU reference's gradient checks.
         let float = fusable(dtype, cols) || (dtype == DType::F64 && self.code.is_none());
-        if !float || cols % CODES_PER_WORD != 0 || split % CODES_PER_WORD != 0 {
-            return Err(o.invalid(format!(
-                "{dtype} rows of {split} + {} values: f32, bf16 or f16 (f64 without codes), \
-                 both parts multiples of 4",
-                d[1]
-            )));
+        if !float || [cols, split, hd].iter().any(|n| n % CODES_PER_WORD != 0) {
+            return Err(bad(
+                format!(
+                    "{dtype} rows of {split} (heads of {hd}) + {rest} values: f32, bf16 or f16 \
+                     (f64 without codes), each a multiple of 4"
+                ),
+                la,
+            ));
         }
         Ok(vec![rows, cols, split])
     }
@@ -183,19 +215,23 @@ impl Kernel for CatGeluTanh {
         use super::fp8_products::QuantRowsFp8;
         use crate::backend::{BackendDevice, BackendStorage};
         let (rows, cols, split) = (dims[0], dims[1], dims[2]);
-        let ([(a, la), (x, lx)], dtype) = (args, args[0].0.dtype()) else {
-            return Err(Error::invalid(
-                CAT_GELU,
-                "two operands",
-                &Shape::from((rows, cols)),
-            ));
+        let shape = Shape::from((rows, cols));
+        let Some(&(a, la)) = args.first() else {
+            return Err(Error::invalid(CAT_GELU, "no operands", &shape));
         };
         let whole = Layout::contiguous((rows, cols));
-        let mut y = crate::backend::cpu::CpuDevice.full(&Shape::from((rows, cols)), dtype, 0.0)?;
-        a.copy_strided(la, &mut y, &whole.narrow(1, 0, split)?)?;
-        let g = x.unary(lx, UnaryOp::GeluTanh)?;
-        let lg = Layout::contiguous((rows, cols - split));
-        g.copy_strided(&lg, &mut y, &whole.narrow(1, split, cols - split)?)?;
+        let mut y = crate::backend::cpu::CpuDevice.full(&shape, a.dtype(), 0.0)?;
+        // a's part of y, in a's shape (heads split as a has them).
+        let part = whole.narrow(1, 0, split)?;
+        let part = part
+            .reshape(la.shape())
+            .ok_or_else(|| Error::invalid(CAT_GELU, "a's part of y as a's shape", la.shape()))?;
+        a.copy_strided(la, &mut y, &part)?;
+        if let Some(&(x, lx)) = args.get(1) {
+            let g = x.unary(lx, UnaryOp::GeluTanh)?;
+            let lg = Layout::contiguous((rows, cols - split));
+            g.copy_strided(&lg, &mut y, &whole.narrow(1, split, cols - split)?)?;
+        }
         let mut out = vec![];
         if let Some(code) = self.code {
             let quant = QuantRowsFp8 { cols: false, code };
@@ -218,7 +254,8 @@ impl Kernel for CatGeluTanh {
         crate::backend::cuda::kit::cat_gelu_rows(self.code, dims, &views)
     }
 
-    /// Reads a and x at their row pitches (x is a slice of a wider projection's rows).
+    /// Reads a's heads and x's rows where they lie (x is a slice of a wider projection's rows,
+    /// a attention's output with its heads apart).
     #[cfg(feature = "cuda")]
     fn cuda_views(
         &self,
@@ -232,7 +269,11 @@ impl Kernel for CatGeluTanh {
 impl FusedKernel for CatGeluTanh {
     /// GELU's backward reads x; a's gradient is a slice of g.
     fn reads_inputs(&self, needs_grad: &[bool]) -> Vec<bool> {
-        vec![false, needs_grad.get(1).copied().unwrap_or(true)]
+        let mut v = vec![false];
+        if needs_grad.len() > 1 {
+            v.push(needs_grad[1]);
+        }
+        v
     }
 
     fn vjp(
@@ -242,18 +283,24 @@ impl FusedKernel for CatGeluTanh {
         _out: &Tensor,
         g: &Tensor,
     ) -> Result<Vec<Option<Tensor>>> {
-        let [a, x] = inputs else {
+        let Some(a) = inputs.first().filter(|_| inputs.len() <= 2) else {
             return Err(Error::Autograd(format!(
-                "internal: {CAT_GELU} recorded {} inputs, expected 2",
+                "internal: {CAT_GELU} recorded {} inputs, expected 1 or 2",
                 inputs.len()
             )));
         };
         let last = g.rank().saturating_sub(1);
-        let split = a.dims().last().copied().unwrap_or(0);
-        let rest = x.dims().last().copied().unwrap_or(0);
-        let ga = g.narrow(last, 0, split)?;
-        let gx = x.binary(&g.narrow(last, split, rest)?, BinaryOp::GeluTanhBackward)?;
-        Ok(vec![Some(ga), Some(gx)])
+        let rest = inputs
+            .get(1)
+            .map_or(0, |x| x.dims().last().copied().unwrap_or(0));
+        let split = g.dims().last().copied().unwrap_or(0) - rest;
+        let ga = g.narrow(last, 0, split)?.reshape(a.shape().clone())?;
+        let mut out = vec![Some(ga)];
+        if let Some(x) = inputs.get(1) {
+            let gx = x.binary(&g.narrow(last, split, rest)?, BinaryOp::GeluTanhBackward)?;
+            out.push(Some(gx));
+        }
+        Ok(out)
     }
 }
 
@@ -353,53 +400,101 @@ impl Tensor {
     }
 
     /// `Tensor::cat(&[self, &x.gelu_tanh()?], last)` in one pass (Flux's single blocks feed
-    /// `linear2` so): both of one dtype (f32, bf16 or f16) and their leading dims, their last
-    /// dims multiples of 4; otherwise the two ops one after the other, with the same values.
-    /// x may be a slice of a wider tensor's rows: it is read where it lies.
+    /// `linear2` so): x (..., m), self (..., split) with x's leading dims, or attention's
+    /// heads (B, L, H, D) beside x (B, L, m) (the heads merged as they are read); both of
+    /// one dtype (f32, bf16 or f16), split, D and m multiples of 4; otherwise the ops one
+    /// after the other, with the same values. x may be a slice of a wider tensor's rows, self
+    /// a transposed view: both are read where they lie.
     pub fn cat_gelu_tanh(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.cat_gelu(x, None)?.0)
+        Ok(self.cat_gelu(Some(x), None)?.0)
     }
 
     /// [`Tensor::cat_gelu_tanh`] and its rows (over the last dim) quantized into `code` as
     /// [`Tensor::quant_rows8`] would, in the same pass where the concatenation takes its fused
     /// kernel. The output is recorded as the concatenation's; the codes are not.
     pub fn cat_gelu_tanh_quant8(&self, x: &Tensor, code: Code8) -> Result<(Tensor, Rows8)> {
-        let (y, rows8) = self.cat_gelu(x, Some(code))?;
-        match rows8 {
-            Some(r) => Ok((y, r)),
-            None => Ok((y.clone(), Rows8::of(&y, code)?)),
-        }
+        let (y, rows8) = self.cat_gelu(Some(x), Some(code))?;
+        let rows8 = match rows8 {
+            Some(r) => r,
+            None => Rows8::of(&y, code)?,
+        };
+        Ok((y, rows8))
     }
 
-    fn cat_gelu(&self, x: &Tensor, code: Option<Code8>) -> Result<(Tensor, Option<Rows8>)> {
-        let (da, dx) = (self.dims(), x.dims());
-        let r = da.len();
-        let split = da.last().copied().unwrap_or(0);
-        let rest = dx.last().copied().unwrap_or(0);
-        let fused = r >= 1
-            && dx.len() == r
-            && da[..r - 1] == dx[..r - 1]
-            && self.dtype() == x.dtype()
-            && self.device() == x.device()
+    /// Attention's output o (B, H, L, D) with its heads merged, (B, L, H D) as
+    /// [`crate::nn::merge_heads`] makes it, and its rows quantized into `code`, in one pass
+    /// (D a multiple of 4, f32, bf16 or f16; otherwise the two ops one after the other). The
+    /// output is recorded as the merge's; the codes are not.
+    pub fn merge_heads_quant8(&self, code: Code8) -> Result<(Tensor, Rows8)> {
+        if self.rank() != 4 {
+            return Err(Error::invalid(
+                "merge_heads_quant8",
+                "attention's output (B, H, L, D)",
+                self.shape(),
+            ));
+        }
+        let (y, rows8) = self.transpose(1, 2)?.cat_gelu(None, Some(code))?;
+        let rows8 = match rows8 {
+            Some(r) => r,
+            None => Rows8::of(&y, code)?,
+        };
+        Ok((y, rows8))
+    }
+
+    /// [self, gelu_tanh(x)] (or self's rows alone) with its rows' codes where `code` is given,
+    /// in one kernel where it takes them: self (..., split) with x's leading dims, or heads
+    /// (B, L, H, D) (x (B, L, m)).
+    fn cat_gelu(&self, x: Option<&Tensor>, code: Option<Code8>) -> Result<(Tensor, Option<Rows8>)> {
+        let da = self.dims();
+        let heads = da.len() == 4 && x.is_none_or(|x| x.rank() == 3);
+        // The rows' leading dims and a's width.
+        let (lead, split, hd) = if heads {
+            (da[..2].to_vec(), da[2] * da[3], da[3])
+        } else {
+            let r = da.len().max(1);
+            let s = da.last().copied().unwrap_or(0);
+            (da[..r - 1].to_vec(), s, s)
+        };
+        let rest = x.map_or(0, |x| x.dims().last().copied().unwrap_or(0));
+        let cols = split + rest;
+        let float = fusable(self.dtype(), cols)
+            // The CPU reference's kernel takes f64 too (gradient checks).
+            || (self.dtype() == DType::F64
+                && code.is_none()
+                && !self.device().is_cuda()
+                && cols % CODES_PER_WORD == 0);
+        let fused = !lead.is_empty()
+            && x.is_none_or(|x| {
+                x.dims()[..x.rank().saturating_sub(1)] == lead[..]
+                    && x.dtype() == self.dtype()
+                    && x.device() == self.device()
+            })
             && split % CODES_PER_WORD == 0
-            && (fusable(self.dtype(), split + rest)
-                // The CPU reference's kernel takes f64 too (gradient checks).
-                || (self.dtype() == DType::F64
-                    && code.is_none()
-                    && !self.device().is_cuda()
-                    && (split + rest) % CODES_PER_WORD == 0));
+            && hd % CODES_PER_WORD == 0
+            && float;
+        let mut shape = lead.clone();
+        shape.push(cols);
         if !fused {
-            let y = Tensor::cat(&[self, &x.gelu_tanh()?], r.saturating_sub(1))?;
+            let mut flat = lead.clone();
+            flat.push(split);
+            let a = self.reshape(flat)?;
+            let y = match x {
+                Some(x) => Tensor::cat(&[&a, &x.gelu_tanh()?], lead.len())?,
+                None => a,
+            };
             let r8 = code.map(|c| Rows8::of(&y, c)).transpose()?;
             return Ok((y, r8));
         }
-        let rows: usize = da[..r - 1].iter().product();
-        let cols = split + rest;
-        let a2 = self.reshape((rows, split))?;
-        let x2 = x.reshape((rows, rest))?;
-        let mut o = run_kernel(&CatGeluTanh { code }, &[&a2, &x2])?;
-        let mut shape = da.to_vec();
-        shape[r - 1] = cols;
+        let rows: usize = lead.iter().product();
+        let a2 = if heads {
+            self.clone()
+        } else {
+            self.reshape((rows, split))?
+        };
+        let x2 = x.map(|x| x.reshape((rows, rest))).transpose()?;
+        let mut args = vec![&a2];
+        args.extend(x2.as_ref());
+        let mut o = run_kernel(&CatGeluTanh { code }, &args)?;
         let (y, rows8) = match code {
             Some(c) => {
                 let (y, r8) = split_outputs(o, rows, cols, c, self)?;
@@ -412,7 +507,9 @@ impl Tensor {
                 (y, None)
             }
         };
-        let y = recorded(CatGeluTanh { code: None }, y, shape, &[self, x], &[]);
+        let mut inputs = vec![self];
+        inputs.extend(x);
+        let y = recorded(CatGeluTanh { code: None }, y, shape, &inputs, &[]);
         Ok((y, rows8))
     }
 }

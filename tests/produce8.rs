@@ -444,6 +444,65 @@ fn linear_takes_the_codes(dev: &Device) {
             fused, plain,
             "the concatenation into a {code:?} Linear on {dev}"
         );
+        // x's rows as attention's two heads of 16, merged with their codes, then rows 0..2
+        // and 2..6 into the Linear with their share of the codes (a double-stream block's
+        // text and image rows), against the merge and the Linear quantizing each part.
+        let heads = |x: &Tensor| {
+            x.reshape((1, 6, 2, 16))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+        };
+        let parts = [(0, 2), (2, 4)];
+        let fused = through(
+            &lin,
+            |x| {
+                let (y, r8) = heads(x).merge_heads_quant8(code).unwrap();
+                let outs: Vec<Tensor> = parts
+                    .iter()
+                    .map(|&(s, n)| {
+                        let rows = flame::Rows8 {
+                            code,
+                            codes: r8.codes.narrow(0, s, n).unwrap(),
+                            scales: r8.scales.narrow(0, s, n).unwrap(),
+                        };
+                        lin.forward_rows8(&y.narrow(1, s, n).unwrap(), Some(&rows))
+                            .unwrap()
+                    })
+                    .collect();
+                Tensor::cat(&outs.iter().collect::<Vec<_>>(), 1).unwrap()
+            },
+            dev,
+        );
+        let plain = through(
+            &lin,
+            |x| {
+                let y = flame::nn::merge_heads(&heads(x)).unwrap();
+                let outs: Vec<Tensor> = parts
+                    .iter()
+                    .map(|&(s, n)| lin.forward(&y.narrow(1, s, n).unwrap()).unwrap())
+                    .collect();
+                Tensor::cat(&outs.iter().collect::<Vec<_>>(), 1).unwrap()
+            },
+            dev,
+        );
+        assert_eq!(fused, plain, "merged heads into a {code:?} Linear on {dev}");
+        // The codes are the merge's: rows of another part's codes give another output.
+        let (y, r8) = heads(&x.reshape((1, 6, 32)).unwrap())
+            .merge_heads_quant8(code)
+            .unwrap();
+        let wrong = flame::Rows8 {
+            code,
+            codes: r8.codes.narrow(0, 0, 2).unwrap(),
+            scales: r8.scales.narrow(0, 0, 2).unwrap(),
+        };
+        let part = y.narrow(1, 2, 2).unwrap();
+        assert_ne!(
+            bits(&lin.forward(&part).unwrap()),
+            bits(&lin.forward_rows8(&part, Some(&wrong)).unwrap())
+        );
     }
 }
 

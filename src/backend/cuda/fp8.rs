@@ -117,6 +117,41 @@ fn quant_block(chunks: usize) -> (u32, u32) {
     }
 }
 
+/// The form of a row-quantizing kernel of cuda/fp8.cu for rows of `cols` values of `elem`
+/// bytes, and its launch: 16-byte chunks where `fits(16)` (every address the kernel forms on
+/// 16 bytes), 8-byte chunks of four 2-byte values where `fits(8)`, else four values read one
+/// at a time; `quant_block`'s threads and rows a block.
+fn quant_launch(
+    op: &'static str,
+    rows: usize,
+    cols: usize,
+    elem: usize,
+    fits: impl Fn(usize) -> bool,
+) -> Result<(&'static str, cudarc::driver::LaunchConfig)> {
+    let (form, per_chunk) = if fits(16) {
+        ("v16_", 16 / elem)
+    } else if elem == 2 && fits(8) {
+        ("v8_", 4)
+    } else {
+        ("", 4)
+    };
+    let (g, r) = quant_block(cols / per_chunk);
+    let blocks = rows.div_ceil(r as usize);
+    if blocks > u32::MAX as usize {
+        return Err(Error::invalid(
+            op,
+            "more rows than one launch's grid".to_string(),
+            &Shape::from((rows, cols)),
+        ));
+    }
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (g, r, 1),
+        shared_mem_bytes: 0,
+    };
+    Ok((form, cfg))
+}
+
 /// [x (rows, cols) f32/bf16/f16, optional col (cols) f32] (dense; `d` = [rows, cols]) ->
 /// [codes (rows, cols / 4) u32, scale (rows) f32] (`quant_rows_fp8*` of cuda/fp8.cu). A row
 /// is read in 16-byte chunks where its width and the operands' alignment allow, else 8-byte
@@ -216,27 +251,9 @@ pub(crate) fn quant_rows_with(
         let aligned = |a: u64| {
             mp.is_none_or(|(sh, sc)| sh % a == 0 && sc % a == 0) && yp.is_none_or(|p| p % a == 0)
         };
-        let (form, per_chunk) = if (cols * elem) % 16 == 0 && xp % 16 == 0 && cs16 && aligned(16) {
-            ("v16_", 16 / elem)
-        } else if elem == 2 && xp % 8 == 0 && cs16 && aligned(8) {
-            ("v8_", 4)
-        } else {
-            ("", 4)
-        };
-        let (g, r) = quant_block(cols / per_chunk);
-        let blocks = rows.div_ceil(r as usize);
-        if blocks > u32::MAX as usize {
-            return Err(Error::invalid(
-                OP,
-                "more rows than one launch's grid".to_string(),
-                &Shape::from((rows, cols)),
-            ));
-        }
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (g, r, 1),
-            shared_mem_bytes: 0,
-        };
+        let (form, cfg) = quant_launch(OP, rows, cols, elem, |b| {
+            (cols * elem) % b == 0 && xp % b as u64 == 0 && cs16 && aligned(b as u64)
+        })?;
         // Hopper gets the compute_90 build, which encodes with the hardware's conversion.
         let module = super::hopper_module(dev, "fp8").unwrap_or("fp8");
         let name = format!("quant_rows_{}_{form}{sfx}", stem(code));
@@ -463,34 +480,14 @@ pub(crate) fn cat_gelu_rows(
                 && [xp, yp].iter().all(|p| p % b as u64 == 0)
                 && [x_pitch, split, cols].iter().all(|n| (n * elem) % b == 0)
         };
-        let (form, per_chunk) = if fits(16) {
-            ("v16_", 16 / elem)
-        } else if elem == 2 && fits(8) {
-            ("v8_", 4)
-        } else {
-            ("", 4)
-        };
-        if av.hd % per_chunk != 0 {
+        if av.hd % 4 != 0 {
             return Err(Error::invalid(
                 OP,
                 format!("heads of {} values: a multiple of 4", av.hd),
                 &shape(),
             ));
         }
-        let (g, r) = quant_block(cols / per_chunk);
-        let blocks = rows.div_ceil(r as usize);
-        if blocks > u32::MAX as usize {
-            return Err(Error::invalid(
-                OP,
-                "more rows than one launch's grid".to_string(),
-                &shape(),
-            ));
-        }
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (g, r, 1),
-            shared_mem_bytes: 0,
-        };
+        let (form, cfg) = quant_launch(OP, rows, cols, elem, fits)?;
         let module = super::hopper_module(dev, "fp8").unwrap_or("fp8");
         let (cp, scp) = match &codes {
             Some((c, s)) => {

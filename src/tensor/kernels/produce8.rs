@@ -413,12 +413,7 @@ impl Tensor {
     /// [`Tensor::quant_rows8`] would, in the same pass where the concatenation takes its fused
     /// kernel. The output is recorded as the concatenation's; the codes are not.
     pub fn cat_gelu_tanh_quant8(&self, x: &Tensor, code: Code8) -> Result<(Tensor, Rows8)> {
-        let (y, rows8) = self.cat_gelu(Some(x), Some(code))?;
-        let rows8 = match rows8 {
-            Some(r) => r,
-            None => Rows8::of(&y, code)?,
-        };
-        Ok((y, rows8))
+        self.cat_gelu8(Some(x), code)
     }
 
     /// Attention's output o (B, H, L, D) with its heads merged, (B, L, H D) as
@@ -433,11 +428,13 @@ impl Tensor {
                 self.shape(),
             ));
         }
-        let (y, rows8) = self.transpose(1, 2)?.cat_gelu(None, Some(code))?;
-        let rows8 = match rows8 {
-            Some(r) => r,
-            None => Rows8::of(&y, code)?,
-        };
+        self.transpose(1, 2)?.cat_gelu8(None, code)
+    }
+
+    /// [`Tensor::cat_gelu`] with codes, which it gives whenever a code is asked.
+    fn cat_gelu8(&self, x: Option<&Tensor>, code: Code8) -> Result<(Tensor, Rows8)> {
+        let (y, rows8) = self.cat_gelu(x, Some(code))?;
+        let rows8 = rows8.ok_or_else(|| Error::invalid(CAT_GELU, "no codes made", y.shape()))?;
         Ok((y, rows8))
     }
 
@@ -448,33 +445,42 @@ impl Tensor {
         let da = self.dims();
         let heads = da.len() == 4 && x.is_none_or(|x| x.rank() == 3);
         // The rows' leading dims and a's width.
-        let (lead, split, hd) = if heads {
-            (da[..2].to_vec(), da[2] * da[3], da[3])
+        let (lead, split) = if heads {
+            (da[..2].to_vec(), da[2] * da[3])
         } else {
             let r = da.len().max(1);
-            let s = da.last().copied().unwrap_or(0);
-            (da[..r - 1].to_vec(), s, s)
+            (da[..r - 1].to_vec(), da.last().copied().unwrap_or(0))
         };
         let rest = x.map_or(0, |x| x.dims().last().copied().unwrap_or(0));
         let cols = split + rest;
-        let float = fusable(self.dtype(), cols)
-            // The CPU reference's kernel takes f64 too (gradient checks).
-            || (self.dtype() == DType::F64
-                && code.is_none()
-                && !self.device().is_cuda()
-                && cols % CODES_PER_WORD == 0);
-        let fused = !lead.is_empty()
+        let rows: usize = lead.iter().product();
+        // The operands as the kernel reads them, where x's rows are a's on one device.
+        let operands = if !lead.is_empty()
             && x.is_none_or(|x| {
-                x.dims()[..x.rank().saturating_sub(1)] == lead[..]
-                    && x.dtype() == self.dtype()
-                    && x.device() == self.device()
-            })
-            && split % CODES_PER_WORD == 0
-            && hd % CODES_PER_WORD == 0
-            && float;
+                x.dims()[..x.rank().saturating_sub(1)] == lead[..] && x.device() == self.device()
+            }) {
+            let a2 = if heads {
+                self.clone()
+            } else {
+                self.reshape((rows, split))?
+            };
+            let mut v = vec![a2];
+            if let Some(x) = x {
+                v.push(x.reshape((rows, rest))?);
+            }
+            Some(v)
+        } else {
+            None
+        };
+        let kernel = CatGeluTanh { code };
+        // The kernel's own check says what it takes (its f64 form is the CPU reference's).
+        let operands = operands.filter(|v| {
+            let views: Vec<_> = v.iter().map(|t| (t.dtype(), t.layout())).collect();
+            kernel.check(&views).is_ok() && !(self.dtype() == DType::F64 && self.device().is_cuda())
+        });
         let mut shape = lead.clone();
         shape.push(cols);
-        if !fused {
+        let Some(operands) = operands else {
             let mut flat = lead.clone();
             flat.push(split);
             let a = self.reshape(flat)?;
@@ -484,17 +490,9 @@ impl Tensor {
             };
             let r8 = code.map(|c| Rows8::of(&y, c)).transpose()?;
             return Ok((y, r8));
-        }
-        let rows: usize = lead.iter().product();
-        let a2 = if heads {
-            self.clone()
-        } else {
-            self.reshape((rows, split))?
         };
-        let x2 = x.map(|x| x.reshape((rows, rest))).transpose()?;
-        let mut args = vec![&a2];
-        args.extend(x2.as_ref());
-        let mut o = run_kernel(&CatGeluTanh { code }, &args)?;
+        let args: Vec<&Tensor> = operands.iter().collect();
+        let mut o = run_kernel(&kernel, &args)?;
         let (y, rows8) = match code {
             Some(c) => {
                 let (y, r8) = split_outputs(o, rows, cols, c, self)?;

@@ -16,8 +16,10 @@
 //! fetches only `--prefetch` ahead and the backward leaves only that many and one for it,
 //! with the planner too), `--no-host-products` (streamed blocks' Linears over the
 //! conditioning vector bring their weights to the GPU instead of computing their products on
-//! the host, with the planner too); `--headroom GB` plans
-//! for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
+//! the host, with the planner too). `--budget GB` is the process's budget as the driver
+//! counts it, split as `train` splits it (what the process holds outside the allocator,
+//! measured, and `memory::LATE_HEADROOM` come off it; the allocator is capped at the rest);
+//! `--headroom GB` instead plans for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
 //! in FP8 E4M3, `--fp8-compute` also computes their products in 8 bits (`model.compute =
 //! "fp8"`), `--int8-compute` in int8 (`model.compute = "int8"`, the weights as int8 codes;
 //! `--int8-rotation` with their inner axis rotated, the outlier treatment),
@@ -312,12 +314,31 @@ fn run<M: ModelSpec>(
     }
     let plan = match args.value("--budget") {
         Some(gb) => {
-            let b = (gb.parse::<f64>().expect("--budget GB") * GIB) as u64;
+            let gb_f = gb.parse::<f64>().expect("--budget GB");
+            // `--headroom GB`: plan for the budget less this, cap at the budget. Without it
+            // the budget is the process's as the driver counts it, split as `train` splits
+            // it: what the process holds outside the allocator (measured now) and
+            // `LATE_HEADROOM` come off it, and the allocator is capped at the rest.
+            let (b, headroom) = match args.value("--headroom") {
+                Some(h) => (
+                    (gb_f * GIB) as u64,
+                    (h.parse::<f64>().expect("--headroom GB") * GIB) as u64,
+                ),
+                None => {
+                    let (alloc, outside) = flame::memory::split_budget(&dev, gb_f)?;
+                    let (alloc, outside) = (alloc.unwrap_or(0), outside.unwrap_or(0));
+                    if root {
+                        println!(
+                            "budget {gb_f} GiB as the driver counts it: {:.2} GiB for the \
+                             allocator, {:.2} outside it (held now and LATE_HEADROOM)",
+                            alloc as f64 / GIB,
+                            outside as f64 / GIB
+                        );
+                    }
+                    (alloc, 0)
+                }
+            };
             cuda.set_memory_limit(Some(b));
-            // `--headroom GB`: plan for the budget less this, cap at the budget.
-            let headroom = args.value("--headroom").map_or(0, |h| {
-                (h.parse::<f64>().expect("--headroom GB") * GIB) as u64
-            });
             // `--no-offload`: the planner without the plans that offload block inputs (to
             // time what offloading gains); the planner's switches from the flags.
             let candidates: Vec<Plan> = switches
@@ -854,6 +875,11 @@ fn run<M: ModelSpec>(
         gib(cuda.device_memory_used()?),
         gib(driver_peak),
         peak_rss_gib(),
+    );
+    println!(
+        "outside the allocator after the steps: {:.2} GiB (the context, kernels, library \
+         handles and workspaces)",
+        gib(cuda.memory_outside_allocator()?)
     );
     Ok(Some(ms))
 }

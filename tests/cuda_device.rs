@@ -111,6 +111,45 @@ fn fill_round_trip_every_dtype() {
     );
 }
 
+/// The context gives its threads a small stack (CUDA's default of 1 KiB sets aside about
+/// 200 MiB more of an H200), and kernels still run: the f32 LayerNorm backward's
+/// parameter-gradient kernel, whose 200-byte stack frame is the largest of FLAME's, and a
+/// cuBLAS GEMM.
+#[cfg(feature = "cpu-ref")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn threads_get_a_small_stack_and_kernels_still_run() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let Device::Cuda(cuda) = Device::cuda(0).expect("a GPU") else {
+        unreachable!()
+    };
+    let stack = cuda.thread_stack_bytes().unwrap();
+    assert!(stack > 0 && stack <= 256, "stack of {stack} bytes a thread");
+    let dev = Device::Cuda(cuda.clone());
+    let dt = DType::F32;
+    let (xc, x) = normal_pair(&dev, &[37, 203], dt, 11);
+    let (wc, w) = normal_pair(&dev, &[203], dt, 12);
+    let (bc, b) = normal_pair(&dev, &[203], dt, 13);
+    for t in [&x, &w, &b, &xc, &wc, &bc] {
+        t.set_requires_grad(true).unwrap();
+    }
+    let run = |x: &Tensor, w: &Tensor, b: &Tensor| {
+        let y = x.layer_norm(Some(w), Some(b), 1e-5).unwrap();
+        let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        let prod = x.matmul(&x.t().unwrap()).unwrap();
+        (g.get(w).unwrap().clone(), g.get(b).unwrap().clone(), prod)
+    };
+    let (gw, gb, p) = run(&x, &w, &b);
+    let (gwc, gbc, pc) = run(&xc, &wc, &bc);
+    close_mag("LayerNorm's weight gradient", &dev, &gw, &gwc, dt, 37.0);
+    close_mag("LayerNorm's bias gradient", &dev, &gb, &gbc, dt, 37.0);
+    close_mag("a GEMM", &dev, &p, &pc, dt, 203.0);
+    assert!(
+        cuda.thread_stack_bytes().unwrap() <= 256,
+        "no launch needed more stack"
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn memory_accounting_and_hard_limit() {

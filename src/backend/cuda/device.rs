@@ -119,6 +119,8 @@ impl CudaDevice {
             .map_err(|e| Error::CudaUnavailable(format!("opening GPU {ordinal}: {e:?}")))?;
         ctx.bind_to_thread()
             .map_err(cuda_err("binding the context"))?;
+        ctx.set_limit(sys::CUlimit::CU_LIMIT_STACK_SIZE, STACK_BYTES)
+            .map_err(cuda_err("setting the threads' stack size"))?;
         let start_free = driver_free()?;
         let context_bytes = context_cost(ordinal, start_free);
         ctx.bind_to_thread()
@@ -417,6 +419,16 @@ impl CudaDevice {
         Ok(self.0.context_bytes + self.0.start_free.saturating_sub(free))
     }
 
+    /// The stack each GPU thread of this context has, bytes (`CU_LIMIT_STACK_SIZE`): FLAME
+    /// sets it to what its kernels need (see `STACK_BYTES`); the driver raises it for a
+    /// launch that needs more.
+    pub fn thread_stack_bytes(&self) -> Result<usize> {
+        self.0
+            .ctx
+            .get_limit(sys::CUlimit::CU_LIMIT_STACK_SIZE)
+            .map_err(cuda_err("reading the threads' stack size"))
+    }
+
     /// The bytes this process holds on the GPU outside the buffers FLAME's allocator counts:
     /// the context, loaded kernels, library handles and workspaces. Freed buffers kept for
     /// reuse go back to the driver first, so they do not count.
@@ -539,7 +551,11 @@ fn context_cost(ordinal: usize, before: u64) -> u64 {
             {
                 return None;
             }
-            let after = driver_free().ok();
+            // As the context FLAME works in is set up (the new context is current).
+            let limited = sys::cuCtxSetLimit(sys::CUlimit::CU_LIMIT_STACK_SIZE, STACK_BYTES);
+            let after = (limited == sys::cudaError_enum::CUDA_SUCCESS)
+                .then(driver_free)
+                .and_then(|f| f.ok());
             sys::cuCtxDestroy_v2(ctx);
             after
         }
@@ -550,5 +566,15 @@ fn context_cost(ordinal: usize, before: u64) -> u64 {
     }
 }
 
-/// A context's bytes where they cannot be measured: about what CUDA 13 takes on an H100.
-const CONTEXT_BYTES_UNMEASURED: u64 = 512 << 20;
+/// The stack each GPU thread is given, in bytes (`CU_LIMIT_STACK_SIZE`). The driver sets local
+/// memory aside for it for every thread the device can hold at once, so CUDA's default of
+/// 1 KiB held 232 MiB more of an H200 than 128 bytes do (a context of 518 MiB, 320 at 256
+/// bytes; CUDA 13.0, driver 580). FLAME's kernels take at most 200 bytes a thread (ptxas for
+/// sm_90: `norm_bwd_params_2_f32`, the attention backward 48), and the driver raises the limit
+/// for a launch that needs more (CUDA driver API, `cuCtxSetLimit`), as a library's kernel
+/// might: what it takes then is among what `memory::LATE_HEADROOM` leaves for.
+const STACK_BYTES: usize = 256;
+
+/// A context's bytes where they cannot be measured: about what CUDA 13 takes on an H200
+/// with [`STACK_BYTES`].
+const CONTEXT_BYTES_UNMEASURED: u64 = 320 << 20;

@@ -210,6 +210,13 @@ fn run<M: ModelSpec>(
         cuda.release_cached()?;
         cuda.set_memory_limit(None);
     }
+    // What the process holds outside the allocator (the context, cuBLAS), measured before
+    // the first model of the process (a later run's arena and pooled memory would count).
+    static HELD: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let held = match HELD.get() {
+        Some(h) => *h,
+        None => *HELD.get_or_init(|| cuda.memory_outside_allocator().unwrap_or(0)),
+    };
     let group = match &launch {
         Some(l) => Some(l.join(&dev)?),
         None => None,
@@ -317,16 +324,17 @@ fn run<M: ModelSpec>(
             let gb_f = gb.parse::<f64>().expect("--budget GB");
             // `--headroom GB`: plan for the budget less this, cap at the budget. Without it
             // the budget is the process's as the driver counts it, split as `train` splits
-            // it: what the process holds outside the allocator (measured now) and
-            // `LATE_HEADROOM` come off it, and the allocator is capped at the rest.
+            // it (`memory::split_budget`): what the process holds outside the allocator
+            // (measured at its first model) and `LATE_HEADROOM` come off it, and the
+            // allocator is capped at the rest.
             let (b, headroom) = match args.value("--headroom") {
                 Some(h) => (
                     (gb_f * GIB) as u64,
                     (h.parse::<f64>().expect("--headroom GB") * GIB) as u64,
                 ),
                 None => {
-                    let (alloc, outside) = flame::memory::split_budget(&dev, gb_f)?;
-                    let (alloc, outside) = (alloc.unwrap_or(0), outside.unwrap_or(0));
+                    let outside = held + flame::memory::LATE_HEADROOM;
+                    let alloc = ((gb_f * GIB) as u64).saturating_sub(outside);
                     if root {
                         println!(
                             "budget {gb_f} GiB as the driver counts it: {:.2} GiB for the \
@@ -618,12 +626,13 @@ fn run<M: ModelSpec>(
     let sampler = {
         let (cuda, sampling) = (cuda.clone(), sampling.clone());
         std::thread::spawn(move || {
-            let mut peak = 0u64;
+            let (mut peak, mut own) = (0u64, 0u64);
             while sampling.load(Ordering::Relaxed) {
                 peak = peak.max(cuda.device_memory_used().unwrap_or(0));
+                own = own.max(cuda.process_memory().unwrap_or(0));
                 std::thread::sleep(std::time::Duration::from_millis(2));
             }
-            peak
+            (peak, own)
         })
     };
     let ms = common::time(cuda, 0, timed, &mut || {
@@ -674,7 +683,7 @@ fn run<M: ModelSpec>(
         }
     }
     sampling.store(false, Ordering::Relaxed);
-    let driver_peak = sampler.join().unwrap_or(0);
+    let (driver_peak, process_peak) = sampler.join().unwrap_or((0, 0));
     let per_step = |n: u64| n as f64 / timed as f64;
     let (evictions, flushes, overflows) = (
         per_step(cuda.memory().evictions - evictions),
@@ -877,9 +886,8 @@ fn run<M: ModelSpec>(
         peak_rss_gib(),
     );
     println!(
-        "outside the allocator after the steps: {:.2} GiB (the context, kernels, library \
-         handles and workspaces)",
-        gib(cuda.memory_outside_allocator()?)
+        "this process on the device as the driver counts it, peak while stepping: {:.2} GiB",
+        gib(process_peak)
     );
     Ok(Some(ms))
 }

@@ -1019,3 +1019,43 @@ fn varbuilder_random_is_seeded_per_key() -> R {
     assert!(a.unused_keys()?.is_empty());
     Ok(())
 }
+
+/// `split_qkv_rest` cuts a single-stream block's fused projection into q, k, v and the rest as
+/// `split_qkv` of the first 3 D channels and a narrow of the others do, and the gradients
+/// they give back to the projection are the same bit for bit, whether the rest's width is a
+/// multiple of the head width (one view of four slices) or not (the two-level cut).
+#[test]
+fn split_qkv_rest_equals_the_two_level_cut() -> R {
+    use flame::nn::{split_qkv, split_qkv_rest};
+    let (heads, d) = (2, 8);
+    for rest in [12, 7] {
+        let x = randn((2, 5, 3 * d + rest), 91 + rest as u64).requires_grad_()?;
+        let (q, k, vt, r) = split_qkv_rest(&x, heads, d)?;
+        let (q2, k2, v2) = split_qkv(&x.narrow(2, 0, 3 * d)?, heads)?;
+        let r2 = x.narrow(2, 3 * d, rest)?;
+        for (a, b) in [(&q, &q2), (&k, &k2), (&vt, &v2), (&r, &r2)] {
+            assert_eq!(a.dims(), b.dims());
+            assert_eq!(v(a), v(b));
+        }
+        // A loss that weighs each part differently, so a part's gradient landing in another's
+        // place would show.
+        let loss = |q: &Tensor, k: &Tensor, vt: &Tensor, r: &Tensor| -> Result<Tensor> {
+            let mut total = r.sqr()?.sum_all()?;
+            for (t, s) in [(q, 2.0), (k, -3.0), (vt, 0.5)] {
+                total = total.add(&t.sqr()?.affine(s, 0.0)?.sum_all()?)?;
+            }
+            Ok(total)
+        };
+        let g = loss(&q, &k, &vt, &r)?.backward()?;
+        let g2 = loss(&q2, &k2, &v2, &r2)?.backward()?;
+        assert_eq!(v(g.get(&x).unwrap()), v(g2.get(&x).unwrap()), "rest {rest}");
+    }
+    // Shapes it cannot cut are refused.
+    let x = randn((2, 5, 20), 3);
+    assert!(split_qkv_rest(&x, 2, 8).is_err(), "narrower than 3 D");
+    assert!(
+        split_qkv_rest(&x, 3, 4).is_err(),
+        "D not a multiple of the heads"
+    );
+    Ok(())
+}

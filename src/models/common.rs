@@ -9,7 +9,7 @@ use crate::{Error, Result, Tensor};
 /// `nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)`).
 pub const EPS: f64 = 1e-6;
 
-pub use crate::nn::{merge_heads, split_qkv};
+pub use crate::nn::{merge_heads, split_qkv, split_qkv_rest};
 
 /// `adaLN_modulation.1` -> (shift, scale) of a LayerNorm without affine, then `linear`
 /// (BFL `LastLayer`, Stability `FinalLayer`).
@@ -80,6 +80,23 @@ impl QkNorm {
     pub(crate) fn qkv(&self, qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
         let (q, k, v) = split_qkv(qkv, heads)?;
         Ok((self.query_norm.forward(&q)?, self.key_norm.forward(&k)?, v))
+    }
+
+    /// A single-stream block's fused projection (B, N, 3 D + R) -> q, k, v as [`Self::qkv`]
+    /// gives them and the rest (B, N, R), cut as [`split_qkv_rest`] cuts them.
+    pub(crate) fn qkv_rest(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        d: usize,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let (q, k, v, rest) = split_qkv_rest(x, heads, d)?;
+        Ok((
+            self.query_norm.forward(&q)?,
+            self.key_norm.forward(&k)?,
+            v,
+            rest,
+        ))
     }
 }
 

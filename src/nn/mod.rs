@@ -30,7 +30,7 @@ pub use embeddings::{
 pub use functional::{
     adaptive_avg_pool2d, avg_pool2d, conv2d, conv2d_banded, max_pool2d, pad2d, COLUMN_BYTES,
 };
-pub use heads::{merge_heads, split_qkv};
+pub use heads::{merge_heads, split_qkv, split_qkv_rest};
 pub use keys::{KeyMap, KeySource};
 pub use layers::{
     upsample_nearest2d, Activation, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm,

@@ -130,10 +130,7 @@ impl SingleStreamBlock {
     pub fn forward(&self, x: &Tensor, vec_act: &Tensor, pe: &Tensor) -> Result<Tensor> {
         let m = self.modulation.forward_activated(vec_act)?;
         let h = m[0].modulate_into(&x.layer_norm(None, None, EPS)?, &self.linear1)?;
-        let width = h.dims()[2];
-        let qkv = h.narrow(2, 0, 3 * self.hidden)?;
-        let mlp = h.narrow(2, 3 * self.hidden, width - 3 * self.hidden)?;
-        let (q, k, v) = self.norm.qkv(&qkv, self.heads)?;
+        let (q, k, v, mlp) = self.norm.qkv_rest(&h, self.heads, self.hidden)?;
         // Attention's heads merged as linear2's input is written (with GELU of the MLP part).
         let o = rope_attention_heads(&q, &k, &v, pe)?;
         let out = self

@@ -164,10 +164,7 @@ impl SingleStreamBlock {
     pub fn forward(&self, x: &Tensor, m: &Tensor, pe: &Tensor) -> Result<Tensor> {
         let m = triples(m, 1)?;
         let h = m[0].modulate_into(&x.layer_norm(None, None, self.eps)?, &self.linear1)?;
-        let width = h.dims()[2];
-        let qkv = h.narrow(2, 0, 3 * self.hidden)?;
-        let mlp = h.narrow(2, 3 * self.hidden, width - 3 * self.hidden)?;
-        let (q, k, v) = self.norm.qkv(&qkv, self.heads)?;
+        let (q, k, v, mlp) = self.norm.qkv_rest(&h, self.heads, self.hidden)?;
         let attn = attention(&q, &k, &v, pe)?;
         let out = self
             .linear2

@@ -17,9 +17,9 @@
 #                                                     GPU k mod the GPU count
 #   bash scripts/budget_table.sh steps               the step of each row's plan against the
 #                                                     resident step (benches/train_step.rs), the
-#                                                     planner given what the train binary gives
-#                                                     it: the budget less the 1.02 GiB outside
-#                                                     its allocator (`--headroom`)
+#                                                     budget split as the train binary splits it
+#                                                     (what the process holds outside its
+#                                                     allocator, measured, and LATE_HEADROOM)
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
 # Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4, and the newer
 # families at their smallest bf16 budgets: klein4b-6 klein9b-8 zimage-6, and in FP8:
@@ -123,12 +123,12 @@ case ${1:-} in
   steps)
     b() { echo "== $*"; timeout 170 .gpu/bench-train_step "$@" 2>&1 | grep -vE "^\s*$" | tail -n 8; }
     for m in flux sd35 sdxl; do b --model $m; done
-    for gb in 24 12 8; do b --model flux --budget $gb --headroom 1.02; done
-    b --model flux --budget 6 --headroom 1.02 --fp8 --adam8bit
-    b --model sd35 --budget 16 --headroom 1.02
-    b --model sd35 --budget 8 --headroom 1.02
-    b --model sdxl --budget 8 --headroom 1.05
-    b --model sdxl --budget 4 --headroom 1.05 ;;
+    for gb in 24 12 8; do b --model flux --budget $gb; done
+    b --model flux --budget 6 --fp8 --adam8bit
+    b --model sd35 --budget 16
+    b --model sd35 --budget 8
+    b --model sdxl --budget 8
+    b --model sdxl --budget 4 ;;
   gpus)
     pipes=$2 work=$3 n=$4
     list=$(seq -s, 0 $((n - 1)))

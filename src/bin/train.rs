@@ -787,6 +787,19 @@ fn run(
             "memory peaks in FLAME's allocator: {}{outside}",
             each.join(", ")
         ));
+        let driver: Vec<String> = trainer
+            .phase_driver_bytes()
+            .iter()
+            .map(|(phase, b)| format!("{phase} {:.2} GiB", gib(*b)))
+            .collect();
+        let beyond = trainer
+            .arena_overflows()
+            .map(|n| format!("; {n} requests served beyond the allocator's arena"))
+            .unwrap_or_default();
+        p.line(&format!(
+            "memory on the driver at each phase's end (not peaks): {}{beyond}",
+            driver.join(", ")
+        ));
     }
     match end {
         RunEnd::Interrupted(step, dir) => {

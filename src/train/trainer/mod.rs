@@ -210,9 +210,11 @@ pub enum FolderAction {
 pub const VALIDATION_POINTS: usize = 4;
 
 /// Peak bytes in use on a GPU per phase of a run: [`PhasePeaks::start`] resets the
-/// device's peak, [`PhasePeaks::end`] keeps the largest seen for the phase.
+/// device's peak, [`PhasePeaks::end`] keeps the largest seen for the phase, and the bytes the
+/// process holds as the driver counts them when the phase last ended (the allocator's arena,
+/// the context, and whatever the phase took outside the allocator that stays).
 #[derive(Default)]
-struct PhasePeaks(std::sync::Mutex<Vec<(&'static str, u64)>>);
+struct PhasePeaks(std::sync::Mutex<Vec<(&'static str, u64, u64)>>);
 
 impl PhasePeaks {
     /// A phase begins: its peak counts from here, and the data-parallel watchdog names it
@@ -231,16 +233,30 @@ impl PhasePeaks {
         #[cfg(feature = "cuda")]
         if let (Device::Cuda(c), Ok(mut v)) = (device, self.0.lock()) {
             let peak = c.memory().peak;
-            match v.iter_mut().find(|(p, _)| *p == phase) {
-                Some((_, b)) => *b = (*b).max(peak),
-                None => v.push((phase, peak)),
+            let held = c.process_memory().unwrap_or(0);
+            match v.iter_mut().find(|(p, _, _)| *p == phase) {
+                Some((_, b, d)) => {
+                    *b = (*b).max(peak);
+                    *d = held;
+                }
+                None => v.push((phase, peak, held)),
             }
         }
         let _ = (device, phase);
     }
 
     fn all(&self) -> Vec<(&'static str, u64)> {
-        self.0.lock().map(|v| v.clone()).unwrap_or_default()
+        self.0
+            .lock()
+            .map(|v| v.iter().map(|&(p, b, _)| (p, b)).collect())
+            .unwrap_or_default()
+    }
+
+    fn driver(&self) -> Vec<(&'static str, u64)> {
+        self.0
+            .lock()
+            .map(|v| v.iter().map(|&(p, _, d)| (p, d)).collect())
+            .unwrap_or_default()
     }
 }
 
@@ -358,6 +374,26 @@ impl Trainer {
     /// "checkpoints"), in the order first met; empty on the CPU.
     pub fn phase_peaks(&self) -> Vec<(&'static str, u64)> {
         self.peaks.all()
+    }
+
+    /// The bytes this process held on the GPU as the driver counts them when each phase of
+    /// [`Trainer::phase_peaks`] last ended: what a phase took outside the allocator and kept
+    /// (a library's workspace, buffers past the cap's arena) shows as growth from one to the
+    /// next; empty on the CPU.
+    pub fn phase_driver_bytes(&self) -> Vec<(&'static str, u64)> {
+        self.peaks.driver()
+    }
+
+    /// How many requests the allocator has served from the driver beyond its cap's arena
+    /// (each holds the process past the cap while it lives: `MemoryReport::overflows`); `None`
+    /// on the CPU.
+    #[allow(irrefutable_let_patterns)]
+    pub fn arena_overflows(&self) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(c) = &self.device {
+            return Some(c.memory().overflows);
+        }
+        None
     }
 }
 

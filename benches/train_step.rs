@@ -213,10 +213,7 @@ fn run<M: ModelSpec>(
     // What the process holds outside the allocator (the context, cuBLAS), measured before
     // the first model of the process (a later run's arena and pooled memory would count).
     static HELD: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let held = match HELD.get() {
-        Some(h) => *h,
-        None => *HELD.get_or_init(|| cuda.memory_outside_allocator().unwrap_or(0)),
-    };
+    let held = *HELD.get_or_init(|| cuda.memory_outside_allocator().unwrap_or(0));
     let group = match &launch {
         Some(l) => Some(l.join(&dev)?),
         None => None,
@@ -333,8 +330,7 @@ fn run<M: ModelSpec>(
                     (h.parse::<f64>().expect("--headroom GB") * GIB) as u64,
                 ),
                 None => {
-                    let outside = held + flame::memory::LATE_HEADROOM;
-                    let alloc = ((gb_f * GIB) as u64).saturating_sub(outside);
+                    let (alloc, outside) = flame::memory::split_held((gb_f * GIB) as u64, held)?;
                     if root {
                         println!(
                             "budget {gb_f} GiB as the driver counts it: {:.2} GiB for the \

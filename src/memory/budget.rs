@@ -5,7 +5,6 @@ use crate::{Device, Result};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-#[cfg(feature = "cuda")]
 fn gib(b: u64) -> f64 {
     b as f64 / GIB
 }
@@ -26,25 +25,33 @@ pub fn split_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Opt
     #[allow(irrefutable_let_patterns)] // the only variant in builds without cpu-ref
     if let Device::Cuda(c) = device {
         let held = c.memory_outside_allocator()?;
-        let (total, outside) = match asked {
-            Some(b) => (b, held + LATE_HEADROOM),
+        let (alloc, outside) = match asked {
+            Some(b) => split_held(b, held)?,
             // The free memory is what the process has not taken yet: only the headroom
             // comes off it.
-            None => (c.total_memory()? - c.device_memory_used()?, LATE_HEADROOM),
+            None => split_held(c.total_memory()? - c.device_memory_used()?, 0)?,
         };
-        if total <= outside {
-            return Err(crate::Error::Config {
-                path: None,
-                msg: format!(
-                    "a budget of {:.2} GiB: the CUDA context, kernels and workspaces take \
-                     {:.2} GiB of it (measured), leaving nothing for the work",
-                    gib(total),
-                    gib(outside)
-                ),
-            });
-        }
-        return Ok((Some(total - outside), Some(outside)));
+        return Ok((Some(alloc), Some(outside)));
     }
     let _ = device;
     Ok((asked, None))
+}
+
+/// A budget of `total` bytes as the driver counts it, for a process that holds `held` bytes
+/// outside its allocator, split into (bytes for the allocator, bytes outside it: `held` and
+/// [`LATE_HEADROOM`]); an error where nothing is left for the allocator.
+pub fn split_held(total: u64, held: u64) -> Result<(u64, u64)> {
+    let outside = held + LATE_HEADROOM;
+    if total <= outside {
+        return Err(crate::Error::Config {
+            path: None,
+            msg: format!(
+                "a budget of {:.2} GiB: the CUDA context, kernels and workspaces take \
+                 {:.2} GiB of it (measured), leaving nothing for the work",
+                gib(total),
+                gib(outside)
+            ),
+        });
+    }
+    Ok((total - outside, outside))
 }

@@ -210,10 +210,9 @@ fn run<M: ModelSpec>(
         cuda.release_cached()?;
         cuda.set_memory_limit(None);
     }
-    // What the process holds outside the allocator (the context, cuBLAS), measured before
-    // the first model of the process (a later run's arena and pooled memory would count).
-    static HELD: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let held = *HELD.get_or_init(|| cuda.memory_outside_allocator().unwrap_or(0));
+    // What the process holds outside the allocator (the context, cuBLAS), measured once a
+    // device, before the first model of the process, as `train` splits its budget.
+    let held = cuda.held_for_budget()?;
     let group = match &launch {
         Some(l) => Some(l.join(&dev)?),
         None => None,

@@ -555,6 +555,9 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     if !(a.budget.is_finite() && a.budget >= 0.0) {
         return Err(bad(format!("--budget {}: a number of GiB >= 0", a.budget)));
     }
+    // The budget split and FLAME's allocator capped before the text encoders run: every
+    // phase (encoders, references, the model, the decode) is held to it.
+    flame::memory::hold_to_budget(&device, a.budget)?;
     // (FLUX.2's conditioning does not read the size: with references it may change below.)
     let size = (height, width);
     let (conds, uncond) = {

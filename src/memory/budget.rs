@@ -18,13 +18,15 @@ pub const LATE_HEADROOM: u64 = 384 << 20;
 /// A budget of `budget_gb` GiB (0: none given) split into (bytes for FLAME's allocator,
 /// bytes outside it). On a GPU the budget is what the process may hold as the driver counts
 /// it (`budget_gb`, else the memory free now): the context, kernels and workspaces measured
-/// now plus [`LATE_HEADROOM`] come off it. On the CPU, `budget_gb` as it is (none when 0).
+/// the first time a budget is split on the device (`CudaDevice::held_for_budget`: every
+/// later split gets the same share) plus [`LATE_HEADROOM`] come off it. On the CPU,
+/// `budget_gb` as it is (none when 0).
 pub fn split_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Option<u64>)> {
     let asked = (budget_gb > 0.0).then_some((budget_gb * GIB) as u64);
     #[cfg(feature = "cuda")]
     #[allow(irrefutable_let_patterns)] // the only variant in builds without cpu-ref
     if let Device::Cuda(c) = device {
-        let held = c.memory_outside_allocator()?;
+        let held = c.held_for_budget()?;
         let (alloc, outside) = match asked {
             Some(b) => split_held(b, held)?,
             // The free memory is what the process has not taken yet: only the headroom
@@ -35,6 +37,22 @@ pub fn split_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Opt
     }
     let _ = device;
     Ok((asked, None))
+}
+
+/// [`split_budget`], and on a GPU with a budget given (`budget_gb` > 0) FLAME's allocator
+/// capped at the allocator's share from here on: called before a process's first work, so
+/// that every phase after it (text encoders, caching, the model, sampling) is held to the
+/// budget.
+pub fn hold_to_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Option<u64>)> {
+    let (alloc, outside) = split_budget(device, budget_gb)?;
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let (Device::Cuda(c), Some(b)) = (device, alloc) {
+        if budget_gb > 0.0 {
+            c.set_memory_limit(Some(b));
+        }
+    }
+    Ok((alloc, outside))
 }
 
 /// A budget of `total` bytes as the driver counts it, for a process that holds `held` bytes

@@ -142,12 +142,6 @@ fn profile_model(
     )
 }
 
-/// The budget: (bytes for FLAME's allocator, bytes outside it), from `memory.budget_gb`
-/// ([`split_budget`]).
-fn budget(config: &TrainConfig, device: &Device) -> Result<(Option<u64>, Option<u64>)> {
-    split_budget(device, config.memory.budget_gb)
-}
-
 /// The plan for denoising with `family`'s model at `path` (`opts`: dtype, FP8, no adapters)
 /// within a budget of `budget_gb` GiB on `device`, for inputs of `sample` shapes (one
 /// sample, `DiffusionModel::inputs` order): the training step's plan for a batch of one,
@@ -286,14 +280,8 @@ pub(crate) fn plan_memory(
 ) -> Result<MemoryChoice> {
     let mem = &config.memory;
     let manual = config.checkpointing();
-    let (budget, outside) = budget(config, device)?;
-    #[cfg(feature = "cuda")]
-    #[allow(irrefutable_let_patterns)]
-    if let (Device::Cuda(c), Some(b)) = (device, budget) {
-        if mem.budget_gb > 0.0 {
-            c.set_memory_limit(Some(b));
-        }
-    }
+    // (Split once a device: the cap set before caching, `memory::hold_to_budget`.)
+    let (budget, outside) = crate::memory::hold_to_budget(device, mem.budget_gb)?;
     let choice = match (manual, budget) {
         (Some(checkpointing), _) => {
             let prof = profile(config, family, opts, sample, world, text)?;

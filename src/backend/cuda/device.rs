@@ -54,6 +54,9 @@ struct Inner {
     /// The stream of collectives over NCCL (`dist`), made on first use: gradient buckets
     /// are summed there while the backward goes on.
     comm: OnceLock<Arc<CudaStream>>,
+    /// What the process held outside FLAME's allocator when a budget was first split on
+    /// this device (`CudaDevice::held_for_budget`).
+    budget_held: Mutex<Option<u64>>,
 }
 
 /// How many completion counters `CudaDevice::done_counters` holds (16 KiB).
@@ -168,6 +171,7 @@ impl CudaDevice {
             decode: OnceLock::new(),
             offload: OnceLock::new(),
             comm: OnceLock::new(),
+            budget_held: Mutex::new(None),
         })))
     }
 
@@ -308,7 +312,15 @@ impl CudaDevice {
             .ctx
             .bind_to_thread()
             .map_err(cuda_err("binding the context"))
-            .and_then(|_| set_release_threshold(self.0.ordinal, bytes.unwrap_or(u64::MAX)));
+            .and_then(|_| {
+                // Under a cap whose arena is made, the driver's pool keeps nothing freed to
+                // it (it serves only what the arena could not place).
+                let keep = match (bytes, self.0.mem.has_arena()) {
+                    (Some(_), true) => 0,
+                    (b, _) => b.unwrap_or(u64::MAX),
+                };
+                set_release_threshold(self.0.ordinal, keep)
+            });
     }
 
     /// Gives the memory of freed buffers back to the driver, where other libraries of this
@@ -432,10 +444,32 @@ impl CudaDevice {
     /// The bytes this process holds on the GPU outside the buffers FLAME's allocator counts:
     /// the context, loaded kernels, library handles and workspaces. Freed buffers kept for
     /// reuse go back to the driver first, so they do not count.
+    /// The cap's arena is the allocator's whether its bytes are in live buffers or not.
     pub fn memory_outside_allocator(&self) -> Result<u64> {
         self.release_cached()?;
         let process = self.process_memory()?;
-        Ok(process.saturating_sub(self.0.mem.report().in_use))
+        let r = self.0.mem.report();
+        Ok(process.saturating_sub(r.in_use + r.arena_free))
+    }
+
+    /// What this process held outside FLAME's allocator ([`Self::memory_outside_allocator`])
+    /// the first time this was asked on this device, kept: a budget is split once a device,
+    /// before the work it holds starts, so that every phase of a process (caching, the
+    /// model, sampling) and every plan made later share one cap. What the process takes
+    /// outside the allocator after that (kernels loaded on first use, cuBLASLt's workspace)
+    /// is what `memory::LATE_HEADROOM` leaves room for.
+    pub fn held_for_budget(&self) -> Result<u64> {
+        let mut held = self
+            .0
+            .budget_held
+            .lock()
+            .map_err(|_| Error::Poisoned("the budget's measured share"))?;
+        if let Some(h) = *held {
+            return Ok(h);
+        }
+        let h = self.memory_outside_allocator()?;
+        *held = Some(h);
+        Ok(h)
     }
 
     // ----- kernels ------------------------------------------------------------------------

@@ -77,6 +77,9 @@ pub struct MemoryReport {
     /// The largest free range of the cap's arena: the largest buffer a request can get
     /// without going past the cap (u64::MAX without an arena).
     pub arena_room: u64,
+    /// Bytes of the cap's arena in no live buffer (0 without an arena): the process holds
+    /// them from the driver although FLAME counts none of them in use.
+    pub arena_free: u64,
 }
 
 /// The free lists and counters of one device, shared by every buffer made on it.
@@ -365,6 +368,15 @@ impl Pool {
             *a = Some(Arena::new(base, size));
             self.has_arena.store(true, Ordering::Relaxed);
         }
+        // The driver's pool now serves only requests the arena could not place; what they
+        // free goes back to the device at the next synchronisation instead of staying
+        // pooled beside the arena (the pool kept up to the cap).
+        let _ = set_release_threshold(self.ordinal, 0);
+    }
+
+    /// Whether the cap's arena exists.
+    pub(crate) fn has_arena(&self) -> bool {
+        self.has_arena.load(Ordering::Relaxed)
     }
 
     /// `bytes` from the arena, if there is one: its offset, or None when no free range holds
@@ -392,6 +404,18 @@ impl Pool {
             flushes: self.flushes.load(Ordering::Relaxed),
             overflows: self.overflows.load(Ordering::Relaxed),
             arena_room: self.arena_room(),
+            arena_free: self.arena_free(),
+        }
+    }
+
+    /// Bytes of the cap's arena in no live buffer, or 0 without one.
+    fn arena_free(&self) -> u64 {
+        if !self.has_arena.load(Ordering::Relaxed) {
+            return 0;
+        }
+        match self.arena.lock() {
+            Ok(a) => a.as_ref().map_or(0, |a| a.by_offset.values().sum()),
+            Err(_) => 0,
         }
     }
 
@@ -700,7 +724,8 @@ fn pool_attribute(ordinal: usize, attr: sys::CUmemPool_attribute) -> Result<u64>
 
 /// How much freed memory the driver's pool keeps for reuse at a synchronisation: all of it
 /// without a cap (u64::MAX), else up to the cap, so that the memory the process holds goes
-/// back under the cap at every sync without FLAME waiting for it.
+/// back under the cap at every sync without FLAME waiting for it; none once the cap's arena
+/// holds FLAME's buffers.
 pub(super) fn set_release_threshold(ordinal: usize, bytes: u64) -> Result<()> {
     let pool = default_pool(ordinal)?;
     let mut threshold: u64 = bytes;

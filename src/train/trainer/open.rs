@@ -275,6 +275,14 @@ fn planned(
     let mut opts = load_options(&config, &device)?;
     let peaks = PhasePeaks::default();
     let probe = probe(&config, family, &opts, &device)?;
+    // NCCL sets up its connections and buffers at the first collective: one of a
+    // bucket's size, now, puts them in the memory measured outside FLAME's allocator. Then
+    // the budget is split (once a device) and the allocator capped at its share before any
+    // work holds memory: caching is held to the budget as the steps are.
+    if let Some(g) = &group {
+        warm_collectives(g.as_ref(), &device)?;
+    }
+    crate::memory::hold_to_budget(&device, config.memory.budget_gb)?;
     let data = Data::prepare(
         &config,
         family,
@@ -289,11 +297,6 @@ fn planned(
     drop(probe);
     let adapters = config.adapters()?;
     opts.adapters = Some(adapters.clone());
-    // NCCL sets up its connections and buffers at the first collective: one of a
-    // bucket's size, now, puts them in the memory measured outside FLAME's allocator.
-    if let Some(g) = &group {
-        warm_collectives(g.as_ref(), &device)?;
-    }
     let largest = data.train.largest();
     // 8-bit products where they pay at the largest bucket's rows (`nn::products_pay`): the
     // plan sizes, and the model loads, that choice.

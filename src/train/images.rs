@@ -682,8 +682,9 @@ pub fn prepare(
             .map_err(|e| match e {
                 Error::OutOfMemory { .. } => Error::Context {
                     what: format!(
-                        "caching {what} (encoders.vae_tile = 512 encodes in tiles; the text \
-                             encoders and the autoencoder run before the model loads)"
+                        "caching {what} (encoders.vae_tile = 512 encodes in tiles, or raise \
+                         memory.budget_gb; the text encoders and the autoencoder run before \
+                         the model loads, under the budget's cap)"
                     ),
                     error: Box::new(e),
                 },
@@ -769,11 +770,24 @@ pub fn prepare(
     }
     let text = TextCache::open(&cache, &text_id)?;
     let empty = text.entry_path("");
+    // Out of memory under the budget's cap while the text encoders load or encode: the
+    // phase and the knobs that fit it.
+    let text_oom = |e: Error| match e {
+        Error::OutOfMemory { .. } => Error::Context {
+            what: "caching the captions' text encodings (encoders.stream_t5 and \
+                   encoders.stream_qwen3 stream the large encoders from host memory; or raise \
+                   memory.budget_gb)"
+                .into(),
+            error: Box::new(e),
+        },
+        e => e,
+    };
     let text_shapes: Vec<(String, Vec<usize>)> = if encode || !empty.is_file() {
         for line in tokenizer_lines(family, &text_at) {
             on(line);
         }
-        let cond = TextConditioner::load(family, &text_at, &text_opts, dtype, &device, "encoders")?;
+        let cond = TextConditioner::load(family, &text_at, &text_opts, dtype, &device, "encoders")
+            .map_err(text_oom)?;
         let mut enc = |c: &str| -> Result<data::cache::Encoded> {
             interrupted(stop, "captions")?;
             cond.encode(&[c])?
@@ -784,10 +798,12 @@ pub fn prepare(
         if encode {
             fill_shared(group, "captions", &mut *on, &mut |progress, rank, world| {
                 text.fill_part(&captions, &mut enc, progress, rank, world)
-            })?;
+            })
+            .map_err(text_oom)?;
             read_shapes(&empty)?
         } else {
-            enc("")?
+            enc("")
+                .map_err(text_oom)?
                 .into_iter()
                 .map(|(n, t)| (n, t.dims().to_vec()))
                 .collect()

@@ -28,7 +28,9 @@
 //! streamed. `--steps N` times N steps after the warm-up (3 unless given). `--host-probe` issues one more step with about a second of GEMMs queued between
 //! its forward and backward, and prints when the host had issued the backward and the update:
 //! the host's own cost where nothing in them waits for the GPU. `--phases` times one more
-//! step with the device synchronised after its forward and after its backward. Each step
+//! step with the device synchronised after its forward and after its backward;
+//! `--memory-trace` one more with FLAME's allocator read around each block's forward and
+//! re-run (`memory::trace_blocks`): where the step's peak falls. Each step
 //! announces the next one's inputs between its forward and its backward
 //! (`DiffusionModel::prepare`: host products computed during the backward); `--no-prepare`
 //! leaves them to each forward. Each step reads bf16 compute copies of the adapters' f32
@@ -739,6 +741,36 @@ fn run<M: ModelSpec>(
         table("phase", &p.phases, 25);
         table("kernel", &p.kernels, 30);
         table("phase / kernel", &p.phase_kernels, 30);
+    }
+    if args.flag("--memory-trace") {
+        // One more step with FLAME's allocator read around each block's run (forward and
+        // re-run): where the step's peak falls, against the planner's predicted peak.
+        flame::memory::trace_blocks(true);
+        cuda.reset_peak_memory();
+        step()?;
+        cuda.synchronize()?;
+        flame::memory::trace_blocks(false);
+        let trace = flame::memory::take_block_trace();
+        let gib = |b: u64| b as f64 / GIB;
+        println!("memory trace (GiB in FLAME's allocator): block | pass | before | peak | after");
+        for r in &trace {
+            println!(
+                "  {} | {} | {:.3} | {:.3} | {:.3}",
+                r.prefix,
+                if r.rerun { "re-run" } else { "forward" },
+                gib(r.before),
+                gib(r.peak),
+                gib(r.after)
+            );
+        }
+        if let Some(top) = trace.iter().max_by_key(|r| r.peak) {
+            println!(
+                "memory trace: the blocks' highest peak {:.3} GiB in {}'s {}",
+                gib(top.peak),
+                top.prefix,
+                if top.rerun { "re-run" } else { "forward" }
+            );
+        }
     }
     if args.flag("--phases") {
         // One more step, the device synchronised after the forward and after the backward:

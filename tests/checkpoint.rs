@@ -87,6 +87,47 @@ fn checkpointed_gradients_equal_the_resident_ones_bit_for_bit() {
     );
 }
 
+/// With block runs traced (`memory::trace_blocks`), each block's forward is recorded in
+/// order, then each checkpointed block's re-run as the backward reaches it; a resident block
+/// has no re-run. (Other tests of this binary may run blocks meanwhile: only this test's
+/// prefixes are read.)
+#[test]
+fn block_runs_are_traced_forwards_then_reruns_in_reverse() {
+    let w = randn(&[3, 3], 5).requires_grad_().unwrap();
+    let x = randn(&[2, 3], 6).requires_grad_().unwrap();
+    let run = |exec: &BlockExec, prefix: &str, i: usize, x: &Tensor| {
+        let w = w.clone();
+        exec.run(prefix, i, std::slice::from_ref(x), move |xs| {
+            Ok(vec![xs[0].matmul(&w)?.tanh()?])
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let (all, resident) = (BlockExec::checkpoint_all(), BlockExec::default());
+    flame::memory::trace_blocks(true);
+    let h = run(&all, "trace_probe.0", 0, &x);
+    let h = run(&resident, "trace_probe.1", 1, &h);
+    let out = run(&all, "trace_probe.2", 2, &h);
+    let grads = out.sum_all().unwrap().backward().unwrap();
+    flame::memory::trace_blocks(false);
+    let mine: Vec<(String, bool)> = flame::memory::take_block_trace()
+        .into_iter()
+        .filter(|r| r.prefix.starts_with("trace_probe."))
+        .map(|r| (r.prefix, r.rerun))
+        .collect();
+    let want: Vec<(String, bool)> = [(0, false), (1, false), (2, false), (2, true), (0, true)]
+        .iter()
+        .map(|&(i, rerun)| (format!("trace_probe.{i}"), rerun))
+        .collect();
+    assert_eq!(mine, want);
+    assert!(grads.get(&w).is_some() && grads.get(&x).is_some());
+    // Off: nothing more is recorded.
+    run(&all, "trace_probe.3", 3, &x);
+    assert!(flame::memory::take_block_trace()
+        .iter()
+        .all(|r| r.prefix != "trace_probe.3"));
+}
+
 #[test]
 fn a_checkpoint_finds_captured_parameters_when_no_input_needs_a_gradient() {
     let x = randn(&[2, 3], 10);

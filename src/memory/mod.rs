@@ -34,6 +34,7 @@ mod plan;
 mod products;
 mod streamer;
 mod switches;
+mod trace;
 
 pub use budget::{hold_to_budget, split_budget, split_held, LATE_HEADROOM};
 pub use machine::{machine_cache_path, measure_machine, read_machine, write_machine, MachineProbe};
@@ -46,6 +47,7 @@ pub use plan::{
 pub use products::ProductReport;
 pub use streamer::{BlockStreamer, StreamReport, UploadRecord};
 pub use switches::Switches;
+pub use trace::{take_block_trace, trace_blocks, BlockMemory};
 
 use crate::autograd::{checkpoint_opts, CheckpointHooks, CheckpointOptions, Keep, SavedHooks};
 use crate::{Result, Tensor};
@@ -179,6 +181,31 @@ impl BlockExec {
 
     /// Runs block `prefix`, the `index`-th in execution order, as `f(inputs)`.
     pub fn run<F>(&self, prefix: &str, index: usize, inputs: &[Tensor], f: F) -> Result<Vec<Tensor>>
+    where
+        F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'static,
+    {
+        if trace::tracing() {
+            // The first call is the forward, any later one a checkpoint's re-run.
+            let (name, ran) = (
+                prefix.to_string(),
+                std::sync::atomic::AtomicBool::new(false),
+            );
+            let traced = move |xs: &[Tensor]| {
+                let rerun = ran.swap(true, std::sync::atomic::Ordering::Relaxed);
+                trace::traced(&name, rerun, xs, || f(xs))
+            };
+            return self.run_block(prefix, index, inputs, traced);
+        }
+        self.run_block(prefix, index, inputs, f)
+    }
+
+    fn run_block<F>(
+        &self,
+        prefix: &str,
+        index: usize,
+        inputs: &[Tensor],
+        f: F,
+    ) -> Result<Vec<Tensor>>
     where
         F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'static,
     {

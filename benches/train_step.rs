@@ -212,9 +212,10 @@ fn run<M: ModelSpec>(
         cuda.release_cached()?;
         cuda.set_memory_limit(None);
     }
-    // What the process holds outside the allocator (the context, cuBLAS), measured once a
-    // device, before the first model of the process, as `train` splits its budget.
-    let held = cuda.held_for_budget()?;
+    // What the process holds outside the allocator (the context, cuBLAS) is measured once a
+    // device: now, before the first model of the process, as `train` measures it before
+    // caching (`memory::split_budget` then reuses it).
+    cuda.held_for_budget()?;
     let group = match &launch {
         Some(l) => Some(l.join(&dev)?),
         None => None,
@@ -331,7 +332,10 @@ fn run<M: ModelSpec>(
                     (h.parse::<f64>().expect("--headroom GB") * GIB) as u64,
                 ),
                 None => {
-                    let (alloc, outside) = flame::memory::split_held((gb_f * GIB) as u64, held)?;
+                    let (alloc, outside) = match flame::memory::split_budget(&dev, gb_f)? {
+                        (Some(a), Some(o)) => (a, o),
+                        _ => unreachable!("a GPU's budget is split in two"),
+                    };
                     if root {
                         println!(
                             "budget {gb_f} GiB as the driver counts it: {:.2} GiB for the \

@@ -5,6 +5,7 @@ use crate::{Device, Result};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+#[cfg(feature = "cuda")]
 fn gib(b: u64) -> f64 {
     b as f64 / GIB
 }
@@ -58,7 +59,8 @@ pub fn hold_to_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, O
 /// A budget of `total` bytes as the driver counts it, for a process that holds `held` bytes
 /// outside its allocator, split into (bytes for the allocator, bytes outside it: `held` and
 /// [`LATE_HEADROOM`]); an error where nothing is left for the allocator.
-pub fn split_held(total: u64, held: u64) -> Result<(u64, u64)> {
+#[cfg(feature = "cuda")]
+fn split_held(total: u64, held: u64) -> Result<(u64, u64)> {
     let outside = held + LATE_HEADROOM;
     if total <= outside {
         return Err(crate::Error::Config {

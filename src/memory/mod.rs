@@ -36,7 +36,7 @@ mod streamer;
 mod switches;
 mod trace;
 
-pub use budget::{hold_to_budget, split_budget, split_held, LATE_HEADROOM};
+pub use budget::{hold_to_budget, split_budget, LATE_HEADROOM};
 pub use machine::{machine_cache_path, measure_machine, read_machine, write_machine, MachineProbe};
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{

@@ -266,7 +266,8 @@ fn machine_for(device: &Device, measure: bool) -> (Option<crate::memory::Machine
     }
 }
 
-/// `recorded`: the machine to play instead of this one's (a resumed run's).
+/// `split`: the budget as `memory::hold_to_budget` split it (and capped the allocator at it)
+/// before caching; `recorded`: the machine to play instead of this one's (a resumed run's).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_memory(
     config: &TrainConfig,
@@ -275,13 +276,13 @@ pub(crate) fn plan_memory(
     device: &Device,
     sample: &[Vec<usize>],
     world: usize,
+    split: (Option<u64>, Option<u64>),
     recorded: Option<crate::memory::Machine>,
     text: Option<&TextStepBytes>,
 ) -> Result<MemoryChoice> {
     let mem = &config.memory;
     let manual = config.checkpointing();
-    // (Split once a device: the cap set before caching, `memory::hold_to_budget`.)
-    let (budget, outside) = crate::memory::hold_to_budget(device, mem.budget_gb)?;
+    let (budget, outside) = split;
     let choice = match (manual, budget) {
         (Some(checkpointing), _) => {
             let prof = profile(config, family, opts, sample, world, text)?;

@@ -5,7 +5,7 @@
 //! stream-ordered pool (cuMemAllocAsync; cudarc uses it when the device supports it), whose
 //! release threshold is raised to "never", so memory the cache gives back stays pooled too.
 
-use super::memory::{pool_reserved, set_release_threshold, trim_pool, DevBuf, MemoryReport, Pool};
+use super::memory::{pool_reserved, trim_pool, DevBuf, MemoryReport, Pool};
 use super::{cuda_err, ptx, NVCC_HELP};
 use crate::{Error, Result};
 use cudarc::cublas::CudaBlas;
@@ -148,8 +148,8 @@ impl CudaDevice {
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(cuda_err("reading the shared memory a block may use"))? as usize;
-        set_release_threshold(ordinal, limit)?;
         let mem = Arc::new(Pool::new(ordinal, stream.clone(), limit));
+        mem.apply_release_threshold()?;
         Ok(CudaDevice(Arc::new(Inner {
             ordinal,
             ctx,
@@ -312,15 +312,7 @@ impl CudaDevice {
             .ctx
             .bind_to_thread()
             .map_err(cuda_err("binding the context"))
-            .and_then(|_| {
-                // Under a cap whose arena is made, the driver's pool keeps nothing freed to
-                // it (it serves only what the arena could not place).
-                let keep = match (bytes, self.0.mem.has_arena()) {
-                    (Some(_), true) => 0,
-                    (b, _) => b.unwrap_or(u64::MAX),
-                };
-                set_release_threshold(self.0.ordinal, keep)
-            });
+            .and_then(|_| self.0.mem.apply_release_threshold());
     }
 
     /// Gives the memory of freed buffers back to the driver, where other libraries of this
@@ -443,8 +435,8 @@ impl CudaDevice {
 
     /// The bytes this process holds on the GPU outside the buffers FLAME's allocator counts:
     /// the context, loaded kernels, library handles and workspaces. Freed buffers kept for
-    /// reuse go back to the driver first, so they do not count.
-    /// The cap's arena is the allocator's whether its bytes are in live buffers or not.
+    /// reuse go back to the driver first, so they do not count; the cap's arena is the
+    /// allocator's whether its bytes are in live buffers or not.
     pub fn memory_outside_allocator(&self) -> Result<u64> {
         self.release_cached()?;
         let process = self.process_memory()?;

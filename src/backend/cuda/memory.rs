@@ -368,14 +368,25 @@ impl Pool {
             *a = Some(Arena::new(base, size));
             self.has_arena.store(true, Ordering::Relaxed);
         }
-        // The driver's pool now serves only requests the arena could not place; what they
-        // free goes back to the device at the next synchronisation instead of staying
-        // pooled beside the arena (the pool kept up to the cap).
-        let _ = set_release_threshold(self.ordinal, 0);
+        let _ = self.apply_release_threshold();
+    }
+
+    /// Sets the driver pool's release threshold for the cap and the arena as they are now:
+    /// all it holds without a cap, up to the cap under one, none once the cap's arena holds
+    /// FLAME's buffers (the pool then serves only requests the arena could not place, and
+    /// what they free goes back to the device at the next synchronisation instead of
+    /// staying pooled beside the arena). The context must be bound to the thread.
+    pub(crate) fn apply_release_threshold(&self) -> Result<()> {
+        let keep = match (self.limit.load(Ordering::Relaxed), self.has_arena()) {
+            (u64::MAX, _) => u64::MAX,
+            (_, true) => 0,
+            (limit, false) => limit,
+        };
+        set_release_threshold(self.ordinal, keep)
     }
 
     /// Whether the cap's arena exists.
-    pub(crate) fn has_arena(&self) -> bool {
+    fn has_arena(&self) -> bool {
         self.has_arena.load(Ordering::Relaxed)
     }
 
@@ -722,11 +733,11 @@ fn pool_attribute(ordinal: usize, attr: sys::CUmemPool_attribute) -> Result<u64>
     Ok(v)
 }
 
-/// How much freed memory the driver's pool keeps for reuse at a synchronisation: all of it
-/// without a cap (u64::MAX), else up to the cap, so that the memory the process holds goes
-/// back under the cap at every sync without FLAME waiting for it; none once the cap's arena
-/// holds FLAME's buffers.
-pub(super) fn set_release_threshold(ordinal: usize, bytes: u64) -> Result<()> {
+/// How much freed memory the driver's pool keeps for reuse at a synchronisation
+/// (`Pool::apply_release_threshold` chooses it: under a cap without an arena, up to the cap,
+/// so that the memory the process holds goes back under the cap at every sync without FLAME
+/// waiting for it).
+fn set_release_threshold(ordinal: usize, bytes: u64) -> Result<()> {
     let pool = default_pool(ordinal)?;
     let mut threshold: u64 = bytes;
     // SAFETY: RELEASE_THRESHOLD takes a cuuint64_t.

@@ -282,7 +282,7 @@ fn planned(
     if let Some(g) = &group {
         warm_collectives(g.as_ref(), &device)?;
     }
-    crate::memory::hold_to_budget(&device, config.memory.budget_gb)?;
+    let split = crate::memory::hold_to_budget(&device, config.memory.budget_gb)?;
     let data = Data::prepare(
         &config,
         family,
@@ -322,6 +322,7 @@ fn planned(
         &device,
         &largest,
         world,
+        split,
         place.machine,
         text.as_ref(),
     )?;

@@ -417,6 +417,10 @@ fn run<M: ModelSpec>(
             "flame {name}: plan {plan}, predicted peak {predicted:.2} GiB, predicted step {:.2}x the resident one ({step:.1} ms by the time model, resident {resident:.1})",
             step / resident
         );
+        println!(
+            "flame {name}: predicted peak's terms {}",
+            profile.peak_parts(&plan)
+        );
     }
     let adapters = Adapters::new(lora)?;
     let mut vb = VarBuilder::random(1, 0.02, DType::BF16, &dev)
@@ -640,6 +644,9 @@ fn run<M: ModelSpec>(
         losses.push(step()?);
         Ok(())
     })? * 1e3;
+    // The timed steps' peak (the probes and traces below run more steps, and the memory
+    // trace resets the peak around each block).
+    let timed_peak = cuda.memory().peak;
     let stream_after = streamer.as_ref().map(|s| s.report()).transpose()?;
     if let (Some(s), Some(path)) = (&streamer, &link_trace) {
         let records = s.take_trace()?;
@@ -838,8 +845,13 @@ fn run<M: ModelSpec>(
                 decode_us: a.decode_us - b.decode_us,
                 timed_uploads: a.timed_uploads - b.timed_uploads,
                 left_out_bytes: a.left_out_bytes - b.left_out_bytes,
+                host_us: a.host_us - b.host_us,
                 ..a
             };
+            println!(
+                "streaming on the host: {:.1} ms/step in the blocks' entries and exits",
+                r.host_us as f64 / 1e3 / timed as f64
+            );
             if r.timed_uploads > 0 {
                 // Each upload's bytes are about the same share: the timed ones stand for all.
                 let share = r.timed_uploads as f64 / r.uploads as f64;
@@ -911,7 +923,7 @@ fn run<M: ModelSpec>(
         if adam8bit { "AdamW8bit" } else { "AdamW" },
         batch as f64 / (ms / 1e3),
         gib(weights),
-        gib(cuda.memory().peak),
+        gib(timed_peak),
         gib(cuda.device_memory_used()?),
         gib(driver_peak),
         peak_rss_gib(),

@@ -402,7 +402,7 @@ impl Device {
     pub(crate) fn room(&self) -> u64 {
         match self {
             #[cfg(feature = "cuda")]
-            Device::Cuda(d) => d.memory().arena_room,
+            Device::Cuda(d) => d.arena_room(),
             #[allow(unreachable_patterns)]
             _ => u64::MAX,
         }

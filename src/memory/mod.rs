@@ -40,8 +40,8 @@ pub use budget::{hold_to_budget, split_budget, LATE_HEADROOM};
 pub use machine::{machine_cache_path, measure_machine, read_machine, write_machine, MachineProbe};
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{
-    carry, cost_model, spread_evenly, BlockCost, BlockShape, Machine, MemoryProfile, NoPlan, Plan,
-    Planned, MARGIN_DIVISOR, ROOM_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
+    carry, cost_model, spread_evenly, BlockCost, BlockShape, Machine, MemoryProfile, NoPlan,
+    PeakParts, Plan, Planned, MARGIN_DIVISOR, ROOM_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
 };
 
 pub use products::ProductReport;

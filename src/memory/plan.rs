@@ -134,6 +134,60 @@ pub struct MemoryProfile {
     pub product_code: crate::backend::fp8::Code8,
 }
 
+/// The terms of a step's predicted peak under a plan ([`MemoryProfile::peak_parts`]), bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeakParts {
+    /// The weights on the device throughout: those outside the blocks and the resident
+    /// blocks' (with the transposes their FP8 backward keeps).
+    pub weights: u64,
+    /// The staging ring of coded uploads.
+    pub staging: u64,
+    /// The trainable parameters and their gradients.
+    pub adapters: u64,
+    /// The optimizer's state.
+    pub optimizer: u64,
+    /// What the blocks hold for the backward and the streamed blocks' copies at the
+    /// heaviest moment, with the offloaded inputs' copies on the device.
+    pub held: u64,
+    /// The largest block's backward: a checkpointed block's re-run tape and its inputs'
+    /// gradients.
+    pub work: u64,
+    /// The sample, the loss, transients and the adapters' compute copies.
+    pub fixed: u64,
+}
+
+impl PeakParts {
+    /// Their sum: the predicted peak.
+    pub fn total(&self) -> u64 {
+        self.weights
+            + self.staging
+            + self.adapters
+            + self.optimizer
+            + self.held
+            + self.work
+            + self.fixed
+    }
+}
+
+impl std::fmt::Display for PeakParts {
+    /// GiB of each term: `weights 1.20 + staging 0.00 + ...`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let g = |b: u64| b as f64 / (1u64 << 30) as f64;
+        write!(
+            f,
+            "weights {:.2} + staging {:.2} + adapters {:.2} + optimizer {:.2} + held {:.2} + \
+             work {:.2} + fixed {:.2} GiB",
+            g(self.weights),
+            g(self.staging),
+            g(self.adapters),
+            g(self.optimizer),
+            g(self.held),
+            g(self.work),
+            g(self.fixed)
+        )
+    }
+}
+
 /// The machine the time model plays a plan's step on: the rates of the work a step is made
 /// of, measured on it (`memory::measure_machine`). The planner's choice turns on how the link
 /// compares with the compute: a slower link (PCIe 3 or 4 on a desktop card) makes uploads
@@ -1138,8 +1192,15 @@ impl MemoryProfile {
         Layout { reach, held: peak }
     }
 
-    /// The predicted peak bytes of a step under `plan` (see the module docs).
+    /// The predicted peak bytes of a step under `plan` (see the module docs): the sum of
+    /// [`MemoryProfile::peak_parts`].
     pub fn peak(&self, plan: &Plan) -> u64 {
+        self.peak_parts(plan).total()
+    }
+
+    /// The terms of the predicted peak of a step under `plan`, each a maximum over the step
+    /// (see [`PeakParts`]).
+    pub fn peak_parts(&self, plan: &Plan) -> PeakParts {
         let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };
         let mut weights = self.other_weight_bytes + kept(self.other_kept_bytes);
         let (mut work, mut offloaded) = (0u64, 0u64);
@@ -1184,13 +1245,15 @@ impl MemoryProfile {
         } else {
             0
         };
-        weights
-            + staging
-            + 2 * self.trainable_bytes
-            + self.optimizer_bytes
-            + held
-            + work
-            + self.fixed_bytes
+        PeakParts {
+            weights,
+            staging,
+            adapters: 2 * self.trainable_bytes,
+            optimizer: self.optimizer_bytes,
+            held,
+            work,
+            fixed: self.fixed_bytes,
+        }
     }
 
     /// Bytes copied from host memory per step under `plan`, in a steady run: the forward
@@ -1730,6 +1793,19 @@ mod tests {
             ..all.clone()
         };
         assert_eq!(p.peak(&streamed), 50 + 400 + 600 + 80 + 90 + 220 + 30);
+        // The same peak by its terms: the streamed blocks' copies among what is held.
+        assert_eq!(
+            p.peak_parts(&streamed),
+            PeakParts {
+                weights: 50 + 400,
+                staging: 0,
+                adapters: 40,
+                optimizer: 40,
+                held: 600 + 90,
+                work: 220,
+                fixed: 30,
+            }
+        );
         // No more than prefetch + 1 blocks: none ever leaves the device.
         assert_eq!(p.streamed_bytes(&streamed), 0);
         // Four with a prefetch of one: the forward uploads all but the first two (b.2, b.3),

@@ -41,6 +41,10 @@ pub struct StreamReport {
     /// only the forward reads (`autograd::Keep::few_rows`), which stay released through the
     /// backward.
     pub left_out_bytes: u64,
+    /// Microseconds the host spent in the blocks' entries and exits (starting uploads,
+    /// ordering the compute after them, releasing copies): the streaming's own cost to the
+    /// host's issue of a step.
+    pub host_us: u64,
     /// Blocks on the device or coming, now.
     pub resident: usize,
     /// The products of the weights held on the host (`BlockStreamer::set_host_products`).
@@ -765,13 +769,26 @@ impl BlockStreamer {
     /// its reach in the forward, `prefetch` in the backward. `digest`: the digest of the
     /// forward a backward's run re-runs.
     fn enter(&self, i: usize, pass: Pass, digest: Option<u64>) -> Result<()> {
+        let t0 = std::time::Instant::now();
         let mut st = self.lock()?;
+        let r = self.enter_locked(&mut st, i, pass, digest);
+        st.report.host_us += t0.elapsed().as_micros() as u64;
+        r
+    }
+
+    fn enter_locked(
+        &self,
+        st: &mut State,
+        i: usize,
+        pass: Pass,
+        digest: Option<u64>,
+    ) -> Result<()> {
         // A re-run needs what its forward's digest says; a forward, everything.
         let need = |digest: Option<u64>| match digest {
             Some(d) if pass == Pass::Backward => Need::Rerun(d),
             _ => Need::Whole,
         };
-        self.start(&mut st, i, need(digest), true)?;
+        self.start(st, i, need(digest), true)?;
         match pass {
             Pass::Forward => {
                 let (n, last) = (st.blocks.len(), st.reach.get(i).copied().unwrap_or(i));
@@ -782,16 +799,22 @@ impl BlockStreamer {
                 let tail = i.min(n.saturating_sub(self.prefetch + 1));
                 for j in (0..tail).chain(last + 1..n) {
                     if !matches!(st.blocks[j].residency, Residency::Released) {
-                        self.release(&mut st, j)?;
+                        self.release(st, j)?;
                     }
                 }
+                // The device's room, read again only after an upload took some of it.
+                let mut room = self.device.room();
                 for j in i + 1..=last {
                     // Past the prefetch, only while the device has room for this block and
                     // one more in one piece (`has_room`).
-                    if j > i + self.prefetch && !self.has_room(&st, j) {
+                    if j > i + self.prefetch && room < 2 * Self::pack_bytes(st, j) {
                         break;
                     }
-                    self.start(&mut st, j, Need::Whole, true)?;
+                    let before = st.report.uploads;
+                    self.start(st, j, Need::Whole, true)?;
+                    if st.report.uploads != before {
+                        room = self.device.room();
+                    }
                 }
             }
             Pass::Backward => {
@@ -799,11 +822,11 @@ impl BlockStreamer {
                 // their last re-run (`digest`): a guess, verified when each enters.
                 for j in (i.saturating_sub(self.prefetch)..i).rev() {
                     let guess = need(st.blocks[j].digest);
-                    self.start(&mut st, j, guess, false)?;
+                    self.start(st, j, guess, false)?;
                 }
             }
         }
-        self.wait(&mut st, i)
+        self.wait(st, i)
     }
 
     /// Releases block `i` after a run, except the blocks the next pass starts with: the last
@@ -813,15 +836,19 @@ impl BlockStreamer {
     /// at those points of a pass anyway (the one running and those in flight), so keeping
     /// them costs no peak and saves their uploads.
     fn exit(&self, i: usize, pass: Pass) -> Result<()> {
+        let t0 = std::time::Instant::now();
         let mut st = self.lock()?;
         let keep = match pass {
             Pass::Forward => i + 1 + self.prefetch >= st.blocks.len(),
             Pass::Backward => i <= self.prefetch || (i < st.carry && self.has_room(&st, i)),
         };
-        if keep {
-            return Ok(());
-        }
-        self.release(&mut st, i)
+        let r = if keep {
+            Ok(())
+        } else {
+            self.release(&mut st, i)
+        };
+        st.report.host_us += t0.elapsed().as_micros() as u64;
+        r
     }
 
     /// Whether the device can make two of block `i`'s buffers in one piece each without going
@@ -832,12 +859,15 @@ impl BlockStreamer {
     /// 2-3 requests a step past the arena, H100); then the streamer falls back to
     /// the prefetch.
     fn has_room(&self, st: &State, i: usize) -> bool {
-        let bytes = st
-            .blocks
+        self.device.room() >= 2 * Self::pack_bytes(st, i)
+    }
+
+    /// Bytes of block `i`'s device copy (0 before its pack is made).
+    fn pack_bytes(st: &State, i: usize) -> u64 {
+        st.blocks
             .get(i)
             .and_then(|b| b.pack.as_ref())
-            .map_or(0, HostPack::bytes);
-        self.device.room() >= 2 * bytes as u64
+            .map_or(0, HostPack::bytes) as u64
     }
 
     /// Releases every block (e.g. before sampling with another model, or at the end).

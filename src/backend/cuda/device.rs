@@ -299,6 +299,13 @@ impl CudaDevice {
         self.0.mem.report()
     }
 
+    /// The largest buffer FLAME's allocator can make now within its cap (the largest free
+    /// range of the cap's arena; u64::MAX without a cap): `memory().arena_room` without the
+    /// rest of the report.
+    pub fn arena_room(&self) -> u64 {
+        self.0.mem.arena_room()
+    }
+
     /// Makes the peak equal to what is in use now.
     pub fn reset_peak_memory(&self) {
         self.0.mem.reset_peak();

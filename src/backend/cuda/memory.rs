@@ -431,7 +431,7 @@ impl Pool {
     }
 
     /// The largest free range of the cap's arena, or u64::MAX without one.
-    fn arena_room(&self) -> u64 {
+    pub(crate) fn arena_room(&self) -> u64 {
         if !self.has_arena.load(Ordering::Relaxed) {
             return u64::MAX;
         }

@@ -609,6 +609,13 @@ fn every_phase_is_planned_and_one_past_the_budget_is_said() {
     };
     let step = t.memory.predicted_peak.unwrap();
     assert_eq!(peak("training steps"), step);
+    // The step's peak by its terms, as `--plan` prints it: they add up to it.
+    let terms = t.memory.peak_terms().expect("the step's peak by its terms");
+    assert_eq!(terms.total(), step);
+    assert!(
+        terms.weights > 0 && terms.adapters > 0 && terms.fixed > 0,
+        "{terms:?}"
+    );
     assert!(peak("validation") <= step && peak("checkpoints") < step);
     assert!(
         notes.iter().all(|n| !n.contains("may not fit")),

@@ -1079,6 +1079,21 @@ fn the_binary_explains_itself() {
         "{err}"
     );
     assert!(!d.join("tiny/out-encoded").exists());
+    // Under a budget the step's predicted peak is said by its terms too.
+    let text = std::fs::read_to_string(&p).unwrap();
+    std::fs::write(
+        &p,
+        text.replace("[train]\n", "[memory]\nbudget_gb = 1.0\n[train]\n"),
+    )
+    .unwrap();
+    let o = Command::new(exe).arg(&p).arg("--plan").output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let terms = err
+        .lines()
+        .find(|l| l.contains("the step's predicted peak: weights"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(terms.contains("work") && terms.ends_with("GiB"), "{terms}");
     std::fs::remove_dir_all(&d).ok();
 }
 

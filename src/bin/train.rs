@@ -747,6 +747,9 @@ fn run(
                 )
             }
         };
+        if let Some(t) = trainer.memory.peak_terms() {
+            p.line(&format!("the step's predicted peak: {t}"));
+        }
         p.line("phases:");
         for ph in trainer.phase_plans() {
             p.line(&format!("  {}", ph.describe()));

@@ -69,6 +69,16 @@ impl MemoryChoice {
         s
     }
 
+    /// The step's predicted peak by its terms (`MemoryProfile::peak_parts`: weights, the
+    /// staging ring, adapters, optimizer state, what the blocks hold, the largest re-run,
+    /// fixed), when the plan was worked out from the model's profile.
+    pub fn peak_terms(&self) -> Option<crate::memory::PeakParts> {
+        let (prof, plan) = self.sized.as_ref()?;
+        let parts = prof.peak_parts(plan);
+        // Only the terms of the peak said: a peak worked out another way has none.
+        (Some(parts.total()) == self.predicted_peak).then_some(parts)
+    }
+
     /// `e` with the plan and the advice attached when it is an out-of-memory error.
     pub fn explain(&self, e: Error) -> Error {
         match e {

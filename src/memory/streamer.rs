@@ -126,6 +126,9 @@ struct Block {
 struct State {
     blocks: Vec<Block>,
     report: StreamReport,
+    /// Nanoseconds spent in the blocks' entries and exits (`StreamReport::host_us`), summed
+    /// before rounding so short calls count.
+    host_ns: u64,
     /// Tickets of uploads the compute work has waited for, until their copies' durations can
     /// be read.
     timing: Vec<(Ticket, UploadRecord)>,
@@ -242,6 +245,7 @@ impl BlockStreamer {
             state: Mutex::new(State {
                 blocks,
                 report: StreamReport::default(),
+                host_ns: 0,
                 timing: vec![],
                 trace: None,
                 sealed: false,
@@ -389,6 +393,7 @@ impl BlockStreamer {
                 .filter(|b| !matches!(b.residency, Residency::Released))
                 .count(),
             host: self.products.report()?,
+            host_us: st.host_ns / 1000,
             ..st.report
         })
     }
@@ -543,10 +548,11 @@ impl BlockStreamer {
     /// device for the next forward. With `verify`, a copy that lacks weights `need` may read
     /// (brought for another digest's re-run, or a forward finding one a backward that stopped
     /// midway left) is released and the block brought again; without (a prefetch, whose
-    /// digest is a guess), a copy there stays until its own run verifies it.
-    fn start(&self, st: &mut State, i: usize, need: Need, verify: bool) -> Result<()> {
+    /// digest is a guess), a copy there stays until its own run verifies it. Whether an
+    /// upload was started.
+    fn start(&self, st: &mut State, i: usize, need: Need, verify: bool) -> Result<bool> {
         let Some(b) = st.blocks.get(i) else {
-            return Ok(());
+            return Ok(false);
         };
         if !matches!(b.residency, Residency::Released) {
             let enough = match (b.partial_for, need) {
@@ -555,13 +561,13 @@ impl BlockStreamer {
                 (Some(_), Need::Whole) => false,
             };
             if enough || !verify {
-                return Ok(());
+                return Ok(false);
             }
             self.release(st, i)?;
         }
         let b = &st.blocks[i];
         if b.params.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let left_out = match need {
             Need::Rerun(d) => {
@@ -582,10 +588,10 @@ impl BlockStreamer {
             ..
         } = st;
         let Some(b) = blocks.get_mut(i) else {
-            return Ok(());
+            return Ok(false);
         };
         let Some(pack) = &b.pack else {
-            return Ok(());
+            return Ok(false);
         };
         let skip: &[bool] = if left_out { &b.forward_only } else { &[] };
         let (mut wire, mut bytes, mut left) = (0u64, 0u64, 0u64);
@@ -626,7 +632,7 @@ impl BlockStreamer {
         report.uploaded_bytes += wire;
         report.decoded_bytes += bytes;
         report.left_out_bytes += left;
-        Ok(())
+        Ok(true)
     }
 
     /// Marks the weights of block `i` among `weights` as read by its forward only, for
@@ -772,7 +778,7 @@ impl BlockStreamer {
         let t0 = std::time::Instant::now();
         let mut st = self.lock()?;
         let r = self.enter_locked(&mut st, i, pass, digest);
-        st.report.host_us += t0.elapsed().as_micros() as u64;
+        st.host_ns += t0.elapsed().as_nanos() as u64;
         r
     }
 
@@ -810,9 +816,7 @@ impl BlockStreamer {
                     if j > i + self.prefetch && room < 2 * Self::pack_bytes(st, j) {
                         break;
                     }
-                    let before = st.report.uploads;
-                    self.start(st, j, Need::Whole, true)?;
-                    if st.report.uploads != before {
+                    if self.start(st, j, Need::Whole, true)? {
                         room = self.device.room();
                     }
                 }
@@ -847,7 +851,7 @@ impl BlockStreamer {
         } else {
             self.release(&mut st, i)
         };
-        st.report.host_us += t0.elapsed().as_micros() as u64;
+        st.host_ns += t0.elapsed().as_nanos() as u64;
         r
     }
 

@@ -47,8 +47,12 @@
 //! `--alternate "ARGS" [--rounds N]` runs the step N times (2 unless given) in one process
 //! as the other arguments say and then with ARGS added (say `--alternate "--prefetch 3"`),
 //! the model and its streamer built afresh each time: a plan's effect apart from the
-//! process's (one GPU, not data-parallel). It ends with both runs' times and their ratio,
-//! round by round and of the means.
+//! process's (one GPU, not data-parallel). `--alternate` may be given several times: each
+//! round runs every variant in turn. It ends with the runs' times and each variant's ratio
+//! to the first, round by round and of the means.
+//!
+//! `--rerun-ahead` issues each checkpoint's re-run on a helper thread while the backward
+//! before it is issued (`flame::autograd::ahead`).
 
 mod common;
 
@@ -82,6 +86,14 @@ impl Args {
             .position(|a| a == name)
             .and_then(|i| self.0.get(i + 1).cloned())
     }
+    /// Every value given after `name`, in order.
+    fn values(&self, name: &str) -> Vec<String> {
+        self.0
+            .windows(2)
+            .filter(|w| w[0] == name)
+            .map(|w| w[1].clone())
+            .collect()
+    }
     fn flag(&self, name: &str) -> bool {
         self.0.iter().any(|a| a == name)
     }
@@ -90,9 +102,10 @@ impl Args {
 fn main() -> Result<()> {
     let args = Args(std::env::args().skip(1).collect());
     // `--alternate "ARGS" [--rounds N]`: see the module's doc.
-    let Some(extra) = args.value("--alternate") else {
+    let extras = args.values("--alternate");
+    if extras.is_empty() {
         return run_model(&args).map(drop);
-    };
+    }
     if std::env::var_os("WORLD_SIZE").is_some() {
         eprintln!("--alternate runs one process on one GPU, not under torchrun");
         std::process::exit(2);
@@ -100,13 +113,13 @@ fn main() -> Result<()> {
     let rounds: usize = args
         .value("--rounds")
         .map_or(2, |n| n.parse().expect("--rounds N"));
-    let mut with = args.0.clone();
-    with.extend(extra.split_whitespace().map(String::from));
-    let variants = [
-        ("as given", args),
-        ("with the alternate arguments", Args(with)),
-    ];
-    let mut times: [Vec<f64>; 2] = [vec![], vec![]];
+    let mut variants = vec![("as given".to_string(), Args(args.0.clone()))];
+    for extra in &extras {
+        let mut with = args.0.clone();
+        with.extend(extra.split_whitespace().map(String::from));
+        variants.push((format!("with \"{extra}\""), Args(with)));
+    }
+    let mut times: Vec<Vec<f64>> = vec![vec![]; variants.len()];
     for round in 0..rounds {
         for (i, (what, a)) in variants.iter().enumerate() {
             println!("== round {round}, {what}");
@@ -119,20 +132,21 @@ fn main() -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let ratios: Vec<String> = times[0]
-        .iter()
-        .zip(&times[1])
-        .map(|(a, b)| format!("{:.2}x", b / a))
-        .collect();
     let mean = |t: &[f64]| t.iter().sum::<f64>() / t.len().max(1) as f64;
-    println!(
-        "== alternation: as given {} ms; with \"{extra}\" {} ms; the second over the first {} \
-         a round, {:.2}x of the means",
-        list(&times[0]),
-        list(&times[1]),
-        ratios.join(", "),
-        mean(&times[1]) / mean(&times[0]),
-    );
+    println!("== alternation: as given {} ms", list(&times[0]));
+    for ((what, _), t) in variants.iter().zip(&times).skip(1) {
+        let ratios: Vec<String> = times[0]
+            .iter()
+            .zip(t)
+            .map(|(a, b)| format!("{:.2}x", b / a))
+            .collect();
+        println!(
+            "== alternation: {what} {} ms; over the first {} a round, {:.2}x of the means",
+            list(t),
+            ratios.join(", "),
+            mean(t) / mean(&times[0]),
+        );
+    }
     Ok(())
 }
 
@@ -212,6 +226,7 @@ fn run<M: ModelSpec>(
         cuda.release_cached()?;
         cuda.set_memory_limit(None);
     }
+    flame::autograd::ahead::set_rerun_ahead(args.flag("--rerun-ahead"));
     // What the process holds outside the allocator (the context, cuBLAS) is measured once a
     // device: now, before the first model of the process, as `train` measures it before
     // caching (`memory::split_budget` then reuses it).

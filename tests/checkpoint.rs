@@ -476,6 +476,41 @@ fn flux_blocks_streamed_on_cuda_give_the_resident_gradients() {
     }
 }
 
+/// Re-runs issued ahead on CUDA: the helper thread issues onto the same stream as the
+/// walking thread, from the same allocator; the gradients equal the resident run's bit for
+/// bit, streamed blocks and kept outputs included.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU (run with --include-ignored on the GPU machine)"]
+fn reruns_issued_ahead_on_cuda_give_the_resident_gradients() {
+    let _one = cuda_alone();
+    let Ok(dev) = Device::cuda(0) else {
+        panic!("no CUDA device");
+    };
+    flame::autograd::ahead::set_rerun_ahead(true);
+    let taken = flame::autograd::ahead::taken();
+    check_model_on(
+        &dev,
+        "sdxl on cuda, re-runs ahead",
+        false,
+        |vb| Unet::new(vb, &tiny_sdxl()),
+        |m, e| m.exec = e,
+        sdxl_loss,
+        tiny_sdxl().block_prefixes(),
+    );
+    check_model_on(
+        &dev,
+        "flux on cuda, re-runs ahead",
+        false,
+        |vb| Flux::new(vb, &tiny_flux()),
+        |m, e| m.exec = e,
+        flux_loss,
+        tiny_flux().block_prefixes(),
+    );
+    flame::autograd::ahead::set_rerun_ahead(false);
+    assert!(flame::autograd::ahead::taken() - taken > 50);
+}
+
 /// The same with an FP8 base on the CPU: a streamed block's pack holds the codes (u32) and
 /// the scales and biases (f32).
 #[test]
@@ -542,21 +577,50 @@ fn tiny_sdxl() -> SdxlConfig {
     }
 }
 
+fn sdxl_loss(m: &Unet, dev: &Device) -> Result<Tensor> {
+    let x = randn_on(&[1, 4, 6, 6], 60, dev);
+    let t = Tensor::full(500.0, 1, DType::F32, dev)?;
+    let ctx = randn_on(&[1, 3, 12], 61, dev);
+    let y = randn_on(&[1, 10], 62, dev);
+    m.forward(&x, &t, &ctx, &y)?.sqr()?.mean_all()
+}
+
 #[test]
 fn sdxl_blocks_checkpointed_or_streamed_give_the_resident_gradients() {
     check_model(
         "sdxl",
         |vb| Unet::new(vb, &tiny_sdxl()),
         |m, e| m.exec = e,
-        |m, dev| {
-            let x = randn_on(&[1, 4, 6, 6], 60, dev);
-            let t = Tensor::full(500.0, 1, DType::F32, dev)?;
-            let ctx = randn_on(&[1, 3, 12], 61, dev);
-            let y = randn_on(&[1, 10], 62, dev);
-            m.forward(&x, &t, &ctx, &y)?.sqr()?.mean_all()
-        },
+        sdxl_loss,
         tiny_sdxl().block_prefixes(),
     );
+}
+
+/// Each checkpoint's re-run issued on the helper thread while the backward of the block
+/// after it is issued (`autograd::ahead`): the same gradients, losses, kept outputs and
+/// uploads as the resident step in every variant (streamed blocks, kept outputs, dropout
+/// masks replayed), and the helper took the re-runs.
+#[test]
+fn reruns_issued_ahead_give_the_resident_gradients() {
+    flame::autograd::ahead::set_rerun_ahead(true);
+    let taken = flame::autograd::ahead::taken();
+    check_model(
+        "sdxl, re-runs ahead",
+        |vb| Unet::new(vb, &tiny_sdxl()),
+        |m, e| m.exec = e,
+        sdxl_loss,
+        tiny_sdxl().block_prefixes(),
+    );
+    check_model(
+        "flux, re-runs ahead",
+        |vb| Flux::new(vb, &tiny_flux()),
+        |m, e| m.exec = e,
+        flux_loss,
+        tiny_flux().block_prefixes(),
+    );
+    flame::autograd::ahead::set_rerun_ahead(false);
+    let taken = flame::autograd::ahead::taken() - taken;
+    assert!(taken > 50, "the helper took {taken} re-runs");
 }
 
 #[test]

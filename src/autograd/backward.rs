@@ -139,10 +139,17 @@ pub(crate) fn backward_from(
     }
     // Gradients of a custom node's outputs, gathered until the node's turn.
     let mut outputs: HashMap<TensorId, Vec<Option<Tensor>>> = HashMap::new();
+    // The custom nodes in the walk's order, when their work may be issued ahead
+    // (`super::ahead`): each, on its turn, offers the next one's.
+    let customs = ahead_nodes(&order)?;
+    if let Some((_, first)) = customs.first() {
+        first.prepare();
+    }
+    let mut next_custom = 0;
     // The tape is consumed: once a node's VJP has run (and, without retain_graph, its op
     // with the tensors it saved is dropped), the tape's handle goes too, so activations
     // are freed as the backward walks past them rather than at its end.
-    for t in order {
+    for (pos, t) in order.into_iter().enumerate() {
         let t = &t;
         let parts = pending.remove(&t.id());
         let sum = |parts: Option<Vec<Part>>| -> Result<Option<Tensor>> {
@@ -180,6 +187,13 @@ pub(crate) fn backward_from(
                 };
                 let gis = {
                     let _p = crate::profile::backward_op(node.name());
+                    node.settle();
+                    while customs.get(next_custom).is_some_and(|(p, _)| *p <= pos) {
+                        next_custom += 1;
+                    }
+                    if let Some((_, next)) = customs.get(next_custom) {
+                        next.prepare();
+                    }
                     node.backward(&gs, grads)?
                 };
                 if gis.len() != inputs.len() {
@@ -247,6 +261,25 @@ pub(crate) fn backward_from(
         }
     }
     Ok(())
+}
+
+/// The custom nodes of `order` with their positions, when re-runs are issued ahead
+/// (`super::ahead::rerun_ahead`); none otherwise.
+fn ahead_nodes(
+    order: &[Tensor],
+) -> Result<Vec<(usize, std::sync::Arc<dyn super::CustomBackward>)>> {
+    if !super::ahead::rerun_ahead() {
+        return Ok(vec![]);
+    }
+    let mut v = vec![];
+    for (i, t) in order.iter().enumerate() {
+        if let Some(guard) = lock(t)? {
+            if let Some(Op::Custom { node, .. }) = guard.as_ref() {
+                v.push((i, node.clone()));
+            }
+        }
+    }
+    Ok(v)
 }
 
 /// One gradient contribution to a tensor: of its whole shape, (from a narrow) of the slice

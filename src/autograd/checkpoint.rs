@@ -24,12 +24,13 @@
 //! brings them back, one block ahead, for the re-run). Packing changes where a value waits,
 //! never the value: gradients are the same bit for bit.
 
+use super::ahead::Pending;
 use super::custom::{custom_op, CustomBackward};
 use super::{backward::backward_from, enable_grad, no_grad, probe, Grads};
 use crate::{Error, Result, Tensor};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Which pass a checkpointed run belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -478,6 +479,7 @@ pub fn checkpoint_opts(
         draws: Arc::new(draws),
         kept: Arc::new(kept),
         shapes: outputs.iter().map(|t| t.shape().clone()).collect(),
+        ahead: Mutex::new(None),
     });
     custom_op(inputs, outputs, node, true)
 }
@@ -535,6 +537,7 @@ fn digest(kept: &[(KeptKind, Vec<Tensor>)], saved: &[(Saved, bool)]) -> u64 {
 }
 
 /// A saved input: its value on the device, or a packed handle.
+#[derive(Clone)]
 enum Saved {
     Value(Tensor),
     Packed(Arc<dyn PackedTensor>),
@@ -551,32 +554,68 @@ struct Checkpoint {
     /// Op outputs kept from the forward, in the order the re-run asks for them.
     kept: Arc<Vec<(KeptKind, Vec<Tensor>)>>,
     shapes: Vec<crate::Shape>,
+    /// The re-run issued ahead on the helper thread (`super::ahead`), until the backward
+    /// takes it.
+    ahead: Mutex<Option<Ahead>>,
 }
 
-impl CustomBackward for Checkpoint {
-    fn name(&self) -> &'static str {
-        "checkpoint"
-    }
-
-    fn backward(
-        &self,
-        out_grads: &[Option<Tensor>],
-        grads: &mut Grads,
-    ) -> Result<Vec<Option<Tensor>>> {
-        run_hooked(&self.hooks, Pass::Backward, Some(self.digest), || {
-            self.rerun_backward(out_grads, grads)
-        })
-    }
+/// A re-run issued ahead: still on the helper thread, or done and waiting for the backward.
+enum Ahead {
+    Issued(Pending<Rerun>),
+    Done(Result<Rerun>),
 }
 
-impl Checkpoint {
-    fn rerun_backward(
-        &self,
-        out_grads: &[Option<Tensor>],
-        grads: &mut Grads,
-    ) -> Result<Vec<Option<Tensor>>> {
-        // Fresh leaves for the inputs that need gradients: the re-run's graph ends there, and
-        // their gradients are read back out of `grads` below.
+/// A re-run's result: the fresh leaves of the inputs and the outputs recorded from them;
+/// `entered`: whether the hooks' `enter` succeeded (their `exit` then follows the backward).
+struct Rerun {
+    entered: bool,
+    run: Result<(Vec<Tensor>, Vec<Tensor>)>,
+    /// What the re-run counted on the thread that ran it: kept outputs reused, ops and views
+    /// recorded (`kept_reused`, `super::recorded_ops`), for the walking thread to count
+    /// where another thread ran it.
+    counts: (u64, u64, u64),
+}
+
+/// What a re-run reads, apart from the node (so the helper thread can take it).
+#[derive(Clone)]
+struct RerunParts {
+    f: Arc<BlockFn>,
+    hooks: Option<Arc<dyn CheckpointHooks>>,
+    digest: u64,
+    saved: Vec<(Saved, bool)>,
+    draws: Arc<Vec<u64>>,
+    kept: Arc<Vec<(KeptKind, Vec<Tensor>)>>,
+}
+
+impl RerunParts {
+    /// The hooks' `enter`, then the re-run with them on this thread's stack: fresh leaves for
+    /// the inputs that need gradients (the re-run's graph ends there, and their gradients are
+    /// read back out of `grads` after the backward), and the outputs.
+    fn run(&self) -> Rerun {
+        if let Some(h) = &self.hooks {
+            if let Err(e) = h.enter(Pass::Backward, Some(self.digest)) {
+                return Rerun {
+                    entered: false,
+                    run: Err(e),
+                    counts: (0, 0, 0),
+                };
+            }
+        }
+        let _pushed = self.hooks.as_ref().map(|h| {
+            HOOKS.with(|s| s.borrow_mut().push(h.clone()));
+            HooksGuard
+        });
+        let (reused, (ops, views)) = (kept_reused(), super::recorded_ops());
+        let run = self.rerun();
+        let (reused2, (ops2, views2)) = (kept_reused(), super::recorded_ops());
+        Rerun {
+            entered: true,
+            run,
+            counts: (reused2 - reused, ops2 - ops, views2 - views),
+        }
+    }
+
+    fn rerun(&self) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
         let leaves = self
             .saved
             .iter()
@@ -602,6 +641,109 @@ impl Checkpoint {
         if let Some(h) = &self.hooks {
             h.forward_only(&unread, self.digest)?;
         }
+        Ok((leaves, outputs))
+    }
+}
+
+impl CustomBackward for Checkpoint {
+    fn name(&self) -> &'static str {
+        "checkpoint"
+    }
+
+    fn prepare(&self) {
+        if !super::ahead::rerun_ahead() {
+            return;
+        }
+        let Ok(mut slot) = self.ahead.lock() else {
+            return;
+        };
+        if slot.is_some() {
+            return;
+        }
+        let parts = self.parts();
+        *slot = super::ahead::offer(move || parts.run()).map(Ahead::Issued);
+    }
+
+    fn settle(&self) {
+        if let Ok(mut slot) = self.ahead.lock() {
+            if let Some(Ahead::Issued(p)) = slot.take() {
+                *slot = Some(Ahead::Done(p.wait()));
+            }
+        }
+    }
+
+    fn backward(
+        &self,
+        out_grads: &[Option<Tensor>],
+        grads: &mut Grads,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let ahead = self
+            .ahead
+            .lock()
+            .map_err(|_| Error::Poisoned("a checkpoint's re-run"))?
+            .take();
+        let rerun = match ahead {
+            Some(Ahead::Issued(p)) => Some(p.wait()?),
+            Some(Ahead::Done(r)) => Some(r?),
+            None => None,
+        };
+        let rerun = match rerun {
+            Some(r) => {
+                // Counted where it ran; counted here too, as the walk's own.
+                let (reused, ops, views) = r.counts;
+                REUSED.with(|c| c.set(c.get() + reused));
+                super::count_recorded(ops, views);
+                r
+            }
+            None => self.parts().run(),
+        };
+        if !rerun.entered {
+            // The hooks' `enter` failed: its error, and no `exit`.
+            return Err(rerun.run.err().unwrap_or_else(|| {
+                Error::Autograd("a checkpoint's hooks failed to enter".into())
+            }));
+        }
+        let r = {
+            let _pushed = self.hooks.as_ref().map(|h| {
+                HOOKS.with(|s| s.borrow_mut().push(h.clone()));
+                HooksGuard
+            });
+            rerun.run.and_then(|(leaves, outputs)| {
+                self.backward_through(leaves, outputs, out_grads, grads)
+            })
+        };
+        if let Some(h) = &self.hooks {
+            // The run's own error first; a hook's error only when the run succeeded.
+            let exited = h.exit(Pass::Backward);
+            let r = r?;
+            exited?;
+            return Ok(r);
+        }
+        r
+    }
+}
+
+impl Checkpoint {
+    fn parts(&self) -> RerunParts {
+        RerunParts {
+            f: self.f.clone(),
+            hooks: self.hooks.clone(),
+            digest: self.digest,
+            saved: self.saved.clone(),
+            draws: self.draws.clone(),
+            kept: self.kept.clone(),
+        }
+    }
+
+    /// The backward through the re-run's graph from the outputs' gradients: the inputs'
+    /// gradients, the captured leaves' added to `grads`.
+    fn backward_through(
+        &self,
+        leaves: Vec<Tensor>,
+        outputs: Vec<Tensor>,
+        out_grads: &[Option<Tensor>],
+        grads: &mut Grads,
+    ) -> Result<Vec<Option<Tensor>>> {
         if outputs.len() != out_grads.len() {
             return Err(Error::Autograd(format!(
                 "a checkpointed function gave {} outputs on its re-run and {} on its forward",

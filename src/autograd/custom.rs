@@ -18,6 +18,15 @@ pub trait CustomBackward: Send + Sync {
     /// The node's name in graph listings (`graph_ops`), e.g. "checkpoint".
     fn name(&self) -> &'static str;
 
+    /// Called by the backward walk when this node is the next custom node it will reach
+    /// (`super::ahead`): a node may start the part of its backward that needs no output
+    /// gradient (a checkpoint's re-run) on the helper thread. The default does nothing.
+    fn prepare(&self) {}
+
+    /// Waits for the work `prepare` started, if any, so the helper thread is free for the
+    /// next node's: called just before `backward`. The default does nothing.
+    fn settle(&self) {}
+
     /// Given d(loss)/d(output i) for each output (`None` where an output got no gradient),
     /// returns d(loss)/d(input j) for each input given to `custom_op` (`None` for inputs
     /// that get none). Gradients of trainable leaves the node uses internally (parameters

@@ -4,6 +4,7 @@
 //! goes. Composite ops (softmax, norms, ...) record only their primitives, so they need no
 //! backward code. Gradients live in a `Grads` map keyed by tensor id, outside the tensors.
 
+pub mod ahead;
 mod backward;
 mod checkpoint;
 mod custom;
@@ -289,6 +290,15 @@ thread_local! {
 /// charges the host for both (`BlockShape::ops`, `BlockShape::views`).
 pub fn recorded_ops() -> (u64, u64) {
     RECORDED.with(|r| r.get())
+}
+
+/// Adds ops and views recorded for this thread elsewhere (a re-run issued ahead on the
+/// helper thread, `ahead`) to its counts.
+pub(crate) fn count_recorded(ops: u64, views: u64) {
+    RECORDED.with(|r| {
+        let (a, b) = r.get();
+        r.set((a + ops, b + views));
+    });
 }
 
 /// Whether ops on this thread are recorded (false inside a `no_grad` guard).

@@ -145,6 +145,7 @@ impl ComputeCopies {
 
     /// The adapters' forwards on this thread read these copies until the guard drops.
     pub fn enter(self: &Arc<Self>) -> CopiesGuard {
+        crate::autograd::ahead::register_carrier(carry);
         ACTIVE.with(|a| a.borrow_mut().push(self.clone()));
         CopiesGuard(())
     }
@@ -204,6 +205,16 @@ impl ComputeCopies {
         }
         Ok(taken.len())
     }
+}
+
+/// The sets entered on this thread, entered again on the thread that runs a re-run issued
+/// ahead (`crate::autograd::ahead`) for that run's length.
+fn carry() -> crate::autograd::ahead::Reenter {
+    let sets: Vec<Arc<ComputeCopies>> = ACTIVE.with(|a| a.borrow().clone());
+    Box::new(move || {
+        let guards: Vec<CopiesGuard> = sets.iter().map(|s| s.enter()).collect();
+        Box::new(guards)
+    })
 }
 
 /// The copy of `master` scaled by `scale` in `dtype` from the sets entered on this thread

@@ -301,4 +301,16 @@ fn a_checkpointed_block_reuses_the_step_s_copies() {
     for (n, p) in a.params().unwrap() {
         assert_eq!(bits(g0.get(&p).unwrap()), bits(g1.get(&p).unwrap()), "{n}");
     }
+    // The re-run issued ahead on the helper thread (`autograd::ahead`) reads the same
+    // copies: the same ops, loss and gradients.
+    flame::autograd::ahead::set_rerun_ahead(true);
+    let taken = flame::autograd::ahead::taken();
+    let (l2, g2, _, rerun2) = run(true);
+    flame::autograd::ahead::set_rerun_ahead(false);
+    assert!(flame::autograd::ahead::taken() > taken, "the helper took it");
+    assert_eq!(l2, l1);
+    assert_eq!(rerun2, rerun1, "re-run ops ahead");
+    for (n, p) in a.params().unwrap() {
+        assert_eq!(bits(g2.get(&p).unwrap()), bits(g1.get(&p).unwrap()), "{n}");
+    }
 }

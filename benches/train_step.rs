@@ -51,8 +51,9 @@
 //! round runs every variant in turn. It ends with the runs' times and each variant's ratio
 //! to the first, round by round and of the means.
 //!
-//! `--rerun-ahead` issues each checkpoint's re-run on a helper thread while the backward
-//! before it is issued (`flame::autograd::ahead`).
+//! `--rerun-ahead` (a plan given by hand) issues each checkpoint's re-run on a helper
+//! thread while the backward before it is issued (`flame::autograd::ahead`,
+//! `Plan::rerun_ahead`); `--serial-reruns` keeps the planner from it.
 
 mod common;
 
@@ -226,7 +227,6 @@ fn run<M: ModelSpec>(
         cuda.release_cached()?;
         cuda.set_memory_limit(None);
     }
-    flame::autograd::ahead::set_rerun_ahead(args.flag("--rerun-ahead"));
     // What the process holds outside the allocator (the context, cuBLAS) is measured once a
     // device: now, before the first model of the process, as `train` measures it before
     // caching (`memory::split_budget` then reuses it).
@@ -301,8 +301,9 @@ fn run<M: ModelSpec>(
     // The planner's switches: `FLAME_PLANNER`, then the flags `--raw-wire` (streamed bf16
     // weights cross uncoded), `--no-uncoded-carry`, `--shallow` (no deep prefetch),
     // `--no-host-products`, `--no-keep-few`, `--keep-transposes` (resident blocks' 8-bit
-    // weights keep their transposed codes) and `--reference-machine` (the time model plays
-    // `Machine::REFERENCE`, not this machine measured).
+    // weights keep their transposed codes), `--serial-reruns` (no re-run issued ahead) and
+    // `--reference-machine` (the time model plays `Machine::REFERENCE`, not this machine
+    // measured).
     let mut switches = Switches::default().with_env()?;
     for (flag, name, on) in [
         ("--raw-wire", "wire_code", false),
@@ -311,6 +312,7 @@ fn run<M: ModelSpec>(
         ("--no-host-products", "host_products", false),
         ("--no-keep-few", "keep_few_rows", false),
         ("--keep-transposes", "remake_transposes", false),
+        ("--serial-reruns", "rerun_ahead", false),
         ("--reference-machine", "measure_machine", false),
     ] {
         if args.flag(flag) {
@@ -421,6 +423,7 @@ fn run<M: ModelSpec>(
                 uncoded_carry: args.flag("--uncoded-carry"),
                 deep_prefetch: true,
                 host_products: true,
+                rerun_ahead: args.flag("--rerun-ahead"),
                 ..Plan::default()
             })
         }

@@ -6,7 +6,7 @@
 //! scaling per LoRA) to none.
 #![cfg(feature = "cpu-ref")]
 
-use flame::autograd::{checkpoint, recorded_ops};
+use flame::autograd::{checkpoint_opts, recorded_ops, CheckpointOptions};
 use flame::nn::adapter::{AdapterConfig, Adapters, ComputeCopies};
 use flame::nn::{Linear, VarBuilder};
 use flame::{DType, Device, Grads, Tensor};
@@ -260,16 +260,19 @@ fn a_checkpointed_block_reuses_the_step_s_copies() {
         p.assign(&r.affine(0.2, 0.0).unwrap()).unwrap();
     }
     let x = Tensor::randn((3, 9), DType::BF16, &CPU, 8).unwrap();
-    let run = |copies: bool| {
+    let run = |copies: bool, ahead: bool| {
         let set = copies.then(|| a.compute_copies(DType::BF16).unwrap());
         let _in = set.as_ref().map(|c| c.enter());
         let l2 = lin.clone();
         let before = recorded_ops().0;
-        let out = checkpoint(std::slice::from_ref(&x), move |xs| {
-            Ok(vec![l2.forward(&xs[0])?])
-        })
-        .unwrap()
-        .remove(0);
+        let opts = CheckpointOptions {
+            ahead,
+            ..CheckpointOptions::default()
+        };
+        let f = move |xs: &[Tensor]| Ok(vec![l2.forward(&xs[0])?]);
+        let out = checkpoint_opts(std::slice::from_ref(&x), Arc::new(f), opts)
+            .unwrap()
+            .remove(0);
         let forward_ops = recorded_ops().0 - before;
         let l = out
             .to_dtype(DType::F32)
@@ -287,8 +290,8 @@ fn a_checkpointed_block_reuses_the_step_s_copies() {
         }
         (l.to_scalar_f64().unwrap(), grads, forward_ops, rerun_ops)
     };
-    let (l0, g0, _, rerun0) = run(false);
-    let (l1, g1, fwd1, rerun1) = run(true);
+    let (l0, g0, _, rerun0) = run(false, false);
+    let (l1, g1, fwd1, rerun1) = run(true, false);
     assert_eq!(l0, l1);
     // The checkpoint's forward records only its node; its re-run casts nothing with the
     // copies: down, up and the scaling of up fewer.
@@ -303,11 +306,12 @@ fn a_checkpointed_block_reuses_the_step_s_copies() {
     }
     // The re-run issued ahead on the helper thread (`autograd::ahead`) reads the same
     // copies: the same ops, loss and gradients.
-    flame::autograd::ahead::set_rerun_ahead(true);
     let taken = flame::autograd::ahead::taken();
-    let (l2, g2, _, rerun2) = run(true);
-    flame::autograd::ahead::set_rerun_ahead(false);
-    assert!(flame::autograd::ahead::taken() > taken, "the helper took it");
+    let (l2, g2, _, rerun2) = run(true, true);
+    assert!(
+        flame::autograd::ahead::taken() > taken,
+        "the helper took it"
+    );
     assert_eq!(l2, l1);
     assert_eq!(rerun2, rerun1, "re-run ops ahead");
     for (n, p) in a.params().unwrap() {

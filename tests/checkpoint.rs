@@ -197,6 +197,7 @@ fn lora_grads<M>(
     checkpointing: Checkpointing,
     keep: Keep,
     fp8: bool,
+    rerun_ahead: bool,
 ) -> (Vec<(String, Vec<u32>)>, u64, u64, u64) {
     // Adapters on the blocks' layers (the LoRA use case; embeddings before the blocks stay
     // frozen: a trainable input shared by every block, such as the time embedding, sums
@@ -222,6 +223,7 @@ fn lora_grads<M>(
             checkpointing,
             streamer: streamer.clone(),
             keep,
+            rerun_ahead,
             ..Default::default()
         },
     );
@@ -295,6 +297,7 @@ fn check_model_on<M>(
         Checkpointing::Off,
         Keep::NONE,
         fp8,
+        false,
     );
     assert!(!resident.0.is_empty());
     let down = Keep {
@@ -315,6 +318,28 @@ fn check_model_on<M>(
         down_projections: true,
         few_rows: true,
     };
+    // The re-run of each checkpointed block issued on the helper thread while the backward
+    // of the block after it is issued (`autograd::ahead`): the same values.
+    let ahead: Vec<(&str, Vec<usize>, Checkpointing, Keep)> = vec![
+        (
+            "every block checkpointed, re-runs ahead",
+            vec![],
+            Checkpointing::All,
+            Keep::NONE,
+        ),
+        (
+            "all blocks streamed, few-row outputs kept, re-runs ahead",
+            (0..n).collect(),
+            Checkpointing::All,
+            few,
+        ),
+        (
+            "alternate blocks streamed, everything kept, re-runs ahead",
+            (0..n).step_by(2).collect(),
+            Checkpointing::Every(3),
+            all,
+        ),
+    ];
     let variants: Vec<(&str, Vec<usize>, Checkpointing, Keep)> = vec![
         (
             "every block checkpointed",
@@ -371,7 +396,12 @@ fn check_model_on<M>(
             all,
         ),
     ];
-    for (name, streamed, ck, keep) in variants {
+    let taken = flame::autograd::ahead::taken();
+    let runs = variants
+        .into_iter()
+        .map(|v| (v, false))
+        .chain(ahead.into_iter().map(|v| (v, true)));
+    for ((name, streamed, ck, keep), rerun_ahead) in runs {
         let got = lora_grads(
             dev,
             build,
@@ -382,6 +412,7 @@ fn check_model_on<M>(
             ck,
             keep,
             fp8,
+            rerun_ahead,
         );
         // A keeping checkpoint's re-run takes some outputs from its log (every block of
         // these models has a down-projection and a Linear over the conditioning vector); one
@@ -406,6 +437,10 @@ fn check_model_on<M>(
             assert!(g0 == g1, "{what}, {name}: gradient of {n0} differs");
         }
     }
+    assert!(
+        flame::autograd::ahead::taken() > taken,
+        "{what}: no re-run was issued ahead"
+    );
 }
 
 fn tiny_flux() -> FluxConfig {
@@ -474,41 +509,6 @@ fn flux_blocks_streamed_on_cuda_give_the_resident_gradients() {
             tiny_flux().block_prefixes(),
         );
     }
-}
-
-/// Re-runs issued ahead on CUDA: the helper thread issues onto the same stream as the
-/// walking thread, from the same allocator; the gradients equal the resident run's bit for
-/// bit, streamed blocks and kept outputs included.
-#[cfg(feature = "cuda")]
-#[test]
-#[ignore = "needs a GPU (run with --include-ignored on the GPU machine)"]
-fn reruns_issued_ahead_on_cuda_give_the_resident_gradients() {
-    let _one = cuda_alone();
-    let Ok(dev) = Device::cuda(0) else {
-        panic!("no CUDA device");
-    };
-    flame::autograd::ahead::set_rerun_ahead(true);
-    let taken = flame::autograd::ahead::taken();
-    check_model_on(
-        &dev,
-        "sdxl on cuda, re-runs ahead",
-        false,
-        |vb| Unet::new(vb, &tiny_sdxl()),
-        |m, e| m.exec = e,
-        sdxl_loss,
-        tiny_sdxl().block_prefixes(),
-    );
-    check_model_on(
-        &dev,
-        "flux on cuda, re-runs ahead",
-        false,
-        |vb| Flux::new(vb, &tiny_flux()),
-        |m, e| m.exec = e,
-        flux_loss,
-        tiny_flux().block_prefixes(),
-    );
-    flame::autograd::ahead::set_rerun_ahead(false);
-    assert!(flame::autograd::ahead::taken() - taken > 50);
 }
 
 /// The same with an FP8 base on the CPU: a streamed block's pack holds the codes (u32) and
@@ -594,33 +594,6 @@ fn sdxl_blocks_checkpointed_or_streamed_give_the_resident_gradients() {
         sdxl_loss,
         tiny_sdxl().block_prefixes(),
     );
-}
-
-/// Each checkpoint's re-run issued on the helper thread while the backward of the block
-/// after it is issued (`autograd::ahead`): the same gradients, losses, kept outputs and
-/// uploads as the resident step in every variant (streamed blocks, kept outputs, dropout
-/// masks replayed), and the helper took the re-runs.
-#[test]
-fn reruns_issued_ahead_give_the_resident_gradients() {
-    flame::autograd::ahead::set_rerun_ahead(true);
-    let taken = flame::autograd::ahead::taken();
-    check_model(
-        "sdxl, re-runs ahead",
-        |vb| Unet::new(vb, &tiny_sdxl()),
-        |m, e| m.exec = e,
-        sdxl_loss,
-        tiny_sdxl().block_prefixes(),
-    );
-    check_model(
-        "flux, re-runs ahead",
-        |vb| Flux::new(vb, &tiny_flux()),
-        |m, e| m.exec = e,
-        flux_loss,
-        tiny_flux().block_prefixes(),
-    );
-    flame::autograd::ahead::set_rerun_ahead(false);
-    let taken = flame::autograd::ahead::taken() - taken;
-    assert!(taken > 50, "the helper took {taken} re-runs");
 }
 
 #[test]

@@ -414,6 +414,42 @@ fn under_a_cap_buffers_come_from_one_arena_small_below_large_above() {
     }
 }
 
+/// A cap lifted while no buffer lives in its arena gives the arena back: the next cap makes
+/// its own of its size (the step bench caps, lifts and caps again in one process). Past the
+/// first cap's arena every request went to the driver before.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_lifted_cap_gives_its_idle_arena_back() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    cuda.synchronize().unwrap();
+    cuda.empty_cache();
+    let mib = |n: usize| Tensor::full(n as f64, n << 18, DType::F32, &dev); // n MiB
+    let before = cuda.memory();
+    cuda.set_memory_limit(Some(before.in_use + (64 << 20)));
+    drop(mib(32).unwrap());
+    assert!(cuda.memory().arena_room < u64::MAX, "the first cap's arena");
+    cuda.set_memory_limit(None);
+    assert_eq!(cuda.memory().arena_room, u64::MAX, "given back");
+    cuda.set_memory_limit(Some(before.in_use + (256 << 20)));
+    let big = mib(192).unwrap();
+    assert_eq!(
+        cuda.memory().overflows,
+        before.overflows,
+        "in the new arena"
+    );
+    assert!(big.to_vec::<f32>().unwrap().iter().all(|&x| x == 192.0));
+    // A cap lifted while a buffer lives in the arena keeps it.
+    cuda.set_memory_limit(None);
+    assert!(cuda.memory().arena_room < u64::MAX, "kept while in use");
+    drop(big);
+    cuda.set_memory_limit(None);
+    assert_eq!(cuda.memory().arena_room, u64::MAX);
+}
+
 #[cfg(feature = "cpu-ref")]
 #[test]
 #[ignore = "needs a CUDA GPU"]

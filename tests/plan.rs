@@ -83,6 +83,7 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
         deep_prefetch: false,
         host_products: false,
         remake_transposes: false,
+        rerun_ahead: false,
         reach: vec![],
         uncoded_first: 0,
     }
@@ -604,6 +605,7 @@ fn forward_only_weights_leave_the_backward_uploads() {
         deep_prefetch: false,
         host_products: false,
         remake_transposes: false,
+        rerun_ahead: false,
         reach: vec![],
         uncoded_first: 0,
     };
@@ -653,6 +655,7 @@ fn host_products_take_the_modulations_off_the_link() {
         deep_prefetch: true,
         host_products: host,
         remake_transposes: false,
+        rerun_ahead: false,
         reach: vec![],
         uncoded_first: 0,
     };

@@ -9,6 +9,9 @@
 //! activations live beside the current block's backward (the planner counts them where it
 //! turns this on).
 //!
+//! A checkpoint made with `CheckpointOptions::ahead` takes part (`crate::memory::BlockExec`
+//! sets it where the plan says so: `crate::memory::Plan::rerun_ahead`).
+//!
 //! One helper thread, started at the first use, takes one job at a time: a job offered
 //! while it is busy is refused (the caller runs the work itself), so a job never waits
 //! behind another and nothing waits on the thread that waits for it.
@@ -34,9 +37,6 @@ pub type Carrier = fn() -> Reenter;
 
 type Job = Box<dyn FnOnce() + Send>;
 
-thread_local! {
-    static ENABLED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
 static CARRIERS: Mutex<Vec<Carrier>> = Mutex::new(Vec::new());
 static TAKEN: AtomicU64 = AtomicU64::new(0);
 
@@ -64,17 +64,6 @@ fn helper() -> Option<&'static Helper> {
             })
         })
         .as_ref()
-}
-
-/// Turns the re-runs ahead on or off for the backward passes this thread walks (off
-/// unless turned on).
-pub fn set_rerun_ahead(on: bool) {
-    ENABLED.with(|e| e.set(on));
-}
-
-/// Whether the backward passes this thread walks issue re-runs ahead (`set_rerun_ahead`).
-pub fn rerun_ahead() -> bool {
-    ENABLED.with(|e| e.get())
 }
 
 /// How many jobs the helper thread has taken in this process (a counter for tests and

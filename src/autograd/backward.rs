@@ -139,9 +139,9 @@ pub(crate) fn backward_from(
     }
     // Gradients of a custom node's outputs, gathered until the node's turn.
     let mut outputs: HashMap<TensorId, Vec<Option<Tensor>>> = HashMap::new();
-    // The custom nodes in the walk's order, when their work may be issued ahead
-    // (`super::ahead`): each, on its turn, offers the next one's.
-    let customs = ahead_nodes(&order)?;
+    // The custom nodes in the walk's order: each, on its turn, lets the next one start
+    // what it can ahead (`CustomBackward::prepare`, `super::ahead`).
+    let customs = custom_nodes(&order)?;
     if let Some((_, first)) = customs.first() {
         first.prepare();
     }
@@ -263,14 +263,10 @@ pub(crate) fn backward_from(
     Ok(())
 }
 
-/// The custom nodes of `order` with their positions, when re-runs are issued ahead
-/// (`super::ahead::rerun_ahead`); none otherwise.
-fn ahead_nodes(
+/// The custom nodes of `order` with their positions.
+fn custom_nodes(
     order: &[Tensor],
 ) -> Result<Vec<(usize, std::sync::Arc<dyn super::CustomBackward>)>> {
-    if !super::ahead::rerun_ahead() {
-        return Ok(vec![]);
-    }
     let mut v = vec![];
     for (i, t) in order.iter().enumerate() {
         if let Some(guard) = lock(t)? {

@@ -148,6 +148,9 @@ pub struct CheckpointOptions {
     pub keep: Keep,
     /// Where saved inputs wait (None: on the device).
     pub saved: Option<Arc<dyn SavedHooks>>,
+    /// The re-run may be issued on the helper thread while the backward walk issues the
+    /// backward before it (`super::ahead`): its activations then live beside that backward.
+    pub ahead: bool,
 }
 
 /// The function a checkpoint re-runs: inputs -> outputs.
@@ -424,7 +427,7 @@ pub fn checkpoint_keeping(
         CheckpointOptions {
             hooks,
             keep,
-            saved: None,
+            ..CheckpointOptions::default()
         },
     )
 }
@@ -440,6 +443,7 @@ pub fn checkpoint_opts(
         hooks,
         keep,
         saved: saved_hooks,
+        ahead,
     } = opts;
     if !super::grad_enabled() {
         return run_hooked(&hooks, Pass::Forward, None, || f(inputs));
@@ -479,6 +483,7 @@ pub fn checkpoint_opts(
         draws: Arc::new(draws),
         kept: Arc::new(kept),
         shapes: outputs.iter().map(|t| t.shape().clone()).collect(),
+        issue_ahead: ahead,
         ahead: Mutex::new(None),
     });
     custom_op(inputs, outputs, node, true)
@@ -554,6 +559,8 @@ struct Checkpoint {
     /// Op outputs kept from the forward, in the order the re-run asks for them.
     kept: Arc<Vec<(KeptKind, Vec<Tensor>)>>,
     shapes: Vec<crate::Shape>,
+    /// Whether the re-run may be issued ahead (`CheckpointOptions::ahead`).
+    issue_ahead: bool,
     /// The re-run issued ahead on the helper thread (`super::ahead`), until the backward
     /// takes it.
     ahead: Mutex<Option<Ahead>>,
@@ -651,7 +658,7 @@ impl CustomBackward for Checkpoint {
     }
 
     fn prepare(&self) {
-        if !super::ahead::rerun_ahead() {
+        if !self.issue_ahead {
             return;
         }
         let Ok(mut slot) = self.ahead.lock() else {

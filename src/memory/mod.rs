@@ -134,6 +134,10 @@ pub struct BlockExec {
     /// Where checkpointed blocks keep their inputs until the backward: host memory when set
     /// (`InputOffload`), else the device.
     pub offload: Option<Arc<InputOffload>>,
+    /// Each checkpointed block's re-run is issued on a helper thread while the backward of
+    /// the block after it is issued (`Plan::rerun_ahead`, `autograd::ahead`); never while
+    /// the blocks' memory is traced.
+    pub rerun_ahead: bool,
 }
 
 /// The smallest checkpoint input an [`InputOffload`] made for a plan moves to host memory
@@ -156,6 +160,7 @@ impl BlockExec {
             offload: plan
                 .offload_inputs
                 .then(|| InputOffload::new(device, OFFLOAD_MIN_BYTES)),
+            rerun_ahead: plan.rerun_ahead,
         }
     }
 
@@ -166,6 +171,7 @@ impl BlockExec {
             streamer: None,
             keep: Keep::NONE,
             offload: None,
+            rerun_ahead: false,
         }
     }
 
@@ -210,12 +216,15 @@ impl BlockExec {
         F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'static,
     {
         let saved = self.offload.clone().map(|o| -> Arc<dyn SavedHooks> { o });
+        // The memory trace reads the allocator around each run: one at a time.
+        let ahead = self.rerun_ahead && !trace::tracing();
         if let Some(hooks) = self.streamer.as_ref().and_then(|s| s.hooks_for(prefix)) {
             let hooks: Arc<dyn CheckpointHooks> = hooks;
             let opts = CheckpointOptions {
                 hooks: Some(hooks),
                 keep: self.keep,
                 saved,
+                ahead,
             };
             return checkpoint_opts(inputs, Arc::new(f), opts);
         }
@@ -224,6 +233,7 @@ impl BlockExec {
                 hooks: None,
                 keep: self.keep,
                 saved,
+                ahead,
             };
             checkpoint_opts(inputs, Arc::new(f), opts)
         } else {

@@ -487,6 +487,11 @@ pub struct Plan {
     /// uncoded though the wire code is on (`uncoded_carry`,
     /// `BlockStreamer::set_uncoded_first`).
     pub uncoded_first: usize,
+    /// Each checkpointed block's re-run is issued on a second host thread while the backward
+    /// of the block after it is issued (`autograd::ahead`): where the host's issue of many
+    /// small kernels paces the step, the re-runs' issue leaves the walk's. The next re-run's
+    /// activations and its streamed block then live beside each block's backward.
+    pub rerun_ahead: bool,
 }
 
 impl Plan {
@@ -549,6 +554,9 @@ impl std::fmt::Display for Plan {
         }
         if self.remake_transposes {
             write!(f, ", 8-bit weights transposed at each backward")?;
+        }
+        if self.rerun_ahead && checkpointed {
+            write!(f, ", re-runs issued ahead")?;
         }
         Ok(())
     }
@@ -632,6 +640,13 @@ pub mod cost_model {
     /// (FP8 at 6 GiB: the fastest plan by 0.2%, predicted at 5.96 GiB, sent 7 requests a step
     /// past the cap's arena and held 7.01 GiB on the driver).
     pub const NEAR: f64 = 0.01;
+    /// The host's issue with two threads issuing (`Plan::rerun_ahead`) against one: each
+    /// thread's ops cost this much more (the driver's launch path, the allocator and the
+    /// kernel table are shared). Measured: SDXL within 4 GiB, one plan (every block
+    /// checkpointed, 71 of 91 streamed), five rounds in one process (H200, 2026-12-02):
+    /// 218.4 ms a step serial, 197.5 with the re-runs ahead (0.90x); the model gives that
+    /// ratio at 1.4 (182.6 and 163.8 ms).
+    pub const AHEAD_ISSUE: f64 = 1.4;
 }
 
 /// The streamed blocks' device copies under a plan (`MemoryProfile::layout`).
@@ -726,16 +741,58 @@ impl MemoryProfile {
     /// Block `b`'s forward, ms, less what `kept` outputs spare a re-run: its GPU work or the
     /// host's issue of its ops, the longer (see `cost_model`).
     pub fn forward_ms(&self, b: &BlockCost, kept: Keep) -> f64 {
+        let (gpu, host) = self.forward_parts(b, kept);
+        gpu.max(host)
+    }
+
+    /// Block `b`'s forward (less what `kept` outputs spare a re-run), ms: (its GPU work, the
+    /// host's issue of its ops).
+    fn forward_parts(&self, b: &BlockCost, kept: Keep) -> (f64, f64) {
         let m = &self.machine;
         let gpu: f64 = self.work_ms(b, false, kept).iter().sum();
-        gpu.max((b.ops * m.op_us + b.views * m.view_us) / 1e3)
+        (gpu, (b.ops * m.op_us + b.views * m.view_us) / 1e3)
     }
 
     /// Block `b`'s backward, ms (see `cost_model`).
     pub fn backward_ms(&self, b: &BlockCost) -> f64 {
+        let (gpu, host) = self.backward_parts(b);
+        gpu.max(host)
+    }
+
+    /// Block `b`'s backward, ms: (its GPU work, the host's issue of its ops).
+    fn backward_parts(&self, b: &BlockCost) -> (f64, f64) {
         let m = &self.machine;
         let gpu: f64 = self.work_ms(b, true, Keep::NONE).iter().sum();
-        gpu.max((b.ops * m.backward_op_us + b.views * m.backward_view_us) / 1e3)
+        (
+            gpu,
+            (b.ops * m.backward_op_us + b.views * m.backward_view_us) / 1e3,
+        )
+    }
+
+    /// Whether issuing re-runs ahead (`Plan::rerun_ahead`) shortens some block's backward
+    /// and re-run in the time model, whatever it keeps: only then do the candidates hold
+    /// plans with it (a GPU-paced model's would tie with their serial twins and hold more).
+    fn ahead_gains(&self) -> bool {
+        self.blocks.iter().any(|b| {
+            KEEPS.iter().any(|&k| {
+                self.backward_rerun_ms(b, k, true) < 0.99 * self.backward_rerun_ms(b, k, false)
+            })
+        })
+    }
+
+    /// A checkpointed block's backward and re-run, ms: one after the other; or, with the
+    /// re-run issued on the second host thread (`ahead`), the GPU work of both or either
+    /// thread's issue, the longest (each thread's issue slowed by `cost_model::AHEAD_ISSUE`).
+    fn backward_rerun_ms(&self, b: &BlockCost, kept: Keep, ahead: bool) -> f64 {
+        let (gpu_back, host_back) = self.backward_parts(b);
+        let (gpu_rerun, host_rerun) = self.forward_parts(b, kept);
+        if !ahead {
+            return gpu_back.max(host_back) + gpu_rerun.max(host_rerun);
+        }
+        let issue = cost_model::AHEAD_ISSUE;
+        (gpu_back + gpu_rerun)
+            .max(host_back * issue)
+            .max(host_rerun * issue)
     }
 
     /// A coded upload's decode beside block `b`'s forward (or its `backward`): (ms a GiB
@@ -1002,13 +1059,14 @@ impl MemoryProfile {
                     t = t.max(r) + offload_ms;
                 }
                 let b = &self.blocks[i];
-                t += self.backward_ms(b);
+                if ck[i] {
+                    // The backward and the re-run, less what the block kept.
+                    t += self.backward_rerun_ms(b, plan.keep, plan.rerun_ahead);
+                } else {
+                    t += self.backward_ms(b);
+                }
                 if is_streamed[i] || plan.remake_transposes {
                     t += self.transpose_ms(b);
-                }
-                if ck[i] {
-                    // The re-run, less what the block kept.
-                    t += self.forward_ms(b, plan.keep);
                 }
             }
             (forward, t)
@@ -1204,6 +1262,7 @@ impl MemoryProfile {
         let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };
         let mut weights = self.other_weight_bytes + kept(self.other_kept_bytes);
         let (mut work, mut offloaded) = (0u64, 0u64);
+        let (mut ahead, mut ahead_block) = (0u64, 0u64);
         for (i, b) in self.blocks.iter().enumerate() {
             let streamed = plan.streamed.iter().any(|p| p == &b.prefix);
             if !streamed {
@@ -1217,9 +1276,18 @@ impl MemoryProfile {
                 }
                 // The re-run's tape and the gradients of its inputs.
                 work = work.max(b.saved_bytes + 2 * b.input_bytes);
+                ahead = ahead.max(b.saved_bytes);
             } else {
                 work = work.max(2 * b.input_bytes);
             }
+            if streamed {
+                ahead_block = ahead_block.max(b.weight_bytes);
+            }
+        }
+        // Re-runs issued ahead: the next re-run's tape beside each block's backward, and
+        // its block in the streamer's window beside those the prefetch holds.
+        if plan.rerun_ahead {
+            work += ahead + ahead_block;
         }
         // What the blocks hold for the backward and the streamed blocks' copies at the
         // heaviest moment (`layout`).
@@ -1312,6 +1380,8 @@ impl MemoryProfile {
                 && !plan.streamed.is_empty()
                 && self.blocks.iter().any(|b| b.forward_only_bytes > 0),
             remake_transposes: plan.remake_transposes && self.keeps_transposes(),
+            rerun_ahead: plan.rerun_ahead
+                && (plan.checkpointing != Checkpointing::Off || !plan.streamed.is_empty()),
             reach: vec![],
             uncoded_first: 0,
             ..plan.clone()
@@ -1370,6 +1440,7 @@ impl MemoryProfile {
             &[false]
         };
         let n = self.blocks.len();
+        let ahead_gains = self.ahead_gains();
         let mut v = vec![];
         // Every block but the first j, j a sixteenth of the blocks, two ... fifteen, with
         // nothing streamed: where the weights fit and the activations of some blocks do, but
@@ -1434,10 +1505,18 @@ impl MemoryProfile {
                             } else {
                                 &[false]
                             };
+                            // Re-runs issued ahead or not, where anything is checkpointed
+                            // and some block's re-run would gain (a host-paced one).
+                            let aheads: &[bool] = if nothing_checkpointed || !ahead_gains {
+                                &[false]
+                            } else {
+                                &[false, true]
+                            };
                             for &(wire_code, uncoded_carry) in codings {
-                                for (&host_products, &remake_transposes) in hosts
+                                for (&host_products, &remake_transposes, &rerun_ahead) in hosts
                                     .iter()
                                     .flat_map(|h| remakes.iter().map(move |r| (h, r)))
+                                    .flat_map(|(h, r)| aheads.iter().map(move |a| (h, r, a)))
                                 {
                                     v.push(Plan {
                                         checkpointing,
@@ -1457,6 +1536,7 @@ impl MemoryProfile {
                                         uncoded_carry,
                                         host_products,
                                         remake_transposes,
+                                        rerun_ahead,
                                         reach: vec![],
                                         uncoded_first: 0,
                                     });
@@ -1487,6 +1567,7 @@ impl MemoryProfile {
             deep_prefetch: true,
             host_products: held,
             remake_transposes: remakes.len() > 1,
+            rerun_ahead: false,
             reach: vec![],
             uncoded_first: 0,
         });

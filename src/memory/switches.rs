@@ -28,6 +28,9 @@ pub struct Switches {
     /// Resident blocks' 8-bit weights may transpose their codes at each backward instead of
     /// keeping them transposed (`Plan::remake_transposes`).
     pub remake_transposes: bool,
+    /// Checkpointed blocks' re-runs may be issued on a second host thread
+    /// (`Plan::rerun_ahead`).
+    pub rerun_ahead: bool,
     /// The time model plays this machine's rates, measured before loading or read from the
     /// cache (`measure_machine`); off, it plays `Machine::REFERENCE`.
     pub measure_machine: bool,
@@ -42,6 +45,7 @@ impl Default for Switches {
             deep_prefetch: true,
             host_products: true,
             remake_transposes: true,
+            rerun_ahead: true,
             measure_machine: true,
         }
     }
@@ -53,13 +57,14 @@ impl Switches {
     pub const VAR: &'static str = "FLAME_PLANNER";
 
     /// The switches' names, as the fields'.
-    pub const NAMES: [&'static str; 7] = [
+    pub const NAMES: [&'static str; 8] = [
         "keep_few_rows",
         "wire_code",
         "uncoded_carry",
         "deep_prefetch",
         "host_products",
         "remake_transposes",
+        "rerun_ahead",
         "measure_machine",
     ];
 
@@ -78,6 +83,7 @@ impl Switches {
             "deep_prefetch" => &mut self.deep_prefetch,
             "host_products" => &mut self.host_products,
             "remake_transposes" => &mut self.remake_transposes,
+            "rerun_ahead" => &mut self.rerun_ahead,
             "measure_machine" => &mut self.measure_machine,
             _ => return None,
         })
@@ -139,13 +145,14 @@ impl Switches {
     }
 
     /// `plan` as these switches allow it: `None` where it needs a technique switched off
-    /// that it cannot do without (the wire code, uncoded carried blocks, remade transposes:
-    /// the same plan keeping them holds more); the deep prefetch, host products and kept
+    /// that it cannot do without (the wire code, uncoded carried blocks, remade transposes,
+    /// re-runs issued ahead: the same plan without them is a candidate too); the deep prefetch, host products and kept
     /// few-row outputs dropped where off.
     pub fn allow(&self, plan: Plan) -> Option<Plan> {
         if (plan.wire_code && !self.wire_code)
             || (plan.uncoded_carry && !self.uncoded_carry)
             || (plan.remake_transposes && !self.remake_transposes)
+            || (plan.rerun_ahead && !self.rerun_ahead)
         {
             return None;
         }
@@ -161,6 +168,7 @@ impl Switches {
             deep_prefetch: plan.deep_prefetch && self.deep_prefetch,
             host_products: plan.host_products && self.host_products,
             remake_transposes: plan.remake_transposes && self.remake_transposes,
+            rerun_ahead: plan.rerun_ahead && self.rerun_ahead,
             keep: crate::autograd::Keep {
                 few_rows: plan.keep.few_rows && self.keep_few_rows,
                 ..plan.keep
@@ -213,6 +221,7 @@ mod tests {
             deep_prefetch: true,
             host_products: true,
             remake_transposes: false,
+            rerun_ahead: true,
             reach: vec![],
             uncoded_first: 0,
         };
@@ -223,7 +232,10 @@ mod tests {
         let bound = off.bind(plan.clone());
         assert!(!bound.uncoded_carry && bound.wire_code);
         let few = Switches::parse("keep_few_rows=off,host_products=off").unwrap();
-        let p = few.allow(plan).unwrap();
+        let p = few.allow(plan.clone()).unwrap();
         assert!(!p.keep.few_rows && p.keep.attention && !p.host_products && p.deep_prefetch);
+        let serial = Switches::parse("rerun_ahead=off").unwrap();
+        assert_eq!(serial.allow(plan.clone()), None);
+        assert!(!serial.bind(plan).rerun_ahead);
     }
 }

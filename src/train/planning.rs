@@ -323,6 +323,7 @@ pub(crate) fn plan_memory(
                 deep_prefetch: true,
                 host_products: true,
                 remake_transposes: false,
+                rerun_ahead: false,
                 reach: vec![],
                 uncoded_first: 0,
             };

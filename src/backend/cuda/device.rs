@@ -311,7 +311,8 @@ impl CudaDevice {
         self.0.mem.reset_peak();
     }
 
-    /// A hard cap on the bytes FLAME holds on this device (None: no cap).
+    /// A hard cap on the bytes FLAME holds on this device (None: no cap). The previous cap's
+    /// arena goes back to the driver if no buffer lives in it (the next cap makes its own).
     pub fn set_memory_limit(&self, bytes: Option<u64>) {
         self.0.mem.set_limit(bytes);
         let _ = self
@@ -319,7 +320,10 @@ impl CudaDevice {
             .ctx
             .bind_to_thread()
             .map_err(cuda_err("binding the context"))
-            .and_then(|_| self.0.mem.apply_release_threshold());
+            .and_then(|_| {
+                self.0.mem.drop_idle_arena();
+                self.0.mem.apply_release_threshold()
+            });
     }
 
     /// Gives the memory of freed buffers back to the driver, where other libraries of this

@@ -371,6 +371,34 @@ impl Pool {
         let _ = self.apply_release_threshold();
     }
 
+    /// Frees the cap's arena when no live buffer is cut from it, so that the next cap makes
+    /// its own: a process that caps, lifts the cap and caps again (the step bench's
+    /// alternation of plans) otherwise keeps the first cap's arena, and every request past
+    /// it goes to the driver, counted as an overflow, at a driver call each. The context
+    /// must be bound to the thread.
+    pub(crate) fn drop_idle_arena(&self) {
+        if !self.has_arena() {
+            return;
+        }
+        let Ok(mut a) = self.arena.lock() else {
+            return;
+        };
+        let idle = a
+            .as_ref()
+            .is_some_and(|a| a.by_offset.values().sum::<u64>() == a.size);
+        if !idle {
+            return;
+        }
+        if let Some(arena) = a.take() {
+            self.has_arena.store(false, Ordering::Relaxed);
+            // The work enqueued on the freed ranges finishes first.
+            self.stream.synchronize().ok();
+            // SAFETY: the arena's allocation, with no buffer cut from it alive.
+            let _ = unsafe { cudarc::driver::result::free_sync(arena.base) };
+            self.arena_tried.store(false, Ordering::Relaxed);
+        }
+    }
+
     /// Sets the driver pool's release threshold for the cap and the arena as they are now:
     /// all it holds without a cap, up to the cap under one, none once the cap's arena holds
     /// FLAME's buffers (the pool then serves only requests the arena could not place, and

@@ -986,7 +986,7 @@ fn checkpoint_keeping_attention_equals_resident_and_skips_the_kernel() {
 
 /// A chain of small checkpointed blocks on `dev`, their inputs offloaded by `off` if given;
 /// returns the gradients of the input and of every weight.
-fn offload_chain(dev: &Device, off: Option<Arc<InputOffload>>) -> Vec<Vec<u32>> {
+fn offload_chain(dev: &Device, off: Option<Arc<InputOffload>>, ahead: bool) -> Vec<Vec<u32>> {
     let x = randn_on(&[3, 37], 1, dev).requires_grad_().unwrap();
     let ws: Vec<Tensor> = (0..5)
         .map(|i| {
@@ -1001,6 +1001,7 @@ fn offload_chain(dev: &Device, off: Option<Arc<InputOffload>>) -> Vec<Vec<u32>> 
     let exec = BlockExec {
         checkpointing: Checkpointing::All,
         offload: off,
+        rerun_ahead: ahead,
         ..Default::default()
     };
     let mut h = x.clone();
@@ -1020,18 +1021,24 @@ fn offload_chain(dev: &Device, off: Option<Arc<InputOffload>>) -> Vec<Vec<u32>> 
 }
 
 fn check_offload(dev: &Device) {
-    let plain = offload_chain(dev, None);
+    let plain = offload_chain(dev, None, false);
     let o = InputOffload::new(dev, 0);
-    assert_eq!(offload_chain(dev, Some(o.clone())), plain);
+    assert_eq!(offload_chain(dev, Some(o.clone()), false), plain);
     let r = o.report().unwrap();
     // Every block's activation input (not the shared condition) went out and came back; all
     // but the first needed (the last block's) were fetched ahead by the block after them.
     assert_eq!((r.packed, r.unpacked, r.prefetched), (5, 5, 4), "{r:?}");
     assert_eq!(r.packed_bytes, 5 * 3 * 37 * 4);
     // A second step recycles the host buffers the first one released.
-    assert_eq!(offload_chain(dev, Some(o.clone())), plain);
+    assert_eq!(offload_chain(dev, Some(o.clone()), false), plain);
     let r2 = o.report().unwrap();
     assert_eq!((r2.packed, r2.host_bytes), (10, r.host_bytes), "{r2:?}");
+    // The inputs come back on the helper thread where re-runs are issued ahead.
+    let taken = flame::autograd::ahead::taken();
+    assert_eq!(offload_chain(dev, Some(o.clone()), true), plain);
+    assert!(flame::autograd::ahead::taken() > taken);
+    let r3 = o.report().unwrap();
+    assert_eq!((r3.packed, r3.unpacked), (15, 15), "{r3:?}");
 }
 
 #[test]

@@ -127,9 +127,7 @@ pub(crate) fn offer<T: Send + 'static>(
             }
             v
         }));
-        if let Some(h) = helper() {
-            h.busy.store(false, Ordering::Release);
-        }
+        h.busy.store(false, Ordering::Release);
         let _ = tx.send(r);
     });
     let sent = h

@@ -30,11 +30,33 @@ pub(crate) fn tape(root: &Tensor) -> Result<Vec<Tensor>> {
 
 /// Like `tape` from several roots.
 fn tape_of(roots: &[Tensor]) -> Result<Vec<Tensor>> {
+    Ok(tape_with_customs(roots)?.0)
+}
+
+/// A custom node of a tape, with its position in it.
+type CustomAt = (usize, std::sync::Arc<dyn super::CustomBackward>);
+
+/// `tape_of`, and the custom nodes in it in the tape's order, with their positions.
+fn tape_with_customs(roots: &[Tensor]) -> Result<(Vec<Tensor>, Vec<CustomAt>)> {
     let mut order = Vec::new();
+    let mut customs: Vec<CustomAt> = Vec::new();
     let mut seen = HashSet::new();
-    let mut stack: Vec<(Tensor, bool)> = roots.iter().rev().map(|r| (r.clone(), false)).collect();
-    while let Some((t, expanded)) = stack.pop() {
+    // (tensor, expanded, its custom node if it is one).
+    type Entry = (
+        Tensor,
+        bool,
+        Option<std::sync::Arc<dyn super::CustomBackward>>,
+    );
+    let mut stack: Vec<Entry> = roots
+        .iter()
+        .rev()
+        .map(|r| (r.clone(), false, None))
+        .collect();
+    while let Some((t, expanded, custom)) = stack.pop() {
         if expanded {
+            if let Some(node) = custom {
+                customs.push((order.len(), node));
+            }
             order.push(t);
             continue;
         }
@@ -42,8 +64,12 @@ fn tape_of(roots: &[Tensor]) -> Result<Vec<Tensor>> {
             continue;
         }
         let mut children = vec![];
+        let mut custom = None;
         if let Some(guard) = lock(&t)? {
             let op = guard.as_ref().ok_or_else(freed)?;
+            if let Op::Custom { node, .. } = op {
+                custom = Some(node.clone());
+            }
             children.extend(
                 op.inputs()
                     .into_iter()
@@ -51,11 +77,17 @@ fn tape_of(roots: &[Tensor]) -> Result<Vec<Tensor>> {
                     .cloned(),
             );
         }
-        stack.push((t, true));
-        stack.extend(children.into_iter().map(|c| (c, false)));
+        stack.push((t, true, custom));
+        stack.extend(children.into_iter().map(|c| (c, false, None)));
     }
     order.reverse();
-    Ok(order)
+    let n = order.len();
+    let customs = customs
+        .into_iter()
+        .rev()
+        .map(|(i, node)| (n - 1 - i, node))
+        .collect();
+    Ok((order, customs))
 }
 
 impl Tensor {
@@ -129,7 +161,9 @@ pub(crate) fn backward_from(
 ) -> Result<()> {
     let _g = no_grad();
     let roots: Vec<Tensor> = seeds.iter().map(|(t, _)| t.clone()).collect();
-    let order = tape_of(&roots)?;
+    // The custom nodes in the walk's order: each, on its turn, lets the next one start
+    // what it can ahead (`CustomBackward::prepare`, `super::ahead`).
+    let (order, customs) = tape_with_customs(&roots)?;
     drop(roots);
     // Each tensor's gradient contributions, in arrival order, summed when its turn
     // comes (see `sum_contributions`).
@@ -139,9 +173,6 @@ pub(crate) fn backward_from(
     }
     // Gradients of a custom node's outputs, gathered until the node's turn.
     let mut outputs: HashMap<TensorId, Vec<Option<Tensor>>> = HashMap::new();
-    // The custom nodes in the walk's order: each, on its turn, lets the next one start
-    // what it can ahead (`CustomBackward::prepare`, `super::ahead`).
-    let customs = custom_nodes(&order)?;
     if let Some((_, first)) = customs.first() {
         first.prepare();
     }
@@ -261,21 +292,6 @@ pub(crate) fn backward_from(
         }
     }
     Ok(())
-}
-
-/// The custom nodes of `order` with their positions.
-fn custom_nodes(
-    order: &[Tensor],
-) -> Result<Vec<(usize, std::sync::Arc<dyn super::CustomBackward>)>> {
-    let mut v = vec![];
-    for (i, t) in order.iter().enumerate() {
-        if let Some(guard) = lock(t)? {
-            if let Some(Op::Custom { node, .. }) = guard.as_ref() {
-                v.push((i, node.clone()));
-            }
-        }
-    }
-    Ok(v)
 }
 
 /// One gradient contribution to a tensor: of its whole shape, (from a narrow) of the slice

@@ -476,12 +476,14 @@ pub fn checkpoint_opts(
         h.forward_digest(digest)?;
     }
     let node = Arc::new(Checkpoint {
-        f,
-        hooks,
-        digest,
-        saved,
-        draws: Arc::new(draws),
-        kept: Arc::new(kept),
+        parts: Arc::new(RerunParts {
+            f,
+            hooks,
+            digest,
+            saved,
+            draws: Arc::new(draws),
+            kept: Arc::new(kept),
+        }),
         shapes: outputs.iter().map(|t| t.shape().clone()).collect(),
         issue_ahead: ahead,
         ahead: Mutex::new(None),
@@ -498,17 +500,27 @@ fn run_hooked<R>(
     if let Some(h) = hooks {
         h.enter(pass, digest)?;
     }
-    let r = match hooks {
-        Some(h) => {
-            HOOKS.with(|s| s.borrow_mut().push(h.clone()));
-            let _pop = HooksGuard;
-            f()
-        }
-        None => f(),
+    let r = {
+        let _pushed = push_hooks(hooks);
+        f()
     };
+    exit_hooked(hooks, pass, r)
+}
+
+/// Pushes `hooks` on this thread's stack (`hooked_product`, `hooked_computes` ask them)
+/// until the guard drops.
+fn push_hooks(hooks: &Option<Arc<dyn CheckpointHooks>>) -> Option<HooksGuard> {
+    hooks.as_ref().map(|h| {
+        HOOKS.with(|s| s.borrow_mut().push(h.clone()));
+        HooksGuard
+    })
+}
+
+/// The hooks' `exit` after a run that entered them, with the run's result `r`: the run's
+/// own error first, a hook's error only when the run succeeded.
+fn exit_hooked<R>(hooks: &Option<Arc<dyn CheckpointHooks>>, pass: Pass, r: Result<R>) -> Result<R> {
     if let Some(h) = hooks {
         let exited = h.exit(pass);
-        // The function's own error first; a hook's error only when the run succeeded.
         let r = r?;
         exited?;
         return Ok(r);
@@ -542,22 +554,14 @@ fn digest(kept: &[(KeptKind, Vec<Tensor>)], saved: &[(Saved, bool)]) -> u64 {
 }
 
 /// A saved input: its value on the device, or a packed handle.
-#[derive(Clone)]
 enum Saved {
     Value(Tensor),
     Packed(Arc<dyn PackedTensor>),
 }
 
 struct Checkpoint {
-    f: Arc<BlockFn>,
-    hooks: Option<Arc<dyn CheckpointHooks>>,
-    /// The forward's digest (`CheckpointHooks::forward_digest`).
-    digest: u64,
-    /// The inputs' values (detached) and whether each needs a gradient.
-    saved: Vec<(Saved, bool)>,
-    draws: Arc<Vec<u64>>,
-    /// Op outputs kept from the forward, in the order the re-run asks for them.
-    kept: Arc<Vec<(KeptKind, Vec<Tensor>)>>,
+    /// What its re-run reads (shared with the helper thread when issued ahead).
+    parts: Arc<RerunParts>,
     shapes: Vec<crate::Shape>,
     /// Whether the re-run may be issued ahead (`CheckpointOptions::ahead`).
     issue_ahead: bool,
@@ -567,15 +571,15 @@ struct Checkpoint {
 }
 
 /// A re-run issued ahead: still on the helper thread, or done and waiting for the backward.
+/// An error: the hooks' `enter` failed (no `exit` follows).
 enum Ahead {
-    Issued(Pending<Rerun>),
+    Issued(Pending<Result<Rerun>>),
     Done(Result<Rerun>),
 }
 
-/// A re-run's result: the fresh leaves of the inputs and the outputs recorded from them;
-/// `entered`: whether the hooks' `enter` succeeded (their `exit` then follows the backward).
+/// A re-run, its hooks entered: the fresh leaves of the inputs and the outputs recorded from
+/// them, or its error (the hooks' `exit` follows either way).
 struct Rerun {
-    entered: bool,
     run: Result<(Vec<Tensor>, Vec<Tensor>)>,
     /// What the re-run counted on the thread that ran it: kept outputs reused, ops and views
     /// recorded (`kept_reused`, `super::recorded_ops`), for the walking thread to count
@@ -583,43 +587,36 @@ struct Rerun {
     counts: (u64, u64, u64),
 }
 
-/// What a re-run reads, apart from the node (so the helper thread can take it).
-#[derive(Clone)]
+/// What a checkpoint's re-run reads.
 struct RerunParts {
     f: Arc<BlockFn>,
     hooks: Option<Arc<dyn CheckpointHooks>>,
+    /// The forward's digest (`CheckpointHooks::forward_digest`).
     digest: u64,
+    /// The inputs' values (detached) and whether each needs a gradient.
     saved: Vec<(Saved, bool)>,
     draws: Arc<Vec<u64>>,
+    /// Op outputs kept from the forward, in the order the re-run asks for them.
     kept: Arc<Vec<(KeptKind, Vec<Tensor>)>>,
 }
 
 impl RerunParts {
-    /// The hooks' `enter`, then the re-run with them on this thread's stack: fresh leaves for
-    /// the inputs that need gradients (the re-run's graph ends there, and their gradients are
-    /// read back out of `grads` after the backward), and the outputs.
-    fn run(&self) -> Rerun {
+    /// The hooks' `enter` (its error: the result's), then the re-run with them on this
+    /// thread's stack: fresh leaves for the inputs that need gradients (the re-run's graph
+    /// ends there, and their gradients are read back out of `grads` after the backward),
+    /// and the outputs.
+    fn run(&self) -> Result<Rerun> {
         if let Some(h) = &self.hooks {
-            if let Err(e) = h.enter(Pass::Backward, Some(self.digest)) {
-                return Rerun {
-                    entered: false,
-                    run: Err(e),
-                    counts: (0, 0, 0),
-                };
-            }
+            h.enter(Pass::Backward, Some(self.digest))?;
         }
-        let _pushed = self.hooks.as_ref().map(|h| {
-            HOOKS.with(|s| s.borrow_mut().push(h.clone()));
-            HooksGuard
-        });
+        let _pushed = push_hooks(&self.hooks);
         let (reused, (ops, views)) = (kept_reused(), super::recorded_ops());
         let run = self.rerun();
         let (reused2, (ops2, views2)) = (kept_reused(), super::recorded_ops());
-        Rerun {
-            entered: true,
+        Ok(Rerun {
             run,
             counts: (reused2 - reused, ops2 - ops, views2 - views),
-        }
+        })
     }
 
     fn rerun(&self) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
@@ -667,14 +664,14 @@ impl CustomBackward for Checkpoint {
         if slot.is_some() {
             return;
         }
-        let parts = self.parts();
+        let parts = self.parts.clone();
         *slot = super::ahead::offer(move || parts.run()).map(Ahead::Issued);
     }
 
     fn settle(&self) {
         if let Ok(mut slot) = self.ahead.lock() {
             if let Some(Ahead::Issued(p)) = slot.take() {
-                *slot = Some(Ahead::Done(p.wait()));
+                *slot = Some(Ahead::Done(p.wait().and_then(|r| r)));
             }
         }
     }
@@ -690,58 +687,31 @@ impl CustomBackward for Checkpoint {
             .map_err(|_| Error::Poisoned("a checkpoint's re-run"))?
             .take();
         let rerun = match ahead {
-            Some(Ahead::Issued(p)) => Some(p.wait()?),
-            Some(Ahead::Done(r)) => Some(r?),
-            None => None,
-        };
-        let rerun = match rerun {
-            Some(r) => {
+            Some(done) => {
+                let r = match done {
+                    Ahead::Issued(p) => p.wait()??,
+                    Ahead::Done(r) => r?,
+                };
                 // Counted where it ran; counted here too, as the walk's own.
                 let (reused, ops, views) = r.counts;
                 REUSED.with(|c| c.set(c.get() + reused));
                 super::count_recorded(ops, views);
                 r
             }
-            None => self.parts().run(),
+            None => self.parts.run()?,
         };
-        if !rerun.entered {
-            // The hooks' `enter` failed: its error, and no `exit`.
-            return Err(rerun.run.err().unwrap_or_else(|| {
-                Error::Autograd("a checkpoint's hooks failed to enter".into())
-            }));
-        }
+        let hooks = &self.parts.hooks;
         let r = {
-            let _pushed = self.hooks.as_ref().map(|h| {
-                HOOKS.with(|s| s.borrow_mut().push(h.clone()));
-                HooksGuard
-            });
+            let _pushed = push_hooks(hooks);
             rerun.run.and_then(|(leaves, outputs)| {
                 self.backward_through(leaves, outputs, out_grads, grads)
             })
         };
-        if let Some(h) = &self.hooks {
-            // The run's own error first; a hook's error only when the run succeeded.
-            let exited = h.exit(Pass::Backward);
-            let r = r?;
-            exited?;
-            return Ok(r);
-        }
-        r
+        exit_hooked(hooks, Pass::Backward, r)
     }
 }
 
 impl Checkpoint {
-    fn parts(&self) -> RerunParts {
-        RerunParts {
-            f: self.f.clone(),
-            hooks: self.hooks.clone(),
-            digest: self.digest,
-            saved: self.saved.clone(),
-            draws: self.draws.clone(),
-            kept: self.kept.clone(),
-        }
-    }
-
     /// The backward through the re-run's graph from the outputs' gradients: the inputs'
     /// gradients, the captured leaves' added to `grads`.
     fn backward_through(
@@ -780,7 +750,7 @@ impl Checkpoint {
         }
         Ok(leaves
             .iter()
-            .zip(&self.saved)
+            .zip(&self.parts.saved)
             .map(|(leaf, (_, needs))| if *needs { grads.remove(leaf) } else { None })
             .collect())
     }

@@ -1289,3 +1289,100 @@ fn eight_bit_plans_remake_transposes_where_keeping_them_would_stream() {
     let settled = flux_dev(true, false).settle(&remade).unwrap();
     assert!(!settled.remake_transposes);
 }
+
+/// The planner weighs a host faster than measured (`cost_model::HOST_SPAN`): SDXL within
+/// 4 GiB on a host as an H200 machine's probe measured it (6.2 µs an op, 12.9 its backward;
+/// the link 51.2 GiB/s), where streaming every block uncoded is the faster plan at the
+/// measured pace but, on a host 1.5x as fast, waits on the link; coding the weights holds
+/// its ratio at both paces, and the planner takes it. A host pace moves the host's costs
+/// alone.
+#[test]
+fn the_planner_picks_a_plan_that_holds_when_the_host_runs_faster() {
+    use flame::memory::{cost_model, Machine};
+    use flame::models::sdxl::{SdxlConfig, Unet};
+    let r = Machine::REFERENCE;
+    let measured = Machine {
+        upload_gib_per_s: 51.2,
+        coded_upload_gib_per_s: 51.2,
+        op_us: 6.2,
+        backward_op_us: 12.9,
+        view_us: 3.4,
+        backward_view_us: 1.55,
+        ..r
+    };
+    let fast = measured.host_paced(cost_model::HOST_SPAN);
+    assert_eq!(
+        fast,
+        Machine {
+            op_us: 6.2 / cost_model::HOST_SPAN,
+            backward_op_us: 12.9 / cost_model::HOST_SPAN,
+            view_us: 3.4 / cost_model::HOST_SPAN,
+            backward_view_us: 1.55 / cost_model::HOST_SPAN,
+            ..measured
+        }
+    );
+    let opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(
+        Adapters::new(LoraConfig {
+            rank: 16,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: ["input_blocks.*", "middle_block.*", "output_blocks.*"]
+                .map(String::from)
+                .to_vec(),
+            seed: 0,
+        })
+        .unwrap(),
+    );
+    let run = RunShape {
+        sample: vec![vec![4, 128, 128], vec![77, 2048], vec![1280], vec![6]],
+        batch: 1,
+        optimizer_bytes_per_value: 8.0,
+    };
+    let mut p = profile_config::<Unet>(&SdxlConfig::base(), &opts, &run).unwrap();
+    p.machine = measured;
+    let order = p.stream_order();
+    let streaming = |k: usize, coded: bool, keep: Keep| Plan {
+        checkpointing: Checkpointing::All,
+        streamed: order[..k].to_vec(),
+        prefetch: 4,
+        keep,
+        wire_code: coded,
+        uncoded_carry: coded,
+        deep_prefetch: true,
+        rerun_ahead: true,
+        ..Plan::default()
+    };
+    let uncoded = streaming(
+        86,
+        false,
+        Keep {
+            attention: false,
+            down_projections: true,
+            few_rows: true,
+        },
+    );
+    let coded = streaming(
+        83,
+        true,
+        Keep {
+            attention: true,
+            down_projections: false,
+            few_rows: true,
+        },
+    );
+    let paces = p.host_paces();
+    let (u, c) = (p.cost(&uncoded), p.cost(&coded));
+    let (uw, cw) = (p.worst_cost(&uncoded, &paces), p.worst_cost(&coded, &paces));
+    println!("at the measured pace uncoded {u:.3}, coded {c:.3}; worst {uw:.3}, {cw:.3}");
+    // The measured pace alone would take the uncoded plan; the faster host undoes it.
+    assert!(u < c && cw < uw, "{u} {c} {uw} {cw}");
+    assert!(uw >= u && cw >= c);
+    let budget = 4 * (1u64 << 30);
+    assert!(p.peak(&uncoded) <= budget && p.peak(&coded) <= budget);
+    let pick = p
+        .plan_among(budget, vec![uncoded.clone(), coded.clone()])
+        .unwrap();
+    assert_eq!(pick.plan, coded);
+    assert!((pick.slowdown - (1.0 + c)).abs() < 1e-9);
+    assert!((pick.worst_slowdown - (1.0 + cw)).abs() < 1e-9);
+}

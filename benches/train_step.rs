@@ -431,9 +431,8 @@ fn run<M: ModelSpec>(
     let predicted = profile.peak(&plan) as f64 / GIB;
     if root {
         let (step, resident) = (profile.step_ms(&plan), profile.resident_ms());
-        let worst = 1.0 + profile.worst_cost(&plan, &profile.host_paces());
         println!(
-            "flame {name}: plan {plan}, predicted peak {predicted:.2} GiB, predicted step {:.2}x the resident one ({step:.1} ms by the time model, resident {resident:.1}; {worst:.2}x at the worst of the host's paces)",
+            "flame {name}: plan {plan}, predicted peak {predicted:.2} GiB, predicted step {:.2}x the resident one ({step:.1} ms by the time model, resident {resident:.1})",
             step / resident
         );
         println!(

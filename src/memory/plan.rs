@@ -360,18 +360,6 @@ impl Machine {
         Ok(())
     }
 
-    /// This machine with its host `factor` times as fast at issuing work: the costs of an op,
-    /// a view and their backwards divided by it (the link and the GPU as they are).
-    pub fn host_paced(&self, factor: f64) -> Machine {
-        Machine {
-            op_us: self.op_us / factor,
-            backward_op_us: self.backward_op_us / factor,
-            view_us: self.view_us / factor,
-            backward_view_us: self.backward_view_us / factor,
-            ..*self
-        }
-    }
-
     /// A copy out of `gib` GiB that starts while the uploads keep the link busy for
     /// `busy_ms` more: its own time and the time it takes from those uploads, ms. Beside
     /// uploads each direction runs at half of `duplex_gib_per_s` (where that is less than an
@@ -587,9 +575,6 @@ pub struct Planned {
     /// The time model's step under the plan against the resident step's
     /// (`MemoryProfile::step_ms` over `resident_ms`).
     pub slowdown: f64,
-    /// The same at the worst of the host's paces the planner weighs
-    /// (`MemoryProfile::worst_cost`).
-    pub worst_slowdown: f64,
 }
 
 /// Plans that mix resident-activation blocks with streamed ones are held to the budget less
@@ -662,16 +647,6 @@ pub mod cost_model {
     /// 218.4 ms a step serial, 197.5 with the re-runs ahead (0.90x); the model gives that
     /// ratio at 1.4 (182.6 and 163.8 ms).
     pub const AHEAD_ISSUE: f64 = 1.4;
-    /// How much faster than measured the host may issue a run's work: the planner orders
-    /// plans by the worse of their steps against the resident one as measured and with the
-    /// host this much faster (`MemoryProfile::worst_cost`), so a pick holds its ratio when
-    /// the host's pace moves. A faster host is the side that undoes a pick: the resident
-    /// step shortens with it and a plan leaning on the link does not, where on a slower host
-    /// both steps wait on the host alike. Measured on one kind of H200 machine (16 cores):
-    /// the probe's op 4.4 µs on one host (2026-11-29) and 6.1-6.7 on others (2026-12-02);
-    /// SDXL's resident step 112-159 ms within one process and 171-198 in another; the pick
-    /// for the slow host (7.7 GiB a step uncoded, 1.31x there) ran 1.63x on the fast one.
-    pub const HOST_SPAN: f64 = 1.5;
 }
 
 /// The streamed blocks' device copies under a plan (`MemoryProfile::layout`).
@@ -1105,24 +1080,6 @@ impl MemoryProfile {
     /// it (`step_ms` over `resident_ms`, less one): candidates are ordered by it.
     pub fn cost(&self, plan: &Plan) -> f64 {
         self.step_ms(plan) / self.resident_ms() - 1.0
-    }
-
-    /// This profile played on the host pace `worst_cost` weighs besides the measured one:
-    /// the host `cost_model::HOST_SPAN` times faster.
-    pub fn host_paces(&self) -> [MemoryProfile; 1] {
-        [MemoryProfile {
-            machine: self.machine.host_paced(cost_model::HOST_SPAN),
-            ..self.clone()
-        }]
-    }
-
-    /// The worst `cost` of `plan` over the host's paces: as measured and those of `paces`
-    /// (`host_paces`). The planner picks by it.
-    pub fn worst_cost(&self, plan: &Plan, paces: &[MemoryProfile]) -> f64 {
-        paces
-            .iter()
-            .map(|p| p.cost(plan))
-            .fold(self.cost(plan), f64::max)
     }
 
     /// Whether the streamed block at place `k` (execution order among the streamed) crosses
@@ -1617,33 +1574,30 @@ impl MemoryProfile {
         v
     }
 
-    /// The plan `plan_among` picks of every candidate.
+    /// The fastest plan whose predicted peak is within `budget` bytes.
     pub fn plan(&self, budget: u64) -> std::result::Result<Planned, NoPlan> {
         self.plan_among(budget, self.candidates())
     }
 
-    /// The fitting plan of `candidates` (fastest first on this machine) whose worst step
-    /// over the host's paces (`worst_cost`) is shortest, its predicted peak within `budget`
-    /// (less `MARGIN_DIVISOR`'s share of it for the plans `spare` names); or, of the fitting
-    /// plans whose worst step is within `cost_model::NEAR` of that one's, one that does not mix
-    /// blocks keeping their activations (`saves_activations`) with streamed ones before one
-    /// that does, then one that leaves `ROOM_DIVISOR`'s share of the budget spare, the fewest
-    /// bytes over the link first, then the one with the smallest peak, then the faster. Mixed
-    /// plans ran slower than the model says: Flux-dev within 24 GiB, 12 resident blocks
-    /// beside 45 streamed, 506.4 and 494.2 ms against 492.8 predicted, where every block
-    /// checkpointed with 31 streamed ran 489.3 (1.26x) and 492.9 on an earlier build (H100).
+    /// The first of `candidates` (fastest first) whose predicted peak is within `budget`
+    /// (less `MARGIN_DIVISOR`'s share of it for the plans `spare` names), or, of the fitting plans
+    /// predicted within `cost_model::NEAR` of its step, one that does not mix blocks keeping
+    /// their activations (`saves_activations`) with streamed ones before one that does, then
+    /// one that leaves `ROOM_DIVISOR`'s share of the budget spare, the fewest bytes over the
+    /// link first, then the one with the smallest peak. Mixed plans ran slower than the model says: Flux-dev
+    /// within 24 GiB, 12 resident blocks beside 45 streamed, 506.4 and 494.2 ms against 492.8
+    /// predicted, where every block checkpointed with 31 streamed ran 489.3 (1.26x) and 492.9
+    /// on an earlier build (H100).
     pub fn plan_among(
         &self,
         budget: u64,
         candidates: Vec<Plan>,
     ) -> std::result::Result<Planned, NoPlan> {
         let usable = budget - budget / MARGIN_DIVISOR;
-        let paces = self.host_paces();
         let mut minimum = u64::MAX;
-        // The fitting plans that may be near the best: (worst cost, rank, plan), the rank
-        // (mixes, lacks room, bytes over the link if it has room, peak).
-        type Rank = (bool, bool, u64, u64);
-        let mut near: Vec<(f64, Rank, Plan)> = vec![];
+        // The chosen plan, and its rank among the near ones: (mixes, lacks room, bytes over
+        // the link if it has room, peak).
+        let mut chosen: Option<(Plan, (bool, bool, u64, u64))> = None;
         let mut limit = f64::INFINITY;
         for plan in candidates {
             let peak = self.peak(&plan);
@@ -1651,30 +1605,24 @@ impl MemoryProfile {
             if peak > if self.spare(&plan) { usable } else { budget } {
                 continue;
             }
-            // A plan's worst cost is at least its cost as measured: past the limit, it
-            // cannot be near.
-            if self.cost(&plan) > limit {
-                continue;
-            }
-            let worst = self.worst_cost(&plan, &paces);
-            if worst > limit {
-                continue;
-            }
-            limit = limit.min((1.0 + worst) * (1.0 + cost_model::NEAR) - 1.0);
+            let cost = self.cost(&plan);
             let mixes = self.saves_activations(&plan) && !plan.streamed.is_empty();
             let roomy = peak <= budget - budget / ROOM_DIVISOR;
             let link = if roomy { self.streamed_bytes(&plan) } else { 0 };
-            near.push((worst, (mixes, !roomy, link, peak), plan));
+            let rank = (mixes, !roomy, link, peak);
+            match &chosen {
+                None => {
+                    limit = (1.0 + cost) * (1.0 + cost_model::NEAR) - 1.0;
+                    chosen = Some((plan, rank));
+                }
+                Some((_, r)) if cost <= limit && rank < *r => chosen = Some((plan, rank)),
+                _ => {}
+            }
         }
-        let (_, (_, _, _, peak), plan) = near
-            .into_iter()
-            .filter(|(worst, _, _)| *worst <= limit)
-            .min_by(|a, b| a.1.cmp(&b.1).then(a.0.total_cmp(&b.0)))
-            .ok_or(NoPlan { budget, minimum })?;
+        let (plan, (_, _, _, peak)) = chosen.ok_or(NoPlan { budget, minimum })?;
         Ok(Planned {
             streamed_bytes: self.streamed_bytes(&plan),
             slowdown: self.step_ms(&plan) / self.resident_ms(),
-            worst_slowdown: 1.0 + self.worst_cost(&plan, &paces),
             plan,
             peak,
         })

@@ -387,12 +387,10 @@ pub(crate) fn plan_memory(
                         plan: plan.clone(),
                         summary: format!(
                             "{} ({:.1} GiB streamed a step; a step predicted at {:.2}x the \
-                             resident one, {:.2}x at the worst of the host's paces, by the time \
-                             model of {})",
+                             resident one by the time model of {})",
                             p.plan,
                             gib(p.streamed_bytes),
                             p.slowdown,
-                            p.worst_slowdown,
                             match (machine, unmeasured) {
                                 (Some(m), _) if recorded.is_some() => {
                                     format!("the machine the run recorded ({m})")

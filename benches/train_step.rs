@@ -328,7 +328,11 @@ fn run<M: ModelSpec>(
                 println!(
                     "machine: {} ({}): {}",
                     m.gpu,
-                    if m.cached { "cached" } else { "measured now" },
+                    if m.cached {
+                        "cached, the host timed now"
+                    } else {
+                        "measured now"
+                    },
                     m.machine
                 );
             }

@@ -1289,3 +1289,51 @@ fn eight_bit_plans_remake_transposes_where_keeping_them_would_stream() {
     let settled = flux_dev(true, false).settle(&remade).unwrap();
     assert!(!settled.remake_transposes);
 }
+
+/// A cached machine gives its GPU's and link's rates; the host's costs of issuing work are
+/// timed in the process that reads it (the host's pace moves between processes): a cache
+/// holding a host a hundred times slower is read with this host's costs, and left as it was.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU (run with --include-ignored on the GPU machine)"]
+fn a_cached_machine_takes_the_host_costs_of_this_process() {
+    use flame::memory::{measure_machine_cached, read_machine, write_machine, Machine};
+    let dev = Device::cuda(0).unwrap();
+    let dir = std::env::temp_dir().join(format!("flame-host-{}", std::process::id()));
+    let path = dir.join("machine.toml");
+    let r = Machine::REFERENCE;
+    let stale = Machine {
+        gemm_tflops: 123.0,
+        op_us: r.op_us * 100.0,
+        backward_op_us: r.backward_op_us * 100.0,
+        view_us: r.view_us * 100.0,
+        backward_view_us: r.backward_view_us * 100.0,
+        ..r
+    };
+    write_machine(&path, &stale).unwrap();
+    let got = measure_machine_cached(&dev, Some(path.clone()))
+        .unwrap()
+        .unwrap();
+    assert!(got.cached);
+    let m = got.machine;
+    assert_eq!(m.gemm_tflops, 123.0);
+    assert_eq!(m.upload_gib_per_s, r.upload_gib_per_s);
+    for (what, now, then) in [
+        ("an op", m.op_us, stale.op_us),
+        ("an op's backward", m.backward_op_us, stale.backward_op_us),
+        ("a view", m.view_us, stale.view_us),
+        (
+            "a view's backward",
+            m.backward_view_us,
+            stale.backward_view_us,
+        ),
+    ] {
+        assert!(
+            now > 0.0 && now < then / 10.0,
+            "{what}: {now} µs timed, {then} cached"
+        );
+    }
+    println!("the host timed now: {m}");
+    assert_eq!(read_machine(&path).unwrap(), Some(stale));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -7,8 +7,10 @@
 //! products of weights it holds.
 //!
 //! A measurement is kept per GPU in the cache folder (`machine_cache_path`) and reused while
-//! the crate's version is the same, so runs on one machine plan alike; a run records the
-//! machine it planned with in its output folder, and a resumed run plans with that one.
+//! the crate's version is the same, so runs on one machine plan alike, all but the host's
+//! costs of issuing work, which are timed in each process (the host's pace moves between
+//! processes where the GPU's rates do not); a run records the machine it planned with in its
+//! output folder, and a resumed run plans with that one.
 
 use crate::memory::Machine;
 use crate::{Device, Error, Result};
@@ -30,24 +32,47 @@ pub struct MachineProbe {
     pub machine: Machine,
     /// The GPU's name as the driver gives it.
     pub gpu: String,
-    /// Whether it was read from the cache (`machine_cache_path`) rather than timed now.
+    /// Whether its GPU's and link's rates were read from the cache (`machine_cache_path`)
+    /// rather than timed now (the host's costs are timed now either way).
     pub cached: bool,
 }
 
 /// The machine of `device`: read from the cache when a measurement of this GPU by this
 /// version of FLAME is there, else measured (a few seconds on a GPU, about 2 GiB of
 /// device memory for the moment it runs: the planner calls it before any weight is read)
-/// and written to the cache (a cache that cannot be written is skipped). `None` on the CPU
-/// backend, where nothing streams over a link.
+/// and written to the cache (a cache that cannot be written is skipped). The host's costs
+/// of issuing work (`Machine::op_us`, `backward_op_us`, `view_us`, `backward_view_us`) are
+/// timed now either way (a few milliseconds): the host's pace moves between processes on
+/// one machine where the GPU's rates do not (the probe's op 4.1 µs in one process and 6.7
+/// in another on H200 machines of one kind, SDXL's resident step 95-140 ms against 171-198),
+/// and a pick made for another pace misses: SDXL within 4 GiB, planned at a cached 6.7 µs,
+/// ran 1.31x of resident where the host kept that pace and 1.63x where it issued at about
+/// 4.5. `None` on the CPU backend, where nothing streams over a link.
 pub fn measure_machine(device: &Device) -> Result<Option<MachineProbe>> {
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(cuda) => {
+            let path = machine_cache_path(&cuda.name()?, cuda.ordinal());
+            measure_machine_cached(device, path)
+        }
+        #[allow(unreachable_patterns)]
+        _ => Ok(None),
+    }
+}
+
+/// [`measure_machine`] with the cache at `path` (`None`: no cache, measured every time).
+pub fn measure_machine_cached(
+    device: &Device,
+    path: Option<PathBuf>,
+) -> Result<Option<MachineProbe>> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(cuda) => {
             let gpu = cuda.name()?;
-            let path = machine_cache_path(&gpu, cuda.ordinal());
             if let Some(machine) = path.as_deref().and_then(|p| read_machine(p).ok().flatten()) {
+                let host = measure_host(device, cuda)?;
                 return Ok(Some(MachineProbe {
-                    machine,
+                    machine: host.on(machine),
                     gpu,
                     cached: true,
                 }));
@@ -64,7 +89,10 @@ pub fn measure_machine(device: &Device) -> Result<Option<MachineProbe>> {
             }))
         }
         #[allow(unreachable_patterns)]
-        _ => Ok(None),
+        _ => {
+            drop(path);
+            Ok(None)
+        }
     }
 }
 
@@ -506,9 +534,56 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             Ok(())
         })?;
     drop((codes, scale));
-    // The host's cost of an op: chains of small recorded ops (their kernels take less than
-    // the host's issue), issued, then their backward; ops that launch work (a scale and a
-    // product), then views (a reshape and a transpose).
+    let host = measure_host(device, cuda)?;
+    let machine = host.on(Machine {
+        upload_gib_per_s: link,
+        coded_upload_gib_per_s: coded_link,
+        duplex_gib_per_s: duplex,
+        gemm_tflops: gemm,
+        conv_tflops: conv,
+        attention_tflops: [a64, a128],
+        attention_backward_tflops: [b64, b128],
+        memory_gib_per_s: memory,
+        wire_decode_gib_per_s: wire_decode,
+        wire_decode_cost_ms_per_gib: decode_cost,
+        fp8_decode_gib_per_s: fp8_decode,
+        fp8_product_tflops: fp8_product,
+        int8_product_tflops: int8_product,
+        host_product_gib_per_s: crate::memory::products::measure_rate(),
+        ..Machine::REFERENCE
+    });
+    machine.check().map_err(Error::Stream)?;
+    Ok(machine)
+}
+
+/// The host's costs of issuing recorded work, µs: an op, its backward, a view, its backward.
+#[cfg(feature = "cuda")]
+struct HostCosts([f64; 4]);
+
+#[cfg(feature = "cuda")]
+impl HostCosts {
+    /// `m` with these host costs.
+    fn on(&self, m: Machine) -> Machine {
+        let [op_us, backward_op_us, view_us, backward_view_us] = self.0;
+        Machine {
+            op_us,
+            backward_op_us,
+            view_us,
+            backward_view_us,
+            ..m
+        }
+    }
+}
+
+/// The host's cost of an op: chains of small recorded ops (their kernels take less than
+/// the host's issue), issued, then their backward; ops that launch work (a scale and a
+/// product), then views (a reshape and a transpose). The fastest of `REPEATS` each.
+#[cfg(feature = "cuda")]
+fn measure_host(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Result<HostCosts> {
+    use crate::{DType, Tensor};
+    use std::time::Instant;
+    let sync = || cuda.synchronize();
+    let _g = crate::no_grad();
     let chain = |views: bool| -> Result<(f64, f64)> {
         const OPS: usize = 400;
         let w = Tensor::ones((16usize, 16usize), DType::BF16, device)?.requires_grad_()?;
@@ -540,28 +615,12 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
     };
     let (op_us, backward_op_us) = chain(false)?;
     let (view_us, backward_view_us) = chain(true)?;
-    let machine = Machine {
-        upload_gib_per_s: link,
-        coded_upload_gib_per_s: coded_link,
-        duplex_gib_per_s: duplex,
-        gemm_tflops: gemm,
-        conv_tflops: conv,
-        attention_tflops: [a64, a128],
-        attention_backward_tflops: [b64, b128],
-        memory_gib_per_s: memory,
+    Ok(HostCosts([
         op_us,
         backward_op_us,
         view_us,
         backward_view_us,
-        wire_decode_gib_per_s: wire_decode,
-        wire_decode_cost_ms_per_gib: decode_cost,
-        fp8_decode_gib_per_s: fp8_decode,
-        fp8_product_tflops: fp8_product,
-        int8_product_tflops: int8_product,
-        host_product_gib_per_s: crate::memory::products::measure_rate(),
-    };
-    machine.check().map_err(Error::Stream)?;
-    Ok(machine)
+    ]))
 }
 
 #[cfg(test)]

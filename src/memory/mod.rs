@@ -37,7 +37,10 @@ mod switches;
 mod trace;
 
 pub use budget::{hold_to_budget, split_budget, LATE_HEADROOM};
-pub use machine::{machine_cache_path, measure_machine, read_machine, write_machine, MachineProbe};
+pub use machine::{
+    machine_cache_path, measure_machine, measure_machine_cached, read_machine, write_machine,
+    MachineProbe,
+};
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{
     carry, cost_model, spread_evenly, BlockCost, BlockShape, Machine, MemoryProfile, NoPlan,

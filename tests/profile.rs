@@ -130,3 +130,52 @@ fn a_low_rank_input_gradient_is_summed_by_a_gemm_not_an_add() {
         "x's gradient: max error {err} of {scale}"
     );
 }
+
+/// Two host threads launching onto the one stream while profiling (as re-runs issued ahead
+/// do): every kernel is filed once, and each pair of events brackets its own kernel alone,
+/// so the kernels' sum stays within the time the work took.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU"]
+fn kernels_launched_from_two_threads_are_each_timed_alone() {
+    let _turn = PROFILER.lock().unwrap_or_else(|e| e.into_inner());
+    use flame::{DType, Device, Tensor};
+    let dev = Device::cuda(0).unwrap();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    let a = Tensor::randn((512, 512), DType::BF16, &dev, 1).unwrap();
+    const EACH: usize = 200;
+    let chain = |a: &Tensor| {
+        let mut h = a.clone();
+        for _ in 0..EACH {
+            h = h.matmul(a).unwrap().affine(0.04, 0.0).unwrap();
+        }
+        h
+    };
+    let _g = flame::no_grad();
+    drop(chain(&a));
+    cuda.synchronize().unwrap();
+    profile::enable(true);
+    let t = std::time::Instant::now();
+    std::thread::scope(|s| {
+        let helper = s.spawn(|| {
+            let _g = flame::no_grad();
+            chain(&a)
+        });
+        drop(chain(&a));
+        drop(helper.join().unwrap());
+    });
+    cuda.synchronize().unwrap();
+    let wall_ms = t.elapsed().as_secs_f64() * 1e3;
+    let p = profile::report().unwrap();
+    profile::enable(false);
+    let find = |k: &str| p.kinds.iter().find(|r| r.category == k).cloned();
+    let gemm = find("gemm").expect("a gemm row");
+    assert_eq!(gemm.kernels, 2 * EACH, "{p:?}");
+    let kernels_ms: f64 = p.kinds.iter().map(|r| r.ms).sum();
+    assert!(
+        kernels_ms <= wall_ms,
+        "the kernels' sum {kernels_ms:.2} ms past the {wall_ms:.2} ms the work took"
+    );
+}

@@ -3,7 +3,10 @@
 //! "gemm" for cuBLAS, "cast" for dtype conversions) and, inside a [`scope`], under the
 //! scope's name as well; [`report`] waits for the device and sums the events' times. The
 //! events cost the host a few microseconds per kernel, so the step's wall time is taken
-//! with profiling off; the difference to the kernels' sum is the time the GPU waited.
+//! with profiling off; the difference to the kernels' sum is the time the GPU waited. While
+//! profiling, a kernel's launch and its two events are one at a time across host threads
+//! (re-runs issued ahead launch from a helper thread onto the same stream), so each pair
+//! brackets its own kernel alone.
 //!
 //! Scopes are the forward's only: the backward's kernels of a scoped layer are filed under
 //! their own categories, and under the recorded op whose gradient they compute (the
@@ -142,21 +145,58 @@ mod imp {
     const TIMED: Option<cudarc::driver::sys::CUevent_flags> =
         Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
 
-    /// A kernel's start event, while profiling.
-    pub(crate) struct Span(Option<CudaEvent>);
+    /// Held from a kernel's start event to its end event while profiling: where two host
+    /// threads launch onto one stream (re-runs issued ahead, `autograd::ahead`), one
+    /// thread's kernel would otherwise land between the other's pair of events and be
+    /// counted twice.
+    static LAUNCH: Mutex<()> = Mutex::new(());
+
+    thread_local! {
+        /// Spans open on this thread: a launch inside another's span takes no second lock.
+        static OPEN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// A kernel's start event, while profiling, and the launch lock it holds.
+    pub(crate) struct Span {
+        start: Option<CudaEvent>,
+        /// Whether this span counts in `OPEN` (profiling was on at its start).
+        open: bool,
+        _launch: Option<std::sync::MutexGuard<'static, ()>>,
+    }
 
     impl Span {
         /// Before a launch on `stream` (a device's compute stream).
         pub(crate) fn start(stream: &CudaStream) -> Span {
             if !super::enabled() {
-                return Span(None);
+                return Span {
+                    start: None,
+                    open: false,
+                    _launch: None,
+                };
             }
-            Span(stream.record_event(TIMED).ok())
+            let outer = OPEN.with(|o| {
+                let n = o.get();
+                o.set(n + 1);
+                n == 0
+            });
+            let launch = if outer {
+                // A poisoned lock still serialises: take it back.
+                Some(LAUNCH.lock().unwrap_or_else(|e| e.into_inner()))
+            } else {
+                None
+            };
+            Span {
+                start: stream.record_event(TIMED).ok(),
+                open: true,
+                _launch: launch,
+            }
         }
 
         /// After the launch of kernel `name` on `stream`: files it under `kind`.
-        pub(crate) fn stop(self, stream: &CudaStream, kind: &str, name: &str) {
-            let Some(start) = self.0 else { return };
+        pub(crate) fn stop(mut self, stream: &CudaStream, kind: &str, name: &str) {
+            let Some(start) = self.start.take() else {
+                return;
+            };
             if let Ok(end) = stream.record_event(TIMED) {
                 let rec = Record {
                     kind: kind.to_string(),
@@ -169,6 +209,15 @@ mod imp {
                 if let Ok(mut r) = RECORDS.lock() {
                     r.push(rec);
                 }
+            }
+        }
+    }
+
+    impl Drop for Span {
+        fn drop(&mut self) {
+            // The lock (if this span holds it) goes with the span, after its end event.
+            if self.open {
+                OPEN.with(|o| o.set(o.get().saturating_sub(1)));
             }
         }
     }

@@ -156,12 +156,36 @@ mod imp {
         static OPEN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     }
 
-    /// A kernel's start event, while profiling, and the launch lock it holds.
+    /// An open span's place in `OPEN`, and the launch lock where it is this thread's
+    /// outermost span.
+    struct Launching {
+        _lock: Option<std::sync::MutexGuard<'static, ()>>,
+    }
+
+    impl Launching {
+        fn enter() -> Launching {
+            let outer = OPEN.with(|o| {
+                let n = o.get();
+                o.set(n + 1);
+                n == 0
+            });
+            // A poisoned lock still serialises: take it back.
+            Launching {
+                _lock: outer.then(|| LAUNCH.lock().unwrap_or_else(|e| e.into_inner())),
+            }
+        }
+    }
+
+    impl Drop for Launching {
+        fn drop(&mut self) {
+            OPEN.with(|o| o.set(o.get().saturating_sub(1)));
+        }
+    }
+
+    /// A kernel's start event, while profiling, and its hold on the launch lock.
     pub(crate) struct Span {
         start: Option<CudaEvent>,
-        /// Whether this span counts in `OPEN` (profiling was on at its start).
-        open: bool,
-        _launch: Option<std::sync::MutexGuard<'static, ()>>,
+        _launching: Option<Launching>,
     }
 
     impl Span {
@@ -170,31 +194,24 @@ mod imp {
             if !super::enabled() {
                 return Span {
                     start: None,
-                    open: false,
-                    _launch: None,
+                    _launching: None,
                 };
             }
-            let outer = OPEN.with(|o| {
-                let n = o.get();
-                o.set(n + 1);
-                n == 0
-            });
-            let launch = if outer {
-                // A poisoned lock still serialises: take it back.
-                Some(LAUNCH.lock().unwrap_or_else(|e| e.into_inner()))
-            } else {
-                None
-            };
+            let launching = Launching::enter();
             Span {
                 start: stream.record_event(TIMED).ok(),
-                open: true,
-                _launch: launch,
+                _launching: Some(launching),
             }
         }
 
         /// After the launch of kernel `name` on `stream`: files it under `kind`.
-        pub(crate) fn stop(mut self, stream: &CudaStream, kind: &str, name: &str) {
-            let Some(start) = self.start.take() else {
+        pub(crate) fn stop(self, stream: &CudaStream, kind: &str, name: &str) {
+            // The lock is held until the end event is recorded.
+            let Span {
+                start,
+                _launching: _held,
+            } = self;
+            let Some(start) = start else {
                 return;
             };
             if let Ok(end) = stream.record_event(TIMED) {
@@ -209,15 +226,6 @@ mod imp {
                 if let Ok(mut r) = RECORDS.lock() {
                     r.push(rec);
                 }
-            }
-        }
-    }
-
-    impl Drop for Span {
-        fn drop(&mut self) {
-            // The lock (if this span holds it) goes with the span, after its end event.
-            if self.open {
-                OPEN.with(|o| o.set(o.get().saturating_sub(1)));
             }
         }
     }

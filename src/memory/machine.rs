@@ -70,9 +70,8 @@ pub fn measure_machine_cached(
         Device::Cuda(cuda) => {
             let gpu = cuda.name()?;
             if let Some(machine) = path.as_deref().and_then(|p| read_machine(p).ok().flatten()) {
-                let host = measure_host(device, cuda)?;
                 return Ok(Some(MachineProbe {
-                    machine: host.on(machine),
+                    machine: with_host_timed(device, cuda, machine)?,
                     gpu,
                     cached: true,
                 }));
@@ -534,52 +533,43 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             Ok(())
         })?;
     drop((codes, scale));
-    let host = measure_host(device, cuda)?;
-    let machine = host.on(Machine {
-        upload_gib_per_s: link,
-        coded_upload_gib_per_s: coded_link,
-        duplex_gib_per_s: duplex,
-        gemm_tflops: gemm,
-        conv_tflops: conv,
-        attention_tflops: [a64, a128],
-        attention_backward_tflops: [b64, b128],
-        memory_gib_per_s: memory,
-        wire_decode_gib_per_s: wire_decode,
-        wire_decode_cost_ms_per_gib: decode_cost,
-        fp8_decode_gib_per_s: fp8_decode,
-        fp8_product_tflops: fp8_product,
-        int8_product_tflops: int8_product,
-        host_product_gib_per_s: crate::memory::products::measure_rate(),
-        ..Machine::REFERENCE
-    });
+    let machine = with_host_timed(
+        device,
+        cuda,
+        Machine {
+            upload_gib_per_s: link,
+            coded_upload_gib_per_s: coded_link,
+            duplex_gib_per_s: duplex,
+            gemm_tflops: gemm,
+            conv_tflops: conv,
+            attention_tflops: [a64, a128],
+            attention_backward_tflops: [b64, b128],
+            memory_gib_per_s: memory,
+            wire_decode_gib_per_s: wire_decode,
+            wire_decode_cost_ms_per_gib: decode_cost,
+            fp8_decode_gib_per_s: fp8_decode,
+            fp8_product_tflops: fp8_product,
+            int8_product_tflops: int8_product,
+            host_product_gib_per_s: crate::memory::products::measure_rate(),
+            // The host's costs: timed by `with_host_timed`.
+            ..Machine::REFERENCE
+        },
+    )?;
     machine.check().map_err(Error::Stream)?;
     Ok(machine)
 }
 
-/// The host's costs of issuing recorded work, µs: an op, its backward, a view, its backward.
+/// `m` with the host's costs of issuing recorded work timed now (`Machine::op_us`,
+/// `backward_op_us`, `view_us`, `backward_view_us`): chains of small recorded ops (their
+/// kernels take less than the host's issue), issued, then their backward; ops that launch
+/// work (a scale and a product), then views (a reshape and a transpose). The fastest of
+/// `REPEATS` each.
 #[cfg(feature = "cuda")]
-struct HostCosts([f64; 4]);
-
-#[cfg(feature = "cuda")]
-impl HostCosts {
-    /// `m` with these host costs.
-    fn on(&self, m: Machine) -> Machine {
-        let [op_us, backward_op_us, view_us, backward_view_us] = self.0;
-        Machine {
-            op_us,
-            backward_op_us,
-            view_us,
-            backward_view_us,
-            ..m
-        }
-    }
-}
-
-/// The host's cost of an op: chains of small recorded ops (their kernels take less than
-/// the host's issue), issued, then their backward; ops that launch work (a scale and a
-/// product), then views (a reshape and a transpose). The fastest of `REPEATS` each.
-#[cfg(feature = "cuda")]
-fn measure_host(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Result<HostCosts> {
+fn with_host_timed(
+    device: &Device,
+    cuda: &crate::backend::cuda::CudaDevice,
+    m: Machine,
+) -> Result<Machine> {
     use crate::{DType, Tensor};
     use std::time::Instant;
     let sync = || cuda.synchronize();
@@ -615,12 +605,13 @@ fn measure_host(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
     };
     let (op_us, backward_op_us) = chain(false)?;
     let (view_us, backward_view_us) = chain(true)?;
-    Ok(HostCosts([
+    Ok(Machine {
         op_us,
         backward_op_us,
         view_us,
         backward_view_us,
-    ]))
+        ..m
+    })
 }
 
 #[cfg(test)]

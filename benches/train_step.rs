@@ -53,7 +53,9 @@
 //!
 //! `--rerun-ahead` (a plan given by hand) issues each checkpoint's re-run on a helper
 //! thread while the backward before it is issued (`flame::autograd::ahead`,
-//! `Plan::rerun_ahead`); `--serial-reruns` keeps the planner from it.
+//! `Plan::rerun_ahead`); `--serial-reruns` keeps the planner from it. Under a cap, those
+//! re-runs run on the GPU's second compute stream beside the backward
+//! (`CudaDevice::set_side_stream`); `--one-stream` keeps them on the compute stream.
 
 mod common;
 
@@ -227,6 +229,8 @@ fn run<M: ModelSpec>(
         cuda.release_cached()?;
         cuda.set_memory_limit(None);
     }
+    // `--one-stream`: re-runs issued ahead stay on the compute stream (no side stream).
+    cuda.set_side_stream(!args.flag("--one-stream"));
     // What the process holds outside the allocator (the context, cuBLAS) is measured once a
     // device: now, before the first model of the process, as `train` measures it before
     // caching (`memory::split_budget` then reuses it).
@@ -642,10 +646,11 @@ fn run<M: ModelSpec>(
     }
     cuda.reset_peak_memory();
     let mut losses = vec![first];
-    let (evictions, flushes, overflows) = (
+    let (evictions, flushes, overflows, windows) = (
         cuda.memory().evictions,
         cuda.memory().flushes,
         cuda.memory().overflows,
+        cuda.memory().side_windows,
     );
     // The driver's view of the device memory, sampled every 2 ms through the timed steps:
     // the cap's proof is its peak, not its value after the last sync.
@@ -715,10 +720,11 @@ fn run<M: ModelSpec>(
     sampling.store(false, Ordering::Relaxed);
     let (driver_peak, process_peak) = sampler.join().unwrap_or((0, 0));
     let per_step = |n: u64| n as f64 / timed as f64;
-    let (evictions, flushes, overflows) = (
+    let (evictions, flushes, overflows, windows) = (
         per_step(cuda.memory().evictions - evictions),
         per_step(cuda.memory().flushes - flushes),
         per_step(cuda.memory().overflows - overflows),
+        per_step(cuda.memory().side_windows - windows),
     );
     if !root {
         return Ok(None);
@@ -931,7 +937,7 @@ fn run<M: ModelSpec>(
         _ => "none".into(),
     };
     println!(
-        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}, batch {batch} on {world} GPU(s), {:.3} samples/s): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB, peak while stepping {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step ({decoded_per_step:.2} GiB of weights) | cache evictions {evictions:.1}/step, pool trims {flushes:.1}/step, beyond the arena {overflows:.1}/step",
+        "flame {name} LoRA step (rank 16, {:.1} M adapter params, base {}, {}, plan: {plan}, {streamed_gib:.2} GiB in host memory, cap {cap}, batch {batch} on {world} GPU(s), {:.3} samples/s): {ms:.1} ms | base weights {:.2} GiB | peak {:.2} GiB (predicted {predicted:.2}) | device in use (driver) {:.2} GiB, peak while stepping {:.2} GiB | host peak RSS {:.2} GiB | streamed {per_step:.2} GiB/step ({decoded_per_step:.2} GiB of weights) | cache evictions {evictions:.1}/step, pool trims {flushes:.1}/step, beyond the arena {overflows:.1}/step, re-runs on the side stream {windows:.1}/step",
         n_params as f64 / 1e6,
         match (fp8, products) {
             (_, Some(flame::backend::fp8::Code8::E4m3)) => "fp8 with 8-bit products",

@@ -895,3 +895,42 @@ impl Device {
         on_device!(self, d => d.full(&Shape::from(1), dtype, 0.0))
     }
 }
+
+/// A window of work on a GPU's side stream (`Device::side_window`): see the CUDA backend's
+/// `SideWindow`. Without the CUDA backend there is none.
+pub(crate) struct SideWindow {
+    #[cfg(feature = "cuda")]
+    inner: crate::backend::cuda::SideWindow,
+    #[cfg(not(feature = "cuda"))]
+    _none: std::convert::Infallible,
+}
+
+impl SideWindow {
+    /// Issues `f`'s work on the side stream from this thread.
+    pub(crate) fn run<R>(&mut self, f: impl FnOnce() -> R) -> Result<R> {
+        #[cfg(feature = "cuda")]
+        return self.inner.run(f);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = f;
+            match self._none {}
+        }
+    }
+
+    /// Ends the window: the compute stream waits for its work (the window drops here).
+    pub(crate) fn join(self) {}
+}
+
+impl Device {
+    /// A window of work on this GPU's second compute stream, beside the work other threads
+    /// issue on the compute stream (a checkpoint's re-run issued ahead: `autograd::ahead`);
+    /// None on the CPU, where the side stream is off, or without a cap's arena.
+    pub(crate) fn side_window(&self) -> Result<Option<SideWindow>> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => Ok(d.side_window()?.map(|inner| SideWindow { inner })),
+            #[allow(unreachable_patterns)]
+            _ => Ok(None),
+        }
+    }
+}

@@ -596,6 +596,52 @@ fn sdxl_blocks_checkpointed_or_streamed_give_the_resident_gradients() {
     );
 }
 
+/// Under a cap, whose arena keeps the two streams' reuse of freed memory apart, the re-runs
+/// issued ahead run on the GPU's side stream beside the backward the walking thread issues:
+/// the gradients still equal the resident run's bit for bit (Flux, FP8 Flux and SDXL).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn re_runs_on_the_side_stream_give_the_resident_gradients() {
+    let _one = cuda_alone();
+    let Ok(dev) = Device::cuda(0) else {
+        panic!("no CUDA device");
+    };
+    let Device::Cuda(cuda) = &dev else {
+        panic!("not a CUDA device");
+    };
+    cuda.set_side_stream(true);
+    cuda.set_memory_limit(Some(cuda.memory().in_use + (4 << 30)));
+    let before = cuda.memory().side_windows;
+    for fp8 in [false, true] {
+        check_model_on(
+            &dev,
+            if fp8 {
+                "fp8 flux, side stream"
+            } else {
+                "flux, side stream"
+            },
+            fp8,
+            |vb| Flux::new(vb, &tiny_flux()),
+            |m, e| m.exec = e,
+            flux_loss,
+            tiny_flux().block_prefixes(),
+        );
+    }
+    check_model_on(
+        &dev,
+        "sdxl, side stream",
+        false,
+        |vb| Unet::new(vb, &tiny_sdxl()),
+        |m, e| m.exec = e,
+        sdxl_loss,
+        tiny_sdxl().block_prefixes(),
+    );
+    let windows = cuda.memory().side_windows - before;
+    cuda.set_memory_limit(None);
+    assert!(windows > 0, "no re-run ran on the side stream");
+}
+
 #[test]
 fn block_prefixes_name_every_block_the_models_build() {
     // Streaming a prefix that is not a block would leave its weights resident silently:

@@ -580,6 +580,10 @@ enum Ahead {
 /// A re-run, its hooks entered: the fresh leaves of the inputs and the outputs recorded from
 /// them, or its error (the hooks' `exit` follows either way).
 struct Rerun {
+    /// The side stream's window the re-run ran in, if it ran there (issued ahead on a GPU
+    /// with a cap's arena): dropped, the compute stream waits for it. First, so that it drops
+    /// before the tensors the re-run made.
+    side: Option<crate::device::SideWindow>,
     run: Result<(Vec<Tensor>, Vec<Tensor>)>,
     /// What the re-run counted on the thread that ran it: kept outputs reused, ops and views
     /// recorded (`kept_reused`, `super::recorded_ops`), for the walking thread to count
@@ -604,22 +608,30 @@ impl RerunParts {
     /// The hooks' `enter` (its error: the result's), then the re-run with them on this
     /// thread's stack: fresh leaves for the inputs that need gradients (the re-run's graph
     /// ends there, and their gradients are read back out of `grads` after the backward),
-    /// and the outputs.
-    fn run(&self) -> Result<Rerun> {
+    /// and the outputs. With `side` (a re-run issued ahead), the block's work goes on the
+    /// GPU's side stream where there is one (`Device::side_window`), beside the backward the
+    /// walking thread issues.
+    fn run(&self, side: bool) -> Result<Rerun> {
         if let Some(h) = &self.hooks {
             h.enter(Pass::Backward, Some(self.digest))?;
         }
         let _pushed = push_hooks(&self.hooks);
         let (reused, (ops, views)) = (kept_reused(), super::recorded_ops());
-        let run = self.rerun();
+        let mut window = None;
+        let run = self.rerun(side.then_some(&mut window));
         let (reused2, (ops2, views2)) = (kept_reused(), super::recorded_ops());
         Ok(Rerun {
+            side: window,
             run,
             counts: (reused2 - reused, ops2 - ops, views2 - views),
         })
     }
 
-    fn rerun(&self) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+    /// With `side`, the block's function runs in a side window, kept there for the caller.
+    fn rerun(
+        &self,
+        side: Option<&mut Option<crate::device::SideWindow>>,
+    ) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
         let leaves = self
             .saved
             .iter()
@@ -634,11 +646,22 @@ impl RerunParts {
                 Ok(leaf)
             })
             .collect::<Result<Vec<_>>>()?;
+        let window = match (side, leaves.first()) {
+            (Some(slot), Some(x)) => {
+                *slot = x.device().side_window()?;
+                slot.as_mut()
+            }
+            _ => None,
+        };
         let (outputs, unread) = {
             let _rec = enable_grad();
             let _draws = DrawGuard::push(DrawMode::Replay(self.draws.clone(), 0));
             let kept = KeepGuard::push(KeepMode::Replay(self.kept.clone(), 0, Vec::new()));
-            let outputs = (self.f)(&leaves);
+            // The buffers the block frees before it returns are the side stream's.
+            let outputs = match window {
+                Some(w) => w.run(|| (self.f)(&leaves))?,
+                None => (self.f)(&leaves),
+            };
             let unread = kept.finish_unread();
             (outputs?, unread)
         };
@@ -665,7 +688,7 @@ impl CustomBackward for Checkpoint {
             return;
         }
         let parts = self.parts.clone();
-        *slot = super::ahead::offer(move || parts.run()).map(Ahead::Issued);
+        *slot = super::ahead::offer(move || parts.run(true)).map(Ahead::Issued);
     }
 
     fn settle(&self) {
@@ -698,8 +721,12 @@ impl CustomBackward for Checkpoint {
                 super::count_recorded(ops, views);
                 r
             }
-            None => self.parts.run()?,
+            None => self.parts.run(false)?,
         };
+        // The compute stream waits for a side stream's re-run before it reads what it made.
+        if let Some(w) = rerun.side {
+            w.join();
+        }
         let hooks = &self.parts.hooks;
         let r = {
             let _pushed = push_hooks(hooks);

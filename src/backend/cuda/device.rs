@@ -57,6 +57,65 @@ struct Inner {
     /// What the process held outside FLAME's allocator when a budget was first split on
     /// this device (`CudaDevice::held_for_budget`).
     budget_held: Mutex<Option<u64>>,
+    /// The second compute stream that checkpoints' re-runs issued ahead run on, beside the
+    /// backward (`CudaDevice::side_window`), with its own cuBLAS handles and completion
+    /// counters; made on first use.
+    side: OnceLock<Side>,
+    /// Whether re-runs issued ahead may take the side stream (`set_side_stream`).
+    side_on: std::sync::atomic::AtomicBool,
+    /// Whether f32 matmuls may use TF32 (`set_allow_tf32`), for the side's cuBLAS handle.
+    tf32: std::sync::atomic::AtomicBool,
+}
+
+/// A window of work on the side stream (`CudaDevice::side_window`): `run` issues the work
+/// there; dropping it makes the compute stream wait for the window's end, after which what
+/// the side stream's work freed is the compute stream's to reuse. Drop it before the compute
+/// stream reads or frees anything the work made.
+pub(crate) struct SideWindow {
+    dev: CudaDevice,
+    window: u64,
+    /// The window's end on the side stream, once `run` has issued its work.
+    end: Option<cudarc::driver::CudaEvent>,
+    ran: bool,
+}
+
+impl SideWindow {
+    /// Issues `f`'s work on the side stream from this thread (its kernels, GEMMs and
+    /// buffers); once per window. The buffers `f` drops before it returns are the side's.
+    pub(crate) fn run<R>(&mut self, f: impl FnOnce() -> R) -> Result<R> {
+        if self.ran {
+            return Err(Error::Cuda("a side window runs one piece of work".into()));
+        }
+        self.ran = true;
+        let before = super::memory::set_on_side(true);
+        let r = f();
+        super::memory::set_on_side(before);
+        self.end = Some(self.dev.0.mem.side_close()?);
+        Ok(r)
+    }
+}
+
+impl Drop for SideWindow {
+    fn drop(&mut self) {
+        let end = match self.end.take() {
+            Some(e) => Some(e),
+            None => self.dev.0.mem.side_close().ok(),
+        };
+        if let Some(e) = end {
+            // An error here leaves the window's frees unsettled: kept from the compute
+            // stream, never handed to it early.
+            let _ = self.dev.0.mem.side_settle(self.window, &e);
+        }
+    }
+}
+
+/// The side stream and what its work needs of its own: kernels on two streams at once may
+/// not share a cuBLAS handle's stream, a cuBLASLt workspace or the completion counters.
+struct Side {
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    lt: OnceLock<super::lt::Lt>,
+    done: OnceLock<CudaSlice<u32>>,
 }
 
 /// How many completion counters `CudaDevice::done_counters` holds (16 KiB).
@@ -172,6 +231,9 @@ impl CudaDevice {
             offload: OnceLock::new(),
             comm: OnceLock::new(),
             budget_held: Mutex::new(None),
+            side: OnceLock::new(),
+            side_on: std::sync::atomic::AtomicBool::new(true),
+            tf32: std::sync::atomic::AtomicBool::new(false),
         })))
     }
 
@@ -188,23 +250,117 @@ impl CudaDevice {
         self.0.ordinal
     }
 
-    /// The one stream all of FLAME's work on this GPU is queued on, in order.
+    /// The stream this thread's work on this GPU is queued on, in order: the compute stream,
+    /// or the side stream while this thread issues a re-run in a side window
+    /// (`side_window`).
     pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.0.stream
+        match self.side_now() {
+            Some(s) => &s.stream,
+            None => &self.0.stream,
+        }
+    }
+
+    /// The side stream's parts when this thread's work goes there now.
+    fn side_now(&self) -> Option<&Side> {
+        if super::memory::on() == super::memory::On::Side {
+            self.0.side.get()
+        } else {
+            None
+        }
     }
 
     pub(crate) fn blas(&self) -> &CudaBlas {
-        &self.0.blas
+        match self.side_now() {
+            Some(s) => &s.blas,
+            None => &self.0.blas,
+        }
     }
 
-    /// cuBLASLt's handle and workspace (`lt.rs`), made on first use.
+    /// cuBLASLt's handle and workspace (`lt.rs`) of the stream this thread's work goes on,
+    /// made on first use.
     pub(crate) fn lt(&self) -> Result<&super::lt::Lt> {
-        if let Some(lt) = self.0.lt.get() {
+        let (cell, stream) = match self.side_now() {
+            Some(s) => (&s.lt, &s.stream),
+            None => (&self.0.lt, &self.0.stream),
+        };
+        if let Some(lt) = cell.get() {
             return Ok(lt);
         }
-        let lt = super::lt::Lt::new(&self.0.stream, self.compute_capability_major())?;
+        let lt = super::lt::Lt::new(stream, self.compute_capability_major())?;
         // A racing thread may have set it first; its handle serves as well.
-        Ok(self.0.lt.get_or_init(|| lt))
+        Ok(cell.get_or_init(|| lt))
+    }
+
+    /// Notes TF32 on or off for f32 matmuls, and sets it on the side stream's handle too.
+    pub(super) fn set_tf32_flag(&self, on: bool) {
+        self.0.tf32.store(on, std::sync::atomic::Ordering::Relaxed);
+        if let Some(side) = self.0.side.get() {
+            let _ = super::matmul::set_math(&side.blas, on);
+        }
+    }
+
+    /// Whether checkpoints' re-runs issued ahead run on a second compute stream, beside the
+    /// backward (on by default; see `side_window`).
+    pub fn set_side_stream(&self, on: bool) {
+        self.0
+            .side_on
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Opens a window of work on the side stream for the calling thread: a checkpoint's
+    /// re-run issued ahead (`autograd::ahead`) then runs beside the backward the walking
+    /// thread issues on the compute stream, and small kernels of the two fill the GPU
+    /// together where each alone leaves it partly idle. The side stream first waits for the
+    /// compute stream's work so far (the re-run's inputs and weights are ready); the compute
+    /// stream waits for the window's end before it reads what the re-run made
+    /// (`SideWindow`'s drop). Buffers freed after one stream's work are not handed to the
+    /// other before it has waited so (`memory.rs`, the arena's tags). None where the side
+    /// stream is off (`set_side_stream`) or there is no cap's arena (the cache keeps no
+    /// tags): the work stays on the compute stream.
+    pub(crate) fn side_window(&self) -> Result<Option<SideWindow>> {
+        use std::sync::atomic::Ordering;
+        if !self.0.side_on.load(Ordering::Relaxed) || super::memory::on() == super::memory::On::Side
+        {
+            return Ok(None);
+        }
+        if self.0.side.get().is_none() {
+            let err = |e| Error::Cuda(format!("creating the side stream: {e:?}"));
+            self.0.ctx.bind_to_thread().map_err(err)?;
+            let stream = self.0.ctx.new_stream().map_err(err)?;
+            let blas = CudaBlas::new(stream.clone())
+                .map_err(|e| Error::Cuda(format!("creating cuBLAS: {e:?}")))?;
+            // A racing thread may have set it first; either serves.
+            let made = self
+                .0
+                .side
+                .set(Side {
+                    stream,
+                    blas,
+                    lt: OnceLock::new(),
+                    done: OnceLock::new(),
+                })
+                .is_ok();
+            if made && self.0.tf32.load(Ordering::Relaxed) {
+                let side = self
+                    .0
+                    .side
+                    .get()
+                    .ok_or(Error::Poisoned("the side stream"))?;
+                super::matmul::set_math(&side.blas, true)?;
+            }
+        }
+        let side = self
+            .0
+            .side
+            .get()
+            .ok_or(Error::Poisoned("the side stream"))?;
+        self.0.mem.set_side_stream(side.stream.clone());
+        Ok(self.0.mem.side_open()?.map(|window| SideWindow {
+            dev: self.clone(),
+            window,
+            end: None,
+            ran: false,
+        }))
     }
 
     pub(crate) fn sm_count(&self) -> usize {
@@ -345,23 +501,24 @@ impl CudaDevice {
 
     /// The address of the device's `DONE_COUNTERS` zeroed completion counters (see
     /// `Inner::done`).
+    /// The side stream has counters of its own.
     pub(crate) fn done_counters(&self) -> Result<u64> {
         use cudarc::driver::DevicePtr;
-        if self.0.done.get().is_none() {
-            let zero = self
-                .0
-                .stream
+        let (cell, stream) = match self.side_now() {
+            Some(s) => (&s.done, &s.stream),
+            None => (&self.0.done, &self.0.stream),
+        };
+        if cell.get().is_none() {
+            let zero = stream
                 .alloc_zeros::<u32>(DONE_COUNTERS)
                 .map_err(cuda_err("allocating the completion counters"))?;
             // A racing thread may have set it first; either zeroed buffer serves.
-            let _ = self.0.done.set(zero);
+            let _ = cell.set(zero);
         }
-        let done = self
-            .0
-            .done
+        let done = cell
             .get()
             .ok_or(Error::Poisoned("CUDA completion counter"))?;
-        Ok(done.device_ptr(&self.0.stream).0)
+        Ok(done.device_ptr(stream).0)
     }
 
     /// Uninitialised device memory for `len` elements, counted against the limit.

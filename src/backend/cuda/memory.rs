@@ -34,6 +34,26 @@ use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+thread_local! {
+    /// Whether this thread is issuing a re-run onto the side stream (`CudaDevice::side_window`):
+    /// its kernels, GEMMs and buffers are the side stream's.
+    static ON_SIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The stream this thread's work is ordered on now.
+pub(crate) fn on() -> On {
+    if ON_SIDE.with(|s| s.get()) {
+        On::Side
+    } else {
+        On::Compute
+    }
+}
+
+/// Sets whether this thread's work goes on the side stream; the previous setting.
+pub(crate) fn set_on_side(side: bool) -> bool {
+    ON_SIDE.with(|s| s.replace(side))
+}
+
 /// Requests are rounded up to this many bytes, so near sizes share a free list.
 const ROUND: u64 = 512;
 
@@ -80,6 +100,9 @@ pub struct MemoryReport {
     /// Bytes of the cap's arena in no live buffer (0 without an arena): the process holds
     /// them from the driver although FLAME counts none of them in use.
     pub arena_free: u64,
+    /// Windows of work the side stream ran so far (checkpoints' re-runs issued ahead beside
+    /// the backward: `CudaDevice::set_side_stream`).
+    pub side_windows: u64,
 }
 
 /// The free lists and counters of one device, shared by every buffer made on it.
@@ -105,6 +128,12 @@ pub(crate) struct Pool {
     has_arena: AtomicBool,
     /// Whether making the arena was tried (a failure falls back to the cache's eviction).
     arena_tried: AtomicBool,
+    /// The side stream, once made (`CudaDevice::side_window`).
+    side: std::sync::OnceLock<Arc<CudaStream>>,
+    /// Driver allocations freed after the side stream's work, released once the compute
+    /// stream has waited for it.
+    deferred: Mutex<Vec<(sys::CUdeviceptr, u64)>>,
+    side_windows: AtomicU64,
 }
 
 /// Device memory of `len` elements; dropping it returns the memory to its pool's cache.
@@ -133,6 +162,12 @@ enum Home {
 /// No driver call per buffer, no pieces the driver's pool cannot reuse: the memory the
 /// process holds is the arena, whatever the buffers' sizes. Reuse is safe in compute-stream
 /// order, as the cache's (copies into a new buffer wait for the compute stream first).
+///
+/// While a checkpoint's re-run runs on the side stream (`CudaDevice::side_window`), the two
+/// streams' frees are kept apart by `Tag`s until each stream has waited for the other: the
+/// side stream reuses what the compute stream freed before the side last waited for it, and
+/// its own frees; the compute stream reuses what the side stream freed once it has waited
+/// for that window's end.
 struct Arena {
     base: sys::CUdeviceptr,
     size: u64,
@@ -141,6 +176,35 @@ struct Arena {
     by_length: BTreeSet<(u64, u64)>,
     /// Offsets of the live large buffers.
     large: BTreeSet<u64>,
+    /// The free ranges one of the streams may not reuse yet, by offset (see `Tag`); a range
+    /// without one is free for both.
+    tags: BTreeMap<u64, Tag>,
+    /// How many times the side stream has waited for the compute stream's work so far.
+    side_synced: u64,
+    /// The last side window opened (0: none yet), and whether it is open.
+    window: u64,
+    side_active: bool,
+    /// The last side window whose end the compute stream has waited for.
+    settled: u64,
+}
+
+/// Which stream's work last used a free range that the other may not reuse yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tag {
+    /// Freed after the compute stream's work while a side window was open, at this count of
+    /// the side stream's waits (`Arena::side_synced`): the side stream may reuse it once it
+    /// has waited again.
+    main: u64,
+    /// Freed after the side stream's work in this window: the compute stream may reuse it
+    /// once it has waited for the window's end (`Arena::settled`).
+    side: u64,
+}
+
+/// The stream a request or a free is ordered on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum On {
+    Compute,
+    Side,
 }
 
 impl Arena {
@@ -151,19 +215,37 @@ impl Arena {
             by_offset: BTreeMap::from([(0, size)]),
             by_length: BTreeSet::from([(size, 0)]),
             large: BTreeSet::new(),
+            tags: BTreeMap::new(),
+            side_synced: 0,
+            window: 0,
+            side_active: false,
+            settled: 0,
         }
     }
 
-    /// The offset of `bytes`: a small request (under `ARENA_LARGE`) cut from the start of the
-    /// smallest free range below every live large buffer that holds it (else the smallest
-    /// anywhere), a large one from the end of the highest free range that holds it, so large
-    /// and small buffers grow from opposite ends and small ones do not split the room large
-    /// ones need: a range a large buffer left among large ones (a streamed block's, whose
-    /// successor takes its place) stays whole for the next large one.
-    fn take(&mut self, bytes: u64) -> Option<u64> {
+    /// Whether the free range at `off` may serve a request ordered on `on`.
+    fn usable(&self, off: u64, on: On) -> bool {
+        match (self.tags.get(&off), on) {
+            (None, _) => true,
+            (Some(t), On::Compute) => t.side <= self.settled,
+            (Some(t), On::Side) => t.main < self.side_synced,
+        }
+    }
+
+    /// The offset of `bytes` for work on `on`: a small request (under `ARENA_LARGE`) cut
+    /// from the start of the smallest free range below every live large buffer that holds it
+    /// (else the smallest anywhere), a large one from the end of the highest free range that
+    /// holds it, so large and small buffers grow from opposite ends and small ones do not
+    /// split the room large ones need: a range a large buffer left among large ones (a
+    /// streamed block's, whose successor takes its place) stays whole for the next large one.
+    /// Ranges `on` may not reuse yet are passed over.
+    fn take(&mut self, bytes: u64, on: On) -> Option<u64> {
         let (len, off) = if bytes < ARENA_LARGE {
             let low = self.large.first().copied().unwrap_or(self.size);
-            let mut fits = self.by_length.range((bytes, 0)..);
+            let mut fits = self
+                .by_length
+                .range((bytes, 0)..)
+                .filter(|&&(_, off)| self.usable(off, on));
             match fits.clone().find(|&&(len, off)| off + len <= low) {
                 Some(r) => *r,
                 None => *fits.next()?,
@@ -172,11 +254,12 @@ impl Arena {
             self.by_offset
                 .iter()
                 .rev()
-                .find(|(_, &len)| len >= bytes)
+                .find(|(&off, &len)| len >= bytes && self.usable(off, on))
                 .map(|(&off, &len)| (len, off))?
         };
         self.by_length.remove(&(len, off));
         self.by_offset.remove(&off);
+        let tag = self.tags.remove(&off);
         let (rest, at) = if bytes < ARENA_LARGE {
             ((off + bytes, len - bytes), off)
         } else {
@@ -185,6 +268,9 @@ impl Arena {
         if rest.1 > 0 {
             self.by_offset.insert(rest.0, rest.1);
             self.by_length.insert((rest.1, rest.0));
+            if let Some(t) = tag {
+                self.tags.insert(rest.0, t);
+            }
         }
         if bytes >= ARENA_LARGE {
             self.large.insert(at);
@@ -192,25 +278,70 @@ impl Arena {
         Some(at)
     }
 
-    /// Frees `bytes` at `off`, merged with the free ranges on either side.
-    fn give(&mut self, mut off: u64, mut bytes: u64) {
+    /// Frees `bytes` at `off` after work on `on`, merged with the free ranges on either side
+    /// that carry the same tag.
+    fn give(&mut self, mut off: u64, mut bytes: u64, on: On) {
         if bytes >= ARENA_LARGE {
             self.large.remove(&off);
         }
-        if let Some(next) = self.by_offset.remove(&(off + bytes)) {
-            self.by_length.remove(&(next, off + bytes));
-            bytes += next;
+        let tag = match on {
+            On::Compute if self.side_active => Some(Tag {
+                main: self.side_synced,
+                side: 0,
+            }),
+            On::Compute => None,
+            On::Side => Some(Tag {
+                main: 0,
+                side: self.window,
+            }),
+        };
+        if let Some(&next) = self.by_offset.get(&(off + bytes)) {
+            if self.tags.get(&(off + bytes)).copied() == tag {
+                self.by_offset.remove(&(off + bytes));
+                self.by_length.remove(&(next, off + bytes));
+                self.tags.remove(&(off + bytes));
+                bytes += next;
+            }
         }
         if let Some((&prev, &len)) = self.by_offset.range(..off).next_back() {
-            if prev + len == off {
+            if prev + len == off && self.tags.get(&prev).copied() == tag {
                 self.by_offset.remove(&prev);
                 self.by_length.remove(&(len, prev));
+                self.tags.remove(&prev);
                 off = prev;
                 bytes += len;
             }
         }
         self.by_offset.insert(off, bytes);
         self.by_length.insert((bytes, off));
+        if let Some(t) = tag {
+            self.tags.insert(off, t);
+        }
+    }
+
+    /// Drops the tags both streams have waited past and merges the free neighbours they
+    /// kept apart.
+    fn clean(&mut self) {
+        let (synced, settled) = (self.side_synced, self.settled);
+        self.tags
+            .retain(|_, t| !(t.main < synced && t.side <= settled));
+        let mut merged: Vec<(u64, u64)> = Vec::new();
+        for (&off, &len) in &self.by_offset {
+            match merged.last_mut() {
+                Some((o, l))
+                    if *o + *l == off
+                        && !self.tags.contains_key(o)
+                        && !self.tags.contains_key(&off) =>
+                {
+                    *l += len;
+                }
+                _ => merged.push((off, len)),
+            }
+        }
+        if merged.len() < self.by_offset.len() {
+            self.by_offset = merged.iter().copied().collect();
+            self.by_length = merged.iter().map(|&(o, l)| (l, o)).collect();
+        }
     }
 
     /// The largest free range.
@@ -298,7 +429,7 @@ impl<T> Drop for DevBuf<T> {
                 pool.in_use.fetch_sub(*bytes, Ordering::Relaxed);
                 if let Ok(mut a) = pool.arena.lock() {
                     if let Some(a) = a.as_mut() {
-                        a.give(*offset, *bytes);
+                        a.give(*offset, *bytes, on());
                     }
                 }
                 return;
@@ -308,7 +439,14 @@ impl<T> Drop for DevBuf<T> {
         };
         pool.in_use.fetch_sub(*bytes, Ordering::Relaxed);
         // With an arena, memory from the driver goes back to it: the cap counts the arena.
+        // After the side stream's work, once the compute stream has waited for it.
         if pool.has_arena.load(Ordering::Relaxed) {
+            if on() == On::Side {
+                if let Ok(mut d) = pool.deferred.lock() {
+                    d.push((ptr, *bytes));
+                    return;
+                }
+            }
             pool.release(ptr, *bytes);
             return;
         }
@@ -343,6 +481,9 @@ impl Pool {
             arena: Mutex::new(None),
             has_arena: AtomicBool::new(false),
             arena_tried: AtomicBool::new(false),
+            side: std::sync::OnceLock::new(),
+            deferred: Mutex::new(Vec::new()),
+            side_windows: AtomicU64::new(0),
         }
     }
 
@@ -420,16 +561,105 @@ impl Pool {
 
     /// `bytes` from the arena, if there is one: its offset, or None when no free range holds
     /// them (with the largest free range).
+    /// Work on the side stream that finds no range it may reuse waits for the compute
+    /// stream's work so far (its frees are then the side's to reuse too) and asks again.
     fn arena_take(&self, bytes: u64) -> Option<std::result::Result<(sys::CUdeviceptr, u64), u64>> {
         if !self.has_arena.load(Ordering::Relaxed) {
             return None;
         }
         let mut a = self.arena.lock().ok()?;
         let a = a.as_mut()?;
-        Some(match a.take(bytes) {
+        let on = on();
+        let mut taken = a.take(bytes, on);
+        if taken.is_none() {
+            let synced = on == On::Side && self.side_waits(a).is_ok();
+            if synced || !a.tags.is_empty() {
+                a.clean();
+                taken = a.take(bytes, on);
+            }
+        }
+        Some(match taken {
             Some(off) => Ok((a.base + off, off)),
             None => Err(a.largest()),
         })
+    }
+
+    /// The side stream waits for the compute stream's work queued so far; under the arena's
+    /// lock, so no free slips between the mark and the count.
+    fn side_waits(&self, a: &mut Arena) -> Result<()> {
+        let side = self.side.get().ok_or(Error::Poisoned("the side stream"))?;
+        let mark = self
+            .stream
+            .record_event(None)
+            .map_err(|e| Error::Cuda(format!("marking the compute stream: {e:?}")))?;
+        side.wait(&mark)
+            .map_err(|e| Error::Cuda(format!("the side stream waiting: {e:?}")))?;
+        a.side_synced += 1;
+        Ok(())
+    }
+
+    /// Makes `side` the side stream (once).
+    pub(crate) fn set_side_stream(&self, side: Arc<CudaStream>) {
+        let _ = self.side.set(side);
+    }
+
+    /// Opens a window of work on the side stream, which first waits for the compute stream's
+    /// work so far: its number, or None without an arena (nothing then keeps the streams'
+    /// reuse apart, so the work stays on the compute stream).
+    pub(crate) fn side_open(&self) -> Result<Option<u64>> {
+        if !self.has_arena() || self.side.get().is_none() {
+            return Ok(None);
+        }
+        let mut a = self
+            .arena
+            .lock()
+            .map_err(|_| Error::Poisoned("the GPU arena"))?;
+        let Some(a) = a.as_mut() else {
+            return Ok(None);
+        };
+        self.side_waits(a)?;
+        a.window += 1;
+        a.side_active = true;
+        a.clean();
+        self.side_windows.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(a.window))
+    }
+
+    /// Closes the open side window: the event of its work's end.
+    pub(crate) fn side_close(&self) -> Result<cudarc::driver::CudaEvent> {
+        let side = self.side.get().ok_or(Error::Poisoned("the side stream"))?;
+        let mut a = self
+            .arena
+            .lock()
+            .map_err(|_| Error::Poisoned("the GPU arena"))?;
+        if let Some(a) = a.as_mut() {
+            a.side_active = false;
+        }
+        side.record_event(None)
+            .map_err(|e| Error::Cuda(format!("marking the side stream: {e:?}")))
+    }
+
+    /// The compute stream waits for side window `window`'s `end`; what the side stream's
+    /// work freed is then the compute stream's to reuse.
+    pub(crate) fn side_settle(&self, window: u64, end: &cudarc::driver::CudaEvent) -> Result<()> {
+        self.stream
+            .wait(end)
+            .map_err(|e| Error::Cuda(format!("the compute stream waiting: {e:?}")))?;
+        if let Ok(mut a) = self.arena.lock() {
+            if let Some(a) = a.as_mut() {
+                a.settled = a.settled.max(window);
+                a.clean();
+            }
+        }
+        let freed = self
+            .deferred
+            .lock()
+            .map(|mut d| std::mem::take(&mut *d))
+            .unwrap_or_default();
+        for (ptr, bytes) in freed {
+            self.release(ptr, bytes);
+        }
+        Ok(())
     }
 
     pub(crate) fn report(&self) -> MemoryReport {
@@ -444,6 +674,7 @@ impl Pool {
             overflows: self.overflows.load(Ordering::Relaxed),
             arena_room: self.arena_room(),
             arena_free: self.arena_free(),
+            side_windows: self.side_windows.load(Ordering::Relaxed),
         }
     }
 
@@ -782,4 +1013,82 @@ fn set_release_threshold(ordinal: usize, bytes: u64) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// An arena with a side window open, as `Pool::side_open` leaves it.
+    fn opened(a: &mut Arena) {
+        a.side_synced += 1;
+        a.window += 1;
+        a.side_active = true;
+    }
+
+    #[test]
+    fn without_a_side_window_frees_merge_and_serve_both_streams() {
+        let mut a = Arena::new(0, 16 * MIB);
+        let x = a.take(MIB, On::Compute).unwrap();
+        let y = a.take(MIB, On::Compute).unwrap();
+        a.give(x, MIB, On::Compute);
+        a.give(y, MIB, On::Compute);
+        assert!(a.tags.is_empty());
+        assert_eq!(a.by_offset.len(), 1, "{:?}", a.by_offset);
+        assert_eq!(a.largest(), 16 * MIB);
+    }
+
+    #[test]
+    fn each_stream_reuses_the_others_frees_only_after_waiting_for_them() {
+        let mut a = Arena::new(0, 8 * MIB);
+        // Fill the arena with four buffers, then open a window.
+        let bufs: Vec<u64> = (0..4)
+            .map(|_| a.take(2 * MIB, On::Compute).unwrap())
+            .collect();
+        opened(&mut a);
+        // The compute stream frees one while the side works: not the side's yet.
+        a.give(bufs[0], 2 * MIB, On::Compute);
+        assert_eq!(a.take(2 * MIB, On::Side), None);
+        // The side frees one of its own: its to reuse, not the compute stream's.
+        a.give(bufs[1], 2 * MIB, On::Side);
+        let again = a.take(2 * MIB, On::Side).unwrap();
+        assert_eq!(again, bufs[1]);
+        a.give(again, 2 * MIB, On::Side);
+        // The compute stream takes its own free, never the side's.
+        assert_eq!(a.take(2 * MIB, On::Compute), Some(bufs[0]));
+        assert_eq!(a.take(2 * MIB, On::Compute), None);
+        a.give(bufs[0], 2 * MIB, On::Compute);
+        // The two frees sit side by side but stay apart: their tags differ.
+        assert_eq!(a.by_offset.len(), 2, "{:?}", a.by_offset);
+        // The window closes and the compute stream waits for its end: the side's free is
+        // the compute stream's; the compute stream's free is still not the side's.
+        a.side_active = false;
+        a.settled = a.window;
+        a.clean();
+        assert!(a.usable(bufs[1], On::Compute));
+        assert!(!a.usable(bufs[0], On::Side));
+        // The next window waits for the compute stream first: everything is both's, merged.
+        opened(&mut a);
+        a.clean();
+        assert!(a.tags.is_empty(), "{:?}", a.tags);
+        assert_eq!(a.by_offset.len(), 1, "{:?}", a.by_offset);
+        assert_eq!(a.take(4 * MIB, On::Side), Some(0));
+    }
+
+    #[test]
+    fn a_split_range_keeps_its_tag() {
+        let mut a = Arena::new(0, 8 * MIB);
+        let x = a.take(4 * MIB, On::Compute).unwrap();
+        let _rest = a.take(4 * MIB, On::Compute).unwrap();
+        opened(&mut a);
+        a.give(x, 4 * MIB, On::Side);
+        let part = a.take(MIB, On::Side).unwrap();
+        assert_eq!(part, x);
+        // The rest of the side's free is still the side's alone.
+        assert!(!a.usable(x + MIB, On::Compute));
+        assert!(a.usable(x + MIB, On::Side));
+        assert_eq!(a.take(MIB, On::Compute), None);
+    }
 }

@@ -30,6 +30,7 @@ pub(crate) mod ptx {
 }
 
 pub use device::CudaDevice;
+pub(crate) use device::SideWindow;
 pub(crate) use host::{PinnedBuf, PinnedPack, Staging, Upload};
 pub use memory::MemoryReport;
 

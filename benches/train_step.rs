@@ -9,7 +9,8 @@
 //! printed; the allocator is capped at the budget), or by hand `--checkpoint
 //! none|all|every:N`, `--stream N` (N blocks spread evenly over the model), `--prefetch K`
 //! (with the planner too: every streaming plan then fetches K ahead),
-//! `--keep-attention`, `--keep-down` (the down-projections' outputs), `--no-keep-few` (the
+//! `--cap GB` (the allocator capped for a plan given by hand), `--keep-attention`,
+//! `--keep-down` (the down-projections' outputs), `--no-keep-few` (the
 //! outputs of Linears that see few rows are recomputed, and their weights not left out of the
 //! backward's uploads; with the planner too), `--raw-wire` (streamed
 //! bf16 weights cross the link uncoded, with the planner too), `--shallow` (the forward
@@ -401,6 +402,12 @@ fn run<M: ModelSpec>(
             }
         }
         None => {
+            // `--cap GB`: the allocator capped at GB for a plan given by hand (its arena, as a
+            // budget's).
+            if let Some(gb) = args.value("--cap") {
+                let gb: f64 = gb.parse().expect("--cap GB");
+                cuda.set_memory_limit(Some((gb * GIB) as u64));
+            }
             let checkpointing = match args.value("--checkpoint").as_deref() {
                 None | Some("none") => Checkpointing::Off,
                 Some(s) => s
@@ -933,6 +940,9 @@ fn run<M: ModelSpec>(
         std::env::var("FLAME_GPU_MEMORY_LIMIT"),
     ) {
         (Some(gb), _) => format!("{gb} GiB (budget)"),
+        (None, _) if args.value("--cap").is_some() => {
+            format!("{} GiB", args.value("--cap").unwrap_or_default())
+        }
         (None, Ok(b)) => format!("{:.1} GiB", b.parse::<f64>().unwrap_or(0.0) / GIB),
         _ => "none".into(),
     };

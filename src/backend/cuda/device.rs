@@ -73,7 +73,6 @@ struct Inner {
 /// stream reads or frees anything the work made.
 pub(crate) struct SideWindow {
     dev: CudaDevice,
-    window: u64,
     /// The window's end on the side stream, once `run` has issued its work.
     end: Option<cudarc::driver::CudaEvent>,
     ran: bool,
@@ -104,7 +103,7 @@ impl Drop for SideWindow {
         if let Some(e) = end {
             // An error here leaves the window's frees unsettled: kept from the compute
             // stream, never handed to it early.
-            let _ = self.dev.0.mem.side_settle(self.window, &e);
+            let _ = self.dev.0.mem.side_settle(&e);
         }
     }
 }
@@ -355,9 +354,8 @@ impl CudaDevice {
             .get()
             .ok_or(Error::Poisoned("the side stream"))?;
         self.0.mem.set_side_stream(side.stream.clone());
-        Ok(self.0.mem.side_open()?.map(|window| SideWindow {
+        Ok(self.0.mem.side_open()?.then(|| SideWindow {
             dev: self.clone(),
-            window,
             end: None,
             ran: false,
         }))

@@ -179,13 +179,12 @@ struct Arena {
     /// The free ranges one of the streams may not reuse yet, by offset (see `Tag`); a range
     /// without one is free for both.
     tags: BTreeMap<u64, Tag>,
-    /// How many times the side stream has waited for the compute stream's work so far.
+    /// One more than the times the side stream has waited for the compute stream's work.
     side_synced: u64,
-    /// The last side window opened (0: none yet), and whether it is open.
-    window: u64,
+    /// One more than the times the compute stream has waited for the side stream's work.
+    main_synced: u64,
+    /// Whether a side window is open (the side stream may take buffers).
     side_active: bool,
-    /// The last side window whose end the compute stream has waited for.
-    settled: u64,
 }
 
 /// Which stream's work last used a free range that the other may not reuse yet.
@@ -193,10 +192,11 @@ struct Arena {
 struct Tag {
     /// Freed after the compute stream's work while a side window was open, at this count of
     /// the side stream's waits (`Arena::side_synced`): the side stream may reuse it once it
-    /// has waited again.
+    /// has waited again (0: no such free).
     main: u64,
-    /// Freed after the side stream's work in this window: the compute stream may reuse it
-    /// once it has waited for the window's end (`Arena::settled`).
+    /// Freed after the side stream's work, at this count of the compute stream's waits
+    /// (`Arena::main_synced`): the compute stream may reuse it once it has waited again
+    /// (0: no such free).
     side: u64,
 }
 
@@ -216,10 +216,9 @@ impl Arena {
             by_length: BTreeSet::from([(size, 0)]),
             large: BTreeSet::new(),
             tags: BTreeMap::new(),
-            side_synced: 0,
-            window: 0,
+            side_synced: 1,
+            main_synced: 1,
             side_active: false,
-            settled: 0,
         }
     }
 
@@ -227,7 +226,7 @@ impl Arena {
     fn usable(&self, off: u64, on: On) -> bool {
         match (self.tags.get(&off), on) {
             (None, _) => true,
-            (Some(t), On::Compute) => t.side <= self.settled,
+            (Some(t), On::Compute) => t.side < self.main_synced,
             (Some(t), On::Side) => t.main < self.side_synced,
         }
     }
@@ -292,7 +291,7 @@ impl Arena {
             On::Compute => None,
             On::Side => Some(Tag {
                 main: 0,
-                side: self.window,
+                side: self.main_synced,
             }),
         };
         if let Some(&next) = self.by_offset.get(&(off + bytes)) {
@@ -322,9 +321,8 @@ impl Arena {
     /// Drops the tags both streams have waited past and merges the free neighbours they
     /// kept apart.
     fn clean(&mut self) {
-        let (synced, settled) = (self.side_synced, self.settled);
-        self.tags
-            .retain(|_, t| !(t.main < synced && t.side <= settled));
+        let (side, main) = (self.side_synced, self.main_synced);
+        self.tags.retain(|_, t| !(t.main < side && t.side < main));
         let mut merged: Vec<(u64, u64)> = Vec::new();
         for (&off, &len) in &self.by_offset {
             match merged.last_mut() {
@@ -571,9 +569,14 @@ impl Pool {
         let a = a.as_mut()?;
         let on = on();
         let mut taken = a.take(bytes, on);
-        if taken.is_none() {
-            let synced = on == On::Side && self.side_waits(a).is_ok();
-            if synced || !a.tags.is_empty() {
+        if taken.is_none() && !a.tags.is_empty() {
+            // The ranges the other stream's work freed become this stream's once it waits
+            // for that work.
+            let waited = match on {
+                On::Side => self.side_waits(a),
+                On::Compute => self.compute_waits(a),
+            };
+            if waited.is_ok() {
                 a.clean();
                 taken = a.take(bytes, on);
             }
@@ -598,31 +601,44 @@ impl Pool {
         Ok(())
     }
 
+    /// The compute stream waits for the side stream's work queued so far (under the arena's
+    /// lock).
+    fn compute_waits(&self, a: &mut Arena) -> Result<()> {
+        let side = self.side.get().ok_or(Error::Poisoned("the side stream"))?;
+        let mark = side
+            .record_event(None)
+            .map_err(|e| Error::Cuda(format!("marking the side stream: {e:?}")))?;
+        self.stream
+            .wait(&mark)
+            .map_err(|e| Error::Cuda(format!("the compute stream waiting: {e:?}")))?;
+        a.main_synced += 1;
+        Ok(())
+    }
+
     /// Makes `side` the side stream (once).
     pub(crate) fn set_side_stream(&self, side: Arc<CudaStream>) {
         let _ = self.side.set(side);
     }
 
     /// Opens a window of work on the side stream, which first waits for the compute stream's
-    /// work so far: its number, or None without an arena (nothing then keeps the streams'
-    /// reuse apart, so the work stays on the compute stream).
-    pub(crate) fn side_open(&self) -> Result<Option<u64>> {
+    /// work so far: false without an arena (nothing then keeps the streams' reuse apart, so
+    /// the work stays on the compute stream).
+    pub(crate) fn side_open(&self) -> Result<bool> {
         if !self.has_arena() || self.side.get().is_none() {
-            return Ok(None);
+            return Ok(false);
         }
         let mut a = self
             .arena
             .lock()
             .map_err(|_| Error::Poisoned("the GPU arena"))?;
         let Some(a) = a.as_mut() else {
-            return Ok(None);
+            return Ok(false);
         };
         self.side_waits(a)?;
-        a.window += 1;
         a.side_active = true;
         a.clean();
         self.side_windows.fetch_add(1, Ordering::Relaxed);
-        Ok(Some(a.window))
+        Ok(true)
     }
 
     /// Closes the open side window: the event of its work's end.
@@ -639,15 +655,19 @@ impl Pool {
             .map_err(|e| Error::Cuda(format!("marking the side stream: {e:?}")))
     }
 
-    /// The compute stream waits for side window `window`'s `end`; what the side stream's
-    /// work freed is then the compute stream's to reuse.
-    pub(crate) fn side_settle(&self, window: u64, end: &cudarc::driver::CudaEvent) -> Result<()> {
-        self.stream
-            .wait(end)
-            .map_err(|e| Error::Cuda(format!("the compute stream waiting: {e:?}")))?;
-        if let Ok(mut a) = self.arena.lock() {
+    /// The compute stream waits for a side window's `end`; what the side stream's work
+    /// freed is then the compute stream's to reuse.
+    pub(crate) fn side_settle(&self, end: &cudarc::driver::CudaEvent) -> Result<()> {
+        {
+            let mut a = self
+                .arena
+                .lock()
+                .map_err(|_| Error::Poisoned("the GPU arena"))?;
+            self.stream
+                .wait(end)
+                .map_err(|e| Error::Cuda(format!("the compute stream waiting: {e:?}")))?;
             if let Some(a) = a.as_mut() {
-                a.settled = a.settled.max(window);
+                a.main_synced += 1;
                 a.clean();
             }
         }
@@ -1024,7 +1044,6 @@ mod tests {
     /// An arena with a side window open, as `Pool::side_open` leaves it.
     fn opened(a: &mut Arena) {
         a.side_synced += 1;
-        a.window += 1;
         a.side_active = true;
     }
 
@@ -1065,7 +1084,7 @@ mod tests {
         // The window closes and the compute stream waits for its end: the side's free is
         // the compute stream's; the compute stream's free is still not the side's.
         a.side_active = false;
-        a.settled = a.window;
+        a.main_synced += 1;
         a.clean();
         assert!(a.usable(bufs[1], On::Compute));
         assert!(!a.usable(bufs[0], On::Side));
@@ -1086,9 +1105,12 @@ mod tests {
         a.give(x, 4 * MIB, On::Side);
         let part = a.take(MIB, On::Side).unwrap();
         assert_eq!(part, x);
-        // The rest of the side's free is still the side's alone.
+        // The rest of the side's free is still the side's alone, until the compute stream
+        // waits for the side's work so far.
         assert!(!a.usable(x + MIB, On::Compute));
         assert!(a.usable(x + MIB, On::Side));
         assert_eq!(a.take(MIB, On::Compute), None);
+        a.main_synced += 1;
+        assert_eq!(a.take(MIB, On::Compute), Some(x + MIB));
     }
 }

@@ -54,9 +54,9 @@
 //!
 //! `--rerun-ahead` (a plan given by hand) issues each checkpoint's re-run on a helper
 //! thread while the backward before it is issued (`flame::autograd::ahead`,
-//! `Plan::rerun_ahead`); `--serial-reruns` keeps the planner from it. Under a cap, those
-//! re-runs run on the GPU's second compute stream beside the backward
-//! (`CudaDevice::set_side_stream`); `--one-stream` keeps them on the compute stream.
+//! `Plan::rerun_ahead`); `--serial-reruns` keeps the planner from it. `--side-stream` runs
+//! those re-runs on the GPU's second compute stream beside the backward under a cap
+//! (`CudaDevice::set_side_stream`).
 
 mod common;
 
@@ -230,8 +230,8 @@ fn run<M: ModelSpec>(
         cuda.release_cached()?;
         cuda.set_memory_limit(None);
     }
-    // `--one-stream`: re-runs issued ahead stay on the compute stream (no side stream).
-    cuda.set_side_stream(!args.flag("--one-stream"));
+    // `--side-stream`: re-runs issued ahead run on the side stream under a cap.
+    cuda.set_side_stream(args.flag("--side-stream"));
     // What the process holds outside the allocator (the context, cuBLAS) is measured once a
     // device: now, before the first model of the process, as `train` measures it before
     // caching (`memory::split_budget` then reuses it).

@@ -61,7 +61,8 @@ struct Inner {
     /// backward (`CudaDevice::side_window`), with its own cuBLAS handles and completion
     /// counters; made on first use.
     side: OnceLock<Side>,
-    /// Whether re-runs issued ahead may take the side stream (`set_side_stream`).
+    /// Whether re-runs issued ahead may take the side stream (`set_side_stream`; off until
+    /// set).
     side_on: std::sync::atomic::AtomicBool,
     /// Whether f32 matmuls may use TF32 (`set_allow_tf32`), for the side's cuBLAS handle.
     tf32: std::sync::atomic::AtomicBool,
@@ -231,7 +232,7 @@ impl CudaDevice {
             comm: OnceLock::new(),
             budget_held: Mutex::new(None),
             side: OnceLock::new(),
-            side_on: std::sync::atomic::AtomicBool::new(true),
+            side_on: std::sync::atomic::AtomicBool::new(false),
             tf32: std::sync::atomic::AtomicBool::new(false),
         })))
     }
@@ -299,7 +300,7 @@ impl CudaDevice {
     }
 
     /// Whether checkpoints' re-runs issued ahead run on a second compute stream, beside the
-    /// backward (on by default; see `side_window`).
+    /// backward (off by default; see `side_window`).
     pub fn set_side_stream(&self, on: bool) {
         self.0
             .side_on

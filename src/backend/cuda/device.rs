@@ -291,12 +291,15 @@ impl CudaDevice {
         Ok(cell.get_or_init(|| lt))
     }
 
-    /// Notes TF32 on or off for f32 matmuls, and sets it on the side stream's handle too.
-    pub(super) fn set_tf32_flag(&self, on: bool) {
+    /// Lets f32 matmuls use TF32 tensor cores (10-bit mantissa inputs, f32 accumulation), on
+    /// the side stream's cuBLAS handle too. Off by default: f32 matmuls are then exact f32
+    /// GEMMs.
+    pub fn set_allow_tf32(&self, on: bool) -> Result<()> {
         self.0.tf32.store(on, std::sync::atomic::Ordering::Relaxed);
         if let Some(side) = self.0.side.get() {
-            let _ = super::matmul::set_math(&side.blas, on);
+            set_math(&side.blas, on)?;
         }
+        set_math(&self.0.blas, on)
     }
 
     /// Whether checkpoints' re-runs issued ahead run on a second compute stream, beside the
@@ -346,7 +349,7 @@ impl CudaDevice {
                     .side
                     .get()
                     .ok_or(Error::Poisoned("the side stream"))?;
-                super::matmul::set_math(&side.blas, true)?;
+                set_math(&side.blas, true)?;
             }
         }
         let side = self
@@ -771,3 +774,19 @@ const STACK_BYTES: usize = 256;
 /// A context's bytes where they cannot be measured: about what CUDA 13 takes on an H200
 /// with [`STACK_BYTES`].
 const CONTEXT_BYTES_UNMEASURED: u64 = 320 << 20;
+
+/// TF32 on `blas`'s f32 GEMMs or not.
+fn set_math(blas: &CudaBlas, on: bool) -> Result<()> {
+    use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode, cublasStatus_t};
+    let mode = if on {
+        cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+    } else {
+        cublasMath_t::CUBLAS_DEFAULT_MATH
+    };
+    // SAFETY: the handle is live for the device's lifetime; the mode is a valid enum value.
+    let r = unsafe { cublasSetMathMode(*blas.handle(), mode) };
+    if r != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        return Err(Error::Cuda(format!("cublasSetMathMode: {r:?}")));
+    }
+    Ok(())
+}

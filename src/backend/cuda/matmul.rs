@@ -404,31 +404,6 @@ pub(crate) fn matmul(
     }
 }
 
-impl super::CudaDevice {
-    /// Lets f32 matmuls use TF32 tensor cores (10-bit mantissa inputs, f32 accumulation).
-    /// Off by default: f32 matmuls are then exact f32 GEMMs.
-    pub fn set_allow_tf32(&self, on: bool) -> Result<()> {
-        self.set_tf32_flag(on);
-        set_math(self.blas(), on)
-    }
-}
-
-/// TF32 on `blas`'s f32 GEMMs or not.
-pub(super) fn set_math(blas: &cudarc::cublas::CudaBlas, on: bool) -> Result<()> {
-    use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode, cublasStatus_t};
-    let mode = if on {
-        cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-    } else {
-        cublasMath_t::CUBLAS_DEFAULT_MATH
-    };
-    // SAFETY: the handle is live for the device's lifetime; the mode is a valid enum value.
-    let r = unsafe { cublasSetMathMode(*blas.handle(), mode) };
-    if r != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        return Err(Error::Cuda(format!("cublasSetMathMode: {r:?}")));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

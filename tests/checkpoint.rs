@@ -494,14 +494,18 @@ fn flux_blocks_streamed_on_cuda_give_the_resident_gradients() {
     let Ok(dev) = Device::cuda(0) else {
         panic!("no CUDA device");
     };
+    check_flux_and_fp8_flux(&dev, "on cuda");
+}
+
+/// `check_model_on` for the tiny Flux with its weights as they are and in FP8, each check
+/// named by `how`.
+#[cfg(feature = "cuda")]
+fn check_flux_and_fp8_flux(dev: &Device, how: &str) {
     for fp8 in [false, true] {
+        let what = format!("{}flux {how}", if fp8 { "fp8 " } else { "" });
         check_model_on(
-            &dev,
-            if fp8 {
-                "fp8 flux on cuda"
-            } else {
-                "flux on cuda"
-            },
+            dev,
+            &what,
             fp8,
             |vb| Flux::new(vb, &tiny_flux()),
             |m, e| m.exec = e,
@@ -613,21 +617,7 @@ fn re_runs_on_the_side_stream_give_the_resident_gradients() {
     cuda.set_side_stream(true);
     cuda.set_memory_limit(Some(cuda.memory().in_use + (4 << 30)));
     let before = cuda.memory().side_windows;
-    for fp8 in [false, true] {
-        check_model_on(
-            &dev,
-            if fp8 {
-                "fp8 flux, side stream"
-            } else {
-                "flux, side stream"
-            },
-            fp8,
-            |vb| Flux::new(vb, &tiny_flux()),
-            |m, e| m.exec = e,
-            flux_loss,
-            tiny_flux().block_prefixes(),
-        );
-    }
+    check_flux_and_fp8_flux(&dev, "on the side stream");
     check_model_on(
         &dev,
         "sdxl, side stream",

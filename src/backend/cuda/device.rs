@@ -76,20 +76,27 @@ pub(crate) struct SideWindow {
     dev: CudaDevice,
     /// The window's end on the side stream, once `run` has issued its work.
     end: Option<cudarc::driver::CudaEvent>,
-    ran: bool,
 }
 
 impl SideWindow {
     /// Issues `f`'s work on the side stream from this thread (its kernels, GEMMs and
     /// buffers); once per window. The buffers `f` drops before it returns are the side's.
     pub(crate) fn run<R>(&mut self, f: impl FnOnce() -> R) -> Result<R> {
-        if self.ran {
+        if self.end.is_some() {
             return Err(Error::Cuda("a side window runs one piece of work".into()));
         }
-        self.ran = true;
-        let before = super::memory::set_on_side(true);
-        let r = f();
-        super::memory::set_on_side(before);
+        // Back to the compute stream however `f` ends (a panic on the helper thread is
+        // caught there, and the thread goes on).
+        struct Back(bool);
+        impl Drop for Back {
+            fn drop(&mut self) {
+                super::memory::set_on_side(self.0);
+            }
+        }
+        let r = {
+            let _back = Back(super::memory::set_on_side(true));
+            f()
+        };
         self.end = Some(self.dev.0.mem.side_close()?);
         Ok(r)
     }
@@ -343,25 +350,21 @@ impl CudaDevice {
                     done: OnceLock::new(),
                 })
                 .is_ok();
-            if made && self.0.tf32.load(Ordering::Relaxed) {
+            if made {
                 let side = self
                     .0
                     .side
                     .get()
                     .ok_or(Error::Poisoned("the side stream"))?;
-                set_math(&side.blas, true)?;
+                if self.0.tf32.load(Ordering::Relaxed) {
+                    set_math(&side.blas, true)?;
+                }
+                self.0.mem.set_side_stream(side.stream.clone());
             }
         }
-        let side = self
-            .0
-            .side
-            .get()
-            .ok_or(Error::Poisoned("the side stream"))?;
-        self.0.mem.set_side_stream(side.stream.clone());
         Ok(self.0.mem.side_open()?.then(|| SideWindow {
             dev: self.clone(),
             end: None,
-            ran: false,
         }))
     }
 
@@ -502,8 +505,7 @@ impl CudaDevice {
     }
 
     /// The address of the device's `DONE_COUNTERS` zeroed completion counters (see
-    /// `Inner::done`).
-    /// The side stream has counters of its own.
+    /// `Inner::done`), the side stream's own where this thread's work goes there.
     pub(crate) fn done_counters(&self) -> Result<u64> {
         use cudarc::driver::DevicePtr;
         let (cell, stream) = match self.side_now() {

@@ -559,8 +559,8 @@ impl Pool {
 
     /// `bytes` from the arena, if there is one: its offset, or None when no free range holds
     /// them (with the largest free range).
-    /// Work on the side stream that finds no range it may reuse waits for the compute
-    /// stream's work so far (its frees are then the side's to reuse too) and asks again.
+    /// Work that finds no range its stream may reuse makes that stream wait for the other's
+    /// work so far (the other's frees are then its to reuse too) and asks again.
     fn arena_take(&self, bytes: u64) -> Option<std::result::Result<(sys::CUdeviceptr, u64), u64>> {
         if !self.has_arena.load(Ordering::Relaxed) {
             return None;
@@ -572,11 +572,7 @@ impl Pool {
         if taken.is_none() && !a.tags.is_empty() {
             // The ranges the other stream's work freed become this stream's once it waits
             // for that work.
-            let waited = match on {
-                On::Side => self.side_waits(a),
-                On::Compute => self.compute_waits(a),
-            };
-            if waited.is_ok() {
+            if self.waits(a, on).is_ok() {
                 a.clean();
                 taken = a.take(bytes, on);
             }
@@ -587,31 +583,22 @@ impl Pool {
         })
     }
 
-    /// The side stream waits for the compute stream's work queued so far; under the arena's
-    /// lock, so no free slips between the mark and the count.
-    fn side_waits(&self, a: &mut Arena) -> Result<()> {
+    /// The side stream waits for the compute stream's work queued so far, or the compute
+    /// stream for the side's (`on`: the stream that waits); under the arena's lock, so no
+    /// free slips between the mark and the count.
+    fn waits(&self, a: &mut Arena, on: On) -> Result<()> {
         let side = self.side.get().ok_or(Error::Poisoned("the side stream"))?;
-        let mark = self
-            .stream
+        let (waiter, leader, count) = match on {
+            On::Side => (side, &self.stream, &mut a.side_synced),
+            On::Compute => (&self.stream, side, &mut a.main_synced),
+        };
+        let mark = leader
             .record_event(None)
-            .map_err(|e| Error::Cuda(format!("marking the compute stream: {e:?}")))?;
-        side.wait(&mark)
-            .map_err(|e| Error::Cuda(format!("the side stream waiting: {e:?}")))?;
-        a.side_synced += 1;
-        Ok(())
-    }
-
-    /// The compute stream waits for the side stream's work queued so far (under the arena's
-    /// lock).
-    fn compute_waits(&self, a: &mut Arena) -> Result<()> {
-        let side = self.side.get().ok_or(Error::Poisoned("the side stream"))?;
-        let mark = side
-            .record_event(None)
-            .map_err(|e| Error::Cuda(format!("marking the side stream: {e:?}")))?;
-        self.stream
+            .map_err(|e| Error::Cuda(format!("marking a stream for the other: {e:?}")))?;
+        waiter
             .wait(&mark)
-            .map_err(|e| Error::Cuda(format!("the compute stream waiting: {e:?}")))?;
-        a.main_synced += 1;
+            .map_err(|e| Error::Cuda(format!("a stream waiting for the other: {e:?}")))?;
+        *count += 1;
         Ok(())
     }
 
@@ -634,7 +621,7 @@ impl Pool {
         let Some(a) = a.as_mut() else {
             return Ok(false);
         };
-        self.side_waits(a)?;
+        self.waits(a, On::Side)?;
         a.side_active = true;
         a.clean();
         self.side_windows.fetch_add(1, Ordering::Relaxed);

@@ -11,15 +11,15 @@ host's issue takes no part:
 Then `--rounds` rounds of an eager forward and backward of a fresh stack, each round's mean
 step and the GPU's SM clock, power and temperature (nvidia-smi) around it.
 
-Usage: python3 scripts/unet_layer_overlap.py [--layers 10] [--rounds 6]
+Usage: python3 benches/torch_unet_overlap.py [--layers 10] [--rounds 6]
 """
 
 import argparse
 import subprocess
-import time
 
 import torch
 import torch.nn.functional as F
+from torch_timing import timed as timed_s
 
 N, C, HEADS, CTX, CTX_DIM, FF = 1024, 1280, 20, 77, 2048, 5120
 RANK = 16
@@ -87,13 +87,8 @@ def graph(fn):
 
 
 def timed(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters * 1e3
+    """ms a call (`torch_timing.timed`)."""
+    return timed_s(fn, iters=iters) * 1e3
 
 
 def smi():

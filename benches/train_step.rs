@@ -879,6 +879,7 @@ fn run<M: ModelSpec>(
                 span_us: a.span_us - b.span_us,
                 decode_us: a.decode_us - b.decode_us,
                 timed_uploads: a.timed_uploads - b.timed_uploads,
+                timed_bytes: a.timed_bytes - b.timed_bytes,
                 left_out_bytes: a.left_out_bytes - b.left_out_bytes,
                 host_us: a.host_us - b.host_us,
                 ..a
@@ -887,13 +888,13 @@ fn run<M: ModelSpec>(
                 "streaming on the host: {:.1} ms/step in the blocks' entries and exits",
                 r.host_us as f64 / 1e3 / timed as f64
             );
-            if r.timed_uploads > 0 {
-                // Each upload's bytes are about the same share: the timed ones stand for all.
-                let share = r.timed_uploads as f64 / r.uploads as f64;
+            if r.timed_bytes > 0 {
+                // The timed uploads (one in `TIME_EVERY`) stand for all by their bytes.
+                let share = r.timed_bytes as f64 / r.uploaded_bytes.max(1) as f64;
                 println!(
                     "link: {:.1} ms/step copying at {:.1} GiB/s, {:.1} ms/step from uploads' first copies to their last, decodes {:.1} ms/step ({} of {} uploads timed; the backward leaves up to {} blocks for the forward; {:.2} GiB/step of forward-only weights left out of the backward's uploads)",
                     r.copy_us as f64 / 1e3 / share / timed as f64,
-                    gib(r.uploaded_bytes) * share / (r.copy_us as f64 / 1e6),
+                    gib(r.timed_bytes) / (r.copy_us as f64 / 1e6),
                     r.span_us as f64 / 1e3 / share / timed as f64,
                     r.decode_us as f64 / 1e3 / share / timed as f64,
                     r.timed_uploads,

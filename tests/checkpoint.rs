@@ -5,7 +5,7 @@
 
 use flame::autograd::gradcheck::graph_ops;
 use flame::autograd::{checkpoint, checkpoint_keeping, kept_reused, Keep};
-use flame::memory::{BlockExec, BlockStreamer, Checkpointing, InputOffload};
+use flame::memory::{BlockExec, BlockStreamer, Checkpointing, InputOffload, StreamReport};
 use flame::models::flux::{self, Flux, FluxConfig};
 use flame::models::sd3::{Sd3, Sd3Config};
 use flame::models::sdxl::{SdxlConfig, Unet};
@@ -805,8 +805,8 @@ fn bf16_weights_stream_in_the_wire_code_and_come_back_bit_for_bit() {
 /// `uncoded_first`, run in order for six passes with two blocks fetched ahead: every fetch
 /// brings the exact values, the uploads cross the staging ring at every offset (pieces wrap
 /// around it) and one pass's uploads overlap the next's decodes; the uncoded blocks cross
-/// beside them straight into place. Returns the uploads and the bytes they took on the link.
-fn coded_blocks_cycle(dev: &Device, uncoded_first: usize) -> (u64, u64) {
+/// beside them straight into place. Returns the streamer's report.
+fn coded_blocks_cycle(dev: &Device, uncoded_first: usize) -> StreamReport {
     let n = 5;
     let prefixes: Vec<String> = (0..n).map(|i| format!("b{i}")).collect();
     let s = BlockStreamer::new(dev, prefixes.clone(), 2);
@@ -852,21 +852,27 @@ fn coded_blocks_cycle(dev: &Device, uncoded_first: usize) -> (u64, u64) {
     s.release_all().unwrap();
     // Chosen before the first fetch.
     assert!(s.set_uncoded_first(0).is_err());
-    (r.uploads, r.uploaded_bytes)
+    r
 }
 
 #[test]
 fn coded_blocks_cycle_exactly_on_the_cpu() {
-    let (uploads, coded) = coded_blocks_cycle(&CPU, 0);
-    assert!(uploads >= 5);
+    let coded = coded_blocks_cycle(&CPU, 0);
+    assert!(coded.uploads >= 5);
     // The first two uncoded: the same fetches, more bytes.
-    let (again, more) = coded_blocks_cycle(&CPU, 2);
-    assert_eq!(again, uploads);
-    assert!(more > coded, "{more} against {coded}");
+    let more = coded_blocks_cycle(&CPU, 2);
+    assert_eq!(more.uploads, coded.uploads);
+    assert!(
+        more.uploaded_bytes > coded.uploaded_bytes,
+        "{more:?} against {coded:?}"
+    );
+    // Nothing to time on the CPU.
+    assert_eq!(coded.timed_uploads, 0);
 }
 
 /// The same on the GPU, where the pieces cross a staging ring of the largest block's bytes
-/// and are decoded on the decode stream.
+/// and are decoded on the decode stream, the streams ordered by events reused from one
+/// upload to the next: one upload in `TIME_EVERY` is timed.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -874,13 +880,23 @@ fn coded_blocks_cycle_through_the_staging_ring_on_cuda() {
     let _one = cuda_alone();
     let dev = Device::cuda(0).expect("a CUDA GPU");
     for uncoded_first in [0, 2] {
-        let (uploads, bytes) = coded_blocks_cycle(&dev, uncoded_first);
+        let r = coded_blocks_cycle(&dev, uncoded_first);
+        let (uploads, bytes) = (r.uploads, r.uploaded_bytes);
         // The same fetches as on the CPU.
-        let (cpu_uploads, cpu_bytes) = coded_blocks_cycle(&CPU, uncoded_first);
+        let cpu = coded_blocks_cycle(&CPU, uncoded_first);
+        let (cpu_uploads, cpu_bytes) = (cpu.uploads, cpu.uploaded_bytes);
         assert_eq!(uploads, cpu_uploads);
         assert!(uploads >= 5 * 6 - 3 * 5, "{uploads}");
         // The GPU's packs add only alignment.
         assert!(bytes >= cpu_bytes && bytes < cpu_bytes + uploads * 8 * 256);
+        // One upload in `TIME_EVERY` timed (those finished by the report), with its bytes.
+        assert!(
+            r.timed_uploads >= 1 && r.timed_uploads <= uploads.div_ceil(flame::memory::TIME_EVERY)
+        );
+        assert!(
+            r.timed_bytes > 0 && r.timed_bytes < bytes && r.copy_us > 0,
+            "{r:?}"
+        );
     }
 }
 

@@ -302,13 +302,15 @@ impl Device {
     /// pieces through the staging ring, decoded into place), which returns to the cache when
     /// the last of them drops.
     /// Parts whose entry in `skip` is true (`skip` empty: none) are not brought: `None` in
-    /// their place.
+    /// their place. With `timed`, a GPU upload brackets each copy and decode with timed
+    /// events for `Ticket::copy_ms` (a few more driver calls a piece on the host).
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub(crate) fn upload_pack(
         &self,
         p: &HostPack,
         staging: Option<&Staging>,
         skip: &[bool],
+        timed: bool,
     ) -> Result<(Vec<Option<Storage>>, Ticket)> {
         let parts = p.parts();
         if !skip.is_empty() && skip.len() != parts {
@@ -350,7 +352,7 @@ impl Device {
                     #[allow(unreachable_patterns)]
                     _ => None,
                 };
-                let (storages, u) = d.upload_pack(p, staging, skip)?;
+                let (storages, u) = d.upload_pack(p, staging, skip, timed)?;
                 Ok((
                     storages
                         .into_iter()

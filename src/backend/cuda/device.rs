@@ -44,6 +44,9 @@ struct Inner {
     /// or one per column tile), which the kernel that counts on them sets back to zero (work
     /// on the one stream never overlaps).
     done: OnceLock<CudaSlice<u32>>,
+    /// Events without timing free to be recorded again (marks.rs): the uploads' ordering
+    /// between the copy, decode and compute streams.
+    marks: Arc<super::marks::Marks>,
     /// The stream of streaming copies (host.rs), made on first use.
     copy: OnceLock<Arc<CudaStream>>,
     /// The stream that decodes staged uploads into place (host.rs), made on first use.
@@ -216,6 +219,7 @@ impl CudaDevice {
             .map_err(cuda_err("reading the shared memory a block may use"))? as usize;
         let mem = Arc::new(Pool::new(ordinal, stream.clone(), limit));
         mem.apply_release_threshold()?;
+        let marks = super::marks::Marks::new(ctx.clone());
         Ok(CudaDevice(Arc::new(Inner {
             ordinal,
             ctx,
@@ -233,6 +237,7 @@ impl CudaDevice {
             clusters: Mutex::new(HashMap::new()),
             mem,
             done: OnceLock::new(),
+            marks,
             copy: OnceLock::new(),
             decode: OnceLock::new(),
             offload: OnceLock::new(),
@@ -399,6 +404,11 @@ impl CudaDevice {
 
     pub(crate) fn context(&self) -> &Arc<CudaContext> {
         &self.0.ctx
+    }
+
+    /// The device's reusable events without timing (marks.rs).
+    pub(crate) fn marks(&self) -> &Arc<super::marks::Marks> {
+        &self.0.marks
     }
 
     /// The stream that streaming copies run on (host.rs), made on first use.

@@ -20,6 +20,7 @@
 //!   stream instead; uploads from it run on that stream too, so they follow the write, and
 //!   the host never reads it.
 
+use super::marks::Mark;
 use super::memory::Packed;
 use super::storage::{Buf, CudaStorage};
 use super::{cuda_err, CudaDevice};
@@ -99,11 +100,11 @@ impl PinnedBuf {
 
 /// An event several holders keep: an upload's last copy or decode is its ready event, the end
 /// of its timing and the staging ring's mark of a piece read, one event for all three.
-type Shared = Arc<CudaEvent>;
+type Shared = Arc<Mark>;
 
 /// The event of an upload: the buffer's values are there once the event has completed. A
-/// packed upload also records when each of its copies over the link, and each of its
-/// decodes, began and ended (`copy_ms`).
+/// packed upload asked to be timed also records when each of its copies over the link, and
+/// each of its decodes, began and ended (`copy_ms`).
 pub struct Upload(Shared, Vec<(CudaEvent, Shared)>, Vec<(CudaEvent, Shared)>);
 
 impl Upload {
@@ -391,8 +392,7 @@ impl CudaDevice {
             }
         };
         let copy = self.offload_stream()?;
-        copy.join(self.stream())
-            .map_err(cuda_err("ordering the offload stream after compute"))?;
+        self.marks().join(copy, self.stream())?;
         let dst = host
             .as_mut_slice()
             .map_err(cuda_err("reading the pinned buffer"))?;
@@ -402,9 +402,7 @@ impl CudaDevice {
             result::memcpy_dtoh_async(&mut dst[..bytes], raw(&s.buf, self), copy.cu_stream())
         }
         .map_err(cuda_err("copying to pinned memory"))?;
-        let event = copy
-            .record_event(None)
-            .map_err(cuda_err("recording the copy's event"))?;
+        let event = self.marks().record(copy)?;
         Ok((
             PinnedBuf { host, dtype, len },
             Upload(Arc::new(event), Vec::new(), Vec::new()),
@@ -421,8 +419,7 @@ impl CudaDevice {
             .iter()
             .map(|p| self.alloc_like(p.dtype, p.len))
             .collect::<Result<Vec<_>>>()?;
-        copy.join(self.stream())
-            .map_err(cuda_err("ordering the copy stream after compute"))?;
+        self.marks().join(copy, self.stream())?;
         for (p, storage) in ps.iter().zip(&storages) {
             let bytes = p.len * p.dtype.size_in_bytes();
             // SAFETY: the pinned memory is never written after `stash`; the destination
@@ -431,9 +428,7 @@ impl CudaDevice {
             unsafe { result::memcpy_htod_async(raw(&storage.buf, self), src, copy.cu_stream()) }
                 .map_err(cuda_err("copying from pinned memory"))?;
         }
-        let event = copy
-            .record_event(None)
-            .map_err(cuda_err("recording the copy's event"))?;
+        let event = self.marks().record(copy)?;
         Ok((storages, Upload(Arc::new(event), Vec::new(), Vec::new())))
     }
 
@@ -548,6 +543,7 @@ impl CudaDevice {
         p: &PinnedPack,
         staging: Option<&Staging>,
         skip: &[bool],
+        timed: bool,
     ) -> Result<(Vec<CudaStorage>, Upload)> {
         // An uncoded pack crosses straight into place (a coded streamer's first blocks may
         // be: `BlockStreamer::set_uncoded_first`).
@@ -564,10 +560,10 @@ impl CudaDevice {
         let host = host_ptr(&p.host)?;
         let event = match ring {
             None => {
-                copy.join(self.stream())
-                    .map_err(cuda_err("ordering the copy stream after compute"))?;
-                let start = copy
-                    .record_event(TIMED)
+                self.marks().join(copy, self.stream())?;
+                let start = timed
+                    .then(|| copy.record_event(TIMED))
+                    .transpose()
                     .map_err(cuda_err("recording the copy's start"))?;
                 let runs = p.raw_runs(skip);
                 for (from, to) in runs {
@@ -584,13 +580,18 @@ impl CudaDevice {
                     }
                     .map_err(cuda_err("copying from pinned memory"))?;
                 }
-                let end = Arc::new(
-                    copy.record_event(TIMED)
-                        .map_err(cuda_err("recording the copy's event"))?,
-                );
-                Upload(end.clone(), vec![(start, end)], Vec::new())
+                match start {
+                    Some(start) => {
+                        let end = Arc::new(Mark::own(
+                            copy.record_event(TIMED)
+                                .map_err(cuda_err("recording the copy's event"))?,
+                        ));
+                        Upload(end.clone(), vec![(start, end)], Vec::new())
+                    }
+                    None => Upload(Arc::new(self.marks().record(copy)?), Vec::new(), Vec::new()),
+                }
             }
-            Some(staging) => self.upload_staged(p, &packed, staging, skip)?,
+            Some(staging) => self.upload_staged(p, &packed, staging, skip, timed)?,
         };
         let storages = p
             .parts
@@ -625,6 +626,7 @@ impl CudaDevice {
         packed: &Packed,
         staging: &Staging,
         skip: &[bool],
+        timed: bool,
     ) -> Result<Upload> {
         // The coded parts to bring, each with whether the one before it in the pack's coded
         // bytes is brought too (a piece gathers only adjacent parts).
@@ -677,7 +679,7 @@ impl CudaDevice {
         }
         let copy = self.copy_stream()?;
         let decode = self.decode_stream()?;
-        let queued = self.queue_staged(p, &pieces, &coded, packed, staging, copy, decode);
+        let queued = self.queue_staged(p, &pieces, &coded, packed, staging, copy, decode, timed);
         if queued.is_err() {
             // Some of it may be queued: nothing the copies or decodes touch may return to
             // the cache (the pack's buffer drops with the error) before they are done.
@@ -699,18 +701,34 @@ impl CudaDevice {
         staging: &Staging,
         copy: &Arc<CudaStream>,
         decode: &Arc<CudaStream>,
+        timed: bool,
     ) -> Result<Upload> {
         let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
-        decode
-            .join(self.stream())
-            .map_err(cuda_err("ordering the decode stream after compute"))?;
+        let marks = self.marks();
+        marks.join(decode, self.stream())?;
+        // A timed event of `stream` (`timed` only), or none.
+        let clock = |stream: &CudaStream, what: &'static str| {
+            timed
+                .then(|| stream.record_event(TIMED))
+                .transpose()
+                .map_err(cuda_err(what))
+        };
+        // An event of `stream` its holders share: timed, or a mark without timing.
+        let shared = |stream: &CudaStream, what: &'static str| -> Result<Shared> {
+            Ok(Arc::new(match clock(stream, what)? {
+                Some(e) => Mark::own(e),
+                None => marks.record(stream)?,
+            }))
+        };
         let host = host_ptr(&p.host)?;
         let mut ring = staging
             .ring
             .lock()
             .map_err(|_| Error::Poisoned("staging ring"))?;
-        let mut timing = Vec::with_capacity(pieces.len());
-        let mut decoding = Vec::with_capacity(pieces.len());
+        let mut timing = Vec::with_capacity(if timed { pieces.len() } else { 0 });
+        let mut decoding = Vec::with_capacity(if timed { pieces.len() } else { 0 });
+        // The last piece's decode end.
+        let mut last: Option<Shared> = None;
         for piece in pieces {
             // The piece's range in the ring, and the decode that last read it.
             let mut at = ring.head;
@@ -726,9 +744,7 @@ impl CudaDevice {
                     .map_err(cuda_err("waiting for the staging ring"))?;
                 ring.pending.drain(..=last);
             }
-            let start = copy
-                .record_event(TIMED)
-                .map_err(cuda_err("recording the copy's start"))?;
+            let start = clock(copy, "recording the copy's start")?;
             // SAFETY: the pinned memory is never written after `pack`; the range lies inside
             // the ring (checked against its length above) and nothing reads it until the
             // decode stream waits for this copy.
@@ -736,16 +752,14 @@ impl CudaDevice {
             let dst = staging.buf.base() + at as u64;
             unsafe { result::memcpy_htod_async(dst, src, copy.cu_stream()) }
                 .map_err(cuda_err("copying from pinned memory"))?;
-            let copied = copy
-                .record_event(TIMED)
-                .map_err(cuda_err("recording the copy's event"))?;
+            let copied = shared(copy, "recording the copy's event")?;
             decode
                 .wait(&copied)
                 .map_err(cuda_err("waiting for a staged copy"))?;
-            timing.push((start, Arc::new(copied)));
-            let before = decode
-                .record_event(TIMED)
-                .map_err(cuda_err("recording a decode's start"))?;
+            if let Some(start) = start {
+                timing.push((start, copied));
+            }
+            let before = clock(decode, "recording a decode's start")?;
             if piece.raw {
                 self.copy_staged(decode, dst, packed.base() + piece.from as u64, piece.len)?;
             }
@@ -757,23 +771,18 @@ impl CudaDevice {
                 )
             });
             self.decode_wire(decode, parts)?;
-            let after = Arc::new(
-                decode
-                    .record_event(TIMED)
-                    .map_err(cuda_err("recording a decode's end"))?,
-            );
-            decoding.push((before, after.clone()));
-            ring.pending.push_back((at, at + piece.len, after));
+            let after = shared(decode, "recording a decode's end")?;
+            if let Some(before) = before {
+                decoding.push((before, after.clone()));
+            }
+            ring.pending.push_back((at, at + piece.len, after.clone()));
             ring.head = align(at + piece.len);
+            last = Some(after);
         }
         // The decode stream runs in order: the last piece's end is the upload's.
-        let ready = match decoding.last() {
-            Some((_, e)) => e.clone(),
-            None => Arc::new(
-                decode
-                    .record_event(None)
-                    .map_err(cuda_err("recording the upload's event"))?,
-            ),
+        let ready = match last {
+            Some(e) => e,
+            None => Arc::new(marks.record(decode)?),
         };
         Ok(Upload(ready, timing, decoding))
     }

@@ -16,6 +16,7 @@ mod index;
 mod layout;
 mod lion;
 mod lt;
+mod marks;
 mod matmul;
 mod memory;
 mod multi;

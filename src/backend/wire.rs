@@ -319,7 +319,7 @@ pub fn decode(layout: &Layout, bytes: &[u8], out: &mut [u16]) -> Result<()> {
 
 /// The bytes of the staging ring for uploads of at most `wire` bytes on the link in at most
 /// `pieces` pieces, none of whose raw prefix or coded parts takes more than `part`: the
-/// largest upload, the end of the ring a piece (`wire / 8` bytes or a part) may skip when it
+/// largest upload, the end of the ring a piece (`staging_piece` bytes or a part) may skip when it
 /// wraps, each piece's alignment, and a part more, so that no upload's pieces wrap onto its
 /// own (whose decodes wait for the compute).
 pub(crate) fn staging_ring_bytes(wire: usize, part: usize, pieces: usize) -> usize {
@@ -330,10 +330,18 @@ pub(crate) fn staging_ring_bytes(wire: usize, part: usize, pieces: usize) -> usi
 }
 
 /// The bytes a staged piece gathers coded parts up to, for uploads of at most `wire` bytes on
-/// the link: an eighth of the largest.
+/// the link: an eighth of the largest, and no less than `MIN_PIECE` (or half the largest).
+/// Each piece costs the host about five driver calls (its copy and event, the decode
+/// stream's wait, the decode and its event); eighths of SDXL's units (8 MB) made about eight
+/// pieces an upload where two keep the link and the decodes overlapping.
 pub(crate) fn staging_piece(wire: usize) -> usize {
-    wire / 8
+    (wire / 8).max(MIN_PIECE.min(wire / 2))
 }
+
+/// The least bytes a staged piece gathers coded parts up to (`staging_piece`): 32 MiB, a
+/// fifth of a millisecond on the link of a GPU's PCIe 5 slot (51 GiB/s measured, H200), above
+/// which the host's issue of a piece (about 14 µs, H200) is a small share of its copy.
+pub(crate) const MIN_PIECE: usize = 32 << 20;
 
 #[cfg(test)]
 mod tests {

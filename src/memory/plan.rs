@@ -911,16 +911,17 @@ impl MemoryProfile {
             place[i] = j;
         }
         let m = order.len();
-        // Decode launches a coded upload issues: one a staged piece (an eighth of the largest
-        // streamed block's bytes on the link, `wire::staging_piece`, or one tensor), and more
-        // where its coded tensors outnumber the pieces `DECODE_BATCH` times.
+        // Decode launches a coded upload issues: one a staged piece (`wire::staging_piece` of
+        // the largest streamed block's bytes on the link, or one tensor), and more where its
+        // coded tensors outnumber the pieces `DECODE_BATCH` times.
         let largest_wire = order
             .iter()
             .map(|&i| self.blocks[i].wire_bytes)
             .max()
             .unwrap_or(0);
+        let piece = crate::backend::wire::staging_piece(largest_wire as usize).max(1) as u64;
         let decode_launches = |b: &BlockCost| -> f64 {
-            let pieces = (8 * b.coded_bytes).div_ceil(largest_wire.max(1)).max(1);
+            let pieces = b.coded_bytes.div_ceil(piece).max(1);
             pieces.max(b.tensors.div_ceil(crate::backend::wire::DECODE_BATCH) as u64) as f64
         };
         let ahead = plan.prefetch;

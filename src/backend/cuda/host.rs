@@ -866,7 +866,7 @@ impl CudaDevice {
 
     /// A staging ring for packed uploads of at most `wire` bytes on the link, in at most
     /// `pieces` pieces, whose raw prefix or coded parts take at most `part` each, to land in
-    /// before their decode (`upload_pack`): pieces of up to `wire / 8` bytes or one part, and
+    /// before their decode (`upload_pack`): pieces of up to `wire::staging_piece` bytes or one part, and
     /// room for the largest upload beside one piece (`staging_ring_bytes`). The copy stream
     /// waits here for the compute stream's work so far: the ring's memory may be a buffer
     /// the compute has just freed.

@@ -751,8 +751,9 @@ fn wire_round_trip(dev: &Device) -> (u64, u64) {
             })
             .collect(),
     );
-    // A large tensor, then forty small coded ones: the small ones share a staged piece (an
-    // eighth of the block's bytes on the link), more of them than one decode launch takes.
+    // A large tensor, then forty small coded ones: the small ones share a staged piece
+    // (`staging_piece` of the block's bytes on the link: half of a block this small), more
+    // of them than one decode launch takes.
     values.push(bf16_patterns(4_000_037, 0.05, 99));
     values.extend((0..40).map(|k| bf16_patterns(8_191, 0.01 * (k + 1) as f32, 200 + k as u64)));
     let mut report = (0, 0);

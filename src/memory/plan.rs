@@ -911,12 +911,20 @@ impl MemoryProfile {
             place[i] = j;
         }
         let m = order.len();
+        let ahead = plan.prefetch;
+        let reach = self.reach(plan);
+        let carried = carry(&reach, ahead.max(1));
+        // Whether streamed place `k` crosses coded (`Plan::uncoded_carry`).
+        let coded_at = |k: usize| Self::coded_place(plan, k, carried);
         // Decode launches a coded upload issues: one a staged piece (`wire::staging_piece` of
-        // the largest streamed block's bytes on the link, or one tensor), and more where its
-        // coded tensors outnumber the pieces `DECODE_BATCH` times.
+        // the largest coded upload's bytes on the link, what the streamer's ring is sized
+        // by, or one tensor), and more where its coded tensors outnumber the pieces
+        // `DECODE_BATCH` times.
         let largest_wire = order
             .iter()
-            .map(|&i| self.blocks[i].wire_bytes)
+            .enumerate()
+            .filter(|&(k, &i)| coded_at(k) && self.blocks[i].coded_bytes > 0)
+            .map(|(_, &i)| self.blocks[i].wire_bytes)
             .max()
             .unwrap_or(0);
         let piece = crate::backend::wire::staging_piece(largest_wire as usize).max(1) as u64;
@@ -924,11 +932,6 @@ impl MemoryProfile {
             let pieces = b.coded_bytes.div_ceil(piece).max(1);
             pieces.max(b.tensors.div_ceil(crate::backend::wire::DECODE_BATCH) as u64) as f64
         };
-        let ahead = plan.prefetch;
-        let reach = self.reach(plan);
-        let carried = carry(&reach, ahead.max(1));
-        // Whether streamed place `k` crosses coded (`Plan::uncoded_carry`).
-        let coded_at = |k: usize| Self::coded_place(plan, k, carried);
         // Uploads streamed blocks `ks` not on the device or coming, then returns when block
         // `j`'s upload is done and the compute may start it. Uncoded, an upload runs once the
         // compute has reached `t` (its slot is free) and the link is free. Coded, it crosses

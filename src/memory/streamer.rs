@@ -32,9 +32,9 @@ pub struct StreamReport {
     /// Bytes those uploads put on the device: more than `uploaded_bytes` where bf16 weights
     /// crossed in the link's lossless code (`crate::backend::wire`).
     pub decoded_bytes: u64,
-    /// Microseconds the device spent in those copies, over the copies that have finished and
-    /// were timed (on a GPU; 0 on the CPU backend): `uploaded_bytes` over it is the bandwidth
-    /// the streaming got.
+    /// Microseconds the device spent in the copies that have finished and were timed (on a
+    /// GPU, one upload in `TIME_EVERY`; 0 on the CPU backend): `timed_bytes` over it is the
+    /// bandwidth the streaming got.
     pub copy_us: u64,
     /// Microseconds from each of those uploads' first copy's start to its last copy's end:
     /// more than `copy_us` where a staged upload's copies waited for the staging ring.
@@ -618,8 +618,11 @@ impl BlockStreamer {
         // The copy takes its own pack's bytes (Flux-dev's single blocks, their conditioning
         // weights held on the host, a third of a double block's).
         // One upload in `TIME_EVERY` is timed (each of its copies and decodes between timed
-        // events), or every one while a trace is kept.
-        let timed = trace.is_some() || report.uploads % TIME_EVERY == 0;
+        // events), or every one while a trace is kept: chosen by the upload count's
+        // Fibonacci hash, so that the sample does not lock onto the same places of every
+        // step (a step of a multiple of `TIME_EVERY` uploads would time the same blocks).
+        let timed =
+            trace.is_some() || report.uploads.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 61 == 0;
         let (storages, ticket) = self
             .device
             .upload_pack(pack, staging.as_ref(), skip, timed)?;

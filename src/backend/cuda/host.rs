@@ -530,8 +530,8 @@ impl CudaDevice {
     ///
     /// Without `staging`, one copy on the copy stream after the compute stream's work so far
     /// brings every part as it is. With it (`p` may then hold coded parts), the pack crosses
-    /// the link into the staging ring in pieces of an eighth of the largest upload, none waiting
-    /// for the compute; the decode stream, after the compute stream's work so far and each
+    /// the link into the staging ring in pieces (`crate::backend::wire::staging_piece` of the
+    /// largest upload, or one part), none waiting for the compute; the decode stream, after the compute stream's work so far and each
     /// piece's copy, copies or decodes it into the allocation.
     ///
     /// Parts whose entry in `skip` is true (`skip` empty: none; the caller checks its length)
@@ -556,40 +556,16 @@ impl CudaDevice {
             )));
         }
         let packed = self.alloc_packed(p.used.max(1))?;
-        let copy = self.copy_stream()?;
-        let host = host_ptr(&p.host)?;
         let event = match ring {
             None => {
-                self.marks().join(copy, self.stream())?;
-                let start = timed
-                    .then(|| copy.record_event(TIMED))
-                    .transpose()
-                    .map_err(cuda_err("recording the copy's start"))?;
-                let runs = p.raw_runs(skip);
-                for (from, to) in runs {
-                    // SAFETY: the pinned memory is never written after `pack`; the range lies
-                    // within its first `raw` bytes and the destination's `used`, and is not
-                    // read before the compute stream waits on the event.
-                    let src = unsafe { std::slice::from_raw_parts(host.add(from), to - from) };
-                    unsafe {
-                        result::memcpy_htod_async(
-                            packed.base() + from as u64,
-                            src,
-                            copy.cu_stream(),
-                        )
-                    }
-                    .map_err(cuda_err("copying from pinned memory"))?;
+                let copy = self.copy_stream()?;
+                let queued = self.upload_direct(p, &packed, copy, skip, timed);
+                if queued.is_err() {
+                    // Some copies may be queued: the pack's buffer drops with the error, and
+                    // returns to the cache only after them.
+                    let _ = self.stream().join(copy);
                 }
-                match start {
-                    Some(start) => {
-                        let end = Arc::new(Mark::own(
-                            copy.record_event(TIMED)
-                                .map_err(cuda_err("recording the copy's event"))?,
-                        ));
-                        Upload(end.clone(), vec![(start, end)], Vec::new())
-                    }
-                    None => Upload(Arc::new(self.marks().record(copy)?), Vec::new(), Vec::new()),
-                }
+                queued?
             }
             Some(staging) => self.upload_staged(p, &packed, staging, skip, timed)?,
         };
@@ -612,6 +588,44 @@ impl CudaDevice {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok((storages, event))
+    }
+
+    /// `upload_pack` without the staging ring: the runs of `p`'s parts brought, copied on
+    /// the copy stream straight into `packed` after the compute stream's work so far.
+    fn upload_direct(
+        &self,
+        p: &PinnedPack,
+        packed: &Packed,
+        copy: &Arc<CudaStream>,
+        skip: &[bool],
+        timed: bool,
+    ) -> Result<Upload> {
+        let host = host_ptr(&p.host)?;
+        self.marks().join(copy, self.stream())?;
+        let start = timed
+            .then(|| copy.record_event(TIMED))
+            .transpose()
+            .map_err(cuda_err("recording the copy's start"))?;
+        for (from, to) in p.raw_runs(skip) {
+            // SAFETY: the pinned memory is never written after `pack`; the range lies within
+            // its first `raw` bytes and the destination's `used`, and is not read before the
+            // compute stream waits on the event.
+            let src = unsafe { std::slice::from_raw_parts(host.add(from), to - from) };
+            unsafe {
+                result::memcpy_htod_async(packed.base() + from as u64, src, copy.cu_stream())
+            }
+            .map_err(cuda_err("copying from pinned memory"))?;
+        }
+        Ok(match start {
+            Some(start) => {
+                let end = Arc::new(Mark::own(
+                    copy.record_event(TIMED)
+                        .map_err(cuda_err("recording the copy's event"))?,
+                ));
+                Upload(end.clone(), vec![(start, end)], Vec::new())
+            }
+            None => Upload(Arc::new(self.marks().record(copy)?), Vec::new(), Vec::new()),
+        })
     }
 
     /// `upload_pack` through the staging ring: the pieces of `p` (the runs of its raw parts

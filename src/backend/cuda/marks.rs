@@ -2,10 +2,11 @@
 //! A streamed block's upload orders its copies, decodes and the compute between three
 //! streams with a few events a staged piece; made and destroyed each time, with their
 //! timing on, they cost the host about twice the driver calls of the ordering itself (an
-//! SDXL step within 4 GiB streams about 150 uploads of eight pieces each). A mark goes back
+//! SDXL step within 4 GiB streamed about 150 uploads of eight pieces each). A mark goes back
 //! to its device's free list when its last holder drops it: nothing can wait on it then, and
 //! a stream that waited on it before is not affected by its next record (the driver's
-//! `cuStreamWaitEvent` takes the record of the moment).
+//! `cuStreamWaitEvent` takes the record of the moment). Holders only wait on a mark or query
+//! it; none records it again (it is recorded once, when handed out).
 
 use super::cuda_err;
 use crate::Result;

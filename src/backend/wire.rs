@@ -319,9 +319,9 @@ pub fn decode(layout: &Layout, bytes: &[u8], out: &mut [u16]) -> Result<()> {
 
 /// The bytes of the staging ring for uploads of at most `wire` bytes on the link in at most
 /// `pieces` pieces, none of whose raw prefix or coded parts takes more than `part`: the
-/// largest upload, the end of the ring a piece (`staging_piece` bytes or a part) may skip when it
-/// wraps, each piece's alignment, and a part more, so that no upload's pieces wrap onto its
-/// own (whose decodes wait for the compute).
+/// largest upload, the end of the ring a piece (`staging_piece` bytes or a part) may skip
+/// when it wraps, each piece's alignment, and a part more, so that no upload's pieces wrap
+/// onto its own (whose decodes wait for the compute).
 pub(crate) fn staging_ring_bytes(wire: usize, part: usize, pieces: usize) -> usize {
     if wire == 0 {
         return 0;

@@ -621,8 +621,8 @@ impl BlockStreamer {
         // events), or every one while a trace is kept: chosen by the upload count's
         // Fibonacci hash, so that the sample does not lock onto the same places of every
         // step (a step of a multiple of `TIME_EVERY` uploads would time the same blocks).
-        let timed =
-            trace.is_some() || report.uploads.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 61 == 0;
+        let timed = trace.is_some()
+            || (report.uploads.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % TIME_EVERY == 0;
         let (storages, ticket) = self
             .device
             .upload_pack(pack, staging.as_ref(), skip, timed)?;

@@ -191,6 +191,15 @@ struct Piece {
 const TIMED: Option<cudarc::driver::sys::CUevent_flags> =
     Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
 
+/// A timed event of `stream`'s work so far where `timed` (the start of a timed copy or
+/// decode), else none.
+fn clock(stream: &CudaStream, timed: bool, what: &'static str) -> Result<Option<CudaEvent>> {
+    timed
+        .then(|| stream.record_event(TIMED))
+        .transpose()
+        .map_err(cuda_err(what))
+}
+
 /// Byte alignment of each part of a packed buffer (the alignment cudaMalloc gives, which
 /// cuBLAS and the vectorised kernels expect of a buffer's start).
 pub(crate) const PACK_ALIGN: usize = 256;
@@ -531,8 +540,9 @@ impl CudaDevice {
     /// Without `staging`, one copy on the copy stream after the compute stream's work so far
     /// brings every part as it is. With it (`p` may then hold coded parts), the pack crosses
     /// the link into the staging ring in pieces (`crate::backend::wire::staging_piece` of the
-    /// largest upload, or one part), none waiting for the compute; the decode stream, after the compute stream's work so far and each
-    /// piece's copy, copies or decodes it into the allocation.
+    /// largest upload, or one part), none waiting for the compute; the decode stream, after
+    /// the compute stream's work so far and each piece's copy, copies or decodes it into the
+    /// allocation.
     ///
     /// Parts whose entry in `skip` is true (`skip` empty: none; the caller checks its length)
     /// are not brought: neither
@@ -602,10 +612,7 @@ impl CudaDevice {
     ) -> Result<Upload> {
         let host = host_ptr(&p.host)?;
         self.marks().join(copy, self.stream())?;
-        let start = timed
-            .then(|| copy.record_event(TIMED))
-            .transpose()
-            .map_err(cuda_err("recording the copy's start"))?;
+        let start = clock(copy, timed, "recording the copy's start")?;
         for (from, to) in p.raw_runs(skip) {
             // SAFETY: the pinned memory is never written after `pack`; the range lies within
             // its first `raw` bytes and the destination's `used`, and is not read before the
@@ -616,16 +623,18 @@ impl CudaDevice {
             }
             .map_err(cuda_err("copying from pinned memory"))?;
         }
-        Ok(match start {
-            Some(start) => {
-                let end = Arc::new(Mark::own(
-                    copy.record_event(TIMED)
-                        .map_err(cuda_err("recording the copy's event"))?,
-                ));
-                Upload(end.clone(), vec![(start, end)], Vec::new())
-            }
-            None => Upload(Arc::new(self.marks().record(copy)?), Vec::new(), Vec::new()),
-        })
+        let end = self.stamp(copy, timed, "recording the copy's event")?;
+        let timing = start.map(|s| (s, end.clone())).into_iter().collect();
+        Ok(Upload(end, timing, Vec::new()))
+    }
+
+    /// An event of `stream`'s work so far that its holders share: timed where `timed` (the
+    /// end of a timed copy or decode), else a mark without timing.
+    fn stamp(&self, stream: &CudaStream, timed: bool, what: &'static str) -> Result<Shared> {
+        Ok(Arc::new(match clock(stream, timed, what)? {
+            Some(e) => Mark::own(e),
+            None => self.marks().record(stream)?,
+        }))
     }
 
     /// `upload_pack` through the staging ring: the pieces of `p` (the runs of its raw parts
@@ -718,22 +727,7 @@ impl CudaDevice {
         timed: bool,
     ) -> Result<Upload> {
         let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
-        let marks = self.marks();
-        marks.join(decode, self.stream())?;
-        // A timed event of `stream` (`timed` only), or none.
-        let clock = |stream: &CudaStream, what: &'static str| {
-            timed
-                .then(|| stream.record_event(TIMED))
-                .transpose()
-                .map_err(cuda_err(what))
-        };
-        // An event of `stream` its holders share: timed, or a mark without timing.
-        let shared = |stream: &CudaStream, what: &'static str| -> Result<Shared> {
-            Ok(Arc::new(match clock(stream, what)? {
-                Some(e) => Mark::own(e),
-                None => marks.record(stream)?,
-            }))
-        };
+        self.marks().join(decode, self.stream())?;
         let host = host_ptr(&p.host)?;
         let mut ring = staging
             .ring
@@ -758,7 +752,7 @@ impl CudaDevice {
                     .map_err(cuda_err("waiting for the staging ring"))?;
                 ring.pending.drain(..=last);
             }
-            let start = clock(copy, "recording the copy's start")?;
+            let start = clock(copy, timed, "recording the copy's start")?;
             // SAFETY: the pinned memory is never written after `pack`; the range lies inside
             // the ring (checked against its length above) and nothing reads it until the
             // decode stream waits for this copy.
@@ -766,14 +760,14 @@ impl CudaDevice {
             let dst = staging.buf.base() + at as u64;
             unsafe { result::memcpy_htod_async(dst, src, copy.cu_stream()) }
                 .map_err(cuda_err("copying from pinned memory"))?;
-            let copied = shared(copy, "recording the copy's event")?;
+            let copied = self.stamp(copy, timed, "recording the copy's event")?;
             decode
                 .wait(&copied)
                 .map_err(cuda_err("waiting for a staged copy"))?;
             if let Some(start) = start {
                 timing.push((start, copied));
             }
-            let before = clock(decode, "recording a decode's start")?;
+            let before = clock(decode, timed, "recording a decode's start")?;
             if piece.raw {
                 self.copy_staged(decode, dst, packed.base() + piece.from as u64, piece.len)?;
             }
@@ -785,7 +779,7 @@ impl CudaDevice {
                 )
             });
             self.decode_wire(decode, parts)?;
-            let after = shared(decode, "recording a decode's end")?;
+            let after = self.stamp(decode, timed, "recording a decode's end")?;
             if let Some(before) = before {
                 decoding.push((before, after.clone()));
             }
@@ -796,7 +790,7 @@ impl CudaDevice {
         // The decode stream runs in order: the last piece's end is the upload's.
         let ready = match last {
             Some(e) => e,
-            None => Arc::new(marks.record(decode)?),
+            None => Arc::new(self.marks().record(decode)?),
         };
         Ok(Upload(ready, timing, decoding))
     }
@@ -880,10 +874,10 @@ impl CudaDevice {
 
     /// A staging ring for packed uploads of at most `wire` bytes on the link, in at most
     /// `pieces` pieces, whose raw prefix or coded parts take at most `part` each, to land in
-    /// before their decode (`upload_pack`): pieces of up to `wire::staging_piece` bytes or one part, and
-    /// room for the largest upload beside one piece (`staging_ring_bytes`). The copy stream
-    /// waits here for the compute stream's work so far: the ring's memory may be a buffer
-    /// the compute has just freed.
+    /// before their decode (`upload_pack`): pieces of up to `wire::staging_piece` bytes or one
+    /// part, and room for the largest upload beside one piece (`staging_ring_bytes`). The copy
+    /// stream waits here for the compute stream's work so far: the ring's memory may be a
+    /// buffer the compute has just freed.
     pub(crate) fn alloc_staging(&self, wire: usize, part: usize, pieces: usize) -> Result<Staging> {
         let buf =
             self.alloc_packed(crate::backend::wire::staging_ring_bytes(wire, part, pieces).max(1))?;

@@ -892,7 +892,7 @@ fn run<M: ModelSpec>(
                 // The timed uploads (one in `TIME_EVERY`) stand for all by their bytes.
                 let share = r.timed_bytes as f64 / r.uploaded_bytes.max(1) as f64;
                 println!(
-                    "link: {:.1} ms/step copying at {:.1} GiB/s, {:.1} ms/step from uploads' first copies to their last, decodes {:.1} ms/step ({} of {} uploads timed; the backward leaves up to {} blocks for the forward; {:.2} GiB/step of forward-only weights left out of the backward's uploads)",
+                    "link: {:.1} ms/step copying at {:.1} GiB/s, {:.1} ms/step from uploads' first copies to their last, decodes {:.1} ms/step ({} of {} uploads timed; the backward leaves up to {} blocks for the forward, {:.1} found; {:.2} GiB/step of forward-only weights left out of the backward's uploads)",
                     r.copy_us as f64 / 1e3 / share / timed as f64,
                     gib(r.timed_bytes) / (r.copy_us as f64 / 1e6),
                     r.span_us as f64 / 1e3 / share / timed as f64,
@@ -900,6 +900,8 @@ fn run<M: ModelSpec>(
                     r.timed_uploads,
                     r.uploads,
                     s.carried()?,
+                    (a.carried_found - b.carried_found) as f64
+                        / (a.forwards - b.forwards).max(1) as f64,
                     gib(r.left_out_bytes) / timed as f64
                 );
             }

@@ -168,6 +168,82 @@ fn an_unused_output_and_a_frozen_input_get_no_gradient() {
     assert!(g.get(&c).is_none());
 }
 
+/// An identity node that notes when it is dropped and, at its backward, whether the node
+/// after it in the forward (`after`) had been dropped by then.
+struct Noted {
+    dropped: Arc<std::sync::atomic::AtomicBool>,
+    after: Option<Arc<std::sync::atomic::AtomicBool>>,
+    saw_after_dropped: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl flame::autograd::CustomBackward for Noted {
+    fn name(&self) -> &'static str {
+        "noted"
+    }
+    fn backward(&self, g: &[Option<Tensor>], _: &mut Grads) -> Result<Vec<Option<Tensor>>> {
+        if let Some(after) = &self.after {
+            let seen = after.load(std::sync::atomic::Ordering::SeqCst);
+            self.saw_after_dropped
+                .store(seen, std::sync::atomic::Ordering::SeqCst);
+        }
+        Ok(g.to_vec())
+    }
+}
+
+impl Drop for Noted {
+    fn drop(&mut self) {
+        self.dropped
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The backward frees a custom node (a checkpoint, with its saved inputs and kept outputs)
+/// once it has passed it, not at its end: what blocks hold for the backward shrinks as it
+/// goes, which the memory plans count on.
+#[test]
+fn the_backward_frees_each_custom_node_once_past_it() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let x = randn(&[4], 40).requires_grad_().unwrap();
+    let flag = || Arc::new(AtomicBool::new(false));
+    let (first_dropped, second_dropped, seen, unused) = (flag(), flag(), flag(), flag());
+    let first = Noted {
+        dropped: first_dropped.clone(),
+        after: Some(second_dropped.clone()),
+        saw_after_dropped: seen.clone(),
+    };
+    let second = Noted {
+        dropped: second_dropped.clone(),
+        after: None,
+        saw_after_dropped: unused,
+    };
+    let h = flame::autograd::custom_op(
+        std::slice::from_ref(&x),
+        vec![x.detach()],
+        Arc::new(first),
+        true,
+    )
+    .unwrap()
+    .remove(0);
+    let h = flame::autograd::custom_op(
+        std::slice::from_ref(&h),
+        vec![h.detach()],
+        Arc::new(second),
+        true,
+    )
+    .unwrap()
+    .remove(0);
+    let loss = h.sqr().unwrap().sum_all().unwrap();
+    drop(h);
+    let g = loss.backward().unwrap();
+    assert!(
+        seen.load(Ordering::SeqCst),
+        "the second node was still alive when the backward reached the first"
+    );
+    assert!(first_dropped.load(Ordering::SeqCst));
+    let want = x.affine(2.0, 0.0).unwrap();
+    assert_eq!(bits(g.get(&x).unwrap()), bits(&want));
+}
+
 // ----- models -------------------------------------------------------------------------------
 
 fn lora(targets: &[&str]) -> Arc<Adapters> {

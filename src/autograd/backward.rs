@@ -173,14 +173,22 @@ pub(crate) fn backward_from(
     }
     // Gradients of a custom node's outputs, gathered until the node's turn.
     let mut outputs: HashMap<TensorId, Vec<Option<Tensor>>> = HashMap::new();
-    if let Some((_, first)) = customs.first() {
+    // The custom nodes not yet passed: each handle goes once the walk passes its node, so
+    // a node (a checkpoint, with its saved inputs and kept outputs) is freed with its op,
+    // not at the walk's end.
+    let mut customs: std::collections::VecDeque<CustomAt> = customs.into();
+    if let Some((_, first)) = customs.front() {
         first.prepare();
     }
-    let mut next_custom = 0;
     // The tape is consumed: once a node's VJP has run (and, without retain_graph, its op
     // with the tensors it saved is dropped), the tape's handle goes too, so activations
     // are freed as the backward walks past them rather than at its end.
     for (pos, t) in order.into_iter().enumerate() {
+        // Those before this place were passed (a node whose outputs got no gradient is
+        // passed without its backward).
+        while customs.front().is_some_and(|(p, _)| *p < pos) {
+            customs.pop_front();
+        }
         let t = &t;
         let parts = pending.remove(&t.id());
         let sum = |parts: Option<Vec<Part>>| -> Result<Option<Tensor>> {
@@ -219,10 +227,11 @@ pub(crate) fn backward_from(
                 let gis = {
                     let _p = crate::profile::backward_op(node.name());
                     node.settle();
-                    while customs.get(next_custom).is_some_and(|(p, _)| *p <= pos) {
-                        next_custom += 1;
+                    // This node's own handle goes; the next one may start ahead.
+                    while customs.front().is_some_and(|(p, _)| *p <= pos) {
+                        customs.pop_front();
                     }
-                    if let Some((_, next)) = customs.get(next_custom) {
+                    if let Some((_, next)) = customs.front() {
                         next.prepare();
                     }
                     node.backward(&gs, grads)?

@@ -57,6 +57,12 @@ pub struct StreamReport {
     pub host_us: u64,
     /// Blocks on the device or coming, now.
     pub resident: usize,
+    /// Forwards begun at the first streamed block (`carried_found` is summed over them).
+    pub forwards: u64,
+    /// Of the first blocks the backward may leave for the next forward (`carried`), those
+    /// found on the device or coming at each forward's start, summed: fewer than
+    /// `forwards` times the carry where the device lacked the room to keep them.
+    pub carried_found: u64,
     /// The products of the weights held on the host (`BlockStreamer::set_host_products`).
     pub host: ProductReport,
 }
@@ -814,6 +820,15 @@ impl BlockStreamer {
             Some(d) if pass == Pass::Backward => Need::Rerun(d),
             _ => Need::Whole,
         };
+        // What the backward before left for this forward (`StreamReport::carried_found`).
+        if pass == Pass::Forward && i == 0 {
+            let found = st.blocks[..st.carry.min(st.blocks.len())]
+                .iter()
+                .filter(|b| !matches!(b.residency, Residency::Released))
+                .count();
+            st.report.forwards += 1;
+            st.report.carried_found += found as u64;
+        }
         self.start(st, i, need(digest), true)?;
         match pass {
             Pass::Forward => {

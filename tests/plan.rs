@@ -1337,3 +1337,80 @@ fn a_cached_machine_takes_the_host_costs_of_this_process() {
     assert_eq!(read_machine(&path).unwrap(), Some(stale));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The staging ring a coded plan predicts holds what the streamer's ring holds: the largest
+/// upload beside its largest part twice (`wire::staging_ring_bytes`), the part being a
+/// block's largest coded weight. FLUX.2 [klein] 9B's largest is a single block's linear1
+/// (4096 x 36864 values, about 0.35 of a double block's 436 M), not a fifth of a double
+/// block's bytes on the link.
+#[test]
+fn the_staging_ring_counts_the_largest_coded_weight() {
+    use flame::models::flux2::{Flux2, Flux2Config};
+    let opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(
+        Adapters::new(LoraConfig {
+            rank: 16,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: vec!["double_blocks.*".into(), "single_blocks.*".into()],
+            seed: 0,
+        })
+        .unwrap(),
+    );
+    let run = RunShape {
+        sample: vec![vec![128, 64, 64], vec![512, 12288]],
+        batch: 1,
+        optimizer_bytes_per_value: 8.0,
+    };
+    let p = profile_config::<Flux2>(&Flux2Config::klein_9b(), &opts, &run).unwrap();
+    for b in &p.blocks {
+        assert!(
+            b.largest_coded > 0 && b.largest_coded <= b.coded_bytes,
+            "{}: {} of {}",
+            b.prefix,
+            b.largest_coded,
+            b.coded_bytes
+        );
+    }
+    let single = p
+        .blocks
+        .iter()
+        .find(|b| b.prefix.starts_with("single_blocks."))
+        .unwrap();
+    let double = p
+        .blocks
+        .iter()
+        .find(|b| b.prefix.starts_with("double_blocks."))
+        .unwrap();
+    // linear1 is about 0.69 of a single block's values: its coded bytes likewise.
+    let share = single.largest_coded as f64 / single.coded_bytes as f64;
+    assert!((0.6..0.75).contains(&share), "{share}");
+    assert!(single.largest_coded > double.wire_bytes / 5);
+    let coded = Plan {
+        checkpointing: Checkpointing::All,
+        streamed: p.blocks.iter().map(|b| b.prefix.clone()).collect(),
+        prefetch: 1,
+        keep: Keep::NONE,
+        offload_inputs: false,
+        wire_code: true,
+        uncoded_carry: false,
+        deep_prefetch: false,
+        host_products: false,
+        remake_transposes: false,
+        rerun_ahead: false,
+        reach: vec![],
+        uncoded_first: 0,
+    };
+    let staging = p.peak_parts(&coded).staging;
+    let largest_wire = p.blocks.iter().map(|b| b.wire_bytes).max().unwrap();
+    assert!(
+        staging >= largest_wire + 2 * single.largest_coded,
+        "{staging} against {largest_wire} and {}",
+        single.largest_coded
+    );
+    // Uncoded, nothing is staged.
+    let raw = Plan {
+        wire_code: false,
+        ..coded
+    };
+    assert_eq!(p.peak_parts(&raw).staging, 0);
+}

@@ -48,6 +48,10 @@ pub struct BlockCost {
     pub wire_bytes: u64,
     /// Bytes of the coded weights among `wire_bytes` (the staging an upload needs).
     pub coded_bytes: u64,
+    /// Bytes of its largest coded weight on the link: with its uncoded weights' bytes
+    /// (`wire_bytes - coded_bytes`, which cross as one run), the largest part a piece of its
+    /// upload takes in the staging ring (`wire::staging_ring_bytes`).
+    pub largest_coded: u64,
     /// Bytes of its inputs: what a checkpoint keeps.
     pub input_bytes: u64,
     /// Bytes its forward keeps for the backward when it runs resident.
@@ -1086,6 +1090,18 @@ impl MemoryProfile {
         self.step_ms(plan) / self.resident_ms() - 1.0
     }
 
+    /// The largest part of block `b`'s coded upload in the staging ring: its largest coded
+    /// weight or its uncoded weights together; profiles made without per-weight sizes
+    /// (`largest_coded` 0) take a fifth of its bytes on the link (Flux-dev's largest, a
+    /// single block's linear1, is 0.2 of a double block).
+    fn largest_part(b: &BlockCost) -> u64 {
+        if b.largest_coded == 0 {
+            return b.wire_bytes / 5;
+        }
+        b.largest_coded
+            .max(b.wire_bytes.saturating_sub(b.coded_bytes))
+    }
+
     /// Whether the streamed block at place `k` (execution order among the streamed) crosses
     /// the link coded under `plan`, the backward leaving the first `carried` on the device.
     fn coded_place(plan: &Plan, k: usize, carried: usize) -> bool {
@@ -1299,21 +1315,20 @@ impl MemoryProfile {
         let held = layout.held + 2 * offloaded;
         let carried = carry(&layout.reach, plan.prefetch.max(1));
         // Coded uploads cross into a staging ring that holds the largest streamed block's
-        // bytes on the link beside a piece and a part (the largest part taken as a fifth of
-        // the largest block: Flux's, a single block's linear1, is 0.2 of a double block;
-        // 32 pieces' alignment).
-        // The carried blocks crossing uncoded (`Plan::uncoded_carry`) take no staging.
+        // bytes on the link beside a piece and the largest part (a coded weight, or a
+        // block's uncoded weights together), as the streamer sizes it from its packs
+        // (32 pieces' alignment). The carried blocks crossing uncoded
+        // (`Plan::uncoded_carry`) take no staging.
         let staging = if plan.wire_code {
-            let wire = self
+            let (wire, part) = self
                 .blocks
                 .iter()
                 .filter(|b| plan.streamed.contains(&b.prefix))
                 .enumerate()
                 .filter(|&(k, b)| Self::coded_place(plan, k, carried) && b.coded_bytes > 0)
-                .map(|(_, b)| b.wire_bytes)
-                .max()
-                .unwrap_or(0);
-            crate::backend::wire::staging_ring_bytes(wire as usize, wire as usize / 5, 32) as u64
+                .map(|(_, b)| (b.wire_bytes, Self::largest_part(b)))
+                .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)));
+            crate::backend::wire::staging_ring_bytes(wire as usize, part as usize, 32) as u64
         } else {
             0
         };

@@ -654,6 +654,7 @@ fn profile_with<M: ModelSpec>(
                     };
                 b.wire_bytes += wire;
                 b.coded_bytes += coded;
+                b.largest_coded = b.largest_coded.max(coded);
                 // A packed weight (FP8 codes, GGML blocks) holds words standing for a
                 // (out, in) weight, decoded at each use.
                 let packed = vb.packed_dims(key)?;

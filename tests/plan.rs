@@ -1386,19 +1386,8 @@ fn the_staging_ring_counts_the_largest_coded_weight() {
     assert!((0.6..0.75).contains(&share), "{share}");
     assert!(single.largest_coded > double.wire_bytes / 5);
     let coded = Plan {
-        checkpointing: Checkpointing::All,
-        streamed: p.blocks.iter().map(|b| b.prefix.clone()).collect(),
-        prefetch: 1,
-        keep: Keep::NONE,
-        offload_inputs: false,
         wire_code: true,
-        uncoded_carry: false,
-        deep_prefetch: false,
-        host_products: false,
-        remake_transposes: false,
-        rerun_ahead: false,
-        reach: vec![],
-        uncoded_first: 0,
+        ..plan(Checkpointing::All, even(&p, p.blocks.len()), 1, false)
     };
     let staging = p.peak_parts(&coded).staging;
     let largest_wire = p.blocks.iter().map(|b| b.wire_bytes).max().unwrap();

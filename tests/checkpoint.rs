@@ -1335,6 +1335,137 @@ fn a_deeper_forward_fetch_on_cuda_gives_the_same_gradients() {
     }
 }
 
+/// Six checkpointed blocks, each `tanh(x · W + x · T)` with a frozen bf16 `W` (96 x 96: coded
+/// on the link) and a trained f32 `T`, over four steps with a validation forward (no
+/// backward) before the last; with `stream`, every block streamed coded (prefetch 1, so the
+/// backward leaves two for the next forward). The input's and the trained weights'
+/// gradients of each step (bits), and the streamer's report.
+fn coded_chain(dev: &Device, stream: bool) -> (Vec<Vec<Vec<u32>>>, StreamReport) {
+    const N: usize = 6;
+    const D: usize = 96;
+    let names: Vec<String> = (0..N).map(|i| format!("b{i}")).collect();
+    let frozen: Vec<Tensor> = (0..N)
+        .map(|i| {
+            let v = bf16_patterns(D * D, 0.05, 80 + i as u64);
+            let v: Vec<u16> = v
+                .into_iter()
+                .map(|b| {
+                    if half::bf16::from_bits(b).is_finite() {
+                        b
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            bf16_tensor(&v, dev).reshape((D, D)).unwrap()
+        })
+        .collect();
+    let trained: Vec<Tensor> = (0..N)
+        .map(|i| {
+            randn_on(&[D, D], 60 + i as u64, dev)
+                .affine(0.05, 0.0)
+                .unwrap()
+                .requires_grad_()
+                .unwrap()
+        })
+        .collect();
+    let streamer = stream.then(|| {
+        let s = BlockStreamer::new(dev, names.clone(), 1);
+        s.set_wire_code(true).unwrap();
+        s
+    });
+    let frozen: Vec<Tensor> = match &streamer {
+        Some(s) => frozen
+            .iter()
+            .enumerate()
+            .map(|(i, w)| s.adopt(i, w).unwrap())
+            .collect(),
+        None => frozen,
+    };
+    let exec = BlockExec {
+        checkpointing: Checkpointing::All,
+        streamer: streamer.clone(),
+        ..Default::default()
+    };
+    let forward = |x: &Tensor| {
+        let mut h = x.clone();
+        for (i, (wf, t)) in frozen.iter().zip(&trained).enumerate() {
+            let (wf, t) = (wf.clone(), t.clone());
+            h = exec
+                .run(&names[i], i, &[h], move |xs| {
+                    let w = wf.to_dtype(DType::F32)?;
+                    Ok(vec![xs[0].matmul(&w)?.add(&xs[0].matmul(&t)?)?.tanh()?])
+                })
+                .unwrap()
+                .remove(0);
+        }
+        h
+    };
+    let mut grads = vec![];
+    for step in 0..4u64 {
+        if step == 3 {
+            let _g = flame::no_grad();
+            forward(&randn_on(&[3, D], 99, dev));
+        }
+        let x = randn_on(&[3, D], 100 + step, dev).requires_grad_().unwrap();
+        let g = forward(&x)
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let mut out = vec![bits(g.get(&x).unwrap())];
+        out.extend(trained.iter().map(|t| bits(g.get(t).unwrap())));
+        grads.push(out);
+    }
+    let report = match &streamer {
+        Some(s) => s.report().unwrap(),
+        None => StreamReport::default(),
+    };
+    (grads, report)
+}
+
+/// The backward's end crosses the next forward's first coded uploads into the staging ring
+/// (the link and the ring idle until that forward's uploads): on the CPU backend, which has
+/// no ring, nothing crosses and the gradients are the resident ones.
+#[test]
+fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_the_cpu() {
+    let (plain, _) = coded_chain(&CPU, false);
+    let (got, r) = coded_chain(&CPU, true);
+    assert_eq!(got, plain);
+    assert!(r.uploads > 0 && r.uploaded_bytes < r.decoded_bytes, "{r:?}");
+    assert_eq!((r.crossed_bytes, r.landed_bytes), (0, 0), "{r:?}");
+}
+
+/// On a GPU each backward's end crosses the first blocks past the two it leaves into the
+/// ring, and the next forward (a training one, or the validation one) decodes them where
+/// they lie: the same gradients bit for bit, and every byte crossed either landed or was
+/// copied again after another upload took its place.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_cuda() {
+    let _one = cuda_alone();
+    let dev = Device::cuda(0).expect("a CUDA GPU");
+    let (plain, _) = coded_chain(&dev, false);
+    let (got, r) = coded_chain(&dev, true);
+    assert_eq!(got, plain);
+    // Four backwards, each crossing at least the third block (a whole coded block fits the
+    // ring); every forward after one lands it.
+    assert!(r.crossed_bytes > 0 && r.landed_bytes > 0, "{r:?}");
+    assert!(r.landed_bytes <= r.crossed_bytes, "{r:?}");
+    let (_, cpu) = coded_chain(&CPU, true);
+    // The link carried what the CPU's uploads would, the crossings that landed counted
+    // once, those overwritten again; the GPU's packs add only alignment.
+    assert!(
+        r.uploaded_bytes >= cpu.uploaded_bytes
+            && r.uploaded_bytes
+                <= cpu.uploaded_bytes + (r.crossed_bytes - r.landed_bytes) + r.uploads * 8 * 256,
+        "{r:?} against {cpu:?}"
+    );
+}
+
 // ----- weights only the forward reads -------------------------------------------------------
 
 /// The backward of a gradient that never arrives: an error, injected between two blocks.

@@ -132,6 +132,16 @@ pub(crate) enum Ticket {
 }
 
 impl Ticket {
+    /// Bytes of the upload's pieces that had crossed into the staging ring ahead of it
+    /// (`Device::cross_pack`): 0 on the CPU backend.
+    pub(crate) fn landed_bytes(&self) -> usize {
+        match self {
+            #[cfg(feature = "cuda")]
+            Ticket::Cuda(u) => u.landed_bytes(),
+            _ => 0,
+        }
+    }
+
     /// Once the copies have finished (None before, for copies that were not timed, or on the
     /// CPU backend): their time on the link, from the first one's start to the last one's
     /// end, and the decodes' time.
@@ -304,6 +314,8 @@ impl Device {
     /// Parts whose entry in `skip` is true (`skip` empty: none) are not brought: `None` in
     /// their place. With `timed`, a GPU upload brackets each copy and decode with timed
     /// events for `Ticket::copy_ms` (a few more driver calls a piece on the host).
+    /// `crossed`: a crossing of the pack's first pieces into the staging ring made ahead
+    /// (`cross_pack`), decoded instead of copied again where it is still there.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub(crate) fn upload_pack(
         &self,
@@ -311,6 +323,7 @@ impl Device {
         staging: Option<&Staging>,
         skip: &[bool],
         timed: bool,
+        crossed: Option<u64>,
     ) -> Result<(Vec<Option<Storage>>, Ticket)> {
         let parts = p.parts();
         if !skip.is_empty() && skip.len() != parts {
@@ -352,7 +365,7 @@ impl Device {
                     #[allow(unreachable_patterns)]
                     _ => None,
                 };
-                let (storages, u) = d.upload_pack(p, staging, skip, timed)?;
+                let (storages, u) = d.upload_pack(p, staging, skip, timed, crossed)?;
                 Ok((
                     storages
                         .into_iter()
@@ -364,6 +377,24 @@ impl Device {
             }
             #[allow(unreachable_patterns)]
             _ => Err(other()),
+        }
+    }
+
+    /// Copies the first pieces of the coded pack `p` into `staging` ahead of its upload, as
+    /// far as the ring has room no other crossing holds (on a GPU: `CudaDevice::cross_pack`):
+    /// the link's idle time before the memory the upload lands in is free. Returns the
+    /// crossing's id for `upload_pack`, its bytes and whether every piece crossed; None where
+    /// nothing crossed (the CPU backend, an uncoded pack, no staging, no room).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn cross_pack(
+        &self,
+        p: &HostPack,
+        staging: Option<&Staging>,
+    ) -> Result<Option<(u64, usize, bool)>> {
+        match (self, p, staging) {
+            #[cfg(feature = "cuda")]
+            (Device::Cuda(d), HostPack::Cuda(p), Some(Staging::Cuda(s))) => d.cross_pack(p, s),
+            _ => Ok(None),
         }
     }
 

@@ -212,7 +212,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
     let link = PROBE_BYTES as f64
         / GIB
         / fastest(&mut || {
-            let (storages, ticket) = device.upload_pack(&pack, None, &[], false)?;
+            let (storages, ticket) = device.upload_pack(&pack, None, &[], false, None)?;
             device.wait(&ticket)?;
             drop(storages);
             Ok(())
@@ -227,7 +227,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             / GIB
             / fastest(&mut || {
                 let (copy, sent) = out.storage()?.offload(out.elem_count(), reuse.take())?;
-                let (storages, ticket) = device.upload_pack(&pack, None, &[], false)?;
+                let (storages, ticket) = device.upload_pack(&pack, None, &[], false, None)?;
                 device.wait(&ticket)?;
                 device.wait(&sent)?;
                 drop(storages);
@@ -370,7 +370,7 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
             work()?;
             let mut uploads = vec![];
             for _ in 0..UPLOADS {
-                uploads.push(device.upload_pack(&coded, staging.as_ref(), &[], true)?);
+                uploads.push(device.upload_pack(&coded, staging.as_ref(), &[], true, None)?);
             }
             for _ in 1..units {
                 work()?;

@@ -946,9 +946,13 @@ impl MemoryProfile {
         // leaves on the device for the next forward (`BlockStreamer`).
         let leaves_out =
             |backward: bool, k: usize| backward && plan.keep.few_rows && k > ahead && k >= carried;
+        // `crossed`: bytes of the forward's first coded uploads that crossed into the
+        // staging ring at the backward's end (`BlockStreamer`'s crossing ahead), taken off
+        // their uploads in order.
         let enter = |ready: &mut [Option<f64>],
                      link: &mut f64,
                      gate: &mut f64,
+                     crossed: &mut u64,
                      t: f64,
                      j: usize,
                      backward: bool,
@@ -963,7 +967,9 @@ impl MemoryProfile {
                     let code = coded_at(k);
                     let (bytes, coded) = upload_bytes(b, leaves_out(backward, k), code);
                     if code {
-                        *link = link.max(*gate) + coded_link_ms(bytes);
+                        let ahead = if backward { 0 } else { bytes.min(*crossed) };
+                        *crossed -= ahead;
+                        *link = link.max(*gate) + coded_link_ms(bytes - ahead);
                         *gate = t;
                         ready[k] = Some(link.max(t) + until * coded as f64 / GIB);
                         decodes += cost * coded as f64 / GIB;
@@ -983,10 +989,18 @@ impl MemoryProfile {
         // computes the held weights' products in execution order from `lead` before the
         // forward (the backward before, which announced its input); a block runs once its
         // own are done.
-        let play = |lead: f64| -> (f64, f64) {
+        // The bytes the staging ring takes ahead of the forward: the largest coded upload and
+        // its largest part (the ring less the piece a wrap may skip).
+        let ring = self.ring_parts(plan, carried);
+        let crossing = ring.0 + ring.1;
+        // One step from the forward's start, its link busy until `link0` (the crossing's
+        // copies past the backward before): the forward's end, the step's and when the
+        // backward's last upload was done.
+        let play = |lead: f64, link0: f64| -> (f64, f64, f64) {
             // Compute clock, link clock (host to device), the other direction's clock (its last
             // copy out, which the next checkpointed block's packing waits for).
-            let (mut t, mut link, mut down) = (0.0f64, 0.0f64, 0.0f64);
+            let (mut t, mut link, mut down) = (0.0f64, link0, 0.0f64);
+            let mut crossed = crossing;
             let mut host = -lead;
             // When the ring last had room (coded uploads).
             let mut gate = 0.0f64;
@@ -1007,6 +1021,7 @@ impl MemoryProfile {
                         &mut ready,
                         &mut link,
                         &mut gate,
+                        &mut crossed,
                         t,
                         j,
                         false,
@@ -1057,6 +1072,7 @@ impl MemoryProfile {
                         &mut ready,
                         &mut link,
                         &mut gate,
+                        &mut crossed,
                         t,
                         j,
                         true,
@@ -1077,11 +1093,29 @@ impl MemoryProfile {
                     t += self.transpose_ms(b);
                 }
             }
-            (forward, t)
+            (forward, t, link)
         };
-        // A steady step: the backward before is as long as this one's.
-        let (forward, step) = play(0.0);
-        play(step - forward).1
+        // A steady step: the backward before is as long as this one's, and the crossing's
+        // copies follow its last upload on the link.
+        let (forward, step, link) = play(0.0, 0.0);
+        let spill = link + coded_link_ms(crossing) - step;
+        play(step - forward, spill.max(0.0)).1
+    }
+
+    /// The largest coded upload's bytes on the link and its largest part under `plan` (the
+    /// backward leaving `carried` blocks for the forward): what the streamer's staging ring
+    /// is sized by (`wire::staging_ring_bytes`); zeros for an uncoded plan.
+    fn ring_parts(&self, plan: &Plan, carried: usize) -> (u64, u64) {
+        if !plan.wire_code {
+            return (0, 0);
+        }
+        self.blocks
+            .iter()
+            .filter(|b| plan.streamed.contains(&b.prefix))
+            .enumerate()
+            .filter(|&(k, b)| Self::coded_place(plan, k, carried) && b.coded_bytes > 0)
+            .map(|(_, b)| (b.wire_bytes, Self::largest_part(b)))
+            .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)))
     }
 
     /// The predicted cost of a step under `plan` beyond the resident step, as a fraction of
@@ -1319,19 +1353,9 @@ impl MemoryProfile {
         // block's uncoded weights together), as the streamer sizes it from its packs
         // (32 pieces' alignment). The carried blocks crossing uncoded
         // (`Plan::uncoded_carry`) take no staging.
-        let staging = if plan.wire_code {
-            let (wire, part) = self
-                .blocks
-                .iter()
-                .filter(|b| plan.streamed.contains(&b.prefix))
-                .enumerate()
-                .filter(|&(k, b)| Self::coded_place(plan, k, carried) && b.coded_bytes > 0)
-                .map(|(_, b)| (b.wire_bytes, Self::largest_part(b)))
-                .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)));
-            crate::backend::wire::staging_ring_bytes(wire as usize, part as usize, 32) as u64
-        } else {
-            0
-        };
+        let (wire, part) = self.ring_parts(plan, carried);
+        let staging =
+            crate::backend::wire::staging_ring_bytes(wire as usize, part as usize, 32) as u64;
         PeakParts {
             weights,
             staging,

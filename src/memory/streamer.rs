@@ -63,6 +63,12 @@ pub struct StreamReport {
     /// found on the device or coming at each forward's start, summed: fewer than
     /// `forwards` times the carry where the device lacked the room to keep them.
     pub carried_found: u64,
+    /// Bytes of the next forward's first coded uploads crossed into the staging ring at the
+    /// backward's end, while the link had nothing else to carry (`cross_ahead`).
+    pub crossed_bytes: u64,
+    /// Of those, the bytes the uploads found there and decoded instead of copying again (a
+    /// crossing another upload overwrote first is copied again).
+    pub landed_bytes: u64,
     /// The products of the weights held on the host (`BlockStreamer::set_host_products`).
     pub host: ProductReport,
 }
@@ -137,6 +143,9 @@ struct Block {
     /// The digest of the forward whose re-run the device copy was brought for, when it lacks
     /// that forward's forward-only weights (a backward's upload); `None` when whole.
     partial_for: Option<u64>,
+    /// A crossing of its first pieces into the staging ring made at the backward's end for
+    /// the next forward's upload (`cross_ahead`).
+    crossed: Option<u64>,
 }
 
 struct State {
@@ -168,6 +177,9 @@ struct State {
     /// Key endings of the weights held on the host for their products
     /// (`set_host_products`).
     host_keys: Vec<String>,
+    /// Whether this backward has crossed the next forward's first uploads into the staging
+    /// ring (`cross_ahead`); cleared at each forward's start.
+    crossed_ahead: bool,
 }
 
 impl State {
@@ -250,6 +262,7 @@ impl BlockStreamer {
                 digest: None,
                 pending: false,
                 partial_for: None,
+                crossed: None,
             })
             .collect::<Vec<_>>();
         // A prefetch past the last block fetches them all.
@@ -272,6 +285,7 @@ impl BlockStreamer {
                 reach,
                 carry,
                 host_keys: vec![],
+                crossed_ahead: false,
             }),
             products: HostProducts::default(),
         })
@@ -629,9 +643,16 @@ impl BlockStreamer {
         // step (a step of a multiple of `TIME_EVERY` uploads would time the same blocks).
         let timed = trace.is_some()
             || (report.uploads.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % TIME_EVERY == 0;
-        let (storages, ticket) = self
-            .device
-            .upload_pack(pack, staging.as_ref(), skip, timed)?;
+        // A crossing made at the backward's end for this upload is decoded in place of
+        // its first pieces (where another upload has not overwritten it).
+        let crossed = b.crossed.take();
+        let (storages, ticket) =
+            self.device
+                .upload_pack(pack, staging.as_ref(), skip, timed, crossed)?;
+        // Those pieces crossed the link at the crossing (counted then).
+        let landed = ticket.landed_bytes() as u64;
+        report.landed_bytes += landed;
+        wire -= landed.min(wire);
         for (p, storage) in b.params.iter_mut().zip(storages) {
             if let Some(storage) = storage {
                 p.placeholder = Some(p.tensor.swap_storage(storage)?);
@@ -828,6 +849,7 @@ impl BlockStreamer {
                 .count();
             st.report.forwards += 1;
             st.report.carried_found += found as u64;
+            st.crossed_ahead = false;
         }
         self.start(st, i, need(digest), true)?;
         match pass {
@@ -863,9 +885,57 @@ impl BlockStreamer {
                     let guess = need(st.blocks[j].digest);
                     self.start(st, j, guess, false)?;
                 }
+                // The backward's last upload is issued (its window reached the first block):
+                // the link has nothing more to carry this step.
+                if i <= self.prefetch && !st.crossed_ahead {
+                    st.crossed_ahead = true;
+                    self.cross_ahead(st)?;
+                }
             }
         }
         self.wait(st, i)
+    }
+
+    /// Crosses the coded packs of the next forward's first uploads (the first released
+    /// blocks past those the backward leaves on the device) into the staging ring, as far
+    /// as it has room (`Device::cross_pack`): the link is idle from the backward's last
+    /// upload to the next forward's first, and the ring too, so those bytes leave the
+    /// forward's link (Klein 9B within 8 GiB: a link-paced forward, about 0.8 GiB of ring).
+    /// The forward's uploads decode them instead of copying them again.
+    fn cross_ahead(&self, st: &mut State) -> Result<()> {
+        if !st.code {
+            return Ok(());
+        }
+        let from = st.carry.max(st.uncoded_first);
+        let State {
+            blocks,
+            report,
+            staging,
+            ..
+        } = st;
+        if staging.is_none() {
+            return Ok(());
+        }
+        for b in blocks.iter_mut().skip(from) {
+            if !matches!(b.residency, Residency::Released) {
+                continue;
+            }
+            let Some(pack) = &b.pack else {
+                break;
+            };
+            match self.device.cross_pack(pack, staging.as_ref())? {
+                Some((id, bytes, whole)) => {
+                    b.crossed = Some(id);
+                    report.crossed_bytes += bytes as u64;
+                    report.uploaded_bytes += bytes as u64;
+                    if !whole {
+                        break;
+                    }
+                }
+                None => break,
+            }
+        }
+        Ok(())
     }
 
     /// Releases block `i` after a run, except the blocks the next pass starts with: the last

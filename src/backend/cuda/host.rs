@@ -105,9 +105,21 @@ type Shared = Arc<Mark>;
 /// The event of an upload: the buffer's values are there once the event has completed. A
 /// packed upload asked to be timed also records when each of its copies over the link, and
 /// each of its decodes, began and ended (`copy_ms`).
-pub struct Upload(Shared, Vec<(CudaEvent, Shared)>, Vec<(CudaEvent, Shared)>);
+pub struct Upload(
+    Shared,
+    Vec<(CudaEvent, Shared)>,
+    Vec<(CudaEvent, Shared)>,
+    /// Bytes of its pieces that had crossed into the staging ring ahead (`cross_pack`).
+    usize,
+);
 
 impl Upload {
+    /// Bytes of the upload's pieces that had crossed into the staging ring ahead of it
+    /// (`CudaDevice::cross_pack`).
+    pub(crate) fn landed_bytes(&self) -> usize {
+        self.3
+    }
+
     /// Blocks the calling thread until the last copy or decode is done.
     pub(crate) fn wait_host(&self) -> Result<()> {
         self.0
@@ -160,6 +172,53 @@ struct Ring {
     head: usize,
     /// Ranges the decode stream may still read, oldest first, with its event after the read.
     pending: std::collections::VecDeque<(usize, usize, Shared)>,
+    /// Uploads whose first pieces crossed ahead of their decode (`cross_pack`), oldest
+    /// first: ranges written and not yet read. A copy that would overwrite one drops that
+    /// crossing instead of waiting for it (it was never to be decoded: the copy stream, in
+    /// order, writes the range again only after the crossing's copy), and its upload later
+    /// brings every piece itself.
+    crossed: Vec<Crossing>,
+    /// The id of the next crossing.
+    next: u64,
+}
+
+/// The first pieces of an upload crossed into the ring ahead of its decode.
+struct Crossing {
+    id: u64,
+    /// Each piece's range (start, length) and its copy's event.
+    pieces: Vec<(usize, usize, Shared)>,
+}
+
+impl Ring {
+    /// Where a piece of `len` bytes goes in a ring of `cap` bytes: at the head, or at the
+    /// start where it would pass the end.
+    fn place(&self, len: usize, cap: usize) -> usize {
+        if self.head + len > cap {
+            0
+        } else {
+            self.head
+        }
+    }
+
+    /// Makes `copy` wait until the decodes that read `[at, at + len)` are done, dropping
+    /// them (and every read before them: the decode stream runs in order) from `pending`.
+    fn wait_reads(&mut self, copy: &CudaStream, at: usize, len: usize) -> Result<()> {
+        let overlaps = |&(s, e, _): &(usize, usize, Shared)| s < at + len && at < e;
+        if let Some(last) = self.pending.iter().rposition(overlaps) {
+            // The decode stream runs in order: its event after this read means every
+            // earlier read is done too.
+            let (_, _, e) = &self.pending[last];
+            copy.wait(e)
+                .map_err(cuda_err("waiting for the staging ring"))?;
+            self.pending.drain(..=last);
+        }
+        Ok(())
+    }
+
+    /// Whether a crossing holds a range overlapping `[at, at + len)`.
+    fn crossed_over(c: &Crossing, at: usize, len: usize) -> bool {
+        c.pieces.iter().any(|&(s, l, _)| s < at + len && at < s + l)
+    }
 }
 
 impl Staging {
@@ -185,6 +244,66 @@ struct Piece {
     len: usize,
     raw: bool,
     parts: std::ops::Range<usize>,
+}
+
+/// The pieces of packed upload `p` through `staging`, parts whose entry in `skip` is true
+/// left out: a piece a run of its raw parts brought (the host buffer's raw prefix mirrors
+/// the device layout: a run lands at its own offset), then runs of adjacent coded parts of
+/// up to `Staging::piece` bytes or one part; with the coded parts brought, each with its
+/// offset in the allocation.
+fn staged_pieces<'a>(
+    p: &'a PinnedPack,
+    staging: &Staging,
+    skip: &[bool],
+) -> (Vec<Piece>, Vec<(usize, &'a CodedPart)>) {
+    // The coded parts to bring, each with whether the one before it in the pack's coded
+    // bytes is brought too (a piece gathers only adjacent parts).
+    let mut coded: Vec<(usize, &CodedPart)> = Vec::new();
+    let mut follows: Vec<bool> = Vec::new();
+    let mut last_taken = false;
+    for (k, part) in p.parts.iter().enumerate() {
+        let Some(c) = part.coded.as_ref() else {
+            continue;
+        };
+        let take = !skip.get(k).copied().unwrap_or(false);
+        if take {
+            coded.push((part.at, c));
+            follows.push(last_taken);
+        }
+        last_taken = take;
+    }
+    let mut pieces: Vec<Piece> = p
+        .raw_runs(skip)
+        .into_iter()
+        .map(|(from, to)| Piece {
+            from,
+            len: to - from,
+            raw: true,
+            parts: 0..0,
+        })
+        .collect();
+    // A piece takes the next part, and the ones after it while it stays within the
+    // target: no piece is larger than the target or one part (`staging_ring_bytes`).
+    let target = staging.piece.max(1);
+    let part_end = |k: usize| p.coded_at + coded[k].1.wire + coded[k].1.layout.bytes;
+    let mut k = 0;
+    while k < coded.len() {
+        let first = k;
+        let from = p.coded_at + coded[k].1.wire;
+        let mut end = part_end(k);
+        k += 1;
+        while k < coded.len() && follows[k] && part_end(k) - from <= target {
+            end = part_end(k);
+            k += 1;
+        }
+        pieces.push(Piece {
+            from,
+            len: end - from,
+            raw: false,
+            parts: first..k,
+        });
+    }
+    (pieces, coded)
 }
 
 /// Events that can time a copy.
@@ -414,7 +533,7 @@ impl CudaDevice {
         let event = self.marks().record(copy)?;
         Ok((
             PinnedBuf { host, dtype, len },
-            Upload(Arc::new(event), Vec::new(), Vec::new()),
+            Upload(Arc::new(event), Vec::new(), Vec::new(), 0),
         ))
     }
 
@@ -438,7 +557,7 @@ impl CudaDevice {
                 .map_err(cuda_err("copying from pinned memory"))?;
         }
         let event = self.marks().record(copy)?;
-        Ok((storages, Upload(Arc::new(event), Vec::new(), Vec::new())))
+        Ok((storages, Upload(Arc::new(event), Vec::new(), Vec::new(), 0)))
     }
 
     /// The buffers `ps` copied, in order, into one new page-locked buffer, for
@@ -547,13 +666,16 @@ impl CudaDevice {
     /// Parts whose entry in `skip` is true (`skip` empty: none; the caller checks its length)
     /// are not brought: neither
     /// copied nor decoded (the copies take the runs of the other parts); their ranges of the
-    /// allocation hold whatever was there.
+    /// allocation hold whatever was there. `crossed`: the id of a crossing of `p`'s first
+    /// pieces (`cross_pack`) to decode instead of copying them again, where it is still in
+    /// the ring and nothing is skipped.
     pub(crate) fn upload_pack(
         &self,
         p: &PinnedPack,
         staging: Option<&Staging>,
         skip: &[bool],
         timed: bool,
+        crossed: Option<u64>,
     ) -> Result<(Vec<CudaStorage>, Upload)> {
         // An uncoded pack crosses straight into place (a coded streamer's first blocks may
         // be: `BlockStreamer::set_uncoded_first`).
@@ -577,7 +699,7 @@ impl CudaDevice {
                 }
                 queued?
             }
-            Some(staging) => self.upload_staged(p, &packed, staging, skip, timed)?,
+            Some(staging) => self.upload_staged(p, &packed, staging, skip, timed, crossed)?,
         };
         let storages = p
             .parts
@@ -625,7 +747,7 @@ impl CudaDevice {
         }
         let end = self.stamp(copy, timed, "recording the copy's event")?;
         let timing = start.map(|s| (s, end.clone())).into_iter().collect();
-        Ok(Upload(end, timing, Vec::new()))
+        Ok(Upload(end, timing, Vec::new(), 0))
     }
 
     /// An event of `stream`'s work so far that its holders share: timed where `timed` (the
@@ -637,12 +759,12 @@ impl CudaDevice {
         }))
     }
 
-    /// `upload_pack` through the staging ring: the pieces of `p` (the runs of its raw parts
-    /// brought, then runs of adjacent coded parts brought of up to `Staging::piece` bytes or
-    /// one part) copied on the copy stream, each into the
-    /// ring's next free range once the decode stream has read what was there; copied or
-    /// decoded into `packed` on the decode stream once the compute stream has freed it (its
-    /// work so far) and the piece is in.
+    /// `upload_pack` through the staging ring: the pieces of `p` (`staged_pieces`) copied on
+    /// the copy stream, each into the ring's next free range once the decode stream has read
+    /// what was there, but for the first pieces that crossed ahead (`cross_pack`, the
+    /// crossing `crossed`, where nothing is skipped); copied or decoded into `packed` on the
+    /// decode stream once the compute stream has freed it (its work so far) and the piece is
+    /// in.
     fn upload_staged(
         &self,
         p: &PinnedPack,
@@ -650,59 +772,15 @@ impl CudaDevice {
         staging: &Staging,
         skip: &[bool],
         timed: bool,
+        crossed: Option<u64>,
     ) -> Result<Upload> {
-        // The coded parts to bring, each with whether the one before it in the pack's coded
-        // bytes is brought too (a piece gathers only adjacent parts).
-        let mut coded: Vec<(usize, &CodedPart)> = Vec::new();
-        let mut follows: Vec<bool> = Vec::new();
-        let mut last_taken = false;
-        for (k, part) in p.parts.iter().enumerate() {
-            let Some(c) = part.coded.as_ref() else {
-                continue;
-            };
-            let take = !skip.get(k).copied().unwrap_or(false);
-            if take {
-                coded.push((part.at, c));
-                follows.push(last_taken);
-            }
-            last_taken = take;
-        }
-        // The raw parts to bring, a piece a run (the host buffer's raw prefix mirrors the
-        // device layout: a run lands at its own offset).
-        let mut pieces: Vec<Piece> = p
-            .raw_runs(skip)
-            .into_iter()
-            .map(|(from, to)| Piece {
-                from,
-                len: to - from,
-                raw: true,
-                parts: 0..0,
-            })
-            .collect();
-        // A piece takes the next part, and the ones after it while it stays within the
-        // target: no piece is larger than the target or one part (`staging_ring_bytes`).
-        let target = staging.piece.max(1);
-        let part_end = |k: usize| p.coded_at + coded[k].1.wire + coded[k].1.layout.bytes;
-        let mut k = 0;
-        while k < coded.len() {
-            let first = k;
-            let from = p.coded_at + coded[k].1.wire;
-            let mut end = part_end(k);
-            k += 1;
-            while k < coded.len() && follows[k] && part_end(k) - from <= target {
-                end = part_end(k);
-                k += 1;
-            }
-            pieces.push(Piece {
-                from,
-                len: end - from,
-                raw: false,
-                parts: first..k,
-            });
-        }
+        let (pieces, coded) = staged_pieces(p, staging, skip);
         let copy = self.copy_stream()?;
         let decode = self.decode_stream()?;
-        let queued = self.queue_staged(p, &pieces, &coded, packed, staging, copy, decode, timed);
+        let crossed = crossed.filter(|_| !skip.contains(&true));
+        let queued = self.queue_staged(
+            p, &pieces, &coded, packed, staging, copy, decode, timed, crossed,
+        );
         if queued.is_err() {
             // Some of it may be queued: nothing the copies or decodes touch may return to
             // the cache (the pack's buffer drops with the error) before they are done.
@@ -712,8 +790,69 @@ impl CudaDevice {
         queued
     }
 
-    /// Queues `upload_staged`'s pieces: on the copy stream into the ring, on the decode stream
-    /// into `packed`.
+    /// Copies the first pieces of packed upload `p` (every part brought) into the staging
+    /// ring ahead of its decode, on the copy stream, as far as the ring has room that no
+    /// other crossing holds: the link's time before the compute frees the memory the upload
+    /// will land in (the backward's end, for the next forward's first uploads). The upload
+    /// (`upload_pack` with the crossing's id) then decodes those pieces and brings the rest.
+    /// Returns the crossing's id, its bytes and whether every piece crossed; None where the
+    /// pack is not coded, does not fit the ring or no piece found room.
+    pub(crate) fn cross_pack(
+        &self,
+        p: &PinnedPack,
+        staging: &Staging,
+    ) -> Result<Option<(u64, usize, bool)>> {
+        if p.coded == 0 || staging.len() < p.wire_bytes() {
+            return Ok(None);
+        }
+        let (pieces, _) = staged_pieces(p, staging, &[]);
+        let copy = self.copy_stream()?;
+        let host = host_ptr(&p.host)?;
+        let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
+        let mut ring = staging
+            .ring
+            .lock()
+            .map_err(|_| Error::Poisoned("staging ring"))?;
+        let id = ring.next;
+        ring.next += 1;
+        let mut mine = Crossing {
+            id,
+            pieces: Vec::with_capacity(pieces.len()),
+        };
+        let mut bytes = 0;
+        for piece in &pieces {
+            let at = ring.place(piece.len, staging.len());
+            // Neither onto another crossing nor onto this one's own pieces.
+            if ring
+                .crossed
+                .iter()
+                .chain(std::iter::once(&mine))
+                .any(|c| Ring::crossed_over(c, at, piece.len))
+            {
+                break;
+            }
+            ring.wait_reads(copy, at, piece.len)?;
+            // SAFETY: the pinned memory is never written after `pack`; the range lies inside
+            // the ring (`place`) and nothing reads it until a decode waits for this copy.
+            let src = unsafe { std::slice::from_raw_parts(host.add(piece.from), piece.len) };
+            let dst = staging.buf.base() + at as u64;
+            unsafe { result::memcpy_htod_async(dst, src, copy.cu_stream()) }
+                .map_err(cuda_err("copying from pinned memory"))?;
+            let copied = self.stamp(copy, false, "recording the copy's event")?;
+            mine.pieces.push((at, piece.len, copied));
+            ring.head = align(at + piece.len);
+            bytes += piece.len;
+        }
+        if mine.pieces.is_empty() {
+            return Ok(None);
+        }
+        let whole = mine.pieces.len() == pieces.len();
+        ring.crossed.push(mine);
+        Ok(Some((id, bytes, whole)))
+    }
+
+    /// Queues `upload_staged`'s pieces: on the copy stream into the ring (but those of the
+    /// crossing `crossed`, already there), on the decode stream into `packed`.
     #[allow(clippy::too_many_arguments)]
     fn queue_staged(
         &self,
@@ -725,6 +864,7 @@ impl CudaDevice {
         copy: &Arc<CudaStream>,
         decode: &Arc<CudaStream>,
         timed: bool,
+        crossed: Option<u64>,
     ) -> Result<Upload> {
         let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
         self.marks().join(decode, self.stream())?;
@@ -733,40 +873,63 @@ impl CudaDevice {
             .ring
             .lock()
             .map_err(|_| Error::Poisoned("staging ring"))?;
+        // The pieces that crossed ahead, if the crossing is still whole in the ring (the
+        // same pieces: the same pack, ring and nothing skipped).
+        let landed = match crossed.and_then(|id| ring.crossed.iter().position(|c| c.id == id)) {
+            Some(k) => {
+                let c = ring.crossed.remove(k);
+                let same = c
+                    .pieces
+                    .iter()
+                    .zip(pieces)
+                    .all(|(&(_, len, _), piece)| len == piece.len);
+                if same {
+                    c.pieces
+                } else {
+                    Vec::new()
+                }
+            }
+            None => Vec::new(),
+        };
+        let mut landed_bytes = 0;
         let mut timing = Vec::with_capacity(if timed { pieces.len() } else { 0 });
         let mut decoding = Vec::with_capacity(if timed { pieces.len() } else { 0 });
         // The last piece's decode end.
         let mut last: Option<Shared> = None;
-        for piece in pieces {
-            // The piece's range in the ring, and the decode that last read it.
-            let mut at = ring.head;
-            if at + piece.len > staging.len() {
-                at = 0;
-            }
-            let overlaps = |&(s, e, _): &(usize, usize, Shared)| s < at + piece.len && at < e;
-            if let Some(last) = ring.pending.iter().rposition(overlaps) {
-                // The decode stream runs in order: its event after this read means every
-                // earlier read is done too.
-                let (_, _, e) = &ring.pending[last];
-                copy.wait(e)
-                    .map_err(cuda_err("waiting for the staging ring"))?;
-                ring.pending.drain(..=last);
-            }
-            let start = clock(copy, timed, "recording the copy's start")?;
-            // SAFETY: the pinned memory is never written after `pack`; the range lies inside
-            // the ring (checked against its length above) and nothing reads it until the
-            // decode stream waits for this copy.
-            let src = unsafe { std::slice::from_raw_parts(host.add(piece.from), piece.len) };
+        for (k, piece) in pieces.iter().enumerate() {
+            let (at, copied) = match landed.get(k) {
+                Some((at, len, copied)) => {
+                    landed_bytes += len;
+                    (*at, copied.clone())
+                }
+                None => {
+                    // The piece's range in the ring: past any crossing it would overwrite
+                    // (dropped), after the decode that last read it.
+                    let at = ring.place(piece.len, staging.len());
+                    ring.crossed
+                        .retain(|c| !Ring::crossed_over(c, at, piece.len));
+                    ring.wait_reads(copy, at, piece.len)?;
+                    let start = clock(copy, timed, "recording the copy's start")?;
+                    // SAFETY: the pinned memory is never written after `pack`; the range lies
+                    // inside the ring (`place`) and nothing reads it until the decode stream
+                    // waits for this copy.
+                    let src =
+                        unsafe { std::slice::from_raw_parts(host.add(piece.from), piece.len) };
+                    let dst = staging.buf.base() + at as u64;
+                    unsafe { result::memcpy_htod_async(dst, src, copy.cu_stream()) }
+                        .map_err(cuda_err("copying from pinned memory"))?;
+                    let copied = self.stamp(copy, timed, "recording the copy's event")?;
+                    if let Some(start) = start {
+                        timing.push((start, copied.clone()));
+                    }
+                    ring.head = align(at + piece.len);
+                    (at, copied)
+                }
+            };
             let dst = staging.buf.base() + at as u64;
-            unsafe { result::memcpy_htod_async(dst, src, copy.cu_stream()) }
-                .map_err(cuda_err("copying from pinned memory"))?;
-            let copied = self.stamp(copy, timed, "recording the copy's event")?;
             decode
                 .wait(&copied)
                 .map_err(cuda_err("waiting for a staged copy"))?;
-            if let Some(start) = start {
-                timing.push((start, copied));
-            }
             let before = clock(decode, timed, "recording a decode's start")?;
             if piece.raw {
                 self.copy_staged(decode, dst, packed.base() + piece.from as u64, piece.len)?;
@@ -784,7 +947,6 @@ impl CudaDevice {
                 decoding.push((before, after.clone()));
             }
             ring.pending.push_back((at, at + piece.len, after.clone()));
-            ring.head = align(at + piece.len);
             last = Some(after);
         }
         // The decode stream runs in order: the last piece's end is the upload's.
@@ -792,7 +954,7 @@ impl CudaDevice {
             Some(e) => e,
             None => Arc::new(self.marks().record(decode)?),
         };
-        Ok(Upload(ready, timing, decoding))
+        Ok(Upload(ready, timing, decoding, landed_bytes))
     }
 
     /// Copies `n` bytes from device address `src` to `dst` (both 16-byte aligned) on

@@ -885,8 +885,10 @@ fn run<M: ModelSpec>(
                 ..a
             };
             println!(
-                "streaming on the host: {:.1} ms/step in the blocks' entries and exits",
-                r.host_us as f64 / 1e3 / timed as f64
+                "streaming on the host: {:.1} ms/step in the blocks' entries and exits; {:.2} GiB/step crossed into the staging ring at the backward's end, {:.2} landed",
+                r.host_us as f64 / 1e3 / timed as f64,
+                gib(a.crossed_bytes - b.crossed_bytes) / timed as f64,
+                gib(a.landed_bytes - b.landed_bytes) / timed as f64
             );
             if r.timed_bytes > 0 {
                 // The timed uploads (one in `TIME_EVERY`) stand for all by their bytes.

@@ -15,6 +15,8 @@ pub mod multi;
 pub mod multi_sf;
 pub mod profile;
 pub mod quant8;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod ring;
 #[cfg_attr(not(any(feature = "cpu-ref", feature = "cuda")), allow(dead_code))]
 pub(crate) mod validate;
 pub mod wire;

@@ -24,6 +24,7 @@ use super::marks::Mark;
 use super::memory::Packed;
 use super::storage::{Buf, CudaStorage};
 use super::{cuda_err, CudaDevice};
+use crate::backend::ring::Ring;
 use crate::{DType, Error, Result};
 use cudarc::driver::{result, CudaEvent, CudaStream, PinnedHostSlice};
 use std::sync::Arc;
@@ -158,67 +159,12 @@ pub struct Staging {
     buf: Arc<Packed>,
     /// The bytes a piece gathers coded parts up to.
     piece: usize,
-    ring: std::sync::Mutex<Ring>,
+    ring: std::sync::Mutex<Ring<Shared>>,
     /// The compute, copy and decode streams: the compute waits for the other two before the
     /// ring's memory returns to the cache.
     compute: Arc<CudaStream>,
     copy: Arc<CudaStream>,
     decode: Arc<CudaStream>,
-}
-
-#[derive(Default)]
-struct Ring {
-    /// The next free byte.
-    head: usize,
-    /// Ranges the decode stream may still read, oldest first, with its event after the read.
-    pending: std::collections::VecDeque<(usize, usize, Shared)>,
-    /// Uploads whose first pieces crossed ahead of their decode (`cross_pack`), oldest
-    /// first: ranges written and not yet read. A copy that would overwrite one drops that
-    /// crossing instead of waiting for it (it was never to be decoded: the copy stream, in
-    /// order, writes the range again only after the crossing's copy), and its upload later
-    /// brings every piece itself.
-    crossed: Vec<Crossing>,
-    /// The id of the next crossing.
-    next: u64,
-}
-
-/// The first pieces of an upload crossed into the ring ahead of its decode.
-struct Crossing {
-    id: u64,
-    /// Each piece's range (start, length) and its copy's event.
-    pieces: Vec<(usize, usize, Shared)>,
-}
-
-impl Ring {
-    /// Where a piece of `len` bytes goes in a ring of `cap` bytes: at the head, or at the
-    /// start where it would pass the end.
-    fn place(&self, len: usize, cap: usize) -> usize {
-        if self.head + len > cap {
-            0
-        } else {
-            self.head
-        }
-    }
-
-    /// Makes `copy` wait until the decodes that read `[at, at + len)` are done, dropping
-    /// them (and every read before them: the decode stream runs in order) from `pending`.
-    fn wait_reads(&mut self, copy: &CudaStream, at: usize, len: usize) -> Result<()> {
-        let overlaps = |&(s, e, _): &(usize, usize, Shared)| s < at + len && at < e;
-        if let Some(last) = self.pending.iter().rposition(overlaps) {
-            // The decode stream runs in order: its event after this read means every
-            // earlier read is done too.
-            let (_, _, e) = &self.pending[last];
-            copy.wait(e)
-                .map_err(cuda_err("waiting for the staging ring"))?;
-            self.pending.drain(..=last);
-        }
-        Ok(())
-    }
-
-    /// Whether a crossing holds a range overlapping `[at, at + len)`.
-    fn crossed_over(c: &Crossing, at: usize, len: usize) -> bool {
-        c.pieces.iter().any(|&(s, l, _)| s < at + len && at < s + l)
-    }
 }
 
 impl Staging {
@@ -808,47 +754,36 @@ impl CudaDevice {
         let (pieces, _) = staged_pieces(p, staging, &[]);
         let copy = self.copy_stream()?;
         let host = host_ptr(&p.host)?;
-        let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
         let mut ring = staging
             .ring
             .lock()
             .map_err(|_| Error::Poisoned("staging ring"))?;
-        let id = ring.next;
-        ring.next += 1;
-        let mut mine = Crossing {
-            id,
-            pieces: Vec::with_capacity(pieces.len()),
-        };
+        let id = ring.begin_crossing();
         let mut bytes = 0;
         for piece in &pieces {
-            let at = ring.place(piece.len, staging.len());
             // Neither onto another crossing nor onto this one's own pieces.
-            if ring
-                .crossed
-                .iter()
-                .chain(std::iter::once(&mine))
-                .any(|c| Ring::crossed_over(c, at, piece.len))
-            {
+            let Some((at, read)) = ring.cross(id, piece.len) else {
                 break;
+            };
+            if let Some(e) = read {
+                copy.wait(&e)
+                    .map_err(cuda_err("waiting for the staging ring"))?;
             }
-            ring.wait_reads(copy, at, piece.len)?;
             // SAFETY: the pinned memory is never written after `pack`; the range lies inside
-            // the ring (`place`) and nothing reads it until a decode waits for this copy.
+            // the ring (`Ring::cross`) and nothing reads it until a decode waits for this copy.
             let src = unsafe { std::slice::from_raw_parts(host.add(piece.from), piece.len) };
             let dst = staging.buf.base() + at as u64;
             unsafe { result::memcpy_htod_async(dst, src, copy.cu_stream()) }
                 .map_err(cuda_err("copying from pinned memory"))?;
             let copied = self.stamp(copy, false, "recording the copy's event")?;
-            mine.pieces.push((at, piece.len, copied));
-            ring.head = align(at + piece.len);
+            ring.crossed(id, at, piece.len, copied);
             bytes += piece.len;
         }
-        if mine.pieces.is_empty() {
+        let crossed = ring.end_crossing(id);
+        if crossed == 0 {
             return Ok(None);
         }
-        let whole = mine.pieces.len() == pieces.len();
-        ring.crossed.push(mine);
-        Ok(Some((id, bytes, whole)))
+        Ok(Some((id, bytes, crossed == pieces.len())))
     }
 
     /// Queues `upload_staged`'s pieces: on the copy stream into the ring (but those of the
@@ -866,7 +801,6 @@ impl CudaDevice {
         timed: bool,
         crossed: Option<u64>,
     ) -> Result<Upload> {
-        let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
         self.marks().join(decode, self.stream())?;
         let host = host_ptr(&p.host)?;
         let mut ring = staging
@@ -875,19 +809,10 @@ impl CudaDevice {
             .map_err(|_| Error::Poisoned("staging ring"))?;
         // The pieces that crossed ahead, if the crossing is still whole in the ring (the
         // same pieces: the same pack, ring and nothing skipped).
-        let landed = match crossed.and_then(|id| ring.crossed.iter().position(|c| c.id == id)) {
-            Some(k) => {
-                let c = ring.crossed.remove(k);
-                let same = c
-                    .pieces
-                    .iter()
-                    .zip(pieces)
-                    .all(|(&(_, len, _), piece)| len == piece.len);
-                if same {
-                    c.pieces
-                } else {
-                    Vec::new()
-                }
+        let landed = match crossed {
+            Some(id) => {
+                let lens: Vec<usize> = pieces.iter().map(|p| p.len).collect();
+                ring.land(id, &lens)
             }
             None => Vec::new(),
         };
@@ -905,10 +830,11 @@ impl CudaDevice {
                 None => {
                     // The piece's range in the ring: past any crossing it would overwrite
                     // (dropped), after the decode that last read it.
-                    let at = ring.place(piece.len, staging.len());
-                    ring.crossed
-                        .retain(|c| !Ring::crossed_over(c, at, piece.len));
-                    ring.wait_reads(copy, at, piece.len)?;
+                    let (at, read) = ring.copy(piece.len);
+                    if let Some(e) = read {
+                        copy.wait(&e)
+                            .map_err(cuda_err("waiting for the staging ring"))?;
+                    }
                     let start = clock(copy, timed, "recording the copy's start")?;
                     // SAFETY: the pinned memory is never written after `pack`; the range lies
                     // inside the ring (`place`) and nothing reads it until the decode stream
@@ -922,7 +848,6 @@ impl CudaDevice {
                     if let Some(start) = start {
                         timing.push((start, copied.clone()));
                     }
-                    ring.head = align(at + piece.len);
                     (at, copied)
                 }
             };
@@ -946,7 +871,7 @@ impl CudaDevice {
             if let Some(before) = before {
                 decoding.push((before, after.clone()));
             }
-            ring.pending.push_back((at, at + piece.len, after.clone()));
+            ring.read(at, piece.len, after.clone());
             last = Some(after);
         }
         // The decode stream runs in order: the last piece's end is the upload's.
@@ -1046,10 +971,11 @@ impl CudaDevice {
         let (copy, decode) = (self.copy_stream()?.clone(), self.decode_stream()?.clone());
         copy.join(self.stream())
             .map_err(cuda_err("ordering the copy stream after compute"))?;
+        let len = buf.len();
         Ok(Staging {
             buf,
             piece: crate::backend::wire::staging_piece(wire),
-            ring: std::sync::Mutex::new(Ring::default()),
+            ring: std::sync::Mutex::new(Ring::new(len, PACK_ALIGN)),
             compute: self.stream().clone(),
             copy,
             decode,

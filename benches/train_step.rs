@@ -13,7 +13,8 @@
 //! `--keep-down` (the down-projections' outputs), `--no-keep-few` (the
 //! outputs of Linears that see few rows are recomputed, and their weights not left out of the
 //! backward's uploads; with the planner too), `--raw-wire` (streamed
-//! bf16 weights cross the link uncoded, with the planner too), `--shallow` (the forward
+//! bf16 weights cross the link uncoded, with the planner too), `--no-cross` (nothing crossed
+//! into the staging ring at the backward's end, with the planner too), `--shallow` (the forward
 //! fetches only `--prefetch` ahead and the backward leaves only that many and one for it,
 //! with the planner too), `--no-host-products` (streamed blocks' Linears over the
 //! conditioning vector bring their weights to the GPU instead of computing their products on
@@ -304,7 +305,8 @@ fn run<M: ModelSpec>(
     }
     let mut profile: MemoryProfile = profile_config::<M>(&cfg, &opts, &run_shape)?;
     // The planner's switches: `FLAME_PLANNER`, then the flags `--raw-wire` (streamed bf16
-    // weights cross uncoded), `--no-uncoded-carry`, `--shallow` (no deep prefetch),
+    // weights cross uncoded), `--no-uncoded-carry`, `--no-cross` (nothing crossed into the
+    // staging ring at the backward's end), `--shallow` (no deep prefetch),
     // `--no-host-products`, `--no-keep-few`, `--keep-transposes` (resident blocks' 8-bit
     // weights keep their transposed codes), `--serial-reruns` (no re-run issued ahead) and
     // `--reference-machine` (the time model plays `Machine::REFERENCE`, not this machine
@@ -313,6 +315,7 @@ fn run<M: ModelSpec>(
     for (flag, name, on) in [
         ("--raw-wire", "wire_code", false),
         ("--no-uncoded-carry", "uncoded_carry", false),
+        ("--no-cross", "cross_ahead", false),
         ("--shallow", "deep_prefetch", false),
         ("--no-host-products", "host_products", false),
         ("--no-keep-few", "keep_few_rows", false),

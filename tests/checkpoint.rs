@@ -1340,7 +1340,7 @@ fn a_deeper_forward_fetch_on_cuda_gives_the_same_gradients() {
 /// backward) before the last; with `stream`, every block streamed coded (prefetch 1, so the
 /// backward leaves two for the next forward). The input's and the trained weights'
 /// gradients of each step (bits), and the streamer's report.
-fn coded_chain(dev: &Device, stream: bool) -> (Vec<Vec<Vec<u32>>>, StreamReport) {
+fn coded_chain(dev: &Device, stream: bool, cross: bool) -> (Vec<Vec<Vec<u32>>>, StreamReport) {
     const N: usize = 6;
     const D: usize = 96;
     let names: Vec<String> = (0..N).map(|i| format!("b{i}")).collect();
@@ -1372,6 +1372,7 @@ fn coded_chain(dev: &Device, stream: bool) -> (Vec<Vec<Vec<u32>>>, StreamReport)
     let streamer = stream.then(|| {
         let s = BlockStreamer::new(dev, names.clone(), 1);
         s.set_wire_code(true).unwrap();
+        s.set_cross_ahead(cross).unwrap();
         s
     });
     let frozen: Vec<Tensor> = match &streamer {
@@ -1431,8 +1432,8 @@ fn coded_chain(dev: &Device, stream: bool) -> (Vec<Vec<Vec<u32>>>, StreamReport)
 /// no ring, nothing crosses and the gradients are the resident ones.
 #[test]
 fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_the_cpu() {
-    let (plain, _) = coded_chain(&CPU, false);
-    let (got, r) = coded_chain(&CPU, true);
+    let (plain, _) = coded_chain(&CPU, false, true);
+    let (got, r) = coded_chain(&CPU, true, true);
     assert_eq!(got, plain);
     assert!(r.uploads > 0 && r.uploaded_bytes < r.decoded_bytes, "{r:?}");
     assert_eq!((r.crossed_bytes, r.landed_bytes), (0, 0), "{r:?}");
@@ -1448,14 +1449,18 @@ fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_the_cpu() {
 fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_cuda() {
     let _one = cuda_alone();
     let dev = Device::cuda(0).expect("a CUDA GPU");
-    let (plain, _) = coded_chain(&dev, false);
-    let (got, r) = coded_chain(&dev, true);
+    let (plain, _) = coded_chain(&dev, false, true);
+    let (got, r) = coded_chain(&dev, true, true);
     assert_eq!(got, plain);
+    // Switched off, nothing crosses, and the gradients are the same.
+    let (off, o) = coded_chain(&dev, true, false);
+    assert_eq!(off, plain);
+    assert_eq!((o.crossed_bytes, o.landed_bytes), (0, 0), "{o:?}");
     // Four backwards, each crossing at least the third block (a whole coded block fits the
     // ring); every forward after one lands it.
     assert!(r.crossed_bytes > 0 && r.landed_bytes > 0, "{r:?}");
     assert!(r.landed_bytes <= r.crossed_bytes, "{r:?}");
-    let (_, cpu) = coded_chain(&CPU, true);
+    let (_, cpu) = coded_chain(&CPU, true, true);
     // The link carried what the CPU's uploads would, the crossings that landed counted
     // once, those overwritten again; the GPU's packs add only alignment.
     assert!(

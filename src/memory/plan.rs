@@ -467,6 +467,11 @@ pub struct Plan {
     /// its link has time to spare where the decodes beside its kernels would slow them
     /// (their decodes take the compute's time). Their device copies are the same.
     pub uncoded_carry: bool,
+    /// With `wire_code`, the backward's end crosses the coded bytes of the next forward's
+    /// first uploads into the staging ring, idle with the link from the backward's last
+    /// upload to that forward's first (`BlockStreamer::set_cross_ahead`): those bytes leave
+    /// the forward's link.
+    pub cross_ahead: bool,
     /// The forward fetches as far ahead as the memory its checkpoints have not yet taken
     /// allows, and the backward leaves that many blocks on the device for the next forward
     /// (`MemoryProfile::reach`, `BlockStreamer::set_reach`): fewer uploads in the forward,
@@ -992,7 +997,7 @@ impl MemoryProfile {
         // The bytes the staging ring takes ahead of the forward: the largest coded upload and
         // its largest part (the ring less the piece a wrap may skip).
         let ring = self.ring_parts(plan, carried);
-        let crossing = ring.0 + ring.1;
+        let crossing = if plan.cross_ahead { ring.0 + ring.1 } else { 0 };
         // One step from the forward's start, its link busy until `link0` (the crossing's
         // copies past the backward before): the forward's end, the step's and when the
         // backward's last upload was done.
@@ -1577,6 +1582,7 @@ impl MemoryProfile {
                                         offload_inputs,
                                         wire_code,
                                         uncoded_carry,
+                                        cross_ahead: wire_code,
                                         host_products,
                                         remake_transposes,
                                         rerun_ahead,
@@ -1607,6 +1613,7 @@ impl MemoryProfile {
             // Uncoded: the staging ring would add to the smallest peak.
             wire_code: false,
             uncoded_carry: false,
+            cross_ahead: false,
             deep_prefetch: true,
             host_products: held,
             remake_transposes: remakes.len() > 1,

@@ -177,6 +177,9 @@ struct State {
     /// Key endings of the weights held on the host for their products
     /// (`set_host_products`).
     host_keys: Vec<String>,
+    /// Whether the backward's end crosses the next forward's first uploads into the staging
+    /// ring (`set_cross_ahead`).
+    cross: bool,
     /// Whether this backward has crossed the next forward's first uploads into the staging
     /// ring (`cross_ahead`); cleared at each forward's start.
     crossed_ahead: bool,
@@ -285,6 +288,7 @@ impl BlockStreamer {
                 reach,
                 carry,
                 host_keys: vec![],
+                cross: true,
                 crossed_ahead: false,
             }),
             products: HostProducts::default(),
@@ -307,6 +311,7 @@ impl BlockStreamer {
         let s = BlockStreamer::new(device, plan.streamed.clone(), plan.prefetch.max(1));
         s.set_wire_code(plan.wire_code)?;
         s.set_uncoded_first(plan.uncoded_first)?;
+        s.set_cross_ahead(plan.cross_ahead)?;
         if plan.host_products {
             s.set_host_products(conditioned.iter().map(|c| c.to_string()).collect())?;
         }
@@ -342,6 +347,14 @@ impl BlockStreamer {
     /// `Plan::uncoded_carry`). Set before the first fetch.
     pub fn set_uncoded_first(&self, n: usize) -> Result<()> {
         self.unsealed("the uncoded blocks are")?.uncoded_first = n;
+        Ok(())
+    }
+
+    /// Whether the backward's end crosses the coded packs of the next forward's first
+    /// uploads into the staging ring (`cross_ahead`; the planner's `Plan::cross_ahead`). On
+    /// by default; nothing crosses without the wire code.
+    pub fn set_cross_ahead(&self, on: bool) -> Result<()> {
+        self.lock()?.cross = on;
         Ok(())
     }
 
@@ -903,7 +916,7 @@ impl BlockStreamer {
     /// forward's link (Klein 9B within 8 GiB: a link-paced forward, about 0.8 GiB of ring).
     /// The forward's uploads decode them instead of copying them again.
     fn cross_ahead(&self, st: &mut State) -> Result<()> {
-        if !st.code {
+        if !st.code || !st.cross {
             return Ok(());
         }
         let from = st.carry.max(st.uncoded_first);

@@ -20,6 +20,9 @@ pub struct Switches {
     /// With the wire code, the blocks the backward leaves for the next forward cross uncoded
     /// (`Plan::uncoded_carry`).
     pub uncoded_carry: bool,
+    /// With the wire code, the backward's end crosses the next forward's first coded uploads
+    /// into the staging ring (`Plan::cross_ahead`).
+    pub cross_ahead: bool,
     /// The forward fetches further ahead where memory allows (`Plan::deep_prefetch`).
     pub deep_prefetch: bool,
     /// Streamed blocks' Linears over the conditioning vector compute on the host
@@ -42,6 +45,7 @@ impl Default for Switches {
             keep_few_rows: true,
             wire_code: true,
             uncoded_carry: true,
+            cross_ahead: true,
             deep_prefetch: true,
             host_products: true,
             remake_transposes: true,
@@ -57,10 +61,11 @@ impl Switches {
     pub const VAR: &'static str = "FLAME_PLANNER";
 
     /// The switches' names, as the fields'.
-    pub const NAMES: [&'static str; 8] = [
+    pub const NAMES: [&'static str; 9] = [
         "keep_few_rows",
         "wire_code",
         "uncoded_carry",
+        "cross_ahead",
         "deep_prefetch",
         "host_products",
         "remake_transposes",
@@ -80,6 +85,7 @@ impl Switches {
             "keep_few_rows" => &mut self.keep_few_rows,
             "wire_code" => &mut self.wire_code,
             "uncoded_carry" => &mut self.uncoded_carry,
+            "cross_ahead" => &mut self.cross_ahead,
             "deep_prefetch" => &mut self.deep_prefetch,
             "host_products" => &mut self.host_products,
             "remake_transposes" => &mut self.remake_transposes,
@@ -146,8 +152,9 @@ impl Switches {
 
     /// `plan` as these switches allow it: `None` where it needs a technique switched off
     /// that it cannot do without (the wire code, uncoded carried blocks, remade transposes,
-    /// re-runs issued ahead: the same plan without them is a candidate too); the deep prefetch, host products and kept
-    /// few-row outputs dropped where off.
+    /// re-runs issued ahead: the same plan without them is a candidate too); the deep
+    /// prefetch, the crossing at the backward's end, host products and kept few-row outputs
+    /// dropped where off.
     pub fn allow(&self, plan: Plan) -> Option<Plan> {
         if (plan.wire_code && !self.wire_code)
             || (plan.uncoded_carry && !self.uncoded_carry)
@@ -165,6 +172,7 @@ impl Switches {
         Plan {
             wire_code: plan.wire_code && self.wire_code,
             uncoded_carry: plan.uncoded_carry && self.uncoded_carry,
+            cross_ahead: plan.cross_ahead && self.cross_ahead && self.wire_code,
             deep_prefetch: plan.deep_prefetch && self.deep_prefetch,
             host_products: plan.host_products && self.host_products,
             remake_transposes: plan.remake_transposes && self.remake_transposes,
@@ -218,6 +226,7 @@ mod tests {
             offload_inputs: false,
             wire_code: true,
             uncoded_carry: true,
+            cross_ahead: true,
             deep_prefetch: true,
             host_products: true,
             remake_transposes: false,
@@ -234,6 +243,12 @@ mod tests {
         let few = Switches::parse("keep_few_rows=off,host_products=off").unwrap();
         let p = few.allow(plan.clone()).unwrap();
         assert!(!p.keep.few_rows && p.keep.attention && !p.host_products && p.deep_prefetch);
+        let crossing = Switches::parse("cross_ahead=off").unwrap();
+        let p = crossing.allow(plan.clone()).unwrap();
+        assert!(!p.cross_ahead && p.wire_code && p.uncoded_carry);
+        // Nothing crosses uncoded.
+        let raw = Switches::parse("wire_code=off").unwrap().bind(plan.clone());
+        assert!(!raw.wire_code && !raw.cross_ahead);
         let serial = Switches::parse("rerun_ahead=off").unwrap();
         assert_eq!(serial.allow(plan.clone()), None);
         assert!(!serial.bind(plan).rerun_ahead);

@@ -320,6 +320,7 @@ pub(crate) fn plan_memory(
                 offload_inputs: mem.offload_inputs,
                 wire_code: true,
                 uncoded_carry: true,
+                cross_ahead: true,
                 deep_prefetch: true,
                 host_products: true,
                 remake_transposes: false,

@@ -60,6 +60,12 @@ impl<E: Clone> Ring<E> {
     /// Where a piece of `len` bytes would go: at the head, or at the start where it would
     /// pass the end.
     fn place(&self, len: usize) -> usize {
+        // Callers hold every piece to the ring's size (`staging_ring_bytes`).
+        debug_assert!(
+            len <= self.cap,
+            "a piece of {len} bytes in a ring of {}",
+            self.cap
+        );
         if self.head + len > self.cap {
             0
         } else {

@@ -910,7 +910,7 @@ impl BlockStreamer {
     }
 
     /// Crosses the coded packs of the next forward's first uploads (the first released
-    /// blocks past those the backward leaves on the device) into the staging ring, as far
+    /// blocks, in order, past those that cross uncoded) into the staging ring, as far
     /// as it has room (`Device::cross_pack`): the link is idle from the backward's last
     /// upload to the next forward's first, and the ring too, so those bytes leave the
     /// forward's link (Klein 9B within 8 GiB: a link-paced forward, about 0.8 GiB of ring).
@@ -919,7 +919,9 @@ impl BlockStreamer {
         if !st.code || !st.cross {
             return Ok(());
         }
-        let from = st.carry.max(st.uncoded_first);
+        // The forward uploads its released blocks in order, those the backward could not
+        // leave for lack of room among them; the first ones cross uncoded, past the ring.
+        let from = st.uncoded_first;
         let State {
             blocks,
             report,
@@ -933,8 +935,9 @@ impl BlockStreamer {
             if !matches!(b.residency, Residency::Released) {
                 continue;
             }
+            // A block with nothing on the device (its weights held on the host) has no pack.
             let Some(pack) = &b.pack else {
-                break;
+                continue;
             };
             match self.device.cross_pack(pack, staging.as_ref())? {
                 Some((id, bytes, whole)) => {

@@ -23,6 +23,14 @@ fn cuda_alone() -> std::sync::MutexGuard<'static, ()> {
     ONE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The tests that count the re-runs the process's one helper thread took
+/// (`autograd::ahead::taken`) run one at a time: the helper refuses a job while it runs
+/// another test's, and a test whose every offer met a busy helper would count none.
+fn helper_alone() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn randn(shape: &[usize], seed: u64) -> Tensor {
     randn_on(shape, seed, &CPU)
 }
@@ -362,6 +370,7 @@ fn check_model_on<M>(
     forward: impl Fn(&M, &Device) -> Result<Tensor> + Copy,
     prefixes: Vec<String>,
 ) {
+    let _helper = helper_alone();
     let n = prefixes.len();
     let resident = lora_grads(
         dev,
@@ -1150,6 +1159,7 @@ fn offload_chain(dev: &Device, off: Option<Arc<InputOffload>>, ahead: bool) -> V
 }
 
 fn check_offload(dev: &Device) {
+    let _helper = helper_alone();
     let plain = offload_chain(dev, None, false);
     let o = InputOffload::new(dev, 0);
     assert_eq!(offload_chain(dev, Some(o.clone()), false), plain);

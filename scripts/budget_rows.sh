@@ -25,6 +25,9 @@
 # EDIT=1 (ARCH=flux2 only) makes it an edit dataset: each picture has a reference image of
 # the same name (`circle_images.py OUT REFS`) and an instruction caption; the samples and the
 # `sample` run are conditioned on a reference.
+# SAMPLE_STEPS (default 20) sets the denoising steps of the run's sample images and of the
+# `sample` run: every step of a sampler runs the same forward, so its first holds the peak,
+# and fewer steps prove the same memory in less device time.
 # GPUS (default 0) lists the GPUs: with several (GPUS=0,1) the run is data-parallel over
 # them (`train --gpus`), every one held to the budget by its own holder, and each GPU's
 # driver-side peak is printed.
@@ -36,6 +39,7 @@ budget=$4
 extra=${5:-}
 mkdir -p "$work"
 arch=${ARCH:-flux}
+sample_steps=${SAMPLE_STEPS:-20}
 case "$arch" in
   flux) targets='"double_blocks.*_attn.qkv", "double_blocks.*_attn.proj", "double_blocks.*_mlp.*", "single_blocks.*.linear*"'
         guidance=3.5 ;;
@@ -100,7 +104,7 @@ $refs_line
 [sample]
 every = 10
 prompts = [$prompt]
-steps = 20
+steps = $sample_steps
 guidance = $guidance
 seed = 3
 TOML
@@ -177,7 +181,7 @@ if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
   sstart=$(date +%s)
   CUDA_VISIBLE_DEVICES=${gpu_list[0]} "$SAMPLE_EXE" --arch "$arch" --model "$pipe" --lora "$work/out/lora.safetensors" \
     --prompt "$([ -n "$refs" ] && echo "make the circle red" || echo "a red circle on a white background")" \
-    "${sample_refs[@]}" --steps 20 --guidance "$guidance" \
+    "${sample_refs[@]}" --steps "$sample_steps" --guidance "$guidance" \
     --width 1024 --height 1024 --budget "$budget" --out "$work/sample" > "$work/sample.log" 2>&1
   src=$?
   set -e

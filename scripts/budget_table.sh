@@ -13,8 +13,10 @@
 #     scripts/random_flux_gguf.py, beside CLIP-L, T5-XXL and the autoencoder as single files;
 #     it needs gguf-py: `python3 scripts/random_flux_gguf.py --wheel .whl` here puts it in
 #     .whl/, installed there with the other wheels or imported from .whl/ as it is)
-#   bash scripts/budget_table.sh rows PIPES WORK ROW...   the rows named (or "all"), ROW k on
-#                                                     GPU k mod the GPU count
+#   [SAMPLE_STEPS=N] bash scripts/budget_table.sh rows PIPES WORK ROW...   the rows named (or "all"), ROW k on
+#                                                     GPU k mod the GPU count (SAMPLE_STEPS:
+#                                                     the samples' denoising steps, 20 unless
+#                                                     given: scripts/budget_rows.sh)
 #   bash scripts/budget_table.sh steps               the step of each row's plan against the
 #                                                     resident step (benches/train_step.rs), the
 #                                                     budget split as the train binary splits it

@@ -21,7 +21,8 @@ pub(crate) struct Ring<E> {
     align: usize,
     /// The next free byte.
     head: usize,
-    /// Ranges the decode stream may still read, oldest first, with its event after the read.
+    /// Ranges (start, length) the decode stream may still read, oldest first, with its event
+    /// after the read.
     pending: VecDeque<(usize, usize, E)>,
     /// Uploads whose first pieces crossed ahead of their decode, oldest first.
     crossed: Vec<Crossing<E>>,
@@ -36,11 +37,14 @@ struct Crossing<E> {
     pieces: Vec<(usize, usize, E)>,
 }
 
+/// Whether ranges `[s, s + l)` and `[at, at + len)` share a byte.
+fn overlap(s: usize, l: usize, at: usize, len: usize) -> bool {
+    s < at + len && at < s + l
+}
+
 impl<E> Crossing<E> {
     fn overlaps(&self, at: usize, len: usize) -> bool {
-        self.pieces
-            .iter()
-            .any(|&(s, l, _)| s < at + len && at < s + l)
+        self.pieces.iter().any(|&(s, l, _)| overlap(s, l, at, len))
     }
 }
 
@@ -77,8 +81,10 @@ impl<E: Clone> Ring<E> {
     /// read it (the event the copy must wait for) leaves `pending` with every read before it.
     fn take(&mut self, at: usize, len: usize) -> Option<E> {
         self.head = (at + len).div_ceil(self.align) * self.align;
-        let overlaps = |&(s, e, _): &(usize, usize, E)| s < at + len && at < e;
-        let last = self.pending.iter().rposition(overlaps)?;
+        let last = self
+            .pending
+            .iter()
+            .rposition(|&(s, l, _)| overlap(s, l, at, len))?;
         let (_, _, e) = self.pending[last].clone();
         self.pending.drain(..=last);
         Some(e)
@@ -161,7 +167,7 @@ impl<E: Clone> Ring<E> {
 
     /// Records a decode's read of `[at, at + len)`, ending at `read`.
     pub(crate) fn read(&mut self, at: usize, len: usize, read: E) {
-        self.pending.push_back((at, at + len, read));
+        self.pending.push_back((at, len, read));
     }
 }
 

@@ -765,17 +765,7 @@ impl CudaDevice {
             let Some((at, read)) = ring.cross(id, piece.len) else {
                 break;
             };
-            if let Some(e) = read {
-                copy.wait(&e)
-                    .map_err(cuda_err("waiting for the staging ring"))?;
-            }
-            // SAFETY: the pinned memory is never written after `pack`; the range lies inside
-            // the ring (`Ring::cross`) and nothing reads it until a decode waits for this copy.
-            let src = unsafe { std::slice::from_raw_parts(host.add(piece.from), piece.len) };
-            let dst = staging.buf.base() + at as u64;
-            unsafe { result::memcpy_htod_async(dst, src, copy.cu_stream()) }
-                .map_err(cuda_err("copying from pinned memory"))?;
-            let copied = self.stamp(copy, false, "recording the copy's event")?;
+            let (_, copied) = self.copy_to_ring(copy, host, staging, piece, at, read, false)?;
             ring.crossed(id, at, piece.len, copied);
             bytes += piece.len;
         }
@@ -784,6 +774,36 @@ impl CudaDevice {
             return Ok(None);
         }
         Ok(Some((id, bytes, crossed == pieces.len())))
+    }
+
+    /// Copies `piece` of the pinned bytes at `host` into the staging ring at `at` on `copy`,
+    /// once the decode that last read that range (`read`) is done: the copy's start (where
+    /// `timed`) and its end.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_to_ring(
+        &self,
+        copy: &Arc<CudaStream>,
+        host: *const u8,
+        staging: &Staging,
+        piece: &Piece,
+        at: usize,
+        read: Option<Shared>,
+        timed: bool,
+    ) -> Result<(Option<CudaEvent>, Shared)> {
+        if let Some(e) = read {
+            copy.wait(&e)
+                .map_err(cuda_err("waiting for the staging ring"))?;
+        }
+        let start = clock(copy, timed, "recording the copy's start")?;
+        // SAFETY: the pinned memory is never written after `pack`; the range lies inside the
+        // ring (`Ring::copy`, `Ring::cross`) and nothing reads it until a decode waits for
+        // this copy.
+        let src = unsafe { std::slice::from_raw_parts(host.add(piece.from), piece.len) };
+        let dst = staging.buf.base() + at as u64;
+        unsafe { result::memcpy_htod_async(dst, src, copy.cu_stream()) }
+            .map_err(cuda_err("copying from pinned memory"))?;
+        let copied = self.stamp(copy, timed, "recording the copy's event")?;
+        Ok((start, copied))
     }
 
     /// Queues `upload_staged`'s pieces: on the copy stream into the ring (but those of the
@@ -831,20 +851,8 @@ impl CudaDevice {
                     // The piece's range in the ring: past any crossing it would overwrite
                     // (dropped), after the decode that last read it.
                     let (at, read) = ring.copy(piece.len);
-                    if let Some(e) = read {
-                        copy.wait(&e)
-                            .map_err(cuda_err("waiting for the staging ring"))?;
-                    }
-                    let start = clock(copy, timed, "recording the copy's start")?;
-                    // SAFETY: the pinned memory is never written after `pack`; the range lies
-                    // inside the ring (`place`) and nothing reads it until the decode stream
-                    // waits for this copy.
-                    let src =
-                        unsafe { std::slice::from_raw_parts(host.add(piece.from), piece.len) };
-                    let dst = staging.buf.base() + at as u64;
-                    unsafe { result::memcpy_htod_async(dst, src, copy.cu_stream()) }
-                        .map_err(cuda_err("copying from pinned memory"))?;
-                    let copied = self.stamp(copy, timed, "recording the copy's event")?;
+                    let (start, copied) =
+                        self.copy_to_ring(copy, host, staging, piece, at, read, timed)?;
                     if let Some(start) = start {
                         timing.push((start, copied.clone()));
                     }

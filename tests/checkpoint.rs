@@ -1198,6 +1198,32 @@ fn offloaded_block_inputs_on_cuda_give_the_same_gradients() {
     }
 }
 
+/// The trainable `T` of a chain's `n` blocks, `d` x `d` each.
+fn trained_chain(n: usize, d: usize, dev: &Device) -> Vec<Tensor> {
+    (0..n)
+        .map(|i| {
+            randn_on(&[d, d], 60 + i as u64, dev)
+                .affine(0.05, 0.0)
+                .unwrap()
+                .requires_grad_()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// A chain's frozen weights, block `i`'s adopted by `streamer` as its block `i` where one
+/// streams them.
+fn adopted(streamer: Option<&Arc<BlockStreamer>>, frozen: Vec<Tensor>) -> Vec<Tensor> {
+    match streamer {
+        Some(s) => frozen
+            .iter()
+            .enumerate()
+            .map(|(i, w)| s.adopt(i, w).unwrap())
+            .collect(),
+        None => frozen,
+    }
+}
+
 /// Four steps of a chain of eight blocks, each `tanh(h Wf + h T)` with `Wf` frozen and `T`
 /// trainable, a forward under `no_grad` (a validation loss) before the last; with `reach`,
 /// every `Wf` streams from host memory (prefetch 1) and the forward fetches up to
@@ -1215,28 +1241,13 @@ fn streamed_chain(dev: &Device, reach: Option<Vec<usize>>) -> ChainRun {
                 .unwrap()
         })
         .collect();
-    let trained: Vec<Tensor> = (0..N)
-        .map(|i| {
-            randn_on(&[37, 37], 60 + i as u64, dev)
-                .affine(0.05, 0.0)
-                .unwrap()
-                .requires_grad_()
-                .unwrap()
-        })
-        .collect();
+    let trained = trained_chain(N, 37, dev);
     let streamer = reach.map(|r| {
         let s = BlockStreamer::new(dev, names.clone(), 1);
         s.set_reach(r).unwrap();
         s
     });
-    let frozen: Vec<Tensor> = match &streamer {
-        Some(s) => frozen
-            .iter()
-            .enumerate()
-            .map(|(i, w)| s.adopt(i, w).unwrap())
-            .collect(),
-        None => frozen,
-    };
+    let frozen = adopted(streamer.as_ref(), frozen);
     let exec = BlockExec {
         checkpointing: Checkpointing::All,
         streamer: streamer.clone(),
@@ -1370,29 +1381,14 @@ fn coded_chain(dev: &Device, stream: bool, cross: bool) -> (Vec<Vec<Vec<u32>>>, 
             bf16_tensor(&v, dev).reshape((D, D)).unwrap()
         })
         .collect();
-    let trained: Vec<Tensor> = (0..N)
-        .map(|i| {
-            randn_on(&[D, D], 60 + i as u64, dev)
-                .affine(0.05, 0.0)
-                .unwrap()
-                .requires_grad_()
-                .unwrap()
-        })
-        .collect();
+    let trained = trained_chain(N, D, dev);
     let streamer = stream.then(|| {
         let s = BlockStreamer::new(dev, names.clone(), 1);
         s.set_wire_code(true).unwrap();
         s.set_cross_ahead(cross).unwrap();
         s
     });
-    let frozen: Vec<Tensor> = match &streamer {
-        Some(s) => frozen
-            .iter()
-            .enumerate()
-            .map(|(i, w)| s.adopt(i, w).unwrap())
-            .collect(),
-        None => frozen,
-    };
+    let frozen = adopted(streamer.as_ref(), frozen);
     let exec = BlockExec {
         checkpointing: Checkpointing::All,
         streamer: streamer.clone(),

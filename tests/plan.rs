@@ -1341,13 +1341,9 @@ fn a_cached_machine_takes_the_host_costs_of_this_process() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The staging ring a coded plan predicts holds what the streamer's ring holds: the largest
-/// upload beside its largest part twice (`wire::staging_ring_bytes`), the part being a
-/// block's largest coded weight. FLUX.2 [klein] 9B's largest is a single block's linear1
-/// (4096 x 36864 values, about 0.35 of a double block's 436 M), not a fifth of a double
-/// block's bytes on the link.
-#[test]
-fn the_staging_ring_counts_the_largest_coded_weight() {
+/// FLUX.2 [klein] 9B at 1024² (4096 image + 512 text tokens), batch 1, LoRA rank 16 on every
+/// block, AdamW, as benches/train_step.rs runs it.
+fn klein_9b() -> MemoryProfile {
     use flame::models::flux2::{Flux2, Flux2Config};
     let opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(
         Adapters::new(LoraConfig {
@@ -1364,7 +1360,17 @@ fn the_staging_ring_counts_the_largest_coded_weight() {
         batch: 1,
         optimizer_bytes_per_value: 8.0,
     };
-    let p = profile_config::<Flux2>(&Flux2Config::klein_9b(), &opts, &run).unwrap();
+    profile_config::<Flux2>(&Flux2Config::klein_9b(), &opts, &run).unwrap()
+}
+
+/// The staging ring a coded plan predicts holds what the streamer's ring holds: the largest
+/// upload beside its largest part twice (`wire::staging_ring_bytes`), the part being a
+/// block's largest coded weight. FLUX.2 [klein] 9B's largest is a single block's linear1
+/// (4096 x 36864 values, about 0.35 of a double block's 436 M), not a fifth of a double
+/// block's bytes on the link.
+#[test]
+fn the_staging_ring_counts_the_largest_coded_weight() {
+    let p = klein_9b();
     for b in &p.blocks {
         assert!(
             b.largest_coded > 0 && b.largest_coded <= b.coded_bytes,
@@ -1414,23 +1420,7 @@ fn the_staging_ring_counts_the_largest_coded_weight() {
 /// uncoded, nothing crosses.
 #[test]
 fn crossing_ahead_takes_bytes_off_a_link_paced_forward() {
-    use flame::models::flux2::{Flux2, Flux2Config};
-    let opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(
-        Adapters::new(LoraConfig {
-            rank: 16,
-            alpha: 16.0,
-            dropout: 0.0,
-            targets: vec!["double_blocks.*".into(), "single_blocks.*".into()],
-            seed: 0,
-        })
-        .unwrap(),
-    );
-    let run = RunShape {
-        sample: vec![vec![128, 64, 64], vec![512, 12288]],
-        batch: 1,
-        optimizer_bytes_per_value: 8.0,
-    };
-    let p = profile_config::<Flux2>(&Flux2Config::klein_9b(), &opts, &run).unwrap();
+    let p = klein_9b();
     let crossing = p
         .settle(&Plan {
             checkpointing: Checkpointing::Off,

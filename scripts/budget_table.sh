@@ -18,10 +18,15 @@
 #                                                     the samples' denoising steps, 20 unless
 #                                                     given: scripts/budget_rows.sh)
 #   bash scripts/budget_table.sh steps               the step of each row's plan against the
-#                                                     resident step (benches/train_step.rs), the
+#                                                     resident step (benches/train_step.rs), one
+#                                                     process a model alternating them, the
 #                                                     budget split as the train binary splits it
 #                                                     (what the process holds outside its
 #                                                     allocator, measured, and LATE_HEADROOM)
+# Device time on one H200 (build 36876ef, SAMPLE_STEPS=4): `make` 103 s for sd3 and sdxl, about
+# 90 s for flux (its 64 GiB disk holds flux or sd3, not both: remove one's folder first); the
+# rows 80-235 s each with their `sample` runs (sdxl8 the least, flux8 the most); `steps`
+# about 330 s. A fresh machine adds about 275 s to its first call.
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
 # Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4, and the newer
 # families at their smallest bf16 budgets: klein4b-6 klein9b-8 zimage-6, and in FP8:
@@ -123,14 +128,15 @@ case ${1:-} in
     done
     wait "${pids[@]}" ;;
   steps)
-    b() { echo "== $*"; timeout 170 .gpu/bench-train_step "$@" 2>&1 | grep -vE "^\s*$" | tail -n 8; }
-    for m in flux sd35 sdxl; do b --model $m; done
-    for gb in 24 12 8; do b --model flux --budget $gb; done
-    b --model flux --budget 6 --fp8 --adam8bit
-    b --model sd35 --budget 16
-    b --model sd35 --budget 8
-    b --model sdxl --budget 8
-    b --model sdxl --budget 4 ;;
+    # One process a model, the resident step and each budget's plan alternating round by
+    # round (`--alternate`): the ratios of one process, whose host keeps one pace (SDXL's
+    # resident step moved 137-176 ms between processes on one machine).
+    b() { echo "== $*"; timeout 200 .gpu/bench-train_step "$@" 2>&1 \
+      | grep -E "^== |LoRA step" | cut -c1-700; }
+    b --model flux --steps 5 --rounds 1 --alternate "--budget 24" --alternate "--budget 12" \
+      --alternate "--budget 8" --alternate "--budget 6 --fp8 --adam8bit"
+    b --model sd35 --steps 5 --rounds 1 --alternate "--budget 16" --alternate "--budget 8"
+    b --model sdxl --steps 6 --rounds 2 --alternate "--budget 8" --alternate "--budget 4" ;;
   gpus)
     pipes=$2 work=$3 n=$4
     list=$(seq -s, 0 $((n - 1)))

@@ -136,7 +136,12 @@ case ${1:-} in
     b --model flux --steps 5 --rounds 1 --alternate "--budget 24" --alternate "--budget 12" \
       --alternate "--budget 8" --alternate "--budget 6 --fp8 --adam8bit"
     b --model sd35 --steps 5 --rounds 1 --alternate "--budget 16" --alternate "--budget 8"
-    b --model sdxl --steps 6 --rounds 2 --alternate "--budget 8" --alternate "--budget 4" ;;
+    b --model sdxl --steps 6 --rounds 2 --alternate "--budget 8" --alternate "--budget 4"
+    # The machine the planner measured (the GPU's and the link's rates; the host's costs are
+    # timed in each process): with it the CPU's time model replays these plans exactly.
+    cache=${FLAME_CACHE_DIR:-${XDG_CACHE_HOME:+$XDG_CACHE_HOME/flame}}
+    cache=${cache:-$HOME/.cache/flame}
+    for m in "$cache"/machine-*.toml; do [ -f "$m" ] && { echo "== $m"; cat "$m"; }; done ;;
   gpus)
     pipes=$2 work=$3 n=$4
     list=$(seq -s, 0 $((n - 1)))

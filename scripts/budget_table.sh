@@ -131,17 +131,14 @@ case ${1:-} in
     # One process a model, the resident step and each budget's plan alternating round by
     # round (`--alternate`): the ratios of one process, whose host keeps one pace (SDXL's
     # resident step moved 137-176 ms between processes on one machine).
+    # Each run prints the machine its planner played (`machine:`, the host's costs timed in
+    # that process): with it the CPU's time model replays these plans.
     b() { echo "== $*"; timeout 200 .gpu/bench-train_step "$@" 2>&1 \
-      | grep -E "^== |LoRA step" | cut -c1-700; }
+      | grep -E "^== |^machine:|LoRA step" | cut -c1-700; }
     b --model flux --steps 5 --rounds 1 --alternate "--budget 24" --alternate "--budget 12" \
       --alternate "--budget 8" --alternate "--budget 6 --fp8 --adam8bit"
     b --model sd35 --steps 5 --rounds 1 --alternate "--budget 16" --alternate "--budget 8"
-    b --model sdxl --steps 6 --rounds 2 --alternate "--budget 8" --alternate "--budget 4"
-    # The machine the planner measured (the GPU's and the link's rates; the host's costs are
-    # timed in each process): with it the CPU's time model replays these plans exactly.
-    cache=${FLAME_CACHE_DIR:-${XDG_CACHE_HOME:+$XDG_CACHE_HOME/flame}}
-    cache=${cache:-$HOME/.cache/flame}
-    for m in "$cache"/machine-*.toml; do [ -f "$m" ] && { echo "== $m"; cat "$m"; }; done ;;
+    b --model sdxl --steps 6 --rounds 2 --alternate "--budget 8" --alternate "--budget 4" ;;
   gpus)
     pipes=$2 work=$3 n=$4
     list=$(seq -s, 0 $((n - 1)))

@@ -308,9 +308,10 @@ fn run<M: ModelSpec>(
     // weights cross uncoded), `--no-uncoded-carry`, `--no-cross` (nothing crossed into the
     // staging ring at the backward's end), `--shallow` (no deep prefetch),
     // `--no-host-products`, `--no-keep-few`, `--keep-transposes` (resident blocks' 8-bit
-    // weights keep their transposed codes), `--serial-reruns` (no re-run issued ahead) and
+    // weights keep their transposed codes), `--serial-reruns` (no re-run issued ahead),
     // `--reference-machine` (the time model plays `Machine::REFERENCE`, not this machine
-    // measured).
+    // measured) and `--offload-kept` (plans that offload block inputs may keep their kept
+    // outputs in host memory too; with a plan by hand, it offloads inputs and kept outputs).
     let mut switches = Switches::default().with_env()?;
     for (flag, name, on) in [
         ("--raw-wire", "wire_code", false),
@@ -322,6 +323,7 @@ fn run<M: ModelSpec>(
         ("--keep-transposes", "remake_transposes", false),
         ("--serial-reruns", "rerun_ahead", false),
         ("--reference-machine", "measure_machine", false),
+        ("--offload-kept", "offload_kept", true),
     ] {
         if args.flag(flag) {
             if let Some(s) = switches.get_mut(name) {
@@ -380,7 +382,7 @@ fn run<M: ModelSpec>(
             // `--no-offload`: the planner without the plans that offload block inputs (to
             // time what offloading gains); the planner's switches from the flags.
             let candidates: Vec<Plan> = switches
-                .filter(profile.candidates())
+                .filter(profile.candidates_with(switches.offload_kept))
                 .into_iter()
                 .filter(|p| !(args.flag("--no-offload") && p.offload_inputs))
                 // `--prefetch K` with the planner: every streaming plan fetches K ahead (the
@@ -436,7 +438,8 @@ fn run<M: ModelSpec>(
                     down_projections: args.flag("--keep-down"),
                     few_rows: true,
                 },
-                offload_inputs: args.flag("--offload"),
+                offload_inputs: args.flag("--offload") || args.flag("--offload-kept"),
+                offload_kept: args.flag("--offload-kept"),
                 wire_code: true,
                 uncoded_carry: args.flag("--uncoded-carry"),
                 deep_prefetch: true,

@@ -1180,6 +1180,109 @@ fn check_offload(dev: &Device) {
     assert_eq!((r3.packed, r3.unpacked), (15, 15), "{r3:?}");
 }
 
+/// A chain of attention blocks on `dev`, every one checkpointed keeping its attention
+/// outputs, their inputs (and with `off` built by `keeping_outputs`, their kept outputs)
+/// offloaded by `off`; `None` for `keep`: the resident run. Returns the gradients and how
+/// many kept outputs the re-runs reused.
+fn offload_kept_chain(
+    dev: &Device,
+    keep: Option<Keep>,
+    off: Option<Arc<InputOffload>>,
+    ahead: bool,
+) -> (Vec<Vec<u32>>, u64) {
+    let x = randn_on(&[1, 2, 7, 4], 1, dev).requires_grad_().unwrap();
+    let ws: Vec<Vec<Tensor>> = (0..3)
+        .map(|b| {
+            (0..8)
+                .map(|i| {
+                    randn_on(&[4, 4], 10 + 8 * b + i, dev)
+                        .affine(0.5, 0.0)
+                        .unwrap()
+                        .requires_grad_()
+                        .unwrap()
+                })
+                .collect()
+        })
+        .collect();
+    let exec = BlockExec {
+        checkpointing: if keep.is_some() {
+            Checkpointing::All
+        } else {
+            Checkpointing::Off
+        },
+        keep: keep.unwrap_or(Keep::NONE),
+        offload: off,
+        rerun_ahead: ahead,
+        ..Default::default()
+    };
+    let before = kept_reused();
+    let mut h = x.clone();
+    for (i, w) in ws.iter().enumerate() {
+        let f = attention_block(w.clone());
+        h = exec
+            .run(&format!("b{i}"), i, &[h], move |xs| f(xs))
+            .unwrap()
+            .remove(0);
+    }
+    let loss = h
+        .mul(&randn_on(&[1, 2, 7, 4], 5, dev))
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    let mut out = vec![bits(grads.get(&x).unwrap())];
+    out.extend(ws.iter().flatten().map(|w| bits(grads.get(w).unwrap())));
+    (out, kept_reused() - before)
+}
+
+fn check_offload_kept(dev: &Device) {
+    let _helper = helper_alone();
+    let attention = Keep {
+        attention: true,
+        ..Keep::NONE
+    };
+    let (resident, _) = offload_kept_chain(dev, None, None, false);
+    let (kept_here, reused_here) = offload_kept_chain(dev, Some(attention), None, false);
+    assert_eq!(kept_here, resident);
+    assert_eq!(reused_here, 6, "two attention calls a block, three blocks");
+    // Inputs alone offloaded: the kept outputs stay where they are.
+    let inputs = InputOffload::new(dev, 0);
+    let (g, reused) = offload_kept_chain(dev, Some(attention), Some(inputs.clone()), false);
+    assert_eq!((g, reused), (resident.clone(), 6));
+    assert_eq!(inputs.report().unwrap().packed, 3);
+    // Kept outputs offloaded too: each block's input and its two attention calls' output
+    // and log-sum-exp go out and come back, every one but the first the backward needs
+    // fetched ahead by the unpack before it, none twice.
+    let o = InputOffload::keeping_outputs(dev, 0);
+    let (g, reused) = offload_kept_chain(dev, Some(attention), Some(o.clone()), false);
+    assert_eq!((g, reused), (resident.clone(), 6));
+    let r = o.report().unwrap();
+    assert_eq!((r.packed, r.unpacked, r.prefetched), (15, 15, 14), "{r:?}");
+    // Re-runs issued ahead on the helper thread unpack them there: the same values.
+    let (g, reused) = offload_kept_chain(dev, Some(attention), Some(o.clone()), true);
+    assert_eq!((g, reused), (resident, 6));
+    let r2 = o.report().unwrap();
+    assert_eq!((r2.packed, r2.unpacked), (30, 30), "{r2:?}");
+}
+
+#[test]
+fn offloaded_kept_outputs_give_the_same_gradients_and_come_back_in_order() {
+    check_offload_kept(&CPU);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn offloaded_kept_outputs_on_cuda_give_the_same_gradients() {
+    #[cfg(feature = "cuda")]
+    {
+        let _one = cuda_alone();
+        match Device::cuda(0) {
+            Ok(gpu) => check_offload_kept(&gpu),
+            Err(e) => eprintln!("skipping: no CUDA device ({e})"),
+        }
+    }
+}
+
 #[test]
 fn offloaded_block_inputs_give_the_same_gradients_and_come_back_ahead() {
     check_offload(&CPU);

@@ -77,6 +77,7 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
             ..Keep::NONE
         },
         offload_inputs: false,
+        offload_kept: false,
         // The measured rows streamed uncoded, each pass fetching `prefetch` ahead.
         wire_code: false,
         uncoded_carry: false,
@@ -278,6 +279,7 @@ fn offloaded_inputs_leave_two_blocks_on_the_device() {
     for (i, p) in c.iter().enumerate().filter(|(_, p)| p.offload_inputs) {
         let twin = Plan {
             offload_inputs: false,
+            offload_kept: false,
             ..p.clone()
         };
         if let Some(j) = c.iter().position(|q| *q == twin) {
@@ -289,6 +291,7 @@ fn offloaded_inputs_leave_two_blocks_on_the_device() {
     assert!(last.offload_inputs && last.streamed.len() == bf.blocks.len());
     let last_on_device = Plan {
         offload_inputs: false,
+        offload_kept: false,
         ..last.clone()
     };
     assert!(bf.peak(last) < bf.peak(&last_on_device));
@@ -601,6 +604,7 @@ fn forward_only_weights_leave_the_backward_uploads() {
             ..Keep::NONE
         },
         offload_inputs: false,
+        offload_kept: false,
         wire_code: code,
         uncoded_carry: false,
         cross_ahead: false,
@@ -652,6 +656,7 @@ fn host_products_take_the_modulations_off_the_link() {
             few_rows: true,
         },
         offload_inputs: false,
+        offload_kept: false,
         wire_code: true,
         uncoded_carry: false,
         cross_ahead: false,
@@ -1449,4 +1454,99 @@ fn crossing_ahead_takes_bytes_off_a_link_paced_forward() {
         ..crossing.clone()
     };
     assert_eq!(p.step_ms(&raw(true)), p.step_ms(&raw(false)));
+}
+
+/// Kept outputs in host memory (`Plan::offload_kept`, with the inputs offloaded): the
+/// checkpoints' kept attention and down-projection outputs leave the device but for the
+/// two blocks' worth in flight, cross the link both ways, and only the planner's switch
+/// brings such plans among its candidates. FLUX.2 [klein] 9B at 1024², every block streamed
+/// coded and checkpointed keeping both: the peak falls by what the blocks keep less two
+/// blocks' worth.
+#[test]
+fn offloaded_kept_outputs_leave_the_device_and_wait_for_their_switch() {
+    use flame::memory::Switches;
+    let p = klein_9b();
+    let keep = Keep {
+        attention: true,
+        down_projections: true,
+        few_rows: true,
+    };
+    let inputs = p
+        .settle(&Plan {
+            checkpointing: Checkpointing::All,
+            keep,
+            offload_inputs: true,
+            wire_code: true,
+            cross_ahead: true,
+            deep_prefetch: true,
+            ..plan(Checkpointing::All, even(&p, p.blocks.len()), 2, false)
+        })
+        .unwrap();
+    let kept = Plan {
+        offload_kept: true,
+        ..inputs.clone()
+    };
+    assert!(kept.offloads_kept() && !inputs.offloads_kept());
+    assert!(kept
+        .to_string()
+        .contains("block inputs and kept outputs in host memory"));
+    let all: u64 = p
+        .blocks
+        .iter()
+        .map(|b| b.attention_bytes + b.down_bytes)
+        .sum();
+    let (a, b) = (p.peak_parts(&inputs), p.peak_parts(&kept));
+    println!(
+        "held {:.2} -> {:.2} GiB of {:.2} kept; peak {:.2} -> {:.2} GiB; step {:.1} -> {:.1} ms",
+        a.held as f64 / GIB,
+        b.held as f64 / GIB,
+        all as f64 / GIB,
+        p.peak(&inputs) as f64 / GIB,
+        p.peak(&kept) as f64 / GIB,
+        p.step_ms(&inputs),
+        p.step_ms(&kept)
+    );
+    // What the blocks hold at the heaviest moment falls (by less than all they keep: the
+    // heaviest moment holds some of them, and two blocks' worth is in flight).
+    assert!(b.held < a.held && a.held - b.held < all, "{a:?} {b:?}");
+    assert!(p.peak(&kept) < p.peak(&inputs));
+    // Nothing kept: nothing more to offload.
+    let bare = Plan {
+        keep: Keep::NONE,
+        ..kept.clone()
+    };
+    assert!(!bare.offloads_kept());
+    // The candidates: none by default, with the switch only beside inputs offloaded and
+    // something kept, each with its twin that keeps them on the device.
+    assert!(p.candidates().iter().all(|c| !c.offload_kept));
+    let with = p.candidates_with(true);
+    let offloading: Vec<&Plan> = with.iter().filter(|c| c.offload_kept).collect();
+    assert!(!offloading.is_empty());
+    for c in offloading {
+        assert!(c.offloads_kept(), "{c}");
+        let twin = Plan {
+            offload_kept: false,
+            ..c.clone()
+        };
+        assert!(with.contains(&twin), "{c}");
+    }
+    let off = Switches::default();
+    assert_eq!(off.allow(kept.clone()), None);
+    assert_eq!(off.bind(kept.clone()), kept, "a plan by hand keeps it");
+    let on = Switches::parse("offload_kept=on").unwrap();
+    assert_eq!(on.allow(kept.clone()), Some(kept.clone()));
+    // Within the allocator's 7.17 GiB of an 8 GiB budget, the pick among the larger set is
+    // predicted no slower.
+    let cap = (7.17 * GIB) as u64;
+    let (without, with_kept) = (
+        p.plan_among(cap, p.candidates()).unwrap(),
+        p.plan_among(cap, on.filter(p.candidates_with(true)))
+            .unwrap(),
+    );
+    let (t0, t1) = (p.step_ms(&without.plan), p.step_ms(&with_kept.plan));
+    println!(
+        "within 7.17 GiB: {} at {t0:.1} ms; with the switch: {} at {t1:.1} ms",
+        without.plan, with_kept.plan
+    );
+    assert!(t1 <= t0);
 }

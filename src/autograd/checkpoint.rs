@@ -129,6 +129,17 @@ pub trait SavedHooks: Send + Sync {
     /// Called once per saved input in the forward: `Some` takes the value off the device
     /// (the checkpoint then holds only the handle), `None` leaves it as it is.
     fn pack(&self, x: &Tensor) -> Result<Option<Arc<dyn PackedTensor>>>;
+
+    /// Called once per output a checkpoint keeps from its forward for its re-run (attention's
+    /// and the down-projections' under `Keep`; not the few-row outputs, which are small), in
+    /// the forward's order, before its inputs are packed: `Some` takes it off the device
+    /// until the re-run unpacks it, `None` (the default) leaves it there. The re-run unpacks
+    /// its inputs first and then these in reverse order, so an unpack that starts the next
+    /// one's upload (the one packed before it) fetches them in the order they are read.
+    fn pack_kept(&self, x: &Tensor) -> Result<Option<Arc<dyn PackedTensor>>> {
+        let _ = x;
+        Ok(None)
+    }
 }
 
 /// A saved input held away from the device by `SavedHooks::pack`.
@@ -457,6 +468,12 @@ pub fn checkpoint_opts(
     if !needs_grad {
         return Ok(outputs);
     }
+    // The kept outputs the hooks take off the device, packed before the inputs (see
+    // `SavedHooks::pack_kept`).
+    let packed_kept = match &saved_hooks {
+        Some(h) => pack_kept(h.as_ref(), &kept)?,
+        None => vec![],
+    };
     let saved = inputs
         .iter()
         .map(|x| {
@@ -482,7 +499,11 @@ pub fn checkpoint_opts(
             digest,
             saved,
             draws: Arc::new(draws),
-            kept: Arc::new(kept),
+            kept: if packed_kept.is_empty() {
+                Kept::Here(Arc::new(kept))
+            } else {
+                Kept::Packed(packed_kept)
+            },
         }),
         shapes: outputs.iter().map(|t| t.shape().clone()).collect(),
         issue_ahead: ahead,
@@ -559,6 +580,73 @@ enum Saved {
     Packed(Arc<dyn PackedTensor>),
 }
 
+/// Op outputs kept from a checkpoint's forward, by kind, in the order the re-run reads them.
+type KeptLog = Arc<Vec<(KeptKind, Vec<Tensor>)>>;
+
+/// A checkpoint's kept outputs: on the device, or some of them packed by its hooks.
+enum Kept {
+    Here(KeptLog),
+    Packed(Vec<(KeptKind, Vec<Saved>)>),
+}
+
+/// The kept outputs `hooks` take off the device (`SavedHooks::pack_kept`: attention's and the
+/// down-projections'), in the forward's order; empty when it takes none.
+fn pack_kept(
+    hooks: &dyn SavedHooks,
+    kept: &[(KeptKind, Vec<Tensor>)],
+) -> Result<Vec<(KeptKind, Vec<Saved>)>> {
+    let mut any = false;
+    let out = kept
+        .iter()
+        .map(|(kind, ts)| {
+            let v = ts
+                .iter()
+                .map(|t| {
+                    let packed = match kind {
+                        KeptKind::Attention | KeptKind::DownProjection => hooks.pack_kept(t)?,
+                        KeptKind::FewRows => None,
+                    };
+                    Ok(match packed {
+                        Some(p) => {
+                            any = true;
+                            Saved::Packed(p)
+                        }
+                        None => Saved::Value(t.clone()),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok((*kind, v))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(if any { out } else { vec![] })
+}
+
+impl Kept {
+    /// The kept outputs on the device: packed ones unpacked in reverse order (after the
+    /// inputs; see `SavedHooks::pack_kept`).
+    fn values(&self) -> Result<KeptLog> {
+        let v = match self {
+            Kept::Here(v) => return Ok(v.clone()),
+            Kept::Packed(v) => v,
+        };
+        let mut out: Vec<(KeptKind, Vec<Option<Tensor>>)> =
+            v.iter().map(|(k, ts)| (*k, vec![None; ts.len()])).collect();
+        for (i, (_, ts)) in v.iter().enumerate().rev() {
+            for (j, t) in ts.iter().enumerate().rev() {
+                out[i].1[j] = Some(match t {
+                    Saved::Value(t) => t.clone(),
+                    Saved::Packed(p) => p.unpack()?,
+                });
+            }
+        }
+        Ok(Arc::new(
+            out.into_iter()
+                .map(|(k, ts)| (k, ts.into_iter().flatten().collect()))
+                .collect(),
+        ))
+    }
+}
+
 struct Checkpoint {
     /// What its re-run reads (shared with the helper thread when issued ahead).
     parts: Arc<RerunParts>,
@@ -601,7 +689,7 @@ struct RerunParts {
     saved: Vec<(Saved, bool)>,
     draws: Arc<Vec<u64>>,
     /// Op outputs kept from the forward, in the order the re-run asks for them.
-    kept: Arc<Vec<(KeptKind, Vec<Tensor>)>>,
+    kept: Kept,
 }
 
 impl RerunParts {
@@ -646,6 +734,7 @@ impl RerunParts {
                 Ok(leaf)
             })
             .collect::<Result<Vec<_>>>()?;
+        let kept = self.kept.values()?;
         let window = match (side, leaves.first()) {
             (Some(slot), Some(x)) => {
                 *slot = x.device().side_window()?;
@@ -656,7 +745,7 @@ impl RerunParts {
         let (outputs, unread) = {
             let _rec = enable_grad();
             let _draws = DrawGuard::push(DrawMode::Replay(self.draws.clone(), 0));
-            let kept = KeepGuard::push(KeepMode::Replay(self.kept.clone(), 0, Vec::new()));
+            let kept = KeepGuard::push(KeepMode::Replay(kept, 0, Vec::new()));
             // The buffers the block frees before it returns are the side stream's.
             let outputs = match window {
                 Some(w) => w.run(|| (self.f)(&leaves))?,

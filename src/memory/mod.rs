@@ -160,9 +160,13 @@ impl BlockExec {
             checkpointing: plan.checkpointing,
             streamer,
             keep: plan.keep,
-            offload: plan
-                .offload_inputs
-                .then(|| InputOffload::new(device, OFFLOAD_MIN_BYTES)),
+            offload: plan.offload_inputs.then(|| {
+                if plan.offloads_kept() {
+                    InputOffload::keeping_outputs(device, OFFLOAD_MIN_BYTES)
+                } else {
+                    InputOffload::new(device, OFFLOAD_MIN_BYTES)
+                }
+            }),
             rerun_ahead: plan.rerun_ahead,
         }
     }

@@ -12,7 +12,12 @@
 //!
 //! What is offloaded: inputs that need a gradient (the activations flowing from block to
 //! block) of at least `min_bytes`. Inputs without a gradient (Flux's positional embedding,
-//! the conditioning vector) are shared by every block and stay on the device.
+//! the conditioning vector) are shared by every block and stay on the device. With
+//! [`InputOffload::keeping_outputs`], the outputs a checkpoint keeps from its forward for its
+//! re-run (attention's, the down-projections': `autograd::Keep`) of at least `min_bytes` wait
+//! in host memory too (`memory.offload_kept`): packed before the block's inputs and unpacked
+//! after them, in reverse, so each unpack's prefetch fetches the next one read. An unpacked
+//! slot is not fetched again by a later unpack's prefetch.
 //!
 //! On the CPU backend "host memory" is a second copy: the mechanism runs the same way, which
 //! is how its bookkeeping is tested without a GPU.
@@ -53,6 +58,8 @@ pub struct InputOffload {
     me: Weak<InputOffload>,
     device: Device,
     min_bytes: usize,
+    /// Kept outputs are offloaded too (`SavedHooks::pack_kept`).
+    kept: bool,
     state: Mutex<State>,
 }
 
@@ -73,16 +80,29 @@ struct Slot {
     host: Mutex<Option<HostCopy>>,
     /// An upload started ahead of the unpack, with what to wait for.
     fetched: Mutex<Option<(Tensor, Ticket)>>,
+    /// Unpacked already: a later unpack's prefetch passes it by.
+    used: std::sync::atomic::AtomicBool,
 }
 
 impl InputOffload {
     /// Offloads the checkpoint inputs of at least `min_bytes` that need a gradient, on
     /// `device`.
     pub fn new(device: &Device, min_bytes: usize) -> Arc<Self> {
+        Self::with_kept(device, min_bytes, false)
+    }
+
+    /// As [`InputOffload::new`], and the outputs checkpoints keep from their forwards wait in
+    /// host memory too (see the module docs).
+    pub fn keeping_outputs(device: &Device, min_bytes: usize) -> Arc<Self> {
+        Self::with_kept(device, min_bytes, true)
+    }
+
+    fn with_kept(device: &Device, min_bytes: usize, kept: bool) -> Arc<Self> {
         Arc::new_cyclic(|me| InputOffload {
             me: me.clone(),
             device: device.clone(),
             min_bytes,
+            kept,
             state: Mutex::new(State {
                 pending: vec![],
                 order: vec![],
@@ -149,8 +169,25 @@ impl InputOffload {
 
 impl SavedHooks for InputOffload {
     fn pack(&self, x: &Tensor) -> Result<Option<Arc<dyn PackedTensor>>> {
+        if !x.requires_grad() {
+            return Ok(None);
+        }
+        self.pack_value(x)
+    }
+
+    fn pack_kept(&self, x: &Tensor) -> Result<Option<Arc<dyn PackedTensor>>> {
+        if !self.kept {
+            return Ok(None);
+        }
+        self.pack_value(x)
+    }
+}
+
+impl InputOffload {
+    /// `x` (of at least `min_bytes`, on this device) copied to host memory.
+    fn pack_value(&self, x: &Tensor) -> Result<Option<Arc<dyn PackedTensor>>> {
         let bytes = x.elem_count() * x.dtype().size_in_bytes();
-        if !x.requires_grad() || bytes < self.min_bytes || x.device() != &self.device {
+        if bytes < self.min_bytes || x.device() != &self.device {
             return Ok(None);
         }
         let x = if x.is_contiguous() && x.layout().offset() == 0 {
@@ -180,6 +217,7 @@ impl SavedHooks for InputOffload {
             shape: x.shape().clone(),
             host: Mutex::new(Some(host)),
             fetched: Mutex::new(None),
+            used: std::sync::atomic::AtomicBool::new(false),
         });
         st.order.push(Arc::downgrade(&slot));
         Ok(Some(slot))
@@ -203,12 +241,18 @@ impl PackedTensor for Slot {
             .ok_or_else(|| Error::Stream("an offloaded input's upload vanished".into()))?;
         owner.device.wait(&ticket)?;
         st.report.unpacked += 1;
-        // The next input the backward needs is the one packed before this one: start it.
+        self.used.store(true, std::sync::atomic::Ordering::Relaxed);
+        // The next value the backward needs is the one packed before this one that is not
+        // unpacked yet: start it.
         let me = st
             .order
             .iter()
             .position(|w| std::ptr::eq(w.as_ptr(), self as *const Slot));
-        if let Some(prev) = me.and_then(|i| st.order[..i].iter().rev().find_map(Weak::upgrade)) {
+        let waiting = |w: &Weak<Slot>| {
+            w.upgrade()
+                .filter(|s| !s.used.load(std::sync::atomic::Ordering::Relaxed))
+        };
+        if let Some(prev) = me.and_then(|i| st.order[..i].iter().rev().find_map(waiting)) {
             let already = prev
                 .fetched
                 .lock()

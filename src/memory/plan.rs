@@ -459,6 +459,10 @@ pub struct Plan {
     pub keep: Keep,
     /// Checkpointed blocks keep their inputs in host memory (`InputOffload`).
     pub offload_inputs: bool,
+    /// With `offload_inputs`, the outputs checkpointed blocks keep (`keep`'s attention and
+    /// down-projections) wait in host memory too (`InputOffload::keeping_outputs`): copied
+    /// out on the link's idle direction in the forward, back beside the backward's uploads.
+    pub offload_kept: bool,
     /// Streamed bf16 weights cross the host link in its lossless code
     /// (`BlockStreamer::set_wire_code`): fewer bytes copied, a staging ring on the device.
     pub wire_code: bool,
@@ -504,6 +508,14 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Whether the outputs checkpointed blocks keep wait in host memory: `offload_kept` with
+    /// the inputs offloaded and something kept (the few-row outputs stay).
+    pub fn offloads_kept(&self) -> bool {
+        self.offload_kept
+            && self.offload_inputs
+            && (self.keep.attention || self.keep.down_projections)
+    }
+
     /// Whether blocks that keep their activations run beside streamed ones (the plans whose
     /// peak the model was seen to under-predict: they keep `MARGIN_DIVISOR` spare).
     pub fn mixes(&self) -> bool {
@@ -538,7 +550,9 @@ impl std::fmt::Display for Plan {
         if self.keep.few_rows && checkpointed {
             write!(f, ", few-row outputs kept")?;
         }
-        if self.offload_inputs {
+        if self.offload_inputs && self.offloads_kept() {
+            write!(f, ", block inputs and kept outputs in host memory")?;
+        } else if self.offload_inputs {
             write!(f, ", block inputs in host memory")?;
         }
         if !self.streamed.is_empty() {
@@ -911,6 +925,7 @@ impl MemoryProfile {
             .map(|i| Self::checkpointed(plan, i, is_streamed[i]))
             .collect();
         let offload = |i: usize| plan.offload_inputs && ck[i];
+        let offloaded = |i: usize| Self::offloaded_bytes(plan, &self.blocks[i]);
         // The host's issue of an offloaded input's copy, each way.
         let offload_ms = STREAM_OPS * machine.op_us / 1e3;
         // The streamed blocks in execution order, and each block's place among them.
@@ -1043,7 +1058,7 @@ impl MemoryProfile {
                     // The copy out shares the link with the uploads still running
                     // (`Machine::copy_out_ms`).
                     let start = down.max(t);
-                    let gib = self.blocks[i].input_bytes as f64 / GIB;
+                    let gib = offloaded(i) as f64 / GIB;
                     let (own, taken) = machine.copy_out_ms(gib, link - start);
                     down = start + own;
                     link += taken;
@@ -1062,7 +1077,7 @@ impl MemoryProfile {
             let mut inputs: Vec<Option<f64>> = vec![None; n];
             let upload_input = |i: usize, link: &mut f64, t: f64, inputs: &mut Vec<Option<f64>>| {
                 if offload(i) && inputs[i].is_none() {
-                    *link = link.max(t) + link_ms(self.blocks[i].input_bytes);
+                    *link = link.max(t) + link_ms(offloaded(i));
                     inputs[i] = Some(*link);
                 }
             };
@@ -1152,6 +1167,24 @@ impl MemoryProfile {
         streamed || plan.checkpointing.covers(i)
     }
 
+    /// Bytes a checkpointed block `b` keeps in host memory under `plan`: its inputs, and what
+    /// it keeps where `Plan::offloads_kept`.
+    fn offloaded_bytes(plan: &Plan, b: &BlockCost) -> u64 {
+        if !plan.offload_inputs {
+            return 0;
+        }
+        let mut bytes = b.input_bytes;
+        if plan.offloads_kept() {
+            if plan.keep.attention {
+                bytes += b.attention_bytes;
+            }
+            if plan.keep.down_projections {
+                bytes += b.down_bytes;
+            }
+        }
+        bytes
+    }
+
     /// Bytes block `i` holds on the device from its forward to its backward under `plan`:
     /// what it saves when resident; its inputs (unless offloaded) and what it keeps when
     /// checkpointed.
@@ -1165,11 +1198,13 @@ impl MemoryProfile {
         } else {
             b.input_bytes
         };
-        if plan.keep.attention {
-            held += b.attention_bytes;
-        }
-        if plan.keep.down_projections {
-            held += b.down_bytes;
+        if !plan.offloads_kept() {
+            if plan.keep.attention {
+                held += b.attention_bytes;
+            }
+            if plan.keep.down_projections {
+                held += b.down_bytes;
+            }
         }
         held
     }
@@ -1331,7 +1366,7 @@ impl MemoryProfile {
                 if plan.offload_inputs {
                     // In host memory; on the device only while its copy runs (forward) or
                     // once fetched ahead of its re-run (backward): two blocks' worth.
-                    offloaded = offloaded.max(b.input_bytes);
+                    offloaded = offloaded.max(Self::offloaded_bytes(plan, b));
                 }
                 // The re-run's tape and the gradients of its inputs.
                 work = work.max(b.saved_bytes + 2 * b.input_bytes);
@@ -1474,6 +1509,13 @@ impl MemoryProfile {
     /// The candidate plans, fastest first by the time model (see the module docs); ties go
     /// to the smaller peak.
     pub fn candidates(&self) -> Vec<Plan> {
+        self.candidates_with(false)
+    }
+
+    /// [`MemoryProfile::candidates`], and with `offload_kept_allowed` the plans that offload block
+    /// inputs also with their kept outputs in host memory (`Plan::offload_kept`; the planner's
+    /// switch of that name).
+    pub fn candidates_with(&self, offload_kept_allowed: bool) -> Vec<Plan> {
         let order = self.stream_order();
         let codes = self.blocks.iter().any(|b| b.coded_bytes > 0);
         let held = self
@@ -1520,9 +1562,17 @@ impl MemoryProfile {
             for k in 0..=most_streamed {
                 let nothing_checkpointed = k == 0 && checkpointing == Checkpointing::Off;
                 for (ki, keep) in KEEPS.into_iter().enumerate() {
-                    for offload_inputs in [false, true] {
+                    for (offload_inputs, offload_kept) in
+                        [(false, false), (true, false), (true, true)]
+                    {
                         // Keeping and offloading mean nothing without a checkpoint.
                         if nothing_checkpointed && (ki > 0 || offload_inputs) {
+                            continue;
+                        }
+                        // Kept outputs offloaded: where asked, and something is kept.
+                        if offload_kept
+                            && !(offload_kept_allowed && (keep.attention || keep.down_projections))
+                        {
                             continue;
                         }
                         // A prefetch of one holds a streamed block less on the device and
@@ -1580,6 +1630,7 @@ impl MemoryProfile {
                                             keep
                                         },
                                         offload_inputs,
+                                        offload_kept,
                                         wire_code,
                                         uncoded_carry,
                                         cross_ahead: wire_code,
@@ -1610,6 +1661,7 @@ impl MemoryProfile {
             prefetch: 1,
             keep: Keep::NONE,
             offload_inputs: true,
+            offload_kept: false,
             // Uncoded: the staging ring would add to the smallest peak.
             wire_code: false,
             uncoded_carry: false,

@@ -8,7 +8,7 @@ use super::Plan;
 use crate::{Error, Result};
 
 /// Which of the planner's techniques it may use. Every one is on by default but
-/// `measure_machine`.
+/// `offload_kept`, which waits for its measurement on the GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Switches {
     /// Checkpointed blocks keep the outputs of Linears that see few rows
@@ -34,6 +34,10 @@ pub struct Switches {
     /// Checkpointed blocks' re-runs may be issued on a second host thread
     /// (`Plan::rerun_ahead`).
     pub rerun_ahead: bool,
+    /// Plans that offload block inputs may also keep their kept outputs in host memory
+    /// (`Plan::offload_kept`). Off by default: the planner does not weigh them (a plan given
+    /// by hand may still ask for it).
+    pub offload_kept: bool,
     /// The time model plays this machine's rates, measured before loading or read from the
     /// cache (`measure_machine`); off, it plays `Machine::REFERENCE`.
     pub measure_machine: bool,
@@ -50,6 +54,7 @@ impl Default for Switches {
             host_products: true,
             remake_transposes: true,
             rerun_ahead: true,
+            offload_kept: false,
             measure_machine: true,
         }
     }
@@ -61,7 +66,7 @@ impl Switches {
     pub const VAR: &'static str = "FLAME_PLANNER";
 
     /// The switches' names, as the fields'.
-    pub const NAMES: [&'static str; 9] = [
+    pub const NAMES: [&'static str; 10] = [
         "keep_few_rows",
         "wire_code",
         "uncoded_carry",
@@ -70,6 +75,7 @@ impl Switches {
         "host_products",
         "remake_transposes",
         "rerun_ahead",
+        "offload_kept",
         "measure_machine",
     ];
 
@@ -90,6 +96,7 @@ impl Switches {
             "host_products" => &mut self.host_products,
             "remake_transposes" => &mut self.remake_transposes,
             "rerun_ahead" => &mut self.rerun_ahead,
+            "offload_kept" => &mut self.offload_kept,
             "measure_machine" => &mut self.measure_machine,
             _ => return None,
         })
@@ -160,6 +167,7 @@ impl Switches {
             || (plan.uncoded_carry && !self.uncoded_carry)
             || (plan.remake_transposes && !self.remake_transposes)
             || (plan.rerun_ahead && !self.rerun_ahead)
+            || (plan.offload_kept && !self.offload_kept)
         {
             return None;
         }
@@ -167,7 +175,9 @@ impl Switches {
     }
 
     /// `plan` with every technique switched off dropped (a plan given by hand: the wire
-    /// code and uncoded carried blocks turned off rather than refused).
+    /// code and uncoded carried blocks turned off rather than refused). Kept outputs in host
+    /// memory stay as asked: their switch (off by default) keeps them from the planner's
+    /// candidates only.
     pub fn bind(&self, plan: Plan) -> Plan {
         Plan {
             wire_code: plan.wire_code && self.wire_code,
@@ -224,6 +234,7 @@ mod tests {
                 few_rows: true,
             },
             offload_inputs: false,
+            offload_kept: false,
             wire_code: true,
             uncoded_carry: true,
             cross_ahead: true,

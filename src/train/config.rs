@@ -1107,6 +1107,13 @@ section! {
         /// 28 MiB a Flux block at 1024²) in page-locked host memory between the forward and
         /// the backward, copied out and back on the copy stream beside the compute.
         offload_inputs: bool = false,
+        /// With hand-set checkpointing, checkpointed blocks also keep the outputs
+        /// `keep_attention` and `keep_down_projections` keep in page-locked host memory,
+        /// copied out in the forward on the link's idle direction and back in the backward
+        /// (it implies `offload_inputs`): the memory of selective recompute without its
+        /// device cost. With `checkpointing = "auto"` the planner weighs it only under the
+        /// switch `offload_kept=on` (`FLAME_PLANNER`).
+        offload_kept: bool = false,
     }
 }
 

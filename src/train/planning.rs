@@ -197,18 +197,25 @@ pub fn plan_denoising(
     if let (Some(m), _) = machine_for(device, switches.measure_machine) {
         prof.machine = m;
     }
-    let p =
-        prof.plan_among(cap, switches.filter(prof.candidates()))
-            .map_err(|no| Error::Config {
-                path: None,
-                msg: format!(
-            "{key} {:.2}: no plan fits; the smallest (every block streamed from host memory) \
+    let p = prof
+        .plan_among(
+            cap,
+            switches.filter(prof.candidates_with(switches.offload_kept)),
+        )
+        .map_err(|no| Error::Config {
+            path: None,
+            msg: format!(
+                "{key} {:.2}: no plan fits; the smallest (every block streamed from host memory) \
              needs {:.2} GiB with the CUDA context, kernels and workspaces{}",
-            budget_gb,
-            gib(no.minimum + outside.unwrap_or(0)),
-            if opts.fp8 { "" } else { "; FP8 weights (--dtype fp8) need less" }
-        ),
-            })?;
+                budget_gb,
+                gib(no.minimum + outside.unwrap_or(0)),
+                if opts.fp8 {
+                    ""
+                } else {
+                    "; FP8 weights (--dtype fp8) need less"
+                }
+            ),
+        })?;
     #[cfg(feature = "cuda")]
     #[allow(irrefutable_let_patterns)]
     if let Device::Cuda(c) = device {
@@ -317,7 +324,8 @@ pub(crate) fn plan_memory(
                     down_projections: mem.keep_down_projections,
                     few_rows: true,
                 },
-                offload_inputs: mem.offload_inputs,
+                offload_inputs: mem.offload_inputs || mem.offload_kept,
+                offload_kept: mem.offload_kept,
                 wire_code: true,
                 uncoded_carry: true,
                 cross_ahead: true,
@@ -366,7 +374,9 @@ pub(crate) fn plan_memory(
             if let Some(m) = machine {
                 prof.machine = m;
             }
-            let candidates = config.planner.filter(prof.candidates());
+            let candidates = config
+                .planner
+                .filter(prof.candidates_with(config.planner.offload_kept));
             match prof.plan_among(b, candidates.clone()) {
                 Ok(p) => {
                     // The next plan down the list, for the out-of-memory advice.

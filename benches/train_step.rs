@@ -866,6 +866,13 @@ fn run<M: ModelSpec>(
             gib_between(&mid, &after),
             (t3 - t2) * 1e3
         );
+        // The time model's split of its steady step (its forward starting with the blocks
+        // the backward before left, its backward overlapping nothing after): where it is off.
+        let (forward, step) = profile.step_phases_ms(&plan);
+        println!(
+            "phases by the time model (steady, not synchronised): forward {forward:.1} ms, backward and update {:.1} ms",
+            step - forward
+        );
     }
     let gib = |b: u64| b as f64 / GIB;
     let weights: u64 = vb

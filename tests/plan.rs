@@ -1445,6 +1445,13 @@ fn crossing_ahead_takes_bytes_off_a_link_paced_forward() {
         ..crossing.clone()
     };
     let (with, without) = (p.step_ms(&crossing), p.step_ms(&not));
+    // The forward it takes the bytes off is part of the step, and shorter with them gone.
+    let ((f_with, s_with), (f_without, _)) = (p.step_phases_ms(&crossing), p.step_phases_ms(&not));
+    assert_eq!(s_with, with);
+    assert!(
+        0.0 < f_with && f_with < s_with && f_with < f_without,
+        "{f_with} {f_without}"
+    );
     // The ring holds about 0.95 GiB: at the reference link's rate, several ms.
     assert!(with < without - 2.0, "{with} against {without}");
     assert_eq!(p.peak(&crossing), p.peak(&not));

@@ -877,6 +877,13 @@ impl MemoryProfile {
     /// (a steady step: that backward is as long as this one's), and a block waits for its
     /// own.
     pub fn step_ms(&self, plan: &Plan) -> f64 {
+        self.step_phases_ms(plan).1
+    }
+
+    /// The predicted forward of a step under `plan` and the whole step, ms (`step_ms`): the
+    /// backward with the update is the difference. Beside a measured step's phases
+    /// (`benches/train_step.rs --phases`), where the model is off.
+    pub fn step_phases_ms(&self, plan: &Plan) -> (f64, f64) {
         use cost_model::*;
         const GIB: f64 = (1u64 << 30) as f64;
         let n = self.blocks.len();
@@ -1119,7 +1126,8 @@ impl MemoryProfile {
         // copies follow its last upload on the link.
         let (forward, step, link) = play(0.0, 0.0);
         let spill = link + coded_link_ms(crossing) - step;
-        play(step - forward, spill.max(0.0)).1
+        let (forward, step, _) = play(step - forward, spill.max(0.0));
+        (forward, step)
     }
 
     /// The largest coded upload's bytes on the link and its largest part under `plan` (the

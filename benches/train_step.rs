@@ -382,7 +382,7 @@ fn run<M: ModelSpec>(
             // `--no-offload`: the planner without the plans that offload block inputs (to
             // time what offloading gains); the planner's switches from the flags.
             let candidates: Vec<Plan> = switches
-                .filter(profile.candidates_with(switches.offload_kept))
+                .candidates(&profile)
                 .into_iter()
                 .filter(|p| !(args.flag("--no-offload") && p.offload_inputs))
                 // `--prefetch K` with the planner: every streaming plan fetches K ahead (the

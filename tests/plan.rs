@@ -1547,8 +1547,7 @@ fn offloaded_kept_outputs_leave_the_device_and_wait_for_their_switch() {
     let cap = (7.17 * GIB) as u64;
     let (without, with_kept) = (
         p.plan_among(cap, p.candidates()).unwrap(),
-        p.plan_among(cap, on.filter(p.candidates_with(true)))
-            .unwrap(),
+        p.plan_among(cap, on.candidates(&p)).unwrap(),
     );
     let (t0, t1) = (p.step_ms(&without.plan), p.step_ms(&with_kept.plan));
     println!(

@@ -580,6 +580,16 @@ enum Saved {
     Packed(Arc<dyn PackedTensor>),
 }
 
+impl Saved {
+    /// The value on the device (detached; a packed one unpacked).
+    fn value(&self) -> Result<Tensor> {
+        match self {
+            Saved::Value(x) => Ok(x.detach()),
+            Saved::Packed(p) => p.unpack(),
+        }
+    }
+}
+
 /// Op outputs kept from a checkpoint's forward, by kind, in the order the re-run reads them.
 type KeptLog = Arc<Vec<(KeptKind, Vec<Tensor>)>>;
 
@@ -629,21 +639,18 @@ impl Kept {
             Kept::Here(v) => return Ok(v.clone()),
             Kept::Packed(v) => v,
         };
-        let mut out: Vec<(KeptKind, Vec<Option<Tensor>>)> =
-            v.iter().map(|(k, ts)| (*k, vec![None; ts.len()])).collect();
-        for (i, (_, ts)) in v.iter().enumerate().rev() {
-            for (j, t) in ts.iter().enumerate().rev() {
-                out[i].1[j] = Some(match t {
-                    Saved::Value(t) => t.clone(),
-                    Saved::Packed(p) => p.unpack()?,
-                });
-            }
+        let mut out = Vec::with_capacity(v.len());
+        for (kind, ts) in v.iter().rev() {
+            let mut values = ts
+                .iter()
+                .rev()
+                .map(Saved::value)
+                .collect::<Result<Vec<_>>>()?;
+            values.reverse();
+            out.push((*kind, values));
         }
-        Ok(Arc::new(
-            out.into_iter()
-                .map(|(k, ts)| (k, ts.into_iter().flatten().collect()))
-                .collect(),
-        ))
+        out.reverse();
+        Ok(Arc::new(out))
     }
 }
 
@@ -724,10 +731,7 @@ impl RerunParts {
             .saved
             .iter()
             .map(|(x, needs)| {
-                let leaf = match x {
-                    Saved::Value(x) => x.detach(),
-                    Saved::Packed(p) => p.unpack()?,
-                };
+                let leaf = x.value()?;
                 if *needs {
                     leaf.set_requires_grad(true)?;
                 }

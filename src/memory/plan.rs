@@ -550,7 +550,7 @@ impl std::fmt::Display for Plan {
         if self.keep.few_rows && checkpointed {
             write!(f, ", few-row outputs kept")?;
         }
-        if self.offload_inputs && self.offloads_kept() {
+        if self.offloads_kept() {
             write!(f, ", block inputs and kept outputs in host memory")?;
         } else if self.offload_inputs {
             write!(f, ", block inputs in host memory")?;
@@ -1175,22 +1175,30 @@ impl MemoryProfile {
         streamed || plan.checkpointing.covers(i)
     }
 
-    /// Bytes a checkpointed block `b` keeps in host memory under `plan`: its inputs, and what
-    /// it keeps where `Plan::offloads_kept`.
+    /// Bytes of the outputs a checkpointed block `b` keeps from its forward under `plan`
+    /// (attention's, the down-projections').
+    fn kept_output_bytes(plan: &Plan, b: &BlockCost) -> u64 {
+        let mut bytes = 0;
+        if plan.keep.attention {
+            bytes += b.attention_bytes;
+        }
+        if plan.keep.down_projections {
+            bytes += b.down_bytes;
+        }
+        bytes
+    }
+
+    /// Bytes a checkpointed block `b` keeps in host memory under `plan`: its inputs, and its
+    /// kept outputs where `Plan::offloads_kept`.
     fn offloaded_bytes(plan: &Plan, b: &BlockCost) -> u64 {
         if !plan.offload_inputs {
             return 0;
         }
-        let mut bytes = b.input_bytes;
         if plan.offloads_kept() {
-            if plan.keep.attention {
-                bytes += b.attention_bytes;
-            }
-            if plan.keep.down_projections {
-                bytes += b.down_bytes;
-            }
+            b.input_bytes + Self::kept_output_bytes(plan, b)
+        } else {
+            b.input_bytes
         }
-        bytes
     }
 
     /// Bytes block `i` holds on the device from its forward to its backward under `plan`:
@@ -1207,12 +1215,7 @@ impl MemoryProfile {
             b.input_bytes
         };
         if !plan.offloads_kept() {
-            if plan.keep.attention {
-                held += b.attention_bytes;
-            }
-            if plan.keep.down_projections {
-                held += b.down_bytes;
-            }
+            held += Self::kept_output_bytes(plan, b);
         }
         held
     }

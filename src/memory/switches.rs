@@ -4,7 +4,7 @@
 //! and the planner decides how. The `train` and `sample` binaries read them from the
 //! environment variable [`Switches::VAR`] (`FLAME_PLANNER="wire_code=off,measure_machine=off"`).
 
-use super::Plan;
+use super::{MemoryProfile, Plan};
 use crate::{Error, Result};
 
 /// Which of the planner's techniques it may use. Every one is on by default but
@@ -193,6 +193,13 @@ impl Switches {
             },
             ..plan
         }
+    }
+
+    /// `profile`'s candidates as these switches allow them: with kept outputs in host memory
+    /// among them where `offload_kept` is on (`MemoryProfile::candidates_with`), each through
+    /// [`Switches::allow`].
+    pub fn candidates(&self, profile: &MemoryProfile) -> Vec<Plan> {
+        self.filter(profile.candidates_with(self.offload_kept))
     }
 
     /// The candidates these switches allow ([`Switches::allow`]), in their order.

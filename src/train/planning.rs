@@ -198,10 +198,7 @@ pub fn plan_denoising(
         prof.machine = m;
     }
     let p = prof
-        .plan_among(
-            cap,
-            switches.filter(prof.candidates_with(switches.offload_kept)),
-        )
+        .plan_among(cap, switches.candidates(&prof))
         .map_err(|no| Error::Config {
             path: None,
             msg: format!(
@@ -374,9 +371,7 @@ pub(crate) fn plan_memory(
             if let Some(m) = machine {
                 prof.machine = m;
             }
-            let candidates = config
-                .planner
-                .filter(prof.candidates_with(config.planner.offload_kept));
+            let candidates = config.planner.candidates(&prof);
             match prof.plan_among(b, candidates.clone()) {
                 Ok(p) => {
                     // The next plan down the list, for the out-of-memory advice.

@@ -25,8 +25,8 @@
 #                                                     allocator, measured, and LATE_HEADROOM)
 # Device time on one H200 (build 36876ef, SAMPLE_STEPS=4): `make` 103 s for sd3 and sdxl, about
 # 90 s for flux (its 64 GiB disk holds flux or sd3, not both: remove one's folder first); the
-# rows 80-235 s each with their `sample` runs (sdxl8 the least, flux8 the most); `steps`
-# about 380 s. A fresh machine adds about 275 s to its first call.
+# rows 80-250 s each with their `sample` runs (sdxl8 the least, flux8 the most); `steps`
+# about 420-520 s. A fresh machine adds about 275 s to its first call.
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
 # Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4, and the newer
 # families at their smallest bf16 budgets: klein4b-6 klein9b-8 zimage-6, and in FP8:
@@ -133,14 +133,16 @@ case ${1:-} in
     # resident step moved 137-176 ms between processes on one machine).
     # Each run prints the machine its planner played (`machine:`, the host's costs timed in
     # that process): with it the CPU's time model replays these plans.
-    b() { echo "== $*"; timeout 200 .gpu/bench-train_step "$@" 2>&1 \
-      | grep -E "^== |^machine:|LoRA step" | cut -c1-700; }
-    b --model flux --steps 5 --rounds 1 --alternate "--budget 24" --alternate "--budget 12" \
+    # b SECONDS ARGS...: one bench process, cut after SECONDS (Flux-dev's five plans took
+    # more than 200 s on build 2a68aa0: its sixth run, FP8 within 6 GiB, was cut).
+    b() { local t=$1; shift; echo "== $*"; timeout "$t" .gpu/bench-train_step "$@" 2>&1 \
+      | grep -E "^== |^machine:|LoRA step|rror" | cut -c1-700; }
+    b 320 --model flux --steps 5 --rounds 1 --alternate "--budget 24" --alternate "--budget 12" \
       --alternate "--budget 8" --alternate "--budget 6 --fp8 --adam8bit"
-    b --model sd35 --steps 5 --rounds 1 --alternate "--budget 16" --alternate "--budget 8"
+    b 200 --model sd35 --steps 5 --rounds 1 --alternate "--budget 16" --alternate "--budget 8"
     # SDXL's resident step follows the host's pace of the moment (102-184 ms on one machine
     # within minutes), the budgeted ones less: more rounds, or the ratio is one moment's.
-    b --model sdxl --steps 8 --rounds 4 --alternate "--budget 8" --alternate "--budget 4" ;;
+    b 200 --model sdxl --steps 8 --rounds 4 --alternate "--budget 8" --alternate "--budget 4" ;;
   gpus)
     pipes=$2 work=$3 n=$4
     list=$(seq -s, 0 $((n - 1)))

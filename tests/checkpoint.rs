@@ -1182,20 +1182,27 @@ fn check_offload(dev: &Device) {
 
 /// A chain of attention blocks on `dev`, every one checkpointed keeping its attention
 /// outputs, their inputs (and with `off` built by `keeping_outputs`, their kept outputs)
-/// offloaded by `off`; `None` for `keep`: the resident run. Returns the gradients and how
-/// many kept outputs the re-runs reused.
+/// offloaded by `off`; `None` for `keep`: the resident run. In bf16 on a GPU (its fused
+/// attention takes bf16 and f16), f32 on the CPU. Returns the gradients (as f32 bits) and
+/// how many kept outputs the re-runs reused.
 fn offload_kept_chain(
     dev: &Device,
     keep: Option<Keep>,
     off: Option<Arc<InputOffload>>,
     ahead: bool,
 ) -> (Vec<Vec<u32>>, u64) {
-    let x = randn_on(&[1, 2, 7, 4], 1, dev).requires_grad_().unwrap();
+    let dtype = if dev.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let rand = |shape: &[usize], seed: u64| randn_on(shape, seed, dev).to_dtype(dtype).unwrap();
+    let x = rand(&[1, 2, 7, 4], 1).requires_grad_().unwrap();
     let ws: Vec<Vec<Tensor>> = (0..3)
         .map(|b| {
             (0..8)
                 .map(|i| {
-                    randn_on(&[4, 4], 10 + 8 * b + i, dev)
+                    rand(&[4, 4], 10 + 8 * b + i)
                         .affine(0.5, 0.0)
                         .unwrap()
                         .requires_grad_()
@@ -1224,14 +1231,11 @@ fn offload_kept_chain(
             .unwrap()
             .remove(0);
     }
-    let loss = h
-        .mul(&randn_on(&[1, 2, 7, 4], 5, dev))
-        .unwrap()
-        .sum_all()
-        .unwrap();
+    let loss = h.mul(&rand(&[1, 2, 7, 4], 5)).unwrap().sum_all().unwrap();
     let grads = loss.backward().unwrap();
-    let mut out = vec![bits(grads.get(&x).unwrap())];
-    out.extend(ws.iter().flatten().map(|w| bits(grads.get(w).unwrap())));
+    let f32_bits = |t: &Tensor| bits(&t.to_dtype(DType::F32).unwrap());
+    let mut out = vec![f32_bits(grads.get(&x).unwrap())];
+    out.extend(ws.iter().flatten().map(|w| f32_bits(grads.get(w).unwrap())));
     (out, kept_reused() - before)
 }
 

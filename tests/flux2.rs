@@ -555,6 +555,105 @@ fn flux2_blocks_checkpointed_or_streamed_give_the_resident_gradients() {
     }
 }
 
+/// A block's last down-projection (each stream's `mlp.2` in a double block, `linear2` in a
+/// single one) is summed into the block's output through a gate from the shared
+/// modulation: with the modulation frozen, no gradient of a checkpoint's re-run reads it, so
+/// the re-run runs none of those GEMMs (`Linear::forward_tail`) and `Keep::down_projections`
+/// keeps nothing of them; with an adapter on the modulation the gates need their
+/// gradients, and every re-run computes them. Both give the resident run's gradients bit
+/// for bit.
+#[test]
+fn flux2_reruns_leave_out_the_down_projections_no_gradient_reads() {
+    use flame::autograd::{kept_reused, unread_skipped, Keep};
+    let io = io(KLEIN);
+    let path = fixture(KLEIN).join("single_file.safetensors");
+    let cfg = json_config(KLEIN);
+    let blocks = ["double_blocks.*", "single_blocks.*"];
+    let with_mod = [
+        "double_blocks.*",
+        "single_blocks.*",
+        "double_stream_modulation_img.lin",
+        "double_stream_modulation_txt.lin",
+        "single_stream_modulation.lin",
+    ];
+    let run = |targets: &[&str], plan: Plan| {
+        let a = lora(targets);
+        let mut opts = LoadOptions::new(DType::F32, &CPU).with_adapters(a.clone());
+        opts.memory = plan;
+        let l = load_as::<Flux2>(&path, &opts, None).unwrap();
+        let out = l
+            .model
+            .forward(
+                &io["img"],
+                &io["img_ids"],
+                &io["txt"],
+                &io["txt_ids"],
+                &io["timesteps"],
+                None,
+            )
+            .unwrap();
+        let (skipped, reused) = (unread_skipped(), kept_reused());
+        let grads = out
+            .mul(&io["loss_weight"])
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let counts = (unread_skipped() - skipped, kept_reused() - reused);
+        let mut v = Vec::new();
+        for (n, p) in a.params().unwrap() {
+            let g = grads.get(&p).unwrap().to_vec_f64().unwrap();
+            v.push((n, g.into_iter().map(f64::to_bits).collect::<Vec<_>>()));
+        }
+        (v, counts)
+    };
+    let prefixes = cfg.block_prefixes();
+    let down = Keep {
+        down_projections: true,
+        ..Keep::NONE
+    };
+    let plans = [
+        (Checkpointing::All, vec![], Keep::NONE),
+        (Checkpointing::All, vec![], down),
+        (Checkpointing::All, prefixes.clone(), down),
+    ];
+    // Each double block's two streams and each single block, once a step's re-runs.
+    let tails = (2 * cfg.depth + cfg.depth_single_blocks) as u64;
+    for targets in [&blocks[..], &with_mod[..]] {
+        let frozen = targets.len() == blocks.len();
+        let (resident, counts) = run(targets, Plan::default());
+        // Eight adapted Linears a double block, two a single one, and the three modulations'
+        // where they are targets: an A and a B each.
+        let layers = 8 * cfg.depth + 2 * cfg.depth_single_blocks + if frozen { 0 } else { 3 };
+        assert_eq!(resident.len(), 2 * layers, "{targets:?}");
+        assert_eq!(counts, (0, 0), "nothing is re-run resident");
+        for (checkpointing, streamed, keep) in plans.clone() {
+            let what = format!(
+                "{targets:?}, {checkpointing:?}, {keep:?}, {} streamed",
+                streamed.len()
+            );
+            let plan = Plan {
+                checkpointing,
+                prefetch: if streamed.is_empty() { 0 } else { 1 },
+                streamed,
+                keep,
+                ..Plan::default()
+            };
+            let (grads, (skipped, reused)) = run(targets, plan);
+            assert_eq!(grads, resident, "{what}");
+            if frozen {
+                // No down-projection but the tails: nothing kept, each tail skipped.
+                assert_eq!((skipped, reused), (tails, 0), "{what}");
+            } else {
+                // The gates read the tails' outputs: computed again, or kept.
+                let kept = if keep.down_projections { tails } else { 0 };
+                assert_eq!((skipped, reused), (0, kept), "{what}");
+            }
+        }
+    }
+}
+
 /// Flux2KleinPipeline's sampler: the empirical mu and the shifted sigmas of diffusers'
 /// FlowMatchEulerDiscreteScheduler.
 #[test]

@@ -268,6 +268,8 @@ impl Keep {
             KeptKind::Attention => self.attention,
             KeptKind::DownProjection => self.down_projections,
             KeptKind::FewRows => self.few_rows,
+            // Never logged: a re-run gets a placeholder (`kept_or_placeholder`).
+            KeptKind::Unread => false,
         }
     }
 
@@ -286,6 +288,11 @@ pub(crate) enum KeptKind {
     DownProjection,
     /// The base GEMM of a Linear that sees few rows: [y].
     FewRows,
+    /// The base GEMM of a Linear whose output no gradient of its checkpoint's re-run reads
+    /// (a block's last down-projection, summed into the block's output through a gate that
+    /// needs no gradient): never logged; a re-run gets zeros in its place and records the
+    /// GEMM's backward as usual. Whatever the `Keep`.
+    Unread,
 }
 
 enum KeepMode {
@@ -300,6 +307,7 @@ enum KeepMode {
 thread_local! {
     static KEPT: RefCell<Vec<KeepMode>> = const { RefCell::new(Vec::new()) };
     static REUSED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static UNREAD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// The outputs of an op that may keep them as any of `kinds`: `compute()`, except inside a
@@ -320,6 +328,23 @@ pub(crate) fn kept_or_replayed(
     kinds: &[KeptKind],
     compute: impl FnOnce() -> Result<Vec<Tensor>>,
 ) -> Result<(Vec<Tensor>, bool)> {
+    kept_or_placeholder(kinds, || Ok(Vec::new()), compute)
+}
+
+/// `kept_or_replayed` for an op that may be `KeptKind::Unread`: inside a checkpoint's re-run
+/// it gets `placeholder()` (zeros of the output's shape) instead of computing, and counts it
+/// (`unread_skipped`); elsewhere, and for the other kinds, as `kept_or_replayed`.
+pub(crate) fn kept_or_placeholder(
+    kinds: &[KeptKind],
+    placeholder: impl FnOnce() -> Result<Vec<Tensor>>,
+    compute: impl FnOnce() -> Result<Vec<Tensor>>,
+) -> Result<(Vec<Tensor>, bool)> {
+    if kinds.contains(&KeptKind::Unread)
+        && KEPT.with(|k| matches!(k.borrow().last(), Some(KeepMode::Replay(..))))
+    {
+        UNREAD.with(|r| r.set(r.get() + 1));
+        return Ok((placeholder()?, true));
+    }
     let replayed = KEPT.with(|k| {
         let mut k = k.borrow_mut();
         match k.last_mut() {
@@ -365,6 +390,13 @@ pub(crate) fn note_forward_only<'a>(weights: impl IntoIterator<Item = &'a Tensor
 /// computing them (a counter for tests and reports).
 pub fn kept_reused() -> u64 {
     REUSED.with(|r| r.get())
+}
+
+/// How many op outputs this thread's checkpoint re-runs replaced by a placeholder because no
+/// gradient reads them (`KeptKind::Unread`: their GEMMs not run; a counter for tests and
+/// reports).
+pub fn unread_skipped() -> u64 {
+    UNREAD.with(|r| r.get())
 }
 
 /// Pushes a keep mode for the guard's life.
@@ -614,7 +646,7 @@ fn pack_kept(
                 .map(|t| {
                     let packed = match kind {
                         KeptKind::Attention | KeptKind::DownProjection => hooks.pack_kept(t)?,
-                        KeptKind::FewRows => None,
+                        KeptKind::FewRows | KeptKind::Unread => None,
                     };
                     Ok(match packed {
                         Some(p) => {

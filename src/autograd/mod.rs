@@ -13,10 +13,11 @@ pub mod gradcheck;
 
 pub use checkpoint::{
     checkpoint, checkpoint_keeping, checkpoint_opts, checkpoint_with, kept_reused, next_draw,
-    CheckpointHooks, CheckpointOptions, Keep, PackedTensor, Pass, SavedHooks, FEW_ROWS,
+    unread_skipped, CheckpointHooks, CheckpointOptions, Keep, PackedTensor, Pass, SavedHooks,
+    FEW_ROWS,
 };
 pub(crate) use checkpoint::{
-    hooked_computes, hooked_product, kept_or, kept_or_replayed, note_forward_only, KeptKind,
+    hooked_computes, hooked_product, kept_or, kept_or_placeholder, note_forward_only, KeptKind,
 };
 pub use custom::{custom_op, CustomBackward};
 pub use fused::FusedKernel;

@@ -69,6 +69,12 @@ pub struct BlockCost {
     /// Of those, the down-projections' (`down_weight_bytes`), which a re-run skips when their
     /// outputs are kept.
     pub down_flops: f64,
+    /// Of `gemm_flops`, those of the block's tails (`BlockShape::tails`): Linears whose
+    /// output no gradient of a re-run reads, which no re-run runs and no `Keep` keeps
+    /// (`nn::Linear::forward_tail`); not among the down-projections'.
+    pub tail_flops: f64,
+    /// Bytes of the tails' weights as stored (their share of a re-run's FP8 decodes).
+    pub tail_weight_bytes: u64,
     /// FLOPs of its convolutions' forward (weights of four dimensions), apart from
     /// `gemm_flops`: they run at the machine's convolution rate.
     pub conv_flops: f64,
@@ -712,6 +718,12 @@ impl MemoryProfile {
     /// attention, elementwise traffic with the FP8 decodes]. A coded upload's decodes run
     /// beside this mix (`decode_beside`).
     fn work_ms(&self, b: &BlockCost, backward: bool, kept: Keep) -> [f64; 3] {
+        self.pass_ms(b, backward, kept, false)
+    }
+
+    /// `work_ms`, and with `rerun` a checkpoint's re-run, which runs none of the block's
+    /// tails (`BlockCost::tail_flops`).
+    fn pass_ms(&self, b: &BlockCost, backward: bool, kept: Keep, rerun: bool) -> [f64; 3] {
         use cost_model::*;
         let m = &self.machine;
         let (forward_rate, backward_rate) = m.attention_rates(b.head_dim);
@@ -737,17 +749,23 @@ impl MemoryProfile {
             ];
         }
         // The share of its weights (and their products and decodes) in down-projections
-        // whose outputs are kept.
-        let down = if kept.down_projections && b.weight_bytes > 0 {
-            b.down_weight_bytes as f64 / b.weight_bytes as f64
+        // whose outputs are kept, and in a re-run its tails'.
+        let tails = if rerun {
+            (b.tail_weight_bytes, b.tail_flops)
+        } else {
+            (0, 0.0)
+        };
+        let skipped = if kept.down_projections {
+            (b.down_weight_bytes + tails.0, b.down_flops + tails.1)
+        } else {
+            tails
+        };
+        let down = if b.weight_bytes > 0 {
+            skipped.0 as f64 / b.weight_bytes as f64
         } else {
             0.0
         };
-        let gemm = if kept.down_projections {
-            b.gemm_flops - b.down_flops
-        } else {
-            b.gemm_flops
-        };
+        let gemm = b.gemm_flops - skipped.1;
         [
             gemms(gemm.max(0.0)) + convolutions,
             if kept.attention {
@@ -771,8 +789,13 @@ impl MemoryProfile {
     /// Block `b`'s forward (less what `kept` outputs spare a re-run), ms: (its GPU work, the
     /// host's issue of its ops).
     fn forward_parts(&self, b: &BlockCost, kept: Keep) -> (f64, f64) {
+        self.run_parts(b, kept, false)
+    }
+
+    /// `forward_parts`, and with `rerun` a checkpoint's re-run (without the block's tails).
+    fn run_parts(&self, b: &BlockCost, kept: Keep, rerun: bool) -> (f64, f64) {
         let m = &self.machine;
-        let gpu: f64 = self.work_ms(b, false, kept).iter().sum();
+        let gpu: f64 = self.pass_ms(b, false, kept, rerun).iter().sum();
         (gpu, (b.ops * m.op_us + b.views * m.view_us) / 1e3)
     }
 
@@ -808,7 +831,7 @@ impl MemoryProfile {
     /// thread's issue, the longest (each thread's issue slowed by `cost_model::AHEAD_ISSUE`).
     fn backward_rerun_ms(&self, b: &BlockCost, kept: Keep, ahead: bool) -> f64 {
         let (gpu_back, host_back) = self.backward_parts(b);
-        let (gpu_rerun, host_rerun) = self.forward_parts(b, kept);
+        let (gpu_rerun, host_rerun) = self.run_parts(b, kept, true);
         if !ahead {
             return gpu_back.max(host_back) + gpu_rerun.max(host_rerun);
         }
@@ -1850,6 +1873,12 @@ pub struct BlockShape {
     /// out (`BlockCost::forward_only_bytes`); with `Plan::host_products` they stay on the
     /// host, past the blocks the backward leaves for the forward, in both passes.
     pub conditioned: &'static [&'static str],
+    /// Key fragments of the block's last Linears whose outputs no gradient of a
+    /// checkpoint's re-run reads while the conditioning needs no gradient (FLUX.2's blocks
+    /// end `x + gate * linear(h)`, the gate from the model's frozen modulation): the re-run
+    /// runs none of their base products and no `Keep` keeps them
+    /// (`nn::Linear::forward_tail`; `BlockCost::tail_flops`).
+    pub tails: &'static [&'static str],
 }
 
 impl BlockShape {

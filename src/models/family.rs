@@ -613,6 +613,12 @@ fn profile_with<M: ModelSpec>(
         Some(a) => !a.reads_weight()? && a.params()?.iter().all(|(k, _)| in_block(k)),
         None => true,
     };
+    // The blocks' tails are read by no re-run's gradient while the conditioning needs none
+    // (every adapter in a block; each kind adds to its layer's output).
+    let tails_unread = match &probe_adapters {
+        Some(a) => a.params()?.iter().all(|(k, _)| in_block(k)),
+        None => true,
+    };
     let elem = opts.dtype.size_in_bytes();
     let mut blocks: Vec<BlockCost> = prefixes
         .iter()
@@ -712,9 +718,20 @@ fn profile_with<M: ModelSpec>(
                         b.product_flops += flops;
                     }
                 }
+                // A tail (`BlockShape::tails`): no re-run runs it, nothing keeps it.
+                let tail = tails_unread
+                    && key.ends_with(".weight")
+                    && dims.len() == 2
+                    && sh.tails.iter().any(|t| key.contains(t));
+                if tail {
+                    b.tail_flops += flops;
+                    b.tail_weight_bytes += bytes(t);
+                }
                 // A Linear's weight (out, in) narrower out than in: a down-projection, whose
                 // output (positions, out) `Keep { down_projections }` keeps.
-                if let (true, &[out, cols]) = (key.ends_with(".weight"), dims.as_slice()) {
+                if let (false, true, &[out, cols]) =
+                    (tail, key.ends_with(".weight"), dims.as_slice())
+                {
                     if cols > out {
                         b.down_weight_bytes += bytes(t);
                         b.down_bytes += (run.batch.max(1) * sh.weight_tokens * out * elem) as u64;

@@ -4,7 +4,7 @@
 use super::adapter::{Adapter, BaseLayer, LayerShape};
 use super::{Packing, VarBuilder};
 use crate::autograd::{
-    hooked_computes, hooked_product, kept_or_replayed, note_forward_only, KeptKind, FEW_ROWS,
+    hooked_computes, hooked_product, kept_or_placeholder, note_forward_only, KeptKind, FEW_ROWS,
 };
 use crate::{Error, Result, Tensor};
 use std::cell::Cell;
@@ -71,7 +71,19 @@ impl Linear {
 
     /// (..., in) -> (..., out): one 2D GEMM over all leading dims, W^T passed as a view.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_rows8(x, None)
+        self.forward_with(x, None, false)
+    }
+
+    /// [`Linear::forward`] for a checkpointed block's last layer whose output, in the
+    /// block's re-run, no gradient reads when `unread` (the caller knows: say, a block that
+    /// ends `x + gate * layer(h)` with a gate that needs no gradient, so the backward needs
+    /// the gate and `h`, never the layer's output). Then a checkpoint neither keeps the base
+    /// product (`Keep::down_projections` or not) nor runs it again in the re-run: the re-run
+    /// takes zeros in its place and records its backward as usual; the adapter's own
+    /// products still run (their down-projection is read by its gradient). Gradients are
+    /// the same bit for bit. Outside a checkpoint, and with `unread` false, `forward`.
+    pub fn forward_tail(&self, x: &Tensor, unread: bool) -> Result<Tensor> {
+        self.forward_with(x, None, unread)
     }
 
     /// `self.forward(h.gelu_tanh())`, GELU quantizing its output's rows for 8-bit products in
@@ -112,6 +124,18 @@ impl Linear {
     /// codes, made by the op that produced `x`: an 8-bit product in the same code takes them
     /// instead of quantizing `x` again; any other form of the layer ignores them.
     pub fn forward_rows8(&self, x: &Tensor, rows8: Option<&crate::Rows8>) -> Result<Tensor> {
+        self.forward_with(x, rows8, false)
+    }
+
+    /// `forward_rows8`, and `forward_tail`'s `unread`.
+    fn forward_with(
+        &self,
+        x: &Tensor,
+        rows8: Option<&crate::Rows8>,
+        unread: bool,
+    ) -> Result<Tensor> {
+        // An adapter that does more than add to the base output may read it.
+        let unread = unread && self.adapter.as_ref().is_none_or(|a| a.adds_to_output());
         let d = x.dims();
         let (in_dim, out_dim) = self.dims();
         if d.last() != Some(&in_dim) {
@@ -133,11 +157,12 @@ impl Linear {
         // The base output of a layer that sees few rows, or of a down-projection, is one a
         // checkpoint may keep (`Keep`).
         let few = rows * FEW_ROWS <= in_dim;
-        let keep: &[KeptKind] = match (few, in_dim > out_dim) {
-            (true, true) => &[KeptKind::FewRows, KeptKind::DownProjection],
-            (true, false) => &[KeptKind::FewRows],
-            (false, true) => &[KeptKind::DownProjection],
-            (false, false) => &[],
+        let keep: &[KeptKind] = match (unread, few, in_dim > out_dim) {
+            (true, ..) => &[KeptKind::Unread],
+            (false, true, true) => &[KeptKind::FewRows, KeptKind::DownProjection],
+            (false, true, false) => &[KeptKind::FewRows],
+            (false, false, true) => &[KeptKind::DownProjection],
+            (false, false, false) => &[],
         };
         // A streamed weight held in host memory for its products (the Linears over the
         // conditioning vector, `BlockStreamer::set_host_products`): the product comes from
@@ -218,8 +243,16 @@ fn host_matmul(x: &Tensor, weight: &Tensor, keep: &[KeptKind]) -> Result<Tensor>
             ))),
         }
     };
-    let (y, _) = kept_or_replayed(keep, compute)?;
-    one_output(y, x, weight.dims()[0], "host product")
+    let out = weight.dims()[0];
+    let zeros = || {
+        Ok(vec![Tensor::zeros(
+            (x.dims()[0], out),
+            x.dtype(),
+            x.device(),
+        )?])
+    };
+    let (y, _) = kept_or_placeholder(keep, zeros, compute)?;
+    one_output(y, x, out, "host product")
 }
 
 /// The one (rows, out) output in `x`'s dtype that a Linear's GEMM computed or its
@@ -280,7 +313,14 @@ fn packed_matmul(
         let w = packing.decode(packed, x.dtype())?;
         Ok(vec![x.matmul(&w.t()?)?])
     };
-    let (y, replayed) = kept_or_replayed(keep, compute)?;
+    let zeros = || {
+        Ok(vec![Tensor::zeros(
+            (x.dims()[0], out_dim),
+            x.dtype(),
+            x.device(),
+        )?])
+    };
+    let (y, replayed) = kept_or_placeholder(keep, zeros, compute)?;
     let y = one_output(y, x, out_dim, "packed linear output")?;
     let node = Arc::new(PackedMatmul {
         packed: packed.clone(),

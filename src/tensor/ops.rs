@@ -2,7 +2,7 @@
 //! storage, record the op for autograd when an input requires grad.
 
 use super::{with2, with3, Tensor};
-use crate::autograd::{kept_or_replayed, record, KeptKind, Op};
+use crate::autograd::{kept_or_placeholder, record, KeptKind, Op};
 use crate::backend::{BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp, Window2d};
 use crate::shape::Dim;
 use crate::{DType, Device, Error, Layout, Result, Shape};
@@ -564,7 +564,8 @@ impl Tensor {
                 None => a3.matmul3(&b3)?,
             }])
         };
-        let (y, replayed) = kept_or_replayed(keep, compute)?;
+        let zeros = || Ok(vec![Tensor::zeros((1, m, n), self.dtype(), self.device())?]);
+        let (y, replayed) = kept_or_placeholder(keep, zeros, compute)?;
         let [y] = <[Tensor; 1]>::try_from(y).map_err(|v| {
             Error::Autograd(format!("kept linear: {} tensors, expected 1", v.len()))
         })?;

@@ -150,6 +150,7 @@ impl ModelSpec for Flux {
             views: Self::SINGLE_OPS.1,
             // The modulations (`img_mod`, `txt_mod`, a single block's `modulation`).
             conditioned: Self::CONDITIONED,
+            tails: &[],
         };
         // A double block's image and text weights (equal halves) each see their own tokens.
         let double = BlockShape {

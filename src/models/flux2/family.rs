@@ -201,6 +201,8 @@ impl ModelSpec for Flux2 {
             views: Self::SINGLE_OPS.1,
             // The modulations are the model's, outside the blocks.
             conditioned: &[],
+            // Each block ends `x + gate * linear(h)`, the gate from the model's modulation.
+            tails: &["linear2.", "_mlp.2."],
         };
         // A double block's image and text weights (equal halves) each see their own tokens.
         let double = BlockShape {

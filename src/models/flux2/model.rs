@@ -57,13 +57,16 @@ impl Stream {
         })
     }
 
-    /// After attention: x + gate1 proj(a), then x + gate2 mlp(modulate2(norm(x))).
+    /// After attention: x + gate1 proj(a), then x + gate2 mlp(modulate2(norm(x))). With
+    /// `frozen_gates` (the modulation needs no gradient), the MLP's output is read by no
+    /// gradient of a checkpoint's re-run (`Linear::forward_tail`).
     fn finish(
         &self,
         x: &Tensor,
         (a, rows8): &(Tensor, Option<crate::Rows8>),
         m: &[ModulationOut],
         eps: f64,
+        frozen_gates: bool,
     ) -> Result<Tensor> {
         let x = x.add(
             &m[0]
@@ -73,7 +76,7 @@ impl Stream {
         let h = m[1].modulate_into(&x.layer_norm(None, None, eps)?, &self.mlp0)?;
         // SwiGLU: silu(first half) * second half (diffusers `Flux2SwiGLU`, BFL
         // `SiLUActivation`), one fused kernel each way.
-        let h = self.mlp2.forward(&h.swiglu()?)?;
+        let h = self.mlp2.forward_tail(&h.swiglu()?, frozen_gates)?;
         x.add(&m[1].gate.mul(&h)?)
     }
 }
@@ -125,9 +128,13 @@ impl DoubleStreamBlock {
         let v = Tensor::cat(&[&tv, &iv], 2)?;
         let o = rope_attention_heads(&q, &k, &v, pe)?;
         let [t_attn, i_attn] = stream_rows(&o, txt.dims()[1], &self.txt.proj, &self.img.proj)?;
+        // Each stream's gates are its modulation's: read as given (a checkpoint's forward
+        // and its re-run see the same inputs, whatever they compute from them).
         Ok((
-            self.img.finish(img, &i_attn, &im, self.eps)?,
-            self.txt.finish(txt, &t_attn, &tm, self.eps)?,
+            self.img
+                .finish(img, &i_attn, &im, self.eps, !mod_img.requires_grad())?,
+            self.txt
+                .finish(txt, &t_attn, &tm, self.eps, !mod_txt.requires_grad())?,
         ))
     }
 }
@@ -162,13 +169,15 @@ impl SingleStreamBlock {
     /// x (B, T+L, D) joint tokens, the shared modulation `m` (B, 3 D), pe as for
     /// [`DoubleStreamBlock::forward`] -> (B, T+L, D).
     pub fn forward(&self, x: &Tensor, m: &Tensor, pe: &Tensor) -> Result<Tensor> {
+        // A gate that needs no gradient reads nothing of `out` in a checkpoint's re-run.
+        let frozen_gate = !m.requires_grad();
         let m = triples(m, 1)?;
         let h = m[0].modulate_into(&x.layer_norm(None, None, self.eps)?, &self.linear1)?;
         let (q, k, v, mlp) = self.norm.qkv_rest(&h, self.heads, self.hidden)?;
         let attn = attention(&q, &k, &v, pe)?;
         let out = self
             .linear2
-            .forward(&Tensor::cat(&[&attn, &mlp.swiglu()?], 2)?)?;
+            .forward_tail(&Tensor::cat(&[&attn, &mlp.swiglu()?], 2)?, frozen_gate)?;
         x.add(&m[0].gate.mul(&out)?)
     }
 }

@@ -177,6 +177,7 @@ impl ModelSpec for Sd3 {
                     ops: ops.0,
                     views: ops.1,
                     conditioned: Self::CONDITIONED,
+                    tails: &[],
                 }
             })
             .collect())

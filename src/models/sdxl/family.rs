@@ -164,6 +164,7 @@ impl ModelSpec for Unet {
                     views: ops.1,
                     // The ResNets' time-embedding projections.
                     conditioned: Self::CONDITIONED,
+                    tails: &[],
                 }
             };
         Ok(config

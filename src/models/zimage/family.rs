@@ -159,6 +159,7 @@ impl ModelSpec for ZImage {
             ops: Self::MODULATED_OPS.0,
             views: Self::MODULATED_OPS.1,
             conditioned: Self::CONDITIONED,
+            tails: &[],
         };
         let context = BlockShape {
             tokens: txt,
@@ -166,6 +167,7 @@ impl ModelSpec for ZImage {
             ops: Self::PLAIN_OPS.0,
             views: Self::PLAIN_OPS.1,
             conditioned: &[],
+            tails: &[],
             ..noise
         };
         let main = BlockShape {

@@ -113,6 +113,33 @@ impl DoubleStreamBlock {
         mod_txt: &Tensor,
         pe: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
+        self.forward_as(img, txt, mod_img, mod_txt, pe, false)
+    }
+
+    /// `forward` as a checkpointed unit of its own (the model's `BlockExec`): where a
+    /// stream's modulation needs no gradient, its MLP's output is read by no gradient of
+    /// the block's re-run (`Linear::forward_tail`). Only for a call whose outputs are the
+    /// checkpoint's.
+    pub fn forward_unit(
+        &self,
+        img: &Tensor,
+        txt: &Tensor,
+        mod_img: &Tensor,
+        mod_txt: &Tensor,
+        pe: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        self.forward_as(img, txt, mod_img, mod_txt, pe, true)
+    }
+
+    fn forward_as(
+        &self,
+        img: &Tensor,
+        txt: &Tensor,
+        mod_img: &Tensor,
+        mod_txt: &Tensor,
+        pe: &Tensor,
+        unit: bool,
+    ) -> Result<(Tensor, Tensor)> {
         let (im, tm) = (triples(mod_img, 2)?, triples(mod_txt, 2)?);
         let norm = |x: &Tensor| x.layer_norm(None, None, self.eps);
         let (iq, ik, iv) = self.img.norm.qkv(
@@ -131,10 +158,20 @@ impl DoubleStreamBlock {
         // Each stream's gates are its modulation's: read as given (a checkpoint's forward
         // and its re-run see the same inputs, whatever they compute from them).
         Ok((
-            self.img
-                .finish(img, &i_attn, &im, self.eps, !mod_img.requires_grad())?,
-            self.txt
-                .finish(txt, &t_attn, &tm, self.eps, !mod_txt.requires_grad())?,
+            self.img.finish(
+                img,
+                &i_attn,
+                &im,
+                self.eps,
+                unit && !mod_img.requires_grad(),
+            )?,
+            self.txt.finish(
+                txt,
+                &t_attn,
+                &tm,
+                self.eps,
+                unit && !mod_txt.requires_grad(),
+            )?,
         ))
     }
 }
@@ -169,8 +206,20 @@ impl SingleStreamBlock {
     /// x (B, T+L, D) joint tokens, the shared modulation `m` (B, 3 D), pe as for
     /// [`DoubleStreamBlock::forward`] -> (B, T+L, D).
     pub fn forward(&self, x: &Tensor, m: &Tensor, pe: &Tensor) -> Result<Tensor> {
+        self.forward_as(x, m, pe, false)
+    }
+
+    /// `forward` as a checkpointed unit of its own (the model's `BlockExec`): where the
+    /// modulation needs no gradient, `linear2`'s output is read by no gradient of the
+    /// block's re-run (`Linear::forward_tail`). Only for a call whose output is the
+    /// checkpoint's.
+    pub fn forward_unit(&self, x: &Tensor, m: &Tensor, pe: &Tensor) -> Result<Tensor> {
+        self.forward_as(x, m, pe, true)
+    }
+
+    fn forward_as(&self, x: &Tensor, m: &Tensor, pe: &Tensor, unit: bool) -> Result<Tensor> {
         // A gate that needs no gradient reads nothing of `out` in a checkpoint's re-run.
-        let frozen_gate = !m.requires_grad();
+        let frozen_gate = unit && !m.requires_grad();
         let m = triples(m, 1)?;
         let h = m[0].modulate_into(&x.layer_norm(None, None, self.eps)?, &self.linear1)?;
         let (q, k, v, mlp) = self.norm.qkv_rest(&h, self.heads, self.hidden)?;
@@ -389,7 +438,7 @@ impl Flux2 {
                 i,
                 &[img, txt, mod_img.clone(), mod_txt.clone(), pe.clone()],
                 move |xs| {
-                    let (img, txt) = b.forward(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4])?;
+                    let (img, txt) = b.forward_unit(&xs[0], &xs[1], &xs[2], &xs[3], &xs[4])?;
                     Ok(vec![img, txt])
                 },
             )?;
@@ -403,7 +452,7 @@ impl Flux2 {
                 &format!("single_blocks.{i}"),
                 depth + i,
                 &[x, mod_single.clone(), pe.clone()],
-                move |xs| Ok(vec![b.forward(&xs[0], &xs[1], &xs[2])?]),
+                move |xs| Ok(vec![b.forward_unit(&xs[0], &xs[1], &xs[2])?]),
             )?;
             [x] = outputs::<1>(out, "flux2 single block")?;
         }

@@ -165,8 +165,14 @@ impl FeedForward {
 
     /// x (B, L, D) -> (B, L, D).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_tail(x, false)
+    }
+
+    /// `forward` where, with `unread`, a checkpoint's re-run reads nothing of the output
+    /// (`Linear::forward_tail`: a unit that ends by adding it to its input).
+    pub fn forward_tail(&self, x: &Tensor, unread: bool) -> Result<Tensor> {
         let hg = self.proj.forward(x)?.chunk(2, -1)?;
-        self.out.forward(&hg[0].mul(&hg[1].gelu()?)?)
+        self.out.forward_tail(&hg[0].mul(&hg[1].gelu()?)?, unread)
     }
 }
 
@@ -204,13 +210,24 @@ impl TransformerBlock {
 
     /// x (B, L, D), context (B, T, Dc) -> (B, L, D).
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        self.forward_as(x, context, false)
+    }
+
+    /// `forward` as a checkpointed unit of its own (`SdxlConfig::units`): its output, the
+    /// feed-forward's summed into `x`, is then read by no gradient of the unit's re-run
+    /// (`FeedForward::forward_tail`). Only for a call whose output is the checkpoint's.
+    pub fn forward_unit(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        self.forward_as(x, context, true)
+    }
+
+    fn forward_as(&self, x: &Tensor, context: &Tensor, unit: bool) -> Result<Tensor> {
         let x = x.add(&self.attn1.forward(&self.norm1.forward(x)?, None)?)?;
         let x = x.add(
             &self
                 .attn2
                 .forward(&self.norm2.forward(&x)?, Some(context))?,
         )?;
-        x.add(&self.ff.forward(&self.norm3.forward(&x)?)?)
+        x.add(&self.ff.forward_tail(&self.norm3.forward(&x)?, unit)?)
     }
 }
 

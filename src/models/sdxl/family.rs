@@ -164,7 +164,8 @@ impl ModelSpec for Unet {
                     views: ops.1,
                     // The ResNets' time-embedding projections.
                     conditioned: Self::CONDITIONED,
-                    tails: &[],
+                    // A transformer layer ends `x + ff(norm3(x))` (`TransformerBlock`).
+                    tails: &["ff.net.2."],
                 }
             };
         Ok(config

@@ -216,7 +216,7 @@ impl Unet {
                 &format!("{prefix}.transformer_blocks.{k}"),
                 index,
                 &[t, context.clone()],
-                move |xs| layer.forward(&xs[0], &xs[1]),
+                move |xs| layer.forward_unit(&xs[0], &xs[1]),
             )?;
         }
         st.tokens_out(&t, x)

@@ -1874,11 +1874,14 @@ pub struct BlockShape {
     /// host, past the blocks the backward leaves for the forward, in both passes.
     pub conditioned: &'static [&'static str],
     /// Key fragments of the block's last Linears whose outputs no gradient of a
-    /// checkpoint's re-run reads while the conditioning needs no gradient (FLUX.2's blocks
-    /// end `x + gate * linear(h)`, the gate from the model's frozen modulation): the re-run
-    /// runs none of their base products and no `Keep` keeps them
+    /// checkpoint's re-run reads (an SDXL transformer layer ends `x + ff(h)`; FLUX.2's
+    /// blocks `x + gate * linear(h)`, the gate from the model's modulation, while that needs
+    /// no gradient): the re-run runs none of their base products and no `Keep` keeps them
     /// (`nn::Linear::forward_tail`; `BlockCost::tail_flops`).
     pub tails: &'static [&'static str],
+    /// Key fragments of the layers outside the blocks that the tails' gates come from: an
+    /// adapter on any of them makes the gates need gradients, and the tails plain Linears.
+    pub tail_gates: &'static [&'static str],
 }
 
 impl BlockShape {

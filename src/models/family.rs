@@ -613,11 +613,16 @@ fn profile_with<M: ModelSpec>(
         Some(a) => !a.reads_weight()? && a.params()?.iter().all(|(k, _)| in_block(k)),
         None => true,
     };
-    // The blocks' tails are read by no re-run's gradient while the conditioning needs none
-    // (every adapter in a block; each kind adds to its layer's output).
-    let tails_unread = match &probe_adapters {
-        Some(a) => a.params()?.iter().all(|(k, _)| in_block(k)),
-        None => true,
+    // The adapted layers: a block's tails are read by no re-run's gradient unless one of
+    // them is among its `tail_gates` (each kind of adapter adds to its layer's output).
+    let adapted: Vec<String> = match &probe_adapters {
+        Some(a) => a.params()?.into_iter().map(|(k, _)| k).collect(),
+        None => Vec::new(),
+    };
+    let tails_unread = |sh: &BlockShape| {
+        !adapted
+            .iter()
+            .any(|k| sh.tail_gates.iter().any(|g| k.contains(g)))
     };
     let elem = opts.dtype.size_in_bytes();
     let mut blocks: Vec<BlockCost> = prefixes
@@ -719,7 +724,7 @@ fn profile_with<M: ModelSpec>(
                     }
                 }
                 // A tail (`BlockShape::tails`): no re-run runs it, nothing keeps it.
-                let tail = tails_unread
+                let tail = tails_unread(sh)
                     && key.ends_with(".weight")
                     && dims.len() == 2
                     && sh.tails.iter().any(|t| key.contains(t));

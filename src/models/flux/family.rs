@@ -151,6 +151,7 @@ impl ModelSpec for Flux {
             // The modulations (`img_mod`, `txt_mod`, a single block's `modulation`).
             conditioned: Self::CONDITIONED,
             tails: &[],
+            tail_gates: &[],
         };
         // A double block's image and text weights (equal halves) each see their own tokens.
         let double = BlockShape {

@@ -203,6 +203,8 @@ impl ModelSpec for Flux2 {
             conditioned: &[],
             // Each block ends `x + gate * linear(h)`, the gate from the model's modulation.
             tails: &["linear2.", "_mlp.2."],
+            // The shared modulations and the embedders they read.
+            tail_gates: &["_modulation", "time_in", "guidance_in"],
         };
         // A double block's image and text weights (equal halves) each see their own tokens.
         let double = BlockShape {

@@ -178,6 +178,7 @@ impl ModelSpec for Sd3 {
                     views: ops.1,
                     conditioned: Self::CONDITIONED,
                     tails: &[],
+                    tail_gates: &[],
                 }
             })
             .collect())

@@ -166,6 +166,7 @@ impl ModelSpec for Unet {
                     conditioned: Self::CONDITIONED,
                     // A transformer layer ends `x + ff(norm3(x))` (`TransformerBlock`).
                     tails: &["ff.net.2."],
+                    tail_gates: &[],
                 }
             };
         Ok(config

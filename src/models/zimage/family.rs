@@ -160,6 +160,7 @@ impl ModelSpec for ZImage {
             views: Self::MODULATED_OPS.1,
             conditioned: Self::CONDITIONED,
             tails: &[],
+            tail_gates: &[],
         };
         let context = BlockShape {
             tokens: txt,
@@ -168,6 +169,7 @@ impl ModelSpec for ZImage {
             views: Self::PLAIN_OPS.1,
             conditioned: &[],
             tails: &[],
+            tail_gates: &[],
             ..noise
         };
         let main = BlockShape {

@@ -674,8 +674,47 @@ fn sdxl_loss(m: &Unet, dev: &Device) -> Result<Tensor> {
     m.forward(&x, &t, &ctx, &y)?.sqr()?.mean_all()
 }
 
-/// The same for SDXL, whose transformer layers' re-runs leave out their feed-forwards' last
-/// Linear (`TransformerBlock::forward_unit`: no gradient reads its output).
+/// Every SDXL unit's re-run leaves out its tail: a transformer layer's feed-forward's last
+/// Linear, a ResBlock's `conv2` where the ResBlock ends its unit (not where the level's
+/// upsampler follows it in the same unit), once each a step; the plain `forward` of the
+/// same blocks (a resident run) skips nothing.
+#[test]
+fn sdxl_reruns_leave_out_each_units_tail() {
+    use flame::models::sdxl::UnitKind;
+    let _helper = helper_alone();
+    let cfg = tiny_sdxl();
+    let tails = cfg
+        .units()
+        .iter()
+        .filter(|u| {
+            matches!(
+                u.kind,
+                UnitKind::Res | UnitKind::SkipRes { up: false } | UnitKind::Layer
+            )
+        })
+        .count() as u64;
+    let run = |checkpointing| {
+        let skipped = flame::autograd::unread_skipped();
+        lora_grads(
+            &CPU,
+            |vb| Unet::new(vb, &tiny_sdxl()),
+            |m, e| m.exec = e,
+            sdxl_loss,
+            cfg.block_prefixes(),
+            &[],
+            checkpointing,
+            Keep::NONE,
+            false,
+            false,
+        );
+        flame::autograd::unread_skipped() - skipped
+    };
+    assert_eq!(run(Checkpointing::Off), 0);
+    // `lora_grads` runs two steps.
+    assert_eq!(run(Checkpointing::All), 2 * tails);
+}
+
+/// The same for SDXL, whose units' re-runs leave out their tails (above).
 #[test]
 fn sdxl_blocks_checkpointed_or_streamed_give_the_resident_gradients() {
     let skipped = flame::autograd::unread_skipped();

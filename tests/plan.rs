@@ -418,18 +418,21 @@ fn sd35_and_sdxl_predictions_match_the_h100_measurements() {
         &run(vec![vec![4, 128, 128], vec![77, 2048], vec![1280], vec![6]]),
     )
     .unwrap();
-    // SDXL's transformer layers end `x + ff(h)`: their feed-forwards' last Linears are tails
-    // (no re-run runs them), whatever the adapters; its ResNets have none.
-    let tails = sdxl.blocks.iter().filter(|b| b.tail_flops > 0.0).count();
-    assert_eq!(
-        tails,
-        SdxlConfig::base()
-            .units()
-            .iter()
-            .filter(|u| u.prefix.contains("transformer_blocks"))
-            .count()
-    );
-    // The planner's candidate with k blocks streamed and attention kept (its candidates
+    // SDXL's transformer layers end `x + ff(h)` and its ResBlocks that end their units
+    // `skip(x) + conv2(h)`: the feed-forwards' last Linears and those `conv2`s are tails (no
+    // re-run runs them), whatever the adapters.
+    {
+        use flame::models::sdxl::UnitKind;
+        for (u, b) in SdxlConfig::base().units().iter().zip(&sdxl.blocks) {
+            let (linear, conv) = match u.kind {
+                UnitKind::Layer => (true, false),
+                UnitKind::Res | UnitKind::SkipRes { up: false } => (false, true),
+                _ => (false, false),
+            };
+            assert_eq!(b.tail_flops > 0.0, linear, "{}", u.prefix);
+            assert_eq!(b.tail_conv_flops > 0.0, conv, "{}", u.prefix);
+        }
+    }
     // fetched at most two ahead when these rows ran).
     let streamed = |p: &MemoryProfile, k: usize| {
         p.candidates()

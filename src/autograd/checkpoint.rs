@@ -308,6 +308,7 @@ thread_local! {
     static KEPT: RefCell<Vec<KeepMode>> = const { RefCell::new(Vec::new()) };
     static REUSED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static UNREAD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static UNREAD_PRODUCT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The outputs of an op that may keep them as any of `kinds`: `compute()`, except inside a
@@ -390,6 +391,32 @@ pub(crate) fn note_forward_only<'a>(weights: impl IntoIterator<Item = &'a Tensor
 /// computing them (a counter for tests and reports).
 pub fn kept_reused() -> u64 {
     REUSED.with(|r| r.get())
+}
+
+/// Runs `f` with, where `unread`, its first product primitive (`Tensor::matmul`'s) marked as
+/// one whose output no gradient of a checkpoint's re-run reads (a convolution ending its
+/// block, `nn::Conv2d::forward_tail`): inside a re-run that product takes zeros of its shape
+/// and records its backward as usual (`take_unread_product`); elsewhere `f` runs as it is.
+pub(crate) fn unread_product<R>(unread: bool, f: impl FnOnce() -> R) -> R {
+    let before = UNREAD_PRODUCT.with(|u| u.replace(unread));
+    let out = f();
+    UNREAD_PRODUCT.with(|u| u.set(before));
+    out
+}
+
+/// Whether the product primitive about to run is `unread_product`'s inside a checkpoint's
+/// re-run: then it takes zeros instead of computing (counted in `unread_skipped`), and the
+/// mark is spent.
+pub(crate) fn take_unread_product() -> bool {
+    if !UNREAD_PRODUCT.with(|u| u.get()) {
+        return false;
+    }
+    let rerun = KEPT.with(|k| matches!(k.borrow().last(), Some(KeepMode::Replay(..))));
+    if rerun {
+        UNREAD_PRODUCT.with(|u| u.set(false));
+        UNREAD.with(|r| r.set(r.get() + 1));
+    }
+    rerun
 }
 
 /// How many op outputs this thread's checkpoint re-runs replaced by a placeholder because no

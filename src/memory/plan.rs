@@ -73,6 +73,9 @@ pub struct BlockCost {
     /// output no gradient of a re-run reads, which no re-run runs and no `Keep` keeps
     /// (`nn::Linear::forward_tail`); not among the down-projections'.
     pub tail_flops: f64,
+    /// Of `conv_flops`, those of the block's tail convolutions (an SDXL ResBlock's `conv2`
+    /// where it ends its unit), which no re-run runs either.
+    pub tail_conv_flops: f64,
     /// Bytes of the tails' weights as stored (their share of a re-run's FP8 decodes).
     pub tail_weight_bytes: u64,
     /// FLOPs of its convolutions' forward (weights of four dimensions), apart from
@@ -727,7 +730,13 @@ impl MemoryProfile {
         use cost_model::*;
         let m = &self.machine;
         let (forward_rate, backward_rate) = m.attention_rates(b.head_dim);
-        let convolutions = b.conv_flops / (m.conv_tflops * 1e9);
+        // A re-run runs none of the tail convolutions.
+        let conv_flops = if rerun && !backward {
+            b.conv_flops - b.tail_conv_flops
+        } else {
+            b.conv_flops
+        };
+        let convolutions = conv_flops.max(0.0) / (m.conv_tflops * 1e9);
         // GEMM FLOPs at the bf16 rate and at the 8-bit products' (the products' share of
         // what runs).
         let gemms = |flops: f64| {

@@ -726,10 +726,12 @@ fn profile_with<M: ModelSpec>(
                 // A tail (`BlockShape::tails`): no re-run runs it, nothing keeps it.
                 let tail = tails_unread(sh)
                     && key.ends_with(".weight")
-                    && dims.len() == 2
                     && sh.tails.iter().any(|t| key.contains(t));
                 if tail {
-                    b.tail_flops += flops;
+                    match dims.len() {
+                        2 => b.tail_flops += flops,
+                        _ => b.tail_conv_flops += flops,
+                    }
                     b.tail_weight_bytes += bytes(t);
                 }
                 // A Linear's weight (out, in) narrower out than in: a down-projection, whose

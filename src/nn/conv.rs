@@ -119,26 +119,35 @@ impl Conv2d {
 
     /// x (N, Cin, H, W) -> (N, Cout, Ho, Wo), sizes as [`crate::Window2d::out_size`] gives them.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let Some(a) = &self.adapter else {
-            return conv2d(
-                x,
-                &self.weight,
-                self.bias.as_ref(),
-                self.stride,
-                self.padding,
-                self.dilation,
-                self.groups,
-            );
+        self.forward_tail(x, false)
+    }
+
+    /// [`Conv2d::forward`] for a checkpointed block's last layer whose output, in the
+    /// block's re-run, no gradient reads when `unread` (an SDXL ResBlock ends `skip(x) +
+    /// conv2(h)`: the backward needs `h`, never the sum's terms): the re-run then takes
+    /// zeros for the base convolution's product and records its backward as usual
+    /// (`autograd::unread_product`; the adapter's products still run). Gradients are the same
+    /// bit for bit. Outside a checkpoint, and with `unread` false, `forward`.
+    pub fn forward_tail(&self, x: &Tensor, unread: bool) -> Result<Tensor> {
+        // An adapter that does more than add to the base output may read it.
+        let unread = unread && self.adapter.as_ref().is_none_or(|a| a.adds_to_output());
+        let base = |bias: Option<&Tensor>| {
+            crate::autograd::unread_product(unread, || {
+                conv2d(
+                    x,
+                    &self.weight,
+                    bias,
+                    self.stride,
+                    self.padding,
+                    self.dilation,
+                    self.groups,
+                )
+            })
         };
-        let y = conv2d(
-            x,
-            &self.weight,
-            None,
-            self.stride,
-            self.padding,
-            self.dilation,
-            self.groups,
-        )?;
+        let Some(a) = &self.adapter else {
+            return base(self.bias.as_ref());
+        };
+        let y = base(None)?;
         let weight = |dtype| self.weight.to_dtype(dtype);
         let y = a.forward(&BaseLayer::new(self.layer_shape(), &weight), x, y)?;
         match &self.bias {

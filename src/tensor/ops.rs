@@ -668,6 +668,13 @@ impl Tensor {
             k: a[2],
             n: b[2],
         };
+        // A product no gradient of this checkpoint re-run reads (`autograd::unread_product`):
+        // zeros in its place, its backward recorded as usual.
+        if crate::autograd::take_unread_product() {
+            let z = Tensor::zeros((dims.b, dims.m, dims.n), self.dtype(), self.device())?;
+            let rec = record(&[self, rhs], || Op::Matmul(self.clone(), rhs.clone()));
+            return Ok(z.view(z.layout().clone(), rec));
+        }
         let s = with2(self, rhs, |x, y| {
             x.matmul(self.layout(), y, rhs.layout(), dims)
         })?;

@@ -83,11 +83,24 @@ impl ResBlock {
 
     /// x (B, Cin, H, W), emb_act = SiLU(emb) (B, De) -> (B, Cout, H, W).
     pub fn forward(&self, x: &Tensor, emb_act: &Tensor) -> Result<Tensor> {
+        self.forward_as(x, emb_act, false)
+    }
+
+    /// `forward` as a checkpointed unit's last work (`SdxlConfig::units`): `conv2`'s output,
+    /// summed into the skip, is then read by no gradient of the unit's re-run
+    /// (`Conv2d::forward_tail`). Only for a call whose output is the checkpoint's.
+    pub fn forward_unit(&self, x: &Tensor, emb_act: &Tensor) -> Result<Tensor> {
+        self.forward_as(x, emb_act, true)
+    }
+
+    fn forward_as(&self, x: &Tensor, emb_act: &Tensor, unit: bool) -> Result<Tensor> {
         let h = self.conv1.forward(&self.norm1.forward(x)?.silu()?)?;
         let e = self.emb.forward(emb_act)?;
         let (b, c) = (e.dims()[0], e.dims()[1]);
         let h = h.add(&e.reshape((b, c, 1, 1))?)?;
-        let h = self.conv2.forward(&self.norm2.forward(&h)?.silu()?)?;
+        let h = self
+            .conv2
+            .forward_tail(&self.norm2.forward(&h)?.silu()?, unit)?;
         let x = match &self.skip {
             Some(s) => s.forward(x)?,
             None => x.clone(),

@@ -164,7 +164,8 @@ impl ModelSpec for Unet {
                     views: ops.1,
                     // The ResNets' time-embedding projections.
                     conditioned: Self::CONDITIONED,
-                    // A transformer layer ends `x + ff(norm3(x))` (`TransformerBlock`).
+                    // A transformer layer ends `x + ff(norm3(x))` (`TransformerBlock`);
+                    // a ResBlock ending its unit, `skip(x) + conv2(h)` (set below).
                     tails: &["ff.net.2."],
                     tail_gates: &[],
                 }
@@ -174,9 +175,16 @@ impl ModelSpec for Unet {
             .iter()
             .map(|u| {
                 let (l, here) = (u.level, positions(u.level));
+                // A ResBlock that ends its unit (`ResBlock::forward_unit`).
+                let res_tail = |sh: BlockShape| BlockShape {
+                    tails: &["out_layers.3."],
+                    ..sh
+                };
                 match u.kind {
-                    UnitKind::Res => at(l, here, 0.35, 0, Self::RES_OPS),
-                    UnitKind::SkipRes { up: false } => at(l, here, 0.85, 0, Self::SKIP_RES_OPS),
+                    UnitKind::Res => res_tail(at(l, here, 0.35, 0, Self::RES_OPS)),
+                    UnitKind::SkipRes { up: false } => {
+                        res_tail(at(l, here, 0.85, 0, Self::SKIP_RES_OPS))
+                    }
                     // The upsampler's 0.25 at four times the positions.
                     UnitKind::SkipRes { up: true } => {
                         let (a, b) = (Self::SKIP_RES_OPS, Self::UP_OPS);

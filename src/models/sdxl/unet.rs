@@ -328,7 +328,7 @@ impl Unet {
                         },
                         &mut index,
                         &[h, emb.clone()],
-                        move |xs| res.forward(&xs[0], &xs[1]),
+                        move |xs| res.forward_unit(&xs[0], &xs[1]),
                     )?;
                     match &layer.attn {
                         Some(a) => {
@@ -346,11 +346,11 @@ impl Unet {
         }
         let (r0, attn, r1) = self.middle.clone();
         h = self.unit("middle_block.0", &mut index, &[h, emb.clone()], move |xs| {
-            r0.forward(&xs[0], &xs[1])
+            r0.forward_unit(&xs[0], &xs[1])
         })?;
         h = self.attention(&attn, "middle_block.1", &mut index, &h, &context)?;
         h = self.unit("middle_block.2", &mut index, &[h, emb.clone()], move |xs| {
-            r1.forward(&xs[0], &xs[1])
+            r1.forward_unit(&xs[0], &xs[1])
         })?;
         for (i, block) in self.output_blocks.iter().enumerate() {
             let skip = hs.pop().ok_or_else(|| {
@@ -379,10 +379,11 @@ impl Unet {
                 None => {
                     let up = block.up.clone();
                     h = self.unit(&prefix, &mut index, &[h, skip, emb.clone()], move |xs| {
-                        let h = res.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)?, &xs[2])?;
+                        let x = Tensor::cat(&[&xs[0], &xs[1]], 1)?;
                         match (&up, next) {
-                            (Some(up), Some(size)) => up.forward(&h, size),
-                            _ => Ok(h),
+                            (Some(up), Some(size)) => up.forward(&res.forward(&x, &xs[2])?, size),
+                            // The ResBlock ends the unit.
+                            _ => res.forward_unit(&x, &xs[2]),
                         }
                     })?;
                 }
@@ -391,7 +392,7 @@ impl Unet {
                         &format!("{prefix}.0"),
                         &mut index,
                         &[h, skip, emb.clone()],
-                        move |xs| res.forward(&Tensor::cat(&[&xs[0], &xs[1]], 1)?, &xs[2]),
+                        move |xs| res.forward_unit(&Tensor::cat(&[&xs[0], &xs[1]], 1)?, &xs[2]),
                     )?;
                     h = self.attention(a, &format!("{prefix}.1"), &mut index, &h, &context)?;
                     if let (Some(up), Some(size)) = (block.up.clone(), next) {

@@ -714,6 +714,48 @@ fn sdxl_reruns_leave_out_each_units_tail() {
     assert_eq!(run(Checkpointing::All), 2 * tails);
 }
 
+/// A whole tiny SDXL under one checkpoint, its units resident inside it: the units' tails
+/// feed what follows them there, so the outer re-run computes them (`uncheckpointed`), and
+/// the gradients equal the resident run's bit for bit.
+#[test]
+fn sdxl_under_an_outer_checkpoint_computes_its_resident_units_tails() {
+    let _helper = helper_alone();
+    let cfg = tiny_sdxl();
+    let run = |outer: bool| {
+        lora_grads(
+            &CPU,
+            |vb| Unet::new(vb, &tiny_sdxl()),
+            |m, e| m.exec = e,
+            if outer {
+                |m: &Unet, dev: &Device| {
+                    let m = m.clone();
+                    let dev2 = dev.clone();
+                    let f = move |_: &[Tensor]| Ok(vec![sdxl_loss(&m, &dev2)?]);
+                    let x = randn_on(&[1], 70, dev);
+                    let mut out = checkpoint(&[x], f)?;
+                    Ok(out.remove(0))
+                }
+            } else {
+                |m: &Unet, dev: &Device| sdxl_loss(m, dev)
+            },
+            cfg.block_prefixes(),
+            &[],
+            Checkpointing::Off,
+            Keep::NONE,
+            false,
+            false,
+        )
+    };
+    let skipped = flame::autograd::unread_skipped();
+    let (outer, plain) = (run(true), run(false));
+    assert_eq!(
+        flame::autograd::unread_skipped(),
+        skipped,
+        "no tail skipped"
+    );
+    assert_eq!(outer.0, plain.0);
+}
+
 /// The same for SDXL, whose units' re-runs leave out their tails (above).
 #[test]
 fn sdxl_blocks_checkpointed_or_streamed_give_the_resident_gradients() {

@@ -309,6 +309,27 @@ thread_local! {
     static REUSED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static UNREAD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static UNREAD_PRODUCT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Depth of `uncheckpointed` runs on this thread: inside one, a tail is computed even in
+    /// an enclosing checkpoint's re-run (its output feeds what follows in that checkpoint).
+    static UNCHECKPOINTED: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `f`, a unit that runs without a checkpoint of its own (`memory::BlockExec`'s
+/// resident blocks), so that its tails (`KeptKind::Unread`, `unread_product`) are computed
+/// even inside an enclosing checkpoint's re-run: their outputs feed the rest of that
+/// checkpoint.
+pub fn uncheckpointed<R>(f: impl FnOnce() -> R) -> R {
+    UNCHECKPOINTED.with(|d| d.set(d.get() + 1));
+    let out = f();
+    UNCHECKPOINTED.with(|d| d.set(d.get().saturating_sub(1)));
+    out
+}
+
+/// Whether this thread runs a checkpoint's re-run whose own function is at hand (not a unit
+/// run without a checkpoint inside it): where tails take placeholders.
+fn tails_skip() -> bool {
+    UNCHECKPOINTED.with(|d| d.get() == 0)
+        && KEPT.with(|k| matches!(k.borrow().last(), Some(KeepMode::Replay(..))))
 }
 
 /// The outputs of an op that may keep them as any of `kinds`: `compute()`, except inside a
@@ -340,9 +361,7 @@ pub(crate) fn kept_or_placeholder(
     placeholder: impl FnOnce() -> Result<Vec<Tensor>>,
     compute: impl FnOnce() -> Result<Vec<Tensor>>,
 ) -> Result<(Vec<Tensor>, bool)> {
-    if kinds.contains(&KeptKind::Unread)
-        && KEPT.with(|k| matches!(k.borrow().last(), Some(KeepMode::Replay(..))))
-    {
+    if kinds.contains(&KeptKind::Unread) && tails_skip() {
         UNREAD.with(|r| r.set(r.get() + 1));
         return Ok((placeholder()?, true));
     }
@@ -411,7 +430,7 @@ pub(crate) fn take_unread_product() -> bool {
     if !UNREAD_PRODUCT.with(|u| u.get()) {
         return false;
     }
-    let rerun = KEPT.with(|k| matches!(k.borrow().last(), Some(KeepMode::Replay(..))));
+    let rerun = tails_skip();
     if rerun {
         UNREAD_PRODUCT.with(|u| u.set(false));
         UNREAD.with(|r| r.set(r.get() + 1));

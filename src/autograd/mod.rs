@@ -13,8 +13,8 @@ pub mod gradcheck;
 
 pub use checkpoint::{
     checkpoint, checkpoint_keeping, checkpoint_opts, checkpoint_with, kept_reused, next_draw,
-    unread_skipped, CheckpointHooks, CheckpointOptions, Keep, PackedTensor, Pass, SavedHooks,
-    FEW_ROWS,
+    uncheckpointed, unread_skipped, CheckpointHooks, CheckpointOptions, Keep, PackedTensor, Pass,
+    SavedHooks, FEW_ROWS,
 };
 pub(crate) use checkpoint::{
     hooked_computes, hooked_product, kept_or, kept_or_placeholder, note_forward_only,

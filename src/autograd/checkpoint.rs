@@ -268,8 +268,6 @@ impl Keep {
             KeptKind::Attention => self.attention,
             KeptKind::DownProjection => self.down_projections,
             KeptKind::FewRows => self.few_rows,
-            // Never logged: a re-run gets a placeholder (`kept_or_placeholder`).
-            KeptKind::Unread => false,
         }
     }
 
@@ -288,11 +286,6 @@ pub(crate) enum KeptKind {
     DownProjection,
     /// The base GEMM of a Linear that sees few rows: [y].
     FewRows,
-    /// The base GEMM of a Linear whose output no gradient of its checkpoint's re-run reads
-    /// (a block's last down-projection, summed into the block's output through a gate that
-    /// needs no gradient): never logged; a re-run gets zeros in its place and records the
-    /// GEMM's backward as usual. Whatever the `Keep`.
-    Unread,
 }
 
 enum KeepMode {
@@ -315,7 +308,7 @@ thread_local! {
 }
 
 /// Runs `f`, a unit that runs without a checkpoint of its own (`memory::BlockExec`'s
-/// resident blocks), so that its tails (`KeptKind::Unread`, `unread_product`) are computed
+/// resident blocks), so that its tails (`unread_product`) are computed
 /// even inside an enclosing checkpoint's re-run: their outputs feed the rest of that
 /// checkpoint.
 pub fn uncheckpointed<R>(f: impl FnOnce() -> R) -> R {
@@ -350,21 +343,6 @@ pub(crate) fn kept_or_replayed(
     kinds: &[KeptKind],
     compute: impl FnOnce() -> Result<Vec<Tensor>>,
 ) -> Result<(Vec<Tensor>, bool)> {
-    kept_or_placeholder(kinds, || Ok(Vec::new()), compute)
-}
-
-/// `kept_or_replayed` for an op that may be `KeptKind::Unread`: inside a checkpoint's re-run
-/// it gets `placeholder()` (zeros of the output's shape) instead of computing, and counts it
-/// (`unread_skipped`); elsewhere, and for the other kinds, as `kept_or_replayed`.
-pub(crate) fn kept_or_placeholder(
-    kinds: &[KeptKind],
-    placeholder: impl FnOnce() -> Result<Vec<Tensor>>,
-    compute: impl FnOnce() -> Result<Vec<Tensor>>,
-) -> Result<(Vec<Tensor>, bool)> {
-    if kinds.contains(&KeptKind::Unread) && tails_skip() {
-        UNREAD.with(|r| r.set(r.get() + 1));
-        return Ok((placeholder()?, true));
-    }
     let replayed = KEPT.with(|k| {
         let mut k = k.borrow_mut();
         match k.last_mut() {
@@ -412,10 +390,11 @@ pub fn kept_reused() -> u64 {
     REUSED.with(|r| r.get())
 }
 
-/// Runs `f` with, where `unread`, its first product primitive (`Tensor::matmul`'s) marked as
-/// one whose output no gradient of a checkpoint's re-run reads (a convolution ending its
-/// block, `nn::Conv2d::forward_tail`): inside a re-run that product takes zeros of its shape
-/// and records its backward as usual (`take_unread_product`); elsewhere `f` runs as it is.
+/// Runs `f` with, where `unread`, its first product marked as one whose output no gradient
+/// of a checkpoint's re-run reads (a layer ending its block: `nn::Linear::forward_tail`,
+/// `nn::Conv2d::forward_tail`): inside a re-run that product (a Linear's base product, or
+/// `Tensor::matmul`'s primitive, which a convolution's is) takes zeros of its shape and
+/// records its backward as usual (`take_unread_product`); elsewhere `f` runs as it is.
 pub(crate) fn unread_product<R>(unread: bool, f: impl FnOnce() -> R) -> R {
     let before = UNREAD_PRODUCT.with(|u| u.replace(unread));
     let out = f();
@@ -439,7 +418,7 @@ pub(crate) fn take_unread_product() -> bool {
 }
 
 /// How many op outputs this thread's checkpoint re-runs replaced by a placeholder because no
-/// gradient reads them (`KeptKind::Unread`: their GEMMs not run; a counter for tests and
+/// gradient reads them (`unread_product`: their products not run; a counter for tests and
 /// reports).
 pub fn unread_skipped() -> u64 {
     UNREAD.with(|r| r.get())
@@ -692,7 +671,7 @@ fn pack_kept(
                 .map(|t| {
                     let packed = match kind {
                         KeptKind::Attention | KeptKind::DownProjection => hooks.pack_kept(t)?,
-                        KeptKind::FewRows | KeptKind::Unread => None,
+                        KeptKind::FewRows => None,
                     };
                     Ok(match packed {
                         Some(p) => {

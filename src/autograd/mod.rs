@@ -17,7 +17,7 @@ pub use checkpoint::{
     SavedHooks, FEW_ROWS,
 };
 pub(crate) use checkpoint::{
-    hooked_computes, hooked_product, kept_or, kept_or_placeholder, note_forward_only,
+    hooked_computes, hooked_product, kept_or, kept_or_replayed, note_forward_only,
     take_unread_product, unread_product, KeptKind,
 };
 pub use custom::{custom_op, CustomBackward};

@@ -4,7 +4,8 @@
 use super::adapter::{Adapter, BaseLayer, LayerShape};
 use super::{Packing, VarBuilder};
 use crate::autograd::{
-    hooked_computes, hooked_product, kept_or_placeholder, note_forward_only, KeptKind, FEW_ROWS,
+    hooked_computes, hooked_product, kept_or_replayed, note_forward_only, take_unread_product,
+    unread_product, KeptKind, FEW_ROWS,
 };
 use crate::{Error, Result, Tensor};
 use std::cell::Cell;
@@ -156,9 +157,10 @@ impl Linear {
         };
         // The base output of a layer that sees few rows, or of a down-projection, is one a
         // checkpoint may keep (`Keep`).
+        // A tail's (`unread`) is never kept: a re-run takes zeros for it.
         let few = rows * FEW_ROWS <= in_dim;
         let keep: &[KeptKind] = match (unread, few, in_dim > out_dim) {
-            (true, ..) => &[KeptKind::Unread],
+            (true, ..) => &[],
             (false, true, true) => &[KeptKind::FewRows, KeptKind::DownProjection],
             (false, true, false) => &[KeptKind::FewRows],
             (false, false, true) => &[KeptKind::DownProjection],
@@ -169,24 +171,26 @@ impl Linear {
         // the host (or a re-run's log), the bias is added after.
         let host = self.packing.is_none() && hooked_computes(&self.weight, &x)?;
         let early_bias = early_bias.filter(|b| !host && b.dtype() == x.dtype());
-        let (y, unread, bias_done) = match &self.packing {
-            // An int8 product adds a frozen bias where it scales its sums (the scaled FP8
-            // GEMM scales its own and leaves the bias to an add after).
-            Some(p) => packed_matmul(
-                &x,
-                &self.weight,
-                p,
-                out_dim,
-                early_bias.filter(|b| !b.requires_grad() && p.fuses_bias()),
-                rows8,
-                keep,
-            )?,
-            None if host => (host_matmul(&x, &self.weight, keep)?, false, false),
-            None => {
-                let (y, unread) = x.linear_product(&self.weight.t()?, early_bias, keep)?;
-                (y, unread, early_bias.is_some())
-            }
-        };
+        let (y, unread, bias_done) = unread_product(unread, || -> Result<_> {
+            Ok(match &self.packing {
+                // An int8 product adds a frozen bias where it scales its sums (the scaled FP8
+                // GEMM scales its own and leaves the bias to an add after).
+                Some(p) => packed_matmul(
+                    &x,
+                    &self.weight,
+                    p,
+                    out_dim,
+                    early_bias.filter(|b| !b.requires_grad() && p.fuses_bias()),
+                    rows8,
+                    keep,
+                )?,
+                None if host => (host_matmul(&x, &self.weight, keep)?, false, false),
+                None => {
+                    let (y, unread) = x.linear_product(&self.weight.t()?, early_bias, keep)?;
+                    (y, unread, early_bias.is_some())
+                }
+            })
+        })?;
         // Whether the adapter read the frozen weight (DoRA's norms do).
         let read = Cell::new(false);
         // A bias the base product left out goes into the adapter's last GEMM where the
@@ -243,16 +247,8 @@ fn host_matmul(x: &Tensor, weight: &Tensor, keep: &[KeptKind]) -> Result<Tensor>
             ))),
         }
     };
-    let out = weight.dims()[0];
-    let zeros = || {
-        Ok(vec![Tensor::zeros(
-            (x.dims()[0], out),
-            x.dtype(),
-            x.device(),
-        )?])
-    };
-    let (y, _) = kept_or_placeholder(keep, zeros, compute)?;
-    one_output(y, x, out, "host product")
+    let (y, _) = kept_or_replayed(keep, compute)?;
+    one_output(y, x, weight.dims()[0], "host product")
 }
 
 /// The one (rows, out) output in `x`'s dtype that a Linear's GEMM computed or its
@@ -313,14 +309,13 @@ fn packed_matmul(
         let w = packing.decode(packed, x.dtype())?;
         Ok(vec![x.matmul(&w.t()?)?])
     };
-    let zeros = || {
-        Ok(vec![Tensor::zeros(
-            (x.dims()[0], out_dim),
-            x.dtype(),
-            x.device(),
-        )?])
+    // A tail's product in a re-run (`autograd::unread_product`): zeros in its place.
+    let (y, replayed) = if take_unread_product() {
+        let zeros = Tensor::zeros((x.dims()[0], out_dim), x.dtype(), x.device())?;
+        (vec![zeros], true)
+    } else {
+        kept_or_replayed(keep, compute)?
     };
-    let (y, replayed) = kept_or_placeholder(keep, zeros, compute)?;
     let y = one_output(y, x, out_dim, "packed linear output")?;
     let node = Arc::new(PackedMatmul {
         packed: packed.clone(),

@@ -2,7 +2,7 @@
 //! storage, record the op for autograd when an input requires grad.
 
 use super::{with2, with3, Tensor};
-use crate::autograd::{kept_or_placeholder, record, KeptKind, Op};
+use crate::autograd::{kept_or_replayed, record, take_unread_product, KeptKind, Op};
 use crate::backend::{BinaryOp, CmpOp, MatmulDims, ReduceOp, UnaryOp, Window2d};
 use crate::shape::Dim;
 use crate::{DType, Device, Error, Layout, Result, Shape};
@@ -564,8 +564,16 @@ impl Tensor {
                 None => a3.matmul3(&b3)?,
             }])
         };
-        let zeros = || Ok(vec![Tensor::zeros((1, m, n), self.dtype(), self.device())?]);
-        let (y, replayed) = kept_or_placeholder(keep, zeros, compute)?;
+        // A product no gradient of this checkpoint re-run reads (`autograd::unread_product`):
+        // zeros in its place.
+        let (y, replayed) = if take_unread_product() {
+            (
+                vec![Tensor::zeros((1, m, n), self.dtype(), self.device())?],
+                true,
+            )
+        } else {
+            kept_or_replayed(keep, compute)?
+        };
         let [y] = <[Tensor; 1]>::try_from(y).map_err(|v| {
             Error::Autograd(format!("kept linear: {} tensors, expected 1", v.len()))
         })?;
@@ -670,7 +678,7 @@ impl Tensor {
         };
         // A product no gradient of this checkpoint re-run reads (`autograd::unread_product`):
         // zeros in its place, its backward recorded as usual.
-        if crate::autograd::take_unread_product() {
+        if take_unread_product() {
             let z = Tensor::zeros((dims.b, dims.m, dims.n), self.dtype(), self.device())?;
             let rec = record(&[self, rhs], || Op::Matmul(self.clone(), rhs.clone()));
             return Ok(z.view(z.layout().clone(), rec));

@@ -1150,7 +1150,7 @@ fn a_streamed_block_comes_in_as_one_allocation_and_goes_back_whole() {
 /// keep), an output projection, and a second attention call on the result.
 fn attention_block(ws: Vec<Tensor>) -> impl Fn(&[Tensor]) -> Result<Vec<Tensor>> {
     move |xs: &[Tensor]| {
-        let mut h = xs[0].clone(); // (B, H, L, D) = (1, 2, 7, 4)
+        let mut h = xs[0].clone(); // (B, H, L, D): (1, 2, 7, 4) on the CPU
         for w in ws.chunks(4) {
             let (q, k, v) = (h.matmul(&w[0])?, h.matmul(&w[1])?, h.matmul(&w[2])?);
             let a = q.attention_fused(&k, &v, None, false, 0.5)?;
@@ -1268,7 +1268,7 @@ fn check_offload(dev: &Device) {
 /// A chain of attention blocks on `dev`, every one checkpointed keeping its attention
 /// outputs, their inputs (and with `off` built by `keeping_outputs`, their kept outputs)
 /// offloaded by `off`; `None` for `keep`: the resident run. In bf16 on a GPU (its fused
-/// attention takes bf16 and f16), f32 on the CPU. Returns the gradients (as f32 bits) and
+/// attention takes bf16 and f16, head dims 64 and 128), f32 and head dim 4 on the CPU. Returns the gradients (as f32 bits) and
 /// how many kept outputs the re-runs reused.
 fn offload_kept_chain(
     dev: &Device,
@@ -1281,14 +1281,16 @@ fn offload_kept_chain(
     } else {
         DType::F32
     };
+    // The fused attention's CUDA kernels take head dims 64 and 128.
+    let d = if dev.is_cuda() { 64 } else { 4 };
     let rand = |shape: &[usize], seed: u64| randn_on(shape, seed, dev).to_dtype(dtype).unwrap();
-    let x = rand(&[1, 2, 7, 4], 1).requires_grad_().unwrap();
+    let x = rand(&[1, 2, 7, d], 1).requires_grad_().unwrap();
     let ws: Vec<Vec<Tensor>> = (0..3)
         .map(|b| {
             (0..8)
                 .map(|i| {
-                    rand(&[4, 4], 10 + 8 * b + i)
-                        .affine(0.5, 0.0)
+                    rand(&[d, d], 10 + 8 * b + i)
+                        .affine(1.0 / (d as f64).sqrt(), 0.0)
                         .unwrap()
                         .requires_grad_()
                         .unwrap()
@@ -1316,7 +1318,7 @@ fn offload_kept_chain(
             .unwrap()
             .remove(0);
     }
-    let loss = h.mul(&rand(&[1, 2, 7, 4], 5)).unwrap().sum_all().unwrap();
+    let loss = h.mul(&rand(&[1, 2, 7, d], 5)).unwrap().sum_all().unwrap();
     let grads = loss.backward().unwrap();
     let f32_bits = |t: &Tensor| bits(&t.to_dtype(DType::F32).unwrap());
     let mut out = vec![f32_bits(grads.get(&x).unwrap())];

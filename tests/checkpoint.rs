@@ -1267,9 +1267,9 @@ fn check_offload(dev: &Device) {
 
 /// A chain of attention blocks on `dev`, every one checkpointed keeping its attention
 /// outputs, their inputs (and with `off` built by `keeping_outputs`, their kept outputs)
-/// offloaded by `off`; `None` for `keep`: the resident run. In bf16 on a GPU (its fused
-/// attention takes bf16 and f16, head dims 64 and 128), f32 and head dim 4 on the CPU. Returns the gradients (as f32 bits) and
-/// how many kept outputs the re-runs reused.
+/// offloaded by `off`; `None` for `keep`: the resident run. In bf16 and head dim 64 on a GPU
+/// (its fused attention takes bf16 and f16, head dims 64 and 128), f32 and head dim 4 on the
+/// CPU. Returns the gradients (as f32 bits) and how many kept outputs the re-runs reused.
 fn offload_kept_chain(
     dev: &Device,
     keep: Option<Keep>,

@@ -18,7 +18,9 @@
 //! fetches only `--prefetch` ahead and the backward leaves only that many and one for it,
 //! with the planner too), `--no-host-products` (streamed blocks' Linears over the
 //! conditioning vector bring their weights to the GPU instead of computing their products on
-//! the host, with the planner too). `--budget GB` is the process's budget as the driver
+//! the host, with the planner too), `--raw-backward` (the plan, the planner's pick or one by
+//! hand, with the backward's uploads uncoded and the forward's coded: `Plan::raw_backward`;
+//! `FLAME_PLANNER=raw_backward=on` lets the planner weigh such plans). `--budget GB` is the process's budget as the driver
 //! counts it, split as `train` splits it (what the process holds outside the allocator,
 //! measured, and `memory::LATE_HEADROOM` come off it; the allocator is capped at the rest);
 //! `--headroom GB` instead plans for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
@@ -448,6 +450,14 @@ fn run<M: ModelSpec>(
                 ..Plan::default()
             })
         }
+    };
+    let plan = if args.flag("--raw-backward") {
+        profile.settle(&Plan {
+            raw_backward: true,
+            ..plan
+        })?
+    } else {
+        plan
     };
     let predicted = profile.peak(&plan) as f64 / GIB;
     if root {

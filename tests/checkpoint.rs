@@ -1553,9 +1553,15 @@ fn a_deeper_forward_fetch_on_cuda_gives_the_same_gradients() {
 /// Six checkpointed blocks, each `tanh(x · W + x · T)` with a frozen bf16 `W` (96 x 96: coded
 /// on the link) and a trained f32 `T`, over four steps with a validation forward (no
 /// backward) before the last; with `stream`, every block streamed coded (prefetch 1, so the
-/// backward leaves two for the next forward). The input's and the trained weights'
-/// gradients of each step (bits), and the streamer's report.
-fn coded_chain(dev: &Device, stream: bool, cross: bool) -> (Vec<Vec<Vec<u32>>>, StreamReport) {
+/// backward leaves two for the next forward), with `raw` the backward's uploads uncoded.
+/// The input's and the trained weights' gradients of each step (bits), the streamer's
+/// report and the host memory its packs hold.
+fn coded_chain(
+    dev: &Device,
+    stream: bool,
+    cross: bool,
+    raw: bool,
+) -> (Vec<Vec<Vec<u32>>>, StreamReport, u64) {
     const N: usize = 6;
     const D: usize = 96;
     let names: Vec<String> = (0..N).map(|i| format!("b{i}")).collect();
@@ -1580,6 +1586,7 @@ fn coded_chain(dev: &Device, stream: bool, cross: bool) -> (Vec<Vec<Vec<u32>>>, 
         let s = BlockStreamer::new(dev, names.clone(), 1);
         s.set_wire_code(true).unwrap();
         s.set_cross_ahead(cross).unwrap();
+        s.set_raw_backward(raw).unwrap();
         s
     });
     let frozen = adopted(streamer.as_ref(), frozen);
@@ -1620,11 +1627,11 @@ fn coded_chain(dev: &Device, stream: bool, cross: bool) -> (Vec<Vec<Vec<u32>>>, 
         out.extend(trained.iter().map(|t| bits(g.get(t).unwrap())));
         grads.push(out);
     }
-    let report = match &streamer {
-        Some(s) => s.report().unwrap(),
-        None => StreamReport::default(),
+    let (report, host) = match &streamer {
+        Some(s) => (s.report().unwrap(), s.host_pack_bytes().unwrap()),
+        None => (StreamReport::default(), 0),
     };
-    (grads, report)
+    (grads, report, host)
 }
 
 /// The backward's end crosses the next forward's first coded uploads into the staging ring
@@ -1632,8 +1639,8 @@ fn coded_chain(dev: &Device, stream: bool, cross: bool) -> (Vec<Vec<Vec<u32>>>, 
 /// no ring, nothing crosses and the gradients are the resident ones.
 #[test]
 fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_the_cpu() {
-    let (plain, _) = coded_chain(&CPU, false, true);
-    let (got, r) = coded_chain(&CPU, true, true);
+    let (plain, ..) = coded_chain(&CPU, false, true, false);
+    let (got, r, _) = coded_chain(&CPU, true, true, false);
     assert_eq!(got, plain);
     assert!(r.uploads > 0 && r.uploaded_bytes < r.decoded_bytes, "{r:?}");
     assert_eq!((r.crossed_bytes, r.landed_bytes), (0, 0), "{r:?}");
@@ -1649,18 +1656,18 @@ fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_the_cpu() {
 fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_cuda() {
     let _one = cuda_alone();
     let dev = Device::cuda(0).expect("a CUDA GPU");
-    let (plain, _) = coded_chain(&dev, false, true);
-    let (got, r) = coded_chain(&dev, true, true);
+    let (plain, ..) = coded_chain(&dev, false, true, false);
+    let (got, r, _) = coded_chain(&dev, true, true, false);
     assert_eq!(got, plain);
     // Switched off, nothing crosses, and the gradients are the same.
-    let (off, o) = coded_chain(&dev, true, false);
+    let (off, o, _) = coded_chain(&dev, true, false, false);
     assert_eq!(off, plain);
     assert_eq!((o.crossed_bytes, o.landed_bytes), (0, 0), "{o:?}");
     // Four backwards, each crossing at least the third block (a whole coded block fits the
     // ring); every forward after one lands it.
     assert!(r.crossed_bytes > 0 && r.landed_bytes > 0, "{r:?}");
     assert!(r.landed_bytes <= r.crossed_bytes, "{r:?}");
-    let (_, cpu) = coded_chain(&CPU, true, true);
+    let (_, cpu, _) = coded_chain(&CPU, true, true, false);
     // The link carried what the CPU's uploads would, the crossings that landed counted
     // once, those overwritten again; the GPU's packs add only alignment.
     assert!(
@@ -1669,6 +1676,62 @@ fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_cuda() {
                 <= cpu.uploaded_bytes + (r.crossed_bytes - r.landed_bytes) + r.uploads * 8 * 256,
         "{r:?} against {cpu:?}"
     );
+}
+
+/// The backward's uploads uncoded, the forward's coded: the same gradients bit for bit as
+/// resident and as every upload coded; the backward's uploads carry the raw bytes (more on
+/// the link, nothing decoded), the forward's the code; the raw forms take host memory beside
+/// the codes. Returns the raw run's report.
+fn check_raw_backward(dev: &Device) -> StreamReport {
+    let (plain, ..) = coded_chain(dev, false, true, false);
+    let (coded, c, coded_host) = coded_chain(dev, true, true, false);
+    let (raw, r, raw_host) = coded_chain(dev, true, true, true);
+    assert_eq!(coded, plain);
+    assert_eq!(raw, plain);
+    // The same uploads, in the same places.
+    assert_eq!(
+        (r.uploads, r.decoded_bytes),
+        (c.uploads, c.decoded_bytes),
+        "{r:?} {c:?}"
+    );
+    // The backward's uploads cross raw: more bytes on the link, the forward's still fewer
+    // than the values.
+    assert!(r.uploaded_bytes > c.uploaded_bytes, "{r:?} against {c:?}");
+    assert!(r.uploaded_bytes < r.decoded_bytes, "{r:?}");
+    // Each block's raw form beside its code (its bytes on the device, as they are).
+    assert!(raw_host > coded_host, "{raw_host} against {coded_host}");
+    r
+}
+
+#[test]
+fn uncoded_backward_uploads_give_the_resident_gradients_on_the_cpu() {
+    check_raw_backward(&CPU);
+    // Chosen before the first fetch.
+    let s = BlockStreamer::new(&CPU, vec!["b".into()], 1);
+    let w = s
+        .adopt(0, &randn_on(&[4], 1, &CPU).to_dtype(DType::BF16).unwrap())
+        .unwrap();
+    let exec = BlockExec {
+        streamer: Some(s.clone()),
+        ..Default::default()
+    };
+    exec.run("b", 0, &[randn_on(&[1], 2, &CPU)], move |_| {
+        Ok(vec![w.to_dtype(DType::F32)?])
+    })
+    .unwrap();
+    assert!(s.set_raw_backward(true).is_err());
+}
+
+/// On a GPU the backward's raw uploads go straight into place beside the forward's coded
+/// ones through the staging ring, and the crossing at each backward's end still lands.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn uncoded_backward_uploads_give_the_resident_gradients_on_cuda() {
+    let _one = cuda_alone();
+    let dev = Device::cuda(0).expect("a CUDA GPU");
+    let r = check_raw_backward(&dev);
+    assert!(r.crossed_bytes > 0 && r.landed_bytes > 0, "{r:?}");
 }
 
 // ----- weights only the forward reads -------------------------------------------------------

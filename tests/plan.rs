@@ -81,6 +81,7 @@ fn plan(checkpointing: Checkpointing, streamed: Vec<String>, prefetch: usize, ke
         // The measured rows streamed uncoded, each pass fetching `prefetch` ahead.
         wire_code: false,
         uncoded_carry: false,
+        raw_backward: false,
         cross_ahead: false,
         deep_prefetch: false,
         host_products: false,
@@ -621,6 +622,7 @@ fn forward_only_weights_leave_the_backward_uploads() {
         offload_kept: false,
         wire_code: code,
         uncoded_carry: false,
+        raw_backward: false,
         cross_ahead: false,
         deep_prefetch: false,
         host_products: false,
@@ -673,6 +675,7 @@ fn host_products_take_the_modulations_off_the_link() {
         offload_kept: false,
         wire_code: true,
         uncoded_carry: false,
+        raw_backward: false,
         cross_ahead: false,
         deep_prefetch: true,
         host_products: host,
@@ -1620,4 +1623,92 @@ fn offloaded_kept_outputs_leave_the_device_and_wait_for_their_switch() {
         without.plan, with_kept.plan
     );
     assert!(t1 <= t0);
+}
+
+/// The backward's uploads uncoded (`Plan::raw_backward`): they carry the raw bytes on the
+/// link and decode nothing, the forward's stay coded; the staging ring and the peak do not
+/// move; the raw forms take pinned host memory. The planner weighs such plans only with
+/// their switch.
+#[test]
+fn uncoded_backward_uploads_carry_raw_bytes_and_wait_for_their_switch() {
+    use flame::memory::Switches;
+    let p = klein_9b();
+    let coded = p
+        .settle(&Plan {
+            wire_code: true,
+            uncoded_carry: true,
+            cross_ahead: true,
+            deep_prefetch: true,
+            ..plan(Checkpointing::All, even(&p, 24), 2, true)
+        })
+        .unwrap();
+    let raw = p
+        .settle(&Plan {
+            raw_backward: true,
+            ..coded.clone()
+        })
+        .unwrap();
+    assert!(raw.raw_backward && raw.to_string().contains("the backward's uploads uncoded"));
+    // Nothing to leave uncoded without the code.
+    let plain = p
+        .settle(&Plan {
+            wire_code: false,
+            ..raw.clone()
+        })
+        .unwrap();
+    assert!(!plain.raw_backward);
+    // The same device memory; more bytes on the link, by the backward's share of the
+    // coded blocks' code.
+    assert_eq!(p.peak(&raw), p.peak(&coded));
+    let (c, r) = (p.streamed_bytes(&coded), p.streamed_bytes(&raw));
+    let (uncoded, all_raw) = (
+        p.streamed_bytes(&Plan {
+            wire_code: false,
+            ..coded.clone()
+        }),
+        p.raw_backward_host_bytes(&raw),
+    );
+    println!(
+        "a step's link: coded {:.2} GiB, backward raw {:.2}, uncoded {:.2}; raw forms {:.2} GiB",
+        c as f64 / GIB,
+        r as f64 / GIB,
+        uncoded as f64 / GIB,
+        all_raw as f64 / GIB
+    );
+    assert!(c < r && r < uncoded, "{c} {r} {uncoded}");
+    assert_eq!(p.raw_backward_host_bytes(&coded), 0);
+    // The raw forms: the coded blocks' weights, the carried (uncoded) ones not among them.
+    let streamed: u64 = p
+        .blocks
+        .iter()
+        .filter(|b| raw.streamed.contains(&b.prefix))
+        .map(|b| b.weight_bytes)
+        .sum();
+    assert!(all_raw > 0 && all_raw < streamed, "{all_raw} of {streamed}");
+    // The time model plays the two differently (the backward's decodes against its link).
+    assert_ne!(p.step_ms(&raw), p.step_ms(&coded));
+    // The candidates: none by default; with the switch each beside its coded twin.
+    assert!(p.candidates().iter().all(|c| !c.raw_backward));
+    let with = p.candidates_among(false, true);
+    let raws: Vec<&Plan> = with.iter().filter(|c| c.raw_backward).collect();
+    assert!(!raws.is_empty());
+    for c in raws {
+        assert!(c.wire_code, "{c}");
+        let twin = Plan {
+            raw_backward: false,
+            ..c.clone()
+        };
+        assert!(with.contains(&twin), "{c}");
+    }
+    let off = Switches::default();
+    assert_eq!(off.allow(raw.clone()), None);
+    assert_eq!(off.bind(raw.clone()), raw, "a plan by hand keeps it");
+    let on = Switches::parse("raw_backward=on").unwrap();
+    assert_eq!(on.allow(raw.clone()), Some(raw.clone()));
+    assert!(
+        !Switches::parse("wire_code=off")
+            .unwrap()
+            .bind(raw)
+            .raw_backward
+    );
 }

@@ -83,6 +83,26 @@ impl HostPack {
         }
     }
 
+    /// Whether some part is held in the link's code.
+    pub(crate) fn is_coded(&self) -> bool {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(v) => v.iter().any(|p| matches!(p, CpuPart::Coded(_))),
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.is_coded(),
+        }
+    }
+
+    /// Bytes of host memory it holds (pinned, on a GPU).
+    pub(crate) fn host_bytes(&self) -> usize {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(v) => v.iter().map(|p| p.bytes().1).sum(),
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.host_bytes(),
+        }
+    }
+
     /// How many parts it holds.
     pub(crate) fn parts(&self) -> usize {
         match self {

@@ -480,6 +480,13 @@ pub struct Plan {
     /// its link has time to spare where the decodes beside its kernels would slow them
     /// (their decodes take the compute's time). Their device copies are the same.
     pub uncoded_carry: bool,
+    /// With `wire_code`, the backward's uploads cross uncoded, the forward's coded
+    /// (`BlockStreamer::set_raw_backward`): where the backward is paced by its re-runs and
+    /// products, its link has time to spare for the raw bytes, and their decodes leave the
+    /// kernels beside them. The streamer then keeps each coded block's raw bytes in host
+    /// memory beside its code (`MemoryProfile::raw_backward_host_bytes` more pinned memory).
+    /// The device copies are the same.
+    pub raw_backward: bool,
     /// With `wire_code`, the backward's end crosses the coded bytes of the next forward's
     /// first uploads into the staging ring, idle with the link from the backward's last
     /// upload to that forward's first (`BlockStreamer::set_cross_ahead`): those bytes leave
@@ -577,7 +584,9 @@ impl std::fmt::Display for Plan {
                 },
                 if self.wire_code { ", coded" } else { "" }
             )?;
-            if self.wire_code && self.uncoded_carry {
+            if self.wire_code && self.raw_backward {
+                write!(f, ", the backward's uploads uncoded")?;
+            } else if self.wire_code && self.uncoded_carry {
                 write!(f, ", the carried blocks uncoded")?;
             }
             if self.host_products {
@@ -977,8 +986,9 @@ impl MemoryProfile {
         let ahead = plan.prefetch;
         let reach = self.reach(plan);
         let carried = carry(&reach, ahead.max(1));
-        // Whether streamed place `k` crosses coded (`Plan::uncoded_carry`).
-        let coded_at = |k: usize| Self::coded_place(plan, k, carried);
+        // Whether streamed place `k` crosses coded in the forward or the backward
+        // (`Plan::uncoded_carry`, `Plan::raw_backward`).
+        let coded_at = |k: usize, backward: bool| Self::coded_place(plan, k, carried, backward);
         // Decode launches a coded upload issues: one a staged piece (`wire::staging_piece` of
         // the largest coded upload's bytes on the link, what the streamer's ring is sized
         // by, or one tensor), and more where its coded tensors outnumber the pieces
@@ -986,7 +996,7 @@ impl MemoryProfile {
         let largest_wire = order
             .iter()
             .enumerate()
-            .filter(|&(k, &i)| coded_at(k) && self.blocks[i].coded_bytes > 0)
+            .filter(|&(k, &i)| coded_at(k, false) && self.blocks[i].coded_bytes > 0)
             .map(|(_, &i)| self.blocks[i].wire_bytes)
             .max()
             .unwrap_or(0);
@@ -1023,7 +1033,7 @@ impl MemoryProfile {
             for k in ks {
                 if ready[k].is_none() {
                     let b = &self.blocks[order[k]];
-                    let code = coded_at(k);
+                    let code = coded_at(k, backward);
                     let (bytes, coded) = upload_bytes(b, leaves_out(backward, k), code);
                     if code {
                         let ahead = if backward { 0 } else { bytes.min(*crossed) };
@@ -1041,7 +1051,12 @@ impl MemoryProfile {
             // The decodes take the compute's time, but where it waits for the link anyway;
             // the host issues the upload's copy, its decodes and the waits.
             let b = &self.blocks[order[j]];
-            let launches = STREAM_OPS + if coded_at(j) { decode_launches(b) } else { 0.0 };
+            let launches = STREAM_OPS
+                + if coded_at(j, backward) {
+                    decode_launches(b)
+                } else {
+                    0.0
+                };
             (t + decodes).max(ready[j].unwrap_or(t)) + launches * machine.op_us / 1e3
         };
         // One step from the forward's start: the forward's end and the step's. The host
@@ -1173,7 +1188,7 @@ impl MemoryProfile {
             .iter()
             .filter(|b| plan.streamed.contains(&b.prefix))
             .enumerate()
-            .filter(|&(k, b)| Self::coded_place(plan, k, carried) && b.coded_bytes > 0)
+            .filter(|&(k, b)| Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0)
             .map(|(_, b)| (b.wire_bytes, Self::largest_part(b)))
             .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)))
     }
@@ -1197,9 +1212,27 @@ impl MemoryProfile {
     }
 
     /// Whether the streamed block at place `k` (execution order among the streamed) crosses
-    /// the link coded under `plan`, the backward leaving the first `carried` on the device.
-    fn coded_place(plan: &Plan, k: usize, carried: usize) -> bool {
-        plan.wire_code && !(plan.uncoded_carry && k < carried)
+    /// the link coded under `plan` in the forward or the `backward`, the backward leaving
+    /// the first `carried` on the device.
+    fn coded_place(plan: &Plan, k: usize, carried: usize, backward: bool) -> bool {
+        plan.wire_code && !(plan.uncoded_carry && k < carried) && !(backward && plan.raw_backward)
+    }
+
+    /// Bytes of pinned host memory `plan` takes beyond the streamed weights' code: with
+    /// `Plan::raw_backward`, the raw bytes of every block that crosses coded in the forward
+    /// (the backward uploads those); 0 otherwise.
+    pub fn raw_backward_host_bytes(&self, plan: &Plan) -> u64 {
+        if !(plan.wire_code && plan.raw_backward) {
+            return 0;
+        }
+        let carried = self.carried(plan);
+        self.blocks
+            .iter()
+            .filter(|b| plan.streamed.contains(&b.prefix))
+            .enumerate()
+            .filter(|&(k, b)| Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0)
+            .map(|(_, b)| b.weight_bytes)
+            .sum()
     }
 
     /// Whether block `i` is checkpointed under `plan`.
@@ -1456,27 +1489,30 @@ impl MemoryProfile {
     /// leaves those for the next); weights held on the host never cross.
     pub fn streamed_bytes(&self, plan: &Plan) -> u64 {
         let carried = self.carried(plan);
-        // Each streamed block's bytes on the link, less what it holds on the host.
-        let sizes: Vec<u64> = self
-            .blocks
-            .iter()
-            .filter(|b| plan.streamed.contains(&b.prefix))
-            .enumerate()
-            .map(|(k, b)| {
-                let (host, host_wire, _) = Self::host_held(plan, b);
-                if Self::coded_place(plan, k, carried) {
-                    b.wire_bytes.saturating_sub(host_wire)
-                } else {
-                    b.weight_bytes.saturating_sub(host)
-                }
-            })
-            .collect();
-        let (m, kept) = (sizes.len(), plan.prefetch.max(1).saturating_add(1));
+        // Each streamed block's bytes on the link in the forward and in the backward, less
+        // what it holds on the host.
+        let sizes = |backward: bool| -> Vec<u64> {
+            self.blocks
+                .iter()
+                .filter(|b| plan.streamed.contains(&b.prefix))
+                .enumerate()
+                .map(|(k, b)| {
+                    let (host, host_wire, _) = Self::host_held(plan, b);
+                    if Self::coded_place(plan, k, carried, backward) {
+                        b.wire_bytes.saturating_sub(host_wire)
+                    } else {
+                        b.weight_bytes.saturating_sub(host)
+                    }
+                })
+                .collect()
+        };
+        let (forward, backward) = (sizes(false), sizes(true));
+        let (m, kept) = (forward.len(), plan.prefetch.max(1).saturating_add(1));
         if m <= kept {
             return 0;
         }
         // At least `kept` (every place holds that many), at most `m`.
-        sizes[carried..].iter().sum::<u64>() + sizes[..m - kept].iter().sum::<u64>()
+        forward[carried..].iter().sum::<u64>() + backward[..m - kept].iter().sum::<u64>()
     }
 
     /// `plan` as a model loads and streams it: the streamed blocks in execution order (a
@@ -1506,6 +1542,7 @@ impl MemoryProfile {
                 && !plan.streamed.is_empty()
                 && self.blocks.iter().any(|b| b.forward_only_bytes > 0),
             remake_transposes: plan.remake_transposes && self.keeps_transposes(),
+            raw_backward: plan.raw_backward && plan.wire_code && !plan.streamed.is_empty(),
             rerun_ahead: plan.rerun_ahead
                 && (plan.checkpointing != Checkpointing::Off || !plan.streamed.is_empty()),
             reach: vec![],
@@ -1559,6 +1596,17 @@ impl MemoryProfile {
     /// inputs also with their kept outputs in host memory (`Plan::offload_kept`; the planner's
     /// switch of that name).
     pub fn candidates_with(&self, offload_kept_allowed: bool) -> Vec<Plan> {
+        self.candidates_among(offload_kept_allowed, false)
+    }
+
+    /// [`MemoryProfile::candidates_with`], and with `raw_backward_allowed` the coded plans
+    /// whose backward's uploads cross uncoded too (`Plan::raw_backward`; the planner's switch
+    /// of that name).
+    pub fn candidates_among(
+        &self,
+        offload_kept_allowed: bool,
+        raw_backward_allowed: bool,
+    ) -> Vec<Plan> {
         let order = self.stream_order();
         let codes = self.blocks.iter().any(|b| b.coded_bytes > 0);
         let held = self
@@ -1633,11 +1681,25 @@ impl MemoryProfile {
                             // Coded uploads when anything would be coded (fewer bytes on
                             // the link, decodes taking the GPU's time; nothing to code
                             // without streamed blocks), with the carried blocks uncoded or
-                            // not, and uncoded: (wire_code, uncoded_carry).
-                            let codings: &[(bool, bool)] = if codes && k > 0 {
-                                &[(true, true), (true, false), (false, false)]
+                            // not, with the backward's uploads uncoded where allowed, and
+                            // uncoded: (wire_code, uncoded_carry, raw_backward).
+                            let codings: &[(bool, bool, bool)] = if codes && k > 0 {
+                                if raw_backward_allowed {
+                                    &[
+                                        (true, true, false),
+                                        (true, false, false),
+                                        (true, true, true),
+                                        (false, false, false),
+                                    ]
+                                } else {
+                                    &[
+                                        (true, true, false),
+                                        (true, false, false),
+                                        (false, false, false),
+                                    ]
+                                }
                             } else {
-                                &[(false, false)]
+                                &[(false, false, false)]
                             };
                             // The conditioning products on the host or not, when
                             // blocks stream and hold weights only the forward reads.
@@ -1653,7 +1715,7 @@ impl MemoryProfile {
                             } else {
                                 &[false, true]
                             };
-                            for &(wire_code, uncoded_carry) in codings {
+                            for &(wire_code, uncoded_carry, raw_backward) in codings {
                                 for (&host_products, &remake_transposes, &rerun_ahead) in hosts
                                     .iter()
                                     .flat_map(|h| remakes.iter().map(move |r| (h, r)))
@@ -1676,6 +1738,7 @@ impl MemoryProfile {
                                         offload_kept,
                                         wire_code,
                                         uncoded_carry,
+                                        raw_backward,
                                         cross_ahead: wire_code,
                                         host_products,
                                         remake_transposes,
@@ -1708,6 +1771,7 @@ impl MemoryProfile {
             // Uncoded: the staging ring would add to the smallest peak.
             wire_code: false,
             uncoded_carry: false,
+            raw_backward: false,
             cross_ahead: false,
             deep_prefetch: true,
             host_products: held,

@@ -129,6 +129,9 @@ struct Block {
     /// Every parameter's values in one host buffer, made at the first fetch: one copy (a few
     /// pieces when coded) and one device allocation per fetch instead of one per parameter.
     pack: Option<HostPack>,
+    /// With `set_raw_backward`, the same values uncoded for the backward's uploads, where
+    /// `pack` is coded.
+    raw_pack: Option<HostPack>,
     residency: Residency,
     /// For each parameter, whether the last re-run found only the forward reads it
     /// (`CheckpointHooks::forward_only`), and the digest of the forward it re-ran: a backward
@@ -165,6 +168,8 @@ struct State {
     code: bool,
     /// The first blocks that cross uncoded whatever `code` says (`set_uncoded_first`).
     uncoded_first: usize,
+    /// Whether the backward's uploads cross uncoded (`set_raw_backward`).
+    raw_backward: bool,
     /// Where coded uploads land before their decode (the largest pack's coded bytes), made
     /// with the packs.
     staging: Option<Staging>,
@@ -259,6 +264,7 @@ impl BlockStreamer {
                 prefix,
                 params: vec![],
                 pack: None,
+                raw_pack: None,
                 residency: Residency::Released,
                 forward_only: vec![],
                 only_digest: None,
@@ -284,6 +290,7 @@ impl BlockStreamer {
                 sealed: false,
                 code: true,
                 uncoded_first: 0,
+                raw_backward: false,
                 staging: None,
                 reach,
                 carry,
@@ -312,6 +319,7 @@ impl BlockStreamer {
         s.set_wire_code(plan.wire_code)?;
         s.set_uncoded_first(plan.uncoded_first)?;
         s.set_cross_ahead(plan.cross_ahead)?;
+        s.set_raw_backward(plan.wire_code && plan.raw_backward)?;
         if plan.host_products {
             s.set_host_products(conditioned.iter().map(|c| c.to_string()).collect())?;
         }
@@ -348,6 +356,28 @@ impl BlockStreamer {
     pub fn set_uncoded_first(&self, n: usize) -> Result<()> {
         self.unsealed("the uncoded blocks are")?.uncoded_first = n;
         Ok(())
+    }
+
+    /// Whether the backward's uploads cross uncoded while the forward's cross coded (the
+    /// planner's `Plan::raw_backward`): each coded block keeps its raw bytes in host memory
+    /// too, and the backward uploads those, straight into place (no staging, no decode).
+    /// Off by default; nothing changes without the wire code. Set before the first fetch.
+    pub fn set_raw_backward(&self, on: bool) -> Result<()> {
+        self.unsealed("the backward's uncoded uploads are")?
+            .raw_backward = on;
+        Ok(())
+    }
+
+    /// Bytes of pinned host memory the blocks' packs hold (made at the first fetch: 0
+    /// before), the raw forms kept for the backward (`set_raw_backward`) among them.
+    pub fn host_pack_bytes(&self) -> Result<u64> {
+        Ok(self
+            .lock()?
+            .blocks
+            .iter()
+            .flat_map(|b| b.pack.iter().chain(b.raw_pack.iter()))
+            .map(|p| p.host_bytes() as u64)
+            .sum())
     }
 
     /// Whether the backward's end crosses the coded packs of the next forward's first
@@ -592,9 +622,17 @@ impl BlockStreamer {
     /// device for the next forward. With `verify`, a copy that lacks weights `need` may read
     /// (brought for another digest's re-run, or a forward finding one a backward that stopped
     /// midway left) is released and the block brought again; without (a prefetch, whose
-    /// digest is a guess), a copy there stays until its own run verifies it. Whether an
+    /// digest is a guess), a copy there stays until its own run verifies it. The backward's
+    /// uploads take the block's raw form where it keeps one (`set_raw_backward`). Whether an
     /// upload was started.
-    fn start(&self, st: &mut State, i: usize, need: Need, verify: bool) -> Result<bool> {
+    fn start(
+        &self,
+        st: &mut State,
+        i: usize,
+        need: Need,
+        pass: Pass,
+        verify: bool,
+    ) -> Result<bool> {
         let Some(b) = st.blocks.get(i) else {
             return Ok(false);
         };
@@ -635,7 +673,11 @@ impl BlockStreamer {
         let Some(b) = blocks.get_mut(i) else {
             return Ok(false);
         };
-        let Some(pack) = &b.pack else {
+        let raw = match (pass, &b.raw_pack) {
+            (Pass::Backward, Some(raw)) => Some(raw),
+            _ => None,
+        };
+        let Some(pack) = raw.or(b.pack.as_ref()) else {
             return Ok(false);
         };
         let skip: &[bool] = if left_out { &b.forward_only } else { &[] };
@@ -657,11 +699,15 @@ impl BlockStreamer {
         let timed = trace.is_some()
             || (report.uploads.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % TIME_EVERY == 0;
         // A crossing made at the backward's end for this upload is decoded in place of
-        // its first pieces (where another upload has not overwritten it).
-        let crossed = b.crossed.take();
-        let (storages, ticket) =
-            self.device
-                .upload_pack(pack, staging.as_ref(), skip, timed, crossed)?;
+        // its first pieces (where another upload has not overwritten it). A raw form
+        // crosses straight into place: no staging, and the crossing waits for the forward.
+        let (staging, crossed) = match raw {
+            Some(_) => (None, None),
+            None => (staging.as_ref(), b.crossed.take()),
+        };
+        let (storages, ticket) = self
+            .device
+            .upload_pack(pack, staging, skip, timed, crossed)?;
         // Those pieces crossed the link at the crossing (counted then).
         let landed = ticket.landed_bytes() as u64;
         report.landed_bytes += landed;
@@ -738,7 +784,7 @@ impl BlockStreamer {
     /// staging ring coded uploads cross into (`crate::backend::wire::staging_ring_bytes`: a copy goes
     /// into the ring while the decode stream empties the pieces before it).
     fn seal(&self, st: &mut State) -> Result<()> {
-        let (code, uncoded_first) = (st.code, st.uncoded_first);
+        let (code, uncoded_first, raw_backward) = (st.code, st.uncoded_first, st.raw_backward);
         for (i, b) in st.blocks.iter_mut().enumerate() {
             if b.pack.is_some() || b.params.is_empty() {
                 continue;
@@ -772,7 +818,16 @@ impl BlockStreamer {
                 .ok_or_else(|| {
                     Error::Stream(format!("block {}: a weight lost its values", b.prefix))
                 })?;
-            b.pack = Some(self.device.pack(&hosts, code && i >= uncoded_first)?);
+            let coded = code && i >= uncoded_first;
+            let pack = self.device.pack(&hosts, coded)?;
+            // The raw form beside a pack that holds code (a block of no bf16 weight has
+            // none to code: its pack is raw already).
+            b.raw_pack = if coded && raw_backward && pack.is_coded() {
+                Some(self.device.pack(&hosts, false)?)
+            } else {
+                None
+            };
+            b.pack = Some(pack);
             for p in &mut b.params {
                 p.host = None;
             }
@@ -864,7 +919,7 @@ impl BlockStreamer {
             st.report.carried_found += found as u64;
             st.crossed_ahead = false;
         }
-        self.start(st, i, need(digest), true)?;
+        self.start(st, i, need(digest), pass, true)?;
         match pass {
             Pass::Forward => {
                 let (n, last) = (st.blocks.len(), st.reach.get(i).copied().unwrap_or(i));
@@ -886,7 +941,7 @@ impl BlockStreamer {
                     if j > i + self.prefetch && room < 2 * Self::pack_bytes(st, j) {
                         break;
                     }
-                    if self.start(st, j, Need::Whole, true)? {
+                    if self.start(st, j, Need::Whole, pass, true)? {
                         room = self.device.room();
                     }
                 }
@@ -896,7 +951,7 @@ impl BlockStreamer {
                 // their last re-run (`digest`): a guess, verified when each enters.
                 for j in (i.saturating_sub(self.prefetch)..i).rev() {
                     let guess = need(st.blocks[j].digest);
-                    self.start(st, j, guess, false)?;
+                    self.start(st, j, guess, pass, false)?;
                 }
                 // The backward's last upload is issued (its window reached the first block):
                 // the link has nothing more to carry this step.

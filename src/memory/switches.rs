@@ -8,7 +8,7 @@ use super::{MemoryProfile, Plan};
 use crate::{Error, Result};
 
 /// Which of the planner's techniques it may use. Every one is on by default but
-/// `offload_kept`, which waits for its measurement on the GPU.
+/// `offload_kept` and `raw_backward`, which wait for their measurements on the GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Switches {
     /// Checkpointed blocks keep the outputs of Linears that see few rows
@@ -20,6 +20,10 @@ pub struct Switches {
     /// With the wire code, the blocks the backward leaves for the next forward cross uncoded
     /// (`Plan::uncoded_carry`).
     pub uncoded_carry: bool,
+    /// With the wire code, the backward's uploads may cross uncoded (`Plan::raw_backward`).
+    /// Off by default: the planner does not weigh them (a plan given by hand may still ask
+    /// for it).
+    pub raw_backward: bool,
     /// With the wire code, the backward's end crosses the next forward's first coded uploads
     /// into the staging ring (`Plan::cross_ahead`).
     pub cross_ahead: bool,
@@ -49,6 +53,7 @@ impl Default for Switches {
             keep_few_rows: true,
             wire_code: true,
             uncoded_carry: true,
+            raw_backward: false,
             cross_ahead: true,
             deep_prefetch: true,
             host_products: true,
@@ -66,10 +71,11 @@ impl Switches {
     pub const VAR: &'static str = "FLAME_PLANNER";
 
     /// The switches' names, as the fields'.
-    pub const NAMES: [&'static str; 10] = [
+    pub const NAMES: [&'static str; 11] = [
         "keep_few_rows",
         "wire_code",
         "uncoded_carry",
+        "raw_backward",
         "cross_ahead",
         "deep_prefetch",
         "host_products",
@@ -91,6 +97,7 @@ impl Switches {
             "keep_few_rows" => &mut self.keep_few_rows,
             "wire_code" => &mut self.wire_code,
             "uncoded_carry" => &mut self.uncoded_carry,
+            "raw_backward" => &mut self.raw_backward,
             "cross_ahead" => &mut self.cross_ahead,
             "deep_prefetch" => &mut self.deep_prefetch,
             "host_products" => &mut self.host_products,
@@ -165,6 +172,7 @@ impl Switches {
     pub fn allow(&self, plan: Plan) -> Option<Plan> {
         if (plan.wire_code && !self.wire_code)
             || (plan.uncoded_carry && !self.uncoded_carry)
+            || (plan.raw_backward && !self.raw_backward)
             || (plan.remake_transposes && !self.remake_transposes)
             || (plan.rerun_ahead && !self.rerun_ahead)
             || (plan.offload_kept && !self.offload_kept)
@@ -176,12 +184,13 @@ impl Switches {
 
     /// `plan` with every technique switched off dropped (a plan given by hand: the wire
     /// code and uncoded carried blocks turned off rather than refused). Kept outputs in host
-    /// memory stay as asked: their switch (off by default) keeps them from the planner's
-    /// candidates only.
+    /// memory and the backward's uncoded uploads stay as asked (but without the wire code):
+    /// their switches (off by default) keep them from the planner's candidates only.
     pub fn bind(&self, plan: Plan) -> Plan {
         Plan {
             wire_code: plan.wire_code && self.wire_code,
             uncoded_carry: plan.uncoded_carry && self.uncoded_carry,
+            raw_backward: plan.raw_backward && self.wire_code,
             cross_ahead: plan.cross_ahead && self.cross_ahead && self.wire_code,
             deep_prefetch: plan.deep_prefetch && self.deep_prefetch,
             host_products: plan.host_products && self.host_products,
@@ -196,10 +205,11 @@ impl Switches {
     }
 
     /// `profile`'s candidates as these switches allow them: with kept outputs in host memory
-    /// among them where `offload_kept` is on (`MemoryProfile::candidates_with`), each through
+    /// among them where `offload_kept` is on and the backward's uploads uncoded where
+    /// `raw_backward` is (`MemoryProfile::candidates_among`), each through
     /// [`Switches::allow`].
     pub fn candidates(&self, profile: &MemoryProfile) -> Vec<Plan> {
-        self.filter(profile.candidates_with(self.offload_kept))
+        self.filter(profile.candidates_among(self.offload_kept, self.raw_backward))
     }
 
     /// The candidates these switches allow ([`Switches::allow`]), in their order.
@@ -244,6 +254,7 @@ mod tests {
             offload_kept: false,
             wire_code: true,
             uncoded_carry: true,
+            raw_backward: false,
             cross_ahead: true,
             deep_prefetch: true,
             host_products: true,

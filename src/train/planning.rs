@@ -325,6 +325,7 @@ pub(crate) fn plan_memory(
                 offload_kept: mem.offload_kept,
                 wire_code: true,
                 uncoded_carry: true,
+                raw_backward: false,
                 cross_ahead: true,
                 deep_prefetch: true,
                 host_products: true,

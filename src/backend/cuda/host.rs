@@ -325,6 +325,16 @@ impl PinnedPack {
         self.raw + self.coded
     }
 
+    /// Whether some part is held coded.
+    pub fn is_coded(&self) -> bool {
+        self.coded > 0
+    }
+
+    /// Bytes of pinned host memory it holds.
+    pub fn host_bytes(&self) -> usize {
+        self.coded_at + self.coded
+    }
+
     /// The runs of uncoded parts to bring, as byte ranges of the device allocation (which the
     /// host buffer's first `raw` bytes mirror): from a part's start to the end of the last
     /// taken part after it with none skipped between (`skip[k]`: part k is not brought;

@@ -1539,7 +1539,6 @@ fn crossing_ahead_takes_bytes_off_a_link_paced_forward() {
 /// blocks' worth.
 #[test]
 fn offloaded_kept_outputs_leave_the_device_and_wait_for_their_switch() {
-    use flame::memory::Switches;
     let p = klein_9b();
     let keep = Keep {
         attention: true,
@@ -1595,21 +1594,19 @@ fn offloaded_kept_outputs_leave_the_device_and_wait_for_their_switch() {
     // something kept, each with its twin that keeps them on the device.
     assert!(p.candidates().iter().all(|c| !c.offload_kept));
     let with = p.candidates_with(true);
-    let offloading: Vec<&Plan> = with.iter().filter(|c| c.offload_kept).collect();
-    assert!(!offloading.is_empty());
-    for c in offloading {
-        assert!(c.offloads_kept(), "{c}");
-        let twin = Plan {
+    each_beside_its_twin(
+        &with,
+        |c| c.offload_kept,
+        |c| Plan {
             offload_kept: false,
             ..c.clone()
-        };
-        assert!(with.contains(&twin), "{c}");
-    }
-    let off = Switches::default();
-    assert_eq!(off.allow(kept.clone()), None);
-    assert_eq!(off.bind(kept.clone()), kept, "a plan by hand keeps it");
-    let on = Switches::parse("offload_kept=on").unwrap();
-    assert_eq!(on.allow(kept.clone()), Some(kept.clone()));
+        },
+    );
+    assert!(with
+        .iter()
+        .filter(|c| c.offload_kept)
+        .all(Plan::offloads_kept));
+    let on = off_by_default("offload_kept", &kept);
     // Within the allocator's 7.17 GiB of an 8 GiB budget, the pick among the larger set is
     // predicted no slower.
     let cap = (7.17 * GIB) as u64;
@@ -1690,25 +1687,46 @@ fn uncoded_backward_uploads_carry_raw_bytes_and_wait_for_their_switch() {
     // The candidates: none by default; with the switch each beside its coded twin.
     assert!(p.candidates().iter().all(|c| !c.raw_backward));
     let with = p.candidates_among(false, true);
-    let raws: Vec<&Plan> = with.iter().filter(|c| c.raw_backward).collect();
-    assert!(!raws.is_empty());
-    for c in raws {
-        assert!(c.wire_code, "{c}");
-        let twin = Plan {
+    each_beside_its_twin(
+        &with,
+        |c| c.raw_backward,
+        |c| Plan {
             raw_backward: false,
             ..c.clone()
-        };
-        assert!(with.contains(&twin), "{c}");
-    }
-    let off = Switches::default();
-    assert_eq!(off.allow(raw.clone()), None);
-    assert_eq!(off.bind(raw.clone()), raw, "a plan by hand keeps it");
-    let on = Switches::parse("raw_backward=on").unwrap();
-    assert_eq!(on.allow(raw.clone()), Some(raw.clone()));
+        },
+    );
+    assert!(with.iter().filter(|c| c.raw_backward).all(|c| c.wire_code));
+    off_by_default("raw_backward", &raw);
     assert!(
         !Switches::parse("wire_code=off")
             .unwrap()
             .bind(raw)
             .raw_backward
     );
+}
+
+/// The candidates in `with` that `has` picks: at least one, each beside its twin without it
+/// (`without`).
+fn each_beside_its_twin(
+    with: &[Plan],
+    has: impl Fn(&Plan) -> bool,
+    without: impl Fn(&Plan) -> Plan,
+) {
+    let picked: Vec<&Plan> = with.iter().filter(|c| has(c)).collect();
+    assert!(!picked.is_empty());
+    for c in picked {
+        assert!(with.contains(&without(c)), "{c}");
+    }
+}
+
+/// A switch off by default: the defaults refuse `plan`, which needs it, but keep it as given
+/// by hand; the switch on allows it. Returns the switches with it on.
+fn off_by_default(name: &str, plan: &Plan) -> flame::memory::Switches {
+    use flame::memory::Switches;
+    let off = Switches::default();
+    assert_eq!(off.allow(plan.clone()), None);
+    assert_eq!(off.bind(plan.clone()), *plan, "a plan by hand keeps it");
+    let on = Switches::parse(&format!("{name}=on")).unwrap();
+    assert_eq!(on.allow(plan.clone()), Some(plan.clone()));
+    on
 }

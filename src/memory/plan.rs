@@ -1181,16 +1181,24 @@ impl MemoryProfile {
     /// backward leaving `carried` blocks for the forward): what the streamer's staging ring
     /// is sized by (`wire::staging_ring_bytes`); zeros for an uncoded plan.
     fn ring_parts(&self, plan: &Plan, carried: usize) -> (u64, u64) {
-        if !plan.wire_code {
-            return (0, 0);
-        }
+        self.forward_coded(plan, carried)
+            .map(|b| (b.wire_bytes, Self::largest_part(b)))
+            .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)))
+    }
+
+    /// The streamed blocks whose forward uploads cross coded under `plan` (the backward
+    /// leaving `carried` for the forward), in execution order; none for an uncoded plan.
+    fn forward_coded<'a>(
+        &'a self,
+        plan: &'a Plan,
+        carried: usize,
+    ) -> impl Iterator<Item = &'a BlockCost> + 'a {
         self.blocks
             .iter()
             .filter(|b| plan.streamed.contains(&b.prefix))
             .enumerate()
-            .filter(|&(k, b)| Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0)
-            .map(|(_, b)| (b.wire_bytes, Self::largest_part(b)))
-            .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)))
+            .filter(move |&(k, b)| Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0)
+            .map(|(_, b)| b)
     }
 
     /// The predicted cost of a step under `plan` beyond the resident step, as a fraction of
@@ -1222,16 +1230,11 @@ impl MemoryProfile {
     /// `Plan::raw_backward`, the raw bytes of every block that crosses coded in the forward
     /// (the backward uploads those); 0 otherwise.
     pub fn raw_backward_host_bytes(&self, plan: &Plan) -> u64 {
-        if !(plan.wire_code && plan.raw_backward) {
+        if !plan.raw_backward {
             return 0;
         }
-        let carried = self.carried(plan);
-        self.blocks
-            .iter()
-            .filter(|b| plan.streamed.contains(&b.prefix))
-            .enumerate()
-            .filter(|&(k, b)| Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0)
-            .map(|(_, b)| b.weight_bytes)
+        self.forward_coded(plan, self.carried(plan))
+            .map(|b| b.weight_bytes)
             .sum()
     }
 

@@ -319,7 +319,7 @@ impl BlockStreamer {
         s.set_wire_code(plan.wire_code)?;
         s.set_uncoded_first(plan.uncoded_first)?;
         s.set_cross_ahead(plan.cross_ahead)?;
-        s.set_raw_backward(plan.wire_code && plan.raw_backward)?;
+        s.set_raw_backward(plan.raw_backward)?;
         if plan.host_products {
             s.set_host_products(conditioned.iter().map(|c| c.to_string()).collect())?;
         }

@@ -18,11 +18,16 @@
 #                                                     the samples' denoising steps, 20 unless
 #                                                     given: scripts/budget_rows.sh)
 #   bash scripts/budget_table.sh steps               the step of each row's plan against the
-#                                                     resident step (benches/train_step.rs), one
-#                                                     process a model alternating them, the
-#                                                     budget split as the train binary splits it
-#                                                     (what the process holds outside its
-#                                                     allocator, measured, and LATE_HEADROOM)
+#                                                     resident step (benches/train_step.rs): one
+#                                                     process a model alternating them (Flux-dev,
+#                                                     SD3.5-large), a process a plan alternating
+#                                                     four times (SDXL), the budget split as the
+#                                                     train binary splits it (what the process
+#                                                     holds outside its allocator, measured, and
+#                                                     LATE_HEADROOM)
+#   bash scripts/budget_table.sh fresh MODEL REPS "" "--budget 8" ...   a process a plan, in turn,
+#                                                     REPS times: each plan's steps over the
+#                                                     first's (a round's, the means', the medians')
 # Device time on one H200 (build 36876ef, SAMPLE_STEPS=4): `make` 103 s for sd3 and sdxl, about
 # 90 s for flux (its 64 GiB disk holds flux or sd3, not both: remove one's folder first); the
 # rows 80-250 s each with their `sample` runs (sdxl8 the least, flux8 the most); `steps`
@@ -49,6 +54,50 @@ if ! ls /usr/lib/x86_64-linux-gnu/libnccl.so >/dev/null 2>&1; then
 fi
 ngpu=$(nvidia-smi -L | wc -l)
 ALL="flux24 flux12 flux8 flux6 sd3-16 sd3-8 sdxl8 sdxl4"
+
+# fresh MODEL REPS ARGS...: each ARGS (a string: "" is the resident step) in a process of its
+# own, in turn, REPS times, each process 8 timed steps and `--phases`; prints every
+# process's step (ms, the median of its steps), then each plan's steps over the first's:
+# a round's ratios, the ratio of the means and of the medians. A process a plan leaves no
+# plan's state to the next (its pinned memory, its threads, the allocator's arena) and
+# spreads each plan over the same minutes of the host's pace.
+fresh() {
+  local model=$1 reps=$2; shift 2
+  local -a plans=("$@")
+  local log=/tmp/fresh-$model; mkdir -p "$log"; : > "$log/steps"
+  local r i ms
+  for ((r = 0; r < reps; r++)); do
+    for i in "${!plans[@]}"; do
+      # shellcheck disable=SC2086
+      timeout 90 .gpu/bench-train_step --model "$model" --steps 8 --phases ${plans[$i]} \
+        > "$log/$r-$i.log" 2>&1
+      ms=$(grep -o 'samples/s): [0-9.]* ms' "$log/$r-$i.log" | grep -o '[0-9.]* ms' | head -n 1)
+      echo "== $model round $r, plan $i (${plans[$i]:-resident}): ${ms:-failed}"
+      grep -E "^phases \(|plan:" "$log/$r-$i.log" | cut -c1-300
+      echo "$r $i ${ms% ms}" >> "$log/steps"
+    done
+  done
+  awk -v n="${#plans[@]}" '
+    $3 != "" { t[$2, $1] = $3; rounds = ($1 + 1 > rounds) ? $1 + 1 : rounds }
+    function median(a, k,   i, j, x) {
+      for (i = 1; i <= k; i++) for (j = i + 1; j <= k; j++) if (a[j] < a[i]) { x = a[i]; a[i] = a[j]; a[j] = x }
+      return (k % 2) ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
+    }
+    END {
+      for (i = 0; i < n; i++) {
+        k = 0; sum = 0; line = ""; ratios = ""
+        delete v
+        for (r = 0; r < rounds; r++) if ((i, r) in t) {
+          v[++k] = t[i, r]; sum += t[i, r]; line = line sprintf("%s%.1f", k > 1 ? ", " : "", t[i, r])
+          if ((0, r) in t) ratios = ratios sprintf("%s%.2fx", ratios == "" ? "" : ", ", t[i, r] / t[0, r])
+        }
+        if (k == 0) { printf "== plan %d: no step timed\n", i; continue }
+        mean[i] = sum / k; med[i] = median(v, k)
+        if (i == 0) printf "== plan 0: %s ms; mean %.1f, median %.1f\n", line, mean[0], med[0]
+        else printf "== plan %d: %s ms; over plan 0 %s a round, %.2fx of the means, %.2fx of the medians\n", i, line, ratios, mean[i] / mean[0], med[i] / med[0]
+      }
+    }' "$log/steps"
+}
 
 # One row on GPU $1: ROW PIPES WORK.
 row() {
@@ -140,9 +189,14 @@ case ${1:-} in
     b 320 --model flux --steps 5 --rounds 1 --alternate "--budget 24" --alternate "--budget 12" \
       --alternate "--budget 8" --alternate "--budget 6 --fp8 --adam8bit"
     b 200 --model sd35 --steps 5 --rounds 1 --alternate "--budget 16" --alternate "--budget 8"
-    # SDXL's resident step follows the host's pace of the moment (102-184 ms on one machine
-    # within minutes), the budgeted ones less: more rounds, or the ratio is one moment's.
-    b 200 --model sdxl --steps 8 --rounds 4 --alternate "--budget 8" --alternate "--budget 4" ;;
+    # SDXL's resident step follows the host's pace of the moment (90-162 ms on one machine
+    # within minutes, in one process or across them), the budgeted ones less: a process a
+    # plan, alternating, four times, so each plan's mean spans the same minutes.
+    fresh sdxl 4 "" "--budget 8" "--budget 4" ;;
+  fresh)
+    # fresh MODEL REPS "ARGS" "ARGS"...: a process a plan (the first ARGS the reference,
+    # "" for the resident step), the plans in turn, REPS times.
+    shift; fresh "$@" ;;
   gpus)
     pipes=$2 work=$3 n=$4
     list=$(seq -s, 0 $((n - 1)))

@@ -1562,6 +1562,23 @@ fn coded_chain(
     cross: bool,
     raw: bool,
 ) -> (Vec<Vec<Vec<u32>>>, StreamReport, u64) {
+    let (grads, report, host, _) = coded_chain_traced(dev, stream, cross, raw);
+    (grads, report, host)
+}
+
+/// `coded_chain`, every upload timed and its record kept (`BlockStreamer::trace_uploads`;
+/// none on the CPU backend, which times nothing).
+fn coded_chain_traced(
+    dev: &Device,
+    stream: bool,
+    cross: bool,
+    raw: bool,
+) -> (
+    Vec<Vec<Vec<u32>>>,
+    StreamReport,
+    u64,
+    Vec<flame::memory::UploadRecord>,
+) {
     const N: usize = 6;
     const D: usize = 96;
     let names: Vec<String> = (0..N).map(|i| format!("b{i}")).collect();
@@ -1587,6 +1604,7 @@ fn coded_chain(
         s.set_wire_code(true).unwrap();
         s.set_cross_ahead(cross).unwrap();
         s.set_raw_backward(raw).unwrap();
+        s.trace_uploads(true).unwrap();
         s
     });
     let frozen = adopted(streamer.as_ref(), frozen);
@@ -1627,11 +1645,15 @@ fn coded_chain(
         out.extend(trained.iter().map(|t| bits(g.get(t).unwrap())));
         grads.push(out);
     }
-    let (report, host) = match &streamer {
-        Some(s) => (s.report().unwrap(), s.host_pack_bytes().unwrap()),
-        None => (StreamReport::default(), 0),
+    let (report, host, trace) = match &streamer {
+        Some(s) => (
+            s.report().unwrap(),
+            s.host_pack_bytes().unwrap(),
+            s.take_trace().unwrap(),
+        ),
+        None => (StreamReport::default(), 0, vec![]),
     };
-    (grads, report, host)
+    (grads, report, host, trace)
 }
 
 /// The backward's end crosses the next forward's first coded uploads into the staging ring
@@ -1681,11 +1703,11 @@ fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_cuda() {
 /// The backward's uploads uncoded, the forward's coded: the same gradients bit for bit as
 /// resident and as every upload coded; the backward's uploads carry the raw bytes (more on
 /// the link, nothing decoded), the forward's the code; the raw forms take host memory beside
-/// the codes. Returns the raw run's report.
-fn check_raw_backward(dev: &Device) -> StreamReport {
+/// the codes. Returns the raw run's report and its uploads' records.
+fn check_raw_backward(dev: &Device) -> (StreamReport, Vec<flame::memory::UploadRecord>) {
     let (plain, ..) = coded_chain(dev, false, true, false);
     let (coded, c, coded_host) = coded_chain(dev, true, true, false);
-    let (raw, r, raw_host) = coded_chain(dev, true, true, true);
+    let (raw, r, raw_host, trace) = coded_chain_traced(dev, true, true, true);
     assert_eq!(coded, plain);
     assert_eq!(raw, plain);
     // The same uploads, in the same places.
@@ -1700,12 +1722,14 @@ fn check_raw_backward(dev: &Device) -> StreamReport {
     assert!(r.uploaded_bytes < r.decoded_bytes, "{r:?}");
     // Each block's raw form beside its code (its bytes on the device, as they are).
     assert!(raw_host > coded_host, "{raw_host} against {coded_host}");
-    r
+    (r, trace)
 }
 
 #[test]
 fn uncoded_backward_uploads_give_the_resident_gradients_on_the_cpu() {
-    check_raw_backward(&CPU);
+    let (_, trace) = check_raw_backward(&CPU);
+    // The CPU backend times nothing.
+    assert!(trace.is_empty());
     // Chosen before the first fetch.
     let s = BlockStreamer::new(&CPU, vec!["b".into()], 1);
     let w = s
@@ -1722,16 +1746,25 @@ fn uncoded_backward_uploads_give_the_resident_gradients_on_the_cpu() {
     assert!(s.set_raw_backward(true).is_err());
 }
 
-/// On a GPU the backward's raw uploads go straight into place beside the forward's coded
-/// ones through the staging ring, and the crossing at each backward's end still lands.
+/// On a GPU the backward's raw uploads cross the staging ring beside the forward's coded
+/// ones, each piece copied into place from it (timed as a decode is), and the crossing at
+/// each backward's end still lands.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn uncoded_backward_uploads_give_the_resident_gradients_on_cuda() {
     let _one = cuda_alone();
     let dev = Device::cuda(0).expect("a CUDA GPU");
-    let r = check_raw_backward(&dev);
+    let (r, trace) = check_raw_backward(&dev);
     assert!(r.crossed_bytes > 0 && r.landed_bytes > 0, "{r:?}");
+    // Every upload traced: the raw ones (the backward's) staged, their copies into place
+    // timed; an upload straight into place has none.
+    let raw: Vec<_> = trace.iter().filter(|u| !u.coded).collect();
+    assert!(!raw.is_empty() && raw.len() < trace.len(), "{trace:?}");
+    assert!(
+        raw.iter().all(|u| u.wire_bytes > 0 && u.decode_ms > 0.0),
+        "{raw:?}"
+    );
 }
 
 // ----- weights only the forward reads -------------------------------------------------------

@@ -134,6 +134,18 @@ impl HostPack {
             HostPack::Cuda(p) => p.staging_bytes(),
         }
     }
+
+    /// What an upload of it uncoded through the staging ring stages (`upload_pack` given a
+    /// ring for an uncoded pack: the backward's raw forms), as `staging_bytes`; zeros on the
+    /// CPU backend.
+    pub(crate) fn raw_staging_bytes(&self) -> (usize, usize, usize) {
+        match self {
+            #[cfg(feature = "cpu-ref")]
+            HostPack::Cpu(_) => (0, 0, 0),
+            #[cfg(feature = "cuda")]
+            HostPack::Cuda(p) => p.raw_staging_bytes(),
+        }
+    }
 }
 
 /// Device memory that coded uploads land in before their decode (`Device::staging`).
@@ -335,7 +347,9 @@ impl Device {
     /// their place. With `timed`, a GPU upload brackets each copy and decode with timed
     /// events for `Ticket::copy_ms` (a few more driver calls a piece on the host).
     /// `crossed`: a crossing of the pack's first pieces into the staging ring made ahead
-    /// (`cross_pack`), decoded instead of copied again where it is still there.
+    /// (`cross_pack`), decoded instead of copied again where it is still there. An uncoded
+    /// pack given `staging` crosses through it too where it fits (copied into place from the
+    /// ring), else straight into place.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub(crate) fn upload_pack(
         &self,

@@ -989,22 +989,27 @@ impl MemoryProfile {
         // Whether streamed place `k` crosses coded in the forward or the backward
         // (`Plan::uncoded_carry`, `Plan::raw_backward`).
         let coded_at = |k: usize, backward: bool| Self::coded_place(plan, k, carried, backward);
+        // Whether streamed place `k`'s backward upload crosses uncoded through the staging
+        // ring (`Plan::raw_backward`: the raw forms of the blocks the forward brings coded).
+        let raw_staged = |k: usize, backward: bool| {
+            backward
+                && plan.raw_backward
+                && Self::coded_place(plan, k, carried, false)
+                && self.blocks[order[k]].coded_bytes > 0
+        };
+        // A staged raw piece is copied into place on the device: read and written once.
+        let copy_ms_per_gib = 2.0 / machine.memory_gib_per_s.max(1e-3) * 1e3;
         // Decode launches a coded upload issues: one a staged piece (`wire::staging_piece` of
-        // the largest coded upload's bytes on the link, what the streamer's ring is sized
-        // by, or one tensor), and more where its coded tensors outnumber the pieces
-        // `DECODE_BATCH` times.
-        let largest_wire = order
-            .iter()
-            .enumerate()
-            .filter(|&(k, &i)| coded_at(k, false) && self.blocks[i].coded_bytes > 0)
-            .map(|(_, &i)| self.blocks[i].wire_bytes)
-            .max()
-            .unwrap_or(0);
-        let piece = crate::backend::wire::staging_piece(largest_wire as usize).max(1) as u64;
+        // the largest upload through the streamer's ring, what the ring is sized by, or one
+        // tensor), and more where its coded tensors outnumber the pieces `DECODE_BATCH`
+        // times; a staged raw upload, one copy into place a piece.
+        let ring = self.ring_parts(plan, carried);
+        let piece = crate::backend::wire::staging_piece(ring.0 as usize).max(1) as u64;
         let decode_launches = |b: &BlockCost| -> f64 {
             let pieces = b.coded_bytes.div_ceil(piece).max(1);
             pieces.max(b.tensors.div_ceil(crate::backend::wire::DECODE_BATCH) as u64) as f64
         };
+        let copy_launches = |b: &BlockCost| -> f64 { b.weight_bytes.div_ceil(piece).max(1) as f64 };
         // Uploads streamed blocks `ks` not on the device or coming, then returns when block
         // `j`'s upload is done and the compute may start it. Uncoded, an upload runs once the
         // compute has reached `t` (its slot is free) and the link is free. Coded, it crosses
@@ -1035,7 +1040,15 @@ impl MemoryProfile {
                     let b = &self.blocks[order[k]];
                     let code = coded_at(k, backward);
                     let (bytes, coded) = upload_bytes(b, leaves_out(backward, k), code);
-                    if code {
+                    if raw_staged(k, backward) {
+                        // Through the ring as a coded upload, at its raw bytes, then copied
+                        // into its slot once the compute has reached `t`.
+                        *link = link.max(*gate) + link_ms(bytes);
+                        *gate = t;
+                        let gib = bytes as f64 / GIB;
+                        ready[k] = Some(link.max(t) + copy_ms_per_gib * gib);
+                        decodes += copy_ms_per_gib * gib;
+                    } else if code {
                         let ahead = if backward { 0 } else { bytes.min(*crossed) };
                         *crossed -= ahead;
                         *link = link.max(*gate) + coded_link_ms(bytes - ahead);
@@ -1054,6 +1067,8 @@ impl MemoryProfile {
             let launches = STREAM_OPS
                 + if coded_at(j, backward) {
                     decode_launches(b)
+                } else if raw_staged(j, backward) {
+                    copy_launches(b)
                 } else {
                     0.0
                 };
@@ -1065,7 +1080,6 @@ impl MemoryProfile {
         // own are done.
         // The bytes the staging ring takes ahead of the forward: the largest coded upload and
         // its largest part (the ring less the piece a wrap may skip).
-        let ring = self.ring_parts(plan, carried);
         let crossing = if plan.cross_ahead { ring.0 + ring.1 } else { 0 };
         // One step from the forward's start, its link busy until `link0` (the crossing's
         // copies past the backward before): the forward's end, the step's and when the
@@ -1181,9 +1195,26 @@ impl MemoryProfile {
     /// backward leaving `carried` blocks for the forward): what the streamer's staging ring
     /// is sized by (`wire::staging_ring_bytes`); zeros for an uncoded plan.
     fn ring_parts(&self, plan: &Plan, carried: usize) -> (u64, u64) {
-        self.forward_coded(plan, carried)
+        let (wire, part) = self
+            .forward_coded(plan, carried)
             .map(|b| (b.wire_bytes, Self::largest_part(b)))
-            .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)))
+            .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)));
+        if !plan.raw_backward {
+            return (wire, part);
+        }
+        // The backward's raw forms cross the ring too, whole, in pieces of the ring's
+        // largest upload's (`BlockStreamer::set_raw_backward`).
+        let raw = self
+            .forward_coded(plan, carried)
+            .map(|b| b.weight_bytes.saturating_sub(Self::host_held(plan, b).0))
+            .max()
+            .unwrap_or(0);
+        let wire = wire.max(raw);
+        if raw == 0 {
+            return (wire, part);
+        }
+        let piece = crate::backend::wire::staging_piece(wire as usize) as u64;
+        (wire, part.max(piece))
     }
 
     /// The streamed blocks whose forward uploads cross coded under `plan` (the backward

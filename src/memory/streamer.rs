@@ -360,7 +360,9 @@ impl BlockStreamer {
 
     /// Whether the backward's uploads cross uncoded while the forward's cross coded (the
     /// planner's `Plan::raw_backward`): each coded block keeps its raw bytes in host memory
-    /// too, and the backward uploads those, straight into place (no staging, no decode).
+    /// too, and the backward uploads those through the staging ring (sized for them too),
+    /// each piece copied into place on the device where a coded one is decoded: no
+    /// decodes, more bytes on the link, and the copies still cross ahead of the compute.
     /// Off by default; nothing changes without the wire code. Set before the first fetch.
     pub fn set_raw_backward(&self, on: bool) -> Result<()> {
         self.unsealed("the backward's uncoded uploads are")?
@@ -700,10 +702,13 @@ impl BlockStreamer {
             || (report.uploads.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % TIME_EVERY == 0;
         // A crossing made at the backward's end for this upload is decoded in place of
         // its first pieces (where another upload has not overwritten it). A raw form
-        // crosses straight into place: no staging, and the crossing waits for the forward.
+        // crosses through the staging ring too, copied into place from it (the crossing
+        // waits for the forward); an uncoded pack (the carried blocks with
+        // `set_uncoded_first`) straight into place.
         let (staging, crossed) = match raw {
-            Some(_) => (None, None),
-            None => (staging.as_ref(), b.crossed.take()),
+            Some(_) => (staging.as_ref(), None),
+            None if pack.is_coded() => (staging.as_ref(), b.crossed.take()),
+            None => (None, b.crossed.take()),
         };
         let (storages, ticket) = self
             .device
@@ -832,13 +837,25 @@ impl BlockStreamer {
                 p.host = None;
             }
         }
+        // The raw forms cross the ring whole too, in pieces of the ring's size (their
+        // largest piece that of the ring's largest upload).
+        let raw = st
+            .blocks
+            .iter()
+            .filter_map(|b| b.raw_pack.as_ref().map(HostPack::raw_staging_bytes));
         let (wire, part, pieces) = st
             .blocks
             .iter()
             .filter_map(|b| b.pack.as_ref().map(HostPack::staging_bytes))
+            .chain(raw.clone())
             .fold((0, 0, 0), |(w, p, n), (bw, bp, bn)| {
                 (w.max(bw), p.max(bp), n.max(bn))
             });
+        let part = if raw.clone().any(|(w, _, _)| w > 0) {
+            part.max(crate::backend::wire::staging_piece(wire))
+        } else {
+            part
+        };
         st.staging = self.device.staging(wire, part, pieces)?;
         st.sealed = true;
         Ok(())

@@ -193,10 +193,10 @@ struct Piece {
 }
 
 /// The pieces of packed upload `p` through `staging`, parts whose entry in `skip` is true
-/// left out: a piece a run of its raw parts brought (the host buffer's raw prefix mirrors
-/// the device layout: a run lands at its own offset), then runs of adjacent coded parts of
-/// up to `Staging::piece` bytes or one part; with the coded parts brought, each with its
-/// offset in the allocation.
+/// left out: the runs of its raw parts brought, cut into pieces of up to `Staging::piece`
+/// bytes (the host buffer's raw prefix mirrors the device layout: a piece lands at its own
+/// offset), then runs of adjacent coded parts of up to `Staging::piece` bytes or one part;
+/// with the coded parts brought, each with its offset in the allocation.
 fn staged_pieces<'a>(
     p: &'a PinnedPack,
     staging: &Staging,
@@ -218,19 +218,26 @@ fn staged_pieces<'a>(
         }
         last_taken = take;
     }
+    // A raw run crosses in pieces of the target's size (a multiple of the pack's alignment,
+    // so each piece's copy into place starts aligned): an uncoded pack staged whole
+    // (`upload_pack` with a ring) keeps the link and the copies into place overlapping as
+    // a coded one's pieces keep the link and the decodes.
+    let target = staging.piece.max(1);
+    let cut = (target / PACK_ALIGN).max(1) * PACK_ALIGN;
     let mut pieces: Vec<Piece> = p
         .raw_runs(skip)
         .into_iter()
-        .map(|(from, to)| Piece {
-            from,
-            len: to - from,
-            raw: true,
-            parts: 0..0,
+        .flat_map(|(from, to)| {
+            (from..to).step_by(cut).map(move |at| Piece {
+                from: at,
+                len: cut.min(to - at),
+                raw: true,
+                parts: 0..0,
+            })
         })
         .collect();
     // A piece takes the next part, and the ones after it while it stays within the
     // target: no piece is larger than the target or one part (`staging_ring_bytes`).
-    let target = staging.piece.max(1);
     let part_end = |k: usize| p.coded_at + coded[k].1.wire + coded[k].1.layout.bytes;
     let mut k = 0;
     while k < coded.len() {
@@ -378,9 +385,9 @@ impl PinnedPack {
     }
 
     /// The staging an upload needs: a pack with coded parts crosses whole into the staging
-    /// ring (`upload_pack`); one without needs none. Returns (bytes on the link, the largest
-    /// piece that cannot be split: the raw prefix or one coded part, the most pieces: one a
-    /// part, and one more).
+    /// ring (`upload_pack`); one without needs none (but see `raw_staging_bytes`). Returns
+    /// (bytes on the link, the largest piece: the raw prefix or one coded part, the most
+    /// pieces: one a part, a few for the raw runs' cuts, and one more).
     pub fn staging_bytes(&self) -> (usize, usize, usize) {
         if self.coded == 0 {
             return (0, 0, 0);
@@ -390,7 +397,25 @@ impl PinnedPack {
             .clone()
             .map(|c| c.layout.bytes)
             .fold(self.raw, usize::max);
-        (self.wire_bytes(), part, self.parts.len() + 1)
+        // Its raw runs cut into pieces (`staged_pieces`) add a few.
+        let cuts = self.raw / crate::backend::wire::MIN_PIECE + 2;
+        (self.wire_bytes(), part, self.parts.len() + 1 + cuts)
+    }
+
+    /// The staging an upload of this pack uncoded through the staging ring needs (an
+    /// uncoded pack given a ring by `upload_pack`): (its bytes on the link, the largest
+    /// piece: its raw runs cross in pieces of `wire::staging_piece` of those bytes, the most
+    /// pieces). Zeros for a pack with nothing to copy.
+    pub fn raw_staging_bytes(&self) -> (usize, usize, usize) {
+        if self.raw == 0 {
+            return (0, 0, 0);
+        }
+        let piece = crate::backend::wire::staging_piece(self.raw).max(PACK_ALIGN);
+        (
+            self.wire_bytes(),
+            piece.min(self.raw),
+            self.raw.div_ceil(piece / PACK_ALIGN * PACK_ALIGN) + self.parts.len() + 1,
+        )
     }
 }
 
@@ -613,11 +638,12 @@ impl CudaDevice {
     /// returns to the cache when the last part drops.
     ///
     /// Without `staging`, one copy on the copy stream after the compute stream's work so far
-    /// brings every part as it is. With it (`p` may then hold coded parts), the pack crosses
-    /// the link into the staging ring in pieces (`crate::backend::wire::staging_piece` of the
-    /// largest upload, or one part), none waiting for the compute; the decode stream, after
-    /// the compute stream's work so far and each piece's copy, copies or decodes it into the
-    /// allocation.
+    /// brings every part as it is (a pack with coded parts needs a ring). With it, where the
+    /// ring holds the whole pack's bytes on the link, the pack crosses into the staging ring
+    /// in pieces (`crate::backend::wire::staging_piece` of the largest upload, or one
+    /// part), none waiting for the compute; the decode stream, after the compute stream's
+    /// work so far and each piece's copy, copies or decodes it into the allocation. An
+    /// uncoded pack given a ring too small for it crosses as without one.
     ///
     /// Parts whose entry in `skip` is true (`skip` empty: none; the caller checks its length)
     /// are not brought: neither
@@ -633,9 +659,10 @@ impl CudaDevice {
         timed: bool,
         crossed: Option<u64>,
     ) -> Result<(Vec<CudaStorage>, Upload)> {
-        // An uncoded pack crosses straight into place (a coded streamer's first blocks may
-        // be: `BlockStreamer::set_uncoded_first`).
-        let ring = staging.filter(|s| p.coded > 0 && s.len() >= p.wire_bytes());
+        // An uncoded pack given no ring crosses straight into place (a coded streamer's
+        // first blocks: `BlockStreamer::set_uncoded_first`); given one, it is staged as a
+        // coded pack is (the backward's raw forms: `BlockStreamer::set_raw_backward`).
+        let ring = staging.filter(|s| p.wire_bytes() > 0 && s.len() >= p.wire_bytes());
         if p.coded > 0 && ring.is_none() {
             return Err(Error::Stream(format!(
                 "a coded pack of {} bytes on the link needs as much staging, has {}",

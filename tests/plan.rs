@@ -1751,3 +1751,91 @@ fn off_by_default(name: &str, plan: &Plan) -> flame::memory::Switches {
     assert_eq!(on.allow(plan.clone()), Some(plan.clone()));
     on
 }
+
+/// The host memory a plan holds: the streamed blocks' packs (their code where they cross
+/// coded), the backward's raw forms beside them, the offloaded inputs; the planner leaves
+/// out the plans the host cannot hold and says so where that leaves none.
+#[test]
+fn plans_the_host_cannot_hold_are_left_out() {
+    let p = klein_9b();
+    let base = plan(Checkpointing::All, even(&p, 24), 2, true);
+    let streamed: u64 = p
+        .blocks
+        .iter()
+        .filter(|b| base.streamed.contains(&b.prefix))
+        .map(|b| b.weight_bytes)
+        .sum();
+    // Uncoded: the streamed weights as they are; nothing streamed, nothing held.
+    assert_eq!(p.host_bytes(&base), streamed);
+    assert_eq!(p.host_bytes(&plan(Checkpointing::All, vec![], 1, true)), 0);
+    let coded = p
+        .settle(&Plan {
+            wire_code: true,
+            uncoded_carry: true,
+            deep_prefetch: true,
+            ..base.clone()
+        })
+        .unwrap();
+    let raw = Plan {
+        raw_backward: true,
+        ..coded.clone()
+    };
+    let (c, r) = (p.host_bytes(&coded), p.host_bytes(&raw));
+    assert!(c < streamed, "{c} of {streamed}");
+    assert_eq!(r, c + p.raw_backward_host_bytes(&raw));
+    // Offloaded inputs add each checkpointed block's inputs.
+    let offloaded = Plan {
+        offload_inputs: true,
+        ..base.clone()
+    };
+    let inputs: u64 = p.blocks.iter().map(|b| b.input_bytes).sum();
+    assert_eq!(p.host_bytes(&offloaded), streamed + inputs);
+
+    // Within a budget that needs streaming: the host's room decides among the candidates.
+    let budget = (8.0 * GIB) as u64;
+    let all = p.candidates_among(false, true);
+    let free = p.plan_within(budget, None, all.clone()).unwrap();
+    assert_eq!(free, p.plan_among(budget, all.clone()).unwrap());
+    let need = p.host_bytes(&free.plan);
+    assert_eq!(
+        p.plan_within(budget, Some(need), all.clone()).unwrap(),
+        free
+    );
+    // Less room: a plan that holds less on the host, or none with the least it would take.
+    match p.plan_within(budget, Some(need - 1), all.clone()) {
+        Ok(other) => assert!(p.host_bytes(&other.plan) < need, "{}", other.plan),
+        Err(no) => {
+            let (least, room) = no.host.expect("plans fit the device");
+            assert!(least >= need && room == need - 1, "{no:?}");
+        }
+    }
+    let no = p.plan_within(budget, Some(0), all.clone()).unwrap_err();
+    let (least, room) = no.host.expect("plans fit the device");
+    assert!(least > 0 && room == 0, "{no:?}");
+    // A budget no plan fits is not the host's doing.
+    let tiny = p.plan_within(1 << 20, Some(0), all).unwrap_err();
+    assert_eq!(tiny.host, None);
+    assert!(
+        tiny.minimum > 1 << 20 && tiny.minimum < u64::MAX,
+        "{tiny:?}"
+    );
+}
+
+/// /proc/meminfo's available memory, in bytes; anything else is not read as it.
+#[test]
+fn the_hosts_available_memory_is_read_from_meminfo() {
+    use flame::memory::mem_available;
+    let text =
+        "MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   65536000 kB\n";
+    assert_eq!(mem_available(text), Some(65_536_000 * 1024));
+    assert_eq!(mem_available("MemTotal: 10 kB\n"), None);
+    assert_eq!(mem_available("MemAvailable: lots kB\n"), None);
+    assert_eq!(mem_available("MemAvailable: 10 MB\n"), None);
+    // Where it can be read, the room is below it.
+    if let (Some(room), Ok(text)) = (
+        flame::memory::host_room(),
+        std::fs::read_to_string("/proc/meminfo"),
+    ) {
+        assert!(room < mem_available(&text).unwrap());
+    }
+}

@@ -60,6 +60,30 @@ pub fn measure_machine(device: &Device) -> Result<Option<MachineProbe>> {
     }
 }
 
+/// Host memory a plan may hold for the step (`MemoryProfile::host_bytes`: the streamed
+/// weights' pinned packs, the backward's raw forms, offloaded inputs): what the kernel
+/// reports available now (`MemAvailable` in /proc/meminfo, Linux 3.14 on: free memory and
+/// the page cache it can reclaim) less an eighth of it and 2 GiB for the rest of the run
+/// (its data, caches and the text encoders while they cache). `None` where that cannot be
+/// read: the planner then leaves no plan out for the host.
+pub fn host_room() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let available = mem_available(&text)?;
+    Some(available.saturating_sub(available / 8 + (2u64 << 30)))
+}
+
+/// The `MemAvailable` entry of /proc/meminfo's `text`, bytes (the kernel writes it in kB).
+pub fn mem_available(text: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let mut words = line.strip_prefix("MemAvailable:")?.split_whitespace();
+        let n: u64 = words.next()?.parse().ok()?;
+        match words.next() {
+            Some("kB") => n.checked_mul(1024),
+            _ => None,
+        }
+    })
+}
+
 /// [`measure_machine`] with the cache at `path` (`None`: no cache, measured every time).
 pub fn measure_machine_cached(
     device: &Device,

@@ -38,8 +38,8 @@ mod trace;
 
 pub use budget::{hold_to_budget, split_budget, LATE_HEADROOM};
 pub use machine::{
-    machine_cache_path, measure_machine, measure_machine_cached, read_machine, write_machine,
-    MachineProbe,
+    host_room, machine_cache_path, measure_machine, measure_machine_cached, mem_available,
+    read_machine, write_machine, MachineProbe,
 };
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{

@@ -647,6 +647,10 @@ pub struct NoPlan {
     pub budget: u64,
     /// The smallest predicted peak of any plan (every block streamed, prefetch 1).
     pub minimum: u64,
+    /// Where plans fit the device's budget but none the host's memory
+    /// (`MemoryProfile::plan_within`): the least host memory among those plans
+    /// (`MemoryProfile::host_bytes`) and the room there was, bytes.
+    pub host: Option<(u64, u64)>,
 }
 
 /// The time model (`MemoryProfile::step_ms`) plays a step on two clocks, the compute
@@ -1822,6 +1826,75 @@ impl MemoryProfile {
         self.plan_among(budget, self.candidates())
     }
 
+    /// Bytes of host memory `plan` holds for the step, beside what the process holds
+    /// anyway: each streamed block's weights as its pack keeps them in pinned memory (their
+    /// code where the forward brings them coded, else as they are; the weights held for
+    /// products on the host among them), the backward's raw forms
+    /// (`raw_backward_host_bytes`) and the offloaded checkpoint inputs with what they keep
+    /// (`Plan::offload_inputs`), all at once at the backward's start.
+    pub fn host_bytes(&self, plan: &Plan) -> u64 {
+        let carried = self.carried(plan);
+        let packs: u64 = self
+            .blocks
+            .iter()
+            .filter(|b| plan.streamed.contains(&b.prefix))
+            .enumerate()
+            .map(|(k, b)| {
+                if Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0 {
+                    b.wire_bytes
+                } else {
+                    b.weight_bytes
+                }
+            })
+            .sum();
+        let offloaded: u64 = self
+            .blocks
+            .iter()
+            .enumerate()
+            .filter(|&(i, b)| Self::checkpointed(plan, i, plan.streamed.contains(&b.prefix)))
+            .map(|(_, b)| Self::offloaded_bytes(plan, b))
+            .sum();
+        packs + self.raw_backward_host_bytes(plan) + offloaded
+    }
+
+    /// `plan_among` over the candidates whose host memory (`host_bytes`) is within
+    /// `host_room` bytes (`None`: not known, none left out). Where some plan fits `budget`
+    /// but none of those fits the host too, the error says how much host memory the
+    /// leanest of them needs (`NoPlan::host`).
+    pub fn plan_within(
+        &self,
+        budget: u64,
+        host_room: Option<u64>,
+        candidates: Vec<Plan>,
+    ) -> std::result::Result<Planned, NoPlan> {
+        let Some(room) = host_room else {
+            return self.plan_among(budget, candidates);
+        };
+        let (fit, over): (Vec<Plan>, Vec<Plan>) = candidates
+            .into_iter()
+            .partition(|c| self.host_bytes(c) <= room);
+        match self.plan_among(budget, fit) {
+            Ok(p) => Ok(p),
+            Err(mut no) => {
+                // The least host memory of the plans the device's budget would take.
+                let usable = budget - budget / MARGIN_DIVISOR;
+                no.host = over
+                    .iter()
+                    .filter(|c| {
+                        let peak = self.peak(c);
+                        peak <= if self.spare(c) { usable } else { budget }
+                    })
+                    .map(|c| self.host_bytes(c))
+                    .min()
+                    .map(|least| (least, room));
+                no.minimum = no
+                    .minimum
+                    .min(over.iter().map(|c| self.peak(c)).min().unwrap_or(u64::MAX));
+                Err(no)
+            }
+        }
+    }
+
     /// The first of `candidates` (fastest first) whose predicted peak is within `budget`
     /// (less `MARGIN_DIVISOR`'s share of it for the plans `spare` names), or, of the fitting plans
     /// predicted within `cost_model::NEAR` of its step, one that does not mix blocks keeping
@@ -1862,7 +1935,11 @@ impl MemoryProfile {
                 _ => {}
             }
         }
-        let (plan, (_, _, _, peak)) = chosen.ok_or(NoPlan { budget, minimum })?;
+        let (plan, (_, _, _, peak)) = chosen.ok_or(NoPlan {
+            budget,
+            minimum,
+            host: None,
+        })?;
         Ok(Planned {
             streamed_bytes: self.streamed_bytes(&plan),
             slowdown: self.step_ms(&plan) / self.resident_ms(),

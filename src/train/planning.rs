@@ -5,7 +5,7 @@
 use super::config::{OptimizerKind, TrainConfig};
 use super::text::TextStepBytes;
 pub use crate::memory::{split_budget, LATE_HEADROOM};
-use crate::memory::{spread_evenly, MemoryProfile, Plan, Switches};
+use crate::memory::{spread_evenly, MemoryProfile, NoPlan, Plan, Switches};
 use crate::models::{Family, LoadOptions, RunShape};
 use crate::{Device, Error, Result};
 
@@ -15,6 +15,18 @@ fn gib(b: u64) -> f64 {
     b as f64 / GIB
 }
 
+/// Why no plan fits where plans fit the device's budget but not the host's memory
+/// (`NoPlan::host`: the least host memory they need, the room there is, bytes).
+fn host_short((least, room): (u64, u64)) -> String {
+    format!(
+        "the plans that fit it hold at least {:.2} GiB of host memory (the streamed weights' \
+         pinned copies and the offloaded inputs), and {:.2} GiB is free for them (the \
+         system's available memory less an eighth and 2 GiB): free host memory, raise the \
+         budget, or take FP8 weights (--dtype fp8)",
+        gib(least),
+        gib(room)
+    )
+}
 /// The plan a run uses and what it predicts.
 #[derive(Clone, Debug)]
 pub struct MemoryChoice {
@@ -198,20 +210,23 @@ pub fn plan_denoising(
         prof.machine = m;
     }
     let p = prof
-        .plan_among(cap, switches.candidates(&prof))
+        .plan_within(cap, crate::memory::host_room(), switches.candidates(&prof))
         .map_err(|no| Error::Config {
             path: None,
-            msg: format!(
-                "{key} {:.2}: no plan fits; the smallest (every block streamed from host memory) \
-             needs {:.2} GiB with the CUDA context, kernels and workspaces{}",
-                budget_gb,
-                gib(no.minimum + outside.unwrap_or(0)),
-                if opts.fp8 {
-                    ""
-                } else {
-                    "; FP8 weights (--dtype fp8) need less"
-                }
-            ),
+            msg: match no.host {
+                Some(host) => format!("{key} {budget_gb:.2}: {}", host_short(host)),
+                None => format!(
+                    "{key} {:.2}: no plan fits; the smallest (every block streamed from host \
+                     memory) needs {:.2} GiB with the CUDA context, kernels and workspaces{}",
+                    budget_gb,
+                    gib(no.minimum + outside.unwrap_or(0)),
+                    if opts.fp8 {
+                        ""
+                    } else {
+                        "; FP8 weights (--dtype fp8) need less"
+                    }
+                ),
+            },
         })?;
     #[cfg(feature = "cuda")]
     #[allow(irrefutable_let_patterns)]
@@ -373,11 +388,14 @@ pub(crate) fn plan_memory(
                 prof.machine = m;
             }
             let candidates = config.planner.candidates(&prof);
-            match prof.plan_among(b, candidates.clone()) {
+            let host = crate::memory::host_room();
+            match prof.plan_within(b, host, candidates.clone()) {
                 Ok(p) => {
-                    // The next plan down the list, for the out-of-memory advice.
+                    // The next plan down the list that the host holds too, for the
+                    // out-of-memory advice.
                     let next = candidates
                         .into_iter()
+                        .filter(|c| host.is_none_or(|room| prof.host_bytes(c) <= room))
                         .map(|c| (prof.peak(&c), c))
                         .find(|(peak, _)| *peak < p.peak);
                     let hint = match next {
@@ -418,6 +436,18 @@ pub(crate) fn plan_memory(
                         machine: Some(prof.machine),
                         text: text.cloned(),
                     }
+                }
+                Err(NoPlan {
+                    host: Some(host), ..
+                }) => {
+                    return Err(Error::Config {
+                        path: None,
+                        msg: format!(
+                            "memory.budget_gb = {:.2}: {}",
+                            gib(b + outside.unwrap_or(0)),
+                            host_short(host)
+                        ),
+                    })
                 }
                 Err(no) => {
                     return Err(Error::Config {

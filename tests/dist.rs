@@ -111,6 +111,8 @@ fn launch_reads_torchrun_variables_and_names_bad_ones() {
     .unwrap()
     .unwrap();
     assert_eq!((l.rank, l.world, l.local_rank), (3, 4, 1));
+    // No count of this machine's processes given: every rank is taken to be here.
+    assert_eq!(l.local_world, 4);
     assert_eq!(
         (l.addr.as_str(), l.port, l.gpu().unwrap()),
         ("10.0.0.2", 29511, 1)
@@ -122,7 +124,17 @@ fn launch_reads_torchrun_variables_and_names_bad_ones() {
     ]))
     .unwrap()
     .unwrap();
-    assert_eq!(g.gpu().unwrap(), 5);
+    assert_eq!((g.gpu().unwrap(), g.local_world), (5, 2));
+    // torchrun's count of this machine's processes, across two machines.
+    let t = Launch::from_vars(vars(&[
+        ("WORLD_SIZE", "8"),
+        ("RANK", "5"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "4"),
+    ]))
+    .unwrap()
+    .unwrap();
+    assert_eq!(t.local_world, 4);
     for (bad, name) in [
         (&[("WORLD_SIZE", "two")][..], "WORLD_SIZE"),
         (&[("WORLD_SIZE", "2")][..], "RANK"),
@@ -130,6 +142,14 @@ fn launch_reads_torchrun_variables_and_names_bad_ones() {
         (
             &[("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_PORT", "x")][..],
             "MASTER_PORT",
+        ),
+        (
+            &[
+                ("WORLD_SIZE", "2"),
+                ("RANK", "0"),
+                ("LOCAL_WORLD_SIZE", "-1"),
+            ][..],
+            "LOCAL_WORLD_SIZE",
         ),
     ] {
         let e = Launch::from_vars(vars(bad)).unwrap_err().to_string();

@@ -101,6 +101,10 @@ pub struct Launch {
     pub world: usize,
     /// `LOCAL_RANK`: its rank on this machine (which GPU it takes, see `gpus`).
     pub local_rank: usize,
+    /// The processes of the run on this machine: `LOCAL_WORLD_SIZE` (torchrun sets it),
+    /// else as many as `gpus` names, else `world` (the `train --gpus` launcher starts every
+    /// rank here). They share its host memory.
+    pub local_world: usize,
     /// `MASTER_ADDR`: where rank 0 listens.
     pub addr: String,
     /// `MASTER_PORT`.
@@ -178,6 +182,11 @@ impl Launch {
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map_err(|_| env_err("FLAME_GPUS", &v, "not a list of GPU numbers"))?,
         };
+        let local_world = match num("LOCAL_WORLD_SIZE")? {
+            Some(n) if n > 0 => n,
+            _ if !gpus.is_empty() => gpus.len(),
+            _ => world,
+        };
         let timeout = Duration::from_secs(num("FLAME_DIST_TIMEOUT")?.unwrap_or(600) as u64);
         let stall = match num("FLAME_STALL_TIMEOUT")?.unwrap_or(DEFAULT_STALL_S as usize) {
             0 => None,
@@ -187,6 +196,7 @@ impl Launch {
             rank,
             world,
             local_rank,
+            local_world,
             addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
             port,
             gpus,

@@ -60,16 +60,40 @@ pub fn measure_machine(device: &Device) -> Result<Option<MachineProbe>> {
     }
 }
 
-/// Host memory a plan may hold for the step (`MemoryProfile::host_bytes`: the streamed
-/// weights' pinned packs, the backward's raw forms, offloaded inputs): what the kernel
-/// reports available now (`MemAvailable` in /proc/meminfo, Linux 3.14 on: free memory and
-/// the page cache it can reclaim) less an eighth of it and 2 GiB for the rest of the run
-/// (its data, caches and the text encoders while they cache). `None` where that cannot be
-/// read: the planner then leaves no plan out for the host.
-pub fn host_room() -> Option<u64> {
+/// Host memory a plan may hold (`MemoryProfile::host_bytes`: the streamed weights' pinned
+/// copies and packs, the backward's raw forms, offloaded inputs), for one of `processes`
+/// processes planning on this machine at once (the ranks of a data-parallel run here): what
+/// the kernel reports available now (`MemAvailable` in /proc/meminfo, Linux 3.14 on: free
+/// memory and the page cache it can reclaim), no more than the memory cgroup still allows
+/// (`cgroup_room`: a container's or a job's limit), less an eighth of it and 2 GiB for the
+/// rest of the run (its data, caches and the text encoders while they cache), shared
+/// evenly. `None` where /proc/meminfo cannot be read: the planner then leaves no plan out
+/// for the host.
+pub fn host_room(processes: usize) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let available = mem_available(&text)?;
-    Some(available.saturating_sub(available / 8 + (2u64 << 30)))
+    let mut available = mem_available(&text)?;
+    if let Some(c) = cgroup_room() {
+        available = available.min(c);
+    }
+    let room = available.saturating_sub(available / 8 + (2u64 << 30));
+    Some(room / processes.max(1) as u64)
+}
+
+/// What this process's memory cgroup (v2, the namespace's root at /sys/fs/cgroup: a
+/// container's or a job's limit) still allows: `memory.max` less `memory.current`, the
+/// file cache it holds (`file` in `memory.stat`, which the kernel reclaims before it
+/// refuses) given back. `None` without a limit or where the files cannot be read.
+fn cgroup_room() -> Option<u64> {
+    let read = |f: &str| std::fs::read_to_string(format!("/sys/fs/cgroup/{f}")).ok();
+    let max: u64 = read("memory.max")?.trim().parse().ok()?;
+    let current: u64 = read("memory.current")?.trim().parse().ok()?;
+    let file = read("memory.stat")
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("file ")?.trim().parse::<u64>().ok())
+        })
+        .unwrap_or(0);
+    Some(max.saturating_sub(current.saturating_sub(file)))
 }
 
 /// The `MemAvailable` entry of /proc/meminfo's `text`, bytes (the kernel writes it in kB).

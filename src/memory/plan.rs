@@ -1263,13 +1263,14 @@ impl MemoryProfile {
 
     /// Bytes of pinned host memory `plan` takes beyond the streamed weights' code: with
     /// `Plan::raw_backward`, the raw bytes of every block that crosses coded in the forward
-    /// (the backward uploads those); 0 otherwise.
+    /// (the backward uploads those), less the weights held on the host for their products
+    /// (no pack takes them); 0 otherwise.
     pub fn raw_backward_host_bytes(&self, plan: &Plan) -> u64 {
         if !plan.raw_backward {
             return 0;
         }
         self.forward_coded(plan, self.carried(plan))
-            .map(|b| b.weight_bytes)
+            .map(|b| b.weight_bytes.saturating_sub(Self::host_held(plan, b).0))
             .sum()
     }
 
@@ -1826,25 +1827,42 @@ impl MemoryProfile {
         self.plan_among(budget, self.candidates())
     }
 
-    /// Bytes of host memory `plan` holds for the step, beside what the process holds
-    /// anyway: each streamed block's weights as its pack keeps them in pinned memory (their
-    /// code where the forward brings them coded, else as they are; the weights held for
-    /// products on the host among them), the backward's raw forms
+    /// Bytes of host memory `plan` holds at its most, beside what the process holds
+    /// anyway. In the steps: each streamed block's weights as its pack keeps them in pinned
+    /// memory (their code where the forward brings them coded, else as they are; the weights
+    /// held for products on the host as they are), the backward's raw forms
     /// (`raw_backward_host_bytes`) and the offloaded checkpoint inputs with what they keep
-    /// (`Plan::offload_inputs`), all at once at the backward's start.
+    /// (`Plan::offload_inputs`), all at once at the backward's start. Before them, while the
+    /// streamer packs the blocks (`BlockStreamer`'s first fetch), every streamed weight's
+    /// pinned copy as loaded beside the first block's pack and raw form: the larger of the
+    /// two.
     pub fn host_bytes(&self, plan: &Plan) -> u64 {
         let carried = self.carried(plan);
-        let packs: u64 = self
+        let streamed: Vec<(usize, &BlockCost)> = self
             .blocks
             .iter()
             .filter(|b| plan.streamed.contains(&b.prefix))
             .enumerate()
-            .map(|(k, b)| {
-                if Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0 {
-                    b.wire_bytes
+            .collect();
+        // Each streamed block's pack, and its raw form where the backward uploads one.
+        let pack = |k: usize, b: &BlockCost| -> (u64, u64) {
+            let (held, held_wire, _) = Self::host_held(plan, b);
+            if Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0 {
+                let raw = if plan.raw_backward {
+                    b.weight_bytes.saturating_sub(held)
                 } else {
-                    b.weight_bytes
-                }
+                    0
+                };
+                (b.wire_bytes.saturating_sub(held_wire) + held, raw)
+            } else {
+                (b.weight_bytes, 0)
+            }
+        };
+        let packs: u64 = streamed
+            .iter()
+            .map(|&(k, b)| {
+                let (p, r) = pack(k, b);
+                p + r
             })
             .sum();
         let offloaded: u64 = self
@@ -1854,7 +1872,16 @@ impl MemoryProfile {
             .filter(|&(i, b)| Self::checkpointed(plan, i, plan.streamed.contains(&b.prefix)))
             .map(|(_, b)| Self::offloaded_bytes(plan, b))
             .sum();
-        packs + self.raw_backward_host_bytes(plan) + offloaded
+        let loaded: u64 = streamed.iter().map(|(_, b)| b.weight_bytes).sum();
+        let packing = streamed
+            .iter()
+            .map(|&(k, b)| {
+                let (p, r) = pack(k, b);
+                p + r
+            })
+            .max()
+            .unwrap_or(0);
+        (packs + offloaded).max(loaded + packing)
     }
 
     /// `plan_among` over the candidates whose host memory (`host_bytes`) is within

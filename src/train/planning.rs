@@ -16,16 +16,32 @@ fn gib(b: u64) -> f64 {
 }
 
 /// Why no plan fits where plans fit the device's budget but not the host's memory
-/// (`NoPlan::host`: the least host memory they need, the room there is, bytes).
-fn host_short((least, room): (u64, u64)) -> String {
+/// (`NoPlan::host`: the least host memory they need, the room there is, bytes), with
+/// `more` advice after "free host memory, raise the budget".
+fn host_short((least, room): (u64, u64), more: &str) -> String {
     format!(
         "the plans that fit it hold at least {:.2} GiB of host memory (the streamed weights' \
          pinned copies and the offloaded inputs), and {:.2} GiB is free for them (the \
-         system's available memory less an eighth and 2 GiB): free host memory, raise the \
-         budget, or take FP8 weights (--dtype fp8)",
+         system's available memory, within its memory cgroup's limit, less an eighth and 2 \
+         GiB, shared among this machine's ranks): free host memory or raise the budget{more}",
         gib(least),
         gib(room)
     )
+}
+
+/// This process's share of the host memory plans may hold (`memory::host_room`), among the
+/// ranks of the run on this machine (`dist::Launch::local_world`; `world` where the launch
+/// environment cannot be read).
+fn host_share(world: usize) -> Option<u64> {
+    let local = if world > 1 {
+        crate::dist::Launch::from_env()
+            .ok()
+            .flatten()
+            .map_or(world, |l| l.local_world)
+    } else {
+        1
+    };
+    crate::memory::host_room(local)
 }
 /// The plan a run uses and what it predicts.
 #[derive(Clone, Debug)]
@@ -210,11 +226,21 @@ pub fn plan_denoising(
         prof.machine = m;
     }
     let p = prof
-        .plan_within(cap, crate::memory::host_room(), switches.candidates(&prof))
+        .plan_within(cap, host_share(1), switches.candidates(&prof))
         .map_err(|no| Error::Config {
             path: None,
             msg: match no.host {
-                Some(host) => format!("{key} {budget_gb:.2}: {}", host_short(host)),
+                Some(host) => format!(
+                    "{key} {budget_gb:.2}: {}",
+                    host_short(
+                        host,
+                        if opts.fp8 {
+                            ""
+                        } else {
+                            ", or take FP8 weights (--dtype fp8)"
+                        }
+                    )
+                ),
                 None => format!(
                     "{key} {:.2}: no plan fits; the smallest (every block streamed from host \
                      memory) needs {:.2} GiB with the CUDA context, kernels and workspaces{}",
@@ -388,7 +414,7 @@ pub(crate) fn plan_memory(
                 prof.machine = m;
             }
             let candidates = config.planner.candidates(&prof);
-            let host = crate::memory::host_room();
+            let host = host_share(world);
             match prof.plan_within(b, host, candidates.clone()) {
                 Ok(p) => {
                     // The next plan down the list that the host holds too, for the
@@ -445,7 +471,14 @@ pub(crate) fn plan_memory(
                         msg: format!(
                             "memory.budget_gb = {:.2}: {}",
                             gib(b + outside.unwrap_or(0)),
-                            host_short(host)
+                            host_short(
+                                host,
+                                if opts.fp8 {
+                                    ""
+                                } else {
+                                    ", or take FP8 weights (model.dtype = \"fp8\")"
+                                }
+                            )
                         ),
                     })
                 }

@@ -386,8 +386,9 @@ impl PinnedPack {
 
     /// The staging an upload needs: a pack with coded parts crosses whole into the staging
     /// ring (`upload_pack`); one without needs none (but see `raw_staging_bytes`). Returns
-    /// (bytes on the link, the largest piece: the raw prefix or one coded part, the most
-    /// pieces: one a part, a few for the raw runs' cuts, and one more).
+    /// (bytes on the link, the largest piece that bounds the ring: the raw prefix, which
+    /// crosses in pieces of the ring's size, or one coded part; the most pieces: one a part,
+    /// a few for the raw runs' cuts, and one more).
     pub fn staging_bytes(&self) -> (usize, usize, usize) {
         if self.coded == 0 {
             return (0, 0, 0);

@@ -29,6 +29,19 @@ fn host_short((least, room): (u64, u64), more: &str) -> String {
     )
 }
 
+/// A plan's host memory at its most (`MemoryProfile::host_bytes`) and the room there was for
+/// it, for the plan's summary.
+fn host_line(bytes: u64, room: Option<u64>) -> String {
+    match room {
+        Some(r) => format!(
+            "{:.1} GiB of host memory at most, of {:.1} free for it",
+            gib(bytes),
+            gib(r)
+        ),
+        None => format!("{:.1} GiB of host memory at most", gib(bytes)),
+    }
+}
+
 /// This process's share of the host memory plans may hold (`memory::host_room`), among the
 /// ranks of the run on this machine (`dist::Launch::local_world`; `world` where the launch
 /// environment cannot be read).
@@ -225,8 +238,9 @@ pub fn plan_denoising(
     if let (Some(m), _) = machine_for(device, switches.measure_machine) {
         prof.machine = m;
     }
+    let host = host_share(1);
     let p = prof
-        .plan_within(cap, host_share(1), switches.candidates(&prof))
+        .plan_within(cap, host, switches.candidates(&prof))
         .map_err(|no| Error::Config {
             path: None,
             msg: match no.host {
@@ -263,9 +277,10 @@ pub fn plan_denoising(
     Ok(MemoryChoice {
         plan: plan.clone(),
         summary: format!(
-            "{} ({:.1} GiB streamed a pass)",
+            "{} ({:.1} GiB streamed a pass, {})",
             p.plan,
-            gib(p.streamed_bytes) / 2.0
+            gib(p.streamed_bytes) / 2.0,
+            host_line(prof.host_bytes(&p.plan), host)
         ),
         budget: Some(cap),
         outside,
@@ -437,10 +452,11 @@ pub(crate) fn plan_memory(
                     MemoryChoice {
                         plan: plan.clone(),
                         summary: format!(
-                            "{} ({:.1} GiB streamed a step; a step predicted at {:.2}x the \
-                             resident one by the time model of {})",
+                            "{} ({:.1} GiB streamed a step, {}; a step predicted at {:.2}x \
+                             the resident one by the time model of {})",
                             p.plan,
                             gib(p.streamed_bytes),
+                            host_line(prof.host_bytes(&p.plan), host),
                             p.slowdown,
                             match (machine, unmeasured) {
                                 (Some(m), _) if recorded.is_some() => {

@@ -998,8 +998,7 @@ impl MemoryProfile {
         let raw_staged = |k: usize, backward: bool| {
             backward
                 && plan.raw_backward
-                && Self::coded_place(plan, k, carried, false)
-                && self.blocks[order[k]].coded_bytes > 0
+                && Self::forward_codes(plan, k, carried, &self.blocks[order[k]])
         };
         // A staged raw piece is copied into place on the device: read and written once.
         let copy_ms_per_gib = 2.0 / machine.memory_gib_per_s.max(1e-3) * 1e3;
@@ -1210,7 +1209,7 @@ impl MemoryProfile {
         // largest upload's (`BlockStreamer::set_raw_backward`).
         let raw = self
             .forward_coded(plan, carried)
-            .map(|b| b.weight_bytes.saturating_sub(Self::host_held(plan, b).0))
+            .map(|b| Self::raw_form_bytes(plan, b))
             .max()
             .unwrap_or(0);
         let wire = wire.max(raw);
@@ -1232,7 +1231,7 @@ impl MemoryProfile {
             .iter()
             .filter(|b| plan.streamed.contains(&b.prefix))
             .enumerate()
-            .filter(move |&(k, b)| Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0)
+            .filter(move |&(k, b)| Self::forward_codes(plan, k, carried, b))
             .map(|(_, b)| b)
     }
 
@@ -1261,6 +1260,19 @@ impl MemoryProfile {
         plan.wire_code && !(plan.uncoded_carry && k < carried) && !(backward && plan.raw_backward)
     }
 
+    /// Whether streamed block `b` at place `k` crosses coded in the forward under `plan`
+    /// (the backward leaving `carried`): a place that crosses coded and a block with code.
+    /// Under `Plan::raw_backward` these are the blocks whose raw forms the backward uploads.
+    fn forward_codes(plan: &Plan, k: usize, carried: usize, b: &BlockCost) -> bool {
+        Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0
+    }
+
+    /// Bytes of block `b`'s raw form (`Plan::raw_backward`): its weights less those held on
+    /// the host for their products, which no pack takes.
+    fn raw_form_bytes(plan: &Plan, b: &BlockCost) -> u64 {
+        b.weight_bytes.saturating_sub(Self::host_held(plan, b).0)
+    }
+
     /// Bytes of pinned host memory `plan` takes beyond the streamed weights' code: with
     /// `Plan::raw_backward`, the raw bytes of every block that crosses coded in the forward
     /// (the backward uploads those), less the weights held on the host for their products
@@ -1270,7 +1282,7 @@ impl MemoryProfile {
             return 0;
         }
         self.forward_coded(plan, self.carried(plan))
-            .map(|b| b.weight_bytes.saturating_sub(Self::host_held(plan, b).0))
+            .map(|b| Self::raw_form_bytes(plan, b))
             .sum()
     }
 
@@ -1838,33 +1850,28 @@ impl MemoryProfile {
     /// two.
     pub fn host_bytes(&self, plan: &Plan) -> u64 {
         let carried = self.carried(plan);
-        let streamed: Vec<(usize, &BlockCost)> = self
+        // Each streamed block's pack with its raw form where the backward uploads one, and
+        // its weights as loaded.
+        let (packs, loaded): (Vec<u64>, Vec<u64>) = self
             .blocks
             .iter()
             .filter(|b| plan.streamed.contains(&b.prefix))
             .enumerate()
-            .collect();
-        // Each streamed block's pack, and its raw form where the backward uploads one.
-        let pack = |k: usize, b: &BlockCost| -> (u64, u64) {
-            let (held, held_wire, _) = Self::host_held(plan, b);
-            if Self::coded_place(plan, k, carried, false) && b.coded_bytes > 0 {
-                let raw = if plan.raw_backward {
-                    b.weight_bytes.saturating_sub(held)
+            .map(|(k, b)| {
+                let pack = if Self::forward_codes(plan, k, carried, b) {
+                    let (held, held_wire, _) = Self::host_held(plan, b);
+                    let raw = if plan.raw_backward {
+                        Self::raw_form_bytes(plan, b)
+                    } else {
+                        0
+                    };
+                    b.wire_bytes.saturating_sub(held_wire) + held + raw
                 } else {
-                    0
+                    b.weight_bytes
                 };
-                (b.wire_bytes.saturating_sub(held_wire) + held, raw)
-            } else {
-                (b.weight_bytes, 0)
-            }
-        };
-        let packs: u64 = streamed
-            .iter()
-            .map(|&(k, b)| {
-                let (p, r) = pack(k, b);
-                p + r
+                (pack, b.weight_bytes)
             })
-            .sum();
+            .unzip();
         let offloaded: u64 = self
             .blocks
             .iter()
@@ -1872,16 +1879,16 @@ impl MemoryProfile {
             .filter(|&(i, b)| Self::checkpointed(plan, i, plan.streamed.contains(&b.prefix)))
             .map(|(_, b)| Self::offloaded_bytes(plan, b))
             .sum();
-        let loaded: u64 = streamed.iter().map(|(_, b)| b.weight_bytes).sum();
-        let packing = streamed
-            .iter()
-            .map(|&(k, b)| {
-                let (p, r) = pack(k, b);
-                p + r
-            })
-            .max()
-            .unwrap_or(0);
-        (packs + offloaded).max(loaded + packing)
+        let steps = packs.iter().sum::<u64>() + offloaded;
+        let packing = loaded.iter().sum::<u64>() + packs.iter().copied().max().unwrap_or(0);
+        steps.max(packing)
+    }
+
+    /// Whether `plan`, of predicted `peak`, fits `budget`: within it, less `MARGIN_DIVISOR`'s
+    /// share of it for the plans `spare` names.
+    fn fits(&self, plan: &Plan, peak: u64, budget: u64) -> bool {
+        let usable = budget - budget / MARGIN_DIVISOR;
+        peak <= if self.spare(plan) { usable } else { budget }
     }
 
     /// `plan_among` over the candidates whose host memory (`host_bytes`) is within
@@ -1904,13 +1911,9 @@ impl MemoryProfile {
             Ok(p) => Ok(p),
             Err(mut no) => {
                 // The least host memory of the plans the device's budget would take.
-                let usable = budget - budget / MARGIN_DIVISOR;
                 no.host = over
                     .iter()
-                    .filter(|c| {
-                        let peak = self.peak(c);
-                        peak <= if self.spare(c) { usable } else { budget }
-                    })
+                    .filter(|c| self.fits(c, self.peak(c), budget))
                     .map(|c| self.host_bytes(c))
                     .min()
                     .map(|least| (least, room));
@@ -1936,7 +1939,6 @@ impl MemoryProfile {
         budget: u64,
         candidates: Vec<Plan>,
     ) -> std::result::Result<Planned, NoPlan> {
-        let usable = budget - budget / MARGIN_DIVISOR;
         let mut minimum = u64::MAX;
         // The chosen plan, and its rank among the near ones: (mixes, lacks room, bytes over
         // the link if it has room, peak).
@@ -1945,7 +1947,7 @@ impl MemoryProfile {
         for plan in candidates {
             let peak = self.peak(&plan);
             minimum = minimum.min(peak);
-            if peak > if self.spare(&plan) { usable } else { budget } {
+            if !self.fits(&plan, peak, budget) {
                 continue;
             }
             let cost = self.cost(&plan);

@@ -223,7 +223,7 @@ fn staged_pieces<'a>(
     // (`upload_pack` with a ring) keeps the link and the copies into place overlapping as
     // a coded one's pieces keep the link and the decodes.
     let target = staging.piece.max(1);
-    let cut = (target / PACK_ALIGN).max(1) * PACK_ALIGN;
+    let cut = raw_cut(target);
     let mut pieces: Vec<Piece> = p
         .raw_runs(skip)
         .into_iter()
@@ -257,6 +257,12 @@ fn staged_pieces<'a>(
         });
     }
     (pieces, coded)
+}
+
+/// The bytes a raw run is cut into pieces of, for pieces of up to `target` bytes: a multiple
+/// of `PACK_ALIGN` (each piece's copy into place starts aligned), at least one.
+fn raw_cut(target: usize) -> usize {
+    (target / PACK_ALIGN).max(1) * PACK_ALIGN
 }
 
 /// Events that can time a copy.
@@ -415,7 +421,7 @@ impl PinnedPack {
         (
             self.wire_bytes(),
             piece.min(self.raw),
-            self.raw.div_ceil(piece / PACK_ALIGN * PACK_ALIGN) + self.parts.len() + 1,
+            self.raw.div_ceil(raw_cut(piece)) + self.parts.len() + 1,
         )
     }
 }

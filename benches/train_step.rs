@@ -20,7 +20,10 @@
 //! conditioning vector bring their weights to the GPU instead of computing their products on
 //! the host, with the planner too), `--raw-backward` (the plan, the planner's pick or one by
 //! hand, with the backward's uploads uncoded and the forward's coded: `Plan::raw_backward`;
-//! `FLAME_PLANNER=raw_backward=on` lets the planner weigh such plans). `--budget GB` is the process's budget as the driver
+//! `FLAME_PLANNER=raw_backward=on` lets the planner weigh such plans), `--ahead-products` (the
+//! plan with the products of the Linears over the context computed in the backward before:
+//! `Plan::ahead_products`; `FLAME_PLANNER=ahead_products=on` lets the planner weigh such
+//! plans). `--budget GB` is the process's budget as the driver
 //! counts it, split as `train` splits it (what the process holds outside the allocator,
 //! measured, and `memory::LATE_HEADROOM` come off it; the allocator is capped at the rest);
 //! `--headroom GB` instead plans for the budget less that, the cap staying at the budget. `--fp8` stores the base weights
@@ -454,6 +457,14 @@ fn run<M: ModelSpec>(
     let plan = if args.flag("--raw-backward") {
         profile.settle(&Plan {
             raw_backward: true,
+            ..plan
+        })?
+    } else {
+        plan
+    };
+    let plan = if args.flag("--ahead-products") {
+        profile.settle(&Plan {
+            ahead_products: true,
             ..plan
         })?
     } else {

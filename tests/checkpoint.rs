@@ -817,6 +817,140 @@ fn block_prefixes_name_every_block_the_models_build() {
     }
 }
 
+/// What `sdxl_ahead_steps` returns.
+type AheadSteps = (Vec<u64>, Vec<Vec<Vec<u32>>>, Option<StreamReport>, u64);
+
+/// Losses (bits), LoRA gradients (bits) of each of three SDXL steps, each with a context of
+/// its own announced between the forward before and its backward as the trainer announces
+/// it, and a forward under `no_grad` with a context nobody announced (a validation's)
+/// between the second and the third; with `ahead`, every unit streamed and the products of
+/// the cross-attention's keys and values over the next context computed in the backward
+/// before (`BlockStreamer::set_ahead_products`), else resident. The streamer's report, and
+/// the bytes the third step's forward left out of its uploads.
+fn sdxl_ahead_steps(dev: &Device, ahead: bool) -> AheadSteps {
+    // A context wide enough that its Linears see few rows (`FEW_ROWS` x 3 tokens <= 64).
+    let cfg = SdxlConfig {
+        context_dim: 64,
+        ..tiny_sdxl()
+    };
+    let prefixes = cfg.block_prefixes();
+    let targets: Vec<String> = prefixes.iter().map(|p| format!("{p}.*")).collect();
+    let adapters = lora(&targets.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut vb = VarBuilder::random(3, 0.3, DType::F32, dev)
+        .with_adapters(adapters.clone())
+        .unwrap();
+    let streamer = ahead.then(|| {
+        let s = BlockStreamer::new(dev, prefixes.clone(), 1);
+        s.set_ahead_products(true).unwrap();
+        s
+    });
+    if let Some(s) = &streamer {
+        vb = vb.with_host_weights(s.clone()).unwrap();
+    }
+    let mut m = Unet::new(&vb, &cfg).unwrap();
+    m.exec = BlockExec {
+        checkpointing: if ahead {
+            Checkpointing::All
+        } else {
+            Checkpointing::Off
+        },
+        streamer: streamer.clone(),
+        keep: Keep {
+            few_rows: true,
+            ..Keep::NONE
+        },
+        ..Default::default()
+    };
+    let x = randn_on(&[1, 4, 6, 6], 60, dev);
+    let t = Tensor::full(500.0, 1, DType::F32, dev).unwrap();
+    let y = randn_on(&[1, 10], 62, dev);
+    let ctx: Vec<Tensor> = (0..3).map(|k| randn_on(&[1, 3, 64], 70 + k, dev)).collect();
+    let (mut losses, mut grads, mut left) = (vec![], vec![], 0);
+    for k in 0..3 {
+        if k == 2 {
+            let _g = flame::no_grad();
+            let other = randn_on(&[1, 3, 64], 80, dev);
+            losses.push(
+                m.forward(&x, &t, &other, &y)
+                    .unwrap()
+                    .sqr()
+                    .unwrap()
+                    .mean_all()
+                    .unwrap()
+                    .to_scalar_f64()
+                    .unwrap()
+                    .to_bits(),
+            );
+        }
+        let before = streamer
+            .as_ref()
+            .map_or(0, |s| s.report().unwrap().left_out_bytes);
+        let loss = m
+            .forward(&x, &t, &ctx[k], &y)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap();
+        if k == 2 {
+            left = streamer
+                .as_ref()
+                .map_or(0, |s| s.report().unwrap().left_out_bytes)
+                - before;
+        }
+        if k < 2 {
+            let next = &ctx[k + 1];
+            m.exec.announce_input(next, || Ok(next.clone())).unwrap();
+        }
+        let g = loss.backward().unwrap();
+        losses.push(loss.to_scalar_f64().unwrap().to_bits());
+        grads.push(
+            adapters
+                .params()
+                .unwrap()
+                .into_iter()
+                .map(|(_, p)| bits(g.get(&p).unwrap()))
+                .collect(),
+        );
+    }
+    let report = streamer.map(|s| s.report().unwrap());
+    (losses, grads, report, left)
+}
+
+/// SDXL's keys and values over the text context computed in the backward before: every
+/// step's loss and gradients, and a validation forward's loss between, equal the resident
+/// run's bit for bit; the backward computed those products, and the forward given the
+/// announced context left their weights out of its uploads.
+#[test]
+fn sdxl_context_products_computed_ahead_give_the_resident_values() {
+    let _helper = helper_alone();
+    check_sdxl_ahead(&CPU);
+}
+
+/// The same on CUDA: the forward's partial uploads and the products on the device.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU (run with --include-ignored on the GPU machine)"]
+fn sdxl_context_products_computed_ahead_on_cuda_give_the_resident_values() {
+    let _one = cuda_alone();
+    let _helper = helper_alone();
+    check_sdxl_ahead(&Device::cuda(0).unwrap());
+}
+
+fn check_sdxl_ahead(dev: &Device) {
+    let (losses, grads, _, _) = sdxl_ahead_steps(dev, false);
+    let (ahead_losses, ahead_grads, report, left) = sdxl_ahead_steps(dev, true);
+    assert_eq!(ahead_losses, losses);
+    assert_eq!(ahead_grads.len(), grads.len());
+    for (k, (a, b)) in ahead_grads.iter().zip(&grads).enumerate() {
+        assert!(a == b, "step {k}: gradients differ");
+    }
+    let r = report.unwrap();
+    // Two announcements, each a product a unit with cross-attention per key and value.
+    assert!(r.ahead_products > 0, "{r:?}");
+    assert!(left > 0, "the third forward brought every weight: {r:?}");
+}
+
 #[test]
 fn a_released_streamed_weight_is_an_error_to_read_and_comes_back_when_fetched() {
     let s = BlockStreamer::new(&CPU, vec!["blk".into()], 1);

@@ -192,6 +192,35 @@ impl BlockExec {
         }
     }
 
+    /// Announces what the next forward's blocks take from the model's input `source`,
+    /// `input()` (SDXL's text context in the compute dtype), to the streamer, whose backward
+    /// then computes the products of the forward-only weights over it ahead
+    /// (`BlockStreamer::set_ahead_products`). `input` runs only where the streamer does so.
+    pub fn announce_input(
+        &self,
+        source: &Tensor,
+        input: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<()> {
+        match &self.streamer {
+            Some(s) if s.ahead_products()? => s.announce_input(source, input()?),
+            _ => Ok(()),
+        }
+    }
+
+    /// What a forward's blocks take from the model's input `source`: the announced input
+    /// where `source` is the one announced (`announce_input`), else `make()`
+    /// (`BlockStreamer::take_input`).
+    pub fn take_input(
+        &self,
+        source: &Tensor,
+        make: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        match &self.streamer {
+            Some(s) => s.take_input(source, make),
+            None => make(),
+        }
+    }
+
     /// Runs block `prefix`, the `index`-th in execution order, as `f(inputs)`.
     pub fn run<F>(&self, prefix: &str, index: usize, inputs: &[Tensor], f: F) -> Result<Vec<Tensor>>
     where

@@ -117,6 +117,20 @@ pub struct BlockCost {
     pub forward_only_wire: u64,
     /// Of `forward_only_wire`, the coded bytes.
     pub forward_only_coded: u64,
+    /// Bytes of its weights whose Linears take the model's context and see few rows under
+    /// `Keep::few_rows` (SDXL's cross-attention keys and values over the text tokens,
+    /// `BlockShape::context_keys`), as stored: only the forward reads them, so the
+    /// backward's uploads leave them out; with `Plan::ahead_products` the backward brings
+    /// them and computes their products for the next forward, whose uploads leave them out
+    /// instead.
+    pub context_bytes: u64,
+    /// The same weights' bytes on the host link (coded or not), and of those coded.
+    pub context_wire: u64,
+    /// Of `context_wire`, the coded bytes.
+    pub context_coded: u64,
+    /// Bytes of those weights' products over one step's context (kept from the backward
+    /// to the next forward under `Plan::ahead_products`).
+    pub context_product_bytes: u64,
     /// Bytes its FP8 weights' backward keeps beside them while the block stays on the
     /// device (their transposed codes with 8-bit products, `nn::Fp8Kept`); none streamed.
     pub kept_bytes: u64,
@@ -487,6 +501,12 @@ pub struct Plan {
     /// memory beside its code (`MemoryProfile::raw_backward_host_bytes` more pinned memory).
     /// The device copies are the same.
     pub raw_backward: bool,
+    /// Streamed blocks' Linears over the model's context that only the forward reads
+    /// (`BlockCost::context_bytes`: SDXL's cross-attention keys and values) get their
+    /// products over the next forward's context in the backward before, from the input
+    /// the trainer announces there (`BlockStreamer::set_ahead_products`): their weights move
+    /// from the forward's uploads to the backward's, and the products are held between.
+    pub ahead_products: bool,
     /// With `wire_code`, the backward's end crosses the coded bytes of the next forward's
     /// first uploads into the staging ring, idle with the link from the backward's last
     /// upload to that forward's first (`BlockStreamer::set_cross_ahead`): those bytes leave
@@ -591,6 +611,9 @@ impl std::fmt::Display for Plan {
             }
             if self.host_products {
                 write!(f, ", conditioning products on the host")?;
+            }
+            if self.ahead_products {
+                write!(f, ", context products computed in the backward before")?;
             }
         }
         if self.remake_transposes {
@@ -946,27 +969,38 @@ impl MemoryProfile {
         // A streamed block's bytes on the link, coded (`code`) or not, and of those coded:
         // the backward's uploads leave out what only the forward reads (`Keep::few_rows`).
         // Weights held on the host for their products never cross.
-        let upload_bytes = |b: &BlockCost, left_out: bool, code: bool| {
-            let (all, only) = if code {
-                (b.wire_bytes, b.forward_only_wire)
+        // The weights over the context (`BlockCost::context_bytes`) are left out of the
+        // backward's uploads with the forward-only ones, or under `Plan::ahead_products` out
+        // of the forward's (`context_out`) instead.
+        let upload_bytes = |b: &BlockCost, left_out: bool, context_out: bool, code: bool| {
+            let (all, only, context) = if code {
+                (b.wire_bytes, b.forward_only_wire, b.context_wire)
             } else {
-                (b.weight_bytes, b.forward_only_bytes)
+                (b.weight_bytes, b.forward_only_bytes, b.context_bytes)
             };
             let coded = if code { b.coded_bytes } else { 0 };
-            let (host, host_wire, host_coded) = Self::host_held(plan, b);
-            if host > 0 {
-                let held = if code { host_wire } else { host };
-                let held_coded = if code { host_coded } else { 0 };
-                return (all.saturating_sub(held), coded.saturating_sub(held_coded));
-            }
-            if left_out {
-                (
-                    all.saturating_sub(only),
-                    coded.saturating_sub(b.forward_only_coded),
-                )
+            let (only_coded, context_coded) = if code {
+                (b.forward_only_coded, b.context_coded)
             } else {
-                (all, coded)
+                (0, 0)
+            };
+            let (host, host_wire, host_coded) = Self::host_held(plan, b);
+            let (mut out, mut out_coded) = if host > 0 {
+                if code {
+                    (host_wire, host_coded)
+                } else {
+                    (host, 0)
+                }
+            } else if left_out {
+                (only, only_coded)
+            } else {
+                (0, 0)
+            };
+            if (left_out && !plan.ahead_products) || context_out {
+                out += context;
+                out_coded += context_coded;
             }
+            (all.saturating_sub(out), coded.saturating_sub(out_coded))
         };
         let is_streamed: Vec<bool> = self
             .blocks
@@ -1023,6 +1057,11 @@ impl MemoryProfile {
         // leaves on the device for the next forward (`BlockStreamer`).
         let leaves_out =
             |backward: bool, k: usize| backward && plan.keep.few_rows && k > ahead && k >= carried;
+        // The forward's uploads leave out the weights whose products over the context the
+        // backward before computed (`Plan::ahead_products`), but for the last `prefetch + 1`,
+        // which stay for the backward.
+        let context_out =
+            |backward: bool, k: usize| !backward && plan.ahead_products && k + 1 + ahead < m;
         // `crossed`: bytes of the forward's first coded uploads that crossed into the
         // staging ring at the backward's end (`BlockStreamer`'s crossing ahead), taken off
         // their uploads in order.
@@ -1042,7 +1081,8 @@ impl MemoryProfile {
                 if ready[k].is_none() {
                     let b = &self.blocks[order[k]];
                     let code = coded_at(k, backward);
-                    let (bytes, coded) = upload_bytes(b, leaves_out(backward, k), code);
+                    let (bytes, coded) =
+                        upload_bytes(b, leaves_out(backward, k), context_out(backward, k), code);
                     if raw_staged(k, backward) {
                         // Through the ring as a coded upload, at its raw bytes, then copied
                         // into its slot once the compute has reached `t`.
@@ -1513,7 +1553,18 @@ impl MemoryProfile {
         // What the blocks hold for the backward and the streamed blocks' copies at the
         // heaviest moment (`layout`).
         let layout = self.layout(plan);
-        let held = layout.held + 2 * offloaded;
+        // The products over the context computed ahead, held from the backward to the next
+        // forward (`Plan::ahead_products`).
+        let products: u64 = if plan.ahead_products {
+            self.blocks
+                .iter()
+                .filter(|b| plan.streamed.contains(&b.prefix))
+                .map(|b| b.context_product_bytes)
+                .sum()
+        } else {
+            0
+        };
+        let held = layout.held + 2 * offloaded + products;
         let carried = carry(&layout.reach, plan.prefetch.max(1));
         // Coded uploads cross into a staging ring that holds the largest streamed block's
         // bytes on the link beside a piece and the largest part (a coded weight, or a
@@ -1542,6 +1593,10 @@ impl MemoryProfile {
         let carried = self.carried(plan);
         // Each streamed block's bytes on the link in the forward and in the backward, less
         // what it holds on the host.
+        // Under `Plan::ahead_products` the forward's uploads but the last `kept` leave out
+        // the weights over the context.
+        let kept = plan.prefetch.max(1).saturating_add(1);
+        let m = plan.streamed.len();
         let sizes = |backward: bool| -> Vec<u64> {
             self.blocks
                 .iter()
@@ -1549,16 +1604,19 @@ impl MemoryProfile {
                 .enumerate()
                 .map(|(k, b)| {
                     let (host, host_wire, _) = Self::host_held(plan, b);
+                    let out = !backward && plan.ahead_products && k + kept < m;
                     if Self::coded_place(plan, k, carried, backward) {
-                        b.wire_bytes.saturating_sub(host_wire)
+                        let context = if out { b.context_wire } else { 0 };
+                        b.wire_bytes.saturating_sub(host_wire + context)
                     } else {
-                        b.weight_bytes.saturating_sub(host)
+                        let context = if out { b.context_bytes } else { 0 };
+                        b.weight_bytes.saturating_sub(host + context)
                     }
                 })
                 .collect()
         };
         let (forward, backward) = (sizes(false), sizes(true));
-        let (m, kept) = (forward.len(), plan.prefetch.max(1).saturating_add(1));
+        let m = forward.len();
         if m <= kept {
             return 0;
         }
@@ -1594,6 +1652,7 @@ impl MemoryProfile {
                 && self.blocks.iter().any(|b| b.forward_only_bytes > 0),
             remake_transposes: plan.remake_transposes && self.keeps_transposes(),
             raw_backward: plan.raw_backward && plan.wire_code && !plan.streamed.is_empty(),
+            ahead_products: plan.ahead_products && self.computes_ahead(plan),
             rerun_ahead: plan.rerun_ahead
                 && (plan.checkpointing != Checkpointing::Off || !plan.streamed.is_empty()),
             reach: vec![],
@@ -1605,6 +1664,16 @@ impl MemoryProfile {
             p.reach = self.reach(&p);
         }
         Ok(p)
+    }
+
+    /// Whether `plan` has products to compute ahead (`Plan::ahead_products`): streamed
+    /// blocks keeping their few-row outputs, some with Linears over the model's context.
+    fn computes_ahead(&self, plan: &Plan) -> bool {
+        plan.keep.few_rows
+            && self
+                .blocks
+                .iter()
+                .any(|b| b.context_bytes > 0 && plan.streamed.contains(&b.prefix))
     }
 
     /// How many of the first streamed blocks cross uncoded under `plan`
@@ -1657,6 +1726,18 @@ impl MemoryProfile {
         &self,
         offload_kept_allowed: bool,
         raw_backward_allowed: bool,
+    ) -> Vec<Plan> {
+        self.candidates_allowing(offload_kept_allowed, raw_backward_allowed, false)
+    }
+
+    /// [`MemoryProfile::candidates_among`], and with `ahead_allowed` each plan with products
+    /// over the context to compute ahead beside its twin that does (`Plan::ahead_products`;
+    /// the planner's switch of that name).
+    pub fn candidates_allowing(
+        &self,
+        offload_kept_allowed: bool,
+        raw_backward_allowed: bool,
+        ahead_allowed: bool,
     ) -> Vec<Plan> {
         let order = self.stream_order();
         let codes = self.blocks.iter().any(|b| b.coded_bytes > 0);
@@ -1790,6 +1871,7 @@ impl MemoryProfile {
                                         wire_code,
                                         uncoded_carry,
                                         raw_backward,
+                                        ahead_products: false,
                                         cross_ahead: wire_code,
                                         host_products,
                                         remake_transposes,
@@ -1803,6 +1885,17 @@ impl MemoryProfile {
                     }
                 }
             }
+        }
+        if ahead_allowed {
+            let twins: Vec<Plan> = v
+                .iter()
+                .filter(|p| self.computes_ahead(p))
+                .map(|p| Plan {
+                    ahead_products: true,
+                    ..p.clone()
+                })
+                .collect();
+            v.extend(twins);
         }
         let mut keyed: Vec<(f64, u64, Plan)> = v
             .into_iter()
@@ -1823,6 +1916,7 @@ impl MemoryProfile {
             wire_code: false,
             uncoded_carry: false,
             raw_backward: false,
+            ahead_products: false,
             cross_ahead: false,
             deep_prefetch: true,
             host_products: held,
@@ -2175,6 +2269,70 @@ mod tests {
             fixed_bytes: 30,
             machine: Machine::REFERENCE,
             product_code: Default::default(),
+        }
+    }
+
+    /// The products of the Linears over the context computed in the backward before
+    /// (`Plan::ahead_products`): their weights leave the forward's uploads but for the last
+    /// `prefetch + 1` blocks' and join the backward's, their products held between; the
+    /// plans that do so are candidates only where allowed, beside their twins, and only
+    /// with few-row outputs kept and such Linears among the streamed blocks.
+    #[test]
+    fn context_products_computed_ahead_move_their_weights_to_the_backward() {
+        let mut p = profile();
+        for b in &mut p.blocks {
+            b.context_bytes = 40;
+            b.context_wire = 30;
+            b.context_coded = 30;
+            b.context_product_bytes = 2;
+        }
+        let base = p
+            .settle(&Plan {
+                checkpointing: Checkpointing::All,
+                streamed: (0..6).map(|i| format!("b.{i}")).collect(),
+                prefetch: 1,
+                keep: Keep {
+                    few_rows: true,
+                    ..Keep::NONE
+                },
+                wire_code: true,
+                ..Plan::default()
+            })
+            .unwrap();
+        let ahead = p
+            .settle(&Plan {
+                ahead_products: true,
+                ..base.clone()
+            })
+            .unwrap();
+        assert!(ahead.ahead_products && ahead.to_string().contains("context products"));
+        // The forward uploads blocks 2..6 (the backward left the first two on the device)
+        // and those of 2 and 3 leave out 30 coded bytes each (the last two stay for the
+        // backward, whole).
+        assert_eq!(p.streamed_bytes(&base) - p.streamed_bytes(&ahead), 2 * 30);
+        // Six blocks' products held.
+        assert_eq!(p.peak_parts(&ahead).held, p.peak_parts(&base).held + 6 * 2);
+        assert_ne!(p.step_phases_ms(&ahead), p.step_phases_ms(&base));
+        // Nothing to compute ahead without the few-row outputs kept or such Linears.
+        let none = Plan {
+            keep: Keep::NONE,
+            ..ahead.clone()
+        };
+        assert!(!p.settle(&none).unwrap().ahead_products);
+        let plain = profile();
+        assert!(!plain.settle(&ahead).unwrap().ahead_products);
+        // Candidates: none by default, each beside its twin where allowed.
+        assert!(p.candidates().iter().all(|c| !c.ahead_products));
+        let with = p.candidates_allowing(false, false, true);
+        let twins: Vec<&Plan> = with.iter().filter(|c| c.ahead_products).collect();
+        assert!(!twins.is_empty());
+        for c in twins {
+            assert!(c.keep.few_rows && !c.streamed.is_empty());
+            let twin = Plan {
+                ahead_products: false,
+                ..c.clone()
+            };
+            assert!(with.contains(&twin), "{c}");
         }
     }
 

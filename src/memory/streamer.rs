@@ -71,6 +71,9 @@ pub struct StreamReport {
     pub landed_bytes: u64,
     /// The products of the weights held on the host (`BlockStreamer::set_host_products`).
     pub host: ProductReport,
+    /// Products computed in the backward over the input announced for the next forward
+    /// (`BlockStreamer::set_ahead_products`).
+    pub ahead_products: u64,
 }
 
 /// One timed upload (`BlockStreamer::trace_uploads`): which block, what it brought, and what
@@ -114,6 +117,19 @@ enum Need {
     Whole,
     /// The weights a re-run of a forward of this digest reads.
     Rerun(u64),
+    /// A forward that finds the products of its weights over an announced input computed
+    /// ahead (`set_ahead_products`): every weight but those, for the announcement of this
+    /// number.
+    Ahead(u64),
+}
+
+/// What a partial device copy lacks (`Block::partial`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Partial {
+    /// The forward-only weights of forwards of this digest (a backward's upload).
+    Rerun(u64),
+    /// The weights whose products for announcement this number were computed ahead.
+    Ahead(u64),
 }
 
 enum Residency {
@@ -143,9 +159,16 @@ struct Block {
     digest: Option<u64>,
     /// Whether a forward has reported its digest since the block's last re-run.
     pending: bool,
-    /// The digest of the forward whose re-run the device copy was brought for, when it lacks
-    /// that forward's forward-only weights (a backward's upload); `None` when whole.
-    partial_for: Option<u64>,
+    /// What the device copy lacks: the forward-only weights of the forward whose re-run it
+    /// was brought for (a backward's upload), or the weights whose products were computed
+    /// ahead (a forward's); `None` when whole.
+    partial_for: Option<Partial>,
+    /// For each parameter, whether its Linear took the forward's announced input
+    /// (`set_ahead_products`): the products the backward computes ahead.
+    fed: Vec<bool>,
+    /// For each parameter, its product over the input announced for the next forward, and
+    /// that announcement's number (`set_ahead_products`).
+    ahead: Vec<Option<(u64, Tensor)>>,
     /// A crossing of its first pieces into the staging ring made at the backward's end for
     /// the next forward's upload (`cross_ahead`).
     crossed: Option<u64>,
@@ -188,6 +211,17 @@ struct State {
     /// Whether this backward has crossed the next forward's first uploads into the staging
     /// ring (`cross_ahead`); cleared at each forward's start.
     crossed_ahead: bool,
+    /// Whether the backward computes the products of the forward-only weights over the
+    /// input announced for the next forward (`set_ahead_products`).
+    ahead: bool,
+    /// The input announced for the next forward: its number, the model's input it is made
+    /// from, and itself (`announce_input`).
+    announced: Option<(u64, Tensor, Tensor)>,
+    /// The input the forward under way takes, and the number of the announcement it is
+    /// (`take_input`); `None` for an input nobody announced.
+    input: Option<(Option<u64>, Tensor)>,
+    /// Announcements made so far.
+    announcements: u64,
 }
 
 impl State {
@@ -271,6 +305,8 @@ impl BlockStreamer {
                 digest: None,
                 pending: false,
                 partial_for: None,
+                fed: vec![],
+                ahead: vec![],
                 crossed: None,
             })
             .collect::<Vec<_>>();
@@ -297,6 +333,10 @@ impl BlockStreamer {
                 host_keys: vec![],
                 cross: true,
                 crossed_ahead: false,
+                ahead: false,
+                announced: None,
+                input: None,
+                announcements: 0,
             }),
             products: HostProducts::default(),
         })
@@ -320,6 +360,7 @@ impl BlockStreamer {
         s.set_uncoded_first(plan.uncoded_first)?;
         s.set_cross_ahead(plan.cross_ahead)?;
         s.set_raw_backward(plan.raw_backward)?;
+        s.set_ahead_products(plan.ahead_products)?;
         if plan.host_products {
             s.set_host_products(conditioned.iter().map(|c| c.to_string()).collect())?;
         }
@@ -388,6 +429,68 @@ impl BlockStreamer {
     pub fn set_cross_ahead(&self, on: bool) -> Result<()> {
         self.lock()?.cross = on;
         Ok(())
+    }
+
+    /// Whether the backward computes the products of the weights the forward reads alone
+    /// over an input announced for the next forward (`announce_input`; the planner's
+    /// `Plan::ahead_products`): where a forward-only weight's Linear took the forward's input
+    /// (`take_input`: SDXL's cross-attention keys and values over the text context, a few
+    /// rows each), its re-run's upload brings it anyway, and once the block's backward is
+    /// done its product over the announced input is computed and kept; the next forward,
+    /// given that input, takes the products and leaves those weights out of its uploads
+    /// (but for the last `prefetch + 1` blocks, which stay for the backward). The link's
+    /// bytes move from the forward, where they pace SDXL's step within a few GiB, to the
+    /// backward. Off by default; a forward given any other input brings every weight.
+    pub fn set_ahead_products(&self, on: bool) -> Result<()> {
+        self.lock()?.ahead = on;
+        Ok(())
+    }
+
+    /// Whether the backward computes products ahead (`set_ahead_products`).
+    pub fn ahead_products(&self) -> Result<bool> {
+        Ok(self.lock()?.ahead)
+    }
+
+    /// Announces `input`, made from the model's input `source`, as what the next forward's
+    /// blocks take (`set_ahead_products`); the forward that is handed `source` itself takes
+    /// it (`take_input`). Nothing without `set_ahead_products`.
+    pub fn announce_input(&self, source: &Tensor, input: Tensor) -> Result<()> {
+        let mut st = self.lock()?;
+        if st.ahead {
+            st.announcements += 1;
+            st.announced = Some((st.announcements, source.clone(), input));
+        }
+        Ok(())
+    }
+
+    /// The input a forward's blocks take from the model's input `source`: the announced one
+    /// where `source` is the announced source (the same buffer, view and dtype), whose
+    /// products the backward before computed; else `make()`, whose products the blocks
+    /// compute as usual.
+    pub fn take_input(
+        &self,
+        source: &Tensor,
+        make: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let mut st = self.lock()?;
+        if let Some((g, src, input)) = &st.announced {
+            // An input that needs a gradient (a text encoder trained with the model) needs
+            // the weights in the backward: its forward brings them.
+            if src.same_storage(source)
+                && src.layout() == source.layout()
+                && !source.requires_grad()
+            {
+                let (g, input) = (*g, input.clone());
+                st.announced = None;
+                st.input = Some((Some(g), input.clone()));
+                return Ok(input);
+            }
+        }
+        drop(st);
+        let input = make()?;
+        let mut st = self.lock()?;
+        st.input = st.ahead.then(|| (None, input.clone()));
+        Ok(input)
     }
 
     /// The state, while the packs are not made yet (`seal`): what they are made with
@@ -641,8 +744,9 @@ impl BlockStreamer {
         if !matches!(b.residency, Residency::Released) {
             let enough = match (b.partial_for, need) {
                 (None, _) => true,
-                (Some(d), Need::Rerun(e)) => d == e,
-                (Some(_), Need::Whole) => false,
+                (Some(Partial::Rerun(d)), Need::Rerun(e)) => d == e,
+                (Some(Partial::Ahead(g)), Need::Ahead(h)) => g == h,
+                (Some(_), _) => false,
             };
             if enough || !verify {
                 return Ok(false);
@@ -653,15 +757,26 @@ impl BlockStreamer {
         if b.params.is_empty() {
             return Ok(false);
         }
-        let left_out = match need {
-            Need::Rerun(d) => {
-                i > self.prefetch
-                    && i >= st.carry
-                    && b.only_digest == Some(d)
-                    && b.forward_only.iter().any(|&f| f)
+        // The weights the upload leaves out: a re-run's, those only the forward reads but
+        // for the ones whose products over an announced input it computes ahead (`fed`);
+        // a forward's, those whose products it finds computed (`Need::Ahead`).
+        let skip: Vec<bool> = match need {
+            Need::Rerun(d) if i > self.prefetch && i >= st.carry && b.only_digest == Some(d) => {
+                let ahead = st.ahead && st.announced.is_some();
+                b.forward_only
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &f)| f && !(ahead && b.fed.get(k).copied().unwrap_or(false)))
+                    .collect()
             }
-            Need::Whole => false,
+            Need::Ahead(g) => b
+                .ahead
+                .iter()
+                .map(|a| matches!(a, Some((h, _)) if *h == g))
+                .collect(),
+            _ => vec![],
         };
+        let left_out = skip.iter().any(|&f| f);
         if b.pack.is_none() {
             self.seal(st)?;
         }
@@ -682,7 +797,7 @@ impl BlockStreamer {
         let Some(pack) = raw.or(b.pack.as_ref()) else {
             return Ok(false);
         };
-        let skip: &[bool] = if left_out { &b.forward_only } else { &[] };
+        let skip: &[bool] = if left_out { &skip } else { &[] };
         let (mut wire, mut bytes, mut left) = (0u64, 0u64, 0u64);
         for (k, (device, link)) in pack.part_bytes().into_iter().enumerate() {
             if skip.get(k).copied().unwrap_or(false) {
@@ -736,7 +851,8 @@ impl BlockStreamer {
             },
         );
         b.partial_for = match need {
-            Need::Rerun(d) if left_out => Some(d),
+            Need::Rerun(d) if left_out => Some(Partial::Rerun(d)),
+            Need::Ahead(g) if left_out => Some(Partial::Ahead(g)),
             _ => None,
         };
         report.uploads += 1;
@@ -936,7 +1052,12 @@ impl BlockStreamer {
             st.report.carried_found += found as u64;
             st.crossed_ahead = false;
         }
-        self.start(st, i, need(digest), pass, true)?;
+        let first = if pass == Pass::Forward {
+            self.forward_need(st, i)
+        } else {
+            need(digest)
+        };
+        self.start(st, i, first, pass, true)?;
         match pass {
             Pass::Forward => {
                 let (n, last) = (st.blocks.len(), st.reach.get(i).copied().unwrap_or(i));
@@ -958,7 +1079,8 @@ impl BlockStreamer {
                     if j > i + self.prefetch && room < 2 * Self::pack_bytes(st, j) {
                         break;
                     }
-                    if self.start(st, j, Need::Whole, pass, true)? {
+                    let need = self.forward_need(st, j);
+                    if self.start(st, j, need, pass, true)? {
                         room = self.device.room();
                     }
                 }
@@ -1034,6 +1156,9 @@ impl BlockStreamer {
     /// them costs no peak and saves their uploads.
     fn exit(&self, i: usize, pass: Pass) -> Result<()> {
         let t0 = std::time::Instant::now();
+        if pass == Pass::Backward {
+            self.compute_ahead(i)?;
+        }
         let mut st = self.lock()?;
         let keep = match pass {
             Pass::Forward => i + 1 + self.prefetch >= st.blocks.len(),
@@ -1046,6 +1171,116 @@ impl BlockStreamer {
         };
         st.host_ns += t0.elapsed().as_nanos() as u64;
         r
+    }
+
+    /// What the forward's upload of block `i` must bring: every weight but those whose
+    /// products over the forward's input were computed ahead for it (`set_ahead_products`),
+    /// and every weight for the last `prefetch + 1` blocks, which the forward leaves on the
+    /// device for the backward (where the products for the next announcement are computed).
+    fn forward_need(&self, st: &State, i: usize) -> Need {
+        let n = st.blocks.len();
+        match (&st.input, st.blocks.get(i)) {
+            (Some((Some(g), _)), Some(b))
+                if st.ahead
+                    && i + 1 + self.prefetch < n
+                    && b.ahead.iter().any(|a| matches!(a, Some((h, _)) if h == g)) =>
+            {
+                Need::Ahead(*g)
+            }
+            _ => Need::Whole,
+        }
+    }
+
+    /// After block `i`'s re-run and backward, while its weights are on the device: the
+    /// products of the weights whose Linears took the forward's input (`fed`) over the input
+    /// announced for the next forward (`announce_input`), kept for that forward, which then
+    /// leaves those weights out of its upload (`set_ahead_products`).
+    fn compute_ahead(&self, i: usize) -> Result<()> {
+        let (g, x, jobs) = {
+            let st = self.lock()?;
+            let (Some((g, _, x)), Some(b)) = (&st.announced, st.blocks.get(i)) else {
+                return Ok(());
+            };
+            if !st.ahead || !matches!(b.residency, Residency::Resident) {
+                return Ok(());
+            }
+            let jobs: Vec<(usize, Tensor)> = b
+                .params
+                .iter()
+                .enumerate()
+                .filter(|(k, p)| {
+                    b.fed.get(*k).copied().unwrap_or(false)
+                        && p.placeholder.is_some()
+                        && !matches!(b.ahead.get(*k), Some(Some((h, _))) if h == g)
+                })
+                .map(|(k, p)| (k, p.tensor.clone()))
+                .collect();
+            (*g, x.clone(), jobs)
+        };
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        // The same product the Linear's forward computes (no bias: the Linear adds its bias
+        // after a product it is handed, as for the host's products).
+        let _g = crate::no_grad();
+        let mut done = Vec::with_capacity(jobs.len());
+        for (k, w) in jobs {
+            let (n, inp) = (x.elem_count(), w.dims().get(1).copied().unwrap_or(0));
+            if w.rank() != 2 || inp == 0 || n % inp != 0 || w.dtype() != x.dtype() {
+                continue;
+            }
+            let rows = x.reshape((n / inp, inp))?;
+            let (y, _) = rows.linear_product(&w.t()?, None, &[])?;
+            done.push((k, y));
+        }
+        let mut st = self.lock()?;
+        let State { blocks, report, .. } = &mut *st;
+        if let Some(b) = blocks.get_mut(i) {
+            b.ahead.resize(b.params.len(), None);
+            for (k, y) in done {
+                report.ahead_products += 1;
+                b.ahead[k] = Some((g, y));
+            }
+        }
+        Ok(())
+    }
+
+    /// Block `i`'s product of `weight` over `x` computed ahead, where `x` is the forward's
+    /// input (`take_input`) and the product was computed for its announcement; and marks
+    /// `weight` as one whose Linear takes that input (`fed`), whose products the backward
+    /// then computes ahead for the next announcement.
+    fn ahead_product(&self, i: usize, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+        let mut st = self.lock()?;
+        if !st.ahead {
+            return Ok(None);
+        }
+        let Some((number, input)) = &st.input else {
+            return Ok(None);
+        };
+        let same = !x.requires_grad()
+            && x.same_storage(input)
+            && x.dtype() == input.dtype()
+            && x.is_contiguous()
+            && x.layout().offset() == input.layout().offset()
+            && x.elem_count() == input.elem_count();
+        if !same {
+            return Ok(None);
+        }
+        let number = *number;
+        let Some(b) = st.blocks.get_mut(i) else {
+            return Ok(None);
+        };
+        let Some(k) = b.params.iter().position(|p| p.tensor.id() == weight.id()) else {
+            return Ok(None);
+        };
+        b.fed.resize(b.params.len(), false);
+        b.fed[k] = true;
+        Ok(match (number, b.ahead.get(k)) {
+            (Some(g), Some(Some((h, y)))) if *h == g && y.dims().first() == x.dims().first() => {
+                Some(y.clone())
+            }
+            _ => None,
+        })
     }
 
     /// Whether the device can make two of block `i`'s buffers in one piece each without going
@@ -1097,9 +1332,16 @@ impl CheckpointHooks for BlockHooks {
         self.streamer.note_forward_only(self.index, weights, digest)
     }
     fn product(&self, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
-        self.streamer.product(weight, x)
+        match self.streamer.product(weight, x)? {
+            Some(y) => Ok(Some(y)),
+            None => self.streamer.ahead_product(self.index, weight, x),
+        }
     }
-    fn computes(&self, weight: &Tensor, _x: &Tensor) -> Result<bool> {
-        self.streamer.computes(weight)
+    fn computes(&self, weight: &Tensor, x: &Tensor) -> Result<bool> {
+        Ok(self.streamer.computes(weight)?
+            || self
+                .streamer
+                .ahead_product(self.index, weight, x)?
+                .is_some())
     }
 }

@@ -8,7 +8,8 @@ use super::{MemoryProfile, Plan};
 use crate::{Error, Result};
 
 /// Which of the planner's techniques it may use. Every one is on by default but
-/// `offload_kept` and `raw_backward`, which did not pay for themselves on the GPU.
+/// `offload_kept` and `raw_backward`, which did not pay for themselves on the GPU, and
+/// `ahead_products`, which waits for its measurement there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Switches {
     /// Checkpointed blocks keep the outputs of Linears that see few rows
@@ -26,6 +27,11 @@ pub struct Switches {
     /// it, nothing where the host was fast (docs/MEMORY.md), at twice the streamed blocks'
     /// pinned memory.
     pub raw_backward: bool,
+    /// The backward may compute the products of the streamed blocks' Linears over the
+    /// model's context for the next forward, whose uploads then leave their weights out
+    /// (`Plan::ahead_products`). Off by default: the planner does not weigh such plans until
+    /// they are measured on the GPU (a plan given by hand may still ask for it).
+    pub ahead_products: bool,
     /// With the wire code, the backward's end crosses the next forward's first coded uploads
     /// into the staging ring (`Plan::cross_ahead`).
     pub cross_ahead: bool,
@@ -56,6 +62,7 @@ impl Default for Switches {
             wire_code: true,
             uncoded_carry: true,
             raw_backward: false,
+            ahead_products: false,
             cross_ahead: true,
             deep_prefetch: true,
             host_products: true,
@@ -73,11 +80,12 @@ impl Switches {
     pub const VAR: &'static str = "FLAME_PLANNER";
 
     /// The switches' names, as the fields'.
-    pub const NAMES: [&'static str; 11] = [
+    pub const NAMES: [&'static str; 12] = [
         "keep_few_rows",
         "wire_code",
         "uncoded_carry",
         "raw_backward",
+        "ahead_products",
         "cross_ahead",
         "deep_prefetch",
         "host_products",
@@ -100,6 +108,7 @@ impl Switches {
             "wire_code" => &mut self.wire_code,
             "uncoded_carry" => &mut self.uncoded_carry,
             "raw_backward" => &mut self.raw_backward,
+            "ahead_products" => &mut self.ahead_products,
             "cross_ahead" => &mut self.cross_ahead,
             "deep_prefetch" => &mut self.deep_prefetch,
             "host_products" => &mut self.host_products,
@@ -175,6 +184,7 @@ impl Switches {
         if (plan.wire_code && !self.wire_code)
             || (plan.uncoded_carry && !self.uncoded_carry)
             || (plan.raw_backward && !self.raw_backward)
+            || (plan.ahead_products && !self.ahead_products)
             || (plan.remake_transposes && !self.remake_transposes)
             || (plan.rerun_ahead && !self.rerun_ahead)
             || (plan.offload_kept && !self.offload_kept)
@@ -186,8 +196,9 @@ impl Switches {
 
     /// `plan` with every technique switched off dropped (a plan given by hand: the wire
     /// code and uncoded carried blocks turned off rather than refused). Kept outputs in host
-    /// memory and the backward's uncoded uploads stay as asked (but without the wire code):
-    /// their switches (off by default) keep them from the planner's candidates only.
+    /// memory, the backward's uncoded uploads (but without the wire code) and the products
+    /// computed ahead stay as asked: their switches (off by default) keep them from the
+    /// planner's candidates only.
     pub fn bind(&self, plan: Plan) -> Plan {
         Plan {
             wire_code: plan.wire_code && self.wire_code,
@@ -211,7 +222,11 @@ impl Switches {
     /// `raw_backward` is (`MemoryProfile::candidates_among`), each through
     /// [`Switches::allow`].
     pub fn candidates(&self, profile: &MemoryProfile) -> Vec<Plan> {
-        self.filter(profile.candidates_among(self.offload_kept, self.raw_backward))
+        self.filter(profile.candidates_allowing(
+            self.offload_kept,
+            self.raw_backward,
+            self.ahead_products,
+        ))
     }
 
     /// The candidates these switches allow ([`Switches::allow`]), in their order.
@@ -257,6 +272,7 @@ mod tests {
             wire_code: true,
             uncoded_carry: true,
             raw_backward: false,
+            ahead_products: false,
             cross_ahead: true,
             deep_prefetch: true,
             host_products: true,

@@ -609,8 +609,12 @@ fn profile_with<M: ModelSpec>(
     // The conditioned weights are forward-only (`Keep::few_rows`) unless the conditioning
     // vector needs a gradient (an adapter outside the blocks, on the embedders it comes
     // from) or the adapters read the frozen weights (DoRA, LyCORIS's weight decomposition).
+    let reads_weight = match &probe_adapters {
+        Some(a) => a.reads_weight()?,
+        None => false,
+    };
     let forward_only = match &probe_adapters {
-        Some(a) => !a.reads_weight()? && a.params()?.iter().all(|(k, _)| in_block(k)),
+        Some(a) => !reads_weight && a.params()?.iter().all(|(k, _)| in_block(k)),
         None => true,
     };
     // The adapted layers: a block's tails are read by no re-run's gradient unless one of
@@ -681,6 +685,20 @@ fn profile_with<M: ModelSpec>(
                         b.forward_only_bytes += bytes(t);
                         b.forward_only_wire += wire;
                         b.forward_only_coded += coded;
+                    }
+                }
+                // A Linear over the model's context that sees few rows (SDXL's
+                // cross-attention keys and values): the context is the model's input, so
+                // only an adapter reading the frozen weight needs it in the backward.
+                if let (false, &[out, cols]) = (reads_weight, dims.as_slice()) {
+                    let rows = sh.positions(key, run.batch.max(1));
+                    if sh.context_keys.iter().any(|c| key.contains(c))
+                        && rows * crate::autograd::FEW_ROWS <= cols
+                    {
+                        b.context_bytes += bytes(t);
+                        b.context_wire += wire;
+                        b.context_coded += coded;
+                        b.context_product_bytes += (rows * out * elem) as u64;
                     }
                 }
                 let eight = eight_bit(key, t, packed);

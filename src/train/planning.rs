@@ -382,6 +382,7 @@ pub(crate) fn plan_memory(
                 wire_code: true,
                 uncoded_carry: true,
                 raw_backward: false,
+                ahead_products: false,
                 cross_ahead: true,
                 deep_prefetch: true,
                 host_products: true,

@@ -246,6 +246,18 @@ impl DiffusionModel for Unet {
     }
 
     fn prepare(&self, xt: &Tensor, t: &Tensor, cond: &[Tensor], _guidance: f64) -> Result<()> {
+        // The text context (`context_and_vector`'s first) as `forward` hands it to the
+        // blocks, in the latents' dtype.
+        if let Some(ctx) = cond.first() {
+            self.exec.announce_input(ctx, || {
+                let _g = crate::no_grad();
+                if ctx.dtype() == xt.dtype() {
+                    Ok(ctx.clone())
+                } else {
+                    ctx.to_dtype(xt.dtype())
+                }
+            })?;
+        }
         self.exec.prepare_products(|| {
             let _g = crate::no_grad();
             let (_, y) = self.context_and_vector(cond)?;

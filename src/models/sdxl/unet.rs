@@ -304,7 +304,11 @@ impl Unet {
                 t.to_dtype(dt)
             }
         };
-        let (context, y) = (cast(context)?, cast(y)?);
+        // The blocks' text context: the one announced for this forward where `context` is
+        // its source (`DiffusionModel::prepare`), whose keys' and values' products the
+        // streamer may have computed ahead.
+        let context = self.exec.take_input(context, || cast(context))?;
+        let y = cast(y)?;
 
         let emb = self.conditioning(dt, timesteps, &y)?;
         // Every ResBlock applies SiLU to emb before its own projection: done once here.

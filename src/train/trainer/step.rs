@@ -449,7 +449,9 @@ impl Trainer {
             _ => self.compute_copies()?,
         };
         // Host-held conditioning products are computed ahead, during the backward before.
-        let announce = self.memory.plan.host_products && !self.memory.plan.streamed.is_empty();
+        // So are the products of the context's Linears where the plan computes them ahead.
+        let announce = (self.memory.plan.host_products || self.memory.plan.ahead_products)
+            && !self.memory.plan.streamed.is_empty();
         for micro in 0..acc {
             crate::progress::tick();
             // A signal in a long accumulation stops between micro-batches (one process: the

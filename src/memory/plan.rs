@@ -1123,7 +1123,13 @@ impl MemoryProfile {
         // own are done.
         // The bytes the staging ring takes ahead of the forward: the largest coded upload and
         // its largest part (the ring less the piece a wrap may skip).
-        let crossing = if plan.cross_ahead { ring.0 + ring.1 } else { 0 };
+        // Not under `Plan::ahead_products`: the forward's first uploads then leave weights
+        // out, and a crossing of a whole pack is copied again (`BlockStreamer::cross_ahead`).
+        let crossing = if plan.cross_ahead && !plan.ahead_products {
+            ring.0 + ring.1
+        } else {
+            0
+        };
         // One step from the forward's start, its link busy until `link0` (the crossing's
         // copies past the backward before): the forward's end, the step's and when the
         // backward's last upload was done.

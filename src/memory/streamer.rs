@@ -258,6 +258,8 @@ pub struct BlockStreamer {
     state: Mutex<State>,
     /// The weights held on the host for their products (`set_host_products`).
     products: HostProducts,
+    /// `State::ahead`, read without the lock by every hooked Linear (`ahead_product`).
+    ahead_on: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for BlockStreamer {
@@ -339,6 +341,7 @@ impl BlockStreamer {
                 announcements: 0,
             }),
             products: HostProducts::default(),
+            ahead_on: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -442,7 +445,10 @@ impl BlockStreamer {
     /// bytes move from the forward, where they pace SDXL's step within a few GiB, to the
     /// backward. Off by default; a forward given any other input brings every weight.
     pub fn set_ahead_products(&self, on: bool) -> Result<()> {
-        self.lock()?.ahead = on;
+        let mut st = self.lock()?;
+        st.ahead = on;
+        self.ahead_on
+            .store(on, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
@@ -1110,7 +1116,9 @@ impl BlockStreamer {
     /// forward's link (Klein 9B within 8 GiB: a link-paced forward, about 0.8 GiB of ring).
     /// The forward's uploads decode them instead of copying them again.
     fn cross_ahead(&self, st: &mut State) -> Result<()> {
-        if !st.code || !st.cross {
+        // Where the next forward takes products computed ahead its uploads leave weights
+        // out, and a whole pack's crossing would be copied again: nothing crosses.
+        if !st.code || !st.cross || (st.ahead && st.announced.is_some()) {
             return Ok(());
         }
         // The forward uploads its released blocks in order, those the backward could not
@@ -1250,6 +1258,9 @@ impl BlockStreamer {
     /// `weight` as one whose Linear takes that input (`fed`), whose products the backward
     /// then computes ahead for the next announcement.
     fn ahead_product(&self, i: usize, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+        if !self.ahead_on.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(None);
+        }
         let mut st = self.lock()?;
         if !st.ahead {
             return Ok(None);
@@ -1303,11 +1314,17 @@ impl BlockStreamer {
     }
 
     /// Releases every block (e.g. before sampling with another model, or at the end).
+    /// The products computed ahead and the inputs they were for go too.
     pub fn release_all(&self) -> Result<()> {
         let mut st = self.lock()?;
         for i in 0..st.blocks.len() {
             self.release(&mut st, i)?;
         }
+        for b in &mut st.blocks {
+            b.ahead.clear();
+        }
+        st.announced = None;
+        st.input = None;
         Ok(())
     }
 }

@@ -690,7 +690,8 @@ fn profile_with<M: ModelSpec>(
                 // A Linear over the model's context that sees few rows (SDXL's
                 // cross-attention keys and values): the context is the model's input, so
                 // only an adapter reading the frozen weight needs it in the backward.
-                if let (false, &[out, cols]) = (reads_weight, dims.as_slice()) {
+                // Not a packed weight (FP8 codes): its Linear multiplies the codes itself.
+                if let (false, None, &[out, cols]) = (reads_weight, packed, dims.as_slice()) {
                     let rows = sh.positions(key, run.batch.max(1));
                     if sh.context_keys.iter().any(|c| key.contains(c))
                         && rows * crate::autograd::FEW_ROWS <= cols

@@ -202,7 +202,7 @@ impl BlockExec {
         input: impl FnOnce() -> Result<Tensor>,
     ) -> Result<()> {
         match &self.streamer {
-            Some(s) if s.ahead_products()? => s.announce_input(source, input()?),
+            Some(s) if s.ahead_products() => s.announce_input(source, input()?),
             _ => Ok(()),
         }
     }

@@ -211,9 +211,6 @@ struct State {
     /// Whether this backward has crossed the next forward's first uploads into the staging
     /// ring (`cross_ahead`); cleared at each forward's start.
     crossed_ahead: bool,
-    /// Whether the backward computes the products of the forward-only weights over the
-    /// input announced for the next forward (`set_ahead_products`).
-    ahead: bool,
     /// The input announced for the next forward: its number, the model's input it is made
     /// from, and itself (`announce_input`).
     announced: Option<(u64, Tensor, Tensor)>,
@@ -258,7 +255,9 @@ pub struct BlockStreamer {
     state: Mutex<State>,
     /// The weights held on the host for their products (`set_host_products`).
     products: HostProducts,
-    /// `State::ahead`, read without the lock by every hooked Linear (`ahead_product`).
+    /// Whether the backward computes the products of the forward-only weights over the
+    /// input announced for the next forward (`set_ahead_products`); read without the lock
+    /// by every hooked Linear (`ahead_product`).
     ahead_on: std::sync::atomic::AtomicBool,
 }
 
@@ -335,7 +334,6 @@ impl BlockStreamer {
                 host_keys: vec![],
                 cross: true,
                 crossed_ahead: false,
-                ahead: false,
                 announced: None,
                 input: None,
                 announcements: 0,
@@ -445,27 +443,26 @@ impl BlockStreamer {
     /// bytes move from the forward, where they pace SDXL's step within a few GiB, to the
     /// backward. Off by default; a forward given any other input brings every weight.
     pub fn set_ahead_products(&self, on: bool) -> Result<()> {
-        let mut st = self.lock()?;
-        st.ahead = on;
         self.ahead_on
             .store(on, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
     /// Whether the backward computes products ahead (`set_ahead_products`).
-    pub fn ahead_products(&self) -> Result<bool> {
-        Ok(self.lock()?.ahead)
+    pub fn ahead_products(&self) -> bool {
+        self.ahead_on.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Announces `input`, made from the model's input `source`, as what the next forward's
     /// blocks take (`set_ahead_products`); the forward that is handed `source` itself takes
     /// it (`take_input`). Nothing without `set_ahead_products`.
     pub fn announce_input(&self, source: &Tensor, input: Tensor) -> Result<()> {
-        let mut st = self.lock()?;
-        if st.ahead {
-            st.announcements += 1;
-            st.announced = Some((st.announcements, source.clone(), input));
+        if !self.ahead_products() {
+            return Ok(());
         }
+        let mut st = self.lock()?;
+        st.announcements += 1;
+        st.announced = Some((st.announcements, source.clone(), input));
         Ok(())
     }
 
@@ -478,6 +475,9 @@ impl BlockStreamer {
         source: &Tensor,
         make: impl FnOnce() -> Result<Tensor>,
     ) -> Result<Tensor> {
+        if !self.ahead_products() {
+            return make();
+        }
         let mut st = self.lock()?;
         if let Some((g, src, input)) = &st.announced {
             // An input that needs a gradient (a text encoder trained with the model) needs
@@ -494,8 +494,7 @@ impl BlockStreamer {
         }
         drop(st);
         let input = make()?;
-        let mut st = self.lock()?;
-        st.input = st.ahead.then(|| (None, input.clone()));
+        self.lock()?.input = Some((None, input.clone()));
         Ok(input)
     }
 
@@ -768,7 +767,7 @@ impl BlockStreamer {
         // a forward's, those whose products it finds computed (`Need::Ahead`).
         let skip: Vec<bool> = match need {
             Need::Rerun(d) if i > self.prefetch && i >= st.carry && b.only_digest == Some(d) => {
-                let ahead = st.ahead && st.announced.is_some();
+                let ahead = self.ahead_products() && st.announced.is_some();
                 b.forward_only
                     .iter()
                     .enumerate()
@@ -1118,7 +1117,7 @@ impl BlockStreamer {
     fn cross_ahead(&self, st: &mut State) -> Result<()> {
         // Where the next forward takes products computed ahead its uploads leave weights
         // out, and a whole pack's crossing would be copied again: nothing crosses.
-        if !st.code || !st.cross || (st.ahead && st.announced.is_some()) {
+        if !st.code || !st.cross || (self.ahead_products() && st.announced.is_some()) {
             return Ok(());
         }
         // The forward uploads its released blocks in order, those the backward could not
@@ -1189,7 +1188,7 @@ impl BlockStreamer {
         let n = st.blocks.len();
         match (&st.input, st.blocks.get(i)) {
             (Some((Some(g), _)), Some(b))
-                if st.ahead
+                if self.ahead_products()
                     && i + 1 + self.prefetch < n
                     && b.ahead.iter().any(|a| matches!(a, Some((h, _)) if h == g)) =>
             {
@@ -1209,7 +1208,7 @@ impl BlockStreamer {
             let (Some((g, _, x)), Some(b)) = (&st.announced, st.blocks.get(i)) else {
                 return Ok(());
             };
-            if !st.ahead || !matches!(b.residency, Residency::Resident) {
+            if !self.ahead_products() || !matches!(b.residency, Residency::Resident) {
                 return Ok(());
             }
             let jobs: Vec<(usize, Tensor)> = b
@@ -1258,13 +1257,10 @@ impl BlockStreamer {
     /// `weight` as one whose Linear takes that input (`fed`), whose products the backward
     /// then computes ahead for the next announcement.
     fn ahead_product(&self, i: usize, weight: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
-        if !self.ahead_on.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self.ahead_products() {
             return Ok(None);
         }
         let mut st = self.lock()?;
-        if !st.ahead {
-            return Ok(None);
-        }
         let Some((number, input)) = &st.input else {
             return Ok(None);
         };

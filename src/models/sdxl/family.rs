@@ -251,11 +251,7 @@ impl DiffusionModel for Unet {
         if let Some(ctx) = cond.first() {
             self.exec.announce_input(ctx, || {
                 let _g = crate::no_grad();
-                if ctx.dtype() == xt.dtype() {
-                    Ok(ctx.clone())
-                } else {
-                    ctx.to_dtype(xt.dtype())
-                }
+                ctx.to_dtype(xt.dtype())
             })?;
         }
         self.exec.prepare_products(|| {

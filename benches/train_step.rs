@@ -37,7 +37,9 @@
 //! the host's own cost where nothing in them waits for the GPU. `--phases` times one more
 //! step with the device synchronised after its forward and after its backward;
 //! `--memory-trace` one more with FLAME's allocator read around each block's forward and
-//! re-run (`memory::trace_blocks`): where the step's peak falls. Each step
+//! re-run (`memory::trace_blocks`): where the step's peak falls. `--link-trace FILE` writes
+//! each upload of the timed steps (copies and decodes timed) as CSV and prints how long the
+//! compute stream stood waiting for the uploads, pass by pass and block by block. Each step
 //! announces the next one's inputs between its forward and its backward
 //! (`DiffusionModel::prepare`: host products computed during the backward); `--no-prepare`
 //! leaves them to each forward. Each step reads bf16 compute copies of the adapters' f32
@@ -673,7 +675,9 @@ fn run<M: ModelSpec>(
     // warm-up's forward finds no block carried over; `--phases` and the probes run more).
     let stream_before = streamer.as_ref().map(|s| s.report()).transpose()?;
     // `--link-trace FILE`: each timed upload of the timed steps, written as CSV, and the
-    // copy rate by kind of upload printed.
+    // copy rate by kind of upload printed; and how long the compute stream stood waiting
+    // for the uploads in each pass, block by block (every upload and wait timed: the
+    // events cost the host some time).
     let link_trace = args.value("--link-trace");
     if let (Some(s), Some(_)) = (&streamer, &link_trace) {
         s.trace_uploads(true)?;
@@ -710,6 +714,47 @@ fn run<M: ModelSpec>(
     let timed_peak = cuda.memory().peak;
     let stream_after = streamer.as_ref().map(|s| s.report()).transpose()?;
     if let (Some(s), Some(path)) = (&streamer, &link_trace) {
+        // Where the compute stream stood waiting for the uploads, a pass at a time, and the
+        // blocks it waited on the longest (the timed steps' waits, per step).
+        let stalls = s.take_stalls()?;
+        for (label, backward) in [("forward", false), ("backward", true)] {
+            let mut v: Vec<_> = stalls.iter().filter(|r| r.backward == backward).collect();
+            let sum: f64 = v.iter().map(|r| r.ms).sum();
+            v.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+            let mut by_block = std::collections::BTreeMap::<usize, (f64, usize)>::new();
+            for r in &v {
+                let e = by_block.entry(r.block).or_default();
+                e.0 += r.ms;
+                e.1 += 1;
+            }
+            let mut worst: Vec<_> = by_block.into_iter().collect();
+            worst.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+            let worst: Vec<String> = worst
+                .iter()
+                .take(12)
+                .map(|(b, (ms, _))| format!("{b}: {:.2}", ms / timed as f64))
+                .collect();
+            println!(
+                "compute waiting for uploads, {label}: {:.1} ms/step over {:.1} waits/step; the longest by block (ms/step): {}",
+                sum / timed as f64,
+                v.len() as f64 / timed as f64,
+                worst.join(", ")
+            );
+        }
+        // The stalls block by block, in the streamer's order (the stretch they fall in).
+        let mut line = String::new();
+        let blocks = stalls.iter().map(|r| r.block + 1).max().unwrap_or(0);
+        for backward in [false, true] {
+            let mut per = vec![0.0f64; blocks];
+            for r in stalls.iter().filter(|r| r.backward == backward) {
+                per[r.block] += r.ms / timed as f64;
+            }
+            line.push_str(if backward { "\nbackward:" } else { "forward:" });
+            for chunk in per.chunks(8) {
+                line.push_str(&format!(" {:.1}", chunk.iter().sum::<f64>()));
+            }
+        }
+        println!("compute waiting for uploads, ms/step by eight blocks at a time:\n{line}");
         let records = s.take_trace()?;
         let carried = s.carried()?;
         let mut csv = String::from("block,whole,coded,wire_bytes,copy_ms,span_ms,decode_ms\n");

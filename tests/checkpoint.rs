@@ -1696,23 +1696,14 @@ fn coded_chain(
     cross: bool,
     raw: bool,
 ) -> (Vec<Vec<Vec<u32>>>, StreamReport, u64) {
-    let (grads, report, host, _) = coded_chain_traced(dev, stream, cross, raw);
-    (grads, report, host)
+    let t = coded_chain_traced(dev, stream, cross, raw);
+    (t.grads, t.report, t.host)
 }
 
 /// `coded_chain`, every upload timed and its record kept (`BlockStreamer::trace_uploads`;
-/// none on the CPU backend, which times nothing).
-fn coded_chain_traced(
-    dev: &Device,
-    stream: bool,
-    cross: bool,
-    raw: bool,
-) -> (
-    Vec<Vec<Vec<u32>>>,
-    StreamReport,
-    u64,
-    Vec<flame::memory::UploadRecord>,
-) {
+/// none on the CPU backend, which times nothing), and the compute work's waits for the
+/// uploads (`BlockStreamer::take_stalls`).
+fn coded_chain_traced(dev: &Device, stream: bool, cross: bool, raw: bool) -> Traced {
     const N: usize = 6;
     const D: usize = 96;
     let names: Vec<String> = (0..N).map(|i| format!("b{i}")).collect();
@@ -1779,15 +1770,77 @@ fn coded_chain_traced(
         out.extend(trained.iter().map(|t| bits(g.get(t).unwrap())));
         grads.push(out);
     }
-    let (report, host, trace) = match &streamer {
+    // (Reading the gradients waited for the device: every wait has passed.)
+    let (report, host, trace, stalls) = match &streamer {
         Some(s) => (
             s.report().unwrap(),
             s.host_pack_bytes().unwrap(),
             s.take_trace().unwrap(),
+            s.take_stalls().unwrap(),
         ),
-        None => (StreamReport::default(), 0, vec![]),
+        None => (StreamReport::default(), 0, vec![], vec![]),
     };
-    (grads, report, host, trace)
+    Traced {
+        grads,
+        report,
+        host,
+        trace,
+        stalls,
+    }
+}
+
+/// What `coded_chain_traced` returns: each step's gradients (bits), the streamer's report,
+/// the host memory its packs hold, the uploads' records and the compute work's waits.
+struct Traced {
+    grads: Vec<Vec<Vec<u32>>>,
+    report: StreamReport,
+    host: u64,
+    trace: Vec<flame::memory::UploadRecord>,
+    stalls: Vec<flame::memory::StallRecord>,
+}
+
+/// While a trace is kept, each wait of the compute work for a block's upload is recorded
+/// with its pass: every block's in the first forward (nothing carried yet), the re-runs'
+/// in the backwards, no more than the uploads made, none twice (a second take is empty).
+fn check_stalls(dev: &Device) -> Vec<flame::memory::StallRecord> {
+    let Traced {
+        report: r, stalls, ..
+    } = coded_chain_traced(dev, true, true, false);
+    let blocks = |backward: bool| {
+        stalls
+            .iter()
+            .filter(|w| w.backward == backward)
+            .map(|w| w.block)
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    assert_eq!(blocks(false), (0..6).collect(), "{stalls:?}");
+    assert!(
+        !blocks(true).is_empty() && blocks(true).iter().all(|&b| b < 6),
+        "{stalls:?}"
+    );
+    assert!(stalls.len() as u64 <= r.uploads, "{stalls:?} {r:?}");
+    stalls
+}
+
+#[test]
+fn waits_for_uploads_are_recorded_pass_by_pass_on_the_cpu() {
+    let stalls = check_stalls(&CPU);
+    // The CPU backend's copies are done when made: nothing to wait for.
+    assert!(stalls.iter().all(|w| w.ms == 0.0), "{stalls:?}");
+}
+
+/// On a GPU each recorded wait has its duration from the compute stream's events.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn waits_for_uploads_are_recorded_pass_by_pass_on_cuda() {
+    let _one = cuda_alone();
+    let dev = Device::cuda(0).expect("a CUDA GPU");
+    let stalls = check_stalls(&dev);
+    assert!(
+        stalls.iter().all(|w| w.ms.is_finite() && w.ms >= 0.0),
+        "{stalls:?}"
+    );
 }
 
 /// The backward's end crosses the next forward's first coded uploads into the staging ring
@@ -1841,7 +1894,13 @@ fn coded_uploads_crossed_ahead_give_the_resident_gradients_on_cuda() {
 fn check_raw_backward(dev: &Device) -> (StreamReport, Vec<flame::memory::UploadRecord>) {
     let (plain, ..) = coded_chain(dev, false, true, false);
     let (coded, c, coded_host) = coded_chain(dev, true, true, false);
-    let (raw, r, raw_host, trace) = coded_chain_traced(dev, true, true, true);
+    let Traced {
+        grads: raw,
+        report: r,
+        host: raw_host,
+        trace,
+        ..
+    } = coded_chain_traced(dev, true, true, true);
     assert_eq!(coded, plain);
     assert_eq!(raw, plain);
     // The same uploads, in the same places.

@@ -163,6 +163,25 @@ pub(crate) enum Ticket {
     Cuda(crate::backend::cuda::Upload),
 }
 
+/// How long the compute work stood waiting for an upload (`Device::wait_timed`).
+pub(crate) enum Stall {
+    /// No wait (the CPU backend, or an upload the device had not to wait for).
+    Ready,
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::Stall),
+}
+
+impl Stall {
+    /// The milliseconds, once the device has passed the wait (None before).
+    pub(crate) fn ms(&self) -> Option<f64> {
+        match self {
+            Stall::Ready => Some(0.0),
+            #[cfg(feature = "cuda")]
+            Stall::Cuda(s) => s.ms(),
+        }
+    }
+}
+
 impl Ticket {
     /// Bytes of the upload's pieces that had crossed into the staging ring ahead of it
     /// (`Device::cross_pack`): 0 on the CPU backend.
@@ -460,6 +479,16 @@ impl Device {
             #[cfg(feature = "cuda")]
             (Device::Cuda(d), Ticket::Cuda(u)) => d.wait(u),
             _ => Ok(()),
+        }
+    }
+
+    /// `wait`, timing how long the compute work stands waiting for the upload (`Stall::ms`):
+    /// nothing to time on the CPU backend, whose copies are done when made.
+    pub(crate) fn wait_timed(&self, t: &Ticket) -> Result<Stall> {
+        match (self, t) {
+            #[cfg(feature = "cuda")]
+            (Device::Cuda(d), Ticket::Cuda(u)) => Ok(Stall::Cuda(d.wait_timed(u)?)),
+            _ => Ok(Stall::Ready),
         }
     }
 

@@ -48,7 +48,7 @@ pub use plan::{
 };
 
 pub use products::ProductReport;
-pub use streamer::{BlockStreamer, StreamReport, UploadRecord, TIME_EVERY};
+pub use streamer::{BlockStreamer, StallRecord, StreamReport, UploadRecord, TIME_EVERY};
 pub use switches::Switches;
 pub use trace::{take_block_trace, trace_blocks, BlockMemory};
 

@@ -1,7 +1,7 @@
 //! The block streamer: frozen weights of chosen blocks kept in host memory and brought to
 //! the device around each use.
 
-use super::link::{HostCopy, HostPack, Staging, Ticket};
+use super::link::{HostCopy, HostPack, Staging, Stall, Ticket};
 use super::plan::{carry, shallow_reach};
 use super::products::{HostProducts, ProductReport};
 use crate::autograd::{CheckpointHooks, Pass};
@@ -97,6 +97,19 @@ pub struct UploadRecord {
     pub decode_ms: f64,
 }
 
+/// One wait of the compute work for a block's upload while a trace is kept
+/// (`BlockStreamer::take_stalls`): which block, in which pass, and how long the compute
+/// stream stood waiting for the upload's last copy or decode.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StallRecord {
+    /// The block's place in the streamer's order.
+    pub block: usize,
+    /// Whether the wait was the backward's (a re-run's), else the forward's.
+    pub backward: bool,
+    /// Milliseconds the compute stream stood waiting.
+    pub ms: f64,
+}
+
 struct Param {
     /// The model's handle; its buffer is swapped in and out.
     tensor: Tensor,
@@ -185,6 +198,10 @@ struct State {
     timing: Vec<(Ticket, UploadRecord)>,
     /// The timed uploads' records, when traced (`BlockStreamer::trace_uploads`).
     trace: Option<Vec<UploadRecord>>,
+    /// The compute work's timed waits for uploads while traced, until their events have
+    /// passed, and their records since (`BlockStreamer::take_stalls`).
+    waits: Vec<(usize, bool, Stall)>,
+    stalls: Vec<StallRecord>,
     /// Whether the blocks' packs are made (`seal`, at the first fetch).
     sealed: bool,
     /// Whether bf16 weights cross the link coded (`set_wire_code`).
@@ -222,8 +239,21 @@ struct State {
 }
 
 impl State {
-    /// Adds the durations of the finished copies in `timing` to the report.
+    /// Adds the durations of the finished copies in `timing` to the report, and of the
+    /// passed waits in `waits` to `stalls`.
     fn collect_timings(&mut self) {
+        let stalls = &mut self.stalls;
+        self.waits.retain(|(block, backward, w)| match w.ms() {
+            Some(ms) => {
+                stalls.push(StallRecord {
+                    block: *block,
+                    backward: *backward,
+                    ms,
+                });
+                false
+            }
+            None => true,
+        });
         let (report, trace) = (&mut self.report, &mut self.trace);
         self.timing.retain(|(t, r)| match t.copy_ms() {
             Some((ms, span, decode)) => {
@@ -324,6 +354,8 @@ impl BlockStreamer {
                 host_ns: 0,
                 timing: vec![],
                 trace: None,
+                waits: vec![],
+                stalls: vec![],
                 sealed: false,
                 code: true,
                 uncoded_first: 0,
@@ -554,7 +586,17 @@ impl BlockStreamer {
         let mut st = self.lock()?;
         st.collect_timings();
         st.trace = on.then(Vec::new);
+        st.stalls.clear();
         Ok(())
+    }
+
+    /// While a trace is kept (`trace_uploads`): each wait of the compute work for an upload
+    /// since the last call, in the order the device passed them (those it has not passed
+    /// yet come at a later call). Where the compute stood idle for the link or the decodes.
+    pub fn take_stalls(&self) -> Result<Vec<StallRecord>> {
+        let mut st = self.lock()?;
+        st.collect_timings();
+        Ok(std::mem::take(&mut st.stalls))
     }
 
     /// The timed uploads' records since the last call (or since `trace_uploads`), in the
@@ -983,12 +1025,23 @@ impl BlockStreamer {
     }
 
     /// Makes the compute work wait for block `i`'s copies.
-    fn wait(&self, st: &mut State, i: usize) -> Result<()> {
+    /// The compute work waits for block `i`'s upload, if in flight; `pass`: the pass about
+    /// to use it (its wait is timed while a trace is kept), None for a release.
+    fn wait(&self, st: &mut State, i: usize, pass: Option<Pass>) -> Result<()> {
         let Some(b) = st.blocks.get_mut(i) else {
             return Ok(());
         };
         if let Residency::InFlight(ticket, _) = &b.residency {
-            self.device.wait(ticket)?;
+            match pass {
+                Some(p) if st.trace.is_some() => {
+                    let w = self.device.wait_timed(ticket)?;
+                    st.waits.push((i, p == Pass::Backward, w));
+                }
+                _ => self.device.wait(ticket)?,
+            }
+            let Some(b) = st.blocks.get_mut(i) else {
+                return Ok(());
+            };
             if let Residency::InFlight(ticket, record) =
                 std::mem::replace(&mut b.residency, Residency::Resident)
             {
@@ -997,7 +1050,7 @@ impl BlockStreamer {
                 }
             }
         }
-        if st.timing.len() >= 64 {
+        if st.timing.len() + st.waits.len() >= 64 {
             st.collect_timings();
         }
         Ok(())
@@ -1006,7 +1059,7 @@ impl BlockStreamer {
     /// Releases block `i`'s device copies (after the compute work waits for their copies, so
     /// a buffer never returns to the cache while a copy may write it).
     fn release(&self, st: &mut State, i: usize) -> Result<()> {
-        self.wait(st, i)?;
+        self.wait(st, i, None)?;
         let Some(b) = st.blocks.get_mut(i) else {
             return Ok(());
         };
@@ -1105,7 +1158,7 @@ impl BlockStreamer {
                 }
             }
         }
-        self.wait(st, i)
+        self.wait(st, i, Some(pass))
     }
 
     /// Crosses the coded packs of the next forward's first uploads (the first released

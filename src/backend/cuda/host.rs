@@ -1040,6 +1040,32 @@ impl CudaDevice {
             .wait(&u.0)
             .map_err(cuda_err("waiting for an upload"))
     }
+
+    /// `wait`, between two timed events on the compute stream: the time from the compute
+    /// work before the wait being done to the upload being done, the compute stream's stall.
+    pub(crate) fn wait_timed(&self, u: &Upload) -> Result<Stall> {
+        let s = self.stream();
+        let before = s
+            .record_event(TIMED)
+            .map_err(cuda_err("recording a wait's start"))?;
+        self.wait(u)?;
+        let after = s
+            .record_event(TIMED)
+            .map_err(cuda_err("recording a wait's end"))?;
+        Ok(Stall(before, after))
+    }
+}
+
+/// The compute stream's events around a wait for an upload (`CudaDevice::wait_timed`).
+pub struct Stall(CudaEvent, CudaEvent);
+
+impl Stall {
+    /// Once both events have completed: the milliseconds the compute stream stood waiting.
+    pub(crate) fn ms(&self) -> Option<f64> {
+        (self.0.is_complete() && self.1.is_complete())
+            .then(|| self.0.elapsed_ms(&self.1).ok().map(f64::from))
+            .flatten()
+    }
 }
 
 /// The host address of pinned memory, without the host-side synchronisation `as_slice` does

@@ -32,6 +32,9 @@
 # 90 s for flux (its 64 GiB disk holds flux or sd3, not both: remove one's folder first); the
 # rows 80-250 s each with their `sample` runs (sdxl8 the least, flux8 the most); `steps`
 # about 420-520 s. A fresh machine adds about 275 s to its first call.
+#   SAMPLE_STEPS=4 bash scripts/budget_table.sh part N PIPES WORK   the eight rows in four
+#                                                     calls of the device (N = 1..4, in turn,
+#                                                     on one warm machine: see `part` below)
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
 # Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4, and the newer
 # families at their smallest bf16 budgets: klein4b-6 klein9b-8 zimage-6, and in FP8:
@@ -197,6 +200,24 @@ case ${1:-} in
     # fresh MODEL REPS "ARGS" "ARGS"...: a process a plan (the first ARGS the reference,
     # "" for the resident step), the plans in turn, REPS times.
     shift; fresh "$@" ;;
+  part)
+    # part N PIPES WORK: the eight rows in four calls of at most 600 s each on one H200
+    # (SAMPLE_STEPS=4; the machine kept warm between the calls, so PIPES stays there). Each
+    # call's time from build c5086df's rows (train run + `sample` run, s) and `make`:
+    #   1: make sd3 + sdxl (103), sdxl8 (150), sdxl4 (79), sd3-16 (100)        about 450 s
+    #   2: sd3-8 (136), sd3's folder removed, make flux (90), flux24 (126)      about 360 s
+    #   3: flux12 (201), flux8 (218)                                           about 420 s
+    #   4: flux6 (FP8, AdamW8bit; about 250)
+    t=$here/budget_table.sh
+    n=$2 pipes=$3 work=$4
+    case $n in
+      1) FAMILIES="sd3 sdxl" bash "$t" make "$pipes" && bash "$t" rows "$pipes" "$work" sdxl8 sdxl4 sd3-16 ;;
+      2) bash "$t" rows "$pipes" "$work" sd3-8 && rm -rf "$pipes/sd3" \
+           && FAMILIES=flux bash "$t" make "$pipes" && bash "$t" rows "$pipes" "$work" flux24 ;;
+      3) bash "$t" rows "$pipes" "$work" flux12 flux8 ;;
+      4) bash "$t" rows "$pipes" "$work" flux6 ;;
+      *) echo "part 1, 2, 3 or 4" >&2; exit 2 ;;
+    esac ;;
   gpus)
     pipes=$2 work=$3 n=$4
     list=$(seq -s, 0 $((n - 1)))

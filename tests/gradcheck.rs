@@ -1366,3 +1366,27 @@ fn every_case_backward_on_cuda_matches_the_cpu() {
         "ops never run backward on CUDA: {missing:?}"
     );
 }
+
+/// `graph_op_counts` counts each recorded op reachable from the root once, by kind (a
+/// shared subgraph once, not once per path), and `graph_ops` names the same kinds.
+#[test]
+fn recorded_ops_are_counted_by_kind() {
+    let x = Tensor::randn((3, 4), DType::F64, &CPU, 1)
+        .unwrap()
+        .requires_grad_()
+        .unwrap();
+    let w = Tensor::randn((4, 4), DType::F64, &CPU, 2).unwrap();
+    let h = x.matmul(&w).unwrap();
+    // `h` feeds both matmuls: it is counted once.
+    let y = h.matmul(&w).unwrap().add(&h.matmul(&w).unwrap()).unwrap();
+    let counts = flame::autograd::gradcheck::graph_op_counts(&y).unwrap();
+    assert_eq!(counts.get("matmul"), Some(&3), "{counts:?}");
+    assert_eq!(counts.get("add"), Some(&1), "{counts:?}");
+    let kinds = flame::autograd::gradcheck::graph_ops(&y).unwrap();
+    assert_eq!(kinds, counts.keys().copied().collect::<BTreeSet<_>>());
+    // Nothing recorded without a leaf that needs a gradient.
+    let z = w.matmul(&w).unwrap();
+    assert!(flame::autograd::gradcheck::graph_op_counts(&z)
+        .unwrap()
+        .is_empty());
+}

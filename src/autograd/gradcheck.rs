@@ -43,16 +43,23 @@ pub struct GradcheckReport {
 
 /// The kinds of the recorded ops reachable from `root`.
 pub fn graph_ops(root: &Tensor) -> Result<BTreeSet<&'static str>> {
-    let mut kinds = BTreeSet::new();
+    Ok(graph_op_counts(root)?.into_keys().collect())
+}
+
+/// How many recorded ops of each kind are reachable from `root`: what a backward from it
+/// will run (each kind's VJP launches one or a few kernels on a GPU), where a model's graph
+/// spends its ops.
+pub fn graph_op_counts(root: &Tensor) -> Result<std::collections::BTreeMap<&'static str, usize>> {
+    let mut counts = std::collections::BTreeMap::new();
     for t in super::backward::tape(root)? {
         if let Some(m) = t.grad_fn() {
             let guard = m.lock().map_err(|_| Error::Poisoned("autograd node"))?;
             if let Some(op) = guard.as_ref() {
-                kinds.insert(op.kind());
+                *counts.entry(op.kind()).or_insert(0) += 1;
             }
         }
     }
-    Ok(kinds)
+    Ok(counts)
 }
 
 fn weighted_sum(y: &Tensor, r: &Tensor) -> Result<Tensor> {

@@ -1054,6 +1054,21 @@ fn run<M: ModelSpec>(
         "this process on the device as the driver counts it, peak while stepping: {:.2} GiB",
         gib(process_peak)
     );
+    // The kernel modules' loads: the driver's compile of their PTX for this GPU on a
+    // machine's first run (its disk cache after that).
+    let mut loads = cuda.module_loads();
+    let secs: f64 = loads.iter().map(|(_, s)| s).sum();
+    loads.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let slowest: Vec<String> = loads
+        .iter()
+        .take(5)
+        .map(|(m, s)| format!("{m} {s:.1}"))
+        .collect();
+    println!(
+        "kernel modules: {} loaded in {secs:.1} s (the slowest, s: {})",
+        loads.len(),
+        slowest.join(", ")
+    );
     Ok(Some(ms))
 }
 

@@ -804,6 +804,17 @@ fn run(
             driver.join(", ")
         ));
     }
+    // The driver compiles the kernels' PTX for this GPU at a machine's first run (tens of
+    // seconds), then reads them from its disk cache: say what it took.
+    #[cfg(feature = "cuda")]
+    if let flame::Device::Cuda(d) = trainer.device() {
+        let loads = d.module_loads();
+        let secs: f64 = loads.iter().map(|(_, s)| s).sum();
+        p.line(&format!(
+            "kernels: {} modules loaded in {secs:.1} s (compiled for this GPU on a machine's first run, cached by the driver after)",
+            loads.len()
+        ));
+    }
     match end {
         RunEnd::Interrupted(step, dir) => {
             p.line(&format!(

@@ -36,6 +36,8 @@ struct Inner {
     /// The most shared memory a block may opt into (bytes, static and dynamic together).
     smem_optin: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// Each module loaded so far and the seconds its load took (`module_loads`).
+    module_loads: Mutex<Vec<(&'static str, f64)>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// Clusters of a kernel resident at once, by (module/name, threads, dynamic shared bytes).
     clusters: Mutex<HashMap<(String, u32, u32), usize>>,
@@ -233,6 +235,7 @@ impl CudaDevice {
             cc_minor,
             smem_optin,
             modules: Mutex::new(HashMap::new()),
+            module_loads: Mutex::new(Vec::new()),
             functions: Mutex::new(HashMap::new()),
             clusters: Mutex::new(HashMap::new()),
             mem,
@@ -684,6 +687,18 @@ impl CudaDevice {
         Ok(n)
     }
 
+    /// Each kernel module loaded so far, in order, and the seconds its load took: the
+    /// driver compiles a module's PTX for this GPU at its first use in a process (or reads
+    /// the result from its disk cache, `CUDA_CACHE_PATH`, where an earlier process on this
+    /// machine compiled it).
+    pub fn module_loads(&self) -> Vec<(&'static str, f64)> {
+        self.0
+            .module_loads
+            .lock()
+            .map(|v| v.clone())
+            .unwrap_or_default()
+    }
+
     /// A kernel from an embedded module; the module is JIT-loaded once, the handle cached.
     pub fn function(&self, module: &'static str, name: &str) -> Result<CudaFunction> {
         let key = format!("{module}/{name}");
@@ -711,11 +726,15 @@ impl CudaDevice {
                         .ok_or_else(|| {
                             Error::Cuda(format!("no embedded kernel module '{module}'"))
                         })?;
+                    let t0 = std::time::Instant::now();
                     let m = self
                         .0
                         .ctx
                         .load_module(cudarc::nvrtc::Ptx::from_src(src))
                         .map_err(cuda_err(&format!("loading module '{module}'")))?;
+                    if let Ok(mut v) = self.0.module_loads.lock() {
+                        v.push((module, t0.elapsed().as_secs_f64()));
+                    }
                     cache.insert(module, m.clone());
                     m
                 }

@@ -1,4 +1,5 @@
-//! Compiles every `cuda/*.cu` to PTX with nvcc and embeds it (see `src/backend/cuda/ptx.rs`).
+//! Compiles every `cuda/*.cu` to PTX with nvcc, the files in parallel, and embeds it (see
+//! `src/backend/cuda/ptx.rs`).
 //!
 //! nvcc is looked up through $NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, then PATH. The target is
 //! $FLAME_CUDA_ARCH (default compute_80: PTX that the driver JITs on Ampere, Ada and Hopper).
@@ -86,24 +87,57 @@ fn main() {
                     jobs.push((src, format!("{stem}_sm90"), "compute_90".to_string()));
                 }
             }
-            for (src, stem, arch) in jobs {
-                let ptx = out_dir.join(format!("{stem}.ptx"));
-                let out = Command::new(nvcc)
-                    .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}")])
-                    .arg(format!("-I{}", manifest.join("cuda").display()))
-                    .arg("-o")
-                    .arg(&ptx)
-                    .arg(src)
-                    .output()
-                    .unwrap_or_else(|e| panic!("flame: running {} failed: {e}", nvcc.display()));
-                if !out.status.success() {
-                    panic!(
-                        "flame: nvcc failed on {}:\n{}{}",
-                        src.display(),
-                        String::from_utf8_lossy(&out.stdout),
-                        String::from_utf8_lossy(&out.stderr)
-                    );
+            // The jobs run in parallel (cargo's NUM_JOBS of them at most: nvcc is
+            // single-threaded and the largest files take tens of seconds), their entries in
+            // the jobs' order.
+            let workers = std::env::var("NUM_JOBS")
+                .ok()
+                .and_then(|n| n.parse::<usize>().ok())
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+                .clamp(1, jobs.len().max(1));
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            let failures = std::sync::Mutex::new(Vec::<(usize, String)>::new());
+            std::thread::scope(|scope| {
+                for _ in 0..workers {
+                    scope.spawn(|| loop {
+                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some((src, stem, arch)) = jobs.get(k) else {
+                            break;
+                        };
+                        let ptx = out_dir.join(format!("{stem}.ptx"));
+                        let failed = match Command::new(nvcc)
+                            .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}")])
+                            .arg(format!("-I{}", manifest.join("cuda").display()))
+                            .arg("-o")
+                            .arg(&ptx)
+                            .arg(src)
+                            .output()
+                        {
+                            Err(e) => Some(format!("running {} failed: {e}", nvcc.display())),
+                            Ok(out) if !out.status.success() => Some(format!(
+                                "nvcc failed on {}:\n{}{}",
+                                src.display(),
+                                String::from_utf8_lossy(&out.stdout),
+                                String::from_utf8_lossy(&out.stderr)
+                            )),
+                            Ok(_) => None,
+                        };
+                        if let Some(msg) = failed {
+                            failures
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push((k, msg));
+                        }
+                    });
                 }
+            });
+            let mut failures = failures.into_inner().unwrap_or_else(|e| e.into_inner());
+            failures.sort();
+            if let Some((_, msg)) = failures.first() {
+                panic!("flame: {msg}");
+            }
+            for (_, stem, _) in &jobs {
+                let ptx = out_dir.join(format!("{stem}.ptx"));
                 entries.push_str(&format!(
                     "    ({stem:?}, include_str!({:?})),\n",
                     ptx.display().to_string()

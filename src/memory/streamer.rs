@@ -586,6 +586,7 @@ impl BlockStreamer {
         let mut st = self.lock()?;
         st.collect_timings();
         st.trace = on.then(Vec::new);
+        st.waits.clear();
         st.stalls.clear();
         Ok(())
     }
@@ -1024,9 +1025,8 @@ impl BlockStreamer {
         Ok(())
     }
 
-    /// Makes the compute work wait for block `i`'s copies.
-    /// The compute work waits for block `i`'s upload, if in flight; `pass`: the pass about
-    /// to use it (its wait is timed while a trace is kept), None for a release.
+    /// Makes the compute work wait for block `i`'s upload, if in flight; `pass`: the pass
+    /// about to use it (its wait is timed while a trace is kept), None for a release.
     fn wait(&self, st: &mut State, i: usize, pass: Option<Pass>) -> Result<()> {
         let Some(b) = st.blocks.get_mut(i) else {
             return Ok(());

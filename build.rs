@@ -1,8 +1,9 @@
 //! Compiles every `cuda/*.cu` to PTX with nvcc, the files in parallel, and embeds it (see
-//! `src/backend/cuda/ptx.rs`).
+//! `ptx` in `src/backend/cuda/mod.rs`).
 //!
 //! nvcc is looked up through $NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, then PATH. The target is
-//! $FLAME_CUDA_ARCH (default compute_80: PTX that the driver JITs on Ampere, Ada and Hopper).
+//! $FLAME_CUDA_ARCH (default compute_80: PTX that the driver JITs on Ampere, Ada and Hopper);
+//! $FLAME_CUDA_SASS (SM numbers, "90" or "86,89,90") embeds those GPUs' machine code beside it.
 //! With the `cuda` feature on and no nvcc, the build succeeds with a warning and creating a
 //! CUDA device returns an error that says how to get nvcc. A kernel that fails to compile
 //! fails the build.
@@ -36,7 +37,14 @@ fn find_nvcc() -> Option<PathBuf> {
 }
 
 fn main() {
-    for var in ["NVCC", "CUDA_HOME", "CUDA_PATH", "FLAME_CUDA_ARCH", "PATH"] {
+    for var in [
+        "NVCC",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "FLAME_CUDA_ARCH",
+        "FLAME_CUDA_SASS",
+        "PATH",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed=cuda");
@@ -72,6 +80,7 @@ fn main() {
             // compute_90 module, `<stem>_sm90`, which launchers pick on such GPUs.
             let digits: String = arch.chars().filter(|c| c.is_ascii_digit()).collect();
             let below_90 = digits.parse::<u32>().map_or(true, |v| v < 90);
+            let sass = sass_targets();
             let mut jobs = vec![];
             for src in &sources {
                 let stem = src
@@ -104,12 +113,23 @@ fn main() {
                         let Some((src, stem, arch)) = jobs.get(k) else {
                             break;
                         };
-                        let ptx = out_dir.join(format!("{stem}.ptx"));
-                        let failed = match Command::new(nvcc)
-                            .args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}")])
+                        let codes = machine_codes(arch, &sass);
+                        let mut cmd = Command::new(nvcc);
+                        if codes.is_empty() {
+                            cmd.args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}")]);
+                        } else {
+                            // The PTX, for GPUs the list leaves out, and each GPU's code.
+                            cmd.args(["--fatbin", "-O3", "-std=c++17", "-gencode"])
+                                .arg(format!("arch={arch},code={arch}"));
+                            for code in &codes {
+                                cmd.arg("-gencode").arg(format!("arch={arch},code={code}"));
+                            }
+                        }
+                        let out_file = out_dir.join(image_name(stem, !codes.is_empty()));
+                        let failed = match cmd
                             .arg(format!("-I{}", manifest.join("cuda").display()))
                             .arg("-o")
-                            .arg(&ptx)
+                            .arg(&out_file)
                             .arg(src)
                             .output()
                         {
@@ -136,23 +156,66 @@ fn main() {
             if let Some((_, msg)) = failures.first() {
                 panic!("flame: {msg}");
             }
-            for (_, stem, _) in &jobs {
-                let ptx = out_dir.join(format!("{stem}.ptx"));
-                entries.push_str(&format!(
-                    "    ({stem:?}, include_str!({:?})),\n",
-                    ptx.display().to_string()
-                ));
+            for (_, stem, arch) in &jobs {
+                let fatbin = !machine_codes(arch, &sass).is_empty();
+                let file = out_dir.join(image_name(stem, fatbin)).display().to_string();
+                entries.push_str(&if fatbin {
+                    format!("    ({stem:?}, Image::Fatbin(include_bytes!({file:?}))),\n")
+                } else {
+                    format!("    ({stem:?}, Image::Ptx(include_str!({file:?}))),\n")
+                });
             }
             String::new()
         }
     };
     let generated = format!(
-        "/// (module name, PTX) for every kernel file, compiled for {arch:?}.\n\
-         pub const MODULES: &[(&str, &str)] = &[\n{entries}];\n\
+        "/// (module name, image) for every kernel file, compiled for {arch:?}.\n\
+         pub const MODULES: &[(&str, Image)] = &[\n{entries}];\n\
          /// Why no kernels are embedded (empty when they are).\n\
          pub const MISSING: &str = {missing:?};\n\
          /// The virtual architecture of the main modules.\n\
          pub const ARCH: &str = {arch:?};\n"
     );
     std::fs::write(out_dir.join("ptx.rs"), generated).expect("write OUT_DIR/ptx.rs");
+}
+
+/// The GPUs whose machine code `$FLAME_CUDA_SASS` asks to embed beside the PTX: SM numbers,
+/// comma-separated ("90" for H100 and H200, "86,89,90" for RTX 30x0, RTX 40x0 and Hopper).
+/// Empty (the default): PTX alone, which the driver compiles at a machine's first run.
+fn sass_targets() -> Vec<u32> {
+    let list = std::env::var("FLAME_CUDA_SASS").unwrap_or_default();
+    let mut v: Vec<u32> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.trim_start_matches("sm_")
+                .parse()
+                .unwrap_or_else(|_| panic!("flame: FLAME_CUDA_SASS holds {t:?}, not an SM number"))
+        })
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// The machine codes to embed for a module compiled for the virtual architecture `arch`:
+/// `sm_N` for each listed GPU that PTX for `arch` runs on (N at least its number; an
+/// architecture-specific target, `compute_90a`, only on its own GPU, as `sm_90a`).
+fn machine_codes(arch: &str, sass: &[u32]) -> Vec<String> {
+    let digits: String = arch.chars().filter(|c| c.is_ascii_digit()).collect();
+    let Ok(v) = digits.parse::<u32>() else {
+        return vec![];
+    };
+    let specific = arch.ends_with('a');
+    sass.iter()
+        .filter(|&&n| if specific { n == v } else { n >= v })
+        .map(|&n| format!("sm_{n}{}", if specific { "a" } else { "" }))
+        .collect()
+}
+
+/// The file a module's image is written to: its PTX, or the fat binary of its PTX and
+/// machine code.
+fn image_name(stem: &str, fatbin: bool) -> String {
+    format!("{stem}.{}", if fatbin { "fatbin" } else { "ptx" })
 }

@@ -719,10 +719,15 @@ impl CudaDevice {
             match cache.get(module) {
                 Some(m) => m.clone(),
                 None => {
-                    let src = ptx::MODULES
+                    let image = ptx::MODULES
                         .iter()
                         .find(|(n, _)| *n == module)
-                        .map(|(_, s)| *s)
+                        .map(|(_, image)| match image {
+                            ptx::Image::Ptx(src) => cudarc::nvrtc::Ptx::from_src(*src),
+                            ptx::Image::Fatbin(bytes) => {
+                                cudarc::nvrtc::Ptx::from_binary(bytes.to_vec())
+                            }
+                        })
                         .ok_or_else(|| {
                             Error::Cuda(format!("no embedded kernel module '{module}'"))
                         })?;
@@ -730,7 +735,7 @@ impl CudaDevice {
                     let m = self
                         .0
                         .ctx
-                        .load_module(cudarc::nvrtc::Ptx::from_src(src))
+                        .load_module(image)
                         .map_err(cuda_err(&format!("loading module '{module}'")))?;
                     if let Ok(mut v) = self.0.module_loads.lock() {
                         v.push((module, t0.elapsed().as_secs_f64()));

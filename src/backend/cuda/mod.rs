@@ -27,6 +27,15 @@ mod schedulefree;
 mod storage;
 
 pub(crate) mod ptx {
+    /// An embedded kernel module: its PTX, which the driver compiles for the GPU at its
+    /// first load on a machine, or a fat binary of that PTX and machine code for the GPUs
+    /// `$FLAME_CUDA_SASS` named at build time (build.rs).
+    // A build embeds one kind of image, or none without nvcc: the other goes unbuilt.
+    #[allow(dead_code)]
+    pub(crate) enum Image {
+        Ptx(&'static str),
+        Fatbin(&'static [u8]),
+    }
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 }
 

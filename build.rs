@@ -87,13 +87,18 @@ fn main() {
                     .file_stem()
                     .and_then(|s| s.to_str())
                     .expect("utf-8 kernel file name");
+                // Each job: the file, its module's name, the virtual architecture and the
+                // machine codes to embed beside its PTX (`machine_codes`).
+                let mut job = |name: String, virt: &str| {
+                    jobs.push((src, name, virt.to_string(), machine_codes(virt, &sass)))
+                };
                 if SM90A_ONLY.contains(&stem) {
-                    jobs.push((src, stem.to_string(), "compute_90a".to_string()));
+                    job(stem.to_string(), "compute_90a");
                     continue;
                 }
-                jobs.push((src, stem.to_string(), arch.clone()));
+                job(stem.to_string(), &arch);
                 if HOPPER_VARIANTS.contains(&stem) && below_90 {
-                    jobs.push((src, format!("{stem}_sm90"), "compute_90".to_string()));
+                    job(format!("{stem}_sm90"), "compute_90");
                 }
             }
             // The jobs run in parallel (cargo's NUM_JOBS of them at most: nvcc is
@@ -110,10 +115,9 @@ fn main() {
                 for _ in 0..workers {
                     scope.spawn(|| loop {
                         let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some((src, stem, arch)) = jobs.get(k) else {
+                        let Some((src, stem, arch, codes)) = jobs.get(k) else {
                             break;
                         };
-                        let codes = machine_codes(arch, &sass);
                         let mut cmd = Command::new(nvcc);
                         if codes.is_empty() {
                             cmd.args(["--ptx", "-O3", "-std=c++17", &format!("-arch={arch}")]);
@@ -121,7 +125,7 @@ fn main() {
                             // The PTX, for GPUs the list leaves out, and each GPU's code.
                             cmd.args(["--fatbin", "-O3", "-std=c++17", "-gencode"])
                                 .arg(format!("arch={arch},code={arch}"));
-                            for code in &codes {
+                            for code in codes {
                                 cmd.arg("-gencode").arg(format!("arch={arch},code={code}"));
                             }
                         }
@@ -156,8 +160,8 @@ fn main() {
             if let Some((_, msg)) = failures.first() {
                 panic!("flame: {msg}");
             }
-            for (_, stem, arch) in &jobs {
-                let fatbin = !machine_codes(arch, &sass).is_empty();
+            for (_, stem, _, codes) in &jobs {
+                let fatbin = !codes.is_empty();
                 let file = out_dir.join(image_name(stem, fatbin)).display().to_string();
                 entries.push_str(&if fatbin {
                     format!("    ({stem:?}, Image::Fatbin(include_bytes!({file:?}))),\n")

@@ -714,47 +714,37 @@ fn run<M: ModelSpec>(
     let timed_peak = cuda.memory().peak;
     let stream_after = streamer.as_ref().map(|s| s.report()).transpose()?;
     if let (Some(s), Some(path)) = (&streamer, &link_trace) {
-        // Where the compute stream stood waiting for the uploads, a pass at a time, and the
-        // blocks it waited on the longest (the timed steps' waits, per step).
+        // Where the compute stream stood waiting for the uploads: each pass's waits per
+        // step, block by block (the streamer's order), their sum, the blocks waited on the
+        // longest and the stretches of eight blocks they fall in.
         let stalls = s.take_stalls()?;
+        let blocks = stalls.iter().map(|r| r.block + 1).max().unwrap_or(0);
+        let mut chunks = String::new();
         for (label, backward) in [("forward", false), ("backward", true)] {
-            let mut v: Vec<_> = stalls.iter().filter(|r| r.backward == backward).collect();
-            let sum: f64 = v.iter().map(|r| r.ms).sum();
-            v.sort_by(|a, b| b.ms.total_cmp(&a.ms));
-            let mut by_block = std::collections::BTreeMap::<usize, (f64, usize)>::new();
-            for r in &v {
-                let e = by_block.entry(r.block).or_default();
-                e.0 += r.ms;
-                e.1 += 1;
+            let (mut per, mut waits) = (vec![0.0f64; blocks], 0usize);
+            for r in stalls.iter().filter(|r| r.backward == backward) {
+                per[r.block] += r.ms / timed as f64;
+                waits += 1;
             }
-            let mut worst: Vec<_> = by_block.into_iter().collect();
-            worst.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+            let mut worst: Vec<(usize, f64)> = per.iter().copied().enumerate().collect();
+            worst.sort_by(|a, b| b.1.total_cmp(&a.1));
             let worst: Vec<String> = worst
                 .iter()
                 .take(12)
-                .map(|(b, (ms, _))| format!("{b}: {:.2}", ms / timed as f64))
+                .map(|(b, ms)| format!("{b}: {ms:.2}"))
                 .collect();
             println!(
                 "compute waiting for uploads, {label}: {:.1} ms/step over {:.1} waits/step; the longest by block (ms/step): {}",
-                sum / timed as f64,
-                v.len() as f64 / timed as f64,
+                per.iter().sum::<f64>(),
+                waits as f64 / timed as f64,
                 worst.join(", ")
             );
-        }
-        // The stalls block by block, in the streamer's order (the stretch they fall in).
-        let mut line = String::new();
-        let blocks = stalls.iter().map(|r| r.block + 1).max().unwrap_or(0);
-        for backward in [false, true] {
-            let mut per = vec![0.0f64; blocks];
-            for r in stalls.iter().filter(|r| r.backward == backward) {
-                per[r.block] += r.ms / timed as f64;
-            }
-            line.push_str(if backward { "\nbackward:" } else { "forward:" });
+            chunks.push_str(&format!("\n{label}:"));
             for chunk in per.chunks(8) {
-                line.push_str(&format!(" {:.1}", chunk.iter().sum::<f64>()));
+                chunks.push_str(&format!(" {:.1}", chunk.iter().sum::<f64>()));
             }
         }
-        println!("compute waiting for uploads, ms/step by eight blocks at a time:\n{line}");
+        println!("compute waiting for uploads, ms/step by eight blocks at a time:{chunks}");
         let records = s.take_trace()?;
         let carried = s.carried()?;
         let mut csv = String::from("block,whole,coded,wire_bytes,copy_ms,span_ms,decode_ms\n");

@@ -13,7 +13,7 @@ use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits,
 };
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 struct Inner {
     ordinal: usize,
@@ -38,7 +38,7 @@ struct Inner {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     /// Each module loaded so far and the seconds its load took (`module_loads`).
     module_loads: Mutex<Vec<(&'static str, f64)>>,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    functions: RwLock<HashMap<&'static str, HashMap<String, CudaFunction>>>,
     /// Clusters of a kernel resident at once, by (module/name, threads, dynamic shared bytes).
     clusters: Mutex<HashMap<(String, u32, u32), usize>>,
     mem: Arc<Pool>,
@@ -236,7 +236,7 @@ impl CudaDevice {
             smem_optin,
             modules: Mutex::new(HashMap::new()),
             module_loads: Mutex::new(Vec::new()),
-            functions: Mutex::new(HashMap::new()),
+            functions: RwLock::new(HashMap::new()),
             clusters: Mutex::new(HashMap::new()),
             mem,
             done: OnceLock::new(),
@@ -701,15 +701,20 @@ impl CudaDevice {
 
     /// A kernel from an embedded module; the module is JIT-loaded once, the handle cached.
     pub fn function(&self, module: &'static str, name: &str) -> Result<CudaFunction> {
-        let key = format!("{module}/{name}");
-        let mut fns = self
-            .0
-            .functions
-            .lock()
-            .map_err(|_| Error::Poisoned("CUDA function cache"))?;
-        if let Some(f) = fns.get(&key) {
-            return Ok(f.clone());
+        // A launch reads the handle under a shared lock, keyed by the borrowed names: no
+        // allocation and no waiting on other issuing threads, nor on a module being loaded.
+        {
+            let fns = self
+                .0
+                .functions
+                .read()
+                .map_err(|_| Error::Poisoned("CUDA function cache"))?;
+            if let Some(f) = fns.get(module).and_then(|m| m.get(name)) {
+                return Ok(f.clone());
+            }
         }
+        // A first use: the module is loaded (the driver may compile its PTX, seconds) under
+        // the module lock alone, so launches of kernels already known go on meanwhile.
         let m = {
             let mut cache = self
                 .0
@@ -748,7 +753,13 @@ impl CudaDevice {
         let f = m
             .load_function(name)
             .map_err(cuda_err(&format!("kernel '{name}' in module '{module}'")))?;
-        fns.insert(key, f.clone());
+        self.0
+            .functions
+            .write()
+            .map_err(|_| Error::Poisoned("CUDA function cache"))?
+            .entry(module)
+            .or_default()
+            .insert(name.to_string(), f.clone());
         Ok(f)
     }
 }

@@ -205,6 +205,21 @@ impl Device {
         }
     }
 
+    /// How many kernel modules this process has loaded on the device and the seconds the
+    /// loads took (the driver compiles a module's PTX at its first use on a machine, then
+    /// reads its disk cache); `None` on the CPU, which loads none.
+    pub fn kernel_loads(&self) -> Option<(usize, f64)> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                let loads = d.module_loads();
+                Some((loads.len(), loads.iter().map(|(_, s)| s).sum()))
+            }
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+
     pub(crate) fn storage_from_host(&self, data: &CpuStorage) -> Result<Storage> {
         on_device!(self, d => d.storage_from_host(data))
     }

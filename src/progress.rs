@@ -119,3 +119,72 @@ impl Snapshot {
         })
     }
 }
+
+/// Wall seconds spent in named phases, each phase's spans summed, in the order first met:
+/// where a run's minutes went (the `train` and `sample` summaries print it).
+#[derive(Debug)]
+pub struct Timeline {
+    open: Option<std::time::Instant>,
+    spent: Vec<(&'static str, f64)>,
+}
+
+impl Default for Timeline {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Timeline {
+    /// No phase timed yet.
+    pub fn new() -> Timeline {
+        Timeline {
+            open: None,
+            spent: vec![],
+        }
+    }
+
+    /// A span begins (a span already open is restarted).
+    pub fn begin(&mut self) {
+        self.open = Some(std::time::Instant::now());
+    }
+
+    /// The open span ends and counts to `phase`; without an open span, nothing.
+    pub fn end(&mut self, phase: &'static str) {
+        if let Some(t) = self.open.take() {
+            self.add(phase, t.elapsed().as_secs_f64());
+        }
+    }
+
+    /// `secs` more to `phase`.
+    pub fn add(&mut self, phase: &'static str, secs: f64) {
+        match self.spent.iter_mut().find(|(p, _)| *p == phase) {
+            Some((_, s)) => *s += secs,
+            None => self.spent.push((phase, secs)),
+        }
+    }
+
+    /// Each phase and its seconds, in the order first met.
+    pub fn phases(&self) -> &[(&'static str, f64)] {
+        &self.spent
+    }
+}
+
+/// One line of where `total` seconds went: each phase's seconds, then what the phases do
+/// not cover (start-up, loading, planning, the final writes: `rest` names it), then the
+/// whole ("time: caching 5.0 s, training steps 20.1 s; start-up and loading 30.2 s; 55.3 s
+/// in all").
+pub fn time_line(phases: &[(&'static str, f64)], total: f64, rest: &str) -> String {
+    let each: Vec<String> = phases
+        .iter()
+        .map(|(p, s)| format!("{p} {s:.1} s"))
+        .collect();
+    let covered: f64 = phases.iter().map(|(_, s)| s).sum();
+    let besides = (total - covered).max(0.0);
+    format!(
+        "time: {}; {rest} {besides:.1} s; {total:.1} s in all",
+        match each.is_empty() {
+            true => "no phase timed".to_string(),
+            false => each.join(", "),
+        }
+    )
+}

@@ -110,6 +110,29 @@ fn images_train_a_lora_with_validation_samples_and_a_plot() {
     }
     assert!(image::open(out.join("loss.png")).is_ok());
     assert!(out.join("lora.safetensors").is_file());
+    // Each phase's wall time, in the order first met: caching and the model's load as the
+    // trainer opened, then the run's (a step's checkpoint before its optional phases).
+    let names: Vec<&str> = t.phase_seconds().iter().map(|(p, _)| *p).collect();
+    assert_eq!(
+        names,
+        [
+            "caching",
+            "loading the model",
+            "training steps",
+            "checkpoints",
+            "validation",
+            "sample images"
+        ],
+        "{:?}",
+        t.phase_seconds()
+    );
+    assert!(
+        t.phase_seconds()
+            .iter()
+            .all(|(_, s)| s.is_finite() && *s >= 0.0),
+        "{:?}",
+        t.phase_seconds()
+    );
 
     // Opening again reuses every entry.
     let (_, notes) = open(&cfg, Prepare::Encode);

@@ -710,7 +710,55 @@ fn the_binaries_check_before_they_start() {
     for s in 1..=3 {
         assert!(err.contains(&format!("image 1/1: step {s}/3")), "{err}");
     }
+    // Where the run's time went: each phase, what they leave out, the whole.
+    let time = err
+        .lines()
+        .find(|l| l.starts_with("time: "))
+        .unwrap_or_else(|| panic!("no time line: {err}"));
+    for phase in [
+        "text encoders",
+        "autoencoder and references",
+        "loading the model",
+        "denoising",
+        "decoding and writing",
+    ] {
+        assert!(time.contains(&format!("{phase} ")), "{phase}: {time}");
+    }
+    assert!(time.ends_with(" s in all"), "{time}");
     std::fs::remove_dir_all(&d).ok();
+}
+
+/// The timeline sums each phase's spans in the order first met, and the line says what the
+/// phases leave of the whole.
+#[test]
+fn the_timeline_sums_spans_by_phase() {
+    use flame::progress::{time_line, Timeline};
+    let mut t = Timeline::new();
+    t.add("caching", 2.0);
+    t.add("training steps", 10.0);
+    t.add("caching", 0.5);
+    t.end("validation"); // no span open: nothing counted
+    t.begin();
+    t.end("validation");
+    let phases = t.phases().to_vec();
+    assert_eq!(phases.len(), 3, "{phases:?}");
+    assert_eq!(phases[0], ("caching", 2.5));
+    assert_eq!(phases[1], ("training steps", 10.0));
+    assert_eq!(phases[2].0, "validation");
+    assert!(phases[2].1 >= 0.0 && phases[2].1 < 5.0, "{phases:?}");
+    let line = time_line(
+        &[("caching", 2.5), ("training steps", 10.0)],
+        20.0,
+        "the rest",
+    );
+    assert_eq!(
+        line,
+        "time: caching 2.5 s, training steps 10.0 s; the rest 7.5 s; 20.0 s in all"
+    );
+    assert_eq!(
+        time_line(&[], 1.5, "start-up"),
+        "time: no phase timed; start-up 1.5 s; 1.5 s in all"
+    );
 }
 
 #[test]

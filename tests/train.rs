@@ -947,7 +947,19 @@ fn train_bin(dir: &Path, steps: usize, fault: Option<&str>, args: &[&str]) -> st
 fn the_binary_survives_kills_and_full_disks_at_every_write() {
     let steps = 12; // checkpoints at 4, 8, 12; two kept
     let full = temp("fault-full");
-    assert!(train_bin(&full, steps, None, &[]).status.success());
+    let o = train_bin(&full, steps, None, &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // The summary says where the run's time went, phase by phase (the latents come
+    // encoded: no caching phase).
+    let time = err
+        .lines()
+        .find(|l| l.starts_with("time: "))
+        .unwrap_or_else(|| panic!("no time line: {err}"));
+    for phase in ["loading the model", "training steps", "checkpoints"] {
+        assert!(time.contains(&format!("{phase} ")), "{phase}: {time}");
+    }
+    assert!(time.ends_with(" s in all"), "{time}");
     let want = losses(&full.join("tiny/out-encoded"));
     let lora =
         flame::train::metadata::content(&full.join("tiny/out-encoded/lora.safetensors")).unwrap();

@@ -437,6 +437,9 @@ fn check_references(a: &Args, family: &models::Family) -> flame::Result<()> {
 }
 
 fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
+    let started = std::time::Instant::now();
+    // Where the minutes go, printed at the end.
+    let mut time = flame::progress::Timeline::new();
     check_files(a, model_path)?;
     // Before anything is looked for, where --arch names the family.
     if let Some(f) = a.arch.as_deref().and_then(|n| models::family(n).ok()) {
@@ -560,6 +563,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     flame::memory::hold_to_budget(&device, a.budget)?;
     // (FLUX.2's conditioning does not read the size: with references it may change below.)
     let size = (height, width);
+    time.begin();
     let (conds, uncond) = {
         let opts = TextOptions {
             guided,
@@ -663,6 +667,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             .collect::<flame::Result<Vec<_>>>()?;
         (conds, encode(&a.negative)?)
     };
+    time.end("text encoders");
 
     // The model, with the LoRA merged as its weights load.
     if let Some(l) = &a.lora {
@@ -670,6 +675,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             .map_err(|e| flag("--lora", l, e))?;
         opts.merge = Some(Arc::new(m));
     }
+    time.begin();
     let vae = {
         let mut v = load_vae(family, &vae_at, dtype, &device, "--vae")?;
         match flame::train::images::decode_tile(a.vae_tile, a.budget > 0.0) {
@@ -698,6 +704,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             })
             .collect::<flame::Result<Vec<_>>>()?
     };
+    time.end("autoencoder and references");
     let (height, width) = match refs.first() {
         Some(r) => (
             a.height.unwrap_or(r.dims()[2] * f),
@@ -739,6 +746,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         });
     }
     if a.budget > 0.0 {
+        time.begin();
         let choice = flame::train::planning::plan_denoising(
             family,
             model_path,
@@ -754,8 +762,11 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         batched =
             flame::train::planning::batch_fits(family, model_path, &opts, &choice, &shapes, 2)?;
         opts.memory = choice.plan;
+        time.end("planning");
     }
+    time.begin();
     let model = family.load(model_path, &opts)?.model;
+    time.end("loading the model");
     // A step-distilled pipeline (FLUX.2 [klein]) takes no classifier-free guidance, as
     // diffusers ignores its scale there.
     let guidance = if !guided && a.guidance(arch) > 1.0 && models::step_distilled(model_path)? {
@@ -808,6 +819,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         true => vec![],
         false => vec![refs; count],
     };
+    time.begin();
     let latents = generate_referenced(
         model.as_ref(),
         &conds,
@@ -818,6 +830,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         &mut progress,
     )?;
     drop(model);
+    time.end("denoising");
     for (i, z) in latents.iter().enumerate() {
         if z.to_dtype(DType::F32)?
             .to_vec_f64()?
@@ -845,10 +858,23 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     })?;
     let _g = flame::no_grad();
     let mut written = vec![];
+    time.begin();
     for (z, path) in latents.iter().zip(paths) {
         let img = vae.decode_latents(&z.to_dtype(dtype)?)?;
         flame::data::save_png(&img.squeeze(0)?, &path)?;
         written.push(path);
+    }
+    time.end("decoding and writing");
+    eprintln!(
+        "{}",
+        flame::progress::time_line(
+            time.phases(),
+            started.elapsed().as_secs_f64(),
+            "start-up and the rest",
+        )
+    );
+    if let Some((n, secs)) = device.kernel_loads() {
+        eprintln!("kernels: {n} modules loaded in {secs:.1} s");
     }
     Ok(written)
 }

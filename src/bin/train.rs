@@ -631,6 +631,7 @@ fn run(
     place: Placement,
     rank: Option<usize>,
 ) -> flame::Result<ExitCode> {
+    let started = std::time::Instant::now();
     let quiet = rank.is_some_and(|r| r > 0);
     let config = read_config(path)?;
     if !quiet {
@@ -804,15 +805,16 @@ fn run(
             driver.join(", ")
         ));
     }
+    p.line(&flame::progress::time_line(
+        &trainer.phase_seconds(),
+        started.elapsed().as_secs_f64(),
+        "start-up, planning and the final writes",
+    ));
     // The driver compiles the kernels' PTX for this GPU at a machine's first run (tens of
     // seconds), then reads them from its disk cache: say what it took.
-    #[cfg(feature = "cuda")]
-    if let flame::Device::Cuda(d) = trainer.device() {
-        let loads = d.module_loads();
-        let secs: f64 = loads.iter().map(|(_, s)| s).sum();
+    if let Some((n, secs)) = trainer.device().kernel_loads() {
         p.line(&format!(
-            "kernels: {} modules loaded in {secs:.1} s (compiled for this GPU on a machine's first run, cached by the driver after)",
-            loads.len()
+            "kernels: {n} modules loaded in {secs:.1} s (compiled for this GPU on a machine's first run, cached by the driver after)"
         ));
     }
     match end {

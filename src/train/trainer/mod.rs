@@ -209,16 +209,22 @@ pub enum FolderAction {
 /// Fixed timesteps per held-out sample in [`Trainer::validation_loss`].
 pub const VALIDATION_POINTS: usize = 4;
 
-/// Peak bytes in use on a GPU per phase of a run: [`PhasePeaks::start`] resets the
-/// device's peak, [`PhasePeaks::end`] keeps the largest seen for the phase, and the bytes the
-/// process holds as the driver counts them when the phase last ended (the allocator's arena,
-/// the context, and whatever the phase took outside the allocator that stays).
+/// Peak bytes in use on a GPU per phase of a run, and the wall time of each phase:
+/// [`PhasePeaks::start`] resets the device's peak, [`PhasePeaks::end`] keeps the largest seen
+/// for the phase, and the bytes the process holds as the driver counts them when the phase
+/// last ended (the allocator's arena, the context, and whatever the phase took outside the
+/// allocator that stays), and adds the span to the phase's seconds.
 #[derive(Default)]
-struct PhasePeaks(std::sync::Mutex<Vec<(&'static str, u64, u64)>>);
+struct PhasePeaks {
+    /// Each phase's allocator peak and the driver's bytes at its last end.
+    memory: std::sync::Mutex<Vec<(&'static str, u64, u64)>>,
+    /// Each phase's wall seconds.
+    time: std::sync::Mutex<crate::progress::Timeline>,
+}
 
 impl PhasePeaks {
-    /// A phase begins: its peak counts from here, and the data-parallel watchdog names it
-    /// ([`crate::progress`]).
+    /// A phase begins: its peak and its time count from here, and the data-parallel
+    /// watchdog names it ([`crate::progress`]).
     fn start(&self, device: &Device, phase: &str) {
         crate::progress::set_phase(phase);
         #[cfg(feature = "cuda")]
@@ -227,11 +233,13 @@ impl PhasePeaks {
             c.reset_peak_memory();
         }
         let _ = device;
+        self.clock_in();
     }
 
     fn end(&self, device: &Device, phase: &'static str) {
+        self.clock_out(phase);
         #[cfg(feature = "cuda")]
-        if let (Device::Cuda(c), Ok(mut v)) = (device, self.0.lock()) {
+        if let (Device::Cuda(c), Ok(mut v)) = (device, self.memory.lock()) {
             let peak = c.memory().peak;
             let held = c.process_memory().unwrap_or(0);
             match v.iter_mut().find(|(p, _, _)| *p == phase) {
@@ -245,17 +253,38 @@ impl PhasePeaks {
         let _ = (device, phase);
     }
 
+    /// A span of time alone begins (a phase with no peak of its own: the model's load).
+    fn clock_in(&self) {
+        if let Ok(mut t) = self.time.lock() {
+            t.begin();
+        }
+    }
+
+    /// The span begun last counts to `phase`.
+    fn clock_out(&self, phase: &'static str) {
+        if let Ok(mut t) = self.time.lock() {
+            t.end(phase);
+        }
+    }
+
     fn all(&self) -> Vec<(&'static str, u64)> {
-        self.0
+        self.memory
             .lock()
             .map(|v| v.iter().map(|&(p, b, _)| (p, b)).collect())
             .unwrap_or_default()
     }
 
     fn driver(&self) -> Vec<(&'static str, u64)> {
-        self.0
+        self.memory
             .lock()
             .map(|v| v.iter().map(|&(p, _, d)| (p, d)).collect())
+            .unwrap_or_default()
+    }
+
+    fn seconds(&self) -> Vec<(&'static str, f64)> {
+        self.time
+            .lock()
+            .map(|t| t.phases().to_vec())
             .unwrap_or_default()
     }
 }
@@ -382,6 +411,14 @@ impl Trainer {
     /// next; empty on the CPU.
     pub fn phase_driver_bytes(&self) -> Vec<(&'static str, u64)> {
         self.peaks.driver()
+    }
+
+    /// The wall seconds this process's run has spent so far in each phase ("caching",
+    /// "loading the model", "training steps", "validation", "sample images", "checkpoints"),
+    /// in the order first met, on every device: with the run's whole time, where its minutes
+    /// went (the `train` summary prints it).
+    pub fn phase_seconds(&self) -> Vec<(&'static str, f64)> {
+        self.peaks.seconds()
     }
 
     /// How many requests the allocator has served from the driver beyond its cap's arena

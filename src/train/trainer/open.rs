@@ -146,7 +146,9 @@ impl Trainer {
             phases,
         } = planned(config, prepare, place, on)?;
         opts.memory = memory.plan.clone();
+        peaks.clock_in();
         let loaded = family.load(&config.model.path, &opts)?;
+        peaks.clock_out("loading the model");
         super::step::check_loss_options(&config, &loaded.model.objective())?;
         check_adapters(&config, &adapters, &loaded.key_map)?;
         for line in crate::train::groups::block_report(&config, &adapters)? {

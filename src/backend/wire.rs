@@ -192,14 +192,70 @@ fn run_values(c: usize, t: usize, len: usize) -> impl Iterator<Item = usize> {
         .filter(move |&i| i < len)
 }
 
-/// `bits` (bf16 values as their bit patterns) coded, or `None` when that would save less than
-/// `MIN_SAVING` of their bytes (exponents spread wide, or too few values).
-pub fn encode(bits: &[u16]) -> Option<Coded> {
+/// Chunks a task of [`encode`] takes at least: enough work (about 1 MiB of values) that the
+/// pool's hand-offs cost nothing beside it.
+const CHUNKS_A_TASK: usize = 128;
+
+/// One chunk's 32 run streams, interleaved (word w of run t at `32 w + t`, each stream
+/// padded with zeros to the longest), as [`encode`] lays them; `streams` is scratch.
+fn encode_chunk(
+    bits: &[u16],
+    c: usize,
+    codes: &[(u32, u32); 256],
+    streams: &mut [Vec<u32>; 32],
+    out: &mut Vec<u32>,
+) {
     let len = bits.len();
-    let mut counts = [0u64; 256];
-    for &b in bits {
-        counts[((b >> 7) & 0xFF) as usize] += 1;
+    for (t, stream) in streams.iter_mut().enumerate() {
+        stream.clear();
+        // Bits not yet in the stream: `acc`'s low `n`.
+        let (mut acc, mut n) = (0u64, 0u32);
+        for i in run_values(c, t, len) {
+            let (code, l) = codes[((bits[i] >> 7) & 0xFF) as usize];
+            acc |= (code as u64) << n;
+            n += l;
+            if n >= 32 {
+                stream.push(acc as u32);
+                acc >>= 32;
+                n -= 32;
+            }
+        }
+        if n > 0 {
+            stream.push(acc as u32);
+        }
     }
+    let rows = streams.iter().map(Vec::len).max().unwrap_or(0);
+    for w in 0..rows {
+        out.extend(streams.iter().map(|s| s.get(w).copied().unwrap_or(0)));
+    }
+}
+
+/// `bits` (bf16 values as their bit patterns) coded, or `None` when that would save less than
+/// `MIN_SAVING` of their bytes (exponents spread wide, or too few values). The counts, the
+/// chunks' streams and the output bytes are worked out on the host's cores (rayon) in pieces
+/// of whole chunks, and joined in order: the same bytes as one core would write.
+pub fn encode(bits: &[u16]) -> Option<Coded> {
+    use rayon::prelude::*;
+    let len = bits.len();
+    let piece = CHUNKS_A_TASK * CHUNK;
+    let counts = bits
+        .par_chunks(piece)
+        .map(|p| {
+            let mut counts = [0u64; 256];
+            for &b in p {
+                counts[((b >> 7) & 0xFF) as usize] += 1;
+            }
+            counts
+        })
+        .reduce(
+            || [0u64; 256],
+            |mut a, b| {
+                for (x, y) in a.iter_mut().zip(b) {
+                    *x += y;
+                }
+                a
+            },
+        );
     let codes = canonical(&code_lengths(&counts, MAX_LEN));
     let code_bits: u64 = (0..256).map(|s| counts[s] * codes[s].1 as u64).sum();
     let chunks = len.div_ceil(CHUNK);
@@ -210,61 +266,75 @@ pub fn encode(bits: &[u16]) -> Option<Coded> {
     {
         return None;
     }
-    let mut words: Vec<u32> = Vec::with_capacity((code_bits as usize).div_ceil(32) + 64 * chunks);
+    // Each piece's chunks' words in order, and where each chunk starts within its piece.
+    let pieces: Vec<(Vec<u32>, Vec<usize>)> = (0..chunks.div_ceil(CHUNKS_A_TASK))
+        .into_par_iter()
+        .map(|k| {
+            let first = k * CHUNKS_A_TASK;
+            let last = (first + CHUNKS_A_TASK).min(chunks);
+            let mut words = Vec::new();
+            let mut starts = Vec::with_capacity(last - first);
+            let mut streams: [Vec<u32>; 32] = std::array::from_fn(|_| Vec::new());
+            for c in first..last {
+                starts.push(words.len());
+                encode_chunk(bits, c, &codes, &mut streams, &mut words);
+            }
+            (words, starts)
+        })
+        .collect();
+    // Streams start at a u32 word: a tensor of over ~10^10 values is not coded.
     let mut chunk_words = Vec::with_capacity(chunks);
-    let mut streams: Vec<Vec<u32>> = vec![Vec::new(); 32];
-    for c in 0..chunks {
-        for (t, stream) in streams.iter_mut().enumerate() {
-            stream.clear();
-            // Bits not yet in the stream: `acc`'s low `n`.
-            let (mut acc, mut n) = (0u64, 0u32);
-            for i in run_values(c, t, len) {
-                let (code, l) = codes[((bits[i] >> 7) & 0xFF) as usize];
-                acc |= (code as u64) << n;
-                n += l;
-                if n >= 32 {
-                    stream.push(acc as u32);
-                    acc >>= 32;
-                    n -= 32;
-                }
-            }
-            if n > 0 {
-                stream.push(acc as u32);
-            }
+    let mut total = 0usize;
+    for (words, starts) in &pieces {
+        for &s in starts {
+            chunk_words.push(u32::try_from(total + s).ok()?);
         }
-        // Streams start at a u32 word: a tensor of over ~10^10 values is not coded.
-        chunk_words.push(u32::try_from(words.len()).ok()?);
-        let rows = streams.iter().map(Vec::len).max().unwrap_or(0);
-        for w in 0..rows {
-            words.extend(streams.iter().map(|s| s.get(w).copied().unwrap_or(0)));
-        }
+        total += words.len();
     }
-    let layout = Layout::new(len, words.len());
+    let layout = Layout::new(len, total);
     if (layout.bytes as f64) > (1.0 - MIN_SAVING) * (2 * len) as f64 {
         return None;
     }
     let mut out = vec![0u8; layout.bytes];
-    for (i, &b) in bits.iter().enumerate() {
-        out[layout.sm + i] = (((b >> 8) & 0x80) | (b & 0x7F)) as u8;
-    }
-    for (s, &(code, l)) in codes.iter().enumerate() {
-        if l == 0 {
-            continue;
-        }
-        let entry = (s as u16) | ((l as u16) << 8);
-        for j in 0..1usize << (MAX_LEN - l) {
-            let at = layout.table + 2 * (code as usize | (j << l));
-            out[at..at + 2].copy_from_slice(&entry.to_le_bytes());
+    {
+        let (sm, rest) = out.split_at_mut(layout.table);
+        sm[..len]
+            .par_chunks_mut(piece)
+            .zip(bits.par_chunks(piece))
+            .for_each(|(o, b)| {
+                for (o, &b) in o.iter_mut().zip(b) {
+                    *o = (((b >> 8) & 0x80) | (b & 0x7F)) as u8;
+                }
+            });
+        let table = &mut rest[..layout.chunks - layout.table];
+        for (s, &(code, l)) in codes.iter().enumerate() {
+            if l == 0 {
+                continue;
+            }
+            let entry = (s as u16) | ((l as u16) << 8);
+            for j in 0..1usize << (MAX_LEN - l) {
+                let at = 2 * (code as usize | (j << l));
+                table[at..at + 2].copy_from_slice(&entry.to_le_bytes());
+            }
         }
     }
     for (c, w) in chunk_words.iter().enumerate() {
         let at = layout.chunks + 4 * c;
         out[at..at + 4].copy_from_slice(&w.to_le_bytes());
     }
-    for (k, w) in words.iter().enumerate() {
-        let at = layout.bits + 4 * k;
-        out[at..at + 4].copy_from_slice(&w.to_le_bytes());
+    // Each piece's words to their place.
+    let mut rest = &mut out[layout.bits..layout.bits + 4 * total];
+    let mut places = Vec::with_capacity(pieces.len());
+    for (words, _) in &pieces {
+        let (here, after) = rest.split_at_mut(4 * words.len());
+        places.push((here, words));
+        rest = after;
     }
+    places.into_par_iter().for_each(|(dst, words)| {
+        for (d, w) in dst.chunks_exact_mut(4).zip(words.iter()) {
+            d.copy_from_slice(&w.to_le_bytes());
+        }
+    });
     Some(Coded { layout, bytes: out })
 }
 
@@ -391,6 +461,8 @@ mod tests {
             (9000, 0.02),
             (70_001, 0.02),
             (300_000, 0.1),
+            // Several of encode's tasks, the last one short and its last chunk too.
+            (2 * CHUNKS_A_TASK * CHUNK + 5 * CHUNK + 77, 0.02),
         ] {
             let v = values(n, scale, n as u64);
             match encode(&v) {
@@ -412,6 +484,37 @@ mod tests {
                 None => assert!(n < 9_000, "{n} values not coded"),
             }
         }
+    }
+
+    /// The pieces encoded apart join into the layout of one pass over the chunks: each
+    /// chunk's first word is where the chunks before it end.
+    #[test]
+    fn pieces_join_as_one_pass_lays_the_chunks() {
+        let n = 3 * CHUNKS_A_TASK * CHUNK + 3 * CHUNK + 1;
+        let v = values(n, 0.02, 7);
+        let c = encode(&v).unwrap();
+        let counts = {
+            let mut k = [0u64; 256];
+            for &b in &v {
+                k[((b >> 7) & 0xFF) as usize] += 1;
+            }
+            k
+        };
+        let codes = canonical(&code_lengths(&counts, MAX_LEN));
+        let mut streams: [Vec<u32>; 32] = std::array::from_fn(|_| Vec::new());
+        let mut words = vec![];
+        for ch in 0..c.layout.chunks() {
+            let at = c.layout.chunks + 4 * ch;
+            let first = u32::from_le_bytes(c.bytes[at..at + 4].try_into().unwrap());
+            assert_eq!(first as usize, words.len(), "chunk {ch}");
+            encode_chunk(&v, ch, &codes, &mut streams, &mut words);
+        }
+        let bits: Vec<u32> = c.bytes[c.layout.bits..c.layout.bits + 4 * words.len()]
+            .chunks_exact(4)
+            .map(|w| u32::from_le_bytes(w.try_into().unwrap()))
+            .collect();
+        assert_eq!(bits, words);
+        assert_eq!(c.layout, Layout::new(n, words.len()));
     }
 
     #[test]

@@ -1903,10 +1903,13 @@ impl MemoryProfile {
                 .collect();
             v.extend(twins);
         }
-        let mut keyed: Vec<(f64, u64, Plan)> = v
-            .into_iter()
-            .map(|p| (self.cost(&p), self.peak(&p), p))
-            .collect();
+        // Fastest first: the time model's step and the peak of each, on the host's cores.
+        let mut keyed: Vec<(f64, u64, Plan)> = {
+            use rayon::prelude::*;
+            v.into_par_iter()
+                .map(|p| (self.cost(&p), self.peak(&p), p))
+                .collect()
+        };
         keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         let mut v: Vec<Plan> = keyed.into_iter().map(|(_, _, p)| p).collect();
         // The smallest plan, last: every block streamed with a prefetch of one, nothing kept,
@@ -2039,18 +2042,28 @@ impl MemoryProfile {
         budget: u64,
         candidates: Vec<Plan>,
     ) -> std::result::Result<Planned, NoPlan> {
+        use rayon::prelude::*;
         let mut minimum = u64::MAX;
         // The chosen plan, and its rank among the near ones: (mixes, lacks room, bytes over
         // the link if it has room, peak).
         let mut chosen: Option<(Plan, (bool, bool, u64, u64))> = None;
         let mut limit = f64::INFINITY;
-        for plan in candidates {
-            let peak = self.peak(&plan);
+        // Each candidate's peak, and the time model's cost of those that fit, on the host's
+        // cores (the time model plays every block's passes: seconds over a few thousand
+        // candidates on one core); the choice then goes through them in order.
+        let weighed: Vec<(Plan, u64, Option<f64>)> = candidates
+            .into_par_iter()
+            .map(|plan| {
+                let peak = self.peak(&plan);
+                let cost = self.fits(&plan, peak, budget).then(|| self.cost(&plan));
+                (plan, peak, cost)
+            })
+            .collect();
+        for (plan, peak, cost) in weighed {
             minimum = minimum.min(peak);
-            if !self.fits(&plan, peak, budget) {
+            let Some(cost) = cost else {
                 continue;
-            }
-            let cost = self.cost(&plan);
+            };
             let mixes = self.saves_activations(&plan) && !plan.streamed.is_empty();
             let roomy = peak <= budget - budget / ROOM_DIVISOR;
             let link = if roomy { self.streamed_bytes(&plan) } else { 0 };

@@ -139,7 +139,7 @@ row() {
     bash "$here/budget_rows.sh" "$pipes/${pipe:-$arch}" "$work/$name" "$root/.gpu/train" "$budget" \
     > "$work/$name.log" 2>&1
   echo "== row $name on GPU $g: exit $?"
-  grep -E "^== |memory:|peaks" "$work/$name.log" | head -n 12
+  grep -E "^== |memory:|peaks|^time:|^kernels:|^done:" "$work/$name.log" | head -n 20
 }
 
 case ${1:-} in

@@ -2,9 +2,13 @@
 # Every row of the whole-run memory table (BENCHMARKS.md) from one build, spread over the
 # GPUs of the machine: each row is `scripts/budget_rows.sh` on a GPU of its own (its own
 # holder keeps all but the row's budget of that card), the rows of a GPU one after another.
-# Build here:
-#   ../shared/gpu/bundle --bin train --bin sample --bench train_step --features cuda
-#   cd .gpu && tar cf - train sample bench-train_step | xz -T2 -3 > bins.tar.xz && rm -f train sample bench-*
+# Build here (FLAME_CUDA_SASS=90: the kernels' H100/H200 machine code embedded, no compile of
+# their PTX on the GPU machine's first run):
+#   FLAME_CUDA_SASS=90 ../shared/gpu/bundle --bin train --bin sample --bench train_step --features cuda
+#   cd .gpu && tar cf - train sample bench-train_step | xz -T1 --lzma2=preset=6,dict=400MiB > bins.tar.xz \
+#     && rm -f train sample bench-*
+# (one dictionary over the binaries, which embed the same kernels: about 2 MB a binary more
+# than the first)
 # then, there, with carry [".gpu", ".whl"] (diffusers for the pipelines):
 #   [FAMILIES="sd3 ..."] bash scripts/budget_table.sh make PIPES   random full-size Flux-dev, SD3.5-large and
 #                                                     SDXL pipelines in PIPES/{flux,sd3,sdxl}
@@ -212,22 +216,24 @@ case ${1:-} in
   part)
     # part N PIPES WORK: the eight rows in four calls of at most 600 s each on one H200
     # (SAMPLE_STEPS=4; the machine kept warm between the calls, so PIPES stays there). Each
-    # call's time from build c5086df's rows (train run + `sample` run, s) and `make`:
-    #   1: make sd3 + sdxl (103), sdxl8 (150), sdxl4 (79)                      about 330 s
-    #   2: sd3-16 (100), sd3-8 (136), sd3's folder removed, make flux (90),
-    #      flux24 (126)                                                        about 450 s
-    #   3: flux12 (201), flux8 (218)                                           about 420 s
-    #   4: flux6 (FP8, AdamW8bit; about 250)
-    # A fresh machine's first process also waits for the driver's compile of the kernels
-    # (tens of seconds; part 1 takes it).
+    # call's time from build eaa7162's rows (train run + `sample` run, s) and `make`:
+    #   1: make sd3 + sdxl (103), sdxl8 (135 + the kernels' first compile), sdxl4 (133)
+    #                                                                          about 500 s
+    #   2: sd3-16 (149), sd3-8 (192), sd3's folder removed, make flux (90)     about 430 s
+    #   3: flux24 (148), flux12 (246)                                          about 400 s
+    #   4: flux8 (254), flux6 (FP8, AdamW8bit; about 250)                      about 500 s
+    # (build eaa7162's second call, which also ran flux24, took 596 s.) A fresh machine's
+    # first process also waits for the driver's compile of the kernels (tens of seconds to
+    # two minutes; part 1 takes it) unless the build embeds their machine code
+    # (FLAME_CUDA_SASS=90 for H100 and H200).
     t=$here/budget_table.sh
     n=$2 pipes=$3 work=$4
     case $n in
       1) FAMILIES="sd3 sdxl" bash "$t" make "$pipes" && bash "$t" rows "$pipes" "$work" sdxl8 sdxl4 ;;
       2) bash "$t" rows "$pipes" "$work" sd3-16 sd3-8 && rm -rf "$pipes/sd3" \
-           && FAMILIES=flux bash "$t" make "$pipes" && bash "$t" rows "$pipes" "$work" flux24 ;;
-      3) bash "$t" rows "$pipes" "$work" flux12 flux8 ;;
-      4) bash "$t" rows "$pipes" "$work" flux6 ;;
+           && FAMILIES=flux bash "$t" make "$pipes" ;;
+      3) bash "$t" rows "$pipes" "$work" flux24 flux12 ;;
+      4) bash "$t" rows "$pipes" "$work" flux8 flux6 ;;
       *) echo "part 1, 2, 3 or 4" >&2; exit 2 ;;
     esac ;;
   gpus)

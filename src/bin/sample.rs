@@ -829,8 +829,11 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         &noise,
         &mut progress,
     )?;
-    drop(model);
     time.end("denoising");
+    // The model's memory given back (its pinned host copies too) before the decode.
+    time.begin();
+    drop(model);
+    time.end("freeing the model");
     for (i, z) in latents.iter().enumerate() {
         if z.to_dtype(DType::F32)?
             .to_vec_f64()?

@@ -230,6 +230,15 @@ fn encode_chunk(
     }
 }
 
+/// How many of `bits` (bf16 bit patterns) have each exponent.
+fn exponent_counts(bits: &[u16]) -> [u64; 256] {
+    let mut counts = [0u64; 256];
+    for &b in bits {
+        counts[((b >> 7) & 0xFF) as usize] += 1;
+    }
+    counts
+}
+
 /// `bits` (bf16 values as their bit patterns) coded, or `None` when that would save less than
 /// `MIN_SAVING` of their bytes (exponents spread wide, or too few values). The counts, the
 /// chunks' streams and the output bytes are worked out on the host's cores (rayon) in pieces
@@ -238,24 +247,15 @@ pub fn encode(bits: &[u16]) -> Option<Coded> {
     use rayon::prelude::*;
     let len = bits.len();
     let piece = CHUNKS_A_TASK * CHUNK;
-    let counts = bits
-        .par_chunks(piece)
-        .map(|p| {
-            let mut counts = [0u64; 256];
-            for &b in p {
-                counts[((b >> 7) & 0xFF) as usize] += 1;
+    let counts = bits.par_chunks(piece).map(exponent_counts).reduce(
+        || [0u64; 256],
+        |mut a, b| {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x += y;
             }
-            counts
-        })
-        .reduce(
-            || [0u64; 256],
-            |mut a, b| {
-                for (x, y) in a.iter_mut().zip(b) {
-                    *x += y;
-                }
-                a
-            },
-        );
+            a
+        },
+    );
     let codes = canonical(&code_lengths(&counts, MAX_LEN));
     let code_bits: u64 = (0..256).map(|s| counts[s] * codes[s].1 as u64).sum();
     let chunks = len.div_ceil(CHUNK);
@@ -493,14 +493,7 @@ mod tests {
         let n = 3 * CHUNKS_A_TASK * CHUNK + 3 * CHUNK + 1;
         let v = values(n, 0.02, 7);
         let c = encode(&v).unwrap();
-        let counts = {
-            let mut k = [0u64; 256];
-            for &b in &v {
-                k[((b >> 7) & 0xFF) as usize] += 1;
-            }
-            k
-        };
-        let codes = canonical(&code_lengths(&counts, MAX_LEN));
+        let codes = canonical(&code_lengths(&exponent_counts(&v), MAX_LEN));
         let mut streams: [Vec<u32>; 32] = std::array::from_fn(|_| Vec::new());
         let mut words = vec![];
         for ch in 0..c.layout.chunks() {

@@ -1860,3 +1860,52 @@ fn the_hosts_available_memory_is_read_from_meminfo() {
         assert!(room < mem_available(&text).unwrap());
     }
 }
+
+/// The candidates weighed once where they are made choose what the plans weighed at the
+/// choice choose, budget by budget and with the host's room; a plan the switches change
+/// carries its own weights.
+#[test]
+fn weighed_candidates_choose_as_the_plans_do() {
+    use flame::memory::{Switches, Weighed};
+    let p = sd35_large();
+    let switches = Switches::default();
+    let weighed = switches.weighed_candidates(&p);
+    let plans = switches.candidates(&p);
+    assert_eq!(weighed.len(), plans.len());
+    for (w, plan) in weighed.iter().zip(&plans) {
+        assert_eq!(&w.plan, plan);
+    }
+    // Every weight is the profile's, spot-checked along the list.
+    for w in weighed.iter().step_by(weighed.len() / 97 + 1) {
+        assert_eq!(w, &Weighed::new(&p, w.plan.clone()));
+    }
+    for gb in [16.0, 8.0, 4.0, 1.0] {
+        let budget = (gb * GIB) as u64;
+        let by_plans = p.plan_among(budget, plans.clone());
+        assert_eq!(p.plan_among(budget, weighed.clone()), by_plans, "{gb} GiB");
+        assert_eq!(p.plan_among(budget, weighed.iter().collect()), by_plans);
+        for room in [Some(6 << 30), Some(0)] {
+            assert_eq!(
+                p.plan_within(budget, room, weighed.iter().collect()),
+                p.plan_within(budget, room, plans.clone()),
+                "{gb} GiB, host room {room:?}"
+            );
+        }
+    }
+    // Prefetching deeper switched off changes every streaming plan: each is weighed as
+    // changed.
+    let shallow = Switches {
+        deep_prefetch: false,
+        ..Switches::default()
+    };
+    let changed = shallow.weighed_candidates(&p);
+    assert_eq!(changed.len(), shallow.candidates(&p).len());
+    let streaming: Vec<&Weighed> = changed
+        .iter()
+        .filter(|w| !w.plan.streamed.is_empty())
+        .collect();
+    assert!(!streaming.is_empty() && streaming.iter().all(|w| !w.plan.deep_prefetch));
+    for w in streaming.iter().step_by(streaming.len() / 53 + 1) {
+        assert_eq!(*w, &Weighed::new(&p, w.plan.clone()));
+    }
+}

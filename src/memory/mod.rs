@@ -43,8 +43,9 @@ pub use machine::{
 };
 pub use offload::{InputOffload, OffloadReport};
 pub use plan::{
-    carry, cost_model, spread_evenly, BlockCost, BlockShape, Machine, MemoryProfile, NoPlan,
-    PeakParts, Plan, Planned, MARGIN_DIVISOR, ROOM_DIVISOR, SAVED_PER_TOKEN_CHANNEL,
+    carry, cost_model, spread_evenly, BlockCost, BlockShape, Candidate, Machine, MemoryProfile,
+    NoPlan, PeakParts, Plan, Planned, Weighed, MARGIN_DIVISOR, ROOM_DIVISOR,
+    SAVED_PER_TOKEN_CHANNEL,
 };
 
 pub use products::ProductReport;

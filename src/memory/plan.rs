@@ -641,6 +641,84 @@ pub struct Planned {
     pub slowdown: f64,
 }
 
+/// A candidate plan with the weights the planner takes it by: the time model's cost
+/// ([`MemoryProfile::cost`]) and the predicted peak ([`MemoryProfile::peak`]), taken once
+/// where the candidates are made ([`MemoryProfile::weighed_candidates`]) and read again by
+/// the choice ([`MemoryProfile::plan_among`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Weighed {
+    /// The plan.
+    pub plan: Plan,
+    /// The time model's step under the plan beyond the resident step, as a fraction of it.
+    pub cost: f64,
+    /// Predicted peak bytes on the device.
+    pub peak: u64,
+}
+
+impl Weighed {
+    /// `plan` with its weights under `profile`.
+    pub fn new(profile: &MemoryProfile, plan: Plan) -> Weighed {
+        Weighed {
+            cost: profile.cost(&plan),
+            peak: profile.peak(&plan),
+            plan,
+        }
+    }
+}
+
+/// What [`MemoryProfile::plan_among`] chooses among: plans, weighed there, or plans weighed
+/// already (owned, or borrowed from a list the caller keeps: only the chosen one is copied).
+pub trait Candidate: Send + Sync + Sized {
+    /// The plan.
+    fn plan(&self) -> &Plan;
+    /// The plan's predicted peak, and the time model's cost where that peak fits `budget`
+    /// (`None` else: a plan weighed here is not costed then).
+    fn weights(&self, profile: &MemoryProfile, budget: u64) -> (u64, Option<f64>);
+    /// The plan, owned.
+    fn into_plan(self) -> Plan;
+}
+
+impl Candidate for Plan {
+    fn plan(&self) -> &Plan {
+        self
+    }
+    fn weights(&self, profile: &MemoryProfile, budget: u64) -> (u64, Option<f64>) {
+        let peak = profile.peak(self);
+        (
+            peak,
+            profile.fits(self, peak, budget).then(|| profile.cost(self)),
+        )
+    }
+    fn into_plan(self) -> Plan {
+        self
+    }
+}
+
+impl Candidate for Weighed {
+    fn plan(&self) -> &Plan {
+        &self.plan
+    }
+    fn weights(&self, profile: &MemoryProfile, budget: u64) -> (u64, Option<f64>) {
+        let fits = profile.fits(&self.plan, self.peak, budget);
+        (self.peak, fits.then_some(self.cost))
+    }
+    fn into_plan(self) -> Plan {
+        self.plan
+    }
+}
+
+impl Candidate for &Weighed {
+    fn plan(&self) -> &Plan {
+        &self.plan
+    }
+    fn weights(&self, profile: &MemoryProfile, budget: u64) -> (u64, Option<f64>) {
+        (*self).weights(profile, budget)
+    }
+    fn into_plan(self) -> Plan {
+        self.plan.clone()
+    }
+}
+
 /// Plans that mix resident-activation blocks with streamed ones are held to the budget less
 /// 1/32 of it: their predicted peak measured up to 1.6% under the real one (every 2nd block
 /// checkpointed, 37 streamed: 23.27 predicted, 23.65 GiB measured); the others' predictions
@@ -1002,11 +1080,7 @@ impl MemoryProfile {
             }
             (all.saturating_sub(out), coded.saturating_sub(out_coded))
         };
-        let is_streamed: Vec<bool> = self
-            .blocks
-            .iter()
-            .map(|b| plan.streamed.iter().any(|p| p == &b.prefix))
-            .collect();
+        let is_streamed = self.streamed_marks(plan);
         let ck: Vec<bool> = (0..n)
             .map(|i| Self::checkpointed(plan, i, is_streamed[i]))
             .collect();
@@ -1273,9 +1347,7 @@ impl MemoryProfile {
         plan: &'a Plan,
         carried: usize,
     ) -> impl Iterator<Item = &'a BlockCost> + 'a {
-        self.blocks
-            .iter()
-            .filter(|b| plan.streamed.contains(&b.prefix))
+        self.streamed_blocks(plan)
             .enumerate()
             .filter(move |&(k, b)| Self::forward_codes(plan, k, carried, b))
             .map(|(_, b)| b)
@@ -1388,10 +1460,8 @@ impl MemoryProfile {
     /// room the next ones need (SD3.5-large within 8 GiB, 4 resident blocks beside 34
     /// streamed: requests past the cap's arena, 9.05 GiB on the driver; H100).
     pub fn saves_activations(&self, plan: &Plan) -> bool {
-        (0..self.blocks.len()).any(|i| {
-            let streamed = plan.streamed.contains(&self.blocks[i].prefix);
-            !Self::checkpointed(plan, i, streamed)
-        })
+        let marks = self.streamed_marks(plan);
+        (0..self.blocks.len()).any(|i| !Self::checkpointed(plan, i, marks[i]))
     }
 
     /// Whether `plan` is held to its budget less `MARGIN_DIVISOR`'s share: it mixes
@@ -1435,11 +1505,7 @@ impl MemoryProfile {
     /// stops that place's forward fetching deeper.
     fn layout(&self, plan: &Plan) -> Layout {
         let n = self.blocks.len();
-        let is_streamed: Vec<bool> = self
-            .blocks
-            .iter()
-            .map(|b| plan.streamed.contains(&b.prefix))
-            .collect();
+        let is_streamed = self.streamed_marks(plan);
         let held: Vec<u64> = (0..n)
             .map(|i| self.held_bytes(plan, i, is_streamed[i]))
             .collect();
@@ -1530,8 +1596,9 @@ impl MemoryProfile {
         let mut weights = self.other_weight_bytes + kept(self.other_kept_bytes);
         let (mut work, mut offloaded) = (0u64, 0u64);
         let (mut ahead, mut ahead_block) = (0u64, 0u64);
+        let marks = self.streamed_marks(plan);
         for (i, b) in self.blocks.iter().enumerate() {
-            let streamed = plan.streamed.iter().any(|p| p == &b.prefix);
+            let streamed = marks[i];
             if !streamed {
                 weights += b.weight_bytes + kept(b.kept_bytes);
             }
@@ -1562,9 +1629,7 @@ impl MemoryProfile {
         // The products over the context computed ahead, held from the backward to the next
         // forward (`Plan::ahead_products`).
         let products: u64 = if plan.ahead_products {
-            self.blocks
-                .iter()
-                .filter(|b| plan.streamed.contains(&b.prefix))
+            self.streamed_blocks(plan)
                 .map(|b| b.context_product_bytes)
                 .sum()
         } else {
@@ -1603,10 +1668,13 @@ impl MemoryProfile {
         // the weights over the context.
         let kept = plan.prefetch.max(1).saturating_add(1);
         let m = plan.streamed.len();
+        let marks = self.streamed_marks(plan);
         let sizes = |backward: bool| -> Vec<u64> {
             self.blocks
                 .iter()
-                .filter(|b| plan.streamed.contains(&b.prefix))
+                .zip(&marks)
+                .filter(|&(_, &s)| s)
+                .map(|(b, _)| b)
                 .enumerate()
                 .map(|(k, b)| {
                     let (host, host_wire, _) = Self::host_held(plan, b);
@@ -1647,9 +1715,7 @@ impl MemoryProfile {
         }
         let mut p = Plan {
             streamed: self
-                .blocks
-                .iter()
-                .filter(|b| plan.streamed.contains(&b.prefix))
+                .streamed_blocks(plan)
                 .map(|b| b.prefix.clone())
                 .collect(),
             prefetch: plan.prefetch.max(1),
@@ -1675,11 +1741,7 @@ impl MemoryProfile {
     /// Whether `plan` has products to compute ahead (`Plan::ahead_products`): streamed
     /// blocks keeping their few-row outputs, some with Linears over the model's context.
     fn computes_ahead(&self, plan: &Plan) -> bool {
-        plan.keep.few_rows
-            && self
-                .blocks
-                .iter()
-                .any(|b| b.context_bytes > 0 && plan.streamed.contains(&b.prefix))
+        plan.keep.few_rows && self.streamed_blocks(plan).any(|b| b.context_bytes > 0)
     }
 
     /// How many of the first streamed blocks cross uncoded under `plan`
@@ -1710,6 +1772,35 @@ impl MemoryProfile {
         idx.into_iter()
             .map(|i| self.blocks[i].prefix.clone())
             .collect()
+    }
+
+    /// Whether `plan` streams each block, by place: the one test of a block's membership
+    /// every estimate makes, the plan's names hashed once a call. A scan of the names for
+    /// each block (blocks times names string comparisons, several times an estimate) took
+    /// most of SDXL's planning: 91 units, about 110,000 candidates.
+    fn streamed_marks(&self, plan: &Plan) -> Vec<bool> {
+        if plan.streamed.is_empty() {
+            return vec![false; self.blocks.len()];
+        }
+        let mut names = std::collections::HashSet::with_capacity_and_hasher(
+            plan.streamed.len(),
+            foldhash::fast::FixedState::default(),
+        );
+        names.extend(plan.streamed.iter().map(String::as_str));
+        self.blocks
+            .iter()
+            .map(|b| names.contains(b.prefix.as_str()))
+            .collect()
+    }
+
+    /// The blocks `plan` streams, in execution order.
+    fn streamed_blocks<'a>(&'a self, plan: &Plan) -> impl Iterator<Item = &'a BlockCost> + 'a {
+        let marks = self.streamed_marks(plan);
+        self.blocks
+            .iter()
+            .zip(marks)
+            .filter(|&(_, s)| s)
+            .map(|(b, _)| b)
     }
 
     /// The candidate plans, fastest first by the time model (see the module docs); ties go
@@ -1745,6 +1836,20 @@ impl MemoryProfile {
         raw_backward_allowed: bool,
         ahead_allowed: bool,
     ) -> Vec<Plan> {
+        self.weighed_candidates(offload_kept_allowed, raw_backward_allowed, ahead_allowed)
+            .into_iter()
+            .map(|w| w.plan)
+            .collect()
+    }
+
+    /// [`MemoryProfile::candidates_allowing`] with each plan's weights, in the same order:
+    /// what [`MemoryProfile::plan_among`] takes without weighing each plan again.
+    pub fn weighed_candidates(
+        &self,
+        offload_kept_allowed: bool,
+        raw_backward_allowed: bool,
+        ahead_allowed: bool,
+    ) -> Vec<Weighed> {
         let order = self.stream_order();
         let codes = self.blocks.iter().any(|b| b.coded_bytes > 0);
         let held = self
@@ -1904,17 +2009,14 @@ impl MemoryProfile {
             v.extend(twins);
         }
         // Fastest first: the time model's step and the peak of each, on the host's cores.
-        let mut keyed: Vec<(f64, u64, Plan)> = {
+        let mut v: Vec<Weighed> = {
             use rayon::prelude::*;
-            v.into_par_iter()
-                .map(|p| (self.cost(&p), self.peak(&p), p))
-                .collect()
+            v.into_par_iter().map(|p| Weighed::new(self, p)).collect()
         };
-        keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        let mut v: Vec<Plan> = keyed.into_iter().map(|(_, _, p)| p).collect();
+        v.sort_by(|a, b| a.cost.total_cmp(&b.cost).then(a.peak.cmp(&b.peak)));
         // The smallest plan, last: every block streamed with a prefetch of one, nothing kept,
         // the inputs in host memory, the weights uncoded.
-        v.push(Plan {
+        let smallest = Plan {
             checkpointing: Checkpointing::All,
             streamed: order,
             prefetch: 1,
@@ -1933,13 +2035,14 @@ impl MemoryProfile {
             rerun_ahead: false,
             reach: vec![],
             uncoded_first: 0,
-        });
+        };
+        v.push(Weighed::new(self, smallest));
         v
     }
 
     /// The fastest plan whose predicted peak is within `budget` bytes.
     pub fn plan(&self, budget: u64) -> std::result::Result<Planned, NoPlan> {
-        self.plan_among(budget, self.candidates())
+        self.plan_among(budget, self.weighed_candidates(false, false, false))
     }
 
     /// Bytes of host memory `plan` holds at its most, beside what the process holds
@@ -1955,10 +2058,13 @@ impl MemoryProfile {
         let carried = self.carried(plan);
         // Each streamed block's pack with its raw form where the backward uploads one, and
         // its weights as loaded.
+        let marks = self.streamed_marks(plan);
         let (packs, loaded): (Vec<u64>, Vec<u64>) = self
             .blocks
             .iter()
-            .filter(|b| plan.streamed.contains(&b.prefix))
+            .zip(&marks)
+            .filter(|&(_, &s)| s)
+            .map(|(b, _)| b)
             .enumerate()
             .map(|(k, b)| {
                 let pack = if Self::forward_codes(plan, k, carried, b) {
@@ -1979,7 +2085,7 @@ impl MemoryProfile {
             .blocks
             .iter()
             .enumerate()
-            .filter(|&(i, b)| Self::checkpointed(plan, i, plan.streamed.contains(&b.prefix)))
+            .filter(|&(i, _)| Self::checkpointed(plan, i, marks[i]))
             .map(|(_, b)| Self::offloaded_bytes(plan, b))
             .sum();
         let steps = packs.iter().sum::<u64>() + offloaded;
@@ -1998,31 +2104,35 @@ impl MemoryProfile {
     /// `host_room` bytes (`None`: not known, none left out). Where some plan fits `budget`
     /// but none of those fits the host too, the error says how much host memory the
     /// leanest of them needs (`NoPlan::host`).
-    pub fn plan_within(
+    pub fn plan_within<C: Candidate>(
         &self,
         budget: u64,
         host_room: Option<u64>,
-        candidates: Vec<Plan>,
+        candidates: Vec<C>,
     ) -> std::result::Result<Planned, NoPlan> {
         let Some(room) = host_room else {
             return self.plan_among(budget, candidates);
         };
-        let (fit, over): (Vec<Plan>, Vec<Plan>) = candidates
+        let (fit, over): (Vec<C>, Vec<C>) = candidates
             .into_iter()
-            .partition(|c| self.host_bytes(c) <= room);
+            .partition(|c| self.host_bytes(c.plan()) <= room);
         match self.plan_among(budget, fit) {
             Ok(p) => Ok(p),
             Err(mut no) => {
                 // The least host memory of the plans the device's budget would take.
+                let over: Vec<(&Plan, u64)> = over
+                    .iter()
+                    .map(|c| (c.plan(), c.weights(self, budget).0))
+                    .collect();
                 no.host = over
                     .iter()
-                    .filter(|c| self.fits(c, self.peak(c), budget))
-                    .map(|c| self.host_bytes(c))
+                    .filter(|&&(c, peak)| self.fits(c, peak, budget))
+                    .map(|&(c, _)| self.host_bytes(c))
                     .min()
                     .map(|least| (least, room));
                 no.minimum = no
                     .minimum
-                    .min(over.iter().map(|c| self.peak(c)).min().unwrap_or(u64::MAX));
+                    .min(over.iter().map(|&(_, peak)| peak).min().unwrap_or(u64::MAX));
                 Err(no)
             }
         }
@@ -2037,51 +2147,59 @@ impl MemoryProfile {
     /// within 24 GiB, 12 resident blocks beside 45 streamed, 506.4 and 494.2 ms against 492.8
     /// predicted, where every block checkpointed with 31 streamed ran 489.3 (1.26x) and 492.9
     /// on an earlier build (H100).
-    pub fn plan_among(
+    pub fn plan_among<C: Candidate>(
         &self,
         budget: u64,
-        candidates: Vec<Plan>,
+        candidates: Vec<C>,
     ) -> std::result::Result<Planned, NoPlan> {
         use rayon::prelude::*;
         let mut minimum = u64::MAX;
         // The chosen plan, and its rank among the near ones: (mixes, lacks room, bytes over
         // the link if it has room, peak).
-        let mut chosen: Option<(Plan, (bool, bool, u64, u64))> = None;
+        let mut chosen: Option<(usize, (bool, bool, u64, u64))> = None;
         let mut limit = f64::INFINITY;
-        // Each candidate's peak, and the time model's cost of those that fit, on the host's
-        // cores (the time model plays every block's passes: seconds over a few thousand
-        // candidates on one core); the choice then goes through them in order.
-        let weighed: Vec<(Plan, u64, Option<f64>)> = candidates
-            .into_par_iter()
-            .map(|plan| {
-                let peak = self.peak(&plan);
-                let cost = self.fits(&plan, peak, budget).then(|| self.cost(&plan));
-                (plan, peak, cost)
-            })
+        // Each candidate's peak, and the time model's cost of those that fit (taken on the
+        // host's cores where not weighed already: the time model plays every block's passes,
+        // seconds over a few thousand candidates on one core); the choice then goes through
+        // them in order.
+        let weights: Vec<(u64, Option<f64>)> = candidates
+            .par_iter()
+            .map(|c| c.weights(self, budget))
             .collect();
-        for (plan, peak, cost) in weighed {
+        for (i, (c, &(peak, cost))) in candidates.iter().zip(&weights).enumerate() {
             minimum = minimum.min(peak);
             let Some(cost) = cost else {
                 continue;
             };
-            let mixes = self.saves_activations(&plan) && !plan.streamed.is_empty();
+            // Past the first fitting plan, only those near its step are ranked.
+            if chosen.is_some() && cost > limit {
+                continue;
+            }
+            let plan = c.plan();
+            let mixes = self.saves_activations(plan) && !plan.streamed.is_empty();
             let roomy = peak <= budget - budget / ROOM_DIVISOR;
-            let link = if roomy { self.streamed_bytes(&plan) } else { 0 };
+            let link = if roomy { self.streamed_bytes(plan) } else { 0 };
             let rank = (mixes, !roomy, link, peak);
             match &chosen {
                 None => {
                     limit = (1.0 + cost) * (1.0 + cost_model::NEAR) - 1.0;
-                    chosen = Some((plan, rank));
+                    chosen = Some((i, rank));
                 }
-                Some((_, r)) if cost <= limit && rank < *r => chosen = Some((plan, rank)),
+                Some((_, r)) if rank < *r => chosen = Some((i, rank)),
                 _ => {}
             }
         }
-        let (plan, (_, _, _, peak)) = chosen.ok_or(NoPlan {
+        let no = NoPlan {
             budget,
             minimum,
             host: None,
-        })?;
+        };
+        let (i, (_, _, _, peak)) = chosen.ok_or(no.clone())?;
+        let plan = candidates
+            .into_iter()
+            .nth(i)
+            .map(Candidate::into_plan)
+            .ok_or(no)?;
         Ok(Planned {
             streamed_bytes: self.streamed_bytes(&plan),
             slowdown: self.step_ms(&plan) / self.resident_ms(),

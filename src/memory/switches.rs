@@ -4,7 +4,7 @@
 //! and the planner decides how. The `train` and `sample` binaries read them from the
 //! environment variable [`Switches::VAR`] (`FLAME_PLANNER="wire_code=off,measure_machine=off"`).
 
-use super::{MemoryProfile, Plan};
+use super::{MemoryProfile, Plan, Weighed};
 use crate::{Error, Result};
 
 /// Which of the planner's techniques it may use. Every one is on by default but
@@ -229,6 +229,31 @@ impl Switches {
             self.raw_backward,
             self.ahead_products,
         ))
+    }
+
+    /// [`Switches::candidates`] with each plan's weights, in the same order: a plan the
+    /// switches change ([`Switches::bind`]) weighed again.
+    pub fn weighed_candidates(&self, profile: &MemoryProfile) -> Vec<Weighed> {
+        use rayon::prelude::*;
+        profile
+            .weighed_candidates(self.offload_kept, self.raw_backward, self.ahead_products)
+            .into_par_iter()
+            .filter_map(|mut w| {
+                // The switches read and set flags only: the block names set aside, not
+                // copied, while they look.
+                let streamed = std::mem::take(&mut w.plan.streamed);
+                let reach = std::mem::take(&mut w.plan.reach);
+                let mut plan = self.allow(w.plan.clone())?;
+                let unchanged = plan == w.plan;
+                plan.streamed = streamed;
+                plan.reach = reach;
+                Some(if unchanged {
+                    Weighed { plan, ..w }
+                } else {
+                    Weighed::new(profile, plan)
+                })
+            })
+            .collect()
     }
 
     /// The candidates these switches allow ([`Switches::allow`]), in their order.

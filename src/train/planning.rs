@@ -240,7 +240,7 @@ pub fn plan_denoising(
     }
     let host = host_share(1);
     let p = prof
-        .plan_within(cap, host, switches.candidates(&prof))
+        .plan_within(cap, host, switches.weighed_candidates(&prof))
         .map_err(|no| Error::Config {
             path: None,
             msg: match no.host {
@@ -429,16 +429,16 @@ pub(crate) fn plan_memory(
             if let Some(m) = machine {
                 prof.machine = m;
             }
-            let candidates = config.planner.candidates(&prof);
+            let candidates = config.planner.weighed_candidates(&prof);
             let host = host_share(world);
-            match prof.plan_within(b, host, candidates.clone()) {
+            match prof.plan_within(b, host, candidates.iter().collect()) {
                 Ok(p) => {
                     // The next plan down the list that the host holds too, for the
                     // out-of-memory advice.
                     let next = candidates
-                        .into_iter()
-                        .filter(|c| host.is_none_or(|room| prof.host_bytes(c) <= room))
-                        .map(|c| (prof.peak(&c), c))
+                        .iter()
+                        .filter(|c| host.is_none_or(|room| prof.host_bytes(&c.plan) <= room))
+                        .map(|c| (c.peak, &c.plan))
                         .find(|(peak, _)| *peak < p.peak);
                     let hint = match next {
                         Some((peak, c)) => format!(

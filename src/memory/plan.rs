@@ -1850,6 +1850,7 @@ impl MemoryProfile {
         raw_backward_allowed: bool,
         ahead_allowed: bool,
     ) -> Vec<Weighed> {
+        use rayon::prelude::*;
         let order = self.stream_order();
         let codes = self.blocks.iter().any(|b| b.coded_bytes > 0);
         let held = self
@@ -1865,7 +1866,6 @@ impl MemoryProfile {
         };
         let n = self.blocks.len();
         let ahead_gains = self.ahead_gains();
-        let mut v = vec![];
         // Every block but the first j, j a sixteenth of the blocks, two ... fifteen, with
         // nothing streamed: where the weights fit and the activations of some blocks do, but
         // not those of every other block (Z-Image 6B within 32 GiB). Beside streamed blocks
@@ -1886,14 +1886,23 @@ impl MemoryProfile {
         ]
         .into_iter()
         .chain(all_but.into_iter().map(Checkpointing::AllBut));
-        for checkpointing in checkpointings {
-            // Partial checkpointing only with nothing streamed (above).
-            let most_streamed = if matches!(checkpointing, Checkpointing::AllBut(_)) {
-                0
-            } else {
-                n
-            };
-            for k in 0..=most_streamed {
+        // Each checkpointing with each count of streamed blocks, made on the host's cores
+        // (in this order: the sort below keeps it among equals).
+        let kinds: Vec<(Checkpointing, usize)> = checkpointings
+            .flat_map(|checkpointing| {
+                // Partial checkpointing only with nothing streamed (above).
+                let most_streamed = if matches!(checkpointing, Checkpointing::AllBut(_)) {
+                    0
+                } else {
+                    n
+                };
+                (0..=most_streamed).map(move |k| (checkpointing, k))
+            })
+            .collect();
+        let mut v: Vec<Plan> = kinds
+            .into_par_iter()
+            .flat_map_iter(|(checkpointing, k)| {
+                let mut v = vec![];
                 let nothing_checkpointed = k == 0 && checkpointing == Checkpointing::Off;
                 for (ki, keep) in KEEPS.into_iter().enumerate() {
                     for (offload_inputs, offload_kept) in
@@ -1995,11 +2004,12 @@ impl MemoryProfile {
                         }
                     }
                 }
-            }
-        }
+                v
+            })
+            .collect();
         if ahead_allowed {
             let twins: Vec<Plan> = v
-                .iter()
+                .par_iter()
                 .filter(|p| self.computes_ahead(p))
                 .map(|p| Plan {
                     ahead_products: true,
@@ -2009,10 +2019,7 @@ impl MemoryProfile {
             v.extend(twins);
         }
         // Fastest first: the time model's step and the peak of each, on the host's cores.
-        let mut v: Vec<Weighed> = {
-            use rayon::prelude::*;
-            v.into_par_iter().map(|p| Weighed::new(self, p)).collect()
-        };
+        let mut v: Vec<Weighed> = v.into_par_iter().map(|p| Weighed::new(self, p)).collect();
         v.sort_by(|a, b| a.cost.total_cmp(&b.cost).then(a.peak.cmp(&b.peak)));
         // The smallest plan, last: every block streamed with a prefetch of one, nothing kept,
         // the inputs in host memory, the weights uncoded.
@@ -2113,9 +2120,22 @@ impl MemoryProfile {
         let Some(room) = host_room else {
             return self.plan_among(budget, candidates);
         };
-        let (fit, over): (Vec<C>, Vec<C>) = candidates
-            .into_iter()
-            .partition(|c| self.host_bytes(c.plan()) <= room);
+        // Each candidate's host memory on the host's cores, then the split in order.
+        let held: Vec<bool> = {
+            use rayon::prelude::*;
+            candidates
+                .par_iter()
+                .map(|c| self.host_bytes(c.plan()) <= room)
+                .collect()
+        };
+        let (mut fit, mut over) = (Vec::new(), Vec::new());
+        for (c, ok) in candidates.into_iter().zip(held) {
+            if ok {
+                fit.push(c);
+            } else {
+                over.push(c);
+            }
+        }
         match self.plan_among(budget, fit) {
             Ok(p) => Ok(p),
             Err(mut no) => {

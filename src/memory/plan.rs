@@ -1670,11 +1670,7 @@ impl MemoryProfile {
         let m = plan.streamed.len();
         let marks = self.streamed_marks(plan);
         let sizes = |backward: bool| -> Vec<u64> {
-            self.blocks
-                .iter()
-                .zip(&marks)
-                .filter(|&(_, &s)| s)
-                .map(|(b, _)| b)
+            self.marked(marks.iter().copied())
                 .enumerate()
                 .map(|(k, b)| {
                     let (host, host_wire, _) = Self::host_held(plan, b);
@@ -1795,7 +1791,14 @@ impl MemoryProfile {
 
     /// The blocks `plan` streams, in execution order.
     fn streamed_blocks<'a>(&'a self, plan: &Plan) -> impl Iterator<Item = &'a BlockCost> + 'a {
-        let marks = self.streamed_marks(plan);
+        self.marked(self.streamed_marks(plan))
+    }
+
+    /// The blocks `marks` (`streamed_marks`) marks, in execution order.
+    fn marked<'a>(
+        &'a self,
+        marks: impl IntoIterator<Item = bool> + 'a,
+    ) -> impl Iterator<Item = &'a BlockCost> + 'a {
         self.blocks
             .iter()
             .zip(marks)
@@ -2067,11 +2070,7 @@ impl MemoryProfile {
         // its weights as loaded.
         let marks = self.streamed_marks(plan);
         let (packs, loaded): (Vec<u64>, Vec<u64>) = self
-            .blocks
-            .iter()
-            .zip(&marks)
-            .filter(|&(_, &s)| s)
-            .map(|(b, _)| b)
+            .marked(marks.iter().copied())
             .enumerate()
             .map(|(k, b)| {
                 let pack = if Self::forward_codes(plan, k, carried, b) {
@@ -2209,17 +2208,17 @@ impl MemoryProfile {
                 _ => {}
             }
         }
-        let no = NoPlan {
+        let no = || NoPlan {
             budget,
             minimum,
             host: None,
         };
-        let (i, (_, _, _, peak)) = chosen.ok_or(no.clone())?;
+        let (i, (_, _, _, peak)) = chosen.ok_or_else(no)?;
         let plan = candidates
             .into_iter()
             .nth(i)
             .map(Candidate::into_plan)
-            .ok_or(no)?;
+            .ok_or_else(no)?;
         Ok(Planned {
             streamed_bytes: self.streamed_bytes(&plan),
             slowdown: self.step_ms(&plan) / self.resident_ms(),

@@ -14,7 +14,10 @@
 //! outputs of Linears that see few rows are recomputed, and their weights not left out of the
 //! backward's uploads; with the planner too), `--raw-wire` (streamed
 //! bf16 weights cross the link uncoded, with the planner too), `--no-cross` (nothing crossed
-//! into the staging ring at the backward's end, with the planner too), `--shallow` (the forward
+//! into the staging ring at the backward's end, with the planner too), `--no-mixed` /
+//! `--only-mixed` (the planner only among the plans that do not mix resident blocks keeping
+//! their activations with streamed ones, `Plan::mixes`, or only among those that do),
+//! `--shallow` (the forward
 //! fetches only `--prefetch` ahead and the backward leaves only that many and one for it,
 //! with the planner too), `--no-host-products` (streamed blocks' Linears over the
 //! conditioning vector bring their weights to the GPU instead of computing their products on
@@ -31,8 +34,8 @@
 //! "fp8"`), `--int8-compute` in int8 (`model.compute = "int8"`, the weights as int8 codes;
 //! `--int8-rotation` with their inner axis rotated, the outlier treatment),
 //! `--adam8bit` uses 8-bit AdamW. `FLAME_GPU_MEMORY_LIMIT` caps FLAME's device memory. The line printed has FLAME's
-//! peak, the driver's view of the device memory in use, host peak RSS and the bytes
-//! streamed. `--steps N` times N steps after the warm-up (3 unless given). `--host-probe` issues one more step with about a second of GEMMs queued between
+//! peak, the driver's view of the device memory in use (sampled every 2 ms through the timed
+//! steps; `--no-sampling` leaves the driver unqueried), host peak RSS and the bytes streamed. `--steps N` times N steps after the warm-up (3 unless given). `--host-probe` issues one more step with about a second of GEMMs queued between
 //! its forward and backward, and prints when the host had issued the backward and the update:
 //! the host's own cost where nothing in them waits for the GPU. `--phases` times one more
 //! step with the device synchronised after its forward and after its backward;
@@ -92,11 +95,20 @@ const GIB: f64 = (1u64 << 30) as f64;
 struct Args(Vec<String>);
 
 impl Args {
-    fn value(&self, name: &str) -> Option<String> {
+    /// The arguments but the values given to `--alternate` (another variant's arguments, not
+    /// this one's).
+    fn own(&self) -> impl Iterator<Item = &String> + '_ {
         self.0
             .iter()
-            .position(|a| a == name)
-            .and_then(|i| self.0.get(i + 1).cloned())
+            .enumerate()
+            .filter(|&(i, _)| i == 0 || self.0[i - 1] != "--alternate")
+            .map(|(_, a)| a)
+    }
+    fn value(&self, name: &str) -> Option<String> {
+        let own: Vec<&String> = self.own().collect();
+        own.iter()
+            .position(|a| *a == name)
+            .and_then(|i| own.get(i + 1).map(|v| v.to_string()))
     }
     /// Every value given after `name`, in order.
     fn values(&self, name: &str) -> Vec<String> {
@@ -107,7 +119,7 @@ impl Args {
             .collect()
     }
     fn flag(&self, name: &str) -> bool {
-        self.0.iter().any(|a| a == name)
+        self.own().any(|a| a == name)
     }
 }
 
@@ -392,6 +404,8 @@ fn run<M: ModelSpec>(
                 .candidates(&profile)
                 .into_iter()
                 .filter(|p| !(args.flag("--no-offload") && p.offload_inputs))
+                .filter(|p| !(args.flag("--no-mixed") && p.mixes()))
+                .filter(|p| !(args.flag("--only-mixed") && !p.mixes()))
                 // `--prefetch K` with the planner: every streaming plan fetches K ahead (the
                 // planner then picks among those).
                 .map(|p| Plan {
@@ -692,7 +706,9 @@ fn run<M: ModelSpec>(
     );
     // The driver's view of the device memory, sampled every 2 ms through the timed steps:
     // the cap's proof is its peak, not its value after the last sync.
-    let sampling = Arc::new(AtomicBool::new(true));
+    // `--no-sampling`: no sampler (the driver's peak then reads 0): what its queries of the
+    // driver cost a host-paced step.
+    let sampling = Arc::new(AtomicBool::new(!args.flag("--no-sampling")));
     let sampler = {
         let (cuda, sampling) = (cuda.clone(), sampling.clone());
         std::thread::spawn(move || {

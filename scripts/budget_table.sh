@@ -21,11 +21,11 @@
 #                                                     GPU k mod the GPU count (SAMPLE_STEPS:
 #                                                     the samples' denoising steps, 20 unless
 #                                                     given: scripts/budget_rows.sh)
-#   bash scripts/budget_table.sh steps               the step of each row's plan against the
+#   bash scripts/budget_table.sh steps [MODEL...]    the step of each row's plan against the
 #                                                     resident step (benches/train_step.rs): one
 #                                                     process a model alternating them (Flux-dev,
 #                                                     SD3.5-large), a process a plan alternating
-#                                                     four times (SDXL), the budget split as the
+#                                                     SDXL_ROUNDS times, 12 unless given (SDXL), the budget split as the
 #                                                     train binary splits it (what the process
 #                                                     holds outside its allocator, measured, and
 #                                                     LATE_HEADROOM)
@@ -193,22 +193,31 @@ case ${1:-} in
     done
     wait "${pids[@]}" ;;
   steps)
-    # One process a model, the resident step and each budget's plan alternating round by
-    # round (`--alternate`): the ratios of one process, whose host keeps one pace (SDXL's
-    # resident step moved 137-176 ms between processes on one machine).
+    # steps [MODEL...]: flux, sd35, sdxl (all three unless named).
+    # Flux-dev and SD3.5-large: one process a model, the resident step and each budget's
+    # plan alternating round by round (`--alternate`): the ratios of one process, whose host
+    # keeps one pace.
     # Each run prints the machine its planner played (`machine:`, the host's costs timed in
     # that process): with it the CPU's time model replays these plans.
     # b SECONDS ARGS...: one bench process, cut after SECONDS (Flux-dev's five plans took
     # more than 200 s on build 2a68aa0: its sixth run, FP8 within 6 GiB, was cut).
     b() { local t=$1; shift; echo "== $*"; timeout "$t" .gpu/bench-train_step "$@" 2>&1 \
       | grep -E "^== |^machine:|LoRA step|rror" | cut -c1-700; }
-    b 320 --model flux --steps 5 --rounds 1 --alternate "--budget 24" --alternate "--budget 12" \
-      --alternate "--budget 8" --alternate "--budget 6 --fp8 --adam8bit"
-    b 200 --model sd35 --steps 5 --rounds 1 --alternate "--budget 16" --alternate "--budget 8"
-    # SDXL's resident step follows the host's pace of the moment (90-162 ms on one machine
-    # within minutes, in one process or across them), the budgeted ones less: a process a
-    # plan, alternating, four times, so each plan's mean spans the same minutes.
-    fresh sdxl 4 "" "--budget 8" "--budget 4" ;;
+    shift
+    for m in ${@:-flux sd35 sdxl}; do
+      case $m in
+        flux) b 320 --model flux --steps 5 --rounds 1 --alternate "--budget 24" --alternate "--budget 12" \
+                --alternate "--budget 8" --alternate "--budget 6 --fp8 --adam8bit" ;;
+        sd35) b 200 --model sd35 --steps 5 --rounds 1 --alternate "--budget 16" --alternate "--budget 8" ;;
+        # SDXL's steps follow the host's pace of the moment: the resident step ran 101-175
+        # ms from process to process on two H200 machines within minutes (2026-12-04), a
+        # round's ratio 0.74-1.39x within 8 GiB. A process a plan, alternating, SDXL_ROUNDS
+        # times (12 unless given, about 200 s), so each plan's mean and median span the same
+        # minutes and the rounds outnumber the spread.
+        sdxl) fresh sdxl "${SDXL_ROUNDS:-12}" "" "--budget 8" "--budget 4" ;;
+        *) echo "steps: flux, sd35 or sdxl, not $m" >&2; exit 2 ;;
+      esac
+    done ;;
   fresh)
     # fresh MODEL REPS "ARGS" "ARGS"...: a process a plan (the first ARGS the reference,
     # "" for the resident step), the plans in turn, REPS times.

@@ -405,7 +405,7 @@ fn run<M: ModelSpec>(
                 .into_iter()
                 .filter(|p| !(args.flag("--no-offload") && p.offload_inputs))
                 .filter(|p| !(args.flag("--no-mixed") && p.mixes()))
-                .filter(|p| !(args.flag("--only-mixed") && !p.mixes()))
+                .filter(|p| !args.flag("--only-mixed") || p.mixes())
                 // `--prefetch K` with the planner: every streaming plan fetches K ahead (the
                 // planner then picks among those).
                 .map(|p| Plan {

@@ -41,7 +41,8 @@ pub struct MachineProbe {
 /// version of FLAME is there, else measured (a few seconds on a GPU, about 2 GiB of
 /// device memory for the moment it runs: the planner calls it before any weight is read)
 /// and written to the cache (a cache that cannot be written is skipped). The host's costs
-/// of issuing work (`Machine::op_us`, `backward_op_us`, `view_us`, `backward_view_us`) are
+/// of issuing work (`Machine::op_us`, `backward_op_us`, `view_us`, `backward_view_us`,
+/// `unrecorded_op_us`, `unrecorded_view_us`) are
 /// timed now either way (a few milliseconds): the host's pace moves between processes on
 /// one machine where the GPU's rates do not (the probe's op 4.1 µs in one process and 6.7
 /// in another on H200 machines of one kind, SDXL's resident step 95-140 ms against 171-198),
@@ -610,8 +611,9 @@ fn measure_cuda(device: &Device, cuda: &crate::backend::cuda::CudaDevice) -> Res
 /// `m` with the host's costs of issuing recorded work timed now (`Machine::op_us`,
 /// `backward_op_us`, `view_us`, `backward_view_us`): chains of small recorded ops (their
 /// kernels take less than the host's issue), issued, then their backward; ops that launch
-/// work (a scale and a product), then views (a reshape and a transpose). The fastest of
-/// `REPEATS` each.
+/// work (a scale and a product), then views (a reshape and a transpose). The same chains
+/// issued recording nothing (`unrecorded_op_us`, `unrecorded_view_us`: a checkpointed
+/// block's forward). The fastest of `REPEATS` each.
 #[cfg(feature = "cuda")]
 fn with_host_timed(
     device: &Device,
@@ -622,12 +624,14 @@ fn with_host_timed(
     use std::time::Instant;
     let sync = || cuda.synchronize();
     let _g = crate::no_grad();
-    let chain = |views: bool| -> Result<(f64, f64)> {
+    // `record`: the chain recorded and its backward timed; else issued recording nothing (a
+    // checkpointed block's forward), no backward.
+    let chain = |views: bool, record: bool| -> Result<(f64, f64)> {
         const OPS: usize = 400;
         let w = Tensor::ones((16usize, 16usize), DType::BF16, device)?.requires_grad_()?;
         let mut best = (f64::INFINITY, f64::INFINITY);
         for _ in 0..=REPEATS {
-            let _on = crate::autograd::enable_grad();
+            let _on = record.then(crate::autograd::enable_grad);
             sync()?;
             let t = Instant::now();
             let mut h = w.affine(1.0, 0.0)?;
@@ -639,6 +643,11 @@ fn with_host_timed(
                 };
             }
             let issued = t.elapsed().as_secs_f64();
+            if !record {
+                drop(h);
+                best.0 = best.0.min(issued);
+                continue;
+            }
             let loss = h.sum_all()?;
             sync()?;
             let t = Instant::now();
@@ -651,13 +660,17 @@ fn with_host_timed(
         let per = if views { 1.5 * OPS as f64 } else { OPS as f64 };
         Ok((best.0 * 1e6 / per, best.1 * 1e6 / per))
     };
-    let (op_us, backward_op_us) = chain(false)?;
-    let (view_us, backward_view_us) = chain(true)?;
+    let (op_us, backward_op_us) = chain(false, true)?;
+    let (view_us, backward_view_us) = chain(true, true)?;
+    let (unrecorded_op_us, _) = chain(false, false)?;
+    let (unrecorded_view_us, _) = chain(true, false)?;
     Ok(Machine {
         op_us,
         backward_op_us,
         view_us,
         backward_view_us,
+        unrecorded_op_us,
+        unrecorded_view_us,
         ..m
     })
 }

@@ -252,6 +252,14 @@ pub struct Machine {
     pub view_us: f64,
     /// The host's time for one recorded view's backward, µs.
     pub backward_view_us: f64,
+    /// The host's time to issue one op that records nothing (a checkpointed block's forward,
+    /// whose ops build no tape: its re-run records them), µs. 0: not measured (a record
+    /// from before it was), `op_us` played instead.
+    #[serde(default)]
+    pub unrecorded_op_us: f64,
+    /// The same for a view, µs. 0: not measured, `view_us` played instead.
+    #[serde(default)]
+    pub unrecorded_view_us: f64,
     /// Decoding weights that crossed the link coded, beside each kind of the compute's
     /// work (`Beside`: GEMMs, attention, elementwise), GiB of coded bytes a second: the
     /// decodes share the GPU with the step's kernels, and how fast they run turns on what
@@ -302,6 +310,8 @@ impl Machine {
         backward_op_us: 9.3,
         view_us: 2.4,
         backward_view_us: 1.1,
+        unrecorded_op_us: 0.0,
+        unrecorded_view_us: 0.0,
         wire_decode_gib_per_s: [1e3 / 5.3; 3],
         wire_decode_cost_ms_per_gib: [3.3; 3],
         fp8_decode_gib_per_s: 1e3 / 1.6,
@@ -309,6 +319,25 @@ impl Machine {
         int8_product_tflops: 0.0,
         host_product_gib_per_s: 35.0,
     };
+
+    /// The host's time to issue an op that records nothing, µs (`unrecorded_op_us`, or
+    /// `op_us` where that was not measured).
+    pub fn unrecorded_op(&self) -> f64 {
+        if self.unrecorded_op_us > 0.0 {
+            self.unrecorded_op_us
+        } else {
+            self.op_us
+        }
+    }
+
+    /// The same for a view (`unrecorded_view_us`, or `view_us`).
+    pub fn unrecorded_view(&self) -> f64 {
+        if self.unrecorded_view_us > 0.0 {
+            self.unrecorded_view_us
+        } else {
+            self.view_us
+        }
+    }
 
     /// Every rate positive (a decode may be infinitely fast: nothing to decode).
     pub fn check(&self) -> std::result::Result<(), String> {
@@ -367,6 +396,8 @@ impl Machine {
             ("an op's backward", self.backward_op_us),
             ("a view", self.view_us),
             ("a view's backward", self.backward_view_us),
+            ("an op that records nothing", self.unrecorded_op_us),
+            ("a view that records nothing", self.unrecorded_view_us),
             (
                 "a GiB decoded beside GEMMs",
                 self.wire_decode_cost_ms_per_gib[0] * 1e3,
@@ -438,7 +469,8 @@ impl std::fmt::Display for Machine {
             f,
             "host link {:.1} GiB/s ({:.1} coded, {:.1} both ways at once), GEMM {:.0} and convolution {:.0} TFLOP/s, attention {:.0}/{:.0} (D 64) and \
              {:.0}/{:.0} (D 128) TFLOP/s forward/backward, memory {:.0} GiB/s, {:.1}/{:.1} µs \
-             an op and its backward on the host and {:.1}/{:.1} a view, coded decodes beside GEMMs, attention \
+             an op and its backward on the host and {:.1}/{:.1} a view ({:.1} and {:.1} recording \
+             nothing), coded decodes beside GEMMs, attention \
              and elementwise work {:.0}/{:.0}/{:.0} GiB/s costing them {:.1}/{:.1}/{:.1} ms a GiB, FP8 \
              decodes {:.0} GiB/s, 8-bit products {:.0} (FP8) and {:.0} (int8) TFLOP/s, host products {:.1} GiB/s",
             self.upload_gib_per_s,
@@ -455,6 +487,8 @@ impl std::fmt::Display for Machine {
             self.backward_op_us,
             self.view_us,
             self.backward_view_us,
+            self.unrecorded_op(),
+            self.unrecorded_view(),
             self.wire_decode_gib_per_s[0],
             self.wire_decode_gib_per_s[1],
             self.wire_decode_gib_per_s[2],
@@ -915,6 +949,14 @@ impl MemoryProfile {
         self.run_parts(b, kept, false)
     }
 
+    /// A checkpointed block's forward, ms: its GPU work as `forward_ms`'s, or the host's issue
+    /// of its ops, which record nothing (the re-run records them), the longer.
+    pub fn unrecorded_forward_ms(&self, b: &BlockCost) -> f64 {
+        let m = &self.machine;
+        let gpu: f64 = self.pass_ms(b, false, Keep::NONE, false).iter().sum();
+        gpu.max((b.ops * m.unrecorded_op() + b.views * m.unrecorded_view()) / 1e3)
+    }
+
     /// `forward_parts`, and with `rerun` a checkpoint's re-run (without the block's tails).
     fn run_parts(&self, b: &BlockCost, kept: Keep, rerun: bool) -> (f64, f64) {
         let m = &self.machine;
@@ -1244,7 +1286,12 @@ impl MemoryProfile {
                         t = t.max(host);
                     }
                 }
-                t += self.forward_ms(&self.blocks[i], Keep::NONE);
+                // A checkpointed block's forward records nothing; its re-run does.
+                t += if ck[i] {
+                    self.unrecorded_forward_ms(&self.blocks[i])
+                } else {
+                    self.forward_ms(&self.blocks[i], Keep::NONE)
+                };
                 if offload(i) {
                     // The copy out shares the link with the uploads still running
                     // (`Machine::copy_out_ms`).
@@ -2736,10 +2783,53 @@ mod tests {
         // An FP8 block decodes its codes at each use: 0.5 GiB at 500 GiB/s.
         let fp8 = BlockCost {
             decode_bytes: GIB / 2,
-            ..b
+            ..b.clone()
         };
         assert!((p.forward_ms(&fp8, Keep::NONE) - 9.5).abs() < 1e-9);
         assert!((p.backward_ms(&fp8) - 17.5).abs() < 1e-9);
+        // A checkpointed block's forward records nothing: not measured, it issues at the
+        // recorded costs; measured (4 µs an op, 0.5 a view), at its own: 40 + 10 ms.
+        assert!((p.unrecorded_forward_ms(&small) - 140.0).abs() < 1e-9);
+        p.machine = Machine {
+            unrecorded_op_us: 4.0,
+            unrecorded_view_us: 0.5,
+            ..m
+        };
+        assert!((p.unrecorded_forward_ms(&small) - 50.0).abs() < 1e-9);
+        // Its GPU work is the forward's where that is the longer.
+        assert!((p.unrecorded_forward_ms(&b) - 8.5).abs() < 1e-9);
+    }
+
+    /// The step's forward issues a checkpointed block's ops recording nothing and a resident
+    /// block's recorded: a host-paced step with every block checkpointed has the shorter
+    /// forward, the re-runs (recorded) in its backward.
+    #[test]
+    fn checkpointed_forwards_issue_without_recording() {
+        let mut p = profile();
+        for b in p.blocks.iter_mut() {
+            b.ops = 10_000.0;
+            b.views = 0.0;
+        }
+        p.machine = Machine {
+            op_us: 10.0,
+            unrecorded_op_us: 4.0,
+            ..Machine::REFERENCE
+        };
+        let all = Plan {
+            checkpointing: Checkpointing::All,
+            ..Plan::default()
+        };
+        let (resident_forward, _) = p.step_phases_ms(&Plan::default());
+        let (forward, step) = p.step_phases_ms(&all);
+        let n = p.blocks.len() as f64;
+        assert!(
+            (resident_forward - n * 100.0).abs() < 1e-6,
+            "{resident_forward}"
+        );
+        assert!((forward - n * 40.0).abs() < 1e-6, "{forward}");
+        // The backward re-runs each block recorded (100 ms) beside its backward.
+        let back: f64 = p.blocks.iter().map(|b| p.backward_ms(b)).sum();
+        assert!((step - forward - back - n * 100.0).abs() < 1e-6, "{step}");
     }
 
     /// A prefetch past the last block (up to `usize::MAX`) fetches them all, as one of the

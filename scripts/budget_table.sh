@@ -89,7 +89,10 @@ fresh() {
         > "$log/$r-$i.log" 2>&1
       ms=$(grep -o 'samples/s): [0-9.]* ms' "$log/$r-$i.log" | grep -o '[0-9.]* ms' | head -n 1)
       echo "== $model round $r, plan $i (${plans[$i]:-resident}): ${ms:-failed}"
-      grep -E "^phases \(|plan:" "$log/$r-$i.log" | cut -c1-300
+      grep -E "^phases|plan:|predicted step" "$log/$r-$i.log" | cut -c1-300
+      # The host's costs this process timed, which its planner played.
+      grep -o "[0-9.]*/[0-9.]* µs an op and its backward on the host and [^,]*" "$log/$r-$i.log" \
+        | head -n 1 | sed 's/^/host: /'
       echo "$r $i ${ms% ms}" >> "$log/steps"
     done
   done

@@ -698,6 +698,16 @@ impl Weighed {
             plan,
         }
     }
+
+    /// `new` with the profile's blocks' times made already (`MemoryProfile::block_times`):
+    /// weighing many plans of one profile.
+    pub(crate) fn with_times(profile: &MemoryProfile, plan: Plan, times: &BlockTimes) -> Weighed {
+        Weighed {
+            cost: profile.cost_with(&plan, times),
+            peak: profile.peak(&plan),
+            plan,
+        }
+    }
 }
 
 /// What [`MemoryProfile::plan_among`] chooses among: plans, weighed there, or plans weighed
@@ -827,6 +837,31 @@ pub mod cost_model {
     /// 218.4 ms a step serial, 197.5 with the re-runs ahead (0.90x); the model gives that
     /// ratio at 1.4 (182.6 and 163.8 ms).
     pub const AHEAD_ISSUE: f64 = 1.4;
+}
+
+/// Each block's times under the profile's machine, which every plan's step reads
+/// (`MemoryProfile::block_times`): made once for all the candidates a planning weighs.
+pub(crate) struct BlockTimes {
+    /// The forward recorded (`forward_ms` with nothing kept) and recording nothing
+    /// (`unrecorded_forward_ms`).
+    forward: Vec<[f64; 2]>,
+    /// The backward (`backward_ms`).
+    backward: Vec<f64>,
+    /// A checkpointed block's backward and re-run (`backward_rerun_ms`), by `rerun_slot`
+    /// (NaN in a slot not made: `MemoryProfile::block_times_in`).
+    rerun: Vec<[f64; 8]>,
+    /// The transposes remade in a backward (`transpose_ms`).
+    transpose: Vec<f64>,
+    /// The coded decodes beside the forward and the backward (`decode_beside`).
+    beside: Vec<[(f64, f64); 2]>,
+    /// The resident step (`resident_ms`).
+    resident: f64,
+}
+
+/// The slot of `BlockTimes::rerun` for what a plan keeps and whether its re-runs are
+/// issued ahead (a re-run's time turns on the attention and down-projection outputs kept).
+fn rerun_slot(kept: Keep, ahead: bool) -> usize {
+    kept.attention as usize | (kept.down_projections as usize) << 1 | (ahead as usize) << 2
 }
 
 /// The streamed blocks' device copies under a plan (`MemoryProfile::layout`).
@@ -1072,17 +1107,67 @@ impl MemoryProfile {
     /// backward with the update is the difference. Beside a measured step's phases
     /// (`benches/train_step.rs --phases`), where the model is off.
     pub fn step_phases_ms(&self, plan: &Plan) -> (f64, f64) {
+        self.step_phases_with(plan, &self.block_times_for(plan))
+    }
+
+    /// Each block's times under this profile's machine (`BlockTimes`), for any plan.
+    pub(crate) fn block_times(&self) -> BlockTimes {
+        self.block_times_in(u8::MAX)
+    }
+
+    /// Each block's times for `plan` alone: its re-runs' slot of `BlockTimes::rerun` made,
+    /// the others NaN.
+    fn block_times_for(&self, plan: &Plan) -> BlockTimes {
+        self.block_times_in(1 << rerun_slot(plan.keep, plan.rerun_ahead))
+    }
+
+    /// Each block's times, the re-runs' in the slots `slots` marks (bit `rerun_slot`), NaN
+    /// in the others.
+    fn block_times_in(&self, slots: u8) -> BlockTimes {
+        let rerun = |b: &BlockCost| {
+            let mut v = [f64::NAN; 8];
+            for (slot, t) in v
+                .iter_mut()
+                .enumerate()
+                .filter(|(k, _)| slots >> k & 1 != 0)
+            {
+                let kept = Keep {
+                    attention: slot & 1 != 0,
+                    down_projections: slot & 2 != 0,
+                    ..Keep::NONE
+                };
+                *t = self.backward_rerun_ms(b, kept, slot & 4 != 0);
+            }
+            v
+        };
+        BlockTimes {
+            forward: (self.blocks.iter())
+                .map(|b| {
+                    [
+                        self.forward_ms(b, Keep::NONE),
+                        self.unrecorded_forward_ms(b),
+                    ]
+                })
+                .collect(),
+            backward: self.blocks.iter().map(|b| self.backward_ms(b)).collect(),
+            rerun: self.blocks.iter().map(rerun).collect(),
+            transpose: self.blocks.iter().map(|b| self.transpose_ms(b)).collect(),
+            beside: (self.blocks.iter())
+                .map(|b| [self.decode_beside(b, false), self.decode_beside(b, true)])
+                .collect(),
+            resident: self.resident_ms(),
+        }
+    }
+
+    /// `step_phases_ms` with the blocks' times made already.
+    fn step_phases_with(&self, plan: &Plan, times: &BlockTimes) -> (f64, f64) {
         use cost_model::*;
         const GIB: f64 = (1u64 << 30) as f64;
         let n = self.blocks.len();
         let machine = &self.machine;
         let upload_rate = machine.upload_gib_per_s.max(1e-3);
         // Each block's coded decodes beside its forward and its backward (`decode_beside`).
-        let beside: Vec<[(f64, f64); 2]> = self
-            .blocks
-            .iter()
-            .map(|b| [self.decode_beside(b, false), self.decode_beside(b, true)])
-            .collect();
+        let beside = &times.beside;
         let link_ms = |bytes: u64| bytes as f64 / GIB / upload_rate * 1e3;
         let coded_rate = machine.coded_upload_gib_per_s.max(1e-3);
         let coded_link_ms = |bytes: u64| bytes as f64 / GIB / coded_rate * 1e3;
@@ -1287,11 +1372,7 @@ impl MemoryProfile {
                     }
                 }
                 // A checkpointed block's forward records nothing; its re-run does.
-                t += if ck[i] {
-                    self.unrecorded_forward_ms(&self.blocks[i])
-                } else {
-                    self.forward_ms(&self.blocks[i], Keep::NONE)
-                };
+                t += times.forward[i][ck[i] as usize];
                 if offload(i) {
                     // The copy out shares the link with the uploads still running
                     // (`Machine::copy_out_ms`).
@@ -1340,15 +1421,14 @@ impl MemoryProfile {
                 if let Some(r) = inputs[i] {
                     t = t.max(r) + offload_ms;
                 }
-                let b = &self.blocks[i];
                 if ck[i] {
                     // The backward and the re-run, less what the block kept.
-                    t += self.backward_rerun_ms(b, plan.keep, plan.rerun_ahead);
+                    t += times.rerun[i][rerun_slot(plan.keep, plan.rerun_ahead)];
                 } else {
-                    t += self.backward_ms(b);
+                    t += times.backward[i];
                 }
                 if is_streamed[i] || plan.remake_transposes {
-                    t += self.transpose_ms(b);
+                    t += times.transpose[i];
                 }
             }
             (forward, t, link)
@@ -1403,7 +1483,12 @@ impl MemoryProfile {
     /// The predicted cost of a step under `plan` beyond the resident step, as a fraction of
     /// it (`step_ms` over `resident_ms`, less one): candidates are ordered by it.
     pub fn cost(&self, plan: &Plan) -> f64 {
-        self.step_ms(plan) / self.resident_ms() - 1.0
+        self.cost_with(plan, &self.block_times_for(plan))
+    }
+
+    /// `cost` with the blocks' times made already.
+    pub(crate) fn cost_with(&self, plan: &Plan, times: &BlockTimes) -> f64 {
+        self.step_phases_with(plan, times).1 / times.resident - 1.0
     }
 
     /// The largest part of block `b`'s coded upload in the staging ring: its largest coded
@@ -2069,7 +2154,10 @@ impl MemoryProfile {
             v.extend(twins);
         }
         // Fastest first: the time model's step and the peak of each, on the host's cores.
-        let mut v: Vec<Weighed> = v.into_par_iter().map(|p| Weighed::new(self, p)).collect();
+        let times = self.block_times();
+        let mut v: Vec<Weighed> = (v.into_par_iter())
+            .map(|p| Weighed::with_times(self, p, &times))
+            .collect();
         v.sort_by(|a, b| a.cost.total_cmp(&b.cost).then(a.peak.cmp(&b.peak)));
         // The smallest plan, last: every block streamed with a prefetch of one, nothing kept,
         // the inputs in host memory, the weights uncoded.
@@ -2093,7 +2181,7 @@ impl MemoryProfile {
             reach: vec![],
             uncoded_first: 0,
         };
-        v.push(Weighed::new(self, smallest));
+        v.push(Weighed::with_times(self, smallest, &times));
         v
     }
 
@@ -2798,6 +2886,26 @@ mod tests {
         assert!((p.unrecorded_forward_ms(&small) - 50.0).abs() < 1e-9);
         // Its GPU work is the forward's where that is the longer.
         assert!((p.unrecorded_forward_ms(&b) - 8.5).abs() < 1e-9);
+    }
+
+    /// One table of the blocks' times (`block_times`) weighs every candidate exactly as its
+    /// own estimate does (`cost`, which makes only the slot its plan reads).
+    #[test]
+    fn one_table_of_block_times_weighs_every_plan_as_its_own() {
+        let mut p = profile();
+        p.machine = Machine {
+            op_us: 9.0,
+            unrecorded_op_us: 6.0,
+            ..Machine::REFERENCE
+        };
+        let times = p.block_times();
+        let candidates = p.candidates();
+        assert!(candidates.len() > 10);
+        for plan in candidates {
+            let w = Weighed::with_times(&p, plan.clone(), &times);
+            assert_eq!(w.cost.to_bits(), p.cost(&plan).to_bits(), "{plan}");
+            assert_eq!(w.peak, p.peak(&plan));
+        }
     }
 
     /// The step's forward issues a checkpointed block's ops recording nothing and a resident

@@ -235,6 +235,7 @@ impl Switches {
     /// switches change ([`Switches::bind`]) weighed again.
     pub fn weighed_candidates(&self, profile: &MemoryProfile) -> Vec<Weighed> {
         use rayon::prelude::*;
+        let times = profile.block_times();
         profile
             .weighed_candidates(self.offload_kept, self.raw_backward, self.ahead_products)
             .into_par_iter()
@@ -250,7 +251,7 @@ impl Switches {
                 Some(if unchanged {
                     Weighed { plan, ..w }
                 } else {
-                    Weighed::new(profile, plan)
+                    Weighed::with_times(profile, plan, &times)
                 })
             })
             .collect()

@@ -692,11 +692,8 @@ pub struct Weighed {
 impl Weighed {
     /// `plan` with its weights under `profile`.
     pub fn new(profile: &MemoryProfile, plan: Plan) -> Weighed {
-        Weighed {
-            cost: profile.cost(&plan),
-            peak: profile.peak(&plan),
-            plan,
-        }
+        let times = profile.block_times_for(&plan);
+        Weighed::with_times(profile, plan, &times)
     }
 
     /// `new` with the profile's blocks' times made already (`MemoryProfile::block_times`):
@@ -858,6 +855,11 @@ pub(crate) struct BlockTimes {
     resident: f64,
 }
 
+/// The resident step, ms, from each block's (forward, backward) in execution order.
+fn resident_of(blocks: impl Iterator<Item = (f64, f64)>) -> f64 {
+    blocks.map(|(f, b)| f + b).sum::<f64>().max(1e-9)
+}
+
 /// The slot of `BlockTimes::rerun` for what a plan keeps and whether its re-runs are
 /// issued ahead (a re-run's time turns on the attention and down-projection outputs kept).
 fn rerun_slot(kept: Keep, ahead: bool) -> usize {
@@ -892,11 +894,11 @@ impl MemoryProfile {
 
     /// The resident step's predicted length, ms: every block's forward and backward.
     pub fn resident_ms(&self) -> f64 {
-        self.blocks
-            .iter()
-            .map(|b| self.forward_ms(b, Keep::NONE) + self.backward_ms(b))
-            .sum::<f64>()
-            .max(1e-9)
+        resident_of(
+            self.blocks
+                .iter()
+                .map(|b| (self.forward_ms(b, Keep::NONE), self.backward_ms(b))),
+        )
     }
 
     /// Block `b`'s GPU work in its forward (less what `kept` outputs spare a re-run) or its
@@ -1140,22 +1142,25 @@ impl MemoryProfile {
             }
             v
         };
+        let forward: Vec<[f64; 2]> = (self.blocks.iter())
+            .map(|b| {
+                [
+                    self.forward_ms(b, Keep::NONE),
+                    self.unrecorded_forward_ms(b),
+                ]
+            })
+            .collect();
+        let backward: Vec<f64> = self.blocks.iter().map(|b| self.backward_ms(b)).collect();
         BlockTimes {
-            forward: (self.blocks.iter())
-                .map(|b| {
-                    [
-                        self.forward_ms(b, Keep::NONE),
-                        self.unrecorded_forward_ms(b),
-                    ]
-                })
-                .collect(),
-            backward: self.blocks.iter().map(|b| self.backward_ms(b)).collect(),
+            // `resident_ms` from the passes just made.
+            resident: resident_of(forward.iter().zip(&backward).map(|(f, &b)| (f[0], b))),
+            forward,
+            backward,
             rerun: self.blocks.iter().map(rerun).collect(),
             transpose: self.blocks.iter().map(|b| self.transpose_ms(b)).collect(),
             beside: (self.blocks.iter())
                 .map(|b| [self.decode_beside(b, false), self.decode_beside(b, true)])
                 .collect(),
-            resident: self.resident_ms(),
         }
     }
 

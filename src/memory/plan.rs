@@ -687,6 +687,9 @@ pub struct Weighed {
     pub cost: f64,
     /// Predicted peak bytes on the device.
     pub peak: u64,
+    /// Whether the plan is held to its budget less `MARGIN_DIVISOR`'s share
+    /// ([`MemoryProfile::spare`]).
+    pub spare: bool,
 }
 
 impl Weighed {
@@ -698,10 +701,14 @@ impl Weighed {
 
     /// `new` with the profile's blocks' times made already (`MemoryProfile::block_times`):
     /// weighing many plans of one profile.
+    /// The plan's blocks are marked and laid out once for its step, peak and margin
+    /// (`Placed`): each of those took them again (about a third of SDXL's planning).
     pub(crate) fn with_times(profile: &MemoryProfile, plan: Plan, times: &BlockTimes) -> Weighed {
+        let placed = profile.placed(&plan);
         Weighed {
-            cost: profile.cost_with(&plan, times),
-            peak: profile.peak(&plan),
+            cost: profile.step_phases_placed(&plan, times, &placed).1 / times.resident - 1.0,
+            peak: profile.peak_parts_placed(&plan, &placed).total(),
+            spare: MemoryProfile::spare_within(&plan, &placed.layout.reach),
             plan,
         }
     }
@@ -739,8 +746,8 @@ impl Candidate for Weighed {
     fn plan(&self) -> &Plan {
         &self.plan
     }
-    fn weights(&self, profile: &MemoryProfile, budget: u64) -> (u64, Option<f64>) {
-        let fits = profile.fits(&self.plan, self.peak, budget);
+    fn weights(&self, _: &MemoryProfile, budget: u64) -> (u64, Option<f64>) {
+        let fits = MemoryProfile::fits_within(self.peak, budget, self.spare);
         (self.peak, fits.then_some(self.cost))
     }
     fn into_plan(self) -> Plan {
@@ -873,6 +880,14 @@ struct Layout {
     /// The most bytes the blocks hold for the backward and the streamed copies take
     /// together at any moment of the step.
     held: u64,
+}
+
+/// A plan's streamed blocks by place (`MemoryProfile::streamed_marks`) and their device
+/// copies (`MemoryProfile::layout`): what each estimate of the plan reads (its step, peak,
+/// ring and margin), made once where the plan is weighed.
+struct Placed {
+    marks: Vec<bool>,
+    layout: Layout,
 }
 
 impl MemoryProfile {
@@ -1166,6 +1181,11 @@ impl MemoryProfile {
 
     /// `step_phases_ms` with the blocks' times made already.
     fn step_phases_with(&self, plan: &Plan, times: &BlockTimes) -> (f64, f64) {
+        self.step_phases_placed(plan, times, &self.placed(plan))
+    }
+
+    /// `step_phases_with` with the plan's blocks placed already (`placed`).
+    fn step_phases_placed(&self, plan: &Plan, times: &BlockTimes, placed: &Placed) -> (f64, f64) {
         use cost_model::*;
         const GIB: f64 = (1u64 << 30) as f64;
         let n = self.blocks.len();
@@ -1212,7 +1232,7 @@ impl MemoryProfile {
             }
             (all.saturating_sub(out), coded.saturating_sub(out_coded))
         };
-        let is_streamed = self.streamed_marks(plan);
+        let is_streamed = &placed.marks;
         let ck: Vec<bool> = (0..n)
             .map(|i| Self::checkpointed(plan, i, is_streamed[i]))
             .collect();
@@ -1228,8 +1248,8 @@ impl MemoryProfile {
         }
         let m = order.len();
         let ahead = plan.prefetch;
-        let reach = self.reach(plan);
-        let carried = carry(&reach, ahead.max(1));
+        let reach = &placed.layout.reach;
+        let carried = carry(reach, ahead.max(1));
         // Whether streamed place `k` crosses coded in the forward or the backward
         // (`Plan::uncoded_carry`, `Plan::raw_backward`).
         let coded_at = |k: usize, backward: bool| Self::coded_place(plan, k, carried, backward);
@@ -1246,7 +1266,7 @@ impl MemoryProfile {
         // the largest upload through the streamer's ring, what the ring is sized by, or one
         // tensor), and more where its coded tensors outnumber the pieces `DECODE_BATCH`
         // times; a staged raw upload, one copy into place a piece.
-        let ring = self.ring_parts(plan, carried);
+        let ring = self.ring_parts(plan, is_streamed, carried);
         let piece = crate::backend::wire::staging_piece(ring.0 as usize).max(1) as u64;
         let decode_launches = |b: &BlockCost| -> f64 {
             let pieces = b.coded_bytes.div_ceil(piece).max(1);
@@ -1449,9 +1469,9 @@ impl MemoryProfile {
     /// The largest coded upload's bytes on the link and its largest part under `plan` (the
     /// backward leaving `carried` blocks for the forward): what the streamer's staging ring
     /// is sized by (`wire::staging_ring_bytes`); zeros for an uncoded plan.
-    fn ring_parts(&self, plan: &Plan, carried: usize) -> (u64, u64) {
+    fn ring_parts(&self, plan: &Plan, marks: &[bool], carried: usize) -> (u64, u64) {
         let (wire, part) = self
-            .forward_coded(plan, carried)
+            .forward_coded(plan, marks, carried)
             .map(|b| (b.wire_bytes, Self::largest_part(b)))
             .fold((0, 0), |(w, p), (bw, bp)| (w.max(bw), p.max(bp)));
         if !plan.raw_backward {
@@ -1460,7 +1480,7 @@ impl MemoryProfile {
         // The backward's raw forms cross the ring too, whole, in pieces of the ring's
         // largest upload's (`BlockStreamer::set_raw_backward`).
         let raw = self
-            .forward_coded(plan, carried)
+            .forward_coded(plan, marks, carried)
             .map(|b| Self::raw_form_bytes(plan, b))
             .max()
             .unwrap_or(0);
@@ -1472,14 +1492,16 @@ impl MemoryProfile {
         (wire, part.max(piece))
     }
 
-    /// The streamed blocks whose forward uploads cross coded under `plan` (the backward
-    /// leaving `carried` for the forward), in execution order; none for an uncoded plan.
+    /// The streamed blocks (by `marks`, `streamed_marks`) whose forward uploads cross coded
+    /// under `plan` (the backward leaving `carried` for the forward), in execution order;
+    /// none for an uncoded plan.
     fn forward_coded<'a>(
         &'a self,
         plan: &'a Plan,
+        marks: &'a [bool],
         carried: usize,
     ) -> impl Iterator<Item = &'a BlockCost> + 'a {
-        self.streamed_blocks(plan)
+        self.marked(marks.iter().copied())
             .enumerate()
             .filter(move |&(k, b)| Self::forward_codes(plan, k, carried, b))
             .map(|(_, b)| b)
@@ -1536,7 +1558,8 @@ impl MemoryProfile {
         if !plan.raw_backward {
             return 0;
         }
-        self.forward_coded(plan, self.carried(plan))
+        let marks = self.streamed_marks(plan);
+        self.forward_coded(plan, &marks, self.carried(plan))
             .map(|b| Self::raw_form_bytes(plan, b))
             .sum()
     }
@@ -1597,18 +1620,26 @@ impl MemoryProfile {
     /// room the next ones need (SD3.5-large within 8 GiB, 4 resident blocks beside 34
     /// streamed: requests past the cap's arena, 9.05 GiB on the driver; H100).
     pub fn saves_activations(&self, plan: &Plan) -> bool {
-        let marks = self.streamed_marks(plan);
-        (0..self.blocks.len()).any(|i| !Self::checkpointed(plan, i, marks[i]))
+        Self::saves_marked(plan, &self.streamed_marks(plan))
+    }
+
+    /// `saves_activations` with the plan's blocks marked already (`streamed_marks`).
+    fn saves_marked(plan: &Plan, marks: &[bool]) -> bool {
+        (0..marks.len()).any(|i| !Self::checkpointed(plan, i, marks[i]))
     }
 
     /// Whether `plan` is held to its budget less `MARGIN_DIVISOR`'s share: it mixes
     /// resident-activation blocks with streamed ones (`Plan::mixes`), or its forward fetches
     /// deeper than `prefetch` somewhere (`reach`).
     pub fn spare(&self, plan: &Plan) -> bool {
+        Self::spare_within(plan, &self.reach(plan))
+    }
+
+    /// `spare` with the forward's `reach` under `plan` worked out already.
+    fn spare_within(plan: &Plan, reach: &[usize]) -> bool {
         let ahead = plan.prefetch.max(1);
         plan.mixes()
-            || self
-                .reach(plan)
+            || reach
                 .iter()
                 .enumerate()
                 .any(|(j, &r)| r > j.saturating_add(ahead))
@@ -1641,8 +1672,12 @@ impl MemoryProfile {
     /// there. The cap on the first place's reach that holds the carry to its bytes also
     /// stops that place's forward fetching deeper.
     fn layout(&self, plan: &Plan) -> Layout {
+        self.layout_marked(plan, &self.streamed_marks(plan))
+    }
+
+    /// `layout` with the plan's blocks marked already (`is_streamed`, `streamed_marks`).
+    fn layout_marked(&self, plan: &Plan, is_streamed: &[bool]) -> Layout {
         let n = self.blocks.len();
-        let is_streamed = self.streamed_marks(plan);
         let held: Vec<u64> = (0..n)
             .map(|i| self.held_bytes(plan, i, is_streamed[i]))
             .collect();
@@ -1683,7 +1718,7 @@ impl MemoryProfile {
             })
             .max()
             .unwrap_or(total);
-        if !plan.deep_prefetch || self.saves_activations(plan) {
+        if !plan.deep_prefetch || Self::saves_marked(plan, is_streamed) {
             return Layout {
                 reach: shallow,
                 held: peak,
@@ -1729,11 +1764,23 @@ impl MemoryProfile {
     /// The terms of the predicted peak of a step under `plan`, each a maximum over the step
     /// (see [`PeakParts`]).
     pub fn peak_parts(&self, plan: &Plan) -> PeakParts {
+        self.peak_parts_placed(plan, &self.placed(plan))
+    }
+
+    /// `plan`'s blocks placed: marked and laid out, once for all its estimates.
+    fn placed(&self, plan: &Plan) -> Placed {
+        let marks = self.streamed_marks(plan);
+        let layout = self.layout_marked(plan, &marks);
+        Placed { marks, layout }
+    }
+
+    /// `peak_parts` with the plan's blocks placed already (`placed`).
+    fn peak_parts_placed(&self, plan: &Plan, placed: &Placed) -> PeakParts {
         let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };
         let mut weights = self.other_weight_bytes + kept(self.other_kept_bytes);
         let (mut work, mut offloaded) = (0u64, 0u64);
         let (mut ahead, mut ahead_block) = (0u64, 0u64);
-        let marks = self.streamed_marks(plan);
+        let marks = &placed.marks;
         for (i, b) in self.blocks.iter().enumerate() {
             let streamed = marks[i];
             if !streamed {
@@ -1762,11 +1809,11 @@ impl MemoryProfile {
         }
         // What the blocks hold for the backward and the streamed blocks' copies at the
         // heaviest moment (`layout`).
-        let layout = self.layout(plan);
+        let layout = &placed.layout;
         // The products over the context computed ahead, held from the backward to the next
         // forward (`Plan::ahead_products`).
         let products: u64 = if plan.ahead_products {
-            self.streamed_blocks(plan)
+            self.marked(marks.iter().copied())
                 .map(|b| b.context_product_bytes)
                 .sum()
         } else {
@@ -1779,7 +1826,7 @@ impl MemoryProfile {
         // block's uncoded weights together), as the streamer sizes it from its packs
         // (32 pieces' alignment). The carried blocks crossing uncoded
         // (`Plan::uncoded_carry`) take no staging.
-        let (wire, part) = self.ring_parts(plan, carried);
+        let (wire, part) = self.ring_parts(plan, marks, carried);
         let staging =
             crate::backend::wire::staging_ring_bytes(wire as usize, part as usize, 32) as u64;
         PeakParts {
@@ -2242,8 +2289,13 @@ impl MemoryProfile {
     /// Whether `plan`, of predicted `peak`, fits `budget`: within it, less `MARGIN_DIVISOR`'s
     /// share of it for the plans `spare` names.
     fn fits(&self, plan: &Plan, peak: u64, budget: u64) -> bool {
+        Self::fits_within(peak, budget, self.spare(plan))
+    }
+
+    /// `fits` for a plan `spare` names or not (`spare`).
+    fn fits_within(peak: u64, budget: u64, spare: bool) -> bool {
         let usable = budget - budget / MARGIN_DIVISOR;
-        peak <= if self.spare(plan) { usable } else { budget }
+        peak <= if spare { usable } else { budget }
     }
 
     /// `plan_among` over the candidates whose host memory (`host_bytes`) is within
@@ -2893,8 +2945,9 @@ mod tests {
         assert!((p.unrecorded_forward_ms(&b) - 8.5).abs() < 1e-9);
     }
 
-    /// One table of the blocks' times (`block_times`) weighs every candidate exactly as its
-    /// own estimate does (`cost`, which makes only the slot its plan reads).
+    /// One table of the blocks' times (`block_times`), and each plan's blocks placed once
+    /// (`Placed`), weigh every candidate exactly as its own estimates do (`cost`, which
+    /// makes only the slot its plan reads; `peak`; `spare`).
     #[test]
     fn one_table_of_block_times_weighs_every_plan_as_its_own() {
         let mut p = profile();
@@ -2910,6 +2963,7 @@ mod tests {
             let w = Weighed::with_times(&p, plan.clone(), &times);
             assert_eq!(w.cost.to_bits(), p.cost(&plan).to_bits(), "{plan}");
             assert_eq!(w.peak, p.peak(&plan));
+            assert_eq!(w.spare, p.spare(&plan), "{plan}");
         }
     }
 

@@ -92,6 +92,13 @@ fn dequant_refuses_bad_operands() {
     assert!(f.dequant_fp8(&scale, DType::F32).is_err(), "float codes");
     let nan = fp8::quantize_rows(&[1.0, f32::NAN, 0.0, 0.0], 1, 4).unwrap_err();
     assert!(nan.contains("row 0, column 1"), "{nan}");
+    // The first non-finite value by row and column, whatever the rows after it hold.
+    let mut w = vec![0.5f32; 64 * 8];
+    w[40 * 8 + 6] = f32::INFINITY;
+    w[41 * 8] = f32::NAN;
+    w[63 * 8 + 1] = f32::NEG_INFINITY;
+    let inf = fp8::quantize_rows(&w, 64, 8).unwrap_err();
+    assert!(inf.contains("value inf at row 40, column 6"), "{inf}");
     assert!(
         fp8::quantize_rows(&[1.0; 6], 1, 6).is_err(),
         "width not a multiple of 4"
@@ -214,6 +221,99 @@ fn f8_e4m3_files_load_decoded_with_and_without_a_scale() {
     let w = l.dense_weight(DType::F32).unwrap().to_vec::<f32>().unwrap();
     for (g, want) in w.iter().zip(&halved) {
         assert!((g - want).abs() <= want.abs() / 16.0, "{g} vs {want}");
+    }
+}
+
+/// A Linear's FP8 codes read from safetensors files on the host (f32, bf16 and f16 files, a
+/// weight concatenated from parts and one with its halves swapped, as diffusers' layouts map
+/// them) equal those of the same values given as tensors, which are assembled on the device:
+/// the same rounding to the builder's dtype, the same codes and scales; every key read counts
+/// as used.
+#[test]
+fn fp8_weights_read_on_the_host_quantize_as_assembled_ones() {
+    use flame::nn::KeySource;
+    use half::{bf16, f16};
+    use std::collections::HashMap;
+    let (out, inp) = (6usize, 8usize);
+    // Values of several binades and sub-bf16 detail: each dtype's rounding shows.
+    let values = |n: usize, seed: u64| -> Vec<f32> {
+        lcg(n, seed, 1.0)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * (1 << (i % 5)) as f32 + 1e-4 * v)
+            .collect()
+    };
+    let le = |dt: &str, v: &[f32]| -> Vec<u8> {
+        v.iter()
+            .flat_map(|&x| match dt {
+                "F32" => x.to_le_bytes().to_vec(),
+                "BF16" => bf16::from_f32(x).to_bits().to_le_bytes().to_vec(),
+                _ => f16::from_f32(x).to_bits().to_le_bytes().to_vec(),
+            })
+            .collect()
+    };
+    let as_stored = |dt: &str, v: &[f32], shape: Vec<usize>| {
+        let t = Tensor::from_vec(v.to_vec(), shape, &CPU).unwrap();
+        match dt {
+            "F32" => t,
+            "BF16" => t.to_dtype(DType::BF16).unwrap(),
+            _ => t.to_dtype(DType::F16).unwrap(),
+        }
+    };
+    let sources: Vec<(&str, &str, Vec<usize>, Vec<f32>)> = vec![
+        ("a.weight", "F32", vec![out, inp], values(out * inp, 1)),
+        ("b.weight", "BF16", vec![out, inp], values(out * inp, 2)),
+        ("c.weight", "F16", vec![out, inp], values(out * inp, 3)),
+        ("q.weight", "BF16", vec![2, inp], values(2 * inp, 4)),
+        ("k.weight", "F32", vec![4, inp], values(4 * inp, 5)),
+        ("s.weight", "F32", vec![out, inp], values(out * inp, 6)),
+    ];
+    let f = TempFile::new("fp8-host.safetensors");
+    let entries: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = sources
+        .iter()
+        .map(|(k, dt, shape, v)| (*k, *dt, shape.clone(), le(dt, v)))
+        .collect();
+    write_raw(f.path(), &entries);
+    let tensors: HashMap<String, Tensor> = sources
+        .iter()
+        .map(|(k, dt, shape, v)| (k.to_string(), as_stored(dt, v, shape.clone())))
+        .collect();
+    let map: flame::nn::KeyMap = std::sync::Arc::new(|k: &str| {
+        Some(match k {
+            "qk.weight" => KeySource::Cat(vec![("q.weight".into(), 2), ("k.weight".into(), 4)]),
+            "swapped.weight" => KeySource::SwapHalves("s.weight".into()),
+            k => KeySource::Key(k.into()),
+        })
+    });
+    for dtype in [DType::BF16, DType::F32, DType::F16] {
+        let files = VarBuilder::from_files(&[f.path()], dtype, &CPU)
+            .unwrap()
+            .with_key_map(map.clone())
+            .unwrap()
+            .with_fp8(true)
+            .unwrap();
+        let given = VarBuilder::from_tensors(tensors.clone(), dtype, &CPU)
+            .with_key_map(map.clone())
+            .unwrap()
+            .with_fp8(true)
+            .unwrap();
+        for key in ["a", "b", "c", "qk", "swapped"] {
+            let name = format!("{key}.weight");
+            let (c1, p1) = files.get_linear_weight(out, inp, &name).unwrap();
+            let (c2, p2) = given.get_linear_weight(out, inp, &name).unwrap();
+            assert_eq!(c1.dtype(), DType::U32, "{key}");
+            assert_eq!(
+                c1.to_vec::<u32>().unwrap(),
+                c2.to_vec::<u32>().unwrap(),
+                "{key} in {dtype:?}"
+            );
+            let scale = |p: Option<flame::nn::Packing>| match p {
+                Some(flame::nn::Packing::Fp8 { scale, .. }) => bits(&scale),
+                other => panic!("{key}: {other:?}"),
+            };
+            assert_eq!(scale(p1), scale(p2), "{key} in {dtype:?}");
+        }
+        assert!(files.unused_keys().unwrap().is_empty(), "{dtype:?}");
     }
 }
 

@@ -656,19 +656,22 @@ impl VarBuilder {
                 }),
             ));
         }
-        let w = self.assemble(&key, &Shape::from((out_dim, in_dim)))?;
-        // The weight crosses to the host in its own dtype (half the bytes of f32 for bf16).
-        let host: Vec<f32> = {
-            use rayon::prelude::*;
-            match w.to_host()? {
-                crate::CpuStorage::F32(v) => v,
-                crate::CpuStorage::BF16(v) => v.par_iter().map(|x| x.to_f32()).collect(),
-                crate::CpuStorage::F16(v) => v.par_iter().map(|x| x.to_f32()).collect(),
-                other => other.to_f64_vec().into_iter().map(|x| x as f32).collect(),
+        let shape = Shape::from((out_dim, in_dim));
+        // Read on the host where the files hold it as plain floats; else assembled on the
+        // device and brought back in its own dtype (half the bytes of f32 for bf16).
+        let mut host: Vec<f32> = match self.host_values(&key, &shape)? {
+            Some(v) => v,
+            None => {
+                use rayon::prelude::*;
+                let w = self.assemble(&key, &shape)?;
+                match w.to_host()? {
+                    crate::CpuStorage::F32(v) => v,
+                    crate::CpuStorage::BF16(v) => v.par_iter().map(|x| x.to_f32()).collect(),
+                    crate::CpuStorage::F16(v) => v.par_iter().map(|x| x.to_f32()).collect(),
+                    other => other.to_f64_vec().into_iter().map(|x| x as f32).collect(),
+                }
             }
         };
-        drop(w);
-        let mut host = host;
         if rotation > 0 {
             // W H, a row (an output channel) at a time.
             use rayon::prelude::*;
@@ -826,6 +829,123 @@ impl VarBuilder {
         Ok(t.clone())
     }
 
+    /// The source of parameter `key` (shape `shape`) in this builder's checkpoint, its keys
+    /// present, their shapes concatenating to `shape` (an error naming the key otherwise),
+    /// and whether the source holds it without its leading size-1 dims (a GGUF file's).
+    fn checked_source(&self, key: &str, shape: &Shape) -> Result<(KeySource, bool)> {
+        let src = self
+            .source_of(key)
+            .ok_or_else(|| self.err(key, "has no source in this checkpoint layout".into()))?;
+        for k in src.keys() {
+            if !self.source_has(k) {
+                return Err(self.missing(key, k));
+            }
+        }
+        let found = self.shape_of_key(&src).ok_or_else(|| {
+            self.err(
+                key,
+                format!(
+                    "its sources {:?} do not concatenate along dim 0",
+                    src.keys()
+                ),
+            )
+        })?;
+        if let KeySource::Cat(parts) = &src {
+            for (k, rows) in parts {
+                let have = self.raw_shape(k).and_then(|s| s.first().copied());
+                if have != Some(*rows) {
+                    return Err(self.err(
+                        key,
+                        format!("part '{k}' has {have:?} rows, the layout says {rows}"),
+                    ));
+                }
+            }
+        }
+        // ggml writes a tensor without its outermost size-1 dims (its `ne` ends there):
+        // quantized GGUF files hold Z-Image's (1, dim) pad tokens as (dim); the values are
+        // the same, reshaped below.
+        let squeezed = matches!(self.shared.source, Source::Gguf(_))
+            && matches!(src, KeySource::Key(_))
+            && found.as_slice() != shape.dims()
+            && drop_leading_ones(&found) == drop_leading_ones(shape.dims());
+        if found.as_slice() != shape.dims() && !squeezed {
+            let from = match &src {
+                KeySource::Key(k) if k == key => String::new(),
+                _ => format!(" (from {:?})", src.keys()),
+            };
+            return Err(self.err(
+                key,
+                format!("expected shape {shape}, the source has {found:?}{from}"),
+            ));
+        }
+        Ok((src, squeezed))
+    }
+
+    /// The values of model key `key` (`shape`) as `assemble` gives them (in the builder's
+    /// dtype), widened to f32, read on the host straight from the files: what a weight's
+    /// FP8 quantization takes, without a round trip through the device (Flux-dev's 12B
+    /// values crossed the link to the device and back). `None` where the weight is read
+    /// otherwise (`assemble` then): a source other than safetensors files, a LoRA to merge
+    /// into it, a part held as FP8 with its scales or in a dtype other than f32, bf16 or f16.
+    fn host_values(&self, key: &str, shape: &Shape) -> Result<Option<Vec<f32>>> {
+        use rayon::prelude::*;
+        let Source::Files { files, index } = &self.shared.source else {
+            return Ok(None);
+        };
+        if self.shared.merge.is_some() || self.shared.shapes_only {
+            return Ok(None);
+        }
+        let (src, squeezed) = self.checked_source(key, shape)?;
+        let mut parts = Vec::new();
+        for k in src.keys() {
+            let i = *index.get(k).ok_or_else(|| self.missing(key, k))?;
+            let plain = files[i]
+                .info(k)
+                .is_some_and(|info| matches!(info.dtype.as_str(), "F32" | "BF16" | "F16"));
+            if squeezed || !plain || super::scaled_fp8::scaled_fp8(files, index, k)?.is_some() {
+                return Ok(None);
+            }
+            parts.push((i, k));
+        }
+        // Each value rounded to the builder's dtype, as the device's read casts it.
+        let dtype = self.shared.dtype;
+        let round = move |x: f32| match dtype {
+            DType::BF16 => half::bf16::from_f32(x).to_f32(),
+            DType::F16 => half::f16::from_f32(x).to_f32(),
+            _ => x,
+        };
+        let mut values: Vec<f32> = Vec::with_capacity(shape.elem_count());
+        for (i, k) in parts {
+            crate::progress::tick();
+            match files[i].host(k)? {
+                crate::CpuStorage::F32(v) => values.par_extend(v.into_par_iter().map(round)),
+                crate::CpuStorage::BF16(v) => {
+                    values.par_extend(v.into_par_iter().map(|x| round(x.to_f32())))
+                }
+                crate::CpuStorage::F16(v) => {
+                    values.par_extend(v.into_par_iter().map(|x| round(x.to_f32())))
+                }
+                _ => return Ok(None),
+            }
+        }
+        if values.len() != shape.elem_count() {
+            return Err(self.err(
+                key,
+                format!("{} values read for shape {shape}", values.len()),
+            ));
+        }
+        if let KeySource::SwapHalves(_) = &src {
+            let n = shape.dims().first().copied().unwrap_or(0);
+            if n % 2 != 0 {
+                return Err(self.err(key, format!("cannot swap halves of {n} rows")));
+            }
+            let half = values.len() / 2;
+            values.rotate_left(half);
+        }
+        self.mark_used(&src.keys().iter().map(|k| k.to_string()).collect::<Vec<_>>())?;
+        Ok(Some(values))
+    }
+
     /// The tensor of model key `key` read from the source (through the key map), checked
     /// against `shape`, in the builder's dtype on its device; nothing recorded as loaded.
     fn assemble(&self, key: &str, shape: &Shape) -> Result<Tensor> {
@@ -845,51 +965,7 @@ impl VarBuilder {
                 h ^ seed,
             );
         }
-        let src = self
-            .source_of(&key)
-            .ok_or_else(|| self.err(&key, "has no source in this checkpoint layout".into()))?;
-        for k in src.keys() {
-            if !self.source_has(k) {
-                return Err(self.missing(&key, k));
-            }
-        }
-        let found = self.shape_of_key(&src).ok_or_else(|| {
-            self.err(
-                &key,
-                format!(
-                    "its sources {:?} do not concatenate along dim 0",
-                    src.keys()
-                ),
-            )
-        })?;
-        if let KeySource::Cat(parts) = &src {
-            for (k, rows) in parts {
-                let have = self.raw_shape(k).and_then(|s| s.first().copied());
-                if have != Some(*rows) {
-                    return Err(self.err(
-                        &key,
-                        format!("part '{k}' has {have:?} rows, the layout says {rows}"),
-                    ));
-                }
-            }
-        }
-        // ggml writes a tensor without its outermost size-1 dims (its `ne` ends there):
-        // quantized GGUF files hold Z-Image's (1, dim) pad tokens as (dim); the values are
-        // the same, reshaped below.
-        let squeezed = matches!(self.shared.source, Source::Gguf(_))
-            && matches!(src, KeySource::Key(_))
-            && found.as_slice() != shape.dims()
-            && drop_leading_ones(&found) == drop_leading_ones(shape.dims());
-        if found.as_slice() != shape.dims() && !squeezed {
-            let from = match &src {
-                KeySource::Key(k) if *k == key => String::new(),
-                _ => format!(" (from {:?})", src.keys()),
-            };
-            return Err(self.err(
-                &key,
-                format!("expected shape {shape}, the source has {found:?}{from}"),
-            ));
-        }
+        let (src, squeezed) = self.checked_source(&key, &shape)?;
         if let Source::Shapes(_) = self.shared.source {
             // Checked like a file; nothing to read (`from_shapes`).
             self.shared

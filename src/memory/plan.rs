@@ -690,6 +690,8 @@ pub struct Weighed {
     /// Whether the plan is held to its budget less `MARGIN_DIVISOR`'s share
     /// ([`MemoryProfile::spare`]).
     pub spare: bool,
+    /// Its pinned host memory ([`MemoryProfile::host_bytes`]).
+    pub host: u64,
 }
 
 impl Weighed {
@@ -709,6 +711,7 @@ impl Weighed {
             cost: profile.step_phases_placed(&plan, times, &placed).1 / times.resident - 1.0,
             peak: profile.peak_parts_placed(&plan, &placed).total(),
             spare: MemoryProfile::spare_within(&plan, &placed.layout.reach),
+            host: profile.host_bytes_placed(&plan, &placed),
             plan,
         }
     }
@@ -722,6 +725,8 @@ pub trait Candidate: Send + Sync + Sized {
     /// The plan's predicted peak, and the time model's cost where that peak fits `budget`
     /// (`None` else: a plan weighed here is not costed then).
     fn weights(&self, profile: &MemoryProfile, budget: u64) -> (u64, Option<f64>);
+    /// The plan's pinned host memory (`MemoryProfile::host_bytes`).
+    fn host_bytes(&self, profile: &MemoryProfile) -> u64;
     /// The plan, owned.
     fn into_plan(self) -> Plan;
 }
@@ -737,6 +742,9 @@ impl Candidate for Plan {
             profile.fits(self, peak, budget).then(|| profile.cost(self)),
         )
     }
+    fn host_bytes(&self, profile: &MemoryProfile) -> u64 {
+        profile.host_bytes(self)
+    }
     fn into_plan(self) -> Plan {
         self
     }
@@ -750,6 +758,9 @@ impl Candidate for Weighed {
         let fits = MemoryProfile::fits_within(self.peak, budget, self.spare);
         (self.peak, fits.then_some(self.cost))
     }
+    fn host_bytes(&self, _: &MemoryProfile) -> u64 {
+        self.host
+    }
     fn into_plan(self) -> Plan {
         self.plan
     }
@@ -761,6 +772,9 @@ impl Candidate for &Weighed {
     }
     fn weights(&self, profile: &MemoryProfile, budget: u64) -> (u64, Option<f64>) {
         (*self).weights(profile, budget)
+    }
+    fn host_bytes(&self, _: &MemoryProfile) -> u64 {
+        self.host
     }
     fn into_plan(self) -> Plan {
         self.plan.clone()
@@ -2252,10 +2266,15 @@ impl MemoryProfile {
     /// pinned copy as loaded beside the first block's pack and raw form: the larger of the
     /// two.
     pub fn host_bytes(&self, plan: &Plan) -> u64 {
-        let carried = self.carried(plan);
+        self.host_bytes_placed(plan, &self.placed(plan))
+    }
+
+    /// `host_bytes` with the plan's blocks placed already (`placed`).
+    fn host_bytes_placed(&self, plan: &Plan, placed: &Placed) -> u64 {
+        let carried = carry(&placed.layout.reach, plan.prefetch.max(1));
         // Each streamed block's pack with its raw form where the backward uploads one, and
         // its weights as loaded.
-        let marks = self.streamed_marks(plan);
+        let marks = &placed.marks;
         let (packs, loaded): (Vec<u64>, Vec<u64>) = self
             .marked(marks.iter().copied())
             .enumerate()
@@ -2316,7 +2335,7 @@ impl MemoryProfile {
             use rayon::prelude::*;
             candidates
                 .par_iter()
-                .map(|c| self.host_bytes(c.plan()) <= room)
+                .map(|c| c.host_bytes(self) <= room)
                 .collect()
         };
         let (mut fit, mut over) = (Vec::new(), Vec::new());
@@ -2331,14 +2350,14 @@ impl MemoryProfile {
             Ok(p) => Ok(p),
             Err(mut no) => {
                 // The least host memory of the plans the device's budget would take.
-                let over: Vec<(&Plan, u64)> = over
+                let over: Vec<(&C, u64)> = over
                     .iter()
-                    .map(|c| (c.plan(), c.weights(self, budget).0))
+                    .map(|c| (c, c.weights(self, budget).0))
                     .collect();
                 no.host = over
                     .iter()
-                    .filter(|&&(c, peak)| self.fits(c, peak, budget))
-                    .map(|&(c, _)| self.host_bytes(c))
+                    .filter(|&&(c, peak)| self.fits(c.plan(), peak, budget))
+                    .map(|&(c, _)| c.host_bytes(self))
                     .min()
                     .map(|least| (least, room));
                 no.minimum = no
@@ -2947,7 +2966,7 @@ mod tests {
 
     /// One table of the blocks' times (`block_times`), and each plan's blocks placed once
     /// (`Placed`), weigh every candidate exactly as its own estimates do (`cost`, which
-    /// makes only the slot its plan reads; `peak`; `spare`).
+    /// makes only the slot its plan reads; `peak`; `spare`; `host_bytes`).
     #[test]
     fn one_table_of_block_times_weighs_every_plan_as_its_own() {
         let mut p = profile();
@@ -2964,6 +2983,7 @@ mod tests {
             assert_eq!(w.cost.to_bits(), p.cost(&plan).to_bits(), "{plan}");
             assert_eq!(w.peak, p.peak(&plan));
             assert_eq!(w.spare, p.spare(&plan), "{plan}");
+            assert_eq!(w.host, p.host_bytes(&plan), "{plan}");
         }
     }
 

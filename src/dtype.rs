@@ -95,7 +95,7 @@ macro_rules! with_dtype {
 with_dtype!(f32, F32, |x: f32| x as f64, |v: f64| v as f32);
 with_dtype!(f64, F64, |x: f64| x, |v: f64| v);
 with_dtype!(bf16, BF16, |x: bf16| x.to_f64(), bf16_nearest);
-with_dtype!(f16, F16, |x: f16| x.to_f64(), f16::from_f64);
+with_dtype!(f16, F16, |x: f16| x.to_f64(), f16_nearest);
 // Saturating: negative values become 0, values past u32::MAX become u32::MAX.
 with_dtype!(u32, U32, |x: u32| x as f64, |v: f64| v as u32);
 
@@ -215,14 +215,28 @@ macro_rules! map_cpu_storage {
 /// last bit set where any was lost), which keeps what the second rounding needs, then to bf16
 /// from the f32, which rounds correctly.
 pub fn bf16_nearest(v: f64) -> bf16 {
+    bf16::from_f32(f32_odd(v))
+}
+
+/// The f16 nearest to `v`, ties to even, as CUDA's `__float2half_rn` rounds: through the f32
+/// rounded to odd (`bf16_nearest`), then from the f32, which rounds correctly, where
+/// `half::f16::from_f64` may drop the bits below its rounding bit.
+pub fn f16_nearest(v: f64) -> f16 {
+    f16::from_f32(f32_odd(v))
+}
+
+/// `v` as f32 rounded to odd: toward zero, the last bit set where any bit was lost (`v`
+/// itself where it is an f32, or not finite as one). A second rounding from it to a format of
+/// at most 22 significant bits (bf16's 8, f16's 11) is the correct rounding of `v`.
+fn f32_odd(v: f64) -> f32 {
     let f = v as f32;
     if !f.is_finite() || f64::from(f) == v {
-        return bf16::from_f32(f);
+        return f;
     }
     // `f` is `v` rounded to nearest; toward zero is `f` or the f32 before it.
     let mut bits = f.to_bits();
     if f64::from(f).abs() > v.abs() {
         bits -= 1;
     }
-    bf16::from_f32(f32::from_bits(bits | 1))
+    f32::from_bits(bits | 1)
 }

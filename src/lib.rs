@@ -84,7 +84,7 @@ pub use backend::profile;
 pub use autograd::{grad_enabled, no_grad, Grads, NoGradGuard};
 pub use backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp, Window2d};
 pub use device::{Device, DeviceChoice};
-pub use dtype::{bf16_nearest, CpuStorage, DType, WithDType};
+pub use dtype::{bf16_nearest, f16_nearest, CpuStorage, DType, WithDType};
 pub use error::{Error, Result, Setting};
 pub use shape::{Dim, Layout, Shape};
 pub use tensor::{fp8_product, product8, product8_bias, sum_sq_multi, Rows8, Tensor, TensorId};

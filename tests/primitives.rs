@@ -339,7 +339,7 @@ fn round_to(x: f64, to: DType) -> f64 {
         DType::F64 => x,
         DType::F32 => x as f32 as f64,
         DType::BF16 => flame::bf16_nearest(x).to_f64(),
-        DType::F16 => half::f16::from_f64(x).to_f64(),
+        DType::F16 => flame::f16_nearest(x).to_f64(),
         DType::U32 => x as u32 as f64,
     }
 }
@@ -1012,6 +1012,42 @@ fn fused_activation_backward_matches_the_reference(dev: &Device) {
                 );
             }
         }
+    }
+}
+
+/// Casts to f16 round to nearest, ties to even, whatever lies past the rounding bit: f64 values
+/// a hair above and below the midpoint of two neighbouring f16s (closer to the midpoint than
+/// an f32 step, so only the f64's low bits decide) and the midpoints themselves, on the CPU's
+/// cast and `f16_nearest`, against the neighbour each must give.
+#[test]
+fn casts_to_f16_round_to_nearest_past_the_rounding_bit() {
+    use half::f16;
+    let mut x: u32 = 777;
+    let (mut vals, mut want) = (vec![], vec![]);
+    for _ in 0..5_000 {
+        x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        // A finite f16 below the largest, and the next one away from zero.
+        let a = ((x >> 8) % 0x7bff) as u16;
+        let sign = ((x & 1) as u16) << 15;
+        let (lo, hi) = (f16::from_bits(a | sign), f16::from_bits((a + 1) | sign));
+        let (l, h) = (lo.to_f64(), hi.to_f64());
+        let mid = (l + h) / 2.0;
+        let hair = (h - l).abs() * 2f64.powi(-30);
+        let toward_hi = if h > l { hair } else { -hair };
+        vals.extend([mid + toward_hi, mid - toward_hi, mid]);
+        // The tie goes to the even code.
+        let even = if a % 2 == 0 { l } else { h };
+        want.extend([h, l, even]);
+    }
+    let t = Tensor::from_vec(vals.clone(), vals.len(), &CPU).unwrap();
+    let got = t.to_dtype(DType::F16).unwrap().to_vec_f64().unwrap();
+    for ((v, g), w) in vals.iter().zip(&got).zip(&want) {
+        assert_eq!(g.to_bits(), w.to_bits(), "{v:e}: {g:e} against {w:e}");
+        assert_eq!(
+            flame::f16_nearest(*v).to_f64().to_bits(),
+            w.to_bits(),
+            "{v:e}"
+        );
     }
 }
 

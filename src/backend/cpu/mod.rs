@@ -580,7 +580,7 @@ pub(crate) fn from_f64_vec(v: Vec<f64>, dtype: DType) -> CpuStorage {
         DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
         DType::F64 => CpuStorage::F64(v),
         DType::BF16 => CpuStorage::BF16(v.into_iter().map(crate::bf16_nearest).collect()),
-        DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f64).collect()),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(crate::f16_nearest).collect()),
         DType::U32 => CpuStorage::U32(v.into_iter().map(|x| x as u32).collect()),
     }
 }
@@ -606,7 +606,7 @@ impl BackendDevice for CpuDevice {
             DType::F32 => CpuStorage::F32(vec![value as f32; n]),
             DType::F64 => CpuStorage::F64(vec![value; n]),
             DType::BF16 => CpuStorage::BF16(vec![crate::bf16_nearest(value); n]),
-            DType::F16 => CpuStorage::F16(vec![f16::from_f64(value); n]),
+            DType::F16 => CpuStorage::F16(vec![crate::f16_nearest(value); n]),
             DType::U32 => CpuStorage::U32(vec![value as u32; n]),
         })
     }

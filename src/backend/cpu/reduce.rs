@@ -126,7 +126,7 @@ pub fn reduce(s: &CpuStorage, l: &Layout, op: ReduceOp, dims: &[usize]) -> Resul
         DType::F32 => CpuStorage::F32(strided::map1(&vals, &out_l, |x| x as f32)),
         DType::F64 => CpuStorage::F64(vals),
         DType::BF16 => CpuStorage::BF16(strided::map1(&vals, &out_l, crate::bf16_nearest)),
-        DType::F16 => CpuStorage::F16(strided::map1(&vals, &out_l, half::f16::from_f64)),
+        DType::F16 => CpuStorage::F16(strided::map1(&vals, &out_l, crate::f16_nearest)),
         DType::U32 => {
             return Err(Error::UnsupportedDType {
                 op: op.name(),

@@ -676,9 +676,12 @@ pub struct Planned {
 }
 
 /// A candidate plan with the weights the planner takes it by: the time model's cost
-/// ([`MemoryProfile::cost`]) and the predicted peak ([`MemoryProfile::peak`]), taken once
-/// where the candidates are made ([`MemoryProfile::weighed_candidates`]) and read again by
-/// the choice ([`MemoryProfile::plan_among`]).
+/// ([`MemoryProfile::cost`]), the predicted peak ([`MemoryProfile::peak`]), whether it is
+/// held to a margin ([`MemoryProfile::spare`]) and its pinned host memory
+/// ([`MemoryProfile::host_bytes`]), taken once where the candidates are made
+/// ([`MemoryProfile::weighed_candidates`], [`Weighed::new`]) and read again by the choice
+/// ([`MemoryProfile::plan_among`], [`MemoryProfile::plan_within`]). Each weight is the
+/// profile's for this `plan`: a plan changed afterwards is weighed again.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Weighed {
     /// The plan.
@@ -708,7 +711,7 @@ impl Weighed {
     pub(crate) fn with_times(profile: &MemoryProfile, plan: Plan, times: &BlockTimes) -> Weighed {
         let placed = profile.placed(&plan);
         Weighed {
-            cost: profile.step_phases_placed(&plan, times, &placed).1 / times.resident - 1.0,
+            cost: profile.cost_placed(&plan, times, &placed),
             peak: profile.peak_parts_placed(&plan, &placed).total(),
             spare: MemoryProfile::spare_within(&plan, &placed.layout.reach),
             host: profile.host_bytes_placed(&plan, &placed),
@@ -1480,9 +1483,10 @@ impl MemoryProfile {
         (forward, step)
     }
 
-    /// The largest coded upload's bytes on the link and its largest part under `plan` (the
-    /// backward leaving `carried` blocks for the forward): what the streamer's staging ring
-    /// is sized by (`wire::staging_ring_bytes`); zeros for an uncoded plan.
+    /// The largest coded upload's bytes on the link and its largest part under `plan`, its
+    /// streamed blocks marked by `marks` (`streamed_marks`) and the backward leaving
+    /// `carried` blocks for the forward: what the streamer's staging ring is sized by
+    /// (`wire::staging_ring_bytes`); zeros for an uncoded plan.
     fn ring_parts(&self, plan: &Plan, marks: &[bool], carried: usize) -> (u64, u64) {
         let (wire, part) = self
             .forward_coded(plan, marks, carried)
@@ -1529,7 +1533,12 @@ impl MemoryProfile {
 
     /// `cost` with the blocks' times made already.
     pub(crate) fn cost_with(&self, plan: &Plan, times: &BlockTimes) -> f64 {
-        self.step_phases_with(plan, times).1 / times.resident - 1.0
+        self.cost_placed(plan, times, &self.placed(plan))
+    }
+
+    /// `cost_with` with the plan's blocks placed already (`placed`).
+    fn cost_placed(&self, plan: &Plan, times: &BlockTimes, placed: &Placed) -> f64 {
+        self.step_phases_placed(plan, times, placed).1 / times.resident - 1.0
     }
 
     /// The largest part of block `b`'s coded upload in the staging ring: its largest coded
@@ -2350,19 +2359,26 @@ impl MemoryProfile {
             Ok(p) => Ok(p),
             Err(mut no) => {
                 // The least host memory of the plans the device's budget would take.
-                let over: Vec<(&C, u64)> = over
+                // Each one's peak, and whether it fits the budget (a cost where it does).
+                let over: Vec<(&C, u64, bool)> = over
                     .iter()
-                    .map(|c| (c, c.weights(self, budget).0))
+                    .map(|c| {
+                        let (peak, cost) = c.weights(self, budget);
+                        (c, peak, cost.is_some())
+                    })
                     .collect();
                 no.host = over
                     .iter()
-                    .filter(|&&(c, peak)| self.fits(c.plan(), peak, budget))
-                    .map(|&(c, _)| c.host_bytes(self))
+                    .filter(|&&(_, _, fits)| fits)
+                    .map(|&(c, _, _)| c.host_bytes(self))
                     .min()
                     .map(|least| (least, room));
-                no.minimum = no
-                    .minimum
-                    .min(over.iter().map(|&(_, peak)| peak).min().unwrap_or(u64::MAX));
+                no.minimum = no.minimum.min(
+                    over.iter()
+                        .map(|&(_, peak, _)| peak)
+                        .min()
+                        .unwrap_or(u64::MAX),
+                );
                 Err(no)
             }
         }

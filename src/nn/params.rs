@@ -895,6 +895,16 @@ impl VarBuilder {
         if self.shared.merge.is_some() || self.shared.shapes_only {
             return Ok(None);
         }
+        // Each value rounded to the builder's dtype, as the device's read casts it; a float
+        // dtype only.
+        let dtype = self.shared.dtype;
+        let round: fn(f32) -> f32 = match dtype {
+            DType::BF16 => |x| half::bf16::from_f32(x).to_f32(),
+            DType::F16 => |x| half::f16::from_f32(x).to_f32(),
+            DType::F32 | DType::F64 => |x| x,
+            DType::U32 => return Ok(None),
+        };
+        // (`squeezed` is a GGUF file's way of holding a tensor: never here.)
         let (src, squeezed) = self.checked_source(key, shape)?;
         let mut parts = Vec::new();
         for k in src.keys() {
@@ -907,13 +917,6 @@ impl VarBuilder {
             }
             parts.push((i, k));
         }
-        // Each value rounded to the builder's dtype, as the device's read casts it.
-        let dtype = self.shared.dtype;
-        let round = move |x: f32| match dtype {
-            DType::BF16 => half::bf16::from_f32(x).to_f32(),
-            DType::F16 => half::f16::from_f32(x).to_f32(),
-            _ => x,
-        };
         let mut values: Vec<f32> = Vec::with_capacity(shape.elem_count());
         for (i, k) in parts {
             crate::progress::tick();
@@ -942,7 +945,11 @@ impl VarBuilder {
             let half = values.len() / 2;
             values.rotate_left(half);
         }
-        self.mark_used(&src.keys().iter().map(|k| k.to_string()).collect::<Vec<_>>())?;
+        self.shared
+            .used
+            .lock()
+            .map_err(|_| Error::Poisoned("parameter table"))?
+            .extend(src.keys().iter().map(|k| k.to_string()));
         Ok(Some(values))
     }
 

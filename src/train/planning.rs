@@ -437,7 +437,7 @@ pub(crate) fn plan_memory(
                     // out-of-memory advice.
                     let next = candidates
                         .iter()
-                        .filter(|c| host.is_none_or(|room| prof.host_bytes(&c.plan) <= room))
+                        .filter(|c| host.is_none_or(|room| c.host <= room))
                         .map(|c| (c.peak, &c.plan))
                         .find(|(peak, _)| *peak < p.peak);
                     let hint = match next {

@@ -92,7 +92,7 @@ __device__ __forceinline__ double to_f64(uint32_t x) { return (double)x; }
 template <typename T> __device__ __forceinline__ T from_f64(double x);
 template <> __device__ __forceinline__ float from_f64<float>(double x) { return (float)x; }
 template <> __device__ __forceinline__ double from_f64<double>(double x) { return x; }
-// One rounding straight from double, as the CPU backend (half's from_f64) does.
+// One rounding straight from double, as the CPU backend's `bf16_nearest` and `f16_nearest` round.
 template <> __device__ __forceinline__ __nv_bfloat16 from_f64<__nv_bfloat16>(double x) { return __double2bfloat16(x); }
 template <> __device__ __forceinline__ __half from_f64<__half>(double x) { return __double2half(x); }
 template <> __device__ __forceinline__ uint32_t from_f64<uint32_t>(double x) {

@@ -776,8 +776,8 @@ impl Candidate for &Weighed {
     fn weights(&self, profile: &MemoryProfile, budget: u64) -> (u64, Option<f64>) {
         (*self).weights(profile, budget)
     }
-    fn host_bytes(&self, _: &MemoryProfile) -> u64 {
-        self.host
+    fn host_bytes(&self, profile: &MemoryProfile) -> u64 {
+        (*self).host_bytes(profile)
     }
     fn into_plan(self) -> Plan {
         self.plan.clone()
@@ -897,6 +897,14 @@ struct Layout {
     /// The most bytes the blocks hold for the backward and the streamed copies take
     /// together at any moment of the step.
     held: u64,
+}
+
+impl Layout {
+    /// How many of the first streamed blocks the backward leaves for the next forward
+    /// under `plan` (`carry` of the reach).
+    fn carried(&self, plan: &Plan) -> usize {
+        carry(&self.reach, plan.prefetch.max(1))
+    }
 }
 
 /// A plan's streamed blocks by place (`MemoryProfile::streamed_marks`) and their device
@@ -1022,7 +1030,7 @@ impl MemoryProfile {
     /// of its ops, which record nothing (the re-run records them), the longer.
     pub fn unrecorded_forward_ms(&self, b: &BlockCost) -> f64 {
         let m = &self.machine;
-        let gpu: f64 = self.pass_ms(b, false, Keep::NONE, false).iter().sum();
+        let (gpu, _) = self.forward_parts(b, Keep::NONE);
         gpu.max((b.ops * m.unrecorded_op() + b.views * m.unrecorded_view()) / 1e3)
     }
 
@@ -1266,7 +1274,7 @@ impl MemoryProfile {
         let m = order.len();
         let ahead = plan.prefetch;
         let reach = &placed.layout.reach;
-        let carried = carry(reach, ahead.max(1));
+        let carried = placed.layout.carried(plan);
         // Whether streamed place `k` crosses coded in the forward or the backward
         // (`Plan::uncoded_carry`, `Plan::raw_backward`).
         let coded_at = |k: usize, backward: bool| Self::coded_place(plan, k, carried, backward);
@@ -1843,7 +1851,7 @@ impl MemoryProfile {
             0
         };
         let held = layout.held + 2 * offloaded + products;
-        let carried = carry(&layout.reach, plan.prefetch.max(1));
+        let carried = layout.carried(plan);
         // Coded uploads cross into a staging ring that holds the largest streamed block's
         // bytes on the link beside a piece and the largest part (a coded weight, or a
         // block's uncoded weights together), as the streamer sizes it from its packs
@@ -1961,7 +1969,7 @@ impl MemoryProfile {
     /// How many of the first streamed blocks the backward leaves on the device for the next
     /// forward under `plan` (`carry` of its `reach`; 0 when nothing streams).
     fn carried(&self, plan: &Plan) -> usize {
-        carry(&self.reach(plan), plan.prefetch.max(1))
+        self.layout(plan).carried(plan)
     }
 
     /// Block prefixes in the order the planner streams them: the smallest blocks first,
@@ -2280,7 +2288,7 @@ impl MemoryProfile {
 
     /// `host_bytes` with the plan's blocks placed already (`placed`).
     fn host_bytes_placed(&self, plan: &Plan, placed: &Placed) -> u64 {
-        let carried = carry(&placed.layout.reach, plan.prefetch.max(1));
+        let carried = placed.layout.carried(plan);
         // Each streamed block's pack with its raw form where the backward uploads one, and
         // its weights as loaded.
         let marks = &placed.marks;

@@ -904,15 +904,15 @@ impl VarBuilder {
             DType::F32 | DType::F64 => |x| x,
             DType::U32 => return Ok(None),
         };
-        // (`squeezed` is a GGUF file's way of holding a tensor: never here.)
-        let (src, squeezed) = self.checked_source(key, shape)?;
+        // (A tensor held squeezed is a GGUF file's: never here.)
+        let (src, _) = self.checked_source(key, shape)?;
         let mut parts = Vec::new();
         for k in src.keys() {
             let i = *index.get(k).ok_or_else(|| self.missing(key, k))?;
             let plain = files[i]
                 .info(k)
                 .is_some_and(|info| matches!(info.dtype.as_str(), "F32" | "BF16" | "F16"));
-            if squeezed || !plain || super::scaled_fp8::scaled_fp8(files, index, k)?.is_some() {
+            if !plain || super::scaled_fp8::scaled_fp8(files, index, k)?.is_some() {
                 return Ok(None);
             }
             parts.push((i, k));
@@ -945,11 +945,7 @@ impl VarBuilder {
             let half = values.len() / 2;
             values.rotate_left(half);
         }
-        self.shared
-            .used
-            .lock()
-            .map_err(|_| Error::Poisoned("parameter table"))?
-            .extend(src.keys().iter().map(|k| k.to_string()));
+        self.mark_used(&src.keys())?;
         Ok(Some(values))
     }
 
@@ -975,11 +971,7 @@ impl VarBuilder {
         let (src, squeezed) = self.checked_source(&key, &shape)?;
         if let Source::Shapes(_) = self.shared.source {
             // Checked like a file; nothing to read (`from_shapes`).
-            self.shared
-                .used
-                .lock()
-                .map_err(|_| Error::Poisoned("parameter table"))?
-                .extend(src.keys().iter().map(|k| k.to_string()));
+            self.mark_used(&src.keys())?;
             return placeholder(self.shared.dtype, &shape, &self.shared.device);
         }
         let parts = src
@@ -1028,12 +1020,7 @@ impl VarBuilder {
             }
             None => t,
         };
-        let mut used = self
-            .shared
-            .used
-            .lock()
-            .map_err(|_| Error::Poisoned("parameter table"))?;
-        used.extend(src.keys().iter().map(|k| k.to_string()));
+        self.mark_used(&src.keys())?;
         Ok(t)
     }
 
@@ -1117,12 +1104,12 @@ impl VarBuilder {
     }
 
     /// Counts `keys` of the source as read.
-    fn mark_used(&self, keys: &[String]) -> Result<()> {
+    fn mark_used<S: AsRef<str>>(&self, keys: &[S]) -> Result<()> {
         self.shared
             .used
             .lock()
             .map_err(|_| Error::Poisoned("parameter table"))?
-            .extend(keys.iter().cloned());
+            .extend(keys.iter().map(|k| k.as_ref().to_string()));
         Ok(())
     }
 

@@ -63,6 +63,10 @@
 //! round runs every variant in turn. It ends with the runs' times and each variant's ratio
 //! to the first, round by round and of the means.
 //!
+//! `--rivals` (with `--budget`) prints the plans of other kinds the planner puts near its
+//! pick, those `train` times beside it with `memory.trial_steps`
+//! (`MemoryProfile::rivals`); `--rival K` runs the K-th of them instead of the pick.
+//!
 //! `--rerun-ahead` (a plan given by hand) issues each checkpoint's re-run on a helper
 //! thread while the backward before it is issued (`flame::autograd::ahead`,
 //! `Plan::rerun_ahead`); `--serial-reruns` keeps the planner from it. `--side-stream` runs
@@ -416,8 +420,48 @@ fn run<M: ModelSpec>(
                     ..p
                 })
                 .collect();
-            match profile.plan_among(b.saturating_sub(headroom), candidates) {
-                Ok(p) => p.plan,
+            let budget = b.saturating_sub(headroom);
+            // `--rivals`: the plans of other kinds the planner puts near its pick, which
+            // `train` times beside it with `memory.trial_steps` (`MemoryProfile::rivals`);
+            // `--rival K`: the K-th of them instead of the pick (a process a plan).
+            let rival = args
+                .value("--rival")
+                .map(|k| k.parse::<usize>().expect("--rival K"));
+            let weighed = (args.flag("--rivals") || rival.is_some()).then(|| {
+                use rayon::prelude::*;
+                candidates
+                    .par_iter()
+                    .map(|p| flame::memory::Weighed::new(&profile, p.clone()))
+                    .collect::<Vec<_>>()
+            });
+            match profile.plan_among(budget, candidates) {
+                Ok(p) => {
+                    let rivals = match &weighed {
+                        Some(w) => profile.rivals(budget, None, w, &p.plan, 3)?,
+                        None => vec![],
+                    };
+                    if root {
+                        for (k, r) in rivals.iter().enumerate() {
+                            println!(
+                                "flame {name}: rival {}: {} (predicted {:.2}x, peak {:.2} GiB)",
+                                k + 1,
+                                r.plan,
+                                r.slowdown,
+                                r.peak as f64 / GIB
+                            );
+                        }
+                    }
+                    match rival {
+                        None | Some(0) => p.plan,
+                        Some(k) => match rivals.into_iter().nth(k - 1) {
+                            Some(r) => r.plan,
+                            None => {
+                                println!("flame {name}: no rival {k} within {gb} GiB");
+                                return Ok(None);
+                            }
+                        },
+                    }
+                }
                 Err(e) => {
                     println!(
                         "flame {name}: no plan fits {gb} GiB (minimum {:.2} GiB)",

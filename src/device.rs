@@ -193,6 +193,17 @@ impl Device {
         }
     }
 
+    /// Waits until the work queued on the device so far is done (on the CPU, which queues
+    /// nothing, at once): a step timed on the host then spans its device work.
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => d.synchronize(),
+            #[allow(unreachable_patterns)]
+            _ => Ok(()),
+        }
+    }
+
     /// Where the device is, for messages: `"cpu"` or `"cuda:N"`.
     pub fn location(&self) -> String {
         match self {

@@ -1909,3 +1909,210 @@ fn weighed_candidates_choose_as_the_plans_do() {
         assert_eq!(*w, &Weighed::new(&p, w.plan.clone()));
     }
 }
+
+/// The plans `memory.trial_steps` times beside the pick: for SDXL within 8 and 4 GiB (as
+/// benches/train_step.rs runs it), each of another kind than the pick and than each other
+/// (resident blocks beside streamed ones or not, re-runs issued ahead or not), each fitting
+/// the budget as the planner fits plans, predicted within the slack of the pick, fastest
+/// first and settled; within 8 GiB they include the re-runs in turn beside no streamed block,
+/// the kind that ran fastest there on an H200 whose model put it behind.
+#[test]
+fn rivals_are_the_planners_choice_of_each_other_kind_near_the_pick() {
+    use flame::memory::{PlanKind, Switches, RIVAL_SLACK};
+    use flame::models::sdxl::{SdxlConfig, Unet};
+    let opts = LoadOptions::new(DType::BF16, &Device::Cpu).with_adapters(
+        Adapters::new(LoraConfig {
+            rank: 16,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: ["input_blocks.*", "middle_block.*", "output_blocks.*"]
+                .iter()
+                .map(|t| t.to_string())
+                .collect(),
+            seed: 0,
+        })
+        .unwrap(),
+    );
+    let run = RunShape {
+        sample: vec![vec![4, 128, 128], vec![77, 2048], vec![1280], vec![6]],
+        batch: 1,
+        optimizer_bytes_per_value: 8.0,
+    };
+    let prof = profile_config::<Unet>(&SdxlConfig::base(), &opts, &run).unwrap();
+    let weighed = Switches::default().weighed_candidates(&prof);
+    for gb in [8.0, 4.0] {
+        let budget = (gb * GIB) as u64;
+        let pick = prof
+            .plan_within(budget, None, weighed.iter().collect())
+            .unwrap();
+        let rivals = prof.rivals(budget, None, &weighed, &pick.plan, 3).unwrap();
+        assert!(!rivals.is_empty(), "{gb} GiB: no rival");
+        let mut kinds = vec![PlanKind::of(&prof, &pick.plan)];
+        let mut last = 0.0;
+        for r in &rivals {
+            let kind = PlanKind::of(&prof, &r.plan);
+            assert!(!kinds.contains(&kind), "{gb} GiB: {kind:?} twice");
+            kinds.push(kind);
+            assert_eq!(prof.settle(&r.plan).unwrap(), r.plan, "settled");
+            assert_eq!(r.peak, prof.peak(&r.plan));
+            let usable = if prof.spare(&r.plan) {
+                budget - budget / flame::memory::MARGIN_DIVISOR
+            } else {
+                budget
+            };
+            assert!(r.peak <= usable, "{gb} GiB: {} over the budget", r.plan);
+            assert!(r.slowdown <= pick.slowdown * (1.0 + RIVAL_SLACK) + 1e-12);
+            assert!(r.slowdown >= last, "fastest first");
+            last = r.slowdown;
+        }
+        if gb == 8.0 {
+            assert!(
+                rivals.iter().any(|r| r.plan.streamed.is_empty()
+                    && !r.plan.rerun_ahead
+                    && r.plan.checkpointing != Checkpointing::Off),
+                "{:?}",
+                rivals
+                    .iter()
+                    .map(|r| r.plan.to_string())
+                    .collect::<Vec<_>>()
+            );
+        }
+        // None more than asked for.
+        assert!(
+            prof.rivals(budget, None, &weighed, &pick.plan, 1)
+                .unwrap()
+                .len()
+                <= 1
+        );
+    }
+}
+
+/// `memory.trial_steps` on the tiny Flux under a budget, with a rival to the planner's pick
+/// given in place of the planner's (a streamed plan with its re-runs issued ahead): each plan is
+/// loaded, timed and said, one is kept and recorded in run.json, and nothing is trained (the
+/// run's losses are those of a run that timed nothing, bit for bit: on the CPU every plan
+/// computes the same values). A resume loads the plan the run recorded, the rival here, and
+/// goes on to the same losses.
+#[test]
+fn timed_plans_train_nothing_and_a_resume_keeps_the_kept_plan() {
+    use flame::memory::Planned;
+    use flame::train::{Event, RunOptions, Trainer};
+    let memory = |steps: usize| format!("budget_gb = 1000.0\ntrial_steps = {steps}");
+    let rival = |t: &Trainer| -> Planned {
+        let (prof, _) = t.memory.sized.clone().unwrap();
+        let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
+        let plan = prof
+            .settle(&Plan {
+                checkpointing: Checkpointing::All,
+                streamed: spread_evenly(&prefixes, 2),
+                prefetch: 1,
+                keep: Keep {
+                    few_rows: true,
+                    ..Keep::NONE
+                },
+                wire_code: true,
+                deep_prefetch: true,
+                rerun_ahead: true,
+                ..Plan::default()
+            })
+            .unwrap();
+        Planned {
+            peak: prof.peak(&plan),
+            streamed_bytes: prof.streamed_bytes(&plan),
+            slowdown: prof.step_ms(&plan) / prof.resident_ms(),
+            plan,
+        }
+    };
+    let run = |cfg: &flame::train::TrainConfig, opts: RunOptions, with_rival: bool| {
+        let mut notes = vec![];
+        let mut t = Trainer::new(cfg.clone()).unwrap();
+        t.memory.rivals = match with_rival {
+            true => vec![rival(&t)],
+            false => vec![],
+        };
+        t.run(&opts, &mut |e| {
+            if let Event::Note(n) = e {
+                notes.push(n)
+            }
+        })
+        .unwrap();
+        (notes, t.memory.plan.clone())
+    };
+    let log = |cfg: &flame::train::TrainConfig| {
+        std::fs::read_to_string(cfg.train.output_dir.join("loss.jsonl")).unwrap()
+    };
+    let plain = tiny_config("trial-off", &memory(0));
+    let (notes, _) = run(&plain, RunOptions::default(), true);
+    assert!(
+        !notes.iter().any(|n| n.contains("timing plans")),
+        "{notes:?}"
+    );
+    let timed = tiny_config("trial-on", &memory(2));
+    let (notes, kept) = run(&timed, RunOptions::default(), true);
+    let lines: Vec<&String> = notes
+        .iter()
+        .filter(|n| n.contains("timing plans: "))
+        .collect();
+    assert_eq!(lines.len(), 3, "{notes:?}");
+    assert!(
+        lines[..2]
+            .iter()
+            .all(|l| l.contains("ms a step (median of 2")),
+        "{lines:?}"
+    );
+    assert!(lines[1].contains("blocks streamed"), "{lines:?}");
+    assert!(lines[2].contains("kept"), "{lines:?}");
+    let manifest = std::fs::read_to_string(timed.train.output_dir.join("run.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&manifest).unwrap();
+    assert_eq!(v["timed_plan"].as_str(), Some(kept.to_string().as_str()));
+    assert_eq!(log(&timed), log(&plain), "timing plans trains nothing");
+    // Without a rival nothing is timed.
+    let alone = tiny_config("trial-alone", &memory(2));
+    let (notes, _) = run(&alone, RunOptions::default(), false);
+    assert!(
+        !notes.iter().any(|n| n.contains("timing plans")),
+        "{notes:?}"
+    );
+    // A resume loads the recorded plan: the rival, recorded by hand.
+    let mut resumed = tiny_config("trial-resumed", &memory(2));
+    resumed.train.save_every = 1;
+    let stop = RunOptions {
+        stop_at: Some(2),
+        ..Default::default()
+    };
+    run(&resumed, stop, true);
+    let path = resumed.train.output_dir.join("run.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let rival_plan = rival(&Trainer::new(resumed.clone()).unwrap()).plan;
+    v["timed_plan"] = rival_plan.to_string().into();
+    std::fs::write(&path, v.to_string()).unwrap();
+    let again = RunOptions {
+        resume: true,
+        ..Default::default()
+    };
+    let (notes, plan) = run(&resumed, again, true);
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("resuming with the plan the run kept")),
+        "{notes:?}"
+    );
+    assert!(!notes.iter().any(|n| n.contains("ms a step")), "{notes:?}");
+    assert_eq!(plan, rival_plan);
+    assert_eq!(log(&resumed), log(&plain), "the resumed run's losses");
+    // A recorded plan that is none of those worked out now: the pick stays, said.
+    let (notes, plan) = run(&resumed, again_resume(), false);
+    assert!(
+        notes.iter().any(|n| n.contains("the planner's pick stays")),
+        "{notes:?}"
+    );
+    assert_eq!(plan.to_string(), "no checkpointing");
+}
+
+fn again_resume() -> flame::train::RunOptions {
+    flame::train::RunOptions {
+        resume: true,
+        ..Default::default()
+    }
+}

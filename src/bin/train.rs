@@ -751,6 +751,12 @@ fn run(
         if let Some(t) = trainer.memory.peak_terms() {
             p.line(&format!("the step's predicted peak: {t}"));
         }
+        if let Some(r) = trainer
+            .memory
+            .rivals_line(trainer.config.memory.trial_steps)
+        {
+            p.line(&r);
+        }
         p.line("phases:");
         for ph in trainer.phase_plans() {
             p.line(&format!("  {}", ph.describe()));

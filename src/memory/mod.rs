@@ -35,6 +35,7 @@ mod products;
 mod streamer;
 mod switches;
 mod trace;
+mod trial;
 
 pub use budget::{hold_to_budget, split_budget, LATE_HEADROOM};
 pub use machine::{
@@ -52,6 +53,7 @@ pub use products::ProductReport;
 pub use streamer::{BlockStreamer, StallRecord, StreamReport, UploadRecord, TIME_EVERY};
 pub use switches::Switches;
 pub use trace::{take_block_trace, trace_blocks, BlockMemory};
+pub use trial::{fastest, median, PlanKind, Trial, RIVAL_SLACK, TRIAL_MARGIN};
 
 use crate::autograd::{checkpoint_opts, CheckpointHooks, CheckpointOptions, Keep, SavedHooks};
 use crate::{Result, Tensor};

@@ -1114,6 +1114,15 @@ section! {
         /// device cost. With `checkpointing = "auto"` the planner weighs it only under the
         /// switch `offload_kept=on` (`FLAME_PLANNER`).
         offload_kept: bool = false,
+        /// With checkpointing = "auto" under a budget: steps to time each of the planner's
+        /// pick and the plans of other kinds its time model puts near it (at most three
+        /// more: resident blocks beside streamed ones or not, re-runs issued ahead or not)
+        /// before the first step, on the run's first batches, after one untimed step each.
+        /// Nothing is trained (the gradients are dropped). The run keeps the plan whose
+        /// median step was shortest: the pick unless another was over 2% faster. The time
+        /// model can rank those kinds wrongly on a given host; each plan timed loads the
+        /// model again. A resume keeps the plan the run kept. 0: off.
+        trial_steps: usize = 0_usize,
     }
 }
 

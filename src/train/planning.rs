@@ -5,11 +5,15 @@
 use super::config::{OptimizerKind, TrainConfig};
 use super::text::TextStepBytes;
 pub use crate::memory::{split_budget, LATE_HEADROOM};
-use crate::memory::{spread_evenly, MemoryProfile, NoPlan, Plan, Switches};
+use crate::memory::{spread_evenly, MemoryProfile, NoPlan, Plan, Planned, Switches};
 use crate::models::{Family, LoadOptions, RunShape};
 use crate::{Device, Error, Result};
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// The plans of other kinds `memory.trial_steps` times beside the planner's pick, at most
+/// (`MemoryProfile::rivals`): each costs the run a load of the model.
+pub const TRIAL_RIVALS: usize = 3;
 
 fn gib(b: u64) -> f64 {
     b as f64 / GIB
@@ -82,6 +86,10 @@ pub struct MemoryChoice {
     /// What the trained text encoders hold in a step (`adapter.text_encoders`), counted in
     /// the profile and the predicted peak.
     pub text: Option<TextStepBytes>,
+    /// The plans of other kinds the time model predicts near the chosen one, each settled,
+    /// fastest predicted first (`MemoryProfile::rivals`): what `memory.trial_steps` times
+    /// beside it. Empty where the planner did not choose.
+    pub rivals: Vec<Planned>,
 }
 
 impl MemoryChoice {
@@ -108,6 +116,30 @@ impl MemoryChoice {
             (None, _) => s += " (no budget)",
         }
         s
+    }
+
+    /// The plans of other kinds predicted near the chosen one (`rivals`), in one line for
+    /// `--plan`, saying whether `trial_steps` (`memory.trial_steps`) times them; `None`
+    /// without rivals.
+    pub fn rivals_line(&self, trial_steps: usize) -> Option<String> {
+        if self.rivals.is_empty() {
+            return None;
+        }
+        let list: Vec<String> = self
+            .rivals
+            .iter()
+            .map(|r| format!("{} (predicted {:.2}x)", r.plan, r.slowdown))
+            .collect();
+        Some(match trial_steps {
+            0 => format!(
+                "plans of other kinds predicted near it (memory.trial_steps > 0 times them                  beside it before the first step): {}",
+                list.join("; ")
+            ),
+            n => format!(
+                "before the first step, {n} steps each of it and of: {}; the fastest is kept",
+                list.join("; ")
+            ),
+        })
     }
 
     /// The step's predicted peak by its terms (`MemoryProfile::peak_parts`: weights, the
@@ -221,6 +253,7 @@ pub fn plan_denoising(
         sized: None,
         machine: None,
         text: None,
+        rivals: vec![],
     };
     let (Some(cap), true) = (cap, budget_gb > 0.0) else {
         return Ok(resident);
@@ -288,6 +321,7 @@ pub fn plan_denoising(
         hint: format!("lower the image size or raise {key}"),
         machine: Some(prof.machine),
         text: None,
+        rivals: vec![],
         sized: Some((prof, plan)),
     })
 }
@@ -405,6 +439,7 @@ pub(crate) fn plan_memory(
                 outside,
                 machine: None,
                 text: text.cloned(),
+                rivals: vec![],
             }
         }
         (None, None) => MemoryChoice {
@@ -417,6 +452,7 @@ pub(crate) fn plan_memory(
             sized: None,
             machine: None,
             text: text.cloned(),
+            rivals: vec![],
         },
         (None, Some(b)) => {
             let mut prof = profile(config, family, opts, sample, world, text)?;
@@ -450,7 +486,9 @@ pub(crate) fn plan_memory(
                         None => fp8_hint(config, family, opts, sample, p.peak, world, text)?,
                     };
                     let plan = prof.settle(&p.plan)?;
+                    let rivals = prof.rivals(b, host, &candidates, &p.plan, TRIAL_RIVALS)?;
                     MemoryChoice {
+                        rivals,
                         plan: plan.clone(),
                         summary: format!(
                             "{} ({:.1} GiB streamed a step, {}; a step predicted at {:.2}x \

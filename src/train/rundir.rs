@@ -167,6 +167,11 @@ pub struct Manifest {
     /// (`memory::measure_machine`): a resume plans with it, so it chooses the same plan.
     /// `None` where no plan was chosen by the time model (no budget, a plan by hand).
     pub machine: Option<crate::memory::Machine>,
+    /// The plan the run kept after timing the planner's pick and its rivals
+    /// (`memory.trial_steps`), in words (`Plan`'s `Display`): a resume keeps the plan of
+    /// those it works out again (from `machine`) that reads the same. `None` where no plans
+    /// were timed.
+    pub timed_plan: Option<String>,
 }
 
 impl Manifest {
@@ -181,6 +186,7 @@ impl Manifest {
             keys: keys.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
             files: BTreeMap::new(),
             machine: None,
+            timed_plan: None,
         }
     }
 
@@ -234,6 +240,9 @@ impl Manifest {
                 v["machine"] = m.into();
             }
         }
+        if let Some(k) = &self.timed_plan {
+            v["timed_plan"] = k.clone().into();
+        }
         v.to_string()
     }
 
@@ -284,11 +293,20 @@ impl Manifest {
                 Some(m)
             }
         };
+        let timed_plan = match v.get("timed_plan") {
+            None => None,
+            Some(k) => Some(
+                k.as_str()
+                    .ok_or_else(|| damaged("timed_plan is not text"))?
+                    .to_string(),
+            ),
+        };
         Ok(Manifest {
             run_id: run_id.to_string(),
             keys,
             files,
             machine,
+            timed_plan,
         })
     }
 }
@@ -604,6 +622,16 @@ impl RunDir {
         };
         m.files.insert(name.to_string(), rec);
         write_atomic(&mp, m.to_json().as_bytes())
+    }
+
+    /// Records in the manifest which plan the run kept after timing plans
+    /// (`Manifest::timed_plan`); nothing where there is no manifest.
+    pub fn record_timed_plan(&self, plan: &str) -> Result<()> {
+        let Some(mut m) = self.manifest()? else {
+            return Ok(());
+        };
+        m.timed_plan = Some(plan.to_string());
+        write_atomic(&self.path.join(MANIFEST), m.to_json().as_bytes())
     }
 
     /// Creates the folder and writes the manifest.

@@ -40,6 +40,7 @@ mod open;
 mod outputs;
 mod run;
 mod step;
+mod trial;
 
 use folder::resume_keys_of;
 pub use folder::{plan_folder, preflight};
@@ -93,6 +94,15 @@ pub struct Trainer {
     /// The TensorBoard event file being written (rank 0 with `train.tensorboard`, once the
     /// run has its folder).
     events: std::sync::Mutex<Option<EventWriter>>,
+    /// The model's family and the options it loaded with (its plan in `memory`): a plan
+    /// timed or kept after the load loads it again with these.
+    family: &'static crate::models::Family,
+    load: crate::models::LoadOptions,
+    /// The autoencoder's downsampling factor and first stage's width (image data) and whether
+    /// the model takes a distilled guidance input: each phase's plan is worked out again
+    /// from them under another step plan.
+    vae_shape: Option<(usize, usize)>,
+    guided: bool,
 }
 
 /// Where [`Trainer::open_in`] trains: the device (default: `train.device`'s) and, for

@@ -202,6 +202,7 @@ impl Trainer {
             false => None,
         };
         let identity = model_identity(&config, family, loaded.model.guidance_input())?;
+        let (vae_shape, guided) = (data.vae_shape, data.guided);
         let meta = RunMetadata::new(&config, &identity, &data.facts, wall_time());
         Ok(Trainer {
             ema,
@@ -229,6 +230,10 @@ impl Trainer {
             ahead: None,
             peaks,
             phases,
+            family,
+            load: opts,
+            vae_shape,
+            guided,
         })
     }
 }

@@ -86,6 +86,17 @@ impl Trainer {
             let params: Vec<Tensor> = self.params()?.into_iter().map(|(_, t)| t).collect();
             g.broadcast(&params.iter().collect::<Vec<_>>())?;
         }
+        // The plans timed before the first step (`memory.trial_steps`), or the plan a
+        // resumed run kept after timing them, before the model runs.
+        if self.step == 0 {
+            if let Some((_, _, kept)) = self.time_plans(on)? {
+                if root {
+                    dir.record_timed_plan(&kept)?;
+                }
+            }
+        } else if let Some(timed) = dir.manifest()?.and_then(|m| m.timed_plan) {
+            self.keep_recorded(&timed, on)?;
+        }
         let mut log = match root {
             false => None,
             true => Some(

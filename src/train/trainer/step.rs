@@ -421,6 +421,17 @@ impl Trainer {
         Ok(report)
     }
 
+    /// The next step's micro-batches forward and backward, the ranks' sums included, and
+    /// the device waited for; the gradients are dropped: nothing is trained (plans timed
+    /// before the first step, `Trainer::time_plans`).
+    pub(super) fn untrained_step(&mut self) -> Result<()> {
+        self.opt.train_mode()?;
+        let scale = self.scaler.map_or(1.0, |s| s.scale);
+        let mut acc = self.accumulate(scale)?;
+        self.agree(&mut acc)?;
+        self.device.synchronize()
+    }
+
     /// The micro-batches of the next step, forward and backward, their gradients summed
     /// (and, across ranks, handed to the reducer as the last backward makes them). A
     /// non-finite loss stops a single process's accumulation; ranks of a group go on to the

@@ -1987,9 +1987,10 @@ fn rivals_are_the_planners_choice_of_each_other_kind_near_the_pick() {
     }
 }
 
-/// `memory.trial_steps` on the tiny Flux under a budget, with a rival to the planner's pick
-/// given in place of the planner's (a streamed plan with its re-runs issued ahead): each plan is
-/// loaded, timed and said, one is kept and recorded in run.json, and nothing is trained (the
+/// `memory.trial_steps` on the tiny Flux under a budget, with rivals to the planner's pick
+/// given in place of the planner's (every block checkpointed with its re-run issued ahead,
+/// two of them streamed or none): each plan is loaded (or, streaming nothing as the pick,
+/// run on the loaded weights), timed and said, one is kept and recorded in run.json, and nothing is trained (the
 /// run's losses are those of a run that timed nothing, bit for bit: on the CPU every plan
 /// computes the same values). A resume loads the plan the run recorded, the rival here, and
 /// goes on to the same losses.
@@ -1998,13 +1999,14 @@ fn timed_plans_train_nothing_and_a_resume_keeps_the_kept_plan() {
     use flame::memory::Planned;
     use flame::train::{Event, RunOptions, Trainer};
     let memory = |steps: usize| format!("budget_gb = 1000.0\ntrial_steps = {steps}");
-    let rival = |t: &Trainer| -> Planned {
+    // Every block checkpointed with its re-run issued ahead, `n` of them streamed.
+    let rival_streaming = |t: &Trainer, n: usize| -> Planned {
         let (prof, _) = t.memory.sized.clone().unwrap();
         let prefixes: Vec<String> = prof.blocks.iter().map(|b| b.prefix.clone()).collect();
         let plan = prof
             .settle(&Plan {
                 checkpointing: Checkpointing::All,
-                streamed: spread_evenly(&prefixes, 2),
+                streamed: spread_evenly(&prefixes, n),
                 prefetch: 1,
                 keep: Keep {
                     few_rows: true,
@@ -2023,11 +2025,12 @@ fn timed_plans_train_nothing_and_a_resume_keeps_the_kept_plan() {
             plan,
         }
     };
+    let rival = |t: &Trainer| rival_streaming(t, 2);
     let run = |cfg: &flame::train::TrainConfig, opts: RunOptions, with_rival: bool| {
         let mut notes = vec![];
         let mut t = Trainer::new(cfg.clone()).unwrap();
         t.memory.rivals = match with_rival {
-            true => vec![rival(&t)],
+            true => vec![rival(&t), rival_streaming(&t, 0)],
             false => vec![],
         };
         t.run(&opts, &mut |e| {
@@ -2053,15 +2056,24 @@ fn timed_plans_train_nothing_and_a_resume_keeps_the_kept_plan() {
         .iter()
         .filter(|n| n.contains("timing plans: "))
         .collect();
-    assert_eq!(lines.len(), 3, "{notes:?}");
+    assert_eq!(lines.len(), 4, "{notes:?}");
     assert!(
-        lines[..2]
+        lines[..3]
             .iter()
             .all(|l| l.contains("ms a step (median of 2")),
         "{lines:?}"
     );
-    assert!(lines[1].contains("blocks streamed"), "{lines:?}");
-    assert!(lines[2].contains("kept"), "{lines:?}");
+    // The rival that streams nothing, as the pick, is timed first, on the loaded weights run
+    // its way; the streamed one loads the model again.
+    assert!(
+        lines[1].contains("every block checkpointed")
+            && !lines[1].contains("streamed")
+            && lines[1].contains("the loaded weights, the blocks run its way"),
+        "{lines:?}"
+    );
+    assert!(lines[2].contains("blocks streamed"), "{lines:?}");
+    assert!(!lines[2].contains("the loaded weights"), "{lines:?}");
+    assert!(lines[3].contains("kept"), "{lines:?}");
     let manifest = std::fs::read_to_string(timed.train.output_dir.join("run.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&manifest).unwrap();
     assert_eq!(v["timed_plan"].as_str(), Some(kept.to_string().as_str()));

@@ -60,7 +60,8 @@ struct Contender {
 
 impl Trainer {
     /// The planner's pick and the rivals worth timing beside it: those whose phases are
-    /// predicted within the budget wherever the pick's are.
+    /// predicted within the budget wherever the pick's are, those on the pick's weights first
+    /// (`same_weights`).
     fn contenders(&self, on: &mut dyn FnMut(Event)) -> Result<Vec<Contender>> {
         let Some((prof, plan)) = &self.memory.sized else {
             return Ok(vec![]);
@@ -82,6 +83,7 @@ impl Trainer {
                 .collect()
         };
         let over = past(&self.phases);
+        let out_pick = pick.plan.clone();
         let mut out = vec![pick];
         for r in &self.memory.rivals {
             let choice = self.memory_under(&r.plan, r.peak)?;
@@ -104,6 +106,8 @@ impl Trainer {
                 )));
             }
         }
+        // The rivals that hold the pick's weights first: they run on the loaded model.
+        out[1..].sort_by_key(|c| !same_weights(&out_pick, &c.plan));
         Ok(out)
     }
 
@@ -148,10 +152,19 @@ impl Trainer {
         )
     }
 
-    /// Loads the model again under `plan`, its adapters the trainer's own as they are: the
-    /// old model is released first.
-    fn reload(&mut self, plan: &Plan) -> Result<()> {
+    /// Runs the model under `plan`, its adapters the trainer's own as they are: where `plan`
+    /// differs from the loaded one only in how its blocks run (checkpointing, what they
+    /// keep, offloaded inputs, re-runs ahead: `BlockExec`), the loaded weights and streamer
+    /// run that way (returns false); else the model is released and loaded again (true).
+    fn reload(&mut self, plan: &Plan) -> Result<bool> {
         self.ahead = None;
+        if same_weights(&self.load.memory, plan) {
+            let streamer = self.model.exec().streamer.clone();
+            self.model
+                .set_exec(BlockExec::for_plan(plan, streamer, &self.device));
+            self.load.memory = plan.clone();
+            return Ok(false);
+        }
         let released = Released {
             family: self.family,
             inputs: self.model.inputs(),
@@ -167,7 +180,7 @@ impl Trainer {
         self.peaks.clock_out("loading the model");
         self.model = loaded?.model;
         self.load = opts;
-        Ok(())
+        Ok(true)
     }
 
     /// Runs the micro-batches of steps 1 to `n + 1` forward and backward, the ranks' sums
@@ -262,14 +275,16 @@ impl Trainer {
         let mut trials = vec![];
         for (i, c) in contenders.iter().enumerate() {
             let r = match i {
-                0 => self.timed_steps(steps),
-                _ => self.reload(&c.plan).and_then(|()| self.timed_steps(steps)),
+                0 => self.timed_steps(steps).map(|ms| (ms, false)),
+                _ => self
+                    .reload(&c.plan)
+                    .and_then(|loaded| Ok((self.timed_steps(steps)?, !loaded))),
             };
-            let (steps_ms, failed) = match r {
-                Ok(ms) => (ms, None),
+            let (steps_ms, failed, in_place) = match r {
+                Ok((ms, in_place)) => (ms, None, in_place),
                 Err(e) if i == 0 || self.dist.is_some() => return Err(e),
                 Err(e @ Error::Interrupted(_)) => return Err(e),
-                Err(e) => (vec![], Some(e.to_string())),
+                Err(e) => (vec![], Some(e.to_string()), false),
             };
             let t = Trial {
                 plan: c.plan.clone(),
@@ -277,7 +292,15 @@ impl Trainer {
                 steps_ms,
                 failed,
             };
-            on(Event::Note(format!("timing plans: {}", t.describe())));
+            on(Event::Note(format!(
+                "timing plans: {}{}",
+                t.describe(),
+                if in_place {
+                    " (the loaded weights, the blocks run its way)"
+                } else {
+                    ""
+                }
+            )));
             trials.push(t);
         }
         Ok(trials)
@@ -320,5 +343,80 @@ impl Trainer {
             r.plan
         )));
         Ok(())
+    }
+}
+
+/// Whether models loaded under plans `a` and `b` (settled) hold the same weights the same
+/// way: the same 8-bit transposes, the same streamed blocks and, where some are, the same
+/// streamer settings; they may differ in how their blocks run (`BlockExec::for_plan`:
+/// checkpointing, what is kept, offloaded inputs, re-runs ahead).
+fn same_weights(a: &Plan, b: &Plan) -> bool {
+    if a.remake_transposes != b.remake_transposes || a.streamed != b.streamed {
+        return false;
+    }
+    let weights = |p: &Plan| Plan {
+        checkpointing: crate::memory::Checkpointing::Off,
+        keep: crate::autograd::Keep::NONE,
+        offload_inputs: false,
+        offload_kept: false,
+        rerun_ahead: false,
+        ..p.clone()
+    };
+    a.streamed.is_empty() || weights(a) == weights(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::Checkpointing;
+
+    #[test]
+    fn plans_share_weights_where_only_their_blocks_run_otherwise() {
+        let streamed = Plan {
+            checkpointing: Checkpointing::All,
+            streamed: vec!["b.1".into(), "b.3".into()],
+            prefetch: 2,
+            wire_code: true,
+            ..Plan::default()
+        };
+        let ahead = Plan {
+            rerun_ahead: true,
+            offload_inputs: true,
+            checkpointing: Checkpointing::Every(2),
+            ..streamed.clone()
+        };
+        assert!(same_weights(&streamed, &ahead));
+        // Another streamer: another prefetch, code, or blocks.
+        for other in [
+            Plan {
+                prefetch: 3,
+                ..streamed.clone()
+            },
+            Plan {
+                wire_code: false,
+                ..streamed.clone()
+            },
+            Plan {
+                streamed: vec!["b.1".into()],
+                ..streamed.clone()
+            },
+            Plan {
+                remake_transposes: true,
+                ..streamed.clone()
+            },
+        ] {
+            assert!(!same_weights(&streamed, &other), "{other:?}");
+        }
+        // Nothing streamed: the streamer's settings mean nothing.
+        let resident = Plan::default();
+        let checkpointed = Plan {
+            checkpointing: Checkpointing::All,
+            prefetch: 4,
+            wire_code: true,
+            rerun_ahead: true,
+            ..Plan::default()
+        };
+        assert!(same_weights(&resident, &checkpointed));
+        assert!(!same_weights(&resident, &streamed));
     }
 }

@@ -28,6 +28,8 @@
 # SAMPLE_STEPS (default 20) sets the denoising steps of the run's sample images and of the
 # `sample` run: every step of a sampler runs the same forward, so its first holds the peak,
 # and fewer steps prove the same memory in less device time.
+# TRIAL_STEPS (default 0) sets memory.trial_steps: the planner's pick timed beside its rivals
+# that many steps each before the first step, the fastest kept.
 # GPUS (default 0) lists the GPUs: with several (GPUS=0,1) the run is data-parallel over
 # them (`train --gpus`), every one held to the budget by its own holder, and each GPU's
 # driver-side peak is printed.
@@ -92,6 +94,7 @@ log_every = 5
 
 [memory]
 budget_gb = $budget
+trial_steps = ${TRIAL_STEPS:-0}
 
 [data]
 resolution = 1024

@@ -211,7 +211,9 @@ impl Trainer {
     /// another was timed last. Nothing is trained: the steps' gradients are dropped, and the
     /// run's first step then starts from the same point. Tells `on` each plan's times and
     /// the choice; returns the trials, the kept one's index, and the kept plan in words for
-    /// the run's record, or `None` where nothing was timed.
+    /// the run's record, or `None` where nothing was timed. [`Trainer::run`] calls it before
+    /// a new run's first step (and records the kept plan); a loop of its own over
+    /// [`Trainer::train_step`] may call it first.
     pub fn time_plans(
         &mut self,
         on: &mut dyn FnMut(Event),

@@ -437,7 +437,14 @@ fn run<M: ModelSpec>(
             match profile.plan_among(budget, candidates) {
                 Ok(p) => {
                     let rivals = match &weighed {
-                        Some(w) => profile.rivals(budget, None, w, &p.plan, 3)?,
+                        // As `train` works them out: within this process's host memory.
+                        Some(w) => profile.rivals(
+                            budget,
+                            flame::memory::host_room(world),
+                            w,
+                            &p.plan,
+                            flame::train::planning::TRIAL_RIVALS,
+                        ),
                         None => vec![],
                     };
                     if root {

@@ -193,8 +193,10 @@ impl Device {
         }
     }
 
-    /// Waits until the work queued on the device so far is done (on the CPU, which queues
-    /// nothing, at once): a step timed on the host then spans its device work.
+    /// Waits until the work queued on the device's compute stream so far is done (on the
+    /// CPU, which queues nothing, at once): a step timed on the host then spans its kernels.
+    /// Copies on other streams (a block streamer's uploads ahead) and host threads are not
+    /// waited for.
     pub fn synchronize(&self) -> Result<()> {
         match self {
             #[cfg(feature = "cuda")]

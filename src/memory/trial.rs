@@ -64,7 +64,7 @@ impl MemoryProfile {
         candidates: &[Weighed],
         pick: &Plan,
         most: usize,
-    ) -> crate::Result<Vec<Planned>> {
+    ) -> Vec<Planned> {
         let own = PlanKind::of(self, pick);
         let limit = (self.step_ms(pick) / self.resident_ms()) * (1.0 + RIVAL_SLACK);
         // Each candidate's kind on the host's cores (a pass over its blocks each).
@@ -88,11 +88,12 @@ impl MemoryProfile {
             .collect();
         rivals.sort_by(|a, b| a.slowdown.total_cmp(&b.slowdown));
         rivals.truncate(most);
+        // (A candidate's plan always settles; one that did not would be left out.)
         rivals
             .into_iter()
-            .map(|p| {
-                Ok(Planned {
-                    plan: self.settle(&p.plan)?,
+            .filter_map(|p| {
+                Some(Planned {
+                    plan: self.settle(&p.plan).ok()?,
                     ..p
                 })
             })

@@ -1120,8 +1120,9 @@ section! {
         /// before the first step, on the run's first batches, after one untimed step each.
         /// Nothing is trained (the gradients are dropped). The run keeps the plan whose
         /// median step was shortest: the pick unless another was over 2% faster. The time
-        /// model can rank those kinds wrongly on a given host; each plan timed loads the
-        /// model again. A resume keeps the plan the run kept. 0: off.
+        /// model can rank those kinds wrongly on a given host; each plan timed that holds
+        /// other weights than the loaded model loads it again. A resume keeps the plan the
+        /// run kept. 0: off.
         trial_steps: usize = 0_usize,
     }
 }

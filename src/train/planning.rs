@@ -12,7 +12,8 @@ use crate::{Device, Error, Result};
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// The plans of other kinds `memory.trial_steps` times beside the planner's pick, at most
-/// (`MemoryProfile::rivals`): each costs the run a load of the model.
+/// (`MemoryProfile::rivals`): each that holds other weights than the loaded model costs the
+/// run a load of the model.
 pub const TRIAL_RIVALS: usize = 3;
 
 fn gib(b: u64) -> f64 {
@@ -132,7 +133,8 @@ impl MemoryChoice {
             .collect();
         Some(match trial_steps {
             0 => format!(
-                "plans of other kinds predicted near it (memory.trial_steps > 0 times them                  beside it before the first step): {}",
+                "plans of other kinds predicted near it (memory.trial_steps > 0 times them \
+                 beside it before the first step): {}",
                 list.join("; ")
             ),
             n => format!(
@@ -486,7 +488,7 @@ pub(crate) fn plan_memory(
                         None => fp8_hint(config, family, opts, sample, p.peak, world, text)?,
                     };
                     let plan = prof.settle(&p.plan)?;
-                    let rivals = prof.rivals(b, host, &candidates, &p.plan, TRIAL_RIVALS)?;
+                    let rivals = prof.rivals(b, host, &candidates, &p.plan, TRIAL_RIVALS);
                     MemoryChoice {
                         rivals,
                         plan: plan.clone(),

@@ -103,6 +103,9 @@ pub struct Trainer {
     /// from them under another step plan.
     vae_shape: Option<(usize, usize)>,
     guided: bool,
+    /// Whether the model was released for a load under another plan that failed (the
+    /// trainer's model is then a stand-in that refuses to predict).
+    released: bool,
 }
 
 /// Where [`Trainer::open_in`] trains: the device (default: `train.device`'s) and, for

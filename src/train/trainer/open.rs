@@ -234,6 +234,7 @@ impl Trainer {
             load: opts,
             vae_shape,
             guided,
+            released: false,
         })
     }
 }

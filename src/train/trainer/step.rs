@@ -423,13 +423,15 @@ impl Trainer {
 
     /// The next step's micro-batches forward and backward, the ranks' sums included, and
     /// the device waited for; the gradients are dropped: nothing is trained (plans timed
-    /// before the first step, `Trainer::time_plans`).
-    pub(super) fn untrained_step(&mut self) -> Result<()> {
+    /// before the first step, `Trainer::time_plans`). Whether every loss was finite (a
+    /// non-finite one stops one process's micro-batches early).
+    pub(super) fn untrained_step(&mut self) -> Result<bool> {
         self.opt.train_mode()?;
         let scale = self.scaler.map_or(1.0, |s| s.scale);
         let mut acc = self.accumulate(scale)?;
         self.agree(&mut acc)?;
-        self.device.synchronize()
+        self.device.synchronize()?;
+        Ok(acc.bad.is_none())
     }
 
     /// The micro-batches of the next step, forward and backward, their gradients summed
@@ -461,8 +463,11 @@ impl Trainer {
         };
         // Host-held conditioning products are computed ahead, during the backward before.
         // So are the products of the context's Linears where the plan computes them ahead.
-        let announce = (self.memory.plan.host_products || self.memory.plan.ahead_products)
-            && !self.memory.plan.streamed.is_empty();
+        // (The plan the model was loaded with: a plan timed before the first step is not
+        // yet the run's.)
+        let loaded = &self.load.memory;
+        let announce =
+            (loaded.host_products || loaded.ahead_products) && !loaded.streamed.is_empty();
         for micro in 0..acc {
             crate::progress::tick();
             // A signal in a long accumulation stops between micro-batches (one process: the

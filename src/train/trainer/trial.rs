@@ -156,9 +156,10 @@ impl Trainer {
     /// differs from the loaded one only in how its blocks run (checkpointing, what they
     /// keep, offloaded inputs, re-runs ahead: `BlockExec`), the loaded weights and streamer
     /// run that way (returns false); else the model is released and loaded again (true).
+    /// After a failed load the model stays released (`Released`) until a load succeeds.
     fn reload(&mut self, plan: &Plan) -> Result<bool> {
         self.ahead = None;
-        if same_weights(&self.load.memory, plan) {
+        if !self.released && same_weights(&self.load.memory, plan) {
             let streamer = self.model.exec().streamer.clone();
             self.model
                 .set_exec(BlockExec::for_plan(plan, streamer, &self.device));
@@ -173,27 +174,34 @@ impl Trainer {
             exec: BlockExec::default(),
         };
         drop(std::mem::replace(&mut self.model, Box::new(released)));
+        self.released = true;
         let mut opts = self.load.clone();
         opts.memory = plan.clone();
-        self.peaks.clock_in();
-        let loaded = self.family.load(&self.config.model.path, &opts);
-        self.peaks.clock_out("loading the model");
-        self.model = loaded?.model;
+        self.model = self.family.load(&self.config.model.path, &opts)?.model;
+        self.released = false;
         self.load = opts;
         Ok(true)
     }
 
     /// Runs the micro-batches of steps 1 to `n + 1` forward and backward, the ranks' sums
-    /// included, and drops their gradients: the times of all but the first, ms.
-    fn timed_steps(&mut self, n: usize) -> Result<Vec<f64>> {
+    /// included, and drops their gradients: the times of all but the first, ms; `None` where
+    /// a loss was not finite (the steps stop there). A signal to stop ends it between steps
+    /// where one process trains (ranks stop together after a step).
+    fn timed_steps(&mut self, n: usize) -> Result<Option<Vec<f64>>> {
         let start = self.step;
         let mut ms = vec![];
-        let mut r = Ok(());
+        let mut r = Ok(Some(()));
         for k in 0..=n {
+            if self.dist.is_none() && self.interrupt.load(std::sync::atomic::Ordering::Relaxed) {
+                r = Err(Error::Interrupted(
+                    "while timing plans before the first step".into(),
+                ));
+                break;
+            }
             self.step = start + k;
             let t0 = std::time::Instant::now();
-            r = self.untrained_step();
-            if r.is_err() {
+            r = self.untrained_step().map(|finite| finite.then_some(()));
+            if !matches!(r, Ok(Some(()))) {
                 break;
             }
             if k > 0 {
@@ -202,18 +210,21 @@ impl Trainer {
         }
         self.step = start;
         self.ahead = None;
-        r.map(|()| ms)
+        r.map(|finite| finite.map(|()| ms))
     }
 
     /// With `memory.trial_steps` and rivals to the planner's pick, times each of them
     /// (`contenders`) for that many steps after one untimed, the pick first, and keeps the
     /// one [`fastest`] says (across ranks: the sum of their medians), loading it again where
     /// another was timed last. Nothing is trained: the steps' gradients are dropped, and the
-    /// run's first step then starts from the same point. Tells `on` each plan's times and
-    /// the choice; returns the trials, the kept one's index, and the kept plan in words for
-    /// the run's record, or `None` where nothing was timed. [`Trainer::run`] calls it before
-    /// a new run's first step (and records the kept plan); a loop of its own over
-    /// [`Trainer::train_step`] may call it first.
+    /// run's first step then starts from the same point. Ranks of a data-parallel run time
+    /// plans only where they all work out the same ones. A non-finite loss in the first
+    /// batches stops the timing and leaves the pick. Tells `on` each plan's times and the
+    /// choice; returns the trials, the kept one's index, and the kept plan in words for the
+    /// run's record, or `None` where nothing was timed. On an error the pick is loaded again
+    /// where it can be. [`Trainer::run`] calls it before a new run's first step (and
+    /// records the kept plan); a loop of its own over [`Trainer::train_step`] may call it
+    /// first.
     pub fn time_plans(
         &mut self,
         on: &mut dyn FnMut(Event),
@@ -223,13 +234,30 @@ impl Trainer {
             return Ok(None);
         }
         let contenders = self.contenders(on)?;
-        if contenders.len() < 2 {
+        if !self.ranks_agree(&contenders, on)? || contenders.len() < 2 {
             return Ok(None);
         }
         self.peaks.start(&self.device, "timing plans");
         let r = self.time_contenders(&contenders, steps, on);
         self.peaks.end(&self.device, "timing plans");
-        let trials = r.map_err(|e| self.memory.explain(e))?;
+        let trials = match r {
+            Ok(Some(t)) => t,
+            Ok(None) => {
+                // The pick's steps met a non-finite loss: the run's own policy meets it next.
+                self.restore_pick(&contenders[0])?;
+                on(Event::Note(
+                    "timing plans: a loss of the first batches is not finite: the planner's \
+                     pick stays"
+                        .into(),
+                ));
+                return Ok(None);
+            }
+            Err(e) => {
+                // Best effort: the error is the one to report.
+                let _ = self.restore_pick(&contenders[0]);
+                return Err(self.memory.explain(e));
+            }
+        };
         // The ranks' medians summed: every rank keeps the same plan.
         let mut medians: Vec<f64> = trials
             .iter()
@@ -246,16 +274,10 @@ impl Trainer {
                 ..t.clone()
             })
             .collect();
-        let k = fastest(&summed).ok_or_else(|| Error::Config {
-            path: None,
-            msg: "timing plans: no plan was timed".into(),
-        })?;
+        let k = fastest(&summed).unwrap_or(0);
         let kept = &contenders[k];
-        if k + 1 != contenders.len() {
-            self.reload(&kept.plan)
-                .map_err(|e| self.memory.explain(e))?;
-        }
-        self.keep(&kept.plan, kept.peak)?;
+        self.restore_pick(kept)
+            .map_err(|e| self.memory.explain(e))?;
         on(Event::Note(format!(
             "timing plans: kept {}{}",
             kept.plan,
@@ -264,29 +286,76 @@ impl Trainer {
         Ok(Some((trials, k, kept.plan.to_string())))
     }
 
+    /// Loads `c` where the model does not run it now (released, or under another plan), and
+    /// makes it the run's plan.
+    fn restore_pick(&mut self, c: &Contender) -> Result<()> {
+        if self.released || self.load.memory != c.plan {
+            self.reload(&c.plan)?;
+        }
+        self.keep(&c.plan, c.peak)
+    }
+
+    /// Whether every rank works out the same plans to time (their count and words hashed
+    /// and summed over the ranks); one process always does. Where they differ (each rank
+    /// plans with its own host's costs and memory), nothing is timed, with a note.
+    fn ranks_agree(&self, contenders: &[Contender], on: &mut dyn FnMut(Event)) -> Result<bool> {
+        let Some(g) = self.group().cloned() else {
+            return Ok(true);
+        };
+        let words: String = contenders.iter().map(|c| format!("{};", c.plan)).collect();
+        // 40 bits of the hash (the same binary on every rank hashes alike): sums over the
+        // ranks stay exact in f64.
+        let hash = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::hash::DefaultHasher::new();
+            words.hash(&mut h);
+            (h.finish() >> 24) as f64
+        };
+        let mine = [contenders.len() as f64, hash];
+        let mut v = mine;
+        g.sum_host(&mut v)?;
+        let world = g.world() as f64;
+        let agree = v[0] == mine[0] * world && v[1] == mine[1] * world;
+        if !agree {
+            on(Event::Note(
+                "timing plans: the ranks worked out different plans to time (each plans with \
+                 its own host's costs and memory): the planner's pick stays"
+                    .into(),
+            ));
+        }
+        Ok(agree)
+    }
+
     /// Each contender loaded (the pick is loaded already) and timed: a rival whose load or
-    /// steps fail is left out with the reason, where one process trains; the pick's failure,
-    /// an interruption, or any failure where ranks train together ends the run (the ranks'
-    /// sums must stay in step).
+    /// steps fail is left out with the reason (ranks of a data-parallel run agree on a
+    /// failed load, and leave that rival out together; a failure in their steps, where they
+    /// sum gradients, ends the run); the pick's failure or an interruption ends it too.
+    /// `None` where the pick's steps met a non-finite loss (nothing more is timed).
     fn time_contenders(
         &mut self,
         contenders: &[Contender],
         steps: usize,
         on: &mut dyn FnMut(Event),
-    ) -> Result<Vec<Trial>> {
+    ) -> Result<Option<Vec<Trial>>> {
         let mut trials = vec![];
         for (i, c) in contenders.iter().enumerate() {
-            let r = match i {
-                0 => self.timed_steps(steps).map(|ms| (ms, false)),
-                _ => self
-                    .reload(&c.plan)
-                    .and_then(|loaded| Ok((self.timed_steps(steps)?, !loaded))),
+            let load = match i {
+                0 => Ok(false),
+                _ => self.reload(&c.plan),
             };
-            let (steps_ms, failed, in_place) = match r {
-                Ok((ms, in_place)) => (ms, None, in_place),
-                Err(e) if i == 0 || self.dist.is_some() => return Err(e),
+            let (steps_ms, failed, in_place) = match self.agree_on_load(load)? {
                 Err(e @ Error::Interrupted(_)) => return Err(e),
+                // A rival's load that failed (on any rank): left out on every rank.
                 Err(e) => (vec![], Some(e.to_string()), false),
+                Ok(loaded) => match self.timed_steps(steps) {
+                    Ok(Some(ms)) => (ms, None, i > 0 && !loaded),
+                    // A non-finite loss (agreed over the ranks by their sums).
+                    Ok(None) if i == 0 => return Ok(None),
+                    Ok(None) => (vec![], Some("a loss was not finite".into()), false),
+                    Err(e @ Error::Interrupted(_)) => return Err(e),
+                    Err(e) if i == 0 || self.dist.is_some() => return Err(e),
+                    Err(e) => (vec![], Some(e.to_string()), false),
+                },
             };
             let t = Trial {
                 plan: c.plan.clone(),
@@ -305,7 +374,26 @@ impl Trainer {
             )));
             trials.push(t);
         }
-        Ok(trials)
+        Ok(Some(trials))
+    }
+
+    /// A rival's load, agreed over the ranks of a data-parallel run: where any rank's load
+    /// failed, every rank takes it as failed (`Error::PeerFailed` naming it on the others),
+    /// so that none starts the rival's steps alone. One process: the load as it went.
+    fn agree_on_load(&self, load: Result<bool>) -> Result<Result<bool>> {
+        let Some(g) = self.group().cloned() else {
+            return Ok(load);
+        };
+        let mut v = [f64::from(u8::from(load.is_err()))];
+        g.sum_host(&mut v)?;
+        Ok(match (load, v[0] > 0.0) {
+            (Ok(_), true) => Err(Error::PeerFailed(format!(
+                "its load failed on {} of {} ranks",
+                v[0],
+                g.world()
+            ))),
+            (load, _) => load,
+        })
     }
 
     /// Makes `plan` (settled, of predicted `peak`) the run's plan: its memory choice and
@@ -338,7 +426,10 @@ impl Trainer {
             )));
             return Ok(());
         };
-        self.reload(&r.plan).map_err(|e| self.memory.explain(e))?;
+        self.peaks.clock_in();
+        let loaded = self.reload(&r.plan);
+        self.peaks.clock_out("loading the model");
+        loaded.map_err(|e| self.memory.explain(e))?;
         self.keep(&r.plan, r.peak)?;
         on(Event::Note(format!(
             "resuming with the plan the run kept after timing plans: {}",

@@ -173,8 +173,10 @@ fn main() {
         }
     };
     let generated = format!(
-        "/// (module name, image) for every kernel file, compiled for {arch:?}.\n\
-         pub const MODULES: &[(&str, Image)] = &[\n{entries}];\n\
+        "/// (module name, image) for every kernel file, compiled for {arch:?}: a static, one\n\
+         /// copy of the images in the binary (a const's bytes are laid out again where\n\
+         /// each codegen unit reads it).\n\
+         pub static MODULES: &[(&str, Image)] = &[\n{entries}];\n\
          /// Why no kernels are embedded (empty when they are).\n\
          pub const MISSING: &str = {missing:?};\n\
          /// The virtual architecture of the main modules.\n\

@@ -732,3 +732,79 @@ fn an_nccl_group_of_one_gpu_is_the_identity_and_trains_the_same() {
         .unwrap();
     assert_eq!(log(&plain), log(&grouped));
 }
+
+/// `memory.trial_steps` on 2 ranks: both time the same plans (the planner's rivals to its
+/// pick, the same on every rank), their steps' sums in step with each other, keep the same
+/// plan, and train what 2 ranks train without timing anything, bit for bit. Where the ranks
+/// work out different plans to time, none is timed, and the run is the same.
+#[test]
+fn ranks_time_the_same_plans_and_train_nothing_while_timing() {
+    use flame::train::Event;
+    let shared = temp("trial-shared");
+    let steps = 4;
+    let with = |dir: &str, trial: usize| {
+        let text = tiny_text(&temp(dir), &shared, steps, 2, 1)
+            + &format!("\n[memory]\nbudget_gb = 1000.0\ntrial_steps = {trial}\n");
+        let cfg = TrainConfig::from_toml(&text).unwrap();
+        make_tiny_once(&cfg);
+        cfg
+    };
+    // Each rank's notes and kept plan; `differ`: rank 1 drops its rivals.
+    let run = |cfg: &TrainConfig, differ: bool| {
+        ranks(2, |rank, g| {
+            let place = Placement {
+                device: Some(Device::Cpu),
+                group: Some(g),
+                ..Default::default()
+            };
+            let mut t = Trainer::open_in(cfg.clone(), Prepare::Encode, place, &mut |_| {})?;
+            if differ && rank == 1 {
+                t.memory.rivals.clear();
+            }
+            let mut notes = vec![];
+            t.run(&RunOptions::default(), &mut |e| {
+                if let Event::Note(n) = e {
+                    notes.push(n)
+                }
+            })?;
+            Ok::<_, flame::Error>((notes, t.memory.plan.to_string()))
+        })
+        .into_iter()
+        .map(|r| r.unwrap().unwrap())
+        .collect::<Vec<_>>()
+    };
+    let plain = with("trial-plain", 0);
+    run(&plain, false);
+    let timed = with("trial-timed", 2);
+    let out = run(&timed, false);
+    let timing = |notes: &[String]| -> Vec<String> {
+        notes
+            .iter()
+            .filter(|n| n.starts_with("timing plans: "))
+            .cloned()
+            .collect()
+    };
+    let (a, b) = (timing(&out[0].0), timing(&out[1].0));
+    assert!(a.len() >= 3, "{a:?}");
+    assert_eq!(a.len(), b.len(), "{a:?} {b:?}");
+    assert!(a.last().unwrap().contains("kept"), "{a:?}");
+    assert_eq!(a.last(), b.last(), "the same plan kept");
+    assert_eq!(out[0].1, out[1].1);
+    assert_eq!(log(&timed), log(&plain), "timing plans trains nothing");
+    // Rank 1 with no rival: no rank times anything.
+    let differ = with("trial-differ", 2);
+    let out = run(&differ, true);
+    for (notes, _) in &out {
+        assert!(!notes.iter().any(|n| n.contains("ms a step")), "{notes:?}");
+    }
+    assert!(
+        out[0]
+            .0
+            .iter()
+            .any(|n| n.contains("the ranks worked out different plans")),
+        "{:?}",
+        out[0].0
+    );
+    assert_eq!(log(&differ), log(&plain));
+    std::fs::remove_dir_all(&shared).ok();
+}

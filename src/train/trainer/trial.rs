@@ -230,9 +230,10 @@ impl Trainer {
         on: &mut dyn FnMut(Event),
     ) -> Result<Option<(Vec<Trial>, usize, String)>> {
         let steps = self.config.memory.trial_steps;
-        if steps == 0 || self.memory.rivals.is_empty() {
+        if steps == 0 {
             return Ok(None);
         }
+        // Every rank asks the others, rivals or none (the config is the same on all).
         let contenders = self.contenders(on)?;
         if !self.ranks_agree(&contenders, on)? || contenders.len() < 2 {
             return Ok(None);

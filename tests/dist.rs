@@ -736,7 +736,8 @@ fn an_nccl_group_of_one_gpu_is_the_identity_and_trains_the_same() {
 /// `memory.trial_steps` on 2 ranks: both time the same plans (the planner's rivals to its
 /// pick, the same on every rank), their steps' sums in step with each other, keep the same
 /// plan, and train what 2 ranks train without timing anything, bit for bit. Where the ranks
-/// work out different plans to time, none is timed, and the run is the same.
+/// work out different plans to time, none is timed; a rival whose load fails on one rank is
+/// left out on both; the run is the same.
 #[test]
 fn ranks_time_the_same_plans_and_train_nothing_while_timing() {
     use flame::train::Event;
@@ -749,8 +750,10 @@ fn ranks_time_the_same_plans_and_train_nothing_while_timing() {
         make_tiny_once(&cfg);
         cfg
     };
-    // Each rank's notes and kept plan; `differ`: rank 1 drops its rivals.
-    let run = |cfg: &TrainConfig, differ: bool| {
+    // Each rank's notes and kept plan; `differ`: rank 1 drops its rivals; `broken`: one
+    // rival, streaming the first block, but on rank 1 a block the model lacks (its load
+    // fails there alone; the plan reads the same on both ranks).
+    let run = |cfg: &TrainConfig, differ: bool, broken: bool| {
         ranks(2, |rank, g| {
             let place = Placement {
                 device: Some(Device::Cpu),
@@ -760,6 +763,28 @@ fn ranks_time_the_same_plans_and_train_nothing_while_timing() {
             let mut t = Trainer::open_in(cfg.clone(), Prepare::Encode, place, &mut |_| {})?;
             if differ && rank == 1 {
                 t.memory.rivals.clear();
+            }
+            if broken {
+                let (prof, _) = t.memory.sized.clone().unwrap();
+                let first = prof.blocks[0].prefix.clone();
+                let plan = prof
+                    .settle(&flame::memory::Plan {
+                        checkpointing: flame::memory::Checkpointing::All,
+                        streamed: vec![first],
+                        prefetch: 1,
+                        ..Default::default()
+                    })
+                    .unwrap();
+                let streamed = match rank {
+                    0 => plan.streamed.clone(),
+                    _ => vec!["no_such_block".to_string()],
+                };
+                t.memory.rivals = vec![flame::memory::Planned {
+                    peak: prof.peak(&plan),
+                    streamed_bytes: prof.streamed_bytes(&plan),
+                    slowdown: prof.step_ms(&plan) / prof.resident_ms(),
+                    plan: flame::memory::Plan { streamed, ..plan },
+                }];
             }
             let mut notes = vec![];
             t.run(&RunOptions::default(), &mut |e| {
@@ -774,9 +799,9 @@ fn ranks_time_the_same_plans_and_train_nothing_while_timing() {
         .collect::<Vec<_>>()
     };
     let plain = with("trial-plain", 0);
-    run(&plain, false);
+    run(&plain, false, false);
     let timed = with("trial-timed", 2);
-    let out = run(&timed, false);
+    let out = run(&timed, false, false);
     let timing = |notes: &[String]| -> Vec<String> {
         notes
             .iter()
@@ -793,7 +818,7 @@ fn ranks_time_the_same_plans_and_train_nothing_while_timing() {
     assert_eq!(log(&timed), log(&plain), "timing plans trains nothing");
     // Rank 1 with no rival: no rank times anything.
     let differ = with("trial-differ", 2);
-    let out = run(&differ, true);
+    let out = run(&differ, true, false);
     for (notes, _) in &out {
         assert!(!notes.iter().any(|n| n.contains("ms a step")), "{notes:?}");
     }
@@ -806,5 +831,18 @@ fn ranks_time_the_same_plans_and_train_nothing_while_timing() {
         out[0].0
     );
     assert_eq!(log(&differ), log(&plain));
+    // A rival whose load fails on rank 1 alone: left out on both ranks, which go on in step.
+    let broken = with("trial-broken", 2);
+    let out = run(&broken, false, true);
+    let (a, b) = (timing(&out[0].0), timing(&out[1].0));
+    assert_eq!(a.len(), 3, "{a:?}");
+    assert!(a[1].contains("its load failed on 1 of 2 ranks"), "{a:?}");
+    assert!(b[1].contains("not a block"), "{b:?}");
+    assert!(
+        a[2].contains("kept") && a[2].contains("the planner's pick"),
+        "{a:?}"
+    );
+    assert_eq!(a[2], b[2]);
+    assert_eq!(log(&broken), log(&plain));
     std::fs::remove_dir_all(&shared).ok();
 }

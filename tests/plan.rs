@@ -2057,12 +2057,15 @@ fn timed_plans_train_nothing_and_a_resume_keeps_the_kept_plan() {
     let log = |cfg: &flame::train::TrainConfig| {
         std::fs::read_to_string(cfg.train.output_dir.join("loss.jsonl")).unwrap()
     };
+    let timed_nothing = |notes: &[String]| {
+        assert!(
+            !notes.iter().any(|n| n.contains("timing plans")),
+            "{notes:?}"
+        )
+    };
     let plain = tiny_config("trial-off", &memory(0));
     let (notes, _) = run(&plain, RunOptions::default(), Rivals::All);
-    assert!(
-        !notes.iter().any(|n| n.contains("timing plans")),
-        "{notes:?}"
-    );
+    timed_nothing(&notes);
     let timed = tiny_config("trial-on", &memory(2));
     let (notes, kept) = run(&timed, RunOptions::default(), Rivals::All);
     let lines: Vec<&String> = notes
@@ -2100,10 +2103,7 @@ fn timed_plans_train_nothing_and_a_resume_keeps_the_kept_plan() {
     // Without a rival nothing is timed.
     let alone = tiny_config("trial-alone", &memory(2));
     let (notes, _) = run(&alone, RunOptions::default(), Rivals::None);
-    assert!(
-        !notes.iter().any(|n| n.contains("timing plans")),
-        "{notes:?}"
-    );
+    timed_nothing(&notes);
     // The pick kept after the only rival's load failed: loaded again, not run on the
     // released model.
     let lone = tiny_config("trial-lone", &memory(2));

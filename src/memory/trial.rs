@@ -116,9 +116,12 @@ pub struct Trial {
 
 impl Trial {
     /// The median of the timed steps (the mean of the middle two of an even count); `None`
-    /// with none timed.
+    /// with none timed or where it failed.
     pub fn median_ms(&self) -> Option<f64> {
-        median(&self.steps_ms)
+        match self.failed {
+            Some(_) => None,
+            None => median(&self.steps_ms),
+        }
     }
 
     /// One line: the plan, its prediction and its median step (or why it has none).
@@ -158,22 +161,18 @@ pub fn median(v: &[f64]) -> Option<f64> {
     })
 }
 
-/// Which of `trials` to keep: the first (the model's pick) unless another's median step is
-/// shorter than its by more than [`TRIAL_MARGIN`], then the one with the shortest median.
-/// A trial without a median (failed, or none timed) is never taken over the first; where the
-/// first has none, the shortest of the others. `None` where no trial has a median.
-pub fn fastest(trials: &[Trial]) -> Option<usize> {
-    let timed = trials
+/// Which of the trials whose median steps are `medians` (`Trial::median_ms`, or the ranks'
+/// sums of them) to keep: the first (the model's pick) unless another's median is shorter
+/// than its by more than [`TRIAL_MARGIN`], then the one with the shortest. A trial without a
+/// median (failed, or none timed) is never taken over the first; where the first has none,
+/// the shortest of the others. `None` where no trial has a median.
+pub fn fastest(medians: &[Option<f64>]) -> Option<usize> {
+    let (best, best_ms) = medians
         .iter()
         .enumerate()
-        .filter(|(_, t)| t.failed.is_none())
-        .filter_map(|(i, t)| t.median_ms().map(|m| (i, m)));
-    let (best, best_ms) = timed.min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))?;
-    match trials
-        .first()
-        .filter(|t| t.failed.is_none())
-        .and_then(Trial::median_ms)
-    {
+        .filter_map(|(i, m)| m.filter(|m| m.is_finite()).map(|m| (i, m)))
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))?;
+    match medians.first().copied().flatten() {
         Some(first) if best_ms >= first * (1.0 - TRIAL_MARGIN) => Some(0),
         _ => Some(best),
     }
@@ -201,30 +200,35 @@ mod tests {
         assert_eq!(median(&[1.0, f64::NAN]), None);
     }
 
+    /// `fastest` over the trials' medians.
+    fn fastest_of(t: &[Trial]) -> Option<usize> {
+        fastest(&t.iter().map(Trial::median_ms).collect::<Vec<_>>())
+    }
+
     #[test]
     fn the_pick_stays_unless_another_is_clearly_faster() {
         // 1.5% faster: within the margin, the pick stays.
         let t = [trial(&[100.0, 101.0, 99.0], false), trial(&[98.5], false)];
-        assert_eq!(fastest(&t), Some(0));
+        assert_eq!(fastest_of(&t), Some(0));
         // 10% faster: taken; of two faster, the fastest.
         let t = [
             trial(&[100.0, 100.0, 100.0], false),
             trial(&[90.0, 91.0, 89.0], false),
             trial(&[85.0, 200.0, 84.0], false),
         ];
-        assert_eq!(fastest(&t), Some(2));
+        assert_eq!(fastest_of(&t), Some(2));
         // A failed rival is never taken, however fast its steps were.
         let t = [trial(&[100.0], false), trial(&[50.0], true)];
-        assert_eq!(fastest(&t), Some(0));
+        assert_eq!(fastest_of(&t), Some(0));
         // A failed pick: the fastest rival timed.
         let t = [
             trial(&[], true),
             trial(&[120.0], false),
             trial(&[110.0], false),
         ];
-        assert_eq!(fastest(&t), Some(2));
+        assert_eq!(fastest_of(&t), Some(2));
         // Nothing timed.
-        assert_eq!(fastest(&[trial(&[], true), trial(&[], false)]), None);
-        assert_eq!(fastest(&[]), None);
+        assert_eq!(fastest_of(&[trial(&[], true), trial(&[], false)]), None);
+        assert_eq!(fastest_of(&[]), None);
     }
 }

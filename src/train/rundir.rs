@@ -608,29 +608,36 @@ impl RunDir {
     /// this run (for `step`; `prefix`: append-only, its present bytes), rewriting
     /// `run.json` atomically. A folder without a manifest is no run: nothing is recorded.
     pub fn record(&self, name: &str, step: Option<usize>, prefix: bool) -> Result<()> {
-        let mp = self.path.join(MANIFEST);
-        let Some(mut m) = self.manifest()? else {
-            return Ok(());
-        };
-        let p = self.path.join(name);
-        let bytes = std::fs::metadata(&p).map_err(io(&p))?.len();
-        let rec = Record {
-            bytes,
-            hash: prefix_hash(&p, bytes)?,
-            step,
-            prefix,
-        };
-        m.files.insert(name.to_string(), rec);
-        write_atomic(&mp, m.to_json().as_bytes())
+        self.update(|m| {
+            let p = self.path.join(name);
+            let bytes = std::fs::metadata(&p).map_err(io(&p))?.len();
+            let rec = Record {
+                bytes,
+                hash: prefix_hash(&p, bytes)?,
+                step,
+                prefix,
+            };
+            m.files.insert(name.to_string(), rec);
+            Ok(())
+        })
     }
 
     /// Records in the manifest which plan the run kept after timing plans
     /// (`Manifest::timed_plan`); nothing where there is no manifest.
     pub fn record_timed_plan(&self, plan: &str) -> Result<()> {
+        self.update(|m| {
+            m.timed_plan = Some(plan.to_string());
+            Ok(())
+        })
+    }
+
+    /// The manifest changed by `change` and written again in place (atomically); nothing
+    /// where there is none.
+    fn update(&self, change: impl FnOnce(&mut Manifest) -> Result<()>) -> Result<()> {
         let Some(mut m) = self.manifest()? else {
             return Ok(());
         };
-        m.timed_plan = Some(plan.to_string());
+        change(&mut m)?;
         write_atomic(&self.path.join(MANIFEST), m.to_json().as_bytes())
     }
 

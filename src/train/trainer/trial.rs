@@ -4,7 +4,7 @@
 //! kept, loaded again.
 
 use super::{Event, Trainer};
-use crate::memory::{fastest, BlockExec, Plan, Trial};
+use crate::memory::{fastest, BlockExec, Plan, Planned, Trial};
 use crate::models::{DiffusionModel, Family, Input, Objective};
 use crate::train::planning::phase_plans;
 use crate::{Error, Result, Tensor};
@@ -49,30 +49,22 @@ impl DiffusionModel for Released {
     }
 }
 
-/// A plan to time: the plan (settled), the time model's step under it over the resident
-/// one's, and its predicted peak.
-#[derive(Clone)]
-struct Contender {
-    plan: Plan,
-    predicted: f64,
-    peak: u64,
-}
-
 impl Trainer {
     /// The planner's pick and the rivals worth timing beside it: those whose phases are
     /// predicted within the budget wherever the pick's are, those on the pick's weights first
     /// (`same_weights`).
-    fn contenders(&self, on: &mut dyn FnMut(Event)) -> Result<Vec<Contender>> {
+    fn contenders(&self, on: &mut dyn FnMut(Event)) -> Result<Vec<Planned>> {
         let Some((prof, plan)) = &self.memory.sized else {
             return Ok(vec![]);
         };
-        let pick = Contender {
+        let pick = Planned {
             plan: plan.clone(),
-            predicted: prof.step_ms(plan) / prof.resident_ms(),
             peak: self
                 .memory
                 .predicted_peak
                 .unwrap_or_else(|| prof.peak(plan)),
+            streamed_bytes: prof.streamed_bytes(plan),
+            slowdown: prof.step_ms(plan) / prof.resident_ms(),
         };
         let past = |phases: &[crate::train::planning::PhasePlan]| -> Vec<&'static str> {
             let cap = self.memory.budget.unwrap_or(u64::MAX);
@@ -86,18 +78,14 @@ impl Trainer {
         let out_pick = pick.plan.clone();
         let mut out = vec![pick];
         for r in &self.memory.rivals {
-            let choice = self.memory_under(&r.plan, r.peak)?;
+            let choice = self.memory_under(r)?;
             let phases = self.phases_under(&choice)?;
             let worse: Vec<&str> = past(&phases)
                 .into_iter()
                 .filter(|p| !over.contains(p))
                 .collect();
             if worse.is_empty() {
-                out.push(Contender {
-                    plan: r.plan.clone(),
-                    predicted: r.slowdown,
-                    peak: r.peak,
-                });
+                out.push(r.clone());
             } else {
                 on(Event::Note(format!(
                     "timing plans: not {} (its {} would pass the budget)",
@@ -111,11 +99,11 @@ impl Trainer {
         Ok(out)
     }
 
-    /// The run's memory choice with `plan` (settled, of predicted `peak`) in place of the
-    /// planner's pick: its summary says so.
-    fn memory_under(&self, plan: &Plan, peak: u64) -> Result<crate::train::MemoryChoice> {
+    /// The run's memory choice with `p` (settled, with its predicted peak and step) in place
+    /// of the planner's pick: its summary says so.
+    fn memory_under(&self, p: &Planned) -> Result<crate::train::MemoryChoice> {
         let mut m = self.memory.clone();
-        if plan == &m.plan {
+        if p.plan == m.plan {
             return Ok(m);
         }
         let (prof, _) = m.sized.clone().ok_or_else(|| Error::Config {
@@ -123,14 +111,13 @@ impl Trainer {
             msg: "timing plans: the memory plan was not worked out from the model's profile".into(),
         })?;
         m.summary = format!(
-            "{plan} (kept over the planner's pick, {}, as the fastest timed on this machine; \
+            "{} (kept over the planner's pick, {}, as the fastest timed on this machine; \
              predicted at {:.2}x the resident step)",
-            m.plan,
-            prof.step_ms(plan) / prof.resident_ms()
+            p.plan, m.plan, p.slowdown
         );
-        m.plan = plan.clone();
-        m.predicted_peak = Some(peak);
-        m.sized = Some((prof, plan.clone()));
+        m.plan = p.plan.clone();
+        m.predicted_peak = Some(p.peak);
+        m.sized = Some((prof, p.plan.clone()));
         Ok(m)
     }
 
@@ -189,28 +176,29 @@ impl Trainer {
     /// where one process trains (ranks stop together after a step).
     fn timed_steps(&mut self, n: usize) -> Result<Option<Vec<f64>>> {
         let start = self.step;
-        let mut ms = vec![];
-        let mut r = Ok(Some(()));
-        for k in 0..=n {
-            if self.dist.is_none() && self.interrupt.load(std::sync::atomic::Ordering::Relaxed) {
-                r = Err(Error::Interrupted(
-                    "while timing plans before the first step".into(),
-                ));
-                break;
+        let r = (|| {
+            let mut ms = vec![];
+            for k in 0..=n {
+                if self.dist.is_none() && self.interrupt.load(std::sync::atomic::Ordering::Relaxed)
+                {
+                    return Err(Error::Interrupted(
+                        "while timing plans before the first step".into(),
+                    ));
+                }
+                self.step = start + k;
+                let t0 = std::time::Instant::now();
+                if !self.untrained_step()? {
+                    return Ok(None);
+                }
+                if k > 0 {
+                    ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                }
             }
-            self.step = start + k;
-            let t0 = std::time::Instant::now();
-            r = self.untrained_step().map(|finite| finite.then_some(()));
-            if !matches!(r, Ok(Some(()))) {
-                break;
-            }
-            if k > 0 {
-                ms.push(t0.elapsed().as_secs_f64() * 1e3);
-            }
-        }
+            Ok(Some(ms))
+        })();
         self.step = start;
         self.ahead = None;
-        r.map(|finite| finite.map(|()| ms))
+        r
     }
 
     /// With `memory.trial_steps` and rivals to the planner's pick, times each of them
@@ -245,7 +233,7 @@ impl Trainer {
             Ok(Some(t)) => t,
             Ok(None) => {
                 // The pick's steps met a non-finite loss: the run's own policy meets it next.
-                self.restore_pick(&contenders[0])?;
+                self.run_plan(&contenders[0])?;
                 on(Event::Note(
                     "timing plans: a loss of the first batches is not finite: the planner's \
                      pick stays"
@@ -255,11 +243,12 @@ impl Trainer {
             }
             Err(e) => {
                 // Best effort: the error is the one to report.
-                let _ = self.restore_pick(&contenders[0]);
+                let _ = self.run_plan(&contenders[0]);
                 return Err(self.memory.explain(e));
             }
         };
-        // The ranks' medians summed: every rank keeps the same plan.
+        // The ranks' medians summed (NaN where a trial has none): every rank keeps the same
+        // plan.
         let mut medians: Vec<f64> = trials
             .iter()
             .map(|t| t.median_ms().unwrap_or(f64::NAN))
@@ -267,18 +256,10 @@ impl Trainer {
         if let Some(g) = self.group().cloned() {
             g.sum_host(&mut medians)?;
         }
-        let summed: Vec<Trial> = trials
-            .iter()
-            .zip(&medians)
-            .map(|(t, &m)| Trial {
-                steps_ms: vec![m],
-                ..t.clone()
-            })
-            .collect();
-        let k = fastest(&summed).unwrap_or(0);
+        let medians: Vec<Option<f64>> = medians.into_iter().map(Some).collect();
+        let k = fastest(&medians).unwrap_or(0);
         let kept = &contenders[k];
-        self.restore_pick(kept)
-            .map_err(|e| self.memory.explain(e))?;
+        self.run_plan(kept).map_err(|e| self.memory.explain(e))?;
         on(Event::Note(format!(
             "timing plans: kept {}{}",
             kept.plan,
@@ -289,17 +270,17 @@ impl Trainer {
 
     /// Loads `c` where the model does not run it now (released, or under another plan), and
     /// makes it the run's plan.
-    fn restore_pick(&mut self, c: &Contender) -> Result<()> {
+    fn run_plan(&mut self, c: &Planned) -> Result<()> {
         if self.released || self.load.memory != c.plan {
             self.reload(&c.plan)?;
         }
-        self.keep(&c.plan, c.peak)
+        self.keep(c)
     }
 
     /// Whether every rank works out the same plans to time (their count and words hashed
     /// and summed over the ranks); one process always does. Where they differ (each rank
     /// plans with its own host's costs and memory), nothing is timed, with a note.
-    fn ranks_agree(&self, contenders: &[Contender], on: &mut dyn FnMut(Event)) -> Result<bool> {
+    fn ranks_agree(&self, contenders: &[Planned], on: &mut dyn FnMut(Event)) -> Result<bool> {
         let Some(g) = self.group().cloned() else {
             return Ok(true);
         };
@@ -334,7 +315,7 @@ impl Trainer {
     /// `None` where the pick's steps met a non-finite loss (nothing more is timed).
     fn time_contenders(
         &mut self,
-        contenders: &[Contender],
+        contenders: &[Planned],
         steps: usize,
         on: &mut dyn FnMut(Event),
     ) -> Result<Option<Vec<Trial>>> {
@@ -360,7 +341,7 @@ impl Trainer {
             };
             let t = Trial {
                 plan: c.plan.clone(),
-                predicted: c.predicted,
+                predicted: c.slowdown,
                 steps_ms,
                 failed,
             };
@@ -397,10 +378,9 @@ impl Trainer {
         })
     }
 
-    /// Makes `plan` (settled, of predicted `peak`) the run's plan: its memory choice and
-    /// each phase's plan follow it.
-    fn keep(&mut self, plan: &Plan, peak: u64) -> Result<()> {
-        let m = self.memory_under(plan, peak)?;
+    /// Makes `p` (settled) the run's plan: its memory choice and each phase's plan follow it.
+    fn keep(&mut self, p: &Planned) -> Result<()> {
+        let m = self.memory_under(p)?;
         self.phases = self.phases_under(&m)?;
         self.memory = m;
         Ok(())
@@ -431,7 +411,7 @@ impl Trainer {
         let loaded = self.reload(&r.plan);
         self.peaks.clock_out("loading the model");
         loaded.map_err(|e| self.memory.explain(e))?;
-        self.keep(&r.plan, r.peak)?;
+        self.keep(&r)?;
         on(Event::Note(format!(
             "resuming with the plan the run kept after timing plans: {}",
             r.plan

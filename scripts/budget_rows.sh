@@ -29,7 +29,8 @@
 # `sample` run: every step of a sampler runs the same forward, so its first holds the peak,
 # and fewer steps prove the same memory in less device time.
 # TRIAL_STEPS (default 0) sets memory.trial_steps: the planner's pick timed beside its rivals
-# that many steps each before the first step, the fastest kept.
+# that many steps each before the first step, the fastest kept; TRIAL_SHARE (default 1000:
+# the rows' 20 steps are far too few for the default share) sets memory.trial_share.
 # GPUS (default 0) lists the GPUs: with several (GPUS=0,1) the run is data-parallel over
 # them (`train --gpus`), every one held to the budget by its own holder, and each GPU's
 # driver-side peak is printed.
@@ -95,6 +96,7 @@ log_every = 5
 [memory]
 budget_gb = $budget
 trial_steps = ${TRIAL_STEPS:-0}
+trial_share = ${TRIAL_SHARE:-1000}
 
 [data]
 resolution = 1024

@@ -745,7 +745,9 @@ fn ranks_time_the_same_plans_and_train_nothing_while_timing() {
     let steps = 4;
     let with = |dir: &str, trial: usize| {
         let text = tiny_text(&temp(dir), &shared, steps, 2, 1)
-            + &format!("\n[memory]\nbudget_gb = 1000.0\ntrial_steps = {trial}\n");
+            + &format!(
+                "\n[memory]\nbudget_gb = 1000.0\ntrial_steps = {trial}\ntrial_share = 1e9\n"
+            );
         let cfg = TrainConfig::from_toml(&text).unwrap();
         make_tiny_once(&cfg);
         cfg

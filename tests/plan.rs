@@ -1994,7 +1994,8 @@ fn rivals_are_the_planners_choice_of_each_other_kind_near_the_pick() {
 fn timed_plans_train_nothing_and_a_resume_keeps_the_kept_plan() {
     use flame::memory::Planned;
     use flame::train::{Event, RunOptions, Trainer};
-    let memory = |steps: usize| format!("budget_gb = 1000.0\ntrial_steps = {steps}");
+    let memory =
+        |steps: usize| format!("budget_gb = 1000.0\ntrial_steps = {steps}\ntrial_share = 1e9");
     // Every block checkpointed with its re-run issued ahead, `n` of them streamed.
     let rival_streaming = |t: &Trainer, n: usize| -> Planned {
         let (prof, _) = t.memory.sized.clone().unwrap();
@@ -2100,6 +2101,22 @@ fn timed_plans_train_nothing_and_a_resume_keeps_the_kept_plan() {
     let v: serde_json::Value = serde_json::from_str(&manifest).unwrap();
     assert_eq!(v["timed_plan"].as_str(), Some(kept.to_string().as_str()));
     assert_eq!(log(&timed), log(&plain), "timing plans trains nothing");
+    // A run too short for timing plans (memory.trial_share of its steps below the pick's
+    // and a rival's steps) times none, and says so.
+    let short = tiny_config(
+        "trial-short",
+        "budget_gb = 1000.0\ntrial_steps = 2\ntrial_share = 0.0",
+    );
+    let (notes, kept) = run(&short, RunOptions::default(), Rivals::All);
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("timing plans: none timed") && n.contains("memory.trial_share")),
+        "{notes:?}"
+    );
+    assert!(!notes.iter().any(|n| n.contains("ms a step")), "{notes:?}");
+    assert_eq!(kept.to_string(), "no checkpointing");
+    assert_eq!(log(&short), log(&plain));
     // Without a rival nothing is timed.
     let alone = tiny_config("trial-alone", &memory(2));
     let (notes, _) = run(&alone, RunOptions::default(), Rivals::None);

@@ -1107,6 +1107,16 @@ fn the_binary_explains_itself() {
         .unwrap_or_else(|| panic!("{err}"));
     assert!(terms.contains("work") && terms.ends_with("GiB"), "{terms}");
     // The plans of other kinds that `memory.trial_steps` would time beside the pick.
+    std::fs::write(
+        &p,
+        std::fs::read_to_string(&p)
+            .unwrap()
+            .replace("[memory]\n", "[memory]\ntrial_steps = 0\n"),
+    )
+    .unwrap();
+    let o = Command::new(exe).arg(&p).arg("--plan").output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
     assert!(
         err.contains("plans of other kinds predicted near it (memory.trial_steps > 0"),
         "{err}"
@@ -1115,14 +1125,14 @@ fn the_binary_explains_itself() {
         &p,
         std::fs::read_to_string(&p)
             .unwrap()
-            .replace("[memory]\n", "[memory]\ntrial_steps = 3\n"),
+            .replace("trial_steps = 0\n", "trial_steps = 3\n"),
     )
     .unwrap();
     let o = Command::new(exe).arg(&p).arg("--plan").output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(
-        err.contains("before the first step, 3 steps each of it and of: "),
+        err.contains("before the first step, 3 steps each of it and of those of these that fit"),
         "{err}"
     );
     std::fs::remove_dir_all(&d).ok();

@@ -1123,7 +1123,13 @@ section! {
         /// model can rank those kinds wrongly on a given host; each plan timed that holds
         /// other weights than the loaded model loads it again. A resume keeps the plan the
         /// run kept. 0: off.
-        trial_steps: usize = 0_usize,
+        trial_steps: usize = 5_usize,
+        /// The most of the run's training time (its steps at the pick's step) that timing
+        /// plans (`trial_steps`) may take, their loads included (each at the longest load
+        /// seen, and one more to load the kept plan back): the rivals that would pass it are
+        /// not timed, the cheapest (those on the loaded weights) going first; where not even
+        /// the pick and one rival fit, nothing is timed. >= 0.
+        trial_share: f64 = 0.05,
     }
 }
 
@@ -2018,6 +2024,7 @@ impl TrainConfig {
             "encoders.vae_tile",
             format!("{}: 0 (untiled) or at least 64 pixels", e.vae_tile),
         );
+        c.non_negative_f("memory.trial_share", mem.trial_share);
         c.check(
             mem.budget_gb.is_finite() && mem.budget_gb >= 0.0,
             "memory.budget_gb",

@@ -138,7 +138,8 @@ impl MemoryChoice {
                 list.join("; ")
             ),
             n => format!(
-                "before the first step, {n} steps each of it and of: {}; the fastest is kept",
+                "before the first step, {n} steps each of it and of those of these that fit \
+                 in memory.trial_share of the run's time: {}; the fastest is kept",
                 list.join("; ")
             ),
         })

@@ -1,7 +1,7 @@
 //! Plans timed before the first step (`memory.trial_steps`): the planner's pick and its
 //! rivals (`MemoryChoice::rivals`, `memory::trial`), each loaded in turn and timed on the
-//! run's first batches with nothing trained, the fastest kept; and the plan a resumed run
-//! kept, loaded again.
+//! run's first batches with nothing trained, within a share of the run's time
+//! (`memory.trial_share`), the fastest kept; and the plan a resumed run kept, loaded again.
 
 use super::{Event, Trainer};
 use crate::memory::{fastest, BlockExec, Plan, Planned, Trial};
@@ -202,7 +202,9 @@ impl Trainer {
     }
 
     /// With `memory.trial_steps` and rivals to the planner's pick, times each of them
-    /// (`contenders`) for that many steps after one untimed, the pick first, and keeps the
+    /// (`contenders`) that fits in `memory.trial_share` of the run's time (`allowance`:
+    /// nothing where not even the pick and its cheapest rival fit) for that many steps
+    /// after one untimed, the pick first, and keeps the
     /// one [`fastest`] says (across ranks: the sum of their medians), loading it again where
     /// another was timed last. Nothing is trained: the steps' gradients are dropped, and the
     /// run's first step then starts from the same point. Ranks of a data-parallel run time
@@ -226,8 +228,11 @@ impl Trainer {
         if !self.ranks_agree(&contenders, on)? || contenders.len() < 2 {
             return Ok(None);
         }
+        let Some(allowance) = self.allowance(&contenders, steps, on)? else {
+            return Ok(None);
+        };
         self.peaks.start(&self.device, "timing plans");
-        let r = self.time_contenders(&contenders, steps, on);
+        let r = self.time_contenders(&contenders, steps, allowance, on);
         self.peaks.end(&self.device, "timing plans");
         let trials = match r {
             Ok(Some(t)) => t,
@@ -308,23 +313,99 @@ impl Trainer {
         Ok(agree)
     }
 
-    /// Each contender loaded (the pick is loaded already) and timed: a rival whose load or
-    /// steps fail is left out with the reason (ranks of a data-parallel run agree on a
-    /// failed load, and leave that rival out together; a failure in their steps, where they
-    /// sum gradients, ends the run); the pick's failure or an interruption ends it too.
-    /// `None` where the pick's steps met a non-finite loss (nothing more is timed).
+    /// What timing `contenders` may take of the run (`memory.trial_share` of its steps at
+    /// the pick's predicted step, with the model's first load as the cost of a load), agreed
+    /// over the ranks; `None`, with a note, where not even the pick and its cheapest rival
+    /// fit.
+    fn allowance(
+        &self,
+        contenders: &[Planned],
+        steps: usize,
+        on: &mut dyn FnMut(Event),
+    ) -> Result<Option<Allowance>> {
+        let Some((prof, _)) = &self.memory.sized else {
+            return Ok(None);
+        };
+        let pick = &contenders[0];
+        let step_s = prof.step_ms(&pick.plan) * self.config.train.grad_accum as f64 / 1e3;
+        let load_s = self
+            .peaks
+            .seconds()
+            .iter()
+            .filter(|(p, _)| *p == "loading the model")
+            .map(|&(_, s)| s)
+            .sum::<f64>();
+        let agreed = self.agreed(vec![step_s, load_s])?;
+        let mut a = Allowance::new(
+            self.config.memory.trial_share,
+            self.config.train.steps.saturating_sub(self.step),
+            steps,
+            pick,
+            agreed[0],
+        );
+        a.load_s = agreed[1];
+        let cheapest = contenders[1..]
+            .iter()
+            .map(|c| a.cost(c, !same_weights(&pick.plan, &c.plan)))
+            .fold(f64::INFINITY, f64::min);
+        let first = a.steps_s(pick) + cheapest;
+        if first > a.total_s {
+            on(Event::Note(format!(
+                "timing plans: none timed: the pick and its cheapest rival would take about                  {first:.1} s, more than the {:.1} s memory.trial_share = {} gives them of the                  run's {:.0} s of steps (predicted)",
+                a.total_s,
+                self.config.memory.trial_share,
+                a.run_s()
+            )));
+            return Ok(None);
+        }
+        Ok(Some(a))
+    }
+
+    /// `v` averaged over the ranks of a data-parallel run (every rank then decides alike);
+    /// one process's as it is.
+    fn agreed(&self, mut v: Vec<f64>) -> Result<Vec<f64>> {
+        if let Some(g) = self.group().cloned() {
+            g.sum_host(&mut v)?;
+            let world = g.world() as f64;
+            v.iter_mut().for_each(|x| *x /= world);
+        }
+        Ok(v)
+    }
+
+    /// Each contender loaded (the pick is loaded already) and timed, while `allowance`
+    /// holds (a rival past it is not timed, with the reason; after the pick's steps the
+    /// allowance counts its measured step): a rival whose load or steps fail is left out
+    /// with the reason (ranks of a data-parallel run agree on a failed load, and leave that
+    /// rival out together; a failure in their steps, where they sum gradients, ends the
+    /// run); the pick's failure or an interruption ends it too. `None` where the pick's steps
+    /// met a non-finite loss (nothing more is timed).
     fn time_contenders(
         &mut self,
         contenders: &[Planned],
         steps: usize,
+        mut allowance: Allowance,
         on: &mut dyn FnMut(Event),
     ) -> Result<Option<Vec<Trial>>> {
         let mut trials = vec![];
         for (i, c) in contenders.iter().enumerate() {
+            let reloads = i > 0 && (self.released || !same_weights(&self.load.memory, &c.plan));
+            if let Some(why) = (i > 0).then(|| allowance.refuse(c, reloads)).flatten() {
+                let t = Trial {
+                    plan: c.plan.clone(),
+                    predicted: c.slowdown,
+                    steps_ms: vec![],
+                    failed: Some(why),
+                };
+                on(Event::Note(format!("timing plans: {}", t.describe())));
+                trials.push(t);
+                continue;
+            }
+            let t0 = std::time::Instant::now();
             let load = match i {
                 0 => Ok(false),
                 _ => self.reload(&c.plan),
             };
+            let load_s = t0.elapsed().as_secs_f64();
             let (steps_ms, failed, in_place) = match self.agree_on_load(load)? {
                 Err(e @ Error::Interrupted(_)) => return Err(e),
                 // A rival's load that failed (on any rank): left out on every rank.
@@ -345,6 +426,15 @@ impl Trainer {
                 steps_ms,
                 failed,
             };
+            let spent = self.agreed(vec![
+                t0.elapsed().as_secs_f64(),
+                load_s,
+                t.median_ms().unwrap_or(0.0),
+            ])?;
+            allowance.spent(&spent, reloads);
+            if i == 0 && t.median_ms().is_some() {
+                allowance.measured(spent[2] / 1e3);
+            }
             on(Event::Note(format!(
                 "timing plans: {}{}",
                 t.describe(),
@@ -420,6 +510,95 @@ impl Trainer {
     }
 }
 
+/// What timing plans may take of a run, seconds (`memory.trial_share`), and what it took.
+#[derive(Clone, Debug, PartialEq)]
+struct Allowance {
+    /// The share of the run's training time timing plans may take.
+    share: f64,
+    /// The run's steps left.
+    run_steps: usize,
+    /// The steps timed of each plan, one untimed before them.
+    trial_steps: usize,
+    /// The pick's step, s: predicted, then measured.
+    step_s: f64,
+    /// The pick's predicted step over the resident one: each rival's step is the pick's
+    /// scaled by their predictions.
+    pick_slowdown: f64,
+    /// What timing plans may take, s.
+    total_s: f64,
+    /// What it took so far, s.
+    spent_s: f64,
+    /// A load's cost, s: the longest seen.
+    load_s: f64,
+    /// Whether a rival was loaded (the kept plan may then need a load of its own).
+    reloaded: bool,
+}
+
+impl Allowance {
+    fn new(share: f64, run_steps: usize, trial_steps: usize, pick: &Planned, step_s: f64) -> Self {
+        let mut a = Allowance {
+            share,
+            run_steps,
+            trial_steps,
+            step_s: 0.0,
+            pick_slowdown: pick.slowdown.max(f64::MIN_POSITIVE),
+            total_s: 0.0,
+            spent_s: 0.0,
+            load_s: 0.0,
+            reloaded: false,
+        };
+        a.measured(step_s);
+        a
+    }
+
+    /// The run's steps at the pick's step, s.
+    fn run_s(&self) -> f64 {
+        self.run_steps as f64 * self.step_s
+    }
+
+    /// The pick's step is now `step_s` (measured): the run's time and the allowance follow.
+    fn measured(&mut self, step_s: f64) {
+        self.step_s = step_s;
+        self.total_s = self.share * self.run_s();
+    }
+
+    /// Timing `c`'s steps, s (the untimed one included).
+    fn steps_s(&self, c: &Planned) -> f64 {
+        (self.trial_steps + 1) as f64 * self.step_s * c.slowdown / self.pick_slowdown
+    }
+
+    /// Timing `c` and, where `reloads` (or a rival was loaded before), the kept plan's load
+    /// after, s.
+    fn cost(&self, c: &Planned, reloads: bool) -> f64 {
+        let loads = u8::from(reloads) + u8::from(reloads || self.reloaded);
+        self.steps_s(c) + f64::from(loads) * self.load_s
+    }
+
+    /// Why `c` is not timed: it would pass the allowance.
+    fn refuse(&self, c: &Planned, reloads: bool) -> Option<String> {
+        let cost = self.cost(c, reloads);
+        (self.spent_s + cost > self.total_s).then(|| {
+            format!(
+                "about {cost:.1} s more{} would pass the {:.1} s memory.trial_share = {} gives                  timing plans of the run's {:.0} s of steps ({:.1} s taken)",
+                if reloads { " with its load" } else { "" },
+                self.total_s,
+                self.share,
+                self.run_s(),
+                self.spent_s
+            )
+        })
+    }
+
+    /// A plan was timed: `took` = [its load and steps, its load, its median step (ms)], s.
+    fn spent(&mut self, took: &[f64], reloaded: bool) {
+        self.spent_s += took[0];
+        if reloaded {
+            self.reloaded = true;
+            self.load_s = self.load_s.max(took[1]);
+        }
+    }
+}
+
 /// Whether models loaded under plans `a` and `b` (settled) hold the same weights the same
 /// way: the same 8-bit transposes, the same streamed blocks and, where some are, the same
 /// streamer settings; they may differ in how their blocks run (`BlockExec::for_plan`:
@@ -443,6 +622,51 @@ fn same_weights(a: &Plan, b: &Plan) -> bool {
 mod tests {
     use super::*;
     use crate::memory::Checkpointing;
+
+    fn planned(slowdown: f64) -> Planned {
+        Planned {
+            plan: Plan::default(),
+            peak: 0,
+            streamed_bytes: 0,
+            slowdown,
+        }
+    }
+
+    #[test]
+    fn the_allowance_is_a_share_of_the_run_and_counts_loads() {
+        // 1000 steps of 0.2 s, 5%: 10 s for timing plans; 5 steps timed after one untimed.
+        let pick = planned(1.2);
+        let mut a = Allowance::new(0.05, 1000, 5, &pick, 0.2);
+        a.load_s = 2.0;
+        assert!((a.total_s - 10.0).abs() < 1e-9);
+        // A rival predicted at 1.5x the pick's 1.2x: its steps at 0.25 s.
+        let rival = planned(1.5);
+        assert!((a.steps_s(&rival) - 1.5).abs() < 1e-9);
+        // On the loaded weights, its steps alone; loading, its load and the kept plan's.
+        assert!((a.cost(&rival, false) - 1.5).abs() < 1e-9);
+        assert!((a.cost(&rival, true) - 5.5).abs() < 1e-9);
+        assert_eq!(a.refuse(&rival, true), None);
+        // The pick's steps taken (1.2 s) and a measured step of 0.1 s: 5 s in all now.
+        a.spent(&[1.2, 0.0, 100.0], false);
+        a.measured(0.1);
+        assert!((a.total_s - 5.0).abs() < 1e-9);
+        // 1.2 + 0.75 + 2 loads of 2 s passes 5 s; on the loaded weights it fits.
+        let why = a.refuse(&rival, true).unwrap();
+        assert!(
+            why.contains("with its load") && why.contains("5.0 s"),
+            "{why}"
+        );
+        assert_eq!(a.refuse(&rival, false), None);
+        // A rival loaded, slower than thought: loads count at the longest seen, and the
+        // kept plan's load stays counted for a rival on the loaded weights.
+        a.spent(&[1.0, 3.0, 120.0], true);
+        assert_eq!(a.load_s, 3.0);
+        assert!((a.cost(&rival, false) - (0.75 + 3.0)).abs() < 1e-9);
+        assert!(a.refuse(&rival, false).is_some());
+        // Nothing at a share of 0.
+        let none = Allowance::new(0.0, 1000, 5, &pick, 0.2);
+        assert!(none.refuse(&rival, false).is_some());
+    }
 
     #[test]
     fn plans_share_weights_where_only_their_blocks_run_otherwise() {

@@ -2109,9 +2109,11 @@ fn timed_plans_train_nothing_and_a_resume_keeps_the_kept_plan() {
     );
     let (notes, kept) = run(&short, RunOptions::default(), Rivals::All);
     assert!(
-        notes
-            .iter()
-            .any(|n| n.contains("timing plans: none timed") && n.contains("memory.trial_share")),
+        notes.iter().any(|n| n.contains(
+            "timing plans: none timed: the pick and its cheapest rival would \
+                 take about "
+        ) && n.contains("memory.trial_share = 0 gives them")
+            && !n.contains("  ")),
         "{notes:?}"
     );
     assert!(!notes.iter().any(|n| n.contains("ms a step")), "{notes:?}");

@@ -1132,7 +1132,7 @@ fn the_binary_explains_itself() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(
-        err.contains("before the first step, 3 steps each of it and of those of these that fit"),
+        err.contains("before the first step, 3 steps each of it and of these, as many as fit in"),
         "{err}"
     );
     std::fs::remove_dir_all(&d).ok();

@@ -138,8 +138,8 @@ impl MemoryChoice {
                 list.join("; ")
             ),
             n => format!(
-                "before the first step, {n} steps each of it and of those of these that fit \
-                 in memory.trial_share of the run's time: {}; the fastest is kept",
+                "before the first step, {n} steps each of it and of these, as many as fit in \
+                 memory.trial_share of the run's time: {}; the fastest is kept",
                 list.join("; ")
             ),
         })

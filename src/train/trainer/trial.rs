@@ -224,7 +224,14 @@ impl Trainer {
             return Ok(None);
         }
         // Every rank asks the others, rivals or none (the config is the same on all).
-        let contenders = self.contenders(on)?;
+        let contenders = self.contenders(on).unwrap_or_else(|e| {
+            // Rivals never fail a run: the pick alone (the ranks' agreement sees the list
+            // differ where another rank worked one out).
+            on(Event::Note(format!(
+                "timing plans: none timed: the rivals' phases were not worked out ({e})"
+            )));
+            vec![]
+        });
         if !self.ranks_agree(&contenders, on)? || contenders.len() < 2 {
             return Ok(None);
         }
@@ -335,23 +342,27 @@ impl Trainer {
             .filter(|(p, _)| *p == "loading the model")
             .map(|&(_, s)| s)
             .sum::<f64>();
-        let agreed = self.agreed(vec![step_s, load_s])?;
+        // Every number a decision reads, averaged over the ranks: they decide alike.
+        let mut v = vec![step_s, load_s];
+        v.extend(contenders.iter().map(|c| c.slowdown));
+        let agreed = self.agreed(v)?;
         let mut a = Allowance::new(
             self.config.memory.trial_share,
             self.config.train.steps.saturating_sub(self.step),
             steps,
-            pick,
+            agreed[2..].to_vec(),
             agreed[0],
         );
         a.load_s = agreed[1];
-        let cheapest = contenders[1..]
-            .iter()
-            .map(|c| a.cost(c, !same_weights(&pick.plan, &c.plan)))
+        let cheapest = (1..contenders.len())
+            .map(|i| a.cost(i, !same_weights(&pick.plan, &contenders[i].plan)))
             .fold(f64::INFINITY, f64::min);
-        let first = a.steps_s(pick) + cheapest;
-        if first > a.total_s {
+        let first = a.steps_s(0) + cheapest;
+        if !a.fits(first) {
             on(Event::Note(format!(
-                "timing plans: none timed: the pick and its cheapest rival would take about                  {first:.1} s, more than the {:.1} s memory.trial_share = {} gives them of the                  run's {:.0} s of steps (predicted)",
+                "timing plans: none timed: the pick and its cheapest rival would take about \
+                 {first:.1} s, more than the {:.1} s memory.trial_share = {} gives them of the \
+                 run's {:.0} s of steps (predicted)",
                 a.total_s,
                 self.config.memory.trial_share,
                 a.run_s()
@@ -388,8 +399,11 @@ impl Trainer {
     ) -> Result<Option<Vec<Trial>>> {
         let mut trials = vec![];
         for (i, c) in contenders.iter().enumerate() {
+            // A load counted wherever any rank loads (a rank whose load of the rival before
+            // failed loads where the others may not).
             let reloads = i > 0 && (self.released || !same_weights(&self.load.memory, &c.plan));
-            if let Some(why) = (i > 0).then(|| allowance.refuse(c, reloads)).flatten() {
+            let reloads = i > 0 && self.agreed(vec![f64::from(u8::from(reloads))])?[0] > 0.0;
+            if let Some(why) = (i > 0).then(|| allowance.refuse(i, reloads)).flatten() {
                 let t = Trial {
                     plan: c.plan.clone(),
                     predicted: c.slowdown,
@@ -521,9 +535,9 @@ struct Allowance {
     trial_steps: usize,
     /// The pick's step, s: predicted, then measured.
     step_s: f64,
-    /// The pick's predicted step over the resident one: each rival's step is the pick's
-    /// scaled by their predictions.
-    pick_slowdown: f64,
+    /// Each contender's predicted step over the resident one, the pick's first: a rival's
+    /// step is the pick's scaled by their predictions.
+    slowdowns: Vec<f64>,
     /// What timing plans may take, s.
     total_s: f64,
     /// What it took so far, s.
@@ -535,13 +549,19 @@ struct Allowance {
 }
 
 impl Allowance {
-    fn new(share: f64, run_steps: usize, trial_steps: usize, pick: &Planned, step_s: f64) -> Self {
+    fn new(
+        share: f64,
+        run_steps: usize,
+        trial_steps: usize,
+        slowdowns: Vec<f64>,
+        step_s: f64,
+    ) -> Self {
         let mut a = Allowance {
             share,
             run_steps,
             trial_steps,
             step_s: 0.0,
-            pick_slowdown: pick.slowdown.max(f64::MIN_POSITIVE),
+            slowdowns,
             total_s: 0.0,
             spent_s: 0.0,
             load_s: 0.0,
@@ -562,24 +582,40 @@ impl Allowance {
         self.total_s = self.share * self.run_s();
     }
 
-    /// Timing `c`'s steps, s (the untimed one included).
-    fn steps_s(&self, c: &Planned) -> f64 {
-        (self.trial_steps + 1) as f64 * self.step_s * c.slowdown / self.pick_slowdown
+    /// Timing contender `i`'s steps, s (the untimed one included): NaN where a prediction
+    /// is not a positive number (nothing fits then).
+    fn steps_s(&self, i: usize) -> f64 {
+        let (pick, c) = (self.slowdowns[0], self.slowdowns[i]);
+        match pick > 0.0 && c > 0.0 {
+            true => (self.trial_steps + 1) as f64 * self.step_s * c / pick,
+            false => f64::NAN,
+        }
     }
 
-    /// Timing `c` and, where `reloads` (or a rival was loaded before), the kept plan's load
-    /// after, s.
-    fn cost(&self, c: &Planned, reloads: bool) -> f64 {
+    /// Timing contender `i` and, where `reloads` (or a rival was loaded before), the kept
+    /// plan's load after, s.
+    fn cost(&self, i: usize, reloads: bool) -> f64 {
         let loads = u8::from(reloads) + u8::from(reloads || self.reloaded);
-        self.steps_s(c) + f64::from(loads) * self.load_s
+        self.steps_s(i) + f64::from(loads) * self.load_s
     }
 
-    /// Why `c` is not timed: it would pass the allowance.
-    fn refuse(&self, c: &Planned, reloads: bool) -> Option<String> {
-        let cost = self.cost(c, reloads);
-        (self.spent_s + cost > self.total_s).then(|| {
+    /// Whether `cost` more, s, stays within the allowance (not where it is not a number).
+    fn fits(&self, cost: f64) -> bool {
+        use std::cmp::Ordering::{Equal, Less};
+        matches!(
+            (self.spent_s + cost).partial_cmp(&self.total_s),
+            Some(Less | Equal)
+        )
+    }
+
+    /// Why contender `i` is not timed: it would pass the allowance (or its cost is not a
+    /// number).
+    fn refuse(&self, i: usize, reloads: bool) -> Option<String> {
+        let cost = self.cost(i, reloads);
+        (!self.fits(cost)).then(|| {
             format!(
-                "about {cost:.1} s more{} would pass the {:.1} s memory.trial_share = {} gives                  timing plans of the run's {:.0} s of steps ({:.1} s taken)",
+                "about {cost:.1} s more{} would pass the {:.1} s memory.trial_share = {} gives \
+                 timing plans of the run's {:.0} s of steps ({:.1} s taken)",
                 if reloads { " with its load" } else { "" },
                 self.total_s,
                 self.share,
@@ -623,49 +659,43 @@ mod tests {
     use super::*;
     use crate::memory::Checkpointing;
 
-    fn planned(slowdown: f64) -> Planned {
-        Planned {
-            plan: Plan::default(),
-            peak: 0,
-            streamed_bytes: 0,
-            slowdown,
-        }
-    }
-
     #[test]
     fn the_allowance_is_a_share_of_the_run_and_counts_loads() {
         // 1000 steps of 0.2 s, 5%: 10 s for timing plans; 5 steps timed after one untimed.
-        let pick = planned(1.2);
-        let mut a = Allowance::new(0.05, 1000, 5, &pick, 0.2);
+        // The pick predicted at 1.2x the resident step, the rival at 1.5x.
+        let mut a = Allowance::new(0.05, 1000, 5, vec![1.2, 1.5, 0.0, f64::NAN], 0.2);
         a.load_s = 2.0;
         assert!((a.total_s - 10.0).abs() < 1e-9);
         // A rival predicted at 1.5x the pick's 1.2x: its steps at 0.25 s.
-        let rival = planned(1.5);
-        assert!((a.steps_s(&rival) - 1.5).abs() < 1e-9);
+        let rival = 1;
+        assert!((a.steps_s(rival) - 1.5).abs() < 1e-9);
         // On the loaded weights, its steps alone; loading, its load and the kept plan's.
-        assert!((a.cost(&rival, false) - 1.5).abs() < 1e-9);
-        assert!((a.cost(&rival, true) - 5.5).abs() < 1e-9);
-        assert_eq!(a.refuse(&rival, true), None);
+        assert!((a.cost(rival, false) - 1.5).abs() < 1e-9);
+        assert!((a.cost(rival, true) - 5.5).abs() < 1e-9);
+        assert_eq!(a.refuse(rival, true), None);
         // The pick's steps taken (1.2 s) and a measured step of 0.1 s: 5 s in all now.
         a.spent(&[1.2, 0.0, 100.0], false);
         a.measured(0.1);
         assert!((a.total_s - 5.0).abs() < 1e-9);
         // 1.2 + 0.75 + 2 loads of 2 s passes 5 s; on the loaded weights it fits.
-        let why = a.refuse(&rival, true).unwrap();
+        let why = a.refuse(rival, true).unwrap();
         assert!(
             why.contains("with its load") && why.contains("5.0 s"),
             "{why}"
         );
-        assert_eq!(a.refuse(&rival, false), None);
+        assert_eq!(a.refuse(rival, false), None);
         // A rival loaded, slower than thought: loads count at the longest seen, and the
         // kept plan's load stays counted for a rival on the loaded weights.
         a.spent(&[1.0, 3.0, 120.0], true);
         assert_eq!(a.load_s, 3.0);
-        assert!((a.cost(&rival, false) - (0.75 + 3.0)).abs() < 1e-9);
-        assert!(a.refuse(&rival, false).is_some());
-        // Nothing at a share of 0.
-        let none = Allowance::new(0.0, 1000, 5, &pick, 0.2);
-        assert!(none.refuse(&rival, false).is_some());
+        assert!((a.cost(rival, false) - (0.75 + 3.0)).abs() < 1e-9);
+        assert!(a.refuse(rival, false).is_some());
+        // Nothing at a share of 0, nor where a prediction is not a positive number.
+        let none = Allowance::new(0.0, 1000, 5, vec![1.2, 1.5], 0.2);
+        assert!(none.refuse(rival, false).is_some());
+        let lots = Allowance::new(1e9, 1000, 5, vec![1.2, 1.5, 0.0, f64::NAN], 0.2);
+        assert_eq!(lots.refuse(1, true), None);
+        assert!(lots.refuse(2, false).is_some() && lots.refuse(3, false).is_some());
     }
 
     #[test]

@@ -172,7 +172,7 @@ echo "== driver-side peaks: $peaks"
 awk -v b="$budget" -v rc="$rc" -v s="$start" -v e="$end" -v base="$base" -v peak="$peak" 'BEGIN {
   printf "== budget %s GiB: exit %d in %.1f s; device used before the run %d MiB (the holder), " \
     "peak %d MiB: the run'"'"'s driver-side peak %.2f GiB\n", b, rc, e - s, base, peak, (peak - base) / 1024 }'
-grep -E "memory:|validation loss|samples:|done:|error|step 20/20|checkpoint|caching|data-parallel|peaks|^time:|^kernels:" "$work/train.log" | head -n 40
+grep -E "memory:|timing plans|validation loss|samples:|done:|error|step 20/20|checkpoint|caching|data-parallel|peaks|^time:|^kernels:" "$work/train.log" | head -n 40
 ls -la "$work/out" "$work/out/samples" 2>/dev/null | grep -E "lora|step-|loss" || true
 # With SAMPLE_EXE set: the `sample` binary on the trained LoRA under the same budget, the
 # holder still in place.

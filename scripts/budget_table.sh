@@ -65,7 +65,10 @@ ALL="flux24 flux12 flux8 flux6 sd3-16 sd3-8 sdxl8 sdxl4"
 # fresh MODEL REPS ARGS...: each ARGS (a string: "" is the resident step) in a process of its
 # own, in turn, REPS times, each process 8 timed steps and `--phases`; prints every
 # process's step (ms, the median of its steps), then each plan's steps over the first's:
-# a round's ratios, the ratio of the means and of the medians. A process a plan leaves no
+# a round's ratios, the ratio of the means and of the medians; with KEPT="I J ..." (plan
+# indices: say the pick and its rivals, "--budget 4" and "--budget 4 --rival K"), also the
+# fastest of those each round, over the first plan: what `train` keeps after timing them. A
+# process a plan leaves no
 # plan's state to the next (its pinned memory, its threads, the allocator's arena) and
 # spreads each plan over the same minutes of the host's pace.
 fresh() {
@@ -96,7 +99,7 @@ fresh() {
       echo "$r $i ${ms% ms}" >> "$log/steps"
     done
   done
-  awk -v n="${#plans[@]}" '
+  awk -v n="${#plans[@]}" -v kept="${KEPT:-}" '
     $3 != "" { t[$2, $1] = $3; rounds = ($1 + 1 > rounds) ? $1 + 1 : rounds }
     function median(a, k,   i, j, x) {
       for (i = 1; i <= k; i++) for (j = i + 1; j <= k; j++) if (a[j] < a[i]) { x = a[i]; a[i] = a[j]; a[j] = x }
@@ -115,6 +118,26 @@ fresh() {
         if (i == 0) printf "== plan 0: %s ms; mean %.1f, median %.1f\n", line, mean[0], med[0]
         else printf "== plan %d: %s ms; over plan 0 %s a round, %.2fx of the means, %.2fx of the medians\n", i, line, ratios, mean[i] / mean[0], med[i] / med[0]
       }
+      # The fastest of the KEPT plans each round (a round where plan 0 or one of them has
+      # no step is left out).
+      m = split(kept, ks, " ")
+      if (m == 0) exit
+      k = 0; sum = 0; line = ""; ratios = ""
+      delete v
+      for (r = 0; r < rounds; r++) {
+        if (!((0, r) in t)) continue
+        best = ""; all = 1
+        for (j = 1; j <= m; j++) {
+          if (!((ks[j], r) in t)) { all = 0; break }
+          if (best == "" || t[ks[j], r] < best) best = t[ks[j], r]
+        }
+        if (!all) continue
+        v[++k] = best; sum += best; base += t[0, r]; bv[k] = t[0, r]
+        line = line sprintf("%s%.1f", k > 1 ? ", " : "", best)
+        ratios = ratios sprintf("%s%.2fx", ratios == "" ? "" : ", ", best / t[0, r])
+      }
+      if (k == 0) { printf "== kept (plans %s): no round with every one timed\n", kept; exit }
+      printf "== kept (the fastest of plans %s): %s ms; over plan 0 %s a round, %.2fx of the means, %.2fx of the medians\n", kept, line, ratios, (sum / k) / (base / k), median(v, k) / median(bv, k)
     }' "$log/steps"
 }
 
@@ -146,7 +169,7 @@ row() {
     bash "$here/budget_rows.sh" "$pipes/${pipe:-$arch}" "$work/$name" "$root/.gpu/train" "$budget" \
     > "$work/$name.log" 2>&1
   echo "== row $name on GPU $g: exit $?"
-  grep -E "^== |memory:|peaks|^time:|^kernels:|^done:" "$work/$name.log" | head -n 20
+  grep -E "^== |memory:|timing plans|peaks|^time:|^kernels:|^done:" "$work/$name.log" | head -n 24
 }
 
 case ${1:-} in

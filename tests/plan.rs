@@ -2119,10 +2119,32 @@ fn timed_plans_train_nothing_and_a_resume_keeps_the_kept_plan() {
     assert!(!notes.iter().any(|n| n.contains("ms a step")), "{notes:?}");
     assert_eq!(kept.to_string(), "no checkpointing");
     assert_eq!(log(&short), log(&plain));
-    // Without a rival nothing is timed.
+    // Without a rival nothing is timed, and `--plan` and the run say why.
+    let mut t = Trainer::new(tiny_config("trial-alone-plan", &memory(2))).unwrap();
+    t.memory.rivals.clear();
+    let line = t.memory.rivals_line(2).unwrap();
+    assert!(
+        line.starts_with("nothing timed before the first step: no other kind of plan is")
+            && line.ends_with("x the resident one)"),
+        "{line}"
+    );
+    assert_eq!(t.memory.rivals_line(0), None);
+    drop(t);
     let alone = tiny_config("trial-alone", &memory(2));
     let (notes, _) = run(&alone, RunOptions::default(), Rivals::None);
-    timed_nothing(&notes);
+    let why: Vec<&String> = notes
+        .iter()
+        .filter(|n| n.contains("timing plans"))
+        .collect();
+    assert_eq!(why.len(), 1, "{notes:?}");
+    assert!(
+        why[0].starts_with(
+            "timing plans: none timed: no other kind of plan is predicted within 25% of \
+             the pick's step ("
+        ) && !why[0].contains("  "),
+        "{notes:?}"
+    );
+    assert!(!notes.iter().any(|n| n.contains("ms a step")), "{notes:?}");
     // The pick kept after the only rival's load failed: loaded again, not run on the
     // released model.
     let lone = tiny_config("trial-lone", &memory(2));

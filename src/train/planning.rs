@@ -120,11 +120,20 @@ impl MemoryChoice {
     }
 
     /// The plans of other kinds predicted near the chosen one (`rivals`), in one line for
-    /// `--plan`, saying whether `trial_steps` (`memory.trial_steps`) times them; `None`
-    /// without rivals.
+    /// `--plan`, saying whether `trial_steps` (`memory.trial_steps`) times them; without
+    /// rivals, why nothing is timed where the planner chose the plan and `trial_steps` asks
+    /// for timing, else `None`.
     pub fn rivals_line(&self, trial_steps: usize) -> Option<String> {
         if self.rivals.is_empty() {
-            return None;
+            let (prof, plan) = self.sized.as_ref()?;
+            return (trial_steps > 0 && self.machine.is_some()).then(|| {
+                format!(
+                    "nothing timed before the first step: no other kind of plan is predicted \
+                     within {:.0}% of its step ({:.2}x the resident one)",
+                    crate::memory::RIVAL_SLACK * 1e2,
+                    prof.step_ms(plan) / prof.resident_ms()
+                )
+            });
         }
         let list: Vec<String> = self
             .rivals

@@ -4,7 +4,7 @@
 //! (`memory.trial_share`), the fastest kept; and the plan a resumed run kept, loaded again.
 
 use super::{Event, Trainer};
-use crate::memory::{fastest, BlockExec, Plan, Planned, Trial};
+use crate::memory::{fastest, BlockExec, Plan, Planned, Trial, RIVAL_SLACK};
 use crate::models::{DiffusionModel, Family, Input, Objective};
 use crate::train::planning::phase_plans;
 use crate::{Error, Result, Tensor};
@@ -232,7 +232,25 @@ impl Trainer {
             )));
             vec![]
         });
-        if !self.ranks_agree(&contenders, on)? || contenders.len() < 2 {
+        if !self.ranks_agree(&contenders, on)? {
+            return Ok(None);
+        }
+        if contenders.len() < 2 {
+            // Where the planner chose the plan, the run says why nothing was timed (a plan
+            // given by hand, or no budget, has no rivals to time).
+            if let (true, Some(pick)) = (self.memory.machine.is_some(), contenders.first()) {
+                on(Event::Note(match self.memory.rivals.is_empty() {
+                    true => format!(
+                        "timing plans: none timed: no other kind of plan is predicted within \
+                         {:.0}% of the pick's step ({:.2}x the resident one)",
+                        RIVAL_SLACK * 1e2,
+                        pick.slowdown
+                    ),
+                    false => "timing plans: none timed: every rival's phases would pass the \
+                              budget"
+                        .into(),
+                }));
+            }
             return Ok(None);
         }
         let Some(allowance) = self.allowance(&contenders, steps, on)? else {

@@ -25,10 +25,15 @@
 #                                                     resident step (benches/train_step.rs): one
 #                                                     process a model alternating them (Flux-dev,
 #                                                     SD3.5-large), a process a plan alternating
-#                                                     SDXL_ROUNDS times, 12 unless given (SDXL), the budget split as the
-#                                                     train binary splits it (what the process
-#                                                     holds outside its allocator, measured, and
-#                                                     LATE_HEADROOM)
+#                                                     SDXL_ROUNDS times, 4 unless given (SDXL:
+#                                                     each budget's pick and its rivals, and the
+#                                                     fastest of them each round, the step
+#                                                     `train` keeps after timing them), the
+#                                                     budget split as the train binary splits it
+#                                                     (what the process holds outside its
+#                                                     allocator, measured, and LATE_HEADROOM);
+#                                                     `steps flux sd35` and `steps sdxl` fit a
+#                                                     call each
 #   bash scripts/budget_table.sh fresh MODEL REPS "" "--budget 8" ...   a process a plan, in turn,
 #                                                     REPS times: each plan's steps over the
 #                                                     first's (a round's, the means', the medians')
@@ -65,10 +70,11 @@ ALL="flux24 flux12 flux8 flux6 sd3-16 sd3-8 sdxl8 sdxl4"
 # fresh MODEL REPS ARGS...: each ARGS (a string: "" is the resident step) in a process of its
 # own, in turn, REPS times, each process 8 timed steps and `--phases`; prints every
 # process's step (ms, the median of its steps), then each plan's steps over the first's:
-# a round's ratios, the ratio of the means and of the medians; with KEPT="I J ..." (plan
-# indices: say the pick and its rivals, "--budget 4" and "--budget 4 --rival K"), also the
-# fastest of those each round, over the first plan: what `train` keeps after timing them. A
-# process a plan leaves no
+# a round's ratios, the ratio of the means and of the medians; with KEPT="I J ...[, K L ...]"
+# (groups of plan indices: say a budget's pick and its rivals, "--budget 4" and "--budget 4
+# --rival K"), also the fastest of each group each round, over the first plan: the step
+# `train` runs after timing the pick and its rivals (`memory.trial_steps`). A process a
+# plan leaves no
 # plan's state to the next (its pinned memory, its threads, the allocator's arena) and
 # spreads each plan over the same minutes of the host's pace.
 fresh() {
@@ -118,26 +124,29 @@ fresh() {
         if (i == 0) printf "== plan 0: %s ms; mean %.1f, median %.1f\n", line, mean[0], med[0]
         else printf "== plan %d: %s ms; over plan 0 %s a round, %.2fx of the means, %.2fx of the medians\n", i, line, ratios, mean[i] / mean[0], med[i] / med[0]
       }
-      # The fastest of the KEPT plans each round (a round where plan 0 or one of them has
-      # no step is left out).
-      m = split(kept, ks, " ")
-      if (m == 0) exit
-      k = 0; sum = 0; line = ""; ratios = ""
-      delete v
-      for (r = 0; r < rounds; r++) {
-        if (!((0, r) in t)) continue
-        best = ""; all = 1
-        for (j = 1; j <= m; j++) {
-          if (!((ks[j], r) in t)) { all = 0; break }
-          if (best == "" || t[ks[j], r] < best) best = t[ks[j], r]
+      # Each group of KEPT (groups split by commas): the fastest of its plans each round
+      # that timed plan 0 and at least one of them (a rival the planner did not work out in
+      # that process has no step, as `train` times none).
+      groups = split(kept, gs, ",")
+      for (gi = 1; gi <= groups; gi++) {
+        gsub(/^ +| +$/, "", gs[gi])
+        m = split(gs[gi], ks, " ")
+        if (m == 0) continue
+        k = 0; sum = 0; base = 0; line = ""; ratios = ""
+        delete v; delete bv
+        for (r = 0; r < rounds; r++) {
+          if (!((0, r) in t)) continue
+          best = ""
+          for (j = 1; j <= m; j++)
+            if (((ks[j], r) in t) && (best == "" || t[ks[j], r] < best)) best = t[ks[j], r]
+          if (best == "") continue
+          v[++k] = best; sum += best; base += t[0, r]; bv[k] = t[0, r]
+          line = line sprintf("%s%.1f", k > 1 ? ", " : "", best)
+          ratios = ratios sprintf("%s%.2fx", ratios == "" ? "" : ", ", best / t[0, r])
         }
-        if (!all) continue
-        v[++k] = best; sum += best; base += t[0, r]; bv[k] = t[0, r]
-        line = line sprintf("%s%.1f", k > 1 ? ", " : "", best)
-        ratios = ratios sprintf("%s%.2fx", ratios == "" ? "" : ", ", best / t[0, r])
+        if (k == 0) { printf "== kept (plans %s): no round timed one of them\n", gs[gi]; continue }
+        printf "== kept (the fastest of plans %s): %s ms; over plan 0 %s a round, %.2fx of the means, %.2fx of the medians\n", gs[gi], line, ratios, (sum / k) / (base / k), median(v, k) / median(bv, k)
       }
-      if (k == 0) { printf "== kept (plans %s): no round with every one timed\n", kept; exit }
-      printf "== kept (the fastest of plans %s): %s ms; over plan 0 %s a round, %.2fx of the means, %.2fx of the medians\n", kept, line, ratios, (sum / k) / (base / k), median(v, k) / median(bv, k)
     }' "$log/steps"
 }
 
@@ -238,9 +247,13 @@ case ${1:-} in
         # SDXL's steps follow the host's pace of the moment: the resident step ran 101-175
         # ms from process to process on two H200 machines within minutes (2026-12-04), a
         # round's ratio 0.74-1.39x within 8 GiB. A process a plan, alternating, SDXL_ROUNDS
-        # times (12 unless given, about 200 s), so each plan's mean and median span the same
-        # minutes and the rounds outnumber the spread.
-        sdxl) fresh sdxl "${SDXL_ROUNDS:-12}" "" "--budget 8" "--budget 4" ;;
+        # times (4 unless given: nine plans, 36 processes, about 200 s), so each plan's mean
+        # and median span the same minutes and the rounds outnumber the spread.
+        # Each budget's pick and its rivals (`--rival K`), the fastest of them each round
+        # the step `train` keeps after timing them (`memory.trial_steps`; KEPT in fresh).
+        sdxl) KEPT="1 2 3 4, 5 6 7 8" fresh sdxl "${SDXL_ROUNDS:-4}" "" \
+                "--budget 8" "--budget 8 --rival 1" "--budget 8 --rival 2" "--budget 8 --rival 3" \
+                "--budget 4" "--budget 4 --rival 1" "--budget 4 --rival 2" "--budget 4 --rival 3" ;;
         *) echo "steps: flux, sd35 or sdxl, not $m" >&2; exit 2 ;;
       esac
     done ;;

@@ -41,7 +41,7 @@
 # 90 s for flux (its 64 GiB disk holds flux or sd3, not both: remove one's folder first); the
 # rows 80-250 s each with their `sample` runs (sdxl8 the least, flux8 the most); `steps`
 # about 420-520 s. A fresh machine adds about 275 s to its first call.
-#   SAMPLE_STEPS=4 bash scripts/budget_table.sh part N PIPES WORK   the eight rows in four
+#   SAMPLE_STEPS=4 bash scripts/budget_table.sh part N PIPES WORK   the eight rows and their steps in four
 #                                                     calls of the device (N = 1..4, in turn,
 #                                                     on one warm machine: see `part` below)
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
@@ -262,26 +262,28 @@ case ${1:-} in
     # "" for the resident step), the plans in turn, REPS times.
     shift; fresh "$@" ;;
   part)
-    # part N PIPES WORK: the eight rows in four calls of at most 600 s each on one H200
-    # (SAMPLE_STEPS=4; the machine kept warm between the calls, so PIPES stays there). Each
-    # call's time from build eaa7162's rows (train run + `sample` run, s) and `make`:
-    #   1: make sd3 + sdxl (103), sdxl8 (135 + the kernels' first compile), sdxl4 (133)
-    #                                                                          about 500 s
-    #   2: sd3-16 (149), sd3-8 (192), sd3's folder removed, make flux (90)     about 430 s
-    #   3: flux24 (148), flux12 (246)                                          about 400 s
-    #   4: flux8 (254), flux6 (FP8, AdamW8bit; about 250)                      about 500 s
-    # (build eaa7162's second call, which also ran flux24, took 596 s.) A fresh machine's
-    # first process also waits for the driver's compile of the kernels (tens of seconds to
-    # two minutes; part 1 takes it) unless the build embeds their machine code
+    # part N PIPES WORK: the eight rows and their steps in four calls of at most 600 s each
+    # on one H200 (SAMPLE_STEPS=4; the machine kept warm between the calls, so PIPES stays
+    # there; .gpu holds train, sample and bench-train_step of one build). Each call's time
+    # from build d9ced4a's rows (train run + `sample` run, s), `make` and `steps`:
+    #   1: make sd3 + sdxl (103), sdxl8 (50), sdxl4 (49), steps sdxl (about 200)
+    #                                                                          about 400 s
+    #   2: sd3-16 (99), sd3-8 (136), steps sd35 (200 at most), sd3's folder removed,
+    #      make flux (90)                                                      about 530 s
+    #   3: flux24 (101), flux12 (163), flux8 (161)                             about 430 s
+    #   4: flux6 (FP8, AdamW8bit; 199), steps flux (320 at most)               about 520 s
+    # A fresh machine's first process also waits for the driver's compile of the kernels
+    # (tens of seconds to two minutes) unless the build embeds their machine code
     # (FLAME_CUDA_SASS=90 for H100 and H200).
     t=$here/budget_table.sh
     n=$2 pipes=$3 work=$4
     case $n in
-      1) FAMILIES="sd3 sdxl" bash "$t" make "$pipes" && bash "$t" rows "$pipes" "$work" sdxl8 sdxl4 ;;
-      2) bash "$t" rows "$pipes" "$work" sd3-16 sd3-8 && rm -rf "$pipes/sd3" \
-           && FAMILIES=flux bash "$t" make "$pipes" ;;
-      3) bash "$t" rows "$pipes" "$work" flux24 flux12 ;;
-      4) bash "$t" rows "$pipes" "$work" flux8 flux6 ;;
+      1) FAMILIES="sd3 sdxl" bash "$t" make "$pipes" && bash "$t" rows "$pipes" "$work" sdxl8 sdxl4 \
+           && bash "$t" steps sdxl ;;
+      2) bash "$t" rows "$pipes" "$work" sd3-16 sd3-8 && bash "$t" steps sd35 \
+           && rm -rf "$pipes/sd3" && FAMILIES=flux bash "$t" make "$pipes" ;;
+      3) bash "$t" rows "$pipes" "$work" flux24 flux12 flux8 ;;
+      4) bash "$t" rows "$pipes" "$work" flux6 && bash "$t" steps flux ;;
       *) echo "part 1, 2, 3 or 4" >&2; exit 2 ;;
     esac ;;
   gpus)

@@ -661,3 +661,94 @@ fn every_phase_is_planned_and_one_past_the_budget_is_said() {
     assert!(said.contains("sample.size"), "{said}");
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// The text encoders' "auto" streaming weighs the run's budget as the driver counts it
+/// (`images::driver_budget`: `memory.budget_gb`, or on a GPU the memory free at start): T5
+/// streams where its weights take more than half of it, and not without a budget.
+#[test]
+fn auto_streaming_weighs_the_runs_budget() {
+    use flame::train::config::Toggle;
+    use flame::train::images::{driver_budget, locate, text_options};
+    let d = temp("auto-stream");
+    let mut cfg = config(&d, 4, 2);
+    cfg.encoders.stream_t5 = Toggle::Auto;
+    let family = models::family(&cfg.model.arch).unwrap();
+    let (text_at, _) = locate(&cfg, family).unwrap();
+    let streams =
+        |budget: Option<u64>| text_options(&cfg, family, &text_at, true, budget).stream_t5;
+    // The tiny T5's weights take more than half of a byte, and less than half of a TiB.
+    assert!(streams(Some(1)));
+    assert!(!streams(Some(1 << 40)));
+    assert!(!streams(None));
+    // On the CPU the budget is memory.budget_gb as given, none where 0.
+    assert_eq!(driver_budget(&cfg, &Device::Cpu).unwrap(), None);
+    cfg.memory.budget_gb = 0.5;
+    assert_eq!(driver_budget(&cfg, &Device::Cpu).unwrap(), Some(1 << 29));
+    cfg.encoders.stream_t5 = Toggle::Off;
+    assert!(!text_options(&cfg, family, &text_at, true, Some(1)).stream_t5);
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// A write of a sample image that fails at the run's last step (a full disk): the run
+/// exits non-zero naming the phase, what to look at and `--resume`, with the final adapter
+/// and the step's checkpoint written; `--resume` then makes the missing images without
+/// training again or repeating the validation.
+#[cfg(feature = "cli")]
+#[test]
+fn a_failed_sample_phase_loses_nothing_and_resume_does_only_what_is_missing() {
+    use std::process::Command;
+    let d = temp("phase-fails");
+    let cfg = config(&d, 2, 2);
+    let out = cfg.train.output_dir.clone();
+    let run = |fault: Option<&str>, args: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_train"));
+        c.arg(d.join("train.toml")).args(args);
+        match fault {
+            Some(f) => c.env("FLAME_FAULT", f),
+            None => c.env_remove("FLAME_FAULT"),
+        };
+        c.output().unwrap()
+    };
+    let o = run(Some("enospc:write:step-0000002-1.png"), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("sample images"), "{err}");
+    assert!(err.contains("No space left on device"), "{err}");
+    for said in ["disk space", "--resume"] {
+        assert!(err.contains(said), "{said}: {err}");
+    }
+    assert!(
+        !err.contains("sample.size"),
+        "memory knobs for a full disk: {err}"
+    );
+    assert!(!err.contains("done:"), "{err}");
+    assert!(out.join("lora.safetensors").is_file(), "{err}");
+    assert!(out.join("checkpoint-0000002").is_dir(), "{err}");
+    assert!(out.join("samples/step-0000002-0.png").is_file(), "{err}");
+    assert!(!out.join("samples/step-0000002-1.png").exists(), "{err}");
+    let log = std::fs::read_to_string(out.join("loss.jsonl")).unwrap();
+    let count = |log: &str, what: &str| log.lines().filter(|l| l.contains(what)).count();
+    assert_eq!(
+        (count(&log, "\"loss\""), count(&log, "val_loss")),
+        (2, 1),
+        "{log}"
+    );
+    let lora = std::fs::read(out.join("lora.safetensors")).unwrap();
+
+    let o = run(None, &["--resume"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(out.join("samples/step-0000002-1.png").is_file(), "{err}");
+    let after = std::fs::read_to_string(out.join("loss.jsonl")).unwrap();
+    assert_eq!(
+        (count(&after, "\"loss\""), count(&after, "val_loss")),
+        (2, 1),
+        "trained or validated again: {after}"
+    );
+    assert_eq!(
+        std::fs::read(out.join("lora.safetensors")).unwrap(),
+        lora,
+        "the adapter changed"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}

@@ -977,22 +977,24 @@ section! {
         /// fewer is faster and lighter when captions are short.
         t5_tokens: usize = 0_usize,
         /// Stream T5's blocks from host memory while encoding captions: "on", "off", or
-        /// "auto" (on when memory.budget_gb is set and T5's weights take more than half of it;
-        /// T5-XXL then encodes in about 1.5 GiB instead of 9).
+        /// "auto" (on when T5's weights take more than half of the run's budget: memory.budget_gb,
+        /// or on a GPU the memory free at start; T5-XXL then encodes in about 1.5 GiB instead
+        /// of 9).
         stream_t5: Toggle = Toggle::Auto,
         /// Stream Qwen3's layers from host memory while encoding captions (FLUX.2 klein,
-        /// Z-Image): "on", "off", or "auto" (on when memory.budget_gb is set and Qwen3's
-        /// weights take more than half of it; Qwen3-4B then encodes in about 1.4 GiB instead
-        /// of 8).
+        /// Z-Image): "on", "off", or "auto" (on when Qwen3's weights take more than half of
+        /// the run's budget: memory.budget_gb, or on a GPU the memory free at start; Qwen3-4B
+        /// then encodes in about 1.4 GiB instead of 8).
         stream_qwen3: Toggle = Toggle::Auto,
         /// Hold Qwen3's Linear weights as FP8 E4M3 with a scale per row, decoded per matmul
         /// (FLUX.2 klein, Z-Image; ComfyUI's fp8 text encoders): "on", "off", or "auto" (on
         /// when model.dtype is "fp8" or Qwen3's file stores FP8 weights, whose codes are then
         /// kept as they are; half of bf16's memory and streamed bytes).
         fp8_qwen3: Toggle = Toggle::Auto,
-        /// Encode and decode in tiles of this many pixels (0: whole images, except that sample
-        /// images decode in 512-pixel tiles under a memory.budget_gb); less memory, slightly
-        /// different latents near tile borders.
+        /// Encode and decode in tiles of this many pixels (0: whole images, except where a
+        /// whole one does not fit the run's budget, and sample images decode in 512-pixel
+        /// tiles under a memory.budget_gb); less memory, slightly different latents near tile
+        /// borders.
         vae_tile: usize = 0_usize,
     }
 }
@@ -1080,9 +1082,10 @@ section! {
 section! {
     /// `[memory]`: block checkpointing and streaming.
     MemorySection / RawMemory = "memory" {
-        /// GiB of GPU memory the run may hold (0: on a GPU, the memory free at start; on the
-        /// CPU, no limit). The allocator is capped there, and with checkpointing = "auto"
-        /// the planner picks the fastest plan predicted to fit.
+        /// GiB of GPU memory the run may hold, as the driver counts it (0: on a GPU, the
+        /// memory free at start, planned within but not capped; on the CPU, no limit). A
+        /// given budget caps FLAME's allocator; with checkpointing = "auto" the planner picks
+        /// the fastest plan predicted to fit, and caching and samples plan within it too.
         budget_gb: f64 = 0.0,
         /// Gradient checkpointing of blocks: "auto" (the planner chooses checkpointing,
         /// streamed blocks and what checkpointed blocks keep for memory.budget_gb), "off", "all",

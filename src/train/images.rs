@@ -254,13 +254,21 @@ pub(crate) fn choose_encode_tile(
     }
 }
 
-/// The allocator's share of `memory.budget_gb` on a GPU device (none without a budget or
-/// on the CPU).
+/// The allocator's share of the run's budget on a GPU device (`memory.budget_gb`, else the
+/// default budget: the memory free now, `memory::split_budget`); none on the CPU.
 fn allocator_share(config: &TrainConfig, device: &Device) -> Result<Option<u64>> {
-    if config.memory.budget_gb <= 0.0 || !device.is_cuda() {
+    if !device.is_cuda() {
         return Ok(None);
     }
     Ok(crate::memory::split_budget(device, config.memory.budget_gb)?.0)
+}
+
+/// The run's budget on `device` as the driver counts it, bytes: `memory.budget_gb` where
+/// given, else on a GPU the default budget (the memory free now: `memory::split_budget`);
+/// `None` on the CPU without one. What the text encoders' "auto" streaming weighs.
+pub fn driver_budget(config: &TrainConfig, device: &Device) -> Result<Option<u64>> {
+    let (alloc, outside) = crate::memory::split_budget(device, config.memory.budget_gb)?;
+    Ok(alloc.map(|a| a + outside.unwrap_or(0)))
 }
 
 /// The tile the autoencoder encodes in ([`choose_encode_tile`] for this run's budget on
@@ -299,9 +307,13 @@ fn encode_tile(
 /// embedding, a tenth of Qwen3-4B, and three layers), and, resident with its Linears made
 /// FP8 from a 16-bit file, 11/20 of them (`encoder_device_bytes`). With whether one of them
 /// streams.
-pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Result<(u64, bool)> {
+pub(crate) fn text_encoder_bytes(
+    config: &TrainConfig,
+    family: &Family,
+    budget: Option<u64>,
+) -> Result<(u64, bool)> {
     let (text_at, _) = locate(config, family)?;
-    let opts = text_options(config, family, &text_at, false);
+    let opts = text_options(config, family, &text_at, false, budget);
     let bytes = family
         .pipeline
         .text
@@ -314,17 +326,19 @@ pub(crate) fn text_encoder_bytes(config: &TrainConfig, family: &Family) -> Resul
 
 /// How the captions' encoders are set up (`guided`: the model takes a guidance input).
 /// T5 and Qwen3 stream while encoding as `encoders.stream_t5` and `encoders.stream_qwen3`
-/// say: "auto" streams when a memory budget is set and the encoder's weight files take more
-/// than half of it (one inside an all-in-one file counts the whole file: streaming is then
-/// the safe side). Qwen3's Linears are FP8 as `encoders.fp8_qwen3` says: "auto" when the
+/// say: "auto" streams under a budget (`budget`, bytes as the driver counts them: the
+/// run's, [`driver_budget`], the default one on a GPU included) when the encoder's weight
+/// files take more than half of it (one inside an all-in-one file counts the whole file:
+/// streaming is then the safe side). Qwen3's Linears are FP8 as `encoders.fp8_qwen3` says: "auto" when the
 /// model's weights are FP8 or Qwen3's file is ([`qwen3_file_is_fp8`]).
 pub fn text_options(
     config: &TrainConfig,
     family: &Family,
     text_at: &[(Located, TokenizerSource)],
     guided: bool,
+    budget: Option<u64>,
 ) -> TextOptions {
-    let budget = config.memory.budget_gb * (1u64 << 30) as f64;
+    let budget = budget.unwrap_or(0) as f64;
     let streams = |toggle: Toggle, qwen3: bool| match toggle {
         Toggle::On => true,
         Toggle::Off => false,
@@ -752,7 +766,13 @@ pub fn prepare(
     }
     captions.extend(config.sample.prompts.iter().map(|p| p.text().to_string()));
     captions.push(config.sample.negative_prompt.clone());
-    let text_opts = text_options(config, family, &text_at, guided);
+    let text_opts = text_options(
+        config,
+        family,
+        &text_at,
+        guided,
+        driver_budget(config, &device)?,
+    );
     let text_id = TextConditioner::identity_of(family, &text_at, &text_opts, dtype);
     if text_opts.stream_t5 && encode {
         on("T5 streams its blocks from host memory while the captions are encoded".into());

@@ -3,11 +3,12 @@
 //! error carries.
 
 use super::config::{OptimizerKind, TrainConfig};
+use super::images::{decode_bytes, decode_tile};
 use super::text::TextStepBytes;
 pub use crate::memory::{split_budget, LATE_HEADROOM};
 use crate::memory::{spread_evenly, MemoryProfile, NoPlan, Plan, Planned, Switches};
 use crate::models::{Family, LoadOptions, RunShape};
-use crate::{Device, Error, Result};
+use crate::{DType, Device, Error, Result};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -642,6 +643,48 @@ fn tiling_words(tile: usize) -> String {
     }
 }
 
+/// The tile the run's sample images decode in, images of `pixels` through an autoencoder
+/// whose first stage is `width` wide in `dtype` ([`decode_tile_within`]: under the default
+/// budget, what the run keeps between steps under `choice`'s plan beside the decode).
+pub(crate) fn sample_decode_tile(
+    config: &TrainConfig,
+    choice: &MemoryChoice,
+    pixels: usize,
+    width: usize,
+    dtype: DType,
+) -> usize {
+    let keeps = choice
+        .sized
+        .as_ref()
+        .map(|(prof, plan)| between_steps(prof, plan));
+    decode_tile_within(
+        config.encoders.vae_tile,
+        config.memory.budget_gb > 0.0,
+        choice.budget.zip(keeps),
+        decode_bytes(pixels, width, dtype),
+    )
+}
+
+/// The decode tile: `vae_tile` where set; under a given budget (`given`),
+/// [`AUTO_TILE`](crate::train::images::AUTO_TILE) (the model holds most of it:
+/// [`decode_tile`]); under the default budget (a GPU's free memory), `room` = (the
+/// allocator's share, what the run keeps beside the decode): whole images where a whole
+/// decode (`whole` bytes) fits beside what it keeps, else that tile; whole images without a
+/// budget (the CPU).
+pub(crate) fn decode_tile_within(
+    vae_tile: usize,
+    given: bool,
+    room: Option<(u64, u64)>,
+    whole: u64,
+) -> usize {
+    match (decode_tile(vae_tile, given), room) {
+        (0, Some((cap, keeps))) if keeps.saturating_add(whole) > cap => {
+            crate::train::images::AUTO_TILE
+        }
+        (t, _) => t,
+    }
+}
+
 /// Whether the run's sample images put classifier-free guidance's two predictions through
 /// the model as one batch: not under a budget, whose plan leaves room for one at a time.
 pub(crate) fn guidance_batched(config: &TrainConfig) -> bool {
@@ -682,8 +725,7 @@ pub(crate) fn phase_plans(
     world: usize,
 ) -> Result<Vec<PhasePlan>> {
     use super::images::{
-        choose_encode_tile, decode_bytes, decode_tile, encode_bytes, encoder_dtype, pixels_at_once,
-        text_encoder_bytes,
+        choose_encode_tile, encode_bytes, encoder_dtype, pixels_at_once, text_encoder_bytes,
     };
     let dtype = encoder_dtype(config, device);
     let factor = vae.map(|(f, _)| f);
@@ -708,7 +750,9 @@ pub(crate) fn phase_plans(
             let cap = choice.budget.filter(|_| device.is_cuda());
             let tile = choose_encode_tile(config, cap, pixels, width, dtype);
             let encode = encode_bytes(pixels_at_once(pixels, tile), width, dtype);
-            let (text, streamed) = text_encoder_bytes(config, family)?;
+            // The run's budget as the driver counts it (the default one on a GPU too).
+            let budget = choice.budget.map(|b| b + choice.outside.unwrap_or(0));
+            let (text, streamed) = text_encoder_bytes(config, family, budget)?;
             out.push(PhasePlan {
                 phase: "caching",
                 plan: format!(
@@ -779,7 +823,7 @@ pub(crate) fn phase_plans(
                     },
                 )?
                 .peak(&plan);
-            let tile = decode_tile(config.encoders.vae_tile, config.memory.budget_gb > 0.0);
+            let tile = sample_decode_tile(config, choice, w * h, width, dtype);
             let decode = between_steps(&prof, &plan)
                 + decode_bytes(pixels_at_once(w * h, tile), width, dtype);
             out.push(PhasePlan {
@@ -813,4 +857,32 @@ pub(crate) fn phase_plans(
         peak: Some(between_steps(&prof, &plan)),
     });
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_budget_tiles_a_sample_decode_only_where_a_whole_one_does_not_fit() {
+        const GIB: u64 = 1 << 30;
+        let auto = crate::train::images::AUTO_TILE;
+        // Set by hand: as set, budget or not.
+        assert_eq!(decode_tile_within(256, true, Some((GIB, GIB)), GIB), 256);
+        assert_eq!(decode_tile_within(256, false, Some((GIB, 0)), 1), 256);
+        // A given budget: tiles, whatever fits.
+        assert_eq!(decode_tile_within(0, true, Some((80 * GIB, 0)), GIB), auto);
+        // No budget (the CPU): whole.
+        assert_eq!(decode_tile_within(0, false, None, 100 * GIB), 0);
+        // The default budget: whole where the decode fits beside what the run keeps.
+        assert_eq!(
+            decode_tile_within(0, false, Some((10 * GIB, 3 * GIB)), 7 * GIB),
+            0
+        );
+        assert_eq!(
+            decode_tile_within(0, false, Some((10 * GIB, 3 * GIB)), 7 * GIB + 1),
+            auto
+        );
+        assert_eq!(decode_tile_within(0, false, Some((GIB, u64::MAX)), 1), auto);
+    }
 }

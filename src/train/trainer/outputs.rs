@@ -185,9 +185,13 @@ impl Trainer {
                 &mut |_, _| Ok(()),
             )?;
             let mut vae = images::vae(&self.config, family, &parts.vae, self.dtype, &self.device)?;
-            let tile = images::decode_tile(
-                self.config.encoders.vae_tile,
-                self.config.memory.budget_gb > 0.0,
+            let width = vae.config.block_out_channels.first().copied().unwrap_or(0);
+            let tile = crate::train::planning::sample_decode_tile(
+                &self.config,
+                &self.memory,
+                w * h,
+                width,
+                images::encoder_dtype(&self.config, &self.device),
             );
             if tile > 0 {
                 vae.tiling = Some(crate::encoders::VaeTiling::new(tile));

@@ -327,6 +327,9 @@ impl Trainer {
             ));
         }
         let knob = match phase {
+            _ if a_write_failed(&error) => {
+                "see the error above (the output folder's disk space or permissions)".into()
+            }
             "validation" => {
                 "the validation loss runs every held-out image at 4 timesteps under the \
                  step's memory plan: give it room (a larger memory.budget_gb, fewer or \
@@ -337,8 +340,9 @@ impl Trainer {
             "sample images" => {
                 let [w, h] = self.config.sample.size;
                 format!(
-                    "sampling denoises {} prompt(s) at {} and decodes them in tiles under a \
-                     budget: lower sample.size, or turn it off (sample.prompts = [])",
+                    "sampling denoises {} prompt(s) at {} and decodes them: lower sample.size, \
+                     decode in smaller tiles (encoders.vae_tile = 256), give it a larger \
+                     memory.budget_gb, or turn it off (sample.prompts = [])",
                     self.config.sample.prompts.len(),
                     match (w, h) {
                         (0, 0) => format!("data.resolution = {}", self.config.data.resolution),
@@ -434,5 +438,15 @@ impl Trainer {
                 .get(&rel)
                 .is_some_and(|r| r.matches(&dir.path.join(&rel)))
         }))
+    }
+}
+
+/// Whether `e` is, under its context, a file that could not be written or read (a full
+/// disk, permissions): the phase's memory knobs do not help there.
+fn a_write_failed(e: &Error) -> bool {
+    match e {
+        Error::Io { .. } => true,
+        Error::Context { error, .. } | Error::PlanExceeded { error, .. } => a_write_failed(error),
+        _ => false,
     }
 }

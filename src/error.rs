@@ -334,6 +334,19 @@ fn fmt_files(files: &[String]) -> String {
 }
 
 impl Error {
+    /// `self` with the phase it happened in (`what`: the phase, and the knob that would let
+    /// it fit) where it is an out-of-memory error, bare or with the memory plan
+    /// ([`Error::PlanExceeded`]); any other error as it is.
+    pub fn in_phase(self, what: impl FnOnce() -> String) -> Error {
+        match self {
+            Error::OutOfMemory { .. } | Error::PlanExceeded { .. } => Error::Context {
+                what: what(),
+                error: Box::new(self),
+            },
+            e => e,
+        }
+    }
+
     pub(crate) fn invalid(op: &'static str, msg: impl Into<String>, shape: &Shape) -> Self {
         Error::InvalidArgument {
             op,
@@ -396,5 +409,49 @@ impl Setting {
             Setting::AdapterWeightDecompose => "AdapterConfig::weight_decompose",
             Setting::AdapterLayout => "the adapter file's layout:",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn oom() -> Error {
+        Error::OutOfMemory {
+            device: "cuda:0".into(),
+            requested: 1 << 20,
+            in_use: 7 << 30,
+            limit: 7 << 30,
+            device_full: false,
+        }
+    }
+
+    #[test]
+    fn an_out_of_memory_error_is_given_its_phase_and_no_other_is() {
+        let phase = || "decoding (--vae-tile 256 decodes in smaller tiles)".to_string();
+        let e = oom().in_phase(phase).to_string();
+        assert!(
+            e.starts_with("decoding (--vae-tile 256") && e.contains("out of GPU memory on cuda:0"),
+            "{e}"
+        );
+        assert!(
+            e.contains("allocator's cap") && !e.contains("device itself"),
+            "{e}"
+        );
+        let planned = Error::PlanExceeded {
+            error: Box::new(oom()),
+            plan: "every block checkpointed".into(),
+            hint: "lower memory.budget_gb".into(),
+        };
+        let e = planned.in_phase(phase).to_string();
+        assert!(
+            e.starts_with("decoding") && e.contains("memory plan: every block checkpointed"),
+            "{e}"
+        );
+        let io = Error::Io {
+            path: "x.png".into(),
+            source: std::io::Error::other("No space left on device"),
+        };
+        assert!(matches!(io.in_phase(phase), Error::Io { .. }));
     }
 }

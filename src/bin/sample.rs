@@ -344,6 +344,13 @@ fn outputs(a: &Args) -> flame::Result<Vec<PathBuf>> {
     Ok(paths)
 }
 
+/// The text encoders' phase, for an out-of-memory error there.
+fn text_phase() -> String {
+    "encoding the prompts (--stream-t5 and --stream-qwen3 stream the large encoders from host \
+     memory, as --budget GB does)"
+        .into()
+}
+
 /// `error` as the failure of what `name` (a flag) gives at `path`.
 fn flag(name: &str, path: &std::path::Path, error: Error) -> Error {
     Error::Context {
@@ -353,15 +360,16 @@ fn flag(name: &str, path: &std::path::Path, error: Error) -> Error {
 }
 
 /// The starting latents of `--latents` for `n` prompts at `hw` latent pixels, each
-/// (1, C, h, w).
+/// (1, C, h, w) in f32 on `device`.
 fn read_latents(
     path: &std::path::Path,
     arch: &str,
     n: usize,
     hw: (usize, usize),
+    device: &flame::Device,
 ) -> flame::Result<Vec<flame::Tensor>> {
     let file = flame::safetensors::SafeTensorsFile::open(path)?;
-    let t = file.load_as("latents", &flame::Device::Cpu, DType::F32)?;
+    let t = file.load_as("latents", device, DType::F32)?;
     let t = match (t.rank(), arch) {
         (4, _) => t,
         // diffusers' Flux pipeline takes its latents packed in 2x2 patches.
@@ -440,6 +448,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     let started = std::time::Instant::now();
     // Where the minutes go, printed at the end.
     let mut time = flame::progress::Timeline::new();
+    let mut peaks = Peaks::default();
     check_files(a, model_path)?;
     // Before anything is looked for, where --arch names the family.
     if let Some(f) = a.arch.as_deref().and_then(|n| models::family(n).ok()) {
@@ -564,6 +573,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     // (FLUX.2's conditioning does not read the size: with references it may change below.)
     let size = (height, width);
     time.begin();
+    Peaks::start(&device);
     let (conds, uncond) = {
         let opts = TextOptions {
             guided,
@@ -620,7 +630,8 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             &device,
             "--text-encoder",
             &uses,
-        )?;
+        )
+        .map_err(|e| e.in_phase(text_phase))?;
         if let (Some(l), Some(first)) = (&a.lora, merges.first()) {
             let mut used = std::collections::BTreeSet::new();
             for m in &merges {
@@ -659,6 +670,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         }
         let encode = |p: &str| -> flame::Result<Vec<flame::Tensor>> {
             conditioning(&inputs, &cond.encode(&[p])?, size, dtype, &device)
+                .map_err(|e| e.in_phase(text_phase))
         };
         let conds = a
             .prompt
@@ -668,6 +680,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         (conds, encode(&a.negative)?)
     };
     time.end("text encoders");
+    peaks.end(&device, "text encoders");
 
     // The model, with the LoRA merged as its weights load.
     if let Some(l) = &a.lora {
@@ -676,6 +689,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         opts.merge = Some(Arc::new(m));
     }
     time.begin();
+    Peaks::start(&device);
     let vae = {
         let mut v = load_vae(family, &vae_at, dtype, &device, "--vae")?;
         match flame::train::images::decode_tile(a.vae_tile, a.budget > 0.0) {
@@ -705,6 +719,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             .collect::<flame::Result<Vec<_>>>()?
     };
     time.end("autoencoder and references");
+    peaks.end(&device, "autoencoder and references");
     let (height, width) = match refs.first() {
         Some(r) => (
             a.height.unwrap_or(r.dims()[2] * f),
@@ -747,6 +762,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     }
     if a.budget > 0.0 {
         time.begin();
+        Peaks::start(&device);
         let choice = flame::train::planning::plan_denoising(
             family,
             model_path,
@@ -763,10 +779,22 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             flame::train::planning::batch_fits(family, model_path, &opts, &choice, &shapes, 2)?;
         opts.memory = choice.plan;
         time.end("planning");
+        peaks.end(&device, "planning");
     }
     time.begin();
-    let model = family.load(model_path, &opts)?.model;
+    Peaks::start(&device);
+    let model = family
+        .load(model_path, &opts)
+        .map_err(|e| {
+            e.in_phase(|| {
+                "loading the model (--budget GB plans it within GB, streaming blocks from host \
+                 memory; --dtype fp8 halves its weights)"
+                    .into()
+            })
+        })?
+        .model;
     time.end("loading the model");
+    peaks.end(&device, "loading the model");
     // A step-distilled pipeline (FLUX.2 [klein]) takes no classifier-free guidance, as
     // diffusers ignores its scale there.
     let guidance = if !guided && a.guidance(arch) > 1.0 && models::step_distilled(model_path)? {
@@ -794,11 +822,8 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     };
     let paths = outputs(a)?;
     let noise = match &a.latents {
-        Some(p) => read_latents(p, arch, conds.len(), req.latent_hw)
-            .map_err(|e| flag("--latents", p, e))?
-            .into_iter()
-            .map(|z| z.to_device(&device))
-            .collect::<flame::Result<Vec<_>>>()?,
+        Some(p) => read_latents(p, arch, conds.len(), req.latent_hw, &device)
+            .map_err(|e| flag("--latents", p, e))?,
         None => seeded_noise(model.as_ref(), conds.len(), &req, &device)?,
     };
     // A line a step on stderr (stdout is for the written paths): denoising a large image
@@ -820,6 +845,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         false => vec![refs; count],
     };
     time.begin();
+    Peaks::start(&device);
     let latents = generate_referenced(
         model.as_ref(),
         &conds,
@@ -828,12 +854,22 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         &req,
         &noise,
         &mut progress,
-    )?;
+    )
+    .map_err(|e| {
+        e.in_phase(|| {
+            "denoising (a smaller --width and --height, or --budget GB to plan the model within \
+             GB)"
+            .into()
+        })
+    })?;
     time.end("denoising");
+    peaks.end(&device, "denoising");
     // The model's memory given back (its pinned host copies too) before the decode.
     time.begin();
+    Peaks::start(&device);
     drop(model);
     time.end("freeing the model");
+    peaks.end(&device, "freeing the model");
     for (i, z) in latents.iter().enumerate() {
         if z.to_dtype(DType::F32)?
             .to_vec_f64()?
@@ -862,12 +898,16 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     let _g = flame::no_grad();
     let mut written = vec![];
     time.begin();
+    Peaks::start(&device);
     for (z, path) in latents.iter().zip(paths) {
-        let img = vae.decode_latents(&z.to_dtype(dtype)?)?;
+        let img = vae.decode_latents(&z.to_dtype(dtype)?).map_err(|e| {
+            e.in_phase(|| "decoding (--vae-tile 256 decodes in smaller tiles)".into())
+        })?;
         flame::data::save_png(&img.squeeze(0)?, &path)?;
         written.push(path);
     }
     time.end("decoding and writing");
+    peaks.end(&device, "decoding and writing");
     eprintln!(
         "{}",
         flame::progress::time_line(
@@ -876,8 +916,55 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             "start-up and the rest",
         )
     );
+    if let Some(line) = peaks.line() {
+        eprintln!("{line}");
+    }
     if let Some((n, secs)) = device.kernel_loads() {
         eprintln!("kernels: {n} modules loaded in {secs:.1} s");
     }
     Ok(written)
+}
+
+/// Each phase's peak in FLAME's allocator on a GPU, in the order first met (the largest of
+/// a phase's spans).
+#[derive(Default)]
+struct Peaks(Vec<(&'static str, u64)>);
+
+impl Peaks {
+    /// A phase's span begins: the allocator's peak starts from what is in use now.
+    fn start(device: &flame::Device) {
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let flame::Device::Cuda(c) = device {
+            c.reset_peak_memory();
+        }
+        let _ = device;
+    }
+
+    /// The span of `phase` ends: its peak is recorded.
+    fn end(&mut self, device: &flame::Device, phase: &'static str) {
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let flame::Device::Cuda(c) = device {
+            let peak = c.memory().peak;
+            match self.0.iter_mut().find(|(p, _)| *p == phase) {
+                Some((_, b)) => *b = (*b).max(peak),
+                None => self.0.push((phase, peak)),
+            }
+        }
+        let _ = (device, phase);
+    }
+
+    /// "memory peaks in FLAME's allocator: text encoders 1.53 GiB, ..."; `None` where
+    /// nothing was measured (the CPU).
+    fn line(&self) -> Option<String> {
+        (!self.0.is_empty()).then(|| {
+            let each: Vec<String> = self
+                .0
+                .iter()
+                .map(|(p, b)| format!("{p} {:.2} GiB", *b as f64 / (1u64 << 30) as f64))
+                .collect();
+            format!("memory peaks in FLAME's allocator: {}", each.join(", "))
+        })
+    }
 }

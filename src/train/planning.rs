@@ -241,9 +241,11 @@ fn profile_model(
 /// The plan for denoising with `family`'s model at `path` (`opts`: dtype, FP8, no adapters)
 /// within a budget of `budget_gb` GiB on `device`, for inputs of `sample` shapes (one
 /// sample, `DiffusionModel::inputs` order): the training step's plan for a batch of one,
-/// which holds more than a forward without gradients needs. The allocator is capped at the
-/// budget's share (see [`split_budget`]) when a GPU has a budget; `switches` bind the
-/// planner as in training. Errors name `key`.
+/// which holds more than a forward without gradients needs, planned within the budget's
+/// share less what FLAME's buffers hold at the call (on a GPU: the autoencoder, the prompts'
+/// conditioning, references), which stays through the denoising. The allocator is capped
+/// at the budget's share (see [`split_budget`]) when a GPU has a budget; `switches` bind
+/// the planner as in training. Errors name `key`.
 #[allow(clippy::too_many_arguments)]
 pub fn plan_denoising(
     family: &Family,
@@ -284,9 +286,21 @@ pub fn plan_denoising(
     if let (Some(m), _) = machine_for(device, switches.measure_machine) {
         prof.machine = m;
     }
+    // What lives now and through the denoising.
+    #[allow(unused_mut)]
+    let mut held = 0u64;
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let Device::Cuda(c) = device {
+        held = c.memory().in_use;
+    }
     let host = host_share(1);
     let p = prof
-        .plan_within(cap, host, switches.weighed_candidates(&prof))
+        .plan_within(
+            cap.saturating_sub(held),
+            host,
+            switches.weighed_candidates(&prof),
+        )
         .map_err(|no| Error::Config {
             path: None,
             msg: match no.host {
@@ -303,9 +317,10 @@ pub fn plan_denoising(
                 ),
                 None => format!(
                     "{key} {:.2}: no plan fits; the smallest (every block streamed from host \
-                     memory) needs {:.2} GiB with the CUDA context, kernels and workspaces{}",
+                     memory) needs {:.2} GiB with the CUDA context, kernels and workspaces, \
+                     the autoencoder and the prompts{}",
                     budget_gb,
-                    gib(no.minimum + outside.unwrap_or(0)),
+                    gib(no.minimum + outside.unwrap_or(0) + held),
                     if opts.fp8 {
                         ""
                     } else {
@@ -330,7 +345,7 @@ pub fn plan_denoising(
         ),
         budget: Some(cap),
         outside,
-        predicted_peak: Some(p.peak),
+        predicted_peak: Some(p.peak + held),
         hint: format!("lower the image size or raise {key}"),
         machine: Some(prof.machine),
         text: None,
@@ -341,8 +356,9 @@ pub fn plan_denoising(
 
 /// Whether `batch` samples of `sample` shapes at once fit `choice`'s budget under its plan
 /// (`choice` from [`plan_denoising`] for one sample): the profile's peak for that batch,
-/// which counts what a backward would keep (an upper bound for a forward). Without a budget
-/// or a worked-out plan: true.
+/// which counts what a backward would keep (an upper bound for a forward), beside what lived
+/// when it was planned (its predicted peak less its profile's). Without a budget or a
+/// worked-out plan: true.
 pub fn batch_fits(
     family: &Family,
     path: &std::path::Path,
@@ -351,9 +367,12 @@ pub fn batch_fits(
     sample: &[Vec<usize>],
     batch: usize,
 ) -> Result<bool> {
-    let (Some(cap), Some((_, plan))) = (choice.budget, &choice.sized) else {
+    let (Some(cap), Some((one, plan))) = (choice.budget, &choice.sized) else {
         return Ok(true);
     };
+    let held = choice
+        .predicted_peak
+        .map_or(0, |p| p.saturating_sub(one.peak(plan)));
     let prof = family.profile(
         path,
         opts,
@@ -363,7 +382,7 @@ pub fn batch_fits(
             optimizer_bytes_per_value: 0.0,
         },
     )?;
-    Ok(prof.peak(plan) <= cap)
+    Ok(prof.peak(plan) + held <= cap)
 }
 
 /// Picks (or takes from the config) the memory plan, caps the allocator at the budget, and

@@ -199,8 +199,14 @@ impl Trainer {
     /// size and hash) atomically, then deletes this run's older checkpoints beyond
     /// `train.keep_last`.
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
-        self.peaks.start(&self.device, "checkpoint");
-        let r = self.write_checkpoint().map_err(TrainConfig::named);
+        self.peaks.start(&self.device, "checkpoints");
+        let r = self.write_checkpoint().map_err(|e| {
+            TrainConfig::named(e).in_phase(|| {
+                "saving a checkpoint (the adapter and optimizer state go to host memory \
+                 through the device: a larger memory.budget_gb leaves them room)"
+                    .into()
+            })
+        });
         self.peaks.end(&self.device, "checkpoints");
         r
     }

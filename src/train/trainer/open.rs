@@ -147,7 +147,13 @@ impl Trainer {
         } = planned(config, prepare, place, on)?;
         opts.memory = memory.plan.clone();
         peaks.clock_in();
-        let loaded = family.load(&config.model.path, &opts)?;
+        let loaded = family.load(&config.model.path, &opts).map_err(|e| {
+            memory.explain(e).in_phase(|| {
+                "loading the model under its memory plan (a lower memory.budget_gb streams \
+                 more of it; memory.stream_blocks by hand)"
+                    .into()
+            })
+        })?;
         peaks.clock_out("loading the model");
         super::step::check_loss_options(&config, &loaded.model.objective())?;
         check_adapters(&config, &adapters, &loaded.key_map)?;

@@ -3,8 +3,8 @@
 # Build the CUDA executables elsewhere (`cargo test --no-run` / `cargo build --release` with
 # `--features cuda` for the dist test, the train_step bench and the train binary), pack them
 # into .gpu/bins.tar.xz (test-*, bench-*, train), and run `bash scripts/dist_gpu_proof.sh
-# [PHASE ...]` on the GPU machine; the phases (default: all, in this order) fit two runs of
-# 10 minutes each:
+# [PHASE ...]` on the GPU machine; the phases (default: suites nccl dist flux sdxl budget,
+# in this order: two runs of 10 minutes each; net and stall by name):
 #   suites  every other staged test-* executable (GPU 0 and GPU 1 in parallel)
 #   nccl    NCCL's bus bandwidth through PyTorch (benches/torch_allreduce.py)
 #   dist    tests/dist.rs with the ignored GPU tests (two GPUs over NCCL, resume, a killed rank)
@@ -62,6 +62,16 @@ run2net() {
   grep -v "NCCL INFO" /tmp/n0.log
   grep -E "NCCL INFO.*(via NET|Using network|NET/)" /tmp/n0.log | head -4
   grep -iE "error|panic" /tmp/n[1-9]*.log | head
+  # The transport NCCL took, from every rank's log: channels through the network (sockets)
+  # and none through P2P or shared memory, or the run proves nothing across machines.
+  local net other
+  net=$(cat /tmp/n*.log | grep -cE "NCCL INFO Channel .* via NET/")
+  other=$(cat /tmp/n*.log | grep -cE "NCCL INFO Channel .* via (P2P|SHM)")
+  if [ "${net:-0}" -gt 0 ] && [ "${other:-0}" = 0 ]; then
+    echo "== transport: ${net} channel connections over NET (sockets), none over P2P or SHM"
+  else
+    echo "== transport: NOT the network (${net:-0} over NET, ${other:-0} over P2P or SHM)"
+  fi
 }
 for phase in "$@"; do
   case $phase in

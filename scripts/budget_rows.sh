@@ -19,7 +19,8 @@
 # With SAMPLE_EXE, the `sample` binary then makes a 1024² image with the trained LoRA under
 # the same budget, the holder still in place, and its peak and time are printed too (after
 # the training's summary, so a time limit that cuts the sample run leaves that); the script
-# exits non-zero if either run failed.
+# exits non-zero if either run failed (their status), if a holder did not take its card (3)
+# or if a driver-side peak passed the budget (4).
 # EXTRA_TOML is appended to the config (e.g. 'model.dtype = "fp8"' lines go under [model]:
 # pass a whole section, "[optimizer]\nkind = \"adamw8bit\"").
 # EDIT=1 (ARCH=flux2 only) makes it an edit dataset: each picture has a reference image of
@@ -145,6 +146,12 @@ for g in "${gpu_list[@]}"; do
     sleep 0.5
   done
   echo "GPU $g: $(cat "$work/holder-$g.log")"
+  # Without its holder the card does not hold the run to the budget: no proof, no run.
+  if ! grep -q "GiB free" "$work/holder-$g.log" 2>/dev/null; then
+    echo "== GPU $g: the holder did not take the card (its log above); nothing run" >&2
+    kill "${holders[@]}" 2>/dev/null || true
+    exit 3
+  fi
 done
 # Used memory of every GPU (index, MiB) before the run and every 200 ms through it.
 nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits > "$work/base.log"
@@ -198,6 +205,17 @@ if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
 fi
 kill "${holders[@]}" 2>/dev/null || true
 wait "${holders[@]}" 2>/dev/null || true
-# The row fails if training or the sample run failed.
+# The row fails if training or the sample run failed, or a driver-side peak passed the
+# budget.
 [ "$rc" = 0 ] && rc=$src
+over=$(awk -F', ' -v b="$budget" 'NR == FNR {base[$1] = $2; next} {if ($2 > p[$1]) p[$1] = $2}
+  END {for (g in p) if (p[g] - base[g] > b * 1024) o = o sprintf("GPU %s %.2f GiB; ", g, (p[g] - base[g]) / 1024); print o}' \
+  "$work/base.log" "$work/smi.log")
+if [ -n "$speak" ] && [ $((speak - base)) -gt $(awk -v b="$budget" 'BEGIN {printf "%d", b * 1024}') ]; then
+  over="$over sample $((speak - base)) MiB"
+fi
+if [ -n "$over" ]; then
+  echo "== OVER THE BUDGET of $budget GiB: $over"
+  [ "$rc" = 0 ] && rc=4
+fi
 exit "$rc"

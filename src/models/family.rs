@@ -786,7 +786,8 @@ fn profile_with<M: ModelSpec>(
     let sample_values: usize = run.sample.iter().map(|s| s.iter().product::<usize>()).sum();
     let fixed = (4 * sample_values * run.batch.max(1) * 4) as u64
         + (256 << 20)
-        + (copy_values * opts.dtype.size_in_bytes()) as u64;
+        + (copy_values * opts.dtype.size_in_bytes()) as u64
+        + deterministic_dq_bytes(&opts.device, &shapes, run.batch.max(1));
     Ok(MemoryProfile {
         blocks,
         other_weight_bytes: other,
@@ -938,4 +939,34 @@ impl std::fmt::Debug for Family {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name)
     }
+}
+
+/// What the deterministic mode's attention backward holds beyond the atomic one's on a GPU
+/// where it is on (`cuda::deterministic`): the largest over `shapes`' attention calls, for
+/// `batch` samples (`cuda::deterministic_dq_bytes`: one call's backward runs at a time); 0
+/// elsewhere.
+fn deterministic_dq_bytes(device: &Device, shapes: &[BlockShape], batch: usize) -> u64 {
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let (Device::Cuda(c), true) = (device, crate::cuda::deterministic()) {
+        return shapes
+            .iter()
+            .flat_map(|sh| {
+                let own = (sh.attention_calls > sh.cross_calls).then_some(sh.tokens);
+                let cross = (sh.cross_calls > 0).then_some(sh.context_tokens);
+                [own, cross].into_iter().flatten().map(move |keys| {
+                    crate::cuda::deterministic_dq_bytes(
+                        batch * sh.heads,
+                        sh.tokens,
+                        keys,
+                        sh.head_dim(),
+                        c.sm_count(),
+                    )
+                })
+            })
+            .max()
+            .unwrap_or(0);
+    }
+    let _ = (device, shapes, batch);
+    0
 }

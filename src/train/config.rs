@@ -915,8 +915,8 @@ section! {
         /// Deterministic CUDA kernels: attention's dQ summed over key blocks in a fixed order
         /// instead of with atomic adds, so every step gives the same bits and a run resumes
         /// bit for bit on CUDA too; costs speed and memory (Flux-dev at 1024² on an H100:
-        /// 459 ms a step against 418, 0.45 GiB more at the peak, which the memory planner
-        /// does not count). Also FLAME_DETERMINISTIC=1.
+        /// 459 ms a step against 418, 0.45 GiB more at the peak: the dQ slabs, which the
+        /// memory planner counts). Also FLAME_DETERMINISTIC=1.
         deterministic: bool = false,
     }
 }

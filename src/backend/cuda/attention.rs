@@ -772,6 +772,19 @@ fn wg_bwd_split(units: usize, sms: usize, tiles: usize) -> (usize, usize) {
     }
 }
 
+/// Bytes the deterministic mode's backward of one attention call holds beyond the atomic
+/// one's (`super::deterministic`): its dQ slabs, a launch's key blocks' worth of the
+/// queries' size in f32 in place of the one accumulator, and their running sum; for `bh`
+/// batch x heads, `lq` queries and `lk` keys of width `d` on a GPU of `sms` SMs (the
+/// backward's key block, 128 on either path, sets the blocks).
+pub(crate) fn deterministic_dq_bytes(bh: usize, lq: usize, lk: usize, d: usize, sms: usize) -> u64 {
+    let n = bh * lq * d;
+    let blocks = lk.div_ceil(BWD_KEYS.min(WG_BWD_KEYS));
+    let chunk = deterministic_chunk(blocks, bh, n, sms);
+    // n x chunk slabs against n, and the running sum's n.
+    (n * chunk * 4) as u64
+}
+
 /// Key blocks per launch of the deterministic backward: enough for two blocks per SM over
 /// the batch x heads, or as many as 512 MiB of slabs (`n` f32 values each, one per key
 /// block) hold, whichever is more; at least 1, at most all `blocks`.
@@ -891,6 +904,23 @@ mod tests {
         for (tiles, p, d, grid) in cases {
             assert_eq!(wg_fwd_grid(tiles, &p, d, 132), grid, "{tiles} tiles, D {d}");
         }
+    }
+
+    #[test]
+    fn the_deterministic_slabs_are_what_the_backward_adds() {
+        use super::deterministic_dq_bytes;
+        // Flux-dev at 1024²: 24 heads of 128 over 4608 tokens on 132 SMs, 11 slabs of
+        // 56.6 MB (the 0.45-0.6 GiB its step's peak rose by).
+        let n = 24 * 4608 * 128;
+        assert_eq!(
+            deterministic_dq_bytes(24, 4608, 4608, 128, 132),
+            (11 * n * 4) as u64
+        );
+        // Few keys: no more slabs than key blocks.
+        assert_eq!(
+            deterministic_dq_bytes(1, 1000, 77, 64, 132),
+            (1000 * 64 * 4) as u64
+        );
     }
 
     #[test]

@@ -194,6 +194,14 @@ pub fn set_deterministic(on: bool) {
     DETERMINISTIC.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Bytes the deterministic mode's attention backward holds beyond the atomic one's for one
+/// call of `bh` batch x heads, `lq` queries and `lk` keys of width `d` on a GPU of `sms`
+/// SMs (its dQ slabs and their running sum): what the memory planner adds where
+/// [`deterministic`] is on.
+pub fn deterministic_dq_bytes(bh: usize, lq: usize, lk: usize, d: usize, sms: usize) -> u64 {
+    attention::deterministic_dq_bytes(bh, lq, lk, d, sms)
+}
+
 /// Whether deterministic kernels are on (see [`set_deterministic`]).
 pub fn deterministic() -> bool {
     use std::sync::atomic::Ordering;

@@ -581,6 +581,49 @@ fn the_sample_binary_makes_images_with_a_lora() {
             "{code}: mean {mean}, worst {worst}"
         );
     }
+    // Under a budget (`--budget`): the denoising planned within it, guidance's two
+    // predictions batched where they fit, the same picture (on the CPU every plan computes
+    // the same values); a budget no plan fits is refused, naming the flag and what the
+    // smallest plan needs.
+    let budgeted = d.join("samples-budget");
+    let o = run(&[
+        "--prompt",
+        "a large red circle on a white background",
+        "--lora",
+        lora.to_str().unwrap(),
+        "--budget",
+        "0.5",
+        "--out",
+        budgeted.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("budget 0.50 GiB"), "{err}");
+    let a = image::open(budgeted.join("0-1.png")).unwrap().to_rgb8();
+    let b = image::open(out.join("0-1.png")).unwrap().to_rgb8();
+    let worst = a
+        .as_raw()
+        .iter()
+        .zip(b.as_raw())
+        .map(|(x, y)| x.abs_diff(*y))
+        .max()
+        .unwrap();
+    assert!(worst <= 2, "--budget 0.5 against none: {worst}");
+    let o = run(&[
+        "--prompt",
+        "x",
+        "--budget",
+        "0.01",
+        "--out",
+        d.join("never").to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("--budget 0.01: no plan fits; the smallest"),
+        "{err}"
+    );
+    assert!(!d.join("never").exists(), "{err}");
     let o = run(&["--compute", "int4", "--prompt", "x"]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--compute int4"));

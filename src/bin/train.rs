@@ -798,7 +798,7 @@ fn run(
             each.join(", ")
         ));
         let driver: Vec<String> = trainer
-            .phase_driver_bytes()
+            .phase_driver_peaks()
             .iter()
             .map(|(phase, b)| format!("{phase} {:.2} GiB", gib(*b)))
             .collect();
@@ -807,7 +807,7 @@ fn run(
             .map(|n| format!("; {n} requests served beyond the allocator's arena"))
             .unwrap_or_default();
         p.line(&format!(
-            "memory on the driver at each phase's end (not peaks): {}{beyond}",
+            "driver-side peaks (the process on the GPU, read every 0.1 s): {}{beyond}",
             driver.join(", ")
         ));
     }

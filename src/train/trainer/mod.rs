@@ -224,18 +224,103 @@ pub const VALIDATION_POINTS: usize = 4;
 
 /// Peak bytes in use on a GPU per phase of a run, and the wall time of each phase:
 /// [`PhasePeaks::start`] resets the device's peak, [`PhasePeaks::end`] keeps the largest seen
-/// for the phase, and the bytes the process holds as the driver counts them when the phase
-/// last ended (the allocator's arena, the context, and whatever the phase took outside the
-/// allocator that stays), and adds the span to the phase's seconds.
+/// for the phase, in FLAME's allocator and as the driver counts the process's bytes (the
+/// allocator's arena, the context, and what a phase takes outside the allocator: sampled
+/// through the phase by [`DriverSampler`] where [`PhasePeaks::watch`] started one), and adds
+/// the span to the phase's seconds.
 #[derive(Default)]
 struct PhasePeaks {
-    /// Each phase's allocator peak and the driver's bytes at its last end.
+    /// Each phase's allocator peak and driver-side peak.
     memory: std::sync::Mutex<Vec<(&'static str, u64, u64)>>,
     /// Each phase's wall seconds.
     time: std::sync::Mutex<crate::progress::Timeline>,
+    /// The process's bytes on the GPU as the driver counts them, sampled.
+    #[cfg(feature = "cuda")]
+    driver: Option<DriverSampler>,
+}
+
+/// How often [`DriverSampler`] reads the process's bytes on the GPU, ms.
+#[cfg(feature = "cuda")]
+const DRIVER_SAMPLE_MS: u64 = 100;
+
+/// The bytes a process holds on a GPU as the driver counts them
+/// (`CudaDevice::process_memory`), read every [`DRIVER_SAMPLE_MS`] on a thread of its own
+/// until dropped: the largest since the last [`DriverSampler::reset`].
+#[cfg(feature = "cuda")]
+struct DriverSampler {
+    device: crate::backend::cuda::CudaDevice,
+    peak: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[cfg(feature = "cuda")]
+impl DriverSampler {
+    /// Starts sampling `device` (no thread where one cannot be made: the phases' ends are
+    /// read then).
+    fn start(device: crate::backend::cuda::CudaDevice) -> DriverSampler {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let peak = std::sync::Arc::new(AtomicU64::new(device.process_memory().unwrap_or(0)));
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (device, peak, stop) = (device.clone(), peak.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("flame-driver-memory".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(std::time::Duration::from_millis(DRIVER_SAMPLE_MS));
+                        if let Ok(b) = device.process_memory() {
+                            peak.fetch_max(b, Ordering::Relaxed);
+                        }
+                    }
+                })
+                .ok()
+        };
+        DriverSampler {
+            device,
+            peak,
+            stop,
+            thread,
+        }
+    }
+
+    /// The largest reading from now on starts from the bytes held now.
+    fn reset(&self) {
+        let now = self.device.process_memory().unwrap_or(0);
+        self.peak.store(now, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The largest reading since the last reset, the bytes held now included.
+    fn peak(&self) -> u64 {
+        let now = self.device.process_memory().unwrap_or(0);
+        self.peak
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .max(now)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for DriverSampler {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 impl PhasePeaks {
+    /// Samples the process's bytes on `device` as the driver counts them through every
+    /// phase from here on (a GPU; nothing on the CPU).
+    fn watch(&mut self, device: &Device) {
+        #[cfg(feature = "cuda")]
+        #[allow(irrefutable_let_patterns)]
+        if let Device::Cuda(c) = device {
+            self.driver = Some(DriverSampler::start(c.clone()));
+        }
+        let _ = device;
+    }
+
     /// A phase begins: its peak and its time count from here, and the data-parallel
     /// watchdog names it ([`crate::progress`]).
     fn start(&self, device: &Device, phase: &str) {
@@ -244,6 +329,9 @@ impl PhasePeaks {
         #[allow(irrefutable_let_patterns)]
         if let Device::Cuda(c) = device {
             c.reset_peak_memory();
+            if let Some(d) = &self.driver {
+                d.reset();
+            }
         }
         let _ = device;
         self.clock_in();
@@ -254,11 +342,14 @@ impl PhasePeaks {
         #[cfg(feature = "cuda")]
         if let (Device::Cuda(c), Ok(mut v)) = (device, self.memory.lock()) {
             let peak = c.memory().peak;
-            let held = c.process_memory().unwrap_or(0);
+            let held = match &self.driver {
+                Some(d) => d.peak(),
+                None => c.process_memory().unwrap_or(0),
+            };
             match v.iter_mut().find(|(p, _, _)| *p == phase) {
                 Some((_, b, d)) => {
                     *b = (*b).max(peak);
-                    *d = held;
+                    *d = (*d).max(held);
                 }
                 None => v.push((phase, peak, held)),
             }
@@ -418,11 +509,12 @@ impl Trainer {
         self.peaks.all()
     }
 
-    /// The bytes this process held on the GPU as the driver counts them when each phase of
-    /// [`Trainer::phase_peaks`] last ended: what a phase took outside the allocator and kept
-    /// (a library's workspace, buffers past the cap's arena) shows as growth from one to the
-    /// next; empty on the CPU.
-    pub fn phase_driver_bytes(&self) -> Vec<(&'static str, u64)> {
+    /// The most bytes this process held on the GPU as the driver counts them in each phase
+    /// of [`Trainer::phase_peaks`] (what `nvidia-smi` shows for it, read every 100 ms
+    /// through the phase and at its ends: the allocator's arena, the context, and what a
+    /// phase took outside the allocator), what a card of the budget's size must hold; empty
+    /// on the CPU.
+    pub fn phase_driver_peaks(&self) -> Vec<(&'static str, u64)> {
         self.peaks.driver()
     }
 

@@ -287,7 +287,8 @@ fn planned(
     let world = group.as_ref().map_or(1, |g| g.world());
     let family = models::family(&config.model.arch)?;
     let mut opts = load_options(&config, &device)?;
-    let peaks = PhasePeaks::default();
+    let mut peaks = PhasePeaks::default();
+    peaks.watch(&device);
     let probe = probe(&config, family, &opts, &device)?;
     // NCCL sets up its connections and buffers at the first collective: one of a
     // bucket's size, now, puts them in the memory measured outside FLAME's allocator. Then

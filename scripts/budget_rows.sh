@@ -208,7 +208,9 @@ wait "${holders[@]}" 2>/dev/null || true
 # The row fails if training or the sample run failed, or a driver-side peak passed the
 # budget.
 [ "$rc" = 0 ] && rc=$src
-over=$(awk -F', ' -v b="$budget" 'NR == FNR {base[$1] = $2; next} {if ($2 > p[$1]) p[$1] = $2}
+# (This row's GPUs only: other rows may run on the host's other GPUs meanwhile.)
+over=$(awk -F', ' -v b="$budget" -v gpus=",$gpus," 'index(gpus, "," $1 ",") == 0 {next}
+  NR == FNR {base[$1] = $2; next} {if ($2 > p[$1]) p[$1] = $2}
   END {for (g in p) if (p[g] - base[g] > b * 1024) o = o sprintf("GPU %s %.2f GiB; ", g, (p[g] - base[g]) / 1024); print o}' \
   "$work/base.log" "$work/smi.log")
 if [ -n "$speak" ] && [ $((speak - base)) -gt $(awk -v b="$budget" 'BEGIN {printf "%d", b * 1024}') ]; then

@@ -71,6 +71,7 @@ run2net() {
     echo "== transport: ${net} channel connections over NET (sockets), none over P2P or SHM"
   else
     echo "== transport: NOT the network (${net:-0} over NET, ${other:-0} over P2P or SHM)"
+    return 1
   fi
 }
 for phase in "$@"; do

@@ -669,7 +669,8 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             }
         }
         let encode = |p: &str| -> flame::Result<Vec<flame::Tensor>> {
-            conditioning(&inputs, &cond.encode(&[p])?, size, dtype, &device)
+            cond.encode(&[p])
+                .and_then(|c| conditioning(&inputs, &c, size, dtype, &device))
                 .map_err(|e| e.in_phase(text_phase))
         };
         let conds = a

@@ -254,21 +254,42 @@ pub(crate) fn choose_encode_tile(
     }
 }
 
-/// The allocator's share of the run's budget on a GPU device (`memory.budget_gb`, else the
-/// default budget: the memory free now, `memory::split_budget`); none on the CPU.
-fn allocator_share(config: &TrainConfig, device: &Device) -> Result<Option<u64>> {
+/// The budget the choices that shape what a run caches and draws plan within (the encode
+/// and decode tiles, the text encoders' streaming), bytes: (as the driver counts them, the
+/// allocator's share). `memory.budget_gb` where given, split as `memory::split_budget`
+/// splits it; without one, on a GPU, the card's memory less what the process holds outside
+/// the allocator and `memory::LATE_HEADROOM`: a figure that stays put between runs and ranks
+/// on one kind of card, where the free memory of the moment does not (the encode tile is
+/// part of the latent cache's key: a resume, and every rank, must choose alike). `None` on
+/// the CPU without a budget.
+pub fn phase_budget(config: &TrainConfig, device: &Device) -> Result<Option<(u64, u64)>> {
+    if config.memory.budget_gb > 0.0 {
+        let (alloc, outside) = crate::memory::split_budget(device, config.memory.budget_gb)?;
+        return Ok(alloc.map(|a| (a + outside.unwrap_or(0), a)));
+    }
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let Device::Cuda(c) = device {
+        let total = c.total_memory()?;
+        let outside = c.held_for_budget()? + crate::memory::LATE_HEADROOM;
+        return Ok(Some((total, total.saturating_sub(outside))));
+    }
+    let _ = device;
+    Ok(None)
+}
+
+/// The allocator's share of the run's [`phase_budget`] on a GPU; none on the CPU.
+pub(crate) fn allocator_share(config: &TrainConfig, device: &Device) -> Result<Option<u64>> {
     if !device.is_cuda() {
         return Ok(None);
     }
-    Ok(crate::memory::split_budget(device, config.memory.budget_gb)?.0)
+    Ok(phase_budget(config, device)?.map(|(_, a)| a))
 }
 
-/// The run's budget on `device` as the driver counts it, bytes: `memory.budget_gb` where
-/// given, else on a GPU the default budget (the memory free now: `memory::split_budget`);
-/// `None` on the CPU without one. What the text encoders' "auto" streaming weighs.
+/// The run's [`phase_budget`] as the driver counts it, bytes: what the text encoders'
+/// "auto" streaming weighs.
 pub fn driver_budget(config: &TrainConfig, device: &Device) -> Result<Option<u64>> {
-    let (alloc, outside) = crate::memory::split_budget(device, config.memory.budget_gb)?;
-    Ok(alloc.map(|a| a + outside.unwrap_or(0)))
+    Ok(phase_budget(config, device)?.map(|(d, _)| d))
 }
 
 /// The tile the autoencoder encodes in ([`choose_encode_tile`] for this run's budget on
@@ -292,10 +313,14 @@ fn encode_tile(
     if let (Some(cap), true) = (cap, tile != config.encoders.vae_tile) {
         on(format!(
             "the autoencoder encodes in {tile}-pixel tiles: a whole image of {pixels} pixels \
-             needs about {:.1} GiB, more than the {:.1} GiB of memory.budget_gb FLAME's \
-             allocator may hold (set encoders.vae_tile to choose the tile)",
+             needs about {:.1} GiB, more than the {:.1} GiB of {} FLAME's allocator may hold \
+             (set encoders.vae_tile to choose the tile)",
             encode_bytes(pixels, width, dtype) as f64 / (1u64 << 30) as f64,
-            cap as f64 / (1u64 << 30) as f64
+            cap as f64 / (1u64 << 30) as f64,
+            match config.memory.budget_gb > 0.0 {
+                true => "memory.budget_gb",
+                false => "the GPU's memory",
+            }
         ));
     }
     Ok(tile)

@@ -662,26 +662,30 @@ fn tiling_words(tile: usize) -> String {
     }
 }
 
-/// The tile the run's sample images decode in, images of `pixels` through an autoencoder
-/// whose first stage is `width` wide in `dtype` ([`decode_tile_within`]: under the default
-/// budget, what the run keeps between steps under `choice`'s plan beside the decode).
+/// The tile the run's sample images decode in on `device`, images of `pixels` through an
+/// autoencoder whose first stage is `width` wide in `dtype` ([`decode_tile_within`]: under
+/// the default budget, the allocator's share of the card's memory,
+/// `images::phase_budget`, against what the run keeps between steps under `choice`'s plan
+/// beside the decode).
 pub(crate) fn sample_decode_tile(
     config: &TrainConfig,
     choice: &MemoryChoice,
+    device: &Device,
     pixels: usize,
     width: usize,
     dtype: DType,
-) -> usize {
+) -> Result<usize> {
     let keeps = choice
         .sized
         .as_ref()
         .map(|(prof, plan)| between_steps(prof, plan));
-    decode_tile_within(
+    let cap = super::images::allocator_share(config, device)?;
+    Ok(decode_tile_within(
         config.encoders.vae_tile,
         config.memory.budget_gb > 0.0,
-        choice.budget.zip(keeps),
+        cap.zip(keeps),
         decode_bytes(pixels, width, dtype),
-    )
+    ))
 }
 
 /// The decode tile: `vae_tile` where set; under a given budget (`given`),
@@ -766,11 +770,10 @@ pub(crate) fn phase_plans(
     match (factor, latent_hw) {
         (Some(f), Some((h, w))) => {
             let pixels = h * w * f * f;
-            let cap = choice.budget.filter(|_| device.is_cuda());
+            let cap = super::images::allocator_share(config, device)?;
             let tile = choose_encode_tile(config, cap, pixels, width, dtype);
             let encode = encode_bytes(pixels_at_once(pixels, tile), width, dtype);
-            // The run's budget as the driver counts it (the default one on a GPU too).
-            let budget = choice.budget.map(|b| b + choice.outside.unwrap_or(0));
+            let budget = super::images::driver_budget(config, device)?;
             let (text, streamed) = text_encoder_bytes(config, family, budget)?;
             out.push(PhasePlan {
                 phase: "caching",
@@ -842,7 +845,7 @@ pub(crate) fn phase_plans(
                     },
                 )?
                 .peak(&plan);
-            let tile = sample_decode_tile(config, choice, w * h, width, dtype);
+            let tile = sample_decode_tile(config, choice, device, w * h, width, dtype)?;
             let decode = between_steps(&prof, &plan)
                 + decode_bytes(pixels_at_once(w * h, tile), width, dtype);
             out.push(PhasePlan {

@@ -245,11 +245,14 @@ const DRIVER_SAMPLE_MS: u64 = 100;
 
 /// The bytes a process holds on a GPU as the driver counts them
 /// (`CudaDevice::process_memory`), read every [`DRIVER_SAMPLE_MS`] on a thread of its own
-/// until dropped: the largest since the last [`DriverSampler::reset`].
+/// until dropped: the largest since the last [`DriverSampler::reset`]. Each reset starts a
+/// new span (its number beside the peak), and a reading taken in an earlier span is dropped,
+/// so one phase's memory is never charged to the next.
 #[cfg(feature = "cuda")]
 struct DriverSampler {
     device: crate::backend::cuda::CudaDevice,
-    peak: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// (the span's number, its largest reading).
+    peak: std::sync::Arc<std::sync::Mutex<(u64, u64)>>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -259,8 +262,9 @@ impl DriverSampler {
     /// Starts sampling `device` (no thread where one cannot be made: the phases' ends are
     /// read then).
     fn start(device: crate::backend::cuda::CudaDevice) -> DriverSampler {
-        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-        let peak = std::sync::Arc::new(AtomicU64::new(device.process_memory().unwrap_or(0)));
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let now = device.process_memory().unwrap_or(0);
+        let peak = std::sync::Arc::new(std::sync::Mutex::new((0u64, now)));
         let stop = std::sync::Arc::new(AtomicBool::new(false));
         let thread = {
             let (device, peak, stop) = (device.clone(), peak.clone(), stop.clone());
@@ -269,8 +273,16 @@ impl DriverSampler {
                 .spawn(move || {
                     while !stop.load(Ordering::Relaxed) {
                         std::thread::sleep(std::time::Duration::from_millis(DRIVER_SAMPLE_MS));
-                        if let Ok(b) = device.process_memory() {
-                            peak.fetch_max(b, Ordering::Relaxed);
+                        let Ok(span) = peak.lock().map(|p| p.0) else {
+                            return;
+                        };
+                        let Ok(b) = device.process_memory() else {
+                            continue;
+                        };
+                        if let Ok(mut p) = peak.lock() {
+                            if p.0 == span {
+                                p.1 = p.1.max(b);
+                            }
                         }
                     }
                 })
@@ -284,18 +296,18 @@ impl DriverSampler {
         }
     }
 
-    /// The largest reading from now on starts from the bytes held now.
+    /// A new span, its largest reading starting from the bytes held now.
     fn reset(&self) {
         let now = self.device.process_memory().unwrap_or(0);
-        self.peak.store(now, std::sync::atomic::Ordering::Relaxed);
+        if let Ok(mut p) = self.peak.lock() {
+            *p = (p.0 + 1, now);
+        }
     }
 
-    /// The largest reading since the last reset, the bytes held now included.
+    /// The largest reading of the span, the bytes held now included.
     fn peak(&self) -> u64 {
         let now = self.device.process_memory().unwrap_or(0);
-        self.peak
-            .load(std::sync::atomic::Ordering::Relaxed)
-            .max(now)
+        self.peak.lock().map_or(now, |p| p.1.max(now))
     }
 }
 

@@ -185,14 +185,20 @@ impl Trainer {
                 &mut |_, _| Ok(()),
             )?;
             let mut vae = images::vae(&self.config, family, &parts.vae, self.dtype, &self.device)?;
-            let width = vae.config.block_out_channels.first().copied().unwrap_or(0);
+            let width = vae
+                .config
+                .block_out_channels
+                .first()
+                .copied()
+                .unwrap_or(images::VAE_FIRST_WIDTH);
             let tile = crate::train::planning::sample_decode_tile(
                 &self.config,
                 &self.memory,
+                &self.device,
                 w * h,
                 width,
                 images::encoder_dtype(&self.config, &self.device),
-            );
+            )?;
             if tile > 0 {
                 vae.tiling = Some(crate::encoders::VaeTiling::new(tile));
             }

@@ -441,12 +441,41 @@ impl Trainer {
     }
 }
 
-/// Whether `e` is, under its context, a file that could not be written or read (a full
-/// disk, permissions): the phase's memory knobs do not help there.
+/// Whether `e` is, under its context, a file the disk refused (full, over its quota,
+/// read-only, or not permitted): the phase's memory knobs do not help there.
 fn a_write_failed(e: &Error) -> bool {
     match e {
-        Error::Io { .. } => true,
+        Error::Io { source, .. } => {
+            // ENOSPC, EDQUOT, EROFS and EACCES on Linux.
+            source.kind() == std::io::ErrorKind::PermissionDenied
+                || matches!(source.raw_os_error(), Some(28 | 122 | 30 | 13))
+        }
         Error::Context { error, .. } | Error::PlanExceeded { error, .. } => a_write_failed(error),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_what_the_disk_refused_is_blamed_on_the_disk() {
+        let io = |e: std::io::Error| Error::Io {
+            path: "samples/step-0000002-0.png".into(),
+            source: e,
+        };
+        assert!(a_write_failed(&io(std::io::Error::from_raw_os_error(28))));
+        assert!(a_write_failed(&io(
+            std::io::ErrorKind::PermissionDenied.into()
+        )));
+        let wrapped = Error::Context {
+            what: "sample images".into(),
+            error: Box::new(io(std::io::Error::from_raw_os_error(30))),
+        };
+        assert!(a_write_failed(&wrapped));
+        // A cached file that is not there is no full disk.
+        assert!(!a_write_failed(&io(std::io::ErrorKind::NotFound.into())));
+        assert!(!a_write_failed(&Error::Interrupted("x".into())));
     }
 }

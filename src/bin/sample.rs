@@ -447,8 +447,7 @@ fn check_references(a: &Args, family: &models::Family) -> flame::Result<()> {
 fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     let started = std::time::Instant::now();
     // Where the minutes go, printed at the end.
-    let mut time = flame::progress::Timeline::new();
-    let mut peaks = Peaks::default();
+    let mut phases = flame::progress::PhasePeaks::default();
     check_files(a, model_path)?;
     // Before anything is looked for, where --arch names the family.
     if let Some(f) = a.arch.as_deref().and_then(|n| models::family(n).ok()) {
@@ -569,11 +568,11 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     }
     // The budget split and FLAME's allocator capped before the text encoders run: every
     // phase (encoders, references, the model, the decode) is held to it.
-    flame::memory::hold_to_budget(&device, a.budget)?;
+    let (_, outside) = flame::memory::hold_to_budget(&device, a.budget)?;
+    phases.watch(&device);
     // (FLUX.2's conditioning does not read the size: with references it may change below.)
     let size = (height, width);
-    time.begin();
-    Peaks::start(&device);
+    phases.start(&device, "text encoders");
     let (conds, uncond) = {
         let opts = TextOptions {
             guided,
@@ -680,8 +679,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             .collect::<flame::Result<Vec<_>>>()?;
         (conds, encode(&a.negative)?)
     };
-    time.end("text encoders");
-    peaks.end(&device, "text encoders");
+    phases.end(&device, "text encoders");
 
     // The model, with the LoRA merged as its weights load.
     if let Some(l) = &a.lora {
@@ -689,8 +687,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             .map_err(|e| flag("--lora", l, e))?;
         opts.merge = Some(Arc::new(m));
     }
-    time.begin();
-    Peaks::start(&device);
+    phases.start(&device, "autoencoder and references");
     let vae = {
         let mut v = load_vae(family, &vae_at, dtype, &device, "--vae")?;
         match flame::train::images::decode_tile(a.vae_tile, a.budget > 0.0) {
@@ -719,8 +716,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             })
             .collect::<flame::Result<Vec<_>>>()?
     };
-    time.end("autoencoder and references");
-    peaks.end(&device, "autoencoder and references");
+    phases.end(&device, "autoencoder and references");
     let (height, width) = match refs.first() {
         Some(r) => (
             a.height.unwrap_or(r.dims()[2] * f),
@@ -762,8 +758,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         });
     }
     if a.budget > 0.0 {
-        time.begin();
-        Peaks::start(&device);
+        phases.start(&device, "planning");
         let choice = flame::train::planning::plan_denoising(
             family,
             model_path,
@@ -779,11 +774,9 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         batched =
             flame::train::planning::batch_fits(family, model_path, &opts, &choice, &shapes, 2)?;
         opts.memory = choice.plan;
-        time.end("planning");
-        peaks.end(&device, "planning");
+        phases.end(&device, "planning");
     }
-    time.begin();
-    Peaks::start(&device);
+    phases.start(&device, "loading the model");
     let model = family
         .load(model_path, &opts)
         .map_err(|e| {
@@ -794,8 +787,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             })
         })?
         .model;
-    time.end("loading the model");
-    peaks.end(&device, "loading the model");
+    phases.end(&device, "loading the model");
     // A step-distilled pipeline (FLUX.2 [klein]) takes no classifier-free guidance, as
     // diffusers ignores its scale there.
     let guidance = if !guided && a.guidance(arch) > 1.0 && models::step_distilled(model_path)? {
@@ -845,8 +837,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         true => vec![],
         false => vec![refs; count],
     };
-    time.begin();
-    Peaks::start(&device);
+    phases.start(&device, "denoising");
     let latents = generate_referenced(
         model.as_ref(),
         &conds,
@@ -863,14 +854,11 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             .into()
         })
     })?;
-    time.end("denoising");
-    peaks.end(&device, "denoising");
+    phases.end(&device, "denoising");
     // The model's memory given back (its pinned host copies too) before the decode.
-    time.begin();
-    Peaks::start(&device);
+    phases.start(&device, "freeing the model");
     drop(model);
-    time.end("freeing the model");
-    peaks.end(&device, "freeing the model");
+    phases.end(&device, "freeing the model");
     for (i, z) in latents.iter().enumerate() {
         if z.to_dtype(DType::F32)?
             .to_vec_f64()?
@@ -898,8 +886,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     })?;
     let _g = flame::no_grad();
     let mut written = vec![];
-    time.begin();
-    Peaks::start(&device);
+    phases.start(&device, "decoding and writing");
     for (z, path) in latents.iter().zip(paths) {
         let img = vae.decode_latents(&z.to_dtype(dtype)?).map_err(|e| {
             e.in_phase(|| "decoding (--vae-tile 256 decodes in smaller tiles)".into())
@@ -907,65 +894,20 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         flame::data::save_png(&img.squeeze(0)?, &path)?;
         written.push(path);
     }
-    time.end("decoding and writing");
-    peaks.end(&device, "decoding and writing");
+    phases.end(&device, "decoding and writing");
     eprintln!(
         "{}",
         flame::progress::time_line(
-            time.phases(),
+            &phases.seconds(),
             started.elapsed().as_secs_f64(),
             "start-up and the rest",
         )
     );
-    if let Some(line) = peaks.line() {
+    for line in phases.memory_lines(&device, outside) {
         eprintln!("{line}");
     }
     if let Some((n, secs)) = device.kernel_loads() {
         eprintln!("kernels: {n} modules loaded in {secs:.1} s");
     }
     Ok(written)
-}
-
-/// Each phase's peak in FLAME's allocator on a GPU, in the order first met (the largest of
-/// a phase's spans).
-#[derive(Default)]
-struct Peaks(Vec<(&'static str, u64)>);
-
-impl Peaks {
-    /// A phase's span begins: the allocator's peak starts from what is in use now.
-    fn start(device: &flame::Device) {
-        #[cfg(feature = "cuda")]
-        #[allow(irrefutable_let_patterns)]
-        if let flame::Device::Cuda(c) = device {
-            c.reset_peak_memory();
-        }
-        let _ = device;
-    }
-
-    /// The span of `phase` ends: its peak is recorded.
-    fn end(&mut self, device: &flame::Device, phase: &'static str) {
-        #[cfg(feature = "cuda")]
-        #[allow(irrefutable_let_patterns)]
-        if let flame::Device::Cuda(c) = device {
-            let peak = c.memory().peak;
-            match self.0.iter_mut().find(|(p, _)| *p == phase) {
-                Some((_, b)) => *b = (*b).max(peak),
-                None => self.0.push((phase, peak)),
-            }
-        }
-        let _ = (device, phase);
-    }
-
-    /// "memory peaks in FLAME's allocator: text encoders 1.53 GiB, ..."; `None` where
-    /// nothing was measured (the CPU).
-    fn line(&self) -> Option<String> {
-        (!self.0.is_empty()).then(|| {
-            let each: Vec<String> = self
-                .0
-                .iter()
-                .map(|(p, b)| format!("{p} {:.2} GiB", *b as f64 / (1u64 << 30) as f64))
-                .collect();
-            format!("memory peaks in FLAME's allocator: {}", each.join(", "))
-        })
-    }
 }

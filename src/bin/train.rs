@@ -781,35 +781,8 @@ fn run(
         }
         Event::Saved(_) => {}
     })?;
-    let peaks = trainer.phase_peaks();
-    if !peaks.is_empty() {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let each: Vec<String> = peaks
-            .iter()
-            .map(|(phase, b)| format!("{phase} {:.2} GiB", gib(*b)))
-            .collect();
-        let outside = trainer
-            .memory
-            .outside
-            .map(|o| format!(", plus {:.2} GiB held outside it", gib(o)))
-            .unwrap_or_default();
-        p.line(&format!(
-            "memory peaks in FLAME's allocator: {}{outside}",
-            each.join(", ")
-        ));
-        let driver: Vec<String> = trainer
-            .phase_driver_peaks()
-            .iter()
-            .map(|(phase, b)| format!("{phase} {:.2} GiB", gib(*b)))
-            .collect();
-        let beyond = trainer
-            .arena_overflows()
-            .map(|n| format!("; {n} requests served beyond the allocator's arena"))
-            .unwrap_or_default();
-        p.line(&format!(
-            "driver-side peaks (the process on the GPU, read every 0.1 s): {}{beyond}",
-            driver.join(", ")
-        ));
+    for line in trainer.memory_lines() {
+        p.line(&line);
     }
     p.line(&flame::progress::time_line(
         &trainer.phase_seconds(),

@@ -29,6 +29,7 @@ use crate::dist::{GradReducer, ProcessGroup};
 use crate::models::DiffusionModel;
 use crate::nn::{Adapters, KeyMap};
 use crate::optim::Optimizer;
+use crate::progress::PhasePeaks;
 use crate::{DType, Device, Result, Tensor};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -222,189 +223,6 @@ pub enum FolderAction {
 /// Fixed timesteps per held-out sample in [`Trainer::validation_loss`].
 pub const VALIDATION_POINTS: usize = 4;
 
-/// Peak bytes in use on a GPU per phase of a run, and the wall time of each phase:
-/// [`PhasePeaks::start`] resets the device's peak, [`PhasePeaks::end`] keeps the largest seen
-/// for the phase, in FLAME's allocator and as the driver counts the process's bytes (the
-/// allocator's arena, the context, and what a phase takes outside the allocator: sampled
-/// through the phase by [`DriverSampler`] where [`PhasePeaks::watch`] started one), and adds
-/// the span to the phase's seconds.
-#[derive(Default)]
-struct PhasePeaks {
-    /// Each phase's allocator peak and driver-side peak.
-    memory: std::sync::Mutex<Vec<(&'static str, u64, u64)>>,
-    /// Each phase's wall seconds.
-    time: std::sync::Mutex<crate::progress::Timeline>,
-    /// The process's bytes on the GPU as the driver counts them, sampled.
-    #[cfg(feature = "cuda")]
-    driver: Option<DriverSampler>,
-}
-
-/// How often [`DriverSampler`] reads the process's bytes on the GPU, ms.
-#[cfg(feature = "cuda")]
-const DRIVER_SAMPLE_MS: u64 = 100;
-
-/// The bytes a process holds on a GPU as the driver counts them
-/// (`CudaDevice::process_memory`), read every [`DRIVER_SAMPLE_MS`] on a thread of its own
-/// until dropped: the largest since the last [`DriverSampler::reset`]. Each reset starts a
-/// new span (its number beside the peak), and a reading taken in an earlier span is dropped,
-/// so one phase's memory is never charged to the next.
-#[cfg(feature = "cuda")]
-struct DriverSampler {
-    device: crate::backend::cuda::CudaDevice,
-    /// (the span's number, its largest reading).
-    peak: std::sync::Arc<std::sync::Mutex<(u64, u64)>>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-#[cfg(feature = "cuda")]
-impl DriverSampler {
-    /// Starts sampling `device` (no thread where one cannot be made: the phases' ends are
-    /// read then).
-    fn start(device: crate::backend::cuda::CudaDevice) -> DriverSampler {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        let now = device.process_memory().unwrap_or(0);
-        let peak = std::sync::Arc::new(std::sync::Mutex::new((0u64, now)));
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (device, peak, stop) = (device.clone(), peak.clone(), stop.clone());
-            std::thread::Builder::new()
-                .name("flame-driver-memory".into())
-                .spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        std::thread::sleep(std::time::Duration::from_millis(DRIVER_SAMPLE_MS));
-                        let Ok(span) = peak.lock().map(|p| p.0) else {
-                            return;
-                        };
-                        let Ok(b) = device.process_memory() else {
-                            continue;
-                        };
-                        if let Ok(mut p) = peak.lock() {
-                            if p.0 == span {
-                                p.1 = p.1.max(b);
-                            }
-                        }
-                    }
-                })
-                .ok()
-        };
-        DriverSampler {
-            device,
-            peak,
-            stop,
-            thread,
-        }
-    }
-
-    /// A new span, its largest reading starting from the bytes held now.
-    fn reset(&self) {
-        let now = self.device.process_memory().unwrap_or(0);
-        if let Ok(mut p) = self.peak.lock() {
-            *p = (p.0 + 1, now);
-        }
-    }
-
-    /// The largest reading of the span, the bytes held now included.
-    fn peak(&self) -> u64 {
-        let now = self.device.process_memory().unwrap_or(0);
-        self.peak.lock().map_or(now, |p| p.1.max(now))
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl Drop for DriverSampler {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl PhasePeaks {
-    /// Samples the process's bytes on `device` as the driver counts them through every
-    /// phase from here on (a GPU; nothing on the CPU).
-    fn watch(&mut self, device: &Device) {
-        #[cfg(feature = "cuda")]
-        #[allow(irrefutable_let_patterns)]
-        if let Device::Cuda(c) = device {
-            self.driver = Some(DriverSampler::start(c.clone()));
-        }
-        let _ = device;
-    }
-
-    /// A phase begins: its peak and its time count from here, and the data-parallel
-    /// watchdog names it ([`crate::progress`]).
-    fn start(&self, device: &Device, phase: &str) {
-        crate::progress::set_phase(phase);
-        #[cfg(feature = "cuda")]
-        #[allow(irrefutable_let_patterns)]
-        if let Device::Cuda(c) = device {
-            c.reset_peak_memory();
-            if let Some(d) = &self.driver {
-                d.reset();
-            }
-        }
-        let _ = device;
-        self.clock_in();
-    }
-
-    fn end(&self, device: &Device, phase: &'static str) {
-        self.clock_out(phase);
-        #[cfg(feature = "cuda")]
-        if let (Device::Cuda(c), Ok(mut v)) = (device, self.memory.lock()) {
-            let peak = c.memory().peak;
-            let held = match &self.driver {
-                Some(d) => d.peak(),
-                None => c.process_memory().unwrap_or(0),
-            };
-            match v.iter_mut().find(|(p, _, _)| *p == phase) {
-                Some((_, b, d)) => {
-                    *b = (*b).max(peak);
-                    *d = (*d).max(held);
-                }
-                None => v.push((phase, peak, held)),
-            }
-        }
-        let _ = (device, phase);
-    }
-
-    /// A span of time alone begins (a phase with no peak of its own: the model's load).
-    fn clock_in(&self) {
-        if let Ok(mut t) = self.time.lock() {
-            t.begin();
-        }
-    }
-
-    /// The span begun last counts to `phase`.
-    fn clock_out(&self, phase: &'static str) {
-        if let Ok(mut t) = self.time.lock() {
-            t.end(phase);
-        }
-    }
-
-    fn all(&self) -> Vec<(&'static str, u64)> {
-        self.memory
-            .lock()
-            .map(|v| v.iter().map(|&(p, b, _)| (p, b)).collect())
-            .unwrap_or_default()
-    }
-
-    fn driver(&self) -> Vec<(&'static str, u64)> {
-        self.memory
-            .lock()
-            .map(|v| v.iter().map(|&(p, _, d)| (p, d)).collect())
-            .unwrap_or_default()
-    }
-
-    fn seconds(&self) -> Vec<(&'static str, f64)> {
-        self.time
-            .lock()
-            .map(|t| t.phases().to_vec())
-            .unwrap_or_default()
-    }
-}
-
 /// A named list of trainable tensors (`Trainer::param_lists`): the list's name and its
 /// `(name, tensor)` pairs.
 pub type ParamList = (&'static str, Vec<(String, Tensor)>);
@@ -518,7 +336,7 @@ impl Trainer {
     /// process's run so far ("caching", "training steps", "validation", "sample images",
     /// "checkpoints"), in the order first met; empty on the CPU.
     pub fn phase_peaks(&self) -> Vec<(&'static str, u64)> {
-        self.peaks.all()
+        self.peaks.allocator()
     }
 
     /// The most bytes this process held on the GPU as the driver counts them in each phase
@@ -541,13 +359,15 @@ impl Trainer {
     /// How many requests the allocator has served from the driver beyond its cap's arena
     /// (each holds the process past the cap while it lives: `MemoryReport::overflows`); `None`
     /// on the CPU.
-    #[allow(irrefutable_let_patterns)]
     pub fn arena_overflows(&self) -> Option<u64> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(c) = &self.device {
-            return Some(c.memory().overflows);
-        }
-        None
+        crate::progress::arena_overflows(&self.device)
+    }
+
+    /// The summary's memory lines of this process's run so far: each phase's peak in FLAME's
+    /// allocator and its driver-side peak (`progress::PhasePeaks::memory_lines`); none on
+    /// the CPU.
+    pub fn memory_lines(&self) -> Vec<String> {
+        self.peaks.memory_lines(&self.device, self.memory.outside)
     }
 }
 

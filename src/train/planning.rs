@@ -126,15 +126,10 @@ impl MemoryChoice {
     /// for timing, else `None`.
     pub fn rivals_line(&self, trial_steps: usize) -> Option<String> {
         if self.rivals.is_empty() {
-            let (prof, plan) = self.sized.as_ref()?;
-            return (trial_steps > 0 && self.machine.is_some()).then(|| {
-                format!(
-                    "nothing timed before the first step: no other kind of plan is predicted \
-                     within {:.0}% of its step ({:.2}x the resident one)",
-                    crate::memory::RIVAL_SLACK * 1e2,
-                    prof.step_ms(plan) / prof.resident_ms()
-                )
-            });
+            return (trial_steps > 0)
+                .then(|| self.no_rival())
+                .flatten()
+                .map(|why| format!("nothing timed before the first step: {why}"));
         }
         let list: Vec<String> = self
             .rivals
@@ -152,6 +147,21 @@ impl MemoryChoice {
                  memory.trial_share of the run's time: {}; the fastest is kept",
                 list.join("; ")
             ),
+        })
+    }
+
+    /// Why the planner's pick has no rival to time, where the planner chose the plan and
+    /// found none: "no other kind of plan is predicted within 25% of the pick's step (N.NNx
+    /// the resident one)" (`memory::RIVAL_SLACK`).
+    pub fn no_rival(&self) -> Option<String> {
+        let (prof, plan) = self.sized.as_ref()?;
+        (self.rivals.is_empty() && self.machine.is_some()).then(|| {
+            format!(
+                "no other kind of plan is predicted within {:.0}% of the pick's step ({:.2}x \
+                 the resident one)",
+                crate::memory::RIVAL_SLACK * 1e2,
+                prof.step_ms(plan) / prof.resident_ms()
+            )
         })
     }
 

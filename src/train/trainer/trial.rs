@@ -4,7 +4,7 @@
 //! (`memory.trial_share`), the fastest kept; and the plan a resumed run kept, loaded again.
 
 use super::{Event, Trainer};
-use crate::memory::{fastest, BlockExec, Plan, Planned, Trial, RIVAL_SLACK};
+use crate::memory::{fastest, BlockExec, Plan, Planned, Trial};
 use crate::models::{DiffusionModel, Family, Input, Objective};
 use crate::train::planning::phase_plans;
 use crate::{Error, Result, Tensor};
@@ -238,18 +238,13 @@ impl Trainer {
         if contenders.len() < 2 {
             // Where the planner chose the plan, the run says why nothing was timed (a plan
             // given by hand, or no budget, has no rivals to time).
-            if let (true, Some(pick)) = (self.memory.machine.is_some(), contenders.first()) {
-                on(Event::Note(match self.memory.rivals.is_empty() {
-                    true => format!(
-                        "timing plans: none timed: no other kind of plan is predicted within \
-                         {:.0}% of the pick's step ({:.2}x the resident one)",
-                        RIVAL_SLACK * 1e2,
-                        pick.slowdown
-                    ),
-                    false => "timing plans: none timed: every rival's phases would pass the \
-                              budget"
-                        .into(),
-                }));
+            if self.memory.machine.is_some() && !contenders.is_empty() {
+                on(Event::Note(format!(
+                    "timing plans: none timed: {}",
+                    self.memory
+                        .no_rival()
+                        .unwrap_or_else(|| "every rival's phases would pass the budget".into())
+                )));
             }
             return Ok(None);
         }
@@ -463,7 +458,7 @@ impl Trainer {
                 load_s,
                 t.median_ms().unwrap_or(0.0),
             ])?;
-            allowance.spent(&spent, reloads);
+            allowance.spent(spent[0], spent[1], reloads);
             if i == 0 && t.median_ms().is_some() {
                 allowance.measured(spent[2] / 1e3);
             }
@@ -643,12 +638,13 @@ impl Allowance {
         })
     }
 
-    /// A plan was timed: `took` = [its load and steps, its load, its median step (ms)], s.
-    fn spent(&mut self, took: &[f64], reloaded: bool) {
-        self.spent_s += took[0];
+    /// A plan was timed: its load and steps took `took_s`, its load `load_s` (where it
+    /// `reloaded`).
+    fn spent(&mut self, took_s: f64, load_s: f64, reloaded: bool) {
+        self.spent_s += took_s;
         if reloaded {
             self.reloaded = true;
-            self.load_s = self.load_s.max(took[1]);
+            self.load_s = self.load_s.max(load_s);
         }
     }
 }
@@ -692,7 +688,7 @@ mod tests {
         assert!((a.cost(rival, true) - 5.5).abs() < 1e-9);
         assert_eq!(a.refuse(rival, true), None);
         // The pick's steps taken (1.2 s) and a measured step of 0.1 s: 5 s in all now.
-        a.spent(&[1.2, 0.0, 100.0], false);
+        a.spent(1.2, 0.0, false);
         a.measured(0.1);
         assert!((a.total_s - 5.0).abs() < 1e-9);
         // 1.2 + 0.75 + 2 loads of 2 s passes 5 s; on the loaded weights it fits.
@@ -704,7 +700,7 @@ mod tests {
         assert_eq!(a.refuse(rival, false), None);
         // A rival loaded, slower than thought: loads count at the longest seen, and the
         // kept plan's load stays counted for a rival on the loaded weights.
-        a.spent(&[1.0, 3.0, 120.0], true);
+        a.spent(1.0, 3.0, true);
         assert_eq!(a.load_s, 3.0);
         assert!((a.cost(rival, false) - (0.75 + 3.0)).abs() < 1e-9);
         assert!(a.refuse(rival, false).is_some());

@@ -447,7 +447,7 @@ fn check_references(a: &Args, family: &models::Family) -> flame::Result<()> {
 fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     let started = std::time::Instant::now();
     // Where the minutes go, printed at the end.
-    let mut phases = flame::progress::PhasePeaks::default();
+    let mut phases = flame::memory::PhasePeaks::default();
     check_files(a, model_path)?;
     // Before anything is looked for, where --arch names the family.
     if let Some(f) = a.arch.as_deref().and_then(|n| models::family(n).ok()) {

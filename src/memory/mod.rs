@@ -30,6 +30,7 @@ mod budget;
 mod link;
 mod machine;
 mod offload;
+mod phases;
 mod plan;
 mod products;
 mod streamer;
@@ -49,6 +50,7 @@ pub use plan::{
     SAVED_PER_TOKEN_CHANNEL,
 };
 
+pub use phases::{arena_overflows, PhasePeaks};
 pub use products::ProductReport;
 pub use streamer::{BlockStreamer, StallRecord, StreamReport, UploadRecord, TIME_EVERY};
 pub use switches::Switches;

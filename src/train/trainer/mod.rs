@@ -26,10 +26,10 @@ use super::scaler::LossScaler;
 use super::tensorboard::EventWriter;
 use super::text::TextTraining;
 use crate::dist::{GradReducer, ProcessGroup};
+use crate::memory::PhasePeaks;
 use crate::models::DiffusionModel;
 use crate::nn::{Adapters, KeyMap};
 use crate::optim::Optimizer;
-use crate::progress::PhasePeaks;
 use crate::{DType, Device, Result, Tensor};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -360,11 +360,11 @@ impl Trainer {
     /// (each holds the process past the cap while it lives: `MemoryReport::overflows`); `None`
     /// on the CPU.
     pub fn arena_overflows(&self) -> Option<u64> {
-        crate::progress::arena_overflows(&self.device)
+        crate::memory::arena_overflows(&self.device)
     }
 
     /// The summary's memory lines of this process's run so far: each phase's peak in FLAME's
-    /// allocator and its driver-side peak (`progress::PhasePeaks::memory_lines`); none on
+    /// allocator and its driver-side peak (`memory::PhasePeaks::memory_lines`); none on
     /// the CPU.
     pub fn memory_lines(&self) -> Vec<String> {
         self.peaks.memory_lines(&self.device, self.memory.outside)

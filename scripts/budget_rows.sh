@@ -32,6 +32,9 @@
 # TRIAL_STEPS (default 0) sets memory.trial_steps: the planner's pick timed beside its rivals
 # that many steps each before the first step, the fastest kept; TRIAL_SHARE (default 1000:
 # the rows' 20 steps are far too few for the default share) sets memory.trial_share.
+# DEFAULT_BUDGET=1 gives the run no budget (memory.budget_gb = 0, `sample` without
+# --budget): the holder still keeps only BUDGET GiB of the card free, so the row proves the
+# default budget, the memory free at start, on a card that has only that much.
 # GPUS (default 0) lists the GPUs: with several (GPUS=0,1) the run is data-parallel over
 # them (`train --gpus`), every one held to the budget by its own holder, and each GPU's
 # driver-side peak is printed.
@@ -43,6 +46,10 @@ budget=$4
 extra=${5:-}
 mkdir -p "$work"
 arch=${ARCH:-flux}
+# The budget the config and `sample` are given: BUDGET, or none with DEFAULT_BUDGET=1.
+given=$budget
+sample_budget=(--budget "$budget")
+if [ "${DEFAULT_BUDGET:-0}" = 1 ]; then given=0; sample_budget=(); fi
 sample_steps=${SAMPLE_STEPS:-20}
 case "$arch" in
   flux) targets='"double_blocks.*_attn.qkv", "double_blocks.*_attn.proj", "double_blocks.*_mlp.*", "single_blocks.*.linear*"'
@@ -95,7 +102,7 @@ validate_every = 10
 log_every = 5
 
 [memory]
-budget_gb = $budget
+budget_gb = $given
 trial_steps = ${TRIAL_STEPS:-0}
 trial_share = ${TRIAL_SHARE:-1000}
 
@@ -194,13 +201,13 @@ if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
   CUDA_VISIBLE_DEVICES=${gpu_list[0]} "$SAMPLE_EXE" --arch "$arch" --model "$pipe" --lora "$work/out/lora.safetensors" \
     --prompt "$([ -n "$refs" ] && echo "make the circle red" || echo "a red circle on a white background")" \
     "${sample_refs[@]}" --steps "$sample_steps" --guidance "$guidance" \
-    --width 1024 --height 1024 --budget "$budget" --out "$work/sample" > "$work/sample.log" 2>&1
+    --width 1024 --height 1024 "${sample_budget[@]}" --out "$work/sample" > "$work/sample.log" 2>&1
   src=$?
   set -e
   kill "$smi" 2>/dev/null || true
   wait "$smi" 2>/dev/null || true
   speak=$(sort -n "$work/smi-sample.log" | tail -n 1)
-  echo "== sample --budget ${budget}: exit ${src} in $(( $(date +%s) - sstart )) s; driver-side peak $(( (speak - base) )) MiB"
+  echo "== sample ${sample_budget[*]:-(no --budget, $budget GiB free)}: exit ${src} in $(( $(date +%s) - sstart )) s; driver-side peak $(( (speak - base) )) MiB"
   tail -n 5 "$work/sample.log"
 fi
 kill "${holders[@]}" 2>/dev/null || true

@@ -45,7 +45,9 @@
 #                                                     calls of the device (N = 1..4, in turn,
 #                                                     on one warm machine: see `part` below)
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
-# Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4, and the newer
+# Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4; sdxl4-default and
+# flux12-default give the run no budget on a card held to 4 / 12 GiB free (the default
+# budget: the memory free at start; `sample` without --budget too); and the newer
 # families at their smallest bf16 budgets: klein4b-6 klein9b-8 zimage-6, and in FP8:
 # klein4b-4fp8 zimage-4fp8 klein9b-6fp8, and an edit dataset (reference images,
 # instructions) on Klein 4B within 6 GiB: klein4b-edit-6 (FAMILIES="klein4b klein9b zimage"
@@ -153,7 +155,7 @@ fresh() {
 # One row on GPU $1: ROW PIPES WORK.
 row() {
   local g=$1 name=$2 pipes=$3 work=$4
-  local arch budget dtype=bf16 opt=adamw pipe= edit=0
+  local arch budget dtype=bf16 opt=adamw pipe= edit=0 default=0
   case $name in
     flux24) arch=flux budget=24 ;;
     flux12) arch=flux budget=12 ;;
@@ -163,6 +165,9 @@ row() {
     sd3-8) arch=sd3 budget=8 ;;
     sdxl8) arch=sdxl budget=8 ;;
     sdxl4) arch=sdxl budget=4 ;;
+    # No budget given, the card holding only that much free: the default budget.
+    sdxl4-default) arch=sdxl budget=4 default=1 ;;
+    flux12-default) arch=flux budget=12 default=1 ;;
     klein4b-6) arch=flux2 pipe=klein4b budget=6 ;;
     klein9b-8) arch=flux2 pipe=klein9b budget=8 ;;
     zimage-6) arch=zimage budget=6 ;;
@@ -172,9 +177,9 @@ row() {
     zimage-4fp8) arch=zimage budget=4 dtype=fp8 ;;
     flux-q4k-6) arch=flux pipe=flux-q4k budget=6 ;;
     flux-q8-8) arch=flux pipe=flux-q8 budget=8 ;;
-    *) echo "row $name: one of $ALL klein4b-6 klein9b-8 zimage-6 klein4b-edit-6 klein4b-4fp8 klein9b-6fp8 zimage-4fp8 flux-q4k-6 flux-q8-8" >&2; return 2 ;;
+    *) echo "row $name: one of $ALL sdxl4-default flux12-default klein4b-6 klein9b-8 zimage-6 klein4b-edit-6 klein4b-4fp8 klein9b-6fp8 zimage-4fp8 flux-q4k-6 flux-q8-8" >&2; return 2 ;;
   esac
-  EDIT=$edit GPUS=$g ARCH=$arch MODEL_DTYPE=$dtype OPTIMIZER=$opt SAMPLE_EXE=$root/.gpu/sample \
+  DEFAULT_BUDGET=$default EDIT=$edit GPUS=$g ARCH=$arch MODEL_DTYPE=$dtype OPTIMIZER=$opt SAMPLE_EXE=$root/.gpu/sample \
     bash "$here/budget_rows.sh" "$pipes/${pipe:-$arch}" "$work/$name" "$root/.gpu/train" "$budget" \
     > "$work/$name.log" 2>&1
   echo "== row $name on GPU $g: exit $?"
@@ -272,6 +277,9 @@ case ${1:-} in
     #      make flux (90)                                                      about 530 s
     #   3: flux24 (101), flux12 (163), flux8 (161)                             about 430 s
     #   4: flux6 (FP8, AdamW8bit; 199), steps flux (320 at most)               about 520 s
+    #   5: flux12-default (no budget given, 12 GiB of the card free)          about 170 s
+    # (part 1 also runs sdxl4-default, about 35 s more: SDXL with no budget given on a
+    # card with 4 GiB free)
     # A fresh machine's first process also waits for the driver's compile of the kernels
     # (tens of seconds to two minutes) unless the build embeds their machine code
     # (FLAME_CUDA_SASS=90 for H100 and H200).
@@ -279,12 +287,13 @@ case ${1:-} in
     n=$2 pipes=$3 work=$4
     case $n in
       1) FAMILIES="sd3 sdxl" bash "$t" make "$pipes" && bash "$t" rows "$pipes" "$work" sdxl8 sdxl4 \
-           && bash "$t" steps sdxl ;;
+           sdxl4-default && bash "$t" steps sdxl ;;
       2) bash "$t" rows "$pipes" "$work" sd3-16 sd3-8 && bash "$t" steps sd35 \
            && rm -rf "$pipes/sd3" && FAMILIES=flux bash "$t" make "$pipes" ;;
       3) bash "$t" rows "$pipes" "$work" flux24 flux12 flux8 ;;
       4) bash "$t" rows "$pipes" "$work" flux6 && bash "$t" steps flux ;;
-      *) echo "part 1, 2, 3 or 4" >&2; exit 2 ;;
+      5) bash "$t" rows "$pipes" "$work" flux12-default ;;
+      *) echo "part 1, 2, 3, 4 or 5" >&2; exit 2 ;;
     esac ;;
   gpus)
     pipes=$2 work=$3 n=$4

@@ -502,3 +502,64 @@ fn tf32_matmul_is_opt_in() {
     );
     assert!(tf32 > 1e-5 && tf32 < 3e-3, "tf32 error {tf32}");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_default_budget_is_what_the_process_could_hold_at_start() {
+    let _one = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!()
+    };
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+    let at_start = cuda.memory_at_start().unwrap();
+    let total = cuda.total_memory().unwrap();
+    let free_now = total - cuda.device_memory_used().unwrap();
+    assert!(
+        at_start <= total && at_start >= free_now,
+        "at start {at_start} bytes, {free_now} free now of {total}"
+    );
+    // What the process takes later does not move it: every phase plans within one figure.
+    let t = Tensor::zeros((256 * MIB / 4) as usize, DType::F32, &dev).unwrap();
+    assert_eq!(cuda.memory_at_start().unwrap(), at_start);
+    assert_eq!(
+        flame::memory::memory_at_start(&dev).unwrap(),
+        Some(at_start)
+    );
+    let outside = cuda.held_for_budget().unwrap() + flame::memory::LATE_HEADROOM;
+    assert_eq!(
+        flame::memory::split_at_start(&dev).unwrap(),
+        (Some(at_start - outside), Some(outside))
+    );
+    // A figure the ranks agreed on replaces the device's own; the decode's tile follows it.
+    let whole_1024 = |dev: &Device| {
+        flame::train::images::decode_tile_now(0, false, dev, 1024 * 1024, 128, DType::BF16).unwrap()
+    };
+    cuda.agree_memory_at_start(2 * GIB).unwrap();
+    assert_eq!(cuda.memory_at_start().unwrap(), 2 * GIB);
+    assert_eq!(
+        flame::memory::split_at_start(&dev).unwrap().0,
+        Some(2 * GIB - outside)
+    );
+    assert_eq!(
+        whole_1024(&dev),
+        flame::train::images::AUTO_TILE,
+        "a 1024² decode (about 6.8 GiB) does not fit 2 GiB"
+    );
+    cuda.agree_memory_at_start(64 * GIB).unwrap();
+    assert_eq!(whole_1024(&dev), 0, "it fits 64 GiB");
+    // Under a budget the decode tiles whatever the memory; --vae-tile wins.
+    assert_eq!(
+        flame::train::images::decode_tile_now(0, true, &dev, 1024 * 1024, 128, DType::BF16)
+            .unwrap(),
+        flame::train::images::AUTO_TILE
+    );
+    assert_eq!(
+        flame::train::images::decode_tile_now(256, false, &dev, 1024 * 1024, 128, DType::BF16)
+            .unwrap(),
+        256
+    );
+    cuda.agree_memory_at_start(at_start).unwrap();
+    drop(t);
+}

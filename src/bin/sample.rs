@@ -36,6 +36,7 @@ use flame::models::pipeline::{
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
 use flame::sample::{generate_referenced, seeded_noise, CfgOptions, Request, StepInfo};
+use flame::train::images::{decode_tile_now, streams_within};
 use flame::train::Prediction;
 use flame::{DType, Error};
 use std::path::PathBuf;
@@ -161,7 +162,8 @@ struct Args {
     latents: Option<PathBuf>,
     /// hold the process to this many GiB of the GPU as the driver counts them: the
     /// training planner's plan (blocks streamed from host memory as needed), T5 streamed,
-    /// the decode tiled (0, the default: no budget)
+    /// the decode tiled (0, the default: on a GPU, plan within the memory free at start,
+    /// uncapped)
     #[argh(option, default = "0.0")]
     budget: f64,
     /// print the version
@@ -569,6 +571,14 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     // The budget split and FLAME's allocator capped before the text encoders run: every
     // phase (encoders, references, the model, the decode) is held to it.
     let (_, outside) = flame::memory::hold_to_budget(&device, a.budget)?;
+    // Without --budget, on a GPU: what the process could hold at start, which the text
+    // encoders' streaming, the model's plan and the decode's tile weigh (the card's other
+    // tenants keep what they hold).
+    let budgeted = a.budget > 0.0;
+    let at_start = match budgeted {
+        true => Some((a.budget * (1u64 << 30) as f64) as u64),
+        false => flame::memory::memory_at_start(&device)?,
+    };
     phases.watch(&device);
     // (FLUX.2's conditioning does not read the size: with references it may change below.)
     let size = (height, width);
@@ -578,9 +588,12 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             guided,
             t5_tokens: a.t5_tokens,
             // Under a budget T5 and Qwen3 stream their blocks (the same embeddings in
-            // less memory).
-            stream_t5: a.stream_t5 || a.budget > 0.0,
-            stream_qwen3: a.stream_qwen3 || a.budget > 0.0,
+            // less memory); without one, where their weights take more than half of the
+            // memory free at start.
+            stream_t5: a.stream_t5 || budgeted || streams_within(family, &text_at, false, at_start),
+            stream_qwen3: a.stream_qwen3
+                || budgeted
+                || streams_within(family, &text_at, true, at_start),
             // FP8 weights (`--dtype fp8`) take Qwen3's Linears to FP8 too, and an FP8 file's
             // codes stay as they are.
             fp8_qwen3: fp8 || qwen3_file_is_fp8(family, &text_at),
@@ -690,7 +703,8 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     phases.start(&device, "autoencoder and references");
     let vae = {
         let mut v = load_vae(family, &vae_at, dtype, &device, "--vae")?;
-        match flame::train::images::decode_tile(a.vae_tile, a.budget > 0.0) {
+        // The references' encode (the decode's tile is chosen once the model is freed).
+        match flame::train::images::decode_tile(a.vae_tile, budgeted) {
             0 => {}
             t => v.tiling = Some(flame::encoders::VaeTiling::new(t)),
         }
@@ -734,7 +748,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     // tokens join the image's in every block). The plan sizes them; with 8-bit products, the
     // Linears whose products pay at their rows take them (`nn::products_pay`, as `train`
     // decides at its largest bucket), the others compute in the model's dtype.
-    let shapes = if a.budget > 0.0 || opts.products.is_some() {
+    let shapes = if budgeted || device.is_cuda() || opts.products.is_some() {
         let channels = match inputs.first().and_then(|i| i.dims.first()) {
             Some(models::Size::Exactly(c)) => *c,
             _ => {
@@ -757,7 +771,9 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             optimizer_bytes_per_value: 0.0,
         });
     }
-    if a.budget > 0.0 {
+    // Under --budget, and without one on a GPU where every block resident would not fit the
+    // memory free at start.
+    if budgeted || device.is_cuda() {
         phases.start(&device, "planning");
         let choice = flame::train::planning::plan_denoising(
             family,
@@ -886,6 +902,22 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     })?;
     let _g = flame::no_grad();
     let mut written = vec![];
+    // The decode's tile, now that the model is freed: whole images where they fit the memory
+    // free at start beside the autoencoder and the latents (without --budget).
+    let mut vae = vae;
+    let tile = decode_tile_now(
+        a.vae_tile,
+        budgeted,
+        &device,
+        height * width,
+        vae.config
+            .block_out_channels
+            .first()
+            .copied()
+            .unwrap_or(flame::train::images::VAE_FIRST_WIDTH),
+        dtype,
+    )?;
+    vae.tiling = (tile > 0).then(|| flame::encoders::VaeTiling::new(tile));
     phases.start(&device, "decoding and writing");
     for (z, path) in latents.iter().zip(paths) {
         let img = vae.decode_latents(&z.to_dtype(dtype)?).map_err(|e| {

@@ -21,7 +21,8 @@ pub const LATE_HEADROOM: u64 = 384 << 20;
 /// it (`budget_gb`, else the memory free now): the context, kernels and workspaces measured
 /// the first time a budget is split on the device (`CudaDevice::held_for_budget`: every
 /// later split gets the same share) plus [`LATE_HEADROOM`] come off it. On the CPU,
-/// `budget_gb` as it is (none when 0).
+/// `budget_gb` as it is (none when 0). (The step's default is the memory free now; the other
+/// phases' default, planned before the step's memory is taken, is [`memory_at_start`].)
 pub fn split_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Option<u64>)> {
     let asked = (budget_gb > 0.0).then_some((budget_gb * GIB) as u64);
     #[cfg(feature = "cuda")]
@@ -54,6 +55,62 @@ pub fn hold_to_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, O
         }
     }
     Ok((alloc, outside))
+}
+
+/// The memory a run's phases plan within when no budget is given, bytes as the driver counts
+/// them: on a GPU, what the process could hold when it opened the device (its context and
+/// the memory free then: `CudaDevice::memory_at_start`, the least of the ranks' where they
+/// agreed on it, [`agree_memory_at_start`]); `None` on the CPU. Another process's memory
+/// (a display, a second job, a process holding part of the card) is left to it.
+pub fn memory_at_start(device: &Device) -> Result<Option<u64>> {
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let Device::Cuda(c) = device {
+        return Ok(Some(c.memory_at_start()?));
+    }
+    let _ = device;
+    Ok(None)
+}
+
+/// The default budget of the phases planned before their memory is taken (caching, the
+/// samples' decode, `sample`'s model), split as [`split_budget`] splits a given one:
+/// [`memory_at_start`] less what the process holds outside its allocator and
+/// [`LATE_HEADROOM`] for the allocator, that for outside it; `(None, None)` on the CPU.
+pub fn split_at_start(device: &Device) -> Result<(Option<u64>, Option<u64>)> {
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let Device::Cuda(c) = device {
+        let at_start = c.memory_at_start()?;
+        let outside = c.held_for_budget()? + LATE_HEADROOM;
+        return Ok((Some(at_start.saturating_sub(outside)), Some(outside)));
+    }
+    let _ = device;
+    Ok((None, None))
+}
+
+/// Every rank of `group` takes the least of the ranks' [`memory_at_start`] as its own, so
+/// that what they choose under a default budget (the autoencoder's tile, which keys the
+/// latent cache the ranks fill together; the text encoders' streaming) is the same on every
+/// rank. Every rank calls it, on a GPU or not (nothing is taken on the CPU).
+pub fn agree_memory_at_start(device: &Device, group: &dyn crate::dist::ProcessGroup) -> Result<()> {
+    let mut each = vec![0.0; group.world()];
+    let own = memory_at_start(device)?;
+    if let Some(slot) = each.get_mut(group.rank()) {
+        *slot = own.map_or(-1.0, |b| b as f64);
+    }
+    group.sum_host(&mut each)?;
+    // A rank without a GPU sends -1: then no rank takes a figure.
+    if each.iter().any(|&b| b < 0.0) {
+        return Ok(());
+    }
+    let least = each.iter().copied().fold(f64::INFINITY, f64::min);
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let (Device::Cuda(c), true) = (device, least.is_finite()) {
+        c.agree_memory_at_start(least as u64)?;
+    }
+    let _ = least;
+    Ok(())
 }
 
 /// A budget of `total` bytes as the driver counts it, for a process that holds `held` bytes

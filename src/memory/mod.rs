@@ -38,7 +38,10 @@ mod switches;
 mod trace;
 mod trial;
 
-pub use budget::{hold_to_budget, split_budget, LATE_HEADROOM};
+pub use budget::{
+    agree_memory_at_start, hold_to_budget, memory_at_start, split_at_start, split_budget,
+    LATE_HEADROOM,
+};
 pub use machine::{
     host_room, machine_cache_path, measure_machine, measure_machine_cached, mem_available,
     read_machine, write_machine, MachineProbe,

@@ -978,13 +978,13 @@ section! {
         t5_tokens: usize = 0_usize,
         /// Stream T5's blocks from host memory while encoding captions: "on", "off", or
         /// "auto" (on when T5's weights take more than half of the run's budget: memory.budget_gb,
-        /// or without one the GPU's memory; T5-XXL then encodes in about 1.5 GiB instead of
-        /// 9).
+        /// or without one the GPU's memory free at start; T5-XXL then encodes in about 1.5 GiB
+        /// instead of 9).
         stream_t5: Toggle = Toggle::Auto,
         /// Stream Qwen3's layers from host memory while encoding captions (FLUX.2 klein,
         /// Z-Image): "on", "off", or "auto" (on when Qwen3's weights take more than half of
-        /// the run's budget: memory.budget_gb, or without one the GPU's memory; Qwen3-4B then
-        /// encodes in about 1.4 GiB instead of 8).
+        /// the run's budget: memory.budget_gb, or without one the GPU's memory free at start;
+        /// Qwen3-4B then encodes in about 1.4 GiB instead of 8).
         stream_qwen3: Toggle = Toggle::Auto,
         /// Hold Qwen3's Linear weights as FP8 E4M3 with a scale per row, decoded per matmul
         /// (FLUX.2 klein, Z-Image; ComfyUI's fp8 text encoders): "on", "off", or "auto" (on
@@ -1086,7 +1086,7 @@ section! {
         /// memory free at start, planned within but not capped; on the CPU, no limit). A
         /// given budget caps FLAME's allocator; with checkpointing = "auto" the planner picks
         /// the fastest plan predicted to fit, and caching and samples plan within it too
-        /// (without one, within the GPU's memory: the same choices on every run and rank).
+        /// (without one, within the memory free at start: the least of the ranks').
         budget_gb: f64 = 0.0,
         /// Gradient checkpointing of blocks: "auto" (the planner chooses checkpointing,
         /// streamed blocks and what checkpointed blocks keep for memory.budget_gb), "off", "all",

@@ -199,7 +199,7 @@ pub fn vae(
 
 /// The first stage's width of the released Flux, SD3 and SDXL autoencoders (diffusers'
 /// `block_out_channels[0]`), for estimates made before one is loaded.
-pub(crate) const VAE_FIRST_WIDTH: usize = 128;
+pub const VAE_FIRST_WIDTH: usize = 128;
 
 /// The side of the tiles the autoencoder works in when a whole image does not fit.
 pub const AUTO_TILE: usize = 512;
@@ -213,6 +213,36 @@ pub fn decode_tile(vae_tile: usize, budgeted: bool) -> usize {
         (0, true) => AUTO_TILE,
         (t, _) => t,
     }
+}
+
+/// The tile the autoencoder decodes images of `pixels` in (its first stage `width` wide, in
+/// `dtype`) with what FLAME's buffers hold on `device` now beside the decode: [`decode_tile`]
+/// under a budget (`budgeted`); without one, on a GPU, whole images where a whole decode fits
+/// beside those buffers within the memory free at start ([`crate::memory::split_at_start`]),
+/// else [`AUTO_TILE`]; on the CPU `vae_tile` (0: whole). The `sample` binary's decode, after
+/// its model is freed.
+pub fn decode_tile_now(
+    vae_tile: usize,
+    budgeted: bool,
+    device: &Device,
+    pixels: usize,
+    width: usize,
+    dtype: DType,
+) -> Result<usize> {
+    #[allow(unused_mut)]
+    let mut in_use = 0u64;
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let Device::Cuda(c) = device {
+        in_use = c.memory().in_use;
+    }
+    let (cap, _) = crate::memory::split_at_start(device)?;
+    Ok(crate::train::planning::decode_tile_within(
+        vae_tile,
+        budgeted,
+        cap.map(|c| (c, in_use)),
+        decode_bytes(pixels, width, dtype),
+    ))
 }
 
 /// The pixels the autoencoder holds at once for an image of `pixels` in tiles of side
@@ -257,25 +287,19 @@ pub(crate) fn choose_encode_tile(
 /// The budget the choices that shape what a run caches and draws plan within (the encode
 /// and decode tiles, the text encoders' streaming), bytes: (as the driver counts them, the
 /// allocator's share). `memory.budget_gb` where given, split as `memory::split_budget`
-/// splits it; without one, on a GPU, the card's memory less what the process holds outside
-/// the allocator and `memory::LATE_HEADROOM`: a figure that stays put between runs and ranks
-/// on one kind of card, where the free memory of the moment does not (the encode tile is
-/// part of the latent cache's key: a resume, and every rank, must choose alike). `None` on
-/// the CPU without a budget.
+/// splits it; without one, on a GPU, what the process could hold when it opened the device
+/// (`memory::memory_at_start`: its context and the memory free then, the least of the
+/// ranks' in data-parallel training, which the ranks agree on before caching) less what it
+/// holds outside the allocator and `memory::LATE_HEADROOM`: the same figure in every phase
+/// of a run, and on every rank, where the free memory of the moment is not (the encode tile
+/// is part of the latent cache's key). `None` on the CPU without a budget.
 pub fn phase_budget(config: &TrainConfig, device: &Device) -> Result<Option<(u64, u64)>> {
     if config.memory.budget_gb > 0.0 {
         let (alloc, outside) = crate::memory::split_budget(device, config.memory.budget_gb)?;
         return Ok(alloc.map(|a| (a + outside.unwrap_or(0), a)));
     }
-    #[cfg(feature = "cuda")]
-    #[allow(irrefutable_let_patterns)]
-    if let Device::Cuda(c) = device {
-        let total = c.total_memory()?;
-        let outside = c.held_for_budget()? + crate::memory::LATE_HEADROOM;
-        return Ok(Some((total, total.saturating_sub(outside))));
-    }
-    let _ = device;
-    Ok(None)
+    let (alloc, outside) = crate::memory::split_at_start(device)?;
+    Ok(alloc.map(|a| (a + outside.unwrap_or(0), a)))
 }
 
 /// The allocator's share of the run's [`phase_budget`] on a GPU; none on the CPU.
@@ -319,7 +343,7 @@ fn encode_tile(
             cap as f64 / (1u64 << 30) as f64,
             match config.memory.budget_gb > 0.0 {
                 true => "memory.budget_gb",
-                false => "the GPU's memory",
+                false => "the GPU's memory free at start",
             }
         ));
     }
@@ -349,6 +373,32 @@ pub(crate) fn text_encoder_bytes(
     Ok((bytes, opts.stream_t5 || opts.stream_qwen3))
 }
 
+/// Whether `family`'s T5 (or, with `qwen3`, its Qwen3) streams its blocks under a budget
+/// of `budget` bytes as the driver counts them: where its weight files (`text_at`, the
+/// pipeline's text slots in order) take more than half of it; never without a budget.
+pub fn streams_within(
+    family: &Family,
+    text_at: &[(Located, TokenizerSource)],
+    qwen3: bool,
+    budget: Option<u64>,
+) -> bool {
+    let budget = budget.unwrap_or(0) as f64;
+    budget > 0.0
+        && family
+            .pipeline
+            .text
+            .iter()
+            .zip(text_at)
+            .any(|(slot, (w, _))| {
+                let kind = match slot.kind {
+                    TextEncoderKind::T5 => !qwen3,
+                    TextEncoderKind::Qwen3(_) => qwen3,
+                    TextEncoderKind::Clip => false,
+                };
+                kind && weight_bytes(&w.path) as f64 > budget / 2.0
+            })
+}
+
 /// How the captions' encoders are set up (`guided`: the model takes a guidance input).
 /// T5 and Qwen3 stream while encoding as `encoders.stream_t5` and `encoders.stream_qwen3`
 /// say: "auto" streams under a budget (`budget`, bytes as the driver counts them: the
@@ -363,26 +413,10 @@ pub fn text_options(
     guided: bool,
     budget: Option<u64>,
 ) -> TextOptions {
-    let budget = budget.unwrap_or(0) as f64;
     let streams = |toggle: Toggle, qwen3: bool| match toggle {
         Toggle::On => true,
         Toggle::Off => false,
-        Toggle::Auto => {
-            budget > 0.0
-                && family
-                    .pipeline
-                    .text
-                    .iter()
-                    .zip(text_at)
-                    .any(|(slot, (w, _))| {
-                        let kind = match slot.kind {
-                            TextEncoderKind::T5 => !qwen3,
-                            TextEncoderKind::Qwen3(_) => qwen3,
-                            TextEncoderKind::Clip => false,
-                        };
-                        kind && weight_bytes(&w.path) as f64 > budget / 2.0
-                    })
-        }
+        Toggle::Auto => streams_within(family, text_at, qwen3, budget),
     };
     TextOptions {
         guided,

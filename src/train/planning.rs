@@ -255,7 +255,10 @@ fn profile_model(
 /// share less what FLAME's buffers hold at the call (on a GPU: the autoencoder, the prompts'
 /// conditioning, references), which stays through the denoising. The allocator is capped
 /// at the budget's share (see [`split_budget`]) when a GPU has a budget; `switches` bind
-/// the planner as in training. Errors name `key`.
+/// the planner as in training. Without a budget (`budget_gb` 0) on a GPU, every block
+/// stays resident where that fits the memory free at start
+/// ([`crate::memory::split_at_start`]), else the plan is worked out within it, uncapped.
+/// Errors name `key`.
 #[allow(clippy::too_many_arguments)]
 pub fn plan_denoising(
     family: &Family,
@@ -267,10 +270,14 @@ pub fn plan_denoising(
     key: &str,
     switches: &Switches,
 ) -> Result<MemoryChoice> {
-    let (cap, outside) = split_budget(device, budget_gb)?;
-    let resident = MemoryChoice {
+    let given = budget_gb > 0.0;
+    let (cap, outside) = match given {
+        true => split_budget(device, budget_gb)?,
+        false => crate::memory::split_at_start(device)?,
+    };
+    let resident = |summary: String| MemoryChoice {
         plan: Plan::default(),
-        summary: "every block resident (no budget)".into(),
+        summary,
         budget: None,
         outside: None,
         predicted_peak: None,
@@ -280,8 +287,8 @@ pub fn plan_denoising(
         text: None,
         rivals: vec![],
     };
-    let (Some(cap), true) = (cap, budget_gb > 0.0) else {
-        return Ok(resident);
+    let Some(cap) = cap else {
+        return Ok(resident("every block resident (no budget)".into()));
     };
     let prof = family.profile(
         path,
@@ -292,10 +299,6 @@ pub fn plan_denoising(
             optimizer_bytes_per_value: 0.0,
         },
     )?;
-    let mut prof = prof;
-    if let (Some(m), _) = machine_for(device, switches.measure_machine) {
-        prof.machine = m;
-    }
     // What lives now and through the denoising.
     #[allow(unused_mut)]
     let mut held = 0u64;
@@ -304,6 +307,22 @@ pub fn plan_denoising(
     if let Device::Cuda(c) = device {
         held = c.memory().in_use;
     }
+    let free_at_start = gib(cap + outside.unwrap_or(0));
+    // The training step's resident peak bounds a forward's (and two samples' forward at once:
+    // without gradients, a block's activations live only through the block).
+    if !given && prof.peak(&Plan::default()) + held <= cap {
+        return Ok(resident(format!(
+            "every block resident (within the {free_at_start:.2} GiB free at start)"
+        )));
+    }
+    let mut prof = prof;
+    if let (Some(m), _) = machine_for(device, switches.measure_machine) {
+        prof.machine = m;
+    }
+    let named = match given {
+        true => format!("{key} {budget_gb:.2}"),
+        false => format!("the {free_at_start:.2} GiB of the GPU free at start (no {key} given)"),
+    };
     let host = host_share(1);
     let p = prof
         .plan_within(
@@ -315,7 +334,7 @@ pub fn plan_denoising(
             path: None,
             msg: match no.host {
                 Some(host) => format!(
-                    "{key} {budget_gb:.2}: {}",
+                    "{named}: {}",
                     host_short(
                         host,
                         if opts.fp8 {
@@ -326,10 +345,9 @@ pub fn plan_denoising(
                     )
                 ),
                 None => format!(
-                    "{key} {:.2}: no plan fits; the smallest (every block streamed from host \
+                    "{named}: no plan fits; the smallest (every block streamed from host \
                      memory) needs {:.2} GiB with the CUDA context, kernels and workspaces, \
                      the autoencoder and the prompts{}",
-                    budget_gb,
                     gib(no.minimum + outside.unwrap_or(0) + held),
                     if opts.fp8 {
                         ""
@@ -341,22 +359,32 @@ pub fn plan_denoising(
         })?;
     #[cfg(feature = "cuda")]
     #[allow(irrefutable_let_patterns)]
-    if let Device::Cuda(c) = device {
+    if let (Device::Cuda(c), true) = (device, given) {
         c.set_memory_limit(Some(cap));
     }
     let plan = prof.settle(&p.plan)?;
     Ok(MemoryChoice {
         plan: plan.clone(),
         summary: format!(
-            "{} ({:.1} GiB streamed a pass, {})",
+            "{} ({:.1} GiB streamed a pass, {}){}",
             p.plan,
             gib(p.streamed_bytes) / 2.0,
-            host_line(prof.host_bytes(&p.plan), host)
+            host_line(prof.host_bytes(&p.plan), host),
+            match given {
+                true => String::new(),
+                false => format!(
+                    ", planned within the {free_at_start:.2} GiB free at start: every block \
+                     resident does not fit"
+                ),
+            }
         ),
         budget: Some(cap),
         outside,
         predicted_peak: Some(p.peak + held),
-        hint: format!("lower the image size or raise {key}"),
+        hint: match given {
+            true => format!("lower the image size or raise {key}"),
+            false => format!("lower the image size, or set {key} below the free memory"),
+        },
         machine: Some(prof.machine),
         text: None,
         rivals: vec![],
@@ -674,7 +702,7 @@ fn tiling_words(tile: usize) -> String {
 
 /// The tile the run's sample images decode in on `device`, images of `pixels` through an
 /// autoencoder whose first stage is `width` wide in `dtype` ([`decode_tile_within`]: under
-/// the default budget, the allocator's share of the card's memory,
+/// the default budget, the allocator's share of the memory free at start,
 /// `images::phase_budget`, against what the run keeps between steps under `choice`'s plan
 /// beside the decode).
 pub(crate) fn sample_decode_tile(

@@ -62,6 +62,9 @@ struct Inner {
     /// What the process held outside FLAME's allocator when a budget was first split on
     /// this device (`CudaDevice::held_for_budget`).
     budget_held: Mutex<Option<u64>>,
+    /// What the ranks of a data-parallel group agreed the process may hold at start (the
+    /// least of theirs: `agree_memory_at_start`), in place of this device's own figure.
+    agreed_at_start: Mutex<Option<u64>>,
     /// The second compute stream that checkpoints' re-runs issued ahead run on, beside the
     /// backward (`CudaDevice::side_window`), with its own cuBLAS handles and completion
     /// counters; made on first use.
@@ -246,6 +249,7 @@ impl CudaDevice {
             offload: OnceLock::new(),
             comm: OnceLock::new(),
             budget_held: Mutex::new(None),
+            agreed_at_start: Mutex::new(None),
             side: OnceLock::new(),
             side_on: std::sync::atomic::AtomicBool::new(false),
             tf32: std::sync::atomic::AtomicBool::new(false),
@@ -606,6 +610,32 @@ impl CudaDevice {
     pub fn process_memory(&self) -> Result<u64> {
         let (free, _) = self.mem_info()?;
         Ok(self.0.context_bytes + self.0.start_free.saturating_sub(free))
+    }
+
+    /// The bytes this process could hold on the GPU when it opened the device, as the driver
+    /// counts them: its context and the memory free then (what a default budget is, when no
+    /// budget is given; the same from phase to phase of a run, where the free memory of the
+    /// moment is not). Data-parallel ranks plan within the least of theirs
+    /// ([`Self::agree_memory_at_start`]).
+    pub fn memory_at_start(&self) -> Result<u64> {
+        let agreed = *self
+            .0
+            .agreed_at_start
+            .lock()
+            .map_err(|_| Error::Poisoned("the memory agreed at start"))?;
+        Ok(agreed.unwrap_or(self.0.context_bytes + self.0.start_free))
+    }
+
+    /// Takes `bytes` as [`Self::memory_at_start`] from here on: what every rank of a
+    /// data-parallel group agreed on (the least of their own figures), so that their
+    /// choices under a default budget (tiles, streamed encoders) are the same.
+    pub fn agree_memory_at_start(&self, bytes: u64) -> Result<()> {
+        *self
+            .0
+            .agreed_at_start
+            .lock()
+            .map_err(|_| Error::Poisoned("the memory agreed at start"))? = Some(bytes);
+        Ok(())
     }
 
     /// The stack each GPU thread of this context has, bytes (`CU_LIMIT_STACK_SIZE`): FLAME

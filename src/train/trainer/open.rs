@@ -296,6 +296,9 @@ fn planned(
     // work holds memory: caching is held to the budget as the steps are.
     if let Some(g) = &group {
         warm_collectives(g.as_ref(), &device)?;
+        // Without a budget, caching and samples plan within what the process could hold at
+        // start: every rank within the least of the ranks' figures, so they choose alike.
+        crate::memory::agree_memory_at_start(&device, g.as_ref())?;
     }
     let split = crate::memory::hold_to_budget(&device, config.memory.budget_gb)?;
     let data = Data::prepare(

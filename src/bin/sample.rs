@@ -161,8 +161,8 @@ struct Args {
     #[argh(option)]
     latents: Option<PathBuf>,
     /// hold the process to this many GiB of the GPU as the driver counts them: the
-    /// training planner's plan (blocks streamed from host memory as needed), T5 streamed,
-    /// the decode tiled (0, the default: on a GPU, plan within the memory free at start,
+    /// training planner's plan (blocks streamed from host memory as needed), T5 streamed
+    /// where it takes more than half, the decode tiled (0, the default: on a GPU, plan within the memory free at start,
     /// uncapped)
     #[argh(option, default = "0.0")]
     budget: f64,
@@ -587,13 +587,11 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         let opts = TextOptions {
             guided,
             t5_tokens: a.t5_tokens,
-            // Under a budget T5 and Qwen3 stream their blocks (the same embeddings in
-            // less memory); without one, where their weights take more than half of the
-            // memory free at start.
-            stream_t5: a.stream_t5 || budgeted || streams_within(family, &text_at, false, at_start),
-            stream_qwen3: a.stream_qwen3
-                || budgeted
-                || streams_within(family, &text_at, true, at_start),
+            // T5 and Qwen3 stream their blocks (the same embeddings in less memory) where
+            // their weights take more than half of the budget, or without one of the memory
+            // free at start (as `train`'s "auto").
+            stream_t5: a.stream_t5 || streams_within(family, &text_at, false, at_start),
+            stream_qwen3: a.stream_qwen3 || streams_within(family, &text_at, true, at_start),
             // FP8 weights (`--dtype fp8`) take Qwen3's Linears to FP8 too, and an FP8 file's
             // codes stay as they are.
             fp8_qwen3: fp8 || qwen3_file_is_fp8(family, &text_at),

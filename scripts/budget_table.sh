@@ -43,11 +43,12 @@
 # about 420-520 s. A fresh machine adds about 275 s to its first call.
 #   SAMPLE_STEPS=4 bash scripts/budget_table.sh part N PIPES WORK   the eight rows and their steps in four
 #                                                     calls of the device (N = 1..4, in turn,
-#                                                     on one warm machine: see `part` below)
+#                                                     on one warm machine: see `part` below),
+#                                                     the two default-budget rows in 1 and 5
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
 # Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4; sdxl4-default and
 # flux12-default give the run no budget on a card held to 4 / 12 GiB free (the default
-# budget: the memory free at start; `sample` without --budget too); and the newer
+# budget: the memory free at start; `sample` without --budget too; not in "all"); and the newer
 # families at their smallest bf16 budgets: klein4b-6 klein9b-8 zimage-6, and in FP8:
 # klein4b-4fp8 zimage-4fp8 klein9b-6fp8, and an edit dataset (reference images,
 # instructions) on Klein 4B within 6 GiB: klein4b-edit-6 (FAMILIES="klein4b klein9b zimage"
@@ -267,7 +268,8 @@ case ${1:-} in
     # "" for the resident step), the plans in turn, REPS times.
     shift; fresh "$@" ;;
   part)
-    # part N PIPES WORK: the eight rows and their steps in four calls of at most 600 s each
+    # part N PIPES WORK: the eight rows and their steps in four calls of at most 600 s each,
+    # and a fifth for the Flux-dev default-budget row
     # on one H200 (SAMPLE_STEPS=4; the machine kept warm between the calls, so PIPES stays
     # there; .gpu holds train, sample and bench-train_step of one build). Each call's time
     # from build d9ced4a's rows (train run + `sample` run, s), `make` and `steps`:

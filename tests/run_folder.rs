@@ -800,3 +800,45 @@ fn the_run_records_the_machine_it_planned_with() {
         std::fs::remove_dir_all(d).unwrap();
     }
 }
+
+#[test]
+fn the_run_records_the_share_it_planned_its_phases_within() {
+    use flame::train::rundir::{Manifest, RunDir};
+    let out = temp("share");
+    std::fs::create_dir_all(&out).unwrap();
+    let mut m = Manifest::new(vec![("train.steps", "3".into())]);
+    m.share_at_start = Some(11 << 30);
+    RunDir::new(&out).create(&m).unwrap();
+    assert_eq!(RunDir::new(&out).manifest().unwrap(), Some(m.clone()));
+    assert_eq!(
+        flame::train::recorded_share_at_start(&out).unwrap(),
+        Some(11 << 30)
+    );
+    // A run on the CPU records none; a folder without a run has none.
+    let bare = temp("share-none");
+    std::fs::create_dir_all(&bare).unwrap();
+    m.share_at_start = None;
+    RunDir::new(&bare).create(&m).unwrap();
+    assert_eq!(flame::train::recorded_share_at_start(&bare).unwrap(), None);
+    let absent = temp("share-absent");
+    assert_eq!(
+        flame::train::recorded_share_at_start(&absent).unwrap(),
+        None
+    );
+    // A share that is not a byte count is a damaged manifest, named.
+    let path = out.join("run.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let broken = text.replace(&format!("{}", 11u64 << 30), "-3");
+    assert_ne!(text, broken);
+    std::fs::write(&path, broken).unwrap();
+    let err = flame::train::recorded_share_at_start(&out)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("share_at_start") && err.contains("run.json"),
+        "{err}"
+    );
+    for d in [out, bare, absent] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}

@@ -36,7 +36,7 @@ use flame::models::pipeline::{
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
 use flame::sample::{generate_referenced, seeded_noise, CfgOptions, Request, StepInfo};
-use flame::train::images::{decode_tile_now, streams_within};
+use flame::train::images::{decode_tile_now, encode_tile_now, streams_within};
 use flame::train::Prediction;
 use flame::{DType, Error};
 use std::path::PathBuf;
@@ -161,8 +161,8 @@ struct Args {
     #[argh(option)]
     latents: Option<PathBuf>,
     /// hold the process to this many GiB of the GPU as the driver counts them: the
-    /// training planner's plan (blocks streamed from host memory as needed), T5 streamed
-    /// where it takes more than half, the decode tiled (0, the default: on a GPU, plan within the memory free at start,
+    /// training planner's plan (blocks streamed from host memory as needed), T5 and Qwen3
+    /// streamed where they take more than half, the decode tiled (0, the default: on a GPU, plan within the memory free at start,
     /// uncapped)
     #[argh(option, default = "0.0")]
     budget: f64,
@@ -699,15 +699,15 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         opts.merge = Some(Arc::new(m));
     }
     phases.start(&device, "autoencoder and references");
-    let vae = {
-        let mut v = load_vae(family, &vae_at, dtype, &device, "--vae")?;
-        // The references' encode (the decode's tile is chosen once the model is freed).
-        match flame::train::images::decode_tile(a.vae_tile, budgeted) {
-            0 => {}
-            t => v.tiling = Some(flame::encoders::VaeTiling::new(t)),
-        }
-        v
-    };
+    // The autoencoder's tile is chosen for each reference's encode, and for the decode once
+    // the model is freed.
+    let mut vae = load_vae(family, &vae_at, dtype, &device, "--vae")?;
+    let vae_width = vae
+        .config
+        .block_out_channels
+        .first()
+        .copied()
+        .unwrap_or(flame::train::images::VAE_FIRST_WIDTH);
     let f = vae.config.diffusion_downscale();
     // The references, sized as the pipeline sizes them and encoded before the model loads;
     // the image takes the first one's size where --width / --height do not say
@@ -718,15 +718,19 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     };
     let refs = {
         let _g = flame::no_grad();
-        a.reference
-            .iter()
-            .map(|p| {
-                let x = flame::data::reference::load(p, &ref_opts, false, &device)
-                    .map_err(|e| flag("--reference", p, e))?;
+        let mut refs = Vec::with_capacity(a.reference.len());
+        for p in &a.reference {
+            let x = flame::data::reference::load(p, &ref_opts, false, &device)
+                .map_err(|e| flag("--reference", p, e))?;
+            let pixels = x.dims()[1..].iter().product::<usize>();
+            let tile = encode_tile_now(a.vae_tile, budgeted, &device, pixels, vae_width, dtype)?;
+            vae.tiling = (tile > 0).then(|| flame::encoders::VaeTiling::new(tile));
+            refs.push(
                 vae.encode_latents(&x.unsqueeze(0)?.to_dtype(dtype)?)?
-                    .to_dtype(dtype)
-            })
-            .collect::<flame::Result<Vec<_>>>()?
+                    .to_dtype(dtype)?,
+            );
+        }
+        refs
     };
     phases.end(&device, "autoencoder and references");
     let (height, width) = match refs.first() {
@@ -902,17 +906,12 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     let mut written = vec![];
     // The decode's tile, now that the model is freed: whole images where they fit the memory
     // free at start beside the autoencoder and the latents (without --budget).
-    let mut vae = vae;
     let tile = decode_tile_now(
         a.vae_tile,
         budgeted,
         &device,
         height * width,
-        vae.config
-            .block_out_channels
-            .first()
-            .copied()
-            .unwrap_or(flame::train::images::VAE_FIRST_WIDTH),
+        vae_width,
         dtype,
     )?;
     vae.tiling = (tile > 0).then(|| flame::encoders::VaeTiling::new(tile));

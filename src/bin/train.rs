@@ -594,6 +594,7 @@ fn worker(args: &Args, path: &std::path::Path, launch: Launch) -> ExitCode {
         group: Some(group.clone()),
         interrupt: None,
         machine: None,
+        share_at_start: None,
     };
     match run(args, path, &mut progress, place, Some(rank)) {
         Ok(code) => code,
@@ -677,9 +678,15 @@ fn run(
         true => flame::train::recorded_machine(&out).ok().flatten(),
         false => None,
     };
+    // And within no more memory than it planned its caching and samples in without a budget.
+    let share_at_start = match args.resume {
+        true => flame::train::recorded_share_at_start(&out).ok().flatten(),
+        false => None,
+    };
     let place = Placement {
         interrupt: Some(flag.clone()),
         machine,
+        share_at_start,
         ..place
     };
     let mut trainer = Trainer::open_in(config, prepare, place, &mut |e| {

@@ -59,9 +59,10 @@ pub fn hold_to_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, O
 
 /// The memory a run's phases plan within when no budget is given, bytes as the driver counts
 /// them: on a GPU, what the process could hold when it opened the device (its context and
-/// the memory free then: `CudaDevice::memory_at_start`, the least of the ranks' where they
-/// agreed on it, [`agree_memory_at_start`]); `None` on the CPU. Another process's memory
-/// (a display, a second job, a process holding part of the card) is left to it.
+/// the memory free then: `CudaDevice::memory_at_start`, lowered where ranks agreed on less
+/// or a resumed run planned within less, [`limit_share_at_start`]); `None` on the CPU.
+/// Another process's memory (a display, a second job, a process holding part of the card)
+/// is left to it.
 pub fn memory_at_start(device: &Device) -> Result<Option<u64>> {
     #[cfg(feature = "cuda")]
     #[allow(irrefutable_let_patterns)]
@@ -75,41 +76,66 @@ pub fn memory_at_start(device: &Device) -> Result<Option<u64>> {
 /// The default budget of the phases planned before their memory is taken (caching, the
 /// samples' decode, `sample`'s model), split as [`split_budget`] splits a given one:
 /// [`memory_at_start`] less what the process holds outside its allocator and
-/// [`LATE_HEADROOM`] for the allocator, that for outside it; `(None, None)` on the CPU.
+/// [`LATE_HEADROOM`] for the allocator (no more than a limit set by hand,
+/// `FLAME_GPU_MEMORY_LIMIT`), that for outside it; an error where nothing is left for the
+/// allocator; `(None, None)` on the CPU.
 pub fn split_at_start(device: &Device) -> Result<(Option<u64>, Option<u64>)> {
     #[cfg(feature = "cuda")]
     #[allow(irrefutable_let_patterns)]
     if let Device::Cuda(c) = device {
-        let at_start = c.memory_at_start()?;
-        let outside = c.held_for_budget()? + LATE_HEADROOM;
-        return Ok((Some(at_start.saturating_sub(outside)), Some(outside)));
+        let (alloc, outside) =
+            split_held(c.memory_at_start()?, c.held_for_budget()?).map_err(|e| {
+                crate::Error::Context {
+                    what: "the default budget, the GPU's memory free at start (none given)".into(),
+                    error: Box::new(e),
+                }
+            })?;
+        return Ok((Some(alloc.min(c.memory().limit)), Some(outside)));
     }
     let _ = device;
     Ok((None, None))
 }
 
-/// Every rank of `group` takes the least of the ranks' [`memory_at_start`] as its own, so
-/// that what they choose under a default budget (the autoencoder's tile, which keys the
-/// latent cache the ranks fill together; the text encoders' streaming) is the same on every
-/// rank. Every rank calls it, on a GPU or not (nothing is taken on the CPU).
+/// Lowers the allocator's share of the default budget ([`split_at_start`]) to at most
+/// `share` bytes for the rest of the process (nothing on the CPU, or where it is no more
+/// already): what a resumed run planned within, or the least of data-parallel ranks'.
+pub fn limit_share_at_start(device: &Device, share: u64) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let (Device::Cuda(c), (Some(alloc), Some(outside))) = (device, split_at_start(device)?) {
+        if share < alloc {
+            c.limit_memory_at_start(share + outside)?;
+        }
+    }
+    let _ = (device, share);
+    Ok(())
+}
+
+/// Every rank of `group` takes the least of the ranks' shares of the default budget
+/// ([`split_at_start`]) as its own, so that what they choose under a default budget (the
+/// autoencoder's tile, which keys the latent cache the ranks fill together; the text
+/// encoders' streaming) is the same on every rank. Every rank calls it, on a GPU or not
+/// (nothing is taken where any rank has no GPU).
 pub fn agree_memory_at_start(device: &Device, group: &dyn crate::dist::ProcessGroup) -> Result<()> {
     let mut each = vec![0.0; group.world()];
-    let own = memory_at_start(device)?;
+    // A rank's own share, sent once the others are asked (an error after the collective).
+    let own = split_at_start(device);
     if let Some(slot) = each.get_mut(group.rank()) {
-        *slot = own.map_or(-1.0, |b| b as f64);
+        *slot = match &own {
+            Ok((Some(a), _)) => *a as f64,
+            _ => -1.0,
+        };
     }
     group.sum_host(&mut each)?;
-    // A rank without a GPU sends -1: then no rank takes a figure.
+    own?;
+    // A rank without a GPU (or whose share failed) sends -1: then no rank takes a figure.
     if each.iter().any(|&b| b < 0.0) {
         return Ok(());
     }
     let least = each.iter().copied().fold(f64::INFINITY, f64::min);
-    #[cfg(feature = "cuda")]
-    #[allow(irrefutable_let_patterns)]
-    if let (Device::Cuda(c), true) = (device, least.is_finite()) {
-        c.agree_memory_at_start(least as u64)?;
+    if least.is_finite() {
+        limit_share_at_start(device, least as u64)?;
     }
-    let _ = least;
     Ok(())
 }
 

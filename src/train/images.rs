@@ -229,6 +229,40 @@ pub fn decode_tile_now(
     width: usize,
     dtype: DType,
 ) -> Result<usize> {
+    tile_beside_buffers(
+        vae_tile,
+        budgeted,
+        device,
+        decode_bytes(pixels, width, dtype),
+    )
+}
+
+/// As [`decode_tile_now`] for an encode of an image of `pixels` (`encode_bytes`): the
+/// `sample` binary's reference images.
+pub fn encode_tile_now(
+    vae_tile: usize,
+    budgeted: bool,
+    device: &Device,
+    pixels: usize,
+    width: usize,
+    dtype: DType,
+) -> Result<usize> {
+    tile_beside_buffers(
+        vae_tile,
+        budgeted,
+        device,
+        encode_bytes(pixels, width, dtype),
+    )
+}
+
+/// The autoencoder's tile for work of `whole` bytes on a whole image, beside what FLAME's
+/// buffers hold on `device` now ([`decode_tile_now`]).
+fn tile_beside_buffers(
+    vae_tile: usize,
+    budgeted: bool,
+    device: &Device,
+    whole: u64,
+) -> Result<usize> {
     #[allow(unused_mut)]
     let mut in_use = 0u64;
     #[cfg(feature = "cuda")]
@@ -236,12 +270,15 @@ pub fn decode_tile_now(
     if let Device::Cuda(c) = device {
         in_use = c.memory().in_use;
     }
-    let (cap, _) = crate::memory::split_at_start(device)?;
+    let cap = match budgeted {
+        true => None,
+        false => crate::memory::split_at_start(device)?.0,
+    };
     Ok(crate::train::planning::decode_tile_within(
         vae_tile,
         budgeted,
         cap.map(|c| (c, in_use)),
-        decode_bytes(pixels, width, dtype),
+        whole,
     ))
 }
 

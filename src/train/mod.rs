@@ -24,7 +24,7 @@ pub use objectives::{
     TimestepSampling,
 };
 pub use planning::{MemoryChoice, PhasePlan};
-pub use rundir::recorded_machine;
+pub use rundir::{recorded_machine, recorded_share_at_start};
 pub use trainer::{
     plan_folder, plan_run, preflight, Event, FolderAction, ParamList, Placement, Prepare, RunEnd,
     RunOptions, StepReport, Trainer,

@@ -308,12 +308,30 @@ pub fn plan_denoising(
         held = c.memory().in_use;
     }
     let free_at_start = gib(cap + outside.unwrap_or(0));
-    // The training step's resident peak bounds a forward's (and two samples' forward at once:
-    // without gradients, a block's activations live only through the block).
-    if !given && prof.peak(&Plan::default()) + held <= cap {
-        return Ok(resident(format!(
-            "every block resident (within the {free_at_start:.2} GiB free at start)"
-        )));
+    // Without a budget, every block resident where that fits: a forward without gradients
+    // keeps a block's activations only through the block, which the training step's peak
+    // with every block checkpointed and nothing streamed bounds (its weights, one block's
+    // re-run and backward); for two samples at once (guidance's predictions batched: the
+    // resident choice batches them).
+    if !given {
+        let all = Plan {
+            checkpointing: crate::memory::Checkpointing::All,
+            ..Plan::default()
+        };
+        let two = family.profile(
+            path,
+            opts,
+            &RunShape {
+                sample: sample.to_vec(),
+                batch: 2,
+                optimizer_bytes_per_value: 0.0,
+            },
+        )?;
+        if two.peak(&all) + held <= cap {
+            return Ok(resident(format!(
+                "every block resident (within the {free_at_start:.2} GiB free at start)"
+            )));
+        }
     }
     let mut prof = prof;
     if let (Some(m), _) = machine_for(device, switches.measure_machine) {

@@ -172,6 +172,11 @@ pub struct Manifest {
     /// those it works out again (from `machine`) that reads the same. `None` where no plans
     /// were timed.
     pub timed_plan: Option<String>,
+    /// The allocator's share of the default budget the run planned its phases within
+    /// (`memory::split_at_start`, bytes; a GPU): a resume plans within no more, so that it
+    /// chooses as the run did where it has as much memory (the encode tile keys the latent
+    /// cache). `None` on the CPU.
+    pub share_at_start: Option<u64>,
 }
 
 impl Manifest {
@@ -187,6 +192,7 @@ impl Manifest {
             files: BTreeMap::new(),
             machine: None,
             timed_plan: None,
+            share_at_start: None,
         }
     }
 
@@ -242,6 +248,9 @@ impl Manifest {
         }
         if let Some(k) = &self.timed_plan {
             v["timed_plan"] = k.clone().into();
+        }
+        if let Some(b) = self.share_at_start {
+            v["share_at_start"] = b.into();
         }
         v.to_string()
     }
@@ -301,12 +310,20 @@ impl Manifest {
                     .to_string(),
             ),
         };
+        let share_at_start = match v.get("share_at_start") {
+            None => None,
+            Some(b) => Some(
+                b.as_u64()
+                    .ok_or_else(|| damaged("share_at_start is not a byte count"))?,
+            ),
+        };
         Ok(Manifest {
             run_id: run_id.to_string(),
             keys,
             files,
             machine,
             timed_plan,
+            share_at_start,
         })
     }
 }
@@ -316,6 +333,16 @@ impl Manifest {
 /// there or it recorded none.
 pub fn recorded_machine(output_dir: &Path) -> Result<Option<crate::memory::Machine>> {
     Ok(RunDir::new(output_dir).manifest()?.and_then(|m| m.machine))
+}
+
+/// The allocator's share of the default budget the run in `output_dir` recorded in its
+/// manifest (`Manifest::share_at_start`), for a resume to plan within
+/// ([`crate::train::Placement::share_at_start`]); `None` where there is no run there or it
+/// recorded none.
+pub fn recorded_share_at_start(output_dir: &Path) -> Result<Option<u64>> {
+    Ok(RunDir::new(output_dir)
+        .manifest()?
+        .and_then(|m| m.share_at_start))
 }
 
 /// What a checkpoint's `state.json` records.

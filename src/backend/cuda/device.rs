@@ -62,8 +62,9 @@ struct Inner {
     /// What the process held outside FLAME's allocator when a budget was first split on
     /// this device (`CudaDevice::held_for_budget`).
     budget_held: Mutex<Option<u64>>,
-    /// What the ranks of a data-parallel group agreed the process may hold at start (the
-    /// least of theirs: `agree_memory_at_start`), in place of this device's own figure.
+    /// A lower figure for what the process could hold at start, in place of this device's
+    /// own (`limit_memory_at_start`: what data-parallel ranks agreed on, or a resumed run's
+    /// record).
     agreed_at_start: Mutex<Option<u64>>,
     /// The second compute stream that checkpoints' re-runs issued ahead run on, beside the
     /// backward (`CudaDevice::side_window`), with its own cuBLAS handles and completion
@@ -615,26 +616,28 @@ impl CudaDevice {
     /// The bytes this process could hold on the GPU when it opened the device, as the driver
     /// counts them: its context and the memory free then (what a default budget is, when no
     /// budget is given; the same from phase to phase of a run, where the free memory of the
-    /// moment is not). Data-parallel ranks plan within the least of theirs
-    /// ([`Self::agree_memory_at_start`]).
+    /// moment is not), or the lower figure [`Self::limit_memory_at_start`] set.
     pub fn memory_at_start(&self) -> Result<u64> {
         let agreed = *self
             .0
             .agreed_at_start
             .lock()
             .map_err(|_| Error::Poisoned("the memory agreed at start"))?;
-        Ok(agreed.unwrap_or(self.0.context_bytes + self.0.start_free))
+        let own = self.0.context_bytes + self.0.start_free;
+        Ok(agreed.map_or(own, |a| a.min(own)))
     }
 
-    /// Takes `bytes` as [`Self::memory_at_start`] from here on: what every rank of a
-    /// data-parallel group agreed on (the least of their own figures), so that their
+    /// Takes at most `bytes` as [`Self::memory_at_start`] from here on, for the rest of the
+    /// process (a figure only goes down): the ranks of a data-parallel group plan within the
+    /// least of theirs, a resumed run within what it planned in before, so that their
     /// choices under a default budget (tiles, streamed encoders) are the same.
-    pub fn agree_memory_at_start(&self, bytes: u64) -> Result<()> {
-        *self
+    pub fn limit_memory_at_start(&self, bytes: u64) -> Result<()> {
+        let mut agreed = self
             .0
             .agreed_at_start
             .lock()
-            .map_err(|_| Error::Poisoned("the memory agreed at start"))? = Some(bytes);
+            .map_err(|_| Error::Poisoned("the memory agreed at start"))?;
+        *agreed = Some(agreed.map_or(bytes, |a| a.min(bytes)));
         Ok(())
     }
 

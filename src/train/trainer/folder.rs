@@ -273,6 +273,7 @@ impl Trainer {
                 }
                 let mut m = Manifest::new(self.resume_keys());
                 m.machine = self.memory.machine;
+                m.share_at_start = crate::memory::split_at_start(&self.device)?.0;
                 dir.create(&m)?;
                 self.run_id = m.run_id;
                 self.step = 0;

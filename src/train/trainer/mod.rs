@@ -125,6 +125,10 @@ pub struct Placement {
     /// run's ([`crate::train::recorded_machine`]), so it chooses the plan the run started
     /// with. `None`: this machine, measured or read from the cache.
     pub machine: Option<crate::memory::Machine>,
+    /// The allocator's share of the default budget a resumed run planned its phases within
+    /// ([`crate::train::recorded_share_at_start`]): it plans within no more, so that it
+    /// chooses as it did (the encode tile keys the latent cache). `None`: this process's.
+    pub share_at_start: Option<u64>,
 }
 
 /// The image pipeline's pieces sampling needs after the encoders are freed: the text cache

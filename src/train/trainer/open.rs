@@ -296,11 +296,18 @@ fn planned(
     // work holds memory: caching is held to the budget as the steps are.
     if let Some(g) = &group {
         warm_collectives(g.as_ref(), &device)?;
-        // Without a budget, caching and samples plan within what the process could hold at
-        // start: every rank within the least of the ranks' figures, so they choose alike.
-        crate::memory::agree_memory_at_start(&device, g.as_ref())?;
     }
     let split = crate::memory::hold_to_budget(&device, config.memory.budget_gb)?;
+    // Without a budget, caching and samples plan within what the process could hold at
+    // start: a resumed run within no more than it planned in before, every rank within the
+    // least of the ranks' shares, so that they choose alike (the encode tile keys the
+    // latent cache).
+    if let Some(share) = place.share_at_start {
+        crate::memory::limit_share_at_start(&device, share)?;
+    }
+    if let Some(g) = &group {
+        crate::memory::agree_memory_at_start(&device, g.as_ref())?;
+    }
     let data = Data::prepare(
         &config,
         family,

@@ -2195,3 +2195,85 @@ fn again_resume() -> flame::train::RunOptions {
         ..Default::default()
     }
 }
+
+/// Flux-dev at 1024² for sampling: no adapters (a LoRA merged into the weights), no
+/// optimizer, `batch` samples at once.
+fn flux_dev_sampling(batch: usize) -> MemoryProfile {
+    let opts = LoadOptions::new(DType::BF16, &Device::Cpu);
+    let run = RunShape {
+        sample: vec![vec![16, 128, 128], vec![512, 4096], vec![768]],
+        batch,
+        optimizer_bytes_per_value: 0.0,
+    };
+    profile_config::<Flux>(&FluxConfig::dev(), &opts, &run).unwrap()
+}
+
+#[test]
+fn forward_plans_stream_only_what_a_forward_needs() {
+    let prof = flux_dev_sampling(1);
+    let gib = |g: f64| (g * GIB) as u64;
+    // A card that holds the weights and a forward's work keeps every block.
+    let whole = prof.plan_forward_within(gib(80.0), None).unwrap();
+    assert!(whole.plan.streamed.is_empty(), "{}", whole.plan);
+    assert_eq!(whole.slowdown, 1.0);
+    assert_eq!(whole.peak, prof.forward_peak(&prof.forward_plan(0, 1)));
+    // Under each budget: the plan fits as a forward, streams no fewer blocks as the budget
+    // shrinks, streams fewer than the training planner's pick for the same budget (whose
+    // peak holds the backward's), and runs no faster than every block resident.
+    let resident_ms = prof.forward_only_ms(&prof.forward_plan(0, 1));
+    let mut last = 0;
+    for gb in [24.0, 16.0, 12.0, 8.0, 6.0] {
+        let p = prof
+            .plan_forward_within(gib(gb), None)
+            .unwrap_or_else(|e| panic!("{gb} GiB: {e:?}"));
+        assert!(p.peak <= gib(gb) && p.peak == prof.forward_peak(&p.plan));
+        assert!(p.plan.streamed.len() >= last, "{gb} GiB streams less");
+        last = p.plan.streamed.len();
+        assert!(prof.forward_only_ms(&p.plan) >= resident_ms);
+        assert!(p.slowdown >= 1.0);
+        assert_eq!(p.plan.checkpointing, Checkpointing::Off);
+        assert!(!p.plan.wire_code && !p.plan.remake_transposes);
+        let order = prof.stream_order();
+        assert_eq!(p.plan.streamed, order[..p.plan.streamed.len()].to_vec());
+        if let Ok(t) = flux_dev(false, false).plan(gib(gb)) {
+            println!("  the step's pick: {}", t.plan);
+            assert!(
+                p.plan.streamed.len() <= t.plan.streamed.len(),
+                "{gb} GiB: forward {} against the step's {}",
+                p.plan,
+                t.plan
+            );
+        }
+        println!(
+            "{gb} GiB: {} -> {:.2} GiB, {:.1} ms a forward ({:.2}x), {:.1} GiB uploaded",
+            p.plan,
+            p.peak as f64 / GIB,
+            prof.forward_only_ms(&p.plan),
+            p.slowdown,
+            p.streamed_bytes as f64 / GIB
+        );
+    }
+    let twelve = prof.plan_forward_within(gib(12.0), None).unwrap();
+    // A forward's peak is a step's less what the backward holds, for any plan.
+    let t = flux_dev(false, false);
+    for (n, k) in [(0, 1), (20, 2), (57, 1), (40, 4)] {
+        let plan = t.forward_plan(n, k);
+        assert!(t.forward_peak(&plan) <= t.peak(&plan), "{plan}");
+    }
+    // Two samples at once hold more than one.
+    let two = flux_dev_sampling(2);
+    assert!(
+        two.forward_peak(&two.forward_plan(0, 1)) > prof.forward_peak(&prof.forward_plan(0, 1))
+    );
+    // Below the smallest plan: its peak named; past the host's room: the least host memory.
+    let no = prof.plan_forward_within(gib(1.0), None).unwrap_err();
+    assert_eq!(no.minimum, prof.forward_peak(&prof.forward_plan(57, 1)));
+    assert!(no.minimum > gib(1.0) && no.host.is_none());
+    let no = prof
+        .plan_forward_within(gib(12.0), Some(gib(1.0)))
+        .unwrap_err();
+    let (least, room) = no.host.expect("plans fit the device but not the host");
+    assert_eq!(room, gib(1.0));
+    assert_eq!(least, prof.host_bytes(&twelve.plan).min(least));
+    assert!(least > gib(1.0));
+}

@@ -27,6 +27,7 @@
 //! stream.
 
 mod budget;
+mod forward;
 mod link;
 mod machine;
 mod offload;

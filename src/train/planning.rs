@@ -250,9 +250,9 @@ fn profile_model(
 
 /// The plan for denoising with `family`'s model at `path` (`opts`: dtype, FP8, no adapters)
 /// within a budget of `budget_gb` GiB on `device`, for inputs of `sample` shapes (one
-/// sample, `DiffusionModel::inputs` order): the training step's plan for a batch of one,
-/// which holds more than a forward without gradients needs, planned within the budget's
-/// share less what FLAME's buffers hold at the call (on a GPU: the autoencoder, the prompts'
+/// sample, `DiffusionModel::inputs` order): the fastest plan for forwards without gradients
+/// (`MemoryProfile::plan_forward_within`: streamed blocks only, as few as fit), planned
+/// within the budget's share less what FLAME's buffers hold at the call (on a GPU: the autoencoder, the prompts'
 /// conditioning, references), which stays through the denoising. The allocator is capped
 /// at the budget's share (see [`split_budget`]) when a GPU has a budget; `switches` bind
 /// the planner as in training. Without a budget (`budget_gb` 0) on a GPU, every block
@@ -308,16 +308,10 @@ pub fn plan_denoising(
         held = c.memory().in_use;
     }
     let free_at_start = gib(cap + outside.unwrap_or(0));
-    // Without a budget, every block resident where that fits: a forward without gradients
-    // keeps a block's activations only through the block, which the training step's peak
-    // with every block checkpointed and nothing streamed bounds (its weights, one block's
-    // re-run and backward); for two samples at once (guidance's predictions batched: the
-    // resident choice batches them).
+    // Without a budget, every block resident where a forward of two samples at once fits
+    // (guidance's predictions batched: the resident choice batches them), without measuring
+    // the machine.
     if !given {
-        let all = Plan {
-            checkpointing: crate::memory::Checkpointing::All,
-            ..Plan::default()
-        };
         let two = family.profile(
             path,
             opts,
@@ -327,7 +321,7 @@ pub fn plan_denoising(
                 optimizer_bytes_per_value: 0.0,
             },
         )?;
-        if two.peak(&all) + held <= cap {
+        if two.forward_peak(&two.forward_plan(0, 1)) + held <= cap {
             return Ok(resident(format!(
                 "every block resident (within the {free_at_start:.2} GiB free at start)"
             )));
@@ -342,12 +336,9 @@ pub fn plan_denoising(
         false => format!("the {free_at_start:.2} GiB of the GPU free at start (no {key} given)"),
     };
     let host = host_share(1);
+    // A forward without gradients: only the streamed blocks matter (`memory::forward`).
     let p = prof
-        .plan_within(
-            cap.saturating_sub(held),
-            host,
-            switches.weighed_candidates(&prof),
-        )
+        .plan_forward_within(cap.saturating_sub(held), host)
         .map_err(|no| Error::Config {
             path: None,
             msg: match no.host {
@@ -364,8 +355,8 @@ pub fn plan_denoising(
                 ),
                 None => format!(
                     "{named}: no plan fits; the smallest (every block streamed from host \
-                     memory) needs {:.2} GiB with the CUDA context, kernels and workspaces, \
-                     the autoencoder and the prompts{}",
+                     memory) needs {:.2} GiB for a forward with the CUDA context, kernels and \
+                     workspaces, the autoencoder and the prompts{}",
                     gib(no.minimum + outside.unwrap_or(0) + held),
                     if opts.fp8 {
                         ""
@@ -384,9 +375,11 @@ pub fn plan_denoising(
     Ok(MemoryChoice {
         plan: plan.clone(),
         summary: format!(
-            "{} ({:.1} GiB streamed a pass, {}){}",
+            "{}, for forwards without gradients ({:.1} GiB streamed a forward, predicted \
+             {:.2}x of the resident forward, {}){}",
             p.plan,
-            gib(p.streamed_bytes) / 2.0,
+            gib(p.streamed_bytes),
+            p.slowdown,
             host_line(prof.host_bytes(&p.plan), host),
             match given {
                 true => String::new(),
@@ -411,10 +404,9 @@ pub fn plan_denoising(
 }
 
 /// Whether `batch` samples of `sample` shapes at once fit `choice`'s budget under its plan
-/// (`choice` from [`plan_denoising`] for one sample): the profile's peak for that batch,
-/// which counts what a backward would keep (an upper bound for a forward), beside what lived
-/// when it was planned (its predicted peak less its profile's). Without a budget or a
-/// worked-out plan: true.
+/// (`choice` from [`plan_denoising`] for one sample): the forward's peak for that batch
+/// (`MemoryProfile::forward_peak`) beside what lived when it was planned (its predicted
+/// peak less its profile's). Without a budget or a worked-out plan: true.
 pub fn batch_fits(
     family: &Family,
     path: &std::path::Path,
@@ -428,7 +420,7 @@ pub fn batch_fits(
     };
     let held = choice
         .predicted_peak
-        .map_or(0, |p| p.saturating_sub(one.peak(plan)));
+        .map_or(0, |p| p.saturating_sub(one.forward_peak(plan)));
     let prof = family.profile(
         path,
         opts,
@@ -438,7 +430,7 @@ pub fn batch_fits(
             optimizer_bytes_per_value: 0.0,
         },
     )?;
-    Ok(prof.peak(plan) + held <= cap)
+    Ok(prof.forward_peak(plan) + held <= cap)
 }
 
 /// Picks (or takes from the config) the memory plan, caps the allocator at the budget, and

@@ -1,0 +1,173 @@
+//! Plans for forwards without gradients: the `sample` binary's denoising within a budget.
+//!
+//! A forward under `no_grad` keeps no block's activations past the block, so the training
+//! step's peak (which holds what the backward needs) asks far more memory of it than it
+//! takes, and a plan chosen by the step's peak streams more blocks than a forward needs.
+//! Here only the streamed blocks matter: a plan is a number of streamed blocks (the
+//! planner's stream order, [`MemoryProfile::stream_order`]) and how far ahead they are
+//! fetched, nothing checkpointed beyond them, uncoded. Its peak is the resident weights,
+//! the streamer's window, the largest block's work and the sample's inputs
+//! ([`MemoryProfile::forward_peak`]); its time a forward played on the compute stream's
+//! and the host link's clocks as the streamer issues the uploads
+//! ([`MemoryProfile::forward_only_ms`]); the fastest plan that fits the budget and the
+//! host's memory is taken ([`MemoryProfile::plan_forward_within`]).
+
+use super::plan::{MemoryProfile, NoPlan, Plan, Planned};
+use super::Checkpointing;
+
+/// The most blocks a forward plan fetches ahead of the one running.
+const MOST_AHEAD: usize = 4;
+
+impl MemoryProfile {
+    /// A forward plan: the first `streamed` blocks of the stream order fetched `prefetch`
+    /// ahead, nothing else checkpointed, nothing kept, uncoded, 8-bit weights' transposes not
+    /// kept (no backward makes them).
+    pub fn forward_plan(&self, streamed: usize, prefetch: usize) -> Plan {
+        let mut names = self.stream_order();
+        names.truncate(streamed);
+        // 8-bit weights' transposes are for a backward: none is kept where any would be.
+        let kept = self.other_kept_bytes > 0 || self.blocks.iter().any(|b| b.kept_bytes > 0);
+        Plan {
+            checkpointing: Checkpointing::Off,
+            streamed: names,
+            prefetch: prefetch.max(1),
+            remake_transposes: kept,
+            ..Plan::default()
+        }
+    }
+
+    /// The predicted peak bytes of a forward without gradients under `plan` (a
+    /// [`MemoryProfile::forward_plan`]): the weights on the device throughout (the resident
+    /// blocks' and the rest), the trainable parameters and their gradients and the optimizer's
+    /// state where the profile counts them, the streamer's window, the largest block's work
+    /// (its re-run tape, which holds every activation the block makes, and its input twice)
+    /// and the inputs and transients of the step ([`MemoryProfile::fixed_bytes`]).
+    ///
+    /// The window: the block running and `prefetch` ahead, and at a forward's first streamed
+    /// block the last `prefetch + 1` of the forward before (the streamer keeps them for a
+    /// backward and releases them once the next forward's first upload is issued), so
+    /// `prefetch + 2` of the largest streamed block, or every streamed block where they are
+    /// fewer.
+    pub fn forward_peak(&self, plan: &Plan) -> u64 {
+        let streamed = self.marks(plan);
+        let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };
+        let mut weights = self.other_weight_bytes + kept(self.other_kept_bytes);
+        let (mut largest, mut work) = (0u64, 0u64);
+        for (b, &s) in self.blocks.iter().zip(&streamed) {
+            if s {
+                largest = largest.max(b.weight_bytes);
+            } else {
+                weights += b.weight_bytes + kept(b.kept_bytes);
+            }
+            work = work.max(b.saved_bytes + 2 * b.input_bytes);
+        }
+        let count = streamed.iter().filter(|&&s| s).count() as u64;
+        let window = (plan.prefetch.max(1) as u64 + 2).min(count) * largest;
+        weights + 2 * self.trainable_bytes + self.optimizer_bytes + window + work + self.fixed_bytes
+    }
+
+    /// The predicted milliseconds of one forward without gradients under `plan` (a
+    /// [`MemoryProfile::forward_plan`]): the blocks run in order on the compute stream, each
+    /// for its unrecorded forward ([`MemoryProfile::unrecorded_forward_ms`]); a streamed
+    /// block waits for its upload. The uploads cross the host link one after another at the
+    /// machine's upload rate, each issued when the forward enters the streamed block
+    /// `prefetch` places before it (the first `prefetch + 1` when it enters the first):
+    /// nothing is on the device at a forward's start, since no backward left blocks there.
+    pub fn forward_only_ms(&self, plan: &Plan) -> f64 {
+        const GIB: f64 = (1u64 << 30) as f64;
+        let rate = self.machine.upload_gib_per_s.max(1e-3);
+        let streamed = self.marks(plan);
+        let order: Vec<usize> = (0..self.blocks.len()).filter(|&i| streamed[i]).collect();
+        let ahead = plan.prefetch.max(1);
+        let mut ready = vec![0.0f64; order.len()];
+        let (mut issued, mut link, mut t) = (0usize, 0.0f64, 0.0f64);
+        let mut place = 0usize;
+        for (i, b) in self.blocks.iter().enumerate() {
+            if streamed[i] {
+                // Entering streamed place `place`: its upload and those up to `ahead` past it.
+                let last = (place + ahead).min(order.len() - 1);
+                while issued <= last {
+                    let bytes = self.blocks[order[issued]].weight_bytes;
+                    link = link.max(t) + bytes as f64 / GIB / rate * 1e3;
+                    ready[issued] = link;
+                    issued += 1;
+                }
+                t = t.max(ready[place]);
+                place += 1;
+            }
+            t += self.unrecorded_forward_ms(b);
+        }
+        t
+    }
+
+    /// The fastest forward plan ([`MemoryProfile::forward_only_ms`]) whose forward peak
+    /// ([`MemoryProfile::forward_peak`]) is within `budget` bytes and whose pinned host
+    /// memory ([`MemoryProfile::host_bytes`]) within `host_room` where given: every count of
+    /// streamed blocks in the stream order, each fetched 1 to 4 ahead; of plans predicted
+    /// alike, the fewer streamed blocks. `Planned::streamed_bytes` is a forward's uploads,
+    /// `Planned::slowdown` its forward over the resident one's. Where none fits, the
+    /// smallest peak and, where plans fit the device but not the host, their least host
+    /// memory.
+    pub fn plan_forward_within(
+        &self,
+        budget: u64,
+        host_room: Option<u64>,
+    ) -> std::result::Result<Planned, NoPlan> {
+        let n = self.blocks.len();
+        let resident_ms = self.forward_only_ms(&self.forward_plan(0, 1)).max(1e-9);
+        let mut best: Option<(f64, Plan, u64)> = None;
+        let mut minimum = u64::MAX;
+        let mut host_least: Option<u64> = None;
+        for streamed in 0..=n {
+            for prefetch in 1..=MOST_AHEAD.min(streamed.max(1)) {
+                let plan = self.forward_plan(streamed, prefetch);
+                let peak = self.forward_peak(&plan);
+                minimum = minimum.min(peak);
+                if peak > budget {
+                    continue;
+                }
+                if let Some(room) = host_room {
+                    let host = self.host_bytes(&plan);
+                    if host > room {
+                        host_least = Some(host_least.map_or(host, |h| h.min(host)));
+                        continue;
+                    }
+                }
+                let ms = self.forward_only_ms(&plan);
+                // A plan must be faster by more than rounding to displace one streaming less.
+                if best.as_ref().is_none_or(|(b, _, _)| ms < b * (1.0 - 1e-9)) {
+                    best = Some((ms, plan, peak));
+                }
+            }
+        }
+        match best {
+            Some((ms, plan, peak)) => Ok(Planned {
+                streamed_bytes: self
+                    .blocks
+                    .iter()
+                    .zip(self.marks(&plan))
+                    .filter(|&(_, s)| s)
+                    .map(|(b, _)| b.weight_bytes)
+                    .sum(),
+                slowdown: ms / resident_ms,
+                plan,
+                peak,
+            }),
+            None => Err(NoPlan {
+                budget,
+                minimum,
+                host: host_least.map(|least| (least, host_room.unwrap_or(0))),
+            }),
+        }
+    }
+
+    /// Whether `plan` streams each block, by place.
+    fn marks(&self, plan: &Plan) -> Vec<bool> {
+        let names: std::collections::HashSet<&str> =
+            plan.streamed.iter().map(String::as_str).collect();
+        self.blocks
+            .iter()
+            .map(|b| names.contains(b.prefix.as_str()))
+            .collect()
+    }
+}

@@ -2226,7 +2226,8 @@ fn forward_plans_stream_only_what_a_forward_needs() {
         let p = prof
             .plan_forward_within(gib(gb), None)
             .unwrap_or_else(|e| panic!("{gb} GiB: {e:?}"));
-        assert!(p.peak <= gib(gb) && p.peak == prof.forward_peak(&p.plan));
+        let usable = gib(gb) - gib(gb) / flame::memory::MARGIN_DIVISOR;
+        assert!(p.peak <= usable && p.peak == prof.forward_peak(&p.plan));
         assert!(p.plan.streamed.len() >= last, "{gb} GiB streams less");
         last = p.plan.streamed.len();
         assert!(prof.forward_only_ms(&p.plan) >= resident_ms);

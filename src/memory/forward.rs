@@ -12,7 +12,7 @@
 //! ([`MemoryProfile::forward_only_ms`]); the fastest plan that fits the budget and the
 //! host's memory is taken ([`MemoryProfile::plan_forward_within`]).
 
-use super::plan::{MemoryProfile, NoPlan, Plan, Planned};
+use super::plan::{MemoryProfile, NoPlan, Plan, Planned, MARGIN_DIVISOR};
 use super::Checkpointing;
 
 /// The most blocks a forward plan fetches ahead of the one running.
@@ -101,7 +101,8 @@ impl MemoryProfile {
     }
 
     /// The fastest forward plan ([`MemoryProfile::forward_only_ms`]) whose forward peak
-    /// ([`MemoryProfile::forward_peak`]) is within `budget` bytes and whose pinned host
+    /// ([`MemoryProfile::forward_peak`]) is within `budget` bytes (less
+    /// [`MARGIN_DIVISOR`]'s share of it where blocks stream) and whose pinned host
     /// memory ([`MemoryProfile::host_bytes`]) within `host_room` where given: every count of
     /// streamed blocks in the stream order, each fetched 1 to 4 ahead; of plans predicted
     /// alike, the fewer streamed blocks. `Planned::streamed_bytes` is a forward's uploads,
@@ -123,7 +124,13 @@ impl MemoryProfile {
                 let plan = self.forward_plan(streamed, prefetch);
                 let peak = self.forward_peak(&plan);
                 minimum = minimum.min(peak);
-                if peak > budget {
+                // Streamed blocks fetched and released cut the cap's arena into pieces: a
+                // plan that streams keeps `MARGIN_DIVISOR`'s share of the budget spare.
+                let usable = match streamed {
+                    0 => budget,
+                    _ => budget - budget / MARGIN_DIVISOR,
+                };
+                if peak > usable {
                     continue;
                 }
                 if let Some(room) = host_room {

@@ -37,8 +37,9 @@ impl MemoryProfile {
     }
 
     /// The predicted peak bytes of a forward without gradients under `plan` (a
-    /// [`MemoryProfile::forward_plan`]): the weights on the device throughout (the resident
-    /// blocks' and the rest), the trainable parameters and their gradients and the optimizer's
+    /// [`MemoryProfile::forward_plan`], or a step's plan: a validation or a sample image
+    /// under it): the weights on the device throughout (the resident blocks' and the rest),
+    /// the staging ring of coded uploads, the trainable parameters and their gradients and the optimizer's
     /// state where the profile counts them, the streamer's window, the largest block's work
     /// (its re-run tape, which holds every activation the block makes, and its input twice)
     /// and the inputs and transients of the step ([`MemoryProfile::fixed_bytes`]).
@@ -63,7 +64,18 @@ impl MemoryProfile {
         }
         let count = streamed.iter().filter(|&&s| s).count() as u64;
         let window = (plan.prefetch.max(1) as u64 + 2).min(count) * largest;
-        weights + 2 * self.trainable_bytes + self.optimizer_bytes + window + work + self.fixed_bytes
+        // A step's plan that codes its uploads holds their staging ring throughout.
+        let staging = match plan.wire_code {
+            true => self.peak_parts(plan).staging,
+            false => 0,
+        };
+        weights
+            + staging
+            + 2 * self.trainable_bytes
+            + self.optimizer_bytes
+            + window
+            + work
+            + self.fixed_bytes
     }
 
     /// The predicted milliseconds of one forward without gradients under `plan` (a

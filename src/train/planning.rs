@@ -856,12 +856,16 @@ pub(crate) fn phase_plans(
         plan: "the memory plan above".into(),
         peak: Some(step_peak),
     });
+    // A forward without gradients under the step's plan: no block's activations held past
+    // the block (`MemoryProfile::forward_peak`), and never more than the step at its shapes.
+    let held_between = choice
+        .predicted_peak
+        .map_or(0, |p| p.saturating_sub(prof.peak(&plan)));
     out.push(PhasePlan {
         phase: "validation",
-        plan: "forward only under the step's plan, micro-batches of at most train.batch_size: \
-               at most the step's peak"
+        plan: "forward only under the step's plan, micro-batches of at most train.batch_size"
             .into(),
-        peak: Some(step_peak),
+        peak: Some((prof.forward_peak(&plan) + held_between).min(step_peak)),
     });
     let sc = &config.sample;
     match (factor, sc.prompts.is_empty()) {
@@ -892,7 +896,8 @@ pub(crate) fn phase_plans(
                         optimizer_bytes_per_value: state_bytes_per_value(config, world),
                     },
                 )?
-                .peak(&plan);
+                .forward_peak(&plan)
+                + held_between;
             let tile = sample_decode_tile(config, choice, device, w * h, width, dtype)?;
             let decode = between_steps(&prof, &plan)
                 + decode_bytes(pixels_at_once(w * h, tile), width, dtype);

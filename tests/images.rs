@@ -795,3 +795,70 @@ fn a_failed_sample_phase_loses_nothing_and_resume_does_only_what_is_missing() {
     );
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// Validation and sample images under a plan that streams blocks: the streamer keeps a
+/// forward's last blocks for a backward, and the trainer releases them after each forward
+/// without gradients (before the samples' decode); the next step fetches what it needs. The
+/// run's losses, validation losses and pictures are those of the run with every block
+/// resident.
+#[test]
+fn validation_and_samples_between_streamed_steps_leave_the_run_as_resident() {
+    use flame::memory::Checkpointing;
+    use flame::train::config::CheckpointSetting;
+    let run = |name: &str, streamed: bool| {
+        let d = temp(name);
+        let mut cfg = config(&d, 4, 2);
+        if streamed {
+            cfg.memory.checkpointing = CheckpointSetting::Fixed(Checkpointing::All);
+            cfg.memory.stream_blocks = 2;
+            cfg.memory.prefetch = 1;
+        }
+        let (mut t, _) = open(&cfg, Prepare::Encode);
+        t.run(&RunOptions::default(), &mut |_| {}).unwrap();
+        (cfg, t.stream_report().unwrap())
+    };
+    let (resident, none) = run("streamed-phases-resident", false);
+    assert!(none.is_none());
+    let (streamed, report) = run("streamed-phases", true);
+    let report = report.expect("blocks streamed");
+    // Four training forwards, two validations' and two samples' denoising forwards; the run
+    // ends with sample images, after which no streamed block is left on the device.
+    assert!(report.forwards > 8, "{report:?}");
+    assert_eq!(report.resident, 0, "{report:?}");
+    let values = |cfg: &TrainConfig, key: &str| -> Vec<f64> {
+        read_log(&cfg.train.output_dir.join("loss.jsonl"))
+            .unwrap()
+            .iter()
+            .filter_map(|(_, l)| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()[key].as_f64()
+            })
+            .collect()
+    };
+    for key in ["loss", "val_loss"] {
+        let (a, b) = (values(&streamed, key), values(&resident, key));
+        assert!(!a.is_empty() && a.len() == b.len(), "{key}: {a:?} {b:?}");
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-5 * y.abs(), "{key}: {x} against {y}");
+        }
+    }
+    for step in [2, 4] {
+        let png = |cfg: &TrainConfig| {
+            image::open(
+                cfg.train
+                    .output_dir
+                    .join(format!("samples/step-{step:07}-0.png")),
+            )
+            .unwrap()
+            .to_rgb8()
+        };
+        let (a, b) = (png(&streamed), png(&resident));
+        let worst = a
+            .as_raw()
+            .iter()
+            .zip(b.as_raw())
+            .map(|(x, y)| x.abs_diff(*y))
+            .max()
+            .unwrap();
+        assert!(worst <= 2, "step {step}: {worst}");
+    }
+}

@@ -2255,6 +2255,21 @@ fn forward_plans_stream_only_what_a_forward_needs() {
         );
     }
     let twelve = prof.plan_forward_within(gib(12.0), None).unwrap();
+    // Under a step's plan that fetches deeper, a forward without gradients fetches each
+    // place's whole reach: its peak counts the deepest.
+    let t = flux_dev(false, false);
+    let pick = t.settle(&t.plan(gib(12.0)).unwrap().plan).unwrap();
+    assert!(!pick.reach.is_empty(), "{pick}");
+    let shallow = Plan {
+        reach: vec![],
+        ..pick.clone()
+    };
+    assert!(
+        t.forward_peak(&pick) > t.forward_peak(&shallow),
+        "{pick}: {} against {}",
+        t.forward_peak(&pick),
+        t.forward_peak(&shallow)
+    );
     // A forward's peak is a step's less what the backward holds, for any plan.
     let t = flux_dev(false, false);
     for (n, k) in [(0, 1), (20, 2), (57, 1), (40, 4)] {
@@ -2268,7 +2283,12 @@ fn forward_plans_stream_only_what_a_forward_needs() {
     );
     // Below the smallest plan: its peak named; past the host's room: the least host memory.
     let no = prof.plan_forward_within(gib(1.0), None).unwrap_err();
-    assert_eq!(no.minimum, prof.forward_peak(&prof.forward_plan(57, 1)));
+    // (the budget the smallest plan needs: its peak and the margin of a plan that streams)
+    let least = prof.forward_peak(&prof.forward_plan(57, 1));
+    assert_eq!(
+        no.minimum,
+        least + least / (flame::memory::MARGIN_DIVISOR - 1)
+    );
     assert!(no.minimum > gib(1.0) && no.host.is_none());
     let no = prof
         .plan_forward_within(gib(12.0), Some(gib(1.0)))

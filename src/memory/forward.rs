@@ -48,7 +48,8 @@ impl MemoryProfile {
     /// block the last `prefetch + 1` of the forward before (the streamer keeps them for a
     /// backward and releases them once the next forward's first upload is issued), so
     /// `prefetch + 2` of the largest streamed block, or every streamed block where they are
-    /// fewer.
+    /// fewer; under a plan that fetches deeper (`Plan::reach`), the most any place's reach
+    /// holds and one block more.
     pub fn forward_peak(&self, plan: &Plan) -> u64 {
         let streamed = self.marks(plan);
         let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };
@@ -63,7 +64,24 @@ impl MemoryProfile {
             work = work.max(b.saved_bytes + 2 * b.input_bytes);
         }
         let count = streamed.iter().filter(|&&s| s).count() as u64;
-        let window = (plan.prefetch.max(1) as u64 + 2).min(count) * largest;
+        let mut window = (plan.prefetch.max(1) as u64 + 2).min(count) * largest;
+        // A step's plan that fetches deeper (`Plan::reach`): a forward without gradients
+        // fetches each place's whole reach, since none of the memory it was sized against is
+        // taken by checkpoints; and one block more while the last is released.
+        if !plan.reach.is_empty() {
+            let sizes: Vec<u64> = (self.blocks.iter().zip(&streamed))
+                .filter(|&(_, &s)| s)
+                .map(|(b, _)| b.weight_bytes)
+                .collect();
+            let deepest = (0..sizes.len())
+                .map(|j| {
+                    let last = plan.reach.get(j).copied().unwrap_or(j).min(sizes.len() - 1);
+                    sizes[j..=last.max(j)].iter().sum::<u64>()
+                })
+                .max()
+                .unwrap_or(0);
+            window = window.max(deepest + largest);
+        }
         // A step's plan that codes its uploads holds their staging ring throughout.
         let staging = match plan.wire_code {
             true => self.peak_parts(plan).staging,
@@ -119,8 +137,8 @@ impl MemoryProfile {
     /// streamed blocks in the stream order, each fetched 1 to 4 ahead; of plans predicted
     /// alike, the fewer streamed blocks. `Planned::streamed_bytes` is a forward's uploads,
     /// `Planned::slowdown` its forward over the resident one's. Where none fits, the
-    /// smallest peak and, where plans fit the device but not the host, their least host
-    /// memory.
+    /// smallest budget a plan needs (its peak, and the margin where it streams) and, where
+    /// plans fit the device but not the host, their least host memory.
     pub fn plan_forward_within(
         &self,
         budget: u64,
@@ -135,7 +153,11 @@ impl MemoryProfile {
             for prefetch in 1..=MOST_AHEAD.min(streamed.max(1)) {
                 let plan = self.forward_plan(streamed, prefetch);
                 let peak = self.forward_peak(&plan);
-                minimum = minimum.min(peak);
+                // The budget it needs, its margin included.
+                minimum = minimum.min(match streamed {
+                    0 => peak,
+                    _ => peak + peak / (MARGIN_DIVISOR - 1),
+                });
                 // Streamed blocks fetched and released cut the cap's arena into pieces: a
                 // plan that streams keeps `MARGIN_DIVISOR`'s share of the budget spare.
                 let usable = match streamed {
@@ -177,6 +199,19 @@ impl MemoryProfile {
                 minimum,
                 host: host_least.map(|least| (least, host_room.unwrap_or(0))),
             }),
+        }
+    }
+
+    /// `plan` (a [`MemoryProfile::forward_plan`]) in words: what it streams and how far
+    /// ahead (`Plan`'s `Display` speaks of a step's checkpoints and backward).
+    pub fn describe_forward(&self, plan: &Plan) -> String {
+        match plan.streamed.len() {
+            0 => "every block resident".into(),
+            n => format!(
+                "{n} of {} blocks streamed from host memory, fetched {} ahead",
+                self.blocks.len(),
+                plan.prefetch.max(1)
+            ),
         }
     }
 

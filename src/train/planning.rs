@@ -254,8 +254,9 @@ fn profile_model(
 /// (`MemoryProfile::plan_forward_within`: streamed blocks only, as few as fit), planned
 /// within the budget's share less what FLAME's buffers hold at the call (on a GPU: the autoencoder, the prompts'
 /// conditioning, references), which stays through the denoising. The allocator is capped
-/// at the budget's share (see [`split_budget`]) when a GPU has a budget; `switches` bind
-/// the planner as in training. Without a budget (`budget_gb` 0) on a GPU, every block
+/// at the budget's share (see [`split_budget`]) when a GPU has a budget; of `switches`,
+/// only whether the machine is measured applies (a forward plan has no checkpointing,
+/// coding or offloading to switch). Without a budget (`budget_gb` 0) on a GPU, every block
 /// stays resident where that fits the memory free at start
 /// ([`crate::memory::split_at_start`]), else the plan is worked out within it, uncapped.
 /// Errors name `key`.
@@ -377,7 +378,7 @@ pub fn plan_denoising(
         summary: format!(
             "{}, for forwards without gradients ({:.1} GiB streamed a forward, predicted \
              {:.2}x of the resident forward, {}){}",
-            p.plan,
+            prof.describe_forward(&p.plan),
             gib(p.streamed_bytes),
             p.slowdown,
             host_line(prof.host_bytes(&p.plan), host),
@@ -421,6 +422,11 @@ pub fn batch_fits(
     let held = choice
         .predicted_peak
         .map_or(0, |p| p.saturating_sub(one.forward_peak(plan)));
+    // A plan that streams keeps its margin (`memory::MARGIN_DIVISOR`), as it was planned.
+    let cap = match plan.streamed.is_empty() {
+        true => cap,
+        false => cap - cap.saturating_sub(held) / crate::memory::MARGIN_DIVISOR,
+    };
     let prof = family.profile(
         path,
         opts,
@@ -776,10 +782,11 @@ fn between_steps(prof: &MemoryProfile, plan: &Plan) -> u64 {
 
 /// Each phase's plan and predicted peak for a run of `config` with `choice` (the step's
 /// plan), for `world` ranks: caching (the autoencoder's encode, whole or tiled, and the text
-/// encoders), the training step, validation (forward only, under the step's plan: at most
-/// its peak), sample images (the denoising forward at `sample.size` under the step's plan,
-/// at most the step's peak at that size, and the decode beside what the run keeps between
-/// steps) and checkpoints (written through host memory). `largest` is the largest sample's
+/// encoders), the training step, validation (forward only, under the step's plan: its
+/// forward's peak, `MemoryProfile::forward_peak`, at most the step's), sample images (the
+/// denoising forward at `sample.size` under the step's plan, its forward's peak at that
+/// size, and the decode beside what the run keeps between steps, the streamed blocks
+/// released first) and checkpoints (written through host memory). `largest` is the largest sample's
 /// input shapes, `vae` the autoencoder's downsampling factor and first stage's width (image
 /// data only; `None` for pre-encoded samples), `guided` whether the model takes a distilled
 /// guidance input (no classifier-free guidance in its samples).
@@ -858,14 +865,11 @@ pub(crate) fn phase_plans(
     });
     // A forward without gradients under the step's plan: no block's activations held past
     // the block (`MemoryProfile::forward_peak`), and never more than the step at its shapes.
-    let held_between = choice
-        .predicted_peak
-        .map_or(0, |p| p.saturating_sub(prof.peak(&plan)));
     out.push(PhasePlan {
         phase: "validation",
         plan: "forward only under the step's plan, micro-batches of at most train.batch_size"
             .into(),
-        peak: Some((prof.forward_peak(&plan) + held_between).min(step_peak)),
+        peak: Some(prof.forward_peak(&plan).min(step_peak)),
     });
     let sc = &config.sample;
     match (factor, sc.prompts.is_empty()) {
@@ -896,8 +900,7 @@ pub(crate) fn phase_plans(
                         optimizer_bytes_per_value: state_bytes_per_value(config, world),
                     },
                 )?
-                .forward_peak(&plan)
-                + held_between;
+                .forward_peak(&plan);
             let tile = sample_decode_tile(config, choice, device, w * h, width, dtype)?;
             let decode = between_steps(&prof, &plan)
                 + decode_bytes(pixels_at_once(w * h, tile), width, dtype);

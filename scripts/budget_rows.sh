@@ -208,6 +208,7 @@ if [ -n "${SAMPLE_EXE:-}" ] && [ "$rc" = 0 ]; then
   wait "$smi" 2>/dev/null || true
   speak=$(sort -n "$work/smi-sample.log" | tail -n 1)
   echo "== sample ${sample_budget[*]:-(no --budget, $budget GiB free)}: exit ${src} in $(( $(date +%s) - sstart )) s; driver-side peak $(( (speak - base) )) MiB"
+  grep -E "^memory:|^time:|driver-side peaks" "$work/sample.log" | sed 's/^/sample /' | cut -c1-600
   tail -n 5 "$work/sample.log"
 fi
 kill "${holders[@]}" 2>/dev/null || true

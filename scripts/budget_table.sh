@@ -46,6 +46,7 @@
 #                                                     on one warm machine: see `part` below),
 #                                                     the two default-budget rows in 1 and 5
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
+#   bash scripts/budget_table.sh summary WORK        a table line a row run under WORK
 # Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4; sdxl4-default and
 # flux12-default give the run no budget on a card held to 4 / 12 GiB free (the default
 # budget: the memory free at start; `sample` without --budget too; not in "all"); and the newer
@@ -297,6 +298,25 @@ case ${1:-} in
       5) bash "$t" rows "$pipes" "$work" flux12-default ;;
       *) echo "part 1, 2, 3, 4 or 5" >&2; exit 2 ;;
     esac ;;
+  summary)
+    # summary WORK: a line a row run under WORK (its log WORK/ROW.log): the train run's exit,
+    # driver-side peak (the holder's way) and time, its memory plan, and the `sample` run's
+    # exit, driver-side peak and time and its plan; for the benchmark's table.
+    work=$2
+    for log in "$work"/*.log; do
+      name=$(basename "$log" .log)
+      grep -q "^== budget" "$log" 2>/dev/null || continue
+      awk -v row="$name" '
+        /^== budget/ { match($0, /exit [0-9]+ in [0-9.]+ s/); run = substr($0, RSTART, RLENGTH)
+                       match($0, /driver-side peak [0-9.]+ GiB/); peak = substr($0, RSTART + 17, RLENGTH - 17) }
+        /^memory:/ && plan == "" { plan = substr($0, 9, 220) }
+        /^driver-side peaks/ && phases == "" { sub(/^[^:]*: /, ""); phases = $0 }
+        /^== sample/ { match($0, /exit [0-9]+ in [0-9]+ s/); srun = substr($0, RSTART, RLENGTH)
+                       match($0, /peak -?[0-9]+ MiB/); speak = substr($0, RSTART + 5, RLENGTH - 5) }
+        /^sample memory:/ && splan == "" { splan = substr($0, 16, 200) }
+        END { printf "| %s | %s, peak %s | %s | phases: %s | sample: %s, peak %s | %s |\n", row, run, peak, plan, phases, srun, speak, splan }
+      ' "$log"
+    done ;;
   gpus)
     pipes=$2 work=$3 n=$4
     list=$(seq -s, 0 $((n - 1)))

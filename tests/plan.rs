@@ -8,7 +8,7 @@ use flame::memory::{spread_evenly, Checkpointing, MemoryProfile, PeakParts, Plan
 use flame::models::flux::{Flux, FluxConfig};
 use flame::models::{profile_config, LoadOptions, RunShape};
 use flame::nn::{Adapters, LoraConfig};
-use flame::{DType, Device};
+use flame::{DType, Device, Tensor};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -493,7 +493,6 @@ fn the_time_model_predicts_a_fresh_measurement() {
     use flame::models::flux;
     use flame::models::ModelSpec;
     use flame::nn::VarBuilder;
-    use flame::Tensor;
     let dev = Device::cuda(0).expect("a CUDA device");
     let cfg = FluxConfig {
         depth: 4,
@@ -2297,4 +2296,99 @@ fn forward_plans_stream_only_what_a_forward_needs() {
     assert_eq!(room, gib(1.0));
     assert_eq!(least, prof.host_bytes(&twelve.plan).min(least));
     assert!(least > gib(1.0));
+}
+
+/// A forward plan run: a Flux of 3 double and 6 single blocks (tiny widths) loaded under
+/// forward plans that stream some or all of its blocks, fetched 1 or 2 ahead, gives the
+/// resident model's prediction bit for bit over several forwards without gradients (a
+/// denoising loop: the streamer keeps each forward's last blocks for a backward that never
+/// comes, and the next forward releases them), and no more blocks stay on the device
+/// between forwards than a forward's window.
+#[test]
+fn forward_plans_run_as_the_resident_model() {
+    use flame::models::DiffusionModel;
+    let dir = std::env::temp_dir().join(format!("flame-forward-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("flux-deeper.safetensors");
+    let config = FluxConfig {
+        depth: 3,
+        depth_single_blocks: 6,
+        ..flame::train::demo::flux_tiny_config()
+    };
+    let vb = flame::nn::VarBuilder::random(7, 0.08, DType::F32, &Device::Cpu);
+    Flux::new(&vb, &config).unwrap();
+    let params = vb.params().unwrap();
+    let mut json = flame::train::demo::flux_tiny_diffusers_config();
+    json["num_layers"] = 3.into();
+    json["num_single_layers"] = 6.into();
+    let meta = [(
+        flame::safetensors::CONFIG_METADATA.to_string(),
+        json.to_string(),
+    )]
+    .into_iter()
+    .collect();
+    flame::safetensors::save_with_metadata(
+        params.iter().map(|(k, t)| (k.as_str(), t)),
+        &meta,
+        &path,
+    )
+    .unwrap();
+    let opts = LoadOptions::new(DType::F32, &Device::Cpu);
+    let prof = profile_config::<Flux>(
+        &config,
+        &opts,
+        &RunShape {
+            sample: vec![vec![4, 8, 8], vec![12, 32], vec![16]],
+            batch: 2,
+            optimizer_bytes_per_value: 0.0,
+        },
+    )
+    .unwrap();
+    assert_eq!(prof.blocks.len(), 9);
+    let xt = Tensor::randn((2, 4, 8, 8), DType::F32, &Device::Cpu, 1).unwrap();
+    let cond = vec![
+        Tensor::randn((2, 12, 32), DType::F32, &Device::Cpu, 2).unwrap(),
+        Tensor::randn((2, 16), DType::F32, &Device::Cpu, 3).unwrap(),
+    ];
+    let run = |plan: Plan| {
+        let mut o = opts.clone();
+        o.memory = prof.settle(&plan).unwrap();
+        let model = flame::models::family("flux")
+            .unwrap()
+            .load(&path, &o)
+            .unwrap()
+            .model;
+        let _g = flame::no_grad();
+        let mut outs = vec![];
+        let mut resident = vec![];
+        for (i, t) in [0.9f32, 0.6, 0.3].into_iter().enumerate() {
+            let t = Tensor::from_vec(vec![t; 2], 2, &Device::Cpu).unwrap();
+            let x = xt.affine(1.0 - 0.1 * i as f64, 0.0).unwrap();
+            outs.push(
+                model
+                    .predict(&x, &t, &cond, 3.5)
+                    .unwrap()
+                    .to_vec_f64()
+                    .unwrap(),
+            );
+            if let Some(s) = &model.exec().streamer {
+                resident.push(s.report().unwrap().resident);
+            }
+        }
+        (outs, resident)
+    };
+    let (want, none) = run(Plan::default());
+    assert!(none.is_empty());
+    for (n, p) in [(3, 1), (6, 1), (9, 1), (9, 2), (5, 2)] {
+        let plan = prof.forward_plan(n, p);
+        let (got, resident) = run(plan.clone());
+        assert_eq!(got, want, "{}", prof.describe_forward(&plan));
+        assert_eq!(resident.len(), 3);
+        assert!(
+            resident.iter().all(|&r| r <= p + 1),
+            "{}: {resident:?} on the device between forwards",
+            prof.describe_forward(&plan)
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }

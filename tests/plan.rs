@@ -2306,7 +2306,6 @@ fn forward_plans_stream_only_what_a_forward_needs() {
 /// between forwards than a forward's window.
 #[test]
 fn forward_plans_run_as_the_resident_model() {
-    use flame::models::DiffusionModel;
     let dir = std::env::temp_dir().join(format!("flame-forward-plan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("flux-deeper.safetensors");

@@ -273,7 +273,10 @@ impl Trainer {
                 }
                 let mut m = Manifest::new(self.resume_keys());
                 m.machine = self.memory.machine;
-                m.share_at_start = crate::memory::split_at_start(&self.device)?.0;
+                // (A record, never a reason to fail: a device that cannot split it has none.)
+                m.share_at_start = crate::memory::split_at_start(&self.device)
+                    .ok()
+                    .and_then(|(share, _)| share);
                 dir.create(&m)?;
                 self.run_id = m.run_id;
                 self.step = 0;

@@ -51,7 +51,7 @@ impl MemoryProfile {
     /// fewer; under a plan that fetches deeper (`Plan::reach`), the most any place's reach
     /// holds and one block more.
     pub fn forward_peak(&self, plan: &Plan) -> u64 {
-        let streamed = self.marks(plan);
+        let streamed = self.streamed_marks(plan);
         let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };
         let mut weights = self.other_weight_bytes + kept(self.other_kept_bytes);
         let (mut largest, mut work) = (0u64, 0u64);
@@ -106,7 +106,7 @@ impl MemoryProfile {
     pub fn forward_only_ms(&self, plan: &Plan) -> f64 {
         const GIB: f64 = (1u64 << 30) as f64;
         let rate = self.machine.upload_gib_per_s.max(1e-3);
-        let streamed = self.marks(plan);
+        let streamed = self.streamed_marks(plan);
         let order: Vec<usize> = (0..self.blocks.len()).filter(|&i| streamed[i]).collect();
         let ahead = plan.prefetch.max(1);
         let mut ready = vec![0.0f64; order.len()];
@@ -186,7 +186,7 @@ impl MemoryProfile {
                 streamed_bytes: self
                     .blocks
                     .iter()
-                    .zip(self.marks(&plan))
+                    .zip(self.streamed_marks(&plan))
                     .filter(|&(_, s)| s)
                     .map(|(b, _)| b.weight_bytes)
                     .sum(),
@@ -213,15 +213,5 @@ impl MemoryProfile {
                 plan.prefetch.max(1)
             ),
         }
-    }
-
-    /// Whether `plan` streams each block, by place.
-    fn marks(&self, plan: &Plan) -> Vec<bool> {
-        let names: std::collections::HashSet<&str> =
-            plan.streamed.iter().map(String::as_str).collect();
-        self.blocks
-            .iter()
-            .map(|b| names.contains(b.prefix.as_str()))
-            .collect()
     }
 }

@@ -1989,7 +1989,7 @@ impl MemoryProfile {
     /// every estimate makes, the plan's names hashed once a call. A scan of the names for
     /// each block (blocks times names string comparisons, several times an estimate) took
     /// most of SDXL's planning: 91 units, about 110,000 candidates.
-    fn streamed_marks(&self, plan: &Plan) -> Vec<bool> {
+    pub(super) fn streamed_marks(&self, plan: &Plan) -> Vec<bool> {
         if plan.streamed.is_empty() {
             return vec![false; self.blocks.len()];
         }

@@ -274,12 +274,30 @@ fn tile_beside_buffers(
         true => None,
         false => crate::memory::split_at_start(device)?.0,
     };
-    Ok(crate::train::planning::decode_tile_within(
+    Ok(decode_tile_within(
         vae_tile,
         budgeted,
         cap.map(|c| (c, in_use)),
         whole,
     ))
+}
+
+/// The decode tile: `vae_tile` where set; under a given budget (`given`),
+/// [`AUTO_TILE`] (the model holds most of it:
+/// [`decode_tile`]); under the default budget (a GPU's free memory), `room` = (the
+/// allocator's share, what the run keeps beside the decode): whole images where a whole
+/// decode (`whole` bytes) fits beside what it keeps, else that tile; whole images without a
+/// budget (the CPU).
+pub(crate) fn decode_tile_within(
+    vae_tile: usize,
+    given: bool,
+    room: Option<(u64, u64)>,
+    whole: u64,
+) -> usize {
+    match (decode_tile(vae_tile, given), room) {
+        (0, Some((cap, keeps))) if keeps.saturating_add(whole) > cap => AUTO_TILE,
+        (t, _) => t,
+    }
 }
 
 /// The pixels the autoencoder holds at once for an image of `pixels` in tiles of side
@@ -1224,5 +1242,33 @@ impl Samples for ImageSamples {
             self.ds.len(),
             buckets.join(", ")
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_budget_tiles_a_sample_decode_only_where_a_whole_one_does_not_fit() {
+        const GIB: u64 = 1 << 30;
+        let auto = AUTO_TILE;
+        // Set by hand: as set, budget or not.
+        assert_eq!(decode_tile_within(256, true, Some((GIB, GIB)), GIB), 256);
+        assert_eq!(decode_tile_within(256, false, Some((GIB, 0)), 1), 256);
+        // A given budget: tiles, whatever fits.
+        assert_eq!(decode_tile_within(0, true, Some((80 * GIB, 0)), GIB), auto);
+        // No budget (the CPU): whole.
+        assert_eq!(decode_tile_within(0, false, None, 100 * GIB), 0);
+        // The default budget: whole where the decode fits beside what the run keeps.
+        assert_eq!(
+            decode_tile_within(0, false, Some((10 * GIB, 3 * GIB)), 7 * GIB),
+            0
+        );
+        assert_eq!(
+            decode_tile_within(0, false, Some((10 * GIB, 3 * GIB)), 7 * GIB + 1),
+            auto
+        );
+        assert_eq!(decode_tile_within(0, false, Some((GIB, u64::MAX)), 1), auto);
     }
 }

@@ -3,7 +3,7 @@
 //! error carries.
 
 use super::config::{OptimizerKind, TrainConfig};
-use super::images::{decode_bytes, decode_tile};
+use super::images::{decode_bytes, decode_tile_within};
 use super::text::TextStepBytes;
 pub use crate::memory::{split_budget, LATE_HEADROOM};
 use crate::memory::{spread_evenly, MemoryProfile, NoPlan, Plan, Planned, Switches};
@@ -717,7 +717,7 @@ fn tiling_words(tile: usize) -> String {
 }
 
 /// The tile the run's sample images decode in on `device`, images of `pixels` through an
-/// autoencoder whose first stage is `width` wide in `dtype` ([`decode_tile_within`]: under
+/// autoencoder whose first stage is `width` wide in `dtype` (`images::decode_tile_within`: under
 /// the default budget, the allocator's share of the memory free at start,
 /// `images::phase_budget`, against what the run keeps between steps under `choice`'s plan
 /// beside the decode).
@@ -740,26 +740,6 @@ pub(crate) fn sample_decode_tile(
         cap.zip(keeps),
         decode_bytes(pixels, width, dtype),
     ))
-}
-
-/// The decode tile: `vae_tile` where set; under a given budget (`given`),
-/// [`AUTO_TILE`](crate::train::images::AUTO_TILE) (the model holds most of it:
-/// [`decode_tile`]); under the default budget (a GPU's free memory), `room` = (the
-/// allocator's share, what the run keeps beside the decode): whole images where a whole
-/// decode (`whole` bytes) fits beside what it keeps, else that tile; whole images without a
-/// budget (the CPU).
-pub(crate) fn decode_tile_within(
-    vae_tile: usize,
-    given: bool,
-    room: Option<(u64, u64)>,
-    whole: u64,
-) -> usize {
-    match (decode_tile(vae_tile, given), room) {
-        (0, Some((cap, keeps))) if keeps.saturating_add(whole) > cap => {
-            crate::train::images::AUTO_TILE
-        }
-        (t, _) => t,
-    }
 }
 
 /// Whether the run's sample images put classifier-free guidance's two predictions through
@@ -935,32 +915,4 @@ pub(crate) fn phase_plans(
         peak: Some(between_steps(&prof, &plan)),
     });
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_default_budget_tiles_a_sample_decode_only_where_a_whole_one_does_not_fit() {
-        const GIB: u64 = 1 << 30;
-        let auto = crate::train::images::AUTO_TILE;
-        // Set by hand: as set, budget or not.
-        assert_eq!(decode_tile_within(256, true, Some((GIB, GIB)), GIB), 256);
-        assert_eq!(decode_tile_within(256, false, Some((GIB, 0)), 1), 256);
-        // A given budget: tiles, whatever fits.
-        assert_eq!(decode_tile_within(0, true, Some((80 * GIB, 0)), GIB), auto);
-        // No budget (the CPU): whole.
-        assert_eq!(decode_tile_within(0, false, None, 100 * GIB), 0);
-        // The default budget: whole where the decode fits beside what the run keeps.
-        assert_eq!(
-            decode_tile_within(0, false, Some((10 * GIB, 3 * GIB)), 7 * GIB),
-            0
-        );
-        assert_eq!(
-            decode_tile_within(0, false, Some((10 * GIB, 3 * GIB)), 7 * GIB + 1),
-            auto
-        );
-        assert_eq!(decode_tile_within(0, false, Some((GIB, u64::MAX)), 1), auto);
-    }
 }

@@ -39,10 +39,11 @@ impl MemoryProfile {
     /// The predicted peak bytes of a forward without gradients under `plan` (a
     /// [`MemoryProfile::forward_plan`], or a step's plan: a validation or a sample image
     /// under it): the weights on the device throughout (the resident blocks' and the rest),
-    /// the staging ring of coded uploads, the trainable parameters and their gradients and the optimizer's
-    /// state where the profile counts them, the streamer's window, the largest block's work
-    /// (its re-run tape, which holds every activation the block makes, and its input twice)
-    /// and the inputs and transients of the step ([`MemoryProfile::fixed_bytes`]).
+    /// the staging ring of coded uploads, the trainable parameters with their gradients and
+    /// the optimizer's state where the profile counts them, the streamer's window, the
+    /// largest block's work (its re-run tape, which holds every activation the block makes,
+    /// and its input twice) and the inputs and transients of the step
+    /// ([`MemoryProfile::fixed_bytes`]).
     ///
     /// The window: the block running and `prefetch` ahead, and at a forward's first streamed
     /// block the last `prefetch + 1` of the forward before (the streamer keeps them for a

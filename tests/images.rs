@@ -796,6 +796,68 @@ fn a_failed_sample_phase_loses_nothing_and_resume_does_only_what_is_missing() {
     std::fs::remove_dir_all(&d).ok();
 }
 
+/// A sample image's decode that runs out of memory is tried again in tiles, said in a note,
+/// and the run goes on (exit 0, every image written); at the smallest tile (128 pixels) it
+/// fails the sample phase, naming it, with the adapter saved. (`FLAME_FAULT=oom:decode`
+/// makes the first decode fail as out of memory.)
+#[test]
+fn a_decode_out_of_memory_is_tried_again_in_tiles() {
+    use std::process::Command;
+    let d = temp("decode-oom");
+    let cfg = config(&d, 2, 2);
+    let out = cfg.train.output_dir.clone();
+    let toml = d.join("train.toml");
+    let run = |fault: &str, config: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_train"))
+            .arg(config)
+            .env("FLAME_FAULT", fault)
+            .output()
+            .unwrap()
+    };
+    let o = run("oom:decode", &toml);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("ran out of memory decoding whole images")
+            && err.contains("decoding again in 512-pixel tiles"),
+        "{err}"
+    );
+    for i in 0..2 {
+        assert!(
+            out.join(format!("samples/step-0000002-{i}.png")).is_file(),
+            "{err}"
+        );
+    }
+    // At the smallest tile there is nothing smaller to try.
+    let small = d.join("small.toml");
+    let text = std::fs::read_to_string(&toml)
+        .unwrap()
+        .replace("stream_t5 = \"on\"", "stream_t5 = \"on\"\nvae_tile = 128")
+        .replace(
+            "output_dir = \"tiny/out\"",
+            "output_dir = \"tiny/small-out\"",
+        );
+    assert!(
+        text.contains("vae_tile = 128") && text.contains("tiny/small-out"),
+        "{text}"
+    );
+    std::fs::write(&small, text).unwrap();
+    let o = run("oom:decode", &small);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("sample images") && err.contains("out of GPU memory"),
+        "{err}"
+    );
+    assert!(
+        out.with_file_name("small-out")
+            .join("lora.safetensors")
+            .is_file(),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
 /// Validation and sample images under a plan that streams blocks: the streamer keeps a
 /// forward's last blocks for a backward, and the trainer releases them after each forward
 /// without gradients (before the samples' decode); the next step fetches what it needs. The

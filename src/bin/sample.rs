@@ -36,7 +36,7 @@ use flame::models::pipeline::{
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
 use flame::sample::{generate_referenced, seeded_noise, CfgOptions, Request, StepInfo};
-use flame::train::images::{decode_tile_now, encode_tile_now, streams_within};
+use flame::train::images::{decode_fitting, decode_tile_now, encode_tile_now, streams_within};
 use flame::train::Prediction;
 use flame::{DType, Error};
 use std::path::PathBuf;
@@ -917,8 +917,11 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     vae.tiling = (tile > 0).then(|| flame::encoders::VaeTiling::new(tile));
     phases.start(&device, "decoding and writing");
     for (z, path) in latents.iter().zip(paths) {
-        let img = vae.decode_latents(&z.to_dtype(dtype)?).map_err(|e| {
-            e.in_phase(|| "decoding (--vae-tile 256 decodes in smaller tiles)".into())
+        let img = decode_fitting(&mut vae, &z.to_dtype(dtype)?, &mut |n| {
+            eprintln!("note: {n}")
+        })
+        .map_err(|e| {
+            e.in_phase(|| "decoding (--vae-tile 128 decodes in the smallest tiles)".into())
         })?;
         flame::data::save_png(&img.squeeze(0)?, &path)?;
         written.push(path);

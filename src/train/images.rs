@@ -300,6 +300,52 @@ pub(crate) fn decode_tile_within(
     }
 }
 
+/// The smallest tile a decode that ran out of memory is tried again in.
+const LEAST_TILE: usize = 128;
+
+/// `vae.decode_latents(z)`, tried again in smaller tiles where the device runs out of memory
+/// (whole images in [`AUTO_TILE`]-pixel tiles, tiles in half their side, down to 128
+/// pixels): the sample images of a run are not lost to a prediction of the decode's memory
+/// that fell short. Each retry is told to `on`, and the tile stays for the images after; an
+/// error of any other kind, or at the smallest tile, is returned as it is.
+pub fn decode_fitting(
+    vae: &mut AutoencoderKl,
+    z: &Tensor,
+    on: &mut dyn FnMut(String),
+) -> Result<Tensor> {
+    loop {
+        let decoded = match crate::fault::out_of_memory("decode") {
+            true => Err(Error::OutOfMemory {
+                device: z.device().location(),
+                requested: 0,
+                in_use: 0,
+                limit: 0,
+                device_full: true,
+            }),
+            false => vae.decode_latents(z),
+        };
+        let e = match decoded {
+            Err(e @ Error::OutOfMemory { .. }) => e,
+            other => return other,
+        };
+        let now = vae.tiling.as_ref().map_or(0, |t| t.tile);
+        let next = match now {
+            0 => AUTO_TILE,
+            t if t / 2 >= LEAST_TILE => t / 2,
+            _ => return Err(e),
+        };
+        on(format!(
+            "the autoencoder ran out of memory decoding {} ({e}); decoding again in \
+             {next}-pixel tiles (encoders.vae_tile sets the tile)",
+            match now {
+                0 => "whole images".to_string(),
+                t => format!("in {t}-pixel tiles"),
+            }
+        ));
+        vae.tiling = Some(VaeTiling::new(next));
+    }
+}
+
 /// The pixels the autoencoder holds at once for an image of `pixels` in tiles of side
 /// `tile` (0: whole).
 pub(crate) fn pixels_at_once(pixels: usize, tile: usize) -> usize {

@@ -90,6 +90,12 @@ impl Trainer {
     /// autoencoder loaded for the decode and freed. Needs image data (the caches); nothing
     /// without prompts.
     pub fn sample_images(&self) -> Result<Vec<PathBuf>> {
+        self.sample_images_noting(&mut |_| {})
+    }
+
+    /// [`Trainer::sample_images`], telling `on` what it changed on the way (a decode that ran
+    /// out of memory, tried again in smaller tiles: `images::decode_fitting`).
+    pub fn sample_images_noting(&self, on: &mut dyn FnMut(String)) -> Result<Vec<PathBuf>> {
         let sc = &self.config.sample;
         if sc.prompts.is_empty() {
             return Ok(vec![]);
@@ -215,7 +221,7 @@ impl Trainer {
             })?;
             let mut written = vec![];
             for (i, z) in latents.iter().enumerate() {
-                let img = vae.decode_latents(&z.to_dtype(self.dtype)?)?;
+                let img = images::decode_fitting(&mut vae, &z.to_dtype(self.dtype)?, on)?;
                 let rel = sample_name(self.step, i);
                 let path = run.path.join(&rel);
                 crate::data::save_png(&img.squeeze(0)?, &path)?;

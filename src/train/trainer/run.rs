@@ -281,8 +281,13 @@ impl Trainer {
         let sampled = validated.as_ref().ok().map(|_| -> Result<()> {
             if due.samples {
                 self.peaks.start(&self.device, "sample images");
-                let written = self.with_output_weights(|t| t.sample_images());
+                let mut notes = vec![];
+                let written =
+                    self.with_output_weights(|t| t.sample_images_noting(&mut |n| notes.push(n)));
                 self.peaks.end(&self.device, "sample images");
+                for n in notes {
+                    on(Event::Note(n));
+                }
                 let written = written?;
                 self.log_events(|ev| {
                     for (i, path) in written.iter().enumerate() {

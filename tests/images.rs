@@ -485,7 +485,7 @@ fn the_sample_binary_makes_images_with_a_lora() {
         flame::train::demo::flux_tiny_diffusers_config().to_string(),
     )
     .unwrap();
-    let run = |extra: &[&str]| {
+    let command = |extra: &[&str]| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_sample"));
         c.args(["--arch", "flux", "--device", "cpu", "--dtype", "f32"])
             .arg("--model")
@@ -513,8 +513,9 @@ fn the_sample_binary_makes_images_with_a_lora() {
         ])
         .args(["--guidance", "3.5", "--seed", "1"])
         .args(extra);
-        c.output().unwrap()
+        c
     };
+    let run = |extra: &[&str]| command(extra).output().unwrap();
     let out = d.join("samples");
     let lora = cfg.train.output_dir.join("lora.safetensors");
     let o = run(&[
@@ -609,6 +610,28 @@ fn the_sample_binary_makes_images_with_a_lora() {
         .max()
         .unwrap();
     assert!(worst <= 2, "--budget 0.5 against none: {worst}");
+    // A decode that runs out of memory is tried again in tiles (the image fits one: the
+    // same picture), with a note.
+    let tiled = d.join("tiled");
+    let o = command(&[
+        "--prompt",
+        "a large red circle on a white background",
+        "--lora",
+        lora.to_str().unwrap(),
+        "--out",
+        tiled.to_str().unwrap(),
+    ])
+    .env("FLAME_FAULT", "oom:decode")
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("note: the autoencoder ran out of memory decoding whole images"),
+        "{err}"
+    );
+    let a = image::open(tiled.join("0-1.png")).unwrap().to_rgb8();
+    assert_eq!(a.as_raw(), b.as_raw(), "the retried decode");
     let o = run(&[
         "--prompt",
         "x",

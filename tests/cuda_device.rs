@@ -533,23 +533,18 @@ fn the_default_budget_is_what_the_process_could_hold_at_start() {
         (Some(at_start - outside), Some(outside))
     );
     // A card of 80 GB or more decodes a 1024² image whole (about 6.8 GiB in bf16).
-    let whole_1024 = |dev: &Device| {
-        flame::train::images::decode_tile_now(0, false, dev, 1024 * 1024, 128, DType::BF16).unwrap()
-    };
+    use flame::train::images::{decode_bytes, encode_bytes, tile_now};
+    let decode_1024 = decode_bytes(1024 * 1024, 128, DType::BF16);
+    let whole_1024 = |dev: &Device| tile_now(0, false, dev, decode_1024).unwrap();
     if at_start > 60 * GIB {
         assert_eq!(whole_1024(&dev), 0, "{at_start} bytes at start");
     }
     // Under a budget the decode tiles whatever the memory; --vae-tile wins.
     assert_eq!(
-        flame::train::images::decode_tile_now(0, true, &dev, 1024 * 1024, 128, DType::BF16)
-            .unwrap(),
+        tile_now(0, true, &dev, decode_1024).unwrap(),
         flame::train::images::AUTO_TILE
     );
-    assert_eq!(
-        flame::train::images::decode_tile_now(256, false, &dev, 1024 * 1024, 128, DType::BF16)
-            .unwrap(),
-        256
-    );
+    assert_eq!(tile_now(256, false, &dev, decode_1024).unwrap(), 256);
     // A lower share (what ranks agreed on, a resumed run's record) replaces the device's own
     // for the rest of the process, and only lowers it: the tiles follow it. (No other test
     // of this binary reads the figure.)
@@ -564,8 +559,7 @@ fn the_default_budget_is_what_the_process_could_hold_at_start() {
         "a 1024² decode does not fit 1 GiB"
     );
     assert_eq!(
-        flame::train::images::encode_tile_now(0, false, &dev, 1024 * 1024, 128, DType::BF16)
-            .unwrap(),
+        tile_now(0, false, &dev, encode_bytes(1024 * 1024, 128, DType::BF16)).unwrap(),
         flame::train::images::AUTO_TILE
     );
     drop(t);

@@ -36,7 +36,9 @@ use flame::models::pipeline::{
 use flame::models::{self, LoadOptions};
 use flame::nn::LoraMerge;
 use flame::sample::{generate_referenced, seeded_noise, CfgOptions, Request, StepInfo};
-use flame::train::images::{decode_fitting, decode_tile_now, encode_tile_now, streams_within};
+use flame::train::images::{
+    decode_bytes, decode_fitting, encode_bytes, first_width, streams_within, tile_now,
+};
 use flame::train::Prediction;
 use flame::{DType, Error};
 use std::path::PathBuf;
@@ -161,9 +163,9 @@ struct Args {
     #[argh(option)]
     latents: Option<PathBuf>,
     /// hold the process to this many GiB of the GPU as the driver counts them: the
-    /// training planner's plan (blocks streamed from host memory as needed), T5 and Qwen3
-    /// streamed where they take more than half, the decode tiled (0, the default: on a GPU, plan within the memory free at start,
-    /// uncapped)
+    /// planner's plan for forwards (blocks streamed from host memory as needed), T5 and
+    /// Qwen3 streamed where they take more than half, the decode tiled (0, the default: on
+    /// a GPU, plan within the memory free at start, uncapped)
     #[argh(option, default = "0.0")]
     budget: f64,
     /// print the version
@@ -702,12 +704,7 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     // The autoencoder's tile is chosen for each reference's encode, and for the decode once
     // the model is freed.
     let mut vae = load_vae(family, &vae_at, dtype, &device, "--vae")?;
-    let vae_width = vae
-        .config
-        .block_out_channels
-        .first()
-        .copied()
-        .unwrap_or(flame::train::images::VAE_FIRST_WIDTH);
+    let vae_width = first_width(&vae);
     let f = vae.config.diffusion_downscale();
     // The references, sized as the pipeline sizes them and encoded before the model loads;
     // the image takes the first one's size where --width / --height do not say
@@ -723,7 +720,8 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             let x = flame::data::reference::load(p, &ref_opts, false, &device)
                 .map_err(|e| flag("--reference", p, e))?;
             let pixels = x.dims()[1..].iter().product::<usize>();
-            let tile = encode_tile_now(a.vae_tile, budgeted, &device, pixels, vae_width, dtype)?;
+            let whole = encode_bytes(pixels, vae_width, dtype);
+            let tile = tile_now(a.vae_tile, budgeted, &device, whole)?;
             vae.tiling = (tile > 0).then(|| flame::encoders::VaeTiling::new(tile));
             refs.push(
                 vae.encode_latents(&x.unsqueeze(0)?.to_dtype(dtype)?)?
@@ -906,14 +904,8 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     let mut written = vec![];
     // The decode's tile, now that the model is freed: whole images where they fit the memory
     // free at start beside the autoencoder and the latents (without --budget).
-    let tile = decode_tile_now(
-        a.vae_tile,
-        budgeted,
-        &device,
-        height * width,
-        vae_width,
-        dtype,
-    )?;
+    let whole = decode_bytes(height * width, vae_width, dtype);
+    let tile = tile_now(a.vae_tile, budgeted, &device, whole)?;
     vae.tiling = (tile > 0).then(|| flame::encoders::VaeTiling::new(tile));
     phases.start(&device, "decoding and writing");
     for (z, path) in latents.iter().zip(paths) {

@@ -73,6 +73,18 @@ pub fn memory_at_start(device: &Device) -> Result<Option<u64>> {
     Ok(None)
 }
 
+/// Bytes FLAME's allocator holds in live buffers on `device` now (0 on the CPU): what lives
+/// beside a phase planned at this moment (the autoencoder, the prompts' conditioning).
+pub fn allocator_in_use(device: &Device) -> u64 {
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let Device::Cuda(c) = device {
+        return c.memory().in_use;
+    }
+    let _ = device;
+    0
+}
+
 /// The default budget of the phases planned before their memory is taken (caching, the
 /// samples' decode, `sample`'s model), split as [`split_budget`] splits a given one:
 /// [`memory_at_start`] less what the process holds outside its allocator and

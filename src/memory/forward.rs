@@ -23,13 +23,16 @@ impl MemoryProfile {
     /// ahead, nothing else checkpointed, nothing kept, uncoded, 8-bit weights' transposes not
     /// kept (no backward makes them).
     pub fn forward_plan(&self, streamed: usize, prefetch: usize) -> Plan {
-        let mut names = self.stream_order();
-        names.truncate(streamed);
+        self.forward_plan_in(&self.stream_order(), streamed, prefetch)
+    }
+
+    /// [`MemoryProfile::forward_plan`] over `order`, the stream order worked out once.
+    fn forward_plan_in(&self, order: &[String], streamed: usize, prefetch: usize) -> Plan {
         // 8-bit weights' transposes are for a backward: none is kept where any would be.
         let kept = self.other_kept_bytes > 0 || self.blocks.iter().any(|b| b.kept_bytes > 0);
         Plan {
             checkpointing: Checkpointing::Off,
-            streamed: names,
+            streamed: order[..streamed.min(order.len())].to_vec(),
             prefetch: prefetch.max(1),
             remake_transposes: kept,
             ..Plan::default()
@@ -146,13 +149,16 @@ impl MemoryProfile {
         host_room: Option<u64>,
     ) -> std::result::Result<Planned, NoPlan> {
         let n = self.blocks.len();
-        let resident_ms = self.forward_only_ms(&self.forward_plan(0, 1)).max(1e-9);
+        let order = self.stream_order();
+        let resident_ms = self
+            .forward_only_ms(&self.forward_plan_in(&order, 0, 1))
+            .max(1e-9);
         let mut best: Option<(f64, Plan, u64)> = None;
         let mut minimum = u64::MAX;
         let mut host_least: Option<u64> = None;
         for streamed in 0..=n {
             for prefetch in 1..=MOST_AHEAD.min(streamed.max(1)) {
-                let plan = self.forward_plan(streamed, prefetch);
+                let plan = self.forward_plan_in(&order, streamed, prefetch);
                 let peak = self.forward_peak(&plan);
                 // The budget it needs, its margin included.
                 minimum = minimum.min(match streamed {

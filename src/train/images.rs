@@ -199,7 +199,7 @@ pub fn vae(
 
 /// The first stage's width of the released Flux, SD3 and SDXL autoencoders (diffusers'
 /// `block_out_channels[0]`), for estimates made before one is loaded.
-pub const VAE_FIRST_WIDTH: usize = 128;
+pub(crate) const VAE_FIRST_WIDTH: usize = 128;
 
 /// The side of the tiles the autoencoder works in when a whole image does not fit.
 pub const AUTO_TILE: usize = 512;
@@ -215,71 +215,34 @@ pub fn decode_tile(vae_tile: usize, budgeted: bool) -> usize {
     }
 }
 
-/// The tile the autoencoder decodes images of `pixels` in (its first stage `width` wide, in
-/// `dtype`) with what FLAME's buffers hold on `device` now beside the decode: [`decode_tile`]
-/// under a budget (`budgeted`); without one, on a GPU, whole images where a whole decode fits
-/// beside those buffers within the memory free at start ([`crate::memory::split_at_start`]),
-/// else [`AUTO_TILE`]; on the CPU `vae_tile` (0: whole). The `sample` binary's decode, after
-/// its model is freed.
-pub fn decode_tile_now(
-    vae_tile: usize,
-    budgeted: bool,
-    device: &Device,
-    pixels: usize,
-    width: usize,
-    dtype: DType,
-) -> Result<usize> {
-    tile_beside_buffers(
-        vae_tile,
-        budgeted,
-        device,
-        decode_bytes(pixels, width, dtype),
-    )
-}
-
-/// As [`decode_tile_now`] for an encode of an image of `pixels` (`encode_bytes`): the
-/// `sample` binary's reference images.
-pub fn encode_tile_now(
-    vae_tile: usize,
-    budgeted: bool,
-    device: &Device,
-    pixels: usize,
-    width: usize,
-    dtype: DType,
-) -> Result<usize> {
-    tile_beside_buffers(
-        vae_tile,
-        budgeted,
-        device,
-        encode_bytes(pixels, width, dtype),
-    )
-}
-
-/// The autoencoder's tile for work of `whole` bytes on a whole image, beside what FLAME's
-/// buffers hold on `device` now ([`decode_tile_now`]).
-fn tile_beside_buffers(
-    vae_tile: usize,
-    budgeted: bool,
-    device: &Device,
-    whole: u64,
-) -> Result<usize> {
-    #[allow(unused_mut)]
-    let mut in_use = 0u64;
-    #[cfg(feature = "cuda")]
-    #[allow(irrefutable_let_patterns)]
-    if let Device::Cuda(c) = device {
-        in_use = c.memory().in_use;
-    }
+/// The tile the autoencoder works in on an image whose whole encode or decode takes `whole`
+/// bytes ([`encode_bytes`], [`decode_bytes`]), beside what FLAME's buffers hold on `device`
+/// now: [`decode_tile`] under a budget (`budgeted`); without one, on a GPU, whole images
+/// where the work fits beside those buffers within the memory free at start
+/// ([`crate::memory::split_at_start`]), else [`AUTO_TILE`]; on the CPU `vae_tile` (0:
+/// whole). The `sample` binary's references and decode (after its model is freed).
+pub fn tile_now(vae_tile: usize, budgeted: bool, device: &Device, whole: u64) -> Result<usize> {
     let cap = match budgeted {
         true => None,
         false => crate::memory::split_at_start(device)?.0,
     };
+    let in_use = crate::memory::allocator_in_use(device);
     Ok(decode_tile_within(
         vae_tile,
         budgeted,
         cap.map(|c| (c, in_use)),
         whole,
     ))
+}
+
+/// The width of `vae`'s first stage (diffusers' `block_out_channels[0]`), which its encode
+/// and decode estimates scale with.
+pub fn first_width(vae: &AutoencoderKl) -> usize {
+    vae.config
+        .block_out_channels
+        .first()
+        .copied()
+        .unwrap_or(VAE_FIRST_WIDTH)
 }
 
 /// The decode tile: `vae_tile` where set; under a given budget (`given`),
@@ -358,14 +321,14 @@ pub(crate) fn pixels_at_once(pixels: usize, tile: usize) -> usize {
 /// Bytes the autoencoder's encoder holds at once for an image (or tile) of `pixels`: about
 /// 16 activations of its first stage's `width` at full resolution (measured: a 1024² encode
 /// with the 128-wide stage peaks at 3.9 GiB in bf16, weights included).
-pub(crate) fn encode_bytes(pixels: usize, width: usize, dtype: DType) -> u64 {
+pub fn encode_bytes(pixels: usize, width: usize, dtype: DType) -> u64 {
     (pixels * width * dtype.size_in_bytes() * 16) as u64
 }
 
 /// Bytes the autoencoder's decoder holds at once for an image (or tile) of `pixels`: about
 /// 27 activations of its first stage's `width` at full resolution (measured: Flux's decoder
 /// at 1024² peaks at 6.7 GiB in bf16; in 512-pixel tiles at 1.8 GiB).
-pub(crate) fn decode_bytes(pixels: usize, width: usize, dtype: DType) -> u64 {
+pub fn decode_bytes(pixels: usize, width: usize, dtype: DType) -> u64 {
     (pixels * width * dtype.size_in_bytes() * 27) as u64
 }
 
@@ -395,11 +358,10 @@ pub(crate) fn choose_encode_tile(
 /// of a run, and on every rank, where the free memory of the moment is not (the encode tile
 /// is part of the latent cache's key). `None` on the CPU without a budget.
 pub fn phase_budget(config: &TrainConfig, device: &Device) -> Result<Option<(u64, u64)>> {
-    if config.memory.budget_gb > 0.0 {
-        let (alloc, outside) = crate::memory::split_budget(device, config.memory.budget_gb)?;
-        return Ok(alloc.map(|a| (a + outside.unwrap_or(0), a)));
-    }
-    let (alloc, outside) = crate::memory::split_at_start(device)?;
+    let (alloc, outside) = match config.memory.budget_gb > 0.0 {
+        true => crate::memory::split_budget(device, config.memory.budget_gb)?,
+        false => crate::memory::split_at_start(device)?,
+    };
     Ok(alloc.map(|a| (a + outside.unwrap_or(0), a)))
 }
 
@@ -427,12 +389,7 @@ fn encode_tile(
     pixels: usize,
     on: &mut dyn FnMut(String),
 ) -> Result<usize> {
-    let width = vae
-        .config
-        .block_out_channels
-        .first()
-        .copied()
-        .unwrap_or(VAE_FIRST_WIDTH);
+    let width = first_width(vae);
     let cap = allocator_share(config, device)?;
     let tile = choose_encode_tile(config, cap, pixels, width, dtype);
     if let (Some(cap), true) = (cap, tile != config.encoders.vae_tile) {
@@ -758,12 +715,7 @@ pub fn prepare(
     // The diffusion latents' downscale and channels (FLUX.2's are 2x2 patches of the
     // autoencoder's).
     let factor = vae.config.diffusion_downscale();
-    let vae_width = vae
-        .config
-        .block_out_channels
-        .first()
-        .copied()
-        .unwrap_or(VAE_FIRST_WIDTH);
+    let vae_width = first_width(&vae);
     let channels = vae.config.diffusion_channels();
     // References are floored to the autoencoder's factor with its patches, as the pipeline's
     // `vae_scale_factor * 2`.

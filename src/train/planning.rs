@@ -301,13 +301,7 @@ pub fn plan_denoising(
         },
     )?;
     // What lives now and through the denoising.
-    #[allow(unused_mut)]
-    let mut held = 0u64;
-    #[cfg(feature = "cuda")]
-    #[allow(irrefutable_let_patterns)]
-    if let Device::Cuda(c) = device {
-        held = c.memory().in_use;
-    }
+    let held = crate::memory::allocator_in_use(device);
     let free_at_start = gib(cap + outside.unwrap_or(0));
     // Without a budget, every block resident where a forward of two samples at once fits
     // (guidance's predictions batched: the resident choice batches them), without measuring

@@ -196,12 +196,7 @@ impl Trainer {
             // decode (the phase's plan counts what the run keeps between steps beside it).
             self.release_streamed()?;
             let mut vae = images::vae(&self.config, family, &parts.vae, self.dtype, &self.device)?;
-            let width = vae
-                .config
-                .block_out_channels
-                .first()
-                .copied()
-                .unwrap_or(images::VAE_FIRST_WIDTH);
+            let width = images::first_width(&vae);
             let tile = crate::train::planning::sample_decode_tile(
                 &self.config,
                 &self.memory,

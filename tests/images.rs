@@ -879,11 +879,11 @@ fn a_decode_out_of_memory_is_tried_again_in_tiles() {
     std::fs::remove_dir_all(&d).ok();
 }
 
-/// Validation and sample images under a plan that streams blocks: the streamer keeps a
-/// forward's last blocks for a backward, and the trainer releases them after each forward
-/// without gradients (before the samples' decode); the next step fetches what it needs. The
-/// run's losses, validation losses and pictures are those of the run with every block
-/// resident.
+/// Validation and sample images under a plan that streams blocks: a forward without
+/// gradients releases each streamed block as it leaves it (a recording forward keeps its last
+/// ones for the backward), so none stays through the samples' decode; the next step fetches
+/// what it needs. The run's losses, validation losses and pictures are those of the run with
+/// every block resident.
 #[test]
 fn validation_and_samples_between_streamed_steps_leave_the_run_as_resident() {
     use flame::memory::Checkpointing;

@@ -2301,9 +2301,9 @@ fn forward_plans_stream_only_what_a_forward_needs() {
 /// A forward plan run: a Flux of 3 double and 6 single blocks (tiny widths) loaded under
 /// forward plans that stream some or all of its blocks, fetched 1 or 2 ahead, gives the
 /// resident model's prediction bit for bit over several forwards without gradients (a
-/// denoising loop: the streamer keeps each forward's last blocks for a backward that never
-/// comes, and the next forward releases them), and no more blocks stay on the device
-/// between forwards than a forward's window.
+/// denoising loop: no backward comes, so the streamer releases each block as the forward
+/// leaves it), and no more blocks stay on the device between forwards than a forward's
+/// window.
 #[test]
 fn forward_plans_run_as_the_resident_model() {
     let dir = std::env::temp_dir().join(format!("flame-forward-plan-{}", std::process::id()));

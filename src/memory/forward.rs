@@ -48,12 +48,11 @@ impl MemoryProfile {
     /// and its input twice) and the inputs and transients of the step
     /// ([`MemoryProfile::fixed_bytes`]).
     ///
-    /// The window: the block running and `prefetch` ahead, and at a forward's first streamed
-    /// block the last `prefetch + 1` of the forward before (the streamer keeps them for a
-    /// backward and releases them once the next forward's first upload is issued), so
-    /// `prefetch + 2` of the largest streamed block, or every streamed block where they are
-    /// fewer; under a plan that fetches deeper (`Plan::reach`), the most any place's reach
-    /// holds and one block more.
+    /// The window: the block running and `prefetch` ahead (a forward without gradients
+    /// releases each streamed block as it leaves it), with one block spare, so `prefetch + 2`
+    /// of the largest streamed block, or every streamed block where they are fewer; under a
+    /// step's plan that fetches deeper (`Plan::reach`), the most any place's reach holds and
+    /// one block more.
     pub fn forward_peak(&self, plan: &Plan) -> u64 {
         let streamed = self.streamed_marks(plan);
         let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };

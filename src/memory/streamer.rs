@@ -1209,8 +1209,8 @@ impl BlockStreamer {
     }
 
     /// Releases block `i` after a run, except the blocks the next pass starts with: the last
-    /// `prefetch + 1` after the forward (the backward begins there and would fetch them at
-    /// once), the first `carry` after the backward (the next step's forward begins there:
+    /// `prefetch + 1` after a forward that records (the backward begins there and would
+    /// fetch them at once; a forward without gradients releases every block), the first `carry` after the backward (the next step's forward begins there:
     /// `prefetch + 1`, or more with `set_reach`). The device holds that many streamed blocks
     /// at those points of a pass anyway (the one running and those in flight), so keeping
     /// them costs no peak and saves their uploads.
@@ -1220,8 +1220,12 @@ impl BlockStreamer {
             self.compute_ahead(i)?;
         }
         let mut st = self.lock()?;
+        // A forward's last blocks stay for the backward, which begins with them; a forward
+        // without gradients (validation, sampling) has no backward to keep them for.
         let keep = match pass {
-            Pass::Forward => i + 1 + self.prefetch >= st.blocks.len(),
+            Pass::Forward => {
+                crate::autograd::grad_enabled() && i + 1 + self.prefetch >= st.blocks.len()
+            }
             Pass::Backward => i <= self.prefetch || (i < st.carry && self.has_room(&st, i)),
         };
         let r = if keep {

@@ -759,8 +759,8 @@ fn between_steps(prof: &MemoryProfile, plan: &Plan) -> u64 {
 /// encoders), the training step, validation (forward only, under the step's plan: its
 /// forward's peak, `MemoryProfile::forward_peak`, at most the step's), sample images (the
 /// denoising forward at `sample.size` under the step's plan, its forward's peak at that
-/// size, and the decode beside what the run keeps between steps, the streamed blocks
-/// released first) and checkpoints (written through host memory). `largest` is the largest sample's
+/// size, and the decode beside what the run keeps between steps: a forward without
+/// gradients leaves no streamed block on the device) and checkpoints (written through host memory). `largest` is the largest sample's
 /// input shapes, `vae` the autoencoder's downsampling factor and first stage's width (image
 /// data only; `None` for pre-encoded samples), `guided` whether the model takes a distilled
 /// guidance input (no classifier-free guidance in its samples).

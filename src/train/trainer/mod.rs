@@ -320,17 +320,6 @@ impl Trainer {
         RunDir::new(&self.config.train.output_dir)
     }
 
-    /// Releases every streamed block on the device (nothing where no block streams): after a
-    /// forward without gradients, whose last blocks the streamer keeps for a backward that
-    /// does not come. The next training forward uploads its first blocks as it does after
-    /// any release.
-    pub(super) fn release_streamed(&self) -> Result<()> {
-        match &self.model.exec().streamer {
-            Some(s) => s.release_all(),
-            None => Ok(()),
-        }
-    }
-
     /// The counters of the model's block streamer, when blocks are streamed.
     pub fn stream_report(&self) -> Result<Option<crate::memory::StreamReport>> {
         self.model

@@ -78,8 +78,6 @@ impl Trainer {
             }
             Ok(total / v.ds.len().max(1) as f64)
         })();
-        // The streamed blocks the last forward kept for a backward that never comes go back.
-        let result = result.and_then(|l| self.release_streamed().map(|()| l));
         self.set_train(was);
         result.map(Some)
     }
@@ -192,9 +190,6 @@ impl Trainer {
                 &noise,
                 &mut |_, _| Ok(()),
             )?;
-            // The streamed blocks the last forward kept for a backward go back before the
-            // decode (the phase's plan counts what the run keeps between steps beside it).
-            self.release_streamed()?;
             let mut vae = images::vae(&self.config, family, &parts.vae, self.dtype, &self.device)?;
             let width = images::first_width(&vae);
             let tile = crate::train::planning::sample_decode_tile(

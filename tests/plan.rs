@@ -2212,18 +2212,21 @@ fn forward_plans_stream_only_what_a_forward_needs() {
     let prof = flux_dev_sampling(1);
     let gib = |g: f64| (g * GIB) as u64;
     // A card that holds the weights and a forward's work keeps every block.
-    let whole = prof.plan_forward_within(gib(80.0), None).unwrap();
+    let whole = prof.plan_forward_within(gib(80.0), None, false).unwrap();
     assert!(whole.plan.streamed.is_empty(), "{}", whole.plan);
     assert_eq!(whole.slowdown, 1.0);
-    assert_eq!(whole.peak, prof.forward_peak(&prof.forward_plan(0, 1)));
+    assert_eq!(
+        whole.peak,
+        prof.forward_peak(&prof.forward_plan(0, 1, false))
+    );
     // Under each budget: the plan fits as a forward, streams no fewer blocks as the budget
     // shrinks, streams fewer than the training planner's pick for the same budget (whose
     // peak holds the backward's), and runs no faster than every block resident.
-    let resident_ms = prof.forward_only_ms(&prof.forward_plan(0, 1));
+    let resident_ms = prof.forward_only_ms(&prof.forward_plan(0, 1, false));
     let mut last = 0;
     for gb in [24.0, 16.0, 12.0, 8.0, 6.0] {
         let p = prof
-            .plan_forward_within(gib(gb), None)
+            .plan_forward_within(gib(gb), None, false)
             .unwrap_or_else(|e| panic!("{gb} GiB: {e:?}"));
         let usable = gib(gb) - gib(gb) / flame::memory::MARGIN_DIVISOR;
         assert!(p.peak <= usable && p.peak == prof.forward_peak(&p.plan));
@@ -2253,7 +2256,7 @@ fn forward_plans_stream_only_what_a_forward_needs() {
             p.streamed_bytes as f64 / GIB
         );
     }
-    let twelve = prof.plan_forward_within(gib(12.0), None).unwrap();
+    let twelve = prof.plan_forward_within(gib(12.0), None, false).unwrap();
     // Under a step's plan that fetches deeper, a forward without gradients fetches each
     // place's whole reach: its peak counts the deepest.
     let t = flux_dev(false, false);
@@ -2272,30 +2275,95 @@ fn forward_plans_stream_only_what_a_forward_needs() {
     // A forward's peak is a step's less what the backward holds, for any plan.
     let t = flux_dev(false, false);
     for (n, k) in [(0, 1), (20, 2), (57, 1), (40, 4)] {
-        let plan = t.forward_plan(n, k);
+        let plan = t.forward_plan(n, k, false);
         assert!(t.forward_peak(&plan) <= t.peak(&plan), "{plan}");
     }
     // Two samples at once hold more than one.
     let two = flux_dev_sampling(2);
     assert!(
-        two.forward_peak(&two.forward_plan(0, 1)) > prof.forward_peak(&prof.forward_plan(0, 1))
+        two.forward_peak(&two.forward_plan(0, 1, false))
+            > prof.forward_peak(&prof.forward_plan(0, 1, false))
     );
     // Below the smallest plan: its peak named; past the host's room: the least host memory.
-    let no = prof.plan_forward_within(gib(1.0), None).unwrap_err();
+    let no = prof.plan_forward_within(gib(1.0), None, false).unwrap_err();
     // (the budget the smallest plan needs: its peak and the margin of a plan that streams)
-    let least = prof.forward_peak(&prof.forward_plan(57, 1));
+    let least = prof.forward_peak(&prof.forward_plan(57, 1, false));
     assert_eq!(
         no.minimum,
         least + least / (flame::memory::MARGIN_DIVISOR - 1)
     );
     assert!(no.minimum > gib(1.0) && no.host.is_none());
     let no = prof
-        .plan_forward_within(gib(12.0), Some(gib(1.0)))
+        .plan_forward_within(gib(12.0), Some(gib(1.0)), false)
         .unwrap_err();
     let (least, room) = no.host.expect("plans fit the device but not the host");
     assert_eq!(room, gib(1.0));
     assert_eq!(least, prof.host_bytes(&twelve.plan).min(least));
     assert!(least > gib(1.0));
+}
+
+/// Forward plans with the conditioning products on the host: the modulations' weights of the
+/// streamed blocks (27% of Flux-dev's block weights) stay in host memory, so they leave the
+/// uploads and the device's window, and the host's products are played beside the link.
+#[test]
+fn forward_plans_may_take_the_conditioning_products_from_the_host() {
+    let prof = flux_dev_sampling(1);
+    let gib = |g: f64| (g * GIB) as u64;
+    // The same blocks streamed: less on the device, fewer bytes on the link, no slower
+    // where the link paces the forward (the host's products outpace the uploads).
+    for (n, k) in [(20, 1), (40, 2), (57, 1)] {
+        let without = prof.forward_plan(n, k, false);
+        let with = prof.forward_plan(n, k, true);
+        assert!(with.host_products && !without.host_products);
+        assert!(
+            prof.forward_peak(&with) < prof.forward_peak(&without),
+            "{n}"
+        );
+        assert!(
+            prof.forward_only_ms(&with) <= prof.forward_only_ms(&without),
+            "{n} streamed: {:.1} ms with host products against {:.1}",
+            prof.forward_only_ms(&with),
+            prof.forward_only_ms(&without)
+        );
+        assert!(prof
+            .describe_forward(&with)
+            .contains("conditioning products on the host"));
+    }
+    // Nothing streamed, nothing held: no host products whatever is asked.
+    assert!(!prof.forward_plan(0, 1, true).host_products);
+    // A host far slower than the link: its products pace the forward.
+    let mut slow = prof.clone();
+    slow.machine.host_product_gib_per_s = 0.5;
+    let (with, without) = (
+        slow.forward_plan(57, 1, true),
+        slow.forward_plan(57, 1, false),
+    );
+    assert!(slow.forward_only_ms(&with) > slow.forward_only_ms(&without));
+    // Allowed, the planner takes them where the forward streams and they save time, and its
+    // pick is never slower than the pick without; within 6 GiB it streams no more blocks.
+    for gb in [24.0, 12.0, 8.0, 6.0] {
+        let with = prof.plan_forward_within(gib(gb), None, true).unwrap();
+        let without = prof.plan_forward_within(gib(gb), None, false).unwrap();
+        let usable = gib(gb) - gib(gb) / flame::memory::MARGIN_DIVISOR;
+        assert!(with.peak <= usable && with.peak == prof.forward_peak(&with.plan));
+        assert!(with.slowdown <= without.slowdown, "{gb} GiB");
+        assert!(with.plan.streamed.len() <= without.plan.streamed.len());
+        if gb <= 12.0 {
+            assert!(with.plan.host_products, "{gb} GiB: {}", with.plan);
+            assert!(with.streamed_bytes < without.streamed_bytes);
+        }
+        println!(
+            "{gb} GiB: {} ({:.2}x, {:.1} GiB a forward) against {} ({:.2}x)",
+            prof.describe_forward(&with.plan),
+            with.slowdown,
+            with.streamed_bytes as f64 / GIB,
+            prof.describe_forward(&without.plan),
+            without.slowdown
+        );
+    }
+    // On the slow host, the planner leaves them on the device.
+    let pick = slow.plan_forward_within(gib(8.0), None, true).unwrap();
+    assert!(!pick.plan.host_products, "{}", pick.plan);
 }
 
 /// A forward plan run: a Flux of 3 double and 6 single blocks (tiny widths) loaded under
@@ -2379,7 +2447,7 @@ fn forward_plans_run_as_the_resident_model() {
     let (want, none) = run(Plan::default());
     assert!(none.is_empty());
     for (n, p) in [(3, 1), (6, 1), (9, 1), (9, 2), (5, 2)] {
-        let plan = prof.forward_plan(n, p);
+        let plan = prof.forward_plan(n, p, false);
         let (got, resident) = run(plan.clone());
         assert_eq!(got, want, "{}", prof.describe_forward(&plan));
         assert_eq!(resident.len(), 3);
@@ -2388,6 +2456,20 @@ fn forward_plans_run_as_the_resident_model() {
             "{}: {resident:?} on the device between forwards",
             prof.describe_forward(&plan)
         );
+    }
+    // The conditioning products from the host: f32 sums in another order than the
+    // backend's matmul, so equal to rounding, not bit for bit.
+    let plan = prof.forward_plan(9, 1, true);
+    assert!(plan.host_products);
+    let (got, _) = run(plan.clone());
+    for (g, w) in got.iter().zip(&want) {
+        let worst = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+            .fold(0.0f64, f64::max);
+        assert!(worst < 1e-4, "{}: {worst}", prof.describe_forward(&plan));
+        assert_ne!(g, &vec![0.0; g.len()]);
     }
     std::fs::remove_dir_all(&dir).ok();
 }

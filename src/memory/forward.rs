@@ -4,11 +4,13 @@
 //! step's peak (which holds what the backward needs) asks far more memory of it than it
 //! takes, and a plan chosen by the step's peak streams more blocks than a forward needs.
 //! Here only the streamed blocks matter: a plan is a number of streamed blocks (the
-//! planner's stream order, [`MemoryProfile::stream_order`]) and how far ahead they are
-//! fetched, nothing checkpointed beyond them, uncoded. Its peak is the resident weights,
+//! planner's stream order, [`MemoryProfile::stream_order`]), how far ahead they are
+//! fetched and whether their Linears over the conditioning vector keep their weights in
+//! host memory and take their products from the host (`Plan::host_products`), nothing
+//! checkpointed beyond them, uncoded. Its peak is the resident weights,
 //! the streamer's window, the largest block's work and the sample's inputs
-//! ([`MemoryProfile::forward_peak`]); its time a forward played on the compute stream's
-//! and the host link's clocks as the streamer issues the uploads
+//! ([`MemoryProfile::forward_peak`]); its time a forward played on the compute stream's,
+//! the host link's and the host products' clocks as the streamer issues the uploads
 //! ([`MemoryProfile::forward_only_ms`]); the fastest plan that fits the budget and the
 //! host's memory is taken ([`MemoryProfile::plan_forward_within`]).
 
@@ -21,27 +23,53 @@ const MOST_AHEAD: usize = 4;
 impl MemoryProfile {
     /// A forward plan: the first `streamed` blocks of the stream order fetched `prefetch`
     /// ahead, nothing else checkpointed, nothing kept, uncoded, 8-bit weights' transposes not
-    /// kept (no backward makes them).
-    pub fn forward_plan(&self, streamed: usize, prefetch: usize) -> Plan {
-        self.forward_plan_in(&self.stream_order(), streamed, prefetch)
+    /// kept (no backward makes them); with `host_products`, the streamed blocks' Linears over
+    /// the conditioning vector keep their floating-point weights in host memory and take
+    /// their products from the host (`Plan::host_products`; on only where such weights
+    /// stream).
+    pub fn forward_plan(&self, streamed: usize, prefetch: usize, host_products: bool) -> Plan {
+        self.forward_plan_in(&self.stream_order(), streamed, prefetch, host_products)
     }
 
     /// [`MemoryProfile::forward_plan`] over `order`, the stream order worked out once.
-    fn forward_plan_in(&self, order: &[String], streamed: usize, prefetch: usize) -> Plan {
+    fn forward_plan_in(
+        &self,
+        order: &[String],
+        streamed: usize,
+        prefetch: usize,
+        host_products: bool,
+    ) -> Plan {
         // 8-bit weights' transposes are for a backward: none is kept where any would be.
         let kept = self.other_kept_bytes > 0 || self.blocks.iter().any(|b| b.kept_bytes > 0);
-        Plan {
+        let streamed = order[..streamed.min(order.len())].to_vec();
+        let mut plan = Plan {
             checkpointing: Checkpointing::Off,
-            streamed: order[..streamed.min(order.len())].to_vec(),
             prefetch: prefetch.max(1),
             remake_transposes: kept,
+            host_products,
+            streamed,
             ..Plan::default()
-        }
+        };
+        plan.host_products = host_products && self.holds_any(&plan);
+        plan
+    }
+
+    /// Whether some block `plan` streams has weights `Plan::host_products` holds on the host.
+    fn holds_any(&self, plan: &Plan) -> bool {
+        let held = Plan {
+            host_products: true,
+            ..Plan::default()
+        };
+        self.blocks
+            .iter()
+            .zip(self.streamed_marks(plan))
+            .any(|(b, s)| s && Self::host_held(&held, b).0 > 0)
     }
 
     /// The predicted peak bytes of a forward without gradients under `plan` (a
     /// [`MemoryProfile::forward_plan`], or a step's plan: a validation or a sample image
-    /// under it): the weights on the device throughout (the resident blocks' and the rest),
+    /// under it): the weights on the device throughout (the resident blocks' and the rest;
+    /// a streamed block's less those held on the host for their products),
     /// the staging ring of coded uploads, the trainable parameters with their gradients and
     /// the optimizer's state where the profile counts them, the streamer's window, the
     /// largest block's work (its re-run tape, which holds every activation the block makes,
@@ -58,9 +86,12 @@ impl MemoryProfile {
         let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };
         let mut weights = self.other_weight_bytes + kept(self.other_kept_bytes);
         let (mut largest, mut work) = (0u64, 0u64);
+        // A streamed block's bytes on the device: its weights less those the host holds.
+        let on_device =
+            |b: &super::plan::BlockCost| b.weight_bytes.saturating_sub(Self::host_held(plan, b).0);
         for (b, &s) in self.blocks.iter().zip(&streamed) {
             if s {
-                largest = largest.max(b.weight_bytes);
+                largest = largest.max(on_device(b));
             } else {
                 weights += b.weight_bytes + kept(b.kept_bytes);
             }
@@ -74,7 +105,7 @@ impl MemoryProfile {
         if !plan.reach.is_empty() {
             let sizes: Vec<u64> = (self.blocks.iter().zip(&streamed))
                 .filter(|&(_, &s)| s)
-                .map(|(b, _)| b.weight_bytes)
+                .map(|(b, _)| on_device(b))
                 .collect();
             let deepest = (0..sizes.len())
                 .map(|j| {
@@ -106,24 +137,38 @@ impl MemoryProfile {
     /// machine's upload rate, each issued when the forward enters the streamed block
     /// `prefetch` places before it (the first `prefetch + 1` when it enters the first):
     /// nothing is on the device at a forward's start, since no backward left blocks there.
+    /// With `Plan::host_products` the weights the host holds leave the uploads, and a block
+    /// also waits for their products, which the host computes in block order at the
+    /// machine's rate from when the forward enters the first streamed block (its product
+    /// brings the conditioning over and starts them all: `crate::memory` module `products`).
     pub fn forward_only_ms(&self, plan: &Plan) -> f64 {
         const GIB: f64 = (1u64 << 30) as f64;
         let rate = self.machine.upload_gib_per_s.max(1e-3);
+        let host_rate = self.machine.host_product_gib_per_s.max(1e-3);
         let streamed = self.streamed_marks(plan);
         let order: Vec<usize> = (0..self.blocks.len()).filter(|&i| streamed[i]).collect();
         let ahead = plan.prefetch.max(1);
         let mut ready = vec![0.0f64; order.len()];
         let (mut issued, mut link, mut t) = (0usize, 0.0f64, 0.0f64);
+        let mut host: Option<f64> = None;
         let mut place = 0usize;
         for (i, b) in self.blocks.iter().enumerate() {
             if streamed[i] {
                 // Entering streamed place `place`: its upload and those up to `ahead` past it.
                 let last = (place + ahead).min(order.len() - 1);
                 while issued <= last {
-                    let bytes = self.blocks[order[issued]].weight_bytes;
+                    let up = &self.blocks[order[issued]];
+                    let bytes = up.weight_bytes.saturating_sub(Self::host_held(plan, up).0);
                     link = link.max(t) + bytes as f64 / GIB / rate * 1e3;
                     ready[issued] = link;
                     issued += 1;
+                }
+                let held = Self::host_held(plan, b).0;
+                if held > 0 {
+                    let start = *host.get_or_insert(t);
+                    let done = start + held as f64 / GIB / host_rate * 1e3;
+                    host = Some(done);
+                    t = t.max(done);
                 }
                 t = t.max(ready[place]);
                 place += 1;
@@ -137,8 +182,10 @@ impl MemoryProfile {
     /// ([`MemoryProfile::forward_peak`]) is within `budget` bytes (less
     /// [`MARGIN_DIVISOR`]'s share of it where blocks stream) and whose pinned host
     /// memory ([`MemoryProfile::host_bytes`]) within `host_room` where given: every count of
-    /// streamed blocks in the stream order, each fetched 1 to 4 ahead; of plans predicted
-    /// alike, the fewer streamed blocks. `Planned::streamed_bytes` is a forward's uploads,
+    /// streamed blocks in the stream order, each fetched 1 to 4 ahead, and with
+    /// `host_products` each of those also with the conditioning products on the host (where
+    /// its streamed blocks have such weights); of plans predicted alike, the fewer streamed
+    /// blocks, then the one without host products. `Planned::streamed_bytes` is a forward's uploads,
     /// `Planned::slowdown` its forward over the resident one's. Where none fits, the
     /// smallest budget a plan needs (its peak, and the margin where it streams) and, where
     /// plans fit the device but not the host, their least host memory.
@@ -146,18 +193,29 @@ impl MemoryProfile {
         &self,
         budget: u64,
         host_room: Option<u64>,
+        host_products: bool,
     ) -> std::result::Result<Planned, NoPlan> {
         let n = self.blocks.len();
         let order = self.stream_order();
         let resident_ms = self
-            .forward_only_ms(&self.forward_plan_in(&order, 0, 1))
+            .forward_only_ms(&self.forward_plan_in(&order, 0, 1, false))
             .max(1e-9);
+        let hosts: &[bool] = match host_products {
+            true => &[false, true],
+            false => &[false],
+        };
         let mut best: Option<(f64, Plan, u64)> = None;
         let mut minimum = u64::MAX;
         let mut host_least: Option<u64> = None;
         for streamed in 0..=n {
-            for prefetch in 1..=MOST_AHEAD.min(streamed.max(1)) {
-                let plan = self.forward_plan_in(&order, streamed, prefetch);
+            for (prefetch, &host) in (1..=MOST_AHEAD.min(streamed.max(1)))
+                .flat_map(|p| hosts.iter().map(move |h| (p, h)))
+            {
+                let plan = self.forward_plan_in(&order, streamed, prefetch, host);
+                if host && !plan.host_products {
+                    // Nothing the host would hold streams: the plan without is weighed.
+                    continue;
+                }
                 let peak = self.forward_peak(&plan);
                 // The budget it needs, its margin included.
                 minimum = minimum.min(match streamed {
@@ -194,7 +252,7 @@ impl MemoryProfile {
                     .iter()
                     .zip(self.streamed_marks(&plan))
                     .filter(|&(_, s)| s)
-                    .map(|(b, _)| b.weight_bytes)
+                    .map(|(b, _)| b.weight_bytes.saturating_sub(Self::host_held(&plan, b).0))
                     .sum(),
                 slowdown: ms / resident_ms,
                 plan,
@@ -208,15 +266,20 @@ impl MemoryProfile {
         }
     }
 
-    /// `plan` (a [`MemoryProfile::forward_plan`]) in words: what it streams and how far
-    /// ahead (`Plan`'s `Display` speaks of a step's checkpoints and backward).
+    /// `plan` (a [`MemoryProfile::forward_plan`]) in words: what it streams, how far ahead
+    /// and where the conditioning products are computed (`Plan`'s `Display` speaks of a
+    /// step's checkpoints and backward).
     pub fn describe_forward(&self, plan: &Plan) -> String {
         match plan.streamed.len() {
             0 => "every block resident".into(),
             n => format!(
-                "{n} of {} blocks streamed from host memory, fetched {} ahead",
+                "{n} of {} blocks streamed from host memory, fetched {} ahead{}",
                 self.blocks.len(),
-                plan.prefetch.max(1)
+                plan.prefetch.max(1),
+                match plan.host_products {
+                    true => ", conditioning products on the host",
+                    false => "",
+                }
             ),
         }
     }

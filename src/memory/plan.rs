@@ -920,7 +920,7 @@ impl MemoryProfile {
     /// the link, coded): its forward-only weights with `Plan::host_products`, unless they are
     /// FP8 codes (the host products take floating-point weights). Their products are
     /// computed from the start of the backward before each forward (`DiffusionModel::prepare`).
-    fn host_held(plan: &Plan, b: &BlockCost) -> (u64, u64, u64) {
+    pub(super) fn host_held(plan: &Plan, b: &BlockCost) -> (u64, u64, u64) {
         if plan.host_products && b.decode_bytes == 0 && b.product_bytes == 0 {
             (
                 b.forward_only_bytes,

@@ -255,8 +255,8 @@ fn profile_model(
 /// within the budget's share less what FLAME's buffers hold at the call (on a GPU: the autoencoder, the prompts'
 /// conditioning, references), which stays through the denoising. The allocator is capped
 /// at the budget's share (see [`split_budget`]) when a GPU has a budget; of `switches`,
-/// only whether the machine is measured applies (a forward plan has no checkpointing,
-/// coding or offloading to switch). Without a budget (`budget_gb` 0) on a GPU, every block
+/// whether the machine is measured and whether products may be computed on the host apply
+/// (a forward plan has no checkpointing, coding or offloading to switch). Without a budget (`budget_gb` 0) on a GPU, every block
 /// stays resident where that fits the memory free at start
 /// ([`crate::memory::split_at_start`]), else the plan is worked out within it, uncapped.
 /// Errors name `key`.
@@ -316,7 +316,7 @@ pub fn plan_denoising(
                 optimizer_bytes_per_value: 0.0,
             },
         )?;
-        if two.forward_peak(&two.forward_plan(0, 1)) + held <= cap {
+        if two.forward_peak(&two.forward_plan(0, 1, false)) + held <= cap {
             return Ok(resident(format!(
                 "every block resident (within the {free_at_start:.2} GiB free at start)"
             )));
@@ -333,7 +333,7 @@ pub fn plan_denoising(
     let host = host_share(1);
     // A forward without gradients: only the streamed blocks matter (`memory::forward`).
     let p = prof
-        .plan_forward_within(cap.saturating_sub(held), host)
+        .plan_forward_within(cap.saturating_sub(held), host, switches.host_products)
         .map_err(|no| Error::Config {
             path: None,
             msg: match no.host {

@@ -47,6 +47,11 @@
 #                                                     the two default-budget rows in 1 and 5
 #   bash scripts/budget_table.sh gpus PIPES WORK N   the Flux-dev 12 GiB row on N GPUs at once
 #   bash scripts/budget_table.sh summary WORK        a table line a row run under WORK
+#   [BUDGET=12] bash scripts/budget_table.sh products PIPES   `sample --budget` on the Flux-dev pipeline
+#                                                     (1024², 4 steps) with the streamed blocks'
+#                                                     conditioning products on the device, then on
+#                                                     the host (FLAME_PLANNER=host_products=off/on):
+#                                                     each run's plan, time lines and exit
 # Rows: flux24 flux12 flux8 flux6 (FP8, AdamW8bit) sd3-16 sd3-8 sdxl8 sdxl4; sdxl4-default and
 # flux12-default give the run no budget on a card held to 4 / 12 GiB free (the default
 # budget: the memory free at start; `sample` without --budget too; not in "all"); and the newer
@@ -316,6 +321,18 @@ case ${1:-} in
         /^sample memory:/ && splan == "" { splan = substr($0, 16, 200) }
         END { printf "| %s | %s, peak %s | %s | phases: %s | sample: %s, peak %s | %s |\n", row, run, peak, plan, phases, srun, speak, splan }
       ' "$log"
+    done ;;
+  products)
+    pipes=$2
+    for hp in off on; do
+      out=$(mktemp -d)
+      start=$(date +%s)
+      FLAME_PLANNER=host_products=$hp timeout 300 .gpu/sample --arch flux --model "$pipes/flux" \
+        --prompt "a red circle on a white background" --steps 4 --guidance 3.5 --width 1024 \
+        --height 1024 --budget "${BUDGET:-12}" --out "$out/images" > "$out/sample.log" 2>&1
+      echo "== sample --budget ${BUDGET:-12}, host_products=$hp: exit $? in $(( $(date +%s) - start )) s"
+      grep -E "^memory:|^time:|driver-side peaks|rror" "$out/sample.log" | cut -c1-600
+      rm -rf "$out"
     done ;;
   gpus)
     pipes=$2 work=$3 n=$4

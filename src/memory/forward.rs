@@ -42,28 +42,19 @@ impl MemoryProfile {
         // 8-bit weights' transposes are for a backward: none is kept where any would be.
         let kept = self.other_kept_bytes > 0 || self.blocks.iter().any(|b| b.kept_bytes > 0);
         let streamed = order[..streamed.min(order.len())].to_vec();
-        let mut plan = Plan {
+        // Host products only where some streamed block has weights the host would hold.
+        let held = self
+            .blocks
+            .iter()
+            .any(|b| Self::holdable(b) && streamed.contains(&b.prefix));
+        Plan {
             checkpointing: Checkpointing::Off,
             prefetch: prefetch.max(1),
             remake_transposes: kept,
-            host_products,
+            host_products: host_products && held,
             streamed,
             ..Plan::default()
-        };
-        plan.host_products = host_products && self.holds_any(&plan);
-        plan
-    }
-
-    /// Whether some block `plan` streams has weights `Plan::host_products` holds on the host.
-    fn holds_any(&self, plan: &Plan) -> bool {
-        let held = Plan {
-            host_products: true,
-            ..Plan::default()
-        };
-        self.blocks
-            .iter()
-            .zip(self.streamed_marks(plan))
-            .any(|(b, s)| s && Self::host_held(&held, b).0 > 0)
+        }
     }
 
     /// The predicted peak bytes of a forward without gradients under `plan` (a
@@ -86,12 +77,9 @@ impl MemoryProfile {
         let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };
         let mut weights = self.other_weight_bytes + kept(self.other_kept_bytes);
         let (mut largest, mut work) = (0u64, 0u64);
-        // A streamed block's bytes on the device: its weights less those the host holds.
-        let on_device =
-            |b: &super::plan::BlockCost| b.weight_bytes.saturating_sub(Self::host_held(plan, b).0);
         for (b, &s) in self.blocks.iter().zip(&streamed) {
             if s {
-                largest = largest.max(on_device(b));
+                largest = largest.max(Self::on_device_bytes(plan, b));
             } else {
                 weights += b.weight_bytes + kept(b.kept_bytes);
             }
@@ -105,7 +93,7 @@ impl MemoryProfile {
         if !plan.reach.is_empty() {
             let sizes: Vec<u64> = (self.blocks.iter().zip(&streamed))
                 .filter(|&(_, &s)| s)
-                .map(|(b, _)| on_device(b))
+                .map(|(b, _)| Self::on_device_bytes(plan, b))
                 .collect();
             let deepest = (0..sizes.len())
                 .map(|j| {
@@ -157,8 +145,7 @@ impl MemoryProfile {
                 // Entering streamed place `place`: its upload and those up to `ahead` past it.
                 let last = (place + ahead).min(order.len() - 1);
                 while issued <= last {
-                    let up = &self.blocks[order[issued]];
-                    let bytes = up.weight_bytes.saturating_sub(Self::host_held(plan, up).0);
+                    let bytes = Self::on_device_bytes(plan, &self.blocks[order[issued]]);
                     link = link.max(t) + bytes as f64 / GIB / rate * 1e3;
                     ready[issued] = link;
                     issued += 1;
@@ -185,10 +172,10 @@ impl MemoryProfile {
     /// streamed blocks in the stream order, each fetched 1 to 4 ahead, and with
     /// `host_products` each of those also with the conditioning products on the host (where
     /// its streamed blocks have such weights); of plans predicted alike, the fewer streamed
-    /// blocks, then the one without host products. `Planned::streamed_bytes` is a forward's uploads,
-    /// `Planned::slowdown` its forward over the resident one's. Where none fits, the
-    /// smallest budget a plan needs (its peak, and the margin where it streams) and, where
-    /// plans fit the device but not the host, their least host memory.
+    /// blocks, then the one without host products. `Planned::streamed_bytes` is a forward's
+    /// uploads, `Planned::slowdown` its forward over the resident one's. Where none fits,
+    /// the smallest budget a plan needs (its peak, and the margin where it streams) and,
+    /// where plans fit the device but not the host, their least host memory.
     pub fn plan_forward_within(
         &self,
         budget: u64,
@@ -252,7 +239,7 @@ impl MemoryProfile {
                     .iter()
                     .zip(self.streamed_marks(&plan))
                     .filter(|&(_, s)| s)
-                    .map(|(b, _)| b.weight_bytes.saturating_sub(Self::host_held(&plan, b).0))
+                    .map(|(b, _)| Self::on_device_bytes(&plan, b))
                     .sum(),
                 slowdown: ms / resident_ms,
                 plan,

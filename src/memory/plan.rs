@@ -921,7 +921,7 @@ impl MemoryProfile {
     /// FP8 codes (the host products take floating-point weights). Their products are
     /// computed from the start of the backward before each forward (`DiffusionModel::prepare`).
     pub(super) fn host_held(plan: &Plan, b: &BlockCost) -> (u64, u64, u64) {
-        if plan.host_products && b.decode_bytes == 0 && b.product_bytes == 0 {
+        if plan.host_products && Self::holdable(b) {
             (
                 b.forward_only_bytes,
                 b.forward_only_wire,
@@ -930,6 +930,18 @@ impl MemoryProfile {
         } else {
             (0, 0, 0)
         }
+    }
+
+    /// Whether `Plan::host_products` holds some of block `b`'s weights on the host: it has
+    /// forward-only weights, and they are floating-point (not FP8 codes).
+    pub(super) fn holdable(b: &BlockCost) -> bool {
+        b.forward_only_bytes > 0 && b.decode_bytes == 0 && b.product_bytes == 0
+    }
+
+    /// Bytes of streamed block `b`'s weights on the device under `plan`: its weights less
+    /// those held on the host for their products (`host_held`).
+    pub(super) fn on_device_bytes(plan: &Plan, b: &BlockCost) -> u64 {
+        b.weight_bytes.saturating_sub(Self::host_held(plan, b).0)
     }
 
     /// The resident step's predicted length, ms: every block's forward and backward.
@@ -1578,7 +1590,7 @@ impl MemoryProfile {
     /// Bytes of block `b`'s raw form (`Plan::raw_backward`): its weights less those held on
     /// the host for their products, which no pack takes.
     fn raw_form_bytes(plan: &Plan, b: &BlockCost) -> u64 {
-        b.weight_bytes.saturating_sub(Self::host_held(plan, b).0)
+        Self::on_device_bytes(plan, b)
     }
 
     /// Bytes of pinned host memory `plan` takes beyond the streamed weights' code: with
@@ -1735,10 +1747,7 @@ impl MemoryProfile {
         let taken: Vec<u64> = streamed.iter().map(|&i| upto[i]).collect();
         let sizes: Vec<u64> = streamed
             .iter()
-            .map(|&i| {
-                let b = &self.blocks[i];
-                b.weight_bytes.saturating_sub(Self::host_held(plan, b).0)
-            })
+            .map(|&i| Self::on_device_bytes(plan, &self.blocks[i]))
             .collect();
         let sum = |a: usize, b: usize| sizes[a..=b].iter().sum::<u64>();
         // The heaviest moment of the backward: held bytes and streamed blocks together.
@@ -2071,10 +2080,7 @@ impl MemoryProfile {
         use rayon::prelude::*;
         let order = self.stream_order();
         let codes = self.blocks.iter().any(|b| b.coded_bytes > 0);
-        let held = self
-            .blocks
-            .iter()
-            .any(|b| b.forward_only_bytes > 0 && b.decode_bytes == 0 && b.product_bytes == 0);
+        let held = self.blocks.iter().any(Self::holdable);
         // With 8-bit products, resident blocks keep their weights' transposed codes or remake
         // them at each backward (`Plan::remake_transposes`).
         let remakes: &[bool] = if self.keeps_transposes() {

@@ -1210,8 +1210,9 @@ impl BlockStreamer {
 
     /// Releases block `i` after a run, except the blocks the next pass starts with: the last
     /// `prefetch + 1` after a forward that records (the backward begins there and would
-    /// fetch them at once; a forward without gradients releases every block), the first `carry` after the backward (the next step's forward begins there:
-    /// `prefetch + 1`, or more with `set_reach`). The device holds that many streamed blocks
+    /// fetch them at once; a forward without gradients releases every block), the first
+    /// `carry` after the backward (the next step's forward begins there: `prefetch + 1`, or
+    /// more with `set_reach`). The device holds that many streamed blocks
     /// at those points of a pass anyway (the one running and those in flight), so keeping
     /// them costs no peak and saves their uploads.
     fn exit(&self, i: usize, pass: Pass) -> Result<()> {

@@ -256,8 +256,9 @@ fn profile_model(
 /// conditioning, references), which stays through the denoising. The allocator is capped
 /// at the budget's share (see [`split_budget`]) when a GPU has a budget; of `switches`,
 /// whether the machine is measured and whether products may be computed on the host apply
-/// (a forward plan has no checkpointing, coding or offloading to switch). Without a budget (`budget_gb` 0) on a GPU, every block
-/// stays resident where that fits the memory free at start
+/// (a forward plan has no checkpointing, coding or offloading to switch). Without a budget
+/// (`budget_gb` 0) on a GPU, every block stays resident where that fits the memory free at
+/// start
 /// ([`crate::memory::split_at_start`]), else the plan is worked out within it, uncapped.
 /// Errors name `key`.
 #[allow(clippy::too_many_arguments)]
@@ -760,10 +761,11 @@ fn between_steps(prof: &MemoryProfile, plan: &Plan) -> u64 {
 /// forward's peak, `MemoryProfile::forward_peak`, at most the step's), sample images (the
 /// denoising forward at `sample.size` under the step's plan, its forward's peak at that
 /// size, and the decode beside what the run keeps between steps: a forward without
-/// gradients leaves no streamed block on the device) and checkpoints (written through host memory). `largest` is the largest sample's
-/// input shapes, `vae` the autoencoder's downsampling factor and first stage's width (image
-/// data only; `None` for pre-encoded samples), `guided` whether the model takes a distilled
-/// guidance input (no classifier-free guidance in its samples).
+/// gradients leaves no streamed block on the device) and checkpoints (written through host
+/// memory). `largest` is the largest sample's input shapes, `vae` the autoencoder's
+/// downsampling factor and first stage's width (image data only; `None` for pre-encoded
+/// samples), `guided` whether the model takes a distilled guidance input (no
+/// classifier-free guidance in its samples).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn phase_plans(
     config: &TrainConfig,

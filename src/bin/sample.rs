@@ -165,7 +165,7 @@ struct Args {
     /// hold the process to this many GiB of the GPU as the driver counts them: the
     /// planner's plan for forwards (blocks streamed from host memory as needed), T5 and
     /// Qwen3 streamed where they take more than half, the decode tiled (0, the default: on
-    /// a GPU, plan within the memory free at start, uncapped)
+    /// a GPU, the memory free at start)
     #[argh(option, default = "0.0")]
     budget: f64,
     /// print the version

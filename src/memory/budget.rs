@@ -41,18 +41,19 @@ pub fn split_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Opt
     Ok((asked, None))
 }
 
-/// [`split_budget`], and on a GPU with a budget given (`budget_gb` > 0) FLAME's allocator
-/// capped at the allocator's share from here on: called before a process's first work, so
-/// that every phase after it (text encoders, caching, the model, sampling) is held to the
-/// budget.
+/// [`split_budget`], and on a GPU FLAME's allocator capped at the allocator's share from
+/// here on: called before a process's first work, so that every phase after it (text
+/// encoders, caching, the model, sampling) is held to the budget. Without a budget
+/// (`budget_gb` 0) the share is of the memory free now, the default budget: capped, the
+/// allocator cuts its buffers from one arena of that size, where uncapped the driver's pool
+/// would keep the pieces of freed buffers it cannot reuse beside them and take the process
+/// past the memory the plans were made within (a card's last free bytes: out of memory).
 pub fn hold_to_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Option<u64>)> {
     let (alloc, outside) = split_budget(device, budget_gb)?;
     #[cfg(feature = "cuda")]
     #[allow(irrefutable_let_patterns)]
     if let (Device::Cuda(c), Some(b)) = (device, alloc) {
-        if budget_gb > 0.0 {
-            c.set_memory_limit(Some(b));
-        }
+        c.set_memory_limit(Some(b));
     }
     Ok((alloc, outside))
 }

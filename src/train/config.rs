@@ -1083,8 +1083,8 @@ section! {
     /// `[memory]`: block checkpointing and streaming.
     MemorySection / RawMemory = "memory" {
         /// GiB of GPU memory the run may hold, as the driver counts it (0: on a GPU, the
-        /// memory free at start, planned within but not capped; on the CPU, no limit). A
-        /// given budget caps FLAME's allocator; with checkpointing = "auto" the planner picks
+        /// memory free at start; on the CPU, no limit). A budget, given or the default, caps
+        /// FLAME's allocator; with checkpointing = "auto" the planner picks
         /// the fastest plan predicted to fit, and caching and samples plan within it too
         /// (without one, within the memory free at start: the least of the ranks').
         budget_gb: f64 = 0.0,

@@ -1738,3 +1738,102 @@ fn flame_peft_files_load_into_peft() {
     assert!(out.status.success(), "peft:\n{text}");
     std::fs::remove_dir_all(&d).ok();
 }
+
+/// A LoRA merged as the weights load changes each weight in its own storage a few rows at a
+/// time: a bf16 weight larger than one pass (4 · 2^20 values) and a bias-free f32 one come
+/// out as the change added whole would make them (W in f32 plus strength · s · B A, in the
+/// builder's dtype), bit for bit; the tensors a builder over tensors in memory was given are
+/// left as they were; and the device room the merge asks of a plan (`merge_bytes`) is the
+/// largest change in f32 and three passes' rows.
+#[test]
+fn merges_change_weights_in_place_by_rows_and_leave_given_tensors_alone() {
+    let d = temp("merge-in-place");
+    let (out, cols, r) = (1031usize, 4099usize, 3usize);
+    let big = Tensor::randn((out, cols), DType::F32, &CPU, 1)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let small = Tensor::randn((7, 5), DType::F32, &CPU, 2).unwrap();
+    let factor = |dims: (usize, usize), seed: u64| {
+        Tensor::randn(dims, DType::F32, &CPU, seed)
+            .unwrap()
+            .affine(0.1, 0.0)
+            .unwrap()
+    };
+    let (down, up) = (factor((r, cols), 3), factor((out, r), 4));
+    let (down_s, up_s) = (factor((2, 5), 5), factor((7, 2), 6));
+    let alpha = Tensor::from_vec(vec![6.0f32], (), &CPU).unwrap();
+    let file = d.join("lora.safetensors");
+    let named = [
+        ("lora_unet_big.lora_down.weight", &down),
+        ("lora_unet_big.lora_up.weight", &up),
+        ("lora_unet_big.alpha", &alpha),
+        ("lora_unet_small.lora_down.weight", &down_s),
+        ("lora_unet_small.lora_up.weight", &up_s),
+    ];
+    flame::safetensors::save(named.iter().map(|(k, v)| (*k, *v)), &file).unwrap();
+    let strength = 0.7;
+    let merge = Arc::new(flame::nn::LoraMerge::open(&file, strength, "transformer").unwrap());
+    assert_eq!(
+        merge.merge_bytes(),
+        (out * cols * 4) as u64 + 3 * 4 * (4 << 20),
+        "the merge's room"
+    );
+    let given: HashMap<String, Tensor> = [
+        ("big.weight".to_string(), big.clone()),
+        ("small.weight".to_string(), small.clone()),
+    ]
+    .into();
+    let before: Vec<Vec<f64>> = [&big, &small]
+        .iter()
+        .map(|t| t.to_vec_f64().unwrap())
+        .collect();
+    for (dtype, key, w, down, up, scale) in [
+        (DType::BF16, "big.weight", &big, &down, &up, 6.0 / r as f64),
+        // No alpha stored: kohya's scale 1.
+        (DType::F32, "small.weight", &small, &down_s, &up_s, 1.0),
+    ] {
+        let vb = VarBuilder::from_tensors(given.clone(), dtype, &CPU)
+            .with_merge(merge.clone())
+            .unwrap();
+        let got = vb.get(w.dims().to_vec(), key).unwrap();
+        let change = up
+            .matmul(&down.affine(scale, 0.0).unwrap())
+            .unwrap()
+            .affine(strength, 0.0)
+            .unwrap();
+        let want = w
+            .to_dtype(DType::F32)
+            .unwrap()
+            .add(&change)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        assert_eq!(got.dtype(), dtype);
+        assert_eq!(
+            got.to_vec_f64().unwrap(),
+            want.to_vec_f64().unwrap(),
+            "{key}: the merged weight"
+        );
+        assert!(
+            rel(
+                &got.to_dtype(DType::F32).unwrap(),
+                &w.to_dtype(DType::F32).unwrap()
+            ) > 1e-3
+        );
+    }
+    // The builder's own tensors and the caller's handles to them are unchanged.
+    for (t, was) in [&big, &small].iter().zip(&before) {
+        assert_eq!(&t.to_vec_f64().unwrap(), was, "a given tensor changed");
+    }
+    for (k, t) in &given {
+        let was = if k == "big.weight" {
+            &before[0]
+        } else {
+            &before[1]
+        };
+        assert_eq!(&t.to_vec_f64().unwrap(), was, "{k}: the given map changed");
+    }
+    merge.check_all_used().unwrap();
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -2473,3 +2473,97 @@ fn forward_plans_run_as_the_resident_model() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A LoRA merged as the model loads takes its room on the device beside the plan for
+/// sampling (`LoraMerge::merge_bytes`: its change in f32 and the rows being added): a budget
+/// the resident forward fits by less than that room refuses the merged model, naming the
+/// merge, and keeps every block resident with the room to spare, as it does without a merge.
+#[test]
+fn plans_for_sampling_leave_a_merge_its_room() {
+    let dir = std::env::temp_dir().join(format!("flame-merge-room-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("flux-tiny.safetensors");
+    let config = flame::train::demo::flux_tiny_config();
+    let vb = flame::nn::VarBuilder::random(7, 0.08, DType::F32, &Device::Cpu);
+    Flux::new(&vb, &config).unwrap();
+    let params = vb.params().unwrap();
+    let meta = [(
+        flame::safetensors::CONFIG_METADATA.to_string(),
+        flame::train::demo::flux_tiny_diffusers_config().to_string(),
+    )]
+    .into_iter()
+    .collect();
+    flame::safetensors::save_with_metadata(
+        params.iter().map(|(k, t)| (k.as_str(), t)),
+        &meta,
+        &path,
+    )
+    .unwrap();
+    // A LoRA of rank 2 on the first single block's linear1.
+    let dims = params
+        .iter()
+        .find(|(k, _)| k == "single_blocks.0.linear1.weight")
+        .map(|(_, t)| t.dims().to_vec())
+        .unwrap();
+    let down = Tensor::randn((2, dims[1]), DType::F32, &Device::Cpu, 1).unwrap();
+    let up = Tensor::randn((dims[0], 2), DType::F32, &Device::Cpu, 2).unwrap();
+    let lora = dir.join("lora.safetensors");
+    flame::safetensors::save(
+        [
+            ("lora_unet_single_blocks_0_linear1.lora_down.weight", &down),
+            ("lora_unet_single_blocks_0_linear1.lora_up.weight", &up),
+        ],
+        &lora,
+    )
+    .unwrap();
+    let merge = std::sync::Arc::new(flame::nn::LoraMerge::open(&lora, 1.0, "transformer").unwrap());
+    let room = merge.merge_bytes();
+    assert_eq!(room, (dims[0] * dims[1] * 4) as u64 + 3 * 4 * (4 << 20));
+
+    let family = flame::models::family("flux").unwrap();
+    let shapes = vec![vec![4, 8, 8], vec![12, 32], vec![16]];
+    let opts = LoadOptions::new(DType::F32, &Device::Cpu);
+    let prof = family
+        .profile(
+            &path,
+            &opts,
+            &RunShape {
+                sample: shapes.clone(),
+                batch: 1,
+                optimizer_bytes_per_value: 0.0,
+            },
+        )
+        .unwrap();
+    let resident = prof.forward_peak(&prof.forward_plan(0, 1, false));
+    let gb = |bytes: u64| bytes as f64 / GIB;
+    let plan = |opts: &LoadOptions, budget: f64| {
+        flame::train::planning::plan_denoising(
+            family,
+            &path,
+            opts,
+            &Device::Cpu,
+            budget,
+            &shapes,
+            "--budget",
+            &flame::memory::Switches::default(),
+        )
+    };
+    let tight = gb(resident + (1 << 20));
+    let choice = plan(&opts, tight).unwrap();
+    assert!(choice.plan.streamed.is_empty(), "{}", choice.summary);
+    let mut merged = opts.clone();
+    merged.merge = Some(merge.clone());
+    let e = plan(&merged, tight).unwrap_err().to_string();
+    assert!(
+        e.contains("to merge the LoRA") && e.contains("--budget"),
+        "{e}"
+    );
+    let choice = plan(&merged, gb(resident + room + (1 << 20))).unwrap();
+    assert!(choice.plan.streamed.is_empty(), "{}", choice.summary);
+    assert!(
+        choice.predicted_peak.unwrap() >= resident + room,
+        "{:?}",
+        choice.predicted_peak
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -81,6 +81,11 @@ impl std::fmt::Debug for LoraMerge {
     }
 }
 
+/// Values of a merge's change added at a time ([`LoraMerge::merge_into`]): 16 MiB of f32,
+/// under the allocator's threshold for large buffers, so the rows' copies come from the
+/// small buffers' end of its arena.
+const MERGE_CHUNK_VALUES: usize = 4 << 20;
+
 fn err(path: &Path, tensor: Option<&str>, msg: impl Into<String>) -> Error {
     Error::SafeTensors {
         path: path.to_path_buf(),
@@ -200,15 +205,152 @@ impl LoraMerge {
     /// model keys are taken as diffusers keys). A part the file leaves out is left unchanged.
     pub fn delta_for(&self, key: &str, w: &Tensor) -> Result<Option<Tensor>> {
         let dims = w.dims().to_vec();
+        let out = dims.first().copied().unwrap_or(0);
+        let cols = dims.iter().skip(1).product::<usize>();
+        let mut pieces: Vec<(usize, Tensor)> = vec![];
+        if !self.each_change(key, w, |start, d| {
+            pieces.push((start, d));
+            Ok(())
+        })? {
+            return Ok(None);
+        }
+        // The rows no part of the file changes, as zeros.
+        let mut whole = vec![];
+        let mut at = 0;
+        for (start, d) in pieces {
+            if start > at {
+                whole.push(Tensor::zeros((start - at, cols), DType::F32, w.device())?);
+            }
+            at = start + d.dims().first().copied().unwrap_or(0);
+            whole.push(d);
+        }
+        if dims.len() > 1 && at < out {
+            whole.push(Tensor::zeros((out - at, cols), DType::F32, w.device())?);
+        }
+        let d = match whole.len() {
+            1 => whole.remove(0),
+            _ => Tensor::cat(&whole.iter().collect::<Vec<_>>(), 0)?,
+        };
+        d.affine(self.strength, 0.0)?.reshape(dims).map(Some)
+    }
+
+    /// Device bytes the merge takes beside the weights at its heaviest, from the file's
+    /// shapes ([`merge_into`](Self::merge_into)): the largest change one set of the file's
+    /// tensors stands for, in f32, as many times as its kind holds such a matrix at once
+    /// (a LoRA's product one, with DoRA's magnitude two: the weight beside it; LoHa's and
+    /// LoKr's products three), and the rows added a few at a time. What a plan for the
+    /// merged model leaves free while it loads.
+    pub fn merge_bytes(&self) -> u64 {
+        let shape = |n: &str| self.file.info(n).map(|i| i.shape.clone());
+        let rows = |s: &[usize]| s.first().copied().unwrap_or(0) as u64;
+        let cols = |s: &[usize]| s.iter().skip(1).product::<usize>() as u64;
+        // A Tucker core's kernel (r, r, kh, kw): the factors' columns leave it out.
+        let kernel = |n: &str| shape(n).map_or(1, |s| s.iter().skip(2).product::<usize>() as u64);
+        let mut largest = 0u64;
+        for name in self.file.names() {
+            let (values, copies) = if let Some(b) = [".lora_up.weight", ".lora_B.weight"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+            {
+                let down = [".lora_down.weight", ".lora_A.weight"]
+                    .iter()
+                    .find_map(|s| shape(&format!("{b}{s}")));
+                let dora = ["dora_scale", "lora_magnitude_vector"]
+                    .iter()
+                    .any(|t| self.file.info(&format!("{b}.{t}")).is_some());
+                let out = shape(name).map_or(0, |s| rows(&s));
+                (
+                    out * down.map_or(0, |d| cols(&d)) * kernel(&format!("{b}.lora_mid.weight")),
+                    1 + dora as u64,
+                )
+            } else if let Some(b) = name.strip_suffix(".hada_w1_a") {
+                let out = shape(name).map_or(0, |s| rows(&s));
+                let c = shape(&format!("{b}.hada_w1_b")).map_or(0, |s| cols(&s));
+                (out * c * kernel(&format!("{b}.hada_t1")), 3)
+            } else if let Some(b) = name
+                .strip_suffix(".lokr_w1")
+                .or_else(|| name.strip_suffix(".lokr_w1_a"))
+            {
+                // kron(w1, w2): w1 (a, b) or w1_a (a, r) w1_b (r, b); w2 (c, d…) or w2_a w2_b.
+                let pair = |w: &str| -> (u64, u64) {
+                    match shape(&format!("{b}.{w}")) {
+                        Some(s) => (rows(&s), cols(&s)),
+                        None => (
+                            shape(&format!("{b}.{w}_a")).map_or(0, |s| rows(&s)),
+                            shape(&format!("{b}.{w}_b")).map_or(0, |s| cols(&s)),
+                        ),
+                    }
+                };
+                let ((a, bc), (c, d)) = (pair("lokr_w1"), pair("lokr_w2"));
+                (a * c * bc * d * kernel(&format!("{b}.lokr_t2")), 3)
+            } else if name.ends_with(".diff") {
+                (
+                    shape(name).map_or(0, |s| s.iter().product::<usize>() as u64),
+                    1,
+                )
+            } else {
+                continue;
+            };
+            largest = largest.max(values * 4 * copies);
+        }
+        // The rows being added: the weight's rows in f32, the change's scaled, their sum.
+        largest + 3 * 4 * MERGE_CHUNK_VALUES as u64
+    }
+
+    /// Adds the file's change of the tensor `w` at model key `key` (as [`delta_for`]
+    /// defines it) into `w` itself, in its storage: false where the file does not change it.
+    /// The change of each part is made at once (the file's factors' product, f32), then added
+    /// a few rows at a time, so the merge takes no more device memory than one part's change
+    /// and a few megabytes, and allocates nothing that outlives it: a model merged as it
+    /// loads is laid out as one loaded without a merge (no pieces of freed copies between
+    /// its weights). `w` must own its storage alone (`Tensor::assign` writes every view).
+    ///
+    /// [`delta_for`]: Self::delta_for
+    pub fn merge_into(&self, key: &str, w: &Tensor) -> Result<bool> {
+        let dims = w.dims().to_vec();
+        let strength = self.strength;
+        self.each_change(key, w, |start, d| {
+            let _g = crate::no_grad();
+            let rows = d.dims().first().copied().unwrap_or(1).max(1);
+            let per_row = (d.elem_count() / rows).max(1);
+            let chunk = (MERGE_CHUNK_VALUES / per_row).clamp(1, rows);
+            // A weight seen as the matrix (out, in · kh · kw); a bias's elements are its rows.
+            let flat = match dims.len() {
+                1 => w.clone(),
+                _ => w.reshape((dims[0], per_row))?,
+            };
+            let mut r = 0;
+            while r < rows {
+                let n = chunk.min(rows - r);
+                let dst = flat.narrow(0, start + r, n)?;
+                let add = d
+                    .narrow(0, r, n)?
+                    .reshape(dst.dims())?
+                    .affine(strength, 0.0)?;
+                let sum = dst.to_dtype(DType::F32)?.add(&add)?.to_dtype(w.dtype())?;
+                dst.assign(&sum)?;
+                r += n;
+            }
+            Ok(())
+        })
+    }
+
+    /// Calls `f(first row, change)` for each part of `w` (model key `key`) the file changes,
+    /// in row order, the change at strength 1 (f32: a weight's part as the matrix (rows,
+    /// in · kh · kw), a bias as its shape), one part's change alive at a time: the whole
+    /// layer's under one of its names, else each diffusers part's (`delta_for`'s names).
+    /// False where no part is changed.
+    fn each_change(
+        &self,
+        key: &str,
+        w: &Tensor,
+        mut f: impl FnMut(usize, Tensor) -> Result<()>,
+    ) -> Result<bool> {
+        let dims = w.dims().to_vec();
         let (path, bias) = match (key.strip_suffix(".weight"), key.strip_suffix(".bias")) {
             (Some(p), _) if matches!(dims.len(), 2 | 4) => (p, false),
             (_, Some(p)) if dims.len() == 1 => (p, true),
-            _ => return Ok(None),
-        };
-        let finish = |d: Tensor| {
-            d.affine(self.strength, 0.0)?
-                .reshape(dims.clone())
-                .map(Some)
+            _ => return Ok(false),
         };
         let mut whole = vec![(kohya_name_in(&self.kohya, path), 1.0)];
         if !self.text {
@@ -222,19 +364,19 @@ impl LoraMerge {
         }
         for (name, scale) in whole {
             if let Some(d) = self.by_kind(name, w, scale, bias)? {
-                return finish(d);
+                f(0, d)?;
+                return Ok(true);
             }
         }
         if bias {
-            return Ok(None);
+            return Ok(false);
         }
-        let (out, cols) = (dims[0], dims[1..].iter().product::<usize>());
+        let out = dims[0];
         // Halves swapped between FLAME's rows and diffusers' (an even count of rows).
         let swap = |t: Tensor| -> Result<Tensor> {
             let h = t.dims()[0] / 2;
             Tensor::cat(&[&t.narrow(0, h, h)?, &t.narrow(0, 0, h)?], 0)
         };
-        let mut pieces = vec![];
         let (mut start, mut any) = (0, false);
         for (module, rows, swapped) in self.parts(key, out)? {
             if start + rows > out {
@@ -246,7 +388,6 @@ impl LoraMerge {
             }
             let part = w.narrow(0, start, rows)?;
             let part = if swapped { swap(part)? } else { part };
-            start += rows;
             // LyCORIS's and kohya's names of the part (their alpha in the file), then the
             // diffusers layout's.
             let lycoris = (!self.text).then(|| (lycoris_name(&module), 1.0));
@@ -265,22 +406,14 @@ impl LoraMerge {
                     break;
                 }
             }
-            pieces.push(match found {
-                Some(d) => {
-                    any = true;
-                    if swapped {
-                        swap(d)?
-                    } else {
-                        d
-                    }
-                }
-                None => Tensor::zeros((rows, cols), DType::F32, w.device())?,
-            });
+            drop(part);
+            if let Some(d) = found {
+                any = true;
+                f(start, if swapped { swap(d)? } else { d })?;
+            }
+            start += rows;
         }
-        if !any {
-            return Ok(None);
-        }
-        finish(Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0)?)
+        Ok(any)
     }
 
     /// The diffusers parts of the layer at model key `key` with `out` rows, by the map of

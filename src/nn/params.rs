@@ -999,27 +999,26 @@ impl VarBuilder {
             .contiguous()?
             .detach()
         };
-        let t = if squeezed {
-            t.reshape(shape.clone())?
-        } else {
-            t
+        // The parts read go here, so that a merge below finds the tensor alone on its
+        // storage and changes it in place.
+        drop(parts);
+        let t = match squeezed {
+            true => {
+                let r = t.reshape(shape.clone())?;
+                drop(t);
+                r
+            }
+            false => t,
         };
         // Linear weights and convolutions' (out, in, kh, kw), and biases (full fine-tuning's
-        // `diff_b`).
-        let delta = match &self.shared.merge {
-            Some(m) => m.delta_for(&key, &t)?,
-            None => None,
-        };
-        let t = match delta {
-            Some(d) => {
-                let _g = crate::no_grad();
-                t.to_dtype(DType::F32)?
-                    .add(&d)?
-                    .to_dtype(self.shared.dtype)?
-                    .detach()
-            }
-            None => t,
-        };
+        // `diff_b`), changed in place: the merge's copies are freed before the next weight
+        // is read, so the weights lie in device memory as an unmerged load leaves them.
+        if let Some(m) = &self.shared.merge {
+            let t = t.owned()?;
+            m.merge_into(&key, &t)?;
+            self.mark_used(&src.keys())?;
+            return Ok(t);
+        }
         self.mark_used(&src.keys())?;
         Ok(t)
     }

@@ -194,6 +194,26 @@ impl Tensor {
         self.reshape(dims)
     }
 
+    /// This tensor's values in a storage no other tensor shares (a view of none), dense: the
+    /// tensor itself where it is the only handle to its storage and dense, else a copy;
+    /// detached either way. What an in-place write (`assign`) may change without changing
+    /// another tensor.
+    pub fn owned(self) -> Result<Tensor> {
+        // No other handle to this tensor, and no other tensor on its storage.
+        let alone = std::sync::Arc::strong_count(&self.0) == 1
+            && self
+                .0
+                .storage
+                .as_ref()
+                .is_some_and(|s| std::sync::Arc::strong_count(s) == 1);
+        let t = if alone && self.is_contiguous() {
+            self
+        } else {
+            self.copy_dense()?
+        };
+        Ok(t.detach())
+    }
+
     /// The same values in a row-major contiguous layout; copies only when needed.
     pub fn contiguous(&self) -> Result<Tensor> {
         if self.is_contiguous() {

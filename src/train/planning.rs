@@ -259,7 +259,8 @@ fn profile_model(
 /// (a forward plan has no checkpointing, coding or offloading to switch). Without a budget
 /// (`budget_gb` 0) on a GPU, every block stays resident where that fits the memory free at
 /// start
-/// ([`crate::memory::split_at_start`]), else the plan is worked out within it, uncapped.
+/// ([`crate::memory::split_at_start`]), else the plan is worked out within it (the allocator
+/// is capped already: `memory::hold_to_budget`).
 /// Errors name `key`.
 #[allow(clippy::too_many_arguments)]
 pub fn plan_denoising(
@@ -301,8 +302,11 @@ pub fn plan_denoising(
             optimizer_bytes_per_value: 0.0,
         },
     )?;
-    // What lives now and through the denoising.
-    let held = crate::memory::allocator_in_use(device);
+    // What lives now and through the denoising, and a LoRA merge's room while the model
+    // loads (`LoraMerge::merge_bytes`: its copies are freed before the denoising, but the
+    // weights it changes are on the device beside them).
+    let held = crate::memory::allocator_in_use(device)
+        + opts.merge.as_ref().map_or(0, |m| m.merge_bytes());
     let free_at_start = gib(cap + outside.unwrap_or(0));
     // Without a budget, every block resident where a forward of two samples at once fits
     // (guidance's predictions batched: the resident choice batches them), without measuring
@@ -352,8 +356,15 @@ pub fn plan_denoising(
                 None => format!(
                     "{named}: no plan fits; the smallest (every block streamed from host \
                      memory) needs {:.2} GiB for a forward with the CUDA context, kernels and \
-                     workspaces, the autoencoder and the prompts{}",
+                     workspaces, the autoencoder and the prompts{}{}",
                     gib(no.minimum + outside.unwrap_or(0) + held),
+                    match &opts.merge {
+                        Some(m) => format!(
+                            ", {:.2} GiB of it to merge the LoRA as the model loads",
+                            gib(m.merge_bytes())
+                        ),
+                        None => String::new(),
+                    },
                     if opts.fp8 {
                         ""
                     } else {
@@ -414,9 +425,11 @@ pub fn batch_fits(
     let (Some(cap), Some((one, plan))) = (choice.budget, &choice.sized) else {
         return Ok(true);
     };
+    // (A LoRA's merge is over by the denoising: its room is not held beside the batch.)
+    let merge = opts.merge.as_ref().map_or(0, |m| m.merge_bytes());
     let held = choice
         .predicted_peak
-        .map_or(0, |p| p.saturating_sub(one.forward_peak(plan)));
+        .map_or(0, |p| p.saturating_sub(one.forward_peak(plan) + merge));
     // A plan that streams keeps its margin (`memory::MARGIN_DIVISOR`), as it was planned.
     let cap = match plan.streamed.is_empty() {
         true => cap,

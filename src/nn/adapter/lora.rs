@@ -45,9 +45,10 @@ pub(super) const KIND: Kind = Kind {
     merge,
 };
 
-/// A LoRA's change s · B A as the matrix (out, cols), from A (r, cols) and B (out, r).
+/// A LoRA's change s · B A as the matrix (out, cols), from A (r, cols) and B (out, r): the
+/// scale on the small factor, so the change is the only matrix of its size made.
 pub(super) fn product(down: &Tensor, up: &Tensor, scale: f64) -> Result<Tensor> {
-    up.matmul(down)?.affine(scale, 0.0)
+    up.matmul(&down.affine(scale, 0.0)?)
 }
 
 /// The change a file's LoRA of one layer stands for, as the matrix (out, cols): kohya's

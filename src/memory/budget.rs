@@ -32,8 +32,11 @@ pub fn split_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Opt
         let (alloc, outside) = match asked {
             Some(b) => split_held(b, held)?,
             // The free memory is what the process has not taken yet: only the headroom
-            // comes off it.
-            None => split_held(c.total_memory()? - c.device_memory_used()?, 0)?,
+            // comes off it; no more than a limit set by hand (`FLAME_GPU_MEMORY_LIMIT`).
+            None => {
+                let (alloc, outside) = split_held(c.total_memory()? - c.device_memory_used()?, 0)?;
+                (alloc.min(c.memory().limit), outside)
+            }
         };
         return Ok((Some(alloc), Some(outside)));
     }

@@ -31,11 +31,16 @@ pub fn split_budget(device: &Device, budget_gb: f64) -> Result<(Option<u64>, Opt
         let held = c.held_for_budget()?;
         let (alloc, outside) = match asked {
             Some(b) => split_held(b, held)?,
-            // The free memory is what the process has not taken yet: only the headroom
-            // comes off it; no more than a limit set by hand (`FLAME_GPU_MEMORY_LIMIT`).
+            // What FLAME's buffers may take now: the memory free on the device (what the
+            // process has not taken yet), the free part of an arena it made before (another
+            // run of this process) and its live buffers (the cap counts them); only the
+            // headroom comes off it; no more than a limit set by hand
+            // (`FLAME_GPU_MEMORY_LIMIT`).
             None => {
-                let (alloc, outside) = split_held(c.total_memory()? - c.device_memory_used()?, 0)?;
-                (alloc.min(c.memory().limit), outside)
+                let r = c.memory();
+                let room = c.total_memory()? - c.device_memory_used()? + r.arena_free + r.in_use;
+                let (alloc, outside) = split_held(room, 0)?;
+                (alloc.min(c.memory_limit_by_hand()?), outside)
             }
         };
         return Ok((Some(alloc), Some(outside)));

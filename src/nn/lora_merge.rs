@@ -38,7 +38,9 @@
 //! adapter form FLAME does not merge (LyCORIS's other algorithms), is an error naming a
 //! tensor left over.
 
-use super::adapter::{kohya_name_in, lycoris_name, MergeLayer, PeftScales, KINDS, KOHYA_MODEL};
+use super::adapter::{
+    kohya_name_in, lycoris_name, MergeLayer, PeftScales, KINDS, KOHYA_MODEL, MERGE_CHUNK_VALUES,
+};
 use super::keys::{KeyMap, KeySource};
 use crate::safetensors::SafeTensorsFile;
 use crate::{DType, Error, Result, Tensor};
@@ -80,11 +82,6 @@ impl std::fmt::Debug for LoraMerge {
         write!(f, "LoraMerge({}, x{})", self.path.display(), self.strength)
     }
 }
-
-/// Values of a merge's change added at a time ([`LoraMerge::merge_into`]): 16 MiB of f32,
-/// under the allocator's threshold for large buffers, so the rows' copies come from the
-/// small buffers' end of its arena.
-const MERGE_CHUNK_VALUES: usize = 4 << 20;
 
 fn err(path: &Path, tensor: Option<&str>, msg: impl Into<String>) -> Error {
     Error::SafeTensors {
@@ -236,65 +233,91 @@ impl LoraMerge {
 
     /// Device bytes the merge takes beside the weights at its heaviest, from the file's
     /// shapes ([`merge_into`](Self::merge_into)): the largest change one set of the file's
-    /// tensors stands for, in f32, as many times as its kind holds such a matrix at once
-    /// (a LoRA's product one, with DoRA's magnitude two: the weight beside it; LoHa's and
-    /// LoKr's products three), and the rows added a few at a time. What a plan for the
-    /// merged model leaves free while it loads.
+    /// tensors stands for, in f32, as many times as its kind holds such a matrix at once (a
+    /// LoRA's product one, scaled in place; a Tucker LoCon's two, LoKr's three, LoHa's four,
+    /// a full change's two; magnitudes (DoRA) four more), and the rows added a few at a
+    /// time. What a plan for the merged model leaves free while it loads. (A diffusers part
+    /// whose halves are swapped holds its change twice: Flux's and SD3's final modulation,
+    /// smaller than their blocks' largest change.)
     pub fn merge_bytes(&self) -> u64 {
         let shape = |n: &str| self.file.info(n).map(|i| i.shape.clone());
         let rows = |s: &[usize]| s.first().copied().unwrap_or(0) as u64;
         let cols = |s: &[usize]| s.iter().skip(1).product::<usize>() as u64;
-        // A Tucker core's kernel (r, r, kh, kw): the factors' columns leave it out.
-        let kernel = |n: &str| shape(n).map_or(1, |s| s.iter().skip(2).product::<usize>() as u64);
+        // A Tucker core's kernel (r, r, kh, kw).
+        let kernel = |s: &[usize]| s.iter().skip(2).product::<usize>() as u64;
+        // The change's (rows, cols) from a pair of factors `a` (rows, r) and `b` (r, cols…),
+        // or in LyCORIS's Tucker form, with the core `t` (r, r, kh, kw), `a` (r, rows) and
+        // `b` (r, in): cols = in · kh · kw (`adapter::tucker`).
+        let pair = |a: &str, b: &str, t: &str| -> (u64, u64) {
+            let (sa, sb) = (shape(a).unwrap_or_default(), shape(b).unwrap_or_default());
+            match shape(t) {
+                Some(core) => (cols(&sa), cols(&sb) * kernel(&core)),
+                None => (rows(&sa), cols(&sb)),
+            }
+        };
         let mut largest = 0u64;
         for name in self.file.names() {
             let (values, copies) = if let Some(b) = [".lora_up.weight", ".lora_B.weight"]
                 .iter()
                 .find_map(|s| name.strip_suffix(s))
             {
+                // Scaled in place (one matrix); LyCORIS's Tucker LoCon (a `lora_mid` between
+                // a 1x1 down and up) rebuilds, then scales (two).
                 let down = [".lora_down.weight", ".lora_A.weight"]
                     .iter()
-                    .find_map(|s| shape(&format!("{b}{s}")));
-                let dora = ["dora_scale", "lora_magnitude_vector"]
-                    .iter()
-                    .any(|t| self.file.info(&format!("{b}.{t}")).is_some());
+                    .find_map(|s| shape(&format!("{b}{s}")))
+                    .unwrap_or_default();
                 let out = shape(name).map_or(0, |s| rows(&s));
-                (
-                    out * down.map_or(0, |d| cols(&d)) * kernel(&format!("{b}.lora_mid.weight")),
-                    1 + dora as u64,
-                )
+                match shape(&format!("{b}.lora_mid.weight")) {
+                    Some(mid) => (out * cols(&down) * kernel(&mid), 2),
+                    None => (out * cols(&down), 1),
+                }
             } else if let Some(b) = name.strip_suffix(".hada_w1_a") {
-                let out = shape(name).map_or(0, |s| rows(&s));
-                let c = shape(&format!("{b}.hada_w1_b")).map_or(0, |s| cols(&s));
-                (out * c * kernel(&format!("{b}.hada_t1")), 3)
+                // Two products, their elementwise product and its scaled copy.
+                let (o, c) = pair(name, &format!("{b}.hada_w1_b"), &format!("{b}.hada_t1"));
+                (o * c, 4)
             } else if let Some(b) = name
                 .strip_suffix(".lokr_w1")
                 .or_else(|| name.strip_suffix(".lokr_w1_a"))
             {
-                // kron(w1, w2): w1 (a, b) or w1_a (a, r) w1_b (r, b); w2 (c, d…) or w2_a w2_b.
-                let pair = |w: &str| -> (u64, u64) {
+                // kron(w1, w2): w1 (a, b) or w1_a (a, r) w1_b (r, b); w2 (c, d…), w2_a w2_b,
+                // or the Tucker form's w2_a w2_b around lokr_t2. The product, its scaled
+                // copy and a reshape's.
+                let whole = |w: &str| -> (u64, u64) {
                     match shape(&format!("{b}.{w}")) {
                         Some(s) => (rows(&s), cols(&s)),
-                        None => (
-                            shape(&format!("{b}.{w}_a")).map_or(0, |s| rows(&s)),
-                            shape(&format!("{b}.{w}_b")).map_or(0, |s| cols(&s)),
+                        None => pair(
+                            &format!("{b}.{w}_a"),
+                            &format!("{b}.{w}_b"),
+                            &format!("{b}.lokr_t2"),
                         ),
                     }
                 };
-                let ((a, bc), (c, d)) = (pair("lokr_w1"), pair("lokr_w2"));
-                (a * c * bc * d * kernel(&format!("{b}.lokr_t2")), 3)
+                let ((a, bc), (c, d)) = (whole("lokr_w1"), whole("lokr_w2"));
+                (a * c * bc * d, 3)
             } else if name.ends_with(".diff") {
                 (
                     shape(name).map_or(0, |s| s.iter().product::<usize>() as u64),
-                    1,
+                    2,
                 )
             } else {
                 continue;
             };
-            largest = largest.max(values * 4 * copies);
+            // DoRA's and LyCORIS's magnitudes: the weight in f32, W + ΔW, its norm's operands
+            // and the result beside the change.
+            let base = name.rsplit_once('.').map_or(name, |(b, _)| b);
+            let base = base
+                .strip_suffix(".lora_up")
+                .or_else(|| base.strip_suffix(".lora_B"))
+                .unwrap_or(base);
+            let magnitudes = ["dora_scale", "lora_magnitude_vector"]
+                .iter()
+                .any(|t| self.file.info(&format!("{base}.{t}")).is_some());
+            largest = largest.max(values * 4 * (copies + 4 * magnitudes as u64));
         }
-        // The rows being added: the weight's rows in f32, the change's scaled, their sum.
-        largest + 3 * 4 * MERGE_CHUNK_VALUES as u64
+        // The rows being added: the weight's rows in f32, the change's scaled, their sum and
+        // the sum in the weight's dtype.
+        largest + 4 * 4 * MERGE_CHUNK_VALUES as u64
     }
 
     /// Adds the file's change of the tensor `w` at model key `key` (as [`delta_for`]

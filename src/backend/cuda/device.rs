@@ -651,6 +651,12 @@ impl CudaDevice {
             .map_err(cuda_err("reading the threads' stack size"))
     }
 
+    /// The cap on FLAME's buffers set by hand (`FLAME_GPU_MEMORY_LIMIT`, bytes; u64::MAX
+    /// without one).
+    pub fn memory_limit_by_hand(&self) -> Result<u64> {
+        limit_from_env()
+    }
+
     /// The bytes this process holds on the GPU outside the buffers FLAME's allocator counts:
     /// the context, loaded kernels, library handles and workspaces. Freed buffers kept for
     /// reuse go back to the driver first, so they do not count; the cap's arena is the

@@ -45,10 +45,9 @@ pub(super) const KIND: Kind = Kind {
     merge,
 };
 
-/// A LoRA's change s · B A as the matrix (out, cols), from A (r, cols) and B (out, r): the
-/// scale on the small factor, so the change is the only matrix of its size made.
+/// A LoRA's change s · B A as the matrix (out, cols), from A (r, cols) and B (out, r).
 pub(super) fn product(down: &Tensor, up: &Tensor, scale: f64) -> Result<Tensor> {
-    up.matmul(&down.affine(scale, 0.0)?)
+    up.matmul(down)?.affine(scale, 0.0)
 }
 
 /// The change a file's LoRA of one layer stands for, as the matrix (out, cols): kohya's
@@ -98,7 +97,10 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
         return Err(l.bad(b, &up, &format!("({out}, {r})")));
     }
     let s = l.scale(r)?;
-    product(&down.reshape((r, cols))?, &up.reshape((out, r))?, s).map(Some)
+    // `product`'s values, the product scaled in place: one matrix of the layer's size.
+    let change = up.reshape((out, r))?.matmul(&down.reshape((r, cols))?)?;
+    super::merge::scale_rows(&change, s)?;
+    Ok(Some(change))
 }
 
 /// One layer's LoRA.

@@ -10,6 +10,29 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Mutex;
 
+/// Values a merge changes at a time in a tensor's own storage ([`scale_rows`],
+/// `crate::nn::LoraMerge::merge_into`): 16 MiB of f32, under the GPU allocator's threshold
+/// for large buffers, so the rows' copies come from the small buffers' end of its arena.
+pub(crate) const MERGE_CHUNK_VALUES: usize = 4 << 20;
+
+/// Scales `t` (a matrix no other tensor shares, made by the merge) by `s` in its own storage,
+/// [`MERGE_CHUNK_VALUES`] at a time: the values `t.affine(s, 0.0)` gives, without a second
+/// matrix of its size.
+pub(crate) fn scale_rows(t: &Tensor, s: f64) -> Result<()> {
+    let _g = crate::no_grad();
+    let rows = t.dims().first().copied().unwrap_or(1).max(1);
+    let per_row = (t.elem_count() / rows).max(1);
+    let chunk = (MERGE_CHUNK_VALUES / per_row).clamp(1, rows);
+    let mut r = 0;
+    while r < rows {
+        let n = chunk.min(rows - r);
+        let part = t.narrow(0, r, n)?;
+        part.assign(&part.affine(s, 0.0)?)?;
+        r += n;
+    }
+    Ok(())
+}
+
 /// The tensors `<name>.<tensor>` of one layer (or one diffusers part of a fused layer) in a
 /// file being merged.
 pub struct MergeLayer<'a> {

@@ -2483,28 +2483,14 @@ fn plans_for_sampling_leave_a_merge_its_room() {
     let dir = std::env::temp_dir().join(format!("flame-merge-room-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("flux-tiny.safetensors");
-    let config = flame::train::demo::flux_tiny_config();
-    let vb = flame::nn::VarBuilder::random(7, 0.08, DType::F32, &Device::Cpu);
-    Flux::new(&vb, &config).unwrap();
-    let params = vb.params().unwrap();
-    let meta = [(
-        flame::safetensors::CONFIG_METADATA.to_string(),
-        flame::train::demo::flux_tiny_diffusers_config().to_string(),
-    )]
-    .into_iter()
-    .collect();
-    flame::safetensors::save_with_metadata(
-        params.iter().map(|(k, t)| (k.as_str(), t)),
-        &meta,
-        &path,
-    )
-    .unwrap();
+    flame::train::demo::make_tiny_flux(&path).unwrap();
     // A LoRA of rank 2 on the first single block's linear1.
-    let dims = params
-        .iter()
-        .find(|(k, _)| k == "single_blocks.0.linear1.weight")
-        .map(|(_, t)| t.dims().to_vec())
-        .unwrap();
+    let dims = flame::safetensors::SafeTensorsFile::open(&path)
+        .unwrap()
+        .info("single_blocks.0.linear1.weight")
+        .unwrap()
+        .shape
+        .clone();
     let down = Tensor::randn((2, dims[1]), DType::F32, &Device::Cpu, 1).unwrap();
     let up = Tensor::randn((dims[0], 2), DType::F32, &Device::Cpu, 2).unwrap();
     let lora = dir.join("lora.safetensors");

@@ -39,7 +39,8 @@
 //! tensor left over.
 
 use super::adapter::{
-    kohya_name_in, lycoris_name, MergeLayer, PeftScales, KINDS, KOHYA_MODEL, MERGE_CHUNK_VALUES,
+    kohya_name_in, lycoris_name, rows_in_place, MergeLayer, PeftScales, KINDS, KOHYA_MODEL,
+    MERGE_CHUNK_VALUES,
 };
 use super::keys::{KeyMap, KeySource};
 use crate::safetensors::SafeTensorsFile;
@@ -257,7 +258,9 @@ impl LoraMerge {
         };
         let mut largest = 0u64;
         for name in self.file.names() {
-            let (values, copies) = if let Some(b) = [".lora_up.weight", ".lora_B.weight"]
+            // Each branch: the layer's name in the file, the change's values, the matrices of
+            // its size the kind holds at once.
+            let (layer, values, copies) = if let Some(b) = [".lora_up.weight", ".lora_B.weight"]
                 .iter()
                 .find_map(|s| name.strip_suffix(s))
             {
@@ -269,13 +272,13 @@ impl LoraMerge {
                     .unwrap_or_default();
                 let out = shape(name).map_or(0, |s| rows(&s));
                 match shape(&format!("{b}.lora_mid.weight")) {
-                    Some(mid) => (out * cols(&down) * kernel(&mid), 2),
-                    None => (out * cols(&down), 1),
+                    Some(mid) => (b, out * cols(&down) * kernel(&mid), 2),
+                    None => (b, out * cols(&down), 1),
                 }
             } else if let Some(b) = name.strip_suffix(".hada_w1_a") {
                 // Two products, their elementwise product and its scaled copy.
                 let (o, c) = pair(name, &format!("{b}.hada_w1_b"), &format!("{b}.hada_t1"));
-                (o * c, 4)
+                (b, o * c, 4)
             } else if let Some(b) = name
                 .strip_suffix(".lokr_w1")
                 .or_else(|| name.strip_suffix(".lokr_w1_a"))
@@ -294,9 +297,10 @@ impl LoraMerge {
                     }
                 };
                 let ((a, bc), (c, d)) = (whole("lokr_w1"), whole("lokr_w2"));
-                (a * c * bc * d, 3)
-            } else if name.ends_with(".diff") {
+                (b, a * c * bc * d, 3)
+            } else if let Some(b) = name.strip_suffix(".diff") {
                 (
+                    b,
                     shape(name).map_or(0, |s| s.iter().product::<usize>() as u64),
                     2,
                 )
@@ -305,14 +309,9 @@ impl LoraMerge {
             };
             // DoRA's and LyCORIS's magnitudes: the weight in f32, W + ΔW, its norm's operands
             // and the result beside the change.
-            let base = name.rsplit_once('.').map_or(name, |(b, _)| b);
-            let base = base
-                .strip_suffix(".lora_up")
-                .or_else(|| base.strip_suffix(".lora_B"))
-                .unwrap_or(base);
             let magnitudes = ["dora_scale", "lora_magnitude_vector"]
                 .iter()
-                .any(|t| self.file.info(&format!("{base}.{t}")).is_some());
+                .any(|t| self.file.info(&format!("{layer}.{t}")).is_some());
             largest = largest.max(values * 4 * (copies + 4 * magnitudes as u64));
         }
         // The rows being added: the weight's rows in f32, the change's scaled, their sum and
@@ -333,28 +332,19 @@ impl LoraMerge {
         let dims = w.dims().to_vec();
         let strength = self.strength;
         self.each_change(key, w, |start, d| {
-            let _g = crate::no_grad();
-            let rows = d.dims().first().copied().unwrap_or(1).max(1);
-            let per_row = (d.elem_count() / rows).max(1);
-            let chunk = (MERGE_CHUNK_VALUES / per_row).clamp(1, rows);
+            let rows = d.dims().first().copied().unwrap_or(1);
             // A weight seen as the matrix (out, in · kh · kw); a bias's elements are its rows.
             let flat = match dims.len() {
                 1 => w.clone(),
-                _ => w.reshape((dims[0], per_row))?,
+                _ => w.reshape((dims[0], d.elem_count() / rows.max(1)))?,
             };
-            let mut r = 0;
-            while r < rows {
-                let n = chunk.min(rows - r);
-                let dst = flat.narrow(0, start + r, n)?;
+            rows_in_place(&flat.narrow(0, start, rows)?, |r, dst| {
                 let add = d
-                    .narrow(0, r, n)?
+                    .narrow(0, r, dst.dims()[0])?
                     .reshape(dst.dims())?
                     .affine(strength, 0.0)?;
-                let sum = dst.to_dtype(DType::F32)?.add(&add)?.to_dtype(w.dtype())?;
-                dst.assign(&sum)?;
-                r += n;
-            }
-            Ok(())
+                dst.to_dtype(DType::F32)?.add(&add)?.to_dtype(w.dtype())
+            })
         })
     }
 

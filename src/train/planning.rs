@@ -258,9 +258,8 @@ fn profile_model(
 /// whether the machine is measured and whether products may be computed on the host apply
 /// (a forward plan has no checkpointing, coding or offloading to switch). Without a budget
 /// (`budget_gb` 0) on a GPU, every block stays resident where that fits the memory free at
-/// start
-/// ([`crate::memory::split_at_start`]), else the plan is worked out within it (the allocator
-/// is capped already: `memory::hold_to_budget`).
+/// start ([`crate::memory::split_at_start`]), else the plan is worked out within it (the
+/// allocator is capped already: `memory::hold_to_budget`).
 /// Errors name `key`.
 #[allow(clippy::too_many_arguments)]
 pub fn plan_denoising(

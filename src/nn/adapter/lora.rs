@@ -99,7 +99,7 @@ pub(super) fn merge(l: &MergeLayer) -> Result<Option<Tensor>> {
     let s = l.scale(r)?;
     // `product`'s values, the product scaled in place: one matrix of the layer's size.
     let change = up.reshape((out, r))?.matmul(&down.reshape((r, cols))?)?;
-    super::merge::scale_rows(&change, s)?;
+    super::merge::rows_in_place(&change, |_, rows| rows.affine(s, 0.0))?;
     Ok(Some(change))
 }
 

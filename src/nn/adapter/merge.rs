@@ -10,15 +10,19 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Mutex;
 
-/// Values a merge changes at a time in a tensor's own storage ([`scale_rows`],
-/// `crate::nn::LoraMerge::merge_into`): 16 MiB of f32, under the GPU allocator's threshold
-/// for large buffers, so the rows' copies come from the small buffers' end of its arena.
+/// Values a merge changes at a time in a tensor's own storage ([`rows_in_place`]): 16 MiB of
+/// f32, under the GPU allocator's threshold for large buffers, so the rows' copies come from
+/// the small buffers' end of its arena.
 pub(crate) const MERGE_CHUNK_VALUES: usize = 4 << 20;
 
-/// Scales `t` (a matrix no other tensor shares, made by the merge) by `s` in its own storage,
-/// [`MERGE_CHUNK_VALUES`] at a time: the values `t.affine(s, 0.0)` gives, without a second
-/// matrix of its size.
-pub(crate) fn scale_rows(t: &Tensor, s: f64) -> Result<()> {
+/// Rewrites `t` (a tensor no other tensor shares, or rows of one) in its own storage,
+/// [`MERGE_CHUNK_VALUES`] at a time along its first axis: `f(first row, rows)` gives the new
+/// values of the rows `t.narrow(0, first row, n)` it is handed, in `t`'s dtype. No copy of
+/// `t`'s size is made.
+pub(crate) fn rows_in_place(
+    t: &Tensor,
+    mut f: impl FnMut(usize, &Tensor) -> Result<Tensor>,
+) -> Result<()> {
     let _g = crate::no_grad();
     let rows = t.dims().first().copied().unwrap_or(1).max(1);
     let per_row = (t.elem_count() / rows).max(1);
@@ -27,7 +31,7 @@ pub(crate) fn scale_rows(t: &Tensor, s: f64) -> Result<()> {
     while r < rows {
         let n = chunk.min(rows - r);
         let part = t.narrow(0, r, n)?;
-        part.assign(&part.affine(s, 0.0)?)?;
+        part.assign(&f(r, &part)?)?;
         r += n;
     }
     Ok(())

@@ -44,7 +44,7 @@ pub use io::{
 pub use lokr::{factorization, LokrSplit};
 pub use lora::Lora;
 pub use merge::MergeLayer;
-pub(crate) use merge::MERGE_CHUNK_VALUES;
+pub(crate) use merge::{rows_in_place, MERGE_CHUNK_VALUES};
 pub(crate) use split::lycoris_name;
 pub use tools::{ModuleNames, Tool, ToolNames, AI_TOOLKIT_PREFIX};
 

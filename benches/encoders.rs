@@ -80,21 +80,51 @@ fn main() -> Result<()> {
             .to_dtype(DType::F32)?
             .to_vec::<f32>()?;
         drop((m, vb));
-        // Its blocks streamed from page-locked host memory, two ahead.
-        let t = Instant::now();
-        let (m, vb) =
-            T5Encoder::load_streamed(dir.join("text_encoder_2"), None, dt, &dev, None, 2)?;
-        cuda.synchronize()?;
-        let load = t.elapsed().as_secs_f64();
-        report("t5xxl stream", load, bytes(&vb)?, &|| {
-            m.forward(&ids512, None)
-        })?;
-        let same = m
-            .forward(&ids512, None)?
-            .to_dtype(DType::F32)?
-            .to_vec::<f32>()?
-            == want;
-        println!("flame t5xxl streamed output equals resident: {same}");
+        // Its blocks streamed from page-locked host memory, two ahead: as the loaders stream
+        // it (uncoded), then with the weights coded for the link as a training step's
+        // streamer codes them. A load's time, its first pass's (the blocks packed at its
+        // first fetch), what the streamer's host work took, and dropping the encoder (its
+        // page-locked memory freed).
+        for coded in [false, true] {
+            let t = Instant::now();
+            let (m, vb) =
+                T5Encoder::load_streamed(dir.join("text_encoder_2"), None, dt, &dev, None, 2)?;
+            let Some(streamer) = m.exec().streamer.clone() else {
+                return Err(flame::Error::Stream(
+                    "the streamed T5 has no streamer".into(),
+                ));
+            };
+            streamer.set_wire_code(coded)?;
+            cuda.synchronize()?;
+            let load = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            {
+                let _g = flame::no_grad();
+                m.forward(&ids512, None)?;
+            }
+            cuda.synchronize()?;
+            let first = t.elapsed().as_secs_f64();
+            let r = streamer.report()?;
+            let name = if coded { "t5xxl coded" } else { "t5xxl stream" };
+            report(name, load, bytes(&vb)?, &|| m.forward(&ids512, None))?;
+            let same = m
+                .forward(&ids512, None)?
+                .to_dtype(DType::F32)?
+                .to_vec::<f32>()?
+                == want;
+            let t = Instant::now();
+            drop((m, vb, streamer));
+            let dropped = t.elapsed().as_secs_f64();
+            println!(
+                "flame {name}: first pass {first:.2} s; weights into host memory {:.2} s, \
+                 packed {:.2} s ({:.2} GiB held, {:.2} GiB on the link a pass); dropped in \
+                 {dropped:.2} s; output equals resident: {same}",
+                r.adopt_us as f64 / 1e6,
+                r.seal_us as f64 / 1e6,
+                r.host_bytes as f64 / GIB,
+                r.uploaded_bytes as f64 / GIB / r.forwards.max(1) as f64,
+            );
+        }
     }
     let t = Instant::now();
     let (vae, vb) = AutoencoderKl::load(dir.join("vae"), None, None, dt, &dev, None)?;

@@ -344,3 +344,52 @@ fn diffusers_loader_reads_t5_and_qwen3_adapters() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The streamed encoders' bf16 weights cross the link in the wire code only where adapters
+/// train on them: a caption's pass uploads every block once, uncoded, while a training step
+/// uploads them again and again.
+#[test]
+fn streamed_encoders_code_their_weights_only_where_adapters_train() {
+    let io = outputs(&CPU);
+    for trains in [false, true] {
+        let patch = match trains {
+            true => EncoderPatch::adapters(lora(&T5_TARGETS)),
+            false => EncoderPatch::default(),
+        };
+        let (t5, _) = T5Encoder::load_adapted(
+            root().join("encoders/t5"),
+            None,
+            DType::BF16,
+            &CPU,
+            None,
+            Some(1),
+            patch,
+        )
+        .unwrap();
+        let _ = t5.forward(&io["t5.ids"], None).unwrap();
+        let patch = match trains {
+            true => EncoderPatch::adapters(lora(&QWEN3_TARGETS)),
+            false => EncoderPatch::default(),
+        };
+        let opts = Qwen3Options {
+            stream: Some(1),
+            patch,
+            ..Qwen3Options::default()
+        };
+        let (qwen3, _) =
+            Qwen3Encoder::load(root().join("qwen3/text_encoder"), DType::BF16, &CPU, &opts)
+                .unwrap();
+        let _ = qwen3
+            .hidden_states(&io["qwen3.ids"], Some(&io["qwen3.mask"]), &[2, 4])
+            .unwrap();
+        for (name, exec) in [("t5", t5.exec()), ("qwen3", qwen3.exec())] {
+            let s = exec.streamer.as_ref().unwrap();
+            assert_eq!(s.wire_code().unwrap(), trains, "{name}");
+            let r = s.report().unwrap();
+            assert!(r.uploads > 0 && r.host_bytes > 0, "{name}: {r:?}");
+            if !trains {
+                assert_eq!(r.uploaded_bytes, r.decoded_bytes, "{name} uncoded: {r:?}");
+            }
+        }
+    }
+}

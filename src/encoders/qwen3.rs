@@ -14,8 +14,8 @@
 //! read. Shape letters: B batch, L tokens, D hidden, H query heads, G key/value heads,
 //! E head width, F MLP width.
 
-use super::{detect_prefix, open_files, prefixes_with, EncoderPatch};
-use crate::memory::{BlockExec, BlockStreamer};
+use super::{detect_prefix, open_files, prefixes_with, BlockStream, EncoderPatch};
+use crate::memory::BlockExec;
 use crate::nn::{merge_heads, rope, scaled_dot_product_attention};
 use crate::nn::{Embedding, KeySource, Linear, RmsNorm, VarBuilder};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -444,6 +444,12 @@ impl Qwen3Encoder {
         })
     }
 
+    /// How the layers run: resident, or streamed (its streamer's counters:
+    /// `exec().streamer`'s `report`).
+    pub fn exec(&self) -> &BlockExec {
+        &self.exec
+    }
+
     /// How the layers run (the streamer of [`Qwen3Options::stream`]).
     pub fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
@@ -550,7 +556,11 @@ impl Qwen3Encoder {
         let prefixes = (0..depth.min(cfg.num_hidden_layers))
             .map(|i| format!("layers.{i}"))
             .collect();
-        let streamer = BlockStreamer::new(&device, prefixes, prefetch.max(1));
+        let streamer = BlockStream {
+            prefetch,
+            trains: opts.patch.adapters.is_some(),
+        }
+        .streamer(&device, prefixes)?;
         let vb = vb.with_host_weights(streamer.clone())?;
         let mut model = Self::new(&vb, &cfg, depth)?;
         model.set_exec(BlockExec {

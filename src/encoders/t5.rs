@@ -4,8 +4,8 @@
 //! RMSNorm. Keys are transformers' (`encoder.block.N.layer.0.SelfAttention.q.weight`).
 //! Shape letters: B batch, L tokens, D `d_model`, H heads, K `d_kv` (head width), F `d_ff`.
 
-use super::{detect_prefix, open_files, prefixes_with, EncoderPatch};
-use crate::memory::{BlockExec, BlockStreamer};
+use super::{detect_prefix, open_files, prefixes_with, BlockStream, EncoderPatch};
+use crate::memory::BlockExec;
 use crate::nn::merge_heads;
 use crate::nn::{Embedding, KeySource, Linear, RmsNorm, VarBuilder};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -280,6 +280,12 @@ impl T5Encoder {
         })
     }
 
+    /// How the blocks run: resident, or streamed (its streamer's counters:
+    /// `exec().streamer`'s `report`).
+    pub fn exec(&self) -> &BlockExec {
+        &self.exec
+    }
+
     /// How the blocks run (the streamer of [`load_streamed`](Self::load_streamed)).
     pub fn set_exec(&mut self, exec: BlockExec) {
         self.exec = exec;
@@ -333,7 +339,11 @@ impl T5Encoder {
             T5Config::from_json,
         )?;
         let raw = patch.apply(raw)?;
-        Self::build(raw, path.as_ref(), prefix, config, stream.map(|p| p.max(1)))
+        let stream = stream.map(|prefetch| BlockStream {
+            prefetch,
+            trains: patch.adapters.is_some(),
+        });
+        Self::build(raw, path.as_ref(), prefix, config, stream)
     }
 
     /// Loads the encoder from `path`: a transformers / diffusers folder (`text_encoder_2/`
@@ -373,13 +383,13 @@ impl T5Encoder {
         Self::build(raw, origin, prefix, config, None)
     }
 
-    /// [`load_from`](Self::load_from), the blocks streamed `prefetch` ahead when given.
+    /// [`load_from`](Self::load_from), the blocks streamed as `stream` says when given.
     fn build(
         raw: VarBuilder,
         origin: &Path,
         prefix: Option<&str>,
         config: Option<T5Config>,
-        prefetch: Option<usize>,
+        stream: Option<BlockStream>,
     ) -> Result<(Self, VarBuilder)> {
         let keys = raw.source_keys();
         let candidates = t5_candidates(&keys).into_iter().map(|p| (p, ())).collect();
@@ -400,14 +410,14 @@ impl T5Encoder {
             Some(c) => c,
             None => T5Config::from_shapes(&vb)?,
         };
-        let Some(prefetch) = prefetch else {
+        let Some(stream) = stream else {
             return Ok((Self::new(&vb, &cfg)?, vb));
         };
         let device = vb.device().clone();
         let prefixes = (0..cfg.num_layers)
             .map(|i| format!("encoder.block.{i}"))
             .collect();
-        let streamer = BlockStreamer::new(&device, prefixes, prefetch);
+        let streamer = stream.streamer(&device, prefixes)?;
         let vb = vb.with_host_weights(streamer.clone())?;
         let mut model = Self::new(&vb, &cfg)?;
         model.set_exec(BlockExec {

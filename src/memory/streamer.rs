@@ -23,6 +23,14 @@ pub struct StreamReport {
     pub blocks: usize,
     /// Bytes of weights kept in host memory.
     pub host_bytes: u64,
+    /// Microseconds of the host's wall time in taking the weights into host memory as
+    /// they loaded (`adopt`: on a GPU each weight copied into page-locked memory of its
+    /// own).
+    pub adopt_us: u64,
+    /// Microseconds of the host's wall time in joining each block's weights into its pack
+    /// at the first fetch (a second page-locked buffer on a GPU; bf16 weights coded for the
+    /// link where the wire code is on).
+    pub seal_us: u64,
     /// Block uploads started (each brings a block's weights: all of them, or in the
     /// backward all but those only the forward reads).
     pub uploads: u64,
@@ -423,6 +431,11 @@ impl BlockStreamer {
         Ok(())
     }
 
+    /// Whether bf16 weights cross the link coded (`set_wire_code`).
+    pub fn wire_code(&self) -> Result<bool> {
+        Ok(self.lock()?.code)
+    }
+
     /// Makes the first `n` blocks cross uncoded though the wire code is on: the blocks the
     /// backward leaves on the device for the next forward (`carried`), which only the
     /// backward uploads, while its link has time to spare (the planner's
@@ -725,6 +738,7 @@ impl BlockStreamer {
             let _g = crate::no_grad();
             t.affine(1.0, 0.0)?
         };
+        let began = std::time::Instant::now();
         let host = {
             let s = t.storage()?;
             s.stash(t.layout().offset() + t.elem_count())?
@@ -732,6 +746,7 @@ impl BlockStreamer {
         let handle = t.with_storage(self.device.placeholder(t.dtype())?);
         let mut st = self.lock()?;
         st.report.host_bytes += host.bytes() as u64;
+        st.report.adopt_us += began.elapsed().as_micros() as u64;
         let sealed = st.sealed;
         let b = st
             .blocks
@@ -826,7 +841,9 @@ impl BlockStreamer {
         };
         let left_out = skip.iter().any(|&f| f);
         if b.pack.is_none() {
+            let began = std::time::Instant::now();
             self.seal(st)?;
+            st.report.seal_us += began.elapsed().as_micros() as u64;
         }
         let State {
             blocks,

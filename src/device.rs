@@ -237,6 +237,10 @@ impl Device {
         on_device!(self, d => d.storage_from_host(data))
     }
 
+    pub(crate) fn storage_from_bytes(&self, dtype: crate::DType, bytes: &[u8]) -> Result<Storage> {
+        on_device!(self, d => d.storage_from_bytes(dtype, bytes))
+    }
+
     pub(crate) fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<Storage> {
         on_device!(self, d => d.full(shape, dtype, value))
     }

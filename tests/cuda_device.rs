@@ -1,7 +1,7 @@
 //! The CUDA device: creation fails cleanly where CUDA is absent; on a GPU machine (run with
 //! --include-ignored) memory accounting and its hard limit, the memory pool's cache and its
-//! arena under a cap, tensors past 2 GiB, gradients across devices and the TF32 switch work as
-//! documented.
+//! arena under a cap, tensors past 2 GiB, loads from a file's bytes, gradients across
+//! devices and the TF32 switch work as documented.
 #![cfg(feature = "cuda")]
 
 #[cfg(feature = "cpu-ref")]
@@ -563,4 +563,53 @@ fn the_default_budget_is_what_the_process_could_hold_at_start() {
         flame::train::images::AUTO_TILE
     );
     drop(t);
+}
+
+/// Values loaded from their little-endian bytes (as a file's mapped tensors are) come back
+/// bit for bit: every dtype, none and odd counts, a source at an odd address, loads small
+/// enough to copy as they are and loads of several pieces through the device's two
+/// page-locked load buffers, issued one after another so that each buffer is refilled
+/// while earlier copies may still be in flight.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn loads_from_bytes_come_back_bit_for_bit() {
+    let _g = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    const PIECE: usize = 16 << 20;
+    let mut raw = vec![0u8; 3 * PIECE + 64 * 1024 + 9];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for b in raw.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = (x >> 24) as u8;
+    }
+    // An odd address: a header whose length is no multiple of the element size.
+    let src = &raw[1..];
+    let cases = [
+        (DType::BF16, 0),
+        (DType::BF16, 3),
+        (DType::F32, 1031),
+        (DType::F16, (1 << 20) / 2 - 1),
+        (DType::BF16, (1 << 20) / 2 + 7),
+        (DType::F32, PIECE / 4),
+        (DType::BF16, 3 * PIECE / 2 + 4099),
+        (DType::U32, 5 * (1 << 20) / 4 + 3),
+        (DType::F64, (3 * PIECE + 1000) / 8),
+    ];
+    let loaded: Vec<_> = cases
+        .iter()
+        .map(|&(dtype, n)| {
+            let bytes = &src[..n * dtype.size_in_bytes()];
+            (Tensor::from_le_bytes(bytes, dtype, n, &dev).unwrap(), bytes)
+        })
+        .collect();
+    for ((t, bytes), (dtype, n)) in loaded.iter().zip(cases) {
+        let back = t.to_host().unwrap();
+        assert_eq!((back.dtype(), back.len()), (dtype, n));
+        assert!(back.as_bytes() == *bytes, "{dtype:?} x {n}");
+    }
+    // A byte count that is no whole number of values, or not the shape's, is refused.
+    assert!(Tensor::from_le_bytes(&src[..7], DType::F32, 2, &dev).is_err());
+    assert!(Tensor::from_le_bytes(&src[..8], DType::F32, 3, &dev).is_err());
 }

@@ -506,6 +506,18 @@ pub trait BackendDevice: Sized + Clone + Send + Sync {
     fn same_device(&self, other: &Self) -> bool;
     /// A copy of host data on this device, in the same dtype.
     fn storage_from_host(&self, data: &CpuStorage) -> Result<Self::Storage>;
+    /// Values of `dtype` from their little-endian bytes (a file's, at any alignment) on this
+    /// device. By default through a host copy of the values (`storage_from_host`); a GPU
+    /// copies the bytes across as they are.
+    fn storage_from_bytes(&self, dtype: DType, bytes: &[u8]) -> Result<Self::Storage> {
+        let data =
+            CpuStorage::from_bytes(dtype, bytes).ok_or_else(|| crate::Error::InvalidArgument {
+                op: "storage_from_bytes",
+                msg: format!("not a whole number of {dtype:?} values"),
+                shape: Shape::from(bytes.len()),
+            })?;
+        self.storage_from_host(&data)
+    }
     /// Contiguous storage of `shape` with every element `value` (converted to `dtype`).
     fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<Self::Storage>;
     /// Contiguous storage of `shape` for an op that writes every element before anything

@@ -200,6 +200,32 @@ impl Tensor {
         ))
     }
 
+    /// A tensor of `shape` and `dtype` from its values' little-endian bytes (as safetensors
+    /// files store them; any alignment) on `device`: a GPU copies the bytes across as they
+    /// are, without a host copy of the values first.
+    pub fn from_le_bytes(
+        bytes: &[u8],
+        dtype: DType,
+        shape: impl Into<Shape>,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        let size = dtype.size_in_bytes();
+        if bytes.len() != shape.elem_count() * size {
+            return Err(Error::ElementCount {
+                op: "from_le_bytes",
+                count: bytes.len() / size,
+                shape,
+            });
+        }
+        Ok(Self::from_storage(
+            device.storage_from_bytes(dtype, bytes)?,
+            shape,
+            device.clone(),
+            None,
+        ))
+    }
+
     /// Every element `value` (converted to `dtype`).
     pub fn full(
         value: f64,

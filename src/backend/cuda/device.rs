@@ -75,6 +75,9 @@ struct Inner {
     side_on: std::sync::atomic::AtomicBool,
     /// Whether f32 matmuls may use TF32 (`set_allow_tf32`), for the side's cuBLAS handle.
     tf32: std::sync::atomic::AtomicBool,
+    /// The page-locked buffers that loads from files cross through (`load_bytes`, host.rs),
+    /// made on the first large load.
+    loads: Mutex<Option<super::host::LoadRing>>,
 }
 
 /// A window of work on the side stream (`CudaDevice::side_window`): `run` issues the work
@@ -254,6 +257,7 @@ impl CudaDevice {
             side: OnceLock::new(),
             side_on: std::sync::atomic::AtomicBool::new(false),
             tf32: std::sync::atomic::AtomicBool::new(false),
+            loads: Mutex::new(None),
         })))
     }
 
@@ -415,6 +419,11 @@ impl CudaDevice {
     }
 
     /// The device's reusable events without timing (marks.rs).
+    /// The page-locked buffers of loads from files (host.rs `load_bytes`).
+    pub(crate) fn load_ring(&self) -> &Mutex<Option<super::host::LoadRing>> {
+        &self.0.loads
+    }
+
     pub(crate) fn marks(&self) -> &Arc<super::marks::Marks> {
         &self.0.marks
     }

@@ -346,6 +346,11 @@ impl BackendDevice for CudaDevice {
         })
     }
 
+    /// Through the device's page-locked load buffers (`load_bytes`, host.rs).
+    fn storage_from_bytes(&self, dtype: DType, bytes: &[u8]) -> Result<CudaStorage> {
+        self.load_bytes(dtype, bytes)
+    }
+
     fn full(&self, shape: &Shape, dtype: DType, value: f64) -> Result<CudaStorage> {
         let buf = by_dtype!(dtype, fill_t(self, shape.elem_count(), value))?;
         Ok(CudaStorage {

@@ -430,6 +430,26 @@ fn raw(buf: &Buf, dev: &CudaDevice) -> u64 {
     buf.raw_ptr(dev.stream())
 }
 
+/// Bytes of each page-locked buffer a load from a file crosses through (`load_bytes`).
+const LOAD_PIECE: usize = 16 << 20;
+/// The load buffers: the host fills one while the device copies the other in.
+const LOAD_BUFFERS: usize = 2;
+/// Loads of fewer bytes are copied from the caller's memory as they are (the driver stages
+/// them): a piece's event and the host threads' start would cost more.
+const LOAD_DIRECT: usize = 1 << 20;
+/// Bytes a host thread copies into a load buffer at a time.
+const LOAD_TASK: usize = 1 << 20;
+
+/// The page-locked buffers loads from files cross through (`CudaDevice::load_bytes`), with
+/// each one's last copy to the device.
+pub(crate) struct LoadRing {
+    bufs: Vec<PinnedHostSlice<u8>>,
+    /// The event after each buffer's last copy to the device, until the host fills it again.
+    done: Vec<Option<CudaEvent>>,
+    /// The buffer the next piece takes.
+    next: usize,
+}
+
 impl CudaDevice {
     /// `bytes` (at least 1) of page-locked host memory, cached (not write-combined, which
     /// cudarc's `alloc_pinned` asks for): the host reads stashed weights when it packs them,
@@ -445,6 +465,93 @@ impl CudaDevice {
                 .alloc_pinned_with_flags::<u8>(bytes.max(1), 0)
         }
         .map_err(|e| Error::Cuda(format!("allocating {bytes} bytes of pinned memory: {e:?}")))
+    }
+
+    /// A new buffer of `dtype` holding the values of `bytes` (little-endian, as files store
+    /// them, at any alignment: a memory-mapped file's tensor), copied on the compute stream
+    /// after its work so far. Large loads cross in pieces through two page-locked buffers of
+    /// the device's (`LoadRing`): the host's threads copy a piece into one (reading a mapped
+    /// file's pages in) while the device copies the other's in, where a copy from pageable
+    /// memory would take a heap copy of the values first and then the driver's own staging,
+    /// one after the other. Returns once the last piece's copy is issued: the compute stream
+    /// orders whatever reads the buffer after it.
+    pub(crate) fn load_bytes(&self, dtype: DType, bytes: &[u8]) -> Result<CudaStorage> {
+        use rayon::prelude::*;
+        let size = dtype.size_in_bytes();
+        if bytes.len() % size != 0 {
+            return Err(Error::Cuda(format!(
+                "a load of {} bytes is not a whole number of {dtype:?} values",
+                bytes.len()
+            )));
+        }
+        let storage = crate::backend::BackendDevice::uninit(
+            self,
+            &crate::Shape::from(bytes.len() / size),
+            dtype,
+        )?;
+        if bytes.is_empty() {
+            return Ok(storage);
+        }
+        let dst = raw(&storage.buf, self);
+        let stream = self.stream();
+        self.context()
+            .bind_to_thread()
+            .map_err(cuda_err("binding the context"))?;
+        if bytes.len() < LOAD_DIRECT {
+            // SAFETY: `dst` holds `bytes.len()` bytes; from pageable memory the call returns
+            // once the bytes are staged, so `bytes` may go after it.
+            unsafe { result::memcpy_htod_async(dst, bytes, stream.cu_stream()) }
+                .map_err(cuda_err("copying to the device"))?;
+            return Ok(storage);
+        }
+        let mut guard = self
+            .load_ring()
+            .lock()
+            .map_err(|_| Error::Poisoned("load buffers"))?;
+        let ring = match &mut *guard {
+            Some(r) => r,
+            none => {
+                let bufs = (0..LOAD_BUFFERS)
+                    // SAFETY: a piece's bytes are written before its copy reads them.
+                    .map(|_| unsafe { self.alloc_host(LOAD_PIECE) })
+                    .collect::<Result<Vec<_>>>()?;
+                none.insert(LoadRing {
+                    bufs,
+                    done: (0..LOAD_BUFFERS).map(|_| None).collect(),
+                    next: 0,
+                })
+            }
+        };
+        for (k, piece) in bytes.chunks(LOAD_PIECE).enumerate() {
+            let slot = ring.next;
+            ring.next = (slot + 1) % LOAD_BUFFERS;
+            if let Some(e) = ring.done[slot].take() {
+                e.synchronize()
+                    .map_err(cuda_err("waiting for a load's copy"))?;
+            }
+            let at = ring.bufs[slot]
+                .as_mut_ptr()
+                .map_err(cuda_err("reading a load buffer"))?;
+            // SAFETY: the buffer holds LOAD_PIECE bytes, and its last copy to the device has
+            // finished (waited for above): nothing else reads or writes it.
+            let buf = unsafe { std::slice::from_raw_parts_mut(at, piece.len()) };
+            buf.par_chunks_mut(LOAD_TASK)
+                .zip(piece.par_chunks(LOAD_TASK))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            // SAFETY: the destination holds `bytes.len()` bytes from `dst`, this piece at
+            // its offset; the page-locked source stays untouched until the event below has
+            // passed.
+            unsafe {
+                result::memcpy_htod_async(dst + (k * LOAD_PIECE) as u64, &*buf, stream.cu_stream())
+            }
+            .map_err(cuda_err("copying to the device"))?;
+            ring.done[slot] = Some(
+                stream
+                    .record_event(None)
+                    .map_err(cuda_err("recording a load's copy"))?,
+            );
+        }
+        Ok(storage)
     }
 
     /// The first `len` elements of `s` copied to new page-locked host memory; returns when

@@ -1,5 +1,6 @@
 //! The host link: values of device storages kept in host memory while their buffers are
-//! released (`HostCopy`: page-locked on a GPU), several joined for one upload (`HostPack`,
+//! released (`HostCopy`: on a GPU page-locked where offloaded, plain where stashed for a
+//! pack), several joined for one upload (`HostPack`,
 //! bf16 parts optionally in the link's lossless code, `crate::backend::wire`), the device
 //! memory coded uploads land in (`Staging`), what compute must wait for (`Ticket`), and the
 //! storage and device methods that move values across. Only the streamer, the input offload
@@ -11,12 +12,13 @@ use crate::{CpuStorage, Result};
 use crate::{Layout, Shape};
 
 /// A storage's values kept in host memory while its device buffer is released (block
-/// streaming): page-locked memory for a GPU, a plain copy for the CPU backend.
+/// streaming): for a GPU page-locked memory where the device copies it back (`offload`),
+/// the process's own where the host packs it (`stash`); a plain copy for the CPU backend.
 pub(crate) enum HostCopy {
     #[cfg(feature = "cpu-ref")]
     Cpu(CpuStorage),
     #[cfg(feature = "cuda")]
-    Cuda(crate::backend::cuda::PinnedBuf),
+    Cuda(crate::backend::cuda::HostBuf),
 }
 
 impl HostCopy {

@@ -2286,7 +2286,7 @@ impl MemoryProfile {
     /// (`raw_backward_host_bytes`) and the offloaded checkpoint inputs with what they keep
     /// (`Plan::offload_inputs`), all at once at the backward's start. Before them, while the
     /// streamer packs the blocks (`BlockStreamer`'s first fetch), every streamed weight's
-    /// pinned copy as loaded beside the first block's pack and raw form: the larger of the
+    /// copy as loaded beside the first block's pack and raw form: the larger of the
     /// two.
     pub fn host_bytes(&self, plan: &Plan) -> u64 {
         self.host_bytes_placed(plan, &self.placed(plan))

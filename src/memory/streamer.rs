@@ -24,12 +24,11 @@ pub struct StreamReport {
     /// Bytes of weights kept in host memory.
     pub host_bytes: u64,
     /// Microseconds of the host's wall time in taking the weights into host memory as
-    /// they loaded (`adopt`: on a GPU each weight copied into page-locked memory of its
-    /// own).
+    /// they loaded (`adopt`: on a GPU each weight copied back into the process's memory).
     pub adopt_us: u64,
     /// Microseconds of the host's wall time in joining each block's weights into its pack
-    /// at the first fetch (a second page-locked buffer on a GPU; bf16 weights coded for the
-    /// link where the wire code is on).
+    /// at the first fetch (page-locked memory on a GPU; bf16 weights coded for the link
+    /// where the wire code is on).
     pub seal_us: u64,
     /// Block uploads started (each brings a block's weights: all of them, or in the
     /// backward all but those only the forward reads).

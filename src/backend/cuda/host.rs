@@ -15,10 +15,10 @@
 //!   compute stream must wait on that event (`wait`) before any kernel reads the buffer, and
 //!   before the buffer is dropped (so it never returns to the cache while a copy or a decode
 //!   may still write it).
-//! - A `PinnedBuf` is written once (`stash`, synchronously) and only read afterwards, so
-//!   copies from it need no ordering against the host. `offload` writes one on the copy
-//!   stream instead; uploads from it run on that stream too, so they follow the write, and
-//!   the host never reads it.
+//! - A `HostBuf` is written once (`stash`, synchronously, into the process's own memory)
+//!   and only read afterwards, by the host, which joins it into a page-locked pack. `offload`
+//!   writes a page-locked one on the copy stream instead; uploads from it run on that stream
+//!   too, so they follow the write, and the host never reads it.
 
 use super::marks::Mark;
 use super::memory::Packed;
@@ -64,31 +64,70 @@ impl WireParts {
     };
 }
 
-/// A device buffer's bytes in page-locked host memory.
-pub struct PinnedBuf {
-    host: PinnedHostSlice<u8>,
+/// A device buffer's bytes in host memory: page-locked where the device copies them back
+/// asynchronously (`offload`), the process's own where only the host reads them (`stash`,
+/// whose copies `pack` joins into page-locked memory: pinning costs the host about as much
+/// as the copies, so a stash is not pinned for the one read).
+pub struct HostBuf {
+    host: HostBytes,
     dtype: DType,
     len: usize,
 }
 
-impl std::fmt::Debug for PinnedBuf {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PinnedBuf({} x {})", self.len, self.dtype)
+/// Where a `HostBuf`'s bytes live.
+enum HostBytes {
+    /// Page-locked.
+    Pinned(PinnedHostSlice<u8>),
+    /// The process's own memory, 8-byte aligned (a bf16 stash reads as u16s in place), and
+    /// its byte count.
+    Own(Vec<u64>, usize),
+}
+
+impl HostBytes {
+    fn len(&self) -> usize {
+        match self {
+            HostBytes::Pinned(p) => p.len(),
+            HostBytes::Own(_, n) => *n,
+        }
+    }
+
+    /// The bytes (a pinned buffer's only once the copies writing it are done: `offload`'s
+    /// are read by the device alone).
+    fn slice(&self) -> Result<&[u8]> {
+        match self {
+            HostBytes::Pinned(p) => {
+                // SAFETY: the buffer holds `len` bytes; as `host_ptr`.
+                Ok(unsafe { std::slice::from_raw_parts(host_ptr(p)?, p.len()) })
+            }
+            HostBytes::Own(v, n) => Ok(&bytemuck::cast_slice::<u64, u8>(v)[..*n]),
+        }
+    }
+
+    /// The page-locked buffer, for copies the device makes asynchronously.
+    fn pinned(&self) -> Result<&PinnedHostSlice<u8>> {
+        match self {
+            HostBytes::Pinned(p) => Ok(p),
+            HostBytes::Own(..) => Err(Error::Cuda(
+                "a stashed buffer is not page-locked: it is packed, not uploaded".into(),
+            )),
+        }
     }
 }
 
-impl PinnedBuf {
+impl std::fmt::Debug for HostBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostBuf({} x {})", self.len, self.dtype)
+    }
+}
+
+impl HostBuf {
     pub fn bytes(&self) -> usize {
         self.host.len()
     }
 
     /// The values, copied into host memory of the CPU's own.
     pub(crate) fn to_cpu(&self) -> Result<crate::CpuStorage> {
-        let bytes = &self
-            .host
-            .as_slice()
-            .map_err(cuda_err("reading the pinned buffer"))?
-            [..self.len * self.dtype.size_in_bytes()];
+        let bytes = &self.host.slice()?[..self.len * self.dtype.size_in_bytes()];
         crate::CpuStorage::from_bytes(self.dtype, bytes).ok_or_else(|| {
             Error::Stream(format!(
                 "a pinned buffer of {} bytes holds no whole {} values",
@@ -437,8 +476,8 @@ const LOAD_BUFFERS: usize = 2;
 /// Loads of fewer bytes are copied from the caller's memory as they are (the driver stages
 /// them): a piece's event and the host threads' start would cost more.
 const LOAD_DIRECT: usize = 1 << 20;
-/// Bytes a host thread copies into a load buffer at a time.
-const LOAD_TASK: usize = 1 << 20;
+/// Bytes a host thread copies into a page-locked buffer at a time (a load's piece, a pack).
+const COPY_TASK: usize = 1 << 20;
 
 /// The page-locked buffers loads from files cross through (`CudaDevice::load_bytes`), with
 /// each one's last copy to the device.
@@ -535,8 +574,8 @@ impl CudaDevice {
             // SAFETY: the buffer holds LOAD_PIECE bytes, and its last copy to the device has
             // finished (waited for above): nothing else reads or writes it.
             let buf = unsafe { std::slice::from_raw_parts_mut(at, piece.len()) };
-            buf.par_chunks_mut(LOAD_TASK)
-                .zip(piece.par_chunks(LOAD_TASK))
+            buf.par_chunks_mut(COPY_TASK)
+                .zip(piece.par_chunks(COPY_TASK))
                 .for_each(|(d, s)| d.copy_from_slice(s));
             // SAFETY: the destination holds `bytes.len()` bytes from `dst`, this piece at
             // its offset; the page-locked source stays untouched until the event below has
@@ -556,7 +595,7 @@ impl CudaDevice {
 
     /// The first `len` elements of `s` copied to new page-locked host memory; returns when
     /// the copy is done.
-    pub(crate) fn stash(&self, s: &CudaStorage, len: usize) -> Result<PinnedBuf> {
+    pub(crate) fn stash(&self, s: &CudaStorage, len: usize) -> Result<HostBuf> {
         let dtype = s.buf.dtype();
         if len > s.buf.len() {
             return Err(Error::Cuda(format!(
@@ -565,23 +604,23 @@ impl CudaDevice {
             )));
         }
         let bytes = len * dtype.size_in_bytes();
-        // SAFETY: the memory is written whole by the copy below before it is read.
-        let mut host = unsafe { self.alloc_host(bytes) }?;
+        let mut host = vec![0u64; bytes.div_ceil(8)];
         let stream = self.stream();
         self.context()
             .bind_to_thread()
             .map_err(cuda_err("binding the context"))?;
-        let dst = host
-            .as_mut_slice()
-            .map_err(cuda_err("reading the pinned buffer"))?;
+        let dst = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut host)[..bytes];
         // SAFETY: `dst` holds `bytes` bytes; the source buffer holds at least `bytes` bytes
-        // and stays alive (borrowed) until the synchronisation below.
-        unsafe {
-            result::memcpy_dtoh_async(&mut dst[..bytes], raw(&s.buf, self), stream.cu_stream())
-        }
-        .map_err(cuda_err("copying to pinned memory"))?;
+        // and stays alive (borrowed) until the synchronisation below (a copy into pageable
+        // memory returns once done anyway).
+        unsafe { result::memcpy_dtoh_async(dst, raw(&s.buf, self), stream.cu_stream()) }
+            .map_err(cuda_err("copying to host memory"))?;
         stream.synchronize().map_err(cuda_err("synchronizing"))?;
-        Ok(PinnedBuf { host, dtype, len })
+        Ok(HostBuf {
+            host: HostBytes::Own(host, bytes),
+            dtype,
+            len,
+        })
     }
 
     /// The first `len` elements of `s` copied into page-locked host memory on the copy stream
@@ -597,8 +636,8 @@ impl CudaDevice {
         &self,
         s: &CudaStorage,
         len: usize,
-        reuse: Option<PinnedBuf>,
-    ) -> Result<(PinnedBuf, Upload)> {
+        reuse: Option<HostBuf>,
+    ) -> Result<(HostBuf, Upload)> {
         let dtype = s.buf.dtype();
         if len > s.buf.len() {
             return Err(Error::Cuda(format!(
@@ -607,8 +646,8 @@ impl CudaDevice {
             )));
         }
         let bytes = len * dtype.size_in_bytes();
-        let mut host = match reuse {
-            Some(p) if p.host.len() == bytes.max(1) => p.host,
+        let mut host = match reuse.map(|p| p.host) {
+            Some(HostBytes::Pinned(p)) if p.len() == bytes.max(1) => p,
             _ => {
                 // SAFETY: the memory is written whole by the copy below before it is read.
                 unsafe { self.alloc_host(bytes) }?
@@ -627,7 +666,11 @@ impl CudaDevice {
         .map_err(cuda_err("copying to pinned memory"))?;
         let event = self.marks().record(copy)?;
         Ok((
-            PinnedBuf { host, dtype, len },
+            HostBuf {
+                host: HostBytes::Pinned(host),
+                dtype,
+                len,
+            },
             Upload(Arc::new(event), Vec::new(), Vec::new(), 0),
         ))
     }
@@ -636,7 +679,7 @@ impl CudaDevice {
     /// offload stream, after those copies out and the compute stream's work so far; the
     /// values are there once the compute stream `wait`s on the returned event (one join and
     /// one event for the whole set).
-    pub(crate) fn upload_offloaded(&self, ps: &[&PinnedBuf]) -> Result<(Vec<CudaStorage>, Upload)> {
+    pub(crate) fn upload_offloaded(&self, ps: &[&HostBuf]) -> Result<(Vec<CudaStorage>, Upload)> {
         let copy = self.offload_stream()?;
         let storages = ps
             .iter()
@@ -647,7 +690,7 @@ impl CudaDevice {
             let bytes = p.len * p.dtype.size_in_bytes();
             // SAFETY: the pinned memory is never written after `stash`; the destination
             // holds `bytes` bytes and is not read before the compute stream waits on the event.
-            let src = unsafe { std::slice::from_raw_parts(host_ptr(&p.host)?, bytes) };
+            let src = unsafe { std::slice::from_raw_parts(host_ptr(p.host.pinned()?)?, bytes) };
             unsafe { result::memcpy_htod_async(raw(&storage.buf, self), src, copy.cu_stream()) }
                 .map_err(cuda_err("copying from pinned memory"))?;
         }
@@ -659,17 +702,14 @@ impl CudaDevice {
     /// `upload_pack`; with `code`, bf16 buffers that the link's lossless code shrinks go
     /// coded (`crate::backend::wire`, encoded here on the host's cores). A host copy:
     /// returns when done.
-    pub(crate) fn pack(&self, ps: &[&PinnedBuf], code: bool) -> Result<PinnedPack> {
+    pub(crate) fn pack(&self, ps: &[&HostBuf], code: bool) -> Result<PinnedPack> {
         use crate::backend::wire;
         use rayon::prelude::*;
         let align = |x: usize| x.div_ceil(PACK_ALIGN) * PACK_ALIGN;
-        // SAFETY: a stashed buffer is written once, synchronously, and only read since.
+        // A stashed buffer is written once, synchronously, and only read since.
         let srcs = ps
             .iter()
-            .map(|p| {
-                let bytes = p.len * p.dtype.size_in_bytes();
-                Ok(unsafe { std::slice::from_raw_parts(host_ptr(&p.host)?, bytes) })
-            })
+            .map(|p| Ok(&p.host.slice()?[..p.len * p.dtype.size_in_bytes()]))
             .collect::<Result<Vec<&[u8]>>>()?;
         let coded: Vec<Option<wire::Coded>> = ps
             .par_iter()
@@ -678,7 +718,7 @@ impl CudaDevice {
                 if !code || p.dtype != DType::BF16 {
                     return None;
                 }
-                // Pinned memory is page-aligned: the bytes are u16s in place.
+                // Host buffers are page- or 8-byte aligned: the bytes are u16s in place.
                 bytemuck::try_cast_slice::<u8, u16>(src)
                     .ok()
                     .and_then(wire::encode)
@@ -728,15 +768,41 @@ impl CudaDevice {
         let dst = host
             .as_mut_slice()
             .map_err(cuda_err("reading the pinned buffer"))?;
-        for ((part, src), c) in parts.iter().zip(&srcs).zip(&coded) {
-            match (&part.coded, c) {
-                (Some(cp), Some(c)) => {
-                    let at = coded_at + cp.wire;
-                    dst[at..at + c.bytes.len()].copy_from_slice(&c.bytes);
-                }
-                _ => dst[part.at..part.at + src.len()].copy_from_slice(src),
+        // Each part's bytes into its range, the ranges split among the host's threads (the
+        // copies of a block's weights are most of a load's host time once nothing is pinned
+        // twice).
+        let mut ranges: Vec<(usize, &[u8])> = parts
+            .iter()
+            .zip(&srcs)
+            .zip(&coded)
+            .map(|((part, src), c)| match (&part.coded, c) {
+                (Some(cp), Some(c)) => (coded_at + cp.wire, &c.bytes[..]),
+                _ => (part.at, *src),
+            })
+            .collect();
+        ranges.sort_unstable_by_key(|r| r.0);
+        let mut tasks: Vec<(&mut [u8], &[u8])> = Vec::new();
+        let mut rest: &mut [u8] = &mut dst[..];
+        let mut done = 0;
+        for (at, src) in ranges {
+            let skip = at.checked_sub(done).filter(|k| k + src.len() <= rest.len());
+            let Some(skip) = skip else {
+                return Err(Error::Cuda(format!(
+                    "a pack's part of {} bytes at {at} overlaps another or runs past {total}",
+                    src.len()
+                )));
+            };
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
+            let (range, tail) = tail.split_at_mut(src.len());
+            rest = tail;
+            done = at + src.len();
+            for (d, s) in range.chunks_mut(COPY_TASK).zip(src.chunks(COPY_TASK)) {
+                tasks.push((d, s));
             }
         }
+        tasks
+            .into_par_iter()
+            .for_each(|(d, s)| d.copy_from_slice(s));
         Ok(PinnedPack {
             host,
             parts,

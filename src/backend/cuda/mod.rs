@@ -41,7 +41,7 @@ pub(crate) mod ptx {
 
 pub use device::CudaDevice;
 pub(crate) use device::SideWindow;
-pub(crate) use host::{PinnedBuf, PinnedPack, Staging, Stall, Upload};
+pub(crate) use host::{HostBuf, PinnedPack, Staging, Stall, Upload};
 pub use memory::MemoryReport;
 
 pub use storage::CudaStorage;

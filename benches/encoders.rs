@@ -3,7 +3,8 @@
 //! hold): T5-XXL on 512 tokens, CLIP-L and bigG on 77, the VAE's encode of a 1024² image and
 //! decode of 128² latents. Load time, then 2 warm-up and 5 timed runs; peak memory per model
 //! (weights included), as the Python twin measures it in the same call.
-//! Usage: encoders DIR (holding text_encoder/, text_encoder_g/, text_encoder_2/, vae/).
+//! Usage: encoders DIR (holding text_encoder/, text_encoder_g/, text_encoder_2/, vae/; a
+//! pipeline's folder without text_encoder_g/ skips bigG).
 
 mod common;
 
@@ -60,6 +61,14 @@ fn main() -> Result<()> {
     };
     let ids77 = ids(77, 49406, Some(49407), 1, &dev)?;
     for (name, folder) in [("clip_l", "text_encoder"), ("clip_g", "text_encoder_g")] {
+        if !dir.join(folder).exists() {
+            // A pipeline's folder (Flux-dev's has no bigG).
+            println!(
+                "flame {name}: no {folder}/ under {}, skipped",
+                dir.display()
+            );
+            continue;
+        }
         let t = Instant::now();
         let (m, vb) = ClipTextModel::load(dir.join(folder), None, dt, &dev, None)?;
         cuda.synchronize()?;

@@ -728,11 +728,13 @@ fn every_phase_is_planned_and_one_past_the_budget_is_said() {
 
 /// The text encoders' "auto" streaming weighs the run's budget as the driver counts it
 /// (`images::driver_budget`: `memory.budget_gb`, or on a GPU the memory free at start): T5
-/// streams where its weights take more than half of it, and not without a budget.
+/// streams where the text encoders' weights and `ENCODE_RESERVE` do not fit it, and not
+/// without a budget.
 #[test]
 fn auto_streaming_weighs_the_runs_budget() {
+    use flame::models::pipeline::weight_bytes;
     use flame::train::config::Toggle;
-    use flame::train::images::{driver_budget, locate, text_options};
+    use flame::train::images::{driver_budget, locate, text_options, ENCODE_RESERVE};
     let d = temp("auto-stream");
     let mut cfg = config(&d, 4, 2);
     cfg.encoders.stream_t5 = Toggle::Auto;
@@ -740,10 +742,14 @@ fn auto_streaming_weighs_the_runs_budget() {
     let (text_at, _) = locate(&cfg, family).unwrap();
     let streams =
         |budget: Option<u64>| text_options(&cfg, family, &text_at, true, budget).stream_t5;
-    // The tiny T5's weights take more than half of a byte, and less than half of a TiB.
+    // The tiny encoders and the reserve fit a TiB, not a byte; exactly their sum fits.
     assert!(streams(Some(1)));
     assert!(!streams(Some(1 << 40)));
     assert!(!streams(None));
+    let whole: u64 = text_at.iter().map(|(w, _)| weight_bytes(&w.path)).sum();
+    assert!(whole > 0);
+    assert!(!streams(Some(whole + ENCODE_RESERVE)));
+    assert!(streams(Some(whole + ENCODE_RESERVE - 1)));
     // On the CPU the budget is memory.budget_gb as given, none where 0.
     assert_eq!(driver_budget(&cfg, &Device::Cpu).unwrap(), None);
     cfg.memory.budget_gb = 0.5;

@@ -164,8 +164,8 @@ struct Args {
     latents: Option<PathBuf>,
     /// hold the process to this many GiB of the GPU as the driver counts them: the
     /// planner's plan for forwards (blocks streamed from host memory as needed), T5 and
-    /// Qwen3 streamed where they take more than half, the decode tiled (0, the default: on
-    /// a GPU, the memory free at start)
+    /// Qwen3 streamed where the text encoders do not fit it whole, the decode tiled (0, the
+    /// default: on a GPU, the memory free at start)
     #[argh(option, default = "0.0")]
     budget: f64,
     /// print the version
@@ -590,8 +590,8 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             guided,
             t5_tokens: a.t5_tokens,
             // T5 and Qwen3 stream their blocks (the same embeddings in less memory) where
-            // their weights take more than half of the budget, or without one of the memory
-            // free at start (as `train`'s "auto").
+            // the text encoders do not fit the budget whole, or without one the memory free
+            // at start (as `train`'s "auto").
             stream_t5: a.stream_t5 || streams_within(family, &text_at, false, at_start),
             stream_qwen3: a.stream_qwen3 || streams_within(family, &text_at, true, at_start),
             // FP8 weights (`--dtype fp8`) take Qwen3's Linears to FP8 too, and an FP8 file's

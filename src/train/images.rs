@@ -431,38 +431,41 @@ pub(crate) fn text_encoder_bytes(
     Ok((bytes, opts.stream_t5 || opts.stream_qwen3))
 }
 
+/// Device memory that encoding captions holds beside the text encoders' weights, as the
+/// driver counts it: the CUDA context and the libraries' workspaces (0.6-0.8 GiB on an H100
+/// with CUDA 13: the `train` summary's "held outside it"), the allocator's late headroom,
+/// a caption's activations (T5-XXL at 512 tokens: under 0.1 GiB) and room for the pool's
+/// pieces.
+pub const ENCODE_RESERVE: u64 = 2 << 30;
+
 /// Whether `family`'s T5 (or, with `qwen3`, its Qwen3) streams its blocks under a budget
-/// of `budget` bytes as the driver counts them: where its weight files (`text_at`, the
-/// pipeline's text slots in order) take more than half of it; never without a budget.
+/// of `budget` bytes as the driver counts them: where the weight files of the pipeline's
+/// text encoders (`text_at`, its text slots in order), which encode the captions together,
+/// and [`ENCODE_RESERVE`] take more than it; never without a budget.
 pub fn streams_within(
     family: &Family,
     text_at: &[(Located, TokenizerSource)],
     qwen3: bool,
     budget: Option<u64>,
 ) -> bool {
-    let budget = budget.unwrap_or(0) as f64;
-    budget > 0.0
-        && family
-            .pipeline
-            .text
-            .iter()
-            .zip(text_at)
-            .any(|(slot, (w, _))| {
-                let kind = match slot.kind {
-                    TextEncoderKind::T5 => !qwen3,
-                    TextEncoderKind::Qwen3(_) => qwen3,
-                    TextEncoderKind::Clip => false,
-                };
-                kind && weight_bytes(&w.path) as f64 > budget / 2.0
-            })
+    let Some(budget) = budget.filter(|&b| b > 0) else {
+        return false;
+    };
+    let streamable = family.pipeline.text.iter().any(|slot| match slot.kind {
+        TextEncoderKind::T5 => !qwen3,
+        TextEncoderKind::Qwen3(_) => qwen3,
+        TextEncoderKind::Clip => false,
+    });
+    let weights: u64 = text_at.iter().map(|(w, _)| weight_bytes(&w.path)).sum();
+    streamable && weights.saturating_add(ENCODE_RESERVE) > budget
 }
 
 /// How the captions' encoders are set up (`guided`: the model takes a guidance input).
 /// T5 and Qwen3 stream while encoding as `encoders.stream_t5` and `encoders.stream_qwen3`
 /// say: "auto" streams under a budget (`budget`, bytes as the driver counts them: the
-/// run's, [`driver_budget`], the default one on a GPU included) when the encoder's weight
-/// files take more than half of it (one inside an all-in-one file counts the whole file:
-/// streaming is then the safe side). Qwen3's Linears are FP8 as `encoders.fp8_qwen3` says: "auto" when the
+/// run's, [`driver_budget`], the default one on a GPU included) where the text encoders'
+/// weights do not fit it resident ([`streams_within`]; one inside an all-in-one file counts
+/// the whole file: streaming is then the safe side). Qwen3's Linears are FP8 as `encoders.fp8_qwen3` says: "auto" when the
 /// model's weights are FP8 or Qwen3's file is ([`qwen3_file_is_fp8`]).
 pub fn text_options(
     config: &TrainConfig,

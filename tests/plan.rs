@@ -2551,5 +2551,18 @@ fn plans_for_sampling_leave_a_merge_its_room() {
         "{:?}",
         choice.predicted_peak
     );
+    // The summary gives the forward's peak by part, the parts summing to it, and the merge's
+    // room beside it.
+    let parts = prof.forward_peak_parts(&choice.plan);
+    assert_eq!(parts.total(), resident);
+    assert!(parts.weights > 0 && parts.work > 0, "{parts:?}");
+    assert!(
+        choice.summary.contains(&parts.to_string())
+            && choice
+                .summary
+                .contains(&format!("the LoRA merge's room {:.2} GiB", gb(room))),
+        "{}",
+        choice.summary
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

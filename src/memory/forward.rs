@@ -20,6 +20,42 @@ use super::Checkpointing;
 /// The most blocks a forward plan fetches ahead of the one running.
 const MOST_AHEAD: usize = 4;
 
+/// A forward's predicted peak ([`MemoryProfile::forward_peak_parts`]) by part, bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ForwardPeak {
+    /// The weights on the device throughout: the resident blocks' and the rest.
+    pub weights: u64,
+    /// The streamed blocks on the device at once (the streamer's window).
+    pub window: u64,
+    /// The largest block's work: its activations and its input twice.
+    pub work: u64,
+    /// The staging ring, trainable parameters with their gradients, the optimizer's state
+    /// and the inputs and transients of the step ([`MemoryProfile::fixed_bytes`]).
+    pub rest: u64,
+}
+
+impl ForwardPeak {
+    /// The peak: every part at once.
+    pub fn total(&self) -> u64 {
+        self.weights + self.window + self.work + self.rest
+    }
+}
+
+impl std::fmt::Display for ForwardPeak {
+    /// In GiB: "weights W, streamed blocks in flight S, a block's work A, the rest R".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let g = |b: u64| b as f64 / (1u64 << 30) as f64;
+        write!(
+            f,
+            "weights {:.2}, streamed blocks in flight {:.2}, a block's work {:.2}, the rest {:.2} GiB",
+            g(self.weights),
+            g(self.window),
+            g(self.work),
+            g(self.rest)
+        )
+    }
+}
+
 impl MemoryProfile {
     /// A forward plan: the first `streamed` blocks of the stream order fetched `prefetch`
     /// ahead, nothing else checkpointed, nothing kept, uncoded, 8-bit weights' transposes not
@@ -73,6 +109,11 @@ impl MemoryProfile {
     /// step's plan that fetches deeper (`Plan::reach`), the most any place's reach holds and
     /// one block more.
     pub fn forward_peak(&self, plan: &Plan) -> u64 {
+        self.forward_peak_parts(plan).total()
+    }
+
+    /// [`forward_peak`](Self::forward_peak) by part.
+    pub fn forward_peak_parts(&self, plan: &Plan) -> ForwardPeak {
         let streamed = self.streamed_marks(plan);
         let kept = |bytes: u64| if plan.remake_transposes { 0 } else { bytes };
         let mut weights = self.other_weight_bytes + kept(self.other_kept_bytes);
@@ -109,13 +150,12 @@ impl MemoryProfile {
             true => self.peak_parts(plan).staging,
             false => 0,
         };
-        weights
-            + staging
-            + 2 * self.trainable_bytes
-            + self.optimizer_bytes
-            + window
-            + work
-            + self.fixed_bytes
+        ForwardPeak {
+            weights,
+            window,
+            work,
+            rest: staging + 2 * self.trainable_bytes + self.optimizer_bytes + self.fixed_bytes,
+        }
     }
 
     /// The predicted milliseconds of one forward without gradients under `plan` (a

@@ -43,6 +43,7 @@ pub use budget::{
     agree_memory_at_start, allocator_in_use, hold_to_budget, limit_share_at_start, memory_at_start,
     split_at_start, split_budget, LATE_HEADROOM,
 };
+pub use forward::ForwardPeak;
 pub use machine::{
     host_room, machine_cache_path, measure_machine, measure_machine_cached, mem_available,
     read_machine, write_machine, MachineProbe,

@@ -304,8 +304,9 @@ pub fn plan_denoising(
     // What lives now and through the denoising, and a LoRA merge's room while the model
     // loads (`LoraMerge::merge_bytes`: its copies are freed before the denoising, but the
     // weights it changes are on the device beside them).
-    let held = crate::memory::allocator_in_use(device)
-        + opts.merge.as_ref().map_or(0, |m| m.merge_bytes());
+    let in_use = crate::memory::allocator_in_use(device);
+    let merge_room = opts.merge.as_ref().map_or(0, |m| m.merge_bytes());
+    let held = in_use + merge_room;
     let free_at_start = gib(cap + outside.unwrap_or(0));
     // Without a budget, every block resident where a forward of two samples at once fits
     // (guidance's predictions batched: the resident choice batches them), without measuring
@@ -382,11 +383,18 @@ pub fn plan_denoising(
         plan: plan.clone(),
         summary: format!(
             "{}, for forwards without gradients ({:.1} GiB streamed a forward, predicted \
-             {:.2}x of the resident forward, {}){}",
+             {:.2}x of the resident forward, {}; its peak: {}, beside what lives now {:.2} \
+             GiB{}){}",
             prof.describe_forward(&p.plan),
             gib(p.streamed_bytes),
             p.slowdown,
             host_line(prof.host_bytes(&p.plan), host),
+            prof.forward_peak_parts(&p.plan),
+            gib(in_use),
+            match merge_room {
+                0 => String::new(),
+                m => format!(" and the LoRA merge's room {:.2} GiB", gib(m)),
+            },
             match given {
                 true => String::new(),
                 false => format!(

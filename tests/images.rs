@@ -729,12 +729,14 @@ fn every_phase_is_planned_and_one_past_the_budget_is_said() {
 /// The text encoders' "auto" streaming weighs the run's budget as the driver counts it
 /// (`images::driver_budget`: `memory.budget_gb`, or on a GPU the memory free at start): T5
 /// streams where the text encoders' weights and `ENCODE_RESERVE` do not fit it, and not
-/// without a budget.
+/// without a budget; trained beside the model, where it takes more than half of it.
 #[test]
 fn auto_streaming_weighs_the_runs_budget() {
     use flame::models::pipeline::weight_bytes;
     use flame::train::config::Toggle;
-    use flame::train::images::{driver_budget, locate, text_options, ENCODE_RESERVE};
+    use flame::train::images::{
+        driver_budget, locate, text_options, training_text_options, ENCODE_RESERVE,
+    };
     let d = temp("auto-stream");
     let mut cfg = config(&d, 4, 2);
     cfg.encoders.stream_t5 = Toggle::Auto;
@@ -750,6 +752,18 @@ fn auto_streaming_weighs_the_runs_budget() {
     assert!(whole > 0);
     assert!(!streams(Some(whole + ENCODE_RESERVE)));
     assert!(streams(Some(whole + ENCODE_RESERVE - 1)));
+    // Trained beside the model, T5 streams where it takes more than half of the budget.
+    let t5 = family
+        .pipeline
+        .text
+        .iter()
+        .zip(&text_at)
+        .find(|(slot, _)| matches!(slot.kind, flame::models::pipeline::TextEncoderKind::T5))
+        .map(|(_, (w, _))| weight_bytes(&w.path))
+        .unwrap();
+    let training =
+        |budget: u64| training_text_options(&cfg, family, &text_at, true, Some(budget)).stream_t5;
+    assert!(training(2 * t5 - 1) && !training(2 * t5 + 1));
     // On the CPU the budget is memory.budget_gb as given, none where 0.
     assert_eq!(driver_budget(&cfg, &Device::Cpu).unwrap(), None);
     cfg.memory.budget_gb = 0.5;

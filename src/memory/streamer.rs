@@ -24,7 +24,8 @@ pub struct StreamReport {
     /// Bytes of weights kept in host memory.
     pub host_bytes: u64,
     /// Microseconds of the host's wall time in taking the weights into host memory as
-    /// they loaded (`adopt`: on a GPU each weight copied back into the process's memory).
+    /// they loaded (`adopt`: on a GPU each weight copied back into the process's memory,
+    /// after waiting for its load's copy to land).
     pub adopt_us: u64,
     /// Microseconds of the host's wall time in joining each block's weights into its pack
     /// at the first fetch (page-locked memory on a GPU; bf16 weights coded for the link

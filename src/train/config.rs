@@ -979,13 +979,14 @@ section! {
         /// Stream T5's blocks from host memory while encoding captions: "on", "off", or
         /// "auto" (on when the text encoders' weights and 2 GiB for the CUDA context and the
         /// work do not fit the run's budget: memory.budget_gb, or without one the GPU's memory
-        /// free at start; T5-XXL then encodes in about 1.5 GiB instead of 9).
+        /// free at start; trained beside the model, when T5 takes more than half of it; T5-XXL
+        /// then encodes in about 1.5 GiB instead of 9).
         stream_t5: Toggle = Toggle::Auto,
         /// Stream Qwen3's layers from host memory while encoding captions (FLUX.2 klein,
         /// Z-Image): "on", "off", or "auto" (on when the text encoders' weights and 2 GiB for
         /// the CUDA context and the work do not fit the run's budget: memory.budget_gb, or
-        /// without one the GPU's memory free at start; Qwen3-4B then encodes in about 1.4 GiB
-        /// instead of 8).
+        /// without one the GPU's memory free at start; trained beside the model, when Qwen3
+        /// takes more than half of it; Qwen3-4B then encodes in about 1.4 GiB instead of 8).
         stream_qwen3: Toggle = Toggle::Auto,
         /// Hold Qwen3's Linear weights as FP8 E4M3 with a scale per row, decoded per matmul
         /// (FLUX.2 klein, Z-Image; ComfyUI's fp8 text encoders): "on", "off", or "auto" (on

@@ -439,8 +439,10 @@ pub(crate) fn text_encoder_bytes(
 pub const ENCODE_RESERVE: u64 = 2 << 30;
 
 /// Whether `family`'s T5 (or, with `qwen3`, its Qwen3) streams its blocks under a budget
-/// of `budget` bytes as the driver counts them: where the weight files of the pipeline's
-/// text encoders (`text_at`, its text slots in order), which encode the captions together,
+/// of `budget` bytes as the driver counts them while the text encoders run alone on the
+/// device (caching the captions, `sample`'s prompts: the model loads after they are freed):
+/// where the weight files of the pipeline's text encoders (`text_at`, its text slots in
+/// order; a file several slots share counted once), which encode the captions together,
 /// and [`ENCODE_RESERVE`] take more than it; never without a budget.
 pub fn streams_within(
     family: &Family,
@@ -456,17 +458,47 @@ pub fn streams_within(
         TextEncoderKind::Qwen3(_) => qwen3,
         TextEncoderKind::Clip => false,
     });
-    let weights: u64 = text_at.iter().map(|(w, _)| weight_bytes(&w.path)).sum();
+    let files: std::collections::BTreeSet<&Path> =
+        text_at.iter().map(|(w, _)| w.path.as_path()).collect();
+    let weights: u64 = files.into_iter().map(weight_bytes).sum();
     streamable && weights.saturating_add(ENCODE_RESERVE) > budget
 }
 
-/// How the captions' encoders are set up (`guided`: the model takes a guidance input).
-/// T5 and Qwen3 stream while encoding as `encoders.stream_t5` and `encoders.stream_qwen3`
-/// say: "auto" streams under a budget (`budget`, bytes as the driver counts them: the
-/// run's, [`driver_budget`], the default one on a GPU included) where the text encoders'
-/// weights do not fit it resident ([`streams_within`]; one inside an all-in-one file counts
-/// the whole file: streaming is then the safe side). Qwen3's Linears are FP8 as `encoders.fp8_qwen3` says: "auto" when the
-/// model's weights are FP8 or Qwen3's file is ([`qwen3_file_is_fp8`]).
+/// Whether `family`'s T5 (or, with `qwen3`, its Qwen3) streams its blocks under a budget
+/// of `budget` bytes where adapters train on it beside the diffusion model, every step:
+/// where its weight files take more than half of the budget (the model's plan takes the
+/// rest); never without a budget.
+pub fn streams_beside_model(
+    family: &Family,
+    text_at: &[(Located, TokenizerSource)],
+    qwen3: bool,
+    budget: Option<u64>,
+) -> bool {
+    let budget = budget.unwrap_or(0) as f64;
+    budget > 0.0
+        && family
+            .pipeline
+            .text
+            .iter()
+            .zip(text_at)
+            .any(|(slot, (w, _))| {
+                let kind = match slot.kind {
+                    TextEncoderKind::T5 => !qwen3,
+                    TextEncoderKind::Qwen3(_) => qwen3,
+                    TextEncoderKind::Clip => false,
+                };
+                kind && weight_bytes(&w.path) as f64 > budget / 2.0
+            })
+}
+
+/// How the captions' encoders are set up to encode them before the model loads (`guided`:
+/// the model takes a guidance input). T5 and Qwen3 stream while encoding as
+/// `encoders.stream_t5` and `encoders.stream_qwen3` say: "auto" streams under a budget
+/// (`budget`, bytes as the driver counts them: the run's, [`driver_budget`], the default one
+/// on a GPU included) where the text encoders' weights do not fit it resident
+/// ([`streams_within`]; one inside an all-in-one file counts the whole file: streaming is
+/// then the safe side). Qwen3's Linears are FP8 as `encoders.fp8_qwen3` says: "auto" when
+/// the model's weights are FP8 or Qwen3's file is ([`qwen3_file_is_fp8`]).
 pub fn text_options(
     config: &TrainConfig,
     family: &Family,
@@ -474,10 +506,45 @@ pub fn text_options(
     guided: bool,
     budget: Option<u64>,
 ) -> TextOptions {
+    options_by(config, family, text_at, guided, budget, streams_within)
+}
+
+/// [`text_options`] for encoders that adapters train beside the diffusion model: "auto"
+/// streams where the encoder takes more than half of the budget
+/// ([`streams_beside_model`]).
+pub fn training_text_options(
+    config: &TrainConfig,
+    family: &Family,
+    text_at: &[(Located, TokenizerSource)],
+    guided: bool,
+    budget: Option<u64>,
+) -> TextOptions {
+    options_by(
+        config,
+        family,
+        text_at,
+        guided,
+        budget,
+        streams_beside_model,
+    )
+}
+
+/// Whether an encoder streams ([`streams_within`], [`streams_beside_model`]).
+type StreamRule = fn(&Family, &[(Located, TokenizerSource)], bool, Option<u64>) -> bool;
+
+/// The options, "auto" streaming as `rule` says.
+fn options_by(
+    config: &TrainConfig,
+    family: &Family,
+    text_at: &[(Located, TokenizerSource)],
+    guided: bool,
+    budget: Option<u64>,
+    rule: StreamRule,
+) -> TextOptions {
     let streams = |toggle: Toggle, qwen3: bool| match toggle {
         Toggle::On => true,
         Toggle::Off => false,
-        Toggle::Auto => streams_within(family, text_at, qwen3, budget),
+        Toggle::Auto => rule(family, text_at, qwen3, budget),
     };
     TextOptions {
         guided,

@@ -418,12 +418,12 @@ impl CudaDevice {
         &self.0.ctx
     }
 
-    /// The device's reusable events without timing (marks.rs).
     /// The page-locked buffers of loads from files (host.rs `load_bytes`).
     pub(crate) fn load_ring(&self) -> &Mutex<Option<super::host::LoadRing>> {
         &self.0.loads
     }
 
+    /// The device's reusable events without timing (marks.rs).
     pub(crate) fn marks(&self) -> &Arc<super::marks::Marks> {
         &self.0.marks
     }

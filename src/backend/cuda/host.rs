@@ -489,6 +489,16 @@ pub(crate) struct LoadRing {
     next: usize,
 }
 
+impl Drop for LoadRing {
+    /// Waits for the buffers' last copies before their memory is freed (cudarc's free waits
+    /// on its own event only).
+    fn drop(&mut self) {
+        for e in self.done.iter().flatten() {
+            let _ = e.synchronize();
+        }
+    }
+}
+
 impl CudaDevice {
     /// `bytes` (at least 1) of page-locked host memory, cached (not write-combined, which
     /// cudarc's `alloc_pinned` asks for): the host reads stashed weights when it packs them,
@@ -564,10 +574,13 @@ impl CudaDevice {
         for (k, piece) in bytes.chunks(LOAD_PIECE).enumerate() {
             let slot = ring.next;
             ring.next = (slot + 1) % LOAD_BUFFERS;
-            if let Some(e) = ring.done[slot].take() {
+            // The event stays until the wait succeeds: a failed wait leaves the buffer
+            // waited for again by the next load.
+            if let Some(e) = &ring.done[slot] {
                 e.synchronize()
                     .map_err(cuda_err("waiting for a load's copy"))?;
             }
+            ring.done[slot] = None;
             let at = ring.bufs[slot]
                 .as_mut_ptr()
                 .map_err(cuda_err("reading a load buffer"))?;
@@ -584,11 +597,15 @@ impl CudaDevice {
                 result::memcpy_htod_async(dst + (k * LOAD_PIECE) as u64, &*buf, stream.cu_stream())
             }
             .map_err(cuda_err("copying to the device"))?;
-            ring.done[slot] = Some(
-                stream
-                    .record_event(None)
-                    .map_err(cuda_err("recording a load's copy"))?,
-            );
+            match stream.record_event(None) {
+                Ok(e) => ring.done[slot] = Some(e),
+                Err(e) => {
+                    // No event to wait on: the copy must be done before the buffer is
+                    // filled again.
+                    let _ = stream.synchronize();
+                    return Err(cuda_err("recording a load's copy")(e));
+                }
+            }
         }
         Ok(storage)
     }

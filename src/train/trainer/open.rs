@@ -549,7 +549,7 @@ impl Data {
             false => {
                 let (text_at, _) = images::locate(config, family)?;
                 let budget = images::driver_budget(config, device)?;
-                let opts = images::text_options(config, family, &text_at, guided, budget);
+                let opts = images::training_text_options(config, family, &text_at, guided, budget);
                 let dtype = images::encoder_dtype(config, device);
                 let t = TextTraining::open(config, family, &text_at, &opts, dtype, device)?;
                 if let Some(t) = &t {

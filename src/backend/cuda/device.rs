@@ -77,7 +77,7 @@ struct Inner {
     tf32: std::sync::atomic::AtomicBool,
     /// The page-locked buffers that loads from files cross through (`load_bytes`, host.rs),
     /// made on the first large load.
-    loads: Mutex<Option<super::host::LoadRing>>,
+    loads: Mutex<Option<LoadRing>>,
 }
 
 /// A window of work on the side stream (`CudaDevice::side_window`): `run` issues the work
@@ -139,6 +139,26 @@ struct Side {
 
 /// How many completion counters `CudaDevice::done_counters` holds (16 KiB).
 pub(crate) const DONE_COUNTERS: usize = 4096;
+
+/// The page-locked buffers loads from files cross through (`CudaDevice::load_bytes`,
+/// host.rs), with each one's last copy to the device.
+pub(crate) struct LoadRing {
+    pub(crate) bufs: Vec<cudarc::driver::PinnedHostSlice<u8>>,
+    /// The event after each buffer's last copy to the device, until the host fills it again.
+    pub(crate) done: Vec<Option<cudarc::driver::CudaEvent>>,
+    /// The buffer the next piece takes.
+    pub(crate) next: usize,
+}
+
+impl Drop for LoadRing {
+    /// Waits for the buffers' last copies before their memory is freed (cudarc's free waits
+    /// on its own event only).
+    fn drop(&mut self) {
+        for e in self.done.iter().flatten() {
+            let _ = e.synchronize();
+        }
+    }
+}
 
 /// One GPU. Cheap to clone; `CudaDevice::new(i)` returns the same device for the same `i`.
 #[derive(Clone)]
@@ -419,7 +439,7 @@ impl CudaDevice {
     }
 
     /// The page-locked buffers of loads from files (host.rs `load_bytes`).
-    pub(crate) fn load_ring(&self) -> &Mutex<Option<super::host::LoadRing>> {
+    pub(crate) fn load_ring(&self) -> &Mutex<Option<LoadRing>> {
         &self.0.loads
     }
 

@@ -20,6 +20,7 @@
 //!   writes a page-locked one on the copy stream instead; uploads from it run on that stream
 //!   too, so they follow the write, and the host never reads it.
 
+use super::device::LoadRing;
 use super::marks::Mark;
 use super::memory::Packed;
 use super::storage::{Buf, CudaStorage};
@@ -478,26 +479,6 @@ const LOAD_BUFFERS: usize = 2;
 const LOAD_DIRECT: usize = 1 << 20;
 /// Bytes a host thread copies into a page-locked buffer at a time (a load's piece, a pack).
 const COPY_TASK: usize = 1 << 20;
-
-/// The page-locked buffers loads from files cross through (`CudaDevice::load_bytes`), with
-/// each one's last copy to the device.
-pub(crate) struct LoadRing {
-    bufs: Vec<PinnedHostSlice<u8>>,
-    /// The event after each buffer's last copy to the device, until the host fills it again.
-    done: Vec<Option<CudaEvent>>,
-    /// The buffer the next piece takes.
-    next: usize,
-}
-
-impl Drop for LoadRing {
-    /// Waits for the buffers' last copies before their memory is freed (cudarc's free waits
-    /// on its own event only).
-    fn drop(&mut self) {
-        for e in self.done.iter().flatten() {
-            let _ = e.synchronize();
-        }
-    }
-}
 
 impl CudaDevice {
     /// `bytes` (at least 1) of page-locked host memory, cached (not write-combined, which

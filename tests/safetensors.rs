@@ -347,3 +347,33 @@ fn holds_fp8_reads_the_headers() {
     let e = flame::safetensors::holds_fp8(&bad).unwrap_err();
     assert!(e.to_string().contains("bad.safetensors"), "{e}");
 }
+
+/// `Tensor::from_le_bytes` reads little-endian values at any address (the way loads hand it a
+/// mapped file's tensor) and refuses a byte count that is not the shape's.
+#[test]
+fn tensors_from_little_endian_bytes_at_any_address() {
+    let values = [1.5f32, -2.25, 3.0e-3, f32::MAX, -0.0, 7.0];
+    let mut raw = vec![0xAAu8];
+    for v in values {
+        raw.extend_from_slice(&v.to_le_bytes());
+    }
+    let t = Tensor::from_le_bytes(&raw[1..], DType::F32, (2, 3), &Device::Cpu).unwrap();
+    assert_eq!(t.dims(), &[2, 3]);
+    let back = t.to_vec::<f32>().unwrap();
+    assert!(back
+        .iter()
+        .zip(values)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+    let halves: Vec<u8> = [0x3f80u16, 0xc000, 0x0001]
+        .iter()
+        .flat_map(|h| h.to_le_bytes())
+        .collect();
+    let b = Tensor::from_le_bytes(&halves, DType::BF16, 3, &Device::Cpu).unwrap();
+    assert_eq!(
+        b.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap()[..2],
+        [1.0, -2.0]
+    );
+    let e = Tensor::from_le_bytes(&raw[1..], DType::F32, (2, 2), &Device::Cpu).unwrap_err();
+    assert!(matches!(e, Error::ElementCount { .. }), "{e}");
+    assert!(Tensor::from_le_bytes(&raw[1..24], DType::F32, 6, &Device::Cpu).is_err());
+}

@@ -1013,12 +1013,14 @@ impl VarBuilder {
         // Linear weights and convolutions' (out, in, kh, kw), and biases (full fine-tuning's
         // `diff_b`), changed in place: the merge's copies are freed before the next weight
         // is read, so the weights lie in device memory as an unmerged load leaves them.
-        if let Some(m) = &self.shared.merge {
-            let t = t.owned()?;
-            m.merge_into(&key, &t)?;
-            self.mark_used(&src.keys())?;
-            return Ok(t);
-        }
+        let t = match &self.shared.merge {
+            Some(m) => {
+                let t = t.owned()?;
+                m.merge_into(&key, &t)?;
+                t
+            }
+            None => t,
+        };
         self.mark_used(&src.keys())?;
         Ok(t)
     }

@@ -438,6 +438,16 @@ pub(crate) fn text_encoder_bytes(
 /// pieces.
 pub const ENCODE_RESERVE: u64 = 2 << 30;
 
+/// Whether an encoder of `kind` is the one a streaming rule weighs: T5, or with `qwen3`
+/// Qwen3.
+fn streamed_kind(kind: TextEncoderKind, qwen3: bool) -> bool {
+    match kind {
+        TextEncoderKind::T5 => !qwen3,
+        TextEncoderKind::Qwen3(_) => qwen3,
+        TextEncoderKind::Clip => false,
+    }
+}
+
 /// Whether `family`'s T5 (or, with `qwen3`, its Qwen3) streams its blocks under a budget
 /// of `budget` bytes as the driver counts them while the text encoders run alone on the
 /// device (caching the captions, `sample`'s prompts: the model loads after they are freed):
@@ -453,11 +463,11 @@ pub fn streams_within(
     let Some(budget) = budget.filter(|&b| b > 0) else {
         return false;
     };
-    let streamable = family.pipeline.text.iter().any(|slot| match slot.kind {
-        TextEncoderKind::T5 => !qwen3,
-        TextEncoderKind::Qwen3(_) => qwen3,
-        TextEncoderKind::Clip => false,
-    });
+    let streamable = family
+        .pipeline
+        .text
+        .iter()
+        .any(|slot| streamed_kind(slot.kind, qwen3));
     let files: std::collections::BTreeSet<&Path> =
         text_at.iter().map(|(w, _)| w.path.as_path()).collect();
     let weights: u64 = files.into_iter().map(weight_bytes).sum();
@@ -482,12 +492,7 @@ pub fn streams_beside_model(
             .iter()
             .zip(text_at)
             .any(|(slot, (w, _))| {
-                let kind = match slot.kind {
-                    TextEncoderKind::T5 => !qwen3,
-                    TextEncoderKind::Qwen3(_) => qwen3,
-                    TextEncoderKind::Clip => false,
-                };
-                kind && weight_bytes(&w.path) as f64 > budget / 2.0
+                streamed_kind(slot.kind, qwen3) && weight_bytes(&w.path) as f64 > budget / 2.0
             })
 }
 

@@ -480,6 +480,14 @@ const LOAD_DIRECT: usize = 1 << 20;
 /// Bytes a host thread copies into a page-locked buffer at a time (a load's piece, a pack).
 const COPY_TASK: usize = 1 << 20;
 
+/// `src` into `dst` (of the same length), [`COPY_TASK`] bytes a task on the host's threads.
+fn copy_parallel(dst: &mut [u8], src: &[u8]) {
+    use rayon::prelude::*;
+    dst.par_chunks_mut(COPY_TASK)
+        .zip(src.par_chunks(COPY_TASK))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
 impl CudaDevice {
     /// `bytes` (at least 1) of page-locked host memory, cached (not write-combined, which
     /// cudarc's `alloc_pinned` asks for): the host reads stashed weights when it packs them,
@@ -506,7 +514,6 @@ impl CudaDevice {
     /// one after the other. Returns once the last piece's copy is issued: the compute stream
     /// orders whatever reads the buffer after it.
     pub(crate) fn load_bytes(&self, dtype: DType, bytes: &[u8]) -> Result<CudaStorage> {
-        use rayon::prelude::*;
         let size = dtype.size_in_bytes();
         if bytes.len() % size != 0 {
             return Err(Error::Cuda(format!(
@@ -568,9 +575,7 @@ impl CudaDevice {
             // SAFETY: the buffer holds LOAD_PIECE bytes, and its last copy to the device has
             // finished (waited for above): nothing else reads or writes it.
             let buf = unsafe { std::slice::from_raw_parts_mut(at, piece.len()) };
-            buf.par_chunks_mut(COPY_TASK)
-                .zip(piece.par_chunks(COPY_TASK))
-                .for_each(|(d, s)| d.copy_from_slice(s));
+            copy_parallel(buf, piece);
             // SAFETY: the destination holds `bytes.len()` bytes from `dst`, this piece at
             // its offset; the page-locked source stays untouched until the event below has
             // passed.
@@ -766,41 +771,17 @@ impl CudaDevice {
         let dst = host
             .as_mut_slice()
             .map_err(cuda_err("reading the pinned buffer"))?;
-        // Each part's bytes into its range, the ranges split among the host's threads (the
-        // copies of a block's weights are most of a load's host time once nothing is pinned
-        // twice).
-        let mut ranges: Vec<(usize, &[u8])> = parts
-            .iter()
-            .zip(&srcs)
-            .zip(&coded)
-            .map(|((part, src), c)| match (&part.coded, c) {
-                (Some(cp), Some(c)) => (coded_at + cp.wire, &c.bytes[..]),
-                _ => (part.at, *src),
-            })
-            .collect();
-        ranges.sort_unstable_by_key(|r| r.0);
-        let mut tasks: Vec<(&mut [u8], &[u8])> = Vec::new();
-        let mut rest: &mut [u8] = &mut dst[..];
-        let mut done = 0;
-        for (at, src) in ranges {
-            let skip = at.checked_sub(done).filter(|k| k + src.len() <= rest.len());
-            let Some(skip) = skip else {
-                return Err(Error::Cuda(format!(
-                    "a pack's part of {} bytes at {at} overlaps another or runs past {total}",
-                    src.len()
-                )));
-            };
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
-            let (range, tail) = tail.split_at_mut(src.len());
-            rest = tail;
-            done = at + src.len();
-            for (d, s) in range.chunks_mut(COPY_TASK).zip(src.chunks(COPY_TASK)) {
-                tasks.push((d, s));
+        // Each part's bytes into its range, split among the host's threads (the copies of a
+        // block's weights are most of a load's host time once nothing is pinned twice).
+        for ((part, src), c) in parts.iter().zip(&srcs).zip(&coded) {
+            match (&part.coded, c) {
+                (Some(cp), Some(c)) => {
+                    let at = coded_at + cp.wire;
+                    copy_parallel(&mut dst[at..at + c.bytes.len()], &c.bytes);
+                }
+                _ => copy_parallel(&mut dst[part.at..part.at + src.len()], src),
             }
         }
-        tasks
-            .into_par_iter()
-            .for_each(|(d, s)| d.copy_from_slice(s));
         Ok(PinnedPack {
             host,
             parts,

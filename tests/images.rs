@@ -96,6 +96,15 @@ fn images_train_a_lora_with_validation_samples_and_a_plot() {
     let (mut t, notes) = open(&cfg, Prepare::Encode);
     let lat = last_note(&notes, "latents");
     assert!(lat.contains("0 reused"), "{lat}");
+    // T5 streamed while the captions were encoded: its host side in the caching notes.
+    let t5 = notes
+        .iter()
+        .find(|n| n.starts_with("t5 streamed while encoding: "))
+        .unwrap_or_else(|| panic!("no note on the streamed T5: {notes:?}"));
+    assert!(
+        t5.contains(" blocks, ") && t5.contains(" s packing them") && !t5.contains(" 0 uploads"),
+        "{t5}"
+    );
     // 12 pictures, a fifth held out: every training view encoded (flips on: two each).
     let mut events = vec![];
     let end = t

@@ -690,7 +690,11 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
             .iter()
             .map(|p| encode(p))
             .collect::<flame::Result<Vec<_>>>()?;
-        (conds, encode(&a.negative)?)
+        let negative = encode(&a.negative)?;
+        for (name, r) in cond.stream_reports().unwrap_or_default() {
+            eprintln!("{name} streamed while encoding: {}", r.host_summary());
+        }
+        (conds, negative)
     };
     phases.end(&device, "text encoders");
 
@@ -872,6 +876,9 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
     })?;
     phases.end(&device, "denoising");
     // The model's memory given back (its pinned host copies too) before the decode.
+    if let Some(Ok(r)) = model.exec().streamer.as_ref().map(|s| s.report()) {
+        eprintln!("streamed blocks: {}", r.host_summary());
+    }
     phases.start(&device, "freeing the model");
     drop(model);
     phases.end(&device, "freeing the model");

@@ -796,6 +796,9 @@ fn run(
         started.elapsed().as_secs_f64(),
         "start-up, planning and the final writes",
     ));
+    if let Ok(Some(r)) = trainer.stream_report() {
+        p.line(&format!("streamed blocks: {}", r.host_summary()));
+    }
     // The driver compiles the kernels' PTX for this GPU at a machine's first run (tens of
     // seconds), then reads them from its disk cache: say what it took.
     if let Some((n, secs)) = trainer.device().kernel_loads() {

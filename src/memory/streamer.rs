@@ -84,6 +84,24 @@ pub struct StreamReport {
     pub ahead_products: u64,
 }
 
+impl StreamReport {
+    /// The host's side of the streaming for a run's summary: the blocks and their bytes in
+    /// host memory, the seconds taking the weights in as they loaded (`adopt_us`), packing
+    /// them at the first fetch (`seal_us`), and the uploads since.
+    pub fn host_summary(&self) -> String {
+        format!(
+            "{} blocks, {:.2} GiB of weights in host memory: {:.1} s taking them in as they \
+             loaded, {:.1} s packing them at the first fetch; {} uploads, {:.2} GiB over the link",
+            self.blocks,
+            self.host_bytes as f64 / (1u64 << 30) as f64,
+            self.adopt_us as f64 / 1e6,
+            self.seal_us as f64 / 1e6,
+            self.uploads,
+            self.uploaded_bytes as f64 / (1u64 << 30) as f64,
+        )
+    }
+}
+
 /// One timed upload (`BlockStreamer::trace_uploads`): which block, what it brought, and what
 /// its copies and decodes took on the device.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -755,6 +755,23 @@ impl TextConditioner {
         })
     }
 
+    /// The counters of each encoder whose blocks stream from host memory, by slot name
+    /// ("t5", "qwen3"): none where every encoder is resident.
+    pub fn stream_reports(&self) -> Result<Vec<(&'static str, crate::memory::StreamReport)>> {
+        let mut out = vec![];
+        for (slot, pair) in self.family.pipeline.text.iter().zip(&self.encoders) {
+            let streamer = match pair {
+                Some((_, Encoder::T5(m))) => m.exec().streamer.as_ref(),
+                Some((_, Encoder::Qwen3(m, _))) => m.exec().streamer.as_ref(),
+                _ => None,
+            };
+            if let Some(s) = streamer {
+                out.push((slot.name, s.report()?));
+            }
+        }
+        Ok(out)
+    }
+
     /// The model's text inputs for `captions`, by input name, each (B, ...) in f32 on the
     /// device the encoders run on; no gradients are recorded.
     pub fn encode(&self, captions: &[&str]) -> Result<Named> {

@@ -1007,6 +1007,12 @@ pub fn prepare(
                 text.fill_part(&captions, &mut enc, progress, rank, world)
             })
             .map_err(text_oom)?;
+            for (name, r) in cond.stream_reports()? {
+                on(format!(
+                    "{name} streamed while encoding: {}",
+                    r.host_summary()
+                ));
+            }
             read_shapes(&empty)?
         } else {
             enc("")

@@ -131,6 +131,36 @@ fn parity(dtype: DType, device: &Device) -> BTreeMap<&'static str, f64> {
     worst
 }
 
+/// A caption encoded in a batch gives what it gives alone (the captions' caches fill in
+/// batches: CLIP and T5 take every caption at their fixed length, so a row sees only its
+/// own tokens), and a batch's room per caption counts the largest layer's work and the
+/// outputs.
+#[test]
+fn captions_encode_alike_alone_and_in_batches() {
+    for case in cases() {
+        let cond = conditioner(&case, DType::F32, &CPU);
+        let caps: Vec<&str> = case.captions.iter().map(String::as_str).collect();
+        let batch = cond.encode(&caps).unwrap();
+        for (i, c) in caps.iter().enumerate() {
+            let alone = cond.encode(&[c]).unwrap();
+            for ((n, b), (m, a)) in batch.iter().zip(&alone) {
+                assert_eq!(n, m);
+                let row = b.narrow(0, i, 1).unwrap();
+                let what = format!("{} caption {i} {n}", case.name);
+                check_rel(&what, &row, a, 1e-5);
+            }
+        }
+        let per = cond.caption_bytes(DType::BF16).unwrap().unwrap();
+        // Slot 0 is CLIP-L in every case: 77 tokens.
+        let clip = cond.dims(0).unwrap().pass_bytes(77, 2);
+        assert!(
+            per > clip,
+            "{}: {per} bytes a caption, CLIP-L {clip}",
+            case.name
+        );
+    }
+}
+
 fn device_name(d: &Device) -> &'static str {
     if d.is_cuda() {
         "cuda"

@@ -724,10 +724,29 @@ impl TextCache {
         rank: usize,
         world: usize,
     ) -> Result<FillReport> {
+        let mut one =
+            |cs: &[&str]| -> Result<Vec<Encoded>> { cs.iter().map(|c| encode(c)).collect() };
+        self.fill_batched(captions, 1, &mut one, progress, rank, world)
+    }
+
+    /// [`TextCache::fill_part`] encoding up to `batch` captions a call: `encode` takes the
+    /// captions of a group and returns their entries in the same order. The groups are the
+    /// missing captions of the share in sorted order, `batch` at a time (the last may hold
+    /// fewer), so the same captions and batch make the same groups; each entry is written
+    /// as its group finishes.
+    pub fn fill_batched(
+        &self,
+        captions: &[String],
+        batch: usize,
+        encode: &mut dyn FnMut(&[&str]) -> Result<Vec<Encoded>>,
+        progress: &mut dyn FnMut(&Progress),
+        rank: usize,
+        world: usize,
+    ) -> Result<FillReport> {
         let text = self.dir.join("text");
         std::fs::create_dir_all(&text).map_err(io_err(&text))?;
         let world = world.max(1);
-        let distinct: std::collections::BTreeSet<&str> = captions
+        let distinct: Vec<&str> = captions
             .iter()
             .map(String::as_str)
             .collect::<std::collections::BTreeSet<&str>>()
@@ -744,23 +763,41 @@ impl TextCache {
             total: distinct.len(),
             ..Progress::default()
         };
+        let mut missing = vec![];
         for caption in distinct {
-            let key = self.key(caption);
-            let path = self.entry_path(caption);
-            if entry_ok(&path, &key) {
+            if entry_ok(&self.entry_path(caption), &self.key(caption)) {
                 report.reused += 1;
                 p.reused += 1;
+                p.done += 1;
+                crate::progress::tick();
+                progress(&p);
             } else {
+                missing.push(caption);
+            }
+        }
+        for group in missing.chunks(batch.max(1)) {
+            let encoded = encode(group)?;
+            if encoded.len() != group.len() {
+                return Err(data_err(
+                    &text,
+                    format!(
+                        "the encoder returned {} entries for {} captions",
+                        encoded.len(),
+                        group.len()
+                    ),
+                ));
+            }
+            for (caption, enc) in group.iter().zip(&encoded) {
+                let path = self.entry_path(caption);
                 let repaired = path.exists();
-                let enc = encode(caption)?;
-                write_entry(&path, &key, caption, &self.encoder, &enc)?;
+                write_entry(&path, &self.key(caption), caption, &self.encoder, enc)?;
                 report.computed += 1;
                 report.repaired += repaired as usize;
                 p.computed += 1;
+                p.done += 1;
+                crate::progress::tick();
+                progress(&p);
             }
-            p.done += 1;
-            crate::progress::tick();
-            progress(&p);
         }
         Ok(report)
     }

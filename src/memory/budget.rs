@@ -82,6 +82,19 @@ pub fn memory_at_start(device: &Device) -> Result<Option<u64>> {
     Ok(None)
 }
 
+/// Bytes FLAME's allocator may still hand out under its cap on `device` (the cap less the
+/// live buffers; freed buffers it caches give way): `None` on the CPU or without a cap.
+pub fn allocator_free(device: &Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    #[allow(irrefutable_let_patterns)]
+    if let Device::Cuda(c) = device {
+        let m = c.memory();
+        return (m.limit != u64::MAX).then(|| m.limit.saturating_sub(m.in_use));
+    }
+    let _ = device;
+    None
+}
+
 /// Bytes FLAME's allocator holds in live buffers on `device` now (0 on the CPU): what lives
 /// beside a phase planned at this moment (the autoencoder, the prompts' conditioning).
 pub fn allocator_in_use(device: &Device) -> u64 {

@@ -40,8 +40,8 @@ mod trace;
 mod trial;
 
 pub use budget::{
-    agree_memory_at_start, allocator_in_use, hold_to_budget, limit_share_at_start, memory_at_start,
-    split_at_start, split_budget, LATE_HEADROOM,
+    agree_memory_at_start, allocator_free, allocator_in_use, hold_to_budget, limit_share_at_start,
+    memory_at_start, split_at_start, split_budget, LATE_HEADROOM,
 };
 pub use forward::ForwardPeak;
 pub use machine::{

@@ -438,6 +438,33 @@ pub(crate) fn text_encoder_bytes(
 /// pieces.
 pub const ENCODE_RESERVE: u64 = 2 << 30;
 
+/// The most captions a pass of the text encoders takes while the cache fills.
+pub const MAX_CAPTION_BATCH: usize = 16;
+
+/// How many captions a pass of the loaded text encoders `cond` takes while the cache fills:
+/// as many as half of what FLAME's allocator may still hand out holds
+/// ([`TextConditioner::caption_bytes`] each, in `dtype`), less four blocks of each streamed
+/// encoder (the streamer's blocks in flight), at most [`MAX_CAPTION_BATCH`]; one where an
+/// encoder's captions differ in length (Qwen3). Without a cap (the CPU), the most. Fewer
+/// passes: a streamed encoder's weights cross the link once a pass, and a pass of one
+/// caption leaves the GPU mostly idle. The groups are the sorted missing captions in order,
+/// so a run and its resume make the same ones.
+pub fn caption_batch(cond: &TextConditioner, dtype: DType, device: &Device) -> Result<usize> {
+    let Some(per) = cond.caption_bytes(dtype)? else {
+        return Ok(1);
+    };
+    let Some(free) = crate::memory::allocator_free(device) else {
+        return Ok(MAX_CAPTION_BATCH);
+    };
+    let window: u64 = cond
+        .stream_reports()?
+        .iter()
+        .map(|(_, r)| 4 * (r.host_bytes / r.blocks.max(1) as u64))
+        .sum();
+    let fits = free.saturating_sub(window) / 2 / per.max(1);
+    Ok((fits as usize).clamp(1, MAX_CAPTION_BATCH))
+}
+
 /// Whether an encoder of `kind` is the one a streaming rule weighs: T5, or with `qwen3`
 /// Qwen3.
 fn streamed_kind(kind: TextEncoderKind, qwen3: bool) -> bool {
@@ -995,16 +1022,25 @@ pub fn prepare(
         }
         let cond = TextConditioner::load(family, &text_at, &text_opts, dtype, &device, "encoders")
             .map_err(text_oom)?;
-        let mut enc = |c: &str| -> Result<data::cache::Encoded> {
+        let batch = caption_batch(&cond, dtype, &device)?;
+        let mut enc = |cs: &[&str]| -> Result<Vec<data::cache::Encoded>> {
             interrupted(stop, "captions")?;
-            cond.encode(&[c])?
-                .into_iter()
-                .map(|(n, t)| Ok((n, t.squeeze(0)?)))
+            let named = cond.encode(cs)?;
+            (0..cs.len())
+                .map(|i| {
+                    named
+                        .iter()
+                        .map(|(n, t)| Ok((n.clone(), t.narrow(0, i, 1)?.squeeze(0)?)))
+                        .collect()
+                })
                 .collect()
         };
         if encode {
+            if batch > 1 {
+                on(format!("captions encoded {batch} at a time"));
+            }
             fill_shared(group, "captions", &mut *on, &mut |progress, rank, world| {
-                text.fill_part(&captions, &mut enc, progress, rank, world)
+                text.fill_batched(&captions, batch, &mut enc, progress, rank, world)
             })
             .map_err(text_oom)?;
             for (name, r) in cond.stream_reports()? {
@@ -1015,9 +1051,10 @@ pub fn prepare(
             }
             read_shapes(&empty)?
         } else {
-            enc("")
+            enc(&[""])
                 .map_err(text_oom)?
                 .into_iter()
+                .flatten()
                 .map(|(n, t)| (n, t.dims().to_vec()))
                 .collect()
         }

@@ -410,3 +410,84 @@ fn shares_of_a_fill_encode_each_entry_once() {
     let r = text.fill(&captions, &mut encode, &mut |_| {}).unwrap();
     assert_eq!((r.computed, r.reused), (0, 7));
 }
+
+/// Batched fills: the missing captions of the share in sorted order, `batch` a call (the
+/// last group smaller), the entries those of one at a time; reused captions are not
+/// encoded again; an encoder that returns the wrong count is an error naming it.
+#[test]
+fn text_fills_in_batches_of_the_sorted_missing_captions() {
+    let dir = TempDir::new("text-batches");
+    let cdir = dir.path().join("cache");
+    let len = |c: &str| -> Result<Vec<(String, Tensor)>> {
+        Ok(vec![(
+            "len".into(),
+            Tensor::from_vec(vec![c.len() as f32, 1.0], 2, &Device::Cpu)?,
+        )])
+    };
+    let captions: Vec<String> = ["e", "bb", "a", "ccc", "bb", "dddd", "", "ffffff"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    // One at a time into one cache, three a call into another: the same entries.
+    let single = TextCache::open(&cdir, "single").unwrap();
+    let r = single
+        .fill(&captions, &mut |c| len(c), &mut |_| {})
+        .unwrap();
+    assert_eq!((r.total, r.computed), (7, 7));
+    let batched = TextCache::open(&cdir, "batched").unwrap();
+    let mut groups: Vec<Vec<String>> = vec![];
+    let mut encode = |cs: &[&str]| -> Result<Vec<Vec<(String, Tensor)>>> {
+        groups.push(cs.iter().map(|c| c.to_string()).collect());
+        cs.iter().map(|c| len(c)).collect()
+    };
+    let mut ticks = 0;
+    let r = batched
+        .fill_batched(&captions, 3, &mut encode, &mut |_| ticks += 1, 0, 1)
+        .unwrap();
+    assert_eq!((r.total, r.computed, r.reused, ticks), (7, 7, 0, 7));
+    assert_eq!(
+        groups,
+        [
+            vec!["", "a", "bb"],
+            vec!["ccc", "dddd", "e"],
+            vec!["ffffff"]
+        ]
+    );
+    for c in &captions {
+        let a = single
+            .load_batch(std::slice::from_ref(c), &Device::Cpu, DType::F32)
+            .unwrap();
+        let b = batched
+            .load_batch(std::slice::from_ref(c), &Device::Cpu, DType::F32)
+            .unwrap();
+        assert_eq!(
+            a[0].1.to_vec::<f32>().unwrap(),
+            b[0].1.to_vec::<f32>().unwrap(),
+            "{c:?}"
+        );
+    }
+    // Two entries gone: only they are encoded, in one group.
+    std::fs::remove_file(batched.entry_path("a")).unwrap();
+    std::fs::remove_file(batched.entry_path("e")).unwrap();
+    groups.clear();
+    let mut encode = |cs: &[&str]| -> Result<Vec<Vec<(String, Tensor)>>> {
+        groups.push(cs.iter().map(|c| c.to_string()).collect());
+        cs.iter().map(|c| len(c)).collect()
+    };
+    let r = batched
+        .fill_batched(&captions, 3, &mut encode, &mut |_| {}, 0, 1)
+        .unwrap();
+    assert_eq!((r.computed, r.reused), (2, 5));
+    assert_eq!(groups, [vec!["a", "e"]]);
+    // An encoder that drops a caption: an error, and no entry of its group written.
+    std::fs::remove_file(batched.entry_path("a")).unwrap();
+    let mut short = |cs: &[&str]| -> Result<Vec<Vec<(String, Tensor)>>> {
+        cs.iter().skip(1).map(|c| len(c)).collect()
+    };
+    let e = batched
+        .fill_batched(&captions, 3, &mut short, &mut |_| {}, 0, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("returned 0 entries for 1 captions"), "{e}");
+    assert!(!batched.entry_path("a").exists());
+}

@@ -93,6 +93,17 @@ fn conditioner_with(opts: &TextOptions) -> TextConditioner {
     TextConditioner::load(family(), &located, opts, DType::F32, &CPU, "encoders").unwrap()
 }
 
+/// Qwen3's captions keep their own lengths: the captions' cache encodes them one a pass.
+#[test]
+fn qwen3_captions_encode_one_a_pass() {
+    let cond = conditioner();
+    assert_eq!(cond.caption_bytes(DType::BF16).unwrap(), None);
+    assert_eq!(
+        flame::train::images::caption_batch(&cond, DType::F32, &CPU).unwrap(),
+        1
+    );
+}
+
 /// Captions to the `context` through the family's pipeline, as `encode_prompt` gives it.
 #[test]
 fn text_conditioning_matches_encode_prompt() {

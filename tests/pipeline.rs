@@ -12,7 +12,8 @@
 mod common;
 
 use common::check_rel;
-use flame::models::{family, Sources, TextConditioner, TextOptions};
+use flame::models::{family, Sources, TextConditioner, TextEncoderKind, TextOptions};
+use flame::train::images::{caption_batch, MAX_CAPTION_BATCH};
 use flame::{DType, Device, Error, Tensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -150,13 +151,41 @@ fn captions_encode_alike_alone_and_in_batches() {
                 check_rel(&what, &row, a, 1e-5);
             }
         }
-        let per = cond.caption_bytes(DType::BF16).unwrap().unwrap();
-        // Slot 0 is CLIP-L in every case: 77 tokens.
-        let clip = cond.dims(0).unwrap().pass_bytes(77, 2);
+        // The room a caption takes: the largest layer's work at each slot's length, plus the
+        // outputs; T5 asked for f16 runs in f32.
+        let fam = family(&case.family).unwrap();
+        let work = |elem: usize, t5_elem: usize| {
+            fam.pipeline
+                .text
+                .iter()
+                .enumerate()
+                .map(|(i, slot)| {
+                    let tokens = slot.len(case.guided, case.t5_tokens);
+                    match slot.kind {
+                        TextEncoderKind::T5 => cond.dims(i).unwrap().pass_bytes(tokens, t5_elem),
+                        _ => cond.dims(i).unwrap().pass_bytes(tokens, elem),
+                    }
+                })
+                .max()
+                .unwrap()
+        };
+        let bf16 = cond.caption_bytes(DType::BF16).unwrap().unwrap();
+        let f16 = cond.caption_bytes(DType::F16).unwrap().unwrap();
+        let (w16, w_f16) = (work(2, 2), work(2, 4));
         assert!(
-            per > clip,
-            "{}: {per} bytes a caption, CLIP-L {clip}",
+            bf16 > w16 && bf16 < w16 + (1 << 20),
+            "{}: {bf16} / {w16}",
             case.name
+        );
+        assert!(
+            f16 > w_f16 && f16 < w_f16 + (1 << 20),
+            "{}: {f16} / {w_f16}",
+            case.name
+        );
+        // No cap on the CPU: the most captions a pass.
+        assert_eq!(
+            caption_batch(&cond, DType::F32, &CPU).unwrap(),
+            MAX_CAPTION_BATCH
         );
     }
 }

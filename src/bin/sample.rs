@@ -875,10 +875,10 @@ fn run(a: &Args, model_path: &std::path::Path) -> flame::Result<Vec<PathBuf>> {
         })
     })?;
     phases.end(&device, "denoising");
-    // The model's memory given back (its pinned host copies too) before the decode.
     if let Some(Ok(r)) = model.exec().streamer.as_ref().map(|s| s.report()) {
         eprintln!("streamed blocks: {}", r.host_summary());
     }
+    // The model's memory given back (its pinned host copies too) before the decode.
     phases.start(&device, "freeing the model");
     drop(model);
     phases.end(&device, "freeing the model");

@@ -414,13 +414,14 @@ pub struct EncoderDims {
 impl EncoderDims {
     /// An upper bound on the bytes one caption of `tokens` takes on the device while a
     /// layer runs without gradients, in values of `elem` bytes: the query, key, value and
-    /// attention outputs, three (heads, tokens, tokens) score tensors alive at once (the
-    /// scores, the scores with the bias or mask, their softmax), the MLP's hidden values
-    /// (three with a gate: both projections and their product) and four of the residual
+    /// attention outputs, three (heads, tokens, tokens) score tensors (the scores, the
+    /// scores with the bias or mask, their softmax: two are alive at once), the MLP's
+    /// hidden values (four with a gate: both projections, the activation and the product;
+    /// three without: the projection, the activation's steps) and four of the residual
     /// stream's.
     pub fn pass_bytes(&self, tokens: usize, elem: usize) -> u64 {
         let t = tokens as u64;
-        let mlp = self.mlp as u64 * if self.gated { 3 } else { 2 };
+        let mlp = self.mlp as u64 * if self.gated { 4 } else { 3 };
         let values = 3 * self.heads as u64 * t * t
             + t * (4 * self.attention as u64 + mlp + 4 * self.width as u64);
         values * elem as u64
@@ -771,22 +772,27 @@ impl TextConditioner {
         })
     }
 
-    /// What one more caption in a pass of the loaded encoders takes on the device, in
-    /// values of `dtype`: the largest layer's work ([`EncoderDims::pass_bytes`]) and every
-    /// slot's outputs in f32 (the whole sequence and a pooled vector). `None` where an
-    /// encoder's captions do not all take its fixed length (Qwen3's conditioning keeps
-    /// each caption's tokens): those are encoded one at a time.
+    /// What one more caption in a pass of the loaded encoders takes on the device, the
+    /// encoders loaded in `dtype`: the largest layer's work ([`EncoderDims::pass_bytes`], in
+    /// the dtype each encoder runs in: T5 asked for f16 runs in f32) and every slot's
+    /// outputs in f32 (the whole sequence and a pooled vector). `None` where an encoder's
+    /// captions do not all take its fixed length (Qwen3's conditioning keeps each caption's
+    /// tokens): those are encoded one at a time.
     pub fn caption_bytes(&self, dtype: DType) -> Result<Option<u64>> {
         let (mut work, mut outputs) = (0u64, 0u64);
         for (i, pair) in self.encoders.iter().enumerate() {
-            let Some((tok, _)) = pair else { continue };
+            let Some((tok, enc)) = pair else { continue };
             let tokens = match tok {
                 Tokenizer::Clip(t) => t.encode("")?.ids.len(),
                 Tokenizer::T5(t) => t.encode("")?.ids.len(),
                 Tokenizer::Qwen3(..) => return Ok(None),
             };
+            let elem = match (enc, dtype) {
+                (Encoder::T5(_), DType::F16) => DType::F32.size_in_bytes(),
+                _ => dtype.size_in_bytes(),
+            };
             let Some(d) = self.dims(i) else { continue };
-            work = work.max(d.pass_bytes(tokens, dtype.size_in_bytes()));
+            work = work.max(d.pass_bytes(tokens, elem));
             outputs += ((tokens + 1) * d.width * 4) as u64;
         }
         Ok(Some(work + outputs))

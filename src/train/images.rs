@@ -11,7 +11,8 @@ use crate::dist::ProcessGroup;
 use crate::encoders::{AutoencoderKl, VaeTiling};
 use crate::models::pipeline::{
     encoder_device_bytes, file_identity, load_vae, qwen3_file_is_fp8, tokenizer_lines,
-    weight_bytes, Located, Sources, TextConditioner, TextEncoderKind, TextOptions, TokenizerSource,
+    weight_bytes, Located, Named, Sources, TextConditioner, TextEncoderKind, TextOptions,
+    TokenizerSource,
 };
 use crate::models::{Family, Input, Size};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -434,21 +435,33 @@ pub(crate) fn text_encoder_bytes(
 /// Device memory that encoding captions holds beside the text encoders' weights, as the
 /// driver counts it: the CUDA context and the libraries' workspaces (0.6-0.8 GiB on an H100
 /// with CUDA 13: the `train` summary's "held outside it"), the allocator's late headroom,
-/// a caption's activations (T5-XXL at 512 tokens: under 0.1 GiB) and room for the pool's
-/// pieces.
+/// the activations of a pass (one caption of T5-XXL at 512 tokens: about 0.1 GiB; a batch
+/// takes at most half of what is left, [`caption_batch`]) and room for the pool's pieces.
 pub const ENCODE_RESERVE: u64 = 2 << 30;
 
 /// The most captions a pass of the text encoders takes while the cache fills.
 pub const MAX_CAPTION_BATCH: usize = 16;
 
+/// The most device memory a pass's captions may take while the cache fills (their
+/// activations, at [`TextConditioner::caption_bytes`] each): what the plan of the caching
+/// phase adds to the text encoders' weights.
+pub const CAPTION_WORK: u64 = 1 << 30;
+
+/// The memory a pass's captions may take while the cache fills, of `free` bytes left to
+/// FLAME's allocator beside the text encoders: [`CAPTION_WORK`], or half of `free` where
+/// that is less (the rest for the pool's pieces).
+pub fn caption_work(free: u64) -> u64 {
+    CAPTION_WORK.min(free / 2)
+}
+
 /// How many captions a pass of the loaded text encoders `cond` takes while the cache fills:
-/// as many as half of what FLAME's allocator may still hand out holds
-/// ([`TextConditioner::caption_bytes`] each, in `dtype`), less four blocks of each streamed
-/// encoder (the streamer's blocks in flight), at most [`MAX_CAPTION_BATCH`]; one where an
-/// encoder's captions differ in length (Qwen3). Without a cap (the CPU), the most. Fewer
-/// passes: a streamed encoder's weights cross the link once a pass, and a pass of one
-/// caption leaves the GPU mostly idle. The groups are the sorted missing captions in order,
-/// so a run and its resume make the same ones.
+/// as many as [`caption_work`] holds ([`TextConditioner::caption_bytes`] each, in `dtype`)
+/// of what FLAME's allocator may still hand out less four blocks of each streamed encoder
+/// (the streamer's blocks in flight), at most [`MAX_CAPTION_BATCH`]; one where an encoder's
+/// captions differ in length (Qwen3). Without a cap (the CPU), the most. Fewer passes: a
+/// streamed encoder's weights cross the link once a pass, and a pass of one caption leaves
+/// the GPU mostly idle. The groups are the sorted missing captions in order: the same
+/// captions and batch make the same groups.
 pub fn caption_batch(cond: &TextConditioner, dtype: DType, device: &Device) -> Result<usize> {
     let Some(per) = cond.caption_bytes(dtype)? else {
         return Ok(1);
@@ -461,7 +474,7 @@ pub fn caption_batch(cond: &TextConditioner, dtype: DType, device: &Device) -> R
         .iter()
         .map(|(_, r)| 4 * (r.host_bytes / r.blocks.max(1) as u64))
         .sum();
-    let fits = free.saturating_sub(window) / 2 / per.max(1);
+    let fits = caption_work(free.saturating_sub(window)) / per.max(1);
     Ok((fits as usize).clamp(1, MAX_CAPTION_BATCH))
 }
 
@@ -1023,17 +1036,33 @@ pub fn prepare(
         let cond = TextConditioner::load(family, &text_at, &text_opts, dtype, &device, "encoders")
             .map_err(text_oom)?;
         let batch = caption_batch(&cond, dtype, &device)?;
-        let mut enc = |cs: &[&str]| -> Result<Vec<data::cache::Encoded>> {
-            interrupted(stop, "captions")?;
-            let named = cond.encode(cs)?;
-            (0..cs.len())
+        // A group's pass; where a batch finds no room after all (the pool in pieces), its
+        // captions one a pass.
+        let split = |named: Named, n: usize| -> Result<Vec<data::cache::Encoded>> {
+            (0..n)
                 .map(|i| {
                     named
                         .iter()
-                        .map(|(n, t)| Ok((n.clone(), t.narrow(0, i, 1)?.squeeze(0)?)))
+                        .map(|(k, t)| Ok((k.clone(), t.narrow(0, i, 1)?.squeeze(0)?)))
                         .collect()
                 })
                 .collect()
+        };
+        let mut enc = |cs: &[&str]| -> Result<Vec<data::cache::Encoded>> {
+            interrupted(stop, "captions")?;
+            match cond.encode(cs) {
+                Ok(named) => split(named, cs.len()),
+                Err(Error::OutOfMemory { .. }) if cs.len() > 1 => cs
+                    .iter()
+                    .map(|c| {
+                        cond.encode(&[c])?
+                            .into_iter()
+                            .map(|(k, t)| Ok((k, t.squeeze(0)?)))
+                            .collect()
+                    })
+                    .collect(),
+                Err(e) => Err(e),
+            }
         };
         if encode {
             if batch > 1 {

@@ -825,12 +825,19 @@ pub(crate) fn phase_plans(
             let tile = choose_encode_tile(config, cap, pixels, width, dtype);
             let encode = encode_bytes(pixels_at_once(pixels, tile), width, dtype);
             let budget = super::images::driver_budget(config, device)?;
-            let (text, streamed) = text_encoder_bytes(config, family, budget)?;
+            let (weights, streamed) = text_encoder_bytes(config, family, budget)?;
+            // And a pass's captions, batched within what the weights leave of the
+            // allocator's share (of the budget where the device has no allocator's cap).
+            let room = cap
+                .or(budget)
+                .map_or(u64::MAX, |c| c.saturating_sub(weights));
+            let text = weights + super::images::caption_work(room);
             out.push(PhasePlan {
                 phase: "caching",
                 plan: format!(
                     "the autoencoder encodes {} (about {:.2} GiB), then the text encoders run \
-                     ({}about {:.2} GiB), before the model loads{}",
+                     ({}about {:.2} GiB with a pass's captions, up to {} a pass), before the \
+                     model loads{}",
                     tiling_words(tile),
                     gib(encode),
                     if streamed {
@@ -839,6 +846,7 @@ pub(crate) fn phase_plans(
                         ""
                     },
                     gib(text),
+                    super::images::MAX_CAPTION_BATCH,
                     if world > 1 {
                         "; each rank its share"
                     } else {

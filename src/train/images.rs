@@ -1052,15 +1052,13 @@ pub fn prepare(
             interrupted(stop, "captions")?;
             match cond.encode(cs) {
                 Ok(named) => split(named, cs.len()),
-                Err(Error::OutOfMemory { .. }) if cs.len() > 1 => cs
-                    .iter()
-                    .map(|c| {
-                        cond.encode(&[c])?
-                            .into_iter()
-                            .map(|(k, t)| Ok((k, t.squeeze(0)?)))
-                            .collect()
-                    })
-                    .collect(),
+                Err(Error::OutOfMemory { .. }) if cs.len() > 1 => {
+                    let each = cs
+                        .iter()
+                        .map(|c| split(cond.encode(&[c])?, 1))
+                        .collect::<Result<Vec<_>>>()?;
+                    Ok(each.into_iter().flatten().collect())
+                }
                 Err(e) => Err(e),
             }
         };
